@@ -1,0 +1,482 @@
+"""The run configuration: nested dataclasses, loaded from TOML plus `--section.key=value` overrides.
+
+Every knob a user can turn lives here, under the same name in TOML, on the command line, in code
+and in the docs. Loading is strict: an unknown section or key, a value of the wrong type, a value
+outside its choices or an impossible combination stops the run with a `ConfigError` that names
+the key and says what was expected, before any work starts.
+
+`model.preset` is special: it fills every model field the user did not set explicitly, so
+`--model.preset llama3-8b --model.layers 2` is the 8B shape with two layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem the user can fix; the message says what and how."""
+
+
+def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | None = None):
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if key is not None:
+        meta["key"] = key  # the config/CLI name when it is not a valid Python identifier
+    return field(default=default, metadata=meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model shapes. `debug` is the default; the others are the published Llama 3.x shapes.
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "debug": dict(dim=128, layers=4, heads=4, kv_heads=2, head_dim=0, ffn_dim=384, vocab_size=320,
+                  rope_theta=10000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=4096),
+    "llama3-1b": dict(dim=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn_dim=8192,
+                      vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_len=8192, tie_embeddings=True, max_seq_len=131072),
+    "llama3-3b": dict(dim=3072, layers=28, heads=24, kv_heads=8, head_dim=128, ffn_dim=8192,
+                      vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_len=8192, tie_embeddings=True, max_seq_len=131072),
+    "llama3-8b": dict(dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn_dim=14336,
+                      vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
+                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                      rope_original_max_len=8192, tie_embeddings=False, max_seq_len=131072),
+    "llama3-70b": dict(dim=8192, layers=80, heads=64, kv_heads=8, head_dim=128, ffn_dim=28672,
+                       vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
+                       rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                       rope_original_max_len=8192, tie_embeddings=False, max_seq_len=131072),
+}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _opt("debug", "named shape that fills every model field not set explicitly",
+                       choices=tuple(MODEL_PRESETS))
+    dim: int = _opt(128, "hidden size")
+    layers: int = _opt(4, "number of transformer blocks")
+    heads: int = _opt(4, "attention (query) heads")
+    kv_heads: int = _opt(2, "key/value heads (grouped-query attention); must divide heads")
+    head_dim: int = _opt(0, "per-head size; 0 means dim // heads")
+    ffn_dim: int = _opt(384, "SwiGLU hidden size")
+    vocab_size: int = _opt(320, "embedding rows; must cover the tokenizer's vocabulary")
+    norm_eps: float = _opt(1e-5, "RMSNorm epsilon")
+    rope_theta: float = _opt(10000.0, "RoPE base frequency")
+    rope_scaling: str = _opt("none", "RoPE frequency scaling", choices=("none", "llama3"))
+    rope_factor: float = _opt(8.0, "llama3 rope scaling: factor")
+    rope_low_freq_factor: float = _opt(1.0, "llama3 rope scaling: low_freq_factor")
+    rope_high_freq_factor: float = _opt(4.0, "llama3 rope scaling: high_freq_factor")
+    rope_original_max_len: int = _opt(8192, "llama3 rope scaling: original_max_position_embeddings")
+    tie_embeddings: bool = _opt(False, "share the input embedding with the LM head")
+    max_seq_len: int = _opt(4096, "longest sequence the model is meant for (recorded in exports)")
+    init_std: float = _opt(0.02, "std of the normal initialisation")
+    init_from: str = _opt("", "start from weights: '' (random) or 'hf:DIR' (a local Hugging Face Llama)")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.dim // self.heads
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = _opt(1, "HSDP replica groups (data parallel, model states replicated)")
+    dp_shard: int = _opt(-1, "FSDP shard degree over data ranks; -1 = whatever the world size leaves")
+    head: int = _opt(1, "head-parallel (Ulysses all-to-all) degree")
+    ctx: int = _opt(1, "context-parallel (ring attention) degree")
+    window: int = _opt(0, "Double-Ring inner ring size; 0 = plain ring; must divide ctx")
+    placement: str = _opt("head-first", "which group's ranks are adjacent", choices=("head-first", "ctx-first"))
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _opt(300, "optimizer steps")
+    batch_size: int = _opt(4, "sequences per micro-batch")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step")
+    seq_len: int = _opt(256, "tokens per sequence")
+    lr: float = _opt(3e-3, "peak learning rate")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    warmup_steps: int = _opt(20, "linear warmup steps")
+    weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norms)")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    eps: float = _opt(1e-8, "AdamW epsilon")
+    grad_clip: float = _opt(1.0, "max global gradient norm; 0 disables clipping")
+    seed: int = _opt(0, "seed for weights, data order and everything else random")
+    device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
+    dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on GPU, fp32 on CPU",
+                      choices=("auto", "fp32", "bf16"))
+    eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
+    eval_batches: int = _opt(4, "micro-batches per evaluation")
+    run_dir: str = _opt("", "where config, metrics and plots go; '' = runs/<time>")
+
+
+@dataclass
+class DataConfig:
+    corpus: str = _opt("stdlib", "'stdlib' (the Python standard library's own sources) or a directory of text files")
+    tokenizer: str = _opt("byte", "'byte' or a path to a Hugging Face tokenizer.json")
+    eval_fraction: float = _opt(0.02, "fraction of documents held out for evaluation")
+    doc_mask: bool = _opt(True, "attend only within a document and restart positions at each one")
+    max_docs: int = _opt(0, "use at most this many documents; 0 = all")
+
+
+@dataclass
+class MemoryConfig:
+    checkpoint: str = _opt("none", "activation recomputation policy", choices=("none", "full", "selective"))
+    offload_fraction: float = _opt(0.0, "fraction of each saved activation's tokens moved to host memory")
+    offload_skip_last: int = _opt(1, "the last K blocks are never offloaded")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = _opt("", "checkpoint directory; '' = <run_dir>/checkpoints")
+    interval: int = _opt(0, "save every N steps; 0 disables saving")
+    keep: int = _opt(2, "complete checkpoints kept")
+    async_save: bool = _opt(False, "write checkpoints in the background", key="async")
+    resume: str = _opt("none", "'auto' (latest complete checkpoint), 'none', or a checkpoint path")
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = _opt(10, "print and record a metrics line every N steps")
+    file: str = _opt("", "JSONL metrics file; '' = <run_dir>/metrics.jsonl")
+    tensorboard: bool = _opt(False, "also write TensorBoard events to <run_dir>/tensorboard")
+    plots: bool = _opt(True, "write PNG plots into the run directory at the end")
+    peak_tflops: float = _opt(0.0, "device peak for MFU in TFLOP/s; 0 = known GPU table or measured CPU GEMM")
+    progress: bool = _opt(True, "show a progress bar")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Field access by config name
+
+
+def _fields_by_key(section_cls) -> dict[str, dataclasses.Field]:
+    return {f.metadata.get("key", f.name): f for f in dataclasses.fields(section_cls)}
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _type_name(t: type) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
+
+
+def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
+    """Check a TOML value (or a CLI string, already parsed) against the field's type and choices."""
+    typ = {"int": int, "float": float, "bool": bool, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+    ok = (
+        (typ is bool and isinstance(value, bool))
+        or (typ is int and isinstance(value, int) and not isinstance(value, bool))
+        or (typ is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (typ is str and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(f"{key} must be {_type_name(typ)}, got {value!r} ({type(value).__name__}).")
+    if typ is float:
+        value = float(value)
+    choices = f.metadata.get("choices")
+    if choices is not None and value not in choices:
+        raise ConfigError(
+            f"{key} = {value!r} is not one of the valid choices: {', '.join(map(str, choices))}."
+            + _suggest(str(value), map(str, choices))
+        )
+    return value
+
+
+def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
+    typ = f.type if isinstance(f.type, str) else f.type.__name__
+    if typ == "bool":
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{key} must be true or false, got '{text}'.")
+    if typ == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got '{text}'.") from None
+    if typ == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got '{text}'.") from None
+    return text
+
+
+def _lookup(section: str, name: str) -> dataclasses.Field:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"unknown config section '{section}'. Valid sections: {', '.join(SECTIONS)}." + _suggest(section, SECTIONS)
+        )
+    fields = _fields_by_key(SECTIONS[section])
+    if name not in fields:
+        raise ConfigError(
+            f"unknown config key '{section}.{name}'. Valid keys in [{section}]: {', '.join(fields)}."
+            + _suggest(name, fields)
+        )
+    return fields[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Turn `--section.key=value` / `--section.key value` arguments into {section: {key: value}}."""
+    out: dict[str, dict[str, Any]] = {}
+    i = 0
+    args = list(args)
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(
+                f"unexpected argument '{arg}'. Config overrides look like --section.key=value "
+                f"(sections: {', '.join(SECTIONS)})."
+            )
+        body = arg[2:]
+        if "=" in body:
+            dotted, text = body.split("=", 1)
+            i += 1
+        else:
+            dotted = body
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            f_probe = _lookup(*dotted.split(".", 1)) if dotted.count(".") == 1 else None
+            is_bool = f_probe is not None and (f_probe.type in ("bool", bool))
+            if nxt is None or (nxt.startswith("--") and is_bool):
+                if not is_bool:
+                    raise ConfigError(f"--{dotted} needs a value, e.g. --{dotted}=VALUE.")
+                text, i = "true", i + 1
+            else:
+                text, i = nxt, i + 2
+        if dotted.count(".") != 1:
+            raise ConfigError(f"'--{dotted}' is not of the form --section.key (sections: {', '.join(SECTIONS)}).")
+        section, name = dotted.split(".")
+        f = _lookup(section, name)
+        out.setdefault(section, {})[name] = _parse_cli_value(dotted, text, f)
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> Config:
+    """Build a validated Config from an optional TOML file and overrides (CLI strings or a dict)."""
+    raw: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' does not exist. Pass an existing TOML file, e.g. configs/debug.toml.")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{path}' is not valid TOML: {e}.") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(
+                    f"top-level key '{section}' in '{path}' must be a [section] table; "
+                    f"valid sections: {', '.join(SECTIONS)}."
+                )
+            raw.setdefault(section, {}).update(values)
+    if overrides:
+        parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        for section, values in parsed.items():
+            raw.setdefault(section, {}).update(values)
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, dict[str, Any]]) -> Config:
+    sections: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        values = dict(raw.get(section, {}))
+        for name in values:
+            _lookup(section, name)
+        if section == "model":
+            preset = values.get("preset", "debug")
+            preset = _coerce("model.preset", preset, _fields_by_key(cls)["preset"])
+            values = {**MODEL_PRESETS[preset], **values}
+        kwargs = {}
+        fields = _fields_by_key(cls)
+        for name, value in values.items():
+            kwargs[fields[name].name] = _coerce(f"{section}.{name}", value, fields[name])
+        sections[section] = cls(**kwargs)
+    for section in raw:
+        if section not in SECTIONS:
+            _lookup(section, "")
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible values and combinations; all problems are reported together."""
+    problems: list[str] = []
+    m, t, d, p, mem, ck, mt = cfg.model, cfg.train, cfg.data, cfg.parallel, cfg.memory, cfg.checkpoint, cfg.metrics
+
+    def positive(key, value):
+        if value <= 0:
+            problems.append(f"{key} must be positive, got {value}.")
+
+    for key in ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        positive(f"model.{key}", getattr(m, key))
+    positive("model.norm_eps", m.norm_eps)
+    positive("model.rope_theta", m.rope_theta)
+    positive("model.init_std", m.init_std)
+    if m.heads > 0 and m.kv_heads > 0 and m.heads % m.kv_heads:
+        problems.append(
+            f"model.heads ({m.heads}) must be divisible by model.kv_heads ({m.kv_heads}) for grouped-query "
+            f"attention; choose kv_heads among {[k for k in range(1, m.heads + 1) if m.heads % k == 0]}."
+        )
+    if m.head_dim < 0:
+        problems.append(f"model.head_dim must be 0 (= dim // heads) or positive, got {m.head_dim}.")
+    elif m.head_dim == 0 and m.heads > 0 and m.dim % m.heads:
+        problems.append(
+            f"model.dim ({m.dim}) must be divisible by model.heads ({m.heads}) when model.head_dim is 0; "
+            f"set model.head_dim explicitly or change dim/heads."
+        )
+    if m.heads > 0 and m.dim > 0 and m.resolved_head_dim % 2:
+        problems.append(f"the head size ({m.resolved_head_dim}) must be even for rotary embeddings.")
+    if m.rope_scaling == "llama3":
+        positive("model.rope_factor", m.rope_factor)
+        positive("model.rope_original_max_len", m.rope_original_max_len)
+        if not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+            problems.append(
+                f"llama3 rope scaling needs 0 < model.rope_low_freq_factor ({m.rope_low_freq_factor}) "
+                f"< model.rope_high_freq_factor ({m.rope_high_freq_factor})."
+            )
+    if m.init_from and not m.init_from.startswith("hf:"):
+        problems.append(f"model.init_from must be '' or 'hf:DIR', got '{m.init_from}'.")
+
+    for key in ("steps", "batch_size", "grad_accum", "eval_batches"):
+        positive(f"train.{key}", getattr(t, key))
+    if t.seq_len < 2:
+        problems.append(f"train.seq_len must be at least 2, got {t.seq_len}.")
+    positive("train.lr", t.lr)
+    if not 0 <= t.min_lr_ratio <= 1:
+        problems.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}.")
+    if t.warmup_steps < 0:
+        problems.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}.")
+    if t.weight_decay < 0:
+        problems.append(f"train.weight_decay must be >= 0, got {t.weight_decay}.")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            problems.append(f"train.{key} must be in [0, 1), got {getattr(t, key)}.")
+    positive("train.eps", t.eps)
+    if t.grad_clip < 0:
+        problems.append(f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}.")
+    if t.eval_interval < 0:
+        problems.append(f"train.eval_interval must be >= 0 (0 disables evaluation), got {t.eval_interval}.")
+    if t.seq_len > m.max_seq_len:
+        problems.append(
+            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len "
+            f"or shorten the sequence."
+        )
+
+    if not 0 <= d.eval_fraction < 1:
+        problems.append(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}.")
+    if t.eval_interval and d.eval_fraction == 0:
+        problems.append("train.eval_interval is set but data.eval_fraction is 0: nothing is held out to evaluate on.")
+    if d.max_docs < 0:
+        problems.append(f"data.max_docs must be >= 0, got {d.max_docs}.")
+
+    degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}
+    for k, v in degrees.items():
+        if v == 0 or v < -1:
+            problems.append(f"parallel.{k} must be a positive degree or -1 (inferred), got {v}.")
+    if sum(v == -1 for v in degrees.values()) > 1:
+        problems.append(f"at most one parallel degree may be -1 (inferred); got {degrees}.")
+    if p.window < 0 or (p.window > 0 and p.ctx > 0 and p.ctx % p.window):
+        problems.append(f"parallel.window ({p.window}) must be 0 or divide parallel.ctx ({p.ctx}).")
+    if p.head > 0 and m.heads > 0 and m.heads % p.head:
+        problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
+
+    if not 0 <= mem.offload_fraction <= 1:
+        problems.append(f"memory.offload_fraction must be in [0, 1], got {mem.offload_fraction}.")
+    if mem.offload_skip_last < 0:
+        problems.append(f"memory.offload_skip_last must be >= 0, got {mem.offload_skip_last}.")
+    if ck.interval < 0 or ck.keep < 1:
+        problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
+
+    positive("metrics.log_interval", mt.log_interval)
+    if mt.peak_tflops < 0:
+        problems.append(f"metrics.peak_tflops must be >= 0 (0 = automatic), got {mt.peak_tflops}.")
+    if problems:
+        raise ConfigError(" ".join(problems))
+
+
+def check_supported(cfg: Config) -> None:
+    """Reject settings that are valid but not implemented in this version, rather than ignore them."""
+    problems = []
+    p = cfg.parallel
+    if (p.dp_replicate, p.head, p.ctx, p.window) != (1, 1, 1, 0) or p.dp_shard not in (-1, 1):
+        problems.append("parallel layouts other than a single process are not available yet in this version.")
+    if cfg.memory.checkpoint == "selective" or cfg.memory.offload_fraction > 0:
+        problems.append("memory.checkpoint=selective and memory.offload_fraction > 0 are not available yet; "
+                        "use memory.checkpoint=none or full.")
+    if cfg.checkpoint.interval or cfg.checkpoint.resume != "none":
+        problems.append("saving and resuming checkpoints are not available yet; leave checkpoint.interval=0 "
+                        "and checkpoint.resume=none.")
+    if problems:
+        raise ConfigError(" ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        if math.isinf(v) or math.isnan(v):
+            return {math.inf: "inf", -math.inf: "-inf"}.get(v, "nan")
+        return repr(v)
+    if isinstance(v, int):
+        return str(v)
+    return json.dumps(v)  # a JSON string is a valid TOML basic string
+
+
+def to_toml(cfg: Config) -> str:
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        obj = getattr(cfg, section)
+        for key, f in _fields_by_key(cls).items():
+            lines.append(f"{key} = {_toml_value(getattr(obj, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return {
+        section: {key: getattr(getattr(cfg, section), f.name) for key, f in _fields_by_key(cls).items()}
+        for section, cls in SECTIONS.items()
+    }

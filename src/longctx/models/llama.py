@@ -1,0 +1,195 @@
+"""Llama-family decoder for one device. It knows nothing about parallelism (see parallel/).
+
+RMSNorm, rotary position embeddings (RoPE, with `rope_theta` and Llama-3 frequency scaling),
+grouped-query attention through ops/attention.py, SwiGLU MLP, tied or untied embeddings.
+
+Module names are stable and layout independent (`layers.3.attention.wq`), so checkpoints and the
+Hugging Face mapping never depend on how the model is parallelised. RoPE uses the "rotate half"
+convention of Hugging Face checkpoints, so their q/k weights load without permutation.
+
+Build with `build_model(cfg, device)`: the modules are created on the meta device and only then
+materialised and initialised, so `build_model(cfg, "meta")` gives an 8B or 70B shape for
+planning without allocating any memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.attention import attention
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim / 2], with Llama-3 scaling when configured."""
+    hd = cfg.resolved_head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if cfg.rope_scaling == "llama3":
+        # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept, and the band
+        # between the two wavelength thresholds interpolated smoothly (Llama 3.1 recipe).
+        old = cfg.rope_original_max_len
+        low_wavelen = old / cfg.rope_low_freq_factor
+        high_wavelen = old / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        smooth = (old / wavelen - cfg.rope_low_freq_factor) / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+        mid = (1 - smooth) * inv / cfg.rope_factor + smooth * inv
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """cos, sin [batch, seq, 1, head_dim] in fp32 for integer positions [batch, seq]."""
+    freqs = positions.float()[..., None] * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention. `self.core` is the attention kernel; parallelize() swaps it."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.resolved_head_dim
+        self.wq = nn.Linear(cfg.dim, self.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=False)
+        self.core = local_attention
+
+    def forward(self, x, cos, sin, doc_ids):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v, doc_ids)
+        return self.wo(out.reshape(b, s, self.heads * self.head_dim))
+
+
+def local_attention(q, k, v, doc_ids):
+    out, _ = attention(q, k, v, causal=True, q_doc=doc_ids, k_doc=doc_ids)
+    return out
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x, cos, sin, doc_ids):
+        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", torch.empty(cfg.resolved_head_dim // 2), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None):
+        """Initialise every parameter and buffer in place (after materialising from meta)."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.inv_freq.device).manual_seed(seed)
+        std = self.cfg.init_std
+        # Output projections of each residual branch are scaled down with depth (GPT-2 / Llama practice).
+        out_std = std / math.sqrt(2 * self.cfg.layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                s = out_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
+                nn.init.normal_(p, mean=0.0, std=s, generator=gen)
+        self.inv_freq.copy_(rope_inv_freq(self.cfg, device=self.inv_freq.device))
+
+    def hidden_states(self, tokens, positions=None, doc_ids=None):
+        b, s = tokens.shape
+        if positions is None:
+            positions = torch.arange(s, device=tokens.device).expand(b, s)
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, doc_ids)
+        return self.norm(x)
+
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
+        """Logits [batch, seq, vocab] without labels; with labels (-100 = ignore) the cross-entropy,
+        averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
+        normalise over a larger batch)."""
+        h = self.hidden_states(tokens, positions, doc_ids)
+        logits = F.linear(h, self.lm_head_weight)
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                               reduction=loss_reduction)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Llama:
+    """Create on meta, then (unless device is meta) materialise on `device` and initialise."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    if torch.device(device).type == "meta":
+        return model
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings and isinstance(model, Llama):
+        n -= model.tok_embeddings.weight.numel()
+    return n
