@@ -20,14 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from .errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration problem the user can fix; the message says what and how."""
 
 
 def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | None = None):
@@ -107,7 +105,7 @@ class TrainConfig:
     steps: int = _opt(300, "optimizer steps")
     batch_size: int = _opt(4, "sequences per micro-batch")
     grad_accum: int = _opt(1, "micro-batches per optimizer step")
-    seq_len: int = _opt(256, "tokens per sequence")
+    seq_len: int = _opt(512, "tokens per sequence")
     lr: float = _opt(3e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (cosine decay)")
     warmup_steps: int = _opt(20, "linear warmup steps")

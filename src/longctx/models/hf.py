@@ -18,10 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
+from ..errors import UserError
 from .llama import Llama, build_model
 
 
-class HFFormatError(ValueError):
+class HFFormatError(UserError, ValueError):
     """The directory is not a Llama checkpoint we can read; the message says what is missing."""
 
 

@@ -1,0 +1,84 @@
+"""`longctx` command line: train, report.
+
+Config overrides are passed as `--section.key=value` (or `--section.key value`) after the
+subcommand; `longctx train --help` lists every key with its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from .errors import UserError
+
+
+def _config_help() -> str:
+    from .config import SECTIONS, _fields_by_key, Config, to_dict
+
+    defaults = to_dict(Config())
+    lines = ["config keys (override with --section.key=value):"]
+    for section, cls in SECTIONS.items():
+        for key, f in _fields_by_key(cls).items():
+            choices = f.metadata.get("choices")
+            extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
+            lines.append(f"  --{section}.{key} (default {defaults[section][key]!r}){extra}: {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def _cmd_train(args, overrides) -> int:
+    from .config import load_config, to_toml
+
+    cfg = load_config(args.config, overrides)
+    if args.print_config:
+        print(to_toml(cfg), end="")
+        return 0
+    from .train import train
+
+    train(cfg)
+    return 0
+
+
+def _cmd_report(args, overrides) -> int:
+    if overrides:
+        raise UserError(f"longctx report takes only a run directory; unexpected arguments: {' '.join(overrides)}.")
+    from .report import write_plots
+
+    for path in write_plots(args.run_dir):
+        print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longctx", description="Train decoder LLMs on very long contexts.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "train",
+        help="train a model (the debug model on the Python standard library by default)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_config_help(),
+    )
+    p.add_argument("--config", help="TOML config file (e.g. configs/debug.toml)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.set_defaults(func=_cmd_train)
+    p = sub.add_parser("report", help="write PNG plots of loss and throughput for a run directory")
+    p.add_argument("run_dir", help="a run directory written by `longctx train`")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        return args.func(args, rest)
+    except UserError as e:
+        print(textwrap.fill(f"longctx {args.command}: error: {e}", width=100), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"longctx {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Document sources for training without downloads.
+
+The embedded default corpus is the Python standard library's own `.py` files, found at run time
+with `sysconfig` (site-packages excluded): real text, varied, with documents from a few bytes to
+several hundred kilobytes. A directory of text files works the same way.
+"""
+
+from __future__ import annotations
+
+from ..errors import DataError
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".html", ".tex"}
+
+
+@dataclass
+class Document:
+    name: str  # stable identifier (path relative to the corpus root)
+    text: str
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _is_installed_package(rel: Path) -> bool:
+    return any(part in ("site-packages", "dist-packages") for part in rel.parts)
+
+
+def corpus_files(corpus: str) -> tuple[Path, list[Path]]:
+    """(root, sorted files) for 'stdlib' or a directory."""
+    if corpus == "stdlib":
+        root = stdlib_root()
+        files = [p for p in root.rglob("*.py") if not _is_installed_package(p.relative_to(root))]
+    else:
+        root = Path(corpus)
+        if not root.is_dir():
+            raise DataError(
+                f"data.corpus '{corpus}' is neither 'stdlib' nor an existing directory of text files."
+            )
+        files = [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+    files.sort()
+    if not files:
+        raise DataError(f"data.corpus '{corpus}' holds no text files ({', '.join(sorted(TEXT_SUFFIXES))}).")
+    return root, files
+
+
+def read_documents(corpus: str, max_docs: int = 0) -> list[Document]:
+    root, files = corpus_files(corpus)
+    docs = []
+    for p in files:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary or unreadable: not a text document
+        if text.strip():
+            docs.append(Document(str(p.relative_to(root)), text))
+        if max_docs and len(docs) >= max_docs:
+            break
+    return docs
