@@ -123,31 +123,32 @@ def _additive(mask, dtype, b, h, sq, sk):
     return bias.expand(b, h, sq, sk)
 
 
-def _sdpa_forward(q, k, v, causal, mask, scale):
+def _sdpa_forward(q, k, v, causal, mask, scale, has_docs):
+    # The kernels apply a plain causal mask themselves; document masks go in as an additive bias
+    # (which then carries the causal part too).
     h = q.shape[2]
     b, sq, _, _ = q.shape
     sk = k.shape[1]
     qt, kt, vt = (_to_bhsd(t) for t in (q, _expand_kv(k, h), _expand_kv(v, h)))
-    doc_mask = _needs_bias(mask, causal)
-    bias = _additive(mask, q.dtype, b, h, sq, sk) if doc_mask else None
+    bias = _additive(mask, q.dtype, b, h, sq, sk) if has_docs else None
+    is_causal = causal and not has_docs
     if q.device.type == "cuda":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            qt, kt, vt, bias, True, 0.0, causal and not doc_mask, scale=scale)
+            qt, kt, vt, bias, True, 0.0, is_causal, scale=scale)
         lse = lse[..., :sq]  # the kernel pads lse rows to a multiple of 32
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qt, kt, vt, 0.0, causal and not doc_mask, attn_mask=bias, scale=scale)
+            qt, kt, vt, 0.0, is_causal, attn_mask=bias, scale=scale)
     return _to_bhsd(out), lse.float()
 
 
-def _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale):
+def _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale, has_docs):
     h, kvh = q.shape[2], k.shape[2]
     b, sq, _, _ = q.shape
     sk = k.shape[1]
     qt, kt, vt, ot, dot = (_to_bhsd(t) for t in (q, _expand_kv(k, h), _expand_kv(v, h), out, dout.contiguous()))
-    doc_mask = _needs_bias(mask, causal)
-    bias = _additive(mask, q.dtype, b, h, sq, sk) if doc_mask else None
-    is_causal = causal and not doc_mask
+    bias = _additive(mask, q.dtype, b, h, sq, sk) if has_docs else None
+    is_causal = causal and not has_docs
     if q.device.type == "cuda":
         dq, dk, dv = _cuda_efficient_backward(dot, qt, kt, vt, bias, ot, lse, is_causal, scale)
     else:
@@ -173,13 +174,6 @@ def _cuda_efficient_backward(dot, qt, kt, vt, bias, ot, lse, is_causal, scale):
     return grads[0], grads[1], grads[2]
 
 
-def _needs_bias(mask, causal) -> bool:
-    """True when the mask is more than the plain causal one the kernels can apply themselves."""
-    if mask is None:
-        return False
-    return not (causal and mask.shape[0] == 1)
-
-
 # ----------------------------------------------------------------------------------------------
 # Public API
 
@@ -202,7 +196,7 @@ def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=Non
     with torch.no_grad():
         if _resolve(backend, q) == "math":
             return _math_forward(q, k, v, mask, scale)
-        return _sdpa_forward(q, k, v, causal, mask, scale)
+        return _sdpa_forward(q, k, v, causal, mask, scale, q_doc is not None)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_doc=None, scale=None,
@@ -218,7 +212,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_do
     with torch.no_grad():
         if dlse is not None or _resolve(backend, q) == "math":
             return _math_backward(dout, q, k, v, out, lse, mask, scale, dlse)
-        return _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale)
+        return _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale, q_doc is not None)
 
 
 class _Attention(torch.autograd.Function):

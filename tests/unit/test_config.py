@@ -1,0 +1,91 @@
+import pytest
+
+from longctx.config import (
+    MODEL_PRESETS,
+    Config,
+    ConfigError,
+    build_config,
+    load_config,
+    parse_overrides,
+    to_dict,
+    to_toml,
+)
+
+
+def test_defaults_are_debug_preset():
+    cfg = load_config()
+    for key, value in MODEL_PRESETS["debug"].items():
+        assert getattr(cfg.model, key) == value, key
+
+
+def test_toml_and_overrides(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[train]\nsteps = 7\nlr = 1\n[data]\ndoc_mask = false\n')
+    cfg = load_config(p, ["--train.steps=9", "--model.layers", "3", "--checkpoint.async", "--data.corpus=stdlib"])
+    assert cfg.train.steps == 9  # CLI wins over file
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # TOML int accepted for a float
+    assert cfg.model.layers == 3
+    assert cfg.data.doc_mask is False
+    assert cfg.checkpoint.async_save is True  # bare bool flag; key 'async' maps to field async_save
+
+
+def test_preset_fills_fields_not_set_explicitly():
+    cfg = load_config(overrides=["--model.preset=llama3-8b", "--model.layers=2", "--train.seq_len=512"])
+    assert (cfg.model.dim, cfg.model.heads, cfg.model.kv_heads, cfg.model.layers) == (4096, 32, 8, 2)
+    assert cfg.model.rope_scaling == "llama3" and cfg.model.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["--train.nonsense=1"], "unknown config key 'train.nonsense'"),
+        (["--trian.steps=1"], "Did you mean 'train'"),
+        (["--train.setps=1"], "Did you mean 'steps'"),
+        (["--train.steps=abc"], "train.steps must be an integer"),
+        (["--train.steps=0"], "train.steps must be positive"),
+        (["--model.heads=7", "--model.kv_heads=2"], "model.heads (7) must be divisible by model.kv_heads (2)"),
+        (["--model.rope_scaling=yarn"], "valid choices: none, llama3"),
+        (["--train.dtype=fp16"], "auto, fp32, bf16"),
+        (["--parallel.ctx=4", "--parallel.window=3"], "parallel.window (3) must be 0 or divide parallel.ctx (4)"),
+        (["--parallel.head=3"], "model.heads (4) must be divisible by parallel.head (3)"),
+        (["--data.doc_mask=maybe"], "must be true or false"),
+        (["--train.seq_len=99999"], "exceeds model.max_seq_len"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert needle in str(e.value)
+
+
+def test_bad_toml(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text("[train]\nsteps = 'many'\n")
+    with pytest.raises(ConfigError, match="train.steps must be an integer"):
+        load_config(p)
+    p.write_text("[trainn]\nsteps = 1\n")
+    with pytest.raises(ConfigError, match="unknown config section 'trainn'"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_print_config_round_trips(tmp_path):
+    cfg = load_config(overrides=["--model.preset=llama3-1b", "--train.lr=0.0001", "--checkpoint.async=true",
+                                 "--data.corpus=some \"dir\""])
+    p = tmp_path / "out.toml"
+    p.write_text(to_toml(cfg))
+    again = load_config(p)
+    assert to_dict(again) == to_dict(cfg)
+    assert to_dict(again) != to_dict(Config())
+
+
+def test_parse_overrides_equals_and_space_forms_agree():
+    assert parse_overrides(["--train.steps=3"]) == parse_overrides(["--train.steps", "3"]) == {"train": {"steps": 3}}
+
+
+def test_build_config_reports_all_problems_at_once():
+    with pytest.raises(ConfigError) as e:
+        build_config({"train": {"steps": -1, "lr": -1.0}})
+    assert "train.steps" in str(e.value) and "train.lr" in str(e.value)
