@@ -1,0 +1,103 @@
+"""The training loop on a small slice of the embedded corpus."""
+
+import math
+
+import pytest
+
+from longctx.config import load_config
+from longctx.errors import ConfigError, TrainingError
+from longctx.metrics import read_jsonl, train_flops_per_token
+from longctx.train import lr_at, train
+
+
+def cfg_for(tmp_path, *extra):
+    return load_config(overrides=[
+        f"--train.run_dir={tmp_path}", "--train.steps=12", "--train.seq_len=64", "--train.batch_size=4",
+        "--train.warmup_steps=3", "--train.eval_interval=6", "--train.eval_batches=2", "--data.max_docs=120",
+        "--data.eval_fraction=0.1", "--metrics.log_interval=4", "--metrics.progress=false", "--metrics.plots=false",
+        "--model.layers=2", *extra,
+    ])
+
+
+def quiet(*_):
+    pass
+
+
+def test_loss_falls_and_run_dir_is_complete(tmp_path):
+    res = train(cfg_for(tmp_path, "--train.steps=40", "--metrics.plots=true"), log=quiet)
+    assert res.losses[-1] < res.losses[0] - 1.0
+    assert set(res.eval_losses) == {6, 12, 18, 24, 30, 36, 40}
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    train_recs = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train_recs] == [1, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    for key in ("step", "loss", "tokens_per_s", "mfu", "grad_norm", "tflops", "memory_gib"):
+        assert key in train_recs[0]
+    assert 0 < train_recs[-1]["mfu"] < 1
+    assert (tmp_path / "config.toml").is_file()
+    assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "throughput.png").is_file()
+    assert load_config(tmp_path / "config.toml").train.steps == 40
+
+
+def test_same_seed_same_losses_other_seed_other_losses(tmp_path):
+    a = train(cfg_for(tmp_path / "a"), log=quiet).losses
+    b = train(cfg_for(tmp_path / "b"), log=quiet).losses
+    c = train(cfg_for(tmp_path / "c", "--train.seed=1"), log=quiet).losses
+    assert a == b
+    assert a != c
+
+
+def test_gradient_accumulation_equals_the_large_batch(tmp_path):
+    """batch 4 x accum 1 == batch 2 x accum 2 == batch 1 x accum 4, with uneven valid tokens per micro-batch."""
+    runs = [train(cfg_for(tmp_path / f"r{bs}", f"--train.batch_size={bs}", f"--train.grad_accum={4 // bs}"),
+                  log=quiet).losses for bs in (4, 2, 1)]
+    for other in runs[1:]:
+        assert max(abs(x - y) for x, y in zip(runs[0], other)) < 1e-5
+
+
+def test_full_recompute_trains_identically(tmp_path):
+    a = train(cfg_for(tmp_path / "a"), log=quiet).losses
+    b = train(cfg_for(tmp_path / "b", "--memory.checkpoint=full"), log=quiet).losses
+    assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6
+
+
+def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
+    import longctx.train as t
+
+    real = t._forward_sum
+    calls = {"n": 0}
+
+    def poisoned(model, batch, autocast_dtype):
+        calls["n"] += 1
+        out = real(model, batch, autocast_dtype)
+        return out * float("nan") if calls["n"] == 5 else out
+
+    monkeypatch.setattr(t, "_forward_sum", poisoned)
+    with pytest.raises(TrainingError, match="at step 5"):
+        train(cfg_for(tmp_path), log=quiet)
+
+
+def test_unsupported_settings_are_refused_not_ignored(tmp_path):
+    with pytest.raises(ConfigError, match="not available yet"):
+        train(cfg_for(tmp_path, "--memory.checkpoint=selective"), log=quiet)
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        train(cfg_for(tmp_path, "--model.vocab_size=100"), log=quiet)
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = load_config(overrides=["--train.steps=100", "--train.warmup_steps=10", "--train.lr=1.0",
+                                 "--train.min_lr_ratio=0.1"])
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(10, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.55)
+    assert lr_at(100, cfg) == pytest.approx(0.1)
+
+
+def test_flops_formula_matches_a_hand_count():
+    cfg = load_config(overrides=["--model.preset=llama3-8b"]).model
+    s = 8192
+    matmul = 32 * (4096 * (32 + 16) * 128 + 4096 * 4096 + 3 * 4096 * 14336)
+    expected = 3 * (2 * matmul + 32 * 4 * s * 4096 / 2 + 2 * 4096 * 128256)
+    assert train_flops_per_token(cfg, s) == pytest.approx(expected)
+    assert math.isclose(train_flops_per_token(cfg, s, causal=False) - train_flops_per_token(cfg, s),
+                        3 * 32 * 2 * s * 4096)
