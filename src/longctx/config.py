@@ -40,25 +40,20 @@ def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | No
 # ----------------------------------------------------------------------------------------------
 # Model shapes. `debug` is the default; the others are the published Llama 3.x shapes.
 
+def _llama3(factor: float, tie: bool, **shape) -> dict[str, Any]:
+    """A Llama 3.x shape: 128K-token vocabulary, rope_theta 500000, Llama-3 rope scaling."""
+    return dict(shape, vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=factor,
+                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
+                tie_embeddings=tie, max_seq_len=131072)
+
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(dim=128, layers=4, heads=4, kv_heads=2, head_dim=0, ffn_dim=384, vocab_size=320,
                   rope_theta=10000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=4096),
-    "llama3-1b": dict(dim=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn_dim=8192,
-                      vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
-                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                      rope_original_max_len=8192, tie_embeddings=True, max_seq_len=131072),
-    "llama3-3b": dict(dim=3072, layers=28, heads=24, kv_heads=8, head_dim=128, ffn_dim=8192,
-                      vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
-                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                      rope_original_max_len=8192, tie_embeddings=True, max_seq_len=131072),
-    "llama3-8b": dict(dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn_dim=14336,
-                      vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
-                      rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                      rope_original_max_len=8192, tie_embeddings=False, max_seq_len=131072),
-    "llama3-70b": dict(dim=8192, layers=80, heads=64, kv_heads=8, head_dim=128, ffn_dim=28672,
-                       vocab_size=128256, rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0,
-                       rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-                       rope_original_max_len=8192, tie_embeddings=False, max_seq_len=131072),
+    "llama3-1b": _llama3(32.0, True, dim=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn_dim=8192),
+    "llama3-3b": _llama3(32.0, True, dim=3072, layers=28, heads=24, kv_heads=8, head_dim=128, ffn_dim=8192),
+    "llama3-8b": _llama3(8.0, False, dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn_dim=14336),
+    "llama3-70b": _llama3(8.0, False, dim=8192, layers=80, heads=64, kv_heads=8, head_dim=128, ffn_dim=28672),
 }
 
 
