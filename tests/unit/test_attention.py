@@ -95,13 +95,17 @@ def test_backward_from_global_lse_gives_block_share():
     torch.testing.assert_close(dq_sum, dq, atol=1e-5, rtol=1e-5)
 
 
-def test_query_that_sees_nothing_gives_zero_and_minus_inf_lse():
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_query_that_sees_nothing_gives_zero_and_minus_inf_lse(backend):
     q, k, v = make(b=1, s=4, requires_grad=False)
     qd = torch.tensor([[0, 0, 1, 1]])
     kd = torch.tensor([[0, 0, 0, 0]])
-    out, lse = attention_forward(q, k, v, causal=False, q_doc=qd, k_doc=kd, backend="math")
-    assert torch.all(out[:, 2:] == 0) and torch.all(torch.isinf(lse[..., 2:]))
-    assert torch.all(torch.isfinite(out))
+    out, lse = attention_forward(q, k, v, causal=False, q_doc=qd, k_doc=kd, backend=backend)
+    assert torch.all(out[:, 2:] == 0) and torch.all(lse[..., 2:] == float("-inf"))
+    assert torch.all(torch.isfinite(out)) and torch.all(torch.isfinite(lse[..., :2]))
+    dq, dk, dv = attention_backward(torch.randn_like(out), q, k, v, out, lse, causal=False, q_doc=qd, k_doc=kd,
+                                    backend=backend)
+    assert torch.all(dq[:, 2:] == 0) and all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
 def test_bad_shapes_are_rejected():

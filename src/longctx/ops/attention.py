@@ -139,7 +139,15 @@ def _sdpa_forward(q, k, v, causal, mask, scale, has_docs):
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qt, kt, vt, 0.0, is_causal, attn_mask=bias, scale=scale)
-    return _to_bhsd(out), lse.float()
+    lse = lse.float()
+    if has_docs:
+        # A query row that sees no key (its document is absent from this key block, common in ring
+        # attention) must come back as out = 0, lse = -inf; kernels differ in what they return there.
+        empty = ~mask.any(-1)  # [b, 1, sq]
+        if bool(empty.any()):
+            lse = lse.masked_fill(empty, NEG_INF)
+            out = out.masked_fill(empty[..., None], 0.0)
+    return _to_bhsd(out), lse
 
 
 def _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale, has_docs):
