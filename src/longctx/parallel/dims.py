@@ -1,0 +1,106 @@
+"""ParallelDims: the parallel degrees, validated, and the ONE named DeviceMesh built from them.
+
+Mesh dims, outermost first: `dp_replicate` (HSDP replicas), `dp_shard` (FSDP over data), `head`
+(Ulysses all-to-all), `ctx` (ring attention). `placement` decides which of the two sequence
+groups gets adjacent ranks (on GPUs: the same node, the fast links):
+
+- head-first: the ranks of a head group are adjacent (all-to-all is the heavier collective);
+- ctx-first:  the ranks of a context group are adjacent.
+
+`window` is the Double-Ring inner ring size: the context group is cut into ctx / window windows of
+`window` consecutive context ranks (0 = one plain ring over the whole group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+
+DIM_NAMES = ("dp_replicate", "dp_shard", "head", "ctx")
+PLACEMENTS = ("head-first", "ctx-first")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    head: int = 1
+    ctx: int = 1
+    window: int = 0
+    placement: str = "head-first"
+    world_size: int | None = None
+
+    def __post_init__(self):
+        if self.world_size is None:
+            import torch.distributed as dist
+
+            self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self._validate()
+        self._mesh = None
+
+    def _validate(self):
+        degrees = {n: getattr(self, n) for n in DIM_NAMES}
+        bad = {n: d for n, d in degrees.items() if d == 0 or d < -1}
+        if bad:
+            raise ConfigError(f"parallel degrees must be positive or -1 (inferred); got {bad}.")
+        inferred = [n for n, d in degrees.items() if d == -1]
+        if len(inferred) > 1:
+            raise ConfigError(f"only one parallel degree may be -1 (inferred), got -1 for {', '.join(inferred)}.")
+        known = 1
+        for n, d in degrees.items():
+            if d != -1:
+                known *= d
+        if inferred:
+            if self.world_size % known:
+                raise ConfigError(
+                    f"the world size {self.world_size} is not divisible by the product of the given degrees "
+                    f"({' x '.join(f'{n}={d}' for n, d in degrees.items() if d != -1)} = {known}), so "
+                    f"parallel.{inferred[0]} cannot be inferred."
+                )
+            setattr(self, inferred[0], self.world_size // known)
+        elif known != self.world_size:
+            raise ConfigError(
+                f"the parallel degrees multiply to {known} "
+                f"({' x '.join(f'{n}={d}' for n, d in degrees.items())}) but the world size is {self.world_size}; "
+                f"make them multiply to {self.world_size} or set one degree to -1."
+            )
+        if self.window < 0 or (self.window and self.ctx % self.window):
+            raise ConfigError(
+                f"parallel.window ({self.window}) must be 0 (plain ring) or divide parallel.ctx ({self.ctx}); "
+                f"valid windows: {[w for w in range(1, self.ctx + 1) if self.ctx % w == 0]}."
+            )
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"parallel.placement '{self.placement}' is not one of {', '.join(PLACEMENTS)}.")
+
+    @property
+    def ring_window(self) -> int:
+        """The inner ring size actually used: `window`, or the whole context group when 0."""
+        return self.window or self.ctx
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.head * self.ctx
+
+    def rank_grid(self) -> torch.Tensor:
+        """Global ranks laid out as [dp_replicate, dp_shard, head, ctx] according to the placement."""
+        n = torch.arange(self.world_size)
+        if self.placement == "ctx-first":  # ctx varies fastest: a context group is contiguous
+            return n.reshape(self.dp_replicate, self.dp_shard, self.head, self.ctx)
+        # head-first: head varies fastest; lay out [.., ctx, head] then name the dims in mesh order
+        return n.reshape(self.dp_replicate, self.dp_shard, self.ctx, self.head).transpose(2, 3)
+
+    def build_mesh(self, device_type: str = "cpu"):
+        """The DeviceMesh with dims dp_replicate, dp_shard, head, ctx (needs an initialised process group)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if self._mesh is None:
+            self._mesh = DeviceMesh(device_type, self.rank_grid(), mesh_dim_names=DIM_NAMES)
+        return self._mesh
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int | None = None) -> "ParallelDims":
+        p = cfg.parallel if hasattr(cfg, "parallel") else cfg
+        return cls(p.dp_replicate, p.dp_shard, p.head, p.ctx, p.window, p.placement, world_size)

@@ -1,0 +1,246 @@
+"""Ring attention over the `ctx` mesh dim, plain or Double-Ring, zigzag-balanced, exact.
+
+Each context rank holds its queries and one key/value block (the zigzag chunks i and 2c-1-i of
+the sequence, see sequence.py). Blocks travel around the ring; every rank attends its queries to
+every block and merges the partial results with their log-sum-exp in fp32.
+
+Schedule. The c context ranks form c/w windows of w consecutive ranks (w = `window`, or c for a
+plain ring). Outer step o: each rank holds the block of the rank at the same position o windows
+back; an inner ring of w - 1 hops passes these blocks around inside the window. The outer transfer
+for step o + 1 is started before the inner ring of step o and so hides behind w block
+computations instead of one (Double-Ring, LoongTrain). w = c and w = 1 are both the plain ring.
+Every transfer is started before the computation that can hide it and waited for only when its
+data is needed.
+
+Causal work with the zigzag layout, for query rank i and a block from rank j:
+  j == i: causal attention over the local [chunk i, chunk 2c-1-i] (a plain lower triangle);
+  j <  i: all queries see the block's early chunk j, none of its late chunk: half the work;
+  j >  i: only the late query chunk 2c-1-i sees the block, all of it: half the work.
+With document ids, a block whose keys share no document with the queries is skipped.
+
+Backward. dq accumulates locally; the gradient of a block accumulates (in fp32) along the same
+path the block took and reaches its owner after c - 1 hops: blocks move c - 1 times, and so do
+their gradients.
+
+The merge uses logaddexp, so each weight is exp(lse_part - lse_total) <= 1 (no overflow), and a
+row that has seen no key yet (lse = -inf) is handled without NaNs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.attention import attention_backward, attention_forward
+from . import comm
+
+NEG_INF = float("-inf")
+# message tags: several transfers between the same pair of ranks may be in flight at once
+TAG_KV, TAG_DOC, TAG_DKV, TAG_OUTER_KV, TAG_OUTER_DOC, TAG_OUTER_DKV = range(6)
+
+
+class Schedule:
+    """Who holds which block when, for context rank `rank` of `ctx` with windows of `window`."""
+
+    def __init__(self, ctx: int, window: int, rank: int):
+        if ctx % window:
+            raise ValueError(f"window {window} must divide ctx {ctx}")
+        self.ctx, self.window, self.rank = ctx, window, rank
+        self.windows = ctx // window
+        self.win, self.pos = divmod(rank, window)
+        self.inner_next, self.inner_prev = self._at(self.win, self.pos + 1), self._at(self.win, self.pos - 1)
+        self.outer_next, self.outer_prev = self._at(self.win + 1, self.pos), self._at(self.win - 1, self.pos)
+
+    def _at(self, win: int, pos: int) -> int:
+        return (win % self.windows) * self.window + pos % self.window
+
+    def source(self, outer: int, inner: int) -> int:
+        """The context rank whose block this rank holds at (outer step, inner step)."""
+        return self._at(self.win - outer, self.pos - inner)
+
+    def steps(self):
+        for o in range(self.windows):
+            for t in range(self.window):
+                yield o, t, self.source(o, t)
+
+
+def block_rows(src: int, rank: int, seq: int, causal: bool):
+    """(query rows, key rows, causal?) of the work a block needs under the zigzag layout."""
+    everything = slice(0, seq)
+    if not causal:
+        return everything, everything, False
+    half = seq // 2
+    if src == rank:
+        return everything, everything, True
+    if src < rank:
+        return everything, slice(0, half), False
+    return slice(half, seq), everything, False
+
+
+def _shares_document(q_doc: torch.Tensor, k_doc: torch.Tensor) -> bool:
+    """True when some query and some key of the same batch row have the same document id."""
+    b = q_doc.shape[0]
+    stride = int(torch.maximum(q_doc.max(), k_doc.max())) + 1
+    offset = torch.arange(b, device=q_doc.device)[:, None] * stride
+    return bool(torch.isin(q_doc + offset, k_doc + offset).any())
+
+
+def _merge(acc_out, acc_lse, rows, out, lse):
+    """Fold a partial (out, lse) for query rows `rows` into the fp32 accumulators, in place."""
+    old_lse = acc_lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, lse)
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(old_lse - safe).transpose(1, 2)[..., None]   # [b, s, h, 1]
+    w_new = torch.exp(lse - safe).transpose(1, 2)[..., None]
+    acc_out[:, rows] = acc_out[:, rows] * w_old + out.float() * w_new
+    acc_lse[:, :, rows] = new_lse
+
+
+def _doc_slice(doc, rows):
+    return None if doc is None else doc[:, rows]
+
+
+def _start_transfer(mesh, kv, doc, to, frm, tag_kv, tag_doc, label):
+    """Send (kv, doc) to `to` and receive the next pair from `frm`; returns (pending, kv_buf, doc_buf)."""
+    kv_buf = torch.empty_like(kv)
+    pending = [comm.exchange(mesh, [(kv, to, tag_kv)], [(kv_buf, frm, tag_kv)], label=label)]
+    doc_buf = None
+    if doc is not None:
+        doc_buf = torch.empty_like(doc)
+        pending.append(comm.exchange(mesh, [(doc, to, tag_doc)], [(doc_buf, frm, tag_doc)], label="ring_docs"))
+    return comm.Pending.join(pending), kv_buf, doc_buf
+
+
+def ring_forward(q, k, v, doc, mesh, window, causal, scale, backend):
+    """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s])."""
+    c, rank = mesh.size(), mesh.get_local_rank()
+    sched = Schedule(c, window or c, rank)
+    b, s, h, d = q.shape
+    acc_out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((b, h, s), NEG_INF, dtype=torch.float32, device=q.device)
+    outer_kv, outer_doc = torch.stack([k, v]), doc
+    for o in range(sched.windows):
+        outer = comm.Pending()
+        if o < sched.windows - 1:
+            outer, next_outer_kv, next_outer_doc = _start_transfer(
+                mesh, outer_kv, outer_doc, sched.outer_next, sched.outer_prev, TAG_OUTER_KV, TAG_OUTER_DOC, "ring_kv")
+        cur_kv, cur_doc = outer_kv, outer_doc
+        for t in range(sched.window):
+            inner = comm.Pending()
+            if t < sched.window - 1:
+                inner, next_kv, next_doc = _start_transfer(
+                    mesh, cur_kv, cur_doc, sched.inner_next, sched.inner_prev, TAG_KV, TAG_DOC, "ring_kv")
+            qr, kr, blk_causal = block_rows(sched.source(o, t), rank, s, causal)
+            qd, kd = _doc_slice(doc, qr), _doc_slice(cur_doc, kr)
+            if doc is None or blk_causal or _shares_document(qd, kd):
+                out, lse = attention_forward(q[:, qr], cur_kv[0][:, kr], cur_kv[1][:, kr], causal=blk_causal,
+                                             q_doc=qd, k_doc=kd, scale=scale, backend=backend)
+                _merge(acc_out, acc_lse, qr, out, lse)
+            inner.wait()
+            if t < sched.window - 1:
+                cur_kv, cur_doc = next_kv, next_doc
+        outer.wait()
+        if o < sched.windows - 1:
+            outer_kv, outer_doc = next_outer_kv, next_outer_doc
+    return acc_out.to(q.dtype), acc_lse
+
+
+def ring_backward(dout, q, k, v, out, lse, doc, mesh, window, causal, scale, backend):
+    """Gradients (dq, dk, dv) of ring_forward; dk/dv arrive back at their owner in fp32, then cast."""
+    c, rank = mesh.size(), mesh.get_local_rank()
+    sched = Schedule(c, window or c, rank)
+    b, s, h, d = q.shape
+    dq = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    outer_kv, outer_doc = torch.stack([k, v]), doc
+    in_flight: list[comm.Pending] = []  # sends we must see complete before returning
+    own_total = None
+    outer_acc = None  # (pending, buffer) of the outer gradient accumulator arriving from outer_prev
+    for o in range(sched.windows):
+        outer = comm.Pending()
+        if o < sched.windows - 1:
+            outer, next_outer_kv, next_outer_doc = _start_transfer(
+                mesh, outer_kv, outer_doc, sched.outer_next, sched.outer_prev, TAG_OUTER_KV, TAG_OUTER_DOC, "ring_kv_bwd")
+        cur_kv, cur_doc = outer_kv, outer_doc
+        hold = None       # this rank's own contribution to its outer block
+        inner_acc = None  # (pending, buffer) of the inner accumulator arriving from inner_prev
+        for t in range(sched.window):
+            inner = comm.Pending()
+            if t < sched.window - 1:
+                inner, next_kv, next_doc = _start_transfer(
+                    mesh, cur_kv, cur_doc, sched.inner_next, sched.inner_prev, TAG_KV, TAG_DOC, "ring_kv_bwd")
+            dkv = _block_backward(dout, q, cur_kv, out, lse, doc, cur_doc, sched.source(o, t), rank, causal,
+                                  scale, backend, dq)
+            if t == 0:
+                hold = dkv
+            else:
+                if inner_acc is not None:
+                    inner_acc[0].wait()
+                    dkv = dkv + inner_acc[1]
+                buf = torch.empty_like(dkv)
+                pending = comm.exchange(mesh, [(dkv, sched.inner_next, TAG_DKV)],
+                                        [(buf, sched.inner_prev, TAG_DKV)], label="ring_dkv")
+                in_flight.append(pending)
+                inner_acc = (pending, buf)
+            inner.wait()
+            if t < sched.window - 1:
+                cur_kv, cur_doc = next_kv, next_doc
+        if inner_acc is not None:  # the last hop brought back the window's gradient of our outer block
+            inner_acc[0].wait()
+            hold = hold + inner_acc[1]
+        if o == 0:
+            own_total = hold
+        else:
+            if outer_acc is not None:
+                outer_acc[0].wait()
+                hold = hold + outer_acc[1]
+            buf = torch.empty_like(hold)
+            pending = comm.exchange(mesh, [(hold, sched.outer_next, TAG_OUTER_DKV)],
+                                    [(buf, sched.outer_prev, TAG_OUTER_DKV)], label="ring_dkv")
+            in_flight.append(pending)
+            outer_acc = (pending, buf)
+        outer.wait()
+        if o < sched.windows - 1:
+            outer_kv, outer_doc = next_outer_kv, next_outer_doc
+    if outer_acc is not None:
+        outer_acc[0].wait()
+        own_total = own_total + outer_acc[1]
+    for pending in in_flight:
+        pending.wait()
+    return dq.to(q.dtype), own_total[0].to(k.dtype), own_total[1].to(v.dtype)
+
+
+def _block_backward(dout, q, kv, out, lse, q_doc, k_doc, src, rank, causal, scale, backend, dq):
+    """Add this block's dq into `dq`; return the block's (dk, dv) as one fp32 [2, b, s, kv, d] tensor."""
+    s = q.shape[1]
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    qr, kr, blk_causal = block_rows(src, rank, s, causal)
+    qd, kd = _doc_slice(q_doc, qr), _doc_slice(k_doc, kr)
+    if q_doc is not None and not blk_causal and not _shares_document(qd, kd):
+        return dkv
+    gq, gk, gv = attention_backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr],
+                                    lse[:, :, qr], causal=blk_causal, q_doc=qd, k_doc=kd, scale=scale,
+                                    backend=backend)
+    dq[:, qr] += gq.float()
+    dkv[0][:, kr] += gk.float()
+    dkv[1][:, kr] += gv.float()
+    return dkv
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, doc, mesh, window, causal, scale, backend):
+        out, lse = ring_forward(q, k, v, doc, mesh, window, causal, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse, doc)
+        ctx.mesh, ctx.window, ctx.causal, ctx.scale, ctx.backend = mesh, window, causal, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, doc = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, doc, ctx.mesh, ctx.window, ctx.causal,
+                                   ctx.scale, ctx.backend)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def ring_attention(q, k, v, mesh, *, doc=None, window=0, causal=True, scale=None, backend="sdpa"):
+    """Differentiable ring attention over the 1-D context mesh; q/k/v are this rank's zigzag shards."""
+    return RingAttention.apply(q, k, v, doc, mesh, window, causal, scale, backend)

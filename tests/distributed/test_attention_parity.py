@@ -1,0 +1,146 @@
+"""2D sequence-parallel attention against single-device attention, on gloo processes.
+
+One spawn per world size; inside it every layout (head x ctx factorisation, window, placement)
+and every case (causal or not, kv heads, packed documents) runs, reusing the process groups.
+Also checks the byte counters against the closed-form volumes.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from longctx.ops.attention import attention
+from longctx.parallel import comm
+from longctx.parallel.attention import distributed_attention
+from longctx.parallel.dims import ParallelDims
+from longctx.parallel.sequence import shard_sequence
+from longctx.parallel.spawn import run_spawned
+from longctx.parallel.ulysses import kv_replication
+
+B, H, D = 2, 8, 16
+
+
+def layouts(world):
+    for head in [d for d in range(1, world + 1) if world % d == 0]:
+        ctx = world // head
+        for window in sorted({0} | ({2} if ctx > 2 and ctx % 2 == 0 else set())):
+            for placement in ("head-first", "ctx-first") if head > 1 and ctx > 1 else ("head-first",):
+                yield head, ctx, window, placement
+
+
+def make_docs(seq, world):
+    """Document ids with boundaries inside every rank's chunks and one tiny document."""
+    doc = torch.zeros(B, seq, dtype=torch.long)
+    cuts = [[3, 4, seq // 3 + 1, seq - 5], [seq // 2 + 3]]
+    for row, row_cuts in enumerate(cuts):
+        for c in row_cuts:
+            doc[row, c:] += 1
+    return doc
+
+
+def closed_form(seq, head, ctx, kv, elem, docs):
+    """Bytes this rank sends per attention call, per label (forward and backward)."""
+    s_loc = seq // (head * ctx)
+    kv_rep = kv * kv_replication(kv, head)
+    q_bytes, kv_bytes = B * s_loc * H * D * elem, B * s_loc * kv_rep * D * elem
+    block = 2 * B * (seq // ctx) * (kv_rep // head) * D  # K and V of one ring block, elements
+    out = {}
+    if head > 1:
+        a2a = (head - 1) * (2 * q_bytes + 2 * kv_bytes) // head
+        out.update(all_to_all=a2a, all_to_all_bwd=a2a)
+        if docs:
+            out["docs"] = B * s_loc * 8 * (head - 1)
+    if ctx > 1:
+        out.update(ring_kv=(ctx - 1) * block * elem, ring_kv_bwd=(ctx - 1) * block * elem,
+                   ring_dkv=(ctx - 1) * block * 4)
+        if docs:
+            out["ring_docs"] = 2 * (ctx - 1) * B * (seq // ctx) * 8
+    return out
+
+
+def run_cases(world, seq, dtype_name, cases):
+    """Runs on every rank; returns a list of (case, out_err, grad_err, counters_ok, detail)."""
+    dtype = getattr(torch, dtype_name)
+    rank = torch.distributed.get_rank()
+    meshes = {}
+    results = []
+    for head, ctx, window, placement, causal, kv, docs in cases:
+        key = (head, ctx, placement)
+        if key not in meshes:
+            meshes[key] = ParallelDims(dp_shard=1, head=head, ctx=ctx, window=window, placement=placement,
+                                       world_size=world).build_mesh("cpu")
+        mesh = meshes[key]
+        gen = torch.Generator().manual_seed(1000 + seq + kv)
+        q = torch.randn(B, seq, H, D, generator=gen)
+        k = torch.randn(B, seq, kv, D, generator=gen)
+        v = torch.randn(B, seq, kv, D, generator=gen)
+        dout = torch.randn(B, seq, H, D, generator=gen)
+        doc = make_docs(seq, world) if docs else None
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref, _ = attention(qr, kr, vr, causal=causal, q_doc=doc, k_doc=doc, backend="math")
+        ref_grads = torch.autograd.grad((ref * dout).sum(), (qr, kr, vr))
+
+        ql, kl, vl = (shard_sequence(t, mesh).to(dtype).requires_grad_() for t in (q, k, v))
+        dl = shard_sequence(doc, mesh) if docs else None
+        comm.reset_counters()
+        out = distributed_attention(ql, kl, vl, mesh, causal=causal, doc_ids=dl, window=window)
+        grads = torch.autograd.grad((out.float() * shard_sequence(dout, mesh)).sum(), (ql, kl, vl))
+        out_err = (out.float() - shard_sequence(ref, mesh)).abs().max().item()
+        grad_err = max((g.float() - shard_sequence(r, mesh)).abs().max().item() for g, r in zip(grads, ref_grads))
+        sent = {label: n for per_dim in comm.counters().values() for label, n in per_dim.items()}
+        expected = closed_form(seq, head, ctx, kv, torch.empty(0, dtype=dtype).element_size(), docs)
+        results.append(((head, ctx, window, placement, causal, kv, docs), out_err, grad_err, sent == expected,
+                        f"rank {rank} sent {sent}, expected {expected}"))
+    return results
+
+
+def all_cases(world):
+    for (head, ctx, window, placement), causal, kv, docs in itertools.product(
+            layouts(world), (True, False), (1, 2, H), (False, True)):
+        yield head, ctx, window, placement, causal, kv, docs
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_fp32_parity_and_byte_counts(world):
+    seq = 64
+    cases = list(all_cases(world))
+    per_rank = run_spawned(world, run_cases, world, seq, "float32", cases)
+    failures = []
+    for rank_results in per_rank:
+        for case, out_err, grad_err, counters_ok, detail in rank_results:
+            if out_err > 1e-5 or grad_err > 1e-4 or not counters_ok:
+                failures.append(f"{case}: out {out_err:.2e} grad {grad_err:.2e} {'' if counters_ok else detail}")
+    assert not failures, f"{len(failures)} failing cases, e.g.:\n" + "\n".join(failures[:8])
+
+
+def single_device_bf16_error(seq, kv, docs):
+    """Error of ONE bf16 attention call over the whole sequence against fp32: the bf16 rounding floor."""
+    gen = torch.Generator().manual_seed(1000 + seq + kv)
+    q = torch.randn(B, seq, H, D, generator=gen)
+    k = torch.randn(B, seq, kv, D, generator=gen)
+    v = torch.randn(B, seq, kv, D, generator=gen)
+    dout = torch.randn(B, seq, H, D, generator=gen)
+    doc = make_docs(seq, 8) if docs else None
+    errs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
+        out, _ = attention(qq, kk, vv, q_doc=doc, k_doc=doc)
+        grads = torch.autograd.grad((out.float() * dout).sum(), (qq, kk, vv))
+        errs.append((out.float(), [g.float() for g in grads]))
+    (o32, g32), (o16, g16) = errs
+    return (o16 - o32).abs().max().item(), max((a - b).abs().max().item() for a, b in zip(g16, g32))
+
+
+def test_bf16_merge_stays_within_bf16_rounding():
+    """ctx = 8 ring in bf16: partial results merge in fp32, so the error stays that of bf16 inputs
+    (compared with one bf16 attention call over the whole sequence), not growing with the ring."""
+    world, seq = 8, 128
+    cases = [(1, 8, 0, "head-first", True, 2, False), (1, 8, 2, "head-first", True, 2, True)]
+    per_rank = run_spawned(world, run_cases, world, seq, "bfloat16", cases)
+    worst_out = max(r[1] for rank_results in per_rank for r in rank_results)
+    worst_grad = max(r[2] for rank_results in per_rank for r in rank_results)
+    floor_out, floor_grad = (max(x) for x in zip(*(single_device_bf16_error(seq, 2, d) for d in (False, True))))
+    print(f"bf16 ctx=8: ring max err out {worst_out:.3e} grads {worst_grad:.3e}; "
+          f"single-device bf16 out {floor_out:.3e} grads {floor_grad:.3e}")
+    assert worst_out <= 2 * floor_out and worst_grad <= 2 * floor_grad
