@@ -1,4 +1,4 @@
-"""`longctx` command line: train, report.
+"""`longctx` command line: train, report, bench.
 
 Config overrides are passed as `--section.key=value` (or `--section.key value`) after the
 subcommand; `longctx train --help` lists every key with its default.
@@ -49,6 +49,14 @@ def _cmd_report(args, overrides) -> int:
     return 0
 
 
+def _cmd_bench(args, overrides) -> int:
+    if overrides:
+        raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
+    from .bench import attention
+
+    return {"attention": attention.main}[args.bench](args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longctx", description="Train decoder LLMs on very long contexts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write PNG plots of loss and throughput for a run directory")
     p.add_argument("run_dir", help="a run directory written by `longctx train`")
     p.set_defaults(func=_cmd_report)
+    bench = sub.add_parser("bench", help="benchmarks; each prints JSON").add_subparsers(dest="bench", required=True)
+    from .bench import attention
+
+    p = bench.add_parser("attention", help="2D sequence-parallel attention vs one attention call (gloo, CPU)")
+    attention.add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

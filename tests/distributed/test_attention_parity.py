@@ -16,7 +16,7 @@ from longctx.parallel.attention import distributed_attention
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.sequence import shard_sequence
 from longctx.parallel.spawn import run_spawned
-from longctx.parallel.ulysses import kv_replication
+from longctx.parallel.volumes import attention_bytes
 
 B, H, D = 2, 8, 16
 
@@ -37,26 +37,6 @@ def make_docs(seq, world):
         for c in row_cuts:
             doc[row, c:] += 1
     return doc
-
-
-def closed_form(seq, head, ctx, kv, elem, docs):
-    """Bytes this rank sends per attention call, per label (forward and backward)."""
-    s_loc = seq // (head * ctx)
-    kv_rep = kv * kv_replication(kv, head)
-    q_bytes, kv_bytes = B * s_loc * H * D * elem, B * s_loc * kv_rep * D * elem
-    block = 2 * B * (seq // ctx) * (kv_rep // head) * D  # K and V of one ring block, elements
-    out = {}
-    if head > 1:
-        a2a = (head - 1) * (2 * q_bytes + 2 * kv_bytes) // head
-        out.update(all_to_all=a2a, all_to_all_bwd=a2a)
-        if docs:
-            out["docs"] = B * s_loc * 8 * (head - 1)
-    if ctx > 1:
-        out.update(ring_kv=(ctx - 1) * block * elem, ring_kv_bwd=(ctx - 1) * block * elem,
-                   ring_dkv=(ctx - 1) * block * 4)
-        if docs:
-            out["ring_docs"] = 2 * (ctx - 1) * B * (seq // ctx) * 8
-    return out
 
 
 def run_cases(world, seq, dtype_name, cases):
@@ -88,8 +68,9 @@ def run_cases(world, seq, dtype_name, cases):
         grads = torch.autograd.grad((out.float() * shard_sequence(dout, mesh)).sum(), (ql, kl, vl))
         out_err = (out.float() - shard_sequence(ref, mesh)).abs().max().item()
         grad_err = max((g.float() - shard_sequence(r, mesh)).abs().max().item() for g, r in zip(grads, ref_grads))
-        sent = {label: n for per_dim in comm.counters().values() for label, n in per_dim.items()}
-        expected = closed_form(seq, head, ctx, kv, torch.empty(0, dtype=dtype).element_size(), docs)
+        sent = comm.counters()
+        expected = attention_bytes(seq=seq, batch=B, heads=H, kv_heads=kv, head_dim=D, head=head, ctx=ctx,
+                                   elem=torch.empty(0, dtype=dtype).element_size(), docs=docs)
         results.append(((head, ctx, window, placement, causal, kv, docs), out_err, grad_err, sent == expected,
                         f"rank {rank} sent {sent}, expected {expected}"))
     return results

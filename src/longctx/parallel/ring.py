@@ -244,3 +244,47 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, mesh, *, doc=None, window=0, causal=True, scale=None, backend="sdpa"):
     """Differentiable ring attention over the 1-D context mesh; q/k/v are this rank's zigzag shards."""
     return RingAttention.apply(q, k, v, doc, mesh, window, causal, scale, backend)
+
+
+def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale=None, backend="sdpa",
+                  dout=None):
+    """Every context rank's block schedule run in ONE process, without communication.
+
+    q, k, v are full-sequence tensors; they are cut into the zigzag shards of `ctx` ranks, each
+    rank's blocks are computed and merged exactly as ring_forward / ring_backward do, and the
+    per-rank results are returned as lists (out, lse, and with `dout` also dq, dk, dv, where dk/dv
+    are summed over all ranks' contributions to each owner's block). Used to measure the compute
+    overhead of the block schedule against one attention call (on one GPU or one CPU process), and
+    to test the schedule without processes.
+    """
+    from .sequence import shard_indices
+
+    seq = q.shape[1]
+    idx = [shard_indices(seq, ctx, 1, i, 0).to(q.device) for i in range(ctx)]
+    qs, ks, vs = ([t.index_select(1, i) for i in idx] for t in (q, k, v))
+    douts = None if dout is None else [dout.index_select(1, i) for i in idx]
+    results = []
+    for rank in range(ctx):
+        sched = Schedule(ctx, window or ctx, rank)
+        b, s, h, d = qs[rank].shape
+        acc_out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+        acc_lse = torch.full((b, h, s), NEG_INF, dtype=torch.float32, device=q.device)
+        for _, _, src in sched.steps():
+            qr, kr, blk_causal = block_rows(src, rank, s, causal)
+            out, lse = attention_forward(qs[rank][:, qr], ks[src][:, kr], vs[src][:, kr], causal=blk_causal,
+                                         scale=scale, backend=backend)
+            _merge(acc_out, acc_lse, qr, out, lse)
+        results.append((acc_out.to(q.dtype), acc_lse))
+    if douts is None:
+        return [r[0] for r in results], [r[1] for r in results]
+    dqs, dks = [], [torch.zeros((2, *ks[i].shape), dtype=torch.float32, device=q.device) for i in range(ctx)]
+    for rank in range(ctx):
+        sched = Schedule(ctx, window or ctx, rank)
+        dq = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
+        out, lse = results[rank]
+        for _, _, src in sched.steps():
+            dks[src] += _block_backward(douts[rank], qs[rank], torch.stack([ks[src], vs[src]]), out, lse, None,
+                                        None, src, rank, causal, scale, backend, dq)
+        dqs.append(dq.to(q.dtype))
+    return ([r[0] for r in results], [r[1] for r in results], dqs, [d[0].to(k.dtype) for d in dks],
+            [d[1].to(v.dtype) for d in dks])

@@ -1,0 +1,189 @@
+"""`longctx bench attention`: 2D sequence-parallel attention against one attention call.
+
+Runs `world` local gloo processes (each with `threads` threads) over a head x ctx layout and
+times forward and backward of distributed_attention on each rank's shard; then times one
+single-process attention over the full sequence. Reports per-rank wall and CPU seconds (CPU
+seconds summed over ranks are the fair comparison when ranks outnumber cores), the same-run ratio
+against the single-process call, and bytes sent per mesh dim next to the closed-form volumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _inputs(args, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[args.dtype]
+    q = torch.randn(args.batch, args.seq, args.heads, args.head_dim, generator=gen).to(dtype)
+    k = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    v = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _time(fn, repeats, sync=None):
+    """Best-of-`repeats` (wall s, process CPU s) of fn()."""
+    best = (float("inf"), float("inf"))
+    for _ in range(repeats):
+        if sync:
+            sync()
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        cpu = time.process_time() - c0  # before the trailing barrier: waiting for slower ranks is not work
+        if sync:
+            sync()
+        best = min(best, (time.perf_counter() - w0, cpu))
+    return best
+
+
+def _rank_worker(args):
+    import torch.distributed as dist
+
+    from ..parallel import comm
+    from ..parallel.attention import distributed_attention
+    from ..parallel.dims import ParallelDims
+    from ..parallel.sequence import shard_sequence
+
+    dims = ParallelDims(dp_shard=1, head=args.head, ctx=args.ctx, window=args.window, placement=args.placement,
+                        world_size=args.world)
+    mesh = dims.build_mesh("cpu")
+    q, k, v = (shard_sequence(t, mesh).requires_grad_() for t in _inputs(args))
+    state = {}
+
+    def forward():
+        state["out"] = distributed_attention(q, k, v, mesh, causal=args.causal, window=args.window)
+
+    def backward():
+        state["out"].backward(state["grad"], retain_graph=True)
+
+    def sync():
+        dist.barrier()
+
+    # warm-up, and one measured call's bytes
+    comm.reset_counters()
+    forward()
+    state["grad"] = torch.ones_like(state["out"])
+    backward()
+    sent = comm.counters()
+    fwd = _time(forward, args.repeats, sync)
+    forward()
+    bwd = _time(backward, args.repeats, sync)
+    return {"fwd_wall_s": fwd[0], "fwd_cpu_s": fwd[1], "bwd_wall_s": bwd[0], "bwd_cpu_s": bwd[1], "bytes": sent}
+
+
+def _single_process(args, threads=None):
+    from ..ops.attention import attention
+
+    torch.set_num_threads(threads or args.threads)
+    q, k, v = (t.requires_grad_() for t in _inputs(args))
+    state = {}
+
+    def forward():
+        state["out"], _ = attention(q, k, v, causal=args.causal)
+
+    def backward():
+        state["out"].backward(torch.ones_like(state["out"]), retain_graph=True)
+
+    forward()
+    backward()
+    fwd = _time(forward, args.repeats)
+    forward()
+    bwd = _time(backward, args.repeats)
+    return {"fwd_wall_s": fwd[0], "fwd_cpu_s": fwd[1], "bwd_wall_s": bwd[0], "bwd_cpu_s": bwd[1],
+            "threads": torch.get_num_threads()}
+
+
+def _simulated(args) -> dict:
+    """All context ranks' ring blocks computed in this one process, no communication: the compute
+    overhead of the block schedule itself (head parallelism only reshapes the work, so ctx only)."""
+    from ..ops.attention import attention_backward, attention_forward
+    from ..parallel.ring import simulate_ring
+
+    torch.set_num_threads(args.threads)
+    q, k, v = _inputs(args)
+    dout = torch.randn_like(q)
+    out, lse = attention_forward(q, k, v, causal=args.causal)
+    single = _time(lambda: attention_backward(dout, q, k, v, out, lse, causal=args.causal), args.repeats)[1] + \
+        _time(lambda: attention_forward(q, k, v, causal=args.causal), args.repeats)[1]
+    ring = _time(lambda: simulate_ring(q, k, v, args.ctx, args.window, args.causal, dout=dout), args.repeats)[1]
+    return {"ctx": args.ctx, "ring_blocks_fwd_bwd_cpu_s": ring, "single_fwd_bwd_cpu_s": single,
+            "ratio": ring / single}
+
+
+def run(args) -> dict:
+    from ..parallel.attention import check_inputs  # noqa: F401  (validates degrees early below)
+    from ..parallel.sequence import check_divisible
+    from ..parallel.spawn import run_spawned
+    from ..parallel.ulysses import check_heads
+    from ..parallel.volumes import attention_bytes
+
+    if args.head * args.ctx != args.world:
+        raise SystemExit(f"--head {args.head} x --ctx {args.ctx} must equal --world {args.world}")
+    check_divisible(args.seq, args.ctx, args.head)
+    check_heads(args.heads, args.kv_heads, args.head)
+    ranks = run_spawned(args.world, _rank_worker, args, threads=args.threads)
+    # The reference alone on the machine, and `world` copies of it at once: with more ranks than
+    # cores, the second one carries the same oversubscription and memory contention as the ranks.
+    single = _single_process(args)
+    loaded = run_spawned(args.world, _single_process, args, threads=args.threads)
+    simulated = _simulated(args)
+    expected = attention_bytes(seq=args.seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+                               head_dim=args.head_dim, head=args.head, ctx=args.ctx,
+                               elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size())
+
+    def total(key_prefix, unit):
+        return sum(r[f"fwd_{unit}_s"] + r[f"bwd_{unit}_s"] for r in ranks) if key_prefix == "sum" else \
+            max(r[f"fwd_{unit}_s"] + r[f"bwd_{unit}_s"] for r in ranks)
+
+    single_cpu = single["fwd_cpu_s"] + single["bwd_cpu_s"]
+    single_wall = single["fwd_wall_s"] + single["bwd_wall_s"]
+    loaded_cpu = sum(r["fwd_cpu_s"] + r["bwd_cpu_s"] for r in loaded) / len(loaded)
+    return {
+        "bench": "attention",
+        "config": {k: getattr(args, k) for k in ("world", "head", "ctx", "window", "placement", "seq", "batch",
+                                                  "heads", "kv_heads", "head_dim", "causal", "dtype", "threads",
+                                                  "repeats")},
+        "per_rank": ranks,
+        "single_process": single,
+        "fwd_bwd_cpu_s_sum_over_ranks": total("sum", "cpu"),
+        "fwd_bwd_wall_s_max_over_ranks": total("max", "wall"),
+        "single_fwd_bwd_cpu_s": single_cpu,
+        "single_fwd_bwd_wall_s": single_wall,
+        "cpu_s_ratio_vs_single": total("sum", "cpu") / single_cpu,
+        "single_fwd_bwd_cpu_s_same_load": loaded_cpu,
+        "cpu_s_ratio_vs_single_same_load": total("sum", "cpu") / loaded_cpu,
+        "schedule_only": simulated,
+        "bytes_match_closed_form": all(r["bytes"] == expected for r in ranks),
+        "bytes_closed_form": expected,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    }
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--head", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=2)
+    p.add_argument("--window", type=int, default=0)
+    p.add_argument("--placement", default="head-first", choices=("head-first", "ctx-first"))
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES))
+    p.add_argument("--threads", type=int, default=1, help="threads per rank")
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def main(args) -> int:
+    print(json.dumps(run(args), indent=2))
+    return 0

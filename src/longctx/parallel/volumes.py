@@ -1,0 +1,39 @@
+"""Closed-form communication volumes of 2D attention, per rank and per call, by mesh dim and label.
+
+These are the formulas of REFERENCES.md made exact for our implementation; comm.py's counters are
+tested to equal them to the byte, and the benchmark and planner report them.
+"""
+
+from __future__ import annotations
+
+from .ulysses import kv_replication
+
+DOC_ID_BYTES = 8  # int64
+
+
+def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, head: int, ctx: int,
+                    elem: int, docs: bool = False, backward: bool = True) -> dict[str, dict[str, int]]:
+    """{dim: {label: bytes this rank sends}} for one distributed_attention call (forward [+ backward])."""
+    s_loc = seq // (head * ctx)
+    kv_rep = kv_heads * kv_replication(kv_heads, head)
+    q_bytes = batch * s_loc * heads * head_dim * elem
+    kv_bytes = batch * s_loc * kv_rep * head_dim * elem
+    block = 2 * batch * (seq // ctx) * (kv_rep // head) * head_dim  # K and V of one ring block, elements
+    out: dict[str, dict[str, int]] = {}
+    if head > 1:
+        # q, k, v in and the output back, each (h-1)/h of the local slice; the same again in backward
+        a2a = (head - 1) * (2 * q_bytes + 2 * kv_bytes) // head
+        out["head"] = {"all_to_all": a2a}
+        if backward:
+            out["head"]["all_to_all_bwd"] = a2a
+        if docs:
+            out["head"]["docs"] = batch * s_loc * DOC_ID_BYTES * (head - 1)
+    if ctx > 1:
+        # c-1 K/V blocks forward; backward again c-1 K/V blocks plus c-1 dK/dV blocks in fp32
+        out["ctx"] = {"ring_kv": (ctx - 1) * block * elem}
+        if backward:
+            out["ctx"]["ring_kv_bwd"] = (ctx - 1) * block * elem
+            out["ctx"]["ring_dkv"] = (ctx - 1) * block * 4
+        if docs:
+            out["ctx"]["ring_docs"] = (2 if backward else 1) * (ctx - 1) * batch * (seq // ctx) * DOC_ID_BYTES
+    return out

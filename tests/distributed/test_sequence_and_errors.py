@@ -1,0 +1,63 @@
+"""shard/unshard round trips and up-front errors, on 4 gloo processes."""
+
+import pytest
+import torch
+
+from longctx.errors import ConfigError
+from longctx.parallel import comm
+from longctx.parallel.attention import distributed_attention
+from longctx.parallel.dims import ParallelDims
+from longctx.parallel.sequence import shard_sequence, unshard_sequence
+from longctx.parallel.spawn import run_spawned
+
+
+def roundtrip(world):
+    out = []
+    for head, ctx, placement in [(2, 2, "head-first"), (2, 2, "ctx-first"), (1, 4, "head-first"), (4, 1, "head-first")]:
+        mesh = ParallelDims(dp_shard=1, head=head, ctx=ctx, placement=placement, world_size=world).build_mesh()
+        x = torch.arange(2 * 32 * 3).reshape(2, 32, 3).float()
+        pos = torch.arange(32).repeat(2, 1)
+        local, local_pos = shard_sequence(x, mesh), shard_sequence(pos, mesh, seq_dim=1)
+        # positions travel with their tokens: the token at local i came from global position local_pos[i]
+        ok_pos = torch.equal(local[0, :, 0], x[0, local_pos[0], 0])
+        out.append(ok_pos and torch.equal(unshard_sequence(local, mesh), x)
+                   and torch.equal(unshard_sequence(shard_sequence(x, mesh, 2 - 1), mesh, 1), x))
+    return out
+
+
+def errors(world):
+    mesh = ParallelDims(dp_shard=1, head=2, ctx=2, world_size=world).build_mesh()
+    q = torch.randn(1, 8, 4, 8)
+    kv = torch.randn(1, 8, 2, 8)
+    cases = {
+        "heads": (torch.randn(1, 8, 6, 8)[:, :, :3], torch.randn(1, 8, 3, 8), None, 0),
+        "seq": (torch.randn(1, 7, 4, 8), torch.randn(1, 7, 2, 8), None, 0),
+        "docs": (q, kv, torch.zeros(1, 5, dtype=torch.long), 0),
+        "window": (q, kv, None, 3),
+        "kv": (torch.randn(1, 8, 6, 8), torch.randn(1, 8, 3, 8), None, 0),
+    }
+    msgs = {}
+    for name, (qq, kk, doc, window) in cases.items():
+        comm.reset_counters()
+        try:
+            distributed_attention(qq, kk, kk, mesh, doc_ids=doc, window=window)
+            msgs[name] = "no error"
+        except (ConfigError, ValueError) as e:
+            msgs[name] = str(e) if not comm.counters() else f"communicated before failing: {e}"
+    with pytest.raises(ConfigError):
+        shard_sequence(torch.zeros(1, 12), mesh)
+    return msgs
+
+
+def test_shard_unshard_round_trip():
+    for rank_result in run_spawned(4, roundtrip, 4):
+        assert all(rank_result)
+
+
+def test_bad_inputs_fail_before_any_communication():
+    msgs = run_spawned(4, errors, 4)[0]
+    assert "not divisible by the head-parallel degree 2" in msgs["heads"]
+    assert "not divisible by 2 x ctx x head = 8" in msgs["seq"]
+    assert "doc_ids must be shaped like the tokens" in msgs["docs"]
+    assert "window 3 must divide" in msgs["window"]
+    assert "3 key/value heads cannot be split over head-parallel degree 2" in msgs["kv"]
