@@ -114,9 +114,8 @@ def ring_forward(q, k, v, doc, mesh, window, causal, scale, backend):
     """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s])."""
     c, rank = mesh.size(), mesh.get_local_rank()
     sched = Schedule(c, window or c, rank)
-    b, s, h, d = q.shape
-    acc_out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-    acc_lse = torch.full((b, h, s), NEG_INF, dtype=torch.float32, device=q.device)
+    s = q.shape[1]
+    acc = None  # (out fp32, lse fp32), started by the first block, which always covers every query row
     outer_kv, outer_doc = torch.stack([k, v]), doc
     for o in range(sched.windows):
         outer = comm.Pending()
@@ -131,25 +130,27 @@ def ring_forward(q, k, v, doc, mesh, window, causal, scale, backend):
                     mesh, cur_kv, cur_doc, sched.inner_next, sched.inner_prev, TAG_KV, TAG_DOC, "ring_kv")
             qr, kr, blk_causal = block_rows(sched.source(o, t), rank, s, causal)
             qd, kd = _doc_slice(doc, qr), _doc_slice(cur_doc, kr)
-            if doc is None or blk_causal or _shares_document(qd, kd):
+            if acc is None or doc is None or blk_causal or _shares_document(qd, kd):
                 out, lse = attention_forward(q[:, qr], cur_kv[0][:, kr], cur_kv[1][:, kr], causal=blk_causal,
                                              q_doc=qd, k_doc=kd, scale=scale, backend=backend)
-                _merge(acc_out, acc_lse, qr, out, lse)
+                if acc is None:
+                    acc = (out.float(), lse)
+                else:
+                    _merge(acc[0], acc[1], qr, out, lse)
             inner.wait()
             if t < sched.window - 1:
                 cur_kv, cur_doc = next_kv, next_doc
         outer.wait()
         if o < sched.windows - 1:
             outer_kv, outer_doc = next_outer_kv, next_outer_doc
-    return acc_out.to(q.dtype), acc_lse
+    return acc[0].to(q.dtype), acc[1]
 
 
 def ring_backward(dout, q, k, v, out, lse, doc, mesh, window, causal, scale, backend):
     """Gradients (dq, dk, dv) of ring_forward; dk/dv arrive back at their owner in fp32, then cast."""
     c, rank = mesh.size(), mesh.get_local_rank()
     sched = Schedule(c, window or c, rank)
-    b, s, h, d = q.shape
-    dq = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+    dq = None  # fp32, started by the first block (which covers every query row)
     outer_kv, outer_doc = torch.stack([k, v]), doc
     in_flight: list[comm.Pending] = []  # sends we must see complete before returning
     own_total = None
@@ -167,8 +168,8 @@ def ring_backward(dout, q, k, v, out, lse, doc, mesh, window, causal, scale, bac
             if t < sched.window - 1:
                 inner, next_kv, next_doc = _start_transfer(
                     mesh, cur_kv, cur_doc, sched.inner_next, sched.inner_prev, TAG_KV, TAG_DOC, "ring_kv_bwd")
-            dkv = _block_backward(dout, q, cur_kv, out, lse, doc, cur_doc, sched.source(o, t), rank, causal,
-                                  scale, backend, dq)
+            dq, dkv = _block_backward(dout, q, cur_kv, out, lse, doc, cur_doc, sched.source(o, t), rank, causal,
+                                      scale, backend, dq)
             if t == 0:
                 hold = dkv
             else:
@@ -209,20 +210,28 @@ def ring_backward(dout, q, k, v, out, lse, doc, mesh, window, causal, scale, bac
 
 
 def _block_backward(dout, q, kv, out, lse, q_doc, k_doc, src, rank, causal, scale, backend, dq):
-    """Add this block's dq into `dq`; return the block's (dk, dv) as one fp32 [2, b, s, kv, d] tensor."""
+    """One block's gradients: returns (dq with this block's share added, the block's [dk, dv] in fp32).
+
+    `dq` may be None before the first block, which covers every query row and so starts it.
+    """
     s = q.shape[1]
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     qr, kr, blk_causal = block_rows(src, rank, s, causal)
     qd, kd = _doc_slice(q_doc, qr), _doc_slice(k_doc, kr)
-    if q_doc is not None and not blk_causal and not _shares_document(qd, kd):
-        return dkv
+    if dq is not None and q_doc is not None and not blk_causal and not _shares_document(qd, kd):
+        return dq, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     gq, gk, gv = attention_backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr],
                                     lse[:, :, qr], causal=blk_causal, q_doc=qd, k_doc=kd, scale=scale,
                                     backend=backend)
-    dq[:, qr] += gq.float()
-    dkv[0][:, kr] += gk.float()
-    dkv[1][:, kr] += gv.float()
-    return dkv
+    if dq is None:
+        dq = gq.float()
+    else:
+        dq[:, qr] += gq.float()
+    if kr == slice(0, s):
+        return dq, torch.stack([gk, gv]).float()
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv[0][:, kr] = gk
+    dkv[1][:, kr] = gv
+    return dq, dkv
 
 
 class RingAttention(torch.autograd.Function):
@@ -266,25 +275,28 @@ def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale
     results = []
     for rank in range(ctx):
         sched = Schedule(ctx, window or ctx, rank)
-        b, s, h, d = qs[rank].shape
-        acc_out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-        acc_lse = torch.full((b, h, s), NEG_INF, dtype=torch.float32, device=q.device)
+        s = qs[rank].shape[1]
+        acc = None
         for _, _, src in sched.steps():
             qr, kr, blk_causal = block_rows(src, rank, s, causal)
             out, lse = attention_forward(qs[rank][:, qr], ks[src][:, kr], vs[src][:, kr], causal=blk_causal,
                                          scale=scale, backend=backend)
-            _merge(acc_out, acc_lse, qr, out, lse)
-        results.append((acc_out.to(q.dtype), acc_lse))
+            if acc is None:
+                acc = (out.float(), lse)
+            else:
+                _merge(acc[0], acc[1], qr, out, lse)
+        results.append((acc[0].to(q.dtype), acc[1]))
     if douts is None:
         return [r[0] for r in results], [r[1] for r in results]
     dqs, dks = [], [torch.zeros((2, *ks[i].shape), dtype=torch.float32, device=q.device) for i in range(ctx)]
     for rank in range(ctx):
         sched = Schedule(ctx, window or ctx, rank)
-        dq = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
+        dq = None
         out, lse = results[rank]
         for _, _, src in sched.steps():
-            dks[src] += _block_backward(douts[rank], qs[rank], torch.stack([ks[src], vs[src]]), out, lse, None,
-                                        None, src, rank, causal, scale, backend, dq)
+            dq, dkv = _block_backward(douts[rank], qs[rank], torch.stack([ks[src], vs[src]]), out, lse, None,
+                                      None, src, rank, causal, scale, backend, dq)
+            dks[src] += dkv
         dqs.append(dq.to(q.dtype))
     return ([r[0] for r in results], [r[1] for r in results], dqs, [d[0].to(k.dtype) for d in dks],
             [d[1].to(v.dtype) for d in dks])
