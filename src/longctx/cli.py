@@ -7,6 +7,7 @@ subcommand; `longctx train --help` lists every key with its default.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 
@@ -27,14 +28,29 @@ def _config_help() -> str:
 
 
 def _cmd_train(args, overrides) -> int:
-    from .config import load_config, to_toml
+    from .config import ParallelConfig, load_config, to_toml
+    from .parallel.launch import default_layout, default_nproc, relaunch, under_launcher
 
     cfg = load_config(args.config, overrides)
+    launching = not under_launcher() and not args.print_config
+    nproc = (args.nproc or default_nproc(cfg.train.device)) if launching else None
+    p, d = cfg.parallel, ParallelConfig()
+    layout_given = any(getattr(p, k) != getattr(d, k) for k in ("dp_replicate", "dp_shard", "head", "ctx"))
+    if nproc and not layout_given:
+        # the embedded default runs 2D parallel: e.g. 4 CPU ranks as head 2 x ctx 2
+        extra = [f"--parallel.{k}={v}" for k, v in default_layout(nproc).items()]
+        if extra:
+            overrides = [*overrides, *extra]
+            cfg = load_config(args.config, overrides)
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    from .train import train
+    from .train import check_layout, train
 
+    if nproc and nproc > 1:
+        check_layout(cfg, nproc)  # fail fast, before any process starts
+        relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
+        return 0
     train(cfg)
     return 0
 
@@ -68,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="TOML config file (e.g. configs/debug.toml)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes to start through torchrun (default: 4 on CPU as head 2 x ctx 2, "
+                        "every GPU on a GPU machine; 1 = this process)")
     p.set_defaults(func=_cmd_train)
     p = sub.add_parser("report", help="write PNG plots of loss and throughput for a run directory")
     p.add_argument("run_dir", help="a run directory written by `longctx train`")
@@ -87,7 +106,9 @@ def main(argv=None) -> int:
     try:
         return args.func(args, rest)
     except UserError as e:
-        print(textwrap.fill(f"longctx {args.command}: error: {e}", width=100), file=sys.stderr)
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(textwrap.fill(f"{prefix}longctx {args.command}: error: {e}", width=100), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"longctx {args.command}: interrupted", file=sys.stderr)

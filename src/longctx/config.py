@@ -93,6 +93,7 @@ class ParallelConfig:
     ctx: int = _opt(1, "context-parallel (ring attention) degree")
     window: int = _opt(0, "Double-Ring inner ring size; 0 = plain ring; must divide ctx")
     placement: str = _opt("head-first", "which group's ranks are adjacent", choices=("head-first", "ctx-first"))
+    timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 
 @dataclass
@@ -419,6 +420,8 @@ def validate(cfg: Config) -> None:
         problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
 
     positive("metrics.log_interval", mt.log_interval)
+    if p.timeout_s <= 0:
+        problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")
     if mt.peak_tflops < 0:
         problems.append(f"metrics.peak_tflops must be >= 0 (0 = automatic), got {mt.peak_tflops}.")
     if problems:
@@ -428,9 +431,6 @@ def validate(cfg: Config) -> None:
 def check_supported(cfg: Config) -> None:
     """Reject settings that are valid but not implemented in this version, rather than ignore them."""
     problems = []
-    p = cfg.parallel
-    if (p.dp_replicate, p.head, p.ctx, p.window) != (1, 1, 1, 0) or p.dp_shard not in (-1, 1):
-        problems.append("parallel layouts other than a single process are not available yet in this version.")
     if cfg.memory.checkpoint == "selective" or cfg.memory.offload_fraction > 0:
         problems.append("memory.checkpoint=selective and memory.offload_fraction > 0 are not available yet; "
                         "use memory.checkpoint=none or full.")

@@ -126,6 +126,8 @@ def format_line(r: dict) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts.append(f"mem {r['memory_gib']:.2f} GiB ({r['memory_kind']})")
+    if r.get("comm_bytes_per_step"):
+        parts.append("comm/step " + " ".join(f"{d} {v / 2**20:.1f}MiB" for d, v in r["comm_bytes_per_step"].items()))
     return " | ".join(parts)
 
 

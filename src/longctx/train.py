@@ -1,8 +1,11 @@
-"""The training loop: data -> model -> optimizer -> steps with metrics and evaluation -> plots.
+"""The training loop: data -> model -> parallelize -> optimizer -> steps with metrics and eval -> plots.
 
-One optimizer step = `train.grad_accum` micro-batches of `train.batch_size` windows. The loss of
-a step is the mean over every valid (non-ignored) label token of the step, so micro-batches with
-different numbers of valid tokens are weighted exactly as one large batch would be.
+One optimizer step = `train.grad_accum` micro-batches of `train.batch_size` windows; batch_size is
+GLOBAL (summed over data-parallel ranks), so a config means the same training under any layout.
+The loss of a step is the mean over every valid (non-ignored) label token of the global step:
+every rank divides its summed local loss by that count (known to all ranks, since all of them
+draw the same global batch) and FSDP sums the gradients, so micro-batches and ranks with different
+numbers of valid tokens are weighted exactly as one large batch on one device would be.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from .data.corpus import read_documents
 from .data.tokenizer import load_tokenizer
 from .data.windows import Batch, TokenWindows, WindowSampler, split_documents
 from .errors import ConfigError, DataError, TrainingError
-from .memory.recompute import apply_recompute
+from .parallel.launch import init_distributed
+from .parallel.parallelize import grad_scale, parallelize
+from .parallel.runtime import TRACKED_DIMS, Runtime
+from .parallel.sequence import check_divisible
+from .parallel.ulysses import check_heads
 from .metrics import (
     MetricsWriter,
     device_peak,
@@ -117,21 +124,45 @@ def build_data(cfg: Config, log=print):
                 f"the eval split ({len(eval_docs)} documents) is shorter than one window of {seq} tokens; "
                 f"raise data.eval_fraction or set train.eval_interval=0."
             ) from None
+    if evals is not None and len(evals) < cfg.train.batch_size:
+        raise DataError(
+            f"the eval split has {len(evals)} windows, fewer than one batch of train.batch_size="
+            f"{cfg.train.batch_size}; raise data.eval_fraction or set train.eval_interval=0."
+        )
     log(f"data: {cfg.data.corpus} -> {len(train_docs)} train / {len(eval_docs)} eval documents, "
         f"{train.num_tokens:,} train tokens in {len(train):,} windows of {seq} "
         f"({tok.name} tokenizer, {time.perf_counter() - t0:.1f}s)")
     return tok, train, evals
 
 
-def build_training_model(cfg: Config, device: torch.device) -> Llama:
+def build_training_model(cfg: Config, device: torch.device, rt: Runtime) -> Llama:
+    """The full model, initialised identically on every rank from the seed, then parallelised.
+
+    Initialising the whole model before sharding keeps every layout bit-identical to the single
+    device run (the price: each rank briefly holds the full fp32 model)."""
     if cfg.model.init_from:
-        from .models.hf import config_from_hf, load_hf  # noqa: F401
+        from .models.hf import load_hf
 
         model = load_hf(cfg.model.init_from.removeprefix("hf:"), dtype=torch.float32, device=device)
     else:
         model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    apply_recompute(model.layers, cfg.memory.checkpoint)
-    return model
+    return parallelize(model, rt.dims, cfg, rt.mesh, device.type)
+
+
+def check_layout(cfg: Config, world: int) -> None:
+    """Every layout problem of this config on `world` ranks, before any process starts work."""
+    from .parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg, world_size=world)
+    check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
+    check_divisible(cfg.train.seq_len, dims.ctx, dims.head)
+    dp = dims.dp_replicate * dims.dp_shard
+    if cfg.train.batch_size % dp:
+        raise ConfigError(
+            f"train.batch_size ({cfg.train.batch_size}, sequences per micro-batch over the whole job) must be "
+            f"divisible by the data-parallel degree dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard} "
+            f"= {dp}; use a multiple of {dp}."
+        )
 
 
 def _forward_sum(model: Llama, batch: Batch, autocast_dtype):
@@ -140,22 +171,58 @@ def _forward_sum(model: Llama, batch: Batch, autocast_dtype):
 
 
 @torch.no_grad()
-def evaluate(model: Llama, windows: TokenWindows, cfg: Config, device, autocast_dtype) -> float:
+def evaluate(model: Llama, windows: TokenWindows, cfg: Config, device, autocast_dtype, rt: Runtime) -> float:
     """Mean loss over the first eval_batches x batch_size eval windows (a fixed set, so evals compare)."""
     model.eval()
     total, count = 0.0, 0
     n = min(len(windows), cfg.train.eval_batches * cfg.train.batch_size)
-    for start in range(0, n, cfg.train.batch_size):
-        batch = windows.batch(range(start, min(n, start + cfg.train.batch_size))).to(device)
-        total += float(_forward_sum(model, batch, autocast_dtype))
+    for start in range(0, n - cfg.train.batch_size + 1, cfg.train.batch_size):
+        batch = windows.batch(range(start, start + cfg.train.batch_size))
+        total += float(_forward_sum(model, rt.local_batch(batch).to(device), autocast_dtype))
         count += batch.valid_tokens
     model.train()
-    return total / max(count, 1)
+    return rt.sum([total])[0] / max(count, 1)
+
+
+def clip_gradients(model, max_norm: float) -> float:
+    """Global gradient norm (over all shards) and clipping to max_norm (0 = no clipping)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients: the norm is a partial result
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return float(norm)
+
+
+def fsdp_bytes_per_step(model: torch.nn.Module, cfg: Config, rt: Runtime) -> dict[str, float]:
+    """Closed-form FSDP2 traffic per rank and step (its collectives run inside PyTorch, not comm.py):
+    per micro-batch, parameters are all-gathered for forward and again for backward and gradients
+    reduce-scattered over the shard group; with HSDP the shards are then all-reduced over replicas."""
+    if rt.world == 1:
+        return {}
+    shard = rt.dims.dp_shard * rt.dims.head * rt.dims.ctx
+    replicas = rt.dims.dp_replicate
+    param_bytes = sum(p.numel() for p in model.parameters()) * 4  # fp32 parameters and gradients
+    if rt.device.type == "cuda" and cfg.train.dtype in ("auto", "bf16"):
+        gather_bytes = param_bytes // 2  # bf16 all-gathers
+    else:
+        gather_bytes = param_bytes
+    per_micro = (shard - 1) / shard * (2 * gather_bytes + param_bytes)
+    per_micro += 2 * (replicas - 1) / replicas * param_bytes / shard
+    return {"fsdp": per_micro * cfg.train.grad_accum}
 
 
 def train(cfg: Config, log=print) -> TrainResult:
     check_supported(cfg)
     device = resolve_device(cfg.train.device)
+    rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
+    check_layout(cfg, world)
+    rt = Runtime.create(cfg, rank, world, device.type)
+    if device.type == "cuda":
+        device = rt.device
+    if not rt.is_main:
+        log = _silent  # noqa: F811  (one voice per job)
     dtype = resolve_dtype(cfg.train.dtype, device)
     autocast_dtype = dtype if dtype != torch.float32 else None
     seed_everything(cfg.train.seed)
@@ -166,27 +233,37 @@ def train(cfg: Config, log=print) -> TrainResult:
             raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.") from None
 
     tok, train_windows, eval_windows = build_data(cfg, log)
-    run_dir = make_run_dir(cfg)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    model = build_training_model(cfg, device)
+    run_dir = rt.broadcast(str(make_run_dir(cfg)) if rt.is_main else None)
+    run_dir = Path(run_dir)
+    if rt.is_main:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+    model = build_training_model(cfg, device, rt)
     optimizer = make_optimizer(model, cfg)
     sampler = WindowSampler(len(train_windows), cfg.train.seed)
 
     t = cfg.train
     flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
     peak, peak_source = device_peak(device, cfg.metrics.peak_tflops)
+    layout = (f"{world} ranks: dp_replicate {rt.dims.dp_replicate} x dp_shard {rt.dims.dp_shard} x head "
+              f"{rt.dims.head} x ctx {rt.dims.ctx}" + (f" (window {rt.dims.window})" if rt.dims.window else "")
+              + f", {rt.dims.placement}" if world > 1 else "1 process")
     log(f"model: {cfg.model.preset} shape, {count_params(model) / 1e6:.2f}M parameters, "
-        f"{device.type} {str(dtype).removeprefix('torch.')}, recompute={cfg.memory.checkpoint}; "
-        f"MFU against {peak_source}" + (f" ({peak / 1e12:.3f} TFLOP/s)" if peak else ""))
+        f"{device.type} {str(dtype).removeprefix('torch.')}, recompute={cfg.memory.checkpoint}, {layout}; "
+        f"MFU against {peak_source}" + (f" ({peak / 1e12:.3f} TFLOP/s per device)" if peak else ""))
     log(f"run directory: {run_dir}")
 
     metrics_path = Path(cfg.metrics.file) if cfg.metrics.file else run_dir / "metrics.jsonl"
-    writer = MetricsWriter(metrics_path, run_dir / "tensorboard" if cfg.metrics.tensorboard else None)
+    writer = None
+    if rt.is_main:
+        writer = MetricsWriter(metrics_path, run_dir / "tensorboard" if cfg.metrics.tensorboard else None)
+    fsdp_bytes = fsdp_bytes_per_step(model, cfg, rt)
+    scale = grad_scale(rt.dims)
     result = TrainResult(run_dir=run_dir)
-    progress = _progress(t.steps, cfg.metrics.progress)
+    progress = _progress(t.steps, cfg.metrics.progress and rt.is_main)
     say = progress.write if progress is not None else log
-    window_tokens = 0
-    window_start = time.perf_counter()
+    window_steps, window_start = 0, time.perf_counter()
+    window_bytes = rt.comm_bytes()
+    eval_time, eval_bytes = 0.0, [0.0] * len(window_bytes)
     run_start = window_start
     try:
         for step in range(1, t.steps + 1):
@@ -194,24 +271,23 @@ def train(cfg: Config, log=print) -> TrainResult:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batches = [train_windows.batch(sampler.next_indices(t.batch_size)) for _ in range(t.grad_accum)]
-            valid = sum(b.valid_tokens for b in batches)
-            step_loss = 0.0
+            valid = sum(b.valid_tokens for b in batches)  # of the global step: the same on every rank
+            local_loss = 0.0
             for batch in batches:
-                loss_sum = _forward_sum(model, batch.to(device), autocast_dtype)
-                (loss_sum / valid).backward()
-                step_loss += float(loss_sum.detach())
-            step_loss /= max(valid, 1)
+                loss_sum = _forward_sum(model, rt.local_batch(batch).to(device), autocast_dtype)
+                (loss_sum * (scale / valid)).backward()
+                local_loss += float(loss_sum.detach())
+            step_loss = rt.sum([local_loss])[0] / max(valid, 1)
             if not math.isfinite(step_loss):
                 raise TrainingError(
                     f"the training loss is {step_loss} at step {step} (learning rate {lr:.3g}); stopping before "
                     f"the optimizer applies it. Lower train.lr, raise train.warmup_steps or set train.grad_clip."
                 )
-            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            grad_norm = clip_gradients(model, t.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             result.losses.append(step_loss)
-            window_tokens += t.batch_size * t.grad_accum * t.seq_len
+            window_steps += 1
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{step_loss:.3f}", refresh=False)
@@ -219,35 +295,47 @@ def train(cfg: Config, log=print) -> TrainResult:
             if step % cfg.metrics.log_interval == 0 or step == t.steps or step == 1:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - window_start
-                tps = window_tokens / elapsed
+                elapsed = time.perf_counter() - window_start - eval_time  # evaluation is not training
+                tps = window_steps * t.batch_size * t.grad_accum * t.seq_len / elapsed
                 mem, mem_kind = peak_memory_bytes(device)
+                now_bytes = rt.comm_bytes()
+                sent = [(a - b - e) / window_steps for a, b, e in zip(now_bytes, window_bytes, eval_bytes)]
+                stats = rt.max([mem, *sent])
+                per_dim = {d: v for d, v in zip(TRACKED_DIMS, stats[1:]) if v}
                 record = {
                     "kind": "train", "step": step, "loss": step_loss, "grad_norm": grad_norm, "lr": lr,
                     "tokens_per_s": tps, "tflops": tps * flops_per_token / 1e12,
-                    "mfu": tps * flops_per_token / peak if peak else None,
-                    "memory_gib": mem / 2**30, "memory_kind": mem_kind,
+                    "mfu": tps * flops_per_token / (world * peak) if peak else None,
+                    "memory_gib": stats[0] / 2**30, "memory_kind": mem_kind + (" max over ranks" if world > 1 else ""),
+                    "comm_bytes_per_step": {**per_dim, **fsdp_bytes},
                     "tokens": step * t.batch_size * t.grad_accum * t.seq_len,
                     "elapsed_s": time.perf_counter() - run_start,
+                    "world": world,
                 }
-                writer.write(record)
+                if writer is not None:
+                    writer.write(record)
                 say(format_line(record))
-                window_tokens, window_start = 0, time.perf_counter()
+                window_steps, window_start, window_bytes = 0, time.perf_counter(), rt.comm_bytes()
+                eval_time, eval_bytes = 0.0, [0.0] * len(window_bytes)
 
             if eval_windows is not None and (step % t.eval_interval == 0 or step == t.steps):
-                eval_loss = evaluate(model, eval_windows, cfg, device, autocast_dtype)
+                eval_start, before = time.perf_counter(), rt.comm_bytes()
+                eval_loss = evaluate(model, eval_windows, cfg, device, autocast_dtype, rt)
                 result.eval_losses[step] = eval_loss
-                writer.write({"kind": "eval", "step": step, "loss": eval_loss})
+                if writer is not None:
+                    writer.write({"kind": "eval", "step": step, "loss": eval_loss})
                 say(f"step {step:>5} | eval loss {eval_loss:.4f}")
-                window_start = time.perf_counter()  # keep evaluation out of the throughput figures
+                eval_time += time.perf_counter() - eval_start
+                eval_bytes = [e + a - b for e, a, b in zip(eval_bytes, rt.comm_bytes(), before)]
     finally:
         if progress is not None:
             progress.close()
-        writer.close()
+        if writer is not None:
+            writer.close()
 
     total = time.perf_counter() - run_start
     result.tokens_per_s = t.steps * t.batch_size * t.grad_accum * t.seq_len / total
-    if cfg.metrics.plots:
+    if cfg.metrics.plots and rt.is_main:
         from .report import write_plots
 
         write_plots(run_dir, metrics_path)
@@ -255,6 +343,10 @@ def train(cfg: Config, log=print) -> TrainResult:
     log(f"done: {t.steps} steps in {total:.1f}s, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{last_eval}. "
         f"Config, metrics and plots are in {run_dir}/")
     return result
+
+
+def _silent(*_args, **_kwargs) -> None:
+    pass
 
 
 def _progress(total: int, enabled: bool):

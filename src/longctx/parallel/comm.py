@@ -125,3 +125,12 @@ def exchange(mesh, sends=(), recvs=(), label: str = "p2p") -> Pending:
     for buf, peer, tag in recvs:
         ops.append(dist.P2POp(dist.irecv, buf, ranks[peer], group=group, tag=tag))
     return Pending(dist.batch_isend_irecv(ops))
+
+
+def broadcast_object(obj, mesh, src: int = 0, label: str = "broadcast_object"):
+    """Group rank `src`'s picklable object, on every rank of the 1-D mesh (not byte-counted: control data)."""
+    if mesh.size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=group_ranks(mesh)[src], group=mesh.get_group())
+    return box[0]

@@ -1,0 +1,88 @@
+"""Starting and joining the processes of a job.
+
+`longctx train` runs under torchrun (`torchrun --nproc-per-node N -m longctx train ...`) or starts
+torchrun itself with `--nproc N` (PyTorch's launcher, standalone rendezvous on this machine).
+Inside a worker, `init_distributed` joins the process group: NCCL on GPUs, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun (or any launcher that sets the env:// variables)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def default_nproc(device: str) -> int:
+    """CPU: 4 ranks (head 2 x ctx 2 by default); GPU: every local GPU."""
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 4
+
+
+def default_layout(nproc: int) -> dict[str, int]:
+    """The layout `longctx train` uses when no parallel degree is given: 2D whenever it can."""
+    if nproc >= 4 and nproc % 2 == 0:
+        return {"head": 2, "ctx": nproc // 2}
+    if nproc == 2:
+        return {"ctx": 2}
+    return {}
+
+
+def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
+    """Join (or reuse) the default process group; returns (rank, world size)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, 1
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None:
+    """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args([
+        "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
+        f"--monitor-interval={monitor_interval}", "-m", "longctx", *argv,
+    ])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failures = e.failures
+        # The root cause: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before
+        # a rank that exited with an error, before a rank the launcher itself stopped with SIGTERM.
+        def cause(r):
+            code = failures[r].exitcode or 0
+            kind = 0 if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT) else (1 if code > 0 else 2)
+            return kind, failures[r].timestamp, r
+
+        first_rank = min(failures, key=cause)
+        failure = failures[first_rank]
+        what = f"exit code {failure.exitcode}"
+        if failure.exitcode is not None and failure.exitcode < 0:
+            try:
+                what = f"killed by {signal.Signals(-failure.exitcode).name}"
+            except ValueError:
+                pass
+        others = sorted(set(failures) - {first_rank})
+        raise UserError(
+            f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
+            + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "")
+            + ". See that rank's output above for its error."
+        ) from None

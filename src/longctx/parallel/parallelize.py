@@ -1,0 +1,64 @@
+"""parallelize(model, dims, cfg, mesh): turn the single-device model into the hybrid-parallel one.
+
+The order is fixed and matters:
+  1. distributed attention in every layer: each block's attention kernel (`Attention.core`, the
+     model's single hook) becomes 2D sequence-parallel attention over the head x ctx ranks;
+  2. activation policy (memory/recompute.py): wraps block forwards, so it must see the blocks
+     before FSDP wraps them and must wrap the distributed attention already in place;
+  3. FSDP2 `fully_shard` on every block, then on the root (embeddings, final norm, LM head), over
+     the data x head x context ranks flattened into one shard dim (LoongTrain's hybrid ZeRO: the
+     sequence ranks share the model states too), with dp_replicate as the HSDP replica dim.
+
+FSDP AVERAGES gradients over all ranks (shard and replica dims: the world). The training loop
+divides each rank's summed loss by the number of valid tokens of the global batch and multiplies
+it by `grad_scale(dims)` = the world size, so the average is the exact global mean. (A divide
+factor of 1 would say the same more directly, but FSDP implements it with PREMUL_SUM, which gloo
+lacks.)
+On GPU, parameters are gathered in bf16 and gradients reduced in fp32; on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..memory.recompute import apply_recompute
+from .attention import distributed_attention
+
+
+def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window):
+    return distributed_attention(q, k, v, mesh, causal=True, doc_ids=doc_ids, window=window)
+
+
+def fsdp_mesh(mesh):
+    """The 2-D (dp_replicate, shard) mesh FSDP2 runs over; shard = dp_shard x head x ctx flattened."""
+    shard = mesh["dp_shard", "head", "ctx"]._flatten("fsdp")
+    return mesh["dp_replicate", "fsdp"] if mesh["dp_replicate"].size() > 1 else shard
+
+
+def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # 1. distributed attention
+    if dims.sequence_degree > 1:
+        core = functools.partial(_sequence_parallel_core, mesh=mesh, window=dims.window)
+        for block in model.layers:
+            block.attention.core = core
+    # 2. activation policy
+    apply_recompute(model.layers, cfg.memory.checkpoint)
+    # 3. hybrid ZeRO
+    if dims.world_size > 1:
+        shard_mesh = fsdp_mesh(mesh)
+        bf16 = device_type == "cuda" and cfg.train.dtype in ("auto", "bf16")
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.float32 if bf16 else None)
+        for block in model.layers:
+            fully_shard(block, mesh=shard_mesh, mp_policy=mp)
+        fully_shard(model, mesh=shard_mesh, mp_policy=mp)
+    return model
+
+
+def grad_scale(dims) -> float:
+    """What each rank's loss is multiplied by so FSDP's gradient average becomes the global sum."""
+    return float(dims.world_size)

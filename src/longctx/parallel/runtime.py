@@ -1,0 +1,86 @@
+"""Runtime: this process's place in the job, and the few operations the training loop needs from it.
+
+One object answers: which rank am I, which slice of the global batch is mine (data-parallel rank),
+how is my part of each sequence cut (head x ctx), and how do per-rank numbers become job numbers.
+With one process every method is the identity, so the loop has a single code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..data.windows import Batch
+from . import comm
+from .dims import ParallelDims
+from .sequence import shard_sequence
+
+TRACKED_DIMS = ("dp_replicate", "dp_shard", "head", "ctx")
+
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    world: int = 1
+    dims: ParallelDims | None = None
+    mesh: object = None        # the 4-D DeviceMesh (None with one process)
+    world_mesh: object = None  # all ranks flattened, for job-wide reductions
+    device: torch.device = torch.device("cpu")
+
+    @classmethod
+    def create(cls, cfg, rank: int, world: int, device_type: str) -> "Runtime":
+        dims = ParallelDims.from_config(cfg, world_size=world)
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        if world == 1:
+            return cls(dims=dims, device=device)
+        mesh = dims.build_mesh(device_type)
+        world_mesh = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("world")
+        return cls(rank, world, dims, mesh, world_mesh, device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp_replicate * self.dims.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        if self.mesh is None:
+            return 0
+        return self.mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard + self.mesh["dp_shard"].get_local_rank()
+
+    def local_batch(self, batch: Batch) -> Batch:
+        """My data-parallel share of a global batch, then my balanced part of each sequence."""
+        if self.mesh is None:
+            return batch
+        rows = batch.tokens.shape[0] // self.dp
+        sl = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+
+        def part(t):
+            return None if t is None else shard_sequence(t[sl], self.mesh, seq_dim=1)
+
+        return Batch(part(batch.tokens), part(batch.labels), part(batch.positions), part(batch.doc_ids))
+
+    def sum(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values, op):
+        if self.world_mesh is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return comm.all_reduce(t, self.world_mesh, op=op, label="metrics").tolist()
+
+    def broadcast(self, obj):
+        return obj if self.world_mesh is None else comm.broadcast_object(obj, self.world_mesh)
+
+    def comm_bytes(self) -> list[float]:
+        """Bytes sent by this rank so far over each tracked mesh dim (from comm's counters)."""
+        c = comm.counters()
+        return [float(sum(c.get(d, {}).values())) for d in TRACKED_DIMS]
