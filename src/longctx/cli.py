@@ -68,9 +68,9 @@ def _cmd_report(args, overrides) -> int:
 def _cmd_bench(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
-    from .bench import attention
+    from .bench import attention, train
 
-    return {"attention": attention.main}[args.bench](args)
+    return {"attention": attention.main, "train": train.main}[args.bench](args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("attention", help="2D sequence-parallel attention vs one attention call (gloo, CPU)")
     attention.add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+    from .bench import train as train_bench
+
+    p = bench.add_parser("train", help="training tokens/s and MFU of parallel layouts (same-run comparison)")
+    train_bench.add_arguments(p)
     p.set_defaults(func=_cmd_bench)
     return parser
 

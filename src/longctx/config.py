@@ -49,7 +49,10 @@ def _llama3(factor: float, tie: bool, **shape) -> dict[str, Any]:
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(dim=128, layers=4, heads=4, kv_heads=2, head_dim=0, ffn_dim=384, vocab_size=320,
-                  rope_theta=10000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=4096),
+                  rope_theta=10000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=131072),
+    # ~100M parameters with the byte tokenizer: the CPU benchmark's "real" model
+    "small-100m": dict(dim=768, layers=14, heads=12, kv_heads=4, head_dim=0, ffn_dim=2304, vocab_size=320,
+                       rope_theta=500000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=131072),
     "llama3-1b": _llama3(32.0, True, dim=2048, layers=16, heads=32, kv_heads=8, head_dim=64, ffn_dim=8192),
     "llama3-3b": _llama3(32.0, True, dim=3072, layers=28, heads=24, kv_heads=8, head_dim=128, ffn_dim=8192),
     "llama3-8b": _llama3(8.0, False, dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn_dim=14336),
@@ -76,7 +79,7 @@ class ModelConfig:
     rope_high_freq_factor: float = _opt(4.0, "llama3 rope scaling: high_freq_factor")
     rope_original_max_len: int = _opt(8192, "llama3 rope scaling: original_max_position_embeddings")
     tie_embeddings: bool = _opt(False, "share the input embedding with the LM head")
-    max_seq_len: int = _opt(4096, "longest sequence the model is meant for (recorded in exports)")
+    max_seq_len: int = _opt(131072, "longest sequence the model is meant for (recorded in exports)")
     init_std: float = _opt(0.02, "std of the normal initialisation")
     init_from: str = _opt("", "start from weights: '' (random) or 'hf:DIR' (a local Hugging Face Llama)")
 

@@ -1,0 +1,68 @@
+"""`longctx bench train`: training throughput and MFU of layouts, as one same-run comparison.
+
+Each (model, sequence length, layout) runs `longctx train --nproc N` for a few steps in a fresh
+job; the first step (warm-up) is dropped and tokens/s, MFU and bytes per step are averaged over
+the rest. Output: one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+LAYOUTS = {
+    "single": (1, []),
+    "ctx4": (4, ["--parallel.ctx=4"]),
+    "head4": (4, ["--parallel.head=4"]),
+    "head2-ctx2": (4, ["--parallel.head=2", "--parallel.ctx=2"]),
+    "dp2-ctx2": (4, ["--parallel.dp_shard=2", "--parallel.ctx=2"]),
+}
+
+
+def run_one(preset: str, seq: int, layout: str, steps: int, batch: int) -> dict:
+    nproc, args = LAYOUTS[layout]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "longctx", "train", f"--nproc={nproc}", f"--model.preset={preset}",
+               f"--train.seq_len={seq}", f"--train.batch_size={batch}", f"--train.steps={steps}",
+               "--train.eval_interval=0", "--train.warmup_steps=1", "--metrics.log_interval=1",
+               "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=400", f"--train.run_dir={tmp}",
+               *args]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            return {"preset": preset, "seq": seq, "layout": layout, "error": r.stderr[-1500:]}
+        records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    timed = [x for x in records if x["kind"] == "train" and x["step"] > 1] or records[-1:]
+    mean = lambda k: sum(x[k] for x in timed) / len(timed)  # noqa: E731
+    return {"preset": preset, "seq": seq, "layout": layout, "world": nproc, "steps_timed": len(timed),
+            "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu") if timed[0].get("mfu") is not None else None,
+            "memory_gib_max": max(x["memory_gib"] for x in timed), "loss_last": timed[-1]["loss"],
+            "comm_bytes_per_step": timed[-1].get("comm_bytes_per_step", {})}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--presets", default="debug", help="comma-separated model presets")
+    p.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    p.add_argument("--steps", type=int, default=3, help="steps per run; the first is a warm-up")
+    p.add_argument("--batch", type=int, default=2, help="global sequences per step")
+
+
+def main(args) -> int:
+    rows = []
+    for preset in args.presets.split(","):
+        for seq in map(int, args.seqs.split(",")):
+            for layout in args.layouts.split(","):
+                row = run_one(preset, seq, layout, args.steps, args.batch)
+                print(json.dumps(row), file=sys.stderr, flush=True)  # progress
+                rows.append(row)
+    print(json.dumps({"bench": "train", "rows": rows, "machine": {
+        "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}, indent=2))
+    return 0
