@@ -1,4 +1,4 @@
-"""`longctx` command line: train, report, bench.
+"""`longctx` command line: train, report, checkpoint, bench.
 
 Config overrides are passed as `--section.key=value` (or `--section.key value`) after the
 subcommand; `longctx train --help` lists every key with its default.
@@ -32,8 +32,15 @@ def _cmd_train(args, overrides) -> int:
     from .parallel.launch import default_layout, default_nproc, relaunch, under_launcher
 
     cfg = load_config(args.config, overrides)
-    launching = not under_launcher() and not args.print_config
-    nproc = (args.nproc or default_nproc(cfg.train.device)) if launching else None
+    if under_launcher():
+        if args.nproc:
+            print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "
+                  f"{os.environ['WORLD_SIZE']} ranks", file=sys.stderr)
+        nproc = int(os.environ["WORLD_SIZE"])
+        launching = False
+    else:
+        launching = not args.print_config
+        nproc = args.nproc or default_nproc(cfg.train.device)
     p, d = cfg.parallel, ParallelConfig()
     layout_given = any(getattr(p, k) != getattr(d, k) for k in ("dp_replicate", "dp_shard", "head", "ctx"))
     if nproc and not layout_given:
@@ -47,7 +54,7 @@ def _cmd_train(args, overrides) -> int:
         return 0
     from .train import check_layout, train
 
-    if nproc and nproc > 1:
+    if launching and nproc > 1:
         check_layout(cfg, nproc)  # fail fast, before any process starts
         relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
         return 0
@@ -73,6 +80,33 @@ def _cmd_bench(args, overrides) -> int:
     return {"attention": attention.main, "train": train.main}[args.bench](args)
 
 
+def _cmd_checkpoint(args, overrides) -> int:
+    if overrides:
+        raise UserError(f"unexpected arguments for longctx checkpoint: {' '.join(overrides)}.")
+    from pathlib import Path
+
+    from .checkpoint.manager import resolve_checkpoint
+    from .checkpoint.manifest import CheckpointError, verify
+
+    if args.action == "verify":
+        path = resolve_checkpoint(args.path, Path(args.path))
+        if path is None:
+            raise CheckpointError(f"{args.path} holds no complete checkpoint.")
+        m = verify(path, checksums=True)
+        total = sum(f["bytes"] for f in m["files"])
+        print(f"{path}: OK - step {m['step']}, {len(m['files'])} files, {total / 2**20:.1f} MiB, checksums match; "
+              f"written under {m['layout']}")
+        return 0
+    if args.to != "hf":
+        raise UserError(f"--to {args.to}: only 'hf' export is available.")
+    if not args.out:
+        raise UserError("longctx checkpoint export needs an output directory: longctx checkpoint export PATH --to hf OUT.")
+    from .checkpoint.export import export_hf
+
+    print(f"wrote {export_hf(args.path, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longctx", description="Train decoder LLMs on very long contexts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="write PNG plots of loss and throughput for a run directory")
     p.add_argument("run_dir", help="a run directory written by `longctx train`")
     p.set_defaults(func=_cmd_report)
+    p = sub.add_parser("checkpoint", help="verify a checkpoint, or export it to Hugging Face format")
+    p.add_argument("action", choices=("verify", "export"))
+    p.add_argument("path", help="a step-* checkpoint directory, or a checkpoints directory (its latest)")
+    p.add_argument("out", nargs="?", help="export: the output directory")
+    p.add_argument("--to", default="hf", help="export format (hf)")
+    p.set_defaults(func=_cmd_checkpoint)
     bench = sub.add_parser("bench", help="benchmarks; each prints JSON").add_subparsers(dest="bench", required=True)
     from .bench import attention
 

@@ -437,9 +437,6 @@ def check_supported(cfg: Config) -> None:
     if cfg.memory.checkpoint == "selective" or cfg.memory.offload_fraction > 0:
         problems.append("memory.checkpoint=selective and memory.offload_fraction > 0 are not available yet; "
                         "use memory.checkpoint=none or full.")
-    if cfg.checkpoint.interval or cfg.checkpoint.resume != "none":
-        problems.append("saving and resuming checkpoints are not available yet; leave checkpoint.interval=0 "
-                        "and checkpoint.resume=none.")
     if problems:
         raise ConfigError(" ".join(problems))
 

@@ -2,8 +2,9 @@
 
 FLOPs are *model* FLOPs (what the math needs, not what recomputation adds), including the
 attention score term: per layer and token, forward, 2 x (matmul parameters) + 4 x seq x d_attn,
-the attention term halved under a causal mask; the LM head adds 2 x dim x vocab; training is
-3x forward. MFU divides achieved model FLOP/s by the device's peak: the dense bf16 peak for known
+the attention term halved under a causal mask (counted so also with document masks, which skip
+more: MFU is then an upper bound, as in most reports); the LM head adds 2 x dim x vocab; training
+is 3x forward. MFU divides achieved model FLOP/s by the device's peak: the dense bf16 peak for known
 GPUs, or on CPU a fp32 GEMM peak measured at start-up (the line says which).
 """
 
@@ -20,8 +21,10 @@ import torch
 from .config import ModelConfig
 
 # Dense (no sparsity) bf16 peaks in FLOP/s, from vendor data sheets, matched on the device name.
-GPU_PEAK_BF16 = {
+GPU_PEAK_BF16 = {  # most specific names first
     "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "H100": 989e12,
     "H800": 989e12,
     "H20": 148e12,

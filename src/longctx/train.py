@@ -45,7 +45,8 @@ from .models.llama import Llama, build_model, count_params
 @dataclass
 class TrainResult:
     run_dir: Path
-    losses: list[float] = field(default_factory=list)  # one per optimizer step
+    losses: list[float] = field(default_factory=list)  # one per optimizer step run by this job
+    first_step: int = 1  # the step losses[0] belongs to (> 1 after a resume)
     eval_losses: dict[int, float] = field(default_factory=dict)
     tokens_per_s: float = 0.0
 
@@ -240,6 +241,9 @@ def train(cfg: Config, log=print) -> TrainResult:
     model = build_training_model(cfg, device, rt)
     optimizer = make_optimizer(model, cfg)
     sampler = WindowSampler(len(train_windows), cfg.train.seed)
+    ckpt, start_step = _checkpointing(cfg, run_dir, rt, model, optimizer, sampler, log)
+    if device.type == "cuda":  # the full model existed briefly before sharding; measure training from here
+        torch.cuda.reset_peak_memory_stats(device)
 
     t = cfg.train
     flops_per_token = train_flops_per_token(cfg.model, t.seq_len)
@@ -258,15 +262,17 @@ def train(cfg: Config, log=print) -> TrainResult:
         writer = MetricsWriter(metrics_path, run_dir / "tensorboard" if cfg.metrics.tensorboard else None)
     fsdp_bytes = fsdp_bytes_per_step(model, cfg, rt)
     scale = grad_scale(rt.dims)
-    result = TrainResult(run_dir=run_dir)
+    result = TrainResult(run_dir=run_dir, first_step=start_step + 1)
     progress = _progress(t.steps, cfg.metrics.progress and rt.is_main)
     say = progress.write if progress is not None else log
     window_steps, window_start = 0, time.perf_counter()
     window_bytes = rt.comm_bytes()
     eval_time, eval_bytes = 0.0, [0.0] * len(window_bytes)
+    save_blocking = 0.0  # seconds the loop waited for checkpoint saves in the current log window
+    total_eval_time = 0.0
     run_start = window_start
     try:
-        for step in range(1, t.steps + 1):
+        for step in range(start_step + 1, t.steps + 1):
             lr = lr_at(step - 1, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -288,6 +294,9 @@ def train(cfg: Config, log=print) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
             result.losses.append(step_loss)
             window_steps += 1
+            if ckpt is not None and cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+                ckpt.save(step, model, optimizer, sampler.state_dict())
+                save_blocking += ckpt.last_save_blocking_s
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{step_loss:.3f}", refresh=False)
@@ -312,11 +321,13 @@ def train(cfg: Config, log=print) -> TrainResult:
                     "elapsed_s": time.perf_counter() - run_start,
                     "world": world,
                 }
+                if save_blocking:
+                    record["checkpoint_blocking_s"] = save_blocking
                 if writer is not None:
                     writer.write(record)
                 say(format_line(record))
                 window_steps, window_start, window_bytes = 0, time.perf_counter(), rt.comm_bytes()
-                eval_time, eval_bytes = 0.0, [0.0] * len(window_bytes)
+                eval_time, eval_bytes, save_blocking = 0.0, [0.0] * len(window_bytes), 0.0
 
             if eval_windows is not None and (step % t.eval_interval == 0 or step == t.steps):
                 eval_start, before = time.perf_counter(), rt.comm_bytes()
@@ -326,7 +337,10 @@ def train(cfg: Config, log=print) -> TrainResult:
                     writer.write({"kind": "eval", "step": step, "loss": eval_loss})
                 say(f"step {step:>5} | eval loss {eval_loss:.4f}")
                 eval_time += time.perf_counter() - eval_start
+                total_eval_time += time.perf_counter() - eval_start
                 eval_bytes = [e + a - b for e, a, b in zip(eval_bytes, rt.comm_bytes(), before)]
+        if ckpt is not None:
+            ckpt.wait()  # the last async save is complete and committed before the job ends
     finally:
         if progress is not None:
             progress.close()
@@ -334,15 +348,45 @@ def train(cfg: Config, log=print) -> TrainResult:
             writer.close()
 
     total = time.perf_counter() - run_start
-    result.tokens_per_s = t.steps * t.batch_size * t.grad_accum * t.seq_len / total
+    result.tokens_per_s = len(result.losses) * t.batch_size * t.grad_accum * t.seq_len / (total - total_eval_time)
     if cfg.metrics.plots and rt.is_main:
         from .report import write_plots
 
         write_plots(run_dir, metrics_path)
     last_eval = f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
-    log(f"done: {t.steps} steps in {total:.1f}s, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}{last_eval}. "
-        f"Config, metrics and plots are in {run_dir}/")
+    if result.losses:
+        log(f"done: steps {result.first_step}-{t.steps} in {total:.1f}s, loss {result.losses[0]:.4f} -> "
+            f"{result.losses[-1]:.4f}{last_eval}. Config, metrics and plots are in {run_dir}/")
     return result
+
+
+def _checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer, sampler, log):
+    """The checkpoint manager (None when neither saving nor resuming) and the step to continue after."""
+    ck = cfg.checkpoint
+    if not ck.interval and ck.resume == "none":
+        return None, 0
+    from .checkpoint.manager import CheckpointManager, resolve_checkpoint
+    from .config import to_dict
+
+    root = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
+    layout = {"world": rt.world, **{k: getattr(rt.dims, k) for k in
+                                    ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")}}
+    manager = CheckpointManager(root, keep=ck.keep, async_save=ck.async_save, rank=rt.rank, world=rt.world,
+                                layout=layout, model_cfg=to_dict(cfg)["model"], log=log)
+    path = resolve_checkpoint(ck.resume, root)
+    if path is None:
+        if ck.resume != "none":
+            log(f"checkpoint: nothing to resume in {root}; starting at step 1")
+        return manager, 0
+    state = manager.load(path, model, optimizer)
+    sampler.load_state_dict(state["sampler"])
+    saved = state["manifest"]["layout"]
+    log(f"checkpoint: resumed step {state['step']} from {path} (written by {saved['world']} ranks: "
+        f"head {saved['head']} x ctx {saved['ctx']} x dp {saved['dp_replicate']}x{saved['dp_shard']}; "
+        f"now {rt.world} ranks)")
+    if state["step"] >= cfg.train.steps:
+        log(f"checkpoint: step {state['step']} is already >= train.steps={cfg.train.steps}; nothing to train")
+    return manager, int(state["step"])
 
 
 def _silent(*_args, **_kwargs) -> None:

@@ -59,5 +59,5 @@ def test_bad_inputs_fail_before_any_communication():
     assert "not divisible by the head-parallel degree 2" in msgs["heads"]
     assert "not divisible by 2 x ctx x head = 8" in msgs["seq"]
     assert "doc_ids must be shaped like the tokens" in msgs["docs"]
-    assert "window 3 must divide" in msgs["window"]
+    assert "window 3 must be 0 (plain ring) or divide" in msgs["window"]
     assert "3 key/value heads cannot be split over head-parallel degree 2" in msgs["kv"]

@@ -49,7 +49,7 @@ def test_preset_fills_fields_not_set_explicitly():
         (["--parallel.ctx=4", "--parallel.window=3"], "parallel.window (3) must be 0 or divide parallel.ctx (4)"),
         (["--parallel.head=3"], "model.heads (4) must be divisible by parallel.head (3)"),
         (["--data.doc_mask=maybe"], "must be true or false"),
-        (["--train.seq_len=99999"], "exceeds model.max_seq_len"),
+        (["--train.seq_len=200000"], "exceeds model.max_seq_len"),
         (["steps=3"], "unexpected argument 'steps=3'"),
     ],
 )

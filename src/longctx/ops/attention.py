@@ -62,6 +62,16 @@ def build_mask(seq_q: int, seq_k: int, causal: bool, q_doc, k_doc, device) -> to
     return mask
 
 
+def _mask_if_needed(backend, q, k, causal, q_doc, k_doc):
+    """The dense boolean mask, only where it is used: the math backend, or document masks (which the
+    fused kernels take as a bias). Plain causal attention on the fused kernels needs none."""
+    if backend == "math" or q_doc is not None:
+        return build_mask(q.shape[1], k.shape[1], causal, q_doc, k_doc, q.device)
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs as many queries as keys here, got {q.shape[1]} and {k.shape[1]}")
+    return None
+
+
 def _check(q, k, v, q_doc, k_doc):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects [batch, seq, heads, head_dim] tensors, got {tuple(q.shape)}, "
@@ -119,7 +129,11 @@ def _math_backward(dout, q, k, v, out, lse, mask, scale, dlse=None):
 
 
 def _additive(mask, dtype, b, h, sq, sk):
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, NEG_INF)
+    # Rows of the bias are allocated with a length padded to 16: the CUDA kernels need their stride
+    # aligned (F.scaled_dot_product_attention pads the same way; the aten ops called here do not).
+    padded = (sk + 15) // 16 * 16
+    bias = torch.zeros((*mask.shape[:-1], padded), dtype=dtype, device=mask.device)[..., :sk]
+    bias.masked_fill_(~mask, NEG_INF)
     return bias.expand(b, h, sq, sk)
 
 
@@ -178,7 +192,7 @@ def _cuda_efficient_backward(dot, qt, kt, vt, bias, ot, lse, is_causal, scale):
     offset = torch.zeros((), dtype=torch.int64, device=qt.device)
     grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dot, qt, kt, vt, bias, ot, lse, seed, offset, 0.0,
-        (True, True, True, bias is not None), is_causal, scale=scale)
+        (True, True, True, False), is_causal, scale=scale)  # never the bias gradient: a dense [b, h, sq, sk]
     return grads[0], grads[1], grads[2]
 
 
@@ -200,9 +214,10 @@ def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=Non
     """Forward only: (out [b, sq, h, d] in q's dtype, lse [b, h, sq] fp32). No autograd graph."""
     _check(q, k, v, q_doc, k_doc)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    mask = build_mask(q.shape[1], k.shape[1], causal, q_doc, k_doc, q.device)
+    backend = _resolve(backend, q)
+    mask = _mask_if_needed(backend, q, k, causal, q_doc, k_doc)
     with torch.no_grad():
-        if _resolve(backend, q) == "math":
+        if backend == "math":
             return _math_forward(q, k, v, mask, scale)
         return _sdpa_forward(q, k, v, causal, mask, scale, q_doc is not None)
 
@@ -215,10 +230,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_do
     of (ring attention); then the result is this block's share of the global gradients.
     `dlse`, the gradient flowing into the lse, if any, is handled by the math backend.
     """
+    _check(q, k, v, q_doc, k_doc)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    mask = build_mask(q.shape[1], k.shape[1], causal, q_doc, k_doc, q.device)
+    backend = "math" if dlse is not None else _resolve(backend, q)
+    mask = _mask_if_needed(backend, q, k, causal, q_doc, k_doc)
     with torch.no_grad():
-        if dlse is not None or _resolve(backend, q) == "math":
+        if backend == "math":
             return _math_backward(dout, q, k, v, out, lse, mask, scale, dlse)
         return _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale, q_doc is not None)
 

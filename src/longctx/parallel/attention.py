@@ -36,8 +36,8 @@ def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:
             f"sequence length {seq} (local shard {local}) is not divisible by 2 x ctx x head = {2 * ctx * head}; "
             f"the zigzag layout needs an even number of tokens per shard."
         )
-    if window and ctx % window:
-        raise ConfigError(f"window {window} must divide the context-parallel degree {ctx}.")
+    if window < 0 or (window and ctx % window):
+        raise ConfigError(f"window {window} must be 0 (plain ring) or divide the context-parallel degree {ctx}.")
     if doc_ids is not None and tuple(doc_ids.shape) != tuple(q.shape[:2]):
         raise ValueError(f"doc_ids must be shaped like the tokens [batch, local_seq] = {tuple(q.shape[:2])}, "
                          f"got {tuple(doc_ids.shape)}; shard them with shard_sequence like the tokens.")
@@ -58,6 +58,8 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     if r > 1:
         k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     q, k, v = (seq_to_head(t, head_mesh) for t in (q, k, v))
+    if doc_ids is not None:
+        doc_ids = doc_ids.contiguous()  # it travels around the ring in buffers shaped like it
     if doc_ids is not None and h > 1:
         gathered = comm.all_gather(doc_ids, head_mesh, label="docs")
         doc_ids = torch.cat(list(gathered.unbind(0)), dim=1)

@@ -1,0 +1,1 @@
+"""Reshardable, crash-safe checkpoints (PyTorch Distributed Checkpoint underneath)."""
