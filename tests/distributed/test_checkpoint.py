@@ -147,6 +147,8 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, uninterru
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    interrupted = [p.name for p in ckpts.glob(".tmp-step-*")]
+    print(f"killed with latest={latest_checkpoint(ckpts).name}, interrupted saves left behind: {interrupted}")
     latest = latest_checkpoint(ckpts)
     assert latest is not None
     step = verify(latest)["step"]  # intact: every file present with its checksum

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from datetime import timedelta
 
 import torch
@@ -38,12 +39,29 @@ def default_layout(nproc: int) -> dict[str, int]:
     return {}
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when its launcher dies.
+
+    If the launcher is killed (SIGKILL, OOM killer), torchrun cannot stop its workers, and orphaned
+    workers would go on training and writing checkpoints that nobody asked for."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
 def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
     """Join (or reuse) the default process group; returns (rank, world size)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
+    die_with_parent()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device_type == "cuda" else "gloo"

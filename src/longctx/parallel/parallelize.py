@@ -31,10 +31,21 @@ def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window):
     return distributed_attention(q, k, v, mesh, causal=True, doc_ids=doc_ids, window=window)
 
 
-def fsdp_mesh(mesh):
-    """The 2-D (dp_replicate, shard) mesh FSDP2 runs over; shard = dp_shard x head x ctx flattened."""
-    shard = mesh["dp_shard", "head", "ctx"]._flatten("fsdp")
-    return mesh["dp_replicate", "fsdp"] if mesh["dp_replicate"].size() > 1 else shard
+def fsdp_mesh(dims, device_type: str):
+    """The mesh FSDP2 runs over: (dp_replicate, fsdp), fsdp = the dp_shard x head x ctx ranks.
+
+    Built as its own mesh over CONTIGUOUS ranks rather than by flattening the 4-D mesh: with
+    head-first placement the flattened order is permuted (e.g. 0, 2, 1, 3), and Distributed
+    Checkpoint then loads shards at offsets that disagree with FSDP's (found by the reshard tests).
+    Both placements keep dp_replicate outermost, so replica r is exactly ranks r*n .. r*n+n-1 and the
+    groups are the same sets of ranks either way.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1)
+    if dims.dp_replicate > 1:
+        return DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "fsdp"))
+    return DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",))
 
 
 def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
@@ -49,7 +60,7 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     apply_recompute(model.layers, cfg.memory.checkpoint)
     # 3. hybrid ZeRO
     if dims.world_size > 1:
-        shard_mesh = fsdp_mesh(mesh)
+        shard_mesh = fsdp_mesh(dims, device_type)
         bf16 = device_type == "cuda" and cfg.train.dtype in ("auto", "bf16")
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
