@@ -78,6 +78,17 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
                           f"manifest.json, or a directory holding them).")
 
 
+def _reusable_stager():
+    """A DCP stager that copies into host buffers it keeps for the next save (pinned on CUDA)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # older torch: DCP's own default staging
+        return None
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
 def _rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
@@ -97,6 +108,7 @@ class CheckpointManager:
         # with the training loop's collectives on the default group.
         self.group = dist.new_group(backend="gloo") if world > 1 else None
         self._future = None
+        self._stager = None  # host staging buffers, allocated at the first async save and reused
         self._commit_thread: threading.Thread | None = None
         self._commit_error: BaseException | None = None
         self.last_save_blocking_s = 0.0
@@ -123,6 +135,10 @@ class CheckpointManager:
             (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "sampler": sampler_state}))
             torch.save(_rng_state(), tmp / "rng.pt")
         if self.async_save:
+            if self._stager is None:
+                self._stager = _reusable_stager()
+            if self._stager is not None:
+                kwargs["async_stager"] = self._stager
             self._future = dcp.async_save(state, **kwargs)
             if hasattr(self._future, "upload_completion"):  # AsyncSaveResponse (newer torch)
                 self._future = self._future.upload_completion
