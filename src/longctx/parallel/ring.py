@@ -173,40 +173,41 @@ def ring_backward(dout, q, k, v, out, lse, doc, mesh, window, causal, scale, bac
             if t == 0:
                 hold = dkv
             else:
-                if inner_acc is not None:
-                    inner_acc[0].wait()
-                    dkv = dkv + inner_acc[1]
-                buf = torch.empty_like(dkv)
-                pending = comm.exchange(mesh, [(dkv, sched.inner_next, TAG_DKV)],
-                                        [(buf, sched.inner_prev, TAG_DKV)], label="ring_dkv")
-                in_flight.append(pending)
-                inner_acc = (pending, buf)
+                inner_acc = _pass_on(mesh, dkv, inner_acc, sched.inner_next, sched.inner_prev, TAG_DKV, in_flight)
             inner.wait()
             if t < sched.window - 1:
                 cur_kv, cur_doc = next_kv, next_doc
-        if inner_acc is not None:  # the last hop brought back the window's gradient of our outer block
-            inner_acc[0].wait()
-            hold = hold + inner_acc[1]
+        hold = _settle(hold, inner_acc)  # the last hop brought back the window's gradient of our outer block
         if o == 0:
             own_total = hold
         else:
-            if outer_acc is not None:
-                outer_acc[0].wait()
-                hold = hold + outer_acc[1]
-            buf = torch.empty_like(hold)
-            pending = comm.exchange(mesh, [(hold, sched.outer_next, TAG_OUTER_DKV)],
-                                    [(buf, sched.outer_prev, TAG_OUTER_DKV)], label="ring_dkv")
-            in_flight.append(pending)
-            outer_acc = (pending, buf)
+            outer_acc = _pass_on(mesh, hold, outer_acc, sched.outer_next, sched.outer_prev, TAG_OUTER_DKV,
+                                 in_flight)
         outer.wait()
         if o < sched.windows - 1:
             outer_kv, outer_doc = next_outer_kv, next_outer_doc
-    if outer_acc is not None:
-        outer_acc[0].wait()
-        own_total = own_total + outer_acc[1]
+    own_total = _settle(own_total, outer_acc)
     for pending in in_flight:
         pending.wait()
     return dq.to(q.dtype), own_total[0].to(k.dtype), own_total[1].to(v.dtype)
+
+
+def _settle(acc, incoming):
+    """acc plus the accumulator `incoming` = (pending, buffer) once it has arrived (if any)."""
+    if incoming is None:
+        return acc
+    incoming[0].wait()
+    return acc + incoming[1]
+
+
+def _pass_on(mesh, acc, incoming, to, frm, tag, in_flight):
+    """Add the gradient accumulator arriving from `frm` (if any) to `acc`, send the sum on to `to`,
+    and post the receive of the next accumulator from `frm`; returns it as (pending, buffer)."""
+    acc = _settle(acc, incoming)
+    buf = torch.empty_like(acc)
+    pending = comm.exchange(mesh, [(acc, to, tag)], [(buf, frm, tag)], label="ring_dkv")
+    in_flight.append(pending)
+    return pending, buf
 
 
 def _block_backward(dout, q, kv, out, lse, q_doc, k_doc, src, rank, causal, scale, backend, dq):
