@@ -1,8 +1,6 @@
 """Checkpoints: save under one layout, resume under another; atomic commit; verify; export."""
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -119,7 +119,6 @@ def _simulated(args) -> dict:
 
 
 def run(args) -> dict:
-    from ..parallel.attention import check_inputs  # noqa: F401  (validates degrees early below)
     from ..parallel.sequence import check_divisible
     from ..parallel.spawn import run_spawned
     from ..parallel.ulysses import check_heads
