@@ -127,7 +127,7 @@ def exchange(mesh, sends=(), recvs=(), label: str = "p2p") -> Pending:
     return Pending(dist.batch_isend_irecv(ops))
 
 
-def broadcast_object(obj, mesh, src: int = 0, label: str = "broadcast_object"):
+def broadcast_object(obj, mesh, src: int = 0):
     """Group rank `src`'s picklable object, on every rank of the 1-D mesh (not byte-counted: control data)."""
     if mesh.size() == 1:
         return obj

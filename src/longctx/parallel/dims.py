@@ -76,11 +76,6 @@ class ParallelDims:
             raise ConfigError(f"parallel.placement '{self.placement}' is not one of {', '.join(PLACEMENTS)}.")
 
     @property
-    def ring_window(self) -> int:
-        """The inner ring size actually used: `window`, or the whole context group when 0."""
-        return self.window or self.ctx
-
-    @property
     def sequence_degree(self) -> int:
         return self.head * self.ctx
 

@@ -95,6 +95,15 @@ def _merge(acc_out, acc_lse, rows, out, lse):
     acc_lse[:, :, rows] = new_lse
 
 
+def _accumulate(acc, rows, out, lse):
+    """Fold one block's (out, lse) into the fp32 accumulators; the first block (which always covers
+    every query row) starts them, so no zero-filled merge is ever computed."""
+    if acc is None:
+        return out.float(), lse
+    _merge(acc[0], acc[1], rows, out, lse)
+    return acc
+
+
 def _doc_slice(doc, rows):
     return None if doc is None else doc[:, rows]
 
@@ -133,10 +142,7 @@ def ring_forward(q, k, v, doc, mesh, window, causal, scale, backend):
             if acc is None or doc is None or blk_causal or _shares_document(qd, kd):
                 out, lse = attention_forward(q[:, qr], cur_kv[0][:, kr], cur_kv[1][:, kr], causal=blk_causal,
                                              q_doc=qd, k_doc=kd, scale=scale, backend=backend)
-                if acc is None:
-                    acc = (out.float(), lse)
-                else:
-                    _merge(acc[0], acc[1], qr, out, lse)
+                acc = _accumulate(acc, qr, out, lse)
             inner.wait()
             if t < sched.window - 1:
                 cur_kv, cur_doc = next_kv, next_doc
@@ -282,10 +288,7 @@ def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale
             qr, kr, blk_causal = block_rows(src, rank, s, causal)
             out, lse = attention_forward(qs[rank][:, qr], ks[src][:, kr], vs[src][:, kr], causal=blk_causal,
                                          scale=scale, backend=backend)
-            if acc is None:
-                acc = (out.float(), lse)
-            else:
-                _merge(acc[0], acc[1], qr, out, lse)
+            acc = _accumulate(acc, qr, out, lse)
         results.append((acc[0].to(q.dtype), acc[1]))
     if douts is None:
         return [r[0] for r in results], [r[1] for r in results]
