@@ -28,10 +28,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | None = None):
+def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | None = None,
+         words: Sequence[str] = ()):
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = tuple(choices)
+    if words:
+        meta["words"] = tuple(words)  # strings a number field also accepts (e.g. "auto")
     if key is not None:
         meta["key"] = key  # the config/CLI name when it is not a valid Python identifier
     return field(default=default, metadata=meta)
@@ -134,8 +137,12 @@ class DataConfig:
 @dataclass
 class MemoryConfig:
     checkpoint: str = _opt("none", "activation recomputation policy", choices=("none", "full", "selective"))
-    offload_fraction: float = _opt(0.0, "fraction of each saved activation's tokens moved to host memory")
+    offload_fraction: float = _opt(0.0, "fraction of each block's saved tokens moved to host memory (needs "
+                                   "checkpoint=selective); 'auto' picks it from host-link bandwidth, block "
+                                   "forward time and free host memory", words=("auto",))
     offload_skip_last: int = _opt(1, "the last K blocks are never offloaded")
+    loss_chunk: int = _opt(4096, "tokens per chunk of the LM head + cross-entropy when a rank holds more tokens "
+                           "than this (logits [tokens, vocab] never exist); 0 = never chunk")
 
 
 @dataclass
@@ -190,6 +197,8 @@ def _type_name(t: type) -> str:
 
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     """Check a TOML value (or a CLI string, already parsed) against the field's type and choices."""
+    if isinstance(value, str) and value in f.metadata.get("words", ()):
+        return value
     typ = {"int": int, "float": float, "bool": bool, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
     ok = (
         (typ is bool and isinstance(value, bool))
@@ -212,6 +221,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
 
 def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     typ = f.type if isinstance(f.type, str) else f.type.__name__
+    if text in f.metadata.get("words", ()):
+        return text
     if typ == "bool":
         low = text.lower()
         if low in ("true", "1", "yes", "on"):
@@ -415,8 +426,16 @@ def validate(cfg: Config) -> None:
     if p.head > 0 and m.heads > 0 and m.heads % p.head:
         problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
 
-    if not 0 <= mem.offload_fraction <= 1:
-        problems.append(f"memory.offload_fraction must be in [0, 1], got {mem.offload_fraction}.")
+    if mem.offload_fraction != "auto" and not 0 <= mem.offload_fraction <= 1:
+        problems.append(f"memory.offload_fraction must be in [0, 1] or 'auto', got {mem.offload_fraction}.")
+    if (mem.offload_fraction == "auto" or mem.offload_fraction > 0) and mem.checkpoint != "selective":
+        problems.append(
+            f"memory.offload_fraction = {mem.offload_fraction} needs memory.checkpoint = selective (got "
+            f"'{mem.checkpoint}'): the tokens that are not offloaded are recomputed, which is the selective "
+            f"policy's job. Add --memory.checkpoint selective."
+        )
+    if mem.loss_chunk < 0:
+        problems.append(f"memory.loss_chunk must be >= 0 (0 = never chunk), got {mem.loss_chunk}.")
     if mem.offload_skip_last < 0:
         problems.append(f"memory.offload_skip_last must be >= 0, got {mem.offload_skip_last}.")
     if ck.interval < 0 or ck.keep < 1:
@@ -427,16 +446,6 @@ def validate(cfg: Config) -> None:
         problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")
     if mt.peak_tflops < 0:
         problems.append(f"metrics.peak_tflops must be >= 0 (0 = automatic), got {mt.peak_tflops}.")
-    if problems:
-        raise ConfigError(" ".join(problems))
-
-
-def check_supported(cfg: Config) -> None:
-    """Reject settings that are valid but not implemented in this version, rather than ignore them."""
-    problems = []
-    if cfg.memory.checkpoint == "selective" or cfg.memory.offload_fraction > 0:
-        problems.append("memory.checkpoint=selective and memory.offload_fraction > 0 are not available yet; "
-                        "use memory.checkpoint=none or full.")
     if problems:
         raise ConfigError(" ".join(problems))
 

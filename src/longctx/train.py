@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import Config, check_supported, to_toml
+from .config import Config, to_toml
 from .data.corpus import read_documents
 from .data.tokenizer import load_tokenizer
 from .data.windows import Batch, TokenWindows, WindowSampler, split_documents
@@ -215,7 +215,6 @@ def fsdp_bytes_per_step(model: torch.nn.Module, cfg: Config, rt: Runtime) -> dic
 
 
 def train(cfg: Config, log=print) -> TrainResult:
-    check_supported(cfg)
     device = resolve_device(cfg.train.device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
     check_layout(cfg, world)

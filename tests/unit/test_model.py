@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.memory.recompute import apply_recompute
+from longctx.memory.policies import apply_memory_policy
 from longctx.models.llama import apply_rope, build_model, count_params, rope_cos_sin
 
 
@@ -88,7 +88,7 @@ def test_rope_is_relative():
 def test_full_recompute_keeps_names_and_gradients():
     cfg = small()
     a, b = build_model(cfg), build_model(cfg)
-    apply_recompute(b.layers, "full")
+    apply_memory_policy(b.layers, "full")
     assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
     labels = tokens.roll(-1, 1)

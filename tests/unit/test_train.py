@@ -76,9 +76,9 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
         train(cfg_for(tmp_path), log=quiet)
 
 
-def test_unsupported_settings_are_refused_not_ignored(tmp_path):
-    with pytest.raises(ConfigError, match="not available yet"):
-        train(cfg_for(tmp_path, "--memory.checkpoint=selective"), log=quiet)
+def test_impossible_settings_are_refused_not_ignored(tmp_path):
+    with pytest.raises(ConfigError, match="needs memory.checkpoint = selective"):
+        train(cfg_for(tmp_path, "--memory.offload_fraction=0.5"), log=quiet)
     with pytest.raises(ConfigError, match="model.vocab_size"):
         train(cfg_for(tmp_path, "--model.vocab_size=100"), log=quiet)
 

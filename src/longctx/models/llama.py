@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.attention import attention
+from ..ops.loss import lm_head_loss
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -83,14 +84,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=False)
         self.core = local_attention
 
-    def forward(self, x, cos, sin, doc_ids):
+    def qkv(self, x, cos, sin):
+        """Projections and RoPE: token-wise (no token sees another), so any token slice can be
+        recomputed on its own."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, self.heads, self.head_dim)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, doc_ids)
-        return self.wo(out.reshape(b, s, self.heads * self.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, doc_ids):
+        out = self.core(*self.qkv(x, cos, sin), doc_ids)
+        return self.wo(out.flatten(2))
 
 
 def local_attention(q, k, v, doc_ids):
@@ -112,6 +117,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
+    """One decoder layer as three stages, so memory policies (memory/policies.py) can treat them
+    differently: `pre` and `post` are token-wise and cheap to recompute; `attention.core` is the
+    only place tokens meet (and, sequence-parallel, the only place ranks communicate)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -119,9 +128,17 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x, cos, sin, doc_ids):
-        h = x + self.attention(self.attention_norm(x), cos, sin, doc_ids)
+    def pre(self, x, cos, sin):
+        """attention norm, q/k/v projections, RoPE -> q, k, v [b, s, heads or kv_heads, head_dim]"""
+        return self.attention.qkv(self.attention_norm(x), cos, sin)
+
+    def post(self, x, attn):
+        """output projection, residual, MLP norm, MLP, residual -> the block's output"""
+        h = x + self.attention.wo(attn.flatten(2))
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x, cos, sin, doc_ids):
+        return self.post(x, self.attention.core(*self.pre(x, cos, sin), doc_ids))
 
 
 class Llama(nn.Module):
@@ -133,6 +150,8 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.empty(cfg.resolved_head_dim // 2), persistent=False)
+        # tokens per chunk of the LM head + loss (ops/loss.py); 0 = one [tokens, vocab] logits tensor
+        self.loss_chunk = 0
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -170,11 +189,10 @@ class Llama(nn.Module):
         averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
         normalise over a larger batch)."""
         h = self.hidden_states(tokens, positions, doc_ids)
-        logits = F.linear(h, self.lm_head_weight)
         if labels is None:
-            return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                               reduction=loss_reduction)
+            return F.linear(h, self.lm_head_weight)
+        return lm_head_loss(h.flatten(0, 1), self.lm_head_weight, labels.flatten(), chunk=self.loss_chunk,
+                            reduction=loss_reduction)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Llama:

@@ -3,8 +3,9 @@
 The order is fixed and matters:
   1. distributed attention in every layer: each block's attention kernel (`Attention.core`, the
      model's single hook) becomes 2D sequence-parallel attention over the head x ctx ranks;
-  2. activation policy (memory/recompute.py): wraps block forwards, so it must see the blocks
-     before FSDP wraps them and must wrap the distributed attention already in place;
+  2. activation memory policy (memory/policies.py): wraps block forwards, so it must see the
+     blocks before FSDP wraps them and must wrap the distributed attention already in place;
+     the chunked LM head + loss (ops/loss.py) is switched on here too;
   3. FSDP2 `fully_shard` on every block, then on the root (embeddings, final norm, LM head), over
      the data x head x context ranks flattened into one shard dim (LoongTrain's hybrid ZeRO: the
      sequence ranks share the model states too), with dp_replicate as the HSDP replica dim.
@@ -23,7 +24,7 @@ import functools
 
 import torch
 
-from ..memory.recompute import apply_recompute
+from ..memory.policies import apply_memory_policy
 from .attention import distributed_attention
 
 
@@ -48,16 +49,32 @@ def fsdp_mesh(dims, device_type: str):
     return DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",))
 
 
-def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    # 1. distributed attention
+def use_sequence_parallel_attention(model, dims, mesh) -> None:
+    """Swap every block's attention kernel for 2D sequence-parallel attention (when any degree > 1)."""
     if dims.sequence_degree > 1:
         core = functools.partial(_sequence_parallel_core, mesh=mesh, window=dims.window)
         for block in model.layers:
             block.attention.core = core
-    # 2. activation policy
-    apply_recompute(model.layers, cfg.memory.checkpoint)
+
+
+def apply_memory(model, memory_cfg, device_type: str) -> None:
+    """The activation policy and the loss chunking; the host offloader (if any) is kept on the
+    model as `memory_offloader` (accounting reads it)."""
+    fraction = memory_cfg.offload_fraction
+    if fraction == "auto":
+        raise ValueError("resolve memory.offload_fraction='auto' (memory/auto.py) before parallelize()")
+    model.memory_offloader = apply_memory_policy(model.layers, memory_cfg.checkpoint, fraction,
+                                                 memory_cfg.offload_skip_last, device_type)
+    model.loss_chunk = memory_cfg.loss_chunk
+
+
+def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # 1. distributed attention
+    use_sequence_parallel_attention(model, dims, mesh)
+    # 2. activation memory
+    apply_memory(model, cfg.memory, device_type)
     # 3. hybrid ZeRO
     if dims.world_size > 1:
         shard_mesh = fsdp_mesh(dims, device_type)

@@ -1,0 +1,111 @@
+"""Activation memory policies, applied to a model's blocks without renaming any module.
+
+A block is three stages (models/llama.py): `pre` (norm, q/k/v projections, RoPE) and `post`
+(output projection, residuals, MLP) are token-wise and cheap; `attention.core` is the only place
+tokens meet and, sequence-parallel, the only place ranks communicate. The policies:
+
+- `none`: autograd keeps everything it saves.
+- `full`: each block keeps only its input and recomputes itself in backward (attention included,
+  with its communication).
+- `selective` (LoongTrain's Selective Checkpoint++): `pre` and `post` are recomputed from the
+  block input; the attention core keeps what its backward needs (q, k, v in its own layout, the
+  output and the log-sum-exp), so backward never re-runs attention nor its all-to-all / ring.
+- `selective` + `offload_fraction` A (MEMO's token-wise offload): in every block but the last
+  `offload_skip_last`, the first A of the tokens run `pre` and `post` with everything they save
+  moved to the host; the remaining tokens run them checkpointed (recomputed from the block input
+  in backward). The attention core's saved tensors go to the host in the same proportion; their
+  rest stays on the device rather than being recomputed, because recomputing attention for some
+  tokens would repeat its communication. With A = 1 a block leaves nothing on the device.
+
+Token-splitting is exact because `pre` and `post` treat every token independently.
+The wrappers replace the block's bound `forward`, so parameter names (`layers.3.attention.wq.weight`)
+stay the same for checkpoints and HF export.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import ConfigError
+from .offload import HostOffloader
+
+POLICIES = ("none", "full", "selective")
+
+
+def _checkpointed(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False)
+
+
+def _full_forward(x, cos, sin, doc_ids, *, block):
+    return _checkpointed(functools.partial(type(block).forward, block), x, cos, sin, doc_ids)
+
+
+def _selective_forward(x, cos, sin, doc_ids, *, block):
+    q, k, v = _checkpointed(block.pre, x, cos, sin)
+    out = block.attention.core(q, k, v, doc_ids)
+    return _checkpointed(block.post, x, out)
+
+
+def _cat(parts):
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, index: int, fraction: float):
+    tokens = x.shape[1]
+    cut = round(fraction * tokens)
+    head = slice(0, cut)
+    rest = slice(cut, tokens)
+    with offloader.block(index, shared=(cos, sin, doc_ids)):
+        xh, xr = x[:, head], x[:, rest]  # xh is passed to pre and post as ONE object: offloaded once
+        qkv = []
+        if cut:
+            with offloader.offload(1.0):
+                qkv.append(block.pre(xh, cos[:, head], sin[:, head]))
+        if cut < tokens:
+            qkv.append(_checkpointed(block.pre, xr, cos[:, rest], sin[:, rest]))
+        q, k, v = (_cat(parts) for parts in zip(*qkv))
+        with offloader.offload(fraction):
+            out = block.attention.core(q, k, v, doc_ids)
+        y = []
+        if cut:
+            with offloader.offload(1.0):
+                y.append(block.post(xh, out[:, head]))
+        if cut < tokens:
+            # a copy, or the checkpoint would keep the whole attention output alive through a view
+            y.append(_checkpointed(block.post, xr, out[:, rest].clone() if cut else out))
+        return _cat(y)
+
+
+def check_policy(checkpoint_policy: str, offload_fraction: float) -> None:
+    if checkpoint_policy not in POLICIES:
+        raise ConfigError(f"memory.checkpoint '{checkpoint_policy}' is not available; choose one of {POLICIES}.")
+    if offload_fraction > 0 and checkpoint_policy != "selective":
+        raise ConfigError(
+            f"memory.offload_fraction = {offload_fraction} needs memory.checkpoint = selective (got "
+            f"'{checkpoint_policy}'): the tokens that are not offloaded are recomputed, which is the selective "
+            f"policy's job. Add --memory.checkpoint selective."
+        )
+
+
+def apply_memory_policy(layers: nn.ModuleList, checkpoint_policy: str, offload_fraction: float = 0.0,
+                        offload_skip_last: int = 1, device="cpu") -> HostOffloader | None:
+    """Wrap every block's forward for the policy; returns the offloader when anything is offloaded."""
+    check_policy(checkpoint_policy, offload_fraction)
+    if checkpoint_policy == "none":
+        return None
+    offloader = HostOffloader(torch.device(device)) if offload_fraction > 0 else None
+    offloaded = len(layers) - offload_skip_last
+    for i, block in enumerate(layers):
+        if checkpoint_policy == "full":
+            forward = functools.partial(_full_forward, block=block)
+        elif offloader is not None and i < offloaded:
+            forward = functools.partial(_offload_forward, block=block, offloader=offloader, index=i,
+                                        fraction=offload_fraction)
+        else:
+            forward = functools.partial(_selective_forward, block=block)
+        block.forward = forward
+    return offloader

@@ -1,0 +1,94 @@
+"""LM head + cross-entropy, optionally chunked over tokens so [tokens, vocab] logits never exist.
+
+At long context the logits dominate: 128K tokens x a 128K vocabulary is 64 GiB in fp32, for one
+matmul whose output is immediately reduced to one number per token. `lm_head_loss` with `chunk`
+computes logits for `chunk` tokens at a time, reduces them to the log-sum-exp and the target
+logit, and keeps only those (8 bytes per token) for backward. The backward recomputes each chunk's
+logits (one extra [chunk, dim] x [dim, vocab] matmul per chunk, ~2% of an 8B model's step) and
+turns them straight into the hidden-state gradient and the accumulated weight gradient.
+
+Numerics match `F.cross_entropy(F.linear(h, w).float(), labels)`: logits in the compute dtype
+(autocast's when active), softmax statistics in fp32, labels == -100 ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int = 0,
+                 reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `labels` [n] under logits h [n, dim] @ weight [vocab, dim]^T.
+
+    chunk = 0, or n <= chunk: the plain path (one logits tensor). Otherwise chunked as above.
+    reduction: "sum" or "mean" (over labels != -100)."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if h.dim() != 2 or labels.shape != h.shape[:1] or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"lm_head_loss expects h [n, dim], weight [vocab, dim], labels [n]; got "
+                         f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
+    if chunk <= 0 or h.shape[0] <= chunk:
+        return F.cross_entropy(F.linear(h, weight).to(_stat_dtype(h)), labels, ignore_index=IGNORE, reduction=reduction)
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
+    total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype)
+    if reduction == "sum":
+        return total
+    return total / (labels != IGNORE).sum().clamp(min=1)
+
+
+def _stat_dtype(h):
+    return torch.promote_types(h.dtype, torch.float32)  # fp32 softmax statistics (fp64 stays fp64)
+
+
+def _logits(h, weight, dtype):
+    stat = _stat_dtype(h)
+    if dtype is not None:
+        h, weight = h.to(dtype), weight.to(dtype)
+    return (h @ weight.t()).to(stat)
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk, dtype):
+        n = h.shape[0]
+        lse = torch.empty(n, dtype=_stat_dtype(h), device=h.device)
+        total = torch.zeros((), dtype=_stat_dtype(h), device=h.device)
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                logits = _logits(h[s:e], weight, dtype)
+                lse[s:e] = torch.logsumexp(logits, dim=-1)
+                lab = labels[s:e]
+                valid = lab != IGNORE
+                target = logits.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
+                total += torch.where(valid, lse[s:e] - target, 0.0).sum()
+                del logits
+        ctx.save_for_backward(h, weight, labels, lse)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, labels, lse = ctx.saved_tensors
+        chunk, dtype = ctx.chunk, ctx.dtype
+        n = h.shape[0]
+        dh = torch.empty_like(h)
+        dw = torch.zeros(weight.shape, dtype=_stat_dtype(weight), device=weight.device)
+        mm = dtype or h.dtype
+        with torch.autocast(h.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                lab = labels[s:e]
+                valid = lab != IGNORE
+                # d loss / d logits = softmax - onehot(label), zero for ignored tokens
+                probs = torch.exp_(_logits(h[s:e], weight, dtype).sub_(lse[s:e, None]))
+                probs[valid, lab[valid]] -= 1.0
+                probs.mul_((valid.to(probs.dtype) * grad)[:, None])
+                g = probs.to(mm)
+                del probs
+                dh[s:e] = (g @ weight.to(mm)).to(h.dtype)
+                dw.addmm_(g.t().to(dw.dtype), h[s:e].to(dw.dtype))
+        return dh, dw.to(weight.dtype), None, None, None
