@@ -1,4 +1,4 @@
-"""`longctx` command line: train, report, checkpoint, bench.
+"""`longctx` command line: train, report, checkpoint, plan, bench.
 
 Config overrides are passed as `--section.key=value` (or `--section.key value`) after the
 subcommand; `longctx train --help` lists every key with its default.
@@ -107,6 +107,12 @@ def _cmd_checkpoint(args, overrides) -> int:
     return 0
 
 
+def _cmd_plan(args, overrides) -> int:
+    from .planner.cli import main as plan_main
+
+    return plan_main(args, overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longctx", description="Train decoder LLMs on very long contexts.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", nargs="?", help="export: the output directory")
     p.add_argument("--to", default="hf", help="export format (hf)")
     p.set_defaults(func=_cmd_checkpoint)
+    from .planner.cli import add_arguments as plan_arguments
+
+    p = sub.add_parser("plan", help="choose layout, recomputation, offload and micro-batch; write the best as a config")
+    plan_arguments(p)
+    p.set_defaults(func=_cmd_plan)
     bench = sub.add_parser("bench", help="benchmarks; each prints JSON").add_subparsers(dest="bench", required=True)
     from .bench import attention
 

@@ -1,0 +1,151 @@
+"""`longctx plan`: arguments and the command (cli.py only registers it)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    if text.strip().lower() in ("", "none", "0"):
+        return ()
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--offload takes comma-separated fractions such as 0.25,0.5,1 (or none), got '{text}'.") from None
+    bad = [v for v in vals if not 0 <= v <= 1]
+    if bad:
+        raise ConfigError(f"offload fractions must be in [0, 1], got {bad}.")
+    return tuple(v for v in vals if v > 0)
+
+
+def _ints(text: str, flag: str, minimum: int = 0) -> tuple[int, ...]:
+    """Comma-separated integers, with K / M suffixes (powers of 1024)."""
+    vals = []
+    for x in text.split(","):
+        s = x.strip().upper()
+        mult = {"K": 2**10, "M": 2**20}.get(s[-1:], 1)
+        try:
+            vals.append(int(s[:-1] if mult > 1 else s) * mult)
+        except ValueError:
+            raise ConfigError(f"{flag} takes comma-separated integers, got '{text}'.") from None
+    if not vals or any(v < minimum for v in vals):
+        raise ConfigError(f"{flag} values must be integers >= {minimum}, got '{text}'.")
+    return tuple(vals)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .hardware import device_names
+
+    p.add_argument("--model", default="debug", help="model preset (config model.preset), e.g. llama3-8b")
+    p.add_argument("--gpus", type=int, default=None, help="devices (ranks) in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (which groups get fast links)")
+    p.add_argument("--device", default=None,
+                   help=f"device kind: {', '.join(device_names())} (default h100; cpu-measured calibrates this machine)")
+    p.add_argument("--hardware", default=None, help="TOML file with a [hardware] table (base = \"h100\" + fields)")
+    p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one hardware field, e.g. --hw host_memory_gib=1024 (repeatable)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (GEMM and attention FLOP/s, gloo bandwidth) and plan for it")
+    p.add_argument("--calibrate-out", default=None, help="write the calibrated hardware as TOML (for --hardware)")
+    p.add_argument("--seq", default=None, help="tokens per sequence; K = 1024, M = 1048576 (e.g. 1M, 208K)")
+    p.add_argument("--batch", type=int, default=0, help="global sequences per optimizer step (default: --gpus)")
+    p.add_argument("--micro-batch", default="1,2,4,8", help="sequences per data-parallel rank per micro-batch to try")
+    p.add_argument("--checkpoint", default="none,full,selective", help="recomputation policies to try")
+    p.add_argument("--offload", default="0.25,0.5,0.75,1", help="offload fractions to try with selective (or none)")
+    p.add_argument("--offload-skip-last", type=int, default=1, help="last blocks never offloaded")
+    p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    p.add_argument("--out", default="plan.toml", help="where the best plan's config is written")
+    p.add_argument("--no-write", action="store_true", help="do not write the config")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--validate", action="store_true",
+                   help="run the CPU validation (predicted vs measured bytes, activations, step-time ranking)")
+    p.add_argument("--anchors", action="store_true", help="check the published feasibility anchors")
+
+
+def build_request(args, overrides):
+    from ..config import load_config
+    from .hardware import calibrate, load_hardware
+    from .output import supports_loss_chunk
+    from .search import Request, parse_tokens
+
+    base = load_config(None, [f"--model.preset={args.model}", *overrides])
+    if args.gpus is None:
+        raise ConfigError("longctx plan needs --gpus N (the number of devices), e.g. --gpus 64.")
+    if args.seq is None:
+        raise ConfigError("longctx plan needs --seq TOKENS, e.g. --seq 1M or --seq 131072.")
+    seq = parse_tokens(args.seq)
+    if args.calibrate:
+        hw = calibrate(world=max(1, min(args.gpus, args.gpus_per_node)))
+        if args.calibrate_out:
+            Path(args.calibrate_out).write_text(hw.to_toml())
+        if args.hw:
+            from .hardware import apply_overrides, parse_kv
+
+            hw = apply_overrides(hw, parse_kv(args.hw))
+    else:
+        hw = load_hardware(args.device or (None if args.hardware else "h100"), args.hardware, args.hw)
+    chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else ((0, 4096) if supports_loss_chunk() else (0,))
+    if any(chunks) and not supports_loss_chunk():
+        raise ConfigError("--loss-chunk > 0 needs memory.loss_chunk, which this version's config lacks; use --loss-chunk 0.")
+    checkpoints = tuple(x.strip() for x in args.checkpoint.split(",") if x.strip())
+    req = Request(base.model, hw, args.gpus, seq, gpus_per_node=args.gpus_per_node, batch=args.batch,
+                  micro_batches=_ints(args.micro_batch, "--micro-batch", 1), checkpoints=checkpoints,
+                  offload_fractions=_floats(args.offload), offload_skip_last=args.offload_skip_last,
+                  loss_chunks=chunks, doc_mask=base.data.doc_mask)
+    return req, base
+
+
+def main(args, overrides) -> int:
+    if args.validate:
+        from .validate import main as validate_main
+
+        return validate_main(args)
+    if args.anchors:
+        from .anchors import main as anchors_main
+
+        return anchors_main(args)
+    from ..config import load_config
+    from .output import plan_config, runnable, table, to_json, toml_text
+    from .search import plan
+
+    req, base = build_request(args, overrides)
+    if req.seq > base.model.max_seq_len and any(o.startswith("--model.max_seq_len") for o in overrides):
+        raise ConfigError(f"--seq {req.seq} exceeds the --model.max_seq_len you gave ({base.model.max_seq_len}).")
+    res = plan(req)
+    written, note = None, ""
+    best = res.best
+    if best is not None:
+        # the best plan this version can run (check_supported); say so when a better one needs more
+        chosen = None
+        for est in res.feasible:
+            cfg = plan_config(est, req, base)
+            why = runnable(cfg)
+            if not why:
+                chosen = (est, cfg)
+                break
+            if not note:
+                note = (f"the best predicted plan ({est.layout.describe()}, {est.policy.describe()}) cannot run "
+                        f"in this version: {why}")
+        if chosen is not None and not args.no_write:
+            est, cfg = chosen
+            text = toml_text(cfg, est, req)
+            Path(args.out).write_text(text)
+            load_config(args.out, [])  # what we wrote loads (the config validates it)
+            written = str(args.out)
+    if args.json:
+        print(to_json(res, args.top, written, note))
+    else:
+        print(table(res, args.top))
+        if note:
+            print(f"note: {note}")
+        if written:
+            print(f"wrote the best runnable plan to {written}")
+    if best is None:
+        why = "; ".join(res.suggestions) or "no layout fits"
+        raise ConfigError(
+            f"no plan for {req.model.preset} at {req.seq:,} tokens fits on {req.gpus} x {req.hardware.name}: {why}.")
+    return 0

@@ -1,0 +1,367 @@
+"""Analytic cost of one training configuration: memory per device by part, bytes per mesh dim,
+compute time, exposed communication, step time, tokens/s and MFU.
+
+Everything is per device (rank) and exact where the implementation allows it:
+
+- communication bytes of attention are `parallel.volumes.attention_bytes` (the closed forms that
+  comm.py's counters are tested to equal), times the layers, the micro-batches and, under full
+  recomputation, the forward once more; FSDP bytes are the closed form of
+  `train.fsdp_bytes_per_step` (FSDP's own collectives are not counted by comm.py);
+- activation memory is `memory.accounting.estimate_activations` (the formulas `longctx bench
+  memory` is compared with), with a local stand-in until that module exists;
+- model-state memory: fp32 parameters, gradients and two Adam moments (16 bytes/parameter)
+  sharded over dp_shard x head x ctx (FSDP2, hybrid ZeRO) and replicated over dp_replicate (HSDP),
+  plus the blocks FSDP holds unsharded at a time (this one and the prefetched next) and the root
+  (embeddings, LM head), which stays gathered for the whole step;
+- FLOPs are metrics.py's model FLOPs (the attention s^2 term halved under the causal mask), plus
+  recomputation; time = GEMM FLOPs / (peak x gemm_efficiency) + attention FLOPs / (peak x
+  attention_efficiency);
+- communication time uses intra-node bandwidth for a group whose ranks fit in one node under the
+  layout's placement, inter-node bandwidth otherwise. Ulysses all-to-alls block (fully exposed);
+  ring hops overlap one ring step of attention compute (a Double-Ring outer hop overlaps a whole
+  inner ring of `window` steps); FSDP gathers / reduce-scatters overlap their block's compute; offload
+  copies overlap their block's compute; `hardware.comm_overlap` scales every overlap (0 on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig
+from ..metrics import matmul_params_per_layer, train_flops_per_token
+from ..parallel.volumes import attention_bytes
+from .hardware import Hardware
+
+POLICIES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    head: int = 1
+    ctx: int = 1
+    window: int = 0
+    placement: str = "head-first"
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.head * self.ctx
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Size of the FSDP shard group: dp_shard x head x ctx (contiguous ranks)."""
+        return self.dp_shard * self.head * self.ctx
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.head * self.ctx
+
+    def describe(self) -> str:
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"rep{self.dp_replicate}")
+        if self.dp_shard > 1:
+            parts.append(f"dp{self.dp_shard}")
+        if self.head > 1:
+            parts.append(f"head{self.head}")
+        if self.ctx > 1:
+            parts.append(f"ctx{self.ctx}" + (f"/w{self.window}" if self.window and self.window < self.ctx else ""))
+        text = "x".join(parts) or "single"
+        if self.head > 1 and self.ctx > 1:
+            text += " " + ("hf" if self.placement == "head-first" else "cf")
+        return text
+
+
+@dataclass(frozen=True)
+class Policy:
+    checkpoint: str = "none"          # none | full | selective
+    offload_fraction: float = 0.0     # requires selective
+    offload_skip_last: int = 1
+    loss_chunk: int = 0               # tokens per chunk of the LM head + loss; 0 = full logits
+
+    def describe(self) -> str:
+        text = self.checkpoint
+        if self.offload_fraction:
+            text += f"+off{self.offload_fraction:g}"
+        if self.loss_chunk:
+            text += f" lc{self.loss_chunk // 1024}K" if self.loss_chunk >= 1024 else f" lc{self.loss_chunk}"
+        return text
+
+
+@dataclass
+class Activations:
+    """Activation bytes per rank and micro-batch (the fields of memory.accounting.ActivationEstimate)."""
+    per_block_device: float
+    per_block_host: float
+    kept_block_device: float
+    total_device: float
+    total_host: float
+    recompute_flops: float
+    source: str = "planner stand-in"
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    policy: Policy
+    micro_batch: int                   # sequences per data-parallel rank per micro-batch
+    grad_accum: int
+    seq: int
+    memory: dict[str, float]           # bytes per device by part, and "total"
+    host_per_node: float               # bytes of host memory per node for offloaded activations
+    comm_bytes: dict[str, dict[str, float]]  # per rank per optimizer step: {dim: {label: bytes}}
+    times: dict[str, float]            # seconds per step: compute, exposed parts, step
+    tokens_per_s: float
+    mfu: float
+    bottleneck: str
+    feasible: bool
+    problems: list[str] = field(default_factory=list)
+    activations_source: str = ""
+
+    @property
+    def step_s(self) -> float:
+        return self.times["step"]
+
+    def comm_totals(self) -> dict[str, float]:
+        return {d: sum(v.values()) for d, v in self.comm_bytes.items()}
+
+    def as_dict(self) -> dict:
+        L, P = self.layout, self.policy
+        return {
+            "layout": {"dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "head": L.head, "ctx": L.ctx,
+                       "window": L.window, "placement": L.placement},
+            "policy": {"checkpoint": P.checkpoint, "offload_fraction": P.offload_fraction,
+                       "offload_skip_last": P.offload_skip_last, "loss_chunk": P.loss_chunk},
+            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "seq": self.seq,
+            "memory_gib": {k: v / 2**30 for k, v in self.memory.items()},
+            "host_per_node_gib": self.host_per_node / 2**30,
+            "comm_bytes_per_step": self.comm_bytes, "times_s": self.times,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bottleneck": self.bottleneck,
+            "feasible": self.feasible, "problems": self.problems, "activations_source": self.activations_source,
+            "describe": f"{L.describe()} | {P.describe()} | mb{self.micro_batch}",
+        }
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes
+
+
+def param_counts(m: ModelConfig) -> dict[str, int]:
+    """Parameters of one block, of the root module (embeddings, final norm, LM head), and in total."""
+    block = matmul_params_per_layer(m) + 2 * m.dim
+    root = m.vocab_size * m.dim + m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    return {"block": block, "root": root, "total": m.layers * block + root}
+
+
+def fsdp_bytes_per_micro(m: ModelConfig, layout: Layout, gather_bytes: int) -> float:
+    """train.fsdp_bytes_per_step per micro-batch: gathers for forward and backward, fp32 gradient
+    reduce-scatter over the shard group, HSDP all-reduce of the shards over the replicas."""
+    if layout.world == 1:
+        return 0.0
+    n, r = layout.fsdp, layout.dp_replicate
+    p = param_counts(m)["total"]
+    param_bytes = p * 4
+    gathered = p * gather_bytes
+    out = (n - 1) / n * (2 * gathered + param_bytes)
+    out += 2 * (r - 1) / r * param_bytes / n
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Activations
+
+
+def _local_activations(m: ModelConfig, seq: int, micro_batch: int, *, head: int, ctx: int, policy: str,
+                       offload_fraction: float, offload_skip_last: int, dtype_bytes: int,
+                       loss_chunk: int) -> Activations:
+    """Stand-in for memory.accounting.estimate_activations (same signature and fields)."""
+    e = dtype_bytes
+    t = micro_batch * seq // (head * ctx)
+    hd = m.resolved_head_dim
+    dq, dkv, d, f = m.heads * hd, m.kv_heads * hd, m.dim, m.ffn_dim
+    lse = m.heads * 4 / e  # fp32 log-sum-exp per head, in elements of e bytes
+    none = 4 * d + 2 * dq + 2 * dkv + 4 * f + lse
+    attn_state = 2 * dq + 2 * dkv + lse
+    if policy == "none":
+        per, transient = none, 2 * f
+    elif policy == "full":
+        per, transient = d, none
+    else:
+        per, transient = d + attn_state, none - attn_state
+    per_b, kept = per * t * e, per * t * e
+    host = offload_fraction * per_b
+    per_dev = per_b - host
+    offloaded = max(0, m.layers - offload_skip_last) if offload_fraction else 0
+    chunk = loss_chunk or t
+    loss = min(chunk, t) * m.vocab_size * (e + 8) + t * d * e
+    total = offloaded * per_dev + (m.layers - offloaded) * kept + transient * t * e + loss
+    mm = matmul_params_per_layer(m)
+    rec = {"none": 0, "full": t * m.layers * (2 * mm + 2 * seq * dq), "selective": t * m.layers * 2 * mm}[policy]
+    return Activations(per_dev, host, kept, total, offloaded * host, rec)
+
+
+def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy,
+                dtype_bytes: int) -> Activations:
+    """memory.accounting.estimate_activations when it exists, else the stand-in above."""
+    kwargs = dict(head=layout.head, ctx=layout.ctx, policy=policy.checkpoint, offload_fraction=policy.offload_fraction,
+                  offload_skip_last=policy.offload_skip_last, dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk)
+    try:
+        from ..memory.accounting import estimate_activations
+    except ImportError:
+        return _local_activations(m, seq, micro_batch, **kwargs)
+    a = estimate_activations(m, seq, micro_batch, **kwargs)
+    return Activations(a.per_block_device, a.per_block_host, a.kept_block_device, a.total_device, a.total_host,
+                       a.recompute_flops, "memory.accounting")
+
+
+# ----------------------------------------------------------------------------------------------
+# Placement
+
+
+def group_is_intra_node(layout: Layout, group: str, gpus_per_node: int) -> bool:
+    """Whether every rank of one `group` ("head", "ctx", "window", "fsdp", "replicate") is in one node.
+
+    A group of `size` ranks with `stride` between them spans stride x size consecutive ranks; with
+    power-of-two-style divisibility it stays in one node iff that span is at most gpus_per_node."""
+    h, c, w = layout.head, layout.ctx, (layout.window or layout.ctx)
+    if layout.placement == "head-first":
+        stride_size = {"head": (1, h), "ctx": (h, c), "window": (h, w)}
+    else:
+        stride_size = {"head": (c, h), "ctx": (1, c), "window": (1, w)}
+    stride_size["fsdp"] = (1, layout.fsdp)
+    stride_size["replicate"] = (layout.fsdp, layout.dp_replicate)
+    stride, size = stride_size[group]
+    return size == 1 or stride * size <= gpus_per_node
+
+
+def _bw(hw: Hardware, intra: bool) -> float:
+    return (hw.intra_gbps if intra else hw.inter_gbps) * 1e9
+
+
+def _exposed(transfer_s: float, compute_s: float, hw: Hardware) -> float:
+    return transfer_s - min(transfer_s, hw.comm_overlap * compute_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# The estimate
+
+
+def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, seq: int, batch: int,
+             micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
+             acts: Activations | None = None) -> Estimate:
+    """Cost of training `batch` global sequences of `seq` tokens per optimizer step under `layout`
+    and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch."""
+    e = hw.dtype_bytes
+    L = layout
+    problems: list[str] = []
+    if batch % (L.dp * micro_batch):
+        problems.append(f"batch {batch} is not divisible by dp {L.dp} x micro-batch {micro_batch}")
+    grad_accum = max(1, batch // (L.dp * micro_batch))
+    t = micro_batch * seq // L.sequence_degree  # tokens per rank per micro-batch
+    pc = param_counts(m)
+    hd = m.resolved_head_dim
+    d_attn = m.heads * hd
+
+    # --- memory per device ----------------------------------------------------------------
+    if acts is None:
+        acts = activations(m, seq, micro_batch, L, policy, e)
+    gather = e  # parameters are gathered in the compute dtype (bf16 on GPU, fp32 on CPU)
+    memory = {"model_states": 16 * pc["total"] / L.fsdp}
+    if L.world > 1:
+        # two blocks gathered (this one + the prefetched next) and one block's fp32 gradient before
+        # its reduce-scatter; the root stays gathered for the step, its gradient is fp32 until reduced
+        memory["gathered_params"] = 2 * pc["block"] * gather + pc["block"] * 4 + pc["root"] * (gather + 4)
+    else:
+        memory["gathered_params"] = 0.0
+    memory["activations"] = acts.total_device
+    memory["total"] = sum(memory.values())
+    ranks_per_node = min(gpus_per_node, L.world)
+    host_per_node = acts.total_host * ranks_per_node
+    if memory["total"] > hw.usable_memory_bytes:
+        problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per device, {hw.usable_memory_bytes / 2**30:.1f} "
+                        f"usable of {hw.memory_gib:g}")
+    if host_per_node > hw.usable_host_bytes:
+        problems.append(f"offload needs {host_per_node / 2**30:.0f} GiB of host memory per node, "
+                        f"{hw.usable_host_bytes / 2**30:.0f} usable")
+
+    # --- communication bytes per rank per step -----------------------------------------------
+    comm: dict[str, dict[str, float]] = {}
+    per_call = attention_bytes(seq=seq, batch=micro_batch, heads=m.heads, kv_heads=m.kv_heads, head_dim=hd,
+                               head=L.head, ctx=L.ctx, elem=e, docs=doc_mask)
+    refwd = attention_bytes(seq=seq, batch=micro_batch, heads=m.heads, kv_heads=m.kv_heads, head_dim=hd,
+                            head=L.head, ctx=L.ctx, elem=e, docs=doc_mask, backward=False)
+    for dim, labels in per_call.items():
+        for label, nbytes in labels.items():
+            total = nbytes + (refwd[dim].get(label, 0) if policy.checkpoint == "full" else 0)
+            comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
+    fsdp = fsdp_bytes_per_micro(m, L, gather) * grad_accum
+    if fsdp:
+        comm["fsdp"] = {"fsdp": fsdp}
+
+    # --- compute time ---------------------------------------------------------------------
+    gemm_fwd = t * (m.layers * 2 * matmul_params_per_layer(m) + 2 * m.dim * m.vocab_size)
+    attn_fwd = t * m.layers * 2 * seq * d_attn  # 4 s d per token, halved by the causal mask
+    rec_attn = attn_fwd if policy.checkpoint == "full" else 0.0
+    rec_gemm = max(0.0, acts.recompute_flops - rec_attn)
+    gemm_rate = hw.peak_flops * hw.gemm_efficiency
+    attn_rate = hw.peak_flops * hw.attention_efficiency
+    compute = (3 * gemm_fwd + rec_gemm) / gemm_rate + (3 * attn_fwd + rec_attn) / attn_rate
+    block_fwd = (gemm_fwd / m.layers if m.layers else 0) / gemm_rate + (attn_fwd / max(m.layers, 1)) / attn_rate
+    layer_attn_fwd = attn_fwd / max(m.layers, 1) / attn_rate
+
+    # --- exposed communication per micro-batch ---------------------------------------------
+    exposed = {"head": 0.0, "ctx": 0.0, "fsdp": 0.0, "offload": 0.0}
+    fwd_passes = 2 if policy.checkpoint == "full" else 1
+    if L.head > 1:
+        bw = _bw(hw, group_is_intra_node(L, "head", gpus_per_node)) * hw.all_to_all_efficiency
+        exposed["head"] = sum(per_call["head"].values()) / bw * m.layers
+        if policy.checkpoint == "full":
+            exposed["head"] += sum(refwd["head"].values()) / bw * m.layers
+    if L.ctx > 1:
+        c, w = L.ctx, (L.window or L.ctx)
+        n_outer = c // w - 1
+        n_inner = c - 1 - n_outer
+        hop_fwd = per_call["ctx"]["ring_kv"] / (c - 1)
+        hop_bwd = (per_call["ctx"]["ring_kv_bwd"] + per_call["ctx"]["ring_dkv"]) / (c - 1)
+        bw_in = _bw(hw, group_is_intra_node(L, "window", gpus_per_node))
+        bw_out = _bw(hw, group_is_intra_node(L, "ctx", gpus_per_node))
+        step_fwd, step_bwd = layer_attn_fwd / c, 2 * layer_attn_fwd / c
+        fwd = n_inner * _exposed(hop_fwd / bw_in, step_fwd, hw) + n_outer * _exposed(hop_fwd / bw_out, w * step_fwd, hw)
+        bwd = n_inner * _exposed(hop_bwd / bw_in, step_bwd, hw) + n_outer * _exposed(hop_bwd / bw_out, w * step_bwd, hw)
+        exposed["ctx"] = (fwd_passes * fwd + bwd) * m.layers
+    if L.world > 1:
+        n, r = L.fsdp, L.dp_replicate
+        bw_f = _bw(hw, group_is_intra_node(L, "fsdp", gpus_per_node))
+        bw_r = _bw(hw, group_is_intra_node(L, "replicate", gpus_per_node))
+        blk_gather = (n - 1) / n * pc["block"] * gather / bw_f
+        blk_reduce = (n - 1) / n * pc["block"] * 4 / bw_f + 2 * (r - 1) / r * pc["block"] * 4 / n / bw_r
+        block_bwd = 2 * block_fwd + (acts.recompute_flops / max(m.layers, 1)) / gemm_rate
+        per_block = _exposed(blk_gather, block_fwd, hw) + _exposed(blk_gather + blk_reduce, block_bwd, hw)
+        root = (n - 1) / n * pc["root"] * (gather + 4) / bw_f + 2 * (r - 1) / r * pc["root"] * 4 / n / bw_r
+        exposed["fsdp"] = m.layers * per_block + root  # the root's gather and reduce are not hidden
+    if acts.per_block_host:
+        offloaded = max(0, m.layers - policy.offload_skip_last)
+        x = acts.per_block_host / (hw.host_link_gbps * 1e9)
+        exposed["offload"] = offloaded * (_exposed(x, block_fwd, hw) + _exposed(x, 2 * block_fwd, hw))
+
+    step = grad_accum * (compute + sum(exposed.values()))
+    times = {"compute": grad_accum * compute, **{f"exposed_{k}": grad_accum * v for k, v in exposed.items()},
+             "step": step}
+    tokens = batch * seq
+    tps = tokens / step if step > 0 else float("inf")
+    mfu = tps * train_flops_per_token(m, seq) / (L.world * hw.peak_flops)
+    parts = {"compute": grad_accum * compute, "head all-to-all": exposed["head"] * grad_accum,
+             "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": exposed["fsdp"] * grad_accum,
+             "offload copies": exposed["offload"] * grad_accum}
+    bottleneck = max(parts, key=parts.get)
+    if bottleneck == "compute" and policy.checkpoint != "none" and acts.recompute_flops:
+        share = acts.recompute_flops / (3 * (gemm_fwd + attn_fwd) + acts.recompute_flops)
+        if share > 0.15:
+            bottleneck = f"compute ({100 * share:.0f}% recompute)"
+    return Estimate(L, policy, micro_batch, grad_accum, seq, memory, host_per_node, comm, times, tps, mfu,
+                    bottleneck, not problems, problems, acts.source)

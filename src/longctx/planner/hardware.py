@@ -1,0 +1,286 @@
+"""Hardware the planner plans for: named devices, overrides, and a calibration of this machine.
+
+A `Hardware` is per device (GPU or CPU process) except `host_memory_gib`, which is per node (the
+host RAM that offloaded activations of all the node's devices share). Bandwidths are what one
+device can push in one direction: `intra_gbps` inside a node (NVLink / NVSwitch), `inter_gbps`
+between nodes (the device's share of the node's InfiniBand / RoCE NICs), `host_link_gbps` to host
+memory (PCIe), all in GB/s (1e9 bytes/s). `gemm_efficiency` and `attention_efficiency` are the
+fractions of the dense bf16 peak that large GEMMs and flash-attention forward+backward reach; the
+planner divides FLOPs by peak x efficiency. `comm_overlap` is the fraction of overlappable
+communication (ring hops, FSDP gathers, offload copies) that can hide behind compute: 1 on GPUs
+(separate copy engines / NCCL streams), 0 on a CPU, where the same cores do both.
+
+Overrides: `Hardware.replace(**{field: value})`, a TOML file (`[hardware]` table with any fields,
+optionally `base = "h100"`), or `KEY=VALUE` strings from the command line (`--hw memory_gib=64`).
+`calibrate()` measures this machine: GEMM FLOP/s, attention FLOP/s, and gloo all-to-all and
+point-to-point bandwidth between local processes, with short runs (a few seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_gib: float            # device memory
+    peak_tflops: float           # dense bf16 (fp32 GEMM when measured on a CPU)
+    intra_gbps: float            # per device, one direction, inside a node
+    inter_gbps: float            # per device, one direction, between nodes
+    host_link_gbps: float        # device <-> host memory (offload)
+    host_memory_gib: float       # per node, shared by its devices
+    gemm_efficiency: float = 0.70
+    attention_efficiency: float = 0.60
+    comm_overlap: float = 1.0
+    all_to_all_efficiency: float = 1.0     # all-to-all bandwidth as a fraction of the link's
+    usable_memory_fraction: float = 0.92   # allocator fragmentation, CUDA context, NCCL buffers
+    usable_host_fraction: float = 0.80     # the OS, data loaders, pinned buffers
+    dtype_bytes: int = 2                   # activations and gathered parameters (2 = bf16, 4 = fp32)
+    source: str = "data sheet"
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gib * GIB
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def usable_host_bytes(self) -> float:
+        return self.host_memory_gib * GIB * self.usable_host_fraction
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peak_tflops * 1e12
+
+    def replace(self, **changes) -> "Hardware":
+        return dataclasses.replace(self, **changes)
+
+    def to_toml(self) -> str:
+        lines = ["[hardware]"]
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            lines.append(f"{f.name} = {v!r}" if not isinstance(v, str) else f'{f.name} = "{v}"')
+        return "\n".join(lines) + "\n"
+
+
+# Dense bf16 peaks from vendor data sheets (the same figures as metrics.GPU_PEAK_BF16). NVLink:
+# H100/H200 SXM 900 GB/s bidirectional = 450 per direction; A100 600 -> 300; A800 400 -> 200.
+# Inter-node: one 400 Gb/s NIC per H100/H200 (50 GB/s), one 200 Gb/s NIC per A100/A800 (25 GB/s).
+# PCIe gen5 x16 ~ 50 GB/s achieved, gen4 ~ 25 GB/s. Host memory: typical 2 TB (H100/H200) and
+# 1 TB (A100/A800) nodes.
+DEVICES: dict[str, Hardware] = {
+    "h100": Hardware("h100", 80, 989, 450, 50, 50, 2048),
+    "h200": Hardware("h200", 141, 989, 450, 50, 50, 2048),
+    "a100-80g": Hardware("a100-80g", 80, 312, 300, 25, 25, 1024),
+    "a800": Hardware("a800", 80, 312, 200, 25, 25, 1024),
+}
+ALIASES = {"a100": "a100-80g", "h100-sxm": "h100", "cpu": "cpu-measured"}
+
+
+def device_names() -> list[str]:
+    return [*DEVICES, "cpu-measured"]
+
+
+def get_device(name: str) -> Hardware:
+    """A named device; 'cpu-measured' (or 'cpu') calibrates this machine."""
+    key = ALIASES.get(name.lower(), name.lower())
+    if key == "cpu-measured":
+        return calibrate()
+    if key not in DEVICES:
+        close = difflib.get_close_matches(key, device_names(), n=1)
+        raise ConfigError(
+            f"unknown device '{name}'. Known devices: {', '.join(device_names())}"
+            + (f". Did you mean '{close[0]}'?" if close else ".")
+            + " Describe another device with --hardware FILE.toml (a [hardware] table) or --hw KEY=VALUE."
+        )
+    return DEVICES[key]
+
+
+def _field_types() -> dict[str, type]:
+    return {f.name: (f.type if isinstance(f.type, type) else {"str": str, "float": float, "int": int}[f.type])
+            for f in dataclasses.fields(Hardware)}
+
+
+def apply_overrides(hw: Hardware, values: dict) -> Hardware:
+    types = _field_types()
+    changes = {}
+    for key, value in values.items():
+        if key == "base":
+            continue
+        if key not in types:
+            close = difflib.get_close_matches(key, list(types), n=1)
+            raise ConfigError(
+                f"unknown hardware field '{key}'. Valid fields: {', '.join(types)}"
+                + (f". Did you mean '{close[0]}'?" if close else ".")
+            )
+        typ = types[key]
+        try:
+            v = str(value) if typ is str else int(float(value)) if typ is int else float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"hardware field '{key}' must be {typ.__name__}, got {value!r}.") from None
+        if typ in (int, float) and (not math.isfinite(v) or v < 0):
+            raise ConfigError(f"hardware field '{key}' must be a non-negative number, got {value!r}.")
+        changes[key] = v
+    if not changes:
+        return hw
+    return hw.replace(**changes, source=hw.source + " + overrides")
+
+
+def parse_kv(items: list[str] | None) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError(f"--hw takes KEY=VALUE (e.g. --hw memory_gib=64), got '{item}'.")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def load_hardware(device: str | None, file: str | None = None, overrides: list[str] | None = None) -> Hardware:
+    """device name -> Hardware, then a TOML file's [hardware] table, then --hw KEY=VALUE strings."""
+    values: dict = {}
+    if file:
+        p = Path(file)
+        if not p.is_file():
+            raise ConfigError(f"hardware file '{file}' does not exist; write a TOML file with a [hardware] table.")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"hardware file '{file}' is not valid TOML: {e}.") from None
+        values = dict(data.get("hardware", data))
+        if not device and "base" not in values and "name" not in values:
+            raise ConfigError(f"hardware file '{file}' must name a base device (base = \"h100\") or give every field.")
+        device = device or values.get("base")
+    if device:
+        hw = get_device(device)
+    else:
+        types = _field_types()
+        missing = [k for k in ("name", "memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "host_link_gbps",
+                               "host_memory_gib") if k not in values]
+        if missing:
+            raise ConfigError(f"hardware file '{file}' lacks {', '.join(missing)} and names no base device.")
+        hw = Hardware(**{k: types[k](values[k]) for k in values if k in types and k != "base"})
+    hw = apply_overrides(hw, values)
+    return apply_overrides(hw, parse_kv(overrides))
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration of this machine
+
+
+def _gemm_flops(size: int = 1024, seconds: float = 0.4) -> float:
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
+    return best
+
+
+def _attention_flops(seq: int = 2048, heads: int = 4, head_dim: int = 32, repeats: int = 3) -> float:
+    """Model FLOP/s of causal attention forward + backward (model FLOPs: 3 x 2 x seq^2 x d, halved)."""
+    import torch
+
+    from ..ops.attention import attention
+
+    q = torch.randn(1, seq, heads, head_dim, requires_grad=True)
+    k = torch.randn(1, seq, heads, head_dim, requires_grad=True)
+    v = torch.randn(1, seq, heads, head_dim, requires_grad=True)
+    best = math.inf
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        out, _ = attention(q, k, v, causal=True)
+        out.sum().backward()
+        best = min(best, time.perf_counter() - t0)
+    flops = 3 * 4 * seq * seq * heads * head_dim * 0.5
+    return flops / best
+
+
+def _bandwidth_worker(nbytes: int, repeats: int):
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.empty(nbytes // 4, dtype=torch.float32)
+    out = torch.empty_like(x)
+    res = {}
+    for name in ("all_to_all", "p2p"):
+        best = math.inf
+        for _ in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if name == "all_to_all":
+                dist.all_to_all_single(out, x)
+                sent = nbytes * (world - 1) / world
+            else:  # ring hop: send to the next rank, receive from the previous one
+                ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, out, (rank - 1) % world)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+                sent = nbytes
+            dist.barrier()
+            best = min(best, time.perf_counter() - t0)
+        res[name] = sent / best
+    return res
+
+
+def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure_comm: bool = True) -> Hardware:
+    """This machine as a device: per-process GEMM and attention FLOP/s when `world` processes share
+    it (1 thread each), gloo all-to-all and ring-hop bandwidth between `world` local processes."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gemm = _gemm_flops()
+        attn = _attention_flops()
+    finally:
+        torch.set_num_threads(threads)
+    # `world` single-thread processes on `cores` cores: each gets min(1, cores / world) of a core
+    share = min(1.0, cores / world)
+    gemm, attn = gemm * share, attn * share
+    a2a = p2p = 1.0 * GB
+    if measure_comm and world > 1:
+        from ..parallel.spawn import run_spawned
+
+        res = run_spawned(world, _bandwidth_worker, nbytes, repeats)
+        a2a = min(r["all_to_all"] for r in res)
+        p2p = min(r["p2p"] for r in res)
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        mem_gib = 16.0
+    # One "node" = this machine; its RAM is both the devices' memory and the host memory, so each of
+    # `world` processes gets 1/world of it and offload gains nothing (host_link_gbps is a memcpy).
+    return Hardware(
+        name="cpu-measured", memory_gib=mem_gib / world, peak_tflops=gemm / 1e12,
+        intra_gbps=p2p / GB, inter_gbps=p2p / GB, host_link_gbps=5.0, all_to_all_efficiency=min(1.0, a2a / p2p),
+        host_memory_gib=0.0, gemm_efficiency=1.0, attention_efficiency=attn / gemm, comm_overlap=0.0,
+        usable_memory_fraction=0.9, usable_host_fraction=0.0, dtype_bytes=4,
+        source=f"measured: {world} processes x 1 thread on {cores} cores; all-to-all {a2a / GB:.2f} GB/s, "
+               f"ring hop {p2p / GB:.2f} GB/s",
+    )

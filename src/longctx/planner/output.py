@@ -1,0 +1,101 @@
+"""What `longctx plan` prints and writes: the ranked table, JSON, and the best plan as a TOML config
+that `longctx train --config` runs unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from .. import config as config_mod
+from ..config import Config, MemoryConfig, build_config, to_dict, to_toml
+from ..errors import ConfigError
+from .cost import Estimate
+from .search import PlanResult, Request
+
+GIB = 2**30
+
+
+def supports_loss_chunk() -> bool:
+    return any(f.name == "loss_chunk" for f in dataclasses.fields(MemoryConfig))
+
+
+def plan_config(est: Estimate, req: Request, base: Config) -> Config:
+    """`base` (model, data, train settings) with the plan's layout, policy, batch and sequence."""
+    raw = to_dict(base)
+    L, P = est.layout, est.policy
+    raw["parallel"].update(dp_replicate=L.dp_replicate, dp_shard=L.dp_shard, head=L.head, ctx=L.ctx,
+                           window=L.window if L.window and L.window < L.ctx else 0, placement=L.placement)
+    raw["memory"].update(checkpoint=P.checkpoint, offload_fraction=float(P.offload_fraction),
+                         offload_skip_last=P.offload_skip_last)
+    if supports_loss_chunk():
+        raw["memory"]["loss_chunk"] = P.loss_chunk
+    elif P.loss_chunk:
+        raise ConfigError("this plan chunks the LM head (memory.loss_chunk), which this version's config lacks.")
+    raw["train"].update(seq_len=req.seq, batch_size=L.dp * est.micro_batch, grad_accum=est.grad_accum)
+    cpu = req.hardware.name.startswith("cpu")
+    raw["train"].update(device="cpu" if cpu else "cuda", dtype="fp32" if cpu else "bf16")
+    raw["model"]["max_seq_len"] = max(raw["model"]["max_seq_len"], req.seq)
+    return build_config(raw)
+
+
+def runnable(cfg: Config) -> str:
+    """'' when this version of longctx can train `cfg`, else why not (config.check_supported, if any)."""
+    check = getattr(config_mod, "check_supported", None)
+    if check is None:
+        return ""
+    try:
+        check(cfg)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
+    world = est.layout.world
+    nodes = max(1, world // req.gpus_per_node)
+    head = [
+        f"# written by `longctx plan`: {req.model.preset} at {req.seq:,} tokens on {world} x {req.hardware.name}",
+        f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
+        f"{est.memory['total'] / GIB:.1f} GiB per device, bottleneck {est.bottleneck}",
+        (f"# run: longctx train --config THIS --nproc {world}" if nodes == 1 else
+         f"# run: torchrun --nnodes {nodes} --nproc-per-node {req.gpus_per_node} -m longctx train --config THIS"),
+        "",
+    ]
+    return "\n".join(head) + to_toml(cfg)
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def table(res: PlanResult, top: int = 10) -> str:
+    req = res.request
+    rows = res.feasible[:top] if res.feasible else res.ranked[:top]
+    head = ["#", "layout", "policy", "mb", "acc", "states", "gathered", "activ.", "total GiB", "host/node",
+            "step s", "tok/s", "MFU", "bottleneck"]
+    body = []
+    for i, e in enumerate(rows, 1):
+        body.append([str(i), e.layout.describe(), e.policy.describe(), str(e.micro_batch), str(e.grad_accum),
+                     _gib(e.memory["model_states"]), _gib(e.memory["gathered_params"]), _gib(e.memory["activations"]),
+                     _gib(e.memory["total"]), f"{e.host_per_node / GIB:.0f}" if e.host_per_node else "-",
+                     f"{e.step_s:.4g}", f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%",
+                     e.bottleneck if e.feasible else "INFEASIBLE: " + "; ".join(e.problems)])
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
+    hw = req.hardware
+    intro = (f"{req.model.preset}: {req.seq:,} tokens x {req.batch} sequences per step on {req.gpus} x {hw.name} "
+             f"({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s, {req.gpus_per_node} per node, "
+             f"{hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, host {hw.host_memory_gib:g} GiB per node); "
+             f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible")
+    return "\n".join([intro, *lines])
+
+
+def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> str:
+    req = res.request
+    return json.dumps({
+        "request": {"model": req.model.preset, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node, "seq": req.seq,
+                    "batch": req.batch, "hardware": dataclasses.asdict(req.hardware)},
+        "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible),
+        "plans": [e.as_dict() for e in (res.feasible or res.ranked)[:top]],
+        "suggestions": res.suggestions, "written": written, "note": note,
+    }, indent=2)

@@ -1,0 +1,253 @@
+"""Search: enumerate layouts x activation policies x micro-batches, prune, rank by predicted step time.
+
+The space is (dp_replicate, dp_shard, head, ctx, window, placement, checkpoint policy, offload
+fraction, micro-batch). Branches are cut as early as their cause is known:
+
+- head degrees that do not divide the query heads (or split kv heads unevenly) and sequence
+  degrees for which the sequence is not divisible by 2 x head x ctx are never generated;
+- a (head, ctx, dp_replicate) whose model states alone exceed device memory skips every policy;
+- activation estimates are computed once per (head, ctx, micro-batch, policy) and reused for
+  every dp split, window and placement;
+- windows: 0 (plain ring) and the largest window whose inner ring fits in one node (the only
+  Double-Ring worth having: outer hops cross nodes, inner hops stay on NVLink).
+
+`plan(...)` returns a `PlanResult` with every evaluated candidate ranked (feasible first, by step
+time), and, when nothing fits, what would: more GPUs, offload, a shorter sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .cost import Estimate, Layout, Policy, activations, estimate, param_counts
+from .hardware import Hardware
+
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+_POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def parse_tokens(text: str | int) -> int:
+    """'1M' -> 1048576, '208K' -> 212992, '4096' -> 4096 (K and M are powers of 1024)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        s = str(text).strip().upper().replace("_", "")
+        mult = 1
+        if s.endswith(("K", "M", "G")):
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}[s[-1]]
+            s = s[:-1]
+        try:
+            num = float(s)
+        except ValueError:
+            raise ConfigError(f"'{text}' is not a token count; write e.g. 4096, 128K or 1M (K = 1024, M = 1048576).") from None
+        value = num * mult
+        if value != int(value):
+            raise ConfigError(f"'{text}' is not a whole number of tokens.")
+        value = int(value)
+    if value < 2:
+        raise ConfigError(f"the sequence length must be at least 2 tokens, got {text}.")
+    return value
+
+
+def head_degree_ok(m: ModelConfig, h: int) -> bool:
+    return m.heads % h == 0 and (m.kv_heads % h == 0 or h % m.kv_heads == 0)
+
+
+@dataclass
+class Request:
+    model: ModelConfig
+    hardware: Hardware
+    gpus: int
+    seq: int
+    gpus_per_node: int = 8
+    batch: int = 0                       # global sequences per optimizer step; 0 = gpus
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    checkpoints: tuple[str, ...] = ("none", "full", "selective")
+    offload_fractions: tuple[float, ...] = OFFLOAD_FRACTIONS
+    offload_skip_last: int = 1
+    loss_chunks: tuple[int, ...] = (0, 4096)
+    doc_mask: bool = True
+    layouts: list[Layout] | None = None  # evaluate only these (validation); None = search
+
+    def __post_init__(self):
+        if self.gpus < 1:
+            raise ConfigError(f"--gpus must be at least 1, got {self.gpus}.")
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}.")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ConfigError(
+                f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}; use a multiple of "
+                f"{self.gpus_per_node} or set --gpus-per-node.")
+        if not self.batch:
+            self.batch = self.gpus
+        if self.batch < 1:
+            raise ConfigError(f"--batch must be at least 1 sequence, got {self.batch}.")
+        bad = [c for c in self.checkpoints if c not in _POLICY_ORDER]
+        if bad:
+            raise ConfigError(f"unknown checkpoint policy {bad}; choose among none, full, selective.")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq
+
+
+@dataclass
+class PlanResult:
+    request: Request
+    ranked: list[Estimate]               # feasible first, by predicted step time
+    evaluated: int
+    seconds: float
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> list[Estimate]:
+        return [e for e in self.ranked if e.feasible]
+
+    @property
+    def best(self) -> Estimate | None:
+        f = self.feasible
+        return f[0] if f else None
+
+
+def policies(req: Request) -> list[Policy]:
+    out = []
+    for ck in req.checkpoints:
+        for lc in req.loss_chunks:
+            out.append(Policy(ck, 0.0, req.offload_skip_last, lc))
+            if ck == "selective":
+                out += [Policy(ck, a, req.offload_skip_last, lc) for a in req.offload_fractions if a > 0]
+    return out
+
+
+def candidate_layouts(req: Request) -> list[Layout]:
+    """Every layout of req.gpus ranks that the model's heads and the sequence allow."""
+    m, G, n = req.model, req.gpus_per_node, req.gpus
+    out = []
+    for h in divisors(n):
+        if not head_degree_ok(m, h):
+            continue
+        for c in divisors(n // h):
+            if req.seq % (2 * h * c):
+                continue
+            dp = n // (h * c)
+            if req.batch % dp:
+                continue
+            windows = [0]
+            if c > 1:
+                for placement in ("head-first", "ctx-first"):
+                    span = h if placement == "head-first" else 1
+                    fit = [w for w in divisors(c) if 1 < w < c and span * w <= G]
+                    if fit and max(fit) not in windows:
+                        windows.append(max(fit))
+            placements = ("head-first", "ctx-first") if h > 1 and c > 1 else ("head-first",)
+            for r in divisors(dp):
+                for placement in placements:
+                    for w in windows:
+                        out.append(Layout(r, dp // r, h, c, w, placement))
+    return out
+
+
+def _sort_key(e: Estimate):
+    """Feasible plans by step time (ties: simpler policy, less memory); infeasible ones by memory."""
+    p = e.policy
+    if not e.feasible:
+        return (1, e.memory["total"] + e.host_per_node, e.step_s)
+    # step times within 0.5% of each other are a tie: prefer the simpler policy and less memory
+    bucket = math.floor(math.log(e.step_s) / math.log(1.005)) if e.step_s > 0 else 0
+    return (0, bucket, _POLICY_ORDER[p.checkpoint], p.offload_fraction, p.loss_chunk,
+            e.memory["total"], e.layout.dp_replicate, e.layout.window)
+
+
+def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
+    t0 = time.perf_counter()
+    hw, m = req.hardware, req.model
+    pc = param_counts(m)
+    layouts = req.layouts if req.layouts is not None else candidate_layouts(req)
+    pols = policies(req)
+    acts_cache: dict = {}
+    results: list[Estimate] = []
+    evaluated = 0
+    for L in layouts:
+        # model states + gathered parameters alone: prune every policy of this layout if they do not fit
+        static = 16 * pc["total"] / L.fsdp
+        if static > hw.usable_memory_bytes and not keep_infeasible:
+            continue
+        dp_share = req.batch // L.dp if req.batch % L.dp == 0 else 0
+        for mb in req.micro_batches:
+            if not dp_share or dp_share % mb:
+                continue
+            for pol in pols:
+                key = (L.head, L.ctx, mb, pol)
+                if key not in acts_cache:
+                    acts_cache[key] = activations(m, req.seq, mb, L, pol, hw.dtype_bytes)
+                acts = acts_cache[key]
+                if not keep_infeasible and static + acts.total_device > hw.usable_memory_bytes:
+                    continue
+                est = estimate(m, hw, L, pol, seq=req.seq, batch=req.batch, micro_batch=mb,
+                               gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask, acts=acts)
+                evaluated += 1
+                if est.feasible or keep_infeasible:
+                    results.append(est)
+    results.sort(key=_sort_key)
+    res = PlanResult(req, results, evaluated, time.perf_counter() - t0)
+    if explain and not res.feasible and req.layouts is None:
+        res.suggestions = suggest(req, res)
+    return res
+
+
+def _first_feasible(req: Request, **changes) -> Estimate | None:
+    r = dataclasses.replace(req, **changes)
+    return plan(r, keep_infeasible=False, explain=False).best
+
+
+def suggest(req: Request, res: PlanResult) -> list[str]:
+    """What would make an infeasible request feasible."""
+    out = []
+    if not res.ranked:
+        units = sorted({2 * h * c for h in divisors(req.gpus) if head_degree_ok(req.model, h)
+                        for c in divisors(req.gpus // h)})
+        out.append(f"no layout of {req.gpus} GPUs divides the sequence: {req.seq} tokens must be divisible by "
+                   f"2 x head x ctx (one of {units[:8]}); choose a sequence length that is a multiple of "
+                   f"{units[-1]}, or a multiple of {units[0]} with fewer sequence-parallel ranks")
+        return out
+    least = min(res.ranked, key=lambda e: e.memory["total"])
+    out.append(f"the least device memory any plan needs is {least.memory['total'] / 2**30:.1f} GiB per GPU "
+               f"({least.layout.describe()}, {least.policy.describe()}; "
+               f"{req.hardware.usable_memory_bytes / 2**30:.1f} GiB usable)"
+               + (f", and then: {'; '.join(least.problems)}" if least.problems else ""))
+    if req.hardware.host_memory_gib and req.hardware.usable_host_fraction and not any(
+            a > 0 for a in req.offload_fractions):
+        if _first_feasible(req, offload_fractions=OFFLOAD_FRACTIONS,
+                           checkpoints=tuple(sorted(set(req.checkpoints) | {"selective"}))):
+            out.append("activation offload (selective recomputation + offload fraction) makes it feasible")
+    if least.host_per_node > req.hardware.usable_host_bytes and req.hardware.host_memory_gib:
+        need = least.host_per_node / req.hardware.usable_host_fraction / 2**30
+        out.append(f"nodes with >= {need:,.0f} GiB of host memory (--hw host_memory_gib=...) would hold the "
+                   f"offloaded activations")
+    if 0 not in req.loss_chunks or len(req.loss_chunks) == 1:
+        if _first_feasible(req, loss_chunks=(0, 4096)):
+            out.append("a chunked LM head + loss (memory.loss_chunk) makes it feasible")
+    g = req.gpus
+    for _ in range(6):
+        g *= 2
+        if _first_feasible(req, gpus=g, batch=req.batch * g // req.gpus if req.batch else 0):
+            out.append(f"{g} GPUs make it feasible")
+            break
+    seq = req.seq
+    for _ in range(8):
+        seq //= 2
+        if seq < 2 * req.gpus and seq < 1024:
+            break
+        if _first_feasible(req, seq=seq):
+            out.append(f"a sequence of {seq:,} tokens fits on {req.gpus} GPUs")
+            break
+    return out
