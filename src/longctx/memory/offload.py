@@ -13,7 +13,7 @@ of the original is then free to go. In backward the parts are joined again.
 
 Never offloaded: parameters, their autocast copies (a cast of a parameter; weights are not
 activations) and the tensors the caller declares `shared` (RoPE tables and document ids that all
-blocks read). A tensor saved twice in one block (the same tensor object) is copied once.
+blocks read). A span of storage saved several times in one block (as different views) is copied once.
 """
 
 from __future__ import annotations
@@ -25,24 +25,50 @@ import torch
 from torch import nn
 
 
+_VIEW_OR_CAST = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
+                 "ToCopyBackward0", "AliasBackward0", "UnsafeViewBackward0"}
+
+
 def _is_weight(t: torch.Tensor) -> bool:
-    """A parameter, or a dtype cast of one (autocast's cached bf16 weight)."""
-    if isinstance(t, nn.Parameter):
+    """A parameter, or a view or dtype cast of one (a linear's transposed weight, autocast's bf16 copy)."""
+    if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
         return True
     fn = t.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
-        return False
-    return any(type(nxt).__name__ == "AccumulateGrad" for nxt, _ in fn.next_functions if nxt is not None)
+    for _ in range(4):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "AccumulateGrad":
+            return True
+        if name not in _VIEW_OR_CAST or not fn.next_functions:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
 
 
-class _Saved:
-    """One saved tensor: its host part, its device rest, and (CUDA) a prefetched host part."""
+class _Region:
+    """A span of one storage saved for backward: its first part on the host, the rest on the device.
+    Every saved view inside the span shares it (a linear's 2-D view of the norm output, saved once
+    by each of q, k and v, is copied once)."""
 
-    __slots__ = ("host", "rest", "shape", "prefetched", "event", "__weakref__")
+    __slots__ = ("host", "rest", "size", "prefetched", "event", "_full", "__weakref__")
 
-    def __init__(self, host, rest, shape):
-        self.host, self.rest, self.shape = host, rest, shape
-        self.prefetched, self.event = None, None
+    def __init__(self, host, rest, size):
+        self.host, self.rest, self.size = host, rest, size
+        self.prefetched, self.event, self._full = None, None, None
+
+
+class _View:
+    __slots__ = ("region", "offset", "shape", "stride")
+
+    def __init__(self, region, offset, shape, stride):
+        self.region, self.offset, self.shape, self.stride = region, offset, shape, stride
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi) in elements of t's storage that t can touch."""
+    lo = t.storage_offset()
+    return lo, lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
 class HostOffloader:
@@ -54,7 +80,7 @@ class HostOffloader:
         self._order: list[int] = []  # blocks in forward order, for "the block backward reaches next"
         self._host_parts: weakref.WeakSet | None = None
         self._block: int | None = None
-        self._seen: dict[int, tuple] = {}
+        self._seen: dict[tuple, list] = {}  # (storage, dtype) -> regions saved in the current block
         self._shared: set[int] = set()
         self._fraction = 0.0
         self.host_tensors: list[weakref.ref] = []  # for accounting: which storages are the host tier
@@ -88,18 +114,22 @@ class HostOffloader:
         if (t.device.type != self.device.type or t.numel() == 0 or _is_weight(t)
                 or t.untyped_storage().data_ptr() in self._shared):
             return t
-        seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t:
-            return seen[1]
-        flat = t.reshape(-1)
-        cut = round(self._fraction * flat.numel())
+        storage = t.untyped_storage()
+        lo, hi = _span(t)
+        regions = self._seen.setdefault((storage.data_ptr(), t.dtype), [])
+        for r_lo, r_hi, region, _ in regions:
+            if r_lo <= lo and hi <= r_hi:
+                return _View(region, lo - r_lo, t.shape, t.stride())
+        flat = t.new_empty(0).set_(storage, lo, (hi - lo,), (1,))
+        cut = round(self._fraction * (hi - lo))
         if cut == 0:
             return t
-        rest = flat[cut:].clone() if cut < flat.numel() else None
-        saved = _Saved(self._to_host(flat[:cut]), rest, t.shape)
-        self._blocks[self._block].add(saved)
-        self._seen[id(t)] = (weakref.ref(t), saved)
-        return saved
+        region = _Region(self._to_host(flat[:cut]), flat[cut:].clone() if cut < hi - lo else None, hi - lo)
+        self._blocks[self._block].add(region)
+        # holding the storage until the block ends keeps its address from being reused by another
+        # tensor while the span is still registered
+        regions.append((lo, hi, region, storage))
+        return _View(region, 0, t.shape, t.stride())
 
     def _to_host(self, part: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
@@ -115,16 +145,20 @@ class HostOffloader:
 
     # ------------------------------------------------------------------ backward side
     def _unpack(self, saved):
-        if not isinstance(saved, _Saved):
+        if not isinstance(saved, _View):
             return saved
-        block = next((b for b, parts in self._blocks.items() if saved in parts), None)
-        if block is not None:
-            self._prefetch_before(block)
-        part = self._host_part_on_device(saved)
-        whole = part if saved.rest is None else torch.cat([part, saved.rest])
-        return whole.view(saved.shape)
+        region = saved.region
+        full = region._full() if region._full is not None else None
+        if full is None:
+            block = next((b for b, parts in self._blocks.items() if region in parts), None)
+            if block is not None:
+                self._prefetch_before(block)
+            part = self._host_part_on_device(region)
+            full = part if region.rest is None else torch.cat([part, region.rest])
+            region._full = weakref.ref(full)  # the other views of this span reuse it while it lives
+        return full.as_strided(saved.shape, saved.stride, saved.offset)
 
-    def _host_part_on_device(self, saved: _Saved) -> torch.Tensor:
+    def _host_part_on_device(self, saved: _Region) -> torch.Tensor:
         if not self.cuda:
             return saved.host
         current = torch.cuda.current_stream(self.device)

@@ -55,29 +55,33 @@ def _cat(parts):
 
 
 def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, index: int, fraction: float):
-    tokens = x.shape[1]
-    cut = round(fraction * tokens)
-    head = slice(0, cut)
-    rest = slice(cut, tokens)
+    b, tokens = x.shape[:2]
+    # pre and post are token-wise, so they may see the batch as one row of b x tokens; then "the
+    # first tokens" is a contiguous slice (with batch > 1 a slice per row would be strided)
+    row = lambda t: t.reshape(1, b * tokens, *t.shape[2:])  # noqa: E731
+    unrow = lambda t: t.reshape(b, tokens, *t.shape[2:])  # noqa: E731
+    x1, cos1, sin1 = row(x), row(cos), row(sin)
+    cut = round(fraction * b * tokens)
+    head, rest = slice(0, cut), slice(cut, b * tokens)
     with offloader.block(index, shared=(cos, sin, doc_ids)):
-        xh, xr = x[:, head], x[:, rest]  # xh is passed to pre and post as ONE object: offloaded once
+        xh, xr = x1[:, head], x1[:, rest]  # xh goes to pre and post as ONE object: copied once
         qkv = []
         if cut:
             with offloader.offload(1.0):
-                qkv.append(block.pre(xh, cos[:, head], sin[:, head]))
-        if cut < tokens:
-            qkv.append(_checkpointed(block.pre, xr, cos[:, rest], sin[:, rest]))
-        q, k, v = (_cat(parts) for parts in zip(*qkv))
+                qkv.append(block.pre(xh, cos1[:, head], sin1[:, head]))
+        if cut < b * tokens:
+            qkv.append(_checkpointed(block.pre, xr, cos1[:, rest], sin1[:, rest]))
+        q, k, v = (unrow(_cat(parts)) for parts in zip(*qkv))
         with offloader.offload(fraction):
-            out = block.attention.core(q, k, v, doc_ids)
+            out = row(block.attention.core(q, k, v, doc_ids))
         y = []
         if cut:
             with offloader.offload(1.0):
                 y.append(block.post(xh, out[:, head]))
-        if cut < tokens:
+        if cut < b * tokens:
             # a copy, or the checkpoint would keep the whole attention output alive through a view
             y.append(_checkpointed(block.post, xr, out[:, rest].clone() if cut else out))
-        return _cat(y)
+        return unrow(_cat(y))
 
 
 def check_policy(checkpoint_policy: str, offload_fraction: float) -> None:

@@ -1,0 +1,209 @@
+"""Activation memory: what each policy is expected to keep (analytic) and what it keeps (measured).
+
+Analytic: `estimate_activations` counts, per rank, the bytes every block leaves for backward under
+a policy, from the model shape and the layout. The count follows this implementation's graph
+(which tensors autograd saves: RMSNorm's fp32 statistics, RoPE outputs, the attention core's
+q/k/v/out/log-sum-exp in its head layout, the SwiGLU intermediates...), so measurement can check it
+to the byte; it is also printed beside the published per-layer formulas (Korthikanti et al.'s
+34 s b h with FlashAttention, MEMO's 16 s b h skeletal activations), which count 16-bit GPT-style
+layers and so differ from ours by design.
+
+Measured: `measure_activations` runs one forward under a dispatch mode that records every storage
+an op creates, then counts those still referenced after the forward (by autograd, by a checkpoint
+keeping its inputs, by the host offloader), attributed to the block that created them and split
+into device and host tier. It measures structure (bytes held), not the allocator, so it works on
+CPU as on GPU; on GPU the benchmark also reports the allocator's peak.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ..config import ModelConfig
+
+
+# ------------------------------------------------------------------------------------------------
+# Analytic
+
+
+@dataclass
+class ActivationEstimate:
+    """Bytes per rank for one micro-batch (all sequences on the rank)."""
+    per_block_device: float    # an offloaded block (or any block when nothing is offloaded)
+    per_block_host: float      # an offloaded block's host-tier bytes
+    kept_block_device: float   # a block among the last `offload_skip_last` (never offloaded)
+    model_device: float        # outside the blocks: embeddings output, RoPE tables, final norm, loss
+    total_device: float
+    total_host: float
+    recompute_flops: float     # forward FLOPs re-run in backward, per micro-batch
+    tokens: int                # tokens on the rank (micro_batch x seq / (head x ctx))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _block_parts(m: ModelConfig, head: int, p: int, docs: bool) -> dict[str, float]:
+    """Bytes per local token of the tensors a block can leave behind, by name."""
+    d, hd, H, K, F = m.dim, m.resolved_head_dim, m.heads, m.kv_heads, m.ffn_dim
+    k_eff = max(K, head)  # kv heads after replication for the head-parallel all-to-all
+    # RMSNorm keeps fp32 rsqrt (4 B) and 8d more bytes: in fp32 the normed x and the output (its
+    # input, saved too, IS the block input or the residual h); in bf16 an fp32 copy of the input,
+    # the bf16 normed x and the output
+    norm = 8 * d + 4
+    core = p * (2 * H + 2 * k_eff) * hd + 4 * H + (8 * head if docs and head > 1 else 0)
+    return {
+        "norm": norm,
+        "norm_input": p * d if p == 4 else 0,          # fp32: the norm saves its input itself
+        "core": core,                                  # q, k, v, out, lse (+ gathered doc ids)
+        "attn_out": p * H * hd,                        # the attention output in sequence layout
+        "residual": p * d if p == 4 else 0,            # h = x + attention, kept as the MLP norm's input
+        "mlp": 4 * p * F,                              # w1 out, silu out, w3 out, product
+        "block_out": p * d,
+    }
+
+
+def _flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
+    d, hd, H, K, F = m.dim, m.resolved_head_dim, m.heads, m.kv_heads, m.ffn_dim
+    return {
+        "pre": 2 * d * (H + 2 * K) * hd,
+        "post": 2 * H * hd * d + 6 * d * F,
+        "attention": 2 * seq_len * H * hd,  # 4 s H hd, halved by the causal mask
+    }
+
+
+def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
+                         policy: str = "none", offload_fraction: float = 0.0, offload_skip_last: int = 1,
+                         dtype_bytes: int = 4, loss_chunk: int = 0, docs: bool = False) -> ActivationEstimate:
+    """Per-rank activation bytes of `policy` for micro_batch sequences of seq_len tokens sharded over
+    head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations)."""
+    if seq_len % (head * ctx):
+        raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
+    p = dtype_bytes
+    tokens = micro_batch * seq_len // (head * ctx)
+    part = _block_parts(model, head, p, docs)
+    fl = _flops_per_token(model, seq_len)
+    A = float(offload_fraction)
+    L = model.layers
+    offloaded = max(0, L - offload_skip_last) if A > 0 else 0
+    # the attention output in sequence layout is its own tensor only under the head all-to-all
+    # ... a separate tensor from the core's own output only under the head all-to-all
+    seq_out = part["attn_out"] if head > 1 else 0.0
+
+    if policy == "none":
+        kept = part["norm"] * 2 + part["core"] + seq_out + part["residual"] + part["mlp"] + part["block_out"]
+        recompute = 0.0
+    elif policy == "full":
+        kept = part["block_out"]
+        recompute = fl["pre"] + fl["post"] + fl["attention"]
+    elif policy == "selective":
+        kept = part["core"] + seq_out + part["block_out"]
+        recompute = fl["pre"] + fl["post"]
+    else:
+        raise ValueError(f"unknown policy {policy!r}")
+
+    # an offloaded block: the first A of its tokens run pre/post with everything saved on the host,
+    # the rest are checkpointed (keeping a copy of their attention output); the core keeps (1 - A).
+    # A block's output is the next block's input: a fully offloaded block (A = 1) copies its input to
+    # the host and nothing on the device holds it any more, except for the last offloaded block,
+    # whose output feeds a kept block (or the final norm).
+    host = A * (part["core"] + 2 * part["norm"] + part["norm_input"] + seq_out + part["residual"] + part["mlp"])
+    rest_copy = part["attn_out"] if 0 < A < 1 else 0.0
+    drop_input = A >= 1
+    off_device = (1 - A) * (part["core"] + rest_copy) + (0.0 if drop_input else part["block_out"])
+    last_offloaded_extra = part["block_out"] if drop_input and offloaded else 0.0
+
+    model_device = (
+        8 * model.resolved_head_dim                                     # RoPE cos/sin tables, fp32
+        + (0 if drop_input and offloaded else p * model.dim)            # embeddings output = block 0's input
+        + part["norm"]                                                  # final norm
+        + (4 if loss_chunk and tokens > loss_chunk else 4 * model.vocab_size)  # lse per token, or log-softmax
+    )
+    n_kept = L - offloaded
+    total_device = tokens * (n_kept * kept + offloaded * off_device + last_offloaded_extra + model_device)
+    total_host = tokens * offloaded * host
+    recompute_total = tokens * (n_kept * recompute + offloaded * (1 - A) * (fl["pre"] + fl["post"]))
+    return ActivationEstimate(
+        per_block_device=tokens * (off_device if offloaded else kept),
+        per_block_host=tokens * (host if offloaded else 0.0),
+        kept_block_device=tokens * kept,
+        model_device=tokens * model_device,
+        total_device=total_device,
+        total_host=total_host,
+        recompute_flops=recompute_total,
+        tokens=tokens,
+    )
+
+
+def published_formulas(model: ModelConfig, seq_len: int, micro_batch: int = 1, shard: int = 1) -> dict:
+    """Per-layer bytes by the published formulas (16-bit, s b h / t), for comparison only."""
+    sbh = seq_len * micro_batch * model.dim / shard
+    return {
+        "korthikanti_flash_no_recompute": (18 + 4 * model.ffn_dim / model.dim) * sbh,  # Megatron's general form
+        "korthikanti_full_recompute": 2 * sbh,
+        "memo_skeletal": 16 * sbh,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Measured
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Records every storage an op creates (not aliases of its inputs), holding a reference so the
+    address cannot be reused; afterwards a storage is live iff someone besides us refers to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.block: int | None = None
+        self.created: dict[int, tuple[torch.UntypedStorage, int | None]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in inputs and ptr not in self.created:
+                    self.created[ptr] = (st, self.block)
+        return out
+
+
+def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None, backward: bool = True) -> dict:
+    """Run one forward (and backward) of `model` and report the bytes held for backward after the
+    forward: {"blocks": [{"device": B, "host": B}, ...], "model": {...}, "total_device", "total_host"}."""
+    tracker = _StorageTracker()
+    handles = []
+    for i, block in enumerate(model.layers):
+        handles.append(block.register_forward_pre_hook(lambda mod, args, i=i: setattr(tracker, "block", i)))
+        handles.append(block.register_forward_hook(lambda mod, args, out: setattr(tracker, "block", None)))
+    try:
+        with tracker:
+            loss = model(tokens, positions, doc_ids, labels=labels)
+    finally:
+        for h in handles:
+            h.remove()
+    offloader = getattr(model, "memory_offloader", None)
+    host_ptrs = offloader.host_storage_ptrs() if offloader is not None else set()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    held = defaultdict(lambda: {"device": 0, "host": 0})
+    for ptr, (st, block) in tracker.created.items():
+        if ptr in params or torch._C._storage_Use_Count(st._cdata) <= 1:
+            continue
+        held[block]["host" if ptr in host_ptrs else "device"] += st.nbytes()
+    tracker.created.clear()
+    if backward:
+        loss.backward()
+    blocks = [dict(held.get(i, {"device": 0, "host": 0})) for i in range(len(model.layers))]
+    return {
+        "blocks": blocks,
+        "model": dict(held.get(None, {"device": 0, "host": 0})),
+        "total_device": sum(b["device"] for b in blocks) + held[None]["device"],
+        "total_host": sum(b["host"] for b in blocks) + held[None]["host"],
+    }
