@@ -64,6 +64,10 @@ class HFTokenizer:
         encs = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
+    def encode_encodings(self, texts: list[str]):
+        """The library's Encoding objects (ids and character offsets), for the data pipeline."""
+        return self._tok.encode_batch(texts, add_special_tokens=False)
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
 

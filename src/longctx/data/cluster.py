@@ -1,0 +1,69 @@
+"""Semantic clusters of documents: k-means on the embeddings, then near clusters merged.
+
+The number of clusters defaults to one per ~8 windows of tokens (and at most one per 4
+documents): enough clusters that a cluster holds related documents, few enough that each cluster
+fills many windows, so its last, partly filled window matters little. k-means (scikit-learn,
+k-means++ seeding, seeded) over unit vectors; then clusters whose centroids have cosine >=
+`merge_cosine` are merged (union-find), since splitting one topic over two clusters would only
+cost packing freedom.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+WINDOWS_PER_CLUSTER = 8
+DOCS_PER_CLUSTER = 4
+MERGE_COSINE = 0.9
+
+
+def default_k(num_docs: int, total_tokens: int, context: int) -> int:
+    k = min(total_tokens // (WINDOWS_PER_CLUSTER * context), num_docs // DOCS_PER_CLUSTER, 4096)
+    return max(1, int(k))
+
+
+def kmeans(emb: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
+    n = len(emb)
+    if k <= 1 or n <= 1:
+        return np.zeros(n, dtype=np.int64)
+    k = min(k, n)
+    if n > 20000:
+        from sklearn.cluster import MiniBatchKMeans
+
+        km = MiniBatchKMeans(n_clusters=k, random_state=seed, n_init=1, batch_size=4096)
+    else:
+        from sklearn.cluster import KMeans
+
+        km = KMeans(n_clusters=k, random_state=seed, n_init=1)
+    return km.fit_predict(emb).astype(np.int64)
+
+
+def merge_near(emb: np.ndarray, labels: np.ndarray, merge_cosine: float = MERGE_COSINE) -> np.ndarray:
+    """Union clusters whose (unit) centroids are at least `merge_cosine` apart; relabel 0..k-1."""
+    ids = np.unique(labels)
+    cent = np.stack([emb[labels == c].mean(0) for c in ids])
+    cent /= np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
+    parent = list(range(len(ids)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    sim = cent @ cent.T
+    for i, j in zip(*np.nonzero(np.triu(sim >= merge_cosine, k=1))):
+        a, b = find(int(i)), find(int(j))
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    root = np.array([find(i) for i in range(len(ids))])
+    _, dense = np.unique(root, return_inverse=True)
+    lookup = dict(zip(ids.tolist(), dense.tolist()))
+    return np.array([lookup[c] for c in labels.tolist()], dtype=np.int64)
+
+
+def cluster(emb: np.ndarray, lengths: np.ndarray, context: int, k: int = 0, seed: int = 0,
+            merge_cosine: float = MERGE_COSINE) -> np.ndarray:
+    k = k or default_k(len(emb), int(np.sum(lengths)), context)
+    labels = kmeans(emb, k, seed)
+    return merge_near(emb, labels, merge_cosine) if len(labels) else labels
