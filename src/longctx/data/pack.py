@@ -400,7 +400,7 @@ def homogeneity(doc_window: np.ndarray, emb: np.ndarray, num_windows: int) -> di
     sq = np.bincount(windows, weights=(emb[docs] ** 2).sum(1), minlength=num_windows)
     multi = m >= 2
     if not multi.any():
-        return {"homogeneity": float("nan"), "multi_doc_windows": 0}
+        return {"homogeneity": None, "multi_doc_windows": 0}
     pair_sum = ((sums[multi] ** 2).sum(1) - sq[multi]) / 2
     mean_cos = pair_sum / (m[multi] * (m[multi] - 1) / 2)
     return {"homogeneity": float(mean_cos.mean()), "multi_doc_windows": int(multi.sum())}

@@ -147,7 +147,8 @@ def read_inputs(inputs: list[str], text_field: str = "text", max_docs: int = 0) 
                 root = p
                 files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
                 usable = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | STRUCTURED_SUFFIXES]
-                out.skipped["other_suffix"] += len(files) - len(usable)
+                if len(files) > len(usable):
+                    out.skipped["other_suffix"] += len(files) - len(usable)
                 files = usable
                 if not files:
                     raise DataError(

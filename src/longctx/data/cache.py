@@ -1,0 +1,90 @@
+"""The store `longctx train` uses when no `data.path` is given: built from `data.corpus` on first
+use, cached in `$LONGCTX_CACHE/data` (default `~/.cache/longctx/data`) under a key of everything
+that determines it (corpus files with sizes and mtimes, tokenizer, context, strategy, dedup,
+max_docs, eval_fraction), and reused afterwards.
+
+The store is built complete in a temporary directory next to its final name and renamed into
+place, so a concurrent or interrupted build never exposes a half-written store; when two processes
+race, the loser discards its copy and uses the winner's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .build import BuildOptions, build_store
+from .corpus import corpus_files
+from .store import MANIFEST
+
+CACHE_VERSION = 1
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LONGCTX_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "longctx"
+
+
+def _fingerprint(corpus: str, tokenizer: str) -> dict:
+    root, files = corpus_files(corpus)  # a clear DataError for a missing or empty corpus
+    h = hashlib.sha256()
+    for f in files:
+        s = f.stat()
+        h.update(f"{f.relative_to(root)}\0{s.st_size}\0{s.st_mtime_ns}\n".encode())
+    fp = {"root": str(root), "files": len(files), "digest": h.hexdigest()}
+    if tokenizer != "byte":
+        t = Path(tokenizer)
+        t = t / "tokenizer.json" if t.is_dir() else t
+        if t.is_file():
+            fp["tokenizer"] = hashlib.sha256(t.read_bytes()).hexdigest()
+    return fp
+
+
+AUTO_DATASCULPT_FROM = 2048
+
+
+def resolve_strategy(strategy: str, context: int) -> str:
+    """`auto`: below 2048 tokens nearly every document is longer than the window, so packing has
+    nothing to choose and concat (fill 1.0, the fastest) is used; datasculpt from 2048 up."""
+    if strategy != "auto":
+        return strategy
+    return "datasculpt" if context >= AUTO_DATASCULPT_FROM else "concat"
+
+
+def default_store(data_cfg, context: int, progress: bool = False, log=print) -> Path:
+    """The cached store for this data config and context, built now if it does not exist yet."""
+    strategy = resolve_strategy(data_cfg.strategy, context)
+    key_fields = {
+        "version": CACHE_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer, "context": context,
+        "strategy": strategy, "dedup": data_cfg.dedup, "max_docs": data_cfg.max_docs,
+        "eval_fraction": data_cfg.eval_fraction, "fingerprint": _fingerprint(data_cfg.corpus, data_cfg.tokenizer),
+    }
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
+    tag = "stdlib" if data_cfg.corpus == "stdlib" else Path(data_cfg.corpus).name or "corpus"
+    final = cache_root() / "data" / f"{tag}-{context}-{strategy}-{key}"
+    if (final / MANIFEST).is_file():
+        log(f"data: using the cached store {final}")
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    log(f"data: building the store for {data_cfg.corpus} at context {context} (first use; cached in {final})")
+    try:
+        build_store(BuildOptions(
+            inputs=[data_cfg.corpus], out=str(tmp), context=context, tokenizer=data_cfg.tokenizer,
+            strategy=strategy, dedup=data_cfg.dedup, workers=data_cfg.workers,
+            eval_fraction=data_cfg.eval_fraction, max_docs=data_cfg.max_docs, stats=False, progress=progress,
+        ), log=log)
+        (tmp / "cache_key.json").write_text(json.dumps(key_fields, indent=1, sort_keys=True) + "\n")
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / MANIFEST).is_file():
+                raise
+            # another process published the same store first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,164 @@
+"""Reading a packed store for training: windows -> tokens, labels, positions, document ids.
+
+`PackedWindows` is a store split seen as one list of windows (over all parts), with the same
+interface as `TokenWindows` (`len`, `batch(indices)`, `num_tokens`). In window i:
+
+- `labels[t] = tokens[t + 1]` inside a segment; the last token of a segment has no label in this
+  window (its document ends, or continues in another window), nor does padding: IGNORE (-100);
+- `doc_ids` number the window's segments 0, 1, ...; padding gets the next id of its own, so it
+  never attends to real tokens and they never attend to it;
+- `positions` restart at 0 at every segment (and in the padding).
+
+Without document masks (`doc_mask=False`) a window is a plain causal sequence: labels run across
+segment boundaries, positions are 0..L-1, no doc ids; padding, always at the end, stays ignored.
+
+`BatchLoader` draws global batches: a seeded shuffle of the windows whose whole state is one
+global cursor (`WindowSampler`), so a resumed job continues with exactly the windows not yet seen
+under any data-parallel degree; with `dp > 1` each batch is permuted so that the dp blocks
+`Runtime.local_batch` hands out have balanced estimated cost (data/balance.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+from .balance import balanced_order, imbalance
+from .store import S_LENGTH, load_split, read_manifest
+from .windows import IGNORE, Batch, WindowSampler
+
+
+class PackedWindows:
+    def __init__(self, root: str | Path, split: str = "train", doc_mask: bool = True):
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        self.context = int(self.manifest["context"])
+        self.seq_len = self.context
+        self.doc_mask = doc_mask
+        self.parts = [a for a in (load_split(self.root, p, split) for p in self.manifest["parts"]) if a is not None]
+        counts = [len(a.windows) - 1 for a in self.parts]
+        self.offsets = np.cumsum([0, *counts])
+        self.num_windows = int(self.offsets[-1])
+        self.split = split
+        # per window: real tokens and sum of squared segment lengths (for the cost estimate)
+        real, sq = [], []
+        for a in self.parts:
+            w = np.repeat(np.arange(len(a.windows) - 1), np.diff(a.windows))
+            n = len(a.windows) - 1
+            lens = a.segments[:, S_LENGTH].astype(np.float64)
+            real.append(np.bincount(w, weights=lens, minlength=n))
+            sq.append(np.bincount(w, weights=lens ** 2, minlength=n))
+        self.real_tokens = np.concatenate(real) if real else np.zeros(0)
+        self.sq_tokens = np.concatenate(sq) if sq else np.zeros(0)
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.real_tokens.sum())
+
+    def costs(self, a: float, b: float) -> np.ndarray:
+        """Estimated work per window: a * attention pairs + b * tokens."""
+        quad = self.sq_tokens if self.doc_mask else self.real_tokens ** 2
+        return a * quad + b * self.real_tokens
+
+    def _locate(self, i: int):
+        if not 0 <= i < self.num_windows:
+            raise IndexError(f"window {i} out of range [0, {self.num_windows})")
+        p = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        return self.parts[p], i - int(self.offsets[p])
+
+    def segments(self, i: int) -> np.ndarray:
+        part, j = self._locate(i)
+        return part.segments[part.windows[j]:part.windows[j + 1]]
+
+    def window(self, i: int):
+        part, j = self._locate(i)
+        tokens = np.asarray(part.tokens[j], dtype=np.int64)
+        segs = part.segments[part.windows[j]:part.windows[j + 1]]
+        L = self.context
+        real = int(segs[:, S_LENGTH].sum())
+        labels = np.full(L, IGNORE, dtype=np.int64)
+        if not self.doc_mask:
+            labels[:real - 1] = tokens[1:real]
+            return tokens, labels, np.arange(L), None
+        lengths = np.append(segs[:, S_LENGTH], L - real) if real < L else segs[:, S_LENGTH]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        doc_ids = np.repeat(np.arange(len(lengths)), lengths)
+        positions = np.arange(L) - np.repeat(starts, lengths)
+        nxt = np.zeros(L, dtype=bool)  # True where token t + 1 is in the same segment
+        nxt[:-1] = doc_ids[1:] == doc_ids[:-1]
+        nxt[real:] = False  # padding predicts nothing
+        labels[:-1][nxt[:-1]] = tokens[1:][nxt[:-1]]
+        return tokens, labels, positions, doc_ids
+
+    def batch(self, indices) -> Batch:
+        parts = [self.window(int(i)) for i in indices]
+        stack = lambda j: torch.from_numpy(np.stack([p[j] for p in parts])).long()  # noqa: E731
+        return Batch(stack(0), stack(1), stack(2), stack(3) if self.doc_mask else None)
+
+
+class BatchLoader:
+    """Global batches of `batch_size` windows in seeded order, cost-balanced over `dp` ranks."""
+
+    def __init__(self, windows, batch_size: int, seed: int, dp: int = 1, balance: bool = True,
+                 cost: tuple[float, float] = (1.0, 0.0)):
+        if len(windows) == 0:
+            raise DataError("the data store has no training windows; build it from more documents.")
+        self.windows, self.batch_size, self.dp = windows, batch_size, dp
+        self.sampler = WindowSampler(len(windows), seed)
+        self.balance = balance and dp > 1 and hasattr(windows, "costs")
+        self.costs = windows.costs(*cost) if hasattr(windows, "costs") else None
+        self.batches = 0
+        self.imbalance_sum = 0.0        # max/mean per-rank cost of the batches drawn, summed
+        self.imbalance_unbalanced = 0.0  # the same without the permutation, for comparison
+
+    def next_indices(self) -> list[int]:
+        idx = self.sampler.next_indices(self.batch_size)
+        if self.costs is not None and self.dp > 1:
+            self.imbalance_unbalanced += imbalance(idx, self.costs, self.dp)
+            if self.balance:
+                idx = balanced_order(idx, self.costs, self.dp)
+            self.imbalance_sum += imbalance(idx, self.costs, self.dp)
+        self.batches += 1
+        return idx
+
+    def next_batch(self) -> Batch:
+        return self.windows.batch(self.next_indices())
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    @property
+    def mean_imbalance(self) -> tuple[float, float]:
+        """(balanced, unbalanced) mean max/mean cost ratio over the batches drawn so far."""
+        n = max(self.batches, 1)
+        return self.imbalance_sum / n or 1.0, self.imbalance_unbalanced / n or 1.0
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state.get("num_windows", len(self.windows))) != len(self.windows):
+            raise DataError(
+                f"the checkpoint's data position is for {state['num_windows']} training windows but the data has "
+                f"{len(self.windows)}; resume with the same data (data.path / data.corpus and train.seq_len)."
+            )
+        self.sampler.load_state_dict(state)
+
+
+def cost_coefficients(model_cfg) -> tuple[float, float]:
+    """(a, b) of a*s^2 + b*s from the model shape: per layer, causal attention costs ~2 * 2 * d_attn
+    FLOPs per (query, key) pair forward (scores and values; half the pairs under the causal mask,
+    which sum s_d^2 / 2 accounts for via a) and the linear layers ~2 * params per token."""
+    d_attn = model_cfg.heads * model_cfg.resolved_head_dim
+    a = 2 * model_cfg.layers * d_attn  # 4 * d_attn per pair, halved by the causal mask
+    kv = model_cfg.kv_heads * model_cfg.resolved_head_dim
+    per_layer = model_cfg.dim * (d_attn + 2 * kv) + d_attn * model_cfg.dim + 3 * model_cfg.dim * model_cfg.ffn_dim
+    b = 2 * (model_cfg.layers * per_layer + model_cfg.dim * model_cfg.vocab_size)
+    return float(a), float(b)

@@ -1,0 +1,160 @@
+"""The packed-data store: token windows as memory-mapped numpy arrays, an index, a manifest.
+
+Layout of a store directory:
+
+    manifest.json                 written last: a store is complete exactly when it exists
+    part-00000/                   one part per build or append; never rewritten
+      train.tokens.npy            uint16/uint32 [windows, context], padded with the pad token
+      train.segments.npy          int64 [segments, 5]: window, offset, length, doc, start
+      train.windows.npy           int64 [windows + 1]: each window's first segment (CSR pointer)
+      eval.*                      the same for the eval split (documents held out by name hash)
+      docs.jsonl                  per document (doc = its line number + the part's first doc id):
+                                  name, tokens (EOS included), split
+      hashes.npy                  uint64 exact-duplicate hash per document (dedup across appends)
+      minhash.npy                 uint64 [docs, 128] MinHash signatures (with --dedup minhash)
+
+A segment `(window, offset, length, doc, start)` says that tokens `[start, start + length)` of
+document `doc` lie at `[offset, offset + length)` of the window; a window's segments are
+contiguous from offset 0, and the rest of the window is padding.
+
+Crash safety: a part is written under `.tmp-part-*` and renamed into place; the manifest is
+written to a temporary file and renamed over `manifest.json` last. An interrupted build or
+append leaves either no manifest (the store does not look complete) or the previous manifest,
+which does not list the unfinished part (the next append removes it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+from .pack import DOC, LENGTH, START, WINDOW, Packing
+
+MANIFEST = "manifest.json"
+FORMAT = "longctx-store"
+VERSION = 1
+SPLITS = ("train", "eval")
+# segment columns in the store
+S_WINDOW, S_OFFSET, S_LENGTH, S_DOC, S_START = range(5)
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 65536 else np.uint32
+
+
+@dataclass
+class SplitArrays:
+    tokens: np.ndarray    # [windows, context]
+    segments: np.ndarray  # [segments, 5]
+    windows: np.ndarray   # [windows + 1]
+
+
+def write_split(part_dir: Path, split: str, packing: Packing, doc_tokens: list[np.ndarray], doc_base: int,
+                doc_map: np.ndarray, dtype, pad_id: int) -> dict:
+    """Write one split's windows. `doc_map` maps the packing's document numbers to the part's."""
+    ctx, n = packing.context, packing.num_windows
+    seg = packing.segments
+    tokens = np.lib.format.open_memmap(part_dir / f"{split}.tokens.npy", mode="w+", dtype=dtype, shape=(n, ctx))
+    tokens[:] = pad_id
+    out = np.zeros((len(seg), 5), dtype=np.int64)
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    if len(seg):
+        starts = np.flatnonzero(np.r_[True, seg[1:, WINDOW] != seg[:-1, WINDOW]])
+        ptr[seg[starts, WINDOW] + 1] = np.diff(np.r_[starts, len(seg)])
+        ptr = np.cumsum(ptr)
+        # offset of each segment in its window: running length sum, restarted at each window
+        cum = np.cumsum(seg[:, LENGTH]) - seg[:, LENGTH]
+        offset = cum - cum[ptr[seg[:, WINDOW]]]
+        for (w, d, s, length), off in zip(seg.tolist(), offset.tolist()):
+            tokens[w, off:off + length] = doc_tokens[d][s:s + length]
+        out[:, S_WINDOW] = seg[:, WINDOW]
+        out[:, S_OFFSET] = offset
+        out[:, S_LENGTH] = seg[:, LENGTH]
+        out[:, S_DOC] = doc_base + doc_map[seg[:, DOC]]
+        out[:, S_START] = seg[:, START]
+    tokens.flush()
+    del tokens
+    np.save(part_dir / f"{split}.segments.npy", out)
+    np.save(part_dir / f"{split}.windows.npy", ptr)
+    return {"windows": int(n), "tokens": int(seg[:, LENGTH].sum()) if len(seg) else 0}
+
+
+def new_part_dir(root: Path, index: int) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-part-{index:05d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def publish_part(tmp: Path, root: Path, index: int) -> str:
+    name = f"part-{index:05d}"
+    final = root / name
+    if final.exists():  # left by an append that died before its manifest: not part of the store
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return name
+
+
+def write_manifest(root: Path, manifest: dict) -> None:
+    tmp = root / f".{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, root / MANIFEST)
+
+
+def read_manifest(root: str | Path) -> dict:
+    root = Path(root)
+    path = root / MANIFEST
+    if not path.is_file():
+        hint = (" It holds an unfinished build (no manifest.json is written until a build completes); "
+                "run `longctx data build` again." if root.is_dir() and any(root.iterdir()) else "")
+        raise DataError(
+            f"'{root}' is not a longctx data store: {path} does not exist.{hint} Build one with "
+            f"`longctx data build --input PATH --context N --out {root}`."
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(f"{path} is not valid JSON ({e}); rebuild the store with `longctx data build`.") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DataError(f"{path} is not a version-{VERSION} longctx store manifest; rebuild it with this "
+                        f"version's `longctx data build`.")
+    return manifest
+
+
+def remove_stale(root: Path, manifest: dict | None) -> None:
+    """Temporary and unlisted parts left by interrupted builds or appends."""
+    listed = {p["dir"] for p in manifest["parts"]} if manifest else set()
+    for p in root.iterdir() if root.is_dir() else []:
+        if p.name.startswith(".tmp-part-") or (p.name.startswith("part-") and p.name not in listed):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(f".{MANIFEST}.tmp-"):
+            p.unlink(missing_ok=True)
+
+
+def load_split(root: Path, part: dict, split: str) -> SplitArrays | None:
+    if part["splits"][split]["windows"] == 0:
+        return None
+    d = root / part["dir"]
+    try:
+        return SplitArrays(
+            np.load(d / f"{split}.tokens.npy", mmap_mode="r"),
+            np.load(d / f"{split}.segments.npy"),
+            np.load(d / f"{split}.windows.npy"),
+        )
+    except (OSError, ValueError) as e:
+        raise DataError(f"the store '{root}' is damaged: {d}/{split}.* cannot be read ({e}); rebuild it.") from None
+
+
+def load_part_docs(root: Path, part: dict) -> tuple[np.ndarray, np.ndarray | None]:
+    d = root / part["dir"]
+    hashes = np.load(d / "hashes.npy")
+    sigs = np.load(d / "minhash.npy") if (d / "minhash.npy").is_file() else None
+    return hashes, sigs
