@@ -132,6 +132,14 @@ class DataConfig:
     eval_fraction: float = _opt(0.02, "fraction of documents held out for evaluation")
     doc_mask: bool = _opt(True, "attend only within a document and restart positions at each one")
     max_docs: int = _opt(0, "use at most this many documents; 0 = all")
+    path: str = _opt("", "a store built by `longctx data build` (its context must equal train.seq_len); '' = build "
+                         "one from data.corpus on first use, cached in $LONGCTX_CACHE or ~/.cache/longctx")
+    strategy: str = _opt("auto", "packing when building from data.corpus; auto = concat below 2048 tokens (nearly "
+                                 "every document is longer than the window), datasculpt from 2048 up",
+                         choices=("auto", "datasculpt", "bfd", "concat"))
+    dedup: str = _opt("minhash", "duplicate removal when building from data.corpus", choices=("minhash", "exact", "none"))
+    workers: int = _opt(1, "processes for the parallel stages when building from data.corpus")
+    balance: bool = _opt(True, "give data-parallel ranks windows of balanced estimated cost (a*s^2 + b*s)")
 
 
 @dataclass
@@ -414,6 +422,11 @@ def validate(cfg: Config) -> None:
         problems.append("train.eval_interval is set but data.eval_fraction is 0: nothing is held out to evaluate on.")
     if d.max_docs < 0:
         problems.append(f"data.max_docs must be >= 0, got {d.max_docs}.")
+    if d.workers < 1:
+        problems.append(f"data.workers must be >= 1, got {d.workers}.")
+    if d.path and d.corpus != "stdlib":
+        problems.append(f"data.path ({d.path}) and data.corpus ({d.corpus}) are both set; a store already holds its "
+                        f"documents: set data.path to train from a store, or data.corpus to build one.")
 
     degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}
     for k, v in degrees.items():

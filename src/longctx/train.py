@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from .config import Config, to_toml
-from .data.corpus import read_documents
-from .data.tokenizer import load_tokenizer
-from .data.windows import Batch, TokenWindows, WindowSampler, split_documents
+from .data.loader import BatchLoader, PackedWindows, cost_coefficients
+from .data.store import read_manifest
+from .data.windows import Batch
 from .errors import ConfigError, DataError, TrainingError
 from .parallel.launch import init_distributed
 from .parallel.parallelize import grad_scale, parallelize
@@ -103,36 +103,57 @@ def make_run_dir(cfg: Config) -> Path:
     return path
 
 
-def build_data(cfg: Config, log=print):
-    """Tokenised train and eval windows for the configured corpus."""
-    tok = load_tokenizer(cfg.data.tokenizer)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tok.vocab_size} tokens but model.vocab_size is {cfg.model.vocab_size}; "
-            f"set model.vocab_size >= {tok.vocab_size}."
-        )
+def build_data(cfg: Config, log=print, rt: Runtime | None = None):
+    """Train and eval windows from the packed store at data.path, or from the store built (once,
+    then cached) from data.corpus. With several ranks, rank 0 builds and the others wait for it."""
     t0 = time.perf_counter()
-    docs = read_documents(cfg.data.corpus, cfg.data.max_docs)
-    train_docs, eval_docs = split_documents(docs, cfg.data.eval_fraction)
+    path = cfg.data.path
+    if not path:
+        from .data.cache import default_store
+
+        if rt is None or rt.is_main:
+            try:
+                outcome = ("ok", str(default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log)))
+            except DataError as e:
+                outcome = ("error", str(e))
+        if rt is not None:
+            outcome = rt.broadcast(outcome if rt.is_main else None)
+        if outcome[0] == "error":
+            raise DataError(outcome[1])
+        path = outcome[1]
+    manifest = read_manifest(path)
+    tok = manifest["tokenizer"]
     seq = cfg.train.seq_len
-    train = TokenWindows(tok.encode_batch([d.text for d in train_docs]), tok.eos_id, seq, cfg.data.doc_mask)
-    evals = None
-    if eval_docs and cfg.train.eval_interval:
-        try:
-            evals = TokenWindows(tok.encode_batch([d.text for d in eval_docs]), tok.eos_id, seq, cfg.data.doc_mask)
-        except DataError:
-            raise DataError(
-                f"the eval split ({len(eval_docs)} documents) is shorter than one window of {seq} tokens; "
-                f"raise data.eval_fraction or set train.eval_interval=0."
-            ) from None
-    if evals is not None and len(evals) < cfg.train.batch_size:
-        raise DataError(
-            f"the eval split has {len(evals)} windows, fewer than one batch of train.batch_size="
-            f"{cfg.train.batch_size}; raise data.eval_fraction or set train.eval_interval=0."
+    if manifest["context"] != seq:
+        raise ConfigError(
+            f"the data store {path} holds windows of {manifest['context']} tokens but train.seq_len is {seq}; "
+            f"set train.seq_len={manifest['context']} or build a store with --context {seq}."
         )
-    log(f"data: {cfg.data.corpus} -> {len(train_docs)} train / {len(eval_docs)} eval documents, "
-        f"{train.num_tokens:,} train tokens in {len(train):,} windows of {seq} "
-        f"({tok.name} tokenizer, {time.perf_counter() - t0:.1f}s)")
+    if tok["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer of {path} ({tok['spec']}) has {tok['vocab_size']} tokens but model.vocab_size is "
+            f"{cfg.model.vocab_size}; set model.vocab_size >= {tok['vocab_size']}."
+        )
+    if cfg.data.path and cfg.data.tokenizer not in ("byte", tok["spec"]):
+        raise ConfigError(f"data.tokenizer is {cfg.data.tokenizer} but the store {path} was tokenized with "
+                          f"{tok['spec']}; drop data.tokenizer (the store's tokenizer is used).")
+    train = PackedWindows(path, "train", cfg.data.doc_mask)
+    if len(train) == 0:
+        raise DataError(f"the data store {path} has no training windows; build it from more documents.")
+    evals = None
+    if cfg.train.eval_interval and manifest["totals"]["eval_windows"]:
+        evals = PackedWindows(path, "eval", cfg.data.doc_mask)
+        if len(evals) < cfg.train.batch_size:
+            raise DataError(
+                f"the eval split has {len(evals)} windows, fewer than one batch of train.batch_size="
+                f"{cfg.train.batch_size}; raise data.eval_fraction or set train.eval_interval=0."
+            )
+    t = manifest["totals"]
+    fill = manifest["packing"]["train"]["fill_rate"]
+    log(f"data: {path} -> {t['documents']:,} documents ({t['duplicates_removed']:,} duplicates removed), "
+        f"{train.num_tokens:,} train tokens in {len(train):,} windows of {seq} ({manifest['strategy']}, fill "
+        f"{fill:.3f}), {0 if evals is None else len(evals):,} eval windows ({tok['name']} tokenizer, "
+        f"{time.perf_counter() - t0:.1f}s)")
     return tok, train, evals
 
 
@@ -172,7 +193,7 @@ def _forward_sum(model: Llama, batch: Batch, autocast_dtype):
 
 
 @torch.no_grad()
-def evaluate(model: Llama, windows: TokenWindows, cfg: Config, device, autocast_dtype, rt: Runtime) -> float:
+def evaluate(model: Llama, windows: PackedWindows, cfg: Config, device, autocast_dtype, rt: Runtime) -> float:
     """Mean loss over the first eval_batches x batch_size eval windows (a fixed set, so evals compare)."""
     model.eval()
     total, count = 0.0, 0
@@ -232,14 +253,17 @@ def train(cfg: Config, log=print) -> TrainResult:
         except ImportError:
             raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.") from None
 
-    tok, train_windows, eval_windows = build_data(cfg, log)
+    tok, train_windows, eval_windows = build_data(cfg, log, rt)
     run_dir = rt.broadcast(str(make_run_dir(cfg)) if rt.is_main else None)
     run_dir = Path(run_dir)
     if rt.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
     model = build_training_model(cfg, device, rt)
     optimizer = make_optimizer(model, cfg)
-    sampler = WindowSampler(len(train_windows), cfg.train.seed)
+    # global batches in seeded order (one global cursor: resumable under any layout), each permuted
+    # so that the data-parallel ranks get windows of balanced estimated cost
+    sampler = BatchLoader(train_windows, cfg.train.batch_size, cfg.train.seed, dp=rt.dp, balance=cfg.data.balance,
+                          cost=cost_coefficients(cfg.model))
     ckpt, start_step = _checkpointing(cfg, run_dir, rt, model, optimizer, sampler, log)
     if device.type == "cuda":  # the full model existed briefly before sharding; measure training from here
         torch.cuda.reset_peak_memory_stats(device)
@@ -275,7 +299,7 @@ def train(cfg: Config, log=print) -> TrainResult:
             lr = lr_at(step - 1, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = [train_windows.batch(sampler.next_indices(t.batch_size)) for _ in range(t.grad_accum)]
+            batches = [sampler.next_batch() for _ in range(t.grad_accum)]
             valid = sum(b.valid_tokens for b in batches)  # of the global step: the same on every rank
             local_loss = 0.0
             for batch in batches:
