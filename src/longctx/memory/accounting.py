@@ -17,6 +17,7 @@ CPU as on GPU; on GPU the benchmark also reports the allocator's peak.
 
 from __future__ import annotations
 
+import gc
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
@@ -189,6 +190,7 @@ def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None
     finally:
         for h in handles:
             h.remove()
+    gc.collect()  # tensors held only by reference cycles (finished communication handles) are not held
     offloader = getattr(model, "memory_offloader", None)
     host_ptrs = offloader.host_storage_ptrs() if offloader is not None else set()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
