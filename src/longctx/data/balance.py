@@ -8,7 +8,8 @@ A global batch of B windows is split into dp groups of exactly B / dp windows (e
 get the same number of rows) with the largest differencing method (Karmarkar-Karp), in its
 k-way form with equal cardinality: windows sorted by cost are taken dp at a time, each forming a
 partial solution of dp singleton groups; the two partial solutions with the largest spread are
-repeatedly merged by pairing the heaviest groups of one with the lightest of the other.
+repeatedly merged by pairing the heaviest groups of one with the lightest of the other; then
+single swaps between the heaviest and the lightest group while they lower the maximum.
 
 The result is a permutation of the batch: rank r takes rows [r * B/dp, (r + 1) * B/dp), exactly
 as `Runtime.local_batch` slices it. The loss is a global sum over the batch, so the permutation
@@ -47,7 +48,30 @@ def karmarkar_karp(costs, k: int) -> list[list[int]]:
         merged.sort(key=lambda x: -x[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
         tie += 1
-    return [sorted(ids) for _, ids in heap[0][2]]
+    return _refine([list(ids) for _, ids in heap[0][2]], costs)
+
+
+def _refine(groups: list[list[int]], costs: np.ndarray, rounds: int = 64) -> list[list[int]]:
+    """Local search after Karmarkar-Karp: swap one item between the heaviest and the lightest group
+    while that lowers the heavier of the two (KK is greedy: a very heavy item ends up with items
+    that are light within their round, not the lightest overall)."""
+    sums = [float(costs[g].sum()) for g in groups]
+    for _ in range(rounds):
+        h = int(np.argmax(sums))
+        lo = int(np.argmin(sums))
+        if h == lo:
+            break
+        ch, cl = costs[groups[h]], costs[groups[lo]]
+        delta = ch[:, None] - cl[None, :]  # moving h-item i out and lo-item j in lowers h by delta
+        gap = sums[h] - sums[lo]
+        new_max = np.maximum(sums[h] - delta, sums[lo] + delta)
+        i, j = np.unravel_index(int(np.argmin(np.where(delta > 0, new_max, np.inf))), delta.shape)
+        if not (delta[i, j] > 0 and new_max[i, j] < sums[h] - 1e-12 * max(gap, 1.0)):
+            break
+        groups[h][i], groups[lo][j] = groups[lo][j], groups[h][i]
+        sums[h] -= delta[i, j]
+        sums[lo] += delta[i, j]
+    return [sorted(g) for g in groups]
 
 
 def balanced_order(indices: list[int], costs: np.ndarray, dp: int) -> list[int]:

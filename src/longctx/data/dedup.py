@@ -3,8 +3,9 @@
 - exact: a 64-bit hash (blake2b) of the text with runs of whitespace collapsed, so a copy that
   differs only in spacing or line ends is still an exact duplicate.
 - near (MinHash LSH, via datasketch): 128-permutation MinHash signatures of the set of 5-grams of
-  whitespace-separated words; candidates come from datasketch's `MinHashLSH` at the Jaccard
-  threshold (default 0.8) and are confirmed by the signatures' estimated Jaccard similarity. A few
+  whitespace-separated words; candidates come from datasketch's `MinHashLSH` (banded for a
+  threshold 0.2 below the Jaccard threshold, default 0.8, so that pairs near it are not missed) and
+  are confirmed by the signatures' estimated Jaccard similarity >= the threshold. A few
   changed characters in a document of a few hundred words change only ~5 shingles per edit, so
   its similarity to the original stays well above the threshold.
 
@@ -118,7 +119,9 @@ def deduplicate(texts: list[str], mode: str, threshold: float = 0.8, workers: in
     from datasketch import MinHashLSH
 
     sigs = signatures(texts, workers)
-    lsh = MinHashLSH(threshold=threshold, num_perm=NUM_PERM)
+    # LSH bands tuned below the threshold: candidates near it are found almost surely, and the
+    # signature estimate then decides (a band tuned at the threshold misses ~10% of pairs there)
+    lsh = MinHashLSH(threshold=max(0.05, threshold - 0.2), num_perm=NUM_PERM)
     stored: dict[str, np.ndarray] = {}
     if seen_signatures is not None:
         for j, sig in enumerate(seen_signatures):
