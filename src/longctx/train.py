@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import random
 import sys
 import time
@@ -146,7 +147,8 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
         if len(evals) < cfg.train.batch_size:
             raise DataError(
                 f"the eval split has {len(evals)} windows, fewer than one batch of train.batch_size="
-                f"{cfg.train.batch_size}; raise data.eval_fraction or set train.eval_interval=0."
+                f"{cfg.train.batch_size}; " + ("build the store with a larger --eval-fraction" if cfg.data.path
+                                               else "raise data.eval_fraction") + " or set train.eval_interval=0."
             )
     t = manifest["totals"]
     fill = manifest["packing"]["train"]["fill_rate"]
@@ -157,7 +159,7 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     return tok, train, evals
 
 
-def build_training_model(cfg: Config, device: torch.device, rt: Runtime) -> Llama:
+def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Llama:
     """The full model, initialised identically on every rank from the seed, then parallelised.
 
     Initialising the whole model before sharding keeps every layout bit-identical to the single
@@ -168,7 +170,31 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime) -> Llam
         model = load_hf(cfg.model.init_from.removeprefix("hf:"), dtype=torch.float32, device=device)
     else:
         model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    return parallelize(model, rt.dims, cfg, rt.mesh, device.type)
+    return parallelize(model, rt.dims, cfg, rt.mesh, device.type,
+                       resolve_auto_offload=lambda m: _auto_offload_fraction(m, cfg, device, rt, log))
+
+
+def _auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: Runtime, log) -> float:
+    """memory.offload_fraction = auto: measure (every rank, the slowest counts) and decide."""
+    from .memory.auto import block_forward_seconds, choose_offload_fraction, host_link_bandwidth, host_memory_available
+    from .models.llama import rope_cos_sin
+
+    d, t = rt.dims, cfg.train
+    local_batch, local_seq = t.batch_size // rt.dp, t.seq_len // (d.head * d.ctx)
+    x = torch.randn(local_batch, local_seq, cfg.model.dim, device=device)
+    positions = torch.arange(local_seq, device=device).expand(local_batch, local_seq)
+    cos, sin = rope_cos_sin(positions, model.inv_freq)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=resolve_dtype(t.dtype, device) == torch.bfloat16):
+        block_s = block_forward_seconds(model.layers[0], x, cos, sin, None)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # the slowest block, the slowest link and the least memory over all ranks decide
+    worst = rt.max([-block_s, -host_link_bandwidth(device), -host_memory_available() / ranks_per_node])
+    fraction, reason = choose_offload_fraction(
+        cfg.model, t.seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
+        dtype_bytes=2 if resolve_dtype(t.dtype, device) == torch.bfloat16 else 4,
+        block_seconds=-worst[0], link_bytes_per_s=-worst[1], host_bytes_per_rank=-worst[2])
+    log(reason)
+    return fraction
 
 
 def check_layout(cfg: Config, world: int) -> None:
@@ -258,7 +284,7 @@ def train(cfg: Config, log=print) -> TrainResult:
     run_dir = Path(run_dir)
     if rt.is_main:
         (run_dir / "config.toml").write_text(to_toml(cfg))
-    model = build_training_model(cfg, device, rt)
+    model = build_training_model(cfg, device, rt, log)
     optimizer = make_optimizer(model, cfg)
     # global batches in seeded order (one global cursor: resumable under any layout), each permuted
     # so that the data-parallel ranks get windows of balanced estimated cost
@@ -275,7 +301,11 @@ def train(cfg: Config, log=print) -> TrainResult:
               f"{rt.dims.head} x ctx {rt.dims.ctx}" + (f" (window {rt.dims.window})" if rt.dims.window else "")
               + f", {rt.dims.placement}" if world > 1 else "1 process")
     log(f"model: {cfg.model.preset} shape, {count_params(model) / 1e6:.2f}M parameters, "
-        f"{device.type} {str(dtype).removeprefix('torch.')}, recompute={cfg.memory.checkpoint}, {layout}; "
+        f"{device.type} {str(dtype).removeprefix('torch.')}, "
+        f"memory: checkpoint={cfg.memory.checkpoint}"
+        + (f" offload={cfg.memory.offload_fraction} skip_last={cfg.memory.offload_skip_last}"
+           if cfg.memory.offload_fraction else "")
+        + f", loss_chunk={cfg.memory.loss_chunk}, {layout}; "
         f"MFU against {peak_source}" + (f" ({peak / 1e12:.3f} TFLOP/s per device)" if peak else ""))
     log(f"run directory: {run_dir}")
 
