@@ -75,9 +75,9 @@ def _cmd_report(args, overrides) -> int:
 def _cmd_bench(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
-    from .bench import attention, train
+    from .bench import attention, memory, train
 
-    return {"attention": attention.main, "train": train.main}[args.bench](args)
+    return {"attention": attention.main, "train": train.main, "memory": memory.main}[args.bench](args)
 
 
 def _cmd_checkpoint(args, overrides) -> int:
@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = bench.add_parser("train", help="training tokens/s and MFU of parallel layouts (same-run comparison)")
     train_bench.add_arguments(p)
+    p.set_defaults(func=_cmd_bench)
+    from .bench import memory as memory_bench
+
+    p = bench.add_parser("memory", help="activation bytes per block and token for each memory policy, "
+                                        "measured vs analytic, recompute FLOPs, step-time ratios")
+    memory_bench.add_arguments(p)
     p.set_defaults(func=_cmd_bench)
     return parser
 

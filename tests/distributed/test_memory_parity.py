@@ -137,29 +137,43 @@ def test_block_bytes_match_the_analytic_count(runs, policy, fraction):
         assert measured["total_host"] == pytest.approx(est["total_host"], rel=0.05, abs=64)
 
 
-def _losses(args, run_dir):
-    cfg = load_config("configs/debug.toml", [*args, f"--train.run_dir={run_dir}"])
-    return train(cfg, log=lambda *a, **k: None).losses
+def _losses_per_policy(args, run_dir):
+    """10 training steps per policy, in one process (group): {policy: losses}."""
+    out = {}
+    for policy, fraction in POLICIES:
+        flags = [f"--memory.checkpoint={policy}", f"--memory.offload_fraction={fraction}"]
+        cfg = load_config("configs/debug.toml", [*args, *flags, f"--train.run_dir={run_dir}/{policy}{fraction}"])
+        out[(policy, fraction)] = train(cfg, log=lambda *a, **k: None).losses
+    return out
 
 
 TRAIN = ["--train.steps=10", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
-         "--data.max_docs=200"]
+         "--train.seq_len=256"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["single", "head2-ctx2"])
 def test_training_losses_identical_for_every_policy(layout, tmp_path):
-    flags = [f"--memory.checkpoint={p}" + (f" --memory.offload_fraction={f}" if f else "") for p, f in POLICIES]
-    results = {}
-    for flag, key in zip(flags, POLICIES):
-        args = [*TRAIN, *flag.split()]
-        run_dir = str(tmp_path / flag.replace(" ", "_").replace("-", ""))
-        if layout == "single":
-            results[key] = _losses(args, run_dir)
-        else:
-            results[key] = run_spawned(4, _losses, [*args, "--parallel.head=2", "--parallel.ctx=2"], run_dir)[0]
+    if layout == "single":
+        results = _losses_per_policy(TRAIN, str(tmp_path))
+    else:
+        results = run_spawned(4, _losses_per_policy, [*TRAIN, "--parallel.head=2", "--parallel.ctx=2"],
+                              str(tmp_path))[0]
     none = results[("none", 0.0)]
     assert len(none) == 10
     for key, losses in results.items():
         diff = max(abs(a - b) for a, b in zip(losses, none))
         assert diff <= 1e-6, f"{layout} {key}: max |loss - none| = {diff:.2e}"
+
+
+def test_full_offload_leaves_at_most_one_block_plus_block_inputs(runs):
+    cfg = _model_cfg()
+    for rank_out in runs:
+        _, _, measured, est = rank_out[("selective", 1.0)]
+        tokens = est["tokens"]
+        block_inputs = LAYERS * tokens * cfg.dim * 4
+        on_device = sum(b["device"] for b in measured["blocks"])
+        assert on_device <= est["kept_block_device"] + block_inputs, (on_device, est)
+        # ...while `none` keeps several blocks' worth
+        none_device = sum(b["device"] for b in rank_out[("none", 0.0)][2]["blocks"])
+        assert none_device > 2 * (est["kept_block_device"] + block_inputs)

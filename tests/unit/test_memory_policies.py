@@ -70,3 +70,33 @@ def test_offload_needs_selective():
         check_policy("full", 0.5)
     with pytest.raises(ConfigError, match="not available"):
         check_policy("sometimes", 0.0)
+
+
+def test_auto_fraction_follows_link_and_memory_limits():
+    from longctx.memory.accounting import estimate_activations
+    from longctx.memory.auto import choose_offload_fraction
+
+    cfg = load_config(overrides=["--model.layers=5"]).model
+    per_block = estimate_activations(cfg, 4096, 1, policy="selective", offload_fraction=1.0).per_block_host
+    common = dict(head=1, ctx=1, skip_last=1, dtype_bytes=4)
+    # the link moves 0.37 of a block's offload bytes during its forward -> 0.35 (a multiple of 0.05)
+    a, why = choose_offload_fraction(cfg, 4096, 1, block_seconds=0.01, link_bytes_per_s=0.37 * per_block / 0.01,
+                                     host_bytes_per_rank=1e15, **common)
+    assert a == pytest.approx(0.35) and "host link" in why
+    # plenty of link, host memory for 4 blocks x 0.5 after the 0.8 margin -> 0.5
+    a, why = choose_offload_fraction(cfg, 4096, 1, block_seconds=1.0, link_bytes_per_s=1e15,
+                                     host_bytes_per_rank=4 * 0.5 * per_block / 0.8, **common)
+    assert a == pytest.approx(0.5) and "host memory" in why
+    a, _ = choose_offload_fraction(cfg, 4096, 1, block_seconds=1.0, link_bytes_per_s=1e15,
+                                   host_bytes_per_rank=1e15, **common)
+    assert a == 1.0
+
+
+def test_offload_fraction_auto_in_config():
+    from longctx.config import to_toml
+
+    cfg = load_config(overrides=["--memory.checkpoint=selective", "--memory.offload_fraction=auto"])
+    assert cfg.memory.offload_fraction == "auto"
+    assert 'offload_fraction = "auto"' in to_toml(cfg)
+    with pytest.raises(ConfigError, match="offload_fraction"):
+        load_config(overrides=["--memory.checkpoint=selective", "--memory.offload_fraction=sometimes"])

@@ -62,18 +62,24 @@ def apply_memory(model, memory_cfg, device_type: str) -> None:
     model as `memory_offloader` (accounting reads it)."""
     fraction = memory_cfg.offload_fraction
     if fraction == "auto":
-        raise ValueError("resolve memory.offload_fraction='auto' (memory/auto.py) before parallelize()")
+        raise ValueError("resolve memory.offload_fraction='auto' (memory/auto.py) before apply_memory()")
     model.memory_offloader = apply_memory_policy(model.layers, memory_cfg.checkpoint, fraction,
                                                  memory_cfg.offload_skip_last, device_type)
     model.loss_chunk = memory_cfg.loss_chunk
 
 
-def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
+def parallelize(model, dims, cfg, mesh, device_type: str = "cpu", resolve_auto_offload=None):
+    """resolve_auto_offload(model) -> fraction: called when memory.offload_fraction is 'auto', after
+    the distributed attention is in place (so it can time a real block) and before the policy."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # 1. distributed attention
     use_sequence_parallel_attention(model, dims, mesh)
     # 2. activation memory
+    if cfg.memory.offload_fraction == "auto":
+        if resolve_auto_offload is None:
+            raise ValueError("memory.offload_fraction='auto' needs resolve_auto_offload")
+        cfg.memory.offload_fraction = resolve_auto_offload(model)
     apply_memory(model, cfg.memory, device_type)
     # 3. hybrid ZeRO
     if dims.world_size > 1:

@@ -1,0 +1,248 @@
+"""`longctx bench memory`: activation bytes per block and per token for each memory policy,
+measured (memory/accounting.py's storage tracker) against the analytic count, with recomputed
+FLOPs, same-run step-time ratios to `none`, and on a GPU the allocator's peak and (--max-seq) the
+longest sequence that trains.
+
+Per-block bytes do not depend on how many blocks the model has, so `--layers` (default 3: one or
+more offloaded blocks plus the kept last one) keeps long sequences of big shapes measurable on a
+small machine. Output: one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from datetime import date
+
+import torch
+
+POLICIES = {
+    "none": ("none", 0.0),
+    "full": ("full", 0.0),
+    "selective": ("selective", 0.0),
+    "offload0.5": ("selective", 0.5),
+    "offload1.0": ("selective", 1.0),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="debug", help="model shape (config.py presets)")
+    p.add_argument("--layers", type=int, default=3, help="blocks to build (0 = the preset's); per-block bytes "
+                                                          "do not depend on it")
+    p.add_argument("--seq", default="8192", help="comma-separated sequence lengths")
+    p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)} "
+                                                                   f"or offloadA for any fraction A")
+    p.add_argument("--skip-last", type=int, default=1, help="memory.offload_skip_last")
+    p.add_argument("--head", type=int, default=1, help="head-parallel degree (spawns head x ctx gloo ranks)")
+    p.add_argument("--ctx", type=int, default=1, help="context-parallel degree")
+    p.add_argument("--docs", type=int, default=1, help="documents packed in each sequence (document masks)")
+    p.add_argument("--loss-chunk", type=int, default=4096, help="memory.loss_chunk")
+    p.add_argument("--time-steps", type=int, default=2, help="forward+backward steps timed per policy (0: none)")
+    p.add_argument("--no-backward", action="store_true", help="measure after the forward only (long sequences)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--max-seq", action="store_true",
+                   help="GPU: binary-search the longest sequence that trains (full model) for each policy")
+    p.add_argument("--out", default="", help="also write the JSON here")
+
+
+def _policy(name: str) -> tuple[str, float]:
+    if name in POLICIES:
+        return POLICIES[name]
+    if name.startswith("offload"):
+        return "selective", float(name.removeprefix("offload"))
+    raise ValueError(f"unknown policy '{name}'; use one of {list(POLICIES)} or offloadA (e.g. offload0.25)")
+
+
+def _batch(vocab: int, seq: int, batch: int, docs: int, device):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    bounds = torch.linspace(0, seq, docs + 1).long()[1:-1]
+    doc = torch.bucketize(torch.arange(seq), bounds, right=True).expand(batch, seq).contiguous()
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), bounds])
+    positions = torch.arange(seq).expand(batch, seq) - starts[doc]
+    return [tokens.to(device), positions.to(device), doc.to(device) if docs > 1 else None, labels.to(device)]
+
+
+def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
+    from ..config import MemoryConfig
+    from ..models.llama import build_model
+    from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
+
+    model = build_model(model_cfg, device=device, seed=0)
+    if dims is not None:
+        use_sequence_parallel_attention(model, dims, mesh)
+    apply_memory(model, MemoryConfig(checkpoint=policy, offload_fraction=fraction,
+                                     offload_skip_last=args.skip_last, loss_chunk=args.loss_chunk), device.type)
+    return model
+
+
+def _block_errors(measured: dict, est: dict, layers: int, fraction: float, skip_last: int) -> dict:
+    """Largest relative error over blocks between measured and analytic bytes (device, host)."""
+    offloaded = max(0, layers - skip_last) if fraction > 0 else 0
+    worst = {"device": 0.0, "host": 0.0}
+    for i, b in enumerate(measured["blocks"]):
+        if i >= offloaded:
+            expect = {"device": est["kept_block_device"], "host": 0.0}
+        elif fraction >= 1 and i == offloaded - 1:
+            continue  # its output stays for the kept block after it: checked through the totals
+        else:
+            expect = {"device": est["per_block_device"], "host": est["per_block_host"]}
+        for k in worst:
+            if expect[k] or b[k]:
+                worst[k] = max(worst[k], abs(b[k] - expect[k]) / max(expect[k], 1.0))
+    worst["total_device"] = abs(measured["total_device"] - est["total_device"]) / est["total_device"]
+    return worst
+
+
+def _time_steps(model, inputs, steps: int, device) -> float | None:
+    if steps <= 0:
+        return None
+    tokens, positions, doc, labels = inputs
+    times = []
+    for _ in range(steps + 1):  # the first is warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        model(tokens, positions, doc, labels=labels).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def measure(args, seq: int, dims=None, mesh=None) -> dict:
+    """Every requested policy at one sequence length, on this process (one rank of head x ctx)."""
+    from ..config import MODEL_PRESETS, ModelConfig
+    from ..memory.accounting import estimate_activations, measure_activations, published_formulas
+    from ..parallel.sequence import shard_sequence
+
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    shape = dict(MODEL_PRESETS[args.preset])
+    if args.layers:
+        shape["layers"] = args.layers
+    model_cfg = ModelConfig(preset=args.preset, **shape)
+    inputs = _batch(model_cfg.vocab_size, seq, args.batch, args.docs, device)
+    if mesh is not None:
+        inputs = [None if t is None else shard_sequence(t, mesh) for t in inputs]
+    head, ctx = (dims.head, dims.ctx) if dims is not None else (1, 1)
+    out = {}
+    for name in args.policies.split(","):
+        policy, fraction = _policy(name)
+        model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
+        measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
+        est = estimate_activations(model_cfg, seq, args.batch, head=head, ctx=ctx, policy=policy,
+                                   offload_fraction=fraction, offload_skip_last=args.skip_last, dtype_bytes=4,
+                                   loss_chunk=args.loss_chunk, docs=args.docs > 1).to_dict()
+        tokens = est["tokens"]
+        entry = {
+            "policy": policy, "offload_fraction": fraction,
+            "measured_blocks_bytes_per_token": [{k: v / tokens for k, v in b.items()} for b in measured["blocks"]],
+            "measured_total_device_bytes": measured["total_device"],
+            "measured_total_host_bytes": measured["total_host"],
+            "analytic": est,
+            "analytic_per_token": {k: est[k] / tokens for k in ("per_block_device", "per_block_host",
+                                                                "kept_block_device")},
+            "max_relative_error": _block_errors(measured, est, model_cfg.layers, fraction, args.skip_last),
+            "recompute_flops_per_token": est["recompute_flops"] / tokens,
+        }
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        entry["step_s"] = _time_steps(model, inputs, args.time_steps, device)
+        if device.type == "cuda":
+            entry["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out[name] = entry
+        del model
+    base = out.get("none", {}).get("step_s")
+    for entry in out.values():
+        if base and entry["step_s"]:
+            entry["step_time_ratio_to_none"] = entry["step_s"] / base
+    return {"seq": seq, "tokens_per_rank": tokens, "model": model_cfg.preset, "layers_built": model_cfg.layers,
+            "published_per_layer_16bit": published_formulas(model_cfg, seq, args.batch, head * ctx),
+            "policies": out}
+
+
+def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int = 1 << 22) -> int:
+    """GPU: the longest sequence (multiple of 1024) for which one forward+backward of the full
+    model fits, by binary search over out-of-memory errors."""
+    from ..config import MODEL_PRESETS, ModelConfig
+
+    device = torch.device("cuda")
+    model_cfg = ModelConfig(preset=args.preset, **MODEL_PRESETS[args.preset])
+
+    def fits(seq: int) -> bool:
+        model = None
+        try:
+            model = _build(model_cfg, policy, fraction, args, None, None, device).to(torch.bfloat16)
+            inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                model(*inputs[:3], labels=inputs[3]).backward()
+            torch.cuda.synchronize()
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            del model
+            torch.cuda.empty_cache()
+
+    best = 0
+    while lo <= hi:
+        mid = (lo + hi) // 2 // 1024 * 1024
+        if fits(mid):
+            best, lo = mid, mid + 1024
+        else:
+            hi = mid - 1024
+    return best
+
+
+def _rank_measure(args, seq):
+    from ..config import load_config
+    from ..parallel.dims import ParallelDims
+
+    import torch.distributed as dist
+
+    cfg = load_config(overrides=[f"--parallel.head={args.head}", f"--parallel.ctx={args.ctx}"])
+    dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())
+    return measure(args, seq, dims, dims.build_mesh("cpu"))
+
+
+def main(args) -> int:
+    results = []
+    for seq in (int(s) for s in args.seq.split(",")):
+        world = args.head * args.ctx
+        if world > 1:
+            from ..parallel.spawn import run_spawned
+
+            per_rank = run_spawned(world, _rank_measure, args, seq)
+            result = per_rank[0]
+            result["ranks"] = world
+            result["max_relative_error_over_ranks"] = {
+                name: {k: max(r["policies"][name]["max_relative_error"][k] for r in per_rank)
+                       for k in per_rank[0]["policies"][name]["max_relative_error"]}
+                for name in result["policies"]}
+        else:
+            result = measure(args, seq)
+        results.append(result)
+    doc = {
+        "benchmark": "memory", "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__, "device": "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu",
+        "preset": args.preset, "batch": args.batch, "layout": {"head": args.head, "ctx": args.ctx},
+        "skip_last": args.skip_last, "docs": args.docs, "results": results,
+    }
+    if args.max_seq:
+        if not torch.cuda.is_available():
+            doc["longest_sequence"] = "needs a CUDA device"
+        else:
+            doc["longest_sequence"] = {name: longest_sequence(args, *_policy(name)) for name in args.policies.split(",")}
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0

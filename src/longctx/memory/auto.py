@@ -1,0 +1,86 @@
+"""`memory.offload_fraction = auto`: the largest fraction whose transfers hide behind compute and
+whose host copies fit in host memory (MEMO's rule, applied to this implementation's byte counts).
+
+  A_link   = t_block_forward x host_link_bandwidth / host_bytes_per_block(A = 1)
+  A_memory = 0.8 x host_memory_per_rank / (offloaded_blocks x host_bytes_per_block(A = 1))
+  A        = min(1, A_link, A_memory), rounded down to a multiple of 0.05
+
+t_block_forward is measured on the real block (attention and its communication included), the
+host link by timing a copy of 64 MiB to host memory (pinned on CUDA), the host memory from
+/proc/meminfo shared by the ranks of this node.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+from .accounting import estimate_activations
+
+
+def host_link_bandwidth(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Bytes/s of a device -> host copy (on CPU: a copy into another buffer, the host tier there)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=device.type == "cuda")
+    best = math.inf
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def host_memory_available() -> int:
+    """Bytes of memory the OS could give us now (MemAvailable), or total memory as a fallback."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@torch.no_grad()
+def block_forward_seconds(block, x, cos, sin, doc_ids, repeats: int = 2) -> float:
+    """Wall time of one block forward (the first call warms up)."""
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)  # noqa: E731
+    block(x, cos, sin, doc_ids)
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        block(x, cos, sin, doc_ids)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: int, ctx: int, skip_last: int,
+                            dtype_bytes: int, block_seconds: float, link_bytes_per_s: float,
+                            host_bytes_per_rank: float) -> tuple[float, str]:
+    """(fraction, the reason in one line) from measured times and bandwidths."""
+    full = estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy="selective",
+                                offload_fraction=1.0, offload_skip_last=skip_last, dtype_bytes=dtype_bytes)
+    per_block = full.per_block_host
+    offloaded = max(0, model_cfg.layers - skip_last)
+    if offloaded == 0 or per_block <= 0:
+        return 0.0, f"nothing to offload: all {model_cfg.layers} blocks are among the last offload_skip_last"
+    a_link = block_seconds * link_bytes_per_s / per_block
+    a_mem = 0.8 * host_bytes_per_rank / (offloaded * per_block)
+    fraction = math.floor(min(1.0, a_link, a_mem) * 20) / 20
+    limit = "the host link" if a_link <= min(1.0, a_mem) else "host memory" if a_mem < 1.0 else "nothing"
+    reason = (f"offload_fraction auto -> {fraction:.2f} (limited by {limit}): a block's forward takes "
+              f"{block_seconds * 1e3:.1f} ms, the host link moves {link_bytes_per_s / 1e9:.1f} GB/s, so "
+              f"{min(a_link, 1.0):.2f} of the {per_block / 2**20:.1f} MiB a block would offload hides behind it; "
+              f"{host_bytes_per_rank / 2**30:.1f} GiB of host memory per rank allows {min(a_mem, 1.0):.2f} over "
+              f"{offloaded} blocks")
+    return fraction, reason

@@ -1,0 +1,27 @@
+"""`longctx bench memory` as a user runs it: JSON with measured == analytic bytes for every policy."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("layout", [[], ["--head=2", "--ctx=2"]])
+def test_bench_memory_reports_every_policy_within_5_percent(layout):
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--seq=256", "--batch=2", "--docs=3",
+                          "--time-steps=1", *layout], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    (result,) = doc["results"]
+    assert set(result["policies"]) == {"none", "full", "selective", "offload0.5", "offload1.0"}
+    errors = result.get("max_relative_error_over_ranks") or {k: v["max_relative_error"]
+                                                            for k, v in result["policies"].items()}
+    for name, err in errors.items():
+        assert err["device"] <= 0.05 and err["host"] <= 0.05 and err["total_device"] <= 0.05, (name, err)
+    pol = result["policies"]
+    # the policies really differ: none keeps the most, offload 1.0 the least on the device
+    dev = {k: v["analytic_per_token"]["per_block_device"] for k, v in pol.items()}
+    assert dev["none"] > dev["selective"] > dev["full"] and dev["offload1.0"] < dev["offload0.5"]
+    assert pol["offload1.0"]["measured_total_host_bytes"] > pol["offload0.5"]["measured_total_host_bytes"] > 0
+    assert all(v["step_s"] > 0 for v in pol.values())
