@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=0, help="global sequences per optimizer step (default: --gpus)")
     p.add_argument("--micro-batch", default="1,2,4,8", help="sequences per data-parallel rank per micro-batch to try")
     p.add_argument("--checkpoint", default="none,full,selective", help="recomputation policies to try")
-    p.add_argument("--offload", default="0.25,0.5,0.75,1", help="offload fractions to try with selective (or none)")
+    p.add_argument("--offload", default="0.125,0.25,0.5,0.75,1", help="offload fractions to try with selective (or none)")
     p.add_argument("--offload-skip-last", type=int, default=1, help="last blocks never offloaded")
     p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")

@@ -206,7 +206,7 @@ def _local_activations(m: ModelConfig, seq: int, micro_batch: int, *, head: int,
 
 
 def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy,
-                dtype_bytes: int) -> Activations:
+                dtype_bytes: int, docs: bool = True) -> Activations:
     """memory.accounting.estimate_activations when it exists, else the stand-in above."""
     kwargs = dict(head=layout.head, ctx=layout.ctx, policy=policy.checkpoint, offload_fraction=policy.offload_fraction,
                   offload_skip_last=policy.offload_skip_last, dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk)
@@ -214,9 +214,37 @@ def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, poli
         from ..memory.accounting import estimate_activations
     except ImportError:
         return _local_activations(m, seq, micro_batch, **kwargs)
-    a = estimate_activations(m, seq, micro_batch, **kwargs)
+    try:
+        a = estimate_activations(m, seq, micro_batch, docs=docs, **kwargs)
+    except TypeError:  # a version without document-mask accounting
+        a = estimate_activations(m, seq, micro_batch, **kwargs)
     return Activations(a.per_block_device, a.per_block_host, a.kept_block_device, a.total_device, a.total_host,
                        a.recompute_flops, "memory.accounting")
+
+
+def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
+                    docs: bool = True) -> float:
+    """Peak bytes on top of the saved activations during backward, for memory feasibility:
+
+    - full: the block being recomputed holds everything `none` would save for it;
+    - selective: `pre` and `post` are recomputed separately; the larger, `post` (norm, residual,
+      MLP intermediates, output), is live at once; with offload the first A of the tokens come back
+      from the host and the rest are recomputed, as separate pieces: max(A, 1 - A) of it;
+    - none: the gradients of the widest intermediates (MLP);
+    plus one LM-head chunk of logits and their gradient (all tokens when the loss is not chunked)."""
+    e = dtype_bytes
+    t = micro_batch * seq // layout.sequence_degree
+    if policy.checkpoint == "none":
+        block = 2 * t * m.ffn_dim * e
+    elif policy.checkpoint == "full":
+        block = activations(m, seq, micro_batch, layout, Policy("none", 0.0, 0, policy.loss_chunk), e,
+                            docs).kept_block_device
+    else:
+        post = 8 * m.dim + 4 + e * m.dim * (3 if e == 4 else 1) + 4 * e * m.ffn_dim  # norm, residual, mlp, out
+        piece = max(policy.offload_fraction, 1 - policy.offload_fraction)
+        block = t * post * piece
+    chunk = policy.loss_chunk if policy.loss_chunk and t > policy.loss_chunk else t
+    return block + chunk * m.vocab_size * (e + 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,7 +281,7 @@ def _exposed(transfer_s: float, compute_s: float, hw: Hardware) -> float:
 
 def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, seq: int, batch: int,
              micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
-             acts: Activations | None = None) -> Estimate:
+             acts: Activations | None = None, transient: float | None = None) -> Estimate:
     """Cost of training `batch` global sequences of `seq` tokens per optimizer step under `layout`
     and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch."""
     e = hw.dtype_bytes
@@ -269,7 +297,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
 
     # --- memory per device ----------------------------------------------------------------
     if acts is None:
-        acts = activations(m, seq, micro_batch, L, policy, e)
+        acts = activations(m, seq, micro_batch, L, policy, e, doc_mask)
     gather = e  # parameters are gathered in the compute dtype (bf16 on GPU, fp32 on CPU)
     memory = {"model_states": 16 * pc["total"] / L.fsdp}
     if L.world > 1:
@@ -279,6 +307,8 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     else:
         memory["gathered_params"] = 0.0
     memory["activations"] = acts.total_device
+    memory["transient"] = transient if transient is not None else transient_bytes(m, seq, micro_batch, L, policy, e,
+                                                                                 doc_mask)
     memory["total"] = sum(memory.values())
     ranks_per_node = min(gpus_per_node, L.world)
     host_per_node = acts.total_host * ranks_per_node
@@ -310,9 +340,20 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     rec_gemm = max(0.0, acts.recompute_flops - rec_attn)
     gemm_rate = hw.peak_flops * hw.gemm_efficiency
     attn_rate = hw.peak_flops * hw.attention_efficiency
-    compute = (3 * gemm_fwd + rec_gemm) / gemm_rate + (3 * attn_fwd + rec_attn) / attn_rate
-    block_fwd = (gemm_fwd / m.layers if m.layers else 0) / gemm_rate + (attn_fwd / max(m.layers, 1)) / attn_rate
-    layer_attn_fwd = attn_fwd / max(m.layers, 1) / attn_rate
+    bias_s = 0.0
+    if doc_mask and hw.doc_bias_ns:
+        # dense-bias kernel: the diagonal ring block is computed in full, (c + 1) / c of the causal
+        # work; and a bias pass per query-key pair of every block call, (N/c)^2 (c + 1) / 2 pairs per
+        # sequence and layer (forward + backward; full recomputation adds a forward, ~1/3)
+        c = L.ctx
+        attn_fwd *= (c + 1) / c
+        rec_attn *= (c + 1) / c
+        pairs = (seq / c) ** 2 * (c + 1) / 2 * micro_batch * m.layers
+        bias_s = pairs * hw.doc_bias_ns * 1e-9 * (4 / 3 if policy.checkpoint == "full" else 1.0)
+    compute = (3 * gemm_fwd + rec_gemm) / gemm_rate + (3 * attn_fwd + rec_attn) / attn_rate + bias_s
+    block_fwd = (gemm_fwd / max(m.layers, 1)) / gemm_rate + (attn_fwd / max(m.layers, 1)) / attn_rate \
+        + bias_s / 3 / max(m.layers, 1)
+    layer_attn_fwd = attn_fwd / max(m.layers, 1) / attn_rate + bias_s / 3 / max(m.layers, 1)
 
     # --- exposed communication per micro-batch ---------------------------------------------
     exposed = {"head": 0.0, "ctx": 0.0, "fsdp": 0.0, "offload": 0.0}

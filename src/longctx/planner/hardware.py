@@ -51,6 +51,11 @@ class Hardware:
     attention_efficiency: float = 0.60
     comm_overlap: float = 1.0
     all_to_all_efficiency: float = 1.0     # all-to-all bandwidth as a fraction of the link's
+    # Document masks through a dense additive bias (ops/attention.py's fused CPU kernel): the kernel
+    # cannot skip the causal upper triangle and pays this many ns per query-key pair per call
+    # (forward + backward, independent of the head count). 0 = a kernel that handles document
+    # masks blockwise at the cost of causal attention (flash-attn varlen on GPUs).
+    doc_bias_ns: float = 0.0
     usable_memory_fraction: float = 0.92   # allocator fragmentation, CUDA context, NCCL buffers
     usable_host_fraction: float = 0.80     # the OS, data loaders, pinned buffers
     dtype_bytes: int = 2                   # activations and gathered parameters (2 = bf16, 4 = fp32)
@@ -86,13 +91,13 @@ class Hardware:
 # Dense bf16 peaks from vendor data sheets (the same figures as metrics.GPU_PEAK_BF16). NVLink:
 # H100/H200 SXM 900 GB/s bidirectional = 450 per direction; A100 600 -> 300; A800 400 -> 200.
 # Inter-node: one 400 Gb/s NIC per H100/H200 (50 GB/s), one 200 Gb/s NIC per A100/A800 (25 GB/s).
-# PCIe gen5 x16 ~ 50 GB/s achieved, gen4 ~ 25 GB/s. Host memory: typical 2 TB (H100/H200) and
-# 1 TB (A100/A800) nodes.
+# PCIe gen5 x16 ~ 50 GB/s achieved, gen4 ~ 25 GB/s. Host memory: 2 TB per node (DGX H100/H200
+# and DGX A100 80GB); override with --hw host_memory_gib=1024 for 1 TB nodes.
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware("h100", 80, 989, 450, 50, 50, 2048),
     "h200": Hardware("h200", 141, 989, 450, 50, 50, 2048),
-    "a100-80g": Hardware("a100-80g", 80, 312, 300, 25, 25, 1024),
-    "a800": Hardware("a800", 80, 312, 200, 25, 25, 1024),
+    "a100-80g": Hardware("a100-80g", 80, 312, 300, 25, 25, 2048),
+    "a800": Hardware("a800", 80, 312, 200, 25, 25, 2048),
 }
 ALIASES = {"a100": "a100-80g", "h100-sxm": "h100", "cpu": "cpu-measured"}
 
@@ -201,23 +206,33 @@ def _gemm_flops(size: int = 1024, seconds: float = 0.4) -> float:
     return best
 
 
-def _attention_flops(seq: int = 2048, heads: int = 4, head_dim: int = 32, repeats: int = 3) -> float:
-    """Model FLOP/s of causal attention forward + backward (model FLOPs: 3 x 2 x seq^2 x d, halved)."""
+def _attention_seconds(seq: int, heads: int, head_dim: int, docs: bool, repeats: int = 3) -> float:
+    """Best time of one causal attention forward + backward (with 4 packed documents if docs)."""
     import torch
 
     from ..ops.attention import attention
 
-    q = torch.randn(1, seq, heads, head_dim, requires_grad=True)
-    k = torch.randn(1, seq, heads, head_dim, requires_grad=True)
-    v = torch.randn(1, seq, heads, head_dim, requires_grad=True)
+    q, k, v = (torch.randn(1, seq, heads, head_dim, requires_grad=True) for _ in range(3))
+    doc = (torch.arange(seq) * 4 // seq)[None] if docs else None
     best = math.inf
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        out, _ = attention(q, k, v, causal=True)
+        out, _ = attention(q, k, v, causal=True, q_doc=doc, k_doc=doc)
         out.sum().backward()
         best = min(best, time.perf_counter() - t0)
-    flops = 3 * 4 * seq * seq * heads * head_dim * 0.5
-    return flops / best
+    return best
+
+
+def _attention_flops(seq: int = 2048, heads: int = 4, head_dim: int = 32) -> tuple[float, float]:
+    """(model FLOP/s of causal attention forward + backward, ns per query-key pair of the dense
+    document-mask bias path). Model FLOPs: 3 x 4 x seq^2 x heads x head_dim, halved (causal). With a
+    bias the kernel computes the full square: t(heads) = 2 x heads x (flop time) + bias time, so
+    two head counts separate the two."""
+    causal = _attention_seconds(seq, heads, head_dim, docs=False)
+    rate = 3 * 4 * seq * seq * heads * head_dim * 0.5 / causal
+    one, many = _attention_seconds(seq, 1, head_dim, docs=True), _attention_seconds(seq, heads, head_dim, docs=True)
+    bias = max(0.0, (heads * one - many) / (heads - 1))
+    return rate, bias / (seq * seq) * 1e9
 
 
 def _bandwidth_worker(nbytes: int, repeats: int):
@@ -257,12 +272,12 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
     torch.set_num_threads(1)
     try:
         gemm = _gemm_flops()
-        attn = _attention_flops()
+        attn, bias_ns = _attention_flops()
     finally:
         torch.set_num_threads(threads)
     # `world` single-thread processes on `cores` cores: each gets min(1, cores / world) of a core
     share = min(1.0, cores / world)
-    gemm, attn = gemm * share, attn * share
+    gemm, attn, bias_ns = gemm * share, attn * share, bias_ns / share
     a2a = p2p = 1.0 * GB
     if measure_comm and world > 1:
         from ..parallel.spawn import run_spawned
@@ -280,7 +295,7 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
         name="cpu-measured", memory_gib=mem_gib / world, peak_tflops=gemm / 1e12,
         intra_gbps=p2p / GB, inter_gbps=p2p / GB, host_link_gbps=5.0, all_to_all_efficiency=min(1.0, a2a / p2p),
         host_memory_gib=0.0, gemm_efficiency=1.0, attention_efficiency=attn / gemm, comm_overlap=0.0,
-        usable_memory_fraction=0.9, usable_host_fraction=0.0, dtype_bytes=4,
+        usable_memory_fraction=0.9, usable_host_fraction=0.0, dtype_bytes=4, doc_bias_ns=bias_ns,
         source=f"measured: {world} processes x 1 thread on {cores} cores; all-to-all {a2a / GB:.2f} GB/s, "
                f"ring hop {p2p / GB:.2f} GB/s",
     )

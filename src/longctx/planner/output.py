@@ -71,12 +71,13 @@ def _gib(x: float) -> str:
 def table(res: PlanResult, top: int = 10) -> str:
     req = res.request
     rows = res.feasible[:top] if res.feasible else res.ranked[:top]
-    head = ["#", "layout", "policy", "mb", "acc", "states", "gathered", "activ.", "total GiB", "host/node",
+    head = ["#", "layout", "policy", "mb", "acc", "states", "gathered", "activ.", "transient", "total GiB", "host/node",
             "step s", "tok/s", "MFU", "bottleneck"]
     body = []
     for i, e in enumerate(rows, 1):
         body.append([str(i), e.layout.describe(), e.policy.describe(), str(e.micro_batch), str(e.grad_accum),
                      _gib(e.memory["model_states"]), _gib(e.memory["gathered_params"]), _gib(e.memory["activations"]),
+                     _gib(e.memory["transient"]),
                      _gib(e.memory["total"]), f"{e.host_per_node / GIB:.0f}" if e.host_per_node else "-",
                      f"{e.step_s:.4g}", f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%",
                      e.bottleneck if e.feasible else "INFEASIBLE: " + "; ".join(e.problems)])

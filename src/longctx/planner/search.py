@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .cost import Estimate, Layout, Policy, activations, estimate, param_counts
+from .cost import Estimate, Layout, Policy, activations, estimate, param_counts, transient_bytes
 from .hardware import Hardware
 
-OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 _POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 
@@ -188,12 +188,13 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
             for pol in pols:
                 key = (L.head, L.ctx, mb, pol)
                 if key not in acts_cache:
-                    acts_cache[key] = activations(m, req.seq, mb, L, pol, hw.dtype_bytes)
-                acts = acts_cache[key]
-                if not keep_infeasible and static + acts.total_device > hw.usable_memory_bytes:
+                    acts_cache[key] = (activations(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask),
+                                       transient_bytes(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask))
+                acts, transient = acts_cache[key]
+                if not keep_infeasible and static + acts.total_device + transient > hw.usable_memory_bytes:
                     continue
                 est = estimate(m, hw, L, pol, seq=req.seq, batch=req.batch, micro_batch=mb,
-                               gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask, acts=acts)
+                               gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask, acts=acts, transient=transient)
                 evaluated += 1
                 if est.feasible or keep_infeasible:
                     results.append(est)

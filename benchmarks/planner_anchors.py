@@ -1,0 +1,25 @@
+"""Published anchors (MEMO, FPDT, USP) as planner feasibility, with predicted vs published MFU (JSON),
+and the host memory per node each anchor would need under longctx's offload scheme.
+
+    python benchmarks/planner_anchors.py
+"""
+
+import json
+
+from longctx.planner.anchors import ANCHORS, check
+from longctx.planner.hardware import get_device
+
+if __name__ == "__main__":
+    rows = []
+    for a in ANCHORS:
+        row = check(a)
+        if not row["feasible"]:
+            for host in (4096, 8192, 16384, 65536):
+                r = check(a, get_device(a.device).replace(host_memory_gib=host))
+                if r["feasible"]:
+                    row["feasible_with_host_gib_per_node"] = host
+                    row["with_more_host"] = {k: r.get(k) for k in ("predicted_mfu", "best", "memory_gib",
+                                                                    "host_per_node_gib")}
+                    break
+        rows.append(row)
+    print(json.dumps({"bench": "planner_anchors", "rows": rows}, indent=2))

@@ -1,0 +1,66 @@
+"""Published long-context training results, reproduced as feasibility by the planner.
+
+Each anchor is a request the literature reports as trained; the planner must find it feasible
+with the techniques the paper used and, where the paper's point is that a technique is needed,
+infeasible without it. The predicted MFU is printed beside the published figure (the planner's
+efficiencies are generic, so the comparison is a sanity check, not a fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from .search import Request, plan
+
+
+@dataclass(frozen=True)
+class Anchor:
+    name: str
+    source: str
+    preset: str
+    gpus: int
+    gpus_per_node: int
+    seq: int
+    device: str
+    published_mfu: float
+    needs: str  # "" or the technique without which it must be infeasible: "offload"
+
+
+ANCHORS = [
+    Anchor("MEMO", "MEMO: 7B at 1M tokens on 8 x A800-80GB, 52.3% MFU (Llama3-8B shape here)",
+           "llama3-8b", 8, 8, 2**20, "a800", 0.523, "offload"),
+    Anchor("FPDT", "FPDT (Ulysses-Offload): 8B at 2M tokens on 4 x 80 GB, > 55% MFU",
+           "llama3-8b", 4, 4, 2 * 2**20, "a100-80g", 0.55, "offload"),
+    Anchor("USP", "USP: Llama3-8B at 208K tokens on 2 x 8 A800, 47% MFU",
+           "llama3-8b", 16, 8, 208 * 1024, "a800", 0.47, ""),
+]
+
+
+def check(anchor: Anchor, hardware=None) -> dict:
+    from ..config import load_config
+    from .hardware import get_device
+
+    model = load_config(None, {"model": {"preset": anchor.preset}}).model
+    hw = hardware or get_device(anchor.device)
+    req = Request(model, hw, anchor.gpus, anchor.seq, gpus_per_node=anchor.gpus_per_node, batch=1)
+    full = plan(req, keep_infeasible=False, explain=False)
+    row = {"anchor": anchor.name, "source": anchor.source, "gpus": anchor.gpus, "seq": anchor.seq,
+           "device": hw.name, "feasible": full.best is not None, "published_mfu": anchor.published_mfu,
+           "evaluated": full.evaluated}
+    if full.best is not None:
+        b = full.best.as_dict()
+        row.update(predicted_mfu=full.best.mfu, best=b["describe"], memory_gib=b["memory_gib"],
+                   host_per_node_gib=b["host_per_node_gib"], bottleneck=full.best.bottleneck)
+    if anchor.needs == "offload":
+        without = plan(dataclasses.replace(req, offload_fractions=()), keep_infeasible=False, explain=False)
+        row["feasible_without_offload"] = without.best is not None
+    return row
+
+
+def main(args=None) -> int:
+    rows = [check(a) for a in ANCHORS]
+    print(json.dumps({"bench": "planner_anchors", "rows": rows}, indent=2))
+    ok = all(r["feasible"] and not r.get("feasible_without_offload", False) for r in rows)
+    return 0 if ok else 1

@@ -1,0 +1,311 @@
+"""Validation of the cost model against measurement on this machine (CPU, gloo).
+
+For each case (model, sequence, layout, policy) N local processes run real training steps through
+the same path as `longctx train` (Runtime -> build_model -> parallelize -> forward/backward ->
+AdamW) on a random batch with document ids, and report:
+
+- the bytes comm.py counted per mesh dim and label, on every rank, vs the planner's closed form
+  (must be equal);
+- activation bytes per rank as `longctx.bench.memory` measures them, vs the planner's activation
+  estimate (within 5%), when that helper exists;
+- the median step time, vs the planner's predicted step time for this machine (calibrated with
+  `hardware.calibrate`), compared as rankings and ratios between layouts.
+
+`longctx plan --validate` runs the default cases and prints JSON; benchmarks/planner_validate.py
+runs it with options and writes the docs table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from .cost import Layout, Policy, estimate
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    preset: str
+    seq: int
+    layout: Layout
+    policy: Policy = Policy()
+    batch: int = 0  # global sequences per step; 0 = the data-parallel degree (one per dp rank)
+    layers: int = 0  # 0 = the preset's
+    docs: bool = True  # document masks (packed documents)
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    def global_batch(self) -> int:
+        return self.batch or self.layout.dp
+
+
+def _L(**kw) -> Layout:
+    kw.setdefault("dp_shard", 1)
+    return Layout(**kw)
+
+
+# Step-time ranking: 4 ranks, debug model, 4K tokens with packed documents, 4 sequences per step.
+RANKING_CASES = [
+    Case("ctx4", "debug", 4096, _L(ctx=4), batch=4),
+    Case("dp2xctx2", "debug", 4096, _L(dp_shard=2, ctx=2), batch=4),
+    Case("head2xctx2", "debug", 4096, _L(head=2, ctx=2), batch=4),
+    Case("dp4", "debug", 4096, _L(dp_shard=4), batch=4),
+    Case("head4", "debug", 4096, _L(head=4), batch=4),
+    Case("ctx4 full", "debug", 4096, _L(ctx=4), Policy("full"), batch=4),
+    Case("head4 full", "debug", 4096, _L(head=4), Policy("full"), batch=4),
+]
+
+# Bytes and activations: debug and ~100M models under layouts x policies (short, exact checks).
+BYTES_CASES = [
+    Case("debug single", "debug", 2048, _L()),
+    Case("debug ctx2", "debug", 2048, _L(ctx=2)),
+    Case("debug head2", "debug", 2048, _L(head=2)),
+    Case("debug head2xctx2 full", "debug", 2048, _L(head=2, ctx=2), Policy("full")),
+    Case("debug ctx4/w2 selective", "debug", 2048, _L(ctx=4, window=2), Policy("selective")),
+    Case("debug dp2xctx2 selective+off0.5", "debug", 2048, _L(dp_shard=2, ctx=2), Policy("selective", 0.5), batch=2),
+    Case("debug rep2xhead2 ctx-first", "debug", 2048, _L(dp_replicate=2, head=2, placement="ctx-first"), batch=2),
+    Case("100m head2xctx2", "small-100m", 1024, _L(head=2, ctx=2)),
+    Case("100m ctx4 selective", "small-100m", 1024, _L(ctx=4), Policy("selective")),
+    Case("100m head4 full", "small-100m", 1024, _L(head=4), Policy("full")),
+]
+
+
+def case_config(case: Case):
+    from ..config import build_config
+
+    L, P = case.layout, case.policy
+    raw = {
+        "model": {"preset": case.preset, **({"layers": case.layers} if case.layers else {})},
+        "parallel": {"dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "head": L.head, "ctx": L.ctx,
+                     "window": L.window if L.window and L.window < L.ctx else 0, "placement": L.placement},
+        "memory": {"checkpoint": P.checkpoint, "offload_fraction": float(P.offload_fraction),
+                   "offload_skip_last": P.offload_skip_last},
+        "train": {"seq_len": case.seq, "batch_size": case.global_batch(), "grad_accum": 1, "device": "cpu",
+                  "dtype": "fp32", "seed": SEED, "eval_interval": 0},
+        "data": {"doc_mask": case.docs},
+    }
+    from .output import supports_loss_chunk
+
+    if supports_loss_chunk():
+        raw["memory"]["loss_chunk"] = P.loss_chunk
+    return build_config(raw)
+
+
+def random_batch(cfg, n_docs: int = 6):
+    """A global batch of random tokens packed from n_docs documents per sequence (doc ids, positions)."""
+    import torch
+
+    from ..data.windows import Batch
+
+    g = torch.Generator().manual_seed(SEED)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+    labels = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
+    doc_ids = torch.empty(b, s, dtype=torch.long)
+    positions = torch.empty(b, s, dtype=torch.long)
+    for row in range(b):
+        cuts = sorted(torch.randperm(s - 1, generator=g)[: n_docs - 1].add(1).tolist())
+        bounds = [0, *cuts, s]
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            doc_ids[row, lo:hi] = i
+            positions[row, lo:hi] = torch.arange(hi - lo)
+    return Batch(tokens, labels, positions, doc_ids if cfg.data.doc_mask else None)
+
+
+def _worker(raw_cfg: dict, steps: int, warmup: int):
+    import torch
+    import torch.distributed as dist
+
+    from ..config import build_config
+    from ..models.llama import build_model
+    from ..parallel import comm
+    from ..parallel.parallelize import grad_scale, parallelize
+    from ..parallel.runtime import Runtime
+    from ..train import _forward_sum, make_optimizer
+
+    cfg = build_config(raw_cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rt = Runtime.create(cfg, rank, world, "cpu")
+    model = parallelize(build_model(cfg.model, device="cpu", seed=SEED), rt.dims, cfg, rt.mesh, "cpu")
+    opt = make_optimizer(model, cfg)
+    batch = random_batch(cfg)
+    local = rt.local_batch(batch)
+    scale = grad_scale(rt.dims) / max(batch.valid_tokens, 1)
+    times, counters = [], {}
+    for i in range(warmup + steps):
+        dist.barrier()
+        comm.reset_counters()
+        t0 = time.perf_counter()
+        loss = _forward_sum(model, local, None)
+        (loss * scale).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        counters = comm.counters()
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    counters = {d: v for d, v in counters.items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
+    out = {"rank": rank, "times": times, "counters": counters, "activations": None}
+    del model, opt
+    try:  # activation bytes this rank holds after the forward, measured as `longctx bench memory` does
+        from types import SimpleNamespace
+
+        from ..bench.memory import _build
+        from ..memory.accounting import measure_activations
+
+        mem = cfg.memory
+        bare = _build(cfg.model, mem.checkpoint, mem.offload_fraction,
+                      SimpleNamespace(skip_last=mem.offload_skip_last, loss_chunk=mem.loss_chunk),
+                      rt.dims, rt.mesh, torch.device("cpu"))
+        got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
+        out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
+    except (ImportError, AttributeError) as e:
+        out["activations_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
+    from ..config import to_dict
+    from ..parallel.spawn import run_spawned
+
+    cfg = case_config(case)
+    per_rank = run_spawned(case.world, _worker, to_dict(cfg), steps, warmup, threads=1)
+    est, predicted = _predict(case, hw, cfg)
+    measured = per_rank[0]["counters"]
+    all_equal = all(r["counters"] == predicted for r in per_rank)
+    step_times = [statistics.median(r["times"]) for r in per_rank]
+    row = {
+        "case": case.name, "preset": case.preset, "seq": case.seq, "world": case.world, "batch": case.global_batch(),
+        "layout": est.as_dict()["layout"], "policy": est.as_dict()["policy"],
+        "comm_predicted": predicted, "comm_measured_rank0": measured, "comm_equal_all_ranks": all_equal,
+        "step_s_measured": max(step_times), "step_s_predicted": est.step_s,
+        "predicted_times": est.times,
+        "activations_predicted": est.memory["activations"], "host_predicted": est.host_per_node / case.world,
+        "activations_source": est.activations_source,
+    }
+    acts = [r.get("activations") for r in per_rank]
+    if all(a is not None for a in acts):
+        row["activations_measured"] = [a["device"] for a in acts]
+        row["host_measured"] = [a["host"] for a in acts]
+        row["activations_max_rel_error"] = max(abs(a - est.memory["activations"]) / est.memory["activations"]
+                                               for a in row["activations_measured"])
+    else:
+        row["activations_error"] = per_rank[0].get("activations_error")
+    return row
+
+
+def _ranking_worker(raws: list[dict], rounds: int):
+    """All cases in ONE job of the same processes, interleaved round by round, so that every case
+    sees the same machine load (this CPU is shared); returns per-case step times of this rank."""
+    import torch.distributed as dist
+
+    from ..config import build_config
+    from ..models.llama import build_model
+    from ..parallel import comm
+    from ..parallel.parallelize import grad_scale, parallelize
+    from ..parallel.runtime import Runtime
+    from ..train import _forward_sum, make_optimizer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    jobs = []
+    for raw in raws:
+        cfg = build_config(raw)
+        rt = Runtime.create(cfg, rank, world, "cpu")
+        model = parallelize(build_model(cfg.model, device="cpu", seed=SEED), rt.dims, cfg, rt.mesh, "cpu")
+        batch = random_batch(cfg)
+        jobs.append((model, make_optimizer(model, cfg), rt.local_batch(batch),
+                     grad_scale(rt.dims) / max(batch.valid_tokens, 1)))
+    times = [[] for _ in jobs]
+    counters = [None] * len(jobs)
+    for r in range(rounds + 1):  # round 0 is the warm-up
+        for i, (model, opt, local, scale) in enumerate(jobs):
+            dist.barrier()
+            comm.reset_counters()
+            t0 = time.perf_counter()
+            (_forward_sum(model, local, None) * scale).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            if r:
+                times[i].append(time.perf_counter() - t0)
+            counters[i] = {d: v for d, v in comm.counters().items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
+    return {"times": times, "counters": counters}
+
+
+def _predict(case: Case, hw, cfg):
+    est = estimate(cfg.model, hw, case.layout, case.policy, seq=case.seq, batch=case.global_batch(),
+                   micro_batch=case.global_batch() // case.layout.dp, gpus_per_node=case.world,
+                   doc_mask=cfg.data.doc_mask)
+    predicted = {d: {k: int(v) for k, v in labels.items()} for d, labels in est.comm_bytes.items() if d != "fsdp"}
+    return est, predicted
+
+
+def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
+    """Measured (median over rounds, max over ranks) vs predicted step time of same-world cases."""
+    from ..config import to_dict
+    from ..parallel.spawn import run_spawned
+
+    world = cases[0].world
+    if any(c.world != world for c in cases):
+        raise ValueError("ranking cases must share one world size (the same processes run them all)")
+    cfgs = [case_config(c) for c in cases]
+    per_rank = run_spawned(world, _ranking_worker, [to_dict(c) for c in cfgs], rounds, threads=1)
+    rows = []
+    for i, (case, cfg) in enumerate(zip(cases, cfgs)):
+        est, predicted = _predict(case, hw, cfg)
+        # a step ends when its slowest rank ends: the per-round max over ranks, then the median
+        per_round = [max(r["times"][i][k] for r in per_rank) for k in range(rounds)]
+        rows.append({
+            "case": case.name, "preset": case.preset, "seq": case.seq, "world": case.world,
+            "batch": case.global_batch(), "docs": case.docs, "layout": est.as_dict()["layout"],
+            "policy": est.as_dict()["policy"], "step_s_measured": statistics.median(per_round),
+            "step_s_rounds": per_round, "step_s_predicted": est.step_s, "predicted_times": est.times,
+            "comm_equal_all_ranks": all(r["counters"][i] == predicted for r in per_rank),
+        })
+    return rows
+
+
+def ranking_agreement(rows: list[dict]) -> dict:
+    """Kendall-style check: every pair of cases ordered the same way by measurement and prediction."""
+    names = [r["case"] for r in rows]
+    meas = {r["case"]: r["step_s_measured"] for r in rows}
+    pred = {r["case"]: r["step_s_predicted"] for r in rows}
+    by_meas = sorted(names, key=meas.get)
+    by_pred = sorted(names, key=pred.get)
+    discordant = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+                  if (meas[a] - meas[b]) * (pred[a] - pred[b]) < 0]
+    return {"measured_order": by_meas, "predicted_order": by_pred, "same_order": by_meas == by_pred,
+            "discordant_pairs": discordant}
+
+
+def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_calibration: int = 4) -> int:
+    from .hardware import calibrate
+
+    hw = calibrate(world=world_for_calibration)
+    print(json.dumps({"calibrated": hw.source, "peak_tflops": hw.peak_tflops,
+                      "attention_efficiency": hw.attention_efficiency}), file=sys.stderr, flush=True)
+    out = {"bench": "planner_validate", "hardware": hw.__dict__, "bytes": [], "ranking": [],
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    for case in (BYTES_CASES if cases is None else cases):
+        row = run_case(case, hw, steps=1, warmup=1)  # step times of these cases are not compared
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        out["bytes"].append(row)
+    ranking_cases = RANKING_CASES if ranking_cases is None else ranking_cases
+    out["ranking"] = run_ranking(ranking_cases, hw, rounds=steps) if ranking_cases else []
+    for row in out["ranking"]:
+        print(json.dumps(row), file=sys.stderr, flush=True)
+    if out["ranking"]:
+        out["ranking_agreement"] = ranking_agreement(out["ranking"])
+    print(json.dumps(out, indent=2))
+    ok = all(r["comm_equal_all_ranks"] for r in out["bytes"] + out["ranking"])
+    return 0 if ok else 1
