@@ -227,9 +227,17 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
                + (f", and then: {'; '.join(least.problems)}" if least.problems else ""))
     if req.hardware.host_memory_gib and req.hardware.usable_host_fraction and not any(
             a > 0 for a in req.offload_fractions):
-        if _first_feasible(req, offload_fractions=OFFLOAD_FRACTIONS,
-                           checkpoints=tuple(sorted(set(req.checkpoints) | {"selective"}))):
+        with_offload = dict(offload_fractions=OFFLOAD_FRACTIONS,
+                            checkpoints=tuple(sorted(set(req.checkpoints) | {"selective"})))
+        if _first_feasible(req, **with_offload):
             out.append("activation offload (selective recomputation + offload fraction) makes it feasible")
+        else:
+            for factor in (2, 4, 8):
+                host = req.hardware.host_memory_gib * factor
+                if _first_feasible(req, hardware=req.hardware.replace(host_memory_gib=host), **with_offload):
+                    out.append(f"activation offload makes it feasible with {host:,.0f} GiB of host memory per node "
+                               f"(--hw host_memory_gib={host:.0f})")
+                    break
     if least.host_per_node > req.hardware.usable_host_bytes and req.hardware.host_memory_gib:
         need = least.host_per_node / req.hardware.usable_host_fraction / 2**30
         out.append(f"nodes with >= {need:,.0f} GiB of host memory (--hw host_memory_gib=...) would hold the "

@@ -1,0 +1,31 @@
+"""The planner's predictions against measurement on gloo ranks: communication bytes equal comm.py's
+counters on every rank, activation bytes (measured as `longctx bench memory` does) within 5%."""
+
+import pytest
+
+from longctx.planner.cost import Layout, Policy
+from longctx.planner.hardware import DEVICES
+from longctx.planner.validate import Case, run_case
+
+# any hardware works for bytes (only step times depend on it); fp32 like the CPU run
+HW = DEVICES["h100"].replace(dtype_bytes=4, name="cpu-test")
+
+CASES = [
+    Case("head2 none", "debug", 512, Layout(1, 1, 2, 1)),
+    Case("ctx2 full", "debug", 512, Layout(1, 1, 1, 2), Policy("full")),
+    Case("head2xctx2 selective ctx-first", "debug", 512, Layout(1, 1, 2, 2, 0, "ctx-first"), Policy("selective")),
+    Case("dp2xctx2 offload 0.5", "debug", 512, Layout(1, 2, 1, 2), Policy("selective", 0.5), batch=2),
+    Case("ctx4 window 2 offload 1", "debug", 512, Layout(1, 1, 1, 4, 2), Policy("selective", 1.0)),
+    Case("rep2xhead2 no doc mask", "debug", 512, Layout(2, 1, 2, 1), batch=2, docs=False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_predicted_bytes_match_measurement(case):
+    row = run_case(case, HW, steps=1, warmup=0)
+    assert row["comm_equal_all_ranks"], (row["comm_predicted"], row["comm_measured_rank0"])
+    assert row["comm_predicted"], "a parallel layout communicates"
+    assert "activations_measured" in row, row.get("activations_error")
+    assert row["activations_max_rel_error"] <= 0.05, (row["activations_predicted"], row["activations_measured"])
+    for measured in row["host_measured"]:
+        assert measured == pytest.approx(row["host_predicted"], rel=0.05, abs=1)
