@@ -142,7 +142,7 @@ def candidate_layouts(req: Request) -> list[Layout]:
             if req.batch % dp:
                 continue
             windows = [0]
-            if c > 1:
+            if c > 1 and h * c > G:  # a Double-Ring only helps when the context group leaves the node
                 for placement in ("head-first", "ctx-first"):
                     span = h if placement == "head-first" else 1
                     fit = [w for w in divisors(c) if 1 < w < c and span * w <= G]
@@ -161,10 +161,10 @@ def _sort_key(e: Estimate):
     p = e.policy
     if not e.feasible:
         return (1, e.memory["total"] + e.host_per_node, e.step_s)
-    # step times within 0.5% of each other are a tie: prefer the simpler policy and less memory
+    # step times within 0.5% of each other are a tie: prefer the simpler policy, then less memory
     bucket = math.floor(math.log(e.step_s) / math.log(1.005)) if e.step_s > 0 else 0
-    return (0, bucket, _POLICY_ORDER[p.checkpoint], p.offload_fraction, p.loss_chunk,
-            e.memory["total"], e.layout.dp_replicate, e.layout.window)
+    return (0, bucket, _POLICY_ORDER[p.checkpoint], p.offload_fraction, round(e.memory["total"] / 2**30),
+            p.loss_chunk, e.layout.dp_replicate, e.layout.window)
 
 
 def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
