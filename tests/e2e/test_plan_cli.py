@@ -42,7 +42,7 @@ def test_plan_8b_1m_prints_a_table_and_writes_a_loadable_config(tmp_path):
     r = longctx("plan", "--model", "llama3-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "h100",
                 "--seq", "1M", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    assert "layout" in r.stdout and "MFU" in r.stdout and "bottleneck" in r.stdout and f"wrote" in r.stdout
+    assert "layout" in r.stdout and "MFU" in r.stdout and "bottleneck" in r.stdout and "wrote" in r.stdout
     cfg = load_config(out, [])
     check_layout(cfg, 64)
     assert cfg.train.seq_len == 1048576 and cfg.model.dim == 4096

@@ -7,7 +7,14 @@ import pytest
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
-from longctx.planner.cost import Layout, Policy, estimate, fsdp_bytes_per_micro, group_is_intra_node, param_counts
+from longctx.planner.cost import (
+    Layout,
+    Policy,
+    estimate,
+    fsdp_bytes_per_micro,
+    group_is_intra_node,
+    param_counts,
+)
 from longctx.planner.hardware import DEVICES, get_device, load_hardware
 from longctx.planner.search import Request, candidate_layouts, parse_tokens, plan
 

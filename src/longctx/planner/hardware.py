@@ -77,7 +77,7 @@ class Hardware:
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
-    def replace(self, **changes) -> "Hardware":
+    def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
     def to_toml(self) -> str:

@@ -55,8 +55,8 @@ def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
     nodes = max(1, world // req.gpus_per_node)
     head = [
         f"# written by `longctx plan`: {req.model.preset} at {req.seq:,} tokens on {world} x {req.hardware.name}",
-        f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
-        f"{est.memory['total'] / GIB:.1f} GiB per device, bottleneck {est.bottleneck}",
+        (f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
+         f"{est.memory['total'] / GIB:.1f} GiB per device, bottleneck {est.bottleneck}"),
         (f"# run: longctx train --config THIS --nproc {world}" if nodes == 1 else
          f"# run: torchrun --nnodes {nodes} --nproc-per-node {req.gpus_per_node} -m longctx train --config THIS"),
         "",

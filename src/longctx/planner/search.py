@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .cost import Estimate, Layout, Policy, activations, estimate, param_counts, transient_bytes
+from .cost import (
+    Estimate,
+    Layout,
+    Policy,
+    activations,
+    estimate,
+    param_counts,
+    transient_bytes,
+)
 from .hardware import Hardware
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)

@@ -23,7 +23,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cost import Layout, Policy, estimate
 
@@ -36,7 +36,7 @@ class Case:
     preset: str
     seq: int
     layout: Layout
-    policy: Policy = Policy()
+    policy: Policy = field(default_factory=Policy)
     batch: int = 0  # global sequences per step; 0 = the data-parallel degree (one per dp rank)
     layers: int = 0  # 0 = the preset's
     docs: bool = True  # document masks (packed documents)
