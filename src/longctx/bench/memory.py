@@ -99,21 +99,28 @@ def _block_errors(measured: dict, est: dict, layers: int, fraction: float, skip_
     return worst
 
 
-def _time_steps(model, inputs, steps: int, device) -> float | None:
-    if steps <= 0:
-        return None
+def _one_step(model, inputs, device) -> float:
     tokens, positions, doc, labels = inputs
-    times = []
-    for _ in range(steps + 1):  # the first is warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        model(tokens, positions, doc, labels=labels).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    model(tokens, positions, doc, labels=labels).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def _time_interleaved(models: dict, inputs, steps: int, device) -> dict:
+    """Median step time per policy, the policies taking turns step by step (one warm-up step each),
+    so drifting machine load hits them alike."""
+    times = {name: [] for name in models}
+    for name, model in models.items():
+        _one_step(model, inputs, device)
+    for _ in range(steps):
+        for name, model in models.items():
+            times[name].append(_one_step(model, inputs, device))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def measure(args, seq: int, dims=None, mesh=None) -> dict:
@@ -132,7 +139,7 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
     if mesh is not None:
         inputs = [None if t is None else shard_sequence(t, mesh) for t in inputs]
     head, ctx = (dims.head, dims.ctx) if dims is not None else (1, 1)
-    out = {}
+    out, models = {}, {}
     for name in args.policies.split(","):
         policy, fraction = _policy(name)
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
@@ -154,15 +161,19 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         }
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        entry["step_s"] = _time_steps(model, inputs, args.time_steps, device)
-        if device.type == "cuda":
+            _one_step(model, inputs, device)
             entry["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out[name] = entry
+        if args.time_steps > 0:
+            models[name] = model
         del model
-    base = out.get("none", {}).get("step_s")
-    for entry in out.values():
-        if base and entry["step_s"]:
-            entry["step_time_ratio_to_none"] = entry["step_s"] / base
+    if models:
+        for name, step_s in _time_interleaved(models, inputs, args.time_steps, device).items():
+            out[name]["step_s"] = step_s
+        base = out.get("none", {}).get("step_s")
+        for entry in out.values():
+            if base:
+                entry["step_time_ratio_to_none"] = entry["step_s"] / base
     return {"seq": seq, "tokens_per_rank": tokens, "model": model_cfg.preset, "layers_built": model_cfg.layers,
             "published_per_layer_16bit": published_formulas(model_cfg, seq, args.batch, head * ctx),
             "policies": out}

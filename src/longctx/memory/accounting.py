@@ -156,12 +156,18 @@ def published_formulas(model: ModelConfig, seq_len: int, micro_batch: int = 1, s
 
 class _StorageTracker(TorchDispatchMode):
     """Records every storage an op creates (not aliases of its inputs), holding a reference so the
-    address cannot be reused; afterwards a storage is live iff someone besides us refers to it."""
+    address cannot be reused; afterwards a storage is live iff someone besides us refers to it.
+    Storages only we still hold are dropped from time to time (amortised), so temporaries are
+    freed as they would be without the tracker."""
 
     def __init__(self):
         super().__init__()
         self.block: int | None = None
         self.created: dict[int, tuple[torch.UntypedStorage, int | None]] = {}
+        self._prune_at = 256
+
+    def prune(self) -> None:
+        self.created = {p: v for p, v in self.created.items() if torch._C._storage_Use_Count(v[0]._cdata) > 1}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -173,6 +179,9 @@ class _StorageTracker(TorchDispatchMode):
                 ptr = st.data_ptr()
                 if ptr and ptr not in inputs and ptr not in self.created:
                     self.created[ptr] = (st, self.block)
+        if len(self.created) >= self._prune_at:
+            self.prune()
+            self._prune_at = max(256, 2 * len(self.created))
         return out
 
 
