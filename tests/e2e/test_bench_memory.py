@@ -22,6 +22,6 @@ def test_bench_memory_reports_every_policy_within_5_percent(layout):
     pol = result["policies"]
     # the policies really differ: none keeps the most, offload 1.0 the least on the device
     dev = {k: v["analytic_per_token"]["per_block_device"] for k, v in pol.items()}
-    assert dev["none"] > dev["selective"] > dev["full"] and dev["offload1.0"] < dev["offload0.5"]
+    assert dev["none"] > dev["selective"] > dev["full"] > dev["offload1.0"] == dev["offload0.5"] == 0
     assert pol["offload1.0"]["measured_total_host_bytes"] > pol["offload0.5"]["measured_total_host_bytes"] > 0
     assert all(v["step_s"] > 0 for v in pol.values())

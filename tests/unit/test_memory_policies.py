@@ -77,19 +77,27 @@ def test_auto_fraction_follows_link_and_memory_limits():
     from longctx.memory.auto import choose_offload_fraction
 
     cfg = load_config(overrides=["--model.layers=5"]).model
-    per_block = estimate_activations(cfg, 4096, 1, policy="selective", offload_fraction=1.0).per_block_host
+
+    def host(a):
+        return estimate_activations(cfg, 4096, 1, policy="selective", offload_fraction=a).per_block_host
+
+    fixed, other = host(1e-9), host(1.0) - host(1e-9)  # independent of the function's own algebra
     common = dict(head=1, ctx=1, skip_last=1, dtype_bytes=4)
-    # the link moves 0.37 of a block's offload bytes during its forward -> 0.35 (a multiple of 0.05)
-    a, why = choose_offload_fraction(cfg, 4096, 1, block_seconds=0.01, link_bytes_per_s=0.37 * per_block / 0.01,
+    # the link moves the fixed part plus 0.37 of the rest during a block's forward -> 0.35
+    a, why = choose_offload_fraction(cfg, 4096, 1, block_seconds=0.01, link_bytes_per_s=(fixed + 0.37 * other) / 0.01,
                                      host_bytes_per_rank=1e15, **common)
     assert a == pytest.approx(0.35) and "host link" in why
-    # plenty of link, host memory for 4 blocks x 0.5 after the 0.8 margin -> 0.5
+    # plenty of link; host memory for 4 blocks x (fixed + 0.5 x other) after the 0.8 margin -> 0.5
     a, why = choose_offload_fraction(cfg, 4096, 1, block_seconds=1.0, link_bytes_per_s=1e15,
-                                     host_bytes_per_rank=4 * 0.5 * per_block / 0.8, **common)
+                                     host_bytes_per_rank=4 * (fixed + 0.5 * other) / 0.8, **common)
     assert a == pytest.approx(0.5) and "host memory" in why
     a, _ = choose_offload_fraction(cfg, 4096, 1, block_seconds=1.0, link_bytes_per_s=1e15,
                                    host_bytes_per_rank=1e15, **common)
     assert a == 1.0
+    # not even the block inputs and attention state fit: offload off, and it says what to do
+    a, why = choose_offload_fraction(cfg, 4096, 1, block_seconds=1.0, link_bytes_per_s=1e15,
+                                     host_bytes_per_rank=fixed, **common)
+    assert a == 0.0 and "offload_skip_last" in why
 
 
 def test_offload_fraction_auto_in_config():

@@ -88,7 +88,7 @@ def _block_errors(measured: dict, est: dict, layers: int, fraction: float, skip_
     for i, b in enumerate(measured["blocks"]):
         if i >= offloaded:
             expect = {"device": est["kept_block_device"], "host": 0.0}
-        elif fraction >= 1 and i == offloaded - 1:
+        elif i == offloaded - 1:
             continue  # its output stays for the kept block after it: checked through the totals
         else:
             expect = {"device": est["per_block_device"], "host": est["per_block_host"]}

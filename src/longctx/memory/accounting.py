@@ -107,20 +107,22 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     else:
         raise ValueError(f"unknown policy {policy!r}")
 
-    # an offloaded block: the first A of its tokens run pre/post with everything saved on the host,
-    # the rest are checkpointed (keeping a copy of their attention output); the core keeps (1 - A).
-    # A block's output is the next block's input: a fully offloaded block (A = 1) copies its input to
-    # the host and nothing on the device holds it any more, except for the last offloaded block,
-    # whose output feeds a kept block (or the final norm).
-    host = A * (part["core"] + 2 * part["norm"] + part["norm_input"] + seq_out + part["residual"] + part["mlp"])
-    rest_copy = part["attn_out"] if 0 < A < 1 else 0.0
-    drop_input = A >= 1
-    off_device = (1 - A) * (part["core"] + rest_copy) + (0.0 if drop_input else part["block_out"])
-    last_offloaded_extra = part["block_out"] if drop_input and offloaded else 0.0
+    # an offloaded block keeps nothing on the device: its input (the previous block's output) and
+    # the attention state go to the host whole; of the rest, the first A of the tokens' saved
+    # tensors go to the host and the other tokens are recomputed. The last offloaded block's OUTPUT
+    # stays on the device: it is the input of a kept block (or of the final norm).
+    # The block input on the host: the recomputed tokens' checkpoint keeps it; the stored tokens'
+    # norm keeps it too in fp32 (in bf16 that norm keeps its own fp32 copy, counted in `norm`).
+    block_input = (1 - A) * p * model.dim + A * part["norm_input"]
+    # the attention output in sequence layout: the core's own output when head = 1 (already
+    # counted), else a tensor of its own, kept whole (stored tokens by post, the rest by its checkpoint)
+    host = part["core"] + block_input + seq_out + A * (2 * part["norm"] + part["residual"] + part["mlp"])
+    off_device = 0.0
+    last_offloaded_extra = part["block_out"] if offloaded else 0.0
 
     model_device = (
         8 * model.resolved_head_dim                                     # RoPE cos/sin tables, fp32
-        + (0 if drop_input and offloaded else p * model.dim)            # embeddings output = block 0's input
+        + (0 if offloaded else p * model.dim)                           # embeddings output = block 0's input
         + part["norm"]                                                  # final norm
         + (4 if loss_chunk and tokens > loss_chunk else 4 * model.vocab_size)  # lse per token, or log-softmax
     )

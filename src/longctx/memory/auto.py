@@ -1,9 +1,13 @@
 """`memory.offload_fraction = auto`: the largest fraction whose transfers hide behind compute and
 whose host copies fit in host memory (MEMO's rule, applied to this implementation's byte counts).
 
-  A_link   = t_block_forward x host_link_bandwidth / host_bytes_per_block(A = 1)
-  A_memory = 0.8 x host_memory_per_rank / (offloaded_blocks x host_bytes_per_block(A = 1))
-  A        = min(1, A_link, A_memory), rounded down to a multiple of 0.05
+An offloaded block always sends its input and attention state (S_fixed) and the first A of the
+other activations (A x S_other) to the host:
+
+  A_link   = (t_block_forward x host_link_bandwidth - S_fixed) / S_other
+  A_memory = (0.8 x host_memory_per_rank / offloaded_blocks - S_fixed) / S_other
+  A        = min(1, A_link, A_memory), rounded down to a multiple of 0.05; 0 (no offload) when even
+             S_fixed does not fit in host memory
 
 t_block_forward is measured on the real block (attention and its communication included), the
 host link by timing a copy of 64 MiB to host memory (pinned on CUDA), the host memory from
@@ -68,19 +72,31 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
                             dtype_bytes: int, block_seconds: float, link_bytes_per_s: float,
                             host_bytes_per_rank: float) -> tuple[float, str]:
     """(fraction, the reason in one line) from measured times and bandwidths."""
-    full = estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy="selective",
-                                offload_fraction=1.0, offload_skip_last=skip_last, dtype_bytes=dtype_bytes)
-    per_block = full.per_block_host
+    def host_per_block(a):
+        return estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy="selective",
+                                    offload_fraction=a, offload_skip_last=skip_last,
+                                    dtype_bytes=dtype_bytes).per_block_host
+
     offloaded = max(0, model_cfg.layers - skip_last)
-    if offloaded == 0 or per_block <= 0:
+    if offloaded == 0:
         return 0.0, f"nothing to offload: all {model_cfg.layers} blocks are among the last offload_skip_last"
-    a_link = block_seconds * link_bytes_per_s / per_block
-    a_mem = 0.8 * host_bytes_per_rank / (offloaded * per_block)
-    fraction = math.floor(min(1.0, a_link, a_mem) * 20) / 20
+    whole, half = host_per_block(1.0), host_per_block(0.5)
+    other = 2 * (whole - half)
+    fixed = whole - other
+    host_per_block_budget = 0.8 * host_bytes_per_rank / offloaded
+    if host_per_block_budget < fixed:
+        return 0.0, (f"offload_fraction auto -> 0 (offload off): {offloaded} blocks x {fixed / 2**20:.1f} MiB of block "
+                     f"inputs and attention state would not fit in {host_bytes_per_rank / 2**30:.1f} GiB of host "
+                     f"memory per rank; raise memory.offload_skip_last or add host memory")
+    a_link = (block_seconds * link_bytes_per_s - fixed) / other
+    a_mem = (host_per_block_budget - fixed) / other
+    fraction = max(0.05, math.floor(min(1.0, a_link, a_mem) * 20) / 20)
     limit = "the host link" if a_link <= min(1.0, a_mem) else "host memory" if a_mem < 1.0 else "nothing"
     reason = (f"offload_fraction auto -> {fraction:.2f} (limited by {limit}): a block's forward takes "
-              f"{block_seconds * 1e3:.1f} ms, the host link moves {link_bytes_per_s / 1e9:.1f} GB/s, so "
-              f"{min(a_link, 1.0):.2f} of the {per_block / 2**20:.1f} MiB a block would offload hides behind it; "
-              f"{host_bytes_per_rank / 2**30:.1f} GiB of host memory per rank allows {min(a_mem, 1.0):.2f} over "
-              f"{offloaded} blocks")
+              f"{block_seconds * 1e3:.1f} ms and the host link moves {link_bytes_per_s / 1e9:.1f} GB/s; a block "
+              f"always offloads {fixed / 2**20:.1f} MiB (input, attention state) plus A x {other / 2**20:.1f} MiB, "
+              f"which hides behind its forward up to A = {max(a_link, 0.0):.2f}; {host_bytes_per_rank / 2**30:.1f} GiB "
+              f"of host memory per rank allows A = {min(a_mem, 1.0):.2f} over {offloaded} blocks")
+    if a_link < 0.05:
+        reason += " (transfers will not fully hide behind compute even at the smallest fraction)"
     return fraction, reason

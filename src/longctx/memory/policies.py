@@ -10,12 +10,13 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
 - `selective` (LoongTrain's Selective Checkpoint++): `pre` and `post` are recomputed from the
   block input; the attention core keeps what its backward needs (q, k, v in its own layout, the
   output and the log-sum-exp), so backward never re-runs attention nor its all-to-all / ring.
-- `selective` + `offload_fraction` A (MEMO's token-wise offload): in every block but the last
-  `offload_skip_last`, the first A of the tokens run `pre` and `post` with everything they save
-  moved to the host; the remaining tokens run them checkpointed (recomputed from the block input
-  in backward). The attention core's saved tensors go to the host in the same proportion; their
-  rest stays on the device rather than being recomputed, because recomputing attention for some
-  tokens would repeat its communication. With A = 1 a block leaves nothing on the device.
+- `selective` + `offload_fraction` A > 0 (MEMO's token-wise offload): in every block but the last
+  `offload_skip_last`, the block input and the attention core's saved tensors (q, k, v, output,
+  log-sum-exp) always go to the host, as in MEMO; of the other activations (norms, projections,
+  MLP), the first A of the tokens store theirs on the host and the remaining tokens are recomputed
+  in backward from the block input and attention output (brought back from the host). An
+  offloaded block leaves nothing on the device; A trades host memory and transfer volume against
+  recomputation.
 
 Token-splitting is exact because `pre` and `post` treat every token independently.
 The wrappers replace the block's bound `forward`, so parameter names (`layers.3.attention.wq.weight`)
@@ -63,24 +64,24 @@ def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, i
     x1, cos1, sin1 = row(x), row(cos), row(sin)
     cut = round(fraction * b * tokens)
     head, rest = slice(0, cut), slice(cut, b * tokens)
-    with offloader.block(index, shared=(cos, sin, doc_ids)):
+    # Everything saved in here goes to the host, including what the checkpoints of the recomputed
+    # tokens keep (their inputs: the block input and the attention output), so the block leaves
+    # nothing on the device; `fraction` only decides which tokens' other activations are stored
+    # (host) rather than recomputed.
+    with offloader.block(index, shared=(cos, sin, doc_ids)), offloader.offload(1.0):
         xh, xr = x1[:, head], x1[:, rest]  # xh goes to pre and post as ONE object: copied once
         qkv = []
         if cut:
-            with offloader.offload(1.0):
-                qkv.append(block.pre(xh, cos1[:, head], sin1[:, head]))
+            qkv.append(block.pre(xh, cos1[:, head], sin1[:, head]))
         if cut < b * tokens:
             qkv.append(_checkpointed(block.pre, xr, cos1[:, rest], sin1[:, rest]))
         q, k, v = (unrow(_cat(parts)) for parts in zip(*qkv))
-        with offloader.offload(fraction):
-            out = row(block.attention.core(q, k, v, doc_ids))
+        out = row(block.attention.core(q, k, v, doc_ids))
         y = []
         if cut:
-            with offloader.offload(1.0):
-                y.append(block.post(xh, out[:, head]))
+            y.append(block.post(xh, out[:, head]))
         if cut < b * tokens:
-            # a copy, or the checkpoint would keep the whole attention output alive through a view
-            y.append(_checkpointed(block.post, xr, out[:, rest].clone() if cut else out))
+            y.append(_checkpointed(block.post, xr, out[:, rest]))
         return unrow(_cat(y))
 
 
