@@ -186,7 +186,7 @@ def _auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: 
     cos, sin = rope_cos_sin(positions, model.inv_freq)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=resolve_dtype(t.dtype, device) == torch.bfloat16):
         block_s = block_forward_seconds(model.layers[0], x, cos, sin, None)
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # the slowest block, the slowest link and the least memory over all ranks decide
     worst = rt.max([-block_s, -host_link_bandwidth(device), -host_memory_available() / ranks_per_node])
     fraction, reason = choose_offload_fraction(

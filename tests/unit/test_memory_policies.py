@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.memory.policies import apply_memory_policy, check_policy
 from longctx.errors import ConfigError
+from longctx.memory.policies import apply_memory_policy, check_policy
 from longctx.models.llama import build_model
 
 POLICIES = [("full", 0.0), ("selective", 0.0), ("selective", 0.5), ("selective", 1.0), ("selective", 0.3)]

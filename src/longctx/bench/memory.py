@@ -126,7 +126,11 @@ def _time_interleaved(models: dict, inputs, steps: int, device) -> dict:
 def measure(args, seq: int, dims=None, mesh=None) -> dict:
     """Every requested policy at one sequence length, on this process (one rank of head x ctx)."""
     from ..config import MODEL_PRESETS, ModelConfig
-    from ..memory.accounting import estimate_activations, measure_activations, published_formulas
+    from ..memory.accounting import (
+        estimate_activations,
+        measure_activations,
+        published_formulas,
+    )
     from ..parallel.sequence import shard_sequence
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -213,10 +217,10 @@ def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int
 
 
 def _rank_measure(args, seq):
+    import torch.distributed as dist
+
     from ..config import load_config
     from ..parallel.dims import ParallelDims
-
-    import torch.distributed as dist
 
     cfg = load_config(overrides=[f"--parallel.head={args.head}", f"--parallel.ctx={args.ctx}"])
     dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())

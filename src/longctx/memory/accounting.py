@@ -27,7 +27,6 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import ModelConfig
 
-
 # ------------------------------------------------------------------------------------------------
 # Analytic
 

@@ -24,7 +24,6 @@ import weakref
 import torch
 from torch import nn
 
-
 _VIEW_OR_CAST = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
                  "ToCopyBackward0", "AliasBackward0", "UnsafeViewBackward0"}
 
@@ -51,7 +50,7 @@ class _Region:
     Every saved view inside the span shares it (a linear's 2-D view of the norm output, saved once
     by each of q, k and v, is copied once)."""
 
-    __slots__ = ("host", "rest", "size", "prefetched", "event", "_full", "__weakref__")
+    __slots__ = ("__weakref__", "_full", "event", "host", "prefetched", "rest", "size")
 
     def __init__(self, host, rest, size):
         self.host, self.rest, self.size = host, rest, size
@@ -59,7 +58,7 @@ class _Region:
 
 
 class _View:
-    __slots__ = ("region", "offset", "shape", "stride")
+    __slots__ = ("offset", "region", "shape", "stride")
 
     def __init__(self, region, offset, shape, stride):
         self.region, self.offset, self.shape, self.stride = region, offset, shape, stride

@@ -59,8 +59,8 @@ def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, i
     b, tokens = x.shape[:2]
     # pre and post are token-wise, so they may see the batch as one row of b x tokens; then "the
     # first tokens" is a contiguous slice (with batch > 1 a slice per row would be strided)
-    row = lambda t: t.reshape(1, b * tokens, *t.shape[2:])  # noqa: E731
-    unrow = lambda t: t.reshape(b, tokens, *t.shape[2:])  # noqa: E731
+    row = lambda t: t.reshape(1, b * tokens, *t.shape[2:])
+    unrow = lambda t: t.reshape(b, tokens, *t.shape[2:])
     x1, cos1, sin1 = row(x), row(cos), row(sin)
     cut = round(fraction * b * tokens)
     head, rest = slice(0, cut), slice(cut, b * tokens)
