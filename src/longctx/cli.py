@@ -56,6 +56,12 @@ def _cmd_train(args, overrides) -> int:
 
     if launching and nproc > 1:
         check_layout(cfg, nproc)  # fail fast, before any process starts
+        if not cfg.data.path:
+            # build (or find) the cached default store here, once, rather than in rank 0 while the
+            # other ranks wait in a collective bounded by parallel.timeout_s
+            from .data.cache import default_store
+
+            default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress)
         relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
         return 0
     train(cfg)

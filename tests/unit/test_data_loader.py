@@ -201,3 +201,14 @@ def test_default_store_is_built_once_and_reused(tmp_path, monkeypatch):
                  log=quiet)
     assert len(calls) == 2  # other settings, another store
     assert len(list((tmp_path / "cache" / "data").iterdir())) == 2  # no temporary leftovers
+
+
+def test_resume_with_another_seed_is_refused():
+    """The saved cursor only means something under the seed that drew the order."""
+    from longctx.data.windows import WindowSampler
+
+    state = WindowSampler(100, seed=1).state_dict()
+    loader = BatchLoader.__new__(BatchLoader)  # only its sampler and window count matter here
+    loader.sampler, loader.windows = WindowSampler(100, seed=2), np.zeros(100)
+    with pytest.raises(DataError, match="seed 1"):
+        loader.load_state_dict(state)

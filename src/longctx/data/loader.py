@@ -149,6 +149,12 @@ class BatchLoader:
                 f"the checkpoint's data position is for {state['num_windows']} training windows but the data has "
                 f"{len(self.windows)}; resume with the same data (data.path / data.corpus and train.seq_len)."
             )
+        if "seed" in state and int(state["seed"]) != self.sampler.seed:
+            raise DataError(
+                f"the checkpoint's data order was drawn with seed {state['seed']} but this run uses train.seed="
+                f"{self.sampler.seed}; resuming would repeat some windows and skip others. Resume with "
+                f"--train.seed {state['seed']}."
+            )
         self.sampler.load_state_dict(state)
 
 

@@ -85,6 +85,15 @@ def write_split(part_dir: Path, split: str, packing: Packing, doc_tokens: list[n
     return {"windows": int(n), "tokens": int(seg[:, LENGTH].sum()) if len(seg) else 0}
 
 
+def _fsync_path(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def new_part_dir(root: Path, index: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-part-{index:05d}-{os.getpid()}"
@@ -99,14 +108,22 @@ def publish_part(tmp: Path, root: Path, index: int) -> str:
     final = root / name
     if final.exists():  # left by an append that died before its manifest: not part of the store
         shutil.rmtree(final)
+    # durable before it is published: after a power loss the manifest must never name a part whose
+    # files did not reach the disk
+    for f in tmp.iterdir():
+        _fsync_path(f)
+    _fsync_path(tmp)
     os.replace(tmp, final)
+    _fsync_path(root)
     return name
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
     tmp = root / f".{MANIFEST}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    _fsync_path(tmp)
     os.replace(tmp, root / MANIFEST)
+    _fsync_path(root)
 
 
 def read_manifest(root: str | Path) -> dict:

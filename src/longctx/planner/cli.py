@@ -119,11 +119,11 @@ def main(args, overrides) -> int:
     written, note = None, ""
     best = res.best
     if best is not None:
-        # the best plan this version can run (check_supported); say so when a better one needs more
+        # the best plan `longctx train` accepts (config and layout checks); say so when a better one does not
         chosen = None
         for est in res.feasible:
             cfg = plan_config(est, req, base)
-            why = runnable(cfg)
+            why = runnable(cfg, est.layout.world)
             if not why:
                 chosen = (est, cfg)
                 break

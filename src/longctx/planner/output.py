@@ -38,13 +38,14 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     return build_config(raw)
 
 
-def runnable(cfg: Config) -> str:
-    """'' when this version of longctx can train `cfg`, else why not (config.check_supported, if any)."""
-    check = getattr(config_mod, "check_supported", None)
-    if check is None:
-        return ""
+def runnable(cfg: Config, world: int) -> str:
+    """'' when `longctx train` accepts `cfg` on `world` ranks (config validation and the layout
+    checks it runs before starting any process), else why not."""
+    from ..train import check_layout
+
     try:
-        check(cfg)
+        config_mod.validate(cfg)
+        check_layout(cfg, world)
     except ConfigError as e:
         return str(e)
     return ""
