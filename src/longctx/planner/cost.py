@@ -367,8 +367,10 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         c, w = L.ctx, (L.window or L.ctx)
         n_outer = c // w - 1
         n_inner = c - 1 - n_outer
-        hop_fwd = per_call["ctx"]["ring_kv"] / (c - 1)
-        hop_bwd = (per_call["ctx"]["ring_kv_bwd"] + per_call["ctx"]["ring_dkv"]) / (c - 1)
+        # document ids travel with K/V on every hop, once in forward and once in backward
+        docs_hop = per_call["ctx"].get("ring_docs", 0) / (2 * (c - 1))
+        hop_fwd = per_call["ctx"]["ring_kv"] / (c - 1) + docs_hop
+        hop_bwd = (per_call["ctx"]["ring_kv_bwd"] + per_call["ctx"]["ring_dkv"]) / (c - 1) + docs_hop
         bw_in = _bw(hw, group_is_intra_node(L, "window", gpus_per_node))
         bw_out = _bw(hw, group_is_intra_node(L, "ctx", gpus_per_node))
         step_fwd, step_bwd = layer_attn_fwd / c, 2 * layer_attn_fwd / c
