@@ -82,7 +82,10 @@ def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, i
             y.append(block.post(xh, out[:, head]))
         if cut < b * tokens:
             y.append(_checkpointed(block.post, xr, out[:, rest]))
-        return unrow(_cat(y))
+        y = unrow(_cat(y))
+        # a block must not return a view: FSDP2 hooks its output, and an in-place op on a view
+        # would bypass that hook (FSDP warns); one copy of the block output is cheap next to the MLP
+        return y.clone() if y._is_view() else y
 
 
 def check_policy(checkpoint_policy: str, offload_fraction: float) -> None:
