@@ -304,17 +304,22 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def read_toml(path: str | Path, what: str, hint: str) -> dict:
+    """A TOML file's contents, or a ConfigError naming `what` and how to fix it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} '{path}' does not exist. {hint}")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not valid TOML: {e}.") from None
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> Config:
     """Build a validated Config from an optional TOML file and overrides (CLI strings or a dict)."""
     raw: dict[str, dict[str, Any]] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{path}' does not exist. Pass an existing TOML file, e.g. configs/debug.toml.")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file '{path}' is not valid TOML: {e}.") from None
+        data = read_toml(path, "config file", "Pass an existing TOML file, e.g. configs/debug.toml.")
         for section, values in data.items():
             if not isinstance(values, dict):
                 raise ConfigError(

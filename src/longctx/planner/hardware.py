@@ -22,17 +22,10 @@ import dataclasses
 import difflib
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-
+from ..config import read_toml
 from ..errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 GB = 1e9
 GIB = 2**30
@@ -165,13 +158,7 @@ def load_hardware(device: str | None, file: str | None = None, overrides: list[s
     """device name -> Hardware, then a TOML file's [hardware] table, then --hw KEY=VALUE strings."""
     values: dict = {}
     if file:
-        p = Path(file)
-        if not p.is_file():
-            raise ConfigError(f"hardware file '{file}' does not exist; write a TOML file with a [hardware] table.")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"hardware file '{file}' is not valid TOML: {e}.") from None
+        data = read_toml(file, "hardware file", "Write a TOML file with a [hardware] table.")
         values = dict(data.get("hardware", data))
         if not device and "base" not in values and "name" not in values:
             raise ConfigError(f"hardware file '{file}' must name a base device (base = \"h100\") or give every field.")
