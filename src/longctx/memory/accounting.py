@@ -90,8 +90,7 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     A = float(offload_fraction)
     L = model.layers
     offloaded = max(0, L - offload_skip_last) if A > 0 else 0
-    # the attention output in sequence layout is its own tensor only under the head all-to-all
-    # ... a separate tensor from the core's own output only under the head all-to-all
+    # the attention output in sequence layout is a tensor of its own only under the head all-to-all
     seq_out = part["attn_out"] if head > 1 else 0.0
 
     if policy == "none":
