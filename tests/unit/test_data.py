@@ -1,9 +1,8 @@
-import numpy as np
 import pytest
 
 from longctx.data.corpus import corpus_files, read_documents, stdlib_root
 from longctx.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from longctx.data.windows import IGNORE, TokenWindows, WindowSampler, split_documents
+from longctx.data.windows import WindowSampler, is_eval_doc
 from longctx.errors import DataError
 
 
@@ -52,35 +51,6 @@ def test_hf_tokenizer_json(tmp_path):
         load_tokenizer(str(tmp_path / "missing.json"))
 
 
-def toy_windows(doc_mask):
-    # documents of lengths 3, 1, 6 (+EOS each): stream = 1 1 1 E 2 E 3 3 3 3 3 3 E
-    arrays = [np.array([1, 1, 1]), np.array([2]), np.array([3] * 6)]
-    return TokenWindows(arrays, eos_id=9, seq_len=6, doc_mask=doc_mask)
-
-
-def test_windows_carry_labels_positions_and_doc_ids():
-    w = toy_windows(doc_mask=True)
-    assert len(w) == 2  # 13 tokens -> (13 - 1) // 6 windows
-    b = w.batch([0, 1])
-    assert b.tokens.tolist() == [[1, 1, 1, 9, 2, 9], [3, 3, 3, 3, 3, 3]]
-    # a label in the next document is ignored: the model cannot see that document
-    assert b.labels.tolist() == [[1, 1, 9, IGNORE, 9, IGNORE], [3, 3, 3, 3, 3, 9]]
-    assert b.positions.tolist() == [[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5]]
-    assert b.doc_ids.tolist() == [[0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 0]]
-    assert b.valid_tokens == 10
-
-
-def test_windows_without_doc_mask_are_plain_concatenation():
-    b = toy_windows(doc_mask=False).batch([0])
-    assert b.labels.tolist() == [[1, 1, 9, 2, 9, 3]]
-    assert b.positions.tolist() == [[0, 1, 2, 3, 4, 5]] and b.doc_ids is None
-
-
-def test_too_short_corpus_is_an_error():
-    with pytest.raises(DataError, match="fewer than one window"):
-        TokenWindows([np.array([1, 2])], eos_id=0, seq_len=8, doc_mask=True)
-
-
 def test_sampler_is_seeded_covers_each_epoch_and_resumes_from_cursor():
     a = WindowSampler(10, seed=3)
     first = a.next_indices(10)
@@ -96,7 +66,7 @@ def test_eval_split_is_by_name_and_stable():
     from longctx.data.corpus import Document
 
     docs = [Document(f"f{i}.py", "x") for i in range(2000)]
-    train, evals = split_documents(docs, 0.05)
-    assert 50 < len(evals) < 150 and len(train) + len(evals) == 2000
-    _, evals_sub = split_documents(docs[:1000], 0.05)
+    evals = [d for d in docs if is_eval_doc(d.name, 0.05)]
+    assert 50 < len(evals) < 150
+    evals_sub = [d for d in docs[:1000] if is_eval_doc(d.name, 0.05)]
     assert {d.name for d in evals_sub} == {d.name for d in evals if int(d.name[1:-3]) < 1000}

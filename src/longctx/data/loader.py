@@ -1,7 +1,7 @@
 """Reading a packed store for training: windows -> tokens, labels, positions, document ids.
 
-`PackedWindows` is a store split seen as one list of windows (over all parts), with the same
-interface as `TokenWindows` (`len`, `batch(indices)`, `num_tokens`). In window i:
+`PackedWindows` is a store split seen as one list of windows (over all parts): `len`,
+`batch(indices)`, `num_tokens`. In window i:
 
 - `labels[t] = tokens[t + 1]` inside a segment; the last token of a segment has no label in this
   window (its document ends, or continues in another window), nor does padding: IGNORE (-100);

@@ -50,10 +50,10 @@ class _Region:
     Every saved view inside the span shares it (a linear's 2-D view of the norm output, saved once
     by each of q, k and v, is copied once)."""
 
-    __slots__ = ("__weakref__", "_full", "event", "host", "prefetched", "rest", "size")
+    __slots__ = ("__weakref__", "_full", "event", "host", "prefetched", "rest")
 
-    def __init__(self, host, rest, size):
-        self.host, self.rest, self.size = host, rest, size
+    def __init__(self, host, rest):
+        self.host, self.rest = host, rest
         self.prefetched, self.event, self._full = None, None, None
 
 
@@ -123,7 +123,7 @@ class HostOffloader:
         cut = round(self._fraction * (hi - lo))
         if cut == 0:
             return t
-        region = _Region(self._to_host(flat[:cut]), flat[cut:].clone() if cut < hi - lo else None, hi - lo)
+        region = _Region(self._to_host(flat[:cut]), flat[cut:].clone() if cut < hi - lo else None)
         self._blocks[self._block].add(region)
         # holding the storage until the block ends keeps its address from being reused by another
         # tensor while the span is still registered

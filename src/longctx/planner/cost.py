@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
+from ..memory.accounting import estimate_activations
 from ..metrics import matmul_params_per_layer, train_flops_per_token
 from ..parallel.volumes import attention_bytes
 from .hardware import Hardware
@@ -176,48 +177,13 @@ def fsdp_bytes_per_micro(m: ModelConfig, layout: Layout, gather_bytes: int) -> f
 # Activations
 
 
-def _local_activations(m: ModelConfig, seq: int, micro_batch: int, *, head: int, ctx: int, policy: str,
-                       offload_fraction: float, offload_skip_last: int, dtype_bytes: int,
-                       loss_chunk: int) -> Activations:
-    """Stand-in for memory.accounting.estimate_activations (same signature and fields)."""
-    e = dtype_bytes
-    t = micro_batch * seq // (head * ctx)
-    hd = m.resolved_head_dim
-    dq, dkv, d, f = m.heads * hd, m.kv_heads * hd, m.dim, m.ffn_dim
-    lse = m.heads * 4 / e  # fp32 log-sum-exp per head, in elements of e bytes
-    none = 4 * d + 2 * dq + 2 * dkv + 4 * f + lse
-    attn_state = 2 * dq + 2 * dkv + lse
-    if policy == "none":
-        per, transient = none, 2 * f
-    elif policy == "full":
-        per, transient = d, none
-    else:
-        per, transient = d + attn_state, none - attn_state
-    per_b, kept = per * t * e, per * t * e
-    host = offload_fraction * per_b
-    per_dev = per_b - host
-    offloaded = max(0, m.layers - offload_skip_last) if offload_fraction else 0
-    chunk = loss_chunk or t
-    loss = min(chunk, t) * m.vocab_size * (e + 8) + t * d * e
-    total = offloaded * per_dev + (m.layers - offloaded) * kept + transient * t * e + loss
-    mm = matmul_params_per_layer(m)
-    rec = {"none": 0, "full": t * m.layers * (2 * mm + 2 * seq * dq), "selective": t * m.layers * 2 * mm}[policy]
-    return Activations(per_dev, host, kept, total, offloaded * host, rec)
-
-
 def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy,
                 dtype_bytes: int, docs: bool = True) -> Activations:
-    """memory.accounting.estimate_activations when it exists, else the stand-in above."""
-    kwargs = dict(head=layout.head, ctx=layout.ctx, policy=policy.checkpoint, offload_fraction=policy.offload_fraction,
-                  offload_skip_last=policy.offload_skip_last, dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk)
-    try:
-        from ..memory.accounting import estimate_activations
-    except ImportError:
-        return _local_activations(m, seq, micro_batch, **kwargs)
-    try:
-        a = estimate_activations(m, seq, micro_batch, docs=docs, **kwargs)
-    except TypeError:  # a version without document-mask accounting
-        a = estimate_activations(m, seq, micro_batch, **kwargs)
+    """The activation bytes of memory.accounting.estimate_activations (what `longctx bench memory`
+    measures), in the planner's record."""
+    a = estimate_activations(m, seq, micro_batch, head=layout.head, ctx=layout.ctx, policy=policy.checkpoint,
+                             offload_fraction=policy.offload_fraction, offload_skip_last=policy.offload_skip_last,
+                             dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk, docs=docs)
     return Activations(a.per_block_device, a.per_block_host, a.kept_block_device, a.total_device, a.total_host,
                        a.recompute_flops, "memory.accounting")
 
