@@ -146,9 +146,12 @@ class DataConfig:
 class MemoryConfig:
     checkpoint: str = _opt("none", "activation recomputation policy", choices=("none", "full", "selective"))
     offload_fraction: float = _opt(0.0, "fraction of each block's saved tokens moved to host memory (needs "
-                                   "checkpoint=selective); 'auto' picks it from host-link bandwidth, block "
-                                   "forward time and free host memory", words=("auto",))
+                                   "checkpoint=selective or full); 'auto' (selective) picks it from host-link "
+                                   "bandwidth, block forward time and free host memory", words=("auto",))
     offload_skip_last: int = _opt(1, "the last K blocks are never offloaded")
+    block_chunk: int = _opt(0, "tokens per chunk of each block's token-wise stages (norms, projections, MLP; "
+                            "FPDT-style), so their intermediates never exist for all of a rank's tokens; needs "
+                            "checkpoint=selective or full; 0 = whole blocks")
     loss_chunk: int = _opt(4096, "tokens per chunk of the LM head + cross-entropy when a rank holds more tokens "
                            "than this (logits [tokens, vocab] never exist); 0 = never chunk")
 
@@ -444,14 +447,9 @@ def validate(cfg: Config) -> None:
     if p.head > 0 and m.heads > 0 and m.heads % p.head:
         problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
 
-    if mem.offload_fraction != "auto" and not 0 <= mem.offload_fraction <= 1:
-        problems.append(f"memory.offload_fraction must be in [0, 1] or 'auto', got {mem.offload_fraction}.")
-    if (mem.offload_fraction == "auto" or mem.offload_fraction > 0) and mem.checkpoint != "selective":
-        problems.append(
-            f"memory.offload_fraction = {mem.offload_fraction} needs memory.checkpoint = selective (got "
-            f"'{mem.checkpoint}'): the tokens that are not offloaded are recomputed, which is the selective "
-            f"policy's job. Add --memory.checkpoint selective."
-        )
+    from .memory.policies import policy_problems
+
+    problems += policy_problems(mem.checkpoint, mem.offload_fraction, mem.block_chunk)
     if mem.loss_chunk < 0:
         problems.append(f"memory.loss_chunk must be >= 0 (0 = never chunk), got {mem.loss_chunk}.")
     if mem.offload_skip_last < 0:

@@ -46,6 +46,27 @@ def test_chunked_gradcheck_fp64():
     assert torch.autograd.gradcheck(lambda a, b: lm_head_loss(a, b, labels, chunk=9), (h, w))
 
 
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_final_norm_inside_the_chunked_loss_matches_norm_then_loss(chunk):
+    # the norm is recomputed per chunk in backward: its weight's gradient sums over chunks
+    h, w, labels = _data(300, 16, 97)
+    nw = (1 + 0.1 * torch.randn(16, generator=torch.Generator().manual_seed(3))).requires_grad_()
+    xn = nw * (h.float() * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-5))
+    ref = _reference(xn, w, labels, "mean")
+    ref_grads = torch.autograd.grad(ref, (h, w, nw))
+    out = lm_head_loss(h, w, labels, chunk=chunk, norm=(nw, 1e-5))
+    grads = torch.autograd.grad(out, (h, w, nw))
+    assert out.item() == pytest.approx(ref.item(), rel=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_final_norm_gradcheck_fp64():
+    h, w, labels = _data(40, 6, 11, dtype=torch.float64)
+    nw = torch.rand(6, dtype=torch.float64).add_(0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b, c: lm_head_loss(a, b, labels, chunk=9, norm=(c, 1e-6)), (h, w, nw))
+
+
 def test_all_ignored_gives_zero_not_nan():
     h, w, labels = _data(50, 8, 13)
     labels[:] = -100

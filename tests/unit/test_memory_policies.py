@@ -10,7 +10,10 @@ from longctx.errors import ConfigError
 from longctx.memory.policies import apply_memory_policy, check_policy
 from longctx.models.llama import build_model
 
-POLICIES = [("full", 0.0), ("selective", 0.0), ("selective", 0.5), ("selective", 1.0), ("selective", 0.3)]
+# (checkpoint, offload fraction, block chunk); chunks of 16 and 24 over 2 x 64 tokens, uneven too
+POLICIES = [("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("selective", 1.0, 0),
+            ("selective", 0.3, 0), ("full", 0.0, 16), ("selective", 0.0, 24), ("selective", 0.5, 16),
+            ("selective", 0.3, 24), ("full", 1.0, 0), ("full", 0.5, 24)]
 
 
 def _batch(cfg, seq=64, batch=2, seed=0):
@@ -41,11 +44,11 @@ def reference():
     return cfg, model, batch, _grads(model, batch)
 
 
-@pytest.mark.parametrize("policy,fraction", POLICIES)
-def test_policy_gradients_match_none(reference, policy, fraction):
+@pytest.mark.parametrize("policy,fraction,chunk", POLICIES)
+def test_policy_gradients_match_none(reference, policy, fraction, chunk):
     cfg, base, batch, (ref_loss, ref_grads) = reference
     model = copy.deepcopy(base)
-    offloader = apply_memory_policy(model.layers, policy, fraction, offload_skip_last=1)
+    offloader = apply_memory_policy(model.layers, policy, fraction, offload_skip_last=1, block_chunk=chunk)
     assert (offloader is not None) == (fraction > 0)
     for step in range(2):  # a second pass: offload state from the first must not leak
         loss, grads = _grads(model, batch)
@@ -65,11 +68,54 @@ def test_offload_actually_moves_tensors_to_the_host_tier(reference):
     loss.backward()
 
 
-def test_offload_needs_selective():
-    with pytest.raises(ConfigError, match="needs memory.checkpoint = selective"):
-        check_policy("full", 0.5)
+def test_offload_and_chunks_need_a_recomputing_policy():
+    with pytest.raises(ConfigError, match="needs memory.checkpoint = selective or full"):
+        check_policy("none", 0.5)
+    with pytest.raises(ConfigError, match="block_chunk = 64 needs"):
+        check_policy("none", 0.0, 64)
+    with pytest.raises(ConfigError, match="MEMO's rule"):
+        check_policy("full", "auto")
     with pytest.raises(ConfigError, match="not available"):
         check_policy("sometimes", 0.0)
+    check_policy("full", 0.5, 64)  # allowed
+    with pytest.raises(ConfigError, match="block_chunk"):
+        load_config(overrides=["--memory.block_chunk=128"])
+
+
+def test_chunks_bound_the_largest_tensor_a_block_creates(reference):
+    """No op in a chunked block (forward and backward) outputs more than chunk x ffn_dim elements
+    per tensor beyond the whole-sequence tensors attention needs (q, k, v, out: heads x head_dim);
+    unchunked, the MLP creates [tokens, ffn_dim]. The probe shows the chunking is real."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    cfg, base, batch, _ = reference
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+                weight_shaped = tuple(t.shape) in {(cfg.dim, cfg.ffn_dim), (cfg.ffn_dim, cfg.dim)}
+                if t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and not weight_shaped:
+                    self.largest = max(self.largest, t.numel())
+            return out
+
+    sizes = {}
+    for chunk in (0, 16):
+        model = copy.deepcopy(base)
+        apply_memory_policy(model.layers, "full", 0.0, block_chunk=chunk)
+        model.loss_chunk = 32
+        probe = Largest()
+        with probe:
+            model(*batch[:3], labels=batch[3]).backward()
+        sizes[chunk] = probe.largest
+    tokens = batch[0].numel()
+    assert sizes[0] == tokens * cfg.ffn_dim
+    assert sizes[16] == 16 * cfg.ffn_dim
 
 
 def test_auto_fraction_follows_link_and_memory_limits():

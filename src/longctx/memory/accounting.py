@@ -105,29 +105,39 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     else:
         raise ValueError(f"unknown policy {policy!r}")
 
-    # an offloaded block keeps nothing on the device: its input (the previous block's output) and
-    # the attention state go to the host whole; of the rest, the first A of the tokens' saved
-    # tensors go to the host and the other tokens are recomputed. The last offloaded block's OUTPUT
-    # stays on the device: it is the input of a kept block (or of the final norm).
-    # The block input on the host: the recomputed tokens' checkpoint keeps it; the stored tokens'
-    # norm keeps it too in fp32 (in bf16 that norm keeps its own fp32 copy, counted in `norm`).
-    block_input = (1 - A) * p * model.dim + A * part["norm_input"]
-    # the attention output in sequence layout: the core's own output when head = 1 (already
-    # counted), else a tensor of its own, kept whole (stored tokens by post, the rest by its checkpoint)
-    host = part["core"] + block_input + seq_out + A * (2 * part["norm"] + part["residual"] + part["mlp"])
-    off_device = 0.0
+    if policy == "full":
+        # full + offload: the one tensor a block keeps, its input, is split by tokens: the first A on
+        # the host, the rest as a device copy of its own (the previous block's output is then free)
+        host = A * p * model.dim
+        off_device = (1 - A) * p * model.dim
+    else:
+        # selective + offload: an offloaded block keeps nothing on the device. Its input (the
+        # previous block's output) and the attention state go to the host whole; of the rest, the
+        # first A of the tokens' saved tensors go to the host and the other tokens are recomputed.
+        # The block input on the host: the recomputed tokens' checkpoint keeps it; the stored
+        # tokens' norm keeps it too in fp32 (in bf16 that norm keeps its own fp32 copy, in `norm`).
+        block_input = (1 - A) * p * model.dim + A * part["norm_input"]
+        # the attention output in sequence layout: the core's own output when head = 1 (already
+        # counted), else a tensor of its own, kept whole (stored tokens by post, the rest by its checkpoint)
+        host = part["core"] + block_input + seq_out + A * (2 * part["norm"] + part["residual"] + part["mlp"])
+        off_device = 0.0
+    # The last offloaded block's OUTPUT stays on the device: it is the input of a kept block (or of
+    # the final norm).
     last_offloaded_extra = part["block_out"] if offloaded else 0.0
+    loss_chunked = bool(loss_chunk) and tokens > loss_chunk
 
     model_device = (
         8 * model.resolved_head_dim                                     # RoPE cos/sin tables, fp32
         + (0 if offloaded else p * model.dim)                           # embeddings output = block 0's input
-        + part["norm"]                                                  # final norm
-        + (4 if loss_chunk and tokens > loss_chunk else 4 * model.vocab_size)  # lse per token, or log-softmax
+        # the final norm: inside a chunked loss it is recomputed per chunk and keeps nothing
+        + (0 if loss_chunked else part["norm"])
+        + (4 if loss_chunked else 4 * model.vocab_size)                 # lse per token, or log-softmax
     )
     n_kept = L - offloaded
     total_device = tokens * (n_kept * kept + offloaded * off_device + last_offloaded_extra + model_device)
     total_host = tokens * offloaded * host
-    recompute_total = tokens * (n_kept * recompute + offloaded * (1 - A) * (fl["pre"] + fl["post"]))
+    offloaded_recompute = recompute if policy == "full" else (1 - A) * (fl["pre"] + fl["post"])
+    recompute_total = tokens * (n_kept * recompute + offloaded * offloaded_recompute)
     return ActivationEstimate(
         per_block_device=tokens * (off_device if offloaded else kept),
         per_block_host=tokens * (host if offloaded else 0.0),

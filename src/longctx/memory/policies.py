@@ -17,6 +17,12 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
   in backward from the block input and attention output (brought back from the host). An
   offloaded block leaves nothing on the device; A trades host memory and transfer volume against
   recomputation.
+- `full` + `offload_fraction` A > 0 (FPDT's choice): the one thing a block keeps, its input, goes
+  to the host for the first A of its tokens. Host memory is then d elements per token and block,
+  the least of any policy; the price is full recomputation.
+- `block_chunk` C > 0 (with full or selective): the token-wise stages run C tokens at a time and
+  are checkpointed per chunk, so a block's MLP intermediates exist for C tokens, not for all of a
+  rank's tokens (at 512K tokens per rank an 8B block's MLP alone is ~55 GiB in bf16).
 
 Token-splitting is exact because `pre` and `post` treat every token independently.
 The wrappers replace the block's bound `forward`, so parameter names (`layers.3.attention.wq.weight`)
@@ -41,79 +47,130 @@ def _checkpointed(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False)
 
 
-def _full_forward(x, cos, sin, doc_ids, *, block):
-    return _checkpointed(functools.partial(type(block).forward, block), x, cos, sin, doc_ids)
-
-
-def _selective_forward(x, cos, sin, doc_ids, *, block):
-    q, k, v = _checkpointed(block.pre, x, cos, sin)
-    out = block.attention.core(q, k, v, doc_ids)
-    return _checkpointed(block.post, x, out)
+def _slices(tokens: int, chunk: int) -> list[slice]:
+    """Token slices of at most `chunk` (0 = one slice of all tokens)."""
+    if chunk <= 0 or tokens <= chunk:
+        return [slice(0, tokens)]
+    return [slice(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
 
 
 def _cat(parts):
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, index: int, fraction: float):
+def _one_row(t):
+    """[b, s, ...] as [1, b x s, ...]: token-wise stages may see the batch as one row; then a chunk
+    and "the first tokens" are contiguous slices (with batch > 1 a slice per row would be strided)."""
+    return t if t.shape[0] == 1 else t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
+
+
+def _staged(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0):
+    """The block as pre -> attention core -> post, the token-wise stages run `chunk` tokens at a
+    time (FPDT's sequence chunks; the batch counts as one row of b x s tokens): pre's and post's
+    intermediates (above all the MLP's 4 x ffn_dim per token) then exist for one chunk at a time,
+    in forward and, recomputed, in backward. The first `stored` tokens keep their intermediates
+    (autograd saves them; under the offloader they go to the host); the others are checkpointed
+    per chunk when `recompute`."""
     b, tokens = x.shape[:2]
-    # pre and post are token-wise, so they may see the batch as one row of b x tokens; then "the
-    # first tokens" is a contiguous slice (with batch > 1 a slice per row would be strided)
-    row = lambda t: t.reshape(1, b * tokens, *t.shape[2:])
-    unrow = lambda t: t.reshape(b, tokens, *t.shape[2:])
-    x1, cos1, sin1 = row(x), row(cos), row(sin)
-    cut = round(fraction * b * tokens)
-    head, rest = slice(0, cut), slice(cut, b * tokens)
+    n = b * tokens
+    cut = min(stored, n)
+    pieces = ([(sl, False) for sl in _slices(cut, chunk)]
+              + [(slice(cut + sl.start, cut + sl.stop), recompute) for sl in _slices(n - cut, chunk)])
+    pieces = [(sl, ckpt) for sl, ckpt in pieces if sl.stop > sl.start]
+    x1, cos1, sin1 = _one_row(x), _one_row(cos), _one_row(sin)
+    # one x slice object per piece, passed to pre and to post: the offloader copies it once
+    xs = [x1[:, sl] for sl, _ in pieces]
+    run = lambda fn, ckpt, *args: _checkpointed(fn, *args) if ckpt else fn(*args)
+    qkv = [run(block.pre, ckpt, xi, cos1[:, sl], sin1[:, sl]) for xi, (sl, ckpt) in zip(xs, pieces)]
+    batched = lambda t: t if b == 1 else t.view(b, tokens, *t.shape[2:])
+    q, k, v = (batched(_cat(parts)) for parts in zip(*qkv))
+    out = _one_row(block.attention.core(q, k, v, doc_ids))
+    y = batched(_cat([run(block.post, ckpt, xi, out[:, sl]) for xi, (sl, ckpt) in zip(xs, pieces)]))
+    # a block must not return a view: FSDP2 hooks its output, and an in-place op on a view would
+    # bypass that hook (FSDP warns); one copy of the block output is cheap next to the MLP
+    return y.clone() if y._is_view() else y
+
+
+def _full_forward(x, cos, sin, doc_ids, *, block, chunk: int, offloader: HostOffloader | None = None,
+                  index: int = 0, fraction: float = 0.0):
+    """Checkpoint the whole block; with chunk > 0 its recompute runs the token-wise stages in
+    checkpointed chunks too. With the offloader, the only thing kept, the block input, goes to the
+    host: its first `fraction` of tokens (the rest stays on the device)."""
+    fn = functools.partial(_staged, block, chunk=chunk, recompute=True) if chunk else \
+        functools.partial(type(block).forward, block)
+    if offloader is None:
+        return _checkpointed(fn, x, cos, sin, doc_ids)
+    # the offloader splits a saved tensor by storage elements: for [b, s, dim] the first tokens
+    with offloader.block(index, shared=(cos, sin, doc_ids)), offloader.offload(fraction):
+        return _checkpointed(fn, x, cos, sin, doc_ids)
+
+
+def _selective_forward(x, cos, sin, doc_ids, *, block, chunk: int):
+    if not chunk:
+        q, k, v = _checkpointed(block.pre, x, cos, sin)
+        return _checkpointed(block.post, x, block.attention.core(q, k, v, doc_ids))
+    return _staged(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True)
+
+
+def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, index: int, fraction: float,
+                     chunk: int):
     # Everything saved in here goes to the host, including what the checkpoints of the recomputed
     # tokens keep (their inputs: the block input and the attention output), so the block leaves
     # nothing on the device; `fraction` only decides which tokens' other activations are stored
     # (host) rather than recomputed.
     with offloader.block(index, shared=(cos, sin, doc_ids)), offloader.offload(1.0):
-        xh, xr = x1[:, head], x1[:, rest]  # xh goes to pre and post as ONE object: copied once
-        qkv = []
-        if cut:
-            qkv.append(block.pre(xh, cos1[:, head], sin1[:, head]))
-        if cut < b * tokens:
-            qkv.append(_checkpointed(block.pre, xr, cos1[:, rest], sin1[:, rest]))
-        q, k, v = (unrow(_cat(parts)) for parts in zip(*qkv))
-        out = row(block.attention.core(q, k, v, doc_ids))
-        y = []
-        if cut:
-            y.append(block.post(xh, out[:, head]))
-        if cut < b * tokens:
-            y.append(_checkpointed(block.post, xr, out[:, rest]))
-        y = unrow(_cat(y))
-        # a block must not return a view: FSDP2 hooks its output, and an in-place op on a view
-        # would bypass that hook (FSDP warns); one copy of the block output is cheap next to the MLP
-        return y.clone() if y._is_view() else y
+        return _staged(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True,
+                       stored=round(fraction * x.shape[0] * x.shape[1]))
 
 
-def check_policy(checkpoint_policy: str, offload_fraction: float) -> None:
+def policy_problems(checkpoint_policy: str, offload_fraction, block_chunk: int = 0) -> list[str]:
+    """What is wrong with a memory policy, one sentence with its fix each (empty when it is fine).
+    offload_fraction may be the word 'auto' (MEMO's rule, for selective)."""
+    problems = []
     if checkpoint_policy not in POLICIES:
-        raise ConfigError(f"memory.checkpoint '{checkpoint_policy}' is not available; choose one of {POLICIES}.")
-    if offload_fraction > 0 and checkpoint_policy != "selective":
-        raise ConfigError(
-            f"memory.offload_fraction = {offload_fraction} needs memory.checkpoint = selective (got "
-            f"'{checkpoint_policy}'): the tokens that are not offloaded are recomputed, which is the selective "
-            f"policy's job. Add --memory.checkpoint selective."
-        )
+        problems.append(f"memory.checkpoint '{checkpoint_policy}' is not available; choose one of {POLICIES}.")
+    auto = offload_fraction == "auto"
+    if not auto and not 0 <= offload_fraction <= 1:
+        problems.append(f"memory.offload_fraction must be in [0, 1] or 'auto', got {offload_fraction}.")
+    elif (auto or offload_fraction > 0) and checkpoint_policy == "none":
+        problems.append(
+            f"memory.offload_fraction = {offload_fraction} needs memory.checkpoint = selective or full (got "
+            f"'none'): offload moves what a recomputing policy keeps to the host. Add --memory.checkpoint selective.")
+    elif auto and checkpoint_policy != "selective":
+        problems.append(
+            f"memory.offload_fraction = auto applies MEMO's rule, which is for memory.checkpoint = selective (got "
+            f"'{checkpoint_policy}'); with {checkpoint_policy} give a number (1.0 moves every block input to the host).")
+    if block_chunk < 0:
+        problems.append(f"memory.block_chunk must be >= 0 (0 = whole blocks), got {block_chunk}.")
+    elif block_chunk > 0 and checkpoint_policy == "none":
+        problems.append(
+            f"memory.block_chunk = {block_chunk} needs memory.checkpoint = selective or full (got 'none'): "
+            f"without recomputation every chunk's activations are kept anyway. Add --memory.checkpoint selective.")
+    return problems
+
+
+def check_policy(checkpoint_policy: str, offload_fraction: float, block_chunk: int = 0) -> None:
+    problems = policy_problems(checkpoint_policy, offload_fraction, block_chunk)
+    if problems:
+        raise ConfigError(" ".join(problems))
 
 
 def apply_memory_policy(layers: nn.ModuleList, checkpoint_policy: str, offload_fraction: float = 0.0,
-                        offload_skip_last: int = 1, device="cpu") -> HostOffloader | None:
-    """Wrap every block's forward for the policy; returns the offloader when anything is offloaded."""
-    check_policy(checkpoint_policy, offload_fraction)
+                        offload_skip_last: int = 1, device="cpu", block_chunk: int = 0) -> HostOffloader | None:
+    """Wrap every block's forward for the policy; returns the offloader when anything is offloaded.
+    block_chunk: tokens per chunk of the token-wise stages (0 = all of a rank's tokens at once)."""
+    check_policy(checkpoint_policy, offload_fraction, block_chunk)
     if checkpoint_policy == "none":
         return None
     offloader = HostOffloader(torch.device(device)) if offload_fraction > 0 else None
     offloaded = len(layers) - offload_skip_last
     for i, block in enumerate(layers):
+        off = dict(offloader=offloader, index=i, fraction=offload_fraction) if offloader and i < offloaded else {}
         if checkpoint_policy == "full":
-            forward = functools.partial(_full_forward, block=block)
-        elif offloader is not None and i < offloaded:
-            forward = functools.partial(_offload_forward, block=block, offloader=offloader, index=i,
-                                        fraction=offload_fraction)
+            forward = functools.partial(_full_forward, block=block, chunk=block_chunk, **off)
+        elif off:
+            forward = functools.partial(_offload_forward, block=block, chunk=block_chunk, **off)
         else:
-            forward = functools.partial(_selective_forward, block=block)
+            forward = functools.partial(_selective_forward, block=block, chunk=block_chunk)
         block.forward = forward
     return offloader

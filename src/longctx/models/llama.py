@@ -23,6 +23,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.attention import attention
 from ..ops.loss import lm_head_loss
+from ..ops.norm import rms_norm
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -67,9 +68,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x):
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -174,7 +173,8 @@ class Llama(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=s, generator=gen)
         self.inv_freq.copy_(rope_inv_freq(self.cfg, device=self.inv_freq.device))
 
-    def hidden_states(self, tokens, positions=None, doc_ids=None):
+    def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True):
+        """The last block's output, through the final norm unless final_norm=False."""
         b, s = tokens.shape
         if positions is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
@@ -182,17 +182,19 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, doc_ids)
-        return self.norm(x)
+        return self.norm(x) if final_norm else x
 
     def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
         """Logits [batch, seq, vocab] without labels; with labels (-100 = ignore) the cross-entropy,
         averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
         normalise over a larger batch)."""
-        h = self.hidden_states(tokens, positions, doc_ids)
         if labels is None:
-            return F.linear(h, self.lm_head_weight)
-        return lm_head_loss(h.flatten(0, 1), self.lm_head_weight, labels.flatten(), chunk=self.loss_chunk,
-                            reduction=loss_reduction)
+            return F.linear(self.hidden_states(tokens, positions, doc_ids), self.lm_head_weight)
+        # the final norm runs inside the loss, chunk by chunk when the loss is chunked: at long
+        # context its fp32 statistics would otherwise be the largest tensor left outside the blocks
+        x = self.hidden_states(tokens, positions, doc_ids, final_norm=False)
+        return lm_head_loss(x.flatten(0, 1), self.lm_head_weight, labels.flatten(), chunk=self.loss_chunk,
+                            reduction=loss_reduction, norm=(self.norm.weight, self.norm.eps))
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Llama:

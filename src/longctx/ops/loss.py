@@ -7,8 +7,12 @@ logit, and keeps only those (8 bytes per token) for backward. The backward recom
 logits (one extra [chunk, dim] x [dim, vocab] matmul per chunk, ~2% of an 8B model's step) and
 turns them straight into the hidden-state gradient and the accumulated weight gradient.
 
-Numerics match `F.cross_entropy(F.linear(h, w).float(), labels)`: logits in the compute dtype
-(autocast's when active), softmax statistics in fp32, labels == -100 ignored.
+With `norm` = (weight, eps), h is the last block's output and the final RMSNorm runs inside,
+per chunk: forward keeps only h (alive anyway) and backward recomputes each chunk's norm, so the
+norm's fp32 statistics (8 x dim bytes per token) never exist for all tokens at once either.
+
+Numerics match `F.cross_entropy(F.linear(norm(h), w).float(), labels)`: logits in the compute
+dtype (autocast's when active), softmax statistics in fp32, labels == -100 ignored.
 """
 
 from __future__ import annotations
@@ -16,24 +20,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .norm import rms_norm
+
 IGNORE = -100
 
 
 def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int = 0,
-                 reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of `labels` [n] under logits h [n, dim] @ weight [vocab, dim]^T.
+                 reduction: str = "mean", norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """Cross-entropy of `labels` [n] under logits norm(h) [n, dim] @ weight [vocab, dim]^T.
 
     chunk = 0, or n <= chunk: the plain path (one logits tensor). Otherwise chunked as above.
-    reduction: "sum" or "mean" (over labels != -100)."""
+    reduction: "sum" or "mean" (over labels != -100). norm: (RMSNorm weight, eps), or None for none."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if h.dim() != 2 or labels.shape != h.shape[:1] or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise ValueError(f"lm_head_loss expects h [n, dim], weight [vocab, dim], labels [n]; got "
                          f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
     if chunk <= 0 or h.shape[0] <= chunk:
+        if norm is not None:
+            h = rms_norm(h, *norm)
         return F.cross_entropy(F.linear(h, weight).to(_stat_dtype(h)), labels, ignore_index=IGNORE, reduction=reduction)
     dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
-    total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype)
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype, norm_weight, eps)
     if reduction == "sum":
         return total
     return total / (labels != IGNORE).sum().clamp(min=1)
@@ -50,45 +59,65 @@ def _logits(h, weight, dtype):
     return (h @ weight.t()).to(stat)
 
 
+def _normed(x, norm_weight, eps):
+    return x if norm_weight is None else rms_norm(x, norm_weight, eps)
+
+
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk, dtype):
+    def forward(ctx, h, weight, labels, chunk, dtype, norm_weight, eps):
         n = h.shape[0]
         lse = torch.empty(n, dtype=_stat_dtype(h), device=h.device)
         total = torch.zeros((), dtype=_stat_dtype(h), device=h.device)
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
-                logits = _logits(h[s:e], weight, dtype)
+                logits = _logits(_normed(h[s:e], norm_weight, eps), weight, dtype)
                 lse[s:e] = torch.logsumexp(logits, dim=-1)
                 lab = labels[s:e]
                 valid = lab != IGNORE
                 target = logits.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
                 total += torch.where(valid, lse[s:e] - target, 0.0).sum()
                 del logits
-        ctx.save_for_backward(h, weight, labels, lse)
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.save_for_backward(h, weight, labels, lse, norm_weight)
+        ctx.chunk, ctx.dtype, ctx.eps = chunk, dtype, eps
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        h, weight, labels, lse = ctx.saved_tensors
+        h, weight, labels, lse, norm_weight = ctx.saved_tensors
         chunk, dtype = ctx.chunk, ctx.dtype
         n = h.shape[0]
         dh = torch.empty_like(h)
         dw = torch.zeros(weight.shape, dtype=_stat_dtype(weight), device=weight.device)
+        dnorm = None if norm_weight is None else torch.zeros_like(norm_weight, dtype=_stat_dtype(norm_weight))
         mm = dtype or h.dtype
         with torch.autocast(h.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 lab = labels[s:e]
                 valid = lab != IGNORE
+                x = h[s:e]
+                if norm_weight is not None:  # recompute this chunk's norm, with a graph for its backward
+                    x = x.detach().requires_grad_()
+                    w_n = norm_weight.detach().requires_grad_()
+                    with torch.enable_grad():
+                        xn = rms_norm(x, w_n, ctx.eps)
+                else:
+                    xn = x
                 # d loss / d logits = softmax - onehot(label), zero for ignored tokens
-                probs = torch.exp_(_logits(h[s:e], weight, dtype).sub_(lse[s:e, None]))
+                probs = torch.exp_(_logits(xn.detach(), weight, dtype).sub_(lse[s:e, None]))
                 probs[valid, lab[valid]] -= 1.0
                 probs.mul_((valid.to(probs.dtype) * grad)[:, None])
                 g = probs.to(mm)
                 del probs
-                dh[s:e] = (g @ weight.to(mm)).to(h.dtype)
-                dw.addmm_(g.t().to(dw.dtype), h[s:e].to(dw.dtype))
-        return dh, dw.to(weight.dtype), None, None, None
+                dxn = (g @ weight.to(mm)).to(h.dtype)
+                dw.addmm_(g.t().to(dw.dtype), xn.detach().to(dw.dtype))
+                if norm_weight is None:
+                    dh[s:e] = dxn
+                else:
+                    dx, dwn = torch.autograd.grad(xn, (x, w_n), dxn)
+                    dh[s:e] = dx
+                    dnorm += dwn
+        return (dh, dw.to(weight.dtype), None, None, None,
+                None if dnorm is None else dnorm.to(norm_weight.dtype), None)
