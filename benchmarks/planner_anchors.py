@@ -6,7 +6,9 @@ and the host memory per node each anchor would need under longctx's offload sche
 
 import json
 
-from longctx.planner.anchors import ANCHORS, check
+import sys
+
+from longctx.planner.anchors import ANCHORS, check, passed
 from longctx.planner.hardware import get_device
 
 if __name__ == "__main__":
@@ -23,3 +25,4 @@ if __name__ == "__main__":
                     break
         rows.append(row)
     print(json.dumps({"bench": "planner_anchors", "rows": rows}, indent=2))
+    sys.exit(0 if all(passed(r) for r in rows) else 1)

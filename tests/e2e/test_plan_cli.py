@@ -78,7 +78,7 @@ def test_cpu_plan_trains_unchanged(tmp_path):
     (["--model", "llama3-8b", "--gpus", "8", "--seq", "lots"], "is not a token count"),
     (["--model", "llama3-8b", "--gpus", "8", "--seq", "1M", "--device", "tpu"], "unknown device 'tpu'"),
     (["--model", "llama3-70b", "--gpus", "8", "--seq", "4M", "--device", "h100"], "GPUs make it feasible"),
-    (["--model", "llama3-8b", "--gpus", "8", "--seq", "1M", "--device", "a800", "--offload", "none"],
+    (["--model", "llama3-8b", "--gpus", "8", "--seq", "1M", "--device", "a800", "--offload", "none", "--block-chunk", "0"],
      "activation offload"),
 ])
 def test_bad_or_infeasible_requests_exit_with_one_paragraph(args, needle, tmp_path):

@@ -18,6 +18,7 @@ CPU as on GPU; on GPU the benchmark also reports the allocator's peak.
 from __future__ import annotations
 
 import gc
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
@@ -47,7 +48,7 @@ class ActivationEstimate:
         return asdict(self)
 
 
-def _block_parts(m: ModelConfig, head: int, p: int, docs: bool) -> dict[str, float]:
+def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool) -> dict[str, float]:
     """Bytes per local token of the tensors a block can leave behind, by name."""
     d, hd, H, K, F = m.dim, m.resolved_head_dim, m.heads, m.kv_heads, m.ffn_dim
     k_eff = max(K, head)  # kv heads after replication for the head-parallel all-to-all
@@ -85,7 +86,7 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
     p = dtype_bytes
     tokens = micro_batch * seq_len // (head * ctx)
-    part = _block_parts(model, head, p, docs)
+    part = block_part_bytes(model, head, p, docs)
     fl = _flops_per_token(model, seq_len)
     A = float(offload_fraction)
     L = model.layers
@@ -209,15 +210,30 @@ def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None
     finally:
         for h in handles:
             h.remove()
-    gc.collect()  # tensors held only by reference cycles (finished communication handles) are not held
     offloader = getattr(model, "memory_offloader", None)
     host_ptrs = offloader.host_storage_ptrs() if offloader is not None else set()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held = defaultdict(lambda: {"device": 0, "host": 0})
-    for ptr, (st, block) in tracker.created.items():
-        if ptr in params or torch._C._storage_Use_Count(st._cdata) <= 1:
-            continue
-        held[block]["host" if ptr in host_ptrs else "device"] += st.nbytes()
+
+    def count():
+        gc.collect()  # tensors held only by reference cycles (finished communication handles) are not held
+        held = defaultdict(lambda: {"device": 0, "host": 0})
+        for ptr, (st, block) in tracker.created.items():
+            if ptr in params or torch._C._storage_Use_Count(st._cdata) <= 1:
+                continue
+            held[block]["host" if ptr in host_ptrs else "device"] += st.nbytes()
+        return {k: dict(v) for k, v in held.items()}
+
+    held = count()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # a finished ring send's buffer can stay referenced by the backend's worker thread for a
+        # moment after wait() returned (seen under load): count until two counts agree
+        for _ in range(50):
+            time.sleep(0.05)
+            again = count()
+            if again == held:
+                break
+            held = again
+    held = defaultdict(lambda: {"device": 0, "host": 0}, held)
     tracker.created.clear()
     if backward:
         loss.backward()

@@ -54,9 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=0, help="global sequences per optimizer step (default: --gpus)")
     p.add_argument("--micro-batch", default="1,2,4,8", help="sequences per data-parallel rank per micro-batch to try")
     p.add_argument("--checkpoint", default="none,full,selective", help="recomputation policies to try")
-    p.add_argument("--offload", default="0.125,0.25,0.5,0.75,1", help="offload fractions to try with selective (or none)")
+    p.add_argument("--offload", default="0.125,0.25,0.5,0.75,1",
+                   help="offload fractions to try with selective (and 0.5,1 of them with full), or none")
     p.add_argument("--offload-skip-last", type=int, default=1, help="last blocks never offloaded")
     p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
+    p.add_argument("--block-chunk", default="0,16K",
+                   help="token chunk sizes of the blocks' token-wise stages to try with full/selective (0 = whole)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--out", default="plan.toml", help="where the best plan's config is written")
     p.add_argument("--no-write", action="store_true", help="do not write the config")
@@ -69,7 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_request(args, overrides):
     from ..config import load_config
     from .hardware import calibrate, load_hardware
-    from .output import supports_loss_chunk
     from .search import Request, parse_tokens
 
     base = load_config(None, [f"--model.preset={args.model}", *overrides])
@@ -88,14 +90,13 @@ def build_request(args, overrides):
             hw = apply_overrides(hw, parse_kv(args.hw))
     else:
         hw = load_hardware(args.device or (None if args.hardware else "h100"), args.hardware, args.hw)
-    chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else ((0, 4096) if supports_loss_chunk() else (0,))
-    if any(chunks) and not supports_loss_chunk():
-        raise ConfigError("--loss-chunk > 0 needs memory.loss_chunk, which this version's config lacks; use --loss-chunk 0.")
+    chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
+    block_chunks = _ints(args.block_chunk, "--block-chunk")
     checkpoints = tuple(x.strip() for x in args.checkpoint.split(",") if x.strip())
     req = Request(base.model, hw, args.gpus, seq, gpus_per_node=args.gpus_per_node, batch=args.batch,
                   micro_batches=_ints(args.micro_batch, "--micro-batch", 1), checkpoints=checkpoints,
                   offload_fractions=_floats(args.offload), offload_skip_last=args.offload_skip_last,
-                  loss_chunks=chunks, doc_mask=base.data.doc_mask)
+                  loss_chunks=chunks, block_chunks=block_chunks, doc_mask=base.data.doc_mask)
     return req, base
 
 

@@ -8,7 +8,8 @@ Everything is per device (rank) and exact where the implementation allows it:
   recomputation, the forward once more; FSDP bytes are the closed form of
   `train.fsdp_bytes_per_step` (FSDP's own collectives are not counted by comm.py);
 - activation memory is `memory.accounting.estimate_activations` (the formulas `longctx bench
-  memory` is compared with), with a local stand-in until that module exists;
+  memory` is compared with to the byte), plus `transient_bytes`, the working set of one block's
+  backward and of the LM head on top of it;
 - model-state memory: fp32 parameters, gradients and two Adam moments (16 bytes/parameter)
   sharded over dp_shard x head x ctx (FSDP2, hybrid ZeRO) and replicated over dp_replicate (HSDP),
   plus the blocks FSDP holds unsharded at a time (this one and the prefetched next) and the root
@@ -28,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..memory.accounting import estimate_activations
+from ..memory.accounting import block_part_bytes, estimate_activations
 from ..metrics import matmul_params_per_layer, train_flops_per_token
 from ..parallel.volumes import attention_bytes
 from .hardware import Hardware
@@ -84,14 +85,22 @@ class Policy:
     offload_fraction: float = 0.0     # requires selective
     offload_skip_last: int = 1
     loss_chunk: int = 0               # tokens per chunk of the LM head + loss; 0 = full logits
+    block_chunk: int = 0              # tokens per chunk of the blocks' token-wise stages; 0 = whole
 
     def describe(self) -> str:
         text = self.checkpoint
         if self.offload_fraction:
             text += f"+off{self.offload_fraction:g}"
-        if self.loss_chunk:
-            text += f" lc{self.loss_chunk // 1024}K" if self.loss_chunk >= 1024 else f" lc{self.loss_chunk}"
+        for tag, n in (("bc", self.block_chunk), ("lc", self.loss_chunk)):
+            if n:
+                text += f" {tag}{n // 1024}K" if n >= 1024 else f" {tag}{n}"
         return text
+
+    def memory_config(self) -> dict:
+        """The [memory] table of a config that runs this policy."""
+        return {"checkpoint": self.checkpoint, "offload_fraction": float(self.offload_fraction),
+                "offload_skip_last": self.offload_skip_last, "loss_chunk": self.loss_chunk,
+                "block_chunk": self.block_chunk}
 
 
 @dataclass
@@ -103,7 +112,7 @@ class Activations:
     total_device: float
     total_host: float
     recompute_flops: float
-    source: str = "planner stand-in"
+    source: str = "memory.accounting"
 
 
 @dataclass
@@ -136,8 +145,7 @@ class Estimate:
         return {
             "layout": {"dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "head": L.head, "ctx": L.ctx,
                        "window": L.window, "placement": L.placement},
-            "policy": {"checkpoint": P.checkpoint, "offload_fraction": P.offload_fraction,
-                       "offload_skip_last": P.offload_skip_last, "loss_chunk": P.loss_chunk},
+            "policy": P.memory_config(),
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "seq": self.seq,
             "memory_gib": {k: v / 2**30 for k, v in self.memory.items()},
             "host_per_node_gib": self.host_per_node / 2**30,
@@ -190,27 +198,48 @@ def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, poli
 
 def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
                     docs: bool = True) -> float:
-    """Peak bytes on top of the saved activations during backward, for memory feasibility:
+    """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
+    backward and one block's backward, which holds at once
 
-    - full: the block being recomputed holds everything `none` would save for it;
-    - selective: `pre` and `post` are recomputed separately; the larger, `post` (norm, residual,
-      MLP intermediates, output), is live at once; with offload the first A of the tokens come back
-      from the host and the rest are recomputed, as separate pieces: max(A, 1 - A) of it;
-    - none: the gradients of the widest intermediates (MLP);
-    plus one LM-head chunk of logits and their gradient (all tokens when the loss is not chunked)."""
+    - what comes back from the host under offload: the block's host tier, and the next block's
+      (prefetched one block ahead);
+    - what is recomputed: `full` re-runs the attention core over all of the rank's tokens (q, k, v,
+      output, log-sum-exp, in its layout) and the token-wise stages one piece at a time; `selective`
+      one piece of `post` (norm, residual, MLP; `pre` is smaller). A piece is `block_chunk` tokens,
+      or without chunks all tokens (under selective offload the stored and the recomputed tokens
+      are separate pieces: max(A, 1 - A) of them). A piece's backward adds the gradients of its two
+      widest intermediates (the MLP's);
+    - gradients over all tokens: the residual stream's (three of d), the attention output's (and
+      its head-layout copy under the all-to-all), the core's dq and dk/dv accumulators in fp32 and,
+      on a ring, the dk/dv block in flight and the K/V block received (two under Double-Ring).
+
+    The LM head holds one chunk of logits and their gradient (all tokens unchunked). Model-wise
+    estimates of the allocator's behaviour; the saved activations are the exact part."""
     e = dtype_bytes
     t = micro_batch * seq // layout.sequence_degree
+    d, hd = m.dim, m.resolved_head_dim
+    part = block_part_bytes(m, layout.head, e, docs)
+    q_dim, kv_dim = m.heads * hd, max(m.kv_heads, layout.head) * hd
+    seq_out = part["attn_out"] if layout.head > 1 else 0.0
+    grads = 3 * e * d + e * q_dim * (2 if layout.head > 1 else 1) + 4 * q_dim + 8 * kv_dim
+    if layout.ctx > 1:
+        double_ring = layout.window and layout.window < layout.ctx
+        grads += 8 * kv_dim + 2 * e * kv_dim * (2 if double_ring else 1)
+    A = policy.offload_fraction
     if policy.checkpoint == "none":
-        block = 2 * t * m.ffn_dim * e
-    elif policy.checkpoint == "full":
-        block = activations(m, seq, micro_batch, layout, Policy("none", 0.0, 0, policy.loss_chunk), e,
-                            docs).kept_block_device
+        piece_tokens, piece_bytes, state = t, 2 * e * m.ffn_dim, 0.0
     else:
-        post = 8 * m.dim + 4 + e * m.dim * (3 if e == 4 else 1) + 4 * e * m.ffn_dim  # norm, residual, mlp, out
-        piece = max(policy.offload_fraction, 1 - policy.offload_fraction)
-        block = t * post * piece
-    chunk = policy.loss_chunk if policy.loss_chunk and t > policy.loss_chunk else t
-    return block + chunk * m.vocab_size * (e + 4)
+        whole = t * (max(A, 1 - A) if policy.checkpoint == "selective" and A else 1)
+        piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
+        post = 8 * d + 4 + e * d * (3 if e == 4 else 1) + 4 * e * m.ffn_dim  # norm, residual, mlp, out
+        piece_bytes = post + 2 * e * m.ffn_dim
+        state = part["core"] + seq_out if policy.checkpoint == "full" else 0.0
+    back = 0.0
+    if A:
+        back = 2 * activations(m, seq, micro_batch, layout, policy, e, docs).per_block_host
+    block = t * (grads + state) + piece_tokens * piece_bytes + back
+    lm_tokens = policy.loss_chunk if policy.loss_chunk and t > policy.loss_chunk else t
+    return max(block, lm_tokens * m.vocab_size * (e + 4))
 
 
 # ----------------------------------------------------------------------------------------------

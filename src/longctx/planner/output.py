@@ -7,16 +7,12 @@ import dataclasses
 import json
 
 from .. import config as config_mod
-from ..config import Config, MemoryConfig, build_config, to_dict, to_toml
+from ..config import Config, build_config, to_dict, to_toml
 from ..errors import ConfigError
 from .cost import Estimate
 from .search import PlanResult, Request
 
 GIB = 2**30
-
-
-def supports_loss_chunk() -> bool:
-    return any(f.name == "loss_chunk" for f in dataclasses.fields(MemoryConfig))
 
 
 def plan_config(est: Estimate, req: Request, base: Config) -> Config:
@@ -25,12 +21,7 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     L, P = est.layout, est.policy
     raw["parallel"].update(dp_replicate=L.dp_replicate, dp_shard=L.dp_shard, head=L.head, ctx=L.ctx,
                            window=L.window if L.window and L.window < L.ctx else 0, placement=L.placement)
-    raw["memory"].update(checkpoint=P.checkpoint, offload_fraction=float(P.offload_fraction),
-                         offload_skip_last=P.offload_skip_last)
-    if supports_loss_chunk():
-        raw["memory"]["loss_chunk"] = P.loss_chunk
-    elif P.loss_chunk:
-        raise ConfigError("this plan chunks the LM head (memory.loss_chunk), which this version's config lacks.")
+    raw["memory"].update(P.memory_config())
     raw["train"].update(seq_len=req.seq, batch_size=L.dp * est.micro_batch, grad_accum=est.grad_accum)
     cpu = req.hardware.name.startswith("cpu")
     raw["train"].update(device="cpu" if cpu else "cuda", dtype="fp32" if cpu else "bf16")

@@ -83,6 +83,7 @@ class Request:
     offload_fractions: tuple[float, ...] = OFFLOAD_FRACTIONS
     offload_skip_last: int = 1
     loss_chunks: tuple[int, ...] = (0, 4096)
+    block_chunks: tuple[int, ...] = (0, 16384)   # > 0 only with full / selective
     doc_mask: bool = True
     layouts: list[Layout] | None = None  # evaluate only these (validation); None = search
 
@@ -126,13 +127,18 @@ class PlanResult:
         return f[0] if f else None
 
 
+# full + offload moves only block inputs: halves and whole are the useful points
+FULL_OFFLOAD_FRACTIONS = (0.5, 1.0)
+
+
 def policies(req: Request) -> list[Policy]:
     out = []
     for ck in req.checkpoints:
+        fractions = {"none": (), "selective": req.offload_fractions,
+                     "full": tuple(a for a in req.offload_fractions if a in FULL_OFFLOAD_FRACTIONS)}[ck]
         for lc in req.loss_chunks:
-            out.append(Policy(ck, 0.0, req.offload_skip_last, lc))
-            if ck == "selective":
-                out += [Policy(ck, a, req.offload_skip_last, lc) for a in req.offload_fractions if a > 0]
+            for bc in req.block_chunks if ck != "none" else (0,):
+                out += [Policy(ck, a, req.offload_skip_last, lc, bc) for a in (0.0, *fractions)]
     return out
 
 
@@ -172,7 +178,7 @@ def _sort_key(e: Estimate):
     # step times within 0.5% of each other are a tie: prefer the simpler policy, then less memory
     bucket = math.floor(math.log(e.step_s) / math.log(1.005)) if e.step_s > 0 else 0
     return (0, bucket, _POLICY_ORDER[p.checkpoint], p.offload_fraction, round(e.memory["total"] / 2**30),
-            p.loss_chunk, e.layout.dp_replicate, e.layout.window)
+            p.loss_chunk, p.block_chunk != 0, -p.block_chunk, e.layout.dp_replicate, e.layout.window)
 
 
 def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
@@ -193,7 +199,10 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
         for mb in req.micro_batches:
             if not dp_share or dp_share % mb:
                 continue
+            tokens = mb * req.seq // L.sequence_degree
             for pol in pols:
+                if pol.block_chunk and pol.block_chunk >= tokens:
+                    continue  # one chunk: the same as whole blocks
                 key = (L.head, L.ctx, mb, pol)
                 if key not in acts_cache:
                     acts_cache[key] = (activations(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask),
@@ -238,7 +247,7 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
         with_offload = dict(offload_fractions=OFFLOAD_FRACTIONS,
                             checkpoints=tuple(sorted(set(req.checkpoints) | {"selective"})))
         if _first_feasible(req, **with_offload):
-            out.append("activation offload (selective recomputation + offload fraction) makes it feasible")
+            out.append("activation offload (memory.offload_fraction with full or selective recomputation) makes it feasible")
         else:
             for factor in (2, 4, 8):
                 host = req.hardware.host_memory_gib * factor

@@ -88,16 +88,11 @@ def case_config(case: Case):
         "model": {"preset": case.preset, **({"layers": case.layers} if case.layers else {})},
         "parallel": {"dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "head": L.head, "ctx": L.ctx,
                      "window": L.window if L.window and L.window < L.ctx else 0, "placement": L.placement},
-        "memory": {"checkpoint": P.checkpoint, "offload_fraction": float(P.offload_fraction),
-                   "offload_skip_last": P.offload_skip_last},
+        "memory": P.memory_config(),
         "train": {"seq_len": case.seq, "batch_size": case.global_batch(), "grad_accum": 1, "device": "cpu",
                   "dtype": "fp32", "seed": SEED, "eval_interval": 0},
         "data": {"doc_mask": case.docs},
     }
-    from .output import supports_loss_chunk
-
-    if supports_loss_chunk():
-        raw["memory"]["loss_chunk"] = P.loss_chunk
     return build_config(raw)
 
 
