@@ -11,21 +11,24 @@ from longctx.memory.policies import apply_memory_policy
 from longctx.models.llama import build_model
 
 SEQ = 256
-CASES = [("none", 0.0, 0), ("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("full", 1.0, 0),
-         ("full", 0.5, 0), ("selective", 0.0, 64), ("full", 1.0, 64), ("selective", 0.5, 96)]
+# (policy, offload fraction, block chunk, offload_skip_last)
+CASES = [("none", 0.0, 0, 1), ("full", 0.0, 0, 1), ("selective", 0.0, 0, 1), ("selective", 0.5, 0, 1),
+         ("full", 1.0, 0, 1), ("full", 0.5, 0, 1), ("selective", 0.0, 64, 1), ("full", 1.0, 64, 1),
+         ("selective", 0.5, 96, 1), ("full", 1.0, 64, 0)]
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 64])
-@pytest.mark.parametrize("policy,fraction,chunk", CASES)
-def test_measured_bytes_equal_the_analytic_count(policy, fraction, chunk, loss_chunk):
+@pytest.mark.parametrize("policy,fraction,chunk,skip_last", CASES)
+def test_measured_bytes_equal_the_analytic_count(policy, fraction, chunk, skip_last, loss_chunk):
     cfg = load_config(overrides=["--model.layers=3"]).model
     model = build_model(cfg, seed=0)
-    model.memory_offloader = apply_memory_policy(model.layers, policy, fraction, offload_skip_last=1, block_chunk=chunk)
+    model.memory_offloader = apply_memory_policy(model.layers, policy, fraction, offload_skip_last=skip_last,
+                                                  block_chunk=chunk)
     model.loss_chunk = loss_chunk
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=g)
     measured = measure_activations(model, tokens, labels=tokens)
-    est = estimate_activations(cfg, SEQ, 1, policy=policy, offload_fraction=fraction, offload_skip_last=1,
+    est = estimate_activations(cfg, SEQ, 1, policy=policy, offload_fraction=fraction, offload_skip_last=skip_last,
                                dtype_bytes=4, loss_chunk=loss_chunk)
     assert measured["total_device"] == pytest.approx(est.total_device, rel=1e-3)
     assert measured["total_host"] == pytest.approx(est.total_host, rel=1e-3, abs=64)

@@ -91,6 +91,8 @@ class Policy:
         text = self.checkpoint
         if self.offload_fraction:
             text += f"+off{self.offload_fraction:g}"
+            if self.offload_skip_last != 1:
+                text += f" skip{self.offload_skip_last}"
         for tag, n in (("bc", self.block_chunk), ("lc", self.loss_chunk)):
             if n:
                 text += f" {tag}{n // 1024}K" if n >= 1024 else f" {tag}{n}"
@@ -211,7 +213,11 @@ def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, 
       widest intermediates (the MLP's);
     - gradients over all tokens: the residual stream's (three of d), the attention output's (and
       its head-layout copy under the all-to-all), the core's dq and dk/dv accumulators in fp32 and,
-      on a ring, the dk/dv block in flight and the K/V block received (two under Double-Ring).
+      on a ring, the dk/dv block in flight and the K/V block received (two under Double-Ring); with
+      grouped-query attention, k and v repeated to every query head and their gradients.
+
+    Not modelled: the attention kernel's own workspace (on CPU, PyTorch's flash backward adds
+    ~30 KB per token at small-100m's shape, docs/benchmarks.md "Chunked blocks").
 
     The LM head holds one chunk of logits and their gradient (all tokens unchunked). Model-wise
     estimates of the allocator's behaviour; the saved activations are the exact part."""
@@ -222,6 +228,8 @@ def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, 
     q_dim, kv_dim = m.heads * hd, max(m.kv_heads, layout.head) * hd
     seq_out = part["attn_out"] if layout.head > 1 else 0.0
     grads = 3 * e * d + e * q_dim * (2 if layout.head > 1 else 1) + 4 * q_dim + 8 * kv_dim
+    if kv_dim < q_dim:  # ops/attention.py repeats k, v per query group: expanded k, v and their grads
+        grads += 4 * e * q_dim
     if layout.ctx > 1:
         double_ring = layout.window and layout.window < layout.ctx
         grads += 8 * kv_dim + 2 * e * kv_dim * (2 if double_ring else 1)

@@ -139,6 +139,9 @@ def policies(req: Request) -> list[Policy]:
         for lc in req.loss_chunks:
             for bc in req.block_chunks if ck != "none" else (0,):
                 out += [Policy(ck, a, req.offload_skip_last, lc, bc) for a in (0.0, *fractions)]
+                if ck == "full" and req.offload_skip_last:
+                    # full keeps a block's input only: offloading the last one too costs one transfer
+                    out += [Policy(ck, a, 0, lc, bc) for a in fractions]
     return out
 
 
