@@ -9,10 +9,9 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from longctx.ops.loss import lm_head_loss
+from probes import LargestOutput
 
 
 def _data(n, d, v, dtype=torch.float32, seed=0):
@@ -75,26 +74,13 @@ def test_all_ignored_gives_zero_not_nan():
     assert out.item() == 0.0 and torch.all(h.grad == 0)
 
 
-class _LargestOutput(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_op_ever_produces_tokens_x_vocab():
     n, v, chunk = 4096, 8192, 512
     h, w, labels = _data(n, 16, v)
-    with _LargestOutput() as probe:
+    with LargestOutput() as probe:
         lm_head_loss(h, w, labels, chunk=chunk).backward()
     assert probe.largest <= chunk * v, probe.largest
-    with _LargestOutput() as plain:
+    with LargestOutput() as plain:
         lm_head_loss(h.detach().requires_grad_(), w, labels, chunk=0).backward()
     assert plain.largest >= n * v  # the probe does see a [tokens, vocab] tensor when there is one
 

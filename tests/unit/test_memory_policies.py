@@ -86,30 +86,18 @@ def test_chunks_bound_the_largest_tensor_a_block_creates(reference):
     """No op in a chunked block (forward and backward) outputs more than chunk x ffn_dim elements
     per tensor beyond the whole-sequence tensors attention needs (q, k, v, out: heads x head_dim);
     unchunked, the MLP creates [tokens, ffn_dim]. The probe shows the chunking is real."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+    from probes import LargestOutput
 
     cfg, base, batch, _ = reference
-
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
-                weight_shaped = tuple(t.shape) in {(cfg.dim, cfg.ffn_dim), (cfg.ffn_dim, cfg.dim)}
-                if t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and not weight_shaped:
-                    self.largest = max(self.largest, t.numel())
-            return out
+    weight_shapes = {(cfg.dim, cfg.ffn_dim), (cfg.ffn_dim, cfg.dim)}
+    ffn_wide = lambda t: t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and tuple(t.shape) not in weight_shapes
 
     sizes = {}
     for chunk in (0, 16):
         model = copy.deepcopy(base)
         apply_memory_policy(model.layers, "full", 0.0, block_chunk=chunk)
         model.loss_chunk = 32
-        probe = Largest()
+        probe = LargestOutput(ffn_wide)
         with probe:
             model(*batch[:3], labels=batch[3]).backward()
         sizes[chunk] = probe.largest
