@@ -88,7 +88,8 @@ def main():
     for r in rows:
         base = next(b for b in rows if (b["policy"], b["offload_fraction"], b["block_chunk"])
                     == (r["policy"], r["offload_fraction"], 0))
-        r["peak_ratio_to_unchunked"] = r["peak_delta_bytes"] / base["peak_delta_bytes"]
+        if r["peak_delta_bytes"] and base["peak_delta_bytes"]:  # None: the step did not raise the peak
+            r["peak_ratio_to_unchunked"] = r["peak_delta_bytes"] / base["peak_delta_bytes"]
         r["step_time_ratio_to_unchunked"] = r["step_s"] / base["step_s"]
     print(json.dumps({"bench": "block_chunk", "date": str(date.today()), "machine": platform.machine(),
                       "cpus": os.cpu_count(), "preset": a.preset, "layers": a.layers, "seq": a.seq,

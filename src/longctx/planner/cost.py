@@ -199,7 +199,7 @@ def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, poli
 
 
 def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
-                    docs: bool = True) -> float:
+                    docs: bool = True, acts: Activations | None = None) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
     backward and one block's backward, which holds at once
 
@@ -244,7 +244,8 @@ def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, 
         state = part["core"] + seq_out if policy.checkpoint == "full" else 0.0
     back = 0.0
     if A:
-        back = 2 * activations(m, seq, micro_batch, layout, policy, e, docs).per_block_host
+        acts = acts or activations(m, seq, micro_batch, layout, policy, e, docs)
+        back = 2 * acts.per_block_host
     block = t * (grads + state) + piece_tokens * piece_bytes + back
     lm_tokens = policy.loss_chunk if policy.loss_chunk and t > policy.loss_chunk else t
     return max(block, lm_tokens * m.vocab_size * (e + 4))
@@ -311,7 +312,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         memory["gathered_params"] = 0.0
     memory["activations"] = acts.total_device
     memory["transient"] = transient if transient is not None else transient_bytes(m, seq, micro_batch, L, policy, e,
-                                                                                 doc_mask)
+                                                                                 doc_mask, acts)
     memory["total"] = sum(memory.values())
     ranks_per_node = min(gpus_per_node, L.world)
     host_per_node = acts.total_host * ranks_per_node

@@ -208,8 +208,9 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
                     continue  # one chunk: the same as whole blocks
                 key = (L.head, L.ctx, mb, pol)
                 if key not in acts_cache:
-                    acts_cache[key] = (activations(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask),
-                                       transient_bytes(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask))
+                    acts = activations(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask)
+                    acts_cache[key] = (acts, transient_bytes(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask,
+                                                             acts))
                 acts, transient = acts_cache[key]
                 if not keep_infeasible and static + acts.total_device + transient > hw.usable_memory_bytes:
                     continue
