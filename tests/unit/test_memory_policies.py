@@ -142,3 +142,25 @@ def test_offload_fraction_auto_in_config():
     assert 'offload_fraction = "auto"' in to_toml(cfg)
     with pytest.raises(ConfigError, match="offload_fraction"):
         load_config(overrides=["--memory.checkpoint=selective", "--memory.offload_fraction=sometimes"])
+
+
+def test_chunked_full_recomputes_the_token_wise_stages_once_more(reference):
+    """Under full, chunk checkpoints nest inside the block's: backward re-runs pre and post in the
+    block's recompute and again per chunk. Counted FLOPs show it (selective has no nesting: equal),
+    and the analytic recompute count carries it, so the planner prices it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longctx.memory.accounting import estimate_activations
+
+    cfg, base, batch, _ = reference
+    flops = {}
+    for policy, chunk in (("full", 0), ("full", 16), ("selective", 0), ("selective", 16)):
+        model = copy.deepcopy(base)
+        apply_memory_policy(model.layers, policy, 0.0, block_chunk=chunk)
+        with FlopCounterMode(display=False) as counter:
+            model(*batch[:3], labels=batch[3]).backward()
+        flops[policy, chunk] = counter.get_total_flops()
+    assert flops["selective", 16] == flops["selective", 0]
+    assert flops["full", 16] > 1.15 * flops["full", 0]
+    est = {c: estimate_activations(cfg, 64, 2, policy="full", block_chunk=c).recompute_flops for c in (0, 16)}
+    assert est[16] > est[0]

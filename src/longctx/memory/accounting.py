@@ -79,9 +79,12 @@ def _flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
 
 def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                          policy: str = "none", offload_fraction: float = 0.0, offload_skip_last: int = 1,
-                         dtype_bytes: int = 4, loss_chunk: int = 0, docs: bool = False) -> ActivationEstimate:
+                         dtype_bytes: int = 4, loss_chunk: int = 0, docs: bool = False,
+                         block_chunk: int = 0) -> ActivationEstimate:
     """Per-rank activation bytes of `policy` for micro_batch sequences of seq_len tokens sharded over
-    head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations)."""
+    head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations). block_chunk
+    changes no saved bytes, only recomputation: under `full` the chunks are checkpoints nested in
+    the block's, so the token-wise stages run once more (outer recompute, then each chunk's own)."""
     if seq_len % (head * ctx):
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
     p = dtype_bytes
@@ -99,7 +102,8 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
         recompute = 0.0
     elif policy == "full":
         kept = part["block_out"]
-        recompute = fl["pre"] + fl["post"] + fl["attention"]
+        chunked = block_chunk and tokens > block_chunk
+        recompute = (2 if chunked else 1) * (fl["pre"] + fl["post"]) + fl["attention"]
     elif policy == "selective":
         kept = part["core"] + seq_out + part["block_out"]
         recompute = fl["pre"] + fl["post"]

@@ -50,10 +50,10 @@ class _Region:
     Every saved view inside the span shares it (a linear's 2-D view of the norm output, saved once
     by each of q, k and v, is copied once)."""
 
-    __slots__ = ("__weakref__", "_full", "event", "host", "prefetched", "rest")
+    __slots__ = ("__weakref__", "_full", "block", "event", "host", "prefetched", "rest")
 
-    def __init__(self, host, rest):
-        self.host, self.rest = host, rest
+    def __init__(self, host, rest, block: int):
+        self.host, self.rest, self.block = host, rest, block
         self.prefetched, self.event, self._full = None, None, None
 
 
@@ -77,7 +77,6 @@ class HostOffloader:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._blocks: dict[int, weakref.WeakSet] = {}  # block -> its saved parts (alive until backward)
         self._order: list[int] = []  # blocks in forward order, for "the block backward reaches next"
-        self._host_parts: weakref.WeakSet | None = None
         self._block: int | None = None
         self._seen: dict[tuple, list] = {}  # (storage, dtype) -> regions saved in the current block
         self._shared: set[int] = set()
@@ -123,7 +122,7 @@ class HostOffloader:
         cut = round(self._fraction * (hi - lo))
         if cut == 0:
             return t
-        region = _Region(self._to_host(flat[:cut]), flat[cut:].clone() if cut < hi - lo else None)
+        region = _Region(self._to_host(flat[:cut]), flat[cut:].clone() if cut < hi - lo else None, self._block)
         self._blocks[self._block].add(region)
         # holding the storage until the block ends keeps its address from being reused by another
         # tensor while the span is still registered
@@ -149,9 +148,7 @@ class HostOffloader:
         region = saved.region
         full = region._full() if region._full is not None else None
         if full is None:
-            block = next((b for b, parts in self._blocks.items() if region in parts), None)
-            if block is not None:
-                self._prefetch_before(block)
+            self._prefetch_before(region.block)
             part = self._host_part_on_device(region)
             full = part if region.rest is None else torch.cat([part, region.rest])
             region._full = weakref.ref(full)  # the other views of this span reuse it while it lives
@@ -177,10 +174,9 @@ class HostOffloader:
         if pos <= 0:
             return
         nxt = self._order[pos - 1]
-        parts = self._blocks.pop(nxt, None)
+        parts = self._blocks.get(nxt)
         if parts is None:
             return
-        self._blocks[nxt] = parts  # keep it findable for its own unpacks
         self._order = self._order[:pos]  # nothing to prefetch twice
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

@@ -193,7 +193,8 @@ def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, poli
     measures), in the planner's record."""
     a = estimate_activations(m, seq, micro_batch, head=layout.head, ctx=layout.ctx, policy=policy.checkpoint,
                              offload_fraction=policy.offload_fraction, offload_skip_last=policy.offload_skip_last,
-                             dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk, docs=docs)
+                             dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk, docs=docs,
+                             block_chunk=policy.block_chunk)
     return Activations(a.per_block_device, a.per_block_host, a.kept_block_device, a.total_device, a.total_host,
                        a.recompute_flops, "memory.accounting")
 
