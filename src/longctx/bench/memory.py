@@ -34,13 +34,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                           "do not depend on it")
     p.add_argument("--seq", default="8192", help="comma-separated sequence lengths")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)} "
-                                                                   f"or offloadA for any fraction A")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)}, "
+                                                                   f"offloadA (selective) or fulloffloadA (full) "
+                                                                   f"for any fraction A")
     p.add_argument("--skip-last", type=int, default=1, help="memory.offload_skip_last")
     p.add_argument("--head", type=int, default=1, help="head-parallel degree (spawns head x ctx gloo ranks)")
     p.add_argument("--ctx", type=int, default=1, help="context-parallel degree")
     p.add_argument("--docs", type=int, default=1, help="documents packed in each sequence (document masks)")
     p.add_argument("--loss-chunk", type=int, default=4096, help="memory.loss_chunk")
+    p.add_argument("--block-chunk", type=int, default=0, help="memory.block_chunk (applied to full and selective)")
     p.add_argument("--time-steps", type=int, default=2, help="forward+backward steps timed per policy (0: none)")
     p.add_argument("--no-backward", action="store_true", help="measure after the forward only (long sequences)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -52,9 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _policy(name: str) -> tuple[str, float]:
     if name in POLICIES:
         return POLICIES[name]
-    if name.startswith("offload"):
-        return "selective", float(name.removeprefix("offload"))
-    raise ValueError(f"unknown policy '{name}'; use one of {list(POLICIES)} or offloadA (e.g. offload0.25)")
+    for prefix, policy in (("fulloffload", "full"), ("offload", "selective")):
+        if name.startswith(prefix):
+            return policy, float(name.removeprefix(prefix))
+    raise ValueError(f"unknown policy '{name}'; use one of {list(POLICIES)}, offloadA or fulloffloadA "
+                     f"(e.g. offload0.25)")
 
 
 def _batch(vocab: int, seq: int, batch: int, docs: int, device):
@@ -76,8 +80,9 @@ def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
     model = build_model(model_cfg, device=device, seed=0)
     if dims is not None:
         use_sequence_parallel_attention(model, dims, mesh)
-    apply_memory(model, MemoryConfig(checkpoint=policy, offload_fraction=fraction,
-                                     offload_skip_last=args.skip_last, loss_chunk=args.loss_chunk), device.type)
+    chunk = args.block_chunk if policy != "none" else 0
+    apply_memory(model, MemoryConfig(checkpoint=policy, offload_fraction=fraction, offload_skip_last=args.skip_last,
+                                     loss_chunk=args.loss_chunk, block_chunk=chunk), device.type)
     return model
 
 
@@ -150,7 +155,8 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
         est = estimate_activations(model_cfg, seq, args.batch, head=head, ctx=ctx, policy=policy,
                                    offload_fraction=fraction, offload_skip_last=args.skip_last, dtype_bytes=4,
-                                   loss_chunk=args.loss_chunk, docs=args.docs > 1).to_dict()
+                                   loss_chunk=args.loss_chunk, docs=args.docs > 1,
+                                   block_chunk=args.block_chunk if policy != "none" else 0).to_dict()
         tokens = est["tokens"]
         entry = {
             "policy": policy, "offload_fraction": fraction,
