@@ -306,3 +306,23 @@ def test_manifest_records_what_the_issue_asks_for(tmp_path):
         assert m["parts"][0]["stages"][stage]["seconds"] >= 0
     docs = [json.loads(line) for line in (tmp_path / "s" / "part-00000" / "docs.jsonl").read_text().splitlines()]
     assert len(docs) == 12 and {d["split"] for d in docs} <= {"train", "eval"}
+
+
+def test_cache_key_covers_every_file_the_build_reads(tmp_path):
+    """The default store's key lists the same files as the build: rewriting a .jsonl input (which
+    a text-only listing would miss) must give another key; a dotfile must not."""
+    import json
+    import time
+
+    from longctx.data.cache import _fingerprint
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text(json.dumps({"text": "first document\n"}) + "\n")
+    before = _fingerprint(str(corpus), "byte")
+    assert before["files"] == 1
+    (corpus / ".hidden.txt").write_text("not read\n")
+    assert _fingerprint(str(corpus), "byte") == before
+    time.sleep(0.01)
+    (corpus / "a.jsonl").write_text(json.dumps({"text": "another document, longer\n"}) + "\n")
+    assert _fingerprint(str(corpus), "byte")["digest"] != before["digest"]

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from .build import BuildOptions, build_store
-from .corpus import corpus_files
+from .readers import input_files
 from .store import MANIFEST
 
 CACHE_VERSION = 1
@@ -29,7 +29,8 @@ def cache_root() -> Path:
 
 
 def _fingerprint(corpus: str, tokenizer: str) -> dict:
-    root, files = corpus_files(corpus)  # a clear DataError for a missing or empty corpus
+    # exactly the files the build reads (a clear DataError for a missing or empty corpus)
+    root, files, _ = input_files(corpus)
     h = hashlib.sha256()
     for f in files:
         s = f.stat()

@@ -130,34 +130,36 @@ def _read_parquet(path: Path, name: str, text_field: str, out: ReadResult) -> No
             _accept(value, "missing_text_field", out, f"{name}:{row}")
 
 
+def input_files(spec: str) -> tuple[Path, list[Path], int]:
+    """(root, the files read_inputs reads for `spec`, sorted; files skipped for their suffix):
+    'stdlib', a directory (text, .jsonl and .parquet files; dotfiles skipped) or one file."""
+    if spec == "stdlib":
+        return (*corpus_files("stdlib"), 0)
+    p = Path(spec)
+    if not p.exists():
+        raise DataError(f"input '{spec}' does not exist; pass a directory of text files, a .jsonl or "
+                        f".parquet file, or 'stdlib'.")
+    if not p.is_dir():
+        return p.parent, [p], 0
+    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    usable = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | STRUCTURED_SUFFIXES]
+    if not usable:
+        raise DataError(
+            f"input directory '{spec}' holds no usable file (text files with a suffix among "
+            f"{', '.join(sorted(TEXT_SUFFIXES))}, or .jsonl / .parquet); point --input at a directory "
+            f"with documents."
+        )
+    return p, usable, len(files) - len(usable)
+
+
 def read_inputs(inputs: list[str], text_field: str = "text", max_docs: int = 0) -> ReadResult:
     """All documents of all inputs, in a deterministic order (inputs as given, files sorted)."""
     out = ReadResult(docs=[])
     if not inputs:
         raise DataError("no input given; pass --input with a directory, a .jsonl or .parquet file, or 'stdlib'.")
     for spec in inputs:
-        if spec == "stdlib":
-            root, files = corpus_files("stdlib")
-        else:
-            p = Path(spec)
-            if not p.exists():
-                raise DataError(f"input '{spec}' does not exist; pass a directory of text files, a .jsonl or "
-                                f".parquet file, or 'stdlib'.")
-            if p.is_dir():
-                root = p
-                files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
-                usable = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | STRUCTURED_SUFFIXES]
-                if len(files) > len(usable):
-                    out.skipped["other_suffix"] += len(files) - len(usable)
-                files = usable
-                if not files:
-                    raise DataError(
-                        f"input directory '{spec}' holds no usable file (text files with a suffix among "
-                        f"{', '.join(sorted(TEXT_SUFFIXES))}, or .jsonl / .parquet); point --input at a directory "
-                        f"with documents."
-                    )
-            else:
-                root, files = p.parent, [p]
+        root, files, other = input_files(spec)
+        out.skipped["other_suffix"] += other
         for f in files:
             out.files += 1
             name = f.relative_to(root).as_posix()
