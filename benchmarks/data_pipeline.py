@@ -80,7 +80,9 @@ def throughput(context, workers, strategy, dedup):
 def balance(context, dp, batch, batches, strategy):
     from longctx.config import load_config
     from longctx.data.build import BuildOptions, build_store
-    from longctx.data.loader import BatchLoader, PackedWindows, cost_coefficients
+    from longctx.data.balance import balanced_order, imbalance
+    from longctx.data.loader import PackedWindows, cost_coefficients
+    from longctx.data.windows import WindowSampler
 
     out = tempfile.mkdtemp(prefix="longctx-bench-")
     try:
@@ -89,13 +91,13 @@ def balance(context, dp, batch, batches, strategy):
         w = PackedWindows(out + "/s")
         for preset in ("debug", "llama3-8b"):
             cost = cost_coefficients(load_config(overrides=[f"--model.preset={preset}"]).model)
-            loader = BatchLoader(w, batch, seed=0, dp=dp, cost=cost)
-            for _ in range(min(batches, len(w) // batch)):
-                loader.next_indices()
-            bal, unbal = loader.mean_imbalance
-            c = w.costs(*cost)
+            sampler, c = WindowSampler(len(w), seed=0), w.costs(*cost)
+            drawn = [sampler.next_indices(batch) for _ in range(min(batches, len(w) // batch))]
+            # the same permutation the training loader applies (BatchLoader.next_indices)
+            unbal = sum(imbalance(i, c, dp) for i in drawn) / max(len(drawn), 1) or 1.0
+            bal = sum(imbalance(balanced_order(i, c, dp), c, dp) for i in drawn) / max(len(drawn), 1) or 1.0
             print(json.dumps({"bench": "dp_balance", "context": context, "strategy": strategy, "model": preset,
-                              "dp": dp, "batch": batch, "batches": loader.batches,
+                              "dp": dp, "batch": batch, "batches": len(drawn),
                               "window_cost_cv": round(float(c.std() / c.mean()), 4),
                               "imbalance_max_over_mean_unbalanced": round(unbal, 4),
                               "imbalance_max_over_mean_balanced": round(bal, 4)}), flush=True)

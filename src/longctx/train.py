@@ -112,13 +112,18 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     if not path:
         from .data.cache import default_store
 
+        failure = None
         if rt is None or rt.is_main:
             try:
                 outcome = ("ok", str(default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log)))
-            except DataError as e:
-                outcome = ("error", str(e))
+            except Exception as e:  # every failure reaches the waiting ranks, not only DataError
+                failure = e
+                outcome = ("error", str(e) if isinstance(e, DataError) else
+                           f"building the data store failed on rank 0: {type(e).__name__}: {e}")
         if rt is not None:
             outcome = rt.broadcast(outcome if rt.is_main else None)
+        if failure is not None:
+            raise failure
         if outcome[0] == "error":
             raise DataError(outcome[1])
         path = outcome[1]
@@ -156,7 +161,7 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
         f"{train.num_tokens:,} train tokens in {len(train):,} windows of {seq} ({manifest['strategy']}, fill "
         f"{fill:.3f}), {0 if evals is None else len(evals):,} eval windows ({tok['name']} tokenizer, "
         f"{time.perf_counter() - t0:.1f}s)")
-    return tok, train, evals
+    return train, evals
 
 
 def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Llama:
@@ -279,7 +284,7 @@ def train(cfg: Config, log=print) -> TrainResult:
         except ImportError:
             raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.") from None
 
-    tok, train_windows, eval_windows = build_data(cfg, log, rt)
+    train_windows, eval_windows = build_data(cfg, log, rt)
     run_dir = rt.broadcast(str(make_run_dir(cfg)) if rt.is_main else None)
     run_dir = Path(run_dir)
     if rt.is_main:

@@ -96,8 +96,7 @@ class DedupResult:
 
 
 def deduplicate(texts: list[str], mode: str, threshold: float = 0.8, workers: int = 1,
-                seen_hashes: np.ndarray | None = None, seen_signatures: np.ndarray | None = None,
-                progress=None) -> DedupResult:
+                seen_hashes: np.ndarray | None = None, seen_signatures: np.ndarray | None = None) -> DedupResult:
     """Which documents to keep. `seen_*` are earlier parts of a store: duplicates of them go too."""
     n = len(texts)
     hashes = np.fromiter((exact_hash(t) for t in texts), dtype=np.uint64, count=n)
@@ -111,8 +110,6 @@ def deduplicate(texts: list[str], mode: str, threshold: float = 0.8, workers: in
         else:
             seen.add(h)
     exact = int((~keep).sum())
-    if progress is not None:
-        progress.update(0)
     if mode == "exact":
         return DedupResult(keep, exact, 0, hashes, None)
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
-from .balance import balanced_order, imbalance
+from .balance import balanced_order
 from .store import S_LENGTH, load_split, read_manifest
 from .windows import IGNORE, Batch, WindowSampler
 
@@ -36,17 +36,15 @@ class PackedWindows:
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
         self.context = int(self.manifest["context"])
-        self.seq_len = self.context
         self.doc_mask = doc_mask
         self.parts = [a for a in (load_split(self.root, p, split) for p in self.manifest["parts"]) if a is not None]
         counts = [len(a.windows) - 1 for a in self.parts]
         self.offsets = np.cumsum([0, *counts])
         self.num_windows = int(self.offsets[-1])
-        self.split = split
         # per window: real tokens and sum of squared segment lengths (for the cost estimate)
         real, sq = [], []
         for a in self.parts:
-            w = np.repeat(np.arange(len(a.windows) - 1), np.diff(a.windows))
+            w = np.repeat(np.arange(len(a.windows) - 1), np.diff(a.windows))  # each segment's window
             n = len(a.windows) - 1
             lens = a.segments[:, S_LENGTH].astype(np.float64)
             real.append(np.bincount(w, weights=lens, minlength=n))
@@ -112,20 +110,11 @@ class BatchLoader:
         self.windows, self.batch_size, self.dp = windows, batch_size, dp
         self.sampler = WindowSampler(len(windows), seed)
         self.balance = balance and dp > 1 and hasattr(windows, "costs")
-        self.costs = windows.costs(*cost) if hasattr(windows, "costs") else None
-        self.batches = 0
-        self.imbalance_sum = 0.0        # max/mean per-rank cost of the batches drawn, summed
-        self.imbalance_unbalanced = 0.0  # the same without the permutation, for comparison
+        self.costs = windows.costs(*cost) if self.balance else None
 
     def next_indices(self) -> list[int]:
         idx = self.sampler.next_indices(self.batch_size)
-        if self.costs is not None and self.dp > 1:
-            self.imbalance_unbalanced += imbalance(idx, self.costs, self.dp)
-            if self.balance:
-                idx = balanced_order(idx, self.costs, self.dp)
-            self.imbalance_sum += imbalance(idx, self.costs, self.dp)
-        self.batches += 1
-        return idx
+        return balanced_order(idx, self.costs, self.dp) if self.balance else idx
 
     def next_batch(self) -> Batch:
         return self.windows.batch(self.next_indices())
@@ -133,12 +122,6 @@ class BatchLoader:
     def __iter__(self):
         while True:
             yield self.next_batch()
-
-    @property
-    def mean_imbalance(self) -> tuple[float, float]:
-        """(balanced, unbalanced) mean max/mean cost ratio over the batches drawn so far."""
-        n = max(self.batches, 1)
-        return self.imbalance_sum / n or 1.0, self.imbalance_unbalanced / n or 1.0
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
@@ -159,12 +142,10 @@ class BatchLoader:
 
 
 def cost_coefficients(model_cfg) -> tuple[float, float]:
-    """(a, b) of a*s^2 + b*s from the model shape: per layer, causal attention costs ~2 * 2 * d_attn
-    FLOPs per (query, key) pair forward (scores and values; half the pairs under the causal mask,
-    which sum s_d^2 / 2 accounts for via a) and the linear layers ~2 * params per token."""
-    d_attn = model_cfg.heads * model_cfg.resolved_head_dim
-    a = 2 * model_cfg.layers * d_attn  # 4 * d_attn per pair, halved by the causal mask
-    kv = model_cfg.kv_heads * model_cfg.resolved_head_dim
-    per_layer = model_cfg.dim * (d_attn + 2 * kv) + d_attn * model_cfg.dim + 3 * model_cfg.dim * model_cfg.ffn_dim
-    b = 2 * (model_cfg.layers * per_layer + model_cfg.dim * model_cfg.vocab_size)
-    return float(a), float(b)
+    """(a, b) of a*s^2 + b*s: the model's forward FLOPs (metrics.py) of a document of s tokens are
+    s * forward_flops_per_token(s), linear in s per token (causal attention), so b is the per-token
+    cost at length 0 and a the attention slope."""
+    from ..metrics import forward_flops_per_token
+
+    b = forward_flops_per_token(model_cfg, 0)
+    return float(forward_flops_per_token(model_cfg, 1) - b), float(b)

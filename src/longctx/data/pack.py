@@ -14,9 +14,9 @@ document (this is what the property tests check).
 - `datasculpt` (after DataSculpt, Lu et al. 2024): within each semantic cluster, the longest
   documents first, each into the window that maximises relevance (cosine between the document and
   the window's running centroid) times remaining capacity, never overflowing a window. Each cluster
-  gets ceil(tokens / context) windows, the fewest that can hold it, so windows end up nearly full;
-  what fits nowhere goes to a small overflow set that is re-packed across clusters at the end
-  (best fit), which is what keeps the fill rate at the level of bfd.
+  gets floor(tokens / context) windows, as many as it fills completely, so windows end up nearly
+  full; what fits nowhere goes on to groups of related clusters, then to a small overflow set that
+  is re-packed at the end (best fit), which is what keeps the fill rate at the level of bfd.
 
 `packing_stats` reports the four figures every strategy is compared on: fill rate, the fraction
 of documents split over more than one window (integrity), mean within-window cosine similarity
@@ -162,15 +162,14 @@ def pack_bfd(lengths: np.ndarray, context: int, breaks=None, strong=None) -> Pac
     return _finish(segs, context)
 
 
-def _greedy(pieces, k: int, context: int, emb: np.ndarray, remaining=None, centroid=None):
+def _greedy(pieces, k: int, context: int, emb: np.ndarray):
     """DataSculpt's placement: each piece (longest first) into the window maximising relevance x
     remaining capacity among the windows it fits in. Relevance is the cosine between the piece's
     document and the window's running centroid (floored at 0.01); an empty window has no centroid
     and counts as fully relevant, so the longest pieces seed the windows and the rest gather around
     them. Returns (placements [(window, doc, start, length)], pieces that fit nowhere)."""
-    if remaining is None:
-        remaining = np.full(k, context, dtype=np.int64)
-        centroid = np.zeros((k, emb.shape[1]), dtype=np.float32)
+    remaining = np.full(k, context, dtype=np.int64)
+    centroid = np.zeros((k, emb.shape[1]), dtype=np.float32)
     norm = np.linalg.norm(centroid, axis=1)
     placed, overflow = [], []
     for d, s, n in pieces:
