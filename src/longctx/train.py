@@ -252,17 +252,13 @@ def fsdp_bytes_per_step(model: torch.nn.Module, cfg: Config, rt: Runtime) -> dic
     """Closed-form FSDP2 traffic per rank and step (its collectives run inside PyTorch, not comm.py):
     per micro-batch, parameters are all-gathered for forward and again for backward and gradients
     reduce-scattered over the shard group; with HSDP the shards are then all-reduced over replicas."""
+    from .parallel.volumes import fsdp_bytes
+
     if rt.world == 1:
         return {}
-    shard = rt.dims.dp_shard * rt.dims.head * rt.dims.ctx
-    replicas = rt.dims.dp_replicate
-    param_bytes = sum(p.numel() for p in model.parameters()) * 4  # fp32 parameters and gradients
-    if rt.device.type == "cuda" and cfg.train.dtype in ("auto", "bf16"):
-        gather_bytes = param_bytes // 2  # bf16 all-gathers
-    else:
-        gather_bytes = param_bytes
-    per_micro = (shard - 1) / shard * (2 * gather_bytes + param_bytes)
-    per_micro += 2 * (replicas - 1) / replicas * param_bytes / shard
+    gather = 2 if rt.device.type == "cuda" and cfg.train.dtype in ("auto", "bf16") else 4  # bf16 all-gathers
+    per_micro = fsdp_bytes(sum(p.numel() for p in model.parameters()), rt.dims.dp_shard * rt.dims.head * rt.dims.ctx,
+                           rt.dims.dp_replicate, gather)
     return {"fsdp": per_micro * cfg.train.grad_accum}
 
 

@@ -154,7 +154,9 @@ def test_plan_writes_a_config_that_loads_and_passes_check_layout(tmp_path):
     res = plan(req)
     assert res.best is not None and res.best.feasible
     steps = [e.step_s for e in res.feasible]
-    assert steps == sorted(steps) or max(steps[:5]) / min(steps[:5]) < 1.01  # ranked (ties within 0.5%)
+    # ranked by step time; plans within 0.5% are a tie (ordered by simplicity), so no plan comes
+    # after one more than 0.5% slower than itself
+    assert all(later >= earlier / 1.005 for earlier, later in zip(steps, steps[1:]))
     base = load_config(None, {"model": {"preset": "llama3-8b"}})
     for est in res.feasible[:5]:
         path = tmp_path / "plan.toml"

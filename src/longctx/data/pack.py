@@ -26,7 +26,6 @@ of distinct documents (homogeneity) and documents per window.
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,23 +217,28 @@ def pack_datasculpt(lengths: np.ndarray, context: int, embeddings: np.ndarray, c
                 rest.setdefault(c, []).append((d, s, n))
     # round 1 packs each cluster; round 2 packs what the clusters left over in groups of related
     # clusters (the near clusters merged until a group can fill `MIN_GROUP_WINDOWS` windows)
-    for groups in (rest, None):
-        if groups is None:
-            groups = _group_clusters(overflow, clusters, emb, context)
-        overflow = []
-        for c in sorted(groups):
-            group = _longest_first(groups[c])
-            # as many windows as the group fills completely: rounding up would leave most groups a
-            # partly filled window; what does not fit goes on to the next round
-            k = sum(p[2] for p in group) // context
-            if k == 0:
-                overflow.extend(group)
-                continue
-            placed, spill = _greedy(group, k, context, emb)
-            segs.extend((next_window + w, d, s, n) for w, d, s, n in placed)
-            next_window += k
-            overflow.extend(spill)
+    overflow, next_window = _pack_groups(rest, segs, next_window, context, emb)
+    groups = _group_clusters(overflow, clusters, emb, context)
+    overflow, next_window = _pack_groups(groups, segs, next_window, context, emb)
     return _finish(_merge(segs, overflow, context, emb), context)
+
+
+def _pack_groups(groups, segs, next_window: int, context: int, emb) -> tuple[list, int]:
+    """Each group (longest first) into as many windows as it fills completely (rounding up would
+    leave most groups a partly filled window), appended to `segs` from `next_window` on. Returns
+    the pieces that did not fit, and the next free window."""
+    overflow = []
+    for c in sorted(groups):
+        group = _longest_first(groups[c])
+        k = sum(p[2] for p in group) // context
+        if k == 0:
+            overflow.extend(group)
+            continue
+        placed, spill = _greedy(group, k, context, emb)
+        segs.extend((next_window + w, d, s, n) for w, d, s, n in placed)
+        next_window += k
+        overflow.extend(spill)
+    return overflow, next_window
 
 
 MIN_GROUP_WINDOWS = 4

@@ -11,6 +11,17 @@ from .ulysses import kv_replication
 DOC_ID_BYTES = 8  # int64
 
 
+def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int) -> float:
+    """FSDP2 traffic per rank and micro-batch (its collectives run inside PyTorch, not comm.py):
+    parameters all-gathered (gather_bytes each) for forward and again for backward, fp32 gradients
+    reduce-scattered over the `shard` group, then with HSDP the shards all-reduced over `replicas`."""
+    if shard * replicas == 1:
+        return 0.0
+    param_bytes = params * 4  # fp32 parameters and gradients
+    out = (shard - 1) / shard * (2 * params * gather_bytes + param_bytes)
+    return out + 2 * (replicas - 1) / replicas * param_bytes / shard
+
+
 def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, head: int, ctx: int,
                     elem: int, docs: bool = False, backward: bool = True) -> dict[str, dict[str, int]]:
     """{dim: {label: bytes this rank sends}} for one distributed_attention call (forward [+ backward])."""

@@ -5,8 +5,8 @@ Everything is per device (rank) and exact where the implementation allows it:
 
 - communication bytes of attention are `parallel.volumes.attention_bytes` (the closed forms that
   comm.py's counters are tested to equal), times the layers, the micro-batches and, under full
-  recomputation, the forward once more; FSDP bytes are the closed form of
-  `train.fsdp_bytes_per_step` (FSDP's own collectives are not counted by comm.py);
+  recomputation, the forward once more; FSDP bytes are `parallel.volumes.fsdp_bytes`, the closed
+  form the training loop reports too (FSDP's own collectives are not counted by comm.py);
 - activation memory is `memory.accounting.estimate_activations` (the formulas `longctx bench
   memory` is compared with to the byte), plus `transient_bytes`, the working set of one block's
   backward and of the LM head on top of it;
@@ -29,13 +29,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..memory.accounting import block_part_bytes, estimate_activations
+from ..memory.accounting import ActivationEstimate, block_part_bytes, estimate_activations
 from ..metrics import matmul_params_per_layer, train_flops_per_token
-from ..parallel.volumes import attention_bytes
+from ..parallel.volumes import attention_bytes, fsdp_bytes
 from .hardware import Hardware
-
-POLICIES = ("none", "full", "selective")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -106,18 +103,6 @@ class Policy:
 
 
 @dataclass
-class Activations:
-    """Activation bytes per rank and micro-batch (the fields of memory.accounting.ActivationEstimate)."""
-    per_block_device: float
-    per_block_host: float
-    kept_block_device: float
-    total_device: float
-    total_host: float
-    recompute_flops: float
-    source: str = "memory.accounting"
-
-
-@dataclass
 class Estimate:
     layout: Layout
     policy: Policy
@@ -133,14 +118,10 @@ class Estimate:
     bottleneck: str
     feasible: bool
     problems: list[str] = field(default_factory=list)
-    activations_source: str = ""
 
     @property
     def step_s(self) -> float:
         return self.times["step"]
-
-    def comm_totals(self) -> dict[str, float]:
-        return {d: sum(v.values()) for d, v in self.comm_bytes.items()}
 
     def as_dict(self) -> dict:
         L, P = self.layout, self.policy
@@ -153,7 +134,7 @@ class Estimate:
             "host_per_node_gib": self.host_per_node / 2**30,
             "comm_bytes_per_step": self.comm_bytes, "times_s": self.times,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bottleneck": self.bottleneck,
-            "feasible": self.feasible, "problems": self.problems, "activations_source": self.activations_source,
+            "feasible": self.feasible, "problems": self.problems,
             "describe": f"{L.describe()} | {P.describe()} | mb{self.micro_batch}",
         }
 
@@ -172,15 +153,7 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
 def fsdp_bytes_per_micro(m: ModelConfig, layout: Layout, gather_bytes: int) -> float:
     """train.fsdp_bytes_per_step per micro-batch: gathers for forward and backward, fp32 gradient
     reduce-scatter over the shard group, HSDP all-reduce of the shards over the replicas."""
-    if layout.world == 1:
-        return 0.0
-    n, r = layout.fsdp, layout.dp_replicate
-    p = param_counts(m)["total"]
-    param_bytes = p * 4
-    gathered = p * gather_bytes
-    out = (n - 1) / n * (2 * gathered + param_bytes)
-    out += 2 * (r - 1) / r * param_bytes / n
-    return out
+    return fsdp_bytes(param_counts(m)["total"], layout.fsdp, layout.dp_replicate, gather_bytes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,19 +161,17 @@ def fsdp_bytes_per_micro(m: ModelConfig, layout: Layout, gather_bytes: int) -> f
 
 
 def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy,
-                dtype_bytes: int, docs: bool = True) -> Activations:
-    """The activation bytes of memory.accounting.estimate_activations (what `longctx bench memory`
-    measures), in the planner's record."""
-    a = estimate_activations(m, seq, micro_batch, head=layout.head, ctx=layout.ctx, policy=policy.checkpoint,
-                             offload_fraction=policy.offload_fraction, offload_skip_last=policy.offload_skip_last,
-                             dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk, docs=docs,
-                             block_chunk=policy.block_chunk)
-    return Activations(a.per_block_device, a.per_block_host, a.kept_block_device, a.total_device, a.total_host,
-                       a.recompute_flops, "memory.accounting")
+                dtype_bytes: int, docs: bool = True) -> ActivationEstimate:
+    """memory.accounting.estimate_activations (what `longctx bench memory` measures) for a layout
+    and policy."""
+    return estimate_activations(m, seq, micro_batch, head=layout.head, ctx=layout.ctx, policy=policy.checkpoint,
+                                offload_fraction=policy.offload_fraction, offload_skip_last=policy.offload_skip_last,
+                                dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk, docs=docs,
+                                block_chunk=policy.block_chunk)
 
 
 def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
-                    docs: bool = True, acts: Activations | None = None) -> float:
+                    docs: bool = True, acts: ActivationEstimate | None = None) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
     backward and one block's backward, which holds at once
 
@@ -240,7 +211,7 @@ def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, 
     else:
         whole = t * (max(A, 1 - A) if policy.checkpoint == "selective" and A else 1)
         piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
-        post = 8 * d + 4 + e * d * (3 if e == 4 else 1) + 4 * e * m.ffn_dim  # norm, residual, mlp, out
+        post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
         piece_bytes = post + 2 * e * m.ffn_dim
         state = part["core"] + seq_out if policy.checkpoint == "full" else 0.0
     back = 0.0
@@ -286,7 +257,7 @@ def _exposed(transfer_s: float, compute_s: float, hw: Hardware) -> float:
 
 def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, seq: int, batch: int,
              micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
-             acts: Activations | None = None, transient: float | None = None) -> Estimate:
+             acts: ActivationEstimate | None = None, transient: float | None = None) -> Estimate:
     """Cost of training `batch` global sequences of `seq` tokens per optimizer step under `layout`
     and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch."""
     e = hw.dtype_bytes
@@ -412,4 +383,4 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         if share > 0.15:
             bottleneck = f"compute ({100 * share:.0f}% recompute)"
     return Estimate(L, policy, micro_batch, grad_accum, seq, memory, host_per_node, comm, times, tps, mfu,
-                    bottleneck, not problems, problems, acts.source)
+                    bottleneck, not problems, problems)

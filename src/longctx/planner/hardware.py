@@ -180,19 +180,6 @@ def load_hardware(device: str | None, file: str | None = None, overrides: list[s
 # Calibration of this machine
 
 
-def _gemm_flops(size: int = 1024, seconds: float = 0.4) -> float:
-    import torch
-
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
-    return best
-
-
 def _attention_seconds(seq: int, heads: int, head_dim: int, docs: bool, repeats: int = 3) -> float:
     """Best time of one causal attention forward + backward (with 4 packed documents if docs)."""
     import torch
@@ -254,11 +241,13 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
     it (1 thread each), gloo all-to-all and ring-hop bandwidth between `world` local processes."""
     import torch
 
+    from ..metrics import measure_cpu_gemm_peak
+
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        gemm = _gemm_flops()
+        gemm = measure_cpu_gemm_peak(seconds=0.4)
         attn, bias_ns = _attention_flops()
     finally:
         torch.set_num_threads(threads)

@@ -85,7 +85,6 @@ class Request:
     loss_chunks: tuple[int, ...] = (0, 4096)
     block_chunks: tuple[int, ...] = (0, 16384)   # > 0 only with full / selective
     doc_mask: bool = True
-    layouts: list[Layout] | None = None  # evaluate only these (validation); None = search
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -103,10 +102,6 @@ class Request:
         bad = [c for c in self.checkpoints if c not in _POLICY_ORDER]
         if bad:
             raise ConfigError(f"unknown checkpoint policy {bad}; choose among none, full, selective.")
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch * self.seq
 
 
 @dataclass
@@ -188,7 +183,7 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
     t0 = time.perf_counter()
     hw, m = req.hardware, req.model
     pc = param_counts(m)
-    layouts = req.layouts if req.layouts is not None else candidate_layouts(req)
+    layouts = candidate_layouts(req)
     pols = policies(req)
     acts_cache: dict = {}
     results: list[Estimate] = []
@@ -221,7 +216,7 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
                     results.append(est)
     results.sort(key=_sort_key)
     res = PlanResult(req, results, evaluated, time.perf_counter() - t0)
-    if explain and not res.feasible and req.layouts is None:
+    if explain and not res.feasible:
         res.suggestions = suggest(req, res)
     return res
 
@@ -269,7 +264,9 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
     g = req.gpus
     for _ in range(6):
         g *= 2
-        if _first_feasible(req, gpus=g, batch=req.batch * g // req.gpus if req.batch else 0):
+        if g > req.gpus_per_node and g % req.gpus_per_node:
+            continue  # not whole nodes: Request would refuse it
+        if _first_feasible(req, gpus=g, batch=req.batch * g // req.gpus):
             out.append(f"{g} GPUs make it feasible")
             break
     seq = req.seq

@@ -118,7 +118,6 @@ def random_batch(cfg, n_docs: int = 6):
 
 
 def _worker(raw_cfg: dict, steps: int, warmup: int):
-    import torch
     import torch.distributed as dist
 
     from ..config import build_config
@@ -150,22 +149,18 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     counters = {d: v for d, v in counters.items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
-    out = {"rank": rank, "times": times, "counters": counters, "activations": None}
+    out = {"rank": rank, "times": times, "counters": counters}
     del model, opt
-    try:  # activation bytes this rank holds after the forward, measured as `longctx bench memory` does
-        from types import SimpleNamespace
+    # activation bytes this rank holds after the forward, measured as `longctx bench memory` does,
+    # on a model without FSDP (the accounting counts activations, not gathered parameters)
+    from ..memory.accounting import measure_activations
+    from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
 
-        from ..bench.memory import _build
-        from ..memory.accounting import measure_activations
-
-        mem = cfg.memory
-        bare = _build(cfg.model, mem.checkpoint, mem.offload_fraction,
-                      SimpleNamespace(skip_last=mem.offload_skip_last, loss_chunk=mem.loss_chunk),
-                      rt.dims, rt.mesh, torch.device("cpu"))
-        got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
-        out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
-    except (ImportError, AttributeError) as e:
-        out["activations_error"] = f"{type(e).__name__}: {e}"
+    bare = build_model(cfg.model, device="cpu", seed=SEED)
+    use_sequence_parallel_attention(bare, rt.dims, rt.mesh)
+    apply_memory(bare, cfg.memory, "cpu")
+    got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
+    out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
     return out
 
 
@@ -186,16 +181,11 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
         "step_s_measured": max(step_times), "step_s_predicted": est.step_s,
         "predicted_times": est.times,
         "activations_predicted": est.memory["activations"], "host_predicted": est.host_per_node / case.world,
-        "activations_source": est.activations_source,
     }
-    acts = [r.get("activations") for r in per_rank]
-    if all(a is not None for a in acts):
-        row["activations_measured"] = [a["device"] for a in acts]
-        row["host_measured"] = [a["host"] for a in acts]
-        row["activations_max_rel_error"] = max(abs(a - est.memory["activations"]) / est.memory["activations"]
-                                               for a in row["activations_measured"])
-    else:
-        row["activations_error"] = per_rank[0].get("activations_error")
+    row["activations_measured"] = [r["activations"]["device"] for r in per_rank]
+    row["host_measured"] = [r["activations"]["host"] for r in per_rank]
+    row["activations_max_rel_error"] = max(abs(a - est.memory["activations"]) / est.memory["activations"]
+                                           for a in row["activations_measured"])
     return row
 
 
