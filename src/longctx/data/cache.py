@@ -30,7 +30,7 @@ def cache_root() -> Path:
 
 def _fingerprint(corpus: str, tokenizer: str) -> dict:
     # exactly the files the build reads (a clear DataError for a missing or empty corpus)
-    root, files, _ = input_files(corpus)
+    root, files, _ = input_files(corpus, "data.corpus")
     h = hashlib.sha256()
     for f in files:
         s = f.stat()

@@ -130,23 +130,24 @@ def _read_parquet(path: Path, name: str, text_field: str, out: ReadResult) -> No
             _accept(value, "missing_text_field", out, f"{name}:{row}")
 
 
-def input_files(spec: str) -> tuple[Path, list[Path], int]:
+def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], int]:
     """(root, the files read_inputs reads for `spec`, sorted; files skipped for their suffix):
-    'stdlib', a directory (text, .jsonl and .parquet files; dotfiles skipped) or one file."""
+    'stdlib', a directory (text, .jsonl and .parquet files; dotfiles skipped) or one file.
+    `option` names the setting `spec` came from in errors (--input, data.corpus)."""
     if spec == "stdlib":
         return (*corpus_files("stdlib"), 0)
     p = Path(spec)
     if not p.exists():
-        raise DataError(f"input '{spec}' does not exist; pass a directory of text files, a .jsonl or "
-                        f".parquet file, or 'stdlib'.")
+        raise DataError(f"{option} '{spec}' does not exist: it is neither 'stdlib' nor an existing directory or "
+                        f"file; pass a directory of text files, a .jsonl or .parquet file, or 'stdlib'.")
     if not p.is_dir():
         return p.parent, [p], 0
     files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
     usable = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | STRUCTURED_SUFFIXES]
     if not usable:
         raise DataError(
-            f"input directory '{spec}' holds no usable file (text files with a suffix among "
-            f"{', '.join(sorted(TEXT_SUFFIXES))}, or .jsonl / .parquet); point --input at a directory "
+            f"{option} directory '{spec}' holds no usable file (text files with a suffix among "
+            f"{', '.join(sorted(TEXT_SUFFIXES))}, or .jsonl / .parquet); point {option} at a directory "
             f"with documents."
         )
     return p, usable, len(files) - len(usable)
