@@ -180,16 +180,30 @@ def _sort_key(e: Estimate):
 
 
 def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
+    """Every candidate, feasible ones ranked by predicted step time. keep_infeasible: when nothing
+    fits, rank the infeasible candidates too (by memory), for the table and the suggestions; when
+    something fits they are never estimated (the table lists feasible plans only)."""
     t0 = time.perf_counter()
+    acts_cache: dict = {}
+    results, evaluated = _evaluate(req, False, acts_cache)
+    if keep_infeasible and not results:
+        results, more = _evaluate(req, True, acts_cache)
+        evaluated += more
+    results.sort(key=_sort_key)
+    res = PlanResult(req, results, evaluated, time.perf_counter() - t0)
+    if explain and not res.feasible:
+        res.suggestions = suggest(req, res)
+    return res
+
+
+def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[list[Estimate], int]:
     hw, m = req.hardware, req.model
     pc = param_counts(m)
-    layouts = candidate_layouts(req)
     pols = policies(req)
-    acts_cache: dict = {}
     results: list[Estimate] = []
     evaluated = 0
-    for L in layouts:
-        # model states + gathered parameters alone: prune every policy of this layout if they do not fit
+    for L in candidate_layouts(req):
+        # model states alone: prune every policy of this layout if they do not fit
         static = 16 * pc["total"] / L.fsdp
         if static > hw.usable_memory_bytes and not keep_infeasible:
             continue
@@ -214,11 +228,7 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
                 evaluated += 1
                 if est.feasible or keep_infeasible:
                     results.append(est)
-    results.sort(key=_sort_key)
-    res = PlanResult(req, results, evaluated, time.perf_counter() - t0)
-    if explain and not res.feasible:
-        res.suggestions = suggest(req, res)
-    return res
+    return results, evaluated
 
 
 def _first_feasible(req: Request, **changes) -> Estimate | None:
