@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from .config_rules import RECOMPUTE_POLICIES, validate  # the rules live apart from the parsing
 from .errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -105,8 +106,9 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     steps: int = _opt(300, "optimizer steps")
-    batch_size: int = _opt(4, "sequences per micro-batch")
-    grad_accum: int = _opt(1, "micro-batches per optimizer step")
+    global_batch: int = _opt(4, "sequences per optimizer step over the whole job (every data-parallel rank and "
+                                "micro-batch together), so a config means the same training under any layout")
+    grad_accum: int = _opt(1, "micro-batches per optimizer step; each is global_batch / grad_accum sequences")
     seq_len: int = _opt(512, "tokens per sequence")
     lr: float = _opt(3e-3, "peak learning rate")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (cosine decay)")
@@ -144,14 +146,14 @@ class DataConfig:
 
 @dataclass
 class MemoryConfig:
-    checkpoint: str = _opt("none", "activation recomputation policy", choices=("none", "full", "selective"))
+    recompute: str = _opt("none", "activation recomputation policy", choices=RECOMPUTE_POLICIES)
     offload_fraction: float = _opt(0.0, "fraction of each block's saved tokens moved to host memory (needs "
-                                   "checkpoint=selective or full); 'auto' (selective) picks it from host-link "
+                                   "recompute=selective or full); 'auto' (with recompute=selective) picks it from host-link "
                                    "bandwidth, block forward time and free host memory", words=("auto",))
     offload_skip_last: int = _opt(1, "the last K blocks are never offloaded")
     block_chunk: int = _opt(0, "tokens per chunk of each block's token-wise stages (norms, projections, MLP; "
                             "FPDT-style), so their intermediates never exist for all of a rank's tokens; needs "
-                            "checkpoint=selective or full; 0 = whole blocks")
+                            "recompute=selective or full; 0 = whole blocks")
     loss_chunk: int = _opt(4096, "tokens per chunk of the LM head + cross-entropy when a rank holds more tokens "
                            "than this (logits [tokens, vocab] never exist); 0 = never chunk")
 
@@ -254,7 +256,20 @@ def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     return text
 
 
+# Keys that were renamed: the old spelling is refused with the new one in the message (a silent alias
+# would keep two names for one concept alive).
+RENAMED: dict[str, tuple[str, str]] = {
+    "memory.checkpoint": ("memory.recompute", "recomputation is memory.recompute; [checkpoint] is for saving"),
+    "train.batch_size": ("train.global_batch", "train.global_batch counts sequences per optimizer step over the "
+                                               "whole job, i.e. the old batch_size x grad_accum"),
+}
+
+
 def _lookup(section: str, name: str) -> dataclasses.Field:
+    if f"{section}.{name}" in RENAMED:
+        new, why = RENAMED[f"{section}.{name}"]
+        raise ConfigError(f"config key '{section}.{name}' was renamed to '{new}' ({why}); use --{new}=... "
+                          f"or '{new.split('.')[1]} = ...' under [{section}] in TOML.")
     if section not in SECTIONS:
         raise ConfigError(
             f"unknown config section '{section}'. Valid sections: {', '.join(SECTIONS)}." + _suggest(section, SECTIONS)
@@ -358,112 +373,6 @@ def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     cfg = Config(**sections)
     validate(cfg)
     return cfg
-
-
-def validate(cfg: Config) -> None:
-    """Reject impossible values and combinations; all problems are reported together."""
-    problems: list[str] = []
-    m, t, d, p, mem, ck, mt = cfg.model, cfg.train, cfg.data, cfg.parallel, cfg.memory, cfg.checkpoint, cfg.metrics
-
-    def positive(key, value):
-        if value <= 0:
-            problems.append(f"{key} must be positive, got {value}.")
-
-    for key in ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
-        positive(f"model.{key}", getattr(m, key))
-    positive("model.norm_eps", m.norm_eps)
-    positive("model.rope_theta", m.rope_theta)
-    positive("model.init_std", m.init_std)
-    if m.heads > 0 and m.kv_heads > 0 and m.heads % m.kv_heads:
-        problems.append(
-            f"model.heads ({m.heads}) must be divisible by model.kv_heads ({m.kv_heads}) for grouped-query "
-            f"attention; choose kv_heads among {[k for k in range(1, m.heads + 1) if m.heads % k == 0]}."
-        )
-    if m.head_dim < 0:
-        problems.append(f"model.head_dim must be 0 (= dim // heads) or positive, got {m.head_dim}.")
-    elif m.head_dim == 0 and m.heads > 0 and m.dim % m.heads:
-        problems.append(
-            f"model.dim ({m.dim}) must be divisible by model.heads ({m.heads}) when model.head_dim is 0; "
-            f"set model.head_dim explicitly or change dim/heads."
-        )
-    if m.heads > 0 and m.dim > 0 and m.resolved_head_dim % 2:
-        problems.append(f"the head size ({m.resolved_head_dim}) must be even for rotary embeddings.")
-    if m.rope_scaling == "llama3":
-        positive("model.rope_factor", m.rope_factor)
-        positive("model.rope_original_max_len", m.rope_original_max_len)
-        if not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
-            problems.append(
-                f"llama3 rope scaling needs 0 < model.rope_low_freq_factor ({m.rope_low_freq_factor}) "
-                f"< model.rope_high_freq_factor ({m.rope_high_freq_factor})."
-            )
-    if m.init_from and not m.init_from.startswith("hf:"):
-        problems.append(f"model.init_from must be '' or 'hf:DIR', got '{m.init_from}'.")
-
-    for key in ("steps", "batch_size", "grad_accum", "eval_batches"):
-        positive(f"train.{key}", getattr(t, key))
-    if t.seq_len < 2:
-        problems.append(f"train.seq_len must be at least 2, got {t.seq_len}.")
-    positive("train.lr", t.lr)
-    if not 0 <= t.min_lr_ratio <= 1:
-        problems.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}.")
-    if t.warmup_steps < 0:
-        problems.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}.")
-    if t.weight_decay < 0:
-        problems.append(f"train.weight_decay must be >= 0, got {t.weight_decay}.")
-    for key in ("beta1", "beta2"):
-        if not 0 <= getattr(t, key) < 1:
-            problems.append(f"train.{key} must be in [0, 1), got {getattr(t, key)}.")
-    positive("train.eps", t.eps)
-    if t.grad_clip < 0:
-        problems.append(f"train.grad_clip must be >= 0 (0 disables clipping), got {t.grad_clip}.")
-    if t.eval_interval < 0:
-        problems.append(f"train.eval_interval must be >= 0 (0 disables evaluation), got {t.eval_interval}.")
-    if t.seq_len > m.max_seq_len:
-        problems.append(
-            f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); raise model.max_seq_len "
-            f"or shorten the sequence."
-        )
-
-    if not 0 <= d.eval_fraction < 1:
-        problems.append(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}.")
-    if t.eval_interval and d.eval_fraction == 0:
-        problems.append("train.eval_interval is set but data.eval_fraction is 0: nothing is held out to evaluate on.")
-    if d.max_docs < 0:
-        problems.append(f"data.max_docs must be >= 0, got {d.max_docs}.")
-    if d.workers < 1:
-        problems.append(f"data.workers must be >= 1, got {d.workers}.")
-    if d.path and d.corpus != "stdlib":
-        problems.append(f"data.path ({d.path}) and data.corpus ({d.corpus}) are both set; a store already holds its "
-                        f"documents: set data.path to train from a store, or data.corpus to build one.")
-
-    degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}
-    for k, v in degrees.items():
-        if v == 0 or v < -1:
-            problems.append(f"parallel.{k} must be a positive degree or -1 (inferred), got {v}.")
-    if sum(v == -1 for v in degrees.values()) > 1:
-        problems.append(f"at most one parallel degree may be -1 (inferred); got {degrees}.")
-    if p.window < 0 or (p.window > 0 and p.ctx > 0 and p.ctx % p.window):
-        problems.append(f"parallel.window ({p.window}) must be 0 or divide parallel.ctx ({p.ctx}).")
-    if p.head > 0 and m.heads > 0 and m.heads % p.head:
-        problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
-
-    from .memory.policies import policy_problems
-
-    problems += policy_problems(mem.checkpoint, mem.offload_fraction, mem.block_chunk)
-    if mem.loss_chunk < 0:
-        problems.append(f"memory.loss_chunk must be >= 0 (0 = never chunk), got {mem.loss_chunk}.")
-    if mem.offload_skip_last < 0:
-        problems.append(f"memory.offload_skip_last must be >= 0, got {mem.offload_skip_last}.")
-    if ck.interval < 0 or ck.keep < 1:
-        problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
-
-    positive("metrics.log_interval", mt.log_interval)
-    if p.timeout_s <= 0:
-        problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")
-    if mt.peak_tflops < 0:
-        problems.append(f"metrics.peak_tflops must be >= 0 (0 = automatic), got {mt.peak_tflops}.")
-    if problems:
-        raise ConfigError(" ".join(problems))
 
 
 # ----------------------------------------------------------------------------------------------

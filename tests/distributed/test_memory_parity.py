@@ -68,7 +68,7 @@ def _rank_run(policies):
     for policy, fraction in policies:
         model = copy.deepcopy(base)
         use_sequence_parallel_attention(model, dims, mesh)
-        cfg.memory.checkpoint, cfg.memory.offload_fraction = policy, fraction
+        cfg.memory.recompute, cfg.memory.offload_fraction = policy, fraction
         apply_memory(model, cfg.memory, "cpu")
         # accounting (one forward + backward), then a clean gradient pass with comm counted
         measured = measure_activations(model, tokens, pos, doc, labels=labels)
@@ -141,7 +141,7 @@ def _losses_per_policy(args, run_dir):
     """10 training steps per policy, in one process (group): {policy: losses}."""
     out = {}
     for policy, fraction in POLICIES:
-        flags = [f"--memory.checkpoint={policy}", f"--memory.offload_fraction={fraction}"]
+        flags = [f"--memory.recompute={policy}", f"--memory.offload_fraction={fraction}"]
         cfg = load_config("configs/debug.toml", [*args, *flags, f"--train.run_dir={run_dir}/{policy}{fraction}"])
         out[(policy, fraction)] = train(cfg, log=lambda *a, **k: None).losses
     return out

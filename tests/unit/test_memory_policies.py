@@ -69,7 +69,7 @@ def test_offload_actually_moves_tensors_to_the_host_tier(reference):
 
 
 def test_offload_and_chunks_need_a_recomputing_policy():
-    with pytest.raises(ConfigError, match="needs memory.checkpoint = selective or full"):
+    with pytest.raises(ConfigError, match="needs memory.recompute = selective or full"):
         check_policy("none", 0.5)
     with pytest.raises(ConfigError, match="block_chunk = 64 needs"):
         check_policy("none", 0.0, 64)
@@ -137,11 +137,11 @@ def test_auto_fraction_follows_link_and_memory_limits():
 def test_offload_fraction_auto_in_config():
     from longctx.config import to_toml
 
-    cfg = load_config(overrides=["--memory.checkpoint=selective", "--memory.offload_fraction=auto"])
+    cfg = load_config(overrides=["--memory.recompute=selective", "--memory.offload_fraction=auto"])
     assert cfg.memory.offload_fraction == "auto"
     assert 'offload_fraction = "auto"' in to_toml(cfg)
     with pytest.raises(ConfigError, match="offload_fraction"):
-        load_config(overrides=["--memory.checkpoint=selective", "--memory.offload_fraction=sometimes"])
+        load_config(overrides=["--memory.recompute=selective", "--memory.offload_fraction=sometimes"])
 
 
 def test_chunked_full_recomputes_the_token_wise_stages_once_more(reference):

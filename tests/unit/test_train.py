@@ -56,7 +56,7 @@ def test_gradient_accumulation_equals_the_large_batch(tmp_path):
 
 def test_full_recompute_trains_identically(tmp_path):
     a = train(cfg_for(tmp_path / "a"), log=quiet).losses
-    b = train(cfg_for(tmp_path / "b", "--memory.checkpoint=full"), log=quiet).losses
+    b = train(cfg_for(tmp_path / "b", "--memory.recompute=full"), log=quiet).losses
     assert max(abs(x - y) for x, y in zip(a, b)) < 1e-6
 
 
@@ -77,7 +77,7 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
 
 
 def test_impossible_settings_are_refused_not_ignored(tmp_path):
-    with pytest.raises(ConfigError, match="needs memory.checkpoint = selective"):
+    with pytest.raises(ConfigError, match="needs memory.recompute = selective"):
         train(cfg_for(tmp_path, "--memory.offload_fraction=0.5"), log=quiet)
     with pytest.raises(ConfigError, match="model.vocab_size"):
         train(cfg_for(tmp_path, "--model.vocab_size=100"), log=quiet)

@@ -81,7 +81,7 @@ def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
     if dims is not None:
         use_sequence_parallel_attention(model, dims, mesh)
     chunk = args.block_chunk if policy != "none" else 0
-    apply_memory(model, MemoryConfig(checkpoint=policy, offload_fraction=fraction, offload_skip_last=args.skip_last,
+    apply_memory(model, MemoryConfig(recompute=policy, offload_fraction=fraction, offload_skip_last=args.skip_last,
                                      loss_chunk=args.loss_chunk, block_chunk=chunk), device.type)
     return model
 

@@ -37,10 +37,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..config_rules import memory_policy_problems
 from ..errors import ConfigError
 from .offload import HostOffloader
 
-POLICIES = ("none", "full", "selective")
 
 
 def _checkpointed(fn, *args):
@@ -123,50 +123,24 @@ def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, i
                        stored=round(fraction * x.shape[0] * x.shape[1]))
 
 
-def policy_problems(checkpoint_policy: str, offload_fraction, block_chunk: int = 0) -> list[str]:
-    """What is wrong with a memory policy, one sentence with its fix each (empty when it is fine).
-    offload_fraction may be the word 'auto' (MEMO's rule, for selective)."""
-    problems = []
-    if checkpoint_policy not in POLICIES:
-        problems.append(f"memory.checkpoint '{checkpoint_policy}' is not available; choose one of {POLICIES}.")
-    auto = offload_fraction == "auto"
-    if not auto and not 0 <= offload_fraction <= 1:
-        problems.append(f"memory.offload_fraction must be in [0, 1] or 'auto', got {offload_fraction}.")
-    elif (auto or offload_fraction > 0) and checkpoint_policy == "none":
-        problems.append(
-            f"memory.offload_fraction = {offload_fraction} needs memory.checkpoint = selective or full (got "
-            f"'none'): offload moves what a recomputing policy keeps to the host. Add --memory.checkpoint selective.")
-    elif auto and checkpoint_policy != "selective":
-        problems.append(
-            f"memory.offload_fraction = auto applies MEMO's rule, which is for memory.checkpoint = selective (got "
-            f"'{checkpoint_policy}'); with {checkpoint_policy} give a number (1.0 moves every block input to the host).")
-    if block_chunk < 0:
-        problems.append(f"memory.block_chunk must be >= 0 (0 = whole blocks), got {block_chunk}.")
-    elif block_chunk > 0 and checkpoint_policy == "none":
-        problems.append(
-            f"memory.block_chunk = {block_chunk} needs memory.checkpoint = selective or full (got 'none'): "
-            f"without recomputation every chunk's activations are kept anyway. Add --memory.checkpoint selective.")
-    return problems
-
-
-def check_policy(checkpoint_policy: str, offload_fraction: float, block_chunk: int = 0) -> None:
-    problems = policy_problems(checkpoint_policy, offload_fraction, block_chunk)
+def check_policy(recompute: str, offload_fraction: float, block_chunk: int = 0) -> None:
+    problems = memory_policy_problems(recompute, offload_fraction, block_chunk)
     if problems:
         raise ConfigError(" ".join(problems))
 
 
-def apply_memory_policy(layers: nn.ModuleList, checkpoint_policy: str, offload_fraction: float = 0.0,
+def apply_memory_policy(layers: nn.ModuleList, recompute: str, offload_fraction: float = 0.0,
                         offload_skip_last: int = 1, device="cpu", block_chunk: int = 0) -> HostOffloader | None:
     """Wrap every block's forward for the policy; returns the offloader when anything is offloaded.
     block_chunk: tokens per chunk of the token-wise stages (0 = all of a rank's tokens at once)."""
-    check_policy(checkpoint_policy, offload_fraction, block_chunk)
-    if checkpoint_policy == "none":
+    check_policy(recompute, offload_fraction, block_chunk)
+    if recompute == "none":
         return None
     offloader = HostOffloader(torch.device(device)) if offload_fraction > 0 else None
     offloaded = len(layers) - offload_skip_last
     for i, block in enumerate(layers):
         off = dict(offloader=offloader, index=i, fraction=offload_fraction) if offloader and i < offloaded else {}
-        if checkpoint_policy == "full":
+        if recompute == "full":
             forward = functools.partial(_full_forward, block=block, chunk=block_chunk, **off)
         elif off:
             forward = functools.partial(_offload_forward, block=block, chunk=block_chunk, **off)

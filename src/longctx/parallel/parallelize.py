@@ -63,7 +63,7 @@ def apply_memory(model, memory_cfg, device_type: str) -> None:
     fraction = memory_cfg.offload_fraction
     if fraction == "auto":
         raise ValueError("resolve memory.offload_fraction='auto' (memory/auto.py) before apply_memory()")
-    model.memory_offloader = apply_memory_policy(model.layers, memory_cfg.checkpoint, fraction,
+    model.memory_offloader = apply_memory_policy(model.layers, memory_cfg.recompute, fraction,
                                                  memory_cfg.offload_skip_last, device_type,
                                                  block_chunk=memory_cfg.block_chunk)
     model.loss_chunk = memory_cfg.loss_chunk

@@ -48,3 +48,11 @@ def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim
         if docs:
             out["ctx"]["ring_docs"] = (2 if backward else 1) * (ctx - 1) * batch * (seq // ctx) * DOC_ID_BYTES
     return out
+
+
+def fsdp_bytes_per_step(num_params: int, dims, grad_accum: int, gather_bytes: int) -> dict[str, float]:
+    """FSDP2 traffic per rank and optimizer step, as the metrics line reports it ({} on one rank)."""
+    shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate
+    if shard * replicas == 1:
+        return {}
+    return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes) * grad_accum}

@@ -1,0 +1,47 @@
+"""`longctx data build`: arguments and the command (cli.py only registers it)."""
+
+from __future__ import annotations
+
+from ..errors import UserError
+
+
+def _cmd_data(args, overrides) -> int:
+    if overrides:
+        raise UserError(f"unexpected arguments for longctx data {args.data}: {' '.join(overrides)}.")
+    from .build import BuildOptions, build_store
+
+    build_store(BuildOptions(
+        inputs=args.input, out=args.out, context=args.context, tokenizer=args.tokenizer, strategy=args.strategy,
+        dedup=args.dedup, workers=args.workers, text_field=args.text_field, eval_fraction=args.eval_fraction,
+        seed=args.seed, embed_model=args.embed_model, dedup_threshold=args.dedup_threshold, max_docs=args.max_docs,
+        append=args.append, progress=not args.no_progress, clusters=args.clusters,
+    ))
+    return 0
+
+
+def add_parser(sub) -> None:
+    data = sub.add_parser("data", help="build packed training data stores").add_subparsers(dest="data", required=True)
+    p = data.add_parser("build", help="read, dedup, tokenize, cluster and pack documents into a store for "
+                                      "`longctx train --data.path DIR`")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                   help="directories of text files, .jsonl or .parquet files, or 'stdlib'")
+    p.add_argument("--context", type=int, required=True, help="window length in tokens (= train.seq_len)")
+    p.add_argument("--out", required=True, help="the store directory")
+    p.add_argument("--tokenizer", default="byte", help="'byte' or PATH/tokenizer.json (default byte)")
+    p.add_argument("--strategy", default="datasculpt", choices=("datasculpt", "bfd", "concat"),
+                   help="packing strategy (default datasculpt)")
+    p.add_argument("--dedup", default="minhash", choices=("minhash", "exact", "none"),
+                   help="exact and near-duplicate removal (default minhash = exact + MinHash LSH)")
+    p.add_argument("--workers", type=int, default=2, help="processes / threads for the parallel stages (default 2)")
+    p.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column")
+    p.add_argument("--eval-fraction", type=float, default=0.02,
+                   help="documents held out (by name hash) as eval windows (default 0.02)")
+    p.add_argument("--seed", type=int, default=0, help="seed for embeddings and clustering")
+    p.add_argument("--embed-model", default="", help="a local sentence-transformers model directory "
+                                                     "(default: hashed n-gram TF-IDF + SVD, no download)")
+    p.add_argument("--dedup-threshold", type=float, default=0.8, help="MinHash Jaccard threshold (default 0.8)")
+    p.add_argument("--clusters", type=int, default=0, help="k-means clusters (default 0 = automatic)")
+    p.add_argument("--max-docs", type=int, default=0, help="read at most this many documents (0 = all)")
+    p.add_argument("--append", action="store_true", help="add the inputs to an existing store as a new part")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_cmd_data)

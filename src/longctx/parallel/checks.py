@@ -1,0 +1,28 @@
+"""Every layout problem of a config on a number of ranks, found before any process starts work.
+
+Used by the launcher (fail before torchrun starts workers), by each rank at start-up, and by the
+planner (is a predicted plan runnable?).
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .dims import ParallelDims
+from .sequence import check_divisible
+from .ulysses import check_heads
+
+
+def check_layout(cfg, world: int) -> ParallelDims:
+    """The validated degrees of `cfg` on `world` ranks, or a ConfigError naming what does not fit."""
+    dims = ParallelDims.from_config(cfg, world_size=world)
+    check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
+    check_divisible(cfg.train.seq_len, dims.ctx, dims.head)
+    dp = dims.dp_replicate * dims.dp_shard
+    t = cfg.train
+    if t.global_batch % (dp * t.grad_accum):
+        raise ConfigError(
+            f"train.global_batch ({t.global_batch} sequences per optimizer step) must split evenly into "
+            f"train.grad_accum ({t.grad_accum}) micro-batches over the data-parallel degree dp_replicate x "
+            f"dp_shard = {dims.dp_replicate} x {dims.dp_shard} = {dp}; use a multiple of {dp * t.grad_accum}."
+        )
+    return dims

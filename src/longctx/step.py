@@ -1,0 +1,73 @@
+"""The pieces of one training step that the loop, the planner's validation and the benchmarks share.
+
+Seeding, device and precision choice, the learning-rate schedule, the optimizer, the loss forward
+and gradient clipping. Nothing here knows about runs, data stores, metrics or checkpoints: that is
+the training loop's business (train.py), and the planner must be able to measure a step without it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import torch
+
+from .errors import ConfigError
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=auto or cpu.")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at the last step (step is 0-based)."""
+    t = cfg.train
+    if t.warmup_steps and step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    decay_steps = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+    floor = t.lr * t.min_lr_ratio
+    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms)."""
+    t = cfg.train
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """The summed loss over the batch's valid label tokens (the caller normalises)."""
+    with torch.autocast(device_type=batch.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction="sum")
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm (over all shards) and clipping to max_norm (0 = no clipping)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients: the norm is a partial result
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return float(norm)
