@@ -3,7 +3,7 @@ and without chunks, beside the planner's predicted peak (saved activations + tra
 set + parameter gradients). Each case runs in a fresh process; peak = ru_maxrss during the step
 minus the RSS before it (large tensors are mmap'd by glibc, so RSS follows live memory).
 
-    python benchmarks/block_chunk.py [--preset small-100m --layers 2 --seq 16384 --chunk 2048]
+    python benchmarks/block_chunk.py [--preset small-100m --layers 2 --seq-len 16384 --chunk 2048]
 
 Prints one JSON document (docs/block_chunk_<date>.json holds a run).
 """
@@ -40,7 +40,7 @@ def run_case(a) -> dict:
     apply_memory_policy(model.layers, a.policy, a.fraction, offload_skip_last=1, block_chunk=a.chunk)
     model.loss_chunk = 4096
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (1, a.seq), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (1, a.seq_len), generator=g)
     times = []
     for step in range(a.steps + 1):
         before = _rss_bytes()
@@ -53,8 +53,8 @@ def run_case(a) -> dict:
             first = peak - before if peak > peak_before else None
         model.zero_grad(set_to_none=False)
     pol = Policy(a.policy, a.fraction, 1, 4096, a.chunk)
-    acts = activations(cfg, a.seq, 1, Layout(), pol, 4, docs=False)
-    transient = transient_bytes(cfg, a.seq, 1, Layout(), pol, 4, docs=False)
+    acts = activations(cfg, a.seq_len, 1, Layout(), pol, 4, docs=False)
+    transient = transient_bytes(cfg, a.seq_len, 1, Layout(), pol, 4, docs=False)
     grads = sum(p.numel() for p in model.parameters()) * 4
     return {"policy": a.policy, "offload_fraction": a.fraction, "block_chunk": a.chunk,
             "peak_delta_bytes": first, "step_s": sorted(times[1:])[len(times[1:]) // 2],
@@ -66,7 +66,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="small-100m")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=16384)
+    p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--steps", type=int, default=2, help="timed steps after the first")
     p.add_argument("--case", nargs=3, metavar=("POLICY", "FRACTION", "CHUNK"), help=argparse.SUPPRESS)
@@ -78,7 +78,7 @@ def main():
     rows = []
     for policy, fraction in CASES:
         for chunk in (0, a.chunk):
-            cmd = [sys.executable, __file__, "--preset", a.preset, "--layers", str(a.layers), "--seq", str(a.seq),
+            cmd = [sys.executable, __file__, "--preset", a.preset, "--layers", str(a.layers), "--seq-len", str(a.seq_len),
                    "--steps", str(a.steps), "--case", policy, str(fraction), str(chunk)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -92,7 +92,7 @@ def main():
             r["peak_ratio_to_unchunked"] = r["peak_delta_bytes"] / base["peak_delta_bytes"]
         r["step_time_ratio_to_unchunked"] = r["step_s"] / base["step_s"]
     print(json.dumps({"bench": "block_chunk", "date": str(date.today()), "machine": platform.machine(),
-                      "cpus": os.cpu_count(), "preset": a.preset, "layers": a.layers, "seq": a.seq,
+                      "cpus": os.cpu_count(), "preset": a.preset, "layers": a.layers, "seq_len": a.seq_len,
                       "chunk": a.chunk, "rows": rows}, indent=2))
 
 

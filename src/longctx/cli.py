@@ -52,7 +52,8 @@ def _cmd_train(args, overrides) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    from .train import check_layout, train
+    from .parallel.checks import check_layout
+    from .train import train
 
     if launching and nproc > 1:
         check_layout(cfg, nproc)  # fail fast, before any process starts

@@ -9,8 +9,8 @@ import pytest
 
 @pytest.mark.parametrize("layout", [[], ["--head=2", "--ctx=2"]])
 def test_bench_memory_reports_every_policy_within_5_percent(layout):
-    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--seq=256", "--batch=2", "--docs=3",
-                          "--time-steps=1", *layout], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--seq-len=256", "--micro-batch=2",
+                          "--docs=3", "--time-steps=1", *layout], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads(out.stdout)
     (result,) = doc["results"]
@@ -25,3 +25,12 @@ def test_bench_memory_reports_every_policy_within_5_percent(layout):
     assert dev["none"] > dev["selective"] > dev["full"] > dev["offload1.0"] == dev["offload0.5"] == 0
     assert pol["offload1.0"]["measured_total_host_bytes"] > pol["offload0.5"]["measured_total_host_bytes"] > 0
     assert all(v["step_s"] > 0 for v in pol.values())
+
+
+@pytest.mark.parametrize("bench,old,new", [("memory", "--seq", "--seq-len"), ("attention", "--seq", "--seq-len"),
+                                           ("train", "--seqs", "--seq-len"), ("memory", "--batch", "--micro-batch")])
+def test_renamed_bench_flags_are_refused_naming_the_new_one(bench, old, new):
+    """An old flag must not be taken as an abbreviation of the new one (argparse would accept --seq for --seq-len)."""
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", bench, old, "256"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and f"{old} was renamed to {new}" in out.stderr, out.stderr

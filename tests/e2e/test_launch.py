@@ -20,7 +20,7 @@ def test_impossible_layouts_fail_before_launch():
         (["--nproc", "4", "--parallel.head", "3"], "model.heads (4) must be divisible by parallel.head (3)"),
         (["--parallel.ctx", "3", "--nproc", "4"], "not divisible by the product of the given degrees"),
         (["--nproc", "4", "--parallel.ctx", "4", "--train.seq_len", "100"], "not divisible by 2 x ctx x head"),
-        (["--nproc", "2", "--parallel.dp_shard", "2", "--train.batch_size", "3"], "divisible by the data-parallel"),
+        (["--nproc", "2", "--parallel.dp_shard", "2", "--train.global_batch", "3"], "split evenly into"),
     ]:
         t0 = time.time()
         r = longctx("train", *args)

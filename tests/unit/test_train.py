@@ -7,12 +7,13 @@ import pytest
 from longctx.config import load_config
 from longctx.errors import ConfigError, TrainingError
 from longctx.metrics import read_jsonl, train_flops_per_token
-from longctx.train import lr_at, train
+from longctx.step import lr_at
+from longctx.train import train
 
 
 def cfg_for(tmp_path, *extra):
     return load_config(overrides=[
-        f"--train.run_dir={tmp_path}", "--train.steps=12", "--train.seq_len=64", "--train.batch_size=4",
+        f"--train.run_dir={tmp_path}", "--train.steps=12", "--train.seq_len=64", "--train.global_batch=4",
         "--train.warmup_steps=3", "--train.eval_interval=6", "--train.eval_batches=2", "--data.max_docs=120",
         "--data.eval_fraction=0.1", "--metrics.log_interval=4", "--metrics.progress=false", "--metrics.plots=false",
         "--model.layers=2", *extra,
@@ -47,9 +48,9 @@ def test_same_seed_same_losses_other_seed_other_losses(tmp_path):
 
 
 def test_gradient_accumulation_equals_the_large_batch(tmp_path):
-    """batch 4 x accum 1 == batch 2 x accum 2 == batch 1 x accum 4, with uneven valid tokens per micro-batch."""
-    runs = [train(cfg_for(tmp_path / f"r{bs}", f"--train.batch_size={bs}", f"--train.grad_accum={4 // bs}"),
-                  log=quiet).losses for bs in (4, 2, 1)]
+    """global batch 4 as 1, 2 or 4 micro-batches (of 4, 2, 1 sequences), with uneven valid tokens per micro-batch."""
+    runs = [train(cfg_for(tmp_path / f"r{accum}", "--train.global_batch=4", f"--train.grad_accum={accum}"),
+                  log=quiet).losses for accum in (1, 2, 4)]
     for other in runs[1:]:
         assert max(abs(x - y) for x, y in zip(runs[0], other)) < 1e-5
 
@@ -63,7 +64,7 @@ def test_full_recompute_trains_identically(tmp_path):
 def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
     import longctx.train as t
 
-    real = t._forward_sum
+    real = t.forward_loss_sum
     calls = {"n": 0}
 
     def poisoned(model, batch, autocast_dtype):
@@ -71,7 +72,7 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
         out = real(model, batch, autocast_dtype)
         return out * float("nan") if calls["n"] == 5 else out
 
-    monkeypatch.setattr(t, "_forward_sum", poisoned)
+    monkeypatch.setattr(t, "forward_loss_sum", poisoned)
     with pytest.raises(TrainingError, match="at step 5"):
         train(cfg_for(tmp_path), log=quiet)
 

@@ -17,15 +17,17 @@ import time
 
 import torch
 
+from ..cli_flags import renamed_flag
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _inputs(args, seed=0):
     gen = torch.Generator().manual_seed(seed)
     dtype = DTYPES[args.dtype]
-    q = torch.randn(args.batch, args.seq, args.heads, args.head_dim, generator=gen).to(dtype)
-    k = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=gen).to(dtype)
-    v = torch.randn(args.batch, args.seq, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    q = torch.randn(args.micro_batch, args.seq_len, args.heads, args.head_dim, generator=gen).to(dtype)
+    k = torch.randn(args.micro_batch, args.seq_len, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    v = torch.randn(args.micro_batch, args.seq_len, args.kv_heads, args.head_dim, generator=gen).to(dtype)
     return q, k, v
 
 
@@ -126,7 +128,7 @@ def run(args) -> dict:
 
     if args.head * args.ctx != args.world:
         raise SystemExit(f"--head {args.head} x --ctx {args.ctx} must equal --world {args.world}")
-    check_divisible(args.seq, args.ctx, args.head)
+    check_divisible(args.seq_len, args.ctx, args.head)
     check_heads(args.heads, args.kv_heads, args.head)
     ranks = run_spawned(args.world, _rank_worker, args, threads=args.threads)
     # The reference alone on the machine, and `world` copies of it at once: with more ranks than
@@ -134,7 +136,7 @@ def run(args) -> dict:
     single = _single_process(args)
     loaded = run_spawned(args.world, _single_process, args, threads=args.threads)
     simulated = _simulated(args)
-    expected = attention_bytes(seq=args.seq, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
+    expected = attention_bytes(seq=args.seq_len, batch=args.micro_batch, heads=args.heads, kv_heads=args.kv_heads,
                                head_dim=args.head_dim, head=args.head, ctx=args.ctx,
                                elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size())
 
@@ -147,7 +149,7 @@ def run(args) -> dict:
     loaded_cpu = sum(r["fwd_cpu_s"] + r["bwd_cpu_s"] for r in loaded) / len(loaded)
     return {
         "bench": "attention",
-        "config": {k: getattr(args, k) for k in ("world", "head", "ctx", "window", "placement", "seq", "batch",
+        "config": {k: getattr(args, k) for k in ("world", "head", "ctx", "window", "placement", "seq_len", "micro_batch",
                                                   "heads", "kv_heads", "head_dim", "causal", "dtype", "threads",
                                                   "repeats")},
         "per_rank": ranks,
@@ -172,8 +174,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", type=int, default=2)
     p.add_argument("--window", type=int, default=0)
     p.add_argument("--placement", default="head-first", choices=("head-first", "ctx-first"))
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per attention call")
+    renamed_flag(p, "--seq", "--seq-len", "sequence length is seq_len everywhere")
+    renamed_flag(p, "--batch", "--micro-batch")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)

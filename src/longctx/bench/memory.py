@@ -19,6 +19,8 @@ from datetime import date
 
 import torch
 
+from ..cli_flags import renamed_flag
+
 POLICIES = {
     "none": ("none", 0.0),
     "full": ("full", 0.0),
@@ -32,8 +34,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="debug", help="model shape (config.py presets)")
     p.add_argument("--layers", type=int, default=3, help="blocks to build (0 = the preset's); per-block bytes "
                                                           "do not depend on it")
-    p.add_argument("--seq", default="8192", help="comma-separated sequence lengths")
-    p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--seq-len", default="8192", help="comma-separated sequence lengths (tokens)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    renamed_flag(p, "--seq", "--seq-len", "sequence length is seq_len everywhere")
+    renamed_flag(p, "--batch", "--micro-batch")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)}, "
                                                                    f"offloadA (selective) or fulloffloadA (full) "
                                                                    f"for any fraction A")
@@ -144,7 +148,7 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
     if args.layers:
         shape["layers"] = args.layers
     model_cfg = ModelConfig(preset=args.preset, **shape)
-    inputs = _batch(model_cfg.vocab_size, seq, args.batch, args.docs, device)
+    inputs = _batch(model_cfg.vocab_size, seq, args.micro_batch, args.docs, device)
     if mesh is not None:
         inputs = [None if t is None else shard_sequence(t, mesh) for t in inputs]
     head, ctx = (dims.head, dims.ctx) if dims is not None else (1, 1)
@@ -153,7 +157,7 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         policy, fraction = _policy(name)
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
         measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
-        est = estimate_activations(model_cfg, seq, args.batch, head=head, ctx=ctx, policy=policy,
+        est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=policy,
                                    offload_fraction=fraction, offload_skip_last=args.skip_last, dtype_bytes=4,
                                    loss_chunk=args.loss_chunk, docs=args.docs > 1,
                                    block_chunk=args.block_chunk if policy != "none" else 0).to_dict()
@@ -184,8 +188,8 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         for entry in out.values():
             if base:
                 entry["step_time_ratio_to_none"] = entry["step_s"] / base
-    return {"seq": seq, "tokens_per_rank": tokens, "model": model_cfg.preset, "layers_built": model_cfg.layers,
-            "published_per_layer_16bit": published_formulas(model_cfg, seq, args.batch, head * ctx),
+    return {"seq_len": seq, "tokens_per_rank": tokens, "model": model_cfg.preset, "layers_built": model_cfg.layers,
+            "published_per_layer_16bit": published_formulas(model_cfg, seq, args.micro_batch, head * ctx),
             "policies": out}
 
 
@@ -235,7 +239,7 @@ def _rank_measure(args, seq):
 
 def main(args) -> int:
     results = []
-    for seq in (int(s) for s in args.seq.split(",")):
+    for seq in (int(s) for s in args.seq_len.split(",")):
         world = args.head * args.ctx
         if world > 1:
             from ..parallel.spawn import run_spawned
@@ -253,7 +257,7 @@ def main(args) -> int:
     doc = {
         "benchmark": "memory", "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__, "device": "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu",
-        "preset": args.preset, "batch": args.batch, "layout": {"head": args.head, "ctx": args.ctx},
+        "preset": args.preset, "micro_batch": args.micro_batch, "layout": {"head": args.head, "ctx": args.ctx},
         "skip_last": args.skip_last, "docs": args.docs, "results": results,
     }
     if args.max_seq:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..cli_flags import renamed_flag
+
 LAYOUTS = {
     "single": (1, []),
     "ctx4": (4, ["--parallel.ctx=4"]),
@@ -27,21 +29,21 @@ LAYOUTS = {
 }
 
 
-def run_one(preset: str, seq: int, layout: str, steps: int, batch: int) -> dict:
+def run_one(preset: str, seq: int, layout: str, steps: int, global_batch: int) -> dict:
     nproc, args = LAYOUTS[layout]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "longctx", "train", f"--nproc={nproc}", f"--model.preset={preset}",
-               f"--train.seq_len={seq}", f"--train.batch_size={batch}", f"--train.steps={steps}",
+               f"--train.seq_len={seq}", f"--train.global_batch={global_batch}", f"--train.steps={steps}",
                "--train.eval_interval=0", "--train.warmup_steps=1", "--metrics.log_interval=1",
                "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=400", f"--train.run_dir={tmp}",
                *args]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode:
-            return {"preset": preset, "seq": seq, "layout": layout, "error": r.stderr[-1500:]}
+            return {"preset": preset, "seq_len": seq, "layout": layout, "error": r.stderr[-1500:]}
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     timed = [x for x in records if x["kind"] == "train" and x["step"] > 1] or records[-1:]
     mean = lambda k: sum(x[k] for x in timed) / len(timed)  # noqa: E731
-    return {"preset": preset, "seq": seq, "layout": layout, "world": nproc, "steps_timed": len(timed),
+    return {"preset": preset, "seq_len": seq, "layout": layout, "world": nproc, "steps_timed": len(timed),
             "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu") if timed[0].get("mfu") is not None else None,
             "memory_gib_max": max(x["memory_gib"] for x in timed), "loss_last": timed[-1]["loss"],
             "comm_bytes_per_step": timed[-1].get("comm_bytes_per_step", {})}
@@ -49,18 +51,20 @@ def run_one(preset: str, seq: int, layout: str, steps: int, batch: int) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presets", default="debug", help="comma-separated model presets")
-    p.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
+    p.add_argument("--seq-len", default="4096,8192", help="comma-separated sequence lengths (tokens)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     p.add_argument("--steps", type=int, default=3, help="steps per run; the first is a warm-up")
-    p.add_argument("--batch", type=int, default=2, help="global sequences per step")
+    p.add_argument("--global-batch", type=int, default=2, help="sequences per optimizer step over the whole job")
+    renamed_flag(p, "--seqs", "--seq-len", "sequence length is seq_len everywhere")
+    renamed_flag(p, "--batch", "--global-batch")
 
 
 def main(args) -> int:
     rows = []
     for preset in args.presets.split(","):
-        for seq in map(int, args.seqs.split(",")):
+        for seq in map(int, args.seq_len.split(",")):
             for layout in args.layouts.split(","):
-                row = run_one(preset, seq, layout, args.steps, args.batch)
+                row = run_one(preset, seq, layout, args.steps, args.global_batch)
                 print(json.dumps(row), file=sys.stderr, flush=True)  # progress
                 rows.append(row)
     print(json.dumps({"bench": "train", "rows": rows, "machine": {

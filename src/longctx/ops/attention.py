@@ -13,9 +13,10 @@ Masks: `causal` is the lower-triangular mask of a square block (query i sees key
 `q_doc` / `k_doc` are document ids per position ([batch, seq]); a query attends only to keys of
 the same document. A query row that sees no key at all returns 0 with lse = -inf.
 
-Backends: "sdpa" uses PyTorch's fused SDPA kernels that return the lse (the flash kernel for CPU,
-the efficient-attention kernel on CUDA, which also takes a bias for document masks); "math" is a
-plain-PyTorch reference in fp32, used for testing and as the fallback.
+Backends, named after what they call: "flash" calls PyTorch's fused attention kernels that return
+the lse (`_scaled_dot_product_flash_attention_for_cpu` on CPU; on CUDA, for now, the
+memory-efficient kernel, which also takes a bias for document masks); "math" is a plain-PyTorch
+reference in fp32 (matmul, softmax), used for testing and as the fallback.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _math_backward(dout, q, k, v, out, lse, mask, scale, dlse=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# sdpa backend: PyTorch's fused kernels
+# flash backend: PyTorch's fused flash-attention kernels (CUDA: its memory-efficient kernel for now)
 
 
 def _additive(mask, dtype, b, h, sq, sk):
@@ -137,7 +138,7 @@ def _additive(mask, dtype, b, h, sq, sk):
     return bias.expand(b, h, sq, sk)
 
 
-def _sdpa_forward(q, k, v, causal, mask, scale, has_docs):
+def _flash_forward(q, k, v, causal, mask, scale, has_docs):
     # The kernels apply a plain causal mask themselves; document masks go in as an additive bias
     # (which then carries the causal part too).
     h = q.shape[2]
@@ -164,7 +165,7 @@ def _sdpa_forward(q, k, v, causal, mask, scale, has_docs):
     return _to_bhsd(out), lse
 
 
-def _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale, has_docs):
+def _flash_backward(dout, q, k, v, out, lse, causal, mask, scale, has_docs):
     h, kvh = q.shape[2], k.shape[2]
     b, sq, _, _ = q.shape
     sk = k.shape[1]
@@ -199,18 +200,18 @@ def _cuda_efficient_backward(dot, qt, kt, vt, bias, ot, lse, is_causal, scale):
 # ----------------------------------------------------------------------------------------------
 # Public API
 
-BACKENDS = ("sdpa", "math")
+BACKENDS = ("flash", "math")
 
 
 def _resolve(backend: str, q: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend '{backend}'; choose one of {BACKENDS}")
-    if backend == "sdpa" and q.device.type not in ("cpu", "cuda"):
+    if backend == "flash" and q.device.type not in ("cpu", "cuda"):
         return "math"
     return backend
 
 
-def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=None, backend="sdpa"):
+def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=None, backend="flash"):
     """Forward only: (out [b, sq, h, d] in q's dtype, lse [b, h, sq] fp32). No autograd graph."""
     _check(q, k, v, q_doc, k_doc)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -219,11 +220,11 @@ def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=Non
     with torch.no_grad():
         if backend == "math":
             return _math_forward(q, k, v, mask, scale)
-        return _sdpa_forward(q, k, v, causal, mask, scale, q_doc is not None)
+        return _flash_forward(q, k, v, causal, mask, scale, q_doc is not None)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_doc=None, scale=None,
-                       backend="sdpa", dlse=None):
+                       backend="flash", dlse=None):
     """Gradients (dq, dk, dv) of one attention from its output and the lse to normalise with.
 
     `out` and `lse` may be the *global* output and lse of a larger attention this call is one block
@@ -237,7 +238,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_do
     with torch.no_grad():
         if backend == "math":
             return _math_backward(dout, q, k, v, out, lse, mask, scale, dlse)
-        return _sdpa_backward(dout, q, k, v, out, lse, causal, mask, scale, q_doc is not None)
+        return _flash_backward(dout, q, k, v, out, lse, causal, mask, scale, q_doc is not None)
 
 
 class _Attention(torch.autograd.Function):
@@ -260,7 +261,7 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def attention(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=None, backend="sdpa"):
+def attention(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=None, backend="flash"):
     """Differentiable attention returning (out, lse); gradients flow through both."""
     _check(q, k, v, q_doc, k_doc)
     return _Attention.apply(q, k, v, q_doc, k_doc, causal, scale, backend)

@@ -43,7 +43,7 @@ def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:
                          f"got {tuple(doc_ids.shape)}; shard them with shard_sequence like the tokens.")
 
 
-def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=None, window=0, backend="sdpa"):
+def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=None, window=0, backend="flash"):
     """Exact attention over the sequence sharded across the head x ctx ranks of `mesh`.
 
     q, k, v: this rank's shards [batch, local_seq, heads, head_dim] (k, v with kv heads) in the

@@ -257,12 +257,12 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, mesh, *, doc=None, window=0, causal=True, scale=None, backend="sdpa"):
+def ring_attention(q, k, v, mesh, *, doc=None, window=0, causal=True, scale=None, backend="flash"):
     """Differentiable ring attention over the 1-D context mesh; q/k/v are this rank's zigzag shards."""
     return RingAttention.apply(q, k, v, doc, mesh, window, causal, scale, backend)
 
 
-def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale=None, backend="sdpa",
+def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale=None, backend="flash",
                   dout=None):
     """Every context rank's block schedule run in ONE process, without communication.
 
