@@ -1,16 +1,16 @@
 """Data pipeline benchmarks (JSON lines on stdout).
 
 1. `--quality`: packing quality of concat / bfd / datasculpt on the standard-library corpus at the
-   given contexts (byte tokenizer, minhash dedup): fill rate, split fraction, homogeneity (mean
-   within-window cosine of the TF-IDF/SVD document embeddings), documents per window.
+   given sequence lengths (byte tokenizer, minhash dedup): fill rate, split fraction, homogeneity (mean
+   within-sample cosine of the TF-IDF/SVD document embeddings), documents per sample.
 2. `--throughput`: a full `longctx data build` of the stdlib corpus, MB/s of raw text per stage
    with the given workers (from the manifest).
 3. `--balance`: max/mean data-parallel cost imbalance of global batches drawn from a store, with
    and without the Karmarkar-Karp permutation.
 
-    nice python benchmarks/data_pipeline.py --quality --contexts 8192 32768
-    nice python benchmarks/data_pipeline.py --throughput --context 8192 --workers 2
-    nice python benchmarks/data_pipeline.py --balance --context 8192 --dp 4 --batch 16
+    nice python benchmarks/data_pipeline.py --quality --seq-lens 8192 32768
+    nice python benchmarks/data_pipeline.py --throughput --seq-len 8192 --workers 2
+    nice python benchmarks/data_pipeline.py --balance --seq-len 8192 --dp 4 --batch 16
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ import shutil
 import tempfile
 import time
 
-import numpy as np
 
-
-def quality(contexts, strategies, seed=0):
+def quality(seq_lens, strategies, seed=0):
     from longctx.data.cluster import cluster
     from longctx.data.dedup import deduplicate
     from longctx.data.embed import embed
@@ -41,35 +39,35 @@ def quality(contexts, strategies, seed=0):
     tk = tokenize(texts, ByteTokenizer())
     emb = embed(texts, seed=seed)
     lengths = tk.lengths
-    for ctx in contexts:
+    for seq_len in seq_lens:
         t0 = time.perf_counter()
-        clusters = cluster(emb, lengths, ctx, seed=seed)
+        clusters = cluster(emb, lengths, seq_len, seed=seed)
         t_cluster = time.perf_counter() - t0
         for s in strategies:
             t0 = time.perf_counter()
-            p = pack(s, lengths, ctx, emb, clusters, tk.breaks, tk.strong)
+            p = pack(s, lengths, seq_len, emb, clusters, tk.breaks, tk.strong)
             dt = time.perf_counter() - t0
             st = packing_stats(p, len(lengths), emb)
-            print(json.dumps({"bench": "pack_quality", "context": ctx, "strategy": s, "documents": len(lengths),
+            print(json.dumps({"bench": "pack_quality", "seq_len": seq_len, "strategy": s, "documents": len(lengths),
                               "tokens": int(lengths.sum()), "clusters": int(clusters.max()) + 1,
                               "pack_s": round(dt, 3), "cluster_s": round(t_cluster, 3) if s == "datasculpt" else None,
                               **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in st.items()}}),
                   flush=True)
 
 
-def throughput(context, workers, strategy, dedup):
+def throughput(seq_len, workers, strategy, dedup):
     from longctx.data.build import BuildOptions, build_store
 
     out = tempfile.mkdtemp(prefix="longctx-bench-")
     try:
         t0 = time.perf_counter()
-        m = build_store(BuildOptions(["stdlib"], out + "/s", context, strategy=strategy, dedup=dedup, workers=workers,
+        m = build_store(BuildOptions(["stdlib"], out + "/s", seq_len, strategy=strategy, dedup=dedup, workers=workers,
                                      progress=False, eval_fraction=0.02), log=lambda *a: None)
         total = time.perf_counter() - t0
     finally:
         shutil.rmtree(out, ignore_errors=True)
     part = m["parts"][0]
-    print(json.dumps({"bench": "build_throughput", "context": context, "workers": workers, "strategy": strategy,
+    print(json.dumps({"bench": "build_throughput", "seq_len": seq_len, "workers": workers, "strategy": strategy,
                       "dedup": dedup, "raw_mb": round(part["counts"]["raw_bytes"] / 1e6, 2), "total_s": round(total, 2),
                       "total_mb_per_s": round(part["counts"]["raw_bytes"] / 1e6 / total, 2),
                       "stages": {k: {"seconds": v["seconds"], "mb_per_s": v["mb_per_s"]} for k, v in part["stages"].items()},
@@ -77,28 +75,28 @@ def throughput(context, workers, strategy, dedup):
           flush=True)
 
 
-def balance(context, dp, batch, batches, strategy):
+def balance(seq_len, dp, batch, batches, strategy):
     from longctx.config import load_config
     from longctx.data.build import BuildOptions, build_store
     from longctx.data.balance import balanced_order, imbalance
-    from longctx.data.loader import PackedWindows, cost_coefficients
-    from longctx.data.windows import WindowSampler
+    from longctx.data.loader import PackedSamples, cost_coefficients
+    from longctx.data.samples import SampleOrder
 
     out = tempfile.mkdtemp(prefix="longctx-bench-")
     try:
-        build_store(BuildOptions(["stdlib"], out + "/s", context, strategy=strategy, dedup="exact", workers=2,
+        build_store(BuildOptions(["stdlib"], out + "/s", seq_len, strategy=strategy, dedup="exact", workers=2,
                                  progress=False, stats=False), log=lambda *a: None)
-        w = PackedWindows(out + "/s")
+        w = PackedSamples(out + "/s")
         for preset in ("debug", "llama3-8b"):
             cost = cost_coefficients(load_config(overrides=[f"--model.preset={preset}"]).model)
-            sampler, c = WindowSampler(len(w), seed=0), w.costs(*cost)
-            drawn = [sampler.next_indices(batch) for _ in range(min(batches, len(w) // batch))]
+            order, c = SampleOrder(len(w), seed=0), w.costs(*cost)
+            drawn = [order.next_indices(batch) for _ in range(min(batches, len(w) // batch))]
             # the same permutation the training loader applies (BatchLoader.next_indices)
             unbal = sum(imbalance(i, c, dp) for i in drawn) / max(len(drawn), 1) or 1.0
             bal = sum(imbalance(balanced_order(i, c, dp), c, dp) for i in drawn) / max(len(drawn), 1) or 1.0
-            print(json.dumps({"bench": "dp_balance", "context": context, "strategy": strategy, "model": preset,
+            print(json.dumps({"bench": "dp_balance", "seq_len": seq_len, "strategy": strategy, "model": preset,
                               "dp": dp, "batch": batch, "batches": len(drawn),
-                              "window_cost_cv": round(float(c.std() / c.mean()), 4),
+                              "sample_cost_cv": round(float(c.std() / c.mean()), 4),
                               "imbalance_max_over_mean_unbalanced": round(unbal, 4),
                               "imbalance_max_over_mean_balanced": round(bal, 4)}), flush=True)
     finally:
@@ -110,9 +108,11 @@ def main():
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--throughput", action="store_true")
     ap.add_argument("--balance", action="store_true")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--strategies", nargs="+", default=["concat", "bfd", "datasculpt"])
-    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=8192)
+    # the flags' names before sequence length became seq_len everywhere: refused, naming the new ones
+    ap.add_argument("--context", "--contexts", dest="old_flag", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--strategy", default="datasculpt")
     ap.add_argument("--dedup", default="minhash")
@@ -120,12 +120,15 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--batches", type=int, default=200)
     a = ap.parse_args()
+    if a.old_flag is not None:
+        ap.error("--context and --contexts were renamed to --seq-len and --seq-lens (sequence length is seq_len "
+                 "everywhere).")
     if a.quality:
-        quality(a.contexts, a.strategies)
+        quality(a.seq_lens, a.strategies)
     if a.throughput:
-        throughput(a.context, a.workers, a.strategy, a.dedup)
+        throughput(a.seq_len, a.workers, a.strategy, a.dedup)
     if a.balance:
-        balance(a.context, a.dp, a.batch, a.batches, a.strategy)
+        balance(a.seq_len, a.dp, a.batch, a.batches, a.strategy)
 
 
 if __name__ == "__main__":

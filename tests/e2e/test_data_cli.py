@@ -22,7 +22,7 @@ def test_build_then_train_from_the_store(tmp_path):
     (src / "dup.py").write_text((src / "m5.py").read_text())
     (src / "bad.txt").write_bytes(b"\xff\xfe\xfa")
     out = tmp_path / "store"
-    r = longctx("data", "build", "--input", str(src), "--context", "128", "--out", str(out), "--workers", "2",
+    r = longctx("data", "build", "--input", str(src), "--seq-len", "128", "--out", str(out), "--workers", "2",
                 "--eval-fraction", "0.3", "--no-progress")
     assert r.returncode == 0, r.stderr
     for stage in ("read", "dedup", "tokenize", "embed", "cluster", "pack", "write"):
@@ -31,7 +31,7 @@ def test_build_then_train_from_the_store(tmp_path):
     assert m["totals"]["duplicates_removed"] == 1 and m["totals"]["files_skipped"] == 1
     run = tmp_path / "run"
     r = longctx("train", "--nproc", "1", f"--data.path={out}", "--train.seq_len=128", "--train.steps=4",
-                "--train.eval_interval=2", "--train.eval_batches=1", "--train.batch_size=2", "--model.layers=1", f"--train.run_dir={run}",
+                "--train.eval_interval=2", "--train.eval_batches=1", "--train.global_batch=2", "--model.layers=1", f"--train.run_dir={run}",
                 "--metrics.plots=false")
     assert r.returncode == 0, r.stderr
     assert "datasculpt, fill" in r.stdout and "eval loss" in r.stdout
@@ -39,9 +39,20 @@ def test_build_then_train_from_the_store(tmp_path):
 
 def test_bad_build_input_is_one_paragraph(tmp_path):
     (tmp_path / "empty").mkdir()
-    r = longctx("data", "build", "--input", str(tmp_path / "empty"), "--context", "64", "--out", str(tmp_path / "s"))
+    r = longctx("data", "build", "--input", str(tmp_path / "empty"), "--seq-len", "64", "--out", str(tmp_path / "s"))
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "holds no usable file" in " ".join(r.stderr.split())
     assert not (tmp_path / "s" / "manifest.json").exists()
     r = longctx("train", "--nproc", "1", f"--data.path={tmp_path / 'missing'}")
     assert r.returncode != 0 and "Traceback" not in r.stderr and "not a longctx data store" in " ".join(r.stderr.split())
+
+
+def test_the_old_context_flag_is_refused_naming_seq_len(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("hello\n")
+    for args in (["--context", "64"], ["--context=64", "--seq-len", "64"]):
+        r = longctx("data", "build", "--input", str(tmp_path / "in"), *args, "--out", str(tmp_path / "s"))
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert "--context was renamed to --seq-len" in " ".join(r.stderr.split())
+        assert "use --seq-len 64." in " ".join(r.stderr.split())
+        assert not (tmp_path / "s").exists()

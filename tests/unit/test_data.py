@@ -2,7 +2,7 @@ import pytest
 
 from longctx.data.corpus import corpus_files, read_documents, stdlib_root
 from longctx.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from longctx.data.windows import WindowSampler, is_eval_doc
+from longctx.data.samples import SampleOrder, is_eval_doc
 from longctx.errors import DataError
 
 
@@ -52,12 +52,12 @@ def test_hf_tokenizer_json(tmp_path):
 
 
 def test_sampler_is_seeded_covers_each_epoch_and_resumes_from_cursor():
-    a = WindowSampler(10, seed=3)
+    a = SampleOrder(10, seed=3)
     first = a.next_indices(10)
     assert sorted(first) == list(range(10))
-    assert first != WindowSampler(10, seed=4).next_indices(10)
+    assert first != SampleOrder(10, seed=4).next_indices(10)
     more = a.next_indices(7)
-    b = WindowSampler(10, seed=3)
+    b = SampleOrder(10, seed=3)
     b.load_state_dict({"cursor": 10})
     assert b.next_indices(7) == more
 
@@ -75,7 +75,7 @@ def test_eval_split_is_by_name_and_stable():
     import subprocess
     import sys
 
-    code = ("from longctx.data.windows import is_eval_doc; "
+    code = ("from longctx.data.samples import is_eval_doc; "
             "print(sorted(i for i in range(2000) if is_eval_doc(f'f{i}.py', 0.05)))")
     ids = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}

@@ -1,19 +1,20 @@
 """The build pipeline end to end on small synthetic inputs: reading and bad input, dedup, the store's
-exact token accounting for every strategy, append, crash safety."""
+exact token accounting for every strategy, append, crash safety, stores of the previous format."""
 
 import json
 import random
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from longctx.data import build as build_mod
 from longctx.data.build import BuildOptions, build_store
 from longctx.data.dedup import deduplicate
-from longctx.data.loader import PackedWindows
+from longctx.data.loader import BatchLoader, PackedSamples
 from longctx.data.readers import read_inputs
-from longctx.data.store import S_DOC, S_LENGTH, S_OFFSET, S_START, S_WINDOW, read_manifest
+from longctx.data.store import S_DOC, S_LENGTH, S_OFFSET, S_SAMPLE, S_START, VERSION as STORE_VERSION, read_manifest
 from longctx.data.tokenizer import ByteTokenizer
 from longctx.errors import DataError
 
@@ -34,10 +35,10 @@ def text_doc(rng, n_words):
     return "\n".join(lines) + "\n"
 
 
-def opts(inputs, out, context=256, **kw):
+def opts(inputs, out, seq_len=256, **kw):
     kw.setdefault("progress", False)
     kw.setdefault("workers", 1)
-    return BuildOptions(inputs=[str(i) for i in inputs], out=str(out), context=context, **kw)
+    return BuildOptions(inputs=[str(i) for i in inputs], out=str(out), seq_len=seq_len, **kw)
 
 
 def quiet(*_):
@@ -45,18 +46,18 @@ def quiet(*_):
 
 
 def store_documents(root):
-    """{doc id: tokens} rebuilt from the store's files: tokens of each segment read from its window,
+    """{doc id: tokens} rebuilt from the store's files: tokens of each segment read from its sample,
     pieces ordered by their start offset and required to tile the document."""
     m = read_manifest(root)
     pieces = {}
     for part in m["parts"]:
         for split in ("train", "eval"):
-            if not part["splits"][split]["windows"]:
+            if not part["splits"][split]["samples"]:
                 continue
             d = root / part["dir"]
             toks = np.load(d / f"{split}.tokens.npy")
             segs = np.load(d / f"{split}.segments.npy")
-            ptr = np.load(d / f"{split}.windows.npy")
+            ptr = np.load(d / f"{split}.samples.npy")
             assert ptr[-1] == len(segs) and len(ptr) == len(toks) + 1
             for w, off, n, doc, start in segs.tolist():
                 pieces.setdefault(doc, []).append((start, toks[w, off:off + n].tolist()))
@@ -189,10 +190,10 @@ def write_corpus(d, texts):
 
 
 @settings(max_examples=12, deadline=None)
-@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=25), context=st.sampled_from([32, 100, 256]),
+@given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=25), seq_len=st.sampled_from([32, 100, 256]),
        strategy=st.sampled_from(["concat", "bfd", "datasculpt"]), seed=st.integers(0, 1000),
        eval_fraction=st.sampled_from([0.0, 0.3]))
-def test_store_holds_each_surviving_document_exactly_once(tmp_path_factory, sizes, context, strategy, seed,
+def test_store_holds_each_surviving_document_exactly_once(tmp_path_factory, sizes, seq_len, strategy, seed,
                                                           eval_fraction):
     rng = random.Random(seed)
     texts = [text_doc(rng, n) for n in sizes]
@@ -200,7 +201,7 @@ def test_store_holds_each_surviving_document_exactly_once(tmp_path_factory, size
     base = tmp_path_factory.mktemp("prop")
     write_corpus(base / "in", texts)
     try:
-        m = build_store(opts([base / "in"], base / "store", context, strategy=strategy, dedup="exact",
+        m = build_store(opts([base / "in"], base / "store", seq_len, strategy=strategy, dedup="exact",
                              eval_fraction=eval_fraction), log=quiet)
     except DataError as e:  # a handful of documents can all hash into the eval split
         assert "every document landed in the eval split" in str(e)
@@ -213,24 +214,24 @@ def test_store_holds_each_surviving_document_exactly_once(tmp_path_factory, size
     assert m["totals"]["tokens"] == sum(len(e) for e in expected)
     assert m["totals"]["documents"] == len(distinct)
     assert m["totals"]["duplicates_removed"] == len(texts) - len(distinct)
-    # windows never overflow and segments are contiguous from offset 0
+    # samples never overflow and segments are contiguous from offset 0
     for part in m["parts"]:
         for split in ("train", "eval"):
-            if part["splits"][split]["windows"]:
+            if part["splits"][split]["samples"]:
                 segs = np.load(base / "store" / part["dir"] / f"{split}.segments.npy")
-                for w in np.unique(segs[:, S_WINDOW]):
-                    s = segs[segs[:, S_WINDOW] == w]
+                for w in np.unique(segs[:, S_SAMPLE]):
+                    s = segs[segs[:, S_SAMPLE] == w]
                     assert s[0, S_OFFSET] == 0 and (s[1:, S_OFFSET] == (s[:, S_OFFSET] + s[:, S_LENGTH])[:-1]).all()
-                    assert s[:, S_LENGTH].sum() <= context
+                    assert s[:, S_LENGTH].sum() <= seq_len
 
 
 def test_long_document_is_split_at_line_boundaries_and_counted(tmp_path):
     rng = random.Random(3)
-    long_doc = text_doc(rng, 1200)  # ~10x the context below
+    long_doc = text_doc(rng, 1200)  # ~10x the seq_len below
     write_corpus(tmp_path / "in", [long_doc, text_doc(rng, 20), text_doc(rng, 30)])
-    m = build_store(opts([tmp_path / "in"], tmp_path / "s", context=1024, strategy="bfd", dedup="none"), log=quiet)
-    assert m["parts"][0]["stages"]["tokenize"]["longer_than_context"] == 1
-    windows = PackedWindows(tmp_path / "s")
+    m = build_store(opts([tmp_path / "in"], tmp_path / "s", seq_len=1024, strategy="bfd", dedup="none"), log=quiet)
+    assert m["parts"][0]["stages"]["tokenize"]["longer_than_seq_len"] == 1
+    samples = PackedSamples(tmp_path / "s")
     tok = ByteTokenizer()
     ids = np.array(tok.encode(long_doc).tolist() + [tok.eos_id])
     assert len(ids) > 9 * 1024
@@ -238,8 +239,8 @@ def test_long_document_is_split_at_line_boundaries_and_counted(tmp_path):
     (doc,) = [d for d, t in got.items() if len(t) == len(ids)]
     # every piece but the last ends right after a newline
     ends = []
-    for i in range(len(windows)):
-        for seg in windows.segments(i):
+    for i in range(len(samples)):
+        for seg in samples.segments(i):
             if seg[S_DOC] == doc:
                 ends.append(seg[S_START] + seg[S_LENGTH])
     for e in sorted(ends)[:-1]:
@@ -264,9 +265,9 @@ def test_append_adds_a_part_and_skips_stored_duplicates(tmp_path):
     assert m["totals"]["documents"] == 13
     got = store_documents(tmp_path / "s")
     assert sorted(got) == list(range(13))  # document ids continue across parts
-    assert len(PackedWindows(tmp_path / "s")) == m["totals"]["train_windows"]
-    with pytest.raises(DataError, match="context 256"):
-        build_store(opts([tmp_path / "b"], tmp_path / "s", context=128, append=True), log=quiet)
+    assert len(PackedSamples(tmp_path / "s")) == m["totals"]["train_samples"]
+    with pytest.raises(DataError, match="seq_len 256"):
+        build_store(opts([tmp_path / "b"], tmp_path / "s", seq_len=128, append=True), log=quiet)
 
 
 def test_a_failed_build_never_looks_complete(tmp_path, monkeypatch):
@@ -280,7 +281,7 @@ def test_a_failed_build_never_looks_complete(tmp_path, monkeypatch):
         build_store(opts([tmp_path / "in"], tmp_path / "s"), log=quiet)
     assert not (tmp_path / "s" / "manifest.json").exists()
     with pytest.raises(DataError, match="unfinished build"):
-        PackedWindows(tmp_path / "s")
+        PackedSamples(tmp_path / "s")
     monkeypatch.undo()
     m = build_store(opts([tmp_path / "in"], tmp_path / "s"), log=quiet)  # a rerun cleans up and completes
     assert [p.name for p in sorted((tmp_path / "s").iterdir())] == ["manifest.json", "part-00000"]
@@ -292,13 +293,68 @@ def test_a_failed_build_never_looks_complete(tmp_path, monkeypatch):
     assert read_manifest(tmp_path / "s") == m
 
 
+# key names of version-1 manifests, written before "window" became "sample" and "context" "seq_len"
+V1_KEYS = {"seq_len": "context", "train_samples": "train_windows", "eval_samples": "eval_windows",
+           "samples": "windows", "docs_per_sample": "docs_per_window", "multi_doc_samples": "multi_doc_windows",
+           "longer_than_seq_len": "longer_than_context"}
+
+
+def as_version_1(obj):
+    if isinstance(obj, dict):
+        return {V1_KEYS.get(k, k): as_version_1(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [as_version_1(v) for v in obj]
+    return obj
+
+
+def test_a_store_from_before_the_sample_rename_still_loads_and_takes_appends(tmp_path):
+    rng = random.Random(8)
+    write_corpus(tmp_path / "a", [text_doc(rng, 100) for _ in range(12)])
+    write_corpus(tmp_path / "b", [text_doc(rng, 100) for _ in range(5)])
+    root = tmp_path / "s"
+    m = build_store(opts([tmp_path / "a"], root, eval_fraction=0.3), log=quiet)
+    assert m["totals"]["train_samples"] and m["totals"]["eval_samples"]
+    splits = ("train", "eval")
+    rows = {split: PackedSamples(root, split).batch(range(m["totals"][f"{split}_samples"])) for split in splits}
+    loader = BatchLoader(PackedSamples(root), 2, seed=1, dp=2)
+    drawn = [loader.next_batch() for _ in range(3)]
+    # rewrite the store as version 1 wrote it: old manifest keys, {split}.windows.npy pointer files
+    (root / "manifest.json").write_text(json.dumps({**as_version_1(m), "version": 1}, indent=1) + "\n")
+    for f in (root / "part-00000").glob("*.samples.npy"):
+        f.rename(f.with_name(f.name.replace(".samples.", ".windows.")))
+    on_disk = (root / "manifest.json").read_text()
+    assert '"context": 256' in on_disk and '"train_windows"' in on_disk
+
+    assert read_manifest(root) == {**m, "version": 1}  # today's key names, in memory only
+    assert (root / "manifest.json").read_text() == on_disk
+    for split in splits:
+        old = PackedSamples(root, split)
+        assert old.seq_len == 256 and len(old) == m["totals"][f"{split}_samples"]
+        got = old.batch(range(len(old)))
+        for name in ("tokens", "labels", "positions", "doc_ids"):
+            assert torch.equal(getattr(got, name), getattr(rows[split], name)), (split, name)
+    loader = BatchLoader(PackedSamples(root), 2, seed=1, dp=2)
+    assert all(torch.equal(loader.next_batch().tokens, b.tokens) for b in drawn)
+
+    # an append writes a new part and a manifest of today's version; the old part stays as it was
+    m2 = build_store(opts([tmp_path / "b"], root, append=True), log=quiet)
+    assert m2["version"] == STORE_VERSION and m2["seq_len"] == 256
+    assert read_manifest(root) == m2 and "window" not in (root / "manifest.json").read_text()
+    assert m2["parts"][0] == m["parts"][0] and m2["totals"]["documents"] == 17
+    train = PackedSamples(root)
+    assert len(train) == m2["totals"]["train_samples"] > m["totals"]["train_samples"]
+    assert torch.equal(train.batch(range(len(rows["train"].tokens))).tokens, rows["train"].tokens)
+    with pytest.raises(DataError, match="seq_len 256"):
+        build_store(opts([tmp_path / "b"], root, seq_len=128, append=True), log=quiet)
+
+
 def test_manifest_records_what_the_issue_asks_for(tmp_path):
     rng = random.Random(7)
     texts = [text_doc(rng, 150) for _ in range(12)]
     write_corpus(tmp_path / "in", texts + [texts[0]])
     (tmp_path / "in" / "bad.txt").write_bytes(b"\xff\xfe\x00\x00")
     m = build_store(opts([tmp_path / "in"], tmp_path / "s", eval_fraction=0.2), log=quiet)
-    assert m["context"] == 256 and m["strategy"] == "datasculpt" and m["tokenizer"]["name"] == "byte"
+    assert m["seq_len"] == 256 and m["strategy"] == "datasculpt" and m["tokenizer"]["name"] == "byte"
     assert m["inputs"] == [str(tmp_path / "in")]
     assert m["totals"]["duplicates_removed"] == 1 and m["totals"]["files_skipped"] == 1
     assert 0 < m["packing"]["train"]["fill_rate"] <= 1

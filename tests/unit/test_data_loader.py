@@ -1,4 +1,4 @@
-"""Reading packed windows for training: labels, positions, document ids, padding; the global
+"""Reading packed samples for training: labels, positions, document ids, padding; the global
 cursor across data-parallel degrees; cost balancing; training from a store."""
 
 import random
@@ -9,8 +9,8 @@ import pytest
 from longctx.config import load_config
 from longctx.data.balance import balanced_order, imbalance, karmarkar_karp
 from longctx.data.build import BuildOptions, build_store
-from longctx.data.loader import BatchLoader, PackedWindows
-from longctx.data.windows import IGNORE
+from longctx.data.loader import BatchLoader, PackedSamples
+from longctx.data.samples import IGNORE
 from longctx.errors import ConfigError, DataError
 
 
@@ -28,7 +28,7 @@ def corpus(d, lengths, seed=0):
 
 @pytest.fixture
 def small_store(tmp_path):
-    # documents of 5, 3 and 9 bytes (+ EOS): bfd in windows of 12 -> [10], [6, 4]
+    # documents of 5, 3 and 9 bytes (+ EOS): bfd in samples of 12 -> [10], [6, 4]
     d = tmp_path / "in"
     d.mkdir()
     (d / "a.txt").write_text("hello")
@@ -39,15 +39,15 @@ def small_store(tmp_path):
     return tmp_path / "s"
 
 
-def test_packed_window_labels_positions_doc_ids_and_padding(small_store):
-    w = PackedWindows(small_store)
+def test_packed_sample_labels_positions_doc_ids_and_padding(small_store):
+    w = PackedSamples(small_store)
     assert len(w) == 2
     eos = 257
     rows = {tuple(w.batch([i]).tokens[0].tolist()): i for i in range(2)}
     one = [i for t, i in rows.items() if t[:10] == tuple(b"xyzxyzxyz") + (eos,)][0]
     b = w.batch([one])
     assert b.tokens[0, :10].tolist() == list(b"xyzxyzxyz") + [eos]
-    # the EOS ends the document: nothing to predict after it in this window; padding predicts nothing
+    # the EOS ends the document: nothing to predict after it in this sample; padding predicts nothing
     assert b.labels[0].tolist() == list(b"yzxyzxyz") + [eos] + [IGNORE] * 3
     assert b.positions[0].tolist() == list(range(10)) + [0, 1]
     assert b.doc_ids[0].tolist() == [0] * 10 + [1, 1]  # padding in a document of its own
@@ -60,7 +60,7 @@ def test_packed_window_labels_positions_doc_ids_and_padding(small_store):
 
 
 def test_without_document_masks_labels_cross_documents_but_not_padding(small_store):
-    w = PackedWindows(small_store, doc_mask=False)
+    w = PackedSamples(small_store, doc_mask=False)
     for i in range(len(w)):
         b = w.batch([i])
         real = int(w.real_tokens[i])
@@ -95,30 +95,30 @@ def test_balanced_order_is_a_permutation_that_lowers_imbalance():
     assert balanced_order(idx, costs, 1) == idx
 
 
-def test_resume_under_another_dp_degree_sees_exactly_the_unseen_windows(tmp_path):
+def test_resume_under_another_dp_degree_sees_exactly_the_unseen_samples(tmp_path):
     build_store(BuildOptions([str(corpus(tmp_path / "in", [random.Random(i).randint(5, 300) for i in range(60)]))],
                              str(tmp_path / "s"), 64, strategy="bfd", dedup="none", workers=1, progress=False,
                              stats=False), log=quiet)
-    windows = PackedWindows(tmp_path / "s")
-    n = len(windows)
+    samples = PackedSamples(tmp_path / "s")
+    n = len(samples)
     assert n >= 40
     batch = 8
-    a = BatchLoader(windows, batch, seed=3, dp=2)
+    a = BatchLoader(samples, batch, seed=3, dp=2)
     seen = []
     for _ in range(3):
         idx = a.next_indices()
         seen += idx
     state = a.state_dict()
-    b = BatchLoader(windows, batch, seed=3, dp=4)  # resumed with twice the data-parallel ranks
+    b = BatchLoader(samples, batch, seed=3, dp=4)  # resumed with twice the data-parallel ranks
     b.load_state_dict(state)
     rest = []
     while len(seen) + len(rest) < n - n % batch:
         rest += b.next_indices()
-    # within the epoch, no window twice, and none skipped
+    # within the epoch, no sample twice, and none skipped
     assert len(set(seen + rest)) == len(seen + rest) == n - n % batch
     # each global batch is the one an uninterrupted single-rank run draws (the order inside a
     # batch may differ: that is the cost balancing over ranks)
-    ref = BatchLoader(windows, batch, seed=3, dp=1)
+    ref = BatchLoader(samples, batch, seed=3, dp=1)
     ref_all = [i for _ in range((len(seen) + len(rest)) // batch) for i in ref.next_indices()]
     for k in range(0, len(ref_all), batch):
         assert sorted((seen + rest)[k:k + batch]) == sorted(ref_all[k:k + batch])
@@ -128,7 +128,7 @@ def test_resume_under_another_dp_degree_sees_exactly_the_unseen_windows(tmp_path
     # and the balanced order spreads the cost over the 4 ranks at least as evenly as the drawn order
     from longctx.data.balance import imbalance
 
-    costs = windows.costs(1.0, 0.0)
+    costs = samples.costs(1.0, 0.0)
     start = len(seen)  # rest begins at a batch boundary
     drawn = [ref_all[k:k + batch] for k in range(start, len(ref_all), batch)]
     balanced = [rest[k:k + batch] for k in range(0, len(rest), batch)]
@@ -136,15 +136,20 @@ def test_resume_under_another_dp_degree_sees_exactly_the_unseen_windows(tmp_path
 
 
 def test_loader_refuses_a_position_from_other_data(small_store):
-    w = PackedWindows(small_store)
+    w = PackedSamples(small_store)
     loader = BatchLoader(w, 2, seed=0)
-    with pytest.raises(DataError, match="training windows"):
+    with pytest.raises(DataError, match="training samples"):
+        loader.load_state_dict({"cursor": 4, "seed": 0, "num_samples": 999})
+    # checkpoints saved before the window -> sample rename store the count as num_windows
+    with pytest.raises(DataError, match="999 training samples"):
         loader.load_state_dict({"cursor": 4, "seed": 0, "num_windows": 999})
+    loader.load_state_dict({"cursor": 1, "seed": 0, "num_windows": len(w)})
+    assert loader.state_dict() == {"cursor": 1, "seed": 0, "num_samples": len(w)}
 
 
 def cfg_for(tmp_path, *extra):
     return load_config(overrides=[
-        f"--train.run_dir={tmp_path / 'run'}", "--train.steps=6", "--train.seq_len=64", "--train.batch_size=4",
+        f"--train.run_dir={tmp_path / 'run'}", "--train.steps=6", "--train.seq_len=64", "--train.global_batch=4",
         "--train.warmup_steps=1", "--train.eval_interval=3", "--train.eval_batches=1", "--metrics.log_interval=3",
         "--metrics.progress=false", "--metrics.plots=false", "--model.layers=1", *extra,
     ])
@@ -167,9 +172,9 @@ def test_training_from_a_store_uses_document_masks(tmp_path, monkeypatch):
     res = t.train(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}"), log=quiet)
     assert len(res.losses) == 6 and all(np.isfinite(res.losses)) and set(res.eval_losses) == {3, 6}
     assert all(b.doc_ids is not None for b in seen)
-    assert max(int(b.doc_ids.max()) for b in seen) >= 2  # packed windows: several documents each
-    # the batches are the store's windows
-    store = PackedWindows(tmp_path / "s")
+    assert max(int(b.doc_ids.max()) for b in seen) >= 2  # packed samples: several documents each
+    # the batches are the store's samples
+    store = PackedSamples(tmp_path / "s")
     train_rows = {tuple(store.batch([i]).tokens[0].tolist()) for i in range(len(store))}
     assert all(tuple(row.tolist()) in train_rows for row in seen[0].tokens)
 
@@ -179,7 +184,7 @@ def test_store_mismatches_are_config_errors(tmp_path):
     build_store(BuildOptions([str(src)], str(tmp_path / "s"), 64, workers=1, progress=False, stats=False), log=quiet)
     import longctx.train as t
 
-    with pytest.raises(ConfigError, match="windows of 64 tokens but train.seq_len is 128"):
+    with pytest.raises(ConfigError, match="samples of 64 tokens but train.seq_len is 128"):
         t.build_data(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", "--train.seq_len=128"), log=quiet)
     with pytest.raises(ConfigError, match="has 258 tokens but model.vocab_size is 200"):
         t.build_data(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", "--model.vocab_size=200"), log=quiet)
@@ -212,10 +217,10 @@ def test_default_store_is_built_once_and_reused(tmp_path, monkeypatch):
 
 def test_resume_with_another_seed_is_refused():
     """The saved cursor only means something under the seed that drew the order."""
-    from longctx.data.windows import WindowSampler
+    from longctx.data.samples import SampleOrder
 
-    state = WindowSampler(100, seed=1).state_dict()
-    loader = BatchLoader.__new__(BatchLoader)  # only its sampler and window count matter here
-    loader.sampler, loader.windows = WindowSampler(100, seed=2), np.zeros(100)
+    state = SampleOrder(100, seed=1).state_dict()
+    loader = BatchLoader.__new__(BatchLoader)  # only its order and sample count matter here
+    loader.order, loader.samples = SampleOrder(100, seed=2), np.zeros(100)
     with pytest.raises(DataError, match="seed 1"):
         loader.load_state_dict(state)

@@ -1,13 +1,13 @@
-"""Packing: no token lost or invented, documents in order exactly once, windows never overflow;
-the strategies do what they promise (bfd splits only documents longer than the window, concat
-fills every window but the last, datasculpt groups related documents)."""
+"""Packing: no token lost or invented, documents in order exactly once, samples never overflow;
+the strategies do what they promise (bfd splits only documents longer than seq_len, concat
+fills every sample but the last, datasculpt groups related documents)."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from longctx.data.pack import (
-    DOC, LENGTH, START, WINDOW, pack, packing_stats, split_points,
+    DOC, LENGTH, SAMPLE, START, pack, packing_stats, split_points,
 )
 from longctx.errors import DataError
 
@@ -18,19 +18,19 @@ def random_embeddings(n, rng, dim=8):
 
 
 def reconstruct(p, docs):
-    """Each document rebuilt from its pieces taken in order of their start offset (a piece's window
-    does not matter: windows are shuffled for training), so a lost, doubled or overlapping piece shows up."""
+    """Each document rebuilt from its pieces taken in order of their start offset (a piece's sample
+    does not matter: samples are shuffled for training), so a lost, doubled or overlapping piece shows up."""
     out = [[] for _ in docs]
     for w, d, s, n in sorted(p.segments.tolist(), key=lambda seg: (seg[1], seg[2])):
         out[d].extend(docs[d][s:s + n])
     return out
 
 
-def check_exact_cover(p, docs, context):
+def check_exact_cover(p, docs, seq_len):
     assert (p.segments[:, LENGTH] > 0).all()
-    fill = p.window_fill()
-    assert fill.max() <= context, "a window overflows"
-    assert (fill > 0).all(), "an empty window"
+    fill = p.sample_fill()
+    assert fill.max() <= seq_len, "a sample overflows"
+    assert (fill > 0).all(), "an empty sample"
     assert int(p.segments[:, LENGTH].sum()) == sum(len(d) for d in docs)
     # within a document, its pieces are consecutive and in order: start of each = end of the last
     for d in range(len(docs)):
@@ -45,9 +45,9 @@ doc_sets = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_siz
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=doc_sets, context=st.integers(min_value=2, max_value=128), seed=st.integers(0, 10_000),
+@given(lengths=doc_sets, seq_len=st.integers(min_value=2, max_value=128), seed=st.integers(0, 10_000),
        strategy=st.sampled_from(["concat", "bfd", "datasculpt"]))
-def test_every_token_exactly_once_in_order(lengths, context, seed, strategy):
+def test_every_token_exactly_once_in_order(lengths, seq_len, seed, strategy):
     rng = np.random.default_rng(seed)
     docs = [list(rng.integers(0, 1000, size=n)) for n in lengths]
     breaks = [np.sort(rng.choice(np.arange(1, n), size=min(n - 1, n // 7), replace=False)) if n > 1
@@ -55,47 +55,47 @@ def test_every_token_exactly_once_in_order(lengths, context, seed, strategy):
     strong = [b[::3] for b in breaks]
     emb = random_embeddings(len(docs), rng)
     clusters = rng.integers(0, 3, size=len(docs))
-    p = pack(strategy, np.array(lengths), context, emb, clusters, breaks, strong)
-    check_exact_cover(p, docs, context)
+    p = pack(strategy, np.array(lengths), seq_len, emb, clusters, breaks, strong)
+    check_exact_cover(p, docs, seq_len)
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=doc_sets, context=st.integers(min_value=8, max_value=128), seed=st.integers(0, 10_000))
-def test_bfd_and_datasculpt_split_only_documents_longer_than_the_window(lengths, context, seed):
+@given(lengths=doc_sets, seq_len=st.integers(min_value=8, max_value=128), seed=st.integers(0, 10_000))
+def test_bfd_and_datasculpt_split_only_documents_longer_than_seq_len(lengths, seq_len, seed):
     rng = np.random.default_rng(seed)
     emb = random_embeddings(len(lengths), rng)
     for strategy in ("bfd", "datasculpt"):
-        p = pack(strategy, np.array(lengths), context, emb, rng.integers(0, 2, size=len(lengths)))
-        windows_per_doc = [len(set(p.segments[p.segments[:, DOC] == d, WINDOW].tolist())) for d in range(len(lengths))]
-        for n, k in zip(lengths, windows_per_doc):
-            if n <= context:
-                assert k == 1, f"{strategy} split a document of {n} <= {context} tokens"
+        p = pack(strategy, np.array(lengths), seq_len, emb, rng.integers(0, 2, size=len(lengths)))
+        samples_per_doc = [len(set(p.segments[p.segments[:, DOC] == d, SAMPLE].tolist())) for d in range(len(lengths))]
+        for n, k in zip(lengths, samples_per_doc):
+            if n <= seq_len:
+                assert k == 1, f"{strategy} split a document of {n} <= {seq_len} tokens"
             else:
-                assert k >= -(-n // context)
+                assert k >= -(-n // seq_len)
 
 
-def test_concat_fills_every_window_but_the_last():
+def test_concat_fills_every_sample_but_the_last():
     p = pack("concat", np.array([5, 7, 3, 9]), 6)
-    assert p.window_fill().tolist() == [6, 6, 6, 6]
+    assert p.sample_fill().tolist() == [6, 6, 6, 6]
     p = pack("concat", np.array([5, 2]), 6)
-    assert p.window_fill().tolist() == [6, 1]
+    assert p.sample_fill().tolist() == [6, 1]
 
 
 def test_bfd_is_best_fit_decreasing():
-    # 6, 5, 4, 3, 2 into windows of 10: 6+4, 5+3+2
+    # 6, 5, 4, 3, 2 into samples of 10: 6+4, 5+3+2
     p = pack("bfd", np.array([2, 5, 3, 6, 4]), 10)
-    groups = sorted(sorted(p.segments[p.segments[:, WINDOW] == w, LENGTH].tolist()) for w in range(p.num_windows))
+    groups = sorted(sorted(p.segments[p.segments[:, SAMPLE] == w, LENGTH].tolist()) for w in range(p.num_samples))
     assert groups == [[2, 3, 5], [4, 6]]
 
 
 def test_split_points_prefer_natural_boundaries():
-    # 1500 tokens, window 640: line starts every 7 tokens, paragraphs at 635 and 1270 (inside the
-    # last 1/64 of their windows) and at 100 (too early: the piece would waste most of a window)
+    # 1500 tokens, seq_len 640: line starts every 7 tokens, paragraphs at 635 and 1270 (inside the
+    # last 1/64 of their samples) and at 100 (too early: the piece would waste most of a sample)
     breaks = np.arange(7, 1500, 7)
     assert split_points(1500, 640, breaks, np.array([100, 635, 1270])) == [0, 635, 1270, 1500]
-    # no paragraph near the window's end: the last line start in its second half
+    # no paragraph near the sample's end: the last line start in its second half
     assert split_points(1500, 640, breaks, np.array([100]))[:2] == [0, 637]
-    # no boundary at all: hard cuts at the window length
+    # no boundary at all: hard cuts at seq_len
     assert split_points(1500, 640) == [0, 640, 1280, 1500]
     assert split_points(640, 640) == [0, 640]
 
@@ -116,18 +116,18 @@ def test_datasculpt_groups_related_documents_and_stays_full():
     assert s_ds["homogeneity"] > 0.9 > 0.6 > s_cc["homogeneity"]
     assert s_ds["split_fraction"] == 0 < s_cc["split_fraction"]
     assert s_ds["fill_rate"] > 0.9
-    mixed = [w for w in range(ds.num_windows) if len(set(topic[ds.segments[ds.segments[:, WINDOW] == w, DOC]])) > 1]
+    mixed = [w for w in range(ds.num_samples) if len(set(topic[ds.segments[ds.segments[:, SAMPLE] == w, DOC]])) > 1]
     assert len(mixed) <= 2  # at most the merge step's leftovers mix topics
 
 
 def test_stats_figures_on_a_known_packing():
-    p = pack("concat", np.array([4, 4, 2]), 5)  # windows: [d0 4, d1 1], [d1 3, d2 2]
+    p = pack("concat", np.array([4, 4, 2]), 5)  # samples: [d0 4, d1 1], [d1 3, d2 2]
     e = np.array([[1, 0], [1, 0], [0, 1]], dtype=np.float32)
     s = packing_stats(p, 3, e)
-    assert s["windows"] == 2 and s["fill_rate"] == 1.0
+    assert s["samples"] == 2 and s["fill_rate"] == 1.0
     assert s["split_fraction"] == pytest.approx(1 / 3)
-    assert s["docs_per_window"] == 2.0
-    assert s["homogeneity"] == pytest.approx(0.5)  # window 0: cos 1, window 1: cos 0
+    assert s["docs_per_sample"] == 2.0
+    assert s["homogeneity"] == pytest.approx(0.5)  # sample 0: cos 1, sample 1: cos 0
 
 
 def test_unknown_strategy_and_missing_embeddings_are_errors():

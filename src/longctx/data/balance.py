@@ -1,12 +1,12 @@
-"""Balancing variable-cost windows over data-parallel ranks (after Zeppelin / verl's seqlen balancing).
+"""Balancing variable-cost samples over data-parallel ranks (after Zeppelin / verl's seqlen balancing).
 
-Every window has the same length, but not the same work: under a document mask attention costs
+Every sample has the same length, but not the same work: under a document mask attention costs
 sum_d s_d^2 over its documents (causal, so half of it), the rest of the model costs per real token,
 and padding costs nothing that matters. The estimate is `a * sum_d s_d^2 + b * real_tokens`.
 
-A global batch of B windows is split into dp groups of exactly B / dp windows (each rank must
+A global batch of B samples is split into dp groups of exactly B / dp samples (each rank must
 get the same number of rows) with the largest differencing method (Karmarkar-Karp), in its
-k-way form with equal cardinality: windows sorted by cost are taken dp at a time, each forming a
+k-way form with equal cardinality: samples sorted by cost are taken dp at a time, each forming a
 partial solution of dp singleton groups; the two partial solutions with the largest spread are
 repeatedly merged by pairing the heaviest groups of one with the lightest of the other; then
 single swaps between the heaviest and the lightest group while they lower the maximum.

@@ -2,8 +2,8 @@
 
 Each stage shows a progress bar and reports its counts and its throughput in MB/s of raw input
 text (the UTF-8 bytes of the documents read), all of which also go into the manifest. Train and
-eval windows are packed separately: a document is in the eval split when the hash of its name
-says so (data/windows.py `is_eval_doc`), the same rule the trainer has always used.
+eval samples are packed separately: a document is in the eval split when the hash of its name
+says so (data/samples.py `is_eval_doc`), the same rule the trainer has always used.
 
 A build writes one new part (store.py) and then the manifest; `append=True` adds a part to an
 existing store, removing documents that duplicate ones already stored, without touching the
@@ -30,9 +30,9 @@ from .dedup import deduplicate
 from .embed import embed
 from .pack import STRATEGIES, pack, packing_stats
 from .readers import read_inputs
+from .samples import is_eval_doc
 from .tokenize import tokenize
 from .tokenizer import load_tokenizer
-from .windows import is_eval_doc
 
 DEDUP_MODES = ("minhash", "exact", "none")
 
@@ -41,7 +41,7 @@ DEDUP_MODES = ("minhash", "exact", "none")
 class BuildOptions:
     inputs: list[str]
     out: str
-    context: int
+    seq_len: int
     tokenizer: str = "byte"
     strategy: str = "datasculpt"
     dedup: str = "minhash"
@@ -88,8 +88,8 @@ def _bar(total, desc, enabled):
 
 def check_options(o: BuildOptions) -> None:
     problems = []
-    if o.context < 2:
-        problems.append(f"--context must be at least 2 tokens, got {o.context}.")
+    if o.seq_len < 2:
+        problems.append(f"--seq-len must be at least 2 tokens, got {o.seq_len}.")
     if o.strategy not in STRATEGIES:
         problems.append(f"--strategy {o.strategy!r} is not one of {', '.join(STRATEGIES)}.")
     if o.dedup not in DEDUP_MODES:
@@ -114,7 +114,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
             raise DataError(f"'{root}' already holds a data store; pass --append to add documents to it, or "
                             f"choose another --out.")
         old = st.read_manifest(root)
-        for key, want in (("context", o.context), ("strategy", o.strategy)):
+        for key, want in (("seq_len", o.seq_len), ("strategy", o.strategy)):
             if old[key] != want:
                 raise DataError(f"the store '{root}' was built with {key} {old[key]}; an append must use the same "
                                 f"(got {want}).")
@@ -126,7 +126,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
     tok = load_tokenizer(o.tokenizer)
     dtype = st.token_dtype(tok.vocab_size)
     stages = _Stages()
-    log(f"data build: {', '.join(o.inputs)} -> {root} (context {o.context}, {o.strategy}, dedup {o.dedup}, "
+    log(f"data build: {', '.join(o.inputs)} -> {root} (seq_len {o.seq_len}, {o.strategy}, dedup {o.dedup}, "
         f"{tok.name} tokenizer, {o.workers} worker{'s' if o.workers != 1 else ''})")
 
     with _stage(stages, "read", log) as rec:
@@ -161,7 +161,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
             bar.close()
         lengths = tk.lengths
         rec.update(tokens=int(lengths.sum()), longest=int(lengths.max()),
-                   longer_than_context=int((lengths > o.context).sum()))
+                   longer_than_seq_len=int((lengths > o.seq_len).sum()))
 
     emb = clusters = None
     if o.strategy == "datasculpt" or o.stats:
@@ -170,7 +170,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
             rec.update(dim=int(emb.shape[1]), model=o.embed_model or "hashed-tfidf-svd")
     if o.strategy == "datasculpt":
         with _stage(stages, "cluster", log) as rec:
-            clusters = make_clusters(emb, lengths, o.context, o.clusters, o.seed)
+            clusters = make_clusters(emb, lengths, o.seq_len, o.clusters, o.seed)
             rec.update(clusters=int(clusters.max()) + 1)
 
     is_eval = np.array([is_eval_doc(d.name, o.eval_fraction) for d in docs], dtype=bool)
@@ -183,13 +183,13 @@ def build_store(o: BuildOptions, log=print) -> dict:
             if len(idx) == 0:
                 continue
             sub = lambda arrs: None if arrs is None else [arrs[i] for i in idx]  # noqa: E731
-            p = pack(o.strategy, lengths[idx], o.context,
+            p = pack(o.strategy, lengths[idx], o.seq_len,
                      None if emb is None else emb[idx], None if clusters is None else clusters[idx],
                      sub(tk.breaks), sub(tk.strong))
             packings[split] = p
             pack_stats[split] = packing_stats(p, len(idx), None if emb is None else emb[idx])
         t = pack_stats["train"]
-        rec.update(windows=t["windows"], fill_rate=round(t["fill_rate"], 4),
+        rec.update(samples=t["samples"], fill_rate=round(t["fill_rate"], 4),
                    split_fraction=round(t["split_fraction"], 4),
                    homogeneity=None if t.get("homogeneity") is None else round(t["homogeneity"], 4))
 
@@ -207,7 +207,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
                                       doc_map, dtype, tok.eos_id)
                 info.update(documents=int(len(idx)), stats=pack_stats[split])
             else:
-                info = {"windows": 0, "tokens": 0, "documents": 0, "stats": None}
+                info = {"samples": 0, "tokens": 0, "documents": 0, "stats": None}
             split_info[split] = info
         with open(tmp / "docs.jsonl", "w") as f:
             for d, n, ev in zip(docs, lengths.tolist(), is_eval.tolist()):
@@ -235,8 +235,8 @@ def build_store(o: BuildOptions, log=print) -> dict:
     manifest = _manifest(o, tok, dtype, old, part)
     st.write_manifest(root, manifest)
     tr = split_info["train"]
-    log(f"data build: wrote {root} ({tr['windows']:,} train / {split_info['eval']['windows']:,} eval windows of "
-        f"{o.context}; fill {tr['stats']['fill_rate']:.3f}, {len(docs):,} documents, "
+    log(f"data build: wrote {root} ({tr['samples']:,} train / {split_info['eval']['samples']:,} eval samples of "
+        f"{o.seq_len} tokens; fill {tr['stats']['fill_rate']:.3f}, {len(docs):,} documents, "
         f"{dd.exact_duplicates + dd.near_duplicates:,} duplicates removed, {sum(res.skipped.values()):,} skipped)")
     return manifest
 
@@ -257,35 +257,35 @@ def _seen(root: Path, old: dict | None, mode: str):
 def _manifest(o: BuildOptions, tok, dtype, old: dict | None, part: dict) -> dict:
     parts = (old["parts"] if old else []) + [part]
     totals: dict = {"documents": 0, "tokens": 0, "duplicates_removed": 0, "files_skipped": 0,
-                    "train_windows": 0, "eval_windows": 0}
+                    "train_samples": 0, "eval_samples": 0}
     for p in parts:
         c = p["counts"]
         totals["documents"] += c["documents_kept"]
         totals["tokens"] += c["tokens"]
         totals["duplicates_removed"] += c["exact_duplicates"] + c["near_duplicates"]
         totals["files_skipped"] += sum(c["skipped"].values())
-        totals["train_windows"] += p["splits"]["train"]["windows"]
-        totals["eval_windows"] += p["splits"]["eval"]["windows"]
-    # packing figures of the whole store (windows of different parts never mix)
+        totals["train_samples"] += p["splits"]["train"]["samples"]
+        totals["eval_samples"] += p["splits"]["eval"]["samples"]
+    # packing figures of the whole store (samples of different parts never mix)
     packing = {}
     for split in st.SPLITS:
-        rows = [p["splits"][split] for p in parts if p["splits"][split]["windows"]]
+        rows = [p["splits"][split] for p in parts if p["splits"][split]["samples"]]
         if not rows:
             continue
-        windows = sum(r["windows"] for r in rows)
+        samples = sum(r["samples"] for r in rows)
         tokens = sum(r["tokens"] for r in rows)
         docs = sum(r["documents"] for r in rows)
         packing[split] = {
-            "fill_rate": tokens / (windows * o.context),
+            "fill_rate": tokens / (samples * o.seq_len),
             "split_fraction": sum(r["stats"]["split_fraction"] * r["documents"] for r in rows) / max(docs, 1),
-            "docs_per_window": sum(r["stats"]["docs_per_window"] * r["windows"] for r in rows) / windows,
-            "homogeneity": (sum(r["stats"]["homogeneity"] * r["windows"] for r in rows) / windows
+            "docs_per_sample": sum(r["stats"]["docs_per_sample"] * r["samples"] for r in rows) / samples,
+            "homogeneity": (sum(r["stats"]["homogeneity"] * r["samples"] for r in rows) / samples
                             if all(r["stats"].get("homogeneity") is not None for r in rows) else None),
         }
     return {
         "format": st.FORMAT,
         "version": st.VERSION,
-        "context": o.context,
+        "seq_len": o.seq_len,
         "strategy": o.strategy,
         "dedup": o.dedup,
         "eval_fraction": o.eval_fraction,

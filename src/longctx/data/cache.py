@@ -1,6 +1,6 @@
 """The store `longctx train` uses when no `data.path` is given: built from `data.corpus` on first
 use, cached in `$LONGCTX_CACHE/data` (default `~/.cache/longctx/data`) under a key of everything
-that determines it (corpus files with sizes and mtimes, tokenizer, context, strategy, dedup,
+that determines it (corpus files with sizes and mtimes, tokenizer, seq_len, strategy, dedup,
 max_docs, eval_fraction), and reused afterwards.
 
 The store is built complete in a temporary directory next to its final name and renamed into
@@ -47,35 +47,35 @@ def _fingerprint(corpus: str, tokenizer: str) -> dict:
 AUTO_DATASCULPT_FROM = 2048
 
 
-def resolve_strategy(strategy: str, context: int) -> str:
-    """`auto`: below 2048 tokens nearly every document is longer than the window, so packing has
+def resolve_strategy(strategy: str, seq_len: int) -> str:
+    """`auto`: below 2048 tokens nearly every document is longer than a sample, so packing has
     nothing to choose and concat (fill 1.0, the fastest) is used; datasculpt from 2048 up."""
     if strategy != "auto":
         return strategy
-    return "datasculpt" if context >= AUTO_DATASCULPT_FROM else "concat"
+    return "datasculpt" if seq_len >= AUTO_DATASCULPT_FROM else "concat"
 
 
-def default_store(data_cfg, context: int, progress: bool = False, log=print) -> Path:
-    """The cached store for this data config and context, built now if it does not exist yet."""
-    strategy = resolve_strategy(data_cfg.strategy, context)
+def default_store(data_cfg, seq_len: int, progress: bool = False, log=print) -> Path:
+    """The cached store for this data config and seq_len, built now if it does not exist yet."""
+    strategy = resolve_strategy(data_cfg.strategy, seq_len)
     key_fields = {
-        "version": CACHE_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer, "context": context,
+        "version": CACHE_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer, "seq_len": seq_len,
         "strategy": strategy, "dedup": data_cfg.dedup, "max_docs": data_cfg.max_docs,
         "eval_fraction": data_cfg.eval_fraction, "fingerprint": _fingerprint(data_cfg.corpus, data_cfg.tokenizer),
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     tag = "stdlib" if data_cfg.corpus == "stdlib" else Path(data_cfg.corpus).name or "corpus"
-    final = cache_root() / "data" / f"{tag}-{context}-{strategy}-{key}"
+    final = cache_root() / "data" / f"{tag}-{seq_len}-{strategy}-{key}"
     if (final / MANIFEST).is_file():
         log(f"data: using the cached store {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    log(f"data: building the store for {data_cfg.corpus} at context {context} (first use; cached in {final})")
+    log(f"data: building the store for {data_cfg.corpus} at seq_len {seq_len} (first use; cached in {final})")
     try:
         build_store(BuildOptions(
-            inputs=[data_cfg.corpus], out=str(tmp), context=context, tokenizer=data_cfg.tokenizer,
+            inputs=[data_cfg.corpus], out=str(tmp), seq_len=seq_len, tokenizer=data_cfg.tokenizer,
             strategy=strategy, dedup=data_cfg.dedup, workers=data_cfg.workers,
             eval_fraction=data_cfg.eval_fraction, max_docs=data_cfg.max_docs, stats=False, progress=progress,
         ), log=log)

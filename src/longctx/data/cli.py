@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
+import textwrap
+
 from ..errors import UserError
 
 
@@ -11,12 +14,24 @@ def _cmd_data(args, overrides) -> int:
     from .build import BuildOptions, build_store
 
     build_store(BuildOptions(
-        inputs=args.input, out=args.out, context=args.context, tokenizer=args.tokenizer, strategy=args.strategy,
+        inputs=args.input, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, strategy=args.strategy,
         dedup=args.dedup, workers=args.workers, text_field=args.text_field, eval_fraction=args.eval_fraction,
         seed=args.seed, embed_model=args.embed_model, dedup_threshold=args.dedup_threshold, max_docs=args.max_docs,
         append=args.append, progress=not args.no_progress, clusters=args.clusters,
     ))
     return 0
+
+
+class _RenamedToSeqLen(argparse.Action):
+    """`--context N` (the flag's name before issue 19): stop with exit code 2 and name `--seq-len`.
+    Registered (hidden) rather than left unknown so that the message comes before argparse's own
+    complaint that --seq-len is missing."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        use = f"--seq-len {values}" if values else "--seq-len N"
+        parser.exit(2, textwrap.fill(
+            f"{parser.prog}: error: {option_string} was renamed to --seq-len (sequence length is seq_len "
+            f"everywhere); use {use}.", width=100) + "\n")
 
 
 def add_parser(sub) -> None:
@@ -25,7 +40,9 @@ def add_parser(sub) -> None:
                                       "`longctx train --data.path DIR`")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="directories of text files, .jsonl or .parquet files, or 'stdlib'")
-    p.add_argument("--context", type=int, required=True, help="window length in tokens (= train.seq_len)")
+    p.add_argument("--seq-len", type=int, required=True, metavar="N",
+                   help="sequence length: tokens per packed sample (= train.seq_len)")
+    p.add_argument("--context", nargs="?", action=_RenamedToSeqLen, help=argparse.SUPPRESS)
     p.add_argument("--out", required=True, help="the store directory")
     p.add_argument("--tokenizer", default="byte", help="'byte' or PATH/tokenizer.json (default byte)")
     p.add_argument("--strategy", default="datasculpt", choices=("datasculpt", "bfd", "concat"),
@@ -35,7 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--workers", type=int, default=2, help="processes / threads for the parallel stages (default 2)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column")
     p.add_argument("--eval-fraction", type=float, default=0.02,
-                   help="documents held out (by name hash) as eval windows (default 0.02)")
+                   help="documents held out (by name hash) as eval samples (default 0.02)")
     p.add_argument("--seed", type=int, default=0, help="seed for embeddings and clustering")
     p.add_argument("--embed-model", default="", help="a local sentence-transformers model directory "
                                                      "(default: hashed n-gram TF-IDF + SVD, no download)")

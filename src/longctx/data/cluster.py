@@ -1,8 +1,8 @@
 """Semantic clusters of documents: k-means on the embeddings, then near clusters merged.
 
-The number of clusters defaults to one per ~8 windows of tokens (and at most one per 4
+The number of clusters defaults to one per ~8 samples of tokens (and at most one per 4
 documents): enough clusters that a cluster holds related documents, few enough that each cluster
-fills many windows, so its last, partly filled window matters little. k-means (scikit-learn,
+fills many samples, so its last, partly filled sample matters little. k-means (scikit-learn,
 k-means++ seeding, seeded) over unit vectors; then clusters whose centroids have cosine >=
 `merge_cosine` are merged (union-find), since splitting one topic over two clusters would only
 cost packing freedom.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 
-WINDOWS_PER_CLUSTER = 8
+SAMPLES_PER_CLUSTER = 8
 DOCS_PER_CLUSTER = 4
 MERGE_COSINE = 0.9
 
 
-def default_k(num_docs: int, total_tokens: int, context: int) -> int:
-    k = min(total_tokens // (WINDOWS_PER_CLUSTER * context), num_docs // DOCS_PER_CLUSTER, 4096)
+def default_k(num_docs: int, total_tokens: int, seq_len: int) -> int:
+    k = min(total_tokens // (SAMPLES_PER_CLUSTER * seq_len), num_docs // DOCS_PER_CLUSTER, 4096)
     return max(1, int(k))
 
 
@@ -62,8 +62,8 @@ def merge_near(emb: np.ndarray, labels: np.ndarray, merge_cosine: float = MERGE_
     return np.array([lookup[c] for c in labels.tolist()], dtype=np.int64)
 
 
-def cluster(emb: np.ndarray, lengths: np.ndarray, context: int, k: int = 0, seed: int = 0,
+def cluster(emb: np.ndarray, lengths: np.ndarray, seq_len: int, k: int = 0, seed: int = 0,
             merge_cosine: float = MERGE_COSINE) -> np.ndarray:
-    k = k or default_k(len(emb), int(np.sum(lengths)), context)
+    k = k or default_k(len(emb), int(np.sum(lengths)), seq_len)
     labels = kmeans(emb, k, seed)
     return merge_near(emb, labels, merge_cosine) if len(labels) else labels

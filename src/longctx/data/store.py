@@ -1,21 +1,25 @@
-"""The packed-data store: token windows as memory-mapped numpy arrays, an index, a manifest.
+"""The packed-data store: token samples as memory-mapped numpy arrays, an index, a manifest.
 
-Layout of a store directory:
+A sample is one packed training sequence of `seq_len` tokens. Layout of a store directory:
 
     manifest.json                 written last: a store is complete exactly when it exists
     part-00000/                   one part per build or append; never rewritten
-      train.tokens.npy            uint16/uint32 [windows, context], padded with the pad token
-      train.segments.npy          int64 [segments, 5]: window, offset, length, doc, start
-      train.windows.npy           int64 [windows + 1]: each window's first segment (CSR pointer)
+      train.tokens.npy            uint16/uint32 [samples, seq_len], padded with the pad token
+      train.segments.npy          int64 [segments, 5]: sample, offset, length, doc, start
+      train.samples.npy           int64 [samples + 1]: each sample's first segment (CSR pointer)
       eval.*                      the same for the eval split (documents held out by name hash)
       docs.jsonl                  per document (doc = its line number + the part's first doc id):
                                   name, tokens (EOS included), split
       hashes.npy                  uint64 exact-duplicate hash per document (dedup across appends)
       minhash.npy                 uint64 [docs, 128] MinHash signatures (with --dedup minhash)
 
-A segment `(window, offset, length, doc, start)` says that tokens `[start, start + length)` of
-document `doc` lie at `[offset, offset + length)` of the window; a window's segments are
-contiguous from offset 0, and the rest of the window is padding.
+A segment `(sample, offset, length, doc, start)` says that tokens `[start, start + length)` of
+document `doc` lie at `[offset, offset + length)` of the sample; a sample's segments are
+contiguous from offset 0, and the rest of the sample is padding.
+
+Stores written before format version 2 name some manifest keys and the pointer file differently
+(`LEGACY_KEYS`, `LEGACY_POINTER`); `read_manifest` renames the keys in memory and `load_split`
+reads either pointer file, so such stores still load and take appends.
 
 Crash safety: a part is written under `.tmp-part-*` and renamed into place; the manifest is
 written to a temporary file and renamed over `manifest.json` last. An interrupted build or
@@ -34,14 +38,30 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from .pack import DOC, LENGTH, START, WINDOW, Packing
+from .pack import DOC, LENGTH, SAMPLE, START, Packing
 
 MANIFEST = "manifest.json"
 FORMAT = "longctx-store"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 SPLITS = ("train", "eval")
 # segment columns in the store
-S_WINDOW, S_OFFSET, S_LENGTH, S_DOC, S_START = range(5)
+S_SAMPLE, S_OFFSET, S_LENGTH, S_DOC, S_START = range(5)
+POINTER = "samples"  # {split}.samples.npy
+
+# Version 1 (before issue 19 made "sample" the one name of a packed sequence and "seq_len" the
+# one name of its length) called a sample a "window" and seq_len "context". Old name -> new name,
+# for manifest keys at any depth; and the old pointer file name {split}.windows.npy.
+LEGACY_KEYS = {
+    "context": "seq_len",
+    "train_windows": "train_samples",
+    "eval_windows": "eval_samples",
+    "windows": "samples",
+    "docs_per_window": "docs_per_sample",
+    "multi_doc_windows": "multi_doc_samples",
+    "longer_than_context": "longer_than_seq_len",
+}
+LEGACY_POINTER = "windows"
 
 
 def token_dtype(vocab_size: int):
@@ -50,30 +70,30 @@ def token_dtype(vocab_size: int):
 
 @dataclass
 class SplitArrays:
-    tokens: np.ndarray    # [windows, context]
+    tokens: np.ndarray    # [samples, seq_len]
     segments: np.ndarray  # [segments, 5]
-    windows: np.ndarray   # [windows + 1]
+    pointer: np.ndarray   # [samples + 1]: each sample's first segment
 
 
 def write_split(part_dir: Path, split: str, packing: Packing, doc_tokens: list[np.ndarray], doc_base: int,
                 doc_map: np.ndarray, dtype, pad_id: int) -> dict:
-    """Write one split's windows. `doc_map` maps the packing's document numbers to the part's."""
-    ctx, n = packing.context, packing.num_windows
+    """Write one split's samples. `doc_map` maps the packing's document numbers to the part's."""
+    seq_len, n = packing.seq_len, packing.num_samples
     seg = packing.segments
-    tokens = np.lib.format.open_memmap(part_dir / f"{split}.tokens.npy", mode="w+", dtype=dtype, shape=(n, ctx))
+    tokens = np.lib.format.open_memmap(part_dir / f"{split}.tokens.npy", mode="w+", dtype=dtype, shape=(n, seq_len))
     tokens[:] = pad_id
     out = np.zeros((len(seg), 5), dtype=np.int64)
     ptr = np.zeros(n + 1, dtype=np.int64)
     if len(seg):
-        starts = np.flatnonzero(np.r_[True, seg[1:, WINDOW] != seg[:-1, WINDOW]])
-        ptr[seg[starts, WINDOW] + 1] = np.diff(np.r_[starts, len(seg)])
+        starts = np.flatnonzero(np.r_[True, seg[1:, SAMPLE] != seg[:-1, SAMPLE]])
+        ptr[seg[starts, SAMPLE] + 1] = np.diff(np.r_[starts, len(seg)])
         ptr = np.cumsum(ptr)
-        # offset of each segment in its window: running length sum, restarted at each window
+        # offset of each segment in its sample: running length sum, restarted at each sample
         cum = np.cumsum(seg[:, LENGTH]) - seg[:, LENGTH]
-        offset = cum - cum[ptr[seg[:, WINDOW]]]
+        offset = cum - cum[ptr[seg[:, SAMPLE]]]
         for (w, d, s, length), off in zip(seg.tolist(), offset.tolist()):
             tokens[w, off:off + length] = doc_tokens[d][s:s + length]
-        out[:, S_WINDOW] = seg[:, WINDOW]
+        out[:, S_SAMPLE] = seg[:, SAMPLE]
         out[:, S_OFFSET] = offset
         out[:, S_LENGTH] = seg[:, LENGTH]
         out[:, S_DOC] = doc_base + doc_map[seg[:, DOC]]
@@ -81,8 +101,8 @@ def write_split(part_dir: Path, split: str, packing: Packing, doc_tokens: list[n
     tokens.flush()
     del tokens
     np.save(part_dir / f"{split}.segments.npy", out)
-    np.save(part_dir / f"{split}.windows.npy", ptr)
-    return {"windows": int(n), "tokens": int(seg[:, LENGTH].sum()) if len(seg) else 0}
+    np.save(part_dir / f"{split}.{POINTER}.npy", ptr)
+    return {"samples": int(n), "tokens": int(seg[:, LENGTH].sum()) if len(seg) else 0}
 
 
 def _fsync_path(path: Path) -> None:
@@ -134,16 +154,26 @@ def read_manifest(root: str | Path) -> dict:
                 "run `longctx data build` again." if root.is_dir() and any(root.iterdir()) else "")
         raise DataError(
             f"'{root}' is not a longctx data store: {path} does not exist.{hint} Build one with "
-            f"`longctx data build --input PATH --context N --out {root}`."
+            f"`longctx data build --input PATH --seq-len N --out {root}`."
         )
     try:
         manifest = json.loads(path.read_text())
     except ValueError as e:
         raise DataError(f"{path} is not valid JSON ({e}); rebuild the store with `longctx data build`.") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise DataError(f"{path} is not a version-{VERSION} longctx store manifest; rebuild it with this "
-                        f"version's `longctx data build`.")
-    return manifest
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
+        raise DataError(f"{path} is not a longctx store manifest of a version this longctx reads "
+                        f"({' or '.join(map(str, READABLE_VERSIONS))}); rebuild it with this version's "
+                        f"`longctx data build`.")
+    return _renamed_legacy_keys(manifest) if manifest["version"] < VERSION else manifest
+
+
+def _renamed_legacy_keys(obj):
+    """A version-1 manifest with today's key names (`LEGACY_KEYS`), in memory; `version` stays 1."""
+    if isinstance(obj, dict):
+        return {LEGACY_KEYS.get(k, k): _renamed_legacy_keys(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_renamed_legacy_keys(v) for v in obj]
+    return obj
 
 
 def remove_stale(root: Path, manifest: dict | None) -> None:
@@ -157,14 +187,17 @@ def remove_stale(root: Path, manifest: dict | None) -> None:
 
 
 def load_split(root: Path, part: dict, split: str) -> SplitArrays | None:
-    if part["splits"][split]["windows"] == 0:
+    if part["splits"][split]["samples"] == 0:
         return None
     d = root / part["dir"]
+    pointer = d / f"{split}.{POINTER}.npy"
+    if not pointer.is_file() and (d / f"{split}.{LEGACY_POINTER}.npy").is_file():  # a version-1 part
+        pointer = d / f"{split}.{LEGACY_POINTER}.npy"
     try:
         return SplitArrays(
             np.load(d / f"{split}.tokens.npy", mmap_mode="r"),
             np.load(d / f"{split}.segments.npy"),
-            np.load(d / f"{split}.windows.npy"),
+            np.load(pointer),
         )
     except (OSError, ValueError) as e:
         raise DataError(f"the store '{root}' is damaged: {d}/{split}.* cannot be read ({e}); rebuild it.") from None

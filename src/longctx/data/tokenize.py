@@ -1,7 +1,7 @@
 """Batched, parallel tokenisation of documents, with the natural split points packing needs.
 
 Each document becomes its tokens followed by one EOS (the document's `length` counts it), plus two
-sorted arrays of token offsets where the document could be cut if it is longer than a window:
+sorted arrays of token offsets where the document could be cut if it is longer than a sample:
 `breaks` (a token that starts a new line) and `strong` (a new line after a blank line: a new
 paragraph, or a new top-level definition in source code). The byte tokenizer finds them from the
 bytes directly; Hugging Face tokenizers from the encodings' character offsets. Hugging Face

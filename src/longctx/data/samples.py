@@ -1,11 +1,12 @@
-"""What every training window carries, the eval split rule and the sampler's global cursor.
+"""What every training sample carries, the eval split rule and the sample order's global cursor.
 
-Windows themselves come from the packed store (data/loader.py). Every window carries its packing
-metadata, so attention can stay inside documents and RoPE positions restart at each document:
+A sample is one packed training sequence of `seq_len` tokens; samples come from the packed store
+(data/loader.py). Every sample carries its packing metadata, so attention can stay inside
+documents and RoPE positions restart at each document:
 
 - `tokens[i]`, `labels[i] = tokens[i + 1]` (the next token in the stream);
-- `doc_ids[i]`: which document (numbered within the window) token i belongs to;
-- `positions[i]`: i's offset from the start of its document's part in this window;
+- `doc_ids[i]`: which document (numbered within the sample) token i belongs to;
+- `positions[i]`: i's offset from the start of its document's part in this sample;
 - with document masks, a label that lies in the next document is -100 (ignored): under a
   document mask the model cannot see that document, so predicting its first token is noise.
 
@@ -44,20 +45,20 @@ def is_eval_doc(name: str, eval_fraction: float) -> bool:
     return zlib.crc32(name.encode()) % 1_000_000 < eval_fraction * 1_000_000
 
 
-class WindowSampler:
-    """Seeded, epoch-wise shuffled window order; its whole state is one global cursor."""
+class SampleOrder:
+    """Seeded, epoch-wise shuffled sample order; its whole state is one global cursor."""
 
-    def __init__(self, num_windows: int, seed: int):
-        self.num_windows, self.seed, self.cursor = num_windows, seed, 0
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed, self.cursor = num_samples, seed, 0
         self._epoch, self._perm = -1, None
 
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
     def next_indices(self, n: int) -> list[int]:
         out = []
         for _ in range(n):
-            epoch, pos = divmod(self.cursor, self.num_windows)
+            epoch, pos = divmod(self.cursor, self.num_samples)
             if epoch != self._epoch:
                 self._epoch, self._perm = epoch, self._order(epoch)
             out.append(int(self._perm[pos]))
@@ -65,7 +66,7 @@ class WindowSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"cursor": self.cursor, "seed": self.seed, "num_windows": self.num_windows}
+        return {"cursor": self.cursor, "seed": self.seed, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = int(state["cursor"])
