@@ -134,14 +134,14 @@ class DataConfig:
     eval_fraction: float = _opt(0.02, "fraction of documents held out for evaluation")
     doc_mask: bool = _opt(True, "attend only within a document and restart positions at each one")
     max_docs: int = _opt(0, "use at most this many documents; 0 = all")
-    path: str = _opt("", "a store built by `longctx data build` (its context must equal train.seq_len); '' = build "
+    path: str = _opt("", "a store built by `longctx data build` (its seq_len must equal train.seq_len); '' = build "
                          "one from data.corpus on first use, cached in $LONGCTX_CACHE or ~/.cache/longctx")
     strategy: str = _opt("auto", "packing when building from data.corpus; auto = concat below 2048 tokens (nearly "
                                  "every document is longer than the window), datasculpt from 2048 up",
                          choices=("auto", "datasculpt", "bfd", "concat"))
     dedup: str = _opt("minhash", "duplicate removal when building from data.corpus", choices=("minhash", "exact", "none"))
     workers: int = _opt(1, "processes for the parallel stages when building from data.corpus")
-    balance: bool = _opt(True, "give data-parallel ranks windows of balanced estimated cost (a*s^2 + b*s)")
+    balance: bool = _opt(True, "give data-parallel ranks samples of balanced estimated cost (a*s^2 + b*s)")
 
 
 @dataclass

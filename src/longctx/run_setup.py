@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .config import Config, to_dict
-from .data.loader import PackedWindows
+from .data.loader import PackedSamples
 from .data.store import read_manifest
 from .errors import ConfigError, DataError
 from .models.llama import Llama, build_model
@@ -62,10 +62,10 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
 
 def _check_store(cfg: Config, path: str, manifest: dict) -> None:
     tok, seq = manifest["tokenizer"], cfg.train.seq_len
-    if manifest["context"] != seq:
+    if manifest["seq_len"] != seq:
         raise ConfigError(
-            f"the data store {path} holds windows of {manifest['context']} tokens but train.seq_len is {seq}; "
-            f"set train.seq_len={manifest['context']} or build a store with --context {seq}."
+            f"the data store {path} holds samples of {manifest['seq_len']} tokens but train.seq_len is {seq}; "
+            f"set train.seq_len={manifest['seq_len']} or build a store with --seq-len {seq}."
         )
     if tok["vocab_size"] > cfg.model.vocab_size:
         raise ConfigError(
@@ -78,29 +78,29 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
 
 
 def build_data(cfg: Config, log=print, rt: Runtime | None = None):
-    """Train and eval windows of the run's store (eval is None when evaluation is off or empty)."""
+    """Train and eval samples of the run's store (eval is None when evaluation is off or empty)."""
     t0 = time.perf_counter()
     path = store_path(cfg, log, rt)
     manifest = read_manifest(path)
     _check_store(cfg, path, manifest)
-    train = PackedWindows(path, "train", cfg.data.doc_mask)
+    train = PackedSamples(path, "train", cfg.data.doc_mask)
     if len(train) == 0:
-        raise DataError(f"the data store {path} has no training windows; build it from more documents.")
+        raise DataError(f"the data store {path} has no training samples; build it from more documents.")
     evals = None
     micro = cfg.train.global_batch // cfg.train.grad_accum
-    if cfg.train.eval_interval and manifest["totals"]["eval_windows"]:
-        evals = PackedWindows(path, "eval", cfg.data.doc_mask)
+    if cfg.train.eval_interval and manifest["totals"]["eval_samples"]:
+        evals = PackedSamples(path, "eval", cfg.data.doc_mask)
         if len(evals) < micro:
             raise DataError(
-                f"the eval split has {len(evals)} windows, fewer than one micro-batch of {micro} (train.global_batch"
+                f"the eval split has {len(evals)} samples, fewer than one micro-batch of {micro} (train.global_batch"
                 f" / train.grad_accum); " + ("build the store with a larger --eval-fraction" if cfg.data.path
                                              else "raise data.eval_fraction") + " or set train.eval_interval=0."
             )
     t, tok = manifest["totals"], manifest["tokenizer"]
     fill = manifest["packing"]["train"]["fill_rate"]
     log(f"data: {path} -> {t['documents']:,} documents ({t['duplicates_removed']:,} duplicates removed), "
-        f"{train.num_tokens:,} train tokens in {len(train):,} windows of {cfg.train.seq_len} ({manifest['strategy']}, "
-        f"fill {fill:.3f}), {0 if evals is None else len(evals):,} eval windows ({tok['name']} tokenizer, "
+        f"{train.num_tokens:,} train tokens in {len(train):,} samples of {cfg.train.seq_len} ({manifest['strategy']}, "
+        f"fill {fill:.3f}), {0 if evals is None else len(evals):,} eval samples ({tok['name']} tokenizer, "
         f"{time.perf_counter() - t0:.1f}s)")
     return train, evals
 

@@ -89,3 +89,21 @@ def test_build_config_reports_all_problems_at_once():
     with pytest.raises(ConfigError) as e:
         build_config({"train": {"steps": -1, "lr": -1.0}})
     assert "train.steps" in str(e.value) and "train.lr" in str(e.value)
+
+
+@pytest.mark.parametrize("old,new", [("memory.checkpoint", "memory.recompute"), ("train.batch_size", "train.global_batch")])
+def test_renamed_keys_are_refused_naming_the_new_one(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=f"'{old}' was renamed to '{new}'"):
+        load_config(overrides=[f"--{old}=full" if "memory" in old else f"--{old}=4"])
+    section, key = old.split(".")
+    value = '"full"' if section == "memory" else "4"
+    path = tmp_path / "old.toml"
+    path.write_text(f"[{section}]\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=f"renamed to '{new}'"):
+        load_config(path)
+
+
+def test_global_batch_must_split_into_micro_batches():
+    with pytest.raises(ConfigError, match="divisible by train.grad_accum"):
+        load_config(overrides=["--train.global_batch=6", "--train.grad_accum=4"])
+    assert load_config(overrides=["--train.global_batch=8", "--train.grad_accum=4"]).train.global_batch == 8

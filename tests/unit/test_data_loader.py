@@ -162,13 +162,13 @@ def test_training_from_a_store_uses_document_masks(tmp_path, monkeypatch):
     build_store(BuildOptions([str(src)], str(tmp_path / "s"), 64, strategy="bfd", dedup="minhash", workers=1,
                              eval_fraction=0.2, progress=False), log=quiet)
     seen = []
-    real = t._forward_sum
+    real = t.forward_loss_sum
 
     def spy(model, batch, autocast_dtype):
         seen.append(batch)
         return real(model, batch, autocast_dtype)
 
-    monkeypatch.setattr(t, "_forward_sum", spy)
+    monkeypatch.setattr(t, "forward_loss_sum", spy)
     res = t.train(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}"), log=quiet)
     assert len(res.losses) == 6 and all(np.isfinite(res.losses)) and set(res.eval_losses) == {3, 6}
     assert all(b.doc_ids is not None for b in seen)
@@ -182,14 +182,14 @@ def test_training_from_a_store_uses_document_masks(tmp_path, monkeypatch):
 def test_store_mismatches_are_config_errors(tmp_path):
     src = corpus(tmp_path / "in", [100] * 30)
     build_store(BuildOptions([str(src)], str(tmp_path / "s"), 64, workers=1, progress=False, stats=False), log=quiet)
-    import longctx.train as t
+    from longctx.run_setup import build_data
 
     with pytest.raises(ConfigError, match="samples of 64 tokens but train.seq_len is 128"):
-        t.build_data(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", "--train.seq_len=128"), log=quiet)
+        build_data(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", "--train.seq_len=128"), log=quiet)
     with pytest.raises(ConfigError, match="has 258 tokens but model.vocab_size is 200"):
-        t.build_data(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", "--model.vocab_size=200"), log=quiet)
+        build_data(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", "--model.vocab_size=200"), log=quiet)
     with pytest.raises(DataError, match="not a longctx data store"):
-        t.build_data(cfg_for(tmp_path, f"--data.path={tmp_path}"), log=quiet)
+        build_data(cfg_for(tmp_path, f"--data.path={tmp_path}"), log=quiet)
     with pytest.raises(ConfigError, match="both set"):
         cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", f"--data.corpus={src}")
 
@@ -203,13 +203,13 @@ def test_default_store_is_built_once_and_reused(tmp_path, monkeypatch):
     calls = []
     real = cache.build_store
     monkeypatch.setattr(cache, "build_store", lambda *a, **k: calls.append(1) or real(*a, **k))
-    import longctx.train as t
+    from longctx.run_setup import build_data
 
-    w1, _ = t.build_data(cfg, log=quiet)
-    w2, _ = t.build_data(cfg, log=quiet)
+    w1, _ = build_data(cfg, log=quiet)
+    w2, _ = build_data(cfg, log=quiet)
     assert len(calls) == 1 and w1.root == w2.root and str(w1.root).startswith(str(tmp_path / "cache"))
     assert "concat" in w1.root.name  # seq_len 64 < 2048: strategy auto = concat
-    t.build_data(cfg_for(tmp_path, f"--data.corpus={src}", "--data.eval_fraction=0.1", "--data.strategy=bfd"),
+    build_data(cfg_for(tmp_path, f"--data.corpus={src}", "--data.eval_fraction=0.1", "--data.strategy=bfd"),
                  log=quiet)
     assert len(calls) == 2  # other settings, another store
     assert len(list((tmp_path / "cache" / "data").iterdir())) == 2  # no temporary leftovers

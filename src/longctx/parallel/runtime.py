@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..data.windows import Batch
+from ..data.samples import Batch
 from . import comm
 from .dims import ParallelDims
 from .sequence import shard_sequence
