@@ -6,6 +6,7 @@ imports from the rest of longctx but errors: config sits below every other modul
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError
@@ -45,12 +46,20 @@ def memory_policy_problems(recompute: str, offload_fraction, block_chunk: int = 
 def validate(cfg: Config) -> None:
     """Reject impossible values and combinations; all problems are reported together."""
     problems: list[str] = []
-    m, t, d, p, mem, ck, mt = cfg.model, cfg.train, cfg.data, cfg.parallel, cfg.memory, cfg.checkpoint, cfg.metrics
+    for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules):
+        section_rules(cfg, problems)
+    if problems:
+        raise ConfigError(" ".join(problems))
 
-    def positive(key, value):
-        if value <= 0:
-            problems.append(f"{key} must be positive, got {value}.")
 
+def _positive(problems: list[str], key: str, value) -> None:
+    if value <= 0:
+        problems.append(f"{key} must be positive, got {value}.")
+
+
+def _model_rules(cfg: Config, problems: list[str]) -> None:
+    m = cfg.model
+    positive = functools.partial(_positive, problems)
     for key in ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
         positive(f"model.{key}", getattr(m, key))
     positive("model.norm_eps", m.norm_eps)
@@ -81,6 +90,10 @@ def validate(cfg: Config) -> None:
     if m.init_from and not m.init_from.startswith("hf:"):
         problems.append(f"model.init_from must be '' or 'hf:DIR', got '{m.init_from}'.")
 
+
+def _train_rules(cfg: Config, problems: list[str]) -> None:
+    t, m = cfg.train, cfg.model
+    positive = functools.partial(_positive, problems)
     for key in ("steps", "global_batch", "grad_accum", "eval_batches"):
         positive(f"train.{key}", getattr(t, key))
     if t.global_batch > 0 and t.grad_accum > 0 and t.global_batch % t.grad_accum:
@@ -110,6 +123,9 @@ def validate(cfg: Config) -> None:
             f"or shorten the sequence."
         )
 
+
+def _data_rules(cfg: Config, problems: list[str]) -> None:
+    d, t = cfg.data, cfg.train
     if not 0 <= d.eval_fraction < 1:
         problems.append(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}.")
     if t.eval_interval and d.eval_fraction == 0:
@@ -122,6 +138,9 @@ def validate(cfg: Config) -> None:
         problems.append(f"data.path ({d.path}) and data.corpus ({d.corpus}) are both set; a store already holds its "
                         f"documents: set data.path to train from a store, or data.corpus to build one.")
 
+
+def _parallel_rules(cfg: Config, problems: list[str]) -> None:
+    p, m = cfg.parallel, cfg.model
     degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}
     for k, v in degrees.items():
         if v == 0 or v < -1:
@@ -132,7 +151,12 @@ def validate(cfg: Config) -> None:
         problems.append(f"parallel.window ({p.window}) must be 0 or divide parallel.ctx ({p.ctx}).")
     if p.head > 0 and m.heads > 0 and m.heads % p.head:
         problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
+    if p.timeout_s <= 0:
+        problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")
 
+
+def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
+    mem, ck, mt = cfg.memory, cfg.checkpoint, cfg.metrics
     problems += memory_policy_problems(mem.recompute, mem.offload_fraction, mem.block_chunk)
     if mem.loss_chunk < 0:
         problems.append(f"memory.loss_chunk must be >= 0 (0 = never chunk), got {mem.loss_chunk}.")
@@ -141,12 +165,8 @@ def validate(cfg: Config) -> None:
     if ck.interval < 0 or ck.keep < 1:
         problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
 
-    positive("metrics.log_interval", mt.log_interval)
-    if p.timeout_s <= 0:
-        problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")
+    _positive(problems, "metrics.log_interval", mt.log_interval)
     if mt.peak_tflops < 0:
         problems.append(f"metrics.peak_tflops must be >= 0 (0 = automatic), got {mt.peak_tflops}.")
-    if problems:
-        raise ConfigError(" ".join(problems))
 
 

@@ -122,7 +122,12 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
 
 def auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: Runtime, log) -> float:
     """memory.offload_fraction = auto: measure (every rank, the slowest counts) and decide."""
-    from .memory.auto import block_forward_seconds, choose_offload_fraction, host_link_bandwidth, host_memory_available
+    from .memory.auto import (
+        block_forward_seconds,
+        choose_offload_fraction,
+        host_link_bandwidth,
+        host_memory_available,
+    )
     from .models.llama import rope_cos_sin
 
     d, t = rt.dims, cfg.train

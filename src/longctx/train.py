@@ -26,14 +26,25 @@ import torch
 from .config import Config, to_toml
 from .data.loader import BatchLoader, cost_coefficients
 from .errors import ConfigError, TrainingError
-from .metrics import MetricsWriter, device_peak, format_line, peak_memory_bytes, train_flops_per_token
+from .metrics import (
+    MetricsWriter,
+    device_peak,
+    format_line,
+    peak_memory_bytes,
+    train_flops_per_token,
+)
 from .models.llama import count_params
 from .parallel.checks import check_layout
 from .parallel.launch import init_distributed
 from .parallel.parallelize import grad_scale
 from .parallel.runtime import TRACKED_DIMS, Runtime
 from .parallel.volumes import fsdp_bytes_per_step
-from .run_setup import build_data, build_training_model, make_run_dir, open_checkpointing
+from .run_setup import (
+    build_data,
+    build_training_model,
+    make_run_dir,
+    open_checkpointing,
+)
 from .step import (
     clip_gradients,
     forward_loss_sum,

@@ -73,7 +73,7 @@ def import_violations(root: Path) -> list[str]:
     for path in sorted(root.rglob("*.py")):
         name = _module_name(root, path)
         for prefix, forbidden, why in IMPORT_RULES:
-            if not (name == prefix or name.startswith(prefix + ".") or name.startswith(prefix + "_")):
+            if not (name == prefix or name.startswith((prefix + ".", prefix + "_"))):
                 continue
             for imported in _imports(root, path):
                 if prefix == "longctx.config" and imported.startswith(CONFIG_ALLOWED):
@@ -165,5 +165,5 @@ def test_a_planted_collective_is_caught(tmp_path, line):
     root = tmp_path / "longctx"
     shutil.copytree(SRC, root)
     path = root / "checkpoint" / "manager.py"
-    path.write_text(path.read_text() + f"\n\ndef _planted():\n    " + line.replace("\n", "\n    ") + "\n")
+    path.write_text(path.read_text() + "\n\ndef _planted():\n    " + line.replace("\n", "\n    ") + "\n")
     assert any(v.startswith("longctx.checkpoint.manager:") for v in comm_violations(root)), comm_violations(root)
