@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+
+from .segments import SegmentPlan, cached_plan
 
 NEG_INF = float("-inf")
 
@@ -48,29 +51,11 @@ def _reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
 
 
-def build_mask(seq_q: int, seq_k: int, causal: bool, q_doc, k_doc, device) -> torch.Tensor | None:
-    """Boolean mask [batch or 1, 1, seq_q, seq_k], True where a query may attend; None when unmasked."""
-    mask = None
-    if causal:
-        if seq_q != seq_k:
-            raise ValueError(f"causal attention needs as many queries as keys here, got {seq_q} and {seq_k}")
-        mask = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril()[None, None]
-    if q_doc is not None or k_doc is not None:
-        if q_doc is None or k_doc is None:
-            raise ValueError("document masks need both q_doc and k_doc")
-        same = (q_doc[:, :, None] == k_doc[:, None, :])[:, None]
-        mask = same if mask is None else (mask & same)
-    return mask
-
-
-def _mask_if_needed(backend, q, k, causal, q_doc, k_doc):
-    """The dense boolean mask, only where it is used: the math backend, or document masks (which the
-    fused kernels take as a bias). Plain causal attention on the fused kernels needs none."""
-    if backend == "math" or q_doc is not None:
-        return build_mask(q.shape[1], k.shape[1], causal, q_doc, k_doc, q.device)
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal attention needs as many queries as keys here, got {q.shape[1]} and {k.shape[1]}")
-    return None
+def causal_mask(seq_q: int, seq_k: int, device) -> torch.Tensor:
+    """Boolean lower-triangular mask [1, 1, seq_q, seq_k] of the math reference (never used with documents)."""
+    if seq_q != seq_k:
+        raise ValueError(f"causal attention needs as many queries as keys here, got {seq_q} and {seq_k}")
+    return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril()[None, None]
 
 
 def _check(q, k, v, q_doc, k_doc):
@@ -129,56 +114,29 @@ def _math_backward(dout, q, k, v, out, lse, mask, scale, dlse=None):
 # flash backend: PyTorch's fused flash-attention kernels (CUDA: its memory-efficient kernel for now)
 
 
-def _additive(mask, dtype, b, h, sq, sk):
-    # Rows of the bias are allocated with a length padded to 16: the CUDA kernels need their stride
-    # aligned (F.scaled_dot_product_attention pads the same way; the aten ops called here do not).
-    padded = (sk + 15) // 16 * 16
-    bias = torch.zeros((*mask.shape[:-1], padded), dtype=dtype, device=mask.device)[..., :sk]
-    bias.masked_fill_(~mask, NEG_INF)
-    return bias.expand(b, h, sq, sk)
-
-
-def _flash_forward(q, k, v, causal, mask, scale, has_docs):
-    # The kernels apply a plain causal mask themselves; document masks go in as an additive bias
-    # (which then carries the causal part too).
+def _flash_forward(q, k, v, causal, scale):
     h = q.shape[2]
-    b, sq, _, _ = q.shape
-    sk = k.shape[1]
+    sq = q.shape[1]
     qt, kt, vt = (_to_bhsd(t) for t in (q, _expand_kv(k, h), _expand_kv(v, h)))
-    bias = _additive(mask, q.dtype, b, h, sq, sk) if has_docs else None
-    is_causal = causal and not has_docs
     if q.device.type == "cuda":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            qt, kt, vt, bias, True, 0.0, is_causal, scale=scale)
+            qt, kt, vt, None, True, 0.0, causal, scale=scale)
         lse = lse[..., :sq]  # the kernel pads lse rows to a multiple of 32
     else:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qt, kt, vt, 0.0, is_causal, attn_mask=bias, scale=scale)
-    lse = lse.float()
-    if has_docs:
-        # A query row that sees no key (its document is absent from this key block, common in ring
-        # attention) must come back as out = 0, lse = -inf; kernels differ in what they return there.
-        empty = ~mask.any(-1)  # [b, 1, sq]
-        if bool(empty.any()):
-            lse = lse.masked_fill(empty, NEG_INF)
-            out = out.masked_fill(empty[..., None], 0.0)
-    return _to_bhsd(out), lse
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
+    return _to_bhsd(out), lse.float()
 
 
-def _flash_backward(dout, q, k, v, out, lse, causal, mask, scale, has_docs):
+def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     h, kvh = q.shape[2], k.shape[2]
-    b, sq, _, _ = q.shape
-    sk = k.shape[1]
     qt, kt, vt, ot, dot = (_to_bhsd(t) for t in (q, _expand_kv(k, h), _expand_kv(v, h), out, dout.contiguous()))
-    bias = _additive(mask, q.dtype, b, h, sq, sk) if has_docs else None
-    is_causal = causal and not has_docs
     if q.device.type == "cuda":
-        dq, dk, dv = _cuda_efficient_backward(dot, qt, kt, vt, bias, ot, lse, is_causal, scale)
+        dq, dk, dv = _cuda_efficient_backward(dot, qt, kt, vt, None, ot, lse, causal, scale)
     else:
         # Rows that see no key have lse = -inf; the kernel wants a finite value there (their grads are 0).
         lse_k = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(torch.float32)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dot, qt, kt, vt, ot, lse_k, 0.0, is_causal, attn_mask=bias, scale=scale)
+            dot, qt, kt, vt, ot, lse_k, 0.0, causal, scale=scale)
     dq, dk, dv = (_to_bhsd(t) for t in (dq, dk, dv))
     return dq, _reduce_kv(dk, kvh), _reduce_kv(dv, kvh)
 
@@ -198,6 +156,108 @@ def _cuda_efficient_backward(dot, qt, kt, vt, bias, ot, lse, is_causal, scale):
 
 
 # ----------------------------------------------------------------------------------------------
+# Dense blocks (no documents) and document-sparse execution over a SegmentPlan
+
+
+def _dense_forward(q, k, v, causal, scale, backend):
+    if backend == "math":
+        return _math_forward(q, k, v, causal_mask(q.shape[1], k.shape[1], q.device) if causal else None, scale)
+    return _flash_forward(q, k, v, causal, scale)
+
+
+def _dense_backward(dout, q, k, v, out, lse, causal, scale, backend, dlse=None):
+    if backend == "math" or dlse is not None:
+        mask = causal_mask(q.shape[1], k.shape[1], q.device) if causal else None
+        return _math_backward(dout, q, k, v, out, lse, mask, scale, dlse)
+    return _flash_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+class _Rows:
+    """The token rows of one pair group in a flat [tokens, ...] tensor: a strided view when the
+    segments are evenly spaced and do not overlap (no copy), else an index."""
+
+    def __init__(self, starts: np.ndarray, length: int, device):
+        self.n, self.length, self.start = len(starts), length, int(starts[0])
+        steps = np.diff(starts)
+        self.step = int(steps[0]) if self.n > 1 else length
+        self.strided = self.n == 1 or (bool(np.all(steps == self.step)) and self.step >= length)
+        self.index = None if self.strided else torch.from_numpy(
+            (starts[:, None] + np.arange(length)).reshape(-1)).to(device, non_blocking=True)
+
+    def _view(self, flat: torch.Tensor) -> torch.Tensor:
+        row = flat.stride(0)
+        return flat.as_strided((self.n, self.length, *flat.shape[1:]), (self.step * row, row, *flat.stride()[1:]),
+                               flat.storage_offset() + self.start * row)
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """[n, length, ...] rows of `flat` [tokens, ...]."""
+        if self.strided:
+            return self._view(flat)
+        return flat.index_select(0, self.index).view(self.n, self.length, *flat.shape[1:])
+
+    def put(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        if self.strided:
+            self._view(flat).copy_(values)
+        else:
+            flat.index_copy_(0, self.index, values.reshape(-1, *flat.shape[1:]))
+
+    def add(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """flat[rows] += values, duplicates summed."""
+        if self.strided:
+            self._view(flat).add_(values)
+        else:
+            flat.index_add_(0, self.index, values.reshape(-1, *flat.shape[1:]).to(flat.dtype))
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _sparse_forward(q, k, v, plan: SegmentPlan, scale, backend):
+    """Attention of every visible segment pair, pairs of one shape per kernel call; rows that see no
+    key come back as out = 0, lse = -inf. Results of a row covered by several pairs are merged in fp32."""
+    b, sq, h, d = q.shape
+    qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    out = torch.zeros((b * sq, h, d), dtype=torch.float32 if plan.multi else q.dtype, device=q.device)
+    lse = torch.full((b * sq, h), NEG_INF, dtype=torch.float32, device=q.device)  # token-major while filling
+    for g in plan.groups:
+        qr, kr = _Rows(g.q_start, g.q_len, q.device), _Rows(g.k_start, g.k_len, q.device)
+        o, l_ = _dense_forward(qr.gather(qf), kr.gather(kf), kr.gather(vf), g.causal, scale, backend)
+        l_ = l_.transpose(1, 2)  # [n, q_len, h]
+        if not plan.multi:
+            qr.put(out, o)
+            qr.put(lse, l_)
+            continue
+        old = qr.gather(lse)
+        new = torch.logaddexp(old, l_)
+        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+        merged = qr.gather(out) * torch.exp(old - safe)[..., None] + o.float() * torch.exp(l_ - safe)[..., None]
+        qr.put(out, merged)
+        qr.put(lse, new)
+    return out.to(q.dtype).view(b, sq, h, d), lse.view(b, sq, h).transpose(1, 2).contiguous()
+
+
+def _sparse_backward(dout, q, k, v, out, lse, plan: SegmentPlan, scale, backend, dlse=None):
+    """Gradients of _sparse_forward from the (global) out and lse; accumulated in fp32."""
+    b, sq, h, d = q.shape
+    qf, kf, vf, of, dof = _flat(q), _flat(k), _flat(v), _flat(out), _flat(dout)
+    lse_t = _flat(lse.transpose(1, 2))  # [tokens, h]
+    dlse_t = None if dlse is None else _flat(dlse.transpose(1, 2))
+    dq = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(vf.shape, dtype=torch.float32, device=q.device)
+    for g in plan.groups:
+        qr, kr = _Rows(g.q_start, g.q_len, q.device), _Rows(g.k_start, g.k_len, q.device)
+        gl = None if dlse_t is None else qr.gather(dlse_t).transpose(1, 2)
+        gq, gk, gv = _dense_backward(qr.gather(dof), qr.gather(qf), kr.gather(kf), kr.gather(vf), qr.gather(of),
+                                     qr.gather(lse_t).transpose(1, 2), g.causal, scale, backend, gl)
+        qr.add(dq, gq.float())
+        kr.add(dk, gk.float())
+        kr.add(dv, gv.float())
+    return dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape)
+
+
+# ----------------------------------------------------------------------------------------------
 # Public API
 
 BACKENDS = ("flash", "math")
@@ -211,20 +271,35 @@ def _resolve(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
-def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=None, backend="flash"):
-    """Forward only: (out [b, sq, h, d] in q's dtype, lse [b, h, sq] fp32). No autograd graph."""
+def _plan(q, k, causal, q_doc, k_doc, plan):
+    if plan is not None:
+        return plan
+    if q_doc is None and k_doc is None:
+        if causal and q.shape[1] != k.shape[1]:
+            raise ValueError(f"causal attention needs as many queries as keys here, got {q.shape[1]} and {k.shape[1]}")
+        return None
+    if q_doc is None or k_doc is None:
+        raise ValueError("document masks need both q_doc and k_doc")
+    return cached_plan(q_doc, k_doc, causal)
+
+
+def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=None, backend="flash", plan=None):
+    """Forward only: (out [b, sq, h, d] in q's dtype, lse [b, h, sq] fp32). No autograd graph.
+
+    With document ids (or a precomputed `plan`, ops/segments.py) only same-document segment pairs
+    are computed; no [sq, sk] tensor is built."""
     _check(q, k, v, q_doc, k_doc)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     backend = _resolve(backend, q)
-    mask = _mask_if_needed(backend, q, k, causal, q_doc, k_doc)
+    plan = _plan(q, k, causal, q_doc, k_doc, plan)
     with torch.no_grad():
-        if backend == "math":
-            return _math_forward(q, k, v, mask, scale)
-        return _flash_forward(q, k, v, causal, mask, scale, q_doc is not None)
+        if plan is None:
+            return _dense_forward(q, k, v, causal, scale, backend)
+        return _sparse_forward(q, k, v, plan, scale, backend)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_doc=None, scale=None,
-                       backend="flash", dlse=None):
+                       backend="flash", dlse=None, plan=None):
     """Gradients (dq, dk, dv) of one attention from its output and the lse to normalise with.
 
     `out` and `lse` may be the *global* output and lse of a larger attention this call is one block
@@ -233,12 +308,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_do
     """
     _check(q, k, v, q_doc, k_doc)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    backend = "math" if dlse is not None else _resolve(backend, q)
-    mask = _mask_if_needed(backend, q, k, causal, q_doc, k_doc)
+    backend = _resolve(backend, q)
+    plan = _plan(q, k, causal, q_doc, k_doc, plan)
     with torch.no_grad():
-        if backend == "math":
-            return _math_backward(dout, q, k, v, out, lse, mask, scale, dlse)
-        return _flash_backward(dout, q, k, v, out, lse, causal, mask, scale, q_doc is not None)
+        if plan is None:
+            return _dense_backward(dout, q, k, v, out, lse, causal, scale, backend, dlse)
+        return _sparse_backward(dout, q, k, v, out, lse, plan, scale, backend, dlse)
 
 
 class _Attention(torch.autograd.Function):
