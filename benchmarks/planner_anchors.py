@@ -5,11 +5,10 @@ and the host memory per node each anchor would need under longctx's offload sche
 """
 
 import json
-
 import sys
 
 from longctx.planner.anchors import ANCHORS, check, passed
-from longctx.planner.hardware import get_device
+from longctx.planner.hardware import get_hardware
 
 if __name__ == "__main__":
     rows = []
@@ -17,7 +16,7 @@ if __name__ == "__main__":
         row = check(a)
         if not row["feasible"]:
             for host in (4096, 8192, 16384, 65536):
-                r = check(a, get_device(a.device).replace(host_memory_gib=host))
+                r = check(a, get_hardware(a.hardware).replace(host_memory_gib=host))
                 if r["feasible"]:
                     row["feasible_with_host_gib_per_node"] = host
                     row["with_more_host"] = {k: r.get(k) for k in ("predicted_mfu", "best", "memory_gib",

@@ -10,7 +10,7 @@ import statistics
 import time
 
 from longctx.config import load_config
-from longctx.planner.hardware import get_device
+from longctx.planner.hardware import get_hardware
 from longctx.planner.search import Request, plan
 
 REQUESTS = [("llama3-8b", 64, 2**20, "h100"), ("llama3-8b", 1024, 2**20, "h100"),
@@ -18,15 +18,16 @@ REQUESTS = [("llama3-8b", 64, 2**20, "h100"), ("llama3-8b", 1024, 2**20, "h100")
 
 if __name__ == "__main__":
     rows = []
-    for preset, gpus, seq, device in REQUESTS:
+    for preset, gpus, seq_len, hardware in REQUESTS:
         m = load_config(None, {"model": {"preset": preset}}).model
         times, res = [], None
         for _ in range(3):
             t0 = time.perf_counter()
-            res = plan(Request(m, get_device(device), gpus, seq))
+            res = plan(Request(m, get_hardware(hardware), gpus, seq_len))
             times.append(time.perf_counter() - t0)
         best = res.best
-        rows.append({"model": preset, "gpus": gpus, "seq": seq, "device": device, "evaluated": res.evaluated,
+        rows.append({"model": preset, "gpus": gpus, "seq_len": seq_len, "global_batch": res.request.global_batch,
+                     "hardware": hardware, "evaluated": res.evaluated,
                      "feasible": len(res.feasible), "seconds_median": statistics.median(times),
                      "best": best.as_dict()["describe"] if best else None,
                      "best_mfu": best.mfu if best else None, "best_step_s": best.step_s if best else None})

@@ -1,4 +1,5 @@
-"""Planner validation on this CPU (JSON): predicted vs measured communication bytes (exact counters)
+"""Planner validation on this CPU (JSON): predicted vs measured communication bytes (comm.py's exact
+counters for attention, FSDP2's own collectives counted from the c10d operators), model-state bytes
 and activation bytes for debug and ~100M models under 10 layouts x policies, and predicted vs
 measured step-time ranking of same-world layouts (interleaved in one job, median over rounds).
 

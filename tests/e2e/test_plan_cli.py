@@ -1,4 +1,4 @@
-"""`longctx plan` as a user runs it: table, JSON, the written config, bad requests."""
+"""`longctx plan` as a user runs it: table, JSON, the written config, bad requests, renamed flags."""
 
 import json
 import os
@@ -36,23 +36,30 @@ def longctx(*args, cwd=None, timeout=300):
 
 def test_plan_8b_1m_prints_a_table_and_writes_a_loadable_config(tmp_path):
     from longctx.config import load_config
-    from longctx.train import check_layout
+    from longctx.parallel.checks import check_layout
 
     out = tmp_path / "plan.toml"
-    r = longctx("plan", "--model", "llama3-8b", "--gpus", "64", "--gpus-per-node", "8", "--device", "h100",
-                "--seq", "1M", "--out", str(out))
+    r = longctx("plan", "--model", "llama3-8b", "--gpus", "64", "--gpus-per-node", "8", "--hardware", "h100",
+                "--seq-len", "1M", "--global-batch", "128", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "layout" in r.stdout and "MFU" in r.stdout and "bottleneck" in r.stdout and "wrote" in r.stdout
+    assert "micro-batch" in r.stdout and "grad_accum" in r.stdout and "global batch 128" in r.stdout
     cfg = load_config(out, [])
     check_layout(cfg, 64)
-    assert cfg.train.seq_len == 1048576 and cfg.model.dim == 4096
-    j = longctx("plan", "--model", "llama3-8b", "--gpus", "64", "--device", "h100", "--seq", "1M", "--json",
-                "--no-write")
+    assert cfg.train.seq_len == 1048576 and cfg.model.dim == 4096 and cfg.train.global_batch == 128
+    j = longctx("plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "h100", "--seq-len", "1M",
+                "--global-batch", "128", "--json", "--no-write")
     assert j.returncode == 0, j.stderr
     doc = json.loads(j.stdout)
+    assert doc["request"]["seq_len"] == 1048576 and doc["request"]["global_batch"] == 128
+    assert doc["request"]["hardware"]["name"] == "h100"
     assert doc["plans"] and doc["plans"][0]["feasible"] and doc["written"] is None
     best = doc["plans"][0]
     assert best["layout"]["ctx"] == cfg.parallel.ctx and best["memory_gib"]["total"] < 80
+    assert best["policy"]["recompute"] == cfg.memory.recompute and "checkpoint" not in best["policy"]
+    dp = best["layout"]["dp_replicate"] * best["layout"]["dp_shard"]
+    assert best["micro_batch"] * dp * best["grad_accum"] == best["global_batch"] == cfg.train.global_batch
+    assert best["grad_accum"] == cfg.train.grad_accum
 
 
 def test_cpu_plan_trains_unchanged(tmp_path):
@@ -60,7 +67,7 @@ def test_cpu_plan_trains_unchanged(tmp_path):
     hw.write_text(CPU_HW)
     out = tmp_path / "plan.toml"
     r = longctx("plan", "--model", "debug", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(hw),
-                "--seq", "256", "--batch", "2", "--out", str(out), "--train.eval_interval=0",
+                "--seq-len", "256", "--global-batch", "2", "--out", str(out), "--train.eval_interval=0",
                 "--data.max_docs=60", "--metrics.plots=false", "--metrics.progress=false")
     assert r.returncode == 0, r.stderr
     text = out.read_text()
@@ -72,17 +79,52 @@ def test_cpu_plan_trains_unchanged(tmp_path):
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--model", "llama9", "--gpus", "8", "--seq", "1M"], "model.preset = 'llama9' is not one of"),
-    (["--model", "llama3-8b", "--gpus", "0", "--seq", "1M"], "--gpus must be at least 1"),
-    (["--model", "llama3-8b", "--gpus", "8", "--seq", "12345"], "must be divisible by 2 x head x ctx"),
-    (["--model", "llama3-8b", "--gpus", "8", "--seq", "lots"], "is not a token count"),
-    (["--model", "llama3-8b", "--gpus", "8", "--seq", "1M", "--device", "tpu"], "unknown device 'tpu'"),
-    (["--model", "llama3-70b", "--gpus", "8", "--seq", "4M", "--device", "h100"], "GPUs make it feasible"),
-    (["--model", "llama3-8b", "--gpus", "8", "--seq", "1M", "--device", "a800", "--offload", "none", "--block-chunk", "0"],
-     "activation offload"),
+    (["--model", "llama9", "--gpus", "8", "--seq-len", "1M"], "model.preset = 'llama9' is not one of"),
+    (["--model", "llama3-8b", "--gpus", "0", "--seq-len", "1M"], "--gpus must be at least 1"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "12345"], "must be divisible by 2 x head x ctx"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "lots"], "is not a token count"),
+    (["--model", "llama3-8b", "--gpus", "8"], "needs --seq-len TOKENS"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", "--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", "--hardware", "nowhere/hw.toml"], "nowhere/hw.toml"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", "--recompute", "most"], "unknown recompute policy"),
+    (["--model", "llama3-70b", "--gpus", "8", "--seq-len", "4M", "--hardware", "h100"], "GPUs make it feasible"),
+    (["--model", "llama3-8b", "--gpus", "8", "--seq-len", "1M", "--hardware", "a800", "--offload", "none",
+      "--block-chunk", "0"], "activation offload"),
 ])
 def test_bad_or_infeasible_requests_exit_with_one_paragraph(args, needle, tmp_path):
     r = longctx("plan", *args, "--no-write", cwd=tmp_path)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert needle in " ".join(r.stderr.split())
+
+
+@pytest.mark.parametrize("old, value, new", [
+    ("--seq", "1M", "--seq-len"),          # a prefix of --seq-len: must not be taken as its abbreviation
+    ("--seq=1M", None, "--seq-len"),
+    ("--batch", "8", "--global-batch"),
+    ("--checkpoint", "full", "--recompute"),
+    ("--device", "h100", "--hardware"),
+    ("--dev", "h100", "--hardware"),       # an abbreviation of the old flag is the old flag
+])
+def test_renamed_flags_exit_2_naming_the_new_one(old, value, new, tmp_path):
+    args = ["--model", "llama3-8b", "--gpus", "8", *([] if old.startswith("--seq") else ["--seq-len", "1M"])]
+    r = longctx("plan", *args, old, *([value] if value else []), "--no-write", cwd=tmp_path)
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr)
+    assert "Traceback" not in r.stderr and not r.stdout
+    assert f"was renamed to {new}" in r.stderr and f"use {new}" in r.stderr
+
+
+def test_hardware_takes_a_preset_or_a_toml_file(tmp_path):
+    args = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "128K", "--json", "--no-write", "--top", "1"]
+    preset = longctx("plan", *args, "--hardware", "a800", cwd=tmp_path)
+    assert preset.returncode == 0, preset.stderr
+    hw = json.loads(preset.stdout)["request"]["hardware"]
+    assert (hw["name"], hw["memory_gib"], hw["intra_gbps"]) == ("a800", 80, 200)
+    (tmp_path / "big.toml").write_text('[hardware]\nbase = "a800"\nmemory_gib = 160\n')
+    for spec in ("big.toml", str(tmp_path / "big.toml")):  # relative to the working directory, or absolute
+        file = longctx("plan", *args, "--hardware", spec, cwd=tmp_path)
+        assert file.returncode == 0, file.stderr
+        hw = json.loads(file.stdout)["request"]["hardware"]
+        assert (hw["name"], hw["memory_gib"], hw["intra_gbps"]) == ("a800", 160, 200)
+    default = longctx("plan", *args, cwd=tmp_path)
+    assert json.loads(default.stdout)["request"]["hardware"]["name"] == "h100"

@@ -9,17 +9,26 @@ for what it carries; `counters()` returns the bytes THIS rank sent, per dim and 
 - all_reduce: 2 (n-1)/n of the tensor (ring all-reduce);
 - exchange (point-to-point): the bytes of every tensor sent.
 
-Groups of size 1 communicate nothing and count nothing.
+Groups of size 1 communicate nothing and count nothing. `barrier` and `broadcast_object` carry
+control data and are not counted.
+
+Collectives that a PyTorch library issues itself (FSDP2's parameter all-gathers, gradient
+reduce-scatters and HSDP all-reduces) bypass these functions; `library_traffic()` counts them with
+the same per-rank conventions (a reduce-scatter: (n-1)/n of its input, the chunks a ring sends on)
+by watching the c10d operators, so their closed forms can be checked against a real step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
 _BYTES: dict[tuple[str, str], int] = defaultdict(int)
+_OWN = threading.local()  # depth > 0 while one of this module's functions runs its c10d op
 
 # torch >= 2.10 renamed all_gather_into_tensor (output concatenated along dim 0) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,6 +44,16 @@ def counters() -> dict[str, dict[str, int]]:
 
 def reset_counters() -> None:
     _BYTES.clear()
+
+
+@contextlib.contextmanager
+def _own():
+    """Marks the c10d ops issued inside as this module's (counted here, not by library_traffic)."""
+    _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _OWN.depth -= 1
 
 
 def _count(mesh, label: str, nbytes: int) -> None:
@@ -64,7 +83,8 @@ def all_to_all(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor
         return x
     x = x.contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=mesh.get_group())
+    with _own():
+        dist.all_to_all_single(out, x, group=mesh.get_group())
     _count(mesh, label, nbytes(x) * (n - 1) // n)
     return out
 
@@ -76,7 +96,8 @@ def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor
         return x[None]
     x = x.contiguous().reshape(1, *x.shape)
     out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x, group=mesh.get_group())
+    with _own():
+        _all_gather_single(out, x, group=mesh.get_group())
     _count(mesh, label, nbytes(x) * (n - 1))
     return out
 
@@ -85,7 +106,8 @@ def all_reduce(x: torch.Tensor, mesh, op=dist.ReduceOp.SUM, label: str = "all_re
     n = mesh.size()
     if n == 1:
         return x
-    dist.all_reduce(x, op=op, group=mesh.get_group())
+    with _own():
+        dist.all_reduce(x, op=op, group=mesh.get_group())
     _count(mesh, label, 2 * nbytes(x) * (n - 1) // n)
     return x
 
@@ -97,7 +119,7 @@ class Pending:
         self._works = list(works)
 
     @classmethod
-    def join(cls, pendings) -> "Pending":
+    def join(cls, pendings) -> Pending:
         return cls([w for p in pendings for w in p._works])
 
     def wait(self) -> None:
@@ -124,7 +146,8 @@ def exchange(mesh, sends=(), recvs=(), label: str = "p2p") -> Pending:
         _count(mesh, label, nbytes(t))
     for buf, peer, tag in recvs:
         ops.append(dist.P2POp(dist.irecv, buf, ranks[peer], group=group, tag=tag))
-    return Pending(dist.batch_isend_irecv(ops))
+    with _own():
+        return Pending(dist.batch_isend_irecv(ops))
 
 
 def broadcast_object(obj, mesh, src: int = 0):
@@ -132,5 +155,79 @@ def broadcast_object(obj, mesh, src: int = 0):
     if mesh.size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=group_ranks(mesh)[src], group=mesh.get_group())
+    with _own():
+        dist.broadcast_object_list(box, src=group_ranks(mesh)[src], group=mesh.get_group())
     return box[0]
+
+
+def barrier(mesh=None) -> None:
+    """Wait until every rank of the 1-D mesh (all ranks when None) gets here (not byte-counted)."""
+    if mesh is not None and mesh.size() == 1:
+        return
+    with _own():
+        dist.barrier(group=None if mesh is None else mesh.get_group())
+
+
+def world_mesh(device_type: str = "cpu"):
+    """A 1-D mesh named "world" over every rank of the initialised process group (its default group),
+    for callers outside a training layout (calibration, validation)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("world",))
+
+
+# c10d operators of the collectives PyTorch libraries issue (FSDP2), by how this rank's bytes are counted
+_GATHERS = {"_allgather_base_", "allgather_into_tensor_coalesced_"}         # (n-1)/n of the output
+_SCATTERS = {"_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"}   # (n-1)/n of the input
+_REDUCES = {"allreduce_", "allreduce_coalesced_"}                          # 2 (n-1)/n of the tensor
+_CONTROL = {"barrier", "monitored_barrier_"}
+
+
+def _bytes_of(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return nbytes(x)
+    if isinstance(x, (list, tuple)):
+        return sum(_bytes_of(item) for item in x)
+    return 0
+
+
+def _library_op_bytes(name: str, args) -> tuple[str, float]:
+    """(label, bytes this rank sends) of one c10d operator call, by the conventions above."""
+    if name in _GATHERS:  # (output, input, group, ...)
+        out, inp = _bytes_of(args[0]), _bytes_of(args[1])
+        n = round(out / inp)
+        return "all_gather", (n - 1) / n * out
+    if name in _SCATTERS:  # (output, input, group, op, ...)
+        out, inp = _bytes_of(args[0]), _bytes_of(args[1])
+        n = round(inp / out)
+        return "reduce_scatter", (n - 1) / n * inp
+    if name in _REDUCES:  # (tensors, group, op, ...): the group travels boxed
+        n = dist.ProcessGroup.unbox(args[1]).size()
+        return "all_reduce", 2 * (n - 1) / n * _bytes_of(args[0])
+    return name, float(_bytes_of(args))
+
+
+@contextlib.contextmanager
+def library_traffic():
+    """Count the bytes this rank sends in the collectives that something other than this module
+    (FSDP2) issues inside the block. Yields a dict that fills in as they run: {"all_gather" |
+    "reduce_scatter" | "all_reduce": bytes}, with the conventions of the counters above (all-gather:
+    (n-1)/n of the output; reduce-scatter: (n-1)/n of the input; all-reduce: 2 (n-1)/n of the
+    tensor). Any other c10d operator is recorded under its own name with the bytes of its tensors,
+    so nothing passes unseen. A TorchDispatchMode: every c10d operator dispatches through it,
+    whichever Python API issued it; the ones this module's functions issue are left out (their
+    bytes are in `counters()`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: dict[str, float] = defaultdict(float)
+
+    class _Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.namespace == "c10d" and func._opname not in _CONTROL and not getattr(_OWN, "depth", 0):
+                label, sent = _library_op_bytes(func._opname, args)
+                found[label] += sent
+            return out
+
+    with _Watch():
+        yield found

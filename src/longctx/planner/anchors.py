@@ -25,8 +25,8 @@ class Anchor:
     preset: str
     gpus: int
     gpus_per_node: int
-    seq: int
-    device: str
+    seq_len: int
+    hardware: str  # a hardware preset
     published_mfu: float
     needs: str  # "" or the technique without which it must be infeasible: "offload"
 
@@ -43,14 +43,14 @@ ANCHORS = [
 
 def check(anchor: Anchor, hardware=None) -> dict:
     from ..config import load_config
-    from .hardware import get_device
+    from .hardware import get_hardware
 
     model = load_config(None, {"model": {"preset": anchor.preset}}).model
-    hw = hardware or get_device(anchor.device)
-    req = Request(model, hw, anchor.gpus, anchor.seq, gpus_per_node=anchor.gpus_per_node, batch=1)
+    hw = hardware or get_hardware(anchor.hardware)
+    req = Request(model, hw, anchor.gpus, anchor.seq_len, gpus_per_node=anchor.gpus_per_node, global_batch=1)
     full = plan(req, keep_infeasible=False, explain=False)
-    row = {"anchor": anchor.name, "source": anchor.source, "gpus": anchor.gpus, "seq": anchor.seq,
-           "device": hw.name, "feasible": full.best is not None, "published_mfu": anchor.published_mfu,
+    row = {"anchor": anchor.name, "source": anchor.source, "gpus": anchor.gpus, "seq_len": anchor.seq_len,
+           "hardware": hw.name, "feasible": full.best is not None, "published_mfu": anchor.published_mfu,
            "evaluated": full.evaluated}
     if full.best is not None:
         b = full.best.as_dict()

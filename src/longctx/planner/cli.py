@@ -1,4 +1,11 @@
-"""`longctx plan`: arguments and the command (cli.py only registers it)."""
+"""`longctx plan`: arguments and the command (cli.py only registers it).
+
+The words are the glossary's (docs/architecture.md): --seq-len (tokens per sequence),
+--global-batch (sequences per optimizer step over the whole job), --micro-batch (sequences per
+data-parallel rank in one forward/backward), --recompute (activation recomputation policies),
+--hardware (a hardware preset or TOML file). The old flags --seq, --batch, --checkpoint and
+--device stop with exit code 2 and name the new one (cli_flags.renamed_flag).
+"""
 
 from __future__ import annotations
 
@@ -37,23 +44,29 @@ def _ints(text: str, flag: str, minimum: int = 0) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .hardware import device_names
+    from ..cli_flags import renamed_flag
+    from .hardware import hardware_names
 
     p.add_argument("--model", default="debug", help="model preset (config model.preset), e.g. llama3-8b")
-    p.add_argument("--gpus", type=int, default=None, help="devices (ranks) in the job")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (which groups get fast links)")
-    p.add_argument("--device", default=None,
-                   help=f"device kind: {', '.join(device_names())} (default h100; cpu-measured calibrates this machine)")
-    p.add_argument("--hardware", default=None, help="TOML file with a [hardware] table (base = \"h100\" + fields)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs (ranks) in the job")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (which groups get fast links)")
+    p.add_argument("--hardware", default=None, metavar="NAME|FILE.toml",
+                   help=f"hardware to plan for: a preset ({', '.join(hardware_names())}; cpu-measured calibrates "
+                        "this machine) or a TOML file with a [hardware] table (base = \"h100\" + fields); "
+                        "default h100")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help="override one hardware field, e.g. --hw host_memory_gib=1024 (repeatable)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (GEMM and attention FLOP/s, gloo bandwidth) and plan for it")
     p.add_argument("--calibrate-out", default=None, help="write the calibrated hardware as TOML (for --hardware)")
-    p.add_argument("--seq", default=None, help="tokens per sequence; K = 1024, M = 1048576 (e.g. 1M, 208K)")
-    p.add_argument("--batch", type=int, default=0, help="global sequences per optimizer step (default: --gpus)")
-    p.add_argument("--micro-batch", default="1,2,4,8", help="sequences per data-parallel rank per micro-batch to try")
-    p.add_argument("--checkpoint", default="none,full,selective", help="recomputation policies to try")
+    p.add_argument("--seq-len", default=None, help="tokens per sequence; K = 1024, M = 1048576 (e.g. 1M, 208K)")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="sequences per optimizer step over the whole job (default: --gpus)")
+    p.add_argument("--micro-batch", default="1,2,4,8",
+                   help="micro-batch sizes to try: sequences per data-parallel rank in one forward/backward "
+                        "(grad_accum = global batch / (data-parallel degree x micro-batch))")
+    p.add_argument("--recompute", default="none,full,selective",
+                   help="activation recomputation policies to try (none, full, selective)")
     p.add_argument("--offload", default="0.125,0.25,0.5,0.75,1",
                    help="offload fractions to try with selective (and 0.5,1 of them with full), or none")
     p.add_argument("--offload-skip-last", type=int, default=1, help="last blocks never offloaded")
@@ -67,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true",
                    help="run the CPU validation (predicted vs measured bytes, activations, step-time ranking)")
     p.add_argument("--anchors", action="store_true", help="check the published feasibility anchors")
+    # renamed: registered (hidden) so that argparse never takes --seq as an abbreviation of --seq-len
+    renamed_flag(p, "--seq", "--seq-len", "tokens per sequence")
+    renamed_flag(p, "--batch", "--global-batch", "sequences per optimizer step over the whole job")
+    renamed_flag(p, "--checkpoint", "--recompute", "the activation recomputation policies to try")
+    renamed_flag(p, "--device", "--hardware", "a hardware preset such as h100, or a TOML file")
 
 
 def build_request(args, overrides):
@@ -76,10 +94,12 @@ def build_request(args, overrides):
 
     base = load_config(None, [f"--model.preset={args.model}", *overrides])
     if args.gpus is None:
-        raise ConfigError("longctx plan needs --gpus N (the number of devices), e.g. --gpus 64.")
-    if args.seq is None:
-        raise ConfigError("longctx plan needs --seq TOKENS, e.g. --seq 1M or --seq 131072.")
-    seq = parse_tokens(args.seq)
+        raise ConfigError("longctx plan needs --gpus N (the number of GPUs, i.e. ranks), e.g. --gpus 64.")
+    if args.seq_len is None:
+        raise ConfigError("longctx plan needs --seq-len TOKENS, e.g. --seq-len 1M or --seq-len 131072.")
+    seq_len = parse_tokens(args.seq_len)
+    if args.calibrate and args.hardware:
+        raise ConfigError("give --calibrate (plan for this machine, measured) or --hardware, not both.")
     if args.calibrate:
         hw = calibrate(world=max(1, min(args.gpus, args.gpus_per_node)))
         if args.calibrate_out:
@@ -89,12 +109,13 @@ def build_request(args, overrides):
 
             hw = apply_overrides(hw, parse_kv(args.hw))
     else:
-        hw = load_hardware(args.device or (None if args.hardware else "h100"), args.hardware, args.hw)
+        hw = load_hardware(args.hardware or "h100", args.hw)
     chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
     block_chunks = _ints(args.block_chunk, "--block-chunk")
-    checkpoints = tuple(x.strip() for x in args.checkpoint.split(",") if x.strip())
-    req = Request(base.model, hw, args.gpus, seq, gpus_per_node=args.gpus_per_node, batch=args.batch,
-                  micro_batches=_ints(args.micro_batch, "--micro-batch", 1), checkpoints=checkpoints,
+    recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
+    req = Request(base.model, hw, args.gpus, seq_len, gpus_per_node=args.gpus_per_node,
+                  global_batch=args.global_batch, micro_batches=_ints(args.micro_batch, "--micro-batch", 1),
+                  recomputes=recomputes,
                   offload_fractions=_floats(args.offload), offload_skip_last=args.offload_skip_last,
                   loss_chunks=chunks, block_chunks=block_chunks, doc_mask=base.data.doc_mask)
     return req, base
@@ -114,8 +135,9 @@ def main(args, overrides) -> int:
     from .search import plan
 
     req, base = build_request(args, overrides)
-    if req.seq > base.model.max_seq_len and any(o.startswith("--model.max_seq_len") for o in overrides):
-        raise ConfigError(f"--seq {req.seq} exceeds the --model.max_seq_len you gave ({base.model.max_seq_len}).")
+    if req.seq_len > base.model.max_seq_len and any(o.startswith("--model.max_seq_len") for o in overrides):
+        raise ConfigError(f"--seq-len {req.seq_len} exceeds the --model.max_seq_len you gave "
+                          f"({base.model.max_seq_len}).")
     res = plan(req)
     written, note = None, ""
     best = res.best
@@ -148,5 +170,6 @@ def main(args, overrides) -> int:
     if best is None:
         why = "; ".join(res.suggestions) or "no layout fits"
         raise ConfigError(
-            f"no plan for {req.model.preset} at {req.seq:,} tokens fits on {req.gpus} x {req.hardware.name}: {why}.")
+            f"no plan for {req.model.preset} at {req.seq_len:,} tokens fits on {req.gpus} x {req.hardware.name}: "
+            f"{why}.")
     return 0

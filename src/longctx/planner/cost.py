@@ -1,17 +1,21 @@
-"""Analytic cost of one training configuration: memory per device by part, bytes per mesh dim,
+"""Analytic cost of one training configuration: memory per GPU by part, bytes per mesh dim,
 compute time, exposed communication, step time, tokens/s and MFU.
 
-Everything is per device (rank) and exact where the implementation allows it:
+Everything is per GPU (rank) and exact where the implementation allows it:
 
 - communication bytes of attention are `parallel.volumes.attention_bytes` (the closed forms that
   comm.py's counters are tested to equal), times the layers, the micro-batches and, under full
-  recomputation, the forward once more; FSDP bytes are `parallel.volumes.fsdp_bytes`, the closed
-  form the training loop reports too (FSDP's own collectives are not counted by comm.py);
+  recomputation, the forward once more; FSDP bytes are `fsdp_bytes_per_micro`: the blocks'
+  parameters all-gathered for forward and again for backward, the root's once (FSDP2 keeps the root
+  gathered from forward to backward), fp32 gradients reduce-scattered and, under HSDP, all-reduced
+  over the replicas (FSDP's collectives bypass comm.py's counters; `comm.library_traffic()` counts
+  them, and tests/distributed/test_planner_validation.py compares a real step with this figure);
 - activation memory is `memory.accounting.estimate_activations` (the formulas `longctx bench
   memory` is compared with to the byte), plus `transient_bytes`, the working set of one block's
   backward and of the LM head on top of it;
-- model-state memory: fp32 parameters, gradients and two Adam moments (16 bytes/parameter)
-  sharded over dp_shard x head x ctx (FSDP2, hybrid ZeRO) and replicated over dp_replicate (HSDP),
+- model-state memory: fp32 parameters, gradients and two Adam moments (16 bytes/parameter; FSDP2
+  keeps the sharded parameters fp32 under bf16 mixed precision too, the bf16 copies are the gathered
+  ones) sharded over dp_shard x head x ctx (FSDP2, hybrid ZeRO) and replicated over dp_replicate (HSDP),
   plus the blocks FSDP holds unsharded at a time (this one and the prefetched next) and the root
   (embeddings, LM head), which stays gathered for the whole step;
 - FLOPs are metrics.py's model FLOPs (the attention s^2 term halved under the causal mask), plus
@@ -29,10 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..memory.accounting import ActivationEstimate, block_part_bytes, estimate_activations
+from ..memory.accounting import (
+    ActivationEstimate,
+    block_part_bytes,
+    estimate_activations,
+)
 from ..metrics import matmul_params_per_layer, train_flops_per_token
-from ..parallel.volumes import attention_bytes, fsdp_bytes
+from ..parallel.volumes import attention_bytes
 from .hardware import Hardware
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -78,14 +87,14 @@ class Layout:
 
 @dataclass(frozen=True)
 class Policy:
-    checkpoint: str = "none"          # none | full | selective
-    offload_fraction: float = 0.0     # requires selective
+    recompute: str = "none"           # activation recomputation: none | full | selective
+    offload_fraction: float = 0.0     # requires full or selective
     offload_skip_last: int = 1
     loss_chunk: int = 0               # tokens per chunk of the LM head + loss; 0 = full logits
     block_chunk: int = 0              # tokens per chunk of the blocks' token-wise stages; 0 = whole
 
     def describe(self) -> str:
-        text = self.checkpoint
+        text = self.recompute
         if self.offload_fraction:
             text += f"+off{self.offload_fraction:g}"
             if self.offload_skip_last != 1:
@@ -97,7 +106,7 @@ class Policy:
 
     def memory_config(self) -> dict:
         """The [memory] table of a config that runs this policy."""
-        return {"checkpoint": self.checkpoint, "offload_fraction": float(self.offload_fraction),
+        return {"recompute": self.recompute, "offload_fraction": float(self.offload_fraction),
                 "offload_skip_last": self.offload_skip_last, "loss_chunk": self.loss_chunk,
                 "block_chunk": self.block_chunk}
 
@@ -107,9 +116,10 @@ class Estimate:
     layout: Layout
     policy: Policy
     micro_batch: int                   # sequences per data-parallel rank per micro-batch
-    grad_accum: int
-    seq: int
-    memory: dict[str, float]           # bytes per device by part, and "total"
+    grad_accum: int                    # micro-batches per optimizer step
+    seq_len: int                       # tokens per sequence
+    global_batch: int                  # sequences per optimizer step over the whole job
+    memory: dict[str, float]           # bytes per GPU (rank) by part, and "total"
     host_per_node: float               # bytes of host memory per node for offloaded activations
     comm_bytes: dict[str, dict[str, float]]  # per rank per optimizer step: {dim: {label: bytes}}
     times: dict[str, float]            # seconds per step: compute, exposed parts, step
@@ -129,13 +139,14 @@ class Estimate:
             "layout": {"dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "head": L.head, "ctx": L.ctx,
                        "window": L.window, "placement": L.placement},
             "policy": P.memory_config(),
-            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "seq": self.seq,
+            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
             "memory_gib": {k: v / 2**30 for k, v in self.memory.items()},
             "host_per_node_gib": self.host_per_node / 2**30,
             "comm_bytes_per_step": self.comm_bytes, "times_s": self.times,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bottleneck": self.bottleneck,
             "feasible": self.feasible, "problems": self.problems,
-            "describe": f"{L.describe()} | {P.describe()} | mb{self.micro_batch}",
+            "describe": f"{L.describe()} | {P.describe()} | micro-batch {self.micro_batch}",
         }
 
 
@@ -150,27 +161,41 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
     return {"block": block, "root": root, "total": m.layers * block + root}
 
 
+def model_state_bytes(m: ModelConfig, layout: Layout) -> float:
+    """Bytes of model states per rank: fp32 parameters, gradients and AdamW's exp_avg and exp_avg_sq
+    (16 per parameter), sharded over the FSDP group and replicated over dp_replicate."""
+    return 16 * param_counts(m)["total"] / layout.fsdp
+
+
 def fsdp_bytes_per_micro(m: ModelConfig, layout: Layout, gather_bytes: int) -> float:
-    """train.fsdp_bytes_per_step per micro-batch: gathers for forward and backward, fp32 gradient
-    reduce-scatter over the shard group, HSDP all-reduce of the shards over the replicas."""
-    return fsdp_bytes(param_counts(m)["total"], layout.fsdp, layout.dp_replicate, gather_bytes)
+    """FSDP2 bytes one rank sends per micro-batch: every block's parameters all-gathered
+    (`gather_bytes` each) for forward and again for backward, the root's (embeddings, final norm, LM
+    head) once (FSDP2 does not reshard the root after forward), each (n-1)/n of the gathered
+    tensor; fp32 gradients reduce-scattered over the shard group of n ranks ((n-1)/n of them);
+    under HSDP the fp32 gradient shards all-reduced over the r replicas (2 (r-1)/r of the shard)."""
+    n, r = layout.fsdp, layout.dp_replicate
+    if n * r == 1:
+        return 0.0
+    pc = param_counts(m)
+    gathered = 2 * m.layers * pc["block"] + pc["root"]
+    return (n - 1) / n * (gathered * gather_bytes + 4 * pc["total"]) + 2 * (r - 1) / r * 4 * pc["total"] / n
 
 
 # ----------------------------------------------------------------------------------------------
 # Activations
 
 
-def activations(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy,
+def activations(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout, policy: Policy,
                 dtype_bytes: int, docs: bool = True) -> ActivationEstimate:
     """memory.accounting.estimate_activations (what `longctx bench memory` measures) for a layout
     and policy."""
-    return estimate_activations(m, seq, micro_batch, head=layout.head, ctx=layout.ctx, policy=policy.checkpoint,
+    return estimate_activations(m, seq_len, micro_batch, head=layout.head, ctx=layout.ctx, policy=policy.recompute,
                                 offload_fraction=policy.offload_fraction, offload_skip_last=policy.offload_skip_last,
                                 dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk, docs=docs,
                                 block_chunk=policy.block_chunk)
 
 
-def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
+def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
                     docs: bool = True, acts: ActivationEstimate | None = None) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
     backward and one block's backward, which holds at once
@@ -194,7 +219,7 @@ def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, 
     The LM head holds one chunk of logits and their gradient (all tokens unchunked). Model-wise
     estimates of the allocator's behaviour; the saved activations are the exact part."""
     e = dtype_bytes
-    t = micro_batch * seq // layout.sequence_degree
+    t = micro_batch * seq_len // layout.sequence_degree
     d, hd = m.dim, m.resolved_head_dim
     part = block_part_bytes(m, layout.head, e, docs)
     q_dim, kv_dim = m.heads * hd, max(m.kv_heads, layout.head) * hd
@@ -206,17 +231,17 @@ def transient_bytes(m: ModelConfig, seq: int, micro_batch: int, layout: Layout, 
         double_ring = layout.window and layout.window < layout.ctx
         grads += 8 * kv_dim + 2 * e * kv_dim * (2 if double_ring else 1)
     A = policy.offload_fraction
-    if policy.checkpoint == "none":
+    if policy.recompute == "none":
         piece_tokens, piece_bytes, state = t, 2 * e * m.ffn_dim, 0.0
     else:
-        whole = t * (max(A, 1 - A) if policy.checkpoint == "selective" and A else 1)
+        whole = t * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
         piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
         post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
         piece_bytes = post + 2 * e * m.ffn_dim
-        state = part["core"] + seq_out if policy.checkpoint == "full" else 0.0
+        state = part["core"] + seq_out if policy.recompute == "full" else 0.0
     back = 0.0
     if A:
-        acts = acts or activations(m, seq, micro_batch, layout, policy, e, docs)
+        acts = acts or activations(m, seq_len, micro_batch, layout, policy, e, docs)
         back = 2 * acts.per_block_host
     block = t * (grads + state) + piece_tokens * piece_bytes + back
     lm_tokens = policy.loss_chunk if policy.loss_chunk and t > policy.loss_chunk else t
@@ -255,27 +280,29 @@ def _exposed(transfer_s: float, compute_s: float, hw: Hardware) -> float:
 # The estimate
 
 
-def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, seq: int, batch: int,
+def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, seq_len: int, global_batch: int,
              micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
              acts: ActivationEstimate | None = None, transient: float | None = None) -> Estimate:
-    """Cost of training `batch` global sequences of `seq` tokens per optimizer step under `layout`
-    and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch."""
+    """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
+    job) under `layout` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
+    (so global_batch / (dp x micro_batch) micro-batches per step)."""
     e = hw.dtype_bytes
     L = layout
+    seq = seq_len
     problems: list[str] = []
-    if batch % (L.dp * micro_batch):
-        problems.append(f"batch {batch} is not divisible by dp {L.dp} x micro-batch {micro_batch}")
-    grad_accum = max(1, batch // (L.dp * micro_batch))
+    if global_batch % (L.dp * micro_batch):
+        problems.append(f"global batch {global_batch} is not divisible by dp {L.dp} x micro-batch {micro_batch}")
+    grad_accum = max(1, global_batch // (L.dp * micro_batch))
     t = micro_batch * seq // L.sequence_degree  # tokens per rank per micro-batch
     pc = param_counts(m)
     hd = m.resolved_head_dim
     d_attn = m.heads * hd
 
-    # --- memory per device ----------------------------------------------------------------
+    # --- memory per GPU -------------------------------------------------------------------
     if acts is None:
         acts = activations(m, seq, micro_batch, L, policy, e, doc_mask)
     gather = e  # parameters are gathered in the compute dtype (bf16 on GPU, fp32 on CPU)
-    memory = {"model_states": 16 * pc["total"] / L.fsdp}
+    memory = {"model_states": model_state_bytes(m, L)}
     if L.world > 1:
         # two blocks gathered (this one + the prefetched next) and one block's fp32 gradient before
         # its reduce-scatter; the root stays gathered for the step, its gradient is fp32 until reduced
@@ -289,7 +316,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     ranks_per_node = min(gpus_per_node, L.world)
     host_per_node = acts.total_host * ranks_per_node
     if memory["total"] > hw.usable_memory_bytes:
-        problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per device, {hw.usable_memory_bytes / 2**30:.1f} "
+        problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per GPU, {hw.usable_memory_bytes / 2**30:.1f} "
                         f"usable of {hw.memory_gib:g}")
     if host_per_node > hw.usable_host_bytes:
         problems.append(f"offload needs {host_per_node / 2**30:.0f} GiB of host memory per node, "
@@ -303,7 +330,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
                             head=L.head, ctx=L.ctx, elem=e, docs=doc_mask, backward=False)
     for dim, labels in per_call.items():
         for label, nbytes in labels.items():
-            total = nbytes + (refwd[dim].get(label, 0) if policy.checkpoint == "full" else 0)
+            total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
             comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
     fsdp = fsdp_bytes_per_micro(m, L, gather) * grad_accum
     if fsdp:
@@ -312,7 +339,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     # --- compute time ---------------------------------------------------------------------
     gemm_fwd = t * (m.layers * 2 * matmul_params_per_layer(m) + 2 * m.dim * m.vocab_size)
     attn_fwd = t * m.layers * 2 * seq * d_attn  # 4 s d per token, halved by the causal mask
-    rec_attn = attn_fwd if policy.checkpoint == "full" else 0.0
+    rec_attn = attn_fwd if policy.recompute == "full" else 0.0
     rec_gemm = max(0.0, acts.recompute_flops - rec_attn)
     gemm_rate = hw.peak_flops * hw.gemm_efficiency
     attn_rate = hw.peak_flops * hw.attention_efficiency
@@ -325,7 +352,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         attn_fwd *= (c + 1) / c
         rec_attn *= (c + 1) / c
         pairs = (seq / c) ** 2 * (c + 1) / 2 * micro_batch * m.layers
-        bias_s = pairs * hw.doc_bias_ns * 1e-9 * (4 / 3 if policy.checkpoint == "full" else 1.0)
+        bias_s = pairs * hw.doc_bias_ns * 1e-9 * (4 / 3 if policy.recompute == "full" else 1.0)
     compute = (3 * gemm_fwd + rec_gemm) / gemm_rate + (3 * attn_fwd + rec_attn) / attn_rate + bias_s
     block_fwd = (gemm_fwd / max(m.layers, 1)) / gemm_rate + (attn_fwd / max(m.layers, 1)) / attn_rate \
         + bias_s / 3 / max(m.layers, 1)
@@ -333,11 +360,11 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
 
     # --- exposed communication per micro-batch ---------------------------------------------
     exposed = {"head": 0.0, "ctx": 0.0, "fsdp": 0.0, "offload": 0.0}
-    fwd_passes = 2 if policy.checkpoint == "full" else 1
+    fwd_passes = 2 if policy.recompute == "full" else 1
     if L.head > 1:
         bw = _bw(hw, group_is_intra_node(L, "head", gpus_per_node)) * hw.all_to_all_efficiency
         exposed["head"] = sum(per_call["head"].values()) / bw * m.layers
-        if policy.checkpoint == "full":
+        if policy.recompute == "full":
             exposed["head"] += sum(refwd["head"].values()) / bw * m.layers
     if L.ctx > 1:
         c, w = L.ctx, (L.window or L.ctx)
@@ -371,16 +398,16 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     step = grad_accum * (compute + sum(exposed.values()))
     times = {"compute": grad_accum * compute, **{f"exposed_{k}": grad_accum * v for k, v in exposed.items()},
              "step": step}
-    tokens = batch * seq
+    tokens = global_batch * seq
     tps = tokens / step if step > 0 else float("inf")
     mfu = tps * train_flops_per_token(m, seq) / (L.world * hw.peak_flops)
     parts = {"compute": grad_accum * compute, "head all-to-all": exposed["head"] * grad_accum,
              "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": exposed["fsdp"] * grad_accum,
              "offload copies": exposed["offload"] * grad_accum}
     bottleneck = max(parts, key=parts.get)
-    if bottleneck == "compute" and policy.checkpoint != "none" and acts.recompute_flops:
+    if bottleneck == "compute" and policy.recompute != "none" and acts.recompute_flops:
         share = acts.recompute_flops / (3 * (gemm_fwd + attn_fwd) + acts.recompute_flops)
         if share > 0.15:
             bottleneck = f"compute ({100 * share:.0f}% recompute)"
-    return Estimate(L, policy, micro_batch, grad_accum, seq, memory, host_per_node, comm, times, tps, mfu,
-                    bottleneck, not problems, problems)
+    return Estimate(L, policy, micro_batch, grad_accum, seq, global_batch, memory, host_per_node, comm, times, tps,
+                    mfu, bottleneck, not problems, problems)

@@ -1,17 +1,20 @@
-"""Hardware the planner plans for: named devices, overrides, and a calibration of this machine.
+"""Hardware the planner plans for: named presets, TOML files, overrides, and a calibration of this machine.
 
-A `Hardware` is per device (GPU or CPU process) except `host_memory_gib`, which is per node (the
-host RAM that offloaded activations of all the node's devices share). Bandwidths are what one
-device can push in one direction: `intra_gbps` inside a node (NVLink / NVSwitch), `inter_gbps`
-between nodes (the device's share of the node's InfiniBand / RoCE NICs), `host_link_gbps` to host
-memory (PCIe), all in GB/s (1e9 bytes/s). `gemm_efficiency` and `attention_efficiency` are the
-fractions of the dense bf16 peak that large GEMMs and flash-attention forward+backward reach; the
-planner divides FLOPs by peak x efficiency. `comm_overlap` is the fraction of overlappable
-communication (ring hops, FSDP gathers, offload copies) that can hide behind compute: 1 on GPUs
-(separate copy engines / NCCL streams), 0 on a CPU, where the same cores do both.
+A "hardware" is a model of the machine (h100, a800, ... or a TOML file); "device" in longctx means
+only where tensors live (cpu / cuda). A `Hardware` is per GPU (or CPU process) except
+`host_memory_gib`, which is per node (the host RAM that offloaded activations of all the node's GPUs
+share). Bandwidths are what one GPU can push in one direction: `intra_gbps` inside a node (NVLink /
+NVSwitch), `inter_gbps` between nodes (the GPU's share of the node's InfiniBand / RoCE NICs),
+`host_link_gbps` to host memory (PCIe), all in GB/s (1e9 bytes/s). `gemm_efficiency` and
+`attention_efficiency` are the fractions of the dense bf16 peak that large GEMMs and flash-attention
+forward+backward reach; the planner divides FLOPs by peak x efficiency. `comm_overlap` is the
+fraction of overlappable communication (ring hops, FSDP gathers, offload copies) that can hide
+behind compute: 1 on GPUs (separate copy engines / NCCL streams), 0 on a CPU, where the same cores
+do both.
 
-Overrides: `Hardware.replace(**{field: value})`, a TOML file (`[hardware]` table with any fields,
-optionally `base = "h100"`), or `KEY=VALUE` strings from the command line (`--hw memory_gib=64`).
+`load_hardware(spec)` takes a preset name (`hardware_names()`) or the path of a TOML file (a
+`[hardware]` table with any fields, optionally `base = "h100"`), as `longctx plan --hardware` does;
+then `KEY=VALUE` strings from the command line (`--hw memory_gib=64`) override single fields.
 `calibrate()` measures this machine: GEMM FLOP/s, attention FLOP/s, and gloo all-to-all and
 point-to-point bandwidth between local processes, with short runs (a few seconds).
 """
@@ -24,6 +27,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+
 from ..config import read_toml
 from ..errors import ConfigError
 
@@ -34,12 +38,12 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Hardware:
     name: str
-    memory_gib: float            # device memory
+    memory_gib: float            # memory of one GPU (one CPU process's share when calibrated)
     peak_tflops: float           # dense bf16 (fp32 GEMM when measured on a CPU)
-    intra_gbps: float            # per device, one direction, inside a node
-    inter_gbps: float            # per device, one direction, between nodes
-    host_link_gbps: float        # device <-> host memory (offload)
-    host_memory_gib: float       # per node, shared by its devices
+    intra_gbps: float            # per GPU, one direction, inside a node
+    inter_gbps: float            # per GPU, one direction, between nodes
+    host_link_gbps: float        # GPU <-> host memory (offload)
+    host_memory_gib: float       # per node, shared by its GPUs
     gemm_efficiency: float = 0.70
     attention_efficiency: float = 0.60
     comm_overlap: float = 1.0
@@ -81,12 +85,12 @@ class Hardware:
         return "\n".join(lines) + "\n"
 
 
-# Dense bf16 peaks from vendor data sheets (the same figures as metrics.GPU_PEAK_BF16). NVLink:
+# Hardware presets. Dense bf16 peaks from vendor data sheets (the same figures as metrics.GPU_PEAK_BF16). NVLink:
 # H100/H200 SXM 900 GB/s bidirectional = 450 per direction; A100 600 -> 300; A800 400 -> 200.
 # Inter-node: one 400 Gb/s NIC per H100/H200 (50 GB/s), one 200 Gb/s NIC per A100/A800 (25 GB/s).
 # PCIe gen5 x16 ~ 50 GB/s achieved, gen4 ~ 25 GB/s. Host memory: 2 TB per node (DGX H100/H200
 # and DGX A100 80GB); override with --hw host_memory_gib=1024 for 1 TB nodes.
-DEVICES: dict[str, Hardware] = {
+PRESETS: dict[str, Hardware] = {
     "h100": Hardware("h100", 80, 989, 450, 50, 50, 2048),
     "h200": Hardware("h200", 141, 989, 450, 50, 50, 2048),
     "a100-80g": Hardware("a100-80g", 80, 312, 300, 25, 25, 2048),
@@ -95,23 +99,29 @@ DEVICES: dict[str, Hardware] = {
 ALIASES = {"a100": "a100-80g", "h100-sxm": "h100", "cpu": "cpu-measured"}
 
 
-def device_names() -> list[str]:
-    return [*DEVICES, "cpu-measured"]
+def hardware_names() -> list[str]:
+    """The preset names `--hardware` accepts (besides a TOML file)."""
+    return [*PRESETS, "cpu-measured"]
 
 
-def get_device(name: str) -> Hardware:
-    """A named device; 'cpu-measured' (or 'cpu') calibrates this machine."""
+def get_hardware(name: str) -> Hardware:
+    """A hardware preset; 'cpu-measured' (or 'cpu') calibrates this machine."""
     key = ALIASES.get(name.lower(), name.lower())
     if key == "cpu-measured":
         return calibrate()
-    if key not in DEVICES:
-        close = difflib.get_close_matches(key, device_names(), n=1)
+    if key not in PRESETS:
+        close = difflib.get_close_matches(key, hardware_names(), n=1)
         raise ConfigError(
-            f"unknown device '{name}'. Known devices: {', '.join(device_names())}"
+            f"unknown hardware '{name}'. Known hardware: {', '.join(hardware_names())}"
             + (f". Did you mean '{close[0]}'?" if close else ".")
-            + " Describe another device with --hardware FILE.toml (a [hardware] table) or --hw KEY=VALUE."
+            + " Describe other hardware with --hardware FILE.toml (a [hardware] table) or --hw KEY=VALUE."
         )
-    return DEVICES[key]
+    return PRESETS[key]
+
+
+def is_hardware_file(spec: str) -> bool:
+    """Whether `--hardware spec` names a TOML file rather than a preset."""
+    return spec.lower().endswith(".toml") or os.sep in spec or "/" in spec or os.path.isfile(spec)
 
 
 def _field_types() -> dict[str, type]:
@@ -154,23 +164,26 @@ def parse_kv(items: list[str] | None) -> dict:
     return out
 
 
-def load_hardware(device: str | None, file: str | None = None, overrides: list[str] | None = None) -> Hardware:
-    """device name -> Hardware, then a TOML file's [hardware] table, then --hw KEY=VALUE strings."""
+def load_hardware(spec: str = "h100", overrides: list[str] | None = None) -> Hardware:
+    """`spec` (a preset name, or a TOML file whose [hardware] table gives fields, on top of a preset
+    named by `base = "h100"` or complete), then --hw KEY=VALUE strings."""
     values: dict = {}
-    if file:
+    file, base = None, spec
+    if is_hardware_file(spec):
+        file = spec
         data = read_toml(file, "hardware file", "Write a TOML file with a [hardware] table.")
         values = dict(data.get("hardware", data))
-        if not device and "base" not in values and "name" not in values:
-            raise ConfigError(f"hardware file '{file}' must name a base device (base = \"h100\") or give every field.")
-        device = device or values.get("base")
-    if device:
-        hw = get_device(device)
+        if "base" not in values and "name" not in values:
+            raise ConfigError(f"hardware file '{file}' must name a base preset (base = \"h100\") or give every field.")
+        base = values.get("base")
+    if base:
+        hw = get_hardware(base)
     else:
         types = _field_types()
         missing = [k for k in ("name", "memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "host_link_gbps",
                                "host_memory_gib") if k not in values]
         if missing:
-            raise ConfigError(f"hardware file '{file}' lacks {', '.join(missing)} and names no base device.")
+            raise ConfigError(f"hardware file '{file}' lacks {', '.join(missing)} and names no base preset.")
         hw = Hardware(**{k: types[k](values[k]) for k in values if k in types and k != "base"})
     hw = apply_overrides(hw, values)
     return apply_overrides(hw, parse_kv(overrides))
@@ -210,34 +223,36 @@ def _attention_flops(seq: int = 2048, heads: int = 4, head_dim: int = 32) -> tup
 
 
 def _bandwidth_worker(nbytes: int, repeats: int):
+    """Bytes per second this rank sends in an all-to-all and in a ring hop (send to the next rank,
+    receive from the previous one), through comm.py, whose counters give the bytes sent."""
     import torch
-    import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x = torch.empty(nbytes // 4, dtype=torch.float32)
+    from ..parallel import comm
+
+    mesh = comm.world_mesh()
+    rank, world = mesh.get_rank(), mesh.size()
+    x = torch.empty(world, nbytes // 4 // world, dtype=torch.float32)
     out = torch.empty_like(x)
     res = {}
     for name in ("all_to_all", "p2p"):
-        best = math.inf
+        best, sent = math.inf, 0
         for _ in range(repeats + 1):
-            dist.barrier()
+            comm.barrier(mesh)
+            comm.reset_counters()
             t0 = time.perf_counter()
             if name == "all_to_all":
-                dist.all_to_all_single(out, x)
-                sent = nbytes * (world - 1) / world
-            else:  # ring hop: send to the next rank, receive from the previous one
-                ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, out, (rank - 1) % world)]
-                for w in dist.batch_isend_irecv(ops):
-                    w.wait()
-                sent = nbytes
-            dist.barrier()
+                comm.all_to_all(x, mesh, label=name)
+            else:
+                comm.exchange(mesh, [(x, (rank + 1) % world, 0)], [(out, (rank - 1) % world, 0)], label=name).wait()
+            comm.barrier(mesh)
             best = min(best, time.perf_counter() - t0)
+            sent = comm.counters()["world"][name]
         res[name] = sent / best
     return res
 
 
 def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure_comm: bool = True) -> Hardware:
-    """This machine as a device: per-process GEMM and attention FLOP/s when `world` processes share
+    """This machine as hardware: per-process GEMM and attention FLOP/s when `world` processes share
     it (1 thread each), gloo all-to-all and ring-hop bandwidth between `world` local processes."""
     import torch
 
@@ -265,7 +280,7 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     except (ValueError, OSError, AttributeError):  # pragma: no cover
         mem_gib = 16.0
-    # One "node" = this machine; its RAM is both the devices' memory and the host memory, so each of
+    # One "node" = this machine; its RAM is both the processes' memory and the host memory, so each of
     # `world` processes gets 1/world of it and offload gains nothing (host_link_gbps is a memcpy).
     return Hardware(
         name="cpu-measured", memory_gib=mem_gib / world, peak_tflops=gemm / 1e12,

@@ -16,23 +16,29 @@ GIB = 2**30
 
 
 def plan_config(est: Estimate, req: Request, base: Config) -> Config:
-    """`base` (model, data, train settings) with the plan's layout, policy, batch and sequence."""
+    """`base` (model, data, train settings) with the plan's layout, memory policy, batch and sequence
+    length: train.global_batch = micro_batch x dp x grad_accum sequences per optimizer step (the
+    request's global batch), in train.grad_accum micro-batches."""
     raw = to_dict(base)
     L, P = est.layout, est.policy
     raw["parallel"].update(dp_replicate=L.dp_replicate, dp_shard=L.dp_shard, head=L.head, ctx=L.ctx,
                            window=L.window if L.window and L.window < L.ctx else 0, placement=L.placement)
     raw["memory"].update(P.memory_config())
-    raw["train"].update(seq_len=req.seq, batch_size=L.dp * est.micro_batch, grad_accum=est.grad_accum)
+    global_batch = est.micro_batch * L.dp * est.grad_accum
+    if global_batch != req.global_batch:
+        raise ValueError(f"plan {L.describe()} micro-batch {est.micro_batch} x grad_accum {est.grad_accum} makes "
+                         f"{global_batch} sequences per step, not the requested {req.global_batch}")
+    raw["train"].update(seq_len=req.seq_len, global_batch=global_batch, grad_accum=est.grad_accum)
     cpu = req.hardware.name.startswith("cpu")
     raw["train"].update(device="cpu" if cpu else "cuda", dtype="fp32" if cpu else "bf16")
-    raw["model"]["max_seq_len"] = max(raw["model"]["max_seq_len"], req.seq)
+    raw["model"]["max_seq_len"] = max(raw["model"]["max_seq_len"], req.seq_len)
     return build_config(raw)
 
 
 def runnable(cfg: Config, world: int) -> str:
     """'' when `longctx train` accepts `cfg` on `world` ranks (config validation and the layout
     checks it runs before starting any process), else why not."""
-    from ..train import check_layout
+    from ..parallel.checks import check_layout
 
     try:
         config_mod.validate(cfg)
@@ -46,9 +52,10 @@ def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
     world = est.layout.world
     nodes = max(1, world // req.gpus_per_node)
     head = [
-        f"# written by `longctx plan`: {req.model.preset} at {req.seq:,} tokens on {world} x {req.hardware.name}",
+        (f"# written by `longctx plan`: {req.model.preset}, {req.global_batch} sequences of {req.seq_len:,} tokens "
+         f"per step on {world} x {req.hardware.name}"),
         (f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
-         f"{est.memory['total'] / GIB:.1f} GiB per device, bottleneck {est.bottleneck}"),
+         f"{est.memory['total'] / GIB:.1f} GiB per GPU, bottleneck {est.bottleneck}"),
         (f"# run: longctx train --config THIS --nproc {world}" if nodes == 1 else
          f"# run: torchrun --nnodes {nodes} --nproc-per-node {req.gpus_per_node} -m longctx train --config THIS"),
         "",
@@ -63,8 +70,8 @@ def _gib(x: float) -> str:
 def table(res: PlanResult, top: int = 10) -> str:
     req = res.request
     rows = res.feasible[:top] if res.feasible else res.ranked[:top]
-    head = ["#", "layout", "policy", "mb", "acc", "states", "gathered", "activ.", "transient", "total GiB", "host/node",
-            "step s", "tok/s", "MFU", "bottleneck"]
+    head = ["#", "layout", "memory policy", "micro-batch", "grad_accum", "states", "gathered", "activ.", "transient",
+            "total GiB", "host/node", "step s", "tok/s", "MFU", "bottleneck"]
     body = []
     for i, e in enumerate(rows, 1):
         body.append([str(i), e.layout.describe(), e.policy.describe(), str(e.micro_batch), str(e.grad_accum),
@@ -76,7 +83,8 @@ def table(res: PlanResult, top: int = 10) -> str:
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
     hw = req.hardware
-    intro = (f"{req.model.preset}: {req.seq:,} tokens x {req.batch} sequences per step on {req.gpus} x {hw.name} "
+    intro = (f"{req.model.preset}: global batch {req.global_batch} x {req.seq_len:,} tokens per step on "
+             f"{req.gpus} x {hw.name} "
              f"({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s, {req.gpus_per_node} per node, "
              f"{hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, host {hw.host_memory_gib:g} GiB per node); "
              f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible")
@@ -86,8 +94,9 @@ def table(res: PlanResult, top: int = 10) -> str:
 def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> str:
     req = res.request
     return json.dumps({
-        "request": {"model": req.model.preset, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node, "seq": req.seq,
-                    "batch": req.batch, "hardware": dataclasses.asdict(req.hardware)},
+        "request": {"model": req.model.preset, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
+                    "seq_len": req.seq_len, "global_batch": req.global_batch,
+                    "hardware": dataclasses.asdict(req.hardware)},
         "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible),
         "plans": [e.as_dict() for e in (res.feasible or res.ranked)[:top]],
         "suggestions": res.suggestions, "written": written, "note": note,

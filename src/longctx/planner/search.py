@@ -1,11 +1,11 @@
 """Search: enumerate layouts x activation policies x micro-batches, prune, rank by predicted step time.
 
-The space is (dp_replicate, dp_shard, head, ctx, window, placement, checkpoint policy, offload
+The space is (dp_replicate, dp_shard, head, ctx, window, placement, recompute policy, offload
 fraction, micro-batch). Branches are cut as early as their cause is known:
 
 - head degrees that do not divide the query heads (or split kv heads unevenly) and sequence
   degrees for which the sequence is not divisible by 2 x head x ctx are never generated;
-- a (head, ctx, dp_replicate) whose model states alone exceed device memory skips every policy;
+- a (head, ctx, dp_replicate) whose model states alone exceed GPU memory skips every policy;
 - activation estimates are computed once per (head, ctx, micro-batch, policy) and reused for
   every dp split, window and placement;
 - windows: 0 (plain ring) and the largest window whose inner ring fits in one node (the only
@@ -30,7 +30,7 @@ from .cost import (
     Policy,
     activations,
     estimate,
-    param_counts,
+    model_state_bytes,
     transient_bytes,
 )
 from .hardware import Hardware
@@ -75,11 +75,11 @@ class Request:
     model: ModelConfig
     hardware: Hardware
     gpus: int
-    seq: int
+    seq_len: int                         # tokens per sequence
     gpus_per_node: int = 8
-    batch: int = 0                       # global sequences per optimizer step; 0 = gpus
-    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
-    checkpoints: tuple[str, ...] = ("none", "full", "selective")
+    global_batch: int = 0                # sequences per optimizer step over the whole job; 0 = gpus
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)   # sequences per data-parallel rank per micro-batch
+    recomputes: tuple[str, ...] = ("none", "full", "selective")
     offload_fractions: tuple[float, ...] = OFFLOAD_FRACTIONS
     offload_skip_last: int = 1
     loss_chunks: tuple[int, ...] = (0, 4096)
@@ -95,13 +95,13 @@ class Request:
             raise ConfigError(
                 f"{self.gpus} GPUs do not fill whole nodes of {self.gpus_per_node}; use a multiple of "
                 f"{self.gpus_per_node} or set --gpus-per-node.")
-        if not self.batch:
-            self.batch = self.gpus
-        if self.batch < 1:
-            raise ConfigError(f"--batch must be at least 1 sequence, got {self.batch}.")
-        bad = [c for c in self.checkpoints if c not in _POLICY_ORDER]
+        if not self.global_batch:
+            self.global_batch = self.gpus
+        if self.global_batch < 1:
+            raise ConfigError(f"--global-batch must be at least 1 sequence, got {self.global_batch}.")
+        bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
         if bad:
-            raise ConfigError(f"unknown checkpoint policy {bad}; choose among none, full, selective.")
+            raise ConfigError(f"unknown recompute policy {bad}; choose among none, full, selective.")
 
 
 @dataclass
@@ -128,15 +128,15 @@ FULL_OFFLOAD_FRACTIONS = (0.5, 1.0)
 
 def policies(req: Request) -> list[Policy]:
     out = []
-    for ck in req.checkpoints:
+    for rc in req.recomputes:
         fractions = {"none": (), "selective": req.offload_fractions,
-                     "full": tuple(a for a in req.offload_fractions if a in FULL_OFFLOAD_FRACTIONS)}[ck]
+                     "full": tuple(a for a in req.offload_fractions if a in FULL_OFFLOAD_FRACTIONS)}[rc]
         for lc in req.loss_chunks:
-            for bc in req.block_chunks if ck != "none" else (0,):
-                out += [Policy(ck, a, req.offload_skip_last, lc, bc) for a in (0.0, *fractions)]
-                if ck == "full" and req.offload_skip_last:
+            for bc in req.block_chunks if rc != "none" else (0,):
+                out += [Policy(rc, a, req.offload_skip_last, lc, bc) for a in (0.0, *fractions)]
+                if rc == "full" and req.offload_skip_last:
                     # full keeps a block's input only: offloading the last one too costs one transfer
-                    out += [Policy(ck, a, 0, lc, bc) for a in fractions]
+                    out += [Policy(rc, a, 0, lc, bc) for a in fractions]
     return out
 
 
@@ -148,10 +148,10 @@ def candidate_layouts(req: Request) -> list[Layout]:
         if not head_degree_ok(m, h):
             continue
         for c in divisors(n // h):
-            if req.seq % (2 * h * c):
+            if req.seq_len % (2 * h * c):
                 continue
             dp = n // (h * c)
-            if req.batch % dp:
+            if req.global_batch % dp:
                 continue
             windows = [0]
             if c > 1 and h * c > G:  # a Double-Ring only helps when the context group leaves the node
@@ -175,7 +175,7 @@ def _sort_key(e: Estimate):
         return (1, e.memory["total"] + e.host_per_node, e.step_s)
     # step times within 0.5% of each other are a tie: prefer the simpler policy, then less memory
     bucket = math.floor(math.log(e.step_s) / math.log(1.005)) if e.step_s > 0 else 0
-    return (0, bucket, _POLICY_ORDER[p.checkpoint], p.offload_fraction, round(e.memory["total"] / 2**30),
+    return (0, bucket, _POLICY_ORDER[p.recompute], p.offload_fraction, round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, e.layout.dp_replicate, e.layout.window)
 
 
@@ -198,32 +198,31 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
 
 def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[list[Estimate], int]:
     hw, m = req.hardware, req.model
-    pc = param_counts(m)
     pols = policies(req)
     results: list[Estimate] = []
     evaluated = 0
     for L in candidate_layouts(req):
         # model states alone: prune every policy of this layout if they do not fit
-        static = 16 * pc["total"] / L.fsdp
+        static = model_state_bytes(m, L)
         if static > hw.usable_memory_bytes and not keep_infeasible:
             continue
-        dp_share = req.batch // L.dp if req.batch % L.dp == 0 else 0
+        dp_share = req.global_batch // L.dp if req.global_batch % L.dp == 0 else 0
         for mb in req.micro_batches:
             if not dp_share or dp_share % mb:
                 continue
-            tokens = mb * req.seq // L.sequence_degree
+            tokens = mb * req.seq_len // L.sequence_degree
             for pol in pols:
                 if pol.block_chunk and pol.block_chunk >= tokens:
                     continue  # one chunk: the same as whole blocks
                 key = (L.head, L.ctx, mb, pol)
                 if key not in acts_cache:
-                    acts = activations(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask)
-                    acts_cache[key] = (acts, transient_bytes(m, req.seq, mb, L, pol, hw.dtype_bytes, req.doc_mask,
-                                                             acts))
+                    acts = activations(m, req.seq_len, mb, L, pol, hw.dtype_bytes, req.doc_mask)
+                    acts_cache[key] = (acts, transient_bytes(m, req.seq_len, mb, L, pol, hw.dtype_bytes,
+                                                             req.doc_mask, acts))
                 acts, transient = acts_cache[key]
                 if not keep_infeasible and static + acts.total_device + transient > hw.usable_memory_bytes:
                     continue
-                est = estimate(m, hw, L, pol, seq=req.seq, batch=req.batch, micro_batch=mb,
+                est = estimate(m, hw, L, pol, seq_len=req.seq_len, global_batch=req.global_batch, micro_batch=mb,
                                gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask, acts=acts, transient=transient)
                 evaluated += 1
                 if est.feasible or keep_infeasible:
@@ -242,19 +241,19 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
     if not res.ranked:
         units = sorted({2 * h * c for h in divisors(req.gpus) if head_degree_ok(req.model, h)
                         for c in divisors(req.gpus // h)})
-        out.append(f"no layout of {req.gpus} GPUs divides the sequence: {req.seq} tokens must be divisible by "
+        out.append(f"no layout of {req.gpus} GPUs divides the sequence: {req.seq_len} tokens must be divisible by "
                    f"2 x head x ctx (one of {units[:8]}); choose a sequence length that is a multiple of "
                    f"{units[-1]}, or a multiple of {units[0]} with fewer sequence-parallel ranks")
         return out
     least = min(res.ranked, key=lambda e: e.memory["total"])
-    out.append(f"the least device memory any plan needs is {least.memory['total'] / 2**30:.1f} GiB per GPU "
+    out.append(f"the least GPU memory any plan needs is {least.memory['total'] / 2**30:.1f} GiB per GPU "
                f"({least.layout.describe()}, {least.policy.describe()}; "
                f"{req.hardware.usable_memory_bytes / 2**30:.1f} GiB usable)"
                + (f", and then: {'; '.join(least.problems)}" if least.problems else ""))
     if req.hardware.host_memory_gib and req.hardware.usable_host_fraction and not any(
             a > 0 for a in req.offload_fractions):
         with_offload = dict(offload_fractions=OFFLOAD_FRACTIONS,
-                            checkpoints=tuple(sorted(set(req.checkpoints) | {"selective"})))
+                            recomputes=tuple(sorted(set(req.recomputes) | {"selective"})))
         if _first_feasible(req, **with_offload):
             out.append("activation offload (memory.offload_fraction with full or selective recomputation) makes it feasible")
         else:
@@ -276,15 +275,15 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
         g *= 2
         if g > req.gpus_per_node and g % req.gpus_per_node:
             continue  # not whole nodes: Request would refuse it
-        if _first_feasible(req, gpus=g, batch=req.batch * g // req.gpus):
+        if _first_feasible(req, gpus=g, global_batch=req.global_batch * g // req.gpus):
             out.append(f"{g} GPUs make it feasible")
             break
-    seq = req.seq
+    seq = req.seq_len
     for _ in range(8):
         seq //= 2
         if seq < 2 * req.gpus and seq < 1024:
             break
-        if _first_feasible(req, seq=seq):
+        if _first_feasible(req, seq_len=seq):
             out.append(f"a sequence of {seq:,} tokens fits on {req.gpus} GPUs")
             break
     return out

@@ -1,13 +1,20 @@
 """Validation of the cost model against measurement on this machine (CPU, gloo).
 
-For each case (model, sequence, layout, policy) N local processes run real training steps through
-the same path as `longctx train` (Runtime -> build_model -> parallelize -> forward/backward ->
-AdamW) on a random batch with document ids, and report:
+For each case (model, sequence length, layout, policy, grad_accum) N local processes run real
+training steps through the same pieces as `longctx train` (Runtime -> build_model -> parallelize
+-> step.forward_loss_sum / backward over grad_accum micro-batches -> step.make_optimizer's AdamW)
+on a random global batch with document ids, and report:
 
 - the bytes comm.py counted per mesh dim and label, on every rank, vs the planner's closed form
   (must be equal);
+- the bytes FSDP2's own collectives sent (all-gathers, reduce-scatters, HSDP all-reduces, counted
+  by `comm.library_traffic()` from the c10d operators), on every rank, vs the planner's
+  `fsdp_bytes_per_micro` x grad_accum (must be equal);
+- the model-state bytes each rank holds after the optimizer step (its shards of the fp32
+  parameters, gradients and AdamW's two moments), vs the planner's model-state figure (equal on
+  average over the ranks; FSDP2 pads uneven shards, so single ranks may differ by a few rows);
 - activation bytes per rank as `longctx.bench.memory` measures them, vs the planner's activation
-  estimate (within 5%), when that helper exists;
+  estimate (within 5%);
 - the median step time, vs the planner's predicted step time for this machine (calibrated with
   `hardware.calibrate`), compared as rankings and ratios between layouts.
 
@@ -34,19 +41,29 @@ SEED = 0
 class Case:
     name: str
     preset: str
-    seq: int
+    seq_len: int
     layout: Layout
     policy: Policy = field(default_factory=Policy)
-    batch: int = 0  # global sequences per step; 0 = the data-parallel degree (one per dp rank)
+    global_batch: int = 0  # sequences per optimizer step; 0 = one per data-parallel rank and micro-batch
     layers: int = 0  # 0 = the preset's
     docs: bool = True  # document masks (packed documents)
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+    def __post_init__(self):
+        if not self.global_batch:
+            object.__setattr__(self, "global_batch", self.layout.dp * self.grad_accum)
+        if self.global_batch % (self.layout.dp * self.grad_accum):
+            raise ValueError(f"case {self.name}: global batch {self.global_batch} does not split into grad_accum "
+                             f"{self.grad_accum} x dp {self.layout.dp}")
 
     @property
     def world(self) -> int:
         return self.layout.world
 
-    def global_batch(self) -> int:
-        return self.batch or self.layout.dp
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per data-parallel rank per micro-batch."""
+        return self.global_batch // (self.layout.dp * self.grad_accum)
 
 
 def _L(**kw) -> Layout:
@@ -56,13 +73,13 @@ def _L(**kw) -> Layout:
 
 # Step-time ranking: 4 ranks, debug model, 4K tokens with packed documents, 4 sequences per step.
 RANKING_CASES = [
-    Case("ctx4", "debug", 4096, _L(ctx=4), batch=4),
-    Case("dp2xctx2", "debug", 4096, _L(dp_shard=2, ctx=2), batch=4),
-    Case("head2xctx2", "debug", 4096, _L(head=2, ctx=2), batch=4),
-    Case("dp4", "debug", 4096, _L(dp_shard=4), batch=4),
-    Case("head4", "debug", 4096, _L(head=4), batch=4),
-    Case("ctx4 full", "debug", 4096, _L(ctx=4), Policy("full"), batch=4),
-    Case("head4 full", "debug", 4096, _L(head=4), Policy("full"), batch=4),
+    Case("ctx4", "debug", 4096, _L(ctx=4), global_batch=4),
+    Case("dp2xctx2", "debug", 4096, _L(dp_shard=2, ctx=2), global_batch=4),
+    Case("head2xctx2", "debug", 4096, _L(head=2, ctx=2), global_batch=4),
+    Case("dp4", "debug", 4096, _L(dp_shard=4), global_batch=4),
+    Case("head4", "debug", 4096, _L(head=4), global_batch=4),
+    Case("ctx4 full", "debug", 4096, _L(ctx=4), Policy("full"), global_batch=4),
+    Case("head4 full", "debug", 4096, _L(head=4), Policy("full"), global_batch=4),
 ]
 
 # Bytes and activations: debug and ~100M models under layouts x policies (short, exact checks).
@@ -72,8 +89,10 @@ BYTES_CASES = [
     Case("debug head2", "debug", 2048, _L(head=2)),
     Case("debug head2xctx2 full", "debug", 2048, _L(head=2, ctx=2), Policy("full")),
     Case("debug ctx4/w2 selective", "debug", 2048, _L(ctx=4, window=2), Policy("selective")),
-    Case("debug dp2xctx2 selective+off0.5", "debug", 2048, _L(dp_shard=2, ctx=2), Policy("selective", 0.5), batch=2),
-    Case("debug rep2xhead2 ctx-first", "debug", 2048, _L(dp_replicate=2, head=2, placement="ctx-first"), batch=2),
+    Case("debug dp2xctx2 selective+off0.5", "debug", 2048, _L(dp_shard=2, ctx=2), Policy("selective", 0.5),
+         global_batch=2),
+    Case("debug rep2xhead2 ctx-first", "debug", 2048, _L(dp_replicate=2, head=2, placement="ctx-first"),
+         global_batch=2),
     Case("100m head2xctx2", "small-100m", 1024, _L(head=2, ctx=2)),
     Case("100m ctx4 selective", "small-100m", 1024, _L(ctx=4), Policy("selective")),
     Case("100m head4 full", "small-100m", 1024, _L(head=4), Policy("full")),
@@ -89,21 +108,22 @@ def case_config(case: Case):
         "parallel": {"dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "head": L.head, "ctx": L.ctx,
                      "window": L.window if L.window and L.window < L.ctx else 0, "placement": L.placement},
         "memory": P.memory_config(),
-        "train": {"seq_len": case.seq, "batch_size": case.global_batch(), "grad_accum": 1, "device": "cpu",
-                  "dtype": "fp32", "seed": SEED, "eval_interval": 0},
+        "train": {"seq_len": case.seq_len, "global_batch": case.global_batch, "grad_accum": case.grad_accum,
+                  "device": "cpu", "dtype": "fp32", "seed": SEED, "eval_interval": 0},
         "data": {"doc_mask": case.docs},
     }
     return build_config(raw)
 
 
 def random_batch(cfg, n_docs: int = 6):
-    """A global batch of random tokens packed from n_docs documents per sequence (doc ids, positions)."""
+    """A global batch (train.global_batch sequences) of random tokens packed from n_docs documents
+    per sequence (doc ids, positions)."""
     import torch
 
-    from ..data.windows import Batch
+    from ..data.samples import Batch
 
     g = torch.Generator().manual_seed(SEED)
-    b, s = cfg.train.batch_size, cfg.train.seq_len
+    b, s = cfg.train.global_batch, cfg.train.seq_len
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
     labels = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
     doc_ids = torch.empty(b, s, dtype=torch.long)
@@ -117,48 +137,100 @@ def random_batch(cfg, n_docs: int = 6):
     return Batch(tokens, labels, positions, doc_ids if cfg.data.doc_mask else None)
 
 
-def _worker(raw_cfg: dict, steps: int, warmup: int):
-    import torch.distributed as dist
+def micro_batches(cfg, rt, batch) -> list:
+    """This rank's parts of the grad_accum micro-batches of a global batch."""
+    from ..data.samples import Batch
 
+    n = cfg.train.global_batch // cfg.train.grad_accum
+
+    def rows(t, i):
+        return None if t is None else t[i * n:(i + 1) * n]
+
+    return [rt.local_batch(Batch(*(rows(t, i) for t in (batch.tokens, batch.labels, batch.positions,
+                                                          batch.doc_ids))))
+            for i in range(cfg.train.grad_accum)]
+
+
+def _setup(raw_cfg: dict):
+    """(cfg, runtime, model, optimizer, this rank's micro-batches, loss scale) of one case."""
     from ..config import build_config
     from ..models.llama import build_model
     from ..parallel import comm
     from ..parallel.parallelize import grad_scale, parallelize
     from ..parallel.runtime import Runtime
-    from ..train import _forward_sum, make_optimizer
+    from ..step import make_optimizer
 
     cfg = build_config(raw_cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    rt = Runtime.create(cfg, rank, world, "cpu")
+    mesh = comm.world_mesh()
+    rt = Runtime.create(cfg, mesh.get_rank(), mesh.size(), "cpu")
     model = parallelize(build_model(cfg.model, device="cpu", seed=SEED), rt.dims, cfg, rt.mesh, "cpu")
-    opt = make_optimizer(model, cfg)
     batch = random_batch(cfg)
-    local = rt.local_batch(batch)
     scale = grad_scale(rt.dims) / max(batch.valid_tokens, 1)
+    return cfg, rt, model, make_optimizer(model, cfg), micro_batches(cfg, rt, batch), scale
+
+
+def train_step(model, opt, micros, scale, zero_grad: bool = True) -> None:
+    """One optimizer step: forward/backward of every micro-batch (gradients accumulate), AdamW."""
+    from ..step import forward_loss_sum
+
+    for local in micros:
+        (forward_loss_sum(model, local, None) * scale).backward()
+    opt.step()
+    if zero_grad:
+        opt.zero_grad(set_to_none=True)
+
+
+def model_state_bytes(model, opt) -> int:
+    """Bytes of this rank's shards of the parameters, their gradients and the optimizer's state
+    tensors (AdamW: exp_avg, exp_avg_sq), measured on the tensors."""
+    import torch
+
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = 0
+    for p in model.parameters():
+        total += local(p) + (local(p.grad) if p.grad is not None else 0)
+        for v in opt.state.get(p, {}).values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:  # not the scalar step counter
+                total += local(v)
+    return total
+
+
+def _worker(raw_cfg: dict, steps: int, warmup: int):
+    from ..parallel import comm
+
+    cfg, rt, model, opt, micros, scale = _setup(raw_cfg)
     times, counters = [], {}
     for i in range(warmup + steps):
-        dist.barrier()
+        comm.barrier()
         comm.reset_counters()
         t0 = time.perf_counter()
-        loss = _forward_sum(model, local, None)
-        (loss * scale).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, micros, scale)
         counters = comm.counters()
-        dist.barrier()
+        comm.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    # one more step, untimed (the dispatch mode slows every op): FSDP's own traffic, then the
+    # model states before zero_grad drops the gradients
+    with comm.library_traffic() as fsdp:
+        train_step(model, opt, micros, scale, zero_grad=False)
+    states = model_state_bytes(model, opt)
+    opt.zero_grad(set_to_none=True)
     counters = {d: v for d, v in counters.items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
-    out = {"rank": rank, "times": times, "counters": counters}
+    out = {"rank": rt.rank, "times": times, "counters": counters, "fsdp": dict(fsdp), "model_states": states}
     del model, opt
     # activation bytes this rank holds after the forward, measured as `longctx bench memory` does,
     # on a model without FSDP (the accounting counts activations, not gathered parameters)
     from ..memory.accounting import measure_activations
+    from ..models.llama import build_model
     from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
 
     bare = build_model(cfg.model, device="cpu", seed=SEED)
     use_sequence_parallel_attention(bare, rt.dims, rt.mesh)
     apply_memory(bare, cfg.memory, "cpu")
+    local = micros[0]
     got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
     out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
     return out
@@ -173,11 +245,18 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
     est, predicted = _predict(case, hw, cfg)
     measured = per_rank[0]["counters"]
     all_equal = all(r["counters"] == predicted for r in per_rank)
+    fsdp_predicted = est.comm_bytes.get("fsdp", {}).get("fsdp", 0.0)
     step_times = [statistics.median(r["times"]) for r in per_rank]
     row = {
-        "case": case.name, "preset": case.preset, "seq": case.seq, "world": case.world, "batch": case.global_batch(),
+        "case": case.name, "preset": case.preset, "seq_len": case.seq_len, "world": case.world,
+        "global_batch": case.global_batch, "grad_accum": est.grad_accum, "micro_batch": est.micro_batch,
         "layout": est.as_dict()["layout"], "policy": est.as_dict()["policy"],
         "comm_predicted": predicted, "comm_measured_rank0": measured, "comm_equal_all_ranks": all_equal,
+        "fsdp_predicted": fsdp_predicted, "fsdp_measured": [r["fsdp"] for r in per_rank],
+        "fsdp_equal_all_ranks": all(abs(sum(r["fsdp"].values()) - fsdp_predicted) <= 1e-6 * max(fsdp_predicted, 1)
+                                    for r in per_rank),
+        "model_states_predicted": est.memory["model_states"],
+        "model_states_measured": [r["model_states"] for r in per_rank],
         "step_s_measured": max(step_times), "step_s_predicted": est.step_s,
         "predicted_times": est.times,
         "activations_predicted": est.memory["activations"], "host_predicted": est.host_per_node / case.world,
@@ -192,35 +271,18 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
 def _ranking_worker(raws: list[dict], rounds: int):
     """All cases in ONE job of the same processes, interleaved round by round, so that every case
     sees the same machine load (this CPU is shared); returns per-case step times of this rank."""
-    import torch.distributed as dist
-
-    from ..config import build_config
-    from ..models.llama import build_model
     from ..parallel import comm
-    from ..parallel.parallelize import grad_scale, parallelize
-    from ..parallel.runtime import Runtime
-    from ..train import _forward_sum, make_optimizer
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    jobs = []
-    for raw in raws:
-        cfg = build_config(raw)
-        rt = Runtime.create(cfg, rank, world, "cpu")
-        model = parallelize(build_model(cfg.model, device="cpu", seed=SEED), rt.dims, cfg, rt.mesh, "cpu")
-        batch = random_batch(cfg)
-        jobs.append((model, make_optimizer(model, cfg), rt.local_batch(batch),
-                     grad_scale(rt.dims) / max(batch.valid_tokens, 1)))
+    jobs = [_setup(raw)[2:] for raw in raws]  # (model, optimizer, micro-batches, scale)
     times = [[] for _ in jobs]
     counters = [None] * len(jobs)
     for r in range(rounds + 1):  # round 0 is the warm-up
-        for i, (model, opt, local, scale) in enumerate(jobs):
-            dist.barrier()
+        for i, (model, opt, micros, scale) in enumerate(jobs):
+            comm.barrier()
             comm.reset_counters()
             t0 = time.perf_counter()
-            (_forward_sum(model, local, None) * scale).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            dist.barrier()
+            train_step(model, opt, micros, scale)
+            comm.barrier()
             if r:
                 times[i].append(time.perf_counter() - t0)
             counters[i] = {d: v for d, v in comm.counters().items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
@@ -228,9 +290,8 @@ def _ranking_worker(raws: list[dict], rounds: int):
 
 
 def _predict(case: Case, hw, cfg):
-    est = estimate(cfg.model, hw, case.layout, case.policy, seq=case.seq, batch=case.global_batch(),
-                   micro_batch=case.global_batch() // case.layout.dp, gpus_per_node=case.world,
-                   doc_mask=cfg.data.doc_mask)
+    est = estimate(cfg.model, hw, case.layout, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
+                   micro_batch=case.micro_batch, gpus_per_node=case.world, doc_mask=cfg.data.doc_mask)
     predicted = {d: {k: int(v) for k, v in labels.items()} for d, labels in est.comm_bytes.items() if d != "fsdp"}
     return est, predicted
 
@@ -251,9 +312,9 @@ def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
         # a step ends when its slowest rank ends: the per-round max over ranks, then the median
         per_round = [max(r["times"][i][k] for r in per_rank) for k in range(rounds)]
         rows.append({
-            "case": case.name, "preset": case.preset, "seq": case.seq, "world": case.world,
-            "batch": case.global_batch(), "docs": case.docs, "layout": est.as_dict()["layout"],
-            "policy": est.as_dict()["policy"], "step_s_measured": statistics.median(per_round),
+            "case": case.name, "preset": case.preset, "seq_len": case.seq_len, "world": case.world,
+            "global_batch": case.global_batch, "grad_accum": case.grad_accum, "docs": case.docs,
+            "layout": est.as_dict()["layout"], "policy": est.as_dict()["policy"], "step_s_measured": statistics.median(per_round),
             "step_s_rounds": per_round, "step_s_predicted": est.step_s, "predicted_times": est.times,
             "comm_equal_all_ranks": all(r["counters"][i] == predicted for r in per_rank),
         })
@@ -292,5 +353,6 @@ def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_ca
     if out["ranking"]:
         out["ranking_agreement"] = ranking_agreement(out["ranking"])
     print(json.dumps(out, indent=2))
-    ok = all(r["comm_equal_all_ranks"] for r in out["bytes"] + out["ranking"])
+    ok = all(r["comm_equal_all_ranks"] for r in out["bytes"] + out["ranking"]) and \
+        all(r["fsdp_equal_all_ranks"] for r in out["bytes"])
     return 0 if ok else 1

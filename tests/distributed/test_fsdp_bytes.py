@@ -1,0 +1,102 @@
+"""The planner's FSDP figures against a real training step under FSDP2 on 4 gloo ranks.
+
+For each layout one job builds the model as training does (Runtime -> build_model -> parallelize
+with FSDP2 -> step.make_optimizer), runs one optimizer step of `grad_accum` micro-batches to warm
+up, then measures a second step:
+
+- bytes: `comm.library_traffic()` watches the c10d operators FSDP2 issues (all-gathers of the
+  parameters, reduce-scatters of the gradients, HSDP all-reduces) and sums, per rank, the bytes a
+  ring implementation sends: (n-1)/n of an all-gather's output and of a reduce-scatter's input,
+  2 (n-1)/n of an all-reduce's tensor, the convention of comm.py's counters and of the planner.
+  comm.py's own collectives (the Ulysses all-to-alls, the document-id all-gather, ring hops) are
+  not counted there. The sum must equal `fsdp_bytes_per_micro(...) x grad_accum`, which is what
+  the planner's estimate reports as comm_bytes["fsdp"].
+- model states: after the step, each rank's local shards of the parameters, their gradients and
+  AdamW's exp_avg / exp_avg_sq, summed in bytes from the tensors themselves. The planner assumes 16
+  bytes per parameter (fp32 parameter, gradient and two moments) over the FSDP group: that is what
+  FSDP2 holds in this fp32 CPU run, and also under bf16 mixed precision on GPUs (the sharded
+  parameters and the reduced gradients stay fp32; the bf16 copies are the gathered ones, which the
+  planner counts apart), so the bytes are compared directly. The debug model's dims divide by the
+  group sizes, so every rank holds exactly the same (no padding).
+"""
+
+import pytest
+
+from longctx.config import load_config, to_dict
+from longctx.parallel.spawn import run_spawned
+from longctx.planner.cost import Layout, estimate, fsdp_bytes_per_micro, param_counts
+from longctx.planner.hardware import PRESETS
+from longctx.planner.validate import Case, case_config
+
+pytestmark = pytest.mark.slow  # one 4-rank job: 17-45 s on a 2-core CPU
+
+HW = PRESETS["h100"].replace(dtype_bytes=4, name="cpu-test")  # fp32 gathers, as on the CPU
+
+CASES = [
+    Case("dp4 grad_accum 2", "debug", 256, Layout(1, 4, 1, 1), grad_accum=2),
+    Case("dp2 x head2 (head 2 x ctx 1)", "debug", 256, Layout(1, 2, 2, 1)),
+    Case("HSDP rep2 x dp2 grad_accum 2", "debug", 256, Layout(2, 2, 1, 1), grad_accum=2),
+    Case("HSDP rep2 x ctx2", "debug", 256, Layout(2, 1, 1, 2)),
+]
+
+
+def _measure(raws):
+    from longctx.parallel import comm
+    from longctx.planner.validate import _setup, model_state_bytes, train_step
+
+    out = []
+    for raw in raws:
+        _, _, model, opt, micros, scale = _setup(raw)
+        train_step(model, opt, micros, scale)  # warm-up: FSDP's lazy init, optimizer state created
+        with comm.library_traffic() as traffic:
+            train_step(model, opt, micros, scale, zero_grad=False)
+        out.append({"traffic": dict(traffic), "states": model_state_bytes(model, opt)})
+        comm.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """{case name: [per-rank {"traffic": {op: bytes}, "states": bytes}]}, all layouts in one job."""
+    per_rank = run_spawned(4, _measure, [to_dict(case_config(c)) for c in CASES])
+    return {c.name: [r[i] for r in per_rank] for i, c in enumerate(CASES)}
+
+
+def _predicted(case):
+    cfg = case_config(case)
+    return estimate(cfg.model, HW, case.layout, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
+                    micro_batch=case.micro_batch, gpus_per_node=4, doc_mask=case.docs)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_fsdp_bytes_equal_a_real_step(case, measured):
+    est = _predicted(case)
+    per_micro = fsdp_bytes_per_micro(case_config(case).model, case.layout, HW.dtype_bytes)
+    assert est.grad_accum == case.grad_accum
+    assert est.comm_bytes["fsdp"]["fsdp"] == per_micro * case.grad_accum
+    expected_ops = {"all_gather", "reduce_scatter"} | ({"all_reduce"} if case.layout.dp_replicate > 1 else set())
+    for rank, got in enumerate(measured[case.name]):
+        assert set(got["traffic"]) == expected_ops, (rank, got["traffic"])
+        assert sum(got["traffic"].values()) == pytest.approx(per_micro * case.grad_accum, rel=1e-12), \
+            (rank, got["traffic"], per_micro * case.grad_accum)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_model_states_equal_a_real_step(case, measured):
+    predicted = _predicted(case).memory["model_states"]
+    assert [r["states"] for r in measured[case.name]] == [pytest.approx(predicted, rel=1e-12)] * case.world
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="parallel.volumes.fsdp_bytes (the training loop's metrics line) counts the root module's "
+                          "all-gather twice per micro-batch; FSDP2 keeps the root gathered from forward to backward, "
+                          "so it is gathered once (the planner's fsdp_bytes_per_micro counts it once)")
+@pytest.mark.parametrize("case", CASES[:1], ids=[c.name for c in CASES[:1]])
+def test_the_training_loops_closed_form_equals_a_real_step(case, measured):
+    from longctx.parallel.volumes import fsdp_bytes
+
+    m = load_config(None, {"model": {"preset": case.preset}}).model
+    L = case.layout
+    closed = fsdp_bytes(param_counts(m)["total"], L.fsdp, L.dp_replicate, HW.dtype_bytes) * case.grad_accum
+    for got in measured[case.name]:
+        assert sum(got["traffic"].values()) == pytest.approx(closed, rel=1e-12)
