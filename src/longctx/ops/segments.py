@@ -162,13 +162,21 @@ def _relation(qs, ql, ks, kl, q_pos, k_pos):
 def _group(plan: SegmentPlan) -> list[PairGroup]:
     if plan.empty:
         return []
-    keys = np.stack([plan.q_len, plan.k_len, plan.causal.astype(np.int64)], axis=1)
+    # A query segment seen by several key segments appears once per group ("round"), so that a
+    # group's results can be merged into the rows without two pairs of one group touching a row.
+    by_q = np.argsort(plan.q_start, kind="stable")
+    sorted_q = plan.q_start[by_q]
+    first = np.concatenate([[True], sorted_q[1:] != sorted_q[:-1]])
+    run_start = np.maximum.accumulate(np.where(first, np.arange(len(sorted_q)), 0))
+    occurrence = np.empty(len(sorted_q), dtype=np.int64)
+    occurrence[by_q] = np.arange(len(sorted_q)) - run_start
+    keys = np.stack([plan.q_len, plan.k_len, plan.causal.astype(np.int64), occurrence], axis=1)
     shapes, inverse = np.unique(keys, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
     order = np.argsort(inverse, kind="stable")
     bounds = np.searchsorted(inverse[order], np.arange(len(shapes) + 1))
     groups = []
-    for g, (ql, kl, c) in enumerate(shapes.tolist()):
+    for g, (ql, kl, c, _) in enumerate(shapes.tolist()):
         idx = order[bounds[g]:bounds[g + 1]]
         groups.append(PairGroup(int(ql), int(kl), bool(c), plan.q_start[idx], plan.k_start[idx]))
     return groups

@@ -11,13 +11,14 @@ ranks would (LoongTrain's argument for 2D). Either degree may be 1.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from ..errors import ConfigError
-from . import comm
 from .ring import ring_attention
+from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, unshard_sequence
 from .ulysses import check_heads, head_to_seq, kv_replication, seq_to_head
 
 
@@ -43,26 +44,43 @@ def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:
                          f"got {tuple(doc_ids.shape)}; shard them with shard_sequence like the tokens.")
 
 
-def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=None, window=0, backend="flash"):
+def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=None, window=0, backend="flash",
+                          layout: SequenceLayout | None = None):
     """Exact attention over the sequence sharded across the head x ctx ranks of `mesh`.
 
-    q, k, v: this rank's shards [batch, local_seq, heads, head_dim] (k, v with kv heads) in the
-    balanced layout of `shard_sequence`; doc_ids: [batch, local_seq] document ids sharded the same
-    way (None = one document). Returns this rank's output shard, shaped like q; differentiable.
+    q, k, v: this rank's shards [batch, local_seq, heads, head_dim] (k, v with kv heads), in the
+    zigzag layout of `shard_sequence` or in `layout` (sequence.plan_layout). doc_ids: [batch, local_seq]
+    document ids sharded the same way (None = one document). With documents, the layout (given,
+    attached to doc_ids by the training loop, or else built here once from the gathered ids) tells
+    every ring block which segment pairs it needs, on the host. Returns this rank's output shard,
+    shaped like q; differentiable.
     """
     head_mesh, ctx_mesh = mesh["head"], mesh["ctx"]
     h, c = head_mesh.size(), ctx_mesh.size()
     check_inputs(q, k, v, doc_ids, h, c, window)
+    plans = None
+    if doc_ids is not None or layout is not None:
+        layout = layout or layout_of(doc_ids) or _zigzag_layout_of(doc_ids, mesh)
+        layout.check(q.shape[1] * h * c, c, h, q.shape[0])
+        me = ctx_mesh.get_local_rank()
+        plans = functools.partial(_block_plan, layout, me, causal)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     r = kv_replication(k.shape[2], h)
     if r > 1:
         k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     q, k, v = (seq_to_head(t, head_mesh) for t in (q, k, v))
-    if doc_ids is not None:
-        doc_ids = doc_ids.contiguous()  # it travels around the ring in buffers shaped like it
-    if doc_ids is not None and h > 1:
-        gathered = comm.all_gather(doc_ids, head_mesh, label="docs")
-        doc_ids = torch.cat(list(gathered.unbind(0)), dim=1)
-    out = ring_attention(q, k, v, ctx_mesh, doc=doc_ids, window=window, causal=causal, scale=scale,
-                         backend=backend)
+    out = ring_attention(q, k, v, ctx_mesh, window=window, causal=causal, scale=scale, backend=backend, plans=plans)
     return head_to_seq(out, head_mesh)
+
+
+def _block_plan(layout: SequenceLayout, me: int, causal: bool, src: int):
+    return layout.block_plan(me, src, causal)
+
+
+def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:
+    """Without a layout: gather the document ids once (one all-gather and one copy to the host per
+    call) and plan on the zigzag layout they were sharded with; kept on doc_ids for the next layers."""
+    full = unshard_sequence(doc_ids.contiguous(), mesh)
+    layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), balance="zigzag")
+    attach_layout(doc_ids, layout)
+    return layout

@@ -16,7 +16,10 @@ Causal work with the zigzag layout, for query rank i and a block from rank j:
   j == i: causal attention over the local [chunk i, chunk 2c-1-i] (a plain lower triangle);
   j <  i: all queries see the block's early chunk j, none of its late chunk: half the work;
   j >  i: only the late query chunk 2c-1-i sees the block, all of it: half the work.
-With document ids, a block whose keys share no document with the queries is skipped.
+With packed documents the work follows the documents instead: a host-side SegmentPlan per block
+(parallel/sequence.py SequenceLayout.block_plan, built once per step from the batch's document
+ids and the layout's positions) lists the (query segment, key segment) pairs the block needs; a
+block with none is skipped, and no document ids travel around the ring.
 
 Backward. dq accumulates locally; the gradient of a block accumulates (in fp32) along the same
 path the block took and reaches its owner after c - 1 hops: blocks move c - 1 times, and so do
@@ -35,7 +38,7 @@ from . import comm
 
 NEG_INF = float("-inf")
 # message tags: several transfers between the same pair of ranks may be in flight at once
-TAG_KV, TAG_DOC, TAG_DKV, TAG_OUTER_KV, TAG_OUTER_DOC, TAG_OUTER_DKV = range(6)
+TAG_KV, TAG_DKV, TAG_OUTER_KV, TAG_OUTER_DKV = range(4)
 
 
 class Schedule:
@@ -76,14 +79,6 @@ def block_rows(src: int, rank: int, seq: int, causal: bool):
     return slice(half, seq), everything, False
 
 
-def _shares_document(q_doc: torch.Tensor, k_doc: torch.Tensor) -> bool:
-    """True when some query and some key of the same batch row have the same document id."""
-    b = q_doc.shape[0]
-    stride = int(torch.maximum(q_doc.max(), k_doc.max())) + 1
-    offset = torch.arange(b, device=q_doc.device)[:, None] * stride
-    return bool(torch.isin(q_doc + offset, k_doc + offset).any())
-
-
 def _merge(acc_out, acc_lse, rows, out, lse):
     """Fold a partial (out, lse) for query rows `rows` into the fp32 accumulators, in place."""
     old_lse = acc_lse[:, :, rows]
@@ -104,94 +99,88 @@ def _accumulate(acc, rows, out, lse):
     return acc
 
 
-def _doc_slice(doc, rows):
-    return None if doc is None else doc[:, rows]
-
-
-def _start_transfer(mesh, kv, doc, to, frm, tag_kv, tag_doc, label):
-    """Send (kv, doc) to `to` and receive the next pair from `frm`; returns (pending, kv_buf, doc_buf)."""
+def _start_transfer(mesh, kv, to, frm, tag, label):
+    """Send kv to `to` and receive the next block from `frm`; returns (pending, buffer)."""
     kv_buf = torch.empty_like(kv)
-    pending = [comm.exchange(mesh, [(kv, to, tag_kv)], [(kv_buf, frm, tag_kv)], label=label)]
-    doc_buf = None
-    if doc is not None:
-        doc_buf = torch.empty_like(doc)
-        pending.append(comm.exchange(mesh, [(doc, to, tag_doc)], [(doc_buf, frm, tag_doc)], label="ring_docs"))
-    return comm.Pending.join(pending), kv_buf, doc_buf
+    return comm.exchange(mesh, [(kv, to, tag)], [(kv_buf, frm, tag)], label=label), kv_buf
 
 
-def ring_forward(q, k, v, doc, mesh, window, causal, scale, backend):
-    """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s])."""
+def _blocks(mesh, sched: Schedule, k, v, label):
+    """(outer step, inner step, source rank, [k, v] block) in schedule order, each transfer started
+    before the computation that hides it and waited for only when its block is needed."""
+    outer_kv = torch.stack([k, v])
+    for o in range(sched.windows):
+        last_outer = o == sched.windows - 1
+        if not last_outer:
+            outer, next_outer = _start_transfer(mesh, outer_kv, sched.outer_next, sched.outer_prev, TAG_OUTER_KV,
+                                                label)
+        cur = outer_kv
+        for t in range(sched.window):
+            last_inner = t == sched.window - 1
+            if not last_inner:
+                inner, nxt = _start_transfer(mesh, cur, sched.inner_next, sched.inner_prev, TAG_KV, label)
+            yield o, t, sched.source(o, t), cur
+            if not last_inner:
+                inner.wait()
+                cur = nxt
+        if not last_outer:
+            outer.wait()
+            outer_kv = next_outer
+
+
+def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
+    """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s]).
+
+    plans: None (no documents: zigzag block rows) or a function source rank -> SegmentPlan."""
     c, rank = mesh.size(), mesh.get_local_rank()
     sched = Schedule(c, window or c, rank)
     s = q.shape[1]
     acc = None  # (out fp32, lse fp32), started by the first block, which always covers every query row
-    outer_kv, outer_doc = torch.stack([k, v]), doc
-    for o in range(sched.windows):
-        outer = comm.Pending()
-        if o < sched.windows - 1:
-            outer, next_outer_kv, next_outer_doc = _start_transfer(
-                mesh, outer_kv, outer_doc, sched.outer_next, sched.outer_prev, TAG_OUTER_KV, TAG_OUTER_DOC, "ring_kv")
-        cur_kv, cur_doc = outer_kv, outer_doc
-        for t in range(sched.window):
-            inner = comm.Pending()
-            if t < sched.window - 1:
-                inner, next_kv, next_doc = _start_transfer(
-                    mesh, cur_kv, cur_doc, sched.inner_next, sched.inner_prev, TAG_KV, TAG_DOC, "ring_kv")
-            qr, kr, blk_causal = block_rows(sched.source(o, t), rank, s, causal)
-            qd, kd = _doc_slice(doc, qr), _doc_slice(cur_doc, kr)
-            if acc is None or doc is None or blk_causal or _shares_document(qd, kd):
-                out, lse = attention_forward(q[:, qr], cur_kv[0][:, kr], cur_kv[1][:, kr], causal=blk_causal,
-                                             q_doc=qd, k_doc=kd, scale=scale, backend=backend)
-                acc = _accumulate(acc, qr, out, lse)
-            inner.wait()
-            if t < sched.window - 1:
-                cur_kv, cur_doc = next_kv, next_doc
-        outer.wait()
-        if o < sched.windows - 1:
-            outer_kv, outer_doc = next_outer_kv, next_outer_doc
+    if plans is not None:  # with documents no block need cover every row: start from nothing
+        acc = (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+               torch.full((q.shape[0], q.shape[2], s), NEG_INF, dtype=torch.float32, device=q.device))
+    for _, _, src, kv in _blocks(mesh, sched, k, v, "ring_kv"):
+        if plans is None:
+            qr, kr, blk_causal = block_rows(src, rank, s, causal)
+            out, lse = attention_forward(q[:, qr], kv[0][:, kr], kv[1][:, kr], causal=blk_causal, scale=scale,
+                                         backend=backend)
+            acc = _accumulate(acc, qr, out, lse)
+            continue
+        plan = plans(src)
+        if not plan.empty:
+            out, lse = attention_forward(q, kv[0], kv[1], causal=causal, scale=scale, backend=backend, plan=plan)
+            _merge(acc[0], acc[1], slice(0, s), out, lse)
     return acc[0].to(q.dtype), acc[1]
 
 
-def ring_backward(dout, q, k, v, out, lse, doc, mesh, window, causal, scale, backend):
+def ring_backward(dout, q, k, v, out, lse, mesh, window, causal, scale, backend, plans=None):
     """Gradients (dq, dk, dv) of ring_forward; dk/dv arrive back at their owner in fp32, then cast."""
     c, rank = mesh.size(), mesh.get_local_rank()
     sched = Schedule(c, window or c, rank)
-    dq = None  # fp32, started by the first block (which covers every query row)
-    outer_kv, outer_doc = torch.stack([k, v]), doc
+    # fp32; without documents the first block (which covers every query row) starts it
+    dq = None if plans is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     in_flight: list[comm.Pending] = []  # sends we must see complete before returning
     own_total = None
     outer_acc = None  # (pending, buffer) of the outer gradient accumulator arriving from outer_prev
-    for o in range(sched.windows):
-        outer = comm.Pending()
-        if o < sched.windows - 1:
-            outer, next_outer_kv, next_outer_doc = _start_transfer(
-                mesh, outer_kv, outer_doc, sched.outer_next, sched.outer_prev, TAG_OUTER_KV, TAG_OUTER_DOC, "ring_kv_bwd")
-        cur_kv, cur_doc = outer_kv, outer_doc
-        hold = None       # this rank's own contribution to its outer block
-        inner_acc = None  # (pending, buffer) of the inner accumulator arriving from inner_prev
-        for t in range(sched.window):
-            inner = comm.Pending()
-            if t < sched.window - 1:
-                inner, next_kv, next_doc = _start_transfer(
-                    mesh, cur_kv, cur_doc, sched.inner_next, sched.inner_prev, TAG_KV, TAG_DOC, "ring_kv_bwd")
-            dq, dkv = _block_backward(dout, q, cur_kv, out, lse, doc, cur_doc, sched.source(o, t), rank, causal,
-                                      scale, backend, dq)
-            if t == 0:
-                hold = dkv
-            else:
-                inner_acc = _pass_on(mesh, dkv, inner_acc, sched.inner_next, sched.inner_prev, TAG_DKV, in_flight)
-            inner.wait()
-            if t < sched.window - 1:
-                cur_kv, cur_doc = next_kv, next_doc
+    hold = inner_acc = None
+    for o, t, src, kv in _blocks(mesh, sched, k, v, "ring_kv_bwd"):
+        if t == 0:
+            hold = None       # this rank's own contribution to its outer block
+            inner_acc = None  # (pending, buffer) of the inner accumulator arriving from inner_prev
+        plan = None if plans is None else plans(src)
+        dq, dkv = _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq, plan)
+        if t == 0:
+            hold = dkv
+        else:
+            inner_acc = _pass_on(mesh, dkv, inner_acc, sched.inner_next, sched.inner_prev, TAG_DKV, in_flight)
+        if t < sched.window - 1:
+            continue
         hold = _settle(hold, inner_acc)  # the last hop brought back the window's gradient of our outer block
         if o == 0:
             own_total = hold
         else:
             outer_acc = _pass_on(mesh, hold, outer_acc, sched.outer_next, sched.outer_prev, TAG_OUTER_DKV,
                                  in_flight)
-        outer.wait()
-        if o < sched.windows - 1:
-            outer_kv, outer_doc = next_outer_kv, next_outer_doc
     own_total = _settle(own_total, outer_acc)
     for pending in in_flight:
         pending.wait()
@@ -216,19 +205,22 @@ def _pass_on(mesh, acc, incoming, to, frm, tag, in_flight):
     return pending, buf
 
 
-def _block_backward(dout, q, kv, out, lse, q_doc, k_doc, src, rank, causal, scale, backend, dq):
+def _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq, plan=None):
     """One block's gradients: returns (dq with this block's share added, the block's [dk, dv] in fp32).
 
-    `dq` may be None before the first block, which covers every query row and so starts it.
-    """
+    Without a plan, `dq` may be None before the first block, which covers every query row and so
+    starts it. With a plan (documents), only its segment pairs are computed; an empty plan costs nothing."""
+    if plan is not None:
+        if plan.empty:
+            return dq, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        gq, gk, gv = attention_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=scale,
+                                        backend=backend, plan=plan)
+        dq += gq.float()
+        return dq, torch.stack([gk, gv]).float()
     s = q.shape[1]
     qr, kr, blk_causal = block_rows(src, rank, s, causal)
-    qd, kd = _doc_slice(q_doc, qr), _doc_slice(k_doc, kr)
-    if dq is not None and q_doc is not None and not blk_causal and not _shares_document(qd, kd):
-        return dq, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     gq, gk, gv = attention_backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr],
-                                    lse[:, :, qr], causal=blk_causal, q_doc=qd, k_doc=kd, scale=scale,
-                                    backend=backend)
+                                    lse[:, :, qr], causal=blk_causal, scale=scale, backend=backend)
     if dq is None:
         dq = gq.float()
     else:
@@ -243,23 +235,23 @@ def _block_backward(dout, q, kv, out, lse, q_doc, k_doc, src, rank, causal, scal
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, doc, mesh, window, causal, scale, backend):
-        out, lse = ring_forward(q, k, v, doc, mesh, window, causal, scale, backend)
-        ctx.save_for_backward(q, k, v, out, lse, doc)
-        ctx.mesh, ctx.window, ctx.causal, ctx.scale, ctx.backend = mesh, window, causal, scale, backend
+    def forward(ctx, q, k, v, mesh, window, causal, scale, backend, plans):
+        out, lse = ring_forward(q, k, v, mesh, window, causal, scale, backend, plans)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (mesh, window, causal, scale, backend, plans)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, doc = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, doc, ctx.mesh, ctx.window, ctx.causal,
-                                   ctx.scale, ctx.backend)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, mesh, *, doc=None, window=0, causal=True, scale=None, backend="flash"):
-    """Differentiable ring attention over the 1-D context mesh; q/k/v are this rank's zigzag shards."""
-    return RingAttention.apply(q, k, v, doc, mesh, window, causal, scale, backend)
+def ring_attention(q, k, v, mesh, *, window=0, causal=True, scale=None, backend="flash", plans=None):
+    """Differentiable ring attention over the 1-D context mesh; q/k/v are this rank's shards (zigzag,
+    or the layout `plans` was built for: a function source context rank -> SegmentPlan)."""
+    return RingAttention.apply(q, k, v, mesh, window, causal, scale, backend, plans)
 
 
 def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale=None, backend="flash",
@@ -298,8 +290,8 @@ def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale
         dq = None
         out, lse = results[rank]
         for _, _, src in sched.steps():
-            dq, dkv = _block_backward(douts[rank], qs[rank], torch.stack([ks[src], vs[src]]), out, lse, None,
-                                      None, src, rank, causal, scale, backend, dq)
+            dq, dkv = _block_backward(douts[rank], qs[rank], torch.stack([ks[src], vs[src]]), out, lse, src, rank,
+                                      causal, scale, backend, dq)
             dks[src] += dkv
         dqs.append(dq.to(q.dtype))
     return ([r[0] for r in results], [r[1] for r in results], dqs, [d[0].to(k.dtype) for d in dks],

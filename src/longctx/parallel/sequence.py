@@ -13,6 +13,7 @@ and document masks stay attached to their tokens under any layout.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -71,3 +72,148 @@ def unshard_sequence(local: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tenso
     order = torch.cat([shard_indices(seq_len, c, h, i, j) for i in range(c) for j in range(h)]).to(local.device)
     out = torch.empty_like(gathered)
     return out.index_copy_(seq_dim, order, gathered)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts that follow the documents
+
+
+BALANCES = ("docs", "zigzag")
+
+
+class SequenceLayout:
+    """Which global positions every (ctx rank, head rank) holds, per batch row, with the batch's
+    document ids on the host.
+
+    Built once per batch by `plan_layout` (a pure function: no communication, no mesh) from the
+    full-sequence document ids that every rank already has. It shards tokens, labels, positions and
+    document ids alike, and tells ring attention, without any device-to-host transfer, which
+    (query segment, key segment) pairs each ring block needs (`block_plan`, cached per step).
+
+    Within a context rank, tokens are in increasing position order; the head ranks hold contiguous
+    pieces of that order, so the Ulysses all-to-all reassembles the context rank's tokens in order.
+    """
+
+    def __init__(self, positions: np.ndarray, doc_ids: np.ndarray | None, balance: str):
+        self.positions = positions  # int64 [batch, ctx, head, seq_local]
+        self.doc_ids = doc_ids      # int64 [batch, seq] or None
+        self.balance = balance
+        self.batch, self.ctx, self.head, self.seq_local = positions.shape
+        self.seq_len = self.seq_local * self.ctx * self.head
+        self._plans: dict = {}
+
+    def indices(self, ctx_rank: int, head_rank: int) -> torch.Tensor:
+        """LongTensor [batch, seq_local]: the global positions this rank holds, in local order."""
+        return torch.from_numpy(self.positions[:, ctx_rank, head_rank])
+
+    def ctx_positions(self, ctx_rank: int) -> np.ndarray:
+        """[batch, seq_local * head]: a context rank's positions after the all-to-all (head pieces in order)."""
+        return self.positions[:, ctx_rank].reshape(self.batch, -1)
+
+    def check(self, seq_len: int, ctx: int, head: int, batch: int | None = None) -> None:
+        if (self.seq_len, self.ctx, self.head) != (seq_len, ctx, head) or (batch is not None and batch != self.batch):
+            raise ConfigError(
+                f"the sequence layout was built for {self.batch} x {self.seq_len} tokens over ctx {self.ctx} x head "
+                f"{self.head}, but it is used for {batch if batch is not None else '?'} x {seq_len} tokens over ctx "
+                f"{ctx} x head {head}; build it with plan_layout for these tokens and degrees.")
+
+    def shard(self, x: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tensor:
+        """This rank's part of a full-sequence tensor [batch, seq, ...] (seq_dim 1)."""
+        c, h, i, j = _degrees(mesh)
+        if seq_dim != 1:
+            raise ValueError("SequenceLayout shards [batch, seq, ...] tensors (seq_dim=1)")
+        self.check(x.shape[1], c, h, x.shape[0])
+        idx = self.indices(i, j).to(x.device)
+        rows = torch.arange(x.shape[0], device=x.device)[:, None]
+        return x[rows, idx]
+
+    def unshard(self, local: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tensor:
+        """Exact inverse of shard: every rank gets the full sequence back (communicates)."""
+        c, h, _, _ = _degrees(mesh)
+        if seq_dim != 1:
+            raise ValueError("SequenceLayout unshards [batch, seq_local, ...] tensors (seq_dim=1)")
+        self.check(local.shape[1] * c * h, c, h, local.shape[0])
+        gathered = local
+        if h > 1:
+            gathered = torch.cat(list(comm.all_gather(gathered, mesh["head"], label="unshard").unbind(0)), dim=1)
+        if c > 1:
+            gathered = torch.cat(list(comm.all_gather(gathered, mesh["ctx"], label="unshard").unbind(0)), dim=1)
+        order = torch.from_numpy(self.positions.reshape(self.batch, -1)).to(local.device)
+        out = torch.empty_like(gathered)
+        rows = torch.arange(local.shape[0], device=local.device)[:, None]
+        out[rows, order] = gathered
+        return out
+
+    def block_plan(self, q_rank: int, k_rank: int, causal: bool):
+        """The segment pairs of context rank q_rank's queries against context rank k_rank's keys."""
+        key = (q_rank, k_rank, causal)
+        if key not in self._plans:
+            from ..ops.segments import plan_pairs
+
+            qp, kp = self.ctx_positions(q_rank), self.ctx_positions(k_rank)
+            rows = np.arange(self.batch)[:, None]
+            self._plans[key] = plan_pairs(self.doc_ids[rows, qp], self.doc_ids[rows, kp], causal=causal,
+                                          q_pos=qp, k_pos=kp)
+        return self._plans[key]
+
+    def rank_work(self, causal: bool = True) -> np.ndarray:
+        """Visible query-key pairs per context rank (the attention work it does over the whole ring)."""
+        return np.array([sum(self.block_plan(i, j, causal).visible() for j in range(self.ctx))
+                         for i in range(self.ctx)])
+
+
+def check_doc_ids(doc_ids) -> np.ndarray:
+    """Host int64 [batch, seq] document ids whose documents are contiguous runs, or a ValueError."""
+    ids = doc_ids.detach().cpu().numpy() if hasattr(doc_ids, "detach") else np.asarray(doc_ids)
+    if ids.ndim != 2:
+        raise ValueError(f"document ids must be shaped [batch, seq], got {tuple(ids.shape)}")
+    ids = ids.astype(np.int64, copy=False)
+    for r, row in enumerate(ids):
+        starts = np.concatenate([[0], np.flatnonzero(row[1:] != row[:-1]) + 1])
+        runs = row[starts]
+        if len(np.unique(runs)) != len(runs):
+            values, counts = np.unique(runs, return_counts=True)
+            raise ValueError(f"document id {int(values[counts > 1][0])} reappears after another document in batch "
+                             f"row {r}; documents must be contiguous runs of tokens (number each packed document "
+                             f"anew)")
+    return ids
+
+
+def plan_layout(doc_ids, ctx: int, head: int, *, balance: str = "docs") -> SequenceLayout:
+    """The layout of a batch over ctx x head ranks: a pure function of the full-sequence document ids
+    [batch, seq] (host array or tensor; None = no documents, which gives the zigzag layout).
+
+    balance="zigzag": today's layout (balances a plain causal mask). balance="docs": per batch row,
+    the split that balances each context rank's visible (causal, same-document) query-key pairs
+    (parallel/doc_balance.py); every rank still holds exactly seq / (ctx x head) tokens."""
+    if balance not in BALANCES:
+        raise ConfigError(f"balance must be one of {BALANCES}, got '{balance}'.")
+    ids = None if doc_ids is None else check_doc_ids(doc_ids)
+    if ids is None:
+        raise ValueError("plan_layout needs the batch's document ids [batch, seq] (for a layout without documents, "
+                         "shard with shard_sequence)")
+    batch, seq = ids.shape
+    check_divisible(seq, ctx, head)
+    if balance == "zigzag" or ctx == 1:
+        zig = np.stack([np.stack([shard_indices(seq, ctx, head, i, j).numpy() for j in range(head)])
+                        for i in range(ctx)])
+        positions = np.broadcast_to(zig, (batch, *zig.shape)).copy()
+    else:
+        from .doc_balance import docs_balanced_indices
+
+        positions = np.stack([docs_balanced_indices(row, ctx, head) for row in ids])
+    return SequenceLayout(positions.astype(np.int64), ids, balance)
+
+
+# A layout travels with the local document-id tensor it was sharded with, so the model (which knows
+# nothing about parallelism) passes it to the attention core untouched.
+_LAYOUT_ATTR = "_longctx_layout"
+
+
+def attach_layout(doc_ids: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
+    setattr(doc_ids, _LAYOUT_ATTR, layout)
+    return doc_ids
+
+
+def layout_of(doc_ids) -> SequenceLayout | None:
+    return getattr(doc_ids, _LAYOUT_ATTR, None)

@@ -24,7 +24,11 @@ def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int) -> flo
 
 def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, head: int, ctx: int,
                     elem: int, docs: bool = False, backward: bool = True) -> dict[str, dict[str, int]]:
-    """{dim: {label: bytes this rank sends}} for one distributed_attention call (forward [+ backward])."""
+    """{dim: {label: bytes this rank sends}} for one distributed_attention call (forward [+ backward]).
+
+    docs: document ids given WITHOUT a sequence layout, so the call gathers them once (head, then ctx)
+    to plan its blocks. With a layout (the training loop's case) documents cost no bytes at all: the
+    layout already knows every rank's ids."""
     s_loc = seq // (head * ctx)
     kv_rep = kv_heads * kv_replication(kv_heads, head)
     q_bytes = batch * s_loc * heads * head_dim * elem
@@ -38,7 +42,7 @@ def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim
         if backward:
             out["head"]["all_to_all_bwd"] = a2a
         if docs:
-            out["head"]["docs"] = batch * s_loc * DOC_ID_BYTES * (head - 1)
+            out["head"]["unshard"] = batch * s_loc * DOC_ID_BYTES * (head - 1)
     if ctx > 1:
         # c-1 K/V blocks forward; backward again c-1 K/V blocks plus c-1 dK/dV blocks in fp32
         out["ctx"] = {"ring_kv": (ctx - 1) * block * elem}
@@ -46,7 +50,7 @@ def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim
             out["ctx"]["ring_kv_bwd"] = (ctx - 1) * block * elem
             out["ctx"]["ring_dkv"] = (ctx - 1) * block * 4
         if docs:
-            out["ctx"]["ring_docs"] = (2 if backward else 1) * (ctx - 1) * batch * (seq // ctx) * DOC_ID_BYTES
+            out["ctx"]["unshard"] = (ctx - 1) * batch * (seq // ctx) * DOC_ID_BYTES
     return out
 
 
