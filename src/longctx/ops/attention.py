@@ -239,7 +239,6 @@ def _sparse_forward(q, k, v, plan: SegmentPlan, scale, backend):
 
 def _sparse_backward(dout, q, k, v, out, lse, plan: SegmentPlan, scale, backend, dlse=None):
     """Gradients of _sparse_forward from the (global) out and lse; accumulated in fp32."""
-    b, sq, h, d = q.shape
     qf, kf, vf, of, dof = _flat(q), _flat(k), _flat(v), _flat(out), _flat(dout)
     lse_t = _flat(lse.transpose(1, 2))  # [tokens, h]
     dlse_t = None if dlse is None else _flat(dlse.transpose(1, 2))
