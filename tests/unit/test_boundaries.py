@@ -84,16 +84,16 @@ def import_violations(root: Path) -> list[str]:
     return found
 
 
-def _dist_aliases(tree: ast.AST) -> tuple[set[str], set[str]]:
-    """Names bound to torch.distributed in this module, and names imported from it directly."""
-    modules, direct = set(), set()
+def _dist_aliases(tree: ast.AST) -> tuple[set[str], dict[str, str]]:
+    """Names bound to torch.distributed in this module, and {local name: op} imported from it directly."""
+    modules, direct = set(), {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name in DIST_MODULES and a.asname:
                     modules.add(a.asname)
         elif isinstance(node, ast.ImportFrom) and node.module in DIST_MODULES and not node.level:
-            direct.update(a.asname or a.name for a in node.names if a.name in COLLECTIVES | GROUP_LIFECYCLE)
+            direct.update({a.asname or a.name: a.name for a in node.names if a.name in COLLECTIVES | GROUP_LIFECYCLE})
         elif isinstance(node, ast.ImportFrom) and node.module == "torch" and not node.level:
             modules.update(a.asname or a.name for a in node.names if a.name == "distributed")
     return modules, direct
@@ -123,7 +123,7 @@ def comm_violations(root: Path) -> list[str]:
                 continue
             op = _called_name(node.func, modules)
             if op is None and isinstance(node.func, ast.Name) and node.func.id in direct:
-                op = node.func.id
+                op = direct[node.func.id]
             if op in COLLECTIVES and name != COMM_MODULE:
                 found.append(f"{name}:{node.lineno} calls torch.distributed.{op} (only parallel/comm.py may)")
             elif op in GROUP_LIFECYCLE and name not in GROUP_MODULES:

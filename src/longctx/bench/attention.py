@@ -47,8 +47,6 @@ def _time(fn, repeats, sync=None):
 
 
 def _rank_worker(args):
-    import torch.distributed as dist
-
     from ..parallel import comm
     from ..parallel.attention import distributed_attention
     from ..parallel.dims import ParallelDims
@@ -67,7 +65,7 @@ def _rank_worker(args):
         state["out"].backward(state["grad"], retain_graph=True)
 
     def sync():
-        dist.barrier()
+        comm.barrier()
 
     # warm-up, and one measured call's bytes
     comm.reset_counters()

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ..parallel import comm
+from ..parallel.launch import new_gloo_group
 from .manifest import CheckpointError, check_model_matches, read_manifest, verify, write_manifest
 
 LATEST = "latest"
@@ -106,7 +107,7 @@ class CheckpointManager:
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's background writes run collectives; they get their own group so they never interleave
         # with the training loop's collectives on the default group.
-        self.group = dist.new_group(backend="gloo") if world > 1 else None
+        self.group = new_gloo_group() if world > 1 else None
         self._future = None
         self._stager = None  # host staging buffers, allocated at the first async save and reused
         self._commit_thread: threading.Thread | None = None
@@ -123,9 +124,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         tmp_name = f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}" if self.rank == 0 else None
         if self.world > 1:
-            box = [tmp_name]
-            dist.broadcast_object_list(box, src=0, group=self.group)
-            tmp_name = box[0]
+            tmp_name = comm.broadcast_object_in_group(tmp_name, self.group)
         tmp = self.root / tmp_name
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}

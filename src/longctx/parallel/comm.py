@@ -160,6 +160,15 @@ def broadcast_object(obj, mesh, src: int = 0):
     return box[0]
 
 
+def broadcast_object_in_group(obj, group, src: int = 0):
+    """Global rank `src`'s picklable object on every rank of a process group (one not part of a mesh,
+    e.g. the checkpoint manager's own group); not byte-counted: control data."""
+    box = [obj]
+    with _own():
+        dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def barrier(mesh=None) -> None:
     """Wait until every rank of the 1-D mesh (all ranks when None) gets here (not byte-counted)."""
     if mesh is not None and mesh.size() == 1:

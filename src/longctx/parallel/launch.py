@@ -69,6 +69,12 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def new_gloo_group():
+    """A gloo process group over every rank, apart from the default one: for background work (async
+    checkpoint writes) whose collectives must never interleave with the training loop's."""
+    return dist.new_group(backend="gloo")
+
+
 def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None:
     """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
