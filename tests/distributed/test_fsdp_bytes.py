@@ -46,10 +46,11 @@ def _measure(raws):
 
     out = []
     for raw in raws:
-        _, _, model, opt, micros, scale = _setup(raw)
-        train_step(model, opt, micros, scale)  # warm-up: FSDP's lazy init, optimizer state created
+        job = _setup(raw)  # cfg, runtime, model, optimizer, global batch, loss scale
+        train_step(*job)  # warm-up: FSDP's lazy init, optimizer state created
         with comm.library_traffic() as traffic:
-            train_step(model, opt, micros, scale, zero_grad=False)
+            train_step(*job, zero_grad=False)
+        model, opt = job[2], job[3]
         out.append({"traffic": dict(traffic), "states": model_state_bytes(model, opt)})
         comm.barrier()
     return out

@@ -5,11 +5,14 @@ Everything is per GPU (rank) and exact where the implementation allows it:
 
 - communication bytes of attention are `parallel.volumes.attention_bytes` (the closed forms that
   comm.py's counters are tested to equal), times the layers, the micro-batches and, under full
-  recomputation, the forward once more; FSDP bytes are `fsdp_bytes_per_micro`: the blocks'
-  parameters all-gathered for forward and again for backward, the root's once (FSDP2 keeps the root
-  gathered from forward to backward), fp32 gradients reduce-scattered and, under HSDP, all-reduced
-  over the replicas (FSDP's collectives bypass comm.py's counters; `comm.library_traffic()` counts
-  them, and tests/distributed/test_planner_validation.py compares a real step with this figure);
+  recomputation, the forward once more; document ids cost no bytes (the training loop plans each
+  batch's sequence layout on the host from the ids every rank already has, Runtime.local_batch,
+  and the layout travels with the local ids to the attention core); FSDP bytes are
+  `fsdp_bytes_per_micro`: the blocks' parameters all-gathered for forward and again for backward,
+  the root's once (FSDP2 keeps the root gathered from forward to backward), fp32 gradients reduce-
+  scattered and, under HSDP, all-reduced over the replicas (FSDP's collectives bypass comm.py's
+  counters; `comm.library_traffic()` counts them, and tests/distributed/test_planner_validation.py
+  compares a real step with this figure);
 - activation memory is `memory.accounting.estimate_activations` (the formulas `longctx bench
   memory` is compared with to the byte), plus `transient_bytes`, the working set of one block's
   backward and of the LM head on top of it;
@@ -324,10 +327,10 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
 
     # --- communication bytes per rank per step -----------------------------------------------
     comm: dict[str, dict[str, float]] = {}
-    per_call = attention_bytes(seq=seq, batch=micro_batch, heads=m.heads, kv_heads=m.kv_heads, head_dim=hd,
-                               head=L.head, ctx=L.ctx, elem=e, docs=doc_mask)
-    refwd = attention_bytes(seq=seq, batch=micro_batch, heads=m.heads, kv_heads=m.kv_heads, head_dim=hd,
-                            head=L.head, ctx=L.ctx, elem=e, docs=doc_mask, backward=False)
+    shape = {"seq": seq, "batch": micro_batch, "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": hd,
+             "head": L.head, "ctx": L.ctx, "elem": e}
+    per_call = attention_bytes(**shape)                   # every layer, forward + backward
+    refwd = attention_bytes(**shape, backward=False)      # every layer again under full recomputation
     for dim, labels in per_call.items():
         for label, nbytes in labels.items():
             total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
@@ -370,10 +373,8 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         c, w = L.ctx, (L.window or L.ctx)
         n_outer = c // w - 1
         n_inner = c - 1 - n_outer
-        # document ids travel with K/V on every hop, once in forward and once in backward
-        docs_hop = per_call["ctx"].get("ring_docs", 0) / (2 * (c - 1))
-        hop_fwd = per_call["ctx"]["ring_kv"] / (c - 1) + docs_hop
-        hop_bwd = (per_call["ctx"]["ring_kv_bwd"] + per_call["ctx"]["ring_dkv"]) / (c - 1) + docs_hop
+        hop_fwd = per_call["ctx"]["ring_kv"] / (c - 1)
+        hop_bwd = (per_call["ctx"]["ring_kv_bwd"] + per_call["ctx"]["ring_dkv"]) / (c - 1)
         bw_in = _bw(hw, group_is_intra_node(L, "window", gpus_per_node))
         bw_out = _bw(hw, group_is_intra_node(L, "ctx", gpus_per_node))
         step_fwd, step_bwd = layer_attn_fwd / c, 2 * layer_attn_fwd / c

@@ -152,7 +152,7 @@ def micro_batches(cfg, rt, batch) -> list:
 
 
 def _setup(raw_cfg: dict):
-    """(cfg, runtime, model, optimizer, this rank's micro-batches, loss scale) of one case."""
+    """(cfg, runtime, model, optimizer, the global batch, loss scale) of one case."""
     from ..config import build_config
     from ..models.llama import build_model
     from ..parallel import comm
@@ -166,14 +166,16 @@ def _setup(raw_cfg: dict):
     model = parallelize(build_model(cfg.model, device="cpu", seed=SEED), rt.dims, cfg, rt.mesh, "cpu")
     batch = random_batch(cfg)
     scale = grad_scale(rt.dims) / max(batch.valid_tokens, 1)
-    return cfg, rt, model, make_optimizer(model, cfg), micro_batches(cfg, rt, batch), scale
+    return cfg, rt, model, make_optimizer(model, cfg), batch, scale
 
 
-def train_step(model, opt, micros, scale, zero_grad: bool = True) -> None:
-    """One optimizer step: forward/backward of every micro-batch (gradients accumulate), AdamW."""
+def train_step(cfg, rt, model, opt, batch, scale, zero_grad: bool = True) -> None:
+    """One optimizer step: forward/backward of every micro-batch (gradients accumulate), AdamW. The
+    micro-batches are cut anew each step, as the training loop's are (new tensors: nothing a
+    previous step attached to them, such as a planned sequence layout, carries over)."""
     from ..step import forward_loss_sum
 
-    for local in micros:
+    for local in micro_batches(cfg, rt, batch):
         (forward_loss_sum(model, local, None) * scale).backward()
     opt.step()
     if zero_grad:
@@ -201,13 +203,13 @@ def model_state_bytes(model, opt) -> int:
 def _worker(raw_cfg: dict, steps: int, warmup: int):
     from ..parallel import comm
 
-    cfg, rt, model, opt, micros, scale = _setup(raw_cfg)
+    cfg, rt, model, opt, batch, scale = _setup(raw_cfg)
     times, counters = [], {}
     for i in range(warmup + steps):
         comm.barrier()
         comm.reset_counters()
         t0 = time.perf_counter()
-        train_step(model, opt, micros, scale)
+        train_step(cfg, rt, model, opt, batch, scale)
         counters = comm.counters()
         comm.barrier()
         if i >= warmup:
@@ -215,7 +217,7 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
     # one more step, untimed (the dispatch mode slows every op): FSDP's own traffic, then the
     # model states before zero_grad drops the gradients
     with comm.library_traffic() as fsdp:
-        train_step(model, opt, micros, scale, zero_grad=False)
+        train_step(cfg, rt, model, opt, batch, scale, zero_grad=False)
     states = model_state_bytes(model, opt)
     opt.zero_grad(set_to_none=True)
     counters = {d: v for d, v in counters.items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
@@ -230,7 +232,7 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
     bare = build_model(cfg.model, device="cpu", seed=SEED)
     use_sequence_parallel_attention(bare, rt.dims, rt.mesh)
     apply_memory(bare, cfg.memory, "cpu")
-    local = micros[0]
+    local = micro_batches(cfg, rt, batch)[0]
     got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
     out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
     return out
@@ -273,15 +275,15 @@ def _ranking_worker(raws: list[dict], rounds: int):
     sees the same machine load (this CPU is shared); returns per-case step times of this rank."""
     from ..parallel import comm
 
-    jobs = [_setup(raw)[2:] for raw in raws]  # (model, optimizer, micro-batches, scale)
+    jobs = [_setup(raw) for raw in raws]  # (cfg, runtime, model, optimizer, global batch, scale)
     times = [[] for _ in jobs]
     counters = [None] * len(jobs)
     for r in range(rounds + 1):  # round 0 is the warm-up
-        for i, (model, opt, micros, scale) in enumerate(jobs):
+        for i, job in enumerate(jobs):
             comm.barrier()
             comm.reset_counters()
             t0 = time.perf_counter()
-            train_step(model, opt, micros, scale)
+            train_step(*job)
             comm.barrier()
             if r:
                 times[i].append(time.perf_counter() - t0)
