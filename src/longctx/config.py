@@ -100,6 +100,9 @@ class ParallelConfig:
     ctx: int = _opt(1, "context-parallel (ring attention) degree")
     window: int = _opt(0, "Double-Ring inner ring size; 0 = plain ring; must divide ctx")
     placement: str = _opt("head-first", "which group's ranks are adjacent", choices=("head-first", "ctx-first"))
+    balance: str = _opt("docs", "how a sequence with documents is split over head x ctx ranks: docs (balance each "
+                                "context rank's visible query-key pairs) or zigzag (balance a plain causal mask)",
+                        choices=("docs", "zigzag"))
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 

@@ -180,7 +180,7 @@ class Trainer:
         scale = grad_scale(rt.dims)
         local_loss = 0.0
         for batch in batches:
-            loss_sum = forward_loss_sum(self.model, rt.local_batch(batch).to(self.device), self.autocast_dtype)
+            loss_sum = forward_loss_sum(self.model, rt.local_batch(batch, self.device), self.autocast_dtype)
             (loss_sum * (scale / valid)).backward()
             local_loss += float(loss_sum.detach())
         loss = rt.sum([local_loss])[0] / max(valid, 1)
@@ -203,7 +203,7 @@ class Trainer:
         n = min(len(samples), self.cfg.train.eval_batches * micro)
         for start in range(0, n - micro + 1, micro):
             batch = samples.batch(range(start, start + micro))
-            total += float(forward_loss_sum(model, self.rt.local_batch(batch).to(self.device), self.autocast_dtype))
+            total += float(forward_loss_sum(model, self.rt.local_batch(batch, self.device), self.autocast_dtype))
             count += batch.valid_tokens
         model.train()
         return self.rt.sum([total])[0] / max(count, 1)

@@ -63,13 +63,14 @@ def short_docs(tmp_path_factory):
     return str(d)
 
 
-@pytest.mark.parametrize("layout", ["head2-ctx2", "ctx4-window2", "dp2-ctx2"])
-def test_packed_documents_train_identically(layout, short_docs, tmp_path):
-    extra = [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8"]
+@pytest.mark.parametrize("layout,balance", [("head2-ctx2", "docs"), ("ctx4-window2", "docs"), ("dp2-ctx2", "docs"),
+                                            ("head2-ctx2", "zigzag")])
+def test_packed_documents_train_identically(layout, balance, short_docs, tmp_path):
+    extra = [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.balance={balance}"]
     single = _train_losses([*BASE, *extra], tmp_path / "single")
     world, args = LAYOUTS[layout]
     losses = run_spawned(world, _train_losses, [*BASE, *extra, *args], str(tmp_path / "parallel"))
-    # the windows really are packed with many documents
+    # the samples really are packed with many documents
     from longctx.data.corpus import read_documents
 
     assert len(read_documents(short_docs)) == 400

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..data.samples import Batch
 from . import comm
 from .dims import ParallelDims
-from .sequence import shard_sequence
+from .sequence import attach_layout, plan_layout, shard_sequence
 
 TRACKED_DIMS = ("dp_replicate", "dp_shard", "head", "ctx")
 
@@ -28,16 +28,17 @@ class Runtime:
     mesh: object = None        # the 4-D DeviceMesh (None with one process)
     world_mesh: object = None  # all ranks flattened, for job-wide reductions
     device: torch.device = torch.device("cpu")
+    balance: str = "docs"      # how sequences with documents are split over head x ctx (parallel.balance)
 
     @classmethod
     def create(cls, cfg, rank: int, world: int, device_type: str) -> "Runtime":
         dims = ParallelDims.from_config(cfg, world_size=world)
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         if world == 1:
-            return cls(dims=dims, device=device)
+            return cls(dims=dims, device=device, balance=cfg.parallel.balance)
         mesh = dims.build_mesh(device_type)
         world_mesh = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("world")
-        return cls(rank, world, dims, mesh, world_mesh, device)
+        return cls(rank, world, dims, mesh, world_mesh, device, cfg.parallel.balance)
 
     @property
     def is_main(self) -> bool:
@@ -53,17 +54,32 @@ class Runtime:
             return 0
         return self.mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard + self.mesh["dp_shard"].get_local_rank()
 
-    def local_batch(self, batch: Batch) -> Batch:
-        """My data-parallel share of a global batch, then my balanced part of each sequence."""
+    def local_batch(self, batch: Batch, device=None) -> Batch:
+        """My data-parallel share of a global batch, then my balanced part of each sequence (on
+        `device` if given).
+
+        With document ids the split is `plan_layout(..., balance=parallel.balance)`, planned here on
+        the host from the ids every rank already has; the layout rides on the local document-id
+        tensor to the attention core, so no rank ever asks the device where documents are."""
         if self.mesh is None:
-            return batch
+            return batch if device is None else batch.to(device)
         rows = batch.tokens.shape[0] // self.dp
         sl = slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+        layout = None
+        if batch.doc_ids is not None and self.dims.head * self.dims.ctx > 1:
+            layout = plan_layout(batch.doc_ids[sl], self.dims.ctx, self.dims.head, balance=self.balance)
 
         def part(t):
-            return None if t is None else shard_sequence(t[sl], self.mesh, seq_dim=1)
+            if t is None:
+                return None
+            return shard_sequence(t[sl], self.mesh, seq_dim=1) if layout is None else layout.shard(t[sl], self.mesh)
 
-        return Batch(part(batch.tokens), part(batch.labels), part(batch.positions), part(batch.doc_ids))
+        local = Batch(part(batch.tokens), part(batch.labels), part(batch.positions), part(batch.doc_ids))
+        if device is not None:
+            local = local.to(device)
+        if layout is not None:
+            attach_layout(local.doc_ids, layout)
+        return local
 
     def sum(self, values: list[float]) -> list[float]:
         return self._reduce(values, dist.ReduceOp.SUM)
