@@ -13,10 +13,16 @@ Masks: `causal` is the lower-triangular mask of a square block (query i sees key
 `q_doc` / `k_doc` are document ids per position ([batch, seq]); a query attends only to keys of
 the same document. A query row that sees no key at all returns 0 with lse = -inf.
 
-Backends, named after what they call: "flash" calls PyTorch's fused attention kernels that return
-the lse (`_scaled_dot_product_flash_attention_for_cpu` on CPU; on CUDA, for now, the
-memory-efficient kernel, which also takes a bias for document masks); "math" is a plain-PyTorch
-reference in fp32 (matmul, softmax), used for testing and as the fallback.
+Backends, named after what they call: "flash" calls fused flash-attention kernels that return the
+lse: `_scaled_dot_product_flash_attention_for_cpu` on CPU; on CUDA with bf16/fp16 and documents,
+one variable-length flash call per round of segment pairs (ops/varlen.py: flash-attn when
+installed, else PyTorch's own varlen flash op; plain causal attention is one pair per row), in
+fp32 PyTorch's memory-efficient kernel; "math"
+is a plain-PyTorch reference in fp32 (matmul, softmax), used for testing and as the fallback.
+
+Documents: with document ids (or a SegmentPlan from ops/segments.py) attention runs only over
+same-document segment pairs, pairs of one shape batched into one kernel call; no [S_q, S_k]
+mask or bias exists on any path, forward or backward.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import math
 import numpy as np
 import torch
 
-from .segments import SegmentPlan, cached_plan
+from . import varlen
+from .segments import SegmentPlan, cached_plan, whole_rows_plan
 
 NEG_INF = float("-inf")
 
@@ -291,9 +298,13 @@ def attention_forward(q, k, v, *, causal=True, q_doc=None, k_doc=None, scale=Non
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     backend = _resolve(backend, q)
     plan = _plan(q, k, causal, q_doc, k_doc, plan)
+    if plan is None and backend == "flash" and varlen.available(q):  # plain causal: the flash kernel too
+        plan = whole_rows_plan(q.shape[0], q.shape[1], k.shape[1], causal)
     with torch.no_grad():
         if plan is None:
             return _dense_forward(q, k, v, causal, scale, backend)
+        if backend == "flash" and varlen.available(q):  # CUDA, bf16/fp16: one varlen kernel call per round
+            return varlen.varlen_forward(q, k, v, plan, scale)
         return _sparse_forward(q, k, v, plan, scale, backend)
 
 
@@ -309,9 +320,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_do
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     backend = _resolve(backend, q)
     plan = _plan(q, k, causal, q_doc, k_doc, plan)
+    if plan is None and backend == "flash" and dlse is None and varlen.available(q):
+        plan = whole_rows_plan(q.shape[0], q.shape[1], k.shape[1], causal)
     with torch.no_grad():
         if plan is None:
             return _dense_backward(dout, q, k, v, out, lse, causal, scale, backend, dlse)
+        if backend == "flash" and dlse is None and varlen.available(q):
+            return varlen.varlen_backward(dout, q, k, v, out, lse, plan, scale)
         return _sparse_backward(dout, q, k, v, out, lse, plan, scale, backend, dlse)
 
 

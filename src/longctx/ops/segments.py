@@ -202,3 +202,13 @@ def cached_plan(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Segme
         cached = (key, plan_pairs(q_doc, k_doc, causal=causal))
         q_doc._longctx_plan = cached
     return cached[1]
+
+
+def whole_rows_plan(batch: int, seq_q: int, seq_k: int, causal: bool) -> SegmentPlan:
+    """One pair per batch row covering all of it: plain (causal) attention expressed as a plan, so
+    the CUDA varlen flash kernel serves it too."""
+    rows = np.arange(batch, dtype=np.int64)
+    plan = SegmentPlan(batch, seq_q, seq_k, rows * seq_q, np.full(batch, seq_q, dtype=np.int64), rows * seq_k,
+                       np.full(batch, seq_k, dtype=np.int64), np.full(batch, causal, dtype=bool), multi=False)
+    plan.groups = _group(plan)
+    return plan
