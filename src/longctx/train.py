@@ -138,8 +138,9 @@ class Trainer:
         writer = MetricsWriter(self.metrics_path, self.run_dir / "tensorboard" if cfg.metrics.tensorboard
                                else None) if rt.is_main else None
         gather = 2 if self.device.type == "cuda" and t.dtype in ("auto", "bf16") else 4  # bf16 all-gathers
-        self.fsdp_bytes = fsdp_bytes_per_step(sum(p.numel() for p in self.model.parameters()), rt.dims,
-                                              t.grad_accum, gather)
+        total = sum(p.numel() for p in self.model.parameters())
+        blocks = sum(p.numel() for p in self.model.layers.parameters())
+        self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, t.grad_accum, gather)
         result = TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1)
         progress = _progress(t.steps, cfg.metrics.progress and rt.is_main)
         self.say = progress.write if progress is not None else self.log

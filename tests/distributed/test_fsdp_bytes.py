@@ -88,16 +88,14 @@ def test_model_states_equal_a_real_step(case, measured):
     assert [r["states"] for r in measured[case.name]] == [pytest.approx(predicted, rel=1e-12)] * case.world
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="parallel.volumes.fsdp_bytes (the training loop's metrics line) counts the root module's "
-                          "all-gather twice per micro-batch; FSDP2 keeps the root gathered from forward to backward, "
-                          "so it is gathered once (the planner's fsdp_bytes_per_micro counts it once)")
-@pytest.mark.parametrize("case", CASES[:1], ids=[c.name for c in CASES[:1]])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_the_training_loops_closed_form_equals_a_real_step(case, measured):
-    from longctx.parallel.volumes import fsdp_bytes
+    """The metrics line's FSDP bytes (parallel.volumes.fsdp_bytes_per_step, root gathered once)."""
+    from longctx.parallel.volumes import fsdp_bytes_per_step
 
     m = load_config(None, {"model": {"preset": case.preset}}).model
     L = case.layout
-    closed = fsdp_bytes(param_counts(m)["total"], L.fsdp, L.dp_replicate, HW.dtype_bytes) * case.grad_accum
+    pc = param_counts(m)
+    closed = fsdp_bytes_per_step(pc["total"], pc["root"], L, case.grad_accum, HW.dtype_bytes)["fsdp"]
     for got in measured[case.name]:
         assert sum(got["traffic"].values()) == pytest.approx(closed, rel=1e-12)

@@ -42,7 +42,7 @@ from ..memory.accounting import (
     estimate_activations,
 )
 from ..metrics import matmul_params_per_layer, train_flops_per_token
-from ..parallel.volumes import attention_bytes
+from ..parallel.volumes import attention_bytes, fsdp_bytes
 from .hardware import Hardware
 
 
@@ -176,12 +176,8 @@ def fsdp_bytes_per_micro(m: ModelConfig, layout: Layout, gather_bytes: int) -> f
     head) once (FSDP2 does not reshard the root after forward), each (n-1)/n of the gathered
     tensor; fp32 gradients reduce-scattered over the shard group of n ranks ((n-1)/n of them);
     under HSDP the fp32 gradient shards all-reduced over the r replicas (2 (r-1)/r of the shard)."""
-    n, r = layout.fsdp, layout.dp_replicate
-    if n * r == 1:
-        return 0.0
     pc = param_counts(m)
-    gathered = 2 * m.layers * pc["block"] + pc["root"]
-    return (n - 1) / n * (gathered * gather_bytes + 4 * pc["total"]) + 2 * (r - 1) / r * 4 * pc["total"] / n
+    return fsdp_bytes(pc["total"], layout.fsdp, layout.dp_replicate, gather_bytes, root_params=pc["root"])
 
 
 # ----------------------------------------------------------------------------------------------
