@@ -135,3 +135,36 @@ def test_cuda_kernels_match_reference(with_docs):
     ref_grads = torch.autograd.grad((ro * gout.cpu().double()).sum(), (qc, kc, vc))
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.cpu().double(), r.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_equal_documents_back_to_back(backend, causal):
+    """Equal documents tiling the batch run as one kernel call with no accumulators: still exact."""
+    q, k, v = make(b=2, s=24, kv=2)
+    doc = (torch.arange(24) // 8).expand(2, 24)
+    out, lse = attention(q, k, v, causal=causal, q_doc=doc, k_doc=doc, backend=backend)
+    ref_out, ref_lse = reference(q, k, v, causal, doc, doc)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    w = torch.randn_like(out)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref = torch.autograd.grad((ref_out * w.double()).sum(), (q, k, v))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g.double(), r.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_many_tiny_documents_are_few_kernel_calls(monkeypatch):
+    """4,000 documents of 8 tokens: one batched call per distinct pair shape, not one per document."""
+    import longctx.ops.attention as A
+
+    calls = []
+    real = A._dense_forward
+    monkeypatch.setattr(A, "_dense_forward", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    q, k, v = make(b=1, s=32000, h=2, kv=1, d=8, requires_grad=False)
+    doc = (torch.arange(32000) // 8)[None]
+    doc[0, -5:] = 4000  # a short trailing document (padding)
+    out, _ = attention_forward(q, k, v, causal=True, q_doc=doc, k_doc=doc)
+    assert sorted(calls) == [1, 1, 3999]  # 3,999 documents of 8, one of 3 and the trailing one of 5
+    ref, _ = attention_forward(q[:, :8], k[:, :8], v[:, :8], causal=True)
+    torch.testing.assert_close(out[:, :8], ref)

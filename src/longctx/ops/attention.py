@@ -191,6 +191,10 @@ class _Rows:
         self.index = None if self.strided else torch.from_numpy(
             (starts[:, None] + np.arange(length)).reshape(-1)).to(device, non_blocking=True)
 
+    def tiles(self, total: int) -> bool:
+        """True when the segments are the whole flat tensor back to back (start 0, no gaps)."""
+        return self.strided and self.start == 0 and self.step == self.length and self.n * self.length == total
+
     def _view(self, flat: torch.Tensor) -> torch.Tensor:
         row = flat.stride(0)
         return flat.as_strided((self.n, self.length, *flat.shape[1:]), (self.step * row, row, *flat.stride()[1:]),
@@ -220,11 +224,26 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
+def _whole_tiling(plan: SegmentPlan, q_rows: int, k_rows: int, device):
+    """(query rows, key rows, group) when the plan is one group whose pairs tile queries and keys
+    exactly (e.g. equal documents packed back to back), else None."""
+    if plan.multi or len(plan.groups) != 1:
+        return None
+    g = plan.groups[0]
+    qr, kr = _Rows(g.q_start, g.q_len, device), _Rows(g.k_start, g.k_len, device)
+    return (qr, kr, g) if qr.tiles(q_rows) and kr.tiles(k_rows) else None
+
+
 def _sparse_forward(q, k, v, plan: SegmentPlan, scale, backend):
     """Attention of every visible segment pair, pairs of one shape per kernel call; rows that see no
     key come back as out = 0, lse = -inf. Results of a row covered by several pairs are merged in fp32."""
     b, sq, h, d = q.shape
     qf, kf, vf = _flat(q), _flat(k), _flat(v)
+    whole = _whole_tiling(plan, qf.shape[0], kf.shape[0], q.device)
+    if whole is not None:  # one group of equal documents back to back: the kernel's result is the answer
+        qr, kr, g = whole
+        o, l_ = _dense_forward(qr.gather(qf), kr.gather(kf), kr.gather(vf), g.causal, scale, backend)
+        return o.reshape(q.shape), l_.transpose(1, 2).reshape(b, sq, h).transpose(1, 2).contiguous()
     out = torch.zeros((b * sq, h, d), dtype=torch.float32 if plan.multi else q.dtype, device=q.device)
     lse = torch.full((b * sq, h), NEG_INF, dtype=torch.float32, device=q.device)  # token-major while filling
     for g in plan.groups:
@@ -249,6 +268,13 @@ def _sparse_backward(dout, q, k, v, out, lse, plan: SegmentPlan, scale, backend,
     qf, kf, vf, of, dof = _flat(q), _flat(k), _flat(v), _flat(out), _flat(dout)
     lse_t = _flat(lse.transpose(1, 2))  # [tokens, h]
     dlse_t = None if dlse is None else _flat(dlse.transpose(1, 2))
+    whole = _whole_tiling(plan, qf.shape[0], kf.shape[0], q.device)
+    if whole is not None:  # no accumulators: the kernel's gradients are the whole gradients
+        qr, kr, g = whole
+        gl = None if dlse_t is None else qr.gather(dlse_t).transpose(1, 2)
+        gq, gk, gv = _dense_backward(qr.gather(dof), qr.gather(qf), kr.gather(kf), kr.gather(vf), qr.gather(of),
+                                     qr.gather(lse_t).transpose(1, 2), g.causal, scale, backend, gl)
+        return gq.reshape(q.shape), gk.reshape(k.shape), gv.reshape(v.shape)
     dq = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(vf.shape, dtype=torch.float32, device=q.device)
