@@ -125,3 +125,73 @@ def test_bf16_merge_stays_within_bf16_rounding():
     print(f"bf16 ctx=8: ring max err out {worst_out:.3e} grads {worst_grad:.3e}; "
           f"single-device bf16 out {floor_out:.3e} grads {floor_grad:.3e}")
     assert worst_out <= 2 * floor_out and worst_grad <= 2 * floor_grad
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed documents in a SequenceLayout (plan_layout): both balances, random documents
+
+
+def random_docs(seq, seed):
+    """[B, seq] document ids: random lengths with length-1 documents, one document longer than a rank's
+    share, a stretch of 1,000+ tiny documents (seq >= 4096) and trailing padding as its own document."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(B):
+        lengths = []
+        if r == 0:
+            lengths.append(seq // 2 + 7)  # longer than any rank's share
+        if seq >= 4096 and r == 1:
+            lengths += [2] * 1100  # 1,100 tiny documents
+        while sum(lengths) < seq - 8:
+            lengths.append(int(rng.choice([1, 1, 2, 5, 13, int(rng.integers(20, seq // 4))])))
+        lengths = lengths[:-1] if sum(lengths) > seq - 3 else lengths
+        lengths.append(seq - sum(lengths))  # the rest: trailing padding, a document of its own
+        rows.append(np.repeat(np.arange(len(lengths)), lengths)[:seq])
+    return torch.from_numpy(np.stack(rows))
+
+
+def run_layout_cases(world, seq, cases):
+    from longctx.parallel.sequence import plan_layout
+
+    results = []
+    meshes = {}
+    for head, ctx, window, placement, kv, balance, seed in cases:
+        key = (head, ctx, placement)
+        if key not in meshes:
+            meshes[key] = ParallelDims(dp_shard=1, head=head, ctx=ctx, window=window, placement=placement,
+                                       world_size=world).build_mesh("cpu")
+        mesh = meshes[key]
+        gen = torch.Generator().manual_seed(seed)
+        q, k, v = (torch.randn(B, seq, n, D, generator=gen) for n in (H, kv, kv))
+        dout = torch.randn(B, seq, H, D, generator=gen)
+        doc = random_docs(seq, seed)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref, _ = attention(qr, kr, vr, causal=True, q_doc=doc, k_doc=doc)
+        ref_grads = torch.autograd.grad((ref * dout).sum(), (qr, kr, vr))
+        layout = plan_layout(doc, ctx, head, balance=balance)
+        ql, kl, vl = (layout.shard(t, mesh).requires_grad_() for t in (q, k, v))
+        comm.reset_counters()
+        out = distributed_attention(ql, kl, vl, mesh, causal=True, doc_ids=layout.shard(doc, mesh), layout=layout)
+        grads = torch.autograd.grad((out * layout.shard(dout, mesh)).sum(), (ql, kl, vl))
+        sent = comm.counters()
+        expected = attention_bytes(seq=seq, batch=B, heads=H, kv_heads=kv, head_dim=D, head=head, ctx=ctx, elem=4)
+        full_out = layout.unshard(out.detach(), mesh)  # the exact inverse of shard
+        results.append(((head, ctx, window, placement, kv, balance, seed),
+                        (full_out - ref).abs().max().item(),
+                        max((g - layout.shard(r, mesh)).abs().max().item() for g, r in zip(grads, ref_grads)),
+                        sent == expected, f"sent {sent}, expected {expected}"))
+    return results
+
+
+@pytest.mark.parametrize("world,seq", [(4, 512), (8, 4096)])
+def test_documents_in_a_layout_are_exact(world, seq):
+    cases = [(head, ctx, window, placement, kv, balance, seed)
+             for head, ctx, window, placement in layouts(world) if ctx > 1
+             for kv, balance, seed in ((2, "docs", 1), (H, "zigzag", 2), (1, "docs", 3))]
+    per_rank = run_spawned(world, run_layout_cases, world, seq, cases)
+    failures = [f"{case}: out {o:.2e} grad {g:.2e} {'' if ok else detail}"
+                for rank_results in per_rank for case, o, g, ok, detail in rank_results
+                if o > 1e-5 or g > 1e-4 or not ok]
+    assert not failures, f"{len(failures)} failing cases, e.g.:\n" + "\n".join(failures[:8])

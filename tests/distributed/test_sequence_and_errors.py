@@ -35,12 +35,19 @@ def errors(world):
         "docs": (q, kv, torch.zeros(1, 5, dtype=torch.long), 0),
         "window": (q, kv, None, 3),
         "kv": (torch.randn(1, 8, 6, 8), torch.randn(1, 8, 3, 8), None, 0),
+        "docs_reappear": (q, kv, torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2]]), 0),
+        "layout_length": (q, kv, "layout", 0),
     }
     msgs = {}
+    from longctx.parallel.sequence import plan_layout
+
+    other = plan_layout(torch.zeros(1, 64, dtype=torch.long), 2, 2)  # built for 64 tokens, used for 32
     for name, (qq, kk, doc, window) in cases.items():
         comm.reset_counters()
+        layout = other if isinstance(doc, str) else None
+        doc = torch.zeros(1, 8, dtype=torch.long) if layout is not None else doc
         try:
-            distributed_attention(qq, kk, kk, mesh, doc_ids=doc, window=window)
+            distributed_attention(qq, kk, kk, mesh, doc_ids=doc, window=window, layout=layout)
             msgs[name] = "no error"
         except (ConfigError, ValueError) as e:
             msgs[name] = str(e) if not comm.counters() else f"communicated before failing: {e}"
@@ -56,8 +63,28 @@ def test_shard_unshard_round_trip():
 
 def test_bad_inputs_fail_before_any_communication():
     msgs = run_spawned(4, errors, 4)[0]
+    assert not [m for m in msgs.values() if m.startswith(("communicated", "no error"))], msgs
     assert "not divisible by the head-parallel degree 2" in msgs["heads"]
     assert "not divisible by 2 x ctx x head = 8" in msgs["seq"]
     assert "doc_ids must be shaped like the tokens" in msgs["docs"]
     assert "window 3 must be 0 (plain ring) or divide" in msgs["window"]
     assert "3 key/value heads cannot be split over head-parallel degree 2" in msgs["kv"]
+    assert "document id 0 reappears after another document" in msgs["docs_reappear"]
+    assert "layout was built for 1 x 64 tokens over ctx 2 x head 2, but it is used for 1 x 32" in msgs["layout_length"]
+
+
+def test_layout_inputs_are_checked_without_a_mesh():
+    """plan_layout is a pure function: bad document ids fail there, before any process talks."""
+    import numpy as np
+
+    from longctx.parallel.sequence import plan_layout
+
+    with pytest.raises(ValueError, match=r"must be shaped \[batch, seq\]"):
+        plan_layout(torch.zeros(64, dtype=torch.long), 2, 2)
+    with pytest.raises(ValueError, match="document id 1 reappears"):
+        plan_layout(torch.tensor([[1, 1, 2, 2, 1, 1, 3, 3]]), 2, 1)
+    with pytest.raises(ConfigError, match="not divisible by 2 x ctx x head"):
+        plan_layout(torch.zeros(1, 12, dtype=torch.long), 2, 2)
+    layout = plan_layout(torch.from_numpy(np.repeat(np.arange(5), [3, 20, 1, 30, 10])[None]), 4, 2)
+    rows = np.sort(layout.positions.reshape(-1))
+    assert np.array_equal(rows, np.arange(64)) and layout.positions.shape == (1, 4, 2, 8)

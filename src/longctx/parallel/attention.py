@@ -18,7 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from .ring import ring_attention
-from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, unshard_sequence
+from .sequence import SequenceLayout, attach_layout, check_doc_ids, layout_of, plan_layout, unshard_sequence
 from .ulysses import check_heads, head_to_seq, kv_replication, seq_to_head
 
 
@@ -44,6 +44,7 @@ def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:
                          f"got {tuple(doc_ids.shape)}; shard them with shard_sequence like the tokens.")
 
 
+
 def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=None, window=0, backend="flash",
                           layout: SequenceLayout | None = None):
     """Exact attention over the sequence sharded across the head x ctx ranks of `mesh`.
@@ -59,6 +60,10 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     h, c = head_mesh.size(), ctx_mesh.size()
     check_inputs(q, k, v, doc_ids, h, c, window)
     plans = None
+    if doc_ids is not None and layout is None and layout_of(doc_ids) is None:
+        # zigzag shards of contiguous documents have unique runs in local order: check that here,
+        # before the ids are gathered
+        check_doc_ids(doc_ids)
     if doc_ids is not None or layout is not None:
         layout = layout or layout_of(doc_ids) or _zigzag_layout_of(doc_ids, mesh)
         layout.check(q.shape[1] * h * c, c, h, q.shape[0])
