@@ -277,3 +277,193 @@ def test_published_anchors():
     assert passed(memo)
     # the planner reports host memory per node for the offloaded activations, within a 2 TB node
     assert 0 < memo["host_per_node_gib"] <= 2048 * 0.8
+
+# ----------------------------------------------------------------------------------------------
+# Documents: the attention work they leave (doc_work) and the sparse kernels' memory
+
+
+def _store(tmp_path, name, seq_len, lengths, seed=0):
+    """A byte-tokenized store (bfd packing, no dedup) of random documents of `lengths` characters
+    (each becomes length + 1 tokens with its end-of-document token)."""
+    import json
+    import random
+
+    from longctx.data.build import BuildOptions, build_store
+
+    rng = random.Random(seed)
+    src = tmp_path / f"{name}.jsonl"
+    with src.open("w") as f:
+        for n in lengths:
+            f.write(json.dumps({"text": "".join(rng.choice("abcdefghij klmnopq") for _ in range(n))}) + "\n")
+    out = tmp_path / name
+    build_store(BuildOptions(inputs=[str(src)], out=str(out), seq_len=seq_len, strategy="bfd", dedup="none",
+                             stats=False, progress=False), log=lambda *a, **k: None)
+    return out
+
+
+def _brute_force_doc_work(root, indices):
+    """Mean over the samples of (causal AND same-document pairs) / causal pairs, with a dense mask."""
+    import torch
+
+    from longctx.data.loader import PackedSamples
+
+    samples = PackedSamples(root, "train", True)
+    ratios = []
+    for i in indices:
+        doc = samples.batch([int(i)]).doc_ids[0]
+        s = doc.numel()
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        ratios.append(float((causal & (doc[:, None] == doc[None, :])).sum()) / float(causal.sum()))
+    return sum(ratios) / len(ratios)
+
+
+def test_doc_work_of_a_store_equals_a_dense_mask_count(tmp_path):
+    from longctx.data.loader import PackedSamples
+    from longctx.planner.documents import doc_work_of_ids, sample_indices, store_doc_work
+
+    assert doc_work_of_ids([[0, 0, 1, 1, 1, 2]]) == pytest.approx((3 + 6 + 1) / 21)
+    lengths = [30, 50, 10, 63, 100, 5, 7, 200, 41, 12, 17, 90, 3, 64, 25]
+    root = _store(tmp_path, "mixed", 64, lengths)
+    n = len(PackedSamples(root, "train", True))
+    work, used, total = store_doc_work(root, 64)
+    assert (used, total) == (n, n) and n >= 8
+    assert work == pytest.approx(_brute_force_doc_work(root, range(n)), rel=1e-12)
+    assert 0 < work < 1
+    # at most `limit` samples, evenly spaced and the same every time
+    small, used, _ = store_doc_work(root, 64, limit=3)
+    assert used == 3 and list(sample_indices(n, 3)) == [0, n // 3, 2 * n // 3]
+    assert small == pytest.approx(_brute_force_doc_work(root, sample_indices(n, 3)), rel=1e-12)
+    assert store_doc_work(root, 64, limit=3)[0] == small
+
+
+def test_one_document_per_sample_is_doc_work_one_up_to_padding(tmp_path):
+    from longctx.planner.documents import store_doc_work
+
+    # 63 characters + the end-of-document token fill a 64-token sample exactly: one document each
+    full = _store(tmp_path, "full", 64, [63] * 6)
+    assert store_doc_work(full, 64)[0] == 1.0
+    # 59 + 1 tokens and 4 of padding, which is attended like a document of its own
+    padded = _store(tmp_path, "padded", 64, [59] * 6)
+    work = store_doc_work(padded, 64)[0]
+    assert work == pytest.approx((60 * 61 + 4 * 5) / (64 * 65), rel=1e-12)
+    assert 1 - 2 * 4 / 64 < work < 1
+
+
+def test_store_with_another_seq_len_is_a_config_error_naming_both(tmp_path):
+    import argparse
+
+    from longctx.planner.cli import add_arguments, build_request
+
+    root = _store(tmp_path, "s64", 64, [30, 40, 50])
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--gpus", "2", "--seq-len", "128", "--store", str(root)])
+    with pytest.raises(ConfigError, match=r"64 tokens.*--seq-len is 128"):
+        build_request(args, [])
+    args = p.parse_args(["--gpus", "2", "--seq-len", "64", "--store", str(root)])
+    req, _ = build_request(args, [])
+    assert 0 < req.doc_work < 1 and str(root) in req.doc_work_source
+    with pytest.raises(ConfigError, match="not a longctx data store"):
+        build_request(p.parse_args(["--gpus", "2", "--seq-len", "64", "--store", str(tmp_path / "none")]), [])
+    req, _ = build_request(p.parse_args(["--gpus", "2", "--seq-len", "64"]), [])
+    assert req.doc_work == 1.0 and req.doc_work_source == "no --store: one document per sequence assumed"
+
+
+def test_documents_shorten_the_predicted_step_most_where_attention_dominates():
+    m = model("llama3-8b")
+    kw = dict(global_batch=8, micro_batch=1, gpus_per_node=8)
+    gains = []
+    for seq, L in [(2**14, Layout(1, 8, 1, 1)), (2**17, Layout(1, 1, 1, 8)), (2**20, Layout(1, 1, 1, 8)),
+                   (2**20, Layout(1, 1, 2, 4))]:
+        one = estimate(m, H100, L, Policy("selective", loss_chunk=4096), seq_len=seq, **kw)
+        few = estimate(m, H100, L, Policy("selective", loss_chunk=4096), seq_len=seq, doc_work=0.25, **kw)
+        assert few.step_s < one.step_s and few.doc_work == 0.25 and one.doc_work == 1.0
+        assert few.memory == one.memory and few.comm_bytes == one.comm_bytes  # work, not bytes
+        assert few.mfu > one.mfu  # model FLOPs stay causal (metrics.py), as the training line reports
+        # the attention share of the step (1.0 vs 0.25: 3/4 of it goes)
+        gains.append((one.step_s - few.step_s) / one.step_s)
+    # longer sequences are more attention-bound and gain more: 16K on dp8 ~15%, 128K ~50%, 1M ~70%
+    # (at most 3/4, were the step all attention)
+    assert gains[0] < 0.25 < gains[1] < gains[2] < 0.75 and gains[3] > gains[1]
+    # without document masks doc_work means nothing
+    plain = estimate(m, H100, Layout(1, 1, 1, 8), Policy(), seq_len=2**17, doc_mask=False, doc_work=0.25, **kw)
+    assert plain.doc_work == 1.0
+    assert plain.step_s == estimate(m, H100, Layout(1, 1, 1, 8), Policy(), seq_len=2**17, doc_mask=False, **kw).step_s
+    with pytest.raises(ValueError, match="doc_work"):
+        estimate(m, H100, Layout(1, 1, 1, 8), Policy(), seq_len=2**17, doc_work=0.0, **kw)
+    # the search: fewer attention FLOPs never make the best plan slower, and full recomputation
+    # re-runs the documents' attention only
+    req = Request(m, H100, 64, 2**20, gpus_per_node=8, global_batch=64)
+    best1 = plan(req).best
+    best = plan(dataclasses.replace(req, doc_work=0.3)).best
+    assert best.step_s < best1.step_s and best.doc_work == 0.3
+    full1 = estimate(m, H100, Layout(1, 1, 1, 8), Policy("full"), seq_len=2**20, **kw)
+    full = estimate(m, H100, Layout(1, 1, 1, 8), Policy("full"), seq_len=2**20, doc_work=0.5, **kw)
+    none1 = estimate(m, H100, Layout(1, 1, 1, 8), Policy("none"), seq_len=2**20, **kw)
+    none = estimate(m, H100, Layout(1, 1, 1, 8), Policy("none"), seq_len=2**20, doc_work=0.5, **kw)
+    # full recompute runs the attention 4 times (3 + 1 again), none 3 times: the saving scales alike
+    assert (full1.times["compute"] - full.times["compute"]) == pytest.approx(
+        4 / 3 * (none1.times["compute"] - none.times["compute"]), rel=1e-9)
+
+
+def test_sparse_attention_memory_is_linear_in_the_rank_tokens():
+    from longctx.planner.cost import sparse_attention_backward_bytes, transient_bytes
+
+    m = model("llama3-8b")
+    pol = Policy("selective", loss_chunk=1024)
+    for L, seq in [(Layout(1, 1, 1, 8), 2**17), (Layout(1, 1, 2, 4), 2**17)]:
+        t = seq // L.sequence_degree
+        docs = transient_bytes(m, seq, 1, L, pol, 2, docs=True)
+        plain = transient_bytes(m, seq, 1, L, pol, 2, docs=False)
+        assert docs - plain == t * sparse_attention_backward_bytes(m, L.head, 2)
+        # twice the sequence over twice the context ranks: the same tokens per rank, the same bytes
+        L2 = dataclasses.replace(L, ctx=2 * L.ctx)
+        assert transient_bytes(m, 2 * seq, 1, L2, pol, 2, docs=True) == docs
+
+
+def test_sparse_backward_temporaries_fit_the_count():
+    """Measured: the bytes that ops/attention.py's document-sparse backward (CPU, fp32) creates and
+    holds at its peak stay within the planner's count per token (the accumulators and the largest
+    group's temporaries, plus the grouped-query expansion the planner counts with the block's
+    gradients); no [S, S] tensor is ever made."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from longctx.ops.attention import attention_backward, attention_forward
+    from longctx.planner.cost import sparse_attention_backward_bytes
+
+    class Peak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.held, self.peak, self.largest = {}, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.held:
+                    st = t.untyped_storage()
+                    self.held[st.data_ptr()] = st
+                    self.largest = max(self.largest, st.nbytes())
+            self.held = {p: s for p, s in self.held.items() if torch._C._storage_Use_Count(s._cdata) > 1}
+            self.peak = max(self.peak, sum(s.nbytes() for s in self.held.values()))
+            return out
+
+    m = model("debug")  # 4 query heads, 2 kv heads, head_dim 32
+    s, hd = 512, m.resolved_head_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, s, m.heads, hd, generator=g)
+    k, v = (torch.randn(1, s, m.kv_heads, hd, generator=g) for _ in range(2))
+    lengths = [300, 100, 50, 40, 10, 7, 5]  # unequal: several groups, accumulators needed
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    out, lse = attention_forward(q, k, v, q_doc=doc, k_doc=doc)
+    dout = torch.randn_like(out)
+    mode = Peak()
+    with mode:
+        grads = attention_backward(dout, q, k, v, out, lse, q_doc=doc, k_doc=doc)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    q_dim = m.heads * hd
+    count = s * (sparse_attention_backward_bytes(m, 1, 4) + 4 * 4 * q_dim)  # + expanded k, v and their grads
+    accumulators = s * 4 * (q_dim + 2 * m.kv_heads * hd)
+    assert accumulators < mode.peak <= count, (mode.peak, count)
+    assert mode.largest < s * s * 4  # nothing S x S (the largest tensor is a few rows x heads x d)

@@ -48,19 +48,27 @@ class ActivationEstimate:
         return asdict(self)
 
 
-def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool) -> dict[str, float]:
-    """Bytes per local token of the tensors a block can leave behind, by name."""
+def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False) -> dict[str, float]:
+    """Bytes per local token of the tensors a block can leave behind, by name.
+
+    `docs` changes nothing: with packed documents the attention core saves the same q, k, v, out and
+    lse. The document ids are an input shared by every block (the batch's), and the segment plans
+    that say which query-key pairs attend are host-side numpy (ops/segments.py,
+    parallel/sequence.py), so no block keeps anything per token for them. (Without a sequence
+    layout, distributed_attention gathers the ids once and keeps the [batch, seq] int64 tensor on
+    the ids' layout, 8 x head x ctx bytes per local token once per batch, not per block; the
+    training loop always plans a layout on the host and gathers nothing.)"""
     d, hd, H, K, F = m.dim, m.resolved_head_dim, m.heads, m.kv_heads, m.ffn_dim
     k_eff = max(K, head)  # kv heads after replication for the head-parallel all-to-all
     # RMSNorm keeps fp32 rsqrt (4 B) and 8d more bytes: in fp32 the normed x and the output (its
     # input, saved too, IS the block input or the residual h); in bf16 an fp32 copy of the input,
     # the bf16 normed x and the output
     norm = 8 * d + 4
-    core = p * (2 * H + 2 * k_eff) * hd + 4 * H + (8 * head if docs and head > 1 else 0)
+    core = p * (2 * H + 2 * k_eff) * hd + 4 * H
     return {
         "norm": norm,
         "norm_input": p * d if p == 4 else 0,          # fp32: the norm saves its input itself
-        "core": core,                                  # q, k, v, out, lse (+ gathered doc ids)
+        "core": core,                                  # q, k, v, out, lse
         "attn_out": p * H * hd,                        # the attention output in sequence layout
         "residual": p * d if p == 4 else 0,            # h = x + attention, kept as the MLP norm's input
         "mlp": 4 * p * F,                              # w1 out, silu out, w3 out, product
@@ -84,7 +92,8 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     """Per-rank activation bytes of `policy` for micro_batch sequences of seq_len tokens sharded over
     head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations). block_chunk
     changes no saved bytes, only recomputation: under `full` the chunks are checkpoints nested in
-    the block's, so the token-wise stages run once more (outer recompute, then each chunk's own)."""
+    the block's, so the token-wise stages run once more (outer recompute, then each chunk's own).
+    docs (packed documents) changes no saved bytes either (see block_part_bytes)."""
     if seq_len % (head * ctx):
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
     p = dtype_bytes

@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
     p.add_argument("--block-chunk", default="0,16K",
                    help="token chunk sizes of the blocks' token-wise stages to try with full/selective (0 = whole)")
+    p.add_argument("--store", default=None, metavar="DIR",
+                   help="a data store (longctx data build) at --seq-len: the attention work is taken from its "
+                        "documents (doc_work: visible same-document pairs over plain causal ones, from at most "
+                        "2,000 of its samples); default: one document per sequence (doc_work 1.0)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--out", default="plan.toml", help="where the best plan's config is written")
     p.add_argument("--no-write", action="store_true", help="do not write the config")
@@ -113,12 +117,26 @@ def build_request(args, overrides):
     chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
     block_chunks = _ints(args.block_chunk, "--block-chunk")
     recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
+    doc_work, doc_work_source = _doc_work(getattr(args, "store", None), seq_len, base.data.doc_mask)
     req = Request(base.model, hw, args.gpus, seq_len, gpus_per_node=args.gpus_per_node,
                   global_batch=args.global_batch, micro_batches=_ints(args.micro_batch, "--micro-batch", 1),
                   recomputes=recomputes,
                   offload_fractions=_floats(args.offload), offload_skip_last=args.offload_skip_last,
-                  loss_chunks=chunks, block_chunks=block_chunks, doc_mask=base.data.doc_mask)
+                  loss_chunks=chunks, block_chunks=block_chunks, doc_mask=base.data.doc_mask,
+                  doc_work=doc_work, doc_work_source=doc_work_source)
     return req, base
+
+
+def _doc_work(store: str | None, seq_len: int, doc_mask: bool) -> tuple[float, str]:
+    """(doc_work, where it comes from) for the request: measured on --store's samples, else 1.0."""
+    if not doc_mask:
+        return 1.0, "data.doc_mask = false: plain causal attention" + (", --store not used" if store else "")
+    if not store:
+        return 1.0, "no --store: one document per sequence assumed"
+    from .documents import store_doc_work
+
+    work, used, total = store_doc_work(store, seq_len)
+    return work, f"from --store {store}: {used:,} of {total:,} train samples of {seq_len:,} tokens"
 
 
 def main(args, overrides) -> int:

@@ -22,8 +22,14 @@ Everything is per GPU (rank) and exact where the implementation allows it:
   plus the blocks FSDP holds unsharded at a time (this one and the prefetched next) and the root
   (embeddings, LM head), which stays gathered for the whole step;
 - FLOPs are metrics.py's model FLOPs (the attention s^2 term halved under the causal mask), plus
-  recomputation; time = GEMM FLOPs / (peak x gemm_efficiency) + attention FLOPs / (peak x
-  attention_efficiency);
+  recomputation; with document masks the attention FLOPs follow the documents: they are scaled by
+  `doc_work`, the visible (causal, same-document) query-key pairs over those of a plain causal mask
+  (planner/documents.py; 1.0 = one document per sequence, the default; `longctx plan --store`
+  measures it), since the kernels run only same-document segment pairs and the training loop's
+  "docs" balance gives every context rank the same share of them. Time = GEMM FLOPs / (peak x
+  gemm_efficiency) + attention FLOPs / (peak x attention_efficiency). MFU keeps metrics.py's
+  causal model FLOPs (what the training metrics line reports), so with doc_work < 1 it is an
+  upper bound there and here alike;
 - communication time uses intra-node bandwidth for a group whose ranks fit in one node under the
   layout's placement, inter-node bandwidth otherwise. Ulysses all-to-alls block (fully exposed);
   ring hops overlap one ring step of attention compute (a Double-Ring outer hop overlaps a whole
@@ -131,6 +137,7 @@ class Estimate:
     bottleneck: str
     feasible: bool
     problems: list[str] = field(default_factory=list)
+    doc_work: float = 1.0              # attention work with documents / plain causal (documents.py)
 
     @property
     def step_s(self) -> float:
@@ -148,7 +155,7 @@ class Estimate:
             "host_per_node_gib": self.host_per_node / 2**30,
             "comm_bytes_per_step": self.comm_bytes, "times_s": self.times,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bottleneck": self.bottleneck,
-            "feasible": self.feasible, "problems": self.problems,
+            "feasible": self.feasible, "problems": self.problems, "doc_work": self.doc_work,
             "describe": f"{L.describe()} | {P.describe()} | micro-batch {self.micro_batch}",
         }
 
@@ -194,6 +201,41 @@ def activations(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout, 
                                 block_chunk=policy.block_chunk)
 
 
+def sparse_attention_backward_bytes(m: ModelConfig, head: int, e: int) -> float:
+    """Bytes per rank token that one document-sparse attention backward holds at its peak on top of
+    its inputs, counted from ops/attention.py `_sparse_backward` (the per-group path: CPU, fp32)
+    and ops/varlen.py `varlen_backward` (CUDA bf16/fp16, one varlen call per round), which
+    allocate alike. Per call (a local attention, or one ring block: the rank's t x head tokens after
+    the all-to-all with heads / head query heads hold as many bytes as t tokens with every head):
+
+    - the accumulators `dq`, `dk`, `dv` = torch.zeros(..., float32) shaped like the flat q [tokens,
+      heads, d] and k, v [tokens, kv heads, d] (kv heads after the all-to-all's replication), alive
+      for the whole call: 4 (q_dim + 2 kv_dim) per token. (Not allocated when the pairs tile the
+      tensors exactly, `_whole_tiling` / one identity round, e.g. one document per sequence or a
+      ring's diagonal block: counted anyway, the planner does not know the documents per rank.)
+    - the largest group's (round's) temporaries. The kernel's gradients gq, gk, gv (e (q_dim +
+      2 kv_dim)) live until the next group; during the kernel call, its arguments: the rows
+      `index_select`ed from dout, q, out (3 e q_dim) and k, v (2 e kv_dim) and the lse rows (fp32, 4
+      per head), freed when it returns; after it, the fp32 copies for index_add_ (`gq.float()`,
+      then gk's, then gv's: one at a time, at most 4 q_dim), so the larger of the two phases. A
+      group holds each query row at most once (ops/segments.py `_group`, varlen `_build_rounds`),
+      so its rows are bounded by the rank's tokens (a key segment serving several query segments
+      of one group is gathered once per pair: a document in several pieces on one rank, rare; not
+      counted). On some paths some of these are views (strided segments, identity rounds, fp32
+      inputs): an upper bound (tests/unit/test_planner.py measures the CPU path under it).
+
+    The final `.to(dtype)` copies of dq, dk, dv come after the group temporaries are gone and are
+    smaller. Nothing here depends on the sequence length beyond the rank's tokens: no [S_q, S_k]
+    tensor exists on any path."""
+    hd = m.resolved_head_dim
+    q_dim, kv_dim = m.heads * hd, max(m.kv_heads, head) * hd
+    accumulators = 4 * (q_dim + 2 * kv_dim)
+    kernel_grads = e * (q_dim + 2 * kv_dim)
+    kernel_args = 3 * e * q_dim + 2 * e * kv_dim + 4 * m.heads
+    fp32_copy = 4 * max(q_dim, kv_dim)
+    return accumulators + kernel_grads + max(kernel_args, fp32_copy)
+
+
 def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
                     docs: bool = True, acts: ActivationEstimate | None = None) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
@@ -210,7 +252,10 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layo
     - gradients over all tokens: the residual stream's (three of d), the attention output's (and
       its head-layout copy under the all-to-all), the core's dq and dk/dv accumulators in fp32 and,
       on a ring, the dk/dv block in flight and the K/V block received (two under Double-Ring); with
-      grouped-query attention, k and v repeated to every query head and their gradients.
+      grouped-query attention, k and v repeated to every query head and their gradients;
+    - with documents, the document-sparse backward of one attention call
+      (`sparse_attention_backward_bytes`): its fp32 dq/dk/dv accumulators over the call's tokens
+      and the largest pair group's temporaries, all linear in the rank's tokens (no S^2 term).
 
     Not modelled: the attention kernel's own workspace (on CPU, PyTorch's flash backward adds
     ~30 KB per token at small-100m's shape, docs/benchmarks.md "Chunked blocks").
@@ -229,6 +274,8 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layo
     if layout.ctx > 1:
         double_ring = layout.window and layout.window < layout.ctx
         grads += 8 * kv_dim + 2 * e * kv_dim * (2 if double_ring else 1)
+    if docs:
+        grads += sparse_attention_backward_bytes(m, layout.head, e)
     A = policy.offload_fraction
     if policy.recompute == "none":
         piece_tokens, piece_bytes, state = t, 2 * e * m.ffn_dim, 0.0
@@ -280,11 +327,16 @@ def _exposed(transfer_s: float, compute_s: float, hw: Hardware) -> float:
 
 
 def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, seq_len: int, global_batch: int,
-             micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
+             micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True, doc_work: float = 1.0,
              acts: ActivationEstimate | None = None, transient: float | None = None) -> Estimate:
     """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
     job) under `layout` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
-    (so global_batch / (dp x micro_batch) micro-batches per step)."""
+    (so global_batch / (dp x micro_batch) micro-batches per step). doc_work: the documents' visible
+    query-key pairs over a plain causal mask's (planner/documents.py), in (0, 1]; ignored (1.0)
+    without document masks."""
+    if not 0 < doc_work <= 1:
+        raise ValueError(f"doc_work must be in (0, 1], got {doc_work}")
+    work = doc_work if doc_mask else 1.0
     e = hw.dtype_bytes
     L = layout
     seq = seq_len
@@ -325,6 +377,8 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     comm: dict[str, dict[str, float]] = {}
     shape = {"seq": seq, "batch": micro_batch, "heads": m.heads, "kv_heads": m.kv_heads, "head_dim": hd,
              "head": L.head, "ctx": L.ctx, "elem": e}
+    # no docs=: that would be document ids gathered without a sequence layout; the training loop
+    # always plans one on the host (Runtime.local_batch), so documents cost no bytes
     per_call = attention_bytes(**shape)                   # every layer, forward + backward
     refwd = attention_bytes(**shape, backward=False)      # every layer again under full recomputation
     for dim, labels in per_call.items():
@@ -337,25 +391,19 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
 
     # --- compute time ---------------------------------------------------------------------
     gemm_fwd = t * (m.layers * 2 * matmul_params_per_layer(m) + 2 * m.dim * m.vocab_size)
-    attn_fwd = t * m.layers * 2 * seq * d_attn  # 4 s d per token, halved by the causal mask
-    rec_attn = attn_fwd if policy.recompute == "full" else 0.0
-    rec_gemm = max(0.0, acts.recompute_flops - rec_attn)
+    causal_attn = t * m.layers * 2 * seq * d_attn  # 4 s d per token, halved by the causal mask
+    # the kernels run only same-document pairs, and the "docs" balance gives each context rank
+    # 1/c of them (parallel/doc_balance.py): the rank's attention work is the documents' share
+    attn_fwd = causal_attn * work
+    full = policy.recompute == "full"
+    rec_attn = attn_fwd if full else 0.0
+    # acts.recompute_flops counts the re-run attention at the causal rate; the rest is GEMMs
+    rec_gemm = max(0.0, acts.recompute_flops - (causal_attn if full else 0.0))
     gemm_rate = hw.peak_flops * hw.gemm_efficiency
     attn_rate = hw.peak_flops * hw.attention_efficiency
-    bias_s = 0.0
-    if doc_mask and hw.doc_bias_ns:
-        # dense-bias kernel: the diagonal ring block is computed in full, (c + 1) / c of the causal
-        # work; and a bias pass per query-key pair of every block call, (N/c)^2 (c + 1) / 2 pairs per
-        # sequence and layer (forward + backward; full recomputation adds a forward, ~1/3)
-        c = L.ctx
-        attn_fwd *= (c + 1) / c
-        rec_attn *= (c + 1) / c
-        pairs = (seq / c) ** 2 * (c + 1) / 2 * micro_batch * m.layers
-        bias_s = pairs * hw.doc_bias_ns * 1e-9 * (4 / 3 if policy.recompute == "full" else 1.0)
-    compute = (3 * gemm_fwd + rec_gemm) / gemm_rate + (3 * attn_fwd + rec_attn) / attn_rate + bias_s
-    block_fwd = (gemm_fwd / max(m.layers, 1)) / gemm_rate + (attn_fwd / max(m.layers, 1)) / attn_rate \
-        + bias_s / 3 / max(m.layers, 1)
-    layer_attn_fwd = attn_fwd / max(m.layers, 1) / attn_rate + bias_s / 3 / max(m.layers, 1)
+    compute = (3 * gemm_fwd + rec_gemm) / gemm_rate + (3 * attn_fwd + rec_attn) / attn_rate
+    block_fwd = (gemm_fwd / max(m.layers, 1)) / gemm_rate + (attn_fwd / max(m.layers, 1)) / attn_rate
+    layer_attn_fwd = attn_fwd / max(m.layers, 1) / attn_rate
 
     # --- exposed communication per micro-batch ---------------------------------------------
     exposed = {"head": 0.0, "ctx": 0.0, "fsdp": 0.0, "offload": 0.0}
@@ -403,8 +451,8 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
              "offload copies": exposed["offload"] * grad_accum}
     bottleneck = max(parts, key=parts.get)
     if bottleneck == "compute" and policy.recompute != "none" and acts.recompute_flops:
-        share = acts.recompute_flops / (3 * (gemm_fwd + attn_fwd) + acts.recompute_flops)
+        share = (rec_gemm + rec_attn) / (3 * (gemm_fwd + attn_fwd) + rec_gemm + rec_attn)
         if share > 0.15:
             bottleneck = f"compute ({100 * share:.0f}% recompute)"
     return Estimate(L, policy, micro_batch, grad_accum, seq, global_batch, memory, host_per_node, comm, times, tps,
-                    mfu, bottleneck, not problems, problems)
+                    mfu, bottleneck, not problems, problems, work)

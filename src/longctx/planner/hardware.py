@@ -48,11 +48,6 @@ class Hardware:
     attention_efficiency: float = 0.60
     comm_overlap: float = 1.0
     all_to_all_efficiency: float = 1.0     # all-to-all bandwidth as a fraction of the link's
-    # Document masks through a dense additive bias (ops/attention.py's fused CPU kernel): the kernel
-    # cannot skip the causal upper triangle and pays this many ns per query-key pair per call
-    # (forward + backward, independent of the head count). 0 = a kernel that handles document
-    # masks blockwise at the cost of causal attention (flash-attn varlen on GPUs).
-    doc_bias_ns: float = 0.0
     usable_memory_fraction: float = 0.92   # allocator fragmentation, CUDA context, NCCL buffers
     usable_host_fraction: float = 0.80     # the OS, data loaders, pinned buffers
     dtype_bytes: int = 2                   # activations and gathered parameters (2 = bf16, 4 = fp32)
@@ -193,33 +188,29 @@ def load_hardware(spec: str = "h100", overrides: list[str] | None = None) -> Har
 # Calibration of this machine
 
 
-def _attention_seconds(seq: int, heads: int, head_dim: int, docs: bool, repeats: int = 3) -> float:
-    """Best time of one causal attention forward + backward (with 4 packed documents if docs)."""
+def _attention_seconds(seq: int, heads: int, head_dim: int, repeats: int = 3) -> float:
+    """Best time of one causal attention forward + backward."""
     import torch
 
     from ..ops.attention import attention
 
     q, k, v = (torch.randn(1, seq, heads, head_dim, requires_grad=True) for _ in range(3))
-    doc = (torch.arange(seq) * 4 // seq)[None] if docs else None
     best = math.inf
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        out, _ = attention(q, k, v, causal=True, q_doc=doc, k_doc=doc)
+        out, _ = attention(q, k, v, causal=True)
         out.sum().backward()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def _attention_flops(seq: int = 2048, heads: int = 4, head_dim: int = 32) -> tuple[float, float]:
-    """(model FLOP/s of causal attention forward + backward, ns per query-key pair of the dense
-    document-mask bias path). Model FLOPs: 3 x 4 x seq^2 x heads x head_dim, halved (causal). With a
-    bias the kernel computes the full square: t(heads) = 2 x heads x (flop time) + bias time, so
-    two head counts separate the two."""
-    causal = _attention_seconds(seq, heads, head_dim, docs=False)
-    rate = 3 * 4 * seq * seq * heads * head_dim * 0.5 / causal
-    one, many = _attention_seconds(seq, 1, head_dim, docs=True), _attention_seconds(seq, heads, head_dim, docs=True)
-    bias = max(0.0, (heads * one - many) / (heads - 1))
-    return rate, bias / (seq * seq) * 1e9
+def _attention_flops(seq: int = 2048, heads: int = 4, head_dim: int = 32) -> float:
+    """Model FLOP/s of causal attention forward + backward: 3 x 4 x seq^2 x heads x head_dim,
+    halved (causal). Documents need no term of their own: the kernels run only the same-document
+    segment pairs (ops/segments.py), at the rate of causal attention, and the planner scales the
+    attention FLOPs by the documents' share of the causal pairs (cost.estimate's doc_work)."""
+    causal = _attention_seconds(seq, heads, head_dim)
+    return 3 * 4 * seq * seq * heads * head_dim * 0.5 / causal
 
 
 def _bandwidth_worker(nbytes: int, repeats: int):
@@ -263,12 +254,12 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
     torch.set_num_threads(1)
     try:
         gemm = measure_cpu_gemm_peak(seconds=0.4)
-        attn, bias_ns = _attention_flops()
+        attn = _attention_flops()
     finally:
         torch.set_num_threads(threads)
     # `world` single-thread processes on `cores` cores: each gets min(1, cores / world) of a core
     share = min(1.0, cores / world)
-    gemm, attn, bias_ns = gemm * share, attn * share, bias_ns / share
+    gemm, attn = gemm * share, attn * share
     a2a = p2p = 1.0 * GB
     if measure_comm and world > 1:
         from ..parallel.spawn import run_spawned
@@ -286,7 +277,7 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
         name="cpu-measured", memory_gib=mem_gib / world, peak_tflops=gemm / 1e12,
         intra_gbps=p2p / GB, inter_gbps=p2p / GB, host_link_gbps=5.0, all_to_all_efficiency=min(1.0, a2a / p2p),
         host_memory_gib=0.0, gemm_efficiency=1.0, attention_efficiency=attn / gemm, comm_overlap=0.0,
-        usable_memory_fraction=0.9, usable_host_fraction=0.0, dtype_bytes=4, doc_bias_ns=bias_ns,
+        usable_memory_fraction=0.9, usable_host_fraction=0.0, dtype_bytes=4,
         source=f"measured: {world} processes x 1 thread on {cores} cores; all-to-all {a2a / GB:.2f} GB/s, "
                f"ring hop {p2p / GB:.2f} GB/s",
     )

@@ -56,6 +56,7 @@ def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
          f"per step on {world} x {req.hardware.name}"),
         (f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
          f"{est.memory['total'] / GIB:.1f} GiB per GPU, bottleneck {est.bottleneck}"),
+        f"# attention work: {doc_work_text(req)}",
         (f"# run: longctx train --config THIS --nproc {world}" if nodes == 1 else
          f"# run: torchrun --nnodes {nodes} --nproc-per-node {req.gpus_per_node} -m longctx train --config THIS"),
         "",
@@ -87,8 +88,14 @@ def table(res: PlanResult, top: int = 10) -> str:
              f"{req.gpus} x {hw.name} "
              f"({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s, {req.gpus_per_node} per node, "
              f"{hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, host {hw.host_memory_gib:g} GiB per node); "
-             f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible")
+             f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible; "
+             f"{doc_work_text(req)}")
     return "\n".join([intro, *lines])
+
+
+def doc_work_text(req: Request) -> str:
+    """'doc_work 0.412 (from --store ...)': the attention work the plan assumes, and why."""
+    return f"doc_work {round(req.doc_work, 3)!r} ({req.doc_work_source})"
 
 
 def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> str:
@@ -96,6 +103,7 @@ def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> s
     return json.dumps({
         "request": {"model": req.model.preset, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
                     "seq_len": req.seq_len, "global_batch": req.global_batch,
+                    "doc_mask": req.doc_mask, "doc_work": req.doc_work, "doc_work_source": req.doc_work_source,
                     "hardware": dataclasses.asdict(req.hardware)},
         "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible),
         "plans": [e.as_dict() for e in (res.feasible or res.ranked)[:top]],

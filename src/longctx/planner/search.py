@@ -85,6 +85,10 @@ class Request:
     loss_chunks: tuple[int, ...] = (0, 4096)
     block_chunks: tuple[int, ...] = (0, 16384)   # > 0 only with full / selective
     doc_mask: bool = True
+    # attention work of the documents / plain causal (planner/documents.py); 1.0 = one document
+    # per sequence (the conservative default), `longctx plan --store` measures it
+    doc_work: float = 1.0
+    doc_work_source: str = "no --store: one document per sequence assumed"
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -99,6 +103,9 @@ class Request:
             self.global_batch = self.gpus
         if self.global_batch < 1:
             raise ConfigError(f"--global-batch must be at least 1 sequence, got {self.global_batch}.")
+        if not 0 < self.doc_work <= 1:
+            raise ConfigError(f"doc_work (the documents' share of causal attention work) must be in (0, 1], "
+                              f"got {self.doc_work}.")
         bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
         if bad:
             raise ConfigError(f"unknown recompute policy {bad}; choose among none, full, selective.")
@@ -223,7 +230,8 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
                 if not keep_infeasible and static + acts.total_device + transient > hw.usable_memory_bytes:
                     continue
                 est = estimate(m, hw, L, pol, seq_len=req.seq_len, global_batch=req.global_batch, micro_batch=mb,
-                               gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask, acts=acts, transient=transient)
+                               gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask, doc_work=req.doc_work,
+                               acts=acts, transient=transient)
                 evaluated += 1
                 if est.feasible or keep_infeasible:
                     results.append(est)

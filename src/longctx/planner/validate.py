@@ -292,8 +292,13 @@ def _ranking_worker(raws: list[dict], rounds: int):
 
 
 def _predict(case: Case, hw, cfg):
+    from .documents import doc_work_of_ids
+
+    batch = random_batch(cfg)  # the batch the ranks train on: its documents' share of causal attention
+    work = doc_work_of_ids(batch.doc_ids) if batch.doc_ids is not None else 1.0
     est = estimate(cfg.model, hw, case.layout, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
-                   micro_batch=case.micro_batch, gpus_per_node=case.world, doc_mask=cfg.data.doc_mask)
+                   micro_batch=case.micro_batch, gpus_per_node=case.world, doc_mask=cfg.data.doc_mask,
+                   doc_work=work)
     predicted = {d: {k: int(v) for k, v in labels.items()} for d, labels in est.comm_bytes.items() if d != "fsdp"}
     return est, predicted
 
