@@ -157,6 +157,12 @@ class MemoryConfig:
     block_chunk: int = _opt(0, "tokens per chunk of each block's token-wise stages (norms, projections, MLP; "
                             "FPDT-style), so their intermediates never exist for all of a rank's tokens; needs "
                             "recompute=selective or full; 0 = whole blocks")
+    attention_chunk: int = _opt(0, "tokens per chunk of the attention core (FPDT-style): each query chunk meets the "
+                                "key chunks it can see, merged by log-sum-exp, so the kernels' working set is one "
+                                "chunk pair; every ring block is processed so too; 0 = all of a rank's tokens at once")
+    attention_offload: bool = _opt(False, "keep the attention core's saved state (its q, k, v, out, lse chunks) in "
+                                   "host memory between forward and backward, brought back one chunk ahead; needs "
+                                   "attention_chunk > 0")
     loss_chunk: int = _opt(4096, "tokens per chunk of the LM head + cross-entropy when a rank holds more tokens "
                            "than this (logits [tokens, vocab] never exist); 0 = never chunk")
 

@@ -158,6 +158,12 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
 def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
     mem, ck, mt = cfg.memory, cfg.checkpoint, cfg.metrics
     problems += memory_policy_problems(mem.recompute, mem.offload_fraction, mem.block_chunk)
+    if mem.attention_chunk < 0:
+        problems.append(f"memory.attention_chunk must be >= 0 (0 = the attention core over all tokens at once), "
+                        f"got {mem.attention_chunk}.")
+    elif mem.attention_offload and not mem.attention_chunk:
+        problems.append("memory.attention_offload keeps the attention core's chunks in host memory, so it needs "
+                        "memory.attention_chunk > 0 (e.g. --memory.attention_chunk 8192).")
     if mem.loss_chunk < 0:
         problems.append(f"memory.loss_chunk must be >= 0 (0 = never chunk), got {mem.loss_chunk}.")
     if mem.offload_skip_last < 0:

@@ -14,11 +14,14 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..ops.chunked import ChunkGrid
 from .ring import ring_attention
-from .sequence import SequenceLayout, attach_layout, check_doc_ids, layout_of, plan_layout, unshard_sequence
+from .sequence import (SequenceLayout, attach_layout, check_doc_ids, layout_of, plan_layout, shard_indices,
+                       unshard_sequence)
 from .ulysses import check_heads, head_to_seq, kv_replication, seq_to_head
 
 
@@ -46,15 +49,19 @@ def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:
 
 
 def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=None, window=0, backend="flash",
-                          layout: SequenceLayout | None = None):
+                          layout: SequenceLayout | None = None, attention_chunk: int = 0,
+                          attention_offload: bool = False):
     """Exact attention over the sequence sharded across the head x ctx ranks of `mesh`.
 
     q, k, v: this rank's shards [batch, local_seq, heads, head_dim] (k, v with kv heads), in the
     zigzag layout of `shard_sequence` or in `layout` (sequence.plan_layout). doc_ids: [batch, local_seq]
     document ids sharded the same way (None = one document). With documents, the layout (given,
     attached to doc_ids by the training loop, or else built here once from the gathered ids) tells
-    every ring block which segment pairs it needs, on the host. Returns this rank's output shard,
-    shaped like q; differentiable.
+    every ring block which segment pairs it needs, on the host. attention_chunk > 0: every ring
+    block is computed in chunk pairs of that many tokens (ops/chunked.py), so the attention
+    kernels' working set is one chunk pair; attention_offload keeps the ring's saved state (q, k, v,
+    out, lse) in host memory until backward. Returns this rank's output shard, shaped like q;
+    differentiable.
     """
     head_mesh, ctx_mesh = mesh["head"], mesh["ctx"]
     h, c = head_mesh.size(), ctx_mesh.size()
@@ -68,18 +75,30 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
         layout = layout or layout_of(doc_ids) or _zigzag_layout_of(doc_ids, mesh)
         layout.check(q.shape[1] * h * c, c, h, q.shape[0])
         me = ctx_mesh.get_local_rank()
-        plans = functools.partial(_block_plan, layout, me, causal)
+        plans = functools.partial(_block_plan, layout, me, causal, attention_chunk)
+    elif attention_chunk:
+        plans = functools.partial(_zigzag_grid, q.shape[0], q.shape[1] * h * c, c, ctx_mesh.get_local_rank(), causal,
+                                  attention_chunk)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     r = kv_replication(k.shape[2], h)
     if r > 1:
         k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     q, k, v = (seq_to_head(t, head_mesh) for t in (q, k, v))
-    out = ring_attention(q, k, v, ctx_mesh, window=window, causal=causal, scale=scale, backend=backend, plans=plans)
+    out = ring_attention(q, k, v, ctx_mesh, window=window, causal=causal, scale=scale, backend=backend, plans=plans,
+                         offload=attention_offload)
     return head_to_seq(out, head_mesh)
 
 
-def _block_plan(layout: SequenceLayout, me: int, causal: bool, src: int):
-    return layout.block_plan(me, src, causal)
+def _block_plan(layout: SequenceLayout, me: int, causal: bool, chunk: int, src: int):
+    return layout.chunk_grid(me, src, causal, chunk) if chunk else layout.block_plan(me, src, causal)
+
+
+@functools.lru_cache(maxsize=64)
+def _zigzag_grid(batch: int, seq: int, ctx: int, me: int, causal: bool, chunk: int, src: int) -> ChunkGrid:
+    """Without documents: the chunk pairs of context rank `me`'s queries against `src`'s keys in the
+    zigzag layout (a context rank's tokens after the head all-to-all: shard_indices with head 1)."""
+    qp, kp = (np.broadcast_to(shard_indices(seq, ctx, 1, r, 0).numpy(), (batch, seq // ctx)) for r in (me, src))
+    return ChunkGrid(qp, kp, None, None, chunk, causal)
 
 
 def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:

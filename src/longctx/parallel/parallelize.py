@@ -28,8 +28,9 @@ from ..memory.policies import apply_memory_policy
 from .attention import distributed_attention
 
 
-def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window):
-    return distributed_attention(q, k, v, mesh, causal=True, doc_ids=doc_ids, window=window)
+def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window, attention_chunk=0, attention_offload=False):
+    return distributed_attention(q, k, v, mesh, causal=True, doc_ids=doc_ids, window=window,
+                                 attention_chunk=attention_chunk, attention_offload=attention_offload)
 
 
 def fsdp_mesh(dims, device_type: str):
@@ -57,12 +58,32 @@ def use_sequence_parallel_attention(model, dims, mesh) -> None:
             block.attention.core = core
 
 
+def use_attention_chunks(model, chunk: int, offload: bool) -> None:
+    """Run every block's attention core in chunks of `chunk` tokens (ops/chunked.py): the
+    single-device core, or each ring block of the sequence-parallel one; `offload` keeps the core's
+    saved state in host memory until backward."""
+    from ..models.llama import local_attention
+    from ..ops.chunked import chunked_local_attention
+
+    if not chunk:
+        return
+    for block in model.layers:
+        core = block.attention.core
+        if isinstance(core, functools.partial) and core.func is _sequence_parallel_core:
+            block.attention.core = functools.partial(core, attention_chunk=chunk, attention_offload=offload)
+        elif core is local_attention:
+            block.attention.core = functools.partial(chunked_local_attention, chunk=chunk, offload=offload)
+        else:
+            raise ValueError(f"memory.attention_chunk does not know the attention core {core!r}")
+
+
 def apply_memory(model, memory_cfg, device_type: str) -> None:
-    """The activation policy and the loss chunking; the host offloader (if any) is kept on the
-    model as `memory_offloader` (accounting reads it)."""
+    """The attention chunks, the activation policy and the loss chunking; the host offloader (if
+    any) is kept on the model as `memory_offloader` (accounting reads it)."""
     fraction = memory_cfg.offload_fraction
     if fraction == "auto":
         raise ValueError("resolve memory.offload_fraction='auto' (memory/auto.py) before apply_memory()")
+    use_attention_chunks(model, memory_cfg.attention_chunk, memory_cfg.attention_offload)
     model.memory_offloader = apply_memory_policy(model.layers, memory_cfg.recompute, fraction,
                                                  memory_cfg.offload_skip_last, device_type,
                                                  block_chunk=memory_cfg.block_chunk)

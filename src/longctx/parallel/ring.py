@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.attention import attention_backward, attention_forward
+from ..ops.chunked import ChunkGrid, ChunkStore, chunked_backward, chunked_forward
 from . import comm
 
 NEG_INF = float("-inf")
@@ -131,7 +132,8 @@ def _blocks(mesh, sched: Schedule, k, v, label):
 def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
     """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s]).
 
-    plans: None (no documents: zigzag block rows) or a function source rank -> SegmentPlan."""
+    plans: None (no documents: zigzag block rows) or a function source rank -> SegmentPlan, or ->
+    ChunkGrid when the attention core runs in chunks (memory.attention_chunk, ops/chunked.py)."""
     c, rank = mesh.size(), mesh.get_local_rank()
     sched = Schedule(c, window or c, rank)
     s = q.shape[1]
@@ -147,7 +149,10 @@ def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
             acc = _accumulate(acc, qr, out, lse)
             continue
         plan = plans(src)
-        if not plan.empty:
+        if isinstance(plan, ChunkGrid):  # memory.attention_chunk: the block in chunk pairs, merged per chunk
+            chunked_forward(q, kv[0], kv[1], plan, scale=scale, backend=backend,
+                            emit=lambda i, o, l_, g=plan: o is None or _merge(acc[0], acc[1], g.q_slices[i], o, l_))
+        elif not plan.empty:
             out, lse = attention_forward(q, kv[0], kv[1], causal=causal, scale=scale, backend=backend, plan=plan)
             _merge(acc[0], acc[1], slice(0, s), out, lse)
     return acc[0].to(q.dtype), acc[1]
@@ -210,6 +215,9 @@ def _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq
 
     Without a plan, `dq` may be None before the first block, which covers every query row and so
     starts it. With a plan (documents), only its segment pairs are computed; an empty plan costs nothing."""
+    if isinstance(plan, ChunkGrid):
+        dq, gk, gv = chunked_backward(dout, q, kv[0], kv[1], out, lse, plan, scale=scale, backend=backend, dq=dq)
+        return dq, torch.stack([gk, gv]).float()
     if plan is not None:
         if plan.empty:
             return dq, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
@@ -235,23 +243,40 @@ def _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mesh, window, causal, scale, backend, plans):
+    def forward(ctx, q, k, v, mesh, window, causal, scale, backend, plans, offload):
         out, lse = ring_forward(q, k, v, mesh, window, causal, scale, backend, plans)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if offload:  # memory.attention_offload: the kept state waits in host memory for backward
+            ctx.store = ChunkStore(q.device, offload=True)
+            for name, t in zip(_KEPT, (q, k, v, out, lse)):
+                ctx.store.put(name, t)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (mesh, window, causal, scale, backend, plans)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        store = getattr(ctx, "store", None)
+        if store is not None:
+            for name in _KEPT:
+                store.prefetch(name)
+            q, k, v, out, lse = (store.get(name) for name in _KEPT)
+            store.clear()
+        else:
+            q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, mesh, *, window=0, causal=True, scale=None, backend="flash", plans=None):
+_KEPT = ("q", "k", "v", "out", "lse")
+
+
+def ring_attention(q, k, v, mesh, *, window=0, causal=True, scale=None, backend="flash", plans=None,
+                   offload=False):
     """Differentiable ring attention over the 1-D context mesh; q/k/v are this rank's shards (zigzag,
-    or the layout `plans` was built for: a function source context rank -> SegmentPlan)."""
-    return RingAttention.apply(q, k, v, mesh, window, causal, scale, backend, plans)
+    or the layout `plans` was built for: a function source context rank -> SegmentPlan or ChunkGrid).
+    offload: keep q, k, v, out and lse in host memory between forward and backward."""
+    return RingAttention.apply(q, k, v, mesh, window, causal, scale, backend, plans, offload)
 
 
 def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale=None, backend="flash",

@@ -156,6 +156,17 @@ class SequenceLayout:
                                           q_pos=qp, k_pos=kp)
         return self._plans[key]
 
+    def chunk_grid(self, q_rank: int, k_rank: int, causal: bool, chunk: int):
+        """block_plan's pairs in chunks of `chunk` tokens (memory.attention_chunk, ops/chunked.py)."""
+        key = ("chunks", q_rank, k_rank, causal, chunk)
+        if key not in self._plans:
+            from ..ops.chunked import ChunkGrid
+
+            qp, kp = self.ctx_positions(q_rank), self.ctx_positions(k_rank)
+            rows = np.arange(self.batch)[:, None]
+            self._plans[key] = ChunkGrid(qp, kp, self.doc_ids[rows, qp], self.doc_ids[rows, kp], chunk, causal)
+        return self._plans[key]
+
     def rank_work(self, causal: bool = True) -> np.ndarray:
         """Visible query-key pairs per context rank (the attention work it does over the whole ring)."""
         return np.array([sum(self.block_plan(i, j, causal).visible() for j in range(self.ctx))
