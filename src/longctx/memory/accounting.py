@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import ModelConfig
+from ..ops.chunked import chunk_store_host_ptrs
 
 # ------------------------------------------------------------------------------------------------
 # Analytic
@@ -88,12 +89,14 @@ def _flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
 def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                          policy: str = "none", offload_fraction: float = 0.0, offload_skip_last: int = 1,
                          dtype_bytes: int = 4, loss_chunk: int = 0, docs: bool = False,
-                         block_chunk: int = 0) -> ActivationEstimate:
+                         block_chunk: int = 0, attention_offload: bool = False) -> ActivationEstimate:
     """Per-rank activation bytes of `policy` for micro_batch sequences of seq_len tokens sharded over
     head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations). block_chunk
     changes no saved bytes, only recomputation: under `full` the chunks are checkpoints nested in
     the block's, so the token-wise stages run once more (outer recompute, then each chunk's own).
-    docs (packed documents) changes no saved bytes either (see block_part_bytes)."""
+    docs (packed documents) changes no saved bytes either (see block_part_bytes), nor does
+    memory.attention_chunk (the chunked core keeps the same q, k, v, out, lse, by chunk);
+    attention_offload keeps that core state in host memory in every block (ops/chunked.py ChunkStore)."""
     if seq_len % (head * ctx):
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
     p = dtype_bytes
@@ -107,14 +110,15 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     seq_out = part["attn_out"] if head > 1 else 0.0
 
     if policy == "none":
-        kept = part["norm"] * 2 + part["core"] + seq_out + part["residual"] + part["mlp"] + part["block_out"]
+        core = 0 if attention_offload else part["core"]
+        kept = part["norm"] * 2 + core + seq_out + part["residual"] + part["mlp"] + part["block_out"]
         recompute = 0.0
     elif policy == "full":
         kept = part["block_out"]
         chunked = block_chunk and tokens > block_chunk
         recompute = (2 if chunked else 1) * (fl["pre"] + fl["post"]) + fl["attention"]
     elif policy == "selective":
-        kept = part["core"] + seq_out + part["block_out"]
+        kept = (0 if attention_offload else part["core"]) + seq_out + part["block_out"]
         recompute = fl["pre"] + fl["post"]
     else:
         raise ValueError(f"unknown policy {policy!r}")
@@ -148,13 +152,15 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
         + (4 if loss_chunked else 4 * model.vocab_size)                 # lse per token, or log-softmax
     )
     n_kept = L - offloaded
+    # the chunked core's host-resident state, in the blocks the block offloader does not cover
+    core_host = part["core"] if attention_offload and policy in ("selective", "none") else 0.0
     total_device = tokens * (n_kept * kept + offloaded * off_device + last_offloaded_extra + model_device)
-    total_host = tokens * offloaded * host
+    total_host = tokens * (offloaded * host + n_kept * core_host)
     offloaded_recompute = recompute if policy == "full" else (1 - A) * (fl["pre"] + fl["post"])
     recompute_total = tokens * (n_kept * recompute + offloaded * offloaded_recompute)
     return ActivationEstimate(
         per_block_device=tokens * (off_device if offloaded else kept),
-        per_block_host=tokens * (host if offloaded else 0.0),
+        per_block_host=tokens * (host if offloaded else core_host),
         kept_block_device=tokens * kept,
         model_device=tokens * model_device,
         total_device=total_device,
@@ -225,6 +231,7 @@ def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None
             h.remove()
     offloader = getattr(model, "memory_offloader", None)
     host_ptrs = offloader.host_storage_ptrs() if offloader is not None else set()
+    host_ptrs |= chunk_store_host_ptrs()  # the chunked attention core's host-resident chunks
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def count():

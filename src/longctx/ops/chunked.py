@@ -27,6 +27,7 @@ both ranks, parallel/ring.py). Chunking changes no result beyond the order of fp
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -112,6 +113,20 @@ def local_grid(batch: int, seq: int, doc_ids, chunk: int, causal: bool) -> Chunk
 # Where the kept chunks live
 
 
+_HOST_TENSORS: list[weakref.ref] = []  # every store's host tier, for accounting
+
+
+def _register_host(t: torch.Tensor) -> None:
+    if len(_HOST_TENSORS) > 4096:
+        _HOST_TENSORS[:] = [r for r in _HOST_TENSORS if r() is not None]
+    _HOST_TENSORS.append(weakref.ref(t))
+
+
+def chunk_store_host_ptrs() -> set[int]:
+    """Storage addresses of the host-tier chunks alive in any ChunkStore (memory/accounting.py)."""
+    return {t.untyped_storage().data_ptr() for r in _HOST_TENSORS if (t := r()) is not None}
+
+
 class ChunkStore:
     """Tensors of one attention call kept for its backward, by key.
 
@@ -134,6 +149,7 @@ class ChunkStore:
             self._kept[key] = t
         elif not self.cuda:
             self._kept[key] = t.clone()
+            _register_host(self._kept[key])
         else:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -141,6 +157,7 @@ class ChunkStore:
                 host.copy_(t, non_blocking=True)
             t.record_stream(self.stream)  # the device memory stays until the copy has run
             self._kept[key] = host
+            _register_host(host)
 
     def prefetch(self, key) -> None:
         if not self.cuda or key in self._ahead or key not in self._kept:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..ops.chunked import ChunkGrid
+from ..ops.chunked import ChunkGrid, chunked_attention
 from .ring import ring_attention
 from .sequence import (SequenceLayout, attach_layout, check_doc_ids, layout_of, plan_layout, shard_indices,
                        unshard_sequence)
@@ -84,8 +84,13 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     if r > 1:
         k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     q, k, v = (seq_to_head(t, head_mesh) for t in (q, k, v))
-    out = ring_attention(q, k, v, ctx_mesh, window=window, causal=causal, scale=scale, backend=backend, plans=plans,
-                         offload=attention_offload)
+    if attention_chunk and c == 1:
+        # no ring: the chunked core with its state chunk by chunk (in host memory with offload), as on
+        # one device, over the head group's whole sequence (FPDT's Ulysses + chunks)
+        out = chunked_attention(q, k, v, plans(0), offload=attention_offload, scale=scale, backend=backend)
+    else:
+        out = ring_attention(q, k, v, ctx_mesh, window=window, causal=causal, scale=scale, backend=backend,
+                             plans=plans, offload=attention_offload)
     return head_to_seq(out, head_mesh)
 
 

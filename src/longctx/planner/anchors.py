@@ -57,11 +57,13 @@ def check(anchor: Anchor, hardware=None) -> dict:
         row.update(predicted_mfu=full.best.mfu, best=b["describe"], memory_gib=b["memory_gib"],
                    host_per_node_gib=b["host_per_node_gib"], bottleneck=full.best.bottleneck)
     if anchor.needs == "offload":
-        without = plan(dataclasses.replace(req, offload_fractions=()), keep_infeasible=False, explain=False).best
+        # without offload: neither the blocks' (MEMO) nor the attention core's (FPDT)
+        no_offload = dataclasses.replace(req, offload_fractions=(), attention_offloads=(False,))
+        without = plan(no_offload, keep_infeasible=False, explain=False).best
         row["feasible_without_offload"] = without is not None
         if without is not None:
             row["without_offload"] = {"best": without.as_dict()["describe"], "predicted_mfu": without.mfu}
-        unchunked = plan(dataclasses.replace(req, offload_fractions=(), block_chunks=(0,)), keep_infeasible=False,
+        unchunked = plan(dataclasses.replace(no_offload, block_chunks=(0,)), keep_infeasible=False,
                          explain=False).best
         row["feasible_without_offload_or_block_chunks"] = unchunked is not None
         row["offload_needed"] = full.best is not None and (without is None or without.mfu < full.best.mfu)

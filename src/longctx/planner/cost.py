@@ -101,6 +101,8 @@ class Policy:
     offload_skip_last: int = 1
     loss_chunk: int = 0               # tokens per chunk of the LM head + loss; 0 = full logits
     block_chunk: int = 0              # tokens per chunk of the blocks' token-wise stages; 0 = whole
+    attention_chunk: int = 0          # tokens per chunk of the attention core; 0 = all of a rank's tokens
+    attention_offload: bool = False   # the attention core's kept state in host memory (with attention_chunk)
 
     def describe(self) -> str:
         text = self.recompute
@@ -108,16 +110,19 @@ class Policy:
             text += f"+off{self.offload_fraction:g}"
             if self.offload_skip_last != 1:
                 text += f" skip{self.offload_skip_last}"
-        for tag, n in (("bc", self.block_chunk), ("lc", self.loss_chunk)):
+        for tag, n in (("bc", self.block_chunk), ("ac", self.attention_chunk), ("lc", self.loss_chunk)):
             if n:
                 text += f" {tag}{n // 1024}K" if n >= 1024 else f" {tag}{n}"
+        if self.attention_offload:
+            text += " ahost"
         return text
 
     def memory_config(self) -> dict:
         """The [memory] table of a config that runs this policy."""
         return {"recompute": self.recompute, "offload_fraction": float(self.offload_fraction),
                 "offload_skip_last": self.offload_skip_last, "loss_chunk": self.loss_chunk,
-                "block_chunk": self.block_chunk}
+                "block_chunk": self.block_chunk, "attention_chunk": self.attention_chunk,
+                "attention_offload": self.attention_offload}
 
 
 @dataclass
@@ -198,7 +203,8 @@ def activations(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout, 
     return estimate_activations(m, seq_len, micro_batch, head=layout.head, ctx=layout.ctx, policy=policy.recompute,
                                 offload_fraction=policy.offload_fraction, offload_skip_last=policy.offload_skip_last,
                                 dtype_bytes=dtype_bytes, loss_chunk=policy.loss_chunk, docs=docs,
-                                block_chunk=policy.block_chunk)
+                                block_chunk=policy.block_chunk,
+                                attention_offload=policy.attention_offload and bool(policy.attention_chunk))
 
 
 def sparse_attention_backward_bytes(m: ModelConfig, head: int, e: int) -> float:
@@ -236,29 +242,96 @@ def sparse_attention_backward_bytes(m: ModelConfig, head: int, e: int) -> float:
     return accumulators + kernel_grads + max(kernel_args, fp32_copy)
 
 
+def attention_chunks(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout, policy: Policy) -> int:
+    """How many chunks the attention core's sequence (a context rank's tokens after the head
+    all-to-all) is cut into under memory.attention_chunk; 1 = not chunked."""
+    core_tokens = micro_batch * seq_len // layout.ctx
+    c = policy.attention_chunk
+    return -(-core_tokens // c) if c and core_tokens > c else 1
+
+
+def per_chunk_store(layout: Layout, policy: Policy) -> bool:
+    """Whether the core's kept state lives on the host chunk by chunk (ops/chunked.py ChunkStore):
+    with attention_offload, without a ring (a ring's kept state goes to the host whole)."""
+    return bool(policy.attention_chunk) and policy.attention_offload and layout.ctx == 1
+
+
+def chunk_pair_bytes(m: ModelConfig, head: int, e: int, docs: bool, offload: bool) -> float:
+    """Bytes per query token of one chunk pair's backward (ops/chunked.py `_backward_loop`), in the
+    core's layout counted per rank token like the rest: the query chunk's q, out, dout (e each),
+    lse and its fp32 dq share, the key chunk's k, v (twice with the one-pair-ahead prefetch of
+    offload); k, v repeated to every query head for the kernel and their gradients; the kernel's
+    gq, gk, gv; the fp32 dk/dv accumulators of the key chunk; with documents the sparse backward
+    of the pair."""
+    hd = m.resolved_head_dim
+    q_dim, kv_dim = m.heads * hd, max(m.kv_heads, head) * hd
+    fetched = 3 * e * q_dim + 4 * m.heads + 4 * q_dim + 2 * e * kv_dim
+    kernel = (4 * e * q_dim if kv_dim < q_dim else 0) + e * (q_dim + 2 * kv_dim) + 8 * kv_dim
+    sparse = sparse_attention_backward_bytes(m, head, e) if docs else 0.0
+    return (2 if offload else 1) * fetched + kernel + sparse
+
+
+def attention_offload_host_and_traffic(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout,
+                                       policy: Policy, e: int, work: float = 1.0) -> tuple[float, float]:
+    """memory.attention_offload: (host bytes per rank beyond the saved activations, bytes moved
+    between device and host per block and micro-batch).
+
+    Host: under `full` the block in backward keeps its recomputed core state (q, k, v, out, lse) on
+    the host; with the per-chunk store also the fp32 dq accumulators and dout. (Under selective the
+    core state is a saved activation, counted by memory.accounting.)
+    Traffic: the core state goes out once per forward (twice under full: forward and recompute).
+    A ring's state comes back whole for its backward; the per-chunk store brings back a query chunk
+    (q, out, dout, lse and its fp32 dq, which also goes out again) for every key chunk it sees,
+    ~ (u + 1) / 2 times for u chunks under a causal mask (fewer with documents: `work`), and each
+    key chunk once: the O(u^2) chunk moves of FPDT."""
+    if not (policy.attention_chunk and policy.attention_offload):
+        return 0.0, 0.0
+    t = micro_batch * seq_len // layout.sequence_degree
+    hd = m.resolved_head_dim
+    q_dim, kv_dim = m.heads * hd, max(m.kv_heads, layout.head) * hd
+    core = block_part_bytes(m, layout.head, e)["core"]
+    full = policy.recompute == "full"
+    per_chunk = per_chunk_store(layout, policy)
+    host = t * ((core if full else 0.0) + ((4 + e) * q_dim if per_chunk else 0.0))
+    out = t * core * (2 if full else 1)
+    if per_chunk:
+        u = attention_chunks(m, seq_len, micro_batch, layout, policy)
+        visits = max(1.0, (u + 1) / 2 * work)
+        back = t * (visits * (3 * e * q_dim + 4 * m.heads + 8 * q_dim) + 2 * e * kv_dim + e * q_dim)
+    else:
+        back = t * core
+    return host, out + back
+
+
 def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layout, policy: Policy, dtype_bytes: int,
                     docs: bool = True, acts: ActivationEstimate | None = None) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
-    backward and one block's backward, which holds at once
+    backward and one block's backward. A block's backward runs in phases, and what is alive in each
+    follows the implementation (autograd frees a gradient once its consumer has run):
 
-    - what comes back from the host under offload: the block's host tier, and the next block's
-      (prefetched one block ahead);
-    - what is recomputed: `full` re-runs the attention core over all of the rank's tokens (q, k, v,
-      output, log-sum-exp, in its layout) and the token-wise stages one piece at a time; `selective`
-      one piece of `post` (norm, residual, MLP; `pre` is smaller). A piece is `block_chunk` tokens,
-      or without chunks all tokens (under selective offload the stored and the recomputed tokens
-      are separate pieces: max(A, 1 - A) of them). A piece's backward adds the gradients of its two
-      widest intermediates (the MLP's);
-    - gradients over all tokens: the residual stream's (three of d), the attention output's (and
-      its head-layout copy under the all-to-all), the core's dq and dk/dv accumulators in fp32 and,
-      on a ring, the dk/dv block in flight and the K/V block received (two under Double-Ring); with
-      grouped-query attention, k and v repeated to every query head and their gradients;
-    - with documents, the document-sparse backward of one attention call
-      (`sparse_attention_backward_bytes`): its fp32 dq/dk/dv accumulators over the call's tokens
-      and the largest pair group's temporaries, all linear in the rank's tokens (no S^2 term).
+    - throughout: what comes back from the host under offload: the block's host tier and the next
+      block's (prefetched one block ahead);
+    - `post` backward (output projection, residual, MLP, in pieces of `block_chunk` tokens, or all
+      tokens): the incoming gradient dy and the residual gradient being built (two of d), the
+      attention output's gradient (sequence layout), one piece recomputed with the gradients of its
+      two widest intermediates (the MLP's), and under `full` the recomputed attention state (q, k,
+      v, output, log-sum-exp in the core's layout, and the output in sequence layout);
+    - the core's backward: the residual gradient, the attention output's gradient (core layout),
+      under `full` the recomputed state, and the core's working set: fp32 dq and dk/dv
+      accumulators over all tokens (a ring adds the dk/dv block in flight and the K/V block
+      received, two under Double-Ring), and unchunked, k and v repeated to every query head with
+      their gradients (grouped-query attention) and with documents the document-sparse backward of
+      one call (`sparse_attention_backward_bytes`: linear in the tokens, no S^2 term). With
+      memory.attention_chunk (ops/chunked.py) the repeat and the sparse temporaries are one chunk
+      pair's (`chunk_pair_bytes` for chunk / head rank tokens); with attention_offload and no ring
+      the state comes back one chunk at a time and dq accumulates on the host, so only the
+      returned dq, dk, dv span all tokens;
+    - `pre` backward: the residual gradient, the input gradient being built, dq, dk, dv in the
+      sequence layout (and, under the all-to-all, its head-layout copy), one piece.
 
-    Not modelled: the attention kernel's own workspace (on CPU, PyTorch's flash backward adds
-    ~30 KB per token at small-100m's shape, docs/benchmarks.md "Chunked blocks").
+    Not modelled: the attention kernel's own workspace. On CPU, glibc keeps freed heap memory
+    mapped (its mmap threshold grows with the largest freed block), so a process's RSS can exceed
+    the live bytes by ~2x; benchmarks compare with MALLOC_MMAP_THRESHOLD_ fixed (docs/benchmarks.md).
 
     The LM head holds one chunk of logits and their gradient (all tokens unchunked). Model-wise
     estimates of the allocator's behaviour; the saved activations are the exact part."""
@@ -268,28 +341,53 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, layout: Layo
     part = block_part_bytes(m, layout.head, e, docs)
     q_dim, kv_dim = m.heads * hd, max(m.kv_heads, layout.head) * hd
     seq_out = part["attn_out"] if layout.head > 1 else 0.0
-    grads = 3 * e * d + e * q_dim * (2 if layout.head > 1 else 1) + 4 * q_dim + 8 * kv_dim
-    if kv_dim < q_dim:  # ops/attention.py repeats k, v per query group: expanded k, v and their grads
-        grads += 4 * e * q_dim
+    both_layouts = 2 if layout.head > 1 else 1
+    chunked = attention_chunks(m, seq_len, micro_batch, layout, policy) > 1
+    host_chunks = chunked and per_chunk_store(layout, policy)
+    X = e * d
+
+    # the core's working set over all tokens
+    if host_chunks:
+        core_work = e * (q_dim + 2 * kv_dim)  # the returned dq, dk, dv; fp32 dq waits on the host
+    elif chunked and layout.ctx == 1:
+        core_work = 4 * q_dim + 2 * e * kv_dim  # fp32 dq accumulator, dk, dv filled key chunk by key chunk
+    else:
+        core_work = 4 * q_dim + 8 * kv_dim  # fp32 dq and dk/dv accumulators
     if layout.ctx > 1:
         double_ring = layout.window and layout.window < layout.ctx
-        grads += 8 * kv_dim + 2 * e * kv_dim * (2 if double_ring else 1)
-    if docs:
-        grads += sparse_attention_backward_bytes(m, layout.head, e)
+        core_work += 8 * kv_dim + 2 * e * kv_dim * (2 if double_ring else 1)
+    if not chunked:
+        if kv_dim < q_dim:  # ops/attention.py repeats k, v per query group: expanded k, v and grads
+            core_work += 4 * e * q_dim
+        if docs:
+            core_work += sparse_attention_backward_bytes(m, layout.head, e)
+    pair = 0.0
+    if chunked:
+        pair = min(policy.attention_chunk / layout.head, t) * chunk_pair_bytes(m, layout.head, e, docs,
+                                                                                policy.attention_offload)
     A = policy.offload_fraction
+    full = policy.recompute == "full"
     if policy.recompute == "none":
-        piece_tokens, piece_bytes, state = t, 2 * e * m.ffn_dim, 0.0
+        piece_tokens, piece_bytes = t, 2 * e * m.ffn_dim
     else:
         whole = t * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
         piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
         post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
         piece_bytes = post + 2 * e * m.ffn_dim
-        state = part["core"] + seq_out if policy.recompute == "full" else 0.0
+    # the recomputed attention state under full: in post's backward (core state + the output in
+    # sequence layout) and in the core's backward (core state); with the per-chunk host store only
+    # the output stays on the device
+    state_post = (e * q_dim if host_chunks else part["core"] + seq_out) if full else 0.0
+    state_core = (0.0 if host_chunks else part["core"]) if full else 0.0
+    piece = piece_tokens * piece_bytes
+    post_phase = t * (2 * X + e * q_dim + state_post) + piece
+    core_phase = t * (X + e * q_dim + state_core + core_work) + pair
+    pre_phase = t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + piece
     back = 0.0
     if A:
         acts = acts or activations(m, seq_len, micro_batch, layout, policy, e, docs)
         back = 2 * acts.per_block_host
-    block = t * (grads + state) + piece_tokens * piece_bytes + back
+    block = back + max(post_phase, core_phase, pre_phase)
     lm_tokens = policy.loss_chunk if policy.loss_chunk and t > policy.loss_chunk else t
     return max(block, lm_tokens * m.vocab_size * (e + 4))
 
@@ -365,7 +463,8 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
                                                                                  doc_mask, acts)
     memory["total"] = sum(memory.values())
     ranks_per_node = min(gpus_per_node, L.world)
-    host_per_node = acts.total_host * ranks_per_node
+    attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq, micro_batch, L, policy, e, work)
+    host_per_node = (acts.total_host + attn_host) * ranks_per_node
     if memory["total"] > hw.usable_memory_bytes:
         problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per GPU, {hw.usable_memory_bytes / 2**30:.1f} "
                         f"usable of {hw.memory_gib:g}")
@@ -406,7 +505,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     layer_attn_fwd = attn_fwd / max(m.layers, 1) / attn_rate
 
     # --- exposed communication per micro-batch ---------------------------------------------
-    exposed = {"head": 0.0, "ctx": 0.0, "fsdp": 0.0, "offload": 0.0}
+    exposed = {"head": 0.0, "ctx": 0.0, "fsdp": 0.0, "offload": 0.0, "attention_offload": 0.0}
     fwd_passes = 2 if policy.recompute == "full" else 1
     if L.head > 1:
         bw = _bw(hw, group_is_intra_node(L, "head", gpus_per_node)) * hw.all_to_all_efficiency
@@ -440,6 +539,10 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         x = acts.per_block_host / (hw.host_link_gbps * 1e9)
         exposed["offload"] = offloaded * (_exposed(x, block_fwd, hw) + _exposed(x, 2 * block_fwd, hw))
 
+    if attn_traffic:  # the chunks' copies overlap the block's attention work (forward, recompute, backward)
+        attn_block = (3 + (1 if full else 0)) * layer_attn_fwd
+        exposed["attention_offload"] = m.layers * _exposed(attn_traffic / (hw.host_link_gbps * 1e9), attn_block, hw)
+
     step = grad_accum * (compute + sum(exposed.values()))
     times = {"compute": grad_accum * compute, **{f"exposed_{k}": grad_accum * v for k, v in exposed.items()},
              "step": step}
@@ -448,7 +551,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     mfu = tps * train_flops_per_token(m, seq) / (L.world * hw.peak_flops)
     parts = {"compute": grad_accum * compute, "head all-to-all": exposed["head"] * grad_accum,
              "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": exposed["fsdp"] * grad_accum,
-             "offload copies": exposed["offload"] * grad_accum}
+             "offload copies": (exposed["offload"] + exposed["attention_offload"]) * grad_accum}
     bottleneck = max(parts, key=parts.get)
     if bottleneck == "compute" and policy.recompute != "none" and acts.recompute_flops:
         share = (rec_gemm + rec_attn) / (3 * (gemm_fwd + attn_fwd) + rec_gemm + rec_attn)

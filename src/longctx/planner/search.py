@@ -84,6 +84,10 @@ class Request:
     offload_skip_last: int = 1
     loss_chunks: tuple[int, ...] = (0, 4096)
     block_chunks: tuple[int, ...] = (0, 16384)   # > 0 only with full / selective
+    # > 0 only with block chunks (the regime where a rank's tokens no longer fit whole), each with the
+    # core's state on the device or in host memory
+    attention_chunks: tuple[int, ...] = (0, 65536)
+    attention_offloads: tuple[bool, ...] = (False, True)
     doc_mask: bool = True
     # attention work of the documents / plain causal (planner/documents.py); 1.0 = one document
     # per sequence (the conservative default), `longctx plan --store` measures it
@@ -140,10 +144,12 @@ def policies(req: Request) -> list[Policy]:
                      "full": tuple(a for a in req.offload_fractions if a in FULL_OFFLOAD_FRACTIONS)}[rc]
         for lc in req.loss_chunks:
             for bc in req.block_chunks if rc != "none" else (0,):
-                out += [Policy(rc, a, req.offload_skip_last, lc, bc) for a in (0.0, *fractions)]
-                if rc == "full" and req.offload_skip_last:
-                    # full keeps a block's input only: offloading the last one too costs one transfer
-                    out += [Policy(rc, a, 0, lc, bc) for a in fractions]
+                for ac, ah in [(0, False)] + [(ac, ah) for ac in req.attention_chunks if ac and bc
+                                              for ah in req.attention_offloads]:
+                    out += [Policy(rc, a, req.offload_skip_last, lc, bc, ac, ah) for a in (0.0, *fractions)]
+                    if rc == "full" and req.offload_skip_last:
+                        # full keeps a block's input only: offloading the last one too costs one transfer
+                        out += [Policy(rc, a, 0, lc, bc, ac, ah) for a in fractions]
     return out
 
 
@@ -183,7 +189,8 @@ def _sort_key(e: Estimate):
     # step times within 0.5% of each other are a tie: prefer the simpler policy, then less memory
     bucket = math.floor(math.log(e.step_s) / math.log(1.005)) if e.step_s > 0 else 0
     return (0, bucket, _POLICY_ORDER[p.recompute], p.offload_fraction, round(e.memory["total"] / 2**30),
-            p.loss_chunk, p.block_chunk != 0, -p.block_chunk, e.layout.dp_replicate, e.layout.window)
+            p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
+            e.layout.dp_replicate, e.layout.window)
 
 
 def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
@@ -221,6 +228,8 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
             for pol in pols:
                 if pol.block_chunk and pol.block_chunk >= tokens:
                     continue  # one chunk: the same as whole blocks
+                if pol.attention_chunk and pol.attention_chunk >= tokens * L.head:
+                    continue  # the core's tokens (after the head all-to-all) fit one chunk
                 key = (L.head, L.ctx, mb, pol)
                 if key not in acts_cache:
                     acts = activations(m, req.seq_len, mb, L, pol, hw.dtype_bytes, req.doc_mask)
