@@ -34,3 +34,27 @@ def test_renamed_bench_flags_are_refused_naming_the_new_one(bench, old, new):
     out = subprocess.run([sys.executable, "-m", "longctx", "bench", bench, old, "256"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and f"{old} was renamed to {new}" in out.stderr, out.stderr
+
+
+def test_max_seq_on_cpu_finds_the_longest_length_under_the_budget():
+    """--max-seq --budget on CPU: each probe is a fresh process; the answer fits the budget and the next
+    length up does not (the search really measured both sides), with attention chunks as a setting."""
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--max-seq", "--budget", "420MiB",
+                          "--preset", "debug", "--layers", "1", "--policies", "full", "--block-chunk", "1024",
+                          "--attention-chunk", "1024", "--doc-len", "512", "--max-seq-step", "4096"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = json.loads(out.stdout)["longest_sequence"]
+    assert found["budget_bytes"] == 420 * 2**20
+    res = found["per_policy"]["full"]
+    best, probes = res["longest_seq_len"], {p["seq_len"]: p for p in res["probes"]}
+    assert best > 0 and best % 4096 == 0
+    assert probes[best]["fits"] and probes[best]["peak_rss_bytes"] <= 420 * 2**20
+    assert not probes[best + 4096]["fits"] and probes[best + 4096]["peak_rss_bytes"] > 420 * 2**20
+
+
+def test_max_seq_on_cpu_needs_a_readable_budget():
+    for extra, message in (([], "needs --budget"), (["--budget", "6 parsecs"], "cannot read")):
+        out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--max-seq", *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and message in out.stderr, out.stderr[-500:]

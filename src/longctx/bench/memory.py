@@ -50,9 +50,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-steps", type=int, default=2, help="forward+backward steps timed per policy (0: none)")
     p.add_argument("--no-backward", action="store_true", help="measure after the forward only (long sequences)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--attention-chunk", type=int, default=0, help="memory.attention_chunk (applied to every "
+                                                                    "policy)")
+    p.add_argument("--attention-offload", action="store_true", help="memory.attention_offload")
     p.add_argument("--max-seq", action="store_true",
-                   help="GPU: binary-search the longest sequence that trains (full model) for each policy")
+                   help="binary-search the longest sequence whose training step fits, for each policy: on a "
+                        "GPU the allocator's limit (full model), on CPU the peak RSS of one step in a fresh "
+                        "process under --budget (the --layers model)")
+    p.add_argument("--budget", default="", help="CPU --max-seq: peak RSS budget of the whole step process, "
+                                                "e.g. 6GiB or 512MiB")
+    p.add_argument("--doc-len", type=int, default=0,
+                   help="--max-seq: documents of this many tokens (attention work linear in the length, so long "
+                        "CPU probes finish); 0 = --docs documents per sequence")
+    p.add_argument("--max-seq-step", type=int, default=4096, help="--max-seq resolution in tokens")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=131072,
+                   help="CPU --max-seq: glibc's MALLOC_MMAP_THRESHOLD_ for the probe processes, so freed "
+                        "tensors leave the RSS (glibc's default grows the threshold and keeps up to ~2x the live "
+                        "bytes mapped); 0 = glibc's default")
     p.add_argument("--out", default="", help="also write the JSON here")
+    p.add_argument("--probe", default="", help=argparse.SUPPRESS)
 
 
 def _policy(name: str) -> tuple[str, float]:
@@ -65,11 +81,15 @@ def _policy(name: str) -> tuple[str, float]:
                      f"(e.g. offload0.25)")
 
 
-def _batch(vocab: int, seq: int, batch: int, docs: int, device):
+def _batch(vocab: int, seq: int, batch: int, docs: int, device, doc_len: int = 0):
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (batch, seq), generator=g)
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
-    bounds = torch.linspace(0, seq, docs + 1).long()[1:-1]
+    if doc_len:
+        docs = -(-seq // doc_len)
+        bounds = torch.arange(doc_len, seq, doc_len)
+    else:
+        bounds = torch.linspace(0, seq, docs + 1).long()[1:-1]
     doc = torch.bucketize(torch.arange(seq), bounds, right=True).expand(batch, seq).contiguous()
     starts = torch.cat([torch.zeros(1, dtype=torch.long), bounds])
     positions = torch.arange(seq).expand(batch, seq) - starts[doc]
@@ -86,7 +106,10 @@ def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
         use_sequence_parallel_attention(model, dims, mesh)
     chunk = args.block_chunk if policy != "none" else 0
     apply_memory(model, MemoryConfig(recompute=policy, offload_fraction=fraction, offload_skip_last=args.skip_last,
-                                     loss_chunk=args.loss_chunk, block_chunk=chunk), device.type)
+                                     loss_chunk=args.loss_chunk, block_chunk=chunk,
+                                     attention_chunk=args.attention_chunk,
+                                     attention_offload=args.attention_offload and bool(args.attention_chunk)),
+                 device.type)
     return model
 
 
@@ -193,6 +216,81 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
             "policies": out}
 
 
+def parse_bytes(text: str) -> int:
+    """'6GiB', '512MiB', '2.5GB', '1000000' -> bytes."""
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "tb": 10**12, "b": 1, "": 1}
+    t = text.strip().lower()
+    num = t.rstrip("kmgtib")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot read '{text}' as a size; write e.g. 6GiB, 512MiB or 2GB") from None
+
+
+def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
+    """One training step of the --layers model at `seq` tokens in this process: peak RSS (whole
+    process) and time. Run in a fresh process per probe (`--probe`)."""
+    import resource
+
+    from ..config import MODEL_PRESETS, ModelConfig
+
+    shape = dict(MODEL_PRESETS[args.preset])
+    if args.layers:
+        shape["layers"] = args.layers
+    model_cfg = ModelConfig(preset=args.preset, **shape)
+    device = torch.device("cpu")
+    model = _build(model_cfg, policy, fraction, args, None, None, device)
+    inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
+    t0 = time.perf_counter()
+    model(*inputs[:3], labels=inputs[3]).backward()
+    return {"seq_len": seq, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "step_s": time.perf_counter() - t0}
+
+
+def longest_sequence_cpu(args, name: str, budget: int) -> dict:
+    """CPU: the longest sequence (a multiple of --max-seq-step) whose training step, in a fresh
+    process, peaks at most `budget` bytes of RSS; every probe is reported."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if args.malloc_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    probes = []
+
+    def fits(seq: int) -> bool:
+        cmd = [sys.executable, "-m", "longctx", "bench", "memory", "--probe", f"{name}:{seq}", "--device", "cpu",
+               "--preset", args.preset, "--layers", str(args.layers), "--skip-last", str(args.skip_last),
+               "--docs", str(args.docs), "--doc-len", str(args.doc_len), "--loss-chunk", str(args.loss_chunk),
+               "--block-chunk", str(args.block_chunk), "--attention-chunk", str(args.attention_chunk),
+               *(["--attention-offload"] if args.attention_offload else [])]
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if run.returncode != 0:  # killed for memory, or failed: does not fit; say why
+            probes.append({"seq_len": seq, "fits": False, "error": run.stderr.strip().splitlines()[-1:]})
+        else:
+            probes.append({**json.loads(run.stdout.strip().splitlines()[-1]), "fits": None})
+            probes[-1]["fits"] = probes[-1]["peak_rss_bytes"] <= budget
+        print(f"  {name}: {seq:,} tokens -> {'fits' if probes[-1]['fits'] else 'over'} "
+              f"({probes[-1].get('peak_rss_bytes', 0) / 2**30:.2f} GiB)", file=sys.stderr, flush=True)
+        return probes[-1]["fits"]
+
+    step = args.max_seq_step
+    lo, hi = step, step
+    while fits(hi):  # grow until a length does not fit
+        lo, hi = hi, hi * 2
+    best = lo if probes[0]["fits"] else 0
+    lo, hi = lo + step, hi - step
+    while lo <= hi:
+        mid = (lo + hi) // 2 // step * step
+        if fits(mid):
+            best, lo = mid, mid + step
+        else:
+            hi = mid - step
+    return {"longest_seq_len": best, "probes": probes}
+
+
 def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int = 1 << 22) -> int:
     """GPU: the longest sequence (multiple of 1024) for which one forward+backward of the full
     model fits, by binary search over out-of-memory errors."""
@@ -238,8 +336,24 @@ def _rank_measure(args, seq):
 
 
 def main(args) -> int:
+    if args.probe:  # one --max-seq probe, in its own process
+        name, seq = args.probe.rsplit(":", 1)
+        print(json.dumps(_probe_step(args, *_policy(name), int(seq))))
+        return 0
+    if args.max_seq and not (torch.cuda.is_available() and args.device != "cpu"):
+        if not args.budget:
+            raise SystemExit("longctx bench memory: --max-seq on CPU needs --budget BYTES (e.g. --budget 6GiB): "
+                             "the peak RSS a step may reach")
+        try:  # a bad size or policy fails here, before any probe
+            parse_bytes(args.budget)
+            for name in args.policies.split(","):
+                _policy(name)
+        except ValueError as err:
+            raise SystemExit(f"longctx bench memory: {err}") from None
+        if args.seq_len == "8192":
+            args.seq_len = ""  # the per-length tables are not what --max-seq asks for
     results = []
-    for seq in (int(s) for s in args.seq_len.split(",")):
+    for seq in (int(s) for s in args.seq_len.split(",") if s):
         world = args.head * args.ctx
         if world > 1:
             from ..parallel.spawn import run_spawned
@@ -261,10 +375,14 @@ def main(args) -> int:
         "skip_last": args.skip_last, "docs": args.docs, "results": results,
     }
     if args.max_seq:
-        if not torch.cuda.is_available():
-            doc["longest_sequence"] = "needs a CUDA device"
-        else:
+        if torch.cuda.is_available() and args.device != "cpu":
             doc["longest_sequence"] = {name: longest_sequence(args, *_policy(name)) for name in args.policies.split(",")}
+        else:
+            budget = parse_bytes(args.budget)
+            doc["longest_sequence"] = {
+                "budget_bytes": budget, "measure": "peak RSS of one training step in a fresh process",
+                "malloc_mmap_threshold": args.malloc_mmap_threshold or "glibc default",
+                "per_policy": {name: longest_sequence_cpu(args, name, budget) for name in args.policies.split(",")}}
     text = json.dumps(doc, indent=1)
     print(text)
     if args.out:
