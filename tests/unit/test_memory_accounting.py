@@ -52,3 +52,33 @@ def test_full_offload_keeps_the_least_host_memory_of_any_offload():
         block_input_bytes = seen[0]
     assert host["full"] == block_input_bytes
     assert host["full"] < host["selective"] / 3
+
+
+# (policy, offload fraction, block chunk, attention offload): the chunked attention core
+ATTENTION_CHUNK_CASES = [("none", 0.0, 0, False), ("selective", 0.0, 0, False), ("selective", 0.0, 0, True),
+                         ("none", 0.0, 0, True), ("selective", 0.5, 64, True), ("full", 1.0, 64, True),
+                         ("selective", 0.5, 0, False)]
+
+
+@pytest.mark.parametrize("policy,fraction,chunk,attention_offload", ATTENTION_CHUNK_CASES)
+def test_chunked_attention_keeps_what_the_analytic_count_says(policy, fraction, chunk, attention_offload):
+    """memory.attention_chunk keeps the same q, k, v, out, lse (by chunk); with attention_offload they
+    are in host memory (measured: the chunk store's host tier) in every block."""
+    from longctx.config import MemoryConfig
+    from longctx.parallel.parallelize import apply_memory
+
+    cfg = load_config(overrides=["--model.layers=3"]).model
+    model = build_model(cfg, seed=0)
+    apply_memory(model, MemoryConfig(recompute=policy, offload_fraction=fraction, block_chunk=chunk, loss_chunk=64,
+                                     attention_chunk=96, attention_offload=attention_offload), "cpu")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=g)
+    measured = measure_activations(model, tokens, labels=tokens)
+    est = estimate_activations(cfg, SEQ, 1, policy=policy, offload_fraction=fraction, dtype_bytes=4, loss_chunk=64,
+                               block_chunk=chunk, attention_offload=attention_offload)
+    assert measured["total_device"] == pytest.approx(est.total_device, rel=1e-3)
+    assert measured["total_host"] == pytest.approx(est.total_host, rel=1e-3, abs=64)
+    if attention_offload and policy != "full":  # the kept last block: the core state on the host
+        assert measured["blocks"][-1]["host"] == pytest.approx(est.per_block_host if not fraction else
+                                                               est.total_host - 2 * est.per_block_host, rel=1e-3)
+        assert measured["blocks"][-1]["host"] > 0

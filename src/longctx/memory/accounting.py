@@ -106,19 +106,20 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     A = float(offload_fraction)
     L = model.layers
     offloaded = max(0, L - offload_skip_last) if A > 0 else 0
-    # the attention output in sequence layout is a tensor of its own only under the head all-to-all
-    seq_out = part["attn_out"] if head > 1 else 0.0
+    # the attention output in sequence layout is a tensor of its own under the head all-to-all, and
+    # when the core's state (its output included) is in host memory (attention_offload)
+    seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
+    core_device = 0.0 if attention_offload else part["core"]
 
     if policy == "none":
-        core = 0 if attention_offload else part["core"]
-        kept = part["norm"] * 2 + core + seq_out + part["residual"] + part["mlp"] + part["block_out"]
+        kept = part["norm"] * 2 + core_device + seq_out + part["residual"] + part["mlp"] + part["block_out"]
         recompute = 0.0
     elif policy == "full":
         kept = part["block_out"]
         chunked = block_chunk and tokens > block_chunk
         recompute = (2 if chunked else 1) * (fl["pre"] + fl["post"]) + fl["attention"]
     elif policy == "selective":
-        kept = (0 if attention_offload else part["core"]) + seq_out + part["block_out"]
+        kept = core_device + seq_out + part["block_out"]
         recompute = fl["pre"] + fl["post"]
     else:
         raise ValueError(f"unknown policy {policy!r}")

@@ -24,6 +24,8 @@ import weakref
 import torch
 from torch import nn
 
+from ..ops.chunked import is_chunk_store_host
+
 _VIEW_OR_CAST = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
                  "ToCopyBackward0", "AliasBackward0", "UnsafeViewBackward0"}
 
@@ -110,7 +112,7 @@ class HostOffloader:
 
     def _pack(self, t: torch.Tensor):
         if (t.device.type != self.device.type or t.numel() == 0 or _is_weight(t)
-                or t.untyped_storage().data_ptr() in self._shared):
+                or t.untyped_storage().data_ptr() in self._shared or is_chunk_store_host(t)):
             return t
         storage = t.untyped_storage()
         lo, hi = _span(t)

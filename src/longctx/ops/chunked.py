@@ -113,18 +113,23 @@ def local_grid(batch: int, seq: int, doc_ids, chunk: int, causal: bool) -> Chunk
 # Where the kept chunks live
 
 
-_HOST_TENSORS: list[weakref.ref] = []  # every store's host tier, for accounting
+_HOST_PTRS: set[int] = set()  # storages of every store's live host tier (for accounting and the offloader)
 
 
 def _register_host(t: torch.Tensor) -> None:
-    if len(_HOST_TENSORS) > 4096:
-        _HOST_TENSORS[:] = [r for r in _HOST_TENSORS if r() is not None]
-    _HOST_TENSORS.append(weakref.ref(t))
+    ptr = t.untyped_storage().data_ptr()
+    _HOST_PTRS.add(ptr)
+    weakref.finalize(t, _HOST_PTRS.discard, ptr)
+
+
+def is_chunk_store_host(t: torch.Tensor) -> bool:
+    """Whether `t` is (a view of) a ChunkStore's host copy: already where an offloader would put it."""
+    return t.untyped_storage().data_ptr() in _HOST_PTRS
 
 
 def chunk_store_host_ptrs() -> set[int]:
     """Storage addresses of the host-tier chunks alive in any ChunkStore (memory/accounting.py)."""
-    return {t.untyped_storage().data_ptr() for r in _HOST_TENSORS if (t := r()) is not None}
+    return set(_HOST_PTRS)
 
 
 class ChunkStore:
@@ -180,6 +185,15 @@ class ChunkStore:
             return dev
         current.wait_stream(self.stream)  # a device-to-host copy still running must land first
         return t.to(self.device, non_blocking=True)
+
+    def detach_all(self) -> tuple[dict, torch.device]:
+        """Hand over every kept (host) tensor and forget them: (key -> tensor, device); `adopt` takes
+        them back (autograd keeps them in between, see _ChunkedAttention)."""
+        kept, self._kept, self._ahead = self._kept, {}, {}
+        return kept, self.device
+
+    def adopt(self, kept: dict) -> None:
+        self._kept.update(kept)
 
     def has(self, key) -> bool:
         return key in self._kept
@@ -305,7 +319,7 @@ class _ChunkedAttention(torch.autograd.Function):
             out, lse = chunked_forward(q, k, v, grid, scale=scale, backend=backend)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
-        store = ctx.store = ChunkStore(q.device, offload=True)
+        store = ChunkStore(q.device, offload=True)
         for j, ks in enumerate(grid.k_slices):
             store.put(("k", j), k[:, ks])
             store.put(("v", j), v[:, ks])
@@ -324,17 +338,23 @@ class _ChunkedAttention(torch.autograd.Function):
 
         chunked_forward(q, k, v, grid, scale=scale, backend=backend, emit=keep)
         ctx.shapes = (q.shape, q.dtype, k.shape, k.dtype)
+        # The host chunks are saved through autograd: under a checkpoint's first forward (full
+        # recomputation) they are dropped at once instead of living until backward
+        ctx.keys, ctx.device = store.detach_all()
+        ctx.save_for_backward(*ctx.keys.values())
+        ctx.keys = list(ctx.keys)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         grid = ctx.grid
         dout = dout.contiguous()
-        if not hasattr(ctx, "store"):
+        if not hasattr(ctx, "keys"):
             q, k, v, out, lse = ctx.saved_tensors
             dq, dk, dv = chunked_backward(dout, q, k, v, out, lse, grid, scale=ctx.scale, backend=ctx.backend)
             return dq, dk, dv, None, None, None, None
-        store = ctx.store
+        store = ChunkStore(ctx.device, offload=True)
+        store.adopt(dict(zip(ctx.keys, ctx.saved_tensors)))
         q_shape, q_dtype, k_shape, k_dtype = ctx.shapes
         for i, qs in enumerate(grid.q_slices):
             store.put(("dout", i), dout[:, qs])

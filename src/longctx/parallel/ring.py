@@ -246,18 +246,22 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mesh, window, causal, scale, backend, plans, offload):
         out, lse = ring_forward(q, k, v, mesh, window, causal, scale, backend, plans)
         if offload:  # memory.attention_offload: the kept state waits in host memory for backward
-            ctx.store = ChunkStore(q.device, offload=True)
+            store = ChunkStore(q.device, offload=True)
             for name, t in zip(_KEPT, (q, k, v, out, lse)):
-                ctx.store.put(name, t)
+                store.put(name, t)
+            kept, ctx.device = store.detach_all()
+            ctx.save_for_backward(*(kept[name] for name in _KEPT))  # dropped at once under a checkpoint
         else:
             ctx.save_for_backward(q, k, v, out, lse)
+        ctx.offload = offload
         ctx.args = (mesh, window, causal, scale, backend, plans)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        store = getattr(ctx, "store", None)
-        if store is not None:
+        if ctx.offload:
+            store = ChunkStore(ctx.device, offload=True)
+            store.adopt(dict(zip(_KEPT, ctx.saved_tensors)))
             for name in _KEPT:
                 store.prefetch(name)
             q, k, v, out, lse = (store.get(name) for name in _KEPT)
