@@ -1,4 +1,4 @@
-"""Test probes shared by several test files."""
+"""Test probes and small fixtures shared by several test files."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,3 +19,25 @@ class LargestOutput(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and self.keep(t):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+def packed_batch(cfg, seq=64, batch=2, seed=0):
+    """tokens, positions, document ids, labels: three documents per row (positions restarting at
+    each), every ninth label ignored."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    labels[:, ::9] = -100
+    doc = torch.zeros(batch, seq, dtype=torch.long)
+    doc[:, seq // 3:] = 1
+    doc[:, 2 * seq // 3:] = 2
+    pos = torch.arange(seq).expand(batch, seq) - torch.tensor([0, seq // 3, 2 * seq // 3])[doc]
+    return tokens, pos, doc, labels
+
+
+def loss_and_grads(model, batch):
+    """One forward + backward: (loss, {parameter name: gradient})."""
+    model.zero_grad(set_to_none=True)
+    loss = model(*batch[:3], labels=batch[3])
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}

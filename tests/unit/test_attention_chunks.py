@@ -19,6 +19,7 @@ from longctx.ops.attention import attention
 from longctx.ops.chunked import ChunkGrid, chunked_local_attention, local_grid
 from longctx.parallel.parallelize import apply_memory
 from torch.utils._python_dispatch import TorchDispatchMode
+from probes import loss_and_grads, packed_batch
 
 
 def _docs(batch, seq):
@@ -119,25 +120,6 @@ def test_grid_pairs_between_different_token_sets():
 # Whole models: every recompute policy with attention chunks against the same policy without
 
 
-def _batch(cfg, seq=64, batch=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    labels[:, ::9] = -100
-    doc = torch.zeros(batch, seq, dtype=torch.long)
-    doc[:, seq // 3:] = 1
-    doc[:, 2 * seq // 3:] = 2
-    pos = torch.arange(seq).expand(batch, seq) - torch.tensor([0, seq // 3, 2 * seq // 3])[doc]
-    return tokens, pos, doc, labels
-
-
-def _grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(*batch[:3], labels=batch[3])
-    loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 # (recompute, offload fraction, block chunk, attention chunk, attention offload, loss chunk)
 MODEL_CASES = [("none", 0.0, 0, 16, False, 0), ("full", 0.0, 0, 24, False, 0), ("selective", 0.0, 0, 16, False, 0),
                ("selective", 0.5, 0, 16, False, 0), ("full", 1.0, 24, 16, True, 32),
@@ -149,17 +131,17 @@ def test_model_gradients_match_without_attention_chunks(recompute, fraction, blo
                                                         attention_offload, loss_chunk):
     cfg = load_config(overrides=["--model.layers=2"])
     base = build_model(cfg.model, seed=1)
-    batch = _batch(cfg.model)
+    batch = packed_batch(cfg.model)
     ref_model = copy.deepcopy(base)
     apply_memory_policy(ref_model.layers, "none")
-    ref_loss, ref_grads = _grads(ref_model, batch)
+    ref_loss, ref_grads = loss_and_grads(ref_model, batch)
     model = copy.deepcopy(base)
     mem = cfg.memory
     mem.recompute, mem.offload_fraction, mem.block_chunk = recompute, fraction, block_chunk
     mem.attention_chunk, mem.attention_offload, mem.loss_chunk = attention_chunk, attention_offload, loss_chunk
     apply_memory(model, mem, "cpu")
     for _ in range(2):  # a second pass: nothing kept from the first may leak
-        loss, grads = _grads(model, batch)
+        loss, grads = loss_and_grads(model, batch)
         assert loss == pytest.approx(ref_loss, abs=1e-5)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=1e-5, msg=name)

@@ -9,6 +9,7 @@ from longctx.config import load_config
 from longctx.errors import ConfigError
 from longctx.memory.policies import apply_memory_policy, check_policy
 from longctx.models.llama import build_model
+from probes import loss_and_grads, packed_batch
 
 # (checkpoint, offload fraction, block chunk); chunks of 16 and 24 over 2 x 64 tokens, uneven too
 POLICIES = [("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("selective", 1.0, 0),
@@ -16,32 +17,12 @@ POLICIES = [("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("se
             ("selective", 0.3, 24), ("full", 1.0, 0), ("full", 0.5, 24)]
 
 
-def _batch(cfg, seq=64, batch=2, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
-    labels[:, ::9] = -100
-    # three documents per row, positions restarting at each
-    doc = torch.zeros(batch, seq, dtype=torch.long)
-    doc[:, seq // 3:] = 1
-    doc[:, 2 * seq // 3:] = 2
-    pos = torch.arange(seq).expand(batch, seq) - torch.tensor([0, seq // 3, 2 * seq // 3])[doc]
-    return tokens, pos, doc, labels
-
-
-def _grads(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(*batch[:3], labels=batch[3])
-    loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.fixture(scope="module")
 def reference():
     cfg = load_config(overrides=["--model.layers=3"]).model
     model = build_model(cfg, seed=1)
-    batch = _batch(cfg)
-    return cfg, model, batch, _grads(model, batch)
+    batch = packed_batch(cfg)
+    return cfg, model, batch, loss_and_grads(model, batch)
 
 
 @pytest.mark.parametrize("policy,fraction,chunk", POLICIES)
@@ -51,7 +32,7 @@ def test_policy_gradients_match_none(reference, policy, fraction, chunk):
     offloader = apply_memory_policy(model.layers, policy, fraction, offload_skip_last=1, block_chunk=chunk)
     assert (offloader is not None) == (fraction > 0)
     for step in range(2):  # a second pass: offload state from the first must not leak
-        loss, grads = _grads(model, batch)
+        loss, grads = loss_and_grads(model, batch)
         assert loss == pytest.approx(ref_loss, abs=1e-6)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], rtol=0, atol=1e-6, msg=name)

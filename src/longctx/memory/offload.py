@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..ops.chunked import is_chunk_store_host
+from ..ops.chunked import is_chunk_store_host, pinned_copy
 
 _VIEW_OR_CAST = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
                  "ToCopyBackward0", "AliasBackward0", "UnsafeViewBackward0"}
@@ -135,11 +135,7 @@ class HostOffloader:
         if not self.cuda:
             host = part.clone()  # the host tier on a CPU machine: a separate buffer
         else:
-            host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(part, non_blocking=True)
-            part.record_stream(self.stream)  # keep the device memory until the copy has run
+            host = pinned_copy(part, self.stream)
         self.host_tensors.append(weakref.ref(host))
         return host
 

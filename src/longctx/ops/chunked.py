@@ -132,6 +132,17 @@ def chunk_store_host_ptrs() -> set[int]:
     return set(_HOST_PTRS)
 
 
+def pinned_copy(t: torch.Tensor, stream) -> torch.Tensor:
+    """A pinned host copy of device tensor `t`, made on `stream` after the kernels that produce `t`
+    (the device memory is kept until the copy has run)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+    t.record_stream(stream)
+    return host
+
+
 class ChunkStore:
     """Tensors of one attention call kept for its backward, by key.
 
@@ -156,13 +167,8 @@ class ChunkStore:
             self._kept[key] = t.clone()
             _register_host(self._kept[key])
         else:
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(self.stream)  # the device memory stays until the copy has run
-            self._kept[key] = host
-            _register_host(host)
+            self._kept[key] = pinned_copy(t, self.stream)
+            _register_host(self._kept[key])
 
     def prefetch(self, key) -> None:
         if not self.cuda or key in self._ahead or key not in self._kept:
