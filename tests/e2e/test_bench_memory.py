@@ -49,8 +49,9 @@ def _probe_rss(seq):
 def test_max_seq_on_cpu_finds_the_longest_length_under_the_budget():
     """--max-seq --budget on CPU: each probe is a fresh process; the answer fits the budget and the next
     length up does not (the search really measured both sides), with attention chunks as a setting.
-    The budget sits between the peaks measured at 8K and 32K tokens on this machine."""
-    budget = (_probe_rss(8192) + _probe_rss(32768)) // 2
+    The budget is 1.3x the peak measured at 4K tokens on this machine (a process's RSS at this
+    small scale varies from machine to machine, so no absolute figure is assumed)."""
+    budget = int(1.3 * _probe_rss(4096))
     out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--max-seq", "--budget", str(budget),
                           "--preset", "debug", "--layers", "1", "--policies", "full", "--block-chunk", "1024",
                           "--attention-chunk", "1024", "--doc-len", "512", "--max-seq-step", "4096"],
@@ -60,7 +61,7 @@ def test_max_seq_on_cpu_finds_the_longest_length_under_the_budget():
     assert found["budget_bytes"] == budget
     res = found["per_policy"]["full"]
     best, probes = res["longest_seq_len"], {p["seq_len"]: p for p in res["probes"]}
-    assert 8192 <= best < 32768 and best % 4096 == 0, (best, budget, probes)
+    assert best >= 4096 and best % 4096 == 0, (best, budget, probes)
     assert probes[best]["fits"] and probes[best]["peak_rss_bytes"] <= budget
     assert not probes[best + 4096]["fits"] and probes[best + 4096]["peak_rss_bytes"] > budget
 
