@@ -96,6 +96,16 @@ def _batch(vocab: int, seq: int, batch: int, docs: int, device, doc_len: int = 0
     return [tokens.to(device), positions.to(device), doc.to(device) if docs > 1 else None, labels.to(device)]
 
 
+def _model_cfg(args):
+    """The preset's shape with --layers blocks (0 = the preset's)."""
+    from ..config import MODEL_PRESETS, ModelConfig
+
+    shape = dict(MODEL_PRESETS[args.preset])
+    if args.layers:
+        shape["layers"] = args.layers
+    return ModelConfig(preset=args.preset, **shape)
+
+
 def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
     from ..config import MemoryConfig
     from ..models.llama import build_model
@@ -157,7 +167,6 @@ def _time_interleaved(models: dict, inputs, steps: int, device) -> dict:
 
 def measure(args, seq: int, dims=None, mesh=None) -> dict:
     """Every requested policy at one sequence length, on this process (one rank of head x ctx)."""
-    from ..config import MODEL_PRESETS, ModelConfig
     from ..memory.accounting import (
         estimate_activations,
         measure_activations,
@@ -167,10 +176,7 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    shape = dict(MODEL_PRESETS[args.preset])
-    if args.layers:
-        shape["layers"] = args.layers
-    model_cfg = ModelConfig(preset=args.preset, **shape)
+    model_cfg = _model_cfg(args)
     inputs = _batch(model_cfg.vocab_size, seq, args.micro_batch, args.docs, device)
     if mesh is not None:
         inputs = [None if t is None else shard_sequence(t, mesh) for t in inputs]
@@ -233,12 +239,7 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
     process) and time. Run in a fresh process per probe (`--probe`)."""
     import resource
 
-    from ..config import MODEL_PRESETS, ModelConfig
-
-    shape = dict(MODEL_PRESETS[args.preset])
-    if args.layers:
-        shape["layers"] = args.layers
-    model_cfg = ModelConfig(preset=args.preset, **shape)
+    model_cfg = _model_cfg(args)
     device = torch.device("cpu")
     model = _build(model_cfg, policy, fraction, args, None, None, device)
     inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)

@@ -289,6 +289,17 @@ def _sparse_backward(dout, q, k, v, out, lse, plan: SegmentPlan, scale, backend,
     return dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape)
 
 
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions over disjoint keys of the same queries, merged by their log-sum-exp:
+    out [b, s, h, d] (any dtype), lse [b, h, s] fp32 -> (out fp32, lse). Each weight is
+    exp(lse_part - lse_total) <= 1 (no overflow); rows that saw no key (lse -inf) stay 0 without NaNs."""
+    new = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    w_a = torch.exp(lse_a - safe).transpose(1, 2)[..., None]  # [b, s, h, 1]
+    w_b = torch.exp(lse_b - safe).transpose(1, 2)[..., None]
+    return out_a.float() * w_a + out_b.float() * w_b, new
+
+
 # ----------------------------------------------------------------------------------------------
 # Public API
 

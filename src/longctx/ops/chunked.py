@@ -26,14 +26,15 @@ both ranks, parallel/ring.py). Chunking changes no result beyond the order of fp
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
 import numpy as np
 import torch
 
-from .attention import NEG_INF, attention_backward, attention_forward
-from .segments import SegmentPlan, plan_pairs
+from .attention import NEG_INF, attention_backward, attention_forward, merge_partials
+from .segments import SegmentPlan, _check_contiguous, plan_pairs, segments
 
 
 def chunk_slices(tokens: int, chunk: int) -> list[slice]:
@@ -88,21 +89,24 @@ class ChunkGrid:
                    if (p := self.plan(i, j)) is not None)
 
 
+@functools.lru_cache(maxsize=16)
+def _plain_grid(batch: int, seq: int, chunk: int, causal: bool) -> ChunkGrid:
+    pos = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
+    return ChunkGrid(pos, pos, None, None, chunk, causal)
+
+
 def local_grid(batch: int, seq: int, doc_ids, chunk: int, causal: bool) -> ChunkGrid:
     """The grid of single-device attention: positions 0..seq-1 in every row, with the batch's
-    document ids (a tensor: copied to the host once and the grid kept on it for the other layers)."""
+    document ids (a tensor: copied to the host once and the grid kept on it for the other layers);
+    without documents one grid per shape serves every step."""
     if doc_ids is None:
-        pos = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
-        return ChunkGrid(pos, pos, None, None, chunk, causal)
+        return _plain_grid(batch, seq, chunk, causal)
     key = (doc_ids._version, chunk, causal, tuple(doc_ids.shape))
     cached = getattr(doc_ids, "_longctx_chunk_grid", None)
     if cached is None or cached[0] != key:
-        from .segments import _check_contiguous
-
         ids = doc_ids.detach().cpu().numpy().astype(np.int64)
         for r, row in enumerate(ids):  # documents must be contiguous runs (checked once per batch)
-            starts = np.concatenate([[0], np.flatnonzero(row[1:] != row[:-1]) + 1])
-            _check_contiguous(row[starts], r)
+            _check_contiguous(segments(row)[2], r)
         pos = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
         cached = (key, ChunkGrid(pos, pos, ids, ids, chunk, causal))
         doc_ids._longctx_chunk_grid = cached
@@ -144,15 +148,13 @@ def pinned_copy(t: torch.Tensor, stream) -> torch.Tensor:
 
 
 class ChunkStore:
-    """Tensors of one attention call kept for its backward, by key.
+    """Tensors of one attention call kept in host memory for its backward, by key: pinned and
+    copied on a side stream after the producing kernels on CUDA (a separate buffer on CPU, so the
+    path runs in tests); `get` brings one back, `prefetch` starts that copy early on the side stream."""
 
-    offload=False: kept as they are (on the device). offload=True: copied to host memory (pinned, on
-    a side stream after the producing kernels, on CUDA; a separate buffer on CPU, so the path runs
-    in tests) and copied back on `get`; `prefetch` starts that copy early on the side stream."""
-
-    def __init__(self, device: torch.device, offload: bool):
-        self.device, self.offload = torch.device(device), offload
-        self.cuda = offload and self.device.type == "cuda"
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._kept: dict = {}
         self._ahead: dict = {}  # key -> (device tensor, event) of a prefetch in flight
@@ -161,14 +163,8 @@ class ChunkStore:
         self._ahead.pop(key, None)
         if self._kept.get(key) is t:  # updated in place (a CPU host chunk)
             return
-        if not self.offload:
-            self._kept[key] = t
-        elif not self.cuda:
-            self._kept[key] = t.clone()
-            _register_host(self._kept[key])
-        else:
-            self._kept[key] = pinned_copy(t, self.stream)
-            _register_host(self._kept[key])
+        self._kept[key] = pinned_copy(t, self.stream) if self.cuda else t.clone()
+        _register_host(self._kept[key])
 
     def prefetch(self, key) -> None:
         if not self.cuda or key in self._ahead or key not in self._kept:
@@ -204,9 +200,6 @@ class ChunkStore:
     def has(self, key) -> bool:
         return key in self._kept
 
-    def host_tensors(self) -> list[torch.Tensor]:
-        return list(self._kept.values()) if self.offload else []
-
     def clear(self) -> None:
         self._kept.clear()
         self._ahead.clear()
@@ -216,26 +209,10 @@ class ChunkStore:
 # The two loops
 
 
-def _rows(x: torch.Tensor, sl: slice) -> torch.Tensor:
-    return x[:, sl]
-
-
 def _fold(acc, out, lse):
     """Merge one pair's (out, lse) into a query chunk's accumulators; the first pair starts them
     (a chunk seen by one key chunk needs no fp32 merge at all)."""
-    if acc is None:
-        return [out, lse, False]
-    if not acc[2]:
-        acc[0] = acc[0].float()
-        acc[2] = True
-    old = acc[1]
-    new = torch.logaddexp(old, lse)
-    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-    w_old = torch.exp(old - safe).transpose(1, 2)[..., None]
-    w_new = torch.exp(lse - safe).transpose(1, 2)[..., None]
-    acc[0] = acc[0] * w_old + out.float() * w_new
-    acc[1] = new
-    return acc
+    return (out, lse) if acc is None else merge_partials(acc[0], acc[1], out, lse)
 
 
 def chunked_forward(q, k, v, grid: ChunkGrid, *, scale=None, backend="flash", emit=None):
@@ -325,7 +302,7 @@ class _ChunkedAttention(torch.autograd.Function):
             out, lse = chunked_forward(q, k, v, grid, scale=scale, backend=backend)
             ctx.save_for_backward(q, k, v, out, lse)
             return out
-        store = ChunkStore(q.device, offload=True)
+        store = ChunkStore(q.device)
         for j, ks in enumerate(grid.k_slices):
             store.put(("k", j), k[:, ks])
             store.put(("v", j), v[:, ks])
@@ -359,7 +336,7 @@ class _ChunkedAttention(torch.autograd.Function):
             q, k, v, out, lse = ctx.saved_tensors
             dq, dk, dv = chunked_backward(dout, q, k, v, out, lse, grid, scale=ctx.scale, backend=ctx.backend)
             return dq, dk, dv, None, None, None, None
-        store = ChunkStore(ctx.device, offload=True)
+        store = ChunkStore(ctx.device)
         store.adopt(dict(zip(ctx.keys, ctx.saved_tensors)))
         q_shape, q_dtype, k_shape, k_dtype = ctx.shapes
         for i, qs in enumerate(grid.q_slices):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.attention import attention_backward, attention_forward
+from ..ops.attention import attention_backward, attention_forward, merge_partials
 from ..ops.chunked import ChunkGrid, ChunkStore, chunked_backward, chunked_forward
 from . import comm
 
@@ -82,13 +82,7 @@ def block_rows(src: int, rank: int, seq: int, causal: bool):
 
 def _merge(acc_out, acc_lse, rows, out, lse):
     """Fold a partial (out, lse) for query rows `rows` into the fp32 accumulators, in place."""
-    old_lse = acc_lse[:, :, rows]
-    new_lse = torch.logaddexp(old_lse, lse)
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(old_lse - safe).transpose(1, 2)[..., None]   # [b, s, h, 1]
-    w_new = torch.exp(lse - safe).transpose(1, 2)[..., None]
-    acc_out[:, rows] = acc_out[:, rows] * w_old + out.float() * w_new
-    acc_lse[:, :, rows] = new_lse
+    acc_out[:, rows], acc_lse[:, :, rows] = merge_partials(acc_out[:, rows], acc_lse[:, :, rows], out, lse)
 
 
 def _accumulate(acc, rows, out, lse):
@@ -246,7 +240,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mesh, window, causal, scale, backend, plans, offload):
         out, lse = ring_forward(q, k, v, mesh, window, causal, scale, backend, plans)
         if offload:  # memory.attention_offload: the kept state waits in host memory for backward
-            store = ChunkStore(q.device, offload=True)
+            store = ChunkStore(q.device)
             for name, t in zip(_KEPT, (q, k, v, out, lse)):
                 store.put(name, t)
             kept, ctx.device = store.detach_all()
@@ -260,12 +254,9 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if ctx.offload:
-            store = ChunkStore(ctx.device, offload=True)
+            store = ChunkStore(ctx.device)
             store.adopt(dict(zip(_KEPT, ctx.saved_tensors)))
-            for name in _KEPT:
-                store.prefetch(name)
             q, k, v, out, lse = (store.get(name) for name in _KEPT)
-            store.clear()
         else:
             q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
