@@ -63,13 +63,29 @@ class ChunkGrid:
         # per chunk and row: the first and last position, to drop pairs whose keys all come later
         self._q_last = np.stack([self.q_pos[:, s].max(axis=1) for s in self.q_slices])
         self._k_first = np.stack([self.k_pos[:, s].min(axis=1) for s in self.k_slices])
+        self._candidates = self._sharing_chunks()
         self._plans: dict[tuple[int, int], SegmentPlan | None] = {}
+
+    def _sharing_chunks(self) -> list[set[int]]:
+        """For each query chunk, the key chunks that hold a token of one of its documents (in some
+        row): only those pairs can attend. Linear in the tokens plus the pairs found, so a long
+        sequence of many documents never plans its u^2 / 2 chunk pairs one by one."""
+        out: list[set[int]] = [set() for _ in self.q_slices]
+        for r in range(self.q_doc.shape[0]):
+            holders: dict[int, list[int]] = {}
+            for j, ks in enumerate(self.k_slices):
+                for d in np.unique(self.k_doc[r, ks]).tolist():
+                    holders.setdefault(d, []).append(j)
+            for i, qs in enumerate(self.q_slices):
+                for d in np.unique(self.q_doc[r, qs]).tolist():
+                    out[i].update(holders.get(d, ()))
+        return out
 
     def plan(self, i: int, j: int) -> SegmentPlan | None:
         """The segment pairs of query chunk i against key chunk j; None when no query sees a key."""
         if (i, j) not in self._plans:
             plan = None
-            if not (self.causal and np.all(self._k_first[j] > self._q_last[i])):
+            if j in self._candidates[i] and not (self.causal and np.all(self._k_first[j] > self._q_last[i])):
                 qs, ks = self.q_slices[i], self.k_slices[j]
                 plan = plan_pairs(self.q_doc[:, qs], self.k_doc[:, ks], causal=self.causal,
                                   q_pos=self.q_pos[:, qs], k_pos=self.k_pos[:, ks])
@@ -78,14 +94,14 @@ class ChunkGrid:
         return self._plans[(i, j)]
 
     def keys_of(self, i: int) -> list[int]:
-        return [j for j in range(len(self.k_slices)) if self.plan(i, j) is not None]
+        return [j for j in sorted(self._candidates[i]) if self.plan(i, j) is not None]
 
     def queries_of(self, j: int) -> list[int]:
-        return [i for i in range(len(self.q_slices)) if self.plan(i, j) is not None]
+        return [i for i in range(len(self.q_slices)) if j in self._candidates[i] and self.plan(i, j) is not None]
 
     def visible(self) -> int:
         """Query-key pairs that attend (the work of the call)."""
-        return sum(p.visible() for i in range(len(self.q_slices)) for j in range(len(self.k_slices))
+        return sum(p.visible() for i in range(len(self.q_slices)) for j in self._candidates[i]
                    if (p := self.plan(i, j)) is not None)
 
 
