@@ -66,8 +66,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass
 class ModelConfig:
-    preset: str = _opt("debug", "named shape that fills every model field not set explicitly",
-                       choices=tuple(MODEL_PRESETS))
+    preset: str = _opt("debug", "named shape that fills every model field not set explicitly; 'hf' = the shapes "
+                                "of model.init_from's config.json (set by init_from, not by hand)",
+                       choices=tuple(MODEL_PRESETS) + ("hf",))
+    family: str = _opt("llama", "architecture family (what export writes): llama, mistral, qwen2, qwen3",
+                       choices=("llama", "mistral", "qwen2", "qwen3"))
     dim: int = _opt(128, "hidden size")
     layers: int = _opt(4, "number of transformer blocks")
     heads: int = _opt(4, "attention (query) heads")
@@ -76,16 +79,30 @@ class ModelConfig:
     ffn_dim: int = _opt(384, "SwiGLU hidden size")
     vocab_size: int = _opt(320, "embedding rows; must cover the tokenizer's vocabulary")
     norm_eps: float = _opt(1e-5, "RMSNorm epsilon")
+    qkv_bias: bool = _opt(False, "bias on the q, k, v projections (Qwen2, or attention_bias=true)")
+    out_bias: bool = _opt(False, "bias on the attention output projection (attention_bias=true outside Qwen2)")
+    qk_norm: bool = _opt(False, "per-head RMSNorm on q and k before RoPE (Qwen3)")
     rope_theta: float = _opt(10000.0, "RoPE base frequency")
-    rope_scaling: str = _opt("none", "RoPE frequency scaling", choices=("none", "llama3"))
-    rope_factor: float = _opt(8.0, "llama3 rope scaling: factor")
+    rope_scaling: str = _opt("none", "RoPE frequency scaling: none, linear (positions / factor), llama3 (Llama 3.1 "
+                                     "bands) or yarn (NTK-by-parts with attention scaling)",
+                             choices=("none", "linear", "llama3", "yarn"))
+    rope_factor: float = _opt(8.0, "rope scaling factor (linear, llama3, yarn)")
     rope_low_freq_factor: float = _opt(1.0, "llama3 rope scaling: low_freq_factor")
     rope_high_freq_factor: float = _opt(4.0, "llama3 rope scaling: high_freq_factor")
-    rope_original_max_len: int = _opt(8192, "llama3 rope scaling: original_max_position_embeddings")
+    rope_original_max_len: int = _opt(8192, "llama3 and yarn rope scaling: original_max_position_embeddings")
+    rope_beta_fast: float = _opt(32.0, "yarn rope scaling: beta_fast (rotations where extrapolation ends)")
+    rope_beta_slow: float = _opt(1.0, "yarn rope scaling: beta_slow (rotations where interpolation starts)")
+    rope_mscale: float = _opt(0.0, "yarn rope scaling: mscale (0 = unset)")
+    rope_mscale_all_dim: float = _opt(0.0, "yarn rope scaling: mscale_all_dim (0 = unset)")
+    rope_attention_factor: float = _opt(0.0, "yarn rope scaling: attention_factor on cos/sin; 0 = derived from "
+                                        "factor (0.1 ln(factor) + 1)")
+    rope_truncate: bool = _opt(True, "yarn rope scaling: round the correction range to whole dimensions")
     tie_embeddings: bool = _opt(False, "share the input embedding with the LM head")
     max_seq_len: int = _opt(131072, "longest sequence the model is meant for (recorded in exports)")
     init_std: float = _opt(0.02, "std of the normal initialisation")
-    init_from: str = _opt("", "start from weights: '' (random) or 'hf:DIR' (a local Hugging Face Llama)")
+    init_from: str = _opt("", "start from weights: '' (random) or 'hf:DIR' (a local Hugging Face Llama, Mistral, "
+                              "Qwen2 or Qwen3 directory; its config.json becomes this [model], extension keys such as "
+                              "rope_theta apply on top)")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -361,18 +378,32 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict 
     return build_config(raw)
 
 
+def _model_values(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
+    """[model] as given -> every field the run uses: from the preset, or from the Hugging Face
+    config.json of model.init_from (config_hf.py), with the user's values on top."""
+    if str(values.get("init_from", "")).startswith("hf:"):
+        from .config_hf import resolve_init_from
+
+        typed = {k: _coerce(f"model.{k}", v, fields[k]) for k, v in values.items()}
+        resolved, _ = resolve_init_from(typed)
+        return resolved
+    preset = _coerce("model.preset", values.get("preset", "debug"), fields["preset"])
+    if preset == "hf":
+        raise ConfigError("model.preset=hf means 'the shapes of model.init_from'; set model.init_from=hf:DIR "
+                          "(a local Hugging Face model directory) or pick a named preset.")
+    return {**MODEL_PRESETS[preset], **values}
+
+
 def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     sections: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         values = dict(raw.get(section, {}))
         for name in values:
             _lookup(section, name)
-        if section == "model":
-            preset = values.get("preset", "debug")
-            preset = _coerce("model.preset", preset, _fields_by_key(cls)["preset"])
-            values = {**MODEL_PRESETS[preset], **values}
-        kwargs = {}
         fields = _fields_by_key(cls)
+        if section == "model":
+            values = _model_values(values, fields)
+        kwargs = {}
         for name, value in values.items():
             kwargs[fields[name].name] = _coerce(f"{section}.{name}", value, fields[name])
         sections[section] = cls(**kwargs)

@@ -79,9 +79,22 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
         )
     if m.heads > 0 and m.dim > 0 and m.resolved_head_dim % 2:
         problems.append(f"the head size ({m.resolved_head_dim}) must be even for rotary embeddings.")
-    if m.rope_scaling == "llama3":
+    if m.rope_scaling != "none":
         positive("model.rope_factor", m.rope_factor)
+    if m.rope_scaling in ("llama3", "yarn"):
         positive("model.rope_original_max_len", m.rope_original_max_len)
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+        problems.append(f"yarn rope scaling needs 0 < model.rope_beta_slow ({m.rope_beta_slow}) < "
+                        f"model.rope_beta_fast ({m.rope_beta_fast}).")
+    if m.qk_norm != (m.family == "qwen3"):
+        problems.append(f"model.qk_norm={m.qk_norm} does not fit model.family={m.family}: per-head q/k norms are "
+                        f"what makes a Qwen3; set both or neither.")
+    if m.family == "qwen2" and (not m.qkv_bias or m.out_bias):
+        problems.append("model.family=qwen2 has biases on q, k and v only: set model.qkv_bias=true, "
+                        "model.out_bias=false.")
+    if m.family != "qwen2" and m.qkv_bias != m.out_bias:
+        problems.append(f"model.family={m.family} has one attention_bias for q, k, v and o: set model.qkv_bias and "
+                        f"model.out_bias alike.")
         if not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
             problems.append(
                 f"llama3 rope scaling needs 0 < model.rope_low_freq_factor ({m.rope_low_freq_factor}) "

@@ -27,7 +27,8 @@ def make_run_dir(cfg: Config) -> Path:
     if cfg.train.run_dir:
         path = Path(cfg.train.run_dir)
     else:
-        path = Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{cfg.model.preset}"
+        name = cfg.model.family if cfg.model.preset == "hf" else cfg.model.preset
+        path = Path("runs") / f"{datetime.now():%Y%m%d-%H%M%S}-{name}"
         n = 1
         while path.exists():
             path = path.with_name(f"{path.name}-{n}")
@@ -106,18 +107,41 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
 
 
 def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Llama:
-    """The full model, initialised identically on every rank from the seed, then parallelised.
-
-    Initialising the whole model before sharding keeps every layout bit-identical to the single
-    device run (the price: each rank briefly holds the full fp32 model)."""
+    """The model, built on the meta device, parallelised, and only then materialised: each rank
+    allocates and fills just its own shards, from the seed (the same values one process draws, so
+    every layout starts identical) or from the Hugging Face safetensors (each rank reading only its
+    rows). No rank ever holds the whole model."""
+    model = build_model(cfg.model, device="meta")
+    model = parallelize(model, rt.dims, cfg, rt.mesh, device.type,
+                        resolve_auto_offload=lambda m: auto_offload_fraction(m, cfg, device, rt, log))
+    model.to_empty(device=device)
     if cfg.model.init_from:
-        from .models.hf import load_hf
+        from .config_hf import hf_dir, resolve_init_from
+        from .models.hf import load_hf_weights
 
-        model = load_hf(cfg.model.init_from.removeprefix("hf:"), dtype=torch.float32, device=device)
+        path = hf_dir(cfg.model.init_from)
+        load_hf_weights(model, path)
+        _, changed = resolve_init_from({k: v for k, v in to_dict(cfg)["model"].items() if k != "preset"})
+        log(f"model: {cfg.model.family} weights from {path}" +
+            (f"; changed for this run: {', '.join(changed)}" if changed else ""))
     else:
-        model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    return parallelize(model, rt.dims, cfg, rt.mesh, device.type,
-                       resolve_auto_offload=lambda m: auto_offload_fraction(m, cfg, device, rt, log))
+        model.init_weights(cfg.train.seed)
+    return model
+
+
+def _timing_block(model: Llama, cfg: Config, device: torch.device):
+    """A materialised copy of one block with random weights and the model's attention core: what
+    offload_fraction=auto times (the model itself is still on the meta device at that point)."""
+    from .models.llama import Block
+
+    with torch.device("meta"):
+        block = Block(cfg.model)
+    block.to_empty(device=device)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, cfg.model.init_std) if p.dim() > 1 else p.fill_(1.0)
+    block.attention.core = model.layers[0].attention.core
+    return block
 
 
 def auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: Runtime, log) -> float:
@@ -128,16 +152,16 @@ def auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: R
         host_link_bandwidth,
         host_memory_available,
     )
-    from .models.llama import rope_cos_sin
+    from .models.llama import rope_cos_sin, rope_inv_freq
 
     d, t = rt.dims, cfg.train
     local_batch, local_seq = t.global_batch // (t.grad_accum * rt.dp), t.seq_len // (d.head * d.ctx)
     x = torch.randn(local_batch, local_seq, cfg.model.dim, device=device)
     positions = torch.arange(local_seq, device=device).expand(local_batch, local_seq)
-    cos, sin = rope_cos_sin(positions, model.inv_freq)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.model, device=device))
     bf16 = resolve_dtype(t.dtype, device) == torch.bfloat16
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        block_s = block_forward_seconds(model.layers[0], x, cos, sin, None)
+        block_s = block_forward_seconds(_timing_block(model, cfg, device), x, cos, sin, None)
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     # the slowest block, the slowest link and the least memory over all ranks decide
     worst = rt.max([-block_s, -host_link_bandwidth(device), -host_memory_available() / ranks_per_node])

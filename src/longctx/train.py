@@ -109,7 +109,7 @@ class Trainer:
                                    balance=cfg.data.balance, cost=cost_coefficients(cfg.model))
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log)
-        if self.device.type == "cuda":  # the full model existed briefly before sharding; measure from here
+        if self.device.type == "cuda":  # setup transients (one full parameter at init) are not the step's peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self.metrics_path = Path(cfg.metrics.file) if cfg.metrics.file else self.run_dir / "metrics.jsonl"
         self._describe(dtype)
@@ -122,7 +122,8 @@ class Trainer:
         layout = (f"{rt.world} ranks: dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x head {d.head} x ctx "
                   f"{d.ctx}" + (f" (window {d.window})" if d.window else "") + f", {d.placement}"
                   if rt.world > 1 else "1 process")
-        self.log(f"model: {cfg.model.preset} shape, {count_params(self.model) / 1e6:.2f}M parameters, "
+        shape = f"{cfg.model.family} ({cfg.model.init_from})" if cfg.model.preset == "hf" else f"{cfg.model.preset} shape"
+        self.log(f"model: {shape}, {count_params(self.model) / 1e6:.2f}M parameters, "
                  f"{self.device.type} {str(dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
                  + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction
                     else "")

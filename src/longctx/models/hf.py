@@ -1,16 +1,20 @@
-"""Hugging Face Llama checkpoints <-> our model.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3) <-> our model.
 
 `load_hf(path)` reads a local directory (config.json + model.safetensors, or shards listed in
-model.safetensors.index.json). Both RoPE config forms found in the wild are accepted: the classic
-`rope_theta` + `rope_scaling`, and the newer `rope_parameters`. `save_hf(model, path)` writes a
-directory that `transformers.LlamaForCausalLM.from_pretrained` loads.
+model.safetensors.index.json) into a new single-process model. `load_hf_weights(model, path)` fills
+an existing model that may already be sharded by FSDP: each rank reads, from the memory-mapped
+safetensors files, only the rows of each tensor it owns (`safe_open(...).get_slice`), so no rank
+ever holds the whole checkpoint. `save_hf(model, path)` writes the same family's config.json and
+safetensors (sharded above a size, with an index) that transformers loads.
 
-Our RoPE uses the same "rotate half" layout as Hugging Face, so q/k weights map one to one.
+config.json is translated by config_hf.py (both RoPE forms, every supported RoPE type). Our RoPE
+uses the same "rotate half" layout as Hugging Face, so q/k weights map one to one.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -18,20 +22,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..errors import UserError
+from ..config_hf import HFFormatError, hf_config_from_model, model_fields_from_hf, read_hf_config
 from .llama import Llama, build_model
+from .shards import local_part, local_slices
 
+__all__ = ["HFFormatError", "config_from_hf", "hf_name", "load_hf", "load_hf_weights", "save_hf",
+           "copy_tokenizer_files"]
 
-class HFFormatError(UserError, ValueError):
-    """The directory is not a Llama checkpoint we can read; the message says what is missing."""
-
-
-# our name (with {i} for the layer) -> Hugging Face name
+# our name (within layer i) -> Hugging Face name (within model.layers.i)
 _LAYER_MAP = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -43,6 +52,9 @@ _TOP_MAP = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# files a Hugging Face tokenizer may consist of; copied next to exported weights
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
 
 
 def hf_name(ours: str) -> str:
@@ -52,81 +64,9 @@ def hf_name(ours: str) -> str:
     return f"model.layers.{i}.{_LAYER_MAP[rest]}"
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """Translate a Hugging Face LlamaConfig dict into our ModelConfig."""
-    arch = hf.get("model_type", "llama")
-    if arch != "llama":
-        raise HFFormatError(f"config.json has model_type '{arch}'; only 'llama' checkpoints are supported.")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise HFFormatError(f"config.json sets {flag}=true; longctx's Llama has no biases.")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise HFFormatError(f"config.json has hidden_act '{hf['hidden_act']}'; only 'silu' (SwiGLU) is supported.")
-    # Newer transformers write rope_parameters {rope_type, rope_theta, factor, ...}; older ones
-    # write rope_theta at top level and rope_scaling {rope_type or type, factor, ...} (or null).
-    rope = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = rope.get("rope_theta", hf.get("rope_theta", scaling.get("rope_theta", 10000.0)))
-    params = {**scaling, **rope}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise HFFormatError(f"rope type '{rope_type}' is not supported; longctx reads 'default' and 'llama3'.")
-    heads = hf["num_attention_heads"]
-    cfg = ModelConfig(
-        preset="debug",
-        dim=hf["hidden_size"],
-        layers=hf["num_hidden_layers"],
-        heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
-        rope_scaling="llama3" if rope_type == "llama3" else "none",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=hf.get("max_position_embeddings", 4096),
-        init_std=hf.get("initializer_range", 0.02),
-    )
-    if rope_type == "llama3":
-        cfg.rope_factor = float(params["factor"])
-        cfg.rope_low_freq_factor = float(params["low_freq_factor"])
-        cfg.rope_high_freq_factor = float(params["high_freq_factor"])
-        cfg.rope_original_max_len = int(params["original_max_position_embeddings"])
-    return cfg
-
-
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    out = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": cfg.dim,
-        "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.resolved_head_dim,
-        "intermediate_size": cfg.ffn_dim,
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "max_position_embeddings": cfg.max_seq_len,
-        "initializer_range": cfg.init_std,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if cfg.rope_scaling == "llama3":
-        out["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": cfg.rope_factor,
-            "low_freq_factor": cfg.rope_low_freq_factor,
-            "high_freq_factor": cfg.rope_high_freq_factor,
-            "original_max_position_embeddings": cfg.rope_original_max_len,
-        }
-    return out
+def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    """A parsed Hugging Face config.json -> our ModelConfig."""
+    return ModelConfig(**model_fields_from_hf(hf, where), preset="hf")
 
 
 def _weight_files(path: Path) -> dict[str, Path]:
@@ -136,7 +76,8 @@ def _weight_files(path: Path) -> dict[str, Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
-            raise HFFormatError(f"{index} lists shards that are not in {path}: {', '.join(missing)}.")
+            raise HFFormatError(f"{index} lists shards that are not in {path}: {', '.join(missing)}. Copy the "
+                                f"missing files (a partial download?) or re-save the model.")
         return {name: path / f for name, f in weight_map.items()}
     single = path / "model.safetensors"
     if single.is_file():
@@ -145,51 +86,76 @@ def _weight_files(path: Path) -> dict[str, Path]:
     found = sorted(p.name for p in path.iterdir())
     raise HFFormatError(
         f"{path} has neither model.safetensors nor model.safetensors.index.json (found: {', '.join(found) or 'nothing'}). "
-        f"Only safetensors checkpoints are read."
+        f"Only safetensors checkpoints are read; convert .bin weights with save_pretrained(safe_serialization=True)."
     )
 
 
-def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
-    """Read a local Hugging Face Llama directory into our model."""
+@torch.no_grad()
+def load_hf_weights(model: Llama, path: str | Path) -> None:
+    """Fill `model` (materialised, possibly FSDP-sharded) from the safetensors in `path`, each rank
+    reading only the part of every tensor it holds."""
     path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise HFFormatError(f"{path} has no config.json; pass a Hugging Face model directory.")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()))
-    model = build_model(cfg, device="meta")
     files = _weight_files(path)
-    state: dict[str, torch.Tensor] = {}
-    wanted = {name: hf_name(name) for name in model.state_dict()}
-    missing = [hf for hf in wanted.values() if hf not in files]
+    params = dict(model.named_parameters())
+    wanted = {ours: hf_name(ours) for ours in params}
+    missing = [theirs for theirs in wanted.values() if theirs not in files]
     if missing:
-        raise HFFormatError(f"{path} lacks {len(missing)} expected tensors, e.g. {', '.join(missing[:3])}.")
+        raise HFFormatError(f"{path} lacks {len(missing)} tensors that config.json implies, e.g. "
+                            f"{', '.join(missing[:3])}; the weights and config.json disagree.")
     by_file: dict[Path, list[str]] = {}
     for ours, theirs in wanted.items():
         by_file.setdefault(files[theirs], []).append(ours)
     for file, names in by_file.items():
-        with safe_open(file, framework="pt", device=str(device)) as f:
+        with safe_open(file, framework="pt", device="cpu") as f:
             for ours in names:
-                state[ours] = f.get_tensor(wanted[ours]).to(dtype)
+                p, theirs = params[ours], wanted[ours]
+                stored = f.get_slice(theirs)
+                shape = tuple(stored.get_shape())
+                if shape != tuple(p.shape):
+                    raise HFFormatError(f"{file.name}: tensor {theirs} has shape {shape}, config.json implies "
+                                        f"{tuple(p.shape)}.")
+                local = local_part(p)
+                local.copy_(stored[local_slices(p)].to(local.dtype))
+    model.init_rope()
+
+
+def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
+    """Read a local Hugging Face directory into a new single-process model."""
+    path = Path(path)
+    cfg = config_from_hf(read_hf_config(path), str(path / "config.json"))
+    model = build_model(cfg, device="meta")
     model.to_empty(device=device)
-    model.to(dtype)
-    model.init_weights()  # sets non-persistent buffers (RoPE frequencies); weights are overwritten next
-    expected = model.state_dict()
-    for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise HFFormatError(f"tensor {wanted[name]} has shape {tuple(tensor.shape)}, "
-                                f"config.json implies {tuple(expected[name].shape)}.")
-    model.load_state_dict(state, strict=True)
-    model.inv_freq.data = model.inv_freq.float()
+    load_hf_weights(model, path)
+    if dtype != torch.float32:
+        model.to(dtype)
+        model.init_rope()  # RoPE frequencies stay fp32
     return model
 
 
-def save_hf(model: Llama, path: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write config.json and safetensors weights (sharded above `max_shard_bytes`)."""
+def copy_tokenizer_files(source: str | Path, dest: str | Path) -> list[str]:
+    """Copy the tokenizer files found in `source` (a Hugging Face directory, or a tokenizer.json
+    file) into `dest`; the names copied."""
+    source = Path(source)
+    candidates = [source] if source.is_file() else [source / name for name in TOKENIZER_FILES]
+    copied = []
+    for file in candidates:
+        if file.is_file():
+            shutil.copyfile(file, Path(dest) / file.name)
+            copied.append(file.name)
+    return copied
+
+
+def save_hf(model: Llama, path: str | Path, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
+            tokenizer_from: str | Path | None = None) -> Path:
+    """Write config.json and safetensors weights (sharded above `max_shard_bytes`, with an index),
+    in `dtype` (default: the model's), plus the tokenizer files of `tokenizer_from` if given."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {hf_name(k): v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    dtype = next(iter(state.values())).dtype
-    (path / "config.json").write_text(json.dumps(config_to_hf(model.cfg, dtype), indent=2) + "\n")
+    state = {hf_name(k): v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(hf_config_from_model(model.cfg, dtype_name), indent=2) + "\n")
+    for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        stale.unlink()  # a previous export into the same directory must not leave shards behind
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in state.items():
@@ -199,6 +165,8 @@ def save_hf(model: Llama, path: str | Path, max_shard_bytes: int = 5 * 2**30) ->
             size = 0
         shards[-1][name] = t
         size += nbytes
+    if tokenizer_from:
+        copy_tokenizer_files(tokenizer_from, path)
     if len(shards) == 1:
         save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
         return path

@@ -1,7 +1,10 @@
-"""Llama-family decoder for one device. It knows nothing about parallelism (see parallel/).
+"""Llama-architecture decoder for one device. It knows nothing about parallelism (see parallel/).
 
-RMSNorm, rotary position embeddings (RoPE, with `rope_theta` and Llama-3 frequency scaling),
-grouped-query attention through ops/attention.py, SwiGLU MLP, tied or untied embeddings.
+RMSNorm, rotary position embeddings (RoPE: default, linear, Llama-3 and YaRN frequency scaling),
+grouped-query attention through ops/attention.py, SwiGLU MLP, tied or untied embeddings. The
+families that differ from Llama only in small ways are switches of the same model: optional biases
+on q/k/v (Qwen2) or q/k/v/o (attention_bias), per-head q/k RMSNorm before RoPE (Qwen3), an
+explicit head_dim (Mistral, Qwen3).
 
 Module names are stable and layout independent (`layers.3.attention.wq`), so checkpoints and the
 Hugging Face mapping never depend on how the model is parallelised. RoPE uses the "rotate half"
@@ -9,7 +12,9 @@ convention of Hugging Face checkpoints, so their q/k weights load without permut
 
 Build with `build_model(cfg, device)`: the modules are created on the meta device and only then
 materialised and initialised, so `build_model(cfg, "meta")` gives an 8B or 70B shape for
-planning without allocating any memory.
+planning without allocating any memory. A training run builds on meta, shards (parallel/), and only
+then materialises: `init_weights` writes each rank's shard of exactly the values one process would
+hold (models/shards.py), so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -24,12 +29,54 @@ from ..config import ModelConfig
 from ..ops.attention import attention
 from ..ops.loss import lm_head_loss
 from ..ops.norm import rms_norm
+from .shards import write_full
+
+
+def _yarn_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """YaRN (NTK-by-parts): dimensions that turn many times within the original context keep their
+    frequency (extrapolation), those that turn less than once are interpolated by `factor`, and a
+    linear ramp joins them. Written in the same float operations as transformers, so logits agree."""
+    hd, base, factor = cfg.resolved_head_dim, cfg.rope_theta, cfg.rope_factor
+    original = cfg.rope_original_max_len
+
+    def correction_dim(rotations):  # the dimension that turns `rotations` times over the original context
+        return (hd * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, hd - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(hd // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+    pos_freqs = base ** (torch.arange(0, hd, 2).to(device=device, dtype=torch.float) / hd)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_scale(cfg: ModelConfig) -> float:
+    """YaRN's factor on cos and sin (so on q.k, squared): 1 for every other RoPE type."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor:
+        return cfg.rope_attention_factor
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if cfg.rope_mscale and cfg.rope_mscale_all_dim:
+        return float(mscale(cfg.rope_factor, cfg.rope_mscale) / mscale(cfg.rope_factor, cfg.rope_mscale_all_dim))
+    return mscale(cfg.rope_factor)
 
 
 def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim / 2], with Llama-3 scaling when configured."""
+    """Per-pair inverse frequencies [head_dim / 2], with the configured scaling."""
     hd = cfg.resolved_head_dim
+    if cfg.rope_scaling == "yarn":
+        return _yarn_inv_freq(cfg, device)
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd))
+    if cfg.rope_scaling == "linear":
+        inv = inv / cfg.rope_factor  # positions divided by factor
     if cfg.rope_scaling == "llama3":
         # Long wavelengths (low frequencies) are stretched by `factor`, short ones kept, and the band
         # between the two wavelength thresholds interpolated smoothly (Llama 3.1 recipe).
@@ -45,11 +92,14 @@ def rope_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
     return inv
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
-    """cos, sin [batch, seq, 1, head_dim] in fp32 for integer positions [batch, seq]."""
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0):
+    """cos, sin [batch, seq, 1, head_dim] in fp32 for integer positions [batch, seq], times `scale`
+    (YaRN's attention factor; 1 otherwise)."""
     freqs = positions.float()[..., None] * inv_freq.float()
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,10 +127,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.resolved_head_dim
-        self.wq = nn.Linear(cfg.dim, self.heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=False)
+        self.wq = nn.Linear(cfg.dim, self.heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=cfg.out_bias)
+        # Qwen3: RMSNorm over each head's vector of q and k, before RoPE
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.core = local_attention
 
     def qkv(self, x, cos, sin):
@@ -90,6 +143,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, self.heads, self.head_dim)
         k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, doc_ids):
@@ -149,6 +204,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.empty(cfg.resolved_head_dim // 2), persistent=False)
+        self.rope_scale = rope_attention_scale(cfg)
         # tokens per chunk of the LM head + loss (ops/loss.py); 0 = one [tokens, vocab] logits tensor
         self.loss_chunk = 0
 
@@ -157,8 +213,17 @@ class Llama(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     @torch.no_grad()
+    def init_rope(self):
+        """Set the non-persistent RoPE frequencies (after materialising from meta)."""
+        self.inv_freq.data = rope_inv_freq(self.cfg, device=self.inv_freq.device).float()
+
+    @torch.no_grad()
     def init_weights(self, seed: int | None = None):
-        """Initialise every parameter and buffer in place (after materialising from meta)."""
+        """Initialise every parameter and buffer in place (after materialising from meta).
+
+        A sharded parameter (after FSDP) gets its own slice of the full tensor one process would
+        draw, one parameter at a time, so every layout starts from the same weights; the transient
+        is the largest single parameter, never the model."""
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.inv_freq.device).manual_seed(seed)
@@ -166,19 +231,23 @@ class Llama(nn.Module):
         # Output projections of each residual branch are scaled down with depth (GPT-2 / Llama practice).
         out_std = std / math.sqrt(2 * self.cfg.layers)
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)
+            full = torch.empty(p.shape, dtype=p.dtype, device=self.inv_freq.device)
+            if name.endswith(".bias"):
+                nn.init.zeros_(full)
+            elif p.dim() == 1:
+                nn.init.ones_(full)
             else:
                 s = out_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
-                nn.init.normal_(p, mean=0.0, std=s, generator=gen)
-        self.inv_freq.copy_(rope_inv_freq(self.cfg, device=self.inv_freq.device))
+                nn.init.normal_(full, mean=0.0, std=s, generator=gen)
+            write_full(p, full)
+        self.init_rope()
 
     def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True):
         """The last block's output, through the final norm unless final_norm=False."""
         b, s = tokens.shape
         if positions is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, doc_ids)
