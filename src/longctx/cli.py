@@ -110,7 +110,12 @@ def _cmd_checkpoint(args, overrides) -> int:
         raise UserError("longctx checkpoint export needs an output directory: longctx checkpoint export PATH --to hf OUT.")
     from .checkpoint.export import export_hf
 
-    print(f"wrote {export_hf(args.path, args.out)}")
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    out, copied = export_hf(args.path, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"wrote {out} ({args.dtype}" + (f"; tokenizer files: {', '.join(copied)})" if copied else
+                                          "; no tokenizer files found next to model.init_from)"))
     return 0
 
 
@@ -143,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a step-* checkpoint directory, or a checkpoints directory (its latest)")
     p.add_argument("out", nargs="?", help="export: the output directory")
     p.add_argument("--to", default="hf", help="export format (hf)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="export: weight precision")
+    p.add_argument("--max-shard-gb", type=float, default=5.0,
+                   help="export: largest safetensors file in GiB; above it, shards with an index")
     p.set_defaults(func=_cmd_checkpoint)
     from .planner.cli import add_arguments as plan_arguments
 

@@ -108,6 +108,11 @@ class ModelConfig:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.dim // self.heads
 
+    @property
+    def label(self) -> str:
+        """How logs and plans name the model: its preset, or its family and directory."""
+        return f"{self.family} {self.init_from.removeprefix('hf:')}" if self.preset == "hf" else self.preset
+
 
 @dataclass
 class ParallelConfig:

@@ -219,11 +219,9 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     for key, value in values.items():
         if key == "init_from":
             continue
-        if key == "preset":
+        if key == "preset":  # a named shape (e.g. from a recipe's [model]) yields to the checkpoint's
             if value != "hf":
-                raise HFFormatError(
-                    f"model.preset={value} and model.init_from={values['init_from']} both choose the model's shapes; "
-                    f"drop model.preset (the shapes come from {path / 'config.json'}).")
+                changed.append(f"model.preset {value!r} replaced by the shapes of {path / 'config.json'}")
             continue
         if key in EXTENSION_KEYS:
             if fields.get(key) != value:

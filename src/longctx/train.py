@@ -109,7 +109,12 @@ class Trainer:
                                    balance=cfg.data.balance, cost=cost_coefficients(cfg.model))
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log)
-        if self.device.type == "cuda":  # setup transients (one full parameter at init) are not the step's peak
+        # every rank's peak while building, loading and sharding the model (before anything the step
+        # allocates): what lets a model that no single rank could hold start at all
+        setup_peak, peak_kind = peak_memory_bytes(self.device)
+        high, neg_low = rt.max([float(setup_peak), -float(setup_peak)])
+        self.log(f"setup: {peak_kind} per rank {-neg_low / 2**30:.2f}-{high / 2**30:.2f} GiB")
+        if self.device.type == "cuda":  # setup transients are not the step's peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self.metrics_path = Path(cfg.metrics.file) if cfg.metrics.file else self.run_dir / "metrics.jsonl"
         self._describe(dtype)
@@ -122,8 +127,7 @@ class Trainer:
         layout = (f"{rt.world} ranks: dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x head {d.head} x ctx "
                   f"{d.ctx}" + (f" (window {d.window})" if d.window else "") + f", {d.placement}"
                   if rt.world > 1 else "1 process")
-        shape = f"{cfg.model.family} ({cfg.model.init_from})" if cfg.model.preset == "hf" else f"{cfg.model.preset} shape"
-        self.log(f"model: {shape}, {count_params(self.model) / 1e6:.2f}M parameters, "
+        self.log(f"model: {cfg.model.label}, {count_params(self.model) / 1e6:.2f}M parameters, "
                  f"{self.device.type} {str(dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
                  + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction
                     else "")

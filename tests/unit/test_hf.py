@@ -226,8 +226,12 @@ def test_init_from_makes_the_checkpoint_config_the_run_model(tmp_path):
         load_config(overrides=[f"--model.init_from=hf:{d}", "--model.dim=256"])
     with pytest.raises(HFFormatError, match="model.layers=3 contradicts"):
         load_config(overrides=[f"--model.init_from=hf:{d}", "--model.layers=3"])
-    with pytest.raises(HFFormatError, match="both choose the model's shapes"):
-        load_config(overrides=[f"--model.init_from=hf:{d}", "--model.preset=llama3-8b"])
+    from longctx.config_hf import resolve_init_from
+
+    fields, changed = resolve_init_from({"init_from": f"hf:{d}", "preset": "llama3-8b", "rope_theta": 1e6})
+    assert fields["dim"] == 64 and fields["preset"] == "hf"  # a recipe's preset yields to the checkpoint, loudly
+    assert changed == [f"model.preset 'llama3-8b' replaced by the shapes of {d / 'config.json'}",
+                       "model.rope_theta: 500000.0 -> 1000000.0"]
     with pytest.raises(HFFormatError, match="not a directory"):
         load_config(overrides=[f"--model.init_from=hf:{tmp_path / 'nowhere'}"])
     from longctx.errors import ConfigError

@@ -21,6 +21,8 @@ FORMAT = "longctx-checkpoint/1"
 MANIFEST = "manifest.json"
 # model fields that decide tensor shapes: a checkpoint only loads into a model that agrees on them
 SHAPE_FIELDS = ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
+# parameters that exist only in some families; manifests older than them had none
+OPTIONAL_PARAM_FIELDS = ("qkv_bias", "out_bias", "qk_norm")
 
 
 class CheckpointError(UserError):
@@ -92,6 +94,8 @@ def verify(directory: Path, checksums: bool = True) -> dict:
 def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
     saved = manifest["model"]
     diff = {k: (saved.get(k), model_cfg.get(k)) for k in SHAPE_FIELDS if saved.get(k) != model_cfg.get(k)}
+    diff.update({k: (saved.get(k, False), model_cfg.get(k, False)) for k in OPTIONAL_PARAM_FIELDS
+                 if saved.get(k, False) != model_cfg.get(k, False)})
     if saved.get("head_dim", 0) or model_cfg.get("head_dim", 0):
         def hd(c):
             return c.get("head_dim") or c["dim"] // c["heads"]
@@ -100,7 +104,9 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
             diff["head_dim"] = (hd(saved), hd(model_cfg))
     if diff:
         details = ", ".join(f"{k} {a} in the checkpoint vs {b} configured" for k, (a, b) in diff.items())
+        same = (f"--model.init_from {saved['init_from']}" if saved.get("init_from")
+                else f"--model.preset {saved.get('preset')}")
         raise CheckpointError(
             f"checkpoint {where} was written for another model ({details}). Configure the same model shape "
-            f"(e.g. --model.preset {saved.get('preset')}) or start without --checkpoint.resume. Nothing was loaded."
+            f"(e.g. {same}) or start without --checkpoint.resume. Nothing was loaded."
         )

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..cli_flags import renamed_flag
     from .hardware import hardware_names
 
-    p.add_argument("--model", default="debug", help="model preset (config model.preset), e.g. llama3-8b")
+    p.add_argument("--model", default="debug", help="model preset (config model.preset), e.g. llama3-8b, or "
+                                                     "hf:DIR to read the shapes of a local Hugging Face config.json")
     p.add_argument("--gpus", type=int, default=None, help="GPUs (ranks) in the job")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (which groups get fast links)")
     p.add_argument("--hardware", default=None, metavar="NAME|FILE.toml",
@@ -96,7 +97,8 @@ def build_request(args, overrides):
     from .hardware import calibrate, load_hardware
     from .search import Request, parse_tokens
 
-    base = load_config(None, [f"--model.preset={args.model}", *overrides])
+    model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
+    base = load_config(None, [model, *overrides])
     if args.gpus is None:
         raise ConfigError("longctx plan needs --gpus N (the number of GPUs, i.e. ranks), e.g. --gpus 64.")
     if args.seq_len is None:
@@ -188,6 +190,6 @@ def main(args, overrides) -> int:
     if best is None:
         why = "; ".join(res.suggestions) or "no layout fits"
         raise ConfigError(
-            f"no plan for {req.model.preset} at {req.seq_len:,} tokens fits on {req.gpus} x {req.hardware.name}: "
+            f"no plan for {req.model.label} at {req.seq_len:,} tokens fits on {req.gpus} x {req.hardware.name}: "
             f"{why}.")
     return 0

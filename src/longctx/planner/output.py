@@ -52,7 +52,7 @@ def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
     world = est.layout.world
     nodes = max(1, world // req.gpus_per_node)
     head = [
-        (f"# written by `longctx plan`: {req.model.preset}, {req.global_batch} sequences of {req.seq_len:,} tokens "
+        (f"# written by `longctx plan`: {req.model.label}, {req.global_batch} sequences of {req.seq_len:,} tokens "
          f"per step on {world} x {req.hardware.name}"),
         (f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
          f"{est.memory['total'] / GIB:.1f} GiB per GPU, bottleneck {est.bottleneck}"),
@@ -84,7 +84,7 @@ def table(res: PlanResult, top: int = 10) -> str:
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
     hw = req.hardware
-    intro = (f"{req.model.preset}: global batch {req.global_batch} x {req.seq_len:,} tokens per step on "
+    intro = (f"{req.model.label}: global batch {req.global_batch} x {req.seq_len:,} tokens per step on "
              f"{req.gpus} x {hw.name} "
              f"({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s, {req.gpus_per_node} per node, "
              f"{hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, host {hw.host_memory_gib:g} GiB per node); "
@@ -101,7 +101,7 @@ def doc_work_text(req: Request) -> str:
 def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> str:
     req = res.request
     return json.dumps({
-        "request": {"model": req.model.preset, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
+        "request": {"model": req.model.label, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
                     "seq_len": req.seq_len, "global_batch": req.global_batch,
                     "doc_mask": req.doc_mask, "doc_work": req.doc_work, "doc_work_source": req.doc_work_source,
                     "hardware": dataclasses.asdict(req.hardware)},
