@@ -10,7 +10,6 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from safetensors.torch import save_file  # noqa: E402
 
 from longctx.config import load_config  # noqa: E402
 from longctx.parallel.spawn import run_spawned  # noqa: E402
@@ -65,8 +64,9 @@ def test_qwen3_head2_ctx2_matches_one_process_then_exports(qwen3_dir, tmp_path):
     assert (recorded.family, recorded.dim, recorded.head_dim, recorded.rope_scaling) == ("qwen3", 64, 32, "yarn")
 
     out = tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(tmp_path / "parallel" / "checkpoints"),
-                        str(out), "--to", "hf", "--max-shard-gb", "0.0001"], capture_output=True, text=True, cwd=ROOT)
+    checkpoints = tmp_path / "parallel" / "checkpoints"
+    r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(checkpoints), str(out),
+                        "--to", "hf", "--max-shard-gb", "0.0001"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert (out / "tokenizer_config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     from longctx.checkpoint.manager import load_model_weights

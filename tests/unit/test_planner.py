@@ -475,3 +475,28 @@ def test_sparse_backward_temporaries_fit_the_count():
     accumulators = s * 4 * (q_dim + 2 * m.kv_heads * hd)
     assert accumulators < mode.peak <= count, (mode.peak, count)
     assert mode.largest < s * s * 4  # nothing S x S (the largest tensor is a few rows x heads x d)
+
+
+def test_plan_reads_the_shapes_of_a_local_hugging_face_config(tmp_path):
+    """`longctx plan --model hf:DIR` plans for the config.json's model (no weights needed)."""
+    import argparse
+    import json
+
+    from longctx.planner.cli import add_arguments, build_request
+
+    qwen3_8b = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                    rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+                    hidden_act="silu", rope_theta=1000000.0, attention_bias=False)
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_8b))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    req, base = build_request(p.parse_args(["--model", f"hf:{tmp_path}", "--gpus", "8", "--seq-len", "32K"]), [])
+    m = req.model
+    assert (m.family, m.dim, m.layers, m.heads, m.kv_heads, m.head_dim, m.ffn_dim, m.vocab_size) == \
+        ("qwen3", 4096, 36, 32, 8, 128, 12288, 151936)
+    assert m.qk_norm and m.rope_theta == 1e6
+    from longctx.errors import UserError
+
+    with pytest.raises(UserError, match="nothing is not a directory"):  # a wrong path is named
+        build_request(p.parse_args(["--model", f"hf:{tmp_path / 'nothing'}", "--gpus", "8", "--seq-len", "32K"]), [])
