@@ -57,6 +57,11 @@ def _cmd_train(args, overrides) -> int:
 
     if launching and nproc > 1:
         check_layout(cfg, nproc)  # fail fast, before any process starts
+        if cfg.model.init_from:  # missing shards: said once, here, not by every rank after launch
+            from .config_hf import hf_dir
+            from .models.hf import weight_files
+
+            weight_files(hf_dir(cfg.model.init_from))
         if not cfg.data.path:
             # build (or find) the cached default store here, once, rather than in rank 0 while the
             # other ranks wait in a collective bounded by parallel.timeout_s

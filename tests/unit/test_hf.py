@@ -198,6 +198,14 @@ def test_bad_checkpoints_are_explained(tmp_path):
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(HFFormatError, match="model-00002-of-00002.safetensors"):
         load_hf(d)
+    # and before any rank is launched, said once (exit 2, one paragraph, no traceback)
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "longctx", "train", "--nproc=4", f"--model.init_from=hf:{d}",
+                        "--train.seq_len=128", "--train.steps=1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("model-00002-of-00002.safetensors") == 1 and "rank" not in r.stderr
     for f in d.glob("model*"):
         f.unlink()
     with pytest.raises(HFFormatError, match="neither model.safetensors"):

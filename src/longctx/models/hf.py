@@ -26,7 +26,7 @@ from ..config_hf import HFFormatError, hf_config_from_model, model_fields_from_h
 from .llama import Llama, build_model
 from .shards import local_part, local_slices
 
-__all__ = ["HFFormatError", "config_from_hf", "hf_name", "load_hf", "load_hf_weights", "save_hf",
+__all__ = ["HFFormatError", "config_from_hf", "hf_name", "load_hf", "load_hf_weights", "save_hf", "weight_files",
            "copy_tokenizer_files"]
 
 # our name (within layer i) -> Hugging Face name (within model.layers.i)
@@ -69,7 +69,7 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     return ModelConfig(**model_fields_from_hf(hf, where), preset="hf")
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
+def weight_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -95,7 +95,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
     """Fill `model` (materialised, possibly FSDP-sharded) from the safetensors in `path`, each rank
     reading only the part of every tensor it holds."""
     path = Path(path)
-    files = _weight_files(path)
+    files = weight_files(path)
     params = dict(model.named_parameters())
     wanted = {ours: hf_name(ours) for ours in params}
     missing = [theirs for theirs in wanted.values() if theirs not in files]
