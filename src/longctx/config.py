@@ -187,6 +187,10 @@ class MemoryConfig:
                                    "attention_chunk > 0")
     loss_chunk: int = _opt(4096, "tokens per chunk of the LM head + cross-entropy when a rank holds more tokens "
                            "than this (logits [tokens, vocab] never exist); 0 = never chunk")
+    grad_sync: str = _opt("step", "with train.grad_accum > 1 under FSDP: reduce gradients once per optimizer step "
+                          "(step: least traffic, but each rank holds its unsharded fp32 gradients between "
+                          "micro-batches) or after every micro-batch (micro_batch: no extra memory)",
+                          choices=("step", "micro_batch"))
 
 
 @dataclass

@@ -48,12 +48,24 @@ def lr_at(step: int, cfg) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on norms)."""
+    """AdamW with weight decay on matrices only (not on norms): the fused kernel on CUDA (one launch
+    for all parameters), the multi-tensor (foreach) one elsewhere."""
     t = cfg.train
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps)
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                             fused=cuda, foreach=not cuda)
+
+
+def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+    """Under FSDP2: reduce-scatter (and, with HSDP, all-reduce) the gradients at the end of this
+    backward, or keep accumulating them unsharded on each rank. Gradient accumulation turns it off
+    for every micro-batch but the last, so gradients cross the network once per optimizer step
+    (at the cost of holding this rank's unsharded gradients between micro-batches)."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
 
 
 def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
@@ -62,12 +74,13 @@ def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype 
         return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction="sum")
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm (over all shards) and clipping to max_norm (0 = no clipping)."""
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm (over all shards, a tensor left on the device: reading it is the
+    caller's choice) and clipping to max_norm (0 = no clipping)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
     if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients: the norm is a partial result
         norm = norm.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return float(norm)
+    return norm

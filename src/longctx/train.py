@@ -14,6 +14,7 @@ clipping) in step.py.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import sys
@@ -51,6 +52,7 @@ from .step import (
     lr_at,
     make_optimizer,
     resolve_device,
+    set_gradient_sync,
     resolve_dtype,
     seed_everything,
 )
@@ -101,6 +103,8 @@ class Trainer:
         if rt.is_main:
             (self.run_dir / "config.toml").write_text(to_toml(cfg))
         self.model = build_training_model(cfg, self.device, rt, self.log)
+        # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
+        self.device_section = contextlib.nullcontext
         self.optimizer = make_optimizer(self.model, cfg)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost
@@ -145,23 +149,31 @@ class Trainer:
         gather = 2 if self.device.type == "cuda" and t.dtype in ("auto", "bf16") else 4  # bf16 all-gathers
         total = sum(p.numel() for p in self.model.parameters())
         blocks = sum(p.numel() for p in self.model.layers.parameters())
-        self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, t.grad_accum, gather)
+        self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, t.grad_accum, gather,
+                                              cfg.memory.grad_sync)
         result = TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1)
         progress = _progress(t.steps, cfg.metrics.progress and rt.is_main)
         self.say = progress.write if progress is not None else self.log
         run_start = time.perf_counter()
         window = self._new_window()
         total_eval_s = 0.0
+        unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps whose figures are still on the device
         try:
             for step in range(self.start_step + 1, t.steps + 1):
-                loss, grad_norm, lr = self.step(step)
-                result.losses.append(loss)
+                loss_t, grad_norm_t, lr = self.step(step)
+                unread.append((step, loss_t, grad_norm_t))
                 window.steps += 1
+                log_now = step % cfg.metrics.log_interval == 0 or step == t.steps or step == 1
+                if log_now or self._save_due(step):
+                    # the one host read of the step's figures, here and not every step: it waits for
+                    # the device to finish; before a save, so no checkpoint holds a non-finite step
+                    loss, grad_norm = self._read_back(unread, result)
+                    if progress is not None:
+                        progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
                 window.save_blocking_s += self.save(step)
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                if step % cfg.metrics.log_interval == 0 or step == t.steps or step == 1:
+                if log_now:
                     self.log_metrics(writer, window, step, loss, grad_norm, lr, run_start)
                     window = self._new_window()
                 if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
@@ -175,8 +187,9 @@ class Trainer:
                 writer.close()
         return self._finish(result, time.perf_counter() - run_start, total_eval_s)
 
-    def step(self, step: int) -> tuple[float, float, float]:
-        """One optimizer step (1-based): its loss over the global batch, the gradient norm, the lr."""
+    def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
+        left on the device (nothing in a step waits for the device), and the lr."""
         t, rt = self.cfg.train, self.rt
         lr = lr_at(step - 1, self.cfg)
         for group in self.optimizer.param_groups:
@@ -184,40 +197,57 @@ class Trainer:
         batches = [self.sampler.next_batch() for _ in range(t.grad_accum)]
         valid = sum(b.valid_tokens for b in batches)  # of the global step: the same on every rank
         scale = grad_scale(rt.dims)
-        local_loss = 0.0
-        for batch in batches:
-            loss_sum = forward_loss_sum(self.model, rt.local_batch(batch, self.device), self.autocast_dtype)
-            (loss_sum * (scale / valid)).backward()
-            local_loss += float(loss_sum.detach())
-        loss = rt.sum([local_loss])[0] / max(valid, 1)
-        if not math.isfinite(loss):
-            raise TrainingError(
-                f"the training loss is {loss} at step {step} (learning rate {lr:.3g}); stopping before the "
-                f"optimizer applies it. Lower train.lr, raise train.warmup_steps or set train.grad_clip."
-            )
-        grad_norm = clip_gradients(self.model, t.grad_clip)
+        micro = [rt.local_batch(b, self.device) for b in batches]  # host work: layouts, plans, copies
+        with self.device_section():
+            local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+            for i, batch in enumerate(micro):
+                set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
+                loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
+                (loss_sum * (scale / valid)).backward()
+                local_loss += loss_sum.detach()
+            loss = rt.sum_tensor(local_loss) / max(valid, 1)
+            grad_norm = clip_gradients(self.model, t.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, lr
+
+    def _read_back(self, unread: list, result: TrainResult) -> tuple[float, float]:
+        """Read the losses and gradient norms of the steps since the last read in one transfer,
+        record them, and stop on a non-finite loss; returns the newest (loss, grad norm)."""
+        steps = [s for s, _, _ in unread]
+        values = torch.stack([torch.stack([lo.double(), g.double()]) for _, lo, g in unread]).tolist()
+        unread.clear()
+        for step, (loss, _) in zip(steps, values):
+            if not math.isfinite(loss):
+                raise TrainingError(
+                    f"the training loss is {loss} at step {step} (learning rate {lr_at(step - 1, self.cfg):.3g}); "
+                    f"stopping (losses are read every metrics.log_interval steps and before every checkpoint, "
+                    f"so no checkpoint holds this step). Lower train.lr, raise train.warmup_steps or set "
+                    f"train.grad_clip.")
+            result.losses.append(loss)
+        return values[-1][0], values[-1][1]
+
+    def _save_due(self, step: int) -> bool:
+        ck = self.cfg.checkpoint
+        return self.ckpt is not None and bool(ck.interval) and step % ck.interval == 0
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches micro-batches of eval samples (a fixed set, so evals compare)."""
         model, samples, micro = self.model, self.eval_samples, self.micro_batch
         model.eval()
-        total, count = 0.0, 0
+        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         n = min(len(samples), self.cfg.train.eval_batches * micro)
         for start in range(0, n - micro + 1, micro):
             batch = samples.batch(range(start, start + micro))
-            total += float(forward_loss_sum(model, self.rt.local_batch(batch, self.device), self.autocast_dtype))
+            total += forward_loss_sum(model, self.rt.local_batch(batch, self.device), self.autocast_dtype)
             count += batch.valid_tokens
         model.train()
-        return self.rt.sum([total])[0] / max(count, 1)
+        return float(self.rt.sum_tensor(total)) / max(count, 1)  # one host read per evaluation
 
     def save(self, step: int) -> float:
         """Save when the interval says so; returns the seconds the loop was blocked by it."""
-        ck = self.cfg.checkpoint
-        if self.ckpt is None or not ck.interval or step % ck.interval:
+        if not self._save_due(step):
             return 0.0
         self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
         return self.ckpt.last_save_blocking_s

@@ -9,7 +9,8 @@ up, then measures a second step:
   ring implementation sends: (n-1)/n of an all-gather's output and of a reduce-scatter's input,
   2 (n-1)/n of an all-reduce's tensor, the convention of comm.py's counters and of the planner.
   comm.py's own collectives (the Ulysses all-to-alls, the document-id all-gather, ring hops) are
-  not counted there. The sum must equal `fsdp_bytes_per_micro(...) x grad_accum`, which is what
+  not counted there. The sum must equal `fsdp_bytes_per_step(...)` (gathers every micro-batch,
+  gradients reduced once per step), which is what
   the planner's estimate reports as comm_bytes["fsdp"].
 - model states: after the step, each rank's local shards of the parameters, their gradients and
   AdamW's exp_avg / exp_avg_sq, summed in bytes from the tensors themselves. The planner assumes 16
@@ -24,7 +25,7 @@ import pytest
 
 from longctx.config import load_config, to_dict
 from longctx.parallel.spawn import run_spawned
-from longctx.planner.cost import Layout, estimate, fsdp_bytes_per_micro, param_counts
+from longctx.planner.cost import Layout, Policy, estimate, fsdp_bytes_per_step, param_counts
 from longctx.planner.hardware import PRESETS
 from longctx.planner.validate import Case, case_config
 
@@ -34,6 +35,9 @@ HW = PRESETS["h100"].replace(dtype_bytes=4, name="cpu-test")  # fp32 gathers, as
 
 CASES = [
     Case("dp4 grad_accum 2", "debug", 256, Layout(1, 4, 1, 1), grad_accum=2),
+    Case("dp2 x ctx2 grad_accum 4", "debug", 256, Layout(1, 2, 1, 2), grad_accum=4),
+    Case("dp2 x ctx2 grad_accum 4 sync per micro-batch", "debug", 256, Layout(1, 2, 1, 2),
+         Policy(grad_sync="micro_batch"), grad_accum=4),
     Case("dp2 x head2 (head 2 x ctx 1)", "debug", 256, Layout(1, 2, 2, 1)),
     Case("HSDP rep2 x dp2 grad_accum 2", "debug", 256, Layout(2, 2, 1, 1), grad_accum=2),
     Case("HSDP rep2 x ctx2", "debug", 256, Layout(2, 1, 1, 2)),
@@ -72,14 +76,14 @@ def _predicted(case):
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fsdp_bytes_equal_a_real_step(case, measured):
     est = _predicted(case)
-    per_micro = fsdp_bytes_per_micro(case_config(case).model, case.layout, HW.dtype_bytes)
+    per_step = fsdp_bytes_per_step(case_config(case).model, case.layout, HW.dtype_bytes, case.grad_accum,
+                                   case.policy.grad_sync)
     assert est.grad_accum == case.grad_accum
-    assert est.comm_bytes["fsdp"]["fsdp"] == per_micro * case.grad_accum
+    assert est.comm_bytes["fsdp"]["fsdp"] == per_step
     expected_ops = {"all_gather", "reduce_scatter"} | ({"all_reduce"} if case.layout.dp_replicate > 1 else set())
     for rank, got in enumerate(measured[case.name]):
         assert set(got["traffic"]) == expected_ops, (rank, got["traffic"])
-        assert sum(got["traffic"].values()) == pytest.approx(per_micro * case.grad_accum, rel=1e-12), \
-            (rank, got["traffic"], per_micro * case.grad_accum)
+        assert sum(got["traffic"].values()) == pytest.approx(per_step, rel=1e-12), (rank, got["traffic"], per_step)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -96,6 +100,21 @@ def test_the_training_loops_closed_form_equals_a_real_step(case, measured):
     m = load_config(None, {"model": {"preset": case.preset}}).model
     L = case.layout
     pc = param_counts(m)
-    closed = fsdp_bytes_per_step(pc["total"], pc["root"], L, case.grad_accum, HW.dtype_bytes)["fsdp"]
+    closed = fsdp_bytes_per_step(pc["total"], pc["root"], L, case.grad_accum, HW.dtype_bytes,
+                                 case.policy.grad_sync)["fsdp"]
     for got in measured[case.name]:
         assert sum(got["traffic"].values()) == pytest.approx(closed, rel=1e-12)
+
+
+def test_gradients_cross_once_per_optimizer_step(measured):
+    """With 4 micro-batches the gradients are reduce-scattered once (sync off for the first three):
+    the bytes of one micro-batch's reduce-scatter, not four, while the gathers run every micro-batch."""
+    step, micro = (next(c for c in CASES if c.grad_accum == 4 and c.policy.grad_sync == g)
+                   for g in ("step", "micro_batch"))
+    n = step.layout.fsdp
+    total = param_counts(case_config(step).model)["total"]
+    once = (n - 1) / n * total * 4  # fp32 gradients, (n-1)/n of them
+    for got in measured[step.name]:
+        assert got["traffic"]["reduce_scatter"] == pytest.approx(once, rel=1e-12), got["traffic"]
+    for got in measured[micro.name]:  # memory.grad_sync = micro_batch: every micro-batch, as before
+        assert got["traffic"]["reduce_scatter"] == pytest.approx(4 * once, rel=1e-12), got["traffic"]

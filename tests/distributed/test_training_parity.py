@@ -48,6 +48,13 @@ def test_losses_match_single_process(layout, reference, tmp_path):
     print(f"{layout}: max |loss - single| over {STEPS} steps = {diff:.2e}")
 
 
+def test_gradient_accumulation_with_sync_once_per_step_matches_single_process(reference, tmp_path):
+    """dp 2 x ctx 2 with 2 micro-batches per step (FSDP gradient sync off for the first): the same
+    losses as one process without accumulation."""
+    diff = check("dp2-ctx2", reference, tmp_path, extra=["--train.grad_accum=2"])
+    print(f"dp2-ctx2 grad_accum 2: max |loss - single| over {STEPS} steps = {diff:.2e}")
+
+
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory):
     """A corpus of short documents (20-300 bytes): every 512-token window packs several, and their

@@ -373,6 +373,8 @@ class _Attention(torch.autograd.Function):
         out, lse = attention_forward(q, k, v, causal=causal, q_doc=q_doc, k_doc=k_doc, scale=scale, backend=backend)
         ctx.save_for_backward(q, k, v, out, lse, q_doc, k_doc)
         ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        # an unused lse then arrives as None, not as zeros that the host would have to inspect
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
@@ -380,8 +382,6 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, q_doc, k_doc = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        if dlse is not None and not torch.any(dlse):
-            dlse = None
         dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=ctx.causal, q_doc=q_doc, k_doc=k_doc,
                                         scale=ctx.scale, backend=ctx.backend, dlse=dlse)
         return dq, dk, dv, None, None, None, None, None

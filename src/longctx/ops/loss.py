@@ -107,7 +107,8 @@ class _ChunkedLoss(torch.autograd.Function):
                     xn = x
                 # d loss / d logits = softmax - onehot(label), zero for ignored tokens
                 probs = torch.exp_(_logits(xn.detach(), weight, dtype).sub_(lse[s:e, None]))
-                probs[valid, lab[valid]] -= 1.0
+                # (a scatter, not a boolean mask: a mask's size would be read from the device)
+                probs.scatter_add_(1, lab.clamp(min=0)[:, None], -valid.to(probs.dtype)[:, None])
                 probs.mul_((valid.to(probs.dtype) * grad)[:, None])
                 g = probs.to(mm)
                 del probs

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ConfigError
 from ..ops.chunked import ChunkGrid, chunked_attention
+from . import comm
 from .ring import ring_attention
 from .sequence import (SequenceLayout, attach_layout, check_doc_ids, layout_of, plan_layout, shard_indices,
                        unshard_sequence)
@@ -63,7 +64,7 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     out, lse) in host memory until backward. Returns this rank's output shard, shaped like q;
     differentiable.
     """
-    head_mesh, ctx_mesh = mesh["head"], mesh["ctx"]
+    head_mesh, ctx_mesh = comm.sub_mesh(mesh, "head"), comm.sub_mesh(mesh, "ctx")
     h, c = head_mesh.size(), ctx_mesh.size()
     check_inputs(q, k, v, doc_ids, h, c, window)
     plans = None
@@ -74,10 +75,10 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     if doc_ids is not None or layout is not None:
         layout = layout or layout_of(doc_ids) or _zigzag_layout_of(doc_ids, mesh)
         layout.check(q.shape[1] * h * c, c, h, q.shape[0])
-        me = ctx_mesh.get_local_rank()
+        me = comm.local_rank(ctx_mesh)
         plans = functools.partial(_block_plan, layout, me, causal, attention_chunk)
     elif attention_chunk:
-        plans = functools.partial(_zigzag_grid, q.shape[0], q.shape[1] * h * c, c, ctx_mesh.get_local_rank(), causal,
+        plans = functools.partial(_zigzag_grid, q.shape[0], q.shape[1] * h * c, c, comm.local_rank(ctx_mesh), causal,
                                   attention_chunk)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     r = kv_replication(k.shape[2], h)

@@ -69,9 +69,32 @@ def dim_name(mesh) -> str:
     return names[0] if names else "?"
 
 
+# Slicing a DeviceMesh and asking it for a local rank run tensor ops on its rank table (nonzero,
+# item) and cost tens of microseconds; the meshes live as long as the job, so each answer is kept.
+_MESH_FACTS: dict[tuple[int, object], tuple[object, object]] = {}
+
+
+def _mesh_fact(mesh, key, compute):
+    hit = _MESH_FACTS.get((id(mesh), key))
+    if hit is None or hit[0] is not mesh:  # (holding the mesh keeps its id from being reused)
+        hit = (mesh, compute())
+        _MESH_FACTS[(id(mesh), key)] = hit
+    return hit[1]
+
+
+def sub_mesh(mesh, name):
+    """mesh[name], computed once per mesh."""
+    return _mesh_fact(mesh, ("sub", name), lambda: mesh[name])
+
+
+def local_rank(mesh) -> int:
+    """This rank's index in a 1-D mesh, computed once per mesh."""
+    return _mesh_fact(mesh, "local_rank", mesh.get_local_rank)
+
+
 def group_ranks(mesh) -> list[int]:
     """Global ranks of this 1-D mesh, in group order."""
-    return mesh.mesh.flatten().tolist()
+    return _mesh_fact(mesh, "ranks", lambda: mesh.mesh.flatten().tolist())
 
 
 def all_to_all(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor:

@@ -128,7 +128,7 @@ def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
 
     plans: None (no documents: zigzag block rows) or a function source rank -> SegmentPlan, or ->
     ChunkGrid when the attention core runs in chunks (memory.attention_chunk, ops/chunked.py)."""
-    c, rank = mesh.size(), mesh.get_local_rank()
+    c, rank = mesh.size(), comm.local_rank(mesh)
     sched = Schedule(c, window or c, rank)
     s = q.shape[1]
     acc = None  # (out fp32, lse fp32), started by the first block, which always covers every query row
@@ -154,7 +154,7 @@ def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
 
 def ring_backward(dout, q, k, v, out, lse, mesh, window, causal, scale, backend, plans=None):
     """Gradients (dq, dk, dv) of ring_forward; dk/dv arrive back at their owner in fp32, then cast."""
-    c, rank = mesh.size(), mesh.get_local_rank()
+    c, rank = mesh.size(), comm.local_rank(mesh)
     sched = Schedule(c, window or c, rank)
     # fp32; without documents the first block (which covers every query row) starts it
     dq = None if plans is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)

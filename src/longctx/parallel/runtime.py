@@ -52,7 +52,8 @@ class Runtime:
     def dp_rank(self) -> int:
         if self.mesh is None:
             return 0
-        return self.mesh["dp_replicate"].get_local_rank() * self.dims.dp_shard + self.mesh["dp_shard"].get_local_rank()
+        replicate, shard = comm.sub_mesh(self.mesh, "dp_replicate"), comm.sub_mesh(self.mesh, "dp_shard")
+        return comm.local_rank(replicate) * self.dims.dp_shard + comm.local_rank(shard)
 
     def local_batch(self, batch: Batch, device=None) -> Batch:
         """My data-parallel share of a global batch, then my balanced part of each sequence (on
@@ -86,6 +87,12 @@ class Runtime:
 
     def max(self, values: list[float]) -> list[float]:
         return self._reduce(values, dist.ReduceOp.MAX)
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over all ranks of a device tensor, left on the device (no host read)."""
+        if self.world_mesh is None:
+            return t
+        return comm.all_reduce(t, self.world_mesh, op=dist.ReduceOp.SUM, label="metrics")
 
     def _reduce(self, values, op):
         if self.world_mesh is None:

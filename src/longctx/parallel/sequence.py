@@ -24,8 +24,8 @@ def _degrees(mesh) -> tuple[int, int, int, int]:
     """(ctx, head, ctx_rank, head_rank) of this process in `mesh` (None = one process)."""
     if mesh is None:
         return 1, 1, 0, 0
-    c, h = mesh["ctx"].size(), mesh["head"].size()
-    return c, h, mesh["ctx"].get_local_rank(), mesh["head"].get_local_rank()
+    ctx, head = comm.sub_mesh(mesh, "ctx"), comm.sub_mesh(mesh, "head")
+    return ctx.size(), head.size(), comm.local_rank(ctx), comm.local_rank(head)
 
 
 def check_divisible(seq_len: int, ctx: int, head: int) -> None:
@@ -64,9 +64,9 @@ def unshard_sequence(local: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tenso
     c, h, _, _ = _degrees(mesh)
     if c == h == 1:
         return local
-    gathered = comm.all_gather(local, mesh["head"], label="unshard")           # [h, ...]
+    gathered = comm.all_gather(local, comm.sub_mesh(mesh, "head"), label="unshard")           # [h, ...]
     gathered = torch.cat(list(gathered.unbind(0)), dim=seq_dim)                # context rank's part
-    gathered = comm.all_gather(gathered, mesh["ctx"], label="unshard")         # [c, ...]
+    gathered = comm.all_gather(gathered, comm.sub_mesh(mesh, "ctx"), label="unshard")         # [c, ...]
     gathered = torch.cat(list(gathered.unbind(0)), dim=seq_dim)
     seq_len = local.shape[seq_dim] * c * h
     order = torch.cat([shard_indices(seq_len, c, h, i, j) for i in range(c) for j in range(h)]).to(local.device)
@@ -135,9 +135,9 @@ class SequenceLayout:
         self.check(local.shape[1] * c * h, c, h, local.shape[0])
         gathered = local
         if h > 1:
-            gathered = torch.cat(list(comm.all_gather(gathered, mesh["head"], label="unshard").unbind(0)), dim=1)
+            gathered = torch.cat(list(comm.all_gather(gathered, comm.sub_mesh(mesh, "head"), label="unshard").unbind(0)), dim=1)
         if c > 1:
-            gathered = torch.cat(list(comm.all_gather(gathered, mesh["ctx"], label="unshard").unbind(0)), dim=1)
+            gathered = torch.cat(list(comm.all_gather(gathered, comm.sub_mesh(mesh, "ctx"), label="unshard").unbind(0)), dim=1)
         order = torch.from_numpy(self.positions.reshape(self.batch, -1)).to(local.device)
         out = torch.empty_like(gathered)
         rows = torch.arange(local.shape[0], device=local.device)[:, None]

@@ -11,18 +11,32 @@ from .ulysses import kv_replication
 DOC_ID_BYTES = 8  # int64
 
 
-def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_params: int = 0) -> float:
-    """FSDP2 traffic per rank and micro-batch (its collectives run inside PyTorch; comm.library_traffic
-    measures them): every block's parameters all-gathered (gather_bytes each) for forward and again
-    for backward, the root module's `root_params` (embeddings, final norm, LM head) once (FSDP2 does
-    not reshard the root after forward), each (n-1)/n of the gathered tensor; fp32 gradients
-    reduce-scattered over the `shard` group ((n-1)/n of them); with HSDP the fp32 gradient shards
-    then all-reduced over `replicas` (2 (r-1)/r of the shard)."""
+def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_params: int = 0,
+               grad_accum: int = 1, grad_sync: str = "step") -> float:
+    """FSDP2 traffic per rank and optimizer step of `grad_accum` micro-batches (its collectives run
+    inside PyTorch; comm.library_traffic measures them). Every micro-batch all-gathers every block's
+    parameters (gather_bytes each) for forward and again for backward, the root module's
+    `root_params` (embeddings, final norm, LM head) once (FSDP2 does not reshard the root after
+    forward), each (n-1)/n of the gathered tensor. The gradients cross once per step (grad_sync
+    "step": the training loop turns gradient sync off for all micro-batches but the last; with
+    "micro_batch" after every micro-batch): fp32 gradients reduce-
+    scattered over the `shard` group ((n-1)/n of them) and, with HSDP, the fp32 gradient shards
+    all-reduced over `replicas` (2 (r-1)/r of the shard)."""
     if shard * replicas == 1:
         return 0.0
     gathered = 2 * (params - root_params) + root_params
-    out = (shard - 1) / shard * (gathered * gather_bytes + params * 4)
-    return out + 2 * (replicas - 1) / replicas * params * 4 / shard
+    gathers = (shard - 1) / shard * gathered * gather_bytes
+    reduces = (shard - 1) / shard * params * 4 + 2 * (replicas - 1) / replicas * params * 4 / shard
+    return gathers * grad_accum + reduces * (grad_accum if grad_sync == "micro_batch" else 1)
+
+
+def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int,
+                        gather_bytes: int, grad_sync: str = "step") -> dict[str, float]:
+    """FSDP2 traffic per rank and optimizer step, as the metrics line reports it ({} on one rank)."""
+    shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate
+    if shard * replicas == 1:
+        return {}
+    return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync)}
 
 
 def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, head: int, ctx: int,
@@ -55,12 +69,3 @@ def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim
         if docs:
             out["ctx"]["unshard"] = (ctx - 1) * batch * (seq // ctx) * DOC_ID_BYTES
     return out
-
-
-def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int,
-                        gather_bytes: int) -> dict[str, float]:
-    """FSDP2 traffic per rank and optimizer step, as the metrics line reports it ({} on one rank)."""
-    shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate
-    if shard * replicas == 1:
-        return {}
-    return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes, root_params) * grad_accum}

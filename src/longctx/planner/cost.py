@@ -8,10 +8,10 @@ Everything is per GPU (rank) and exact where the implementation allows it:
   recomputation, the forward once more; document ids cost no bytes (the training loop plans each
   batch's sequence layout on the host from the ids every rank already has, Runtime.local_batch,
   and the layout travels with the local ids to the attention core); FSDP bytes are
-  `fsdp_bytes_per_micro`: the blocks' parameters all-gathered for forward and again for backward,
-  the root's once (FSDP2 keeps the root gathered from forward to backward), fp32 gradients reduce-
-  scattered and, under HSDP, all-reduced over the replicas (FSDP's collectives bypass comm.py's
-  counters; `comm.library_traffic()` counts them, and tests/distributed/test_planner_validation.py
+  `fsdp_bytes_per_step`: per micro-batch the blocks' parameters all-gathered for forward and again
+  for backward, the root's once (FSDP2 keeps the root gathered from forward to backward); once per
+  step (memory.grad_sync) fp32 gradients reduce-scattered and, under HSDP, all-reduced over the
+  replicas (FSDP's collectives bypass comm.py's counters; `comm.library_traffic()` counts them, and tests/distributed/test_planner_validation.py
   compares a real step with this figure);
 - activation memory is `memory.accounting.estimate_activations` (the formulas `longctx bench
   memory` is compared with to the byte), plus `transient_bytes`, the working set of one block's
@@ -103,6 +103,7 @@ class Policy:
     block_chunk: int = 0              # tokens per chunk of the blocks' token-wise stages; 0 = whole
     attention_chunk: int = 0          # tokens per chunk of the attention core; 0 = all of a rank's tokens
     attention_offload: bool = False   # the attention core's kept state in host memory (with attention_chunk)
+    grad_sync: str = "step"           # with grad_accum > 1: gradients reduced once per step, or per micro_batch
 
     def describe(self) -> str:
         text = self.recompute
@@ -115,6 +116,8 @@ class Policy:
                 text += f" {tag}{n // 1024}K" if n >= 1024 else f" {tag}{n}"
         if self.attention_offload:
             text += " ahost"
+        if self.grad_sync != "step":
+            text += " gs-micro"
         return text
 
     def memory_config(self) -> dict:
@@ -122,7 +125,7 @@ class Policy:
         return {"recompute": self.recompute, "offload_fraction": float(self.offload_fraction),
                 "offload_skip_last": self.offload_skip_last, "loss_chunk": self.loss_chunk,
                 "block_chunk": self.block_chunk, "attention_chunk": self.attention_chunk,
-                "attention_offload": self.attention_offload}
+                "attention_offload": self.attention_offload, "grad_sync": self.grad_sync}
 
 
 @dataclass
@@ -182,14 +185,16 @@ def model_state_bytes(m: ModelConfig, layout: Layout) -> float:
     return 16 * param_counts(m)["total"] / layout.fsdp
 
 
-def fsdp_bytes_per_micro(m: ModelConfig, layout: Layout, gather_bytes: int) -> float:
-    """FSDP2 bytes one rank sends per micro-batch: every block's parameters all-gathered
-    (`gather_bytes` each) for forward and again for backward, the root's (embeddings, final norm, LM
-    head) once (FSDP2 does not reshard the root after forward), each (n-1)/n of the gathered
-    tensor; fp32 gradients reduce-scattered over the shard group of n ranks ((n-1)/n of them);
-    under HSDP the fp32 gradient shards all-reduced over the r replicas (2 (r-1)/r of the shard)."""
+def fsdp_bytes_per_step(m: ModelConfig, layout: Layout, gather_bytes: int, grad_accum: int = 1,
+                        grad_sync: str = "step") -> float:
+    """FSDP2 bytes one rank sends per optimizer step (parallel.volumes.fsdp_bytes): per micro-batch
+    every block's parameters all-gathered (`gather_bytes` each) for forward and again for backward
+    and the root's (embeddings, final norm, LM head) once, each (n-1)/n of the gathered tensor;
+    once per step the fp32 gradients reduce-scattered over the shard group of n ranks ((n-1)/n of
+    them) and, under HSDP, the fp32 gradient shards all-reduced over the r replicas (2 (r-1)/r)."""
     pc = param_counts(m)
-    return fsdp_bytes(pc["total"], layout.fsdp, layout.dp_replicate, gather_bytes, root_params=pc["root"])
+    return fsdp_bytes(pc["total"], layout.fsdp, layout.dp_replicate, gather_bytes, root_params=pc["root"],
+                      grad_accum=grad_accum, grad_sync=grad_sync)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,6 +463,9 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         memory["gathered_params"] = 2 * pc["block"] * gather + pc["block"] * 4 + pc["root"] * (gather + 4)
     else:
         memory["gathered_params"] = 0.0
+    if L.world > 1 and grad_accum > 1 and policy.grad_sync == "step":
+        # gradient sync off between micro-batches: FSDP2 accumulates every gradient unsharded, in fp32
+        memory["accumulated_grads"] = 4 * pc["total"]
     memory["activations"] = acts.total_device
     memory["transient"] = transient if transient is not None else transient_bytes(m, seq, micro_batch, L, policy, e,
                                                                                  doc_mask, acts)
@@ -484,7 +492,7 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         for label, nbytes in labels.items():
             total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
             comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
-    fsdp = fsdp_bytes_per_micro(m, L, gather) * grad_accum
+    fsdp = fsdp_bytes_per_step(m, L, gather, grad_accum, policy.grad_sync)
     if fsdp:
         comm["fsdp"] = {"fsdp": fsdp}
 
@@ -505,7 +513,8 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
     layer_attn_fwd = attn_fwd / max(m.layers, 1) / attn_rate
 
     # --- exposed communication per micro-batch ---------------------------------------------
-    exposed = {"head": 0.0, "ctx": 0.0, "fsdp": 0.0, "offload": 0.0, "attention_offload": 0.0}
+    exposed = {"head": 0.0, "ctx": 0.0, "offload": 0.0, "attention_offload": 0.0}
+    fsdp_step = 0.0  # exposed FSDP time of the whole step (its micro-batches differ)
     fwd_passes = 2 if policy.recompute == "full" else 1
     if L.head > 1:
         bw = _bw(hw, group_is_intra_node(L, "head", gpus_per_node)) * hw.all_to_all_efficiency
@@ -531,9 +540,15 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         blk_gather = (n - 1) / n * pc["block"] * gather / bw_f
         blk_reduce = (n - 1) / n * pc["block"] * 4 / bw_f + 2 * (r - 1) / r * pc["block"] * 4 / n / bw_r
         block_bwd = 2 * block_fwd + (acts.recompute_flops / max(m.layers, 1)) / gemm_rate
-        per_block = _exposed(blk_gather, block_fwd, hw) + _exposed(blk_gather + blk_reduce, block_bwd, hw)
-        root = (n - 1) / n * pc["root"] * (gather + 4) / bw_f + 2 * (r - 1) / r * pc["root"] * 4 / n / bw_r
-        exposed["fsdp"] = m.layers * per_block + root  # the root's gather and reduce are not hidden
+        root_gather = (n - 1) / n * pc["root"] * gather / bw_f
+        root_reduce = (n - 1) / n * pc["root"] * 4 / bw_f + 2 * (r - 1) / r * pc["root"] * 4 / n / bw_r
+        # the root's gather and reduce are not hidden; gradients are reduced in the last
+        # micro-batch's backward only (gradient sync is off for the others)
+        last = m.layers * (_exposed(blk_gather, block_fwd, hw) + _exposed(blk_gather + blk_reduce, block_bwd, hw))
+        others = m.layers * (_exposed(blk_gather, block_fwd, hw) + _exposed(blk_gather, block_bwd, hw))
+        last_micro = last + root_gather + root_reduce
+        other_micro = last_micro if policy.grad_sync == "micro_batch" else others + root_gather
+        fsdp_step = last_micro + (grad_accum - 1) * other_micro
     if acts.per_block_host:
         offloaded = max(0, m.layers - policy.offload_skip_last)
         x = acts.per_block_host / (hw.host_link_gbps * 1e9)
@@ -543,14 +558,14 @@ def estimate(m: ModelConfig, hw: Hardware, layout: Layout, policy: Policy, *, se
         attn_block = (3 + (1 if full else 0)) * layer_attn_fwd
         exposed["attention_offload"] = m.layers * _exposed(attn_traffic / (hw.host_link_gbps * 1e9), attn_block, hw)
 
-    step = grad_accum * (compute + sum(exposed.values()))
+    step = grad_accum * (compute + sum(exposed.values())) + fsdp_step
     times = {"compute": grad_accum * compute, **{f"exposed_{k}": grad_accum * v for k, v in exposed.items()},
-             "step": step}
+             "exposed_fsdp": fsdp_step, "step": step}
     tokens = global_batch * seq
     tps = tokens / step if step > 0 else float("inf")
     mfu = tps * train_flops_per_token(m, seq) / (L.world * hw.peak_flops)
     parts = {"compute": grad_accum * compute, "head all-to-all": exposed["head"] * grad_accum,
-             "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": exposed["fsdp"] * grad_accum,
+             "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": fsdp_step,
              "offload copies": (exposed["offload"] + exposed["attention_offload"]) * grad_accum}
     bottleneck = max(parts, key=parts.get)
     if bottleneck == "compute" and policy.recompute != "none" and acts.recompute_flops:

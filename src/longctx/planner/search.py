@@ -225,12 +225,14 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
             if not dp_share or dp_share % mb:
                 continue
             tokens = mb * req.seq_len // L.sequence_degree
-            for pol in pols:
+            # with accumulation, reducing per micro-batch trades traffic for the unsharded gradients
+            syncs = ("step", "micro_batch") if dp_share // mb > 1 and L.world > 1 else ("step",)
+            for pol in (dataclasses.replace(p, grad_sync=g) for p in pols for g in syncs):
                 if pol.block_chunk and pol.block_chunk >= tokens:
                     continue  # one chunk: the same as whole blocks
                 if pol.attention_chunk and pol.attention_chunk >= tokens * L.head:
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
-                key = (L.head, L.ctx, mb, pol)
+                key = (L.head, L.ctx, mb, dataclasses.replace(pol, grad_sync="step"))  # activations: the same
                 if key not in acts_cache:
                     acts = activations(m, req.seq_len, mb, L, pol, hw.dtype_bytes, req.doc_mask)
                     acts_cache[key] = (acts, transient_bytes(m, req.seq_len, mb, L, pol, hw.dtype_bytes,

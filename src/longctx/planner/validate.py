@@ -9,7 +9,7 @@ on a random global batch with document ids, and report:
   (must be equal);
 - the bytes FSDP2's own collectives sent (all-gathers, reduce-scatters, HSDP all-reduces, counted
   by `comm.library_traffic()` from the c10d operators), on every rank, vs the planner's
-  `fsdp_bytes_per_micro` x grad_accum (must be equal);
+  `fsdp_bytes_per_step` (must be equal);
 - the model-state bytes each rank holds after the optimizer step (its shards of the fp32
   parameters, gradients and AdamW's two moments), vs the planner's model-state figure (equal on
   average over the ranks; FSDP2 pads uneven shards, so single ranks may differ by a few rows);
@@ -173,9 +173,11 @@ def train_step(cfg, rt, model, opt, batch, scale, zero_grad: bool = True) -> Non
     """One optimizer step: forward/backward of every micro-batch (gradients accumulate), AdamW. The
     micro-batches are cut anew each step, as the training loop's are (new tensors: nothing a
     previous step attached to them, such as a planned sequence layout, carries over)."""
-    from ..step import forward_loss_sum
+    from ..step import forward_loss_sum, set_gradient_sync
 
-    for local in micro_batches(cfg, rt, batch):
+    locals_ = micro_batches(cfg, rt, batch)
+    for i, local in enumerate(locals_):
+        set_gradient_sync(model, i == len(locals_) - 1 or cfg.memory.grad_sync == "micro_batch")  # as training
         (forward_loss_sum(model, local, None) * scale).backward()
     opt.step()
     if zero_grad:

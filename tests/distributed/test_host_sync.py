@@ -1,0 +1,89 @@
+"""No device-to-host synchronisation inside a step's forward and backward.
+
+Each case builds the training loop's Trainer, runs one step to warm up (lazy FSDP init, plans and
+caches filled), then runs two more with a detector around every step's forward and backward
+(`Trainer.device_section`): on CPU the dispatch probe of host_sync.py, which refuses `.item()`,
+`bool(t)`, boolean masks, `nonzero`, `unique` and friends (on CUDA, torch's own sync debug mode
+too). The same probe must catch a deliberately inserted `.item()`, so the test can fail.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from longctx.config import load_config
+from longctx.host_sync import HostSyncError, no_host_sync
+from longctx.parallel.spawn import run_spawned
+
+BASE = ["--train.steps=3", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
+        "--data.max_docs=200", "--train.seq_len=256", "--train.global_batch=4"]
+
+ONE_PROCESS = {
+    "plain": ["--data.doc_mask=false"],
+    "documents": ["--data.doc_mask=true"],
+    "selective": ["--memory.recompute=selective"],
+    "offload": ["--memory.recompute=selective", "--memory.offload_fraction=0.5"],
+    "chunked loss + chunked attention": ["--memory.loss_chunk=64", "--memory.attention_chunk=64"],
+    "grad_accum 2": ["--train.grad_accum=2"],
+}
+FOUR_RANKS = {
+    "ring (ctx 4, Double-Ring window 2)": ["--parallel.ctx=4", "--parallel.window=2", "--data.doc_mask=false"],
+    "Ulysses (head 4)": ["--parallel.head=4"],
+    "head 2 x ctx 2, documents, selective": ["--parallel.head=2", "--parallel.ctx=2", "--data.doc_mask=true",
+                                             "--memory.recompute=selective"],
+    "FSDP dp 2 x ctx 2, grad_accum 2, chunked": ["--parallel.ctx=2", "--parallel.dp_shard=2", "--train.grad_accum=2",
+                                                 "--memory.loss_chunk=64", "--memory.attention_chunk=64"],
+}
+
+
+def _steps_under_probe(overrides, run_dir, inserted_item=False):
+    """Warm-up step, then two steps with the detector; returns the syncs it saw (raising on the first)."""
+    from longctx.train import Trainer
+
+    cfg = load_config("configs/debug.toml", [*BASE, *overrides, f"--train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    trainer.step(1)
+    if inserted_item:  # what the test must catch: a scalar read in a block's forward
+        block = trainer.model.layers[0]
+        forward = block.forward
+
+        def reading_forward(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            out.sum().item()
+            return out
+
+        block.forward = reading_forward
+    trainer.device_section = functools.partial(no_host_sync, trainer.device)
+    for step in (2, 3):
+        trainer.step(step)
+    return "ok"
+
+
+@pytest.mark.parametrize("name", list(ONE_PROCESS))
+def test_one_process_step_reads_nothing_from_the_device(name, tmp_path):
+    assert _steps_under_probe(ONE_PROCESS[name], tmp_path) == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_parallel_step_reads_nothing_from_the_device(name, tmp_path):
+    assert run_spawned(4, _steps_under_probe, FOUR_RANKS[name], str(tmp_path)) == ["ok"] * 4
+
+
+def test_an_inserted_item_is_caught(tmp_path):
+    with pytest.raises(HostSyncError, match=r"_local_scalar_dense.*test_host_sync|_local_scalar_dense"):
+        _steps_under_probe(ONE_PROCESS["plain"], tmp_path, inserted_item=True)
+
+
+def test_the_probe_sees_masks_and_bool_but_not_plain_arithmetic():
+    x = torch.arange(6.0)
+    with no_host_sync(raise_on_sync=False) as probe:
+        y = (x * 2 + 1).sum()
+        torch.where(x > 2, x, 0.0)
+    assert probe.syncs == []
+    for read in (lambda: y.item(), lambda: bool(x[0] > 0), lambda: x[x > 2], lambda: x.nonzero(),
+                 lambda: torch.unique(x)):
+        with no_host_sync(raise_on_sync=False) as probe:
+            read()
+        assert probe.syncs, read
