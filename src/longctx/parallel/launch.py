@@ -7,6 +7,7 @@ Inside a worker, `init_distributed` joins the process group: NCCL on GPUs, gloo 
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -66,7 +67,15 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    # the group we created is torn down at exit (NCCL warns of leaked communicators otherwise);
+    # a group someone else created (tests, an embedding program) is theirs to destroy
+    atexit.register(_destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def new_gloo_group():
