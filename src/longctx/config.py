@@ -147,6 +147,8 @@ class TrainConfig:
     device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
     dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on GPU, fp32 on CPU",
                       choices=("auto", "fp32", "bf16"))
+    compile: bool = _opt(False, "torch.compile each block's token-wise stages (norms, projections, RoPE, MLP, "
+                                "residuals); the attention core stays eager")
     eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
     eval_batches: int = _opt(4, "micro-batches per evaluation")
     run_dir: str = _opt("", "where config, metrics and plots go; '' = runs/<time>")

@@ -178,19 +178,21 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
     ck = cfg.checkpoint
     if not ck.interval and ck.resume == "none":
         return None, 0
-    from .checkpoint.manager import CheckpointManager, resolve_checkpoint
+    from .checkpoint.manager import CheckpointManager
 
     root = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
     layout = {"world": rt.world, **{k: getattr(rt.dims, k) for k in
                                     ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")}}
     manager = CheckpointManager(root, keep=ck.keep, async_save=ck.async_save, rank=rt.rank, world=rt.world,
                                 layout=layout, model_cfg=to_dict(cfg)["model"], log=log)
-    path = resolve_checkpoint(ck.resume, root)
-    if path is None:
+    # verified on every rank before anything is loaded: `auto` skips damaged checkpoints (and says so)
+    found = manager.resume_point(ck.resume)
+    if found is None:
         if ck.resume != "none":
             log(f"checkpoint: nothing to resume in {root}; starting at step 1")
         return manager, 0
-    state = manager.load(path, model, optimizer)
+    path, manifest = found
+    state = manager.load(path, model, optimizer, manifest)
     sampler.load_state_dict(state["sampler"])
     saved = state["manifest"]["layout"]
     log(f"checkpoint: resumed step {state['step']} from {path} (written by {saved['world']} ranks: "

@@ -46,7 +46,7 @@ def run_cases(world, seq, dtype_name, cases):
     meshes = {}
     results = []
     for head, ctx, window, placement, causal, kv, docs in cases:
-        key = (head, ctx, placement)
+        key = (head, ctx, window, placement)  # a Double-Ring window opens its outer lane with the mesh
         if key not in meshes:
             meshes[key] = ParallelDims(dp_shard=1, head=head, ctx=ctx, window=window, placement=placement,
                                        world_size=world).build_mesh("cpu")
@@ -158,7 +158,7 @@ def run_layout_cases(world, seq, cases):
     results = []
     meshes = {}
     for head, ctx, window, placement, kv, balance, seed in cases:
-        key = (head, ctx, placement)
+        key = (head, ctx, window, placement)  # a Double-Ring window opens its outer lane with the mesh
         if key not in meshes:
             meshes[key] = ParallelDims(dp_shard=1, head=head, ctx=ctx, window=window, placement=placement,
                                        world_size=world).build_mesh("cpu")

@@ -1,17 +1,21 @@
 """Checkpoints: save under one layout, resume under another; atomic commit; verify; export."""
 
+import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
-from longctx.checkpoint.manager import latest_checkpoint
-from longctx.checkpoint.manifest import CheckpointError, verify
+from longctx.checkpoint.manager import CheckpointManager, _load_rng, latest_checkpoint, verification_shares
+from longctx.checkpoint.manifest import CheckpointError, hash_files, owner_rank, verify, write_manifest
 from longctx.config import load_config
 from longctx.parallel.spawn import run_spawned
 from longctx.train import train
@@ -35,11 +39,26 @@ def _train(args, run_dir):
     return res.first_step, res.losses
 
 
-def run_layout(layout, args, run_dir):
+def _train_logged(args, run_dir):
+    """(first step, losses, rank 0's log lines)."""
+    lines = []
+    cfg = load_config("configs/debug.toml", [*BASE, *args, f"--train.run_dir={run_dir}"])
+    res = train(cfg, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    return res.first_step, res.losses, lines
+
+
+def run_layout(layout, args, run_dir, fn=_train):
     world, layout_args = LAYOUTS[layout]
     if world == 1:
-        return _train([*layout_args, *args], run_dir)
-    return run_spawned(world, _train, [*layout_args, *args], str(run_dir))[0]
+        return fn([*layout_args, *args], run_dir)
+    return run_spawned(world, fn, [*layout_args, *args], str(run_dir))[0]
+
+
+def flip_byte(path: Path) -> None:
+    """Damage a file the way a bad disk or a partial copy would: same size, one byte different."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +91,12 @@ def test_async_saves_commit_atomically_and_prune(tmp_path):
     assert latest_checkpoint(ckpts).name == "step-00000010"
     m = verify(ckpts / "step-00000010")
     assert m["step"] == 10 and m["layout"]["ctx"] == 2 and all(f["sha256"] for f in m["files"])
+    # every rank's shard and RNG state is listed (each hashed by the rank that wrote it), the merged
+    # per-rank checksum parts are gone
+    expected = {".metadata", "trainer_state.json", *(f"__{r}_0.distcp" for r in range(4)),
+                *(f"rng-rank{r}.pt" for r in range(4))}
+    assert {f["path"] for f in m["files"]} == expected
+    assert {p.name for p in (ckpts / "step-00000010").iterdir()} == expected | {"manifest.json"}
 
 
 def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
@@ -157,3 +182,130 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, uninterru
     assert first == step + 1
     if step < 10:
         assert max(abs(x - y) for x, y in zip(losses, uninterrupted[step:])) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# damaged checkpoints are never loaded
+
+@pytest.mark.parametrize("layout", ["single", "head2-ctx2"])
+def test_auto_resume_skips_a_damaged_checkpoint(layout, uninterrupted, tmp_path):
+    world = LAYOUTS[layout][0]
+    run_layout(layout, ["--checkpoint.interval=5", "--checkpoint.keep=2"], tmp_path)
+    ckpts = tmp_path / "checkpoints"
+    # one flipped byte in the last rank's shard of the latest checkpoint: same size, only its
+    # checksum tells; with 4 ranks another rank than 0 may be the one that finds it
+    shard = ckpts / "step-00000010" / f"__{world - 1}_0.distcp"
+    flip_byte(shard)
+    # resume without saving, so that the checkpoints stay as they are for the second part
+    first, losses, lines = run_layout(layout, ["--checkpoint.resume=auto", "--checkpoint.interval=0"], tmp_path,
+                                      fn=_train_logged)
+    said = "\n".join(lines)
+    print(said)
+    assert f"step-00000010 is damaged ({shard.name} does not match its sha256 checksum)" in said
+    assert "resuming from step-00000005, the newest intact checkpoint" in said
+    assert "resumed step 5 from" in said
+    assert first == 6 and len(losses) == 5
+    assert max(abs(x - y) for x, y in zip(losses, uninterrupted[5:])) <= 1e-5
+    # none intact: a clear stop on every rank, nothing loaded
+    flip_byte(ckpts / "step-00000005" / ".metadata")
+    with pytest.raises((CheckpointError, RuntimeError), match="no complete checkpoint in .* is intact") as e:
+        run_layout(layout, ["--checkpoint.resume=auto", "--checkpoint.interval=0"], tmp_path)
+    assert "step-00000010: __" in str(e.value) and "step-00000005: .metadata does not match" in str(e.value)
+
+
+def test_a_damaged_explicit_checkpoint_is_refused_and_the_cli_says_so(tmp_path):
+    _train(["--checkpoint.interval=5", "--train.steps=5"], tmp_path)
+    ck = tmp_path / "checkpoints" / "step-00000005"
+    flip_byte(ck / "__0_0.distcp")
+    # a path named explicitly is never swapped for another checkpoint
+    with pytest.raises(CheckpointError, match="step-00000005 is damaged: __0_0.distcp does not match its sha256"):
+        _train([f"--checkpoint.resume={ck}", "--checkpoint.dir=" + str(tmp_path / "x")], tmp_path / "other")
+    r = subprocess.run([sys.executable, "-m", "longctx", "train", "--config", "configs/debug.toml", *BASE,
+                        "--checkpoint.resume=auto", f"--train.run_dir={tmp_path}"],
+                       capture_output=True, text=True, cwd=ROOT)
+    said = " ".join(r.stderr.split())  # one paragraph, wrapped
+    print(said)
+    assert r.returncode == 1 and "Traceback" not in said
+    assert "no complete checkpoint in" in said and "is intact (step-00000005: __0_0.distcp does not match" in said
+    # the manifest itself is checked too
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["step"] = 7
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="manifest.json does not match its sha256"):
+        verify(ck)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-rank RNG states, per-rank checksums
+
+def _draws():
+    return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+
+def _seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _manager(root):
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    return CheckpointManager(Path(root), keep=2, async_save=False, rank=rank, world=world, layout={"world": world},
+                             model_cfg={}, log=lambda *a: None)
+
+
+def _model():
+    model = torch.nn.Linear(4, 4)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _load_and_draw(root):
+    _seed(999)  # whatever the generators hold now is replaced by the checkpoint's
+    manager, (model, opt) = _manager(root), _model()
+    path, manifest = manager.resume_point("auto")
+    manager.load(path, model, opt, manifest)
+    return _draws()
+
+
+def _save_then_load(root):
+    manager, (model, opt) = _manager(root), _model()
+    _seed(10 + manager.rank)
+    manager.save(1, model, opt, {})
+    expected = _draws()
+    manager.wait()
+    dist.barrier()  # rank 0 has committed
+    return expected, _load_and_draw(root)
+
+
+def test_rng_states_are_saved_per_rank_and_load_weights_only(tmp_path):
+    results = run_spawned(2, _save_then_load, str(tmp_path))
+    (expected0, got0), (expected1, got1) = results
+    assert got0 == expected0 and got1 == expected1 and expected0 != expected1  # each rank its own
+    ck = tmp_path / "step-00000001"
+    for r in range(2):
+        state = torch.load(ck / f"rng-rank{r}.pt", weights_only=True)  # plain tensors, lists, numbers
+        assert set(state) >= {"python", "numpy", "torch"}
+    # another world size: every rank continues rank 0's CPU streams
+    assert _load_and_draw(tmp_path) == expected0
+
+
+def test_rng_of_older_checkpoints_loads_weights_only(tmp_path):
+    _seed(3)
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+               tmp_path / "rng.pt")  # the format before per-rank RNG: numpy's key array as an ndarray
+    state = _load_rng(tmp_path / "rng.pt")
+    assert (state["numpy"][1] == np.random.get_state()[1]).all()
+
+
+def test_each_rank_hashes_its_own_files_and_the_manifest_lists_all(tmp_path):
+    assert [owner_rank(n) for n in ("__3_0.distcp", "__12_1.distcp", "__2.metadata", "rng-rank5.pt",
+                                    ".metadata", "trainer_state.json")] == [3, 12, 2, 5, 0, 0]
+    for name, size in [("__0_0.distcp", 300), ("__1_0.distcp", 300), (".metadata", 10), ("rng-rank1.pt", 20)]:
+        (tmp_path / name).write_bytes(os.urandom(size))
+    parts = hash_files(tmp_path, ["__1_0.distcp", "rng-rank1.pt"])  # rank 1's part; nothing from rank 0
+    m = write_manifest(tmp_path, step=1, layout={}, model={}, hashes=parts)  # the rest hashed at commit
+    assert [f["path"] for f in m["files"]] == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank1.pt"]
+    verify(tmp_path)
+    # verification shares: largest first to the least loaded rank, deterministic
+    assert verification_shares(m["files"], 2) == [1, 0, 1, 0]
+    assert verification_shares(m["files"], 1) == [0, 0, 0, 0]

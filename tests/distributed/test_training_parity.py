@@ -55,6 +55,14 @@ def test_gradient_accumulation_with_sync_once_per_step_matches_single_process(re
     print(f"dp2-ctx2 grad_accum 2: max |loss - single| over {STEPS} steps = {diff:.2e}")
 
 
+def test_compiled_blocks_under_fsdp_train_identically(reference, tmp_path):
+    """head 2 x ctx 2 with train.compile (CPU inductor) under FSDP2, selective recomputation and
+    token-wise offload: the eager single process's losses."""
+    diff = check("head2-ctx2", reference, tmp_path,
+                 extra=["--train.compile=true", "--memory.recompute=selective", "--memory.offload_fraction=0.5"])
+    print(f"head2-ctx2 compiled: max |loss - single| over {STEPS} steps = {diff:.2e}")
+
+
 @pytest.fixture(scope="module")
 def short_docs(tmp_path_factory):
     """A corpus of short documents (20-300 bytes): every 512-token window packs several, and their

@@ -4,44 +4,77 @@ Layout independence comes from PyTorch Distributed Checkpoint: model and optimiz
 saved by fully-qualified parameter name with their global shapes (`get_state_dict`), whatever the
 sharding, and loaded into whatever sharding the resumed job has (`set_state_dict`). The data
 position is the sampler's global cursor, which does not depend on the number of ranks, and the
-learning-rate schedule is a function of the step.
+learning-rate schedule is a function of the step. Each rank's random generators are saved too
+(`rng-rank{r}.pt`).
 
-Crash safety: every save is written into a hidden temporary directory; when all files are on
-disk, rank 0 writes the manifest (with checksums) into it, renames it to `step-NNNNNNNN`, and only
-then points `latest` at it and prunes old checkpoints. A crash at any moment leaves the previous
-complete checkpoint and `latest` untouched.
+Crash safety: every save is written into a hidden temporary directory. When its own files are on
+disk, each rank hashes them (the DCP shards `__{rank}_*.distcp` and its RNG file; rank 0 also the
+job-wide .metadata and trainer_state.json) and leaves the checksums there; after a barrier rank 0
+merges them into the manifest, renames the directory to `step-NNNNNNNN`, and only then points
+`latest` at it and prunes old checkpoints. A crash at any moment leaves the previous complete
+checkpoint and `latest` untouched.
 
 Async saves (`--checkpoint.async`): the states are staged into host memory (the only part the
-training loop waits for), written by DCP in a background thread, and committed by rank 0 in
-another background thread. At most one save is in flight: a new save first waits for the last.
+training loop waits for); DCP writes them in a background thread, and another background thread
+on each rank hashes that rank's files and (rank 0) commits. At most one save is in flight: a new
+save first waits for the last.
+
+Resuming verifies before it loads: the ranks split the checkpoint's files between them, each
+checks its share's checksums, and one all-reduce makes every rank agree on the verdict. A damaged
+checkpoint is never loaded; `auto` falls back to the newest intact one and says why.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import queue
 import random
 import shutil
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..parallel import comm
 from ..parallel.launch import new_gloo_group
-from .manifest import CheckpointError, check_model_matches, read_manifest, verify, write_manifest
+from .manifest import (
+    CHECKSUM_MISMATCH,
+    MANIFEST,
+    CheckpointError,
+    DamagedManifest,
+    check_model_matches,
+    checkpoint_files,
+    collect_hashes_parts,
+    damage_report,
+    file_problem,
+    hash_files,
+    owner_rank,
+    read_manifest,
+    verify,
+    write_hashes_part,
+    write_manifest,
+)
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+LEGACY_RNG = "rng.pt"  # checkpoints written before RNG states were saved per rank: rank 0's only
 
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -63,6 +96,15 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resume_candidates(root: Path) -> list[Path]:
+    """What `--checkpoint.resume auto` tries, in order: the checkpoint `latest` names, then the other
+    complete ones, newest first."""
+    first = latest_checkpoint(root)
+    if first is None:
+        return []
+    return [first, *(p for p in reversed(complete_checkpoints(root)) if p != first)]
+
+
 def resolve_checkpoint(spec: str, root: Path) -> Path | None:
     """'auto' -> latest complete checkpoint under root (None if there is none); a path -> that checkpoint
     (a checkpoints directory means its latest)."""
@@ -79,6 +121,17 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
                           f"manifest.json, or a directory holding them).")
 
 
+def verification_shares(entries: list[dict], world: int) -> list[int]:
+    """The rank that checks each manifest entry: largest files first, each to the rank with the fewest
+    bytes so far (ties: the lowest rank), so the ranks hash about equal amounts whatever world size
+    wrote the checkpoint. Deterministic, so every rank computes the same shares without talking."""
+    owner, load = [0] * len(entries), [0] * world
+    for i in sorted(range(len(entries)), key=lambda i: (-entries[i]["bytes"], entries[i]["path"])):
+        owner[i] = min(range(world), key=lambda r: (load[r], r))
+        load[owner[i]] += entries[i]["bytes"]
+    return owner
+
+
 def _reusable_stager():
     """A DCP stager that copies into host buffers it keeps for the next save (pinned on CUDA)."""
     try:
@@ -90,14 +143,63 @@ def _reusable_stager():
                                         use_non_blocking_copy=cuda))
 
 
+# ---------------------------------------------------------------------------------- RNG states
+# Checkpoint files are data, never code: every torch.load here runs with weights_only=True. The
+# states are therefore stored as tensors, tuples and numbers only (numpy's key array as a tensor). The
+# rng.pt of older checkpoints holds that array as a numpy object; the three globals that rebuild it
+# are allowed for those files.
+_np_core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
+_NUMPY_ARRAY_GLOBALS = [_np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's generators: python, numpy, torch CPU, and the current CUDA device's when this
+    process uses CUDA (only that one: asking for every device's would create a context on each)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, cuda: bool) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # an ndarray in older checkpoints
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
+    if cuda and "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _load_rng(path: Path) -> dict:
+    with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+        return torch.load(path, weights_only=True)
+
+
+class _Worker:
+    """One daemon thread, started once, that runs jobs in the order they are submitted. Submitting is
+    a queue put: starting a thread per save kept the training loop waiting several ms for the new
+    thread to get the GIL from DCP's busy writer thread. A daemon, so that a job stuck in a
+    collective with a dead rank never keeps the process from exiting."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        self._jobs.put((done, fn, args))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            done, fn, args = self._jobs.get()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits for the job
+                done.set_exception(e)
 
 
 class CheckpointManager:
@@ -105,13 +207,18 @@ class CheckpointManager:
                  model_cfg: dict, log=print):
         self.root, self.keep, self.async_save = Path(root), keep, async_save
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
-        # DCP's background writes run collectives; they get their own group so they never interleave
-        # with the training loop's collectives on the default group.
+        # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
+        # they get their own group so they never interleave with the training loop's on the default group.
         self.group = new_gloo_group() if world > 1 else None
-        self._future = None
+        self._mesh = None  # the same group as a 1-D mesh: what comm's collectives take
+        if self.group is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._mesh = DeviceMesh.from_group(self.group, "cpu", mesh_dim_names=("checkpoint",))
         self._stager = None  # host staging buffers, allocated at the first async save and reused
-        self._commit_thread: threading.Thread | None = None
-        self._commit_error: BaseException | None = None
+        # async saves: where each rank hashes its files and rank 0 commits, off the training loop
+        self._worker = _Worker("checkpoint-finish") if async_save else None
+        self._finishing: Future | None = None  # the async save in flight
         self.last_save_blocking_s = 0.0
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -120,47 +227,64 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, model, optimizer, sampler_state: dict) -> None:
+        """Save; returns once the states are written (sync) or staged in host memory (async).
+        `last_save_blocking_s` is the time the caller waited, all of it."""
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
-        tmp_name = f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}" if self.rank == 0 else None
-        if self.world > 1:
-            tmp_name = comm.broadcast_object_in_group(tmp_name, self.group)
-        tmp = self.root / tmp_name
+        tmp = self._temporary_directory(step)
+        # captured now (the generators move on with training), written with the rest off the loop
+        own_files = functools.partial(self._write_own_files, tmp, _rng_state(),
+                                      json.dumps({"step": step, "sampler": sampler_state}))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         kwargs = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=self.world == 1)
-        if self.rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
-            (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "sampler": sampler_state}))
-            torch.save(_rng_state(), tmp / "rng.pt")
         if self.async_save:
             if self._stager is None:
                 self._stager = _reusable_stager()
             if self._stager is not None:
                 kwargs["async_stager"] = self._stager
-            self._future = dcp.async_save(state, **kwargs)
-            if hasattr(self._future, "upload_completion"):  # AsyncSaveResponse (newer torch)
-                self._future = self._future.upload_completion
+            future = dcp.async_save(state, **kwargs)
+            if hasattr(future, "upload_completion"):  # AsyncSaveResponse (newer torch)
+                future = future.upload_completion
+            self._finishing = self._worker.submit(self._finish, step, tmp, own_files, future.result)
         else:
             dcp.save(state, **kwargs)
+            self._finish(step, tmp, own_files)
         self.last_save_blocking_s = time.perf_counter() - t0
+
+    def _temporary_directory(self, step: int) -> Path:
+        """A fresh hidden directory for this save, the same on every rank."""
+        name = f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}" if self.rank == 0 else None
+        if self.world > 1:
+            name = comm.broadcast_object_in_group(name, self.group)
+        tmp = self.root / name
+        tmp.mkdir(parents=True, exist_ok=True)  # by every rank: each writes its RNG file there
+        return tmp
+
+    def _write_own_files(self, tmp: Path, rng: dict, trainer_state: str) -> None:
+        """This rank's RNG state; rank 0 also the trainer state (step and data position are job-wide)."""
+        torch.save(rng, tmp / rng_file(self.rank))
         if self.rank == 0:
-            if self.async_save:
-                self._commit_thread = threading.Thread(target=self._commit_after_write, args=(step, tmp),
-                                                       daemon=True)
-                self._commit_thread.start()
-            else:
-                self._commit(step, tmp)
+            (tmp / TRAINER_STATE).write_text(trainer_state)
 
-    def _commit_after_write(self, step: int, tmp: Path) -> None:
+    def _finish(self, step: int, tmp: Path, own_files, written=lambda: None) -> None:
+        """Write this rank's own files (`own_files()`), and once DCP's are written too (`written()`
+        returns) hash them (every rank in parallel, each over the bytes it wrote); then rank 0 commits
+        when every rank's checksums are there."""
         try:
-            self._future.result()
-            self._commit(step, tmp)
-        except BaseException as e:  # surfaced by wait()
-            self._commit_error = e
+            own_files()
+            written()
+            own = hash_files(tmp, [rel for rel in checkpoint_files(tmp) if owner_rank(Path(rel).name) == self.rank])
+            if self.rank != 0:  # rank 0 keeps its own in memory
+                write_hashes_part(tmp, self.rank, own)
+        finally:  # reached even when writing or hashing failed, so no rank waits for this one forever
+            if self._mesh is not None:
+                comm.barrier(self._mesh)
+        if self.rank == 0:
+            self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))})
 
-    def _commit(self, step: int, tmp: Path) -> None:
-        write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg)
+    def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
+        write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes)
         final = self.root / step_name(step)
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
             trash = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
@@ -182,30 +306,105 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is written and committed."""
-        if self._future is not None:
-            self._future.result()
-            self._future = None
-        if self._commit_thread is not None:
-            self._commit_thread.join()
-            self._commit_thread = None
-        if self._commit_error is not None:
-            err, self._commit_error = self._commit_error, None
-            raise CheckpointError(f"the background checkpoint save failed: {err}") from err
+        """Block until the save in flight (if any) is written, hashed and committed."""
+        if self._finishing is None:
+            return
+        finishing, self._finishing = self._finishing, None
+        try:
+            finishing.result()
+        except Exception as e:
+            raise CheckpointError(f"the background checkpoint save failed: {e}") from e
+
+    # ------------------------------------------------------------------ verifying
+    def find_damage(self, path: Path) -> tuple[dict | None, dict[str, str]]:
+        """(manifest, {file: what is wrong}); the same on every rank. Each rank checks its share of the
+        files (presence, size, sha256) and one all-reduce of per-file codes combines the verdicts.
+        The manifest itself is read by every rank (a shared file system, as DCP needs anyway)."""
+        try:
+            manifest = read_manifest(path)
+        except DamagedManifest as e:
+            return None, {MANIFEST: e.problem}
+        entries = manifest["files"]
+        shares = verification_shares(entries, self.world)
+        mine = {i: file_problem(path, e) for i, e in enumerate(entries) if shares[i] == self.rank}
+        # per file: 0 intact, 1 missing or wrong size, 2 checksum mismatch (max over ranks = any rank's finding)
+        codes = torch.tensor([0 if mine.get(i) is None else 2 if mine[i] == CHECKSUM_MISMATCH else 1
+                              for i in range(len(entries))], dtype=torch.int32)
+        if self._mesh is not None and len(entries):
+            codes = comm.all_reduce(codes, self._mesh, op=dist.ReduceOp.MAX, label="checkpoint verify")
+        problems = {}
+        for i, code in enumerate(codes.tolist()):
+            if code:
+                problems[entries[i]["path"]] = mine.get(i) or (
+                    CHECKSUM_MISMATCH if code == 2 else
+                    file_problem(path, entries[i], checksums=False) or "is missing or has another size on another rank")
+        return manifest, problems
+
+    def verified_manifest(self, path: Path, spec: str | None = None) -> dict:
+        """The manifest of `path` once every rank agrees it is intact; else a CheckpointError on every rank."""
+        manifest, problems = self.find_damage(path)
+        if problems:
+            where = f"--checkpoint.resume {spec}: " if spec else ""
+            raise CheckpointError(
+                f"{where}checkpoint {path} is damaged: {damage_report(problems)}. Nothing was loaded. Resume from "
+                f"an intact checkpoint (`longctx checkpoint verify PATH` checks one), or use --checkpoint.resume "
+                f"auto with --checkpoint.dir set to its directory: auto skips damaged checkpoints.")
+        return manifest
+
+    def resume_point(self, spec: str) -> tuple[Path, dict] | None:
+        """The checkpoint `--checkpoint.resume spec` names, verified, and its manifest (None: start
+        afresh). An explicit path must be intact; `auto` skips damaged checkpoints, saying so, and
+        stops only when none of them is intact."""
+        if spec == "none":
+            return None
+        if spec != "auto":
+            path = resolve_checkpoint(spec, self.root)
+            return path, self.verified_manifest(path, spec)
+        damaged = {}
+        for path in resume_candidates(self.root):
+            manifest, problems = self.find_damage(path)
+            if not problems:
+                if damaged:
+                    self.log(f"checkpoint: resuming from {path.name}, the newest intact checkpoint in {self.root}")
+                return path, manifest
+            damaged[path.name] = damage_report(problems)
+            self.log(f"checkpoint: {path} is damaged ({damaged[path.name]}); not loading it, trying the previous "
+                     f"complete checkpoint")
+        if damaged:
+            found = "; ".join(f"{name}: {report}" for name, report in damaged.items())
+            raise CheckpointError(
+                f"--checkpoint.resume auto: no complete checkpoint in {self.root} is intact ({found}). Nothing was "
+                f"loaded. Restore the directory from a copy, resume from an intact "
+                f"checkpoint elsewhere with --checkpoint.resume PATH, or start afresh with --checkpoint.resume none "
+                f"and another --checkpoint.dir.")
+        return None
 
     # ------------------------------------------------------------------ loading
-    def load(self, path: Path, model, optimizer) -> dict:
-        """Restore model, optimizer and RNG from `path` into the current layout; returns the trainer state."""
-        manifest = verify(path, checksums=False)  # sizes and presence; `longctx checkpoint verify` does checksums
+    def load(self, path: Path, model, optimizer, manifest: dict | None = None) -> dict:
+        """Restore model, optimizer and RNG from `path` into the current layout; returns the trainer state.
+        `manifest` is one `resume_point` verified already; without it the checkpoint is verified here."""
+        if manifest is None:
+            manifest = self.verified_manifest(path)
         check_model_matches(manifest, self.model_cfg, path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        self._restore_rng(path, manifest)
         trainer = json.loads((path / TRAINER_STATE).read_text())
         trainer["manifest"] = manifest
         return trainer
+
+    def _restore_rng(self, path: Path, manifest: dict) -> None:
+        own = path / rng_file(self.rank)
+        if manifest["layout"].get("world") == self.world and own.is_file():
+            _set_rng_state(_load_rng(own), cuda=True)
+            return
+        # Another world size: the ranks have no one-to-one counterparts in the saved job, so every rank
+        # continues rank 0's CPU streams (what a single process would, and what all ranks did before
+        # RNG states were saved per rank). CUDA generators keep their seeded state: the devices differ.
+        first = path / rng_file(0)
+        _set_rng_state(_load_rng(first if first.is_file() else path / LEGACY_RNG), cuda=False)
 
 
 def load_model_weights(path: Path, model) -> dict:
@@ -218,4 +417,4 @@ def load_model_weights(path: Path, model) -> dict:
 
 
 __all__ = ["CheckpointManager", "CheckpointError", "complete_checkpoints", "latest_checkpoint", "load_model_weights",
-           "read_manifest", "resolve_checkpoint", "verify"]
+           "read_manifest", "resolve_checkpoint", "resume_candidates", "verify"]

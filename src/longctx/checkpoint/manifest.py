@@ -2,6 +2,11 @@
 
 A checkpoint directory is complete exactly when its manifest.json exists: the manifest is written
 last, after every file, and the directory is then published by an atomic rename.
+
+Checksums are computed where the bytes were written: each rank hashes its own files (`owner_rank`)
+and leaves the result in `hashes-rank{r}.json`; the rank that commits only merges those parts into
+the manifest. The manifest carries a checksum of its own, so that a damaged manifest is not
+trusted either.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -19,44 +25,107 @@ from ..errors import UserError
 
 FORMAT = "longctx-checkpoint/1"
 MANIFEST = "manifest.json"
+HASHES_PREFIX = "hashes-rank"  # per-rank checksum parts, merged into the manifest and then removed
+CHECKSUM_MISMATCH = "does not match its sha256 checksum"
 # model fields that decide tensor shapes: a checkpoint only loads into a model that agrees on them
 SHAPE_FIELDS = ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
 # parameters that exist only in some families; manifests older than them had none
 OPTIONAL_PARAM_FIELDS = ("qkv_bias", "out_bias", "qk_norm")
+# files one rank writes: DCP's shards `__{rank}_{n}.distcp` (and its rank-local `__{rank}.metadata`
+# when it saves without coordination), the manager's `rng-rank{rank}.pt`
+_RANK_FILE = re.compile(r"^(?:__|rng-rank)(\d+)[_.]")
 
 
 class CheckpointError(UserError):
     pass
 
 
+class DamagedManifest(CheckpointError):
+    """manifest.json is there but cannot be trusted; `problem` says why."""
+
+    def __init__(self, directory: Path, problem: str):
+        super().__init__(f"checkpoint {directory} is damaged: {MANIFEST} {problem}. Nothing was loaded.")
+        self.problem = problem
+
+
 def sha256(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(chunk):
-            h.update(block)
+            h.update(block)  # hashlib releases the GIL on blocks this large: other threads keep running
     return h.hexdigest()
 
 
-def write_manifest(directory: Path, *, step: int, layout: dict, model: dict) -> dict:
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+def owner_rank(name: str) -> int:
+    """The rank that wrote the checkpoint file `name`; the files written once for the job
+    (.metadata, trainer_state.json) are rank 0's."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) if m else 0
+
+
+def checkpoint_files(directory: Path) -> list[str]:
+    """Paths (relative, sorted) of the files a manifest lists: all but the manifest and the hash parts."""
+    return sorted(str(p.relative_to(directory)) for p in Path(directory).rglob("*")
+                  if p.is_file() and p.name != MANIFEST and not p.name.startswith(HASHES_PREFIX))
+
+
+def hash_files(directory: Path, paths) -> dict[str, dict]:
+    """{path: {"bytes", "sha256"}} of the given files of `directory`."""
+    return {rel: {"bytes": (directory / rel).stat().st_size, "sha256": sha256(directory / rel)} for rel in paths}
+
+
+def write_hashes_part(directory: Path, rank: int, hashes: dict[str, dict]) -> None:
+    # Not fsynced: the part only has to be visible to the committing rank (after a barrier), not to
+    # survive a crash; what must survive is the manifest it is merged into.
+    (directory / f"{HASHES_PREFIX}{rank}.json").write_text(json.dumps(hashes))
+
+
+def collect_hashes_parts(directory: Path, ranks) -> dict[str, dict]:
+    """Merge (and remove) the checksum parts of `ranks`; each must have written its part."""
+    merged = {}
+    for rank in ranks:
+        part = directory / f"{HASHES_PREFIX}{rank}.json"
+        if not part.is_file():
+            raise CheckpointError(f"rank {rank} left no checksums in {directory}; the save is incomplete.")
+        merged.update(json.loads(part.read_text()))
+        part.unlink()
+    return merged
+
+
+def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
+                   hashes: dict[str, dict] | None = None) -> dict:
+    """Write manifest.json (last, atomically). `hashes` are the ranks' checksums of their files; any file
+    on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file."""
+    hashes = dict(hashes or {})
+    missing = [rel for rel in checkpoint_files(directory) if rel not in hashes]
+    hashes.update(hash_files(directory, missing))
     manifest = {
         "format": FORMAT,
         "step": step,
         "layout": layout,
         "model": model,
-        "files": [{"path": str(p.relative_to(directory)), "bytes": p.stat().st_size, "sha256": sha256(p)}
-                  for p in files],
+        "files": [{"path": rel, **hashes[rel]} for rel in sorted(hashes)],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "longctx": __version__,
         "torch": torch.__version__,
     }
-    tmp = directory / (MANIFEST + ".tmp")
+    manifest["checksum"] = _manifest_checksum(manifest)
+    _write_json_atomically(directory / MANIFEST, manifest, indent=2)
+    return manifest
+
+
+def _manifest_checksum(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _write_json_atomically(path: Path, obj, indent=None) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as f:
-        json.dump(manifest, f, indent=2)
+        json.dump(obj, f, indent=indent)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    return manifest
+    os.replace(tmp, path)
 
 
 def read_manifest(directory: Path) -> dict:
@@ -66,28 +135,46 @@ def read_manifest(directory: Path) -> dict:
             f"{directory} is not a complete longctx checkpoint (no {MANIFEST}); it may be a save that was "
             f"interrupted. Use the checkpoint that `latest` names, or another step-* directory."
         )
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedManifest(directory, f"is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict):
+        raise DamagedManifest(directory, "is not a JSON object")
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path} has format {manifest.get('format')!r}; this longctx reads {FORMAT!r}.")
+    # manifests written before the manifest had a checksum of its own are read as they are
+    if "checksum" in manifest and manifest["checksum"] != _manifest_checksum(manifest):
+        raise DamagedManifest(directory, CHECKSUM_MISMATCH)
     return manifest
+
+
+def file_problem(directory: Path, entry: dict, checksums: bool = True) -> str | None:
+    """What is wrong with one file the manifest lists (None when it is intact)."""
+    p = Path(directory) / entry["path"]
+    if not p.is_file():
+        return "is missing"
+    size = p.stat().st_size
+    if size != entry["bytes"]:
+        return f"has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
+    if checksums and sha256(p) != entry["sha256"]:
+        return CHECKSUM_MISMATCH
+    return None
+
+
+def damage_report(problems: dict[str, str]) -> str:
+    """One line naming each damaged file and what is wrong with it."""
+    return "; ".join(f"{path} {problem}" for path, problem in problems.items())
 
 
 def verify(directory: Path, checksums: bool = True) -> dict:
     """Check every listed file exists with its size (and checksum); return the manifest."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    problems = []
-    for entry in manifest["files"]:
-        p = directory / entry["path"]
-        if not p.is_file():
-            problems.append(f"{entry['path']} is missing")
-        elif p.stat().st_size != entry["bytes"]:
-            problems.append(f"{entry['path']} has {p.stat().st_size} bytes, the manifest says {entry['bytes']} "
-                            f"(truncated or overwritten)")
-        elif checksums and sha256(p) != entry["sha256"]:
-            problems.append(f"{entry['path']} does not match its sha256 checksum")
+    problems = {e["path"]: p for e in manifest["files"] if (p := file_problem(directory, e, checksums))}
     if problems:
-        raise CheckpointError(f"checkpoint {directory} is damaged: {'; '.join(problems)}. Nothing was loaded.")
+        raise CheckpointError(f"checkpoint {directory} is damaged: {damage_report(problems)}. "
+                              f"Nothing was loaded.")
     return manifest
 
 

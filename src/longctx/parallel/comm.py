@@ -10,12 +10,16 @@ for what it carries; `counters()` returns the bytes THIS rank sent, per dim and 
 - exchange (point-to-point): the bytes of every tensor sent.
 
 Groups of size 1 communicate nothing and count nothing. `barrier` and `broadcast_object` carry
-control data and are not counted.
+control data and are not counted. `groups_used()` says which process group each (dim, label) ran on.
 
-Collectives that a PyTorch library issues itself (FSDP2's parameter all-gathers, gradient
-reduce-scatters and HSDP all-reduces) bypass these functions; `library_traffic()` counts them with
-the same per-rank conventions (a reduce-scatter: (n-1)/n of its input, the chunks a ring sends on)
-by watching the c10d operators, so their closed forms can be checked against a real step.
+Lanes. NCCL runs the operations of one communicator in the order they were posted, so transfers
+that should overlap need process groups of their own. A mesh dim's group may be shared (when the
+dim spans the whole job, DeviceMesh hands it the default group, which FSDP and the metrics also
+use), so the attention's transfers run on lanes: process groups over the same ranks as a dim's
+group, opened once at setup (`open_lane`, from ParallelDims.build_mesh) and found with
+`lane(mesh, name)`: "ulysses" for the head all-to-all, "ring" for the ring's (inner) hops,
+"ring_outer" for a Double-Ring's outer transfers, which posted first on the inner hops' group would
+hold up every inner hop behind the slow inter-node transfer.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 import torch.distributed as dist
 
 _BYTES: dict[tuple[str, str], int] = defaultdict(int)
+_GROUPS: dict[tuple[str, str], set[str]] = defaultdict(set)  # (dim, label) -> names of the groups it ran on
+_LANES: dict[tuple[str, str], object] = {}  # (group name of a 1-D mesh, lane name) -> 1-D mesh, same ranks
 _OWN = threading.local()  # depth > 0 while one of this module's functions runs its c10d op
 
 # torch >= 2.10 renamed all_gather_into_tensor (output concatenated along dim 0) to all_gather_single
@@ -44,6 +50,15 @@ def counters() -> dict[str, dict[str, int]]:
 
 def reset_counters() -> None:
     _BYTES.clear()
+    _GROUPS.clear()
+
+
+def groups_used() -> dict[str, dict[str, list[str]]]:
+    """{dim: {label: names of the process groups its transfers ran on}} since the last reset."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for (dim, label), names in sorted(_GROUPS.items()):
+        out.setdefault(dim, {})[label] = sorted(names)
+    return out
 
 
 @contextlib.contextmanager
@@ -57,7 +72,9 @@ def _own():
 
 
 def _count(mesh, label: str, nbytes: int) -> None:
-    _BYTES[(dim_name(mesh), label)] += int(nbytes)
+    key = (dim_name(mesh), label)
+    _BYTES[key] += int(nbytes)
+    _GROUPS[key].add(group_name(mesh))
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -97,6 +114,41 @@ def group_ranks(mesh) -> list[int]:
     return _mesh_fact(mesh, "ranks", lambda: mesh.mesh.flatten().tolist())
 
 
+def group_of(mesh):
+    """The process group of this 1-D mesh, looked up once per mesh."""
+    return _mesh_fact(mesh, "group", mesh.get_group)
+
+
+def group_name(mesh) -> str:
+    return _mesh_fact(mesh, "group_name", lambda: group_of(mesh).group_name)
+
+
+def open_lane(mesh, dim: str, name: str) -> None:
+    """Give every group of `mesh`'s dim `dim` a second process group over the same ranks, found by
+    `lane(sub_mesh(mesh, dim), name)`. Collective over the whole job: every rank calls it, at setup
+    (a process group is created by all ranks, including those outside it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    d = mesh.mesh_dim_names.index(dim)
+    every = mesh.mesh.movedim(d, -1).reshape(-1, mesh.mesh.shape[d]).tolist()
+    mine, _ = dist.new_subgroups_by_enumeration(every, group_desc=f"{dim}_{name}")
+    own = sub_mesh(mesh, dim)
+    _LANES[(group_name(own), name)] = DeviceMesh.from_group(mine, mesh.device_type, mesh=group_ranks(own),
+                                                             mesh_dim_names=(dim,))
+
+
+def lane(mesh, *names: str):
+    """The first of the lanes `names` opened over this 1-D mesh's ranks (`open_lane`); the mesh itself
+    if none was (a mesh built by hand: correct, only without the separate groups)."""
+    if mesh.size() == 1:
+        return mesh
+    for name in names:
+        found = _LANES.get((group_name(mesh), name))
+        if found is not None:
+            return found
+    return mesh
+
+
 def all_to_all(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor:
     """x [n, ...]: slice i goes to group rank i; returns [n, ...] whose slice j came from rank j."""
     n = mesh.size()
@@ -107,7 +159,7 @@ def all_to_all(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor
     x = x.contiguous()
     out = torch.empty_like(x)
     with _own():
-        dist.all_to_all_single(out, x, group=mesh.get_group())
+        dist.all_to_all_single(out, x, group=group_of(mesh))
     _count(mesh, label, nbytes(x) * (n - 1) // n)
     return out
 
@@ -120,7 +172,7 @@ def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor
     x = x.contiguous().reshape(1, *x.shape)
     out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
     with _own():
-        _all_gather_single(out, x, group=mesh.get_group())
+        _all_gather_single(out, x, group=group_of(mesh))
     _count(mesh, label, nbytes(x) * (n - 1))
     return out
 
@@ -130,7 +182,7 @@ def all_reduce(x: torch.Tensor, mesh, op=dist.ReduceOp.SUM, label: str = "all_re
     if n == 1:
         return x
     with _own():
-        dist.all_reduce(x, op=op, group=mesh.get_group())
+        dist.all_reduce(x, op=op, group=group_of(mesh))
     _count(mesh, label, 2 * nbytes(x) * (n - 1) // n)
     return x
 
@@ -162,7 +214,7 @@ def exchange(mesh, sends=(), recvs=(), label: str = "p2p") -> Pending:
     if not sends and not recvs:
         return Pending()
     ranks = group_ranks(mesh)
-    group = mesh.get_group()
+    group = group_of(mesh)
     ops = []
     for t, peer, tag in sends:
         ops.append(dist.P2POp(dist.isend, t.contiguous(), ranks[peer], group=group, tag=tag))
@@ -179,7 +231,7 @@ def broadcast_object(obj, mesh, src: int = 0):
         return obj
     box = [obj]
     with _own():
-        dist.broadcast_object_list(box, src=group_ranks(mesh)[src], group=mesh.get_group())
+        dist.broadcast_object_list(box, src=group_ranks(mesh)[src], group=group_of(mesh))
     return box[0]
 
 
@@ -197,7 +249,7 @@ def barrier(mesh=None) -> None:
     if mesh is not None and mesh.size() == 1:
         return
     with _own():
-        dist.barrier(group=None if mesh is None else mesh.get_group())
+        dist.barrier(group=None if mesh is None else group_of(mesh))
 
 
 def world_mesh(device_type: str = "cpu"):

@@ -8,7 +8,9 @@ groups gets adjacent ranks (on GPUs: the same node, the fast links):
 - ctx-first:  the ranks of a context group are adjacent.
 
 `window` is the Double-Ring inner ring size: the context group is cut into ctx / window windows of
-`window` consecutive context ranks (0 = one plain ring over the whole group).
+`window` consecutive context ranks (0 = one plain ring over the whole group). The Ulysses
+all-to-all, the ring's hops and a Double-Ring's outer transfers each run on a process group of
+their own (comm.open_lane, opened here with the mesh), never on one FSDP or the metrics use.
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ class ParallelDims:
 
         if self._mesh is None:
             self._mesh = DeviceMesh(device_type, self.rank_grid(), mesh_dim_names=DIM_NAMES)
+            from . import comm
+
+            # the attention's transfers get process groups of their own (comm's "Lanes")
+            if self.head > 1:
+                comm.open_lane(self._mesh, "head", "ulysses")
+            if self.ctx > 1:
+                comm.open_lane(self._mesh, "ctx", "ring")
+            if 1 < self.window < self.ctx:  # a Double-Ring: inner and outer transfers apart
+                comm.open_lane(self._mesh, "ctx", "ring_outer")
         return self._mesh
 
     @classmethod

@@ -6,7 +6,8 @@ The order is fixed and matters:
   2. activation memory policy (memory/policies.py): wraps block forwards, so it must see the
      blocks before FSDP wraps them and must wrap the distributed attention already in place;
      the chunked LM head + loss (ops/loss.py) is switched on here too;
-  3. FSDP2 `fully_shard` on every block, then on the root (embeddings, final norm, LM head), over
+  3. with train.compile, each block's token-wise stages are compiled (models/compile.py);
+  4. FSDP2 `fully_shard` on every block, then on the root (embeddings, final norm, LM head), over
      the data x head x context ranks flattened into one shard dim (LoongTrain's hybrid ZeRO: the
      sequence ranks share the model states too), with dp_replicate as the HSDP replica dim.
 
@@ -103,7 +104,12 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu", resolve_auto_o
             raise ValueError("memory.offload_fraction='auto' needs resolve_auto_offload")
         cfg.memory.offload_fraction = resolve_auto_offload(model)
     apply_memory(model, cfg.memory, device_type)
-    # 3. hybrid ZeRO
+    # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)
+    if cfg.train.compile:
+        from ..models.compile import compile_token_wise_stages
+
+        compile_token_wise_stages(model.layers)
+    # 4. hybrid ZeRO
     if dims.world_size > 1:
         shard_mesh = fsdp_mesh(dims, device_type)
         bf16 = device_type == "cuda" and cfg.train.dtype in ("auto", "bf16")

@@ -10,7 +10,9 @@ back; an inner ring of w - 1 hops passes these blocks around inside the window. 
 for step o + 1 is started before the inner ring of step o and so hides behind w block
 computations instead of one (Double-Ring, LoongTrain). w = c and w = 1 are both the plain ring.
 Every transfer is started before the computation that can hide it and waited for only when its
-data is needed.
+data is needed. Inner hops and outer transfers run on process groups of their own (comm lanes
+"ring" and "ring_outer", opened by ParallelDims.build_mesh): on one NCCL communicator the outer
+transfer, posted first, would hold up every inner hop queued behind it.
 
 Causal work with the zigzag layout, for query rank i and a block from rank j:
   j == i: causal attention over the local [chunk i, chunk 2c-1-i] (a plain lower triangle);
@@ -100,15 +102,23 @@ def _start_transfer(mesh, kv, to, frm, tag, label):
     return comm.exchange(mesh, [(kv, to, tag)], [(kv_buf, frm, tag)], label=label), kv_buf
 
 
+def _lanes(mesh):
+    """(inner, outer): the 1-D meshes the inner hops and the outer transfers run on. A plain ring
+    (or window 1, all hops outer) has one lane for both."""
+    inner = comm.lane(mesh, "ring")
+    return inner, comm.lane(mesh, "ring_outer", "ring")
+
+
 def _blocks(mesh, sched: Schedule, k, v, label):
     """(outer step, inner step, source rank, [k, v] block) in schedule order, each transfer started
     before the computation that hides it and waited for only when its block is needed."""
     outer_kv = torch.stack([k, v])
+    mesh, outer_mesh = _lanes(mesh)
     for o in range(sched.windows):
         last_outer = o == sched.windows - 1
         if not last_outer:
-            outer, next_outer = _start_transfer(mesh, outer_kv, sched.outer_next, sched.outer_prev, TAG_OUTER_KV,
-                                                label)
+            outer, next_outer = _start_transfer(outer_mesh, outer_kv, sched.outer_next, sched.outer_prev,
+                                                TAG_OUTER_KV, label)
         cur = outer_kv
         for t in range(sched.window):
             last_inner = t == sched.window - 1
@@ -159,6 +169,7 @@ def ring_backward(dout, q, k, v, out, lse, mesh, window, causal, scale, backend,
     # fp32; without documents the first block (which covers every query row) starts it
     dq = None if plans is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     in_flight: list[comm.Pending] = []  # sends we must see complete before returning
+    inner_mesh, outer_mesh = _lanes(mesh)
     own_total = None
     outer_acc = None  # (pending, buffer) of the outer gradient accumulator arriving from outer_prev
     hold = inner_acc = None
@@ -171,14 +182,15 @@ def ring_backward(dout, q, k, v, out, lse, mesh, window, causal, scale, backend,
         if t == 0:
             hold = dkv
         else:
-            inner_acc = _pass_on(mesh, dkv, inner_acc, sched.inner_next, sched.inner_prev, TAG_DKV, in_flight)
+            inner_acc = _pass_on(inner_mesh, dkv, inner_acc, sched.inner_next, sched.inner_prev, TAG_DKV,
+                                 in_flight)
         if t < sched.window - 1:
             continue
         hold = _settle(hold, inner_acc)  # the last hop brought back the window's gradient of our outer block
         if o == 0:
             own_total = hold
         else:
-            outer_acc = _pass_on(mesh, hold, outer_acc, sched.outer_next, sched.outer_prev, TAG_OUTER_DKV,
+            outer_acc = _pass_on(outer_mesh, hold, outer_acc, sched.outer_next, sched.outer_prev, TAG_OUTER_DKV,
                                  in_flight)
     own_total = _settle(own_total, outer_acc)
     for pending in in_flight:

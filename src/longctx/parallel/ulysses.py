@@ -78,10 +78,10 @@ class _HeadToSeq(torch.autograd.Function):
 def seq_to_head(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor:
     if mesh.size() == 1:
         return x
-    return _SeqToHead.apply(x, mesh, label)
+    return _SeqToHead.apply(x, comm.lane(mesh, "ulysses"), label)  # on its own process group
 
 
 def head_to_seq(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor:
     if mesh.size() == 1:
         return x
-    return _HeadToSeq.apply(x, mesh, label)
+    return _HeadToSeq.apply(x, comm.lane(mesh, "ulysses"), label)
