@@ -70,7 +70,10 @@ def _cmd_train(args, overrides) -> int:
             default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress)
         relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
         return 0
+    from .parallel.launch import finish_distributed
+
     train(cfg)
+    finish_distributed()
     return 0
 
 

@@ -1,0 +1,100 @@
+"""train.compile: tokens/s with and without it, and what the elementwise part costs in each.
+
+1. Throughput: `longctx train` on small-100m at --seq tokens (fp32, one sequence per step), eager
+   and compiled, in one process and under head 2 x ctx 2; tokens/s is the median of the steps
+   after the first two (compilation happens in step 1). The same run's losses are compared.
+2. Profile (one process): one forward + backward of the model, eager and compiled, with the
+   operators split into GEMMs, attention, and the rest (norms, RoPE, SwiGLU, residuals, copies;
+   compiled, the fused kernels). Self CPU time per class.
+
+Prints one JSON document. Usage: python benchmarks/compile_speed.py [--seq 4096] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+LAYOUTS = {"1 process": (1, []), "head 2 x ctx 2": (4, ["--parallel.head=2", "--parallel.ctx=2"])}
+GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
+ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_attention")
+
+
+def train_run(nproc: int, layout: list[str], seq: int, steps: int, compiled: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "longctx", "train", f"--nproc={nproc}", "--model.preset=small-100m",
+               f"--train.seq_len={seq}", "--train.global_batch=1", f"--train.steps={steps}", "--train.warmup_steps=2",
+               "--train.eval_interval=0", "--metrics.log_interval=1", "--metrics.plots=false",
+               "--metrics.progress=false", "--data.max_docs=300", f"--train.compile={str(compiled).lower()}",
+               f"--train.run_dir={tmp}", *layout]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(r.stderr[-3000:])
+        recs = [json.loads(x) for x in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
+    train = [x for x in recs if x["kind"] == "train"]
+    return {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in train if x["step"] > 2),
+            "losses": [x["loss"] for x in train]}
+
+
+def _classify(name: str) -> str:
+    if name.startswith(GEMM):
+        return "gemm"
+    if any(a in name for a in ATTENTION):
+        return "attention"
+    return "elementwise and other"
+
+
+def profile(seq: int, compiled: bool) -> dict:
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from longctx.config import load_config
+    from longctx.models.compile import compile_token_wise_stages
+    from longctx.models.llama import build_model
+
+    cfg = load_config(overrides=["--model.preset=small-100m"]).model
+    model = build_model(cfg, seed=0)
+    if compiled:
+        compile_token_wise_stages(model.layers)
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # compile and warm up
+        model(tokens, labels=tokens).backward()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(tokens, labels=tokens).backward()
+    seconds: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.self_cpu_time_total > 0:
+            key = _classify(ev.key)
+            seconds[key] = seconds.get(key, 0.0) + ev.self_cpu_time_total / 1e6
+    return {k: round(v, 3) for k, v in sorted(seconds.items())}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--skip-profile", action="store_true")
+    a = p.parse_args()
+    out = {"bench": "compile_speed", "model": "small-100m", "seq": a.seq, "steps": a.steps,
+           "torch": torch.__version__, "throughput": {}, "profile_s": {}}
+    for name, (nproc, layout) in LAYOUTS.items():
+        eager = train_run(nproc, layout, a.seq, a.steps, False)
+        comp = train_run(nproc, layout, a.seq, a.steps, True)
+        out["throughput"][name] = {
+            "eager_tokens_per_s": eager["tokens_per_s"], "compiled_tokens_per_s": comp["tokens_per_s"],
+            "compiled_vs_eager": comp["tokens_per_s"] / eager["tokens_per_s"],
+            "max_loss_diff": max(abs(x - y) for x, y in zip(eager["losses"], comp["losses"]))}
+        print(json.dumps({name: out["throughput"][name]}), file=sys.stderr, flush=True)
+    if not a.skip_profile:
+        out["profile_s"] = {"eager": profile(a.seq, False), "compiled": profile(a.seq, True)}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
