@@ -30,7 +30,7 @@ ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "_a
 def train_run(nproc: int, layout: list[str], seq: int, steps: int, compiled: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "longctx", "train", f"--nproc={nproc}", "--model.preset=small-100m",
-               f"--train.seq_len={seq}", "--train.global_batch=1", f"--train.steps={steps}", "--train.warmup_steps=2",
+               f"--train.seq_len={seq}", "--train.global_batch=1", f"--train.steps={steps}",
                "--train.eval_interval=0", "--metrics.log_interval=1", "--metrics.plots=false",
                "--metrics.progress=false", "--data.max_docs=300", f"--train.compile={str(compiled).lower()}",
                f"--train.run_dir={tmp}", *layout]

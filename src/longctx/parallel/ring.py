@@ -110,8 +110,12 @@ def _lanes(mesh):
 
 
 def _blocks(mesh, sched: Schedule, k, v, label):
-    """(outer step, inner step, source rank, [k, v] block) in schedule order, each transfer started
+    """(outer step, inner step, source rank, [k, v] block: stacked, or the (k, v) pair itself when there is
+    no ring to travel) in schedule order, each transfer started
     before the computation that hides it and waited for only when its block is needed."""
+    if sched.ctx == 1:  # no ring: the local block, without the [k, v] copy that travelling needs
+        yield 0, 0, 0, (k, v)
+        return
     outer_kv = torch.stack([k, v])
     mesh, outer_mesh = _lanes(mesh)
     for o in range(sched.windows):
@@ -226,7 +230,7 @@ def _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq
         return dq, torch.stack([gk, gv]).float()
     if plan is not None:
         if plan.empty:
-            return dq, torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            return dq, torch.zeros((2, *kv[0].shape), dtype=torch.float32, device=kv[0].device)
         gq, gk, gv = attention_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=scale,
                                         backend=backend, plan=plan)
         dq += gq.float()
@@ -241,7 +245,7 @@ def _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq
         dq[:, qr] += gq.float()
     if kr == slice(0, s):
         return dq, torch.stack([gk, gv]).float()
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    dkv = torch.zeros((2, *kv[0].shape), dtype=torch.float32, device=kv[0].device)
     dkv[0][:, kr] = gk
     dkv[1][:, kr] = gv
     return dq, dkv
