@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
         r["case"] = f"synthetic, ~{int(np.mean([d.max() + 1 for d in short]))} documents (lognormal, median 20)"
         long_seq.append(r)
 
-    out = {"benchmark": "doc_balance", "date": date.today().isoformat(), "store": str(store),
+    out = {"bench": "doc_balance", "date": date.today().isoformat(), "store": str(store),
            "split": "train", "samples": len(samples), "seq_len": int(samples[0].size),
            "documents_per_sample": _dist(docs_per_sample),
            "work": "visible (query, key) pairs of a ctx rank's tokens: causal, same document",

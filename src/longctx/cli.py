@@ -52,24 +52,15 @@ def _cmd_train(args, overrides) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    from .parallel.checks import check_layout
     from .train import train
 
-    if launching and nproc > 1:
-        check_layout(cfg, nproc)  # fail fast, before any process starts
-        if cfg.model.init_from:  # missing shards: said once, here, not by every rank after launch
-            from .config_hf import hf_dir
-            from .models.hf import weight_files
+    if launching:
+        from .preflight import preflight
 
-            weight_files(hf_dir(cfg.model.init_from))
-        if not cfg.data.path:
-            # build (or find) the cached default store here, once, rather than in rank 0 while the
-            # other ranks wait in a collective bounded by parallel.timeout_s
-            from .data.cache import default_store
-
-            default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress)
-        relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
-        return 0
+        preflight(cfg, nproc)  # every error that can be found before a rank starts, found once, here
+        if nproc > 1:
+            relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
+            return 0
     from .parallel.launch import finish_distributed
 
     train(cfg)
@@ -115,7 +106,8 @@ def _cmd_checkpoint(args, overrides) -> int:
     if args.to != "hf":
         raise UserError(f"--to {args.to}: only 'hf' export is available.")
     if not args.out:
-        raise UserError("longctx checkpoint export needs an output directory: longctx checkpoint export PATH --to hf OUT.")
+        raise UserError("longctx checkpoint export needs an output directory: "
+                        "longctx checkpoint export PATH --to hf OUT.")
     from .checkpoint.export import export_hf
 
     import torch
@@ -194,9 +186,14 @@ def main(argv=None) -> int:
     try:
         return args.func(args, rest)
     except UserError as e:
+        from .parallel.launch import hand_error_to_launcher
+
+        if hand_error_to_launcher(str(e), e.exit_code):
+            return e.exit_code  # `longctx train --nproc N` prints it, once for all the ranks that hit it
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(textwrap.fill(f"{prefix}longctx {args.command}: error: {e}", width=100), file=sys.stderr)
+        text = f"{prefix}longctx {args.command}: error: {e}"
+        print("\n".join(textwrap.fill(line, width=100) for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"longctx {args.command}: interrupted", file=sys.stderr)

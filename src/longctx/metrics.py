@@ -5,12 +5,15 @@ attention score term: per layer and token, forward, 2 x (matmul parameters) + 4 
 the attention term halved under a causal mask (counted so also with document masks, which skip
 more: MFU is then an upper bound, as in most reports); the LM head adds 2 x dim x vocab; training
 is 3x forward. MFU divides achieved model FLOP/s by the device's peak: the dense bf16 peak for known
-GPUs, or on CPU a fp32 GEMM peak measured at start-up (the line says which).
+GPUs, or on CPU the machine's fp32 GEMM peak with all its cores, calibrated once and cached (so MFU
+compares across runs), shared by the ranks on the machine (the line says which).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import resource
 import sys
 import time
@@ -70,8 +73,65 @@ def measure_cpu_gemm_peak(size: int = 1024, seconds: float = 0.3) -> float:
     return best
 
 
-def device_peak(device: torch.device, override_tflops: float = 0.0) -> tuple[float | None, str]:
-    """(peak FLOP/s or None, where the figure comes from)."""
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (macOS)
+        return os.cpu_count() or 1
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover
+        pass
+    return platform.processor() or platform.machine()
+
+
+CPU_PEAK_FILE = "cpu_peak.json"
+
+
+def machine_cpu_peak() -> tuple[float, Path, bool]:
+    """This machine's fp32 GEMM FLOP/s with all its usable cores: (FLOP/s, cache file, measured now).
+
+    Measured once (about 2 s, with every core, best of several GEMMs) and cached under a key of the
+    CPU model, core count and torch version; measured at each start instead, the figure varied 10x
+    with whatever else ran (other ranks starting up included), and MFU could not be compared across
+    runs. Delete the file to re-calibrate.
+    """
+    from .cache_dir import cache_root
+
+    path = cache_root() / CPU_PEAK_FILE
+    key = f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+        return float(cached[key]), path, False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        peak = measure_cpu_gemm_peak(size=2048, seconds=2.0)
+    finally:
+        torch.set_num_threads(threads)
+    cached[key] = peak
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)  # whole or not at all, also when two jobs calibrate at once
+    except OSError:  # a read-only cache: the figure still holds for this run
+        pass
+    return peak, path, True
+
+
+def device_peak(device: torch.device, override_tflops: float = 0.0,
+                local_ranks: int = 1) -> tuple[float | None, str]:
+    """(peak FLOP/s of one rank or None, where the figure comes from). On CPU the machine's peak is
+    shared by the `local_ranks` ranks that run on it."""
     if override_tflops:
         return override_tflops * 1e12, "metrics.peak_tflops"
     if device.type == "cuda":
@@ -80,7 +140,9 @@ def device_peak(device: torch.device, override_tflops: float = 0.0) -> tuple[flo
             if key in name:
                 return peak, f"{key} bf16 dense peak"
         return None, f"unknown GPU '{name}' (set metrics.peak_tflops)"
-    return measure_cpu_gemm_peak(), "measured CPU fp32 GEMM peak"
+    peak, path, _ = machine_cpu_peak()
+    shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
+    return peak / local_ranks, f"this machine's CPU fp32 GEMM peak {peak / 1e12:.3f} TFLOP/s{shared} (cached in {path})"
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

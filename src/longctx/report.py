@@ -1,4 +1,5 @@
-"""PNG plots of a run from its metrics JSONL: loss (train and eval) and throughput (tokens/s, MFU)."""
+"""PNG plots of a run from its metrics JSONL: loss (train and eval), and throughput (tokens/s with its
+MFU scale) over memory."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
     if not metrics_path.is_file():
         raise UserError(f"{metrics_path} does not exist; pass the run directory a `longctx train` run wrote.")
     records = read_jsonl(metrics_path)
-    train = [r for r in records if r.get("kind", "train") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    # the newest record of each step (a run resumed by an older longctx repeated steps)
+    train = _last_per_step(r for r in records if r.get("kind", "train") == "train")
+    evals = _last_per_step(r for r in records if r.get("kind") == "eval")
     if not train:
         raise UserError(f"{metrics_path} holds no training records to plot.")
 
@@ -38,20 +40,28 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
     fig.savefig(loss_png, dpi=100)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, mem_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = [r["step"] for r in train]
     ax.plot(steps, [r["tokens_per_s"] for r in train], color="tab:blue", marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("tokens/s", color="tab:blue")
-    mfu = [(r["step"], r["mfu"]) for r in train if r.get("mfu") is not None]
-    if mfu:
-        ax2 = ax.twinx()
-        ax2.plot([s for s, _ in mfu], [100 * m for _, m in mfu], color="tab:orange", marker=".")
-        ax2.set_ylabel("MFU (%)", color="tab:orange")
-    ax.set_title(f"throughput - {run_dir.name}")
+    ax.set_ylabel("tokens/s")
+    # MFU is tokens/s times a constant (model FLOPs per token / the ranks' peak): a second scale on
+    # the same curve, not a second curve drawn exactly on top of the first
+    ratios = {round(r["mfu"] / r["tokens_per_s"], 15) for r in train if r.get("mfu") and r["tokens_per_s"]}
+    if len(ratios) == 1:
+        k = 100 * ratios.pop()
+        ax.secondary_yaxis("right", functions=(lambda t: t * k, lambda m: m / k)).set_ylabel("MFU (%)")
+    ax.set_title(f"throughput and memory - {run_dir.name}")
     ax.grid(alpha=0.3)
+    mem_ax.plot(steps, [r["memory_gib"] for r in train], color="tab:green", marker=".")
+    mem_ax.set_ylabel(f"GiB ({train[-1].get('memory_kind', 'peak')})", fontsize=8)
+    mem_ax.set_xlabel("step")
+    mem_ax.grid(alpha=0.3)
     fig.tight_layout()
     tput_png = run_dir / "throughput.png"
     fig.savefig(tput_png, dpi=100)
     plt.close(fig)
     return [loss_png, tput_png]
+
+
+def _last_per_step(records) -> list[dict]:
+    return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])

@@ -6,6 +6,7 @@ the loop so that the loop reads as the steps of training.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import datetime
@@ -13,18 +14,60 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, to_dict
+from .config import Config, to_dict, to_toml
 from .data.loader import PackedSamples
 from .data.store import read_manifest
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, UserError
 from .models.llama import Llama, build_model
 from .parallel.parallelize import parallelize
 from .parallel.runtime import Runtime
 from .step import resolve_dtype
 
 
+RUN_FILES = ("config.toml", "metrics.jsonl")  # what makes a directory hold a run
+
+
+def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def resume_target(cfg: Config, run_dir: Path) -> Path | None:
+    """The checkpoint `--checkpoint.resume` names (None: start at step 1). Its verification comes
+    later, on every rank; a PATH that holds no complete checkpoint is an error here."""
+    from .checkpoint.manager import resolve_checkpoint
+
+    return resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg, run_dir))
+
+
+def check_run_dir(cfg: Config) -> None:
+    """Refuse a train.run_dir that already holds a run (its config.toml, metrics.jsonl, plots)
+    unless this job continues it from its own checkpoints: anything else would overwrite its config,
+    append a second step 1 to its metrics and redraw its plots over the old ones."""
+    if not cfg.train.run_dir:
+        return  # runs/<time>-<preset>/ is new each time
+    run_dir = Path(cfg.train.run_dir)
+    used = [f for f in RUN_FILES if (run_dir / f).exists()]
+    if not used:
+        return
+    root = checkpoint_root(cfg, run_dir)
+    target = resume_target(cfg, run_dir)
+    if target is not None and root.resolve() in target.resolve().parents:
+        return
+    if cfg.checkpoint.resume == "none":
+        why = "and this job does not resume it (--checkpoint.resume none)"
+    elif target is None:
+        why = f"and --checkpoint.resume {cfg.checkpoint.resume} found no checkpoint to continue it from in {root}"
+    else:
+        why = f"and --checkpoint.resume names a checkpoint of another run ({target})"
+    raise ConfigError(
+        f"train.run_dir {run_dir} already holds a run ({', '.join(used)}) {why}. Nothing was changed. To start "
+        f"a new run, give another --train.run_dir (or none: a new runs/<time>-<preset>/ is made); to continue "
+        f"this one, --checkpoint.resume auto needs a checkpoint in {root}; to start over in it, delete it first.")
+
+
 def make_run_dir(cfg: Config) -> Path:
     if cfg.train.run_dir:
+        check_run_dir(cfg)
         path = Path(cfg.train.run_dir)
     else:
         name = cfg.model.family if cfg.model.preset == "hf" else cfg.model.preset
@@ -37,28 +80,62 @@ def make_run_dir(cfg: Config) -> Path:
     return path
 
 
-def store_path(cfg: Config, log, rt: Runtime | None) -> str:
-    """data.path, or the store built (once, then cached) from data.corpus. With several ranks,
-    rank 0 builds and the others wait for it; any failure there reaches every rank."""
-    if cfg.data.path:
-        return cfg.data.path
-    from .data.cache import default_store
+def continue_run_files(run_dir: Path, cfg: Config, start_step: int, log) -> None:
+    """Write the run's config.toml, keeping what a resumed run already holds: an earlier config
+    that differs is kept as config.before-step{N}.toml, and metrics of steps after the resumed one
+    (the attempt that went on past the checkpoint) move to metrics.after-step{N}.jsonl, so the
+    metrics and plots read as one run with nothing lost."""
+    config, text = run_dir / "config.toml", to_toml(cfg)
+    if start_step and config.exists() and config.read_text() != text:
+        os.replace(config, run_dir / f"config.before-step{start_step}.toml")
+    config.write_text(text)
+    metrics = run_dir / "metrics.jsonl"
+    if not start_step or not metrics.exists():
+        return
+    kept, later = [], []
+    for line in metrics.read_text().splitlines(keepends=True):
+        (later if line.strip() and json.loads(line).get("step", 0) > start_step else kept).append(line)
+    if not later:
+        return
+    moved = run_dir / f"metrics.after-step{start_step}.jsonl"
+    with moved.open("a") as f:
+        f.writelines(later)
+    tmp = metrics.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, metrics)
+    log(f"run: {len(later)} metrics records of steps after {start_step} (the earlier attempt past the checkpoint) "
+        f"moved to {moved.name}")
 
-    failure = None
+
+def on_main(rt: Runtime | None, fn, what: str):
+    """fn() on rank 0 while the other ranks wait; its result, or its failure, on every rank (a failure
+    on rank 0 alone would leave the others waiting in a collective until the timeout)."""
+    failure = outcome = None
     if rt is None or rt.is_main:
         try:
-            outcome = ("ok", str(default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log)))
-        except Exception as e:  # every failure reaches the waiting ranks, not only DataError
+            outcome = ("ok", fn())
+        except Exception as e:  # every failure reaches the waiting ranks, not only a UserError
             failure = e
-            outcome = ("error", str(e) if isinstance(e, DataError) else
-                       f"building the data store failed on rank 0: {type(e).__name__}: {e}")
+            outcome = ("error", str(e) if isinstance(e, UserError) else
+                       f"{what} failed on rank 0: {type(e).__name__}: {e}", type(e).__name__)
     if rt is not None:
         outcome = rt.broadcast(outcome if rt.is_main else None)
     if failure is not None:
         raise failure
     if outcome[0] == "error":
-        raise DataError(outcome[1])
+        raise (ConfigError if outcome[2] == "ConfigError" else DataError)(outcome[1])
     return outcome[1]
+
+
+def store_path(cfg: Config, log, rt: Runtime | None) -> str:
+    """data.path, or the store built (once, then cached) from data.corpus. With several ranks,
+    rank 0 builds and the others wait for it."""
+    if cfg.data.path:
+        return cfg.data.path
+    from .data.cache import default_store
+
+    return str(on_main(rt, lambda: default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log),
+                       "building the data store"))
 
 
 def _check_store(cfg: Config, path: str, manifest: dict) -> None:
@@ -78,25 +155,39 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
                           f"{tok['spec']}; drop data.tokenizer (the store's tokenizer is used).")
 
 
+def eval_split_problem(cfg: Config, path, manifest: dict) -> str | None:
+    """Why this run cannot evaluate (None: it can, or evaluation is off): an eval split smaller than
+    one micro-batch, empty included, turns evaluation off with this message; never a silent skip,
+    never a stop over a side metric."""
+    n, micro = manifest["totals"]["eval_samples"], cfg.train.global_batch // cfg.train.grad_accum
+    if not cfg.train.eval_interval or n >= micro:
+        return None
+    fix = "build the store with a larger --eval-fraction" if cfg.data.path else "raise data.eval_fraction"
+    return (f"evaluation is off: the eval split of {path} has {n} samples, fewer than one micro-batch of {micro} "
+            f"(train.global_batch / train.grad_accum); to evaluate, {fix}; set train.eval_interval=0 to not be told.")
+
+
+def check_store(cfg: Config, path) -> dict:
+    """The store's manifest, once it is known to fit this run (seq_len, tokenizer, vocabulary)."""
+    manifest = read_manifest(path)
+    _check_store(cfg, str(path), manifest)
+    return manifest
+
+
 def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     """Train and eval samples of the run's store (eval is None when evaluation is off or empty)."""
     t0 = time.perf_counter()
     path = store_path(cfg, log, rt)
-    manifest = read_manifest(path)
-    _check_store(cfg, path, manifest)
+    manifest = check_store(cfg, path)
     train = PackedSamples(path, "train", cfg.data.doc_mask)
     if len(train) == 0:
         raise DataError(f"the data store {path} has no training samples; build it from more documents.")
+    problem = eval_split_problem(cfg, path, manifest)
     evals = None
-    micro = cfg.train.global_batch // cfg.train.grad_accum
-    if cfg.train.eval_interval and manifest["totals"]["eval_samples"]:
+    if problem:
+        log(f"data: {problem}")
+    elif cfg.train.eval_interval:
         evals = PackedSamples(path, "eval", cfg.data.doc_mask)
-        if len(evals) < micro:
-            raise DataError(
-                f"the eval split has {len(evals)} samples, fewer than one micro-batch of {micro} (train.global_batch"
-                f" / train.grad_accum); " + ("build the store with a larger --eval-fraction" if cfg.data.path
-                                             else "raise data.eval_fraction") + " or set train.eval_interval=0."
-            )
     t, tok = manifest["totals"], manifest["tokenizer"]
     fill = manifest["packing"]["train"]["fill_rate"]
     log(f"data: {path} -> {t['documents']:,} documents ({t['duplicates_removed']:,} duplicates removed), "
@@ -180,7 +271,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
         return None, 0
     from .checkpoint.manager import CheckpointManager
 
-    root = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
+    root = checkpoint_root(cfg, run_dir)
     layout = {"world": rt.world, **{k: getattr(rt.dims, k) for k in
                                     ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")}}
     manager = CheckpointManager(root, keep=ck.keep, async_save=ck.async_save, rank=rt.rank, world=rt.world,

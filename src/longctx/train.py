@@ -17,14 +17,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import sys
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .config import Config, to_toml
+from .config import Config
 from .data.loader import BatchLoader, cost_coefficients
 from .errors import ConfigError, TrainingError
 from .metrics import (
@@ -36,6 +36,7 @@ from .metrics import (
 )
 from .models.llama import count_params
 from .parallel.checks import check_layout
+from .progress import progress_bar
 from .parallel.launch import init_distributed
 from .parallel.parallelize import grad_scale
 from .parallel.runtime import TRACKED_DIMS, Runtime
@@ -43,7 +44,9 @@ from .parallel.volumes import fsdp_bytes_per_step
 from .run_setup import (
     build_data,
     build_training_model,
+    continue_run_files,
     make_run_dir,
+    on_main,
     open_checkpointing,
 )
 from .step import (
@@ -99,9 +102,7 @@ class Trainer:
                 raise ConfigError("metrics.tensorboard=true needs the tensorboard package: "
                                   "pip install tensorboard.") from None
         self.train_samples, self.eval_samples = build_data(cfg, self.log, rt)
-        self.run_dir = Path(rt.broadcast(str(make_run_dir(cfg)) if rt.is_main else None))
-        if rt.is_main:
-            (self.run_dir / "config.toml").write_text(to_toml(cfg))
+        self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.model = build_training_model(cfg, self.device, rt, self.log)
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
@@ -113,6 +114,8 @@ class Trainer:
                                    balance=cfg.data.balance, cost=cost_coefficients(cfg.model))
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log)
+        if rt.is_main:
+            continue_run_files(self.run_dir, cfg, self.start_step, self.log)
         # every rank's peak while building, loading and sharding the model (before anything the step
         # allocates): what lets a model that no single rank could hold start at all
         setup_peak, peak_kind = peak_memory_bytes(self.device)
@@ -126,7 +129,11 @@ class Trainer:
     def _describe(self, dtype: torch.dtype) -> None:
         cfg, rt, mem = self.cfg, self.rt, self.cfg.memory
         self.flops_per_token = train_flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak, peak_source = device_peak(self.device, cfg.metrics.peak_tflops)
+        # rank 0 reads (or, once per machine, calibrates) the peak while the others wait: a calibration
+        # that ran beside other ranks' start-up would measure them, not the machine
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
+        self.peak, peak_source = rt.broadcast(device_peak(self.device, cfg.metrics.peak_tflops, local_ranks)
+                                              if rt.is_main else None)
         d = rt.dims
         layout = (f"{rt.world} ranks: dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x head {d.head} x ctx "
                   f"{d.ctx}" + (f" (window {d.window})" if d.window else "") + f", {d.placement}"
@@ -136,7 +143,7 @@ class Trainer:
                  + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction
                     else "")
                  + f", loss_chunk={mem.loss_chunk}, {layout}; MFU against {peak_source}"
-                 + (f" ({self.peak / 1e12:.3f} TFLOP/s per device)" if self.peak else ""))
+                 + (f" ({self.peak / 1e12:.3f} TFLOP/s per rank)" if self.peak else ""))
         self.log(f"run directory: {self.run_dir}")
 
     # ------------------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ class Trainer:
         self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, t.grad_accum, gather,
                                               cfg.memory.grad_sync)
         result = TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1)
-        progress = _progress(t.steps, cfg.metrics.progress and rt.is_main)
+        progress = progress_bar(t.steps, "train", "step", cfg.metrics.progress and rt.is_main)
         self.say = progress.write if progress is not None else self.log
         run_start = time.perf_counter()
         window = self._new_window()
@@ -322,10 +329,3 @@ def train(cfg: Config, log=print) -> TrainResult:
 def _silent(*_args, **_kwargs) -> None:
     pass
 
-
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, leave=False)

@@ -370,7 +370,7 @@ def main(args) -> int:
             result = measure(args, seq)
         results.append(result)
     doc = {
-        "benchmark": "memory", "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+        "bench": "memory", "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__, "device": "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu",
         "preset": args.preset, "micro_batch": args.micro_batch, "layout": {"head": args.head, "ctx": args.ctx},
         "skip_last": args.skip_last, "docs": args.docs, "results": results,

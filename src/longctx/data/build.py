@@ -14,7 +14,6 @@ manifest is written last, so a failed or interrupted build never leaves a store 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
+from ..progress import progress_bar
 from . import store as st
 from .cluster import cluster as make_clusters
 from .dedup import deduplicate
@@ -56,6 +56,7 @@ class BuildOptions:
     stats: bool = True  # embeddings (and homogeneity) also for concat / bfd
     progress: bool = True
     clusters: int = 0  # 0 = automatic
+    shown_as: str = ""  # the path messages name, when `out` is a temporary directory renamed into it after
 
 
 @dataclass
@@ -79,11 +80,7 @@ def _stage(stages: _Stages, name: str, log):
 
 
 def _bar(total, desc, enabled):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="doc", file=sys.stderr, dynamic_ncols=True, leave=False)
+    return progress_bar(total, desc, "doc", enabled)
 
 
 def check_options(o: BuildOptions) -> None:
@@ -126,7 +123,8 @@ def build_store(o: BuildOptions, log=print) -> dict:
     tok = load_tokenizer(o.tokenizer)
     dtype = st.token_dtype(tok.vocab_size)
     stages = _Stages()
-    log(f"data build: {', '.join(o.inputs)} -> {root} (seq_len {o.seq_len}, {o.strategy}, dedup {o.dedup}, "
+    shown = o.shown_as or root
+    log(f"data build: {', '.join(o.inputs)} -> {shown} (seq_len {o.seq_len}, {o.strategy}, dedup {o.dedup}, "
         f"{tok.name} tokenizer, {o.workers} worker{'s' if o.workers != 1 else ''})")
 
     with _stage(stages, "read", log) as rec:
@@ -235,7 +233,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
     manifest = _manifest(o, tok, dtype, old, part)
     st.write_manifest(root, manifest)
     tr = split_info["train"]
-    log(f"data build: wrote {root} ({tr['samples']:,} train / {split_info['eval']['samples']:,} eval samples of "
+    log(f"data build: wrote {shown} ({tr['samples']:,} train / {split_info['eval']['samples']:,} eval samples of "
         f"{o.seq_len} tokens; fill {tr['stats']['fill_rate']:.3f}, {len(docs):,} documents, "
         f"{dd.exact_duplicates + dd.near_duplicates:,} duplicates removed, {sum(res.skipped.values()):,} skipped)")
     return manifest

@@ -16,16 +16,12 @@ import os
 import shutil
 from pathlib import Path
 
+from ..cache_dir import cache_root
 from .build import BuildOptions, build_store
 from .readers import input_files
 from .store import MANIFEST
 
 CACHE_VERSION = 1
-
-
-def cache_root() -> Path:
-    env = os.environ.get("LONGCTX_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "longctx"
 
 
 def _fingerprint(corpus: str, tokenizer: str) -> dict:
@@ -55,7 +51,7 @@ def resolve_strategy(strategy: str, seq_len: int) -> str:
     return "datasculpt" if seq_len >= AUTO_DATASCULPT_FROM else "concat"
 
 
-def default_store(data_cfg, seq_len: int, progress: bool = False, log=print) -> Path:
+def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, announce_cached: bool = True) -> Path:
     """The cached store for this data config and seq_len, built now if it does not exist yet."""
     strategy = resolve_strategy(data_cfg.strategy, seq_len)
     key_fields = {
@@ -67,7 +63,8 @@ def default_store(data_cfg, seq_len: int, progress: bool = False, log=print) -> 
     tag = "stdlib" if data_cfg.corpus == "stdlib" else Path(data_cfg.corpus).name or "corpus"
     final = cache_root() / "data" / f"{tag}-{seq_len}-{strategy}-{key}"
     if (final / MANIFEST).is_file():
-        log(f"data: using the cached store {final}")
+        if announce_cached:
+            log(f"data: using the cached store {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
@@ -78,7 +75,7 @@ def default_store(data_cfg, seq_len: int, progress: bool = False, log=print) -> 
             inputs=[data_cfg.corpus], out=str(tmp), seq_len=seq_len, tokenizer=data_cfg.tokenizer,
             strategy=strategy, dedup=data_cfg.dedup, workers=data_cfg.workers,
             eval_fraction=data_cfg.eval_fraction, max_docs=data_cfg.max_docs, stats=False, progress=progress,
-        ), log=log)
+            shown_as=str(final)), log=log)
         (tmp / "cache_key.json").write_text(json.dumps(key_fields, indent=1, sort_keys=True) + "\n")
         try:
             os.rename(tmp, final)

@@ -8,10 +8,12 @@ Inside a worker, `init_distributed` joins the process group: NCCL on GPUs, gloo 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -105,8 +107,63 @@ def new_gloo_group():
     return dist.new_group(backend="gloo")
 
 
+ERROR_DIR_ENV = "LONGCTX_ERROR_DIR"
+
+
+def hand_error_to_launcher(message: str, exit_code: int) -> bool:
+    """Under `longctx train --nproc N`, a rank's error goes to the launcher, which prints each distinct
+    message once, naming the ranks that hit it, instead of N copies glued into each other's lines.
+    Returns False (print it yourself) when not started that way."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not folder or rank is None:
+        return False
+    try:
+        (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"message": message, "exit_code": exit_code}))
+    except OSError:
+        return False
+    return True
+
+
+def _rank_errors(folder: Path) -> dict[str, tuple[list[int], int]]:
+    """{message: (ranks, exit code)} of the errors the ranks handed over."""
+    found: dict[str, tuple[list[int], int]] = {}
+    for f in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+        try:
+            e = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        ranks, _ = found.setdefault(e["message"], ([], int(e["exit_code"])))
+        ranks.append(int(f.stem[4:]))
+    return found
+
+
+class RankError(UserError):
+    """The errors ranks reported, each once; exits with the first one's code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None:
     """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="longctx-errors-") as folder:
+        old = os.environ.get(ERROR_DIR_ENV)
+        os.environ[ERROR_DIR_ENV] = folder
+        try:
+            _relaunch(nproc, argv, monitor_interval, Path(folder))
+        finally:
+            if old is None:
+                os.environ.pop(ERROR_DIR_ENV, None)
+            else:
+                os.environ[ERROR_DIR_ENV] = old
+
+
+def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: Path) -> None:
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -115,9 +172,18 @@ def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None
         f"--monitor-interval={monitor_interval}", "-m", "longctx", *argv,
     ])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    # the launcher's own lines ("Sending process ... closing signal SIGTERM") say nothing the
+    # summary below does not; its errors still show
+    elastic = logging.getLogger("torch.distributed.elastic")
+    level = elastic.level
+    elastic.setLevel(logging.ERROR)
     try:
         run(args)
     except ChildFailedError as e:
+        errors = _rank_errors(error_dir)
+        if errors:
+            lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
+            raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
         failures = e.failures
         # The root cause: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before
         # a rank that exited with an error, before a rank the launcher itself stopped with SIGTERM.
@@ -135,8 +201,22 @@ def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None
             except ValueError:
                 pass
         others = sorted(set(failures) - {first_rank})
+        if failure.exitcode == -signal.SIGKILL:
+            hint = (" Nothing else stops a process without a word: most often it is the out-of-memory killer "
+                    "(see `dmesg`); the rank needed more memory than the machine had. Lower train.seq_len, "
+                    "use more ranks, or a memory policy (longctx plan picks one).")
+        else:
+            hint = " See that rank's output above for its error."
         raise UserError(
             f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
             + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "")
-            + ". See that rank's output above for its error."
+            + "." + hint
         ) from None
+    finally:
+        elastic.setLevel(level)
+
+
+def _ranks_label(ranks: list[int], nproc: int) -> str:
+    if len(ranks) == nproc and nproc > 1:
+        return f"all {nproc} ranks"
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {nproc}"

@@ -1,0 +1,174 @@
+"""Run every command of the README as written, and time each: the README's promises, checked.
+
+The commands are read from the README itself (its ```bash blocks), so a command added there is run
+here. Each runs in a scratch working directory (runs/, stores/, out/ land there) in which:
+  - placeholders name real things made for the tour: /path/to/Qwen3-0.6B a small random Qwen3 saved
+    by transformers, /path/to/Qwen3-8B a config.json of Qwen3-8B's shapes, /my/texts and data.jsonl
+    part of the Python standard library's sources, /my/tokenizer.json a 1,000-token tokenizer;
+    runs/20261122-173051-debug the tour's first run;
+  - training commands get `--train.steps N` appended (a later key wins) to keep the tour short, except
+    the two whose timings the README quotes (`longctx train` and `longctx train --nproc 1`), which
+    run as they are; the checkpoint pair gets enough steps to save and then resume;
+  - the `pip install ... &&` prefixes are dropped (the tour runs in the installed environment) and
+    `pytest` runs only with --with-tests; torchrun across nodes (a rendezvous HOST) is skipped.
+Prints one JSON document (each command, its exit code and seconds); exits non-zero if any failed.
+Usage: python benchmarks/readme_tour.py [--with-tests] [--only SUBSTRING] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOUR_STEPS = 20
+FULL_RUNS = ("longctx train", "longctx train --nproc 1")  # the README quotes their timings
+
+
+def readme_commands(readme: Path) -> list[str]:
+    """The shell commands of the README's ```bash blocks, comments stripped, continuations joined."""
+    cmds, block, pending = [], False, ""
+    for line in readme.read_text().splitlines():
+        if line.startswith("```"):
+            block = line.strip() == "```bash"
+            continue
+        if not block:
+            continue
+        line = pending + line.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        code = line.split(" #")[0].strip()
+        if code:
+            cmds.append(code)
+    return cmds
+
+
+def prepare(work: Path) -> dict[str, str]:
+    """The things the README's placeholders stand for, made in `work`; returns the substitutions."""
+    shutil.copytree(ROOT / "configs", work / "configs")
+    texts = work / "texts"
+    texts.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.glob("*.py"))[:120]
+    for p in files[:100]:
+        shutil.copy(p, texts / (p.stem + ".txt"))
+    with (work / "data.jsonl").open("w") as f:
+        for p in files[100:]:
+            f.write(json.dumps({"text": p.read_text(errors="replace")}) + "\n")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train([str(p) for p in texts.iterdir()], trainers.BpeTrainer(vocab_size=1000, special_tokens=["[UNK]"]))
+    tok.save(str(work / "tokenizer.json"))
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    small = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=4096,
+                        tie_word_embeddings=True)
+    Qwen3ForCausalLM(small).save_pretrained(work / "Qwen3-0.6B", safe_serialization=True)
+    big = work / "Qwen3-8B"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096,
+        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    return {"/path/to/Qwen3-0.6B": str(work / "Qwen3-0.6B"), "/path/to/Qwen3-8B": str(big),
+            "/my/texts": str(texts), "/my/tokenizer.json": str(work / "tokenizer.json")}
+
+
+def adapt(cmd: str, subs: dict[str, str], first_run: str | None, with_tests: bool) -> tuple[list[str] | None, str]:
+    """(argv to run, or None to skip; why)."""
+    cmd = re.sub(r"^pip install [^&]*&&\s*", "", cmd)
+    if cmd.startswith("pip "):
+        return None, "install step (the tour runs in the installed environment)"
+    if cmd == "pytest":
+        return ([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests")], "") if with_tests else \
+            (None, "the test suite (run with --with-tests)")
+    if "--rdzv-endpoint HOST" in cmd:
+        return None, "needs several machines"
+    for k, v in subs.items():
+        cmd = cmd.replace(k, v)
+    if first_run:
+        cmd = cmd.replace("runs/20261122-173051-debug", first_run)
+    argv = shlex.split(cmd)
+    if argv[0] == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+    elif argv[0] == "longctx":
+        argv = [sys.executable, "-m", "longctx", *argv[1:]]
+    if "train" in argv and "--help" not in argv and "--print-config" not in argv and cmd not in FULL_RUNS:
+        steps = TOUR_STEPS
+        if "--checkpoint.interval" in argv:
+            steps = int(argv[argv.index("--checkpoint.interval") + 1]) + 10  # one save, then steps after it
+        if "--checkpoint.resume" in argv:
+            steps = 10**6  # filled in below: past the saved step
+        if "32768" in argv:
+            steps = 3
+        argv += ["--train.steps", str(steps)]
+    return argv, ""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--with-tests", action="store_true", help="also run the README's test command")
+    p.add_argument("--only", default="", help="run only the commands containing this text")
+    p.add_argument("--keep", default="", help="work in this directory and keep it")
+    a = p.parse_args()
+    work = Path(a.keep or tempfile.mkdtemp(prefix="readme-tour-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    print(f"readme tour in {work}", file=sys.stderr)
+    subs = prepare(work)
+    results, first_run, saved_steps = [], None, 0
+    for cmd in readme_commands(ROOT / "README.md"):
+        if a.only and a.only not in cmd:
+            continue
+        argv, why = adapt(cmd, subs, first_run, a.with_tests)
+        if argv is None:
+            results.append({"command": cmd, "skipped": why})
+            continue
+        if "--train.steps" in argv and argv[argv.index("--train.steps") + 1] == str(10**6):
+            argv[argv.index("--train.steps") + 1] = str(saved_steps + TOUR_STEPS)
+        t0 = time.perf_counter()
+        r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        found = re.search(r"run directory: (\S+)", r.stdout)
+        if found and first_run is None:
+            first_run = found.group(1)
+        saved = re.findall(r"checkpoint: saved step (\d+)", r.stdout)
+        if saved:
+            saved_steps = int(saved[-1])
+        rec = {"command": cmd, "ran": " ".join(argv[2:] if argv[0] == sys.executable else argv),
+               "exit_code": r.returncode, "seconds": round(seconds, 1)}
+        if r.returncode:
+            rec["stderr_tail"] = r.stderr[-2000:]
+        done = [x for x in r.stdout.splitlines() if x.startswith("done:")]
+        if done:
+            rec["summary"] = done[-1]
+        results.append(rec)
+        print(f"{'ok ' if r.returncode == 0 else 'FAIL'} {seconds:7.1f}s  {cmd}", file=sys.stderr, flush=True)
+    failed = [r for r in results if r.get("exit_code")]
+    print(json.dumps({"bench": "readme_tour", "date": time.strftime("%Y-%m-%d"), "work": str(work),
+                      "commands": results, "failed": len(failed)}, indent=1))
+    if not a.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Everything `longctx train` can check before it starts a process, checked once, here.
+
+Found after launch, a mistake is printed by every rank, glued into the others' output and wrapped
+in the launcher's lines, and only after the time it takes to start them. So before any rank starts,
+the launcher checks the layout, the paths (data store, Hugging Face weights, checkpoint to resume,
+run directory), what the data store holds against the run (sample length, tokenizer against the
+model's vocabulary, eval split), and optional packages; it also builds or finds the cached default
+store and the CPU peak that MFU divides by, so no rank does either while the others wait.
+The ranks repeat the checks that guard their own work (a job started by torchrun directly has no
+launcher of ours), which then pass.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .config import Config
+from .errors import ConfigError, DataError
+from .parallel.checks import check_layout
+
+
+def preflight(cfg: Config, nproc: int, log=print) -> None:
+    """Raise the first UserError a run of `cfg` on `nproc` ranks would meet at start-up."""
+    check_layout(cfg, nproc)
+    if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.")
+    if cfg.model.init_from:  # missing or partial shards
+        from .config_hf import hf_dir
+        from .models.hf import weight_files
+
+        weight_files(hf_dir(cfg.model.init_from))
+    _check_resume(cfg)
+    _check_data(cfg, log)
+    if _device_type(cfg) == "cpu" and not cfg.metrics.peak_tflops:
+        from .metrics import machine_cpu_peak
+
+        peak, path, measured = machine_cpu_peak()
+        if measured:
+            log(f"metrics: calibrated this machine's CPU fp32 GEMM peak once: {peak / 1e12:.3f} TFLOP/s "
+                f"(cached in {path}; MFU divides by it)")
+
+
+def _device_type(cfg: Config) -> str:
+    from .step import resolve_device
+
+    return resolve_device(cfg.train.device).type
+
+
+def _check_resume(cfg: Config) -> None:
+    """The checkpoint to resume exists and is of this model; the run directory is not another run's."""
+    from pathlib import Path
+
+    from .run_setup import check_run_dir, resume_target
+
+    run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else None
+    if run_dir is None and cfg.checkpoint.resume != "none" and not cfg.checkpoint.dir:
+        # a new runs/<time>-<preset>/ holds no checkpoint: `auto` would silently start at step 1
+        if cfg.checkpoint.resume == "auto":
+            raise ConfigError("--checkpoint.resume auto needs the run to continue: give its --train.run_dir (or "
+                              "--checkpoint.dir); without one, each run gets a new directory with no checkpoints.")
+    target = resume_target(cfg, run_dir or Path("."))
+    if target is not None:
+        from .checkpoint.manifest import check_model_matches, read_manifest
+        from .config import to_dict
+
+        check_model_matches(read_manifest(target), to_dict(cfg)["model"], target)
+    check_run_dir(cfg)
+
+
+def _check_data(cfg: Config, log) -> None:
+    """The store exists and fits the run; the default store is built (or found in the cache) here."""
+    from .run_setup import check_store
+
+    if cfg.data.path:
+        path = cfg.data.path
+    else:
+        from .data.cache import default_store
+        from .data.tokenizer import load_tokenizer
+
+        # before tokenizing a corpus with it: the model must have a row for each of its tokens
+        vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
+        if vocab > cfg.model.vocab_size:
+            raise ConfigError(
+                f"the tokenizer {cfg.data.tokenizer} has {vocab} tokens but model.vocab_size is "
+                f"{cfg.model.vocab_size}; add --model.vocab_size {vocab} (or more, e.g. a multiple of 64).")
+        path = default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log, announce_cached=False)
+    manifest = check_store(cfg, path)  # (an eval split too small is not an error: rank 0 says so at start)
+    if not manifest["totals"].get("train_samples", 1):
+        raise DataError(f"the data store {path} has no training samples; build it from more documents.")

@@ -1,0 +1,184 @@
+"""The newcomer's path, as a user meets it: errors found before launch and printed once, a used run
+directory never overwritten, logs without progress-bar frames when output is not a terminal."""
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--train.seq_len=128", "--data.max_docs=100", "--train.eval_interval=0", "--metrics.log_interval=1",
+        "--metrics.plots=true", "--model.layers=1"]
+
+
+def longctx(*args, cwd=None, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "longctx", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, env=env, timeout=timeout)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.fixture(scope="module")
+def store_256(tmp_path_factory):
+    """A small data store of 256-token samples."""
+    tmp = tmp_path_factory.mktemp("store")
+    src = tmp / "texts"
+    src.mkdir()
+    for i in range(40):
+        (src / f"t{i}.txt").write_text(f"document {i} " + "lorem ipsum dolor sit amet " * (20 + i))
+    r = longctx("data", "build", "--input", str(src), "--seq-len", "256", "--out", str(tmp / "s"), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    return tmp / "s"
+
+
+@pytest.fixture(scope="module")
+def big_tokenizer(tmp_path_factory):
+    """A tokenizer.json of 1000 tokens (more than the debug model's 320) and a corpus for it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tmp = tmp_path_factory.mktemp("tok")
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(999)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp / "tokenizer.json"))
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    for i in range(20):
+        (corpus / f"d{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 999}" for j in range(400)))
+    return tmp / "tokenizer.json", corpus
+
+
+def _error_cases(store_256, big_tokenizer, tmp):
+    tokenizer, corpus = big_tokenizer
+    return {
+        "tokenizer vs vocab": (["--data.corpus", str(corpus), "--data.tokenizer", str(tokenizer)],
+                               "has 1000 tokens but model.vocab_size is 320"),
+        "store length vs seq_len": (["--data.path", str(store_256), "--train.seq_len", "512"],
+                                    "holds samples of 256 tokens but train.seq_len is 512"),
+        "missing store": (["--data.path", str(tmp / "no-store")], "is not a longctx data store"),
+        "missing resume path": (["--checkpoint.resume", str(tmp / "no-ckpt")], "no complete checkpoint there"),
+        "resume auto without a run": (["--checkpoint.resume", "auto"], "needs the run to continue"),
+        "missing HF model": (["--model.init_from", f"hf:{tmp / 'no-model'}"], "no-model"),
+    }
+
+
+@pytest.mark.parametrize("case", ["tokenizer vs vocab", "store length vs seq_len", "missing store",
+                                  "missing resume path", "resume auto without a run", "missing HF model"])
+def test_each_error_is_found_before_launch_and_printed_once(case, store_256, big_tokenizer, tmp_path):
+    args, needle = _error_cases(store_256, big_tokenizer, tmp_path)[case]
+    r = longctx("train", "--nproc", "4", *args, cwd=tmp_path)
+    assert r.returncode != 0
+    err = flat(r.stderr)
+    assert err.count(needle) == 1, r.stderr
+    assert err.count("error:") == 1, r.stderr
+    # before any rank started: no rank's output, no launcher lines, no traceback
+    for sign in ("Traceback", "torch.distributed", "SIGTERM", "[rank", "model:", "setup:"):
+        assert sign not in r.stderr + r.stdout, (sign, r.stderr, r.stdout)
+    assert not (tmp_path / "runs").exists()  # nor a run directory
+
+
+def test_an_error_found_by_the_ranks_is_printed_once_naming_them(tmp_path):
+    """With the launcher's checks skipped, every rank meets the missing store itself: the launcher
+    prints the message once for all of them, without the launcher's own lines."""
+    code = ("import sys, longctx.preflight as p; p.preflight = lambda *a, **k: None; "
+            "from longctx.cli import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "train", "--nproc", "2", "--parallel.ctx", "2",
+                        "--data.path", str(tmp_path / "no-store")], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=300)
+    assert r.returncode != 0
+    err = flat(r.stderr)
+    assert err.count("is not a longctx data store") == 1, r.stderr
+    assert "all 2 ranks:" in err, r.stderr
+    assert "SIGTERM" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_errors_of_some_ranks_are_grouped_by_message(tmp_path):
+    from longctx.parallel.launch import _rank_errors, _ranks_label
+
+    for rank, msg in ((2, "disk full"), (0, "bad"), (3, "disk full")):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"message": msg, "exit_code": 1}))
+    found = _rank_errors(tmp_path)
+    assert found == {"bad": ([0], 1), "disk full": ([2, 3], 1)}
+    assert _ranks_label([2], 4) == "rank 2 of 4" and _ranks_label([2, 3], 4) == "ranks 2, 3 of 4"
+    assert _ranks_label([0, 1, 2, 3], 4) == "all 4 ranks"
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.is_file()}
+
+
+def test_a_used_run_directory_is_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    first = longctx("train", "--nproc", "1", *TINY, "--train.steps", "3", "--train.run_dir", str(run))
+    assert first.returncode == 0, first.stderr
+    before = _snapshot(run)
+    assert {"config.toml", "metrics.jsonl", "loss.png", "throughput.png"} <= set(before)
+    for extra in ([], ["--checkpoint.resume", "auto"], ["--nproc", "2", "--parallel.ctx", "2"]):
+        r = longctx("train", "--nproc", "1", *TINY, "--train.steps", "5", "--train.run_dir", str(run), *extra)
+        assert r.returncode != 0, (extra, r.stdout)
+        err = flat(r.stderr)
+        assert "already holds a run" in err and "another --train.run_dir" in err, r.stderr
+        assert err.count("error:") == 1 and "Traceback" not in r.stderr
+        assert _snapshot(run) == before, extra
+
+
+def test_resuming_continues_the_run_and_keeps_what_it_replaces(tmp_path):
+    run = tmp_path / "run"
+    common = ["--nproc", "1", *TINY, "--train.run_dir", str(run), "--checkpoint.interval", "2"]
+    first = longctx("train", *common, "--train.steps", "5")
+    assert first.returncode == 0, first.stderr
+    assert "checkpoint: saved step 4" in first.stdout
+    old = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    r = longctx("train", *common, "--train.steps", "6", "--checkpoint.resume", "auto")
+    assert r.returncode == 0, r.stderr
+    assert "resumed step 4" in r.stdout
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]  # one record per step: the plots read as one run
+    moved = [json.loads(x) for x in (run / "metrics.after-step4.jsonl").read_text().splitlines()]
+    assert moved == [x for x in old if x["step"] == 5]  # the replaced attempt is kept, not lost
+    # the config changed (train.steps): the earlier one is kept beside the new one
+    assert "steps = 5" in (run / "config.before-step4.toml").read_text()
+    assert "steps = 6" in (run / "config.toml").read_text()
+
+
+def test_logs_sent_to_a_file_have_no_progress_bar_frames(tmp_path):
+    r = longctx("train", "--nproc", "1", *TINY, "--train.steps", "4", "--metrics.progress", "true", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr + r.stdout
+    assert not re.search(r"\d+/\d+ \[", r.stderr), r.stderr  # tqdm's "3/4 [" frames
+    lines = r.stdout.splitlines()
+    assert sum(line.startswith("step") for line in lines) == 4 and lines[-1].startswith("done:")
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool):
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_a_progress_bar_is_shown_only_on_a_terminal(monkeypatch):
+    from longctx import progress
+
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setattr(sys, "stderr", _Stream(tty=False))
+    assert progress.progress_bar(10, "train", "step") is None
+    monkeypatch.setattr(sys, "stderr", _Stream(tty=True))
+    bar = progress.progress_bar(10, "train", "step")
+    assert bar is not None
+    bar.update(1)
+    bar.close()
+    assert "train" in sys.stderr.getvalue()
+    assert progress.progress_bar(10, "train", "step", enabled=False) is None
+    monkeypatch.setenv("TERM", "dumb")
+    assert progress.progress_bar(10, "train", "step") is None

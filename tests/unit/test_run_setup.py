@@ -1,0 +1,57 @@
+"""What a run sets up before its first step: the eval-split rule and the cached CPU peak."""
+
+import pytest
+import torch
+
+from longctx import metrics
+from longctx.config import load_config
+from longctx.run_setup import eval_split_problem
+
+
+def _manifest(eval_samples: int) -> dict:
+    return {"totals": {"eval_samples": eval_samples}}
+
+
+@pytest.mark.parametrize("eval_samples", [0, 3])
+def test_an_eval_split_smaller_than_a_micro_batch_turns_evaluation_off_with_a_message(eval_samples):
+    cfg = load_config(overrides=["--train.global_batch=4", "--train.eval_interval=10", "--data.path=s"])
+    msg = eval_split_problem(cfg, "s", _manifest(eval_samples))
+    assert msg is not None and f"has {eval_samples} samples, fewer than one micro-batch of 4" in msg
+    assert "--eval-fraction" in msg and "train.eval_interval=0" in msg
+
+
+def test_an_eval_split_that_fits_or_no_evaluation_says_nothing():
+    cfg = load_config(overrides=["--train.global_batch=4", "--train.grad_accum=2", "--train.eval_interval=10"])
+    assert eval_split_problem(cfg, "s", _manifest(2)) is None  # micro-batch of 2
+    off = load_config(overrides=["--train.global_batch=4", "--train.eval_interval=0"])
+    assert eval_split_problem(off, "s", _manifest(0)) is None
+
+
+def test_the_cpu_peak_is_calibrated_once_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
+    calls = []
+
+    def fake(size, seconds):
+        calls.append(torch.get_num_threads())
+        return 2e11
+
+    monkeypatch.setattr(metrics, "measure_cpu_gemm_peak", fake)
+    peak, path, measured = metrics.machine_cpu_peak()
+    assert (peak, measured) == (2e11, True) and path.is_file()
+    assert calls == [metrics.usable_cores()]  # measured with every core
+    for _ in range(3):
+        assert metrics.machine_cpu_peak()[:3:2] == (2e11, False)
+    assert len(calls) == 1
+    # another machine (here: another core count) is calibrated for itself
+    monkeypatch.setattr(metrics, "usable_cores", lambda: 64)
+    assert metrics.machine_cpu_peak()[2] is True and len(calls) == 2
+    # ranks on one machine share its peak
+    per_rank, source = metrics.device_peak(torch.device("cpu"), local_ranks=4)
+    assert per_rank == 2e11 / 4 and "shared by 4 ranks" in source
+
+
+def test_a_damaged_peak_cache_is_recalibrated(monkeypatch, tmp_path):
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
+    (tmp_path / metrics.CPU_PEAK_FILE).write_text("{not json")
+    monkeypatch.setattr(metrics, "measure_cpu_gemm_peak", lambda size, seconds: 1e11)
+    assert metrics.machine_cpu_peak()[::2] == (1e11, True)
