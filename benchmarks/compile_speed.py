@@ -80,7 +80,18 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--skip-profile", action="store_true")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="instead: how far two eager runs of the same training drift apart when only the rounding "
+                        "differs (1 process vs ctx 2 on 2 processes), step by step")
     a = p.parse_args()
+    if a.noise_floor:
+        one = train_run(1, [], a.seq, a.steps, False)
+        two = train_run(2, ["--parallel.ctx=2"], a.seq, a.steps, False)
+        diffs = [abs(x - y) for x, y in zip(one["losses"], two["losses"])]
+        print(json.dumps({"bench": "compile_speed.noise_floor", "model": "small-100m", "seq": a.seq, "steps": a.steps,
+                          "torch": torch.__version__, "eager_1_process": one["losses"], "eager_ctx2": two["losses"],
+                          "abs_diff_per_step": diffs, "max_loss_diff": max(diffs)}, indent=2))
+        return
     out = {"bench": "compile_speed", "model": "small-100m", "seq": a.seq, "steps": a.steps,
            "torch": torch.__version__, "throughput": {}, "profile_s": {}}
     for name, (nproc, layout) in LAYOUTS.items():
@@ -89,7 +100,8 @@ def main():
         out["throughput"][name] = {
             "eager_tokens_per_s": eager["tokens_per_s"], "compiled_tokens_per_s": comp["tokens_per_s"],
             "compiled_vs_eager": comp["tokens_per_s"] / eager["tokens_per_s"],
-            "max_loss_diff": max(abs(x - y) for x, y in zip(eager["losses"], comp["losses"]))}
+            "max_loss_diff": max(abs(x - y) for x, y in zip(eager["losses"], comp["losses"])),
+            "abs_diff_per_step": [abs(x - y) for x, y in zip(eager["losses"], comp["losses"])]}
         print(json.dumps({name: out["throughput"][name]}), file=sys.stderr, flush=True)
     if not a.skip_profile:
         out["profile_s"] = {"eager": profile(a.seq, False), "compiled": profile(a.seq, True)}

@@ -71,7 +71,7 @@ def prepare(work: Path) -> dict[str, str]:
 
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train([str(p) for p in texts.iterdir()], trainers.BpeTrainer(vocab_size=1000, special_tokens=["[UNK]"]))
+    tok.train([str(p) for p in texts.iterdir()], trainers.BpeTrainer(vocab_size=1000, special_tokens=["[UNK]", "</s>"]))
     tok.save(str(work / "tokenizer.json"))
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM

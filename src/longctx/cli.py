@@ -195,6 +195,13 @@ def main(argv=None) -> int:
         text = f"{prefix}longctx {args.command}: error: {e}"
         print("\n".join(textwrap.fill(line, width=100) for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
+    except Exception:
+        from .parallel.launch import another_rank_reported
+
+        if another_rank_reported():  # the launcher prints the error that stopped the job; this is its echo
+            sys.stdout.flush()
+            os._exit(1)  # at once: an interpreter teardown beside half-closed process groups can abort loudly
+        raise
     except KeyboardInterrupt:
         print(f"longctx {args.command}: interrupted", file=sys.stderr)
         return 130

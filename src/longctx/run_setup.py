@@ -51,8 +51,8 @@ def check_run_dir(cfg: Config) -> None:
         return
     root = checkpoint_root(cfg, run_dir)
     target = resume_target(cfg, run_dir)
-    if target is not None and root.resolve() in target.resolve().parents:
-        return
+    if target is not None and ({root.resolve(), run_dir.resolve()} & set(target.resolve().parents)):
+        return  # a checkpoint of this run: its checkpoint directory, or inside the run directory
     if cfg.checkpoint.resume == "none":
         why = "and this job does not resume it (--checkpoint.resume none)"
     elif target is None:

@@ -124,6 +124,16 @@ def hand_error_to_launcher(message: str, exit_code: int) -> bool:
     return True
 
 
+def another_rank_reported() -> bool:
+    """Whether, under `longctx train --nproc N`, a rank other than this one has handed over an error:
+    a failure here is then its consequence (a peer gone mid-collective), not news. The failing rank
+    writes its report before it exits, so before its peers can see the connection close."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if not folder or rank is None:
+        return False
+    return any(f.name != f"rank{rank}.json" for f in Path(folder).glob("rank*.json"))
+
+
 def _rank_errors(folder: Path) -> dict[str, tuple[list[int], int]]:
     """{message: (ranks, exit code)} of the errors the ranks handed over."""
     found: dict[str, tuple[list[int], int]] = {}
