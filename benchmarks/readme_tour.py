@@ -111,7 +111,8 @@ def adapt(cmd: str, subs: dict[str, str], first_run: str | None, with_tests: boo
         argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     elif argv[0] == "longctx":
         argv = [sys.executable, "-m", "longctx", *argv[1:]]
-    if "train" in argv and "--help" not in argv and "--print-config" not in argv and cmd not in FULL_RUNS:
+    subcommand = argv[argv.index("longctx") + 1] if "longctx" in argv else ""
+    if subcommand == "train" and "--help" not in argv and "--print-config" not in argv and cmd not in FULL_RUNS:
         steps = TOUR_STEPS
         if "--checkpoint.interval" in argv:
             steps = int(argv[argv.index("--checkpoint.interval") + 1]) + 10  # one save, then steps after it
