@@ -75,6 +75,42 @@ def profile(seq: int, compiled: bool) -> dict:
     return {k: round(v, 3) for k, v in sorted(seconds.items())}
 
 
+def alternate(seq: int, rounds: int) -> dict:
+    """One process, two copies of the same model (one with compiled blocks), forward + backward in
+    turn, round after round: the ratio of the two is taken within each round, so the drift of a
+    shared machine between two separate runs does not enter it."""
+    import copy
+    import time
+
+    from longctx.config import load_config
+    from longctx.models.compile import compile_token_wise_stages
+    from longctx.models.llama import build_model
+
+    cfg = load_config(overrides=["--model.preset=small-100m"]).model
+    eager = build_model(cfg, seed=0)
+    compiled = copy.deepcopy(eager)
+    compile_token_wise_stages(compiled.layers)
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+
+    def timed(model):
+        t0 = time.perf_counter()
+        model(tokens, labels=tokens).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0
+
+    for model in (eager, compiled):  # compile and warm up
+        timed(model)
+    pairs = []
+    for r in range(rounds):
+        first, second = (eager, compiled) if r % 2 == 0 else (compiled, eager)  # neither always goes first
+        a, b = timed(first), timed(second)
+        pairs.append((a, b) if first is eager else (b, a))
+        print(f"round {r}: eager {pairs[-1][0]:.2f}s compiled {pairs[-1][1]:.2f}s", file=sys.stderr, flush=True)
+    ratios = [e / c for e, c in pairs]
+    return {"rounds": rounds, "eager_s": [e for e, _ in pairs], "compiled_s": [c for _, c in pairs],
+            "compiled_speed_vs_eager_per_round": ratios, "median": statistics.median(ratios)}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=4096)
@@ -83,7 +119,13 @@ def main():
     p.add_argument("--noise-floor", action="store_true",
                    help="instead: how far two eager runs of the same training drift apart when only the rounding "
                         "differs (1 process vs ctx 2 on 2 processes), step by step")
+    p.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                   help="instead: one process, eager and compiled forward + backward in turn for ROUNDS rounds")
     a = p.parse_args()
+    if a.alternate:
+        print(json.dumps({"bench": "compile_speed.alternate", "model": "small-100m", "seq": a.seq,
+                          "torch": torch.__version__, **alternate(a.seq, a.alternate)}, indent=2))
+        return
     if a.noise_floor:
         one = train_run(1, [], a.seq, a.steps, False)
         two = train_run(2, ["--parallel.ctx=2"], a.seq, a.steps, False)

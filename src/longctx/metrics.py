@@ -104,7 +104,7 @@ def machine_cpu_peak() -> tuple[float, Path, bool]:
     from .cache_dir import cache_root
 
     path = cache_root() / CPU_PEAK_FILE
-    key = f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
+    key = _cpu_key()
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -118,14 +118,38 @@ def machine_cpu_peak() -> tuple[float, Path, bool]:
     finally:
         torch.set_num_threads(threads)
     cached[key] = peak
+    _write_peaks(path, cached)
+    return peak, path, True
+
+
+def _cpu_key() -> str:
+    return f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
+
+
+def _write_peaks(path: Path, peaks: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.write_text(json.dumps(peaks, indent=1))
         tmp.replace(path)  # whole or not at all, also when two jobs calibrate at once
     except OSError:  # a read-only cache: the figure still holds for this run
         pass
-    return peak, path, True
+
+
+def raise_cpu_peak(flops: float) -> Path:
+    """A run did `flops` FLOP/s on this machine, more than the cached peak: that calibration ran
+    while the machine was busy. The cache keeps the higher figure, so MFU stays <= 1 from now on."""
+    from .cache_dir import cache_root
+
+    path = cache_root() / CPU_PEAK_FILE
+    key = _cpu_key()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    cached[key] = max(float(cached.get(key, 0.0)), flops)
+    _write_peaks(path, cached)
+    return path
 
 
 def device_peak(device: torch.device, override_tflops: float = 0.0,

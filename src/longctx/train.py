@@ -31,6 +31,7 @@ from .metrics import (
     MetricsWriter,
     device_peak,
     format_line,
+    raise_cpu_peak,
     peak_memory_bytes,
     train_flops_per_token,
 )
@@ -134,6 +135,8 @@ class Trainer:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
         self.peak, peak_source = rt.broadcast(device_peak(self.device, cfg.metrics.peak_tflops, local_ranks)
                                               if rt.is_main else None)
+        self.local_ranks = local_ranks
+        self.peak_calibrated = self.device.type == "cpu" and not cfg.metrics.peak_tflops
         d = rt.dims
         layout = (f"{rt.world} ranks: dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x head {d.head} x ctx "
                   f"{d.ctx}" + (f" (window {d.window})" if d.window else "") + f", {d.placement}"
@@ -278,6 +281,8 @@ class Trainer:
         sent = [(a - b - e) / window.steps for a, b, e in zip(rt.comm_bytes(), window.comm_bytes, window.eval_bytes)]
         stats = rt.max([mem, *sent])
         per_dim = {d: v for d, v in zip(TRACKED_DIMS, stats[1:]) if v}
+        if self.peak_calibrated and tps * self.flops_per_token > rt.world * self.peak:
+            self._raise_peak(tps * self.flops_per_token / rt.world)
         record = {
             "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
             "tokens_per_s": tps, "tflops": tps * self.flops_per_token / 1e12,
@@ -293,6 +298,16 @@ class Trainer:
         if writer is not None:
             writer.write(record)
         self.say(format_line(record))
+
+    def _raise_peak(self, per_rank: float) -> None:
+        """More FLOP/s than the cached CPU peak (calibrated while the machine was busy): the peak
+        becomes what this run achieved, here and in the cache, so MFU never reads above 100%."""
+        self.say(f"metrics: this run reaches {per_rank * self.local_ranks / 1e12:.3f} TFLOP/s on this machine, above "
+                 f"its cached CPU peak of {self.peak * self.local_ranks / 1e12:.3f} (measured while it was busy); "
+                 f"the cached peak is raised to it")
+        self.peak = per_rank
+        if self.rt.is_main:
+            raise_cpu_peak(per_rank * self.local_ranks)
 
     def _timed_evaluation(self, writer, window: _Window, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics window."""

@@ -55,3 +55,27 @@ def test_a_damaged_peak_cache_is_recalibrated(monkeypatch, tmp_path):
     (tmp_path / metrics.CPU_PEAK_FILE).write_text("{not json")
     monkeypatch.setattr(metrics, "measure_cpu_gemm_peak", lambda size, seconds: 1e11)
     assert metrics.machine_cpu_peak()[::2] == (1e11, True)
+
+
+def test_a_peak_calibrated_while_busy_is_raised_by_what_a_run_achieves(monkeypatch, tmp_path):
+    """A cached peak far below what the machine does (as when it was measured under load) would put
+    MFU above 100%; the run raises it to what it achieved, in the cache too."""
+    import json
+
+    from longctx.train import train
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LONGCTX_CACHE", str(cache))
+    monkeypatch.setattr(metrics, "measure_cpu_gemm_peak", lambda size, seconds: 1e6)  # 1 MFLOP/s: "busy"
+    metrics.machine_cpu_peak()
+    monkeypatch.setenv("LONGCTX_CACHE", str(cache))
+    cfg = load_config("configs/debug.toml", [f"--train.run_dir={tmp_path / 'run'}", "--train.steps=3",
+                                             "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=50",
+                                             "--train.eval_interval=0", "--metrics.plots=false",
+                                             "--metrics.progress=false", "--metrics.log_interval=1"])
+    said = []
+    train(cfg, log=lambda *a, **k: said.append(" ".join(map(str, a))))
+    records = metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert all(0 < r["mfu"] <= 1 for r in records), [r["mfu"] for r in records]
+    assert any("above its cached CPU peak" in line for line in said)
+    assert max(json.loads((cache / metrics.CPU_PEAK_FILE).read_text()).values()) > 1e6
