@@ -41,3 +41,15 @@ def loss_and_grads(model, batch):
     loss = model(*batch[:3], labels=batch[3])
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def reference_run(layers=3, seed=1):
+    """A small eager model, a packed batch and its (loss, gradients): what a wrapped or compiled copy
+    of the model is compared against. Returns (model config, model, batch, (loss, grads))."""
+    from longctx.config import load_config
+    from longctx.models.llama import build_model
+
+    cfg = load_config(overrides=[f"--model.layers={layers}"]).model
+    model = build_model(cfg, seed=seed)
+    batch = packed_batch(cfg)
+    return cfg, model, batch, loss_and_grads(model, batch)

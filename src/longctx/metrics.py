@@ -101,14 +101,7 @@ def machine_cpu_peak() -> tuple[float, Path, bool]:
     with whatever else ran (other ranks starting up included), and MFU could not be compared across
     runs. Delete the file to re-calibrate.
     """
-    from .cache_dir import cache_root
-
-    path = cache_root() / CPU_PEAK_FILE
-    key = _cpu_key()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    path, key, cached = _cached_peaks()
     if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
         return float(cached[key]), path, False
     threads = torch.get_num_threads()
@@ -122,8 +115,17 @@ def machine_cpu_peak() -> tuple[float, Path, bool]:
     return peak, path, True
 
 
-def _cpu_key() -> str:
-    return f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
+def _cached_peaks() -> tuple[Path, str, dict]:
+    """(the cache file, this machine's key in it, every machine's cached peak; {} if none or unreadable)."""
+    from .cache_dir import cache_root
+
+    path = cache_root() / CPU_PEAK_FILE
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    key = f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
+    return path, key, cached if isinstance(cached, dict) else {}
 
 
 def _write_peaks(path: Path, peaks: dict) -> None:
@@ -139,14 +141,7 @@ def _write_peaks(path: Path, peaks: dict) -> None:
 def raise_cpu_peak(flops: float) -> Path:
     """A run did `flops` FLOP/s on this machine, more than the cached peak: that calibration ran
     while the machine was busy. The cache keeps the higher figure, so MFU stays <= 1 from now on."""
-    from .cache_dir import cache_root
-
-    path = cache_root() / CPU_PEAK_FILE
-    key = _cpu_key()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    path, key, cached = _cached_peaks()
     cached[key] = max(float(cached.get(key, 0.0)), flops)
     _write_peaks(path, cached)
     return path

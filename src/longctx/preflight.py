@@ -12,8 +12,6 @@ launcher of ours), which then pass.
 
 from __future__ import annotations
 
-import importlib
-
 from .config import Config
 from .errors import ConfigError, DataError
 from .parallel.checks import check_layout
@@ -21,9 +19,10 @@ from .parallel.checks import check_layout
 
 def preflight(cfg: Config, nproc: int, log=print) -> None:
     """Raise the first UserError a run of `cfg` on `nproc` ranks would meet at start-up."""
+    from .run_setup import check_packages
+
     check_layout(cfg, nproc)
-    if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.")
+    check_packages(cfg)
     if cfg.model.init_from:  # missing or partial shards
         from .config_hf import hf_dir
         from .models.hf import weight_files
@@ -64,7 +63,7 @@ def _check_resume(cfg: Config) -> None:
         from .config import to_dict
 
         check_model_matches(read_manifest(target), to_dict(cfg)["model"], target)
-    check_run_dir(cfg)
+    check_run_dir(cfg, target)
 
 
 def _check_data(cfg: Config, log) -> None:

@@ -24,6 +24,14 @@ from .parallel.runtime import Runtime
 from .step import resolve_dtype
 
 
+def check_packages(cfg: Config) -> None:
+    """The optional packages the config asks for are installed."""
+    import importlib.util
+
+    if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.")
+
+
 RUN_FILES = ("config.toml", "metrics.jsonl")  # what makes a directory hold a run
 
 
@@ -39,10 +47,11 @@ def resume_target(cfg: Config, run_dir: Path) -> Path | None:
     return resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg, run_dir))
 
 
-def check_run_dir(cfg: Config) -> None:
+def check_run_dir(cfg: Config, target: Path | None = None) -> None:
     """Refuse a train.run_dir that already holds a run (its config.toml, metrics.jsonl, plots)
     unless this job continues it from its own checkpoints: anything else would overwrite its config,
-    append a second step 1 to its metrics and redraw its plots over the old ones."""
+    append a second step 1 to its metrics and redraw its plots over the old ones. `target`: the
+    checkpoint to resume, when the caller has resolved it already."""
     if not cfg.train.run_dir:
         return  # runs/<time>-<preset>/ is new each time
     run_dir = Path(cfg.train.run_dir)
@@ -50,7 +59,7 @@ def check_run_dir(cfg: Config) -> None:
     if not used:
         return
     root = checkpoint_root(cfg, run_dir)
-    target = resume_target(cfg, run_dir)
+    target = target or resume_target(cfg, run_dir)
     if target is not None and ({root.resolve(), run_dir.resolve()} & set(target.resolve().parents)):
         return  # a checkpoint of this run: its checkpoint directory, or inside the run directory
     if cfg.checkpoint.resume == "none":
@@ -116,15 +125,26 @@ def on_main(rt: Runtime | None, fn, what: str):
             outcome = ("ok", fn())
         except Exception as e:  # every failure reaches the waiting ranks, not only a UserError
             failure = e
-            outcome = ("error", str(e) if isinstance(e, UserError) else
-                       f"{what} failed on rank 0: {type(e).__name__}: {e}", type(e).__name__)
+            outcome = (("error", type(e), str(e)) if isinstance(e, UserError) else
+                       ("error", DataError, f"{what} failed on rank 0: {type(e).__name__}: {e}"))
     if rt is not None:
         outcome = rt.broadcast(outcome if rt.is_main else None)
     if failure is not None:
         raise failure
     if outcome[0] == "error":
-        raise (ConfigError if outcome[2] == "ConfigError" else DataError)(outcome[1])
+        raise _same_error(*outcome[1:])
     return outcome[1]
+
+
+def _same_error(cls: type[UserError], message: str) -> UserError:
+    """Rank 0's error as raised on another rank: the same class (and so exit code) where it is built
+    from its message alone, else a UserError with that exit code."""
+    try:
+        return cls(message)
+    except TypeError:
+        error = UserError(message)
+        error.exit_code = cls.exit_code
+        return error
 
 
 def store_path(cfg: Config, log, rt: Runtime | None) -> str:

@@ -15,7 +15,6 @@ clipping) in step.py.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 import os
 import time
@@ -26,25 +25,26 @@ import torch
 
 from .config import Config
 from .data.loader import BatchLoader, cost_coefficients
-from .errors import ConfigError, TrainingError
+from .errors import TrainingError
 from .metrics import (
     MetricsWriter,
     device_peak,
     format_line,
-    raise_cpu_peak,
     peak_memory_bytes,
+    raise_cpu_peak,
     train_flops_per_token,
 )
 from .models.llama import count_params
 from .parallel.checks import check_layout
-from .progress import progress_bar
 from .parallel.launch import init_distributed
 from .parallel.parallelize import grad_scale
 from .parallel.runtime import TRACKED_DIMS, Runtime
 from .parallel.volumes import fsdp_bytes_per_step
+from .progress import progress_bar
 from .run_setup import (
     build_data,
     build_training_model,
+    check_packages,
     continue_run_files,
     make_run_dir,
     on_main,
@@ -96,12 +96,7 @@ class Trainer:
         dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.autocast_dtype = dtype if dtype != torch.float32 else None
         seed_everything(cfg.train.seed)
-        if cfg.metrics.tensorboard:
-            try:
-                importlib.import_module("tensorboard")
-            except ImportError:
-                raise ConfigError("metrics.tensorboard=true needs the tensorboard package: "
-                                  "pip install tensorboard.") from None
+        check_packages(cfg)
         self.train_samples, self.eval_samples = build_data(cfg, self.log, rt)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.model = build_training_model(cfg, self.device, rt, self.log)

@@ -9,8 +9,7 @@ import torch
 from longctx.config import load_config
 from longctx.memory.policies import apply_memory_policy
 from longctx.models.compile import compile_token_wise_stages
-from longctx.models.llama import build_model
-from probes import loss_and_grads, packed_batch
+from probes import loss_and_grads, reference_run
 
 # (checkpoint, offload fraction, block chunk): one of each kind of wrapper around the stages
 POLICIES = [("none", 0.0, 0), ("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("selective", 0.5, 24),
@@ -19,10 +18,7 @@ POLICIES = [("none", 0.0, 0), ("full", 0.0, 0), ("selective", 0.0, 0), ("selecti
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = load_config(overrides=["--model.layers=3"]).model
-    model = build_model(cfg, seed=1)
-    batch = packed_batch(cfg)
-    return cfg, model, batch, loss_and_grads(model, batch)
+    return reference_run()
 
 
 @pytest.mark.parametrize("policy,fraction,chunk", POLICIES)

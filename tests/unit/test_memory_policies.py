@@ -8,8 +8,7 @@ import torch
 from longctx.config import load_config
 from longctx.errors import ConfigError
 from longctx.memory.policies import apply_memory_policy, check_policy
-from longctx.models.llama import build_model
-from probes import loss_and_grads, packed_batch
+from probes import loss_and_grads, reference_run
 
 # (checkpoint, offload fraction, block chunk); chunks of 16 and 24 over 2 x 64 tokens, uneven too
 POLICIES = [("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("selective", 1.0, 0),
@@ -19,10 +18,7 @@ POLICIES = [("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("se
 
 @pytest.fixture(scope="module")
 def reference():
-    cfg = load_config(overrides=["--model.layers=3"]).model
-    model = build_model(cfg, seed=1)
-    batch = packed_batch(cfg)
-    return cfg, model, batch, loss_and_grads(model, batch)
+    return reference_run()
 
 
 @pytest.mark.parametrize("policy,fraction,chunk", POLICIES)

@@ -79,10 +79,6 @@ def _stage(stages: _Stages, name: str, log):
         + (f"  {counts}" if counts else ""))
 
 
-def _bar(total, desc, enabled):
-    return progress_bar(total, desc, "doc", enabled)
-
-
 def check_options(o: BuildOptions) -> None:
     problems = []
     if o.seq_len < 2:
@@ -139,7 +135,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
 
     with _stage(stages, "dedup", log) as rec:
         seen_h, seen_s = _seen(root, old, o.dedup)
-        bar = _bar(len(texts), "dedup", o.progress)
+        bar = progress_bar(len(texts), "dedup", "doc", o.progress)
         dd = deduplicate(texts, o.dedup, o.dedup_threshold, o.workers, seen_h, seen_s)
         if bar is not None:
             bar.update(len(texts))
@@ -153,7 +149,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
         raise DataError("every document is a duplicate of one already in the store; nothing to add.")
 
     with _stage(stages, "tokenize", log) as rec:
-        bar = _bar(len(texts), "tokenize", o.progress)
+        bar = progress_bar(len(texts), "tokenize", "doc", o.progress)
         tk = tokenize(texts, tok, o.workers, progress=bar)
         if bar is not None:
             bar.close()
