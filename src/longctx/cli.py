@@ -1,4 +1,4 @@
-"""`longctx` command line: train, report, checkpoint, plan, bench.
+"""`longctx` command line: train, eval, data, report, checkpoint, plan, bench.
 
 Config overrides are passed as `--section.key=value` (or `--section.key value`) after the
 subcommand; `longctx train --help` lists every key with its default.
@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .data.cli import add_parser as add_data_parser
 
     add_data_parser(sub)
+    from .eval.command import add_parser as add_eval_parser
+
+    add_eval_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks; each prints JSON").add_subparsers(dest="bench", required=True)
     from .bench import attention
 
@@ -183,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a relaunch on N ranks runs again
     try:
         return args.func(args, rest)
     except UserError as e:

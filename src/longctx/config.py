@@ -100,9 +100,10 @@ class ModelConfig:
     tie_embeddings: bool = _opt(False, "share the input embedding with the LM head")
     max_seq_len: int = _opt(131072, "longest sequence the model is meant for (recorded in exports)")
     init_std: float = _opt(0.02, "std of the normal initialisation")
-    init_from: str = _opt("", "start from weights: '' (random) or 'hf:DIR' (a local Hugging Face Llama, Mistral, "
-                              "Qwen2 or Qwen3 directory; its config.json becomes this [model], extension keys such as "
-                              "rope_theta apply on top)")
+    init_from: str = _opt("", "start from weights: '' (random), 'hf:DIR' (a local Hugging Face Llama, Mistral, Qwen2 "
+                              "or Qwen3 directory; its config.json becomes this [model]) or DIR (a longctx checkpoint, "
+                              "or a checkpoints directory for its latest: the weights only, a new run); extension keys "
+                              "such as rope_theta or rope_scaling apply on top")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -111,7 +112,9 @@ class ModelConfig:
     @property
     def label(self) -> str:
         """How logs and plans name the model: its preset, or its family and directory."""
-        return f"{self.family} {self.init_from.removeprefix('hf:')}" if self.preset == "hf" else self.preset
+        if self.preset == "hf" or self.init_from:
+            return f"{self.family} {self.init_from.removeprefix('hf:')}"
+        return self.preset
 
 
 @dataclass
@@ -147,6 +150,9 @@ class TrainConfig:
     device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
     dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on GPU, fp32 on CPU",
                       choices=("auto", "fp32", "bf16"))
+    stages: str = _opt("", "progressive lengths: SEQ_LEN:STEPS,... e.g. \"1024:200,4096:100\" (200 steps at 1024 "
+                           "tokens, then 100 at 4096); sets train.steps (the sum) and train.seq_len (the last stage's); "
+                           "each stage reads its own store built from data.corpus; '' = one length")
     compile: bool = _opt(False, "torch.compile each block's token-wise stages (norms, projections, RoPE, MLP, "
                                 "residuals); the attention core stays eager")
     eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
@@ -169,6 +175,9 @@ class DataConfig:
     dedup: str = _opt("minhash", "duplicate removal when building from data.corpus", choices=("minhash", "exact", "none"))
     workers: int = _opt(1, "processes for the parallel stages when building from data.corpus")
     balance: bool = _opt(True, "give data-parallel ranks samples of balanced estimated cost (a*s^2 + b*s)")
+    synthetic: str = _opt("", "retrieval mixture in the training samples: TASK:FRACTION, e.g. \"passkey:0.2\" turns "
+                              "a seeded fifth of them into pass-key sequences (task passkey or needle, the same "
+                              "prompts `longctx eval` scores); '' = none")
 
 
 @dataclass
@@ -392,7 +401,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict 
 def _model_values(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
     """[model] as given -> every field the run uses: from the preset, or from the Hugging Face
     config.json of model.init_from (config_hf.py), with the user's values on top."""
-    if str(values.get("init_from", "")).startswith("hf:"):
+    if values.get("init_from"):
         from .config_hf import resolve_init_from
 
         typed = {k: _coerce(f"model.{k}", v, fields[k]) for k, v in values.items()}
@@ -405,6 +414,21 @@ def _model_values(values: dict[str, Any], fields: dict[str, dataclasses.Field]) 
     return {**MODEL_PRESETS[preset], **values}
 
 
+def _staged_train_values(values: dict[str, Any]) -> dict[str, Any]:
+    """train.stages decides train.steps (their sum) and train.seq_len (the last stage's length); the
+    same values given explicitly are fine (a written config.toml has them), other ones are refused."""
+    from .config_rules import parse_stages
+
+    stages = parse_stages(_coerce("train.stages", values["stages"], _fields_by_key(TrainConfig)["stages"]))
+    derived = {"steps": sum(s for _, s in stages), "seq_len": stages[-1][0]}
+    why = {"steps": "the sum of the stages' steps", "seq_len": "the last stage's length"}
+    for key, value in derived.items():
+        if key in values and values[key] != value:
+            raise ConfigError(f"train.{key} = {values[key]} contradicts train.stages = {values['stages']!r}, which "
+                              f"makes it {value} ({why[key]}); drop train.{key}.")
+    return {**values, **derived}
+
+
 def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     sections: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
@@ -414,6 +438,8 @@ def build_config(raw: dict[str, dict[str, Any]]) -> Config:
         fields = _fields_by_key(cls)
         if section == "model":
             values = _model_values(values, fields)
+        if section == "train" and values.get("stages"):
+            values = _staged_train_values(values)
         kwargs = {}
         for name, value in values.items():
             kwargs[fields[name].name] = _coerce(f"{section}.{name}", value, fields[name])

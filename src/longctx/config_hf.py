@@ -208,20 +208,48 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
     return out
 
 
+def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
+    """(the checkpoint directory, its manifest's [model]) for init_from = a longctx checkpoint."""
+    from .checkpoint.manager import resolve_checkpoint
+    from .checkpoint.manifest import read_manifest
+
+    path = resolve_checkpoint(init_from, Path(init_from))
+    if path is None:
+        raise HFFormatError(f"model.init_from = {init_from!r} holds no complete longctx checkpoint (a step-* directory "
+                            f"with manifest.json, or a checkpoints directory); for Hugging Face weights write hf:DIR.")
+    return path, read_manifest(path)["model"]
+
+
 def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """[model] values as the user gave them (init_from set) -> (the run's [model] values, what the
-    user's extension keys changed). The checkpoint's config.json decides family, shapes and RoPE;
-    extension keys apply on top; a weight-shaping key that disagrees is a ConfigError-like HFFormatError."""
-    path = hf_dir(values["init_from"])
-    hf = read_hf_config(path)
-    fields = model_fields_from_hf(hf, str(path / "config.json"))
+    user's extension keys changed). The weights' own description decides family, shapes and RoPE:
+    config.json for `hf:DIR`, the manifest's [model] for a longctx checkpoint directory. Extension
+    keys apply on top; a weight-shaping key that disagrees is an HFFormatError naming both values."""
+    source = values["init_from"]
+    if source.startswith("hf:"):
+        path = hf_dir(source)
+        hf = read_hf_config(path)
+        where = path / "config.json"
+        fields = model_fields_from_hf(hf, str(where))
+        preset = "hf"
+
+        def stored(key):
+            return f"config.json has {_HF_KEY.get(key, key)}={hf.get(_HF_KEY.get(key, key))!r}"
+    else:
+        path, model = _checkpoint_model(source)
+        where = path / "manifest.json"
+        preset = model.get("preset", "debug")
+        fields = {k: v for k, v in model.items() if k not in ("preset", "init_from")}
+
+        def stored(key):
+            return f"its manifest has model.{key}={fields[key]!r}"
     changed = []
     for key, value in values.items():
         if key == "init_from":
             continue
-        if key == "preset":  # a named shape (e.g. from a recipe's [model]) yields to the checkpoint's
-            if value != "hf":
-                changed.append(f"model.preset {value!r} replaced by the shapes of {path / 'config.json'}")
+        if key == "preset":  # a named shape (e.g. from a recipe's [model]) yields to the weights' own
+            if value != preset:
+                changed.append(f"model.preset {value!r} replaced by the shapes of {where}")
             continue
         if key in EXTENSION_KEYS:
             if fields.get(key) != value:
@@ -230,10 +258,9 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         elif key in fields and fields[key] != value and not (isinstance(value, (int, float)) and
                                                              not isinstance(value, bool) and
                                                              float(fields[key]) == float(value)):
-            hf_key = _HF_KEY.get(key, key)
             raise HFFormatError(
-                f"model.{key}={value!r} contradicts the weights in {path}: config.json has {hf_key}="
-                f"{hf.get(hf_key)!r}, so model.{key} must be {fields[key]!r}. Drop the override; only context-"
-                f"extension keys ({', '.join(sorted(EXTENSION_KEYS))}) may differ from the checkpoint.")
-    fields.update(preset="hf", init_from=values["init_from"])
+                f"model.{key}={value!r} contradicts the weights in {path}: {stored(key)}, so model.{key} must be "
+                f"{fields[key]!r}. Drop the override; only context-extension keys "
+                f"({', '.join(sorted(EXTENSION_KEYS))}) may differ from the weights.")
+    fields.update(preset=preset, init_from=source)
     return fields, changed

@@ -100,12 +100,14 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
                 f"llama3 rope scaling needs 0 < model.rope_low_freq_factor ({m.rope_low_freq_factor}) "
                 f"< model.rope_high_freq_factor ({m.rope_high_freq_factor})."
             )
-    if m.init_from and not m.init_from.startswith("hf:"):
-        problems.append(f"model.init_from must be '' or 'hf:DIR', got '{m.init_from}'.")
 
 
 def _train_rules(cfg: Config, problems: list[str]) -> None:
     t, m = cfg.train, cfg.model
+    if t.stages and cfg.data.path:
+        problems.append(f"train.stages reads one store per stage length, built from data.corpus; data.path "
+                        f"({cfg.data.path}) holds one length only. Drop data.path (set data.corpus to your text "
+                        f"directory) or train.stages.")
     positive = functools.partial(_positive, problems)
     for key in ("steps", "global_batch", "grad_accum", "eval_batches"):
         positive(f"train.{key}", getattr(t, key))
@@ -137,8 +139,47 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
         )
 
 
+def parse_stages(spec: str) -> list[tuple[int, int]]:
+    """train.stages "1024:200,4096:100" -> [(1024, 200), (4096, 100)]: (seq_len, steps) per stage."""
+    stages = []
+    for item in spec.split(","):
+        length, _, steps = item.strip().partition(":")
+        try:
+            stage = (int(length), int(steps))
+        except ValueError:
+            stage = (0, 0)
+        if stage[0] <= 0 or stage[1] <= 0:
+            raise ConfigError(f"train.stages = {spec!r}: {item.strip()!r} is not SEQ_LEN:STEPS with both positive; "
+                              f"write e.g. \"1024:200,4096:100\" (200 steps at 1024 tokens, then 100 at 4096).")
+        stages.append(stage)
+    return stages
+
+
+SYNTHETIC_TASKS = ("passkey", "needle")
+
+
+def parse_synthetic(spec: str) -> tuple[str, float] | None:
+    """data.synthetic "passkey:0.2" -> ("passkey", 0.2); "" -> None; anything else a ConfigError."""
+    if not spec:
+        return None
+    task, _, frac = spec.partition(":")
+    try:
+        fraction = float(frac)
+    except ValueError:
+        fraction = -1.0
+    if task not in SYNTHETIC_TASKS or not 0 < fraction <= 1:
+        raise ConfigError(f"data.synthetic = {spec!r} must be TASK:FRACTION with TASK one of "
+                          f"{', '.join(SYNTHETIC_TASKS)} and FRACTION in (0, 1], e.g. \"passkey:0.2\" (a fifth of "
+                          f"the training samples); '' = none.")
+    return task, fraction
+
+
 def _data_rules(cfg: Config, problems: list[str]) -> None:
     d, t = cfg.data, cfg.train
+    try:
+        parse_synthetic(d.synthetic)
+    except ConfigError as e:
+        problems.append(str(e))
     if not 0 <= d.eval_fraction < 1:
         problems.append(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}.")
     if t.eval_interval and d.eval_fraction == 0:

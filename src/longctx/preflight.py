@@ -23,13 +23,16 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
 
     check_layout(cfg, nproc)
     check_packages(cfg)
-    if cfg.model.init_from:  # missing or partial shards
+    if cfg.model.init_from.startswith("hf:"):  # missing or partial shards (a checkpoint is checked at load)
         from .config_hf import hf_dir
         from .models.hf import weight_files
 
         weight_files(hf_dir(cfg.model.init_from))
     _check_resume(cfg)
-    _check_data(cfg, log)
+    from .stages import stage_config, stages_of
+
+    for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
+        _check_data(stage_config(cfg, stage.seq_len), log)
     if _device_type(cfg) == "cpu" and not cfg.metrics.peak_tflops:
         from .metrics import machine_cpu_peak
 

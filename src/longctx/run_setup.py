@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import Config, to_dict, to_toml
+from .config_rules import parse_synthetic
 from .data.loader import PackedSamples
 from .data.store import read_manifest
 from .errors import ConfigError, DataError, UserError
@@ -202,6 +203,14 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     train = PackedSamples(path, "train", cfg.data.doc_mask)
     if len(train) == 0:
         raise DataError(f"the data store {path} has no training samples; build it from more documents.")
+    mixture = parse_synthetic(cfg.data.synthetic)
+    if mixture:
+        from .data.synthetic import SyntheticMixture
+        from .data.tokenizer import load_tokenizer
+
+        train = SyntheticMixture(train, *mixture, cfg.train.seed, load_tokenizer(manifest["tokenizer"]["spec"]))
+        log(f"data: {int(train.synthetic.sum()):,} of {len(train):,} training samples are {mixture[0]} sequences "
+            f"(data.synthetic = {cfg.data.synthetic})")
     problem = eval_split_problem(cfg, path, manifest)
     evals = None
     if problem:
@@ -226,17 +235,25 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
     model = parallelize(model, rt.dims, cfg, rt.mesh, device.type,
                         resolve_auto_offload=lambda m: auto_offload_fraction(m, cfg, device, rt, log))
     model.to_empty(device=device)
-    if cfg.model.init_from:
-        from .config_hf import hf_dir, resolve_init_from
+    source = cfg.model.init_from
+    if not source:
+        model.init_weights(cfg.train.seed)
+        return model
+    from .config_hf import hf_dir, resolve_init_from
+
+    if source.startswith("hf:"):
         from .models.hf import load_hf_weights
 
-        path = hf_dir(cfg.model.init_from)
+        path = hf_dir(source)
         load_hf_weights(model, path)
-        _, changed = resolve_init_from({k: v for k, v in to_dict(cfg)["model"].items() if k != "preset"})
-        log(f"model: {cfg.model.family} weights from {path}" +
-            (f"; changed for this run: {', '.join(changed)}" if changed else ""))
     else:
-        model.init_weights(cfg.train.seed)
+        from .checkpoint.manager import load_weights_into, resolve_checkpoint
+
+        path = resolve_checkpoint(source, Path(source))
+        load_weights_into(path, model, rt, log)
+    _, changed = resolve_init_from({k: v for k, v in to_dict(cfg)["model"].items() if k != "preset"})
+    log(f"model: {cfg.model.family} weights from {path}" +
+        (f"; changed for this run: {', '.join(changed)}" if changed else ""))
     return model
 
 
@@ -284,7 +301,8 @@ def auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: R
     return fraction
 
 
-def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer, sampler, log):
+def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer, sampler, log,
+                       tokenizer: str | None = None):
     """The checkpoint manager (None when neither saving nor resuming) and the step to continue after."""
     ck = cfg.checkpoint
     if not ck.interval and ck.resume == "none":
@@ -295,7 +313,8 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
     layout = {"world": rt.world, **{k: getattr(rt.dims, k) for k in
                                     ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")}}
     manager = CheckpointManager(root, keep=ck.keep, async_save=ck.async_save, rank=rt.rank, world=rt.world,
-                                layout=layout, model_cfg=to_dict(cfg)["model"], log=log)
+                                layout=layout, model_cfg=to_dict(cfg)["model"], log=log,
+                                tokenizer=tokenizer)
     # verified on every rank before anything is loaded: `auto` skips damaged checkpoints (and says so)
     found = manager.resume_point(ck.resume)
     if found is None:

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from .config import Config
-from .data.loader import BatchLoader, cost_coefficients
 from .errors import TrainingError
 from .metrics import (
     MetricsWriter,
@@ -50,6 +49,7 @@ from .run_setup import (
     on_main,
     open_checkpointing,
 )
+from .stages import StagedLoader, tokens_through
 from .step import (
     clip_gradients,
     forward_loss_sum,
@@ -80,6 +80,8 @@ class _Window:
     eval_s: float = 0.0
     eval_bytes: list[float] | None = None
     save_blocking_s: float = 0.0  # seconds the loop waited for checkpoint saves
+    tokens: int = 0               # trained in the window (the stage's length decides a step's tokens)
+    flops: float = 0.0            # model FLOPs of those tokens
 
 
 class Trainer:
@@ -97,19 +99,19 @@ class Trainer:
         self.autocast_dtype = dtype if dtype != torch.float32 else None
         seed_everything(cfg.train.seed)
         check_packages(cfg)
-        self.train_samples, self.eval_samples = build_data(cfg, self.log, rt)
+        # global batches in seeded order (one global cursor: resumable under any layout), each permuted
+        # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py)
+        self.micro_batch = cfg.train.global_batch // cfg.train.grad_accum  # sequences, whole job
+        self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), self.micro_batch, rt.dp)
+        self.sampler.enter(1)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.model = build_training_model(cfg, self.device, rt, self.log)
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
         self.optimizer = make_optimizer(self.model, cfg)
-        # global batches in seeded order (one global cursor: resumable under any layout), each permuted
-        # so that the data-parallel ranks get samples of balanced estimated cost
-        self.micro_batch = cfg.train.global_batch // cfg.train.grad_accum  # sequences, whole job
-        self.sampler = BatchLoader(self.train_samples, self.micro_batch, cfg.train.seed, dp=rt.dp,
-                                   balance=cfg.data.balance, cost=cost_coefficients(cfg.model))
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
-                                                        self.sampler, self.log)
+                                                        self.sampler, self.log, self.sampler.train_samples.tokenizer_spec)
+        self._enter_stage(self.start_step + 1)
         if rt.is_main:
             continue_run_files(self.run_dir, cfg, self.start_step, self.log)
         # every rank's peak while building, loading and sharding the model (before anything the step
@@ -122,9 +124,20 @@ class Trainer:
         self.metrics_path = Path(cfg.metrics.file) if cfg.metrics.file else self.run_dir / "metrics.jsonl"
         self._describe(dtype)
 
+    @property
+    def eval_samples(self):
+        return self.sampler.eval_samples
+
+    def _enter_stage(self, step: int) -> None:
+        """Switch the data to `step`'s stage when it starts there (train.stages)."""
+        if self.sampler.enter(step) and len(self.sampler.stages) > 1:
+            s = self.sampler.stage
+            self.log(f"stage {s.index + 1}/{len(self.sampler.stages)}: steps {s.first_step}-{s.last_step} at "
+                     f"{s.seq_len} tokens per sequence")
+        self.flops_per_token = train_flops_per_token(self.cfg.model, self.sampler.stage.seq_len)
+
     def _describe(self, dtype: torch.dtype) -> None:
         cfg, rt, mem = self.cfg, self.rt, self.cfg.memory
-        self.flops_per_token = train_flops_per_token(cfg.model, cfg.train.seq_len)
         # rank 0 reads (or, once per machine, calibrates) the peak while the others wait: a calibration
         # that ran beside other ranks' start-up would measure them, not the machine
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
@@ -165,9 +178,12 @@ class Trainer:
         unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps whose figures are still on the device
         try:
             for step in range(self.start_step + 1, t.steps + 1):
+                self._enter_stage(step)
                 loss_t, grad_norm_t, lr = self.step(step)
                 unread.append((step, loss_t, grad_norm_t))
                 window.steps += 1
+                window.tokens += t.global_batch * self.sampler.stage.seq_len
+                window.flops += t.global_batch * self.sampler.stage.seq_len * self.flops_per_token
                 log_now = step % cfg.metrics.log_interval == 0 or step == t.steps or step == 1
                 if log_now or self._save_due(step):
                     # the one host read of the step's figures, here and not every step: it waits for
@@ -271,20 +287,22 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - window.start - window.eval_s  # evaluation is not training
-        tps = window.steps * t.global_batch * t.seq_len / elapsed
+        tps = window.tokens / elapsed
+        flops_per_s = window.flops / elapsed
         mem, mem_kind = peak_memory_bytes(self.device)
         sent = [(a - b - e) / window.steps for a, b, e in zip(rt.comm_bytes(), window.comm_bytes, window.eval_bytes)]
         stats = rt.max([mem, *sent])
         per_dim = {d: v for d, v in zip(TRACKED_DIMS, stats[1:]) if v}
-        if self.peak_calibrated and tps * self.flops_per_token > rt.world * self.peak:
-            self._raise_peak(tps * self.flops_per_token / rt.world)
+        if self.peak_calibrated and flops_per_s > rt.world * self.peak:
+            self._raise_peak(flops_per_s / rt.world)
         record = {
             "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "tokens_per_s": tps, "tflops": tps * self.flops_per_token / 1e12,
-            "mfu": tps * self.flops_per_token / (rt.world * self.peak) if self.peak else None,
+            "tokens_per_s": tps, "tflops": flops_per_s / 1e12,
+            "mfu": flops_per_s / (rt.world * self.peak) if self.peak else None,
             "memory_gib": stats[0] / 2**30, "memory_kind": mem_kind + (" max over ranks" if rt.world > 1 else ""),
             "comm_bytes_per_step": {**per_dim, **self.fsdp_bytes},
-            "tokens": step * t.global_batch * t.seq_len,
+            "tokens": tokens_through(self.sampler.stages, step, t.global_batch),
+            "seq_len": self.sampler.stage.seq_len,
             "elapsed_s": time.perf_counter() - run_start,
             "world": rt.world,
         }
@@ -319,7 +337,9 @@ class Trainer:
 
     def _finish(self, result: TrainResult, total_s: float, eval_s: float) -> TrainResult:
         t = self.cfg.train
-        result.tokens_per_s = len(result.losses) * t.global_batch * t.seq_len / (total_s - eval_s)
+        trained = (tokens_through(self.sampler.stages, t.steps, t.global_batch)
+                   - tokens_through(self.sampler.stages, result.first_step - 1, t.global_batch))
+        result.tokens_per_s = trained / (total_s - eval_s) if result.losses else 0.0
         if self.cfg.metrics.plots and self.rt.is_main:
             from .report import write_plots
 

@@ -42,7 +42,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from ..parallel import comm
 from ..parallel.launch import new_gloo_group
@@ -204,8 +209,9 @@ class _Worker:
 
 class CheckpointManager:
     def __init__(self, root: Path, *, keep: int, async_save: bool, rank: int, world: int, layout: dict,
-                 model_cfg: dict, log=print):
+                 model_cfg: dict, log=print, create: bool = True, tokenizer: str | None = None):
         self.root, self.keep, self.async_save = Path(root), keep, async_save
+        self.tokenizer = tokenizer  # recorded in the manifest: what `longctx eval` encodes text with
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
         # they get their own group so they never interleave with the training loop's on the default group.
@@ -220,7 +226,7 @@ class CheckpointManager:
         self._worker = _Worker("checkpoint-finish") if async_save else None
         self._finishing: Future | None = None  # the async save in flight
         self.last_save_blocking_s = 0.0
-        if rank == 0:
+        if rank == 0 and create:  # (create=False: a reader of checkpoints that writes none)
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-*"):  # leftovers of saves that never completed
                 shutil.rmtree(stale, ignore_errors=True)
@@ -284,7 +290,8 @@ class CheckpointManager:
             self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))})
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
-        write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes)
+        write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
+                       tokenizer=self.tokenizer)
         final = self.root / step_name(step)
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
             trash = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
@@ -405,6 +412,21 @@ class CheckpointManager:
         # RNG states were saved per rank). CUDA generators keep their seeded state: the devices differ.
         first = path / rng_file(0)
         _set_rng_state(_load_rng(first if first.is_file() else path / LEGACY_RNG), cuda=False)
+
+
+def load_weights_into(path: Path, model, rt, log=print) -> dict:
+    """Only the model weights of a checkpoint, verified first (the ranks split the checksums), into
+    a model of any layout (each rank reads its shards): what `model.init_from = DIR` and
+    `longctx eval` start from. RoPE frequencies are set from the model's own config afterwards, so
+    an extension (rope_theta, rope_scaling) applies to the loaded weights."""
+    manager = CheckpointManager(path.parent, keep=0, async_save=False, rank=rt.rank, world=rt.world, layout={},
+                                model_cfg={}, log=log, create=False)
+    manifest = manager.verified_manifest(path, "model.init_from")
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
+    set_model_state_dict(model, state["model"])
+    model.init_rope()
+    return manifest
 
 
 def load_model_weights(path: Path, model) -> dict:

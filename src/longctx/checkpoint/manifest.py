@@ -93,7 +93,7 @@ def collect_hashes_parts(directory: Path, ranks) -> dict[str, dict]:
 
 
 def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
-                   hashes: dict[str, dict] | None = None) -> dict:
+                   hashes: dict[str, dict] | None = None, tokenizer: str | None = None) -> dict:
     """Write manifest.json (last, atomically). `hashes` are the ranks' checksums of their files; any file
     on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file."""
     hashes = dict(hashes or {})
@@ -104,6 +104,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
         "step": step,
         "layout": layout,
         "model": model,
+        "tokenizer": tokenizer,
         "files": [{"path": rel, **hashes[rel]} for rel in sorted(hashes)],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "longctx": __version__,

@@ -59,6 +59,10 @@ class PackedSamples:
         return self.num_samples
 
     @property
+    def tokenizer_spec(self) -> str:
+        return self.manifest["tokenizer"]["spec"]
+
+    @property
     def num_tokens(self) -> int:
         return int(self.real_tokens.sum())
 
@@ -98,9 +102,13 @@ class PackedSamples:
         return tokens, labels, positions, doc_ids
 
     def batch(self, indices) -> Batch:
-        parts = [self.sample(int(i)) for i in indices]
-        stack = lambda j: torch.from_numpy(np.stack([p[j] for p in parts])).long()  # noqa: E731
-        return Batch(stack(0), stack(1), stack(2), stack(3) if self.doc_mask else None)
+        return stack_samples([self.sample(int(i)) for i in indices], self.doc_mask)
+
+
+def stack_samples(parts: list[tuple], doc_mask: bool) -> Batch:
+    """(tokens, labels, positions, doc ids) per sample -> one Batch."""
+    stack = lambda j: torch.from_numpy(np.stack([p[j] for p in parts])).long()  # noqa: E731
+    return Batch(stack(0), stack(1), stack(2), stack(3) if doc_mask else None)
 
 
 class BatchLoader:

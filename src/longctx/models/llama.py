@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.attention import attention
-from ..ops.loss import lm_head_loss
+from ..ops.loss import lm_head_loss, lm_head_token_scores
 from ..ops.norm import rms_norm
 from .shards import write_full
 
@@ -256,14 +256,20 @@ class Llama(nn.Module):
     def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
         """Logits [batch, seq, vocab] without labels; with labels (-100 = ignore) the cross-entropy,
         averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
-        normalise over a larger batch)."""
+        normalise over a larger batch); `"tokens"` (evaluation, no gradient): per token [batch, seq, 2],
+        the label's negative log-likelihood and whether it is the greedy choice (ops/loss.py)."""
         if labels is None:
             return F.linear(self.hidden_states(tokens, positions, doc_ids), self.lm_head_weight)
         # the final norm runs inside the loss, chunk by chunk when the loss is chunked: at long
         # context its fp32 statistics would otherwise be the largest tensor left outside the blocks
         x = self.hidden_states(tokens, positions, doc_ids, final_norm=False)
+        norm = (self.norm.weight, self.norm.eps)
+        if loss_reduction == "tokens":
+            scores = lm_head_token_scores(x.flatten(0, 1), self.lm_head_weight, labels.flatten(),
+                                          chunk=self.loss_chunk, norm=norm)
+            return scores.view(*labels.shape, 2)
         return lm_head_loss(x.flatten(0, 1), self.lm_head_weight, labels.flatten(), chunk=self.loss_chunk,
-                            reduction=loss_reduction, norm=(self.norm.weight, self.norm.eps))
+                            reduction=loss_reduction, norm=norm)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Llama:

@@ -48,6 +48,31 @@ def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
     return total / (labels != IGNORE).sum().clamp(min=1)
 
 
+@torch.no_grad()
+def lm_head_token_scores(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int = 0,
+                         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """Per token, [n, 2]: the label's negative log-likelihood and 1.0 where the label is the greedy
+    (argmax) choice; both 0 where labels == -100. Forward only (evaluation); chunked like the loss,
+    so [tokens, vocab] logits never exist beyond one chunk."""
+    n = h.shape[0]
+    out = torch.zeros(n, 2, dtype=_stat_dtype(h), device=h.device)
+    step = chunk if chunk > 0 else max(n, 1)
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    with torch.autocast(h.device.type, enabled=False):
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            logits = _logits(_normed(h[s:e], norm_weight, eps), weight, dtype)
+            lab = labels[s:e]
+            valid = lab != IGNORE
+            target = logits.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
+            nll = torch.logsumexp(logits, dim=-1) - target
+            hit = target >= logits.max(dim=-1).values
+            out[s:e, 0] = torch.where(valid, nll, 0.0)
+            out[s:e, 1] = (hit & valid).to(out.dtype)
+    return out
+
+
 def _stat_dtype(h):
     return torch.promote_types(h.dtype, torch.float32)  # fp32 softmax statistics (fp64 stays fp64)
 

@@ -17,6 +17,14 @@ def check_layout(cfg, world: int) -> ParallelDims:
     dims = ParallelDims.from_config(cfg, world_size=world)
     check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
     check_divisible(cfg.train.seq_len, dims.ctx, dims.head)
+    if cfg.train.stages:
+        from ..config_rules import parse_stages
+
+        for seq_len, _ in parse_stages(cfg.train.stages):
+            try:
+                check_divisible(seq_len, dims.ctx, dims.head)
+            except ConfigError as e:
+                raise ConfigError(f"train.stages: {e}") from None
     dp = dims.dp_replicate * dims.dp_shard
     t = cfg.train
     if t.global_batch % (dp * t.grad_accum):

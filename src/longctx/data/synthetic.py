@@ -1,0 +1,142 @@
+"""Synthetic retrieval sequences: a pass key (or k keyed numbers) hidden in filler, asked for at the end.
+
+One builder serves both training and evaluation, so a model trained on the mixture is asked the
+same question, in the same words and token layout, that `longctx eval` scores:
+
+    filler[:cut] + needle + filler[cut:] + question + answer          (exactly `length` tokens)
+
+- `passkey`: one needle "The pass key is 71432. Remember it. 71432 is the pass key.", question
+  "What is the pass key? The pass key is", answer " 71432" (5 random digits by default);
+- `needle`: the multi-key variant (RULER's niah_multikey): `needles` keyed numbers "The special
+  magic number for <word> is: 4821937." at random depths, the asked one at `depth`; question
+  "What is the special magic number for <word>? The special magic number for <word> is:".
+
+Depth is where the (asked) needle starts, as a fraction of the filler: 0 = first thing, 1 = just
+before the question. The filler is any token stream (the corpus, in practice), so the needle is
+the only natural-language sentence in Python code and nothing but retrieval answers the question.
+
+`SyntheticMixture` replaces a seeded fraction of a store's training samples by passkey (or
+needle) sequences built from the sample's own tokens: `data.synthetic = "passkey:0.2"`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from ..config_rules import SYNTHETIC_TASKS
+from ..errors import DataError
+from .samples import IGNORE, Batch
+
+TASKS = SYNTHETIC_TASKS
+# keys of the needle task: short, distinct, one word each
+KEY_WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper",
+             "kestrel", "lagoon", "marble", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra",
+             "umber", "velvet", "willow", "xenon", "yarrow", "zephyr", "anchor", "bramble", "cobalt", "dune",
+             "falcon", "glacier")
+
+
+@dataclass
+class RetrievalPrompt:
+    tokens: np.ndarray   # [length] int64
+    answer_start: int    # index of the answer's first token
+    answer: str          # the answer text (what exact match compares)
+    depth: float         # where the asked needle starts, as a fraction of the filler
+
+    @property
+    def labels(self) -> np.ndarray:
+        """-100 everywhere but the answer: label[t] = tokens[t + 1] for the tokens that predict it."""
+        labels = np.full(len(self.tokens), IGNORE, dtype=np.int64)
+        s = self.answer_start
+        labels[s - 1:len(self.tokens) - 1] = self.tokens[s:]
+        return labels
+
+
+def _digits(rng: np.random.Generator, n: int) -> str:
+    return str(int(rng.integers(10 ** (n - 1), 10 ** n)))
+
+
+def _encode(tokenizer, text: str) -> np.ndarray:
+    return np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
+
+
+def retrieval_prompt(task: str, filler: np.ndarray, length: int, depth: float, rng: np.random.Generator,
+                     tokenizer, *, needles: int = 4, digits: int = 5) -> RetrievalPrompt:
+    """A `task` sequence of exactly `length` tokens, its filler the first tokens of `filler`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown retrieval task {task!r}; choose one of {TASKS}")
+    if task == "passkey":
+        key = _digits(rng, digits)
+        inserts = [(depth, _encode(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. "))]
+        question, answer = "\nWhat is the pass key? The pass key is", f" {key}"
+    else:
+        words = rng.choice(len(KEY_WORDS), size=min(needles, len(KEY_WORDS)), replace=False)
+        values = [_digits(rng, 7) for _ in words]
+        asked = KEY_WORDS[words[0]]
+        inserts = [(depth if i == 0 else float(rng.random()),
+                    _encode(tokenizer, f" The special magic number for {KEY_WORDS[w]} is: {v}. "))
+                   for i, (w, v) in enumerate(zip(words, values))]
+        question = f"\nWhat is the special magic number for {asked}? The special magic number for {asked} is:"
+        answer = f" {values[0]}"
+    q, a = _encode(tokenizer, question), _encode(tokenizer, answer)
+    n = length - sum(len(t) for _, t in inserts) - len(q) - len(a)
+    if n < 0:
+        raise DataError(f"a {task} sequence of {length} tokens has no room for filler: the needle, question "
+                        f"and answer alone take {length - n} tokens; use a longer length.")
+    if len(filler) < n:
+        raise DataError(f"a {task} sequence of {length} tokens needs {n} filler tokens, got {len(filler)}.")
+    pieces, last = [], 0
+    # the needles go in by depth order; ties keep the asked needle first
+    for d, t in sorted(inserts, key=lambda dt: dt[0]):
+        cut = int(round(d * n))
+        pieces += [filler[last:cut], t]
+        last = cut
+    pieces += [filler[last:n], q, a]
+    tokens = np.concatenate(pieces).astype(np.int64)
+    return RetrievalPrompt(tokens, length - len(a), answer.strip(), depth)
+
+
+class SyntheticMixture:
+    """A store split (PackedSamples) with a seeded fraction of its samples turned into retrieval
+    sequences: sample i is synthetic for every epoch and every layout alike (its own seeded draw),
+    built from its own tokens as filler, one document with positions 0..L-1 and labels on every
+    token (the answer among them)."""
+
+    def __init__(self, samples, task: str, fraction: float, seed: int, tokenizer):
+        self.samples, self.task, self.fraction, self.seed, self.tokenizer = samples, task, fraction, seed, tokenizer
+        self.seq_len, self.doc_mask = samples.seq_len, samples.doc_mask
+        draws = np.random.default_rng([seed, 0x5EED]).random(len(samples))
+        self.synthetic = draws < fraction
+        self.real_tokens = np.where(self.synthetic, self.seq_len, samples.real_tokens)
+        self.sq_tokens = np.where(self.synthetic, float(self.seq_len) ** 2, samples.sq_tokens)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def tokenizer_spec(self) -> str:
+        return self.samples.tokenizer_spec
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.real_tokens.sum())
+
+    def costs(self, a: float, b: float) -> np.ndarray:
+        quad = self.sq_tokens if self.doc_mask else self.real_tokens ** 2
+        return a * quad + b * self.real_tokens
+
+    def sample(self, i: int):
+        if not self.synthetic[i]:
+            return self.samples.sample(i)
+        tokens, _, _, _ = self.samples.sample(i)
+        rng = np.random.default_rng([self.seed, int(i)])
+        prompt = retrieval_prompt(self.task, tokens, self.seq_len, float(rng.random()), rng, self.tokenizer)
+        t = prompt.tokens
+        labels = np.append(t[1:], IGNORE)
+        L = self.seq_len
+        return t, labels, np.arange(L), (np.zeros(L, dtype=np.int64) if self.doc_mask else None)
+
+    def batch(self, indices) -> Batch:
+        from .loader import stack_samples
+
+        return stack_samples([self.sample(int(i)) for i in indices], self.doc_mask)

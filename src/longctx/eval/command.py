@@ -1,0 +1,273 @@
+"""`longctx eval`: loss by position (ppl), pass-key and multi-key needle retrieval, under any layout.
+
+    longctx eval --checkpoint runs/X/checkpoints --task passkey --lengths 1K,4K --depths 0,0.5,1
+    longctx eval --checkpoint hf:DIR --task ppl --lengths 16K,32K --nproc 4 --parallel.ctx 4
+
+Everything that can be wrong with the input (task, lengths the layout cannot split, depths, a
+missing tokenizer, a too-short text) is found before any rank starts: the launching process
+prepares the sequences once, and every rank prepares the same ones again (cheap, deterministic).
+The JSON result goes to stdout or --output; plots next to --output (or to --plot).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, DataError
+from .tasks import TASKS, Sequence, load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
+
+DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a checkpoint at long lengths: loss by position, passkey, needle "
+                                    "(forward only, under any layout)")
+    p.add_argument("--checkpoint", required=True, metavar="DIR|hf:DIR",
+                   help="a longctx checkpoint (a step-* directory, or a checkpoints directory for its latest) or "
+                        "hf:DIR, a Hugging Face model directory")
+    p.add_argument("--task", required=True, choices=TASKS,
+                   help="ppl: loss per position bucket; passkey: a 5-digit key hidden at each depth; needle: "
+                        "several keyed 7-digit numbers hidden, one asked for")
+    p.add_argument("--lengths", required=True, help="sequence lengths in tokens, e.g. 1K,4K,16K (K = 1024)")
+    p.add_argument("--depths", default=DEFAULT_DEPTHS,
+                   help=f"passkey/needle: where the needle sits, fractions of the filler (default {DEFAULT_DEPTHS})")
+    p.add_argument("--samples", type=int, default=0,
+                   help="sequences per length (ppl, default 8) or per length and depth (passkey/needle, default 5)")
+    p.add_argument("--data", default="",
+                   help="text to evaluate on (ppl) and take filler from (passkey/needle): a store directory, a "
+                        "text file, or '' for the default corpus (data.corpus, stdlib)")
+    p.add_argument("--split", default="eval", choices=("eval", "train"), help="the store split to use (default eval)")
+    p.add_argument("--tokenizer", default="",
+                   help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
+                        "tokenizer.json)")
+    p.add_argument("--buckets", type=int, default=16, help="ppl: position buckets per length (default 16)")
+    p.add_argument("--batch", type=int, default=0, help="sequences per forward over the whole job (default: one "
+                                                       "per data-parallel rank)")
+    p.add_argument("--seed", type=int, default=0, help="seed for keys and filler offsets")
+    p.add_argument("--output", default="", help="write the JSON here (and the plot next to it) instead of stdout")
+    p.add_argument("--plot", default="", help="the PNG to write (default: --output with .png)")
+    p.add_argument("--nproc", type=int, default=1, help="local processes through torchrun (default 1)")
+    p.set_defaults(func=main)
+
+
+@dataclass
+class Plan:
+    """What one eval computes, prepared identically in the launcher and on every rank."""
+    cfg: object
+    task: str
+    lengths: list[int]
+    depths: list[float]
+    sequences: dict[int, list[Sequence]]
+    source: str
+    tokenizer: str
+    batch: int
+
+
+def _config(args, overrides: list[str], lengths: list[int], nproc: int):
+    """The run config eval builds its model from: the checkpoint's [model] (extension keys may be
+    overridden), the layout and memory flags given, and the longest length."""
+    from ..config import load_config, parse_overrides
+    from ..parallel.launch import default_layout
+
+    given = parse_overrides(overrides)
+    allowed = {"model", "parallel", "memory", "train"}
+    other = sorted(set(given) - allowed)
+    if other:
+        raise ConfigError(f"longctx eval takes --model.* (extension keys such as rope_theta), --parallel.*, "
+                          f"--memory.* and --train.device/dtype overrides; [{', '.join(other)}] does not apply.")
+    if "init_from" in given.get("model", {}):
+        raise ConfigError("longctx eval takes the weights from --checkpoint; drop --model.init_from.")
+    p = given.get("parallel", {})
+    if nproc > 1 and not any(k in p for k in ("dp_replicate", "dp_shard", "head", "ctx")):
+        given.setdefault("parallel", {}).update(default_layout(nproc))
+    given.setdefault("model", {})["init_from"] = args.checkpoint
+    train = given.setdefault("train", {})
+    dp_probe = load_config(None, {**given, "train": {**train, "eval_interval": 0}})
+    dims_dp = _dp(dp_probe, nproc)
+    batch = args.batch or dims_dp
+    if batch % dims_dp:
+        raise ConfigError(f"--batch {batch} must be a multiple of the data-parallel degree {dims_dp}.")
+    train.update(seq_len=max(lengths), global_batch=batch, grad_accum=1, eval_interval=0)
+    return load_config(None, given), batch
+
+
+def _dp(cfg, nproc: int) -> int:
+    from ..parallel.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg, world_size=nproc)
+    return dims.dp_replicate * dims.dp_shard
+
+
+def _tokenizer_spec(args, cfg) -> str | None:
+    if args.tokenizer:
+        return args.tokenizer
+    source = cfg.model.init_from
+    if source.startswith("hf:"):
+        path = Path(source[3:]) / "tokenizer.json"
+        return str(path) if path.is_file() else None
+    from ..checkpoint.manager import resolve_checkpoint
+    from ..checkpoint.manifest import read_manifest
+
+    return read_manifest(resolve_checkpoint(source, Path(source))).get("tokenizer")
+
+
+def prepare(args, overrides: list[str], nproc: int) -> Plan:
+    from ..data.tokenizer import load_tokenizer
+    from ..parallel.checks import check_layout
+    from ..parallel.sequence import check_divisible
+
+    lengths = parse_lengths(args.lengths)
+    depths = parse_depths(args.depths) if args.task != "ppl" else []
+    for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
+        if value < 0 or (flag == "--buckets" and value == 0):
+            raise ConfigError(f"{flag} must be positive, got {value}.")
+    cfg, batch = _config(args, overrides, lengths, nproc)
+    dims = check_layout(cfg, nproc)
+    for length in lengths:
+        try:
+            check_divisible(length, dims.ctx, dims.head)
+        except ConfigError as e:
+            raise ConfigError(f"--lengths: {e} (the layout is head {dims.head} x ctx {dims.ctx})") from None
+    spec = _tokenizer_spec(args, cfg)
+    text_needed = args.task != "ppl" or (args.data and Path(args.data).is_file()) or not args.data
+    if spec is None and text_needed:
+        where = ("its directory has no tokenizer.json" if cfg.model.init_from.startswith("hf:") else
+                 "its manifest records no tokenizer (written before longctx recorded one)")
+        raise DataError(f"--checkpoint {args.checkpoint}: {where}, and the {args.task} task turns text into "
+                        f"tokens. Pass --tokenizer byte (longctx's default) or --tokenizer PATH/tokenizer.json, "
+                        f"the one the model was trained with.")
+    tokenizer = load_tokenizer(spec) if spec else None
+    if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"the tokenizer {spec} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                        f"{cfg.model.vocab_size}; pass the tokenizer the model was trained with (--tokenizer).")
+
+    def default_store():
+        from ..config import DataConfig
+        from ..data.cache import default_store as build
+
+        return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=_say, announce_cached=False)
+
+    source = load_source(args.data, args.split, tokenizer, default_store)
+    if source.tokenizer_spec and spec and source.tokenizer_spec != spec:
+        raise DataError(f"--data {args.data or '(default corpus)'} was tokenized with {source.tokenizer_spec} but "
+                        f"the checkpoint's tokenizer is {spec}; pass a store built with it, or a text file.")
+    sequences = {}
+    for length in lengths:
+        if args.task == "ppl":
+            sequences[length] = ppl_sequences(source, length, args.samples or 8)
+        else:
+            sequences[length] = retrieval_sequences(args.task, source, tokenizer, length, depths, args.samples or 5,
+                                                    args.seed)
+    return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def main(args, overrides) -> int:
+    from ..parallel.launch import relaunch, under_launcher
+
+    nproc = int(__import__("os").environ["WORLD_SIZE"]) if under_launcher() else args.nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
+    plan = prepare(args, overrides, nproc)
+    if nproc > 1 and not under_launcher():
+        relaunch(nproc, args.argv)
+        return 0
+    result = evaluate(plan, args)
+    if result is None:  # not rank 0
+        return 0
+    text = json.dumps(result, indent=1)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+        _say(f"eval: wrote {args.output}")
+    else:
+        print(text)
+    plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
+    if plot:
+        from .plots import write_plot
+
+        write_plot(result, plot)
+        _say(f"eval: wrote {plot}")
+    return 0
+
+
+def evaluate(plan: Plan, args) -> dict | None:
+    """Score every length's sequences on this rank's part of the layout; the result on rank 0."""
+    import torch
+
+    from ..parallel.launch import finish_distributed, init_distributed
+    from ..parallel.runtime import Runtime
+    from ..progress import progress_bar
+    from ..run_setup import build_training_model
+    from ..step import resolve_device, resolve_dtype
+    from .runner import score
+
+    cfg = plan.cfg
+    device = resolve_device(cfg.train.device)
+    rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
+    rt = Runtime.create(cfg, rank, world, device.type)
+    device = rt.device if device.type == "cuda" else device
+    log = _say if rt.is_main else (lambda *_: None)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    model = build_training_model(cfg, device, rt, log)
+    model.eval()
+    layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
+    out = {"task": plan.task, "checkpoint": args.checkpoint, "model": cfg.model.label, "layout": layout,
+           "data": plan.source, "tokenizer": plan.tokenizer, "dtype": str(dtype).removeprefix("torch."),
+           "rope": {"theta": cfg.model.rope_theta, "scaling": cfg.model.rope_scaling}, "results": []}
+    total = sum(len(s) for s in plan.sequences.values())
+    bar = progress_bar(total, f"eval {plan.task}", "seq", rt.is_main)
+    start_all = time.perf_counter()
+    try:
+        for length in plan.lengths:
+            seqs = plan.sequences[length]
+            t0 = time.perf_counter()
+            scores = score(model, rt, seqs, plan.batch, args.buckets, device,
+                           dtype if dtype != torch.float32 else None, bar)
+            out["results"].extend(_summarise(plan, length, seqs, scores, args.buckets, time.perf_counter() - t0))
+            if rt.is_main and bar is None:
+                _say(f"eval: {plan.task} at {length} tokens: {_headline(out['results'], length)}")
+    finally:
+        if bar is not None:
+            bar.close()
+    out["seconds"] = round(time.perf_counter() - start_all, 2)
+    if plan.task != "ppl":
+        done = out["results"]
+        out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
+    finish_distributed()
+    return out if rt.is_main else None
+
+
+def _summarise(plan: Plan, length: int, seqs: list[Sequence], s: dict, buckets: int, seconds: float) -> list[dict]:
+    if plan.task == "ppl":
+        width = length / buckets
+        rows = [{"start": int(i * width), "end": int((i + 1) * width),
+                 "loss": s["nll_sum"][i] / s["tokens"][i] if s["tokens"][i] else None, "tokens": int(s["tokens"][i])}
+                for i in range(buckets)]
+        total = sum(s["tokens"])
+        return [{"length": length, "sequences": len(seqs), "loss": sum(s["nll_sum"]) / max(total, 1),
+                 "tokens": int(total), "buckets": rows, "seconds": round(seconds, 2)}]
+    results = []
+    for depth in plan.depths:
+        idx = [i for i, q in enumerate(seqs) if q.depth == depth]
+        correct = [s["misses"][i] == 0 for i in idx]
+        results.append({"length": length, "depth": depth, "samples": len(idx), "correct": sum(correct),
+                        "accuracy": sum(correct) / len(idx),
+                        "answer_nll": sum(s["nll"][i] for i in idx) / max(1.0, sum(s["scored"][i] for i in idx)),
+                        "per_sample": correct, "seconds": round(seconds / len(plan.depths), 2)})
+    return results
+
+
+def _headline(results: list[dict], length: int) -> str:
+    mine = [r for r in results if r["length"] == length]
+    if "loss" in mine[0]:
+        return f"loss {mine[0]['loss']:.4f} over {mine[0]['tokens']:,} tokens"
+    correct, n = sum(r["correct"] for r in mine), sum(r["samples"] for r in mine)
+    return f"{correct}/{n} correct ({100 * correct / n:.0f}%)"

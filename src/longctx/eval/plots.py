@@ -1,0 +1,48 @@
+"""PNG plots of an eval result: loss vs position (ppl), the depth x length accuracy heatmap (retrieval)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_plot(result: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    title = f"{result['task']} - {result['model']}"
+    if result["task"] == "ppl":
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in result["results"]:
+            xs = [(b["start"] + b["end"]) / 2 for b in r["buckets"] if b["loss"] is not None]
+            ys = [b["loss"] for b in r["buckets"] if b["loss"] is not None]
+            ax.plot(xs, ys, marker=".", label=f"{r['length']:,} tokens ({r['sequences']} seq)")
+        ax.set_xscale("log")
+        ax.set_xlabel("position in the sequence (tokens)")
+        ax.set_ylabel("loss (nats/token)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    else:
+        lengths = sorted({r["length"] for r in result["results"]})
+        depths = sorted({r["depth"] for r in result["results"]})
+        acc = {(r["length"], r["depth"]): r["accuracy"] for r in result["results"]}
+        grid = [[acc.get((length, d), float("nan")) for length in lengths] for d in depths]
+        fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.5 * len(depths) + 2))
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("length (tokens)")
+        ax.set_ylabel("depth")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+        fig.colorbar(im, ax=ax, label="exact-match accuracy")
+        title += f" - {100 * result['accuracy']:.0f}% overall"
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

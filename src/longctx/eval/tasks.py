@@ -1,0 +1,156 @@
+"""What `longctx eval` feeds the model: sequences of exactly `length` tokens with the labels to score.
+
+Everything here is host work done before the model exists (so bad input stops the command before
+any rank builds anything), and deterministic, so every layout scores the same sequences.
+
+- ppl: consecutive windows of `length` tokens from documents at least that long (a store's split,
+  or a text file as one document), labels = the next token inside the window. Loss is bucketed
+  by position in the window: the "loss vs position" curve.
+- passkey / needle: data/synthetic.py's prompts, filler from the same documents, one per (length,
+  depth, sample), labels on the answer tokens only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..data.samples import IGNORE
+from ..data.store import MANIFEST, S_DOC, S_LENGTH, S_OFFSET, S_START, load_split, read_manifest
+from ..data.synthetic import retrieval_prompt
+from ..errors import DataError
+
+TASKS = ("ppl", "passkey", "needle")
+
+
+@dataclass
+class Sequence:
+    tokens: np.ndarray    # [length] int64
+    labels: np.ndarray    # [length] int64, -100 = not scored
+    length: int
+    depth: float | None = None   # retrieval: where the asked needle is
+    answer: str | None = None
+
+
+@dataclass
+class TokenSource:
+    """Documents as token arrays (the filler and the ppl text) and where they came from."""
+    docs: list[np.ndarray]
+    description: str
+    tokenizer_spec: str | None = None  # the store's tokenizer (None: tokenized here with the model's)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def stream(self) -> np.ndarray:
+        return np.concatenate(self.docs) if self.docs else np.zeros(0, dtype=np.int64)
+
+
+def store_documents(root: Path, split: str) -> list[np.ndarray]:
+    """Each document of a store split, reassembled from its packed segments, in document order."""
+    manifest = read_manifest(root)
+    pieces: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for part in manifest["parts"]:
+        arrays = load_split(root, part, split)
+        if arrays is None:
+            continue
+        sample_of = np.repeat(np.arange(len(arrays.pointer) - 1), np.diff(arrays.pointer))
+        for seg, sample in zip(arrays.segments, sample_of):
+            off, n = int(seg[S_OFFSET]), int(seg[S_LENGTH])
+            doc = int(seg[S_DOC])  # numbered across the whole store
+            pieces.setdefault(doc, []).append((int(seg[S_START]), np.asarray(arrays.tokens[sample][off:off + n])))
+    docs = []
+    for doc in sorted(pieces):
+        parts = sorted(pieces[doc], key=lambda p: p[0])
+        docs.append(np.concatenate([p for _, p in parts]).astype(np.int64))
+    return docs
+
+
+def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
+    """`--data`: '' (the default corpus store), a store directory, or a text file (one document)."""
+    if not data:
+        data = str(default_store())
+    path = Path(data)
+    if path.is_dir():
+        if not (path / MANIFEST).is_file():
+            raise DataError(f"--data {data}: a directory must be a store built by `longctx data build` (it has no "
+                            f"{MANIFEST}); pass a store, a text file, or nothing for the default corpus.")
+        manifest = read_manifest(path)
+        docs = store_documents(path, split)
+        if not docs:
+            raise DataError(f"--data {data}: the store's {split} split is empty; use --split "
+                            f"{'train' if split == 'eval' else 'eval'} or another store.")
+        return TokenSource(docs, f"{path} ({split} split, {len(docs)} documents)", manifest["tokenizer"]["spec"])
+    if path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        return TokenSource([np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)], f"{path} (text file)")
+    raise DataError(f"--data {data} is neither a store directory nor a text file.")
+
+
+def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequence]:
+    """Up to `samples` windows of `length` tokens, consecutive within each long-enough document."""
+    out = []
+    for doc in source.docs:
+        for start in range(0, len(doc) - length + 1, length):
+            window = doc[start:start + length]
+            labels = np.full(length, IGNORE, dtype=np.int64)
+            labels[:-1] = window[1:]
+            out.append(Sequence(window, labels, length))
+            if len(out) == samples:
+                return out
+    if not out:
+        longest = max((len(d) for d in source.docs), default=0)
+        raise DataError(f"ppl at {length} tokens needs a document of at least {length} tokens; the longest in "
+                        f"{source.description} has {longest}. Pass a longer text (--data FILE), another split "
+                        f"(--split train) or shorter --lengths.")
+    return out
+
+
+def retrieval_sequences(task: str, source: TokenSource, tokenizer, length: int, depths: list[float],
+                        samples: int, seed: int) -> list[Sequence]:
+    """`samples` prompts per depth, each with its own key and its own stretch of filler."""
+    stream = source.stream
+    if len(stream) < length:
+        raise DataError(f"{task} at {length} tokens needs at least {length} filler tokens; {source.description} "
+                        f"has {len(stream)}. Pass a longer text (--data FILE) or shorter --lengths.")
+    out = []
+    for di, depth in enumerate(depths):
+        for j in range(samples):
+            rng = np.random.default_rng([seed, length, di, j])
+            start = int(rng.integers(0, len(stream) - length + 1))
+            prompt = retrieval_prompt(task, stream[start:start + length], length, depth, rng, tokenizer)
+            out.append(Sequence(prompt.tokens, prompt.labels, length, depth, prompt.answer))
+    return out
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'1K,4K,16000' -> [1024, 4096, 16000] (K = 1024, M = 1024 * 1024)."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        scale = {"k": 1024, "m": 1024 * 1024}.get(item[-1:].lower(), 1)
+        number = item[:-1] if scale != 1 else item
+        try:
+            value = int(number) * scale
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise DataError(f"--lengths {text!r}: {item!r} is not a positive token count; write e.g. 1K,4K,16384.")
+        out.append(value)
+    return out
+
+
+def parse_depths(text: str) -> list[float]:
+    """'0,0.25,0.5' -> [0.0, 0.25, 0.5], each in [0, 1]."""
+    out = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise DataError(f"--depths {text!r}: {item.strip()!r} is outside [0, 1]; a depth is where the needle "
+                            f"sits as a fraction of the filler (0 = start, 1 = just before the question).")
+        out.append(value)
+    return out

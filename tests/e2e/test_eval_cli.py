@@ -1,0 +1,109 @@
+"""`longctx eval` as a user runs it: on a checkpoint of a tiny run, one process and head 2 x ctx 2 alike,
+and its bad input explained before any rank starts."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from .test_newcomer import flat, longctx
+
+RUN = ["--train.seq_len=128", "--data.max_docs=100", "--train.eval_interval=0", "--metrics.log_interval=2",
+       "--model.layers=2", "--train.steps=4", "--train.global_batch=2", "--checkpoint.interval=4",
+       "--data.synthetic=passkey:0.5", "--metrics.plots=false", "--metrics.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    run = tmp_path_factory.mktemp("run")
+    r = longctx("train", "--nproc", "1", *RUN, f"--train.run_dir={run}")
+    assert r.returncode == 0, r.stderr
+    assert "training samples are passkey sequences" in r.stdout
+    return run / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """About 60 KB of the standard library: a long document for ppl and filler."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((root / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py"))
+    path = tmp_path_factory.mktemp("text") / "long.py"
+    path.write_text(text)
+    return path
+
+
+def _eval(checkpoint, out, *args, nproc=1):
+    r = longctx("eval", "--checkpoint", str(checkpoint), "--output", str(out), "--nproc", str(nproc), *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(Path(out).read_text())
+
+
+def test_checkpoint_records_its_tokenizer(checkpoint):
+    manifest = json.loads((checkpoint / (checkpoint / "latest").read_text().strip() / "manifest.json").read_text())
+    assert manifest["tokenizer"] == "byte"
+
+
+def test_eval_is_the_same_under_head_2_x_ctx_2(checkpoint, text_file, tmp_path):
+    """Layout parity: per-bucket losses within 1e-5 and the same passkey answers as one process."""
+    ppl = ["--task", "ppl", "--lengths", "256,512", "--data", str(text_file), "--samples", "3", "--buckets", "8"]
+    one = _eval(checkpoint, tmp_path / "ppl1.json", *ppl)
+    four = _eval(checkpoint, tmp_path / "ppl4.json", *ppl, nproc=4)
+    assert four["layout"]["head"] == 2 and four["layout"]["ctx"] == 2
+    assert (tmp_path / "ppl1.png").is_file()
+    for a, b in zip(one["results"], four["results"]):
+        assert a["length"] == b["length"] and a["tokens"] == b["tokens"] > 0
+        for x, y in zip(a["buckets"], b["buckets"]):
+            assert x["tokens"] == y["tokens"]
+            assert abs(x["loss"] - y["loss"]) < 1e-5, (a["length"], x, y)
+    key = ["--task", "passkey", "--lengths", "256,512", "--depths", "0,0.5,1", "--data", str(text_file),
+           "--samples", "2"]
+    one = _eval(checkpoint, tmp_path / "pk1.json", *key)
+    four = _eval(checkpoint, tmp_path / "pk4.json", *key, nproc=4)
+    assert (tmp_path / "pk1.png").is_file()
+    assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in four["results"]]
+    for a, b in zip(one["results"], four["results"]):
+        assert abs(a["answer_nll"] - b["answer_nll"]) < 1e-5
+    assert len(one["results"]) == 6 and {r["samples"] for r in one["results"]} == {2}
+
+
+def test_needle_and_default_corpus(checkpoint, tmp_path):
+    out = _eval(checkpoint, tmp_path / "n.json", "--task", "needle", "--lengths", "256", "--depths", "0.5",
+                "--samples", "2")
+    assert out["task"] == "needle" and "stdlib" in out["data"] and 0 <= out["accuracy"] <= 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--task", "passkey", "--lengths", "1001", "--nproc", "4"], "--lengths: sequence length 1001 is not divisible"),
+    (["--task", "passkey", "--lengths", "256", "--depths", "0,1.5"], "outside [0, 1]"),
+    (["--task", "passkey", "--lengths", "64"], "no room for filler"),
+    (["--task", "ppl", "--lengths", "256", "--data.path=x"], "does not apply"),
+])
+def test_bad_input_is_explained_before_work(checkpoint, args, needle):
+    r = longctx("eval", "--checkpoint", str(checkpoint), *args)
+    assert r.returncode == 2, r.stderr
+    assert needle in flat(r.stderr) and "Traceback" not in r.stderr
+
+
+def test_a_model_without_tokenizer_cannot_read_text(checkpoint, tmp_path):
+    out = tmp_path / "hf"
+    r = longctx("checkpoint", "export", str(checkpoint), str(out))
+    assert r.returncode == 0, r.stderr
+    r = longctx("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256")
+    assert r.returncode == 2
+    assert "has no tokenizer.json" in flat(r.stderr) and "--tokenizer byte" in flat(r.stderr)
+    ok = longctx("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256", "--samples", "1",
+                 "--depths", "0", "--tokenizer", "byte")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["results"][0]["samples"] == 1
+
+
+def test_training_starts_from_a_longctx_checkpoint_with_a_new_rope_base(checkpoint, tmp_path):
+    """model.init_from = a checkpoint directory: its [model], its weights, the extension on top."""
+    r = longctx("train", "--nproc", "1", *RUN, f"--train.run_dir={tmp_path / 'ext'}", f"--model.init_from={checkpoint}",
+                "--model.rope_theta=40000", "--train.steps=2", "--data.synthetic=")
+    assert r.returncode == 0, r.stderr
+    assert "model.rope_theta: 10000.0 -> 40000.0" in r.stdout
+    bad = longctx("train", "--nproc", "1", *RUN, f"--model.init_from={checkpoint}", "--model.dim=256")
+    assert bad.returncode == 2
+    assert "model.dim=256 contradicts the weights" in flat(bad.stderr)

@@ -1,0 +1,164 @@
+"""Retrieval prompts, the synthetic mixture, eval sequences and per-token scores (host side)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longctx.config_rules import parse_stages, parse_synthetic
+from longctx.data.samples import IGNORE
+from longctx.data.synthetic import SyntheticMixture, retrieval_prompt
+from longctx.data.tokenizer import ByteTokenizer
+from longctx.errors import ConfigError, DataError
+from longctx.eval.tasks import (
+    TokenSource,
+    parse_depths,
+    parse_lengths,
+    ppl_sequences,
+    retrieval_sequences,
+    store_documents,
+)
+from longctx.ops.loss import lm_head_token_scores
+
+TOK = ByteTokenizer()
+FILLER = np.frombuffer(("def f(x):\n    return x + 1\n" * 400).encode(), dtype=np.uint8).astype(np.int64)
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_prompt_is_exact_length_with_the_needle_at_its_depth_and_labels_on_the_answer(task, depth):
+    rng = np.random.default_rng(1)
+    p = retrieval_prompt(task, FILLER, 2000, depth, rng, TOK)
+    assert len(p.tokens) == 2000
+    text = TOK.decode(p.tokens)
+    assert text.endswith(" " + p.answer)
+    assert p.answer.isdigit() and len(p.answer) == (5 if task == "passkey" else 7)
+    # the answer is written in the needle, and the needle starts near `depth` of the filler
+    marker = "The pass key is " if task == "passkey" else f"is: {p.answer}"
+    at = text.index(marker)
+    assert p.answer in text[at:at + 40]
+    question_at = text.rindex("\nWhat is")
+    assert abs(at / question_at - depth) < 0.1
+    labels = p.labels
+    scored = np.flatnonzero(labels != IGNORE)
+    assert list(scored) == list(range(p.answer_start - 1, 1999))
+    assert TOK.decode(labels[scored]) == " " + p.answer
+
+
+def test_needle_hides_several_keys_and_asks_for_one():
+    p = retrieval_prompt("needle", FILLER, 3000, 0.5, np.random.default_rng(3), TOK, needles=4)
+    text = TOK.decode(p.tokens)
+    assert text[:text.rindex("\nWhat is")].count("The special magic number for") == 4
+    asked = text.split("What is the special magic number for ")[-1].split("?")[0]
+    assert f"magic number for {asked} is: {p.answer}." in text
+
+
+def test_prompt_without_room_is_refused():
+    with pytest.raises(DataError, match="no room for filler"):
+        retrieval_prompt("passkey", FILLER, 50, 0.5, np.random.default_rng(0), TOK)
+
+
+class _Samples:
+    """A stand-in store split: sample i is all tokens i % 200."""
+    seq_len, doc_mask = 256, True
+
+    def __init__(self, n):
+        self.n = n
+        self.real_tokens = np.full(n, 256.0)
+        self.sq_tokens = np.full(n, 2 * 128.0 ** 2)
+
+    def __len__(self):
+        return self.n
+
+    def sample(self, i):
+        t = np.full(256, 40 + i % 60, dtype=np.int64)
+        labels = np.append(t[1:], IGNORE)
+        return t, labels, np.arange(256) % 128, np.arange(256) // 128
+
+
+def test_mixture_turns_a_seeded_fraction_into_retrieval_sequences():
+    mix = SyntheticMixture(_Samples(2000), "passkey", 0.25, seed=7, tokenizer=TOK)
+    assert 0.2 < mix.synthetic.mean() < 0.3
+    again = SyntheticMixture(_Samples(2000), "passkey", 0.25, seed=7, tokenizer=TOK)
+    assert (mix.synthetic == again.synthetic).all()
+    i = int(np.flatnonzero(mix.synthetic)[0])
+    j = int(np.flatnonzero(~mix.synthetic)[0])
+    b = mix.batch([i, j])
+    assert "The pass key is" in TOK.decode(b.tokens[0].numpy())
+    assert (b.doc_ids[0] == 0).all() and (b.positions[0] == torch.arange(256)).all()
+    assert (b.labels[0, :-1] == b.tokens[0, 1:]).all()  # language-model labels on every token
+    assert (b.tokens[1] == 40 + j % 60).all()  # the others are untouched
+    assert mix.costs(1.0, 0.0)[i] == 256.0 ** 2
+
+
+@pytest.mark.parametrize("spec", ["passkey", "passkey:0", "passkey:1.5", "niah:0.2", "passkey:x"])
+def test_bad_mixture_spec_is_explained(spec):
+    with pytest.raises(ConfigError, match="TASK:FRACTION"):
+        parse_synthetic(spec)
+
+
+@pytest.mark.parametrize("spec", ["1024", "1024:0", "a:3", "1024:10,"])
+def test_bad_stages_are_explained(spec):
+    with pytest.raises(ConfigError, match="SEQ_LEN:STEPS"):
+        parse_stages(spec)
+
+
+def test_lengths_and_depths_parse_and_refuse_bad_values():
+    assert parse_lengths("1K, 4k,100") == [1024, 4096, 100]
+    assert parse_depths("0,0.5,1") == [0.0, 0.5, 1.0]
+    for bad in ("0", "-1K", "abc"):
+        with pytest.raises(DataError, match="not a positive token count"):
+            parse_lengths(bad)
+    for bad in ("1.5", "-0.1", "x"):
+        with pytest.raises(DataError, match=r"outside \[0, 1\]"):
+            parse_depths(bad)
+
+
+def test_ppl_windows_come_from_long_enough_documents():
+    src = TokenSource([np.arange(10), np.arange(100, 135), np.arange(200, 220)], "test")
+    seqs = ppl_sequences(src, 16, samples=5)
+    assert [s.tokens[0] for s in seqs] == [100, 116, 200]
+    assert (seqs[0].labels[:-1] == seqs[0].tokens[1:]).all() and seqs[0].labels[-1] == IGNORE
+    with pytest.raises(DataError, match="at least 64 tokens"):
+        ppl_sequences(src, 64, samples=5)
+
+
+def test_retrieval_sequences_are_deterministic_and_cover_each_depth():
+    src = TokenSource([FILLER], "filler")
+    a = retrieval_sequences("passkey", src, TOK, 512, [0.0, 1.0], 3, seed=0)
+    b = retrieval_sequences("passkey", src, TOK, 512, [0.0, 1.0], 3, seed=0)
+    assert [s.depth for s in a] == [0.0] * 3 + [1.0] * 3
+    assert all((x.tokens == y.tokens).all() for x, y in zip(a, b))
+    assert len({s.answer for s in a}) > 1
+
+
+def test_store_documents_reassemble_what_was_packed(tmp_path):
+    from longctx.data.build import BuildOptions, build_store
+
+    src = tmp_path / "texts"
+    src.mkdir()
+    texts = {f"d{i}.txt": f"doc {i} " + "word " * (30 * i + 7) for i in range(12)}
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    build_store(BuildOptions(inputs=[str(src)], out=str(tmp_path / "s"), seq_len=64, strategy="concat",
+                             dedup="none", eval_fraction=0.0, stats=False, progress=False), log=lambda *_: None)
+    docs = store_documents(tmp_path / "s", "train")
+    got = sorted(TOK.decode(d) for d in docs)
+    assert got == sorted(texts.values())
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_token_scores_match_cross_entropy_and_argmax(chunk):
+    torch.manual_seed(0)
+    h, w = torch.randn(23, 8), torch.randn(30, 8)
+    labels = torch.randint(0, 30, (23,))
+    labels[[2, 9]] = IGNORE
+    logits = h @ w.t()
+    labels[4] = int(logits[4].argmax())  # at least one greedy hit
+    out = lm_head_token_scores(h, w, labels, chunk=chunk)
+    valid = labels != IGNORE
+    ref = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+    torch.testing.assert_close(out[valid, 0], ref[valid], rtol=1e-5, atol=1e-5)
+    assert (out[~valid] == 0).all()
+    assert (out[valid, 1].bool() == (logits.argmax(-1) == labels)[valid]).all()
+    assert out[4, 1] == 1.0

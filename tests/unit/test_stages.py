@@ -1,0 +1,90 @@
+"""train.stages: the config it derives, and the loader that switches length and resumes in the right stage."""
+
+import pytest
+import torch
+
+from longctx.config import load_config
+from longctx.data.samples import Batch
+from longctx.errors import ConfigError
+from longctx.stages import StagedLoader, stages_of, tokens_through
+
+
+class _Samples:
+    """n samples of `seq_len` tokens; sample i is all i (so a batch names the samples it holds)."""
+
+    def __init__(self, n, seq_len):
+        self.n, self.seq_len = n, seq_len
+
+    def __len__(self):
+        return self.n
+
+    def batch(self, indices):
+        t = torch.tensor(indices)[:, None].expand(-1, self.seq_len)
+        return Batch(t, t, t, None)
+
+
+def _loader(stages="8:3,16:2"):
+    cfg = load_config(None, [f"--train.stages={stages}", "--train.eval_interval=0"])
+    built = []
+
+    def build(stage_cfg):
+        built.append(stage_cfg.train.seq_len)
+        return _Samples(10 * stage_cfg.train.seq_len, stage_cfg.train.seq_len), None
+
+    return StagedLoader(cfg, build, micro_batch=2, dp=1), built
+
+
+def test_stages_set_steps_and_seq_len():
+    cfg = load_config(None, ["--train.stages=1024:200,4096:100"])
+    assert (cfg.train.steps, cfg.train.seq_len) == (300, 4096)
+    assert [(s.seq_len, s.first_step, s.last_step) for s in stages_of(cfg)] == [(1024, 1, 200), (4096, 201, 300)]
+    assert tokens_through(stages_of(cfg), 201, global_batch=2) == 200 * 1024 * 2 + 4096 * 2
+    # a config.toml written by a staged run (steps and seq_len spelled out) loads again
+    assert load_config(None, ["--train.stages=1024:200,4096:100", "--train.steps=300", "--train.seq_len=4096"])
+    with pytest.raises(ConfigError, match="train.seq_len = 2048 contradicts train.stages"):
+        load_config(None, ["--train.stages=1024:200,4096:100", "--train.seq_len=2048"])
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(None, ["--train.stages=1024:200", "--data.path=/x"])
+
+
+def test_stage_lengths_must_fit_the_layout():
+    from longctx.parallel.checks import check_layout
+
+    cfg = load_config(None, ["--train.stages=100:2,128:2", "--parallel.ctx=2", "--parallel.head=2"])
+    with pytest.raises(ConfigError, match="train.stages: sequence length 100 is not divisible"):
+        check_layout(cfg, 4)
+
+
+def _run(loader, steps):
+    out = []
+    for step in steps:
+        loader.enter(step)
+        b = loader.next_batch()
+        out.append((b.tokens.shape[1], b.tokens[:, 0].tolist()))
+    return out
+
+
+def test_loader_switches_length_at_the_boundary_and_resumes_in_any_stage():
+    full, built = _loader()
+    reference = _run(full, range(1, 6))
+    assert [length for length, _ in reference] == [8, 8, 8, 16, 16] and built == [8, 16]
+    for saved_at in (1, 2, 3, 4):  # before, at and after the boundary (step 3 is stage 1's last)
+        first, _ = _loader()
+        _run(first, range(1, saved_at + 1))
+        state = first.state_dict()
+        resumed, _ = _loader()
+        resumed.enter(1)  # what the trainer builds before it knows the checkpoint's step
+        resumed.load_state_dict(state)
+        assert _run(resumed, range(saved_at + 1, 6)) == reference[saved_at:], saved_at
+
+
+def test_a_run_without_stages_is_one_stage():
+    cfg = load_config(None, ["--train.steps=7", "--train.seq_len=64"])
+    assert [(s.seq_len, s.first_step, s.last_step) for s in stages_of(cfg)] == [(64, 1, 7)]
+    loader, _ = _loader("8:5")
+    _run(loader, range(1, 3))
+    old_format = {k: v for k, v in loader.state_dict().items() if k != "stage"}  # a checkpoint from before stages
+    again, _ = _loader("8:5")
+    again.enter(1)
+    again.load_state_dict(old_format)
+    assert again.state_dict() == loader.state_dict()
