@@ -150,9 +150,10 @@ class TrainConfig:
     device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
     dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on GPU, fp32 on CPU",
                       choices=("auto", "fp32", "bf16"))
-    stages: str = _opt("", "progressive lengths: SEQ_LEN:STEPS,... e.g. \"1024:200,4096:100\" (200 steps at 1024 "
-                           "tokens, then 100 at 4096); sets train.steps (the sum) and train.seq_len (the last stage's); "
-                           "each stage reads its own store built from data.corpus; '' = one length")
+    stages: str = _opt("", "progressive lengths: SEQ_LEN:STEPS[:GLOBAL_BATCH],... e.g. \"1024:200:16,4096:100:4\" "
+                           "(200 steps of 16 sequences of 1024 tokens, then 100 steps of 4 of 4096; without a batch, "
+                           "train.global_batch); sets train.steps (the sum) and train.seq_len (the last stage's); each "
+                           "stage reads its own store built from data.corpus; '' = one length")
     compile: bool = _opt(False, "torch.compile each block's token-wise stages (norms, projections, RoPE, MLP, "
                                 "residuals); the attention core stays eager")
     eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
@@ -176,8 +177,8 @@ class DataConfig:
     workers: int = _opt(1, "processes for the parallel stages when building from data.corpus")
     balance: bool = _opt(True, "give data-parallel ranks samples of balanced estimated cost (a*s^2 + b*s)")
     synthetic: str = _opt("", "retrieval mixture in the training samples: TASK:FRACTION, e.g. \"passkey:0.2\" turns "
-                              "a seeded fifth of them into pass-key sequences (task passkey or needle, the same "
-                              "prompts `longctx eval` scores); '' = none")
+                              "a seeded fifth of them into pass-key sequences scored on their answer (task passkey "
+                              "or needle, the same prompts `longctx eval` scores); '' = none")
 
 
 @dataclass
@@ -420,7 +421,7 @@ def _staged_train_values(values: dict[str, Any]) -> dict[str, Any]:
     from .config_rules import parse_stages
 
     stages = parse_stages(_coerce("train.stages", values["stages"], _fields_by_key(TrainConfig)["stages"]))
-    derived = {"steps": sum(s for _, s in stages), "seq_len": stages[-1][0]}
+    derived = {"steps": sum(s for _, s, _ in stages), "seq_len": stages[-1][0]}
     why = {"steps": "the sum of the stages' steps", "seq_len": "the last stage's length"}
     for key, value in derived.items():
         if key in values and values[key] != value:

@@ -139,18 +139,20 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
         )
 
 
-def parse_stages(spec: str) -> list[tuple[int, int]]:
-    """train.stages "1024:200,4096:100" -> [(1024, 200), (4096, 100)]: (seq_len, steps) per stage."""
+def parse_stages(spec: str) -> list[tuple[int, int, int]]:
+    """train.stages "1024:200:16,4096:100" -> [(1024, 200, 16), (4096, 100, 0)]: (seq_len, steps,
+    global_batch or 0 for train.global_batch) per stage."""
     stages = []
     for item in spec.split(","):
-        length, _, steps = item.strip().partition(":")
+        fields = item.strip().split(":")
         try:
-            stage = (int(length), int(steps))
+            stage = tuple(int(f) for f in fields) + (0,) * (3 - len(fields)) if len(fields) in (2, 3) else (0, 0, 0)
         except ValueError:
-            stage = (0, 0)
-        if stage[0] <= 0 or stage[1] <= 0:
-            raise ConfigError(f"train.stages = {spec!r}: {item.strip()!r} is not SEQ_LEN:STEPS with both positive; "
-                              f"write e.g. \"1024:200,4096:100\" (200 steps at 1024 tokens, then 100 at 4096).")
+            stage = (0, 0, 0)
+        if stage[0] <= 0 or stage[1] <= 0 or stage[2] < 0:
+            raise ConfigError(f"train.stages = {spec!r}: {item.strip()!r} is not SEQ_LEN:STEPS[:GLOBAL_BATCH] with "
+                              f"positive numbers; write e.g. \"1024:200:16,4096:100:4\" (200 steps of 16 sequences "
+                              f"of 1024 tokens, then 100 of 4 of 4096; without the batch, train.global_batch).")
         stages.append(stage)
     return stages
 

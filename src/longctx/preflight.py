@@ -32,7 +32,7 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     from .stages import stage_config, stages_of
 
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
-        _check_data(stage_config(cfg, stage.seq_len), log)
+        _check_data(stage_config(cfg, stage), log)
     if _device_type(cfg) == "cpu" and not cfg.metrics.peak_tflops:
         from .metrics import machine_cpu_peak
 

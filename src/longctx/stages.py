@@ -24,32 +24,34 @@ class Stage:
     seq_len: int
     first_step: int  # 1-based, inclusive
     last_step: int
+    global_batch: int  # sequences per optimizer step, whole job
 
 
 def stages_of(cfg: Config) -> list[Stage]:
-    pairs = parse_stages(cfg.train.stages) if cfg.train.stages else [(cfg.train.seq_len, cfg.train.steps)]
+    given = parse_stages(cfg.train.stages) if cfg.train.stages else [(cfg.train.seq_len, cfg.train.steps, 0)]
     out, first = [], 1
-    for i, (seq_len, steps) in enumerate(pairs):
-        out.append(Stage(i, seq_len, first, first + steps - 1))
+    for i, (seq_len, steps, batch) in enumerate(given):
+        out.append(Stage(i, seq_len, first, first + steps - 1, batch or cfg.train.global_batch))
         first += steps
     return out
 
 
-def stage_config(cfg: Config, seq_len: int) -> Config:
-    """The run's config with this stage's sequence length (what its data and checks see)."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
+def stage_config(cfg: Config, stage: Stage) -> Config:
+    """The run's config with this stage's sequence length and batch (what its data and checks see)."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=stage.seq_len,
+                                                              global_batch=stage.global_batch))
 
 
-def tokens_through(stages: list[Stage], step: int, global_batch: int) -> int:
+def tokens_through(stages: list[Stage], step: int) -> int:
     """Tokens trained in steps 1..step."""
-    return sum(max(0, min(step, s.last_step) - s.first_step + 1) * s.seq_len * global_batch for s in stages)
+    return sum(max(0, min(step, s.last_step) - s.first_step + 1) * s.seq_len * s.global_batch for s in stages)
 
 
 class StagedLoader:
     """The global batches of each step, from the stage the step belongs to."""
 
-    def __init__(self, cfg: Config, build_data, micro_batch: int, dp: int):
-        self.cfg, self.build_data, self.micro_batch, self.dp = cfg, build_data, micro_batch, dp
+    def __init__(self, cfg: Config, build_data, dp: int):
+        self.cfg, self.build_data, self.dp = cfg, build_data, dp
         self.stages = stages_of(cfg)
         self.stage: Stage | None = None
         self.loader: BatchLoader | None = None
@@ -65,14 +67,19 @@ class StagedLoader:
         if stage == self.stage:
             return False
         cfg = self.cfg
-        self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage.seq_len))
+        self.stage = stage
+        self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
         self.loader = BatchLoader(self.train_samples, self.micro_batch, cfg.train.seed, dp=self.dp,
                                   balance=cfg.data.balance, cost=cost_coefficients(cfg.model))
-        self.stage = stage
         if self._saved is not None and int(self._saved.get("stage", 0)) == stage.index:
             self.loader.load_state_dict(self._saved)
         self._saved = None
         return True
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch of the current stage, whole job."""
+        return (self.stage or self.stages[0]).global_batch // self.cfg.train.grad_accum
 
     def next_batch(self):
         return self.loader.next_batch()

@@ -101,8 +101,7 @@ class Trainer:
         check_packages(cfg)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py)
-        self.micro_batch = cfg.train.global_batch // cfg.train.grad_accum  # sequences, whole job
-        self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), self.micro_batch, rt.dp)
+        self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), rt.dp)
         self.sampler.enter(1)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.model = build_training_model(cfg, self.device, rt, self.log)
@@ -111,7 +110,7 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, self.sampler.train_samples.tokenizer_spec)
-        self._enter_stage(self.start_step + 1)
+        self._enter_stage(self.start_step + 1, announce=True)
         if rt.is_main:
             continue_run_files(self.run_dir, cfg, self.start_step, self.log)
         # every rank's peak while building, loading and sharding the model (before anything the step
@@ -128,9 +127,14 @@ class Trainer:
     def eval_samples(self):
         return self.sampler.eval_samples
 
-    def _enter_stage(self, step: int) -> None:
-        """Switch the data to `step`'s stage when it starts there (train.stages)."""
-        if self.sampler.enter(step) and len(self.sampler.stages) > 1:
+    @property
+    def micro_batch(self) -> int:  # sequences, whole job (the stage's)
+        return self.sampler.micro_batch
+
+    def _enter_stage(self, step: int, announce: bool = False) -> None:
+        """Switch the data to `step`'s stage when it starts there (train.stages), and say so."""
+        changed = self.sampler.enter(step)
+        if (changed or announce) and len(self.sampler.stages) > 1:
             s = self.sampler.stage
             self.log(f"stage {s.index + 1}/{len(self.sampler.stages)}: steps {s.first_step}-{s.last_step} at "
                      f"{s.seq_len} tokens per sequence")
@@ -182,8 +186,9 @@ class Trainer:
                 loss_t, grad_norm_t, lr = self.step(step)
                 unread.append((step, loss_t, grad_norm_t))
                 window.steps += 1
-                window.tokens += t.global_batch * self.sampler.stage.seq_len
-                window.flops += t.global_batch * self.sampler.stage.seq_len * self.flops_per_token
+                stage = self.sampler.stage
+                window.tokens += stage.global_batch * stage.seq_len
+                window.flops += stage.global_batch * stage.seq_len * self.flops_per_token
                 log_now = step % cfg.metrics.log_interval == 0 or step == t.steps or step == 1
                 if log_now or self._save_due(step):
                     # the one host read of the step's figures, here and not every step: it waits for
@@ -301,7 +306,7 @@ class Trainer:
             "mfu": flops_per_s / (rt.world * self.peak) if self.peak else None,
             "memory_gib": stats[0] / 2**30, "memory_kind": mem_kind + (" max over ranks" if rt.world > 1 else ""),
             "comm_bytes_per_step": {**per_dim, **self.fsdp_bytes},
-            "tokens": tokens_through(self.sampler.stages, step, t.global_batch),
+            "tokens": tokens_through(self.sampler.stages, step),
             "seq_len": self.sampler.stage.seq_len,
             "elapsed_s": time.perf_counter() - run_start,
             "world": rt.world,
@@ -337,8 +342,8 @@ class Trainer:
 
     def _finish(self, result: TrainResult, total_s: float, eval_s: float) -> TrainResult:
         t = self.cfg.train
-        trained = (tokens_through(self.sampler.stages, t.steps, t.global_batch)
-                   - tokens_through(self.sampler.stages, result.first_step - 1, t.global_batch))
+        trained = (tokens_through(self.sampler.stages, t.steps)
+                   - tokens_through(self.sampler.stages, result.first_step - 1))
         result.tokens_per_s = trained / (total_s - eval_s) if result.losses else 0.0
         if self.cfg.metrics.plots and self.rt.is_main:
             from .report import write_plots

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_newcomer import flat, longctx
+from test_newcomer import flat, longctx
 
 RUN = ["--train.seq_len=128", "--data.max_docs=100", "--train.eval_interval=0", "--metrics.log_interval=2",
        "--model.layers=2", "--train.steps=4", "--train.global_batch=2", "--checkpoint.interval=4",
@@ -68,7 +68,7 @@ def test_eval_is_the_same_under_head_2_x_ctx_2(checkpoint, text_file, tmp_path):
 
 
 def test_needle_and_default_corpus(checkpoint, tmp_path):
-    out = _eval(checkpoint, tmp_path / "n.json", "--task", "needle", "--lengths", "256", "--depths", "0.5",
+    out = _eval(checkpoint, tmp_path / "n.json", "--task", "needle", "--lengths", "512", "--depths", "0.5",
                 "--samples", "2")
     assert out["task"] == "needle" and "stdlib" in out["data"] and 0 <= out["accuracy"] <= 1
 

@@ -86,7 +86,9 @@ def test_mixture_turns_a_seeded_fraction_into_retrieval_sequences():
     b = mix.batch([i, j])
     assert "The pass key is" in TOK.decode(b.tokens[0].numpy())
     assert (b.doc_ids[0] == 0).all() and (b.positions[0] == torch.arange(256)).all()
-    assert (b.labels[0, :-1] == b.tokens[0, 1:]).all()  # language-model labels on every token
+    scored = (b.labels[0] != IGNORE).nonzero().flatten()
+    assert TOK.decode(b.labels[0, scored].numpy()).strip().isdigit()  # the answer only
+    assert (b.labels[0, scored] == b.tokens[0, scored + 1]).all() and scored[-1] == 254
     assert (b.tokens[1] == 40 + j % 60).all()  # the others are untouched
     assert mix.costs(1.0, 0.0)[i] == 256.0 ** 2
 
@@ -97,7 +99,7 @@ def test_bad_mixture_spec_is_explained(spec):
         parse_synthetic(spec)
 
 
-@pytest.mark.parametrize("spec", ["1024", "1024:0", "a:3", "1024:10,"])
+@pytest.mark.parametrize("spec", ["1024", "1024:0", "a:3", "1024:10,", "1024:10:-1", "1:2:3:4"])
 def test_bad_stages_are_explained(spec):
     with pytest.raises(ConfigError, match="SEQ_LEN:STEPS"):
         parse_stages(spec)
@@ -107,10 +109,10 @@ def test_lengths_and_depths_parse_and_refuse_bad_values():
     assert parse_lengths("1K, 4k,100") == [1024, 4096, 100]
     assert parse_depths("0,0.5,1") == [0.0, 0.5, 1.0]
     for bad in ("0", "-1K", "abc"):
-        with pytest.raises(DataError, match="not a positive token count"):
+        with pytest.raises(ConfigError, match="not a positive token count"):
             parse_lengths(bad)
     for bad in ("1.5", "-0.1", "x"):
-        with pytest.raises(DataError, match=r"outside \[0, 1\]"):
+        with pytest.raises(ConfigError, match=r"outside \[0, 1\]"):
             parse_depths(bad)
 
 

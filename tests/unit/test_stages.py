@@ -24,21 +24,22 @@ class _Samples:
 
 
 def _loader(stages="8:3,16:2"):
-    cfg = load_config(None, [f"--train.stages={stages}", "--train.eval_interval=0"])
+    cfg = load_config(None, [f"--train.stages={stages}", "--train.eval_interval=0", "--train.global_batch=2"])
     built = []
 
     def build(stage_cfg):
         built.append(stage_cfg.train.seq_len)
         return _Samples(10 * stage_cfg.train.seq_len, stage_cfg.train.seq_len), None
 
-    return StagedLoader(cfg, build, micro_batch=2, dp=1), built
+    return StagedLoader(cfg, build, dp=1), built
 
 
 def test_stages_set_steps_and_seq_len():
-    cfg = load_config(None, ["--train.stages=1024:200,4096:100"])
+    cfg = load_config(None, ["--train.stages=1024:200:8,4096:100", "--train.global_batch=2"])
     assert (cfg.train.steps, cfg.train.seq_len) == (300, 4096)
-    assert [(s.seq_len, s.first_step, s.last_step) for s in stages_of(cfg)] == [(1024, 1, 200), (4096, 201, 300)]
-    assert tokens_through(stages_of(cfg), 201, global_batch=2) == 200 * 1024 * 2 + 4096 * 2
+    assert [(s.seq_len, s.first_step, s.last_step, s.global_batch) for s in stages_of(cfg)] == [
+        (1024, 1, 200, 8), (4096, 201, 300, 2)]
+    assert tokens_through(stages_of(cfg), 201) == 200 * 1024 * 8 + 4096 * 2
     # a config.toml written by a staged run (steps and seq_len spelled out) loads again
     assert load_config(None, ["--train.stages=1024:200,4096:100", "--train.steps=300", "--train.seq_len=4096"])
     with pytest.raises(ConfigError, match="train.seq_len = 2048 contradicts train.stages"):
@@ -52,6 +53,9 @@ def test_stage_lengths_must_fit_the_layout():
 
     cfg = load_config(None, ["--train.stages=100:2,128:2", "--parallel.ctx=2", "--parallel.head=2"])
     with pytest.raises(ConfigError, match="train.stages: sequence length 100 is not divisible"):
+        check_layout(cfg, 4)
+    cfg = load_config(None, ["--train.stages=128:2:3,128:2", "--parallel.ctx=2", "--parallel.dp_shard=2"])
+    with pytest.raises(ConfigError, match="train.stages: train.global_batch .3 sequences"):
         check_layout(cfg, 4)
 
 
@@ -68,6 +72,7 @@ def test_loader_switches_length_at_the_boundary_and_resumes_in_any_stage():
     full, built = _loader()
     reference = _run(full, range(1, 6))
     assert [length for length, _ in reference] == [8, 8, 8, 16, 16] and built == [8, 16]
+    assert [len(names) for _, names in reference] == [2] * 5
     for saved_at in (1, 2, 3, 4):  # before, at and after the boundary (step 3 is stage 1's last)
         first, _ = _loader()
         _run(first, range(1, saved_at + 1))
@@ -81,6 +86,7 @@ def test_loader_switches_length_at_the_boundary_and_resumes_in_any_stage():
 def test_a_run_without_stages_is_one_stage():
     cfg = load_config(None, ["--train.steps=7", "--train.seq_len=64"])
     assert [(s.seq_len, s.first_step, s.last_step) for s in stages_of(cfg)] == [(64, 1, 7)]
+    assert stages_of(cfg)[0].global_batch == cfg.train.global_batch
     loader, _ = _loader("8:5")
     _run(loader, range(1, 3))
     old_format = {k: v for k, v in loader.state_dict().items() if k != "stage"}  # a checkpoint from before stages

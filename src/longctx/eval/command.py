@@ -118,6 +118,7 @@ def _tokenizer_spec(args, cfg) -> str | None:
 def prepare(args, overrides: list[str], nproc: int) -> Plan:
     from ..data.tokenizer import load_tokenizer
     from ..parallel.checks import check_layout
+    from ..parallel.dims import ParallelDims
     from ..parallel.sequence import check_divisible
 
     lengths = parse_lengths(args.lengths)
@@ -126,18 +127,19 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
         if value < 0 or (flag == "--buckets" and value == 0):
             raise ConfigError(f"{flag} must be positive, got {value}.")
     cfg, batch = _config(args, overrides, lengths, nproc)
-    dims = check_layout(cfg, nproc)
+    dims = ParallelDims.from_config(cfg, world_size=nproc)
     for length in lengths:
         try:
             check_divisible(length, dims.ctx, dims.head)
         except ConfigError as e:
             raise ConfigError(f"--lengths: {e} (the layout is head {dims.head} x ctx {dims.ctx})") from None
+    check_layout(cfg, nproc)
     spec = _tokenizer_spec(args, cfg)
     text_needed = args.task != "ppl" or (args.data and Path(args.data).is_file()) or not args.data
     if spec is None and text_needed:
         where = ("its directory has no tokenizer.json" if cfg.model.init_from.startswith("hf:") else
                  "its manifest records no tokenizer (written before longctx recorded one)")
-        raise DataError(f"--checkpoint {args.checkpoint}: {where}, and the {args.task} task turns text into "
+        raise ConfigError(f"--checkpoint {args.checkpoint}: {where}, and the {args.task} task turns text into "
                         f"tokens. Pass --tokenizer byte (longctx's default) or --tokenizer PATH/tokenizer.json, "
                         f"the one the model was trained with.")
     tokenizer = load_tokenizer(spec) if spec else None
@@ -159,10 +161,26 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     for length in lengths:
         if args.task == "ppl":
             sequences[length] = ppl_sequences(source, length, args.samples or 8)
-        else:
+            continue
+        try:
             sequences[length] = retrieval_sequences(args.task, source, tokenizer, length, depths, args.samples or 5,
                                                     args.seed)
+        except DataError as e:
+            raise ConfigError(f"--lengths {length}: {e}") from None
     return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line each rank runs: the same, less --nproc (the launcher's own option)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
 
 
 def _say(message: str) -> None:
@@ -177,7 +195,7 @@ def main(args, overrides) -> int:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
     plan = prepare(args, overrides, nproc)
     if nproc > 1 and not under_launcher():
-        relaunch(nproc, args.argv)
+        relaunch(nproc, _without_nproc(args.argv))
         return 0
     result = evaluate(plan, args)
     if result is None:  # not rank 0

@@ -20,7 +20,7 @@ import numpy as np
 from ..data.samples import IGNORE
 from ..data.store import MANIFEST, S_DOC, S_LENGTH, S_OFFSET, S_START, load_split, read_manifest
 from ..data.synthetic import retrieval_prompt
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 
 TASKS = ("ppl", "passkey", "needle")
 
@@ -136,7 +136,7 @@ def parse_lengths(text: str) -> list[int]:
         except ValueError:
             value = 0
         if value <= 0:
-            raise DataError(f"--lengths {text!r}: {item!r} is not a positive token count; write e.g. 1K,4K,16384.")
+            raise ConfigError(f"--lengths {text!r}: {item!r} is not a positive token count; write e.g. 1K,4K,16384.")
         out.append(value)
     return out
 
@@ -150,7 +150,7 @@ def parse_depths(text: str) -> list[float]:
         except ValueError:
             value = -1.0
         if not 0.0 <= value <= 1.0:
-            raise DataError(f"--depths {text!r}: {item.strip()!r} is outside [0, 1]; a depth is where the needle "
+            raise ConfigError(f"--depths {text!r}: {item.strip()!r} is outside [0, 1]; a depth is where the needle "
                             f"sits as a fraction of the filler (0 = start, 1 = just before the question).")
         out.append(value)
     return out

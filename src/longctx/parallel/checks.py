@@ -20,17 +20,21 @@ def check_layout(cfg, world: int) -> ParallelDims:
     if cfg.train.stages:
         from ..config_rules import parse_stages
 
-        for seq_len, _ in parse_stages(cfg.train.stages):
+        for seq_len, _, batch in parse_stages(cfg.train.stages):
             try:
                 check_divisible(seq_len, dims.ctx, dims.head)
+                _check_batch(batch or cfg.train.global_batch, cfg.train.grad_accum, dims)
             except ConfigError as e:
                 raise ConfigError(f"train.stages: {e}") from None
-    dp = dims.dp_replicate * dims.dp_shard
-    t = cfg.train
-    if t.global_batch % (dp * t.grad_accum):
-        raise ConfigError(
-            f"train.global_batch ({t.global_batch} sequences per optimizer step) must split evenly into "
-            f"train.grad_accum ({t.grad_accum}) micro-batches over the data-parallel degree dp_replicate x "
-            f"dp_shard = {dims.dp_replicate} x {dims.dp_shard} = {dp}; use a multiple of {dp * t.grad_accum}."
-        )
+    _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
     return dims
+
+
+def _check_batch(global_batch: int, grad_accum: int, dims: ParallelDims) -> None:
+    dp = dims.dp_replicate * dims.dp_shard
+    if global_batch % (dp * grad_accum):
+        raise ConfigError(
+            f"train.global_batch ({global_batch} sequences per optimizer step) must split evenly into "
+            f"train.grad_accum ({grad_accum}) micro-batches over the data-parallel degree dp_replicate x "
+            f"dp_shard = {dims.dp_replicate} x {dims.dp_shard} = {dp}; use a multiple of {dp * grad_accum}."
+        )
