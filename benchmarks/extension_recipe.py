@@ -1,5 +1,5 @@
 """The context-extension recipe end to end on CPU, timed: pretrain short with the passkey mixture,
-extend (RoPE base x4 + progressive 2K -> 4K), and evaluate both models at 1K and 4K.
+extend (YaRN x4 + progressive 2K -> 4K), and evaluate both models at 1K and 4K.
 
     python benchmarks/extension_recipe.py [--out docs] [--samples 10]
 

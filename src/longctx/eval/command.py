@@ -86,11 +86,14 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
         given.setdefault("parallel", {}).update(default_layout(nproc))
     given.setdefault("model", {})["init_from"] = args.checkpoint
     train = given.setdefault("train", {})
-    dp_probe = load_config(None, {**given, "train": {**train, "eval_interval": 0}})
-    dims_dp = _dp(dp_probe, nproc)
-    batch = args.batch or dims_dp
-    if batch % dims_dp:
-        raise ConfigError(f"--batch {batch} must be a multiple of the data-parallel degree {dims_dp}.")
+    # the checkpoint's own model and the layout's data-parallel degree, before the lengths are set
+    probe = load_config(None, {**given, "train": {**train, "seq_len": 2, "eval_interval": 0}})
+    dp = _dp(probe, nproc)
+    batch = args.batch or dp
+    if batch % dp:
+        raise ConfigError(f"--batch {batch} must be a multiple of the data-parallel degree {dp}.")
+    if max(lengths) > probe.model.max_seq_len:  # evaluating past the trained length is the point
+        given["model"]["max_seq_len"] = max(lengths)
     train.update(seq_len=max(lengths), global_batch=batch, grad_accum=1, eval_interval=0)
     return load_config(None, given), batch
 
