@@ -210,14 +210,17 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
 
 def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
     """(the checkpoint directory, its manifest's [model]) for init_from = a longctx checkpoint."""
-    from .checkpoint.manager import resolve_checkpoint
-    from .checkpoint.manifest import read_manifest
+    from .checkpoint.paths import MANIFEST, latest_checkpoint
 
-    path = resolve_checkpoint(init_from, Path(init_from))
+    given = Path(init_from)
+    path = given if (given / MANIFEST).is_file() else latest_checkpoint(given) if given.is_dir() else None
     if path is None:
         raise HFFormatError(f"model.init_from = {init_from!r} holds no complete longctx checkpoint (a step-* directory "
-                            f"with manifest.json, or a checkpoints directory); for Hugging Face weights write hf:DIR.")
-    return path, read_manifest(path)["model"]
+                            f"with {MANIFEST}, or a checkpoints directory); for Hugging Face weights write hf:DIR.")
+    try:  # (its checksums are verified when the weights are loaded)
+        return path, json.loads((path / MANIFEST).read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HFFormatError(f"model.init_from: {path / MANIFEST} cannot be read ({e}).") from None
 
 
 def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -13,6 +13,7 @@ launcher of ours), which then pass.
 from __future__ import annotations
 
 from .config import Config
+from .config_rules import parse_synthetic
 from .errors import ConfigError, DataError
 from .parallel.checks import check_layout
 
@@ -87,5 +88,12 @@ def _check_data(cfg: Config, log) -> None:
                 f"{cfg.model.vocab_size}; add --model.vocab_size {vocab} (or more, e.g. a multiple of 64).")
         path = default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log, announce_cached=False)
     manifest = check_store(cfg, path)  # (an eval split too small is not an error: rank 0 says so at start)
+    mixture = parse_synthetic(cfg.data.synthetic)
+    if mixture:
+        from .data.synthetic import check_room
+        from .data.tokenizer import load_tokenizer
+
+        check_room(mixture[0], cfg.train.seq_len, load_tokenizer(manifest["tokenizer"]["spec"]),
+                   "train.stages length" if cfg.train.stages else "train.seq_len")
     if not manifest["totals"].get("train_samples", 1):
         raise DataError(f"the data store {path} has no training samples; build it from more documents.")

@@ -108,8 +108,8 @@ class Trainer:
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
         self.optimizer = make_optimizer(self.model, cfg)
-        self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
-                                                        self.sampler, self.log, self.sampler.train_samples.tokenizer_spec)
+        self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer, self.sampler,
+                                                        self.log, self.sampler.train_samples.tokenizer_spec)
         self._enter_stage(self.start_step + 1, announce=True)
         if rt.is_main:
             continue_run_files(self.run_dir, cfg, self.start_step, self.log)
@@ -288,7 +288,7 @@ class Trainer:
     def log_metrics(self, writer, window: _Window, step: int, loss: float, grad_norm: float, lr: float,
                     run_start: float) -> None:
         """One metrics line for the job: throughput over the window, memory and bytes max over ranks."""
-        t, rt = self.cfg.train, self.rt
+        rt = self.rt
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - window.start - window.eval_s  # evaluation is not training

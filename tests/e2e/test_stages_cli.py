@@ -8,7 +8,7 @@ import pytest
 
 from test_newcomer import longctx
 
-STAGED = ["--train.stages=64:3:4,128:3:2", "--data.max_docs=100", "--train.eval_interval=0",
+STAGED = ["--train.stages=128:3:4,256:3:2", "--data.max_docs=100", "--train.eval_interval=0",
           "--metrics.log_interval=1", "--model.layers=1", "--checkpoint.interval=1", "--checkpoint.keep=10",
           "--metrics.plots=false", "--metrics.progress=false", "--data.synthetic=passkey:0.5"]
 
@@ -23,14 +23,21 @@ def full_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("staged")
     r = longctx("train", "--nproc", "1", *STAGED, f"--train.run_dir={run}")
     assert r.returncode == 0, r.stderr
-    assert "stage 1/2: steps 1-3 at 64 tokens" in r.stdout and "stage 2/2: steps 4-6 at 128 tokens" in r.stdout
+    assert "stage 1/2: steps 1-3 at 128 tokens" in r.stdout and "stage 2/2: steps 4-6 at 256 tokens" in r.stdout
     return run
 
 
 def test_lengths_and_batches_switch_at_the_boundary(full_run):
     losses = _losses(full_run)
-    assert [losses[s][1] for s in range(1, 7)] == [64, 64, 64, 128, 128, 128]
-    assert losses[6][2] == 3 * 64 * 4 + 3 * 128 * 2  # tokens trained, per stage batch
+    assert [losses[s][1] for s in range(1, 7)] == [128, 128, 128, 256, 256, 256]
+    assert losses[6][2] == 3 * 128 * 4 + 3 * 256 * 2  # tokens trained, per stage batch
+
+
+def test_a_stage_too_short_for_the_mixture_is_refused_before_work(tmp_path):
+    r = longctx("train", "--nproc", "1", *STAGED, "--train.stages=64:2,128:2", f"--train.run_dir={tmp_path / 'r'}")
+    assert r.returncode == 2, r.stderr
+    assert "train.stages length = 64" in " ".join(r.stderr.split()) and "no room for filler" in r.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("resume_at, nproc", [(2, 1), (3, 2), (4, 2)])

@@ -38,7 +38,8 @@ IMPORT_RULES = [
     ("longctx.planner", ("longctx.train", "longctx.run_setup"), "the planner does not depend on the training loop"),
     ("longctx.config", ("longctx.",), "config sits below every other module"),
 ]
-CONFIG_ALLOWED = ("longctx.errors", "longctx.config_rules", "longctx.config")
+# (checkpoint.paths is pure path logic: model.init_from = DIR reads a checkpoint's [model] at config time)
+CONFIG_ALLOWED = ("longctx.errors", "longctx.config_rules", "longctx.config", "longctx.checkpoint.paths")
 
 
 def _module_name(root: Path, path: Path) -> str:

@@ -68,62 +68,14 @@ from .manifest import (
     write_hashes_part,
     write_manifest,
 )
+from .paths import LATEST, complete_checkpoints, latest_checkpoint, resolve_checkpoint, resume_candidates, step_name
 
-LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
 LEGACY_RNG = "rng.pt"  # checkpoints written before RNG states were saved per rank: rank 0's only
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
 def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """step-* directories that hold a manifest, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / "manifest.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint `latest` names, if it is complete (else the newest complete one)."""
-    pointer = root / LATEST
-    if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / "manifest.json").is_file():
-            return candidate
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
-def resume_candidates(root: Path) -> list[Path]:
-    """What `--checkpoint.resume auto` tries, in order: the checkpoint `latest` names, then the other
-    complete ones, newest first."""
-    first = latest_checkpoint(root)
-    if first is None:
-        return []
-    return [first, *(p for p in reversed(complete_checkpoints(root)) if p != first)]
-
-
-def resolve_checkpoint(spec: str, root: Path) -> Path | None:
-    """'auto' -> latest complete checkpoint under root (None if there is none); a path -> that checkpoint
-    (a checkpoints directory means its latest)."""
-    if spec == "none":
-        return None
-    if spec == "auto":
-        return latest_checkpoint(root)
-    path = Path(spec)
-    if (path / "manifest.json").is_file():
-        return path
-    if path.is_dir() and latest_checkpoint(path) is not None:
-        return latest_checkpoint(path)
-    raise CheckpointError(f"--checkpoint.resume {spec}: no complete checkpoint there (a step-* directory with "
-                          f"manifest.json, or a directory holding them).")
 
 
 def verification_shares(entries: list[dict], world: int) -> list[int]:

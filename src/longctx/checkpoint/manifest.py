@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..errors import UserError
+from .paths import MANIFEST, CheckpointError  # (re-exported: the checkpoint package's error and file name)
 
 FORMAT = "longctx-checkpoint/1"
-MANIFEST = "manifest.json"
+
 HASHES_PREFIX = "hashes-rank"  # per-rank checksum parts, merged into the manifest and then removed
 CHECKSUM_MISMATCH = "does not match its sha256 checksum"
 # model fields that decide tensor shapes: a checkpoint only loads into a model that agrees on them
@@ -34,10 +34,6 @@ OPTIONAL_PARAM_FIELDS = ("qkv_bias", "out_bias", "qk_norm")
 # files one rank writes: DCP's shards `__{rank}_{n}.distcp` (and its rank-local `__{rank}.metadata`
 # when it saves without coordination), the manager's `rng-rank{rank}.pt`
 _RANK_FILE = re.compile(r"^(?:__|rng-rank)(\d+)[_.]")
-
-
-class CheckpointError(UserError):
-    pass
 
 
 class DamagedManifest(CheckpointError):

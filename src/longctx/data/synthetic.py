@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from ..config_rules import SYNTHETIC_TASKS
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from .samples import IGNORE, Batch
 
 TASKS = SYNTHETIC_TASKS
@@ -97,6 +97,14 @@ def retrieval_prompt(task: str, filler: np.ndarray, length: int, depth: float, r
     return RetrievalPrompt(tokens, length - len(a), answer.strip(), depth)
 
 
+def check_room(task: str, seq_len: int, tokenizer, where: str = "train.seq_len") -> None:
+    """A ConfigError, before any work, when a `task` sequence of seq_len tokens has no room for filler."""
+    try:
+        retrieval_prompt(task, np.zeros(seq_len, dtype=np.int64), seq_len, 0.5, np.random.default_rng(0), tokenizer)
+    except DataError as e:
+        raise ConfigError(f"data.synthetic = {task}:... at {where} = {seq_len}: {e}") from None
+
+
 class SyntheticMixture:
     """A store split (PackedSamples) with a seeded fraction of its samples turned into retrieval
     sequences: sample i is synthetic for every epoch and every layout alike (its own seeded draw),
@@ -107,6 +115,7 @@ class SyntheticMixture:
 
     def __init__(self, samples, task: str, fraction: float, seed: int, tokenizer):
         self.samples, self.task, self.fraction, self.seed, self.tokenizer = samples, task, fraction, seed, tokenizer
+        check_room(task, samples.seq_len, tokenizer)
         self.seq_len, self.doc_mask = samples.seq_len, samples.doc_mask
         draws = np.random.default_rng([seed, 0x5EED]).random(len(samples))
         self.synthetic = draws < fraction

@@ -1,0 +1,66 @@
+"""Where checkpoints are on disk: step directories, the `latest` pointer, what a path names.
+
+Pure path logic (no torch; nothing of longctx but errors): the config reads a checkpoint's [model] through it
+(`model.init_from = DIR`) before anything else is imported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import UserError
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(UserError):
+    pass
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """step-* directories that hold a manifest, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `latest` names, if it is complete (else the newest complete one)."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / MANIFEST).is_file():
+            return candidate
+    found = complete_checkpoints(root)
+    return found[-1] if found else None
+
+
+def resume_candidates(root: Path) -> list[Path]:
+    """What `--checkpoint.resume auto` tries, in order: the checkpoint `latest` names, then the other
+    complete ones, newest first."""
+    first = latest_checkpoint(root)
+    if first is None:
+        return []
+    return [first, *(p for p in reversed(complete_checkpoints(root)) if p != first)]
+
+
+def resolve_checkpoint(spec: str, root: Path) -> Path | None:
+    """'auto' -> latest complete checkpoint under root (None if there is none); a path -> that checkpoint
+    (a checkpoints directory means its latest)."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        return latest_checkpoint(root)
+    path = Path(spec)
+    if (path / MANIFEST).is_file():
+        return path
+    if path.is_dir() and latest_checkpoint(path) is not None:
+        return latest_checkpoint(path)
+    raise CheckpointError(f"--checkpoint.resume {spec}: no complete checkpoint there (a step-* directory with "
+                          f"manifest.json, or a directory holding them).")
