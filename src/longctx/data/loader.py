@@ -34,7 +34,25 @@ from .store import S_LENGTH, load_split, read_manifest
 LEGACY_COUNT_KEY = "num_windows"
 
 
-class PackedSamples:
+class SampleSet:
+    """What the loader needs of a list of samples, given `sample(i)`, `doc_mask` and per sample
+    `real_tokens` and `sq_tokens` (the sum of squared document lengths): token counts, estimated
+    costs, batches."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.real_tokens.sum())
+
+    def costs(self, a: float, b: float) -> np.ndarray:
+        """Estimated work per sample: a * attention pairs + b * tokens."""
+        quad = self.sq_tokens if self.doc_mask else self.real_tokens ** 2
+        return a * quad + b * self.real_tokens
+
+    def batch(self, indices) -> Batch:
+        return stack_samples([self.sample(int(i)) for i in indices], self.doc_mask)
+
+
+class PackedSamples(SampleSet):
     def __init__(self, root: str | Path, split: str = "train", doc_mask: bool = True):
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
@@ -61,15 +79,6 @@ class PackedSamples:
     @property
     def tokenizer_spec(self) -> str:
         return self.manifest["tokenizer"]["spec"]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.real_tokens.sum())
-
-    def costs(self, a: float, b: float) -> np.ndarray:
-        """Estimated work per sample: a * attention pairs + b * tokens."""
-        quad = self.sq_tokens if self.doc_mask else self.real_tokens ** 2
-        return a * quad + b * self.real_tokens
 
     def _locate(self, i: int):
         if not 0 <= i < self.num_samples:
@@ -100,10 +109,6 @@ class PackedSamples:
         nxt[real:] = False  # padding predicts nothing
         labels[:-1][nxt[:-1]] = tokens[1:][nxt[:-1]]
         return tokens, labels, positions, doc_ids
-
-    def batch(self, indices) -> Batch:
-        return stack_samples([self.sample(int(i)) for i in indices], self.doc_mask)
-
 
 def stack_samples(parts: list[tuple], doc_mask: bool) -> Batch:
     """(tokens, labels, positions, doc ids) per sample -> one Batch."""

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from ..config_rules import SYNTHETIC_TASKS
 from ..errors import ConfigError, DataError
-from .samples import IGNORE, Batch
+from .loader import SampleSet
+from .samples import IGNORE
 
 TASKS = SYNTHETIC_TASKS
 # keys of the needle task: short, distinct, one word each
@@ -105,7 +106,7 @@ def check_room(task: str, seq_len: int, tokenizer, where: str = "train.seq_len")
         raise ConfigError(f"data.synthetic = {task}:... at {where} = {seq_len}: {e}") from None
 
 
-class SyntheticMixture:
+class SyntheticMixture(SampleSet):
     """A store split (PackedSamples) with a seeded fraction of its samples turned into retrieval
     sequences: sample i is synthetic for every epoch and every layout alike (its own seeded draw),
     built from its own tokens as filler, one document with positions 0..L-1, labelled on the answer
@@ -129,14 +130,6 @@ class SyntheticMixture:
     def tokenizer_spec(self) -> str:
         return self.samples.tokenizer_spec
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.real_tokens.sum())
-
-    def costs(self, a: float, b: float) -> np.ndarray:
-        quad = self.sq_tokens if self.doc_mask else self.real_tokens ** 2
-        return a * quad + b * self.real_tokens
-
     def sample(self, i: int):
         if not self.synthetic[i]:
             return self.samples.sample(i)
@@ -146,7 +139,3 @@ class SyntheticMixture:
         L = self.seq_len
         return prompt.tokens, prompt.labels, np.arange(L), (np.zeros(L, dtype=np.int64) if self.doc_mask else None)
 
-    def batch(self, indices) -> Batch:
-        from .loader import stack_samples
-
-        return stack_samples([self.sample(int(i)) for i in indices], self.doc_mask)
