@@ -111,6 +111,61 @@ def alternate(seq: int, rounds: int) -> dict:
             "compiled_speed_vs_eager_per_round": ratios, "median": statistics.median(ratios)}
 
 
+def _alternate_rank(seq: int, rounds: int, layout: list[str]) -> dict:
+    """One rank of `alternate_ranks`: two models built the way training builds them (meta ->
+    parallelise (+ compile) -> FSDP -> this rank's shards), forward + backward in turn."""
+    import time
+
+    import torch.distributed as dist
+
+    from longctx.config import load_config
+    from longctx.parallel import comm
+    from longctx.parallel.runtime import Runtime
+    from longctx.run_setup import build_training_model
+
+    world = dist.get_world_size()
+    base = ["--model.preset=small-100m", f"--train.seq_len={seq}", "--train.global_batch=1", *layout]
+    models, rt = {}, None
+    for name, flag in (("eager", "false"), ("compiled", "true")):
+        cfg = load_config(overrides=[*base, f"--train.compile={flag}"])
+        rt = rt or Runtime.create(cfg, dist.get_rank(), world, "cpu")
+        models[name] = build_training_model(cfg, torch.device("cpu"), rt, log=lambda *_: None)
+    from longctx.data.samples import Batch
+
+    tokens = torch.randint(0, 320, (1, seq), generator=torch.Generator().manual_seed(0))
+    batch = rt.local_batch(Batch(tokens, tokens, torch.arange(seq)[None], None))
+
+    def timed(model) -> float:
+        comm.barrier(rt.world_mesh)
+        t0 = time.perf_counter()
+        model(batch.tokens, batch.positions, None, labels=batch.labels).backward()
+        model.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        return rt.max([elapsed])[0]  # the slowest rank decides a distributed step
+
+    for model in models.values():  # compile and warm up
+        timed(model)
+    pairs = []
+    for r in range(rounds):
+        order = ("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")
+        got = {name: timed(models[name]) for name in order}
+        pairs.append((got["eager"], got["compiled"]))
+        if rt.is_main:
+            print(f"round {r}: eager {got['eager']:.2f}s compiled {got['compiled']:.2f}s", file=sys.stderr, flush=True)
+    return {"eager_s": [e for e, _ in pairs], "compiled_s": [c for _, c in pairs]}
+
+
+def alternate_ranks(seq: int, rounds: int) -> dict:
+    """`alternate` under head 2 x ctx 2 on 4 gloo ranks (FSDP over nothing: dp 1), timed per round
+    as the slowest rank's forward + backward."""
+    from longctx.parallel.spawn import run_spawned
+
+    got = run_spawned(4, _alternate_rank, seq, rounds, ["--parallel.head=2", "--parallel.ctx=2"], timeout=3600)[0]
+    ratios = [e / c for e, c in zip(got["eager_s"], got["compiled_s"])]
+    return {"rounds": rounds, "layout": "head 2 x ctx 2", **got, "compiled_speed_vs_eager_per_round": ratios,
+            "median": statistics.median(ratios)}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=4096)
@@ -121,7 +176,12 @@ def main():
                         "differs (1 process vs ctx 2 on 2 processes), step by step")
     p.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                    help="instead: one process, eager and compiled forward + backward in turn for ROUNDS rounds")
+    p.add_argument("--ranks", action="store_true", help="with --alternate: head 2 x ctx 2 on 4 processes")
     a = p.parse_args()
+    if a.alternate and a.ranks:
+        print(json.dumps({"bench": "compile_speed.alternate", "model": "small-100m", "seq": a.seq,
+                          "torch": torch.__version__, **alternate_ranks(a.seq, a.alternate)}, indent=2))
+        return
     if a.alternate:
         print(json.dumps({"bench": "compile_speed.alternate", "model": "small-100m", "seq": a.seq,
                           "torch": torch.__version__, **alternate(a.seq, a.alternate)}, indent=2))
