@@ -160,6 +160,38 @@ def test_planted_exact_and_near_duplicates_are_removed():
     assert deduplicate(texts, "none").keep.all()
 
 
+def _near_pair(rng, want, edits=(2, 12)):
+    """(original, variant) with a few words changed whose true shingle Jaccard and signature estimate
+    satisfy want(truth, estimate): searched with a seeded generator, so the case is fixed."""
+    from longctx.data.dedup import jaccard, shingle_hashes, signature
+
+    for _ in range(2000):
+        original = text_doc(rng, 500)
+        words = original.split(" ")
+        for pos in rng.sample(range(len(words)), rng.randint(*edits)):
+            words[pos] = words[pos] + "x"
+        variant = " ".join(words)
+        truth = jaccard(shingle_hashes(original), shingle_hashes(variant))
+        estimate = float((signature(original) == signature(variant)).mean())
+        if want(truth, estimate):
+            return original, variant, truth, estimate
+    raise AssertionError("no such pair found")
+
+
+def test_near_duplicates_are_confirmed_by_their_true_jaccard():
+    """A pair at or above the threshold that the signature estimate puts below it (the kind that
+    slipped through when candidates were confirmed by the estimate) is removed; a pair far below
+    the threshold is kept."""
+    rng = random.Random(7)
+    original, variant, truth, estimate = _near_pair(rng, lambda t, e: t >= 0.8 > e)
+    res = deduplicate([original, variant], "minhash", threshold=0.8)
+    assert res.keep.tolist() == [True, False], (truth, estimate)
+    assert res.candidates_checked == 1 and res.estimate_disagreed == 1
+    original, variant, truth, estimate = _near_pair(rng, lambda t, e: t < 0.65, edits=(25, 40))
+    res = deduplicate([original, variant], "minhash", threshold=0.8)
+    assert res.keep.all(), (truth, estimate)
+
+
 def test_signatures_match_datasketch_estimate():
     """Our vectorised signatures estimate Jaccard like datasketch's own MinHash of the same shingles."""
     from datasketch import MinHash

@@ -141,7 +141,8 @@ def build_store(o: BuildOptions, log=print) -> dict:
             bar.update(len(texts))
             bar.close()
         rec.update(exact_duplicates=dd.exact_duplicates, near_duplicates=dd.near_duplicates,
-                   kept=int(dd.keep.sum()))
+                   kept=int(dd.keep.sum()), near_candidates_checked=dd.candidates_checked,
+                   near_estimate_disagreed=dd.estimate_disagreed)
     keep = np.flatnonzero(dd.keep)
     docs = [res.docs[i] for i in keep]
     texts = [texts[i] for i in keep]

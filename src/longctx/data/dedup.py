@@ -5,7 +5,11 @@
 - near (MinHash LSH, via datasketch): 128-permutation MinHash signatures of the set of 5-grams of
   whitespace-separated words; candidates come from datasketch's `MinHashLSH` (banded for a
   threshold 0.2 below the Jaccard threshold, default 0.8, so that pairs near it are not missed) and
-  are confirmed by the signatures' estimated Jaccard similarity >= the threshold. A few
+  are confirmed by the true Jaccard similarity of the two shingle sets >= the threshold, computed
+  for candidates only. (The signature estimate's error is about +/-0.04 at 128 permutations: a
+  3,128-character file with 5 characters changed, true Jaccard 0.868, was estimated at 0.781 and
+  kept.) A candidate from an earlier part of the store, whose text is not at hand, is confirmed by
+  the estimate. How often estimate and truth disagree is counted and reported. A few
   changed characters in a document of a few hundred words change only ~5 shingles per edit, so
   its similarity to the original stays well above the threshold.
 
@@ -86,6 +90,14 @@ def _minhash(sig: np.ndarray):
         return MinHash(num_perm=NUM_PERM, hashvalues=sig)
 
 
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Jaccard similarity of two sorted unique shingle-hash arrays."""
+    if len(a) == 0 and len(b) == 0:
+        return 1.0
+    inter = len(np.intersect1d(a, b, assume_unique=True))
+    return inter / (len(a) + len(b) - inter)
+
+
 @dataclass
 class DedupResult:
     keep: np.ndarray             # bool per input document
@@ -93,6 +105,8 @@ class DedupResult:
     near_duplicates: int
     hashes: np.ndarray           # uint64 exact hash per input document
     signatures: np.ndarray | None  # uint64 [n, NUM_PERM] when near-duplicate detection ran
+    candidates_checked: int = 0  # LSH candidate pairs whose true Jaccard was computed
+    estimate_disagreed: int = 0  # of those, pairs the signature estimate put on the other side of the threshold
 
 
 def deduplicate(texts: list[str], mode: str, threshold: float = 0.8, workers: int = 1,
@@ -125,17 +139,35 @@ def deduplicate(texts: list[str], mode: str, threshold: float = 0.8, workers: in
             key = f"old{j}"
             lsh.insert(key, _minhash(sig), check_duplication=False)
             stored[key] = sig
-    near = 0
+    near = checked = disagreed = 0
+    shingles: dict[int, np.ndarray] = {}  # of this build's documents that were candidates (computed once)
+
+    def shingle_set(j: int) -> np.ndarray:
+        if j not in shingles:
+            shingles[j] = shingle_hashes(texts[j])
+        return shingles[j]
+
     for i in range(n):
         if not keep[i]:
             continue
         mh = _minhash(sigs[i])
-        # LSH candidates are confirmed by the estimated Jaccard similarity
-        if any(float(np.mean(stored[c] == sigs[i])) >= threshold for c in lsh.query(mh)):
+        duplicate = False
+        for c in lsh.query(mh):
+            estimate = float(np.mean(stored[c] == sigs[i]))
+            if c.startswith("old"):  # an earlier part: its text is not at hand
+                duplicate = estimate >= threshold
+            else:  # confirmed by the true Jaccard of the shingle sets
+                truth = jaccard(shingle_set(i), shingle_set(int(c[3:])))
+                checked += 1
+                disagreed += (estimate >= threshold) != (truth >= threshold)
+                duplicate = truth >= threshold
+            if duplicate:
+                break
+        if duplicate:
             keep[i] = False
             near += 1
             continue
         key = f"new{i}"
         lsh.insert(key, mh, check_duplication=False)
         stored[key] = sigs[i]
-    return DedupResult(keep, exact, near, hashes, sigs)
+    return DedupResult(keep, exact, near, hashes, sigs, checked, disagreed)
