@@ -21,7 +21,7 @@ from .build import BuildOptions, build_store
 from .readers import input_files
 from .store import MANIFEST
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: near-duplicates confirmed by their true Jaccard (another document set)
 
 
 def _fingerprint(corpus: str, tokenizer: str) -> dict:
