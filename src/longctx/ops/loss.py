@@ -67,7 +67,7 @@ def lm_head_token_scores(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             valid = lab != IGNORE
             target = logits.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
             nll = torch.logsumexp(logits, dim=-1) - target
-            hit = target >= logits.max(dim=-1).values
+            hit = logits.argmax(dim=-1) == lab  # greedy decoding's choice (a tie is not a hit)
             out[s:e, 0] = torch.where(valid, nll, 0.0)
             out[s:e, 1] = (hit & valid).to(out.dtype)
     return out
