@@ -104,6 +104,15 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
 
 def _train_rules(cfg: Config, problems: list[str]) -> None:
     t, m = cfg.train, cfg.model
+    if t.stages:
+        try:
+            longest = max(length for length, _, _ in parse_stages(t.stages))
+        except ConfigError as e:
+            problems.append(str(e))
+            longest = 0
+        if longest > m.max_seq_len:
+            problems.append(f"train.stages has a stage of {longest} tokens, more than model.max_seq_len "
+                            f"({m.max_seq_len}); raise model.max_seq_len or shorten the stage.")
     if t.stages and cfg.data.path:
         problems.append(f"train.stages reads one store per stage length, built from data.corpus; data.path "
                         f"({cfg.data.path}) holds one length only. Drop data.path (set data.corpus to your text "

@@ -78,6 +78,7 @@ def test_needle_and_default_corpus(checkpoint, tmp_path):
     (["--task", "passkey", "--lengths", "256", "--depths", "0,1.5"], "outside [0, 1]"),
     (["--task", "passkey", "--lengths", "64"], "no room for filler"),
     (["--task", "ppl", "--lengths", "256", "--data.path=x"], "does not apply"),
+    (["--task", "ppl", "--lengths", "256", "--data", "/no/such/file"], "is neither a store directory nor a text file"),
 ])
 def test_bad_input_is_explained_before_work(checkpoint, args, needle):
     r = longctx("eval", "--checkpoint", str(checkpoint), *args)

@@ -164,3 +164,32 @@ def test_token_scores_match_cross_entropy_and_argmax(chunk):
     assert (out[~valid] == 0).all()
     assert (out[valid, 1].bool() == (logits.argmax(-1) == labels)[valid]).all()
     assert out[4, 1] == 1.0
+
+
+def test_a_tie_is_not_a_greedy_hit():
+    w = torch.randn(6, 4)
+    w[3] = w[1]  # tokens 1 and 3 always tie; greedy decoding (argmax) picks 1
+    h = torch.randn(5, 4) + 10 * w[1]  # so that the tied pair is the maximum
+    out = lm_head_token_scores(h, w, torch.tensor([3, 3, 1, 1, IGNORE]))
+    assert out[:2, 1].tolist() == [0.0, 0.0] and out[2:4, 1].tolist() == [1.0, 1.0]
+
+
+def test_duplicate_lengths_and_depths_count_once():
+    assert parse_lengths("1K,1024,2K") == [1024, 2048]
+    assert parse_depths("0.5,0.5,1") == [0.5, 1.0]
+
+
+def test_bucket_bounds_are_the_positions_each_bucket_holds():
+    from types import SimpleNamespace
+
+    from longctx.eval.command import _summarise
+
+    length, buckets = 256, 5
+    counts = [0.0] * buckets
+    for p in range(length):  # the runner's rule
+        counts[p * buckets // length] += 1
+    s = {"nll_sum": counts, "tokens": counts}
+    rows = _summarise(SimpleNamespace(task="ppl"), length, [None], s, buckets, 0.0)[0]["buckets"]
+    assert [r["end"] - r["start"] for r in rows] == counts
+    assert rows[0]["start"] == 0 and rows[-1]["end"] == length
+    assert all(a["end"] == b["start"] for a, b in zip(rows, rows[1:]))

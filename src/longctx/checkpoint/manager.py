@@ -373,7 +373,10 @@ def load_weights_into(path: Path, model, rt, log=print) -> dict:
     an extension (rope_theta, rope_scaling) applies to the loaded weights."""
     manager = CheckpointManager(path.parent, keep=0, async_save=False, rank=rt.rank, world=rt.world, layout={},
                                 model_cfg={}, log=log, create=False)
-    manifest = manager.verified_manifest(path, "model.init_from")
+    manifest, problems = manager.find_damage(path)
+    if problems:
+        raise CheckpointError(f"model.init_from: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
+                              f"loaded. Start from an intact checkpoint (`longctx checkpoint verify PATH` checks one).")
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
     set_model_state_dict(model, state["model"])

@@ -157,7 +157,10 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
         return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=_say, announce_cached=False)
 
     source = load_source(args.data, args.split, tokenizer, default_store)
-    if source.tokenizer_spec and spec and source.tokenizer_spec != spec:
+    if source.meta.get("vocab_size", 0) > cfg.model.vocab_size:
+        raise ConfigError(f"--data {args.data}: its tokenizer has {source.meta['vocab_size']} tokens but the model's "
+                          f"vocabulary is {cfg.model.vocab_size}; pass a store built with the model's tokenizer.")
+    if source.tokenizer_spec and spec and not _same_tokenizer(source.tokenizer_spec, spec):
         raise DataError(f"--data {args.data or '(default corpus)'} was tokenized with {source.tokenizer_spec} but "
                         f"the checkpoint's tokenizer is {spec}; pass a store built with it, or a text file.")
     sequences = {}
@@ -171,6 +174,20 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
         except DataError as e:
             raise ConfigError(f"--lengths {length}: {e}") from None
     return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch)
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+    """Two tokenizer specs name the same tokenizer: equal, or the same tokenizer.json (DIR or DIR/tokenizer.json)."""
+    if a == b:
+        return True
+    if "byte" in (a, b):
+        return False
+
+    def file(spec):
+        p = Path(spec)
+        return (p / "tokenizer.json" if p.is_dir() else p).resolve()
+
+    return file(a) == file(b)
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -268,8 +285,8 @@ def evaluate(plan: Plan, args) -> dict | None:
 
 def _summarise(plan: Plan, length: int, seqs: list[Sequence], s: dict, buckets: int, seconds: float) -> list[dict]:
     if plan.task == "ppl":
-        width = length / buckets
-        rows = [{"start": int(i * width), "end": int((i + 1) * width),
+        # position p is in bucket p * buckets // length: bucket i holds [ceil(i L / B), ceil((i + 1) L / B))
+        rows = [{"start": -(-i * length // buckets), "end": -(-(i + 1) * length // buckets),
                  "loss": s["nll_sum"][i] / s["tokens"][i] if s["tokens"][i] else None, "tokens": int(s["tokens"][i])}
                 for i in range(buckets)]
         total = sum(s["tokens"])

@@ -81,11 +81,13 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
         if not docs:
             raise DataError(f"--data {data}: the store's {split} split is empty; use --split "
                             f"{'train' if split == 'eval' else 'eval'} or another store.")
-        return TokenSource(docs, f"{path} ({split} split, {len(docs)} documents)", manifest["tokenizer"]["spec"])
+        return TokenSource(docs, f"{path} ({split} split, {len(docs)} documents)", manifest["tokenizer"]["spec"],
+                           {"vocab_size": int(manifest["tokenizer"]["vocab_size"])})
     if path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
         return TokenSource([np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)], f"{path} (text file)")
-    raise DataError(f"--data {data} is neither a store directory nor a text file.")
+    raise ConfigError(f"--data {data} is neither a store directory nor a text file; pass a store built by "
+                      f"`longctx data build`, a text file, or nothing for the default corpus.")
 
 
 def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequence]:
@@ -138,7 +140,7 @@ def parse_lengths(text: str) -> list[int]:
         if value <= 0:
             raise ConfigError(f"--lengths {text!r}: {item!r} is not a positive token count; write e.g. 1K,4K,16384.")
         out.append(value)
-    return out
+    return list(dict.fromkeys(out))  # a length given twice is evaluated once
 
 
 def parse_depths(text: str) -> list[float]:
@@ -153,4 +155,4 @@ def parse_depths(text: str) -> list[float]:
             raise ConfigError(f"--depths {text!r}: {item.strip()!r} is outside [0, 1]; a depth is where the needle "
                             f"sits as a fraction of the filler (0 = start, 1 = just before the question).")
         out.append(value)
-    return out
+    return list(dict.fromkeys(out))
