@@ -210,10 +210,12 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
 
 def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
     """(the checkpoint directory, its manifest's [model]) for init_from = a longctx checkpoint."""
-    from .checkpoint.paths import MANIFEST, latest_checkpoint
+    from .checkpoint.paths import MANIFEST, CheckpointError, resolve_checkpoint
 
-    given = Path(init_from)
-    path = given if (given / MANIFEST).is_file() else latest_checkpoint(given) if given.is_dir() else None
+    try:
+        path = resolve_checkpoint(init_from, Path(init_from))
+    except CheckpointError:
+        path = None
     if path is None:
         raise HFFormatError(f"model.init_from = {init_from!r} holds no complete longctx checkpoint (a step-* directory "
                             f"with {MANIFEST}, or a checkpoints directory); for Hugging Face weights write hf:DIR.")

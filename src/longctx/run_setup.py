@@ -25,6 +25,19 @@ from .parallel.runtime import Runtime
 from .step import resolve_dtype
 
 
+def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
+    """This process's place in the job (its process group joined, its layout checked) and its device."""
+    from .parallel.checks import check_layout
+    from .parallel.launch import init_distributed
+    from .step import resolve_device
+
+    device = resolve_device(cfg.train.device)
+    rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
+    check_layout(cfg, world)
+    rt = Runtime.create(cfg, rank, world, device.type)
+    return rt, (rt.device if device.type == "cuda" else device)
+
+
 def check_packages(cfg: Config) -> None:
     """The optional packages the config asks for are installed."""
     import importlib.util

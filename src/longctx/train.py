@@ -34,16 +34,15 @@ from .metrics import (
     train_flops_per_token,
 )
 from .models.llama import count_params
-from .parallel.checks import check_layout
-from .parallel.launch import init_distributed
 from .parallel.parallelize import grad_scale
-from .parallel.runtime import TRACKED_DIMS, Runtime
+from .parallel.runtime import TRACKED_DIMS
 from .parallel.volumes import fsdp_bytes_per_step
 from .progress import progress_bar
 from .run_setup import (
     build_data,
     build_training_model,
     check_packages,
+    join_job,
     continue_run_files,
     make_run_dir,
     on_main,
@@ -55,7 +54,6 @@ from .step import (
     forward_loss_sum,
     lr_at,
     make_optimizer,
-    resolve_device,
     set_gradient_sync,
     resolve_dtype,
     seed_everything,
@@ -89,11 +87,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, log=print):
         self.cfg = cfg
-        device = resolve_device(cfg.train.device)
-        rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
-        check_layout(cfg, world)
-        self.rt = rt = Runtime.create(cfg, rank, world, device.type)
-        self.device = rt.device if device.type == "cuda" else device
+        self.rt, self.device = join_job(cfg)
+        rt = self.rt
         self.log = log if rt.is_main else _silent  # one voice per job
         dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.autocast_dtype = dtype if dtype != torch.float32 else None
@@ -133,12 +128,13 @@ class Trainer:
 
     def _enter_stage(self, step: int, announce: bool = False) -> None:
         """Switch the data to `step`'s stage when it starts there (train.stages), and say so."""
-        changed = self.sampler.enter(step)
-        if (changed or announce) and len(self.sampler.stages) > 1:
-            s = self.sampler.stage
+        if not (self.sampler.enter(step) or announce):
+            return
+        s = self.sampler.stage
+        self.flops_per_token = train_flops_per_token(self.cfg.model, s.seq_len)
+        if len(self.sampler.stages) > 1:
             self.log(f"stage {s.index + 1}/{len(self.sampler.stages)}: steps {s.first_step}-{s.last_step} at "
                      f"{s.seq_len} tokens per sequence")
-        self.flops_per_token = train_flops_per_token(self.cfg.model, self.sampler.stage.seq_len)
 
     def _describe(self, dtype: torch.dtype) -> None:
         cfg, rt, mem = self.cfg, self.rt, self.cfg.memory

@@ -117,7 +117,8 @@ def test_lengths_and_depths_parse_and_refuse_bad_values():
 
 
 def test_ppl_windows_come_from_long_enough_documents():
-    src = TokenSource([np.arange(10), np.arange(100, 135), np.arange(200, 220)], "test")
+    docs = [np.arange(10), np.arange(100, 135), np.arange(200, 220)]
+    src = TokenSource(lambda: iter(docs), "test")
     seqs = ppl_sequences(src, 16, samples=5)
     assert [s.tokens[0] for s in seqs] == [100, 116, 200]
     assert (seqs[0].labels[:-1] == seqs[0].tokens[1:]).all() and seqs[0].labels[-1] == IGNORE
@@ -126,7 +127,7 @@ def test_ppl_windows_come_from_long_enough_documents():
 
 
 def test_retrieval_sequences_are_deterministic_and_cover_each_depth():
-    src = TokenSource([FILLER], "filler")
+    src = TokenSource(lambda: iter([FILLER]), "filler")
     a = retrieval_sequences("passkey", src, TOK, 512, [0.0, 1.0], 3, seed=0)
     b = retrieval_sequences("passkey", src, TOK, 512, [0.0, 1.0], 3, seed=0)
     assert [s.depth for s in a] == [0.0] * 3 + [1.0] * 3

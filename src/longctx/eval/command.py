@@ -240,18 +240,15 @@ def evaluate(plan: Plan, args) -> dict | None:
     """Score every length's sequences on this rank's part of the layout; the result on rank 0."""
     import torch
 
-    from ..parallel.launch import finish_distributed, init_distributed
-    from ..parallel.runtime import Runtime
+    from ..parallel.launch import finish_distributed
     from ..progress import progress_bar
-    from ..run_setup import build_training_model
-    from ..step import resolve_device, resolve_dtype
+    from ..run_setup import build_training_model, join_job
+    from ..step import resolve_dtype
     from .runner import score
 
     cfg = plan.cfg
-    device = resolve_device(cfg.train.device)
-    rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
-    rt = Runtime.create(cfg, rank, world, device.type)
-    device = rt.device if device.type == "cuda" else device
+    rt, device = join_job(cfg)
+    world = rt.world
     log = _say if rt.is_main else (lambda *_: None)
     dtype = resolve_dtype(cfg.train.dtype, device)
     model = build_training_model(cfg, device, rt, log)

@@ -12,6 +12,7 @@ any rank builds anything), and deterministic, so every layout scores the same se
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,37 +35,44 @@ class Sequence:
     answer: str | None = None
 
 
+FILLER_POOL_TOKENS = 1 << 22  # retrieval filler is drawn from at most the first 4M tokens of the source
+
+
 @dataclass
 class TokenSource:
-    """Documents as token arrays (the filler and the ppl text) and where they came from."""
-    docs: list[np.ndarray]
+    """Documents as token arrays (the filler and the ppl text), read lazily, and where they came from."""
+    documents: Callable[[], Iterator[np.ndarray]]  # a fresh pass over the documents, in order
     description: str
     tokenizer_spec: str | None = None  # the store's tokenizer (None: tokenized here with the model's)
     meta: dict = field(default_factory=dict)
 
-    @property
-    def stream(self) -> np.ndarray:
-        return np.concatenate(self.docs) if self.docs else np.zeros(0, dtype=np.int64)
+    def stream(self, limit: int) -> np.ndarray:
+        """The documents one after another, up to `limit` tokens (only those documents are read)."""
+        out, n = [], 0
+        for doc in self.documents():
+            out.append(doc[:limit - n])
+            n += len(out[-1])
+            if n >= limit:
+                break
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def store_documents(root: Path, split: str) -> list[np.ndarray]:
-    """Each document of a store split, reassembled from its packed segments, in document order."""
+def store_documents(root: Path, split: str) -> Iterator[np.ndarray]:
+    """Each document of a store split, reassembled from its packed segments, in document order.
+    Lazy: the segment index is read up front, a document's tokens only when it is reached, so a
+    caller that needs a few windows never holds the split."""
     manifest = read_manifest(root)
-    pieces: dict[int, list[tuple[int, np.ndarray]]] = {}
-    for part in manifest["parts"]:
+    for part in manifest["parts"]:  # a document lies in one part
         arrays = load_split(root, part, split)
         if arrays is None:
             continue
+        seg = arrays.segments
         sample_of = np.repeat(np.arange(len(arrays.pointer) - 1), np.diff(arrays.pointer))
-        for seg, sample in zip(arrays.segments, sample_of):
-            off, n = int(seg[S_OFFSET]), int(seg[S_LENGTH])
-            doc = int(seg[S_DOC])  # numbered across the whole store
-            pieces.setdefault(doc, []).append((int(seg[S_START]), np.asarray(arrays.tokens[sample][off:off + n])))
-    docs = []
-    for doc in sorted(pieces):
-        parts = sorted(pieces[doc], key=lambda p: p[0])
-        docs.append(np.concatenate([p for _, p in parts]).astype(np.int64))
-    return docs
+        order = np.lexsort((seg[:, S_START], seg[:, S_DOC]))  # by document, then by position in it
+        for group in np.split(order, np.flatnonzero(np.diff(seg[order, S_DOC])) + 1):
+            yield np.concatenate([np.asarray(arrays.tokens[sample_of[i]][seg[i, S_OFFSET]:seg[i, S_OFFSET] +
+                                                                         seg[i, S_LENGTH]]) for i in group]
+                                 ).astype(np.int64)
 
 
 def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
@@ -77,23 +85,26 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
             raise DataError(f"--data {data}: a directory must be a store built by `longctx data build` (it has no "
                             f"{MANIFEST}); pass a store, a text file, or nothing for the default corpus.")
         manifest = read_manifest(path)
-        docs = store_documents(path, split)
-        if not docs:
+        documents = sum(int(p["splits"][split].get("documents", p["splits"][split]["samples"]))
+                        for p in manifest["parts"])
+        if not documents:
             raise DataError(f"--data {data}: the store's {split} split is empty; use --split "
                             f"{'train' if split == 'eval' else 'eval'} or another store.")
-        return TokenSource(docs, f"{path} ({split} split, {len(docs)} documents)", manifest["tokenizer"]["spec"],
-                           {"vocab_size": int(manifest["tokenizer"]["vocab_size"])})
+        return TokenSource(lambda: store_documents(path, split), f"{path} ({split} split, {documents} documents)",
+                           manifest["tokenizer"]["spec"], {"vocab_size": int(manifest["tokenizer"]["vocab_size"])})
     if path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
-        return TokenSource([np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)], f"{path} (text file)")
+        tokens = np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
+        return TokenSource(lambda: iter([tokens]), f"{path} (text file)")
     raise ConfigError(f"--data {data} is neither a store directory nor a text file; pass a store built by "
                       f"`longctx data build`, a text file, or nothing for the default corpus.")
 
 
 def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequence]:
     """Up to `samples` windows of `length` tokens, consecutive within each long-enough document."""
-    out = []
-    for doc in source.docs:
+    out, longest = [], 0
+    for doc in source.documents():
+        longest = max(longest, len(doc))
         for start in range(0, len(doc) - length + 1, length):
             window = doc[start:start + length]
             labels = np.full(length, IGNORE, dtype=np.int64)
@@ -102,7 +113,6 @@ def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequen
             if len(out) == samples:
                 return out
     if not out:
-        longest = max((len(d) for d in source.docs), default=0)
         raise DataError(f"ppl at {length} tokens needs a document of at least {length} tokens; the longest in "
                         f"{source.description} has {longest}. Pass a longer text (--data FILE), another split "
                         f"(--split train) or shorter --lengths.")
@@ -112,7 +122,7 @@ def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequen
 def retrieval_sequences(task: str, source: TokenSource, tokenizer, length: int, depths: list[float],
                         samples: int, seed: int) -> list[Sequence]:
     """`samples` prompts per depth, each with its own key and its own stretch of filler."""
-    stream = source.stream
+    stream = source.stream(FILLER_POOL_TOKENS)
     if len(stream) < length:
         raise DataError(f"{task} at {length} tokens needs at least {length} filler tokens; {source.description} "
                         f"has {len(stream)}. Pass a longer text (--data FILE) or shorter --lengths.")
