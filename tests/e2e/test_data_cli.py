@@ -25,7 +25,7 @@ def test_build_then_train_from_the_store(tmp_path):
     r = longctx("data", "build", "--input", str(src), "--seq-len", "128", "--out", str(out), "--workers", "2",
                 "--eval-fraction", "0.3", "--no-progress")
     assert r.returncode == 0, r.stderr
-    for stage in ("read", "dedup", "tokenize", "embed", "cluster", "pack", "write"):
+    for stage in ("scan", "dedup", "embed", "cluster", "pack"):
         assert f"  {stage}" in r.stdout
     m = json.loads((out / "manifest.json").read_text())
     assert m["totals"]["duplicates_removed"] == 1 and m["totals"]["files_skipped"] == 1

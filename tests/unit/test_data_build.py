@@ -308,7 +308,7 @@ def test_a_failed_build_never_looks_complete(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(build_mod.st, "write_split", boom)
+    monkeypatch.setattr(build_mod.asm.SplitWriter, "write", boom)
     with pytest.raises(KeyboardInterrupt):
         build_store(opts([tmp_path / "in"], tmp_path / "s"), log=quiet)
     assert not (tmp_path / "s" / "manifest.json").exists()
@@ -390,10 +390,10 @@ def test_manifest_records_what_the_issue_asks_for(tmp_path):
     assert m["inputs"] == [str(tmp_path / "in")]
     assert m["totals"]["duplicates_removed"] == 1 and m["totals"]["files_skipped"] == 1
     assert 0 < m["packing"]["train"]["fill_rate"] <= 1
-    for stage in ("read", "dedup", "tokenize", "embed", "cluster", "pack", "write"):
+    for stage in ("scan", "dedup", "embed", "cluster", "pack"):
         assert m["parts"][0]["stages"][stage]["seconds"] >= 0
     docs = [json.loads(line) for line in (tmp_path / "s" / "part-00000" / "docs.jsonl").read_text().splitlines()]
-    assert len(docs) == 12 and {d["split"] for d in docs} <= {"train", "eval"}
+    assert len(docs) == 12 and {d["split"] for d in docs} <= {"train", "eval", "both"}
 
 
 def test_cache_key_covers_every_file_the_build_reads(tmp_path):

@@ -39,7 +39,8 @@ def add_parser(sub) -> None:
     p = data.add_parser("build", help="read, dedup, tokenize, cluster and pack documents into a store for "
                                       "`longctx train --data.path DIR`")
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
-                   help="directories of text files, .jsonl or .parquet files, or 'stdlib'")
+                   help="directories of text files, .jsonl, .parquet or .arrow files (text and .jsonl also .gz / "
+                        ".zst), Hugging Face datasets saved with save_to_disk, or 'stdlib'")
     p.add_argument("--seq-len", type=int, required=True, metavar="N",
                    help="sequence length: tokens per packed sample (= train.seq_len)")
     p.add_argument("--context", nargs="?", action=_RenamedToSeqLen, help=argparse.SUPPRESS)

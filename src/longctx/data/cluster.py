@@ -38,12 +38,12 @@ def kmeans(emb: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     return km.fit_predict(emb).astype(np.int64)
 
 
-def merge_near(emb: np.ndarray, labels: np.ndarray, merge_cosine: float = MERGE_COSINE) -> np.ndarray:
-    """Union clusters whose (unit) centroids are at least `merge_cosine` apart; relabel 0..k-1."""
-    ids = np.unique(labels)
-    cent = np.stack([emb[labels == c].mean(0) for c in ids])
-    cent /= np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
-    parent = list(range(len(ids)))
+def merge_centroids(sums: np.ndarray, merge_cosine: float = MERGE_COSINE) -> np.ndarray:
+    """Dense new labels 0..k'-1 for clusters with centroid (or centroid sum) rows `sums`: clusters
+    whose centroids have cosine >= `merge_cosine` are united (union-find)."""
+    cent = np.asarray(sums, dtype=np.float64)
+    cent = cent / np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
+    parent = list(range(len(cent)))
 
     def find(i):
         while parent[i] != i:
@@ -56,10 +56,15 @@ def merge_near(emb: np.ndarray, labels: np.ndarray, merge_cosine: float = MERGE_
         a, b = find(int(i)), find(int(j))
         if a != b:
             parent[max(a, b)] = min(a, b)
-    root = np.array([find(i) for i in range(len(ids))])
-    _, dense = np.unique(root, return_inverse=True)
-    lookup = dict(zip(ids.tolist(), dense.tolist()))
-    return np.array([lookup[c] for c in labels.tolist()], dtype=np.int64)
+    root = np.array([find(i) for i in range(len(cent))])
+    return np.unique(root, return_inverse=True)[1].astype(np.int64)
+
+
+def merge_near(emb: np.ndarray, labels: np.ndarray, merge_cosine: float = MERGE_COSINE) -> np.ndarray:
+    """Union clusters whose (unit) centroids are at least `merge_cosine` apart; relabel 0..k-1."""
+    ids, inverse = np.unique(labels, return_inverse=True)
+    cent = np.stack([emb[labels == c].mean(0) for c in ids])
+    return merge_centroids(cent, merge_cosine)[inverse]
 
 
 def cluster(emb: np.ndarray, lengths: np.ndarray, seq_len: int, k: int = 0, seed: int = 0,

@@ -80,22 +80,146 @@ def signatures(texts: list[str], workers: int = 1) -> np.ndarray:
     return np.stack(sigs) if sigs else np.zeros((0, NUM_PERM), dtype=np.uint64)
 
 
-def _minhash(sig: np.ndarray):
-    """A datasketch MinHash holding our signature (the permutation scheme datasketch calls 'legacy')."""
-    from datasketch import MinHash
-
-    try:
-        return MinHash(num_perm=NUM_PERM, hashvalues=sig, scheme="legacy")
-    except TypeError:  # datasketch < 2.0 has one scheme, this one
-        return MinHash(num_perm=NUM_PERM, hashvalues=sig)
-
-
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     """Jaccard similarity of two sorted unique shingle-hash arrays."""
     if len(a) == 0 and len(b) == 0:
         return 1.0
     inter = len(np.intersect1d(a, b, assume_unique=True))
     return inter / (len(a) + len(b) - inter)
+
+
+def band_params(threshold: float, num_perm: int = NUM_PERM) -> tuple[int, int]:
+    """(bands, rows per band) with bands x rows <= num_perm that minimise the mean of the false
+    positive and false negative probability mass around `threshold` (the choice MinHash LSH
+    libraries make): a pair of Jaccard s shares a band with probability 1 - (1 - s^r)^b."""
+    s = np.linspace(0.0, 1.0, 2001)
+    best, best_err = (1, num_perm), float("inf")
+    for b in range(1, num_perm + 1):
+        for r in range(1, num_perm // b + 1):
+            p = 1 - (1 - s ** r) ** b
+            lo, hi = s <= threshold, s >= threshold
+            err = 0.5 * np.trapezoid(p[lo], s[lo]) + 0.5 * np.trapezoid(1 - p[hi], s[hi])
+            if err < best_err:
+                best, best_err = (b, r), err
+    return best
+
+
+class _KeyIndex:
+    """uint64 key -> ids, memory-lean: a sorted array plus a small dict of recent keys, merged
+    into the array when the dict grows (12 bytes per entry instead of a Python dict's ~100)."""
+
+    def __init__(self):
+        self.keys = np.zeros(0, np.uint64)
+        self.ids = np.zeros(0, np.int64)
+        self.recent: dict[int, list[int]] = {}
+        self.recent_entries = 0
+
+    def add(self, keys, ident: int) -> None:
+        for k in np.atleast_1d(keys).tolist():
+            self.recent.setdefault(k, []).append(ident)
+        self.recent_entries += np.size(keys)
+        if self.recent_entries > max(65536, len(self.keys) // 4):
+            self._merge()
+
+    def _merge(self) -> None:
+        ks = np.fromiter((k for k, v in self.recent.items() for _ in v), np.uint64, self.recent_entries)
+        vs = np.fromiter((i for v in self.recent.values() for i in v), np.int64, self.recent_entries)
+        keys, ids = np.concatenate([self.keys, ks]), np.concatenate([self.ids, vs])
+        order = np.argsort(keys, kind="stable")
+        self.keys, self.ids = keys[order], ids[order]
+        self.recent, self.recent_entries = {}, 0
+
+    def find(self, keys) -> list[int]:
+        """Ids stored under any of `keys`, in insertion order within a key."""
+        keys = np.atleast_1d(np.asarray(keys, np.uint64))
+        out: list[int] = []
+        lo = np.searchsorted(self.keys, keys, side="left")
+        hi = np.searchsorted(self.keys, keys, side="right")
+        for a, b in zip(lo.tolist(), hi.tolist()):
+            out.extend(self.ids[a:b].tolist())
+        for k in keys.tolist():
+            out.extend(self.recent.get(k, ()))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.ids.nbytes + 120 * self.recent_entries
+
+
+_BAND_MUL = np.uint64(0x100000001B3)
+
+
+class Deduper:
+    """Streaming dedup in input order: `check` one document at a time; the first occurrence is kept.
+
+    Exact duplicates by their hash; near duplicates by MinHash LSH candidates (banded for a
+    threshold 0.2 below the Jaccard threshold, so that pairs near it are found almost surely),
+    each confirmed by the true Jaccard of the two shingle sets (`text_of(id)` gives a kept
+    document's text back). Candidates from earlier parts of a store (`seed`), whose text is not
+    at hand, are confirmed by the signature estimate. Memory: 8 bytes per document for exact
+    hashes and 12 per band per kept document for the LSH index."""
+
+    def __init__(self, mode: str, threshold: float = 0.8, text_of=None, sig_of=None):
+        self.mode, self.threshold, self.text_of, self.sig_of = mode, threshold, text_of, sig_of
+        self.hashes = _KeyIndex()
+        self.bands, self.rows = band_params(max(0.05, threshold - 0.2))
+        self.lsh = _KeyIndex()
+        self.old_sigs: np.ndarray | None = None
+        self.exact = self.near = self.checked = self.disagreed = 0
+        self._shingles: dict[int, np.ndarray] = {}
+
+    def _band_keys(self, sig: np.ndarray) -> np.ndarray:
+        b = np.asarray(sig[:self.bands * self.rows], np.uint64).reshape(self.bands, self.rows)
+        key = np.arange(self.bands, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        for j in range(self.rows):
+            key = key * _BAND_MUL + b[:, j]
+        return key
+
+    def seed(self, hashes: np.ndarray, sigs: np.ndarray | None) -> None:
+        """Documents of earlier parts of the store (ids -1, -2, ...)."""
+        for j, h in enumerate(np.asarray(hashes, np.uint64).tolist()):
+            self.hashes.add(np.uint64(h), -1 - j)
+        if sigs is not None and self.mode == "minhash":
+            self.old_sigs = sigs
+            for j, sig in enumerate(sigs):
+                self.lsh.add(self._band_keys(sig), -1 - j)
+
+    def _shingle_set(self, ident: int, text: str | None = None) -> np.ndarray:
+        got = self._shingles.get(ident)
+        if got is None:
+            got = shingle_hashes(text if text is not None else self.text_of(ident))
+            if len(self._shingles) >= 256:  # a small cache: a document is often a candidate of its copies
+                self._shingles.pop(next(iter(self._shingles)))
+            self._shingles[ident] = got
+        return got
+
+    def check(self, ident: int, h: int, sig: np.ndarray | None = None, text: str | None = None) -> str | None:
+        """None (kept, and remembered), "exact" or "near" for document `ident`."""
+        if self.mode == "none":
+            return None
+        if self.hashes.find(np.uint64(h)):
+            self.exact += 1
+            return "exact"
+        self.hashes.add(np.uint64(h), ident)
+        if self.mode != "minhash":
+            return None
+        keys = self._band_keys(sig)
+        for c in dict.fromkeys(self.lsh.find(keys)):
+            other = self.old_sigs[-1 - c] if c < 0 else self.sig_of(c)
+            estimate = float(np.mean(np.asarray(other, np.uint64) == np.asarray(sig, np.uint64)))
+            if c < 0:
+                duplicate = estimate >= self.threshold
+            else:
+                truth = jaccard(self._shingle_set(ident, text), self._shingle_set(c))
+                self.checked += 1
+                self.disagreed += (estimate >= self.threshold) != (truth >= self.threshold)
+                duplicate = truth >= self.threshold
+            if duplicate:
+                self.near += 1
+                self._shingles.pop(ident, None)
+                return "near"
+        self.lsh.add(keys, ident)
+        return None
 
 
 @dataclass
@@ -111,63 +235,14 @@ class DedupResult:
 
 def deduplicate(texts: list[str], mode: str, threshold: float = 0.8, workers: int = 1,
                 seen_hashes: np.ndarray | None = None, seen_signatures: np.ndarray | None = None) -> DedupResult:
-    """Which documents to keep. `seen_*` are earlier parts of a store: duplicates of them go too."""
+    """Which of `texts` to keep (a `Deduper` over documents in memory). `seen_*` are earlier parts
+    of a store: duplicates of them go too."""
     n = len(texts)
     hashes = np.fromiter((exact_hash(t) for t in texts), dtype=np.uint64, count=n)
-    keep = np.ones(n, dtype=bool)
-    if mode == "none":
-        return DedupResult(keep, 0, 0, hashes, None)
-    seen = set(seen_hashes.tolist()) if seen_hashes is not None else set()
-    for i, h in enumerate(hashes.tolist()):
-        if h in seen:
-            keep[i] = False
-        else:
-            seen.add(h)
-    exact = int((~keep).sum())
-    if mode == "exact":
-        return DedupResult(keep, exact, 0, hashes, None)
-
-    from datasketch import MinHashLSH
-
-    sigs = signatures(texts, workers)
-    # LSH bands tuned below the threshold: candidates near it are found almost surely, and the
-    # signature estimate then decides (a band tuned at the threshold misses ~10% of pairs there)
-    lsh = MinHashLSH(threshold=max(0.05, threshold - 0.2), num_perm=NUM_PERM)
-    stored: dict[str, np.ndarray] = {}
-    if seen_signatures is not None:
-        for j, sig in enumerate(seen_signatures):
-            key = f"old{j}"
-            lsh.insert(key, _minhash(sig), check_duplication=False)
-            stored[key] = sig
-    near = checked = disagreed = 0
-    shingles: dict[int, np.ndarray] = {}  # of this build's documents that were candidates (computed once)
-
-    def shingle_set(j: int) -> np.ndarray:
-        if j not in shingles:
-            shingles[j] = shingle_hashes(texts[j])
-        return shingles[j]
-
-    for i in range(n):
-        if not keep[i]:
-            continue
-        mh = _minhash(sigs[i])
-        duplicate = False
-        for c in lsh.query(mh):
-            estimate = float(np.mean(stored[c] == sigs[i]))
-            if c.startswith("old"):  # an earlier part: its text is not at hand
-                duplicate = estimate >= threshold
-            else:  # confirmed by the true Jaccard of the shingle sets
-                truth = jaccard(shingle_set(i), shingle_set(int(c[3:])))
-                checked += 1
-                disagreed += (estimate >= threshold) != (truth >= threshold)
-                duplicate = truth >= threshold
-            if duplicate:
-                break
-        if duplicate:
-            keep[i] = False
-            near += 1
-            continue
-        key = f"new{i}"
-        lsh.insert(key, mh, check_duplication=False)
-        stored[key] = sigs[i]
-    return DedupResult(keep, exact, near, hashes, sigs, checked, disagreed)
+    sigs = signatures(texts, workers) if mode == "minhash" else None
+    dd = Deduper(mode, threshold, text_of=lambda i: texts[i], sig_of=lambda i: sigs[i])
+    if seen_hashes is not None:
+        dd.seed(seen_hashes, seen_signatures)
+    keep = np.array([dd.check(i, h, None if sigs is None else sigs[i]) is None
+                     for i, h in enumerate(hashes.tolist())], dtype=bool)
+    return DedupResult(keep, dd.exact, dd.near, hashes, sigs, dd.checked, dd.disagreed)

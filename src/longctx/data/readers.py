@@ -1,28 +1,59 @@
-"""Reading and normalising input documents: directories of text files, `.jsonl`, `.parquet`, `stdlib`.
+"""Reading and normalising input documents: directories of text files, `.jsonl`, `.parquet`, Arrow
+(Hugging Face `datasets` saved with `save_to_disk`, or a lone `.arrow` file), `stdlib`; text and
+`.jsonl` files also compressed (`.gz`, `.zst`).
 
 Every input yields `Document(name, text)`; the name is stable (a path relative to the input
-directory, or `file.jsonl:LINE`), because the train/eval split hashes it. Text is normalised:
-UTF-8 BOM dropped, CRLF/CR line ends turned into LF, Unicode NFC.
+directory, or `file.jsonl:LINE`, `file.parquet:ROW`, `dataset/data-00000-of-00001.arrow:ROW`),
+because the train/eval split hashes it. A compressed file's name keeps its compression suffix
+(`a/b.jsonl.gz:12`), so a compressed and an uncompressed copy are different documents. Text is
+normalised: UTF-8 BOM dropped, CRLF/CR line ends turned into LF, Unicode NFC.
+
+Inputs are read one *unit* at a time (`iter_file`): a file, or one arrow file of a saved dataset,
+yielding its documents in order without holding the unit in memory (jsonl line by line, also
+through the decompressor; parquet and arrow record batch by record batch; a plain text file is one
+document and is read whole). `input_files` lists the units of an input, `unit_size` weighs them.
+
+Formats, by suffix: the suffix before `.gz` / `.zst` decides (`x.jsonl.zst` is jsonl, `notes.txt.gz`
+and `mod.py.zst` are text); parquet and arrow are compressed inside already, so `x.parquet.gz` is not
+read (skipped as `other_suffix`). A directory written by `Dataset.save_to_disk` (`state.json` listing
+its arrow files) or `DatasetDict.save_to_disk` (`dataset_dict.json` listing its splits), given as the
+input or found inside an input directory, is read through its arrow files in the order state.json
+lists them (splits in dataset_dict.json order); its json files are metadata, not documents. Its
+names start with the dataset directory's own name: `--input ds` gives `ds/data-00000-of-00001.arrow:1`,
+a DatasetDict `dd/train/data-00000-of-00001.arrow:1`. An `.arrow` file outside a saved dataset is
+read too, as an Arrow IPC stream (what `datasets` writes) or an Arrow IPC file.
 
 Bad input never stops a build half-way: an empty or whitespace-only document, a binary file (a NUL
-byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line or a record without the text
-field is skipped and counted under its reason. What cannot be read at all (a missing path, an
-input directory with no usable file, a parquet file without the column, pyarrow missing) is a
-`DataError` before any output is written.
+byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record without the text field,
+a corrupt parquet or arrow file, or a corrupt compressed file (bad gzip / zstd data, a truncated
+stream) is skipped and counted under its reason. A file that turns out corrupt part-way keeps the
+documents it yielded before the damage and counts one skip for the rest. What cannot be read at all
+(a missing path, an input directory with no usable file, a saved dataset missing a data file it
+lists, a parquet or arrow file without the text column, pyarrow or zstandard missing) is a
+`DataError`: before any output is written, except the missing column, which shows when the unit is
+first read.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import unicodedata
+import zlib
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
 from .corpus import TEXT_SUFFIXES, Document, corpus_files
 
-STRUCTURED_SUFFIXES = {".jsonl", ".parquet"}
+STRUCTURED_SUFFIXES = {".jsonl", ".parquet", ".arrow"}
+COMPRESSION_SUFFIXES = {".gz", ".zst"}
+# the json files a saved dataset holds beside its arrow files: metadata, never documents
+DATASET_METADATA = {"state.json", "dataset_info.json", "dataset_dict.json"}
+CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
+ROWS = 4096  # parquet / arrow values converted to Python at a time
 
 
 @dataclass
@@ -57,122 +88,416 @@ def decode(raw: bytes) -> tuple[str | None, str | None]:
     return text, None
 
 
-def _read_text_file(path: Path, name: str, out: ReadResult) -> None:
+def unit_format(path: Path) -> tuple[str | None, str | None]:
+    """(format, compression) of a unit by its suffixes: format is 'jsonl', 'parquet', 'arrow' or
+    'text' (any other suffix: a file named on its own is read as text), None for a compressed
+    parquet / arrow file; compression is '.gz', '.zst' or None."""
+    name = path.name.lower()
+    compression = next((c for c in COMPRESSION_SUFFIXES if name.endswith(c)), None)
+    inner = Path(name[: -len(compression)]).suffix if compression else Path(name).suffix
+    if inner in (".parquet", ".arrow"):
+        return (None if compression else inner[1:]), compression
+    return ("jsonl" if inner == ".jsonl" else "text"), compression
+
+
+def _listed(path: Path) -> bool:
+    """Whether a file found in an input directory is read (text files only with a known suffix)."""
+    fmt, compression = unit_format(path)
+    if fmt is None:
+        return False
+    if fmt != "text":
+        return True
+    name = path.name.lower()
+    return Path(name[: -len(compression)] if compression else name).suffix in TEXT_SUFFIXES
+
+
+def unit_size(path: Path) -> int:
+    """Bytes on disk of one unit (compressed size for a compressed file), for balancing shards;
+    0 when it cannot be stat'ed (reading it then counts it as unreadable)."""
     try:
-        raw = path.read_bytes()
+        return path.stat().st_size
     except OSError:
-        out.skipped["unreadable"] += 1
-        return
-    text, why = decode(raw)
-    if why:
-        out.skipped[why] += 1
-    else:
-        out.docs.append(Document(name, text))
+        return 0
 
 
-def _accept(text, why_missing: str, out: ReadResult, name: str) -> None:
-    if not isinstance(text, str):
-        out.skipped[why_missing] += 1
-        return
-    if "\x00" in text[:8192]:
-        out.skipped["binary"] += 1
-        return
-    text = normalise(text)
-    if not text.strip():
-        out.skipped["empty"] += 1
-        return
-    out.docs.append(Document(name, text))
+# -- the optional libraries, imported when a unit needs them -------------------------------------
 
-
-def _read_jsonl(path: Path, name: str, text_field: str, out: ReadResult) -> None:
+def _pyarrow(path: Path):
     try:
-        raw = path.read_bytes()
-    except OSError:
-        out.skipped["unreadable"] += 1
-        return
-    for i, line in enumerate(raw.split(b"\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, ValueError):
-            out.skipped["bad_json_line"] += 1
-            continue
-        if not isinstance(record, dict):
-            out.skipped["bad_json_line"] += 1
-            continue
-        _accept(record.get(text_field), "missing_text_field", out, f"{name}:{i}")
-
-
-def _read_parquet(path: Path, name: str, text_field: str, out: ReadResult) -> None:
-    try:
-        import pyarrow.parquet as pq
+        import pyarrow
+        import pyarrow.ipc  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
     except ImportError:
         raise DataError(
             f"reading '{path}' needs pyarrow, which is not installed; install the data extra with "
             f"pip install 'longctx[data]' (or pip install pyarrow)."
         ) from None
+    return pyarrow
+
+
+def _zstandard(path: Path):
+    try:
+        import zstandard
+    except ImportError:
+        raise DataError(
+            f"reading '{path}' needs zstandard, which is not installed; install the data extra with "
+            f"pip install 'longctx[data]' (or pip install zstandard)."
+        ) from None
+    return zstandard
+
+
+def _check_libraries(files: list[Path]) -> None:
+    """A missing optional library is an error now, before anything is read or written."""
+    for f in files:
+        if unit_format(f)[0] in ("parquet", "arrow"):
+            _pyarrow(f)
+            break
+    for f in files:
+        if unit_format(f)[1] == ".zst":
+            _zstandard(f)
+            break
+
+
+# -- byte streams ----------------------------------------------------------------------------------
+
+class _BadCompressed(Exception):
+    """The compressed data of a unit is corrupt or truncated."""
+
+
+def _raw_chunks(f) -> Iterator[bytes]:
+    while chunk := f.read(CHUNK):
+        yield chunk
+
+
+def _gzip_chunks(f) -> Iterator[bytes]:
+    gz = gzip.GzipFile(fileobj=f, mode="rb")
+    try:
+        yield from _raw_chunks(gz)
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; EOFError: truncated
+        raise _BadCompressed(str(e)) from None
+
+
+def _zstd_chunks(f, path: Path) -> Iterator[bytes]:
+    # One decompressobj per frame, not read_across_frames: only a frame that ends says the data is
+    # complete, so a truncated file is caught instead of silently yielding less.
+    zstd = _zstandard(path)
+    dctx = zstd.ZstdDecompressor()
+    frame, started = dctx.decompressobj(), False
+    try:
+        for data in _raw_chunks(f):
+            while data:
+                out = frame.decompress(data)
+                started = True
+                if out:
+                    yield out
+                if frame.eof:
+                    data = frame.unused_data
+                    frame, started = dctx.decompressobj(), False
+                else:
+                    data = b""
+    except zstd.ZstdError as e:
+        raise _BadCompressed(str(e)) from None
+    if started:
+        raise _BadCompressed("truncated zstd stream: the last frame does not end")
+
+
+def _chunks(f, compression: str | None, path: Path) -> Iterator[bytes]:
+    if compression == ".gz":
+        return _gzip_chunks(f)
+    if compression == ".zst":
+        return _zstd_chunks(f, path)
+    return _raw_chunks(f)
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """Lines split at b"\\n" (without it), numbered as bytes.split(b"\\n") numbers them."""
+    pending: list[bytes] = []  # the pieces of a line that spans chunks
+    for chunk in chunks:
+        parts = chunk.split(b"\n")
+        if len(parts) > 1:
+            pending.append(parts[0])
+            yield b"".join(pending)
+            yield from parts[1:-1]
+            pending.clear()
+        pending.append(parts[-1])
+    yield b"".join(pending)
+
+
+# -- one unit --------------------------------------------------------------------------------------
+
+def _accept(value, name: str, skipped: Counter) -> Document | None:
+    if not isinstance(value, str):
+        skipped["missing_text_field"] += 1
+        return None
+    if "\x00" in value[:8192]:
+        skipped["binary"] += 1
+        return None
+    value = normalise(value)
+    if not value.strip():
+        skipped["empty"] += 1
+        return None
+    return Document(name, value)
+
+
+def _iter_jsonl(lines: Iterable[bytes], name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (UnicodeDecodeError, ValueError):
+            skipped["bad_json_line"] += 1
+            continue
+        if not isinstance(record, dict):
+            skipped["bad_json_line"] += 1
+            continue
+        doc = _accept(record.get(text_field), f"{name}:{i}", skipped)
+        if doc is not None:
+            yield doc
+
+
+def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, text_field: str,
+                     skipped: Counter) -> Iterator[Document]:
+    try:
+        f = open(path, "rb")
+    except OSError:
+        skipped["unreadable"] += 1
+        return
+    with f:
+        chunks = _chunks(f, compression, path)
+        try:
+            if fmt == "jsonl":
+                yield from _iter_jsonl(_lines(chunks), name, text_field, skipped)
+                return
+            text, why = decode(b"".join(chunks))
+        except _BadCompressed:
+            skipped["bad_compressed_file"] += 1
+            return
+        except OSError:
+            skipped["unreadable"] += 1
+            return
+    if why:
+        skipped[why] += 1
+    else:
+        yield Document(name, text)
+
+
+def _missing_column(kind: str, path: Path, text_field: str, columns: list[str]) -> DataError:
+    return DataError(
+        f"{kind} file '{path}' has no column '{text_field}' (columns: {', '.join(columns)}); "
+        f"pass --text-field with the column that holds the document text."
+    )
+
+
+def _iter_values(batches: Iterator, column, name: str, skipped: Counter, reason: str) -> Iterator[Document]:
+    """Documents of the `column` (index or callable) of record batches; a batch that cannot be read
+    ends the unit, counted under `reason`."""
+    row = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception:  # pyarrow raises several types for corrupt data
+            skipped[reason] += 1
+            return
+        values = batch.column(column)
+        for start in range(0, len(values), ROWS):
+            for value in values.slice(start, ROWS).to_pylist():
+                row += 1
+                doc = _accept(value, f"{name}:{row}", skipped)
+                if doc is not None:
+                    yield doc
+
+
+def _iter_parquet(path: Path, name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+    pq = _pyarrow(path).parquet
     try:
         pf = pq.ParquetFile(str(path))
-    except Exception as e:  # pyarrow raises several types for a corrupt file
-        out.skipped["bad_parquet_file"] += 1
-        del e
+    except Exception:  # pyarrow raises several types for a corrupt file
+        skipped["bad_parquet_file"] += 1
         return
-    if text_field not in pf.schema_arrow.names:
-        raise DataError(
-            f"parquet file '{path}' has no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)}); "
-            f"pass --text-field with the column that holds the document text."
-        )
-    row = 0
-    for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            _accept(value, "missing_text_field", out, f"{name}:{row}")
+    columns = pf.schema_arrow.names
+    if text_field not in columns:
+        raise _missing_column("parquet", path, text_field, columns)
+    yield from _iter_values(pf.iter_batches(columns=[text_field], batch_size=ROWS), 0, name, skipped,
+                            "bad_parquet_file")
+
+
+def _iter_arrow(path: Path, name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+    pa = _pyarrow(path)
+    try:
+        source = pa.memory_map(str(path))  # batches are read in place, not copied into memory
+    except OSError:
+        skipped["unreadable"] += 1
+        return
+    with source:
+        try:
+            stream = pa.ipc.open_stream(source)  # what datasets' save_to_disk writes
+            schema, batches = stream.schema, iter(stream)
+        except Exception:
+            try:
+                source.seek(0)
+                file = pa.ipc.open_file(source)
+                schema = file.schema
+                batches = (file.get_batch(i) for i in range(file.num_record_batches))
+            except Exception:
+                skipped["bad_arrow_file"] += 1
+                return
+        if text_field not in schema.names:
+            raise _missing_column("arrow", path, text_field, schema.names)
+        yield from _iter_values(batches, schema.get_field_index(text_field), name, skipped, "bad_arrow_file")
+
+
+def iter_file(path: Path, name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+    """The documents of one unit, in order, one at a time: a text file is one document named
+    `name`; a jsonl file one per line (`name:LINE`), a parquet or arrow file one per row
+    (`name:ROW`, from 1). Skips are counted into `skipped[reason]`. A corrupt compressed, parquet or
+    arrow file counts one skip ('bad_compressed_file', 'bad_parquet_file', 'bad_arrow_file') and
+    ends there: the documents it yielded before the damage stay. Raises DataError for a parquet or
+    arrow file without the `text_field` column and for a missing pyarrow / zstandard."""
+    fmt, compression = unit_format(path)
+    if fmt is None:
+        skipped["other_suffix"] += 1
+    elif fmt == "parquet":
+        yield from _iter_parquet(path, name, text_field, skipped)
+    elif fmt == "arrow":
+        yield from _iter_arrow(path, name, text_field, skipped)
+    else:
+        yield from _iter_bytes_file(path, name, fmt, compression, text_field, skipped)
+
+
+# -- listing the units of an input -----------------------------------------------------------------
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _dataset_files(d: Path) -> list[Path] | None:
+    """The arrow files of a directory written by `Dataset.save_to_disk`, in state.json's order;
+    None when `d` is not one."""
+    state = _read_json(d / "state.json")
+    if not isinstance(state, dict) or not isinstance(state.get("_data_files"), list):
+        return None
+    files = []
+    for entry in state["_data_files"]:
+        fname = entry.get("filename") if isinstance(entry, dict) else None
+        f = d / fname if isinstance(fname, str) and fname and Path(fname).name == fname else None
+        if f is None or not f.is_file():
+            raise DataError(
+                f"'{d}' is a saved Hugging Face dataset whose state.json lists the data file {fname!r}, "
+                f"which is not in that directory; save the dataset again with save_to_disk, or copy it whole."
+            )
+        files.append(f)
+    return files
+
+
+def saved_dataset(d: Path) -> list[Path] | None:
+    """The arrow files of a directory written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`
+    (splits in dataset_dict.json's order), or None when `d` is neither."""
+    splits = _read_json(d / "dataset_dict.json")
+    if isinstance(splits, dict) and isinstance(splits.get("splits"), list):
+        files = []
+        for split in splits["splits"]:
+            part = _dataset_files(d / str(split)) if (d / str(split)).is_dir() else None
+            if part is None:
+                raise DataError(
+                    f"'{d}' is a saved Hugging Face DatasetDict whose dataset_dict.json lists the split "
+                    f"'{split}', but '{d / str(split)}' is not a saved dataset (no state.json listing its "
+                    f"arrow files); save it again with save_to_disk, or copy it whole."
+                )
+            files += part
+        return files
+    return _dataset_files(d)
+
+
+def _directory_units(p: Path) -> tuple[list[Path], int]:
+    """(units of directory `p` in a deterministic order, files skipped): files sorted by path, a saved
+    dataset's arrow files in its own order at the place the dataset directory sorts."""
+    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    datasets: dict[Path, list[Path]] = {}
+    # outermost first, so a DatasetDict claims its splits
+    for d in sorted({f.parent for f in files if f.name in ("state.json", "dataset_dict.json")},
+                    key=lambda d: len(d.parts)):
+        if d not in datasets and not any(a in datasets for a in d.parents):
+            found = saved_dataset(d)
+            if found is not None:
+                datasets[d] = found
+    in_datasets = {f for units in datasets.values() for f in units}
+    units, skipped, placed = [], 0, set()
+    for f in files:
+        owner = next((a for a in f.parents if a in datasets), None) if datasets else None
+        if owner is None:
+            if _listed(f):
+                units.append(f)
+            else:
+                skipped += 1
+        else:
+            if owner not in placed:
+                units += datasets[owner]
+                placed.add(owner)
+            if f not in in_datasets and f.name not in DATASET_METADATA:
+                skipped += 1  # e.g. a cache-*.arrow that state.json does not list
+    return units, skipped
 
 
 def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], int]:
-    """(root, the files read_inputs reads for `spec`, sorted; files skipped for their suffix):
-    'stdlib', a directory (text, .jsonl and .parquet files; dotfiles skipped) or one file.
-    `option` names the setting `spec` came from in errors (--input, data.corpus)."""
+    """(root, the units read_inputs reads for `spec` in order, files skipped for their suffix):
+    'stdlib', a directory (text, .jsonl, .parquet and .arrow files, text and .jsonl also .gz / .zst,
+    saved Hugging Face datasets; dotfiles skipped), a saved dataset directory, or one file. A unit's
+    name is its path relative to root. `option` names the setting `spec` came from in errors
+    (--input, data.corpus). Checks now that pyarrow / zstandard are installed where units need them."""
     if spec == "stdlib":
         return (*corpus_files("stdlib"), 0)
     p = Path(spec)
     if not p.exists():
         raise DataError(f"{option} '{spec}' does not exist: it is neither 'stdlib' nor an existing directory or "
-                        f"file; pass a directory of text files, a .jsonl or .parquet file, or 'stdlib'.")
+                        f"file; pass a directory of text files, a .jsonl, .parquet or .arrow file (.jsonl and text "
+                        f"also .gz / .zst), a dataset saved with save_to_disk, or 'stdlib'.")
     if not p.is_dir():
+        if unit_format(p)[0] is None:
+            return p.parent, [], 1
+        _check_libraries([p])
         return p.parent, [p], 0
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
-    usable = [f for f in files if f.suffix.lower() in TEXT_SUFFIXES | STRUCTURED_SUFFIXES]
+    root = p
+    if saved_dataset(p) is not None:
+        p = p.absolute()  # names start with the dataset directory's own name, also for '.'
+        root = p.parent
+    usable, skipped = _directory_units(p)
     if not usable:
         raise DataError(
             f"{option} directory '{spec}' holds no usable file (text files with a suffix among "
-            f"{', '.join(sorted(TEXT_SUFFIXES))}, or .jsonl / .parquet); point {option} at a directory "
+            f"{', '.join(sorted(TEXT_SUFFIXES))}, .jsonl / .parquet / .arrow files, text and .jsonl also "
+            f"compressed as .gz / .zst, or datasets saved with save_to_disk); point {option} at a directory "
             f"with documents."
         )
-    return p, usable, len(files) - len(usable)
+    _check_libraries(usable)
+    return root, usable, skipped
 
 
 def read_inputs(inputs: list[str], text_field: str = "text", max_docs: int = 0) -> ReadResult:
-    """All documents of all inputs, in a deterministic order (inputs as given, files sorted)."""
-    out = ReadResult(docs=[])
+    """All documents of all inputs, in a deterministic order (inputs as given, units as input_files
+    lists them). Every input is listed (and checked) before the first is read. With `max_docs`,
+    reading stops at that many documents: skips past that point are not counted."""
     if not inputs:
-        raise DataError("no input given; pass --input with a directory, a .jsonl or .parquet file, or 'stdlib'.")
-    for spec in inputs:
-        root, files, other = input_files(spec)
+        raise DataError("no input given; pass --input with a directory, a .jsonl, .parquet or .arrow file, a "
+                        "dataset saved with save_to_disk, or 'stdlib'.")
+    out = ReadResult(docs=[])
+    listed = [input_files(spec) for spec in inputs]
+    for root, files, other in listed:
         out.skipped["other_suffix"] += other
         for f in files:
             out.files += 1
-            name = f.relative_to(root).as_posix()
-            suffix = f.suffix.lower()
-            if suffix == ".jsonl":
-                _read_jsonl(f, name, text_field, out)
-            elif suffix == ".parquet":
-                _read_parquet(f, name, text_field, out)
-            else:
-                _read_text_file(f, name, out)
+            docs = iter_file(f, f.relative_to(root).as_posix(), text_field, out.skipped)
+            for doc in docs:
+                out.docs.append(doc)
+                if max_docs and len(out.docs) >= max_docs:
+                    docs.close()
+                    break
             if max_docs and len(out.docs) >= max_docs:
-                del out.docs[max_docs:]
                 break
         if max_docs and len(out.docs) >= max_docs:
             break

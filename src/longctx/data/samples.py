@@ -16,11 +16,12 @@ documents are added or removed.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .holdout import is_eval_doc  # noqa: F401 - its home before data/holdout.py
 
 IGNORE = -100
 
@@ -39,10 +40,6 @@ class Batch:
     @property
     def valid_tokens(self) -> int:
         return int((self.labels != IGNORE).sum())
-
-
-def is_eval_doc(name: str, eval_fraction: float) -> bool:
-    return zlib.crc32(name.encode()) % 1_000_000 < eval_fraction * 1_000_000
 
 
 class SampleOrder:

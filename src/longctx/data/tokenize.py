@@ -49,27 +49,33 @@ def _offset_breaks(text: str, starts: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return breaks, strong
 
 
-def tokenize(texts: list[str], tok, workers: int = 1, batch: int = 256, progress=None) -> Tokenized:
+def tokenize_one(text: str, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens with the EOS appended, breaks, strong) of one document."""
+    return next(iter(_tokenized([text], tok)))
+
+
+def _tokenized(texts: list[str], tok):
+    """(tokens + EOS, breaks, strong) per text, in order."""
     eos = np.array([tok.eos_id], dtype=np.int32)
-    tokens, breaks, strong = [], [], []
     if getattr(tok, "name", "") == "byte":
         for text in texts:
             ids = tok.encode(text)
-            b, s = _byte_breaks(ids)
-            tokens.append(np.concatenate([ids, eos]))
-            breaks.append(b)
-            strong.append(s)
-            if progress is not None:
-                progress.update(1)
-        return Tokenized(tokens, breaks, strong)
-    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, workers)))
+            yield (np.concatenate([ids, eos]), *_byte_breaks(ids))
+        return
+    for text, enc in zip(texts, tok.encode_encodings(texts)):
+        ids = np.asarray(enc.ids, dtype=np.int32)
+        starts = np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
+        yield (np.concatenate([ids, eos]), *_offset_breaks(text, starts))
+
+
+def tokenize(texts: list[str], tok, workers: int = 1, batch: int = 256, progress=None) -> Tokenized:
+    if getattr(tok, "name", "") != "byte":
+        os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, workers)))
+    tokens, breaks, strong = [], [], []
     for i in range(0, len(texts), batch):
         chunk = texts[i:i + batch]
-        for text, enc in zip(chunk, tok.encode_encodings(chunk)):
-            ids = np.asarray(enc.ids, dtype=np.int32)
-            starts = np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
-            b, s = _offset_breaks(text, starts)
-            tokens.append(np.concatenate([ids, eos]))
+        for t, b, s in _tokenized(chunk, tok):
+            tokens.append(t)
             breaks.append(b)
             strong.append(s)
         if progress is not None:

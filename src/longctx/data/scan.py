@@ -1,0 +1,253 @@
+"""The scan stage of a build: input units -> shards -> per-document work, in worker processes.
+
+The inputs' files (units) are cut, in input order, into shards of about `SHARD_BYTES` bytes on
+disk. A worker reads a shard as a stream, one document at a time, and does everything a document
+needs on its own: normalise, exact hash, MinHash signature, tokens with their split points, and
+hashed head features. It writes them to the shard's directory (spill.py files, nothing kept in
+memory) and renames the directory into place when the shard is complete, so an interrupted build
+redoes only the shards that have no directory yet. Everything after the scan (dedup, embed,
+cluster, pack, write) reads these files in input order.
+
+`--shard i/n` runs the scan of the i-th of n contiguous runs of the shards (balanced by bytes):
+n machines scan a corpus too big for one, and `longctx data merge` finishes the build from all
+their scan directories, exactly as one machine would have from its own.
+
+Workers are started with `spawn`: they import only this module's dependencies (numpy, zlib, the
+tokenizer), ~35 MB each, whatever the parent has loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+from . import spill
+from .dedup import NUM_PERM, exact_hash, signature
+from .features import head_features
+
+SHARD_BYTES = 16 << 20
+FORMAT = "longctx-scan"
+VERSION = 1
+PLAN = "plan.json"
+SHARDS = "shards"
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """What the scan of a document depends on: a scan directory is only reused or merged under
+    the same ones."""
+    tokenizer: str
+    dedup: str
+    text_field: str
+
+
+@dataclass(frozen=True)
+class Unit:
+    path: str  # the file read
+    name: str  # the name its documents carry (relative to its input)
+    size: int  # bytes on disk
+
+
+def plan_units(inputs: list[str]) -> tuple[list[Unit], int]:
+    """Every input file in read order, and the count skipped for their suffix."""
+    from .readers import input_files, unit_size
+
+    if not inputs:
+        raise DataError("no input given; pass --input with a directory, a .jsonl or .parquet file, or 'stdlib'.")
+    units, other = [], 0
+    for spec in inputs:
+        root, files, skipped = input_files(spec)
+        other += skipped
+        units.extend(Unit(str(f), f.relative_to(root).as_posix(), unit_size(f)) for f in files)
+    return units, other
+
+
+def plan_shards(units: list[Unit], shard_bytes: int = SHARD_BYTES) -> list[list[Unit]]:
+    """Consecutive units grouped into shards of about `shard_bytes` (a bigger file is one shard)."""
+    shards, cur, size = [], [], 0
+    for u in units:
+        if cur and size + u.size > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(u)
+        size += u.size
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def machine_range(shards: list[list[Unit]], i: int, n: int) -> range:
+    """The shards machine i of n scans: contiguous, balanced by bytes."""
+    sizes = np.array([sum(u.size for u in s) for s in shards], dtype=np.float64)
+    ends = np.cumsum(sizes)
+    total = ends[-1] if len(ends) else 0.0
+    lo = int(np.searchsorted(ends, total * i / n, side="right")) if i else 0
+    hi = int(np.searchsorted(ends, total * (i + 1) / n, side="right")) if i + 1 < n else len(shards)
+    return range(lo, max(lo, hi))
+
+
+def plan_digest(units: list[Unit], opts: ScanOptions) -> str:
+    h = hashlib.sha256(json.dumps([asdict(opts), [asdict(u) for u in units]]).encode())
+    return h.hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------------------------
+# One shard, in a worker
+
+
+def shard_dir(work: Path, index: int) -> Path:
+    return work / SHARDS / f"{index:06d}"
+
+
+def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, token_dtype: str,
+               max_docs: int = 0) -> dict:
+    """Scan one shard into `work/shards/INDEX` (atomically); returns its counts."""
+    from .readers import iter_file
+    from .tokenize import tokenize_one
+    from .tokenizer import load_tokenizer
+
+    final = shard_dir(Path(work), index)
+    if (final / "shard.json").is_file():
+        return json.loads((final / "shard.json").read_text())
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok = load_tokenizer(opts.tokenizer)
+    minhash = opts.dedup == "minhash"
+    text = spill.RaggedWriter(tmp / "text", np.uint8)
+    tokens = spill.RaggedWriter(tmp / "tokens", token_dtype)
+    breaks = spill.RaggedWriter(tmp / "breaks", np.int32)
+    strong = spill.RaggedWriter(tmp / "strong", np.int32)
+    feat_idx = spill.RaggedWriter(tmp / "feat_idx", np.uint16)
+    feat_val = spill.RaggedWriter(tmp / "feat_val", np.float32)
+    hashes = spill.NpyAppender(tmp / "hashes.npy", np.uint64)
+    sigs = spill.NpyAppender(tmp / "sigs.npy", np.uint32, (NUM_PERM,)) if minhash else None
+    skipped: Counter = Counter()
+    n = raw = 0
+    with open(tmp / "names.jsonl", "w") as names:
+        for u in units:
+            for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped):
+                b = doc.text.encode("utf-8", "surrogatepass")
+                text.append(b)
+                raw += len(b)
+                hashes.append(np.array([exact_hash(doc.text)], np.uint64))
+                if sigs is not None:
+                    sigs.append(signature(doc.text)[None].astype(np.uint32))
+                t, br, st = tokenize_one(doc.text, tok)
+                tokens.append(t)
+                breaks.append(br)
+                strong.append(st)
+                fi, fv = head_features(doc.text)
+                feat_idx.append(fi)
+                feat_val.append(fv)
+                names.write(json.dumps(doc.name) + "\n")
+                n += 1
+                if max_docs and n >= max_docs:
+                    break
+            if max_docs and n >= max_docs:
+                break
+    for w in (text, tokens, breaks, strong, feat_idx, feat_val):
+        w.close()
+    hashes.close()
+    if sigs is not None:
+        sigs.close()
+    counts = {"index": index, "documents": n, "files": len(units), "bytes": raw,
+              "skipped": dict(sorted(skipped.items()))}
+    (tmp / "shard.json").write_text(json.dumps(counts) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return counts
+
+
+def _scan_star(args) -> dict:
+    return scan_shard(*args)
+
+
+def run_scans(work: Path, shards: list[list[Unit]], todo: range, opts: ScanOptions, token_dtype: str,
+              workers: int, max_docs: int = 0, on_done=None) -> list[dict]:
+    """Scan the shards `todo` (skipping complete ones) in `workers` processes; counts in shard order.
+    With `max_docs`, shards are scanned in order only until that many documents are read."""
+    jobs = [(str(work), i, shards[i], opts, token_dtype, max_docs) for i in todo]
+    results: dict[int, dict] = {}
+    done_docs = 0
+
+    def finished(c: dict) -> None:
+        nonlocal done_docs
+        results[c["index"]] = c
+        done_docs += c["documents"]
+        if on_done is not None:
+            on_done(c, sum(u.size for u in shards[c["index"]]))
+
+    if workers <= 1 or len(jobs) <= 1:
+        for j in jobs:
+            finished(scan_shard(*j))
+            if max_docs and done_docs >= max_docs:
+                break
+    else:
+        with mp.get_context("spawn").Pool(workers) as pool:
+            if max_docs:  # in order, a round of `workers` shards at a time, until enough documents
+                for a in range(0, len(jobs), workers):
+                    for c in pool.map(_scan_star, jobs[a:a + workers]):
+                        finished(c)
+                    if done_docs >= max_docs:
+                        break
+            else:
+                for c in pool.imap_unordered(_scan_star, jobs):
+                    finished(c)
+    return [results[i] for i in sorted(results)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading scanned shards back
+
+
+class ScannedShard:
+    """A complete shard's files, read lazily."""
+
+    def __init__(self, path: Path, token_dtype: str, minhash: bool):
+        self.path = path
+        self.counts = json.loads((path / "shard.json").read_text())
+        self.n = self.counts["documents"]
+        self.token_dtype, self.minhash = token_dtype, minhash
+
+    def hashes(self) -> np.ndarray:
+        return np.load(self.path / "hashes.npy")
+
+    def sigs(self) -> np.ndarray | None:
+        return np.load(self.path / "sigs.npy", mmap_mode="r") if self.minhash else None
+
+    def names(self) -> list[str]:
+        with open(self.path / "names.jsonl") as f:
+            return [json.loads(line) for line in f]
+
+    def ragged(self, what: str) -> spill.RaggedReader:
+        dtype = {"text": np.uint8, "tokens": self.token_dtype, "breaks": np.int32, "strong": np.int32,
+                 "feat_idx": np.uint16, "feat_val": np.float32}[what]
+        return spill.RaggedReader(self.path / what, dtype)
+
+    def token_lengths(self) -> np.ndarray:
+        return np.diff(np.load(self.path / "tokens.offsets.npy"))
+
+    def text_bytes(self) -> np.ndarray:
+        return np.diff(np.load(self.path / "text.offsets.npy"))
+
+
+def write_plan(work: Path, plan: dict) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = work / f".{PLAN}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(plan, indent=1) + "\n")
+    os.replace(tmp, work / PLAN)
+
+
+def read_plan(work: Path) -> dict | None:
+    p = work / PLAN
+    return json.loads(p.read_text()) if p.is_file() else None
