@@ -162,14 +162,15 @@ def _tfidf_rows(corpus: Corpus, docs: np.ndarray, idf: np.ndarray):
 
     indptr, indices, data = [0], [], []
     for d in docs.tolist():
-        idx = corpus.get("feat_idx", d).astype(np.int64)
+        idx = corpus.get("feat_idx", d).astype(np.int32)
         val = (1.0 + np.log(corpus.get("feat_val", d))) * idf[idx] if len(idx) else np.zeros(0)
         norm = np.sqrt((val ** 2).sum())
         indices.append(idx)
         data.append(val / norm if norm > 0 else val)
         indptr.append(indptr[-1] + len(idx))
-    return sp.csr_matrix((np.concatenate(data) if data else np.zeros(0), np.concatenate(indices) if indices
-                          else np.zeros(0, np.int64), np.asarray(indptr)), shape=(len(docs), BUCKETS))
+    return sp.csr_matrix((np.concatenate(data).astype(np.float32) if data else np.zeros(0, np.float32),
+                          np.concatenate(indices) if indices else np.zeros(0, np.int32),
+                          np.asarray(indptr, dtype=np.int64)), shape=(len(docs), BUCKETS))
 
 
 def _unit(z: np.ndarray) -> np.ndarray:
@@ -178,7 +179,28 @@ def _unit(z: np.ndarray) -> np.ndarray:
     return unit(z.astype(np.float32))
 
 
-def embed(corpus: Corpus, kept: np.ndarray, out: Path, seed: int, model: str = "") -> tuple[Embeddings, dict]:
+def fit_documents(memory: int) -> int:
+    """Documents the SVD is fitted on: a document's sparse TF-IDF row and its copies during the
+    fit take ~150 KB; a quarter of the memory bound goes to them."""
+    return int(np.clip(memory // 4 // (150 << 10), 256, FIT_DOCS))
+
+
+def svd_components(x, k: int, seed: int, n_iter: int = 3, oversample: int = 10) -> np.ndarray:
+    """The top-k right singular vectors [k, columns] of sparse `x` (randomised range finder with
+    power iterations, Halko et al. 2011: what scikit-learn's TruncatedSVD does, without its
+    ~150 MB of imports)."""
+    rng = np.random.default_rng(seed)
+    q = x @ rng.standard_normal((x.shape[1], k + oversample), dtype=np.float32)
+    for _ in range(n_iter):
+        q = np.linalg.qr(q)[0]
+        q = x @ np.linalg.qr(np.asarray(x.T @ q))[0]
+    q = np.linalg.qr(q)[0]
+    b = np.asarray(x.T @ q).T  # [k + oversample, columns]
+    return np.linalg.svd(b, full_matrices=False)[2][:k].astype(np.float32)
+
+
+def embed(corpus: Corpus, kept: np.ndarray, out: Path, seed: int, model: str = "",
+          memory: int = 2 << 30) -> tuple[Embeddings, dict]:
     """Embeddings of the kept documents, written to `out`."""
     writer = spill.NpyAppender(out, np.float32, (DIM,))
     n = len(kept)
@@ -192,23 +214,23 @@ def embed(corpus: Corpus, kept: np.ndarray, out: Path, seed: int, model: str = "
             writer.append(_unit(out_rows))
         writer.close()
         return Embeddings(out), {"dim": DIM, "model": model}
-    from sklearn.decomposition import TruncatedSVD
-
     from .features import BUCKETS
 
     df = np.zeros(BUCKETS, dtype=np.int64)
     for d in kept.tolist():
         df[corpus.get("feat_idx", d)] += 1
-    idf = np.log((1 + n) / (1 + df)) + 1.0
-    fit = kept[np.unique(np.linspace(0, n - 1, min(n, FIT_DOCS)).astype(np.int64))] if n else kept
+    idf = (np.log((1 + n) / (1 + df)) + 1.0).astype(np.float32)
+    fit = kept[np.unique(np.linspace(0, n - 1, min(n, fit_documents(memory))).astype(np.int64))] if n else kept
     x = _tfidf_rows(corpus, fit, idf)
-    k = min(DIM, len(fit) - 1, BUCKETS - 1)
-    svd = TruncatedSVD(k, n_iter=3, random_state=seed).fit(x) if k >= 1 and x.nnz else None
+    cols = np.unique(x.indices)  # only the features the sample has: the rest get no weight anyway
+    k = min(DIM, len(fit) - 1, len(cols) - 1)
+    comp = svd_components(x[:, cols], k, seed) if k >= 1 and x.nnz else None
+    del x
     for a in range(0, n, CHUNK):
         rows = _tfidf_rows(corpus, kept[a:a + CHUNK], idf)
         z = np.zeros((rows.shape[0], DIM), np.float32)
-        if svd is not None:
-            z[:, :k] = svd.transform(rows)
+        if comp is not None:
+            z[:, :k] = rows[:, cols] @ comp.T
         else:
             z[:, 0] = 1.0
         writer.append(_unit(z))
@@ -216,34 +238,42 @@ def embed(corpus: Corpus, kept: np.ndarray, out: Path, seed: int, model: str = "
     return Embeddings(out), {"dim": DIM, "model": "hashed-tfidf-svd", "fit_documents": int(len(fit))}
 
 
-def cluster(emb: Embeddings, lengths: np.ndarray, seq_len: int, k: int, seed: int) -> tuple[np.ndarray, dict]:
+def kmeans(emb: Embeddings, k: int, seed: int, memory: int, iters: int = 10) -> np.ndarray:
+    """Spherical k-means (cosine; the embeddings are unit vectors), Lloyd's iterations over chunks
+    of rows: memory is the centroids plus one chunk's similarities, whatever the corpus."""
+    rng = np.random.default_rng(seed)
+    cent = emb.rows(np.sort(rng.choice(emb.n, size=k, replace=False)))
+    chunk = int(np.clip(memory // 16 // (k * 4), 64, 8192))
+    labels = np.full(emb.n, -1, dtype=np.int64)
+    for _ in range(iters):
+        sums = np.zeros((k, emb.dim), dtype=np.float64)
+        changed = 0
+        for a, rows in emb.chunks(chunk):
+            lab = np.argmax(rows @ cent.T, axis=1)
+            changed += int((labels[a:a + len(rows)] != lab).sum())
+            labels[a:a + len(rows)] = lab
+            np.add.at(sums, lab, rows)
+        norms = np.linalg.norm(sums, axis=1, keepdims=True)
+        cent = np.where(norms > 0, sums / np.maximum(norms, 1e-12), cent).astype(np.float32)
+        if changed <= emb.n // 1000:
+            break
+    return labels
+
+
+def cluster(emb: Embeddings, lengths: np.ndarray, seq_len: int, k: int, seed: int,
+            memory: int = 2 << 30) -> tuple[np.ndarray, dict]:
     n = emb.n
     k = k or default_k(n, int(lengths.sum()), seq_len)
     k = max(1, min(k, n))
     if k <= 1:
         return np.zeros(n, dtype=np.int64), {"clusters": 1}
-    fit_ids = np.unique(np.linspace(0, n - 1, min(n, KMEANS_FIT)).astype(np.int64))
-    sample = emb.rows(fit_ids)
-    if len(fit_ids) > 20000:
-        from sklearn.cluster import MiniBatchKMeans
-
-        km = MiniBatchKMeans(n_clusters=k, random_state=seed, n_init=1, batch_size=4096)
-    else:
-        from sklearn.cluster import KMeans
-
-        km = KMeans(n_clusters=k, random_state=seed, n_init=1)
-    km.fit(sample)
-    del sample
-    labels = np.empty(n, dtype=np.int64)
+    labels = kmeans(emb, k, seed, memory)
     sums = np.zeros((k, emb.dim), dtype=np.float64)
     for a, rows in emb.chunks():
-        lab = km.predict(rows)
-        labels[a:a + len(rows)] = lab
-        np.add.at(sums, lab, rows)
+        np.add.at(sums, labels[a:a + len(rows)], rows)
     used = np.unique(labels)
-    remap = merge_centroids(sums[used])
     lookup = np.zeros(k, dtype=np.int64)
-    lookup[used] = remap
+    lookup[used] = merge_centroids(sums[used])
     labels = lookup[labels]
     return labels, {"clusters": int(labels.max()) + 1, "k_means": k}
 

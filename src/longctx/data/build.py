@@ -39,11 +39,10 @@ from .tokenizer import load_tokenizer
 DEDUP_MODES = ("minhash", "exact", "none")
 WORK = ".build"
 DEFAULT_MAX_MEMORY = 2 << 30
-# resident memory of a scan worker and of the main process outside its data (measured: spawn
-# workers import numpy and the tokenizer, ~35 MB; the main process imports scikit-learn for the
-# embed and cluster stages, ~190 MB, after the workers have exited)
-WORKER_BYTES = 80 << 20
-MAIN_BYTES = 200 << 20
+# resident memory of a scan worker and of the main process outside their data (spawned workers
+# import numpy and the tokenizer, ~35 MB; the main process adds scipy.sparse for the embed stage)
+WORKER_BYTES = 64 << 20
+MAIN_BYTES = 96 << 20
 
 
 @dataclass
@@ -328,9 +327,11 @@ def _assemble_in(o, root, old, tok, dtype, corpus, work, records, raw, files, re
                            "longer_than_seq_len": int((lengths > o.seq_len).sum())}
     emb = clusters = None
     if o.strategy == "datasculpt" or o.stats:
-        emb = asm.timed(records, "embed", raw, log, asm.embed, corpus, kept, work / "emb.npy", o.seed, o.embed_model)
+        emb = asm.timed(records, "embed", raw, log, asm.embed, corpus, kept, work / "emb.npy", o.seed, o.embed_model,
+                        o.memory)
     if o.strategy == "datasculpt":
-        clusters = asm.timed(records, "cluster", raw, log, asm.cluster, emb, lengths, o.seq_len, o.clusters, o.seed)
+        clusters = asm.timed(records, "cluster", raw, log, asm.cluster, emb, lengths, o.seq_len, o.clusters, o.seed,
+                             o.memory)
     items, where, split_info = asm.split_items(corpus, kept, names, lengths, o.seq_len, o.eval_fraction, log)
     if not items["train"].doc:
         raise DataError("every document landed in the eval split; lower --eval-fraction.")

@@ -11,15 +11,30 @@ from ..errors import UserError
 def _cmd_data(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx data {args.data}: {' '.join(overrides)}.")
-    from .build import BuildOptions, build_store
+    from .build import BuildOptions, build_store, merge_scans, parse_memory
 
+    memory = parse_memory(args.max_memory) if args.max_memory else 0
+    if args.data == "merge":
+        merge_scans(args.scans, args.out, workers=args.workers, max_memory=memory, progress=not args.no_progress)
+        return 0
     build_store(BuildOptions(
         inputs=args.input, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, strategy=args.strategy,
         dedup=args.dedup, workers=args.workers, text_field=args.text_field, eval_fraction=args.eval_fraction,
         seed=args.seed, embed_model=args.embed_model, dedup_threshold=args.dedup_threshold, max_docs=args.max_docs,
-        append=args.append, progress=not args.no_progress, clusters=args.clusters,
+        append=args.append, progress=not args.no_progress, clusters=args.clusters, max_memory=memory,
+        shard=_shard(args.shard),
     ))
     return 0
+
+
+def _shard(text: str | None):
+    if not text:
+        return None
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise UserError(f"--shard {text!r}: expected I/N, e.g. --shard 0/4 for the first of four machines.") from None
+    return i, n
 
 
 class _RenamedToSeqLen(argparse.Action):
@@ -61,5 +76,19 @@ def add_parser(sub) -> None:
     p.add_argument("--clusters", type=int, default=0, help="k-means clusters (default 0 = automatic)")
     p.add_argument("--max-docs", type=int, default=0, help="read at most this many documents (0 = all)")
     p.add_argument("--append", action="store_true", help="add the inputs to an existing store as a new part")
+    p.add_argument("--max-memory", default="", metavar="SIZE",
+                   help="resident memory the whole build may use, e.g. 300MB or 8GB (default 2GB): sets the scan "
+                        "workers that run at once and the tokens packed per group")
+    p.add_argument("--shard", default="", metavar="I/N",
+                   help="scan only the I-th of N shares of the inputs into --out, for `longctx data merge` "
+                        "(one per machine)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_data)
+
+    m = data.add_parser("merge", help="dedup across and pack the scans of `data build --shard i/n` into one store")
+    m.add_argument("scans", nargs="+", metavar="SCAN_DIR", help="the --out directories of all N shard scans")
+    m.add_argument("--out", required=True, help="the store directory")
+    m.add_argument("--workers", type=int, default=0, help="default: the shard builds' --workers")
+    m.add_argument("--max-memory", default="", metavar="SIZE", help="default: the shard builds' --max-memory")
+    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    m.set_defaults(func=_cmd_data)

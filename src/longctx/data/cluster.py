@@ -51,11 +51,14 @@ def merge_centroids(sums: np.ndarray, merge_cosine: float = MERGE_COSINE) -> np.
             i = parent[i]
         return i
 
-    sim = cent @ cent.T
-    for i, j in zip(*np.nonzero(np.triu(sim >= merge_cosine, k=1))):
-        a, b = find(int(i)), find(int(j))
-        if a != b:
-            parent[max(a, b)] = min(a, b)
+    for lo in range(0, len(cent), 512):  # blocks of rows: thousands of clusters never need a k x k matrix
+        sim = cent[lo:lo + 512] @ cent.T
+        for i, j in zip(*np.nonzero(sim >= merge_cosine)):
+            i = int(i) + lo
+            if int(j) > i:
+                a, b = find(i), find(int(j))
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
     root = np.array([find(i) for i in range(len(cent))])
     return np.unique(root, return_inverse=True)[1].astype(np.int64)
 

@@ -12,14 +12,24 @@
 Without document masks (`doc_mask=False`) a sample is a plain causal sequence: labels run across
 segment boundaries, positions are 0..L-1, no doc ids; padding, always at the end, stays ignored.
 
+Positions, doc ids and which tokens have a label all follow from the store's segment index, so a
+training rank reads no tokens to learn them (`frames`); it plans its share of the sequences from
+them and then gathers from the memory-mapped token array only the positions it holds, plus the next
+position of each one that has a label (`read_at`, driven by `Runtime.read_local_batch`). The token
+elements gathered are counted (`bytes_read`), so a benchmark can show that each rank reads its
+share and no more. `label_count` gives a global batch's valid labels from the index alone.
+
 `BatchLoader` draws global batches: a seeded shuffle of the samples whose whole state is one
 global cursor (`SampleOrder`), so a resumed job continues with exactly the samples not yet seen
 under any data-parallel degree; with `dp > 1` each batch is permuted so that the dp blocks
-`Runtime.local_batch` hands out have balanced estimated cost (data/balance.py).
+`Runtime.local_batch` hands out have balanced estimated cost (data/balance.py). What a training
+rank reads of each step, and the background read of the next step, live in stages.py
+(`StagedLoader.step_batches`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +44,21 @@ from .store import S_LENGTH, load_split, read_manifest
 LEGACY_COUNT_KEY = "num_windows"
 
 
+@dataclass
+class Frames:
+    """What rows of samples carry besides their tokens, from the segment index alone: [rows, seq_len]."""
+    positions: np.ndarray       # int64
+    doc_ids: np.ndarray | None  # int64; None without document masks
+    labelled: np.ndarray        # bool: token t has a label (token t + 1 of the same segment)
+
+
 class SampleSet:
     """What the loader needs of a list of samples, given `sample(i)`, `doc_mask` and per sample
     `real_tokens` and `sq_tokens` (the sum of squared document lengths): token counts, estimated
-    costs, batches."""
+    costs, batches. A set that can read a sample at given positions only sets `reads_by_position`
+    and provides `frames`, `read_at` and `label_count` (PackedSamples)."""
+
+    reads_by_position = False
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +74,8 @@ class SampleSet:
 
 
 class PackedSamples(SampleSet):
+    reads_by_position = True
+
     def __init__(self, root: str | Path, split: str = "train", doc_mask: bool = True):
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
@@ -62,16 +85,24 @@ class PackedSamples(SampleSet):
         counts = [len(a.pointer) - 1 for a in self.parts]
         self.offsets = np.cumsum([0, *counts])
         self.num_samples = int(self.offsets[-1])
-        # per sample: real tokens and sum of squared segment lengths (for the cost estimate)
-        real, sq = [], []
+        # per sample: real tokens, sum of squared segment lengths (for the cost estimate) and labels
+        # (every token of a segment but its last has one)
+        real, sq, labels = [], [], []
         for a in self.parts:
             w = np.repeat(np.arange(len(a.pointer) - 1), np.diff(a.pointer))  # each segment's sample
             n = len(a.pointer) - 1
             lens = a.segments[:, S_LENGTH].astype(np.float64)
             real.append(np.bincount(w, weights=lens, minlength=n))
             sq.append(np.bincount(w, weights=lens ** 2, minlength=n))
+            labels.append(np.bincount(w, weights=np.maximum(lens - 1, 0), minlength=n))
         self.real_tokens = np.concatenate(real) if real else np.zeros(0)
         self.sq_tokens = np.concatenate(sq) if sq else np.zeros(0)
+        # without document masks labels cross segments: every real token but the last has one
+        self.label_counts = (np.concatenate(labels) if doc_mask and labels else
+                             np.maximum(self.real_tokens - 1, 0)).astype(np.int64)
+        # token elements gathered from the token arrays x their size. One reader at a time: the
+        # loader waits for its background read before it reads itself (stages.py)
+        self.bytes_read = 0
 
     def __len__(self) -> int:
         return self.num_samples
@@ -90,25 +121,69 @@ class PackedSamples(SampleSet):
         part, j = self._locate(i)
         return part.segments[part.pointer[j]:part.pointer[j + 1]]
 
-    def sample(self, i: int):
-        part, j = self._locate(i)
-        tokens = np.asarray(part.tokens[j], dtype=np.int64)
-        segs = part.segments[part.pointer[j]:part.pointer[j + 1]]
+    def label_count(self, indices) -> int:
+        """Valid (non-ignored) labels of these samples, from the segment index."""
+        return int(self.label_counts[np.asarray(indices, dtype=np.int64)].sum())
+
+    def _frame(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+        """Sample i's positions, doc ids and labelled tokens [seq_len], from its segments."""
+        segs = self.segments(i)
         L = self.seq_len
         real = int(segs[:, S_LENGTH].sum())
-        labels = np.full(L, IGNORE, dtype=np.int64)
         if not self.doc_mask:
-            labels[:real - 1] = tokens[1:real]
-            return tokens, labels, np.arange(L), None
+            return np.arange(L), None, np.arange(L) < real - 1
         lengths = np.append(segs[:, S_LENGTH], L - real) if real < L else segs[:, S_LENGTH]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         doc_ids = np.repeat(np.arange(len(lengths)), lengths)
         positions = np.arange(L) - np.repeat(starts, lengths)
-        nxt = np.zeros(L, dtype=bool)  # True where token t + 1 is in the same segment
-        nxt[:-1] = doc_ids[1:] == doc_ids[:-1]
-        nxt[real:] = False  # padding predicts nothing
-        labels[:-1][nxt[:-1]] = tokens[1:][nxt[:-1]]
+        labelled = np.zeros(L, dtype=bool)  # True where token t + 1 is in the same segment
+        labelled[:-1] = doc_ids[1:] == doc_ids[:-1]
+        labelled[real:] = False  # padding predicts nothing
+        return positions, doc_ids, labelled
+
+    def frames(self, indices) -> Frames:
+        rows = [self._frame(int(i)) for i in indices]
+        return Frames(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]) if self.doc_mask else None,
+                      np.stack([r[2] for r in rows]))
+
+    def _tokens_at(self, i: int, labelled: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sample i's tokens at positions `held` and their labels, gathered from the memory-mapped
+        token array: those positions and the next one of each labelled token, each read once."""
+        part, j = self._locate(i)
+        want = np.zeros(self.seq_len, dtype=bool)
+        want[held] = True
+        has_label = labelled[held]
+        want[held[has_label] + 1] = True
+        need = np.flatnonzero(want)
+        slot = np.cumsum(want) - 1  # position -> its index in `need`
+        values = np.asarray(part.tokens[j, need], dtype=np.int64)
+        self.bytes_read += need.size * part.tokens.dtype.itemsize
+        labels = np.full(len(held), IGNORE, dtype=np.int64)
+        labels[has_label] = values[slot[held[has_label] + 1]]
+        return values[slot[held]], labels
+
+    def read_at(self, indices, frames: Frames, held: np.ndarray | None) -> Batch:
+        """Rows `indices` (with their `frames`) at the global positions `held` [rows, k] in that
+        order (None: every position), reading only the tokens that needs."""
+        n = len(indices)
+        if held is None:
+            held = np.broadcast_to(np.arange(self.seq_len), (n, self.seq_len))
+        read = [self._tokens_at(int(i), frames.labelled[r], held[r]) for r, i in enumerate(indices)]
+        rows = np.arange(n)[:, None]
+        long = lambda a: torch.from_numpy(np.ascontiguousarray(a)).long()  # noqa: E731
+        return Batch(long(np.stack([t for t, _ in read])), long(np.stack([lab for _, lab in read])),
+                     long(frames.positions[rows, held]),
+                     None if frames.doc_ids is None else long(frames.doc_ids[rows, held]))
+
+    def batch(self, indices) -> Batch:
+        indices = list(indices)
+        return self.read_at(indices, self.frames(indices), None)
+
+    def sample(self, i: int):
+        positions, doc_ids, labelled = self._frame(i)
+        tokens, labels = self._tokens_at(i, labelled, np.arange(self.seq_len))
         return tokens, labels, positions, doc_ids
+
 
 def stack_samples(parts: list[tuple], doc_mask: bool) -> Batch:
     """(tokens, labels, positions, doc ids) per sample -> one Batch."""

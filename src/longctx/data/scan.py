@@ -71,8 +71,10 @@ def plan_units(inputs: list[str]) -> tuple[list[Unit], int]:
     return units, other
 
 
-def plan_shards(units: list[Unit], shard_bytes: int = SHARD_BYTES) -> list[list[Unit]]:
-    """Consecutive units grouped into shards of about `shard_bytes` (a bigger file is one shard)."""
+def plan_shards(units: list[Unit], shard_bytes: int = 0) -> list[list[Unit]]:
+    """Consecutive units grouped into shards of about `shard_bytes` (default SHARD_BYTES; a bigger
+    file is one shard)."""
+    shard_bytes = shard_bytes or SHARD_BYTES
     shards, cur, size = [], [], 0
     for u in units:
         if cur and size + u.size > shard_bytes:
