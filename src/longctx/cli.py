@@ -125,7 +125,10 @@ def _cmd_plan(args, overrides) -> int:
     return plan_main(args, overrides)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; with `command` given (the first argument), the `bench` subcommands' arguments are
+    only declared when that command is bench: their modules import torch, which costs every other
+    command (`data build` in bounded memory above all) ~220 MB and seconds of startup."""
     parser = argparse.ArgumentParser(prog="longctx", description="Train decoder LLMs on very long contexts.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
@@ -163,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval.command import add_parser as add_eval_parser
 
     add_eval_parser(sub)
+    if command not in (None, "bench") and not command.startswith("-"):
+        sub.add_parser("bench", help="benchmarks; each prints JSON")
+        return parser
     bench = sub.add_parser("bench", help="benchmarks; each prints JSON").add_subparsers(dest="bench", required=True)
     from .bench import attention
 
@@ -184,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(given[0] if given else None)
     args, rest = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a relaunch on N ranks runs again
     try:

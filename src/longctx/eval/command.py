@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, DataError
-from .tasks import TASKS, Sequence, load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .tasks import Sequence
+
+# tasks.TASKS, here so that building the CLI's parser does not import tasks (and torch with it):
+# every `longctx` command, `data build` included, would pay ~220 MB and seconds of startup for it
+TASKS = ("ppl", "passkey", "needle")
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 
@@ -119,6 +126,8 @@ def _tokenizer_spec(args, cfg) -> str | None:
 
 
 def prepare(args, overrides: list[str], nproc: int) -> Plan:
+    from .tasks import load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
+
     from ..data.tokenizer import load_tokenizer
     from ..parallel.checks import check_layout
     from ..parallel.dims import ParallelDims
