@@ -68,14 +68,16 @@ def run_build(src: str, args: list[str]) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "longctx", "data", "build", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak, samples = 0.0, []
+    peak, peak_main, samples = 0.0, 0.0, []
 
     def sample():
-        nonlocal peak
+        nonlocal peak, peak_main
         while proc.poll() is None:
             m = tree_rss_mb(proc.pid)
-            peak = max(peak, m)
-            samples.append(round(m, 1))
+            main_mb = _rss_kb(proc.pid) / 1024
+            if m > peak:
+                samples.append((round(time.perf_counter() - t0, 1), round(m, 1), round(main_mb, 1)))
+            peak, peak_main = max(peak, m), max(peak_main, main_mb)
             time.sleep(0.05)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -85,7 +87,8 @@ def run_build(src: str, args: list[str]) -> dict:
     dt = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"build failed ({proc.returncode}):\n{out}")
-    return {"seconds": round(dt, 1), "peak_rss_mb": round(peak, 1), "log": out.splitlines()}
+    return {"seconds": round(dt, 1), "peak_rss_mb": round(peak, 1), "peak_main_process_mb": round(peak_main, 1),
+            "rising_peaks": samples[-5:], "log": out.splitlines()}
 
 
 def store_summary(root: Path) -> dict:

@@ -6,11 +6,19 @@ state is one cursor like any run's. The loader switches at the first step of a s
 saved in a checkpoint is the stage and its cursor, so a resume lands in the right stage at the
 right sample, whether the checkpoint is before, at or after a boundary. A run without stages is
 one stage of train.steps at train.seq_len, with exactly the loader it always had.
+
+`step_batches(step)` hands the training loop a step's micro-batches as this rank's shares, already
+read (Runtime.read_local_batch: only the tokens the rank holds), and starts reading the next step's
+on a background thread while the current step runs. The sample order is still drawn on the main
+thread, in order, so the batches are the same with or without that read ahead; the data position
+a checkpoint saves is the one after the last step handed out, never the one read ahead, and a
+stage change or a loaded position drops what was read ahead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 from .config import Config
@@ -47,16 +55,54 @@ def tokens_through(stages: list[Stage], step: int) -> int:
     return sum(max(0, min(step, s.last_step) - s.first_step + 1) * s.seq_len * s.global_batch for s in stages)
 
 
-class StagedLoader:
-    """The global batches of each step, from the stage the step belongs to."""
+class ReadAhead:
+    """`read(*args)` running on a daemon thread (one per read: none lingers after it); `result()`
+    waits for it and raises its error, with the thread's traceback, in the caller."""
 
-    def __init__(self, cfg: Config, build_data, dp: int):
+    def __init__(self, read, *args):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(read, args), name="longctx-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, read, args) -> None:
+        try:
+            self._value = read(*args)
+        except BaseException as e:  # raised again by result(), in the caller's thread
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def wait(self) -> None:
+        """Until the read is over, whatever its outcome (for a read that is being dropped)."""
+        self._thread.join()
+
+
+def _whole_batch(samples, indices):
+    """A global batch as one rank of one process reads it, and its valid labels."""
+    batch = samples.batch(indices)
+    return batch, batch.valid_tokens
+
+
+class StagedLoader:
+    """The global batches of each step, from the stage the step belongs to; as this rank's shares,
+    with the next step's read ahead, through `step_batches`."""
+
+    def __init__(self, cfg: Config, build_data, dp: int, read_local=_whole_batch, read_ahead: bool = False):
         self.cfg, self.build_data, self.dp = cfg, build_data, dp
+        self.read_local = read_local  # (samples, global batch indices) -> (my share on the host, valid labels)
+        self.read_ahead = read_ahead
         self.stages = stages_of(cfg)
         self.stage: Stage | None = None
         self.loader: BatchLoader | None = None
         self.train_samples = self.eval_samples = None
         self._saved: dict | None = None  # a checkpoint's data position, applied when its stage is entered
+        self._ahead: ReadAhead | None = None  # the next step's shares, being read
+        self._ahead_step = 0
+        self._ahead_from: dict | None = None  # the data position before the read-ahead step was drawn
 
     def stage_of(self, step: int) -> Stage:
         return next((s for s in self.stages if s.first_step <= step <= s.last_step), self.stages[-1])
@@ -66,6 +112,7 @@ class StagedLoader:
         stage = self.stage_of(step)
         if stage == self.stage:
             return False
+        self._drop_ahead()
         cfg = self.cfg
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
@@ -82,14 +129,53 @@ class StagedLoader:
         return (self.stage or self.stages[0]).global_batch // self.cfg.train.grad_accum
 
     def next_batch(self):
+        """The next global micro-batch, whole."""
+        self._drop_ahead()
         return self.loader.next_batch()
 
+    def step_batches(self, step: int) -> list:
+        """`step`'s micro-batches (train.grad_accum of them), each as (this rank's share on the host,
+        valid labels of its global batch); the step of the current stage that follows the last one
+        handed out. With read_ahead, the next step's are read in the background meanwhile."""
+        if self._ahead is not None and self._ahead_step == step:
+            ahead, self._ahead = self._ahead, None
+            batches = ahead.result()
+        else:
+            self._drop_ahead()
+            batches = self._read(self.train_samples, self._draw())
+        if self.read_ahead and step < self.stage.last_step:
+            # drawn here, in step order, so the order and its position never depend on the thread
+            self._ahead_from, self._ahead_step = self.loader.state_dict(), step + 1
+            self._ahead = ReadAhead(self._read, self.train_samples, self._draw())
+        return batches
+
+    def _draw(self) -> list[list[int]]:
+        return [self.loader.next_indices() for _ in range(self.cfg.train.grad_accum)]
+
+    def _read(self, samples, draws: list[list[int]]) -> list:
+        return [self.read_local(samples, indices) for indices in draws]
+
+    def _drop_ahead(self) -> None:
+        """Forget the step read ahead (after its read ends) and put the order back before its draw."""
+        if self._ahead is None:
+            return
+        self._ahead.wait()
+        self._ahead = None
+        self.loader.load_state_dict(self._ahead_from)
+
+    def close(self) -> None:
+        """Drop what was read ahead: no read thread is left running."""
+        self._drop_ahead()
+
     def state_dict(self) -> dict:
-        return {**self.loader.state_dict(), "stage": self.stage.index}
+        """The data position after the last batch handed out (not after one read ahead)."""
+        position = self._ahead_from if self._ahead is not None else self.loader.state_dict()
+        return {**position, "stage": self.stage.index}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's data position: it continues its stage's order when that stage is entered;
         a checkpoint at a stage's last step leaves the next stage to start at its first sample."""
+        self._drop_ahead()
         self._saved = dict(state)
         if self.stage is not None and int(state.get("stage", 0)) == self.stage.index:
             self.loader.load_state_dict(state)

@@ -4,8 +4,9 @@ One optimizer step = `train.grad_accum` micro-batches; `train.global_batch` coun
 a whole step over every data-parallel rank, so a config means the same training under any layout.
 The loss of a step is the mean over every valid (non-ignored) label token of the global step:
 every rank divides its summed local loss by that count (known to all ranks, since all of them
-draw the same global batch) and FSDP sums the gradients, so micro-batches and ranks with different
-numbers of valid tokens are weighted exactly as one large batch on one device would be.
+draw the same global batch and count its labels from the store's segment index, without reading
+its tokens) and FSDP sums the gradients, so micro-batches and ranks with different numbers of
+valid tokens are weighted exactly as one large batch on one device would be.
 
 What is set up before the first step (run directory, data, model, checkpoints) lives in
 run_setup.py; the pieces of a step the planner also uses (optimizer, schedule, loss forward,
@@ -83,9 +84,10 @@ class _Window:
 
 
 class Trainer:
-    """One training job on this rank: `Trainer(cfg).run()`."""
+    """One training job on this rank: `Trainer(cfg).run()`. With `read_ahead=False` each step's
+    batches are read when the step starts instead of during the step before (the same batches)."""
 
-    def __init__(self, cfg: Config, log=print):
+    def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
         self.cfg = cfg
         self.rt, self.device = join_job(cfg)
         rt = self.rt
@@ -95,8 +97,10 @@ class Trainer:
         seed_everything(cfg.train.seed)
         check_packages(cfg)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
-        # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py)
-        self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), rt.dp)
+        # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
+        # Each rank reads only its share of them, the next step's on a background thread
+        self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), rt.dp,
+                                    read_local=rt.read_local_batch, read_ahead=read_ahead)
         self.sampler.enter(1)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.model = build_training_model(cfg, self.device, rt, self.log)
@@ -203,6 +207,7 @@ class Trainer:
             if self.ckpt is not None:
                 self.ckpt.wait()  # the last async save is complete and committed before the job ends
         finally:
+            self.sampler.close()
             if progress is not None:
                 progress.close()
             if writer is not None:
@@ -216,10 +221,10 @@ class Trainer:
         lr = lr_at(step - 1, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batches = [self.sampler.next_batch() for _ in range(t.grad_accum)]
-        valid = sum(b.valid_tokens for b in batches)  # of the global step: the same on every rank
+        shares = self.sampler.step_batches(step)  # this rank's, read on the host (read ahead, mostly)
+        valid = sum(v for _, v in shares)  # of the global step: the same on every rank
         scale = grad_scale(rt.dims)
-        micro = [rt.local_batch(b, self.device) for b in batches]  # host work: layouts, plans, copies
+        micro = [rt.to_device(b, self.device) for b, _ in shares]
         with self.device_section():
             local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, batch in enumerate(micro):

@@ -9,7 +9,7 @@ a group at a time:
 - dedup: `Deduper` over the documents in input order (the first occurrence is kept), each LSH
   candidate confirmed by the true Jaccard of the two texts' shingle sets;
 - embed: TF-IDF of the head features with the idf of every kept document, reduced to 128
-  dimensions by a truncated SVD fitted on an evenly spaced sample of `FIT_DOCS` documents, then
+  dimensions by a truncated SVD fitted on an evenly spaced sample of up to `FIT_DOCS` documents, then
   applied chunk by chunk (written to `emb.npy` in the work directory);
 - cluster: k-means (fitted on at most `KMEANS_FIT` documents, assigned chunk by chunk), near
   clusters merged;
@@ -42,6 +42,7 @@ from .scan import ScannedShard
 FIT_DOCS = 2048
 KMEANS_FIT = 65536
 CHUNK = 2048
+TRANSFORM_CHUNK = 256  # documents per sparse TF-IDF block (~3,000 features each)
 DIM = 128
 
 
@@ -154,8 +155,9 @@ class Embeddings:
         self.f.close()
 
 
-def _tfidf_rows(corpus: Corpus, docs: np.ndarray, idf: np.ndarray):
-    """Sublinear TF-IDF rows, L2-normalised (scikit-learn's TfidfTransformer defaults), as CSR."""
+def _tfidf_rows(corpus: Corpus, docs: np.ndarray, idf: np.ndarray, col_of: np.ndarray | None = None):
+    """Sublinear TF-IDF rows, L2-normalised (scikit-learn's TfidfTransformer defaults), as CSR over
+    the feature buckets, or with `col_of` (bucket -> column, -1 = dropped) over those columns."""
     import scipy.sparse as sp
 
     from .features import BUCKETS
@@ -163,14 +165,20 @@ def _tfidf_rows(corpus: Corpus, docs: np.ndarray, idf: np.ndarray):
     indptr, indices, data = [0], [], []
     for d in docs.tolist():
         idx = corpus.get("feat_idx", d).astype(np.int32)
-        val = (1.0 + np.log(corpus.get("feat_val", d))) * idf[idx] if len(idx) else np.zeros(0)
+        val = ((1.0 + np.log(corpus.get("feat_val", d))) * idf[idx]).astype(np.float32)
         norm = np.sqrt((val ** 2).sum())
+        if norm > 0:
+            val /= norm
+        if col_of is not None:
+            idx = col_of[idx]
+            val, idx = val[idx >= 0], idx[idx >= 0]
         indices.append(idx)
-        data.append(val / norm if norm > 0 else val)
+        data.append(val)
         indptr.append(indptr[-1] + len(idx))
-    return sp.csr_matrix((np.concatenate(data).astype(np.float32) if data else np.zeros(0, np.float32),
+    width = BUCKETS if col_of is None else int(col_of.max()) + 1
+    return sp.csr_matrix((np.concatenate(data) if data else np.zeros(0, np.float32),
                           np.concatenate(indices) if indices else np.zeros(0, np.int32),
-                          np.asarray(indptr, dtype=np.int64)), shape=(len(docs), BUCKETS))
+                          np.asarray(indptr, dtype=np.int64)), shape=(len(docs), width))
 
 
 def _unit(z: np.ndarray) -> np.ndarray:
@@ -185,18 +193,19 @@ def fit_documents(memory: int) -> int:
     return int(np.clip(memory // 4 // (150 << 10), 256, FIT_DOCS))
 
 
-def svd_components(x, k: int, seed: int, n_iter: int = 3, oversample: int = 10) -> np.ndarray:
-    """The top-k right singular vectors [k, columns] of sparse `x` (randomised range finder with
-    power iterations, Halko et al. 2011: what scikit-learn's TruncatedSVD does, without its
-    ~150 MB of imports)."""
-    rng = np.random.default_rng(seed)
-    q = x @ rng.standard_normal((x.shape[1], k + oversample), dtype=np.float32)
-    for _ in range(n_iter):
-        q = np.linalg.qr(q)[0]
-        q = x @ np.linalg.qr(np.asarray(x.T @ q))[0]
-    q = np.linalg.qr(q)[0]
-    b = np.asarray(x.T @ q).T  # [k + oversample, columns]
-    return np.linalg.svd(b, full_matrices=False)[2][:k].astype(np.float32)
+def svd_components(x, k: int) -> np.ndarray:
+    """The top-k right singular vectors [k', columns] (k' <= k: only nonzero singular values) of
+    sparse `x`, which has few rows (the fitted sample) and many columns: from the eigenvectors of
+    the small Gram matrix x x^T, v_i = x^T u_i / s_i. Exact, and it never holds more than one
+    dense [columns, k] block (a randomised SVD holds several; scikit-learn's costs ~150 MB of
+    imports on top)."""
+    gram = np.asarray((x @ x.T).todense(), dtype=np.float64)
+    w, u = np.linalg.eigh(gram)
+    top = np.argsort(w)[::-1][:k]
+    w, u = w[top], u[:, top]
+    nonzero = w > 1e-9 * max(float(w[0]), 1e-30) if len(w) else np.zeros(0, bool)
+    w, u = w[nonzero], u[:, nonzero]
+    return np.asarray(x.T @ (u / np.sqrt(w)).astype(np.float32)).T.astype(np.float32)
 
 
 def embed(corpus: Corpus, kept: np.ndarray, out: Path, seed: int, model: str = "",
@@ -221,16 +230,20 @@ def embed(corpus: Corpus, kept: np.ndarray, out: Path, seed: int, model: str = "
         df[corpus.get("feat_idx", d)] += 1
     idf = (np.log((1 + n) / (1 + df)) + 1.0).astype(np.float32)
     fit = kept[np.unique(np.linspace(0, n - 1, min(n, fit_documents(memory))).astype(np.int64))] if n else kept
-    x = _tfidf_rows(corpus, fit, idf)
-    cols = np.unique(x.indices)  # only the features the sample has: the rest get no weight anyway
+    # only the features the sample has: the others get no weight in the components anyway
+    cols = np.unique(np.concatenate([corpus.get("feat_idx", d) for d in fit.tolist()] or [np.zeros(0, np.uint16)]))
+    col_of = np.full(BUCKETS, -1, dtype=np.int32)
+    col_of[cols] = np.arange(len(cols), dtype=np.int32)
+    x = _tfidf_rows(corpus, fit, idf, col_of)
     k = min(DIM, len(fit) - 1, len(cols) - 1)
-    comp = svd_components(x[:, cols], k, seed) if k >= 1 and x.nnz else None
+    comp = svd_components(x, k) if k >= 1 and x.nnz else None
+    k = 0 if comp is None else comp.shape[0]
     del x
-    for a in range(0, n, CHUNK):
-        rows = _tfidf_rows(corpus, kept[a:a + CHUNK], idf)
+    for a in range(0, n, TRANSFORM_CHUNK):
+        rows = _tfidf_rows(corpus, kept[a:a + TRANSFORM_CHUNK], idf, col_of)
         z = np.zeros((rows.shape[0], DIM), np.float32)
-        if comp is not None:
-            z[:, :k] = rows[:, cols] @ comp.T
+        if k:
+            z[:, :k] = rows @ comp.T
         else:
             z[:, 0] = 1.0
         writer.append(_unit(z))

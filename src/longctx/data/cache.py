@@ -21,7 +21,7 @@ from .build import BuildOptions, build_store
 from .readers import input_files
 from .store import MANIFEST
 
-CACHE_VERSION = 2  # 2: near-duplicates confirmed by their true Jaccard (another document set)
+CACHE_VERSION = 3  # 2: near-duplicates confirmed by their true Jaccard; 3: the streaming build (eval pieces)
 
 
 def _fingerprint(corpus: str, tokenizer: str) -> dict:
