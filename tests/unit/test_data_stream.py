@@ -155,3 +155,16 @@ def test_memory_bound_settings_and_errors(tmp_path):
         build_store(opts([tmp_path], tmp_path / "s", max_memory=50 << 20), log=quiet)
     with pytest.raises(DataError, match="--shard and --max-docs"):
         build_store(opts([tmp_path], tmp_path / "s", shard=(0, 2), max_docs=5), log=quiet)
+
+
+def test_a_cluster_bigger_than_a_group_is_packed_in_runs():
+    """The memory bound holds for one huge cluster too: it is cut into runs of about a group each;
+    every item lands in exactly one group, in order within its cluster."""
+    from longctx.data.assemble import groups
+
+    lengths = np.full(40, 100)
+    clusters = np.r_[np.zeros(35, int), np.ones(5, int)]  # one cluster of 3,500 tokens, one of 500
+    got = list(groups(np.arange(40), lengths, clusters, 1000))
+    assert sorted(np.concatenate(got).tolist()) == list(range(40))
+    assert max(int(lengths[g].sum()) for g in got) <= 2 * 1000
+    assert len(got) >= 3

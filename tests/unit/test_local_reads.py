@@ -200,18 +200,7 @@ def test_a_sample_set_that_cannot_read_by_position_is_read_whole_and_cut(store):
 
 # --- reading the next step ahead ---------------------------------------------------------------------
 
-class _Samples:
-    """n samples of `seq_len` tokens; sample i is all i (so a batch names the samples it holds)."""
-
-    def __init__(self, n, seq_len):
-        self.n, self.seq_len = n, seq_len
-
-    def __len__(self):
-        return self.n
-
-    def batch(self, indices):
-        t = torch.tensor(indices)[:, None].expand(-1, self.seq_len)
-        return Batch(t, t, t, None)
+from test_stages import _Samples  # noqa: E402 - sample i is all i
 
 
 def _loader(read_ahead, stages="8:3,16:3", read_local=None, grad_accum=2):

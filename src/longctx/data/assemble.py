@@ -93,12 +93,13 @@ class Corpus:
 
 
 def dedup(corpus: Corpus, mode: str, threshold: float, limit: int, seen=None, progress=None) -> tuple[np.ndarray, dict]:
-    """keep mask over the corpus's documents (only the first `limit` are read when limit > 0)."""
-    sig_files = [sh.sigs() for sh in corpus.shards]
+    """keep mask over the corpus's documents (only the first `limit` are read when limit > 0).
+    Signatures are read a shard at a time; a candidate's from another shard is one row read from
+    its file (not a memory map of every shard, whose touched pages would count as resident)."""
 
     def sig_of(doc: int):
         s, j = corpus.locate(doc)
-        return sig_files[s][j]
+        return np.array(corpus.shards[s].sigs()[j])
 
     dd = Deduper(mode, threshold, text_of=corpus.text, sig_of=sig_of)
     if seen is not None and seen[0] is not None:
@@ -109,9 +110,9 @@ def dedup(corpus: Corpus, mode: str, threshold: float, limit: int, seen=None, pr
         base = int(corpus.starts[s])
         if base >= n:
             break
-        hashes = sh.hashes()
-        for j, h in enumerate(hashes[:n - base].tolist()):
-            keep[base + j] = dd.check(base + j, h, None if sig_files[s] is None else sig_files[s][j]) is None
+        sigs = np.load(sh.path / "sigs.npy") if sh.minhash else None
+        for j, h in enumerate(sh.hashes()[:n - base].tolist()):
+            keep[base + j] = dd.check(base + j, h, None if sigs is None else sigs[j]) is None
         if progress is not None:
             progress.update(sh.n)
     return keep, {"documents_read": n, "exact_duplicates": dd.exact, "near_duplicates": dd.near,
@@ -395,13 +396,24 @@ def groups(item_doc: np.ndarray, item_len: np.ndarray, clusters: np.ndarray | No
     cur, tokens = [], 0
     bounds = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if len(keys) else np.zeros(0, np.int64)
     for a, b in zip(bounds.tolist(), np.r_[bounds[1:], len(keys)].tolist()):
-        cur.append(order[a:b])
-        tokens += int(item_len[order[a:b]].sum())
-        if tokens >= group_tokens:
-            yield np.concatenate(cur)
-            cur, tokens = [], 0
+        for run in _runs(order[a:b], item_len, group_tokens):  # a cluster bigger than a group: in runs
+            cur.append(run)
+            tokens += int(item_len[run].sum())
+            if tokens >= group_tokens:
+                yield np.concatenate(cur)
+                cur, tokens = [], 0
     if cur:
         yield np.concatenate(cur)
+
+
+def _runs(idx: np.ndarray, item_len: np.ndarray, group_tokens: int):
+    """`idx` cut, in order, into runs of at most about `group_tokens` tokens (one run if it fits)."""
+    ends = np.cumsum(item_len[idx])
+    if len(ends) == 0 or ends[-1] <= group_tokens:
+        yield idx
+        return
+    cuts = np.searchsorted(ends, np.arange(group_tokens, ends[-1], group_tokens), side="right")
+    yield from (r for r in np.split(idx, np.unique(cuts)) if len(r))
 
 
 class SplitWriter:

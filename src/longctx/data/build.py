@@ -74,7 +74,8 @@ class BuildOptions:
 
     @property
     def scan_workers(self) -> int:
-        """Workers that fit the memory bound next to the main process (at least one)."""
+        """Workers that fit the memory bound next to the main process, which holds a quarter of
+        MAIN_BYTES while the scan runs (it has not loaded scipy yet); at least one."""
         return max(1, min(self.workers, (self.memory - MAIN_BYTES // 4) // WORKER_BYTES))
 
     @property
@@ -170,11 +171,12 @@ def scan_inputs(o: BuildOptions, work: Path, machine: tuple[int, int], log) -> d
     return plan
 
 
-def _scan_stage(o: BuildOptions, work: Path, machine: tuple[int, int], log) -> tuple[dict, dict]:
+def _scan_stage(o: BuildOptions, work: Path, machine: tuple[int, int], log) -> tuple[tuple, dict]:
+    """((plan, the scanned shards), counts) of the scan stage."""
     plan = scan_inputs(o, work, machine, log)
     shards = scanned(work, plan)
-    return plan, {"shards": len(shards), "documents": sum(s.n for s in shards),
-                  "mb": round(sum(s.counts["bytes"] for s in shards) / 1e6, 2)}
+    return (plan, shards), {"shards": len(shards), "documents": sum(s.n for s in shards),
+                            "mb": round(sum(s.counts["bytes"] for s in shards) / 1e6, 2)}
 
 
 def scanned(work: Path, plan: dict) -> list[scan.ScannedShard]:
@@ -229,8 +231,7 @@ def build_store(o: BuildOptions, log=print) -> dict:
             raise DataError(f"--out '{out}' holds a data store; a --shard scan goes to a directory of its own.")
         log(f"data build: {', '.join(o.inputs)} shard {o.shard[0]}/{o.shard[1]} -> {out} {_describe(o, tok, out)}")
         records: dict = {}
-        plan = asm.timed(records, "scan", 0, log, _scan_stage, o, out, o.shard, log)
-        shards = scanned(out, plan)
+        plan, shards = asm.timed(records, "scan", 0, log, _scan_stage, o, out, o.shard, log)
         docs = sum(s.n for s in shards)
         log(f"data build: scanned shard {o.shard[0]}/{o.shard[1]} into {out} ({docs:,} documents); combine all "
             f"{o.shard[1]} with `longctx data merge`")
@@ -240,8 +241,8 @@ def build_store(o: BuildOptions, log=print) -> dict:
     log(f"data build: {', '.join(o.inputs)} -> {shown} {_describe(o, tok, shown)}")
     work = root / WORK
     records: dict = {}
-    plan = asm.timed(records, "scan", 0, log, _scan_stage, o, work, (0, 1), log)
-    manifest = _assemble(o, root, old, tok, scanned(work, plan), plan.get("other_suffix", 0), work, records, log)
+    plan, shards = asm.timed(records, "scan", 0, log, _scan_stage, o, work, (0, 1), log)
+    manifest = _assemble(o, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log)
     shutil.rmtree(work, ignore_errors=True)
     return manifest
 

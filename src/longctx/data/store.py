@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from .pack import DOC, LENGTH, SAMPLE, START, Packing
 
 MANIFEST = "manifest.json"
 FORMAT = "longctx-store"
@@ -73,36 +72,6 @@ class SplitArrays:
     tokens: np.ndarray    # [samples, seq_len]
     segments: np.ndarray  # [segments, 5]
     pointer: np.ndarray   # [samples + 1]: each sample's first segment
-
-
-def write_split(part_dir: Path, split: str, packing: Packing, doc_tokens: list[np.ndarray], doc_base: int,
-                doc_map: np.ndarray, dtype, pad_id: int) -> dict:
-    """Write one split's samples. `doc_map` maps the packing's document numbers to the part's."""
-    seq_len, n = packing.seq_len, packing.num_samples
-    seg = packing.segments
-    tokens = np.lib.format.open_memmap(part_dir / f"{split}.tokens.npy", mode="w+", dtype=dtype, shape=(n, seq_len))
-    tokens[:] = pad_id
-    out = np.zeros((len(seg), 5), dtype=np.int64)
-    ptr = np.zeros(n + 1, dtype=np.int64)
-    if len(seg):
-        starts = np.flatnonzero(np.r_[True, seg[1:, SAMPLE] != seg[:-1, SAMPLE]])
-        ptr[seg[starts, SAMPLE] + 1] = np.diff(np.r_[starts, len(seg)])
-        ptr = np.cumsum(ptr)
-        # offset of each segment in its sample: running length sum, restarted at each sample
-        cum = np.cumsum(seg[:, LENGTH]) - seg[:, LENGTH]
-        offset = cum - cum[ptr[seg[:, SAMPLE]]]
-        for (w, d, s, length), off in zip(seg.tolist(), offset.tolist()):
-            tokens[w, off:off + length] = doc_tokens[d][s:s + length]
-        out[:, S_SAMPLE] = seg[:, SAMPLE]
-        out[:, S_OFFSET] = offset
-        out[:, S_LENGTH] = seg[:, LENGTH]
-        out[:, S_DOC] = doc_base + doc_map[seg[:, DOC]]
-        out[:, S_START] = seg[:, START]
-    tokens.flush()
-    del tokens
-    np.save(part_dir / f"{split}.segments.npy", out)
-    np.save(part_dir / f"{split}.{POINTER}.npy", ptr)
-    return {"samples": int(n), "tokens": int(seg[:, LENGTH].sum()) if len(seg) else 0}
 
 
 def _fsync_path(path: Path) -> None:
