@@ -166,6 +166,60 @@ def alternate_ranks(seq: int, rounds: int) -> dict:
             "median": statistics.median(ratios)}
 
 
+def rounding(seq: int) -> dict:
+    """Where compiled and eager round differently: each token-wise op alone (max |difference| over
+    max |eager|, forward and each input's gradient), then one forward + backward of small-100m
+    (loss difference, and the gradients' relative L2 difference over all parameters)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from longctx.config import load_config
+    from longctx.models.compile import compile_token_wise_stages
+    from longctx.models.llama import apply_rope, build_model, rope_cos_sin
+    from longctx.ops.norm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    def compare(fn, *inputs) -> dict:
+        ye = fn(*inputs)
+        seed = torch.randn(ye.shape, generator=g)  # the same upstream gradient for both
+        ge = torch.autograd.grad(ye, inputs, seed)
+        yc = torch.compile(fn)(*inputs)
+        gc = torch.autograd.grad(yc, inputs, seed)
+        rel = [float((c - e).abs().max() / e.abs().max()) for c, e in zip((yc.detach(), *gc), (ye.detach(), *ge))]
+        return {"forward": rel[0], "grads": rel[1:]}
+
+    x, w = leaf(1, seq, 768), leaf(768)
+    q = leaf(1, seq, 12, 64)
+    a, b = leaf(1, seq, 2048), leaf(1, seq, 2048)
+    cos, sin = rope_cos_sin(torch.arange(seq)[None], 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64)))
+    ops = {}
+    for name, fn, inputs in (("rms_norm", lambda x, w: rms_norm(x, w, 1e-5), (x, w)),
+                             ("rope", lambda q: apply_rope(q, cos, sin), (q,)),
+                             ("swiglu (silu(a) * b)", lambda a, b: F.silu(a) * b, (a, b)),
+                             ("residual add", lambda a, b: a + b, (a, b))):
+        ops[name] = compare(fn, *inputs)
+
+    cfg = load_config(overrides=["--model.preset=small-100m"]).model
+    eager = build_model(cfg, seed=0)
+    compiled = copy.deepcopy(eager)
+    compile_token_wise_stages(compiled.layers)
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
+    results = []
+    for model in (eager, compiled):
+        loss = model(tokens, labels=tokens)
+        loss.backward()
+        results.append((float(loss.detach()), [p.grad.double() for p in model.parameters()]))
+    (le, ge), (lc, gc) = results
+    num = sum(float(((c - e) ** 2).sum()) for c, e in zip(gc, ge))
+    den = sum(float((e ** 2).sum()) for e in ge)
+    return {"ops_max_rel_diff": ops, "one_step": {"loss_diff": lc - le, "grad_rel_l2_diff": (num / den) ** 0.5}}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=4096)
@@ -176,8 +230,14 @@ def main():
                         "differs (1 process vs ctx 2 on 2 processes), step by step")
     p.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                    help="instead: one process, eager and compiled forward + backward in turn for ROUNDS rounds")
+    p.add_argument("--rounding", action="store_true",
+                   help="instead: where compiled and eager round differently, op by op and for one step of the model")
     p.add_argument("--ranks", action="store_true", help="with --alternate: head 2 x ctx 2 on 4 processes")
     a = p.parse_args()
+    if a.rounding:
+        print(json.dumps({"bench": "compile_speed.rounding", "model": "small-100m", "seq": a.seq,
+                          "torch": torch.__version__, **rounding(a.seq)}, indent=2))
+        return
     if a.alternate and a.ranks:
         print(json.dumps({"bench": "compile_speed.alternate", "model": "small-100m", "seq": a.seq,
                           "torch": torch.__version__, **alternate_ranks(a.seq, a.alternate)}, indent=2))

@@ -100,6 +100,8 @@ class StagedLoader:
         self.loader: BatchLoader | None = None
         self.train_samples = self.eval_samples = None
         self._saved: dict | None = None  # a checkpoint's data position, applied when its stage is entered
+        self._resumed_stage: int | None = None  # that position's stage, until the first step after it
+        self.position_note: str | None = None  # why that position could not be applied, if it could not
         self._ahead: ReadAhead | None = None  # the next step's shares, being read
         self._ahead_step = 0
         self._ahead_from: dict | None = None  # the data position before the read-ahead step was drawn
@@ -110,6 +112,16 @@ class StagedLoader:
     def enter(self, step: int) -> bool:
         """Make `step`'s stage the current one (building its data); True when it changed."""
         stage = self.stage_of(step)
+        if self._resumed_stage is not None and stage.index != self._resumed_stage:  # the first step after a resume
+            self._saved = None  # a position applies only to its own stage
+            if step != stage.first_step:
+                # the stage boundaries moved since the save: the saved position belongs to another stage
+                self.position_note = (
+                    f"the checkpoint's data position is in stage {self._resumed_stage + 1}, but step {step} is "
+                    f"in stage {stage.index + 1} of train.stages now (steps {stage.first_step}-{stage.last_step}), "
+                    f"so that stage's data starts at its first sample, not where the saved run was. Resume "
+                    f"with the saved run's train.stages to continue its data order exactly.")
+        self._resumed_stage = None
         if stage == self.stage:
             return False
         self._drop_ahead()
@@ -177,6 +189,7 @@ class StagedLoader:
         a checkpoint at a stage's last step leaves the next stage to start at its first sample."""
         self._drop_ahead()
         self._saved = dict(state)
+        self._resumed_stage = int(state.get("stage", 0))
         if self.stage is not None and int(state.get("stage", 0)) == self.stage.index:
             self.loader.load_state_dict(state)
             self._saved = None

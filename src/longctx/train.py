@@ -134,6 +134,9 @@ class Trainer:
         """Switch the data to `step`'s stage when it starts there (train.stages), and say so."""
         if not (self.sampler.enter(step) or announce):
             return
+        if self.sampler.position_note:
+            self.log(f"data: {self.sampler.position_note}")
+            self.sampler.position_note = None
         s = self.sampler.stage
         self.flops_per_token = train_flops_per_token(self.cfg.model, s.seq_len)
         if len(self.sampler.stages) > 1:
@@ -256,7 +259,8 @@ class Trainer:
 
     def _save_due(self, step: int) -> bool:
         ck = self.cfg.checkpoint
-        return self.ckpt is not None and bool(ck.interval) and step % ck.interval == 0
+        # the last step too, so that a run whose length is not a multiple of the interval keeps its end
+        return self.ckpt is not None and bool(ck.interval) and (step % ck.interval == 0 or step == self.cfg.train.steps)
 
     @torch.no_grad()
     def evaluate(self) -> float:

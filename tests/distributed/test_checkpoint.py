@@ -122,6 +122,17 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
         verify(ck)
 
 
+def test_the_last_step_is_saved_even_off_the_interval(tmp_path):
+    # 7 steps, interval 3: saves at 3, 6 and the run's end, 7; a longer run then continues from 7
+    _train(["--checkpoint.interval=3", "--checkpoint.keep=5", "--train.steps=7"], tmp_path)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003", "step-00000006", "step-00000007"]
+    assert latest_checkpoint(ckpts).name == "step-00000007"
+    # extending the finished run to 10 steps continues after its last step
+    first, losses = _train(["--checkpoint.resume=auto", "--checkpoint.interval=0"], tmp_path)
+    assert first == 8 and len(losses) == 3
+
+
 def test_export_to_hf_round_trip(tmp_path):
     transformers = pytest.importorskip("transformers")
     _, losses = _train(["--checkpoint.interval=4", "--train.steps=4"], tmp_path)

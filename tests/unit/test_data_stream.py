@@ -3,6 +3,7 @@ scans merged into the store one build gives, an eval split that is never silentl
 memory bound's settings."""
 
 import json
+import os
 import random
 
 import numpy as np
@@ -168,3 +169,14 @@ def test_a_cluster_bigger_than_a_group_is_packed_in_runs():
     assert sorted(np.concatenate(got).tolist()) == list(range(40))
     assert max(int(lengths[g].sum()) for g in got) <= 2 * 1000
     assert len(got) >= 3
+
+
+def test_a_killed_scans_partial_shards_are_removed_but_not_a_live_ones(tmp_path):
+    shards = tmp_path / "shards"
+    dead = shards / f".tmp-000001-{2**22 + 12345}"  # above Linux's largest pid: no such process
+    live = shards / f".tmp-000002-{os.getpid()}"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+        (d / "text.bin").write_bytes(b"x")
+    scan.remove_stale_partials(shards)
+    assert not dead.exists() and live.exists()

@@ -94,3 +94,31 @@ def test_a_run_without_stages_is_one_stage():
     again.enter(1)
     again.load_state_dict(old_format)
     assert again.state_dict() == loader.state_dict()
+
+
+def test_moved_stage_boundaries_on_resume_are_said_not_silent():
+    first, _ = _loader("8:3,16:2")
+    _run(first, range(1, 3))  # saved after step 2, in stage 1 of 2
+    state = first.state_dict()
+    # the same stages: the saved position applies, nothing to say
+    same, _ = _loader("8:3,16:2")
+    same.enter(1)
+    same.load_state_dict(state)
+    same.enter(3)
+    assert same.position_note is None
+    # stage 2 now starts at step 2, so step 3 is its second step: the saved position is stage 1's
+    moved, _ = _loader("8:1,16:4")
+    moved.enter(1)
+    moved.load_state_dict(state)
+    got = _run(moved, [3])
+    assert "data position is in stage 1, but step 3 is in stage 2" in moved.position_note
+    fresh, _ = _loader("8:1,16:4")
+    assert got == _run(fresh, [2])  # stage 2's first samples: said, not silently continued
+    # stage 2 moved later: step 5 is in stage 1 now, the saved position (stage 2's) is not applied
+    second, _ = _loader("8:3,16:2")
+    _run(second, range(1, 5))
+    later, _ = _loader("8:5,16:1")
+    later.enter(1)
+    later.load_state_dict(second.state_dict())
+    later.enter(5)
+    assert "data position is in stage 2, but step 5 is in stage 1" in later.position_note

@@ -174,10 +174,32 @@ def _scan_star(args) -> dict:
     return scan_shard(*args)
 
 
+def remove_stale_partials(shards_dir: Path) -> None:
+    """Delete the half-written shards of a killed scan (`.tmp-N-PID` whose process is gone): they
+    would be written again from the start anyway, and a large corpus leaves many."""
+    if not shards_dir.is_dir():
+        return
+    for p in shards_dir.glob(".tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
 def run_scans(work: Path, shards: list[list[Unit]], todo: range, opts: ScanOptions, token_dtype: str,
               workers: int, max_docs: int = 0, on_done=None) -> list[dict]:
     """Scan the shards `todo` (skipping complete ones) in `workers` processes; counts in shard order.
     With `max_docs`, shards are scanned in order only until that many documents are read."""
+    remove_stale_partials(work / SHARDS)
     jobs = [(str(work), i, shards[i], opts, token_dtype, max_docs) for i in todo]
     results: dict[int, dict] = {}
     done_docs = 0
