@@ -270,9 +270,9 @@ class Trainer:
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         n = min(len(samples), self.cfg.train.eval_batches * micro)
         for start in range(0, n - micro + 1, micro):
-            batch = samples.batch(range(start, start + micro))
-            total += forward_loss_sum(model, self.rt.local_batch(batch, self.device), self.autocast_dtype)
-            count += batch.valid_tokens
+            share, valid = self.rt.read_local_batch(samples, list(range(start, start + micro)))  # my tokens only
+            total += forward_loss_sum(model, self.rt.to_device(share, self.device), self.autocast_dtype)
+            count += valid
         model.train()
         return float(self.rt.sum_tensor(total)) / max(count, 1)  # one host read per evaluation
 

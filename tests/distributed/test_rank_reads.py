@@ -70,3 +70,24 @@ def test_each_rank_reads_its_share_at_most_one_step_ahead_and_trains_as_before(t
         assert ahead[0] == 0 and all(a <= nxt for a, nxt in zip(ahead[1:], reads[1:])), (rank, ahead, reads)
         assert r["sync"][3] == [0] * STEPS
         assert all(read >= batch_bytes for read in r["whole"][1])  # the old way: the whole batch, every rank
+
+
+def _evaluate(run_dir):
+    """(eval loss, bytes this rank read for it, bytes of the eval batches it covers) before any step."""
+    from longctx.train import Trainer
+
+    args = [*ARGS, "--train.eval_interval=2", "--train.eval_batches=2", f"--train.run_dir={run_dir}"]
+    world_args = [a for a in args if a != "--parallel.ctx=2"] if run_dir.endswith("single") else args
+    trainer = Trainer(load_config("configs/debug.toml", world_args), log=lambda *a, **k: None)
+    samples = trainer.eval_samples
+    before = samples.bytes_read
+    loss = trainer.evaluate()
+    covered = min(len(samples), 2 * trainer.micro_batch) * samples.seq_len * samples.parts[0].tokens.dtype.itemsize
+    return loss, samples.bytes_read - before, covered
+
+
+def test_evaluation_reads_each_ranks_share_and_gives_the_single_process_loss(tmp_path):
+    single, _, _ = _evaluate(str(tmp_path / "single"))
+    for rank, (loss, read, covered) in enumerate(run_spawned(4, _evaluate, str(tmp_path / "dp2-ctx2"))):
+        assert abs(loss - single) <= 1e-5, (rank, loss, single)
+        assert 0 < read < covered / 3, (rank, read, covered)  # a quarter of the tokens (+ label look-ahead)
