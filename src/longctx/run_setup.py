@@ -286,32 +286,45 @@ def _timing_block(model: Llama, cfg: Config, device: torch.device):
 
 
 def auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: Runtime, log) -> float:
-    """memory.offload_fraction = auto: measure (every rank, the slowest counts) and decide."""
-    from .memory.auto import (
-        block_forward_seconds,
-        choose_offload_fraction,
-        host_link_bandwidth,
-        host_memory_available,
-    )
+    """memory.offload_fraction = auto: measure (every rank, the slowest counts) and decide. With
+    train.stages, each distinct stage shape is measured and decided, and the smallest fraction
+    holds for the run: one stage may have more tokens per micro-batch (host memory) or a shorter
+    block forward to hide the transfers behind (the link) than the last."""
+    from .memory.auto import host_link_bandwidth, host_memory_available
+    from .stages import stages_of
+
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # the slowest link and the least memory over all ranks decide
+    link, host = (-v for v in rt.max([-host_link_bandwidth(device), -host_memory_available() / ranks_per_node]))
+    shapes = sorted({(s.seq_len, s.global_batch) for s in stages_of(cfg)})
+    chosen = [_offload_for_shape(model, cfg, device, rt, seq_len, global_batch, link, host)
+              for seq_len, global_batch in shapes]
+    fraction, reason = min(chosen, key=lambda c: c[0])
+    if len(shapes) > 1:
+        each = ", ".join(f"{s} tokens x {b}: {a:.2f}" for (s, b), (a, _) in zip(shapes, chosen))
+        reason += f" (the smallest over train.stages' shapes: {each})"
+    log(reason)
+    return fraction
+
+
+def _offload_for_shape(model: Llama, cfg: Config, device: torch.device, rt: Runtime, seq_len: int,
+                       global_batch: int, link_bytes_per_s: float, host_bytes_per_rank: float) -> tuple[float, str]:
+    from .memory.auto import block_forward_seconds, choose_offload_fraction
     from .models.llama import rope_cos_sin, rope_inv_freq
 
     d, t = rt.dims, cfg.train
-    local_batch, local_seq = t.global_batch // (t.grad_accum * rt.dp), t.seq_len // (d.head * d.ctx)
+    local_batch, local_seq = global_batch // (t.grad_accum * rt.dp), seq_len // (d.head * d.ctx)
     x = torch.randn(local_batch, local_seq, cfg.model.dim, device=device)
     positions = torch.arange(local_seq, device=device).expand(local_batch, local_seq)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.model, device=device))
     bf16 = resolve_dtype(t.dtype, device) == torch.bfloat16
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         block_s = block_forward_seconds(_timing_block(model, cfg, device), x, cos, sin, None)
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # the slowest block, the slowest link and the least memory over all ranks decide
-    worst = rt.max([-block_s, -host_link_bandwidth(device), -host_memory_available() / ranks_per_node])
-    fraction, reason = choose_offload_fraction(
-        cfg.model, t.seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
-        dtype_bytes=2 if bf16 else 4, block_seconds=-worst[0], link_bytes_per_s=-worst[1],
-        host_bytes_per_rank=-worst[2])
-    log(reason)
-    return fraction
+    block_s = rt.max([block_s])[0]  # the slowest block decides
+    return choose_offload_fraction(
+        cfg.model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
+        dtype_bytes=2 if bf16 else 4, block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
+        host_bytes_per_rank=host_bytes_per_rank)
 
 
 def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer, sampler, log,

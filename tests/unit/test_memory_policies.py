@@ -8,6 +8,7 @@ import torch
 from longctx.config import load_config
 from longctx.errors import ConfigError
 from longctx.memory.policies import apply_memory_policy, check_policy
+from longctx.models.llama import build_model
 from probes import loss_and_grads, reference_run
 
 # (checkpoint, offload fraction, block chunk); chunks of 16 and 24 over 2 x 64 tokens, uneven too
@@ -67,7 +68,7 @@ def test_chunks_bound_the_largest_tensor_a_block_creates(reference):
 
     cfg, base, batch, _ = reference
     weight_shapes = {(cfg.dim, cfg.ffn_dim), (cfg.ffn_dim, cfg.dim)}
-    ffn_wide = lambda t: t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and tuple(t.shape) not in weight_shapes
+    ffn_wide = lambda t: t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and tuple(t.shape) not in weight_shapes  # noqa: E731
 
     sizes = {}
     for chunk in (0, 16):
@@ -109,6 +110,39 @@ def test_auto_fraction_follows_link_and_memory_limits():
     a, why = choose_offload_fraction(cfg, 4096, 1, block_seconds=1.0, link_bytes_per_s=1e15,
                                      host_bytes_per_rank=fixed, **common)
     assert a == 0.0 and "offload_skip_last" in why
+
+
+def test_auto_fraction_with_stages_is_the_smallest_over_their_shapes(monkeypatch):
+    """An early stage with 4x the tokens per micro-batch of the last needs 4x the host memory: the
+    fraction planned for the last stage alone would not fit during it."""
+    from longctx.memory import auto
+    from longctx.memory.accounting import estimate_activations
+    from longctx.parallel.runtime import Runtime
+    from longctx.run_setup import auto_offload_fraction
+
+    cfg = load_config(overrides=["--model.layers=5", "--train.stages=256:2:8,512:2:1", "--memory.offload_skip_last=1",
+                                 "--memory.recompute=selective", "--train.dtype=fp32"])
+
+    def host(seq, batch, a):
+        return estimate_activations(cfg.model, seq, batch, policy="selective", offload_fraction=a).per_block_host
+
+    # host memory for 4 blocks x (fixed + 0.5 x other) of the last stage (512 tokens x 1), after the 0.8 margin
+    last_fixed, last_other = host(512, 1, 1e-9), host(512, 1, 1.0) - host(512, 1, 1e-9)
+    monkeypatch.setattr(auto, "host_memory_available", lambda: 4 * (last_fixed + 0.5 * last_other) / 0.8)
+    monkeypatch.setattr(auto, "host_link_bandwidth", lambda device: 1e15)
+    monkeypatch.setattr(auto, "block_forward_seconds", lambda *a, **k: 1.0)
+    lines = []
+    rt = Runtime.create(cfg, 0, 1, "cpu")
+    fraction = auto_offload_fraction(build_model(cfg.model, seed=0), cfg, torch.device("cpu"), rt, lines.append)
+    alone, _ = auto.choose_offload_fraction(cfg.model, 512, 1, head=1, ctx=1, skip_last=1, dtype_bytes=4,
+                                             block_seconds=1.0, link_bytes_per_s=1e15,
+                                             host_bytes_per_rank=auto.host_memory_available())
+    first, _ = auto.choose_offload_fraction(cfg.model, 256, 8, head=1, ctx=1, skip_last=1, dtype_bytes=4,
+                                             block_seconds=1.0, link_bytes_per_s=1e15,
+                                             host_bytes_per_rank=auto.host_memory_available())
+    assert alone == pytest.approx(0.5) and first < alone  # the early stage is the tighter one
+    assert fraction == first
+    assert "smallest over train.stages' shapes: 256 tokens x 8" in lines[0] and "512 tokens x 1: 0.50" in lines[0]
 
 
 def test_offload_fraction_auto_in_config():
