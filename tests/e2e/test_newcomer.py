@@ -161,9 +161,10 @@ def test_resuming_continues_the_run_and_keeps_what_it_replaces(tmp_path):
     common = ["--nproc", "1", *TINY, "--train.run_dir", str(run), "--checkpoint.interval", "2"]
     first = longctx("train", *common, "--train.steps", "5")
     assert first.returncode == 0, first.stderr
-    assert "checkpoint: saved step 4" in first.stdout
+    assert "checkpoint: saved step 4" in first.stdout and "checkpoint: saved step 5" in first.stdout  # the last
     old = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    r = longctx("train", *common, "--train.steps", "6", "--checkpoint.resume", "auto")
+    # back to step 4 (as after a crash between two saves): step 5's record is replaced
+    r = longctx("train", *common, "--train.steps", "6", "--checkpoint.resume", str(run / "checkpoints/step-00000004"))
     assert r.returncode == 0, r.stderr
     assert "resumed step 4" in r.stdout
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
