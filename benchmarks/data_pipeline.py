@@ -8,7 +8,7 @@
 3. `--balance`: max/mean data-parallel cost imbalance of global batches drawn from a store, with
    and without the Karmarkar-Karp permutation.
 
-    nice python benchmarks/data_pipeline.py --quality --seq-lens 8192 32768
+    nice python benchmarks/data_pipeline.py --quality --seq-lens 8192 32768   # needs pip install -e '.[bench]'
     nice python benchmarks/data_pipeline.py --throughput --seq-len 8192 --workers 2
     nice python benchmarks/data_pipeline.py --balance --seq-len 8192 --dp 4 --batch 16
 """

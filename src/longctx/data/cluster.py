@@ -6,6 +6,11 @@ fills many samples, so its last, partly filled sample matters little. k-means (s
 k-means++ seeding, seeded) over unit vectors; then clusters whose centroids have cosine >=
 `merge_cosine` are merged (union-find), since splitting one topic over two clusters would only
 cost packing freedom.
+
+`cluster` and `kmeans` are the in-memory reference the packing-quality benchmark uses
+(benchmarks/data_pipeline.py --quality; scikit-learn, the `bench` extra). The data build clusters
+with its own chunked spherical k-means (data/assemble.py) and uses only `default_k` and
+`merge_centroids` from here.
 """
 
 from __future__ import annotations
@@ -22,11 +27,20 @@ def default_k(num_docs: int, total_tokens: int, seq_len: int) -> int:
     return max(1, int(k))
 
 
+def _need_sklearn() -> None:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise ImportError("the in-memory reference k-means needs scikit-learn: pip install -e '.[bench]' "
+                          "(the data build does not use it)") from None
+
+
 def kmeans(emb: np.ndarray, k: int, seed: int = 0) -> np.ndarray:
     n = len(emb)
     if k <= 1 or n <= 1:
         return np.zeros(n, dtype=np.int64)
     k = min(k, n)
+    _need_sklearn()
     if n > 20000:
         from sklearn.cluster import MiniBatchKMeans
 

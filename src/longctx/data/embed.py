@@ -7,6 +7,10 @@ of a document are read: a document's head (imports, docstring, title) says what 
 this bounds the cost on very long documents. The hashing step runs in `workers` processes.
 
 With `model=PATH`, a local sentence-transformers model embeds the same text heads instead.
+
+`embed_tfidf` is the in-memory reference the packing-quality benchmark uses (scikit-learn, the
+`bench` extra). The data build embeds with its own streaming features and exact idf and SVD
+(data/features.py, data/assemble.py) and uses only `embed_model` and `_unit` from here.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ def _hash_features(texts: list[str]):
 
 def embed_tfidf(texts: list[str], dim: int = DIM, workers: int = 1, seed: int = 0,
                 max_chars: int = MAX_CHARS) -> np.ndarray:
+    from .cluster import _need_sklearn
+
+    _need_sklearn()
     import scipy.sparse as sp
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfTransformer
