@@ -16,16 +16,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-from ..errors import ConfigError, DataError
 from typing import TYPE_CHECKING
+
+from ..config_rules import SYNTHETIC_TASKS
+from ..errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from .tasks import Sequence
 
-# tasks.TASKS, here so that building the CLI's parser does not import tasks (and torch with it):
-# every `longctx` command, `data build` included, would pay ~220 MB and seconds of startup for it
-TASKS = ("ppl", "passkey", "needle")
+# eval/tasks.py is imported only when a command runs: building the CLI's parser must not import
+# it (and torch with it), or every `longctx` command, `data build` included, pays ~220 MB for it
+TASKS = ("ppl", *SYNTHETIC_TASKS)
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 
@@ -126,12 +127,11 @@ def _tokenizer_spec(args, cfg) -> str | None:
 
 
 def prepare(args, overrides: list[str], nproc: int) -> Plan:
-    from .tasks import load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
-
     from ..data.tokenizer import load_tokenizer
     from ..parallel.checks import check_layout
     from ..parallel.dims import ParallelDims
     from ..parallel.sequence import check_divisible
+    from .tasks import load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
 
     lengths = parse_lengths(args.lengths)
     depths = parse_depths(args.depths) if args.task != "ppl" else []
