@@ -11,7 +11,7 @@ a group at a time:
 - embed: TF-IDF of the head features with the idf of every kept document, reduced to 128
   dimensions by a truncated SVD fitted on an evenly spaced sample of up to `FIT_DOCS` documents, then
   applied chunk by chunk (written to `emb.npy` in the work directory);
-- cluster: k-means (fitted on at most `KMEANS_FIT` documents, assigned chunk by chunk), near
+- cluster: spherical k-means over all kept documents, chunk by chunk, near
   clusters merged;
 - pack: clusters (datasculpt) or runs of documents in input order (bfd, concat) are taken a group
   of about `group_tokens` tokens at a time; each group is packed on its own and its samples are
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,8 +41,8 @@ from .pack import DOC, LENGTH, SAMPLE, START, Packing, homogeneity, pack, split_
 from .scan import ScannedShard
 
 FIT_DOCS = 2048
-KMEANS_FIT = 65536
 CHUNK = 2048
+OPEN_READERS = 64
 TRANSFORM_CHUNK = 256  # documents per sparse TF-IDF block (~3,000 features each)
 DIM = 128
 
@@ -52,7 +53,7 @@ class Corpus:
     shards: list[ScannedShard]
     token_dtype: str
     starts: np.ndarray = field(init=False)  # first document of each shard
-    _readers: dict = field(default_factory=dict, init=False)
+    _readers: OrderedDict = field(default_factory=OrderedDict, init=False)  # the most recently used
 
     def __post_init__(self):
         self.starts = np.cumsum([0] + [s.n for s in self.shards])
@@ -66,9 +67,15 @@ class Corpus:
         return s, doc - int(self.starts[s])
 
     def reader(self, s: int, what: str) -> spill.RaggedReader:
+        """An open reader, kept among the last OPEN_READERS used: each holds a file and its shard's
+        offsets, so keeping every shard's would grow with the corpus (and exhaust file handles)."""
         key = (s, what)
-        if key not in self._readers:
+        if key in self._readers:
+            self._readers.move_to_end(key)
+        else:
             self._readers[key] = self.shards[s].ragged(what)
+            if len(self._readers) > OPEN_READERS:
+                self._readers.popitem(last=False)[1].close()
         return self._readers[key]
 
     def get(self, what: str, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -252,9 +259,10 @@ def embed(corpus: Corpus, kept: np.ndarray, out: Path, seed: int, model: str = "
     return Embeddings(out), {"dim": DIM, "model": "hashed-tfidf-svd", "fit_documents": int(len(fit))}
 
 
-def kmeans(emb: Embeddings, k: int, seed: int, memory: int, iters: int = 10) -> np.ndarray:
+def kmeans(emb: Embeddings, k: int, seed: int, memory: int, iters: int = 10) -> tuple[np.ndarray, np.ndarray]:
     """Spherical k-means (cosine; the embeddings are unit vectors), Lloyd's iterations over chunks
-    of rows: memory is the centroids plus one chunk's similarities, whatever the corpus."""
+    of rows: memory is the centroids plus one chunk's similarities, whatever the corpus. Returns the
+    labels and each cluster's sum of rows under them (the last iteration's, so no further pass)."""
     rng = np.random.default_rng(seed)
     cent = emb.rows(np.sort(rng.choice(emb.n, size=k, replace=False)))
     chunk = int(np.clip(memory // 16 // (k * 4), 64, 8192))
@@ -271,7 +279,7 @@ def kmeans(emb: Embeddings, k: int, seed: int, memory: int, iters: int = 10) -> 
         cent = np.where(norms > 0, sums / np.maximum(norms, 1e-12), cent).astype(np.float32)
         if changed <= emb.n // 1000:
             break
-    return labels
+    return labels, sums
 
 
 def cluster(emb: Embeddings, lengths: np.ndarray, seq_len: int, k: int, seed: int,
@@ -281,10 +289,7 @@ def cluster(emb: Embeddings, lengths: np.ndarray, seq_len: int, k: int, seed: in
     k = max(1, min(k, n))
     if k <= 1:
         return np.zeros(n, dtype=np.int64), {"clusters": 1}
-    labels = kmeans(emb, k, seed, memory)
-    sums = np.zeros((k, emb.dim), dtype=np.float64)
-    for a, rows in emb.chunks():
-        np.add.at(sums, labels[a:a + len(rows)], rows)
+    labels, sums = kmeans(emb, k, seed, memory)
     used = np.unique(labels)
     lookup = np.zeros(k, dtype=np.int64)
     lookup[used] = merge_centroids(sums[used])
