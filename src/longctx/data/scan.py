@@ -259,10 +259,10 @@ class ScannedShard:
         return spill.RaggedReader(self.path / what, dtype)
 
     def token_lengths(self) -> np.ndarray:
-        return np.diff(np.load(self.path / "tokens.offsets.npy"))
+        return spill.ragged_lengths(self.path / "tokens")
 
     def text_bytes(self) -> np.ndarray:
-        return np.diff(np.load(self.path / "text.offsets.npy"))
+        return spill.ragged_lengths(self.path / "text")
 
 
 def write_plan(work: Path, plan: dict) -> None:

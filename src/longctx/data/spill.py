@@ -74,17 +74,16 @@ class RaggedWriter:
         np.save(f"{self.prefix}.offsets.npy", np.asarray(self.offsets, dtype=np.int64))
 
 
+def ragged_lengths(prefix: str | Path) -> np.ndarray:
+    """Each item's length in values, from the offsets alone (no data file opened)."""
+    return np.diff(np.load(f"{prefix}.offsets.npy"))
+
+
 class RaggedReader:
     def __init__(self, prefix: str | Path, dtype):
         self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
         self.offsets = np.load(f"{self.prefix}.offsets.npy")
         self.fd = os.open(f"{self.prefix}.bin", os.O_RDONLY)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
 
     def raw(self, i: int, start: int = 0, stop: int | None = None) -> bytes:
         """Item i's values [start, stop) as bytes."""
