@@ -28,10 +28,16 @@ def _config_help() -> str:
 
 
 def _cmd_train(args, overrides) -> int:
-    from .config import ParallelConfig, load_config, to_toml
-    from .parallel.launch import default_layout, default_nproc, relaunch, under_launcher
+    from .config import ParallelConfig, read_raw, to_toml
+    from .config_resume import LAYOUT_KEYS, load_run_config
+    from .parallel.launch import default_layout, default_nproc, launched_by_us, relaunch, under_launcher
 
-    cfg = load_config(args.config, overrides)
+    given = read_raw(args.config, overrides).get("parallel", {})
+    # a resume keeps the saved run's layout unless this command names one (or a process count)
+    cfg, resumed = load_run_config(args.config, overrides, layout_given=bool(
+        args.nproc or any(k in given for k in LAYOUT_KEYS)))
+    if resumed is not None and not (under_launcher() and (os.environ["RANK"] != "0" or launched_by_us())):
+        print(resumed.describe())  # once: by the launching process, or rank 0 under torchrun directly
     if under_launcher():
         if args.nproc:
             print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "
@@ -40,7 +46,7 @@ def _cmd_train(args, overrides) -> int:
         launching = False
     else:
         launching = not args.print_config
-        nproc = args.nproc or default_nproc(cfg.train.device)
+        nproc = args.nproc or (resumed and _saved_world(cfg)) or default_nproc(cfg.train.device)
     p, d = cfg.parallel, ParallelConfig()
     layout_given = any(getattr(p, k) != getattr(d, k) for k in ("dp_replicate", "dp_shard", "head", "ctx"))
     if nproc and not layout_given:
@@ -48,7 +54,7 @@ def _cmd_train(args, overrides) -> int:
         extra = [f"--parallel.{k}={v}" for k, v in default_layout(nproc).items()]
         if extra:
             overrides = [*overrides, *extra]
-            cfg = load_config(args.config, overrides)
+            cfg, _ = load_run_config(args.config, overrides, layout_given=True)
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
@@ -66,6 +72,22 @@ def _cmd_train(args, overrides) -> int:
     train(cfg)
     finish_distributed()
     return 0
+
+
+def _saved_world(cfg) -> int | None:
+    """The number of ranks that wrote the checkpoint a resume continues from (a resume without
+    --nproc runs on as many, so the saved layout fits)."""
+    import json
+    from pathlib import Path
+
+    from .checkpoint.paths import MANIFEST
+    from .run_setup import resume_target
+
+    try:
+        target = resume_target(cfg, Path(cfg.train.run_dir))
+        return int(json.loads((target / MANIFEST).read_text())["layout"]["world"]) if target else None
+    except (OSError, ValueError, KeyError, TypeError, UserError):
+        return None  # (preflight says what is wrong with the checkpoint)
 
 
 def _cmd_report(args, overrides) -> int:
@@ -113,9 +135,9 @@ def _cmd_checkpoint(args, overrides) -> int:
     import torch
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    out, copied = export_hf(args.path, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"wrote {out} ({args.dtype}" + (f"; tokenizer files: {', '.join(copied)})" if copied else
-                                          "; no tokenizer files found next to model.init_from)"))
+    out, copied, why = export_hf(args.path, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"wrote {out} ({args.dtype}; " + (f"tokenizer files: {', '.join(copied)})" if copied else
+                                            f"no tokenizer files: {why})"))
     return 0
 
 

@@ -157,14 +157,17 @@ class TrainConfig:
     compile: bool = _opt(False, "torch.compile each block's token-wise stages (norms, projections, RoPE, MLP, "
                                 "residuals); the attention core stays eager")
     eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
-    eval_batches: int = _opt(4, "micro-batches per evaluation")
+    eval_batches: int = _opt(4, "global batches (of train.global_batch sequences) per evaluation, whatever the "
+                                "layout and grad_accum, so the eval loss means the same under any of them")
     run_dir: str = _opt("", "where config, metrics and plots go; '' = runs/<time>")
 
 
 @dataclass
 class DataConfig:
     corpus: str = _opt("stdlib", "'stdlib' (the Python standard library's own sources) or a directory of text files")
-    tokenizer: str = _opt("byte", "'byte' or a path to a Hugging Face tokenizer.json")
+    tokenizer: str = _opt("auto", "'auto' (the model's own: model.init_from's tokenizer.json or its manifest's; else "
+                                  "data.path's; else byte), 'byte', or a path to a Hugging Face tokenizer.json (which "
+                                  "must be the model's own when starting from weights)")
     eval_fraction: float = _opt(0.02, "fraction of documents held out for evaluation")
     doc_mask: bool = _opt(True, "attend only within a document and restart positions at each one")
     max_docs: int = _opt(0, "use at most this many documents; 0 = all")
@@ -211,7 +214,10 @@ class CheckpointConfig:
     interval: int = _opt(0, "save every N steps and at the last step; 0 disables saving")
     keep: int = _opt(2, "complete checkpoints kept")
     async_save: bool = _opt(False, "write checkpoints in the background", key="async")
-    resume: str = _opt("none", "'auto' (latest complete checkpoint), 'none', or a checkpoint path")
+    resume: str = _opt("none", "'auto' (latest complete checkpoint), 'none', or a checkpoint path; `longctx train` "
+                               "then continues the run: its saved config.toml, with the command line on top")
+    allow_changes: bool = _opt(False, "on resume, allow changing the model or the data, or turning saving off "
+                                      "(checkpoint.interval 0); refused otherwise, since they are rarely meant")
 
 
 @dataclass
@@ -382,6 +388,11 @@ def read_toml(path: str | Path, what: str, hint: str) -> dict:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> Config:
     """Build a validated Config from an optional TOML file and overrides (CLI strings or a dict)."""
+    return build_config(read_raw(path, overrides))
+
+
+def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> dict:
+    """{section: {key: value}} as given by an optional TOML file and overrides on top, unresolved."""
     raw: dict[str, dict[str, Any]] = {}
     if path is not None:
         data = read_toml(path, "config file", "Pass an existing TOML file, e.g. configs/debug.toml.")
@@ -396,7 +407,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict 
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         for section, values in parsed.items():
             raw.setdefault(section, {}).update(values)
-    return build_config(raw)
+    return raw
 
 
 def _model_values(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
@@ -449,6 +460,9 @@ def build_config(raw: dict[str, dict[str, Any]]) -> Config:
         if section not in SECTIONS:
             _lookup(section, "")
     cfg = Config(**sections)
+    from .config_tokenizer import resolve_tokenizer
+
+    cfg.data.tokenizer = resolve_tokenizer(cfg.model.init_from, cfg.data.tokenizer, cfg.data.path)
     validate(cfg)
     return cfg
 

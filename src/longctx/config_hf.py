@@ -210,6 +210,15 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
 
 def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
     """(the checkpoint directory, its manifest's [model]) for init_from = a longctx checkpoint."""
+    path, manifest = checkpoint_manifest(init_from)
+    try:
+        return path, manifest["model"]
+    except (KeyError, TypeError) as e:
+        raise HFFormatError(f"model.init_from: {path / 'manifest.json'} cannot be read ({e}).") from None
+
+
+def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
+    """(the checkpoint directory, its manifest) for init_from = a longctx checkpoint."""
     from .checkpoint.paths import MANIFEST, CheckpointError, resolve_checkpoint
 
     try:
@@ -220,8 +229,8 @@ def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
         raise HFFormatError(f"model.init_from = {init_from!r} holds no complete longctx checkpoint (a step-* directory "
                             f"with {MANIFEST}, or a checkpoints directory); for Hugging Face weights write hf:DIR.")
     try:  # (its checksums are verified when the weights are loaded)
-        return path, json.loads((path / MANIFEST).read_text())["model"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        return path, json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
         raise HFFormatError(f"model.init_from: {path / MANIFEST} cannot be read ({e}).") from None
 
 
@@ -269,3 +278,4 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
                 f"({', '.join(sorted(EXTENSION_KEYS))}) may differ from the weights.")
     fields.update(preset=preset, init_from=source)
     return fields, changed
+

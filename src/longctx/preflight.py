@@ -22,6 +22,7 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     """Raise the first UserError a run of `cfg` on `nproc` ranks would meet at start-up."""
     from .run_setup import check_packages
 
+    device_type = _device_type(cfg)  # first: train.device=cuda on a machine without one fails before any data work
     check_layout(cfg, nproc)
     check_packages(cfg)
     if cfg.model.init_from.startswith("hf:"):  # missing or partial shards (a checkpoint is checked at load)
@@ -34,7 +35,7 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
 
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
         _check_data(stage_config(cfg, stage), log)
-    if _device_type(cfg) == "cpu" and not cfg.metrics.peak_tflops:
+    if device_type == "cpu" and not cfg.metrics.peak_tflops:
         from .metrics import machine_cpu_peak
 
         peak, path, measured = machine_cpu_peak()
@@ -78,6 +79,9 @@ def _check_data(cfg: Config, log) -> None:
         path = cfg.data.path
     else:
         from .data.cache import default_store
+        from .run_setup import check_tokenizer_known
+
+        check_tokenizer_known(cfg)
         from .data.tokenizer import load_tokenizer
 
         # before tokenizing a corpus with it: the model must have a row for each of its tokens

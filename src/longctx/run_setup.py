@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, to_dict, to_toml
+from .config import Config, build_config, to_dict, to_toml
 from .config_rules import parse_synthetic
 from .data.loader import PackedSamples
 from .data.store import read_manifest
@@ -166,10 +166,19 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
     rank 0 builds and the others wait for it."""
     if cfg.data.path:
         return cfg.data.path
+    check_tokenizer_known(cfg)
     from .data.cache import default_store
 
     return str(on_main(rt, lambda: default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log),
                        "building the data store"))
+
+
+def check_tokenizer_known(cfg: Config) -> None:
+    """data.tokenizer is still `auto` only when the weights of model.init_from name no tokenizer."""
+    if cfg.data.tokenizer == "auto":
+        from .config_tokenizer import unknown_tokenizer
+
+        raise unknown_tokenizer(cfg.model.init_from)
 
 
 def _check_store(cfg: Config, path: str, manifest: dict) -> None:
@@ -184,21 +193,35 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
             f"the tokenizer of {path} ({tok['spec']}) has {tok['vocab_size']} tokens but model.vocab_size is "
             f"{cfg.model.vocab_size}; set model.vocab_size >= {tok['vocab_size']}."
         )
-    if cfg.data.path and cfg.data.tokenizer not in ("byte", tok["spec"]):
-        raise ConfigError(f"data.tokenizer is {cfg.data.tokenizer} but the store {path} was tokenized with "
-                          f"{tok['spec']}; drop data.tokenizer (the store's tokenizer is used).")
+    want = cfg.data.tokenizer
+    if want == "auto" and cfg.model.init_from:
+        check_tokenizer_known(cfg)
+    if want not in ("auto", tok["spec"]):
+        from .config_tokenizer import stored_identity, tokenizer_identity
+
+        if stored_identity(tok) != tokenizer_identity(want):
+            whose = (f"the tokenizer of model.init_from = {cfg.model.init_from!r}" if cfg.model.init_from
+                     else "data.tokenizer")
+            fix = ("build a store with the model's tokenizer (longctx data build --tokenizer "
+                   f"{want}), or drop data.path to build one from data.corpus" if cfg.model.init_from else
+                   "drop data.tokenizer (the store's tokenizer is used)")
+            raise ConfigError(f"the data store {path} was tokenized with {tok['spec']} but the run's tokenizer is "
+                              f"{want} ({whose}); training would read token ids the model does not mean. To fix: "
+                              f"{fix}.")
 
 
 def eval_split_problem(cfg: Config, path, manifest: dict) -> str | None:
     """Why this run cannot evaluate (None: it can, or evaluation is off): an eval split smaller than
-    one micro-batch, empty included, turns evaluation off with this message; never a silent skip,
-    never a stop over a side metric."""
-    n, micro = manifest["totals"]["eval_samples"], cfg.train.global_batch // cfg.train.grad_accum
-    if not cfg.train.eval_interval or n >= micro:
+    one global batch, empty included, turns evaluation off with this message; never a silent skip,
+    never a stop over a side metric. (Evaluation reads whole global batches, so its loss does not
+    depend on grad_accum or the layout.)"""
+    n, batch = manifest["totals"]["eval_samples"], cfg.train.global_batch
+    if not cfg.train.eval_interval or n >= batch:
         return None
     fix = "build the store with a larger --eval-fraction" if cfg.data.path else "raise data.eval_fraction"
-    return (f"evaluation is off: the eval split of {path} has {n} samples, fewer than one micro-batch of {micro} "
-            f"(train.global_batch / train.grad_accum); to evaluate, {fix}; set train.eval_interval=0 to not be told.")
+    return (f"evaluation is off: the eval split of {path} has {n} samples, fewer than one global batch of {batch} "
+            f"(train.global_batch); to evaluate, {fix} or lower train.global_batch; set train.eval_interval=0 to "
+            f"not be told.")
 
 
 def check_store(cfg: Config, path) -> dict:
@@ -234,7 +257,8 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     fill = manifest["packing"]["train"]["fill_rate"]
     log(f"data: {path} -> {t['documents']:,} documents ({t['duplicates_removed']:,} duplicates removed), "
         f"{train.num_tokens:,} train tokens in {len(train):,} samples of {cfg.train.seq_len} ({manifest['strategy']}, "
-        f"fill {fill:.3f}), {0 if evals is None else len(evals):,} eval samples ({tok['name']} tokenizer, "
+        f"fill {fill:.3f}), {t['eval_samples']:,} eval samples{'' if evals is not None else ' (not evaluated)'} "
+        f"({tok['name']} tokenizer, "
         f"{time.perf_counter() - t0:.1f}s)")
     return train, evals
 
@@ -252,7 +276,7 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
     if not source:
         model.init_weights(cfg.train.seed)
         return model
-    from .config_hf import hf_dir, resolve_init_from
+    from .config_hf import hf_dir
 
     if source.startswith("hf:"):
         from .models.hf import load_hf_weights
@@ -264,10 +288,17 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
 
         path = resolve_checkpoint(source, Path(source))
         load_weights_into(path, model, rt, log)
-    _, changed = resolve_init_from({k: v for k, v in to_dict(cfg)["model"].items() if k != "preset"})
+    changed = init_from_changes(cfg)
     log(f"model: {cfg.model.family} weights from {path}" +
         (f"; changed for this run: {', '.join(changed)}" if changed else ""))
     return model
+
+
+def init_from_changes(cfg: Config) -> list[str]:
+    """The [model] keys this run sets differently from what its init_from weights describe (their
+    config.json or manifest, with defaults for what they leave out): only what really changed."""
+    own = to_dict(build_config({"model": {"init_from": cfg.model.init_from}}))["model"]
+    return [f"model.{k}: {own[k]!r} -> {v!r}" for k, v in to_dict(cfg)["model"].items() if own[k] != v]
 
 
 def _timing_block(model: Llama, cfg: Config, device: torch.device):

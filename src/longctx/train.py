@@ -108,7 +108,7 @@ class Trainer:
         self.device_section = contextlib.nullcontext
         self.optimizer = make_optimizer(self.model, cfg)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer, self.sampler,
-                                                        self.log, self.sampler.train_samples.tokenizer_spec)
+                                                        self.log, self._tokenizer())
         self._enter_stage(self.start_step + 1, announce=True)
         if rt.is_main:
             continue_run_files(self.run_dir, cfg, self.start_step, self.log)
@@ -121,6 +121,12 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.metrics_path = Path(cfg.metrics.file) if cfg.metrics.file else self.run_dir / "metrics.jsonl"
         self._describe(dtype)
+
+    def _tokenizer(self) -> str:
+        """What the run's token ids mean (recorded in each checkpoint's manifest): the resolved
+        data.tokenizer, or the store's own when data.tokenizer is auto."""
+        t = self.cfg.data.tokenizer
+        return self.sampler.train_samples.tokenizer_spec if t == "auto" else t
 
     @property
     def eval_samples(self):
@@ -264,12 +270,15 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first eval_batches micro-batches of eval samples (a fixed set, so evals compare)."""
+        """Mean loss over every valid label of the first train.eval_batches global batches of eval
+        samples: a fixed set of sequences (so evals compare), the same under any layout and any
+        grad_accum (the micro-batch only decides how many are in flight at once)."""
         model, samples, micro = self.model, self.eval_samples, self.micro_batch
+        global_batch = self.sampler.stage.global_batch
+        n = min(len(samples), self.cfg.train.eval_batches * global_batch) // global_batch * global_batch
         model.eval()
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
-        n = min(len(samples), self.cfg.train.eval_batches * micro)
-        for start in range(0, n - micro + 1, micro):
+        for start in range(0, n, micro):
             share, valid = self.rt.read_local_batch(samples, list(range(start, start + micro)))  # my tokens only
             total += forward_loss_sum(model, self.rt.to_device(share, self.device), self.autocast_dtype)
             count += valid

@@ -18,7 +18,8 @@ from longctx.train import train  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
 BASE = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
-        "--data.max_docs=300", "--train.seq_len=256", "--train.lr=1e-3"]
+        "--data.max_docs=300", "--train.seq_len=256", "--train.lr=1e-3",
+        "--data.tokenizer=byte"]  # (the random model has no tokenizer.json: its tokenizer is named)
 QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=160,
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=320,
              rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False, hidden_act="silu",

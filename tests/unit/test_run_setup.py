@@ -13,16 +13,17 @@ def _manifest(eval_samples: int) -> dict:
 
 
 @pytest.mark.parametrize("eval_samples", [0, 3])
-def test_an_eval_split_smaller_than_a_micro_batch_turns_evaluation_off_with_a_message(eval_samples):
-    cfg = load_config(overrides=["--train.global_batch=4", "--train.eval_interval=10", "--data.path=s"])
+def test_an_eval_split_smaller_than_a_global_batch_turns_evaluation_off_with_a_message(eval_samples):
+    cfg = load_config(overrides=["--train.global_batch=4", "--train.grad_accum=4", "--train.eval_interval=10",
+                                 "--data.path=s"])
     msg = eval_split_problem(cfg, "s", _manifest(eval_samples))
-    assert msg is not None and f"has {eval_samples} samples, fewer than one micro-batch of 4" in msg
+    assert msg is not None and f"has {eval_samples} samples, fewer than one global batch of 4" in msg
     assert "--eval-fraction" in msg and "train.eval_interval=0" in msg
 
 
 def test_an_eval_split_that_fits_or_no_evaluation_says_nothing():
     cfg = load_config(overrides=["--train.global_batch=4", "--train.grad_accum=2", "--train.eval_interval=10"])
-    assert eval_split_problem(cfg, "s", _manifest(2)) is None  # micro-batch of 2
+    assert eval_split_problem(cfg, "s", _manifest(4)) is None  # one global batch
     off = load_config(overrides=["--train.global_batch=4", "--train.eval_interval=0"])
     assert eval_split_problem(off, "s", _manifest(0)) is None
 

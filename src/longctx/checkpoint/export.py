@@ -2,7 +2,8 @@
 
 The manifest records the run's `[model]` (for `init_from = hf:DIR` runs: the imported family,
 shapes and RoPE, with the extension overrides), so the export is the same family transformers
-loads; the tokenizer files of the imported directory are copied along when it still exists.
+loads. The tokenizer goes along: the tokenizer files of the imported Hugging Face directory when it
+still exists, else the tokenizer.json the run recorded; when there is none, the caller is told why.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from .manifest import CheckpointError, read_manifest
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
-              max_shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str]]:
-    """(the written directory, the tokenizer files copied)."""
+              max_shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str], str]:
+    """(the written directory, the tokenizer files copied, why none were when none were)."""
     path = resolve_checkpoint(str(checkpoint), Path(checkpoint))
     if path is None:
         raise CheckpointError(f"{checkpoint} holds no complete checkpoint to export.")
@@ -31,7 +32,21 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     model = build_model(cfg, device="cpu", seed=None)
     load_model_weights(path, model)
     out = save_hf(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype)
-    copied = []
-    if cfg.init_from and hf_dir(cfg.init_from).is_dir():
-        copied = copy_tokenizer_files(hf_dir(cfg.init_from), out)
-    return out, copied
+    copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), out)
+    return out, copied, why
+
+
+def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[list[str], str]:
+    if init_from.startswith("hf:") and hf_dir(init_from).is_dir():
+        copied = copy_tokenizer_files(hf_dir(init_from), out)
+        if copied:
+            return copied, ""
+    if recorded == "byte":
+        return [], ("the run used longctx's byte tokenizer, which has no tokenizer files: transformers loads the "
+                    "weights, but text must be encoded as UTF-8 bytes (256 = BOS, 257 = EOS)")
+    if not recorded:
+        return [], "the checkpoint records no tokenizer (written before longctx recorded one)"
+    source = Path(recorded)
+    if not (source / "tokenizer.json" if source.is_dir() else source).is_file():
+        return [], f"the run's tokenizer {recorded} no longer exists"
+    return copy_tokenizer_files(source, out), ""

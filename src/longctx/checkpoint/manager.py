@@ -35,7 +35,9 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -201,12 +203,14 @@ class CheckpointManager:
                 self._stager = _reusable_stager()
             if self._stager is not None:
                 kwargs["async_stager"] = self._stager
-            future = dcp.async_save(state, **kwargs)
+            with _single_process(kwargs["no_dist"]):
+                future = dcp.async_save(state, **kwargs)
             if hasattr(future, "upload_completion"):  # AsyncSaveResponse (newer torch)
                 future = future.upload_completion
             self._finishing = self._worker.submit(self._finish, step, tmp, own_files, future.result)
         else:
-            dcp.save(state, **kwargs)
+            with _single_process(kwargs["no_dist"]):
+                dcp.save(state, **kwargs)
             self._finish(step, tmp, own_files)
         self.last_save_blocking_s = time.perf_counter() - t0
 
@@ -347,7 +351,8 @@ class CheckpointManager:
         check_model_matches(manifest, self.model_cfg, path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
+        with _single_process(self.world == 1):
+            dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self._restore_rng(path, manifest)
         trainer = json.loads((path / TRAINER_STATE).read_text())
@@ -366,6 +371,20 @@ class CheckpointManager:
         _set_rng_state(_load_rng(first if first.is_file() else path / LEGACY_RNG), cuda=False)
 
 
+@contextmanager
+def _single_process(no_dist: bool):
+    """Around a DCP call made with no_dist=True: PyTorch warns that it is "assuming the intent is to
+    load (save) in a single process" even when that intent is passed (no_dist=True), on every load of
+    a single-process run. Only that warning, only around our call that states the intent, is silenced."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to (load|save) "
+                                r"in a single process", category=UserWarning)
+        yield
+
+
 def load_weights_into(path: Path, model, rt, log=print) -> dict:
     """Only the model weights of a checkpoint, verified first (the ranks split the checksums), into
     a model of any layout (each rank reads its shards): what `model.init_from = DIR` and
@@ -378,7 +397,8 @@ def load_weights_into(path: Path, model, rt, log=print) -> dict:
         raise CheckpointError(f"model.init_from: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
                               f"loaded. Start from an intact checkpoint (`longctx checkpoint verify PATH` checks one).")
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
+    with _single_process(rt.world == 1):
+        dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
     set_model_state_dict(model, state["model"])
     model.init_rope()
     return manifest
@@ -388,7 +408,8 @@ def load_model_weights(path: Path, model) -> dict:
     """Only the model weights of a checkpoint, into a single-process model (for export)."""
     manifest = verify(path, checksums=True)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with _single_process(True):
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])
     return manifest
 

@@ -5,11 +5,11 @@ Both expose `vocab_size`, `eos_id` and `encode_batch(texts) -> list[np.ndarray]`
 
 from __future__ import annotations
 
-from ..errors import DataError
-
 from pathlib import Path
 
 import numpy as np
+
+from ..errors import DataError
 
 
 class ByteTokenizer:
@@ -74,3 +74,4 @@ class HFTokenizer:
 
 def load_tokenizer(spec: str):
     return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+

@@ -116,14 +116,9 @@ def _dp(cfg, nproc: int) -> int:
 def _tokenizer_spec(args, cfg) -> str | None:
     if args.tokenizer:
         return args.tokenizer
-    source = cfg.model.init_from
-    if source.startswith("hf:"):
-        path = Path(source[3:]) / "tokenizer.json"
-        return str(path) if path.is_file() else None
-    from ..checkpoint.manager import resolve_checkpoint
-    from ..checkpoint.manifest import read_manifest
+    from ..config_tokenizer import model_tokenizer
 
-    return read_manifest(resolve_checkpoint(source, Path(source))).get("tokenizer")
+    return model_tokenizer(cfg.model.init_from)
 
 
 def prepare(args, overrides: list[str], nproc: int) -> Plan:

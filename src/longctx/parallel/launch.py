@@ -26,6 +26,11 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launched_by_us() -> bool:
+    """This process is a rank that `longctx ... --nproc N` started (its launcher already spoke)."""
+    return ERROR_DIR_ENV in os.environ
+
+
 def default_nproc(device: str) -> int:
     """CPU: 4 ranks (head 2 x ctx 2 by default); GPU: every local GPU."""
     if device in ("auto", "cuda") and torch.cuda.is_available():

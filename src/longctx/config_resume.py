@@ -1,0 +1,120 @@
+"""Resuming continues the run: `--checkpoint.resume auto|PATH` starts from the run's saved config.toml.
+
+Without this, a resume would build its config from the defaults plus the command line, so a run
+saved every 10 steps, resumed with only `--train.steps 30`, would silently train on with saving off
+and whatever else the defaults say. Here the saved config is the base and the command line applies
+on top; each key that differs is said once ("resume: train.steps 20 -> 30"). Changing the model or
+the data, or turning saving off, is refused unless asked for with `--checkpoint.allow_changes`.
+
+The layout is the command line's when it names any degree (or `--nproc`): a resume under another
+layout is the point of reshardable checkpoints, and degrees mixed from two layouts would not
+multiply to the new world. Pure config logic (no torch), used by `longctx train`; `load_config`
+itself builds exactly what it is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .config import Config, build_config, read_raw, read_toml, to_dict
+from .errors import ConfigError
+
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")
+# where and how to resume are not settings of the run
+NOT_SETTINGS = {("checkpoint", "resume"), ("train", "run_dir"), ("checkpoint", "allow_changes")}
+# keys that do not change which data is read
+DATA_NEUTRAL = {"workers"}
+
+
+@dataclass
+class Resumed:
+    run_dir: Path
+    changes: list[str]  # "train.steps 20 -> 30", one per key that differs from the saved run
+
+    def describe(self) -> str:
+        return (f"resume: {self.run_dir} with its saved config.toml; " +
+                (", ".join(self.changes) if self.changes else "nothing changed"))
+
+
+def saved_run_dir(raw: dict) -> Path | None:
+    """The run directory whose config.toml a resume continues: train.run_dir, or the run directory
+    holding the checkpoint PATH (`<run>/checkpoints/step-N`); None when there is none to continue."""
+    resume = raw.get("checkpoint", {}).get("resume", "none")
+    if resume == "none":
+        return None
+    given = raw.get("train", {}).get("run_dir")
+    if given:
+        return Path(given) if (Path(given) / "config.toml").is_file() else None
+    if resume == "auto":
+        return None
+    path = Path(resume).resolve()
+    for parent in [path, *path.parents][:4]:
+        if (parent / "config.toml").is_file():
+            return parent
+    return None
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = {section: dict(values) for section, values in base.items()}
+    for section, values in top.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+def _differences(before: dict, after: dict) -> list[tuple[str, str, Any, Any]]:
+    return [(section, key, before[section][key], value)
+            for section, values in after.items() for key, value in values.items()
+            if (section, key) not in NOT_SETTINGS and before[section][key] != value]
+
+
+def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_given: bool
+                    ) -> tuple[Config, Resumed | None]:
+    """The config `longctx train` runs: on a resume of a run with a saved config.toml, that config
+    with the file and command line on top (and the layout wholly the command line's when
+    `layout_given`); otherwise exactly the file and command line."""
+    given = read_raw(path, overrides)
+    run_dir = saved_run_dir(given)
+    if run_dir is None:
+        return build_config(given), None
+    saved = read_toml(run_dir / "config.toml", "the saved run config", "It is written by longctx train.")
+    base = _merge(saved, {})
+    if layout_given:
+        for key in LAYOUT_KEYS:
+            base.get("parallel", {}).pop(key, None)
+    merged = _merge(base, given)
+    merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run_dir)
+    cfg = build_config(merged)
+    try:
+        before = to_dict(build_config(saved))
+    except ConfigError as e:
+        raise ConfigError(f"the saved config of the run to resume, {run_dir / 'config.toml'}, no longer loads: {e}")
+    diffs = _differences(before, to_dict(cfg))
+    _refuse_unasked(diffs, cfg, run_dir)
+    return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
+    """Changes a resume makes only when asked: the model, the data, saving turned off."""
+    if cfg.checkpoint.allow_changes:
+        return
+    kinds = {
+        "the model": [d for d in diffs if d[0] == "model"],
+        "the data": [d for d in diffs if d[0] == "data" and d[1] not in DATA_NEUTRAL],
+        "saving (checkpoint.interval 0: nothing after this point would be saved)":
+            [d for d in diffs if d[:2] == ("checkpoint", "interval") and not d[3]],
+    }
+    found = {what: ds for what, ds in kinds.items() if ds}
+    if not found:
+        return
+    said = "; ".join(f"{what}: " + ", ".join(f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in ds)
+                     for what, ds in found.items())
+    raise ConfigError(
+        f"this resume of {run_dir} would change {said}. A resume continues the run with its saved settings, so "
+        f"this is refused unless asked for: add --checkpoint.allow_changes true to do it anyway, or start a new "
+        f"run from its weights with --model.init_from {run_dir / 'checkpoints'}.")

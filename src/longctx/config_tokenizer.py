@@ -1,0 +1,103 @@
+"""Which tokenizer a run's token ids mean: the model's own, a store's, or the one given.
+
+A pretrained model's embeddings mean its own tokenizer's ids, so the tokenizer follows the model
+(`data.tokenizer = auto`), and an explicit one that is not the model's is refused before any data
+is built. Tokenizers are compared by content (the sha256 of their tokenizer.json), so a copy of the
+file elsewhere is the same tokenizer and an edited file at the same path is not. Pure files and
+JSON, no torch: the config resolves data.tokenizer while it loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from .config_hf import HFFormatError, checkpoint_manifest, hf_dir
+from .errors import ConfigError
+
+
+def tokenizer_file(spec: str) -> Path | None:
+    """The tokenizer.json a spec names (a file, or a directory holding one); None for `byte`."""
+    if spec == "byte":
+        return None
+    p = Path(spec)
+    return p / "tokenizer.json" if p.is_dir() else p
+
+
+def tokenizer_identity(spec: str) -> str:
+    """What makes two tokenizers the same: `byte`, or the sha256 of the tokenizer.json's bytes (so
+    a copy of the file elsewhere is the same tokenizer, and an edited file at the same path is not)."""
+    path = tokenizer_file(spec)
+    if path is None:
+        return "byte"
+    if not path.is_file():
+        raise ConfigError(f"tokenizer file '{path}' does not exist; pass data.tokenizer=byte or a path to a "
+                          f"tokenizer.json.")
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def stored_identity(tokenizer: dict) -> str | None:
+    """The identity a store's (or checkpoint's) tokenizer record holds: its recorded hash, else (a
+    store written before hashes were recorded) the hash of the file its spec names, if it exists."""
+    if tokenizer.get("identity"):
+        return tokenizer["identity"]
+    try:
+        return tokenizer_identity(tokenizer["spec"])
+    except ConfigError:
+        return None
+
+
+def same_tokenizer(a: str, b: str) -> bool:
+    """Two tokenizer specs name the same tokenizer (by content, see tokenizer_identity)."""
+    return a == b or tokenizer_identity(a) == tokenizer_identity(b)
+
+
+def model_tokenizer(init_from: str) -> str | None:
+    """The tokenizer the weights of `init_from` were trained with: hf:DIR's tokenizer.json, or the
+    tokenizer a longctx checkpoint's manifest records; None when they name none (or there are no
+    weights to start from)."""
+    if not init_from:
+        return None
+    if init_from.startswith("hf:"):
+        path = hf_dir(init_from) / "tokenizer.json"
+        return str(path.resolve()) if path.is_file() else None
+    return checkpoint_manifest(init_from)[1].get("tokenizer")
+
+
+def resolve_tokenizer(init_from: str, tokenizer: str, store: str = "") -> str:
+    """data.tokenizer as the run uses it. The tokenizer follows the model: `auto` is the weights'
+    own (model_tokenizer), else a store's (data.path), else `byte` for a model trained from scratch;
+    it stays `auto` when the weights name none (unknown_tokenizer says why, where data is built).
+    An explicit tokenizer that is not the weights' own is refused: a pretrained model trained on
+    another tokenizer's ids is a silent wrong result (its step-1 loss only looks high). Tokenizers
+    are compared by content, not by path."""
+    own = model_tokenizer(init_from)
+    if tokenizer == "auto":
+        if own or init_from:
+            return own or "auto"
+        if store:
+            try:  # (a missing or damaged store is reported by the data checks, with its own fix)
+                return json.loads((Path(store) / "manifest.json").read_text())["tokenizer"]["spec"]
+            except (OSError, ValueError, KeyError, TypeError):
+                return "auto"
+        return "byte"
+    if own and not same_tokenizer(tokenizer, own):
+        raise HFFormatError(
+            f"data.tokenizer = {tokenizer!r} is not the tokenizer of model.init_from = {init_from!r}, which was "
+            f"trained with {own!r}: its embeddings mean that tokenizer's ids. Drop data.tokenizer (the model's own "
+            f"is used), or start from weights trained with {tokenizer!r}.")
+    return tokenizer if tokenizer == "byte" else str(tokenizer_file(tokenizer).resolve())
+
+
+def unknown_tokenizer(init_from: str) -> HFFormatError:
+    """The error for data.tokenizer = auto when the weights of init_from name no tokenizer."""
+    if init_from.startswith("hf:"):
+        return HFFormatError(
+            f"model.init_from = {init_from!r}: {hf_dir(init_from)} has no tokenizer.json, so the tokenizer its "
+            f"weights were trained with is unknown and no data can be built for it. Copy the model's tokenizer.json "
+            f"there, or pass --data.tokenizer PATH/tokenizer.json (--data.tokenizer byte only if the model was "
+            f"trained on bytes).")
+    return HFFormatError(
+        f"model.init_from = {init_from!r}: its manifest records no tokenizer (written before longctx recorded one); "
+        f"pass the one it was trained with: --data.tokenizer byte or --data.tokenizer PATH/tokenizer.json.")
