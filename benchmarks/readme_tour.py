@@ -1,9 +1,9 @@
 """Run every command of the README as written, and time each: the README's promises, checked.
 
-The commands are read from the README itself (its ```bash blocks), so a command added there is run
-here. Each runs in a scratch working directory (runs/, stores/, out/ land there) in which:
+The commands are read from the README itself (its ```bash blocks, then its ```python blocks, each
+run as a script), so a command added there is run here. Each runs in a scratch working directory (runs/, stores/, out/ land there) in which:
   - placeholders name real things made for the tour: /path/to/Qwen3-0.6B a small random Qwen3 saved
-    by transformers, /path/to/Qwen3-8B a config.json of Qwen3-8B's shapes, /my/texts and data.jsonl
+    by transformers, with the tour's tokenizer.json (a model's own tokenizer goes with it), /path/to/Qwen3-8B a config.json of Qwen3-8B's shapes, /my/texts and data.jsonl
     part of the Python standard library's sources, /my/tokenizer.json a 1,000-token tokenizer;
     runs/20261122-173051-debug the tour's first run;
   - training commands get `--train.steps N` appended (a later key wins) to keep the tour short, except
@@ -55,6 +55,22 @@ def readme_commands(readme: Path) -> list[str]:
     return cmds
 
 
+def readme_python(readme: Path) -> list[str]:
+    """The README's ```python blocks, each as one script."""
+    blocks, current = [], None
+    for line in readme.read_text().splitlines():
+        if line.startswith("```"):
+            if current is not None:
+                blocks.append("\n".join(current) + "\n")
+                current = None
+            elif line.strip() == "```python":
+                current = []
+            continue
+        if current is not None:
+            current.append(line)
+    return blocks
+
+
 def prepare(work: Path) -> dict[str, str]:
     """The things the README's placeholders stand for, made in `work`; returns the substitutions."""
     shutil.copytree(ROOT / "configs", work / "configs")
@@ -78,9 +94,10 @@ def prepare(work: Path) -> dict[str, str]:
 
     torch.manual_seed(0)
     small = Qwen3Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=4096,
+                        num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=4096,
                         tie_word_embeddings=True)
     Qwen3ForCausalLM(small).save_pretrained(work / "Qwen3-0.6B", safe_serialization=True)
+    shutil.copy(work / "tokenizer.json", work / "Qwen3-0.6B" / "tokenizer.json")
     big = work / "Qwen3-8B"
     big.mkdir()
     (big / "config.json").write_text(json.dumps({
@@ -163,6 +180,20 @@ def main() -> int:
             rec["summary"] = done[-1]
         results.append(rec)
         print(f"{'ok ' if r.returncode == 0 else 'FAIL'} {seconds:7.1f}s  {cmd}", file=sys.stderr, flush=True)
+    for i, code in enumerate(readme_python(ROOT / "README.md")):
+        if a.only and a.only not in code:
+            continue
+        for k, v in subs.items():
+            code = code.replace(k, v)
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        rec = {"command": f"README python block {i + 1}", "exit_code": r.returncode, "seconds": round(seconds, 1)}
+        if r.returncode:
+            rec["stderr_tail"] = r.stderr[-2000:]
+        results.append(rec)
+        print(f"{'ok ' if r.returncode == 0 else 'FAIL'} {seconds:7.1f}s  README python block {i + 1}", file=sys.stderr,
+              flush=True)
     failed = [r for r in results if r.get("exit_code")]
     print(json.dumps({"bench": "readme_tour", "date": time.strftime("%Y-%m-%d"), "work": str(work),
                       "commands": results, "failed": len(failed)}, indent=1))
