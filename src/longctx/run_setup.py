@@ -382,9 +382,10 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
     state = manager.load(path, model, optimizer, manifest)
     sampler.load_state_dict(state["sampler"])
     saved = state["manifest"]["layout"]
-    log(f"checkpoint: resumed step {state['step']} from {path} (written by {saved['world']} ranks: "
+    ranks = lambda n: f"{n} rank{'s' if n != 1 else ''}"  # noqa: E731
+    log(f"checkpoint: resumed step {state['step']} from {path} (written by {ranks(saved['world'])}: "
         f"head {saved['head']} x ctx {saved['ctx']} x dp {saved['dp_replicate']}x{saved['dp_shard']}; "
-        f"now {rt.world} ranks)")
+        f"now {ranks(rt.world)})")
     if state["step"] >= cfg.train.steps:
         log(f"checkpoint: step {state['step']} is already >= train.steps={cfg.train.steps}; nothing to train")
     return manager, int(state["step"])

@@ -80,3 +80,20 @@ def test_a_peak_calibrated_while_busy_is_raised_by_what_a_run_achieves(monkeypat
     assert all(0 < r["mfu"] <= 1 for r in records), [r["mfu"] for r in records]
     assert any("above its cached CPU peak" in line for line in said)
     assert max(json.loads((cache / metrics.CPU_PEAK_FILE).read_text()).values()) > 1e6
+
+
+def test_the_data_summary_counts_the_eval_split_it_announced(tmp_path):
+    """An eval split too small to evaluate is said once and counted as it is (it once read '0 eval
+    samples' right after the line that gave its real size)."""
+    from longctx.data.store import read_manifest
+    from longctx.run_setup import build_data
+
+    cfg = load_config("configs/debug.toml", ["--train.seq_len=64", "--data.max_docs=40", "--train.global_batch=1024"])
+    said = []
+    _, evals = build_data(cfg, log=said.append)
+    summary = [line for line in said if "eval samples" in line and "->" in line][0]
+    path = summary.split()[1]
+    n = read_manifest(path)["totals"]["eval_samples"]
+    assert evals is None and 0 < n < 1024
+    assert f"{n:,} eval samples (not evaluated)" in summary
+    assert any(f"has {n} samples, fewer than one global batch of 1024" in line for line in said)
