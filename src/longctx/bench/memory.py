@@ -5,7 +5,8 @@ longest sequence that trains.
 
 Per-block bytes do not depend on how many blocks the model has, so `--layers` (default 3: one or
 more offloaded blocks plus the kept last one) keeps long sequences of big shapes measurable on a
-small machine. Output: one JSON document.
+small machine. Output: one JSON document on stdout; progress (a line as each policy, timing round
+and --max-seq probe starts and ends, with seconds) goes to stderr, so a run of minutes is never silent.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from datetime import date
 
@@ -69,6 +71,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "bytes mapped); 0 = glibc's default")
     p.add_argument("--out", default="", help="also write the JSON here")
     p.add_argument("--probe", default="", help=argparse.SUPPRESS)
+
+
+_T0 = time.perf_counter()
+
+
+def _progress(text: str) -> None:
+    """One progress line on stderr (stdout is the JSON), with the seconds since the command started."""
+    print(f"bench memory [{time.perf_counter() - _T0:7.1f} s] {text}", file=sys.stderr, flush=True)
 
 
 def _policy(name: str) -> tuple[str, float]:
@@ -181,9 +191,13 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
     if mesh is not None:
         inputs = [None if t is None else shard_sequence(t, mesh) for t in inputs]
     head, ctx = (dims.head, dims.ctx) if dims is not None else (1, 1)
+    say = _progress if mesh is None or mesh.get_rank() == 0 else (lambda _text: None)  # one rank speaks
+    where = f"seq_len {seq:,}" + (f" (head {head} x ctx {ctx} ranks)" if mesh is not None else "")
     out, models = {}, {}
     for name in args.policies.split(","):
         policy, fraction = _policy(name)
+        say(f"{where}, {name}: measuring activations")
+        t0 = time.perf_counter()
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
         measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
         est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=policy,
@@ -207,12 +221,17 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
             _one_step(model, inputs, device)
             entry["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out[name] = entry
+        say(f"{where}, {name}: measured in {time.perf_counter() - t0:.1f} s")
         if args.time_steps > 0:
             models[name] = model
         del model
     if models:
+        say(f"{where}: timing {args.time_steps} step{'s' if args.time_steps != 1 else ''} of each of "
+            f"{len(models)} policies (taking turns)")
+        t0 = time.perf_counter()
         for name, step_s in _time_interleaved(models, inputs, args.time_steps, device).items():
             out[name]["step_s"] = step_s
+        say(f"{where}: timed in {time.perf_counter() - t0:.1f} s")
         base = out.get("none", {}).get("step_s")
         for entry in out.values():
             if base:
@@ -254,7 +273,6 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
     process, peaks at most `budget` bytes of RSS; every probe is reported."""
     import os
     import subprocess
-    import sys
 
     env = dict(os.environ)
     if args.malloc_mmap_threshold:
@@ -262,6 +280,8 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
     probes = []
 
     def fits(seq: int) -> bool:
+        _progress(f"--max-seq {name}: probing {seq:,} tokens in a fresh process")
+        t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "longctx", "bench", "memory", "--probe", f"{name}:{seq}", "--device", "cpu",
                "--preset", args.preset, "--layers", str(args.layers), "--skip-last", str(args.skip_last),
                "--docs", str(args.docs), "--doc-len", str(args.doc_len), "--loss-chunk", str(args.loss_chunk),
@@ -273,8 +293,10 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
         else:
             probes.append({**json.loads(run.stdout.strip().splitlines()[-1]), "fits": None})
             probes[-1]["fits"] = probes[-1]["peak_rss_bytes"] <= budget
-        print(f"  {name}: {seq:,} tokens -> {'fits' if probes[-1]['fits'] else 'over'} "
-              f"({probes[-1].get('peak_rss_bytes', 0) / 2**30:.2f} GiB)", file=sys.stderr, flush=True)
+        rss = probes[-1].get("peak_rss_bytes")
+        _progress(f"--max-seq {name}: {seq:,} tokens -> {'fits' if probes[-1]['fits'] else 'over the budget'} ("
+                  + (f"peak RSS {rss / 2**30:.2f} GiB, " if rss is not None else "failed, ")
+                  + f"{time.perf_counter() - t0:.1f} s)")
         return probes[-1]["fits"]
 
     step = args.max_seq_step
@@ -301,6 +323,14 @@ def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int
     model_cfg = ModelConfig(preset=args.preset, **MODEL_PRESETS[args.preset])
 
     def fits(seq: int) -> bool:
+        _progress(f"--max-seq {policy} offload {fraction:g}: trying {seq:,} tokens")
+        t0 = time.perf_counter()
+        ok = _fits(seq)
+        _progress(f"--max-seq {policy} offload {fraction:g}: {seq:,} tokens -> "
+                  f"{'fits' if ok else 'out of memory'} ({time.perf_counter() - t0:.1f} s)")
+        return ok
+
+    def _fits(seq: int) -> bool:
         model = None
         try:
             model = _build(model_cfg, policy, fraction, args, None, None, device).to(torch.bfloat16)
@@ -359,6 +389,7 @@ def main(args) -> int:
         if world > 1:
             from ..parallel.spawn import run_spawned
 
+            _progress(f"seq_len {seq:,}: starting {world} gloo ranks (head {args.head} x ctx {args.ctx})")
             per_rank = run_spawned(world, _rank_measure, args, seq)
             result = per_rank[0]
             result["ranks"] = world

@@ -521,15 +521,23 @@ def pack_split(writer: SplitWriter, items: Items, strategy: str, seq_len: int, c
     return n_groups
 
 
+MISSING = "_missing"  # a stage record's key for why some of its figures are None (see timed)
+
+
 def timed(records: dict, name: str, raw_bytes: int, log, fn, *args, **kwargs):
     t0 = time.perf_counter()
     result, rec = fn(*args, **kwargs)
     dt = time.perf_counter() - t0
     rec = dict(rec)
+    # why a figure is missing ({key: words}): for the log line only; the record keeps the null
+    missing = rec.pop(MISSING, {})
     rec["seconds"] = round(dt, 3)
     rec["mb_per_s"] = round(raw_bytes / 1e6 / dt, 2) if dt > 0 and raw_bytes else None
     records[name] = rec
-    counts = ", ".join(f"{k} {v}" for k, v in rec.items() if k not in ("seconds", "mb_per_s"))
+    # a figure that does not exist (None) is said in words, or left out: never printed as "None"
+    counts = ", ".join(f"{k} {v}" if v is not None else f"{k} n/a ({missing[k]})"
+                       for k, v in rec.items()
+                       if k not in ("seconds", "mb_per_s") and (v is not None or k in missing))
     log(f"  {name:<9} {dt:6.2f}s" + (f"  {rec['mb_per_s']:8.1f} MB/s" if rec["mb_per_s"] else "")
         + (f"  {counts}" if counts else ""))
     return result

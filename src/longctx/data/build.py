@@ -34,6 +34,7 @@ from . import assemble as asm
 from . import scan
 from . import store as st
 from .pack import STRATEGIES
+from .readers import skipped_text
 from .tokenizer import load_tokenizer
 
 DEDUP_MODES = ("minhash", "exact", "none")
@@ -297,8 +298,8 @@ def _assemble(o: BuildOptions, root: Path, old: dict | None, tok, shards: list[s
         skipped["other_suffix"] = skipped.get("other_suffix", 0) + other
     files = sum(sh.counts["files"] for sh in shards)
     if corpus.n == 0:
-        raise DataError(f"the inputs ({', '.join(o.inputs)}) hold no usable document; skipped: "
-                        f"{skipped or 'nothing'}. Point --input at text, .jsonl or .parquet data.")
+        raise DataError(f"the inputs ({', '.join(o.inputs)}) hold no usable document ({skipped_text(skipped)}). "
+                        f"Point --input at text, .jsonl or .parquet data.")
     read = min(corpus.n, o.max_docs) if o.max_docs else corpus.n
     text_bytes = corpus.per_doc(lambda sh: sh.text_bytes())[:read]
     raw = int(text_bytes.sum())
@@ -358,10 +359,15 @@ def _assemble_in(o, root, old, tok, dtype, corpus, work, records, raw, files, re
             bar.close()
         asm.write_doc_files(tmp, corpus, kept, names, lengths, where, o.dedup == "minhash")
         t = split_info_out["train"]["stats"]
-        return None, {"samples": t["samples"], "fill_rate": round(t["fill_rate"], 4),
-                      "split_fraction": round(t["split_fraction"], 4),
-                      "homogeneity": None if t.get("homogeneity") is None else round(t["homogeneity"], 4),
-                      "groups": n_groups, "group_tokens": o.group_tokens, **split_info}
+        hom = t.get("homogeneity")
+        rec = {"samples": t["samples"], "fill_rate": round(t["fill_rate"], 4),
+               "split_fraction": round(t["split_fraction"], 4),
+               "homogeneity": None if hom is None else round(hom, 4),
+               "groups": n_groups, "group_tokens": o.group_tokens, **split_info}
+        if hom is None:  # the manifest keeps null; the log line says why
+            rec[asm.MISSING] = {"homogeneity": "not measured without document embeddings" if emb is None
+                                else "no train sample holds two documents"}
+        return None, rec
 
     asm.timed(records, "pack", raw, log, pack_and_write)
     for split in st.SPLITS:  # an empty split has no files, as before
@@ -391,7 +397,7 @@ def _assemble_in(o, root, old, tok, dtype, corpus, work, records, raw, files, re
     shown = o.shown_as or root
     log(f"data build: wrote {shown} ({tr['samples']:,} train / {split_info_out['eval']['samples']:,} eval samples "
         f"of {o.seq_len} tokens; fill {tr['stats']['fill_rate']:.3f}, {len(kept):,} documents, "
-        f"{dd['exact_duplicates'] + dd['near_duplicates']:,} duplicates removed, {sum(skipped.values()):,} skipped)")
+        f"{dd['exact_duplicates'] + dd['near_duplicates']:,} duplicates removed, {skipped_text(skipped)})")
     return manifest
 
 

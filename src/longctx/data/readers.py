@@ -56,6 +56,31 @@ CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
 ROWS = 4096  # parquet / arrow values converted to Python at a time
 
 
+# Every reason a file or document is skipped for (the keys of `ReadResult.skipped`, of a scan's counts
+# and of the manifest's "skipped"), and how messages name it.
+SKIP_REASONS = {
+    "empty": "empty",                            # no text, or whitespace only
+    "binary": "binary",                          # a NUL byte in the first 8 KiB
+    "invalid_utf8": "not UTF-8",
+    "other_suffix": "unsupported suffix",        # a file of a kind no reader takes (e.g. .png, .parquet.gz)
+    "bad_json_line": "unparsable JSON line",     # also a line that is not a JSON object
+    "missing_text_field": "no text field",       # a record without the text field, or a non-string value
+    "unreadable": "unreadable",                  # the file could not be opened or read
+    "bad_compressed_file": "corrupt .gz/.zst",
+    "bad_parquet_file": "corrupt parquet",
+    "bad_arrow_file": "corrupt arrow",
+}
+
+
+def skipped_text(skipped: dict) -> str:
+    """'32 skipped: 20 empty, 12 binary' (most frequent reason first), or 'nothing skipped'."""
+    counts = sorted(((n, k) for k, n in skipped.items() if n), key=lambda nk: (-nk[0], nk[1]))
+    if not counts:
+        return "nothing skipped"
+    reasons = ", ".join(f"{n:,} {SKIP_REASONS.get(k, k.replace('_', ' '))}" for n, k in counts)
+    return f"{sum(n for n, _ in counts):,} skipped: {reasons}"
+
+
 @dataclass
 class ReadResult:
     docs: list[Document]

@@ -10,6 +10,7 @@ data-parallel rank in one forward/backward), --recompute (activation recomputati
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -151,10 +152,16 @@ def main(args, overrides) -> int:
 
         return anchors_main(args)
     from ..config import load_config
+    from .hardware import hardware_names
     from .output import plan_config, runnable, table, to_json, toml_text
     from .search import plan
 
     req, base = build_request(args, overrides)
+    if not args.hardware and not args.calibrate:
+        # stderr: stdout stays the table or pure JSON
+        print(f"plan: no --hardware given, planning for {req.hardware.name} (the default); pass --hardware with a "
+              f"preset ({', '.join(hardware_names())}) or a TOML file, or --calibrate to plan for this machine",
+              file=sys.stderr)
     if req.seq_len > base.model.max_seq_len and any(o.startswith("--model.max_seq_len") for o in overrides):
         raise ConfigError(f"--seq-len {req.seq_len} exceeds the --model.max_seq_len you gave "
                           f"({base.model.max_seq_len}).")

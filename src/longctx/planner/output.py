@@ -1,5 +1,10 @@
 """What `longctx plan` prints and writes: the ranked table, JSON, and the best plan as a TOML config
-that `longctx train --config` runs unchanged."""
+that `longctx train --config` runs unchanged.
+
+The written plan carries the layout, memory policy, batch and sequence length. A plan for GPUs
+leaves where and in what precision to train (train.device, train.dtype) as the base config has
+them, "auto" unless given: a plan made for h100s also runs on a laptop's CPU (gloo, fp32), only its
+predictions are for the hardware its header names."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from .. import config as config_mod
 from ..config import Config, build_config, to_dict, to_toml
 from ..errors import ConfigError
 from .cost import Estimate
-from .search import PlanResult, Request
+from .search import PlanResult, Request, step_text
 
 GIB = 2**30
 
@@ -29,8 +34,11 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
         raise ValueError(f"plan {L.describe()} micro-batch {est.micro_batch} x grad_accum {est.grad_accum} makes "
                          f"{global_batch} sequences per step, not the requested {req.global_batch}")
     raw["train"].update(seq_len=req.seq_len, global_batch=global_batch, grad_accum=est.grad_accum)
-    cpu = req.hardware.name.startswith("cpu")
-    raw["train"].update(device="cpu" if cpu else "cuda", dtype="fp32" if cpu else "bf16")
+    # A plan for GPUs leaves train.device / train.dtype as the base has them ("auto": cuda + bf16 where
+    # there is a GPU, else cpu + fp32), so it also runs on a machine without the planned GPUs; a plan
+    # for CPU processes (hardware "cpu...") trains on the CPU, which its predictions are for.
+    if req.hardware.name.startswith("cpu") and raw["train"]["device"] == "auto":
+        raw["train"].update(device="cpu", dtype="fp32" if raw["train"]["dtype"] == "auto" else raw["train"]["dtype"])
     raw["model"]["max_seq_len"] = max(raw["model"]["max_seq_len"], req.seq_len)
     return build_config(raw)
 
@@ -54,6 +62,10 @@ def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
     head = [
         (f"# written by `longctx plan`: {req.model.label}, {req.global_batch} sequences of {req.seq_len:,} tokens "
          f"per step on {world} x {req.hardware.name}"),
+        f"# planned for: {hardware_text(req)}",
+        (f"# train.device = \"{cfg.train.device}\", train.dtype = \"{cfg.train.dtype}\"" +
+         (f": runs where it is trained (GPUs: bf16, else CPU: fp32); predictions are for {req.hardware.name}"
+          if cfg.train.device == "auto" else "")),
         (f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
          f"{est.memory['total'] / GIB:.1f} GiB per GPU, bottleneck {est.bottleneck}"),
         f"# attention work: {doc_work_text(req)}",
@@ -79,18 +91,22 @@ def table(res: PlanResult, top: int = 10) -> str:
                      _gib(e.memory["model_states"]), _gib(e.memory["gathered_params"]), _gib(e.memory["activations"]),
                      _gib(e.memory["transient"]),
                      _gib(e.memory["total"]), f"{e.host_per_node / GIB:.0f}" if e.host_per_node else "-",
-                     f"{e.step_s:.4g}", f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%",
+                     step_text(e.step_s), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%",
                      e.bottleneck if e.feasible else "INFEASIBLE: " + "; ".join(e.problems)])
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
-    hw = req.hardware
     intro = (f"{req.model.label}: global batch {req.global_batch} x {req.seq_len:,} tokens per step on "
-             f"{req.gpus} x {hw.name} "
-             f"({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s, {req.gpus_per_node} per node, "
-             f"{hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, host {hw.host_memory_gib:g} GiB per node); "
+             f"{hardware_text(req)}; "
              f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible; "
-             f"{doc_work_text(req)}")
+             f"{doc_work_text(req)}; ranked by predicted step time as shown (equal: simpler policy, less memory)")
     return "\n".join([intro, *lines])
+
+
+def hardware_text(req: Request) -> str:
+    """'4 x h100 (80 GiB, 989 TFLOP/s, ...)': the hardware a plan is made for."""
+    hw = req.hardware
+    return (f"{req.gpus} x {hw.name} ({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s, {req.gpus_per_node} per "
+            f"node, {hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, host {hw.host_memory_gib:g} GiB per node)")
 
 
 def doc_work_text(req: Request) -> str:

@@ -18,7 +18,6 @@ time), and, when nothing fits, what would: more GPUs, offload, a shorter sequenc
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -181,14 +180,22 @@ def candidate_layouts(req: Request) -> list[Layout]:
     return out
 
 
+def step_text(step_s: float) -> str:
+    """A predicted step time as the table shows it (4 significant digits); the ranking sorts by it."""
+    return f"{step_s:.4g}"
+
+
 def _sort_key(e: Estimate):
-    """Feasible plans by step time (ties: simpler policy, less memory); infeasible ones by memory."""
+    """Feasible plans by step time as shown (ties: simpler policy, less memory); infeasible ones by memory.
+
+    The key is the step time the table prints, not the unrounded one nor a tolerance band: a band
+    (say "within 0.5% is a tie, prefer the simpler policy") ranks 0.08921 s above 0.08918 s, which
+    reads as a wrong order; times equal to the shown digits are the only ties."""
     p = e.policy
     if not e.feasible:
         return (1, e.memory["total"] + e.host_per_node, e.step_s)
-    # step times within 0.5% of each other are a tie: prefer the simpler policy, then less memory
-    bucket = math.floor(math.log(e.step_s) / math.log(1.005)) if e.step_s > 0 else 0
-    return (0, bucket, _POLICY_ORDER[p.recompute], p.offload_fraction, round(e.memory["total"] / 2**30),
+    return (0, float(step_text(e.step_s)), _POLICY_ORDER[p.recompute], p.offload_fraction,
+            round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
             e.layout.dp_replicate, e.layout.window)
 
@@ -271,8 +278,8 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
                + (f", and then: {'; '.join(least.problems)}" if least.problems else ""))
     if req.hardware.host_memory_gib and req.hardware.usable_host_fraction and not any(
             a > 0 for a in req.offload_fractions):
-        with_offload = dict(offload_fractions=OFFLOAD_FRACTIONS,
-                            recomputes=tuple(sorted(set(req.recomputes) | {"selective"})))
+        with_offload = {"offload_fractions": OFFLOAD_FRACTIONS,
+                        "recomputes": tuple(sorted(set(req.recomputes) | {"selective"}))}
         if _first_feasible(req, **with_offload):
             out.append("activation offload (memory.offload_fraction with full or selective recomputation) makes it feasible")
         else:
@@ -286,9 +293,8 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
         need = least.host_per_node / req.hardware.usable_host_fraction / 2**30
         out.append(f"nodes with >= {need:,.0f} GiB of host memory (--hw host_memory_gib=...) would hold the "
                    f"offloaded activations")
-    if 0 not in req.loss_chunks or len(req.loss_chunks) == 1:
-        if _first_feasible(req, loss_chunks=(0, 4096)):
-            out.append("a chunked LM head + loss (memory.loss_chunk) makes it feasible")
+    if (0 not in req.loss_chunks or len(req.loss_chunks) == 1) and _first_feasible(req, loss_chunks=(0, 4096)):
+        out.append("a chunked LM head + loss (memory.loss_chunk) makes it feasible")
     g = req.gpus
     for _ in range(6):
         g *= 2
