@@ -46,7 +46,7 @@ def _cmd_train(args, overrides) -> int:
         launching = False
     else:
         launching = not args.print_config
-        nproc = args.nproc or (resumed and _saved_world(cfg)) or default_nproc(cfg.train.device)
+        nproc = args.nproc or (resumed and _saved_world(cfg)) or _layout_world(cfg) or default_nproc(cfg.train.device)
     p, d = cfg.parallel, ParallelConfig()
     layout_given = any(getattr(p, k) != getattr(d, k) for k in ("dp_replicate", "dp_shard", "head", "ctx"))
     if nproc and not layout_given:
@@ -72,6 +72,14 @@ def _cmd_train(args, overrides) -> int:
     train(cfg)
     finish_distributed()
     return 0
+
+
+def _layout_world(cfg) -> int | None:
+    """The world a config's layout spells out in full (no degree -1, e.g. a written plan): the
+    number of processes to start when --nproc is not given."""
+    p = cfg.parallel
+    degrees = (p.dp_replicate, p.dp_shard, p.head, p.ctx)
+    return p.dp_replicate * p.dp_shard * p.head * p.ctx if min(degrees) > 0 else None
 
 
 def _saved_world(cfg) -> int | None:

@@ -177,7 +177,7 @@ def fastest_by_brute_force(req):
 
 def assert_best_plan_is_sound(res, req, tmp_path):
     """The best plan fits the hardware's memory; no plan of a brute-force enumeration is predicted
-    faster beyond the 0.5% tie; its config loads, passes the layout checks `longctx train` runs and
+    faster (beyond 0.5%, the search's coarser grid); its config loads, passes the layout checks `longctx train` runs and
     means the request: the same sequence length, global batch, layout and memory policy."""
     from longctx.parallel.checks import check_layout
     from longctx.planner.output import plan_config, toml_text
@@ -211,9 +211,10 @@ def test_plan_writes_a_config_that_loads_and_passes_check_layout(tmp_path):
     res = plan(req)
     assert_best_plan_is_sound(res, req, tmp_path)
     steps = [e.step_s for e in res.feasible]
-    # ranked by step time; plans within 0.5% are a tie (ordered by simplicity), so no plan comes
-    # after one more than 0.5% slower than itself
-    assert all(later >= earlier / 1.005 for earlier, later in zip(steps, steps[1:]))
+    # ranked by step time as the table shows it (4 significant digits; equal shown times ordered by
+    # simplicity), so no plan comes after a slower one
+    shown = [float(f"{s:.4g}") for s in steps]
+    assert all(later >= earlier for earlier, later in zip(shown, shown[1:]))
     base = load_config(None, {"model": {"preset": "llama3-8b"}})
     accums = set()
     for est in res.feasible[:20]:

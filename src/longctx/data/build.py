@@ -35,6 +35,7 @@ from . import scan
 from . import store as st
 from .pack import STRATEGIES
 from .readers import skipped_text
+from ..config_tokenizer import tokenizer_identity
 from .tokenizer import load_tokenizer
 
 DEDUP_MODES = ("minhash", "exact", "none")
@@ -461,7 +462,8 @@ def _manifest(o: BuildOptions, tok, dtype, old: dict | None, part: dict) -> dict
         "dedup": o.dedup,
         "eval_fraction": o.eval_fraction,
         "seed": o.seed,
-        "tokenizer": {"spec": o.tokenizer, "name": tok.name, "vocab_size": int(tok.vocab_size),
+        "tokenizer": {"spec": o.tokenizer, "name": tok.name, "identity": tokenizer_identity(o.tokenizer),
+                      "vocab_size": int(tok.vocab_size),
                       "eos_id": int(tok.eos_id), "pad_id": int(tok.eos_id)},
         "token_dtype": np.dtype(dtype).name,
         "inputs": [i for p in parts for i in p["inputs"]],
