@@ -24,12 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from longctx.data.loader import PackedSamples
-from longctx.parallel.doc_balance import (
-    docs_balanced_indices,
-    rank_runs,
-    rank_work,
-    zigzag_indices,
-)
+from longctx.parallel.doc_balance import docs_balanced_indices
+from longctx.parallel.layouts import rank_runs, rank_work, zigzag_positions
 
 
 def _dist(x) -> dict:
@@ -49,7 +45,7 @@ def _timed(doc_ids, ctx, head, repeat):
 
 def evaluate(samples, ctx, head, repeat=1) -> dict:
     seq = samples[0].size
-    zz = zigzag_indices(seq, ctx, head)
+    zz = zigzag_positions(seq, ctx, head)
     r_zz, r_docs, runs_zz, runs_docs, times = [], [], [], [], []
     for doc_ids in samples:
         idx, t = _timed(doc_ids, ctx, head, repeat)

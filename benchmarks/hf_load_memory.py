@@ -70,7 +70,7 @@ def worker(route: str, path: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from longctx.config_hf import read_hf_config
+    from longctx.config.hf import read_hf_config
     from longctx.models.hf import config_from_hf, hf_name, load_hf_weights
     from longctx.models.llama import build_model
 

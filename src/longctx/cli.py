@@ -15,12 +15,12 @@ from .errors import UserError
 
 
 def _config_help() -> str:
-    from .config import SECTIONS, _fields_by_key, Config, to_dict
+    from .config import SECTIONS, fields_by_key, Config, to_dict
 
     defaults = to_dict(Config())
     lines = ["config keys (override with --section.key=value):"]
     for section, cls in SECTIONS.items():
-        for key, f in _fields_by_key(cls).items():
+        for key, f in fields_by_key(cls).items():
             choices = f.metadata.get("choices")
             extra = f" [{'|'.join(map(str, choices))}]" if choices else ""
             lines.append(f"  --{section}.{key} (default {defaults[section][key]!r}){extra}: {f.metadata['help']}")
@@ -29,7 +29,7 @@ def _config_help() -> str:
 
 def _cmd_train(args, overrides) -> int:
     from .config import ParallelConfig, read_raw, to_toml
-    from .config_resume import LAYOUT_KEYS, load_run_config
+    from .config.resume import LAYOUT_KEYS, load_run_config
     from .parallel.launch import default_layout, default_nproc, launched_by_us, relaunch, under_launcher
 
     given = read_raw(args.config, overrides).get("parallel", {})

@@ -13,7 +13,7 @@ launcher of ours), which then pass.
 from __future__ import annotations
 
 from .config import Config
-from .config_rules import parse_synthetic
+from .config.rules import parse_synthetic
 from .errors import ConfigError, DataError
 from .parallel.checks import check_layout
 
@@ -26,7 +26,7 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     check_layout(cfg, nproc)
     check_packages(cfg)
     if cfg.model.init_from.startswith("hf:"):  # missing or partial shards (a checkpoint is checked at load)
-        from .config_hf import hf_dir
+        from .config.hf import hf_dir
         from .models.hf import weight_files
 
         weight_files(hf_dir(cfg.model.init_from))

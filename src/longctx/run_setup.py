@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .config import Config, build_config, to_dict, to_toml
-from .config_rules import parse_synthetic
+from .config.rules import parse_synthetic
 from .data.loader import PackedSamples
 from .data.store import read_manifest
 from .errors import ConfigError, DataError, UserError
@@ -176,7 +176,7 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
 def check_tokenizer_known(cfg: Config) -> None:
     """data.tokenizer is still `auto` only when the weights of model.init_from name no tokenizer."""
     if cfg.data.tokenizer == "auto":
-        from .config_tokenizer import unknown_tokenizer
+        from .config.tokenizer import unknown_tokenizer
 
         raise unknown_tokenizer(cfg.model.init_from)
 
@@ -197,7 +197,7 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
     if want == "auto" and cfg.model.init_from:
         check_tokenizer_known(cfg)
     if want not in ("auto", tok["spec"]):
-        from .config_tokenizer import stored_identity, tokenizer_identity
+        from .config.tokenizer import stored_identity, tokenizer_identity
 
         if stored_identity(tok) != tokenizer_identity(want):
             whose = (f"the tokenizer of model.init_from = {cfg.model.init_from!r}" if cfg.model.init_from
@@ -276,7 +276,7 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
     if not source:
         model.init_weights(cfg.train.seed)
         return model
-    from .config_hf import hf_dir
+    from .config.hf import hf_dir
 
     if source.startswith("hf:"):
         from .models.hf import load_hf_weights

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 
 from .config import Config
-from .config_rules import parse_stages
+from .config.rules import parse_stages
 from .data.loader import BatchLoader, cost_coefficients
 
 
@@ -129,7 +129,7 @@ class StagedLoader:
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
         self.loader = BatchLoader(self.train_samples, self.micro_batch, cfg.train.seed, dp=self.dp,
-                                  balance=cfg.data.balance, cost=cost_coefficients(cfg.model))
+                                  balance=cfg.data.dp_balance, cost=cost_coefficients(cfg.model))
         if self._saved is not None and int(self._saved.get("stage", 0)) == stage.index:
             self.loader.load_state_dict(self._saved)
         self._saved = None

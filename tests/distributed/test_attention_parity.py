@@ -128,7 +128,7 @@ def test_bf16_merge_stays_within_bf16_rounding():
 
 
 # ----------------------------------------------------------------------------------------------
-# Packed documents in a SequenceLayout (plan_layout): both balances, random documents
+# Packed documents in a SequenceLayout (plan_layout): both splits, random documents
 
 
 def random_docs(seq, seed):
@@ -157,7 +157,7 @@ def run_layout_cases(world, seq, cases):
 
     results = []
     meshes = {}
-    for head, ctx, window, placement, kv, balance, seed in cases:
+    for head, ctx, window, placement, kv, split, seed in cases:
         key = (head, ctx, window, placement)  # a Double-Ring window opens its outer lane with the mesh
         if key not in meshes:
             meshes[key] = ParallelDims(dp_shard=1, head=head, ctx=ctx, window=window, placement=placement,
@@ -170,7 +170,7 @@ def run_layout_cases(world, seq, cases):
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         ref, _ = attention(qr, kr, vr, causal=True, q_doc=doc, k_doc=doc)
         ref_grads = torch.autograd.grad((ref * dout).sum(), (qr, kr, vr))
-        layout = plan_layout(doc, ctx, head, balance=balance)
+        layout = plan_layout(doc, ctx, head, split=split)
         ql, kl, vl = (layout.shard(t, mesh).requires_grad_() for t in (q, k, v))
         comm.reset_counters()
         out = distributed_attention(ql, kl, vl, mesh, causal=True, doc_ids=layout.shard(doc, mesh), layout=layout)
@@ -178,7 +178,7 @@ def run_layout_cases(world, seq, cases):
         sent = comm.counters()
         expected = attention_bytes(seq=seq, batch=B, heads=H, kv_heads=kv, head_dim=D, head=head, ctx=ctx, elem=4)
         full_out = layout.unshard(out.detach(), mesh)  # the exact inverse of shard
-        results.append(((head, ctx, window, placement, kv, balance, seed),
+        results.append(((head, ctx, window, placement, kv, split, seed),
                         (full_out - ref).abs().max().item(),
                         max((g - layout.shard(r, mesh)).abs().max().item() for g, r in zip(grads, ref_grads)),
                         sent == expected, f"sent {sent}, expected {expected}"))
@@ -187,9 +187,9 @@ def run_layout_cases(world, seq, cases):
 
 @pytest.mark.parametrize("world,seq", [(4, 512), (8, 4096)])
 def test_documents_in_a_layout_are_exact(world, seq):
-    cases = [(head, ctx, window, placement, kv, balance, seed)
+    cases = [(head, ctx, window, placement, kv, split, seed)
              for head, ctx, window, placement in layouts(world) if ctx > 1
-             for kv, balance, seed in ((2, "docs", 1), (H, "zigzag", 2), (1, "docs", 3))]
+             for kv, split, seed in ((2, "docs", 1), (H, "zigzag", 2), (1, "docs", 3))]
     per_rank = run_spawned(world, run_layout_cases, world, seq, cases)
     failures = [f"{case}: out {o:.2e} grad {g:.2e} {'' if ok else detail}"
                 for rank_results in per_rank for case, o, g, ok, detail in rank_results

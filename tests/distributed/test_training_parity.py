@@ -78,10 +78,10 @@ def short_docs(tmp_path_factory):
     return str(d)
 
 
-@pytest.mark.parametrize("layout,balance", [("head2-ctx2", "docs"), ("ctx4-window2", "docs"), ("dp2-ctx2", "docs"),
+@pytest.mark.parametrize("layout,split", [("head2-ctx2", "docs"), ("ctx4-window2", "docs"), ("dp2-ctx2", "docs"),
                                             ("head2-ctx2", "zigzag")])
-def test_packed_documents_train_identically(layout, balance, short_docs, tmp_path):
-    extra = [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.balance={balance}"]
+def test_packed_documents_train_identically(layout, split, short_docs, tmp_path):
+    extra = [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.split={split}"]
     single = _train_losses([*BASE, *extra], tmp_path / "single")
     world, args = LAYOUTS[layout]
     losses = run_spawned(world, _train_losses, [*BASE, *extra, *args], str(tmp_path / "parallel"))

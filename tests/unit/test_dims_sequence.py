@@ -4,7 +4,8 @@ import torch
 from longctx.errors import ConfigError
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.ring import Schedule
-from longctx.parallel.sequence import check_divisible, shard_indices
+from longctx.parallel.layouts import check_divisible
+from longctx.parallel.sequence import shard_indices
 
 
 def test_degrees_multiply_to_world_size_and_one_is_inferred():

@@ -4,12 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from longctx.parallel import doc_balance as db
-from longctx.parallel.doc_balance import (
-    docs_balanced_indices,
-    rank_runs,
-    rank_work,
-    zigzag_indices,
-)
+from longctx.parallel.doc_balance import docs_balanced_indices
+from longctx.parallel.layouts import rank_runs, rank_work, token_work, zigzag_positions
 from longctx.parallel.sequence import shard_indices
 
 
@@ -76,7 +72,7 @@ def test_exact_partition_sorted_and_never_worse_than_zigzag(case):
     doc_ids, ctx, head = case
     idx = docs_balanced_indices(doc_ids, ctx, head)
     check_layout(doc_ids, idx, ctx, head)
-    zz = zigzag_indices(doc_ids.size, ctx, head)
+    zz = zigzag_positions(doc_ids.size, ctx, head)
     assert ratio(doc_ids, idx) <= ratio(doc_ids, zz) * (1 + db.TIE) + 1e-12
     assert np.array_equal(idx, docs_balanced_indices(doc_ids, ctx, head))  # deterministic
 
@@ -89,7 +85,7 @@ def test_special_sequences(ctx, head):
     idx = docs_balanced_indices(one, ctx, head)
     check_layout(one, idx, ctx, head)
     assert ratio(one, idx) == pytest.approx(1.0, abs=1e-9)
-    assert np.array_equal(idx, zigzag_indices(seq, ctx, head))
+    assert np.array_equal(idx, zigzag_positions(seq, ctx, head))
 
     ones = np.arange(seq, dtype=np.int64)                                     # every token its own document
     idx = docs_balanced_indices(ones, ctx, head)
@@ -122,7 +118,7 @@ def test_rank_work_counts_visible_pairs_and_zigzag_is_todays_layout():
                              (doc_ids[k:q + 1] == doc_ids[q]).all())
             brute.append(pairs)
         assert rank_work(doc_ids, idx).tolist() == brute
-        zz = zigzag_indices(16, ctx, head)
+        zz = zigzag_positions(16, ctx, head)
         for i in range(ctx):
             for j in range(head):
                 assert zz[i, j].tolist() == shard_indices(16, ctx, head, i, j).tolist()
@@ -134,7 +130,7 @@ def test_rank_work_counts_visible_pairs_and_zigzag_is_todays_layout():
 def test_documents_are_runs_of_equal_ids_not_ids():
     # id 0 appears twice, as two separate documents
     doc_ids = np.array([0] * 8 + [1] * 8 + [0] * 16, dtype=np.int64)
-    w = db._token_work(doc_ids)
+    w = token_work(doc_ids)
     assert w[16] == 1 and w[-1] == 16
     idx = docs_balanced_indices(doc_ids, 2, 2)
     check_layout(doc_ids, idx, 2, 2)
@@ -161,7 +157,7 @@ def test_balance_on_real_like_documents(ctx):
         idx = docs_balanced_indices(doc_ids, ctx, 2)
         check_layout(doc_ids, idx, ctx, 2)
         ours.append(ratio(doc_ids, idx))
-        zz.append(ratio(doc_ids, zigzag_indices(seq, ctx, 2)))
+        zz.append(ratio(doc_ids, zigzag_positions(seq, ctx, 2)))
     assert np.percentile(ours, 90) <= 1.05
     assert max(ours) <= 1.10
     assert np.percentile(zz, 90) > 1.3                                       # the case is not trivial

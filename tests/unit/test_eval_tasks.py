@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longctx.config_rules import parse_stages, parse_synthetic
+from longctx.config.rules import parse_stages, parse_synthetic
 from longctx.data.samples import IGNORE
 from longctx.data.synthetic import SyntheticMixture, retrieval_prompt
 from longctx.data.tokenizer import ByteTokenizer

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 from longctx.config import load_config  # noqa: E402
-from longctx.config_hf import HFFormatError  # noqa: E402
+from longctx.config.hf import HFFormatError  # noqa: E402
 from longctx.models.hf import config_from_hf, load_hf, save_hf  # noqa: E402
 from longctx.models.llama import build_model  # noqa: E402
 
@@ -234,7 +234,7 @@ def test_init_from_makes_the_checkpoint_config_the_run_model(tmp_path):
         load_config(overrides=[f"--model.init_from=hf:{d}", "--model.dim=256"])
     with pytest.raises(HFFormatError, match="model.layers=3 contradicts"):
         load_config(overrides=[f"--model.init_from=hf:{d}", "--model.layers=3"])
-    from longctx.config_hf import resolve_init_from
+    from longctx.config.hf import resolve_init_from
 
     fields, changed = resolve_init_from({"init_from": f"hf:{d}", "preset": "llama3-8b", "rope_theta": 1e6})
     assert fields["dim"] == 64 and fields["preset"] == "hf"  # a recipe's preset yields to the checkpoint, loudly

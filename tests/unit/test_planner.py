@@ -128,7 +128,7 @@ def test_placement_decides_which_groups_stay_in_a_node():
 
 
 def test_candidates_respect_heads_and_divisibility():
-    from longctx.parallel.sequence import check_divisible
+    from longctx.parallel.layouts import check_divisible
     from longctx.parallel.ulysses import check_heads
 
     m = model("llama3-8b")
@@ -146,7 +146,7 @@ def fastest_by_brute_force(req):
     dp_replicate x dp_shard x head x ctx = gpus that the layout checks accept, both placements),
     every policy and micro-batch of the request: no pruning, no candidate generator of the planner."""
     from longctx.errors import ConfigError
-    from longctx.parallel.sequence import check_divisible
+    from longctx.parallel.layouts import check_divisible
     from longctx.parallel.ulysses import check_heads
     from longctx.planner.search import divisors, policies
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from longctx.config import load_config
-from longctx.config_tokenizer import same_tokenizer, tokenizer_identity
+from longctx.config.tokenizer import same_tokenizer, tokenizer_identity
 from longctx.errors import UserError
 from longctx.models.hf import save_hf
 from longctx.models.llama import build_model

@@ -12,7 +12,7 @@ first samples) it measures document-sparse attention instead:
   sum of per-document calls (each document alone: the ideal) and plain causal attention (no
   documents): best-of-repeats CPU seconds and peak memory growth (peak RSS minus RSS before the
   inputs are built, the peak reset first; and peak live tensor-storage bytes);
-- the distributed run with the document ids and the sequence layout (--balance docs|zigzag): CPU
+- the distributed run with the document ids and the sequence layout (--split docs|zigzag): CPU
   seconds summed over ranks against the per-document sum (alone and at the ranks' load), bytes
   against the closed form without documents (with a layout documents cost no bytes);
 - the work imbalance (max / mean visible query-key pairs over context ranks) of both layouts.
@@ -136,7 +136,7 @@ def run(args) -> dict:
         return run_docs(args)
     if args.seq_len is None:
         args.seq_len = DEFAULT_SEQ_LEN
-    from ..parallel.sequence import check_divisible
+    from ..parallel.layouts import check_divisible
     from ..parallel.spawn import run_spawned
     from ..parallel.ulysses import check_heads
     from ..parallel.volumes import attention_bytes
@@ -205,7 +205,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", default=None, metavar="N|store:DIR",
                    help="packed documents: N-token documents back to back (the last one shorter if needed), or "
                         "the document ids of the first --micro-batch samples of a `longctx data build` store")
-    p.add_argument("--balance", default="docs", choices=("docs", "zigzag"),
+    p.add_argument("--split", default="docs", choices=("docs", "zigzag"),
                    help="with --docs: the sequence layout of the distributed run (parallel.sequence.plan_layout)")
     p.add_argument("--first-sample", type=int, default=0, help="with --docs store:DIR: the first sample used")
     p.add_argument("--imbalance-samples", type=int, default=0,
@@ -447,7 +447,7 @@ def _rank_worker_docs(args, ids):
                         world_size=args.world)
     mesh = dims.build_mesh("cpu")
     c0 = time.process_time()
-    layout = plan_layout(ids, args.ctx, args.head, balance=args.balance)
+    layout = plan_layout(ids, args.ctx, args.head, split=args.split)
     layout_s = time.process_time() - c0
     me = mesh["ctx"].get_local_rank()
     c0 = time.process_time()
@@ -490,9 +490,9 @@ def _work(ids, args) -> dict:
     from ..parallel.sequence import plan_layout
 
     out = {}
-    for balance in ("docs", "zigzag"):
-        work = plan_layout(ids, args.ctx, args.head, balance=balance).rank_work(args.causal)
-        out[balance] = {"rank_work": [int(w) for w in work], "max_over_mean": _imbalance(work)}
+    for split in ("docs", "zigzag"):
+        work = plan_layout(ids, args.ctx, args.head, split=split).rank_work(args.causal)
+        out[split] = {"rank_work": [int(w) for w in work], "max_over_mean": _imbalance(work)}
     return out
 
 
@@ -507,8 +507,8 @@ def _work_over_samples(args) -> dict | None:
     per = {"docs": [], "zigzag": []}
     for i in range(args.first_sample, args.first_sample + n):
         ids = samples.batch([i]).doc_ids[:, :args.seq_len]
-        for balance, w in _work(ids, args).items():
-            per[balance].append(w["max_over_mean"])
+        for split, w in _work(ids, args).items():
+            per[split].append(w["max_over_mean"])
     return {"samples": n, **{b: {"median": float(np.median(v)), "p90": float(np.percentile(v, 90)),
                                  "max": float(np.max(v))} for b, v in per.items()}}
 
@@ -517,7 +517,7 @@ def run_docs(args) -> dict:
     """--docs: one process (packed vs per-document sum vs plain causal: CPU seconds and peak memory
     growth, each measured in a fresh process), the distributed run with the layout, the work
     imbalance of the layouts, and bytes against the closed form."""
-    from ..parallel.sequence import check_divisible
+    from ..parallel.layouts import check_divisible
     from ..parallel.spawn import run_spawned
     from ..parallel.ulysses import check_heads
     from ..parallel.volumes import attention_bytes
@@ -555,7 +555,7 @@ def run_docs(args) -> dict:
         "bench": "attention",
         "config": {k: getattr(args, k) for k in ("world", "head", "ctx", "window", "placement", "seq_len", "micro_batch",
                                                   "heads", "kv_heads", "head_dim", "causal", "dtype", "threads",
-                                                  "repeats", "docs", "balance")},
+                                                  "repeats", "docs", "split")},
         "documents": {**source, **_doc_summary(ids)},
         "single_process": single,
         "packed_cpu_s_ratio_vs_per_document": packed["fwd_bwd_cpu_s"] / per_doc["fwd_bwd_cpu_s"],
@@ -577,7 +577,7 @@ def run_docs(args) -> dict:
         "single_per_document_fwd_bwd_cpu_s_same_load": loaded_cpu,
         "cpu_s_ratio_vs_per_document_same_load": sum_cpu / loaded_cpu,
         "cpu_s_ratio_vs_packed": sum_cpu / packed["fwd_bwd_cpu_s"],
-        "work_imbalance": {"balance": args.balance, "max_over_mean": work[args.balance]["max_over_mean"],
+        "work_imbalance": {"split": args.split, "max_over_mean": work[args.split]["max_over_mean"],
                            "docs": work["docs"], "zigzag": work["zigzag"]},
         "bytes_match_closed_form": all(r["bytes"] == expected for r in ranks),
         "bytes_closed_form": expected,

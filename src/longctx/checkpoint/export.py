@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..config_hf import hf_dir
+from ..config.hf import hf_dir
 from ..models.hf import copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from .manager import load_model_weights, resolve_checkpoint

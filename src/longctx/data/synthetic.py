@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from ..config_rules import SYNTHETIC_TASKS
+from ..config.rules import SYNTHETIC_TASKS
 from ..errors import ConfigError, DataError
 from .loader import SampleSet
 from .samples import IGNORE

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config_rules import SYNTHETIC_TASKS
+from ..config.rules import SYNTHETIC_TASKS
 from ..errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ def _dp(cfg, nproc: int) -> int:
 def _tokenizer_spec(args, cfg) -> str | None:
     if args.tokenizer:
         return args.tokenizer
-    from ..config_tokenizer import model_tokenizer
+    from ..config.tokenizer import model_tokenizer
 
     return model_tokenizer(cfg.model.init_from)
 
@@ -125,7 +125,7 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     from ..data.tokenizer import load_tokenizer
     from ..parallel.checks import check_layout
     from ..parallel.dims import ParallelDims
-    from ..parallel.sequence import check_divisible
+    from ..parallel.layouts import check_divisible
     from .tasks import load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
 
     lengths = parse_lengths(args.lengths)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config_rules import memory_policy_problems
+from ..config.rules import memory_policy_problems
 from ..errors import ConfigError
 from .offload import HostOffloader
 

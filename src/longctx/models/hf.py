@@ -7,7 +7,7 @@ safetensors files, only the rows of each tensor it owns (`safe_open(...).get_sli
 ever holds the whole checkpoint. `save_hf(model, path)` writes the same family's config.json and
 safetensors (sharded above a size, with an index) that transformers loads.
 
-config.json is translated by config_hf.py (both RoPE forms, every supported RoPE type). Our RoPE
+config.json is translated by config/hf.py (both RoPE forms, every supported RoPE type). Our RoPE
 uses the same "rotate half" layout as Hugging Face, so q/k weights map one to one.
 """
 
@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..config_hf import HFFormatError, hf_config_from_model, model_fields_from_hf, read_hf_config
+from ..config.hf import HFFormatError, hf_config_from_model, model_fields_from_hf, read_hf_config
 from .llama import Llama, build_model
 from .shards import local_part, local_slices
 

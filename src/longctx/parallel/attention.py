@@ -20,9 +20,9 @@ import torch
 from ..errors import ConfigError
 from ..ops.chunked import ChunkGrid, chunked_attention
 from . import comm
+from .layouts import check_doc_ids
 from .ring import ring_attention
-from .sequence import (SequenceLayout, attach_layout, check_doc_ids, layout_of, plan_layout, shard_indices,
-                       unshard_sequence)
+from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, shard_indices, unshard_sequence
 from .ulysses import check_heads, head_to_seq, kv_replication, seq_to_head
 
 
@@ -111,6 +111,6 @@ def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:
     """Without a layout: gather the document ids once (one all-gather and one copy to the host per
     call) and plan on the zigzag layout they were sharded with; kept on doc_ids for the next layers."""
     full = unshard_sequence(doc_ids.contiguous(), mesh)
-    layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), balance="zigzag")
+    layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), split="zigzag")
     attach_layout(doc_ids, layout)
     return layout

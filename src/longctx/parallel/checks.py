@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import ConfigError
 from .dims import ParallelDims
-from .sequence import check_divisible
+from .layouts import check_divisible
 from .ulysses import check_heads
 
 
@@ -18,7 +18,7 @@ def check_layout(cfg, world: int) -> ParallelDims:
     check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
     check_divisible(cfg.train.seq_len, dims.ctx, dims.head)
     if cfg.train.stages:
-        from ..config_rules import parse_stages
+        from ..config.rules import parse_stages
 
         for seq_len, _, batch in parse_stages(cfg.train.stages):
             try:

@@ -52,7 +52,7 @@ class ParallelDims:
         if len(inferred) > 1:
             raise ConfigError(f"only one parallel degree may be -1 (inferred), got -1 for {', '.join(inferred)}.")
         known = 1
-        for n, d in degrees.items():
+        for d in degrees.values():
             if d != -1:
                 known *= d
         if inferred:
@@ -107,6 +107,6 @@ class ParallelDims:
         return self._mesh
 
     @classmethod
-    def from_config(cls, cfg, world_size: int | None = None) -> "ParallelDims":
+    def from_config(cls, cfg, world_size: int | None = None) -> ParallelDims:
         p = cfg.parallel if hasattr(cfg, "parallel") else cfg
         return cls(p.dp_replicate, p.dp_shard, p.head, p.ctx, p.window, p.placement, world_size)

@@ -4,7 +4,7 @@ attention work under a document (causal, same-document) mask.
 The work of a context rank = the (query, key) pairs it computes = for each query token it holds,
 the keys of the same document at or before its position, wherever they live. A token at offset o
 of its document has o + 1 of them, so rank work = sum over its tokens of (offset + 1). Zigzag
-(sequence.py) balances one causal sequence, not a packed one: the busiest rank of a sample with a
+(layouts.py) balances one causal sequence, not a packed one: the busiest rank of a sample with a
 few documents does up to ~2x the mean.
 
 `docs_balanced_indices` (pure numpy, deterministic, ~1-5 ms per call):
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .layouts import doc_runs, rank_runs, zigzag_positions
+
 # head-tail thresholds tried (step 1)
 ALPHAS = (0.25, 0.5, 1.0, 2.0)
 # assignments whose maximal rank work is within this fraction of the best are as good: fewest runs
@@ -39,22 +41,6 @@ TIE = 0.005
 # documents placed one by one (step 2): at most GREEDY, each above TINY x a rank's share of the work
 GREEDY = 256
 TINY = 1e-3
-
-
-def _doc_runs(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(start, length) of each document = maximal run of equal ids."""
-    seq = doc_ids.size
-    if seq == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    starts = np.concatenate([[0], np.flatnonzero(doc_ids[1:] != doc_ids[:-1]) + 1]).astype(np.int64)
-    lengths = np.diff(np.append(starts, seq)).astype(np.int64)
-    return starts, lengths
-
-
-def _token_work(doc_ids: np.ndarray) -> np.ndarray:
-    """Visible keys of each query token: offset within its document + 1."""
-    starts, lengths = _doc_runs(doc_ids)
-    return np.arange(doc_ids.size, dtype=np.int64) - np.repeat(starts, lengths) + 1
 
 
 def _tri(n):
@@ -71,41 +57,6 @@ def _check(seq: int, ctx: int, head: int) -> None:
         raise ValueError(f"ctx and head must be >= 1, got ctx={ctx}, head={head}")
     if seq % (ctx * head):
         raise ValueError(f"sequence length {seq} is not divisible by ctx x head = {ctx} x {head}")
-
-
-def rank_work(doc_ids: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """Visible (query, key) pairs per ctx rank [ctx] of an assignment [ctx, head, seq_local]."""
-    doc_ids = np.asarray(doc_ids).ravel()
-    indices = np.asarray(indices)
-    return _token_work(doc_ids)[indices.reshape(indices.shape[0], -1)].sum(axis=1)
-
-
-def rank_runs(doc_ids: np.ndarray, indices: np.ndarray) -> np.ndarray:
-    """Contiguous same-document runs per ctx rank [ctx] (each a separate query / key block for the
-    kernels) of an assignment [ctx, head, seq_local], its ctx rank's positions taken in order."""
-    doc_ids = np.asarray(doc_ids).ravel()
-    idx = np.asarray(indices)
-    idx = idx.reshape(idx.shape[0], -1)
-    if idx.shape[1] == 0:
-        return np.zeros(idx.shape[0], np.int64)
-    new = (idx[:, 1:] != idx[:, :-1] + 1) | (doc_ids[idx[:, 1:]] != doc_ids[idx[:, :-1]])
-    return 1 + new.sum(axis=1)
-
-
-def zigzag_indices(seq: int, ctx: int, head: int) -> np.ndarray:
-    """Today's layout (sequence.shard_indices) as int64 [ctx, head, seq // (ctx * head)]."""
-    from .sequence import shard_indices
-
-    return np.stack([np.stack([shard_indices(seq, ctx, head, i, j).numpy() for j in range(head)])
-                     for i in range(ctx)]).astype(np.int64)
-
-
-def _zigzag_np(seq: int, ctx: int) -> np.ndarray:
-    """Zigzag ctx-rank positions [ctx, seq // ctx] (= zigzag_indices, without torch)."""
-    chunk = seq // (2 * ctx)
-    r = np.arange(ctx)[:, None]
-    a = np.arange(chunk)[None, :]
-    return np.concatenate([r * chunk + a, (2 * ctx - 1 - r) * chunk + a], axis=1).astype(np.int64)
 
 
 def _bit_reversed_order(n: int) -> np.ndarray:
@@ -286,12 +237,12 @@ def docs_balanced_indices(doc_ids: np.ndarray, ctx: int, head: int, alphas=ALPHA
     room = seq // ctx
     if ctx == 1 or seq == 0:
         return np.arange(seq, dtype=np.int64).reshape(ctx, head, seq // (ctx * head))
-    starts, lengths = _doc_runs(doc_ids)
+    starts, lengths = doc_runs(doc_ids)
     order = np.argsort(-lengths, kind="stable")
 
     candidates = []  # (max work, runs, ctx-rank positions [ctx, room] (zigzag) or pieces [n, 4])
     if seq % (2 * ctx) == 0:
-        zz = _zigzag_np(seq, ctx)
+        zz = zigzag_positions(seq, ctx, 1)[:, 0]
         tok_work = np.arange(seq, dtype=np.int64) - np.repeat(starts, lengths) + 1
         candidates.append((int(tok_work[zz].sum(axis=1).max()), int(rank_runs(doc_ids, zz).sum()), zz, True))
     Wd = _tri(lengths[order])

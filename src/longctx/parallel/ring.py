@@ -159,7 +159,7 @@ def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
         plan = plans(src)
         if isinstance(plan, ChunkGrid):  # memory.attention_chunk: the block in chunk pairs, merged per chunk
             chunked_forward(q, kv[0], kv[1], plan, scale=scale, backend=backend,
-                            emit=lambda i, o, l_, g=plan: o is None or _merge(acc[0], acc[1], g.q_slices[i], o, l_))
+                            emit=lambda i, o, l_, g=plan, a=acc: o is None or _merge(a[0], a[1], g.q_slices[i], o, l_))
         elif not plan.empty:
             out, lse = attention_forward(q, kv[0], kv[1], causal=causal, scale=scale, backend=backend, plan=plan)
             _merge(acc[0], acc[1], slice(0, s), out, lse)

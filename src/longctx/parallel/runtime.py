@@ -33,18 +33,18 @@ class Runtime:
     mesh: object = None        # the 4-D DeviceMesh (None with one process)
     world_mesh: object = None  # all ranks flattened, for job-wide reductions
     device: torch.device = torch.device("cpu")
-    balance: str = "docs"      # how sequences with documents are split over head x ctx (parallel.balance)
+    split: str = "docs"        # how sequences with documents are split over head x ctx (parallel.split)
 
     @classmethod
-    def create(cls, cfg, rank: int, world: int, device_type: str) -> "Runtime":
+    def create(cls, cfg, rank: int, world: int, device_type: str) -> Runtime:
         dims = ParallelDims.from_config(cfg, world_size=world)
         device = (torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda"
                   else torch.device("cpu"))
         if world == 1:
-            return cls(dims=dims, device=device, balance=cfg.parallel.balance)
+            return cls(dims=dims, device=device, split=cfg.parallel.split)
         mesh = dims.build_mesh(device_type)
         world_mesh = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("world")
-        return cls(rank, world, dims, mesh, world_mesh, device, cfg.parallel.balance)
+        return cls(rank, world, dims, mesh, world_mesh, device, cfg.parallel.split)
 
     @property
     def is_main(self) -> bool:
@@ -75,7 +75,7 @@ class Runtime:
         ctx_rank = comm.local_rank(comm.sub_mesh(self.mesh, "ctx"))
         head_rank = comm.local_rank(comm.sub_mesh(self.mesh, "head"))
         if doc_ids is not None:
-            layout = plan_layout(doc_ids, self.dims.ctx, self.dims.head, balance=self.balance)
+            layout = plan_layout(doc_ids, self.dims.ctx, self.dims.head, split=self.split)
             return layout, layout.indices(ctx_rank, head_rank)
         return None, shard_indices(seq_len, self.dims.ctx, self.dims.head, ctx_rank, head_rank).expand(rows, -1)
 
@@ -83,7 +83,7 @@ class Runtime:
         """My data-parallel share of a global batch, then my balanced part of each sequence (on
         `device` if given).
 
-        With document ids the split is `plan_layout(..., balance=parallel.balance)`, planned here on
+        With document ids the split is `plan_layout(..., split=parallel.split)`, planned here on
         the host from the ids every rank already has; the layout rides on the local document-id
         tensor to the attention core, so no rank ever asks the device where documents are."""
         if self.mesh is None:

@@ -1,14 +1,8 @@
-"""Shard / unshard full-sequence tensors in the balanced 2D layout.
+"""Shard / unshard full-sequence tensors by the positions each rank holds (layouts.py).
 
-Context group of size c (ring), head group of size h (all-to-all). The sequence is cut into 2c
-equal chunks and context rank i holds chunks i and 2c-1-i ("zigzag"): under a causal mask the
-early chunk has little to attend to and the late one a lot, so every context rank gets the same
-work, and in every ring step after the first, exactly half of the block is needed (ring.py skips
-the other half). Inside a head group, the context rank's part is cut again into h contiguous
-pieces, one per head rank, so the all-to-all can gather it back in order.
-
-Tokens, labels, positions and document ids all go through `shard_sequence`, so RoPE positions
-and document masks stay attached to their tokens under any layout.
+Tokens, labels, positions and document ids all go through `shard_sequence` (the zigzag split) or a
+`SequenceLayout` (the split a batch's documents call for), so RoPE positions and document masks
+stay attached to their tokens under any layout.
 """
 
 from __future__ import annotations
@@ -17,7 +11,11 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..ops.chunked import ChunkGrid
+from ..ops.segments import plan_pairs
 from . import comm
+from .doc_balance import docs_balanced_indices
+from .layouts import SPLITS, check_divisible, check_doc_ids, zigzag_positions
 
 
 def _degrees(mesh) -> tuple[int, int, int, int]:
@@ -28,26 +26,9 @@ def _degrees(mesh) -> tuple[int, int, int, int]:
     return ctx.size(), head.size(), comm.local_rank(ctx), comm.local_rank(head)
 
 
-def check_divisible(seq_len: int, ctx: int, head: int) -> None:
-    unit = 2 * ctx * head
-    if seq_len % unit:
-        lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit
-        raise ConfigError(
-            f"sequence length {seq_len} is not divisible by 2 x ctx x head = 2 x {ctx} x {head} = {unit}, which "
-            f"the balanced (zigzag) layout needs; use {lower or upper} or {upper}, or pad explicitly "
-            f"(padding must be masked out of the loss)."
-        )
-
-
 def shard_indices(seq_len: int, ctx: int, head: int, ctx_rank: int, head_rank: int) -> torch.Tensor:
-    """Global positions of the tokens this rank holds, in local order."""
-    check_divisible(seq_len, ctx, head)
-    chunk = seq_len // (2 * ctx)
-    early = torch.arange(ctx_rank * chunk, (ctx_rank + 1) * chunk)
-    late = torch.arange((2 * ctx - 1 - ctx_rank) * chunk, (2 * ctx - ctx_rank) * chunk)
-    ctx_local = torch.cat([early, late])
-    piece = ctx_local.numel() // head
-    return ctx_local[head_rank * piece:(head_rank + 1) * piece]
+    """Global positions of the tokens this rank holds under the zigzag split, in local order."""
+    return torch.from_numpy(zigzag_positions(seq_len, ctx, head)[ctx_rank, head_rank].copy())
 
 
 def shard_sequence(x: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tensor:
@@ -78,9 +59,6 @@ def unshard_sequence(local: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tenso
 # Layouts that follow the documents
 
 
-BALANCES = ("docs", "zigzag")
-
-
 class SequenceLayout:
     """Which global positions every (ctx rank, head rank) holds, per batch row, with the batch's
     document ids on the host.
@@ -94,10 +72,10 @@ class SequenceLayout:
     pieces of that order, so the Ulysses all-to-all reassembles the context rank's tokens in order.
     """
 
-    def __init__(self, positions: np.ndarray, doc_ids: np.ndarray | None, balance: str):
+    def __init__(self, positions: np.ndarray, doc_ids: np.ndarray | None, split: str):
         self.positions = positions  # int64 [batch, ctx, head, seq_local]
         self.doc_ids = doc_ids      # int64 [batch, seq] or None
-        self.balance = balance
+        self.split = split
         self.batch, self.ctx, self.head, self.seq_local = positions.shape
         self.seq_len = self.seq_local * self.ctx * self.head
         self._plans: dict = {}
@@ -134,10 +112,10 @@ class SequenceLayout:
             raise ValueError("SequenceLayout unshards [batch, seq_local, ...] tensors (seq_dim=1)")
         self.check(local.shape[1] * c * h, c, h, local.shape[0])
         gathered = local
-        if h > 1:
-            gathered = torch.cat(list(comm.all_gather(gathered, comm.sub_mesh(mesh, "head"), label="unshard").unbind(0)), dim=1)
-        if c > 1:
-            gathered = torch.cat(list(comm.all_gather(gathered, comm.sub_mesh(mesh, "ctx"), label="unshard").unbind(0)), dim=1)
+        for dim, size in (("head", h), ("ctx", c)):  # head pieces first: they make a context rank's part
+            if size > 1:
+                parts = comm.all_gather(gathered, comm.sub_mesh(mesh, dim), label="unshard")
+                gathered = torch.cat(list(parts.unbind(0)), dim=1)
         order = torch.from_numpy(self.positions.reshape(self.batch, -1)).to(local.device)
         out = torch.empty_like(gathered)
         rows = torch.arange(local.shape[0], device=local.device)[:, None]
@@ -148,8 +126,6 @@ class SequenceLayout:
         """The segment pairs of context rank q_rank's queries against context rank k_rank's keys."""
         key = (q_rank, k_rank, causal)
         if key not in self._plans:
-            from ..ops.segments import plan_pairs
-
             qp, kp = self.ctx_positions(q_rank), self.ctx_positions(k_rank)
             rows = np.arange(self.batch)[:, None]
             self._plans[key] = plan_pairs(self.doc_ids[rows, qp], self.doc_ids[rows, kp], causal=causal,
@@ -160,8 +136,6 @@ class SequenceLayout:
         """block_plan's pairs in chunks of `chunk` tokens (memory.attention_chunk, ops/chunked.py)."""
         key = ("chunks", q_rank, k_rank, causal, chunk)
         if key not in self._plans:
-            from ..ops.chunked import ChunkGrid
-
             qp, kp = self.ctx_positions(q_rank), self.ctx_positions(k_rank)
             rows = np.arange(self.batch)[:, None]
             self._plans[key] = ChunkGrid(qp, kp, self.doc_ids[rows, qp], self.doc_ids[rows, kp], chunk, causal)
@@ -173,47 +147,26 @@ class SequenceLayout:
                          for i in range(self.ctx)])
 
 
-def check_doc_ids(doc_ids) -> np.ndarray:
-    """Host int64 [batch, seq] document ids whose documents are contiguous runs, or a ValueError."""
-    ids = doc_ids.detach().cpu().numpy() if hasattr(doc_ids, "detach") else np.asarray(doc_ids)
-    if ids.ndim != 2:
-        raise ValueError(f"document ids must be shaped [batch, seq], got {tuple(ids.shape)}")
-    ids = ids.astype(np.int64, copy=False)
-    for r, row in enumerate(ids):
-        starts = np.concatenate([[0], np.flatnonzero(row[1:] != row[:-1]) + 1])
-        runs = row[starts]
-        if len(np.unique(runs)) != len(runs):
-            values, counts = np.unique(runs, return_counts=True)
-            raise ValueError(f"document id {int(values[counts > 1][0])} reappears after another document in batch "
-                             f"row {r}; documents must be contiguous runs of tokens (number each packed document "
-                             f"anew)")
-    return ids
-
-
-def plan_layout(doc_ids, ctx: int, head: int, *, balance: str = "docs") -> SequenceLayout:
+def plan_layout(doc_ids, ctx: int, head: int, *, split: str = "docs") -> SequenceLayout:
     """The layout of a batch over ctx x head ranks: a pure function of the full-sequence document ids
-    [batch, seq] (host array or tensor; None = no documents, which gives the zigzag layout).
+    [batch, seq] (host array or tensor).
 
-    balance="zigzag": today's layout (balances a plain causal mask). balance="docs": per batch row,
-    the split that balances each context rank's visible (causal, same-document) query-key pairs
-    (parallel/doc_balance.py); every rank still holds exactly seq / (ctx x head) tokens."""
-    if balance not in BALANCES:
-        raise ConfigError(f"balance must be one of {BALANCES}, got '{balance}'.")
-    ids = None if doc_ids is None else check_doc_ids(doc_ids)
-    if ids is None:
+    split="zigzag" balances a plain causal mask; split="docs" (parallel.split), per batch row, each
+    context rank's visible (causal, same-document) query-key pairs (doc_balance.py); every rank
+    still holds exactly seq / (ctx x head) tokens."""
+    if split not in SPLITS:
+        raise ConfigError(f"parallel.split must be one of {SPLITS}, got '{split}'.")
+    if doc_ids is None:
         raise ValueError("plan_layout needs the batch's document ids [batch, seq] (for a layout without documents, "
                          "shard with shard_sequence)")
+    ids = check_doc_ids(doc_ids)
     batch, seq = ids.shape
     check_divisible(seq, ctx, head)
-    if balance == "zigzag" or ctx == 1:
-        zig = np.stack([np.stack([shard_indices(seq, ctx, head, i, j).numpy() for j in range(head)])
-                        for i in range(ctx)])
-        positions = np.broadcast_to(zig, (batch, *zig.shape)).copy()
+    if split == "zigzag" or ctx == 1:
+        positions = np.broadcast_to(zigzag_positions(seq, ctx, head), (batch, ctx, head, seq // (ctx * head))).copy()
     else:
-        from .doc_balance import docs_balanced_indices
-
         positions = np.stack([docs_balanced_indices(row, ctx, head) for row in ids])
-    return SequenceLayout(positions.astype(np.int64), ids, balance)
+    return SequenceLayout(positions.astype(np.int64), ids, split)
 
 
 # A layout travels with the local document-id tensor it was sharded with, so the model (which knows

@@ -1,32 +1,18 @@
-"""The run configuration: nested dataclasses, loaded from TOML plus `--section.key=value` overrides.
+"""The run configuration's shape: one dataclass per section, every knob with its default, help
+text and choices; the model presets.
 
 Every knob a user can turn lives here, under the same name in TOML, on the command line, in code
-and in the docs. Loading is strict: an unknown section or key, a value of the wrong type, a value
-outside its choices or an impossible combination stops the run with a `ConfigError` that names
-the key and says what was expected, before any work starts.
-
-`model.preset` is special: it fills every model field the user did not set explicitly, so
-`--model.preset llama3-8b --model.layers 2` is the 8B shape with two layers.
+and in the docs. `model.preset` is special: it fills every model field the user did not set
+explicitly, so `--model.preset llama3-8b --model.layers 2` is the 8B shape with two layers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
-import math
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from .config_rules import RECOMPUTE_POLICIES, validate  # the rules live apart from the parsing
-from .errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from .rules import RECOMPUTE_POLICIES
 
 
 def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | None = None,
@@ -125,7 +111,7 @@ class ParallelConfig:
     ctx: int = _opt(1, "context-parallel (ring attention) degree")
     window: int = _opt(0, "Double-Ring inner ring size; 0 = plain ring; must divide ctx")
     placement: str = _opt("head-first", "which group's ranks are adjacent", choices=("head-first", "ctx-first"))
-    balance: str = _opt("docs", "how a sequence with documents is split over head x ctx ranks: docs (balance each "
+    split: str = _opt("docs", "how a sequence with documents is split over head x ctx ranks: docs (balance each "
                                 "context rank's visible query-key pairs) or zigzag (balance a plain causal mask)",
                         choices=("docs", "zigzag"))
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
@@ -176,9 +162,10 @@ class DataConfig:
     strategy: str = _opt("auto", "packing when building from data.corpus; auto = concat below 2048 tokens (nearly "
                                  "every document is longer than the window), datasculpt from 2048 up",
                          choices=("auto", "datasculpt", "bfd", "concat"))
-    dedup: str = _opt("minhash", "duplicate removal when building from data.corpus", choices=("minhash", "exact", "none"))
+    dedup: str = _opt("minhash", "duplicate removal when building from data.corpus",
+                      choices=("minhash", "exact", "none"))
     workers: int = _opt(1, "processes for the parallel stages when building from data.corpus")
-    balance: bool = _opt(True, "give data-parallel ranks samples of balanced estimated cost (a*s^2 + b*s)")
+    dp_balance: bool = _opt(True, "give data-parallel ranks samples of balanced estimated cost (a*s^2 + b*s)")
     synthetic: str = _opt("", "retrieval mixture in the training samples: TASK:FRACTION, e.g. \"passkey:0.2\" turns "
                               "a seeded fifth of them into pass-key sequences scored on their answer (task passkey "
                               "or needle, the same prompts `longctx eval` scores); '' = none")
@@ -188,8 +175,8 @@ class DataConfig:
 class MemoryConfig:
     recompute: str = _opt("none", "activation recomputation policy", choices=RECOMPUTE_POLICIES)
     offload_fraction: float = _opt(0.0, "fraction of each block's saved tokens moved to host memory (needs "
-                                   "recompute=selective or full); 'auto' (with recompute=selective) picks it from host-link "
-                                   "bandwidth, block forward time and free host memory", words=("auto",))
+                                   "recompute=selective or full); 'auto' (with recompute=selective) picks it from "
+                                   "host-link bandwidth, block forward time and free host memory", words=("auto",))
     offload_skip_last: int = _opt(1, "the last K blocks are never offloaded")
     block_chunk: int = _opt(0, "tokens per chunk of each block's token-wise stages (norms, projections, MLP; "
                             "FPDT-style), so their intermediates never exist for all of a rank's tokens; needs "
@@ -241,261 +228,3 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
-# ----------------------------------------------------------------------------------------------
-# Field access by config name
-
-
-def _fields_by_key(section_cls) -> dict[str, dataclasses.Field]:
-    return {f.metadata.get("key", f.name): f for f in dataclasses.fields(section_cls)}
-
-
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
-
-
-def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1)
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
-def _type_name(t: type) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
-
-
-def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
-    """Check a TOML value (or a CLI string, already parsed) against the field's type and choices."""
-    if isinstance(value, str) and value in f.metadata.get("words", ()):
-        return value
-    typ = {"int": int, "float": float, "bool": bool, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-    ok = (
-        (typ is bool and isinstance(value, bool))
-        or (typ is int and isinstance(value, int) and not isinstance(value, bool))
-        or (typ is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (typ is str and isinstance(value, str))
-    )
-    if not ok:
-        raise ConfigError(f"{key} must be {_type_name(typ)}, got {value!r} ({type(value).__name__}).")
-    if typ is float:
-        value = float(value)
-    choices = f.metadata.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(
-            f"{key} = {value!r} is not one of the valid choices: {', '.join(map(str, choices))}."
-            + _suggest(str(value), map(str, choices))
-        )
-    return value
-
-
-def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
-    typ = f.type if isinstance(f.type, str) else f.type.__name__
-    if text in f.metadata.get("words", ()):
-        return text
-    if typ == "bool":
-        low = text.lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{key} must be true or false, got '{text}'.")
-    if typ == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{key} must be an integer, got '{text}'.") from None
-    if typ == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{key} must be a number, got '{text}'.") from None
-    return text
-
-
-# Keys that were renamed: the old spelling is refused with the new one in the message (a silent alias
-# would keep two names for one concept alive).
-RENAMED: dict[str, tuple[str, str]] = {
-    "memory.checkpoint": ("memory.recompute", "recomputation is memory.recompute; [checkpoint] is for saving"),
-    "train.batch_size": ("train.global_batch", "train.global_batch counts sequences per optimizer step over the "
-                                               "whole job, i.e. the old batch_size x grad_accum"),
-}
-
-
-def _lookup(section: str, name: str) -> dataclasses.Field:
-    if f"{section}.{name}" in RENAMED:
-        new, why = RENAMED[f"{section}.{name}"]
-        raise ConfigError(f"config key '{section}.{name}' was renamed to '{new}' ({why}); use --{new}=... "
-                          f"or '{new.split('.')[1]} = ...' under [{section}] in TOML.")
-    if section not in SECTIONS:
-        raise ConfigError(
-            f"unknown config section '{section}'. Valid sections: {', '.join(SECTIONS)}." + _suggest(section, SECTIONS)
-        )
-    fields = _fields_by_key(SECTIONS[section])
-    if name not in fields:
-        raise ConfigError(
-            f"unknown config key '{section}.{name}'. Valid keys in [{section}]: {', '.join(fields)}."
-            + _suggest(name, fields)
-        )
-    return fields[name]
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading
-
-
-def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Turn `--section.key=value` / `--section.key value` arguments into {section: {key: value}}."""
-    out: dict[str, dict[str, Any]] = {}
-    i = 0
-    args = list(args)
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ConfigError(
-                f"unexpected argument '{arg}'. Config overrides look like --section.key=value "
-                f"(sections: {', '.join(SECTIONS)})."
-            )
-        body = arg[2:]
-        if "=" in body:
-            dotted, text = body.split("=", 1)
-            i += 1
-        else:
-            dotted = body
-            nxt = args[i + 1] if i + 1 < len(args) else None
-            f_probe = _lookup(*dotted.split(".", 1)) if dotted.count(".") == 1 else None
-            is_bool = f_probe is not None and (f_probe.type in ("bool", bool))
-            if nxt is None or (nxt.startswith("--") and is_bool):
-                if not is_bool:
-                    raise ConfigError(f"--{dotted} needs a value, e.g. --{dotted}=VALUE.")
-                text, i = "true", i + 1
-            else:
-                text, i = nxt, i + 2
-        if dotted.count(".") != 1:
-            raise ConfigError(f"'--{dotted}' is not of the form --section.key (sections: {', '.join(SECTIONS)}).")
-        section, name = dotted.split(".")
-        f = _lookup(section, name)
-        out.setdefault(section, {})[name] = _parse_cli_value(dotted, text, f)
-    return out
-
-
-def read_toml(path: str | Path, what: str, hint: str) -> dict:
-    """A TOML file's contents, or a ConfigError naming `what` and how to fix it."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{what} '{path}' does not exist. {hint}")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{what} '{path}' is not valid TOML: {e}.") from None
-
-
-def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> Config:
-    """Build a validated Config from an optional TOML file and overrides (CLI strings or a dict)."""
-    return build_config(read_raw(path, overrides))
-
-
-def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> dict:
-    """{section: {key: value}} as given by an optional TOML file and overrides on top, unresolved."""
-    raw: dict[str, dict[str, Any]] = {}
-    if path is not None:
-        data = read_toml(path, "config file", "Pass an existing TOML file, e.g. configs/debug.toml.")
-        for section, values in data.items():
-            if not isinstance(values, dict):
-                raise ConfigError(
-                    f"top-level key '{section}' in '{path}' must be a [section] table; "
-                    f"valid sections: {', '.join(SECTIONS)}."
-                )
-            raw.setdefault(section, {}).update(values)
-    if overrides:
-        parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-        for section, values in parsed.items():
-            raw.setdefault(section, {}).update(values)
-    return raw
-
-
-def _model_values(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> dict[str, Any]:
-    """[model] as given -> every field the run uses: from the preset, or from the Hugging Face
-    config.json of model.init_from (config_hf.py), with the user's values on top."""
-    if values.get("init_from"):
-        from .config_hf import resolve_init_from
-
-        typed = {k: _coerce(f"model.{k}", v, fields[k]) for k, v in values.items()}
-        resolved, _ = resolve_init_from(typed)
-        return resolved
-    preset = _coerce("model.preset", values.get("preset", "debug"), fields["preset"])
-    if preset == "hf":
-        raise ConfigError("model.preset=hf means 'the shapes of model.init_from'; set model.init_from=hf:DIR "
-                          "(a local Hugging Face model directory) or pick a named preset.")
-    return {**MODEL_PRESETS[preset], **values}
-
-
-def _staged_train_values(values: dict[str, Any]) -> dict[str, Any]:
-    """train.stages decides train.steps (their sum) and train.seq_len (the last stage's length); the
-    same values given explicitly are fine (a written config.toml has them), other ones are refused."""
-    from .config_rules import parse_stages
-
-    stages = parse_stages(_coerce("train.stages", values["stages"], _fields_by_key(TrainConfig)["stages"]))
-    derived = {"steps": sum(s for _, s, _ in stages), "seq_len": stages[-1][0]}
-    why = {"steps": "the sum of the stages' steps", "seq_len": "the last stage's length"}
-    for key, value in derived.items():
-        if key in values and values[key] != value:
-            raise ConfigError(f"train.{key} = {values[key]} contradicts train.stages = {values['stages']!r}, which "
-                              f"makes it {value} ({why[key]}); drop train.{key}.")
-    return {**values, **derived}
-
-
-def build_config(raw: dict[str, dict[str, Any]]) -> Config:
-    sections: dict[str, Any] = {}
-    for section, cls in SECTIONS.items():
-        values = dict(raw.get(section, {}))
-        for name in values:
-            _lookup(section, name)
-        fields = _fields_by_key(cls)
-        if section == "model":
-            values = _model_values(values, fields)
-        if section == "train" and values.get("stages"):
-            values = _staged_train_values(values)
-        kwargs = {}
-        for name, value in values.items():
-            kwargs[fields[name].name] = _coerce(f"{section}.{name}", value, fields[name])
-        sections[section] = cls(**kwargs)
-    for section in raw:
-        if section not in SECTIONS:
-            _lookup(section, "")
-    cfg = Config(**sections)
-    from .config_tokenizer import resolve_tokenizer
-
-    cfg.data.tokenizer = resolve_tokenizer(cfg.model.init_from, cfg.data.tokenizer, cfg.data.path)
-    validate(cfg)
-    return cfg
-
-
-# ----------------------------------------------------------------------------------------------
-# Writing
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        if math.isinf(v) or math.isnan(v):
-            return {math.inf: "inf", -math.inf: "-inf"}.get(v, "nan")
-        return repr(v)
-    if isinstance(v, int):
-        return str(v)
-    return json.dumps(v)  # a JSON string is a valid TOML basic string
-
-
-def to_toml(cfg: Config) -> str:
-    lines = []
-    for section, cls in SECTIONS.items():
-        lines.append(f"[{section}]")
-        obj = getattr(cfg, section)
-        for key, f in _fields_by_key(cls).items():
-            lines.append(f"{key} = {_toml_value(getattr(obj, f.name))}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
-    return {
-        section: {key: getattr(getattr(cfg, section), f.name) for key, f in _fields_by_key(cls).items()}
-        for section, cls in SECTIONS.items()
-    }

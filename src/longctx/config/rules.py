@@ -1,6 +1,6 @@
 """Config rules: impossible values and combinations, all reported together in one ConfigError.
 
-Kept apart from config.py (which parses and writes) so the rules read as one list. Nothing here
+Kept apart from load.py (which parses and writes) so the rules read as one list. Nothing here
 imports from the rest of longctx but errors: config sits below every other module.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .config import Config
+    from .schema import Config
 
 RECOMPUTE_POLICIES = ("none", "full", "selective")
 

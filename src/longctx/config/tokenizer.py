@@ -13,8 +13,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from .config_hf import HFFormatError, checkpoint_manifest, hf_dir
-from .errors import ConfigError
+from ..errors import ConfigError
+from .hf import HFFormatError, checkpoint_manifest, hf_dir
 
 
 def tokenizer_file(spec: str) -> Path | None:

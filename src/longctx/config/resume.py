@@ -14,12 +14,14 @@ itself builds exactly what it is given.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from .config import Config, build_config, read_raw, read_toml, to_dict
-from .errors import ConfigError
+from ..errors import ConfigError
+from .load import build_config, read_raw, read_toml, to_dict
+from .schema import Config
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")
 # where and how to resume are not settings of the run
@@ -89,7 +91,8 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     try:
         before = to_dict(build_config(saved))
     except ConfigError as e:
-        raise ConfigError(f"the saved config of the run to resume, {run_dir / 'config.toml'}, no longer loads: {e}")
+        raise ConfigError(f"the saved config of the run to resume, {run_dir / 'config.toml'}, no longer loads: "
+                          f"{e}") from None
     diffs = _differences(before, to_dict(cfg))
     _refuse_unasked(diffs, cfg, run_dir)
     return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])

@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from ..checkpoint.paths import MANIFEST, CheckpointError, resolve_checkpoint
+from ..errors import UserError
 
 
 class HFFormatError(UserError, ValueError):
@@ -219,8 +220,6 @@ def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
 
 def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
     """(the checkpoint directory, its manifest) for init_from = a longctx checkpoint."""
-    from .checkpoint.paths import MANIFEST, CheckpointError, resolve_checkpoint
-
     try:
         path = resolve_checkpoint(init_from, Path(init_from))
     except CheckpointError:

@@ -1,0 +1,33 @@
+"""The run configuration: its sections and knobs (schema), loading and writing (load), the rules
+of impossible values (rules), Hugging Face config.json mapping (hf), which tokenizer a run means
+(tokenizer) and what a resume continues (resume). Pure Python: no torch.
+"""
+
+from .load import (
+    SECTIONS,
+    build_config,
+    fields_by_key,
+    load_config,
+    parse_overrides,
+    read_raw,
+    read_toml,
+    to_dict,
+    to_toml,
+)
+from .schema import (
+    MODEL_PRESETS,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    MemoryConfig,
+    MetricsConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "MODEL_PRESETS", "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "MemoryConfig", "MetricsConfig",
+    "ModelConfig", "ParallelConfig", "TrainConfig", "build_config", "fields_by_key", "load_config",
+    "parse_overrides", "read_raw", "read_toml", "to_dict", "to_toml",
+]
