@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Document-sparse attention figures of docs/attention_docs_2026-11-23.json: one JSON object per line,
+# Document-sparse attention figures of docs/results/attention_docs_2026-11-23.json: one JSON object per line,
 # each with "figure" naming the acceptance figure it serves (8 heads, 8 kv heads, head_dim 64, fp32,
 # 1,024-token documents, 1 thread per rank and for the single-process references).
-# Usage: benchmarks/attention_docs.sh > docs/attention_docs_2026-11-23.json   (about 25 min on a 2-core CPU)
+# Usage: benchmarks/attention_docs.sh > docs/results/attention_docs_2026-11-23.json   (about 25 min on a 2-core CPU)
 # STORE: a store built by `longctx data build --input stdlib --strategy concat --seq-len 32768 --out $STORE`
 # (built here if missing). Measure on an otherwise idle machine: every line records the load average.
 set -euo pipefail

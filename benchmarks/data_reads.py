@@ -8,7 +8,7 @@ run of held tokens), the bytes already read for the step when it starts (the bac
 at most that step's read), and the seconds the loop waited for its batches. The 4-rank job runs
 with the read ahead and without it, and must give the same losses. Prints one JSON document.
 
-    python benchmarks/data_reads.py --steps 8 --seq-lens 512 2048 --out docs/data_reads_2026-11-25.json
+    python benchmarks/data_reads.py --steps 8 --seq-lens 512 2048 --out docs/results/data_reads_2026-11-25.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 def _train(overrides, run_dir, read_ahead):
     """This rank's losses and per-step read figures."""
     from longctx.config import load_config
-    from longctx.train import Trainer
+    from longctx.train.trainer import Trainer
 
     cfg = load_config("configs/debug.toml", [*overrides, f"--train.run_dir={run_dir}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None, read_ahead=read_ahead)

@@ -35,7 +35,7 @@ def longctx(*args: str, cwd: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
     ap.add_argument("--samples", type=int, default=10, help="passkey prompts per length and depth")
     ap.add_argument("--depths", default="0,0.25,0.5,0.75,1")
     args = ap.parse_args()

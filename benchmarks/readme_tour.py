@@ -1,7 +1,7 @@
 """Run every command of the README as written, and time each: the README's promises, checked.
 
-The commands are read from the README itself (its ```bash blocks, then its ```python blocks, each
-run as a script), so a command added there is run here. Each runs in a scratch working directory (runs/, stores/, out/ land there) in which:
+The commands are read from the README and its topic pages under docs/ (their ```bash blocks, then
+the README's ```python blocks, each run as a script), so a command added there is run here. Each runs in a scratch working directory (runs/, stores/, out/ land there) in which:
   - placeholders name real things made for the tour: /path/to/Qwen3-0.6B a small random Qwen3 saved
     by transformers, with the tour's tokenizer.json (a model's own tokenizer goes with it), /path/to/Qwen3-8B a config.json of Qwen3-8B's shapes, /my/texts and data.jsonl
     part of the Python standard library's sources, /my/tokenizer.json a 1,000-token tokenizer;
@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the README, then its topic pages, in the order a reader meets them
+PAGES = ["README.md", *(f"docs/{name}.md" for name in ("parallelism", "memory", "data", "checkpoints", "planner",
+                                                      "eval", "running"))]
 TOUR_STEPS = 20
 FULL_RUNS = ("longctx train", "longctx train --nproc 1")  # the README quotes their timings
 
@@ -153,7 +156,7 @@ def main() -> int:
     print(f"readme tour in {work}", file=sys.stderr)
     subs = prepare(work)
     results, first_run, saved_steps = [], None, 0
-    for cmd in readme_commands(ROOT / "README.md"):
+    for cmd in (c for page in PAGES for c in readme_commands(ROOT / page)):
         if a.only and a.only not in cmd:
             continue
         argv, why = adapt(cmd, subs, first_run, a.with_tests)
