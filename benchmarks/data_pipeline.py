@@ -22,22 +22,27 @@ import shutil
 import tempfile
 import time
 
+from longctx.bench.packing_reference import cluster, embed_tfidf
+from longctx.config import load_config
+from longctx.data.balance import balanced_order, imbalance
+from longctx.data.builder.dedup import deduplicate
+from longctx.data.builder.inputs import read_inputs
+from longctx.data.builder.options import BuildOptions
+from longctx.data.builder.pack import pack, packing_stats
+from longctx.data.builder.pipeline import build_store
+from longctx.data.builder.tokenize import tokenize
+from longctx.data.loader import PackedSamples, cost_coefficients
+from longctx.data.samples import SampleOrder
+from longctx.data.tokenizer import ByteTokenizer
+
 
 def quality(seq_lens, strategies, seed=0):
-    from longctx.data.cluster import cluster
-    from longctx.data.dedup import deduplicate
-    from longctx.data.embed import embed
-    from longctx.data.pack import pack, packing_stats
-    from longctx.data.readers import read_inputs
-    from longctx.data.tokenize import tokenize
-    from longctx.data.tokenizer import ByteTokenizer
-
     docs = read_inputs(["stdlib"]).docs
     texts = [d.text for d in docs]
     keep = deduplicate(texts, "minhash").keep
     texts = [t for t, k in zip(texts, keep) if k]
     tk = tokenize(texts, ByteTokenizer())
-    emb = embed(texts, seed=seed)
+    emb = embed_tfidf(texts, seed=seed)
     lengths = tk.lengths
     for seq_len in seq_lens:
         t0 = time.perf_counter()
@@ -56,8 +61,6 @@ def quality(seq_lens, strategies, seed=0):
 
 
 def throughput(seq_len, workers, strategy, dedup):
-    from longctx.data.build import BuildOptions, build_store
-
     out = tempfile.mkdtemp(prefix="longctx-bench-")
     try:
         t0 = time.perf_counter()
@@ -70,18 +73,13 @@ def throughput(seq_len, workers, strategy, dedup):
     print(json.dumps({"bench": "build_throughput", "seq_len": seq_len, "workers": workers, "strategy": strategy,
                       "dedup": dedup, "raw_mb": round(part["counts"]["raw_bytes"] / 1e6, 2), "total_s": round(total, 2),
                       "total_mb_per_s": round(part["counts"]["raw_bytes"] / 1e6 / total, 2),
-                      "stages": {k: {"seconds": v["seconds"], "mb_per_s": v["mb_per_s"]} for k, v in part["stages"].items()},
+                      "stages": {k: {"seconds": v["seconds"], "mb_per_s": v["mb_per_s"]}
+                                 for k, v in part["stages"].items()},
                       "fill_rate": round(m["packing"]["train"]["fill_rate"], 4), "machine": platform.machine()}),
           flush=True)
 
 
 def balance(seq_len, dp, batch, batches, strategy):
-    from longctx.config import load_config
-    from longctx.data.build import BuildOptions, build_store
-    from longctx.data.balance import balanced_order, imbalance
-    from longctx.data.loader import PackedSamples, cost_coefficients
-    from longctx.data.samples import SampleOrder
-
     out = tempfile.mkdtemp(prefix="longctx-bench-")
     try:
         build_store(BuildOptions(["stdlib"], out + "/s", seq_len, strategy=strategy, dedup="exact", workers=2,
@@ -111,8 +109,6 @@ def main():
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--strategies", nargs="+", default=["concat", "bfd", "datasculpt"])
     ap.add_argument("--seq-len", type=int, default=8192)
-    # the flags' names before sequence length became seq_len everywhere: refused, naming the new ones
-    ap.add_argument("--context", "--contexts", dest="old_flag", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--strategy", default="datasculpt")
     ap.add_argument("--dedup", default="minhash")
@@ -120,9 +116,6 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--batches", type=int, default=200)
     a = ap.parse_args()
-    if a.old_flag is not None:
-        ap.error("--context and --contexts were renamed to --seq-len and --seq-lens (sequence length is seq_len "
-                 "everywhere).")
     if a.quality:
         quality(a.seq_lens, a.strategies)
     if a.throughput:

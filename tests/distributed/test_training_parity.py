@@ -86,7 +86,7 @@ def test_packed_documents_train_identically(layout, split, short_docs, tmp_path)
     world, args = LAYOUTS[layout]
     losses = run_spawned(world, _train_losses, [*BASE, *extra, *args], str(tmp_path / "parallel"))
     # the samples really are packed with many documents
-    from longctx.data.corpus import read_documents
+    from longctx.data.builder.corpus import read_documents
 
     assert len(read_documents(short_docs)) == 400
     diff = max(abs(a - b) for a, b in zip(losses[0], single[:8]))

@@ -1,8 +1,9 @@
 import pytest
 
-from longctx.data.corpus import corpus_files, read_documents, stdlib_root
+from longctx.data.builder.corpus import corpus_files, read_documents, stdlib_root
+from longctx.data.builder.holdout import is_eval_doc
+from longctx.data.samples import SampleOrder
 from longctx.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from longctx.data.samples import SampleOrder, is_eval_doc
 from longctx.errors import DataError
 
 
@@ -63,7 +64,7 @@ def test_sampler_is_seeded_covers_each_epoch_and_resumes_from_cursor():
 
 
 def test_eval_split_is_by_name_and_stable():
-    from longctx.data.corpus import Document
+    from longctx.data.builder.corpus import Document
 
     docs = [Document(f"f{i}.py", "x") for i in range(2000)]
     evals = [d for d in docs if is_eval_doc(d.name, 0.05)]
@@ -75,7 +76,7 @@ def test_eval_split_is_by_name_and_stable():
     import subprocess
     import sys
 
-    code = ("from longctx.data.samples import is_eval_doc; "
+    code = ("from longctx.data.builder.holdout import is_eval_doc; "
             "print(sorted(i for i in range(2000) if is_eval_doc(f'f{i}.py', 0.05)))")
     ids = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}

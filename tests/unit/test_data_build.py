@@ -1,20 +1,23 @@
 """The build pipeline end to end on small synthetic inputs: reading and bad input, dedup, the store's
-exact token accounting for every strategy, append, crash safety, stores of the previous format."""
+exact token accounting for every strategy, append, crash safety, stores of another version refused."""
 
 import json
 import random
 
 import numpy as np
 import pytest
-import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
-from longctx.data import build as build_mod
-from longctx.data.build import BuildOptions, build_store
-from longctx.data.dedup import deduplicate
-from longctx.data.loader import BatchLoader, PackedSamples
-from longctx.data.readers import read_inputs
-from longctx.data.store import S_DOC, S_LENGTH, S_OFFSET, S_SAMPLE, S_START, VERSION as STORE_VERSION, read_manifest
+from longctx.data import store
+from longctx.data.builder.dedup import deduplicate
+from longctx.data.builder.inputs import read_inputs
+from longctx.data.builder.options import BuildOptions
+from longctx.data.builder.part_writer import SplitWriter
+from longctx.data.builder.pipeline import build_store
+from longctx.data.loader import PackedSamples
+from longctx.data.store import S_DOC, S_LENGTH, S_OFFSET, S_SAMPLE, S_START, read_manifest
+from longctx.data.store import VERSION as STORE_VERSION
 from longctx.data.tokenizer import ByteTokenizer
 from longctx.errors import DataError
 
@@ -163,7 +166,7 @@ def test_planted_exact_and_near_duplicates_are_removed():
 def _near_pair(rng, want, edits=(2, 12)):
     """(original, variant) with a few words changed whose true shingle Jaccard and signature estimate
     satisfy want(truth, estimate): searched with a seeded generator, so the case is fixed."""
-    from longctx.data.dedup import jaccard, shingle_hashes, signature
+    from longctx.data.builder.dedup import jaccard, shingle_hashes, signature
 
     for _ in range(2000):
         original = text_doc(rng, 500)
@@ -196,7 +199,7 @@ def test_signatures_match_datasketch_estimate():
     """Our vectorised signatures estimate Jaccard like datasketch's own MinHash of the same shingles."""
     from datasketch import MinHash
 
-    from longctx.data.dedup import shingle_hashes, signature
+    from longctx.data.builder.dedup import shingle_hashes, signature
 
     rng = random.Random(2)
     a = text_doc(rng, 200)
@@ -308,7 +311,7 @@ def test_a_failed_build_never_looks_complete(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(build_mod.asm.SplitWriter, "write", boom)
+    monkeypatch.setattr(SplitWriter, "write", boom)
     with pytest.raises(KeyboardInterrupt):
         build_store(opts([tmp_path / "in"], tmp_path / "s"), log=quiet)
     assert not (tmp_path / "s" / "manifest.json").exists()
@@ -318,66 +321,27 @@ def test_a_failed_build_never_looks_complete(tmp_path, monkeypatch):
     m = build_store(opts([tmp_path / "in"], tmp_path / "s"), log=quiet)  # a rerun cleans up and completes
     assert [p.name for p in sorted((tmp_path / "s").iterdir())] == ["manifest.json", "part-00000"]
     # an append that dies before its manifest leaves the store as it was
-    monkeypatch.setattr(build_mod.st, "write_manifest", boom)
+    monkeypatch.setattr(store, "write_manifest", boom)
     write_corpus(tmp_path / "more", [text_doc(random.Random(6), 50)])
     with pytest.raises(KeyboardInterrupt):
         build_store(opts([tmp_path / "more"], tmp_path / "s", append=True), log=quiet)
     assert read_manifest(tmp_path / "s") == m
 
 
-# key names of version-1 manifests, written before "window" became "sample" and "context" "seq_len"
-V1_KEYS = {"seq_len": "context", "train_samples": "train_windows", "eval_samples": "eval_windows",
-           "samples": "windows", "docs_per_sample": "docs_per_window", "multi_doc_samples": "multi_doc_windows",
-           "longer_than_seq_len": "longer_than_context"}
-
-
-def as_version_1(obj):
-    if isinstance(obj, dict):
-        return {V1_KEYS.get(k, k): as_version_1(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [as_version_1(v) for v in obj]
-    return obj
-
-
-def test_a_store_from_before_the_sample_rename_still_loads_and_takes_appends(tmp_path):
+def test_a_store_of_another_version_is_refused_with_how_to_rebuild_it(tmp_path):
     rng = random.Random(8)
     write_corpus(tmp_path / "a", [text_doc(rng, 100) for _ in range(12)])
-    write_corpus(tmp_path / "b", [text_doc(rng, 100) for _ in range(5)])
     root = tmp_path / "s"
-    m = build_store(opts([tmp_path / "a"], root, eval_fraction=0.3), log=quiet)
-    assert m["totals"]["train_samples"] and m["totals"]["eval_samples"]
-    splits = ("train", "eval")
-    rows = {split: PackedSamples(root, split).batch(range(m["totals"][f"{split}_samples"])) for split in splits}
-    loader = BatchLoader(PackedSamples(root), 2, seed=1, dp=2)
-    drawn = [loader.next_batch() for _ in range(3)]
-    # rewrite the store as version 1 wrote it: old manifest keys, {split}.windows.npy pointer files
-    (root / "manifest.json").write_text(json.dumps({**as_version_1(m), "version": 1}, indent=1) + "\n")
-    for f in (root / "part-00000").glob("*.samples.npy"):
-        f.rename(f.with_name(f.name.replace(".samples.", ".windows.")))
-    on_disk = (root / "manifest.json").read_text()
-    assert '"context": 256' in on_disk and '"train_windows"' in on_disk
-
-    assert read_manifest(root) == {**m, "version": 1}  # today's key names, in memory only
-    assert (root / "manifest.json").read_text() == on_disk
-    for split in splits:
-        old = PackedSamples(root, split)
-        assert old.seq_len == 256 and len(old) == m["totals"][f"{split}_samples"]
-        got = old.batch(range(len(old)))
-        for name in ("tokens", "labels", "positions", "doc_ids"):
-            assert torch.equal(getattr(got, name), getattr(rows[split], name)), (split, name)
-    loader = BatchLoader(PackedSamples(root), 2, seed=1, dp=2)
-    assert all(torch.equal(loader.next_batch().tokens, b.tokens) for b in drawn)
-
-    # an append writes a new part and a manifest of today's version; the old part stays as it was
-    m2 = build_store(opts([tmp_path / "b"], root, append=True), log=quiet)
-    assert m2["version"] == STORE_VERSION and m2["seq_len"] == 256
-    assert read_manifest(root) == m2 and "window" not in (root / "manifest.json").read_text()
-    assert m2["parts"][0] == m["parts"][0] and m2["totals"]["documents"] == 17
-    train = PackedSamples(root)
-    assert len(train) == m2["totals"]["train_samples"] > m["totals"]["train_samples"]
-    assert torch.equal(train.batch(range(len(rows["train"].tokens))).tokens, rows["train"].tokens)
-    with pytest.raises(DataError, match="seq_len 256"):
-        build_store(opts([tmp_path / "b"], root, seq_len=128, append=True), log=quiet)
+    m = build_store(opts([tmp_path / "a"], root), log=quiet)
+    assert m["version"] == STORE_VERSION
+    # a store as version 1 wrote it (before "window" became "sample" and "context" seq_len)
+    old = {k: v for k, v in m.items() if k != "seq_len"}
+    (root / "manifest.json").write_text(json.dumps({**old, "version": 1, "context": 256}, indent=1) + "\n")
+    for read in (read_manifest, PackedSamples,
+                 lambda r: build_store(opts([tmp_path / "a"], r, append=True), log=quiet)):
+        with pytest.raises(DataError, match=r"version this longctx reads \(2, found 'longctx-store' version 1\); "
+                                            r"rebuild the store with this version's `longctx data build`"):
+            read(root)
 
 
 def test_manifest_records_what_the_issue_asks_for(tmp_path):

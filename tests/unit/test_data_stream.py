@@ -8,17 +8,17 @@ import random
 
 import numpy as np
 import pytest
+from test_data_build import quiet, store_documents, text_doc
 
-from longctx.data import build as build_mod
-from longctx.data import scan
-from longctx.data.build import BuildOptions, build_store, merge_scans, parse_memory
-from longctx.data.dedup import deduplicate
-from longctx.data.readers import read_inputs
+from longctx.data.builder import pipeline, scan
+from longctx.data.builder.dedup import deduplicate
+from longctx.data.builder.inputs import read_inputs
+from longctx.data.builder.options import BuildOptions, parse_memory
+from longctx.data.builder.part_writer import groups
+from longctx.data.builder.pipeline import build_store, merge_scans
 from longctx.data.store import read_manifest
 from longctx.data.tokenizer import ByteTokenizer
 from longctx.errors import DataError
-
-from test_data_build import quiet, store_documents, text_doc
 
 
 def corpus(root, seed=0, files=8, docs_per_file=6, words=120):
@@ -100,7 +100,7 @@ def test_an_interrupted_build_resumes_and_equals_an_uninterrupted_one(tmp_path, 
     assert any("resuming: 3 of" in line for line in lines)
     assert redone[:3] == [0, 1, 2] and len(set(redone)) == len(redone)  # the three done ones return at once
     assert part_files(tmp_path / "s") == part_files(tmp_path / "whole")
-    assert not (tmp_path / "s" / build_mod.WORK).exists()
+    assert not (tmp_path / "s" / pipeline.WORK).exists()
 
 
 def test_shard_scans_merge_into_the_store_of_one_build(tmp_path, small_shards):
@@ -161,8 +161,6 @@ def test_memory_bound_settings_and_errors(tmp_path):
 def test_a_cluster_bigger_than_a_group_is_packed_in_runs():
     """The memory bound holds for one huge cluster too: it is cut into runs of about a group each;
     every item lands in exactly one group, in order within its cluster."""
-    from longctx.data.assemble import groups
-
     lengths = np.full(40, 100)
     clusters = np.r_[np.zeros(35, int), np.ones(5, int)]  # one cluster of 3,500 tokens, one of 500
     got = list(groups(np.arange(40), lengths, clusters, 1000))

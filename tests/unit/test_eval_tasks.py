@@ -136,7 +136,8 @@ def test_retrieval_sequences_are_deterministic_and_cover_each_depth():
 
 
 def test_store_documents_reassemble_what_was_packed(tmp_path):
-    from longctx.data.build import BuildOptions, build_store
+    from longctx.data.builder.options import BuildOptions
+    from longctx.data.builder.pipeline import build_store
 
     src = tmp_path / "texts"
     src.mkdir()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.data.build import BuildOptions, build_store
+from longctx.data.builder.options import BuildOptions
+from longctx.data.builder.pipeline import build_store
 from longctx.data.loader import BatchLoader, PackedSamples, stack_samples
 from longctx.data.samples import IGNORE, Batch
 from longctx.data.store import S_LENGTH

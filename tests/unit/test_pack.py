@@ -4,10 +4,17 @@ fills every sample but the last, datasculpt groups related documents)."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from longctx.data.pack import (
-    DOC, LENGTH, SAMPLE, START, pack, packing_stats, split_points,
+from longctx.data.builder.pack import (
+    DOC,
+    LENGTH,
+    SAMPLE,
+    START,
+    pack,
+    packing_stats,
+    split_points,
 )
 from longctx.errors import DataError
 
@@ -21,7 +28,7 @@ def reconstruct(p, docs):
     """Each document rebuilt from its pieces taken in order of their start offset (a piece's sample
     does not matter: samples are shuffled for training), so a lost, doubled or overlapping piece shows up."""
     out = [[] for _ in docs]
-    for w, d, s, n in sorted(p.segments.tolist(), key=lambda seg: (seg[1], seg[2])):
+    for _sample, d, s, n in sorted(p.segments.tolist(), key=lambda seg: (seg[1], seg[2])):
         out[d].extend(docs[d][s:s + n])
     return out
 

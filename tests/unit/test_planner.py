@@ -289,7 +289,8 @@ def _store(tmp_path, name, seq_len, lengths, seed=0):
     import json
     import random
 
-    from longctx.data.build import BuildOptions, build_store
+    from longctx.data.builder.options import BuildOptions
+    from longctx.data.builder.pipeline import build_store
 
     rng = random.Random(seed)
     src = tmp_path / f"{name}.jsonl"

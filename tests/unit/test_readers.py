@@ -15,8 +15,9 @@ import pytest
 import zstandard
 
 from longctx.cli import main as longctx_main
-from longctx.data import readers
-from longctx.data.readers import input_files, iter_file, read_inputs, unit_size
+from longctx.data.builder import readers
+from longctx.data.builder.inputs import input_files, read_inputs, unit_size
+from longctx.data.builder.readers import iter_file
 from longctx.errors import DataError
 
 JSONL = ('{"text": "first record"}\nnot json\n{"body": "no text field"}\n\n{"text": "caf\\u00e9\\r\\nline"}\n'

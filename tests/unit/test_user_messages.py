@@ -16,8 +16,9 @@ import pytest
 
 from longctx.cli import main as longctx_main
 from longctx.config import load_config
-from longctx.data import readers
-from longctx.data.build import BuildOptions, build_store
+from longctx.data.builder import readers
+from longctx.data.builder.options import BuildOptions
+from longctx.data.builder.pipeline import build_store
 from longctx.data.store import read_manifest
 from longctx.planner.cost import Layout, Policy, estimate
 from longctx.planner.hardware import PRESETS

@@ -17,8 +17,9 @@ import shutil
 from pathlib import Path
 
 from ..cache_dir import cache_root
-from .build import BuildOptions, build_store
-from .readers import input_files
+from .builder.inputs import input_files
+from .builder.options import BuildOptions
+from .builder.pipeline import build_store
 from .store import MANIFEST
 
 CACHE_VERSION = 3  # 2: near-duplicates confirmed by their true Jaccard; 3: the streaming build (eval pieces)

@@ -40,9 +40,6 @@ from .balance import balanced_order
 from .samples import IGNORE, Batch, SampleOrder
 from .store import S_LENGTH, load_split, read_manifest
 
-# what checkpoints saved before issue 19 call the sample count in the data position
-LEGACY_COUNT_KEY = "num_windows"
-
 
 @dataclass
 class Frames:
@@ -218,7 +215,7 @@ class BatchLoader:
         return self.order.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        saved = state.get("num_samples", state.get(LEGACY_COUNT_KEY))
+        saved = state.get("num_samples")
         if saved is not None and int(saved) != len(self.samples):
             raise DataError(
                 f"the checkpoint's data position is for {saved} training samples but the data has "

@@ -1,4 +1,4 @@
-"""What every training sample carries, the eval split rule and the sample order's global cursor.
+"""What every training sample carries (`Batch`) and the sample order's global cursor.
 
 A sample is one packed training sequence of `seq_len` tokens; samples come from the packed store
 (data/loader.py). Every sample carries its packing metadata, so attention can stay inside
@@ -10,8 +10,7 @@ documents and RoPE positions restart at each document:
 - with document masks, a label that lies in the next document is -100 (ignored): under a
   document mask the model cannot see that document, so predicting its first token is noise.
 
-Documents are assigned to the train or eval split by a hash of their name, which is stable when
-documents are added or removed.
+Which documents went to the eval split was decided when the store was built (data/builder/holdout.py).
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-from .holdout import is_eval_doc  # noqa: F401 - its home before data/holdout.py
 
 IGNORE = -100
 
@@ -33,7 +30,7 @@ class Batch:
     positions: torch.Tensor  # [batch, seq] int64
     doc_ids: torch.Tensor | None  # [batch, seq] int64, or None without document masks
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.tokens), move(self.labels), move(self.positions), move(self.doc_ids))
 

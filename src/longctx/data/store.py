@@ -17,9 +17,8 @@ A segment `(sample, offset, length, doc, start)` says that tokens `[start, start
 document `doc` lie at `[offset, offset + length)` of the sample; a sample's segments are
 contiguous from offset 0, and the rest of the sample is padding.
 
-Stores written before format version 2 name some manifest keys and the pointer file differently
-(`LEGACY_KEYS`, `LEGACY_POINTER`); `read_manifest` renames the keys in memory and `load_split`
-reads either pointer file, so such stores still load and take appends.
+A manifest of another format version (a store written by an older longctx) is refused with a
+message that says to rebuild it.
 
 Crash safety: a part is written under `.tmp-part-*` and renamed into place; the manifest is
 written to a temporary file and renamed over `manifest.json` last. An interrupted build or
@@ -42,25 +41,10 @@ from ..errors import DataError
 MANIFEST = "manifest.json"
 FORMAT = "longctx-store"
 VERSION = 2
-READABLE_VERSIONS = (1, 2)
 SPLITS = ("train", "eval")
 # segment columns in the store
 S_SAMPLE, S_OFFSET, S_LENGTH, S_DOC, S_START = range(5)
 POINTER = "samples"  # {split}.samples.npy
-
-# Version 1 (before issue 19 made "sample" the one name of a packed sequence and "seq_len" the
-# one name of its length) called a sample a "window" and seq_len "context". Old name -> new name,
-# for manifest keys at any depth; and the old pointer file name {split}.windows.npy.
-LEGACY_KEYS = {
-    "context": "seq_len",
-    "train_windows": "train_samples",
-    "eval_windows": "eval_samples",
-    "windows": "samples",
-    "docs_per_window": "docs_per_sample",
-    "multi_doc_windows": "multi_doc_samples",
-    "longer_than_context": "longer_than_seq_len",
-}
-LEGACY_POINTER = "windows"
 
 
 def token_dtype(vocab_size: int):
@@ -129,20 +113,11 @@ def read_manifest(root: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as e:
         raise DataError(f"{path} is not valid JSON ({e}); rebuild the store with `longctx data build`.") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
-        raise DataError(f"{path} is not a longctx store manifest of a version this longctx reads "
-                        f"({' or '.join(map(str, READABLE_VERSIONS))}); rebuild it with this version's "
-                        f"`longctx data build`.")
-    return _renamed_legacy_keys(manifest) if manifest["version"] < VERSION else manifest
-
-
-def _renamed_legacy_keys(obj):
-    """A version-1 manifest with today's key names (`LEGACY_KEYS`), in memory; `version` stays 1."""
-    if isinstance(obj, dict):
-        return {LEGACY_KEYS.get(k, k): _renamed_legacy_keys(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_renamed_legacy_keys(v) for v in obj]
-    return obj
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DataError(f"{path} is not a longctx store manifest of the version this longctx reads ({VERSION}, "
+                        f"found {manifest.get('format')!r} version {manifest.get('version')!r}); rebuild the store "
+                        f"with this version's `longctx data build`.")
+    return manifest
 
 
 def remove_stale(root: Path, manifest: dict | None) -> None:
@@ -159,14 +134,11 @@ def load_split(root: Path, part: dict, split: str) -> SplitArrays | None:
     if part["splits"][split]["samples"] == 0:
         return None
     d = root / part["dir"]
-    pointer = d / f"{split}.{POINTER}.npy"
-    if not pointer.is_file() and (d / f"{split}.{LEGACY_POINTER}.npy").is_file():  # a version-1 part
-        pointer = d / f"{split}.{LEGACY_POINTER}.npy"
     try:
         return SplitArrays(
             np.load(d / f"{split}.tokens.npy", mmap_mode="r"),
             np.load(d / f"{split}.segments.npy"),
-            np.load(pointer),
+            np.load(d / f"{split}.{POINTER}.npy"),
         )
     except (OSError, ValueError) as e:
         raise DataError(f"the store '{root}' is damaged: {d}/{split}.* cannot be read ({e}); rebuild it.") from None

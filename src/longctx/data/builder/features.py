@@ -4,7 +4,7 @@ A document's head (its first `MAX_CHARS` characters, lower-cased) becomes counts
 (runs of 2+ word characters) and word bigrams, hashed into `BUCKETS` buckets: word hashes are
 CRC32, a bigram's hash combines its two word hashes. The scan workers keep these sparse counts
 (a few thousand buckets per document) instead of the text, and the build's embed stage turns them
-into TF-IDF vectors (idf over every kept document) reduced by a truncated SVD (data/embed.py).
+into TF-IDF vectors (idf over every kept document) reduced by a truncated SVD (embed.py).
 Written here with numpy and zlib only, so that the workers stay small (scikit-learn's
 HashingVectorizer would cost each worker ~150 MB of imports).
 """

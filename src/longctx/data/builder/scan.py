@@ -6,7 +6,7 @@ needs on its own: normalise, exact hash, MinHash signature, tokens with their sp
 hashed head features. It writes them to the shard's directory (spill.py files, nothing kept in
 memory) and renames the directory into place when the shard is complete, so an interrupted build
 redoes only the shards that have no directory yet. Everything after the scan (dedup, embed,
-cluster, pack, write) reads these files in input order.
+cluster, pack, write: assembly.py) reads these files in input order, through `ScannedCorpus`.
 
 `--shard i/n` runs the scan of the i-th of n contiguous runs of the shards (balanced by bytes):
 n machines scan a corpus too big for one, and `longctx data merge` finishes the build from all
@@ -23,22 +23,27 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-from collections import Counter
-from dataclasses import asdict, dataclass
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ...errors import DataError
+from ..tokenizer import load_tokenizer
 from . import spill
 from .dedup import NUM_PERM, exact_hash, signature
 from .features import head_features
+from .inputs import input_files, unit_size
+from .readers import iter_file
+from .tokenize import tokenize_one
 
 SHARD_BYTES = 16 << 20
 FORMAT = "longctx-scan"
 VERSION = 1
 PLAN = "plan.json"
 SHARDS = "shards"
+OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,6 @@ class Unit:
 
 def plan_units(inputs: list[str]) -> tuple[list[Unit], int]:
     """Every input file in read order, and the count skipped for their suffix."""
-    from .readers import input_files, unit_size
-
     if not inputs:
         raise DataError("no input given; pass --input with a directory, a .jsonl or .parquet file, or 'stdlib'.")
     units, other = [], 0
@@ -113,10 +116,6 @@ def shard_dir(work: Path, index: int) -> Path:
 def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, token_dtype: str,
                max_docs: int = 0) -> dict:
     """Scan one shard into `work/shards/INDEX` (atomically); returns its counts."""
-    from .readers import iter_file
-    from .tokenize import tokenize_one
-    from .tokenizer import load_tokenizer
-
     final = shard_dir(Path(work), index)
     if (final / "shard.json").is_file():
         return json.loads((final / "shard.json").read_text())
@@ -264,6 +263,62 @@ class ScannedShard:
     def text_bytes(self) -> np.ndarray:
         return spill.ragged_lengths(self.path / "text")
 
+
+
+@dataclass
+class ScannedCorpus:
+    """The scanned shards of a build as one list of documents (read order), read on demand."""
+    shards: list[ScannedShard]
+    token_dtype: str
+    starts: np.ndarray = field(init=False)  # first document of each shard
+    _readers: OrderedDict = field(default_factory=OrderedDict, init=False)  # the most recently used
+
+    def __post_init__(self):
+        self.starts = np.cumsum([0] + [s.n for s in self.shards])
+
+    @property
+    def n(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, doc: int) -> tuple[int, int]:
+        s = int(np.searchsorted(self.starts, doc, side="right") - 1)
+        return s, doc - int(self.starts[s])
+
+    def reader(self, s: int, what: str) -> spill.RaggedReader:
+        """An open reader, kept among the last OPEN_READERS used: each holds a file and its shard's
+        offsets, so keeping every shard's would grow with the corpus (and exhaust file handles)."""
+        key = (s, what)
+        if key in self._readers:
+            self._readers.move_to_end(key)
+        else:
+            self._readers[key] = self.shards[s].ragged(what)
+            if len(self._readers) > OPEN_READERS:
+                self._readers.popitem(last=False)[1].close()
+        return self._readers[key]
+
+    def get(self, what: str, doc: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        s, j = self.locate(doc)
+        return self.reader(s, what).get(j, start, stop)
+
+    def text(self, doc: int) -> str:
+        s, j = self.locate(doc)
+        return self.reader(s, "text").raw(j).decode("utf-8", "surrogatepass")
+
+    def per_doc(self, fn) -> np.ndarray:
+        return np.concatenate([fn(sh) for sh in self.shards]) if self.shards else np.zeros(0)
+
+    def kept_in_shards(self, kept: np.ndarray):
+        """(shard, the shard's kept documents as its own row numbers) for each shard holding some."""
+        for s, sh in enumerate(self.shards):
+            lo, hi = int(self.starts[s]), int(self.starts[s + 1])
+            mine = kept[(kept >= lo) & (kept < hi)] - lo
+            if len(mine):
+                yield sh, mine
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
 
 def write_plan(work: Path, plan: dict) -> None:
     work.mkdir(parents=True, exist_ok=True)

@@ -11,17 +11,12 @@ normalised: UTF-8 BOM dropped, CRLF/CR line ends turned into LF, Unicode NFC.
 Inputs are read one *unit* at a time (`iter_file`): a file, or one arrow file of a saved dataset,
 yielding its documents in order without holding the unit in memory (jsonl line by line, also
 through the decompressor; parquet and arrow record batch by record batch; a plain text file is one
-document and is read whole). `input_files` lists the units of an input, `unit_size` weighs them.
+document and is read whole). Which units an input has, and in what order, is inputs.py's job.
 
 Formats, by suffix: the suffix before `.gz` / `.zst` decides (`x.jsonl.zst` is jsonl, `notes.txt.gz`
 and `mod.py.zst` are text); parquet and arrow are compressed inside already, so `x.parquet.gz` is not
-read (skipped as `other_suffix`). A directory written by `Dataset.save_to_disk` (`state.json` listing
-its arrow files) or `DatasetDict.save_to_disk` (`dataset_dict.json` listing its splits), given as the
-input or found inside an input directory, is read through its arrow files in the order state.json
-lists them (splits in dataset_dict.json order); its json files are metadata, not documents. Its
-names start with the dataset directory's own name: `--input ds` gives `ds/data-00000-of-00001.arrow:1`,
-a DatasetDict `dd/train/data-00000-of-00001.arrow:1`. An `.arrow` file outside a saved dataset is
-read too, as an Arrow IPC stream (what `datasets` writes) or an Arrow IPC file.
+read (skipped as `other_suffix`). An `.arrow` file (one of a saved dataset's, or a lone one) is read
+as an Arrow IPC stream (what `datasets` writes) or an Arrow IPC file.
 
 Bad input never stops a build half-way: an empty or whitespace-only document, a binary file (a NUL
 byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record without the text field,
@@ -42,22 +37,18 @@ import unicodedata
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DataError
-from .corpus import TEXT_SUFFIXES, Document, corpus_files
+from ...errors import DataError
+from .corpus import Document
 
-STRUCTURED_SUFFIXES = {".jsonl", ".parquet", ".arrow"}
 COMPRESSION_SUFFIXES = {".gz", ".zst"}
-# the json files a saved dataset holds beside its arrow files: metadata, never documents
-DATASET_METADATA = {"state.json", "dataset_info.json", "dataset_dict.json"}
 CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
 ROWS = 4096  # parquet / arrow values converted to Python at a time
 
 
-# Every reason a file or document is skipped for (the keys of `ReadResult.skipped`, of a scan's counts
-# and of the manifest's "skipped"), and how messages name it.
+# Every reason a file or document is skipped for (the keys of `inputs.ReadResult.skipped`, of a scan's
+# counts and of the manifest's "skipped"), and how messages name it.
 SKIP_REASONS = {
     "empty": "empty",                            # no text, or whitespace only
     "binary": "binary",                          # a NUL byte in the first 8 KiB
@@ -80,13 +71,6 @@ def skipped_text(skipped: dict) -> str:
     reasons = ", ".join(f"{n:,} {SKIP_REASONS.get(k, k.replace('_', ' '))}" for n, k in counts)
     return f"{sum(n for n, _ in counts):,} skipped: {reasons}"
 
-
-@dataclass
-class ReadResult:
-    docs: list[Document]
-    skipped: Counter = field(default_factory=Counter)  # reason -> count
-    files: int = 0
-    bytes: int = 0  # raw bytes of the documents kept (UTF-8)
 
 
 def normalise(text: str) -> str:
@@ -125,26 +109,6 @@ def unit_format(path: Path) -> tuple[str | None, str | None]:
     return ("jsonl" if inner == ".jsonl" else "text"), compression
 
 
-def _listed(path: Path) -> bool:
-    """Whether a file found in an input directory is read (text files only with a known suffix)."""
-    fmt, compression = unit_format(path)
-    if fmt is None:
-        return False
-    if fmt != "text":
-        return True
-    name = path.name.lower()
-    return Path(name[: -len(compression)] if compression else name).suffix in TEXT_SUFFIXES
-
-
-def unit_size(path: Path) -> int:
-    """Bytes on disk of one unit (compressed size for a compressed file), for balancing shards;
-    0 when it cannot be stat'ed (reading it then counts it as unreadable)."""
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 # -- the optional libraries, imported when a unit needs them -------------------------------------
 
 def _pyarrow(path: Path):
@@ -171,7 +135,7 @@ def _zstandard(path: Path):
     return zstandard
 
 
-def _check_libraries(files: list[Path]) -> None:
+def check_libraries(files: list[Path]) -> None:
     """A missing optional library is an error now, before anything is read or written."""
     for f in files:
         if unit_format(f)[0] in ("parquet", "arrow"):
@@ -390,141 +354,3 @@ def iter_file(path: Path, name: str, text_field: str, skipped: Counter) -> Itera
         yield from _iter_arrow(path, name, text_field, skipped)
     else:
         yield from _iter_bytes_file(path, name, fmt, compression, text_field, skipped)
-
-
-# -- listing the units of an input -----------------------------------------------------------------
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def _dataset_files(d: Path) -> list[Path] | None:
-    """The arrow files of a directory written by `Dataset.save_to_disk`, in state.json's order;
-    None when `d` is not one."""
-    state = _read_json(d / "state.json")
-    if not isinstance(state, dict) or not isinstance(state.get("_data_files"), list):
-        return None
-    files = []
-    for entry in state["_data_files"]:
-        fname = entry.get("filename") if isinstance(entry, dict) else None
-        f = d / fname if isinstance(fname, str) and fname and Path(fname).name == fname else None
-        if f is None or not f.is_file():
-            raise DataError(
-                f"'{d}' is a saved Hugging Face dataset whose state.json lists the data file {fname!r}, "
-                f"which is not in that directory; save the dataset again with save_to_disk, or copy it whole."
-            )
-        files.append(f)
-    return files
-
-
-def saved_dataset(d: Path) -> list[Path] | None:
-    """The arrow files of a directory written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`
-    (splits in dataset_dict.json's order), or None when `d` is neither."""
-    splits = _read_json(d / "dataset_dict.json")
-    if isinstance(splits, dict) and isinstance(splits.get("splits"), list):
-        files = []
-        for split in splits["splits"]:
-            part = _dataset_files(d / str(split)) if (d / str(split)).is_dir() else None
-            if part is None:
-                raise DataError(
-                    f"'{d}' is a saved Hugging Face DatasetDict whose dataset_dict.json lists the split "
-                    f"'{split}', but '{d / str(split)}' is not a saved dataset (no state.json listing its "
-                    f"arrow files); save it again with save_to_disk, or copy it whole."
-                )
-            files += part
-        return files
-    return _dataset_files(d)
-
-
-def _directory_units(p: Path) -> tuple[list[Path], int]:
-    """(units of directory `p` in a deterministic order, files skipped): files sorted by path, a saved
-    dataset's arrow files in its own order at the place the dataset directory sorts."""
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
-    datasets: dict[Path, list[Path]] = {}
-    # outermost first, so a DatasetDict claims its splits
-    for d in sorted({f.parent for f in files if f.name in ("state.json", "dataset_dict.json")},
-                    key=lambda d: len(d.parts)):
-        if d not in datasets and not any(a in datasets for a in d.parents):
-            found = saved_dataset(d)
-            if found is not None:
-                datasets[d] = found
-    in_datasets = {f for units in datasets.values() for f in units}
-    units, skipped, placed = [], 0, set()
-    for f in files:
-        owner = next((a for a in f.parents if a in datasets), None) if datasets else None
-        if owner is None:
-            if _listed(f):
-                units.append(f)
-            else:
-                skipped += 1
-        else:
-            if owner not in placed:
-                units += datasets[owner]
-                placed.add(owner)
-            if f not in in_datasets and f.name not in DATASET_METADATA:
-                skipped += 1  # e.g. a cache-*.arrow that state.json does not list
-    return units, skipped
-
-
-def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], int]:
-    """(root, the units read_inputs reads for `spec` in order, files skipped for their suffix):
-    'stdlib', a directory (text, .jsonl, .parquet and .arrow files, text and .jsonl also .gz / .zst,
-    saved Hugging Face datasets; dotfiles skipped), a saved dataset directory, or one file. A unit's
-    name is its path relative to root. `option` names the setting `spec` came from in errors
-    (--input, data.corpus). Checks now that pyarrow / zstandard are installed where units need them."""
-    if spec == "stdlib":
-        return (*corpus_files("stdlib"), 0)
-    p = Path(spec)
-    if not p.exists():
-        raise DataError(f"{option} '{spec}' does not exist: it is neither 'stdlib' nor an existing directory or "
-                        f"file; pass a directory of text files, a .jsonl, .parquet or .arrow file (.jsonl and text "
-                        f"also .gz / .zst), a dataset saved with save_to_disk, or 'stdlib'.")
-    if not p.is_dir():
-        if unit_format(p)[0] is None:
-            return p.parent, [], 1
-        _check_libraries([p])
-        return p.parent, [p], 0
-    root = p
-    if saved_dataset(p) is not None:
-        p = p.absolute()  # names start with the dataset directory's own name, also for '.'
-        root = p.parent
-    usable, skipped = _directory_units(p)
-    if not usable:
-        raise DataError(
-            f"{option} directory '{spec}' holds no usable file (text files with a suffix among "
-            f"{', '.join(sorted(TEXT_SUFFIXES))}, .jsonl / .parquet / .arrow files, text and .jsonl also "
-            f"compressed as .gz / .zst, or datasets saved with save_to_disk); point {option} at a directory "
-            f"with documents."
-        )
-    _check_libraries(usable)
-    return root, usable, skipped
-
-
-def read_inputs(inputs: list[str], text_field: str = "text", max_docs: int = 0) -> ReadResult:
-    """All documents of all inputs, in a deterministic order (inputs as given, units as input_files
-    lists them). Every input is listed (and checked) before the first is read. With `max_docs`,
-    reading stops at that many documents: skips past that point are not counted."""
-    if not inputs:
-        raise DataError("no input given; pass --input with a directory, a .jsonl, .parquet or .arrow file, a "
-                        "dataset saved with save_to_disk, or 'stdlib'.")
-    out = ReadResult(docs=[])
-    listed = [input_files(spec) for spec in inputs]
-    for root, files, other in listed:
-        out.skipped["other_suffix"] += other
-        for f in files:
-            out.files += 1
-            docs = iter_file(f, f.relative_to(root).as_posix(), text_field, out.skipped)
-            for doc in docs:
-                out.docs.append(doc)
-                if max_docs and len(out.docs) >= max_docs:
-                    docs.close()
-                    break
-            if max_docs and len(out.docs) >= max_docs:
-                break
-        if max_docs and len(out.docs) >= max_docs:
-            break
-    out.bytes = sum(len(d.text.encode("utf-8")) for d in out.docs)
-    return out

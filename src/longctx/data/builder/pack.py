@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import DataError
+from ...errors import DataError
 
 STRATEGIES = ("datasculpt", "bfd", "concat")
 

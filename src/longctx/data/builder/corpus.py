@@ -1,4 +1,4 @@
-"""Document sources for training without downloads.
+"""The document type the readers yield, and the default corpus: the standard library, no download.
 
 The embedded default corpus is the Python standard library's own `.py` files, found at run time
 with `sysconfig` (site-packages excluded): real text, varied, with documents from a few bytes to
@@ -7,11 +7,11 @@ several hundred kilobytes. A directory of text files works the same way.
 
 from __future__ import annotations
 
-from ..errors import DataError
-
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+from ...errors import DataError
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".html", ".tex"}
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .parallel import parallel_map
+
 NUM_PERM = 128
 SHINGLE = 5
 _PRIME = np.uint64((1 << 61) - 1)
@@ -75,8 +77,6 @@ def signature(text: str) -> np.ndarray:
 
 
 def signatures(texts: list[str], workers: int = 1) -> np.ndarray:
-    from .parallel import parallel_map
-
     sigs = parallel_map(signature, texts, workers)
     return np.stack(sigs) if sigs else np.zeros((0, NUM_PERM), dtype=np.uint64)
 

@@ -1,0 +1,316 @@
+"""From scanned shards to a store part: dedup -> embed -> cluster -> split -> pack -> publish, in bounded memory.
+
+The scan (scan.py) left every document's text, tokens, split points, hashes and head features on
+disk. `Assembly` reads them back in input order, one method per stage, and keeps in memory only
+what grows slowly with the corpus: a byte or two per document (kept, split), 8 bytes per exact
+hash and 12 per LSH band for dedup, the k-means centroids. Everything that grows with the tokens
+stays on disk and is read a group at a time:
+
+- dedup: `Deduper` over the documents in input order (the first occurrence is kept), each LSH
+  candidate confirmed by the true Jaccard of the two texts' shingle sets; documents already in
+  the store (an append) count as seen first;
+- embed and cluster: embed.py, cluster.py (unit vectors in a file, chunked spherical k-means);
+- split: holdout.py (train and eval items: whole documents, or pieces of long ones);
+- pack: clusters (datasculpt) or runs of documents in input order (bfd, concat) a group of about
+  `group_tokens` tokens at a time, each group packed on its own and appended to the part's files
+  (part_writer.py);
+- publish: the part renamed into place, then the manifest written (store.py: a store is complete
+  exactly when its manifest lists the part).
+
+Each stage is timed into `records` (timing.py), which the manifest keeps as the part's "stages".
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import DataError
+from ...progress import progress_bar
+from .. import store
+from .cluster import cluster
+from .dedup import Deduper
+from .embed import embed
+from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, split_items
+from .manifest import store_manifest
+from .options import BuildOptions
+from .pack import pack
+from .part_writer import SplitWriter, groups, write_doc_files
+from .readers import skipped_text
+from .scan import ScannedCorpus, ScannedShard
+from .timing import MISSING, timed
+
+SPLIT_FLAG = {"train": IN_TRAIN, "eval": IN_EVAL}
+
+
+class Assembly:
+    """One build's way from its scanned shards to a new part of the store at `root` (whose
+    manifest is `old`, None for a new store). `run` calls the stages in order; each leaves what
+    the later ones need in named attributes."""
+
+    def __init__(self, opts: BuildOptions, root: Path, old: dict | None, tokenizer, shards: list[ScannedShard],
+                 other_suffix: int, work: Path, records: dict, log):
+        self.opts, self.root, self.old, self.tokenizer = opts, root, old, tokenizer
+        self.work, self.records, self.log = work, records, log
+        self.token_dtype = store.token_dtype(tokenizer.vocab_size)
+        self.corpus = ScannedCorpus(shards, np.dtype(self.token_dtype).name)
+        self.skipped: dict = {}  # reason -> files or documents skipped by the scan
+        for shard in shards:
+            for reason, count in shard.counts["skipped"].items():
+                self.skipped[reason] = self.skipped.get(reason, 0) + count
+        if other_suffix:
+            self.skipped["other_suffix"] = self.skipped.get("other_suffix", 0) + other_suffix
+        self.files = sum(shard.counts["files"] for shard in shards)
+        self.documents_read = self.raw_bytes = 0  # what the stages read: documents, UTF-8 bytes
+        self.kept = np.zeros(0, np.int64)  # corpus documents that survive dedup, in input order
+        self.lengths = np.zeros(0, np.int64)  # their token counts (EOS included)
+        self.names: list[str] = []  # their names
+        self.embeddings = None  # embed.Embeddings of the kept documents, or None
+        self.clusters: np.ndarray | None = None  # cluster per kept document (datasculpt)
+        self.items: dict = {}  # split -> holdout.Items
+        self.where = np.zeros(0, np.int8)  # per kept document: IN_TRAIN, IN_EVAL or IN_BOTH
+        self.split_info: dict = {}  # the split stage's counts, for the pack record
+        self.part_index = self.doc_base = 0  # the new part's number and its first document id
+        self.part_dir: Path | None = None  # the part being written (a temporary name until published)
+        self.splits: dict = {}  # split -> samples, tokens, documents, packing stats
+
+    def run(self) -> dict:
+        """Every stage; the store's new manifest."""
+        self.count_inputs()
+        self.work.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dedup()
+            self.measure()
+            self.embed()
+            self.cluster()
+            self.split()
+            self.pack()
+            return self.publish()
+        finally:
+            if self.embeddings is not None:
+                self.embeddings.close()
+            self.corpus.close()
+
+    def _stage(self, name: str, fn, *args):
+        return timed(self.records, name, self.raw_bytes, self.log, fn, *args)
+
+    # ------------------------------------------------------------------------------------------
+    # the stages, in order
+
+    def count_inputs(self) -> None:
+        """What the scan read (up to --max-docs), into the scan stage's record."""
+        opts, corpus = self.opts, self.corpus
+        if corpus.n == 0:
+            raise DataError(f"the inputs ({', '.join(opts.inputs)}) hold no usable document "
+                            f"({skipped_text(self.skipped)}). Point --input at text, .jsonl or .parquet data.")
+        self.documents_read = min(corpus.n, opts.max_docs) if opts.max_docs else corpus.n
+        self.raw_bytes = int(corpus.per_doc(lambda shard: shard.text_bytes())[:self.documents_read].sum())
+        scan = self.records.setdefault("scan", {})
+        scan.update(files=self.files, documents=self.documents_read, skipped=dict(sorted(self.skipped.items())),
+                    mb=round(self.raw_bytes / 1e6, 2))
+        if "seconds" in scan and scan["seconds"]:
+            scan["mb_per_s"] = round(self.raw_bytes / 1e6 / scan["seconds"], 2)
+
+    def dedup(self) -> None:
+        seen_hashes, seen_signatures = self._seen_documents()
+        bar = progress_bar(self.documents_read, "dedup", "doc", self.opts.progress)
+        keep = self._stage("dedup", self._dedup, seen_hashes, seen_signatures, bar)
+        if bar is not None:
+            bar.close()
+        self.kept = np.flatnonzero(keep)
+        if len(self.kept) == 0:
+            raise DataError("every document is a duplicate of one already in the store; nothing to add.")
+
+    def measure(self) -> None:
+        """The kept documents' token counts and names (the scan tokenized them)."""
+        self.lengths = self.corpus.per_doc(lambda shard: shard.token_lengths())[self.kept].astype(np.int64)
+        self.names = self._kept_names()
+        self.records["tokenize"] = {"tokens": int(self.lengths.sum()), "longest": int(self.lengths.max()),
+                                    "longer_than_seq_len": int((self.lengths > self.opts.seq_len).sum())}
+
+    def embed(self) -> None:
+        """Only where they are used: datasculpt's relevance, or the homogeneity figure (`stats`)."""
+        opts = self.opts
+        if opts.strategy == "datasculpt" or opts.stats:
+            self.embeddings = self._stage("embed", embed, self.corpus, self.kept, self.work / "emb.npy",
+                                          opts.embed_model, opts.memory)
+
+    def cluster(self) -> None:
+        opts = self.opts
+        if opts.strategy == "datasculpt":
+            self.clusters = self._stage("cluster", cluster, self.embeddings, self.lengths, opts.seq_len,
+                                        opts.clusters, opts.seed, opts.memory)
+
+    def split(self) -> None:
+        self.items, self.where, self.split_info = split_items(self.corpus, self.kept, self.names, self.lengths,
+                                                              self.opts.seq_len, self.opts.eval_fraction, self.log)
+        if not self.items["train"].doc:
+            raise DataError("every document landed in the eval split; lower --eval-fraction.")
+
+    def pack(self) -> None:
+        """Both splits packed and written into a new part directory, with the per-document files."""
+        self.part_index = len(self.old["parts"]) if self.old else 0
+        self.doc_base = self.old["totals"]["documents"] if self.old else 0
+        store.remove_stale(self.root, self.old)
+        self.part_dir = store.new_part_dir(self.root, self.part_index)
+        self._stage("pack", self._pack_and_write)
+        for split in store.SPLITS:  # an empty split has no files
+            if not self.splits[split]["samples"]:
+                for f in self.part_dir.glob(f"{split}.*"):
+                    f.unlink()
+
+    def publish(self) -> dict:
+        """The part renamed into place, then the manifest that lists it; the manifest."""
+        name = store.publish_part(self.part_dir, self.root, self.part_index)
+        manifest = store_manifest(self.opts, self.tokenizer, self.token_dtype, self.old, self._part_record(name))
+        store.write_manifest(self.root, manifest)
+        train, dedup = self.splits["train"], self.records["dedup"]
+        self.log(f"data build: wrote {self.opts.shown_as or self.root} ({train['samples']:,} train / "
+                 f"{self.splits['eval']['samples']:,} eval samples of {self.opts.seq_len} tokens; fill "
+                 f"{train['stats']['fill_rate']:.3f}, {len(self.kept):,} documents, "
+                 f"{dedup['exact_duplicates'] + dedup['near_duplicates']:,} duplicates removed, "
+                 f"{skipped_text(self.skipped)})")
+        return manifest
+
+    # ------------------------------------------------------------------------------------------
+    # dedup
+
+    def _seen_documents(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(exact hashes, MinHash signatures or None) of the documents already in the store."""
+        if self.old is None or self.opts.dedup == "none":
+            return None, None
+        hashes, signatures = [], []
+        for part in self.old["parts"]:
+            h, s = store.load_part_docs(self.root, part)
+            hashes.append(h)
+            if s is not None:
+                signatures.append(s)
+        minhash = self.opts.dedup == "minhash" and signatures
+        return np.concatenate(hashes), np.concatenate(signatures) if minhash else None
+
+    def _dedup(self, seen_hashes, seen_signatures, bar) -> tuple[np.ndarray, dict]:
+        """Keep mask over the corpus (only the first `documents_read` are read). Signatures are read
+        a shard at a time; a candidate's from another shard is one row read from its file (not a
+        memory map of every shard, whose touched pages would count as resident)."""
+        corpus, read = self.corpus, self.documents_read
+
+        def signature_of(doc: int) -> np.ndarray:
+            shard, row = corpus.locate(doc)
+            return np.array(corpus.shards[shard].sigs()[row])
+
+        deduper = Deduper(self.opts.dedup, self.opts.dedup_threshold, text_of=corpus.text, sig_of=signature_of)
+        if seen_hashes is not None:
+            deduper.seed(seen_hashes, seen_signatures)
+        keep = np.zeros(corpus.n, dtype=bool)
+        for index, shard in enumerate(corpus.shards):
+            first = int(corpus.starts[index])
+            if first >= read:
+                break
+            sigs = np.load(shard.path / "sigs.npy") if shard.minhash else None
+            for row, h in enumerate(shard.hashes()[:read - first].tolist()):
+                keep[first + row] = deduper.check(first + row, h, None if sigs is None else sigs[row]) is None
+            if bar is not None:
+                bar.update(shard.n)
+        return keep, {"documents_read": read, "exact_duplicates": deduper.exact, "near_duplicates": deduper.near,
+                      "kept": int(keep.sum()), "near_candidates_checked": deduper.checked,
+                      "near_estimate_disagreed": deduper.disagreed,
+                      "index_mb": round((deduper.lsh.nbytes + deduper.hashes.nbytes) / 1e6, 2)}
+
+    def _kept_names(self) -> list[str]:
+        names = []
+        for shard, rows in self.corpus.kept_in_shards(self.kept):
+            all_names = shard.names()
+            names.extend(all_names[j] for j in rows.tolist())
+        return names
+
+    # ------------------------------------------------------------------------------------------
+    # pack
+
+    def _pack_and_write(self) -> tuple[None, dict]:
+        opts = self.opts
+        bar = progress_bar(int(self.lengths.sum()), "pack", "tok", opts.progress)
+        groups_packed = 0
+        for split in store.SPLITS:
+            writer = SplitWriter(self.part_dir, split, opts.seq_len, self.token_dtype, self.tokenizer.eos_id,
+                                 self.corpus, self.kept, self.doc_base)
+            groups_packed += self._pack_split(writer, self.items[split], bar)
+            stats = writer.close()
+            documents = int(np.isin(self.where, (SPLIT_FLAG[split], IN_BOTH)).sum())
+            self.splits[split] = {"samples": stats["samples"], "tokens": stats["tokens"], "documents": documents,
+                                  "stats": stats if stats["samples"] else None}
+        if bar is not None:
+            bar.close()
+        write_doc_files(self.part_dir, self.corpus, self.kept, self.names, self.lengths, self.where,
+                        opts.dedup == "minhash")
+        return None, self._pack_record(groups_packed)
+
+    def _pack_split(self, writer: SplitWriter, items, bar) -> int:
+        """One split packed and written group by group; the number of groups."""
+        item_doc, item_start, item_len = items.arrays()
+        count = 0
+        for group in groups(item_doc, item_len, self.clusters, self.opts.group_tokens):
+            group = np.sort(group)  # items in document order inside a group, as a global packing sees them
+            self._pack_group(writer, item_doc[group], item_start[group], item_len[group])
+            count += 1
+            if bar is not None:
+                bar.update(int(item_len[group].sum()))
+        return count
+
+    def _pack_group(self, writer: SplitWriter, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """The items (document, start, length) of one group, packed and written."""
+        opts = self.opts
+        vector_of = item_vectors = None
+        if self.embeddings is not None:
+            unique = np.unique(docs)
+            vector_of = dict(zip(unique.tolist(), self.embeddings.rows(unique)))
+            item_vectors = np.stack([vector_of[int(d)] for d in docs.tolist()])
+        breaks, strong = (None, None) if opts.strategy == "concat" else self._item_breaks(docs, starts, lengths)
+        packing = pack(opts.strategy, lengths, opts.seq_len, item_vectors,
+                       None if self.clusters is None else self.clusters[docs], breaks, strong)
+        writer.write(packing, docs, starts, vector_of)
+
+    def _item_breaks(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[list, list]:
+        """Each item's line breaks and paragraph breaks relative to its start (None for an item
+        that fits a sample: it is never cut)."""
+        breaks, strong = [], []
+        for doc, start, length in zip(docs.tolist(), starts.tolist(), lengths.tolist()):
+            if length <= self.opts.seq_len:
+                breaks.append(None)
+                strong.append(None)
+                continue
+            for found, what in ((breaks, "breaks"), (strong, "strong")):
+                at = self.corpus.get(what, int(self.kept[doc])).astype(np.int64)
+                found.append(at[(at > start) & (at < start + length)] - start)
+        return breaks, strong
+
+    def _pack_record(self, groups_packed: int) -> dict:
+        train = self.splits["train"]["stats"]
+        homogeneity = train.get("homogeneity")
+        record = {"samples": train["samples"], "fill_rate": round(train["fill_rate"], 4),
+                  "split_fraction": round(train["split_fraction"], 4),
+                  "homogeneity": None if homogeneity is None else round(homogeneity, 4),
+                  "groups": groups_packed, "group_tokens": self.opts.group_tokens, **self.split_info}
+        if homogeneity is None:  # the manifest keeps null; the log line says why
+            record[MISSING] = {"homogeneity": "not measured without document embeddings" if self.embeddings is None
+                               else "no train sample holds two documents"}
+        return record
+
+    def _part_record(self, name: str) -> dict:
+        dedup = self.records["dedup"]
+        return {
+            "dir": name,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "inputs": list(self.opts.inputs),
+            "documents": len(self.kept),
+            "first_doc": self.doc_base,
+            "counts": {
+                "files": self.files, "documents_read": self.documents_read,
+                "skipped": dict(sorted(self.skipped.items())),
+                "exact_duplicates": dedup["exact_duplicates"], "near_duplicates": dedup["near_duplicates"],
+                "documents_kept": len(self.kept), "tokens": int(self.lengths.sum()), "raw_bytes": self.raw_bytes,
+            },
+            "splits": self.splits,
+            "stages": self.records,
+        }

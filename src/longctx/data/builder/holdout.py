@@ -1,0 +1,127 @@
+"""Which documents, or pieces of documents, are held out as the eval split.
+
+A document is held out when the hash of its name says so: stable when documents are added or
+removed, and the same rule the trainer has always used. A document longer than a sample is cut
+into sample-sized pieces (pack.py `split_points`) and each piece is held out by the hash of
+`name#piece`: otherwise a corpus of long documents (a few books, a repository's largest files)
+leaves the eval split empty even though most of its tokens could have gone there. When the hash
+holds out nothing at all, the piece with the lowest hash is (`split_items`), so an eval fraction
+above 0 always gives an eval split unless the corpus is a single piece.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .pack import split_points
+from .scan import ScannedCorpus
+
+# where a kept document went (the store's docs.jsonl says it as SPLIT_OF[where])
+IN_TRAIN, IN_EVAL, IN_BOTH = 0, 1, 2
+SPLIT_OF = ("train", "eval", "both")
+
+
+def is_eval_doc(name: str, eval_fraction: float) -> bool:
+    return zlib.crc32(name.encode()) % 1_000_000 < eval_fraction * 1_000_000
+
+
+def piece_name(name: str, piece: int) -> str:
+    return f"{name}#{piece}"
+
+
+def eval_rank(name: str) -> int:
+    """The hash `is_eval_doc` compares: the lowest one is the first to be held out."""
+    return zlib.crc32(name.encode()) % 1_000_000
+
+
+@dataclass
+class Items:
+    """What one split packs: (document, start, length) items in document order."""
+    doc: list[int] = field(default_factory=list)
+    start: list[int] = field(default_factory=list)
+    length: list[int] = field(default_factory=list)
+
+    def add(self, d: int, s: int, n: int) -> None:
+        self.doc.append(d)
+        self.start.append(s)
+        self.length.append(n)
+
+    def arrays(self):
+        return (np.asarray(self.doc, np.int64), np.asarray(self.start, np.int64), np.asarray(self.length, np.int64))
+
+
+def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, seq_len: int,
+                eval_fraction: float, log) -> tuple[dict[str, Items], np.ndarray, dict]:
+    """Train and eval items, and per kept document where it went (IN_TRAIN, IN_EVAL or IN_BOTH:
+    pieces in each). Items name a document by its index in `kept`."""
+    items = {"train": Items(), "eval": Items()}
+    where = np.zeros(len(kept), dtype=np.int8)
+    lowest = None  # (hash rank, document, piece) of the first candidate for the eval split
+    pieces_total = 0
+    for doc, (scanned, name, length) in enumerate(zip(kept.tolist(), names, lengths.tolist())):
+        if length <= seq_len or eval_fraction == 0:
+            pieces = [(0, length, name)]
+        else:
+            cuts = _cuts(corpus, scanned, length, seq_len)
+            pieces = [(a, b - a, piece_name(name, p)) for p, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+        pieces_total += len(pieces)
+        held = [is_eval_doc(piece, eval_fraction) for _, _, piece in pieces] if eval_fraction else [False]
+        if eval_fraction:
+            rank, first = min((eval_rank(piece), p) for p, (_, _, piece) in enumerate(pieces))
+            if lowest is None or rank < lowest[0]:
+                lowest = (rank, doc, first)
+        if all(h == held[0] for h in held):
+            items["eval" if held[0] else "train"].add(doc, 0, length)
+            where[doc] = IN_EVAL if held[0] else IN_TRAIN
+        else:
+            for (start, size, _), h in zip(pieces, held):
+                items["eval" if h else "train"].add(doc, start, size)
+            where[doc] = IN_BOTH
+    info = {"pieces": pieces_total}
+    if eval_fraction and not items["eval"].doc:
+        if pieces_total < 2:
+            log(f"  eval split: empty. --eval-fraction {eval_fraction} asks for held-out text, but the corpus is "
+                f"one piece of at most {seq_len} tokens after dedup, which training needs; add documents or pass "
+                f"--eval-fraction 0.")
+            info["eval_empty"] = "one piece only"
+        else:  # the hash put nothing in it: hold out the piece with the lowest hash
+            _, doc, piece = lowest
+            long = lengths[doc] > seq_len
+            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), seq_len)
+            where[doc] = IN_BOTH if long else IN_EVAL
+            log(f"  eval split: no document or piece hashed into it at --eval-fraction {eval_fraction}; held out "
+                f"the one with the lowest hash ({names[doc]}{f', piece {piece}' if long else ''}).")
+            info["eval_fallback"] = names[doc]
+    return items, where, info
+
+
+def _cuts(corpus: ScannedCorpus, scanned: int, length: int, seq_len: int) -> list[int]:
+    """The piece boundaries of scanned document `scanned` (pack.split_points at its line breaks)."""
+    return split_points(length, seq_len, corpus.get("breaks", scanned).astype(np.int64),
+                        corpus.get("strong", scanned).astype(np.int64))
+
+
+def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: ScannedCorpus, scanned: int, length: int,
+                  seq_len: int) -> dict[str, Items]:
+    """The items with piece `piece` of document `doc` (all of it if it fits a sample) in eval."""
+    if length <= seq_len:
+        start, size = 0, length
+    else:
+        cuts = _cuts(corpus, scanned, length, seq_len)
+        start, size = cuts[piece], cuts[piece + 1] - cuts[piece]
+    train = Items()
+    for d, s, m in zip(items["train"].doc, items["train"].start, items["train"].length):
+        if d != doc:
+            train.add(d, s, m)
+            continue
+        # document `doc` was one train item: keep what is not the held-out piece
+        if start > s:
+            train.add(d, s, start - s)
+        if start + size < s + m:
+            train.add(d, start + size, s + m - start - size)
+    held_out = Items()
+    held_out.add(doc, start, size)
+    return {"train": train, "eval": held_out}

@@ -1,0 +1,107 @@
+"""What a build is asked to do (`BuildOptions`, one field per `longctx data build` flag), checked
+before any work starts, and the memory bound turned into scan workers and group sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...errors import DataError
+from .pack import STRATEGIES
+from .scan import ScanOptions
+
+DEDUP_MODES = ("minhash", "exact", "none")
+DEFAULT_MAX_MEMORY = 2 << 30
+# resident memory of a scan worker and of the main process outside their data (spawned workers
+# import numpy and the tokenizer, ~35 MB; the main process adds scipy.sparse for the embed stage)
+WORKER_BYTES = 64 << 20
+MAIN_BYTES = 96 << 20
+
+
+@dataclass
+class BuildOptions:
+    inputs: list[str]
+    out: str
+    seq_len: int
+    tokenizer: str = "byte"
+    strategy: str = "datasculpt"
+    dedup: str = "minhash"
+    workers: int = 2
+    text_field: str = "text"
+    eval_fraction: float = 0.0
+    seed: int = 0
+    embed_model: str = ""
+    dedup_threshold: float = 0.8
+    max_docs: int = 0
+    append: bool = False
+    stats: bool = True  # embeddings (and homogeneity) also for concat / bfd
+    progress: bool = True
+    clusters: int = 0  # 0 = automatic
+    shown_as: str = ""  # the path messages name, when `out` is a temporary directory renamed into it after
+    max_memory: int = 0  # bytes the whole build may hold resident (0 = DEFAULT_MAX_MEMORY)
+    shard: tuple[int, int] | None = None  # (i, n): scan only machine i's share of n into `out`
+
+    @property
+    def memory(self) -> int:
+        return self.max_memory or DEFAULT_MAX_MEMORY
+
+    @property
+    def scan_workers(self) -> int:
+        """Workers that fit the memory bound next to the main process, which holds a quarter of
+        MAIN_BYTES while the scan runs (it has not loaded scipy yet); at least one."""
+        return max(1, min(self.workers, (self.memory - MAIN_BYTES // 4) // WORKER_BYTES))
+
+    @property
+    def group_tokens(self) -> int:
+        """Tokens packed per group: a group's documents, pieces and samples take ~4-8 bytes a token."""
+        return int(max(1 << 20, (self.memory - MAIN_BYTES) // 8))
+
+    def scan_options(self) -> ScanOptions:
+        return ScanOptions(self.tokenizer, self.dedup, self.text_field)
+
+
+def check_options(opts: BuildOptions) -> None:
+    """Every problem with the options at once, as one DataError."""
+    problems = []
+    if opts.seq_len < 2:
+        problems.append(f"--seq-len must be at least 2 tokens, got {opts.seq_len}.")
+    if opts.strategy not in STRATEGIES:
+        problems.append(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}.")
+    if opts.dedup not in DEDUP_MODES:
+        problems.append(f"--dedup {opts.dedup!r} is not one of {', '.join(DEDUP_MODES)}.")
+    if opts.workers < 1:
+        problems.append(f"--workers must be >= 1, got {opts.workers}.")
+    if not 0 <= opts.eval_fraction < 1:
+        problems.append(f"--eval-fraction must be in [0, 1), got {opts.eval_fraction}.")
+    if not 0 < opts.dedup_threshold <= 1:
+        problems.append(f"--dedup-threshold must be in (0, 1], got {opts.dedup_threshold}.")
+    if opts.max_memory and opts.max_memory < MAIN_BYTES + WORKER_BYTES:
+        problems.append(f"--max-memory {opts.max_memory / 2**20:.0f}MB is below what a build needs at the least "
+                        f"(~{(MAIN_BYTES + WORKER_BYTES) / 2**20:.0f}MB: its imports and one scan worker).")
+    if opts.shard is not None:
+        i, n = opts.shard
+        if not 0 <= i < n:
+            problems.append(f"--shard {i}/{n}: expected i/n with 0 <= i < n, e.g. --shard 0/4.")
+        if opts.append:
+            problems.append("--shard and --append do not go together: a shard's scan is merged into a new store "
+                            "with `longctx data merge`.")
+        if opts.max_docs:
+            problems.append("--shard and --max-docs do not go together: which documents are the first N is only "
+                            "known once every shard is scanned.")
+    if problems:
+        raise DataError(" ".join(problems))
+
+
+def parse_memory(text: str) -> int:
+    """'300MB', '2GB', '512MiB', '1e9' -> bytes."""
+    t = text.strip().upper().replace("IB", "B")
+    for suffix, mult in (("TB", 1 << 40), ("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1)):
+        if t.endswith(suffix):
+            t, m = t[:-len(suffix)], mult
+            break
+    else:
+        m = 1
+    try:
+        return int(float(t) * m)
+    except ValueError:
+        raise DataError(f"--max-memory {text!r} is not a size; write it like 300MB or 4GB.") from None

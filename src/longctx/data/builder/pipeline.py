@@ -1,0 +1,190 @@
+"""`longctx data build` and `longctx data merge`: inputs -> scan -> dedup -> embed -> cluster -> pack -> store.
+
+A build streams: the scan (scan.py) reads the inputs shard by shard in worker processes and leaves
+each document's text, tokens, split points, hashes and features on disk in a work directory
+(`OUT/.build`); the rest (assembly.py) reads them back in input order, a group at a time. So the
+build's memory follows `--max-memory`, not the corpus: it sets how many workers scan at once and
+how many tokens are packed per group.
+
+- Resume: a build that was interrupted picks up its work directory and redoes only the shards whose
+  scan had not finished (a different set of inputs or scan options starts over, and says so).
+- Several machines: `--shard i/n` scans only the i-th of n contiguous, byte-balanced runs of the
+  input into `--out` (a scan directory, not a store); `longctx data merge DIR ... --out STORE`
+  then dedups across all of them and packs the store, exactly as one build of all the inputs would.
+
+Each stage reports its counts and its throughput in MB/s of raw input text (the UTF-8 bytes of
+the documents read); they also go into the manifest. A build writes one new part (store.py) and
+then the manifest; `append=True` adds a part to an existing store, removing documents that
+duplicate ones already stored, without touching the existing parts. The manifest is written
+last, so a failed or interrupted build never leaves a store that looks complete.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import DataError
+from ...progress import progress_bar
+from .. import store
+from ..tokenizer import load_tokenizer
+from . import scan
+from .assembly import Assembly
+from .options import BuildOptions, check_options
+from .scan import ScannedShard
+from .timing import timed
+
+WORK = ".build"  # a build's scan directory inside --out
+
+
+def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -> dict:
+    """Scan machine `machine`'s share of the inputs into `work` (resuming what is there); its plan."""
+    tok = load_tokenizer(opts.tokenizer)
+    sopts = opts.scan_options()
+    units, other = scan.plan_units(opts.inputs)
+    shards = scan.plan_shards(units)
+    digest = scan.plan_digest(units, sopts)
+    todo = scan.machine_range(shards, *machine)
+    plan = scan.read_plan(work)
+    if plan is not None and (plan["digest"] != digest or plan["machine"] != list(machine)):
+        log(f"  {work} holds an unfinished build of other inputs or scan options; starting over")
+        shutil.rmtree(work)
+        plan = None
+    build = {k: v for k, v in asdict(opts).items() if k not in ("out", "shown_as", "progress", "shard", "append")}
+    plan = {"format": scan.FORMAT, "version": scan.VERSION, "digest": digest, "options": asdict(sopts),
+            "build": build, "token_dtype": np.dtype(store.token_dtype(tok.vocab_size)).name,
+            "shards": len(shards), "machine": list(machine), "range": [todo.start, todo.stop],
+            "other_suffix": other if machine[0] == 0 else 0,
+            "bytes": sum(u.size for s in shards[todo.start:todo.stop] for u in s)}
+    scan.write_plan(work, plan)
+    done = [i for i in todo if (scan.shard_dir(work, i) / "shard.json").is_file()]
+    if done:
+        log(f"  scan      resuming: {len(done)} of {len(todo)} shards already scanned in {work}")
+    bar = progress_bar(plan["bytes"], "scan", "B", opts.progress)
+    if bar is not None:
+        bar.unit_scale = True
+    counts = scan.run_scans(work, shards, todo, sopts, plan["token_dtype"], opts.scan_workers, opts.max_docs,
+                            on_done=(lambda _c, size: bar.update(size)) if bar is not None else None)
+    if bar is not None:
+        bar.close()
+    plan["complete"] = [c["index"] for c in counts]
+    return plan
+
+
+def _scan_stage(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -> tuple[tuple, dict]:
+    """((plan, the scanned shards), counts) of the scan stage."""
+    plan = scan_inputs(opts, work, machine, log)
+    shards = scanned(work, plan)
+    return (plan, shards), {"shards": len(shards), "documents": sum(s.n for s in shards),
+                            "mb": round(sum(s.counts["bytes"] for s in shards) / 1e6, 2)}
+
+
+def scanned(work: Path, plan: dict) -> list[ScannedShard]:
+    minhash = plan["options"]["dedup"] == "minhash"
+    lo, hi = plan["range"]
+    out = []
+    for i in range(lo, hi):
+        d = scan.shard_dir(work, i)
+        if not (d / "shard.json").is_file():
+            break  # --max-docs stopped the scan here; later shards are not needed
+        out.append(ScannedShard(d, plan["token_dtype"], minhash))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# build and merge
+
+
+def _open_store(opts: BuildOptions) -> tuple[Path, dict | None]:
+    root = Path(opts.out)
+    old = None
+    if (root / store.MANIFEST).is_file():
+        if not opts.append:
+            raise DataError(f"'{root}' already holds a data store; pass --append to add documents to it, or "
+                            f"choose another --out.")
+        old = store.read_manifest(root)
+        for key, want in (("seq_len", opts.seq_len), ("strategy", opts.strategy)):
+            if old[key] != want:
+                raise DataError(f"the store '{root}' was built with {key} {old[key]}; an append must use the same "
+                                f"(got {want}).")
+        if old["tokenizer"]["spec"] != opts.tokenizer:
+            raise DataError(f"the store '{root}' was built with tokenizer {old['tokenizer']['spec']!r}; an append "
+                            f"must use the same (got {opts.tokenizer!r}).")
+    elif root.exists() and not root.is_dir():
+        raise DataError(f"--out '{root}' exists and is not a directory.")
+    return root, old
+
+
+def _describe(opts: BuildOptions, tok) -> str:
+    workers = opts.scan_workers
+    return (f"(seq_len {opts.seq_len}, {opts.strategy}, dedup {opts.dedup}, {tok.name} tokenizer, {workers} "
+            f"worker{'s' if workers != 1 else ''}, max memory {opts.memory / 2**20:.0f}MB)")
+
+
+def build_store(opts: BuildOptions, log=print) -> dict:
+    """Build (or append to) the store at `opts.out`; returns its manifest. With `opts.shard`, only scan
+    that share of the inputs into `opts.out` (for `merge_scans`) and return its plan."""
+    check_options(opts)
+    tok = load_tokenizer(opts.tokenizer)
+    if opts.shard is not None:
+        out = Path(opts.out)
+        if (out / store.MANIFEST).is_file():
+            raise DataError(f"--out '{out}' holds a data store; a --shard scan goes to a directory of its own.")
+        i, n = opts.shard
+        log(f"data build: {', '.join(opts.inputs)} shard {i}/{n} -> {out} {_describe(opts, tok)}")
+        records: dict = {}
+        plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, out, opts.shard, log)
+        docs = sum(s.n for s in shards)
+        log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
+            f"`longctx data merge`")
+        return plan
+    root, old = _open_store(opts)
+    shown = opts.shown_as or root
+    log(f"data build: {', '.join(opts.inputs)} -> {shown} {_describe(opts, tok)}")
+    work = root / WORK
+    records: dict = {}
+    plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, work, (0, 1), log)
+    manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0, progress: bool = True,
+                log=print) -> dict:
+    """`longctx data merge`: the store of the scans of `--shard 0/n` ... `--shard n-1/n`."""
+    plans = []
+    for d in dirs:
+        p = scan.read_plan(Path(d))
+        if p is None or p.get("format") != scan.FORMAT:
+            raise DataError(f"'{d}' is not a scan directory of `longctx data build --shard i/n` (no {scan.PLAN}).")
+        plans.append((p, Path(d)))
+    plans.sort(key=lambda pd: pd[0]["machine"][0])
+    first = plans[0][0]
+    n = first["machine"][1]
+    for p, d in plans:
+        if p["digest"] != first["digest"] or p["build"] != first["build"]:
+            raise DataError(f"'{d}' was scanned from other inputs or with other options than '{plans[0][1]}'; "
+                            f"merge the scans of one `data build --shard i/n` run.")
+    got = [p["machine"][0] for p, _ in plans]
+    if got != list(range(n)):
+        missing = sorted(set(range(n)) - set(got))
+        raise DataError(f"data merge needs the scans of all {n} shards, once each; got shards {got}"
+                        + (f" (missing {missing})" if missing else "") + ".")
+    shards = []
+    for p, d in plans:
+        have = scanned(d, p)
+        if len(have) != p["range"][1] - p["range"][0]:
+            raise DataError(f"the scan in '{d}' (shard {p['machine'][0]}/{n}) is unfinished: run its "
+                            f"`longctx data build --shard {p['machine'][0]}/{n}` again to complete it.")
+        shards.extend(have)
+    built = first["build"]
+    opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
+                           "max_memory": max_memory or built["max_memory"]})
+    tok = load_tokenizer(opts.tokenizer)
+    root, old = _open_store(opts)
+    log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
+    records = {"scan": {"shards": len(shards), "machines": n}}
+    return Assembly(opts, root, old, tok, shards, first.get("other_suffix", 0), root / WORK, records, log).run()
