@@ -121,7 +121,7 @@ def _alternate_rank(seq: int, rounds: int, layout: list[str]) -> dict:
     from longctx.config import load_config
     from longctx.parallel import comm
     from longctx.parallel.runtime import Runtime
-    from longctx.run_setup import build_training_model
+    from longctx.train.model import build_training_model
 
     world = dist.get_world_size()
     base = ["--model.preset=small-100m", f"--train.seq_len={seq}", "--train.global_batch=1", *layout]

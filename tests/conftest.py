@@ -23,10 +23,15 @@ def _deterministic():
     yield
 
 
+# tests that start processes (distributed/) or run commands end to end (e2e/) are the slow tier:
+# `pytest -m "not slow"` is the everyday loop, `pytest` runs everything (CI)
+SLOW_DIRS = ("distributed", "e2e")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if any(part in SLOW_DIRS for part in item.path.relative_to(config.rootpath).parts[:-1]):
+            item.add_marker(pytest.mark.slow)
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)

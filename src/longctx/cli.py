@@ -15,7 +15,7 @@ from .errors import UserError
 
 
 def _config_help() -> str:
-    from .config import SECTIONS, fields_by_key, Config, to_dict
+    from .config import SECTIONS, Config, fields_by_key, to_dict
 
     defaults = to_dict(Config())
     lines = ["config keys (override with --section.key=value):"]
@@ -58,10 +58,10 @@ def _cmd_train(args, overrides) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
-    from .train import train
+    from .train.trainer import train
 
     if launching:
-        from .preflight import preflight
+        from .train.preflight import preflight
 
         preflight(cfg, nproc)  # every error that can be found before a rank starts, found once, here
         if nproc > 1:
@@ -89,7 +89,7 @@ def _saved_world(cfg) -> int | None:
     from pathlib import Path
 
     from .checkpoint.paths import MANIFEST
-    from .run_setup import resume_target
+    from .train.setup import resume_target
 
     try:
         target = resume_target(cfg, Path(cfg.train.run_dir))
@@ -101,7 +101,7 @@ def _saved_world(cfg) -> int | None:
 def _cmd_report(args, overrides) -> int:
     if overrides:
         raise UserError(f"longctx report takes only a run directory; unexpected arguments: {' '.join(overrides)}.")
-    from .report import write_plots
+    from .train.report import write_plots
 
     for path in write_plots(args.run_dir):
         print(f"wrote {path}")
@@ -138,9 +138,9 @@ def _cmd_checkpoint(args, overrides) -> int:
     if not args.out:
         raise UserError("longctx checkpoint export needs an output directory: "
                         "longctx checkpoint export PATH --to hf OUT.")
-    from .checkpoint.export import export_hf
-
     import torch
+
+    from .checkpoint.export import export_hf
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     out, copied, why = export_hf(args.path, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
@@ -158,36 +158,20 @@ def _cmd_plan(args, overrides) -> int:
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with `command` given (the first argument), the `bench` subcommands' arguments are
     only declared when that command is bench: their modules import torch, which costs every other
-    command (`data build` in bounded memory above all) ~220 MB and seconds of startup."""
-    parser = argparse.ArgumentParser(prog="longctx", description="Train decoder LLMs on very long contexts.")
+    command (`data build` in bounded memory above all) ~220 MB and seconds of startup. (That is why
+    the commands' modules are imported inside the functions of this file.)"""
+    parser = argparse.ArgumentParser(prog="longctx", description="Train decoder LLMs on very long contexts.",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "train",
-        help="train a model (the debug model on the Python standard library by default)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=_config_help(),
-    )
-    p.add_argument("--config", help="TOML config file (e.g. configs/debug.toml)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="local processes to start through torchrun (default: 4 on CPU as head 2 x ctx 2, "
-                        "every GPU on a GPU machine; 1 = this process)")
-    p.set_defaults(func=_cmd_train)
+    _add_train(sub)
     p = sub.add_parser("report", help="write PNG plots of loss and throughput for a run directory")
     p.add_argument("run_dir", help="a run directory written by `longctx train`")
     p.set_defaults(func=_cmd_report)
-    p = sub.add_parser("checkpoint", help="verify a checkpoint, or export it to Hugging Face format")
-    p.add_argument("action", choices=("verify", "export"))
-    p.add_argument("path", help="a step-* checkpoint directory, or a checkpoints directory (its latest)")
-    p.add_argument("out", nargs="?", help="export: the output directory")
-    p.add_argument("--to", default="hf", help="export format (hf)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="export: weight precision")
-    p.add_argument("--max-shard-gb", type=float, default=5.0,
-                   help="export: largest safetensors file in GiB; above it, shards with an index")
-    p.set_defaults(func=_cmd_checkpoint)
+    _add_checkpoint(sub)
     from .planner.cli import add_arguments as plan_arguments
 
-    p = sub.add_parser("plan", help="choose layout, recomputation, offload and micro-batch; write the best as a config")
+    p = sub.add_parser("plan", help="choose layout, recomputation, offload and micro-batch; write the best as a config",
+                       allow_abbrev=False)
     plan_arguments(p)
     p.set_defaults(func=_cmd_plan)
     from .data.cli import add_parser as add_data_parser
@@ -199,24 +183,53 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command not in (None, "bench") and not command.startswith("-"):
         sub.add_parser("bench", help="benchmarks; each prints JSON")
         return parser
-    bench = sub.add_parser("bench", help="benchmarks; each prints JSON").add_subparsers(dest="bench", required=True)
-    from .bench import attention
+    _add_bench(sub.add_parser("bench", help="benchmarks; each prints JSON").add_subparsers(dest="bench", required=True))
+    return parser
 
-    p = bench.add_parser("attention", help="2D sequence-parallel attention vs one attention call (gloo, CPU)")
-    attention.add_arguments(p)
-    p.set_defaults(func=_cmd_bench)
+
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a model (the debug model on the Python standard library by default)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_config_help(),
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", help="TOML config file (e.g. configs/debug.toml)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes to start through torchrun (default: the checkpoint's on a resume, the "
+                        "layout's when it names every degree, else 4 on CPU as head 2 x ctx 2 and every GPU on a "
+                        "GPU machine; 1 = this process)")
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_checkpoint(sub) -> None:
+    p = sub.add_parser("checkpoint", help="verify a checkpoint, or export it to Hugging Face format",
+                       allow_abbrev=False)
+    p.add_argument("action", choices=("verify", "export"))
+    p.add_argument("path", help="a step-* checkpoint directory, or a checkpoints directory (its latest)")
+    p.add_argument("out", nargs="?", help="export: the output directory")
+    p.add_argument("--to", default="hf", help="export format (hf)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="export: weight precision")
+    p.add_argument("--max-shard-gb", type=float, default=5.0,
+                   help="export: largest safetensors file in GiB; above it, shards with an index")
+    p.set_defaults(func=_cmd_checkpoint)
+
+
+def _add_bench(bench) -> None:
+    from .bench import attention, memory
     from .bench import train as train_bench
 
-    p = bench.add_parser("train", help="training tokens/s and MFU of parallel layouts (same-run comparison)")
-    train_bench.add_arguments(p)
-    p.set_defaults(func=_cmd_bench)
-    from .bench import memory as memory_bench
-
-    p = bench.add_parser("memory", help="activation bytes per block and token for each memory policy, "
-                                        "measured vs analytic, recompute FLOPs, step-time ratios")
-    memory_bench.add_arguments(p)
-    p.set_defaults(func=_cmd_bench)
-    return parser
+    for name, module, what in (
+        ("attention", attention, "2D sequence-parallel attention vs one attention call (gloo, CPU)"),
+        ("train", train_bench, "training tokens/s and MFU of parallel layouts (same-run comparison)"),
+        ("memory", memory, "activation bytes per block and token for each memory policy, measured vs analytic, "
+                           "recompute FLOPs, step-time ratios"),
+    ):
+        p = bench.add_parser(name, help=what, allow_abbrev=False)
+        module.add_arguments(p)
+        p.set_defaults(func=_cmd_bench)
 
 
 def main(argv=None) -> int:

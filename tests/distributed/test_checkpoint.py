@@ -18,7 +18,7 @@ from longctx.checkpoint.manager import CheckpointManager, _load_rng, latest_chec
 from longctx.checkpoint.manifest import CheckpointError, hash_files, owner_rank, verify, write_manifest
 from longctx.config import load_config
 from longctx.parallel.spawn import run_spawned
-from longctx.train import train
+from longctx.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--train.steps=10", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",

@@ -13,7 +13,7 @@ ARGS = ["--train.seq_len=128", "--data.max_docs=120", "--model.layers=2", "--tra
 
 
 def _eval(run_dir, extra):
-    from longctx.train import Trainer
+    from longctx.train.trainer import Trainer
 
     cfg = load_config("configs/debug.toml", [*ARGS, *extra, f"--train.run_dir={run_dir}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None)

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from longctx.config import load_config  # noqa: E402
 from longctx.parallel.spawn import run_spawned  # noqa: E402
-from longctx.train import train  # noqa: E402
+from longctx.train.trainer import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 10
@@ -91,7 +91,7 @@ def _sharded_load(path):
     import torch.distributed as dist
 
     from longctx.parallel.runtime import Runtime
-    from longctx.run_setup import build_training_model
+    from longctx.train.model import build_training_model
 
     cfg = load_config("configs/debug.toml", [*BASE, f"--model.init_from=hf:{path}"])
     rt = Runtime.create(cfg, dist.get_rank(), dist.get_world_size(), "cpu")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.host_sync import HostSyncError, no_host_sync
+from longctx.train.host_sync import HostSyncError, no_host_sync
 from longctx.parallel.spawn import run_spawned
 
 BASE = ["--train.steps=3", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
@@ -39,7 +39,7 @@ FOUR_RANKS = {
 
 def _steps_under_probe(overrides, run_dir, inserted_item=False):
     """Warm-up step, then two steps with the detector; returns the syncs it saw (raising on the first)."""
-    from longctx.train import Trainer
+    from longctx.train.trainer import Trainer
 
     cfg = load_config("configs/debug.toml", [*BASE, *overrides, f"--train.run_dir={run_dir}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None)

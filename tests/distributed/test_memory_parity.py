@@ -15,13 +15,14 @@ import torch.distributed as dist
 
 from longctx.config import load_config
 from longctx.memory.accounting import estimate_activations, measure_activations
+from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
 from longctx.parallel import comm
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.parallelize import apply_memory, use_sequence_parallel_attention
 from longctx.parallel.sequence import attach_layout, plan_layout, shard_sequence
 from longctx.parallel.spawn import run_spawned
-from longctx.train import train
+from longctx.train.trainer import train
 
 POLICIES = [("none", 0.0), ("full", 0.0), ("selective", 0.0), ("selective", 0.5), ("selective", 1.0)]
 SEQ, BATCH, LAYERS = 128, 2, 3
@@ -86,8 +87,8 @@ def _rank_run(policies):
             g = p.grad.clone()
             dist.all_reduce(g)
             grads[name] = g.numpy()  # tensors would travel back through shared memory of an exiting process
-        est = estimate_activations(cfg.model, SEQ, BATCH, head=2, ctx=2, policy=policy, offload_fraction=fraction,
-                                   offload_skip_last=1, dtype_bytes=4, docs=True)
+        est = estimate_activations(cfg.model, SEQ, BATCH, head=2, ctx=2, policy=MemoryPolicy(policy, fraction, 1),
+                                   dtype_bytes=4, docs=True)
         out[(policy, fraction)] = (grads, backward_comm, measured, est.to_dict())
     # Without a layout (bare zigzag-sharded ids), distributed_attention gathers the ids once and
     # keeps the [batch, seq] int64 tensor on the ids' layout: created in block 0, held with the

@@ -14,7 +14,7 @@ ARGS = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=fa
 def _run(run_dir, how):
     """Losses, and per step: bytes read, bytes the rank's share allows, bytes already read ahead when
     the step starts."""
-    from longctx.train import Trainer
+    from longctx.train.trainer import Trainer
 
     cfg = load_config("configs/debug.toml", [*ARGS, f"--train.run_dir={run_dir}/{how}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None, read_ahead=how == "ahead")
@@ -74,7 +74,7 @@ def test_each_rank_reads_its_share_at_most_one_step_ahead_and_trains_as_before(t
 
 def _evaluate(run_dir):
     """(eval loss, bytes this rank read for it, bytes of the eval batches it covers) before any step."""
-    from longctx.train import Trainer
+    from longctx.train.trainer import Trainer
 
     args = [*ARGS, "--train.eval_interval=2", "--train.eval_batches=2", f"--train.run_dir={run_dir}"]
     world_args = [a for a in args if a != "--parallel.ctx=2"] if run_dir.endswith("single") else args
@@ -82,7 +82,8 @@ def _evaluate(run_dir):
     samples = trainer.eval_samples
     before = samples.bytes_read
     loss = trainer.evaluate()
-    covered = min(len(samples), 2 * trainer.micro_batch) * samples.seq_len * samples.parts[0].tokens.dtype.itemsize
+    batch = trainer.sampler.stage.global_batch  # eval_batches counts global batches
+    covered = min(len(samples), 2 * batch) // batch * batch * samples.seq_len * samples.parts[0].tokens.dtype.itemsize
     return loss, samples.bytes_read - before, covered
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from longctx.config import load_config
 from longctx.parallel.spawn import run_spawned
-from longctx.train import train
+from longctx.train.trainer import train
 
 STEPS = 20
 BASE = ["--train.steps=%d" % STEPS, "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",

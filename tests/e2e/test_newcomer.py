@@ -109,12 +109,12 @@ def test_an_error_on_one_rank_is_printed_once_by_that_rank(tmp_path):
     (hook / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('RANK') == '1':\n"
-        "    import longctx.run_setup as rs\n"
+        "    import longctx.train.setup as rs\n"
         "    from longctx.errors import DataError\n"
         "    def broken(*a, **k):\n"
         "        raise DataError('the disk of rank 1 is full')\n"
         "    rs.build_data = broken\n"
-        "    import longctx.train as t\n"
+        "    import longctx.train.trainer as t\n"
         "    t.build_data = broken\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-m", "longctx", "train", "--nproc", "2", "--parallel.ctx", "2", *TINY,

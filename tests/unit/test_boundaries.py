@@ -1,7 +1,8 @@
 """The module boundaries of DESIGN.md, checked on the source: an import graph and a grep.
 
 - models/ knows nothing about parallelism (never imports parallel/);
-- planner/ predicts, it does not depend on the training loop (never imports train.py or run_setup.py);
+- planner/ predicts, it does not depend on the training loop (never imports train/trainer.py or train/setup.py;
+  its validation measures a real step with train/step.py);
 - config (parsing and rules) sits below everything: it imports nothing of longctx but errors;
 - only parallel/comm.py calls torch.distributed collectives and point-to-point operations (so the
   byte counters see every transfer); process groups are created and torn down only in
@@ -35,7 +36,8 @@ DIST_MODULES = {"torch.distributed", "torch.distributed.distributed_c10d"}
 # (importing module prefix, forbidden imported module prefixes, why)
 IMPORT_RULES = [
     ("longctx.models", ("longctx.parallel",), "models are written for one device"),
-    ("longctx.planner", ("longctx.train", "longctx.run_setup"), "the planner does not depend on the training loop"),
+    ("longctx.planner", ("longctx.train.trainer", "longctx.train.setup"),
+     "the planner does not depend on the training loop"),
     ("longctx.config", ("longctx.",), "config sits below every other module"),
 ]
 # (checkpoint.paths is pure path logic: model.init_from = DIR reads a checkpoint's [model] at config time)
@@ -142,8 +144,8 @@ def test_only_comm_calls_collectives():
 
 
 @pytest.mark.parametrize("file,line,expected", [
-    ("planner/cost.py", "from ..train import Trainer", "longctx.planner.cost imports longctx.train"),
-    ("planner/search.py", "import longctx.run_setup", "longctx.planner.search imports longctx.run_setup"),
+    ("planner/cost.py", "from ..train.trainer import Trainer", "longctx.planner.cost imports longctx.train"),
+    ("planner/search.py", "import longctx.train.setup", "longctx.planner.search imports longctx.train.setup"),
     ("config/load.py", "from ..memory.policies import check_policy", "longctx.config.load imports longctx.memory"),
     ("config/rules.py", "from ..parallel import dims", "longctx.config.rules imports longctx.parallel"),
     ("models/llama.py", "from ..parallel.comm import all_reduce", "longctx.models.llama imports longctx.parallel"),

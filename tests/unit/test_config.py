@@ -46,7 +46,7 @@ def test_preset_fills_fields_not_set_explicitly():
         (["--model.heads=7", "--model.kv_heads=2"], "model.heads (7) must be divisible by model.kv_heads (2)"),
         (["--model.rope_scaling=ntk"], "valid choices: none, linear, llama3, yarn"),
         (["--train.dtype=fp16"], "auto, fp32, bf16"),
-        (["--parallel.ctx=4", "--parallel.window=3"], "parallel.window (3) must be 0 or divide parallel.ctx (4)"),
+        (["--parallel.ctx=4", "--parallel.window=3"], "parallel.window (3) must be 0 (plain ring) or divide parallel.ctx (4)"),
         (["--parallel.head=3"], "model.heads (4) must be divisible by parallel.head (3)"),
         (["--data.doc_mask=maybe"], "must be true or false"),
         (["--train.seq_len=200000"], "exceeds model.max_seq_len"),

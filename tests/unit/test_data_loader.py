@@ -154,7 +154,7 @@ def cfg_for(tmp_path, *extra):
 
 
 def test_training_from_a_store_uses_document_masks(tmp_path, monkeypatch):
-    import longctx.train as t
+    import longctx.train.trainer as t
 
     src = corpus(tmp_path / "in", [random.Random(i).randint(10, 200) for i in range(80)])
     build_store(BuildOptions([str(src)], str(tmp_path / "s"), 64, strategy="bfd", dedup="minhash", workers=1,
@@ -180,7 +180,7 @@ def test_training_from_a_store_uses_document_masks(tmp_path, monkeypatch):
 def test_store_mismatches_are_config_errors(tmp_path):
     src = corpus(tmp_path / "in", [100] * 30)
     build_store(BuildOptions([str(src)], str(tmp_path / "s"), 64, workers=1, progress=False, stats=False), log=quiet)
-    from longctx.run_setup import build_data
+    from longctx.train.setup import build_data
 
     with pytest.raises(ConfigError, match="samples of 64 tokens but train.seq_len is 128"):
         build_data(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}", "--train.seq_len=128"), log=quiet)
@@ -201,7 +201,7 @@ def test_default_store_is_built_once_and_reused(tmp_path, monkeypatch):
     calls = []
     real = cache.build_store
     monkeypatch.setattr(cache, "build_store", lambda *a, **k: calls.append(1) or real(*a, **k))
-    from longctx.run_setup import build_data
+    from longctx.train.setup import build_data
 
     w1, _ = build_data(cfg, log=quiet)
     w2, _ = build_data(cfg, log=quiet)

@@ -15,7 +15,7 @@ def test_degrees_multiply_to_world_size_and_one_is_inferred():
         ParallelDims(dp_shard=1, head=2, ctx=2, world_size=8)
     with pytest.raises(ConfigError, match="not divisible by the product"):
         ParallelDims(head=3, world_size=8)
-    with pytest.raises(ConfigError, match="only one parallel degree may be -1"):
+    with pytest.raises(ConfigError, match="at most one parallel degree may be -1"):
         ParallelDims(dp_shard=-1, ctx=-1, world_size=8)
     with pytest.raises(ConfigError, match="window \\(3\\) must be 0 .* divide parallel.ctx \\(4\\)"):
         ParallelDims(ctx=4, window=3, world_size=4)

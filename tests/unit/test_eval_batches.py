@@ -2,7 +2,7 @@
 (the micro-batch only decides how many sequences are in flight at once)."""
 
 from longctx.config import load_config
-from longctx.train import Trainer
+from longctx.train.trainer import Trainer
 
 ARGS = ["--train.seq_len=128", "--data.max_docs=120", "--model.layers=2", "--train.global_batch=4",
         "--train.eval_interval=4", "--train.eval_batches=2", "--train.steps=4", "--data.eval_fraction=0.1",

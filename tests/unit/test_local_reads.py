@@ -19,7 +19,7 @@ from longctx.data.store import S_LENGTH
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.runtime import Runtime
 from longctx.parallel.sequence import attach_layout, layout_of, plan_layout, shard_sequence
-from longctx.stages import StagedLoader
+from longctx.train.stages import StagedLoader
 
 SEQ = 64
 

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from longctx import metrics
+from longctx.planner import peaks
+from longctx.train.metrics import read_jsonl
 from longctx.config import load_config
-from longctx.run_setup import eval_split_problem
+from longctx.train.setup import eval_split_problem
 
 
 def _manifest(eval_samples: int) -> dict:
@@ -36,26 +37,26 @@ def test_the_cpu_peak_is_calibrated_once_per_machine(monkeypatch, tmp_path):
         calls.append(torch.get_num_threads())
         return 2e11
 
-    monkeypatch.setattr(metrics, "measure_cpu_gemm_peak", fake)
-    peak, path, measured = metrics.machine_cpu_peak()
+    monkeypatch.setattr(peaks, "measure_cpu_gemm_peak", fake)
+    peak, path, measured = peaks.machine_cpu_peak()
     assert (peak, measured) == (2e11, True) and path.is_file()
-    assert calls == [metrics.usable_cores()]  # measured with every core
+    assert calls == [peaks.usable_cores()]  # measured with every core
     for _ in range(3):
-        assert metrics.machine_cpu_peak()[:3:2] == (2e11, False)
+        assert peaks.machine_cpu_peak()[:3:2] == (2e11, False)
     assert len(calls) == 1
     # another machine (here: another core count) is calibrated for itself
-    monkeypatch.setattr(metrics, "usable_cores", lambda: 64)
-    assert metrics.machine_cpu_peak()[2] is True and len(calls) == 2
+    monkeypatch.setattr(peaks, "usable_cores", lambda: 64)
+    assert peaks.machine_cpu_peak()[2] is True and len(calls) == 2
     # ranks on one machine share its peak
-    per_rank, source = metrics.device_peak(torch.device("cpu"), local_ranks=4)
+    per_rank, source = peaks.device_peak(torch.device("cpu"), local_ranks=4)
     assert per_rank == 2e11 / 4 and "shared by 4 ranks" in source
 
 
 def test_a_damaged_peak_cache_is_recalibrated(monkeypatch, tmp_path):
     monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
-    (tmp_path / metrics.CPU_PEAK_FILE).write_text("{not json")
-    monkeypatch.setattr(metrics, "measure_cpu_gemm_peak", lambda size, seconds: 1e11)
-    assert metrics.machine_cpu_peak()[::2] == (1e11, True)
+    (tmp_path / peaks.CPU_PEAK_FILE).write_text("{not json")
+    monkeypatch.setattr(peaks, "measure_cpu_gemm_peak", lambda size, seconds: 1e11)
+    assert peaks.machine_cpu_peak()[::2] == (1e11, True)
 
 
 def test_a_peak_calibrated_while_busy_is_raised_by_what_a_run_achieves(monkeypatch, tmp_path):
@@ -63,12 +64,12 @@ def test_a_peak_calibrated_while_busy_is_raised_by_what_a_run_achieves(monkeypat
     MFU above 100%; the run raises it to what it achieved, in the cache too."""
     import json
 
-    from longctx.train import train
+    from longctx.train.trainer import train
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("LONGCTX_CACHE", str(cache))
-    monkeypatch.setattr(metrics, "measure_cpu_gemm_peak", lambda size, seconds: 1e6)  # 1 MFLOP/s: "busy"
-    metrics.machine_cpu_peak()
+    monkeypatch.setattr(peaks, "measure_cpu_gemm_peak", lambda size, seconds: 1e6)  # 1 MFLOP/s: "busy"
+    peaks.machine_cpu_peak()
     monkeypatch.setenv("LONGCTX_CACHE", str(cache))
     cfg = load_config("configs/debug.toml", [f"--train.run_dir={tmp_path / 'run'}", "--train.steps=3",
                                              "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=50",
@@ -76,17 +77,17 @@ def test_a_peak_calibrated_while_busy_is_raised_by_what_a_run_achieves(monkeypat
                                              "--metrics.progress=false", "--metrics.log_interval=1"])
     said = []
     train(cfg, log=lambda *a, **k: said.append(" ".join(map(str, a))))
-    records = metrics.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert all(0 < r["mfu"] <= 1 for r in records), [r["mfu"] for r in records]
     assert any("above its cached CPU peak" in line for line in said)
-    assert max(json.loads((cache / metrics.CPU_PEAK_FILE).read_text()).values()) > 1e6
+    assert max(json.loads((cache / peaks.CPU_PEAK_FILE).read_text()).values()) > 1e6
 
 
 def test_the_data_summary_counts_the_eval_split_it_announced(tmp_path):
     """An eval split too small to evaluate is said once and counted as it is (it once read '0 eval
     samples' right after the line that gave its real size)."""
     from longctx.data.store import read_manifest
-    from longctx.run_setup import build_data
+    from longctx.train.setup import build_data
 
     cfg = load_config("configs/debug.toml", ["--train.seq_len=64", "--data.max_docs=40", "--train.global_batch=1024"])
     said = []

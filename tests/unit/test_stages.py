@@ -6,7 +6,7 @@ import torch
 from longctx.config import load_config
 from longctx.data.samples import Batch
 from longctx.errors import ConfigError
-from longctx.stages import StagedLoader, stages_of, tokens_through
+from longctx.train.stages import StagedLoader, stages_of, tokens_through
 
 
 class _Samples:

@@ -60,7 +60,7 @@ def test_a_tokenizer_that_is_not_the_models_is_refused_naming_both(tmp_path):
 
 
 def test_an_hf_model_without_a_tokenizer_needs_one_named_before_data_is_built(tmp_path):
-    from longctx.preflight import preflight
+    from longctx.train.preflight import preflight
 
     d = hf_model_dir(tmp_path / "hf", tokenizer=False)
     cfg = load_config(overrides=[f"--model.init_from=hf:{d}"])
@@ -73,7 +73,7 @@ def test_an_hf_model_without_a_tokenizer_needs_one_named_before_data_is_built(tm
 
 def test_a_store_of_another_tokenizer_is_refused(tmp_path):
     """A store built with bytes, given to a model with its own BPE tokenizer: refused, naming both."""
-    from longctx.run_setup import _check_store
+    from longctx.train.setup import _check_store
 
     d = hf_model_dir(tmp_path / "hf")
     manifest = {"seq_len": 128, "tokenizer": {"spec": "byte", "name": "byte", "identity": "byte", "vocab_size": 258}}

@@ -6,9 +6,10 @@ import pytest
 
 from longctx.config import load_config
 from longctx.errors import ConfigError, TrainingError
-from longctx.metrics import read_jsonl, train_flops_per_token
-from longctx.step import lr_at
-from longctx.train import train
+from longctx.models.flops import train_flops_per_token
+from longctx.train.metrics import read_jsonl
+from longctx.train.step import lr_at
+from longctx.train.trainer import train
 
 
 def cfg_for(tmp_path, *extra):
@@ -62,7 +63,7 @@ def test_full_recompute_trains_identically(tmp_path):
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
-    import longctx.train as t
+    import longctx.train.trainer as t
 
     real = t.forward_loss_sum
     calls = {"n": 0}

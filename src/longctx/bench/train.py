@@ -18,8 +18,6 @@ from pathlib import Path
 
 import torch
 
-from ..cli_flags import renamed_flag
-
 LAYOUTS = {
     "single": (1, []),
     "ctx4": (4, ["--parallel.ctx=4"]),
@@ -55,8 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     p.add_argument("--steps", type=int, default=3, help="steps per run; the first is a warm-up")
     p.add_argument("--global-batch", type=int, default=2, help="sequences per optimizer step over the whole job")
-    renamed_flag(p, "--seqs", "--seq-len", "sequence length is seq_len everywhere")
-    renamed_flag(p, "--batch", "--global-batch")
 
 
 def main(args) -> int:

@@ -6,6 +6,7 @@ of impossible values (rules), Hugging Face config.json mapping (hf), which token
 from .load import (
     SECTIONS,
     build_config,
+    build_model_config,
     fields_by_key,
     load_config,
     parse_overrides,
@@ -28,6 +29,6 @@ from .schema import (
 
 __all__ = [
     "MODEL_PRESETS", "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "MemoryConfig", "MetricsConfig",
-    "ModelConfig", "ParallelConfig", "TrainConfig", "build_config", "fields_by_key", "load_config",
-    "parse_overrides", "read_raw", "read_toml", "to_dict", "to_toml",
+    "ModelConfig", "ParallelConfig", "TrainConfig", "build_config", "build_model_config", "fields_by_key",
+    "load_config", "parse_overrides", "read_raw", "read_toml", "to_dict", "to_toml",
 ]

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import ConfigError
 from .hf import resolve_init_from
 from .rules import parse_stages, validate
-from .schema import MODEL_PRESETS, Config, TrainConfig
+from .schema import MODEL_PRESETS, Config, ModelConfig, TrainConfig
 from .tokenizer import resolve_tokenizer
 
 if sys.version_info >= (3, 11):
@@ -213,27 +213,38 @@ def _staged_train_values(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_config(raw: dict[str, dict[str, Any]]) -> Config:
-    sections: dict[str, Any] = {}
-    for section, cls in SECTIONS.items():
-        values = dict(raw.get(section, {}))
-        for name in values:
-            _lookup(section, name)
-        fields = fields_by_key(cls)
-        if section == "model":
-            values = _model_values(values, fields)
-        if section == "train" and values.get("stages"):
-            values = _staged_train_values(values)
-        kwargs = {}
-        for name, value in values.items():
-            kwargs[fields[name].name] = _coerce(f"{section}.{name}", value, fields[name])
-        sections[section] = cls(**kwargs)
+    """A validated Config from {section: {key: value}} (unset keys take their defaults)."""
     for section in raw:
         if section not in SECTIONS:
             _lookup(section, "")
+    sections: dict[str, Any] = {}
+    for section in SECTIONS:  # model first: data.tokenizer follows the model's weights
+        sections[section] = _build_section(section, dict(raw.get(section, {})), sections)
     cfg = Config(**sections)
-    cfg.data.tokenizer = resolve_tokenizer(cfg.model.init_from, cfg.data.tokenizer, cfg.data.path)
     validate(cfg)
     return cfg
+
+
+def build_model_config(values: dict[str, Any]) -> ModelConfig:
+    """[model] alone (a preset, or init_from's weights, with the values given on top), unvalidated
+    against the rest of a run: what the weights of init_from describe, for instance."""
+    return _build_section("model", dict(values), {})
+
+
+def _build_section(section: str, values: dict[str, Any], built: dict[str, Any]):
+    cls = SECTIONS[section]
+    for name in values:
+        _lookup(section, name)
+    fields = fields_by_key(cls)
+    if section == "model":
+        values = _model_values(values, fields)
+    if section == "train" and values.get("stages"):
+        values = _staged_train_values(values)
+    if section == "data":
+        tokenizer = _coerce("data.tokenizer", values.get("tokenizer", "auto"), fields["tokenizer"])
+        values["tokenizer"] = resolve_tokenizer(built["model"].init_from, tokenizer, values.get("path", ""))
+    return cls(**{fields[name].name: _coerce(f"{section}.{name}", value, fields[name])
+                  for name, value in values.items()})
 
 
 # ----------------------------------------------------------------------------------------------

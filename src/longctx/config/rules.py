@@ -204,16 +204,29 @@ def _data_rules(cfg: Config, problems: list[str]) -> None:
                         f"documents: set data.path to train from a store, or data.corpus to build one.")
 
 
+DEGREES = ("dp_replicate", "dp_shard", "head", "ctx")  # the mesh's dims, outermost first
+
+
+def degree_problems(degrees: dict[str, int], window: int) -> list[str]:
+    """What is wrong with the parallel degrees alone (before a world size is known): each must be
+    positive or -1 (inferred, at most one), and the Double-Ring window must divide ctx. The one
+    statement of these rules: the config and ParallelDims both ask it."""
+    problems = [f"parallel.{k} must be a positive degree or -1 (inferred), got {v}."
+                for k, v in degrees.items() if v == 0 or v < -1]
+    inferred = [k for k, v in degrees.items() if v == -1]
+    if len(inferred) > 1:
+        problems.append(f"at most one parallel degree may be -1 (inferred), got -1 for {', '.join(inferred)}.")
+    ctx = degrees.get("ctx", 1)
+    if window < 0 or (window > 0 and ctx > 0 and ctx % window):
+        valid = [w for w in range(1, ctx + 1) if ctx % w == 0] if ctx > 0 else []
+        problems.append(f"parallel.window ({window}) must be 0 (plain ring) or divide parallel.ctx ({ctx})"
+                        + (f"; valid windows: {valid}." if valid else "."))
+    return problems
+
+
 def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     p, m = cfg.parallel, cfg.model
-    degrees = {k: getattr(p, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}
-    for k, v in degrees.items():
-        if v == 0 or v < -1:
-            problems.append(f"parallel.{k} must be a positive degree or -1 (inferred), got {v}.")
-    if sum(v == -1 for v in degrees.values()) > 1:
-        problems.append(f"at most one parallel degree may be -1 (inferred); got {degrees}.")
-    if p.window < 0 or (p.window > 0 and p.ctx > 0 and p.ctx % p.window):
-        problems.append(f"parallel.window ({p.window}) must be 0 or divide parallel.ctx ({p.ctx}).")
+    problems += degree_problems({k: getattr(p, k) for k in DEGREES}, p.window)
     if p.head > 0 and m.heads > 0 and m.heads % p.head:
         problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
     if p.timeout_s <= 0:

@@ -160,7 +160,7 @@ class DataConfig:
     path: str = _opt("", "a store built by `longctx data build` (its seq_len must equal train.seq_len); '' = build "
                          "one from data.corpus on first use, cached in $LONGCTX_CACHE or ~/.cache/longctx")
     strategy: str = _opt("auto", "packing when building from data.corpus; auto = concat below 2048 tokens (nearly "
-                                 "every document is longer than the window), datasculpt from 2048 up",
+                                 "every document is longer than a sample), datasculpt from 2048 up",
                          choices=("auto", "datasculpt", "bfd", "concat"))
     dedup: str = _opt("minhash", "duplicate removal when building from data.corpus",
                       choices=("minhash", "exact", "none"))

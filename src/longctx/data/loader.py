@@ -234,7 +234,7 @@ def cost_coefficients(model_cfg) -> tuple[float, float]:
     """(a, b) of a*s^2 + b*s: the model's forward FLOPs (metrics.py) of a document of s tokens are
     s * forward_flops_per_token(s), linear in s per token (causal attention), so b is the per-token
     cost at length 0 and a the attention slope."""
-    from ..metrics import forward_flops_per_token
+    from ..models.flops import forward_flops_per_token
 
     b = forward_flops_per_token(model_cfg, 0)
     return float(forward_flops_per_token(model_cfg, 1) - b), float(b)

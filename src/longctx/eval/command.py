@@ -246,8 +246,9 @@ def evaluate(plan: Plan, args) -> dict | None:
 
     from ..parallel.launch import finish_distributed
     from ..progress import progress_bar
-    from ..run_setup import build_training_model, join_job
-    from ..step import resolve_dtype
+    from ..train.model import build_training_model, resolve_offload
+    from ..train.setup import join_job
+    from ..train.step import resolve_dtype
     from .runner import score
 
     cfg = plan.cfg
@@ -255,6 +256,7 @@ def evaluate(plan: Plan, args) -> dict | None:
     world = rt.world
     log = _say if rt.is_main else (lambda *_: None)
     dtype = resolve_dtype(cfg.train.dtype, device)
+    cfg = resolve_offload(cfg, device, rt, log)
     model = build_training_model(cfg, device, rt, log)
     model.eval()
     layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}

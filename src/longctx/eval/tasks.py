@@ -3,9 +3,9 @@
 Everything here is host work done before the model exists (so bad input stops the command before
 any rank builds anything), and deterministic, so every layout scores the same sequences.
 
-- ppl: consecutive windows of `length` tokens from documents at least that long (a store's split,
-  or a text file as one document), labels = the next token inside the window. Loss is bucketed
-  by position in the window: the "loss vs position" curve.
+- ppl: consecutive spans of `length` tokens from documents at least that long (a store's split,
+  or a text file as one document), labels = the next token inside the span. Loss is bucketed
+  by position in the span: the "loss vs position" curve.
 - passkey / needle: data/synthetic.py's prompts, filler from the same documents, one per (length,
   depth, sample), labels on the answer tokens only.
 """
@@ -60,7 +60,7 @@ class TokenSource:
 def store_documents(root: Path, split: str) -> Iterator[np.ndarray]:
     """Each document of a store split, reassembled from its packed segments, in document order.
     Lazy: the segment index is read up front, a document's tokens only when it is reached, so a
-    caller that needs a few windows never holds the split."""
+    caller that needs a few spans never holds the split."""
     manifest = read_manifest(root)
     for part in manifest["parts"]:  # a document lies in one part
         arrays = load_split(root, part, split)
@@ -101,15 +101,15 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
 
 
 def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequence]:
-    """Up to `samples` windows of `length` tokens, consecutive within each long-enough document."""
+    """Up to `samples` spans of `length` tokens, consecutive within each long-enough document."""
     out, longest = [], 0
     for doc in source.documents():
         longest = max(longest, len(doc))
         for start in range(0, len(doc) - length + 1, length):
-            window = doc[start:start + length]
+            span = doc[start:start + length]
             labels = np.full(length, IGNORE, dtype=np.int64)
-            labels[:-1] = window[1:]
-            out.append(Sequence(window, labels, length))
+            labels[:-1] = span[1:]
+            out.append(Sequence(span, labels, length))
             if len(out) == samples:
                 return out
     if not out:

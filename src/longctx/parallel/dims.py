@@ -15,13 +15,15 @@ their own (comm.open_lane, opened here with the mesh), never on one FSDP or the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..config.rules import DEGREES, degree_problems
 from ..errors import ConfigError
 
-DIM_NAMES = ("dp_replicate", "dp_shard", "head", "ctx")
+DIM_NAMES = DEGREES
 PLACEMENTS = ("head-first", "ctx-first")
 
 
@@ -45,16 +47,11 @@ class ParallelDims:
 
     def _validate(self):
         degrees = {n: getattr(self, n) for n in DIM_NAMES}
-        bad = {n: d for n, d in degrees.items() if d == 0 or d < -1}
-        if bad:
-            raise ConfigError(f"parallel degrees must be positive or -1 (inferred); got {bad}.")
+        problems = degree_problems(degrees, self.window)
+        if problems:
+            raise ConfigError(" ".join(problems))
+        known = math.prod(d for d in degrees.values() if d != -1)
         inferred = [n for n, d in degrees.items() if d == -1]
-        if len(inferred) > 1:
-            raise ConfigError(f"only one parallel degree may be -1 (inferred), got -1 for {', '.join(inferred)}.")
-        known = 1
-        for d in degrees.values():
-            if d != -1:
-                known *= d
         if inferred:
             if self.world_size % known:
                 raise ConfigError(
@@ -67,13 +64,12 @@ class ParallelDims:
             raise ConfigError(
                 f"the parallel degrees multiply to {known} "
                 f"({' x '.join(f'{n}={d}' for n, d in degrees.items())}) but the world size is {self.world_size}; "
-                f"make them multiply to {self.world_size} or set one degree to -1."
+                f"make them multiply to {self.world_size} or set one degree to -1 (with `longctx train`, "
+                f"--nproc {known} starts that many processes)."
             )
-        if self.window < 0 or (self.window and self.ctx % self.window):
-            raise ConfigError(
-                f"parallel.window ({self.window}) must be 0 (plain ring) or divide parallel.ctx ({self.ctx}); "
-                f"valid windows: {[w for w in range(1, self.ctx + 1) if self.ctx % w == 0]}."
-            )
+        problems = degree_problems({"ctx": self.ctx}, self.window)  # ctx may have been inferred just now
+        if problems:
+            raise ConfigError(" ".join(problems))
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"parallel.placement '{self.placement}' is not one of {', '.join(PLACEMENTS)}.")
 

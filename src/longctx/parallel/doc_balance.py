@@ -60,7 +60,7 @@ def _check(seq: int, ctx: int, head: int) -> None:
 
 
 def _bit_reversed_order(n: int) -> np.ndarray:
-    """A permutation of range(n) in which every window samples the whole range evenly."""
+    """A permutation of range(n) in which every stretch of it samples the whole range evenly."""
     if n <= 2:
         return np.arange(n)
     bits = int(n - 1).bit_length()

@@ -51,10 +51,18 @@ def fsdp_mesh(dims, device_type: str):
     return DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",))
 
 
+def sequence_parallel_core(dims, mesh):
+    """The attention kernel of 2D sequence parallelism over the head x ctx ranks (None when both
+    degrees are 1: the single-device kernel stays)."""
+    if dims.sequence_degree > 1:
+        return functools.partial(_sequence_parallel_core, mesh=mesh, window=dims.window)
+    return None
+
+
 def use_sequence_parallel_attention(model, dims, mesh) -> None:
     """Swap every block's attention kernel for 2D sequence-parallel attention (when any degree > 1)."""
-    if dims.sequence_degree > 1:
-        core = functools.partial(_sequence_parallel_core, mesh=mesh, window=dims.window)
+    core = sequence_parallel_core(dims, mesh)
+    if core is not None:
         for block in model.layers:
             block.attention.core = core
 
@@ -91,18 +99,14 @@ def apply_memory(model, memory_cfg, device_type: str) -> None:
     model.loss_chunk = memory_cfg.loss_chunk
 
 
-def parallelize(model, dims, cfg, mesh, device_type: str = "cpu", resolve_auto_offload=None):
-    """resolve_auto_offload(model) -> fraction: called when memory.offload_fraction is 'auto', after
-    the distributed attention is in place (so it can time a real block) and before the policy."""
+def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
+    """The model, parallelised in place (and returned). memory.offload_fraction must be a number:
+    `auto` is resolved before (train/setup.py resolve_offload), into a new config."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # 1. distributed attention
     use_sequence_parallel_attention(model, dims, mesh)
     # 2. activation memory
-    if cfg.memory.offload_fraction == "auto":
-        if resolve_auto_offload is None:
-            raise ValueError("memory.offload_fraction='auto' needs resolve_auto_offload")
-        cfg.memory.offload_fraction = resolve_auto_offload(model)
     apply_memory(model, cfg.memory, device_type)
     # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)
     if cfg.train.compile:
@@ -112,13 +116,19 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu", resolve_auto_o
     # 4. hybrid ZeRO
     if dims.world_size > 1:
         shard_mesh = fsdp_mesh(dims, device_type)
-        bf16 = device_type == "cuda" and cfg.train.dtype in ("auto", "bf16")
+        bf16 = gathers_in_bf16(device_type, cfg.train.dtype)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
         for block in model.layers:
             fully_shard(block, mesh=shard_mesh, mp_policy=mp)
         fully_shard(model, mesh=shard_mesh, mp_policy=mp)
     return model
+
+
+def gathers_in_bf16(device_type: str, dtype: str) -> bool:
+    """FSDP gathers parameters in bf16 (and reduces gradients in fp32) on GPU under train.dtype auto
+    or bf16; on CPU everything is fp32."""
+    return device_type == "cuda" and dtype in ("auto", "bf16")
 
 
 def grad_scale(dims) -> float:

@@ -1,167 +1,28 @@
-"""Training metrics: model FLOPs, MFU, memory, one printed line and one JSONL record per log step.
+"""Training metrics: MFU, memory, bytes sent, one printed line and one JSONL record per log step.
 
-FLOPs are *model* FLOPs (what the math needs, not what recomputation adds), including the
-attention score term: per layer and token, forward, 2 x (matmul parameters) + 4 x seq x d_attn,
-the attention term halved under a causal mask (counted so also with document masks, which skip
-more: MFU is then an upper bound, as in most reports); the LM head adds 2 x dim x vocab; training
-is 3x forward. MFU divides achieved model FLOP/s by the device's peak: the dense bf16 peak for known
-GPUs, or on CPU the machine's fp32 GEMM peak with all its cores, calibrated once and cached (so MFU
-compares across runs), shared by the ranks on the machine (the line says which).
+MFU divides achieved model FLOP/s (models/flops.py) by the device's peak (planner/peaks.py); the
+line says which peak. `MetricsLogger` owns everything a metrics line needs (the interval since the
+last line, the peak, the communication and FSDP byte figures), so the training loop only tells it
+what happened: a step, an evaluation, a save.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
-
-# Dense (no sparsity) bf16 peaks in FLOP/s, from vendor data sheets, matched on the device name.
-GPU_PEAK_BF16 = {  # most specific names first
-    "H200": 989e12,
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H100": 989e12,
-    "H800": 989e12,
-    "H20": 148e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "A10G": 70e12,
-    "RTX 4090": 165e12,
-}
-
-
-def matmul_params_per_layer(cfg: ModelConfig) -> int:
-    hd = cfg.resolved_head_dim
-    attn = cfg.dim * (cfg.heads + 2 * cfg.kv_heads) * hd + cfg.heads * hd * cfg.dim
-    mlp = 3 * cfg.dim * cfg.ffn_dim
-    return attn + mlp
-
-
-def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Model FLOPs of one forward pass, per token of a sequence of length seq_len."""
-    d_attn = cfg.heads * cfg.resolved_head_dim
-    attn_scores = 4 * seq_len * d_attn * (0.5 if causal else 1.0)
-    per_layer = 2 * matmul_params_per_layer(cfg) + attn_scores
-    return cfg.layers * per_layer + 2 * cfg.dim * cfg.vocab_size
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    return 3 * forward_flops_per_token(cfg, seq_len, causal)
-
-
-def measure_cpu_gemm_peak(size: int = 1024, seconds: float = 0.3) -> float:
-    """Best fp32 GEMM FLOP/s this process reaches with its current thread count."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    torch.mm(a, b)  # warm-up
-    best = 0.0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * size**3 / dt)
-    return best
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover (macOS)
-        return os.cpu_count() or 1
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # pragma: no cover
-        pass
-    return platform.processor() or platform.machine()
-
-
-CPU_PEAK_FILE = "cpu_peak.json"
-
-
-def machine_cpu_peak() -> tuple[float, Path, bool]:
-    """This machine's fp32 GEMM FLOP/s with all its usable cores: (FLOP/s, cache file, measured now).
-
-    Measured once (about 2 s, with every core, best of several GEMMs) and cached under a key of the
-    CPU model, core count and torch version; measured at each start instead, the figure varied 10x
-    with whatever else ran (other ranks starting up included), and MFU could not be compared across
-    runs. Delete the file to re-calibrate.
-    """
-    path, key, cached = _cached_peaks()
-    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
-        return float(cached[key]), path, False
-    threads = torch.get_num_threads()
-    torch.set_num_threads(usable_cores())
-    try:
-        peak = measure_cpu_gemm_peak(size=2048, seconds=2.0)
-    finally:
-        torch.set_num_threads(threads)
-    cached[key] = peak
-    _write_peaks(path, cached)
-    return peak, path, True
-
-
-def _cached_peaks() -> tuple[Path, str, dict]:
-    """(the cache file, this machine's key in it, every machine's cached peak; {} if none or unreadable)."""
-    from .cache_dir import cache_root
-
-    path = cache_root() / CPU_PEAK_FILE
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    key = f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
-    return path, key, cached if isinstance(cached, dict) else {}
-
-
-def _write_peaks(path: Path, peaks: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(peaks, indent=1))
-        tmp.replace(path)  # whole or not at all, also when two jobs calibrate at once
-    except OSError:  # a read-only cache: the figure still holds for this run
-        pass
-
-
-def raise_cpu_peak(flops: float) -> Path:
-    """A run did `flops` FLOP/s on this machine, more than the cached peak: that calibration ran
-    while the machine was busy. The cache keeps the higher figure, so MFU stays <= 1 from now on."""
-    path, key, cached = _cached_peaks()
-    cached[key] = max(float(cached.get(key, 0.0)), flops)
-    _write_peaks(path, cached)
-    return path
-
-
-def device_peak(device: torch.device, override_tflops: float = 0.0,
-                local_ranks: int = 1) -> tuple[float | None, str]:
-    """(peak FLOP/s of one rank or None, where the figure comes from). On CPU the machine's peak is
-    shared by the `local_ranks` ranks that run on it."""
-    if override_tflops:
-        return override_tflops * 1e12, "metrics.peak_tflops"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16.items():
-            if key in name:
-                return peak, f"{key} bf16 dense peak"
-        return None, f"unknown GPU '{name}' (set metrics.peak_tflops)"
-    peak, path, _ = machine_cpu_peak()
-    shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
-    return peak / local_ranks, f"this machine's CPU fp32 GEMM peak {peak / 1e12:.3f} TFLOP/s{shared} (cached in {path})"
+from ..models.flops import train_flops_per_token
+from ..parallel.parallelize import gathers_in_bf16
+from ..parallel.runtime import TRACKED_DIMS
+from ..parallel.volumes import fsdp_bytes_per_step
+from ..planner.peaks import device_peak, raise_cpu_peak
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
@@ -218,3 +79,120 @@ def format_line(r: dict) -> str:
 def read_jsonl(path: Path) -> list[dict]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+@dataclass
+class _Interval:
+    """What a metrics line averages over: the steps since the last line, less evaluation."""
+    start: float
+    comm_bytes: list[float]
+    eval_bytes: list[float]
+    steps: int = 0
+    eval_s: float = 0.0
+    save_blocking_s: float = 0.0  # seconds the loop waited for checkpoint saves
+    tokens: int = 0               # trained in the interval (the stage's length decides a step's tokens)
+    flops: float = 0.0            # model FLOPs of those tokens
+
+
+class MetricsLogger:
+    """The metrics of one job, on every rank (rank 0 writes them): a line every
+    `metrics.log_interval` steps (and at the first and last), eval records, the MFU peak and the
+    bytes sent per mesh dimension plus FSDP's closed-form volume."""
+
+    def __init__(self, cfg, rt, device: torch.device, model, run_dir: Path, say=print):
+        self.cfg, self.rt, self.device, self.say = cfg, rt, device, say
+        self.path = Path(cfg.metrics.file) if cfg.metrics.file else run_dir / "metrics.jsonl"
+        self.tensorboard_dir = run_dir / "tensorboard" if cfg.metrics.tensorboard else None
+        self.writer: MetricsWriter | None = None
+        # rank 0 reads (or, once per machine, calibrates) the peak while the others wait: a calibration
+        # that ran beside other ranks' start-up would measure them, not the machine
+        self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
+        self.peak, self.peak_source = rt.broadcast(
+            device_peak(device, cfg.metrics.peak_tflops, self.local_ranks) if rt.is_main else None)
+        self.peak_calibrated = device.type == "cpu" and not cfg.metrics.peak_tflops
+        total = sum(p.numel() for p in model.parameters())
+        blocks = sum(p.numel() for p in model.layers.parameters())
+        gather = 2 if gathers_in_bf16(device.type, cfg.train.dtype) else 4
+        self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
+                                              cfg.memory.grad_sync)
+        self.flops_per_token = 0.0
+        self.interval = self._new_interval()
+
+    def describe_peak(self) -> str:
+        return f"MFU against {self.peak_source}" + (f" ({self.peak / 1e12:.3f} TFLOP/s per rank)" if self.peak else "")
+
+    def open(self) -> None:
+        if self.rt.is_main:
+            self.writer = MetricsWriter(self.path, self.tensorboard_dir)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def enter_stage(self, seq_len: int) -> None:
+        """A stage's FLOPs per token, computed when the stage changes, not every step."""
+        self.flops_per_token = train_flops_per_token(self.cfg.model, seq_len)
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.metrics.log_interval == 0 or step == self.cfg.train.steps or step == 1
+
+    def stepped(self, tokens: int) -> None:
+        self.interval.steps += 1
+        self.interval.tokens += tokens
+        self.interval.flops += tokens * self.flops_per_token
+
+    def saved(self, blocking_s: float) -> None:
+        self.interval.save_blocking_s += blocking_s
+
+    def evaluated(self, step: int, loss: float, seconds: float, bytes_before: list[float]) -> None:
+        """An evaluation's record; its time and bytes are taken out of the current interval."""
+        if self.writer is not None:
+            self.writer.write({"kind": "eval", "step": step, "loss": loss})
+        self.say(f"step {step:>5} | eval loss {loss:.4f}")
+        iv = self.interval
+        iv.eval_s += seconds
+        iv.eval_bytes = [e + a - b for e, a, b in zip(iv.eval_bytes, self.rt.comm_bytes(), bytes_before)]
+
+    def line(self, step: int, loss: float, grad_norm: float, lr: float, extra: dict) -> None:
+        """One metrics line for the job (throughput over the interval, memory and bytes max over
+        ranks), then a new interval. `extra`: fields the loop knows (tokens so far, seq_len, elapsed)."""
+        rt, iv = self.rt, self.interval
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - iv.start - iv.eval_s  # evaluation is not training
+        tps, flops_per_s = iv.tokens / elapsed, iv.flops / elapsed
+        mem, mem_kind = peak_memory_bytes(self.device)
+        sent = [(a - b - e) / iv.steps for a, b, e in zip(rt.comm_bytes(), iv.comm_bytes, iv.eval_bytes)]
+        stats = rt.max([mem, *sent])
+        per_dim = {d: v for d, v in zip(TRACKED_DIMS, stats[1:]) if v}
+        if self.peak_calibrated and flops_per_s > rt.world * self.peak:
+            self._raise_peak(flops_per_s / rt.world)
+        record = {
+            "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+            "tokens_per_s": tps, "tflops": flops_per_s / 1e12,
+            "mfu": flops_per_s / (rt.world * self.peak) if self.peak else None,
+            "memory_gib": stats[0] / 2**30, "memory_kind": mem_kind + (" max over ranks" if rt.world > 1 else ""),
+            "comm_bytes_per_step": {**per_dim, **self.fsdp_bytes},
+            **extra, "world": rt.world,
+        }
+        if iv.save_blocking_s:
+            record["checkpoint_blocking_s"] = iv.save_blocking_s
+        if self.writer is not None:
+            self.writer.write(record)
+        self.say(format_line(record))
+        self.interval = self._new_interval()
+
+    def _new_interval(self) -> _Interval:
+        now = self.rt.comm_bytes()
+        return _Interval(start=time.perf_counter(), comm_bytes=now, eval_bytes=[0.0] * len(now))
+
+    def _raise_peak(self, per_rank: float) -> None:
+        """More FLOP/s than the cached CPU peak (calibrated while the machine was busy): the peak
+        becomes what this run achieved, here and in the cache, so MFU never reads above 100%."""
+        self.say(f"metrics: this run reaches {per_rank * self.local_ranks / 1e12:.3f} TFLOP/s on this machine, above "
+                 f"its cached CPU peak of {self.peak * self.local_ranks / 1e12:.3f} (measured while it was busy); "
+                 f"the cached peak is raised to it")
+        self.peak = per_rank
+        if self.rt.is_main:
+            raise_cpu_peak(per_rank * self.local_ranks)

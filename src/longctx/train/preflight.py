@@ -12,32 +12,36 @@ launcher of ours), which then pass.
 
 from __future__ import annotations
 
-from .config import Config
-from .config.rules import parse_synthetic
-from .errors import ConfigError, DataError
-from .parallel.checks import check_layout
+from pathlib import Path
+
+from ..checkpoint.manifest import check_model_matches, read_manifest
+from ..config import Config, to_dict
+from ..config.hf import hf_dir
+from ..config.rules import parse_synthetic
+from ..data.cache import default_store
+from ..data.synthetic import check_room
+from ..data.tokenizer import load_tokenizer
+from ..errors import ConfigError, DataError
+from ..models.hf import weight_files
+from ..parallel.checks import check_layout
+from ..planner.peaks import machine_cpu_peak
+from .setup import check_packages, check_run_dir, check_store, check_tokenizer_known, resume_target
+from .stages import stage_config, stages_of
+from .step import resolve_device
 
 
 def preflight(cfg: Config, nproc: int, log=print) -> None:
     """Raise the first UserError a run of `cfg` on `nproc` ranks would meet at start-up."""
-    from .run_setup import check_packages
-
     device_type = _device_type(cfg)  # first: train.device=cuda on a machine without one fails before any data work
     check_layout(cfg, nproc)
     check_packages(cfg)
     if cfg.model.init_from.startswith("hf:"):  # missing or partial shards (a checkpoint is checked at load)
-        from .config.hf import hf_dir
-        from .models.hf import weight_files
-
         weight_files(hf_dir(cfg.model.init_from))
     _check_resume(cfg)
-    from .stages import stage_config, stages_of
 
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
         _check_data(stage_config(cfg, stage), log)
     if device_type == "cpu" and not cfg.metrics.peak_tflops:
-        from .metrics import machine_cpu_peak
-
         peak, path, measured = machine_cpu_peak()
         if measured:
             log(f"metrics: calibrated this machine's CPU fp32 GEMM peak once: {peak / 1e12:.3f} TFLOP/s "
@@ -45,17 +49,11 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
 
 
 def _device_type(cfg: Config) -> str:
-    from .step import resolve_device
-
     return resolve_device(cfg.train.device).type
 
 
 def _check_resume(cfg: Config) -> None:
     """The checkpoint to resume exists and is of this model; the run directory is not another run's."""
-    from pathlib import Path
-
-    from .run_setup import check_run_dir, resume_target
-
     run_dir = Path(cfg.train.run_dir) if cfg.train.run_dir else None
     if run_dir is None and cfg.checkpoint.resume != "none" and not cfg.checkpoint.dir:
         # a new runs/<time>-<preset>/ holds no checkpoint: `auto` would silently start at step 1
@@ -64,25 +62,16 @@ def _check_resume(cfg: Config) -> None:
                               "--checkpoint.dir); without one, each run gets a new directory with no checkpoints.")
     target = resume_target(cfg, run_dir or Path("."))
     if target is not None:
-        from .checkpoint.manifest import check_model_matches, read_manifest
-        from .config import to_dict
-
         check_model_matches(read_manifest(target), to_dict(cfg)["model"], target)
     check_run_dir(cfg, target)
 
 
 def _check_data(cfg: Config, log) -> None:
     """The store exists and fits the run; the default store is built (or found in the cache) here."""
-    from .run_setup import check_store
-
     if cfg.data.path:
         path = cfg.data.path
     else:
-        from .data.cache import default_store
-        from .run_setup import check_tokenizer_known
-
         check_tokenizer_known(cfg)
-        from .data.tokenizer import load_tokenizer
 
         # before tokenizing a corpus with it: the model must have a row for each of its tokens
         vocab = load_tokenizer(cfg.data.tokenizer).vocab_size
@@ -94,9 +83,6 @@ def _check_data(cfg: Config, log) -> None:
     manifest = check_store(cfg, path)  # (an eval split too small is not an error: rank 0 says so at start)
     mixture = parse_synthetic(cfg.data.synthetic)
     if mixture:
-        from .data.synthetic import check_room
-        from .data.tokenizer import load_tokenizer
-
         check_room(mixture[0], cfg.train.seq_len, load_tokenizer(manifest["tokenizer"]["spec"]),
                    "train.stages length" if cfg.train.stages else "train.seq_len")
     if not manifest["totals"].get("train_samples", 1):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
 from .metrics import read_jsonl
 
 

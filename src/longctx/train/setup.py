@@ -1,11 +1,13 @@
-"""What a training run sets up before its first step: run directory, data, model, checkpoints.
+"""What a training run sets up before its first step: its place in the job, run directory, data and
+checkpoints (the model: model.py).
 
-Each function does one thing and is called once by the Trainer (train.py); they are apart from
+Each function does one thing and is called once by the Trainer (trainer.py); they are apart from
 the loop so that the loop reads as the steps of training.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -14,23 +16,24 @@ from pathlib import Path
 
 import torch
 
-from .config import Config, build_config, to_dict, to_toml
-from .config.rules import parse_synthetic
-from .data.loader import PackedSamples
-from .data.store import read_manifest
-from .errors import ConfigError, DataError, UserError
-from .models.llama import Llama, build_model
-from .parallel.parallelize import parallelize
-from .parallel.runtime import Runtime
-from .step import resolve_dtype
+from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
+from ..config import Config, to_dict, to_toml
+from ..config.rules import parse_synthetic
+from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
+from ..data.cache import default_store
+from ..data.loader import PackedSamples
+from ..data.store import read_manifest
+from ..data.synthetic import SyntheticMixture
+from ..data.tokenizer import load_tokenizer
+from ..errors import ConfigError, DataError, UserError
+from ..parallel.checks import check_layout
+from ..parallel.launch import init_distributed
+from ..parallel.runtime import Runtime
+from .step import resolve_device
 
 
 def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
     """This process's place in the job (its process group joined, its layout checked) and its device."""
-    from .parallel.checks import check_layout
-    from .parallel.launch import init_distributed
-    from .step import resolve_device
-
     device = resolve_device(cfg.train.device)
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
     check_layout(cfg, world)
@@ -40,11 +43,9 @@ def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
 
 def check_packages(cfg: Config) -> None:
     """The optional packages the config asks for are installed."""
-    import importlib.util
 
     if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.")
-
 
 RUN_FILES = ("config.toml", "metrics.jsonl")  # what makes a directory hold a run
 
@@ -56,7 +57,6 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
 def resume_target(cfg: Config, run_dir: Path) -> Path | None:
     """The checkpoint `--checkpoint.resume` names (None: start at step 1). Its verification comes
     later, on every rank; a PATH that holds no complete checkpoint is an error here."""
-    from .checkpoint.manager import resolve_checkpoint
 
     return resolve_checkpoint(cfg.checkpoint.resume, checkpoint_root(cfg, run_dir))
 
@@ -167,17 +167,22 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
     if cfg.data.path:
         return cfg.data.path
     check_tokenizer_known(cfg)
-    from .data.cache import default_store
 
     return str(on_main(rt, lambda: default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log),
                        "building the data store"))
 
 
+def run_tokenizer(cfg: Config) -> str:
+    """What the run's token ids mean (recorded in each checkpoint's manifest): the resolved
+    data.tokenizer, or, left `auto` for a data.path store, that store's own."""
+    if cfg.data.tokenizer != "auto" or not cfg.data.path:
+        return cfg.data.tokenizer
+    return read_manifest(cfg.data.path)["tokenizer"]["spec"]
+
+
 def check_tokenizer_known(cfg: Config) -> None:
     """data.tokenizer is still `auto` only when the weights of model.init_from name no tokenizer."""
     if cfg.data.tokenizer == "auto":
-        from .config.tokenizer import unknown_tokenizer
-
         raise unknown_tokenizer(cfg.model.init_from)
 
 
@@ -197,8 +202,6 @@ def _check_store(cfg: Config, path: str, manifest: dict) -> None:
     if want == "auto" and cfg.model.init_from:
         check_tokenizer_known(cfg)
     if want not in ("auto", tok["spec"]):
-        from .config.tokenizer import stored_identity, tokenizer_identity
-
         if stored_identity(tok) != tokenizer_identity(want):
             whose = (f"the tokenizer of model.init_from = {cfg.model.init_from!r}" if cfg.model.init_from
                      else "data.tokenizer")
@@ -241,9 +244,6 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
         raise DataError(f"the data store {path} has no training samples; build it from more documents.")
     mixture = parse_synthetic(cfg.data.synthetic)
     if mixture:
-        from .data.synthetic import SyntheticMixture
-        from .data.tokenizer import load_tokenizer
-
         train = SyntheticMixture(train, *mixture, cfg.train.seed, load_tokenizer(manifest["tokenizer"]["spec"]))
         log(f"data: {int(train.synthetic.sum()):,} of {len(train):,} training samples are {mixture[0]} sequences "
             f"(data.synthetic = {cfg.data.synthetic})")
@@ -263,108 +263,12 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     return train, evals
 
 
-def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Llama:
-    """The model, built on the meta device, parallelised, and only then materialised: each rank
-    allocates and fills just its own shards, from the seed (the same values one process draws, so
-    every layout starts identical) or from the Hugging Face safetensors (each rank reading only its
-    rows). No rank ever holds the whole model."""
-    model = build_model(cfg.model, device="meta")
-    model = parallelize(model, rt.dims, cfg, rt.mesh, device.type,
-                        resolve_auto_offload=lambda m: auto_offload_fraction(m, cfg, device, rt, log))
-    model.to_empty(device=device)
-    source = cfg.model.init_from
-    if not source:
-        model.init_weights(cfg.train.seed)
-        return model
-    from .config.hf import hf_dir
-
-    if source.startswith("hf:"):
-        from .models.hf import load_hf_weights
-
-        path = hf_dir(source)
-        load_hf_weights(model, path)
-    else:
-        from .checkpoint.manager import load_weights_into, resolve_checkpoint
-
-        path = resolve_checkpoint(source, Path(source))
-        load_weights_into(path, model, rt, log)
-    changed = init_from_changes(cfg)
-    log(f"model: {cfg.model.family} weights from {path}" +
-        (f"; changed for this run: {', '.join(changed)}" if changed else ""))
-    return model
-
-
-def init_from_changes(cfg: Config) -> list[str]:
-    """The [model] keys this run sets differently from what its init_from weights describe (their
-    config.json or manifest, with defaults for what they leave out): only what really changed."""
-    own = to_dict(build_config({"model": {"init_from": cfg.model.init_from}}))["model"]
-    return [f"model.{k}: {own[k]!r} -> {v!r}" for k, v in to_dict(cfg)["model"].items() if own[k] != v]
-
-
-def _timing_block(model: Llama, cfg: Config, device: torch.device):
-    """A materialised copy of one block with random weights and the model's attention core: what
-    offload_fraction=auto times (the model itself is still on the meta device at that point)."""
-    from .models.llama import Block
-
-    with torch.device("meta"):
-        block = Block(cfg.model)
-    block.to_empty(device=device)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0.0, cfg.model.init_std) if p.dim() > 1 else p.fill_(1.0)
-    block.attention.core = model.layers[0].attention.core
-    return block
-
-
-def auto_offload_fraction(model: Llama, cfg: Config, device: torch.device, rt: Runtime, log) -> float:
-    """memory.offload_fraction = auto: measure (every rank, the slowest counts) and decide. With
-    train.stages, each distinct stage shape is measured and decided, and the smallest fraction
-    holds for the run: one stage may have more tokens per micro-batch (host memory) or a shorter
-    block forward to hide the transfers behind (the link) than the last."""
-    from .memory.auto import host_link_bandwidth, host_memory_available
-    from .stages import stages_of
-
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    # the slowest link and the least memory over all ranks decide
-    link, host = (-v for v in rt.max([-host_link_bandwidth(device), -host_memory_available() / ranks_per_node]))
-    shapes = sorted({(s.seq_len, s.global_batch) for s in stages_of(cfg)})
-    chosen = [_offload_for_shape(model, cfg, device, rt, seq_len, global_batch, link, host)
-              for seq_len, global_batch in shapes]
-    fraction, reason = min(chosen, key=lambda c: c[0])
-    if len(shapes) > 1:
-        each = ", ".join(f"{s} tokens x {b}: {a:.2f}" for (s, b), (a, _) in zip(shapes, chosen))
-        reason += f" (the smallest over train.stages' shapes: {each})"
-    log(reason)
-    return fraction
-
-
-def _offload_for_shape(model: Llama, cfg: Config, device: torch.device, rt: Runtime, seq_len: int,
-                       global_batch: int, link_bytes_per_s: float, host_bytes_per_rank: float) -> tuple[float, str]:
-    from .memory.auto import block_forward_seconds, choose_offload_fraction
-    from .models.llama import rope_cos_sin, rope_inv_freq
-
-    d, t = rt.dims, cfg.train
-    local_batch, local_seq = global_batch // (t.grad_accum * rt.dp), seq_len // (d.head * d.ctx)
-    x = torch.randn(local_batch, local_seq, cfg.model.dim, device=device)
-    positions = torch.arange(local_seq, device=device).expand(local_batch, local_seq)
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.model, device=device))
-    bf16 = resolve_dtype(t.dtype, device) == torch.bfloat16
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        block_s = block_forward_seconds(_timing_block(model, cfg, device), x, cos, sin, None)
-    block_s = rt.max([block_s])[0]  # the slowest block decides
-    return choose_offload_fraction(
-        cfg.model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
-        dtype_bytes=2 if bf16 else 4, block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
-        host_bytes_per_rank=host_bytes_per_rank)
-
-
 def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer, sampler, log,
                        tokenizer: str | None = None):
     """The checkpoint manager (None when neither saving nor resuming) and the step to continue after."""
     ck = cfg.checkpoint
     if not ck.interval and ck.resume == "none":
         return None, 0
-    from .checkpoint.manager import CheckpointManager
 
     root = checkpoint_root(cfg, run_dir)
     layout = {"world": rt.world, **{k: getattr(rt.dims, k) for k in

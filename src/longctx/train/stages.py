@@ -21,9 +21,9 @@ import dataclasses
 import threading
 from dataclasses import dataclass
 
-from .config import Config
-from .config.rules import parse_stages
-from .data.loader import BatchLoader, cost_coefficients
+from ..config import Config
+from ..config.rules import parse_stages
+from ..data.loader import BatchLoader, cost_coefficients
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class StagedLoader:
         cfg = self.cfg
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
-        self.loader = BatchLoader(self.train_samples, self.micro_batch, cfg.train.seed, dp=self.dp,
+        self.loader = BatchLoader(self.train_samples, self.micro_step_sequences, cfg.train.seed, dp=self.dp,
                                   balance=cfg.data.dp_balance, cost=cost_coefficients(cfg.model))
         if self._saved is not None and int(self._saved.get("stage", 0)) == stage.index:
             self.loader.load_state_dict(self._saved)
@@ -136,8 +136,9 @@ class StagedLoader:
         return True
 
     @property
-    def micro_batch(self) -> int:
-        """Sequences per micro-batch of the current stage, whole job."""
+    def micro_step_sequences(self) -> int:
+        """Sequences of one micro-step of the current stage over the whole job (every data-parallel
+        rank's micro-batch together)."""
         return (self.stage or self.stages[0]).global_batch // self.cfg.train.grad_accum
 
     def next_batch(self):

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def seed_everything(seed: int) -> None:

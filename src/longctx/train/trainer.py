@@ -8,46 +8,38 @@ draw the same global batch and count its labels from the store's segment index, 
 its tokens) and FSDP sums the gradients, so micro-batches and ranks with different numbers of
 valid tokens are weighted exactly as one large batch on one device would be.
 
-What is set up before the first step (run directory, data, model, checkpoints) lives in
-run_setup.py; the pieces of a step the planner also uses (optimizer, schedule, loss forward,
-clipping) in step.py.
+What is set up before the first step lives in setup.py (run directory, data, checkpoints) and
+model.py (the parallelised model); the pieces of a step the planner also uses (optimizer,
+schedule, loss forward, clipping) in step.py; what a metrics line says in metrics.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .config import Config
-from .errors import TrainingError
-from .metrics import (
-    MetricsWriter,
-    device_peak,
-    format_line,
-    peak_memory_bytes,
-    raise_cpu_peak,
-    train_flops_per_token,
-)
-from .models.llama import count_params
-from .parallel.parallelize import grad_scale
-from .parallel.runtime import TRACKED_DIMS
-from .parallel.volumes import fsdp_bytes_per_step
-from .progress import progress_bar
-from .run_setup import (
+from ..config import Config
+from ..errors import TrainingError
+from ..models.llama import count_params
+from ..parallel.parallelize import grad_scale
+from ..progress import progress_bar
+from .metrics import MetricsLogger, peak_memory_bytes
+from .model import build_training_model, resolve_offload
+from .report import write_plots
+from .setup import (
     build_data,
-    build_training_model,
     check_packages,
-    join_job,
     continue_run_files,
+    join_job,
     make_run_dir,
     on_main,
     open_checkpointing,
+    run_tokenizer,
 )
 from .stages import StagedLoader, tokens_through
 from .step import (
@@ -55,9 +47,9 @@ from .step import (
     forward_loss_sum,
     lr_at,
     make_optimizer,
-    set_gradient_sync,
     resolve_dtype,
     seed_everything,
+    set_gradient_sync,
 )
 
 
@@ -70,46 +62,36 @@ class TrainResult:
     tokens_per_s: float = 0.0
 
 
-@dataclass
-class _Window:
-    """What the metrics line averages over: the steps since the last line, less evaluation."""
-    start: float
-    comm_bytes: list[float]
-    steps: int = 0
-    eval_s: float = 0.0
-    eval_bytes: list[float] | None = None
-    save_blocking_s: float = 0.0  # seconds the loop waited for checkpoint saves
-    tokens: int = 0               # trained in the window (the stage's length decides a step's tokens)
-    flops: float = 0.0            # model FLOPs of those tokens
-
-
 class Trainer:
     """One training job on this rank: `Trainer(cfg).run()`. With `read_ahead=False` each step's
-    batches are read when the step starts instead of during the step before (the same batches)."""
+    batches are read when the step starts instead of during the step before (the same batches).
+
+    Set-up runs one way: config -> process group -> run directory -> (offload resolved) model ->
+    optimizer -> checkpoint (resumed or not) -> the data of the stage the run continues in."""
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
-        self.cfg = cfg
         self.rt, self.device = join_job(cfg)
         rt = self.rt
         self.log = log if rt.is_main else _silent  # one voice per job
-        dtype = resolve_dtype(cfg.train.dtype, self.device)
-        self.autocast_dtype = dtype if dtype != torch.float32 else None
+        self.dtype = resolve_dtype(cfg.train.dtype, self.device)
+        self.autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         seed_everything(cfg.train.seed)
         check_packages(cfg)
+        self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
+        self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
+        self.model = build_training_model(cfg, self.device, rt, self.log)
+        # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
+        self.device_section = contextlib.nullcontext
+        self.optimizer = make_optimizer(self.model, cfg)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
         self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), rt.dp,
                                     read_local=rt.read_local_batch, read_ahead=read_ahead)
-        self.sampler.enter(1)
-        self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
-        self.model = build_training_model(cfg, self.device, rt, self.log)
-        # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
-        self.device_section = contextlib.nullcontext
-        self.optimizer = make_optimizer(self.model, cfg)
-        self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer, self.sampler,
-                                                        self.log, self._tokenizer())
-        self._enter_stage(self.start_step + 1, announce=True)
+        self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
+                                                        self.sampler, self.log, run_tokenizer(cfg))
+        self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
+        self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         if rt.is_main:
             continue_run_files(self.run_dir, cfg, self.start_step, self.log)
         # every rank's peak while building, loading and sharding the model (before anything the step
@@ -119,22 +101,15 @@ class Trainer:
         self.log(f"setup: {peak_kind} per rank {-neg_low / 2**30:.2f}-{high / 2**30:.2f} GiB")
         if self.device.type == "cuda":  # setup transients are not the step's peak
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.metrics_path = Path(cfg.metrics.file) if cfg.metrics.file else self.run_dir / "metrics.jsonl"
-        self._describe(dtype)
-
-    def _tokenizer(self) -> str:
-        """What the run's token ids mean (recorded in each checkpoint's manifest): the resolved
-        data.tokenizer, or the store's own when data.tokenizer is auto."""
-        t = self.cfg.data.tokenizer
-        return self.sampler.train_samples.tokenizer_spec if t == "auto" else t
+        self._describe()
 
     @property
     def eval_samples(self):
         return self.sampler.eval_samples
 
     @property
-    def micro_batch(self) -> int:  # sequences, whole job (the stage's)
-        return self.sampler.micro_batch
+    def micro_step_sequences(self) -> int:  # sequences of one micro-step over the whole job (the stage's)
+        return self.sampler.micro_step_sequences
 
     def _enter_stage(self, step: int, announce: bool = False) -> None:
         """Switch the data to `step`'s stage when it starts there (train.stages), and say so."""
@@ -144,30 +119,22 @@ class Trainer:
             self.log(f"data: {self.sampler.position_note}")
             self.sampler.position_note = None
         s = self.sampler.stage
-        self.flops_per_token = train_flops_per_token(self.cfg.model, s.seq_len)
+        self.metrics.enter_stage(s.seq_len)
         if len(self.sampler.stages) > 1:
             self.log(f"stage {s.index + 1}/{len(self.sampler.stages)}: steps {s.first_step}-{s.last_step} at "
                      f"{s.seq_len} tokens per sequence")
 
-    def _describe(self, dtype: torch.dtype) -> None:
+    def _describe(self) -> None:
         cfg, rt, mem = self.cfg, self.rt, self.cfg.memory
-        # rank 0 reads (or, once per machine, calibrates) the peak while the others wait: a calibration
-        # that ran beside other ranks' start-up would measure them, not the machine
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
-        self.peak, peak_source = rt.broadcast(device_peak(self.device, cfg.metrics.peak_tflops, local_ranks)
-                                              if rt.is_main else None)
-        self.local_ranks = local_ranks
-        self.peak_calibrated = self.device.type == "cpu" and not cfg.metrics.peak_tflops
         d = rt.dims
         layout = (f"{rt.world} ranks: dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x head {d.head} x ctx "
                   f"{d.ctx}" + (f" (window {d.window})" if d.window else "") + f", {d.placement}"
                   if rt.world > 1 else "1 process")
         self.log(f"model: {cfg.model.label}, {count_params(self.model) / 1e6:.2f}M parameters, "
-                 f"{self.device.type} {str(dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
+                 f"{self.device.type} {str(self.dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
                  + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction
                     else "")
-                 + f", loss_chunk={mem.loss_chunk}, {layout}; MFU against {peak_source}"
-                 + (f" ({self.peak / 1e12:.3f} TFLOP/s per rank)" if self.peak else ""))
+                 + f", loss_chunk={mem.loss_chunk}, {layout}; {self.metrics.describe_peak()}")
         self.log(f"run directory: {self.run_dir}")
 
     # ------------------------------------------------------------------------------------------
@@ -175,18 +142,11 @@ class Trainer:
 
     def run(self) -> TrainResult:
         cfg, rt, t = self.cfg, self.rt, self.cfg.train
-        writer = MetricsWriter(self.metrics_path, self.run_dir / "tensorboard" if cfg.metrics.tensorboard
-                               else None) if rt.is_main else None
-        gather = 2 if self.device.type == "cuda" and t.dtype in ("auto", "bf16") else 4  # bf16 all-gathers
-        total = sum(p.numel() for p in self.model.parameters())
-        blocks = sum(p.numel() for p in self.model.layers.parameters())
-        self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, t.grad_accum, gather,
-                                              cfg.memory.grad_sync)
+        self.metrics.open()
         result = TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1)
         progress = progress_bar(t.steps, "train", "step", cfg.metrics.progress and rt.is_main)
-        self.say = progress.write if progress is not None else self.log
+        self.metrics.say = progress.write if progress is not None else self.log
         run_start = time.perf_counter()
-        window = self._new_window()
         total_eval_s = 0.0
         unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps whose figures are still on the device
         try:
@@ -194,33 +154,31 @@ class Trainer:
                 self._enter_stage(step)
                 loss_t, grad_norm_t, lr = self.step(step)
                 unread.append((step, loss_t, grad_norm_t))
-                window.steps += 1
                 stage = self.sampler.stage
-                window.tokens += stage.global_batch * stage.seq_len
-                window.flops += stage.global_batch * stage.seq_len * self.flops_per_token
-                log_now = step % cfg.metrics.log_interval == 0 or step == t.steps or step == 1
+                self.metrics.stepped(stage.global_batch * stage.seq_len)
+                log_now = self.metrics.due(step)
                 if log_now or self._save_due(step):
                     # the one host read of the step's figures, here and not every step: it waits for
                     # the device to finish; before a save, so no checkpoint holds a non-finite step
                     loss, grad_norm = self._read_back(unread, result)
                     if progress is not None:
                         progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                window.save_blocking_s += self.save(step)
+                self.metrics.saved(self.save(step))
                 if progress is not None:
                     progress.update(1)
                 if log_now:
-                    self.log_metrics(writer, window, step, loss, grad_norm, lr, run_start)
-                    window = self._new_window()
+                    self.metrics.line(step, loss, grad_norm, lr, {
+                        "tokens": tokens_through(self.sampler.stages, step), "seq_len": stage.seq_len,
+                        "elapsed_s": time.perf_counter() - run_start})
                 if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
-                    total_eval_s += self._timed_evaluation(writer, window, step, result)
+                    total_eval_s += self._timed_evaluation(step, result)
             if self.ckpt is not None:
                 self.ckpt.wait()  # the last async save is complete and committed before the job ends
         finally:
             self.sampler.close()
             if progress is not None:
                 progress.close()
-            if writer is not None:
-                writer.close()
+            self.metrics.close()
         return self._finish(result, time.perf_counter() - run_start, total_eval_s)
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -273,7 +231,7 @@ class Trainer:
         """Mean loss over every valid label of the first train.eval_batches global batches of eval
         samples: a fixed set of sequences (so evals compare), the same under any layout and any
         grad_accum (the micro-batch only decides how many are in flight at once)."""
-        model, samples, micro = self.model, self.eval_samples, self.micro_batch
+        model, samples, micro = self.model, self.eval_samples, self.micro_step_sequences
         global_batch = self.sampler.stage.global_batch
         n = min(len(samples), self.cfg.train.eval_batches * global_batch) // global_batch * global_batch
         model.eval()
@@ -292,66 +250,13 @@ class Trainer:
         self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
         return self.ckpt.last_save_blocking_s
 
-    # ------------------------------------------------------------------------------------------
-    # metrics
-
-    def _new_window(self) -> _Window:
-        now = self.rt.comm_bytes()
-        return _Window(start=time.perf_counter(), comm_bytes=now, eval_bytes=[0.0] * len(now))
-
-    def log_metrics(self, writer, window: _Window, step: int, loss: float, grad_norm: float, lr: float,
-                    run_start: float) -> None:
-        """One metrics line for the job: throughput over the window, memory and bytes max over ranks."""
-        rt = self.rt
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - window.start - window.eval_s  # evaluation is not training
-        tps = window.tokens / elapsed
-        flops_per_s = window.flops / elapsed
-        mem, mem_kind = peak_memory_bytes(self.device)
-        sent = [(a - b - e) / window.steps for a, b, e in zip(rt.comm_bytes(), window.comm_bytes, window.eval_bytes)]
-        stats = rt.max([mem, *sent])
-        per_dim = {d: v for d, v in zip(TRACKED_DIMS, stats[1:]) if v}
-        if self.peak_calibrated and flops_per_s > rt.world * self.peak:
-            self._raise_peak(flops_per_s / rt.world)
-        record = {
-            "kind": "train", "step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-            "tokens_per_s": tps, "tflops": flops_per_s / 1e12,
-            "mfu": flops_per_s / (rt.world * self.peak) if self.peak else None,
-            "memory_gib": stats[0] / 2**30, "memory_kind": mem_kind + (" max over ranks" if rt.world > 1 else ""),
-            "comm_bytes_per_step": {**per_dim, **self.fsdp_bytes},
-            "tokens": tokens_through(self.sampler.stages, step),
-            "seq_len": self.sampler.stage.seq_len,
-            "elapsed_s": time.perf_counter() - run_start,
-            "world": rt.world,
-        }
-        if window.save_blocking_s:
-            record["checkpoint_blocking_s"] = window.save_blocking_s
-        if writer is not None:
-            writer.write(record)
-        self.say(format_line(record))
-
-    def _raise_peak(self, per_rank: float) -> None:
-        """More FLOP/s than the cached CPU peak (calibrated while the machine was busy): the peak
-        becomes what this run achieved, here and in the cache, so MFU never reads above 100%."""
-        self.say(f"metrics: this run reaches {per_rank * self.local_ranks / 1e12:.3f} TFLOP/s on this machine, above "
-                 f"its cached CPU peak of {self.peak * self.local_ranks / 1e12:.3f} (measured while it was busy); "
-                 f"the cached peak is raised to it")
-        self.peak = per_rank
-        if self.rt.is_main:
-            raise_cpu_peak(per_rank * self.local_ranks)
-
-    def _timed_evaluation(self, writer, window: _Window, step: int, result: TrainResult) -> float:
-        """Evaluate and record; its time and bytes are taken out of the current metrics window."""
+    def _timed_evaluation(self, step: int, result: TrainResult) -> float:
+        """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
         start, before = time.perf_counter(), self.rt.comm_bytes()
         loss = self.evaluate()
         result.eval_losses[step] = loss
-        if writer is not None:
-            writer.write({"kind": "eval", "step": step, "loss": loss})
-        self.say(f"step {step:>5} | eval loss {loss:.4f}")
         seconds = time.perf_counter() - start
-        window.eval_s += seconds
-        window.eval_bytes = [e + a - b for e, a, b in zip(window.eval_bytes, self.rt.comm_bytes(), before)]
+        self.metrics.evaluated(step, loss, seconds, before)
         return seconds
 
     def _finish(self, result: TrainResult, total_s: float, eval_s: float) -> TrainResult:
@@ -360,9 +265,7 @@ class Trainer:
                    - tokens_through(self.sampler.stages, result.first_step - 1))
         result.tokens_per_s = trained / (total_s - eval_s) if result.losses else 0.0
         if self.cfg.metrics.plots and self.rt.is_main:
-            from .report import write_plots
-
-            write_plots(self.run_dir, self.metrics_path)
+            write_plots(self.run_dir, self.metrics.path)
         last_eval = f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
         if result.losses:
             self.log(f"done: steps {result.first_step}-{t.steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "

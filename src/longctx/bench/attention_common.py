@@ -1,0 +1,59 @@
+"""What the attention benchmarks share: dtypes, the default length, random q/k/v, best-of timing."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_SEQ_LEN = 8192
+
+
+def random_qkv(args, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    dtype = DTYPES[args.dtype]
+    q = torch.randn(args.micro_batch, args.seq_len, args.heads, args.head_dim, generator=gen).to(dtype)
+    k = torch.randn(args.micro_batch, args.seq_len, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    v = torch.randn(args.micro_batch, args.seq_len, args.kv_heads, args.head_dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+def best_time(fn, repeats, sync=None):
+    """Best-of-`repeats` (wall s, process CPU s) of fn()."""
+    best = (float("inf"), float("inf"))
+    for _ in range(repeats):
+        if sync:
+            sync()
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        cpu = time.process_time() - c0  # before the trailing barrier: waiting for slower ranks is not work
+        if sync:
+            sync()
+        best = min(best, (time.perf_counter() - w0, cpu))
+    return best
+
+
+def machine_load() -> dict:
+    """How busy the machine is: 1-minute load average and the pytest processes running."""
+    try:
+        pids = subprocess.run(["pgrep", "-f", "pytest"], check=False, capture_output=True, text=True,
+                              timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        pids = None
+    return {"loadavg_1m": round(os.getloadavg()[0], 2), "pytest_processes": None if pids is None else len(pids)}
+
+
+def machine_summary(load_start: dict) -> dict:
+    end = machine_load()
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "loadavg_1m_start": load_start["loadavg_1m"], "loadavg_1m_end": end["loadavg_1m"],
+            "pytest_processes_start": load_start["pytest_processes"], "pytest_processes_end": end["pytest_processes"]}
+
+
+# the arguments every attention benchmark records in its JSON
+CONFIG_KEYS = ("world", "head", "ctx", "window", "placement", "seq_len", "micro_batch", "heads", "kv_heads", "head_dim",
+               "causal", "dtype", "threads", "repeats")

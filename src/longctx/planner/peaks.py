@@ -1,0 +1,135 @@
+"""The peak FLOP/s MFU divides by: the dense bf16 peak of known GPUs (vendor data sheets), or on
+CPU this machine's fp32 GEMM peak with all its cores, calibrated once and cached (so MFU compares
+across runs), shared by the ranks on the machine. Hardware facts, next to the planner's specs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ..cache_dir import cache_root
+
+# Dense (no sparsity) bf16 peaks in FLOP/s, from vendor data sheets, matched on the device name.
+GPU_PEAK_BF16 = {  # most specific names first
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "H20": 148e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "RTX 4090": 165e12,
+}
+
+
+def measure_cpu_gemm_peak(size: int = 1024, seconds: float = 0.3) -> float:
+    """Best fp32 GEMM FLOP/s this process reaches with its current thread count."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    torch.mm(a, b)  # warm-up
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * size**3 / dt)
+    return best
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (macOS)
+        return os.cpu_count() or 1
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:  # pragma: no cover
+        pass
+    return platform.processor() or platform.machine()
+
+
+CPU_PEAK_FILE = "cpu_peak.json"
+
+
+def machine_cpu_peak() -> tuple[float, Path, bool]:
+    """This machine's fp32 GEMM FLOP/s with all its usable cores: (FLOP/s, cache file, measured now).
+
+    Measured once (about 2 s, with every core, best of several GEMMs) and cached under a key of the
+    CPU model, core count and torch version; measured at each start instead, the figure varied 10x
+    with whatever else ran (other ranks starting up included), and MFU could not be compared across
+    runs. Delete the file to re-calibrate.
+    """
+    path, key, cached = _cached_peaks()
+    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+        return float(cached[key]), path, False
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        peak = measure_cpu_gemm_peak(size=2048, seconds=2.0)
+    finally:
+        torch.set_num_threads(threads)
+    cached[key] = peak
+    _write_peaks(path, cached)
+    return peak, path, True
+
+
+def _cached_peaks() -> tuple[Path, str, dict]:
+    """(the cache file, this machine's key in it, every machine's cached peak; {} if none or unreadable)."""
+    path = cache_root() / CPU_PEAK_FILE
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    key = f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
+    return path, key, cached if isinstance(cached, dict) else {}
+
+
+def _write_peaks(path: Path, peaks: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(peaks, indent=1))
+        tmp.replace(path)  # whole or not at all, also when two jobs calibrate at once
+    except OSError:  # a read-only cache: the figure still holds for this run
+        pass
+
+
+def raise_cpu_peak(flops: float) -> Path:
+    """A run did `flops` FLOP/s on this machine, more than the cached peak: that calibration ran
+    while the machine was busy. The cache keeps the higher figure, so MFU stays <= 1 from now on."""
+    path, key, cached = _cached_peaks()
+    cached[key] = max(float(cached.get(key, 0.0)), flops)
+    _write_peaks(path, cached)
+    return path
+
+
+def device_peak(device: torch.device, override_tflops: float = 0.0,
+                local_ranks: int = 1) -> tuple[float | None, str]:
+    """(peak FLOP/s of one rank or None, where the figure comes from). On CPU the machine's peak is
+    shared by the `local_ranks` ranks that run on it."""
+    if override_tflops:
+        return override_tflops * 1e12, "metrics.peak_tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16.items():
+            if key in name:
+                return peak, f"{key} bf16 dense peak"
+        return None, f"unknown GPU '{name}' (set metrics.peak_tflops)"
+    peak, path, _ = machine_cpu_peak()
+    shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
+    return peak / local_ranks, f"this machine's CPU fp32 GEMM peak {peak / 1e12:.3f} TFLOP/s{shared} (cached in {path})"

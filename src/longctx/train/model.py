@@ -1,0 +1,116 @@
+"""The training model: memory.offload_fraction = auto measured and decided into a new config, then
+the model built on the meta device, parallelised (parallel/parallelize.py) and only then
+materialised, each rank filling its own shards from the seed or the starting weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.manager import load_weights_into, resolve_checkpoint
+from ..config import Config, build_model_config
+from ..config.hf import hf_dir
+from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
+from ..models.hf import load_hf_weights
+from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
+from ..parallel.parallelize import parallelize, sequence_parallel_core
+from ..parallel.runtime import Runtime
+from .stages import stages_of
+from .step import resolve_dtype
+
+
+def resolve_offload(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Config:
+    """The config with memory.offload_fraction = auto measured and decided (a new config; the one
+    given is not changed); the config itself when the fraction is a number already."""
+    if cfg.memory.offload_fraction != "auto":
+        return cfg
+    fraction = auto_offload_fraction(cfg, device, rt, log)
+    return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, offload_fraction=fraction))
+
+
+def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Llama:
+    """The model, built on the meta device, parallelised, and only then materialised: each rank
+    allocates and fills just its own shards, from the seed (the same values one process draws, so
+    every layout starts identical) or from the Hugging Face safetensors (each rank reading only its
+    rows). No rank ever holds the whole model. memory.offload_fraction must be resolved
+    (resolve_offload)."""
+    model = build_model(cfg.model, device="meta")
+    model = parallelize(model, rt.dims, cfg, rt.mesh, device.type)
+    model.to_empty(device=device)
+    source = cfg.model.init_from
+    if not source:
+        model.init_weights(cfg.train.seed)
+        return model
+    if source.startswith("hf:"):
+        path = hf_dir(source)
+        load_hf_weights(model, path)
+    else:
+        path = resolve_checkpoint(source, Path(source))
+        load_weights_into(path, model, rt, log)
+    changed = init_from_changes(cfg)
+    log(f"model: {cfg.model.family} weights from {path}" +
+        (f"; changed for this run: {', '.join(changed)}" if changed else ""))
+    return model
+
+
+def init_from_changes(cfg: Config) -> list[str]:
+    """The [model] keys this run sets differently from what its init_from weights describe (their
+    config.json or manifest, with defaults for what they leave out): only what really changed."""
+    own = vars(build_model_config({"init_from": cfg.model.init_from}))
+    return [f"model.{k}: {own[k]!r} -> {v!r}" for k, v in vars(cfg.model).items() if own[k] != v]
+
+
+def _timing_block(cfg: Config, device: torch.device, rt: Runtime) -> Block:
+    """One block with random weights and the run's attention core (2D sequence parallel under a
+    layout): what offload_fraction=auto times, before the model is built."""
+    with torch.device("meta"):
+        block = Block(cfg.model)
+    block.to_empty(device=device)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, cfg.model.init_std) if p.dim() > 1 else p.fill_(1.0)
+    core = sequence_parallel_core(rt.dims, rt.mesh)
+    if core is not None:
+        block.attention.core = core
+    return block
+
+
+def auto_offload_fraction(cfg: Config, device: torch.device, rt: Runtime, log) -> float:
+    """memory.offload_fraction = auto: measure (every rank, the slowest counts) and decide. With
+    train.stages, each distinct stage shape is measured and decided, and the smallest fraction
+    holds for the run: one stage may have more tokens per micro-batch (host memory) or a shorter
+    block forward to hide the transfers behind (the link) than the last."""
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # the slowest link and the least memory over all ranks decide
+    link, host = (-v for v in rt.max([-auto.host_link_bandwidth(device),
+                                      -auto.host_memory_available() / ranks_per_node]))
+    shapes = sorted({(s.seq_len, s.global_batch) for s in stages_of(cfg)})
+    chosen = [_offload_for_shape(cfg, device, rt, seq_len, global_batch, link, host)
+              for seq_len, global_batch in shapes]
+    fraction, reason = min(chosen, key=lambda c: c[0])
+    if len(shapes) > 1:
+        each = ", ".join(f"{s} tokens x {b}: {a:.2f}" for (s, b), (a, _) in zip(shapes, chosen))
+        reason += f" (the smallest over train.stages' shapes: {each})"
+    log(reason)
+    return fraction
+
+
+def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: int,
+                       global_batch: int, link_bytes_per_s: float, host_bytes_per_rank: float) -> tuple[float, str]:
+    d, t = rt.dims, cfg.train
+    local_batch, local_seq = global_batch // (t.grad_accum * rt.dp), seq_len // (d.head * d.ctx)
+    x = torch.randn(local_batch, local_seq, cfg.model.dim, device=device)
+    positions = torch.arange(local_seq, device=device).expand(local_batch, local_seq)
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.model, device=device))
+    bf16 = resolve_dtype(t.dtype, device) == torch.bfloat16
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        block_s = auto.block_forward_seconds(_timing_block(cfg, device, rt), x, cos, sin, None)
+    block_s = rt.max([block_s])[0]  # the slowest block decides
+    return auto.choose_offload_fraction(
+        cfg.model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
+        dtype_bytes=2 if bf16 else 4, block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
+        host_bytes_per_rank=host_bytes_per_rank)
