@@ -290,6 +290,19 @@ def _work_over_samples(args) -> dict | None:
                                  "max": float(np.max(v))} for b, v in per.items()}}
 
 
+def _memory_ratios(single: dict) -> dict:
+    """Packed peak-memory growth over the references' (None where one was not measured)."""
+    def ratio(a, b, key):
+        if a not in single or b not in single:
+            return None
+        x, y = single[a]["memory"].get(key), single[b]["memory"].get(key)
+        return None if x is None or not y else x / y
+
+    return {f"packed_memory_ratio_vs_{ref}_{kind}": ratio("packed", ref, key)
+            for ref in ("causal", "per_document")
+            for kind, key in (("rss", "rss_peak_growth_mib"), ("tracked", "tracked_peak_mib"))}
+
+
 def run_docs(args) -> dict:
     """--docs: one process (packed vs per-document sum vs plain causal: CPU seconds and peak memory
     growth, each measured in a fresh process), the distributed run with the layout, the work
@@ -317,12 +330,6 @@ def run_docs(args) -> dict:
     packed, per_doc = single["packed"], single["per_document"]
     loaded_cpu = sum(r["fwd_bwd_cpu_s"] for r in loaded) / len(loaded)
 
-    def mem_ratio(a, b, key):
-        if a not in single or b not in single:
-            return None
-        x, y = single[a]["memory"].get(key), single[b]["memory"].get(key)
-        return None if x is None or not y else x / y
-
     result = {
         "bench": "attention",
         "config": {k: getattr(args, k) for k in (*CONFIG_KEYS, "docs", "split")},
@@ -334,10 +341,7 @@ def run_docs(args) -> dict:
         "memory_measure": "rss: peak RSS (VmHWM, reset before the inputs are built) minus RSS then, in a fresh "
                           "process per measurement, inputs + gradients + everything else included; tracked: peak "
                           "bytes of live tensor storages (TorchDispatchMode), kernel workspaces not seen",
-        "packed_memory_ratio_vs_causal_rss": mem_ratio("packed", "causal", "rss_peak_growth_mib"),
-        "packed_memory_ratio_vs_causal_tracked": mem_ratio("packed", "causal", "tracked_peak_mib"),
-        "packed_memory_ratio_vs_per_document_rss": mem_ratio("packed", "per_document", "rss_peak_growth_mib"),
-        "packed_memory_ratio_vs_per_document_tracked": mem_ratio("packed", "per_document", "tracked_peak_mib"),
+        **_memory_ratios(single),
         "per_rank": ranks,
         "fwd_bwd_cpu_s_sum_over_ranks": sum_cpu,
         "fwd_bwd_wall_s_max_over_ranks": max(r["fwd_wall_s"] + r["bwd_wall_s"] for r in ranks),

@@ -101,14 +101,31 @@ def _num_long(Wd: np.ndarray, ctx: int, alpha: float) -> int:
 def _assign(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, ctx: int, room: int, n_long: int):
     """One assignment, the n_long longest documents split head-tail: (pieces [n, 4] sorted by rank and
     start, work per rank [ctx]). `order`: documents by decreasing length (ties: position order)."""
-    c2 = 2 * ctx
     L = lengths[order]
     Wd = _tri(L)
     share = float(Wd.sum()) / ctx
+    long_pieces, work, cap = _split_head_tail(starts, lengths, order[:n_long], ctx, room)
+    # 2. whole documents, largest first, to the least projected final work
+    short, Ws = order[n_long:], Wd[n_long:]
+    n_greedy = min(GREEDY, int(np.searchsorted(-Ws, -TINY * share, side="right")))
+    pieces = _Pieces()
+    _place_whole(pieces, work, cap, starts, lengths, short[:n_greedy], Ws[:n_greedy],
+                 rem_tok=int(L[n_long:].sum()), rem_work=int(Ws.sum()))
+    # 3. the tiny rest, well mixed, cut into the ranks' remaining room
+    extra_pieces = [long_pieces]
+    tail = short[n_greedy:]
+    if tail.size:
+        fill, tail_work = _fill_tail(starts, lengths, tail[_bit_reversed_order(tail.size)], cap, ctx)
+        extra_pieces.append(fill)
+        work = (np.asarray(work) + tail_work).tolist()
+    return pieces.arrays(extra_pieces), np.asarray(work, dtype=np.int64)
 
-    # 1. head-tail, vectorised; extra (rounding) tokens go to ranks ptr, ptr + 1, ... (early chunks
-    # first, then late ones), ptr running on over the documents
-    lg = order[:n_long]
+
+def _split_head_tail(starts, lengths, lg, ctx: int, room: int):
+    """Step 1, vectorised: documents `lg` cut into 2 ctx chunks, rank i taking chunks i and 2 ctx - 1 - i;
+    extra (rounding) tokens go to ranks ptr, ptr + 1, ... (early chunks first, then late ones), ptr
+    running on over the documents. (pieces [n, 4], work per rank, room left per rank)."""
+    c2 = 2 * ctx
     Ll = lengths[lg]
     base, extra = Ll // c2, Ll % c2
     ptr = (np.cumsum(extra) - extra) % ctx
@@ -123,50 +140,30 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, ctx: int
     pw = _piece_work(offs, sizes).ravel()
     work = np.bincount(long_pieces[:, 0], weights=pw, minlength=ctx).astype(np.int64).tolist()
     cap = (room - np.bincount(long_pieces[:, 0], weights=long_pieces[:, 3], minlength=ctx).astype(np.int64)).tolist()
+    return long_pieces, work, cap
 
-    # 2. whole documents, largest first, to the least projected final work
-    short = order[n_long:]
-    Ws = Wd[n_long:]
-    n_greedy = min(GREEDY, int(np.searchsorted(-Ws, -TINY * share, side="right")))
-    rem_tok = int(L[n_long:].sum())
-    rem_work = int(Ws.sum())
-    pieces = _Pieces()
-    sts, lens, ws = starts[short[:n_greedy]].tolist(), lengths[short[:n_greedy]].tolist(), Ws[:n_greedy].tolist()
-    docs = short[:n_greedy].tolist()
-    for d, s, n, w in zip(docs, sts, lens, ws):
+
+def _place_whole(pieces: _Pieces, work: list, cap: list, starts, lengths, docs, doc_work, rem_tok: int,
+                 rem_work: int) -> None:
+    """Step 2: each document (largest first) to the rank (with room) of least projected final work:
+    its work so far + this document + its remaining room filled at the mean density `rho` of the
+    documents still to place. `work` and `cap` are updated in place."""
+    for d, s, n, w in zip(docs.tolist(), starts[docs].tolist(), lengths[docs].tolist(), doc_work.tolist()):
         rem_tok -= n
         rem_work -= w
         rho = rem_work / rem_tok if rem_tok else 0.0
         off = 0  # offset of the part still to place
         while n:
-            best, best_p = -1, 0.0
-            for r in range(ctx):
-                if cap[r] >= n:
-                    p = work[r] + w + (cap[r] - n) * rho
-                    if best < 0 or p < best_p:
-                        best, best_p = r, p
+            best = min((r for r in range(len(cap)) if cap[r] >= n),
+                       key=lambda r: work[r] + w + (cap[r] - n) * rho, default=-1)
             if best >= 0:
                 pieces.add(best, d, s + off, n)
                 work[best] += w
                 cap[best] -= n
                 break
-            # fits no rank whole: cut in two so that one piece fills a rank exactly
-            choice = None
-            for a in range(ctx):
-                ca = cap[a]
-                if ca <= 0:
-                    continue
-                for b in range(ctx):
-                    if b == a or cap[b] < n - ca:
-                        continue
-                    # head piece (ca tokens) to a and tail to b, or tail piece to a and head to b
-                    for a_head in (True, False):
-                        wa = _piece_work(off, ca) if a_head else _piece_work(off + n - ca, ca)
-                        p = max(work[a] + wa, work[b] + w - wa + (cap[b] - (n - ca)) * rho)
-                        if choice is None or p < choice[0]:
-                            choice = (p, a, b, a_head, wa)
-            if choice is not None:
-                _, a, b, a_head, wa = choice
+            choice = _best_cut(work, cap, off, n, w, rho)
+            if choice is not None:  # fits no rank whole: cut in two so that one piece fills a rank exactly
+                a, b, a_head, wa = choice
                 ca = cap[a]
                 pieces.add(a, d, s + off if a_head else s + off + n - ca, ca)
                 pieces.add(b, d, s + off + ca if a_head else s + off, n - ca)
@@ -176,7 +173,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, ctx: int
                 cap[b] -= n - ca
                 break
             # no two ranks hold it: fill the roomiest rank with its head, place the rest next round
-            a = max(range(ctx), key=lambda r: cap[r])
+            a = max(range(len(cap)), key=lambda r: cap[r])
             ca = cap[a]
             wa = _piece_work(off, ca)
             pieces.add(a, d, s + off, ca)
@@ -186,24 +183,40 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, ctx: int
             n -= ca
             w -= wa
 
-    # 3. the tiny rest, well mixed, cut into the ranks' remaining room
-    tail = short[n_greedy:]
-    extra_pieces = [long_pieces]
-    if tail.size:
-        tail = tail[_bit_reversed_order(tail.size)]
-        tl = lengths[tail]
-        a = np.cumsum(tl) - tl                                   # each document's span in the stream
-        edges = np.cumsum(cap) - np.asarray(cap)                 # each rank's span in the stream
-        cuts = np.unique(np.concatenate([a, edges[np.asarray(cap) > 0]]))
-        seg_len = np.diff(np.append(cuts, a[-1] + tl[-1]))
-        j = np.searchsorted(a, cuts, side="right") - 1
-        r = np.searchsorted(edges, cuts, side="right") - 1
-        # ranks with no room share an edge with the next one: searchsorted picks the last (with room)
-        off = cuts - a[j]
-        fill = np.stack([r, tail[j], starts[tail[j]] + off, seg_len], axis=1)
-        extra_pieces.append(fill)
-        work = (np.asarray(work) + np.bincount(r, weights=_piece_work(off, seg_len), minlength=ctx)).tolist()
-    return pieces.arrays(extra_pieces), np.asarray(work, dtype=np.int64)
+
+def _best_cut(work: list, cap: list, off: int, n: int, w: int, rho: float):
+    """The cut of a document part (n tokens at offset `off`, work w) into a piece filling rank a
+    exactly and the rest on rank b, head or tail first, of least projected maximal work:
+    (a, b, a takes the head, a's work), or None when no two ranks hold it."""
+    choice, best = None, None
+    for a, ca in enumerate(cap):
+        if ca <= 0:
+            continue
+        for b in range(len(cap)):
+            if b == a or cap[b] < n - ca:
+                continue
+            for a_head in (True, False):
+                wa = _piece_work(off, ca) if a_head else _piece_work(off + n - ca, ca)
+                p = max(work[a] + wa, work[b] + w - wa + (cap[b] - (n - ca)) * rho)
+                if best is None or p < best:
+                    choice, best = (a, b, a_head, wa), p
+    return choice
+
+
+def _fill_tail(starts, lengths, tail, cap: list, ctx: int):
+    """Step 3: the tiny documents, in the given (well-mixed) order, laid end to end and cut into the
+    ranks' remaining room: (pieces [n, 4], work added per rank [ctx])."""
+    tl = lengths[tail]
+    a = np.cumsum(tl) - tl                                   # each document's span in the stream
+    edges = np.cumsum(cap) - np.asarray(cap)                 # each rank's span in the stream
+    cuts = np.unique(np.concatenate([a, edges[np.asarray(cap) > 0]]))
+    seg_len = np.diff(np.append(cuts, a[-1] + tl[-1]))
+    j = np.searchsorted(a, cuts, side="right") - 1
+    r = np.searchsorted(edges, cuts, side="right") - 1
+    # ranks with no room share an edge with the next one: searchsorted picks the last (with room)
+    off = cuts - a[j]
+    fill = np.stack([r, tail[j], starts[tail[j]] + off, seg_len], axis=1)
+    return fill, np.bincount(r, weights=_piece_work(off, seg_len), minlength=ctx)
 
 
 def _num_runs(arr: np.ndarray) -> int:
