@@ -33,9 +33,11 @@ def run_case(a) -> dict:
     import torch
 
     from longctx.config import MODEL_PRESETS, MemoryConfig, ModelConfig
+    from longctx.memory.accounting import estimate_activations
+    from longctx.memory.policy import MemoryPolicy
+    from longctx.memory.transients import transient_bytes
     from longctx.models.llama import build_model
     from longctx.parallel.parallelize import apply_memory
-    from longctx.planner.cost import Layout, Policy, activations, transient_bytes
 
     torch.set_num_threads(a.threads)
     cfg = ModelConfig(preset=a.preset, **{**MODEL_PRESETS[a.preset], "layers": a.layers})
@@ -61,9 +63,10 @@ def run_case(a) -> dict:
             first = peak - before if peak > peak_before else None
         model.zero_grad(set_to_none=False)
         print(f"  step {step}: {times[-1]:.1f} s", file=sys.stderr, flush=True)
-    pol = Policy(a.recompute, a.offload_fraction, 1, a.loss_chunk, a.block_chunk, a.attention_chunk)
-    acts = activations(cfg, a.seq_len, 1, Layout(), pol, 4, docs=bool(a.docs))
-    transient = transient_bytes(cfg, a.seq_len, 1, Layout(), pol, 4, docs=bool(a.docs), acts=acts)
+    pol = MemoryPolicy(a.recompute, a.offload_fraction, 1, a.loss_chunk, a.block_chunk, a.attention_chunk)
+    acts = estimate_activations(cfg, a.seq_len, 1, policy=pol, dtype_bytes=4, docs=bool(a.docs))
+    transient = transient_bytes(cfg, a.seq_len, 1, head=1, ctx=1, policy=pol, dtype_bytes=4, docs=bool(a.docs),
+                                acts=acts)
     grads = sum(p.numel() for p in model.parameters()) * 4
     predicted = acts.total_device + transient + grads
     return {"attention_chunk": a.attention_chunk, "peak_delta_bytes": first,

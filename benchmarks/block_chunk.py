@@ -30,9 +30,11 @@ def run_case(a) -> dict:
     import torch
 
     from longctx.config import MODEL_PRESETS, ModelConfig
+    from longctx.memory.accounting import estimate_activations
     from longctx.memory.policies import apply_memory_policy
+    from longctx.memory.policy import MemoryPolicy
+    from longctx.memory.transients import transient_bytes
     from longctx.models.llama import build_model
-    from longctx.planner.cost import Layout, Policy, activations, transient_bytes
 
     torch.set_num_threads(2)
     cfg = ModelConfig(preset=a.preset, **{**MODEL_PRESETS[a.preset], "layers": a.layers})
@@ -52,9 +54,9 @@ def run_case(a) -> dict:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             first = peak - before if peak > peak_before else None
         model.zero_grad(set_to_none=False)
-    pol = Policy(a.policy, a.fraction, 1, 4096, a.chunk)
-    acts = activations(cfg, a.seq_len, 1, Layout(), pol, 4, docs=False)
-    transient = transient_bytes(cfg, a.seq_len, 1, Layout(), pol, 4, docs=False)
+    pol = MemoryPolicy(a.policy, a.fraction, 1, 4096, a.chunk)
+    acts = estimate_activations(cfg, a.seq_len, 1, policy=pol, dtype_bytes=4, docs=False)
+    transient = transient_bytes(cfg, a.seq_len, 1, head=1, ctx=1, policy=pol, dtype_bytes=4, docs=False)
     grads = sum(p.numel() for p in model.parameters()) * 4
     return {"policy": a.policy, "offload_fraction": a.fraction, "block_chunk": a.chunk,
             "peak_delta_bytes": first, "step_s": sorted(times[1:])[len(times[1:]) // 2],

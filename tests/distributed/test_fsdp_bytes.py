@@ -24,9 +24,14 @@ up, then measures a second step:
 import pytest
 
 from longctx.config import load_config, to_dict
+from longctx.memory.policy import MemoryPolicy
+from longctx.parallel.dims import ParallelDims
 from longctx.parallel.spawn import run_spawned
-from longctx.planner.cost import Layout, Policy, estimate, fsdp_bytes_per_step, param_counts
+from longctx.parallel.volumes import fsdp_bytes_per_step
+from longctx.planner.cost import estimate
 from longctx.planner.hardware import PRESETS
+from longctx.planner.model_states import param_counts
+from longctx.planner.shape import MeshShape
 from longctx.planner.validate import Case, case_config
 
 pytestmark = pytest.mark.slow  # one 4-rank job: 17-45 s on a 2-core CPU
@@ -34,13 +39,13 @@ pytestmark = pytest.mark.slow  # one 4-rank job: 17-45 s on a 2-core CPU
 HW = PRESETS["h100"].replace(dtype_bytes=4, name="cpu-test")  # fp32 gathers, as on the CPU
 
 CASES = [
-    Case("dp4 grad_accum 2", "debug", 256, Layout(1, 4, 1, 1), grad_accum=2),
-    Case("dp2 x ctx2 grad_accum 4", "debug", 256, Layout(1, 2, 1, 2), grad_accum=4),
-    Case("dp2 x ctx2 grad_accum 4 sync per micro-batch", "debug", 256, Layout(1, 2, 1, 2),
-         Policy(grad_sync="micro_batch"), grad_accum=4),
-    Case("dp2 x head2 (head 2 x ctx 1)", "debug", 256, Layout(1, 2, 2, 1)),
-    Case("HSDP rep2 x dp2 grad_accum 2", "debug", 256, Layout(2, 2, 1, 1), grad_accum=2),
-    Case("HSDP rep2 x ctx2", "debug", 256, Layout(2, 1, 1, 2)),
+    Case("dp4 grad_accum 2", "debug", 256, MeshShape(1, 4, 1, 1), grad_accum=2),
+    Case("dp2 x ctx2 grad_accum 4", "debug", 256, MeshShape(1, 2, 1, 2), grad_accum=4),
+    Case("dp2 x ctx2 grad_accum 4 sync per micro-batch", "debug", 256, MeshShape(1, 2, 1, 2),
+         MemoryPolicy(grad_sync="micro_batch"), grad_accum=4),
+    Case("dp2 x head2 (head 2 x ctx 1)", "debug", 256, MeshShape(1, 2, 2, 1)),
+    Case("HSDP rep2 x dp2 grad_accum 2", "debug", 256, MeshShape(2, 2, 1, 1), grad_accum=2),
+    Case("HSDP rep2 x ctx2", "debug", 256, MeshShape(2, 1, 1, 2)),
 ]
 
 
@@ -69,18 +74,19 @@ def measured():
 
 def _predicted(case):
     cfg = case_config(case)
-    return estimate(cfg.model, HW, case.layout, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
+    return estimate(cfg.model, HW, case.mesh_shape, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
                     micro_batch=case.micro_batch, gpus_per_node=4, doc_mask=case.docs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_fsdp_bytes_equal_a_real_step(case, measured):
     est = _predicted(case)
-    per_step = fsdp_bytes_per_step(case_config(case).model, case.layout, HW.dtype_bytes, case.grad_accum,
-                                   case.policy.grad_sync)
+    pc = param_counts(case_config(case).model)
+    per_step = fsdp_bytes_per_step(pc["total"], pc["root"], case.mesh_shape, case.grad_accum, HW.dtype_bytes,
+                                   case.policy.grad_sync)["fsdp"]
     assert est.grad_accum == case.grad_accum
     assert est.comm_bytes["fsdp"]["fsdp"] == per_step
-    expected_ops = {"all_gather", "reduce_scatter"} | ({"all_reduce"} if case.layout.dp_replicate > 1 else set())
+    expected_ops = {"all_gather", "reduce_scatter"} | ({"all_reduce"} if case.mesh_shape.dp_replicate > 1 else set())
     for rank, got in enumerate(measured[case.name]):
         assert set(got["traffic"]) == expected_ops, (rank, got["traffic"])
         assert sum(got["traffic"].values()) == pytest.approx(per_step, rel=1e-12), (rank, got["traffic"], per_step)
@@ -94,13 +100,13 @@ def test_model_states_equal_a_real_step(case, measured):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_the_training_loops_closed_form_equals_a_real_step(case, measured):
-    """The metrics line's FSDP bytes (parallel.volumes.fsdp_bytes_per_step, root gathered once)."""
-    from longctx.parallel.volumes import fsdp_bytes_per_step
-
+    """The metrics line's FSDP bytes (parallel.volumes.fsdp_bytes_per_step, root gathered once), from
+    the training loop's ParallelDims."""
     m = load_config(None, {"model": {"preset": case.preset}}).model
-    L = case.layout
+    shape = case.mesh_shape
+    dims = ParallelDims(shape.dp_replicate, shape.dp_shard, shape.head, shape.ctx, world_size=shape.world)
     pc = param_counts(m)
-    closed = fsdp_bytes_per_step(pc["total"], pc["root"], L, case.grad_accum, HW.dtype_bytes,
+    closed = fsdp_bytes_per_step(pc["total"], pc["root"], dims, case.grad_accum, HW.dtype_bytes,
                                  case.policy.grad_sync)["fsdp"]
     for got in measured[case.name]:
         assert sum(got["traffic"].values()) == pytest.approx(closed, rel=1e-12)
@@ -111,7 +117,7 @@ def test_gradients_cross_once_per_optimizer_step(measured):
     the bytes of one micro-batch's reduce-scatter, not four, while the gathers run every micro-batch."""
     step, micro = (next(c for c in CASES if c.grad_accum == 4 and c.policy.grad_sync == g)
                    for g in ("step", "micro_batch"))
-    n = step.layout.fsdp
+    n = step.mesh_shape.fsdp
     total = param_counts(case_config(step).model)["total"]
     once = (n - 1) / n * total * 4  # fp32 gradients, (n-1)/n of them
     for got in measured[step.name]:

@@ -6,21 +6,23 @@ memory` does) within 5%."""
 
 import pytest
 
-from longctx.planner.cost import Layout, Policy
+from longctx.memory.policy import MemoryPolicy
 from longctx.planner.hardware import PRESETS
+from longctx.planner.shape import MeshShape
 from longctx.planner.validate import Case, run_case
 
 # any hardware works for bytes (only step times depend on it); fp32 like the CPU run
 HW = PRESETS["h100"].replace(dtype_bytes=4, name="cpu-test")
 
 CASES = [
-    Case("head2 none", "debug", 512, Layout(1, 1, 2, 1)),
-    Case("ctx2 full", "debug", 512, Layout(1, 1, 1, 2), Policy("full")),
-    Case("head2xctx2 selective ctx-first", "debug", 512, Layout(1, 1, 2, 2, 0, "ctx-first"), Policy("selective")),
-    Case("dp2xctx2 offload 0.5 grad_accum 2", "debug", 512, Layout(1, 2, 1, 2), Policy("selective", 0.5),
+    Case("head2 none", "debug", 512, MeshShape(1, 1, 2, 1)),
+    Case("ctx2 full", "debug", 512, MeshShape(1, 1, 1, 2), MemoryPolicy("full")),
+    Case("head2xctx2 selective ctx-first", "debug", 512, MeshShape(1, 1, 2, 2, 0, "ctx-first"),
+         MemoryPolicy("selective")),
+    Case("dp2xctx2 offload 0.5 grad_accum 2", "debug", 512, MeshShape(1, 2, 1, 2), MemoryPolicy("selective", 0.5),
          grad_accum=2),
-    Case("ctx4 window 2 offload 1", "debug", 512, Layout(1, 1, 1, 4, 2), Policy("selective", 1.0)),
-    Case("rep2xhead2 no doc mask", "debug", 512, Layout(2, 1, 2, 1), docs=False),
+    Case("ctx4 window 2 offload 1", "debug", 512, MeshShape(1, 1, 1, 4, 2), MemoryPolicy("selective", 1.0)),
+    Case("rep2xhead2 no doc mask", "debug", 512, MeshShape(2, 1, 2, 1), docs=False),
 ]
 
 

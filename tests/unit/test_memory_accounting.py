@@ -8,6 +8,7 @@ import torch
 from longctx.config import load_config
 from longctx.memory.accounting import estimate_activations, measure_activations
 from longctx.memory.policies import apply_memory_policy
+from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
 
 SEQ = 256
@@ -28,8 +29,8 @@ def test_measured_bytes_equal_the_analytic_count(policy, fraction, chunk, skip_l
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=g)
     measured = measure_activations(model, tokens, labels=tokens)
-    est = estimate_activations(cfg, SEQ, 1, policy=policy, offload_fraction=fraction, offload_skip_last=skip_last,
-                               dtype_bytes=4, loss_chunk=loss_chunk)
+    est = estimate_activations(cfg, SEQ, 1, policy=MemoryPolicy(policy, fraction, skip_last, loss_chunk=loss_chunk),
+                               dtype_bytes=4)
     assert measured["total_device"] == pytest.approx(est.total_device, rel=1e-3)
     assert measured["total_host"] == pytest.approx(est.total_host, rel=1e-3, abs=64)
     if fraction > 0:  # the first block is offloaded: its bytes by tier
@@ -47,7 +48,7 @@ def test_full_offload_keeps_the_least_host_memory_of_any_offload():
         model = build_model(cfg, seed=0)
         model.memory_offloader = apply_memory_policy(model.layers, policy, fraction)
         seen = []
-        model.layers[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].nbytes))
+        model.layers[0].register_forward_pre_hook(lambda _m, args, seen=seen: seen.append(args[0].nbytes))
         host[policy] = measure_activations(model, tokens, labels=tokens)["blocks"][0]["host"]
         block_input_bytes = seen[0]
     assert host["full"] == block_input_bytes
@@ -69,13 +70,13 @@ def test_chunked_attention_keeps_what_the_analytic_count_says(policy, fraction, 
 
     cfg = load_config(overrides=["--model.layers=3"]).model
     model = build_model(cfg, seed=0)
-    apply_memory(model, MemoryConfig(recompute=policy, offload_fraction=fraction, block_chunk=chunk, loss_chunk=64,
-                                     attention_chunk=96, attention_offload=attention_offload), "cpu")
+    memory = MemoryConfig(recompute=policy, offload_fraction=fraction, block_chunk=chunk, loss_chunk=64,
+                          attention_chunk=96, attention_offload=attention_offload)
+    apply_memory(model, memory, "cpu")
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=g)
     measured = measure_activations(model, tokens, labels=tokens)
-    est = estimate_activations(cfg, SEQ, 1, policy=policy, offload_fraction=fraction, dtype_bytes=4, loss_chunk=64,
-                               block_chunk=chunk, attention_offload=attention_offload)
+    est = estimate_activations(cfg, SEQ, 1, policy=MemoryPolicy.from_config(memory), dtype_bytes=4)
     assert measured["total_device"] == pytest.approx(est.total_device, rel=1e-3)
     assert measured["total_host"] == pytest.approx(est.total_host, rel=1e-3, abs=64)
     if attention_offload and policy != "full":  # the kept last block: the core state on the host

@@ -7,8 +7,9 @@ import torch
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
+from longctx.memory.accounting import estimate_activations
 from longctx.memory.policies import apply_memory_policy, check_policy
-from longctx.models.llama import build_model
+from longctx.memory.policy import MemoryPolicy
 from probes import loss_and_grads, reference_run
 
 # (checkpoint, offload fraction, block chunk); chunks of 16 and 24 over 2 x 64 tokens, uneven too
@@ -28,7 +29,7 @@ def test_policy_gradients_match_none(reference, policy, fraction, chunk):
     model = copy.deepcopy(base)
     offloader = apply_memory_policy(model.layers, policy, fraction, offload_skip_last=1, block_chunk=chunk)
     assert (offloader is not None) == (fraction > 0)
-    for step in range(2):  # a second pass: offload state from the first must not leak
+    for _step in range(2):  # a second pass: offload state from the first must not leak
         loss, grads = loss_and_grads(model, batch)
         assert loss == pytest.approx(ref_loss, abs=1e-6)
         for name, g in grads.items():
@@ -85,13 +86,12 @@ def test_chunks_bound_the_largest_tensor_a_block_creates(reference):
 
 
 def test_auto_fraction_follows_link_and_memory_limits():
-    from longctx.memory.accounting import estimate_activations
     from longctx.memory.auto import choose_offload_fraction
 
     cfg = load_config(overrides=["--model.layers=5"]).model
 
     def host(a):
-        return estimate_activations(cfg, 4096, 1, policy="selective", offload_fraction=a).per_block_host
+        return estimate_activations(cfg, 4096, 1, policy=MemoryPolicy("selective", a)).per_block_host
 
     fixed, other = host(1e-9), host(1.0) - host(1e-9)  # independent of the function's own algebra
     common = dict(head=1, ctx=1, skip_last=1, dtype_bytes=4)
@@ -116,15 +116,14 @@ def test_auto_fraction_with_stages_is_the_smallest_over_their_shapes(monkeypatch
     """An early stage with 4x the tokens per micro-batch of the last needs 4x the host memory: the
     fraction planned for the last stage alone would not fit during it."""
     from longctx.memory import auto
-    from longctx.memory.accounting import estimate_activations
     from longctx.parallel.runtime import Runtime
-    from longctx.run_setup import auto_offload_fraction
+    from longctx.train.model import auto_offload_fraction
 
     cfg = load_config(overrides=["--model.layers=5", "--train.stages=256:2:8,512:2:1", "--memory.offload_skip_last=1",
                                  "--memory.recompute=selective", "--train.dtype=fp32"])
 
     def host(seq, batch, a):
-        return estimate_activations(cfg.model, seq, batch, policy="selective", offload_fraction=a).per_block_host
+        return estimate_activations(cfg.model, seq, batch, policy=MemoryPolicy("selective", a)).per_block_host
 
     # host memory for 4 blocks x (fixed + 0.5 x other) of the last stage (512 tokens x 1), after the 0.8 margin
     last_fixed, last_other = host(512, 1, 1e-9), host(512, 1, 1.0) - host(512, 1, 1e-9)
@@ -133,7 +132,7 @@ def test_auto_fraction_with_stages_is_the_smallest_over_their_shapes(monkeypatch
     monkeypatch.setattr(auto, "block_forward_seconds", lambda *a, **k: 1.0)
     lines = []
     rt = Runtime.create(cfg, 0, 1, "cpu")
-    fraction = auto_offload_fraction(build_model(cfg.model, seed=0), cfg, torch.device("cpu"), rt, lines.append)
+    fraction = auto_offload_fraction(cfg, torch.device("cpu"), rt, lines.append)
     alone, _ = auto.choose_offload_fraction(cfg.model, 512, 1, head=1, ctx=1, skip_last=1, dtype_bytes=4,
                                              block_seconds=1.0, link_bytes_per_s=1e15,
                                              host_bytes_per_rank=auto.host_memory_available())
@@ -161,8 +160,6 @@ def test_chunked_full_recomputes_the_token_wise_stages_once_more(reference):
     and the analytic recompute count carries it, so the planner prices it."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from longctx.memory.accounting import estimate_activations
-
     cfg, base, batch, _ = reference
     flops = {}
     for policy, chunk in (("full", 0), ("full", 16), ("selective", 0), ("selective", 16)):
@@ -173,5 +170,6 @@ def test_chunked_full_recomputes_the_token_wise_stages_once_more(reference):
         flops[policy, chunk] = counter.get_total_flops()
     assert flops["selective", 16] == flops["selective", 0]
     assert flops["full", 16] > 1.15 * flops["full", 0]
-    est = {c: estimate_activations(cfg, 64, 2, policy="full", block_chunk=c).recompute_flops for c in (0, 16)}
+    est = {c: estimate_activations(cfg, 64, 2, policy=MemoryPolicy("full", block_chunk=c)).recompute_flops
+           for c in (0, 16)}
     assert est[16] > est[0]

@@ -20,10 +20,12 @@ from longctx.data.builder import readers
 from longctx.data.builder.options import BuildOptions
 from longctx.data.builder.pipeline import build_store
 from longctx.data.store import read_manifest
-from longctx.planner.cost import Layout, Policy, estimate
+from longctx.memory.policy import MemoryPolicy
+from longctx.planner.cost import estimate
 from longctx.planner.hardware import PRESETS
 from longctx.planner.output import table
 from longctx.planner.search import PlanResult, Request, _sort_key
+from longctx.planner.shape import MeshShape
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +88,7 @@ def test_a_gpu_plan_trains_on_this_cpu_machine(tmp_path):
 
 def _estimate(step_s: float, recompute: str) -> object:
     m = load_config(None, {"model": {"preset": "debug"}}).model
-    e = estimate(m, PRESETS["h100"], Layout(1, 4, 1, 1), Policy(recompute), seq_len=4096, global_batch=4,
+    e = estimate(m, PRESETS["h100"], MeshShape(1, 4, 1, 1), MemoryPolicy(recompute), seq_len=4096, global_batch=4,
                  micro_batch=1, gpus_per_node=8)
     return dataclasses.replace(e, times={**e.times, "step": step_s}, feasible=True, problems=[])
 

@@ -22,6 +22,8 @@ from datetime import date
 import torch
 
 from ..cli_flags import renamed_flag
+from ..memory.accounting import estimate_activations, measure_activations, published_formulas
+from ..memory.policy import MemoryPolicy
 
 POLICIES = {
     "none": ("none", 0.0),
@@ -177,11 +179,6 @@ def _time_interleaved(models: dict, inputs, steps: int, device) -> dict:
 
 def measure(args, seq: int, dims=None, mesh=None) -> dict:
     """Every requested policy at one sequence length, on this process (one rank of head x ctx)."""
-    from ..memory.accounting import (
-        estimate_activations,
-        measure_activations,
-        published_formulas,
-    )
     from ..parallel.sequence import shard_sequence
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -200,10 +197,10 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         t0 = time.perf_counter()
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
         measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
-        est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=policy,
-                                   offload_fraction=fraction, offload_skip_last=args.skip_last, dtype_bytes=4,
-                                   loss_chunk=args.loss_chunk, docs=args.docs > 1,
-                                   block_chunk=args.block_chunk if policy != "none" else 0).to_dict()
+        analytic_policy = MemoryPolicy(policy, fraction, args.skip_last, loss_chunk=args.loss_chunk,
+                                       block_chunk=args.block_chunk if policy != "none" else 0)
+        est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
+                                   dtype_bytes=4, docs=args.docs > 1).to_dict()
         tokens = est["tokens"]
         entry = {
             "policy": policy, "offload_fraction": fraction,

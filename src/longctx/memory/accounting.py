@@ -28,6 +28,9 @@ from torch.utils._pytree import tree_leaves
 
 from ..config import ModelConfig
 from ..ops.chunked import chunk_store_host_ptrs
+from .policy import MemoryPolicy
+
+NO_POLICY = MemoryPolicy()  # nothing recomputed, offloaded or chunked
 
 # ------------------------------------------------------------------------------------------------
 # Analytic
@@ -86,78 +89,91 @@ def _flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
     }
 
 
-def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
-                         policy: str = "none", offload_fraction: float = 0.0, offload_skip_last: int = 1,
-                         dtype_bytes: int = 4, loss_chunk: int = 0, docs: bool = False,
-                         block_chunk: int = 0, attention_offload: bool = False) -> ActivationEstimate:
-    """Per-rank activation bytes of `policy` for micro_batch sequences of seq_len tokens sharded over
-    head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations). block_chunk
-    changes no saved bytes, only recomputation: under `full` the chunks are checkpoints nested in
-    the block's, so the token-wise stages run once more (outer recompute, then each chunk's own).
-    docs (packed documents) changes no saved bytes either (see block_part_bytes), nor does
-    memory.attention_chunk (the chunked core keeps the same q, k, v, out, lse, by chunk);
-    attention_offload keeps that core state in host memory in every block (ops/chunked.py ChunkStore)."""
-    if seq_len % (head * ctx):
-        raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
-    p = dtype_bytes
-    tokens = micro_batch * seq_len // (head * ctx)
-    part = block_part_bytes(model, head, p, docs)
-    fl = _flops_per_token(model, seq_len)
-    A = float(offload_fraction)
-    L = model.layers
-    offloaded = max(0, L - offload_skip_last) if A > 0 else 0
-    # the attention output in sequence layout is a tensor of its own under the head all-to-all, and
-    # when the core's state (its output included) is in host memory (attention_offload)
-    seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
-    core_device = 0.0 if attention_offload else part["core"]
-
-    if policy == "none":
+def _kept_block(recompute: str, part: dict[str, float], fl: dict[str, float], seq_out: float, core_device: float,
+                block_chunked: bool) -> tuple[float, float]:
+    """(bytes, recomputed FLOPs) per token of a block that stays on the device under `recompute`."""
+    if recompute == "none":
         kept = part["norm"] * 2 + core_device + seq_out + part["residual"] + part["mlp"] + part["block_out"]
-        recompute = 0.0
-    elif policy == "full":
-        kept = part["block_out"]
-        chunked = block_chunk and tokens > block_chunk
-        recompute = (2 if chunked else 1) * (fl["pre"] + fl["post"]) + fl["attention"]
-    elif policy == "selective":
-        kept = core_device + seq_out + part["block_out"]
-        recompute = fl["pre"] + fl["post"]
-    else:
-        raise ValueError(f"unknown policy {policy!r}")
+        return kept, 0.0
+    if recompute == "full":
+        # the block keeps its input (the previous block's output); with chunks nested in the block's
+        # checkpoint the token-wise stages run once more
+        return part["block_out"], (2 if block_chunked else 1) * (fl["pre"] + fl["post"]) + fl["attention"]
+    if recompute == "selective":
+        return core_device + seq_out + part["block_out"], fl["pre"] + fl["post"]
+    raise ValueError(f"unknown policy {recompute!r}")
 
-    if policy == "full":
+
+def _offloaded_block(recompute: str, part: dict[str, float], p: int, dim: int, A: float,
+                     seq_out: float) -> tuple[float, float]:
+    """(host bytes, device bytes) per token of a block whose activations go to the host (fraction A)."""
+    if recompute == "full":
         # full + offload: the one tensor a block keeps, its input, is split by tokens: the first A on
         # the host, the rest as a device copy of its own (the previous block's output is then free)
-        host = A * p * model.dim
-        off_device = (1 - A) * p * model.dim
-    else:
-        # selective + offload: an offloaded block keeps nothing on the device. Its input (the
-        # previous block's output) and the attention state go to the host whole; of the rest, the
-        # first A of the tokens' saved tensors go to the host and the other tokens are recomputed.
-        # The block input on the host: the recomputed tokens' checkpoint keeps it; the stored
-        # tokens' norm keeps it too in fp32 (in bf16 that norm keeps its own fp32 copy, in `norm`).
-        block_input = (1 - A) * p * model.dim + A * part["norm_input"]
-        # the attention output in sequence layout: the core's own output when head = 1 (already
-        # counted), else a tensor of its own, kept whole (stored tokens by post, the rest by its checkpoint)
-        host = part["core"] + block_input + seq_out + A * (2 * part["norm"] + part["residual"] + part["mlp"])
-        off_device = 0.0
-    # The last offloaded block's OUTPUT stays on the device: it is the input of a kept block (or of
-    # the final norm).
-    last_offloaded_extra = part["block_out"] if offloaded else 0.0
-    loss_chunked = bool(loss_chunk) and tokens > loss_chunk
+        return A * p * dim, (1 - A) * p * dim
+    # selective + offload: an offloaded block keeps nothing on the device. Its input (the previous
+    # block's output) and the attention state go to the host whole; of the rest, the first A of the
+    # tokens' saved tensors go to the host and the other tokens are recomputed. The block input on
+    # the host: the recomputed tokens' checkpoint keeps it; the stored tokens' norm keeps it too in
+    # fp32 (in bf16 that norm keeps its own fp32 copy, in `norm`).
+    block_input = (1 - A) * p * dim + A * part["norm_input"]
+    # the attention output in sequence layout: the core's own output when head = 1 (already
+    # counted), else a tensor of its own, kept whole (stored tokens by post, the rest by its checkpoint)
+    host = part["core"] + block_input + seq_out + A * (2 * part["norm"] + part["residual"] + part["mlp"])
+    return host, 0.0
 
-    model_device = (
+
+def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloaded: int, loss_chunked: bool) -> float:
+    """Device bytes per token kept outside the blocks: RoPE tables, the embeddings output, the final
+    norm and what the loss keeps."""
+    return (
         8 * model.resolved_head_dim                                     # RoPE cos/sin tables, fp32
         + (0 if offloaded else p * model.dim)                           # embeddings output = block 0's input
         # the final norm: inside a chunked loss it is recomputed per chunk and keeps nothing
         + (0 if loss_chunked else part["norm"])
         + (4 if loss_chunked else 4 * model.vocab_size)                 # lse per token, or log-softmax
     )
+
+
+def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
+                         policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
+                         docs: bool = False) -> ActivationEstimate:
+    """Per-rank activation bytes under `policy` for micro_batch sequences of seq_len tokens sharded
+    over head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations).
+    policy.block_chunk changes no saved bytes, only recomputation: under `full` the chunks are
+    checkpoints nested in the block's, so the token-wise stages run once more (outer recompute, then
+    each chunk's own). docs (packed documents) changes no saved bytes either (see block_part_bytes),
+    nor does policy.attention_chunk (the chunked core keeps the same q, k, v, out, lse, by chunk);
+    attention_offload (with attention_chunk) keeps that core state in host memory in every block
+    (ops/chunked.py ChunkStore). grad_sync changes no activation."""
+    if seq_len % (head * ctx):
+        raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
+    p, rc = dtype_bytes, policy.recompute
+    tokens = micro_batch * seq_len // (head * ctx)
+    part = block_part_bytes(model, head, p, docs)
+    fl = _flops_per_token(model, seq_len)
+    A = float(policy.offload_fraction)
+    L = model.layers
+    offloaded = max(0, L - policy.offload_skip_last) if A > 0 else 0
+    # the attention output in sequence layout is a tensor of its own under the head all-to-all, and
+    # when the core's state (its output included) is in host memory (attention_offload)
+    attention_offload = policy.attention_offloaded
+    seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
+    core_device = 0.0 if attention_offload else part["core"]
+    block_chunked = bool(policy.block_chunk) and tokens > policy.block_chunk
+    kept, recompute = _kept_block(rc, part, fl, seq_out, core_device, block_chunked)
+    host, off_device = _offloaded_block(rc, part, p, model.dim, A, seq_out)
+    # The last offloaded block's OUTPUT stays on the device: it is the input of a kept block (or of
+    # the final norm).
+    last_offloaded_extra = part["block_out"] if offloaded else 0.0
+    loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
+    model_device = _outside_blocks(model, part, p, offloaded, loss_chunked)
     n_kept = L - offloaded
     # the chunked core's host-resident state, in the blocks the block offloader does not cover
-    core_host = part["core"] if attention_offload and policy in ("selective", "none") else 0.0
+    core_host = part["core"] if attention_offload and rc in ("selective", "none") else 0.0
     total_device = tokens * (n_kept * kept + offloaded * off_device + last_offloaded_extra + model_device)
     total_host = tokens * (offloaded * host + n_kept * core_host)
-    offloaded_recompute = recompute if policy == "full" else (1 - A) * (fl["pre"] + fl["post"])
+    offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"])
     recompute_total = tokens * (n_kept * recompute + offloaded * offloaded_recompute)
     return ActivationEstimate(
         per_block_device=tokens * (off_device if offloaded else kept),

@@ -32,7 +32,11 @@ def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_p
 
 def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int,
                         gather_bytes: int, grad_sync: str = "step") -> dict[str, float]:
-    """FSDP2 traffic per rank and optimizer step, as the metrics line reports it ({} on one rank)."""
+    """{"fsdp": bytes} one rank sends per optimizer step through FSDP2 ({} on one rank): `fsdp_bytes`
+    over the shard group dp_shard x head x ctx and the dp_replicate replicas of `dims` (anything
+    with those four degrees: parallel.dims.ParallelDims in the training loop's metrics line,
+    planner.shape.MeshShape in the planner's estimate). num_params: all parameters; root_params:
+    the root module's (embeddings, final norm, LM head), gathered once per micro-batch."""
     shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate
     if shard * replicas == 1:
         return {}

@@ -5,6 +5,10 @@ The words are the glossary's (docs/architecture.md): --seq-len (tokens per seque
 data-parallel rank in one forward/backward), --recompute (activation recomputation policies),
 --hardware (a hardware preset or TOML file). The old flags --seq, --batch, --checkpoint and
 --device stop with exit code 2 and name the new one (cli_flags.renamed_flag).
+
+Imports beyond argparse are inside the functions on purpose: cli.py builds this parser for every
+`longctx` command, and the planner's modules load torch (memory accounting), which would cost
+every other command (`longctx data build` above all) its memory and seconds of startup.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ def _floats(text: str) -> tuple[float, ...]:
     try:
         vals = tuple(float(x) for x in text.split(","))
     except ValueError:
-        raise ConfigError(f"--offload takes comma-separated fractions such as 0.25,0.5,1 (or none), got '{text}'.") from None
+        raise ConfigError(f"--offload takes comma-separated fractions such as 0.25,0.5,1 (or none), "
+                          f"got '{text}'.") from None
     bad = [v for v in vals if not 0 <= v <= 1]
     if bad:
         raise ConfigError(f"offload fractions must be in [0, 1], got {bad}.")
@@ -173,12 +178,12 @@ def main(args, overrides) -> int:
         chosen = None
         for est in res.feasible:
             cfg = plan_config(est, req, base)
-            why = runnable(cfg, est.layout.world)
+            why = runnable(cfg, est.mesh_shape.world)
             if not why:
                 chosen = (est, cfg)
                 break
             if not note:
-                note = (f"the best predicted plan ({est.layout.describe()}, {est.policy.describe()}) cannot run "
+                note = (f"the best predicted plan ({est.mesh_shape.describe()}, {est.policy.describe()}) cannot run "
                         f"in this version: {why}")
         if chosen is not None and not args.no_write:
             est, cfg = chosen

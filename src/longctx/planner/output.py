@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from .. import config as config_mod
 from ..config import Config, build_config, to_dict, to_toml
+from ..config import rules as config_rules
 from ..errors import ConfigError
+from ..parallel.checks import check_layout
 from .cost import Estimate
 from .search import PlanResult, Request, step_text
 
@@ -25,13 +26,14 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     length: train.global_batch = micro_batch x dp x grad_accum sequences per optimizer step (the
     request's global batch), in train.grad_accum micro-batches."""
     raw = to_dict(base)
-    L, P = est.layout, est.policy
-    raw["parallel"].update(dp_replicate=L.dp_replicate, dp_shard=L.dp_shard, head=L.head, ctx=L.ctx,
-                           window=L.window if L.window and L.window < L.ctx else 0, placement=L.placement)
-    raw["memory"].update(P.memory_config())
-    global_batch = est.micro_batch * L.dp * est.grad_accum
+    shape = est.mesh_shape
+    raw["parallel"].update(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, head=shape.head, ctx=shape.ctx,
+                           window=shape.window if shape.window and shape.window < shape.ctx else 0,
+                           placement=shape.placement)
+    raw["memory"].update(est.policy.to_config())
+    global_batch = est.micro_batch * shape.dp * est.grad_accum
     if global_batch != req.global_batch:
-        raise ValueError(f"plan {L.describe()} micro-batch {est.micro_batch} x grad_accum {est.grad_accum} makes "
+        raise ValueError(f"plan {shape.describe()} micro-batch {est.micro_batch} x grad_accum {est.grad_accum} makes "
                          f"{global_batch} sequences per step, not the requested {req.global_batch}")
     raw["train"].update(seq_len=req.seq_len, global_batch=global_batch, grad_accum=est.grad_accum)
     # A plan for GPUs leaves train.device / train.dtype as the base has them ("auto": cuda + bf16 where
@@ -46,10 +48,8 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
 def runnable(cfg: Config, world: int) -> str:
     """'' when `longctx train` accepts `cfg` on `world` ranks (config validation and the layout
     checks it runs before starting any process), else why not."""
-    from ..parallel.checks import check_layout
-
     try:
-        config_mod.validate(cfg)
+        config_rules.validate(cfg)
         check_layout(cfg, world)
     except ConfigError as e:
         return str(e)
@@ -57,7 +57,7 @@ def runnable(cfg: Config, world: int) -> str:
 
 
 def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
-    world = est.layout.world
+    world = est.mesh_shape.world
     nodes = max(1, world // req.gpus_per_node)
     head = [
         (f"# written by `longctx plan`: {req.model.label}, {req.global_batch} sequences of {req.seq_len:,} tokens "
@@ -87,7 +87,7 @@ def table(res: PlanResult, top: int = 10) -> str:
             "total GiB", "host/node", "step s", "tok/s", "MFU", "bottleneck"]
     body = []
     for i, e in enumerate(rows, 1):
-        body.append([str(i), e.layout.describe(), e.policy.describe(), str(e.micro_batch), str(e.grad_accum),
+        body.append([str(i), e.mesh_shape.describe(), e.policy.describe(), str(e.micro_batch), str(e.grad_accum),
                      _gib(e.memory["model_states"]), _gib(e.memory["gathered_params"]), _gib(e.memory["activations"]),
                      _gib(e.memory["transient"]),
                      _gib(e.memory["total"]), f"{e.host_per_node / GIB:.0f}" if e.host_per_node else "-",

@@ -1,13 +1,14 @@
-"""Search: enumerate layouts x activation policies x micro-batches, prune, rank by predicted step time.
+"""Search: enumerate mesh shapes x memory policies x micro-batches, prune, rank by predicted step time.
 
-The space is (dp_replicate, dp_shard, head, ctx, window, placement, recompute policy, offload
-fraction, micro-batch). Branches are cut as early as their cause is known:
+The space is (dp_replicate, dp_shard, head, ctx, window, placement: a MeshShape; recompute,
+offload fraction, loss / block / attention chunks, attention offload, grad_sync: a MemoryPolicy;
+micro-batch). Branches are cut as early as their cause is known:
 
 - head degrees that do not divide the query heads (or split kv heads unevenly) and sequence
   degrees for which the sequence is not divisible by 2 x head x ctx are never generated;
 - a (head, ctx, dp_replicate) whose model states alone exceed GPU memory skips every policy;
-- activation estimates are computed once per (head, ctx, micro-batch, policy) and reused for
-  every dp split, window and placement;
+- activation and transient estimates (cost.rank_activations) are computed once per (head, ctx,
+  micro-batch, policy) and reused for every dp split, window and placement;
 - windows: 0 (plain ring) and the largest window whose inner ring fits in one node (the only
   Double-Ring worth having: outer hops cross nodes, inner hops stay on NVLink).
 
@@ -23,16 +24,11 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .cost import (
-    Estimate,
-    Layout,
-    Policy,
-    activations,
-    estimate,
-    model_state_bytes,
-    transient_bytes,
-)
+from ..memory.policy import MemoryPolicy
+from .cost import Estimate, estimate, rank_activations
 from .hardware import Hardware
+from .model_states import model_state_bytes
+from .shape import MeshShape
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 _POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -55,7 +51,8 @@ def parse_tokens(text: str | int) -> int:
         try:
             num = float(s)
         except ValueError:
-            raise ConfigError(f"'{text}' is not a token count; write e.g. 4096, 128K or 1M (K = 1024, M = 1048576).") from None
+            raise ConfigError(f"'{text}' is not a token count; write e.g. 4096, 128K or 1M "
+                              f"(K = 1024, M = 1048576).") from None
         value = num * mult
         if value != int(value):
             raise ConfigError(f"'{text}' is not a whole number of tokens.")
@@ -136,7 +133,7 @@ class PlanResult:
 FULL_OFFLOAD_FRACTIONS = (0.5, 1.0)
 
 
-def policies(req: Request) -> list[Policy]:
+def policies(req: Request) -> list[MemoryPolicy]:
     out = []
     for rc in req.recomputes:
         fractions = {"none": (), "selective": req.offload_fractions,
@@ -145,15 +142,15 @@ def policies(req: Request) -> list[Policy]:
             for bc in req.block_chunks if rc != "none" else (0,):
                 for ac, ah in [(0, False)] + [(ac, ah) for ac in req.attention_chunks if ac and bc
                                               for ah in req.attention_offloads]:
-                    out += [Policy(rc, a, req.offload_skip_last, lc, bc, ac, ah) for a in (0.0, *fractions)]
+                    out += [MemoryPolicy(rc, a, req.offload_skip_last, lc, bc, ac, ah) for a in (0.0, *fractions)]
                     if rc == "full" and req.offload_skip_last:
                         # full keeps a block's input only: offloading the last one too costs one transfer
-                        out += [Policy(rc, a, 0, lc, bc, ac, ah) for a in fractions]
+                        out += [MemoryPolicy(rc, a, 0, lc, bc, ac, ah) for a in fractions]
     return out
 
 
-def candidate_layouts(req: Request) -> list[Layout]:
-    """Every layout of req.gpus ranks that the model's heads and the sequence allow."""
+def candidate_shapes(req: Request) -> list[MeshShape]:
+    """Every mesh shape of req.gpus ranks that the model's heads and the sequence allow."""
     m, G, n = req.model, req.gpus_per_node, req.gpus
     out = []
     for h in divisors(n):
@@ -176,7 +173,7 @@ def candidate_layouts(req: Request) -> list[Layout]:
             for r in divisors(dp):
                 for placement in placements:
                     for w in windows:
-                        out.append(Layout(r, dp // r, h, c, w, placement))
+                        out.append(MeshShape(r, dp // r, h, c, w, placement))
     return out
 
 
@@ -197,7 +194,7 @@ def _sort_key(e: Estimate):
     return (0, float(step_text(e.step_s)), _POLICY_ORDER[p.recompute], p.offload_fraction,
             round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
-            e.layout.dp_replicate, e.layout.window)
+            e.mesh_shape.dp_replicate, e.mesh_shape.window)
 
 
 def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
@@ -222,34 +219,32 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
     pols = policies(req)
     results: list[Estimate] = []
     evaluated = 0
-    for L in candidate_layouts(req):
-        # model states alone: prune every policy of this layout if they do not fit
-        static = model_state_bytes(m, L)
+    for shape in candidate_shapes(req):
+        # model states alone: prune every policy of this shape if they do not fit
+        static = model_state_bytes(m, shape)
         if static > hw.usable_memory_bytes and not keep_infeasible:
             continue
-        dp_share = req.global_batch // L.dp if req.global_batch % L.dp == 0 else 0
+        dp_share = req.global_batch // shape.dp if req.global_batch % shape.dp == 0 else 0
         for mb in req.micro_batches:
             if not dp_share or dp_share % mb:
                 continue
-            tokens = mb * req.seq_len // L.sequence_degree
+            tokens = mb * req.seq_len // shape.sequence_degree
             # with accumulation, reducing per micro-batch trades traffic for the unsharded gradients
-            syncs = ("step", "micro_batch") if dp_share // mb > 1 and L.world > 1 else ("step",)
+            syncs = ("step", "micro_batch") if dp_share // mb > 1 and shape.world > 1 else ("step",)
             for pol in (dataclasses.replace(p, grad_sync=g) for p in pols for g in syncs):
                 if pol.block_chunk and pol.block_chunk >= tokens:
                     continue  # one chunk: the same as whole blocks
-                if pol.attention_chunk and pol.attention_chunk >= tokens * L.head:
+                if pol.attention_chunk and pol.attention_chunk >= tokens * shape.head:
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
-                key = (L.head, L.ctx, mb, dataclasses.replace(pol, grad_sync="step"))  # activations: the same
+                key = (shape.head, shape.ctx, mb, dataclasses.replace(pol, grad_sync="step"))  # activations: the same
                 if key not in acts_cache:
-                    acts = activations(m, req.seq_len, mb, L, pol, hw.dtype_bytes, req.doc_mask)
-                    acts_cache[key] = (acts, transient_bytes(m, req.seq_len, mb, L, pol, hw.dtype_bytes,
-                                                             req.doc_mask, acts))
+                    acts_cache[key] = rank_activations(m, req.seq_len, mb, shape, pol, hw.dtype_bytes, req.doc_mask)
                 acts, transient = acts_cache[key]
                 if not keep_infeasible and static + acts.total_device + transient > hw.usable_memory_bytes:
                     continue
-                est = estimate(m, hw, L, pol, seq_len=req.seq_len, global_batch=req.global_batch, micro_batch=mb,
-                               gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask, doc_work=req.doc_work,
-                               acts=acts, transient=transient)
+                est = estimate(m, hw, shape, pol, seq_len=req.seq_len, global_batch=req.global_batch,
+                               micro_batch=mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
+                               doc_work=req.doc_work, acts=acts, transient=transient)
                 evaluated += 1
                 if est.feasible or keep_infeasible:
                     results.append(est)
@@ -273,7 +268,7 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
         return out
     least = min(res.ranked, key=lambda e: e.memory["total"])
     out.append(f"the least GPU memory any plan needs is {least.memory['total'] / 2**30:.1f} GiB per GPU "
-               f"({least.layout.describe()}, {least.policy.describe()}; "
+               f"({least.mesh_shape.describe()}, {least.policy.describe()}; "
                f"{req.hardware.usable_memory_bytes / 2**30:.1f} GiB usable)"
                + (f", and then: {'; '.join(least.problems)}" if least.problems else ""))
     if req.hardware.host_memory_gib and req.hardware.usable_host_fraction and not any(
@@ -281,7 +276,8 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
         with_offload = {"offload_fractions": OFFLOAD_FRACTIONS,
                         "recomputes": tuple(sorted(set(req.recomputes) | {"selective"}))}
         if _first_feasible(req, **with_offload):
-            out.append("activation offload (memory.offload_fraction with full or selective recomputation) makes it feasible")
+            out.append("activation offload (memory.offload_fraction with full or selective recomputation) makes "
+                       "it feasible")
         else:
             for factor in (2, 4, 8):
                 host = req.hardware.host_memory_gib * factor

@@ -1,9 +1,9 @@
 """Validation of the cost model against measurement on this machine (CPU, gloo).
 
-For each case (model, sequence length, layout, policy, grad_accum) N local processes run real
-training steps through the same pieces as `longctx train` (Runtime -> build_model -> parallelize
--> step.forward_loss_sum / backward over grad_accum micro-batches -> step.make_optimizer's AdamW)
-on a random global batch with document ids, and report:
+For each case (model, sequence length, mesh shape, memory policy, grad_accum) N local processes
+run real training steps through the same pieces as `longctx train` (Runtime -> build_model ->
+parallelize -> train.step.forward_loss_sum / backward over grad_accum micro-batches ->
+train.step.make_optimizer's AdamW) on a random global batch with document ids, and report:
 
 - the bytes comm.py counted per mesh dim and label, on every rank, vs the planner's closed form
   (must be equal);
@@ -16,7 +16,7 @@ on a random global batch with document ids, and report:
 - activation bytes per rank as `longctx.bench.memory` measures them, vs the planner's activation
   estimate (within 5%);
 - the median step time, vs the planner's predicted step time for this machine (calibrated with
-  `hardware.calibrate`), compared as rankings and ratios between layouts.
+  `hardware.calibrate`), compared as rankings and ratios between mesh shapes.
 
 `longctx plan --validate` runs the default cases and prints JSON; benchmarks/planner_validate.py
 runs it with options and writes the docs table.
@@ -32,7 +32,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .cost import Layout, Policy, estimate
+import torch
+
+from ..config import build_config, to_dict
+from ..data.samples import Batch
+from ..memory.accounting import measure_activations
+from ..memory.policy import MemoryPolicy
+from ..models.llama import build_model
+from ..parallel import comm
+from ..parallel.parallelize import apply_memory, grad_scale, parallelize, use_sequence_parallel_attention
+from ..parallel.runtime import Runtime
+from ..parallel.spawn import run_spawned
+from ..train.step import forward_loss_sum, make_optimizer, set_gradient_sync
+from .cost import estimate
+from .documents import doc_work_of_ids
+from .hardware import calibrate
+from .shape import MeshShape
 
 SEED = 0
 
@@ -42,8 +57,8 @@ class Case:
     name: str
     preset: str
     seq_len: int
-    layout: Layout
-    policy: Policy = field(default_factory=Policy)
+    mesh_shape: MeshShape
+    policy: MemoryPolicy = field(default_factory=MemoryPolicy)
     global_batch: int = 0  # sequences per optimizer step; 0 = one per data-parallel rank and micro-batch
     layers: int = 0  # 0 = the preset's
     docs: bool = True  # document masks (packed documents)
@@ -51,63 +66,62 @@ class Case:
 
     def __post_init__(self):
         if not self.global_batch:
-            object.__setattr__(self, "global_batch", self.layout.dp * self.grad_accum)
-        if self.global_batch % (self.layout.dp * self.grad_accum):
+            object.__setattr__(self, "global_batch", self.mesh_shape.dp * self.grad_accum)
+        if self.global_batch % (self.mesh_shape.dp * self.grad_accum):
             raise ValueError(f"case {self.name}: global batch {self.global_batch} does not split into grad_accum "
-                             f"{self.grad_accum} x dp {self.layout.dp}")
+                             f"{self.grad_accum} x dp {self.mesh_shape.dp}")
 
     @property
     def world(self) -> int:
-        return self.layout.world
+        return self.mesh_shape.world
 
     @property
     def micro_batch(self) -> int:
         """Sequences per data-parallel rank per micro-batch."""
-        return self.global_batch // (self.layout.dp * self.grad_accum)
+        return self.global_batch // (self.mesh_shape.dp * self.grad_accum)
 
 
-def _L(**kw) -> Layout:
+def _mesh(**kw) -> MeshShape:
     kw.setdefault("dp_shard", 1)
-    return Layout(**kw)
+    return MeshShape(**kw)
 
 
 # Step-time ranking: 4 ranks, debug model, 4K tokens with packed documents, 4 sequences per step.
 RANKING_CASES = [
-    Case("ctx4", "debug", 4096, _L(ctx=4), global_batch=4),
-    Case("dp2xctx2", "debug", 4096, _L(dp_shard=2, ctx=2), global_batch=4),
-    Case("head2xctx2", "debug", 4096, _L(head=2, ctx=2), global_batch=4),
-    Case("dp4", "debug", 4096, _L(dp_shard=4), global_batch=4),
-    Case("head4", "debug", 4096, _L(head=4), global_batch=4),
-    Case("ctx4 full", "debug", 4096, _L(ctx=4), Policy("full"), global_batch=4),
-    Case("head4 full", "debug", 4096, _L(head=4), Policy("full"), global_batch=4),
+    Case("ctx4", "debug", 4096, _mesh(ctx=4), global_batch=4),
+    Case("dp2xctx2", "debug", 4096, _mesh(dp_shard=2, ctx=2), global_batch=4),
+    Case("head2xctx2", "debug", 4096, _mesh(head=2, ctx=2), global_batch=4),
+    Case("dp4", "debug", 4096, _mesh(dp_shard=4), global_batch=4),
+    Case("head4", "debug", 4096, _mesh(head=4), global_batch=4),
+    Case("ctx4 full", "debug", 4096, _mesh(ctx=4), MemoryPolicy("full"), global_batch=4),
+    Case("head4 full", "debug", 4096, _mesh(head=4), MemoryPolicy("full"), global_batch=4),
 ]
 
-# Bytes and activations: debug and ~100M models under layouts x policies (short, exact checks).
+# Bytes and activations: debug and ~100M models under mesh shapes x policies (short, exact checks).
 BYTES_CASES = [
-    Case("debug single", "debug", 2048, _L()),
-    Case("debug ctx2", "debug", 2048, _L(ctx=2)),
-    Case("debug head2", "debug", 2048, _L(head=2)),
-    Case("debug head2xctx2 full", "debug", 2048, _L(head=2, ctx=2), Policy("full")),
-    Case("debug ctx4/w2 selective", "debug", 2048, _L(ctx=4, window=2), Policy("selective")),
-    Case("debug dp2xctx2 selective+off0.5", "debug", 2048, _L(dp_shard=2, ctx=2), Policy("selective", 0.5),
+    Case("debug single", "debug", 2048, _mesh()),
+    Case("debug ctx2", "debug", 2048, _mesh(ctx=2)),
+    Case("debug head2", "debug", 2048, _mesh(head=2)),
+    Case("debug head2xctx2 full", "debug", 2048, _mesh(head=2, ctx=2), MemoryPolicy("full")),
+    Case("debug ctx4/w2 selective", "debug", 2048, _mesh(ctx=4, window=2), MemoryPolicy("selective")),
+    Case("debug dp2xctx2 selective+off0.5", "debug", 2048, _mesh(dp_shard=2, ctx=2), MemoryPolicy("selective", 0.5),
          global_batch=2),
-    Case("debug rep2xhead2 ctx-first", "debug", 2048, _L(dp_replicate=2, head=2, placement="ctx-first"),
+    Case("debug rep2xhead2 ctx-first", "debug", 2048, _mesh(dp_replicate=2, head=2, placement="ctx-first"),
          global_batch=2),
-    Case("100m head2xctx2", "small-100m", 1024, _L(head=2, ctx=2)),
-    Case("100m ctx4 selective", "small-100m", 1024, _L(ctx=4), Policy("selective")),
-    Case("100m head4 full", "small-100m", 1024, _L(head=4), Policy("full")),
+    Case("100m head2xctx2", "small-100m", 1024, _mesh(head=2, ctx=2)),
+    Case("100m ctx4 selective", "small-100m", 1024, _mesh(ctx=4), MemoryPolicy("selective")),
+    Case("100m head4 full", "small-100m", 1024, _mesh(head=4), MemoryPolicy("full")),
 ]
 
 
 def case_config(case: Case):
-    from ..config import build_config
-
-    L, P = case.layout, case.policy
+    shape = case.mesh_shape
     raw = {
         "model": {"preset": case.preset, **({"layers": case.layers} if case.layers else {})},
-        "parallel": {"dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "head": L.head, "ctx": L.ctx,
-                     "window": L.window if L.window and L.window < L.ctx else 0, "placement": L.placement},
-        "memory": P.memory_config(),
+        "parallel": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
+                     "ctx": shape.ctx, "window": shape.window if shape.window and shape.window < shape.ctx else 0,
+                     "placement": shape.placement},
+        "memory": case.policy.to_config(),
         "train": {"seq_len": case.seq_len, "global_batch": case.global_batch, "grad_accum": case.grad_accum,
                   "device": "cpu", "dtype": "fp32", "seed": SEED, "eval_interval": 0},
         "data": {"doc_mask": case.docs},
@@ -118,10 +132,6 @@ def case_config(case: Case):
 def random_batch(cfg, n_docs: int = 6):
     """A global batch (train.global_batch sequences) of random tokens packed from n_docs documents
     per sequence (doc ids, positions)."""
-    import torch
-
-    from ..data.samples import Batch
-
     g = torch.Generator().manual_seed(SEED)
     b, s = cfg.train.global_batch, cfg.train.seq_len
     tokens = torch.randint(0, cfg.model.vocab_size, (b, s), generator=g)
@@ -139,8 +149,6 @@ def random_batch(cfg, n_docs: int = 6):
 
 def micro_batches(cfg, rt, batch) -> list:
     """This rank's parts of the grad_accum micro-batches of a global batch."""
-    from ..data.samples import Batch
-
     n = cfg.train.global_batch // cfg.train.grad_accum
 
     def rows(t, i):
@@ -153,13 +161,6 @@ def micro_batches(cfg, rt, batch) -> list:
 
 def _setup(raw_cfg: dict):
     """(cfg, runtime, model, optimizer, the global batch, loss scale) of one case."""
-    from ..config import build_config
-    from ..models.llama import build_model
-    from ..parallel import comm
-    from ..parallel.parallelize import grad_scale, parallelize
-    from ..parallel.runtime import Runtime
-    from ..step import make_optimizer
-
     cfg = build_config(raw_cfg)
     mesh = comm.world_mesh()
     rt = Runtime.create(cfg, mesh.get_rank(), mesh.size(), "cpu")
@@ -173,8 +174,6 @@ def train_step(cfg, rt, model, opt, batch, scale, zero_grad: bool = True) -> Non
     """One optimizer step: forward/backward of every micro-batch (gradients accumulate), AdamW. The
     micro-batches are cut anew each step, as the training loop's are (new tensors: nothing a
     previous step attached to them, such as a planned sequence layout, carries over)."""
-    from ..step import forward_loss_sum, set_gradient_sync
-
     locals_ = micro_batches(cfg, rt, batch)
     for i, local in enumerate(locals_):
         set_gradient_sync(model, i == len(locals_) - 1 or cfg.memory.grad_sync == "micro_batch")  # as training
@@ -187,8 +186,6 @@ def train_step(cfg, rt, model, opt, batch, scale, zero_grad: bool = True) -> Non
 def model_state_bytes(model, opt) -> int:
     """Bytes of this rank's shards of the parameters, their gradients and the optimizer's state
     tensors (AdamW: exp_avg, exp_avg_sq), measured on the tensors."""
-    import torch
-
     def local(t):
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size()
@@ -203,8 +200,6 @@ def model_state_bytes(model, opt) -> int:
 
 
 def _worker(raw_cfg: dict, steps: int, warmup: int):
-    from ..parallel import comm
-
     cfg, rt, model, opt, batch, scale = _setup(raw_cfg)
     times, counters = [], {}
     for i in range(warmup + steps):
@@ -227,10 +222,6 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
     del model, opt
     # activation bytes this rank holds after the forward, measured as `longctx bench memory` does,
     # on a model without FSDP (the accounting counts activations, not gathered parameters)
-    from ..memory.accounting import measure_activations
-    from ..models.llama import build_model
-    from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
-
     bare = build_model(cfg.model, device="cpu", seed=SEED)
     use_sequence_parallel_attention(bare, rt.dims, rt.mesh)
     apply_memory(bare, cfg.memory, "cpu")
@@ -241,9 +232,6 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
 
 
 def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
-    from ..config import to_dict
-    from ..parallel.spawn import run_spawned
-
     cfg = case_config(case)
     per_rank = run_spawned(case.world, _worker, to_dict(cfg), steps, warmup, threads=1)
     est, predicted = _predict(case, hw, cfg)
@@ -275,8 +263,6 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
 def _ranking_worker(raws: list[dict], rounds: int):
     """All cases in ONE job of the same processes, interleaved round by round, so that every case
     sees the same machine load (this CPU is shared); returns per-case step times of this rank."""
-    from ..parallel import comm
-
     jobs = [_setup(raw) for raw in raws]  # (cfg, runtime, model, optimizer, global batch, scale)
     times = [[] for _ in jobs]
     counters = [None] * len(jobs)
@@ -294,11 +280,9 @@ def _ranking_worker(raws: list[dict], rounds: int):
 
 
 def _predict(case: Case, hw, cfg):
-    from .documents import doc_work_of_ids
-
     batch = random_batch(cfg)  # the batch the ranks train on: its documents' share of causal attention
     work = doc_work_of_ids(batch.doc_ids) if batch.doc_ids is not None else 1.0
-    est = estimate(cfg.model, hw, case.layout, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
+    est = estimate(cfg.model, hw, case.mesh_shape, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
                    micro_batch=case.micro_batch, gpus_per_node=case.world, doc_mask=cfg.data.doc_mask,
                    doc_work=work)
     predicted = {d: {k: int(v) for k, v in labels.items()} for d, labels in est.comm_bytes.items() if d != "fsdp"}
@@ -307,9 +291,6 @@ def _predict(case: Case, hw, cfg):
 
 def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
     """Measured (median over rounds, max over ranks) vs predicted step time of same-world cases."""
-    from ..config import to_dict
-    from ..parallel.spawn import run_spawned
-
     world = cases[0].world
     if any(c.world != world for c in cases):
         raise ValueError("ranking cases must share one world size (the same processes run them all)")
@@ -323,8 +304,9 @@ def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
         rows.append({
             "case": case.name, "preset": case.preset, "seq_len": case.seq_len, "world": case.world,
             "global_batch": case.global_batch, "grad_accum": case.grad_accum, "docs": case.docs,
-            "layout": est.as_dict()["layout"], "policy": est.as_dict()["policy"], "step_s_measured": statistics.median(per_round),
-            "step_s_rounds": per_round, "step_s_predicted": est.step_s, "predicted_times": est.times,
+            "layout": est.as_dict()["layout"], "policy": est.as_dict()["policy"],
+            "step_s_measured": statistics.median(per_round), "step_s_rounds": per_round,
+            "step_s_predicted": est.step_s, "predicted_times": est.times,
             "comm_equal_all_ranks": all(r["counters"][i] == predicted for r in per_rank),
         })
     return rows
@@ -344,8 +326,6 @@ def ranking_agreement(rows: list[dict]) -> dict:
 
 
 def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_calibration: int = 4) -> int:
-    from .hardware import calibrate
-
     hw = calibrate(world=world_for_calibration)
     print(json.dumps({"calibrated": hw.source, "peak_tflops": hw.peak_tflops,
                       "attention_efficiency": hw.attention_efficiency}), file=sys.stderr, flush=True)

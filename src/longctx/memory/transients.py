@@ -1,0 +1,244 @@
+"""Transient memory: what one rank holds on top of its saved activations while backward runs.
+
+Analytic byte models of the working sets this implementation allocates: one block's backward by
+phases (`transient_bytes`), the document-sparse attention backward, a chunk pair of the chunked
+attention core (ops/chunked.py), and the host memory and traffic of memory.attention_offload. They
+sit beside memory/accounting.py (the saved activations, measured to the byte) and are what the
+planner adds to them; benchmarks/block_chunk.py and attention_chunk.py compare them with a step's
+measured peak. Shapes are per rank: `head` x `ctx` sequence-parallel ranks (`window`: the
+Double-Ring inner ring, 0 = plain ring); all bytes are per rank and micro-batch.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .accounting import ActivationEstimate, block_part_bytes, estimate_activations
+from .policy import MemoryPolicy
+
+
+def attention_widths(m: ModelConfig, head: int) -> tuple[int, int]:
+    """Elements per token of q (every query head) and of k or v (kv heads after the head
+    all-to-all's replication, at least `head`)."""
+    hd = m.resolved_head_dim
+    return m.heads * hd, max(m.kv_heads, head) * hd
+
+
+def sparse_attention_backward_bytes(m: ModelConfig, head: int, e: int) -> float:
+    """Bytes per rank token that one document-sparse attention backward holds at its peak on top of
+    its inputs, counted from ops/attention.py `_sparse_backward` (the per-group path: CPU, fp32)
+    and ops/varlen.py `varlen_backward` (CUDA bf16/fp16, one varlen call per round), which
+    allocate alike. Per call (a local attention, or one ring block: the rank's t x head tokens after
+    the all-to-all with heads / head query heads hold as many bytes as t tokens with every head):
+
+    - the accumulators `dq`, `dk`, `dv` = torch.zeros(..., float32) shaped like the flat q [tokens,
+      heads, d] and k, v [tokens, kv heads, d] (kv heads after the all-to-all's replication), alive
+      for the whole call: 4 (q_dim + 2 kv_dim) per token. (Not allocated when the pairs tile the
+      tensors exactly, `_whole_tiling` / one identity round, e.g. one document per sequence or a
+      ring's diagonal block: counted anyway, the planner does not know the documents per rank.)
+    - the largest group's (round's) temporaries. The kernel's gradients gq, gk, gv (e (q_dim +
+      2 kv_dim)) live until the next group; during the kernel call, its arguments: the rows
+      `index_select`ed from dout, q, out (3 e q_dim) and k, v (2 e kv_dim) and the lse rows (fp32, 4
+      per head), freed when it returns; after it, the fp32 copies for index_add_ (`gq.float()`,
+      then gk's, then gv's: one at a time, at most 4 q_dim), so the larger of the two phases. A
+      group holds each query row at most once (ops/segments.py `_group`, varlen `_build_rounds`),
+      so its rows are bounded by the rank's tokens (a key segment serving several query segments
+      of one group is gathered once per pair: a document in several pieces on one rank, rare; not
+      counted). On some paths some of these are views (strided segments, identity rounds, fp32
+      inputs): an upper bound (tests/unit/test_memory_transients.py measures the CPU path under it).
+
+    The final `.to(dtype)` copies of dq, dk, dv come after the group temporaries are gone and are
+    smaller. Nothing here depends on the sequence length beyond the rank's tokens: no [S_q, S_k]
+    tensor exists on any path."""
+    q_dim, kv_dim = attention_widths(m, head)
+    accumulators = 4 * (q_dim + 2 * kv_dim)
+    kernel_grads = e * (q_dim + 2 * kv_dim)
+    kernel_args = 3 * e * q_dim + 2 * e * kv_dim + 4 * m.heads
+    fp32_copy = 4 * max(q_dim, kv_dim)
+    return accumulators + kernel_grads + max(kernel_args, fp32_copy)
+
+
+def attention_chunks(seq_len: int, micro_batch: int, ctx: int, policy: MemoryPolicy) -> int:
+    """How many chunks the attention core's sequence (a context rank's tokens after the head
+    all-to-all) is cut into under memory.attention_chunk; 1 = not chunked."""
+    core_tokens = micro_batch * seq_len // ctx
+    c = policy.attention_chunk
+    return -(-core_tokens // c) if c and core_tokens > c else 1
+
+
+def per_chunk_store(ctx: int, policy: MemoryPolicy) -> bool:
+    """Whether the core's kept state lives on the host chunk by chunk (ops/chunked.py ChunkStore):
+    with attention_offload, without a ring (a ring's kept state goes to the host whole)."""
+    return bool(policy.attention_chunk) and policy.attention_offload and ctx == 1
+
+
+def chunk_pair_bytes(m: ModelConfig, head: int, e: int, docs: bool, offload: bool) -> float:
+    """Bytes per query token of one chunk pair's backward (ops/chunked.py `_backward_loop`), in the
+    core's layout counted per rank token like the rest: the query chunk's q, out, dout (e each),
+    lse and its fp32 dq share, the key chunk's k, v (twice with the one-pair-ahead prefetch of
+    offload); k, v repeated to every query head for the kernel and their gradients; the kernel's
+    gq, gk, gv; the fp32 dk/dv accumulators of the key chunk; with documents the sparse backward
+    of the pair."""
+    q_dim, kv_dim = attention_widths(m, head)
+    fetched = 3 * e * q_dim + 4 * m.heads + 4 * q_dim + 2 * e * kv_dim
+    kernel = (4 * e * q_dim if kv_dim < q_dim else 0) + e * (q_dim + 2 * kv_dim) + 8 * kv_dim
+    sparse = sparse_attention_backward_bytes(m, head, e) if docs else 0.0
+    return (2 if offload else 1) * fetched + kernel + sparse
+
+
+def attention_offload_host_and_traffic(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int,
+                                       policy: MemoryPolicy, dtype_bytes: int,
+                                       work: float = 1.0) -> tuple[float, float]:
+    """memory.attention_offload: (host bytes per rank beyond the saved activations, bytes moved
+    between device and host per block and micro-batch).
+
+    Host: under `full` the block in backward keeps its recomputed core state (q, k, v, out, lse) on
+    the host; with the per-chunk store also the fp32 dq accumulators and dout. (Under selective the
+    core state is a saved activation, counted by memory.accounting.)
+    Traffic: the core state goes out once per forward (twice under full: forward and recompute).
+    A ring's state comes back whole for its backward; the per-chunk store brings back a query chunk
+    (q, out, dout, lse and its fp32 dq, which also goes out again) for every key chunk it sees,
+    ~ (u + 1) / 2 times for u chunks under a causal mask (fewer with documents: `work`), and each
+    key chunk once: the O(u^2) chunk moves of FPDT."""
+    if not (policy.attention_chunk and policy.attention_offload):
+        return 0.0, 0.0
+    e = dtype_bytes
+    t = micro_batch * seq_len // (head * ctx)
+    q_dim, kv_dim = attention_widths(m, head)
+    core = block_part_bytes(m, head, e)["core"]
+    full = policy.recompute == "full"
+    per_chunk = per_chunk_store(ctx, policy)
+    host = t * ((core if full else 0.0) + ((4 + e) * q_dim if per_chunk else 0.0))
+    out = t * core * (2 if full else 1)
+    if per_chunk:
+        u = attention_chunks(seq_len, micro_batch, ctx, policy)
+        visits = max(1.0, (u + 1) / 2 * work)
+        back = t * (visits * (3 * e * q_dim + 4 * m.heads + 8 * q_dim) + 2 * e * kv_dim + e * q_dim)
+    else:
+        back = t * core
+    return host, out + back
+
+
+# ------------------------------------------------------------------------------------------------
+# One block's backward, by phases
+
+
+def core_working_set_bytes(m: ModelConfig, *, head: int, ctx: int, window: int, e: int, docs: bool,
+                           chunked: bool, host_chunks: bool) -> float:
+    """Bytes per rank token of the attention core's backward working set over all of the rank's
+    tokens (see transient_bytes: accumulators, a ring's blocks in flight, and unchunked the
+    grouped-query repeat and the document-sparse temporaries)."""
+    q_dim, kv_dim = attention_widths(m, head)
+    if host_chunks:
+        work = e * (q_dim + 2 * kv_dim)  # the returned dq, dk, dv; fp32 dq waits on the host
+    elif chunked and ctx == 1:
+        work = 4 * q_dim + 2 * e * kv_dim  # fp32 dq accumulator, dk, dv filled key chunk by key chunk
+    else:
+        work = 4 * q_dim + 8 * kv_dim  # fp32 dq and dk/dv accumulators
+    if ctx > 1:
+        double_ring = window and window < ctx
+        work += 8 * kv_dim + 2 * e * kv_dim * (2 if double_ring else 1)
+    if not chunked:
+        if kv_dim < q_dim:  # ops/attention.py repeats k, v per query group: expanded k, v and grads
+            work += 4 * e * q_dim
+        if docs:
+            work += sparse_attention_backward_bytes(m, head, e)
+    return work
+
+
+def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, part: dict[str, float],
+                           e: int) -> float:
+    """Bytes of the piece of the token-wise stages that backward holds at once: under `none` the
+    MLP's two widest gradients over all tokens; recomputed, the piece's saved tensors (block_chunk
+    tokens, or all of them: under selective + offload the larger of the stored and the recomputed
+    shares) with those gradients."""
+    A = policy.offload_fraction
+    if policy.recompute == "none":
+        piece_tokens, piece_bytes = tokens, 2 * e * m.ffn_dim
+    else:
+        whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
+        piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
+        post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
+        piece_bytes = post + 2 * e * m.ffn_dim
+    return piece_tokens * piece_bytes
+
+
+def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
+                         policy: MemoryPolicy, dtype_bytes: int, docs: bool) -> dict[str, float]:
+    """{"post", "core", "pre"}: bytes alive on the device in each phase of one block's backward,
+    beyond the saved activations and the host tier brought back (see transient_bytes)."""
+    e = dtype_bytes
+    t = micro_batch * seq_len // (head * ctx)
+    part = block_part_bytes(m, head, e, docs)
+    q_dim, kv_dim = attention_widths(m, head)
+    seq_out = part["attn_out"] if head > 1 else 0.0
+    both_layouts = 2 if head > 1 else 1
+    chunked = attention_chunks(seq_len, micro_batch, ctx, policy) > 1
+    host_chunks = chunked and per_chunk_store(ctx, policy)
+    X = e * m.dim
+    core_work = core_working_set_bytes(m, head=head, ctx=ctx, window=window, e=e, docs=docs, chunked=chunked,
+                                       host_chunks=host_chunks)
+    pair = 0.0
+    if chunked:
+        pair = min(policy.attention_chunk / head, t) * chunk_pair_bytes(m, head, e, docs, policy.attention_offload)
+    full = policy.recompute == "full"
+    # the recomputed attention state under full: in post's backward (core state + the output in
+    # sequence layout) and in the core's backward (core state); with the per-chunk host store only
+    # the output stays on the device
+    state_post = (e * q_dim if host_chunks else part["core"] + seq_out) if full else 0.0
+    state_core = (0.0 if host_chunks else part["core"]) if full else 0.0
+    piece = recomputed_piece_bytes(m, t, policy, part, e)
+    return {"post": t * (2 * X + e * q_dim + state_post) + piece,
+            "core": t * (X + e * q_dim + state_core + core_work) + pair,
+            "pre": t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + piece}
+
+
+def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int) -> float:
+    """The LM head's backward: one chunk of logits and their fp32 gradient (all tokens unchunked)."""
+    lm_tokens = loss_chunk if loss_chunk and tokens > loss_chunk else tokens
+    return lm_tokens * m.vocab_size * (e + 4)
+
+
+def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int = 0,
+                    policy: MemoryPolicy, dtype_bytes: int, docs: bool,
+                    acts: ActivationEstimate | None = None) -> float:
+    """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
+    backward and one block's backward. A block's backward runs in phases, and what is alive in each
+    follows the implementation (autograd frees a gradient once its consumer has run):
+
+    - throughout: what comes back from the host under offload: the block's host tier and the next
+      block's (prefetched one block ahead);
+    - `post` backward (output projection, residual, MLP, in pieces of `block_chunk` tokens, or all
+      tokens): the incoming gradient dy and the residual gradient being built (two of d), the
+      attention output's gradient (sequence layout), one piece recomputed with the gradients of its
+      two widest intermediates (the MLP's), and under `full` the recomputed attention state (q, k,
+      v, output, log-sum-exp in the core's layout, and the output in sequence layout);
+    - the core's backward: the residual gradient, the attention output's gradient (core layout),
+      under `full` the recomputed state, and the core's working set: fp32 dq and dk/dv
+      accumulators over all tokens (a ring adds the dk/dv block in flight and the K/V block
+      received, two under Double-Ring), and unchunked, k and v repeated to every query head with
+      their gradients (grouped-query attention) and with documents the document-sparse backward of
+      one call (`sparse_attention_backward_bytes`: linear in the tokens, no S^2 term). With
+      memory.attention_chunk (ops/chunked.py) the repeat and the sparse temporaries are one chunk
+      pair's (`chunk_pair_bytes` for chunk / head rank tokens); with attention_offload and no ring
+      the state comes back one chunk at a time and dq accumulates on the host, so only the
+      returned dq, dk, dv span all tokens;
+    - `pre` backward: the residual gradient, the input gradient being built, dq, dk, dv in the
+      sequence layout (and, under the all-to-all, its head-layout copy), one piece.
+
+    Not modelled: the attention kernel's own workspace. On CPU, glibc keeps freed heap memory
+    mapped (its mmap threshold grows with the largest freed block), so a process's RSS can exceed
+    the live bytes by ~2x; benchmarks compare with MALLOC_MMAP_THRESHOLD_ fixed (docs/benchmarks.md).
+
+    The LM head holds one chunk of logits and their gradient (all tokens unchunked). Model-wise
+    estimates of the allocator's behaviour; the saved activations are the exact part."""
+    e = dtype_bytes
+    t = micro_batch * seq_len // (head * ctx)
+    phases = backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
+                                  dtype_bytes=e, docs=docs)
+    back = 0.0
+    if policy.offload_fraction:
+        acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
+                                            dtype_bytes=e, docs=docs)
+        back = 2 * acts.per_block_host
+    block = back + max(phases.values())
+    return max(block, lm_head_bytes(m, t, policy.loss_chunk, e))

@@ -1,0 +1,69 @@
+"""MeshShape: the parallel degrees of one candidate plan, and which of its groups share a node.
+
+The planner's view of the [parallel] table (parallel/dims.py builds the real DeviceMesh from the
+same degrees): dp_replicate x dp_shard x head x ctx ranks, the Double-Ring `window` and the
+`placement` that decides which sequence group gets adjacent ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    head: int = 1
+    ctx: int = 1
+    window: int = 0
+    placement: str = "head-first"
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.head * self.ctx
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Size of the FSDP shard group: dp_shard x head x ctx (contiguous ranks)."""
+        return self.dp_shard * self.head * self.ctx
+
+    @property
+    def sequence_degree(self) -> int:
+        return self.head * self.ctx
+
+    def describe(self) -> str:
+        """Short form for tables: 'rep2xdp2xhead2xctx8/w4 hf'."""
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"rep{self.dp_replicate}")
+        if self.dp_shard > 1:
+            parts.append(f"dp{self.dp_shard}")
+        if self.head > 1:
+            parts.append(f"head{self.head}")
+        if self.ctx > 1:
+            parts.append(f"ctx{self.ctx}" + (f"/w{self.window}" if self.window and self.window < self.ctx else ""))
+        text = "x".join(parts) or "single"
+        if self.head > 1 and self.ctx > 1:
+            text += " " + ("hf" if self.placement == "head-first" else "cf")
+        return text
+
+
+def group_is_intra_node(shape: MeshShape, group: str, gpus_per_node: int) -> bool:
+    """Whether every rank of one `group` ("head", "ctx", "window", "fsdp", "replicate") is in one node.
+
+    A group of `size` ranks with `stride` between them spans stride x size consecutive ranks; with
+    power-of-two-style divisibility it stays in one node iff that span is at most gpus_per_node."""
+    h, c, w = shape.head, shape.ctx, (shape.window or shape.ctx)
+    if shape.placement == "head-first":
+        stride_size = {"head": (1, h), "ctx": (h, c), "window": (h, w)}
+    else:
+        stride_size = {"head": (c, h), "ctx": (1, c), "window": (1, w)}
+    stride_size["fsdp"] = (1, shape.fsdp)
+    stride_size["replicate"] = (shape.fsdp, shape.dp_replicate)
+    stride, size = stride_size[group]
+    return size == 1 or stride * size <= gpus_per_node

@@ -1,0 +1,194 @@
+"""Time of one candidate plan: compute from FLOPs, and the communication that compute does not hide.
+
+Per rank and micro-batch unless a name says otherwise (`exposed_fsdp_seconds` is per optimizer
+step: its micro-batches differ). Compute: GEMM FLOPs / (peak x gemm_efficiency) + attention FLOPs
+/ (peak x attention_efficiency). Communication uses intra-node bandwidth for a group whose ranks
+fit in one node under the shape's placement (shape.group_is_intra_node), inter-node bandwidth
+otherwise. Ulysses all-to-alls block (fully exposed); ring hops overlap one ring step of attention
+compute (a Double-Ring outer hop overlaps a whole inner ring of `window` steps); FSDP gathers /
+reduce-scatters overlap their block's compute; offload copies overlap their block's compute;
+`hardware.comm_overlap` scales every overlap (0 on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..memory.accounting import ActivationEstimate
+from ..memory.policy import MemoryPolicy
+from ..models.flops import matmul_params_per_layer
+from .hardware import Hardware
+from .model_states import param_counts
+from .shape import MeshShape, group_is_intra_node
+
+
+def link_bandwidth(hw: Hardware, intra: bool) -> float:
+    """Bytes/s of one rank's link: inside a node or between nodes."""
+    return (hw.intra_gbps if intra else hw.inter_gbps) * 1e9
+
+
+def exposed(transfer_s: float, compute_s: float, hw: Hardware) -> float:
+    """What of a transfer is not hidden behind compute running beside it (hardware.comm_overlap of it can be)."""
+    return transfer_s - min(transfer_s, hw.comm_overlap * compute_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Compute
+
+
+@dataclass(frozen=True)
+class Flops:
+    """FLOPs of one rank's micro-batch."""
+    gemm_fwd: float       # the forward's matmuls: blocks and LM head
+    causal_attn: float    # the attention forward under a plain causal mask
+    attn_fwd: float       # the attention forward the documents leave (causal_attn x doc_work)
+    rec_gemm: float       # matmuls re-run in backward (recomputation)
+    rec_attn: float       # attention re-run in backward (full recomputation)
+
+
+def forward_gemm_flops(m: ModelConfig, tokens: int) -> float:
+    """2 FLOPs per matmul parameter and token in every block, and the LM head's 2 d V."""
+    return tokens * (m.layers * 2 * matmul_params_per_layer(m) + 2 * m.dim * m.vocab_size)
+
+
+def causal_attention_flops(m: ModelConfig, tokens: int, seq_len: int) -> float:
+    """QK^T and PV: 4 s d per token and layer over a sequence of s, halved by the causal mask."""
+    return tokens * m.layers * 2 * seq_len * (m.heads * m.resolved_head_dim)
+
+
+def micro_batch_flops(m: ModelConfig, tokens: int, seq_len: int, policy: MemoryPolicy, acts: ActivationEstimate,
+                      doc_work: float) -> Flops:
+    """The FLOPs of a micro-batch of `tokens` rank tokens. The kernels run only same-document pairs,
+    and the "docs" balance gives each context rank 1/c of them (parallel/doc_balance.py): the rank's
+    attention work is the documents' share. acts.recompute_flops counts the re-run attention at the
+    causal rate; the rest of it is GEMMs."""
+    gemm_fwd = forward_gemm_flops(m, tokens)
+    causal_attn = causal_attention_flops(m, tokens, seq_len)
+    attn_fwd = causal_attn * doc_work
+    full = policy.recompute == "full"
+    rec_attn = attn_fwd if full else 0.0
+    rec_gemm = max(0.0, acts.recompute_flops - (causal_attn if full else 0.0))
+    return Flops(gemm_fwd, causal_attn, attn_fwd, rec_gemm, rec_attn)
+
+
+def _rates(hw: Hardware) -> tuple[float, float]:
+    """FLOP/s of GEMMs and of attention."""
+    return hw.peak_flops * hw.gemm_efficiency, hw.peak_flops * hw.attention_efficiency
+
+
+def compute_seconds(f: Flops, hw: Hardware) -> float:
+    """Forward + backward (twice the forward) + recomputation of one micro-batch."""
+    gemm_rate, attn_rate = _rates(hw)
+    return (3 * f.gemm_fwd + f.rec_gemm) / gemm_rate + (3 * f.attn_fwd + f.rec_attn) / attn_rate
+
+
+def block_forward_seconds(f: Flops, m: ModelConfig, hw: Hardware) -> float:
+    """One block's forward (the LM head's share spread over the blocks)."""
+    gemm_rate, attn_rate = _rates(hw)
+    return (f.gemm_fwd / max(m.layers, 1)) / gemm_rate + (f.attn_fwd / max(m.layers, 1)) / attn_rate
+
+
+def layer_attention_seconds(f: Flops, m: ModelConfig, hw: Hardware) -> float:
+    """One layer's attention forward."""
+    return f.attn_fwd / max(m.layers, 1) / _rates(hw)[1]
+
+
+def recompute_share(f: Flops) -> float:
+    """The recomputed part of a micro-batch's FLOPs."""
+    return (f.rec_gemm + f.rec_attn) / (3 * (f.gemm_fwd + f.attn_fwd) + f.rec_gemm + f.rec_attn)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exposed communication
+
+
+def exposed_head_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, per_call: dict, refwd: dict,
+                         hw: Hardware, gpus_per_node: int) -> float:
+    """The Ulysses all-to-alls of every layer (forward + backward, the forward again under full
+    recomputation): blocking, so all of it."""
+    if shape.head == 1:
+        return 0.0
+    bw = link_bandwidth(hw, group_is_intra_node(shape, "head", gpus_per_node)) * hw.all_to_all_efficiency
+    seconds = sum(per_call["head"].values()) / bw * m.layers
+    if policy.recompute == "full":
+        seconds += sum(refwd["head"].values()) / bw * m.layers
+    return seconds
+
+
+def exposed_ring_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, per_call: dict,
+                         layer_attn_s: float, hw: Hardware, gpus_per_node: int) -> float:
+    """The ring's c-1 hops per layer (K/V forward, K/V and fp32 dK/dV backward), each overlapping one
+    ring step of attention (1/c of the layer's; backward twice the forward); a Double-Ring's c/w-1
+    outer hops cross windows and overlap a whole inner ring of w steps."""
+    if shape.ctx == 1:
+        return 0.0
+    c, w = shape.ctx, (shape.window or shape.ctx)
+    n_outer = c // w - 1
+    n_inner = c - 1 - n_outer
+    hop_fwd = per_call["ctx"]["ring_kv"] / (c - 1)
+    hop_bwd = (per_call["ctx"]["ring_kv_bwd"] + per_call["ctx"]["ring_dkv"]) / (c - 1)
+    bw_in = link_bandwidth(hw, group_is_intra_node(shape, "window", gpus_per_node))
+    bw_out = link_bandwidth(hw, group_is_intra_node(shape, "ctx", gpus_per_node))
+    step_fwd, step_bwd = layer_attn_s / c, 2 * layer_attn_s / c
+    fwd = n_inner * exposed(hop_fwd / bw_in, step_fwd, hw) + n_outer * exposed(hop_fwd / bw_out, w * step_fwd, hw)
+    bwd = n_inner * exposed(hop_bwd / bw_in, step_bwd, hw) + n_outer * exposed(hop_bwd / bw_out, w * step_bwd, hw)
+    fwd_passes = 2 if policy.recompute == "full" else 1
+    return (fwd_passes * fwd + bwd) * m.layers
+
+
+def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, hw: Hardware,
+                          gpus_per_node: int) -> dict[str, float]:
+    """Seconds of one block's and of the root's FSDP transfers: the parameter all-gather ((n-1)/n of
+    the gathered tensor over the shard group of n) and the gradient reduction (fp32: (n-1)/n
+    reduce-scattered, and under HSDP 2 (r-1)/r of the shard all-reduced over the r replicas)."""
+    pc = param_counts(m)
+    n, r = shape.fsdp, shape.dp_replicate
+    bw_f = link_bandwidth(hw, group_is_intra_node(shape, "fsdp", gpus_per_node))
+    bw_r = link_bandwidth(hw, group_is_intra_node(shape, "replicate", gpus_per_node))
+    return {
+        "block_gather": (n - 1) / n * pc["block"] * gather_bytes / bw_f,
+        "block_reduce": (n - 1) / n * pc["block"] * 4 / bw_f + 2 * (r - 1) / r * pc["block"] * 4 / n / bw_r,
+        "root_gather": (n - 1) / n * pc["root"] * gather_bytes / bw_f,
+        "root_reduce": (n - 1) / n * pc["root"] * 4 / bw_f + 2 * (r - 1) / r * pc["root"] * 4 / n / bw_r,
+    }
+
+
+def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int,
+                         gather_bytes: int, block_fwd_s: float, recompute_flops: float, hw: Hardware,
+                         gpus_per_node: int) -> float:
+    """FSDP time of the whole optimizer step that its block's compute does not hide. A block's
+    gather overlaps its forward and again its backward (with its share of recomputation); the
+    root's gather and reduce are not hidden; gradients are reduced in the last micro-batch's
+    backward only (gradient sync is off for the others) unless grad_sync is per micro_batch."""
+    if shape.world == 1:
+        return 0.0
+    x = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node)
+    block_bwd = 2 * block_fwd_s + (recompute_flops / max(m.layers, 1)) / _rates(hw)[0]
+    gather, reduce = x["block_gather"], x["block_reduce"]
+    last = m.layers * (exposed(gather, block_fwd_s, hw) + exposed(gather + reduce, block_bwd, hw))
+    others = m.layers * (exposed(gather, block_fwd_s, hw) + exposed(gather, block_bwd, hw))
+    last_micro = last + x["root_gather"] + x["root_reduce"]
+    other_micro = last_micro if policy.grad_sync == "micro_batch" else others + x["root_gather"]
+    return last_micro + (grad_accum - 1) * other_micro
+
+
+def exposed_offload_seconds(m: ModelConfig, policy: MemoryPolicy, acts: ActivationEstimate, block_fwd_s: float,
+                            hw: Hardware) -> float:
+    """Activation offload: each offloaded block's host tier goes out during its forward and comes
+    back during its backward (twice the forward), over the host link."""
+    if not acts.per_block_host:
+        return 0.0
+    offloaded = max(0, m.layers - policy.offload_skip_last)
+    x = acts.per_block_host / (hw.host_link_gbps * 1e9)
+    return offloaded * (exposed(x, block_fwd_s, hw) + exposed(x, 2 * block_fwd_s, hw))
+
+
+def exposed_attention_offload_seconds(m: ModelConfig, policy: MemoryPolicy, traffic: float, layer_attn_s: float,
+                                      hw: Hardware) -> float:
+    """memory.attention_offload: a block's chunk copies (`traffic` bytes) overlap its attention work
+    (forward, backward twice the forward, and the recomputed forward under full)."""
+    if not traffic:
+        return 0.0
+    attn_block = (3 + (1 if policy.recompute == "full" else 0)) * layer_attn_s
+    return m.layers * exposed(traffic / (hw.host_link_gbps * 1e9), attn_block, hw)

@@ -1,0 +1,152 @@
+"""Transient memory (memory/transients.py) and the memory policy object: formulas against values
+worked out by hand for a tiny model, the document-sparse backward measured against its count, and
+MemoryPolicy built from a config.
+
+TINY: dim 8, 2 layers, 2 query heads and 1 kv head of 4 dims (q: 8 elements per token, k or v: 4),
+MLP width 16, vocabulary 10.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from longctx.config import load_config
+from longctx.memory.accounting import estimate_activations
+from longctx.memory.policy import MemoryPolicy
+from longctx.memory.transients import (
+    attention_chunks,
+    attention_widths,
+    lm_head_bytes,
+    sparse_attention_backward_bytes,
+    transient_bytes,
+)
+from longctx.ops.attention import attention_backward, attention_forward
+
+
+def model(preset, **over):
+    return load_config(None, {"model": {"preset": preset, **over}}).model
+
+
+TINY = model("debug", dim=8, layers=2, heads=2, kv_heads=1, head_dim=4, ffn_dim=16, vocab_size=10,
+             tie_embeddings=False)
+
+
+def test_attention_widths():
+    assert attention_widths(TINY, 1) == (8, 4)
+    assert attention_widths(TINY, 2) == (8, 8)  # the one kv head replicated to each of 2 head ranks
+
+
+def test_sparse_backward_bytes_by_hand():
+    """bf16, head 1, per token: fp32 accumulators dq (8), dk, dv (4 each) = 64 B; the kernel's
+    gradients gq, gk, gv in bf16 = 32 B; the larger of the kernel call's arguments (rows of dout, q,
+    out: 48 B; of k, v: 16 B; the fp32 lse of 2 heads: 8 B) = 72 B and the fp32 copy of gq (32 B)."""
+    assert sparse_attention_backward_bytes(TINY, 1, 2) == 64 + 32 + 72 == 168
+
+
+def test_lm_head_bytes():
+    # bf16 logits [tokens, 10] and their fp32 gradient: 60 B per token, for one chunk when chunked
+    assert lm_head_bytes(TINY, 100, 0, 2) == 6000
+    assert lm_head_bytes(TINY, 100, 32, 2) == 1920
+    assert lm_head_bytes(TINY, 20, 32, 2) == 1200  # fewer tokens than a chunk
+
+
+def test_attention_chunks():
+    # ctx 2: the core sees 500 of 1000 tokens, in chunks of 128
+    assert attention_chunks(1000, 1, 2, MemoryPolicy(attention_chunk=128)) == 4
+    assert attention_chunks(1000, 1, 2, MemoryPolicy(attention_chunk=512)) == 1
+    assert attention_chunks(1000, 1, 2, MemoryPolicy()) == 1
+
+
+def test_transient_is_the_lm_head_when_its_logits_are_widest():
+    """A vocabulary far wider than the block: the LM head's backward (logits and their fp32
+    gradient) is the peak: 64 tokens x 1000 x (2 + 4) B."""
+    wide = dataclasses.replace(TINY, vocab_size=1000)
+    assert transient_bytes(wide, 64, 1, head=1, ctx=1, policy=MemoryPolicy(), dtype_bytes=2, docs=False) == 384000
+
+
+def test_selective_keeps_the_attention_core_and_the_block_output():
+    """fp32, head 1, per token and block: q (8 x 4 B), k and v (4 x 4 B each), the output (8 x 4 B),
+    the log-sum-exp of 2 heads (2 x 4 B) and the block's output (8 x 4 B) = 136 B."""
+    est = estimate_activations(TINY, 16, 1, policy=MemoryPolicy("selective"), dtype_bytes=4)
+    assert est.kept_block_device == 16 * 136
+    assert est.per_block_host == 0 and est.total_host == 0
+
+
+def test_memory_policy_from_config():
+    cfg = load_config(None, {"memory": {"recompute": "selective", "offload_fraction": 0.5, "block_chunk": 1024,
+                                        "attention_chunk": 2048, "attention_offload": True}})
+    policy = MemoryPolicy.from_config(cfg.memory)
+    assert policy == MemoryPolicy("selective", 0.5, 1, 4096, 1024, 2048, True, "step")
+    assert policy.attention_offloaded and not MemoryPolicy(attention_offload=True).attention_offloaded
+    assert load_config(None, {"memory": policy.to_config()}).memory == cfg.memory  # round trip
+    assert policy.describe() == "selective+off0.5 bc1K ac2K lc4K ahost"
+    auto = load_config(None, {"memory": {"recompute": "selective", "offload_fraction": "auto"}})
+    with pytest.raises(ValueError, match="auto"):
+        MemoryPolicy.from_config(auto.memory)
+
+
+def test_sparse_attention_memory_is_linear_in_the_rank_tokens():
+    m = model("llama3-8b")
+    # block chunks keep the MLP's pieces small, so the attention core's backward is the peak phase
+    pol = MemoryPolicy("selective", loss_chunk=1024, block_chunk=4096)
+    for head, ctx, seq in [(1, 8, 2**17), (2, 4, 2**17)]:
+        t = seq // (head * ctx)
+
+        def transient(seq_len, head=head, ctx=ctx, policy=pol, docs=True):
+            return transient_bytes(m, seq_len, 1, head=head, ctx=ctx, policy=policy, dtype_bytes=2, docs=docs)
+
+        docs, plain = transient(seq), transient(seq, docs=False)
+        # the core's backward phase gains the sparse temporaries (another phase may have been the peak)
+        assert 0 < docs - plain <= t * sparse_attention_backward_bytes(m, head, 2)
+        # with attention chunks the sparse temporaries are one chunk pair's, not the rank's tokens'
+        chunked = dataclasses.replace(pol, attention_chunk=8192)
+        long_t = 2**20 // (head * ctx)
+        cd, cp = (transient(2**20, policy=chunked, docs=flag) for flag in (True, False))
+        assert 0 < cd - cp <= 8192 / head * sparse_attention_backward_bytes(m, head, 2)
+        assert cd < transient(2**20) - long_t * 8192
+        # twice the sequence over twice the context ranks: the same tokens per rank, the same bytes
+        assert transient(2 * seq, ctx=2 * ctx) == docs
+
+
+def test_sparse_backward_temporaries_fit_the_count():
+    """Measured: the bytes that ops/attention.py's document-sparse backward (CPU, fp32) creates and
+    holds at its peak stay within the count per token (the accumulators and the largest
+    group's temporaries, plus the grouped-query expansion the planner counts with the block's
+    gradients); no [S, S] tensor is ever made."""
+    class Peak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.held, self.peak, self.largest = {}, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.held:
+                    st = t.untyped_storage()
+                    self.held[st.data_ptr()] = st
+                    self.largest = max(self.largest, st.nbytes())
+            self.held = {p: s for p, s in self.held.items() if torch._C._storage_Use_Count(s._cdata) > 1}
+            self.peak = max(self.peak, sum(s.nbytes() for s in self.held.values()))
+            return out
+
+    m = model("debug")  # 4 query heads, 2 kv heads, head_dim 32
+    s, hd = 512, m.resolved_head_dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, s, m.heads, hd, generator=g)
+    k, v = (torch.randn(1, s, m.kv_heads, hd, generator=g) for _ in range(2))
+    lengths = [300, 100, 50, 40, 10, 7, 5]  # unequal: several groups, accumulators needed
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    out, lse = attention_forward(q, k, v, q_doc=doc, k_doc=doc)
+    dout = torch.randn_like(out)
+    mode = Peak()
+    with mode:
+        grads = attention_backward(dout, q, k, v, out, lse, q_doc=doc, k_doc=doc)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    q_dim = m.heads * hd
+    count = s * (sparse_attention_backward_bytes(m, 1, 4) + 4 * 4 * q_dim)  # + expanded k, v and their grads
+    accumulators = s * 4 * (q_dim + 2 * m.kv_heads * hd)
+    assert accumulators < mode.peak <= count, (mode.peak, count)
+    assert mode.largest < s * s * 4  # nothing S x S (the largest tensor is a few rows x heads x d)
