@@ -430,3 +430,18 @@ def test_plan_reads_the_shapes_of_a_local_hugging_face_config(tmp_path):
 
     with pytest.raises(UserError, match="nothing is not a directory"):  # a wrong path is named
         build_request(p.parse_args(["--model", f"hf:{tmp_path / 'nothing'}", "--gpus", "8", "--seq-len", "32K"]), [])
+
+
+def test_searched_memory_is_each_candidates_own_under_double_ring_windows():
+    """The search reuses activation figures across candidates of one shape; a Double-Ring window
+    changes the backward transient, so a windowed candidate's memory must be what estimate() gives
+    it alone (it once reused the plain ring's smaller figure)."""
+    m = model("llama3-8b")
+    req = Request(m, H100, 64, 2**20, gpus_per_node=8, global_batch=64)
+    windowed = [e for e in plan(req).feasible if e.mesh_shape.window][:12]
+    assert windowed
+    for e in windowed:
+        alone = estimate(m, H100, e.mesh_shape, e.policy, seq_len=req.seq_len, global_batch=req.global_batch,
+                         micro_batch=e.micro_batch, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
+                         doc_work=req.doc_work)
+        assert e.memory == alone.memory, (e.mesh_shape, e.policy)

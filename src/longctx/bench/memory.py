@@ -21,7 +21,6 @@ from datetime import date
 
 import torch
 
-from ..cli_flags import renamed_flag
 from ..memory.accounting import estimate_activations, measure_activations, published_formulas
 from ..memory.policy import MemoryPolicy
 
@@ -40,8 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                           "do not depend on it")
     p.add_argument("--seq-len", default="8192", help="comma-separated sequence lengths (tokens)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    renamed_flag(p, "--seq", "--seq-len", "sequence length is seq_len everywhere")
-    renamed_flag(p, "--batch", "--micro-batch")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)}, "
                                                                    f"offloadA (selective) or fulloffloadA (full) "
                                                                    f"for any fraction A")
@@ -169,7 +166,7 @@ def _time_interleaved(models: dict, inputs, steps: int, device) -> dict:
     """Median step time per policy, the policies taking turns step by step (one warm-up step each),
     so drifting machine load hits them alike."""
     times = {name: [] for name in models}
-    for name, model in models.items():
+    for model in models.values():
         _one_step(model, inputs, device)
     for _ in range(steps):
         for name, model in models.items():
@@ -197,8 +194,11 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         t0 = time.perf_counter()
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
         measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
+        # the policy the model was built with (_build), the attention chunks and their offload included
         analytic_policy = MemoryPolicy(policy, fraction, args.skip_last, loss_chunk=args.loss_chunk,
-                                       block_chunk=args.block_chunk if policy != "none" else 0)
+                                       block_chunk=args.block_chunk if policy != "none" else 0,
+                                       attention_chunk=args.attention_chunk,
+                                       attention_offload=args.attention_offload and bool(args.attention_chunk))
         est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
                                    dtype_bytes=4, docs=args.docs > 1).to_dict()
         tokens = est["tokens"]
@@ -405,7 +405,8 @@ def main(args) -> int:
     }
     if args.max_seq:
         if torch.cuda.is_available() and args.device != "cpu":
-            doc["longest_sequence"] = {name: longest_sequence(args, *_policy(name)) for name in args.policies.split(",")}
+            doc["longest_sequence"] = {name: longest_sequence(args, *_policy(name))
+                                       for name in args.policies.split(",")}
         else:
             budget = parse_bytes(args.budget)
             doc["longest_sequence"] = {

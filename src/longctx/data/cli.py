@@ -40,7 +40,7 @@ def _shard(text: str | None):
 def add_parser(sub) -> None:
     data = sub.add_parser("data", help="build packed training data stores").add_subparsers(dest="data", required=True)
     p = data.add_parser("build", help="read, dedup, tokenize, cluster and pack documents into a store for "
-                                      "`longctx train --data.path DIR`")
+                                      "`longctx train --data.path DIR`", allow_abbrev=False)
     p.add_argument("--input", nargs="+", required=True, metavar="PATH",
                    help="directories of text files, .jsonl, .parquet or .arrow files (text and .jsonl also .gz / "
                         ".zst), Hugging Face datasets saved with save_to_disk, or 'stdlib'")
@@ -72,7 +72,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_data)
 
-    m = data.add_parser("merge", help="dedup across and pack the scans of `data build --shard i/n` into one store")
+    m = data.add_parser("merge", help="dedup across and pack the scans of `data build --shard i/n` into one store",
+                        allow_abbrev=False)
     m.add_argument("scans", nargs="+", metavar="SCAN_DIR", help="the --out directories of all N shard scans")
     m.add_argument("--out", required=True, help="the store directory")
     m.add_argument("--workers", type=int, default=0, help="default: the shard builds' --workers")

@@ -33,7 +33,7 @@ DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 
 def add_parser(sub) -> None:
     p = sub.add_parser("eval", help="evaluate a checkpoint at long lengths: loss by position, passkey, needle "
-                                    "(forward only, under any layout)")
+                                    "(forward only, under any layout)", allow_abbrev=False)
     p.add_argument("--checkpoint", required=True, metavar="DIR|hf:DIR",
                    help="a longctx checkpoint (a step-* directory, or a checkpoints directory for its latest) or "
                         "hf:DIR, a Hugging Face model directory")

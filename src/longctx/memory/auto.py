@@ -23,6 +23,7 @@ import time
 import torch
 
 from .accounting import estimate_activations
+from .policy import MemoryPolicy
 
 
 def host_link_bandwidth(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
@@ -73,8 +74,8 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
                             host_bytes_per_rank: float) -> tuple[float, str]:
     """(fraction, the reason in one line) from measured times and bandwidths."""
     def host_per_block(a):
-        return estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy="selective",
-                                    offload_fraction=a, offload_skip_last=skip_last,
+        return estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx,
+                                    policy=MemoryPolicy("selective", a, skip_last),
                                     dtype_bytes=dtype_bytes).per_block_host
 
     offloaded = max(0, model_cfg.layers - skip_last)

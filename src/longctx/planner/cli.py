@@ -3,8 +3,8 @@
 The words are the glossary's (docs/architecture.md): --seq-len (tokens per sequence),
 --global-batch (sequences per optimizer step over the whole job), --micro-batch (sequences per
 data-parallel rank in one forward/backward), --recompute (activation recomputation policies),
---hardware (a hardware preset or TOML file). The old flags --seq, --batch, --checkpoint and
---device stop with exit code 2 and name the new one (cli_flags.renamed_flag).
+--hardware (a hardware preset or TOML file). The parser takes no abbreviations, so no other flag
+(an old --seq, say) is ever read as one of these.
 
 Imports beyond argparse are inside the functions on purpose: cli.py builds this parser for every
 `longctx` command, and the planner's modules load torch (memory accounting), which would cost
@@ -50,7 +50,6 @@ def _ints(text: str, flag: str, minimum: int = 0) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli_flags import renamed_flag
     from .hardware import hardware_names
 
     p.add_argument("--model", default="debug", help="model preset (config model.preset), e.g. llama3-8b, or "
@@ -91,11 +90,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true",
                    help="run the CPU validation (predicted vs measured bytes, activations, step-time ranking)")
     p.add_argument("--anchors", action="store_true", help="check the published feasibility anchors")
-    # renamed: registered (hidden) so that argparse never takes --seq as an abbreviation of --seq-len
-    renamed_flag(p, "--seq", "--seq-len", "tokens per sequence")
-    renamed_flag(p, "--batch", "--global-batch", "sequences per optimizer step over the whole job")
-    renamed_flag(p, "--checkpoint", "--recompute", "the activation recomputation policies to try")
-    renamed_flag(p, "--device", "--hardware", "a hardware preset such as h100, or a TOML file")
 
 
 def build_request(args, overrides):

@@ -247,7 +247,7 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
     it (1 thread each), gloo all-to-all and ring-hop bandwidth between `world` local processes."""
     import torch
 
-    from ..metrics import measure_cpu_gemm_peak
+    from .peaks import measure_cpu_gemm_peak
 
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads()

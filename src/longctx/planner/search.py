@@ -236,7 +236,8 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
                     continue  # one chunk: the same as whole blocks
                 if pol.attention_chunk and pol.attention_chunk >= tokens * shape.head:
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
-                key = (shape.head, shape.ctx, mb, dataclasses.replace(pol, grad_sync="step"))  # activations: the same
+                # activations and the backward transient (which the Double-Ring window changes): the same
+                key = (shape.head, shape.ctx, shape.window, mb, dataclasses.replace(pol, grad_sync="step"))
                 if key not in acts_cache:
                     acts_cache[key] = rank_activations(m, req.seq_len, mb, shape, pol, hw.dtype_bytes, req.doc_mask)
                 acts, transient = acts_cache[key]
