@@ -77,10 +77,10 @@ def measure(seqs: list[int], repeats: int) -> dict:
         q, k, v, dout = (torch.randn(1, seq // 2, HEADS, HEAD_DIM, generator=gen) for _ in range(4))
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
 
-        def longctx_call():
+        def longctx_call(inputs=inputs, dout=dout):
             distributed_attention(*inputs, mesh, causal=True).backward(dout)
 
-        def bare_call():
+        def bare_call(inputs=inputs, dout=dout):
             bare_ulysses(*inputs, group, 2).backward(dout)
 
         times = {"longctx": [], "bare": []}

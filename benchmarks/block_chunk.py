@@ -80,8 +80,8 @@ def main():
     rows = []
     for policy, fraction in CASES:
         for chunk in (0, a.chunk):
-            cmd = [sys.executable, __file__, "--preset", a.preset, "--layers", str(a.layers), "--seq-len", str(a.seq_len),
-                   "--steps", str(a.steps), "--case", policy, str(fraction), str(chunk)]
+            cmd = [sys.executable, __file__, "--preset", a.preset, "--layers", str(a.layers),
+                   "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--case", policy, str(fraction), str(chunk)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"{policy} off{fraction} chunk {chunk}: peak +{rows[-1]['peak_delta_bytes'] / 2**20:.0f} MiB "

@@ -52,7 +52,8 @@ def _classify(name: str) -> str:
 
 
 def profile(seq: int, compiled: bool) -> dict:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     from longctx.config import load_config
     from longctx.models.compile import compile_token_wise_stages

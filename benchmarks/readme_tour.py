@@ -1,9 +1,11 @@
 """Run every command of the README as written, and time each: the README's promises, checked.
 
 The commands are read from the README and its topic pages under docs/ (their ```bash blocks, then
-the README's ```python blocks, each run as a script), so a command added there is run here. Each runs in a scratch working directory (runs/, stores/, out/ land there) in which:
+the README's ```python blocks, each run as a script), so a command added there is run here. Each
+runs in a scratch working directory (runs/, stores/, out/ land there) in which:
   - placeholders name real things made for the tour: /path/to/Qwen3-0.6B a small random Qwen3 saved
-    by transformers, with the tour's tokenizer.json (a model's own tokenizer goes with it), /path/to/Qwen3-8B a config.json of Qwen3-8B's shapes, /my/texts and data.jsonl
+    by transformers, with the tour's tokenizer.json (a model's own tokenizer goes with it),
+    /path/to/Qwen3-8B a config.json of Qwen3-8B's shapes, /my/texts and data.jsonl
     part of the Python standard library's sources, /my/tokenizer.json a 1,000-token tokenizer;
     runs/20261122-173051-debug the tour's first run;
   - training commands get `--train.steps N` appended (a later key wins) to keep the tour short, except

@@ -45,7 +45,8 @@ def _attention_cases():
             q, k, v = (torch.randn(B, SEQ, n, D, generator=gen) for n in (H, kv, kv))
             dout = torch.randn(B, SEQ, H, D, generator=gen)
             layout = plan_layout(_docs(SEQ), ctx, head, split="docs") if docs else None
-            shard = (lambda t: layout.shard(t, mesh)) if docs else (lambda t: shard_sequence(t, mesh))
+            shard = ((lambda t, layout=layout, mesh=mesh: layout.shard(t, mesh)) if docs
+                     else (lambda t, mesh=mesh: shard_sequence(t, mesh)))
             doc = shard(_docs(SEQ)) if docs else None
             runs = []
             for c, off in ((0, False), (chunk, offload)):

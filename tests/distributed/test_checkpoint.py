@@ -156,7 +156,8 @@ def test_export_to_hf_round_trip(tmp_path):
     back = load_hf(tmp_path / "hf")
     labels = tokens.roll(-1, 1)
     assert back(tokens, labels=labels).item() == ours(tokens, labels=labels).item()
-    _, from_hf = _train([f"--model.init_from=hf:{tmp_path / 'hf'}", "--data.tokenizer=byte", "--train.steps=3"], tmp_path / "imported")
+    _, from_hf = _train([f"--model.init_from=hf:{tmp_path / 'hf'}", "--data.tokenizer=byte", "--train.steps=3"],
+                        tmp_path / "imported")
     _, from_scratch = _train(["--train.steps=3"], tmp_path / "scratch")
     assert from_hf[0] < from_scratch[0] - 0.5  # it really starts from the trained weights
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.train.host_sync import HostSyncError, no_host_sync
 from longctx.parallel.spawn import run_spawned
+from longctx.train.host_sync import HostSyncError, no_host_sync
 
 BASE = ["--train.steps=3", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=200", "--train.seq_len=256", "--train.global_batch=4"]

@@ -7,7 +7,7 @@ from longctx.parallel.spawn import run_spawned
 from longctx.train.trainer import train
 
 STEPS = 20
-BASE = ["--train.steps=%d" % STEPS, "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
+BASE = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=300"]
 
 LAYOUTS = {

@@ -6,7 +6,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from test_newcomer import flat, longctx
 
 RUN = ["--train.seq_len=128", "--data.max_docs=100", "--train.eval_interval=0", "--metrics.log_interval=2",

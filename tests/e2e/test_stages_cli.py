@@ -5,7 +5,6 @@ import json
 import shutil
 
 import pytest
-
 from test_newcomer import longctx
 
 STAGED = ["--train.stages=128:3:4,256:3:2", "--data.max_docs=100", "--train.eval_interval=0",

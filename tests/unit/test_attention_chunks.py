@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
@@ -18,7 +19,6 @@ from longctx.models.llama import build_model
 from longctx.ops.attention import attention
 from longctx.ops.chunked import ChunkGrid, chunked_local_attention, local_grid
 from longctx.parallel.parallelize import apply_memory
-from torch.utils._python_dispatch import TorchDispatchMode
 from probes import loss_and_grads, packed_batch
 
 

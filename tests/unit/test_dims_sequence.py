@@ -3,8 +3,8 @@ import torch
 
 from longctx.errors import ConfigError
 from longctx.parallel.dims import ParallelDims
-from longctx.parallel.ring import Schedule
 from longctx.parallel.layouts import check_divisible
+from longctx.parallel.ring import Schedule
 from longctx.parallel.sequence import shard_indices
 
 

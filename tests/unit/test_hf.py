@@ -224,7 +224,8 @@ def test_init_from_makes_the_checkpoint_config_the_run_model(tmp_path):
     d, _ = random_hf_dir(tmp_path, hf_config("qwen3", "yarn", tie=True))
     cfg = load_config(overrides=[f"--model.init_from=hf:{d}", "--model.rope_theta=1000000", "--train.seq_len=256"])
     m = cfg.model
-    assert (m.preset, m.family, m.dim, m.heads, m.kv_heads, m.head_dim, m.vocab_size) == ("hf", "qwen3", 64, 4, 2, 32, 300)
+    shape = (m.preset, m.family, m.dim, m.heads, m.kv_heads, m.head_dim, m.vocab_size)
+    assert shape == ("hf", "qwen3", 64, 4, 2, 32, 300)
     assert m.qk_norm and m.tie_embeddings and m.rope_scaling == "yarn" and m.rope_original_max_len == 32
     assert m.rope_theta == 1e6  # the extension override on top
     # the run's config.toml loads back to the same model (every key explicit, none contradicting)

@@ -146,7 +146,8 @@ def reference(q, k, v, causal, q_doc, k_doc, q_pos=None, k_pos=None, scale=None)
 
 
 def doc_row(rng, s, max_len, pad=0, min_len=1):
-    """Document ids of one packed row: random lengths in [min_len, max_len], then `pad` padding tokens as one more document."""
+    """Document ids of one packed row: random lengths in [min_len, max_len], then `pad` padding tokens as
+    one more document."""
     lengths = []
     while sum(lengths) < s - pad:
         lengths.append(int(rng.integers(min_len, max_len + 1)))

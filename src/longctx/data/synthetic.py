@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from ..config.rules import SYNTHETIC_TASKS
 from ..errors import ConfigError, DataError
 from .loader import SampleSet

@@ -42,7 +42,6 @@ from ..errors import ConfigError
 from .offload import HostOffloader
 
 
-
 def _checkpointed(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False)
 

@@ -85,7 +85,8 @@ def weight_files(path: Path) -> dict[str, Path]:
             return {name: single for name in f.keys()}
     found = sorted(p.name for p in path.iterdir())
     raise HFFormatError(
-        f"{path} has neither model.safetensors nor model.safetensors.index.json (found: {', '.join(found) or 'nothing'}). "
+        f"{path} has neither model.safetensors nor model.safetensors.index.json "
+        f"(found: {', '.join(found) or 'nothing'}). "
         f"Only safetensors checkpoints are read; convert .bin weights with save_pretrained(safe_serialization=True)."
     )
 
