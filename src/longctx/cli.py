@@ -2,6 +2,10 @@
 
 Config overrides are passed as `--section.key=value` (or `--section.key value`) after the
 subcommand; `longctx train --help` lists every key with its default.
+
+Every command's modules are imported inside the functions here, on purpose: the parser is built for
+every command, and most of them load torch (~220 MB, seconds), which `longctx data build` in
+bounded memory must not.
 """
 
 from __future__ import annotations

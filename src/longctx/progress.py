@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
+from tqdm import tqdm
+
 
 def on_terminal() -> bool:
     """Whether stderr is an interactive terminal (not a file, a pipe or a dumb console)."""
@@ -24,6 +26,5 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool = True):
     """A tqdm bar on stderr, or None when it is not wanted or stderr is not a terminal."""
     if not (enabled and on_terminal()):
         return None
-    from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)

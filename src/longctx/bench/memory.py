@@ -13,16 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from datetime import date
 
 import torch
+import torch.distributed as dist
 
+from ..config import MODEL_PRESETS, MemoryConfig, ModelConfig, load_config
 from ..memory.accounting import estimate_activations, measure_activations, published_formulas
 from ..memory.policy import MemoryPolicy
+from ..models.llama import build_model
+from ..parallel.dims import ParallelDims
+from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
+from ..parallel.sequence import shard_sequence
+from ..parallel.spawn import run_spawned
 
 POLICIES = {
     "none": ("none", 0.0),
@@ -107,8 +117,6 @@ def _batch(vocab: int, seq: int, batch: int, docs: int, device, doc_len: int = 0
 
 def _model_cfg(args):
     """The preset's shape with --layers blocks (0 = the preset's)."""
-    from ..config import MODEL_PRESETS, ModelConfig
-
     shape = dict(MODEL_PRESETS[args.preset])
     if args.layers:
         shape["layers"] = args.layers
@@ -116,10 +124,6 @@ def _model_cfg(args):
 
 
 def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
-    from ..config import MemoryConfig
-    from ..models.llama import build_model
-    from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
-
     model = build_model(model_cfg, device=device, seed=0)
     if dims is not None:
         use_sequence_parallel_attention(model, dims, mesh)
@@ -176,8 +180,6 @@ def _time_interleaved(models: dict, inputs, steps: int, device) -> dict:
 
 def measure(args, seq: int, dims=None, mesh=None) -> dict:
     """Every requested policy at one sequence length, on this process (one rank of head x ctx)."""
-    from ..parallel.sequence import shard_sequence
-
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     model_cfg = _model_cfg(args)
@@ -253,8 +255,6 @@ def parse_bytes(text: str) -> int:
 def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
     """One training step of the --layers model at `seq` tokens in this process: peak RSS (whole
     process) and time. Run in a fresh process per probe (`--probe`)."""
-    import resource
-
     model_cfg = _model_cfg(args)
     device = torch.device("cpu")
     model = _build(model_cfg, policy, fraction, args, None, None, device)
@@ -268,9 +268,6 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
 def longest_sequence_cpu(args, name: str, budget: int) -> dict:
     """CPU: the longest sequence (a multiple of --max-seq-step) whose training step, in a fresh
     process, peaks at most `budget` bytes of RSS; every probe is reported."""
-    import os
-    import subprocess
-
     env = dict(os.environ)
     if args.malloc_mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
@@ -314,8 +311,6 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
 def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int = 1 << 22) -> int:
     """GPU: the longest sequence (multiple of 1024) for which one forward+backward of the full
     model fits, by binary search over out-of-memory errors."""
-    from ..config import MODEL_PRESETS, ModelConfig
-
     device = torch.device("cuda")
     model_cfg = ModelConfig(preset=args.preset, **MODEL_PRESETS[args.preset])
 
@@ -353,11 +348,6 @@ def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int
 
 
 def _rank_measure(args, seq):
-    import torch.distributed as dist
-
-    from ..config import load_config
-    from ..parallel.dims import ParallelDims
-
     cfg = load_config(overrides=[f"--parallel.head={args.head}", f"--parallel.ctx={args.ctx}"])
     dims = ParallelDims.from_config(cfg, world_size=dist.get_world_size())
     return measure(args, seq, dims, dims.build_mesh("cpu"))
@@ -384,8 +374,6 @@ def main(args) -> int:
     for seq in (int(s) for s in args.seq_len.split(",") if s):
         world = args.head * args.ctx
         if world > 1:
-            from ..parallel.spawn import run_spawned
-
             _progress(f"seq_len {seq:,}: starting {world} gloo ranks (head {args.head} x ctx {args.ctx})")
             per_rank = run_spawned(world, _rank_measure, args, seq)
             result = per_rank[0]

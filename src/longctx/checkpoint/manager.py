@@ -93,7 +93,7 @@ def verification_shares(entries: list[dict], world: int) -> list[int]:
 
 def _reusable_stager():
     """A DCP stager that copies into host buffers it keeps for the next save (pinned on CUDA)."""
-    try:
+    try:  # the staging API is newer than our oldest supported torch
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     except ImportError:  # older torch: DCP's own default staging
         return None
@@ -172,7 +172,7 @@ class CheckpointManager:
         self.group = new_gloo_group() if world > 1 else None
         self._mesh = None  # the same group as a 1-D mesh: what comm's collectives take
         if self.group is not None:
-            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.device_mesh import DeviceMesh  # (only with several ranks)
 
             self._mesh = DeviceMesh.from_group(self.group, "cpu", mesh_dim_names=("checkpoint",))
         self._stager = None  # host staging buffers, allocated at the first async save and reused

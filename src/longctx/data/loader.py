@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError
+from ..models.flops import forward_flops_per_token
 from .balance import balanced_order
 from .samples import IGNORE, Batch, SampleOrder
 from .store import S_LENGTH, load_split, read_manifest
@@ -234,7 +235,5 @@ def cost_coefficients(model_cfg) -> tuple[float, float]:
     """(a, b) of a*s^2 + b*s: the model's forward FLOPs (metrics.py) of a document of s tokens are
     s * forward_flops_per_token(s), linear in s per token (causal attention), so b is the per-token
     cost at length 0 and a the attention slope."""
-    from ..models.flops import forward_flops_per_token
-
     b = forward_flops_per_token(model_cfg, 0)
     return float(forward_flops_per_token(model_cfg, 1) - b), float(b)

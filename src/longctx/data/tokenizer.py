@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ..errors import DataError
 
@@ -38,8 +39,6 @@ class HFTokenizer:
     """A local Hugging Face `tokenizer.json`, read with the `tokenizers` library."""
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer
-
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"

@@ -7,6 +7,9 @@ Everything that can be wrong with the input (task, lengths the layout cannot spl
 missing tokenizer, a too-short text) is found before any rank starts: the launching process
 prepares the sequences once, and every rank prepares the same ones again (cheap, deterministic).
 The JSON result goes to stdout or --output; plots next to --output (or to --plot).
+
+The imports inside functions are on purpose: `longctx` builds this command's parser for every
+command, and what eval runs loads torch, which `longctx data build` must not.
 """
 
 from __future__ import annotations

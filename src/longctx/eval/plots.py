@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def write_plot(result: dict, path: str | Path) -> Path:
-    import matplotlib
+    import matplotlib  # (lazy: ~100 MB and a second to load, only when a plot is written)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -91,7 +91,7 @@ def _parameters(fn) -> list[inspect.Parameter]:
 @functools.cache
 def _flash_attn_functions():
     """(flash_attn_varlen_func, _flash_attn_varlen_backward, its parameter names) or None."""
-    try:
+    try:  # flash-attn is optional (the `gpu` extra)
         import flash_attn
         from flash_attn import flash_attn_interface as fai
     except (ImportError, OSError, RuntimeError):  # not installed, or a build that does not load

@@ -6,6 +6,7 @@ planner (is a predicted plan runnable?).
 
 from __future__ import annotations
 
+from ..config.rules import parse_stages
 from ..errors import ConfigError
 from .dims import ParallelDims
 from .layouts import check_divisible
@@ -18,8 +19,6 @@ def check_layout(cfg, world: int) -> ParallelDims:
     check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
     check_divisible(cfg.train.seq_len, dims.ctx, dims.head)
     if cfg.train.stages:
-        from ..config.rules import parse_stages
-
         for seq_len, _, batch in parse_stages(cfg.train.stages):
             try:
                 check_divisible(seq_len, dims.ctx, dims.head)

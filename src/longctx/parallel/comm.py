@@ -30,6 +30,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _BYTES: dict[tuple[str, str], int] = defaultdict(int)
 _GROUPS: dict[tuple[str, str], set[str]] = defaultdict(set)  # (dim, label) -> names of the groups it ran on
@@ -127,8 +129,6 @@ def open_lane(mesh, dim: str, name: str) -> None:
     """Give every group of `mesh`'s dim `dim` a second process group over the same ranks, found by
     `lane(sub_mesh(mesh, dim), name)`. Collective over the whole job: every rank calls it, at setup
     (a process group is created by all ranks, including those outside it)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     d = mesh.mesh_dim_names.index(dim)
     every = mesh.mesh.movedim(d, -1).reshape(-1, mesh.mesh.shape[d]).tolist()
     mine, _ = dist.new_subgroups_by_enumeration(every, group_desc=f"{dim}_{name}")
@@ -255,8 +255,6 @@ def barrier(mesh=None) -> None:
 def world_mesh(device_type: str = "cpu"):
     """A 1-D mesh named "world" over every rank of the initialised process group (its default group),
     for callers outside a training layout (calibration, validation)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("world",))
 
 
@@ -301,8 +299,6 @@ def library_traffic():
     so nothing passes unseen. A TorchDispatchMode: every c10d operator dispatches through it,
     whichever Python API issued it; the ones this module's functions issue are left out (their
     bytes are in `counters()`)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     found: dict[str, float] = defaultdict(float)
 
     class _Watch(TorchDispatchMode):

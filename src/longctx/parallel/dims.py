@@ -19,9 +19,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..config.rules import DEGREES, degree_problems
 from ..errors import ConfigError
+from . import comm
 
 DIM_NAMES = DEGREES
 PLACEMENTS = ("head-first", "ctx-first")
@@ -39,8 +42,6 @@ class ParallelDims:
 
     def __post_init__(self):
         if self.world_size is None:
-            import torch.distributed as dist
-
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self._validate()
         self._mesh = None
@@ -87,11 +88,8 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str = "cpu"):
         """The DeviceMesh with dims dp_replicate, dp_shard, head, ctx (needs an initialised process group)."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         if self._mesh is None:
             self._mesh = DeviceMesh(device_type, self.rank_grid(), mesh_dim_names=DIM_NAMES)
-            from . import comm
 
             # the attention's transfers get process groups of their own (comm's "Lanes")
             if self.head > 1:

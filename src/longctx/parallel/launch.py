@@ -8,15 +8,20 @@ Inside a worker, `init_distributed` joins the process group: NCCL on GPUs, gloo 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
+import logging
 import os
 import signal
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import get_args_parser, run
 
 from ..errors import UserError
 
@@ -54,7 +59,6 @@ def die_with_parent() -> None:
     workers would go on training and writing checkpoints that nobody asked for."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
 
     PR_SET_PDEATHSIG = 1
     try:
@@ -162,8 +166,6 @@ class RankError(UserError):
 
 def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None:
     """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="longctx-errors-") as folder:
         old = os.environ.get(ERROR_DIR_ENV)
         os.environ[ERROR_DIR_ENV] = folder
@@ -177,11 +179,6 @@ def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None
 
 
 def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: Path) -> None:
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     args = get_args_parser().parse_args([
         "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
         f"--monitor-interval={monitor_interval}", "-m", "longctx", *argv,

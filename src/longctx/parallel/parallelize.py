@@ -24,8 +24,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..memory.policies import apply_memory_policy
+from ..models.compile import compile_token_wise_stages
+from ..models.llama import local_attention
+from ..ops.chunked import chunked_local_attention
 from .attention import distributed_attention
 
 
@@ -43,8 +48,6 @@ def fsdp_mesh(dims, device_type: str):
     Both placements keep dp_replicate outermost, so replica r is exactly ranks r*n .. r*n+n-1 and the
     groups are the same sets of ranks either way.
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1)
     if dims.dp_replicate > 1:
         return DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "fsdp"))
@@ -71,9 +74,6 @@ def use_attention_chunks(model, chunk: int, offload: bool) -> None:
     """Run every block's attention core in chunks of `chunk` tokens (ops/chunked.py): the
     single-device core, or each ring block of the sequence-parallel one; `offload` keeps the core's
     saved state in host memory until backward."""
-    from ..models.llama import local_attention
-    from ..ops.chunked import chunked_local_attention
-
     if not chunk:
         return
     for block in model.layers:
@@ -102,16 +102,12 @@ def apply_memory(model, memory_cfg, device_type: str) -> None:
 def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     """The model, parallelised in place (and returned). memory.offload_fraction must be a number:
     `auto` is resolved before (train/setup.py resolve_offload), into a new config."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     # 1. distributed attention
     use_sequence_parallel_attention(model, dims, mesh)
     # 2. activation memory
     apply_memory(model, cfg.memory, device_type)
     # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)
     if cfg.train.compile:
-        from ..models.compile import compile_token_wise_stages
-
         compile_token_wise_stages(model.layers)
     # 4. hybrid ZeRO
     if dims.world_size > 1:

@@ -38,6 +38,7 @@ import torch
 from ..ops.attention import attention_backward, attention_forward, merge_partials
 from ..ops.chunked import ChunkGrid, ChunkStore, chunked_backward, chunked_forward
 from . import comm
+from .sequence import shard_indices
 
 NEG_INF = float("-inf")
 # message tags: several transfers between the same pair of ranks may be in flight at once
@@ -301,8 +302,6 @@ def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale
     overhead of the block schedule against one attention call (on one GPU or one CPU process), and
     to test the schedule without processes.
     """
-    from .sequence import shard_indices
-
     seq = q.shape[1]
     idx = [shard_indices(seq, ctx, 1, i, 0).to(q.device) for i in range(ctx)]
     qs, ks, vs = ([t.index_select(1, i) for i in idx] for t in (q, k, v))

@@ -15,6 +15,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from ..config import load_config
+from .hardware import get_hardware
 from .search import Request, plan
 
 
@@ -42,9 +44,6 @@ ANCHORS = [
 
 
 def check(anchor: Anchor, hardware=None) -> dict:
-    from ..config import load_config
-    from .hardware import get_hardware
-
     model = load_config(None, {"model": {"preset": anchor.preset}}).model
     hw = hardware or get_hardware(anchor.hardware)
     req = Request(model, hw, anchor.gpus, anchor.seq_len, gpus_per_node=anchor.gpus_per_node, global_batch=1)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.loader import PackedSamples
+from ..data.store import read_manifest
 from ..errors import ConfigError, DataError
 
 MAX_SAMPLES = 2000  # samples read from a store: enough for a mean to ~1% (deterministic, evenly spaced)
@@ -54,9 +56,6 @@ def store_doc_work(root: str | Path, seq_len: int, limit: int = MAX_SAMPLES) -> 
     """(doc_work, samples read, train samples in the store) of the store at `root`, whose samples
     must be `seq_len` tokens (the plan's sequence length). Reads the document ids the training
     loop sees (`PackedSamples(root, "train", True).batch([i]).doc_ids`) of at most `limit` samples."""
-    from ..data.loader import PackedSamples
-    from ..data.store import read_manifest
-
     root = Path(root)
     try:
         manifest = read_manifest(root)

@@ -190,6 +190,8 @@ def load_hardware(spec: str = "h100", overrides: list[str] | None = None) -> Har
 
 def _attention_seconds(seq: int, heads: int, head_dim: int, repeats: int = 3) -> float:
     """Best time of one causal attention forward + backward."""
+    # torch only where this machine is measured: `longctx` builds the plan parser (hardware names)
+    # for every command, `data build` included, which must not load torch
     import torch
 
     from ..ops.attention import attention
@@ -216,7 +218,7 @@ def _attention_flops(seq: int = 2048, heads: int = 4, head_dim: int = 32) -> flo
 def _bandwidth_worker(nbytes: int, repeats: int):
     """Bytes per second this rank sends in an all-to-all and in a ring hop (send to the next rank,
     receive from the previous one), through comm.py, whose counters give the bytes sent."""
-    import torch
+    import torch  # (lazy: see _attention_seconds)
 
     from ..parallel import comm
 
@@ -245,7 +247,7 @@ def _bandwidth_worker(nbytes: int, repeats: int):
 def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure_comm: bool = True) -> Hardware:
     """This machine as hardware: per-process GEMM and attention FLOP/s when `world` processes share
     it (1 thread each), gloo all-to-all and ring-hop bandwidth between `world` local processes."""
-    import torch
+    import torch  # (lazy: see _attention_seconds)
 
     from .peaks import measure_cpu_gemm_peak
 
@@ -262,7 +264,7 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
     gemm, attn = gemm * share, attn * share
     a2a = p2p = 1.0 * GB
     if measure_comm and world > 1:
-        from ..parallel.spawn import run_spawned
+        from ..parallel.spawn import run_spawned  # (lazy: see _attention_seconds)
 
         res = run_spawned(world, _bandwidth_worker, nbytes, repeats)
         a2a = min(r["all_to_all"] for r in res)

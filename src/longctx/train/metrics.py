@@ -42,7 +42,7 @@ class MetricsWriter:
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
 
             self._tb = SummaryWriter(str(tensorboard_dir))
 

@@ -10,7 +10,7 @@ from .metrics import read_jsonl
 
 
 def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> list[Path]:
-    import matplotlib
+    import matplotlib  # (lazy: ~100 MB and a second to load, only when plots are written)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -112,7 +112,7 @@ def unit_format(path: Path) -> tuple[str | None, str | None]:
 # -- the optional libraries, imported when a unit needs them -------------------------------------
 
 def _pyarrow(path: Path):
-    try:
+    try:  # an optional package (the `data` extra)
         import pyarrow
         import pyarrow.ipc  # noqa: F401
         import pyarrow.parquet  # noqa: F401
@@ -125,7 +125,7 @@ def _pyarrow(path: Path):
 
 
 def _zstandard(path: Path):
-    try:
+    try:  # an optional package (the `data` extra)
         import zstandard
     except ImportError:
         raise DataError(
