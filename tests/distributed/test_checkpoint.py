@@ -301,12 +301,9 @@ def test_rng_states_are_saved_per_rank_and_load_weights_only(tmp_path):
     assert _load_and_draw(tmp_path) == expected0
 
 
-def test_rng_of_older_checkpoints_loads_weights_only(tmp_path):
-    _seed(3)
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-               tmp_path / "rng.pt")  # the format before per-rank RNG: numpy's key array as an ndarray
-    state = _load_rng(tmp_path / "rng.pt")
-    assert (state["numpy"][1] == np.random.get_state()[1]).all()
+def test_a_checkpoint_without_per_rank_rng_is_refused_saying_why(tmp_path):
+    with pytest.raises(CheckpointError, match="written by an older longctx"):
+        _load_rng(tmp_path / "rng-rank0.pt")
 
 
 def test_each_rank_hashes_its_own_files_and_the_manifest_lists_all(tmp_path):

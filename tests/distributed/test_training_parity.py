@@ -1,4 +1,7 @@
-"""Training under parallel layouts against the single-process run: per-step losses (fp32, gloo)."""
+"""Training under parallel layouts against the single-process run: per-step losses (fp32, gloo).
+
+A wrong layout shows at step 1 (the forward) or 2 (the first update), so each layout trains a few
+steps; one layout trains long, to catch what only accumulates."""
 
 import pytest
 
@@ -6,9 +9,10 @@ from longctx.config import load_config
 from longctx.parallel.spawn import run_spawned
 from longctx.train.trainer import train
 
-STEPS = 20
-BASE = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
-        "--data.max_docs=300"]
+STEPS = 4         # every layout
+LONG_STEPS = 20   # one layout
+BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
+        "--train.warmup_steps=2"]
 
 LAYOUTS = {
     "dp2": (2, []),
@@ -29,14 +33,14 @@ def _train_losses(args, run_dir):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _train_losses(BASE, tmp_path_factory.mktemp("single"))
+    return _train_losses([*BASE, f"--train.steps={STEPS}"], tmp_path_factory.mktemp("single"))
 
 
-def check(layout, reference, tmp_path, extra=()):
+def check(layout, reference, tmp_path, extra=(), steps=STEPS):
     world, args = LAYOUTS[layout]
-    losses = run_spawned(world, _train_losses, [*BASE, *extra, *args], str(tmp_path))
+    losses = run_spawned(world, _train_losses, [*BASE, f"--train.steps={steps}", *extra, *args], str(tmp_path))
     for rank_losses in losses:
-        assert len(rank_losses) == STEPS
+        assert len(rank_losses) == steps
         diff = max(abs(a - b) for a, b in zip(rank_losses, reference))
         assert diff <= 1e-4, f"{layout}: max |loss - single| = {diff:.2e}"
     return max(abs(a - b) for a, b in zip(losses[0], reference))
@@ -46,6 +50,13 @@ def check(layout, reference, tmp_path, extra=()):
 def test_losses_match_single_process(layout, reference, tmp_path):
     diff = check(layout, reference, tmp_path)
     print(f"{layout}: max |loss - single| over {STEPS} steps = {diff:.2e}")
+
+
+def test_a_long_run_matches_single_process(tmp_path):
+    """head 2 x ctx 2 over 20 steps: what a few steps cannot show (drift that accumulates)."""
+    reference = _train_losses([*BASE, f"--train.steps={LONG_STEPS}"], tmp_path / "single")
+    diff = check("head2-ctx2", reference, tmp_path / "parallel", steps=LONG_STEPS)
+    print(f"head2-ctx2: max |loss - single| over {LONG_STEPS} steps = {diff:.2e}")
 
 
 def test_gradient_accumulation_with_sync_once_per_step_matches_single_process(reference, tmp_path):

@@ -73,7 +73,6 @@ from .manifest import (
 from .paths import LATEST, complete_checkpoints, latest_checkpoint, resolve_checkpoint, resume_candidates, step_name
 
 TRAINER_STATE = "trainer_state.json"
-LEGACY_RNG = "rng.pt"  # checkpoints written before RNG states were saved per rank: rank 0's only
 
 
 def rng_file(rank: int) -> str:
@@ -104,11 +103,7 @@ def _reusable_stager():
 
 # ---------------------------------------------------------------------------------- RNG states
 # Checkpoint files are data, never code: every torch.load here runs with weights_only=True. The
-# states are therefore stored as tensors, tuples and numbers only (numpy's key array as a tensor). The
-# rng.pt of older checkpoints holds that array as a numpy object; the three globals that rebuild it
-# are allowed for those files.
-_np_core = getattr(np, "_core", None) or np.core  # numpy 2 renamed numpy.core
-_NUMPY_ARRAY_GLOBALS = [_np_core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+# states are therefore stored as tensors, tuples and numbers only (numpy's key array as a tensor).
 
 
 def _rng_state() -> dict:
@@ -133,8 +128,11 @@ def _set_rng_state(state: dict, cuda: bool) -> None:
 
 
 def _load_rng(path: Path) -> dict:
-    with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-        return torch.load(path, weights_only=True)
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent} has no {path.name}: it was written by an older longctx, before each "
+                              f"rank's RNG state was saved; resume from a checkpoint of this version (or start the "
+                              f"weights over with --model.init_from {path.parent}).")
+    return torch.load(path, weights_only=True)
 
 
 class _Worker:
@@ -367,8 +365,7 @@ class CheckpointManager:
         # Another world size: the ranks have no one-to-one counterparts in the saved job, so every rank
         # continues rank 0's CPU streams (what a single process would, and what all ranks did before
         # RNG states were saved per rank). CUDA generators keep their seeded state: the devices differ.
-        first = path / rng_file(0)
-        _set_rng_state(_load_rng(first if first.is_file() else path / LEGACY_RNG), cuda=False)
+        _set_rng_state(_load_rng(path / rng_file(0)), cuda=False)
 
 
 @contextmanager

@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ..config import Config, build_config, to_dict, to_toml
-from ..config import rules as config_rules
+from ..config import Config, build_config, rules, to_dict, to_toml
 from ..errors import ConfigError
 from ..parallel.checks import check_layout
 from .cost import Estimate
@@ -49,7 +48,7 @@ def runnable(cfg: Config, world: int) -> str:
     """'' when `longctx train` accepts `cfg` on `world` ranks (config validation and the layout
     checks it runs before starting any process), else why not."""
     try:
-        config_rules.validate(cfg)
+        rules.validate(cfg)
         check_layout(cfg, world)
     except ConfigError as e:
         return str(e)
