@@ -88,7 +88,7 @@ def test_each_error_is_found_before_launch_and_printed_once(case, store_256, big
 def test_an_error_found_by_the_ranks_is_printed_once_naming_them(tmp_path):
     """With the launcher's checks skipped, every rank meets the missing store itself: the launcher
     prints the message once for all of them, without the launcher's own lines."""
-    code = ("import sys, longctx.preflight as p; p.preflight = lambda *a, **k: None; "
+    code = ("import sys, longctx.train.preflight as p; p.preflight = lambda *a, **k: None; "
             "from longctx.cli import main; sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "train", "--nproc", "2", "--parallel.ctx", "2",
                         "--data.path", str(tmp_path / "no-store")], capture_output=True, text=True, cwd=tmp_path,
