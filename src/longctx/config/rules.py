@@ -7,14 +7,9 @@ imports from the rest of longctx but errors: config sits below every other modul
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .schema import Config
-
-RECOMPUTE_POLICIES = ("none", "full", "selective")
+from .schema import RECOMPUTE_POLICIES, Config
 
 
 def memory_policy_problems(recompute: str, offload_fraction, block_chunk: int = 0) -> list[str]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rules import RECOMPUTE_POLICIES
+RECOMPUTE_POLICIES = ("none", "full", "selective")  # memory.recompute
 
 
 def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | None = None,
