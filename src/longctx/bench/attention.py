@@ -34,6 +34,7 @@ from .attention_common import (
     machine_load,
     machine_summary,
     random_qkv,
+    time_distributed,
 )
 from .attention_docs import run_docs
 
@@ -43,27 +44,8 @@ def _rank_worker(args):
                         world_size=args.world)
     mesh = dims.build_mesh("cpu")
     q, k, v = (shard_sequence(t, mesh).requires_grad_() for t in random_qkv(args))
-    state = {}
-
-    def forward():
-        state["out"] = distributed_attention(q, k, v, mesh, causal=args.causal, window=args.window)
-
-    def backward():
-        state["out"].backward(state["grad"], retain_graph=True)
-
-    def sync():
-        comm.barrier()
-
-    # warm-up, and one measured call's bytes
-    comm.reset_counters()
-    forward()
-    state["grad"] = torch.ones_like(state["out"])
-    backward()
-    sent = comm.counters()
-    fwd = best_time(forward, args.repeats, sync)
-    forward()
-    bwd = best_time(backward, args.repeats, sync)
-    return {"fwd_wall_s": fwd[0], "fwd_cpu_s": fwd[1], "bwd_wall_s": bwd[0], "bwd_cpu_s": bwd[1], "bytes": sent}
+    return time_distributed(lambda: distributed_attention(q, k, v, mesh, causal=args.causal, window=args.window),
+                            args.repeats, comm.barrier)
 
 
 def _single_process(args, threads=None):

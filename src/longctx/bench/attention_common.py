@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from ..parallel import comm
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEQ_LEN = 8192
 
@@ -57,3 +59,25 @@ def machine_summary(load_start: dict) -> dict:
 # the arguments every attention benchmark records in its JSON
 CONFIG_KEYS = ("world", "head", "ctx", "window", "placement", "seq_len", "micro_batch", "heads", "kv_heads", "head_dim",
                "causal", "dtype", "threads", "repeats")
+
+
+def time_distributed(call, repeats: int, barrier) -> dict:
+    """Forward and backward of `call()` (distributed attention on this rank) timed best-of-`repeats`
+    between barriers, after one warm-up whose bytes are returned: {fwd/bwd wall and CPU s, bytes}."""
+    state = {}
+
+    def forward():
+        state["out"] = call()
+
+    def backward():
+        state["out"].backward(state["grad"], retain_graph=True)
+
+    comm.reset_counters()  # warm-up, and one measured call's bytes
+    forward()
+    state["grad"] = torch.ones_like(state["out"])
+    backward()
+    sent = comm.counters()
+    fwd = best_time(forward, repeats, barrier)
+    forward()
+    bwd = best_time(backward, repeats, barrier)
+    return {"fwd_wall_s": fwd[0], "fwd_cpu_s": fwd[1], "bwd_wall_s": bwd[0], "bwd_cpu_s": bwd[1], "bytes": sent}

@@ -45,6 +45,7 @@ from .attention_common import (
     machine_load,
     machine_summary,
     random_qkv,
+    time_distributed,
 )
 
 MIB = 2 ** 20
@@ -235,27 +236,9 @@ def _rank_worker_docs(args, ids):
     plans_s = time.process_time() - c0
     q, k, v = (layout.shard(t, mesh).requires_grad_() for t in random_qkv(args))
     doc = layout.shard(ids, mesh)
-    state = {}
-
-    def forward():
-        state["out"] = distributed_attention(q, k, v, mesh, causal=args.causal, window=args.window, doc_ids=doc,
-                                             layout=layout)
-
-    def backward():
-        state["out"].backward(state["grad"], retain_graph=True)
-
-    def sync():
-        comm.barrier()
-
-    comm.reset_counters()
-    forward()
-    state["grad"] = torch.ones_like(state["out"])
-    backward()
-    sent = comm.counters()
-    fwd = best_time(forward, args.repeats, sync)
-    forward()
-    bwd = best_time(backward, args.repeats, sync)
-    return {"fwd_wall_s": fwd[0], "fwd_cpu_s": fwd[1], "bwd_wall_s": bwd[0], "bwd_cpu_s": bwd[1], "bytes": sent,
+    timed = time_distributed(lambda: distributed_attention(q, k, v, mesh, causal=args.causal, window=args.window,
+                                                           doc_ids=doc, layout=layout), args.repeats, comm.barrier)
+    return {**timed,
             "layout_plan_cpu_s": layout_s, "block_plans_cpu_s": plans_s,
             "visible_pairs": sum(p.visible() for p in plans), "pair_groups": sum(len(p.groups) for p in plans),
             "empty_blocks": sum(p.empty for p in plans)}
