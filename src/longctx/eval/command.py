@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config.rules import SYNTHETIC_TASKS
+from ..config.tokenizer import model_tokenizer, same_tokenizer
 from ..errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -119,8 +120,6 @@ def _dp(cfg, nproc: int) -> int:
 def _tokenizer_spec(args, cfg) -> str | None:
     if args.tokenizer:
         return args.tokenizer
-    from ..config.tokenizer import model_tokenizer
-
     return model_tokenizer(cfg.model.init_from)
 
 
@@ -167,7 +166,7 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     if source.meta.get("vocab_size", 0) > cfg.model.vocab_size:
         raise ConfigError(f"--data {args.data}: its tokenizer has {source.meta['vocab_size']} tokens but the model's "
                           f"vocabulary is {cfg.model.vocab_size}; pass a store built with the model's tokenizer.")
-    if source.tokenizer_spec and spec and not _same_tokenizer(source.tokenizer_spec, spec):
+    if source.tokenizer_spec and spec and not same_tokenizer(source.tokenizer_spec, spec):
         raise DataError(f"--data {args.data or '(default corpus)'} was tokenized with {source.tokenizer_spec} but "
                         f"the checkpoint's tokenizer is {spec}; pass a store built with it, or a text file.")
     sequences = {}
@@ -181,20 +180,6 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
         except DataError as e:
             raise ConfigError(f"--lengths {length}: {e}") from None
     return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch)
-
-
-def _same_tokenizer(a: str, b: str) -> bool:
-    """Two tokenizer specs name the same tokenizer: equal, or the same tokenizer.json (DIR or DIR/tokenizer.json)."""
-    if a == b:
-        return True
-    if "byte" in (a, b):
-        return False
-
-    def file(spec):
-        p = Path(spec)
-        return (p / "tokenizer.json" if p.is_dir() else p).resolve()
-
-    return file(a) == file(b)
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
