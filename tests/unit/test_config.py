@@ -107,3 +107,27 @@ def test_global_batch_must_split_into_micro_batches():
     with pytest.raises(ConfigError, match="divisible by train.grad_accum"):
         load_config(overrides=["--train.global_batch=6", "--train.grad_accum=4"])
     assert load_config(overrides=["--train.global_batch=8", "--train.grad_accum=4"]).train.global_batch == 8
+
+
+def test_offload_fraction_is_a_number_or_the_word_auto(tmp_path):
+    """memory.offload_fraction is typed `float | str`: a number (TOML int or float, CLI text), or the
+    one word 'auto'; a MemoryPolicy takes only the number."""
+    from longctx.memory.policy import MemoryPolicy
+
+    recompute = "--memory.recompute=selective"
+    assert load_config(overrides=[recompute, "--memory.offload_fraction=0.25"]).memory.offload_fraction == 0.25
+    p = tmp_path / "c.toml"
+    p.write_text('[memory]\nrecompute = "selective"\noffload_fraction = 1\n')
+    one = load_config(p).memory.offload_fraction
+    assert one == 1.0 and isinstance(one, float)
+    auto = load_config(overrides=[recompute, "--memory.offload_fraction=auto"])
+    assert auto.memory.offload_fraction == "auto"
+    with pytest.raises(ValueError, match="resolve it"):
+        MemoryPolicy.from_config(auto.memory)
+    assert MemoryPolicy.from_config(load_config(p).memory).offload_fraction == 1.0
+    for bad in ("automatic", "half"):
+        with pytest.raises(ConfigError, match="memory.offload_fraction must be a number"):
+            load_config(overrides=[recompute, f"--memory.offload_fraction={bad}"])
+    p.write_text('[memory]\nrecompute = "selective"\noffload_fraction = "most"\n')
+    with pytest.raises(ConfigError, match="memory.offload_fraction must be a number"):
+        load_config(p)

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..data.loader import PackedSamples
+from ..memory.rss import proc_status_kib, reset_peak_rss
 from ..ops.attention import attention
 from ..ops.segments import plan_pairs, segments
 from ..parallel import comm
@@ -104,26 +105,6 @@ def _doc_inputs(args, shapes, seed=0):
                   for h in (args.heads, args.kv_heads, args.kv_heads)) for b, s in shapes]
 
 
-def _proc_status() -> dict:
-    """VmRSS and VmHWM (peak RSS) of this process, in KiB (Linux)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line.split(":")[0]] = int(line.split()[1])
-    return out
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's peak RSS (VmHWM and ru_maxrss) to its current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak_tracker():
     class PeakTracker(TorchDispatchMode):
         """Peak bytes of live tensor storages created under it (as memory/accounting.py's tracker:
@@ -176,8 +157,8 @@ def _one_process(args, ids, kind, mode="time"):
     shapes = [(1, n) for _, _, n in docs] if kind == "per_document" else [tuple(ids.shape)]
     q_doc = ids if kind == "packed" else None
     tracker = _peak_tracker() if mode == "tracker" else None
-    reset = _reset_peak_rss()
-    before, maxrss_before = _proc_status(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    reset = reset_peak_rss()
+    before, maxrss_before = proc_status_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if tracker is not None:
         tracker.__enter__()
     inputs = _doc_inputs(args, shapes)
@@ -196,7 +177,7 @@ def _one_process(args, ids, kind, mode="time"):
     if tracker is not None:
         tracker.__exit__(None, None, None)
         return {"kind": kind, "tracked_peak_mib": tracker.peak / MIB}
-    after, maxrss_after = _proc_status(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after, maxrss_after = proc_status_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     memory = {"rss_before_mib": before["VmRSS"] / 1024,
               "rss_peak_growth_mib": (after["VmHWM"] - before["VmRSS"]) / 1024,
               "ru_maxrss_growth_mib": (maxrss_after - maxrss_before) / 1024, "peak_reset": reset}

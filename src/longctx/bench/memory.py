@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from ..config import MODEL_PRESETS, MemoryConfig, ModelConfig, load_config
 from ..memory.accounting import estimate_activations, measure_activations, published_formulas
 from ..memory.policy import MemoryPolicy
+from ..memory.rss import peak_rss_bytes
 from ..models.llama import build_model
 from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
@@ -261,7 +261,7 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
     inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
     t0 = time.perf_counter()
     model(*inputs[:3], labels=inputs[3]).backward()
-    return {"seq_len": seq, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    return {"seq_len": seq, "peak_rss_bytes": peak_rss_bytes(),
             "step_s": time.perf_counter() - t0}
 
 

@@ -48,11 +48,18 @@ def _type_name(t: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
 
+def _base_type(f: dataclasses.Field) -> str:
+    """The field's type name: 'int', 'float', 'bool' or 'str'. A field typed `float | str` is a number
+    that also takes the words in its metadata (e.g. "auto"); its base type is the number."""
+    name = f.type if isinstance(f.type, str) else f.type.__name__
+    return name.split("|")[0].strip()
+
+
 def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     """Check a TOML value (or a CLI string, already parsed) against the field's type and choices."""
     if isinstance(value, str) and value in f.metadata.get("words", ()):
         return value
-    typ = {"int": int, "float": float, "bool": bool, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+    typ = {"int": int, "float": float, "bool": bool, "str": str}[_base_type(f)]
     ok = (
         (typ is bool and isinstance(value, bool))
         or (typ is int and isinstance(value, int) and not isinstance(value, bool))
@@ -73,7 +80,7 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
 
 
 def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
-    typ = f.type if isinstance(f.type, str) else f.type.__name__
+    typ = _base_type(f)
     if text in f.metadata.get("words", ()):
         return text
     if typ == "bool":

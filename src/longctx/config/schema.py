@@ -174,7 +174,9 @@ class DataConfig:
 @dataclass
 class MemoryConfig:
     recompute: str = _opt("none", "activation recomputation policy", choices=RECOMPUTE_POLICIES)
-    offload_fraction: float = _opt(0.0, "fraction of each block's saved tokens moved to host memory (needs "
+    # a number, or the word "auto" until train/model.py measures and decides it (MemoryPolicy.from_config
+    # takes only the number)
+    offload_fraction: float | str = _opt(0.0, "fraction of each block's saved tokens moved to host memory (needs "
                                    "recompute=selective or full); 'auto' (with recompute=selective) picks it from "
                                    "host-link bandwidth, block forward time and free host memory", words=("auto",))
     offload_skip_last: int = _opt(1, "the last K blocks are never offloaded")

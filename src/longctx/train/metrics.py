@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..memory.rss import peak_rss_bytes
 from ..models.flops import train_flops_per_token
 from ..parallel.parallelize import gathers_in_bf16
 from ..parallel.runtime import TRACKED_DIMS
@@ -28,9 +27,7 @@ from ..planner.peaks import device_peak, raise_cpu_peak
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device), "max allocated"
-    # ru_maxrss is in KiB on Linux and bytes on macOS
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss * (1 if sys.platform == "darwin" else 1024), "peak RSS"
+    return peak_rss_bytes(), "peak RSS"
 
 
 class MetricsWriter:
