@@ -140,7 +140,7 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
         else:
             dotted = body
             nxt = args[i + 1] if i + 1 < len(args) else None
-            f_probe = _lookup(*dotted.split(".", 1)) if dotted.count(".") == 1 else None
+            f_probe = _lookup(*dotted.split(".", 1)) if "." in dotted else None
             is_bool = f_probe is not None and (f_probe.type in ("bool", bool))
             if nxt is None or (nxt.startswith("--") and is_bool):
                 if not is_bool:
@@ -148,9 +148,7 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
                 text, i = "true", i + 1
             else:
                 text, i = nxt, i + 2
-        if dotted.count(".") != 1:
-            raise ConfigError(f"'--{dotted}' is not of the form --section.key (sections: {', '.join(SECTIONS)}).")
-        section, name = dotted.split(".")
+        section, name = dotted.split(".", 1)  # a sub-table's key keeps its dot: model + moe.experts
         f = _lookup(section, name)
         out.setdefault(section, {})[name] = _parse_cli_value(dotted, text, f)
     return out
@@ -183,12 +181,24 @@ def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | N
                     f"top-level key '{section}' in '{path}' must be a [section] table; "
                     f"valid sections: {', '.join(SECTIONS)}."
                 )
-            raw.setdefault(section, {}).update(values)
+            raw.setdefault(section, {}).update(_flatten_tables(values))
     if overrides:
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         for section, values in parsed.items():
             raw.setdefault(section, {}).update(values)
     return raw
+
+
+def _flatten_tables(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A section's keys with its sub-tables flattened: [model.moe] experts = 8 -> "moe.experts": 8
+    (how a key of a sub-table is named in code and on the command line too)."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flatten_tables(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _model_values(values: dict[str, Any], fields: dict[str, dataclasses.Field]) -> dict[str, Any]:

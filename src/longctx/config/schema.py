@@ -37,6 +37,15 @@ def _llama3(factor: float, tie: bool, **shape) -> dict[str, Any]:
                 tie_embeddings=tie, max_seq_len=131072)
 
 
+def _moe(shape: dict[str, Any], **moe) -> dict[str, Any]:
+    """A shape with [model.moe] keys (given without their `moe.` prefix)."""
+    return dict(shape, **{f"moe.{k}": v for k, v in moe.items()})
+
+
+MOE_ROUTERS = ("softmax", "switch", "sigmoid", "sinkhorn", "dts")  # model.moe.router
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(dim=128, layers=4, heads=4, kv_heads=2, head_dim=0, ffn_dim=384, vocab_size=320,
                   rope_theta=10000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=131072),
@@ -47,7 +56,42 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama3-3b": _llama3(32.0, True, dim=3072, layers=28, heads=24, kv_heads=8, head_dim=128, ffn_dim=8192),
     "llama3-8b": _llama3(8.0, False, dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128, ffn_dim=14336),
     "llama3-70b": _llama3(8.0, False, dim=8192, layers=80, heads=64, kv_heads=8, head_dim=128, ffn_dim=28672),
+    # Mixture-of-Experts shapes ([model.moe]); the published ones as their config.json gives them
+    "debug-moe": _moe(dict(dim=128, layers=4, heads=4, kv_heads=2, head_dim=0, ffn_dim=384, vocab_size=320,
+                           rope_theta=10000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=131072),
+                      experts=8, top_k=2, expert_dim=128, dense_layers="0", aux_loss=0.01, z_loss=0.001),
+    "small-moe": _moe(dict(dim=512, layers=8, heads=8, kv_heads=4, head_dim=0, ffn_dim=1536, vocab_size=320,
+                           rope_theta=500000.0, rope_scaling="none", tie_embeddings=False, max_seq_len=131072),
+                      experts=16, top_k=2, expert_dim=512, shared_experts=1, shared_dim=512, dense_layers="0",
+                      aux_loss=0.01, z_loss=0.001),
+    "mixtral-8x7b": _moe(dict(family="mixtral", dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
+                              ffn_dim=14336, vocab_size=32000, rope_theta=1e6, rope_scaling="none",
+                              tie_embeddings=False, max_seq_len=32768),
+                         experts=8, top_k=2, expert_dim=14336, norm_topk=True, aux_loss=0.02),
+    "qwen3-30b-a3b": _moe(dict(family="qwen3_moe", dim=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
+                               ffn_dim=6144, vocab_size=151936, rope_theta=1e6, rope_scaling="none", qk_norm=True,
+                               norm_eps=1e-6, tie_embeddings=False, max_seq_len=40960),
+                          experts=128, top_k=8, expert_dim=768, norm_topk=True, aux_loss=0.001),
+    "olmoe-1b-7b": _moe(dict(family="olmoe", dim=2048, layers=16, heads=16, kv_heads=16, head_dim=0, ffn_dim=1024,
+                             vocab_size=50304, rope_theta=10000.0, rope_scaling="none", qk_norm=True,
+                             tie_embeddings=False, max_seq_len=4096),
+                        experts=64, top_k=8, expert_dim=1024, norm_topk=False, aux_loss=0.01, z_loss=0.001),
 }
+
+
+def parse_layer_list(text: str) -> set[int]:
+    """"0,3-5" -> {0, 3, 4, 5}; "" -> set(). ValueError names what it could not read."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"cannot read '{part}' as a layer or a range of layers (write e.g. \"0,3-5\")") from None
+        if first < 0 or last < first:
+            raise ValueError(f"'{part}' is not a layer range (write first-last, first <= last, both >= 0)")
+        out.update(range(first, last + 1))
+    return out
 
 
 @dataclass
@@ -55,8 +99,9 @@ class ModelConfig:
     preset: str = _opt("debug", "named shape that fills every model field not set explicitly; 'hf' = the shapes "
                                 "of model.init_from's config.json (set by init_from, not by hand)",
                        choices=tuple(MODEL_PRESETS) + ("hf",))
-    family: str = _opt("llama", "architecture family (what export writes): llama, mistral, qwen2, qwen3",
-                       choices=("llama", "mistral", "qwen2", "qwen3"))
+    family: str = _opt("llama", "architecture family (what export writes): llama, mistral, qwen2, qwen3, and the "
+                                "Mixture-of-Experts ones mixtral, qwen2_moe, qwen3_moe, olmoe",
+                       choices=("llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES)
     dim: int = _opt(128, "hidden size")
     layers: int = _opt(4, "number of transformer blocks")
     heads: int = _opt(4, "attention (query) heads")
@@ -90,6 +135,68 @@ class ModelConfig:
                               "or Qwen3 directory; its config.json becomes this [model]) or DIR (a longctx checkpoint, "
                               "or a checkpoints directory for its latest: the weights only, a new run); extension keys "
                               "such as rope_theta or rope_scaling apply on top")
+
+    # [model.moe]: Mixture-of-Experts feed-forwards (models/moe.py); moe.experts = 0 is a dense model
+    moe_experts: int = _opt(0, "routed experts per MoE layer; 0 = a dense model (every layer a SwiGLU of ffn_dim)",
+                            key="moe.experts")
+    moe_top_k: int = _opt(2, "experts each token is routed to", key="moe.top_k")
+    moe_router: str = _opt("softmax", "routing function: softmax (top-k of a softmax: GShard, Mixtral, Qwen), switch "
+                                      "(top-1, the Switch Transformer), sigmoid (sigmoid scores with group-limited "
+                                      "top-k: DeepSeek-V3), sinkhorn (balanced assignment by Sinkhorn iterations: "
+                                      "S-BASE), dts (DTS-Gate: dense at first, annealed to top-k)",
+                           choices=MOE_ROUTERS, key="moe.router")
+    moe_expert_dim: int = _opt(0, "SwiGLU hidden size of each routed expert; 0 = ffn_dim", key="moe.expert_dim")
+    moe_shared_experts: int = _opt(0, "shared experts every token goes through (DeepSeek, Qwen2-MoE), run as one "
+                                      "SwiGLU of shared_dim", key="moe.shared_experts")
+    moe_shared_dim: int = _opt(0, "SwiGLU hidden size of the shared experts together; 0 = shared_experts x "
+                                  "expert_dim", key="moe.shared_dim")
+    moe_shared_gate: bool = _opt(False, "a sigmoid gate on the shared experts' output (Qwen2-MoE)",
+                                 key="moe.shared_gate")
+    moe_dense_layers: str = _opt("", "layers that keep a dense SwiGLU of ffn_dim, e.g. \"0\" or \"0,1\" or \"0-2\" "
+                                     "(DeepSeek's first dense layers, Qwen2-MoE's mlp_only_layers)",
+                                 key="moe.dense_layers")
+    moe_capacity_factor: float = _opt(0.0, "expert capacity as a multiple of an even share of a rank's tokens; tokens "
+                                           "over it pass through the residual (dropped, and counted); 0 = dropless",
+                                      key="moe.capacity_factor")
+    moe_aux_loss: float = _opt(0.0, "weight of the load-balancing loss (Switch/GShard: experts x sum of load "
+                                    "fraction x mean probability, averaged over MoE layers)", key="moe.aux_loss")
+    moe_z_loss: float = _opt(0.0, "weight of the router z-loss (mean squared log-sum-exp of the router logits)",
+                             key="moe.z_loss")
+    moe_bias_update_rate: float = _opt(0.0, "aux-loss-free balancing (DeepSeek-V3): after each optimizer step every "
+                                            "expert's selection bias moves this much toward an even load; 0 = off",
+                                       key="moe.bias_update_rate")
+    moe_norm_topk: bool = _opt(True, "renormalise the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE; "
+                                     "false for OLMoE, Qwen2-MoE)", key="moe.norm_topk")
+    moe_groups: int = _opt(1, "sigmoid router: expert groups (DeepSeek-V3's n_group)", key="moe.groups")
+    moe_topk_groups: int = _opt(1, "sigmoid router: groups a token may pick its experts from", key="moe.topk_groups")
+    moe_route_scale: float = _opt(1.0, "factor on the routing weights (DeepSeek's routed_scaling_factor)",
+                                  key="moe.route_scale")
+    moe_dts_steps: int = _opt(1000, "dts router: optimizer steps over which the gate goes from every expert to "
+                                    "top_k", key="moe.dts_steps")
+    moe_dts_temperature: float = _opt(2.0, "dts router: softmax temperature at step 0, annealed to 1",
+                                      key="moe.dts_temperature")
+    moe_sinkhorn_iters: int = _opt(8, "sinkhorn router: normalisation iterations before the balanced assignment",
+                                   key="moe.sinkhorn_iters")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def resolved_expert_dim(self) -> int:
+        return self.moe_expert_dim or self.ffn_dim
+
+    @property
+    def resolved_shared_dim(self) -> int:
+        return self.moe_shared_dim or self.moe_shared_experts * self.resolved_expert_dim
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose feed-forward is a Mixture of Experts (all but moe.dense_layers)."""
+        if not self.is_moe:
+            return ()
+        dense = parse_layer_list(self.moe_dense_layers)
+        return tuple(i for i in range(self.layers) if i not in dense)
 
     @property
     def resolved_head_dim(self) -> int:

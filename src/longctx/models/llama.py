@@ -1,7 +1,8 @@
 """Llama-architecture decoder for one device. It knows nothing about parallelism (see parallel/).
 
 RMSNorm, rotary position embeddings (RoPE: default, linear, Llama-3 and YaRN frequency scaling),
-grouped-query attention through ops/attention.py, SwiGLU MLP, tied or untied embeddings. The
+grouped-query attention through ops/attention.py, SwiGLU MLP or a Mixture of Experts (models/moe.py,
+[model.moe]), tied or untied embeddings. The
 families that differ from Llama only in small ways are switches of the same model: optional biases
 on q/k/v (Qwen2) or q/k/v/o (attention_bias), per-head q/k RMSNorm before RoPE (Qwen3), an
 explicit head_dim (Mistral, Qwen3).
@@ -29,6 +30,7 @@ from ..config import ModelConfig
 from ..ops.attention import attention
 from ..ops.loss import lm_head_loss, lm_head_token_scores
 from ..ops.norm import rms_norm
+from .moe import MoEFeedForward, RouterTerms, moe_layers, router_terms, update_expert_bias
 from .shards import write_full
 
 
@@ -175,12 +177,13 @@ class Block(nn.Module):
     differently: `pre` and `post` are token-wise and cheap to recompute; `attention.core` is the
     only place tokens meet (and, sequence-parallel, the only place ranks communicate)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, moe: bool = False):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        # a Mixture of Experts (models/moe.py) in the layers [model.moe] makes sparse
+        self.feed_forward = MoEFeedForward(cfg) if moe else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def pre(self, x, cos, sin):
         """attention norm, q/k/v projections, RoPE -> q, k, v [b, s, heads or kv_heads, head_dim]"""
@@ -200,13 +203,17 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        sparse = set(cfg.moe_layer_ids)
+        self.layers = nn.ModuleList(Block(cfg, moe=i in sparse) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.empty(cfg.resolved_head_dim // 2), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
         # tokens per chunk of the LM head + loss (ops/loss.py); 0 = one [tokens, vocab] logits tensor
         self.loss_chunk = 0
+        # MoE: sums a tensor over every rank holding tokens of the micro-batch (the router statistics);
+        # None = this process holds them all. parallelize() sets it.
+        self.router_sum = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -237,9 +244,11 @@ class Llama(nn.Module):
             elif p.dim() == 1:
                 nn.init.ones_(full)
             else:
-                s = out_std if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")) else std
+                s = out_std if name.endswith(("attention.wo.weight", "w2.weight", "experts.w2")) else std
                 nn.init.normal_(full, mean=0.0, std=s, generator=gen)
             write_full(p, full)
+        for layer in moe_layers(self):
+            layer.router.expert_bias.zero_()
         self.init_rope()
 
     def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True):
@@ -249,9 +258,40 @@ class Llama(nn.Module):
             positions = torch.arange(s, device=tokens.device).expand(b, s)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin, doc_ids)
+        moe = moe_layers(self)
+        # routers record their statistics in a training forward only: not in evaluation, and not
+        # when backward recomputes a block (that happens after this forward has returned)
+        for layer in moe:
+            layer.records.clear()
+            layer.recording = self.training and torch.is_grad_enabled()
+        try:
+            for layer in self.layers:
+                x = layer(x, cos, sin, doc_ids)
+        finally:
+            for layer in moe:
+                layer.recording = False
         return self.norm(x) if final_norm else x
+
+    # ------------------------------------------------------------------------------------------
+    # Mixture of Experts: the training loop's side of the routers
+
+    def set_router_step(self, step: int) -> None:
+        """The optimizer step about to run (0-based): schedules such as DTS-Gate's read it."""
+        for layer in moe_layers(self):
+            layer.router.step = step
+
+    def router_terms(self) -> RouterTerms | None:
+        """The balancing losses and load figures of the last training forward (None for a dense
+        model): this rank's share of the weighted loss, to add to its loss before backward."""
+        moe = moe_layers(self)
+        if not moe or not moe[0].records:
+            return None
+        return router_terms(moe, self.cfg.moe_aux_loss, self.cfg.moe_z_loss, self.router_sum)
+
+    def update_expert_bias(self, counts: torch.Tensor) -> None:
+        """After an optimizer step: the aux-loss-free bias moves toward an even load (moe.bias_update_rate)."""
+        if self.cfg.moe_bias_update_rate > 0:
+            update_expert_bias(moe_layers(self), counts, self.cfg.moe_bias_update_rate)
 
     def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
         """Logits [batch, seq, vocab] without labels; with labels (-100 = ignore) the cross-entropy,

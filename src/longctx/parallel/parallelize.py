@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -31,6 +32,7 @@ from ..memory.policies import apply_memory_policy
 from ..models.compile import compile_token_wise_stages
 from ..models.llama import local_attention
 from ..ops.chunked import chunked_local_attention
+from . import comm
 from .attention import distributed_attention
 
 
@@ -70,6 +72,15 @@ def use_sequence_parallel_attention(model, dims, mesh) -> None:
             block.attention.core = core
 
 
+def use_router_sum(model, dims, mesh) -> None:
+    """MoE: the balancing losses read statistics over every token of the micro-batch, and each rank
+    holds a share of them (its data-parallel rows, its part of each sequence): the model sums its
+    router statistics over all ranks, so that no layout changes the loss (models/moe.py)."""
+    if dims.world_size > 1 and model.cfg.is_moe:
+        world = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("router")
+        model.router_sum = functools.partial(comm.all_reduce, mesh=world, op=dist.ReduceOp.SUM, label="router")
+
+
 def use_attention_chunks(model, chunk: int, offload: bool) -> None:
     """Run every block's attention core in chunks of `chunk` tokens (ops/chunked.py): the
     single-device core, or each ring block of the sequence-parallel one; `offload` keeps the core's
@@ -102,8 +113,9 @@ def apply_memory(model, memory_cfg, device_type: str) -> None:
 def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     """The model, parallelised in place (and returned). memory.offload_fraction must be a number:
     `auto` is resolved before (train/setup.py resolve_offload), into a new config."""
-    # 1. distributed attention
+    # 1. distributed attention; MoE router statistics summed over the ranks of the micro-batch
     use_sequence_parallel_attention(model, dims, mesh)
+    use_router_sum(model, dims, mesh)
     # 2. activation memory
     apply_memory(model, cfg.memory, device_type)
     # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)

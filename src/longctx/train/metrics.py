@@ -68,9 +68,23 @@ def format_line(r: dict) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts.append(f"mem {r['memory_gib']:.2f} GiB ({r['memory_kind']})")
+    if "moe_aux_loss" in r:
+        parts.append(f"moe aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.2f} load {r['moe_load_mean']:.2f}/"
+                     f"{r['moe_load_worst']:.2f}" + (f" drop {100 * r['moe_drop_rate']:.1f}%" if r["moe_drop_rate"]
+                                                     else ""))
     if r.get("comm_bytes_per_step"):
         parts.append("comm/step " + " ".join(f"{d} {v / 2**20:.1f}MiB" for d, v in r["comm_bytes_per_step"].items()))
     return " | ".join(parts)
+
+
+ROUTER_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst", "moe_drop_rate")
+
+
+def router_record(stats: torch.Tensor | None) -> dict:
+    """A step's router figures (models/moe.py RouterTerms.stats, read here at the log interval):
+    the balancing losses unweighted, max/mean tokens per expert (mean over MoE layers, and the worst
+    layer's) and the fraction of choices dropped for capacity. Empty for a dense model."""
+    return {} if stats is None else dict(zip(ROUTER_FIELDS, stats.tolist()))
 
 
 def read_jsonl(path: Path) -> list[dict]:

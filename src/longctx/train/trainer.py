@@ -28,7 +28,7 @@ from ..errors import TrainingError
 from ..models.llama import count_params
 from ..parallel.parallelize import grad_scale
 from ..progress import progress_bar
-from .metrics import MetricsLogger, peak_memory_bytes
+from .metrics import MetricsLogger, peak_memory_bytes, router_record
 from .model import build_training_model, resolve_offload
 from .report import write_plots
 from .setup import (
@@ -80,6 +80,8 @@ class Trainer:
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
         self.model = build_training_model(cfg, self.device, rt, self.log)
+        self.moe = cfg.model.is_moe
+        self.router_stats: torch.Tensor | None = None  # the last step's (models/moe.py RouterTerms.stats)
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
         self.optimizer = make_optimizer(self.model, cfg)
@@ -169,7 +171,7 @@ class Trainer:
                 if log_now:
                     self.metrics.line(step, loss, grad_norm, lr, {
                         "tokens": tokens_through(self.sampler.stages, step), "seq_len": stage.seq_len,
-                        "elapsed_s": time.perf_counter() - run_start})
+                        "elapsed_s": time.perf_counter() - run_start, **router_record(self.router_stats)})
                 if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
                     total_eval_s += self._timed_evaluation(step, result)
             if self.ckpt is not None:
@@ -192,17 +194,29 @@ class Trainer:
         valid = sum(v for _, v in shares)  # of the global step: the same on every rank
         scale = grad_scale(rt.dims)
         micro = [rt.to_device(b, self.device) for b, _ in shares]
+        if self.moe:
+            self.model.set_router_step(step - 1)
+        router_stats = router_counts = None
         with self.device_section():
             local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, batch in enumerate(micro):
                 set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
                 loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
-                (loss_sum * (scale / valid)).backward()
+                total = loss_sum * (scale / valid)
+                terms = self.model.router_terms() if self.moe else None
+                if terms is not None:  # MoE balancing losses: the mean over the step's micro-batches
+                    total = total + terms.loss * (scale / len(micro))
+                    router_stats = terms.stats / len(micro) + (0 if router_stats is None else router_stats)
+                    router_counts = terms.counts + (0 if router_counts is None else router_counts)
+                total.backward()
                 local_loss += loss_sum.detach()
             loss = rt.sum_tensor(local_loss) / max(valid, 1)
             grad_norm = clip_gradients(self.model, t.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if router_counts is not None:
+            self.model.update_expert_bias(router_counts)  # once per optimizer step, from every micro-batch
+            self.router_stats = router_stats
         return loss, grad_norm, lr
 
     def _read_back(self, unread: list, result: TrainResult) -> tuple[float, float]:

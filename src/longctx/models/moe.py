@@ -1,0 +1,363 @@
+"""Mixture-of-Experts feed-forward for one device: routers, grouped experts, router statistics.
+
+`MoEFeedForward` replaces a block's SwiGLU: a router picks `top_k` experts per token, the tokens
+are permuted so that each expert's are contiguous, every expert runs as one grouped GEMM per
+projection (ops/grouped.py), and the results are un-permuted and weighted. Shared experts (one
+SwiGLU every token goes through, optionally behind a sigmoid gate) are added on top.
+
+Determinism: the combine gathers each token's k results back by an inverse permutation and sums
+them in slot order; there is no scatter-add, so two runs give the same bits.
+
+Routing is a function of the token alone (for the dropless routers), so any slicing of the tokens
+(ranks of a sequence-parallel layout, memory.block_chunk, recomputation) routes each token as the
+whole batch on one device would. Two things see more than a token:
+- the balancing losses need statistics over every token of the micro-batch: the layer records
+  per-call sums (`RouterRecord`) and the model combines them after its forward (`router_terms`),
+  through a `sum` hook that parallelize() points at the ranks holding the micro-batch;
+- capacity (moe.capacity_factor > 0) and the Sinkhorn router's balanced assignment act on the
+  tokens of one call: the tokens a rank holds, as in GShard and BASE.
+
+Router selection runs in fp32 (autocast off): bf16 logits flip top-k choices between layouts and
+between a forward and its recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.grouped import grouped_mm
+
+
+@dataclass
+class Routing:
+    experts: torch.Tensor       # [T, k] long: the chosen experts, slot 0 first
+    weights: torch.Tensor       # [T, k] fp32: each choice's weight on the output (0 where dropped)
+    probs: torch.Tensor         # [T, E] fp32: the distribution the balancing loss reads
+    logits: torch.Tensor        # [T, E] fp32: what the z-loss reads
+    kept: torch.Tensor | None = None  # [T, k] bool with a capacity: False where the choice was dropped
+
+
+class Router(nn.Module):
+    """Token -> (experts, weights). Subclasses say how scores become choices (`choose`). The selection
+    bias (DeepSeek-V3's aux-loss-free balancing) shifts which experts are chosen, never the weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.norm_topk, self.scale = cfg.moe_norm_topk, cfg.moe_route_scale
+        self.gate = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts), persistent=True)
+        self.step = 0  # the optimizer step being run (set by the model; the DTS schedule reads it)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+            return self.choose(logits)
+
+    def _weights(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        w = probs.gather(1, chosen)
+        if self.norm_topk and self.top_k > 1:
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.scale if self.scale != 1.0 else w
+
+    def choose(self, logits: torch.Tensor) -> Routing:
+        raise NotImplementedError
+
+
+class SoftmaxRouter(Router):
+    """Top-k of a softmax (GShard, Mixtral, Qwen-MoE, OLMoE), renormalised or not (moe.norm_topk)."""
+
+    def choose(self, logits):
+        probs = logits.softmax(-1)
+        chosen = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices
+        return Routing(chosen, self._weights(probs, chosen), probs, logits)
+
+
+class SwitchRouter(SoftmaxRouter):
+    """Top-1 of a softmax, its probability as the weight (the Switch Transformer); capacity is the
+    layer's (moe.capacity_factor)."""
+
+
+class SigmoidRouter(Router):
+    """DeepSeek-V3: sigmoid scores; the experts are in `groups`, a group scores the sum of its two
+    best (biased) experts, a token picks among its best `topk_groups` groups only; the weights are
+    the unbiased scores of the chosen experts, renormalised (moe.norm_topk) and scaled."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
+
+    def choose(self, logits):
+        scores = logits.sigmoid()
+        biased = scores + self.expert_bias
+        if self.groups > 1:
+            t = logits.shape[0]
+            per_group = biased.view(t, self.groups, -1)
+            group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
+            best = group_score.topk(self.topk_groups, dim=-1).indices
+            allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+            biased = biased.masked_fill(~allowed.repeat_interleave(per_group.shape[-1], dim=1), -math.inf)
+        chosen = biased.topk(self.top_k, dim=-1).indices
+        probs = scores / scores.sum(-1, keepdim=True)  # what the balancing loss reads
+        return Routing(chosen, self._weights(scores, chosen), probs, logits)
+
+
+class SinkhornRouter(Router):
+    """S-BASE: in training, the token x expert affinities exp(logits) are normalised by Sinkhorn
+    iterations toward every expert taking an even share, then each token is assigned its k best
+    experts under a capacity of ceil(T k / E) per expert (deferred acceptance: an expert over its
+    capacity keeps the tokens that prefer it most and sends the others to their next choice), so
+    the load is balanced to within one token per expert and slot. In evaluation, plain top-k.
+    The weights are the softmax probabilities of the assigned experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.iters = cfg.moe_sinkhorn_iters
+
+    def choose(self, logits):
+        probs = logits.softmax(-1)
+        if not self.training:
+            chosen = probs.topk(self.top_k, dim=-1).indices
+        else:
+            with torch.no_grad():
+                chosen = balanced_assignment(sinkhorn(logits, self.iters), self.top_k)
+        return Routing(chosen, self._weights(probs, chosen), probs, logits)
+
+
+class DTSRouter(Router):
+    """DTS-Gate (dense to sparse): a softmax gate whose temperature goes from moe.dts_temperature to
+    1 and whose number of experts goes from all of them to top_k, linearly over moe.dts_steps
+    optimizer steps. The paper's Gumbel noise is left out, so that routing stays a function of the
+    token (the same under every layout and in recomputation)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.steps, self.start_temperature = cfg.moe_dts_steps, cfg.moe_dts_temperature
+
+    def schedule(self, step: int) -> tuple[float, int]:
+        """(temperature, experts per token) at an optimizer step (0-based)."""
+        done = 1.0 if self.steps == 0 else min(1.0, step / self.steps)
+        temperature = self.start_temperature + (1.0 - self.start_temperature) * done
+        k = round(self.experts + (self.top_k - self.experts) * done)
+        return temperature, max(self.top_k, k)
+
+    def choose(self, logits):
+        temperature, k = self.schedule(self.step) if self.training else (1.0, self.top_k)
+        probs = (logits / temperature).softmax(-1)
+        chosen = (probs + self.expert_bias).topk(k, dim=-1).indices
+        w = probs.gather(1, chosen)
+        if self.norm_topk and k > 1:
+            w = w / w.sum(-1, keepdim=True)
+        return Routing(chosen, w * self.scale, probs, logits)
+
+
+ROUTERS: dict[str, type[Router]] = {"softmax": SoftmaxRouter, "switch": SwitchRouter, "sigmoid": SigmoidRouter,
+                                    "sinkhorn": SinkhornRouter, "dts": DTSRouter}
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """exp(logits) [T, E] scaled so that rows sum to 1 and columns to T / E (alternately, `iters`
+    times), in log space for stability."""
+    t, e = logits.shape
+    log_p = logits.float() - logits.float().max()
+    for _ in range(iters):
+        log_p = log_p - log_p.logsumexp(0, keepdim=True) + math.log(t / e)  # columns: T / E each
+        log_p = log_p - log_p.logsumexp(1, keepdim=True)                    # rows: 1 each
+    return log_p
+
+
+def balanced_assignment(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[T, E] scores -> [T, k] distinct experts per token, each expert taking at most ceil(T / E) tokens
+    per slot: k rounds of deferred acceptance (every unassigned token proposes to its best expert
+    still open to it; an expert keeps its best proposals up to its remaining capacity)."""
+    t, e = scores.shape
+    capacity = -(-t // e)
+    out = torch.empty(t, k, dtype=torch.long, device=scores.device)
+    closed = torch.zeros(t, e, dtype=torch.bool, device=scores.device)  # experts a token may no longer take
+    for slot in range(k):
+        load = torch.zeros(e, dtype=torch.long, device=scores.device)
+        todo = torch.arange(t, device=scores.device)
+        while todo.numel():
+            masked = scores[todo].masked_fill(closed[todo], -math.inf)
+            want = masked.argmax(-1)
+            pref = masked.gather(1, want[:, None]).squeeze(1)
+            # per expert, rank the proposals by preference (best first; ties by token order)
+            order = torch.argsort(pref, descending=True, stable=True)
+            order = order[torch.argsort(want[order], stable=True)]
+            w_sorted = want[order]
+            first = torch.searchsorted(w_sorted, torch.arange(e, device=scores.device))
+            rank = torch.arange(order.numel(), device=scores.device) - first[w_sorted]
+            accepted = torch.zeros_like(want, dtype=torch.bool)
+            accepted[order] = rank < (capacity - load)[w_sorted]
+            took = todo[accepted]
+            out[took, slot] = want[accepted]
+            load += torch.bincount(want[accepted], minlength=e)
+            closed[todo[~accepted], want[~accepted]] = True  # rejected: that expert is full for them
+            todo = todo[~accepted]
+        closed[torch.arange(t, device=scores.device), out[:, slot]] = True  # distinct experts per token
+    return out
+
+
+@dataclass
+class RouterRecord:
+    """What one call of a layer contributes to the balancing losses and the load metrics."""
+    counts: torch.Tensor      # [E] choices per expert (before any drop), no gradient
+    prob_sum: torch.Tensor    # [E] sum over the call's tokens of the router probabilities (with gradient)
+    lse_sq_sum: torch.Tensor  # sum over the tokens of logsumexp(logits)^2 (with gradient)
+    tokens: int
+    dropped: torch.Tensor     # choices dropped for capacity (no gradient)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as 3D weights, each expert's matrix stored as nn.Linear stores it ([out, in]):
+    w1 (gate) and w3 (up) [E, hidden, dim], w2 (down) [E, dim, hidden]."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [n, dim]: rows grouped by expert, counts[e] of them for expert e, in expert order."""
+        t = lambda w: w.transpose(1, 2)  # noqa: E731  [E, in, out] views of the [E, out, in] weights
+        h = F.silu(grouped_mm(x, t(self.w1), counts)) * grouped_mm(x, t(self.w3), counts)
+        return grouped_mm(h, t(self.w2), counts)
+
+
+class MoEFeedForward(nn.Module):
+    """Router + grouped experts (+ shared experts): a drop-in for the block's FeedForward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from .llama import FeedForward  # the dense SwiGLU, also the shared experts
+
+        self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.router = ROUTERS[cfg.moe_router](cfg)
+        self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.resolved_expert_dim)
+        shared = cfg.resolved_shared_dim
+        self.shared = FeedForward(cfg.dim, shared) if shared else None
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.moe_shared_gate else None
+        self.recording = False  # the model turns it on for its training forwards
+        self.records: list[RouterRecord] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.router(flat)
+        if self.capacity_factor > 0:
+            routing = self._apply_capacity(routing)
+        if self.recording:
+            self._record(routing, flat.shape[0])
+        y = self._routed(flat, routing)
+        if self.shared is not None:
+            s = self.shared(flat)
+            if self.shared_gate is not None:
+                s = torch.sigmoid(self.shared_gate(flat)) * s
+            y = y + s
+        return y.view(shape)
+
+    def _routed(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        t, k = routing.experts.shape
+        choice = routing.experts.flatten()
+        if routing.kept is not None:  # dropped choices go to no expert (sorted last, then cut)
+            choice = torch.where(routing.kept.flatten(), choice, self.num_experts)
+        order = torch.argsort(choice, stable=True)
+        counts = torch.bincount(choice, minlength=self.num_experts + 1)[: self.num_experts]
+        n = order.numel() if routing.kept is None else int(counts.sum())  # host read only with a capacity
+        order = order[:n]
+        out = self.experts(flat[order // k], counts)
+        # back to [T, k] slots by the inverse permutation (a gather: no scatter-add), weighted, summed
+        slots = out.new_zeros(t * k, out.shape[-1])
+        slots = slots.index_copy(0, order, out) if n < t * k else out[torch.argsort(order)]
+        w = routing.weights.flatten() if routing.kept is None else routing.weights.flatten() * routing.kept.flatten()
+        return (slots.view(t, k, -1) * w.view(t, k, 1).to(slots.dtype)).sum(1)
+
+    def _apply_capacity(self, routing: Routing) -> Routing:
+        """Each expert keeps at most ceil(capacity_factor x T x k / E) of the choices, slot 0's first, then
+        in token order (GShard); the others are dropped (their token passes through the residual)."""
+        t, k = routing.experts.shape
+        capacity = math.ceil(self.capacity_factor * t * k / self.num_experts)
+        choice = routing.experts.t().flatten()  # slot-major: every token's first choice first
+        order = torch.argsort(choice, stable=True)
+        sorted_choice = choice[order]
+        first = torch.searchsorted(sorted_choice, torch.arange(self.num_experts, device=choice.device))
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=choice.device) - first[sorted_choice]
+        kept = (rank < capacity).view(k, t).t()
+        return Routing(routing.experts, routing.weights, routing.probs, routing.logits, kept)
+
+    def _record(self, routing: Routing, tokens: int) -> None:
+        counts = torch.bincount(routing.experts.flatten(), minlength=self.num_experts).float()
+        dropped = (torch.zeros((), device=counts.device) if routing.kept is None
+                   else (~routing.kept).sum().float())
+        self.records.append(RouterRecord(counts, routing.probs.sum(0), routing.logits.logsumexp(-1).square().sum(),
+                                         tokens, dropped))
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+@dataclass
+class RouterTerms:
+    """A micro-batch's balancing losses and load figures, after the model's forward.
+    `loss` is THIS rank's share (with gradient): summed over the ranks it is the loss of the whole
+    micro-batch, as one device holding every token would compute it. `stats` [5] (no gradient, the
+    same on every rank): aux loss, z-loss (unweighted, mean over MoE layers), mean over layers of
+    max/mean tokens per expert, the worst layer's, and the fraction of choices dropped.
+    `counts` [layers, E] are the micro-batch's choices per expert over every rank."""
+    loss: torch.Tensor
+    stats: torch.Tensor
+    counts: torch.Tensor
+
+
+def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: float, sum_over_ranks=None) -> RouterTerms:
+    """Combine what the layers recorded in the last forward. `sum_over_ranks(t)` sums a tensor over
+    every rank holding tokens of the micro-batch (identity on one device): one collective for all layers.
+
+    aux (Switch/GShard) = E x sum_e f_e P_e, f_e = fraction of the choices that went to e and P_e =
+    mean probability of e, both over every token; it is linear in the probabilities, so a rank's
+    share is E x sum_e f_e x (its sum of probabilities of e) / T. z = mean over tokens of
+    logsumexp(logits)^2, a rank's share its sum / T."""
+    counts = torch.stack([sum(r.counts for r in layer.records) for layer in layers])
+    prob_sum = torch.stack([sum(r.prob_sum for r in layer.records) for layer in layers])
+    lse_sq = torch.stack([sum(r.lse_sq_sum for r in layer.records) for layer in layers])
+    tokens = float(sum(r.tokens for r in layers[0].records))
+    dropped = sum(sum(r.dropped for r in layer.records) for layer in layers)
+    e, n_layers = counts.shape[1], len(layers)
+    packed = torch.cat([counts.flatten(), prob_sum.detach().flatten(), lse_sq.detach(),
+                        torch.stack([dropped, counts.new_tensor(tokens)])])
+    if sum_over_ranks is not None:
+        packed = sum_over_ranks(packed)
+    g_counts = packed[: n_layers * e].view(n_layers, e)
+    g_prob = packed[n_layers * e: 2 * n_layers * e].view(n_layers, e)
+    g_lse = packed[2 * n_layers * e: 2 * n_layers * e + n_layers]
+    g_dropped, g_tokens = packed[-2], packed[-1]
+    fraction = g_counts / g_counts.sum(1, keepdim=True)  # f_e per layer
+    local_aux = e * (fraction * prob_sum).sum() / (g_tokens * n_layers)
+    local_z = lse_sq.sum() / (g_tokens * n_layers)
+    loss = aux_weight * local_aux + z_weight * local_z
+    aux = e * (fraction * g_prob).sum() / (g_tokens * n_layers)
+    z = g_lse.sum() / (g_tokens * n_layers)
+    load = g_counts.max(1).values / g_counts.mean(1)
+    stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped / g_counts.sum()])
+    for layer in layers:
+        layer.records.clear()
+    return RouterTerms(loss, stats.detach(), g_counts.detach())
+
+
+@torch.no_grad()
+def update_expert_bias(layers: list[MoEFeedForward], counts: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3), once per optimizer step from the step's choices per
+    expert [layers, E] over every rank: an expert above the mean load gets its selection bias lowered
+    by `rate`, one below raised."""
+    for layer, c in zip(layers, counts):
+        layer.router.expert_bias += rate * torch.sign(c.mean() - c)
