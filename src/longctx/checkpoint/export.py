@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from ..config.hf import hf_dir
+from ..config.hf import hf_dir, model_config
 from ..models.hf import copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from .manager import load_model_weights, resolve_checkpoint
@@ -27,8 +26,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     if path is None:
         raise CheckpointError(f"{checkpoint} holds no complete checkpoint to export.")
     manifest = read_manifest(path)
-    fields = {f: manifest["model"][f] for f in ModelConfig.__dataclass_fields__ if f in manifest["model"]}
-    cfg = ModelConfig(**fields)
+    cfg = model_config(manifest["model"])  # (recorded by config key: "moe.experts")
     model = build_model(cfg, device="cpu", seed=None)
     load_model_weights(path, model)
     out = save_hf(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype)

@@ -10,18 +10,30 @@ Families are the Llama architecture with small differences:
 - mistral: Llama with an explicit `head_dim`; sliding-window attention is not supported;
 - qwen2 (Qwen2, Qwen2.5): bias on q, k and v (not o);
 - qwen3: per-head RMSNorm on q and k before RoPE, explicit `head_dim`, optional `attention_bias`.
+and the Mixture-of-Experts ones ([model.moe], models/moe.py; every one a softmax router, top-k):
+- mixtral: `num_local_experts` experts of width `intermediate_size`, top-k weights renormalised;
+- qwen2_moe (Qwen1.5-MoE, Qwen2-MoE): `num_experts` of width `moe_intermediate_size`, one shared
+  expert of width `shared_expert_intermediate_size` behind a sigmoid gate, dense layers of width
+  `intermediate_size` where `mlp_only_layers` and `decoder_sparse_step` say, `norm_topk_prob`,
+  bias on q, k and v (`qkv_bias`);
+- qwen3_moe: the same without a shared expert, with Qwen3's attention (per-head q/k norm);
+- olmoe: `num_experts` of width `intermediate_size`, RMSNorm on the whole q and k projections
+  (model.qk_norm_span = all), optional `attention_bias`; `clip_qkv` is not supported.
+`router_aux_loss_coef` is moe.aux_loss, `router_z_loss_coef` (where present) moe.z_loss.
 RoPE types: default, linear, llama3 and yarn, in the classic (`rope_theta` + `rope_scaling`) or the
 newer (`rope_parameters`) form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint.paths import MANIFEST, CheckpointError, resolve_checkpoint
 from ..errors import UserError
+from .schema import MOE_FAMILIES, ModelConfig, parse_layer_list
 
 
 class HFFormatError(UserError, ValueError):
@@ -36,8 +48,21 @@ FAMILIES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# what transformers (5.x) assumes when a MoE config.json leaves a key out: its config classes' defaults
+_MOE_DEFAULTS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
+                      shared_expert_intermediate_size=5632, norm_topk_prob=False, router_aux_loss_coef=0.001),
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
+                      router_aux_loss_coef=0.001),
+    "olmoe": dict(num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, router_aux_loss_coef=0.01),
+}
 
 # [model] keys that extend a loaded model's context without contradicting its weights
 EXTENSION_KEYS = frozenset({
@@ -45,13 +70,33 @@ EXTENSION_KEYS = frozenset({
     "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
     "rope_attention_factor", "rope_truncate", "max_seq_len", "init_std",
 })
-# how each weight-shaping [model] key reads in config.json (for the error that names both)
-_HF_KEY = {
+# [model] keys that change how a loaded model trains, not what its weights compute: free too
+TRAINING_KEYS = frozenset({"moe.aux_loss", "moe.z_loss", "moe.capacity_factor", "moe.bias_update_rate"})
+# how each weight-shaping [model] key reads in config.json (for the error that names both);
+# a key whose name depends on the family maps to {family: name}
+_HF_KEY: dict[str, Any] = {
     "family": "model_type", "dim": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
     "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "ffn_dim": "intermediate_size",
     "vocab_size": "vocab_size", "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings",
-    "qkv_bias": "attention_bias", "out_bias": "attention_bias", "qk_norm": "model_type",
+    "qkv_bias": {"qwen2_moe": "qkv_bias", None: "attention_bias"}, "out_bias": "attention_bias",
+    "qk_norm": "model_type", "qk_norm_span": "model_type",
+    "moe.experts": {None: "model_type"},  # (the MoE families: _experts_key)
+    "moe.top_k": {None: "num_experts_per_tok"},
+    "moe.expert_dim": {"qwen2_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
+                       None: "intermediate_size"},
+    "moe.shared_experts": {None: "shared_expert_intermediate_size"},
+    "moe.shared_dim": {None: "shared_expert_intermediate_size"},
+    "moe.shared_gate": {None: "shared_expert_intermediate_size"},
+    "moe.dense_layers": {None: "mlp_only_layers"},
+    "moe.norm_topk": {"mixtral": "model_type", None: "norm_topk_prob"},
 }
+
+
+def _hf_key(key: str, family: str | None, hf: dict | None = None) -> str:
+    if key == "moe.experts" and family in MOE_FAMILIES:
+        return _experts_key(hf or {}, family)
+    name = _HF_KEY.get(key, "model_type")
+    return name.get(family, name[None]) if isinstance(name, dict) else name
 
 
 def hf_dir(init_from: str) -> Path:
@@ -126,9 +171,9 @@ def _rope_fields(hf: dict, where: str) -> dict[str, Any]:
 def _reject_sliding_window(hf: dict, family: str, where: str) -> None:
     layer_types = hf.get("layer_types") or []
     sliding = "sliding_attention" in layer_types
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         sliding = sliding or bool(hf.get("use_sliding_window"))
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         window = hf.get("sliding_window")
         sliding = sliding or (window is not None and window < hf.get("max_position_embeddings", 0))
     if sliding:
@@ -136,12 +181,89 @@ def _reject_sliding_window(hf: dict, family: str, where: str) -> None:
                             f"{hf.get('sliding_window')}); longctx trains full causal attention only.")
 
 
+def format_layer_list(layers) -> str:
+    """{0, 3, 4, 5} -> "0,3-5" (what parse_layer_list reads back)."""
+    out, run = [], []
+    for i in sorted(layers):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [i]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+# the expert count's names, the family's own first (transformers' attribute_map makes either one
+# work; Hub configs write num_experts for Qwen3-MoE, transformers 5 num_local_experts)
+_EXPERT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "qwen2_moe": ("num_experts",),
+                "qwen3_moe": ("num_local_experts", "num_experts"), "olmoe": ("num_experts", "num_local_experts")}
+
+
+def _experts_key(hf: dict, family: str) -> str:
+    """The config.json key that gives the expert count (the family's own name when none does)."""
+    keys = _EXPERT_KEYS.get(family, ("num_experts",))
+    return next((k for k in keys if hf.get(k) is not None), keys[0])
+
+
+def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
+    """The [model.moe] keys of a Mixture-of-Experts config.json (config keys: "moe.experts", ...)."""
+    d = {**_MOE_DEFAULTS[family], **{k: v for k, v in hf.items() if v is not None}}
+    if family == "mixtral":
+        if d.get("router_jitter_noise"):
+            raise HFFormatError(f"{where}: router_jitter_noise={d['router_jitter_noise']}; longctx's router does "
+                                f"not scale its input by random noise in training. Set it to 0.0 to train without.")
+        experts, expert_dim, norm_topk = d.get(_experts_key(hf, family), 8), hf["intermediate_size"], True
+    else:
+        experts, norm_topk = d.get(_experts_key(hf, family), d["num_experts"]), bool(d["norm_topk_prob"])
+        expert_dim = d["moe_intermediate_size"] if family in ("qwen2_moe", "qwen3_moe") else hf["intermediate_size"]
+    if experts <= 0:
+        raise HFFormatError(f"{where}: {_hf_key('moe.experts', family, hf)}={experts}, a {family} without experts; "
+                            f"longctx reads a dense model as its dense family (qwen2, qwen3, llama).")
+    dense: set[int] = set()
+    if family in ("qwen2_moe", "qwen3_moe"):
+        step = d.get("decoder_sparse_step", 1)
+        if not isinstance(step, int) or step < 1:
+            raise HFFormatError(f"{where}: decoder_sparse_step={step!r}; it must be a positive integer.")
+        only = set(d.get("mlp_only_layers") or [])
+        # transformers' rule: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % step == 0
+        dense = {i for i in range(hf["num_hidden_layers"]) if i in only or (i + 1) % step}
+    shared = int(d.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    return {"moe.experts": int(experts), "moe.top_k": int(d["num_experts_per_tok"]), "moe.router": "softmax",
+            "moe.expert_dim": int(expert_dim), "moe.shared_experts": int(shared > 0), "moe.shared_dim": shared,
+            "moe.shared_gate": shared > 0, "moe.dense_layers": format_layer_list(dense), "moe.norm_topk": norm_topk,
+            "moe.route_scale": 1.0, "moe.groups": 1, "moe.topk_groups": 1,
+            "moe.aux_loss": float(d.get("router_aux_loss_coef") or 0.0),
+            "moe.z_loss": float(d.get("router_z_loss_coef") or 0.0)}
+
+
+def _dense_moe_fields() -> dict[str, Any]:
+    """A dense family's [model.moe] keys: no experts, every other key its default."""
+    return {key: default for key, default in model_defaults().items() if key.startswith("moe.")}
+
+
+def model_config(values: dict[str, Any]) -> ModelConfig:
+    """A ModelConfig from [model] values named by config key ("moe.experts"), such as
+    model_fields_from_hf gives or a manifest records; keys it does not know are left out."""
+    names = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{names[k]: v for k, v in values.items() if k in names})
+
+
+def model_defaults() -> dict[str, Any]:
+    """Every [model] key (config names: "moe.experts") with its default."""
+    return {f.metadata.get("key", f.name): f.default for f in dataclasses.fields(ModelConfig)}
+
+
 def model_fields_from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]:
-    """The [model] fields that describe the checkpoint `hf` (a parsed config.json)."""
+    """The [model] values that describe the checkpoint `hf` (a parsed config.json), by config key
+    ("moe.experts", as a TOML file or the command line names them)."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise HFFormatError(f"{where}: model_type '{family}' is not supported; longctx reads "
-                            f"{', '.join(FAMILIES)} (the Llama architecture and its close variants).")
+                            f"{', '.join(FAMILIES)} (the Llama architecture, its close variants and their "
+                            f"Mixture-of-Experts versions).")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in hf:
             raise HFFormatError(f"{where}: the required key '{key}' is missing.")
@@ -151,24 +273,66 @@ def model_fields_from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]
     if act != "silu":
         raise HFFormatError(f"{where}: hidden_act '{act}'; only 'silu' (SwiGLU) is supported.")
     _reject_sliding_window(hf, family, where)
+    if hf.get("clip_qkv") is not None:
+        raise HFFormatError(f"{where}: clip_qkv={hf['clip_qkv']}; longctx does not clamp q, k and v. Use a "
+                            f"checkpoint trained without it (clip_qkv null).")
     heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if family == "olmoe" and head_dim * heads != hf["hidden_size"]:
+        raise HFFormatError(f"{where}: head_dim={head_dim} x {heads} heads is not hidden_size={hf['hidden_size']}; "
+                            f"OLMoE's q/k norms span hidden_size, so transformers itself cannot build it.")
     bias = bool(hf.get("attention_bias", False))
+    qkv_bias, out_bias = {"qwen2": (True, False), "qwen2_moe": (bool(hf.get("qkv_bias", True)), False),
+                          "mixtral": (False, False)}.get(family, (bias, bias))
     fields = dict(
         family=family,
         dim=hf["hidden_size"], layers=hf["num_hidden_layers"], heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
         ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=True if family == "qwen2" else bias,
-        out_bias=False if family == "qwen2" else bias,
-        qk_norm=family == "qwen3",
+        qkv_bias=qkv_bias, out_bias=out_bias,
+        qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_span="all" if family == "olmoe" else "head",
         max_seq_len=int(hf.get("max_position_embeddings", 4096)),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
     fields.update(_rope_fields(hf, where))
+    fields.update(_moe_fields(hf, family, where) if family in MOE_FAMILIES else _dense_moe_fields())
     return fields
+
+
+def export_problems(m) -> list[str]:
+    """Why the [model] `m` (a ModelConfig) cannot be written as its family's config.json: what
+    transformers' class for that family cannot express (empty when it can)."""
+    f = m.family
+    if not m.is_moe:
+        return [f"model.family={f} is a Mixture-of-Experts family; a dense model exports as llama, mistral, qwen2 "
+                f"or qwen3."] if f in MOE_FAMILIES else []
+    if f not in MOE_FAMILIES:
+        return [f"a Mixture-of-Experts model (model.moe.experts={m.moe_experts}) exports as one of "
+                f"{', '.join(MOE_FAMILIES)}, not model.family={f}."]
+    problems = []
+    if m.moe_router != "softmax":
+        problems.append(f"{f} routes by the top-k of a softmax; model.moe.router={m.moe_router} has no "
+                        f"transformers equivalent.")
+    if m.moe_route_scale != 1.0:
+        problems.append(f"{f} has no factor on the routing weights (model.moe.route_scale={m.moe_route_scale}).")
+    if f == "mixtral" and not m.moe_norm_topk:
+        problems.append("mixtral always renormalises the top-k weights (model.moe.norm_topk must be true).")
+    shared, dense = m.resolved_shared_dim, parse_layer_list(m.moe_dense_layers) & set(range(m.layers))
+    if f == "qwen2_moe" and not (shared and m.moe_shared_gate):
+        problems.append("qwen2_moe has a gated shared expert in every MoE layer: set model.moe.shared_dim (or "
+                        "shared_experts) and model.moe.shared_gate=true, or export as qwen3_moe.")
+    if f != "qwen2_moe" and shared:
+        problems.append(f"{f} has no shared experts (model.moe.shared_dim={shared}); qwen2_moe has one.")
+    if f in ("mixtral", "olmoe") and dense:
+        problems.append(f"{f} has experts in every layer; model.moe.dense_layers={m.moe_dense_layers!r} needs "
+                        f"qwen2_moe or qwen3_moe.")
+    if f in ("mixtral", "olmoe") and m.resolved_expert_dim != m.ffn_dim:
+        problems.append(f"{f} has one intermediate_size, the experts' width: set model.ffn_dim to "
+                        f"model.moe.expert_dim ({m.resolved_expert_dim}).")
+    return problems
 
 
 def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
@@ -188,6 +352,9 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
                            ("attention_factor", m.rope_attention_factor)):
             if value:
                 rope[key] = value
+    problems = export_problems(m)
+    if problems:
+        raise HFFormatError(f"this model cannot be written as a Hugging Face {m.family}: {' '.join(problems)}")
     out = {
         "architectures": [FAMILIES[m.family]], "model_type": m.family,
         "hidden_size": m.dim, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
@@ -198,14 +365,31 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
         "rope_scaling": None if m.rope_scaling == "none" else dict(rope),
         "torch_dtype": dtype_name, "dtype": dtype_name,
     }
-    if m.family != "qwen2":
+    if m.family == "qwen2_moe":
+        out["qkv_bias"] = m.qkv_bias
+    elif m.family != "qwen2":
         out["attention_bias"] = m.qkv_bias
     if m.family == "llama":
         out["mlp_bias"] = False
-    if m.family in ("qwen2", "qwen3"):
+    if m.family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None)
-    if m.family == "mistral":
+    if m.family in ("mistral", "mixtral"):
         out["sliding_window"] = None
+    if m.is_moe:
+        out.update(num_experts_per_tok=m.moe_top_k, router_aux_loss_coef=m.moe_aux_loss, output_router_logits=False)
+        if m.moe_z_loss:
+            out["router_z_loss_coef"] = m.moe_z_loss
+    if m.family == "mixtral":
+        out.update(num_local_experts=m.moe_experts, intermediate_size=m.resolved_expert_dim, router_jitter_noise=0.0)
+    elif m.family == "olmoe":
+        out.update(num_experts=m.moe_experts, intermediate_size=m.resolved_expert_dim, norm_topk_prob=m.moe_norm_topk,
+                   clip_qkv=None)
+    elif m.family in ("qwen2_moe", "qwen3_moe"):
+        out.update(num_experts=m.moe_experts, moe_intermediate_size=m.resolved_expert_dim,
+                   norm_topk_prob=m.moe_norm_topk, decoder_sparse_step=1,
+                   mlp_only_layers=sorted(parse_layer_list(m.moe_dense_layers) & set(range(m.layers))))
+        if m.family == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = m.resolved_shared_dim
     return out
 
 
@@ -247,12 +431,17 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         preset = "hf"
 
         def stored(key):
-            return f"config.json has {_HF_KEY.get(key, key)}={hf.get(_HF_KEY.get(key, key))!r}"
+            name = _hf_key(key, hf.get("model_type"), hf)
+            said = f"config.json has {name}={hf.get(name)!r}"
+            if key == "moe.dense_layers" and "decoder_sparse_step" in hf:
+                said += f" and decoder_sparse_step={hf['decoder_sparse_step']!r}"
+            return said
     else:
         path, model = _checkpoint_model(source)
         where = path / "manifest.json"
         preset = model.get("preset", "debug")
-        fields = {k: v for k, v in model.items() if k not in ("preset", "init_from")}
+        # a key the manifest lacks was written before longctx had it: the weights have its default
+        fields = {k: v for k, v in {**model_defaults(), **model}.items() if k not in ("preset", "init_from")}
 
         def stored(key):
             return f"its manifest has model.{key}={fields[key]!r}"
@@ -264,7 +453,7 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
             if value != preset:
                 changed.append(f"model.preset {value!r} replaced by the shapes of {where}")
             continue
-        if key in EXTENSION_KEYS:
+        if key in EXTENSION_KEYS or key in TRAINING_KEYS:
             if fields.get(key) != value:
                 changed.append(f"model.{key}: {fields.get(key)!r} -> {value!r}")
             fields[key] = value
@@ -274,7 +463,8 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
             raise HFFormatError(
                 f"model.{key}={value!r} contradicts the weights in {path}: {stored(key)}, so model.{key} must be "
                 f"{fields[key]!r}. Drop the override; only context-extension keys "
-                f"({', '.join(sorted(EXTENSION_KEYS))}) may differ from the weights.")
+                f"({', '.join(sorted(EXTENSION_KEYS))}) and training keys ({', '.join(sorted(TRAINING_KEYS))}) "
+                f"may differ from the weights.")
     fields.update(preset=preset, init_from=source)
     return fields, changed
 

@@ -11,6 +11,9 @@ import functools
 from ..errors import ConfigError
 from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config, parse_layer_list
 
+# families with q/k RMSNorm, and what it spans (model.qk_norm_span)
+QK_NORM_SPAN = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}
+
 
 def memory_policy_problems(recompute: str, offload_fraction, block_chunk: int = 0) -> list[str]:
     """What is wrong with a memory policy, one sentence with its fix each (empty when it is fine).
@@ -82,13 +85,21 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
     if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
         problems.append(f"yarn rope scaling needs 0 < model.rope_beta_slow ({m.rope_beta_slow}) < "
                         f"model.rope_beta_fast ({m.rope_beta_fast}).")
-    if m.qk_norm != (m.family == "qwen3"):
-        problems.append(f"model.qk_norm={m.qk_norm} does not fit model.family={m.family}: per-head q/k norms are "
-                        f"what makes a Qwen3; set both or neither.")
+    if m.qk_norm != (m.family in QK_NORM_SPAN):
+        problems.append(f"model.qk_norm={m.qk_norm} does not fit model.family={m.family}: q/k norms are what "
+                        f"{', '.join(QK_NORM_SPAN)} have and the other families lack; set both or neither.")
+    elif m.qk_norm and m.qk_norm_span != QK_NORM_SPAN[m.family]:
+        problems.append(f"model.family={m.family} normalises q and k over "
+                        f"{'each head' if QK_NORM_SPAN[m.family] == 'head' else 'the whole projection'}: set "
+                        f"model.qk_norm_span={QK_NORM_SPAN[m.family]}.")
     if m.family == "qwen2" and (not m.qkv_bias or m.out_bias):
         problems.append("model.family=qwen2 has biases on q, k and v only: set model.qkv_bias=true, "
                         "model.out_bias=false.")
-    if m.family != "qwen2" and m.qkv_bias != m.out_bias:
+    elif m.family == "qwen2_moe" and m.out_bias:
+        problems.append("model.family=qwen2_moe has no bias on the attention output: set model.out_bias=false.")
+    elif m.family == "mixtral" and (m.qkv_bias or m.out_bias):
+        problems.append("model.family=mixtral has no attention biases: set model.qkv_bias and model.out_bias false.")
+    elif m.family not in ("qwen2", "qwen2_moe") and m.qkv_bias != m.out_bias:
         problems.append(f"model.family={m.family} has one attention_bias for q, k, v and o: set model.qkv_bias and "
                         f"model.out_bias alike.")
         if not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):

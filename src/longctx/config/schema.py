@@ -74,7 +74,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                           experts=128, top_k=8, expert_dim=768, norm_topk=True, aux_loss=0.001),
     "olmoe-1b-7b": _moe(dict(family="olmoe", dim=2048, layers=16, heads=16, kv_heads=16, head_dim=0, ffn_dim=1024,
                              vocab_size=50304, rope_theta=10000.0, rope_scaling="none", qk_norm=True,
-                             tie_embeddings=False, max_seq_len=4096),
+                             qk_norm_span="all", tie_embeddings=False, max_seq_len=4096),
                         experts=64, top_k=8, expert_dim=1024, norm_topk=False, aux_loss=0.01, z_loss=0.001),
 }
 
@@ -112,7 +112,10 @@ class ModelConfig:
     norm_eps: float = _opt(1e-5, "RMSNorm epsilon")
     qkv_bias: bool = _opt(False, "bias on the q, k, v projections (Qwen2, or attention_bias=true)")
     out_bias: bool = _opt(False, "bias on the attention output projection (attention_bias=true outside Qwen2)")
-    qk_norm: bool = _opt(False, "per-head RMSNorm on q and k before RoPE (Qwen3)")
+    qk_norm: bool = _opt(False, "RMSNorm on q and k before RoPE (Qwen3, Qwen3-MoE, OLMoE)")
+    qk_norm_span: str = _opt("head", "what the q/k RMSNorm normalises: head (each head's vector: Qwen3, Qwen3-MoE) "
+                                     "or all (the whole q or k projection, every head together: OLMoE)",
+                             choices=("head", "all"))
     rope_theta: float = _opt(10000.0, "RoPE base frequency")
     rope_scaling: str = _opt("none", "RoPE frequency scaling: none, linear (positions / factor), llama3 (Llama 3.1 "
                                      "bands) or yarn (NTK-by-parts with attention scaling)",

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3) <-> our model.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) <-> our model.
 
 `load_hf(path)` reads a local directory (config.json + model.safetensors, or shards listed in
 model.safetensors.index.json) into a new single-process model. `load_hf_weights(model, path)` fills
@@ -9,12 +9,21 @@ safetensors (sharded above a size, with an index) that transformers loads.
 
 config.json is translated by config/hf.py (both RoPE forms, every supported RoPE type). Our RoPE
 uses the same "rotate half" layout as Hugging Face, so q/k weights map one to one.
+
+Routed experts are read from either layout transformers writes: one tensor per expert and
+projection (`mlp.experts.E.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.E.w1.weight`:
+the published checkpoints, and what save_pretrained writes by default), or transformers 5's fused
+3D tensors (`mlp.experts.gate_up_proj` [E, 2 x hidden, dim] = gate and up stacked on dim 1,
+`mlp.experts.down_proj` [E, dim, hidden]). Our w1 (gate) and w3 (up) are [E, hidden, dim], w2
+(down) [E, dim, hidden], so either maps row for row; a rank holding some experts' rows reads those.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +31,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..config.hf import HFFormatError, hf_config_from_model, model_fields_from_hf, read_hf_config
+from ..config.hf import HFFormatError, hf_config_from_model, model_config, model_fields_from_hf, read_hf_config
 from .llama import Llama, build_model
+from .moe import moe_layers
 from .shards import local_part, local_slices
 
 __all__ = ["HFFormatError", "config_from_hf", "hf_name", "load_hf", "load_hf_weights", "save_hf", "weight_files",
@@ -47,6 +57,18 @@ _LAYER_MAP = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# a MoE layer's router and shared expert (our name within layer i -> within model.layers.i); the routed
+# experts are `_sources`' (per expert, or fused)
+_MOE_MAP = {
+    "feed_forward.router.gate.weight": "mlp.gate.weight",
+    "feed_forward.shared.w1.weight": "mlp.shared_expert.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_expert.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_expert.down_proj.weight",
+    "feed_forward.shared_gate.weight": "mlp.shared_expert_gate.weight",
+}
+# one expert's projections: our w1 (gate), w3 (up), w2 (down) in Qwen-MoE / OLMoE and in Mixtral
+_EXPERT_NAMES = {"w1": "gate_proj.weight", "w3": "up_proj.weight", "w2": "down_proj.weight"}
+_MIXTRAL_EXPERT_NAMES = {"w1": "w1.weight", "w3": "w3.weight", "w2": "w2.weight"}
 _TOP_MAP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -58,15 +80,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def hf_name(ours: str) -> str:
+    """The Hugging Face name of one of our tensors (not the routed experts: `_sources`)."""
     if ours in _TOP_MAP:
         return _TOP_MAP[ours]
     _, i, rest = ours.split(".", 2)
-    return f"model.layers.{i}.{_LAYER_MAP[rest]}"
+    return f"model.layers.{i}.{_LAYER_MAP.get(rest) or _MOE_MAP[rest]}"
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A parsed Hugging Face config.json -> our ModelConfig."""
-    return ModelConfig(**model_fields_from_hf(hf, where), preset="hf")
+    return model_config({**model_fields_from_hf(hf, where), "preset": "hf"})
 
 
 def weight_files(path: Path) -> dict[str, Path]:
@@ -91,32 +114,100 @@ def weight_files(path: Path) -> dict[str, Path]:
     )
 
 
+@dataclass
+class _Source:
+    """Where one of our parameters is stored: `whole` (one tensor of the same shape), `stack` (one
+    tensor per expert, names[e] holding row e of our [E, ...] tensor), or `fused` (rows
+    offset : offset + n of dim 1 of one [E, 2n, ...] tensor: transformers 5's gate_up_proj)."""
+    kind: str
+    names: list[str]
+    offset: int = 0
+
+
+def _moe_prefix(i: int, files: dict[str, Path]) -> str:
+    """Layer i's MoE block in the file: `mlp` (transformers 5, Qwen, OLMoE) or Mixtral's older
+    `block_sparse_moe`."""
+    old = f"model.layers.{i}.block_sparse_moe."
+    return old[:-1] if any(name.startswith(old) for name in files) else f"model.layers.{i}.mlp"
+
+
+def _sources(model: Llama, files: dict[str, Path]) -> dict[str, _Source]:
+    """Our parameter names -> where each is stored, for the expert layout the files use (per
+    expert, as transformers 4 and save_pretrained write; or fused, transformers 5's own)."""
+    out = {}
+    for ours, p in model.named_parameters():
+        _, i, rest = ours.split(".", 2) if ours.startswith("layers.") else ("", "", ours)
+        if rest.startswith("feed_forward.router.") or rest.startswith("feed_forward.experts."):
+            prefix = _moe_prefix(int(i), files)
+            if rest == "feed_forward.router.gate.weight":
+                out[ours] = _Source("whole", [f"{prefix}.gate.weight"])
+                continue
+            which = rest.rsplit(".", 1)[1]  # w1, w2 or w3
+            fused = f"{prefix}.experts.{'down_proj' if which == 'w2' else 'gate_up_proj'}"
+            if fused in files:
+                out[ours] = _Source("fused", [fused], p.shape[1] if which == "w3" else 0) if which != "w2" \
+                    else _Source("whole", [fused])
+                continue
+            names = _EXPERT_NAMES if f"{prefix}.experts.0.{_EXPERT_NAMES['w1']}" in files else _MIXTRAL_EXPERT_NAMES
+            out[ours] = _Source("stack", [f"{prefix}.experts.{e}.{names[which]}" for e in range(p.shape[0])])
+            extra = f"{prefix}.experts.{p.shape[0]}.{names[which]}"
+            if extra in files:
+                raise HFFormatError(f"{files[extra].parent} holds {extra}: more experts than config.json's "
+                                    f"{p.shape[0]}; the weights and config.json disagree.")
+        else:
+            out[ours] = _Source("whole", [hf_name(ours)])
+    return out
+
+
+def _check_shape(src: _Source, stored: tuple, p: torch.Tensor, name: str, file: Path) -> None:
+    want = tuple(p.shape)
+    if src.kind == "stack":
+        want = want[1:]
+    elif src.kind == "fused":
+        want = (want[0], 2 * want[1], *want[2:])
+    if stored != want:
+        raise HFFormatError(f"{file.name}: tensor {name} has shape {stored}, config.json implies {want}.")
+
+
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | Path) -> None:
     """Fill `model` (materialised, possibly FSDP-sharded) from the safetensors in `path`, each rank
-    reading only the part of every tensor it holds."""
+    reading only the part of every tensor it holds (for experts: only its experts' rows, from
+    either expert layout)."""
     path = Path(path)
     files = weight_files(path)
     params = dict(model.named_parameters())
-    wanted = {ours: hf_name(ours) for ours in params}
-    missing = [theirs for theirs in wanted.values() if theirs not in files]
+    sources = _sources(model, files)
+    missing = [name for src in sources.values() for name in src.names if name not in files]
     if missing:
         raise HFFormatError(f"{path} lacks {len(missing)} tensors that config.json implies, e.g. "
                             f"{', '.join(missing[:3])}; the weights and config.json disagree.")
-    by_file: dict[Path, list[str]] = {}
-    for ours, theirs in wanted.items():
-        by_file.setdefault(files[theirs], []).append(ours)
-    for file, names in by_file.items():
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for ours in names:
-                p, theirs = params[ours], wanted[ours]
-                stored = f.get_slice(theirs)
-                shape = tuple(stored.get_shape())
-                if shape != tuple(p.shape):
-                    raise HFFormatError(f"{file.name}: tensor {theirs} has shape {shape}, config.json implies "
-                                        f"{tuple(p.shape)}.")
-                local = local_part(p)
-                local.copy_(stored[local_slices(p)].to(local.dtype))
+    with ExitStack() as stack:
+        opened: dict[Path, object] = {}
+
+        def tensor(name):
+            file = files[name]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            return opened[file].get_slice(name), file
+
+        for ours, src in sources.items():  # every shape first: a mismatch is refused before anything is read
+            for name in src.names:
+                stored, file = tensor(name)
+                _check_shape(src, tuple(stored.get_shape()), params[ours], name, file)
+        for ours, src in sources.items():
+            p = params[ours]
+            local, index = local_part(p), local_slices(p)
+            if src.kind == "whole":
+                local.copy_(tensor(src.names[0])[0][index].to(local.dtype))
+            elif src.kind == "fused":
+                rows = slice(index[1].start + src.offset, index[1].stop + src.offset)
+                local.copy_(tensor(src.names[0])[0][(index[0], rows, *index[2:])].to(local.dtype))
+            else:
+                for row, e in enumerate(range(index[0].start, index[0].stop)):
+                    local[row].copy_(tensor(src.names[e])[0][index[1:]].to(local.dtype))
+    for layer in moe_layers(model):  # transformers' routers have no selection bias
+        layer.router.expert_bias.zero_()
     model.init_rope()
 
 
@@ -146,15 +237,52 @@ def copy_tokenizer_files(source: str | Path, dest: str | Path) -> list[str]:
     return copied
 
 
+def _hf_state(model: Llama, dtype: torch.dtype | None, fused_experts: bool) -> dict[str, torch.Tensor]:
+    """Our state dict under Hugging Face names: routed experts one tensor per expert and projection
+    (transformers 4's names, what save_pretrained writes by default) or fused (transformers 5's)."""
+    state, ours = {}, model.state_dict()
+    for k, v in ours.items():
+        v = v.detach().to(dtype or v.dtype).cpu()
+        if k.endswith("router.expert_bias"):
+            if v.any():
+                raise HFFormatError(f"{k} is not zero (aux-loss-free balancing, model.moe.bias_update_rate): "
+                                    f"transformers' routers have no selection bias, so the export would route "
+                                    f"differently from this model.")
+            continue
+        if ".feed_forward.experts." not in k:
+            state[hf_name(k)] = v.contiguous()
+            continue
+        layer, which = int(k.split(".")[1]), k.rsplit(".", 1)[1]
+        prefix = f"model.layers.{layer}.{'block_sparse_moe' if model.cfg.family == 'mixtral' else 'mlp'}"
+        if fused_experts:
+            prefix = f"model.layers.{layer}.mlp"
+            if which == "w2":
+                state[f"{prefix}.experts.down_proj"] = v.contiguous()
+            elif which == "w1":  # gate_up_proj = [gate; up] on dim 1
+                up = ours[k[:-2] + "w3"].detach().to(v.dtype).cpu()
+                state[f"{prefix}.experts.gate_up_proj"] = torch.cat([v, up], dim=1).contiguous()
+            continue
+        names = _MIXTRAL_EXPERT_NAMES if model.cfg.family == "mixtral" else _EXPERT_NAMES
+        for e in range(v.shape[0]):
+            state[f"{prefix}.experts.{e}.{names[which]}"] = v[e].contiguous()
+    if model.cfg.family == "mixtral" and not fused_experts:  # the router where transformers 4 has it
+        state = {n.replace(".mlp.gate.", ".block_sparse_moe.gate."): t for n, t in state.items()}
+    return state
+
+
 def save_hf(model: Llama, path: str | Path, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-            tokenizer_from: str | Path | None = None) -> Path:
+            tokenizer_from: str | Path | None = None, fused_experts: bool = False) -> Path:
     """Write config.json and safetensors weights (sharded above `max_shard_bytes`, with an index),
-    in `dtype` (default: the model's), plus the tokenizer files of `tokenizer_from` if given."""
+    in `dtype` (default: the model's), plus the tokenizer files of `tokenizer_from` if given.
+    A Mixture of Experts is written as its family (transformers' MixtralForCausalLM, ...) with one
+    tensor per expert and projection, the layout of the published checkpoints that every version
+    of transformers reads; `fused_experts=True` writes transformers 5's own 3D tensors instead."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {hf_name(k): v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    state = _hf_state(model, dtype, fused_experts)
     dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(hf_config_from_model(model.cfg, dtype_name), indent=2) + "\n")
+    config = hf_config_from_model(model.cfg, dtype_name)  # (refuses what the family cannot express)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         stale.unlink()  # a previous export into the same directory must not leave shards behind
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -2,10 +2,10 @@
 
 RMSNorm, rotary position embeddings (RoPE: default, linear, Llama-3 and YaRN frequency scaling),
 grouped-query attention through ops/attention.py, SwiGLU MLP or a Mixture of Experts (models/moe.py,
-[model.moe]), tied or untied embeddings. The
-families that differ from Llama only in small ways are switches of the same model: optional biases
-on q/k/v (Qwen2) or q/k/v/o (attention_bias), per-head q/k RMSNorm before RoPE (Qwen3), an
-explicit head_dim (Mistral, Qwen3).
+[model.moe]), tied or untied embeddings. The families that differ from Llama only in small ways are
+switches of the same model: optional biases on q/k/v (Qwen2) or q/k/v/o (attention_bias), q/k
+RMSNorm before RoPE (per head: Qwen3; over the whole projection: OLMoE), an explicit head_dim
+(Mistral, Qwen3).
 
 Module names are stable and layout independent (`layers.3.attention.wq`), so checkpoints and the
 Hugging Face mapping never depend on how the model is parallelised. RoPE uses the "rotate half"
@@ -133,19 +133,26 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.heads * self.head_dim, cfg.dim, bias=cfg.out_bias)
-        # Qwen3: RMSNorm over each head's vector of q and k, before RoPE
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # RMSNorm on q and k before RoPE: over each head's vector (Qwen3, qk_norm_span = head) or over
+        # the whole projection, every head together (OLMoE, qk_norm_span = all)
+        self.qk_norm_all = cfg.qk_norm_span == "all"
+        q_size, k_size = (self.heads * self.head_dim, self.kv_heads * self.head_dim) if self.qk_norm_all \
+            else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_size, cfg.norm_eps) if cfg.qk_norm else None
         self.core = local_attention
 
     def qkv(self, x, cos, sin):
         """Projections and RoPE: token-wise (no token sees another), so any token slice can be
         recomputed on its own."""
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, self.heads, self.head_dim)
-        k = self.wk(x).view(b, s, self.kv_heads, self.head_dim)
+        q, k = self.wq(x), self.wk(x)
+        if self.q_norm is not None and self.qk_norm_all:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.heads, self.head_dim)
+        k = k.view(b, s, self.kv_heads, self.head_dim)
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 

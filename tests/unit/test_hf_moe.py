@@ -1,0 +1,331 @@
+"""Mixture-of-Experts Hugging Face families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against
+transformers on random tiny checkpoints that transformers itself writes, in both expert layouts:
+one tensor per expert and projection (transformers 4's names, what save_pretrained still writes by
+default) and transformers 5's fused 3D tensors. fp32 logits within 1e-4 on load and after our
+export reloads in transformers; dense layers mixed in, shared experts, both top-k normalisations;
+and the errors for what we cannot read or that contradicts the weights."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+
+from longctx.config import load_config, to_dict  # noqa: E402
+from longctx.config.hf import HFFormatError  # noqa: E402
+from longctx.models.hf import config_from_hf, load_hf, save_hf  # noqa: E402
+from longctx.models.llama import build_model  # noqa: E402
+from longctx.models.moe import MoEFeedForward  # noqa: E402
+
+TOL = 1e-4
+ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+        "olmoe": "OlmoeForCausalLM"}
+COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+              max_position_embeddings=256, tie_word_embeddings=False, hidden_act="silu", torch_dtype="float32",
+              initializer_range=0.1, num_experts_per_tok=2)  # a large init: logits of order 1 make 1e-4 strict
+# name -> (config.json, the MoE layers it means); each family, dense layers by both Qwen rules, shared
+# experts, norm_topk_prob true and false, GQA, explicit head_dim, the optional attention biases
+CASES = {
+    "mixtral": (dict(model_type="mixtral", num_local_experts=8, intermediate_size=48, sliding_window=None,
+                     rope_theta=1e6), (0, 1, 2)),
+    "qwen2_moe-mlp_only": (dict(model_type="qwen2_moe", num_experts=6, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, intermediate_size=80, mlp_only_layers=[1],
+                                norm_topk_prob=False, use_sliding_window=False), (0, 2)),
+    "qwen2_moe-sparse_step": (dict(model_type="qwen2_moe", num_hidden_layers=4, num_experts=4, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=40, intermediate_size=96, decoder_sparse_step=2,
+                                   mlp_only_layers=[3], norm_topk_prob=True, qkv_bias=False), (1,)),
+    "qwen3_moe": (dict(model_type="qwen3_moe", num_experts=8, moe_intermediate_size=32, intermediate_size=80,
+                       head_dim=32, attention_bias=True, norm_topk_prob=True, mlp_only_layers=[0]), (1, 2)),
+    "olmoe": (dict(model_type="olmoe", num_experts=4, intermediate_size=48, norm_topk_prob=False,
+                   attention_bias=True, num_key_value_heads=4), (0, 1, 2)),
+}
+LAYOUTS = ("per_expert", "fused")
+
+
+def hf_config(case: str, **extra) -> dict:
+    config, _ = CASES[case]
+    family = config["model_type"]
+    return {**COMMON, "architectures": [ARCH[family]], **config, **extra}
+
+
+def random_hf_dir(tmp_path, config: dict, layout: str = "per_expert", name: str = "hf", shard: str | None = None):
+    """A random checkpoint written by transformers' save_pretrained: per expert (its default,
+    save_original_format: transformers 4's names) or fused (transformers 5's 3D tensors)."""
+    cfg = transformers.AutoConfig.for_model(**config)
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so a wrong mapping shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith(".bias"):
+                p.normal_(0, 0.1)
+            elif n.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.3)  # routers of some conviction: top-k choices far from ties
+    d = tmp_path / name
+    sizes = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(d, save_original_format=layout == "per_expert", **sizes)
+    return d, model
+
+
+def stored_names(d) -> list[str]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(json.loads(index.read_text())["weight_map"])
+    with safe_open(d / "model.safetensors", framework="pt") as f:
+        return sorted(f.keys())
+
+
+def tokens(vocab=300, seq=160):
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(5))
+
+
+def max_err(ours, theirs, t=None):
+    t = tokens() if t is None else t
+    with torch.no_grad():
+        return (ours(t) - theirs(t).logits).abs().max().item()
+
+
+# what each layout looks like in the file (layer 0's first expert), so the test knows it reads both
+LAYOUT_NAMES = {
+    ("mixtral", "per_expert"): "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+    ("mixtral", "fused"): "model.layers.0.mlp.experts.gate_up_proj",
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", CASES)
+def test_load_and_export_match_transformers(tmp_path, case, layout):
+    config = hf_config(case)
+    family, sparse = config["model_type"], CASES[case][1]
+    d, ref = random_hf_dir(tmp_path, config, layout, shard="150KB" if case == "qwen3_moe" else None)
+    names = stored_names(d)
+    layer = sparse[0]
+    expect = LAYOUT_NAMES.get((family, layout)) or (f"model.layers.{layer}.mlp.experts.0.gate_proj.weight"
+                                                     if layout == "per_expert" else
+                                                     f"model.layers.{layer}.mlp.experts.gate_up_proj")
+    assert expect.replace(".0.", f".{layer}.", 1) in names
+
+    ours = load_hf(d)
+    m = ours.cfg
+    assert m.family == family and m.moe_layer_ids == sparse and m.moe_router == "softmax"
+    assert m.moe_norm_topk == config.get("norm_topk_prob", True)
+    assert m.qk_norm == (family in ("qwen3_moe", "olmoe"))
+    assert m.qk_norm_span == ("all" if family == "olmoe" else "head")
+    assert bool(m.resolved_shared_dim) == (family == "qwen2_moe") == m.moe_shared_gate
+    err = max_err(ours, ref)
+    print(f"\n{case} {layout}: load max |logits diff| = {err:.2e}")
+    assert err <= TOL
+
+    # export (per expert, or fused when the checkpoint was fused), reload in transformers, match again
+    out = save_hf(ours, tmp_path / "export", max_shard_bytes=200_000, fused_experts=layout == "fused")
+    written = stored_names(out)
+    assert any((".experts.gate_up_proj" in n) == (layout == "fused") for n in written if ".experts." in n)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(theirs).__name__ == ARCH[family]
+    err = max_err(ours, theirs)
+    print(f"{case} {layout}: export max |logits diff| = {err:.2e}")
+    assert err <= TOL
+    for (n, a), b in zip(ref.state_dict().items(), theirs.state_dict().values()):
+        assert torch.equal(a, b), n  # the very weights transformers wrote
+    back = load_hf(out)
+    assert back.cfg == ours.cfg
+    for (n, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_parity_check_can_fail(tmp_path):
+    """The comparison sees a swapped gate/up, a router row out of place, the wrong top-k
+    normalisation, a missing shared-expert gate and OLMoE's norm taken per head."""
+    d, ref = random_hf_dir(tmp_path, hf_config("qwen2_moe-sparse_step"))
+    assert max_err(load_hf(d), ref) <= TOL
+
+    def broken(change):
+        ours = load_hf(d)
+        moe = next(m for m in ours.modules() if isinstance(m, MoEFeedForward))
+        with torch.no_grad():
+            change(moe)
+        return max_err(ours, ref)
+
+    def swap_gate_up(moe):
+        w1 = moe.experts.w1.clone()
+        moe.experts.w1.copy_(moe.experts.w3)
+        moe.experts.w3.copy_(w1)
+
+    def swap_router_rows(moe):
+        moe.router.gate.weight.copy_(moe.router.gate.weight[[1, 0, *range(2, moe.num_experts)]])
+
+    def flip_norm_topk(moe):
+        moe.router.norm_topk = not moe.router.norm_topk
+
+    def drop_shared_gate(moe):
+        moe.shared_gate = None
+
+    for change in (swap_gate_up, swap_router_rows, flip_norm_topk, drop_shared_gate):
+        err = broken(change)
+        assert err > 100 * TOL, (change.__name__, err)
+
+    d2, ref2 = random_hf_dir(tmp_path, hf_config("olmoe"), name="olmoe")
+    ours = load_hf(d2)
+    assert max_err(ours, ref2) <= TOL
+    for block in ours.layers:
+        block.attention.qk_norm_all = False
+        hd = block.attention.head_dim
+        block.attention.q_norm.weight.data = block.attention.q_norm.weight.data[:hd]
+        block.attention.k_norm.weight.data = block.attention.k_norm.weight.data[:hd]
+    assert max_err(ours, ref2) > 100 * TOL
+
+
+def test_random_moe_models_export_to_transformers(tmp_path):
+    """A MoE model trained from scratch (no init_from) exports as its family, per expert and fused."""
+    shape = ["--model.dim=64", "--model.layers=3", "--model.heads=4", "--model.kv_heads=2", "--model.vocab_size=300",
+             "--model.moe.experts=4", "--model.moe.top_k=2", "--model.moe.expert_dim=32"]
+    for preset, extra in (("mixtral-8x7b", ["--model.ffn_dim=32", "--model.head_dim=16"]),
+                          ("qwen3-30b-a3b", ["--model.ffn_dim=96", "--model.head_dim=32",
+                                             "--model.moe.dense_layers=1"]),
+                          ("olmoe-1b-7b", ["--model.ffn_dim=32", "--model.moe.norm_topk=true"]),
+                          ("debug-moe", ["--model.family=qwen2_moe", "--model.moe.shared_dim=48",
+                                         "--model.moe.shared_gate=true", "--model.qkv_bias=true",
+                                         "--model.moe.dense_layers=0,2"])):
+        cfg = load_config(overrides=[f"--model.preset={preset}", *shape, *extra]).model
+        ours = build_model(cfg, seed=7)
+        with torch.no_grad():
+            for m in ours.modules():
+                if isinstance(m, MoEFeedForward):
+                    m.router.gate.weight.normal_(0, 0.3)
+        for fused in (False, True):
+            out = save_hf(ours, tmp_path / f"{preset}-{fused}", fused_experts=fused)
+            theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            assert type(theirs).__name__ == ARCH[cfg.family]
+            assert max_err(ours, theirs) <= TOL, (preset, fused)
+            back = load_hf(out).cfg  # the same model (a shared expert reads back as one of shared_dim)
+            assert back == dataclasses.replace(cfg, preset="hf", head_dim=cfg.resolved_head_dim,
+                                               moe_shared_experts=back.moe_shared_experts)
+
+
+def test_config_mapping_both_ways():
+    """config.json -> [model] -> config.json keeps what transformers reads (expert counts under either
+    name, Qwen's dense-layer rule, aux and z loss coefficients)."""
+    from longctx.config.hf import hf_config_from_model
+
+    m = config_from_hf(hf_config("qwen2_moe-sparse_step", router_aux_loss_coef=0.02, router_z_loss_coef=0.003))
+    assert (m.moe_experts, m.moe_top_k, m.moe_expert_dim, m.ffn_dim, m.resolved_shared_dim) == (4, 2, 32, 96, 40)
+    assert m.moe_dense_layers == "0,2-3" and m.moe_layer_ids == (1,)
+    assert (m.moe_aux_loss, m.moe_z_loss, m.qkv_bias, m.out_bias) == (0.02, 0.003, False, False)
+    back = hf_config_from_model(m)
+    assert back["mlp_only_layers"] == [0, 2, 3] and back["decoder_sparse_step"] == 1
+    assert back["router_z_loss_coef"] == 0.003 and back["qkv_bias"] is False
+    assert config_from_hf(back) == m
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts (its attribute_map), the Hub num_experts
+    q3 = hf_config("qwen3_moe")
+    q3["num_local_experts"] = q3.pop("num_experts")
+    assert config_from_hf(q3).moe_experts == 8
+    mix = config_from_hf(hf_config("mixtral"))
+    assert (mix.moe_experts, mix.moe_expert_dim, mix.moe_norm_topk, mix.moe_aux_loss) == (8, 48, True, 0.001)
+
+
+def test_unsupported_features_are_refused():
+    for case, bad, match in [
+        ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0"),
+        ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
+        ("mixtral", dict(sliding_window=64), "sliding-window"),
+        ("qwen2_moe-mlp_only", dict(use_sliding_window=True, sliding_window=64), "sliding-window"),
+        ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
+        ("qwen2_moe-mlp_only", dict(num_experts=0), "num_experts=0"),
+        ("olmoe", dict(head_dim=32), "q/k norms span hidden_size"),
+    ]:
+        with pytest.raises(HFFormatError, match=match):
+            config_from_hf(hf_config(case, **bad), "x/config.json")
+
+
+def test_export_refuses_what_the_family_cannot_express(tmp_path):
+    base = ["--model.preset=debug-moe", "--model.layers=2", "--model.dim=64", "--model.heads=4", "--model.kv_heads=2"]
+    for extra, match in [
+        (["--model.family=mixtral", "--model.ffn_dim=128"], "mixtral has experts in every layer"),
+        (["--model.family=mixtral", "--model.moe.dense_layers=", "--model.ffn_dim=128",
+          "--model.moe.router=sinkhorn"], "router=sinkhorn"),
+        (["--model.family=qwen3_moe", "--model.qk_norm=true", "--model.moe.shared_dim=32"], "no shared experts"),
+        (["--model.family=qwen2_moe", "--model.qkv_bias=true"], "gated shared expert"),
+        ([], "exports as one of mixtral"),  # family llama with experts
+    ]:
+        model = build_model(load_config(overrides=[*base, *extra]).model)
+        with pytest.raises(HFFormatError, match=match):
+            save_hf(model, tmp_path / "x")
+        assert not (tmp_path / "x").exists()  # refused before anything is written
+    cfg = load_config(overrides=[*base, "--model.family=qwen3_moe", "--model.qk_norm=true"]).model
+    model = build_model(cfg)
+    save_hf(model, tmp_path / "ok")
+    next(m for m in model.modules() if isinstance(m, MoEFeedForward)).router.expert_bias[0] = 0.5
+    with pytest.raises(HFFormatError, match="expert_bias is not zero"):
+        save_hf(model, tmp_path / "biased")
+
+
+def test_expert_count_contradicting_the_weights_is_one_clear_error(tmp_path):
+    """--model.moe.experts against a checkpoint with another count: refused while the config is read
+    (an HF directory, a longctx checkpoint, and from the command line before any rank starts); and
+    weights whose expert count disagrees with their own config.json, named."""
+    d, _ = random_hf_dir(tmp_path, hf_config("mixtral"))
+    with pytest.raises(HFFormatError, match=r"model.moe.experts=4 contradicts the weights .* "
+                                            r"config.json has num_local_experts=8, so model.moe.experts must be 8"):
+        load_config(overrides=[f"--model.init_from=hf:{d}", "--model.moe.experts=4"])
+    with pytest.raises(HFFormatError, match="model.moe.top_k=1 contradicts .* num_experts_per_tok=2"):
+        load_config(overrides=[f"--model.init_from=hf:{d}", "--model.moe.top_k=1"])
+    with pytest.raises(HFFormatError, match="model.moe.experts=4 contradicts .* model_type='llama'"):
+        dense = tmp_path / "dense"
+        dense.mkdir()
+        (dense / "config.json").write_text(json.dumps(dict(
+            model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            vocab_size=300)))
+        load_config(overrides=[f"--model.init_from=hf:{dense}", "--model.moe.experts=4"])
+    # training knobs are the run's own: they apply on top of the checkpoint's
+    cfg = load_config(overrides=[f"--model.init_from=hf:{d}", "--model.moe.aux_loss=0.05",
+                                 "--model.moe.capacity_factor=1.25", "--train.seq_len=128"]).model
+    assert (cfg.moe_aux_loss, cfg.moe_capacity_factor, cfg.moe_experts) == (0.05, 1.25, 8)
+
+    # a longctx checkpoint: its manifest's [model] decides
+    step = tmp_path / "ckpt" / "step-00000010"
+    step.mkdir(parents=True)
+    model = to_dict(load_config(overrides=["--model.preset=debug-moe"]))["model"]
+    (step / "manifest.json").write_text(json.dumps({"model": model}))
+    with pytest.raises(HFFormatError, match=r"model.moe.experts=4 contradicts .* its manifest has "
+                                            r"model.moe.experts=8"):
+        load_config(overrides=[f"--model.init_from={step.parent}", "--model.moe.experts=4"])
+
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "longctx", "train", "--nproc=2", f"--model.init_from=hf:{d}",
+                        "--model.moe.experts=4", "--train.seq_len=128", "--train.steps=1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.count("model.moe.experts=4 contradicts") == 1 and "rank" not in r.stderr
+
+    # the weights themselves against their config.json: fused and per-expert, fewer and more experts
+    for layout in LAYOUTS:
+        d2, _ = random_hf_dir(tmp_path, hf_config("qwen3_moe"), layout, name=f"lie-{layout}")
+        config = json.loads((d2 / "config.json").read_text())
+        key = "num_local_experts" if "num_local_experts" in config else "num_experts"
+        for count, match in ((16, r"mlp.gate.weight has shape \(8, 64\), config.json implies \(16, 64\)"
+                               if layout == "fused" else "lacks 48 tensors .* model.layers.1.mlp.experts.8"),
+                             (4, r"mlp.gate.weight has shape \(8, 64\)" if layout == "fused" else
+                              "model.layers.1.mlp.experts.4.gate_proj.weight: more experts than config.json's 4")):
+            (d2 / "config.json").write_text(json.dumps({**config, key: count}))
+            with pytest.raises(HFFormatError, match=match):
+                load_hf(d2)
+
+
+def test_plan_resolves_a_moe_checkpoint(tmp_path):
+    import argparse
+
+    from longctx.planner.cli import add_arguments, build_request
+
+    d, _ = random_hf_dir(tmp_path, hf_config("qwen2_moe-mlp_only", max_position_embeddings=8192))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    req, base = build_request(parser.parse_args(["--model", f"hf:{d}", "--gpus", "8", "--seq-len", "4K"]), [])
+    m = base.model
+    assert (m.family, m.moe_experts, m.moe_layer_ids, m.resolved_shared_dim) == ("qwen2_moe", 6, (0, 2), 48)
+    assert req.model == m
