@@ -19,7 +19,10 @@ and the Mixture-of-Experts ones ([model.moe], models/moe.py; every one a softmax
 - qwen3_moe: the same without a shared expert, with Qwen3's attention (per-head q/k norm);
 - olmoe: `num_experts` of width `intermediate_size`, RMSNorm on the whole q and k projections
   (model.qk_norm_span = all), optional `attention_bias`; `clip_qkv` is not supported.
-`router_aux_loss_coef` is moe.aux_loss, `router_z_loss_coef` (where present) moe.z_loss.
+`router_aux_loss_coef` is moe.aux_loss, `router_z_loss_coef` (where present) moe.z_loss, as they
+stand: transformers' balancing loss counts each of a token's k choices (its load fractions sum to k)
+and pools the layers before the product, longctx's fractions sum to 1 per layer (models/moe.py), so
+the same coefficient weighs a loss about k times smaller than transformers' training would.
 RoPE types: default, linear, llama3 and yarn, in the classic (`rope_theta` + `rope_scaling`) or the
 newer (`rope_parameters`) form.
 """
