@@ -110,10 +110,9 @@ class SigmoidRouter(Router):
 
 class SinkhornRouter(Router):
     """S-BASE: in training, the token x expert affinities exp(logits) are normalised by Sinkhorn
-    iterations toward every expert taking an even share, then each token is assigned its k best
-    experts under a capacity of ceil(T k / E) per expert (deferred acceptance: an expert over its
-    capacity keeps the tokens that prefer it most and sends the others to their next choice), so
-    the load is balanced to within one token per expert and slot. In evaluation, plain top-k.
+    iterations toward every expert taking an even share, then each token is assigned k distinct
+    experts, its best ones under a capacity of ceil(T k / E) choices per expert (`balanced_assignment`),
+    so that every expert's load is within one choice of T k / E. In evaluation, plain top-k.
     The weights are the softmax probabilities of the assigned experts."""
 
     def __init__(self, cfg: ModelConfig):
@@ -173,34 +172,73 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 def balanced_assignment(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, E] scores -> [T, k] distinct experts per token, each expert taking at most ceil(T / E) tokens
-    per slot: k rounds of deferred acceptance (every unassigned token proposes to its best expert
-    still open to it; an expert keeps its best proposals up to its remaining capacity)."""
+    """[T, E] scores -> [T, k] distinct experts per token, every expert taking floor or ceil of T k / E
+    of the choices (an even share, to within one).
+
+    Slot by slot, rounds of proposals: every token without an expert in the slot proposes to its
+    best expert that it does not hold yet and that is not full (ceil(T k / E) choices); an expert
+    accepts its best proposals up to its room. A token that finds every expert it does not hold full
+    (the only room left is with experts it already holds) takes one by a swap: another token moves
+    from that expert to one with room. Last, while an expert is below floor(T k / E), the cheapest
+    move of one choice from a full expert fills it. Both moves always exist (a full expert has more
+    holders than one with room, so one of its holders lacks the other), so the assignment always
+    completes; ties go to the lower token and expert index (deterministic)."""
     t, e = scores.shape
-    capacity = -(-t // e)
-    out = torch.empty(t, k, dtype=torch.long, device=scores.device)
-    closed = torch.zeros(t, e, dtype=torch.bool, device=scores.device)  # experts a token may no longer take
+    dev = scores.device
+    full_at, floor = -(-t * k // e), t * k // e
+    out = torch.full((t, k), -1, dtype=torch.long, device=dev)
+    held = torch.zeros(t, e, dtype=torch.bool, device=dev)  # the experts a token holds
+    load = torch.zeros(e, dtype=torch.long, device=dev)
+    experts = torch.arange(e, device=dev)
+
+    def move(u: int, src: int, dst: int) -> None:  # token u's choice of expert src becomes dst
+        out[u][out[u] == src] = dst
+        held[u, src], held[u, dst] = False, True
+        load[src] -= 1
+        load[dst] += 1
+
     for slot in range(k):
-        load = torch.zeros(e, dtype=torch.long, device=scores.device)
-        todo = torch.arange(t, device=scores.device)
+        todo = torch.arange(t, device=dev)
+        stuck = []
         while todo.numel():
-            masked = scores[todo].masked_fill(closed[todo], -math.inf)
+            masked = scores[todo].masked_fill(held[todo] | (load >= full_at), -math.inf)
+            blocked = masked.isneginf().all(-1)
+            stuck += todo[blocked].tolist()
+            todo, masked = todo[~blocked], masked[~blocked]
+            if not todo.numel():
+                break
             want = masked.argmax(-1)
             pref = masked.gather(1, want[:, None]).squeeze(1)
             # per expert, rank the proposals by preference (best first; ties by token order)
             order = torch.argsort(pref, descending=True, stable=True)
             order = order[torch.argsort(want[order], stable=True)]
             w_sorted = want[order]
-            first = torch.searchsorted(w_sorted, torch.arange(e, device=scores.device))
-            rank = torch.arange(order.numel(), device=scores.device) - first[w_sorted]
+            first = torch.searchsorted(w_sorted, experts)
+            rank = torch.arange(order.numel(), device=dev) - first[w_sorted]
             accepted = torch.zeros_like(want, dtype=torch.bool)
-            accepted[order] = rank < (capacity - load)[w_sorted]
+            accepted[order] = rank < (full_at - load)[w_sorted]
             took = todo[accepted]
             out[took, slot] = want[accepted]
+            held[took, want[accepted]] = True
             load += torch.bincount(want[accepted], minlength=e)
-            closed[todo[~accepted], want[~accepted]] = True  # rejected: that expert is full for them
-            todo = todo[~accepted]
-        closed[torch.arange(t, device=scores.device), out[:, slot]] = True  # distinct experts per token
+            todo = todo[~accepted]  # rejected: that expert is full now, the next round skips it
+        for s in sorted(stuck):  # (rare) every expert s does not hold is full
+            free = ~held[s] & (load < full_at)
+            if free.any():  # an earlier swap made room
+                y = int(scores[s].masked_fill(~free, -math.inf).argmax())
+            else:  # y: s's best expert; x: one with room (s holds it); u: holds y, not x; u moves y -> x
+                y = int(scores[s].masked_fill(held[s], -math.inf).argmax())
+                x = int(torch.nonzero(load < full_at)[0])
+                gain = (scores[:, x] - scores[:, y]).masked_fill(~held[:, y] | held[:, x], -math.inf)
+                move(int(gain.argmax()), y, x)
+            out[s, slot] = y
+            held[s, y] = True
+            load[y] += 1
+    while floor < full_at and int(load.min()) < floor:  # x below an even share: a move from a full expert
+        x = int(load.argmin())
+        gain = (scores[:, x:x + 1] - scores).masked_fill(~held | held[:, x:x + 1] | (load < full_at), -math.inf)
+        u, y = divmod(int(gain.argmax()), e)
+        move(u, y, x)
     return out
 
 
