@@ -124,21 +124,16 @@ class _Source:
     offset: int = 0
 
 
-def _moe_prefix(i: int, files: dict[str, Path]) -> str:
-    """Layer i's MoE block in the file: `mlp` (transformers 5, Qwen, OLMoE) or Mixtral's older
-    `block_sparse_moe`."""
-    old = f"model.layers.{i}.block_sparse_moe."
-    return old[:-1] if any(name.startswith(old) for name in files) else f"model.layers.{i}.mlp"
-
-
 def _sources(model: Llama, files: dict[str, Path]) -> dict[str, _Source]:
     """Our parameter names -> where each is stored, for the expert layout the files use (per
     expert, as transformers 4 and save_pretrained write; or fused, transformers 5's own)."""
+    # layers whose MoE block is Mixtral's older `block_sparse_moe` (else `mlp`: transformers 5, Qwen, OLMoE)
+    old_mixtral = {name.split(".")[2] for name in files if ".block_sparse_moe." in name}
     out = {}
     for ours, p in model.named_parameters():
         _, i, rest = ours.split(".", 2) if ours.startswith("layers.") else ("", "", ours)
         if rest.startswith("feed_forward.router.") or rest.startswith("feed_forward.experts."):
-            prefix = _moe_prefix(int(i), files)
+            prefix = f"model.layers.{i}.{'block_sparse_moe' if i in old_mixtral else 'mlp'}"
             if rest == "feed_forward.router.gate.weight":
                 out[ours] = _Source("whole", [f"{prefix}.gate.weight"])
                 continue
