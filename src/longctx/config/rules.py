@@ -138,7 +138,7 @@ def _moe_rules(m, problems: list[str]) -> None:
     elif not 1 <= m.moe_topk_groups <= m.moe_groups:
         problems.append(f"model.moe.topk_groups ({m.moe_topk_groups}) must be between 1 and model.moe.groups "
                         f"({m.moe_groups}).")
-    elif k > m.moe_topk_groups * (e // m.moe_groups):
+    elif m.moe_groups > 1 and k > m.moe_topk_groups * (e // m.moe_groups):  # (groups 1: the top_k rule)
         problems.append(f"model.moe.top_k ({k}) is more than the experts in model.moe.topk_groups "
                         f"({m.moe_topk_groups}) groups of {e // m.moe_groups}.")
     if m.moe_groups > 1 and m.moe_router != "sigmoid":
