@@ -24,8 +24,66 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
     sizes = counts.tolist()
-    parts = [rows @ w[g] for g, rows in enumerate(x.split(sizes)) if sizes[g]]
-    if not parts:  # no rows at all: w stays in the graph (a zero gradient, as on every other rank)
+    if not any(sizes):  # no rows at all: w stays in the graph (a zero gradient, as on every other rank)
         return x.new_zeros(0, w.shape[-1]) + 0 * w.sum()
-    # w[g] slices one tensor, so w gets one dense gradient (zeros for the groups without rows)
-    return torch.cat(parts)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # cast as autocast casts a matmul's operands (not out= products)
+        dtype = torch.get_autocast_dtype(device)
+        x, w = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, w))
+        with torch.autocast(device, enabled=False):
+            return _LoopedGroupedMM.apply(x, w, sizes)
+    return _LoopedGroupedMM.apply(x, w, sizes)
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    """The test autograd's mm backward makes on an operand (FunctionsManual.cpp, mm_mat*_backward)."""
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+class _LoopedGroupedMM(torch.autograd.Function):
+    """The loop over groups with every product written in place: the output, the gradient of x and
+    the gradient of w are each one allocation, filled group by group. The same products as a loop
+    of `rows @ w[g]` under autograd (forward, and backward as mm's backward computes them, layout rule
+    included), so the same bits, without the concatenation of the parts, the concatenation of
+    their input gradients and a full-size zero-filled gradient of w per group."""
+
+    @staticmethod
+    def forward(ctx, x, w, sizes):
+        out = x.new_empty(x.shape[0], w.shape[-1])
+        for g, (rows, dst) in enumerate(zip(x.split(sizes), out.split(sizes))):
+            if sizes[g]:
+                torch.mm(rows, w[g], out=dst)
+        ctx.save_for_backward(x, w)
+        ctx.sizes = sizes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        sizes = ctx.sizes
+        gx = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:  # laid out as mm's backward lays out each w[g]'s gradient
+            wt = _column_major(w[0])
+            gw = w.new_empty(w.shape[0], w.shape[2], w.shape[1]) if wt else w.new_empty(w.shape)
+        start = 0
+        for g, n in enumerate(sizes):
+            if not n:
+                if gw is not None:
+                    gw[g].zero_()
+                continue
+            rows, dy, wg = x[start:start + n], grad[start:start + n], w[g]
+            if gx is not None:
+                if _column_major(rows):  # (never for the rows of a contiguous x; as mm's backward does)
+                    gx[start:start + n] = wg.mm(dy.t()).t()
+                else:
+                    torch.mm(dy, wg.t(), out=gx[start:start + n])
+            if gw is not None:
+                if wt:
+                    torch.mm(dy.t(), rows, out=gw[g])
+                else:
+                    torch.mm(rows.t(), dy, out=gw[g])
+            start += n
+        if gw is not None and wt:
+            gw = gw.transpose(1, 2)
+        return gx, gw, None
