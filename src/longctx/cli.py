@@ -115,9 +115,9 @@ def _cmd_report(args, overrides) -> int:
 def _cmd_bench(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
-    from .bench import attention, memory, train
+    from .bench import attention, memory, moe, train
 
-    return {"attention": attention.main, "train": train.main, "memory": memory.main}[args.bench](args)
+    return {"attention": attention.main, "train": train.main, "memory": memory.main, "moe": moe.main}[args.bench](args)
 
 
 def _cmd_checkpoint(args, overrides) -> int:
@@ -222,7 +222,7 @@ def _add_checkpoint(sub) -> None:
 
 
 def _add_bench(bench) -> None:
-    from .bench import attention, memory
+    from .bench import attention, memory, moe
     from .bench import train as train_bench
 
     for name, module, what in (
@@ -230,6 +230,8 @@ def _add_bench(bench) -> None:
         ("train", train_bench, "training tokens/s and MFU of parallel layouts (same-run comparison)"),
         ("memory", memory, "activation bytes per block and token for each memory policy, measured vs analytic, "
                            "recompute FLOPs, step-time ratios"),
+        ("moe", moe, "Mixture-of-Experts feed-forward vs the dense SwiGLU of the same active parameters: CPU "
+                     "seconds per token, uniform and skewed routing, saved-for-backward bytes per token"),
     ):
         p = bench.add_parser(name, help=what, allow_abbrev=False)
         module.add_arguments(p)

@@ -1,0 +1,189 @@
+"""`longctx bench moe`: the cost of a Mixture-of-Experts feed-forward against the dense SwiGLU with
+the same ACTIVE parameters, forward + backward, on one process.
+
+The MoE layer is models/moe.py's MoEFeedForward (softmax top-k router, dropless, grouped experts
+through ops/grouped.py); the dense one is models/llama.py's FeedForward with
+ffn_dim = top_k x expert_dim, so every token goes through as many weights in both (the router's
+dim x experts aside). Two routings:
+- uniform: the router's gate as initialised (random), inputs N(0, 1): every expert gets about
+  T x k / E choices (the measured max/mean load is reported);
+- skewed: the router's selection bias (moe.py `expert_bias`, which moves choices, not weights) of
+  expert 0 raised until it takes --skew-share of all choices (0.5 with top-2: every token).
+
+Timing is CPU time of this process (time.process_time, every thread's), the minimum over --repeats
+runs with the MoE and the dense layer alternating, so other load on the machine inflates both
+alike and rarely the minimum. Memory is what the layer keeps for its backward: the bytes of the
+distinct storages that autograd saves (torch.autograd.graph.saved_tensors_hooks; the layer's own
+parameters excluded), at several lengths, so that bytes per token show the growth is linear.
+Output: one JSON document on stdout; progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import date
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..models.llama import FeedForward
+from ..models.moe import MoEFeedForward
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=256, help="model width")
+    p.add_argument("--experts", type=int, default=8, help="routed experts")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--expert-dim", type=int, default=0,
+                   help="each expert's SwiGLU hidden size (0 = dim); the dense layer's is top-k x this")
+    p.add_argument("--seq-len", default="4096,16384", help="comma-separated token counts to time")
+    p.add_argument("--memory-seq-len", default="4096,8192,16384",
+                   help="comma-separated token counts whose saved-for-backward bytes are measured")
+    p.add_argument("--routing", default="uniform,skewed", help="comma-separated, of uniform, skewed")
+    p.add_argument("--skew-share", type=float, default=0.5,
+                   help="skewed routing: the share of all choices that expert 0 takes (at most 1 / top-k)")
+    p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per layer (after a warm-up)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU seconds are summed over them)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench moe] {msg}", file=sys.stderr, flush=True)
+
+
+def build_layers(args) -> tuple[MoEFeedForward, FeedForward, ModelConfig]:
+    expert_dim = args.expert_dim or args.dim
+    cfg = ModelConfig(dim=args.dim, ffn_dim=args.top_k * expert_dim, moe_experts=args.experts, moe_top_k=args.top_k,
+                      moe_expert_dim=expert_dim, moe_router="softmax")
+    torch.manual_seed(args.seed)
+    moe, dense = MoEFeedForward(cfg), FeedForward(args.dim, cfg.ffn_dim)
+    std = 0.02
+    for p in (*moe.experts.parameters(), *dense.parameters()):
+        nn.init.normal_(p, std=std)
+    return moe, dense, cfg
+
+
+def active_params(moe: MoEFeedForward, dense: FeedForward, top_k: int) -> dict:
+    per_expert = sum(p[0].numel() for p in moe.experts.parameters())
+    router = moe.router.gate.weight.numel()
+    return {"dense": sum(p.numel() for p in dense.parameters()), "moe_experts": top_k * per_expert,
+            "moe_router": router, "moe_total": sum(p.numel() for p in moe.parameters())}
+
+
+def choice_share(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """[E] the share of all choices each expert gets for tokens x."""
+    with torch.no_grad():
+        chosen = moe.router(x.reshape(-1, x.shape[-1])).experts.flatten()
+    return torch.bincount(chosen, minlength=moe.num_experts).double() / chosen.numel()
+
+
+def skew(moe: MoEFeedForward, x: torch.Tensor, share: float) -> float:
+    """Raise expert 0's selection bias (bisection) until it takes `share` of the choices; returns the bias."""
+    if not 0 < share <= 1 / moe.top_k + 1e-9:
+        raise SystemExit(f"longctx bench moe: --skew-share {share}: one expert can take at most 1 / top-k = "
+                         f"{1 / moe.top_k:g} of the choices (every token once)")
+    lo, hi = 0.0, 2.0  # probabilities are in [0, 1]: a bias of 1 already puts expert 0 in every top-k
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        moe.router.expert_bias[0] = mid
+        lo, hi = (lo, mid) if float(choice_share(moe, x)[0]) >= share - 1e-9 else (mid, hi)
+    moe.router.expert_bias[0] = hi
+    return hi
+
+
+def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
+    layer(x).backward(grad)
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+
+
+def time_pair(moe: nn.Module, dense: nn.Module, x: torch.Tensor, repeats: int) -> dict:
+    """CPU seconds of forward+backward for each layer: min and median of `repeats`, alternating."""
+    grad = torch.randn_like(x)
+    times: dict[str, list[float]] = {"moe": [], "dense": []}
+    for layer in (moe, dense):  # warm-up
+        _fwd_bwd(layer, x, grad)
+    for _ in range(repeats):
+        for name, layer in (("moe", moe), ("dense", dense)):
+            start = time.process_time()
+            _fwd_bwd(layer, x, grad)
+            times[name].append(time.process_time() - start)
+    return {name: {"min": min(t), "median": statistics.median(t), "all": [round(v, 5) for v in t]}
+            for name, t in times.items()}
+
+
+def saved_bytes(layer: nn.Module, x: torch.Tensor) -> dict:
+    """Bytes of the distinct storages autograd keeps for the backward of one forward of `layer`
+    (the layer's parameters excluded), and how many tensors were saved."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages: dict[int, int] = {}
+    count = 0
+
+    def pack(t: torch.Tensor):
+        nonlocal count
+        count += 1
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    total = sum(storages.values())
+    del y
+    return {"bytes": total, "tensors": count}
+
+
+def main(args) -> int:
+    torch.set_num_threads(args.threads)
+    moe, dense, cfg = build_layers(args)
+    routings = [r for r in args.routing.split(",") if r]
+    for r in routings:
+        if r not in ("uniform", "skewed"):
+            raise SystemExit(f"longctx bench moe: --routing {r}: one of uniform, skewed")
+    params = active_params(moe, dense, args.top_k)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    timing = []
+    for routing in routings:
+        for seq in (int(s) for s in args.seq_len.split(",") if s):
+            x = torch.randn(1, seq, args.dim, generator=gen, requires_grad=True)
+            moe.router.expert_bias.zero_()
+            bias = skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
+            share = choice_share(moe, x)
+            _progress(f"{routing} routing, {seq:,} tokens: timing {args.repeats} x (moe, dense)")
+            t = time_pair(moe, dense, x, args.repeats)
+            row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
+                   "expert_share": [round(float(v), 5) for v in share],
+                   "load_max_over_mean": float(share.max() * args.experts),
+                   "moe_cpu_s": t["moe"]["min"], "dense_cpu_s": t["dense"]["min"],
+                   "moe_cpu_s_per_token": t["moe"]["min"] / seq, "dense_cpu_s_per_token": t["dense"]["min"] / seq,
+                   "ratio": t["moe"]["min"] / t["dense"]["min"],
+                   "ratio_median": t["moe"]["median"] / t["dense"]["median"], "runs": t}
+            _progress(f"  moe {row['moe_cpu_s']:.3f} s, dense {row['dense_cpu_s']:.3f} s: ratio {row['ratio']:.3f}")
+            timing.append(row)
+    moe.router.expert_bias.zero_()
+    memory = []
+    for seq in (int(s) for s in args.memory_seq_len.split(",") if s):
+        x = torch.randn(1, seq, args.dim, generator=gen, requires_grad=True)
+        m, d = saved_bytes(moe, x), saved_bytes(dense, x)
+        memory.append({"tokens": seq, "moe_saved_bytes": m["bytes"], "dense_saved_bytes": d["bytes"],
+                       "moe_saved_tensors": m["tensors"], "dense_saved_tensors": d["tensors"],
+                       "moe_bytes_per_token": m["bytes"] / seq, "dense_bytes_per_token": d["bytes"] / seq})
+    print(json.dumps({
+        "bench": "moe", "date": date.today().isoformat(),
+        "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
+                   "dense_ffn_dim": cfg.ffn_dim, "router": "softmax", "capacity_factor": 0.0,
+                   "skew_share": args.skew_share, "repeats": args.repeats, "threads": args.threads,
+                   "timing": "min over repeats of time.process_time() per forward+backward"},
+        "active_params": params, "timing": timing, "memory": memory,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    }, indent=2))
+    return 0

@@ -1,0 +1,34 @@
+"""`longctx bench moe` as a user runs it, at tiny sizes: the JSON fields (not the timings)."""
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_moe_reports_cost_routing_and_linear_memory():
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "moe", "--dim=32", "--seq-len=256,512",
+                          "--memory-seq-len=128,256,512", "--repeats=1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert doc["bench"] == "moe"
+    cfg, params = doc["config"], doc["active_params"]
+    assert (cfg["experts"], cfg["top_k"], cfg["expert_dim"], cfg["dense_ffn_dim"]) == (8, 2, 32, 64)
+    assert params["moe_experts"] == params["dense"]  # the same active parameters (router aside)
+    rows = {(r["routing"], r["tokens"]): r for r in doc["timing"]}
+    assert set(rows) == {(r, t) for r in ("uniform", "skewed") for t in (256, 512)}
+    for r in rows.values():
+        assert r["moe_cpu_s"] > 0 and r["dense_cpu_s"] > 0
+        assert r["ratio"] == r["moe_cpu_s"] / r["dense_cpu_s"]
+        assert abs(r["moe_cpu_s_per_token"] * r["tokens"] - r["moe_cpu_s"]) < 1e-12
+        assert abs(sum(r["expert_share"]) - 1) < 1e-4 and len(r["expert_share"]) == 8
+    for t in (256, 512):
+        assert rows["skewed", t]["expert_share"][0] >= 0.5 - 1e-6  # expert 0 takes half of the top-2 choices
+        assert rows["skewed", t]["load_max_over_mean"] >= 4 - 1e-4
+        assert rows["uniform", t]["load_max_over_mean"] < 2
+    memory = doc["memory"]
+    assert [m["tokens"] for m in memory] == [128, 256, 512]
+    for key in ("moe_bytes_per_token", "dense_bytes_per_token"):  # linear growth: constant bytes per token
+        assert len({m[key] for m in memory}) == 1 and memory[0][key] > 0, [m[key] for m in memory]
+    # the dense SwiGLU keeps its input and four [T, ffn] tensors (fp32): (dim + 4 ffn) x 4 bytes per token
+    assert memory[0]["dense_bytes_per_token"] == (32 + 4 * 64) * 4
+    assert memory[0]["moe_bytes_per_token"] > memory[0]["dense_bytes_per_token"]
