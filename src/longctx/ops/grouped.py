@@ -24,8 +24,8 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offsets)
     sizes = counts.tolist()
-    if not any(sizes):  # no rows at all: w stays in the graph (a zero gradient, as on every other rank)
-        return x.new_zeros(0, w.shape[-1]) + 0 * w.sum()
+    # no rows at all still runs the Function: its output must stay a function of x as well as w, so
+    # that backward reaches whatever produced x (under expert parallelism, an all-to-all every rank joins)
     device = x.device.type
     if torch.is_autocast_enabled(device):  # cast as autocast casts a matmul's operands (not out= products)
         dtype = torch.get_autocast_dtype(device)
