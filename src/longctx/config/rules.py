@@ -295,6 +295,15 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     problems += degree_problems({k: getattr(p, k) for k in DEGREES}, p.window)
     if p.head > 0 and m.heads > 0 and m.heads % p.head:
         problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
+    if p.expert < 1:
+        problems.append(f"parallel.expert must be a positive degree, got {p.expert}.")
+    elif p.expert > 1 and not m.is_moe:
+        problems.append(f"parallel.expert = {p.expert} splits the experts of MoE layers, but the model has none "
+                        f"(model.moe.experts = 0); use a MoE model (e.g. --model.preset debug-moe) or "
+                        f"parallel.expert 1.")
+    elif p.expert > 1 and m.moe_experts % p.expert:
+        problems.append(f"parallel.expert ({p.expert}) must divide model.moe.experts ({m.moe_experts}); valid "
+                        f"degrees: {[d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]}.")
     if p.timeout_s <= 0:
         problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")
 

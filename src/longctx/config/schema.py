@@ -224,6 +224,10 @@ class ParallelConfig:
     split: str = _opt("docs", "how a sequence with documents is split over head x ctx ranks: docs (balance each "
                                 "context rank's visible query-key pairs) or zigzag (balance a plain causal mask)",
                         choices=("docs", "zigzag"))
+    expert: int = _opt(1, "expert-parallel degree of the MoE layers, folded over the same ranks as data x head x "
+                          "ctx: groups of `expert` adjacent ranks split the experts between them and exchange tokens "
+                          "by all-to-all; the expert weights are sharded over the groups (expert data parallel); "
+                          "must divide model.moe.experts and the world size")
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 

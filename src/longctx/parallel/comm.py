@@ -164,6 +164,28 @@ def all_to_all(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor
     return out
 
 
+def all_to_all_v(x: torch.Tensor, mesh, send_rows: list[int], recv_rows: list[int],
+                 label: str = "all_to_all_v") -> torch.Tensor:
+    """Variable splits: x's first send_rows[0] rows go to group rank 0, the next send_rows[1] to rank
+    1, ...; returns the rows received, recv_rows[j] of them from rank j, in rank order. Both lists
+    are host integers (the caller exchanged the counts first). Counted: the rows that leave this rank."""
+    n = mesh.size()
+    if len(send_rows) != n or len(recv_rows) != n or sum(send_rows) != x.shape[0]:
+        raise ValueError(f"all_to_all_v over '{dim_name(mesh)}' ({n} ranks): {len(send_rows)} send and "
+                         f"{len(recv_rows)} receive splits for {x.shape[0]} rows")
+    if n == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    with _own():
+        dist.all_to_all_single(out, x, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows),
+                               group=group_of(mesh))
+    me = local_rank(mesh)
+    row = nbytes(x[:1]) if x.shape[0] else 0
+    _count(mesh, label, row * (sum(send_rows) - send_rows[me]))
+    return out
+
+
 def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor:
     """Returns [n, *x.shape] with every group rank's x, in group order."""
     n = mesh.size()

@@ -39,12 +39,14 @@ class ParallelDims:
     window: int = 0
     placement: str = "head-first"
     world_size: int | None = None
+    expert: int = 1  # MoE layers: expert-parallel degree, folded over the same ranks (expert_mesh)
 
     def __post_init__(self):
         if self.world_size is None:
             self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self._validate()
         self._mesh = None
+        self._expert_mesh = None
 
     def _validate(self):
         degrees = {n: getattr(self, n) for n in DIM_NAMES}
@@ -71,6 +73,9 @@ class ParallelDims:
         problems = degree_problems({"ctx": self.ctx}, self.window)  # ctx may have been inferred just now
         if problems:
             raise ConfigError(" ".join(problems))
+        if self.expert < 1 or self.world_size % self.expert:
+            raise ConfigError(f"parallel.expert ({self.expert}) must divide the world size ({self.world_size}): the "
+                              f"MoE layers fold groups of {self.expert} ranks over the job's ranks.")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"parallel.placement '{self.placement}' is not one of {', '.join(PLACEMENTS)}.")
 
@@ -100,7 +105,23 @@ class ParallelDims:
                 comm.open_lane(self._mesh, "ctx", "ring_outer")
         return self._mesh
 
+    @property
+    def expert_data(self) -> int:
+        """Expert-data-parallel degree: how many ranks hold the same experts (their weights FSDP-sharded)."""
+        return self.world_size // self.expert
+
+    def build_expert_mesh(self, device_type: str = "cpu"):
+        """The MoE layers' mesh, folded over every rank: dims (expert_data, expert), an expert group
+        being `expert` adjacent ranks (with head-first placement: a head group first, on GPUs the same
+        node) and an expert-data group the ranks at the same place in every expert group. Attention
+        keeps the 4-D mesh; only the experts see this one."""
+        if getattr(self, "_expert_mesh", None) is None:
+            grid = torch.arange(self.world_size).reshape(self.expert_data, self.expert)
+            self._expert_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("expert_data", "expert"))
+        return self._expert_mesh
+
     @classmethod
     def from_config(cls, cfg, world_size: int | None = None) -> ParallelDims:
         p = cfg.parallel if hasattr(cfg, "parallel") else cfg
-        return cls(p.dp_replicate, p.dp_shard, p.head, p.ctx, p.window, p.placement, world_size)
+        return cls(p.dp_replicate, p.dp_shard, p.head, p.ctx, p.window, p.placement, world_size,
+                   expert=getattr(p, "expert", 1))

@@ -7,7 +7,8 @@ The order is fixed and matters:
      blocks before FSDP wraps them and must wrap the distributed attention already in place;
      the chunked LM head + loss (ops/loss.py) is switched on here too;
   3. with train.compile, each block's token-wise stages are compiled (models/compile.py);
-  4. FSDP2 `fully_shard` on every block, then on the root (embeddings, final norm, LM head), over
+  4. FSDP2 `fully_shard` on every block (under expert parallelism, its experts first, over their own
+     expert-data group: parallel/expert.py), then on the root (embeddings, final norm, LM head), over
      the data x head x context ranks flattened into one shard dim (LoongTrain's hybrid ZeRO: the
      sequence ranks share the model states too), with dp_replicate as the HSDP replica dim.
 
@@ -27,13 +28,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from ..memory.policies import apply_memory_policy
 from ..models.compile import compile_token_wise_stages
 from ..models.llama import local_attention
+from ..models.moe import MoEFeedForward
 from ..ops.chunked import chunked_local_attention
 from . import comm
 from .attention import distributed_attention
+from .comm import sub_mesh
+from .expert import use_expert_parallel
 
 
 def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window, attention_chunk=0, attention_offload=False):
@@ -116,6 +121,8 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     # 1. distributed attention; MoE router statistics summed over the ranks of the micro-batch
     use_sequence_parallel_attention(model, dims, mesh)
     use_router_sum(model, dims, mesh)
+    if dims.expert > 1:  # the MoE layers' experts split over expert groups (parallel/expert.py)
+        use_expert_parallel(model, dims.build_expert_mesh(device_type))
     # 2. activation memory
     apply_memory(model, cfg.memory, device_type)
     # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)
@@ -128,6 +135,12 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                                   reduce_dtype=torch.float32 if bf16 else None)
         for block in model.layers:
+            if dims.expert > 1 and isinstance(block.feed_forward, MoEFeedForward):
+                # expert weights: their own FSDP unit over the expert-data group, sharded on their
+                # second dim (the first is the expert group's); the block's FSDP takes the rest
+                fully_shard(block.feed_forward.experts, mesh=sub_mesh(dims.build_expert_mesh(device_type),
+                                                                      "expert_data"),
+                            mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
             fully_shard(block, mesh=shard_mesh, mp_policy=mp)
         fully_shard(model, mesh=shard_mesh, mp_policy=mp)
     return model

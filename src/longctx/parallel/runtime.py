@@ -22,7 +22,7 @@ from . import comm
 from .dims import ParallelDims
 from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, shard_indices
 
-TRACKED_DIMS = ("dp_replicate", "dp_shard", "head", "ctx")
+TRACKED_DIMS = ("dp_replicate", "dp_shard", "head", "ctx", "expert")  # "expert": MoE token all-to-all
 
 
 @dataclass

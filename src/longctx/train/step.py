@@ -78,9 +78,19 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm (over all shards, a tensor left on the device: reading it is the
     caller's choice) and clipping to max_norm (0 = no clipping)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
-    if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients: the norm is a partial result
-        norm = norm.full_tensor()
+    # DTensor gradients live on one mesh per kind (FSDP's, and the experts' under expert
+    # parallelism): each group's norm is computed on its own mesh, then combined
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type=2.0, foreach=True)
+        if hasattr(norm, "full_tensor"):  # sharded (DTensor) gradients: the norm is a partial result
+            norm = norm.full_tensor()
+        norms.append(norm)
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, norm, foreach=True)
     return norm

@@ -1,0 +1,123 @@
+"""Expert parallelism (parallel.expert), folded over the ranks that data x head x ctx already use.
+
+The MoE layers see a mesh of their own (ParallelDims.build_expert_mesh): dims (expert_data,
+expert). An expert group of `expert` adjacent ranks splits the E experts between its ranks, E /
+expert each; the ranks at the same place in every group hold the same experts, and FSDP shards
+their weights over that expert-data group. Attention, the router, the shared experts and the dense
+layers are untouched: each rank still routes the tokens it holds (its data rows, its part of each
+sequence), and only the routed tokens travel.
+
+A layer's `Experts.forward(x, counts)` receives its tokens sorted by expert (models/moe.py); under
+expert parallelism it becomes `dispatch -> local experts -> combine`:
+  1. the counts per expert go to the ranks that own them (a small all-to-all), read on the host:
+     they are the variable split sizes of the token all-to-all (the one host read EP needs);
+  2. all-to-all of the tokens (sorted by expert, so by owner);
+  3. the received rows (source-major) regrouped expert-major, run through the local experts as one
+     grouped GEMM per projection, and put back in source-major order;
+  4. the reverse all-to-all returns each row to the rank its token lives on.
+Backward runs the same way in reverse (AllToAllV's backward swaps the splits).
+
+Gradients: FSDP averages the expert weights' gradients over the expert-data group (world /
+expert ranks), while the loop scales every loss by the world size (parallelize.grad_scale) and an
+expert's rows already carry the gradient of every token of its expert group. The local weights
+therefore pass through `_scale_grad(1 / expert)` so that the average is the exact global sum.
+
+Expert weights are DTensors sharded on the expert dim over `expert` and (by FSDP) on their
+second dim over `expert_data`: global shapes, so Distributed Checkpoint reshards them to another
+expert degree like any other weight, and the names stay those of one device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from ..ops.grouped import grouped_mm
+from . import comm
+
+
+class AllToAllV(torch.autograd.Function):
+    """all_to_all_v with a gradient: backward sends the gradients back along the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, send_rows, recv_rows, label):
+        ctx.mesh, ctx.send_rows, ctx.recv_rows, ctx.label = mesh, send_rows, recv_rows, label
+        return comm.all_to_all_v(x, mesh, send_rows, recv_rows, label=label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = comm.all_to_all_v(grad.contiguous(), ctx.mesh, ctx.recv_rows, ctx.send_rows, label=ctx.label)
+        return back, None, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _expert_major(recv: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows received source-major (from source s: recv[s][e] rows of local expert e, in expert
+    order) -> the permutation that lists them expert-major (expert e: its rows from source 0, then
+    1, ...), and the rows per local expert."""
+    sources, local = len(recv), len(recv[0])
+    start, offsets = 0, [[0] * local for _ in range(sources)]
+    for s in range(sources):
+        for e in range(local):
+            offsets[s][e] = start
+            start += recv[s][e]
+    pieces = [torch.arange(offsets[s][e], offsets[s][e] + recv[s][e]) for e in range(local) for s in range(sources)]
+    order = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+    per_expert = torch.tensor([sum(recv[s][e] for s in range(sources)) for e in range(local)])
+    return order, per_expert
+
+
+def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, mesh) -> torch.Tensor:
+    """`Experts.forward` under expert parallelism: x [n, dim] sorted by (global) expert, counts [E]."""
+    ep = mesh.size()
+    per_owner = counts.view(ep, -1)  # [owner, its local experts]
+    received = comm.all_to_all(per_owner.contiguous(), mesh, label="expert_counts")  # [source, local expert]
+    send_rows, recv = per_owner.sum(1).tolist(), received.tolist()  # the host read EP needs (split sizes)
+    recv_rows = [sum(r) for r in recv]
+    got = AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
+    order, per_expert = _expert_major(recv)
+    order, per_expert = order.to(x.device), per_expert.to(x.device)
+    scale = 1.0 / ep
+    w1, w3, w2 = (_ScaleGrad.apply(_local(w), scale).transpose(1, 2) for w in (experts.w1, experts.w3, experts.w2))
+    rows = got[order]
+    h = torch.nn.functional.silu(grouped_mm(rows, w1, per_expert)) * grouped_mm(rows, w3, per_expert)
+    out = grouped_mm(h, w2, per_expert)
+    back = out[torch.argsort(order)] if order.numel() else out
+    return AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
+
+
+def expert_placement(p: torch.Tensor, mesh) -> DTensor:
+    """A (meta) expert weight [E, ...] as a DTensor sharded on the expert dim over the expert group."""
+    ep = mesh.size()
+    rank = comm.local_rank(mesh)
+    local = p.detach().chunk(ep, dim=0)[rank]
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+
+
+def use_expert_parallel(model, expert_mesh) -> None:
+    """Every MoE layer's experts split over the `expert` dim of `expert_mesh`: weights as DTensors
+    (before FSDP wraps them) and the forward as dispatch -> local experts -> combine."""
+    from ..models.moe import moe_layers
+
+    mesh = comm.sub_mesh(expert_mesh, "expert")
+    for layer in moe_layers(model):
+        experts = layer.experts
+        for name in ("w1", "w3", "w2"):
+            setattr(experts, name, torch.nn.Parameter(expert_placement(getattr(experts, name), mesh)))
+        experts.forward = functools.partial(expert_parallel_forward, experts=experts, mesh=mesh)
