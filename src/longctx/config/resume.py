@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .load import build_config, read_raw, read_toml, to_dict
+from .load import build_config, read_raw, to_dict
 from .schema import Config
 
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement", "expert")
 # where and how to resume are not settings of the run
 NOT_SETTINGS = {("checkpoint", "resume"), ("train", "run_dir"), ("checkpoint", "allow_changes")}
 # keys that do not change which data is read
@@ -80,7 +80,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     run_dir = saved_run_dir(given)
     if run_dir is None:
         return build_config(given), None
-    saved = read_toml(run_dir / "config.toml", "the saved run config", "It is written by longctx train.")
+    saved = read_raw(run_dir / "config.toml")  # (its sub-tables, such as [model.moe], flattened as given ones are)
     base = _merge(saved, {})
     if layout_given:
         for key in LAYOUT_KEYS:
