@@ -1,0 +1,110 @@
+"""debug-moe (models/moe.py) under the parallel layouts and the memory policies against one process:
+per-step losses and the router statistics the metrics record (balancing losses, load), both within
+1e-4 (fp32, gloo); and two runs of one layout give the same bits.
+
+The layouts are the training-parity test's (test_training_parity.LAYOUTS). Every run trains a few
+steps: a wrong split of the router statistics shows at step 1 (the loss and the statistics of the
+forward), a wrong gradient or bias at step 2."""
+
+import time
+from pathlib import Path
+
+import pytest
+from test_training_parity import BASE, LAYOUTS
+
+from longctx.config import load_config
+from longctx.parallel.spawn import run_spawned
+from longctx.train.metrics import read_jsonl
+from longctx.train.trainer import train
+
+STEPS = 4
+MOE = [*BASE, "--model.preset=debug-moe", "--metrics.log_interval=1", f"--train.steps={STEPS}"]
+STATS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst", "moe_drop_rate")
+TOL = 1e-4
+
+POLICIES = {
+    "selective": ["--memory.recompute=selective"],
+    "full": ["--memory.recompute=full"],
+    "offload0.5-selective": ["--memory.recompute=selective", "--memory.offload_fraction=0.5"],
+    "attention_chunk": ["--memory.recompute=full", "--memory.attention_chunk=32"],
+    "block_chunk": ["--memory.recompute=selective", "--memory.block_chunk=64"],
+}
+
+
+def _train_losses(args, run_dir):
+    cfg = load_config("configs/debug.toml", [*args, f"--train.run_dir={run_dir}"])
+    return train(cfg, log=lambda *a, **k: None).losses
+
+
+def _router_stats(run_dir) -> list[dict]:
+    """Per step, the router figures rank 0 wrote to metrics.jsonl."""
+    lines = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "moe_aux_loss" in r]
+    assert [r["step"] for r in lines] == list(range(1, STEPS + 1))
+    return [{k: r[k] for k in STATS} for r in lines]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    start = time.perf_counter()
+    losses = _train_losses(MOE, run_dir)
+    print(f"single process: {time.perf_counter() - start:.1f}s")
+    return losses, _router_stats(run_dir)
+
+
+_runs: dict[tuple, tuple] = {}  # (layout, extra) -> (losses of every rank, router stats): shared by the tests
+
+
+def run(layout, tmp_path, extra=(), fresh=False):
+    key = (layout, tuple(extra))
+    if fresh or key not in _runs:
+        world, args = LAYOUTS[layout]
+        start = time.perf_counter()
+        losses = run_spawned(world, _train_losses, [*MOE, *extra, *args], str(tmp_path))
+        print(f"{layout} {' '.join(extra)}: {time.perf_counter() - start:.1f}s")
+        result = (losses, _router_stats(tmp_path))
+        if fresh:
+            return result
+        _runs[key] = result
+    return _runs[key]
+
+
+def check(name, result, reference):
+    losses, stats = result
+    ref_losses, ref_stats = reference
+    loss_diff = 0.0
+    for rank_losses in losses:
+        assert len(rank_losses) == STEPS
+        loss_diff = max(loss_diff, *(abs(a - b) for a, b in zip(rank_losses, ref_losses)))
+    stat_diff = {k: max(abs(s[k] - r[k]) for s, r in zip(stats, ref_stats)) for k in STATS}
+    print(f"{name}: max |loss - single| {loss_diff:.2e}, router stats "
+          + " ".join(f"{k.removeprefix('moe_')} {v:.1e}" for k, v in stat_diff.items()))
+    assert loss_diff <= TOL, f"{name}: max |loss - single| = {loss_diff:.2e}"
+    for k, v in stat_diff.items():
+        got, want = [s[k] for s in stats], [r[k] for r in ref_stats]
+        assert v <= TOL, f"{name}: max |{k} - single| = {v:.2e} ({got} vs {want})"
+
+
+def test_reference_routes_and_balances(reference):
+    """The reference itself is a MoE run: balancing losses recorded each step, nothing dropped."""
+    losses, stats = reference
+    assert len(losses) == STEPS and all(s["moe_aux_loss"] >= 1.0 - 1e-6 for s in stats)  # aux >= 1 (1 = even)
+    assert all(s["moe_load_worst"] >= s["moe_load_mean"] >= 1.0 for s in stats)
+    assert all(s["moe_drop_rate"] == 0 for s in stats)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_single_process(layout, reference, tmp_path):
+    check(layout, run(layout, tmp_path), reference)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_memory_policies_match_single_process(policy, reference, tmp_path):
+    check(f"head2-ctx2 {policy}", run("head2-ctx2", tmp_path, POLICIES[policy]), reference)
+
+
+def test_two_runs_give_the_same_bits(tmp_path):
+    first = run("head2-ctx2", tmp_path / "first")
+    second = run("head2-ctx2", tmp_path / "second", fresh=True)
+    assert first[0] == second[0]  # every rank's losses, exactly
+    assert first[1] == second[1]  # and the router statistics
