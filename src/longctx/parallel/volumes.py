@@ -31,16 +31,25 @@ def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_p
 
 
 def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int,
-                        gather_bytes: int, grad_sync: str = "step") -> dict[str, float]:
+                        gather_bytes: int, grad_sync: str = "step", expert_params: int = 0) -> dict[str, float]:
     """{"fsdp": bytes} one rank sends per optimizer step through FSDP2 ({} on one rank): `fsdp_bytes`
     over the shard group dp_shard x head x ctx and the dp_replicate replicas of `dims` (anything
     with those four degrees: parallel.dims.ParallelDims in the training loop's metrics line,
     planner.shape.MeshShape in the planner's estimate). num_params: all parameters; root_params:
-    the root module's (embeddings, final norm, LM head), gathered once per micro-batch."""
+    the root module's (embeddings, final norm, LM head), gathered once per micro-batch.
+
+    Under expert parallelism (dims.expert > 1), `expert_params` (the MoE layers' routed-expert
+    weights, all experts) are their own FSDP units over the expert-data group of world / expert
+    ranks, without replicas, each rank's expert group holding 1 / expert of them (parallel/expert.py)."""
     shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate
-    if shard * replicas == 1:
-        return {}
-    return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync)}
+    ep = getattr(dims, "expert", 1)
+    if ep == 1 or not expert_params:
+        if shard * replicas == 1:
+            return {}
+        return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync)}
+    dense = fsdp_bytes(num_params - expert_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync)
+    experts = fsdp_bytes(expert_params // ep, shard * replicas // ep, 1, gather_bytes, 0, grad_accum, grad_sync)
+    return {"fsdp": dense + experts} if dense + experts else {}
 
 
 def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, head: int, ctx: int,

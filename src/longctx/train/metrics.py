@@ -71,7 +71,8 @@ def format_line(r: dict) -> str:
     if "moe_aux_loss" in r:
         parts.append(f"moe aux {r['moe_aux_loss']:.3f} z {r['moe_z_loss']:.2f} load {r['moe_load_mean']:.2f}/"
                      f"{r['moe_load_worst']:.2f}" + (f" drop {100 * r['moe_drop_rate']:.1f}%" if r["moe_drop_rate"]
-                                                     else ""))
+                                                     else "")
+                     + (f" rank load {r['expert_rank_load']:.2f}" if "expert_rank_load" in r else ""))
     if r.get("comm_bytes_per_step"):
         parts.append("comm/step " + " ".join(f"{d} {v / 2**20:.1f}MiB" for d, v in r["comm_bytes_per_step"].items()))
     return " | ".join(parts)
@@ -80,11 +81,21 @@ def format_line(r: dict) -> str:
 ROUTER_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst", "moe_drop_rate")
 
 
-def router_record(stats: torch.Tensor | None) -> dict:
+def router_record(stats: torch.Tensor | None, counts: torch.Tensor | None = None, expert: int = 1) -> dict:
     """A step's router figures (models/moe.py RouterTerms.stats, read here at the log interval):
     the balancing losses unweighted, max/mean tokens per expert (mean over MoE layers, and the worst
-    layer's) and the fraction of choices dropped for capacity. Empty for a dense model."""
-    return {} if stats is None else dict(zip(ROUTER_FIELDS, stats.tolist()))
+    layer's) and the fraction of choices dropped for capacity. Empty for a dense model.
+
+    Under expert parallelism also `expert_rank_load`: the tokens the busiest rank of an expert group
+    runs over the mean (worst MoE layer), from the step's choices per expert [layers, E] (over every
+    expert group: the mean over expert-data groups, exact with one group); the straggler figure."""
+    if stats is None:
+        return {}
+    record = dict(zip(ROUTER_FIELDS, stats.tolist()))
+    if counts is not None and expert > 1:
+        per_rank = counts.view(counts.shape[0], expert, -1).sum(-1)
+        record["expert_rank_load"] = float((per_rank.max(1).values / per_rank.mean(1)).max())
+    return record
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -124,8 +135,9 @@ class MetricsLogger:
         total = sum(p.numel() for p in model.parameters())
         blocks = sum(p.numel() for p in model.layers.parameters())
         gather = 2 if gathers_in_bf16(device.type, cfg.train.dtype) else 4
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
-                                              cfg.memory.grad_sync)
+                                              cfg.memory.grad_sync, expert_params=experts)
         self.flops_per_token = 0.0
         self.interval = self._new_interval()
 

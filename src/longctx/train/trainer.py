@@ -81,7 +81,9 @@ class Trainer:
         self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
         self.model = build_training_model(cfg, self.device, rt, self.log)
         self.moe = cfg.model.is_moe
-        self.router_stats: torch.Tensor | None = None  # the last step's (models/moe.py RouterTerms.stats)
+        # the last step's router figures (models/moe.py RouterTerms: stats, and choices per expert)
+        self.router_stats: torch.Tensor | None = None
+        self.router_counts: torch.Tensor | None = None
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
         self.optimizer = make_optimizer(self.model, cfg)
@@ -171,7 +173,8 @@ class Trainer:
                 if log_now:
                     self.metrics.line(step, loss, grad_norm, lr, {
                         "tokens": tokens_through(self.sampler.stages, step), "seq_len": stage.seq_len,
-                        "elapsed_s": time.perf_counter() - run_start, **router_record(self.router_stats)})
+                        "elapsed_s": time.perf_counter() - run_start,
+                        **router_record(self.router_stats, self.router_counts, rt.dims.expert)})
                 if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
                     total_eval_s += self._timed_evaluation(step, result)
             if self.ckpt is not None:
@@ -216,7 +219,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if router_counts is not None:
             self.model.update_expert_bias(router_counts)  # once per optimizer step, from every micro-batch
-            self.router_stats = router_stats
+            self.router_stats, self.router_counts = router_stats, router_counts
         return loss, grad_norm, lr
 
     def _read_back(self, unread: list, result: TrainResult) -> tuple[float, float]:

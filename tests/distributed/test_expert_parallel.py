@@ -1,0 +1,234 @@
+"""Expert parallelism (parallel.expert, parallel/expert.py) against one process: per-step losses and
+router statistics under folded layouts and memory policies, the expert all-to-all bytes against
+their closed form from the routed counts, and resumes under another expert degree (fp32, gloo)."""
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_training_parity import BASE
+
+from longctx.config import load_config
+from longctx.errors import ConfigError
+from longctx.parallel import comm
+from longctx.parallel.spawn import run_spawned
+from longctx.train.metrics import read_jsonl
+from longctx.train.trainer import Trainer, train
+
+STEPS = 4
+MOE = [*BASE, "--model.preset=debug-moe", "--metrics.log_interval=1"]
+STATS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst")
+TOL = 1e-4
+
+LAYOUTS = {  # world, args
+    "expert4-head2-ctx2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"]),
+    "expert2-dp2-ctx2": (4, ["--parallel.expert=2", "--parallel.ctx=2"]),
+    "expert4-ctx4-window2": (4, ["--parallel.expert=4", "--parallel.ctx=4", "--parallel.window=2"]),
+    "expert8-dp2-head2-ctx2": (8, ["--parallel.expert=8", "--parallel.head=2", "--parallel.ctx=2"]),
+}
+POLICIES = {
+    "selective": ["--memory.recompute=selective"],
+    "full": ["--memory.recompute=full"],
+    "offload0.5": ["--memory.recompute=selective", "--memory.offload_fraction=0.5"],
+    "full-offload1": ["--memory.recompute=full", "--memory.offload_fraction=1.0"],
+    "attention_chunk": ["--memory.recompute=full", "--memory.attention_chunk=128"],
+    "block_chunk": ["--memory.recompute=selective", "--memory.block_chunk=128"],
+}
+
+
+def _train(args, run_dir):
+    cfg = load_config("configs/debug.toml", [*args, f"--train.run_dir={run_dir}"])
+    return train(cfg, log=lambda *a, **k: None).losses
+
+
+def _stats(run_dir, steps):
+    lines = {r["step"]: r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "moe_aux_loss" in r}
+    return [{k: lines[s][k] for k in STATS} for s in steps]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    losses = _train([*MOE, f"--train.steps={STEPS}"], run_dir)
+    return losses, _stats(run_dir, range(1, STEPS + 1))
+
+
+def _check(name, world, args, reference, run_dir):
+    start = time.perf_counter()
+    per_rank = run_spawned(world, _train, [*MOE, f"--train.steps={STEPS}", *args], str(run_dir))
+    ref_losses, ref_stats = reference
+    loss_diff = max(abs(a - b) for losses in per_rank for a, b in zip(losses, ref_losses, strict=True))
+    stats = _stats(run_dir, range(1, STEPS + 1))
+    stat_diff = max(abs(s[k] - r[k]) for s, r in zip(stats, ref_stats) for k in STATS)
+    print(f"{name}: max |loss - single| {loss_diff:.2e}, router stats {stat_diff:.2e} "
+          f"({time.perf_counter() - start:.0f}s)")
+    assert loss_diff <= TOL and stat_diff <= TOL, (name, loss_diff, stat_diff)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_layouts_match_one_process(layout, reference, tmp_path):
+    world, args = LAYOUTS[layout]
+    _check(layout, world, args, reference, tmp_path)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_expert_parallel_under_every_memory_policy(policy, reference, tmp_path):
+    _check(f"expert2-ctx2 {policy}", 2, ["--parallel.expert=2", "--parallel.ctx=2", *POLICIES[policy]],
+           reference, tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# bytes: the counters against the closed form from the routed counts
+
+
+def _bytes_of_one_step(args, run_dir):
+    cfg = load_config("configs/debug.toml", [*MOE, "--train.steps=1", *args, f"--train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    from longctx.models.moe import moe_layers
+
+    calls = []  # (counts [E], a forward (not a recomputation, which runs inside backward))
+    for layer in moe_layers(trainer.model):
+        layer.experts.register_forward_hook(
+            lambda mod, inputs, out: calls.append((inputs[1].clone(), torch._C._current_graph_task_id() == -1)))
+    comm.reset_counters()
+    trainer.step(1)
+    sent = dict(comm.counters().get("expert", {}))
+    ep, rank = cfg.parallel.expert, dist.get_rank()
+    me = rank % ep  # an expert group is `expert` adjacent ranks
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [c for c, _ in calls])
+    group = range(rank - me, rank - me + ep)
+    row = cfg.model.dim * 4  # fp32 rows
+    expected = 0
+    for i, (counts, first) in enumerate(calls):
+        per_owner = counts.view(ep, -1).sum(1)
+        out_rows = int(per_owner.sum() - per_owner[me])  # my tokens other ranks run
+        in_rows = sum(int(every[r][i].view(ep, -1)[me].sum()) for r in group if r != rank)  # theirs I run
+        # forward: dispatch out, combine back in; each backward once more (a recomputation re-runs the forward)
+        expected += (out_rows + in_rows) * row * (2 if first else 1)
+    counts_bytes = len(calls) * cfg.model.moe_experts * 8 * (ep - 1) // ep
+    trainer.sampler.close()
+    return sent.get("expert", 0), expected, sent.get("expert_counts", 0), counts_bytes, len(calls)
+
+
+@pytest.mark.parametrize("args", [["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"],
+                                  ["--parallel.expert=2", "--parallel.ctx=2", "--memory.recompute=full"]],
+                         ids=["expert4-head2-ctx2", "expert2-dp2-ctx2-full"])
+def test_expert_bytes_equal_the_closed_form(args, tmp_path):
+    for sent, expected, counts_sent, counts_expected, calls in run_spawned(4, _bytes_of_one_step, args,
+                                                                           str(tmp_path)):
+        assert calls > 0 and expected > 0
+        assert sent == expected, (sent, expected)
+        assert counts_sent == counts_expected, (counts_sent, counts_expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# resume under another expert degree
+
+
+RESUME = [*MOE, "--train.steps=6", "--checkpoint.interval=3", "--parallel.head=2", "--parallel.ctx=2"]
+
+
+def _resume(args, run_dir, checkpoint):
+    cfg = load_config("configs/debug.toml", [*args, f"--train.run_dir={run_dir}", f"--checkpoint.resume={checkpoint}",
+                                             "--checkpoint.allow_changes=true"])
+    return train(cfg, log=lambda *a, **k: None).losses
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (2, 4), (4, 1)])
+def test_resume_under_another_expert_degree(before, after, tmp_path):
+    first = tmp_path / "first"
+    losses = run_spawned(4, _train, [*RESUME, f"--parallel.expert={before}"], str(first))[0]
+    checkpoint = first / "checkpoints" / "step-00000003"
+    second = tmp_path / "second"
+    shutil.copytree(first, second, ignore=shutil.ignore_patterns("step-00000006"))
+    resumed = run_spawned(4, _resume, [*RESUME, f"--parallel.expert={after}"], str(second),
+                          str(second / "checkpoints" / checkpoint.name))[0]
+    diff = max(abs(a - b) for a, b in zip(resumed, losses[3:], strict=True))
+    print(f"expert {before} -> {after}: steps 4-6 max |loss - uninterrupted| {diff:.2e}")
+    assert diff <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.expert=3"], "must divide model.moe.experts (8)"),
+    (["--model.preset=debug", "--parallel.expert=2"], "but the model has none"),
+    (["--parallel.expert=0"], "must be a positive degree"),
+])
+def test_bad_expert_degrees_are_one_clear_error(args, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("configs/debug.toml", [*MOE, *args])
+
+
+def test_expert_degree_must_divide_the_world():
+    from longctx.parallel.dims import ParallelDims
+
+    with pytest.raises(ConfigError, match="must divide the world size"):
+        ParallelDims(dp_shard=-1, world_size=6, expert=4)
+
+
+def test_expert_weights_are_split_not_copied(tmp_path):
+    """What a rank holds of the expert weights, at rest (its FSDP shard) and while a layer runs (FSDP's
+    unsharded weights): at expert 4 the forward holds a quarter of the experts; at rest the shards
+    over the 4 ranks add up to the model's experts exactly once either way."""
+    one = run_spawned(4, _expert_elements, ["--parallel.ctx=4"], str(tmp_path / "a"))
+    four = run_spawned(4, _expert_elements, ["--parallel.ctx=4", "--parallel.expert=4"], str(tmp_path / "b"))
+    total = one[0][2]
+    assert sum(rest for rest, _, _ in one) == sum(rest for rest, _, _ in four) == total
+    assert all(running == total for _, running, _ in one)
+    assert all(running * 4 == total for _, running, _ in four)
+
+
+def _expert_elements(args, run_dir):
+    cfg = load_config("configs/debug.toml", [*MOE, "--train.steps=1", *args, f"--train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    from longctx.models.moe import moe_layers
+
+    layers = moe_layers(trainer.model)
+    weights = lambda mod: [mod.w1, mod.w2, mod.w3]  # noqa: E731
+    local = lambda w: w.to_local() if hasattr(w, "to_local") else w  # noqa: E731
+    at_rest = sum(local(w).numel() for layer in layers for w in weights(layer.experts))
+    total = sum(w.numel() for layer in layers for w in weights(layer.experts))  # global shapes
+    running = []
+    layers[0].experts.register_forward_pre_hook(
+        lambda mod, args: running.append(sum(local(w).numel() for w in weights(mod))))
+    trainer.step(1)
+    trainer.sampler.close()
+    return at_rest, running[0] * len(layers), total
+
+
+def _fsdp_traffic(args, run_dir):
+    """FSDP2's bytes in one micro-step (forward + backward, gradients reduced) after a warm-up step,
+    against the closed form the metrics line reports."""
+    from longctx.parallel.volumes import fsdp_bytes_per_step
+    from longctx.train.step import forward_loss_sum
+
+    cfg = load_config("configs/debug.toml", [*MOE, "--train.steps=2", *args, f"--train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    trainer.step(1)
+    shares = trainer.sampler.step_batches(2)
+    batch = trainer.rt.to_device(shares[0][0], trainer.device)
+    with comm.library_traffic() as traffic:
+        loss = forward_loss_sum(trainer.model, batch, None) + trainer.model.router_terms().loss
+        loss.backward()
+    model = trainer.model
+    total = sum(p.numel() for p in model.parameters())
+    blocks = sum(p.numel() for p in model.layers.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    expected = fsdp_bytes_per_step(total, total - blocks, trainer.rt.dims, 1, 4, expert_params=experts)
+    trainer.sampler.close()
+    return sum(traffic.values()), expected["fsdp"]
+
+
+@pytest.mark.parametrize("args", [["--parallel.expert=2", "--parallel.ctx=2"],
+                                  ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"]],
+                         ids=["expert2-dp2-ctx2", "expert4-head2-ctx2"])
+def test_fsdp_bytes_under_expert_parallelism_equal_the_closed_form(args, tmp_path):
+    for measured, expected in run_spawned(4, _fsdp_traffic, args, str(tmp_path)):
+        assert measured == pytest.approx(expected, rel=1e-9), (measured, expected)
