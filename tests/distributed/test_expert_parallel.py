@@ -232,3 +232,40 @@ def _fsdp_traffic(args, run_dir):
 def test_fsdp_bytes_under_expert_parallelism_equal_the_closed_form(args, tmp_path):
     for measured, expected in run_spawned(4, _fsdp_traffic, args, str(tmp_path)):
         assert measured == pytest.approx(expected, rel=1e-9), (measured, expected)
+
+
+def _skewed(args, run_dir):
+    """3 steps with every token's first choice forced to expert 0 (a selection bias of 10: the router's
+    weights are unchanged), the experts' SwiGLU rows probed (every layer MoE)."""
+    from test_moe_expert_chunk import _WidestMatmul
+
+    from longctx.models.moe import moe_layers
+
+    cfg = load_config("configs/debug.toml", [*MOE, "--train.steps=3", "--model.moe.dense_layers=", *args,
+                                             f"--train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    for layer in moe_layers(trainer.model):
+        layer.router.expert_bias[0] = 10.0
+    with _WidestMatmul() as probe:
+        losses = trainer.run().losses
+    return losses, probe.rows, trainer.router_counts[:, 0].sum().item() / trainer.router_counts.sum().item()
+
+
+def test_skewed_routing_under_expert_parallelism_is_exact_and_bounded(tmp_path):
+    """Half of all choices go to expert 0, so its rank receives twice its share (every token of its
+    expert group once); with memory.expert_chunk the experts' intermediates stay at 64 rows anyway."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
+    from test_moe_expert_chunk import _WidestMatmul  # noqa: F401  (importable in the spawned ranks too)
+
+    single = _skewed(["--memory.recompute=selective"], tmp_path / "single")
+    per_rank = run_spawned(4, _skewed, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
+                                        "--memory.recompute=selective", "--memory.expert_chunk=64"],
+                           str(tmp_path / "ep4"))
+    assert single[2] == pytest.approx(0.5)  # the skew is real: half the choices on one expert
+    for losses, rows, share in per_rank:
+        diff = max(abs(a - b) for a, b in zip(losses, single[0], strict=True))
+        print(f"skewed expert 4: max |loss - single| {diff:.2e}, widest expert activation {rows} rows")
+        assert diff <= TOL and rows <= 64 and share == pytest.approx(0.5)
+    assert single[1] > 64  # without the chunk, one process runs them all at once

@@ -317,6 +317,8 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
     elif mem.attention_offload and not mem.attention_chunk:
         problems.append("memory.attention_offload keeps the attention core's chunks in host memory, so it needs "
                         "memory.attention_chunk > 0 (e.g. --memory.attention_chunk 8192).")
+    if mem.expert_chunk < 0:
+        problems.append(f"memory.expert_chunk must be >= 0 (0 = the experts' rows at once), got {mem.expert_chunk}.")
     if mem.loss_chunk < 0:
         problems.append(f"memory.loss_chunk must be >= 0 (0 = never chunk), got {mem.loss_chunk}.")
     if mem.offload_skip_last < 0:

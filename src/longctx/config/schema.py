@@ -300,6 +300,9 @@ class MemoryConfig:
     attention_chunk: int = _opt(0, "tokens per chunk of the attention core (FPDT-style): each query chunk meets the "
                                 "key chunks it can see, merged by log-sum-exp, so the kernels' working set is one "
                                 "chunk pair; every ring block is processed so too; 0 = all of a rank's tokens at once")
+    expert_chunk: int = _opt(0, "MoE: rows of routed tokens the experts run at a time, each piece recomputed in "
+                                "backward, so the experts' intermediates stay bounded however skewed the routing "
+                                "(under parallel.expert a rank may receive every token of its group); 0 = all at once")
     attention_offload: bool = _opt(False, "keep the attention core's saved state (its q, k, v, out, lse chunks) in "
                                    "host memory between forward and backward, brought back one chunk ahead; needs "
                                    "attention_chunk > 0")

@@ -26,6 +26,7 @@ class MemoryPolicy:
     block_chunk: int = 0              # tokens per chunk of the blocks' token-wise stages; 0 = whole
     attention_chunk: int = 0          # tokens per chunk of the attention core; 0 = all of a rank's tokens
     attention_offload: bool = False   # the attention core's kept state in host memory (with attention_chunk)
+    expert_chunk: int = 0             # MoE: rows of routed tokens the experts run (and recompute) at a time
     grad_sync: str = "step"           # with grad_accum > 1: gradients reduced once per step, or per micro_batch
 
     @classmethod
@@ -38,14 +39,16 @@ class MemoryPolicy:
         return cls(recompute=memory.recompute, offload_fraction=float(memory.offload_fraction),
                    offload_skip_last=memory.offload_skip_last, loss_chunk=memory.loss_chunk,
                    block_chunk=memory.block_chunk, attention_chunk=memory.attention_chunk,
-                   attention_offload=memory.attention_offload, grad_sync=memory.grad_sync)
+                   attention_offload=memory.attention_offload, grad_sync=memory.grad_sync,
+                   expert_chunk=memory.expert_chunk)
 
     def to_config(self) -> dict:
         """The [memory] table of a config that runs this policy."""
         return {"recompute": self.recompute, "offload_fraction": float(self.offload_fraction),
                 "offload_skip_last": self.offload_skip_last, "loss_chunk": self.loss_chunk,
                 "block_chunk": self.block_chunk, "attention_chunk": self.attention_chunk,
-                "attention_offload": self.attention_offload, "grad_sync": self.grad_sync}
+                "attention_offload": self.attention_offload, "grad_sync": self.grad_sync,
+                "expert_chunk": self.expert_chunk}
 
     @property
     def attention_offloaded(self) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
@@ -263,12 +264,37 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.chunk = 0  # memory.expert_chunk: rows run (and recomputed) at a time; 0 = all at once
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [n, dim]: rows grouped by expert, counts[e] of them for expert e, in expert order."""
-        t = lambda w: w.transpose(1, 2)  # noqa: E731  [E, in, out] views of the [E, out, in] weights
-        h = F.silu(grouped_mm(x, t(self.w1), counts)) * grouped_mm(x, t(self.w3), counts)
-        return grouped_mm(h, t(self.w2), counts)
+        return swiglu_experts(x, counts, self.w1, self.w3, self.w2, self.chunk)
+
+
+def _swiglu_grouped(x, counts, w1, w3, w2):
+    t = lambda w: w.transpose(1, 2)  # noqa: E731  [E, in, out] views of the [E, out, in] weights
+    h = F.silu(grouped_mm(x, t(w1), counts)) * grouped_mm(x, t(w3), counts)
+    return grouped_mm(h, t(w2), counts)
+
+
+def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, chunk: int = 0) -> torch.Tensor:
+    """The experts' SwiGLU on rows grouped by expert (counts[e] rows for expert e, in order).
+
+    chunk > 0 (memory.expert_chunk): at most `chunk` rows at a time, each piece checkpointed, so the
+    experts' intermediates (3 x hidden per row, the largest tensors of an MoE layer) never exist for
+    more rows than that, however many rows arrive: under skewed routing a rank may receive every
+    token of its expert group. The counts are read on the host to cut the pieces."""
+    n = x.shape[0]
+    if not chunk or n <= chunk:
+        return _swiglu_grouped(x, counts, w1, w3, w2)
+    ends = counts.cumsum(0)
+    pieces = []
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        # rows of each expert inside [start, stop): clip every expert's [end - count, end) to it
+        piece_counts = (ends.clamp(start, stop) - (ends - counts).clamp(start, stop))
+        pieces.append(checkpoint(_swiglu_grouped, x[start:stop], piece_counts, w1, w3, w2, use_reentrant=False))
+    return torch.cat(pieces)
 
 
 class MoEFeedForward(nn.Module):

@@ -34,7 +34,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ..ops.grouped import grouped_mm
+from ..models.moe import swiglu_experts
 from . import comm
 
 
@@ -93,11 +93,8 @@ def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, m
     got = AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
     order, per_expert = _expert_major(recv)
     order, per_expert = order.to(x.device), per_expert.to(x.device)
-    scale = 1.0 / ep
-    w1, w3, w2 = (_ScaleGrad.apply(_local(w), scale).transpose(1, 2) for w in (experts.w1, experts.w3, experts.w2))
-    rows = got[order]
-    h = torch.nn.functional.silu(grouped_mm(rows, w1, per_expert)) * grouped_mm(rows, w3, per_expert)
-    out = grouped_mm(h, w2, per_expert)
+    w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / ep) for w in (experts.w1, experts.w3, experts.w2))
+    out = swiglu_experts(got[order], per_expert, w1, w3, w2, experts.chunk)
     back = out[torch.argsort(order)] if order.numel() else out
     return AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
 

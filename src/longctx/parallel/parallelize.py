@@ -113,6 +113,9 @@ def apply_memory(model, memory_cfg, device_type: str) -> None:
                                                  memory_cfg.offload_skip_last, device_type,
                                                  block_chunk=memory_cfg.block_chunk)
     model.loss_chunk = memory_cfg.loss_chunk
+    for layer in model.layers:
+        if isinstance(layer.feed_forward, MoEFeedForward):
+            layer.feed_forward.experts.chunk = memory_cfg.expert_chunk
 
 
 def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
