@@ -201,8 +201,12 @@ class Block(nn.Module):
         h = x + self.attention.wo(attn.flatten(2))
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward(self, x, cos, sin, doc_ids):
-        return self.post(x, self.attention.core(*self.pre(x, cos, sin), doc_ids))
+    def forward(self, x, cos, sin, doc_ids, cache=None):
+        """With `cache` (a models/cache.py LayerCache) the new tokens' keys and values are appended
+        to it and their queries attend to everything it holds; without, `attention.core` runs."""
+        if cache is None:
+            return self.post(x, self.attention.core(*self.pre(x, cos, sin), doc_ids))
+        return self.post(x, cache.attend(*self.pre(x, cos, sin)))
 
 
 class Llama(nn.Module):
@@ -258,9 +262,13 @@ class Llama(nn.Module):
             layer.router.expert_bias.zero_()
         self.init_rope()
 
-    def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True):
-        """The last block's output, through the final norm unless final_norm=False."""
+    def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True, cache=None):
+        """The last block's output, through the final norm unless final_norm=False. With `cache` (a
+        models/cache.py KVCache) the tokens continue each row of the cache: their positions follow
+        what the row holds (unless given), and their keys and values are appended to it."""
         b, s = tokens.shape
+        if cache is not None:
+            return self._cached_hidden_states(tokens, positions, doc_ids, final_norm, cache)
         if positions is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
@@ -278,6 +286,30 @@ class Llama(nn.Module):
             for layer in moe:
                 layer.recording = False
         return self.norm(x) if final_norm else x
+
+    def _cached_hidden_states(self, tokens, positions, doc_ids, final_norm, cache):
+        if doc_ids is not None:
+            raise ValueError("a KV cache holds one document per row; pass no doc_ids with cache=")
+        if tokens.shape[0] != cache.batch:
+            raise ValueError(f"tokens have {tokens.shape[0]} rows but the cache {cache.batch}")
+        step = cache.begin(tokens.shape[1], tokens.device)
+        ok = False
+        try:
+            if positions is None:
+                positions = step.positions
+            cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
+            x = self.tok_embeddings(tokens)
+            # (MoE routers record statistics only in a training forward; their flag stays off here)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, None, cache=cache.layer(i))
+            ok = True
+        finally:
+            cache.end(ok)
+        return self.norm(x) if final_norm else x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final-normed hidden states [..., dim] -> [..., vocab]."""
+        return F.linear(hidden, self.lm_head_weight)
 
     # ------------------------------------------------------------------------------------------
     # Mixture of Experts: the training loop's side of the routers
@@ -300,16 +332,17 @@ class Llama(nn.Module):
         if self.cfg.moe_bias_update_rate > 0:
             update_expert_bias(moe_layers(self), counts, self.cfg.moe_bias_update_rate)
 
-    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", cache=None):
         """Logits [batch, seq, vocab] without labels; with labels (-100 = ignore) the cross-entropy,
         averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
         normalise over a larger batch); `"tokens"` (evaluation, no gradient): per token [batch, seq, 2],
-        the label's negative log-likelihood and whether it is the greedy choice (ops/loss.py)."""
+        the label's negative log-likelihood and whether it is the greedy choice (ops/loss.py).
+        With `cache` (models/cache.py) the tokens continue the cached rows (see hidden_states)."""
         if labels is None:
-            return F.linear(self.hidden_states(tokens, positions, doc_ids), self.lm_head_weight)
+            return F.linear(self.hidden_states(tokens, positions, doc_ids, cache=cache), self.lm_head_weight)
         # the final norm runs inside the loss, chunk by chunk when the loss is chunked: at long
         # context its fp32 statistics would otherwise be the largest tensor left outside the blocks
-        x = self.hidden_states(tokens, positions, doc_ids, final_norm=False)
+        x = self.hidden_states(tokens, positions, doc_ids, final_norm=False, cache=cache)
         norm = (self.norm.weight, self.norm.eps)
         if loss_reduction == "tokens":
             scores = lm_head_token_scores(x.flatten(0, 1), self.lm_head_weight, labels.flatten(),
