@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.memory.accounting import estimate_activations, measure_activations
+from longctx.memory.accounting import estimate_activations, layer_activations, measure_activations
 from longctx.memory.policies import apply_memory_policy
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
@@ -83,3 +83,59 @@ def test_chunked_attention_keeps_what_the_analytic_count_says(policy, fraction, 
         assert measured["blocks"][-1]["host"] == pytest.approx(est.per_block_host if not fraction else
                                                                est.total_host - 2 * est.per_block_host, rel=1e-3)
         assert measured["blocks"][-1]["host"] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixture of Experts: debug-moe's shape (layer 0 dense, moe.dense_layers "0"; layers 1-2 MoE: 8
+# experts of 128, top-2 of a softmax, dropless), three blocks. Routing is data dependent, but with
+# the top-k choice every token fills exactly k slots, so what a block keeps is not.
+
+
+def moe_model(**over):
+    return load_config(None, {"model": {"preset": "debug-moe", "layers": 3, **over}}).model
+
+
+def _measure_moe(cfg, policy: MemoryPolicy):
+    model = build_model(cfg, seed=0)
+    model.memory_offloader = apply_memory_policy(model.layers, policy.recompute, policy.offload_fraction,
+                                                  offload_skip_last=policy.offload_skip_last,
+                                                  block_chunk=policy.block_chunk)
+    model.loss_chunk = policy.loss_chunk
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=g)
+    return measure_activations(model, tokens, labels=tokens)
+
+
+@pytest.mark.parametrize("policy,fraction,chunk,skip_last", CASES)
+def test_moe_blocks_keep_what_the_analytic_count_says(policy, fraction, chunk, skip_last):
+    """Every policy, every block to the byte (the dense block 0 and the MoE blocks 1-2 apart: the
+    router's fp32 logits and probabilities, the top-k indices and weights, the permuted tokens, the
+    experts' SwiGLU intermediates, the un-permute), device and host; the totals as for dense."""
+    cfg = moe_model()
+    pol = MemoryPolicy(policy, fraction, skip_last, loss_chunk=64, block_chunk=chunk)
+    measured = _measure_moe(cfg, pol)
+    layers = layer_activations(cfg, SEQ, 1, policy=pol, dtype_bytes=4)
+    assert [la.moe for la in layers] == [False, True, True]
+    assert measured["blocks"] == [{"device": la.device, "host": la.host} for la in layers]
+    est = estimate_activations(cfg, SEQ, 1, policy=pol, dtype_bytes=4)
+    assert measured["total_device"] == pytest.approx(est.total_device, rel=1e-3)
+    assert measured["total_host"] == pytest.approx(est.total_host, rel=1e-3, abs=64)
+    if policy == "none":  # the MoE feed-forward keeps more than debug's SwiGLU of 384 here
+        assert measured["blocks"][1]["device"] > measured["blocks"][0]["device"]
+
+
+@pytest.mark.parametrize("over", [
+    {"moe.shared_experts": 1, "moe.shared_dim": 96, "moe.shared_gate": True},  # shared experts behind a gate
+    {"moe.norm_topk": False},                                                # weights not renormalised
+    {"moe.router": "switch", "moe.top_k": 1},
+    {"moe.router": "sigmoid", "moe.groups": 2, "moe.topk_groups": 1, "moe.route_scale": 2.5},
+    {"moe.top_k": 3, "moe.expert_dim": 64},
+])
+@pytest.mark.parametrize("policy", [MemoryPolicy("none"), MemoryPolicy("selective", 0.5, 1, loss_chunk=64)])
+def test_moe_variants_keep_what_the_analytic_count_says(over, policy):
+    """The router and feed-forward variants change what a MoE block keeps: still to the byte, on the
+    device (none) and in its stored half on the host (selective + offload)."""
+    cfg = moe_model(**over)
+    measured = _measure_moe(cfg, policy)
+    layers = layer_activations(cfg, SEQ, 1, policy=policy, dtype_bytes=4)
+    assert measured["blocks"] == [{"device": la.device, "host": la.host} for la in layers]

@@ -24,8 +24,8 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
-from ..config import MODEL_PRESETS, MemoryConfig, ModelConfig, load_config
-from ..memory.accounting import estimate_activations, measure_activations, published_formulas
+from ..config import MemoryConfig, build_model_config, load_config
+from ..memory.accounting import estimate_activations, layer_activations, measure_activations, published_formulas
 from ..memory.policy import MemoryPolicy
 from ..memory.rss import peak_rss_bytes
 from ..models.llama import build_model
@@ -115,12 +115,10 @@ def _batch(vocab: int, seq: int, batch: int, docs: int, device, doc_len: int = 0
     return [tokens.to(device), positions.to(device), doc.to(device) if docs > 1 else None, labels.to(device)]
 
 
-def _model_cfg(args):
-    """The preset's shape with --layers blocks (0 = the preset's)."""
-    shape = dict(MODEL_PRESETS[args.preset])
-    if args.layers:
-        shape["layers"] = args.layers
-    return ModelConfig(preset=args.preset, **shape)
+def _model_cfg(args, layers: int | None = None):
+    """The preset's shape (its [model.moe] keys included) with --layers blocks (0 = the preset's)."""
+    layers = args.layers if layers is None else layers
+    return build_model_config({"preset": args.preset, **({"layers": layers} if layers else {})})
 
 
 def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
@@ -136,17 +134,13 @@ def _build(model_cfg, policy: str, fraction: float, args, dims, mesh, device):
     return model
 
 
-def _block_errors(measured: dict, est: dict, layers: int, fraction: float, skip_last: int) -> dict:
-    """Largest relative error over blocks between measured and analytic bytes (device, host)."""
-    offloaded = max(0, layers - skip_last) if fraction > 0 else 0
+def _block_errors(measured: dict, est: dict, layers: list) -> dict:
+    """Largest relative error over blocks between measured and analytic bytes (device, host), each
+    block against its own count (memory.accounting.layer_activations: a MoE model's dense and MoE
+    blocks differ; the last offloaded block's output, kept on the device, is its own)."""
     worst = {"device": 0.0, "host": 0.0}
-    for i, b in enumerate(measured["blocks"]):
-        if i >= offloaded:
-            expect = {"device": est["kept_block_device"], "host": 0.0}
-        elif i == offloaded - 1:
-            continue  # its output stays for the kept block after it: checked through the totals
-        else:
-            expect = {"device": est["per_block_device"], "host": est["per_block_host"]}
+    for b, layer in zip(measured["blocks"], layers):
+        expect = {"device": layer.device, "host": layer.host}
         for k in worst:
             if expect[k] or b[k]:
                 worst[k] = max(worst[k], abs(b[k] - expect[k]) / max(expect[k], 1.0))
@@ -203,6 +197,8 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
                                        attention_offload=args.attention_offload and bool(args.attention_chunk))
         est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
                                    dtype_bytes=4, docs=args.docs > 1).to_dict()
+        layers = layer_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
+                                   dtype_bytes=4, docs=args.docs > 1)
         tokens = est["tokens"]
         entry = {
             "policy": policy, "offload_fraction": fraction,
@@ -212,7 +208,9 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
             "analytic": est,
             "analytic_per_token": {k: est[k] / tokens for k in ("per_block_device", "per_block_host",
                                                                 "kept_block_device")},
-            "max_relative_error": _block_errors(measured, est, model_cfg.layers, fraction, args.skip_last),
+            "analytic_blocks_bytes_per_token": [{"device": la.device / tokens, "host": la.host / tokens,
+                                                 **({"moe": True} if la.moe else {})} for la in layers],
+            "max_relative_error": _block_errors(measured, est, layers),
             "recompute_flops_per_token": est["recompute_flops"] / tokens,
         }
         if device.type == "cuda":
@@ -312,7 +310,7 @@ def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int
     """GPU: the longest sequence (multiple of 1024) for which one forward+backward of the full
     model fits, by binary search over out-of-memory errors."""
     device = torch.device("cuda")
-    model_cfg = ModelConfig(preset=args.preset, **MODEL_PRESETS[args.preset])
+    model_cfg = _model_cfg(args, layers=0)
 
     def fits(seq: int) -> bool:
         _progress(f"--max-seq {policy} offload {fraction:g}: trying {seq:,} tokens")

@@ -17,6 +17,7 @@ CPU as on GPU; on GPU the benchmark also reports the allocator's peak.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections import defaultdict
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import ModelConfig
+from ..models.flops import dense_ffn_params, moe_ffn_params
 from ..ops.chunked import chunk_store_host_ptrs
 from .policy import MemoryPolicy
 
@@ -52,8 +54,57 @@ class ActivationEstimate:
         return asdict(self)
 
 
-def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False) -> dict[str, float]:
-    """Bytes per local token of the tensors a block can leave behind, by name.
+def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
+    """Bytes per local token a Mixture-of-Experts feed-forward (models/moe.py) leaves for backward
+    in a training forward, dropless, in this implementation's graph (its input, the norm's output,
+    is the block's: counted in `norm`):
+
+    - router (fp32, autocast off): the logits [E] (kept by the z-loss's log-sum-exp, which the
+      routers compute in every training forward) and the softmax probabilities [E] (the sigmoid
+      router: its scores [E] and their per-token sum), the log-sum-exp (4); in bf16 the fp32 copy
+      of the input the gate multiplies (4 d), and the bf16 norm output is then kept only by the
+      shared experts;
+    - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (p each,
+      as the combine multiplies them), and with renormalised top-k (moe.norm_topk, k > 1) the
+      gathered probabilities [k] and their sum, fp32;
+    - permute: the source row of each of the T k slots (int64) and the permuted tokens [k, d];
+    - the routed experts: SwiGLU intermediates of expert_dim for each of the k slots (w1 out, silu
+      out, w3 out, product: 4 x expert_dim, as the dense MLP's 4 x ffn_dim);
+    - un-permute: the permutation (int64, index_copy_'s index), the experts' output [k, d] (which
+      index_copy_ saves as its source) and the slots [k, d] it fills;
+    - shared experts: a SwiGLU of shared_dim (4 x shared_dim); with their sigmoid gate, the gate
+      (1) and the shared output [d].
+
+    With the top-k choice every token fills exactly k slots, so this is exact (routing only decides
+    which expert a slot's rows go to). With a capacity (moe.capacity_factor > 0) the kept choices
+    (bool [k]) are added and the T k slots are an upper bound of the rows the experts see."""
+    d, k, E = m.dim, m.moe_top_k, m.moe_experts
+    H, S = m.resolved_expert_dim, m.resolved_shared_dim
+    router = 8 * E + 4 + (4 if m.moe_router == "sigmoid" else 0)
+    if p != 4:
+        router += 4 * d - (0 if S else p * d)
+    choice = 8 * k + p * k + (4 * k + 4 if m.moe_norm_topk and k > 1 else 0)
+    choice += k if m.moe_capacity_factor > 0 else 0
+    permute = 8 * k + p * k * d
+    experts = 4 * p * k * H
+    unpermute = 8 * k + 2 * p * k * d
+    shared = 4 * p * S + ((p + p * d) if m.moe_shared_gate and S else 0)
+    return router + choice + permute + experts + unpermute + shared
+
+
+def moe_call_bytes(m: ModelConfig, p: int, stored: bool) -> float:
+    """Bytes one call of a MoE feed-forward keeps whatever its tokens: what its router records for
+    the balancing losses (expert counts and probability sums, fp32 [E] each, the squared log-sum-exp
+    sum and the dropped count: 8 E + 8, on the device, also under a checkpoint); and when the call's
+    saved tensors are kept (`stored`: not recomputed), in bf16 the gate's fp32 weight copy its
+    linear saves (4 E d) and the grouped GEMM kernel's int32 group offsets (3 x 4 E)."""
+    E = m.moe_experts
+    return 8 * E + 8 + (4 * E * m.dim + 12 * E if stored and p != 4 else 0)
+
+
+def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe: bool = False) -> dict[str, float]:
+    """Bytes per local token of the tensors a block can leave behind, by name; `moe`: a MoE layer's
+    block, whose feed-forward keeps `moe_ffn_bytes` (under "mlp") instead of the SwiGLU's.
 
     `docs` changes nothing: with packed documents the attention core saves the same q, k, v, out and
     lse. The document ids are an input shared by every block (the batch's), and the segment plans
@@ -75,16 +126,18 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False) -> d
         "core": core,                                  # q, k, v, out, lse
         "attn_out": p * H * hd,                        # the attention output in sequence layout
         "residual": p * d if p == 4 else 0,            # h = x + attention, kept as the MLP norm's input
-        "mlp": 4 * p * F,                              # w1 out, silu out, w3 out, product
+        # w1 out, silu out, w3 out, product; a MoE feed-forward's router, permutation and experts
+        "mlp": moe_ffn_bytes(m, p) if moe and m.is_moe else 4 * p * F,
         "block_out": p * d,
     }
 
 
-def _flops_per_token(m: ModelConfig, seq_len: int) -> dict[str, float]:
-    d, hd, H, K, F = m.dim, m.resolved_head_dim, m.heads, m.kv_heads, m.ffn_dim
+def _flops_per_token(m: ModelConfig, seq_len: int, moe: bool = False) -> dict[str, float]:
+    d, hd, H, K = m.dim, m.resolved_head_dim, m.heads, m.kv_heads
+    ffn = moe_ffn_params(m, active=True) if moe and m.is_moe else dense_ffn_params(m)
     return {
         "pre": 2 * d * (H + 2 * K) * hd,
-        "post": 2 * H * hd * d + 6 * d * F,
+        "post": 2 * H * hd * d + 2 * ffn,
         "attention": 2 * seq_len * H * hd,  # 4 s H hd, halved by the causal mask
     }
 
@@ -123,6 +176,26 @@ def _offloaded_block(recompute: str, part: dict[str, float], p: int, dim: int, A
     return host, 0.0
 
 
+def _pieces(tokens: int, chunk: int) -> int:
+    """Token pieces memory/policies.py `_slices` cuts `tokens` into (0 for none)."""
+    if tokens <= 0:
+        return 0
+    return -(-tokens // chunk) if chunk and tokens > chunk else 1
+
+
+def _moe_calls(recompute: str, offloaded: bool, tokens: int, policy: MemoryPolicy) -> tuple[int, int]:
+    """(calls, of them stored) of a MoE block's feed-forward in one forward under the policy
+    (memory/policies.py): whole, or once per token piece (block_chunk; and under selective + offload
+    the stored first offload_fraction of the tokens and the recomputed rest apart)."""
+    chunk = policy.block_chunk
+    if recompute == "none":
+        return 1, 1
+    if recompute == "full" or not offloaded:
+        return (_pieces(tokens, chunk) if chunk else 1), 0
+    stored = round(policy.offload_fraction * tokens)
+    return _pieces(stored, chunk) + _pieces(tokens - stored, chunk), _pieces(stored, chunk)
+
+
 def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloaded: int, loss_chunked: bool) -> float:
     """Device bytes per token kept outside the blocks: RoPE tables, the embeddings output, the final
     norm and what the loss keeps."""
@@ -135,6 +208,64 @@ def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloade
     )
 
 
+@dataclass
+class LayerActivations:
+    """One block's share of `estimate_activations`, in bytes per rank and micro-batch."""
+    device: float
+    host: float
+    recompute_flops: float
+    moe: bool          # a MoE layer (its feed-forward a Mixture of Experts)
+    offloaded: bool    # its activations go to the host (offload_fraction > 0, not among the last kept)
+
+
+def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
+                      policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
+                      docs: bool = False) -> list[LayerActivations]:
+    """What each block leaves for backward under `policy` (see estimate_activations), block by
+    block: a MoE model's dense and MoE layers differ. The last offloaded block's device bytes
+    include its output, which stays on the device as the input of the kept block after it."""
+    if seq_len % (head * ctx):
+        raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
+    p, rc = dtype_bytes, policy.recompute
+    tokens = micro_batch * seq_len // (head * ctx)
+    A = float(policy.offload_fraction)
+    L = model.layers
+    offloaded = max(0, L - policy.offload_skip_last) if A > 0 else 0
+    # the attention output in sequence layout is a tensor of its own under the head all-to-all, and
+    # when the core's state (its output included) is in host memory (attention_offload)
+    attention_offload = policy.attention_offloaded
+    block_chunked = bool(policy.block_chunk) and tokens > policy.block_chunk
+    sparse = set(model.moe_layer_ids)
+    by_kind = {}
+    for moe in {i in sparse for i in range(L)}:
+        part = block_part_bytes(model, head, p, docs, moe=moe)
+        fl = _flops_per_token(model, seq_len, moe=moe)
+        seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
+        core_device = 0.0 if attention_offload else part["core"]
+        kept, recompute = _kept_block(rc, part, fl, seq_out, core_device, block_chunked)
+        host, off_device = _offloaded_block(rc, part, p, model.dim, A, seq_out)
+        # the chunked core's host-resident state, in the blocks the block offloader does not cover
+        core_host = part["core"] if attention_offload and rc in ("selective", "none") else 0.0
+        offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"])
+        by_kind[moe] = (part, kept, recompute, host, off_device, core_host, offloaded_recompute)
+    out = []
+    for i in range(L):
+        moe = i in sparse
+        part, kept, recompute, host, off_device, core_host, offloaded_recompute = by_kind[moe]
+        off = i < offloaded
+        if off:
+            device, host_bytes, flops = tokens * off_device, tokens * host, tokens * offloaded_recompute
+            if i == offloaded - 1:
+                device += tokens * part["block_out"]
+        else:
+            device, host_bytes, flops = tokens * kept, tokens * core_host, tokens * recompute
+        if moe and model.is_moe:
+            calls, stored = _moe_calls(rc, off, tokens, policy)
+            device += (calls - stored) * moe_call_bytes(model, p, False) + stored * moe_call_bytes(model, p, True)
+        out.append(LayerActivations(device, host_bytes, flops, moe and model.is_moe, off))
+    return out
+
+
 def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                          policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
                          docs: bool = False) -> ActivationEstimate:
@@ -145,44 +276,41 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     each chunk's own). docs (packed documents) changes no saved bytes either (see block_part_bytes),
     nor does policy.attention_chunk (the chunked core keeps the same q, k, v, out, lse, by chunk);
     attention_offload (with attention_chunk) keeps that core state in host memory in every block
-    (ops/chunked.py ChunkStore). grad_sync changes no activation."""
-    if seq_len % (head * ctx):
-        raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
-    p, rc = dtype_bytes, policy.recompute
+    (ops/chunked.py ChunkStore). grad_sync changes no activation.
+
+    A MoE model's layers differ (layer_activations); the per-block figures are then its largest
+    block's (a MoE one, unless dense layers keep more), the totals sum every block."""
+    layers = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
+                               dtype_bytes=dtype_bytes, docs=docs)
+    p = dtype_bytes
     tokens = micro_batch * seq_len // (head * ctx)
-    part = block_part_bytes(model, head, p, docs)
-    fl = _flops_per_token(model, seq_len)
-    A = float(policy.offload_fraction)
     L = model.layers
-    offloaded = max(0, L - policy.offload_skip_last) if A > 0 else 0
-    # the attention output in sequence layout is a tensor of its own under the head all-to-all, and
-    # when the core's state (its output included) is in host memory (attention_offload)
-    attention_offload = policy.attention_offloaded
-    seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
-    core_device = 0.0 if attention_offload else part["core"]
-    block_chunked = bool(policy.block_chunk) and tokens > policy.block_chunk
-    kept, recompute = _kept_block(rc, part, fl, seq_out, core_device, block_chunked)
-    host, off_device = _offloaded_block(rc, part, p, model.dim, A, seq_out)
-    # The last offloaded block's OUTPUT stays on the device: it is the input of a kept block (or of
-    # the final norm).
-    last_offloaded_extra = part["block_out"] if offloaded else 0.0
+    offloaded = sum(la.offloaded for la in layers)
     loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
-    model_device = _outside_blocks(model, part, p, offloaded, loss_chunked)
-    n_kept = L - offloaded
-    # the chunked core's host-resident state, in the blocks the block offloader does not cover
-    core_host = part["core"] if attention_offload and rc in ("selective", "none") else 0.0
-    total_device = tokens * (n_kept * kept + offloaded * off_device + last_offloaded_extra + model_device)
-    total_host = tokens * (offloaded * host + n_kept * core_host)
-    offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"])
-    recompute_total = tokens * (n_kept * recompute + offloaded * offloaded_recompute)
+    model_device = _outside_blocks(model, block_part_bytes(model, head, p, docs), p, offloaded, loss_chunked)
+    # per-block figures: the largest block of its kind (kept, offloaded); with every block offloaded
+    # (offload_skip_last 0) or none, what one of them would keep, as if it were of the other kind
+    all_kept = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx,
+                                 policy=dataclasses.replace(policy, offload_fraction=0.0),
+                                 dtype_bytes=dtype_bytes, docs=docs) if offloaded == L else layers
+    kept = [la for la in all_kept if not la.offloaded]
+    if offloaded:
+        last = offloaded - 1
+        extra = tokens * block_part_bytes(model, head, p, docs, moe=layers[last].moe)["block_out"]
+        off_device = [la.device - (extra if i == last else 0.0) for i, la in enumerate(layers) if la.offloaded]
+        per_block_device = max(off_device)
+        per_block_host = max(la.host for la in layers if la.offloaded)
+    else:
+        per_block_device = max(la.device for la in kept)
+        per_block_host = max(la.host for la in kept)
     return ActivationEstimate(
-        per_block_device=tokens * (off_device if offloaded else kept),
-        per_block_host=tokens * (host if offloaded else core_host),
-        kept_block_device=tokens * kept,
+        per_block_device=per_block_device,
+        per_block_host=per_block_host,
+        kept_block_device=max(la.device for la in kept),
         model_device=tokens * model_device,
-        total_device=total_device,
-        total_host=total_host,
-        recompute_flops=recompute_total,
+        total_device=sum(la.device for la in layers) + tokens * model_device,
+        total_host=sum(la.host for la in layers),
+        recompute_flops=sum(la.recompute_flops for la in layers),
         tokens=tokens,
     )
 

@@ -39,11 +39,36 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config.rules import memory_policy_problems
 from ..errors import ConfigError
+from ..models.moe import moe_layers
 from .offload import HostOffloader
 
 
-def _checkpointed(fn, *args):
-    return checkpoint(fn, *args, use_reentrant=False)
+def _checkpointed(fn, *args, block=None):
+    """Non-reentrant checkpoint of fn(*args). `block`: the module fn runs in, when it may hold MoE
+    layers: their routers record statistics in a training forward (models/moe.py), which saves
+    tensors for the z-loss's backward; the recomputation must save the same tensors in the same
+    order (non-reentrant checkpointing checks it), so it runs those recording ops again, with the
+    flags the forward had, and drops what they record (the forward's records were the step's)."""
+    layers = moe_layers(block) if block is not None else []
+    if not layers:
+        return checkpoint(fn, *args, use_reentrant=False)
+    forward_flags: list[bool] = []
+
+    def run(*a):
+        if not forward_flags:  # the forward
+            forward_flags.extend(layer.recording for layer in layers)
+            return fn(*a)
+        before = [(layer.recording, len(layer.records)) for layer in layers]
+        for layer, flag in zip(layers, forward_flags):
+            layer.recording = flag
+        try:
+            return fn(*a)
+        finally:
+            for layer, (flag, n) in zip(layers, before):
+                layer.recording = flag
+                del layer.records[n:]
+
+    return checkpoint(run, *args, use_reentrant=False)
 
 
 def _slices(tokens: int, chunk: int) -> list[slice]:
@@ -79,7 +104,7 @@ def _staged(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored:
     x1, cos1, sin1 = _one_row(x), _one_row(cos), _one_row(sin)
     # one x slice object per piece, passed to pre and to post: the offloader copies it once
     xs = [x1[:, sl] for sl, _ in pieces]
-    run = lambda fn, ckpt, *args: _checkpointed(fn, *args) if ckpt else fn(*args)
+    run = lambda fn, ckpt, *args: _checkpointed(fn, *args, block=block) if ckpt else fn(*args)
     qkv = [run(block.pre, ckpt, xi, cos1[:, sl], sin1[:, sl]) for xi, (sl, ckpt) in zip(xs, pieces)]
     batched = lambda t: t if b == 1 else t.view(b, tokens, *t.shape[2:])
     q, k, v = (batched(_cat(parts)) for parts in zip(*qkv))
@@ -98,16 +123,16 @@ def _full_forward(x, cos, sin, doc_ids, *, block, chunk: int, offloader: HostOff
     fn = functools.partial(_staged, block, chunk=chunk, recompute=True) if chunk else \
         functools.partial(type(block).forward, block)
     if offloader is None:
-        return _checkpointed(fn, x, cos, sin, doc_ids)
+        return _checkpointed(fn, x, cos, sin, doc_ids, block=block)
     # the offloader splits a saved tensor by storage elements: for [b, s, dim] the first tokens
     with offloader.block(index, shared=(cos, sin, doc_ids)), offloader.offload(fraction):
-        return _checkpointed(fn, x, cos, sin, doc_ids)
+        return _checkpointed(fn, x, cos, sin, doc_ids, block=block)
 
 
 def _selective_forward(x, cos, sin, doc_ids, *, block, chunk: int):
     if not chunk:
         q, k, v = _checkpointed(block.pre, x, cos, sin)
-        return _checkpointed(block.post, x, block.attention.core(q, k, v, doc_ids))
+        return _checkpointed(block.post, x, block.attention.core(q, k, v, doc_ids), block=block)
     return _staged(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True)
 
 

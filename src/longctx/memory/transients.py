@@ -145,30 +145,52 @@ def core_working_set_bytes(m: ModelConfig, *, head: int, ctx: int, window: int, 
     return work
 
 
+def ffn_grad_bytes(m: ModelConfig, e: int, moe: bool = False) -> float:
+    """Bytes per token of the feed-forward's widest gradients alive at once in its backward: the
+    SwiGLU's two of ffn_dim. A MoE feed-forward's (models/moe.py) routed experts, for each of a
+    token's k slots, the widest of their backward's phases: the down projection's input gradient
+    with the two it makes, the gate and up projections' (three of expert_dim), those two with the
+    experts' output gradient (two of expert_dim and one of dim), or the permuted tokens' gradients
+    from the two projections and their sum (three of dim); with the routing weights' fp32 gradient
+    (4 per slot) and, with shared experts, the input gradient their backward (run first) left for
+    the routed one's to add to (d). The shared experts' own backward: a SwiGLU's two of shared_dim,
+    with their gate the gradient of the shared output (d). The larger of the two.
+    (tests/unit/test_memory_transients.py measures it on CPU.)"""
+    if not (moe and m.is_moe):
+        return 2 * e * m.ffn_dim
+    k, H, d, S = m.moe_top_k, m.resolved_expert_dim, m.dim, m.resolved_shared_dim
+    routed = e * k * max(3 * H, 2 * H + d, 3 * d) + 4 * k + (e * d if S else 0)
+    shared = 2 * e * S + (e * d if S and m.moe_shared_gate else 0)
+    return max(routed, shared)
+
+
 def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, part: dict[str, float],
-                           e: int) -> float:
+                           e: int, moe: bool = False) -> float:
     """Bytes of the piece of the token-wise stages that backward holds at once: under `none` the
     MLP's two widest gradients over all tokens; recomputed, the piece's saved tensors (block_chunk
     tokens, or all of them: under selective + offload the larger of the stored and the recomputed
-    shares) with those gradients."""
+    shares) with those gradients. `moe`: a MoE layer's block (`part` is then its parts, and the
+    gradients are its feed-forward's, ffn_grad_bytes)."""
     A = policy.offload_fraction
+    grads = ffn_grad_bytes(m, e, moe)
     if policy.recompute == "none":
-        piece_tokens, piece_bytes = tokens, 2 * e * m.ffn_dim
+        piece_tokens, piece_bytes = tokens, grads
     else:
         whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
         piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
         post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
-        piece_bytes = post + 2 * e * m.ffn_dim
+        piece_bytes = post + grads
     return piece_tokens * piece_bytes
 
 
 def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
-                         policy: MemoryPolicy, dtype_bytes: int, docs: bool) -> dict[str, float]:
+                         policy: MemoryPolicy, dtype_bytes: int, docs: bool, moe: bool = False) -> dict[str, float]:
     """{"post", "core", "pre"}: bytes alive on the device in each phase of one block's backward,
-    beyond the saved activations and the host tier brought back (see transient_bytes)."""
+    beyond the saved activations and the host tier brought back (see transient_bytes); `moe`: a
+    MoE layer's block."""
     e = dtype_bytes
     t = micro_batch * seq_len // (head * ctx)
-    part = block_part_bytes(m, head, e, docs)
+    part = block_part_bytes(m, head, e, docs, moe=moe)
     q_dim, kv_dim = attention_widths(m, head)
     seq_out = part["attn_out"] if head > 1 else 0.0
     both_layouts = 2 if head > 1 else 1
@@ -186,7 +208,7 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     # the output stays on the device
     state_post = (e * q_dim if host_chunks else part["core"] + seq_out) if full else 0.0
     state_core = (0.0 if host_chunks else part["core"]) if full else 0.0
-    piece = recomputed_piece_bytes(m, t, policy, part, e)
+    piece = recomputed_piece_bytes(m, t, policy, part, e, moe)
     return {"post": t * (2 * X + e * q_dim + state_post) + piece,
             "core": t * (X + e * q_dim + state_core + core_work) + pair,
             "pre": t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + piece}
@@ -210,8 +232,9 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     - `post` backward (output projection, residual, MLP, in pieces of `block_chunk` tokens, or all
       tokens): the incoming gradient dy and the residual gradient being built (two of d), the
       attention output's gradient (sequence layout), one piece recomputed with the gradients of its
-      two widest intermediates (the MLP's), and under `full` the recomputed attention state (q, k,
-      v, output, log-sum-exp in the core's layout, and the output in sequence layout);
+      widest intermediates (the MLP's, or a MoE feed-forward's: `ffn_grad_bytes`), and under `full`
+      the recomputed attention state (q, k, v, output, log-sum-exp in the core's layout, and the
+      output in sequence layout); of a MoE model, the larger of its MoE and its dense blocks;
     - the core's backward: the residual gradient, the attention output's gradient (core layout),
       under `full` the recomputed state, and the core's working set: fp32 dq and dk/dv
       accumulators over all tokens (a ring adds the dk/dv block in flight and the K/V block
@@ -233,12 +256,15 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     estimates of the allocator's behaviour; the saved activations are the exact part."""
     e = dtype_bytes
     t = micro_batch * seq_len // (head * ctx)
-    phases = backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
-                                  dtype_bytes=e, docs=docs)
+    # a MoE model's MoE and dense blocks differ: the larger of the two
+    kinds = {i in set(m.moe_layer_ids) for i in range(m.layers)} or {False}
+    block_phases = max((backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window,
+                                             policy=policy, dtype_bytes=e, docs=docs, moe=moe) for moe in kinds),
+                       key=lambda ph: max(ph.values()))
     back = 0.0
     if policy.offload_fraction:
         acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                             dtype_bytes=e, docs=docs)
         back = 2 * acts.per_block_host
-    block = back + max(phases.values())
+    block = back + max(block_phases.values())
     return max(block, lm_head_bytes(m, t, policy.loss_chunk, e))

@@ -6,20 +6,44 @@ ones) sharded over dp_shard x head x ctx (FSDP2, hybrid ZeRO) and replicated ove
 (HSDP). On top of them FSDP holds the blocks it has unsharded at a time (this one and the
 prefetched next) and the root (embeddings, final norm, LM head), which stays gathered for the
 whole step. tests/distributed/test_fsdp_bytes.py compares these with a real FSDP2 step.
+
+Mixture of Experts: every expert is a parameter of its layer, so model states, gradients and the
+gathered blocks count all of them (models/flops.py `moe_ffn_params` with active=False); FLOPs
+count the experts a token goes through (active=True). A MoE model's blocks differ (model.moe.
+dense_layers keep a dense SwiGLU): `block_params` lists them, and "block" below is the largest, the
+one FSDP's gather peaks on.
 """
 
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..models.flops import matmul_params_per_layer
+from ..models.flops import layer_matmul_params
 from .shape import MeshShape
 
 
+def _block_extras(m: ModelConfig) -> int:
+    """A block's parameters besides its matmuls: two RMSNorms, the q/k norms (each head's vector, or
+    the whole projection: model.qk_norm_span), the attention biases."""
+    hd = m.resolved_head_dim
+    qk = 0
+    if m.qk_norm:  # qk_norm_span: "all" normalises the whole q and k projections
+        qk = (m.heads + m.kv_heads) * hd if getattr(m, "qk_norm_span", "head") == "all" else 2 * hd
+    return (2 * m.dim + qk + ((m.heads + 2 * m.kv_heads) * hd if m.qkv_bias else 0)
+            + (m.dim if m.out_bias else 0))
+
+
+def block_params(m: ModelConfig) -> list[int]:
+    """Parameters of every block, in order: a MoE block with all its experts."""
+    extras = _block_extras(m)
+    return [n + extras for n in layer_matmul_params(m)]
+
+
 def param_counts(m: ModelConfig) -> dict[str, int]:
-    """Parameters of one block, of the root module (embeddings, final norm, LM head), and in total."""
-    block = matmul_params_per_layer(m) + 2 * m.dim
+    """Parameters of the largest block (every block of a dense model), of the root module
+    (embeddings, final norm, LM head), and in total (every expert of a MoE model)."""
+    blocks = block_params(m)
     root = m.vocab_size * m.dim + m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    return {"block": block, "root": root, "total": m.layers * block + root}
+    return {"block": max(blocks), "root": root, "total": sum(blocks) + root}
 
 
 def model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
@@ -31,7 +55,8 @@ def model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
 def gathered_param_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float:
     """Bytes FSDP holds unsharded per rank (0 on one rank): two blocks gathered in `gather_bytes` per
     parameter (this one + the prefetched next) and one block's fp32 gradient before its
-    reduce-scatter; the root stays gathered for the step, its gradient is fp32 until reduced."""
+    reduce-scatter, counted for the largest block (a MoE block with all its experts); the root stays
+    gathered for the step, its gradient is fp32 until reduced."""
     if shape.world == 1:
         return 0.0
     pc = param_counts(m)

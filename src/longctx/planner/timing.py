@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..memory.accounting import ActivationEstimate
 from ..memory.policy import MemoryPolicy
-from ..models.flops import matmul_params_per_layer
+from ..models.flops import forward_matmul_flops_per_token
 from .hardware import Hardware
-from .model_states import param_counts
+from .model_states import block_params, param_counts
 from .shape import MeshShape, group_is_intra_node
 
 
@@ -48,8 +48,9 @@ class Flops:
 
 
 def forward_gemm_flops(m: ModelConfig, tokens: int) -> float:
-    """2 FLOPs per matmul parameter and token in every block, and the LM head's 2 d V."""
-    return tokens * (m.layers * 2 * matmul_params_per_layer(m) + 2 * m.dim * m.vocab_size)
+    """2 FLOPs per matmul parameter and token in every block (of a MoE layer: its router, the top_k
+    experts a token goes through and the shared experts), and the LM head's 2 d V."""
+    return tokens * forward_matmul_flops_per_token(m)
 
 
 def causal_attention_flops(m: ModelConfig, tokens: int, seq_len: int) -> float:
@@ -138,17 +139,19 @@ def exposed_ring_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
 
 
 def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, hw: Hardware,
-                          gpus_per_node: int) -> dict[str, float]:
+                          gpus_per_node: int, block: int | None = None) -> dict[str, float]:
     """Seconds of one block's and of the root's FSDP transfers: the parameter all-gather ((n-1)/n of
     the gathered tensor over the shard group of n) and the gradient reduction (fp32: (n-1)/n
-    reduce-scattered, and under HSDP 2 (r-1)/r of the shard all-reduced over the r replicas)."""
+    reduce-scattered, and under HSDP 2 (r-1)/r of the shard all-reduced over the r replicas).
+    block: that block's parameters (default: the largest block, param_counts' "block")."""
     pc = param_counts(m)
+    b = pc["block"] if block is None else block
     n, r = shape.fsdp, shape.dp_replicate
     bw_f = link_bandwidth(hw, group_is_intra_node(shape, "fsdp", gpus_per_node))
     bw_r = link_bandwidth(hw, group_is_intra_node(shape, "replicate", gpus_per_node))
     return {
-        "block_gather": (n - 1) / n * pc["block"] * gather_bytes / bw_f,
-        "block_reduce": (n - 1) / n * pc["block"] * 4 / bw_f + 2 * (r - 1) / r * pc["block"] * 4 / n / bw_r,
+        "block_gather": (n - 1) / n * b * gather_bytes / bw_f,
+        "block_reduce": (n - 1) / n * b * 4 / bw_f + 2 * (r - 1) / r * b * 4 / n / bw_r,
         "root_gather": (n - 1) / n * pc["root"] * gather_bytes / bw_f,
         "root_reduce": (n - 1) / n * pc["root"] * 4 / bw_f + 2 * (r - 1) / r * pc["root"] * 4 / n / bw_r,
     }
@@ -165,9 +168,12 @@ def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
         return 0.0
     x = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node)
     block_bwd = 2 * block_fwd_s + (recompute_flops / max(m.layers, 1)) / _rates(hw)[0]
-    gather, reduce = x["block_gather"], x["block_reduce"]
-    last = m.layers * (exposed(gather, block_fwd_s, hw) + exposed(gather + reduce, block_bwd, hw))
-    others = m.layers * (exposed(gather, block_fwd_s, hw) + exposed(gather, block_bwd, hw))
+    last = others = 0.0
+    for params in block_params(m):  # a MoE model's blocks differ (dense layers, MoE layers)
+        b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params)
+        gather, reduce = b["block_gather"], b["block_reduce"]
+        last += exposed(gather, block_fwd_s, hw) + exposed(gather + reduce, block_bwd, hw)
+        others += exposed(gather, block_fwd_s, hw) + exposed(gather, block_bwd, hw)
     last_micro = last + x["root_gather"] + x["root_reduce"]
     other_micro = last_micro if policy.grad_sync == "micro_batch" else others + x["root_gather"]
     return last_micro + (grad_accum - 1) * other_micro
