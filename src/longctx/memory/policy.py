@@ -26,8 +26,8 @@ class MemoryPolicy:
     block_chunk: int = 0              # tokens per chunk of the blocks' token-wise stages; 0 = whole
     attention_chunk: int = 0          # tokens per chunk of the attention core; 0 = all of a rank's tokens
     attention_offload: bool = False   # the attention core's kept state in host memory (with attention_chunk)
-    expert_chunk: int = 0             # MoE: rows of routed tokens the experts run (and recompute) at a time
     grad_sync: str = "step"           # with grad_accum > 1: gradients reduced once per step, or per micro_batch
+    expert_chunk: int = 0             # MoE: rows of routed tokens the experts run (and recompute) at a time
 
     @classmethod
     def from_config(cls, memory: MemoryConfig) -> MemoryPolicy:
