@@ -1,5 +1,5 @@
-"""PNG plots of a run from its metrics JSONL: loss (train and eval), and throughput (tokens/s with its
-MFU scale) over memory."""
+"""PNG plots of a run from its metrics JSONL: loss (train and eval), throughput (tokens/s with its
+MFU scale) over memory, and for MoE models the expert load and router losses."""
 
 from __future__ import annotations
 
@@ -60,7 +60,39 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
     tput_png = run_dir / "throughput.png"
     fig.savefig(tput_png, dpi=100)
     plt.close(fig)
-    return [loss_png, tput_png]
+    written = [loss_png, tput_png]
+    moe = [r for r in train if "moe_load_mean" in r]
+    if moe:
+        written.append(_expert_load_plot(run_dir, moe, plt))
+    return written
+
+
+def _expert_load_plot(run_dir: Path, records: list[dict], plt) -> Path:
+    """MoE runs: max/mean tokens per expert (mean over MoE layers and the worst layer; 1 = even),
+    the busiest expert-parallel rank's load, and the balancing losses."""
+    fig, (load_ax, loss_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
+    steps = [r["step"] for r in records]
+    load_ax.plot(steps, [r["moe_load_mean"] for r in records], marker=".", label="max/mean per expert (mean layer)")
+    load_ax.plot(steps, [r["moe_load_worst"] for r in records], marker=".", label="max/mean per expert (worst layer)")
+    if any("expert_rank_load" in r for r in records):
+        load_ax.plot(steps, [r.get("expert_rank_load", float("nan")) for r in records], marker=".",
+                     label="busiest expert-parallel rank / mean")
+    load_ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    load_ax.set_ylabel("expert load")
+    load_ax.set_title(f"expert load - {run_dir.name}")
+    load_ax.grid(alpha=0.3)
+    load_ax.legend(fontsize=8)
+    loss_ax.plot(steps, [r["moe_aux_loss"] for r in records], marker=".", label="aux (1 = balanced)")
+    loss_ax.plot(steps, [r["moe_z_loss"] for r in records], marker=".", label="z")
+    loss_ax.set_ylabel("router losses (unweighted)", fontsize=8)
+    loss_ax.set_xlabel("step")
+    loss_ax.grid(alpha=0.3)
+    loss_ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = run_dir / "expert_load.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _last_per_step(records) -> list[dict]:
