@@ -2,6 +2,8 @@
 really keeps after the forward, on one process: device and host bytes, every policy including
 full + offload and chunked blocks, with the loss chunked (final norm inside it) and not."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -139,3 +141,32 @@ def test_moe_variants_keep_what_the_analytic_count_says(over, policy):
     measured = _measure_moe(cfg, policy)
     layers = layer_activations(cfg, SEQ, 1, policy=policy, dtype_bytes=4)
     assert measured["blocks"] == [{"device": la.device, "host": la.host} for la in layers]
+
+
+@pytest.mark.parametrize("policy,fraction,chunk", [("none", 0.0, 0), ("selective", 0.5, 96), ("full", 1.0, 64),
+                                                   ("selective", 0.0, 0)])
+def test_moe_expert_chunk_keeps_what_the_analytic_count_says(policy, fraction, chunk):
+    """memory.expert_chunk (set through apply_memory, as training does): a call of more routed rows
+    than the chunk keeps no expert intermediates, only each piece's group counts; calls of fewer
+    rows (a 64-token block chunk routes 128) are not cut. To the byte, block by block."""
+    from longctx.config import MemoryConfig
+    from longctx.parallel.parallelize import apply_memory
+
+    cfg = moe_model()
+    memory = MemoryConfig(recompute=policy, offload_fraction=fraction, block_chunk=chunk, loss_chunk=64,
+                          expert_chunk=100)
+    model = build_model(cfg, seed=0)
+    apply_memory(model, memory, "cpu")
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=g)
+    measured = measure_activations(model, tokens, labels=tokens)
+    pol = MemoryPolicy.from_config(memory)
+    layers = layer_activations(cfg, SEQ, 1, policy=pol, dtype_bytes=4)
+    assert measured["blocks"] == [{"device": la.device, "host": la.host} for la in layers]
+    whole = layer_activations(cfg, SEQ, 1, policy=dataclasses.replace(pol, expert_chunk=0), dtype_bytes=4)
+    if policy == "none":  # 512 routed rows in pieces of 100: the experts' 4 x 128 fp32 per row are not kept
+        assert whole[1].device - layers[1].device == 512 * 4 * 128 * 4 - 6 * 8 * 8
+    # every cut call runs its experts' forward once more in backward: all 512 rows, but under
+    # selective + offload with 96-token pieces only the 192-row calls (the 32-token ones route 64)
+    cut_rows = 384 if chunk == 96 else 512
+    assert layers[1].recompute_flops - whole[1].recompute_flops == cut_rows * 6 * 128 * 128

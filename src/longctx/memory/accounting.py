@@ -176,24 +176,51 @@ def _offloaded_block(recompute: str, part: dict[str, float], p: int, dim: int, A
     return host, 0.0
 
 
-def _pieces(tokens: int, chunk: int) -> int:
-    """Token pieces memory/policies.py `_slices` cuts `tokens` into (0 for none)."""
+def _piece_sizes(tokens: int, chunk: int) -> list[int]:
+    """Tokens of each piece memory/policies.py `_slices` cuts `tokens` into (none for 0 tokens)."""
     if tokens <= 0:
-        return 0
-    return -(-tokens // chunk) if chunk and tokens > chunk else 1
+        return []
+    if chunk <= 0 or tokens <= chunk:
+        return [tokens]
+    return [min(chunk, tokens - s) for s in range(0, tokens, chunk)]
 
 
-def _moe_calls(recompute: str, offloaded: bool, tokens: int, policy: MemoryPolicy) -> tuple[int, int]:
-    """(calls, of them stored) of a MoE block's feed-forward in one forward under the policy
+def moe_calls(recompute: str, offloaded: bool, tokens: int, policy: MemoryPolicy) -> list[tuple[int, bool]]:
+    """(tokens, stored) of each call of a MoE block's feed-forward in one forward under the policy
     (memory/policies.py): whole, or once per token piece (block_chunk; and under selective + offload
-    the stored first offload_fraction of the tokens and the recomputed rest apart)."""
+    the stored first offload_fraction of the tokens and the recomputed rest apart). `stored`: the
+    call's saved tensors are kept (not recomputed from a checkpoint)."""
     chunk = policy.block_chunk
     if recompute == "none":
-        return 1, 1
+        return [(tokens, True)]
     if recompute == "full" or not offloaded:
-        return (_pieces(tokens, chunk) if chunk else 1), 0
+        return [(n, False) for n in _piece_sizes(tokens, chunk)]
     stored = round(policy.offload_fraction * tokens)
-    return _pieces(stored, chunk) + _pieces(tokens - stored, chunk), _pieces(stored, chunk)
+    return [(n, True) for n in _piece_sizes(stored, chunk)] + [(n, False) for n in _piece_sizes(tokens - stored, chunk)]
+
+
+def _moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert_chunk: int,
+                    offloaded: bool) -> tuple[float, float, float]:
+    """(device bytes, host bytes, recomputed FLOPs) a MoE block's feed-forward calls add to its
+    per-token count (which holds every stored token's experts' intermediates, `moe_ffn_bytes`):
+    each call's `moe_call_bytes`; and with memory.expert_chunk, a call of more routed rows (tokens x
+    top_k) than that runs its experts in checkpointed pieces: a stored call keeps no intermediates
+    (4 x expert_dim per row less) but each piece's int64 group counts [E] (on the host in an
+    offloaded block), and every such call runs its experts' forward once more in backward."""
+    k, E = m.moe_top_k, m.moe_experts
+    device = host = flops = 0.0
+    for n, stored in calls:
+        device += moe_call_bytes(m, p, stored)
+        rows = n * k
+        if expert_chunk and rows > expert_chunk:
+            flops += rows * 6 * m.dim * m.resolved_expert_dim
+            if stored:
+                kept = -(-rows // expert_chunk) * 8 * E - rows * 4 * p * m.resolved_expert_dim
+                if offloaded:
+                    host += kept
+                else:
+                    device += kept
+    return device, host, flops
 
 
 def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloaded: int, loss_chunked: bool) -> float:
@@ -260,8 +287,9 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         else:
             device, host_bytes, flops = tokens * kept, tokens * core_host, tokens * recompute
         if moe and model.is_moe:
-            calls, stored = _moe_calls(rc, off, tokens, policy)
-            device += (calls - stored) * moe_call_bytes(model, p, False) + stored * moe_call_bytes(model, p, True)
+            d_moe, h_moe, f_moe = _moe_call_terms(model, p, moe_calls(rc, off, tokens, policy),
+                                                  policy.expert_chunk, off)
+            device, host_bytes, flops = device + d_moe, host_bytes + h_moe, flops + f_moe
         out.append(LayerActivations(device, host_bytes, flops, moe and model.is_moe, off))
     return out
 

@@ -164,23 +164,40 @@ def ffn_grad_bytes(m: ModelConfig, e: int, moe: bool = False) -> float:
     return max(routed, shared)
 
 
+def ffn_backward_bytes(m: ModelConfig, tokens: int, e: int, moe: bool = False, expert_chunk: int = 0) -> float:
+    """Bytes of a feed-forward's backward working set for `tokens` tokens: `ffn_grad_bytes` each,
+    unless memory.expert_chunk cuts a MoE layer's routed rows (tokens x top_k) into checkpointed
+    pieces. Then the experts' backward runs piece by piece: one piece's recomputed intermediates (4
+    x expert_dim per row) and its gradients (as above), but over all rows the experts' output
+    gradient, the piece's input gradient made full size (a slice's backward) and their running sum
+    (three of dim), and each piece's gradients of the three expert weights [E, hidden, dim] with
+    their running sums (five such tensors: an upper bound of what the CPU loop measures)."""
+    if not (moe and m.is_moe and expert_chunk and tokens * m.moe_top_k > expert_chunk):
+        return tokens * ffn_grad_bytes(m, e, moe)
+    k, H, d, E = m.moe_top_k, m.resolved_expert_dim, m.dim, m.moe_experts
+    rows = tokens * k
+    routed = rows * (3 * e * d + 4) + expert_chunk * e * (4 * H + max(3 * H, 2 * H + d)) + 5 * e * E * H * d
+    shared = tokens * 2 * e * m.resolved_shared_dim
+    return max(routed, shared)
+
+
 def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, part: dict[str, float],
                            e: int, moe: bool = False) -> float:
     """Bytes of the piece of the token-wise stages that backward holds at once: under `none` the
     MLP's two widest gradients over all tokens; recomputed, the piece's saved tensors (block_chunk
     tokens, or all of them: under selective + offload the larger of the stored and the recomputed
     shares) with those gradients. `moe`: a MoE layer's block (`part` is then its parts, and the
-    gradients are its feed-forward's, ffn_grad_bytes)."""
+    gradients are its feed-forward's, ffn_backward_bytes)."""
     A = policy.offload_fraction
-    grads = ffn_grad_bytes(m, e, moe)
+    ec = policy.expert_chunk
     if policy.recompute == "none":
-        piece_tokens, piece_bytes = tokens, grads
-    else:
-        whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
-        piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
-        post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
-        piece_bytes = post + grads
-    return piece_tokens * piece_bytes
+        return ffn_backward_bytes(m, tokens, e, moe, ec)
+    whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
+    piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
+    post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
+    if moe and m.is_moe and ec and piece_tokens * m.moe_top_k > ec:
+        post -= 4 * e * m.moe_top_k * m.resolved_expert_dim  # the experts' intermediates: one piece's (above)
+    return piece_tokens * post + ffn_backward_bytes(m, int(piece_tokens), e, moe, ec)
 
 
 def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
@@ -232,7 +249,7 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     - `post` backward (output projection, residual, MLP, in pieces of `block_chunk` tokens, or all
       tokens): the incoming gradient dy and the residual gradient being built (two of d), the
       attention output's gradient (sequence layout), one piece recomputed with the gradients of its
-      widest intermediates (the MLP's, or a MoE feed-forward's: `ffn_grad_bytes`), and under `full`
+      widest intermediates (the MLP's, or a MoE feed-forward's: `ffn_backward_bytes`), and under `full`
       the recomputed attention state (q, k, v, output, log-sum-exp in the core's layout, and the
       output in sequence layout); of a MoE model, the larger of its MoE and its dense blocks;
     - the core's backward: the residual gradient, the attention output's gradient (core layout),
