@@ -14,11 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from longctx.config import load_config
-from longctx.memory.accounting import estimate_activations
+from longctx.memory.accounting import block_part_bytes, estimate_activations, moe_call_bytes, moe_ffn_bytes
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.transients import (
     attention_chunks,
     attention_widths,
+    ffn_backward_bytes,
+    ffn_grad_bytes,
     lm_head_bytes,
     sparse_attention_backward_bytes,
     transient_bytes,
@@ -150,3 +152,109 @@ def test_sparse_backward_temporaries_fit_the_count():
     accumulators = s * 4 * (q_dim + 2 * m.kv_heads * hd)
     assert accumulators < mode.peak <= count, (mode.peak, count)
     assert mode.largest < s * s * 4  # nothing S x S (the largest tensor is a few rows x heads x d)
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixture of Experts. TINY_MOE: TINY's attention, dim 8, 4 experts of 6, top-2, shared experts of 10
+# behind a gate; layer 0 dense (ffn 16), layer 1 MoE.
+
+TINY_MOE = model("debug", dim=8, layers=2, heads=2, kv_heads=1, head_dim=4, ffn_dim=16, vocab_size=10,
+                 tie_embeddings=False, **{"moe.experts": 4, "moe.top_k": 2, "moe.expert_dim": 6,
+                                          "moe.shared_dim": 10, "moe.shared_gate": True, "moe.dense_layers": "0"})
+
+
+def test_moe_ffn_bytes_by_hand():
+    """fp32, per token: router logits and probabilities 4 x 4 B each + the log-sum-exp 4 B = 36; the
+    chosen experts 2 x 8 B, the weights 2 x 4 B and, renormalised, the gathered probabilities 2 x 4
+    B and their sum 4 B = 36; permute: source rows 2 x 8 B + tokens 2 x 8 x 4 B = 80; experts: 2 slots
+    x 4 x 6 x 4 B = 192; un-permute: index 2 x 8 B + experts' output and slots 2 x 2 x 8 x 4 B = 144;
+    shared: 4 x 10 x 4 B = 160, the gate 4 B and the shared output 8 x 4 B = 36. In bf16 the router's
+    input copy adds 4 x 8 B and the SwiGLUs' tensors halve."""
+    assert moe_ffn_bytes(TINY_MOE, 4) == 36 + 36 + 80 + 192 + 144 + 160 + 36 == 684
+    bf16 = (36 + 32) + (16 + 4 + 12) + (16 + 32) + 96 + (16 + 64) + 80 + 18
+    assert moe_ffn_bytes(TINY_MOE, 2) == bf16
+    parts = block_part_bytes(TINY_MOE, 1, 4, moe=True)
+    assert parts["mlp"] == 684 and block_part_bytes(TINY_MOE, 1, 4)["mlp"] == 4 * 4 * 16
+    # each call's router records: counts and probability sums [4] fp32, two scalars; in bf16 a
+    # stored call also keeps the gate's fp32 weight copy [4, 8] and the kernel's int32 offsets
+    assert moe_call_bytes(TINY_MOE, 4, stored=True) == 40
+    assert moe_call_bytes(TINY_MOE, 2, stored=True) == 40 + 128 + 48
+    assert moe_call_bytes(TINY_MOE, 2, stored=False) == 40
+
+
+def test_moe_ffn_grad_bytes_by_hand():
+    """bf16 routed: 2 slots x the widest of 3 x 6, 2 x 6 + 8, 3 x 8 (24) x 2 B = 96, the weights'
+    gradient 8 B, the shared experts' input gradient 16 B = 120; shared: 3 x 10 x 2 B + its output's
+    gradient 16 B = 76. The dense layer: 2 x 16 x 2 B."""
+    assert ffn_grad_bytes(TINY_MOE, 2, moe=True) == 120
+    assert ffn_grad_bytes(TINY_MOE, 2, moe=False) == 64
+    wide_shared = dataclasses.replace(TINY_MOE, moe_shared_dim=100)
+    assert ffn_grad_bytes(wide_shared, 2, moe=True) == 3 * 100 * 2 + 16
+
+
+def test_transient_takes_the_larger_of_a_moe_models_blocks():
+    """A MoE model's transient is its widest block's. bf16, 64 tokens, per token: the dense model's
+    peak is the core's backward (residual gradient 16, attention output gradient 16, fp32 dq and
+    dk/dv accumulators 64, k and v repeated to both query heads with gradients 64: 160 B); with the
+    MoE block, `pre` (dy and dx 32, dq, dk, dv 32) plus the MoE feed-forward's gradients (120) is
+    wider: 184 B; wider experts widen it by their gradients."""
+    pol = MemoryPolicy("none")
+    args = dict(head=1, ctx=1, policy=pol, dtype_bytes=2, docs=False)
+    narrow_vocab = dataclasses.replace(TINY_MOE, vocab_size=2)
+    dense_only = dataclasses.replace(narrow_vocab, moe_dense_layers="0-1")
+    assert transient_bytes(dense_only, 64, 1, **args) == 64 * 160
+    assert transient_bytes(narrow_vocab, 64, 1, **args) == 64 * (32 + 32 + 120) == 64 * 184
+    wide_experts = dataclasses.replace(narrow_vocab, moe_expert_dim=200)
+    assert transient_bytes(wide_experts, 64, 1, **args) == 64 * (64 + 2 * 2 * 3 * 200 + 8 + 16)
+
+
+@pytest.mark.parametrize("over", [{}, {"moe.expert_dim": 64}, {"moe.expert_dim": 256, "moe.top_k": 3},
+                                  {"moe.shared_dim": 256, "moe.shared_gate": True}, {"moe.shared_dim": 1024},
+                                  {"moe.router": "switch", "moe.top_k": 1}])
+@pytest.mark.parametrize("expert_chunk", [0, 300])
+def test_moe_backward_fits_the_count(over, expert_chunk):
+    """Measured (CPU, fp32): the bytes a MoE feed-forward's backward creates and holds at its peak,
+    besides the parameters' final gradients, stay within ffn_backward_bytes for two incoming
+    gradients (which of the backward's phases peaks varies with them), and the larger of the two
+    peaks is the count (1%), with an expert chunk within 30% of it."""
+    from longctx.models.llama import build_model
+
+    cfg = model("debug-moe", layers=2, **over)
+    t = 512
+    count = ffn_backward_bytes(cfg, t, 4, moe=True, expert_chunk=expert_chunk)
+    peaks = []
+    for ones in (True, False):
+        ff = build_model(cfg, seed=0).layers[1].feed_forward
+        ff.experts.chunk = expert_chunk
+        x = torch.randn(t, cfg.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        ff.recording = True
+        y = ff(x)
+        dy = torch.ones_like(y) if ones else torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        mode = _Live()
+        with mode:
+            y.backward(dy)
+        grads = {p.grad.untyped_storage().data_ptr() for p in ff.parameters() if p.grad is not None}
+        peaks.append(max(sum(n for p, n in live.items() if p not in grads) for live in mode.steps))
+    assert max(peaks) <= count, (peaks, count)
+    assert max(peaks) >= count * (0.99 if not expert_chunk else 0.7), (peaks, count)
+
+
+class _Live(TorchDispatchMode):
+    """After every op, the bytes of each storage created in the mode that is still referenced
+    (not a view or an in-place result of an op's inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held, self.steps = {}, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.held and ptr not in inputs:
+                    self.held[ptr] = t.untyped_storage()
+        self.held = {p: s for p, s in self.held.items() if torch._C._storage_Use_Count(s._cdata) > 1}
+        self.steps.append({p: s.nbytes() for p, s in self.held.items()})
+        return out

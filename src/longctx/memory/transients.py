@@ -153,14 +153,15 @@ def ffn_grad_bytes(m: ModelConfig, e: int, moe: bool = False) -> float:
     experts' output gradient (two of expert_dim and one of dim), or the permuted tokens' gradients
     from the two projections and their sum (three of dim); with the routing weights' fp32 gradient
     (4 per slot) and, with shared experts, the input gradient their backward (run first) left for
-    the routed one's to add to (d). The shared experts' own backward: a SwiGLU's two of shared_dim,
-    with their gate the gradient of the shared output (d). The larger of the two.
-    (tests/unit/test_memory_transients.py measures it on CPU.)"""
+    the routed one's to add to (d). The shared experts' own backward: the down projection's input
+    gradient with the two it makes (three of shared_dim), with their gate the gradient of the shared
+    output (d). The larger of the two. (tests/unit/test_memory_transients.py measures it on CPU:
+    which phase peaks varies with the incoming gradient, the count is the widest.)"""
     if not (moe and m.is_moe):
         return 2 * e * m.ffn_dim
     k, H, d, S = m.moe_top_k, m.resolved_expert_dim, m.dim, m.resolved_shared_dim
     routed = e * k * max(3 * H, 2 * H + d, 3 * d) + 4 * k + (e * d if S else 0)
-    shared = 2 * e * S + (e * d if S and m.moe_shared_gate else 0)
+    shared = 3 * e * S + (e * d if S and m.moe_shared_gate else 0)
     return max(routed, shared)
 
 
@@ -177,7 +178,7 @@ def ffn_backward_bytes(m: ModelConfig, tokens: int, e: int, moe: bool = False, e
     k, H, d, E = m.moe_top_k, m.resolved_expert_dim, m.dim, m.moe_experts
     rows = tokens * k
     routed = rows * (3 * e * d + 4) + expert_chunk * e * (4 * H + max(3 * H, 2 * H + d)) + 5 * e * E * H * d
-    shared = tokens * 2 * e * m.resolved_shared_dim
+    shared = tokens * (3 * e * m.resolved_shared_dim + (e * m.dim if m.moe_shared_gate else 0))
     return max(routed, shared)
 
 
