@@ -1,4 +1,4 @@
-"""`longctx` command line: train, eval, data, report, checkpoint, plan, bench.
+"""`longctx` command line: train, eval, generate, data, report, checkpoint, plan, bench.
 
 Config overrides are passed as `--section.key=value` (or `--section.key value`) after the
 subcommand; `longctx train --help` lists every key with its default.
@@ -115,9 +115,10 @@ def _cmd_report(args, overrides) -> int:
 def _cmd_bench(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
-    from .bench import attention, memory, moe, train
+    from .bench import attention, generate, memory, moe, train
 
-    return {"attention": attention.main, "train": train.main, "memory": memory.main, "moe": moe.main}[args.bench](args)
+    return {"attention": attention.main, "train": train.main, "memory": memory.main, "moe": moe.main,
+            "generate": generate.main}[args.bench](args)
 
 
 def _cmd_checkpoint(args, overrides) -> int:
@@ -184,6 +185,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from .eval.command import add_parser as add_eval_parser
 
     add_eval_parser(sub)
+    from .generate.cli import add_parser as add_generate_parser
+
+    add_generate_parser(sub)
     if command not in (None, "bench") and not command.startswith("-"):
         sub.add_parser("bench", help="benchmarks; each prints JSON")
         return parser
@@ -223,6 +227,7 @@ def _add_checkpoint(sub) -> None:
 
 def _add_bench(bench) -> None:
     from .bench import attention, memory, moe
+    from .bench import generate as generate_bench
     from .bench import train as train_bench
 
     for name, module, what in (
@@ -232,6 +237,8 @@ def _add_bench(bench) -> None:
                            "recompute FLOPs, step-time ratios"),
         ("moe", moe, "Mixture-of-Experts feed-forward vs the dense SwiGLU of the same active parameters: CPU "
                      "seconds per token, uniform and skewed routing, saved-for-backward bytes per token"),
+        ("generate", generate_bench, "KV-cache decoding vs transformers' greedy generate on the same random model "
+                                     "(decode and prefill tokens/s, same run)"),
     ):
         p = bench.add_parser(name, help=what, allow_abbrev=False)
         module.add_arguments(p)

@@ -63,6 +63,11 @@ class HFTokenizer:
         encs = self._tok.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int32) for e in encs]
 
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """One text's ids; with add_special_tokens, the tokenizer's own post-processing (e.g. a BOS
+        token) as transformers applies it by default (generation from a Hugging Face model)."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
+
     def encode_encodings(self, texts: list[str]):
         """The library's Encoding objects (ids and character offsets), for the data pipeline."""
         return self._tok.encode_batch(texts, add_special_tokens=False)

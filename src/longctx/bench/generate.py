@@ -1,0 +1,193 @@
+"""`longctx bench generate`: longctx's KV-cache decoding against transformers' greedy `generate` on
+the same random model, prompt and machine, in one run (JSON on stdout, progress on stderr).
+
+The model is a random Llama written by transformers itself (so both read the same weights; the
+weights are in a temporary directory), fp32 on CPU. Both generate greedily from the same prompt and
+the tokens are compared (`same_tokens`). Rates:
+- longctx: generate/engine.py's own timing (prefill = the chunked prefill and the first token;
+  decode = the steps after it);
+- transformers: a streamer stamps the time the first new token arrives; decode = the tokens after
+  it over the time from there to the end, prefill = the prompt over the time to the first token.
+The runs alternate (--repeats of each) and the best rate of each counts, so load from other
+processes on the machine (it was shared while the figures were taken) affects both alike and
+rarely the best. transformers is a test dependency: this benchmark needs it installed.
+
+Prefill memory (`prefill_memory`, also with --memory-lengths): the bytes of every tensor the
+prefill creates and that is still alive, at its peak (PeakLiveBytes: a dispatch mode that sees
+every op's outputs), beside the preallocated cache. Chunked prefill keeps that transient flat
+(one chunk's activations) while the cache grows linearly with the prompt; an [S, S] score matrix
+would be S^2 x 4 bytes per head (256 MiB at 8K).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=256, help="model width")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn-dim", type=int, default=688)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=128, help="new tokens per run")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="longctx's prefill chunk")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each, alternating; the best rate counts")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory-lengths", default="2048,4096,8192,16384",
+                   help="prompt lengths whose prefill memory is measured ('' = none)")
+
+
+class PeakLiveBytes(TorchDispatchMode):
+    """The peak over a computation of the bytes held by tensors it created (op outputs that are
+    new storages), and the largest one. Storages only this tracker still holds are released before
+    each op, so a freed temporary counts no longer than it lives (its memory may be reused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, torch.UntypedStorage] = {}
+        self.peak = self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.live = {p: st for p, st in self.live.items() if torch._C._storage_Use_Count(st._cdata) > 1}
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr and ptr not in inputs and ptr not in self.live:
+                    self.live[ptr] = st
+                    self.largest = max(self.largest, st.nbytes())
+        self.peak = max(self.peak, sum(st.nbytes() for st in self.live.values()))
+        return out
+
+
+def prefill_memory(model, length: int, chunk: int, seed: int = 0) -> dict:
+    """Prefill one random prompt of `length` tokens in chunks of `chunk`: the cache's bytes and the
+    peak bytes of the tensors the prefill itself created (and the largest of them)."""
+    from ..generate.engine import prefill
+    from ..models.cache import KVCache
+
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, 1, length)
+        tracker = PeakLiveBytes()
+        with tracker:
+            prefill(model, cache, tokens, chunk)
+    return {"prompt_tokens": length, "chunk": chunk, "cache_bytes": cache.nbytes,
+            "peak_transient_bytes": tracker.peak, "largest_tensor_bytes": tracker.largest}
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench generate] {msg}", file=sys.stderr, flush=True)
+
+
+def _random_hf_model(args, directory: Path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=args.dim, intermediate_size=args.ffn_dim,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                   num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                                   max_position_embeddings=max(4096, args.prompt_len + args.new_tokens),
+                                   tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(args.seed)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    model.save_pretrained(directory)
+    model.generation_config.eos_token_id = None  # every run makes exactly --new-tokens tokens
+    return model
+
+
+def _time_transformers(model, prompt: torch.Tensor, new_tokens: int) -> dict:
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):  # the prompt first, then each new token
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    stamps = Stamps()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, streamer=stamps)
+    t_end = time.perf_counter()
+    first = stamps.times[1]
+    tokens = out[0, prompt.shape[1]:].tolist()
+    return {"tokens": tokens, "prefill_tokens_per_s": prompt.shape[1] / (first - t0),
+            "decode_tokens_per_s": (len(tokens) - 1) / (t_end - first), "seconds": t_end - t0}
+
+
+def _time_longctx(model, prompt: torch.Tensor, new_tokens: int, chunk: int) -> dict:
+    from ..generate.engine import generate
+
+    t0 = time.perf_counter()
+    r = generate(model, [prompt[0].tolist()], max_new_tokens=new_tokens, prefill_chunk=chunk)[0]
+    return {"tokens": r.tokens, "prefill_tokens_per_s": r.prefill_tokens_per_s,
+            "decode_tokens_per_s": r.decode_tokens_per_s, "seconds": time.perf_counter() - t0}
+
+
+def main(args) -> int:
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("longctx bench generate compares against transformers; pip install transformers") from None
+    from ..models.hf import load_hf
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        _progress(f"random Llama dim {args.dim}, {args.layers} layers, vocab {args.vocab} (written by transformers)")
+        theirs = _random_hf_model(args, Path(tmp))
+        ours = load_hf(tmp).eval()
+    prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
+    runs = {"longctx": [], "transformers": []}
+    for i in range(args.repeats):
+        runs["longctx"].append(_time_longctx(ours, prompt, args.new_tokens, args.prefill_chunk))
+        runs["transformers"].append(_time_transformers(theirs, prompt, args.new_tokens))
+        _progress(f"run {i + 1}/{args.repeats}: decode tokens/s longctx "
+                  f"{runs['longctx'][-1]['decode_tokens_per_s']:.1f}, transformers "
+                  f"{runs['transformers'][-1]['decode_tokens_per_s']:.1f}")
+    memory = []
+    for length in (int(x) for x in args.memory_lengths.split(",") if x):
+        memory.append(prefill_memory(ours, length, args.prefill_chunk, args.seed))
+        _progress(f"prefill memory at {length:,} tokens: cache {memory[-1]['cache_bytes'] / 2**20:.1f} MiB, peak "
+                  f"transient {memory[-1]['peak_transient_bytes'] / 2**20:.1f} MiB")
+    best = {k: {m: max(r[m] for r in v) for m in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+            for k, v in runs.items()}
+    result = {
+        "benchmark": "generate", "date": date.today().isoformat(), "machine": platform.machine(),
+        "torch": torch.__version__, "transformers_version": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "model": {"dim": args.dim, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
+                  "ffn_dim": args.ffn_dim, "vocab": args.vocab, "dtype": "float32"},
+        "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens, "prefill_chunk": args.prefill_chunk,
+        "same_tokens": all(a["tokens"] == b["tokens"] for a, b in zip(runs["longctx"], runs["transformers"])),
+        "longctx": best["longctx"], "transformers": best["transformers"],
+        "decode_ratio": best["longctx"]["decode_tokens_per_s"] / best["transformers"]["decode_tokens_per_s"],
+        "prefill_ratio": best["longctx"]["prefill_tokens_per_s"] / best["transformers"]["prefill_tokens_per_s"],
+        "prefill_memory": memory,
+        "runs": {k: [{m: r[m] for m in ("prefill_tokens_per_s", "decode_tokens_per_s", "seconds")} for r in v]
+                 for k, v in runs.items()},
+    }
+    print(json.dumps(result, indent=1))
+    return 0

@@ -1,0 +1,326 @@
+"""`longctx generate`: continue prompts with a checkpoint, on one device, with a KV cache.
+
+    longctx generate --checkpoint hf:DIR --prompt "Once upon a time" --max-new-tokens 64
+    longctx generate --checkpoint runs/X/checkpoints --prompts prompts.jsonl --output out.jsonl \\
+        --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n"
+
+Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line; an "id"
+field is copied to the output). Output: one JSON line per prompt, in input order, to --output or
+stdout: prompt_tokens, tokens (the new ids), text, finish_reason (eos / stop / length),
+prefill_tokens_per_s, decode_tokens_per_s. On a terminal, one prompt's text streams to stderr as
+it is generated; several prompts show a progress bar there instead.
+
+Everything that can be wrong with the input is said before the weights are read: both or neither of
+--prompt / --prompts, a bad prompts file, an empty prompt, a prompt longer than the model's
+max_seq_len, a checkpoint that names no tokenizer, sampling settings out of range.
+
+The model is the checkpoint's own [model] (extension keys may be overridden: --model.rope_scaling,
+--model.rope_factor, --model.max_seq_len ...), built on one device (--train.device / --train.dtype);
+weights from hf:DIR's safetensors or a longctx checkpoint (checksums verified). The prompt is
+tokenized as the model saw text: with a Hugging Face tokenizer's special tokens (e.g. BOS) for
+hf:DIR, as transformers does by default; without them for a longctx checkpoint (training data
+carries none). EOS: hf:DIR's generation_config.json or config.json eos_token_id, else the
+tokenizer's end-of-document token.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="continue prompts with a checkpoint (KV cache, one device)",
+                       allow_abbrev=False)
+    p.add_argument("--checkpoint", required=True, metavar="DIR|hf:DIR",
+                   help="a longctx checkpoint (a step-* directory, or a checkpoints directory for its latest) or "
+                        "hf:DIR, a Hugging Face model directory")
+    p.add_argument("--prompt", default=None, help="one prompt (text)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt at most (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens whose probability reaches p, in (0, 1] (1 = all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same tokens)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop a prompt's generation when its text contains TEXT (repeatable; the text is cut "
+                        "before it)")
+    p.add_argument("--output", default="", help="write the JSON lines here instead of stdout")
+    p.add_argument("--prefill-chunk", type=int, default=4096,
+                   help="prompt tokens per prefill call (memory grows with it, never with the prompt squared)")
+    p.add_argument("--batch", type=int, default=8, help="prompts decoded together (default 8)")
+    p.add_argument("--tokenizer", default="",
+                   help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
+                        "tokenizer.json)")
+    p.set_defaults(func=main)
+
+
+@dataclass
+class Plan:
+    """What one generate run does, checked before any weight is read."""
+    cfg: object
+    tokenizer: object
+    tokenizer_spec: str
+    prompts: list[dict]          # {"text", "ids", "id"?}
+    limits: list[int]            # new tokens per prompt (max_new_tokens, capped at max_seq_len)
+    eos_ids: list[int]
+    sampling: object
+    notes: list[str] = field(default_factory=list)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _config(args, overrides: list[str]):
+    from ..config import load_config, parse_overrides
+
+    given = parse_overrides(overrides)
+    allowed = {"model", "train"}
+    other = sorted(set(given) - allowed)
+    if other:
+        raise ConfigError(f"longctx generate takes --model.* (extension keys such as rope_theta, rope_scaling, "
+                          f"max_seq_len) and --train.device/dtype overrides; [{', '.join(other)}] does not apply.")
+    extra = sorted(set(given.get("train", {})) - {"device", "dtype"})
+    if extra:
+        raise ConfigError(f"longctx generate takes only --train.device and --train.dtype of [train]; "
+                          f"{', '.join('train.' + k for k in extra)} does not apply.")
+    if "init_from" in given.get("model", {}):
+        raise ConfigError("longctx generate takes the weights from --checkpoint; drop --model.init_from.")
+    given.setdefault("model", {})["init_from"] = args.checkpoint
+    given.setdefault("train", {}).update(seq_len=2, eval_interval=0)
+    return load_config(None, given)
+
+
+def read_prompts(args) -> list[dict]:
+    if (args.prompt is None) == (args.prompts is None):
+        raise ConfigError("give the prompt as --prompt TEXT or --prompts FILE.jsonl (one of them).")
+    if args.prompt is not None:
+        return [{"text": args.prompt}]
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise ConfigError(f"--prompts {path}: no such file; pass a .jsonl file with one {{\"prompt\": ...}} per line.")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"--prompts {path} line {n} is not JSON ({e}); each line must be an object "
+                              f"like {{\"prompt\": \"...\"}}.") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError(f"--prompts {path} line {n} has no \"prompt\" string; each line must be an object "
+                              f"like {{\"prompt\": \"...\"}}.")
+        prompts.append({"text": row["prompt"], **({"id": row["id"]} if "id" in row else {})})
+    if not prompts:
+        raise ConfigError(f"--prompts {path} holds no prompt.")
+    return prompts
+
+
+def eos_ids(init_from: str, tokenizer) -> list[int]:
+    """The tokens that end a generation: a Hugging Face directory's generation_config.json or
+    config.json eos_token_id (an id or a list), else the tokenizer's end-of-document token."""
+    if init_from.startswith("hf:"):
+        from ..config.hf import hf_dir
+
+        for name in ("generation_config.json", "config.json"):
+            file = hf_dir(init_from) / name
+            if not file.is_file():
+                continue
+            value = json.loads(file.read_text()).get("eos_token_id")
+            if value is not None:
+                return [int(v) for v in (value if isinstance(value, list) else [value])]
+    eos = getattr(tokenizer, "eos_id", None)
+    return [] if eos is None else [int(eos)]
+
+
+def prepare(args, overrides: list[str]) -> Plan:
+    from ..config.tokenizer import model_tokenizer
+    from ..data.tokenizer import HFTokenizer, load_tokenizer
+    from .sampling import Sampling
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    problems = sampling.problems()
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--prefill-chunk", args.prefill_chunk),
+                        ("--batch", args.batch)):
+        if value < 1:
+            problems.append(f"{flag} must be >= 1, got {value}")
+    if any(s == "" for s in args.stop):
+        problems.append("--stop needs a non-empty text")
+    if problems:
+        raise ConfigError("; ".join(problems) + ".")
+    prompts = read_prompts(args)
+    cfg = _config(args, overrides)
+    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
+    if spec is None:
+        where = ("its directory has no tokenizer.json" if args.checkpoint.startswith("hf:") else
+                 "its manifest records no tokenizer")
+        raise ConfigError(f"--checkpoint {args.checkpoint}: {where}, so the prompt cannot be turned into the model's "
+                          f"token ids. Pass --tokenizer PATH/tokenizer.json (the one the model was trained with), or "
+                          f"--tokenizer byte for a model trained on bytes.")
+    tokenizer = load_tokenizer(spec)
+    special = args.checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)
+    m = cfg.model
+    limits, notes = [], []
+    for i, p in enumerate(prompts):
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if not p["text"]:
+            raise ConfigError(f"{which} is empty; give it some text to continue.")
+        ids = tokenizer.encode(p["text"], add_special_tokens=True) if special else tokenizer.encode(p["text"])
+        p["ids"] = [int(t) for t in ids]
+        if not p["ids"]:
+            raise ConfigError(f"{which} has no tokens after tokenization; give it some text to continue.")
+        if max(p["ids"]) >= m.vocab_size:
+            raise ConfigError(f"{which} has token id {max(p['ids'])} but the model's vocabulary is {m.vocab_size}: the "
+                              f"tokenizer {spec} is not the model's; pass the one it was trained with (--tokenizer).")
+        if len(p["ids"]) > m.max_seq_len:
+            raise ConfigError(
+                f"{which} has {len(p['ids']):,} tokens, more than the model's max_seq_len of {m.max_seq_len:,}. Use a "
+                f"shorter prompt, or extend the model with RoPE scaling (e.g. --model.rope_scaling=yarn "
+                f"--model.rope_factor={max(2, -(-len(p['ids']) // m.max_seq_len))} "
+                f"--model.max_seq_len={len(p['ids']) + args.max_new_tokens}).")
+        room = m.max_seq_len - len(p["ids"])
+        if room < args.max_new_tokens:
+            notes.append(f"{which}: {len(p['ids']):,} tokens leave room for {room} new ones within max_seq_len "
+                         f"{m.max_seq_len:,} (not {args.max_new_tokens}); raise --model.max_seq_len with RoPE "
+                         f"scaling to go further")
+        limits.append(min(args.max_new_tokens, room))
+    return Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
+
+
+def load_model(cfg, device, dtype):
+    """The checkpoint's model on one device: built on meta, materialised, weights read (hf:DIR's
+    safetensors, or a longctx checkpoint verified first), RoPE frequencies from the config."""
+    import torch
+
+    from ..checkpoint.manager import load_model_weights, resolve_checkpoint
+    from ..config.hf import hf_dir
+    from ..models.hf import load_hf_weights
+    from ..models.llama import build_model
+
+    model = build_model(cfg.model, device="meta")
+    model.to_empty(device=device)
+    source = cfg.model.init_from
+    if source.startswith("hf:"):
+        load_hf_weights(model, hf_dir(source))
+    else:
+        path = resolve_checkpoint(source, Path(source))
+        if path is None:
+            raise ConfigError(f"--checkpoint {source} holds no complete checkpoint.")
+        load_model_weights(path, model)
+    if dtype != torch.float32:
+        model.to(dtype)
+    model.init_rope()  # (fp32, from the config: an extension applies to the loaded weights)
+    return model.eval()
+
+
+class StopStrings:
+    """Whether a row's text so far contains one of the stop strings (checked on the last tokens only:
+    a stop string of c characters lies within the last 4c + 4 tokens, bytes of a UTF-8 character
+    being separate tokens at worst)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.window = 4 * max((len(s) for s in stops), default=0) + 4
+
+    def __call__(self, row: int, tokens: list[int]) -> bool:
+        tail = self.tokenizer.decode(tokens[-self.window:])
+        return any(s in tail for s in self.stops)
+
+    def cut(self, text: str) -> str:
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return text[:min(found)] if found else text
+
+
+class Stream:
+    """One prompt's text, printed to stderr as it grows (held back while it may end in a partial
+    character or the start of a stop string)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def __call__(self, row: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        end = len(text) - self.hold
+        while end > self.shown and text[end - 1] == "\ufffd":
+            end -= 1
+        if end > self.shown:
+            sys.stderr.write(text[self.shown:end])
+            sys.stderr.flush()
+            self.shown = end
+
+    def finish(self, text: str) -> None:
+        sys.stderr.write(text[self.shown:] + "\n")
+        sys.stderr.flush()
+
+
+def main(args, overrides) -> int:
+    plan = prepare(args, overrides)  # every input error, before the weights are read
+    for note in plan.notes:
+        _say(f"generate: note: {note}")
+    return run(plan, args)
+
+
+def run(plan: Plan, args) -> int:
+    import torch
+
+    from ..progress import on_terminal, progress_bar
+    from ..train.step import resolve_device, resolve_dtype
+    from .engine import generate
+
+    device = resolve_device(plan.cfg.train.device)
+    dtype = resolve_dtype(plan.cfg.train.dtype, device)
+    model = load_model(plan.cfg, device, dtype)
+    m = plan.cfg.model
+    _say(f"generate: {m.label} from {args.checkpoint} on {device.type} ({str(dtype).removeprefix('torch.')}), "
+         f"{len(plan.prompts)} prompt{'s' * (len(plan.prompts) > 1)}, tokenizer {plan.tokenizer_spec}")
+    # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
+    generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device)
+    stops = StopStrings(plan.tokenizer, args.stop) if args.stop else None
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    stream = Stream(plan.tokenizer, args.stop) if len(plan.prompts) == 1 and on_terminal() else None
+    bar = None if stream else progress_bar(sum(plan.limits), "generate", "tok")
+    try:
+        for start in range(0, len(plan.prompts), args.batch):
+            batch = plan.prompts[start:start + args.batch]
+
+            def on_token(row, token):
+                if stream is not None:
+                    stream(row, token)
+                elif bar is not None:
+                    bar.update(1)
+
+            results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + args.batch],
+                               sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk,
+                               stop=stops, on_token=on_token, device=device)
+            for p, r in zip(batch, results):
+                text = plan.tokenizer.decode(r.tokens)
+                if stops is not None and r.finish_reason == "stop":
+                    text = stops.cut(text)
+                if stream is not None:
+                    stream.finish(text)
+                line = {**({"id": p["id"]} if "id" in p else {}), "prompt_tokens": r.prompt_tokens,
+                        "tokens": r.tokens, "text": text, "finish_reason": r.finish_reason,
+                        "prefill_tokens_per_s": round(r.prefill_tokens_per_s, 2),
+                        "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)}
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+            del results
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        if bar is not None:
+            bar.close()
+        if out is not sys.stdout:
+            out.close()
+    if args.output:
+        _say(f"generate: wrote {args.output}")
+    return 0
