@@ -1,0 +1,129 @@
+"""`longctx generate` as a user runs it: on a Hugging Face directory (token-identical to transformers'
+greedy generate, EOS included), on a checkpoint of a tiny longctx run, several prompts with seeded
+sampling, stop strings; its bad input explained before any work; and `longctx bench generate`'s JSON."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from test_newcomer import flat, longctx
+
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+import test_hf  # noqa: E402
+from test_tokenizer_follows_model import bpe_tokenizer  # noqa: E402
+
+EOS = 0  # the BPE tokenizer's </s>
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A random Llama written by transformers, with a BPE tokenizer.json and eos_token_id in its config."""
+    tmp = tmp_path_factory.mktemp("hf")
+    d, ref = test_hf.random_hf_dir(tmp, test_hf.hf_config("llama", eos_token_id=EOS))
+    bpe_tokenizer(d / "tokenizer.json")
+    return d, ref
+
+
+def _run(*args):
+    r = longctx("generate", *args)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def _lines(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def test_greedy_matches_transformers_from_the_command_line(hf_model, tmp_path):
+    d, ref = hf_model
+    prompt = "def f(x):\n    return x + 1\nclass A:\n"
+    out = tmp_path / "out.jsonl"
+    r = _run("--checkpoint", f"hf:{d}", "--prompt", prompt, "--max-new-tokens", "64", "--output", str(out),
+             "--prefill-chunk", "4")
+    assert f"wrote {out}" in r.stderr
+    [line] = _lines(out)
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(d / "tokenizer.json")).encode(prompt).ids
+    assert line["prompt_tokens"] == len(ids)
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, eos_token_id=EOS,
+                              pad_token_id=EOS)[0, len(ids):].tolist()
+    if EOS in theirs:
+        theirs = theirs[:theirs.index(EOS)]
+        assert line["finish_reason"] == "eos"
+    else:
+        assert line["finish_reason"] == "length"
+    assert line["tokens"] == theirs and len(theirs) > 0
+    assert line["text"] == Tokenizer.from_file(str(d / "tokenizer.json")).decode(theirs)
+    assert line["prefill_tokens_per_s"] > 0 and line["decode_tokens_per_s"] >= 0
+
+
+def test_several_prompts_seeded_sampling_and_stop(hf_model, tmp_path):
+    d, _ = hf_model
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in [{"prompt": "import os", "id": "a"}, {"prompt": "class A:"},
+                                                         {"prompt": "def f(x):\n    return x", "id": 3}]) + "\n")
+    sample = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "16", "--temperature", "1.0",
+              "--top-p", "0.9", "--top-k", "40", "--seed", "5", "--batch", "2"]
+    _run(*sample, "--output", str(tmp_path / "a.jsonl"))
+    _run(*sample, "--output", str(tmp_path / "b.jsonl"))
+    a, b = _lines(tmp_path / "a.jsonl"), _lines(tmp_path / "b.jsonl")
+    assert a == [{**x, **{k: y[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}} for x, y in zip(b, a)]
+    assert [x.get("id") for x in a] == ["a", None, 3] and all(x["tokens"] for x in a)
+    # without --output the lines go to stdout; a stop string cuts the text before it
+    greedy = _run("--checkpoint", f"hf:{d}", "--prompt", "import os", "--max-new-tokens", "24")
+    [line] = [json.loads(x) for x in greedy.stdout.splitlines()]
+    text = line["text"]
+    stop = re.search(r"[!-~]{2}", text).group()  # two printable ASCII characters of the greedy text
+    cut = _run("--checkpoint", f"hf:{d}", "--prompt", "import os", "--max-new-tokens", "24", "--stop", stop)
+    [c] = [json.loads(x) for x in cut.stdout.splitlines()]
+    assert c["finish_reason"] == "stop" and c["text"] == text[:text.index(stop)]
+    assert c["tokens"] == line["tokens"][:len(c["tokens"])] and len(c["tokens"]) < len(line["tokens"])
+
+
+def test_checkpoint_of_a_longctx_run(tmp_path):
+    run = tmp_path / "run"
+    r = longctx("train", "--nproc", "1", "--train.seq_len=64", "--data.max_docs=30", "--train.eval_interval=0",
+                "--model.layers=1", "--train.steps=2", "--train.global_batch=1", "--checkpoint.interval=2",
+                "--metrics.plots=false", "--metrics.progress=false", f"--train.run_dir={run}")
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out.jsonl"
+    _run("--checkpoint", str(run / "checkpoints"), "--prompt", "def main():", "--max-new-tokens", "12",
+         "--output", str(out))
+    [line] = _lines(out)
+    assert line["prompt_tokens"] == len("def main():")  # byte tokenizer (the manifest's), no special tokens
+    assert 0 < len(line["tokens"]) <= 12 or line["finish_reason"] == "eos"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--prompt", "x " * 300], "Use a shorter prompt, or extend the model with RoPE scaling"),
+])
+def test_bad_input_is_one_paragraph_before_work(hf_model, args, message):
+    d, _ = hf_model
+    r = longctx("generate", "--checkpoint", f"hf:{d}", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert flat(r.stderr).startswith("longctx generate: error:") and message in flat(r.stderr)
+
+
+def test_no_tokenizer_says_use_tokenizer(tmp_path):
+    d, _ = test_hf.random_hf_dir(tmp_path, test_hf.hf_config("qwen2"))
+    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "hello")
+    assert r.returncode == 2 and "has no tokenizer.json" in flat(r.stderr) and "--tokenizer" in flat(r.stderr)
+
+
+def test_bench_generate_prints_json():
+    r = longctx("bench", "generate", "--dim", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--ffn-dim",
+                "128", "--vocab", "512", "--prompt-len", "64", "--new-tokens", "8", "--repeats", "1",
+                "--memory-lengths", "256,512", "--prefill-chunk", "128")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["same_tokens"] and result["decode_ratio"] > 0
+    assert [m["prompt_tokens"] for m in result["prefill_memory"]] == [256, 512]
