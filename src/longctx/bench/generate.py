@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -174,6 +175,7 @@ def main(args) -> int:
                   f"transient {memory[-1]['peak_transient_bytes'] / 2**20:.1f} MiB")
     best = {k: {m: max(r[m] for r in v) for m in ("prefill_tokens_per_s", "decode_tokens_per_s")}
             for k, v in runs.items()}
+    median = {k: statistics.median(r["decode_tokens_per_s"] for r in v) for k, v in runs.items()}
     result = {
         "benchmark": "generate", "date": date.today().isoformat(), "machine": platform.machine(),
         "torch": torch.__version__, "transformers_version": transformers.__version__,
@@ -185,6 +187,7 @@ def main(args) -> int:
         "longctx": best["longctx"], "transformers": best["transformers"],
         "decode_ratio": best["longctx"]["decode_tokens_per_s"] / best["transformers"]["decode_tokens_per_s"],
         "prefill_ratio": best["longctx"]["prefill_tokens_per_s"] / best["transformers"]["prefill_tokens_per_s"],
+        "decode_ratio_median": median["longctx"] / median["transformers"],
         "prefill_memory": memory,
         "runs": {k: [{m: r[m] for m in ("prefill_tokens_per_s", "decode_tokens_per_s", "seconds")} for r in v]
                  for k, v in runs.items()},
