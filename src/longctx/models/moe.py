@@ -5,10 +5,9 @@ are permuted so that each expert's are contiguous, every expert runs as one grou
 projection (ops/grouped.py), and the results are un-permuted and weighted. Shared experts (one
 SwiGLU every token goes through, optionally behind a sigmoid gate) are added on top.
 
-Determinism: the combine copies each token's k results back to their slots (by the permutation,
-every slot written once) and sums them in slot order, with no scatter-add; the backward's one
-accumulation (the gradient of each token's k copies, an index_add_) adds in index order on any
-number of threads. So two runs give the same bits.
+Determinism: the combine gathers each token's k results back by the inverse permutation and sums
+them in slot order, with no scatter-add; the backward's accumulations (index_add_: the gradient of
+each token's k copies) add in index order on any number of threads. So two runs give the same bits.
 
 Routing is a function of the token alone (for the dropless routers), so any slicing of the tokens
 (ranks of a sequence-parallel layout, memory.block_chunk, recomputation) routes each token as the
@@ -343,12 +342,12 @@ class MoEFeedForward(nn.Module):
         # gradients in index order on any number of threads (x[index]'s index_put_ does on one thread
         # only), and is several times faster on CPU
         out = self.experts(flat.index_select(0, order // k), counts)
-        # back to [T, k] slots (a copy, each slot written once: no scatter-add), weighted, summed. Without
-        # drops `order` is a permutation: every slot is written, and the backward is one gather
+        # back to [T, k] slots (no scatter-add), weighted, summed: without drops by the inverse permutation,
+        # a gather (index_copy would keep `out`, k x dim values per token, for its backward)
         if n < t * k:
             slots = out.new_zeros(t * k, out.shape[-1]).index_copy(0, order, out)
         else:
-            slots = out.new_empty(t * k, out.shape[-1]).index_copy_(0, order, out)
+            slots = out.index_select(0, torch.argsort(order))
         w = routing.weights.flatten() if routing.kept is None else routing.weights.flatten() * routing.kept.flatten()
         return (slots.view(t, k, -1) * w.view(t, k, 1).to(slots.dtype)).sum(1)
 
