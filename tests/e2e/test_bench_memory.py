@@ -28,6 +28,32 @@ def test_bench_memory_reports_every_policy_within_5_percent(layout):
     assert all(v["step_s"] > 0 for v in pol.values())
 
 
+@pytest.mark.parametrize("layout", [[], ["--head=2", "--ctx=2"]])
+def test_bench_memory_of_a_moe_model_matches_its_count(layout):
+    """debug-moe (block 0 dense, blocks 1-2 MoE: router, permuted tokens, experts, un-permute): every
+    policy's blocks measured against their own count, within the dense tolerance (exact here but for
+    the document ids the first block gathers without a layout, as for dense)."""
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--preset=debug-moe", "--seq-len=256",
+                          "--micro-batch=2", "--docs=3", "--time-steps=1", *layout], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (result,) = json.loads(out.stdout)["results"]
+    errors = result.get("max_relative_error_over_ranks") or {k: v["max_relative_error"]
+                                                            for k, v in result["policies"].items()}
+    assert set(errors) == {"none", "full", "selective", "offload0.5", "offload1.0"}
+    for name, err in errors.items():
+        assert err["device"] <= 0.05 and err["host"] <= 0.05 and err["total_device"] <= 0.05, (name, err)
+    pol = result["policies"]
+    blocks = pol["none"]["analytic_blocks_bytes_per_token"]
+    assert [b.get("moe", False) for b in blocks] == [False, True, True]
+    measured = pol["none"]["measured_blocks_bytes_per_token"]
+    assert measured[2]["device"] == pytest.approx(blocks[2]["device"], rel=1e-9)
+    dev = {k: v["analytic_per_token"]["per_block_device"] for k, v in pol.items()}
+    # an offloaded MoE block keeps only its router's records on the device (8 E + 8 bytes per call)
+    assert dev["none"] > dev["selective"] > dev["full"] > dev["offload0.5"] > dev["offload1.0"] > 0
+    assert dev["offload0.5"] < dev["full"] / 100
+
+
 @pytest.mark.parametrize("bench,old", [("memory", "--seq"), ("attention", "--seq"), ("train", "--seqs"),
                                        ("memory", "--batch")])
 def test_an_old_bench_flag_is_refused_not_taken_as_an_abbreviation(bench, old):

@@ -78,6 +78,27 @@ def test_cpu_plan_trains_unchanged(tmp_path):
     assert "done: steps 1-2" in t.stdout
 
 
+def test_cpu_plan_of_a_moe_model_trains_unchanged(tmp_path):
+    """A Mixture-of-Experts preset is planned (model states of every expert, FLOPs of the active ones,
+    its MoE blocks' activations) and the written plan trains on 2 CPU ranks as written."""
+    hw = tmp_path / "cpu.toml"
+    hw.write_text(CPU_HW)
+    out = tmp_path / "plan.toml"
+    r = longctx("plan", "--model", "debug-moe", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(hw),
+                "--seq-len", "256", "--global-batch", "2", "--out", str(out), "--json", "--train.eval_interval=0",
+                "--data.max_docs=60", "--metrics.plots=false", "--metrics.progress=false")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    best = doc["plans"][0]
+    assert best["feasible"] and doc["written"] == str(out)
+    text = out.read_text()
+    assert 'device = "cpu"' in text and "seq_len = 256" in text and "moe.experts = 8" in text
+    t = longctx("train", "--config", str(out), "--nproc", "2", "--train.steps", "2",
+                f"--train.run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert t.returncode == 0, t.stderr[-3000:]
+    assert "done: steps 1-2" in t.stdout and "moe aux" in t.stdout
+
+
 def test_store_gives_the_attention_work_of_its_documents(tmp_path):
     """`longctx plan --store DIR` measures doc_work on the store's samples and says so in the table
     and the JSON; without it the plan says it assumes one document per sequence; a store built at
