@@ -344,10 +344,15 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
 
 
 def published_formulas(model: ModelConfig, seq_len: int, micro_batch: int = 1, shard: int = 1) -> dict:
-    """Per-layer bytes by the published formulas (16-bit, s b h / t), for comparison only."""
+    """Per-layer bytes by the published formulas (16-bit, s b h / t), for comparison only. A MoE
+    model's MLP width is the mean over its layers of what a token goes through (top_k x expert_dim
+    + shared_dim in a MoE layer), the formulas knowing nothing of routers and permutations."""
     sbh = seq_len * micro_batch * model.dim / shard
+    sparse = set(model.moe_layer_ids)
+    moe_width = model.moe_top_k * model.resolved_expert_dim + model.resolved_shared_dim
+    ffn = sum(moe_width if i in sparse else model.ffn_dim for i in range(model.layers)) / max(model.layers, 1)
     return {
-        "korthikanti_flash_no_recompute": (18 + 4 * model.ffn_dim / model.dim) * sbh,  # Megatron's general form
+        "korthikanti_flash_no_recompute": (18 + 4 * ffn / model.dim) * sbh,  # Megatron's general form
         "korthikanti_full_recompute": 2 * sbh,
         "memo_skeletal": 16 * sbh,
     }
