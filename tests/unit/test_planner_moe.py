@@ -23,7 +23,14 @@ from longctx.models.flops import (
 )
 from longctx.planner.cost import estimate
 from longctx.planner.hardware import PRESETS
-from longctx.planner.model_states import block_params, gathered_param_bytes, model_state_bytes, param_counts
+from longctx.planner.model_states import (
+    active_params,
+    block_params,
+    gathered_param_bytes,
+    model_state_bytes,
+    param_counts,
+    params_text,
+)
 from longctx.planner.search import Request, plan
 from longctx.planner.shape import MeshShape
 from longctx.planner.timing import forward_gemm_flops
@@ -44,6 +51,7 @@ def test_parameters_count_every_expert_flops_the_active_ones():
     assert layer_matmul_params(TINY_MOE, active=True) == [192 + 384, 192 + 568]
     assert block_params(TINY_MOE) == [592, 1064]
     assert param_counts(TINY_MOE) == {"block": 1064, "root": 168, "total": 592 + 1064 + 168}
+    assert active_params(TINY_MOE) == 1824 - (856 - 568)  # the two experts a token is not sent to
     # forward per token: 2 per matmul parameter a token goes through (blocks and LM head 2 x 8 x 10),
     # and the attention scores 4 s x 8 per layer, halved by the causal mask
     for s in (1, 100):
@@ -84,6 +92,8 @@ def test_published_total_and_active_parameters(preset, total, active):
     pc = param_counts(m)
     assert pc["total"] == pytest.approx(total, rel=2e-3)
     assert sum(layer_matmul_params(m, active=True)) + pc["root"] == pytest.approx(active, rel=5e-3)
+    assert active_params(m) == pytest.approx(active, rel=5e-3)
+    assert params_text(m) == f"{total / 1e9:.3g}B parameters, {active / 1e9:.3g}B active"
 
 
 def test_estimate_counts_all_experts_for_memory_and_active_ones_for_compute():

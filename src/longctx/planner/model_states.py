@@ -17,7 +17,7 @@ one FSDP's gather peaks on.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..models.flops import layer_matmul_params
+from ..models.flops import layer_matmul_params, moe_ffn_params
 from .shape import MeshShape
 
 
@@ -44,6 +44,22 @@ def param_counts(m: ModelConfig) -> dict[str, int]:
     blocks = block_params(m)
     root = m.vocab_size * m.dim + m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim)
     return {"block": max(blocks), "root": root, "total": sum(blocks) + root}
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters a token goes through: all but the routed experts it is not sent to (param_counts'
+    total for a dense model)."""
+    n_moe = len(m.moe_layer_ids)
+    return param_counts(m)["total"] - n_moe * (moe_ffn_params(m, active=False) - moe_ffn_params(m, active=True))
+
+
+def params_text(m: ModelConfig) -> str:
+    """'8.03B parameters', or for a MoE model '30.5B parameters, 3.35B active'."""
+    def fmt(n: int) -> str:
+        return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+    total = param_counts(m)["total"]
+    return f"{fmt(total)} parameters" + (f", {fmt(active_params(m))} active" if m.is_moe else "")
 
 
 def model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:

@@ -15,6 +15,7 @@ from ..config import Config, build_config, rules, to_dict, to_toml
 from ..errors import ConfigError
 from ..parallel.checks import check_layout
 from .cost import Estimate
+from .model_states import active_params, param_counts, params_text
 from .search import PlanResult, Request, step_text
 
 GIB = 2**30
@@ -94,8 +95,8 @@ def table(res: PlanResult, top: int = 10) -> str:
                      e.bottleneck if e.feasible else "INFEASIBLE: " + "; ".join(e.problems)])
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
-    intro = (f"{req.model.label}: global batch {req.global_batch} x {req.seq_len:,} tokens per step on "
-             f"{hardware_text(req)}; "
+    intro = (f"{req.model.label} ({params_text(req.model)}): global batch {req.global_batch} x {req.seq_len:,} "
+             f"tokens per step on {hardware_text(req)}; "
              f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible; "
              f"{doc_work_text(req)}; ranked by predicted step time as shown (equal: simpler policy, less memory)")
     return "\n".join([intro, *lines])
@@ -116,7 +117,8 @@ def doc_work_text(req: Request) -> str:
 def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> str:
     req = res.request
     return json.dumps({
-        "request": {"model": req.model.label, "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
+        "request": {"model": req.model.label, "parameters": param_counts(req.model)["total"],
+                    "active_parameters": active_params(req.model), "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
                     "seq_len": req.seq_len, "global_batch": req.global_batch,
                     "doc_mask": req.doc_mask, "doc_work": req.doc_work, "doc_work_source": req.doc_work_source,
                     "hardware": dataclasses.asdict(req.hardware)},
