@@ -70,8 +70,8 @@ def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
     - permute: the source row of each of the T k slots (int64) and the permuted tokens [k, d];
     - the routed experts: SwiGLU intermediates of expert_dim for each of the k slots (w1 out, silu
       out, w3 out, product: 4 x expert_dim, as the dense MLP's 4 x ffn_dim);
-    - un-permute: the permutation (int64, index_copy_'s index), the experts' output [k, d] (which
-      index_copy_ saves as its source) and the slots [k, d] it fills;
+    - un-permute, a gather by the inverse permutation: its index (int64) and the slots [k, d]; with a
+      capacity an index_copy instead, which also keeps its source, the experts' output [k, d];
     - shared experts: a SwiGLU of shared_dim (4 x shared_dim); with their sigmoid gate, the gate
       (1) and the shared output [d].
 
@@ -87,7 +87,7 @@ def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
     choice += k if m.moe_capacity_factor > 0 else 0
     permute = 8 * k + p * k * d
     experts = 4 * p * k * H
-    unpermute = 8 * k + 2 * p * k * d
+    unpermute = 8 * k + p * k * d + (p * k * d if m.moe_capacity_factor > 0 else 0)
     shared = 4 * p * S + ((p + p * d) if m.moe_shared_gate and S else 0)
     return router + choice + permute + experts + unpermute + shared
 

@@ -156,7 +156,8 @@ def ffn_grad_bytes(m: ModelConfig, e: int, moe: bool = False) -> float:
     the routed one's to add to (d). The shared experts' own backward: the down projection's input
     gradient with the two it makes (three of shared_dim), with their gate the gradient of the shared
     output (d). The larger of the two. (tests/unit/test_memory_transients.py measures it on CPU:
-    which phase peaks varies with the incoming gradient, the count is the widest.)"""
+    which phase peaks varies with the incoming gradient and the autograd order; the count is the
+    widest, an upper bound.)"""
     if not (moe and m.is_moe):
         return 2 * e * m.ffn_dim
     k, H, d, S = m.moe_top_k, m.resolved_expert_dim, m.dim, m.resolved_shared_dim
