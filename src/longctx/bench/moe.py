@@ -10,9 +10,13 @@ dim x experts aside). Two routings:
 - skewed: the router's selection bias (moe.py `expert_bias`, which moves choices, not weights) of
   expert 0 raised until it takes --skew-share of all choices (0.5 with top-2: every token).
 
-Timing is CPU time of this process (time.process_time, every thread's), the minimum over --repeats
-runs with the MoE and the dense layer alternating, so other load on the machine inflates both
-alike and rarely the minimum. Memory is what the layer keeps for its backward: the bytes of the
+Timing is CPU time of this process (user + system, every thread's: getrusage), the run with the
+least of it over --repeats runs with the MoE and the dense layer alternating, so other load on the
+machine inflates both alike and rarely the minimum; its user / system split and minor page faults
+are reported too. System time is the kernel handing out fresh zeroed pages: glibc serves each
+allocation of 32 MiB or more (a [2 x 16K tokens, 256] fp32 tensor) by a new mmap, so at long
+lengths every such temporary faults its pages in again (MALLOC_MMAP_THRESHOLD_ set higher keeps
+freed memory for reuse; its value is recorded). Memory is what the layer keeps for its backward: the bytes of the
 distinct storages that autograd saves (torch.autograd.graph.saved_tensors_hooks; the layer's own
 parameters excluded), at several lengths, so that bytes per token show the growth is linear.
 Output: one JSON document on stdout; progress on stderr.
@@ -24,9 +28,9 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
-import time
 from datetime import date
 
 import torch
@@ -106,18 +110,25 @@ def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 def time_pair(moe: nn.Module, dense: nn.Module, x: torch.Tensor, repeats: int) -> dict:
-    """CPU seconds of forward+backward for each layer: min and median of `repeats`, alternating."""
+    """CPU seconds (user + system) of forward+backward for each layer over `repeats` alternating runs:
+    the least, its user / system split and minor page faults, and the median."""
     grad = torch.randn_like(x)
-    times: dict[str, list[float]] = {"moe": [], "dense": []}
+    runs: dict[str, list[tuple[float, float, int]]] = {"moe": [], "dense": []}
     for layer in (moe, dense):  # warm-up
         _fwd_bwd(layer, x, grad)
     for _ in range(repeats):
         for name, layer in (("moe", moe), ("dense", dense)):
-            start = time.process_time()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             _fwd_bwd(layer, x, grad)
-            times[name].append(time.process_time() - start)
-    return {name: {"min": min(t), "median": statistics.median(t), "all": [round(v, 5) for v in t]}
-            for name, t in times.items()}
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            runs[name].append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime,
+                               after.ru_minflt - before.ru_minflt))
+    out = {}
+    for name, r in runs.items():
+        user, system, faults = min(r, key=lambda v: v[0] + v[1])
+        out[name] = {"min": user + system, "user": user, "system": system, "minor_faults": faults,
+                     "median": statistics.median(u + s for u, s, _ in r), "all": [round(u + s, 5) for u, s, _ in r]}
+    return out
 
 
 def saved_bytes(layer: nn.Module, x: torch.Tensor) -> dict:
@@ -166,8 +177,13 @@ def main(args) -> int:
                    "moe_cpu_s": t["moe"]["min"], "dense_cpu_s": t["dense"]["min"],
                    "moe_cpu_s_per_token": t["moe"]["min"] / seq, "dense_cpu_s_per_token": t["dense"]["min"] / seq,
                    "ratio": t["moe"]["min"] / t["dense"]["min"],
+                   "moe_user_s": t["moe"]["user"], "moe_system_s": t["moe"]["system"],
+                   "dense_user_s": t["dense"]["user"], "dense_system_s": t["dense"]["system"],
+                   "ratio_user": t["moe"]["user"] / t["dense"]["user"],
                    "ratio_median": t["moe"]["median"] / t["dense"]["median"], "runs": t}
-            _progress(f"  moe {row['moe_cpu_s']:.3f} s, dense {row['dense_cpu_s']:.3f} s: ratio {row['ratio']:.3f}")
+            _progress(f"  moe {row['moe_cpu_s']:.3f} s (system {row['moe_system_s']:.3f}), dense "
+                      f"{row['dense_cpu_s']:.3f} s (system {row['dense_system_s']:.3f}): ratio {row['ratio']:.3f}, "
+                      f"user time only {row['ratio_user']:.3f}")
             timing.append(row)
     moe.router.expert_bias.zero_()
     memory = []
@@ -182,7 +198,8 @@ def main(args) -> int:
         "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
                    "dense_ffn_dim": cfg.ffn_dim, "router": "softmax", "capacity_factor": 0.0,
                    "skew_share": args.skew_share, "repeats": args.repeats, "threads": args.threads,
-                   "timing": "min over repeats of time.process_time() per forward+backward"},
+                   "timing": "the run of least user + system CPU time (getrusage) over the repeats",
+                   "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")},
         "active_params": params, "timing": timing, "memory": memory,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
     }, indent=2))
