@@ -31,6 +31,7 @@ import platform
 import resource
 import statistics
 import sys
+import time
 from datetime import date
 
 import torch
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per layer (after a warm-up)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU seconds are summed over them)")
     p.add_argument("--seed", type=int, default=0)
+
+
+def _ratio(a: float, b: float) -> float:
+    """a / b, where a CPU time below the clock's resolution (tiny sizes) reads as that resolution, not 0."""
+    tick = time.get_clock_info("process_time").resolution
+    return max(a, tick) / max(b, tick)
 
 
 def _progress(msg: str) -> None:
@@ -176,11 +183,11 @@ def main(args) -> int:
                    "load_max_over_mean": float(share.max() * args.experts),
                    "moe_cpu_s": t["moe"]["min"], "dense_cpu_s": t["dense"]["min"],
                    "moe_cpu_s_per_token": t["moe"]["min"] / seq, "dense_cpu_s_per_token": t["dense"]["min"] / seq,
-                   "ratio": t["moe"]["min"] / t["dense"]["min"],
+                   "ratio": _ratio(t["moe"]["min"], t["dense"]["min"]),
                    "moe_user_s": t["moe"]["user"], "moe_system_s": t["moe"]["system"],
                    "dense_user_s": t["dense"]["user"], "dense_system_s": t["dense"]["system"],
-                   "ratio_user": t["moe"]["user"] / t["dense"]["user"],
-                   "ratio_median": t["moe"]["median"] / t["dense"]["median"], "runs": t}
+                   "ratio_user": _ratio(t["moe"]["user"], t["dense"]["user"]),
+                   "ratio_median": _ratio(t["moe"]["median"], t["dense"]["median"]), "runs": t}
             _progress(f"  moe {row['moe_cpu_s']:.3f} s (system {row['moe_system_s']:.3f}), dense "
                       f"{row['dense_cpu_s']:.3f} s (system {row['dense_system_s']:.3f}): ratio {row['ratio']:.3f}, "
                       f"user time only {row['ratio_user']:.3f}")
