@@ -581,3 +581,30 @@ def test_bias_moves_once_per_optimizer_step_with_grad_accum(tmp_path):
                 assert delta.abs().max() > 0.9 * rate
     finally:
         trainer.sampler.close()
+
+
+def test_the_grouped_kernel_glue_meets_its_offsets_contract():
+    """The CUDA path's glue (kernel_grouped_mm: END offsets, int32) against the loop, run through
+    torch._grouped_mm on the CPU where the build allows it (fp32, 16-byte-aligned shapes), with an
+    empty group, and with the experts' transposed [E, out, in] weights."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    from longctx.ops.grouped import kernel_grouped_mm
+
+    counts = torch.tensor([24, 0, 8, 32])
+    x = torch.randn(int(counts.sum()), 16)
+    for w in (torch.randn(4, 16, 8), torch.randn(4, 8, 16).transpose(1, 2)):
+        try:
+            out = kernel_grouped_mm(x, w, counts)
+        except RuntimeError as e:  # a build whose CPU kernel refuses this layout
+            pytest.skip(f"torch._grouped_mm on CPU: {e}")
+        torch.testing.assert_close(out, grouped_mm(x, w, counts))
+
+
+def test_the_no_rows_case_still_reaches_the_input():
+    """Under expert parallelism a rank may receive no rows; backward must still reach the all-to-all
+    that produced them (or every other rank waits): the output is a function of x too."""
+    x = torch.randn(0, 4, requires_grad=True)
+    out = grouped_mm(x, torch.randn(3, 4, 2, requires_grad=True), torch.tensor([0, 0, 0]))
+    (g,) = grads(out.sum(), x)
+    assert g.shape == (0, 4)

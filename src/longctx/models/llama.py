@@ -32,6 +32,7 @@ from ..ops.loss import lm_head_loss, lm_head_token_scores
 from ..ops.norm import rms_norm
 from .moe import MoEFeedForward, RouterTerms, moe_layers, router_terms, update_expert_bias
 from .shards import write_full
+from .swiglu import FeedForward
 
 
 def _yarn_inv_freq(cfg: ModelConfig, device=None) -> torch.Tensor:
@@ -164,19 +165,6 @@ class Attention(nn.Module):
 def local_attention(q, k, v, doc_ids):
     out, _ = attention(q, k, v, causal=True, q_doc=doc_ids, k_doc=doc_ids)
     return out
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
+from .swiglu import FeedForward
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Router(nn.Module):
 
     def _weights(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         w = probs.gather(1, chosen)
-        if self.norm_topk and self.top_k > 1:
+        if self.norm_topk and chosen.shape[1] > 1:  # (DTS-Gate's k changes over its schedule)
             w = w / w.sum(-1, keepdim=True)
         return w * self.scale if self.scale != 1.0 else w
 
@@ -152,10 +153,7 @@ class DTSRouter(Router):
         temperature, k = self.schedule(self.step) if self.training else (1.0, self.top_k)
         probs = (logits / temperature).softmax(-1)
         chosen = (probs + self.expert_bias).topk(k, dim=-1).indices
-        w = probs.gather(1, chosen)
-        if self.norm_topk and k > 1:
-            w = w / w.sum(-1, keepdim=True)
-        return Routing(chosen, w * self.scale, probs, logits)
+        return Routing(chosen, self._weights(probs, chosen), probs, logits)
 
 
 ROUTERS: dict[str, type[Router]] = {"softmax": SoftmaxRouter, "switch": SwitchRouter, "sigmoid": SigmoidRouter,
@@ -301,8 +299,6 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from .llama import FeedForward  # the dense SwiGLU, also the shared experts
-
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
         self.router = ROUTERS[cfg.moe_router](cfg)

@@ -18,11 +18,16 @@ def _kernel_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
 
 
+def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """torch._grouped_mm's contract: `offs` are the int32 END offsets of the groups (cumulative row
+    counts); the last equals n. (Runs on CPU too for 16-byte-aligned shapes: the glue is tested there.)"""
+    return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[n, in] x [groups, in, out] -> [n, out]; rows grouped by `counts` [groups] (they sum to n)."""
     if _kernel_fits(x, w):
-        offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w, offs=offsets)
+        return kernel_grouped_mm(x, w, counts)
     sizes = counts.tolist()
     # no rows at all still runs the Function: its output must stay a function of x as well as w, so
     # that backward reaches whatever produced x (under expert parallelism, an all-to-all every rank joins)

@@ -34,7 +34,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ..models.moe import swiglu_experts
+from ..models.moe import moe_layers, swiglu_experts
 from . import comm
 
 
@@ -110,8 +110,6 @@ def expert_placement(p: torch.Tensor, mesh) -> DTensor:
 def use_expert_parallel(model, expert_mesh) -> None:
     """Every MoE layer's experts split over the `expert` dim of `expert_mesh`: weights as DTensors
     (before FSDP wraps them) and the forward as dispatch -> local experts -> combine."""
-    from ..models.moe import moe_layers
-
     mesh = comm.sub_mesh(expert_mesh, "expert")
     for layer in moe_layers(model):
         experts = layer.experts
