@@ -55,6 +55,14 @@ def reset_counters() -> None:
     _GROUPS.clear()
 
 
+def forget_meshes() -> None:
+    """Drop this module's references to meshes and their process groups (the lane and mesh-fact
+    caches): after the groups are destroyed, so that their C++ objects are freed now, not by the
+    interpreter's exit."""
+    _LANES.clear()
+    _MESH_FACTS.clear()
+
+
 def groups_used() -> dict[str, dict[str, list[str]]]:
     """{dim: {label: names of the process groups its transfers ran on}} since the last reset."""
     out: dict[str, dict[str, list[str]]] = {}

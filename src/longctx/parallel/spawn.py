@@ -36,6 +36,9 @@ def _entry(rank, world, port, fn, args, results, threads):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+            from .launch import release_groups
+
+            release_groups()
 
 
 def run_spawned(world: int, fn, *args, threads: int = 1, timeout: float = 900.0) -> list:
