@@ -3,6 +3,10 @@
 For tests and benchmarks on one machine (training launches through torchrun instead). On the
 first failure the other ranks are terminated (they would otherwise wait in a collective) and the
 failing rank's traceback is raised in the caller.
+
+Starting the processes (each imports torch and longctx) costs several seconds per job on a small
+CPU machine; `run_spawned_many` runs several functions one after another in one job instead, all
+on the same process group (training's `init_distributed` reuses a group that exists).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 from datetime import timedelta
 
@@ -67,3 +72,42 @@ def run_spawned(world: int, fn, *args, threads: int = 1, timeout: float = 900.0)
             if p.is_alive():
                 p.terminate()
     return [out[r] for r in range(world)]
+
+
+def _run_many(jobs):
+    """On every rank: each (key, fn, args) of `jobs` in order; {key: (result, seconds)}. Each function
+    starts with comm's byte counters cleared, as in a fresh process."""
+    from . import comm
+
+    out = {}
+    for key, fn, args in jobs:
+        comm.reset_counters()
+        start = time.perf_counter()
+        try:
+            result = fn(*args)
+        except Exception as e:  # the traceback names the job
+            raise RuntimeError(f"job {key!r} failed") from e
+        out[key] = (result, time.perf_counter() - start)
+        comm.barrier()  # (no rank starts the next function while another still runs this one)
+    return out
+
+
+def run_spawned_many(world: int, jobs, *, threads: int = 1, timeout: float | None = None,
+                     seconds: dict | None = None) -> dict:
+    """Run every (key, fn, args) of `jobs`, in order, in one spawned job of `world` ranks: fn(*args)
+    on each rank, as `run_spawned` runs one. Returns {key: [result of rank 0, rank 1, ...]}. The
+    functions must be picklable (module-level). `timeout` (default 300 s per job, at least 900 s)
+    bounds the whole job; `seconds`, when given, receives {key: rank 0's seconds in fn}. Each
+    function gets its own state to write (run directories), as separate jobs would; what a
+    process keeps between them (torch's RNG, caches) is the functions' to reset, as training does.
+    """
+    jobs = [(key, fn, tuple(args)) for key, fn, args in jobs]
+    keys = [key for key, _, _ in jobs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"job keys must be distinct: {keys}")
+    if timeout is None:
+        timeout = max(900.0, 300.0 * len(jobs))
+    per_rank = run_spawned(world, _run_many, jobs, threads=threads, timeout=timeout)
+    if seconds is not None:
+        seconds.update({key: per_rank[0][key][1] for key in keys})
+    return {key: [r[key][0] for r in per_rank] for key in keys}
