@@ -1,10 +1,15 @@
 """Expert parallelism (parallel.expert, parallel/expert.py) against one process: per-step losses and
 router statistics under folded layouts and memory policies, the expert all-to-all bytes against
-their closed form from the routed counts, and resumes under another expert degree (fp32, gloo)."""
+their closed form from the routed counts, and resumes under another expert degree (fp32, gloo).
+
+Starting ranks costs seconds per job, so every configuration of one world size runs in one spawned
+job (`spawned(world)`, run_spawned_many: one after another on one process group, each with its own
+run directory); the tests read their configuration's results from it. The resumes run in a second
+job, after the first halves."""
 
 import os
 import shutil
-import time
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ from test_training_parity import BASE
 from longctx.config import load_config
 from longctx.errors import ConfigError
 from longctx.parallel import comm
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import Trainer, train
 
@@ -59,28 +64,27 @@ def reference(tmp_path_factory):
     return losses, _stats(run_dir, range(1, STEPS + 1))
 
 
-def _check(name, world, args, reference, run_dir):
-    start = time.perf_counter()
-    per_rank = run_spawned(world, _train, [*MOE, f"--train.steps={STEPS}", *args], str(run_dir))
+def _check(name, key, reference, spawned):
+    world = WORLD_OF[key]
+    results, seconds, base = spawned(world)
+    per_rank, run_dir = results[key], _run_dir(base, key)
     ref_losses, ref_stats = reference
     loss_diff = max(abs(a - b) for losses in per_rank for a, b in zip(losses, ref_losses, strict=True))
     stats = _stats(run_dir, range(1, STEPS + 1))
     stat_diff = max(abs(s[k] - r[k]) for s, r in zip(stats, ref_stats) for k in STATS)
     print(f"{name}: max |loss - single| {loss_diff:.2e}, router stats {stat_diff:.2e} "
-          f"({time.perf_counter() - start:.0f}s)")
+          f"({seconds[key]:.0f}s in a {world}-rank job)")
     assert loss_diff <= TOL and stat_diff <= TOL, (name, loss_diff, stat_diff)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_expert_parallel_layouts_match_one_process(layout, reference, tmp_path):
-    world, args = LAYOUTS[layout]
-    _check(layout, world, args, reference, tmp_path)
+def test_expert_parallel_layouts_match_one_process(layout, reference, spawned):
+    _check(layout, f"layout {layout}", reference, spawned)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_expert_parallel_under_every_memory_policy(policy, reference, tmp_path):
-    _check(f"expert2-ctx2 {policy}", 2, ["--parallel.expert=2", "--parallel.ctx=2", *POLICIES[policy]],
-           reference, tmp_path)
+def test_expert_parallel_under_every_memory_policy(policy, reference, spawned):
+    _check(f"expert2-ctx2 {policy}", f"policy {policy}", reference, spawned)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,12 +121,15 @@ def _bytes_of_one_step(args, run_dir):
     return sent.get("expert", 0), expected, sent.get("expert_counts", 0), counts_bytes, len(calls)
 
 
-@pytest.mark.parametrize("args", [["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"],
-                                  ["--parallel.expert=2", "--parallel.ctx=2", "--memory.recompute=full"]],
-                         ids=["expert4-head2-ctx2", "expert2-dp2-ctx2-full"])
-def test_expert_bytes_equal_the_closed_form(args, tmp_path):
-    for sent, expected, counts_sent, counts_expected, calls in run_spawned(4, _bytes_of_one_step, args,
-                                                                           str(tmp_path)):
+BYTES = {
+    "expert4-head2-ctx2": ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"],
+    "expert2-dp2-ctx2-full": ["--parallel.expert=2", "--parallel.ctx=2", "--memory.recompute=full"],
+}
+
+
+@pytest.mark.parametrize("layout", list(BYTES))
+def test_expert_bytes_equal_the_closed_form(layout, spawned):
+    for sent, expected, counts_sent, counts_expected, calls in spawned(4)[0][f"bytes {layout}"]:
         assert calls > 0 and expected > 0
         assert sent == expected, (sent, expected)
         assert counts_sent == counts_expected, (counts_sent, counts_expected)
@@ -141,16 +148,29 @@ def _resume(args, run_dir, checkpoint):
     return train(cfg, log=lambda *a, **k: None).losses
 
 
-@pytest.mark.parametrize("before,after", [(4, 2), (2, 4), (4, 1)])
-def test_resume_under_another_expert_degree(before, after, tmp_path):
-    first = tmp_path / "first"
-    losses = run_spawned(4, _train, [*RESUME, f"--parallel.expert={before}"], str(first))[0]
-    checkpoint = first / "checkpoints" / "step-00000003"
-    second = tmp_path / "second"
-    shutil.copytree(first, second, ignore=shutil.ignore_patterns("step-00000006"))
-    resumed = run_spawned(4, _resume, [*RESUME, f"--parallel.expert={after}"], str(second),
-                          str(second / "checkpoints" / checkpoint.name))[0]
-    diff = max(abs(a - b) for a, b in zip(resumed, losses[3:], strict=True))
+RESUMES = [(4, 2), (2, 4), (4, 1)]  # expert degree before, after
+
+
+@pytest.fixture(scope="module")
+def resumed(spawned):
+    """{(before, after): (rank 0's losses uninterrupted, rank 0's losses of steps 4-6 resumed)}: the
+    uninterrupted runs (one per degree before) ran in spawned(4); every resume in one more job."""
+    results, _, base = spawned(4)
+    jobs = []
+    for before, after in RESUMES:
+        first = _run_dir(base, f"resume from expert{before}")
+        second = base / f"resume-expert{before}-to-expert{after}"
+        shutil.copytree(first, second, ignore=shutil.ignore_patterns("step-00000006"))
+        jobs.append(((before, after), _resume, ([*RESUME, f"--parallel.expert={after}"], str(second),
+                                                str(second / "checkpoints" / "step-00000003"))))
+    out = run_spawned_many(4, jobs)
+    return {(b, a): (results[f"resume from expert{b}"][0], out[(b, a)][0]) for b, a in RESUMES}
+
+
+@pytest.mark.parametrize("before,after", RESUMES)
+def test_resume_under_another_expert_degree(before, after, resumed):
+    losses, resumed_losses = resumed[(before, after)]
+    diff = max(abs(a - b) for a, b in zip(resumed_losses, losses[3:], strict=True))
     print(f"expert {before} -> {after}: steps 4-6 max |loss - uninterrupted| {diff:.2e}")
     assert diff <= 1e-5
 
@@ -176,12 +196,12 @@ def test_expert_degree_must_divide_the_world():
         ParallelDims(dp_shard=-1, world_size=6, expert=4)
 
 
-def test_expert_weights_are_split_not_copied(tmp_path):
+def test_expert_weights_are_split_not_copied(spawned):
     """What a rank holds of the expert weights, at rest (its FSDP shard) and while a layer runs (FSDP's
     unsharded weights): at expert 4 the forward holds a quarter of the experts; at rest the shards
     over the 4 ranks add up to the model's experts exactly once either way."""
-    one = run_spawned(4, _expert_elements, ["--parallel.ctx=4"], str(tmp_path / "a"))
-    four = run_spawned(4, _expert_elements, ["--parallel.ctx=4", "--parallel.expert=4"], str(tmp_path / "b"))
+    results = spawned(4)[0]
+    one, four = results["weights expert1"], results["weights expert4"]
     total = one[0][2]
     assert sum(rest for rest, _, _ in one) == sum(rest for rest, _, _ in four) == total
     assert all(running == total for _, running, _ in one)
@@ -229,11 +249,15 @@ def _fsdp_traffic(args, run_dir):
     return sum(traffic.values()), expected["fsdp"]
 
 
-@pytest.mark.parametrize("args", [["--parallel.expert=2", "--parallel.ctx=2"],
-                                  ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"]],
-                         ids=["expert2-dp2-ctx2", "expert4-head2-ctx2"])
-def test_fsdp_bytes_under_expert_parallelism_equal_the_closed_form(args, tmp_path):
-    for measured, expected in run_spawned(4, _fsdp_traffic, args, str(tmp_path)):
+FSDP = {
+    "expert2-dp2-ctx2": ["--parallel.expert=2", "--parallel.ctx=2"],
+    "expert4-head2-ctx2": ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"],
+}
+
+
+@pytest.mark.parametrize("layout", list(FSDP))
+def test_fsdp_bytes_under_expert_parallelism_equal_the_closed_form(layout, spawned):
+    for measured, expected in spawned(4)[0][f"fsdp {layout}"]:
         assert measured == pytest.approx(expected, rel=1e-9), (measured, expected)
 
 
@@ -262,20 +286,14 @@ SKEWED = {  # router: (world, layout)
 
 
 @pytest.mark.parametrize("router", list(SKEWED))
-def test_skewed_routing_under_expert_parallelism_is_exact_and_bounded(router, tmp_path):
+def test_skewed_routing_under_expert_parallelism_is_exact_and_bounded(router, spawned, tmp_path):
     """Every token's first choice is expert 0, so its rank receives far more than its share (every
     token of its expert group once; DTS-Gate at step 0 sends every token to every expert); with
     memory.expert_chunk the experts' intermediates stay at 64 rows anyway."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-    from test_moe_expert_chunk import _WidestMatmul  # noqa: F401  (importable in the spawned ranks too)
-
     world, layout = SKEWED[router]
     router_args = [a for a in layout if a.startswith("--model.")]
     single = _skewed(["--memory.recompute=selective", *router_args], tmp_path / "single")
-    per_rank = run_spawned(world, _skewed, [*layout, "--memory.recompute=selective", "--memory.expert_chunk=64"],
-                           str(tmp_path / "ep"))
+    per_rank = spawned(world)[0][f"skew {router}"]
     # the skew is real: half the choices on one expert (top-2; DTS at step 0: one of its 8 choices)
     assert single[2] >= (0.125 if router == "dts" else 0.5) - 1e-6
     for losses, rows, share in per_rank:
@@ -283,3 +301,55 @@ def test_skewed_routing_under_expert_parallelism_is_exact_and_bounded(router, tm
         print(f"skewed {router}, {layout[0]}: max |loss - single| {diff:.2e}, widest expert activation {rows} rows")
         assert diff <= TOL and rows <= 64 and share == pytest.approx(single[2])
     assert single[1] > 64  # without the chunk, one process runs them all at once
+
+
+# ----------------------------------------------------------------------------------------------
+# one spawned job per world size
+
+
+def _jobs(world):
+    """(key, function, args without the run directory) of every configuration run on `world` ranks,
+    in the order the tests above come."""
+    jobs = [(f"layout {name}", _train, [*MOE, f"--train.steps={STEPS}", *args]) for name, (w, args) in LAYOUTS.items()
+            if w == world]
+    if world == 2:
+        jobs += [(f"policy {name}", _train, [*MOE, f"--train.steps={STEPS}", "--parallel.expert=2", "--parallel.ctx=2",
+                                             *args]) for name, args in POLICIES.items()]
+    if world == 4:
+        jobs += [(f"bytes {name}", _bytes_of_one_step, args) for name, args in BYTES.items()]
+        jobs += [(f"resume from expert{before}", _train, [*RESUME, f"--parallel.expert={before}"])
+                 for before in dict.fromkeys(b for b, _ in RESUMES)]  # (4 -> 2 and 4 -> 1 continue one run)
+        jobs += [("weights expert1", _expert_elements, ["--parallel.ctx=4"]),
+                 ("weights expert4", _expert_elements, ["--parallel.ctx=4", "--parallel.expert=4"])]
+        jobs += [(f"fsdp {name}", _fsdp_traffic, args) for name, args in FSDP.items()]
+    jobs += [(f"skew {router}", _skewed, [*layout, "--memory.recompute=selective", "--memory.expert_chunk=64"])
+             for router, (w, layout) in SKEWED.items() if w == world]
+    return jobs
+
+
+WORLD_OF = {**{f"layout {name}": w for name, (w, _) in LAYOUTS.items()}, **{f"policy {name}": 2 for name in POLICIES}}
+
+
+def _run_dir(base, key):
+    return base / key.replace(" ", "-")
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """spawned(world) -> ({key: per-rank results}, {key: rank 0's seconds}, base of the run directories):
+    every configuration of that world size in one job, run on first use."""
+    # _skewed's probe (tests/unit/test_moe_expert_chunk.py), importable here and in the spawned ranks
+    unit = str(Path(__file__).parents[1] / "unit")
+    if unit not in sys.path:
+        sys.path.insert(0, unit)
+    done = {}
+
+    def get(world):
+        if world not in done:
+            base = tmp_path_factory.mktemp(f"expert-world{world}")
+            seconds = {}
+            jobs = [(key, fn, (args, str(_run_dir(base, key)))) for key, fn, args in _jobs(world)]
+            done[world] = run_spawned_many(world, jobs, seconds=seconds), seconds, base
+        return done[world]
+
+    return get
