@@ -4,7 +4,9 @@ per-step losses and the router statistics the metrics record (balancing losses, 
 
 The layouts are the training-parity test's (test_training_parity.LAYOUTS). Every run trains a few
 steps: a wrong split of the router statistics shows at step 1 (the loss and the statistics of the
-forward), a wrong gradient or bias at step 2."""
+forward), a wrong gradient or bias at step 2. Starting ranks costs seconds per job, so every
+configuration of one world size runs in one spawned job (run_spawned_many: one after another on one
+process group, each with its own run directory); the tests read their configuration's results."""
 
 import os
 import time
@@ -14,7 +16,7 @@ import pytest
 from test_training_parity import BASE, LAYOUTS
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned, run_spawned_many
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import train
 
@@ -55,21 +57,43 @@ def reference(tmp_path_factory):
     return losses, _router_stats(run_dir)
 
 
-_runs: dict[tuple, tuple] = {}  # (layout, extra) -> (losses of every rank, router stats): shared by the tests
+def _jobs(world):
+    """(key, args without the run directory) of every configuration run on `world` ranks: the layouts,
+    then (4 ranks) the memory policies under head 2 x ctx 2. head2-ctx2 comes first among the 4-rank
+    layouts, so that it runs in a fresh process, as test_two_runs_give_the_same_bits needs."""
+    jobs = [(layout, [*MOE, *args]) for layout, (w, args) in LAYOUTS.items() if w == world]
+    if world == 4:
+        assert jobs[0][0] == "head2-ctx2"
+        jobs += [(f"head2-ctx2 {policy}", [*MOE, *extra, *LAYOUTS["head2-ctx2"][1]])
+                 for policy, extra in POLICIES.items()]
+    return jobs
 
 
-def run(layout, tmp_path, extra=(), fresh=False):
-    key = (layout, tuple(extra))
-    if fresh or key not in _runs:
-        world, args = LAYOUTS[layout]
-        start = time.perf_counter()
-        losses = run_spawned(world, _train_losses, [*MOE, *extra, *args], str(tmp_path))
-        print(f"{layout} {' '.join(extra)}: {time.perf_counter() - start:.1f}s")
-        result = (losses, _router_stats(tmp_path))
-        if fresh:
-            return result
-        _runs[key] = result
-    return _runs[key]
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """spawned(world) -> {key: (losses of every rank, run directory, rank 0's seconds)}: every
+    configuration of that world size in one job, run on first use."""
+    done = {}
+
+    def get(world):
+        if world not in done:
+            base = tmp_path_factory.mktemp(f"moe-world{world}")
+            dirs = {key: base / key.replace(" ", "-") for key, _ in _jobs(world)}
+            seconds = {}
+            results = run_spawned_many(world, [(key, _train_losses, (args, str(dirs[key])))
+                                               for key, args in _jobs(world)], seconds=seconds)
+            done[world] = {key: (losses, dirs[key], seconds[key]) for key, losses in results.items()}
+        return done[world]
+
+    return get
+
+
+def run(key, spawned):
+    """(losses of every rank, router stats) of one configuration (a layout, or 'head2-ctx2 POLICY')."""
+    world = LAYOUTS[key.split()[0]][0]
+    losses, run_dir, seconds = spawned(world)[key]
+    print(f"{key}: {seconds:.1f}s in a {world}-rank job")
+    return losses, _router_stats(run_dir)
 
 
 def check(name, result, reference):
@@ -97,17 +121,22 @@ def test_reference_routes_and_balances(reference):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_match_single_process(layout, reference, tmp_path):
-    check(layout, run(layout, tmp_path), reference)
+def test_layouts_match_single_process(layout, reference, spawned):
+    check(layout, run(layout, spawned), reference)
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-def test_memory_policies_match_single_process(policy, reference, tmp_path):
-    check(f"head2-ctx2 {policy}", run("head2-ctx2", tmp_path, POLICIES[policy]), reference)
+def test_memory_policies_match_single_process(policy, reference, spawned):
+    check(f"head2-ctx2 {policy}", run(f"head2-ctx2 {policy}", spawned), reference)
 
 
-def test_two_runs_give_the_same_bits(tmp_path):
-    first = run("head2-ctx2", tmp_path / "first")
-    second = run("head2-ctx2", tmp_path / "second", fresh=True)
+def test_two_runs_give_the_same_bits(spawned, tmp_path):
+    """head2-ctx2 of the 4-rank job (the first there: a fresh process) against another job of its own."""
+    first = run("head2-ctx2", spawned)
+    world, args = LAYOUTS["head2-ctx2"]
+    start = time.perf_counter()
+    losses = run_spawned(world, _train_losses, [*MOE, *args], str(tmp_path / "second"))
+    print(f"head2-ctx2 again: {time.perf_counter() - start:.1f}s")
+    second = (losses, _router_stats(tmp_path / "second"))
     assert first[0] == second[0]  # every rank's losses, exactly
     assert first[1] == second[1]  # and the router statistics
