@@ -1,12 +1,14 @@
 """Training under parallel layouts against the single-process run: per-step losses (fp32, gloo).
 
 A wrong layout shows at step 1 (the forward) or 2 (the first update), so each layout trains a few
-steps; one layout trains long, to catch what only accumulates."""
+steps; one layout trains long, to catch what only accumulates. Starting ranks costs seconds per
+job, so every run of one world size happens in one spawned job (run_spawned_many: one after another
+on one process group, each with its own run directory); the tests read their run's losses."""
 
 import pytest
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 from longctx.train.trainer import train
 
 STEPS = 4         # every layout
@@ -36,41 +38,41 @@ def reference(tmp_path_factory):
     return _train_losses([*BASE, f"--train.steps={STEPS}"], tmp_path_factory.mktemp("single"))
 
 
-def check(layout, reference, tmp_path, extra=(), steps=STEPS):
-    world, args = LAYOUTS[layout]
-    losses = run_spawned(world, _train_losses, [*BASE, f"--train.steps={steps}", *extra, *args], str(tmp_path))
+def check(key, reference, spawned, steps=STEPS):
+    world = LAYOUTS[key.split()[0]][0]
+    losses, seconds = spawned(world)[key]
+    print(f"{key}: {seconds:.1f}s in a {world}-rank job")
     for rank_losses in losses:
         assert len(rank_losses) == steps
         diff = max(abs(a - b) for a, b in zip(rank_losses, reference))
-        assert diff <= 1e-4, f"{layout}: max |loss - single| = {diff:.2e}"
+        assert diff <= 1e-4, f"{key}: max |loss - single| = {diff:.2e}"
     return max(abs(a - b) for a, b in zip(losses[0], reference))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_losses_match_single_process(layout, reference, tmp_path):
-    diff = check(layout, reference, tmp_path)
+def test_losses_match_single_process(layout, reference, spawned):
+    diff = check(layout, reference, spawned)
     print(f"{layout}: max |loss - single| over {STEPS} steps = {diff:.2e}")
 
 
-def test_a_long_run_matches_single_process(tmp_path):
+def test_a_long_run_matches_single_process(spawned, tmp_path):
     """head 2 x ctx 2 over 20 steps: what a few steps cannot show (drift that accumulates)."""
     reference = _train_losses([*BASE, f"--train.steps={LONG_STEPS}"], tmp_path / "single")
-    diff = check("head2-ctx2", reference, tmp_path / "parallel", steps=LONG_STEPS)
+    diff = check("head2-ctx2 long", reference, spawned, steps=LONG_STEPS)
     print(f"head2-ctx2: max |loss - single| over {LONG_STEPS} steps = {diff:.2e}")
 
 
-def test_gradient_accumulation_with_sync_once_per_step_matches_single_process(reference, tmp_path):
+def test_gradient_accumulation_with_sync_once_per_step_matches_single_process(reference, spawned):
     """dp 2 x ctx 2 with 2 micro-batches per step (FSDP gradient sync off for the first): the same
     losses as one process without accumulation."""
-    diff = check("dp2-ctx2", reference, tmp_path, extra=["--train.grad_accum=2"])
+    diff = check("dp2-ctx2 grad_accum", reference, spawned)
     print(f"dp2-ctx2 grad_accum 2: max |loss - single| over {STEPS} steps = {diff:.2e}")
 
 
-def test_compiled_blocks_under_fsdp_train_identically(reference, tmp_path):
+def test_compiled_blocks_under_fsdp_train_identically(reference, spawned):
     """head 2 x ctx 2 with train.compile (CPU inductor) under FSDP2, selective recomputation and
     token-wise offload: the eager single process's losses."""
-    diff = check("head2-ctx2", reference, tmp_path,
-                 extra=["--train.compile=true", "--memory.recompute=selective", "--memory.offload_fraction=0.5"])
+    diff = check("head2-ctx2 compiled", reference, spawned)
     print(f"head2-ctx2 compiled: max |loss - single| over {STEPS} steps = {diff:.2e}")
 
 
@@ -89,16 +91,63 @@ def short_docs(tmp_path_factory):
     return str(d)
 
 
-@pytest.mark.parametrize("layout,split", [("head2-ctx2", "docs"), ("ctx4-window2", "docs"), ("dp2-ctx2", "docs"),
-                                            ("head2-ctx2", "zigzag")])
-def test_packed_documents_train_identically(layout, split, short_docs, tmp_path):
-    extra = [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.split={split}"]
-    single = _train_losses([*BASE, *extra], tmp_path / "single")
-    world, args = LAYOUTS[layout]
-    losses = run_spawned(world, _train_losses, [*BASE, *extra, *args], str(tmp_path / "parallel"))
+PACKED = [("head2-ctx2", "docs"), ("ctx4-window2", "docs"), ("dp2-ctx2", "docs"), ("head2-ctx2", "zigzag")]
+
+
+def _packed(short_docs, split):
+    return [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.split={split}"]
+
+
+@pytest.mark.parametrize("layout,split", PACKED)
+def test_packed_documents_train_identically(layout, split, short_docs, spawned, tmp_path):
+    single = _train_losses([*BASE, *_packed(short_docs, split)], tmp_path / "single")
+    world = LAYOUTS[layout][0]
+    losses, seconds = spawned(world)[f"{layout} packed {split}"]
+    print(f"{layout} packed {split}: {seconds:.1f}s in a {world}-rank job")
     # the samples really are packed with many documents
     from longctx.data.builder.corpus import read_documents
 
     assert len(read_documents(short_docs)) == 400
     diff = max(abs(a - b) for a, b in zip(losses[0], single[:8]))
     assert diff <= 1e-4, f"{layout}: max |loss - single| = {diff:.2e}"
+
+
+# ----------------------------------------------------------------------------------------------
+# one spawned job per world size
+
+
+def _jobs(world, short_docs):
+    """(key, args without the run directory) of every parallel run on `world` ranks, in the order
+    the tests above come; a key starts with its layout."""
+    jobs = [(layout, [*BASE, f"--train.steps={STEPS}", *args]) for layout, (w, args) in LAYOUTS.items() if w == world]
+    if world == LAYOUTS["head2-ctx2"][0]:
+        jobs += [
+            ("head2-ctx2 long", [*BASE, f"--train.steps={LONG_STEPS}", *LAYOUTS["head2-ctx2"][1]]),
+            ("dp2-ctx2 grad_accum", [*BASE, f"--train.steps={STEPS}", "--train.grad_accum=2",
+                                     *LAYOUTS["dp2-ctx2"][1]]),
+            ("head2-ctx2 compiled", [*BASE, f"--train.steps={STEPS}", "--train.compile=true",
+                                     "--memory.recompute=selective", "--memory.offload_fraction=0.5",
+                                     *LAYOUTS["head2-ctx2"][1]]),
+        ]
+    jobs += [(f"{layout} packed {split}", [*BASE, *_packed(short_docs, split), *LAYOUTS[layout][1]])
+             for layout, split in PACKED if LAYOUTS[layout][0] == world]
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory, short_docs):
+    """spawned(world) -> {key: (losses of every rank, rank 0's seconds)}: every parallel run of that
+    world size in one job, run on first use."""
+    done = {}
+
+    def get(world):
+        if world not in done:
+            base = tmp_path_factory.mktemp(f"parity-world{world}")
+            jobs = [(key, _train_losses, (args, str(base / key.replace(" ", "-"))))
+                    for key, args in _jobs(world, short_docs)]
+            seconds = {}
+            results = run_spawned_many(world, jobs, seconds=seconds)
+            done[world] = {key: (losses, seconds[key]) for key, losses in results.items()}
+        return done[world]
+
+    return get
