@@ -39,7 +39,7 @@ SLOW = PRESETS["h100"].replace(comm_overlap=0.0, intra_gbps=1e-6, inter_gbps=1e-
 
 
 def test_parameter_counts():
-    assert param_counts(TINY) == {"block": 592, "root": 168, "total": 1352}
+    assert param_counts(TINY) == {"block": 592, "root": 168, "total": 1352, "experts": 0}
 
 
 def test_model_states_are_16_bytes_per_parameter_over_the_fsdp_group():

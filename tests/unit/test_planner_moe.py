@@ -50,7 +50,9 @@ def test_parameters_count_every_expert_flops_the_active_ones():
     assert layer_matmul_params(TINY_MOE) == [192 + 384, 192 + 856]
     assert layer_matmul_params(TINY_MOE, active=True) == [192 + 384, 192 + 568]
     assert block_params(TINY_MOE) == [592, 1064]
-    assert param_counts(TINY_MOE) == {"block": 1064, "root": 168, "total": 592 + 1064 + 168}
+    assert param_counts(TINY_MOE) == {"block": 1064, "root": 168, "total": 592 + 1064 + 168, "experts": 3 * 4 * 8 * 6}
+    # expert 2: a rank gathers 2 of the MoE block's 4 experts (576 routed weights, 288 of them)
+    assert param_counts(TINY_MOE, expert=2)["block"] == 1064 - 288
     assert active_params(TINY_MOE) == 1824 - (856 - 568)  # the two experts a token is not sent to
     # forward per token: 2 per matmul parameter a token goes through (blocks and LM head 2 x 8 x 10),
     # and the attention scores 4 s x 8 per layer, halved by the causal mask
@@ -121,3 +123,72 @@ def test_qwen3_moe_at_256k_on_8_h100_is_planned():
     assert best.memory["model_states"] == 16 * param_counts(m)["total"] / best.mesh_shape.fsdp
     assert best.memory["total"] <= PRESETS["h100"].usable_memory_bytes
     assert 0 < best.mfu < 1
+
+
+# ----------------------------------------------------------------------------------------------
+# expert parallelism in the planner
+
+
+def test_expert_parallel_model_states_split_the_routed_experts_over_every_rank():
+    """At rest the routed experts are 1 / world per rank (E / expert each, FSDP over world / expert):
+    the same as FSDP over every rank, less than replicas of them."""
+    from longctx.planner.model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes
+
+    pc = param_counts(TINY_MOE)
+    dense, experts = pc["total"] - pc["experts"], pc["experts"]
+    assert model_state_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4)) == model_state_bytes(
+        TINY_MOE, MeshShape(dp_shard=4)) == 16 * pc["total"] / 4
+    assert model_state_bytes(TINY_MOE, MeshShape(dp_replicate=4, expert=4)) == 16 * dense + 16 * experts / 4
+    hsdp = MeshShape(dp_replicate=2, dp_shard=2, expert=2)
+    assert model_state_bytes(TINY_MOE, hsdp) == 16 * dense / 2 + 16 * experts / 4
+    # the working set: a MoE block gathered with its group's experts only; the unsharded gradients too
+    assert gathered_param_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4), 2) == (
+        2 * (1064 - 432) * 2 + (1064 - 432) * 4 + 168 * 6)
+    assert accumulated_grad_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4), 4, "step") == 4 * (dense + experts // 4)
+
+
+def test_expert_all_to_all_bytes_follow_tokens_top_k_and_recomputation():
+    from longctx.memory.accounting import moe_forward_runs
+    from longctx.memory.policy import MemoryPolicy
+    from longctx.parallel.volumes import expert_bytes
+
+    one = expert_bytes(tokens=100, top_k=2, experts=4, dim=8, expert=4, elem=2)
+    # 200 rows, 3/4 of them leave the rank, 16 B each: dispatch + combine, forward and backward
+    assert one == {"expert": 4 * 150 * 16, "expert_counts": 4 * 8 * 3 / 4}
+    again = expert_bytes(tokens=100, top_k=2, experts=4, dim=8, expert=4, elem=2, forwards=2)
+    assert again["expert"] == 6 * 150 * 16 and again["expert_counts"] == 2 * one["expert_counts"]
+    assert expert_bytes(tokens=100, top_k=2, experts=4, dim=8, expert=1, elem=2) == {}
+    # which forwards re-run: none keeps every MoE call, full and selective recompute them
+    assert moe_forward_runs(TINY_MOE, 64, MemoryPolicy()) == 1
+    assert moe_forward_runs(TINY_MOE, 64, MemoryPolicy("full")) == 2
+    assert moe_forward_runs(TINY_MOE, 64, MemoryPolicy("selective")) == 2
+
+
+def test_skew_is_bounded_by_what_routing_allows():
+    from longctx.memory.accounting import expert_rows, max_expert_skew
+
+    # 4 experts over 2 ranks, top 2: a rank holds 2 experts; the most a token sends it is 2 rows
+    assert max_expert_skew(TINY_MOE, 2) == 2 * 2 / 2
+    assert expert_rows(100, TINY_MOE, 2, 1.0) == 200 and expert_rows(100, TINY_MOE, 2, 1.5) == 300
+    assert expert_rows(100, TINY_MOE, 2, float("inf")) == 400  # every token of both ranks, twice
+    assert max_expert_skew(TINY_MOE, 4) == 4 * 1 / 2  # one expert per rank: one row per token at most
+
+
+def test_the_plan_searches_expert_degrees_and_prices_their_skew():
+    """debug-moe on 4 GPUs: plans at expert 1 and 4 are both evaluated; an expert-4 plan's
+    all-to-all bytes and time appear, and grow with the planned skew, as does its memory."""
+    from longctx.planner.hardware import PRESETS
+    from longctx.planner.search import Request, plan
+
+    m = model("debug-moe")
+    res = {skew: plan(Request(m, PRESETS["h100"], 4, 4096, gpus_per_node=4, expert_skew=skew))
+           for skew in (1.0, 4.0)}
+    ranked = res[1.0].ranked
+    assert {e.mesh_shape.expert for e in ranked} == {1, 4}
+    ep = [e for e in ranked if e.mesh_shape.expert == 4][0]
+    assert ep.comm_bytes["expert"]["expert"] > 0 and ep.times["exposed_expert"] > 0
+    same = [e for e in res[4.0].ranked if e.mesh_shape == ep.mesh_shape and e.policy == ep.policy
+            and e.micro_batch == ep.micro_batch][0]
+    assert same.times["exposed_expert"] > ep.times["exposed_expert"]
+    assert same.memory["activations"] + same.memory["transient"] > ep.memory["activations"] + ep.memory["transient"]
+    assert all(e.mesh_shape.expert == 1 for e in plan(Request(model("debug"), PRESETS["h100"], 4, 4096)).ranked)

@@ -8,6 +8,7 @@ explicitly, so `--model.preset llama3-8b --model.layers 2` is the 8B shape with 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,10 +197,7 @@ class ModelConfig:
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         """The layers whose feed-forward is a Mixture of Experts (all but moe.dense_layers)."""
-        if not self.is_moe:
-            return ()
-        dense = parse_layer_list(self.moe_dense_layers)
-        return tuple(i for i in range(self.layers) if i not in dense)
+        return _moe_layer_ids(self.layers, self.is_moe, self.moe_dense_layers)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -347,3 +345,13 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
+
+
+@functools.lru_cache(maxsize=256)
+def _moe_layer_ids(layers: int, is_moe: bool, dense_layers) -> tuple[int, ...]:
+    """ModelConfig.moe_layer_ids, computed once per (layers, dense_layers): the planner asks for it
+    in every candidate's estimate."""
+    if not is_moe:
+        return ()
+    dense = parse_layer_list(dense_layers)
+    return tuple(i for i in range(layers) if i not in dense)

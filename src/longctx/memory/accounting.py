@@ -199,27 +199,83 @@ def moe_calls(recompute: str, offloaded: bool, tokens: int, policy: MemoryPolicy
     return [(n, True) for n in _piece_sizes(stored, chunk)] + [(n, False) for n in _piece_sizes(tokens - stored, chunk)]
 
 
+def expert_rows(tokens: float, m: ModelConfig, expert: int, skew: float = 1.0) -> float:
+    """Routed rows the most loaded rank of an expert group receives under expert parallelism: `skew`
+    times its uniform share (its tokens' tokens x top_k rows: what every rank gets when routing is
+    even), at most what routing allows: every token of the group's `expert` ranks sending it
+    min(top_k, experts / expert) rows (one per expert it holds)."""
+    k = m.moe_top_k
+    worst = tokens * expert * min(k, m.moe_experts // expert)
+    return min(max(skew, 1.0) * tokens * k, worst)
+
+
+def max_expert_skew(m: ModelConfig, expert: int) -> float:
+    """The largest receive skew routing allows at this expert degree (expert_rows' bound over the
+    uniform share): expert x min(top_k, experts / expert) / top_k."""
+    return expert * min(m.moe_top_k, m.moe_experts // expert) / m.moe_top_k
+
+
+def expert_parallel_row_bytes(m: ModelConfig, p: int, chunked: bool) -> float:
+    """Bytes a rank keeps for backward per routed row it receives under expert parallelism
+    (parallel/expert.py): the received row, the grouped GEMM's input (d); the experts' SwiGLU
+    intermediates (4 x expert_dim; none when memory.expert_chunk recomputes them piece by piece);
+    and the two int64 indices that regroup the rows expert-major and back (16). Without expert
+    parallelism a rank's own rows keep the first two (moe_ffn_bytes' permute and experts), so with
+    even routing expert parallelism adds the indices alone."""
+    return p * m.dim + (0 if chunked else 4 * p * m.resolved_expert_dim) + 16
+
+
+def moe_forward_runs(model: ModelConfig, tokens: int, policy: MemoryPolicy) -> float:
+    """Forward runs of the MoE feed-forwards in one micro-batch, summed over the MoE layers: 1 each,
+    plus the share of its tokens whose call is recomputed in backward (moe_calls: not stored; under
+    selective recomputation the feed-forward is recomputed, unless its block is offloaded, where
+    the stored offload_fraction of the tokens is not)."""
+    if not model.is_moe or tokens <= 0:
+        return 0.0
+    offloaded = max(0, model.layers - policy.offload_skip_last) if policy.offload_fraction > 0 else 0
+    runs = 0.0
+    for i in model.moe_layer_ids:
+        calls = moe_calls(policy.recompute, i < offloaded, tokens, policy)
+        runs += 1 + sum(n for n, stored in calls if not stored) / tokens
+    return runs
+
+
 def _moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert_chunk: int,
-                    offloaded: bool) -> tuple[float, float, float]:
+                    offloaded: bool, expert: int = 1, skew: float = 1.0) -> tuple[float, float, float]:
     """(device bytes, host bytes, recomputed FLOPs) a MoE block's feed-forward calls add to its
     per-token count (which holds every stored token's experts' intermediates, `moe_ffn_bytes`):
     each call's `moe_call_bytes`; and with memory.expert_chunk, a call of more routed rows (tokens x
     top_k) than that runs its experts in checkpointed pieces: a stored call keeps no intermediates
     (4 x expert_dim per row less) but each piece's int64 group counts [E] (on the host in an
-    offloaded block), and every such call runs its experts' forward once more in backward."""
+    offloaded block), and every such call runs its experts' forward once more in backward.
+
+    Under expert parallelism (`expert` > 1) the experts run on the rows the rank receives: on the most
+    loaded rank `expert_rows` of them (`skew` x its share); a stored call keeps
+    `expert_parallel_row_bytes` for each in place of its own k rows' (on the device: the received
+    rows are not the blocks' offloaded tensors)."""
     k, E = m.moe_top_k, m.moe_experts
     device = host = flops = 0.0
     for n, stored in calls:
         device += moe_call_bytes(m, p, stored)
-        rows = n * k
-        if expert_chunk and rows > expert_chunk:
-            flops += rows * 6 * m.dim * m.resolved_expert_dim
-            if stored:
-                kept = -(-rows // expert_chunk) * 8 * E - rows * 4 * p * m.resolved_expert_dim
-                if offloaded:
-                    host += kept
-                else:
-                    device += kept
+        rows = received = n * k
+        if expert > 1:
+            received = expert_rows(n, m, expert, skew)
+        chunked = bool(expert_chunk) and received > expert_chunk
+        if chunked:
+            flops += received * 6 * m.dim * m.resolved_expert_dim
+        if chunked and stored:
+            kept = -(-int(received) // expert_chunk) * 8 * E - rows * 4 * p * m.resolved_expert_dim
+            if offloaded:
+                host += kept
+            else:
+                device += kept
+        if expert > 1 and stored:
+            own = rows * (p * m.dim + (0 if chunked else 4 * p * m.resolved_expert_dim))
+            more = received * expert_parallel_row_bytes(m, p, chunked) - own
+            if offloaded:  # (the offloader takes the block's saved tensors, the received rows' too)
+                host += more
+            else:
+                device += more
     return device, host, flops
 
 
@@ -247,9 +303,10 @@ class LayerActivations:
 
 def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                       policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
-                      docs: bool = False) -> list[LayerActivations]:
+                      docs: bool = False, expert: int = 1, expert_skew: float = 1.0) -> list[LayerActivations]:
     """What each block leaves for backward under `policy` (see estimate_activations), block by
-    block: a MoE model's dense and MoE layers differ. The last offloaded block's device bytes
+    block: a MoE model's dense and MoE layers differ; `expert`, `expert_skew`: the expert-parallel
+    degree and the receive skew of the rank counted (_moe_call_terms). The last offloaded block's device bytes
     include its output, which stays on the device as the input of the kept block after it."""
     if seq_len % (head * ctx):
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
@@ -275,7 +332,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         core_host = part["core"] if attention_offload and rc in ("selective", "none") else 0.0
         offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"])
         by_kind[moe] = (part, kept, recompute, host, off_device, core_host, offloaded_recompute)
-    out = []
+    out, moe_terms = [], {}
     for i in range(L):
         moe = i in sparse
         part, kept, recompute, host, off_device, core_host, offloaded_recompute = by_kind[moe]
@@ -287,8 +344,10 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         else:
             device, host_bytes, flops = tokens * kept, tokens * core_host, tokens * recompute
         if moe and model.is_moe:
-            d_moe, h_moe, f_moe = _moe_call_terms(model, p, moe_calls(rc, off, tokens, policy),
-                                                  policy.expert_chunk, off)
+            if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
+                moe_terms[off] = _moe_call_terms(model, p, moe_calls(rc, off, tokens, policy), policy.expert_chunk,
+                                                 off, expert, expert_skew)
+            d_moe, h_moe, f_moe = moe_terms[off]
             device, host_bytes, flops = device + d_moe, host_bytes + h_moe, flops + f_moe
         out.append(LayerActivations(device, host_bytes, flops, moe and model.is_moe, off))
     return out
@@ -296,7 +355,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
 
 def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                          policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
-                         docs: bool = False) -> ActivationEstimate:
+                         docs: bool = False, expert: int = 1, expert_skew: float = 1.0) -> ActivationEstimate:
     """Per-rank activation bytes under `policy` for micro_batch sequences of seq_len tokens sharded
     over head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations).
     policy.block_chunk changes no saved bytes, only recomputation: under `full` the chunks are
@@ -309,7 +368,7 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     A MoE model's layers differ (layer_activations); the per-block figures are then its largest
     block's (a MoE one, unless dense layers keep more), the totals sum every block."""
     layers = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
-                               dtype_bytes=dtype_bytes, docs=docs)
+                               dtype_bytes=dtype_bytes, docs=docs, expert=expert, expert_skew=expert_skew)
     p = dtype_bytes
     tokens = micro_batch * seq_len // (head * ctx)
     L = model.layers
@@ -320,7 +379,8 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     # (offload_skip_last 0) or none, what one of them would keep, as if it were of the other kind
     all_kept = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx,
                                  policy=dataclasses.replace(policy, offload_fraction=0.0),
-                                 dtype_bytes=dtype_bytes, docs=docs) if offloaded == L else layers
+                                 dtype_bytes=dtype_bytes, docs=docs, expert=expert,
+                                 expert_skew=expert_skew) if offloaded == L else layers
     kept = [la for la in all_kept if not la.offloaded]
     if offloaded:
         last = offloaded - 1
@@ -410,7 +470,9 @@ def measure_activations(model, tokens, positions=None, doc_ids=None, labels=None
     offloader = getattr(model, "memory_offloader", None)
     host_ptrs = offloader.host_storage_ptrs() if offloader is not None else set()
     host_ptrs |= chunk_store_host_ptrs()  # the chunked attention core's host-resident chunks
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # (an expert-parallel model's expert weights are DTensors: their local shards hold the storage)
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+              for p in model.parameters()}
 
     def count():
         gc.collect()  # tensors held only by reference cycles (finished communication handles) are not held

@@ -12,7 +12,7 @@ Double-Ring inner ring, 0 = plain ring); all bytes are per rank and micro-batch.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .accounting import ActivationEstimate, block_part_bytes, estimate_activations
+from .accounting import ActivationEstimate, block_part_bytes, estimate_activations, expert_rows
 from .policy import MemoryPolicy
 
 
@@ -276,7 +276,8 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     e = dtype_bytes
     t = micro_batch * seq_len // (head * ctx)
     # a MoE model's MoE and dense blocks differ: the larger of the two
-    kinds = {i in set(m.moe_layer_ids) for i in range(m.layers)} or {False}
+    sparse = set(m.moe_layer_ids)
+    kinds = {i in sparse for i in range(m.layers)} or {False}
     block_phases = max((backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window,
                                              policy=policy, dtype_bytes=e, docs=docs, moe=moe) for moe in kinds),
                        key=lambda ph: max(ph.values()))
@@ -287,3 +288,18 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
         back = 2 * acts.per_block_host
     block = back + max(block_phases.values())
     return max(block, lm_head_bytes(m, t, policy.loss_chunk, e))
+
+
+def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: float, policy: MemoryPolicy,
+                                e: int) -> float:
+    """What the most loaded rank of an expert group holds beyond an even share while one MoE layer
+    runs (on top of its saved count, memory.accounting._moe_call_terms): the extra received rows in
+    the all-to-all's output, its expert-major copy, the experts' output and its source-major copy
+    (4 x dim), and in backward their gradients (3 of dim, an fp32 count) and, unless memory.
+    expert_chunk bounds them to a piece, the experts' recomputed or kept intermediates' gradients
+    (4 x expert_dim)."""
+    if expert == 1 or not m.is_moe or skew <= 1.0:
+        return 0.0
+    extra = expert_rows(tokens, m, expert, skew) - tokens * m.moe_top_k
+    per_row = 4 * e * m.dim + 3 * e * m.dim + 4 + (0 if policy.expert_chunk else 4 * e * m.resolved_expert_dim)
+    return max(extra, 0.0) * per_row

@@ -50,7 +50,8 @@ def matmul_params_per_layer(cfg: ModelConfig, moe: bool = False, active: bool = 
 def layer_matmul_params(cfg: ModelConfig, active: bool = False) -> list[int]:
     """matmul_params_per_layer of every layer, in order (MoE layers are cfg.moe_layer_ids)."""
     sparse = set(cfg.moe_layer_ids)
-    return [matmul_params_per_layer(cfg, i in sparse, active) for i in range(cfg.layers)]
+    dense, moe = matmul_params_per_layer(cfg, False, active), matmul_params_per_layer(cfg, True, active)
+    return [moe if i in sparse else dense for i in range(cfg.layers)]
 
 
 def forward_matmul_flops_per_token(cfg: ModelConfig) -> float:

@@ -52,6 +52,23 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
     return {"fsdp": dense + experts} if dense + experts else {}
 
 
+def expert_bytes(*, tokens: float, top_k: int, experts: int, dim: int, expert: int, elem: int,
+                 forwards: float = 1.0) -> dict[str, float]:
+    """{label: bytes} one rank sends in one MoE layer's expert all-to-alls (parallel/expert.py) for
+    `tokens` routed tokens when routing is even: each token's top_k rows, (expert - 1) / expert of
+    them to other ranks of its expert group, `dim` x `elem` bytes each. A forward sends them
+    (dispatch) and as many rows back to their tokens' ranks (combine); backward sends the same two
+    again, reversed; `forwards` counts the forward runs (1 + the recomputed share: a recomputed MoE
+    feed-forward dispatches again). "expert_counts": the int64 rows per expert each forward sends
+    its group's other ranks (experts / expert of them to each). With uneven routing a rank's bytes
+    follow its routed counts instead (tests/distributed/test_expert_parallel.py checks that form)."""
+    if expert == 1:
+        return {}
+    rows = tokens * top_k * (expert - 1) / expert
+    return {"expert": 2 * (forwards + 1) * rows * dim * elem,
+            "expert_counts": forwards * experts * 8 * (expert - 1) / expert}
+
+
 def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, head: int, ctx: int,
                     elem: int, docs: bool = False, backward: bool = True) -> dict[str, dict[str, int]]:
     """{dim: {label: bytes this rank sends}} for one distributed_attention call (forward [+ backward]).

@@ -49,6 +49,17 @@ def _ints(text: str, flag: str, minimum: int = 0) -> tuple[int, ...]:
     return tuple(vals)
 
 
+def _skew(text: str) -> float:
+    """--expert-skew: a number >= 1, or max (the most routing allows: infinity, bounded per degree)."""
+    if str(text).strip().lower() == "max":
+        return float("inf")
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--expert-skew takes a number >= 1 (the most loaded expert rank's routed rows over an "
+                          f"even share) or max; got '{text}'.") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .hardware import hardware_names
 
@@ -79,6 +90,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
     p.add_argument("--block-chunk", default="0,16K",
                    help="token chunk sizes of the blocks' token-wise stages to try with full/selective (0 = whole)")
+    p.add_argument("--expert", default=None, metavar="DEGREES",
+                   help="MoE models: expert-parallel degrees to try (default: every one dividing the experts "
+                        "and the GPUs)")
+    p.add_argument("--expert-skew", default="2", metavar="X|max",
+                   help="MoE models under expert parallelism: the most loaded rank's routed rows over an even "
+                        "share that memory and time are planned for (default 2; max: the most routing allows)")
+    p.add_argument("--expert-chunk", default="0,16K",
+                   help="MoE models: memory.expert_chunk values to try (rows the experts run at a time)")
     p.add_argument("--store", default=None, metavar="DIR",
                    help="a data store (longctx data build) at --seq-len: the attention work is taken from its "
                         "documents (doc_work: visible same-document pairs over plain causal ones, from at most "
@@ -125,7 +144,9 @@ def build_request(args, overrides):
                   recomputes=recomputes,
                   offload_fractions=_floats(args.offload), offload_skip_last=args.offload_skip_last,
                   loss_chunks=chunks, block_chunks=block_chunks, doc_mask=base.data.doc_mask,
-                  doc_work=doc_work, doc_work_source=doc_work_source)
+                  doc_work=doc_work, doc_work_source=doc_work_source,
+                  expert_degrees=_ints(args.expert, "--expert", 1) if args.expert else None,
+                  expert_skew=_skew(args.expert_skew), expert_chunks=_ints(args.expert_chunk, "--expert-chunk"))
     return req, base
 
 

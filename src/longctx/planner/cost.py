@@ -17,7 +17,8 @@ compute time, exposed communication, step time, tokens/s and MFU.
   and the layout travels with the local ids to the attention core); FSDP's `fsdp_bytes_per_step`,
   the same function the training loop's metrics line reports (FSDP's collectives bypass comm.py's
   counters; `comm.library_traffic()` counts them, and tests/distributed/test_fsdp_bytes.py
-  compares a real step with this figure);
+  compares a real step with this figure); under expert parallelism the MoE layers' all-to-alls
+  (`expert_bytes`, even routing) and their time on the most loaded rank (planner/timing.py);
 - FLOPs and time (planner/timing.py): metrics.py's model FLOPs (the attention s^2 term halved under
   the causal mask), plus recomputation; with document masks the attention FLOPs are scaled by
   `doc_work`, the visible (causal, same-document) query-key pairs over those of a plain causal
@@ -32,11 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..memory.accounting import ActivationEstimate, estimate_activations
+from ..memory.accounting import ActivationEstimate, estimate_activations, max_expert_skew, moe_forward_runs
 from ..memory.policy import MemoryPolicy
-from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
+from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
 from ..models.flops import train_flops_per_token
-from ..parallel.volumes import attention_bytes, fsdp_bytes_per_step
+from ..parallel.volumes import attention_bytes, expert_bytes, fsdp_bytes_per_step
 from .hardware import Hardware
 from .model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes, param_counts
 from .shape import MeshShape
@@ -45,6 +46,7 @@ from .timing import (
     block_forward_seconds,
     compute_seconds,
     exposed_attention_offload_seconds,
+    exposed_expert_seconds,
     exposed_fsdp_seconds,
     exposed_head_seconds,
     exposed_offload_seconds,
@@ -82,7 +84,7 @@ class Estimate:
         shape, policy = self.mesh_shape, self.policy
         return {
             "layout": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
-                       "ctx": shape.ctx, "window": shape.window, "placement": shape.placement},
+                       "ctx": shape.ctx, "window": shape.window, "placement": shape.placement, "expert": shape.expert},
             "policy": policy.to_config(),
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "global_batch": self.global_batch,
             "seq_len": self.seq_len,
@@ -100,12 +102,16 @@ class Estimate:
 
 
 def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
-                     dtype_bytes: int, docs: bool) -> tuple[ActivationEstimate, float]:
-    """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`."""
+                     dtype_bytes: int, docs: bool, expert_skew: float = 1.0) -> tuple[ActivationEstimate, float]:
+    """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
+    under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
+    the routed rows (memory.accounting.expert_rows)."""
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
-                                dtype_bytes=dtype_bytes, docs=docs)
-    return acts, transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
-                                 policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts)
+                                dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew)
+    transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
+                                policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts)
+    return acts, transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy,
+                                                         dtype_bytes)
 
 
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
@@ -150,19 +156,36 @@ def attention_call_bytes(m: ModelConfig, seq_len: int, micro_batch: int, shape: 
 
 
 def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, per_call: dict, refwd: dict,
-                        grad_accum: int, gather_bytes: int) -> dict[str, dict[str, float]]:
+                        grad_accum: int, gather_bytes: int, tokens: int = 0) -> dict[str, dict[str, float]]:
     """{dim: {label: bytes}} one rank sends per optimizer step: every layer's attention in every
-    micro-batch (the forward again under full recomputation), and FSDP's."""
+    micro-batch (the forward again under full recomputation), FSDP's, and under expert parallelism
+    the MoE layers' all-to-alls of the rank's `tokens` per micro-batch (even routing)."""
     comm: dict[str, dict[str, float]] = {}
     for dim, labels in per_call.items():
         for label, nbytes in labels.items():
             total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
             comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
     pc = param_counts(m)
-    fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync)
+    fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync,
+                               expert_params=pc["experts"])
     if fsdp:  # {} on one rank
         comm["fsdp"] = fsdp
+    expert = expert_layer_bytes(m, shape, policy, tokens, gather_bytes)
+    if expert:
+        comm["expert"] = {label: nbytes * grad_accum for label, nbytes in expert.items()}
     return comm
+
+
+def expert_layer_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tokens: int,
+                       elem: int) -> dict[str, float]:
+    """The expert all-to-alls of every MoE layer in one micro-batch of `tokens` rank tokens, routing
+    even ({} without expert parallelism)."""
+    if shape.expert == 1 or not m.is_moe:
+        return {}
+    n = len(m.moe_layer_ids)
+    per_layer = expert_bytes(tokens=tokens, top_k=m.moe_top_k, experts=m.moe_experts, dim=m.dim,
+                             expert=shape.expert, elem=elem, forwards=moe_forward_runs(m, tokens, policy) / n)
+    return {label: nbytes * n for label, nbytes in per_layer.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,6 +219,7 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
     """The largest part of the step, naming recomputation's share of compute when it is over 15%."""
     parts = {"compute": grad_accum * compute, "head all-to-all": exposed["head"] * grad_accum,
              "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": fsdp_step,
+             "expert all-to-all": exposed["expert"] * grad_accum,
              "offload copies": (exposed["offload"] + exposed["attention_offload"]) * grad_accum}
     name = max(parts, key=parts.get)
     if name == "compute" and policy.recompute != "none" and acts.recompute_flops:
@@ -212,7 +236,7 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
 def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
              global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
              doc_work: float = 1.0, acts: ActivationEstimate | None = None,
-             transient: float | None = None) -> Estimate:
+             transient: float | None = None, expert_skew: float = 1.0) -> Estimate:
     """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
     job) under `shape` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
     (so global_batch / (dp x micro_batch) micro-batches per step). doc_work: the documents' visible
@@ -227,12 +251,8 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
         problems.append(f"global batch {global_batch} is not divisible by dp {shape.dp} x micro-batch {micro_batch}")
     grad_accum = max(1, global_batch // (shape.dp * micro_batch))
     tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
-    if acts is None:
-        acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
-                                    dtype_bytes=e, docs=doc_mask)
-    if transient is None:
-        transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
-                                    policy=policy, dtype_bytes=e, docs=doc_mask, acts=acts)
+    if acts is None or transient is None:
+        acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, e, doc_mask, expert_skew)
     memory = memory_bytes(m, shape, policy, grad_accum, e, acts, transient)
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,
                                                                  ctx=shape.ctx, policy=policy, dtype_bytes=e,
@@ -240,10 +260,13 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
     host_per_node = (acts.total_host + attn_host) * min(gpus_per_node, shape.world)
     problems += memory_problems(memory, host_per_node, hw)
     calls = attention_call_bytes(m, seq_len, micro_batch, shape, e)
-    comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e)
+    comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e, tokens)
     flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
     compute = compute_seconds(flops, hw)
     exposed = exposed_per_micro_batch(m, shape, policy, calls, flops, acts, attn_traffic, hw, gpus_per_node)
+    skew = min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
+    exposed["expert"] = exposed_expert_seconds(m, shape, comm.get("expert", {}), grad_accum, tokens, skew, hw,
+                                               gpus_per_node)
     fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_forward_seconds(flops, m, hw),
                                      acts.recompute_flops, hw, gpus_per_node)
     times = step_times(compute, exposed, fsdp_step, grad_accum)

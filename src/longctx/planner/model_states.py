@@ -12,6 +12,13 @@ gathered blocks count all of them (models/flops.py `moe_ffn_params` with active=
 count the experts a token goes through (active=True). A MoE model's blocks differ (model.moe.
 dense_layers keep a dense SwiGLU): `block_params` lists them, and "block" below is the largest, the
 one FSDP's gather peaks on.
+
+Expert parallelism (shape.expert > 1, parallel/expert.py): each MoE layer's routed experts are
+split over an expert group, E / expert per rank, and FSDP shards those over the expert-data group
+(world / expert ranks, no replicas). A rank then holds 1 / world of the routed experts at rest, as
+a fully sharded run would, and gathers only its group's 1 / expert of them for a layer: what
+expert parallelism saves is the gathered working set, the gradient accumulated unsharded, and the
+traffic, not the states at rest (which are already 1 / world under FSDP over every rank).
 """
 
 from __future__ import annotations
@@ -19,6 +26,12 @@ from __future__ import annotations
 from ..config import ModelConfig
 from ..models.flops import layer_matmul_params, moe_ffn_params
 from .shape import MeshShape
+
+
+def routed_expert_params(m: ModelConfig) -> int:
+    """One MoE layer's routed experts' weights (w1, w3, w2 of every expert; 0 for a dense model):
+    the parameters expert parallelism splits."""
+    return 3 * m.moe_experts * m.dim * m.resolved_expert_dim if m.is_moe else 0
 
 
 def _block_extras(m: ModelConfig) -> int:
@@ -38,12 +51,17 @@ def block_params(m: ModelConfig) -> list[int]:
     return [n + extras for n in layer_matmul_params(m)]
 
 
-def param_counts(m: ModelConfig) -> dict[str, int]:
+def param_counts(m: ModelConfig, expert: int = 1) -> dict[str, int]:
     """Parameters of the largest block (every block of a dense model), of the root module
-    (embeddings, final norm, LM head), and in total (every expert of a MoE model)."""
+    (embeddings, final norm, LM head), in total (every expert of a MoE model), and "experts": the
+    routed experts of every MoE layer. expert: the expert-parallel degree, under which "block" is the
+    largest block as one rank gathers it (its group's 1 / expert of a MoE layer's routed experts)."""
+    routed = routed_expert_params(m)
+    sparse = set(m.moe_layer_ids)
     blocks = block_params(m)
+    gathered = [n - (routed - routed // expert if i in sparse else 0) for i, n in enumerate(blocks)]
     root = m.vocab_size * m.dim + m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim)
-    return {"block": max(blocks), "root": root, "total": sum(blocks) + root}
+    return {"block": max(gathered), "root": root, "total": sum(blocks) + root, "experts": routed * len(sparse)}
 
 
 def active_params(m: ModelConfig) -> int:
@@ -64,8 +82,12 @@ def params_text(m: ModelConfig) -> str:
 
 def model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
     """Bytes of model states per rank: fp32 parameters, gradients and AdamW's exp_avg and exp_avg_sq
-    (16 per parameter), sharded over the FSDP group and replicated over dp_replicate."""
-    return 16 * param_counts(m)["total"] / shape.fsdp
+    (16 per parameter), sharded over the FSDP group and replicated over dp_replicate; under expert
+    parallelism the routed experts sharded over every rank (1 / expert each, FSDP over world / expert)."""
+    pc = param_counts(m)
+    if shape.expert == 1:
+        return 16 * pc["total"] / shape.fsdp
+    return 16 * (pc["total"] - pc["experts"]) / shape.fsdp + 16 * pc["experts"] / shape.world
 
 
 def gathered_param_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float:
@@ -75,13 +97,15 @@ def gathered_param_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) ->
     gathered for the step, its gradient is fp32 until reduced."""
     if shape.world == 1:
         return 0.0
-    pc = param_counts(m)
+    pc = param_counts(m, shape.expert)
     return 2 * pc["block"] * gather_bytes + pc["block"] * 4 + pc["root"] * (gather_bytes + 4)
 
 
 def accumulated_grad_bytes(m: ModelConfig, shape: MeshShape, grad_accum: int, grad_sync: str) -> float:
     """With gradient sync off between micro-batches (grad_accum > 1, grad_sync "step") FSDP2
-    accumulates every gradient unsharded, in fp32; 0 otherwise."""
+    accumulates every gradient unsharded, in fp32 (of the routed experts, its expert group's 1 /
+    expert); 0 otherwise."""
     if shape.world > 1 and grad_accum > 1 and grad_sync == "step":
-        return 4 * param_counts(m)["total"]
+        pc = param_counts(m)
+        return 4 * (pc["total"] - pc["experts"] + pc["experts"] // shape.expert)
     return 0.0

@@ -29,7 +29,7 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     shape = est.mesh_shape
     raw["parallel"].update(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, head=shape.head, ctx=shape.ctx,
                            window=shape.window if shape.window and shape.window < shape.ctx else 0,
-                           placement=shape.placement)
+                           placement=shape.placement, expert=shape.expert)
     raw["memory"].update(est.policy.to_config())
     global_batch = est.micro_batch * shape.dp * est.grad_accum
     if global_batch != req.global_batch:
@@ -121,6 +121,8 @@ def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> s
                     "active_parameters": active_params(req.model), "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
                     "seq_len": req.seq_len, "global_batch": req.global_batch,
                     "doc_mask": req.doc_mask, "doc_work": req.doc_work, "doc_work_source": req.doc_work_source,
+                    **({"expert_skew": "max" if req.expert_skew == float("inf") else req.expert_skew}
+                       if req.model.is_moe else {}),
                     "hardware": dataclasses.asdict(req.hardware)},
         "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible),
         "plans": [e.as_dict() for e in (res.feasible or res.ranked)[:top]],

@@ -89,6 +89,12 @@ class Request:
     # per sequence (the conservative default), `longctx plan --store` measures it
     doc_work: float = 1.0
     doc_work_source: str = "no --store: one document per sequence assumed"
+    # MoE models: expert-parallel degrees to try (None: every degree dividing the experts and the
+    # GPUs), the planned receive skew of the most loaded expert rank (its routed rows over an even
+    # share; "max" in the CLI: the most routing allows), and memory.expert_chunk values
+    expert_degrees: tuple[int, ...] | None = None
+    expert_skew: float = 2.0
+    expert_chunks: tuple[int, ...] = (0, 16384)
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -109,6 +115,16 @@ class Request:
         bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
         if bad:
             raise ConfigError(f"unknown recompute policy {bad}; choose among none, full, selective.")
+        if self.expert_skew < 1:
+            raise ConfigError(f"the expert skew is the most loaded expert rank's routed rows over an even share, "
+                              f"at least 1; got {self.expert_skew}.")
+        if self.expert_degrees and not self.model.is_moe:
+            raise ConfigError("expert-parallel degrees were given for a model without Mixture-of-Experts layers; "
+                              "drop them or choose a MoE model (model.moe.experts > 0).")
+        bad = [x for x in (self.expert_degrees or ()) if x < 1 or self.gpus % x or self.model.moe_experts % x]
+        if bad:
+            raise ConfigError(f"expert-parallel degree(s) {bad} must divide both the GPUs ({self.gpus}) and the "
+                              f"experts ({self.model.moe_experts}).")
 
 
 @dataclass
@@ -134,6 +150,13 @@ FULL_OFFLOAD_FRACTIONS = (0.5, 1.0)
 
 
 def policies(req: Request) -> list[MemoryPolicy]:
+    out = _policies(req)
+    if req.model.is_moe:  # the experts' rows in checkpointed pieces: with and without
+        out = [dataclasses.replace(p, expert_chunk=c) for p in out for c in req.expert_chunks]
+    return out
+
+
+def _policies(req: Request) -> list[MemoryPolicy]:
     out = []
     for rc in req.recomputes:
         fractions = {"none": (), "selective": req.offload_fractions,
@@ -173,8 +196,25 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
             for r in divisors(dp):
                 for placement in placements:
                     for w in windows:
-                        out.append(MeshShape(r, dp // r, h, c, w, placement))
+                        for x in expert_degrees(req):
+                            out.append(MeshShape(r, dp // r, h, c, w, placement, x))
     return out
+
+
+def expert_degrees(req: Request) -> tuple[int, ...]:
+    """The expert-parallel degrees to try: 1 for a dense model; for a MoE model those given, or 1 and
+    the largest degree that divides the experts and the GPUs (parallel.expert folds over every
+    rank) and keeps an expert group in one node. Across nodes every MoE layer's all-to-alls would
+    ride the slow links four times per micro-batch; a smaller group moves fewer rows but gathers
+    more experts, between the two. Each degree multiplies the search, so the others are tried when
+    named (--expert 2,4,8)."""
+    m = req.model
+    if not m.is_moe:
+        return (1,)
+    if req.expert_degrees:
+        return tuple(req.expert_degrees)
+    fit = [x for x in divisors(req.gpus) if m.moe_experts % x == 0 and x <= req.gpus_per_node]
+    return tuple(sorted({1, max(fit)}))
 
 
 def step_text(step_s: float) -> str:
@@ -194,7 +234,7 @@ def _sort_key(e: Estimate):
     return (0, float(step_text(e.step_s)), _POLICY_ORDER[p.recompute], p.offload_fraction,
             round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
-            e.mesh_shape.dp_replicate, e.mesh_shape.window)
+            e.mesh_shape.dp_replicate, e.mesh_shape.window, p.expert_chunk, e.mesh_shape.expert)
 
 
 def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> PlanResult:
@@ -231,22 +271,29 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
             tokens = mb * req.seq_len // shape.sequence_degree
             # with accumulation, reducing per micro-batch trades traffic for the unsharded gradients
             syncs = ("step", "micro_batch") if dp_share // mb > 1 and shape.world > 1 else ("step",)
+            fit_whole = set()  # policies that fit with the experts' rows whole (expert_chunk 0)
             for pol in (dataclasses.replace(p, grad_sync=g) for p in pols for g in syncs):
                 if pol.block_chunk and pol.block_chunk >= tokens:
                     continue  # one chunk: the same as whole blocks
+                if pol.expert_chunk and dataclasses.replace(pol, expert_chunk=0) in fit_whole:
+                    continue  # expert pieces only add recomputation where whole rows fit
                 if pol.attention_chunk and pol.attention_chunk >= tokens * shape.head:
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
                 # activations and the backward transient (which the Double-Ring window changes): the same
-                key = (shape.head, shape.ctx, shape.window, mb, dataclasses.replace(pol, grad_sync="step"))
+                key = (shape.head, shape.ctx, shape.window, shape.expert, mb,
+                       dataclasses.replace(pol, grad_sync="step"))
                 if key not in acts_cache:
-                    acts_cache[key] = rank_activations(m, req.seq_len, mb, shape, pol, hw.dtype_bytes, req.doc_mask)
+                    acts_cache[key] = rank_activations(m, req.seq_len, mb, shape, pol, hw.dtype_bytes, req.doc_mask,
+                                                       req.expert_skew)
                 acts, transient = acts_cache[key]
                 if not keep_infeasible and static + acts.total_device + transient > hw.usable_memory_bytes:
                     continue
                 est = estimate(m, hw, shape, pol, seq_len=req.seq_len, global_batch=req.global_batch,
                                micro_batch=mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
-                               doc_work=req.doc_work, acts=acts, transient=transient)
+                               doc_work=req.doc_work, acts=acts, transient=transient, expert_skew=req.expert_skew)
                 evaluated += 1
+                if est.feasible and not pol.expert_chunk:
+                    fit_whole.add(pol)
                 if est.feasible or keep_infeasible:
                     results.append(est)
     return results, evaluated

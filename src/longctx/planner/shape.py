@@ -2,7 +2,8 @@
 
 The planner's view of the [parallel] table (parallel/dims.py builds the real DeviceMesh from the
 same degrees): dp_replicate x dp_shard x head x ctx ranks, the Double-Ring `window` and the
-`placement` that decides which sequence group gets adjacent ranks.
+`placement` that decides which sequence group gets adjacent ranks; for a MoE model the `expert`
+degree, whose groups of adjacent ranks the MoE layers fold over those ranks (parallel/expert.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ class MeshShape:
     ctx: int = 1
     window: int = 0
     placement: str = "head-first"
+    expert: int = 1
 
     @property
     def world(self) -> int:
@@ -36,6 +38,11 @@ class MeshShape:
     def sequence_degree(self) -> int:
         return self.head * self.ctx
 
+    @property
+    def expert_data(self) -> int:
+        """Ranks holding the same experts (their weights FSDP-sharded over them): world / expert."""
+        return self.world // self.expert
+
     def describe(self) -> str:
         """Short form for tables: 'rep2xdp2xhead2xctx8/w4 hf'."""
         parts = []
@@ -50,11 +57,13 @@ class MeshShape:
         text = "x".join(parts) or "single"
         if self.head > 1 and self.ctx > 1:
             text += " " + ("hf" if self.placement == "head-first" else "cf")
+        if self.expert > 1:
+            text += f" ep{self.expert}"
         return text
 
 
 def group_is_intra_node(shape: MeshShape, group: str, gpus_per_node: int) -> bool:
-    """Whether every rank of one `group` ("head", "ctx", "window", "fsdp", "replicate") is in one node.
+    """Whether every rank of one `group` ("head", "ctx", "window", "fsdp", "replicate", "expert") is in one node.
 
     A group of `size` ranks with `stride` between them spans stride x size consecutive ranks; with
     power-of-two-style divisibility it stays in one node iff that span is at most gpus_per_node."""
@@ -64,6 +73,7 @@ def group_is_intra_node(shape: MeshShape, group: str, gpus_per_node: int) -> boo
     else:
         stride_size = {"head": (c, h), "ctx": (1, c), "window": (1, w)}
     stride_size["fsdp"] = (1, shape.fsdp)
+    stride_size["expert"] = (1, shape.expert)  # an expert group: `expert` adjacent ranks
     stride_size["replicate"] = (shape.fsdp, shape.dp_replicate)
     stride, size = stride_size[group]
     return size == 1 or stride * size <= gpus_per_node

@@ -7,11 +7,13 @@ fit in one node under the shape's placement (shape.group_is_intra_node), inter-n
 otherwise. Ulysses all-to-alls block (fully exposed); ring hops overlap one ring step of attention
 compute (a Double-Ring outer hop overlaps a whole inner ring of `window` steps); FSDP gathers /
 reduce-scatters overlap their block's compute; offload copies overlap their block's compute;
+expert all-to-alls block (fully exposed) and the most loaded expert rank sets the pace;
 `hardware.comm_overlap` scales every overlap (0 on CPU).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -19,7 +21,7 @@ from ..memory.accounting import ActivationEstimate
 from ..memory.policy import MemoryPolicy
 from ..models.flops import forward_matmul_flops_per_token
 from .hardware import Hardware
-from .model_states import block_params, param_counts
+from .model_states import block_params, param_counts, routed_expert_params
 from .shape import MeshShape, group_is_intra_node
 
 
@@ -169,11 +171,15 @@ def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     x = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node)
     block_bwd = 2 * block_fwd_s + (recompute_flops / max(m.layers, 1)) / _rates(hw)[0]
     last = others = 0.0
-    for params in block_params(m):  # a MoE model's blocks differ (dense layers, MoE layers)
+    sparse, routed = set(m.moe_layer_ids), routed_expert_params(m)
+    # a MoE model's blocks differ (dense layers, MoE layers); under expert parallelism a rank gathers
+    # its expert group's share of a MoE layer's experts. Blocks of one size cost the same: count them.
+    sizes = Counter(n - (routed - routed // shape.expert if i in sparse else 0) for i, n in enumerate(block_params(m)))
+    for params, count in sizes.items():
         b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params)
         gather, reduce = b["block_gather"], b["block_reduce"]
-        last += exposed(gather, block_fwd_s, hw) + exposed(gather + reduce, block_bwd, hw)
-        others += exposed(gather, block_fwd_s, hw) + exposed(gather, block_bwd, hw)
+        last += count * (exposed(gather, block_fwd_s, hw) + exposed(gather + reduce, block_bwd, hw))
+        others += count * (exposed(gather, block_fwd_s, hw) + exposed(gather, block_bwd, hw))
     last_micro = last + x["root_gather"] + x["root_reduce"]
     other_micro = last_micro if policy.grad_sync == "micro_batch" else others + x["root_gather"]
     return last_micro + (grad_accum - 1) * other_micro
@@ -198,3 +204,18 @@ def exposed_attention_offload_seconds(m: ModelConfig, policy: MemoryPolicy, traf
         return 0.0
     attn_block = (3 + (1 if policy.recompute == "full" else 0)) * layer_attn_s
     return m.layers * exposed(traffic / (hw.host_link_gbps * 1e9), attn_block, hw)
+
+
+def exposed_expert_seconds(m: ModelConfig, shape: MeshShape, expert_step_bytes: dict, grad_accum: int, tokens: int,
+                           skew: float, hw: Hardware, gpus_per_node: int) -> float:
+    """Expert parallelism, per micro-batch, on the most loaded rank (receiving `skew` x its share of
+    the routed rows): the MoE layers' all-to-alls (blocking; the group's exchange ends when that
+    rank's share is through, skew x the even one) and the experts' GEMMs of its rows beyond its
+    share, which every other rank of the group waits for (FlexMoE's straggler)."""
+    if shape.expert == 1 or not expert_step_bytes:
+        return 0.0
+    bw = link_bandwidth(hw, group_is_intra_node(shape, "expert", gpus_per_node)) * hw.all_to_all_efficiency
+    transfer = sum(expert_step_bytes.values()) / grad_accum / bw * max(skew, 1.0)
+    routed_flops = 3 * 2 * 3 * m.dim * m.resolved_expert_dim * m.moe_top_k * tokens * len(m.moe_layer_ids)
+    straggler = (max(skew, 1.0) - 1.0) * routed_flops / _rates(hw)[0]
+    return transfer + straggler

@@ -1,0 +1,129 @@
+"""Expert parallelism's memory against the planner's count (fp32, gloo, 4 ranks):
+
+- skew: with every token's first choice forced to expert 0, the most loaded rank of an expert-4
+  group keeps, in each MoE block, the bytes `layer_activations(..., expert=4, expert_skew=its
+  received rows over an even share)` counts (within 10%), while the even-routing count would be
+  far below what it holds;
+- model states: what a rank holds of small-moe's parameters, gradients and AdamW state at expert 1
+  and 4, under FSDP over the 4 ranks and under replication, against planner.model_states (with FSDP
+  over every rank the states at rest are 1 / world at either degree: what expert parallelism
+  saves there is the gathered working set, test_expert_parallel's split-not-copied test).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_training_parity import BASE
+
+from longctx.config import load_config
+from longctx.memory.accounting import layer_activations, measure_activations
+from longctx.memory.policy import MemoryPolicy
+from longctx.parallel.spawn import run_spawned
+from longctx.train.trainer import Trainer
+
+MOE = [*BASE, "--model.preset=debug-moe", "--train.steps=1"]
+# the model-state test's model: debug-moe in the suite (the count is exact at any size); the issue's
+# figure is small-moe's, about 5 minutes here: LONGCTX_EXPERT_MEMORY_PRESET=small-moe pytest ...
+STATES_PRESET = os.environ.get("LONGCTX_EXPERT_MEMORY_PRESET", "debug-moe")
+
+
+def _hot_rank_blocks(args, run_dir, bias):
+    """Per MoE block of a bare (no FSDP) expert-parallel model: the bytes this rank holds for
+    backward, its tokens, and the routed rows it receives (from every rank's expert counts)."""
+    from longctx.models.llama import build_model
+    from longctx.models.moe import moe_layers
+    from longctx.parallel.expert import use_expert_parallel
+    from longctx.parallel.parallelize import apply_memory, use_sequence_parallel_attention
+
+    cfg = load_config("configs/debug.toml", [*MOE, "--model.moe.dense_layers=", *args, f"--train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    rt = trainer.rt
+    model = build_model(cfg.model, device="cpu", seed=0)
+    use_sequence_parallel_attention(model, rt.dims, rt.mesh)
+    use_expert_parallel(model, rt.dims.build_expert_mesh("cpu"))
+    apply_memory(model, cfg.memory, "cpu")
+    counts = []
+    for layer in moe_layers(model):
+        layer.router.expert_bias[0] = bias  # the selection's bias only: weights unchanged
+        layer.experts.register_forward_hook(lambda mod, inputs, out: counts.append(inputs[1].clone()))
+    local = rt.to_device(trainer.sampler.step_batches(1)[0][0], trainer.device)  # this rank's share
+    trainer.sampler.close()
+    held = measure_activations(model, local.tokens, local.positions, local.doc_ids, labels=local.labels)
+    ep, rank = cfg.parallel.expert, dist.get_rank()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, counts)
+    group = range(rank - rank % ep, rank - rank % ep + ep)
+    received = [sum(int(every[r][i].view(ep, -1)[rank % ep].sum()) for r in group) for i in range(len(counts))]
+    share = sum(float(c[0]) for c in counts) / sum(float(c.sum()) for c in counts)
+    return [b["device"] for b in held["blocks"]], tuple(local.tokens.shape), received, share
+
+
+@pytest.mark.parametrize("expert_chunk", [0, 256])
+def test_the_most_loaded_expert_rank_holds_what_the_count_says(expert_chunk, tmp_path):
+    """memory.expert_chunk 256: the experts' intermediates recomputed in pieces, the received rows kept."""
+    per_rank = run_spawned(4, _hot_rank_blocks, ["--parallel.expert=4", "--parallel.ctx=4",
+                                                 f"--memory.expert_chunk={expert_chunk}"], str(tmp_path), 10.0)
+    cfg = load_config("configs/debug.toml", [*MOE, "--model.moe.dense_layers="])
+    m, k = cfg.model, cfg.model.moe_top_k
+    hot = max(range(4), key=lambda r: sum(per_rank[r][2]))
+    blocks, (rows_per_rank, local_len), received, share = per_rank[hot]
+    assert share >= 0.45  # top-2: every token's first of its 2 choices is expert 0 (half of all choices)
+    seq, tokens = local_len * 4, rows_per_rank * local_len
+    policy = MemoryPolicy(expert_chunk=expert_chunk)
+    even = layer_activations(m, seq, rows_per_rank, ctx=4, policy=policy, dtype_bytes=4, expert=4)
+    for i, (got, rows) in enumerate(zip(blocks, received)):
+        skew = rows / (tokens * k)
+        want = layer_activations(m, seq, rows_per_rank, ctx=4, policy=policy, dtype_bytes=4, expert=4,
+                                 expert_skew=skew)[i].device
+        print(f"block {i}: rank {hot} receives {rows} rows ({skew:.2f} x an even share); holds {got / 2**20:.2f} MiB, "
+              f"counted {want / 2**20:.2f} MiB (even routing: {even[i].device / 2**20:.2f} MiB)")
+        assert skew >= 1.9  # the skew is real: about twice an even share and more
+        assert abs(got - want) <= 0.10 * want, (i, got, want)
+        assert got > 1.1 * even[i].device  # an even-routing count would not hold it
+
+
+def _model_states(args, run_dir):
+    """This rank's bytes of parameters, gradients (their shards' shapes) and AdamW state, after a step."""
+    cfg = load_config("configs/debug.toml", [*BASE, f"--model.preset={STATES_PRESET}", "--train.steps=1",
+                                             "--train.seq_len=64",
+                                             *args, f"--train.run_dir={run_dir}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+
+    def local(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    trainer.step(1)
+    trainer.sampler.close()
+    states = 0
+    for p in trainer.model.parameters():
+        states += 2 * local(p)  # the parameter and its gradient (the same shard)
+        states += sum(local(v) for v in trainer.optimizer.state.get(p, {}).values()
+                      if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return states
+
+
+def test_model_states_under_expert_parallelism_against_the_planner(tmp_path):
+    """A MoE preset on 4 ranks: the states a rank holds at rest at expert 1 and 4, with the experts
+    fully sharded (dp_shard 4) or replicated (dp_replicate 4), each within 10% of the planner's."""
+    from longctx.planner.model_states import model_state_bytes
+    from longctx.planner.shape import MeshShape
+
+    m = load_config(None, [f"--model.preset={STATES_PRESET}"]).model
+    rows = {}
+    for name, layout, shape in [
+        ("fsdp4", ["--parallel.dp_shard=4"], dict(dp_shard=4)),
+        ("replicate4", ["--parallel.dp_replicate=4", "--parallel.dp_shard=1"], dict(dp_replicate=4)),
+    ]:
+        for ep in (1, 4):
+            got = run_spawned(4, _model_states, [*layout, f"--parallel.expert={ep}"], str(tmp_path / f"{name}{ep}"))
+            want = model_state_bytes(m, MeshShape(**shape, expert=ep))
+            rows[name, ep] = got[0]
+            print(f"{name} expert {ep}: rank 0 holds {got[0] / 2**20:.1f} MiB of model states (planner "
+                  f"{want / 2**20:.1f})")
+            for states in got:
+                assert abs(states - want) <= 0.10 * want, (name, ep, states, want)
+        print(f"{name}: model states at expert 4 / expert 1 = {rows[name, 4] / rows[name, 1]:.3f} (planner "
+              f"{model_state_bytes(m, MeshShape(**shape, expert=4)) / model_state_bytes(m, MeshShape(**shape)):.3f})")
