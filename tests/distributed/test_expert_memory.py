@@ -20,7 +20,7 @@ from test_training_parity import BASE
 from longctx.config import load_config
 from longctx.memory.accounting import layer_activations, measure_activations
 from longctx.memory.policy import MemoryPolicy
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 from longctx.train.trainer import Trainer
 
 MOE = [*BASE, "--model.preset=debug-moe", "--train.steps=1"]
@@ -60,11 +60,19 @@ def _hot_rank_blocks(args, run_dir, bias):
     return [b["device"] for b in held["blocks"]], tuple(local.tokens.shape), received, share
 
 
+@pytest.fixture(scope="module")
+def hot_runs(tmp_path_factory):
+    """Both expert chunks in one spawned job of 4 ranks."""
+    root = tmp_path_factory.mktemp("skew")
+    return run_spawned_many(4, [(chunk, _hot_rank_blocks, (["--parallel.expert=4", "--parallel.ctx=4",
+                                                            f"--memory.expert_chunk={chunk}"], str(root / str(chunk)),
+                                                           10.0)) for chunk in (0, 256)])
+
+
 @pytest.mark.parametrize("expert_chunk", [0, 256])
-def test_the_most_loaded_expert_rank_holds_what_the_count_says(expert_chunk, tmp_path):
+def test_the_most_loaded_expert_rank_holds_what_the_count_says(expert_chunk, hot_runs):
     """memory.expert_chunk 256: the experts' intermediates recomputed in pieces, the received rows kept."""
-    per_rank = run_spawned(4, _hot_rank_blocks, ["--parallel.expert=4", "--parallel.ctx=4",
-                                                 f"--memory.expert_chunk={expert_chunk}"], str(tmp_path), 10.0)
+    per_rank = hot_runs[expert_chunk]
     cfg = load_config("configs/debug.toml", [*MOE, "--model.moe.dense_layers="])
     m, k = cfg.model, cfg.model.moe_top_k
     hot = max(range(4), key=lambda r: sum(per_rank[r][2]))
@@ -112,18 +120,18 @@ def test_model_states_under_expert_parallelism_against_the_planner(tmp_path):
     from longctx.planner.shape import MeshShape
 
     m = load_config(None, [f"--model.preset={STATES_PRESET}"]).model
-    rows = {}
-    for name, layout, shape in [
-        ("fsdp4", ["--parallel.dp_shard=4"], dict(dp_shard=4)),
-        ("replicate4", ["--parallel.dp_replicate=4", "--parallel.dp_shard=1"], dict(dp_replicate=4)),
-    ]:
+    layouts = {"fsdp4": (["--parallel.dp_shard=4"], dict(dp_shard=4)),
+               "replicate4": (["--parallel.dp_replicate=4", "--parallel.dp_shard=1"], dict(dp_replicate=4))}
+    runs = run_spawned_many(4, [((name, ep), _model_states, ([*layout, f"--parallel.expert={ep}"],
+                                                              str(tmp_path / f"{name}{ep}")))
+                                for name, (layout, _) in layouts.items() for ep in (1, 4)])
+    for name, (_, shape) in layouts.items():
         for ep in (1, 4):
-            got = run_spawned(4, _model_states, [*layout, f"--parallel.expert={ep}"], str(tmp_path / f"{name}{ep}"))
+            got = runs[name, ep]
             want = model_state_bytes(m, MeshShape(**shape, expert=ep))
-            rows[name, ep] = got[0]
             print(f"{name} expert {ep}: rank 0 holds {got[0] / 2**20:.1f} MiB of model states (planner "
                   f"{want / 2**20:.1f})")
             for states in got:
                 assert abs(states - want) <= 0.10 * want, (name, ep, states, want)
-        print(f"{name}: model states at expert 4 / expert 1 = {rows[name, 4] / rows[name, 1]:.3f} (planner "
+        print(f"{name}: model states at expert 4 / expert 1 = {runs[name, 4][0] / runs[name, 1][0]:.3f} (planner "
               f"{model_state_bytes(m, MeshShape(**shape, expert=4)) / model_state_bytes(m, MeshShape(**shape)):.3f})")
