@@ -4,7 +4,8 @@ Every policy must give the `none` policy's gradients and training losses; `selec
 re-run attention or its communication in backward; what each block keeps must match the analytic
 count (memory/accounting.py) on every rank, to the byte. The batch is sharded as the training loop
 shards it (Runtime.local_batch): a sequence layout planned on the host from the document ids
-(balance "docs"), attached to the local ids, so the attention core gathers nothing.
+(balance "docs"), attached to the local ids, so the attention core gathers nothing. The per-policy
+measurements and the 4-rank training runs share one spawned job (run_spawned_many).
 """
 
 import copy
@@ -21,7 +22,7 @@ from longctx.parallel import comm
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.parallelize import apply_memory, use_sequence_parallel_attention
 from longctx.parallel.sequence import attach_layout, plan_layout, shard_sequence
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 from longctx.train.trainer import train
 
 POLICIES = [("none", 0.0), ("full", 0.0), ("selective", 0.0), ("selective", 0.5), ("selective", 1.0)]
@@ -103,8 +104,18 @@ def _rank_run(policies):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_spawned(4, _rank_run, POLICIES)
+def spawned(tmp_path_factory):
+    """One 4-rank job: the per-policy measurements (_rank_run), then 10 training steps per policy
+    under head 2 x ctx 2 (_losses_per_policy); {key: per-rank results}."""
+    run_dir = tmp_path_factory.mktemp("head2-ctx2")
+    return run_spawned_many(4, [("measure", _rank_run, (POLICIES,)),
+                                ("train", _losses_per_policy, ([*TRAIN, "--parallel.head=2", "--parallel.ctx=2"],
+                                                               str(run_dir)))])
+
+
+@pytest.fixture(scope="module")
+def runs(spawned):
+    return spawned["measure"]
 
 
 @pytest.mark.parametrize("policy,fraction", POLICIES)
@@ -178,12 +189,11 @@ TRAIN = ["--train.steps=10", "--train.eval_interval=0", "--metrics.plots=false",
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["single", "head2-ctx2"])
-def test_training_losses_identical_for_every_policy(layout, tmp_path):
+def test_training_losses_identical_for_every_policy(layout, request, tmp_path):
     if layout == "single":
         results = _losses_per_policy(TRAIN, str(tmp_path))
     else:
-        results = run_spawned(4, _losses_per_policy, [*TRAIN, "--parallel.head=2", "--parallel.ctx=2"],
-                              str(tmp_path))[0]
+        results = request.getfixturevalue("spawned")["train"][0]
     none = results[("none", 0.0)]
     assert len(none) == 10
     for key, losses in results.items():
