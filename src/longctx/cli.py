@@ -15,7 +15,7 @@ import os
 import sys
 import textwrap
 
-from .errors import UserError
+from .errors import Preempted, UserError
 
 
 def _config_help() -> str:
@@ -73,7 +73,11 @@ def _cmd_train(args, overrides) -> int:
             return 0
     from .parallel.launch import finish_distributed
 
-    train(cfg)
+    try:
+        train(cfg)
+    except Preempted:
+        finish_distributed()  # every rank stopped at the same step, after the same save
+        raise
     finish_distributed()
     return 0
 
@@ -259,7 +263,8 @@ def main(argv=None) -> int:
             return e.exit_code  # `longctx train --nproc N` prints it, once for all the ranks that hit it
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        text = f"{prefix}longctx {args.command}: error: {e}"
+        kind = "stopped" if isinstance(e, Preempted) else "error"  # a preemption is no failure
+        text = f"{prefix}longctx {args.command}: {kind}: {e}"
         print("\n".join(textwrap.fill(line, width=100) for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
     except Exception:

@@ -325,9 +325,27 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"memory.offload_skip_last must be >= 0, got {mem.offload_skip_last}.")
     if ck.interval < 0 or ck.keep < 1:
         problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
+    try:
+        parse_signals(ck.on_signal)
+    except ConfigError as e:
+        problems.append(str(e))
 
     _positive(problems, "metrics.log_interval", mt.log_interval)
     if mt.peak_tflops < 0:
         problems.append(f"metrics.peak_tflops must be >= 0 (0 = automatic), got {mt.peak_tflops}.")
 
 
+def parse_signals(text: str) -> list:
+    """checkpoint.on_signal 'SIGTERM,SIGUSR1' (or 'TERM,USR1') -> [signal.Signals]; '' or 'none' -> []."""
+    import signal
+
+    out = []
+    for part in (p.strip().upper() for p in str(text).split(",")):
+        if not part or part == "NONE":
+            continue
+        name = part if part.startswith("SIG") else f"SIG{part}"
+        if name in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None), signal.Signals):
+            raise ConfigError(f"checkpoint.on_signal: '{part}' is not a signal a process can catch; write names "
+                              f"such as SIGTERM,SIGUSR1 (or '' for none).")
+        out.append(signal.Signals[name])
+    return out

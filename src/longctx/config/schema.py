@@ -322,6 +322,8 @@ class CheckpointConfig:
                                "then continues the run: its saved config.toml, with the command line on top")
     allow_changes: bool = _opt(False, "on resume, allow changing the model or the data, or turning saving off "
                                       "(checkpoint.interval 0); refused otherwise, since they are rarely meant")
+    on_signal: str = _opt("SIGTERM,SIGUSR1", "signals on which a run that saves checkpoints finishes its step, "
+                                             "saves it and exits with code 75 (requeue); '' = none")
 
 
 @dataclass

@@ -274,6 +274,14 @@ def broadcast_object_in_group(obj, group, src: int = 0):
     return box[0]
 
 
+def all_reduce_in_group(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce over a process group that is not part of a mesh (a CPU-side gloo group for control
+    flags: preemption.StopOnSignal); not byte-counted: control data."""
+    with _own():
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
 def barrier(mesh=None) -> None:
     """Wait until every rank of the 1-D mesh (all ranks when None) gets here (not byte-counted)."""
     if mesh is not None and mesh.size() == 1:

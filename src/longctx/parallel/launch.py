@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
-from ..errors import UserError
+from ..errors import REQUEUE_EXIT_CODE, Preempted, UserError
 
 
 def under_launcher() -> bool:
@@ -207,8 +208,15 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
     elastic.setLevel(logging.ERROR)
     try:
         run(args)
+    except SignalException as e:
+        # this launcher got the signal (torchrun's agent): it sent SIGTERM to the ranks and gave them
+        # 30 s, in which ranks that save on a signal (checkpoint.on_signal) saved and said so
+        _raise_preempted(_rank_errors(error_dir), nproc)
+        raise UserError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
+                        f"on checkpoint.on_signal when checkpoint.interval > 0).") from None
     except ChildFailedError as e:
         errors = _rank_errors(error_dir)
+        _raise_preempted(errors, nproc)
         if errors:
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
@@ -242,6 +250,15 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         ) from None
     finally:
         elastic.setLevel(level)
+
+
+def _raise_preempted(errors: dict[str, tuple[list[int], int]], nproc: int) -> None:
+    """When every rank that reported stopped on a signal after saving (the same step on all), say so
+    once and exit with the requeue code."""
+    if errors and all(code == REQUEUE_EXIT_CODE for _, code in errors.values()):
+        lines = [f"{_ranks_label(ranks, nproc)}: {message}" if len(errors) > 1 else message
+                 for message, (ranks, _) in errors.items()]
+        raise Preempted("\n".join(lines))
 
 
 def _ranks_label(ranks: list[int], nproc: int) -> str:

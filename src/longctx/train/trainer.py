@@ -24,12 +24,14 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..errors import TrainingError
+from ..errors import REQUEUE_EXIT_CODE, Preempted, TrainingError
 from ..models.llama import count_params
+from ..parallel.launch import new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import progress_bar
 from .metrics import MetricsLogger, peak_memory_bytes, router_record
 from .model import build_training_model, resolve_offload
+from .preemption import StopOnSignal
 from .report import write_plots
 from .setup import (
     build_data,
@@ -153,7 +155,10 @@ class Trainer:
         run_start = time.perf_counter()
         total_eval_s = 0.0
         unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps whose figures are still on the device
+        # checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1
+        stop = StopOnSignal(cfg.checkpoint.on_signal if self.ckpt is not None else "", rt.world, new_gloo_group)
         try:
+            stop.__enter__()
             for step in range(self.start_step + 1, t.steps + 1):
                 self._enter_stage(step)
                 loss_t, grad_norm_t, lr = self.step(step)
@@ -177,9 +182,13 @@ class Trainer:
                         **router_record(self.router_stats, self.router_counts, rt.dims.expert)})
                 if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
                     total_eval_s += self._timed_evaluation(step, result)
+                signal_name = stop.agreed()  # every rank, every step: a CPU-side flag exchange
+                if signal_name and step < t.steps:
+                    self._stop_on_signal(step, signal_name, unread, result)
             if self.ckpt is not None:
                 self.ckpt.wait()  # the last async save is complete and committed before the job ends
         finally:
+            stop.__exit__(None, None, None)
             self.sampler.close()
             if progress is not None:
                 progress.close()
@@ -221,6 +230,17 @@ class Trainer:
             self.model.update_expert_bias(router_counts)  # once per optimizer step, from every micro-batch
             self.router_stats, self.router_counts = router_stats, router_counts
         return loss, grad_norm, lr
+
+    def _stop_on_signal(self, step: int, name: str, unread: list, result: TrainResult) -> None:
+        """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
+        if unread:
+            self._read_back(unread, result)  # (no checkpoint holds a non-finite step)
+        if not self._save_due(step):
+            self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
+        self.ckpt.wait()
+        self.log(f"saved step {step} on {name}")
+        raise Preempted(f"saved step {step} on {name}; `--checkpoint.resume auto` continues the run from there "
+                        f"(exit code {REQUEUE_EXIT_CODE}: a batch script requeues on it, docs/checkpoints.md).")
 
     def _read_back(self, unread: list, result: TrainResult) -> tuple[float, float]:
         """Read the losses and gradient norms of the steps since the last read in one transfer,

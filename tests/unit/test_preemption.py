@@ -1,0 +1,67 @@
+"""checkpoint.on_signal on one process: a signal mid-run stops after that step with its checkpoint
+saved (Preempted, exit code 75); the signals are checked when the config is read; a run that does
+not save checkpoints leaves the signals alone."""
+
+import os
+import signal
+
+import pytest
+
+from longctx.config import load_config
+from longctx.errors import REQUEUE_EXIT_CODE, ConfigError, Preempted
+from longctx.train.trainer import Trainer
+
+BASE = ["--train.steps=6", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40",
+        "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu"]
+
+
+def _signal_at(trainer, at: int, sig):
+    step = trainer.step
+
+    def stepping(s):
+        out = step(s)
+        if s == at:
+            os.kill(os.getpid(), sig)
+        return out
+
+    trainer.step = stepping
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_saves_that_step_and_stops(sig, tmp_path):
+    cfg = load_config(None, [*BASE, "--checkpoint.interval=100", f"--train.run_dir={tmp_path}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    _signal_at(trainer, 2, sig)
+    before = signal.getsignal(sig)
+    with pytest.raises(Preempted, match=f"saved step 2 on {sig.name}") as e:
+        trainer.run()
+    assert e.value.exit_code == REQUEUE_EXIT_CODE == 75
+    assert (tmp_path / "checkpoints" / "step-00000002").is_dir()
+    assert signal.getsignal(sig) == before  # the handler is the run's only
+
+
+def test_without_checkpoints_the_signal_is_not_taken(tmp_path):
+    """checkpoint.interval 0: nothing to save, so the run does not catch the signals at all."""
+    cfg = load_config(None, [*BASE, f"--train.run_dir={tmp_path}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda *a: seen.append(1))
+    try:
+        _signal_at(trainer, 2, signal.SIGUSR1)
+        assert len(trainer.run().losses) == 6
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert seen == [1]
+
+
+@pytest.mark.parametrize("value", ["SIGKILL", "SIGFOO", "TERM,9"])
+def test_uncatchable_or_unknown_signals_are_a_config_error(value):
+    with pytest.raises(ConfigError, match="checkpoint.on_signal"):
+        load_config(None, [f"--checkpoint.on_signal={value}"])
+
+
+def test_signal_names_with_or_without_sig():
+    from longctx.config.rules import parse_signals
+
+    assert parse_signals("TERM, usr1") == [signal.SIGTERM, signal.SIGUSR1]
+    assert parse_signals("") == parse_signals("none") == []
