@@ -74,8 +74,8 @@ def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
         return out * float("nan") if calls["n"] == 5 else out
 
     monkeypatch.setattr(t, "forward_loss_sum", poisoned)
-    with pytest.raises(TrainingError, match="at step 5"):
-        train(cfg_for(tmp_path), log=quiet)
+    with pytest.raises(TrainingError, match="at step 5"):  # (the default, skip: tests/unit/test_nonfinite.py)
+        train(cfg_for(tmp_path, "--train.on_nonfinite=stop"), log=quiet)
 
 
 def test_impossible_settings_are_refused_not_ignored(tmp_path):

@@ -244,6 +244,9 @@ class TrainConfig:
     beta2: float = _opt(0.95, "AdamW beta2")
     eps: float = _opt(1e-8, "AdamW epsilon")
     grad_clip: float = _opt(1.0, "max global gradient norm; 0 disables clipping")
+    on_nonfinite: str = _opt("skip", "a step whose loss or gradient norm is not finite: 'skip' (its update is not "
+                                     "applied, decided on the device; counted in the metrics) or 'stop' (not "
+                                     "applied, and the run stops at the next read naming the step)")
     seed: int = _opt(0, "seed for weights, data order and everything else random")
     device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
     dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on GPU, fp32 on CPU",

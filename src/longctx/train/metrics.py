@@ -73,6 +73,8 @@ def format_line(r: dict) -> str:
                      f"{r['moe_load_worst']:.2f}" + (f" drop {100 * r['moe_drop_rate']:.1f}%" if r["moe_drop_rate"]
                                                      else "")
                      + (f" rank load {r['expert_rank_load']:.2f}" if "expert_rank_load" in r else ""))
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']} non-finite")
     if r.get("comm_bytes_per_step"):
         parts.append("comm/step " + " ".join(f"{d} {v / 2**20:.1f}MiB" for d, v in r["comm_bytes_per_step"].items()))
     return " | ".join(parts)

@@ -59,6 +59,22 @@ def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
                              fused=cuda, foreach=not cuda)
 
 
+def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """optimizer.step(), unless `finite` (a 0-d bool tensor, the same on every rank: it comes from the
+    global loss and gradient norm) is False, in which case parameters, moments and step counts stay
+    exactly as they were. With the fused AdamW the decision stays on the device: the kernel takes
+    `found_inf` and skips the update itself (as under a gradient scaler), so nothing waits for the
+    device; the foreach AdamW is used on CPU only, where reading the flag is no device sync."""
+    if optimizer.defaults.get("fused"):
+        optimizer.found_inf = (~finite).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            optimizer.found_inf = None
+    elif bool(finite):
+        optimizer.step()
+
+
 def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     """Under FSDP2: reduce-scatter (and, with HSDP, all-reduce) the gradients at the end of this
     backward, or keep accumulating them unsharded on each rank. Gradient accumulation turns it off

@@ -25,6 +25,7 @@ import torch
 
 from ..config import Config
 from ..errors import REQUEUE_EXIT_CODE, Preempted, TrainingError
+from ..faults import planned
 from ..models.llama import count_params
 from ..parallel.launch import new_gloo_group
 from ..parallel.parallelize import grad_scale
@@ -47,6 +48,7 @@ from .stages import StagedLoader, tokens_through
 from .step import (
     clip_gradients,
     forward_loss_sum,
+    guarded_step,
     lr_at,
     make_optimizer,
     resolve_dtype,
@@ -88,6 +90,8 @@ class Trainer:
         self.router_counts: torch.Tensor | None = None
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
+        self.nonfinite_faults = planned("nonfinite")  # LONGCTX_FAULT=nonfinite@STEP (a testing aid)
+        self.skipped_steps = 0  # steps whose update the non-finite guard did not apply (as read so far)
         self.optimizer = make_optimizer(self.model, cfg)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
@@ -179,6 +183,7 @@ class Trainer:
                     self.metrics.line(step, loss, grad_norm, lr, {
                         "tokens": tokens_through(self.sampler.stages, step), "seq_len": stage.seq_len,
                         "elapsed_s": time.perf_counter() - run_start,
+                        **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
                         **router_record(self.router_stats, self.router_counts, rt.dims.expert)})
                 if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
                     total_eval_s += self._timed_evaluation(step, result)
@@ -214,6 +219,8 @@ class Trainer:
             for i, batch in enumerate(micro):
                 set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
                 loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
+                if step in self.nonfinite_faults:
+                    loss_sum = loss_sum * float("nan")
                 total = loss_sum * (scale / valid)
                 terms = self.model.router_terms() if self.moe else None
                 if terms is not None:  # MoE balancing losses: the mean over the step's micro-batches
@@ -224,7 +231,10 @@ class Trainer:
                 local_loss += loss_sum.detach()
             loss = rt.sum_tensor(local_loss) / max(valid, 1)
             grad_norm = clip_gradients(self.model, t.grad_clip)
-        self.optimizer.step()
+            finite = torch.isfinite(loss) & torch.isfinite(grad_norm)  # global: the same on every rank
+        # train.on_nonfinite: the update is applied only if the step's loss and gradient norm are
+        # finite, decided on the device by the fused AdamW (guarded_step)
+        guarded_step(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
         if router_counts is not None:
             self.model.update_expert_bias(router_counts)  # once per optimizer step, from every micro-batch
@@ -248,13 +258,18 @@ class Trainer:
         steps = [s for s, _, _ in unread]
         values = torch.stack([torch.stack([lo.double(), g.double()]) for _, lo, g in unread]).tolist()
         unread.clear()
-        for step, (loss, _) in zip(steps, values):
-            if not math.isfinite(loss):
-                raise TrainingError(
-                    f"the training loss is {loss} at step {step} (learning rate {lr_at(step - 1, self.cfg):.3g}); "
-                    f"stopping (losses are read every metrics.log_interval steps and before every checkpoint, "
-                    f"so no checkpoint holds this step). Lower train.lr, raise train.warmup_steps or set "
-                    f"train.grad_clip.")
+        for step, (loss, grad_norm) in zip(steps, values):
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                if self.cfg.train.on_nonfinite == "stop":
+                    raise TrainingError(
+                        f"the training loss is {loss} (gradient norm {grad_norm}) at step {step} (learning rate "
+                        f"{lr_at(step - 1, self.cfg):.3g}); its update was not applied, and the run stops "
+                        f"(train.on_nonfinite = stop; losses are read every metrics.log_interval steps and before "
+                        f"every checkpoint, so no checkpoint holds this step). Lower train.lr, raise "
+                        f"train.warmup_steps or set train.grad_clip; train.on_nonfinite = skip goes on without it.")
+                self.skipped_steps += 1
+                self.log(f"step {step}: loss {loss}, gradient norm {grad_norm}: not applied (train.on_nonfinite = "
+                         f"skip; {self.skipped_steps} skipped so far)")
             result.losses.append(loss)
         return values[-1][0], values[-1][1]
 
