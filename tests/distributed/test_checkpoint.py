@@ -1,4 +1,9 @@
-"""Checkpoints: save under one layout, resume under another; atomic commit; verify; export."""
+"""Checkpoints: save under one layout, resume under another; atomic commit; verify; export.
+
+Starting ranks costs seconds per job, so the 4-rank runs of the resume, async-save and auto-resume
+tests run in two spawned jobs (run_spawned_many, fixture `halves`): every first half (the run that
+saves), then, once the files are as each test wants them, every second half (the run that
+resumes); each configuration keeps its own run directory, and the tests check their own."""
 
 import json
 import os
@@ -17,7 +22,7 @@ import torch.distributed as dist
 from longctx.checkpoint.manager import CheckpointManager, _load_rng, latest_checkpoint, verification_shares
 from longctx.checkpoint.manifest import CheckpointError, hash_files, owner_rank, verify, write_manifest
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned, run_spawned_many
 from longctx.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,26 +71,75 @@ def uninterrupted(tmp_path_factory):
     return run_layout("single", [], tmp_path_factory.mktemp("full"))[1]
 
 
-@pytest.mark.parametrize("a, b", [("dp2-ctx2", "head2-ctx2"), ("head2-ctx2", "single"),
-                                  ("single", "ctx4-window2"), ("dp4", "dp2-ctx2-ctxfirst")])
-def test_resume_under_another_layout(a, b, uninterrupted, tmp_path):
+RESUMES = [("dp2-ctx2", "head2-ctx2"), ("head2-ctx2", "single"), ("single", "ctx4-window2"),
+           ("dp4", "dp2-ctx2-ctxfirst")]
+SAVE = ["--checkpoint.interval=5", "--checkpoint.keep=2"]  # train to step 10 saving at 5 and 10, keep both
+AUTO = ["--checkpoint.resume=auto", "--checkpoint.interval=0"]  # resume without saving
+DAMAGED = "head2-ctx2"  # test_auto_resume_skips_a_damaged_checkpoint's 4-rank layout
+
+
+def _resume_args(run_dir):
+    return [f"--checkpoint.resume={run_dir / 'checkpoints' / 'step-00000005'}",
+            "--checkpoint.dir=" + str(run_dir / "b")]
+
+
+def flip_last_shard(run_dir, world) -> Path:
+    """One flipped byte in the last rank's shard of the latest checkpoint: same size, only its
+    checksum tells; with 4 ranks another rank than 0 may be the one that finds it."""
+    shard = run_dir / "checkpoints" / "step-00000010" / f"__{world - 1}_0.distcp"
+    flip_byte(shard)
+    return shard
+
+
+@pytest.fixture(scope="module")
+def halves(tmp_path_factory):
+    """The 4-rank runs of the tests below, two jobs in all: {key: rank 0's result}, {key: run directory}.
+    First job: resume first halves (`first A B`), the async saves (`async`), the damaged run's first
+    half (`damaged first`); single-process first halves run here too. Between: the latest checkpoint
+    of the damaged run gets its flipped byte. Second job: resumes under B (`second A B`; a
+    single-process B is its test's), the damaged run's auto-resume (`damaged auto`, logged)."""
+    base = tmp_path_factory.mktemp("halves")
+    dirs = {f"{a} {b}": base / f"{a}-to-{b}" for a, b in RESUMES}
+    dirs |= {"async": base / "async", "damaged": base / "damaged"}
+
+    def job(key, layout, args, run_dir, fn=_train):  # run_layout(layout, args, run_dir, fn) as a job
+        return key, fn, ([*LAYOUTS[layout][1], *args], str(run_dir))
+
+    first = [job(f"first {a} {b}", a, SAVE, dirs[f"{a} {b}"]) for a, b in RESUMES if a != "single"]
+    first += [job("async", "dp2-ctx2", ["--checkpoint.interval=2", "--checkpoint.keep=2", "--checkpoint.async=true"],
+                  dirs["async"]),
+              job("damaged first", DAMAGED, SAVE, dirs["damaged"])]
+    results = {key: per_rank[0] for key, per_rank in run_spawned_many(4, first).items()}
+    for a, b in RESUMES:
+        if a == "single":
+            results[f"first {a} {b}"] = run_layout(a, SAVE, dirs[f"{a} {b}"])
+    results["damaged shard"] = flip_last_shard(dirs["damaged"], LAYOUTS[DAMAGED][0])
+    second = [job(f"second {a} {b}", b, _resume_args(dirs[f"{a} {b}"]), dirs[f"{a} {b}"]) for a, b in RESUMES
+              if b != "single"]
+    second += [job("damaged auto", DAMAGED, AUTO, dirs["damaged"], fn=_train_logged)]
+    results |= {key: per_rank[0] for key, per_rank in run_spawned_many(4, second).items()}
+    return results, dirs
+
+
+@pytest.mark.parametrize("a, b", RESUMES)
+def test_resume_under_another_layout(a, b, uninterrupted, halves):
     # layout A: train to step 10 saving at step 5 (keep both checkpoints), then resume at 5 under B
-    run_layout(a, ["--checkpoint.interval=5", "--checkpoint.keep=2"], tmp_path)
-    ckpts = tmp_path / "checkpoints"
-    five = ckpts / "step-00000005"
+    results, dirs = halves
+    run_dir = dirs[f"{a} {b}"]
+    five = run_dir / "checkpoints" / "step-00000005"
     assert verify(five)["layout"]["world"] == LAYOUTS[a][0]
-    first, losses = run_layout(b, [f"--checkpoint.resume={five}", "--checkpoint.dir=" + str(tmp_path / "b")],
-                               tmp_path)
+    if b == "single":
+        first, losses = run_layout(b, _resume_args(run_dir), run_dir)
+    else:
+        first, losses = results[f"second {a} {b}"]
     assert first == 6 and len(losses) == 5
     diff = max(abs(x - y) for x, y in zip(losses, uninterrupted[5:]))
     print(f"{a} -> {b}: steps 6-10 max |loss - uninterrupted| = {diff:.2e}")
     assert diff <= 1e-5
 
 
-def test_async_saves_commit_atomically_and_prune(tmp_path):
-    first, losses = run_layout("dp2-ctx2", ["--checkpoint.interval=2", "--checkpoint.keep=2",
-                                            "--checkpoint.async=true"], tmp_path)
-    ckpts = tmp_path / "checkpoints"
+def test_async_saves_commit_atomically_and_prune(halves):
+    ckpts = halves[1]["async"] / "checkpoints"
     names = sorted(p.name for p in ckpts.iterdir())
     assert names == ["latest", "step-00000008", "step-00000010"], names
     assert latest_checkpoint(ckpts).name == "step-00000010"
@@ -199,18 +253,18 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, uninterru
 # ---------------------------------------------------------------------------------------------
 # damaged checkpoints are never loaded
 
-@pytest.mark.parametrize("layout", ["single", "head2-ctx2"])
-def test_auto_resume_skips_a_damaged_checkpoint(layout, uninterrupted, tmp_path):
-    world = LAYOUTS[layout][0]
-    run_layout(layout, ["--checkpoint.interval=5", "--checkpoint.keep=2"], tmp_path)
-    ckpts = tmp_path / "checkpoints"
-    # one flipped byte in the last rank's shard of the latest checkpoint: same size, only its
-    # checksum tells; with 4 ranks another rank than 0 may be the one that finds it
-    shard = ckpts / "step-00000010" / f"__{world - 1}_0.distcp"
-    flip_byte(shard)
-    # resume without saving, so that the checkpoints stay as they are for the second part
-    first, losses, lines = run_layout(layout, ["--checkpoint.resume=auto", "--checkpoint.interval=0"], tmp_path,
-                                      fn=_train_logged)
+@pytest.mark.parametrize("layout", ["single", DAMAGED])
+def test_auto_resume_skips_a_damaged_checkpoint(layout, uninterrupted, request, tmp_path):
+    if layout == "single":
+        run_layout(layout, SAVE, tmp_path)
+        shard = flip_last_shard(tmp_path, LAYOUTS[layout][0])
+        # resume without saving, so that the checkpoints stay as they are for the second part
+        first, losses, lines = run_layout(layout, AUTO, tmp_path, fn=_train_logged)
+        run_dir = tmp_path
+    else:  # the same steps, in the 4-rank jobs of `halves`
+        results, dirs = request.getfixturevalue("halves")
+        shard, (first, losses, lines), run_dir = results["damaged shard"], results["damaged auto"], dirs["damaged"]
+    ckpts = run_dir / "checkpoints"
     said = "\n".join(lines)
     print(said)
     assert f"step-00000010 is damaged ({shard.name} does not match its sha256 checksum)" in said
@@ -221,7 +275,7 @@ def test_auto_resume_skips_a_damaged_checkpoint(layout, uninterrupted, tmp_path)
     # none intact: a clear stop on every rank, nothing loaded
     flip_byte(ckpts / "step-00000005" / ".metadata")
     with pytest.raises((CheckpointError, RuntimeError), match="no complete checkpoint in .* is intact") as e:
-        run_layout(layout, ["--checkpoint.resume=auto", "--checkpoint.interval=0"], tmp_path)
+        run_layout(layout, AUTO, run_dir)
     assert "step-00000010: __" in str(e.value) and "step-00000005: .metadata does not match" in str(e.value)
 
 
