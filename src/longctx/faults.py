@@ -1,8 +1,10 @@
 """Fault injection for tests, read in one place: LONGCTX_FAULT (inert when unset).
 
-A testing aid, documented in docs/checkpoints.md: `LONGCTX_FAULT=nonfinite@5` makes step 5's loss
-NaN on every rank (its gradients follow), so the non-finite guard (train.on_nonfinite) can be shown
-to work. Several faults are separated by commas. Nothing in longctx reads the variable elsewhere.
+A testing aid, documented in docs/running.md: `LONGCTX_FAULT=nonfinite@5` makes step 5's loss NaN
+on every rank (its gradients follow), so the non-finite guard (train.on_nonfinite) can be shown to
+work; `enospc@2` fails the run's second checkpoint save as a full disk would (checkpoint.
+on_save_error). Several faults are separated by commas. Nothing in longctx reads the variable
+elsewhere.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import os
 from .errors import ConfigError
 
 ENV = "LONGCTX_FAULT"
-KINDS = ("nonfinite",)
+KINDS = ("nonfinite", "enospc")
 
 
 def planned(kind: str) -> set[int]:
-    """The steps at which `kind` is injected (empty unless LONGCTX_FAULT names it)."""
+    """The steps (for enospc: the saves, counted from 1) at which `kind` is injected (empty unless
+    LONGCTX_FAULT names it)."""
     steps = set()
     for item in (x.strip() for x in os.environ.get(ENV, "").split(",")):
         if not item:

@@ -26,6 +26,7 @@ checkpoint is never loaded; `auto` falls back to the newest intact one and says 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -50,7 +51,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.utils._pytree import tree_leaves
 
+from ..faults import planned
 from ..parallel import comm
 from ..parallel.launch import new_gloo_group
 from .manifest import (
@@ -73,6 +76,16 @@ from .manifest import (
 from .paths import LATEST, complete_checkpoints, latest_checkpoint, resolve_checkpoint, resume_candidates, step_name
 
 TRAINER_STATE = "trainer_state.json"
+
+
+def _state_bytes(state) -> float:
+    """Bytes of this rank's tensors in a state dict (its shards of DTensors): what it writes."""
+    total = 0.0
+    for t in tree_leaves(state):
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if hasattr(t, "to_local") else t
+            total += t.numel() * t.element_size()
+    return total
 
 
 def rng_file(rank: int) -> str:
@@ -178,6 +191,8 @@ class CheckpointManager:
         self._worker = _Worker("checkpoint-finish") if async_save else None
         self._finishing: Future | None = None  # the async save in flight
         self.last_save_blocking_s = 0.0
+        self.saves = 0  # saves started by this manager (LONGCTX_FAULT=enospc@N fails the N-th)
+        self._enospc = planned("enospc")
         if rank == 0 and create:  # (create=False: a reader of checkpoints that writes none)
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-*"):  # leftovers of saves that never completed
@@ -189,12 +204,14 @@ class CheckpointManager:
         `last_save_blocking_s` is the time the caller waited, all of it."""
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
+        self.saves += 1
         tmp = self._temporary_directory(step)
         # captured now (the generators move on with training), written with the rest off the loop
         own_files = functools.partial(self._write_own_files, tmp, _rng_state(),
-                                      json.dumps({"step": step, "sampler": sampler_state}))
+                                      json.dumps({"step": step, "sampler": sampler_state}), self.saves)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        own_bytes = _state_bytes(state)
         kwargs = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=self.world == 1)
         if self.async_save:
             if self._stager is None:
@@ -205,11 +222,13 @@ class CheckpointManager:
                 future = dcp.async_save(state, **kwargs)
             if hasattr(future, "upload_completion"):  # AsyncSaveResponse (newer torch)
                 future = future.upload_completion
-            self._finishing = self._worker.submit(self._finish, step, tmp, own_files, future.result)
+            self._finishing = self._worker.submit(self._finish, step, tmp, own_files, own_bytes, future.result)
         else:
-            with _single_process(kwargs["no_dist"]):
-                dcp.save(state, **kwargs)
-            self._finish(step, tmp, own_files)
+            def write():
+                with _single_process(kwargs["no_dist"]):
+                    dcp.save(state, **kwargs)
+
+            self._finish(step, tmp, own_files, own_bytes, write)
         self.last_save_blocking_s = time.perf_counter() - t0
 
     def _temporary_directory(self, step: int) -> Path:
@@ -221,27 +240,53 @@ class CheckpointManager:
         tmp.mkdir(parents=True, exist_ok=True)  # by every rank: each writes its RNG file there
         return tmp
 
-    def _write_own_files(self, tmp: Path, rng: dict, trainer_state: str) -> None:
+    def _write_own_files(self, tmp: Path, rng: dict, trainer_state: str, ordinal: int = 0) -> None:
         """This rank's RNG state; rank 0 also the trainer state (step and data position are job-wide)."""
+        if ordinal in self._enospc:  # LONGCTX_FAULT=enospc@N (a testing aid): the disk is full
+            raise OSError(errno.ENOSPC, f"No space left on device (LONGCTX_FAULT=enospc@{ordinal})")
         torch.save(rng, tmp / rng_file(self.rank))
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(trainer_state)
 
-    def _finish(self, step: int, tmp: Path, own_files, written=lambda: None) -> None:
+    def _finish(self, step: int, tmp: Path, own_files, own_bytes: float = 0.0, written=lambda: None) -> None:
         """Write this rank's own files (`own_files()`), and once DCP's are written too (`written()`
         returns) hash them (every rank in parallel, each over the bytes it wrote); then rank 0 commits
-        when every rank's checksums are there."""
+        when every rank's checksums are there. If any rank failed (a full disk, an unwritable
+        directory), every rank learns it, the temporary directory is removed, nothing is committed
+        (`latest` keeps pointing at the previous checkpoint) and each rank raises a CheckpointError
+        that says how much space the save needed."""
+        error = None
         try:
             own_files()
             written()
             own = hash_files(tmp, [rel for rel in checkpoint_files(tmp) if owner_rank(Path(rel).name) == self.rank])
             if self.rank != 0:  # rank 0 keeps its own in memory
                 write_hashes_part(tmp, self.rank, own)
-        finally:  # reached even when writing or hashing failed, so no rank waits for this one forever
-            if self._mesh is not None:
-                comm.barrier(self._mesh)
+        except Exception as e:  # agreed on below, so that no rank waits for this one forever
+            error = e
+        failed, needed = float(error is not None), own_bytes
+        if self._mesh is not None:  # one CPU all-reduce: did any rank fail, and the job's bytes
+            flags = comm.all_reduce_in_group(torch.tensor([failed, needed], dtype=torch.float64), self.group)
+            failed, needed = float(flags[0]), float(flags[1])
+        if failed:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._save_failed(step, needed, error)
         if self.rank == 0:
             self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))})
+
+    def _save_failed(self, step: int, needed: float, error: Exception | None) -> CheckpointError:
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 2**30:.2f} GiB free there"
+        except OSError:
+            free = "its free space unknown"
+        found = complete_checkpoints(self.root) if self.root.is_dir() else []
+        kept = (f"the previous checkpoint, {found[-1].name}, is intact and `latest` still points to it"
+                if found else "no earlier checkpoint exists")
+        what = f"{error}" if error is not None else "another rank's write failed"
+        return CheckpointError(f"the checkpoint of step {step} could not be written to {self.root} ({what}); it "
+                               f"needs about {needed / 2**30:.2f} GiB ({free}). The partial save was removed and "
+                               f"{kept}.")
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
@@ -273,6 +318,8 @@ class CheckpointManager:
         finishing, self._finishing = self._finishing, None
         try:
             finishing.result()
+        except CheckpointError:
+            raise
         except Exception as e:
             raise CheckpointError(f"the background checkpoint save failed: {e}") from e
 

@@ -325,6 +325,8 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"memory.offload_skip_last must be >= 0, got {mem.offload_skip_last}.")
     if ck.interval < 0 or ck.keep < 1:
         problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
+    if ck.on_save_error not in ("stop", "warn"):
+        problems.append(f"checkpoint.on_save_error must be stop or warn, got {ck.on_save_error!r}.")
     if cfg.train.on_nonfinite not in ("skip", "stop"):
         problems.append(f"train.on_nonfinite must be skip or stop, got {cfg.train.on_nonfinite!r}.")
     try:

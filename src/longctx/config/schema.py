@@ -325,6 +325,9 @@ class CheckpointConfig:
                                "then continues the run: its saved config.toml, with the command line on top")
     allow_changes: bool = _opt(False, "on resume, allow changing the model or the data, or turning saving off "
                                       "(checkpoint.interval 0); refused otherwise, since they are rarely meant")
+    on_save_error: str = _opt("stop", "a save that fails (a full disk, an unwritable directory): 'stop' the run, or "
+                                      "'warn' and train on; either way the partial save is removed and the "
+                                      "previous checkpoint stays the latest")
     on_signal: str = _opt("SIGTERM,SIGUSR1", "signals on which a run that saves checkpoints finishes its step, "
                                              "saves it and exits with code 75 (requeue); '' = none")
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.paths import CheckpointError
 from ..config import Config
 from ..errors import REQUEUE_EXIT_CODE, Preempted, TrainingError
 from ..faults import planned
@@ -191,7 +192,8 @@ class Trainer:
                 if signal_name and step < t.steps:
                     self._stop_on_signal(step, signal_name, unread, result)
             if self.ckpt is not None:
-                self.ckpt.wait()  # the last async save is complete and committed before the job ends
+                with self._save_errors():
+                    self.ckpt.wait()  # the last async save is complete and committed before the job ends
         finally:
             stop.__exit__(None, None, None)
             self.sampler.close()
@@ -299,8 +301,20 @@ class Trainer:
         """Save when the interval says so; returns the seconds the loop was blocked by it."""
         if not self._save_due(step):
             return 0.0
-        self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
+        with self._save_errors():
+            self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
         return self.ckpt.last_save_blocking_s
+
+    @contextlib.contextmanager
+    def _save_errors(self):
+        """checkpoint.on_save_error: a failed save (already cleaned up by the manager, on every rank
+        alike) stops the run, or is said and training goes on."""
+        try:
+            yield
+        except CheckpointError as e:
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise
+            self.log(f"checkpoint: {e} Training goes on (checkpoint.on_save_error = warn).")
 
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
