@@ -1,6 +1,7 @@
 """Start from a Hugging Face Mixture of Experts under a parallel layout: each rank materialises only
 its experts' rows (from either expert layout), training matches one process step by step, and the
-checkpoint exports to what transformers reproduces."""
+checkpoint exports to what transformers reproduces. The 4-rank loads and the 4-rank training run
+share one spawned job (run_spawned_many)."""
 
 import json
 import subprocess
@@ -13,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from longctx.config import load_config  # noqa: E402
-from longctx.parallel.spawn import run_spawned  # noqa: E402
+from longctx.parallel.spawn import run_spawned_many  # noqa: E402
 from longctx.train.trainer import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,13 +72,26 @@ def _sharded_load(path):
     return local, experts, full, bias
 
 
+PARALLEL = ["--parallel.head=2", "--parallel.ctx=2", f"--checkpoint.interval={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def spawned(moe_dirs, tmp_path_factory):
+    """One 4-rank job: _sharded_load of either expert layout, then head 2 x ctx 2 training from the
+    per-expert one (run directory `parallel`); ({key: per-rank results}, the training's run directory)."""
+    run_dir = tmp_path_factory.mktemp("parallel")
+    jobs = [*((f"load {layout}", _sharded_load, (str(moe_dirs[layout]),)) for layout in ("per_expert", "fused")),
+            ("train", _train, ([f"--model.init_from=hf:{moe_dirs['per_expert']}", *PARALLEL], str(run_dir)))]
+    return run_spawned_many(4, jobs), run_dir
+
+
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
-def test_each_rank_materialises_only_its_experts(moe_dirs, layout):
+def test_each_rank_materialises_only_its_experts(moe_dirs, layout, spawned):
     from longctx.models.hf import load_hf
 
     reference = load_hf(moe_dirs[layout])
     total = sum(p.numel() for p in reference.parameters())
-    results = run_spawned(4, _sharded_load, str(moe_dirs[layout]))
+    results = spawned[0][f"load {layout}"]
     for local, experts, full, bias in results:
         assert local <= total / 4 + 2 * 96 * 4  # a quarter, give or take one row per tensor of uneven length
         assert experts and all(shape[0] == 2 for shape in experts.values())  # 8 experts / 4 ranks
@@ -92,29 +106,29 @@ def _train(args, run_dir):
     return train(cfg, log=lambda *a, **k: None).losses
 
 
-def test_qwen2_moe_head2_ctx2_matches_one_process_then_exports(moe_dirs, tmp_path):
+def test_qwen2_moe_head2_ctx2_matches_one_process_then_exports(moe_dirs, spawned, tmp_path):
     init = [f"--model.init_from=hf:{moe_dirs['per_expert']}"]
     single = _train(init, tmp_path / "single")
-    parallel = run_spawned(4, _train, [*init, "--parallel.head=2", "--parallel.ctx=2",
-                                       f"--checkpoint.interval={STEPS}"], str(tmp_path / "parallel"))
+    results, parallel_dir = spawned
+    parallel = results["train"]
     assert len(single) == STEPS
     diff = max(abs(a - b) for losses in parallel for a, b in zip(losses, single))
     print(f"\nQwen2-MoE head 2 x ctx 2 against one process, {STEPS} steps: max |loss diff| = {diff:.2e}")
     assert diff <= 1e-4
     assert single[-1] < single[0]  # it trained
-    recorded = load_config(tmp_path / "parallel" / "config.toml").model
+    recorded = load_config(parallel_dir / "config.toml").model
     assert (recorded.family, recorded.moe_experts, recorded.moe_layer_ids) == ("qwen2_moe", 8, (1, 2))
 
     out = tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(tmp_path / "parallel" /
-                        "checkpoints"), str(out), "--to", "hf"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(parallel_dir / "checkpoints"),
+                        str(out), "--to", "hf"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     from longctx.checkpoint.manager import load_model_weights
     from longctx.models.hf import load_hf
     from longctx.models.llama import build_model
 
     trained = build_model(recorded, seed=None)
-    load_model_weights(tmp_path / "parallel" / "checkpoints" / f"step-{STEPS:08d}", trained)
+    load_model_weights(parallel_dir / "checkpoints" / f"step-{STEPS:08d}", trained)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(theirs).__name__ == "Qwen2MoeForCausalLM"
     t = torch.randint(0, 320, (2, 256), generator=torch.Generator().manual_seed(1))
