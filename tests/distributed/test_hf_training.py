@@ -1,5 +1,6 @@
 """Start from a Hugging Face checkpoint under a parallel layout: each rank materialises only its
-shards, training matches one process step by step, and the export is what transformers reproduces."""
+shards, training matches one process step by step, and the export is what transformers reproduces.
+The 4-rank training run and the 4-rank load share one spawned job (run_spawned_many)."""
 
 import json
 import subprocess
@@ -12,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from longctx.config import load_config  # noqa: E402
-from longctx.parallel.spawn import run_spawned  # noqa: E402
+from longctx.parallel.spawn import run_spawned_many  # noqa: E402
 from longctx.train.trainer import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,22 +51,35 @@ def _train(args, run_dir):
     return train(cfg, log=lambda *a, **k: None).losses
 
 
-def test_qwen3_head2_ctx2_matches_one_process_then_exports(qwen3_dir, tmp_path):
+PARALLEL = ["--parallel.head=2", "--parallel.ctx=2", "--checkpoint.interval=10"]
+
+
+@pytest.fixture(scope="module")
+def spawned(qwen3_dir, tmp_path_factory):
+    """One 4-rank job: head 2 x ctx 2 training from the checkpoint (run directory `parallel`), then the
+    dp_shard load of _sharded_load; ({key: per-rank results}, the training's run directory)."""
+    run_dir = tmp_path_factory.mktemp("parallel")
+    jobs = [("train", _train, ([f"--model.init_from=hf:{qwen3_dir}", *PARALLEL], str(run_dir))),
+            ("load", _sharded_load, (str(qwen3_dir),))]
+    return run_spawned_many(4, jobs), run_dir
+
+
+def test_qwen3_head2_ctx2_matches_one_process_then_exports(qwen3_dir, spawned, tmp_path):
     init = [f"--model.init_from=hf:{qwen3_dir}"]
     single = _train(init, tmp_path / "single")
-    parallel = run_spawned(4, _train, [*init, "--parallel.head=2", "--parallel.ctx=2", "--checkpoint.interval=10"],
-                           str(tmp_path / "parallel"))
+    results, parallel_dir = spawned
+    parallel = results["train"]
     assert len(single) == STEPS
     for losses in parallel:
         diff = max(abs(a - b) for a, b in zip(losses, single))
         assert diff <= 1e-4, f"max |loss - single| = {diff:.2e}"
     assert single[-1] < single[0] - 0.2  # it trained
     # the run directory records the checkpoint's model, not the debug preset
-    recorded = load_config(tmp_path / "parallel" / "config.toml").model
+    recorded = load_config(parallel_dir / "config.toml").model
     assert (recorded.family, recorded.dim, recorded.head_dim, recorded.rope_scaling) == ("qwen3", 64, 32, "yarn")
 
     out = tmp_path / "export"
-    checkpoints = tmp_path / "parallel" / "checkpoints"
+    checkpoints = parallel_dir / "checkpoints"
     r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(checkpoints), str(out),
                         "--to", "hf", "--max-shard-gb", "0.0001"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -75,7 +89,7 @@ def test_qwen3_head2_ctx2_matches_one_process_then_exports(qwen3_dir, tmp_path):
     from longctx.models.llama import build_model
 
     trained = build_model(recorded, seed=None)
-    load_model_weights(tmp_path / "parallel" / "checkpoints" / "step-00000010", trained)
+    load_model_weights(parallel_dir / "checkpoints" / "step-00000010", trained)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(theirs).__name__ == "Qwen3ForCausalLM"
     t = torch.randint(0, 320, (2, 256), generator=torch.Generator().manual_seed(1))
@@ -102,12 +116,12 @@ def _sharded_load(path):
     return local, full
 
 
-def test_each_rank_materialises_only_its_shards(qwen3_dir):
+def test_each_rank_materialises_only_its_shards(qwen3_dir, spawned):
     from longctx.models.hf import load_hf
 
     reference = load_hf(qwen3_dir)
     total = sum(p.numel() for p in reference.parameters())
-    results = run_spawned(4, _sharded_load, str(qwen3_dir))
+    results = spawned[0]["load"]
     for local, full in results:
         assert local <= total / 4 + 2 * 64 * 4  # a quarter, give or take one row per tensor of uneven length
         for name, p in reference.named_parameters():
