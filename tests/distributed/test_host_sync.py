@@ -4,7 +4,9 @@ Each case builds the training loop's Trainer, runs one step to warm up (lazy FSD
 caches filled), then runs two more with a detector around every step's forward and backward
 (`Trainer.device_section`): on CPU the dispatch probe of host_sync.py, which refuses `.item()`,
 `bool(t)`, boolean masks, `nonzero`, `unique` and friends (on CUDA, torch's own sync debug mode
-too). The same probe must catch a deliberately inserted `.item()`, so the test can fail.
+too). The same probe must catch a deliberately inserted `.item()`, so the test can fail. The 4-rank
+cases run one after another in one spawned job (run_spawned_many), each with its own Trainer, its
+own warm-up step and its own run directory.
 """
 
 import functools
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 from longctx.train.host_sync import HostSyncError, no_host_sync
 
 BASE = ["--train.steps=3", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
@@ -65,10 +67,18 @@ def test_one_process_step_reads_nothing_from_the_device(name, tmp_path):
     assert _steps_under_probe(ONE_PROCESS[name], tmp_path) == "ok"
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """{case: per-rank results}: every 4-rank case in one spawned job."""
+    base = tmp_path_factory.mktemp("four_ranks")
+    return run_spawned_many(4, [(name, _steps_under_probe, (args, str(base / f"case{i}")))
+                                for i, (name, args) in enumerate(FOUR_RANKS.items())])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
-def test_parallel_step_reads_nothing_from_the_device(name, tmp_path):
-    assert run_spawned(4, _steps_under_probe, FOUR_RANKS[name], str(tmp_path)) == ["ok"] * 4
+def test_parallel_step_reads_nothing_from_the_device(name, four_ranks):
+    assert four_ranks[name] == ["ok"] * 4
 
 
 def test_an_inserted_item_is_caught(tmp_path):
