@@ -1,7 +1,8 @@
 """2D sequence-parallel attention against single-device attention, on gloo processes.
 
-One spawn per world size; inside it every layout (head x ctx factorisation, window, placement)
-and every case (causal or not, kv heads, packed documents) runs, reusing the process groups.
+One spawn per world size (fixture `spawned`, run_spawned_many: the fp32 cases, and at 4 and 8
+ranks the packed-document layouts, at 8 the bf16 ring); inside it every layout (head x ctx
+factorisation, window, placement) and every case (causal or not, kv heads, packed documents) runs.
 Also checks the byte counters against the closed-form volumes.
 """
 
@@ -15,7 +16,7 @@ from longctx.parallel import comm
 from longctx.parallel.attention import distributed_attention
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.sequence import shard_sequence
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 from longctx.parallel.volumes import attention_bytes
 
 B, H, D = 2, 8, 16
@@ -83,10 +84,8 @@ def all_cases(world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_fp32_parity_and_byte_counts(world):
-    seq = 64
-    cases = list(all_cases(world))
-    per_rank = run_spawned(world, run_cases, world, seq, "float32", cases)
+def test_fp32_parity_and_byte_counts(world, spawned):
+    per_rank = spawned(world)["fp32"]
     failures = []
     for rank_results in per_rank:
         for case, out_err, grad_err, counters_ok, detail in rank_results:
@@ -113,12 +112,15 @@ def single_device_bf16_error(seq, kv, docs):
     return (o16 - o32).abs().max().item(), max((a - b).abs().max().item() for a, b in zip(g16, g32))
 
 
-def test_bf16_merge_stays_within_bf16_rounding():
+BF16_SEQ = 128
+BF16_CASES = [(1, 8, 0, "head-first", True, 2, False), (1, 8, 2, "head-first", True, 2, True)]
+
+
+def test_bf16_merge_stays_within_bf16_rounding(spawned):
     """ctx = 8 ring in bf16: partial results merge in fp32, so the error stays that of bf16 inputs
     (compared with one bf16 attention call over the whole sequence), not growing with the ring."""
-    world, seq = 8, 128
-    cases = [(1, 8, 0, "head-first", True, 2, False), (1, 8, 2, "head-first", True, 2, True)]
-    per_rank = run_spawned(world, run_cases, world, seq, "bfloat16", cases)
+    world, seq = 8, BF16_SEQ
+    per_rank = spawned(world)["bf16"]
     worst_out = max(r[1] for rank_results in per_rank for r in rank_results)
     worst_grad = max(r[2] for rank_results in per_rank for r in rank_results)
     floor_out, floor_grad = (max(x) for x in zip(*(single_device_bf16_error(seq, 2, d) for d in (False, True))))
@@ -185,13 +187,46 @@ def run_layout_cases(world, seq, cases):
     return results
 
 
-@pytest.mark.parametrize("world,seq", [(4, 512), (8, 4096)])
-def test_documents_in_a_layout_are_exact(world, seq):
-    cases = [(head, ctx, window, placement, kv, split, seed)
-             for head, ctx, window, placement in layouts(world) if ctx > 1
-             for kv, split, seed in ((2, "docs", 1), (H, "zigzag", 2), (1, "docs", 3))]
-    per_rank = run_spawned(world, run_layout_cases, world, seq, cases)
+def layout_cases(world):
+    return [(head, ctx, window, placement, kv, split, seed)
+            for head, ctx, window, placement in layouts(world) if ctx > 1
+            for kv, split, seed in ((2, "docs", 1), (H, "zigzag", 2), (1, "docs", 3))]
+
+
+DOC_SEQ = {4: 512, 8: 4096}  # world -> sequence length of the packed-document cases
+
+
+@pytest.mark.parametrize("world,seq", list(DOC_SEQ.items()))
+def test_documents_in_a_layout_are_exact(world, seq, spawned):
+    per_rank = spawned(world)["docs"]
     failures = [f"{case}: out {o:.2e} grad {g:.2e} {'' if ok else detail}"
                 for rank_results in per_rank for case, o, g, ok, detail in rank_results
                 if o > 1e-5 or g > 1e-4 or not ok]
     assert not failures, f"{len(failures)} failing cases, e.g.:\n" + "\n".join(failures[:8])
+
+
+# ----------------------------------------------------------------------------------------------
+# one spawned job per world size
+
+
+def _jobs(world):
+    jobs = [("fp32", run_cases, (world, 64, "float32", list(all_cases(world))))]
+    if world == 8:
+        jobs.append(("bf16", run_cases, (world, BF16_SEQ, "bfloat16", BF16_CASES)))
+    if world in DOC_SEQ:
+        jobs.append(("docs", run_layout_cases, (world, DOC_SEQ[world], layout_cases(world))))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    """spawned(world) -> {"fp32" | "bf16" | "docs": per-rank results}: every case of that world size in
+    one job, run on first use."""
+    done = {}
+
+    def get(world):
+        if world not in done:
+            done[world] = run_spawned_many(world, _jobs(world))
+        return done[world]
+
+    return get
