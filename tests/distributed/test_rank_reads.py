@@ -1,9 +1,12 @@
 """dp 2 x ctx 2 (4 gloo ranks): each rank reads from the store only the tokens it holds (plus the
 next token of each run of them, for its labels), at most one step ahead, and trains exactly as when
-every rank read the whole global batch and cut its share out of it."""
+every rank read the whole global batch and cut its share out of it. Both tests' 4-rank runs share
+one spawned job (run_spawned_many), each with its own run directory."""
+
+import pytest
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 
 STEPS = 4
 ARGS = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
@@ -55,8 +58,16 @@ def _compare(run_dir):
     return {how: _run(run_dir, how) for how in ("ahead", "sync", "whole")}
 
 
-def test_each_rank_reads_its_share_at_most_one_step_ahead_and_trains_as_before(tmp_path):
-    results = run_spawned(4, _compare, str(tmp_path))
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """One 4-rank job: _compare (three trainings), then _evaluate; {key: per-rank results}."""
+    base = tmp_path_factory.mktemp("rank_reads")
+    return run_spawned_many(4, [("compare", _compare, (str(base / "compare"),)),
+                                ("evaluate", _evaluate, (str(base / "evaluate" / "dp2-ctx2"),))])
+
+
+def test_each_rank_reads_its_share_at_most_one_step_ahead_and_trains_as_before(spawned):
+    results = spawned["compare"]
     seq_len, global_batch, itemsize = 256, 4, 2  # byte tokenizer: uint16 tokens
     batch_bytes = global_batch * seq_len * itemsize
     for rank, r in enumerate(results):
@@ -87,8 +98,8 @@ def _evaluate(run_dir):
     return loss, samples.bytes_read - before, covered
 
 
-def test_evaluation_reads_each_ranks_share_and_gives_the_single_process_loss(tmp_path):
+def test_evaluation_reads_each_ranks_share_and_gives_the_single_process_loss(spawned, tmp_path):
     single, _, _ = _evaluate(str(tmp_path / "single"))
-    for rank, (loss, read, covered) in enumerate(run_spawned(4, _evaluate, str(tmp_path / "dp2-ctx2"))):
+    for rank, (loss, read, covered) in enumerate(spawned["evaluate"]):
         assert abs(loss - single) <= 1e-5, (rank, loss, single)
         assert 0 < read < covered / 3, (rank, read, covered)  # a quarter of the tokens (+ label look-ahead)
