@@ -2,9 +2,11 @@
 
 NCCL serialises one communicator's operations, so transfers meant to overlap must not share a
 group: Double-Ring's inner and outer transfers, and the Ulysses all-to-all apart from the ring and
-from the job-wide groups (FSDP's, the metrics' world group).
+from the job-wide groups (FSDP's, the metrics' world group). Both layouts run in one spawned job
+(run_spawned_many), each on the groups of its own mesh.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -13,7 +15,7 @@ from longctx.parallel import comm
 from longctx.parallel.attention import distributed_attention
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.sequence import shard_sequence
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 
 B, S, H, D = 1, 64, 4, 8
 
@@ -40,8 +42,15 @@ def _groups_of_attention(world, head, ctx, window):
     return comm.groups_used(), err, others
 
 
-def test_double_ring_inner_and_outer_transfers_run_on_two_groups():
-    for used, err, others in run_spawned(4, _groups_of_attention, 4, 1, 4, 2):
+@pytest.fixture(scope="module")
+def spawned():
+    """{layout: per-rank (groups used, max error, the groups others use)}, both layouts in one 4-rank job."""
+    return run_spawned_many(4, [("double ring", _groups_of_attention, (4, 1, 4, 2)),
+                                ("head2 x plain ring", _groups_of_attention, (4, 2, 2, 0))])
+
+
+def test_double_ring_inner_and_outer_transfers_run_on_two_groups(spawned):
+    for used, err, others in spawned["double ring"]:
         assert err < 1e-5
         ring = used["ctx"]
         # forward blocks, backward blocks and gradient accumulators: the inner hops on the ring lane,
@@ -52,8 +61,8 @@ def test_double_ring_inner_and_outer_transfers_run_on_two_groups():
         assert not others & {g for names in ring.values() for g in names}, (others, ring)
 
 
-def test_plain_ring_uses_one_group_and_ulysses_its_own_none_shared():
-    for used, err, others in run_spawned(4, _groups_of_attention, 4, 2, 2, 0):
+def test_plain_ring_uses_one_group_and_ulysses_its_own_none_shared(spawned):
+    for used, err, others in spawned["head2 x plain ring"]:
         assert err < 1e-5
         ring = {g for names in used["ctx"].values() for g in names}
         ulysses = {g for names in used["head"].values() for g in names}
