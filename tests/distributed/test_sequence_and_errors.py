@@ -1,4 +1,4 @@
-"""shard/unshard round trips and up-front errors, on 4 gloo processes."""
+"""shard/unshard round trips and up-front errors, on 4 gloo processes (one spawned job for both)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from longctx.parallel import comm
 from longctx.parallel.attention import distributed_attention
 from longctx.parallel.dims import ParallelDims
 from longctx.parallel.sequence import shard_sequence, unshard_sequence
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.spawn import run_spawned_many
 
 
 def roundtrip(world):
@@ -56,13 +56,19 @@ def errors(world):
     return msgs
 
 
-def test_shard_unshard_round_trip():
-    for rank_result in run_spawned(4, roundtrip, 4):
+@pytest.fixture(scope="module")
+def spawned():
+    """{"roundtrip": per-rank results, "errors": per-rank messages}, in one 4-rank job."""
+    return run_spawned_many(4, [("roundtrip", roundtrip, (4,)), ("errors", errors, (4,))])
+
+
+def test_shard_unshard_round_trip(spawned):
+    for rank_result in spawned["roundtrip"]:
         assert all(rank_result)
 
 
-def test_bad_inputs_fail_before_any_communication():
-    msgs = run_spawned(4, errors, 4)[0]
+def test_bad_inputs_fail_before_any_communication(spawned):
+    msgs = spawned["errors"][0]
     assert not [m for m in msgs.values() if m.startswith(("communicated", "no error"))], msgs
     assert "not divisible by the head-parallel degree 2" in msgs["heads"]
     assert "not divisible by 2 x ctx x head = 8" in msgs["seq"]
