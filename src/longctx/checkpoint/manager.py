@@ -257,8 +257,8 @@ class CheckpointManager:
         that says how much space the save needed."""
         error = None
         try:
+            written()  # first: DCP's writes are collective (a rank that skipped them would hang the others)
             own_files()
-            written()
             own = hash_files(tmp, [rel for rel in checkpoint_files(tmp) if owner_rank(Path(rel).name) == self.rank])
             if self.rank != 0:  # rank 0 keeps its own in memory
                 write_hashes_part(tmp, self.rank, own)
