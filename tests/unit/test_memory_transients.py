@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from longctx.config import load_config
-from longctx.memory.accounting import block_part_bytes, estimate_activations, moe_call_bytes, moe_ffn_bytes
+from longctx.memory.accounting import block_part_bytes, estimate_activations
+from longctx.memory.moe_counts import moe_call_bytes, moe_ffn_bytes
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.transients import (
     attention_chunks,

@@ -148,7 +148,7 @@ def test_expert_parallel_model_states_split_the_routed_experts_over_every_rank()
 
 
 def test_expert_all_to_all_bytes_follow_tokens_top_k_and_recomputation():
-    from longctx.memory.accounting import moe_forward_runs
+    from longctx.memory.moe_counts import moe_forward_runs
     from longctx.memory.policy import MemoryPolicy
     from longctx.parallel.volumes import expert_bytes
 
@@ -165,7 +165,7 @@ def test_expert_all_to_all_bytes_follow_tokens_top_k_and_recomputation():
 
 
 def test_skew_is_bounded_by_what_routing_allows():
-    from longctx.memory.accounting import expert_rows, max_expert_skew
+    from longctx.memory.moe_counts import expert_rows, max_expert_skew
 
     # 4 experts over 2 ranks, top 2: a rank holds 2 experts; the most a token sends it is 2 rows
     assert max_expert_skew(TINY_MOE, 2) == 2 * 2 / 2

@@ -51,11 +51,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.utils._pytree import tree_leaves
 
 from ..faults import planned
 from ..parallel import comm
 from ..parallel.launch import new_gloo_group
+from .failures import save_failed, state_bytes
 from .manifest import (
     CHECKSUM_MISMATCH,
     MANIFEST,
@@ -76,16 +76,6 @@ from .manifest import (
 from .paths import LATEST, complete_checkpoints, latest_checkpoint, resolve_checkpoint, resume_candidates, step_name
 
 TRAINER_STATE = "trainer_state.json"
-
-
-def _state_bytes(state) -> float:
-    """Bytes of this rank's tensors in a state dict (its shards of DTensors): what it writes."""
-    total = 0.0
-    for t in tree_leaves(state):
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if hasattr(t, "to_local") else t
-            total += t.numel() * t.element_size()
-    return total
 
 
 def rng_file(rank: int) -> str:
@@ -211,7 +201,7 @@ class CheckpointManager:
                                       json.dumps({"step": step, "sampler": sampler_state}), self.saves)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        own_bytes = _state_bytes(state)
+        own_bytes = state_bytes(state)
         kwargs = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=self.world == 1)
         if self.async_save:
             if self._stager is None:
@@ -271,22 +261,9 @@ class CheckpointManager:
         if failed:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise self._save_failed(step, needed, error)
+            raise save_failed(self.root, step, needed, error)
         if self.rank == 0:
             self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))})
-
-    def _save_failed(self, step: int, needed: float, error: Exception | None) -> CheckpointError:
-        try:
-            free = f"{shutil.disk_usage(self.root).free / 2**30:.2f} GiB free there"
-        except OSError:
-            free = "its free space unknown"
-        found = complete_checkpoints(self.root) if self.root.is_dir() else []
-        kept = (f"the previous checkpoint, {found[-1].name}, is intact and `latest` still points to it"
-                if found else "no earlier checkpoint exists")
-        what = f"{error}" if error is not None else "another rank's write failed"
-        return CheckpointError(f"the checkpoint of step {step} could not be written to {self.root} ({what}); it "
-                               f"needs about {needed / 2**30:.2f} GiB ({free}). The partial save was removed and "
-                               f"{kept}.")
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,

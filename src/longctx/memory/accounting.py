@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from ..config import ModelConfig
 from ..models.flops import dense_ffn_params, moe_ffn_params
 from ..ops.chunked import chunk_store_host_ptrs
+from .moe_counts import moe_call_terms, moe_calls, moe_ffn_bytes
 from .policy import MemoryPolicy
 
 NO_POLICY = MemoryPolicy()  # nothing recomputed, offloaded or chunked
@@ -52,54 +53,6 @@ class ActivationEstimate:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
-    """Bytes per local token a Mixture-of-Experts feed-forward (models/moe.py) leaves for backward
-    in a training forward, dropless, in this implementation's graph (its input, the norm's output,
-    is the block's: counted in `norm`):
-
-    - router (fp32, autocast off): the logits [E] (kept by the z-loss's log-sum-exp, which the
-      routers compute in every training forward) and the softmax probabilities [E] (the sigmoid
-      router: its scores [E] and their per-token sum), the log-sum-exp (4); in bf16 the fp32 copy
-      of the input the gate multiplies (4 d), and the bf16 norm output is then kept only by the
-      shared experts;
-    - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (p each,
-      as the combine multiplies them), and with renormalised top-k (moe.norm_topk, k > 1) the
-      gathered probabilities [k] and their sum, fp32;
-    - permute: the source row of each of the T k slots (int64) and the permuted tokens [k, d];
-    - the routed experts: SwiGLU intermediates of expert_dim for each of the k slots (w1 out, silu
-      out, w3 out, product: 4 x expert_dim, as the dense MLP's 4 x ffn_dim);
-    - un-permute, a gather by the inverse permutation: its index (int64) and the slots [k, d]; with a
-      capacity an index_copy instead, which also keeps its source, the experts' output [k, d];
-    - shared experts: a SwiGLU of shared_dim (4 x shared_dim); with their sigmoid gate, the gate
-      (1) and the shared output [d].
-
-    With the top-k choice every token fills exactly k slots, so this is exact (routing only decides
-    which expert a slot's rows go to). With a capacity (moe.capacity_factor > 0) the kept choices
-    (bool [k]) are added and the T k slots are an upper bound of the rows the experts see."""
-    d, k, E = m.dim, m.moe_top_k, m.moe_experts
-    H, S = m.resolved_expert_dim, m.resolved_shared_dim
-    router = 8 * E + 4 + (4 if m.moe_router == "sigmoid" else 0)
-    if p != 4:
-        router += 4 * d - (0 if S else p * d)
-    choice = 8 * k + p * k + (4 * k + 4 if m.moe_norm_topk and k > 1 else 0)
-    choice += k if m.moe_capacity_factor > 0 else 0
-    permute = 8 * k + p * k * d
-    experts = 4 * p * k * H
-    unpermute = 8 * k + p * k * d + (p * k * d if m.moe_capacity_factor > 0 else 0)
-    shared = 4 * p * S + ((p + p * d) if m.moe_shared_gate and S else 0)
-    return router + choice + permute + experts + unpermute + shared
-
-
-def moe_call_bytes(m: ModelConfig, p: int, stored: bool) -> float:
-    """Bytes one call of a MoE feed-forward keeps whatever its tokens: what its router records for
-    the balancing losses (expert counts and probability sums, fp32 [E] each, the squared log-sum-exp
-    sum and the dropped count: 8 E + 8, on the device, also under a checkpoint); and when the call's
-    saved tensors are kept (`stored`: not recomputed), in bf16 the gate's fp32 weight copy its
-    linear saves (4 E d) and the grouped GEMM kernel's int32 group offsets (3 x 4 E)."""
-    E = m.moe_experts
-    return 8 * E + 8 + (4 * E * m.dim + 12 * E if stored and p != 4 else 0)
 
 
 def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe: bool = False) -> dict[str, float]:
@@ -176,109 +129,6 @@ def _offloaded_block(recompute: str, part: dict[str, float], p: int, dim: int, A
     return host, 0.0
 
 
-def _piece_sizes(tokens: int, chunk: int) -> list[int]:
-    """Tokens of each piece memory/policies.py `_slices` cuts `tokens` into (none for 0 tokens)."""
-    if tokens <= 0:
-        return []
-    if chunk <= 0 or tokens <= chunk:
-        return [tokens]
-    return [min(chunk, tokens - s) for s in range(0, tokens, chunk)]
-
-
-def moe_calls(recompute: str, offloaded: bool, tokens: int, policy: MemoryPolicy) -> list[tuple[int, bool]]:
-    """(tokens, stored) of each call of a MoE block's feed-forward in one forward under the policy
-    (memory/policies.py): whole, or once per token piece (block_chunk; and under selective + offload
-    the stored first offload_fraction of the tokens and the recomputed rest apart). `stored`: the
-    call's saved tensors are kept (not recomputed from a checkpoint)."""
-    chunk = policy.block_chunk
-    if recompute == "none":
-        return [(tokens, True)]
-    if recompute == "full" or not offloaded:
-        return [(n, False) for n in _piece_sizes(tokens, chunk)]
-    stored = round(policy.offload_fraction * tokens)
-    return [(n, True) for n in _piece_sizes(stored, chunk)] + [(n, False) for n in _piece_sizes(tokens - stored, chunk)]
-
-
-def expert_rows(tokens: float, m: ModelConfig, expert: int, skew: float = 1.0) -> float:
-    """Routed rows the most loaded rank of an expert group receives under expert parallelism: `skew`
-    times its uniform share (its tokens' tokens x top_k rows: what every rank gets when routing is
-    even), at most what routing allows: every token of the group's `expert` ranks sending it
-    min(top_k, experts / expert) rows (one per expert it holds)."""
-    k = m.moe_top_k
-    worst = tokens * expert * min(k, m.moe_experts // expert)
-    return min(max(skew, 1.0) * tokens * k, worst)
-
-
-def max_expert_skew(m: ModelConfig, expert: int) -> float:
-    """The largest receive skew routing allows at this expert degree (expert_rows' bound over the
-    uniform share): expert x min(top_k, experts / expert) / top_k."""
-    return expert * min(m.moe_top_k, m.moe_experts // expert) / m.moe_top_k
-
-
-def expert_parallel_row_bytes(m: ModelConfig, p: int, chunked: bool) -> float:
-    """Bytes a rank keeps for backward per routed row it receives under expert parallelism
-    (parallel/expert.py): the received row, the grouped GEMM's input (d); the experts' SwiGLU
-    intermediates (4 x expert_dim; none when memory.expert_chunk recomputes them piece by piece);
-    and the two int64 indices that regroup the rows expert-major and back (16). Without expert
-    parallelism a rank's own rows keep the first two (moe_ffn_bytes' permute and experts), so with
-    even routing expert parallelism adds the indices alone."""
-    return p * m.dim + (0 if chunked else 4 * p * m.resolved_expert_dim) + 16
-
-
-def moe_forward_runs(model: ModelConfig, tokens: int, policy: MemoryPolicy) -> float:
-    """Forward runs of the MoE feed-forwards in one micro-batch, summed over the MoE layers: 1 each,
-    plus the share of its tokens whose call is recomputed in backward (moe_calls: not stored; under
-    selective recomputation the feed-forward is recomputed, unless its block is offloaded, where
-    the stored offload_fraction of the tokens is not)."""
-    if not model.is_moe or tokens <= 0:
-        return 0.0
-    offloaded = max(0, model.layers - policy.offload_skip_last) if policy.offload_fraction > 0 else 0
-    runs = 0.0
-    for i in model.moe_layer_ids:
-        calls = moe_calls(policy.recompute, i < offloaded, tokens, policy)
-        runs += 1 + sum(n for n, stored in calls if not stored) / tokens
-    return runs
-
-
-def _moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert_chunk: int,
-                    offloaded: bool, expert: int = 1, skew: float = 1.0) -> tuple[float, float, float]:
-    """(device bytes, host bytes, recomputed FLOPs) a MoE block's feed-forward calls add to its
-    per-token count (which holds every stored token's experts' intermediates, `moe_ffn_bytes`):
-    each call's `moe_call_bytes`; and with memory.expert_chunk, a call of more routed rows (tokens x
-    top_k) than that runs its experts in checkpointed pieces: a stored call keeps no intermediates
-    (4 x expert_dim per row less) but each piece's int64 group counts [E] (on the host in an
-    offloaded block), and every such call runs its experts' forward once more in backward.
-
-    Under expert parallelism (`expert` > 1) the experts run on the rows the rank receives: on the most
-    loaded rank `expert_rows` of them (`skew` x its share); a stored call keeps
-    `expert_parallel_row_bytes` for each in place of its own k rows' (on the device: the received
-    rows are not the blocks' offloaded tensors)."""
-    k, E = m.moe_top_k, m.moe_experts
-    device = host = flops = 0.0
-    for n, stored in calls:
-        device += moe_call_bytes(m, p, stored)
-        rows = received = n * k
-        if expert > 1:
-            received = expert_rows(n, m, expert, skew)
-        chunked = bool(expert_chunk) and received > expert_chunk
-        if chunked:
-            flops += received * 6 * m.dim * m.resolved_expert_dim
-        if chunked and stored:
-            kept = -(-int(received) // expert_chunk) * 8 * E - rows * 4 * p * m.resolved_expert_dim
-            if offloaded:
-                host += kept
-            else:
-                device += kept
-        if expert > 1 and stored:
-            own = rows * (p * m.dim + (0 if chunked else 4 * p * m.resolved_expert_dim))
-            more = received * expert_parallel_row_bytes(m, p, chunked) - own
-            if offloaded:  # (the offloader takes the block's saved tensors, the received rows' too)
-                host += more
-            else:
-                device += more
-    return device, host, flops
-
-
 def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloaded: int, loss_chunked: bool) -> float:
     """Device bytes per token kept outside the blocks: RoPE tables, the embeddings output, the final
     norm and what the loss keeps."""
@@ -306,7 +156,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
                       docs: bool = False, expert: int = 1, expert_skew: float = 1.0) -> list[LayerActivations]:
     """What each block leaves for backward under `policy` (see estimate_activations), block by
     block: a MoE model's dense and MoE layers differ; `expert`, `expert_skew`: the expert-parallel
-    degree and the receive skew of the rank counted (_moe_call_terms). The last offloaded block's device bytes
+    degree and the receive skew of the rank counted (moe_counts.moe_call_terms). The last offloaded block's device bytes
     include its output, which stays on the device as the input of the kept block after it."""
     if seq_len % (head * ctx):
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
@@ -345,7 +195,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
             device, host_bytes, flops = tokens * kept, tokens * core_host, tokens * recompute
         if moe and model.is_moe:
             if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
-                moe_terms[off] = _moe_call_terms(model, p, moe_calls(rc, off, tokens, policy), policy.expert_chunk,
+                moe_terms[off] = moe_call_terms(model, p, moe_calls(rc, off, tokens, policy), policy.expert_chunk,
                                                  off, expert, expert_skew)
             d_moe, h_moe, f_moe = moe_terms[off]
             device, host_bytes, flops = device + d_moe, host_bytes + h_moe, flops + f_moe

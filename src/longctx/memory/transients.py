@@ -12,7 +12,8 @@ Double-Ring inner ring, 0 = plain ring); all bytes are per rank and micro-batch.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from .accounting import ActivationEstimate, block_part_bytes, estimate_activations, expert_rows
+from .accounting import ActivationEstimate, block_part_bytes, estimate_activations
+from .moe_counts import expert_rows
 from .policy import MemoryPolicy
 
 
@@ -293,7 +294,7 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
 def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: float, policy: MemoryPolicy,
                                 e: int) -> float:
     """What the most loaded rank of an expert group holds beyond an even share while one MoE layer
-    runs (on top of its saved count, memory.accounting._moe_call_terms): the extra received rows in
+    runs (on top of its saved count, memory.moe_counts.moe_call_terms): the extra received rows in
     the all-to-all's output, its expert-major copy, the experts' output and its source-major copy
     (4 x dim), and in backward their gradients (3 of dim, an fp32 count) and, unless memory.
     expert_chunk bounds them to a piece, the experts' recomputed or kept intermediates' gradients

@@ -33,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..memory.accounting import ActivationEstimate, estimate_activations, max_expert_skew, moe_forward_runs
+from ..memory.accounting import ActivationEstimate, estimate_activations
+from ..memory.moe_counts import max_expert_skew, moe_forward_runs
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
 from ..models.flops import train_flops_per_token
@@ -105,7 +106,7 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
                      dtype_bytes: int, docs: bool, expert_skew: float = 1.0) -> tuple[ActivationEstimate, float]:
     """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
     under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
-    the routed rows (memory.accounting.expert_rows)."""
+    the routed rows (memory.moe_counts.expert_rows)."""
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
                                 dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew)
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,

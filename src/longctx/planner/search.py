@@ -89,8 +89,8 @@ class Request:
     # per sequence (the conservative default), `longctx plan --store` measures it
     doc_work: float = 1.0
     doc_work_source: str = "no --store: one document per sequence assumed"
-    # MoE models: expert-parallel degrees to try (None: every degree dividing the experts and the
-    # GPUs), the planned receive skew of the most loaded expert rank (its routed rows over an even
+    # MoE models: expert-parallel degrees to try (None: 1 and the largest in one node, expert_degrees()),
+    # the planned receive skew of the most loaded expert rank (its routed rows over an even
     # share; "max" in the CLI: the most routing allows), and memory.expert_chunk values
     expert_degrees: tuple[int, ...] | None = None
     expert_skew: float = 2.0
@@ -175,6 +175,7 @@ def _policies(req: Request) -> list[MemoryPolicy]:
 def candidate_shapes(req: Request) -> list[MeshShape]:
     """Every mesh shape of req.gpus ranks that the model's heads and the sequence allow."""
     m, G, n = req.model, req.gpus_per_node, req.gpus
+    degrees = expert_degrees(req)
     out = []
     for h in divisors(n):
         if not head_degree_ok(m, h):
@@ -196,7 +197,7 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
             for r in divisors(dp):
                 for placement in placements:
                     for w in windows:
-                        for x in expert_degrees(req):
+                        for x in degrees:
                             out.append(MeshShape(r, dp // r, h, c, w, placement, x))
     return out
 

@@ -20,8 +20,8 @@ from ..config.rules import parse_signals
 
 
 class StopOnSignal:
-    """Records the configured signals while installed (`with StopOnSignal(...)`) and answers, once per
-    step, whether any rank has had one (`agreed()`: the signal's name, the same on every rank)."""
+    """Records the configured signals between `install()` and `restore()` and answers, once per step,
+    whether any rank has had one (`agreed()`: the signal's name, the same on every rank)."""
 
     def __init__(self, names: str, world: int, group_factory=None):
         self.signals = parse_signals(names)
@@ -31,11 +31,7 @@ class StopOnSignal:
         self._received = 0  # the first signal's number, from the handler
         self._previous: dict[signal.Signals, object] = {}
 
-    @property
-    def active(self) -> bool:
-        return bool(self.signals)
-
-    def __enter__(self) -> StopOnSignal:
+    def install(self) -> StopOnSignal:
         if not self.signals or threading.current_thread() is not threading.main_thread():
             self.signals = []  # (handlers can only be installed from the main thread: tests run there)
             return self
@@ -45,7 +41,8 @@ class StopOnSignal:
             self._previous[s] = signal.signal(s, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
+        """The handlers there were before `install`."""
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()

@@ -163,7 +163,7 @@ class Trainer:
         # checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1
         stop = StopOnSignal(cfg.checkpoint.on_signal if self.ckpt is not None else "", rt.world, new_gloo_group)
         try:
-            stop.__enter__()
+            stop.install()
             for step in range(self.start_step + 1, t.steps + 1):
                 self._enter_stage(step)
                 loss_t, grad_norm_t, lr = self.step(step)
@@ -195,7 +195,7 @@ class Trainer:
                 with self._save_errors():
                     self.ckpt.wait()  # the last async save is complete and committed before the job ends
         finally:
-            stop.__exit__(None, None, None)
+            stop.restore()
             self.sampler.close()
             if progress is not None:
                 progress.close()
