@@ -1,33 +1,58 @@
 """Fault injection for tests, read in one place: LONGCTX_FAULT (inert when unset).
 
-A testing aid, documented in docs/running.md: `LONGCTX_FAULT=nonfinite@5` makes step 5's loss NaN
-on every rank (its gradients follow), so the non-finite guard (train.on_nonfinite) can be shown to
-work; `enospc@2` fails the run's second checkpoint save as a full disk would (checkpoint.
-on_save_error). Several faults are separated by commas. Nothing in longctx reads the variable
-elsewhere.
+A testing aid, documented in docs/running.md, that makes the guards of a long run show they work:
+- `nonfinite@5`: step 5's loss is NaN on every rank (its gradients follow): train.on_nonfinite;
+- `spike@12`: step 12's loss (and gradients) are 1000 times what they were: train.spike_factor;
+- `hang@1:3`: rank 1 stops making progress in step 3's forward, as a rank stuck in I/O or a dead
+  NIC would (a Python sleep, so its stack shows where): the hang watchdog (parallel/watchdog.py);
+- `enospc@2`: the run's second checkpoint save fails as a full disk would: checkpoint.on_save_error.
+Several faults are separated by commas. Each fires once per process: a step run again after a
+rollback is not hit again. Nothing in longctx reads the variable elsewhere.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from .errors import ConfigError
 
 ENV = "LONGCTX_FAULT"
-KINDS = ("nonfinite", "enospc")
+KINDS = ("nonfinite", "spike", "hang", "enospc")
+SPIKE_MULTIPLIER = 1000.0
 
 
-def planned(kind: str) -> set[int]:
-    """The steps (for enospc: the saves, counted from 1) at which `kind` is injected (empty unless
-    LONGCTX_FAULT names it)."""
-    steps = set()
+def _items() -> list[tuple[str, str]]:
+    out = []
     for item in (x.strip() for x in os.environ.get(ENV, "").split(",")):
         if not item:
             continue
         name, _, where = item.partition("@")
-        if name not in KINDS or not where.isdigit():
+        rank, _, step = where.partition(":") if name == "hang" else ("", "", where)
+        if name not in KINDS or not step.isdigit() or (name == "hang" and not rank.isdigit()):
             raise ConfigError(f"{ENV}={os.environ[ENV]!r}: '{item}' is not a fault this version injects; write "
-                              f"KIND@STEP with KIND one of {', '.join(KINDS)} (a testing aid; unset it to train).")
-        if name == kind:
-            steps.add(int(where))
+                              f"KIND@STEP with KIND one of nonfinite, spike, enospc (the save's number for enospc), "
+                              f"or hang@RANK:STEP (a testing aid; unset it to train).")
+        out.append((name, where))
+    return out
+
+
+def planned(kind: str, rank: int = 0) -> set[int]:
+    """The steps (for enospc: the saves, counted from 1) at which `kind` is injected (on this rank,
+    for hang): empty unless LONGCTX_FAULT names it."""
+    steps = set()
+    for name, where in _items():
+        if name != kind:
+            continue
+        if kind == "hang":
+            hung_rank, _, where = where.partition(":")
+            if int(hung_rank) != rank:
+                continue
+        steps.add(int(where))
     return steps
+
+
+def hang_forever() -> None:
+    """What `hang@RANK:STEP` does on its rank: wait, in Python, until something kills the process."""
+    while True:
+        time.sleep(1.0)

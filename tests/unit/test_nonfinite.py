@@ -79,7 +79,7 @@ def test_the_fused_adamw_skips_on_the_device():
     assert opt.found_inf is None
 
 
-@pytest.mark.parametrize("fault", ["nonfinite", "spike@3", "nonfinite@x"])
+@pytest.mark.parametrize("fault", ["nonfinite", "spike@x", "nonfinite@x", "hang@3", "hang@x:3", "flood@3"])
 def test_unknown_faults_are_refused(fault, monkeypatch, tmp_path):
     from longctx.faults import planned
 
@@ -88,6 +88,20 @@ def test_unknown_faults_are_refused(fault, monkeypatch, tmp_path):
         planned("nonfinite")
 
 
-def test_bad_policy_is_a_config_error():
-    with pytest.raises(ConfigError, match="train.on_nonfinite must be skip or stop"):
-        load_config(None, ["--train.on_nonfinite=rollback"])
+def test_faults_name_their_steps_and_ranks(monkeypatch):
+    from longctx.faults import planned
+
+    monkeypatch.setenv("LONGCTX_FAULT", "nonfinite@5, spike@12,hang@1:3,enospc@2")
+    assert planned("nonfinite") == {5} and planned("spike") == {12} and planned("enospc") == {2}
+    assert planned("hang", rank=1) == {3} and planned("hang", rank=0) == set()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--train.on_nonfinite=retry"], "train.on_nonfinite must be skip, stop or rollback"),
+    (["--train.on_nonfinite=rollback"], "rollback reloads the last checkpoint, but checkpoint.interval is 0"),
+    (["--train.spike_factor=0.5"], "train.spike_factor must be 0"),
+    (["--train.spike_window=0"], "train.spike_window must be at least 1"),
+])
+def test_bad_policy_is_a_config_error(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, flags)

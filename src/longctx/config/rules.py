@@ -327,8 +327,17 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
     if ck.on_save_error not in ("stop", "warn"):
         problems.append(f"checkpoint.on_save_error must be stop or warn, got {ck.on_save_error!r}.")
-    if cfg.train.on_nonfinite not in ("skip", "stop"):
-        problems.append(f"train.on_nonfinite must be skip or stop, got {cfg.train.on_nonfinite!r}.")
+    t = cfg.train
+    if t.on_nonfinite not in ("skip", "stop", "rollback"):
+        problems.append(f"train.on_nonfinite must be skip, stop or rollback, got {t.on_nonfinite!r}.")
+    if t.on_nonfinite == "rollback" and not ck.interval:
+        problems.append("train.on_nonfinite = rollback reloads the last checkpoint, but checkpoint.interval is 0 (no "
+                        "checkpoint is saved); set --checkpoint.interval N, or use skip or stop.")
+    if t.spike_factor < 0 or 0 < t.spike_factor <= 1:
+        problems.append(f"train.spike_factor must be 0 (no spike check) or above 1 (a loss this many times the "
+                        f"running median is a spike), got {t.spike_factor}.")
+    if t.spike_window < 1:
+        problems.append(f"train.spike_window must be at least 1 step, got {t.spike_window}.")
     try:
         parse_signals(ck.on_signal)
     except ConfigError as e:

@@ -244,9 +244,17 @@ class TrainConfig:
     beta2: float = _opt(0.95, "AdamW beta2")
     eps: float = _opt(1e-8, "AdamW epsilon")
     grad_clip: float = _opt(1.0, "max global gradient norm; 0 disables clipping")
-    on_nonfinite: str = _opt("skip", "a step whose loss or gradient norm is not finite: 'skip' (its update is not "
-                                     "applied, decided on the device; counted in the metrics) or 'stop' (not "
-                                     "applied, and the run stops at the next read naming the step)")
+    on_nonfinite: str = _opt("skip", "a step whose loss or gradient norm is not finite, or whose loss spikes "
+                                     "(train.spike_factor): 'skip' (its update is not applied, decided on the device; "
+                                     "counted in the metrics), 'stop' (not applied, and the run stops at the next "
+                                     "read naming the step) or 'rollback' (not applied; the run reloads the last "
+                                     "checkpoint and skips the data from it to the bad step, recorded beside the "
+                                     "checkpoints so that a resume does not replay it)")
+    spike_factor: float = _opt(0.0, "a step whose loss exceeds this many times the median of the last "
+                                    "train.spike_window steps' losses is a spike, handled as train.on_nonfinite says "
+                                    "(e.g. 3 with rollback); 0 = no spike check")
+    spike_window: int = _opt(32, "steps whose losses give the running median of the spike check (it starts once "
+                                 "the window is full)")
     seed: int = _opt(0, "seed for weights, data order and everything else random")
     device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
     dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on GPU, fp32 on CPU",

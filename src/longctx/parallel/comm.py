@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import watchdog
+
 _BYTES: dict[tuple[str, str], int] = defaultdict(int)
 _GROUPS: dict[tuple[str, str], set[str]] = defaultdict(set)  # (dim, label) -> names of the groups it ran on
 _LANES: dict[tuple[str, str], object] = {}  # (group name of a 1-D mesh, lane name) -> 1-D mesh, same ranks
@@ -75,10 +77,12 @@ def groups_used() -> dict[str, dict[str, list[str]]]:
 def _own():
     """Marks the c10d ops issued inside as this module's (counted here, not by library_traffic)."""
     _OWN.depth = getattr(_OWN, "depth", 0) + 1
+    watchdog.tick()  # a collective is progress for the hang watchdog, issued and finished
     try:
         yield
     finally:
         _OWN.depth -= 1
+        watchdog.tick()
 
 
 def _count(mesh, label: str, nbytes: int) -> None:
@@ -139,7 +143,7 @@ def open_lane(mesh, dim: str, name: str) -> None:
     (a process group is created by all ranks, including those outside it)."""
     d = mesh.mesh_dim_names.index(dim)
     every = mesh.mesh.movedim(d, -1).reshape(-1, mesh.mesh.shape[d]).tolist()
-    mine, _ = dist.new_subgroups_by_enumeration(every, group_desc=f"{dim}_{name}")
+    mine, _ = dist.new_subgroups_by_enumeration(every, timeout=watchdog.group_timeout(), group_desc=f"{dim}_{name}")
     own = sub_mesh(mesh, dim)
     _LANES[(group_name(own), name)] = DeviceMesh.from_group(mine, mesh.device_type, mesh=group_ranks(own),
                                                              mesh_dim_names=(dim,))

@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from ..errors import REQUEUE_EXIT_CODE, Preempted, UserError
+from . import watchdog
 
 
 def under_launcher() -> bool:
@@ -78,7 +78,10 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    # parallel.timeout_s is enforced by the hang watchdog (watchdog.py), which says where each rank
+    # was; the groups' own timeouts are a backstop behind it
+    watchdog.set_group_timeout(timeout_s)
+    dist.init_process_group(backend, timeout=watchdog.group_timeout())
     global _CREATED
     _CREATED = True
     # a job that ends in an error leaves by exit: NCCL's communicators are released there
@@ -130,7 +133,7 @@ def _destroy_process_group() -> None:
 def new_gloo_group():
     """A gloo process group over every rank, apart from the default one: for background work (async
     checkpoint writes) whose collectives must never interleave with the training loop's."""
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=watchdog.group_timeout())
 
 
 ERROR_DIR_ENV = "LONGCTX_ERROR_DIR"
@@ -215,6 +218,11 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         raise UserError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
                         f"on checkpoint.on_signal when checkpoint.interval > 0).") from None
     except ChildFailedError as e:
+        hang = watchdog.hang_report(error_dir, nproc)
+        if hang is not None:  # the ranks' watchdogs fired (parallel.timeout_s): say where each was, once
+            summary, stacks = hang
+            print(f"longctx: Python stacks of the ranks when the watchdog fired:\n{stacks}", file=sys.stderr)
+            raise RankError(summary, watchdog.HANG_EXIT_CODE) from None
         errors = _rank_errors(error_dir)
         _raise_preempted(errors, nproc)
         if errors:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +27,18 @@ import torch
 from ..checkpoint.paths import CheckpointError
 from ..config import Config
 from ..errors import REQUEUE_EXIT_CODE, Preempted, TrainingError
-from ..faults import planned
+from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
 from ..models.llama import count_params
-from ..parallel.launch import new_gloo_group
+from ..parallel import watchdog
+from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import progress_bar
+from .guard import StepGuard
 from .metrics import MetricsLogger, peak_memory_bytes, router_record
 from .model import build_training_model, resolve_offload
 from .preemption import StopOnSignal
 from .report import write_plots
+from .rollback import record_rollback, rollback_from
 from .setup import (
     build_data,
     check_packages,
@@ -91,8 +95,13 @@ class Trainer:
         self.router_counts: torch.Tensor | None = None
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
-        self.nonfinite_faults = planned("nonfinite")  # LONGCTX_FAULT=nonfinite@STEP (a testing aid)
-        self.skipped_steps = 0  # steps whose update the non-finite guard did not apply (as read so far)
+        # LONGCTX_FAULT (a testing aid): the steps each fault hits on this rank, each once
+        self.faults = {kind: planned(kind, rt.rank) for kind in ("nonfinite", "spike", "hang")}
+        # train.on_nonfinite / train.spike_factor: whether a step's update is applied, on the device
+        self.guard = StepGuard(cfg.train.spike_factor, cfg.train.spike_window, self.device)
+        self.last_spike: torch.Tensor | None = None  # the last step's spike flag (on the device)
+        self.skipped_steps = 0  # steps whose update the guard did not apply (as read so far)
+        self.rollbacks = 0
         self.optimizer = make_optimizer(self.model, cfg)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
@@ -101,6 +110,7 @@ class Trainer:
                                     read_local=rt.read_local_batch, read_ahead=read_ahead)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
+        self._skip_rolled_back_window()
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         if rt.is_main:
@@ -113,6 +123,19 @@ class Trainer:
         if self.device.type == "cuda":  # setup transients are not the step's peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self._describe()
+
+    def _skip_rolled_back_window(self) -> None:
+        """A resume from a checkpoint the run once rolled back to continues after the bad step, with
+        the data it had then (rollback.py), instead of replaying the skipped window."""
+        if self.ckpt is None or not self.start_step:
+            return
+        skipped = rollback_from(self.ckpt.root, self.start_step)
+        if skipped is not None:
+            self.sampler.load_state_dict(skipped["data_position"])
+            self.start_step = int(skipped["bad_step"])
+            first, last = skipped["skipped_steps"]
+            self.log(f"checkpoint: this run rolled back to step {first - 1} at step {last} ({skipped['reason']}); "
+                     f"the data of steps {first}-{last} stays skipped, and training goes on at step {last + 1}")
 
     @property
     def eval_samples(self):
@@ -162,19 +185,33 @@ class Trainer:
         unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps whose figures are still on the device
         # checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1
         stop = StopOnSignal(cfg.checkpoint.on_signal if self.ckpt is not None else "", rt.world, new_gloo_group)
+        # parallel.timeout_s: a rank idle that long says where it and its peers were, and the job ends
+        watch = (watchdog.Watchdog(cfg.parallel.timeout_s, rt.rank, os.environ.get(ERROR_DIR_ENV))
+                 if rt.world > 1 else None)
+        rollback = t.on_nonfinite == "rollback"
         try:
+            if watch is not None:
+                watch.start()
             stop.install()
-            for step in range(self.start_step + 1, t.steps + 1):
+            step = self.start_step
+            while step < t.steps:
+                step += 1
                 self._enter_stage(step)
                 loss_t, grad_norm_t, lr = self.step(step)
-                unread.append((step, loss_t, grad_norm_t))
+                # (with rollback, the data position after the step: where a rollback past it continues)
+                unread.append((step, loss_t, grad_norm_t, self.last_spike,
+                               self.sampler.state_dict() if rollback else None))
                 stage = self.sampler.stage
                 self.metrics.stepped(stage.global_batch * stage.seq_len)
                 log_now = self.metrics.due(step)
                 if log_now or self._save_due(step):
                     # the one host read of the step's figures, here and not every step: it waits for
                     # the device to finish; before a save, so no checkpoint holds a non-finite step
-                    loss, grad_norm = self._read_back(unread, result)
+                    try:
+                        loss, grad_norm = self._read_back(unread, result)
+                    except _BadStep as bad:  # train.on_nonfinite = rollback
+                        step = self._roll_back(bad, result)
+                        continue
                     if progress is not None:
                         progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
                 self.metrics.saved(self.save(step))
@@ -185,6 +222,7 @@ class Trainer:
                         "tokens": tokens_through(self.sampler.stages, step), "seq_len": stage.seq_len,
                         "elapsed_s": time.perf_counter() - run_start,
                         **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
+                        **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
                         **router_record(self.router_stats, self.router_counts, rt.dims.expert)})
                 if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
                     total_eval_s += self._timed_evaluation(step, result)
@@ -192,9 +230,12 @@ class Trainer:
                 if signal_name and step < t.steps:
                     self._stop_on_signal(step, signal_name, unread, result)
             if self.ckpt is not None:
+                watchdog.phase(step, "save")
                 with self._save_errors():
                     self.ckpt.wait()  # the last async save is complete and committed before the job ends
         finally:
+            if watch is not None:
+                watch.stop()
             stop.restore()
             self.sampler.close()
             if progress is not None:
@@ -209,6 +250,7 @@ class Trainer:
         lr = lr_at(step - 1, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        watchdog.phase(step, "data")
         shares = self.sampler.step_batches(step)  # this rank's, read on the host (read ahead, mostly)
         valid = sum(v for _, v in shares)  # of the global step: the same on every rank
         scale = grad_scale(rt.dims)
@@ -220,34 +262,53 @@ class Trainer:
             local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, batch in enumerate(micro):
                 set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
-                loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
-                if step in self.nonfinite_faults:
-                    loss_sum = loss_sum * float("nan")
+                watchdog.phase(step, "forward")
+                if step in self.faults["hang"]:
+                    hang_forever()
+                loss_sum = self._inject(step, forward_loss_sum(self.model, batch, self.autocast_dtype))
                 total = loss_sum * (scale / valid)
                 terms = self.model.router_terms() if self.moe else None
                 if terms is not None:  # MoE balancing losses: the mean over the step's micro-batches
                     total = total + terms.loss * (scale / len(micro))
                     router_stats = terms.stats / len(micro) + (0 if router_stats is None else router_stats)
                     router_counts = terms.counts + (0 if router_counts is None else router_counts)
+                watchdog.phase(step, "backward")
                 total.backward()
                 local_loss += loss_sum.detach()
+            watchdog.phase(step, "optimizer")
             loss = rt.sum_tensor(local_loss) / max(valid, 1)
             grad_norm = clip_gradients(self.model, t.grad_clip)
-            finite = torch.isfinite(loss) & torch.isfinite(grad_norm)  # global: the same on every rank
+            # global figures, so the same decision on every rank
+            apply, self.last_spike = self.guard.check(loss, grad_norm)
         # train.on_nonfinite: the update is applied only if the step's loss and gradient norm are
-        # finite, decided on the device by the fused AdamW (guarded_step)
-        guarded_step(self.optimizer, finite)
+        # finite (and its loss no spike), decided on the device by the fused AdamW (guarded_step)
+        guarded_step(self.optimizer, apply)
         self.optimizer.zero_grad(set_to_none=True)
+        for steps in self.faults.values():
+            steps.discard(step)
         if router_counts is not None:
             self.model.update_expert_bias(router_counts)  # once per optimizer step, from every micro-batch
             self.router_stats, self.router_counts = router_stats, router_counts
         return loss, grad_norm, lr
 
+    def _inject(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
+        """LONGCTX_FAULT's nonfinite@STEP and spike@STEP (faults.py): the loss, and so its gradients."""
+        if step in self.faults["nonfinite"]:
+            loss_sum = loss_sum * float("nan")
+        if step in self.faults["spike"]:
+            loss_sum = loss_sum * SPIKE_MULTIPLIER
+        return loss_sum
+
     def _stop_on_signal(self, step: int, name: str, unread: list, result: TrainResult) -> None:
         """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
+        saved = self._save_due(step)
         if unread:
-            self._read_back(unread, result)  # (no checkpoint holds a non-finite step)
-        if not self._save_due(step):
+            try:
+                self._read_back(unread, result)  # (no checkpoint holds a non-finite step)
+            except _BadStep as bad:  # rolled back: the state to save is the one the run goes on from
+                step, saved = self._roll_back(bad, result), False
+        watchdog.phase(step, "save")
+        if not saved:
             self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
         self.ckpt.wait()
         self.log(f"saved step {step} on {name}")
@@ -255,25 +316,62 @@ class Trainer:
                         f"(exit code {REQUEUE_EXIT_CODE}: a batch script requeues on it, docs/checkpoints.md).")
 
     def _read_back(self, unread: list, result: TrainResult) -> tuple[float, float]:
-        """Read the losses and gradient norms of the steps since the last read in one transfer,
-        record them, and stop on a non-finite loss; returns the newest (loss, grad norm)."""
-        steps = [s for s, _, _ in unread]
-        values = torch.stack([torch.stack([lo.double(), g.double()]) for _, lo, g in unread]).tolist()
+        """Read the losses, gradient norms and spike flags of the steps since the last read in one
+        transfer, record them, and act on a bad step (train.on_nonfinite): count it, stop, or raise
+        _BadStep for a rollback; returns the newest (loss, grad norm)."""
+        entries = list(unread)
         unread.clear()
-        for step, (loss, grad_norm) in zip(steps, values):
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                if self.cfg.train.on_nonfinite == "stop":
-                    raise TrainingError(
-                        f"the training loss is {loss} (gradient norm {grad_norm}) at step {step} (learning rate "
-                        f"{lr_at(step - 1, self.cfg):.3g}); its update was not applied, and the run stops "
-                        f"(train.on_nonfinite = stop; losses are read every metrics.log_interval steps and before "
-                        f"every checkpoint, so no checkpoint holds this step). Lower train.lr, raise "
-                        f"train.warmup_steps or set train.grad_clip; train.on_nonfinite = skip goes on without it.")
-                self.skipped_steps += 1
-                self.log(f"step {step}: loss {loss}, gradient norm {grad_norm}: not applied (train.on_nonfinite = "
-                         f"skip; {self.skipped_steps} skipped so far)")
+        values = torch.stack([torch.stack([lo.double(), g.double(), torch.zeros_like(lo, dtype=torch.float64)
+                                           if sp is None else sp.double()])
+                              for _, lo, g, sp, _ in entries]).tolist()
+        t = self.cfg.train
+        for (step, *_, position), (loss, grad_norm, spike) in zip(entries, values):
             result.losses.append(loss)
+            if math.isfinite(loss) and math.isfinite(grad_norm) and not spike:
+                continue
+            what = (f"the training loss {loss:.4g} is a spike (over train.spike_factor = {t.spike_factor:g} x the "
+                    f"median of the last {t.spike_window} steps)" if spike else
+                    f"the training loss is {loss} (gradient norm {grad_norm})")
+            if t.on_nonfinite == "stop":
+                raise TrainingError(
+                    f"{what} at step {step} (learning rate {lr_at(step - 1, self.cfg):.3g}); its update was not "
+                    f"applied, and the run stops (train.on_nonfinite = stop; losses are read every "
+                    f"metrics.log_interval steps and before every checkpoint, so no checkpoint holds this step). "
+                    f"Lower train.lr, raise train.warmup_steps or set train.grad_clip; train.on_nonfinite = skip "
+                    f"goes on without it, rollback goes back to the last checkpoint and skips the data since.")
+            if t.on_nonfinite == "rollback":
+                raise _BadStep(step, what, position)  # the steps read after it are run again
+            self.skipped_steps += 1
+            self.log(f"step {step}: {what}: not applied (train.on_nonfinite = skip; {self.skipped_steps} skipped "
+                     f"so far)")
         return values[-1][0], values[-1][1]
+
+    def _roll_back(self, bad: _BadStep, result: TrainResult) -> int:
+        """Reload the newest checkpoint (before the bad step: every save reads the steps before it),
+        take the data position after the bad step, record the skipped window; returns the step the
+        run goes on after (the bad one)."""
+        watchdog.phase(bad.step, "load")
+        with self._save_errors():
+            self.ckpt.wait()
+        found = self.ckpt.resume_point("auto")
+        if found is None:
+            raise TrainingError(
+                f"{bad.reason} at step {bad.step}, and train.on_nonfinite = rollback, but no checkpoint was saved "
+                f"before it, so there is nothing to roll back to; the run stops. Lower checkpoint.interval so that "
+                f"a checkpoint precedes the first bad step, or use train.on_nonfinite = skip.")
+        path, manifest = found
+        state = self.ckpt.load(path, self.model, self.optimizer, manifest)
+        back_to = int(state["step"])
+        if self.rt.is_main:
+            record_rollback(self.ckpt.root, bad.step, back_to, bad.reason, bad.position)
+        self.sampler.load_state_dict(bad.position)
+        self.guard.reset()
+        del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
+        self.rollbacks += 1
+        self.log(f"step {bad.step}: {bad.reason}: rolled back to the checkpoint of step {back_to} ({path.name}); "
+                 f"the data of steps {back_to + 1}-{bad.step} is skipped (recorded in "
+                 f"{self.ckpt.root / 'rollbacks.jsonl'}), and training goes on at step {bad.step + 1}")
+        return bad.step
 
     def _save_due(self, step: int) -> bool:
         ck = self.cfg.checkpoint
@@ -301,6 +399,7 @@ class Trainer:
         """Save when the interval says so; returns the seconds the loop was blocked by it."""
         if not self._save_due(step):
             return 0.0
+        watchdog.phase(step, "save")
         with self._save_errors():
             self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
         return self.ckpt.last_save_blocking_s
@@ -319,6 +418,7 @@ class Trainer:
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
         start, before = time.perf_counter(), self.rt.comm_bytes()
+        watchdog.phase(step, "eval")
         loss = self.evaluate()
         result.eval_losses[step] = loss
         seconds = time.perf_counter() - start
@@ -337,6 +437,14 @@ class Trainer:
             self.log(f"done: steps {result.first_step}-{t.steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
                      f"{result.losses[-1]:.4f}{last_eval}. Config, metrics and plots are in {self.run_dir}/")
         return result
+
+
+class _BadStep(Exception):
+    """A step whose update was not applied, read back under train.on_nonfinite = rollback."""
+
+    def __init__(self, step: int, reason: str, position: dict):
+        super().__init__(reason)
+        self.step, self.reason, self.position = step, reason, position
 
 
 def train(cfg: Config, log=print) -> TrainResult:

@@ -1,0 +1,229 @@
+"""The hang watchdog: parallel.timeout_s enforced on every rank, and where each rank was when it fired.
+
+A rank that makes no progress for parallel.timeout_s is hung, or waits for one that is. Progress is
+a new phase of the training loop (`phase(step, name)`: forward, backward, optimizer, save, load,
+eval, data) or a collective issued through comm.py (`tick()`: two attribute writes, no I/O). A
+daemon thread per rank looks once a second. When its rank has been idle for timeout_s it:
+- dumps every thread's Python stack (faulthandler: it reads frames without running them);
+- records where the rank was: step, phase, and whether its main thread waits inside
+  torch.distributed (a collective: it waits for someone) or elsewhere (it is the one stuck);
+- gives its peers `grace_s` to do the same (they went idle at about the same time: waiting for it);
+- ends the process with HANG_EXIT_CODE (a rank blocked in a collective cannot unwind).
+
+Under `longctx train --nproc N` the records, the stacks and a heartbeat written each second go to
+the launcher's error folder, and the launcher prints one summary naming the hung rank(s), then every
+rank's stack (`hang_report`). A rank the watchdog could not run on (frozen by SIGSTOP, stuck in C
+code holding the GIL) leaves no record; its heartbeat says where it stopped. Under another launcher
+each rank prints its own record and stack to stderr.
+
+The process groups' own timeouts are set above timeout_s (`backend_timeout_s`), a backstop, so that
+the watchdog, which can say where everyone was, speaks first.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+HANG_EXIT_CODE = 86  # a rank ended by the watchdog (nothing else in longctx exits with it)
+PHASES = ("setup", "data", "forward", "backward", "optimizer", "save", "load", "eval")
+_ACTIVE: Watchdog | None = None
+
+
+def backend_timeout_s(timeout_s: float) -> float:
+    """What the process groups themselves wait: past the watchdog's firing and its grace."""
+    return timeout_s + grace_s(timeout_s) + 30.0
+
+
+_GROUP_TIMEOUT_S: float | None = None  # what process groups created after init_distributed wait
+
+
+def set_group_timeout(timeout_s: float) -> None:
+    global _GROUP_TIMEOUT_S
+    _GROUP_TIMEOUT_S = backend_timeout_s(timeout_s)
+
+
+def group_timeout():
+    """The timeout to give a process group created now (None: torch's default, before a job set it)."""
+    from datetime import timedelta
+
+    return None if _GROUP_TIMEOUT_S is None else timedelta(seconds=_GROUP_TIMEOUT_S)
+
+
+def grace_s(timeout_s: float) -> float:
+    return min(10.0, max(2.0, timeout_s / 6))
+
+
+def tick() -> None:
+    """Progress (a collective issued or finished); free when no watchdog runs."""
+    if _ACTIVE is not None:
+        _ACTIVE.last = time.monotonic()
+
+
+def phase(step: int, name: str) -> None:
+    """The rank enters `name` of `step` (0 before the first step)."""
+    w = _ACTIVE
+    if w is not None:
+        w.step, w.phase, w.last = step, name, time.monotonic()
+
+
+class Watchdog:
+    """One per rank, between `start()` and `stop()`. `folder`: where records go (the launcher's
+    error folder), or None to print them."""
+
+    def __init__(self, timeout_s: float, rank: int, folder: str | os.PathLike | None = None,
+                 exit_process: bool = True):
+        self.timeout_s, self.rank = float(timeout_s), rank
+        self.folder = Path(folder) if folder else None
+        self.exit_process = exit_process  # (False in tests of the record itself)
+        self.step, self.phase, self.last = 0, "setup", time.monotonic()
+        self.fired = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="longctx-watchdog", daemon=True)
+        self._main = threading.main_thread().ident
+
+    def start(self) -> Watchdog:
+        global _ACTIVE
+        _ACTIVE = self
+        self.last = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        every = min(1.0, self.timeout_s / 10)
+        while not self._stop.wait(every):
+            idle = time.monotonic() - self.last
+            self._beat(idle)
+            if idle >= self.timeout_s:
+                self._fire(idle)
+                return
+
+    def _beat(self, idle: float) -> None:
+        if self.folder is not None:
+            _write_json(self.folder / f"beat{self.rank}.json",
+                        {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
+                         "idle_s": round(idle, 1), "time": time.time()})
+
+    def _fire(self, idle: float) -> None:
+        record = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
+                  "idle_s": round(idle, 1), "time": time.time(), **main_thread_place(self._main)}
+        if self.folder is not None:
+            with open(self.folder / f"stack{self.rank}.txt", "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            _write_json(self.folder / f"hang{self.rank}.json", record)
+        else:
+            print(f"[rank {self.rank}] longctx: no progress for {idle:.0f} s (parallel.timeout_s = "
+                  f"{self.timeout_s:g}): {describe(record)}. Python stacks:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        self.fired.set()
+        if self.exit_process:
+            time.sleep(grace_s(self.timeout_s))  # the peers record where they were too
+            sys.stderr.flush()
+            os._exit(HANG_EXIT_CODE)
+
+
+def main_thread_place(main_ident: int | None) -> dict:
+    """Whether the main thread waits inside torch.distributed (and in what), and its innermost
+    longctx frame."""
+    frame = sys._current_frames().get(main_ident)
+    collective = where = None
+    while frame is not None:
+        path = frame.f_code.co_filename.replace(os.sep, "/")
+        if collective is None and "/torch/distributed/" in path:
+            collective = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
+        if where is None and "/longctx/" in path:
+            where = f"{path.split('/longctx/', 1)[1]}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return {"collective": collective, "where": where}
+
+
+def describe(record: dict) -> str:
+    place = (f"waiting in a collective, {record['collective']}" if record.get("collective")
+             else "not in a collective")
+    at = f" at {record['where']}" if record.get("where") else ""
+    return f"step {record['step']}, {record['phase']}, {place}{at}"
+
+
+def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
+    """After a failed job: (summary, stacks) when a watchdog fired, else None. The hung ranks are
+    those idle outside any collective, and those that left no record (frozen or killed) while
+    their peers waited."""
+    records = {}
+    for f in folder.glob("hang*.json"):
+        try:
+            records[int(f.stem[4:])] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return None
+    beats = {}
+    for f in folder.glob("beat*.json"):
+        try:
+            beats[int(f.stem[4:])] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+    fired_at = min(r["time"] for r in records.values())
+    timeout = max(r["idle_s"] for r in records.values())
+    lines, hung = [], []
+    for rank in range(nproc):
+        r = records.get(rank)
+        if r is not None:
+            lines.append(f"  rank {rank}: {describe(r)}, idle {r['idle_s']:.0f} s")
+            if not r.get("collective"):
+                hung.append(rank)
+            continue
+        beat = beats.get(rank)
+        if beat is None:
+            lines.append(f"  rank {rank}: no heartbeat at all (it never started, or died first)")
+            hung.append(rank)
+        elif fired_at - beat["time"] > 3.0:
+            lines.append(f"  rank {rank}: its heartbeat stopped {fired_at - beat['time']:.0f} s before the others "
+                         f"gave up, at step {beat['step']}, {beat['phase']}: frozen (SIGSTOP), or stuck where "
+                         f"Python cannot run")
+            hung.append(rank)
+        else:
+            lines.append(f"  rank {rank}: step {beat['step']}, {beat['phase']}; it stopped when a peer did")
+    if hung:
+        who = ", ".join(map(str, hung))
+        first = records.get(hung[0]) or beats.get(hung[0]) or {}
+        head = (f"rank{'s' if len(hung) > 1 else ''} {who} of {nproc} hung"
+                + (f" at step {first['step']} ({first['phase']})" if first else "")
+                + f": no progress for {timeout:.0f} s (parallel.timeout_s), while the other ranks waited for "
+                  f"{'them' if len(hung) > 1 else 'it'} in a collective.")
+    else:
+        head = (f"every rank waited in a collective for {timeout:.0f} s (parallel.timeout_s): they issued "
+                f"different collectives or in a different order (a bug: please report it with the stacks).")
+    stacks = []
+    for rank in sorted(records, key=lambda r: (r not in hung, r)):
+        try:
+            text = (folder / f"stack{rank}.txt").read_text().rstrip()
+        except OSError:
+            continue
+        stacks.append(f"--- rank {rank} ({'hung' if rank in hung else 'waiting'}) ---\n{text}")
+    summary = (head + " Where each rank was:\n" + "\n".join(lines)
+               + "\nThe job was stopped; no rank is left running. Their Python stacks are printed above. "
+                 "A rank stuck in I/O or a dead link hangs like this; raise parallel.timeout_s if a phase "
+                 "legitimately takes longer.")
+    return summary, "\n".join(stacks)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -1,0 +1,41 @@
+"""Whether a step's update is applied, decided on the device: train.on_nonfinite and train.spike_factor.
+
+A step is bad when its global loss or gradient norm is not finite, or, with a spike factor, when
+its loss exceeds spike_factor x the median of the last spike_window good steps' losses (the check
+starts once that window is full: the first steps' losses fall too fast to have a median). The
+decision is a 0-d bool tensor on the device, taken by the optimizer step like a gradient scaler's
+found-inf (step.guarded_step): no step waits for the device. The window is a small device tensor,
+written every step; what the loop does with a bad step (skip, stop, roll back) is read later, with
+the step's other figures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StepGuard:
+    def __init__(self, spike_factor: float, spike_window: int, device: torch.device):
+        self.factor, self.window, self.device = float(spike_factor), int(spike_window), device
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the losses seen (after a rollback: the run continues from older weights)."""
+        self._recent = torch.full((self.window,), float("nan"), dtype=torch.float64, device=self.device)
+        self._seen = 0  # steps checked since the reset (host count: no read of the device)
+
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(apply the update, is a spike): 0-d bool tensors, the same on every rank (the loss and
+        the gradient norm are global)."""
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        if not self.factor:
+            return finite, torch.zeros((), dtype=torch.bool, device=finite.device)
+        loss = loss.detach().to(torch.float64)
+        if self._seen >= self.window:  # a bad step's slot holds NaN, which the median ignores
+            spike = finite & (loss > self.factor * torch.nanmedian(self._recent))
+        else:
+            spike = torch.zeros((), dtype=torch.bool, device=finite.device)
+        good = finite & ~spike
+        self._recent[self._seen % self.window] = torch.where(good, loss, torch.full_like(loss, float("nan")))
+        self._seen += 1
+        return good, spike

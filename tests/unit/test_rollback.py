@@ -1,0 +1,162 @@
+"""train.on_nonfinite = rollback (one process), with LONGCTX_FAULT=nonfinite@STEP / spike@STEP: the run
+reloads the newest checkpoint, takes the data position after the bad step and goes on after it;
+the skipped window is recorded beside the checkpoints, and a resume from that checkpoint after a
+crash continues exactly as the run that did not crash, without replaying the window. The device
+side of the spike check (StepGuard) is checked against a median written here."""
+
+import json
+
+import pytest
+import torch
+
+from longctx.config import load_config
+from longctx.train.guard import StepGuard
+from longctx.train.trainer import Trainer
+
+BASE = ["--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40", "--train.eval_interval=0",
+        "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu", "--checkpoint.interval=4",
+        "--train.on_nonfinite=rollback"]
+
+
+def _quiet(*_a, **_k):
+    pass
+
+
+def _weights(model):
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+class Recorder:
+    """Wraps a trainer's step: each call's step number, the weights it starts from, its batch tokens."""
+
+    def __init__(self, trainer, crash_at_call: int | None = None):
+        self.calls: list[tuple[int, dict, list]] = []
+        step, batches = trainer.step, trainer.sampler.step_batches
+        tokens = {}
+
+        def step_batches(s):
+            out = batches(s)
+            tokens[s] = [b.tokens.clone() for b, _ in out]
+            return out
+
+        def stepping(s):
+            if crash_at_call is not None and len(self.calls) == crash_at_call:
+                raise RuntimeError("simulated crash")
+            start = _weights(trainer.model)
+            out = step(s)
+            self.calls.append((s, start, tokens.pop(s)))
+            return out
+
+        trainer.sampler.step_batches = step_batches
+        trainer.step = stepping
+
+    def steps(self):
+        return [s for s, _, _ in self.calls]
+
+    def tokens(self, step, occurrence=-1):
+        return [t for s, _, t in self.calls if s == step][occurrence]
+
+    def start(self, step, occurrence=-1):
+        return [w for s, w, _ in self.calls if s == step][occurrence]
+
+
+def _trainer(tmp_path, name, extra, monkeypatch, fault=""):
+    monkeypatch.setenv("LONGCTX_FAULT", fault)
+    cfg = load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / name}"])
+    return Trainer(cfg, log=_quiet)
+
+
+@pytest.mark.parametrize("fault, extra, bad, back_to", [
+    # non-finite at step 5, read at step 6 (log interval 3): step 6 ran after it and runs again
+    ("nonfinite@5", ["--train.steps=9", "--metrics.log_interval=3"], 5, 4),
+    # a spike: 1000 x the loss at step 7, over 3 x the median of the 3 steps before
+    ("spike@7", ["--train.steps=9", "--metrics.log_interval=1", "--train.spike_factor=3",
+                 "--train.spike_window=3"], 7, 4),
+])
+def test_rollback_reloads_and_skips_the_window(fault, extra, bad, back_to, tmp_path, monkeypatch):
+    clean = _trainer(tmp_path, "clean", extra, monkeypatch)
+    ref = Recorder(clean)
+    clean_result = clean.run()
+    assert clean.rollbacks == 0  # no spike found in a healthy run
+
+    trainer = _trainer(tmp_path, "faulty", extra, monkeypatch, fault)
+    rec = Recorder(trainer)
+    result = trainer.run()
+    steps = trainer.cfg.train.steps
+    read_at = bad if fault.startswith("spike") else 6
+    # the steps up to the one whose read found the bad step, then again from the step after it
+    assert rec.steps() == [*range(1, read_at + 1), *range(bad + 1, steps + 1)]
+    assert trainer.rollbacks == 1 and trainer.skipped_steps == 0
+    # the first pass saw the clean run's data; after the rollback, weights are the checkpoint's...
+    assert all(torch.equal(a, b) for s in range(1, bad + 1) for a, b in zip(rec.tokens(s, 0), ref.tokens(s)))
+    assert _same(rec.start(bad + 1), rec.start(back_to + 1, 0))
+    # ...and the data goes on where the clean run was after the bad step: steps back_to+1..bad are skipped
+    for s in range(bad + 1, steps + 1):
+        assert all(torch.equal(a, b) for a, b in zip(rec.tokens(s), ref.tokens(s)))
+    assert not _same(rec.start(bad + 1), ref.start(bad + 1))  # (the skipped updates are missing)
+    records = [json.loads(x) for x in (trainer.ckpt.root / "rollbacks.jsonl").read_text().splitlines()]
+    assert [(r["bad_step"], r["rolled_back_to"], r["skipped_steps"]) for r in records] == [(bad, back_to, [back_to + 1, bad])]
+    assert len(result.losses) == len(clean_result.losses) == steps
+    assert all(x == x and x < 100 for i, x in enumerate(result.losses) if i != bad - 1)
+    line = [r for r in map(json.loads, (trainer.run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("kind") == "train"][-1]
+    assert line["rollbacks"] == 1
+
+
+def test_a_resume_after_a_rollback_does_not_replay_the_window(tmp_path, monkeypatch):
+    extra = ["--train.steps=9", "--metrics.log_interval=1"]
+    whole = _trainer(tmp_path, "whole", extra, monkeypatch, "nonfinite@6")
+    whole_rec = Recorder(whole)
+    whole_losses = whole.run().losses
+    assert whole_rec.steps() == [1, 2, 3, 4, 5, 6, 7, 8, 9]  # read every step: found at 6, on at 7
+
+    crashed = _trainer(tmp_path, "crashed", extra, monkeypatch, "nonfinite@6")
+    Recorder(crashed, crash_at_call=7)  # dies in step 7, after the rollback, before the save of step 8
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        crashed.run()
+    crashed.sampler.close()
+
+    logs = []
+    resumed = Trainer(load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / 'crashed'}",
+                                         "--checkpoint.resume=auto"]), log=logs.append)
+    assert resumed.start_step == 6  # from the checkpoint of step 4, after the skipped step 6
+    assert any("the data of steps 5-6 stays skipped" in str(x) for x in logs)
+    rec = Recorder(resumed)
+    losses = resumed.run().losses
+    assert rec.steps() == [7, 8, 9]
+    for s in (7, 8, 9):
+        assert all(torch.equal(a, b) for a, b in zip(rec.tokens(s), whole_rec.tokens(s)))
+    assert _same(rec.start(7), whole_rec.start(7))
+    assert losses == pytest.approx(whole_losses[6:], rel=0, abs=1e-6)
+
+
+def test_no_checkpoint_before_the_bad_step_stops_with_a_clear_message(tmp_path, monkeypatch):
+    from longctx.errors import TrainingError
+
+    trainer = _trainer(tmp_path, "early", ["--train.steps=5", "--metrics.log_interval=1"], monkeypatch, "nonfinite@2")
+    with pytest.raises(TrainingError, match="at step 2, and train.on_nonfinite = rollback, but no checkpoint"):
+        trainer.run()
+
+
+def test_the_spike_check_is_the_running_median():
+    guard = StepGuard(spike_factor=2.0, spike_window=4, device=torch.device("cpu"))
+    losses = [5.0, 4.0, 3.0, 4.5, 100.0, float("nan"), 3.5, 7.9, 8.1, 2.0]
+    good_history, decisions = [], []
+    for loss in losses:
+        ok, spike = guard.check(torch.tensor(loss, dtype=torch.float64), torch.tensor(1.0))
+        decisions.append((bool(ok), bool(spike)))
+    # written independently: a spike is a finite loss over 2 x the median of the last 4 slots, once
+    # 4 steps were seen; a bad step leaves its slot empty
+    window = []
+    for i, loss in enumerate(losses):
+        finite = loss == loss
+        known = [x for x in window[-4:] if x is not None]
+        spike = finite and i >= 4 and loss > 2.0 * sorted(known)[(len(known) - 1) // 2]
+        good_history.append((finite and not spike, spike))
+        window.append(loss if finite and not spike else None)
+    assert decisions == good_history
+    assert decisions[4] == (False, True) and decisions[5] == (False, False) and decisions[8] == (False, True)
