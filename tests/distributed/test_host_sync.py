@@ -21,6 +21,8 @@ from longctx.train.host_sync import HostSyncError, no_host_sync
 BASE = ["--train.steps=3", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=200", "--train.seq_len=256", "--train.global_batch=4"]
 
+GUARDS = ["--train.spike_factor=3", "--train.spike_window=1", "--train.on_nonfinite=rollback",
+          "--checkpoint.interval=100"]
 ONE_PROCESS = {
     "plain": ["--data.doc_mask=false"],
     "documents": ["--data.doc_mask=true"],
@@ -28,12 +30,14 @@ ONE_PROCESS = {
     "offload": ["--memory.recompute=selective", "--memory.offload_fraction=0.5"],
     "chunked loss + chunked attention": ["--memory.loss_chunk=64", "--memory.attention_chunk=64"],
     "grad_accum 2": ["--train.grad_accum=2"],
+    # every guard of a long run on: the spike check (window 1, so it runs in the probed steps)
+    "guards: spike check, rollback": GUARDS,
 }
 FOUR_RANKS = {
     "ring (ctx 4, Double-Ring window 2)": ["--parallel.ctx=4", "--parallel.window=2", "--data.doc_mask=false"],
     "Ulysses (head 4)": ["--parallel.head=4"],
-    "head 2 x ctx 2, documents, selective": ["--parallel.head=2", "--parallel.ctx=2", "--data.doc_mask=true",
-                                             "--memory.recompute=selective"],
+    "head 2 x ctx 2, documents, selective, guards": ["--parallel.head=2", "--parallel.ctx=2", "--data.doc_mask=true",
+                                                     "--memory.recompute=selective", *GUARDS],
     "FSDP dp 2 x ctx 2, grad_accum 2, chunked": ["--parallel.ctx=2", "--parallel.dp_shard=2", "--train.grad_accum=2",
                                                  "--memory.loss_chunk=64", "--memory.attention_chunk=64"],
 }

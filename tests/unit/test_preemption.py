@@ -65,3 +65,28 @@ def test_signal_names_with_or_without_sig():
 
     assert parse_signals("TERM, usr1") == [signal.SIGTERM, signal.SIGUSR1]
     assert parse_signals("") == parse_signals("none") == []
+
+
+@pytest.mark.parametrize("at", [2, 3])
+def test_a_signal_during_an_async_save_ends_with_intact_checkpoints(at, tmp_path):
+    """The signal lands right after the async save of step 2 was handed to its thread (at=2: that
+    save is the stop's checkpoint; at=3: step 3 is saved after it). Every checkpoint left is
+    complete and verifies, and the newest is the step the run stopped at."""
+    from longctx.checkpoint.manager import CheckpointManager
+
+    cfg = load_config(None, [*BASE, "--checkpoint.interval=2", "--checkpoint.async=true",
+                             f"--train.run_dir={tmp_path}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    _signal_at(trainer, at, signal.SIGTERM)
+    with pytest.raises(Preempted, match=f"saved step {at} on SIGTERM"):
+        trainer.run()
+    root = tmp_path / "checkpoints"
+    found = sorted(p.name for p in root.glob("step-*"))
+    assert found == [f"step-{s:08d}" for s in range(2, at + 1)]
+    manager = CheckpointManager(root, keep=5, async_save=False, rank=0, world=1, layout={}, model_cfg={})
+    for name in found:
+        _, problems = manager.find_damage(root / name)
+        assert not problems, (name, problems)
+    assert not list(root.glob(".tmp-*"))
+    path, _ = manager.resume_point("auto")
+    assert path.name == f"step-{at:08d}"

@@ -99,7 +99,8 @@ def test_rollback_reloads_and_skips_the_window(fault, extra, bad, back_to, tmp_p
         assert all(torch.equal(a, b) for a, b in zip(rec.tokens(s), ref.tokens(s)))
     assert not _same(rec.start(bad + 1), ref.start(bad + 1))  # (the skipped updates are missing)
     records = [json.loads(x) for x in (trainer.ckpt.root / "rollbacks.jsonl").read_text().splitlines()]
-    assert [(r["bad_step"], r["rolled_back_to"], r["skipped_steps"]) for r in records] == [(bad, back_to, [back_to + 1, bad])]
+    assert [(r["bad_step"], r["rolled_back_to"], r["skipped_steps"]) for r in records] == [
+        (bad, back_to, [back_to + 1, bad])]
     assert len(result.losses) == len(clean_result.losses) == steps
     assert all(x == x and x < 100 for i, x in enumerate(result.losses) if i != bad - 1)
     line = [r for r in map(json.loads, (trainer.run_dir / "metrics.jsonl").read_text().splitlines())

@@ -136,16 +136,18 @@ class Watchdog:
 
 
 def main_thread_place(main_ident: int | None) -> dict:
-    """Whether the main thread waits inside torch.distributed (and in what), and its innermost
-    longctx frame."""
+    """Whether the main thread waits inside torch.distributed (and in what), and its innermost frame
+    of our code (longctx's, or the program's: not a library's or Python's)."""
     frame = sys._current_frames().get(main_ident)
     collective = where = None
     while frame is not None:
         path = frame.f_code.co_filename.replace(os.sep, "/")
         if collective is None and "/torch/distributed/" in path:
             collective = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
-        if where is None and "/longctx/" in path:
-            where = f"{path.split('/longctx/', 1)[1]}:{frame.f_lineno} in {frame.f_code.co_name}"
+        if where is None and ("/longctx/" in path or not ("-packages/" in path or "/lib/python" in path
+                                                          or path.startswith("<"))):
+            short = path.split("/longctx/", 1)[1] if "/longctx/" in path else path.rsplit("/", 1)[-1]
+            where = f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return {"collective": collective, "where": where}
 
@@ -209,7 +211,7 @@ def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
     stacks = []
     for rank in sorted(records, key=lambda r: (r not in hung, r)):
         try:
-            text = (folder / f"stack{rank}.txt").read_text().rstrip()
+            text = _without_watchdog((folder / f"stack{rank}.txt").read_text())
         except OSError:
             continue
         stacks.append(f"--- rank {rank} ({'hung' if rank in hung else 'waiting'}) ---\n{text}")
@@ -218,6 +220,12 @@ def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
                  "A rank stuck in I/O or a dead link hangs like this; raise parallel.timeout_s if a phase "
                  "legitimately takes longer.")
     return summary, "\n".join(stacks)
+
+
+def _without_watchdog(dump: str) -> str:
+    """A faulthandler dump without the dumping thread's own block (the watchdog's: it says nothing)."""
+    blocks = dump.strip().split("\n\n")
+    return "\n\n".join(b for b in blocks if not b.startswith("Current thread")).rstrip()
 
 
 def _write_json(path: Path, data: dict) -> None:

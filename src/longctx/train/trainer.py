@@ -287,7 +287,9 @@ class Trainer:
         for steps in self.faults.values():
             steps.discard(step)
         if router_counts is not None:
-            self.model.update_expert_bias(router_counts)  # once per optimizer step, from every micro-batch
+            # once per optimizer step, from every micro-batch; not on a step whose update was not
+            # applied (its counts zeroed on the device: the bias moves by sign(mean - count) = 0)
+            self.model.update_expert_bias(router_counts * apply)
             self.router_stats, self.router_counts = router_stats, router_counts
         return loss, grad_norm, lr
 
