@@ -1,20 +1,24 @@
 """The hang watchdog: parallel.timeout_s enforced on every rank, and where each rank was when it fired.
 
-A rank that makes no progress for parallel.timeout_s is hung, or waits for one that is. Progress is
-a new phase of the training loop (`phase(step, name)`: forward, backward, optimizer, save, load,
-eval, data) or a collective issued through comm.py (`tick()`: two attribute writes, no I/O). A
-daemon thread per rank looks once a second. When its rank has been idle for timeout_s it:
+A rank whose main thread has waited inside torch.distributed (a collective, any group, FSDP's
+included) or in a checkpoint save for parallel.timeout_s without progress is waiting for a peer
+that is hung. A rank that merely computes for long (a first torch.compile, a long forward) waits
+for nobody, and nothing fires. Progress is a new phase of the training loop (`phase(step, name)`:
+data, forward, backward, optimizer, save, load, eval) or a collective issued through comm.py
+(`tick()`: one attribute write, no I/O). A daemon thread per rank looks once a second at where the
+main thread is. When it fires it:
 - dumps every thread's Python stack (faulthandler: it reads frames without running them);
-- records where the rank was: step, phase, and whether its main thread waits inside
-  torch.distributed (a collective: it waits for someone) or elsewhere (it is the one stuck);
-- gives its peers `grace_s` to do the same (they went idle at about the same time: waiting for it);
-- ends the process with HANG_EXIT_CODE (a rank blocked in a collective cannot unwind).
+- records where the rank was: step, phase, and what the main thread waits in (or that it waits in
+  nothing: it is the one stuck);
+- gives its peers `grace_s` to do the same, then ends the process with HANG_EXIT_CODE (a rank
+  blocked in a collective cannot unwind).
 
 Under `longctx train --nproc N` the records, the stacks and a heartbeat written each second go to
-the launcher's error folder, and the launcher prints one summary naming the hung rank(s), then every
-rank's stack (`hang_report`). A rank the watchdog could not run on (frozen by SIGSTOP, stuck in C
-code holding the GIL) leaves no record; its heartbeat says where it stopped. Under another launcher
-each rank prints its own record and stack to stderr.
+the launcher's error folder. A rank that sees a peer's record there records itself too, wherever
+it is, so that the hung rank's own stack shows where it is stuck. The launcher prints one summary
+naming the hung rank(s), then every rank's stack (`hang_report`). A rank the watchdog could not
+run on (frozen by SIGSTOP, stuck in C code holding the GIL) leaves no record; its heartbeat says
+where it stopped. Under another launcher each rank that fires prints its record and stack to stderr.
 
 The process groups' own timeouts are set above timeout_s (`backend_timeout_s`), a backstop, so that
 the watchdog, which can say where everyone was, speaks first.
@@ -104,11 +108,22 @@ class Watchdog:
 
     def _watch(self) -> None:
         every = min(1.0, self.timeout_s / 10)
+        waiting_since, seen = None, self.last
         while not self._stop.wait(every):
-            idle = time.monotonic() - self.last
-            self._beat(idle)
-            if idle >= self.timeout_s:
-                self._fire(idle)
+            now = time.monotonic()
+            place = main_thread_place(self._main)
+            if place["collective"] or self.phase == "save":
+                if waiting_since is None or self.last != seen:  # (a wait began at most one look ago)
+                    waiting_since = max(self.last, now - every)
+            else:
+                waiting_since = None
+            seen = self.last
+            self._beat(now - self.last)
+            if waiting_since is not None and now - waiting_since >= self.timeout_s:
+                self._fire(now - waiting_since, place)
+                return
+            if self.folder is not None and any(f.stem != f"hang{self.rank}" for f in self.folder.glob("hang*.json")):
+                self._fire(now - self.last, place)  # a peer gave up waiting: say where this rank is
                 return
 
     def _beat(self, idle: float) -> None:
@@ -117,15 +132,15 @@ class Watchdog:
                         {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
                          "idle_s": round(idle, 1), "time": time.time()})
 
-    def _fire(self, idle: float) -> None:
+    def _fire(self, idle: float, place: dict) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
-                  "idle_s": round(idle, 1), "time": time.time(), **main_thread_place(self._main)}
+                  "idle_s": round(idle, 1), "time": time.time(), **place}
         if self.folder is not None:
             with open(self.folder / f"stack{self.rank}.txt", "w") as f:
                 faulthandler.dump_traceback(file=f, all_threads=True)
             _write_json(self.folder / f"hang{self.rank}.json", record)
         else:
-            print(f"[rank {self.rank}] longctx: no progress for {idle:.0f} s (parallel.timeout_s = "
+            print(f"[rank {self.rank}] longctx: waited {idle:.0f} s without progress (parallel.timeout_s = "
                   f"{self.timeout_s:g}): {describe(record)}. Python stacks:", file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         self.fired.set()
@@ -145,7 +160,7 @@ def main_thread_place(main_ident: int | None) -> dict:
         if collective is None and "/torch/distributed/" in path:
             collective = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
         if where is None and ("/longctx/" in path or not ("-packages/" in path or "/lib/python" in path
-                                                          or path.startswith("<"))):
+                                                          or "/torch/" in path or path.startswith("<"))):
             short = path.split("/longctx/", 1)[1] if "/longctx/" in path else path.rsplit("/", 1)[-1]
             where = f"{short}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
@@ -161,8 +176,8 @@ def describe(record: dict) -> str:
 
 def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
     """After a failed job: (summary, stacks) when a watchdog fired, else None. The hung ranks are
-    those idle outside any collective, and those that left no record (frozen or killed) while
-    their peers waited."""
+    those that were not waiting in a collective (stuck in their own code, or in a save's I/O), and
+    those that left no record (frozen or killed) while their peers waited."""
     records = {}
     for f in folder.glob("hang*.json"):
         try:
@@ -178,7 +193,8 @@ def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
         except (OSError, ValueError):
             continue
     fired_at = min(r["time"] for r in records.values())
-    timeout = max(r["idle_s"] for r in records.values())
+    waited = [r["idle_s"] for r in records.values() if r.get("collective")]
+    timeout = max(waited or [r["idle_s"] for r in records.values()])
     lines, hung = [], []
     for rank in range(nproc):
         r = records.get(rank)
@@ -192,17 +208,20 @@ def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
             lines.append(f"  rank {rank}: no heartbeat at all (it never started, or died first)")
             hung.append(rank)
         elif fired_at - beat["time"] > 3.0:
-            lines.append(f"  rank {rank}: its heartbeat stopped {fired_at - beat['time']:.0f} s before the others "
-                         f"gave up, at step {beat['step']}, {beat['phase']}: frozen (SIGSTOP), or stuck where "
-                         f"Python cannot run")
+            lines.append(f"  rank {rank}: its heartbeat (written once a second) stopped "
+                         f"{fired_at - beat['time']:.0f} s before the others gave up, last at step {beat['step']}, "
+                         f"{beat['phase']}: frozen "
+                         f"(SIGSTOP), or stuck where Python cannot run")
             hung.append(rank)
         else:
             lines.append(f"  rank {rank}: step {beat['step']}, {beat['phase']}; it stopped when a peer did")
     if hung:
         who = ", ".join(map(str, hung))
-        first = records.get(hung[0]) or beats.get(hung[0]) or {}
+        own = records.get(hung[0])
+        peer = next((r for r in records.values() if r.get("collective")), None)
         head = (f"rank{'s' if len(hung) > 1 else ''} {who} of {nproc} hung"
-                + (f" at step {first['step']} ({first['phase']})" if first else "")
+                + (f" at step {own['step']} ({own['phase']})" if own else
+                   f" while the others waited at step {peer['step']} ({peer['phase']})" if peer else "")
                 + f": no progress for {timeout:.0f} s (parallel.timeout_s), while the other ranks waited for "
                   f"{'them' if len(hung) > 1 else 'it'} in a collective.")
     else:
