@@ -4,9 +4,15 @@ For tests and benchmarks on one machine (training launches through torchrun inst
 first failure the other ranks are terminated (they would otherwise wait in a collective) and the
 failing rank's traceback is raised in the caller.
 
-Starting the processes (each imports torch and longctx) costs several seconds per job on a small
-CPU machine; `run_spawned_many` runs several functions one after another in one job instead, all
-on the same process group (training's `init_distributed` reuses a group that exists).
+The ranks are forked from a server process (multiprocessing's forkserver) that imported torch and
+the longctx modules the caller has imported once, when the first job started: a fresh interpreter
+per rank ("spawn") costs several seconds of imports per rank on a small CPU machine. The server
+has imported modules only (no torch op run, no thread pool or process group started); each rank
+gets the caller's environment and standard output/error as they are when the job starts (as a
+spawned process would), its own thread count and random seeds (torch, numpy; Python's are reseeded
+on fork), and a check that it runs the caller's longctx. (The ranks share the server's str hash seed.)
+`run_spawned_many` runs several functions one after another in one job, all on the same process
+group (training's `init_distributed` reuses a group that exists).
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ from __future__ import annotations
 import os
 import queue as queue_mod
 import socket
+import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -29,11 +38,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, results, threads):
+class _CallerState:
+    """What a spawned rank would inherit from the caller: environment variables, standard output and
+    error (file descriptors 1 and 2, duplicated into the rank when the process starts) and which
+    longctx it imports."""
+
+    def __init__(self):
+        import longctx
+
+        self.env = dict(os.environ)
+        self.longctx_file = longctx.__file__
+
+    def __reduce__(self):  # called while the rank's process starts: DupFd hands it the descriptors
+        return _restore_caller_state, (self.env, self.longctx_file, reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _restore_caller_state(env, longctx_file, stdout, stderr):
+    os.environ.clear()
+    os.environ.update(env)
+    for stream, fd in ((sys.stdout, stdout), (sys.stderr, stderr)):
+        stream.flush()
+        new = fd.detach()
+        os.dup2(new, stream.fileno())
+        os.close(new)
+    import longctx
+
+    if longctx.__file__ != longctx_file:  # (reported by _entry)
+        return (f"the rank imported {longctx.__file__}, the caller {longctx_file}: the fork server was "
+                "started with another import path")
+    return None
+
+
+def _entry(caller_problem, rank, world, port, fn, args, results, threads):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
+    # a fresh process's random seeds (forked ranks would all share the server's)
+    torch.default_generator.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     try:
+        if caller_problem is not None:
+            raise RuntimeError(caller_problem)
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
         results.put((rank, True, fn(*args)))
     except BaseException:  # report everything, including assertion errors, to the parent
@@ -46,12 +92,45 @@ def _entry(rank, world, port, fn, args, results, threads):
             release_groups()
 
 
+_server_lock = threading.Lock()
+
+
+def _context():
+    """The forkserver context, its server running with torch and the caller's longctx modules imported
+    (started on first use, or again if it died); "spawn" where there is no forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    with _server_lock:
+        # "__main__" as the ranks import it (the default preload); then torch and every longctx module
+        # this process has imported
+        preload = ["__main__", "torch", "torch.distributed"] + sorted(
+            name for name, mod in list(sys.modules.items())
+            if (name == "longctx" or name.startswith("longctx.")) and mod is not None
+            and not name.endswith("__main__"))
+        ctx.set_forkserver_preload(preload)  # (takes effect when a server starts)
+        # the server imports them from this process's import path
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            forkserver.ensure_running()
+        finally:
+            if old is None:
+                os.environ.pop("PYTHONPATH")
+            else:
+                os.environ["PYTHONPATH"] = old
+    return ctx
+
+
 def run_spawned(world: int, fn, *args, threads: int = 1, timeout: float = 900.0) -> list:
     """fn(*args) on ranks 0..world-1 (gloo process group initialised); returns results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, threads), daemon=True)
+    caller = _CallerState()  # first: the rank has the caller's environment before it imports fn's module
+    procs = [ctx.Process(target=_entry, args=(caller, r, world, port, fn, args, results, threads), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
