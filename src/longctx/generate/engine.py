@@ -60,16 +60,33 @@ def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Te
     return model.logits(hidden[:, -1]).float()
 
 
+class LocalGeneration:
+    """The engine's backend on one device: a KVCache, and the prompt fed in chunks. Under a head x ctx
+    layout, parallel/generation.py's ShardedGeneration takes its place (a sharded cache, and a
+    prefill through training's 2D attention)."""
+
+    def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:
+        return KVCache.for_model(model, batch, max_len, core=core)
+
+    def prefill(self, model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
+        return prefill(model, cache, tokens, chunk)
+
+
+LOCAL = LocalGeneration()
+
+
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
              sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
              stop: Callable[[int, list[int]], bool] | None = None,
              on_token: Callable[[int, int], None] | None = None, cache_core=None,
-             device: torch.device | None = None) -> list[Result]:
+             device: torch.device | None = None, backend=LOCAL) -> list[Result]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` (one for all, or per
     prompt) tokens. A row ends at an EOS token (not included), when `stop(row, tokens)` says so
     after a token (a stop string: the tokens so far are kept), or at its limit. `on_token(row,
     token)` sees every new token as it is chosen (streaming, progress). `cache_core` replaces the
-    cache's attention core (models/cache.py). Results are in the order of `prompts`."""
+    cache's attention core (models/cache.py); `backend` makes the cache and runs the prefill
+    (LocalGeneration, or parallel/generation.py's ShardedGeneration on every rank of a layout,
+    which then all return the same results). Results are in the order of `prompts`."""
     if not prompts:
         return []
     n = len(prompts)
@@ -86,7 +103,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
     model.eval()
     try:
         with torch.inference_mode():
-            cache = KVCache.for_model(model, n, max_len, core=cache_core)
+            cache = backend.cache(model, n, max_len, core=cache_core)
             logits = torch.empty(n, model.cfg.vocab_size, device=device)
             prefill_s = [0.0] * n
             row = 0
@@ -98,7 +115,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
                 t0 = time.perf_counter()
                 tokens = torch.tensor([list(prompts[order[r]]) for r in range(row, end)], dtype=torch.long,
                                       device=device)
-                logits[row:end] = prefill(model, cache.rows(row, end), tokens, prefill_chunk)
+                logits[row:end] = backend.prefill(model, cache.rows(row, end), tokens, prefill_chunk)
                 seconds = time.perf_counter() - t0
                 for r in range(row, end):
                     prefill_s[r] = seconds

@@ -51,7 +51,7 @@ def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:
 
 def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=None, window=0, backend="flash",
                           layout: SequenceLayout | None = None, attention_chunk: int = 0,
-                          attention_offload: bool = False):
+                          attention_offload: bool = False, on_kv=None):
     """Exact attention over the sequence sharded across the head x ctx ranks of `mesh`.
 
     q, k, v: this rank's shards [batch, local_seq, heads, head_dim] (k, v with kv heads), in the
@@ -61,8 +61,10 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     every ring block which segment pairs it needs, on the host. attention_chunk > 0: every ring
     block is computed in chunk pairs of that many tokens (ops/chunked.py), so the attention
     kernels' working set is one chunk pair; attention_offload keeps the ring's saved state (q, k, v,
-    out, lse) in host memory until backward. Returns this rank's output shard, shaped like q;
-    differentiable.
+    out, lse) in host memory until backward. on_kv(k, v), when given, sees the keys and values this
+    rank attends with after the head all-to-all ([batch, S/ctx, kv heads of its head slice, d], the
+    context rank's positions: what a sharded KV cache keeps after a prefill). Returns this rank's
+    output shard, shaped like q; differentiable.
     """
     head_mesh, ctx_mesh = comm.sub_mesh(mesh, "head"), comm.sub_mesh(mesh, "ctx")
     h, c = head_mesh.size(), ctx_mesh.size()
@@ -85,6 +87,8 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     if r > 1:
         k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
     q, k, v = (seq_to_head(t, head_mesh) for t in (q, k, v))
+    if on_kv is not None:
+        on_kv(k, v)
     if attention_chunk and c == 1:
         # no ring: the chunked core with its state chunk by chunk (in host memory with offload), as on
         # one device, over the head group's whole sequence (FPDT's Ulysses + chunks)

@@ -1,0 +1,231 @@
+"""Generation under a head x ctx layout: the KV cache sharded the way training shards the sequence.
+
+A prompt's cache at 1M tokens does not fit one device (Llama-3-8B: 128 KB per token). Sharding it
+by heads alone stops at the number of kv heads; our training layout already splits the right way:
+the tokens over ctx ranks, the heads over head ranks. Every rank holds the full weights (the cache,
+not the model, is what does not fit) and a 1/(head x ctx) share of the cache.
+
+Prefill (`ShardedGeneration.prefill`): the prompt, padded at its end to the layout's multiple
+(2 x ctx x head), runs through the model with training's 2D attention (distributed_attention). After
+the head all-to-all each rank attends with the keys and values of its head slice at its context
+rank's positions: exactly its cache shard, kept as it is (`on_kv`), less the padding, which lies
+after every real token, so causal attention never lets a real token see it, and which is never
+stored. The last real token's logits come from the rank that holds it (one all-reduce).
+
+Decode (`ShardedKVCache`, the model's `cache=` seam, models/cache.py): every rank runs the new
+token's non-attention parts itself (one token: cheap, and no communication); per layer it takes
+its heads' query, the owner of the new token's slot appends its key and value (the ctx rank
+holding the fewest of the row's slots: every rank knows every share, since the prompt's follow from
+the layout, so they agree without a word, and the shares stay within one slot of each other), each rank
+attends to its own slots (a partial attention with its log-sum-exp), the ctx group merges the
+partials in fp32 (the ring's merge), and the head group gathers the heads. Two small all-gathers
+per layer, of one token's activations; nothing of the cache moves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..models.cache import CacheStep, cached_attention
+from . import comm
+from .attention import distributed_attention
+from .sequence import shard_indices
+from .ulysses import check_heads, kv_replication
+
+
+class ShardedKVCache:
+    """This rank's share of the KV cache of `batch` sequences of up to `max_len` tokens: its kv heads,
+    its slots. The interface of models/cache.KVCache for the model's decode calls (begin, layer,
+    end, lengths); prefill writes it through ShardedGeneration."""
+
+    def __init__(self, model, mesh, batch: int, max_len: int, *, dtype=None, device=None):
+        cfg, w = model.cfg, model.tok_embeddings.weight
+        self.head_mesh, self.ctx_mesh = comm.sub_mesh(mesh, "head"), comm.sub_mesh(mesh, "ctx")
+        self.h, self.c = self.head_mesh.size(), self.ctx_mesh.size()
+        self.head_rank, self.ctx_rank = comm.local_rank(self.head_mesh), comm.local_rank(self.ctx_mesh)
+        check_heads(cfg.heads, cfg.kv_heads, self.h)
+        self.replication = kv_replication(cfg.kv_heads, self.h)
+        self.kv_local = cfg.kv_heads * self.replication // self.h
+        self.heads_local = cfg.heads // self.h
+        # a prompt's share after padding (< (S + 2 h c) / c) plus the new tokens' share (round-robin)
+        self.capacity = math.ceil(max_len / self.c) + 2 * self.h + 1
+        shape = (cfg.layers, batch, self.kv_local, self.capacity, cfg.resolved_head_dim)
+        # zeros: a slot past a row's keys must never hold a NaN (0 x NaN is NaN in the kernel)
+        self.k = torch.zeros(shape, dtype=dtype or w.dtype, device=device or w.device)
+        self.v = torch.zeros_like(self.k)
+        self.lengths = np.zeros(batch, dtype=np.int64)  # tokens of each row over every rank (positions)
+        self.shares = np.zeros((batch, self.c), dtype=np.int64)  # slots of each row held by each ctx rank
+        self.max_len = max_len
+        self.step: CacheStep | None = None
+        self._owner = self._mine = self._local_step = None
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def local(self) -> np.ndarray:
+        """Slots of each row this rank holds."""
+        return self.shares[:, self.ctx_rank]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def rows(self, start: int, stop: int) -> ShardedKVCache:
+        """Rows [start, stop) as a cache of their own, sharing storage and lengths (a prefill group)."""
+        view = object.__new__(ShardedKVCache)
+        view.__dict__.update(self.__dict__)
+        view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
+        view.lengths, view.shares = self.lengths[start:stop], self.shares[start:stop]
+        view.step = view._owner = view._mine = view._local_step = None
+        return view
+
+    def layer(self, index: int) -> _ShardedLayer:
+        return _ShardedLayer(self, index)
+
+    def begin(self, new: int, device=None) -> CacheStep:
+        if self.step is not None:
+            raise RuntimeError("a model call on this cache is already running")
+        if new != 1:
+            raise ValueError(f"a sharded cache decodes one token per row per call (got {new}); prompts go "
+                             f"through ShardedGeneration.prefill")
+        if self.lengths.max() + 1 > self.max_len:
+            raise ValueError(f"the cache holds at most {self.max_len} tokens per row")
+        start = self.lengths.copy()
+        device = device or self.k.device
+        self.step = CacheStep(start, 1, torch.as_tensor(start, device=device)[:, None])
+        self._owner = self.shares.argmin(axis=1)  # the ctx rank that keeps each row's new slot
+        self._mine = self._owner == self.ctx_rank
+        held = self.local + self._mine
+        # this rank's slots as a cache step of its own: the partial attention sees slots 0..held-1
+        self._local_step = CacheStep(held - 1, 1, None)
+        return self.step
+
+    def end(self, ok: bool = True) -> None:
+        if ok and self.step is not None:
+            self.lengths += 1
+            self.shares[np.arange(self.batch), self._owner] += 1
+        self.step = self._owner = self._mine = self._local_step = None
+
+    def reset(self) -> None:
+        self.lengths[:] = 0
+        self.shares[:] = 0
+        self.step = None
+
+
+class _ShardedLayer:
+    def __init__(self, cache: ShardedKVCache, index: int):
+        self.cache, self.index = cache, index
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, 1, heads, d], k/v [b, 1, kv_heads, d] of the new tokens (every head, on every rank)
+        -> the attention output [b, 1, heads, d] over the whole sharded cache, on every rank."""
+        c = self.cache
+        hl, kvl, hr = c.heads_local, c.kv_local, c.head_rank
+        q = q[:, :, hr * hl:(hr + 1) * hl]
+        if c.replication > 1:  # as the head all-to-all of training does (ulysses.py)
+            k, v = k.repeat_interleave(c.replication, dim=2), v.repeat_interleave(c.replication, dim=2)
+        k, v = k[:, :, hr * kvl:(hr + 1) * kvl], v[:, :, hr * kvl:(hr + 1) * kvl]
+        keys, values = c.k[self.index], c.v[self.index]
+        rows = np.nonzero(c._mine)[0]
+        if len(rows):
+            r = torch.as_tensor(rows, device=keys.device)
+            slots = torch.as_tensor(c.local[rows], device=keys.device)
+            keys[r, :, slots] = k[r, 0]
+            values[r, :, slots] = v[r, 0]
+        held = c._local_step.start + 1
+        out, lse = _partial(q, keys, values, c._local_step, held)
+        if c.c > 1:
+            out = _merge_over(out, lse, c.ctx_mesh)
+        if c.h > 1:
+            b, n, _, d = out.shape
+            out = comm.all_gather(out.contiguous(), c.head_mesh, label="decode_heads")  # [h, b, 1, hl, d]
+            out = out.permute(1, 2, 0, 3, 4).reshape(b, n, c.h * hl, d)
+        return out.to(q.dtype)
+
+
+def _partial(q, keys, values, step: CacheStep, held: np.ndarray):
+    """(out, lse) of q against the slots each row holds here; a row holding none gives out 0, lse -inf."""
+    b, n, hl, d = q.shape
+    if held.max() == 0:
+        return q.new_zeros(b, n, hl, d), torch.full((b, hl, n), -math.inf, device=q.device)
+    out, lse = cached_attention(q, keys, values, step)
+    if held.min() == 0:
+        some = torch.as_tensor(held > 0, device=q.device)
+        out = torch.where(some[:, None, None, None], out, torch.zeros_like(out))
+        lse = torch.where(some[:, None, None], lse, torch.full_like(lse, -math.inf))
+    return out, lse
+
+
+def _merge_over(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:
+    """The ctx group's partial attentions over disjoint slots, merged by their log-sum-exp (fp32):
+    one all-gather of out and lse packed together."""
+    packed = torch.cat([out.float(), lse.transpose(1, 2)[..., None]], dim=-1)  # [b, n, hl, d + 1]
+    parts = comm.all_gather(packed.contiguous(), mesh, label="decode_merge")   # [c, b, n, hl, d + 1]
+    outs, lses = parts[..., :-1], parts[..., -1]
+    total = torch.logsumexp(lses, dim=0)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    return (outs * torch.exp(lses - safe)[..., None]).sum(0)
+
+
+class ShardedGeneration:
+    """The generate engine's backend under a head x ctx layout (generate/engine.py): a sharded cache,
+    and a prefill through training's 2D attention. `mesh`: the 4-D mesh (dims head and ctx);
+    `world_mesh`: every rank, flattened (the prompt's last logits reach all of them)."""
+
+    def __init__(self, mesh, world_mesh):
+        self.mesh, self.world_mesh = mesh, world_mesh
+
+    def cache(self, model, batch: int, max_len: int, core=None) -> ShardedKVCache:
+        if core is not None:
+            raise ValueError("a sharded cache has its own attention core")
+        return ShardedKVCache(model, self.mesh, batch, max_len)
+
+    def prefill(self, model, cache: ShardedKVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
+        """Prompts [rows, S] of one length into empty cache rows; the logits [rows, vocab] (fp32) of
+        their last token, on every rank. The whole prompt is one call (`chunk` is the one-device
+        engine's): each rank's share is S / (head x ctx) tokens, and the ring never builds [S, S]."""
+        if cache.lengths.max() != 0:
+            raise ValueError("a sharded prefill fills empty rows (a prompt is prefilled whole)")
+        rows, length = tokens.shape
+        h, c = cache.h, cache.c
+        unit = 2 * h * c
+        padded_len = -(-length // unit) * unit
+        padded = F.pad(tokens, (0, padded_len - length))  # after every real token: never attended, never kept
+        mine = shard_indices(padded_len, c, h, cache.ctx_rank, cache.head_rank).to(tokens.device)
+        # a context rank's positions after the head all-to-all (its head group's shards, in order)
+        held = [torch.cat([shard_indices(padded_len, c, h, i, j) for j in range(h)]) for i in range(c)]
+        real = (held[cache.ctx_rank] < length).to(tokens.device)
+        kept = int(real.sum())
+
+        def keep(index, k, v):
+            cache.k[index, :, :, :kept] = k[:, real].transpose(1, 2)
+            cache.v[index, :, :, :kept] = v[:, real].transpose(1, 2)
+
+        cores = [block.attention.core for block in model.layers]
+        for i, block in enumerate(model.layers):
+            block.attention.core = _prefill_core(self.mesh, i, keep)
+        try:
+            hidden = model.hidden_states(padded[:, mine], positions=mine[None].expand(rows, -1))
+        finally:
+            for block, core in zip(model.layers, cores):
+                block.attention.core = core
+        cache.shares[:] = [int((positions < length).sum()) for positions in held]
+        cache.lengths[:] = length
+        logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=tokens.device)
+        last = (mine == length - 1).nonzero()
+        if len(last):  # one rank holds the last real token
+            logits += model.logits(hidden[:, int(last[0, 0])]).float()
+        return comm.all_reduce(logits, self.world_mesh, label="prefill_logits")
+
+
+def _prefill_core(mesh, index: int, keep):
+    def core(q, k, v, doc_ids):
+        return distributed_attention(q, k, v, mesh, causal=True, doc_ids=doc_ids,
+                                     on_kv=lambda kk, vv: keep(index, kk, vv))
+    return core

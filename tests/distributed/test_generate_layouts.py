@@ -1,0 +1,113 @@
+"""Generation under head x ctx layouts (parallel/generation.py) against one process (generate/engine.py
+with its local cache), on random tiny models in fp32:
+- greedy 64 new tokens from prompts of 4K and 16K tokens are token-identical under head 2 x ctx 2,
+  ctx 4 and head 2, and the first step's logits agree to 1e-4;
+- several prompts of different lengths decoded together (ragged rows, one of 3 tokens: fewer than
+  the ranks, so some rank holds none of its slots) equal one process;
+- seeded sampling gives the same tokens under every layout;
+- GQA with kv heads replicated over the head group (1 kv head, head 2), and an MoE model;
+- each rank's cache is 1/(head x ctx) of one process's (plus the decode slack), and the shares
+  of a row stay within one slot of each other as tokens are dealt.
+The layouts' cases run in two spawned jobs (4 ranks, 2 ranks), each case its own model."""
+
+import functools
+
+import pytest
+import torch
+
+from longctx.parallel.spawn import run_spawned_many
+
+NEW = 64
+
+
+def _model(kind: str):
+    from longctx.config import load_config
+    from longctx.models.llama import build_model
+    from longctx.models.moe import moe_layers
+
+    overrides = {"dense": ["--model.layers=2"], "mqa": ["--model.layers=2", "--model.kv_heads=1"],
+                 "moe": ["--model.preset=debug-moe"]}[kind]
+    model = build_model(load_config(overrides=overrides).model, seed=3).eval()
+    if kind == "moe":
+        with torch.no_grad():  # routers of some conviction, as a trained model has
+            for i, layer in enumerate(moe_layers(model)):
+                layer.router.gate.weight.copy_(torch.randn(layer.router.gate.weight.shape,
+                                                           generator=torch.Generator().manual_seed(i)) * 0.3)
+    return model
+
+
+def _prompt(length, seed):
+    return torch.randint(0, 320, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+CASES = {
+    "4K": ("dense", [4096], {}),
+    "16K": ("dense", [16384], {}),
+    "ragged": ("dense", [1000, 37, 3, 1000], {}),
+    "sampled": ("dense", [700, 301], {"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 5}),
+    "mqa": ("mqa", [2048], {}),
+    "moe": ("moe", [1024], {}),
+}
+
+
+def _generate(case: str, head: int, ctx: int):
+    """(tokens per prompt, first logits, cache bytes of this rank, slots per rank after decode)."""
+    from longctx.generate.engine import LOCAL, generate
+    from longctx.generate.sampling import Sampling
+    from longctx.models.cache import KVCache
+
+    kind, lengths, sampling = CASES[case]
+    model = _model(kind)
+    prompts = [_prompt(n, seed=i + 1) for i, n in enumerate(lengths)]
+    if head * ctx == 1:
+        backend, cache = LOCAL, KVCache.for_model(model, 1, lengths[0] + NEW)
+    else:
+        from longctx.config import load_config
+        from longctx.parallel.generation import ShardedGeneration
+        from longctx.parallel.runtime import Runtime
+
+        cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
+        rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
+        backend = ShardedGeneration(rt.mesh, rt.world_mesh)
+        cache = backend.cache(model, 1, lengths[0] + NEW)
+    with torch.inference_mode():  # the first prompt alone, by hand: its logits, and its cache's slots
+        logits = first = backend.prefill(model, cache, torch.tensor([prompts[0]]), 4096)[0]
+        for _ in range(NEW - 1):
+            logits = model(logits.argmax()[None, None], cache=cache)[0, -1]
+    results = generate(model, prompts, max_new_tokens=NEW, sampling=Sampling(**sampling), backend=backend)
+    return [r.tokens for r in results], first, cache.nbytes, getattr(cache, "local", None)
+
+
+@functools.cache
+def _reference(case):
+    return _generate(case, 1, 1)
+
+
+FOUR = {(case, layout): (_generate, (case, *layout)) for case in CASES for layout in ((2, 2), (1, 4))}
+TWO = {(case, (2, 1)): (_generate, (case, 2, 1)) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    four = run_spawned_many(4, [(key, fn, args) for key, (fn, args) in FOUR.items()])
+    two = run_spawned_many(2, [(key, fn, args) for key, (fn, args) in TWO.items()])
+    return {**four, **two}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(2, 2), (1, 4), (2, 1)], ids=["head2xctx2", "ctx4", "head2"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_layouts_generate_what_one_process_does(case, layout, layouts):
+    want_tokens, want_first, one_bytes, _ = _reference(case)
+    per_rank = layouts[(case, layout)]
+    for tokens, first, _, _ in per_rank:
+        assert tokens == want_tokens  # every rank returns the same, one process's tokens
+        assert torch.allclose(first, want_first, atol=1e-4, rtol=0)
+    assert all(len(t) == NEW for t in want_tokens)
+    head, ctx = layout
+    if case == "16K":
+        ratio = max(b for _, _, b, _ in per_rank) / one_bytes
+        # the kv heads split over head (2 of them here), the slots over ctx, plus the decode slack
+        assert ratio <= 1 / (head * ctx) + 0.02, ratio
+        held = [local[0] for _, _, _, local in per_rank]
+        assert max(held) - min(held) <= 1 and sum(held) == (16384 + NEW - 1) * head  # each slot on one ctx rank
