@@ -98,9 +98,23 @@ def _packed(short_docs, split):
     return [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.split={split}"]
 
 
+@pytest.fixture(scope="module")
+def packed_single(tmp_path_factory, short_docs):
+    """packed_single(split) -> the single process's losses on the short documents (one run per split,
+    on first use: the layouts of one split compare with the same run)."""
+    done = {}
+
+    def get(split):
+        if split not in done:
+            done[split] = _train_losses([*BASE, *_packed(short_docs, split)], tmp_path_factory.mktemp("single"))
+        return done[split]
+
+    return get
+
+
 @pytest.mark.parametrize("layout,split", PACKED)
-def test_packed_documents_train_identically(layout, split, short_docs, spawned, tmp_path):
-    single = _train_losses([*BASE, *_packed(short_docs, split)], tmp_path / "single")
+def test_packed_documents_train_identically(layout, split, short_docs, packed_single, spawned):
+    single = packed_single(split)
     world = LAYOUTS[layout][0]
     losses, seconds = spawned(world)[f"{layout} packed {split}"]
     print(f"{layout} packed {split}: {seconds:.1f}s in a {world}-rank job")
