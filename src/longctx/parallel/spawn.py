@@ -59,8 +59,9 @@ def _restore_caller_state(env, longctx_file, stdout, stderr):
     for stream, fd in ((sys.stdout, stdout), (sys.stderr, stderr)):
         stream.flush()
         new = fd.detach()
-        os.dup2(new, stream.fileno())
-        os.close(new)
+        if new != stream.fileno():  # (a spawned process gets the descriptor itself)
+            os.dup2(new, stream.fileno())
+            os.close(new)
     import longctx
 
     if longctx.__file__ != longctx_file:  # (reported by _entry)
