@@ -127,3 +127,31 @@ def test_bench_generate_prints_json():
     result = json.loads(r.stdout)
     assert result["same_tokens"] and result["decode_ratio"] > 0
     assert [m["prompt_tokens"] for m in result["prefill_memory"]] == [256, 512]
+
+
+@pytest.mark.slow
+def test_sharded_over_head_and_ctx_ranks_gives_one_process_tokens(hf_model, tmp_path):
+    """`--nproc 4` (head 2 x ctx 2 by default): the cache sharded, the same lines as one process,
+    written once (rank 0); a prompt of any length (none here is a multiple of 2 x head x ctx = 8)."""
+    d, _ = hf_model
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                 ["import os\nimport sys\n" * 9, "class A:", "def f(x):\n    return x"]) + "\n")
+    common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "32"]
+    _run(*common, "--output", str(tmp_path / "one.jsonl"))
+    r = _run(*common, "--nproc", "4", "--output", str(tmp_path / "four.jsonl"))
+    assert "4 ranks (head 2 x ctx 2, the cache sharded)" in r.stderr and r.stderr.count("wrote") == 1
+    one, four = _lines(tmp_path / "one.jsonl"), _lines(tmp_path / "four.jsonl")
+    assert [x["tokens"] for x in four] == [x["tokens"] for x in one] and all(x["tokens"] for x in one)
+    assert [x["text"] for x in four] == [x["text"] for x in one]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "3", "--parallel.head", "2"], "--nproc 3 must equal --parallel.head x --parallel.ctx = 2 x 1"),
+    (["--nproc", "2", "--parallel.dp_shard", "2"], "parallel.dp_shard does not apply"),
+    (["--nproc", "3", "--parallel.head", "3"], "model.heads (4) must be divisible by parallel.head (3)"),
+])
+def test_bad_layouts_are_refused_before_work(hf_model, args, message):
+    d, _ = hf_model
+    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", *args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and message in flat(r.stderr), r.stderr

@@ -182,32 +182,19 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch)
 
 
-def _without_nproc(argv: list[str]) -> list[str]:
-    """The command line each rank runs: the same, less --nproc (the launcher's own option)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
 def _say(message: str) -> None:
     print(message, file=sys.stderr)
 
 
 def main(args, overrides) -> int:
-    from ..parallel.launch import relaunch, under_launcher
+    from ..parallel.launch import argv_without_nproc, relaunch, under_launcher
 
     nproc = int(__import__("os").environ["WORLD_SIZE"]) if under_launcher() else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
     plan = prepare(args, overrides, nproc)
     if nproc > 1 and not under_launcher():
-        relaunch(nproc, _without_nproc(args.argv))
+        relaunch(nproc, argv_without_nproc(args.argv))
         return 0
     result = evaluate(plan, args)
     if result is None:  # not rank 0

@@ -1,8 +1,13 @@
-"""`longctx generate`: continue prompts with a checkpoint, on one device, with a KV cache.
+"""`longctx generate`: continue prompts with a checkpoint, with a KV cache, on one device or sharded.
 
     longctx generate --checkpoint hf:DIR --prompt "Once upon a time" --max-new-tokens 64
     longctx generate --checkpoint runs/X/checkpoints --prompts prompts.jsonl --output out.jsonl \\
         --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n"
+    longctx generate --checkpoint hf:DIR --prompts long.jsonl --nproc 4 --parallel.head 2 --parallel.ctx 2
+
+With --nproc N the cache is sharded over head x ctx ranks as training shards the sequence
+(parallel/generation.py): each rank holds the full weights and 1/(head x ctx) of the cache, and
+the ranks return the same tokens as one process; rank 0 writes them.
 
 Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line; an "id"
 field is copied to the output). Output: one JSON line per prompt, in input order, to --output or
@@ -26,6 +31,7 @@ tokenizer's end-of-document token.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +40,8 @@ from ..errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="continue prompts with a checkpoint (KV cache, one device)",
+    p = sub.add_parser("generate", help="continue prompts with a checkpoint (KV cache, one device or sharded over "
+                                         "head x ctx ranks)",
                        allow_abbrev=False)
     p.add_argument("--checkpoint", required=True, metavar="DIR|hf:DIR",
                    help="a longctx checkpoint (a step-* directory, or a checkpoints directory for its latest) or "
@@ -54,6 +61,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-chunk", type=int, default=4096,
                    help="prompt tokens per prefill call (memory grows with it, never with the prompt squared)")
     p.add_argument("--batch", type=int, default=8, help="prompts decoded together (default 8)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="local processes through torchrun, the cache sharded over their --parallel.head x "
+                        "--parallel.ctx layout (default 1; 2D when no degree is given)")
     p.add_argument("--tokenizer", default="",
                    help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
                         "tokenizer.json)")
@@ -79,13 +89,28 @@ def _say(message: str) -> None:
 
 def _config(args, overrides: list[str]):
     from ..config import load_config, parse_overrides
+    from ..parallel.launch import default_layout
 
     given = parse_overrides(overrides)
-    allowed = {"model", "train"}
+    allowed = {"model", "train", "parallel"}
     other = sorted(set(given) - allowed)
     if other:
         raise ConfigError(f"longctx generate takes --model.* (extension keys such as rope_theta, rope_scaling, "
-                          f"max_seq_len) and --train.device/dtype overrides; [{', '.join(other)}] does not apply.")
+                          f"max_seq_len), --parallel.head/ctx and --train.device/dtype overrides; "
+                          f"[{', '.join(other)}] does not apply.")
+    layout = given.get("parallel", {})
+    wrong = sorted(set(layout) - {"head", "ctx", "timeout_s"})
+    if wrong:
+        raise ConfigError(f"longctx generate shards the cache over --parallel.head and --parallel.ctx only; "
+                          f"{', '.join('parallel.' + k for k in wrong)} does not apply (every rank holds the weights).")
+    nproc = args.nproc
+    if nproc > 1 and not layout.keys() & {"head", "ctx"}:
+        given["parallel"] = {**layout, **default_layout(nproc)}
+    degrees = given.get("parallel", {})
+    if int(degrees.get("head", 1)) * int(degrees.get("ctx", 1)) != nproc:
+        raise ConfigError(f"--nproc {nproc} must equal --parallel.head x --parallel.ctx = "
+                          f"{int(degrees.get('head', 1))} x {int(degrees.get('ctx', 1))}: generation shards the "
+                          f"cache over those ranks (no data parallelism).")
     extra = sorted(set(given.get("train", {})) - {"device", "dtype"})
     if extra:
         raise ConfigError(f"longctx generate takes only --train.device and --train.dtype of [train]; "
@@ -93,7 +118,9 @@ def _config(args, overrides: list[str]):
     if "init_from" in given.get("model", {}):
         raise ConfigError("longctx generate takes the weights from --checkpoint; drop --model.init_from.")
     given.setdefault("model", {})["init_from"] = args.checkpoint
-    given.setdefault("train", {}).update(seq_len=2, eval_interval=0)
+    # (training's length rule, which the job's layout check asks; prompts are padded to it inside)
+    unit = 2 * int(degrees.get("head", 1)) * int(degrees.get("ctx", 1))
+    given.setdefault("train", {}).update(seq_len=unit, eval_interval=0)
     return load_config(None, given)
 
 
@@ -148,7 +175,7 @@ def prepare(args, overrides: list[str]) -> Plan:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     problems = sampling.problems()
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--prefill-chunk", args.prefill_chunk),
-                        ("--batch", args.batch)):
+                        ("--batch", args.batch), ("--nproc", args.nproc)):
         if value < 1:
             problems.append(f"{flag} must be >= 1, got {value}")
     if any(s == "" for s in args.stop):
@@ -164,6 +191,10 @@ def prepare(args, overrides: list[str]) -> Plan:
         raise ConfigError(f"--checkpoint {args.checkpoint}: {where}, so the prompt cannot be turned into the model's "
                           f"token ids. Pass --tokenizer PATH/tokenizer.json (the one the model was trained with), or "
                           f"--tokenizer byte for a model trained on bytes.")
+    if cfg.parallel.head > 1:
+        from ..parallel.ulysses import check_heads
+
+        check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
     tokenizer = load_tokenizer(spec)
     special = args.checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)
     m = cfg.model
@@ -263,31 +294,72 @@ class Stream:
 
 
 def main(args, overrides) -> int:
-    plan = prepare(args, overrides)  # every input error, before the weights are read
-    for note in plan.notes:
-        _say(f"generate: note: {note}")
+    import os
+
+    from ..parallel.launch import argv_without_nproc, relaunch, under_launcher
+
+    if under_launcher():  # a rank: the layout's size is the job's
+        args.nproc = int(os.environ["WORLD_SIZE"])
+    plan = prepare(args, overrides)  # every input error, before the weights are read (once, in the launcher)
+    if args.nproc > 1 and not under_launcher():
+        for note in plan.notes:
+            _say(f"generate: note: {note}")
+        relaunch(args.nproc, argv_without_nproc(args.argv))
+        return 0
+    if not under_launcher():
+        for note in plan.notes:
+            _say(f"generate: note: {note}")
     return run(plan, args)
 
 
+def _backend(cfg):
+    """(backend, device, is rank 0): one device, or this rank's part of the head x ctx layout."""
+    from ..train.step import resolve_device
+    from .engine import LOCAL
+
+    if cfg.parallel.head * cfg.parallel.ctx == 1:
+        return LOCAL, resolve_device(cfg.train.device), True
+    from ..parallel.generation import ShardedGeneration
+    from ..train.setup import join_job
+
+    rt, device = join_job(cfg)
+    return ShardedGeneration(rt.mesh, rt.world_mesh), device, rt.is_main
+
+
 def run(plan: Plan, args) -> int:
+    from ..parallel.launch import finish_distributed
+
+    try:
+        return _run(plan, args)
+    finally:
+        finish_distributed()
+
+
+def _run(plan: Plan, args) -> int:
     import torch
 
     from ..progress import on_terminal, progress_bar
-    from ..train.step import resolve_device, resolve_dtype
+    from ..train.step import resolve_dtype
     from .engine import generate
 
-    device = resolve_device(plan.cfg.train.device)
+    backend, device, main_rank = _backend(plan.cfg)
     dtype = resolve_dtype(plan.cfg.train.dtype, device)
     model = load_model(plan.cfg, device, dtype)
-    m = plan.cfg.model
-    _say(f"generate: {m.label} from {args.checkpoint} on {device.type} ({str(dtype).removeprefix('torch.')}), "
-         f"{len(plan.prompts)} prompt{'s' * (len(plan.prompts) > 1)}, tokenizer {plan.tokenizer_spec}")
+    m, p = plan.cfg.model, plan.cfg.parallel
+    where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
+        device.type
+    if main_rank:
+        _say(f"generate: {m.label} from {args.checkpoint} on {where} ({str(dtype).removeprefix('torch.')}), "
+             f"{len(plan.prompts)} prompt{'s' * (len(plan.prompts) > 1)}, tokenizer {plan.tokenizer_spec}")
     # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
-    generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device)
+    generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend)
     stops = StopStrings(plan.tokenizer, args.stop) if args.stop else None
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
-    stream = Stream(plan.tokenizer, args.stop) if len(plan.prompts) == 1 and on_terminal() else None
-    bar = None if stream else progress_bar(sum(plan.limits), "generate", "tok")
+    if not main_rank:  # the same tokens on every rank: rank 0 speaks
+        out = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+    else:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
+    stream = Stream(plan.tokenizer, args.stop) if main_rank and len(plan.prompts) == 1 and on_terminal() else None
+    bar = None if stream else progress_bar(sum(plan.limits), "generate", "tok", main_rank)
     try:
         for start in range(0, len(plan.prompts), args.batch):
             batch = plan.prompts[start:start + args.batch]
@@ -300,7 +372,7 @@ def run(plan: Plan, args) -> int:
 
             results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + args.batch],
                                sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk,
-                               stop=stops, on_token=on_token, device=device)
+                               stop=stops, on_token=on_token, device=device, backend=backend)
             for p, r in zip(batch, results):
                 text = plan.tokenizer.decode(r.tokens)
                 if stops is not None and r.finish_reason == "stop":
@@ -321,6 +393,6 @@ def run(plan: Plan, args) -> int:
             bar.close()
         if out is not sys.stdout:
             out.close()
-    if args.output:
+    if args.output and main_rank:
         _say(f"generate: wrote {args.output}")
     return 0

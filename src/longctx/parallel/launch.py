@@ -184,6 +184,19 @@ class RankError(UserError):
         self.exit_code = exit_code
 
 
+def argv_without_nproc(argv: list[str]) -> list[str]:
+    """The command line each rank runs: the same, less --nproc (the launcher's own option)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None:
     """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure."""
     with tempfile.TemporaryDirectory(prefix="longctx-errors-") as folder:
