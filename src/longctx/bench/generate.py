@@ -17,6 +17,11 @@ prefill creates and that is still alive, at its peak (PeakLiveBytes: a dispatch 
 every op's outputs), beside the preallocated cache. Chunked prefill keeps that transient flat
 (one chunk's activations) while the cache grows linearly with the prompt; an [S, S] score matrix
 would be S^2 x 4 bytes per head (256 MiB at 8K).
+
+Sharded cache memory (`--sharded HxC --sharded-lengths ...`): the same prefill on H x C spawned gloo
+ranks (parallel/generation.py), each rank's cache bytes against one process's at the same length,
+and each rank's prefill transient (PeakLiveBytes again): the cache is 1/(H x C) of one process's,
+and the transient grows linearly with the prompt (S / (H x C) tokens per rank, never [S, S]).
 """
 
 from __future__ import annotations
@@ -51,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-lengths", default="2048,4096,8192,16384",
                    help="prompt lengths whose prefill memory is measured ('' = none)")
+    p.add_argument("--sharded", default="", metavar="HxC",
+                   help="also measure the prefill's memory with the cache sharded over H x C local gloo ranks "
+                        "(e.g. 1x4); '' = not")
+    p.add_argument("--sharded-lengths", default="8192,16384,32768", help="prompt lengths of the sharded measure")
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -92,6 +101,51 @@ def prefill_memory(model, length: int, chunk: int, seed: int = 0) -> dict:
             prefill(model, cache, tokens, chunk)
     return {"prompt_tokens": length, "chunk": chunk, "cache_bytes": cache.nbytes,
             "peak_transient_bytes": tracker.peak, "largest_tensor_bytes": tracker.largest}
+
+
+def _sharded_prefill_rank(model, length: int, head: int, ctx: int, seed: int) -> dict:
+    """On each spawned rank: prefill one random prompt into the sharded cache; its bytes and the
+    prefill's own peak here, and the last token's argmax (the same on every rank)."""
+    from ..config import load_config
+    from ..parallel.generation import ShardedGeneration
+    from ..parallel.runtime import Runtime
+
+    cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
+    rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
+    backend = ShardedGeneration(rt.mesh, rt.world_mesh)
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        cache = backend.cache(model, 1, length)
+        tracker = PeakLiveBytes()
+        with tracker:
+            logits = backend.prefill(model, cache, tokens, 0)
+    return {"cache_bytes": cache.nbytes, "peak_transient_bytes": tracker.peak,
+            "largest_tensor_bytes": tracker.largest, "argmax": int(logits.argmax())}
+
+
+def sharded_memory(model, layout: str, lengths: list[int], seed: int = 0) -> list[dict]:
+    """Per length: one process's cache bytes, and over the ranks of the `HxC` layout the largest
+    cache share, its ratio, the largest prefill transient; the ranks' argmax agree."""
+    from ..models.cache import KVCache
+    from ..parallel.spawn import run_spawned_many
+
+    head, ctx = (int(x) for x in layout.lower().split("x"))
+    jobs = [(length, _sharded_prefill_rank, (model, length, head, ctx, seed)) for length in lengths]
+    per_rank = run_spawned_many(head * ctx, jobs)
+    out = []
+    for length in lengths:
+        ranks = per_rank[length]
+        one = KVCache.for_model(model, 1, length, device="meta").nbytes
+        share = max(r["cache_bytes"] for r in ranks)
+        out.append({"prompt_tokens": length, "head": head, "ctx": ctx, "one_process_cache_bytes": one,
+                    "rank_cache_bytes": share, "cache_ratio": share / one,
+                    "rank_peak_transient_bytes": max(r["peak_transient_bytes"] for r in ranks),
+                    "rank_largest_tensor_bytes": max(r["largest_tensor_bytes"] for r in ranks),
+                    "ranks_agree": len({r["argmax"] for r in ranks}) == 1})
+        _progress(f"sharded {layout} at {length:,} tokens: cache per rank {share / 2**20:.1f} MiB "
+                  f"({share / one:.3f}x one process's), prefill transient per rank "
+                  f"{out[-1]['rank_peak_transient_bytes'] / 2**20:.1f} MiB")
+    return out
 
 
 def _progress(msg: str) -> None:
@@ -173,6 +227,8 @@ def main(args) -> int:
         memory.append(prefill_memory(ours, length, args.prefill_chunk, args.seed))
         _progress(f"prefill memory at {length:,} tokens: cache {memory[-1]['cache_bytes'] / 2**20:.1f} MiB, peak "
                   f"transient {memory[-1]['peak_transient_bytes'] / 2**20:.1f} MiB")
+    sharded = sharded_memory(ours, args.sharded, [int(x) for x in args.sharded_lengths.split(",") if x],
+                             args.seed) if args.sharded else []
     best = {k: {m: max(r[m] for r in v) for m in ("prefill_tokens_per_s", "decode_tokens_per_s")}
             for k, v in runs.items()}
     median = {k: statistics.median(r["decode_tokens_per_s"] for r in v) for k, v in runs.items()}
@@ -189,6 +245,7 @@ def main(args) -> int:
         "prefill_ratio": best["longctx"]["prefill_tokens_per_s"] / best["transformers"]["prefill_tokens_per_s"],
         "decode_ratio_median": median["longctx"] / median["transformers"],
         "prefill_memory": memory,
+        "sharded_memory": sharded,
         "runs": {k: [{m: r[m] for m in ("prefill_tokens_per_s", "decode_tokens_per_s", "seconds")} for r in v]
                  for k, v in runs.items()},
     }
