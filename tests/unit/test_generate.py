@@ -123,6 +123,35 @@ def test_batched_prompts_equal_each_alone(moe):
         assert r.tokens == alone.tokens and len(r.tokens) == limit and r.prompt_tokens == len(p)
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_flat_prefill_of_different_lengths_equals_each_alone(moe):
+    """Short prompts of different lengths share one varlen prefill call (positions restart, attention
+    masked per prompt): their cache rows and last logits equal each prompt's own prefill, and the
+    generated tokens equal each prompt alone."""
+    from longctx.generate.engine import prefill_calls, prefill_flat
+
+    model = _debug_model(moe)
+    vocab = model.cfg.vocab_size
+    prompts = [_prompt(n, vocab, 10 + n) for n in (5, 9, 17, 17, 33)]
+    assert prefill_calls([5, 9, 17, 17, 33], 64, True) == [(True, 0, 4), (False, 4, 5)]
+    assert prefill_calls([5, 9, 17, 17, 33], 64, False) == [(False, 0, 1), (False, 1, 2), (False, 2, 4), (False, 4, 5)]
+    assert prefill_calls([40, 40, 70], 64, True) == [(False, 0, 2), (False, 2, 3)]
+    with torch.inference_mode():
+        flat = KVCache.for_model(model, 4, 40)
+        logits = prefill_flat(model, flat, prompts[:4])
+        for r, p in enumerate(prompts[:4]):
+            own = KVCache.for_model(model, 1, 40)
+            alone = prefill(model, own, torch.tensor([p]), 4096)
+            assert torch.allclose(logits[r], alone[0], atol=1e-5, rtol=0)
+            n = len(p)
+            assert flat.lengths[r] == n
+            assert torch.allclose(flat.k[:, r, :, :n], own.k[:, 0, :, :n], atol=1e-5, rtol=0)
+            assert torch.allclose(flat.v[:, r, :, :n], own.v[:, 0, :, :n], atol=1e-5, rtol=0)
+    together = generate(model, prompts, max_new_tokens=12, prefill_chunk=64)
+    for p, r in zip(prompts, together):
+        assert r.tokens == generate(model, [p], max_new_tokens=12)[0].tokens
+
+
 def test_eos_and_stop_end_a_row():
     model = _debug_model()
     prompt = _prompt(20, model.cfg.vocab_size)

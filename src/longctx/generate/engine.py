@@ -1,9 +1,13 @@
 """Generation on one device: chunked prefill into a preallocated KV cache, then batched decoding.
 
-- Prompts of one length are prefilled together, in chunks of `prefill_chunk` tokens (each chunk's
-  queries attend to the cache so far plus themselves, models/cache.py), so a long prompt never
-  builds an [S, S] transient. Prompts are ordered by length so that each group is a contiguous
-  range of cache rows (a view, no copy), and no padding token is ever computed in prefill.
+- Prompts are ordered by length, so that every prefill call fills a contiguous range of cache rows
+  (a view, no copy). Short prompts of different lengths are prefilled together in one flat call
+  (varlen: concatenated, positions restarting and attention masked per prompt, as packed documents
+  train), up to `prefill_chunk` tokens per call; their keys and values go to their rows as each
+  layer makes them. A longer prompt (and its equals in length) is prefilled in chunks of
+  `prefill_chunk` tokens (each chunk's queries attend to the cache so far plus themselves,
+  models/cache.py), so it never builds an [S, S] transient. No padding token is ever computed in
+  prefill.
 - All prompts then decode together, one token per row per step: rows hold different lengths, so
   the attention masks each row's keys to the slots it holds (one kernel call per layer); a row that
   has finished keeps being fed (its outputs are ignored) until every row is done. That padding is
@@ -17,6 +21,7 @@ length group's chunks; decode: the steps until it finished).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,16 +65,75 @@ def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Te
     return model.logits(hidden[:, -1]).float()
 
 
+def prefill_flat(model, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Prompts of any lengths into empty cache rows (one each, in order) in one varlen call: the
+    logits [rows, vocab] (fp32) of each prompt's last token."""
+    device = cache.k.device
+    lengths = [len(p) for p in prompts]
+    tokens = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
+    with torch.inference_mode(False):  # a normal tensor: the attention's segment plan is cached on it
+        doc_ids = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])[None]
+    offsets = [0, *itertools.accumulate(lengths)]
+
+    def keeping(index, core):
+        def core_keeping(q, k, v, ids):
+            for r, n in enumerate(lengths):  # each prompt's keys and values to its row
+                cache.k[index, r, :, :n] = k[0, offsets[r]:offsets[r] + n].transpose(0, 1)
+                cache.v[index, r, :, :n] = v[0, offsets[r]:offsets[r] + n].transpose(0, 1)
+            return core(q, k, v, ids)
+        return core_keeping
+
+    cores = [block.attention.core for block in model.layers]
+    for i, block in enumerate(model.layers):
+        block.attention.core = keeping(i, cores[i])
+    try:
+        hidden = model.hidden_states(tokens, positions, doc_ids)
+    finally:
+        for block, core in zip(model.layers, cores):
+            block.attention.core = core
+    cache.lengths[:] = lengths
+    return model.logits(hidden[0, [o - 1 for o in offsets[1:]]]).float()
+
+
 class LocalGeneration:
-    """The engine's backend on one device: a KVCache, and the prompt fed in chunks. Under a head x ctx
-    layout, parallel/generation.py's ShardedGeneration takes its place (a sharded cache, and a
-    prefill through training's 2D attention)."""
+    """The engine's backend on one device: a KVCache; short prompts prefilled flat, long ones in
+    chunks. Under a head x ctx layout, parallel/generation.py's ShardedGeneration takes its place
+    (a sharded cache, and a prefill through training's 2D attention)."""
+
+    flat = True  # prompts of different lengths can share a prefill call (prefill_flat)
 
     def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:
         return KVCache.for_model(model, batch, max_len, core=core)
 
     def prefill(self, model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
         return prefill(model, cache, tokens, chunk)
+
+    def prefill_flat(self, model, cache: KVCache, prompts) -> torch.Tensor:
+        return prefill_flat(model, cache, prompts)
+
+
+def prefill_calls(lengths: Sequence[int], chunk: int, flat: bool) -> list[tuple[bool, int, int]]:
+    """The prefill calls for prompts of `lengths` (ascending): (flat, first row, end row). With
+    `flat`, consecutive prompts of up to `chunk` tokens in all share a call; a longer prompt, with
+    the prompts of its length, is one chunked call."""
+    calls, i, n = [], 0, len(lengths)
+    while i < n:
+        j, total = i, 0
+        if flat and lengths[i] <= chunk:
+            while j < n and total + lengths[j] <= chunk:
+                total += lengths[j]
+                j += 1
+            if lengths[j - 1] != lengths[i]:
+                calls.append((True, i, j))
+                i = j
+                continue
+            j = i
+        while j < n and lengths[j] == lengths[i]:
+            j += 1
+        calls.append((False, i, j))
+        i = j
+    return calls
 
 
 LOCAL = LocalGeneration()
@@ -106,20 +170,18 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
             cache = backend.cache(model, n, max_len, core=cache_core)
             logits = torch.empty(n, model.cfg.vocab_size, device=device)
             prefill_s = [0.0] * n
-            row = 0
-            while row < n:
-                length = len(prompts[order[row]])
-                end = row
-                while end < n and len(prompts[order[end]]) == length:
-                    end += 1
+            lengths = [len(prompts[i]) for i in order]
+            for flat, row, end in prefill_calls(lengths, prefill_chunk, getattr(backend, "flat", False)):
                 t0 = time.perf_counter()
-                tokens = torch.tensor([list(prompts[order[r]]) for r in range(row, end)], dtype=torch.long,
-                                      device=device)
-                logits[row:end] = backend.prefill(model, cache.rows(row, end), tokens, prefill_chunk)
+                rows = [list(prompts[order[r]]) for r in range(row, end)]
+                if flat:
+                    logits[row:end] = backend.prefill_flat(model, cache.rows(row, end), rows)
+                else:
+                    tokens = torch.tensor(rows, dtype=torch.long, device=device)
+                    logits[row:end] = backend.prefill(model, cache.rows(row, end), tokens, prefill_chunk)
                 seconds = time.perf_counter() - t0
                 for r in range(row, end):
                     prefill_s[r] = seconds
-                row = end
             return _decode(model, cache, logits, order, [len(prompts[i]) for i in order], [limits[i] for i in order],
                            prefill_s, sampling, eos, stop, on_token, n)
     finally:
