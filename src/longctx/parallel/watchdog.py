@@ -178,20 +178,10 @@ def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
     """After a failed job: (summary, stacks) when a watchdog fired, else None. The hung ranks are
     those that were not waiting in a collective (stuck in their own code, or in a save's I/O), and
     those that left no record (frozen or killed) while their peers waited."""
-    records = {}
-    for f in folder.glob("hang*.json"):
-        try:
-            records[int(f.stem[4:])] = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
+    records = _by_rank(folder, "hang")
     if not records:
         return None
-    beats = {}
-    for f in folder.glob("beat*.json"):
-        try:
-            beats[int(f.stem[4:])] = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
+    beats = _by_rank(folder, "beat")
     fired_at = min(r["time"] for r in records.values())
     waited = [r["idle_s"] for r in records.values() if r.get("collective")]
     timeout = max(waited or [r["idle_s"] for r in records.values()])
@@ -239,6 +229,17 @@ def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
                  "A rank stuck in I/O or a dead link hangs like this; raise parallel.timeout_s if a phase "
                  "legitimately takes longer.")
     return summary, "\n".join(stacks)
+
+
+def _by_rank(folder: Path, kind: str) -> dict[int, dict]:
+    """{rank: record} of the files <kind><rank>.json (one being written is skipped)."""
+    out = {}
+    for f in folder.glob(f"{kind}*.json"):
+        try:
+            out[int(f.stem[len(kind):])] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def _without_watchdog(dump: str) -> str:
