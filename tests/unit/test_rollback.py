@@ -74,8 +74,8 @@ def _trainer(tmp_path, name, extra, monkeypatch, fault=""):
     # non-finite at step 5, read at step 6 (log interval 3): step 6 ran after it and runs again
     ("nonfinite@5", ["--train.steps=9", "--metrics.log_interval=3"], 5, 4),
     # a spike: 1000 x the loss at step 7, over 3 x the median of the 3 steps before
-    ("spike@7", ["--train.steps=9", "--metrics.log_interval=1", "--train.spike_factor=3",
-                 "--train.spike_window=3"], 7, 4),
+    pytest.param("spike@7", ["--train.steps=9", "--metrics.log_interval=1", "--train.spike_factor=3",
+                             "--train.spike_window=3"], 7, 4, marks=pytest.mark.slow),
 ])
 def test_rollback_reloads_and_skips_the_window(fault, extra, bad, back_to, tmp_path, monkeypatch):
     clean = _trainer(tmp_path, "clean", extra, monkeypatch)
@@ -108,6 +108,7 @@ def test_rollback_reloads_and_skips_the_window(fault, extra, bad, back_to, tmp_p
     assert line["rollbacks"] == 1
 
 
+@pytest.mark.slow
 def test_a_resume_after_a_rollback_does_not_replay_the_window(tmp_path, monkeypatch):
     extra = ["--train.steps=9", "--metrics.log_interval=1"]
     whole = _trainer(tmp_path, "whole", extra, monkeypatch, "nonfinite@6")

@@ -175,6 +175,13 @@ class KVCache:
         self.lengths[:] = 0
         self.step = None
 
+    def truncate(self, length: int) -> None:
+        """Every row forgets its tokens past `length` (speculative decoding's rejected proposals: their
+        slots are written over by the next call)."""
+        if length < 0 or length > int(self.lengths.min()):
+            raise ValueError(f"cannot truncate rows of lengths {self.lengths.tolist()} to {length}")
+        self.lengths[:] = length
+
 
 # ----------------------------------------------------------------------------------------------
 # Attention of new queries against the keys a cache holds

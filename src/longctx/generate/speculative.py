@@ -1,0 +1,171 @@
+"""Speculative decoding on one device: a draft proposes K tokens, the target verifies them in one pass.
+
+One round, with the target's cache holding the prompt and every emitted token but the last (the
+`pending` token, not yet fed):
+1. the draft proposes d_1..d_K autoregressively, with its distribution q_i of each (its sampling
+   distribution: temperature, top-k and top-p applied, as the target's);
+2. the target runs [pending, d_1..d_K] in one cached call (the new tokens attend to the cache and,
+   causally, to each other: models/cache.py's chunk attention) and gets p_1..p_{K+1};
+3. acceptance. Greedy (T = 0): d_i is kept while it is the target's argmax; the first disagreement
+   is replaced by the target's own choice, and when every d_i is kept the target's next choice is
+   a bonus token. So the output is token-identical to plain greedy decoding. Sampling (T > 0), the
+   rejection rule of speculative sampling (Leviathan et al., Chen et al.): d_i is kept with
+   probability min(1, p_i(d_i) / q_i(d_i)); the first rejected position draws from
+   norm(max(0, p_i - q_i)); when all are kept the bonus draws from p_{K+1}. The tokens are then
+   distributed exactly as the target's own sampling;
+4. the target's cache keeps [pending, the kept d_i] and forgets the rest (its lengths go back: the
+   slots are overwritten later); the replaced or bonus token becomes the new pending one.
+
+`ModelDrafter` is a plain draft model with its own cache (the baseline GliDe is measured against).
+A drafter is anything with `start(prompt)`, `propose(pending, k, sampling, generator) -> (tokens,
+q)` and `accepted(n)`; GliDe's reads the target's cache instead of keeping one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.cache import KVCache
+from .engine import GREEDY, prefill
+from .sampling import Sampling, filter_logits
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution a token is drawn from (fp32 [rows, vocab]); greedy: one-hot on the argmax."""
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
+
+
+class ModelDrafter:
+    """A draft model with its own KV cache, fed the same tokens as the target."""
+
+    def __init__(self, model, max_len: int, prefill_chunk: int = 4096):
+        self.model, self.max_len, self.chunk = model, max_len, prefill_chunk
+        self.cache: KVCache | None = None
+        self._unfed: list[int] = []  # kept tokens the draft has not been fed yet (a last proposal kept)
+        self._base = 0  # the cache's length with the pending token fed, in the current round
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """The prompt but its last token (which the first `propose` feeds as the pending one)."""
+        self.cache = KVCache.for_model(self.model, 1, self.max_len)
+        if len(prompt) > 1:
+            prefill(self.model, self.cache, torch.tensor([list(prompt[:-1])], device=self.cache.k.device), self.chunk)
+        self._unfed = [int(prompt[-1])]
+
+    def propose(self, pending: int, k: int, sampling: Sampling, generator) -> tuple[list[int], torch.Tensor]:
+        device = self.cache.k.device
+        token, tokens, qs = torch.tensor([[*self._unfed, pending]], device=device), [], []
+        self._unfed = []
+        for i in range(k):
+            logits = self.model(token, cache=self.cache)[0, -1]
+            if i == 0:
+                self._base = int(self.cache.lengths[0])
+            q = sampling_probs(logits[None], sampling)[0]
+            choice = int(q.argmax()) if sampling.greedy else int(torch.multinomial(q, 1, generator=generator))
+            tokens.append(choice)
+            qs.append(q)
+            token = torch.tensor([[choice]], device=device)
+        self._last = tokens[-1]
+        return tokens, torch.stack(qs)
+
+    def rewind(self, prompt: Sequence[int]) -> None:
+        """Back to the state `start(prompt)` left (the cache keeps the prompt's slots: no prefill)."""
+        self.cache.truncate(len(prompt) - 1)
+        self._unfed = [int(prompt[-1])]
+
+    def accepted(self, n: int, k: int) -> None:
+        """n of the k proposals were kept. The cache holds pending, d_1..d_{k-1} (d_k was never fed):
+        keep pending and d_1..d_n; a kept d_k is fed with the next pending token."""
+        self.cache.truncate(self._base + min(n, k - 1))
+        if n == k:
+            self._unfed = [self._last]
+
+
+@dataclass
+class SpeculativeResult:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # proposals kept per target pass
+
+    @property
+    def passes(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target pass, the replaced or bonus token included."""
+        return (sum(self.accepted) + self.passes) / max(self.passes, 1)
+
+
+def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_tokens: int, k: int,
+                         sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
+                         generator: torch.Generator | None = None) -> SpeculativeResult:
+    """Continue `prompt` (batch 1) by up to max_new_tokens tokens, k proposals per target pass."""
+    if k < 1:
+        raise ValueError(f"speculate at least one token per pass, got {k}")
+    if not prompt:
+        raise ValueError("the prompt needs at least one token")
+    device = target.tok_embeddings.weight.device
+    eos = {int(e) for e in eos_ids}
+    generator = generator if generator is not None else sampling.generator(device)
+    out = SpeculativeResult([])
+    was_training = target.training
+    target.eval()
+    try:
+        with torch.inference_mode():
+            cache = KVCache.for_model(target, 1, len(prompt) + max_new_tokens + k + 1)
+            logits = prefill(target, cache, torch.tensor([list(prompt)], device=device), prefill_chunk)[0]
+            pending = _draw(sampling_probs(logits[None], sampling)[0], sampling, generator)
+            drafter.start(list(prompt))
+            while True:
+                if pending in eos or len(out.tokens) >= max_new_tokens:
+                    break
+                out.tokens.append(pending)
+                if len(out.tokens) >= max_new_tokens:
+                    break
+                emitted, pending = speculative_round(target, cache, drafter, pending, k, sampling, generator)
+                out.accepted.append(len(emitted))
+                for t in emitted:
+                    if t in eos or len(out.tokens) >= max_new_tokens:
+                        return out
+                    out.tokens.append(t)
+    finally:
+        target.train(was_training)
+    return out
+
+
+def speculative_round(target, cache: KVCache, drafter, pending: int, k: int, sampling: Sampling,
+                      generator) -> tuple[list[int], int]:
+    """One draft-then-verify round after `pending` (the last emitted token, not in `cache` yet): the
+    kept proposals, and the token after them (the target's replacement or bonus: the next pending).
+    Leaves `cache` holding pending and the kept proposals, and the drafter told."""
+    proposals, q = drafter.propose(pending, k, sampling, generator)
+    fed = torch.tensor([[pending, *proposals]], device=cache.k.device)
+    p = sampling_probs(target(fed, cache=cache)[0].float(), sampling)  # [k + 1, vocab]
+    kept, following = _accept(proposals, q, p, sampling, generator)
+    cache.truncate(int(cache.lengths[0]) - (k - kept))
+    drafter.accepted(kept, k)
+    return proposals[:kept], following
+
+
+def _draw(probs: torch.Tensor, sampling: Sampling, generator) -> int:
+    return int(probs.argmax()) if sampling.greedy else int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _accept(proposals: list[int], q: torch.Tensor, p: torch.Tensor, sampling: Sampling, generator):
+    """(how many proposals are kept, the token after them): the greedy rule, or the rejection rule."""
+    for i, d in enumerate(proposals):
+        if sampling.greedy:
+            if int(p[i].argmax()) != d:
+                return i, int(p[i].argmax())
+            continue
+        ratio = float(p[i, d]) / max(float(q[i, d]), 1e-30)
+        if float(torch.rand((), generator=generator, device=p.device)) >= min(1.0, ratio):
+            residual = (p[i] - q[i]).clamp(min=0)
+            total = float(residual.sum())
+            residual = residual / total if total > 0 else p[i]
+            return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(proposals), _draw(p[len(proposals)], sampling, generator)

@@ -1,0 +1,102 @@
+"""Speculative decoding on one device (generate/speculative.py) with a plain draft model:
+- T = 0: token-identical to plain greedy decoding, with a draft that agrees (the target itself:
+  every proposal kept, tau = K + 1) and with one that mostly does not (another random model), for
+  several K, prompt lengths and an EOS;
+- T = 1: over 2,000 continuations of a tiny model, the first two tokens' distribution is the
+  target's own (chi-square p > 0.01), and the same check rejects a sampler that keeps every
+  proposal (biased toward the draft), so it can fail."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from longctx.config import load_config
+from longctx.generate.engine import generate
+from longctx.generate.sampling import Sampling
+from longctx.generate.speculative import ModelDrafter, speculative_generate
+from longctx.models.llama import build_model
+
+
+def _model(seed, layers=2, vocab=320, dim=None):
+    overrides = [f"--model.layers={layers}", f"--model.vocab_size={vocab}"]
+    if dim:
+        overrides += [f"--model.dim={dim}", "--model.heads=2", "--model.kv_heads=1", f"--model.ffn_dim={2 * dim}"]
+    return build_model(load_config(overrides=overrides).model, seed=seed).eval()
+
+
+def _prompt(n, vocab=320, seed=0):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_greedy_is_token_identical_to_plain_decoding(k, draft):
+    target = _model(1)
+    drafter_model = target if draft == "itself" else _model(2, layers=1)
+    for n in (1, 70):
+        prompt = _prompt(n, seed=n)
+        plain = generate(target, [prompt], max_new_tokens=30)[0].tokens
+        spec = speculative_generate(target, ModelDrafter(drafter_model, n + 30 + k + 2), prompt, max_new_tokens=30, k=k)
+        assert spec.tokens == plain
+        if draft == "itself":
+            assert all(a == k for a in spec.accepted[:-1]) and spec.tau > k  # every proposal kept
+    # an EOS ends it where plain decoding ends
+    eos = plain[17]
+    plain_eos = generate(target, [prompt], max_new_tokens=30, eos_ids=[eos])[0].tokens
+    spec_eos = speculative_generate(target, ModelDrafter(drafter_model, 200), prompt, max_new_tokens=30, k=k,
+                                    eos_ids=[eos])
+    assert spec_eos.tokens == plain_eos
+
+
+def _pairs(draw_pair, runs, vocab):
+    counts = np.zeros(vocab * vocab)
+    for seed in range(runs):
+        a, b = draw_pair(seed)
+        counts[a * vocab + b] += 1
+    return counts
+
+
+@pytest.mark.slow
+def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypatch):
+    """The first two new tokens of 2,000 seeded continuations: the first from the prefill, the second
+    the first speculative one (a round with K = 2 after it; caches rewound to the prompt between
+    draws, so each draw is a fresh continuation at the cost of one round)."""
+    import longctx.generate.speculative as sp
+    from longctx.models.cache import KVCache
+
+    vocab, runs = 8, 2000
+    target, draft = _model(1, layers=1, vocab=vocab, dim=32), _model(7, layers=1, vocab=vocab, dim=32)
+    with torch.no_grad():  # distributions of some conviction, and different ones (a random model's are flat)
+        for m in (target, draft):
+            m.lm_head_weight.mul_(6.0)
+    prompt = [3, 1, 4]
+    sampling = Sampling(temperature=1.0)
+    with torch.inference_mode():  # the target's exact distribution of the first two tokens
+        p1 = target(torch.tensor([prompt]))[0, -1].float().softmax(-1)
+        seconds = torch.stack([target(torch.tensor([prompt + [a]]))[0, -1].float().softmax(-1) for a in range(vocab)])
+        exact = (p1[:, None] * seconds).flatten().double().numpy()
+        cache = KVCache.for_model(target, 1, 16)
+        first = sp.prefill(target, cache, torch.tensor([prompt]), 64)[0].float().softmax(-1)
+        drafter = ModelDrafter(draft, 16)
+        drafter.start(prompt)
+
+    def draw_pair(seed):
+        g = torch.Generator().manual_seed(seed)
+        with torch.inference_mode():
+            a = int(torch.multinomial(first, 1, generator=g))
+            cache.truncate(len(prompt))
+            drafter.rewind(prompt)
+            kept, following = sp.speculative_round(target, cache, drafter, a, 2, sampling, g)
+        return a, (kept + [following])[0]
+
+    keep = exact * runs >= 5  # chi-square on the cells expected at least 5 times, the rest pooled
+
+    def cells(x):
+        return np.append(x[keep], x[~keep].sum()) if (~keep).any() else x[keep]
+
+    expected = cells(exact) / cells(exact).sum() * runs
+    assert chisquare(cells(_pairs(draw_pair, runs, vocab)), expected).pvalue > 0.01
+    # a biased sampler: every proposal kept (the draft's distribution): the same check rejects it
+    monkeypatch.setattr(sp, "_accept", lambda proposals, q, p, s, g: (len(proposals), sp._draw(p[-1], s, g)))
+    assert chisquare(cells(_pairs(draw_pair, runs, vocab)), expected).pvalue < 0.01
