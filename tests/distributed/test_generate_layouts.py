@@ -83,8 +83,47 @@ def _reference(case):
     return _generate(case, 1, 1)
 
 
+def _speculate(head: int, ctx: int):
+    """Greedy speculative decoding (a draft with its own cache, K = 3) on the target's cache sharded
+    over head x ctx: (tokens, proposals kept per pass)."""
+    from longctx.config import load_config
+    from longctx.generate.speculative import ModelDrafter, speculative_generate
+    from longctx.parallel.generation import ShardedGeneration
+    from longctx.parallel.runtime import Runtime
+
+    cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
+    rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
+    draft = _model("dense")  # the target with a noisy LM head: it agrees often, not always
+    with torch.no_grad():
+        w = draft.lm_head_weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * w.std() * 0.6)
+    prompt = _prompt(1000, seed=4)
+    out = speculative_generate(_model("dense"), ModelDrafter(draft, 1100), prompt, max_new_tokens=NEW, k=3,
+                               backend=ShardedGeneration(rt.mesh, rt.world_mesh))
+    return out.tokens, out.accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(2, 2), (1, 2)], ids=["head2xctx2", "ctx2"])
+def test_speculative_verification_on_a_sharded_cache_is_plain_greedy(layout, layouts):
+    """The target verifies K + 1 tokens per pass on its sharded cache (new slots dealt over the ctx
+    ranks, causal among themselves by position) and rolls back the rejected ones: the output is one
+    process's plain greedy decoding, on every rank."""
+    from longctx.generate.engine import generate
+
+    plain = generate(_model("dense"), [_prompt(1000, seed=4)], max_new_tokens=NEW)[0].tokens
+    per_rank = layouts[("speculate", layout)]
+    for tokens, accepted in per_rank:
+        assert tokens == plain
+        assert accepted == per_rank[0][1]
+    accepted = per_rank[0][1]
+    assert 0 < sum(accepted) and min(accepted) < 3  # proposals kept, and some rejected (rolled back)
+
+
 FOUR = {(case, layout): (_generate, (case, *layout)) for case in CASES for layout in ((2, 2), (1, 4))}
+FOUR[("speculate", (2, 2))] = (_speculate, (2, 2))
 TWO = {(case, (2, 1)): (_generate, (case, 2, 1)) for case in CASES}
+TWO[("speculate", (1, 2))] = (_speculate, (1, 2))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.cache import KVCache
-from .engine import GREEDY, prefill
+from .engine import GREEDY, LOCAL, prefill
 from .sampling import Sampling, filter_logits
 
 
@@ -102,8 +102,10 @@ class SpeculativeResult:
 
 def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_tokens: int, k: int,
                          sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
-                         generator: torch.Generator | None = None) -> SpeculativeResult:
-    """Continue `prompt` (batch 1) by up to max_new_tokens tokens, k proposals per target pass."""
+                         generator: torch.Generator | None = None, backend=LOCAL) -> SpeculativeResult:
+    """Continue `prompt` (batch 1) by up to max_new_tokens tokens, k proposals per target pass.
+    `backend`: the target's cache and prefill (engine.py's; parallel/generation.py's ShardedGeneration
+    on every rank of a head x ctx layout, the draft then run alike on every rank)."""
     if k < 1:
         raise ValueError(f"speculate at least one token per pass, got {k}")
     if not prompt:
@@ -116,8 +118,8 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
     target.eval()
     try:
         with torch.inference_mode():
-            cache = KVCache.for_model(target, 1, len(prompt) + max_new_tokens + k + 1)
-            logits = prefill(target, cache, torch.tensor([list(prompt)], device=device), prefill_chunk)[0]
+            cache = backend.cache(target, 1, len(prompt) + max_new_tokens + k + 1)
+            logits = backend.prefill(target, cache, torch.tensor([list(prompt)], device=device), prefill_chunk)[0]
             pending = _draw(sampling_probs(logits[None], sampling)[0], sampling, generator)
             drafter.start(list(prompt))
             while True:

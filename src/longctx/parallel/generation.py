@@ -61,7 +61,7 @@ class ShardedKVCache:
         self.shares = np.zeros((batch, self.c), dtype=np.int64)  # slots of each row held by each ctx rank
         self.max_len = max_len
         self.step: CacheStep | None = None
-        self._owner = self._mine = self._local_step = None
+        self._owners = self._before = self._local_step = self._last = None
 
     @property
     def batch(self) -> int:
@@ -82,35 +82,54 @@ class ShardedKVCache:
         view.__dict__.update(self.__dict__)
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
         view.lengths, view.shares = self.lengths[start:stop], self.shares[start:stop]
-        view.step = view._owner = view._mine = view._local_step = None
+        view.step = view._owners = view._before = view._local_step = view._last = None
         return view
 
     def layer(self, index: int) -> _ShardedLayer:
         return _ShardedLayer(self, index)
 
     def begin(self, new: int, device=None) -> CacheStep:
+        """A call appending `new` tokens to every row (decode: 1; a speculative verification: K + 1).
+        Each new slot goes to the ctx rank holding the fewest of its row's slots, in order."""
         if self.step is not None:
             raise RuntimeError("a model call on this cache is already running")
-        if new != 1:
-            raise ValueError(f"a sharded cache decodes one token per row per call (got {new}); prompts go "
-                             f"through ShardedGeneration.prefill")
-        if self.lengths.max() + 1 > self.max_len:
+        if self.lengths.max() + new > self.max_len:
             raise ValueError(f"the cache holds at most {self.max_len} tokens per row")
         start = self.lengths.copy()
         device = device or self.k.device
-        self.step = CacheStep(start, 1, torch.as_tensor(start, device=device)[:, None])
-        self._owner = self.shares.argmin(axis=1)  # the ctx rank that keeps each row's new slot
-        self._mine = self._owner == self.ctx_rank
-        held = self.local + self._mine
-        # this rank's slots as a cache step of its own: the partial attention sees slots 0..held-1
+        self.step = CacheStep(start, new, torch.as_tensor(start, device=device)[:, None] +
+                              torch.arange(new, device=device))
+        shares, rows = self.shares.copy(), np.arange(self.batch)
+        self._owners = np.empty((self.batch, new), dtype=np.int64)
+        for j in range(new):
+            self._owners[:, j] = shares.argmin(axis=1)
+            shares[rows, self._owners[:, j]] += 1
+        self._before = self.local.copy()
+        held = self._before + (self._owners == self.ctx_rank).sum(axis=1)
+        # this rank's slots as a cache step of its own (one new token: slots 0..held-1 are visible)
         self._local_step = CacheStep(held - 1, 1, None)
         return self.step
 
     def end(self, ok: bool = True) -> None:
         if ok and self.step is not None:
-            self.lengths += 1
-            self.shares[np.arange(self.batch), self._owner] += 1
-        self.step = self._owner = self._mine = self._local_step = None
+            self.lengths += self.step.new
+            for j in range(self.step.new):
+                self.shares[np.arange(self.batch), self._owners[:, j]] += 1
+            self._last = (self.step.start, self._owners)
+        self.step = self._owners = self._before = self._local_step = None
+
+    def truncate(self, length: int) -> None:
+        """Forget every row's tokens past `length`, within the last call's (speculative decoding's
+        rejected proposals): their owners give the slots back, the latest each holds."""
+        if self._last is None or not (self._last[0] <= length).all() or length > int(self.lengths.min()):
+            raise ValueError(f"a sharded cache forgets only tokens of its last call (rows at "
+                             f"{self.lengths.tolist()}, asked {length})")
+        start, owners = self._last
+        for r in range(self.batch):
+            for j in range(int(length - start[r]), owners.shape[1]):
+                self.shares[r, owners[r, j]] -= 1
+        self.lengths[:] = length
+        self._last = None
 
     def reset(self) -> None:
         self.lengths[:] = 0
@@ -132,14 +151,17 @@ class _ShardedLayer:
             k, v = k.repeat_interleave(c.replication, dim=2), v.repeat_interleave(c.replication, dim=2)
         k, v = k[:, :, hr * kvl:(hr + 1) * kvl], v[:, :, hr * kvl:(hr + 1) * kvl]
         keys, values = c.k[self.index], c.v[self.index]
-        rows = np.nonzero(c._mine)[0]
-        if len(rows):
-            r = torch.as_tensor(rows, device=keys.device)
-            slots = torch.as_tensor(c.local[rows], device=keys.device)
-            keys[r, :, slots] = k[r, 0]
-            values[r, :, slots] = v[r, 0]
+        mine = c._owners == c.ctx_rank  # [b, new]: the new slots this rank keeps
+        for r, js in ((r, np.nonzero(mine[r])[0]) for r in range(mine.shape[0])):
+            if len(js):
+                slots = torch.arange(int(c._before[r]), int(c._before[r]) + len(js), device=keys.device)
+                keys[r][:, slots] = k[r, js].transpose(0, 1)
+                values[r][:, slots] = v[r, js].transpose(0, 1)
         held = c._local_step.start + 1
-        out, lse = _partial(q, keys, values, c._local_step, held)
+        if q.shape[1] == 1:
+            out, lse = _partial(q, keys, values, c._local_step, held)
+        else:  # several new tokens: causal among them by position, wherever their slots went
+            out, lse = _partial_masked(q, keys, values, c._before, mine, held)
         if c.c > 1:
             out = _merge_over(out, lse, c.ctx_mesh)
         if c.h > 1:
@@ -159,6 +181,31 @@ def _partial(q, keys, values, step: CacheStep, held: np.ndarray):
         some = torch.as_tensor(held > 0, device=q.device)
         out = torch.where(some[:, None, None, None], out, torch.zeros_like(out))
         lse = torch.where(some[:, None, None], lse, torch.full_like(lse, -math.inf))
+    return out, lse
+
+
+def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held: np.ndarray):
+    """(out, lse) of n new queries against this rank's slots: the slots held before the call (all
+    earlier positions: every query sees them) and this call's slots kept here, each seen by the
+    queries at or after its position. fp32; n is small (a verification's K + 1)."""
+    b, n, hl, _ = q.shape
+    length = int(held.max())
+    if length == 0:
+        return q.new_zeros(q.shape), torch.full((b, hl, n), -math.inf, device=q.device)
+    visible = np.zeros((b, n, length), dtype=bool)
+    for r in range(b):
+        visible[r, :, :before[r]] = True
+        for m, j in enumerate(np.nonzero(mine[r])[0]):  # new slot before[r] + m holds query position j
+            visible[r, j:, before[r] + m] = True
+    mask = torch.zeros(b, 1, n, length, device=q.device)
+    mask.masked_fill_(~torch.as_tensor(visible, device=q.device)[:, None], -math.inf)
+    group = hl // keys.shape[1]
+    k = keys[:, :, :length].float().repeat_interleave(group, dim=1)    # [b, hl, L, d]
+    v = values[:, :, :length].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("bnhd,bhld->bhnl", q.float(), k) / math.sqrt(q.shape[-1]) + mask
+    lse = torch.logsumexp(scores, dim=-1)                                # [b, hl, n]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    out = torch.einsum("bhnl,bhld->bnhd", torch.exp(scores - safe[..., None]), v)
     return out, lse
 
 
