@@ -49,19 +49,24 @@ class ModelDrafter:
         self._unfed: list[int] = []  # kept tokens the draft has not been fed yet (a last proposal kept)
         self._base = 0  # the cache's length with the pending token fed, in the current round
 
-    def start(self, prompt: Sequence[int]) -> None:
-        """The prompt but its last token (which the first `propose` feeds as the pending one)."""
+    def start(self, prompt: Sequence[int], target_cache=None) -> None:
+        """The prompt but its last token (which the first `propose` feeds as the pending one).
+        `target_cache`: the target's cache (a plain draft does not read it)."""
         self.cache = KVCache.for_model(self.model, 1, self.max_len)
         if len(prompt) > 1:
             prefill(self.model, self.cache, torch.tensor([list(prompt[:-1])], device=self.cache.k.device), self.chunk)
         self._unfed = [int(prompt[-1])]
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [vocab] after feeding `tokens` [1, n] to its cache."""
+        return self.model(tokens, cache=self.cache)[0, -1]
 
     def propose(self, pending: int, k: int, sampling: Sampling, generator) -> tuple[list[int], torch.Tensor]:
         device = self.cache.k.device
         token, tokens, qs = torch.tensor([[*self._unfed, pending]], device=device), [], []
         self._unfed = []
         for i in range(k):
-            logits = self.model(token, cache=self.cache)[0, -1]
+            logits = self._logits(token)
             if i == 0:
                 self._base = int(self.cache.lengths[0])
             q = sampling_probs(logits[None], sampling)[0]
@@ -83,6 +88,44 @@ class ModelDrafter:
         self.cache.truncate(self._base + min(n, k - 1))
         if n == k:
             self._unfed = [self._last]
+
+
+class GlideDrafter(ModelDrafter):
+    """A GliDe draft (models/glide.py): its own cache holds only its few layers' keys, and its
+    cross-attention reads the target's cache as the last verification left it (every proposal of a
+    round sees the same target slots, as in training's block-stale mask)."""
+
+    def __init__(self, draft, target, max_len: int, block: int):
+        super().__init__(draft, max_len)
+        self.target, self.block = target, block
+        self.target_cache = None
+
+    def start(self, prompt: Sequence[int], target_cache=None) -> None:
+        from ..models.glide import block_stale_visible
+
+        if not isinstance(target_cache, KVCache):
+            raise ValueError("a GliDe draft reads the target's cache on one device (models/cache.KVCache); a "
+                             "sharded target cache is not supported yet")
+        cfg, w = self.target.cfg, self.target.tok_embeddings.weight
+        self.target_cache = target_cache
+        self.cache = KVCache(len(self.model.layers), 1, self.max_len, cfg.kv_heads, cfg.resolved_head_dim,
+                             dtype=w.dtype, device=w.device)
+        if len(prompt) > 1:  # the prompt as training saw it: each position the target slots before its block
+            n = len(prompt) - 1
+            visible = block_stale_visible(n, self.block, w.device)[None]
+            self.model(self.target, torch.tensor([list(prompt[:-1])], device=w.device),
+                       torch.arange(n, device=w.device)[None], self._target_kv(), visible, cache=self.cache)
+        self._unfed = [int(prompt[-1])]
+
+    def _target_kv(self):
+        tc = self.target_cache
+        return [(tc.k[layer], tc.v[layer]) for layer in self.model.target_layers]
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        device, n = tokens.device, tokens.shape[1]
+        positions = int(self.cache.lengths[0]) + torch.arange(n, device=device)
+        visible = torch.full((1, n), int(self.target_cache.lengths[0]), device=device)
+        return self.model(self.target, tokens, positions[None], self._target_kv(), visible, cache=self.cache)[0, -1]
 
 
 @dataclass
@@ -121,7 +164,7 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
             cache = backend.cache(target, 1, len(prompt) + max_new_tokens + k + 1)
             logits = backend.prefill(target, cache, torch.tensor([list(prompt)], device=device), prefill_chunk)[0]
             pending = _draw(sampling_probs(logits[None], sampling)[0], sampling, generator)
-            drafter.start(list(prompt))
+            drafter.start(list(prompt), cache)
             while True:
                 if pending in eos or len(out.tokens) >= max_new_tokens:
                     break
