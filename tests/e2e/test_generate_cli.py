@@ -159,3 +159,49 @@ def test_bad_layouts_are_refused_before_work(hf_model, args, message):
     d, _ = hf_model
     r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and message in flat(r.stderr), r.stderr
+
+
+@pytest.fixture(scope="module")
+def draft_dirs(hf_model, tmp_path_factory):
+    """Drafts for the hf_model target: a 1-layer model of its tokenizer, and two it must refuse."""
+    tmp = tmp_path_factory.mktemp("drafts")
+    d, _ = hf_model
+    small, _ = test_hf.random_hf_dir(tmp, test_hf.hf_config("llama", eos_token_id=EOS, num_hidden_layers=1),
+                                     name="small")
+    (small / "tokenizer.json").write_text((d / "tokenizer.json").read_text())
+    vocab, _ = test_hf.random_hf_dir(tmp, test_hf.hf_config("llama", vocab_size=320), name="vocab")
+    other, _ = test_hf.random_hf_dir(tmp, test_hf.hf_config("llama", num_hidden_layers=1), name="other")
+    bpe_tokenizer(other / "tokenizer.json", vocab_size=280)
+    return {"small": small, "vocab": vocab, "other": other}
+
+
+def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs, tmp_path):
+    """--draft (a 1-layer model, then the target itself as its own draft): the same tokens and text as
+    plain greedy decoding, with tau per line (the target as draft keeps every proposal: tau = K + 1)."""
+    d, _ = hf_model
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["import os\nimport sys\n", "class A:"]) + "\n")
+    common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "24"]
+    _run(*common, "--output", str(tmp_path / "plain.jsonl"))
+    plain = _lines(tmp_path / "plain.jsonl")
+    for draft, k in ((draft_dirs["small"], 3), (d, 4)):
+        out = tmp_path / f"spec-{k}.jsonl"
+        r = _run(*common, "--draft", f"hf:{draft}", "--speculate", str(k), "--output", str(out))
+        assert "speculative decoding with" in r.stderr
+        spec = _lines(out)
+        assert [x["tokens"] for x in spec] == [x["tokens"] for x in plain] and all(x["tokens"] for x in plain)
+        assert [x["text"] for x in spec] == [x["text"] for x in plain]
+        assert all(x["target_passes"] >= 1 and 1 <= x["tau"] <= k + 1 for x in spec)
+        if draft == d:  # its own draft: every proposal kept (the last pass may stop early at the limit)
+            assert all(x["tau"] > k for x in spec if x["finish_reason"] == "length")
+
+
+@pytest.mark.parametrize("draft, extra, message", [
+    ("small", ["--speculate", "0"], "--speculate must be >= 1"),
+    ("vocab", [], "has a vocabulary of 320 tokens but the target"),
+    ("other", [], "a draft must share the target's tokenizer"),
+])
+def test_a_draft_that_cannot_draft_is_refused_before_work(hf_model, draft_dirs, draft, extra, message):
+    d, _ = hf_model
+    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", f"hf:{draft_dirs[draft]}", *extra)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and message in flat(r.stderr), r.stderr

@@ -67,6 +67,11 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default="",
                    help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
                         "tokenizer.json)")
+    p.add_argument("--draft", default="", metavar="DIR|hf:DIR",
+                   help="speculative decoding with this draft model (a smaller model of the same tokenizer and "
+                        "vocabulary, its own KV cache): the output is the target's, token for token at "
+                        "temperature 0, in distribution when sampling; one prompt at a time")
+    p.add_argument("--speculate", type=int, default=4, help="tokens the draft proposes per target pass (default 4)")
     p.set_defaults(func=main)
 
 
@@ -81,6 +86,7 @@ class Plan:
     eos_ids: list[int]
     sampling: object
     notes: list[str] = field(default_factory=list)
+    draft_cfg: object = None     # the draft model's config (--draft), checked against the target's
 
 
 def _say(message: str) -> None:
@@ -222,7 +228,35 @@ def prepare(args, overrides: list[str]) -> Plan:
                          f"{m.max_seq_len:,} (not {args.max_new_tokens}); raise --model.max_seq_len with RoPE "
                          f"scaling to go further")
         limits.append(min(args.max_new_tokens, room))
-    return Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
+    plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
+    if args.draft:
+        plan.draft_cfg = _draft_config(args, cfg, spec)
+    return plan
+
+
+def _draft_config(args, cfg, spec: str):
+    """The --draft model's config, refused before any weight is read when it cannot draft for the
+    target: another vocabulary or tokenizer, or a --speculate below 1."""
+    from ..config import load_config
+    from ..config.tokenizer import model_tokenizer, same_tokenizer
+
+    if args.speculate < 1:
+        raise ConfigError(f"--speculate must be >= 1 (tokens the draft proposes per target pass), got "
+                          f"{args.speculate}.")
+    draft = load_config(None, {"model": {"init_from": args.draft}, "train": {"seq_len": 2, "eval_interval": 0,
+                                                                              **{k: getattr(cfg.train, k) for k in
+                                                                                 ("device", "dtype")}}})
+    if draft.model.vocab_size != cfg.model.vocab_size:
+        raise ConfigError(f"--draft {args.draft} has a vocabulary of {draft.model.vocab_size} tokens but the target "
+                          f"{args.checkpoint} has {cfg.model.vocab_size}: a draft must share the target's tokenizer.")
+    theirs = model_tokenizer(draft.model.init_from)
+    if theirs is not None and not same_tokenizer(theirs, spec):
+        raise ConfigError(f"--draft {args.draft} was trained with the tokenizer {theirs}, the target with {spec}: a "
+                          f"draft must share the target's tokenizer (its token ids are what the target verifies).")
+    if draft.model.max_seq_len < cfg.model.max_seq_len:
+        draft = load_config(None, {"model": {"init_from": args.draft, "max_seq_len": cfg.model.max_seq_len},
+                                   "train": {"seq_len": 2, "eval_interval": 0}})
+    return draft
 
 
 def load_model(cfg, device, dtype):
@@ -249,6 +283,41 @@ def load_model(cfg, device, dtype):
         model.to(dtype)
     model.init_rope()  # (fp32, from the config: an extension applies to the loaded weights)
     return model.eval()
+
+
+@dataclass
+class _Speculated:
+    """One prompt's speculative generation, read like an engine Result (plus tau and passes)."""
+    prompt_tokens: int
+    tokens: list[int]
+    finish_reason: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    tau: float
+    passes: int
+
+
+def _speculate(model, draft, ids: list[int], limit: int, plan: Plan, args, stops, backend) -> _Speculated:
+    """--draft: one prompt by speculative decoding (generate/speculative.py); a stop string is
+    applied to the finished text (the tokens after it are dropped)."""
+    import time
+
+    from .speculative import ModelDrafter, speculative_generate
+
+    t0 = time.perf_counter()
+    r = speculative_generate(model, ModelDrafter(draft, len(ids) + limit + args.speculate + 2, args.prefill_chunk),
+                             ids, max_new_tokens=limit, k=args.speculate, sampling=plan.sampling,
+                             eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, backend=backend)
+    seconds = time.perf_counter() - t0
+    tokens, reason = r.tokens, "length" if len(r.tokens) >= limit else "eos"
+    if stops is not None:
+        for n in range(1, len(tokens) + 1):
+            if stops(0, tokens[:n]):
+                tokens, reason = tokens[:n], "stop"
+                break
+    # (one wall time: the prefill is a small part of it at the lengths where drafting pays)
+    return _Speculated(len(ids), tokens, reason, 0.0, len(r.tokens) / seconds if seconds > 0 else 0.0, r.tau,
+                       r.passes)
 
 
 class StopStrings:
@@ -360,9 +429,16 @@ def _run(plan: Plan, args) -> int:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
     stream = Stream(plan.tokenizer, args.stop) if main_rank and len(plan.prompts) == 1 and on_terminal() else None
     bar = None if stream else progress_bar(sum(plan.limits), "generate", "tok", main_rank)
+    draft = None
+    if plan.draft_cfg is not None:
+        draft = load_model(plan.draft_cfg, device, dtype)
+        if main_rank:
+            _say(f"generate: speculative decoding with {plan.draft_cfg.model.label} from {args.draft}, "
+                 f"{args.speculate} proposals per target pass, one prompt at a time")
+    size = 1 if draft is not None else args.batch
     try:
-        for start in range(0, len(plan.prompts), args.batch):
-            batch = plan.prompts[start:start + args.batch]
+        for start in range(0, len(plan.prompts), size):
+            batch = plan.prompts[start:start + size]
 
             def on_token(row, token):
                 if stream is not None:
@@ -370,9 +446,12 @@ def _run(plan: Plan, args) -> int:
                 elif bar is not None:
                     bar.update(1)
 
-            results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + args.batch],
-                               sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk,
-                               stop=stops, on_token=on_token, device=device, backend=backend)
+            if draft is not None:
+                results = [_speculate(model, draft, batch[0]["ids"], plan.limits[start], plan, args, stops, backend)]
+            else:
+                results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + size],
+                                   sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk,
+                                   stop=stops, on_token=on_token, device=device, backend=backend)
             for p, r in zip(batch, results):
                 text = plan.tokenizer.decode(r.tokens)
                 if stops is not None and r.finish_reason == "stop":
@@ -382,7 +461,10 @@ def _run(plan: Plan, args) -> int:
                 line = {**({"id": p["id"]} if "id" in p else {}), "prompt_tokens": r.prompt_tokens,
                         "tokens": r.tokens, "text": text, "finish_reason": r.finish_reason,
                         "prefill_tokens_per_s": round(r.prefill_tokens_per_s, 2),
-                        "decode_tokens_per_s": round(r.decode_tokens_per_s, 2)}
+                        "decode_tokens_per_s": round(r.decode_tokens_per_s, 2),
+                        **({"tau": round(r.tau, 3), "target_passes": r.passes} if draft is not None else {})}
+                if stream is None and bar is not None and draft is not None:
+                    bar.update(len(r.tokens))
                 out.write(json.dumps(line, ensure_ascii=False) + "\n")
             out.flush()
             del results
