@@ -100,3 +100,36 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
     # a biased sampler: every proposal kept (the draft's distribution): the same check rejects it
     monkeypatch.setattr(sp, "_accept", lambda proposals, q, p, s, g: (len(proposals), sp._draw(p[-1], s, g)))
     assert chisquare(cells(_pairs(draw_pair, runs, vocab)), expected).pvalue < 0.01
+
+
+@pytest.mark.parametrize("draft", ["itself", "noisy"])
+def test_cape_tree_is_token_identical_and_keeps_more(draft):
+    """CaPE: the chain plus alternatives where the draft hesitates, verified as one tree: the output is
+    plain greedy decoding; it keeps more tokens per pass than the chain alone with a draft that often
+    hesitates (the target with a noisy LM head), as many with one that never does (the target); a
+    table that does not cover [0, 1] is refused."""
+    from longctx.errors import ConfigError
+    from longctx.generate.cape import CapeTable
+
+    target = _model(1)
+    drafter_model = _model(1)
+    if draft == "noisy":
+        with torch.no_grad():
+            w = drafter_model.lm_head_weight
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * w.std() * 0.8)
+    table = CapeTable.parse("0.5:4,0.8:2,1:1")
+    taus = {}
+    for name, cape in (("chain", None), ("cape", table)):
+        kept = passes = 0
+        for n in (1, 33):
+            prompt = _prompt(n, seed=n + 5)
+            plain = generate(target, [prompt], max_new_tokens=30)[0].tokens
+            spec = speculative_generate(target, ModelDrafter(drafter_model, n + 40), prompt, max_new_tokens=30,
+                                        k=3, cape=cape)
+            assert spec.tokens == plain, name
+            kept, passes = kept + sum(spec.accepted) + spec.passes, passes + spec.passes
+        taus[name] = kept / passes
+    assert taus["cape"] > taus["chain"] if draft == "noisy" else taus["cape"] == taus["chain"]
+    for bad in ("0.5:1,0.9:0", "0.5:1,0.4:2,1:0", "x", "0:1,1:0"):
+        with pytest.raises(ConfigError, match="cape-table"):
+            CapeTable.parse(bad)

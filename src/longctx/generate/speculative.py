@@ -70,7 +70,9 @@ class ModelDrafter:
             if i == 0:
                 self._base = int(self.cache.lengths[0])
             q = sampling_probs(logits[None], sampling)[0]
-            choice = int(q.argmax()) if sampling.greedy else int(torch.multinomial(q, 1, generator=generator))
+            # (no generator: the most likely token, with q the full distribution: CaPE's confidences)
+            greedy = sampling.greedy or generator is None
+            choice = int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))
             tokens.append(choice)
             qs.append(q)
             token = torch.tensor([[choice]], device=device)
@@ -82,12 +84,15 @@ class ModelDrafter:
         self.cache.truncate(len(prompt) - 1)
         self._unfed = [int(prompt[-1])]
 
-    def accepted(self, n: int, k: int) -> None:
-        """n of the k proposals were kept. The cache holds pending, d_1..d_{k-1} (d_k was never fed):
-        keep pending and d_1..d_n; a kept d_k is fed with the next pending token."""
+    def accepted(self, n: int, k: int, extra: int | None = None) -> None:
+        """n of the k proposals were kept (and, with CaPE, `extra`: an alternative kept after them).
+        The cache holds pending, d_1..d_{k-1} (d_k was never fed): keep pending and d_1..d_n; a kept
+        d_k, or the alternative, is fed with the next pending token."""
         self.cache.truncate(self._base + min(n, k - 1))
         if n == k:
             self._unfed = [self._last]
+        elif extra is not None:
+            self._unfed = [extra]
 
 
 class GlideDrafter(ModelDrafter):
@@ -145,14 +150,17 @@ class SpeculativeResult:
 
 def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_tokens: int, k: int,
                          sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
-                         generator: torch.Generator | None = None, backend=LOCAL) -> SpeculativeResult:
+                         generator: torch.Generator | None = None, backend=LOCAL, cape=None) -> SpeculativeResult:
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, k proposals per target pass.
     `backend`: the target's cache and prefill (engine.py's; parallel/generation.py's ShardedGeneration
-    on every rank of a head x ctx layout, the draft then run alike on every rank)."""
+    on every rank of a head x ctx layout, the draft then run alike on every rank). `cape`: a
+    generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy, one device)."""
     if k < 1:
         raise ValueError(f"speculate at least one token per pass, got {k}")
     if not prompt:
         raise ValueError("the prompt needs at least one token")
+    if cape is not None and (not sampling.greedy or backend is not LOCAL):
+        raise ValueError("CaPE's tree is verified greedily on one device (temperature 0, no --nproc)")
     device = target.tok_embeddings.weight.device
     eos = {int(e) for e in eos_ids}
     generator = generator if generator is not None else sampling.generator(device)
@@ -161,7 +169,9 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
     target.eval()
     try:
         with torch.inference_mode():
-            cache = backend.cache(target, 1, len(prompt) + max_new_tokens + k + 1)
+            # room for one round's call past the tokens kept: K + 1 nodes, or CaPE's tree
+            call = k + 1 if cape is None else 1 + k * (1 + max(n for _, n in cape.bins))
+            cache = backend.cache(target, 1, len(prompt) + max_new_tokens + call)
             logits = backend.prefill(target, cache, torch.tensor([list(prompt)], device=device), prefill_chunk)[0]
             pending = _draw(sampling_probs(logits[None], sampling)[0], sampling, generator)
             drafter.start(list(prompt), cache)
@@ -171,7 +181,12 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
                 out.tokens.append(pending)
                 if len(out.tokens) >= max_new_tokens:
                     break
-                emitted, pending = speculative_round(target, cache, drafter, pending, k, sampling, generator)
+                if cape is not None:
+                    from .cape import tree_round
+
+                    emitted, pending = tree_round(target, cache, drafter, pending, k, cape)
+                else:
+                    emitted, pending = speculative_round(target, cache, drafter, pending, k, sampling, generator)
                 out.accepted.append(len(emitted))
                 for t in emitted:
                     if t in eos or len(out.tokens) >= max_new_tokens:

@@ -237,6 +237,22 @@ def _chunk(q, k, v, start: int, scale):
     return out.to(q.dtype), lse
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale=None):
+    """(out [b, n, h, d] fp32, lse [b, h, n] fp32) of q [b, n, h, d] over the keys k/v [b, kv_heads, L, d]
+    that `visible` ([b, n, L] or [n, L], bool) lets each query see; a query that sees none gets out 0,
+    lse -inf. A plain fp32 softmax: for a few new tokens (a speculative tree or chain to verify)."""
+    b, n, h, d = q.shape
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    group = h // k.shape[1]
+    kk, vv = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)  # [b, h, L, d]
+    scores = torch.einsum("bnhd,bhld->bhnl", q.float(), kk) * scale
+    visible = visible if visible.dim() == 3 else visible[None].expand(b, -1, -1)
+    scores = scores.masked_fill(~visible[:, None], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.einsum("bhnl,bhld->bnhd", torch.exp(scores - safe[..., None]), vv), lse
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: CacheStep, *, scale=None):
     """(out [b, n, h, d], lse [b, h, n] fp32) of the new queries q [b, n, h, d] against the cache
     k/v [b, kv_heads, max_len, d], which already holds their own keys: the query at slot p of a row

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.cache import CacheStep, cached_attention
+from ..models.cache import CacheStep, cached_attention, masked_attention
 from . import comm
 from .attention import distributed_attention
 from .sequence import shard_indices
@@ -197,16 +197,7 @@ def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held:
         visible[r, :, :before[r]] = True
         for m, j in enumerate(np.nonzero(mine[r])[0]):  # new slot before[r] + m holds query position j
             visible[r, j:, before[r] + m] = True
-    mask = torch.zeros(b, 1, n, length, device=q.device)
-    mask.masked_fill_(~torch.as_tensor(visible, device=q.device)[:, None], -math.inf)
-    group = hl // keys.shape[1]
-    k = keys[:, :, :length].float().repeat_interleave(group, dim=1)    # [b, hl, L, d]
-    v = values[:, :, :length].float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("bnhd,bhld->bhnl", q.float(), k) / math.sqrt(q.shape[-1]) + mask
-    lse = torch.logsumexp(scores, dim=-1)                                # [b, hl, n]
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    out = torch.einsum("bhnl,bhld->bnhd", torch.exp(scores - safe[..., None]), v)
-    return out, lse
+    return masked_attention(q, keys[:, :, :length], values[:, :, :length], torch.as_tensor(visible, device=q.device))
 
 
 def _merge_over(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:

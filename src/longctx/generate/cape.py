@@ -1,0 +1,148 @@
+"""CaPE (confidence-aware proposal expansion), verified as a tree: greedy speculative decoding.
+
+Per draft step i the draft's top choice d_i continues the chain; its probability (the draft's
+confidence) picks, from a table of confidence bins, how many alternatives (the next most likely
+tokens at that step) are added beside it. Where the draft is sure it adds none; where it hesitates
+it hedges. The candidates form a tree: the pending token at the root, the chain d_1..d_K down its
+spine, each step's alternatives as leaves beside d_i. The target verifies every node in one cached
+call: a node attends to the cache and to its ancestors and itself (the tree mask), at the position
+of its depth. Acceptance walks from the root: while a child of the current node is the target's
+greedy choice after it, that child is kept; the target's choice after the last kept node is the
+next pending token. So the output is plain greedy decoding, token for token.
+
+The kept nodes' keys and values are moved to consecutive slots (an alternative sits after the
+chain's nodes in the call), and the rest is truncated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError
+from ..models.cache import KVCache, _full, masked_attention
+from ..ops.attention import merge_partials
+from .sampling import Sampling
+
+GREEDY = Sampling()
+DEFAULT_TABLE = "0.3:3,0.6:2,0.9:1,1:0"
+
+
+@dataclass(frozen=True)
+class CapeTable:
+    """Confidence bins: (upper bound, alternatives), ascending; a confidence c falls in the first bin
+    whose bound is >= c. The bins cover [0, 1]: the last bound is 1."""
+
+    bins: tuple[tuple[float, int], ...]
+
+    @classmethod
+    def parse(cls, spec: str) -> CapeTable:
+        """'0.3:3,0.6:2,0.9:1,1:0': below 0.3 three alternatives, up to 0.6 two, ..."""
+        try:
+            bins = tuple((float(b), int(n)) for b, n in (part.split(":") for part in spec.split(",")))
+        except ValueError:
+            raise ConfigError(f"--cape-table {spec!r}: write BOUND:ALTERNATIVES,... with ascending bounds ending "
+                              f"at 1, e.g. {DEFAULT_TABLE}.") from None
+        bounds = [b for b, _ in bins]
+        if not bins or bounds != sorted(bounds) or len(set(bounds)) != len(bounds) or not 0 < bounds[0] \
+                or bounds[-1] != 1.0 or any(n < 0 for _, n in bins):
+            raise ConfigError(f"--cape-table {spec!r} does not cover the confidences [0, 1]: the bounds must ascend "
+                              f"from above 0 to exactly 1, each with >= 0 alternatives (e.g. {DEFAULT_TABLE}).")
+        return cls(bins)
+
+    def alternatives(self, confidence: float) -> int:
+        return next(n for bound, n in self.bins if confidence <= bound)
+
+
+@dataclass
+class Tree:
+    tokens: list[int]    # node tokens; node 0 is the pending token (the root)
+    parents: list[int]   # parent node of each node (-1 for the root)
+    depths: list[int]
+    chain: list[int]     # the node of the chain at each depth 1..K
+
+    def visible(self) -> torch.Tensor:
+        """[n, n] bool: node j sees its ancestors and itself."""
+        n = len(self.tokens)
+        seen = torch.zeros(n, n, dtype=torch.bool)
+        for j in range(n):
+            a = j
+            while a >= 0:
+                seen[j, a] = True
+                a = self.parents[a]
+        return seen
+
+
+def propose_tree(drafter, pending: int, k: int, table: CapeTable) -> Tree:
+    """The draft's greedy chain of k tokens, with each step's alternatives by the table."""
+    chain, q = drafter.propose(pending, k, GREEDY_PROBS, None)
+    tree = Tree([pending], [-1], [0], [])
+    parent = 0
+    for i, d in enumerate(chain):
+        node = len(tree.tokens)
+        tree.tokens.append(d)
+        tree.parents.append(parent)
+        tree.depths.append(i + 1)
+        tree.chain.append(node)
+        extra = table.alternatives(float(q[i].max()))
+        if extra:
+            for alt in torch.topk(q[i], extra + 1).indices.tolist():
+                if alt != d:
+                    tree.tokens.append(int(alt))
+                    tree.parents.append(parent)
+                    tree.depths.append(i + 1)
+        parent = node
+    return tree
+
+
+# the draft's own distribution (softmax), so confidences are probabilities; choices stay greedy
+GREEDY_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the most likely token)
+
+
+def _tree_core(visible: torch.Tensor):
+    """A cache core for one call on a tree: the cached prefix in full, the new nodes by `visible`."""
+    def core(q, k, v, layer, step):
+        layer.append(k, v, step)
+        s, n = int(step.start[0]), q.shape[1]
+        out, lse = masked_attention(q, layer.k[:, :, s:s + n], layer.v[:, :, s:s + n], visible.to(q.device))
+        if s:
+            pre_out, pre_lse = _full(q, layer.k[:, :, :s], layer.v[:, :, :s], 1.0 / q.shape[-1] ** 0.5)
+            out, _ = merge_partials(pre_out, pre_lse, out, lse)
+        return out.to(q.dtype)
+    return core
+
+
+def tree_round(target, cache: KVCache, drafter, pending: int, k: int, table: CapeTable) -> tuple[list[int], int]:
+    """One CaPE round (greedy, one device): the kept tokens and the next pending one."""
+    tree = propose_tree(drafter, pending, k, table)
+    start = int(cache.lengths[0])
+    device = cache.k.device
+    tokens = torch.tensor([tree.tokens], device=device)
+    positions = start + torch.tensor([tree.depths], device=device)
+    core, cache.core = cache.core, _tree_core(tree.visible())
+    try:
+        choice = target(tokens, positions, cache=cache)[0].argmax(-1).tolist()  # the target's after each node
+    finally:
+        cache.core = core
+    children: dict[int, list[int]] = {}
+    for j, parent in enumerate(tree.parents[1:], 1):
+        children.setdefault(parent, []).append(j)
+    kept, node = [], 0
+    while True:
+        nxt = next((c for c in children.get(node, []) if tree.tokens[c] == choice[node]), None)
+        if nxt is None:
+            break
+        kept.append(nxt)
+        node = nxt
+    for depth, j in enumerate(kept, 1):  # kept nodes to consecutive slots after the root's
+        if j != depth:
+            cache.k[:, :, :, start + depth] = cache.k[:, :, :, start + j]
+            cache.v[:, :, :, start + depth] = cache.v[:, :, :, start + j]
+    cache.truncate(start + 1 + len(kept))
+    on_chain = 0
+    while on_chain < len(kept) and kept[on_chain] == tree.chain[on_chain]:
+        on_chain += 1
+    extra = tree.tokens[kept[-1]] if len(kept) > on_chain else None  # a kept alternative ends the path
+    drafter.accepted(on_chain, k, extra)
+    return [tree.tokens[j] for j in kept], choice[node]
