@@ -1,5 +1,5 @@
 """`longctx eval` as a user runs it: on a checkpoint of a tiny run, one process and head 2 x ctx 2 alike,
-and its bad input explained before any rank starts."""
+and its bad input explained before any rank starts (--mode generate: tests/e2e/test_eval_generate.py)."""
 
 import json
 import sysconfig
@@ -78,6 +78,12 @@ def test_needle_and_default_corpus(checkpoint, tmp_path):
     (["--task", "passkey", "--lengths", "64"], "no room for filler"),
     (["--task", "ppl", "--lengths", "256", "--data.path=x"], "does not apply"),
     (["--task", "ppl", "--lengths", "256", "--data", "/no/such/file"], "is neither a store directory nor a text file"),
+    (["--task", "ppl", "--lengths", "256", "--mode", "generate"], "--task ppl asks none"),
+    (["--task", "passkey", "--lengths", "256", "--mode", "generate", "--nproc", "4", "--parallel.ctx", "2"],
+     "needs --parallel.head x --parallel.ctx = 4 (the layout is data-parallel 2 x head 1 x ctx 2)"),
+    (["--task", "needle", "--lengths", "256", "--mode", "generate", "--nproc", "2", "--parallel.dp_shard", "2"],
+     "generation shards the KV cache over head x ctx ranks and every rank holds the full weights"),
+    (["--task", "passkey", "--lengths", "256", "--mode", "sample"], "invalid choice: 'sample'"),
 ])
 def test_bad_input_is_explained_before_work(checkpoint, args, needle):
     r = longctx("eval", "--checkpoint", str(checkpoint), *args)

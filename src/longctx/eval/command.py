@@ -2,6 +2,13 @@
 
     longctx eval --checkpoint runs/X/checkpoints --task passkey --lengths 1K,4K --depths 0,0.5,1
     longctx eval --checkpoint hf:DIR --task ppl --lengths 16K,32K --nproc 4 --parallel.ctx 4
+    longctx eval --checkpoint runs/X/checkpoints --task passkey --lengths 4K --mode generate --nproc 4
+
+--mode score (the default) scores the answer in one teacher-forced forward pass (right when every
+answer token is the argmax); --mode generate (passkey/needle) lets the model answer: free greedy
+generation from the question with the KV cache (generate/engine.py), right when the first run of
+digits it writes is the key. Generation runs on one process or sharded over head x ctx ranks
+(parallel/generation.py, every rank the full weights), so its layout has no data parallelism.
 
 Everything that can be wrong with the input (task, lengths the layout cannot split, depths, a
 missing tokenizer, a too-short text) is found before any rank starts: the launching process
@@ -15,6 +22,7 @@ command, and what eval runs loads torch, which `longctx data build` must not.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +41,9 @@ if TYPE_CHECKING:
 TASKS = ("ppl", *SYNTHETIC_TASKS)
 
 DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
+MODES = ("score", "generate")
+EXTRA_NEW_TOKENS = 8    # generate mode: new tokens past the answer's length (room for a wrong or longer answer)
+TEXT_CHARS = 80         # generate mode: each sample's generated text in the JSON, at most this many characters
 
 
 def add_parser(sub) -> None:
@@ -57,8 +68,14 @@ def add_parser(sub) -> None:
                    help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
                         "tokenizer.json)")
     p.add_argument("--buckets", type=int, default=16, help="ppl: position buckets per length (default 16)")
-    p.add_argument("--batch", type=int, default=0, help="sequences per forward over the whole job (default: one "
-                                                       "per data-parallel rank)")
+    p.add_argument("--mode", default="score", choices=MODES,
+                   help="passkey/needle: score (default): one teacher-forced forward pass, right when every answer "
+                        "token is the argmax; generate: free greedy generation from the question, right when the "
+                        "first run of digits generated is the answer (one process, or --nproc = --parallel.head x "
+                        "--parallel.ctx: the cache sharded, no data parallelism)")
+    p.add_argument("--batch", type=int, default=0, help="sequences per forward (score) or prompts generated together "
+                                                       "(generate) over the whole job (default: one per "
+                                                       "data-parallel rank)")
     p.add_argument("--seed", type=int, default=0, help="seed for keys and filler offsets")
     p.add_argument("--output", default="", help="write the JSON here (and the plot next to it) instead of stdout")
     p.add_argument("--plot", default="", help="the PNG to write (default: --output with .png)")
@@ -77,6 +94,7 @@ class Plan:
     source: str
     tokenizer: str
     batch: int
+    mode: str = "score"
 
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):
@@ -130,6 +148,10 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     from ..parallel.layouts import check_divisible
     from .tasks import load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
 
+    mode = getattr(args, "mode", "score")
+    if mode == "generate" and args.task == "ppl":
+        raise ConfigError("--mode generate lets the model answer a retrieval question (--task passkey or needle); "
+                          "--task ppl asks none (it is the loss of every token): drop --mode generate.")
     lengths = parse_lengths(args.lengths)
     depths = parse_depths(args.depths) if args.task != "ppl" else []
     for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
@@ -143,6 +165,8 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
         except ConfigError as e:
             raise ConfigError(f"--lengths: {e} (the layout is head {dims.head} x ctx {dims.ctx})") from None
     check_layout(cfg, nproc)
+    if mode == "generate":
+        _check_generation_layout(cfg, dims, nproc)
     spec = _tokenizer_spec(args, cfg)
     text_needed = args.task != "ppl" or (args.data and Path(args.data).is_file()) or not args.data
     if spec is None and text_needed:
@@ -179,7 +203,28 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
                                                     args.seed)
         except DataError as e:
             raise ConfigError(f"--lengths {length}: {e}") from None
-    return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch)
+    return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch,
+                mode)
+
+
+def _check_generation_layout(cfg, dims, nproc: int) -> None:
+    """--mode generate runs on one process, or on head x ctx ranks that shard the KV cache, each with
+    the full weights (parallel/generation.py): no data parallelism, no expert parallelism."""
+    dp = dims.dp_replicate * dims.dp_shard
+    if dp > 1 or dims.head * dims.ctx != nproc:
+        raise ConfigError(f"--mode generate under --nproc {nproc} needs --parallel.head x --parallel.ctx = {nproc} "
+                          f"(the layout is data-parallel {dp} x head {dims.head} x ctx {dims.ctx}): generation "
+                          f"shards the KV cache over head x ctx ranks and every rank holds the full weights, so "
+                          f"there is no data parallelism to split prompts over. Use --nproc "
+                          f"{dims.head * dims.ctx}, or --parallel.head/--parallel.ctx whose product is {nproc}.")
+    if dims.expert > 1 or dims.window:
+        which = "--parallel.expert" if dims.expert > 1 else "--parallel.window"
+        raise ConfigError(f"--mode generate: {which} does not apply (every rank holds the full weights and the cache "
+                          f"is sharded over head x ctx only); drop it.")
+    if dims.head > 1:
+        from ..parallel.ulysses import check_heads
+
+        check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
 
 
 def _say(message: str) -> None:
@@ -217,6 +262,8 @@ def main(args, overrides) -> int:
 
 def evaluate(plan: Plan, args) -> dict | None:
     """Score every length's sequences on this rank's part of the layout; the result on rank 0."""
+    if plan.mode == "generate":
+        return evaluate_generate(plan, args)
     import torch
 
     from ..parallel.launch import finish_distributed
@@ -235,8 +282,9 @@ def evaluate(plan: Plan, args) -> dict | None:
     model = build_training_model(cfg, device, rt, log)
     model.eval()
     layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
-    out = {"task": plan.task, "checkpoint": args.checkpoint, "model": cfg.model.label, "layout": layout,
-           "data": plan.source, "tokenizer": plan.tokenizer, "dtype": str(dtype).removeprefix("torch."),
+    out = {"task": plan.task, "mode": plan.mode, "checkpoint": args.checkpoint, "model": cfg.model.label,
+           "layout": layout, "data": plan.source, "tokenizer": plan.tokenizer,
+           "dtype": str(dtype).removeprefix("torch."),
            "rope": {"theta": cfg.model.rope_theta, "scaling": cfg.model.rope_scaling}, "results": []}
     total = sum(len(s) for s in plan.sequences.values())
     bar = progress_bar(total, f"eval {plan.task}", "seq", rt.is_main)
@@ -278,6 +326,91 @@ def _summarise(plan: Plan, length: int, seqs: list[Sequence], s: dict, buckets: 
                         "accuracy": sum(correct) / len(idx),
                         "answer_nll": sum(s["nll"][i] for i in idx) / max(1.0, sum(s["scored"][i] for i in idx)),
                         "per_sample": correct, "seconds": round(seconds / len(plan.depths), 2)})
+    return results
+
+
+def answer_start(seq: Sequence) -> int:
+    """Where the answer's tokens begin: one past the first scored position (labels[i] is tokens[i + 1])."""
+    import numpy as np
+
+    from ..data.samples import IGNORE
+
+    return int(np.flatnonzero(seq.labels != IGNORE)[0]) + 1
+
+
+def parse_answer(text: str) -> str:
+    """The answer a generation gives: its first run of digits ('' when it has none)."""
+    found = re.search(r"[0-9]+", text)
+    return found.group() if found else ""
+
+
+def evaluate_generate(plan: Plan, args) -> dict | None:
+    """--mode generate: each prompt (the sequence up to its answer) continued greedily by the answer's
+    length + EXTRA_NEW_TOKENS tokens, on one device or sharded over head x ctx (every rank the same
+    tokens); right when the first run of digits generated is the answer. The result on rank 0."""
+    from ..data.tokenizer import load_tokenizer
+    from ..generate.cli import _backend, eos_ids, load_model
+    from ..generate.engine import generate
+    from ..parallel.launch import finish_distributed
+    from ..progress import progress_bar
+    from ..train.step import resolve_dtype
+
+    cfg = plan.cfg
+    try:
+        backend, device, main_rank = _backend(cfg)
+        log = _say if main_rank else (lambda *_: None)
+        dtype = resolve_dtype(cfg.train.dtype, device)
+        model = load_model(cfg, device, dtype)
+        tokenizer = load_tokenizer(plan.tokenizer)
+        eos = eos_ids(cfg.model.init_from, tokenizer)
+        p = cfg.parallel
+        layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
+        out = {"task": plan.task, "mode": plan.mode, "checkpoint": args.checkpoint, "model": cfg.model.label,
+               "layout": layout, "data": plan.source, "tokenizer": plan.tokenizer,
+               "dtype": str(dtype).removeprefix("torch."),
+               "rope": {"theta": cfg.model.rope_theta, "scaling": cfg.model.rope_scaling}, "results": []}
+        total = sum(len(s) for s in plan.sequences.values())
+        bar = progress_bar(total, f"eval {plan.task} (generate)", "seq", main_rank)
+        start_all = time.perf_counter()
+        try:
+            for length in plan.lengths:
+                seqs = plan.sequences[length]
+                t0 = time.perf_counter()
+                texts = []
+                for start in range(0, len(seqs), plan.batch):
+                    group = seqs[start:start + plan.batch]
+                    cuts = [answer_start(q) for q in group]
+                    results = generate(model, [q.tokens[:c].tolist() for q, c in zip(group, cuts)],
+                                       max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)],
+                                       eos_ids=eos, device=device, backend=backend)
+                    texts += [tokenizer.decode(r.tokens) for r in results]
+                    if bar is not None:
+                        bar.update(len(group))
+                out["results"].extend(_summarise_generated(plan, length, seqs, texts, time.perf_counter() - t0))
+                if bar is None:
+                    log(f"eval: {plan.task} (generate) at {length} tokens: {_headline(out['results'], length)}")
+        finally:
+            if bar is not None:
+                bar.close()
+        out["seconds"] = round(time.perf_counter() - start_all, 2)
+        done = out["results"]
+        out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
+    finally:
+        finish_distributed()
+    return out if main_rank else None
+
+
+def _summarise_generated(plan: Plan, length: int, seqs: list[Sequence], texts: list[str],
+                         seconds: float) -> list[dict]:
+    results = []
+    for depth in plan.depths:
+        idx = [i for i, q in enumerate(seqs) if q.depth == depth]
+        correct = [parse_answer(texts[i]) == seqs[i].answer for i in idx]
+        results.append({"length": length, "depth": depth, "samples": len(idx), "correct": sum(correct),
+                        "accuracy": sum(correct) / len(idx), "per_sample": correct,
+                        "answers": [seqs[i].answer for i in idx],
+                        "generated": [texts[i][:TEXT_CHARS] for i in idx],
+                        "seconds": round(seconds / len(plan.depths), 2)})
     return results
 
 

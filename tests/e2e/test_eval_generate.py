@@ -1,0 +1,101 @@
+"""`longctx eval --mode generate`: the model answers by free greedy generation, one process and head 2 x ctx 2.
+
+The checkpoint must answer for the verdicts to mean anything, and teaching a small model retrieval
+takes minutes (docs/benchmarks.md, "Context extension recipe"). So the model here memorises the very
+prompts it is then asked: trained on the eval's own sequences (same text file, seed, length and
+depths), it gets some keys right and some wrong (4 of 6 when written), and each verdict of
+generate mode must be the one score mode gives: a greedy answer is its argmax tokens, one at a time.
+"""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+from test_newcomer import longctx
+
+from longctx.data.tokenizer import load_tokenizer
+from longctx.eval.command import EXTRA_NEW_TOKENS, answer_start, parse_answer
+from longctx.eval.tasks import load_source, retrieval_sequences
+
+EVAL = ["--task", "passkey", "--lengths", "256", "--depths", "0,0.5,1", "--samples", "2", "--seed", "0"]
+# (bad input with --mode generate, refused before work: tests/e2e/test_eval_cli.py)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((root / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py"))
+    path = tmp_path_factory.mktemp("text") / "long.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def memorised(tmp_path_factory, text_file):
+    """A debug model (2 layers) trained 150 steps on the 6 passkey sequences EVAL asks, one document each."""
+    tok = load_tokenizer("byte")
+    seqs = retrieval_sequences("passkey", load_source(str(text_file), "eval", tok, None), tok, 256,
+                               [0.0, 0.5, 1.0], 2, 0)
+    corpus = tmp_path_factory.mktemp("corpus")
+    for i, q in enumerate(seqs):
+        (corpus / f"s{i}.txt").write_text(tok.decode(q.tokens.tolist()))
+    run = tmp_path_factory.mktemp("memorised")
+    r = longctx("train", "--nproc", "1", "--train.seq_len=512", f"--data.corpus={corpus}", "--data.dedup=none",
+                "--data.eval_fraction=0", "--data.tokenizer=byte", "--train.eval_interval=0", "--model.layers=2",
+                "--train.steps=150", "--train.global_batch=2", "--checkpoint.interval=150",
+                "--metrics.log_interval=50", "--metrics.plots=false", "--metrics.progress=false",
+                f"--train.run_dir={run}", timeout=1800)  # (~1-2 min alone on 2 cores; far more beside other jobs)
+    assert r.returncode == 0, r.stderr
+    return run / "checkpoints"
+
+
+def _eval(checkpoint, out, *args, nproc=1):
+    r = longctx("eval", "--checkpoint", str(checkpoint), "--output", str(out), "--nproc", str(nproc), *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(Path(out).read_text())
+
+
+def test_parse_answer_and_the_prompt_cut(text_file):
+    assert parse_answer(" 71432. Remember") == "71432"
+    assert parse_answer("  is 0815 and 99") == "0815"
+    assert parse_answer(" 714321") == "714321"  # a longer number is not the key
+    assert parse_answer(" the key") == ""
+    tok = load_tokenizer("byte")
+    q = retrieval_sequences("passkey", load_source(str(text_file), "eval", tok, None), tok, 256, [0.5], 1, 3)[0]
+    cut = answer_start(q)
+    assert tok.decode(q.tokens[cut:].tolist()) == f" {q.answer}"  # the prompt ends with the question
+    assert tok.decode(q.tokens[:cut].tolist()).endswith("The pass key is")
+    assert EXTRA_NEW_TOKENS > 0
+
+
+@pytest.mark.slow
+def test_generate_gives_score_modes_verdicts(memorised, text_file, tmp_path):
+    """Sample by sample: right by generation exactly where every answer token is the argmax, and the
+    text of a right answer is the key itself (then what the memorised document says next)."""
+    score = _eval(memorised, tmp_path / "score.json", *EVAL, "--data", str(text_file))
+    gen = _eval(memorised, tmp_path / "gen.json", *EVAL, "--data", str(text_file), "--mode", "generate")
+    assert score["mode"] == "score" and gen["mode"] == "generate"
+    assert (tmp_path / "gen.png").is_file()
+    verdicts = [v for r in gen["results"] for v in r["per_sample"]]
+    assert [v for r in score["results"] for v in r["per_sample"]] == verdicts
+    assert 0 < sum(verdicts), "the memorised model answers none: the comparison says nothing"
+    for r in gen["results"]:
+        assert r["correct"] == sum(r["per_sample"]) and r["samples"] == 2
+        for ok, answer, text in zip(r["per_sample"], r["answers"], r["generated"]):
+            assert ok == (parse_answer(text) == answer)
+            if ok:
+                assert text.startswith(f" {answer}"), (answer, text)
+    assert gen["accuracy"] == score["accuracy"]
+
+
+@pytest.mark.slow
+def test_generate_is_the_same_under_head_2_x_ctx_2(memorised, text_file, tmp_path):
+    """The cache sharded over head 2 x ctx 2 (every rank the full weights): the same texts and verdicts."""
+    one = _eval(memorised, tmp_path / "g1.json", *EVAL, "--data", str(text_file), "--mode", "generate")
+    four = _eval(memorised, tmp_path / "g4.json", *EVAL, "--data", str(text_file), "--mode", "generate",
+                 nproc=4)
+    assert four["layout"] == {"world": 4, "dp_replicate": 1, "dp_shard": 1, "head": 2, "ctx": 2}
+    assert [r["generated"] for r in one["results"]] == [r["generated"] for r in four["results"]]
+    assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in four["results"]]
+    assert any(v for r in one["results"] for v in r["per_sample"])
