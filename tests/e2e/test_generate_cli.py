@@ -184,9 +184,9 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
     common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "24"]
     _run(*common, "--output", str(tmp_path / "plain.jsonl"))
     plain = _lines(tmp_path / "plain.jsonl")
-    for draft, k in ((draft_dirs["small"], 3), (d, 4)):
-        out = tmp_path / f"spec-{k}.jsonl"
-        r = _run(*common, "--draft", f"hf:{draft}", "--speculate", str(k), "--output", str(out))
+    for draft, k, cape in ((draft_dirs["small"], 3, []), (d, 4, []), (draft_dirs["small"], 3, ["--cape"])):
+        out = tmp_path / f"spec-{k}-{len(cape)}.jsonl"
+        r = _run(*common, "--draft", f"hf:{draft}", "--speculate", str(k), *cape, "--output", str(out))
         assert "speculative decoding with" in r.stderr
         spec = _lines(out)
         assert [x["tokens"] for x in spec] == [x["tokens"] for x in plain] and all(x["tokens"] for x in plain)
@@ -200,6 +200,8 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
     ("small", ["--speculate", "0"], "--speculate must be >= 1"),
     ("vocab", [], "has a vocabulary of 320 tokens but the target"),
     ("other", [], "a draft must share the target's tokenizer"),
+    ("small", ["--cape", "--cape-table", "0.5:2,0.9:1"], "does not cover the confidences [0, 1]"),
+    ("small", ["--cape", "--temperature", "0.7"], "--cape verifies its tree greedily on one process"),
 ])
 def test_a_draft_that_cannot_draft_is_refused_before_work(hf_model, draft_dirs, draft, extra, message):
     d, _ = hf_model

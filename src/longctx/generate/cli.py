@@ -72,6 +72,12 @@ def add_parser(sub) -> None:
                         "vocabulary, its own KV cache): the output is the target's, token for token at "
                         "temperature 0, in distribution when sampling; one prompt at a time")
     p.add_argument("--speculate", type=int, default=4, help="tokens the draft proposes per target pass (default 4)")
+    p.add_argument("--cape", action="store_true",
+                   help="with --draft: add alternatives where the draft is unsure (CaPE) and verify them as a tree "
+                        "(greedy, one process)")
+    p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", metavar="BOUND:N,...",
+                   help="CaPE's alternatives by the draft's confidence: up to each bound, N of them; the bounds "
+                        "ascend to 1 (default 0.3:3,0.6:2,0.9:1,1:0)")
     p.set_defaults(func=main)
 
 
@@ -87,6 +93,7 @@ class Plan:
     sampling: object
     notes: list[str] = field(default_factory=list)
     draft_cfg: object = None     # the draft model's config (--draft), checked against the target's
+    cape: object = None          # --cape's table (generate/cape.py CapeTable)
 
 
 def _say(message: str) -> None:
@@ -231,6 +238,15 @@ def prepare(args, overrides: list[str]) -> Plan:
     plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
     if args.draft:
         plan.draft_cfg = _draft_config(args, cfg, spec)
+    if args.cape:
+        from .cape import CapeTable
+
+        if not args.draft:
+            raise ConfigError("--cape expands a draft's proposals; give the draft with --draft DIR.")
+        if not sampling.greedy or args.nproc > 1:
+            raise ConfigError("--cape verifies its tree greedily on one process: use --temperature 0 and no --nproc "
+                              "(plain --draft speculation works with both).")
+        plan.cape = CapeTable.parse(args.cape_table)
     return plan
 
 
@@ -307,7 +323,7 @@ def _speculate(model, draft, ids: list[int], limit: int, plan: Plan, args, stops
     t0 = time.perf_counter()
     r = speculative_generate(model, ModelDrafter(draft, len(ids) + limit + args.speculate + 2, args.prefill_chunk),
                              ids, max_new_tokens=limit, k=args.speculate, sampling=plan.sampling,
-                             eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, backend=backend)
+                             eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, backend=backend, cape=plan.cape)
     seconds = time.perf_counter() - t0
     tokens, reason = r.tokens, "length" if len(r.tokens) >= limit else "eos"
     if stops is not None:
