@@ -119,10 +119,10 @@ def _cmd_report(args, overrides) -> int:
 def _cmd_bench(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
-    from .bench import attention, generate, memory, moe, train
+    from .bench import attention, decode, generate, memory, moe, train
 
     return {"attention": attention.main, "train": train.main, "memory": memory.main, "moe": moe.main,
-            "generate": generate.main}[args.bench](args)
+            "generate": generate.main, "decode": decode.main}[args.bench](args)
 
 
 def _cmd_checkpoint(args, overrides) -> int:
@@ -231,6 +231,7 @@ def _add_checkpoint(sub) -> None:
 
 def _add_bench(bench) -> None:
     from .bench import attention, memory, moe
+    from .bench import decode as decode_bench
     from .bench import generate as generate_bench
     from .bench import train as train_bench
 
@@ -243,6 +244,8 @@ def _add_bench(bench) -> None:
                      "seconds per token, uniform and skewed routing, saved-for-backward bytes per token"),
         ("generate", generate_bench, "KV-cache decoding vs transformers' greedy generate on the same random model "
                                      "(decode and prefill tokens/s, same run)"),
+        ("decode", decode_bench, "speculative decoding (a draft model, optionally CaPE) vs plain decoding: tau, "
+                                 "acceptance, tokens/s, speedup, identical output (same run)"),
     ):
         p = bench.add_parser(name, help=what, allow_abbrev=False)
         module.add_arguments(p)

@@ -207,3 +207,24 @@ def test_a_draft_that_cannot_draft_is_refused_before_work(hf_model, draft_dirs, 
     d, _ = hf_model
     r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", f"hf:{draft_dirs[draft]}", *extra)
     assert r.returncode == 2 and "Traceback" not in r.stderr and message in flat(r.stderr), r.stderr
+
+
+def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
+    """`longctx bench decode`: spans of a text file at two lengths, the chain and CaPE; the keys the
+    issue names, and identical output at temperature 0."""
+    d, _ = hf_model
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60)
+    for cape in ([], ["--cape"]):
+        r = longctx("bench", "decode", "--target", f"hf:{d}", "--draft", f"hf:{draft_dirs['small']}", "--data",
+                    str(text), "--lengths", "32,96", "--samples", "1", "--max-new-tokens", "16", "--speculate", "3",
+                    *cape)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        for key in ("tau", "tau_without_bonus", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+                    "identical"):
+            assert key in out, key
+        assert out["identical"] and 1 <= out["tau"] <= 4 and 0 <= out["acceptance_rate"] <= 1
+        assert out["tau"] == pytest.approx(out["tau_without_bonus"] + 1)
+        assert [g["prompt_tokens"] for g in out["by_length"]] == [32, 96] and out["cape"] == (
+            "0.3:3,0.6:2,0.9:1,1:0" if cape else None)

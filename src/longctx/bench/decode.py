@@ -1,0 +1,154 @@
+"""`longctx bench decode`: speculative decoding against plain decoding, same models, prompts and run.
+
+    longctx bench decode --target runs/T/checkpoints --draft runs/D/checkpoints --lengths 1024,8192 \\
+        --max-new-tokens 128 [--cape] [--prompts FILE.jsonl | --data STORE] [--temperature T]
+
+For each prompt: plain decoding (generate/engine.py) and speculative decoding (generate/speculative.py,
+the draft a plain model with its own cache; with --cape, CaPE's tree), timed one after the other on
+one device, the best of --repeats each. Prompts: --prompts (text, tokenized with the target's
+tokenizer), else spans of each --lengths from --data's eval split (default: the default corpus).
+JSON on stdout, per length and overall:
+- tau: tokens per target pass, the replaced or bonus token included; tau_without_bonus: kept
+  proposals per pass; acceptance_rate: kept proposals over proposals made;
+- tokens_per_s (speculative) and baseline_tokens_per_s (plain), their ratio `speedup` (wall time
+  of the whole generation, prefill included, so that long prompts count their prefill);
+- identical: at temperature 0, whether every prompt's tokens equal plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import date
+from types import SimpleNamespace
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, metavar="DIR|hf:DIR", help="the target model's checkpoint")
+    p.add_argument("--draft", required=True, metavar="DIR|hf:DIR", help="the draft model's checkpoint")
+    p.add_argument("--speculate", type=int, default=4, help="proposals per target pass (default 4)")
+    p.add_argument("--cape", action="store_true", help="CaPE's tree instead of the chain (temperature 0)")
+    p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", help="CaPE's confidence table")
+    p.add_argument("--prompts", default="", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
+    p.add_argument("--data", default="", help="a store (its eval split) or text file for prompts (default: the "
+                                             "default corpus)")
+    p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, comma-separated (without --prompts)")
+    p.add_argument("--samples", type=int, default=2, help="prompts per length (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs of each, the best counts (default 1)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--tokenizer", default="", help="the tokenizer (default: the target checkpoint's)")
+
+
+def _say(message: str) -> None:
+    print(f"[bench decode] {message}", file=sys.stderr, flush=True)
+
+
+def _models(args):
+    """The target's and the draft's configs (the draft checked against the target), the tokenizer."""
+    from ..config import load_config
+    from ..config.tokenizer import model_tokenizer
+    from ..data.tokenizer import load_tokenizer
+    from ..errors import ConfigError
+    from ..generate.cli import _draft_config
+
+    cfg = load_config(None, {"model": {"init_from": args.target}, "train": {"seq_len": 2, "eval_interval": 0}})
+    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
+    if spec is None:
+        raise ConfigError(f"--target {args.target} names no tokenizer; pass --tokenizer byte|PATH/tokenizer.json.")
+    draft = _draft_config(SimpleNamespace(draft=args.draft, speculate=args.speculate, checkpoint=args.target), cfg,
+                          spec)
+    return cfg, draft, load_tokenizer(spec), spec
+
+
+def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
+    from ..data.cache import default_store
+    from ..eval.tasks import load_source, ppl_sequences
+    from ..generate.cli import read_prompts
+
+    if args.prompts:
+        rows = read_prompts(SimpleNamespace(prompt=None, prompts=args.prompts))
+        return {"prompts": [list(map(int, tokenizer.encode(r["text"]))) for r in rows]}
+
+    def store():
+        from ..config import DataConfig
+
+        return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=_say, announce_cached=False)
+
+    source = load_source(args.data, "eval", tokenizer, store)
+    return {n: [s.tokens.tolist() for s in ppl_sequences(source, n, args.samples)]
+            for n in (int(x) for x in args.lengths.split(","))}
+
+
+def main(args) -> int:
+    from ..generate.cape import CapeTable
+    from ..generate.cli import load_model
+    from ..generate.engine import generate
+    from ..generate.sampling import Sampling
+    from ..generate.speculative import ModelDrafter, speculative_generate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg, draft_cfg, tokenizer, spec = _models(args)
+    cape = CapeTable.parse(args.cape_table) if args.cape else None
+    sampling = Sampling(args.temperature, seed=args.seed)
+    sampling.check()
+    if cape is not None and not sampling.greedy:
+        raise SystemExit("--cape verifies greedily: use --temperature 0")
+    prompts = _prompts(args, tokenizer, spec)
+    device = torch.device("cpu")
+    target, draft = load_model(cfg, device, torch.float32), load_model(draft_cfg, device, torch.float32)
+    _say(f"target {cfg.model.label} ({cfg.model.layers} layers), draft {draft_cfg.model.label} "
+         f"({draft_cfg.model.layers} layers), K = {args.speculate}{', CaPE' if cape else ''}")
+    first = next(iter(prompts.values()))[0]
+    generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
+    zero = {"kept": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
+    groups, everything = [], dict(zero)
+    for length, rows in prompts.items():
+        g = dict(zero)
+        for ids in rows:
+            plain_s = spec_s = float("inf")
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling)[0]
+                plain_s = min(plain_s, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                spec = speculative_generate(target, ModelDrafter(draft, len(ids) + args.max_new_tokens + 2), ids,
+                                            max_new_tokens=args.max_new_tokens, k=args.speculate,
+                                            sampling=sampling, cape=cape)
+                spec_s = min(spec_s, time.perf_counter() - t0)
+            for acc in (g, everything):
+                acc["kept"] += sum(spec.accepted)
+                acc["passes"] += spec.passes
+                acc["spec_s"] += spec_s
+                acc["plain_s"] += plain_s
+                acc["tokens"] += len(spec.tokens)
+                acc["plain_tokens"] += len(plain.tokens)
+                acc["identical"] &= (not sampling.greedy) or spec.tokens == plain.tokens
+        groups.append({"prompt_tokens": length, "prompts": len(rows), **_figures(g, args.speculate)})
+        _say(f"{length}: tau {groups[-1]['tau']:.2f}, speedup {groups[-1]['speedup']:.2f}x, "
+             f"identical {groups[-1]['identical']}")
+    result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target,
+              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if cape else None,
+              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+              **_figures(everything, args.speculate), "by_length": groups}
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _figures(acc: dict, k: int) -> dict:
+    passes = max(acc["passes"], 1)
+    spec_rate = acc["tokens"] / acc["spec_s"] if acc["spec_s"] else 0.0
+    plain_rate = acc["plain_tokens"] / acc["plain_s"] if acc["plain_s"] else 0.0
+    return {"tau": (acc["kept"] + acc["passes"]) / passes, "tau_without_bonus": acc["kept"] / passes,
+            "acceptance_rate": acc["kept"] / (passes * k), "tokens_per_s": spec_rate,
+            "baseline_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate if plain_rate else 0.0,
+            "identical": acc["identical"]}
