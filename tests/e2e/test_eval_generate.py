@@ -8,27 +8,20 @@ generate mode must be the one score mode gives: a greedy answer is its argmax to
 """
 
 import json
-import sysconfig
 from pathlib import Path
 
 import pytest
+import test_eval_cli
 from test_newcomer import longctx
 
 from longctx.data.tokenizer import load_tokenizer
 from longctx.eval.command import EXTRA_NEW_TOKENS, answer_start, parse_answer
 from longctx.eval.tasks import load_source, retrieval_sequences
 
+text_file = test_eval_cli.text_file  # the fixture: one long text file of the standard library
+
 EVAL = ["--task", "passkey", "--lengths", "256", "--depths", "0,0.5,1", "--samples", "2", "--seed", "0"]
 # (bad input with --mode generate, refused before work: tests/e2e/test_eval_cli.py)
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join((root / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py"))
-    path = tmp_path_factory.mktemp("text") / "long.py"
-    path.write_text(text)
-    return path
 
 
 @pytest.fixture(scope="module")

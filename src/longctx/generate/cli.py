@@ -301,41 +301,6 @@ def load_model(cfg, device, dtype):
     return model.eval()
 
 
-@dataclass
-class _Speculated:
-    """One prompt's speculative generation, read like an engine Result (plus tau and passes)."""
-    prompt_tokens: int
-    tokens: list[int]
-    finish_reason: str
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    tau: float
-    passes: int
-
-
-def _speculate(model, draft, ids: list[int], limit: int, plan: Plan, args, stops, backend) -> _Speculated:
-    """--draft: one prompt by speculative decoding (generate/speculative.py); a stop string is
-    applied to the finished text (the tokens after it are dropped)."""
-    import time
-
-    from .speculative import ModelDrafter, speculative_generate
-
-    t0 = time.perf_counter()
-    r = speculative_generate(model, ModelDrafter(draft, len(ids) + limit + args.speculate + 2, args.prefill_chunk),
-                             ids, max_new_tokens=limit, k=args.speculate, sampling=plan.sampling,
-                             eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, backend=backend, cape=plan.cape)
-    seconds = time.perf_counter() - t0
-    tokens, reason = r.tokens, "length" if len(r.tokens) >= limit else "eos"
-    if stops is not None:
-        for n in range(1, len(tokens) + 1):
-            if stops(0, tokens[:n]):
-                tokens, reason = tokens[:n], "stop"
-                break
-    # (one wall time: the prefill is a small part of it at the lengths where drafting pays)
-    return _Speculated(len(ids), tokens, reason, 0.0, len(r.tokens) / seconds if seconds > 0 else 0.0, r.tau,
-                       r.passes)
-
-
 class StopStrings:
     """Whether a row's text so far contains one of the stop strings (checked on the last tokens only:
     a stop string of c characters lies within the last 4c + 4 tokens, bytes of a UTF-8 character
@@ -426,6 +391,7 @@ def _run(plan: Plan, args) -> int:
     from ..progress import on_terminal, progress_bar
     from ..train.step import resolve_dtype
     from .engine import generate
+    from .speculative import speculate_one
 
     backend, device, main_rank = _backend(plan.cfg)
     dtype = resolve_dtype(plan.cfg.train.dtype, device)
@@ -463,7 +429,10 @@ def _run(plan: Plan, args) -> int:
                     bar.update(1)
 
             if draft is not None:
-                results = [_speculate(model, draft, batch[0]["ids"], plan.limits[start], plan, args, stops, backend)]
+                results = [speculate_one(model, draft, batch[0]["ids"], plan.limits[start], k=args.speculate,
+                                         sampling=plan.sampling, eos_ids=plan.eos_ids,
+                                         prefill_chunk=args.prefill_chunk, stop=stops, backend=backend,
+                                         cape=plan.cape)]
             else:
                 results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + size],
                                    sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk,

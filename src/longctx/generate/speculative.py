@@ -229,3 +229,37 @@ def _accept(proposals: list[int], q: torch.Tensor, p: torch.Tensor, sampling: Sa
             residual = residual / total if total > 0 else p[i]
             return i, int(torch.multinomial(residual, 1, generator=generator))
     return len(proposals), _draw(p[len(proposals)], sampling, generator)
+
+
+@dataclass
+class Speculated:
+    """One prompt's speculative generation, read like an engine Result (plus tau and passes)."""
+    prompt_tokens: int
+    tokens: list[int]
+    finish_reason: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    tau: float
+    passes: int
+
+
+def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
+                  prefill_chunk: int, stop=None, backend=LOCAL, cape=None) -> Speculated:
+    """`longctx generate --draft`: one prompt by speculative decoding with a plain draft model; a stop
+    string (`stop(row, tokens)`, generate/cli.py's StopStrings) is applied to the finished tokens."""
+    import time
+
+    t0 = time.perf_counter()
+    r = speculative_generate(target, ModelDrafter(draft, len(ids) + limit + k + 2, prefill_chunk), ids,
+                             max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
+                             prefill_chunk=prefill_chunk, backend=backend, cape=cape)
+    seconds = time.perf_counter() - t0
+    tokens, reason = r.tokens, "length" if len(r.tokens) >= limit else "eos"
+    if stop is not None:
+        for n in range(1, len(tokens) + 1):
+            if stop(0, tokens[:n]):
+                tokens, reason = tokens[:n], "stop"
+                break
+    # (one wall time: the prefill is a small part of it at the lengths where drafting pays)
+    return Speculated(len(ids), tokens, reason, 0.0, len(r.tokens) / seconds if seconds > 0 else 0.0, r.tau,
+                      r.passes)
