@@ -161,7 +161,7 @@ class _ShardedLayer:
         if q.shape[1] == 1:
             out, lse = _partial(q, keys, values, c._local_step, held)
         else:  # several new tokens: causal among them by position, wherever their slots went
-            out, lse = _partial_masked(q, keys, values, c._before, mine, held)
+            out, lse = _partial_masked(q, keys, values, c._before, mine, held, c.step._masks)
         if c.c > 1:
             out = _merge_over(out, lse, c.ctx_mesh)
         if c.h > 1:
@@ -184,20 +184,23 @@ def _partial(q, keys, values, step: CacheStep, held: np.ndarray):
     return out, lse
 
 
-def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held: np.ndarray):
+def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held: np.ndarray, masks: dict):
     """(out, lse) of n new queries against this rank's slots: the slots held before the call (all
     earlier positions: every query sees them) and this call's slots kept here, each seen by the
-    queries at or after its position. fp32; n is small (a verification's K + 1)."""
+    queries at or after its position. fp32; n is small (a verification's K + 1). The mask is the
+    same for every layer of the call: built once, kept in `masks`."""
     b, n, hl, _ = q.shape
     length = int(held.max())
     if length == 0:
         return q.new_zeros(q.shape), torch.full((b, hl, n), -math.inf, device=q.device)
-    visible = np.zeros((b, n, length), dtype=bool)
-    for r in range(b):
-        visible[r, :, :before[r]] = True
-        for m, j in enumerate(np.nonzero(mine[r])[0]):  # new slot before[r] + m holds query position j
-            visible[r, j:, before[r] + m] = True
-    return masked_attention(q, keys[:, :, :length], values[:, :, :length], torch.as_tensor(visible, device=q.device))
+    if "visible" not in masks:
+        visible = np.zeros((b, n, length), dtype=bool)
+        for r in range(b):
+            visible[r, :, :before[r]] = True
+            for m, j in enumerate(np.nonzero(mine[r])[0]):  # new slot before[r] + m holds query position j
+                visible[r, j:, before[r] + m] = True
+        masks["visible"] = torch.as_tensor(visible, device=q.device)
+    return masked_attention(q, keys[:, :, :length], values[:, :, :length], masks["visible"])
 
 
 def _merge_over(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:
