@@ -45,6 +45,19 @@ def test_prompt_is_exact_length_with_the_needle_at_its_depth_and_labels_on_the_a
     assert TOK.decode(labels[scored]) == " " + p.answer
 
 
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_a_stop_ends_the_answer_and_is_labelled_with_it(task):
+    p = retrieval_prompt(task, FILLER, 300, 0.5, np.random.default_rng(1), TOK, stop=".")
+    plain = retrieval_prompt(task, FILLER, 300, 0.5, np.random.default_rng(1), TOK)
+    assert len(p.tokens) == 300 and TOK.decode(p.tokens).endswith(f" {p.answer}.")
+    assert p.answer == plain.answer
+    # the same question, one filler token fewer; the answer starts one token earlier
+    assert TOK.decode(p.tokens[:p.answer_start]).endswith("The pass key is" if task == "passkey" else "is:")
+    assert p.answer_start == plain.answer_start - 1
+    scored = np.flatnonzero(p.labels != IGNORE)
+    assert TOK.decode(p.labels[scored]) == f" {p.answer}."
+
+
 def test_needle_hides_several_keys_and_asks_for_one():
     p = retrieval_prompt("needle", FILLER, 3000, 0.5, np.random.default_rng(3), TOK, needles=4)
     text = TOK.decode(p.tokens)
@@ -87,7 +100,8 @@ def test_mixture_turns_a_seeded_fraction_into_retrieval_sequences():
     assert "The pass key is" in TOK.decode(b.tokens[0].numpy())
     assert (b.doc_ids[0] == 0).all() and (b.positions[0] == torch.arange(256)).all()
     scored = (b.labels[0] != IGNORE).nonzero().flatten()
-    assert TOK.decode(b.labels[0, scored].numpy()).strip().isdigit()  # the answer only
+    answer = TOK.decode(b.labels[0, scored].numpy())
+    assert answer.startswith(" ") and answer.endswith(".") and answer[1:-1].isdigit()  # the answer and its stop only
     assert (b.labels[0, scored] == b.tokens[0, scored + 1]).all() and scored[-1] == 254
     assert (b.tokens[1] == 40 + j % 60).all()  # the others are untouched
     assert mix.costs(1.0, 0.0)[i] == 256.0 ** 2

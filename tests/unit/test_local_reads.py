@@ -279,3 +279,34 @@ def test_an_error_in_the_read_ahead_is_raised_in_the_loop_with_its_traceback():
         loader.step_batches(2)
     assert any(entry.name == "failing_read" for entry in err.traceback)
     assert not _read_threads()
+
+
+def test_a_synthetic_mixture_reaches_each_step_whole_with_its_answer_labels(tmp_path):
+    """The training path of a mixture (data.synthetic): its retrieval samples, not the store's rows
+    under them, are what each step trains on, through the per-rank read and the read ahead."""
+    from longctx.data.synthetic import SyntheticMixture
+    from longctx.data.tokenizer import ByteTokenizer
+
+    (tmp_path / "doc.txt").write_text("".join(random.Random(1).choice("abcdefgh \n") for _ in range(20000)))
+    build_store(BuildOptions([str(tmp_path / "doc.txt")], str(tmp_path / "s"), 128, dedup="none", workers=1,
+                             progress=False, stats=False), log=lambda *a: None)
+    mix = SyntheticMixture(PackedSamples(tmp_path / "s", "train", False), "passkey", 0.5, seed=0,
+                           tokenizer=ByteTokenizer())
+    cfg = load_config(None, ["--train.seq_len=128", "--train.eval_interval=0", "--train.global_batch=8",
+                             "--train.grad_accum=2", "--train.steps=4"])
+    rt = next(runtimes())
+    loader = StagedLoader(cfg, lambda c: (mix, None), dp=1, read_local=rt.read_local_batch, read_ahead=True)
+    order = StagedLoader(cfg, lambda c: (mix, None), dp=1)  # the same draws, as indices
+    order.enter(1)
+    seen_synthetic = 0
+    for step in range(1, 5):
+        loader.enter(step)
+        for share, valid in loader.step_batches(step):
+            indices = order.loader.next_indices()
+            rows = [mix.sample(i) for i in indices]
+            assert torch.equal(share.tokens, torch.as_tensor(np.stack([r[0] for r in rows])))
+            assert torch.equal(share.labels, torch.as_tensor(np.stack([r[1] for r in rows])))
+            assert valid == sum(int((r[1] != IGNORE).sum()) for r in rows)
+            seen_synthetic += int(mix.synthetic[indices].sum())
+    loader.close()
+    assert seen_synthetic >= 8  # about half of the 32 samples drawn

@@ -16,8 +16,12 @@ before the question. The filler is any token stream (the corpus, in practice), s
 the only natural-language sentence in Python code and nothing but retrieval answers the question.
 
 `SyntheticMixture` replaces a seeded fraction of a store's training samples by passkey (or
-needle) sequences built from the sample's own tokens, scored on the answer: `data.synthetic =
-"passkey:0.2"`.
+needle) sequences built from the sample's own tokens, scored on the answer and the full stop that
+ends it (as the needle's own sentence does): `data.synthetic = "passkey:0.2"`. The stop is what
+teaches a model where the answer ends: trained on the digits alone it never sees a label past the
+last digit, and free generation (`eval --mode generate`) runs on with more digits after a right
+answer. Eval prompts end at the answer (no stop): scoring is on the answer's tokens only, so a model
+that ends its answers otherwise (a newline, EOS) is not marked down.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class RetrievalPrompt:
 
     @property
     def labels(self) -> np.ndarray:
-        """-100 everywhere but the answer: label[t] = tokens[t + 1] for the tokens that predict it."""
+        """-100 everywhere but the answer (and its stop, when it has one): label[t] = tokens[t + 1] for
+        the tokens that predict it."""
         labels = np.full(len(self.tokens), IGNORE, dtype=np.int64)
         s = self.answer_start
         labels[s - 1:len(self.tokens) - 1] = self.tokens[s:]
@@ -63,9 +68,13 @@ def _encode(tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
 
 
+ANSWER_STOP = "."  # what ends a training sequence's answer (the needle sentence's own full stop)
+
+
 def retrieval_prompt(task: str, filler: np.ndarray, length: int, depth: float, rng: np.random.Generator,
-                     tokenizer, *, needles: int = 4, digits: int = 5, words=None) -> RetrievalPrompt:
-    """A `task` sequence of exactly `length` tokens, its filler the first tokens of `filler`."""
+                     tokenizer, *, needles: int = 4, digits: int = 5, words=None, stop: str = "") -> RetrievalPrompt:
+    """A `task` sequence of exactly `length` tokens, its filler the first tokens of `filler`; with
+    `stop`, the answer is followed by it (and `labels` cover it too)."""
     if task not in TASKS:
         raise ValueError(f"unknown retrieval task {task!r}; choose one of {TASKS}")
     if task == "passkey":
@@ -82,7 +91,7 @@ def retrieval_prompt(task: str, filler: np.ndarray, length: int, depth: float, r
                    for i, (w, v) in enumerate(zip(words, values))]
         question = f"\nWhat is the special magic number for {asked}? The special magic number for {asked} is:"
         answer = f" {values[0]}"
-    q, a = _encode(tokenizer, question), _encode(tokenizer, answer)
+    q, a = _encode(tokenizer, question), _encode(tokenizer, answer + stop)
     n = length - sum(len(t) for _, t in inserts) - len(q) - len(a)
     if n < 0:
         raise DataError(f"a {task} sequence of {length} tokens has no room for filler: the needle, question "
@@ -108,7 +117,7 @@ def check_room(task: str, seq_len: int, tokenizer, where: str = "train.seq_len")
     margin = 0 if getattr(tokenizer, "name", "") == "byte" else 16
     try:
         retrieval_prompt(task, np.zeros(seq_len, dtype=np.int64), seq_len - margin, 0.5, np.random.default_rng(0),
-                         tokenizer, words=np.asarray(longest))
+                         tokenizer, words=np.asarray(longest), stop=ANSWER_STOP)
     except DataError as e:
         raise ConfigError(f"data.synthetic = {task}:... at {where} = {seq_len}: {e}") from None
 
@@ -117,7 +126,7 @@ class SyntheticMixture(SampleSet):
     """A store split (PackedSamples) with a seeded fraction of its samples turned into retrieval
     sequences: sample i is synthetic for every epoch and every layout alike (its own seeded draw),
     built from its own tokens as filler, one document with positions 0..L-1, labelled on the answer
-    only. (Labelled on every token, the answer is 6 of the sample's L labels and its signal drowns
+    and its stop only. (Labelled on every token, the answer is 6 of the sample's L labels and its signal drowns
     in the language-model loss: the debug model at 128 tokens with half the samples synthetic stayed
     at chance on the answer for 300 steps, where answer-only labels learned it.)"""
 
@@ -142,7 +151,8 @@ class SyntheticMixture(SampleSet):
             return self.samples.sample(i)
         tokens, _, _, _ = self.samples.sample(i)
         rng = np.random.default_rng([self.seed, int(i)])
-        prompt = retrieval_prompt(self.task, tokens, self.seq_len, float(rng.random()), rng, self.tokenizer)
+        prompt = retrieval_prompt(self.task, tokens, self.seq_len, float(rng.random()), rng, self.tokenizer,
+                                  stop=ANSWER_STOP)
         L = self.seq_len
         return prompt.tokens, prompt.labels, np.arange(L), (np.zeros(L, dtype=np.int64) if self.doc_mask else None)
 
