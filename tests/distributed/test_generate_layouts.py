@@ -83,23 +83,29 @@ def _reference(case):
     return _generate(case, 1, 1)
 
 
-def _speculate(head: int, ctx: int):
-    """Greedy speculative decoding (a draft with its own cache, K = 3) on the target's cache sharded
-    over head x ctx: (tokens, proposals kept per pass)."""
-    from longctx.config import load_config
+def _speculate(head: int, ctx: int, cape: bool = False):
+    """Greedy speculative decoding (a draft with its own cache, K = 3; with `cape`, CaPE's tree) on the
+    target's cache sharded over head x ctx (one process with 1 x 1): (tokens, proposals kept per pass)."""
+    from longctx.generate.cape import DEFAULT_TABLE, CapeTable
+    from longctx.generate.engine import LOCAL
     from longctx.generate.speculative import ModelDrafter, speculative_generate
-    from longctx.parallel.generation import ShardedGeneration
-    from longctx.parallel.runtime import Runtime
 
-    cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
-    rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
+    backend = LOCAL
+    if head * ctx > 1:
+        from longctx.config import load_config
+        from longctx.parallel.generation import ShardedGeneration
+        from longctx.parallel.runtime import Runtime
+
+        cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
+        rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
+        backend = ShardedGeneration(rt.mesh, rt.world_mesh)
     draft = _model("dense")  # the target with a noisy LM head: it agrees often, not always
     with torch.no_grad():
         w = draft.lm_head_weight
         w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * w.std() * 0.6)
     prompt = _prompt(1000, seed=4)
-    out = speculative_generate(_model("dense"), ModelDrafter(draft, 1100), prompt, max_new_tokens=NEW, k=3,
-                               backend=ShardedGeneration(rt.mesh, rt.world_mesh))
+    out = speculative_generate(_model("dense"), ModelDrafter(draft, 1200), prompt, max_new_tokens=NEW, k=3,
+                               backend=backend, cape=CapeTable.parse(DEFAULT_TABLE) if cape else None)
     return out.tokens, out.accepted
 
 
@@ -120,10 +126,31 @@ def test_speculative_verification_on_a_sharded_cache_is_plain_greedy(layout, lay
     assert 0 < sum(accepted) and min(accepted) < 3  # proposals kept, and some rejected (rolled back)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(2, 2), (1, 2)], ids=["head2xctx2", "ctx2"])
+def test_cape_tree_on_a_sharded_cache_is_plain_greedy_and_keeps_what_one_process_keeps(layout, layouts):
+    """CaPE's tree (alternatives where the draft hesitates) verified in one call on the sharded cache
+    (tree mask among the new slots, wherever they were dealt), then only the accepted path kept, each
+    rank keeping the nodes it holds: one process's greedy output, and the same path lengths per round
+    as CaPE on one process's cache."""
+    from longctx.generate.engine import generate
+
+    plain = generate(_model("dense"), [_prompt(1000, seed=4)], max_new_tokens=NEW)[0].tokens
+    one_tokens, one_accepted = _speculate(1, 1, cape=True)
+    assert one_tokens == plain
+    for tokens, accepted in layouts[("cape", layout)]:
+        assert tokens == plain
+        assert accepted == one_accepted
+    chain = layouts[("speculate", layout)][0][1]
+    assert sum(one_accepted) / len(one_accepted) > sum(chain) / len(chain)  # the tree keeps more per pass
+
+
 FOUR = {(case, layout): (_generate, (case, *layout)) for case in CASES for layout in ((2, 2), (1, 4))}
 FOUR[("speculate", (2, 2))] = (_speculate, (2, 2))
+FOUR[("cape", (2, 2))] = (_speculate, (2, 2, True))
 TWO = {(case, (2, 1)): (_generate, (case, 2, 1)) for case in CASES}
 TWO[("speculate", (1, 2))] = (_speculate, (1, 2))
+TWO[("cape", (1, 2))] = (_speculate, (1, 2, True))
 
 
 @pytest.fixture(scope="module")

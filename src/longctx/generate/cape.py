@@ -10,8 +10,9 @@ of its depth. Acceptance walks from the root: while a child of the current node 
 greedy choice after it, that child is kept; the target's choice after the last kept node is the
 next pending token. So the output is plain greedy decoding, token for token.
 
-The kept nodes' keys and values are moved to consecutive slots (an alternative sits after the
-chain's nodes in the call), and the rest is truncated.
+The cache keeps the root and the accepted path (`keep`: on one device they move to consecutive
+slots, since an alternative sits after the chain's nodes in the call; sharded, each rank keeps the
+ones it holds) and forgets the other nodes.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from ..models.cache import KVCache, _full, masked_attention
-from ..ops.attention import merge_partials
 from .sampling import Sampling
 
 GREEDY = Sampling()
@@ -100,31 +99,17 @@ def propose_tree(drafter, pending: int, k: int, table: CapeTable) -> Tree:
 GREEDY_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the most likely token)
 
 
-def _tree_core(visible: torch.Tensor):
-    """A cache core for one call on a tree: the cached prefix in full, the new nodes by `visible`."""
-    def core(q, k, v, layer, step):
-        layer.append(k, v, step)
-        s, n = int(step.start[0]), q.shape[1]
-        out, lse = masked_attention(q, layer.k[:, :, s:s + n], layer.v[:, :, s:s + n], visible.to(q.device))
-        if s:
-            pre_out, pre_lse = _full(q, layer.k[:, :, :s], layer.v[:, :, :s], 1.0 / q.shape[-1] ** 0.5)
-            out, _ = merge_partials(pre_out, pre_lse, out, lse)
-        return out.to(q.dtype)
-    return core
-
-
-def tree_round(target, cache: KVCache, drafter, pending: int, k: int, table: CapeTable) -> tuple[list[int], int]:
-    """One CaPE round (greedy, one device): the kept tokens and the next pending one."""
+def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable) -> tuple[list[int], int]:
+    """One CaPE round (greedy): the kept tokens and the next pending one. `cache`: the target's, on
+    one device (models/cache.KVCache) or sharded over head x ctx ranks (parallel/generation.py),
+    every rank running the same round."""
     tree = propose_tree(drafter, pending, k, table)
     start = int(cache.lengths[0])
     device = cache.k.device
     tokens = torch.tensor([tree.tokens], device=device)
     positions = start + torch.tensor([tree.depths], device=device)
-    core, cache.core = cache.core, _tree_core(tree.visible())
-    try:
-        choice = target(tokens, positions, cache=cache)[0].argmax(-1).tolist()  # the target's after each node
-    finally:
-        cache.core = core
+    cache.among(tree.visible())
+    choice = target(tokens, positions, cache=cache)[0].argmax(-1).tolist()  # the target's after each node
     children: dict[int, list[int]] = {}
     for j, parent in enumerate(tree.parents[1:], 1):
         children.setdefault(parent, []).append(j)
@@ -135,11 +120,7 @@ def tree_round(target, cache: KVCache, drafter, pending: int, k: int, table: Cap
             break
         kept.append(nxt)
         node = nxt
-    for depth, j in enumerate(kept, 1):  # kept nodes to consecutive slots after the root's
-        if j != depth:
-            cache.k[:, :, :, start + depth] = cache.k[:, :, :, start + j]
-            cache.v[:, :, :, start + depth] = cache.v[:, :, :, start + j]
-    cache.truncate(start + 1 + len(kept))
+    cache.keep([0] + kept)  # the root and the accepted path; the other nodes are forgotten
     on_chain = 0
     while on_chain < len(kept) and kept[on_chain] == tree.chain[on_chain]:
         on_chain += 1

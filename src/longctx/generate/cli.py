@@ -243,9 +243,9 @@ def prepare(args, overrides: list[str]) -> Plan:
 
         if not args.draft:
             raise ConfigError("--cape expands a draft's proposals; give the draft with --draft DIR.")
-        if not sampling.greedy or args.nproc > 1:
-            raise ConfigError("--cape verifies its tree greedily on one process: use --temperature 0 and no --nproc "
-                              "(plain --draft speculation works with both).")
+        if not sampling.greedy:
+            raise ConfigError("--cape verifies its tree greedily: use --temperature 0 (plain --draft speculation "
+                              "also samples).")
         plan.cape = CapeTable.parse(args.cape_table)
     return plan
 

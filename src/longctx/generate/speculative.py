@@ -154,13 +154,13 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, k proposals per target pass.
     `backend`: the target's cache and prefill (engine.py's; parallel/generation.py's ShardedGeneration
     on every rank of a head x ctx layout, the draft then run alike on every rank). `cape`: a
-    generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy, one device)."""
+    generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy)."""
     if k < 1:
         raise ValueError(f"speculate at least one token per pass, got {k}")
     if not prompt:
         raise ValueError("the prompt needs at least one token")
-    if cape is not None and (not sampling.greedy or backend is not LOCAL):
-        raise ValueError("CaPE's tree is verified greedily on one device (temperature 0, no --nproc)")
+    if cape is not None and not sampling.greedy:
+        raise ValueError("CaPE's tree is verified greedily (temperature 0)")
     device = target.tok_embeddings.weight.device
     eos = {int(e) for e in eos_ids}
     generator = generator if generator is not None else sampling.generator(device)

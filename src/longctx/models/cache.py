@@ -49,6 +49,9 @@ class CacheStep:
     start: np.ndarray        # [batch] tokens each row held before this call (host)
     new: int                 # tokens appended to every row
     positions: torch.Tensor  # [batch, new] the new tokens' positions (= their slots)
+    # [new, new] bool: which new tokens each new token sees (a speculative tree's ancestors and itself);
+    # None: causal among them (a chain, a prefill chunk)
+    among: torch.Tensor | None = None
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -100,13 +103,47 @@ class LayerCache:
 
 
 def attend(q, k, v, layer: LayerCache, step: CacheStep) -> torch.Tensor:
-    """The single-device cache core: append the new keys and values, attend to all the row holds."""
+    """The single-device cache core: append the new keys and values, attend to all the row holds
+    (the new tokens among themselves causally, or by the step's tree)."""
     layer.append(k, v, step)
-    out, _ = cached_attention(q, layer.k, layer.v, step)
+    if step.among is None:
+        out, _ = cached_attention(q, layer.k, layer.v, step)
+        return out
+    return _tree_attention(q, layer.k, layer.v, step).to(q.dtype)
+
+
+def _tree_attention(q, k, v, step: CacheStep) -> torch.Tensor:
+    """New tokens of a tree (one row, or rows holding the same prefix): the cached prefix in full,
+    the new tokens by `step.among`, merged by the log-sum-exp in fp32."""
+    if not step.uniform:
+        raise ValueError("a tree of new tokens is verified on rows that hold the same number of tokens")
+    s, n = int(step.start[0]), q.shape[1]
+    out, lse = masked_attention(q, k[:, :, s:s + n], v[:, :, s:s + n], step.among.to(q.device))
+    if s:
+        pre_out, pre_lse = _full(q, k[:, :, :s], v[:, :, :s], 1.0 / math.sqrt(q.shape[-1]))
+        out, _ = merge_partials(pre_out, pre_lse, out, lse)
     return out
 
 
-class KVCache:
+class TreeCalls:
+    """What both caches (this one and parallel/generation.py's sharded one) do for a speculative tree:
+    `among(visible)` sets how the next call's new tokens see each other, and `keep(nodes)` then
+    keeps only those of its tokens (the accepted path, in order) after what the rows held."""
+
+    _among: torch.Tensor | None = None
+
+    def among(self, visible: torch.Tensor) -> None:
+        """For the next call only: new token j sees new token i when visible[j, i] ([new, new] bool)."""
+        self._among = visible
+
+    def _take_among(self, new: int) -> torch.Tensor | None:
+        visible, self._among = self._among, None
+        if visible is not None and tuple(visible.shape) != (new, new):
+            raise ValueError(f"a tree mask of shape {tuple(visible.shape)} for a call of {new} new tokens")
+        return visible
+
+
+class KVCache(TreeCalls):
     """Preallocated keys and values of every layer for `batch` sequences of up to `max_len` tokens.
 
     `core(q, k, v, layer, step) -> out` is the attention each layer runs against the cache (default
@@ -122,6 +159,7 @@ class KVCache:
         self.max_len = max_len
         self.core = attend if core is None else core
         self.step: CacheStep | None = None
+        self._last_start: np.ndarray | None = None  # where the last call's tokens start (keep)
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, *, dtype: torch.dtype | None = None,
@@ -145,7 +183,7 @@ class KVCache:
         view = object.__new__(KVCache)
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
         view.lengths = self.lengths[start:stop]  # a numpy view: appends show in the whole cache
-        view.max_len, view.core, view.step = self.max_len, self.core, None
+        view.max_len, view.core, view.step, view._last_start = self.max_len, self.core, None, None
         return view
 
     def layer(self, index: int) -> LayerCache:
@@ -161,7 +199,7 @@ class KVCache:
         start = self.lengths.copy()
         positions = torch.as_tensor(start, device=device or self.k.device)[:, None] + \
             torch.arange(new, device=device or self.k.device)
-        self.step = CacheStep(start, new, positions)
+        self.step = CacheStep(start, new, positions, self._take_among(new))
         return self.step
 
     def end(self, ok: bool = True) -> None:
@@ -169,7 +207,21 @@ class KVCache:
         inside the model: what it wrote lies past the lengths and is overwritten next time)."""
         if ok and self.step is not None:
             self.lengths += self.step.new
+            self._last_start = self.step.start
         self.step = None
+
+    def keep(self, nodes: list[int]) -> None:
+        """Of the last call's tokens, keep `nodes` (their indices in the call, in the order the rows
+        now continue with), moved to the slots right after what the rows held before it."""
+        if self._last_start is None or not np.all(self._last_start == self._last_start[0]):
+            raise ValueError("keep() follows a call on rows that held the same number of tokens")
+        start = int(self._last_start[0])
+        for slot, node in enumerate(nodes):
+            if node != slot:
+                self.k[:, :, :, start + slot] = self.k[:, :, :, start + node]
+                self.v[:, :, :, start + slot] = self.v[:, :, :, start + node]
+        self.lengths[:] = start + len(nodes)
+        self._last_start = None
 
     def reset(self) -> None:
         self.lengths[:] = 0

@@ -30,14 +30,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.cache import CacheStep, cached_attention, masked_attention
+from ..models.cache import CacheStep, TreeCalls, cached_attention, masked_attention
 from . import comm
 from .attention import distributed_attention
 from .sequence import shard_indices
 from .ulysses import check_heads, kv_replication
 
 
-class ShardedKVCache:
+class ShardedKVCache(TreeCalls):
     """This rank's share of the KV cache of `batch` sequences of up to `max_len` tokens: its kv heads,
     its slots. The interface of models/cache.KVCache for the model's decode calls (begin, layer,
     end, lengths); prefill writes it through ShardedGeneration."""
@@ -98,7 +98,7 @@ class ShardedKVCache:
         start = self.lengths.copy()
         device = device or self.k.device
         self.step = CacheStep(start, new, torch.as_tensor(start, device=device)[:, None] +
-                              torch.arange(new, device=device))
+                              torch.arange(new, device=device), self._take_among(new))
         shares, rows = self.shares.copy(), np.arange(self.batch)
         self._owners = np.empty((self.batch, new), dtype=np.int64)
         for j in range(new):
@@ -115,7 +115,7 @@ class ShardedKVCache:
             self.lengths += self.step.new
             for j in range(self.step.new):
                 self.shares[np.arange(self.batch), self._owners[:, j]] += 1
-            self._last = (self.step.start, self._owners)
+            self._last = (self.step.start, self._owners, self._before)
         self.step = self._owners = self._before = self._local_step = None
 
     def truncate(self, length: int) -> None:
@@ -124,11 +124,33 @@ class ShardedKVCache:
         if self._last is None or not (self._last[0] <= length).all() or length > int(self.lengths.min()):
             raise ValueError(f"a sharded cache forgets only tokens of its last call (rows at "
                              f"{self.lengths.tolist()}, asked {length})")
-        start, owners = self._last
+        start, owners, _ = self._last
         for r in range(self.batch):
             for j in range(int(length - start[r]), owners.shape[1]):
                 self.shares[r, owners[r, j]] -= 1
         self.lengths[:] = length
+        self._last = None
+
+    def keep(self, nodes: list[int]) -> None:
+        """Of the last call's tokens, keep `nodes` (indices in the call; a speculative tree's accepted
+        path): each rank keeps those it holds, moved to its slots right after what it held before the
+        call, and gives the others back. No keys cross ranks: a row's slots are one set to attend to,
+        in any order, so only which rank holds how many matters."""
+        if self._last is None or not np.all(self._last[0] == self._last[0][0]):
+            raise ValueError("keep() follows a call on rows that held the same number of tokens")
+        start, owners, before = self._last
+        kept = np.zeros(owners.shape[1], dtype=bool)
+        kept[list(nodes)] = True
+        for r in range(self.batch):
+            mine = np.nonzero(owners[r] == self.ctx_rank)[0]  # slot before[r] + m holds call token mine[m]
+            src = [int(before[r]) + m for m, j in enumerate(mine) if kept[j]]
+            for dst, slot in enumerate(src, int(before[r])):
+                if dst != slot:
+                    self.k[:, r, :, dst] = self.k[:, r, :, slot]
+                    self.v[:, r, :, dst] = self.v[:, r, :, slot]
+            for j in np.nonzero(~kept)[0]:
+                self.shares[r, owners[r, j]] -= 1
+        self.lengths[:] = int(start[0]) + len(nodes)
         self._last = None
 
     def reset(self) -> None:
@@ -160,8 +182,8 @@ class _ShardedLayer:
         held = c._local_step.start + 1
         if q.shape[1] == 1:
             out, lse = _partial(q, keys, values, c._local_step, held)
-        else:  # several new tokens: causal among them by position, wherever their slots went
-            out, lse = _partial_masked(q, keys, values, c._before, mine, held, c.step._masks)
+        else:  # several new tokens: causal among them (or by the call's tree), wherever their slots went
+            out, lse = _partial_masked(q, keys, values, c._before, mine, held, c.step)
         if c.c > 1:
             out = _merge_over(out, lse, c.ctx_mesh)
         if c.h > 1:
@@ -184,23 +206,25 @@ def _partial(q, keys, values, step: CacheStep, held: np.ndarray):
     return out, lse
 
 
-def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held: np.ndarray, masks: dict):
+def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held: np.ndarray, step: CacheStep):
     """(out, lse) of n new queries against this rank's slots: the slots held before the call (all
     earlier positions: every query sees them) and this call's slots kept here, each seen by the
-    queries at or after its position. fp32; n is small (a verification's K + 1). The mask is the
-    same for every layer of the call: built once, kept in `masks`."""
+    queries at or after its position (a chain), or by the step's tree mask. fp32; n is small (a
+    verification's K + 1, or a tree's nodes). The mask is the same for every layer of the call:
+    built once, kept on the step."""
     b, n, hl, _ = q.shape
     length = int(held.max())
     if length == 0:
         return q.new_zeros(q.shape), torch.full((b, hl, n), -math.inf, device=q.device)
-    if "visible" not in masks:
+    if "visible" not in step._masks:
+        among = np.tril(np.ones((n, n), dtype=bool)) if step.among is None else step.among.cpu().numpy()
         visible = np.zeros((b, n, length), dtype=bool)
         for r in range(b):
             visible[r, :, :before[r]] = True
-            for m, j in enumerate(np.nonzero(mine[r])[0]):  # new slot before[r] + m holds query position j
-                visible[r, j:, before[r] + m] = True
-        masks["visible"] = torch.as_tensor(visible, device=q.device)
-    return masked_attention(q, keys[:, :, :length], values[:, :, :length], masks["visible"])
+            for m, j in enumerate(np.nonzero(mine[r])[0]):  # new slot before[r] + m holds call token j
+                visible[r, :, before[r] + m] = among[:, j]
+        step._masks["visible"] = torch.as_tensor(visible, device=q.device)
+    return masked_attention(q, keys[:, :, :length], values[:, :, :length], step._masks["visible"])
 
 
 def _merge_over(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:
