@@ -145,12 +145,61 @@ def test_cape_tree_on_a_sharded_cache_is_plain_greedy_and_keeps_what_one_process
     assert sum(one_accepted) / len(one_accepted) > sum(chain) / len(chain)  # the tree keeps more per pass
 
 
+def _read(head: int, ctx: int, kind: str):
+    """Another model's read of the cache (a GliDe draft's cross-attention): after a prefill of 301
+    tokens and a 4-token chain call of which 2 are kept, queries with per-query position limits.
+    One process (1 x 1): the same masked attention over the one-device cache."""
+    from longctx.generate.engine import LOCAL
+    from longctx.models.cache import KVCache, masked_attention
+
+    model = _model(kind)
+    cfg = model.cfg
+    q = torch.randn(1, 5, cfg.heads, cfg.resolved_head_dim, generator=torch.Generator().manual_seed(0))
+    limit = torch.tensor([[0, 1, 150, 302, 303]])
+    backend, cache = LOCAL, KVCache.for_model(model, 1, 400)
+    if head * ctx > 1:
+        from longctx.config import load_config
+        from longctx.parallel.generation import ShardedGeneration
+        from longctx.parallel.runtime import Runtime
+
+        rt = Runtime.create(load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"]),
+                            torch.distributed.get_rank(), head * ctx, "cpu")
+        backend = ShardedGeneration(rt.mesh, rt.world_mesh)
+        cache = backend.cache(model, 1, 400)
+    with torch.inference_mode():
+        backend.prefill(model, cache, torch.tensor([_prompt(301, seed=2)]), 4096)
+        model(torch.tensor([[5, 6, 7, 8]]), cache=cache)
+        cache.truncate(303)
+        if head * ctx > 1:
+            return cache.read_attention(cfg.layers - 1, q, limit)
+        slots = torch.arange(cache.k.shape[3])
+        visible = (slots[None, None] < limit[..., None]) & (slots < 303)
+        return masked_attention(q, cache.k[cfg.layers - 1], cache.v[cfg.layers - 1], visible)[0]
+
+
+READS = {(2, 2): "dense", (1, 2): "dense", (2, 1): "mqa"}  # head 2 with 1 kv head: replicated over heads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(READS), ids=["head2xctx2", "ctx2", "head2-mqa"])
+def test_a_sharded_cache_read_with_position_limits_is_the_one_process_read(layout, layouts):
+    """read_attention: each rank its heads over its slots (prefilled, decoded, truncated), masked by
+    the slots' positions, merged over ctx and gathered over heads, equals one process's masked
+    attention over the whole cache (a query that sees nothing: 0)."""
+    want = _read(1, 1, READS[layout])
+    for got in layouts[("read", layout)]:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert got[0, 0].abs().max() == 0  # limit 0: nothing visible
+
+
 FOUR = {(case, layout): (_generate, (case, *layout)) for case in CASES for layout in ((2, 2), (1, 4))}
 FOUR[("speculate", (2, 2))] = (_speculate, (2, 2))
 FOUR[("cape", (2, 2))] = (_speculate, (2, 2, True))
+FOUR[("read", (2, 2))] = (_read, (2, 2, READS[(2, 2)]))
 TWO = {(case, (2, 1)): (_generate, (case, 2, 1)) for case in CASES}
 TWO[("speculate", (1, 2))] = (_speculate, (1, 2))
 TWO[("cape", (1, 2))] = (_speculate, (1, 2, True))
+TWO.update({("read", layout): (_read, (*layout, READS[layout])) for layout in ((1, 2), (2, 1))})
 
 
 @pytest.fixture(scope="module")

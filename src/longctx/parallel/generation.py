@@ -59,6 +59,9 @@ class ShardedKVCache(TreeCalls):
         self.v = torch.zeros_like(self.k)
         self.lengths = np.zeros(batch, dtype=np.int64)  # tokens of each row over every rank (positions)
         self.shares = np.zeros((batch, self.c), dtype=np.int64)  # slots of each row held by each ctx rank
+        # the sequence position of each slot this rank holds (-1: none): what a reader that sees only some
+        # positions (a GliDe draft's cross-attention, read_attention) masks by
+        self.slot_positions = np.full((batch, self.capacity), -1, dtype=np.int64)
         self.max_len = max_len
         self.step: CacheStep | None = None
         self._owners = self._before = self._local_step = self._last = None
@@ -82,6 +85,7 @@ class ShardedKVCache(TreeCalls):
         view.__dict__.update(self.__dict__)
         view.k, view.v = self.k[:, start:stop], self.v[:, start:stop]
         view.lengths, view.shares = self.lengths[start:stop], self.shares[start:stop]
+        view.slot_positions = self.slot_positions[start:stop]
         view.step = view._owners = view._before = view._local_step = view._last = None
         return view
 
@@ -113,6 +117,9 @@ class ShardedKVCache(TreeCalls):
     def end(self, ok: bool = True) -> None:
         if ok and self.step is not None:
             self.lengths += self.step.new
+            for r in range(self.batch):
+                js = np.nonzero(self._owners[r] == self.ctx_rank)[0]
+                self.slot_positions[r, self._before[r]:self._before[r] + len(js)] = self.step.start[r] + js
             for j in range(self.step.new):
                 self.shares[np.arange(self.batch), self._owners[:, j]] += 1
             self._last = (self.step.start, self._owners, self._before)
@@ -128,6 +135,7 @@ class ShardedKVCache(TreeCalls):
         for r in range(self.batch):
             for j in range(int(length - start[r]), owners.shape[1]):
                 self.shares[r, owners[r, j]] -= 1
+            self.slot_positions[r, self.local[r]:] = -1
         self.lengths[:] = length
         self._last = None
 
@@ -141,13 +149,16 @@ class ShardedKVCache(TreeCalls):
         start, owners, before = self._last
         kept = np.zeros(owners.shape[1], dtype=bool)
         kept[list(nodes)] = True
+        path = {int(j): i for i, j in enumerate(nodes)}  # a kept token's place on the path = its position - start
         for r in range(self.batch):
             mine = np.nonzero(owners[r] == self.ctx_rank)[0]  # slot before[r] + m holds call token mine[m]
-            src = [int(before[r]) + m for m, j in enumerate(mine) if kept[j]]
-            for dst, slot in enumerate(src, int(before[r])):
+            src = [(int(before[r]) + m, j) for m, j in enumerate(mine) if kept[j]]
+            for dst, (slot, j) in enumerate(src, int(before[r])):
                 if dst != slot:
                     self.k[:, r, :, dst] = self.k[:, r, :, slot]
                     self.v[:, r, :, dst] = self.v[:, r, :, slot]
+                self.slot_positions[r, dst] = int(start[r]) + path[int(j)]
+            self.slot_positions[r, int(before[r]) + len(src):] = -1
             for j in np.nonzero(~kept)[0]:
                 self.shares[r, owners[r, j]] -= 1
         self.lengths[:] = int(start[0]) + len(nodes)
@@ -156,7 +167,22 @@ class ShardedKVCache(TreeCalls):
     def reset(self) -> None:
         self.lengths[:] = 0
         self.shares[:] = 0
+        self.slot_positions[:] = -1
         self.step = None
+
+    def read_attention(self, layer: int, q: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        """Attention [b, n, heads, d] of queries q [b, n, heads, d] (every head, the same on every rank)
+        over this cache's layer `layer`, query i of row r seeing the positions < limit[r, i] ([b, n]):
+        the cache read by another model (a GliDe draft's cross-attention, models/glide.py). Each rank
+        attends its heads over its slots, then the lse merge over ctx and a gather over heads, as in
+        decode. A query that sees no position gets 0."""
+        hl, hr = self.heads_local, self.head_rank
+        q = q[:, :, hr * hl:(hr + 1) * hl]
+        held = int(self.local.max())
+        positions = torch.as_tensor(self.slot_positions[:, :held], device=q.device)
+        visible = (positions[:, None, :] >= 0) & (positions[:, None, :] < limit[:, :, None])
+        out, lse = masked_attention(q, self.k[layer][:, :, :held], self.v[layer][:, :, :held], visible)
+        return _gather_heads(_merge_over(out, lse, self.ctx_mesh) if self.c > 1 else out, self)
 
 
 class _ShardedLayer:
@@ -186,11 +212,7 @@ class _ShardedLayer:
             out, lse = _partial_masked(q, keys, values, c._before, mine, held, c.step)
         if c.c > 1:
             out = _merge_over(out, lse, c.ctx_mesh)
-        if c.h > 1:
-            b, n, _, d = out.shape
-            out = comm.all_gather(out.contiguous(), c.head_mesh, label="decode_heads")  # [h, b, 1, hl, d]
-            out = out.permute(1, 2, 0, 3, 4).reshape(b, n, c.h * hl, d)
-        return out.to(q.dtype)
+        return _gather_heads(out, c).to(q.dtype)
 
 
 def _partial(q, keys, values, step: CacheStep, held: np.ndarray):
@@ -225,6 +247,15 @@ def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held:
                 visible[r, :, before[r] + m] = among[:, j]
         step._masks["visible"] = torch.as_tensor(visible, device=q.device)
     return masked_attention(q, keys[:, :, :length], values[:, :, :length], step._masks["visible"])
+
+
+def _gather_heads(out: torch.Tensor, c: ShardedKVCache) -> torch.Tensor:
+    """[b, n, heads of this rank, d] -> [b, n, heads, d] on every rank of the head group."""
+    if c.h == 1:
+        return out
+    b, n, hl, d = out.shape
+    out = comm.all_gather(out.contiguous(), c.head_mesh, label="decode_heads")  # [h, b, n, hl, d]
+    return out.permute(1, 2, 0, 3, 4).reshape(b, n, c.h * hl, d)
 
 
 def _merge_over(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:
@@ -281,6 +312,7 @@ class ShardedGeneration:
             for block, core in zip(model.layers, cores):
                 block.attention.core = core
         cache.shares[:] = [int((positions < length).sum()) for positions in held]
+        cache.slot_positions[:, :kept] = held[cache.ctx_rank][held[cache.ctx_rank] < length].numpy()
         cache.lengths[:] = length
         logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=tokens.device)
         last = (mine == length - 1).nonzero()
