@@ -172,3 +172,30 @@ def apply_memory_policy(layers: nn.ModuleList, recompute: str, offload_fraction:
             forward = functools.partial(_selective_forward, block=block, chunk=block_chunk)
         block.forward = forward
     return offloader
+
+
+def _glide_selective_forward(x, cos, sin, target_k, target_v, visible, cache=None, doc_ids=None, key_pos=None,
+                             key_doc=None, *, layer):
+    from ..models.glide import cross_attention
+
+    if cache is not None:  # (decoding runs without gradients: nothing to recompute)
+        return type(layer).forward(layer, x, cos, sin, target_k, target_v, visible, cache, doc_ids, key_pos, key_doc)
+    q, k, v = _checkpointed(layer.pre, x, cos, sin)
+    attn = layer.self_attention.core(q, k, v, doc_ids)
+    h, cross_q = _checkpointed(layer.mid, x, attn, cos, sin)
+    cross = cross_attention(cross_q, target_k, target_v, visible, key_pos=key_pos, q_doc=doc_ids, k_doc=key_doc)
+    return _checkpointed(layer.post, h, cross)
+
+
+def apply_glide_memory_policy(layers: nn.ModuleList, recompute: str) -> None:
+    """The policies for GliDe draft layers (models/glide.py GlideLayer): `full` checkpoints each
+    layer (its self-attention recomputed in backward, with its communication); `selective` recomputes
+    the token-wise stages (`pre`, `mid`, `post`) and keeps what both attentions' backwards need (the
+    self-attention core's saved state and the cross-attention's), as for a Block. Offload and
+    block chunks are not offered for draft layers (config/rules.py refuses them)."""
+    check_policy(recompute, 0.0)
+    for layer in layers:
+        if recompute == "full":
+            layer.forward = functools.partial(_checkpointed, functools.partial(type(layer).forward, layer))
+        elif recompute == "selective":
+            layer.forward = functools.partial(_glide_selective_forward, layer=layer)

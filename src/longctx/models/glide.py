@@ -7,11 +7,14 @@ its keys and values are the target's, as cached (grouped like the target's: GQA)
 no embedding or LM head of its own: it uses the target's (frozen), passed to `forward`. So it has
 no long cache to fill at long context: the target's, which exists anyway, is what it reads.
 
-Which of the target's positions a draft position sees is `visible` (per query: the slots before
-it may read). At decode time that is what the target's cache holds: the prompt and every accepted
-token, so every proposal of a round sees the cache as of the last verification. Training sees the
-same thing with `block_stale_visible`: position t sees the target's positions before the start of
-its block of `block` tokens (block = the speculation length), t // block * block of them.
+Which of the target's positions a draft position sees is `visible` (per query: the key positions
+below which it may read). At decode time that is what the target's cache holds: the prompt and
+every accepted token, so every proposal of a round sees the cache as of the last verification.
+Training sees the same thing, block-stale: position t sees the target's positions before the start
+of its block of `block` tokens (block = the speculation length), t // block * block of them
+(`block_stale_visible`); on packed documents t is the position within its document and only that
+document's keys are seen (`block_stale_limit`, with key positions and document ids passed to
+`cross_attention`). train/glide.py trains a draft so, against a frozen target.
 """
 
 from __future__ import annotations
@@ -30,25 +33,81 @@ def block_stale_visible(seq_len: int, block: int, device=None) -> torch.Tensor:
     return torch.arange(seq_len, device=device) // block * block
 
 
+def block_stale_limit(positions: torch.Tensor, block: int) -> torch.Tensor:
+    """Per query at (document-relative) `positions`: the target keys of its document it sees are those
+    at positions below this, the start of its block of `block` tokens."""
+    return torch.div(positions, block, rounding_mode="floor") * block
+
+
+_DOC_SHIFT = 32  # a key's sort code: document id << 32 | position (positions < 2^32)
+
+
+def sequence_codes(doc, pos):
+    """Sort codes of (document id, position) pairs: document id << 32 | position (position alone
+    without documents); ascending in sequence order."""
+    return pos.long() if doc is None else (doc.long() << _DOC_SHIFT) | pos.long()
+
+
 def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                    chunk: int = 1024) -> torch.Tensor:
-    """q [b, n, heads, d] against the target's k/v [b, kv_heads, S, d]: query i of row r sees slots
-    < visible[r, i] ([b, n]). A query that sees none gets 0. Queries go `chunk` at a time, so the
-    mask is [chunk, S], never [n, S] at once."""
+                    chunk: int = 1024, *, key_pos: torch.Tensor | None = None, q_doc: torch.Tensor | None = None,
+                    k_doc: torch.Tensor | None = None) -> torch.Tensor:
+    """q [b, n, heads, d] against the target's k/v [b, kv_heads, S, d] (GQA: query head h reads kv head
+    h // (heads / kv_heads)). Query i of row r sees the keys j with key_pos[r, j] < visible[r, i]
+    ([b, n]) and, with documents, k_doc[r, j] == q_doc[r, i]. key_pos [b, S] defaults to the slot
+    index (a cache: `visible` is then how many slots a query reads). A query that sees no key gets 0.
+
+    The keys must be in sequence order (by document id, then position, as a sequence or a cache
+    holds them; checked): a chunk of queries then sees one contiguous range of keys, found by binary
+    search, and only that range is computed. Queries go `chunk` at a time, so a mask is
+    [chunk, range] at most, never [n, S]; the ranges of every chunk are read to the host at once."""
     b, n, heads, d = q.shape
-    group = heads // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [b, heads, S, d]
-    slots = torch.arange(k.shape[2], device=q.device)
+    kv, S = k.shape[1], k.shape[2]
+    group = heads // kv
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("cross_attention takes document ids for both the queries and the keys, or for neither")
+    if key_pos is None:
+        key_pos = torch.arange(S, device=q.device).expand(b, S)
+    key_codes = sequence_codes(k_doc, key_pos).contiguous()
+    # per query, the first key of its document and the first it may not see
+    lo_all = torch.searchsorted(key_codes, sequence_codes(q_doc, torch.zeros_like(visible)).contiguous())  # [b, n]
+    hi_all = torch.searchsorted(key_codes, sequence_codes(q_doc, visible).contiguous())
+    starts = list(range(0, n, chunk))
+    bounds = [torch.stack([lo_all[:, s:s + chunk].min(), hi_all[:, s:s + chunk].max()]) for s in starts]
+    unsorted = (key_codes[:, 1:] < key_codes[:, :-1]).any().long()[None]
+    plan = torch.cat([*bounds, unsorted]).tolist() if starts else [0]  # the one host read
+    if plan[-1]:
+        raise ValueError("cross_attention needs its keys in sequence order (document ids, then positions, "
+                         "non-decreasing); sort them (and their positions and document ids) first")
     outs = []
-    for start in range(0, n, chunk):
-        qc, vis = q[:, start:start + chunk].transpose(1, 2), visible[:, start:start + chunk]
-        mask = slots[None, None, :] < vis[:, :, None]                               # [b, c, S]
-        out = F.scaled_dot_product_attention(qc, k, v, attn_mask=mask[:, None])     # [b, heads, c, d]
-        outs.append(torch.where((vis > 0)[:, None, :, None], out, torch.zeros_like(out)))
-    return torch.cat(outs, dim=2).transpose(1, 2)
+    for c, s in enumerate(starts):
+        lo, hi = plan[2 * c], plan[2 * c + 1]
+        qc = q[:, s:s + chunk]
+        m = qc.shape[1]
+        if hi <= lo:
+            outs.append(torch.zeros_like(qc))
+            continue
+        mask = key_pos[:, None, lo:hi] < visible[:, s:s + chunk, None]                          # [b, m, keys]
+        if q_doc is not None:
+            mask &= k_doc[:, None, lo:hi] == q_doc[:, s:s + chunk, None]
+        seen = mask.any(-1)                                                                     # [b, m]
+        # a query that sees nothing attends to every key of the range (finite values and gradients)
+        # and its output is zeroed below
+        mask |= ~seen[..., None]
+        # GQA without repeating the keys: a kv head's `group` query heads are its rows of queries
+        qg = qc.reshape(b, m, kv, group, d).permute(0, 2, 1, 3, 4).reshape(b, kv, m * group, d)
+        mg = mask[:, None, :, None, :].expand(b, 1, m, group, hi - lo).reshape(b, 1, m * group, hi - lo)
+        out = F.scaled_dot_product_attention(qg, k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mg)
+        out = out.reshape(b, kv, m, group, d).permute(0, 2, 1, 3, 4).reshape(b, m, heads, d)
+        outs.append(torch.where(seen[:, :, None, None], out, torch.zeros_like(out)))
+    return torch.cat(outs, dim=1) if outs else q.new_zeros(q.shape)
 
 
 class GlideLayer(nn.Module):
+    """Self-attention, cross-attention to the target's K/V, MLP; in stages like a Block (models/llama.py),
+    so memory policies (memory/policies.py apply_glide_memory_policy) can treat them apart: `pre`,
+    `mid` and `post` are token-wise; `self_attention.core` and the cross-attention are where tokens
+    meet (and, sequence-parallel, `self_attention.core` is where ranks communicate)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         heads, hd = cfg.heads, cfg.resolved_head_dim
@@ -61,18 +120,34 @@ class GlideLayer(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
         self.heads, self.head_dim = heads, hd
 
-    def forward(self, x, cos, sin, target_k, target_v, visible, cache=None):
-        """cache: this layer's models/cache.py LayerCache for the draft's own keys (decode), or None
-        (the whole sequence, causal)."""
-        b, n, _ = x.shape
-        if cache is None:
-            h = x + self.self_attention(self.self_norm(x), cos, sin, None)
-        else:
-            q, k, v = self.self_attention.qkv(self.self_norm(x), cos, sin)
-            h = x + self.self_attention.wo(cache.attend(q, k, v).flatten(2))
+    def pre(self, x, cos, sin):
+        """self-attention norm, q/k/v projections, RoPE"""
+        return self.self_attention.qkv(self.self_norm(x), cos, sin)
+
+    def mid(self, x, attn, cos, sin):
+        """self-attention output projection and residual; the cross-attention's query (RoPE on it)"""
+        h = x + self.self_attention.wo(attn.flatten(2))
+        b, n, _ = h.shape
         q = apply_rope(self.cross_q(self.cross_norm(h)).view(b, n, self.heads, self.head_dim), cos, sin)
-        h = h + self.cross_o(cross_attention(q, target_k, target_v, visible).flatten(2))
+        return h, q
+
+    def post(self, h, cross):
+        """cross-attention output projection, residual, MLP norm, MLP, residual"""
+        h = h + self.cross_o(cross.flatten(2))
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward(self, x, cos, sin, target_k, target_v, visible, cache=None, doc_ids=None, key_pos=None,
+                key_doc=None):
+        """cache: this layer's models/cache.py LayerCache for the draft's own keys (decode), or None
+        (the whole sequence, causal within each document of `doc_ids`). The cross-attention's mask:
+        cross_attention's `visible`, `key_pos`, and documents `doc_ids` (queries) / `key_doc` (keys)."""
+        if cache is None:
+            attn = self.self_attention.core(*self.pre(x, cos, sin), doc_ids)
+        else:
+            attn = cache.attend(*self.pre(x, cos, sin))
+        h, q = self.mid(x, attn, cos, sin)
+        cross = cross_attention(q, target_k, target_v, visible, key_pos=key_pos, q_doc=doc_ids, k_doc=key_doc)
+        return self.post(h, cross)
 
 
 class GlideDraft(nn.Module):
@@ -89,11 +164,22 @@ class GlideDraft(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
 
-    def forward(self, target, tokens, positions, target_kv, visible, cache=None) -> torch.Tensor:
+    def forward(self, target, tokens, positions, target_kv, visible, cache=None, *, doc_ids=None,
+                key_positions=None, key_doc_ids=None) -> torch.Tensor:
         """Logits [b, n, vocab] of the draft at `tokens` [b, n] (positions [b, n]), through the
         target's embedding and LM head. target_kv: per draft layer, the target's (k, v) [b, kv, S, d]
-        of its layer; visible [b, n]: the target slots each query may read. cache: the draft's own
-        KVCache (decode: the tokens continue it), or None (training: the whole sequence)."""
+        of its layer; visible [b, n]: per query, the key positions below which it may read the target
+        (key_positions [b, S], default the slot index: decoding passes how many cache slots); with
+        doc_ids [b, n] / key_doc_ids [b, S] only the keys of the query's document (training on packed
+        documents, whose self-attention is then per document too). cache: the draft's own KVCache
+        (decode: the tokens continue it), or None (training: the whole sequence)."""
+        x = self.hidden_states(target, tokens, positions, target_kv, visible, cache, doc_ids=doc_ids,
+                               key_positions=key_positions, key_doc_ids=key_doc_ids)
+        return F.linear(self.norm(x), target.lm_head_weight)
+
+    def hidden_states(self, target, tokens, positions, target_kv, visible, cache=None, *, doc_ids=None,
+                      key_positions=None, key_doc_ids=None) -> torch.Tensor:
+        """The last layer's output [b, n, dim], before the final norm (forward's arguments)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         x = target.tok_embeddings(tokens)
         if cache is not None:
@@ -102,12 +188,13 @@ class GlideDraft(nn.Module):
         try:
             for i, layer in enumerate(self.layers):
                 k, v = target_kv[i]
-                x = layer(x, cos, sin, k, v, visible, None if cache is None else cache.layer(i))
+                x = layer(x, cos, sin, k, v, visible, None if cache is None else cache.layer(i), doc_ids,
+                          key_positions, key_doc_ids)
             ok = True
         finally:
             if cache is not None:
                 cache.end(ok)
-        return F.linear(self.norm(x), target.lm_head_weight)
+        return x
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> GlideDraft:

@@ -320,14 +320,18 @@ class Llama(nn.Module):
         if self.cfg.moe_bias_update_rate > 0:
             update_expert_bias(moe_layers(self), counts, self.cfg.moe_bias_update_rate)
 
-    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", cache=None):
-        """Logits [batch, seq, vocab] without labels; with labels (-100 = ignore) the cross-entropy,
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", cache=None,
+                hidden: bool = False):
+        """Logits [batch, seq, vocab] without labels (with `hidden=True` the final-normed hidden states
+        [batch, seq, dim] instead, for a caller that applies the LM head itself, in chunks: GliDe's
+        distillation, train/glide.py); with labels (-100 = ignore) the cross-entropy,
         averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
         normalise over a larger batch); `"tokens"` (evaluation, no gradient): per token [batch, seq, 2],
         the label's negative log-likelihood and whether it is the greedy choice (ops/loss.py).
         With `cache` (models/cache.py) the tokens continue the cached rows (see hidden_states)."""
         if labels is None:
-            return F.linear(self.hidden_states(tokens, positions, doc_ids, cache=cache), self.lm_head_weight)
+            h = self.hidden_states(tokens, positions, doc_ids, cache=cache)
+            return h if hidden else F.linear(h, self.lm_head_weight)
         # the final norm runs inside the loss, chunk by chunk when the loss is chunked: at long
         # context its fp32 statistics would otherwise be the largest tensor left outside the blocks
         x = self.hidden_states(tokens, positions, doc_ids, final_norm=False, cache=cache)

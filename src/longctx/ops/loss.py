@@ -114,7 +114,9 @@ class _ChunkedLoss(torch.autograd.Function):
         chunk, dtype = ctx.chunk, ctx.dtype
         n = h.shape[0]
         dh = torch.empty_like(h)
-        dw = torch.zeros(weight.shape, dtype=_stat_dtype(weight), device=weight.device)
+        # (a frozen LM head, as a GliDe draft's: no weight gradient to accumulate)
+        dw = torch.zeros(weight.shape, dtype=_stat_dtype(weight), device=weight.device) \
+            if ctx.needs_input_grad[1] else None
         dnorm = None if norm_weight is None else torch.zeros_like(norm_weight, dtype=_stat_dtype(norm_weight))
         mm = dtype or h.dtype
         with torch.autocast(h.device.type, enabled=False):
@@ -138,12 +140,53 @@ class _ChunkedLoss(torch.autograd.Function):
                 g = probs.to(mm)
                 del probs
                 dxn = (g @ weight.to(mm)).to(h.dtype)
-                dw.addmm_(g.t().to(dw.dtype), xn.detach().to(dw.dtype))
+                if dw is not None:
+                    dw.addmm_(g.t().to(dw.dtype), xn.detach().to(dw.dtype))
                 if norm_weight is None:
                     dh[s:e] = dxn
                 else:
                     dx, dwn = torch.autograd.grad(xn, (x, w_n), dxn)
                     dh[s:e] = dx
                     dnorm += dwn
-        return (dh, dw.to(weight.dtype), None, None, None,
+        return (dh, None if dw is None else dw.to(weight.dtype), None, None, None,
                 None if dnorm is None else dnorm.to(norm_weight.dtype), None)
+
+
+def lm_head_distill_loss(h: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, *,
+                         temperature: float = 1.0, chunk: int = 0,
+                         norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """Distillation through one shared LM head: the cross-entropy -sum_v p(v) log q(v) of the student's
+    distribution q = softmax(norm(h) @ weight^T / T) against the teacher's p = softmax(teacher @
+    weight^T / T), summed over the tokens whose labels are not -100 (h [n, dim] the student's last
+    hidden states, teacher [n, dim] the teacher's final-normed ones, no gradient to it).
+
+    With chunk > 0 the tokens go `chunk` at a time, each chunk checkpointed: its two [chunk, vocab]
+    logits exist in forward only while its term is computed, and in backward are recomputed, one
+    chunk at a time, so neither model's [n, vocab] logits ever exist. Logits in the compute dtype
+    (autocast's when active), softmax statistics in fp32, as lm_head_loss."""
+    if h.dim() != 2 or teacher.shape != h.shape or labels.shape != h.shape[:1] or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"lm_head_distill_loss expects h and teacher [n, dim], weight [vocab, dim], labels [n]; got "
+                         f"{tuple(h.shape)}, {tuple(teacher.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
+    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    teacher = teacher.detach()
+    n = h.shape[0]
+    if chunk <= 0 or n <= chunk:
+        return _distill_chunk(h, teacher, labels, weight, norm_weight, eps, temperature, dtype)
+    from torch.utils.checkpoint import checkpoint
+
+    total = None
+    for s in range(0, n, chunk):
+        part = checkpoint(_distill_chunk, h[s:s + chunk], teacher[s:s + chunk], labels[s:s + chunk], weight,
+                          norm_weight, eps, temperature, dtype, use_reentrant=False)
+        total = part if total is None else total + part
+    return total
+
+
+def _distill_chunk(h, teacher, labels, weight, norm_weight, eps, temperature, dtype):
+    with torch.autocast(h.device.type, enabled=False):
+        student = _logits(_normed(h, norm_weight, eps), weight, dtype) / temperature
+        with torch.no_grad():
+            p = torch.softmax(_logits(teacher, weight, dtype) / temperature, dim=-1)
+        ce = torch.logsumexp(student, dim=-1) - (p * student).sum(-1)
+        return torch.where(labels != IGNORE, ce, 0.0).sum()
