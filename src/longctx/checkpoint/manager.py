@@ -61,6 +61,7 @@ from .manifest import (
     MANIFEST,
     CheckpointError,
     DamagedManifest,
+    check_draft_matches,
     check_model_matches,
     checkpoint_files,
     collect_hashes_parts,
@@ -164,9 +165,11 @@ class _Worker:
 
 class CheckpointManager:
     def __init__(self, root: Path, *, keep: int, async_save: bool, rank: int, world: int, layout: dict,
-                 model_cfg: dict, log=print, create: bool = True, tokenizer: str | None = None):
+                 model_cfg: dict, log=print, create: bool = True, tokenizer: str | None = None,
+                 draft: dict | None = None):
         self.root, self.keep, self.async_save = Path(root), keep, async_save
         self.tokenizer = tokenizer  # recorded in the manifest: what `longctx eval` encodes text with
+        self.draft = draft  # a GliDe draft run's record (train/glide.py), in the manifest; None for a model
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
         # they get their own group so they never interleave with the training loop's on the default group.
@@ -267,7 +270,7 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
-                       tokenizer=self.tokenizer)
+                       tokenizer=self.tokenizer, draft=self.draft)
         final = self.root / step_name(step)
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
             trash = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
@@ -371,6 +374,7 @@ class CheckpointManager:
         if manifest is None:
             manifest = self.verified_manifest(path)
         check_model_matches(manifest, self.model_cfg, path)
+        check_draft_matches(manifest, None if self.draft is None else self.draft["layers"], path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         with _single_process(self.world == 1):

@@ -89,9 +89,12 @@ def collect_hashes_parts(directory: Path, ranks) -> dict[str, dict]:
 
 
 def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
-                   hashes: dict[str, dict] | None = None, tokenizer: str | None = None) -> dict:
+                   hashes: dict[str, dict] | None = None, tokenizer: str | None = None,
+                   draft: dict | None = None) -> dict:
     """Write manifest.json (last, atomically). `hashes` are the ranks' checksums of their files; any file
-    on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file."""
+    on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file.
+    `draft`: a GliDe draft's record (train/glide.py: its target, layers, block, loss); the checkpoint
+    then holds the draft's weights only, and `model` is its target's config."""
     hashes = dict(hashes or {})
     missing = [rel for rel in checkpoint_files(directory) if rel not in hashes]
     hashes.update(hash_files(directory, missing))
@@ -101,6 +104,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
         "layout": layout,
         "model": model,
         "tokenizer": tokenizer,
+        **({"draft": draft} if draft else {}),
         "files": [{"path": rel, **hashes[rel]} for rel in sorted(hashes)],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "longctx": __version__,
@@ -194,3 +198,24 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
             f"checkpoint {where} was written for another model ({details}). Configure the same model shape "
             f"(e.g. {same}) or start without --checkpoint.resume. Nothing was loaded."
         )
+
+
+def check_draft_matches(manifest: dict, draft_layers: int | None, where: Path) -> None:
+    """A run resumes only a checkpoint of its own kind: a GliDe draft run (draft_layers: its draft.layers)
+    a draft's checkpoint with as many layers, a model run (None) a model's."""
+    saved = manifest.get("draft")
+    if saved and draft_layers is None:
+        raise CheckpointError(
+            f"checkpoint {where} holds a GliDe draft (trained against {saved.get('target', {}).get('path')!r}), not "
+            f"a model: a run without draft.target cannot resume it. Resume it with its own config (--draft.target), "
+            f"or start without --checkpoint.resume. Nothing was loaded.")
+    if draft_layers is not None and not saved:
+        raise CheckpointError(
+            f"checkpoint {where} holds a model, not a GliDe draft: a draft run (draft.target set) resumes only a "
+            f"draft's checkpoint. Name one of this draft run's checkpoints, or start without --checkpoint.resume. "
+            f"Nothing was loaded.")
+    if saved and saved.get("layers") != draft_layers:
+        raise CheckpointError(
+            f"checkpoint {where} holds a GliDe draft of {saved.get('layers')} layers, but draft.layers is "
+            f"{draft_layers}; set --draft.layers {saved.get('layers')} or start without --checkpoint.resume. Nothing "
+            f"was loaded.")

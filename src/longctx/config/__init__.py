@@ -20,6 +20,7 @@ from .schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    DraftConfig,
     MemoryConfig,
     MetricsConfig,
     ModelConfig,
@@ -28,7 +29,7 @@ from .schema import (
 )
 
 __all__ = [
-    "MODEL_PRESETS", "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "MemoryConfig", "MetricsConfig",
-    "ModelConfig", "ParallelConfig", "TrainConfig", "build_config", "build_model_config", "fields_by_key",
-    "load_config", "parse_overrides", "read_raw", "read_toml", "to_dict", "to_toml",
+    "MODEL_PRESETS", "SECTIONS", "CheckpointConfig", "Config", "DataConfig", "DraftConfig", "MemoryConfig",
+    "MetricsConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "build_config", "build_model_config",
+    "fields_by_key", "load_config", "parse_overrides", "read_raw", "read_toml", "to_dict", "to_toml",
 ]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint.paths import MANIFEST, CheckpointError, resolve_checkpoint
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 from .schema import MOE_FAMILIES, ModelConfig, parse_layer_list
 
 
@@ -399,6 +399,11 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
 def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
     """(the checkpoint directory, its manifest's [model]) for init_from = a longctx checkpoint."""
     path, manifest = checkpoint_manifest(init_from)
+    if isinstance(manifest, dict) and manifest.get("draft"):
+        raise HFFormatError(
+            f"model.init_from = {init_from!r}: {path} is a GliDe draft's checkpoint (trained against "
+            f"{manifest['draft'].get('target', {}).get('path')!r}), not a model to start from; a draft is used beside "
+            f"its target (longctx generate --draft), and draft.target names the target itself.")
     try:
         return path, manifest["model"]
     except (KeyError, TypeError) as e:
@@ -418,6 +423,34 @@ def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
         return path, json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise HFFormatError(f"model.init_from: {path / MANIFEST} cannot be read ({e}).") from None
+
+
+def check_draft_target(target: str) -> None:
+    """draft.target names weights a GliDe draft can be trained against: a local Hugging Face directory
+    with config.json (hf:DIR), or a complete longctx checkpoint of a model (not another draft's)."""
+    if target.startswith("hf:"):
+        path = hf_dir(target)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"draft.target = {target!r}: {path} is not a Hugging Face model directory (no "
+                                f"config.json); pass hf:DIR with config.json and safetensors weights, or DIR, a "
+                                f"longctx checkpoint.")
+        return
+    try:
+        path = resolve_checkpoint(target, Path(target))
+    except CheckpointError:
+        path = None
+    if path is None:
+        raise ConfigError(f"draft.target = {target!r} holds no complete longctx checkpoint (a step-* directory with "
+                            f"{MANIFEST}, or a checkpoints directory holding them); train the target first (longctx "
+                            f"train with --checkpoint.interval N saves them), or hf:DIR for Hugging Face weights.")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"draft.target: {path / MANIFEST} cannot be read ({e}).") from None
+    if isinstance(manifest, dict) and manifest.get("draft"):
+        raise ConfigError(f"draft.target = {target!r}: {path} is itself a GliDe draft's checkpoint; name the model "
+                            f"it drafts for (its manifest's draft.target.path: "
+                            f"{manifest['draft'].get('target', {}).get('path')!r}).")
 
 
 def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .hf import resolve_init_from
+from .hf import check_draft_target, resolve_init_from
 from .rules import parse_stages, validate
-from .schema import MODEL_PRESETS, Config, ModelConfig, TrainConfig
+from .schema import MODEL_PRESETS, Config, DraftConfig, ModelConfig, TrainConfig
 from .tokenizer import resolve_tokenizer
 
 if sys.version_info >= (3, 11):
@@ -229,11 +229,29 @@ def _staged_train_values(values: dict[str, Any]) -> dict[str, Any]:
     return {**values, **derived}
 
 
+def _draft_target(raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """With draft.target set the model is the target's: the target's weights become model.init_from,
+    so its shapes, RoPE and tokenizer are read as init_from reads them (hf.py, tokenizer.py)."""
+    target = raw.get("draft", {}).get("target", "")
+    if not target:
+        return raw
+    target = _coerce("draft.target", target, fields_by_key(DraftConfig)["target"])
+    check_draft_target(target)
+    model = dict(raw.get("model", {}))
+    given = model.get("init_from")
+    if given and given != target:
+        raise ConfigError(f"draft.target = {target!r} makes the model the target's (it sets model.init_from), but "
+                          f"model.init_from = {given!r} is given too; drop model.init_from.")
+    model["init_from"] = target
+    return {**raw, "model": model}
+
+
 def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     """A validated Config from {section: {key: value}} (unset keys take their defaults)."""
     for section in raw:
         if section not in SECTIONS:
             _lookup(section, "")
+    raw = _draft_target(raw)
     sections: dict[str, Any] = {}
     for section in SECTIONS:  # model first: data.tokenizer follows the model's weights
         sections[section] = _build_section(section, dict(raw.get(section, {})), sections)

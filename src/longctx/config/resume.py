@@ -108,6 +108,7 @@ def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
         return
     kinds = {
         "the model": [d for d in diffs if d[0] == "model"],
+        "the draft": [d for d in diffs if d[0] == "draft"],
         "the data": [d for d in diffs if d[0] == "data" and d[1] not in DATA_NEUTRAL],
         "saving (checkpoint.interval 0: nothing after this point would be saved)":
             [d for d in diffs if d[:2] == ("checkpoint", "interval") and not d[3]],
@@ -117,7 +118,8 @@ def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
         return
     said = "; ".join(f"{what}: " + ", ".join(f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in ds)
                      for what, ds in found.items())
+    fresh = ("a new draft run in another --train.run_dir" if cfg.draft.target else  # (a draft is no init_from)
+             f"a new run from its weights with --model.init_from {run_dir / 'checkpoints'}")
     raise ConfigError(
         f"this resume of {run_dir} would change {said}. A resume continues the run with its saved settings, so "
-        f"this is refused unless asked for: add --checkpoint.allow_changes true to do it anyway, or start a new "
-        f"run from its weights with --model.init_from {run_dir / 'checkpoints'}.")
+        f"this is refused unless asked for: add --checkpoint.allow_changes true to do it anyway, or start {fresh}.")

@@ -44,7 +44,8 @@ def memory_policy_problems(recompute: str, offload_fraction, block_chunk: int = 
 def validate(cfg: Config) -> None:
     """Reject impossible values and combinations; all problems are reported together."""
     problems: list[str] = []
-    for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules):
+    for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules,
+                          _draft_rules):
         section_rules(cfg, problems)
     if problems:
         raise ConfigError(" ".join(problems))
@@ -362,3 +363,27 @@ def parse_signals(text: str) -> list:
                               f"such as SIGTERM,SIGUSR1 (or '' for none).")
         out.append(signal.Signals[name])
     return out
+
+
+def _draft_rules(cfg: Config, problems: list[str]) -> None:
+    """[draft]: its numbers, and what GliDe draft training (train/glide.py) supports."""
+    d, m, mem = cfg.draft, cfg.model, cfg.memory
+    if d.layers < 1:
+        problems.append(f"draft.layers must be at least 1, got {d.layers}.")
+    elif d.target and m.layers > 0 and d.layers > m.layers:
+        problems.append(f"draft.layers ({d.layers}) must be at most the target's layers ({m.layers}): draft layer i "
+                        f"reads target layer {m.layers} - {d.layers} + i.")
+    if d.block < 1:
+        problems.append(f"draft.block (the speculation length the block-stale mask trains for) must be at least 1, "
+                        f"got {d.block}.")
+    if not d.kd_temperature > 0:
+        problems.append(f"draft.kd_temperature must be positive, got {d.kd_temperature}.")
+    if not d.target:
+        return
+    if m.is_moe:
+        problems.append("draft.target is a Mixture-of-Experts model; GliDe draft training supports dense targets "
+                        "only for now.")
+    if mem.offload_fraction != 0 or mem.block_chunk or mem.attention_offload:
+        problems.append("GliDe draft training supports memory.recompute (none, selective, full), "
+                        "memory.attention_chunk and memory.loss_chunk; drop memory.offload_fraction, "
+                        "memory.block_chunk and memory.attention_offload.")

@@ -350,6 +350,25 @@ class MetricsConfig:
     progress: bool = _opt(True, "show a progress bar")
 
 
+DRAFT_LOSSES = ("ce", "kd")  # draft.loss
+
+
+@dataclass
+class DraftConfig:
+    """[draft]: train a GliDe draft model (models/glide.py, train/glide.py) against a frozen target."""
+    target: str = _opt("", "'' = a normal run; DIR (a longctx checkpoint, or a checkpoints directory for its latest) "
+                           "or hf:DIR: train a GliDe draft against this frozen target, whose model config and "
+                           "tokenizer the run takes (it sets model.init_from); only the draft is optimised and saved")
+    layers: int = _opt(1, "GliDe draft layers; layer i cross-attends to the target's keys and values of its layer "
+                          "L - layers + i (1..the target's layers)")
+    loss: str = _opt("ce", "ce: next-token cross-entropy on the labels; kd: cross-entropy of the draft's "
+                           "distribution against the target's (both at draft.kd_temperature), on the labelled tokens",
+                     choices=DRAFT_LOSSES)
+    block: int = _opt(4, "speculation length the block-stale mask trains for: a token at position p of its document "
+                         "sees the target's keys of that document before p // block * block")
+    kd_temperature: float = _opt(1.0, "softmax temperature of both distributions under draft.loss = kd")
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -359,6 +378,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
 
 
 

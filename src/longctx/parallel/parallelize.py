@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from ..memory.policies import apply_memory_policy
+from ..memory.policies import apply_glide_memory_policy, apply_memory_policy
 from ..models.compile import compile_token_wise_stages
 from ..models.llama import local_attention
 from ..models.moe import MoEFeedForward
@@ -39,6 +39,7 @@ from . import comm
 from .attention import distributed_attention
 from .comm import sub_mesh
 from .expert import use_expert_parallel
+from .sequence import gather_shards
 
 
 def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window, attention_chunk=0, attention_offload=False):
@@ -93,13 +94,16 @@ def use_attention_chunks(model, chunk: int, offload: bool) -> None:
     if not chunk:
         return
     for block in model.layers:
-        core = block.attention.core
-        if isinstance(core, functools.partial) and core.func is _sequence_parallel_core:
-            block.attention.core = functools.partial(core, attention_chunk=chunk, attention_offload=offload)
-        elif core is local_attention:
-            block.attention.core = functools.partial(chunked_local_attention, chunk=chunk, offload=offload)
-        else:
-            raise ValueError(f"memory.attention_chunk does not know the attention core {core!r}")
+        block.attention.core = chunked_core(block.attention.core, chunk, offload)
+
+
+def chunked_core(core, chunk: int, offload: bool):
+    """An attention core (the single-device one, or 2D sequence parallel) run in chunks of `chunk` tokens."""
+    if isinstance(core, functools.partial) and core.func is _sequence_parallel_core:
+        return functools.partial(core, attention_chunk=chunk, attention_offload=offload)
+    if core is local_attention:
+        return functools.partial(chunked_local_attention, chunk=chunk, offload=offload)
+    raise ValueError(f"memory.attention_chunk does not know the attention core {core!r}")
 
 
 def apply_memory(model, memory_cfg, device_type: str) -> None:
@@ -145,6 +149,38 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
                                                                       "expert_data"),
                             mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
             fully_shard(block, mesh=shard_mesh, mp_policy=mp)
+        fully_shard(model, mesh=shard_mesh, mp_policy=mp)
+    return model
+
+
+def parallelize_draft(model, dims, cfg, mesh, device_type: str = "cpu"):
+    """A GliDe draft's training model (train/glide.py GlideTraining, whose frozen target is
+    parallelised apart, by `parallelize`), in the same order as parallelize:
+      1. the draft layers' self-attention becomes 2D sequence-parallel attention like the target's,
+         and under head x ctx the model all-gathers the target's captured K/V (with their positions
+         and document ids) over the head x ctx ranks for the cross-attention (`kv_gather`);
+      2. attention chunks, the draft layers' recompute policy (memory/policies.py
+         apply_glide_memory_policy), the loss chunking;
+      3. FSDP2 on every draft layer, then on the root (the draft's final norm), over the same ranks
+         as the target's; the target is not a submodule, so it is neither optimised nor saved."""
+    core = sequence_parallel_core(dims, mesh)
+    if core is not None:
+        for layer in model.draft.layers:
+            layer.self_attention.core = core
+        model.kv_gather = functools.partial(gather_shards, mesh=mesh, label="glide_kv")
+    mem = cfg.memory
+    if mem.attention_chunk:
+        for layer in model.draft.layers:
+            layer.self_attention.core = chunked_core(layer.self_attention.core, mem.attention_chunk, False)
+    apply_glide_memory_policy(model.draft.layers, mem.recompute)
+    model.loss_chunk = mem.loss_chunk
+    if dims.world_size > 1:
+        shard_mesh = fsdp_mesh(dims, device_type)
+        bf16 = gathers_in_bf16(device_type, cfg.train.dtype)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                  reduce_dtype=torch.float32 if bf16 else None)
+        for layer in model.draft.layers:
+            fully_shard(layer, mesh=shard_mesh, mp_policy=mp)
         fully_shard(model, mesh=shard_mesh, mp_policy=mp)
     return model
 

@@ -55,6 +55,20 @@ def unshard_sequence(local: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tenso
     return out.index_copy_(seq_dim, order, gathered)
 
 
+def gather_shards(local: torch.Tensor, mesh, seq_dim: int = 1, label: str = "gather_shards") -> torch.Tensor:
+    """Every head x ctx rank's shard of a sequence tensor, concatenated along seq_dim in rank order
+    (ctx rank major, head rank minor): the whole sequence, but in an order that is not its own (under
+    any split, zigzag or documents'; unshard_sequence restores that order for the zigzag split).
+    For callers that carry each token's position and document id along and need no more (GliDe's
+    cross-attention: train/glide.py). Communicates; no gradient."""
+    c, h, _, _ = _degrees(mesh)
+    for dim, size in (("head", h), ("ctx", c)):
+        if size > 1:
+            parts = comm.all_gather(local.contiguous(), comm.sub_mesh(mesh, dim), label=label)
+            local = torch.cat(list(parts.unbind(0)), dim=seq_dim)
+    return local
+
+
 # ----------------------------------------------------------------------------------------------
 # Layouts that follow the documents
 

@@ -38,6 +38,10 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
     every layout starts identical) or from the Hugging Face safetensors (each rank reading only its
     rows). No rank ever holds the whole model. memory.offload_fraction must be resolved
     (resolve_offload)."""
+    if cfg.draft.target:  # a GliDe draft trained against a frozen target (train/glide.py)
+        from .glide import build_glide_training
+
+        return build_glide_training(cfg, device, rt, log)
     model = build_model(cfg.model, device="meta")
     model = parallelize(model, rt.dims, cfg, rt.mesh, device.type)
     model.to_empty(device=device)
@@ -45,16 +49,24 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
     if not source:
         model.init_weights(cfg.train.seed)
         return model
+    path = load_weights(model, source, rt, log)
+    changed = init_from_changes(cfg)
+    log(f"model: {cfg.model.family} weights from {path}" +
+        (f"; changed for this run: {', '.join(changed)}" if changed else ""))
+    return model
+
+
+def load_weights(model: Llama, source: str, rt: Runtime, log=print) -> Path:
+    """Fill a materialised (possibly sharded) model from `source`: hf:DIR's safetensors or a longctx
+    checkpoint (DIR, or a checkpoints directory for its latest), each rank reading its own shards;
+    returns the directory read."""
     if source.startswith("hf:"):
         path = hf_dir(source)
         load_hf_weights(model, path)
     else:
         path = resolve_checkpoint(source, Path(source))
         load_weights_into(path, model, rt, log)
-    changed = init_from_changes(cfg)
-    log(f"model: {cfg.model.family} weights from {path}" +
-        (f"; changed for this run: {', '.join(changed)}" if changed else ""))
-    return model
+    return path
 
 
 def init_from_changes(cfg: Config) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint.manifest import check_model_matches, read_manifest
+from ..checkpoint.manifest import check_draft_matches, check_model_matches, read_manifest
 from ..config import Config, to_dict
 from ..config.hf import hf_dir
 from ..config.rules import parse_synthetic
@@ -62,7 +62,9 @@ def _check_resume(cfg: Config) -> None:
                               "--checkpoint.dir); without one, each run gets a new directory with no checkpoints.")
     target = resume_target(cfg, run_dir or Path("."))
     if target is not None:
-        check_model_matches(read_manifest(target), to_dict(cfg)["model"], target)
+        manifest = read_manifest(target)
+        check_model_matches(manifest, to_dict(cfg)["model"], target)
+        check_draft_matches(manifest, cfg.draft.layers if cfg.draft.target else None, target)
     check_run_dir(cfg, target)
 
 

@@ -89,7 +89,7 @@ class Trainer:
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
         self.model = build_training_model(cfg, self.device, rt, self.log)
-        self.moe = cfg.model.is_moe
+        self.moe = cfg.model.is_moe and not cfg.draft.target  # (a GliDe draft trains no routers)
         # the last step's router figures (models/moe.py RouterTerms: stats, and choices per expert)
         self.router_stats: torch.Tensor | None = None
         self.router_counts: torch.Tensor | None = None

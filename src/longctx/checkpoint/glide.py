@@ -1,0 +1,88 @@
+"""Reading GliDe draft checkpoints (written by `longctx train --draft.target`, train/glide.py) for
+generation: `glide_manifest(path)` says whether a checkpoint is a draft's and what it was trained
+against; `load_glide_draft(path, target_model, device)` builds the draft beside a loaded target.
+
+A draft checkpoint holds the draft's own weights only (state-dict keys `draft.*`); its manifest's
+`model` is the target's config and its `draft` record names the target (resolved path and model
+config) and the draft's layers, block and loss. The embedding and LM head are the target's, read
+at decode time from the target model itself (models/glide.py GlideDraft.forward).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..errors import ConfigError
+from ..models.glide import GlideDraft
+from .manager import _single_process
+from .manifest import read_manifest, verify
+from .paths import CheckpointError, resolve_checkpoint
+
+# ModelConfig fields that do not change what the target computes: a draft trained against weights
+# loaded under another preset name, path or initialisation, or another max_seq_len, still fits
+_NOT_COMPUTED = ("preset", "init_from", "init_std", "max_seq_len")
+_PREFIX = "draft."
+
+
+def _checkpoint_dir(path) -> Path | None:
+    try:
+        return resolve_checkpoint(str(path), Path(path))
+    except CheckpointError:
+        return None
+
+
+def glide_manifest(path) -> dict | None:
+    """The `draft` record of a GliDe draft checkpoint at `path` (a step-* directory, or a checkpoints
+    directory for its latest), with `checkpoint` (the step directory) and `tokenizer` added; None
+    when `path` holds no complete checkpoint or a checkpoint that is not a draft's."""
+    found = _checkpoint_dir(path)
+    if found is None:
+        return None
+    manifest = read_manifest(found)
+    record = manifest.get("draft")
+    if not isinstance(record, dict) or record.get("kind") != "glide":
+        return None
+    return {**record, "checkpoint": str(found), "tokenizer": manifest.get("tokenizer")}
+
+
+def target_differences(record: dict, target_cfg) -> list[str]:
+    """What differs between the model config a draft was trained against and `target_cfg` (a
+    ModelConfig): "field: draft's target X, given Y" per field that changes what the target computes."""
+    saved, given = record["target"]["model"], vars(target_cfg)
+    return [f"{k}: the draft's target {saved.get(k)!r}, given {v!r}" for k, v in given.items()
+            if k not in _NOT_COMPUTED and k in saved and saved[k] != v]
+
+
+def load_glide_draft(path, target_model, device=None) -> GlideDraft:
+    """The GliDe draft saved at `path`, on `device` (default the target's) in the target's dtype,
+    ready to draft for `target_model` (a models/llama.py Llama with the same model config as the one
+    the draft was trained against; its `block` attribute is the speculation length it was trained
+    for). Checksums are verified first. A ConfigError when `path` is not a draft's checkpoint or its
+    target's model config differs from target_model.cfg."""
+    record = glide_manifest(path)
+    if record is None:
+        what = "holds no complete checkpoint" if _checkpoint_dir(path) is None else "is not a GliDe draft's checkpoint"
+        raise ConfigError(f"{path} {what} (a draft's manifest has a `draft` record); train one with `longctx train "
+                          f"--config configs/glide.toml --draft.target TARGET`.")
+    diffs = target_differences(record, target_model.cfg)
+    if diffs:
+        raise ConfigError(f"the GliDe draft {record['checkpoint']} was trained against another model "
+                          f"({record['target']['path']}): {'; '.join(diffs)}. Use it with that target, or train a "
+                          f"draft against this one.")
+    found = Path(record["checkpoint"])
+    verify(found, checksums=True)
+    weight = target_model.lm_head_weight
+    device = weight.device if device is None else torch.device(device)
+    draft = GlideDraft(target_model.cfg, int(record["layers"])).to(device=device)
+    own = draft.state_dict()
+    state = {"model": {_PREFIX + k: v for k, v in own.items()}}
+    with _single_process(True):
+        dcp.load(state, checkpoint_id=str(found), no_dist=True)
+    draft.load_state_dict({k.removeprefix(_PREFIX): v for k, v in state["model"].items()})
+    for p in draft.parameters():  # (not the buffers: the RoPE frequencies stay fp32)
+        p.data = p.data.to(weight.dtype)
+    draft.block = int(record["block"])
+    return draft.eval()

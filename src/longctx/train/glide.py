@@ -1,0 +1,206 @@
+"""GliDe draft training: `longctx train --config configs/glide.toml --draft.target DIR`.
+
+With draft.target set, the model the Trainer optimises is `GlideTraining`: a GliDe draft
+(models/glide.py) trained against a frozen target, whose model config and tokenizer the run takes
+(config/load.py sets model.init_from to the target).
+
+- The target (a Llama: requires_grad False, eval) is parallelised like a trained model (2D
+  sequence-parallel attention in the run's head x ctx layout, FSDP2 over the same ranks; no
+  recompute policy, nothing is saved for a backward) and runs forward under no_grad once per
+  micro-batch. The attention core of each layer the draft reads (`draft.target_layers`, its last
+  `draft.layers`) is wrapped so the keys and values Block.pre produced (after RoPE: what a cache
+  holds; this rank's shard of them) are captured on the way: no extra target forward.
+- Block-stale cross-attention: a query at document-relative position p of document d sees the
+  target's keys of document d at positions below p // block * block (block = draft.block, the
+  speculation length): exactly the cache as of the last verification at decode time. A query
+  that sees none (the first block of each document) gets 0.
+- Under head x ctx, the captured K/V of those layers, with each key's position and document id, are
+  all-gathered over the head x ctx ranks (parallel/sequence.py gather_shards, through comm.py; no
+  gradient: the target is frozen), sorted into sequence order, and each rank's queries attend to
+  them with the mask from the global document-relative positions: exact, and simple. Its cost: per
+  draft layer, every rank holds that target layer's K and V for the WHOLE sequence during the step
+  (2 x S x kv_heads x head_dim values per row, in the compute dtype, plus two int64 per key), not
+  1 / (head x ctx) of it; a ring over ctx, as the self-attention has, is future work.
+- Embedding and LM head are the target's, frozen: full copies taken once from its (sharded)
+  weights and held as buffers (`FrozenHead`: vocab x dim per rank, one tensor when tied); FSDP does
+  not unshard a root's parameters outside its forward, so the target's own cannot be called here.
+  Not saved: a draft checkpoint holds the draft's own weights only.
+- Loss: `ce` the next-token cross-entropy on the labels (summed; the Trainer normalises as for any
+  model), `kd` the cross-entropy of the draft's distribution against the target's (both at
+  draft.kd_temperature) on the labelled tokens; both chunked over tokens by memory.loss_chunk
+  (ops/loss.py), so neither model's [tokens, vocab] logits exist at once.
+- Only the draft's parameters are optimised and checkpointed (the target is not a submodule); the
+  manifest's `draft` record names the target (its resolved path and model config) and the draft's
+  layers, block and loss. checkpoint/glide.py reads such checkpoints back for generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..config import Config, to_dict
+from ..config.hf import hf_dir
+from ..models.glide import GlideDraft, block_stale_limit, sequence_codes
+from ..models.llama import Llama, build_model
+from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss
+from ..parallel.parallelize import parallelize, parallelize_draft
+from ..parallel.runtime import Runtime
+from .model import load_weights
+
+
+class FrozenHead(nn.Module):
+    """The target's input embedding and LM head, frozen: full tensors held as buffers that are not
+    saved (state_dict leaves them out). The draft reads them as it reads a target's (`tok_embeddings`,
+    `lm_head_weight`)."""
+
+    def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("embed", embed, persistent=False)
+        self.tied = lm_head is None
+        if not self.tied:
+            self.register_buffer("lm_head", lm_head, persistent=False)
+
+    def tok_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.embed)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed if self.tied else self.lm_head
+
+
+class _Capture:
+    """A target layer's attention core that also leaves its (k, v) in `sink[index]`."""
+
+    def __init__(self, core, sink: dict, index: int):
+        self.core, self.sink, self.index = core, sink, index
+
+    def __call__(self, q, k, v, doc_ids):
+        self.sink[self.index] = (k, v)
+        return self.core(q, k, v, doc_ids)
+
+
+class GlideTraining(nn.Module):
+    """A GliDe draft and its frozen target, as one model for the Trainer: forward(tokens, positions,
+    doc_ids, labels, loss_reduction) like Llama's. Its parameters, state dict and FSDP units are the
+    draft's alone (`draft.*`); the target is held outside the module tree."""
+
+    def __init__(self, draft: GlideDraft, target: Llama, head: FrozenHead, *, loss: str = "ce", block: int = 4,
+                 kd_temperature: float = 1.0, record: dict | None = None):
+        super().__init__()
+        if loss not in ("ce", "kd"):
+            raise ValueError(f"draft.loss must be ce or kd, got {loss!r}")
+        self.draft, self.head = draft, head
+        object.__setattr__(self, "target", target)  # not a submodule: never optimised, saved or sharded with the draft
+        self.loss, self.block, self.kd_temperature = loss, block, kd_temperature
+        self.checkpoint_record = record  # the manifest's `draft` entry (CheckpointManager)
+        self.kv_gather = None  # under head x ctx: gathers a local sequence shard over the ranks (parallelize_draft)
+        self.loss_chunk = 0    # tokens per chunk of the LM head + loss (memory.loss_chunk)
+        self._captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in draft.target_layers:
+            attention = target.layers[i].attention
+            attention.core = _Capture(attention.core, self._captured, i)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The draft's layers (what metrics count as blocks)."""
+        return self.draft.layers
+
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
+        """The draft's logits [b, n, vocab] without labels; with labels its loss (draft.loss), summed
+        over the valid labels (`"sum"`) or averaged (`"mean"`)."""
+        b, n = tokens.shape
+        if positions is None:
+            positions = torch.arange(n, device=tokens.device).expand(b, n)
+        teacher, kv, key_pos, key_doc = self._target(tokens, positions, doc_ids)
+        x = self.draft.hidden_states(self.head, tokens, positions, kv, block_stale_limit(positions, self.block),
+                                     doc_ids=doc_ids, key_positions=key_pos, key_doc_ids=key_doc)
+        weight = self.head.lm_head_weight
+        if labels is None:
+            return F.linear(self.draft.norm(x), weight)
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"a GliDe draft's loss_reduction is sum or mean, got {loss_reduction!r}")
+        norm = (self.draft.norm.weight, self.draft.norm.eps)
+        if self.loss == "kd":
+            total = lm_head_distill_loss(x.flatten(0, 1), weight, teacher.flatten(0, 1), labels.flatten(),
+                                         temperature=self.kd_temperature, chunk=self.loss_chunk, norm=norm)
+        else:
+            total = lm_head_loss(x.flatten(0, 1), weight, labels.flatten(), chunk=self.loss_chunk, reduction="sum",
+                                 norm=norm)
+        if loss_reduction == "sum":
+            return total
+        return total / (labels != IGNORE).sum().clamp(min=1)
+
+    @torch.no_grad()
+    def _target(self, tokens, positions, doc_ids):
+        """The target's forward: its final-normed hidden states (the teacher of kd), and per draft layer
+        the captured (k, v) [b, kv_heads, S, d] with the keys' positions and document ids [b, S]
+        (gathered over the head x ctx ranks and sorted into sequence order under a layout)."""
+        self._captured.clear()
+        try:
+            teacher = self.target(tokens, positions, doc_ids, hidden=True)
+        finally:
+            reshard = getattr(self.target, "reshard", None)
+            if reshard is not None:  # FSDP keeps a root's parameters gathered after forward, for a backward
+                reshard()            # that a frozen target never runs
+        kv = [self._captured.pop(i) for i in self.draft.target_layers]
+        self._captured.clear()
+        if self.kv_gather is None:
+            return teacher, [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kv], positions, doc_ids
+        gather = self.kv_gather
+        key_pos = gather(positions)
+        key_doc = None if doc_ids is None else gather(doc_ids)
+        order = torch.argsort(sequence_codes(key_doc, key_pos), dim=1)
+        rows = torch.arange(order.shape[0], device=order.device)[:, None]
+        key_pos = key_pos[rows, order]
+        key_doc = None if key_doc is None else key_doc[rows, order]
+        kv = [(gather(k)[rows, order].transpose(1, 2), gather(v)[rows, order].transpose(1, 2)) for k, v in kv]
+        return teacher, kv, key_pos, key_doc
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value on this rank (gathered from its shards under FSDP), detached."""
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+
+
+def target_path(source: str) -> Path:
+    """The directory draft.target names, resolved (a checkpoints directory: its latest checkpoint)."""
+    if source.startswith("hf:"):
+        return hf_dir(source).resolve()
+    from ..checkpoint.paths import resolve_checkpoint
+
+    return resolve_checkpoint(source, Path(source)).resolve()
+
+
+def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> GlideTraining:
+    """The target built on meta, parallelised, materialised and loaded from draft.target (each rank its
+    shards), frozen; the draft built and initialised from train.seed (the same full values on every
+    rank, then sharded), and parallelised (parallel/parallelize.py parallelize_draft)."""
+    d = cfg.draft
+    # the target saves nothing for a backward: no recompute policy, no offload (attention chunks stay)
+    frozen = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none", offload_fraction=0.0,
+                                                                 block_chunk=0, attention_offload=False))
+    target = build_model(cfg.model, device="meta")
+    target.requires_grad_(False)
+    target = parallelize(target, rt.dims, frozen, rt.mesh, device.type)
+    target.to_empty(device=device)
+    path = load_weights(target, d.target, rt, log)
+    target.requires_grad_(False)
+    target.eval()
+    tied = target.output is None
+    head = FrozenHead(_full(target.tok_embeddings.weight), None if tied else _full(target.output.weight))
+    draft = GlideDraft(cfg.model, d.layers).to(device)
+    draft.init_weights(cfg.train.seed)
+    record = {"kind": "glide", "target": {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"]},
+              "layers": d.layers, "block": d.block, "loss": d.loss, "kd_temperature": d.kd_temperature}
+    model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
+                          record=record)
+    parallelize_draft(model, rt.dims, cfg, rt.mesh, device.type)
+    log(f"draft: a {d.layers}-layer GliDe draft (reading target layers {draft.target_layers}, block {d.block}, "
+        f"loss {d.loss}) against the frozen target {path}")
+    return model
