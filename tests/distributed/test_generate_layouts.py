@@ -83,12 +83,14 @@ def _reference(case):
     return _generate(case, 1, 1)
 
 
-def _speculate(head: int, ctx: int, cape: bool = False):
-    """Greedy speculative decoding (a draft with its own cache, K = 3; with `cape`, CaPE's tree) on the
-    target's cache sharded over head x ctx (one process with 1 x 1): (tokens, proposals kept per pass)."""
+def _speculate(head: int, ctx: int, cape: bool = False, glide: bool = False):
+    """Greedy speculative decoding (a draft with its own cache, K = 3; with `cape`, CaPE's tree; with
+    `glide`, a GliDe draft reading the target's cache) on the target's cache sharded over head x ctx
+    (one process with 1 x 1): (tokens, proposals kept per pass)."""
     from longctx.generate.cape import DEFAULT_TABLE, CapeTable
     from longctx.generate.engine import LOCAL
-    from longctx.generate.speculative import ModelDrafter, speculative_generate
+    from longctx.generate.speculative import GlideDrafter, ModelDrafter, speculative_generate
+    from longctx.models.glide import GlideDraft
 
     backend = LOCAL
     if head * ctx > 1:
@@ -103,8 +105,12 @@ def _speculate(head: int, ctx: int, cape: bool = False):
     with torch.no_grad():
         w = draft.lm_head_weight
         w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * w.std() * 0.6)
-    prompt = _prompt(1000, seed=4)
-    out = speculative_generate(_model("dense"), ModelDrafter(draft, 1200), prompt, max_new_tokens=NEW, k=3,
+    prompt, target = _prompt(1000, seed=4), _model("dense")
+    drafter = ModelDrafter(draft, 1200)
+    if glide:  # random GliDe weights, large enough that its cross-attention matters; the target's head
+        glide_draft = GlideDraft(target.cfg, 1).init_weights(seed=5, std=0.2).eval()
+        drafter = GlideDrafter(glide_draft, target, 1200, block=3)
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=NEW, k=3,
                                backend=backend, cape=CapeTable.parse(DEFAULT_TABLE) if cape else None)
     return out.tokens, out.accepted
 
@@ -143,6 +149,57 @@ def test_cape_tree_on_a_sharded_cache_is_plain_greedy_and_keeps_what_one_process
         assert accepted == one_accepted
     chain = layouts[("speculate", layout)][0][1]
     assert sum(one_accepted) / len(one_accepted) > sum(chain) / len(chain)  # the tree keeps more per pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(2, 2), (1, 2)], ids=["head2xctx2", "ctx2"])
+def test_a_glide_draft_reads_the_sharded_cache_as_it_reads_one_process_cache(layout, layouts):
+    """A GliDe draft's cross-attention reads the target's cache where it lies (each rank its share,
+    merged): the proposals, and so the kept counts per pass, are one process's, and the output is
+    plain greedy decoding."""
+    from longctx.generate.engine import generate
+
+    plain = generate(_model("dense"), [_prompt(1000, seed=4)], max_new_tokens=NEW)[0].tokens
+    one_tokens, one_accepted = _speculate(1, 1, glide=True)
+    assert one_tokens == plain
+    for tokens, accepted in layouts[("glide", layout)]:
+        assert tokens == plain
+        assert accepted == one_accepted
+    # the draft's distributions themselves (random weights rarely agree with the target, so the kept
+    # counts alone would not show a wrong read): those of one process
+    want = _glide_proposals(1, 1)
+    for got in layouts[("glide proposals", layout)]:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _glide_proposals(head: int, ctx: int):
+    """A random GliDe draft's log-probabilities [3, vocab] over 3 proposals after a 301-token prompt (its
+    prompt pass block-stale over the target's cache, then the cache as prefilled), read from the
+    target's cache on one device or sharded."""
+    from longctx.generate.engine import LOCAL
+    from longctx.generate.sampling import Sampling
+    from longctx.generate.speculative import GlideDrafter
+    from longctx.models.cache import KVCache
+    from longctx.models.glide import GlideDraft
+
+    target = _model("dense")
+    backend, cache = LOCAL, KVCache.for_model(target, 1, 400)
+    if head * ctx > 1:
+        from longctx.config import load_config
+        from longctx.parallel.generation import ShardedGeneration
+        from longctx.parallel.runtime import Runtime
+
+        rt = Runtime.create(load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"]),
+                            torch.distributed.get_rank(), head * ctx, "cpu")
+        backend = ShardedGeneration(rt.mesh, rt.world_mesh)
+        cache = backend.cache(target, 1, 400)
+    prompt = _prompt(301, seed=6)
+    drafter = GlideDrafter(GlideDraft(target.cfg, 1).init_weights(seed=5, std=0.2).eval(), target, 400, block=3)
+    with torch.inference_mode():
+        backend.prefill(target, cache, torch.tensor([prompt]), 4096)
+        drafter.start(prompt, cache)
+        _, q = drafter.propose(7, 3, Sampling(temperature=1.0), None)
+    return q.log()  # (log: the draft is unsure, its probabilities all near 1 / vocab)
 
 
 def _read(head: int, ctx: int, kind: str):
@@ -195,10 +252,14 @@ def test_a_sharded_cache_read_with_position_limits_is_the_one_process_read(layou
 FOUR = {(case, layout): (_generate, (case, *layout)) for case in CASES for layout in ((2, 2), (1, 4))}
 FOUR[("speculate", (2, 2))] = (_speculate, (2, 2))
 FOUR[("cape", (2, 2))] = (_speculate, (2, 2, True))
+FOUR[("glide", (2, 2))] = (_speculate, (2, 2, False, True))
+FOUR[("glide proposals", (2, 2))] = (_glide_proposals, (2, 2))
 FOUR[("read", (2, 2))] = (_read, (2, 2, READS[(2, 2)]))
 TWO = {(case, (2, 1)): (_generate, (case, 2, 1)) for case in CASES}
 TWO[("speculate", (1, 2))] = (_speculate, (1, 2))
 TWO[("cape", (1, 2))] = (_speculate, (1, 2, True))
+TWO[("glide", (1, 2))] = (_speculate, (1, 2, False, True))
+TWO[("glide proposals", (1, 2))] = (_glide_proposals, (1, 2))
 TWO.update({("read", layout): (_read, (*layout, READS[layout])) for layout in ((1, 2), (2, 1))})
 
 

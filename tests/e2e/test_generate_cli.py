@@ -228,3 +228,47 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
         assert out["tau"] == pytest.approx(out["tau_without_bonus"] + 1)
         assert [g["prompt_tokens"] for g in out["by_length"]] == [32, 96] and out["cape"] == (
             "0.3:3,0.6:2,0.9:1,1:0" if cape else None)
+
+
+@pytest.fixture(scope="module")
+def glide_dirs(tmp_path_factory):
+    """A tiny longctx target (2 layers) and a GliDe draft trained against it on our stack, both by
+    `longctx train` as a user runs them."""
+    tmp = tmp_path_factory.mktemp("glide")
+    common = ["--nproc", "1", "--train.seq_len=128", "--data.max_docs=30", "--train.eval_interval=0",
+              "--train.global_batch=2", "--metrics.plots=false", "--metrics.progress=false"]
+    r = longctx("train", *common, "--model.layers=2", "--train.steps=6", "--checkpoint.interval=6",
+                f"--train.run_dir={tmp / 'target'}")
+    assert r.returncode == 0, r.stderr
+    r = longctx("train", "--config", "configs/glide.toml", *common, "--train.steps=6", "--checkpoint.interval=6",
+                f"--draft.target={tmp / 'target' / 'checkpoints'}", "--draft.block=3",
+                f"--train.run_dir={tmp / 'glide'}")
+    assert r.returncode == 0, r.stderr
+    return tmp / "target" / "checkpoints", tmp / "glide" / "checkpoints"
+
+
+def test_a_glide_draft_decodes_what_plain_greedy_decodes(glide_dirs, tmp_path):
+    """--draft DIR of a GliDe draft (it reads the target's cache): the same tokens as plain greedy
+    decoding, as a chain and with CaPE; `bench decode` takes it too."""
+    target, glide = glide_dirs
+    common = ["--checkpoint", str(target), "--prompt", "def main():\n    return", "--max-new-tokens", "20"]
+    _run(*common, "--output", str(tmp_path / "plain.jsonl"))
+    [plain] = _lines(tmp_path / "plain.jsonl")
+    for cape in ([], ["--cape"]):
+        out = tmp_path / f"glide{len(cape)}.jsonl"
+        r = _run(*common, "--draft", str(glide), "--speculate", "3", *cape, "--output", str(out))
+        assert "GliDe draft (block 3)" in r.stderr
+        [line] = _lines(out)
+        assert line["tokens"] == plain["tokens"] and 1 <= line["tau"] <= 4
+    r = longctx("bench", "decode", "--target", str(target), "--draft", str(glide), "--lengths", "64",
+                "--samples", "1", "--max-new-tokens", "12", "--speculate", "3")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["identical"]
+
+
+def test_a_glide_draft_of_another_target_is_refused_before_work(hf_model, glide_dirs):
+    d, _ = hf_model
+    _, glide = glide_dirs
+    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", str(glide))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "is a GliDe draft trained against" in flat(r.stderr), r.stderr

@@ -4,7 +4,8 @@
         --max-new-tokens 128 [--cape] [--prompts FILE.jsonl | --data STORE] [--temperature T]
 
 For each prompt: plain decoding (generate/engine.py) and speculative decoding (generate/speculative.py,
-the draft a plain model with its own cache; with --cape, CaPE's tree), timed one after the other on
+the draft a plain model with its own cache or a GliDe draft reading the target's; with --cape, CaPE's
+tree), timed one after the other on
 one device, the best of --repeats each. Prompts: --prompts (text, tokenized with the target's
 tokenizer), else spans of each --lengths from --data's eval split (default: the default corpus).
 JSON on stdout, per length and overall:
@@ -89,10 +90,10 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 def main(args) -> int:
     from ..generate.cape import CapeTable
-    from ..generate.cli import load_model
+    from ..generate.cli import draft_label, load_draft, load_model
     from ..generate.engine import generate
     from ..generate.sampling import Sampling
-    from ..generate.speculative import ModelDrafter, speculative_generate
+    from ..generate.speculative import drafter_for, speculative_generate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -104,9 +105,10 @@ def main(args) -> int:
         raise SystemExit("--cape verifies greedily: use --temperature 0")
     prompts = _prompts(args, tokenizer, spec)
     device = torch.device("cpu")
-    target, draft = load_model(cfg, device, torch.float32), load_model(draft_cfg, device, torch.float32)
-    _say(f"target {cfg.model.label} ({cfg.model.layers} layers), draft {draft_cfg.model.label} "
-         f"({draft_cfg.model.layers} layers), K = {args.speculate}{', CaPE' if cape else ''}")
+    target = load_model(cfg, device, torch.float32)
+    draft = load_draft(draft_cfg, target, device, torch.float32)
+    _say(f"target {cfg.model.label} ({cfg.model.layers} layers), draft {draft_label(draft_cfg)} "
+         f"({len(draft.layers)} layers), K = {args.speculate}{', CaPE' if cape else ''}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
     zero = {"kept": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
@@ -120,7 +122,8 @@ def main(args) -> int:
                 plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling)[0]
                 plain_s = min(plain_s, time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                spec = speculative_generate(target, ModelDrafter(draft, len(ids) + args.max_new_tokens + 2), ids,
+                drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2)
+                spec = speculative_generate(target, drafter, ids,
                                             max_new_tokens=args.max_new_tokens, k=args.speculate,
                                             sampling=sampling, cape=cape)
                 spec_s = min(spec_s, time.perf_counter() - t0)

@@ -23,6 +23,7 @@ q)` and `accepted(n)`; GliDe's reads the target's cache instead of keeping one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -98,7 +99,9 @@ class ModelDrafter:
 class GlideDrafter(ModelDrafter):
     """A GliDe draft (models/glide.py): its own cache holds only its few layers' keys, and its
     cross-attention reads the target's cache as the last verification left it (every proposal of a
-    round sees the same target slots, as in training's block-stale mask)."""
+    round sees the same target slots, as in training's block-stale mask). The target's cache is on
+    one device (models/cache.KVCache) or sharded over head x ctx ranks (parallel/generation.py: read
+    through its read_attention, each rank its share, merged), the draft run alike on every rank."""
 
     def __init__(self, draft, target, max_len: int, block: int):
         super().__init__(draft, max_len)
@@ -108,9 +111,6 @@ class GlideDrafter(ModelDrafter):
     def start(self, prompt: Sequence[int], target_cache=None) -> None:
         from ..models.glide import block_stale_visible
 
-        if not isinstance(target_cache, KVCache):
-            raise ValueError("a GliDe draft reads the target's cache on one device (models/cache.KVCache); a "
-                             "sharded target cache is not supported yet")
         cfg, w = self.target.cfg, self.target.tok_embeddings.weight
         self.target_cache = target_cache
         self.cache = KVCache(len(self.model.layers), 1, self.max_len, cfg.kv_heads, cfg.resolved_head_dim,
@@ -124,7 +124,9 @@ class GlideDrafter(ModelDrafter):
 
     def _target_kv(self):
         tc = self.target_cache
-        return [(tc.k[layer], tc.v[layer]) for layer in self.model.target_layers]
+        if isinstance(tc, KVCache):
+            return [(tc.k[layer], tc.v[layer]) for layer in self.model.target_layers]
+        return [functools.partial(tc.read_attention, layer) for layer in self.model.target_layers]
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         device, n = tokens.device, tokens.shape[1]
@@ -243,14 +245,25 @@ class Speculated:
     passes: int
 
 
+def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096) -> ModelDrafter:
+    """The drafter of `draft`: a GliDe draft (models/glide.py, its `block` set by its checkpoint) reads
+    the target's cache; any other model drafts with its own."""
+    from ..models.glide import GlideDraft
+
+    if isinstance(draft, GlideDraft):
+        return GlideDrafter(draft, target, max_len, draft.block)
+    return ModelDrafter(draft, max_len, prefill_chunk)
+
+
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
                   prefill_chunk: int, stop=None, backend=LOCAL, cape=None) -> Speculated:
-    """`longctx generate --draft`: one prompt by speculative decoding with a plain draft model; a stop
-    string (`stop(row, tokens)`, generate/cli.py's StopStrings) is applied to the finished tokens."""
+    """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
+    GliDe); a stop string (`stop(row, tokens)`, generate/cli.py's StopStrings) is applied to the
+    finished tokens."""
     import time
 
     t0 = time.perf_counter()
-    r = speculative_generate(target, ModelDrafter(draft, len(ids) + limit + k + 2, prefill_chunk), ids,
+    r = speculative_generate(target, drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk), ids,
                              max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape)
     seconds = time.perf_counter() - t0

@@ -146,7 +146,10 @@ class GlideLayer(nn.Module):
         else:
             attn = cache.attend(*self.pre(x, cos, sin))
         h, q = self.mid(x, attn, cos, sin)
-        cross = cross_attention(q, target_k, target_v, visible, key_pos=key_pos, q_doc=doc_ids, k_doc=key_doc)
+        if callable(target_k):  # a reader of the target's cache held elsewhere (sharded: read_attention)
+            cross = target_k(q, visible)
+        else:
+            cross = cross_attention(q, target_k, target_v, visible, key_pos=key_pos, q_doc=doc_ids, k_doc=key_doc)
         return self.post(h, cross)
 
 
@@ -168,8 +171,10 @@ class GlideDraft(nn.Module):
                 key_positions=None, key_doc_ids=None) -> torch.Tensor:
         """Logits [b, n, vocab] of the draft at `tokens` [b, n] (positions [b, n]), through the
         target's embedding and LM head. target_kv: per draft layer, the target's (k, v) [b, kv, S, d]
-        of its layer; visible [b, n]: per query, the key positions below which it may read the target
-        (key_positions [b, S], default the slot index: decoding passes how many cache slots); with
+        of its layer, or a reader `read(q, visible) -> out` of a cache held elsewhere (a target cache
+        sharded over ranks: parallel/generation.py read_attention); visible [b, n]: per query, the
+        key positions below which it may read the target (key_positions [b, S], default the slot
+        index: decoding passes how many cache slots); with
         doc_ids [b, n] / key_doc_ids [b, S] only the keys of the query's document (training on packed
         documents, whose self-attention is then per document too). cache: the draft's own KVCache
         (decode: the tokens continue it), or None (training: the whole sequence)."""
@@ -187,7 +192,7 @@ class GlideDraft(nn.Module):
         ok = False
         try:
             for i, layer in enumerate(self.layers):
-                k, v = target_kv[i]
+                k, v = (target_kv[i], None) if callable(target_kv[i]) else target_kv[i]
                 x = layer(x, cos, sin, k, v, visible, None if cache is None else cache.layer(i), doc_ids,
                           key_positions, key_doc_ids)
             ok = True
