@@ -1,0 +1,101 @@
+"""The speculative-decoding recipe end to end on CPU, timed: train an 8-layer target, a 1-layer GliDe
+draft against it and a plain 1-layer draft of the same width, then `longctx bench decode` each draft,
+as a chain and with CaPE, at 1K- and 8K-token prompts (temperature 0, batch 1).
+
+    python benchmarks/glide_recipe.py [--out docs/results] [--work DIR] [--lengths 1024,8192] [--samples 2]
+
+Runs the README's commands (configs/glide-target.toml, configs/glide.toml, configs/glide-plain-draft.toml)
+in a fresh directory (or --work DIR: a training phase whose timing is recorded there is not run again),
+and writes glide_recipe_<date>.json: per draft and mode, tau, tau_without_bonus, acceptance_rate,
+tokens_per_s, baseline_tokens_per_s, speedup and identical, overall and per prompt length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def longctx(*args: str, cwd: Path) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "longctx", *args], cwd=cwd, text=True, capture_output=True,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if r.returncode:
+        sys.exit(f"longctx {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return time.perf_counter() - t0, r.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
+    ap.add_argument("--work", default="", help="the working directory (default: a fresh temporary one); the "
+                                               "training phases already timed there are reused")
+    ap.add_argument("--lengths", default="1024,8192")
+    ap.add_argument("--samples", type=int, default=2, help="prompts per length")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--speculate", type=int, default=4)
+    args = ap.parse_args()
+    out, stamp = Path(args.out), date.today().isoformat()
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="longctx-glide-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"working in {work}", file=sys.stderr)
+    if not (work / "configs").exists():
+        (work / "configs").symlink_to(ROOT / "configs")
+    timings = work / "train_seconds.json"
+    seconds = json.loads(timings.read_text()) if timings.is_file() else {}
+
+    def train(phase: str, config: str, *extra: str) -> None:
+        if phase in seconds:
+            print(f"{phase}: reusing {work / 'runs' / phase} ({seconds[phase]:.0f} s when it ran)", file=sys.stderr)
+            return
+        print(f"{phase}: training ({config})", file=sys.stderr)
+        seconds[phase], _ = longctx("train", "--config", config, "--nproc", "1", "--train.run_dir", f"runs/{phase}",
+                                    "--metrics.progress", "false", *extra, cwd=work)
+        timings.write_text(json.dumps(seconds))
+
+    train("target", "configs/glide-target.toml")
+    train("glide", "configs/glide.toml", "--draft.target", "runs/target/checkpoints",
+          "--draft.block", str(args.speculate))
+    train("plain-draft", "configs/glide-plain-draft.toml")
+
+    benches = {}
+    for draft in ("glide", "plain-draft"):
+        for cape in (False, True):
+            name = f"{draft}{' + cape' if cape else ''}"
+            print(f"bench decode: {name}", file=sys.stderr)
+            seconds[f"bench {name}"], text = longctx(
+                "bench", "decode", "--target", "runs/target/checkpoints", "--draft", f"runs/{draft}/checkpoints",
+                "--lengths", args.lengths, "--samples", str(args.samples), "--max-new-tokens",
+                str(args.max_new_tokens), "--speculate", str(args.speculate), *(["--cape"] if cape else []),
+                cwd=work)
+            benches[name] = json.loads(text)
+    keys = ("tau", "tau_without_bonus", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup",
+            "identical")
+    table = {name: {"all": {k: b[k] for k in keys},
+                    **{str(g["prompt_tokens"]): {k: g[k] for k in keys} for g in b["by_length"]}}
+             for name, b in benches.items()}
+    result = {"command": "python benchmarks/glide_recipe.py", "date": stamp,
+              "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
+              "speculate": args.speculate, "max_new_tokens": args.max_new_tokens, "samples": args.samples,
+              "seconds": {k: round(v, 1) for k, v in seconds.items()}, "total_seconds": round(sum(seconds.values()), 1),
+              "figures": table, "bench": benches}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"glide_recipe_{stamp}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"figures": table, "seconds": result["seconds"], "total_seconds": result["total_seconds"]},
+                     indent=1))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
