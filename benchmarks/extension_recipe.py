@@ -21,24 +21,14 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_work import ROOT, RecipeWork  # noqa: E402
+
 SHARDED = "generate head2xctx2"
-
-
-def longctx(*args: str, cwd: Path) -> float:
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "longctx", *args], cwd=cwd, text=True, capture_output=True,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if r.returncode:
-        sys.exit(f"longctx {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return time.perf_counter() - t0
 
 
 def by_length(e: dict) -> dict:
@@ -60,31 +50,18 @@ def main() -> None:
                                                "training phases already timed there are reused")
     args = ap.parse_args()
     out, stamp = Path(args.out), date.today().isoformat()
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="longctx-extend-"))
-    work.mkdir(parents=True, exist_ok=True)
-    print(f"working in {work}", file=sys.stderr)
-    if not (work / "configs").exists():
-        (work / "configs").symlink_to(ROOT / "configs")
-    timings = work / "train_seconds.json"
-    seconds = json.loads(timings.read_text()) if timings.is_file() else {}
-
-    def train(phase: str, config: str) -> None:
-        if phase in seconds:
-            print(f"{phase}: reusing {work / 'runs' / phase} ({seconds[phase]:.0f} s when it ran)", file=sys.stderr)
-            return
-        seconds[phase] = longctx("train", "--config", config, "--nproc", "1", "--train.run_dir", f"runs/{phase}",
-                                 "--metrics.progress", "false", cwd=work)
-        timings.write_text(json.dumps(seconds))
+    work = RecipeWork(args.work, "longctx-extend-")
+    seconds, train = work.seconds, work.train
 
     evals: dict[str, dict[str, dict]] = {}
 
     def evaluate(name: str, checkpoint: str, mode: str, nproc: int = 1) -> None:
         label = mode if nproc == 1 else SHARDED
         suffix = "" if mode == "score" else f"_{mode}" if nproc == 1 else f"_{mode}_nproc{nproc}"
-        target = work / f"{name}{suffix}.json"
-        seconds[f"eval {name} {label}"] = longctx(
-            "eval", "--checkpoint", checkpoint, "--task", "passkey", "--lengths", "1K,4K", "--depths", args.depths,
-            "--samples", str(args.samples), "--mode", mode, "--nproc", str(nproc), "--output", str(target), cwd=work)
+        target = work.dir / f"{name}{suffix}.json"
+        work.run(f"eval {name} {label}",
+                 "eval", "--checkpoint", checkpoint, "--task", "passkey", "--lengths", "1K,4K", "--depths", args.depths,
+                 "--samples", str(args.samples), "--mode", mode, "--nproc", str(nproc), "--output", str(target))
         evals.setdefault(name, {})[label] = json.loads(target.read_text())
         out.mkdir(parents=True, exist_ok=True)
         (out / f"extension_{name}{suffix}_{stamp}.png").write_bytes(target.with_suffix(".png").read_bytes())

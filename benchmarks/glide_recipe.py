@@ -16,23 +16,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import time
 from datetime import date
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def longctx(*args: str, cwd: Path) -> tuple[float, str]:
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "longctx", *args], cwd=cwd, text=True, capture_output=True,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if r.returncode:
-        sys.exit(f"longctx {' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return time.perf_counter() - t0, r.stdout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_work import ROOT, RecipeWork  # noqa: E402
 
 
 def main() -> None:
@@ -46,22 +35,8 @@ def main() -> None:
     ap.add_argument("--speculate", type=int, default=4)
     args = ap.parse_args()
     out, stamp = Path(args.out), date.today().isoformat()
-    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="longctx-glide-"))
-    work.mkdir(parents=True, exist_ok=True)
-    print(f"working in {work}", file=sys.stderr)
-    if not (work / "configs").exists():
-        (work / "configs").symlink_to(ROOT / "configs")
-    timings = work / "train_seconds.json"
-    seconds = json.loads(timings.read_text()) if timings.is_file() else {}
-
-    def train(phase: str, config: str, *extra: str) -> None:
-        if phase in seconds:
-            print(f"{phase}: reusing {work / 'runs' / phase} ({seconds[phase]:.0f} s when it ran)", file=sys.stderr)
-            return
-        print(f"{phase}: training ({config})", file=sys.stderr)
-        seconds[phase], _ = longctx("train", "--config", config, "--nproc", "1", "--train.run_dir", f"runs/{phase}",
-                                    "--metrics.progress", "false", *extra, cwd=work)
-        timings.write_text(json.dumps(seconds))
+    work = RecipeWork(args.work, "longctx-glide-")
+    seconds, train = work.seconds, work.train
 
     train("target", "configs/glide-target.toml")
     train("glide", "configs/glide.toml", "--draft.target", "runs/target/checkpoints",
@@ -73,11 +48,11 @@ def main() -> None:
         for cape in (False, True):
             name = f"{draft}{' + cape' if cape else ''}"
             print(f"bench decode: {name}", file=sys.stderr)
-            seconds[f"bench {name}"], text = longctx(
-                "bench", "decode", "--target", "runs/target/checkpoints", "--draft", f"runs/{draft}/checkpoints",
+            text = work.run(
+                f"bench {name}", "bench", "decode", "--target", "runs/target/checkpoints",
+                "--draft", f"runs/{draft}/checkpoints",
                 "--lengths", args.lengths, "--samples", str(args.samples), "--max-new-tokens",
-                str(args.max_new_tokens), "--speculate", str(args.speculate), *(["--cape"] if cape else []),
-                cwd=work)
+                str(args.max_new_tokens), "--speculate", str(args.speculate), *(["--cape"] if cape else []))
             benches[name] = json.loads(text)
     keys = ("tau", "tau_without_bonus", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup",
             "identical")

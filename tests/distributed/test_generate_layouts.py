@@ -88,19 +88,10 @@ def _speculate(head: int, ctx: int, cape: bool = False, glide: bool = False):
     `glide`, a GliDe draft reading the target's cache) on the target's cache sharded over head x ctx
     (one process with 1 x 1): (tokens, proposals kept per pass)."""
     from longctx.generate.cape import DEFAULT_TABLE, CapeTable
-    from longctx.generate.engine import LOCAL
     from longctx.generate.speculative import GlideDrafter, ModelDrafter, speculative_generate
     from longctx.models.glide import GlideDraft
 
-    backend = LOCAL
-    if head * ctx > 1:
-        from longctx.config import load_config
-        from longctx.parallel.generation import ShardedGeneration
-        from longctx.parallel.runtime import Runtime
-
-        cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
-        rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
-        backend = ShardedGeneration(rt.mesh, rt.world_mesh)
+    backend, _ = _backend_and_cache(head, ctx, _model("dense"), 8)
     draft = _model("dense")  # the target with a noisy LM head: it agrees often, not always
     with torch.no_grad():
         w = draft.lm_head_weight
@@ -176,23 +167,12 @@ def _glide_proposals(head: int, ctx: int):
     """A random GliDe draft's log-probabilities [3, vocab] over 3 proposals after a 301-token prompt (its
     prompt pass block-stale over the target's cache, then the cache as prefilled), read from the
     target's cache on one device or sharded."""
-    from longctx.generate.engine import LOCAL
     from longctx.generate.sampling import Sampling
     from longctx.generate.speculative import GlideDrafter
-    from longctx.models.cache import KVCache
     from longctx.models.glide import GlideDraft
 
     target = _model("dense")
-    backend, cache = LOCAL, KVCache.for_model(target, 1, 400)
-    if head * ctx > 1:
-        from longctx.config import load_config
-        from longctx.parallel.generation import ShardedGeneration
-        from longctx.parallel.runtime import Runtime
-
-        rt = Runtime.create(load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"]),
-                            torch.distributed.get_rank(), head * ctx, "cpu")
-        backend = ShardedGeneration(rt.mesh, rt.world_mesh)
-        cache = backend.cache(target, 1, 400)
+    backend, cache = _backend_and_cache(head, ctx, target, 400)
     prompt = _prompt(301, seed=6)
     drafter = GlideDrafter(GlideDraft(target.cfg, 1).init_weights(seed=5, std=0.2).eval(), target, 400, block=3)
     with torch.inference_mode():
@@ -202,27 +182,34 @@ def _glide_proposals(head: int, ctx: int):
     return q.log()  # (log: the draft is unsure, its probabilities all near 1 / vocab)
 
 
+def _backend_and_cache(head: int, ctx: int, model, max_len: int):
+    """The generation backend of a head x ctx layout (one process: the local one) and a 1-row cache."""
+    from longctx.generate.engine import LOCAL
+    from longctx.models.cache import KVCache
+
+    if head * ctx == 1:
+        return LOCAL, KVCache.for_model(model, 1, max_len)
+    from longctx.config import load_config
+    from longctx.parallel.generation import ShardedGeneration
+    from longctx.parallel.runtime import Runtime
+
+    rt = Runtime.create(load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"]),
+                        torch.distributed.get_rank(), head * ctx, "cpu")
+    backend = ShardedGeneration(rt.mesh, rt.world_mesh)
+    return backend, backend.cache(model, 1, max_len)
+
+
 def _read(head: int, ctx: int, kind: str):
     """Another model's read of the cache (a GliDe draft's cross-attention): after a prefill of 301
     tokens and a 4-token chain call of which 2 are kept, queries with per-query position limits.
     One process (1 x 1): the same masked attention over the one-device cache."""
-    from longctx.generate.engine import LOCAL
-    from longctx.models.cache import KVCache, masked_attention
+    from longctx.models.cache import masked_attention
 
     model = _model(kind)
     cfg = model.cfg
     q = torch.randn(1, 5, cfg.heads, cfg.resolved_head_dim, generator=torch.Generator().manual_seed(0))
     limit = torch.tensor([[0, 1, 150, 302, 303]])
-    backend, cache = LOCAL, KVCache.for_model(model, 1, 400)
-    if head * ctx > 1:
-        from longctx.config import load_config
-        from longctx.parallel.generation import ShardedGeneration
-        from longctx.parallel.runtime import Runtime
-
-        rt = Runtime.create(load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"]),
-                            torch.distributed.get_rank(), head * ctx, "cpu")
-        backend = ShardedGeneration(rt.mesh, rt.world_mesh)
-        cache = backend.cache(model, 1, 400)
+    backend, cache = _backend_and_cache(head, ctx, model, 400)
     with torch.inference_mode():
         backend.prefill(model, cache, torch.tensor([_prompt(301, seed=2)]), 4096)
         model(torch.tensor([[5, 6, 7, 8]]), cache=cache)
