@@ -58,14 +58,13 @@ def _models(args):
     from ..config.tokenizer import model_tokenizer
     from ..data.tokenizer import load_tokenizer
     from ..errors import ConfigError
-    from ..generate.cli import _draft_config
+    from ..generate.drafts import draft_config
 
     cfg = load_config(None, {"model": {"init_from": args.target}, "train": {"seq_len": 2, "eval_interval": 0}})
     spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
     if spec is None:
         raise ConfigError(f"--target {args.target} names no tokenizer; pass --tokenizer byte|PATH/tokenizer.json.")
-    draft = _draft_config(SimpleNamespace(draft=args.draft, speculate=args.speculate, checkpoint=args.target), cfg,
-                          spec)
+    draft = draft_config(args.draft, args.target, args.speculate, cfg, spec)
     return cfg, draft, load_tokenizer(spec), spec
 
 
@@ -90,7 +89,8 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 def main(args) -> int:
     from ..generate.cape import CapeTable
-    from ..generate.cli import draft_label, load_draft, load_model
+    from ..generate.cli import load_model
+    from ..generate.drafts import draft_label, load_draft
     from ..generate.engine import generate
     from ..generate.sampling import Sampling
     from ..generate.speculative import drafter_for, speculative_generate

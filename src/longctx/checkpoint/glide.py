@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..models.glide import GlideDraft
 from .manager import _single_process
 from .manifest import read_manifest, verify
-from .paths import CheckpointError, resolve_checkpoint
+from .paths import find_checkpoint
 
 # ModelConfig fields that do not change what the target computes: a draft trained against weights
 # loaded under another preset name, path or initialisation, or another max_seq_len, still fits
@@ -27,18 +27,11 @@ _NOT_COMPUTED = ("preset", "init_from", "init_std", "max_seq_len")
 _PREFIX = "draft."
 
 
-def _checkpoint_dir(path) -> Path | None:
-    try:
-        return resolve_checkpoint(str(path), Path(path))
-    except CheckpointError:
-        return None
-
-
 def glide_manifest(path) -> dict | None:
     """The `draft` record of a GliDe draft checkpoint at `path` (a step-* directory, or a checkpoints
     directory for its latest), with `checkpoint` (the step directory) and `tokenizer` added; None
     when `path` holds no complete checkpoint or a checkpoint that is not a draft's."""
-    found = _checkpoint_dir(path)
+    found = find_checkpoint(path)
     if found is None:
         return None
     manifest = read_manifest(found)
@@ -64,7 +57,7 @@ def load_glide_draft(path, target_model, device=None) -> GlideDraft:
     target's model config differs from target_model.cfg."""
     record = glide_manifest(path)
     if record is None:
-        what = "holds no complete checkpoint" if _checkpoint_dir(path) is None else "is not a GliDe draft's checkpoint"
+        what = "holds no complete checkpoint" if find_checkpoint(path) is None else "is not a GliDe draft's checkpoint"
         raise ConfigError(f"{path} {what} (a draft's manifest has a `draft` record); train one with `longctx train "
                           f"--config configs/glide.toml --draft.target TARGET`.")
     diffs = target_differences(record, target_model.cfg)

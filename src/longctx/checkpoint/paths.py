@@ -64,3 +64,12 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
         return latest_checkpoint(path)
     raise CheckpointError(f"--checkpoint.resume {spec}: no complete checkpoint there (a step-* directory with "
                           f"manifest.json, or a directory holding them).")
+
+
+def find_checkpoint(path) -> Path | None:
+    """The complete checkpoint at `path` (a step-* directory, or a checkpoints directory for its
+    latest), or None when there is none: for callers that explain the absence in their own words."""
+    try:
+        return resolve_checkpoint(str(path), Path(path))
+    except CheckpointError:
+        return None

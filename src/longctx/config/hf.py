@@ -34,7 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.paths import MANIFEST, CheckpointError, resolve_checkpoint
+from ..checkpoint.paths import MANIFEST, find_checkpoint
 from ..errors import ConfigError, UserError
 from .schema import MOE_FAMILIES, ModelConfig, parse_layer_list
 
@@ -412,10 +412,7 @@ def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
 
 def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
     """(the checkpoint directory, its manifest) for init_from = a longctx checkpoint."""
-    try:
-        path = resolve_checkpoint(init_from, Path(init_from))
-    except CheckpointError:
-        path = None
+    path = find_checkpoint(init_from)
     if path is None:
         raise HFFormatError(f"model.init_from = {init_from!r} holds no complete longctx checkpoint (a step-* directory "
                             f"with {MANIFEST}, or a checkpoints directory); for Hugging Face weights write hf:DIR.")
@@ -435,10 +432,7 @@ def check_draft_target(target: str) -> None:
                                 f"config.json); pass hf:DIR with config.json and safetensors weights, or DIR, a "
                                 f"longctx checkpoint.")
         return
-    try:
-        path = resolve_checkpoint(target, Path(target))
-    except CheckpointError:
-        path = None
+    path = find_checkpoint(target)
     if path is None:
         raise ConfigError(f"draft.target = {target!r} holds no complete longctx checkpoint (a step-* directory with "
                             f"{MANIFEST}, or a checkpoints directory holding them); train the target first (longctx "

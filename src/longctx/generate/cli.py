@@ -237,7 +237,9 @@ def prepare(args, overrides: list[str]) -> Plan:
         limits.append(min(args.max_new_tokens, room))
     plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
     if args.draft:
-        plan.draft_cfg = _draft_config(args, cfg, spec)
+        from .drafts import draft_config
+
+        plan.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec)
     if args.cape:
         from .cape import CapeTable
 
@@ -248,61 +250,6 @@ def prepare(args, overrides: list[str]) -> Plan:
                               "also samples).")
         plan.cape = CapeTable.parse(args.cape_table)
     return plan
-
-
-def _draft_config(args, cfg, spec: str):
-    """The --draft model's config (a GliDe draft: its checkpoint's `draft` record), refused before
-    any weight is read when it cannot draft for the target: another vocabulary or tokenizer, a GliDe
-    draft trained against another target, or a --speculate below 1."""
-    from ..checkpoint.glide import glide_manifest, target_differences
-    from ..config import load_config
-    from ..config.tokenizer import model_tokenizer, same_tokenizer
-
-    if args.speculate < 1:
-        raise ConfigError(f"--speculate must be >= 1 (tokens the draft proposes per target pass), got "
-                          f"{args.speculate}.")
-    glide = glide_manifest(args.draft)
-    if glide is not None:
-        diffs = target_differences(glide, cfg.model)
-        if diffs:
-            raise ConfigError(f"--draft {args.draft} is a GliDe draft trained against {glide['target']['path']}, not "
-                              f"--checkpoint {args.checkpoint}: {'; '.join(diffs)}. Use it with its own target, or "
-                              f"train a draft against this one (longctx train --config configs/glide.toml "
-                              f"--draft.target {args.checkpoint}).")
-        theirs = glide.get("tokenizer")
-        if theirs is not None and not same_tokenizer(theirs, spec):
-            raise ConfigError(f"--draft {args.draft} was trained with the tokenizer {theirs}, the target with {spec}: "
-                              f"a draft must share the target's tokenizer.")
-        return glide
-    draft = load_config(None, {"model": {"init_from": args.draft}, "train": {"seq_len": 2, "eval_interval": 0,
-                                                                              **{k: getattr(cfg.train, k) for k in
-                                                                                 ("device", "dtype")}}})
-    if draft.model.vocab_size != cfg.model.vocab_size:
-        raise ConfigError(f"--draft {args.draft} has a vocabulary of {draft.model.vocab_size} tokens but the target "
-                          f"{args.checkpoint} has {cfg.model.vocab_size}: a draft must share the target's tokenizer.")
-    theirs = model_tokenizer(draft.model.init_from)
-    if theirs is not None and not same_tokenizer(theirs, spec):
-        raise ConfigError(f"--draft {args.draft} was trained with the tokenizer {theirs}, the target with {spec}: a "
-                          f"draft must share the target's tokenizer (its token ids are what the target verifies).")
-    if draft.model.max_seq_len < cfg.model.max_seq_len:
-        draft = load_config(None, {"model": {"init_from": args.draft, "max_seq_len": cfg.model.max_seq_len},
-                                   "train": {"seq_len": 2, "eval_interval": 0}})
-    return draft
-
-
-def load_draft(draft_cfg, target, device, dtype):
-    """The draft model of `_draft_config`'s answer: a GliDe draft beside the loaded target, or a model."""
-    if isinstance(draft_cfg, dict):
-        from ..checkpoint.glide import load_glide_draft
-
-        return load_glide_draft(draft_cfg["checkpoint"], target, device)
-    return load_model(draft_cfg, device, dtype)
-
-
-def draft_label(draft_cfg) -> str:
-    if isinstance(draft_cfg, dict):
-        return f"a {draft_cfg['layers']}-layer GliDe draft (block {draft_cfg['block']})"
-    return draft_cfg.model.label
 
 
 def load_model(cfg, device, dtype):
@@ -443,6 +390,8 @@ def _run(plan: Plan, args) -> int:
     bar = None if stream else progress_bar(sum(plan.limits), "generate", "tok", main_rank)
     draft = None
     if plan.draft_cfg is not None:
+        from .drafts import draft_label, load_draft
+
         draft = load_draft(plan.draft_cfg, model, device, dtype)
         if main_rank:
             _say(f"generate: speculative decoding with {draft_label(plan.draft_cfg)} from {args.draft}, "

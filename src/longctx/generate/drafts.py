@@ -1,0 +1,63 @@
+"""The draft of speculative decoding (`--draft DIR|hf:DIR` of `longctx generate` and `bench decode`):
+checked against the target before any weight is read, then loaded.
+
+A draft is either a plain model with its own cache (its longctx or Hugging Face config), or a GliDe
+draft trained by `longctx train --draft.target` (its checkpoint's `draft` record, checkpoint/glide.py),
+which reads the target's cache. `draft_config` returns the one or the other.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+
+def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str):
+    """The draft's config (a GliDe draft: its `draft` record), refused before any weight is read when it
+    cannot draft for the target `checkpoint` (config `cfg`, tokenizer `spec`): another vocabulary or
+    tokenizer, a GliDe draft trained against another target, or `speculate` below 1."""
+    from ..checkpoint.glide import glide_manifest, target_differences
+    from ..config import load_config
+    from ..config.tokenizer import model_tokenizer, same_tokenizer
+
+    if speculate < 1:
+        raise ConfigError(f"--speculate must be >= 1 (tokens the draft proposes per target pass), got {speculate}.")
+    glide = glide_manifest(draft)
+    if glide is not None:
+        diffs = target_differences(glide, cfg.model)
+        if diffs:
+            raise ConfigError(f"--draft {draft} is a GliDe draft trained against {glide['target']['path']}, not "
+                              f"--checkpoint {checkpoint}: {'; '.join(diffs)}. Use it with its own target, or "
+                              f"train a draft against this one (longctx train --config configs/glide.toml "
+                              f"--draft.target {checkpoint}).")
+        found, theirs = glide, glide.get("tokenizer")
+    else:
+        found = load_config(None, {"model": {"init_from": draft}, "train": {
+            "seq_len": 2, "eval_interval": 0, **{k: getattr(cfg.train, k) for k in ("device", "dtype")}}})
+        if found.model.vocab_size != cfg.model.vocab_size:
+            raise ConfigError(f"--draft {draft} has a vocabulary of {found.model.vocab_size} tokens but the target "
+                              f"{checkpoint} has {cfg.model.vocab_size}: a draft must share the target's tokenizer.")
+        theirs = model_tokenizer(found.model.init_from)
+    if theirs is not None and not same_tokenizer(theirs, spec):
+        raise ConfigError(f"--draft {draft} was trained with the tokenizer {theirs}, the target with {spec}: a "
+                          f"draft must share the target's tokenizer (its token ids are what the target verifies).")
+    if glide is None and found.model.max_seq_len < cfg.model.max_seq_len:
+        found = load_config(None, {"model": {"init_from": draft, "max_seq_len": cfg.model.max_seq_len},
+                                   "train": {"seq_len": 2, "eval_interval": 0}})
+    return found
+
+
+def load_draft(draft_cfg, target, device, dtype):
+    """The draft model `draft_config` describes: a GliDe draft beside the loaded target, or a model."""
+    if isinstance(draft_cfg, dict):
+        from ..checkpoint.glide import load_glide_draft
+
+        return load_glide_draft(draft_cfg["checkpoint"], target, device)
+    from .cli import load_model
+
+    return load_model(draft_cfg, device, dtype)
+
+
+def draft_label(draft_cfg) -> str:
+    if isinstance(draft_cfg, dict):
+        return f"a {draft_cfg['layers']}-layer GliDe draft (block {draft_cfg['block']})"
+    return draft_cfg.model.label
