@@ -9,11 +9,13 @@ cases run one after another in one spawned job (run_spawned_many), each with its
 own warm-up step and its own run directory.
 """
 
+import contextlib
 import functools
 
 import pytest
 import torch
 
+import longctx.ops.grouped as grouped
 from longctx.config import load_config
 from longctx.parallel.spawn import run_spawned_many
 from longctx.train.host_sync import HostSyncError, no_host_sync
@@ -33,6 +35,27 @@ ONE_PROCESS = {
     # every guard of a long run on: the spike check (window 1, so it runs in the probed steps)
     "guards: spike check, rollback": GUARDS,
 }
+def _cpu_grouped_kernel() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+CPU_GROUPED_KERNEL = _cpu_grouped_kernel()
+# MoE steps run their experts through the grouped kernel path (what a CUDA bf16 run takes), forced
+# here on CPU where torch._grouped_mm runs fp32 too: the CPU loop reads the expert counts on the
+# host by design (ops/grouped.py; see test_the_cpu_expert_loop_reads_only_the_counts)
+MOE = ["--model.preset=debug-moe", "--model.moe.z_loss=0.001"]
+MOE_ONE_PROCESS = {
+    "moe softmax top-2, aux + z loss, documents": MOE,
+    "moe sigmoid groups, aux-loss-free bias": [*MOE, "--model.moe.router=sigmoid", "--model.moe.groups=2",
+                                              "--model.moe.topk_groups=1", "--model.moe.aux_loss=0",
+                                              "--model.moe.bias_update_rate=0.01"],
+    "moe dts gate, selective recompute, grad_accum 2": [*MOE, "--model.moe.router=dts", "--memory.recompute=selective",
+                                                       "--train.grad_accum=2"],
+}
 FOUR_RANKS = {
     "ring (ctx 4, Double-Ring window 2)": ["--parallel.ctx=4", "--parallel.window=2", "--data.doc_mask=false"],
     "Ulysses (head 4)": ["--parallel.head=4"],
@@ -41,10 +64,30 @@ FOUR_RANKS = {
     "FSDP dp 2 x ctx 2, grad_accum 2, chunked": ["--parallel.ctx=2", "--parallel.dp_shard=2", "--train.grad_accum=2",
                                                  "--memory.loss_chunk=64", "--memory.attention_chunk=64"],
 }
+if CPU_GROUPED_KERNEL:
+    FOUR_RANKS["moe head 2 x ctx 2, documents"] = [*MOE, "--parallel.head=2", "--parallel.ctx=2"]
 
 
-def _steps_under_probe(overrides, run_dir, inserted_item=False):
-    """Warm-up step, then two steps with the detector; returns the syncs it saw (raising on the first)."""
+@contextlib.contextmanager
+def _grouped_kernel(on: bool):
+    """The grouped experts through torch._grouped_mm (no host read of the counts) for the block."""
+    fits = grouped._kernel_fits
+    if on:
+        grouped._kernel_fits = lambda x, w: True
+    try:
+        yield
+    finally:
+        grouped._kernel_fits = fits
+
+
+def _steps_under_probe(overrides, run_dir, inserted_item=False, record=False):
+    """Warm-up step, then two steps with the detector: "ok" (raising on the first sync), or with
+    `record` the syncs it saw."""
+    with _grouped_kernel(MOE[0] in overrides and not record):
+        return _probed_steps(overrides, run_dir, inserted_item, record)
+
+
+def _probed_steps(overrides, run_dir, inserted_item, record):
     from longctx.train.trainer import Trainer
 
     cfg = load_config("configs/debug.toml", [*BASE, *overrides, f"--train.run_dir={run_dir}"])
@@ -60,15 +103,37 @@ def _steps_under_probe(overrides, run_dir, inserted_item=False):
             return out
 
         block.forward = reading_forward
-    trainer.device_section = functools.partial(no_host_sync, trainer.device)
+    seen = []
+
+    @contextlib.contextmanager
+    def recording():
+        with no_host_sync(trainer.device, raise_on_sync=False) as probe:
+            yield
+        seen.extend(probe.syncs)
+
+    trainer.device_section = recording if record else functools.partial(no_host_sync, trainer.device)
     for step in (2, 3):
         trainer.step(step)
-    return "ok"
+    return seen if record else "ok"
 
 
 @pytest.mark.parametrize("name", list(ONE_PROCESS))
 def test_one_process_step_reads_nothing_from_the_device(name, tmp_path):
     assert _steps_under_probe(ONE_PROCESS[name], tmp_path) == "ok"
+
+
+@pytest.mark.skipif(not CPU_GROUPED_KERNEL, reason="this torch has no CPU torch._grouped_mm")
+@pytest.mark.parametrize("name", list(MOE_ONE_PROCESS))
+def test_moe_step_reads_nothing_from_the_device(name, tmp_path):
+    assert _steps_under_probe(MOE_ONE_PROCESS[name], tmp_path) == "ok"
+
+
+def test_the_cpu_expert_loop_reads_only_the_counts(tmp_path):
+    """The CPU fallback of the grouped experts reads each layer's expert counts (forward, and its
+    backward keeps them): nothing else in an MoE step reads the host."""
+    syncs = _steps_under_probe(MOE, tmp_path, record=True)
+    assert syncs and {where.split(":")[0] for _, where in syncs} == {"ops/grouped.py"}
+    assert {what for what, _ in syncs} == {"Tensor.tolist"}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +162,7 @@ def test_the_probe_sees_masks_and_bool_but_not_plain_arithmetic():
         torch.where(x > 2, x, 0.0)
     assert probe.syncs == []
     for read in (lambda: y.item(), lambda: bool(x[0] > 0), lambda: x[x > 2], lambda: x.nonzero(),
-                 lambda: torch.unique(x)):
+                 lambda: torch.unique(x), lambda: x.tolist(), lambda: x.numpy()):
         with no_host_sync(raise_on_sync=False) as probe:
             read()
         assert probe.syncs, read

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .attention import NEG_INF, attention_backward, attention_forward, merge_partials
-from .segments import SegmentPlan, _check_contiguous, plan_pairs, segments
+from .segments import SegmentPlan, _check_contiguous, host_ids, plan_pairs, segments
 
 
 def chunk_slices(tokens: int, chunk: int) -> list[slice]:
@@ -120,7 +120,7 @@ def local_grid(batch: int, seq: int, doc_ids, chunk: int, causal: bool) -> Chunk
     key = (doc_ids._version, chunk, causal, tuple(doc_ids.shape))
     cached = getattr(doc_ids, "_longctx_chunk_grid", None)
     if cached is None or cached[0] != key:
-        ids = doc_ids.detach().cpu().numpy().astype(np.int64)
+        ids = host_ids(doc_ids).astype(np.int64)
         for r, row in enumerate(ids):  # documents must be contiguous runs (checked once per batch)
             _check_contiguous(segments(row)[2], r)
         pos = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))

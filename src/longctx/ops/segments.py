@@ -89,11 +89,24 @@ def segments(doc: np.ndarray, pos: np.ndarray | None = None) -> tuple[np.ndarray
     return starts, lengths, doc[starts]
 
 
+def keep_host_copy(ids: torch.Tensor, host: torch.Tensor) -> None:
+    """Let `ids` (document ids moved to the device) carry their host copy, so that plans built from
+    them in the step (here, ops/chunked.py) read no device data."""
+    ids._longctx_host = (ids._version, host.detach().cpu().numpy())
+
+
+def host_ids(ids: torch.Tensor) -> np.ndarray:
+    """The ids as a host array: the copy kept by keep_host_copy while `ids` is unchanged, else a
+    device-to-host copy (a sync on CUDA)."""
+    kept = getattr(ids, "_longctx_host", None)
+    return kept[1] if kept is not None and kept[0] == ids._version else ids.detach().cpu().numpy()
+
+
 def _as_numpy(x) -> np.ndarray | None:
     if x is None:
         return None
     if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
+        x = host_ids(x)
     return np.asarray(x, dtype=np.int64)
 
 
@@ -192,8 +205,8 @@ def _check_contiguous(doc_of_segment: np.ndarray, row: int) -> None:
 def cached_plan(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> SegmentPlan:
     """plan_pairs(q_doc, k_doc, causal), built once per pair of document-id tensors.
 
-    On CUDA the first call per batch copies the ids to the host (one sync per step, not per layer);
-    callers that have host ids pass a plan instead."""
+    On CUDA the first call per batch copies the ids to the host (one sync per step, not per layer),
+    unless they carry their host copy (keep_host_copy, as training's batches do)."""
     # The plan is kept on the query-id tensor itself, so the layers of one step (and their backward)
     # build it once and it goes away with the batch.
     key = (id(k_doc), q_doc._version, k_doc._version, causal, tuple(q_doc.shape), tuple(k_doc.shape))

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.samples import Batch
+from ..ops.segments import keep_host_copy
 from . import comm
 from .dims import ParallelDims
 from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, shard_indices
@@ -123,6 +124,8 @@ class Runtime:
         moved = local.to(device)
         if layout is not None:
             attach_layout(moved.doc_ids, layout)
+        elif local.doc_ids is not None:
+            keep_host_copy(moved.doc_ids, local.doc_ids)
         return moved
 
     def sum(self, values: list[float]) -> list[float]:

@@ -17,6 +17,7 @@ import contextlib
 import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -44,8 +45,26 @@ def _is_syncing(func, args) -> bool:
     return False
 
 
+# tensor methods that copy device data to the host without passing the dispatcher as an operation
+# (on CUDA `.tolist()` is a device-to-host copy; on a CPU tensor the dispatcher never sees it)
+HOST_READ_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__}
+
+
 class HostSyncError(RuntimeError):
     pass
+
+
+class _HostReadMethods(TorchFunctionMode):
+    """The half of the probe that sees tensor methods (`.tolist()`, `.numpy()`) before dispatch."""
+
+    def __init__(self, probe: HostSyncProbe):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in HOST_READ_METHODS:
+            self.probe.saw(f"Tensor.{func.__name__}")
+        return func(*args, **(kwargs or {}))
 
 
 class HostSyncProbe(TorchDispatchMode):
@@ -56,12 +75,15 @@ class HostSyncProbe(TorchDispatchMode):
         self.raise_on_sync = raise_on_sync
         self.syncs: list[tuple[str, str]] = []  # (operation, where in our code)
 
+    def saw(self, what: str) -> None:
+        where = _our_frame()
+        self.syncs.append((what, where))
+        if self.raise_on_sync:
+            raise HostSyncError(f"host synchronisation inside the step: {what} at {where}")
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _is_syncing(func, args):
-            where = _our_frame()
-            self.syncs.append((str(func), where))
-            if self.raise_on_sync:
-                raise HostSyncError(f"host synchronisation inside the step: {func} at {where}")
+            self.saw(str(func))
         return func(*args, **(kwargs or {}))
 
 
@@ -82,7 +104,8 @@ def no_host_sync(device: torch.device | str = "cpu", raise_on_sync: bool = True)
     if device.type == "cuda":
         torch.cuda.set_sync_debug_mode("error" if raise_on_sync else "warn")
     try:
-        with HostSyncProbe(raise_on_sync) as probe:
+        probe = HostSyncProbe(raise_on_sync)
+        with _HostReadMethods(probe), probe:
             yield probe
     finally:
         if previous is not None:
