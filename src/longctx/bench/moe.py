@@ -15,9 +15,11 @@ least of it over --repeats runs with the MoE and the dense layer alternating, so
 machine inflates both alike and rarely the minimum; its user / system split and minor page faults
 are reported too. System time is the kernel handing out fresh zeroed pages: glibc serves each
 allocation of 32 MiB or more (a [2 x 16K tokens, 256] fp32 tensor) by a new mmap, so at long
-lengths every such temporary faults its pages in again (MALLOC_MMAP_THRESHOLD_ set higher keeps
-freed memory for reuse; its value is recorded). Memory is what the layer keeps for its backward: the bytes of the
-distinct storages that autograd saves (torch.autograd.graph.saved_tensors_hooks; the layer's own
+lengths every such temporary faults its pages in again. By default (--malloc training) the process
+runs as `longctx train` runs on CPU, with freed blocks kept for reuse (memory/host_malloc.py);
+--malloc glibc keeps glibc's defaults. The setting is recorded.
+
+Memory is what the layer keeps for its backward: the bytes of the distinct storages that autograd saves (torch.autograd.graph.saved_tensors_hooks; the layer's own
 parameters excluded), at several lengths, so that bytes per token show the growth is linear.
 Output: one JSON document on stdout; progress on stderr.
 """
@@ -38,6 +40,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..memory.host_malloc import keep_freed_blocks
 from ..models.llama import FeedForward
 from ..models.moe import MoEFeedForward
 
@@ -57,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per layer (after a warm-up)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU seconds are summed over them)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--malloc", default="training", choices=("training", "glibc"),
+                   help="training: glibc set as `longctx train` sets it on CPU (memory/host_malloc.py: freed blocks "
+                        "kept for reuse); glibc: its defaults (every temporary of 32 MiB or more faulted in anew)")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -162,6 +168,7 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor) -> dict:
 
 def main(args) -> int:
     torch.set_num_threads(args.threads)
+    malloc = keep_freed_blocks() if args.malloc == "training" else "glibc defaults"
     moe, dense, cfg = build_layers(args)
     routings = [r for r in args.routing.split(",") if r]
     for r in routings:
@@ -206,6 +213,7 @@ def main(args) -> int:
                    "dense_ffn_dim": cfg.ffn_dim, "router": "softmax", "capacity_factor": 0.0,
                    "skew_share": args.skew_share, "repeats": args.repeats, "threads": args.threads,
                    "timing": "the run of least user + system CPU time (getrusage) over the repeats",
+                   "malloc": malloc,
                    "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")},
         "active_params": params, "timing": timing, "memory": memory,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
