@@ -19,8 +19,9 @@ lengths every such temporary faults its pages in again. By default (--malloc tra
 runs as `longctx train` runs on CPU, with freed blocks kept for reuse (memory/host_malloc.py);
 --malloc glibc keeps glibc's defaults. The setting is recorded.
 
-Memory is what the layer keeps for its backward: the bytes of the distinct storages that autograd saves (torch.autograd.graph.saved_tensors_hooks; the layer's own
-parameters excluded), at several lengths, so that bytes per token show the growth is linear.
+Memory is what the layer keeps for its backward: the bytes of the distinct storages that autograd
+saves (torch.autograd.graph.saved_tensors_hooks; the layer's own parameters excluded), at several
+lengths, so that bytes per token show the growth is linear.
 Output: one JSON document on stdout; progress on stderr.
 """
 
