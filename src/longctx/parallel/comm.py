@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import watchdog
+from . import emulated_link, watchdog
 
 _BYTES: dict[tuple[str, str], int] = defaultdict(int)
 _GROUPS: dict[tuple[str, str], set[str]] = defaultdict(set)  # (dim, label) -> names of the groups it ran on
@@ -93,6 +94,16 @@ def _count(mesh, label: str, nbytes: int) -> None:
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _emulator(mesh):
+    """The emulated link (parallel/emulated_link.py) if one is on for this mesh's dim."""
+    emu = emulated_link.active()
+    return emu if emu is not None and mesh.size() > 1 and emu.covers(dim_name(mesh)) else None
+
+
+def _peer_bytes(mesh, send: list[int], recv: list[int]) -> dict[int, tuple[int, int]]:
+    return {r: (s, v) for r, s, v in zip(group_ranks(mesh), send, recv)}
 
 
 def dim_name(mesh) -> str:
@@ -170,9 +181,13 @@ def all_to_all(x: torch.Tensor, mesh, label: str = "all_to_all") -> torch.Tensor
         return x
     x = x.contiguous()
     out = torch.empty_like(x)
+    started = time.monotonic()
     with _own():
         dist.all_to_all_single(out, x, group=group_of(mesh))
     _count(mesh, label, nbytes(x) * (n - 1) // n)
+    if (emu := _emulator(mesh)) is not None:
+        each = nbytes(x) // n
+        emu.wait_until(emu.post(_peer_bytes(mesh, [each] * n, [each] * n), started), started)
     return out
 
 
@@ -185,17 +200,51 @@ def all_to_all_v(x: torch.Tensor, mesh, send_rows: list[int], recv_rows: list[in
     if len(send_rows) != n or len(recv_rows) != n or sum(send_rows) != x.shape[0]:
         raise ValueError(f"all_to_all_v over '{dim_name(mesh)}' ({n} ranks): {len(send_rows)} send and "
                          f"{len(recv_rows)} receive splits for {x.shape[0]} rows")
+    return all_to_all_v_async(x, mesh, send_rows, recv_rows, label).wait()
+
+
+class PendingTransfer:
+    """An all-to-all in flight (`all_to_all_v_async`); `wait()` returns its output once it has
+    arrived: on an emulated link, once the modelled transfer is complete too."""
+
+    def __init__(self, out: torch.Tensor, work, done: float | None, emu):
+        self.out, self._work, self._done, self._emu = out, work, done, emu
+
+    def wait(self) -> torch.Tensor:
+        started = time.monotonic()
+        if self._work is not None:
+            with _own():
+                self._work.wait()
+            self._work = None
+        if self._emu is not None:
+            self._emu.wait_until(self._done, started)
+            self._emu = None
+        return self.out
+
+
+def all_to_all_v_async(x: torch.Tensor, mesh, send_rows: list[int], recv_rows: list[int],
+                       label: str = "all_to_all_v") -> PendingTransfer:
+    """all_to_all_v, started and not waited for: the caller computes meanwhile and calls `.wait()`
+    on the result before it reads the received rows (and before it writes `x` again)."""
+    n = mesh.size()
+    if len(send_rows) != n or len(recv_rows) != n or sum(send_rows) != x.shape[0]:
+        raise ValueError(f"all_to_all_v over '{dim_name(mesh)}' ({n} ranks): {len(send_rows)} send and "
+                         f"{len(recv_rows)} receive splits for {x.shape[0]} rows")
     if n == 1:
-        return x
+        return PendingTransfer(x, None, None, None)
     x = x.contiguous()
     out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+    started = time.monotonic()
     with _own():
-        dist.all_to_all_single(out, x, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows),
-                               group=group_of(mesh))
+        work = dist.all_to_all_single(out, x, output_split_sizes=list(recv_rows), input_split_sizes=list(send_rows),
+                                      group=group_of(mesh), async_op=True)
     me = local_rank(mesh)
     row = nbytes(x[:1]) if x.shape[0] else 0
     _count(mesh, label, row * (sum(send_rows) - send_rows[me]))
-    return out
+    emu = _emulator(mesh)
+    done = None if emu is None else emu.post(_peer_bytes(mesh, [row * r for r in send_rows],
+                                                         [row * r for r in recv_rows]), started)
+    return PendingTransfer(out, work, done, emu)
 
 
 def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor:
@@ -205,9 +254,12 @@ def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor
         return x[None]
     x = x.contiguous().reshape(1, *x.shape)
     out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    started = time.monotonic()
     with _own():
         _all_gather_single(out, x, group=group_of(mesh))
     _count(mesh, label, nbytes(x) * (n - 1))
+    if (emu := _emulator(mesh)) is not None:
+        emu.wait_until(emu.post_ring(group_ranks(mesh), nbytes(x) * (n - 1), started), started)
     return out
 
 
@@ -215,9 +267,12 @@ def all_reduce(x: torch.Tensor, mesh, op=dist.ReduceOp.SUM, label: str = "all_re
     n = mesh.size()
     if n == 1:
         return x
+    started = time.monotonic()
     with _own():
         dist.all_reduce(x, op=op, group=group_of(mesh))
     _count(mesh, label, 2 * nbytes(x) * (n - 1) // n)
+    if (emu := _emulator(mesh)) is not None:
+        emu.wait_until(emu.post_ring(group_ranks(mesh), 2 * nbytes(x) * (n - 1) / n, started), started)
     return x
 
 

@@ -1,0 +1,137 @@
+"""An emulated network for benchmarks: collectives that take the time a modelled cluster's links would.
+
+On one small machine every rank is a local process and gloo moves bytes through shared memory in
+microseconds, so nothing shows what overlapping communication with compute, or sending less across
+nodes, buys. Under `emulate(profile)` each collective of parallel/comm.py on an emulated mesh dim
+still runs for real (the same code path, the same bytes), and then completes no earlier than the
+modelled link would have delivered it:
+
+- ranks are placed `ranks_per_node` to a node by global rank;
+- a rank has two full-duplex links, one inside its node and one to other nodes, each with a
+  latency and a bandwidth (bytes/s, one direction, per rank);
+- a transfer occupies each link it uses for `latency + max(bytes sent, bytes received) / bandwidth`
+  and queues behind the transfers already on that link, so a transfer is done when its slowest
+  link is; an all-to-all splits its bytes by peer, the ring collectives (all-gather, all-reduce)
+  run at the speed of the slowest link their group spans;
+- the time is wall time and the transfer is asynchronous like a NIC's: a blocking collective
+  returns at its completion time; an asynchronous one (`comm.all_to_all_v_async`) returns at once
+  and its `wait()` sleeps only for whatever of it is still in flight, so computation issued in
+  between hides it.
+
+Time a rank spends blocked in a collective (in `wait()` or a blocking call) is counted as exposed
+communication (`exposed_seconds()`): the figure an overlapped schedule lowers.
+
+This is for benchmarks only (`longctx bench moe`); training never turns it on, and on a real
+cluster the benchmark runs without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    ranks_per_node: int
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 10e-6
+    dims: tuple[str, ...] = ()  # the mesh dims whose collectives are emulated (empty: all of them)
+
+    def __post_init__(self):
+        if self.ranks_per_node < 1 or self.intra_bytes_per_s <= 0 or self.inter_bytes_per_s <= 0:
+            raise ValueError(f"an emulated link needs ranks_per_node >= 1 and positive bandwidths, got {self}")
+
+    @classmethod
+    def from_hardware(cls, hw, ranks_per_node: int, slowdown: float = 1.0, dims: tuple[str, ...] = ()) -> LinkProfile:
+        """The links of a planner hardware (planner/hardware.py: intra_gbps, inter_gbps per GPU),
+        `slowdown` times slower: set it to how much slower this machine computes than that hardware,
+        so communication keeps the share of a step it has there."""
+        return cls(ranks_per_node, hw.intra_gbps * 1e9 / slowdown, hw.inter_gbps * 1e9 / slowdown,
+                   5e-6 * slowdown, 10e-6 * slowdown, dims)
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+
+class LinkEmulator:
+    """One rank's two links: when each is free, and the time this rank has been blocked on them."""
+
+    def __init__(self, profile: LinkProfile, rank: int):
+        self.profile, self.rank = profile, rank
+        self.free_at = {"intra": 0.0, "inter": 0.0}
+        self.exposed_s = 0.0
+        self.transfers = 0
+
+    def covers(self, dim: str) -> bool:
+        return not self.profile.dims or dim in self.profile.dims
+
+    def post(self, by_peer: dict[int, tuple[int, int]], now: float | None = None) -> float:
+        """Put a transfer issued at `now` (default: now) on the links: {global peer rank: (bytes sent
+        to it, bytes received from it)}; returns the monotonic time at which it is complete."""
+        p = self.profile
+        load = {"intra": [0, 0], "inter": [0, 0]}
+        for peer, (sent, received) in by_peer.items():
+            if peer == self.rank:
+                continue
+            link = load["intra" if p.node(peer) == p.node(self.rank) else "inter"]
+            link[0] += sent
+            link[1] += received
+        now = time.monotonic() if now is None else now
+        done = now
+        for name, (sent, received) in load.items():
+            if not sent and not received:
+                continue
+            latency, bandwidth = ((p.intra_latency_s, p.intra_bytes_per_s) if name == "intra"
+                                  else (p.inter_latency_s, p.inter_bytes_per_s))
+            end = max(now, self.free_at[name]) + latency + max(sent, received) / bandwidth
+            self.free_at[name] = end
+            done = max(done, end)
+        self.transfers += 1
+        return done
+
+    def post_ring(self, group_ranks: list[int], nbytes: float, now: float | None = None) -> float:
+        """A ring collective over `group_ranks` moving `nbytes` through each rank: at the speed of
+        the slowest link the ring crosses."""
+        p = self.profile
+        crosses = len({p.node(r) for r in group_ranks}) > 1
+        peer = next((r for r in group_ranks if (p.node(r) != p.node(self.rank)) == crosses and r != self.rank),
+                    self.rank)
+        return self.post({peer: (int(nbytes), int(nbytes))}, now)
+
+    def wait_until(self, done: float, started: float | None = None) -> None:
+        """Block until `done`; the blocked time since `started` (default: now) counts as exposed."""
+        start = time.monotonic() if started is None else started
+        left = done - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        self.exposed_s += time.monotonic() - start
+
+
+_ACTIVE: LinkEmulator | None = None
+
+
+def active() -> LinkEmulator | None:
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def emulate(profile: LinkProfile):
+    """Emulate `profile`'s links for the collectives of parallel/comm.py inside the block (this rank)."""
+    global _ACTIVE
+    previous = _ACTIVE
+    _ACTIVE = LinkEmulator(profile, dist.get_rank() if dist.is_initialized() else 0)
+    try:
+        yield _ACTIVE
+    finally:
+        _ACTIVE = previous
+
+
+def exposed_seconds() -> float:
+    """Seconds this rank has spent blocked on emulated collectives in the current `emulate` block."""
+    return 0.0 if _ACTIVE is None else _ACTIVE.exposed_s
