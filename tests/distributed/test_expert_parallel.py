@@ -33,6 +33,9 @@ TOL = 1e-4
 
 LAYOUTS = {  # world, args
     "expert4-head2-ctx2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"]),
+    # FSMoE's schedule (parallel/expert_pipeline.py): the same layout, each layer in 3 overlapped chunks
+    "expert4-head2-ctx2-pipeline3": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
+                                         "--parallel.expert_pipeline_chunks=3"]),
     "expert2-dp2-ctx2": (4, ["--parallel.expert=2", "--parallel.ctx=2"]),
     "expert4-ctx4-window2": (4, ["--parallel.expert=4", "--parallel.ctx=4", "--parallel.window=2"]),
     "expert8-dp2-head2-ctx2": (8, ["--parallel.expert=8", "--parallel.head=2", "--parallel.ctx=2"]),
@@ -80,6 +83,14 @@ def _check(name, key, reference, spawned):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_layouts_match_one_process(layout, reference, spawned):
     _check(layout, f"layout {layout}", reference, spawned)
+
+
+def test_the_pipelined_schedule_trains_as_the_plain_expert_parallel_run(spawned):
+    results, _, _ = spawned(4)
+    plain, pipelined = results["layout expert4-head2-ctx2"], results["layout expert4-head2-ctx2-pipeline3"]
+    diff = max(abs(a - b) for p, q in zip(plain, pipelined) for a, b in zip(p, q, strict=True))
+    print(f"pipelined (3 chunks) vs plain expert parallel, {STEPS} steps: max |loss diff| {diff:.2e}")
+    assert diff <= TOL
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

@@ -226,6 +226,9 @@ class ParallelConfig:
                           "ctx: groups of `expert` adjacent ranks split the experts between them and exchange tokens "
                           "by all-to-all; the expert weights are sharded over the groups (expert data parallel); "
                           "must divide model.moe.experts and the world size")
+    expert_pipeline_chunks: int = _opt(1, "parallel.expert > 1: each MoE layer's all-to-alls and experts run in this "
+                                          "many chunks, the transfers of one under the experts of another (FSMoE's "
+                                          "schedule, parallel/expert_pipeline.py); 1 = one after another")
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 

@@ -30,12 +30,14 @@ expert degree like any other weight, and the names stay those of one device.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..models.moe import moe_layers, swiglu_experts
 from . import comm
+from .expert_pipeline import PipelinedExperts, chunk_counts, chunk_rows
 
 
 class AllToAllV(torch.autograd.Function):
@@ -83,19 +85,55 @@ def _expert_major(recv: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return order, per_expert
 
 
+def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch.Tensor:
+    """The local experts on rows received source-major (recv[s][e] rows of local expert e from
+    source s), answered in the same order."""
+    order, per_expert = _expert_major(recv)
+    order, per_expert = order.to(got.device), per_expert.to(got.device)
+    out = swiglu_experts(got[order], per_expert, w1, w3, w2, experts.chunk)
+    return out[torch.argsort(order)] if order.numel() else out
+
+
+@dataclass
+class ChunkPlan:
+    """The cut of one layer call into pipelined chunks (parallel/expert_pipeline.py), per chunk c:
+    the rows this rank sends (their indices in x, owner-major), rows sent to / received from each
+    rank, and recv[c][source][local expert]."""
+    mesh: object
+    chunks: int
+    send_index: list[torch.Tensor]
+    send_rows: list[list[int]]
+    recv_rows: list[list[int]]
+    recv: list[list[list[int]]]
+
+
+def chunk_plan(mesh, counts: list[int], recv: list[list[int]], chunks: int, device) -> ChunkPlan:
+    ep = mesh.size()
+    local = len(counts) // ep
+    send = chunk_counts(counts, chunks)  # [chunk][global expert]
+    recv_c = [[[n * (c + 1) // chunks - n * c // chunks for n in row] for row in recv] for c in range(chunks)]
+    return ChunkPlan(mesh, chunks, [i.to(device) for i in chunk_rows(counts, chunks)],
+                     [[sum(row[o * local:(o + 1) * local]) for o in range(ep)] for row in send],
+                     [[sum(r) for r in rc] for rc in recv_c], recv_c)
+
+
 def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, mesh) -> torch.Tensor:
     """`Experts.forward` under expert parallelism: x [n, dim] sorted by (global) expert, counts [E]."""
     ep = mesh.size()
     per_owner = counts.view(ep, -1)  # [owner, its local experts]
     received = comm.all_to_all(per_owner.contiguous(), mesh, label="expert_counts")  # [source, local expert]
+    w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / ep) for w in (experts.w1, experts.w3, experts.w2))
+    chunks = getattr(experts, "pipeline_chunks", 1)
+    if chunks > 1:  # FSMoE's schedule: the transfers of one chunk under the experts of another
+        plan = chunk_plan(mesh, counts.tolist(), received.tolist(), chunks, x.device)
+
+        def run(got, c, *w):
+            return _run_local_experts(got, plan.recv[c], experts, *w)
+        return PipelinedExperts.apply(x, w1, w3, w2, plan, run)
     send_rows, recv = per_owner.sum(1).tolist(), received.tolist()  # the host read EP needs (split sizes)
     recv_rows = [sum(r) for r in recv]
     got = AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
-    order, per_expert = _expert_major(recv)
-    order, per_expert = order.to(x.device), per_expert.to(x.device)
-    w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / ep) for w in (experts.w1, experts.w3, experts.w2))
-    out = swiglu_experts(got[order], per_expert, w1, w3, w2, experts.chunk)
-    back = out[torch.argsort(order)] if order.numel() else out
+    back = _run_local_experts(got, recv, experts, w1, w3, w2)
     return AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
 
 
@@ -107,12 +145,14 @@ def expert_placement(p: torch.Tensor, mesh) -> DTensor:
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
 
 
-def use_expert_parallel(model, expert_mesh) -> None:
+def use_expert_parallel(model, expert_mesh, pipeline_chunks: int = 1) -> None:
     """Every MoE layer's experts split over the `expert` dim of `expert_mesh`: weights as DTensors
-    (before FSDP wraps them) and the forward as dispatch -> local experts -> combine."""
+    (before FSDP wraps them) and the forward as dispatch -> local experts -> combine, in
+    `pipeline_chunks` overlapped chunks when more than 1 (parallel/expert_pipeline.py)."""
     mesh = comm.sub_mesh(expert_mesh, "expert")
     for layer in moe_layers(model):
         experts = layer.experts
+        experts.pipeline_chunks = pipeline_chunks
         for name in ("w1", "w3", "w2"):
             setattr(experts, name, torch.nn.Parameter(expert_placement(getattr(experts, name), mesh)))
         experts.forward = functools.partial(expert_parallel_forward, experts=experts, mesh=mesh)

@@ -1,0 +1,103 @@
+"""FSMoE's pipelined expert-parallel layer: the all-to-alls of one chunk under the experts of another.
+
+parallel/expert.py runs a layer's dispatch -> experts -> combine one after another, so the links
+idle while the experts compute and the experts idle while tokens travel. Here every expert's rows
+are cut into `chunks` near-equal pieces (piece c of n rows: rows n c / C to n (c + 1) / C, the
+same cut on the sending and the receiving rank, so no extra count exchange is needed), and chunk c
+is one small dispatch -> experts -> combine. The order of issue is what overlaps them:
+
+  forward:  dispatch(0); for c: dispatch(c + 1) issued, wait dispatch(c), experts(c), combine(c) issued
+  backward: the same, reversed in direction: combine's gradient of chunk c + 1 travels while the
+            experts' backward of chunk c runs, and each chunk's input gradient is sent as soon as
+            it is made.
+
+A transfer is waited for only when its rows are needed, so with C chunks all but about 1 / C of
+the shorter of communication and computation hides under the longer. Every row goes through the
+same expert with the same weights as without chunks: outputs equal the unchunked layer's up to
+the summation order of the weight gradients (summed over chunks), checked to 1e-5 in
+tests/distributed/test_expert_pipeline.py.
+
+The layer is one autograd Function: its forward keeps each chunk's expert graph (detached at the
+received rows and at the weights), and its backward walks the chunks with torch.autograd.grad, so
+that the backward's transfers are issued by us, in the pipelined order, and not by the autograd
+engine one blocking step at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+
+
+def chunk_counts(counts: list[int], chunks: int) -> list[list[int]]:
+    """Rows of each group in each chunk: [chunk][group], chunk c of a group of n rows holding rows
+    n c // C to n (c + 1) // C (every row in exactly one chunk; chunks differ by at most one row)."""
+    return [[n * (c + 1) // chunks - n * c // chunks for n in counts] for c in range(chunks)]
+
+
+def chunk_rows(counts: list[int], chunks: int) -> list[torch.Tensor]:
+    """For rows grouped by `counts` (group g's rows contiguous, in group order): the row indices of
+    each chunk, group by group in order."""
+    starts, start = [], 0
+    for n in counts:
+        starts.append(start)
+        start += n
+    out = []
+    for c in range(chunks):
+        pieces = [torch.arange(s + n * c // chunks, s + n * (c + 1) // chunks) for s, n in zip(starts, counts)]
+        out.append(torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long))
+    return out
+
+
+class PipelinedExperts(torch.autograd.Function):
+    """dispatch -> experts -> combine in `plan.chunks` overlapped pieces (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w3, w2, plan, run_experts):
+        mesh = plan.mesh
+        weights = [w.detach().requires_grad_() for w in (w1, w3, w2)]
+        sends = [x.index_select(0, idx) for idx in plan.send_index]
+        pending = comm.all_to_all_v_async(sends[0], mesh, plan.send_rows[0], plan.recv_rows[0], "expert")
+        graphs, combines = [], []
+        for c in range(plan.chunks):
+            following = (comm.all_to_all_v_async(sends[c + 1], mesh, plan.send_rows[c + 1], plan.recv_rows[c + 1],
+                                                 "expert") if c + 1 < plan.chunks else None)
+            got = pending.wait().detach().requires_grad_()
+            with torch.enable_grad():
+                out = run_experts(got, c, *weights)
+            combines.append(comm.all_to_all_v_async(out.detach(), mesh, plan.recv_rows[c], plan.send_rows[c], "expert"))
+            graphs.append((got, out))
+            pending = following
+        y = x.new_empty(x.shape[0], w2.shape[1])
+        for idx, done in zip(plan.send_index, combines):
+            y.index_copy_(0, idx, done.wait())
+        ctx.plan, ctx.graphs, ctx.weights = plan, graphs, weights
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, mesh = ctx.plan, ctx.plan.mesh
+        grad = grad.contiguous()
+        sends = [grad.index_select(0, idx) for idx in plan.send_index]
+        pending = comm.all_to_all_v_async(sends[0], mesh, plan.send_rows[0], plan.recv_rows[0], "expert")
+        grad_w = [torch.zeros_like(w) for w in ctx.weights]
+        returns = []
+        for c, (got, out) in enumerate(ctx.graphs):
+            following = (comm.all_to_all_v_async(sends[c + 1], mesh, plan.send_rows[c + 1], plan.recv_rows[c + 1],
+                                                 "expert") if c + 1 < plan.chunks else None)
+            g_out = pending.wait()
+            g_in, *g_w = torch.autograd.grad(out, [got, *ctx.weights], g_out, allow_unused=True)
+            for acc, g in zip(grad_w, g_w):
+                if g is not None:
+                    acc += g
+            if g_in is None:
+                g_in = torch.zeros_like(got)
+            returns.append(comm.all_to_all_v_async(g_in.contiguous(), mesh, plan.recv_rows[c], plan.send_rows[c],
+                                                   "expert"))
+            pending = following
+        ctx.graphs = None
+        grad_x = grad.new_zeros(sum(len(i) for i in plan.send_index), grad.shape[1])
+        for idx, done in zip(plan.send_index, returns):
+            grad_x.index_copy_(0, idx, done.wait())
+        return grad_x, *grad_w, None, None

@@ -1,0 +1,72 @@
+"""FSMoE's pipelined expert-parallel layer (parallel/expert_pipeline.py) against the plain one: one
+MoE layer split over 4 expert ranks, the same inputs, outputs and every gradient within 1e-5, for
+several chunk counts, uniform and skewed routing (an expert with fewer rows than chunks included).
+Training under expert 4 x (head 2 x ctx 2) with chunks is in test_expert_parallel.py (LAYOUTS)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from longctx.config import ModelConfig
+from longctx.models.moe import MoEFeedForward
+from longctx.parallel.expert import use_expert_parallel
+from longctx.parallel.expert_pipeline import chunk_counts, chunk_rows
+from longctx.parallel.spawn import run_spawned
+
+CHUNKS = (2, 3, 7)
+
+
+def test_chunks_cover_every_row_once_in_group_order():
+    counts = [5, 0, 1, 9]
+    rows = chunk_rows(counts, 3)
+    assert sorted(torch.cat(rows).tolist()) == list(range(15))
+    per = chunk_counts(counts, 3)
+    assert [sum(c[g] for c in per) for g in range(4)] == counts
+    assert [len(r) for r in rows] == [sum(c) for c in per]
+    assert rows[0].tolist() == [0, 6, 7, 8]  # group 0: row 0 of 5; group 3 (rows 6-14): its first 3
+    assert rows[2].tolist() == [3, 4, 5, 12, 13, 14]  # group 2 has one row (5): in the last chunk
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _run(layer, x, grad):
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad)
+    return {"y": y.detach(), "x": x.grad, **{n: _local(p.grad).clone() for n, p in layer.named_parameters()}}
+
+
+def _compare(skew: float):
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("expert_data", "expert"))
+    cfg = ModelConfig(dim=32, ffn_dim=64, moe_experts=8, moe_top_k=2, moe_expert_dim=48, moe_router="softmax",
+                      moe_shared_experts=1, moe_shared_dim=32)
+    torch.manual_seed(0)  # the same weights on every rank
+    base = MoEFeedForward(cfg)
+    for p in base.experts.parameters():
+        nn.init.normal_(p, std=0.05)
+    base.router.expert_bias[0] = skew  # skewed: expert 0 in (nearly) every token's top 2
+    rank = torch.distributed.get_rank()
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens, a different count each
+    x = torch.randn(1, 40 + 9 * rank, 32, generator=gen)
+    grad = torch.randn(1, 40 + 9 * rank, 32, generator=gen)
+    out = {}
+    for chunks in (1, *CHUNKS):
+        holder = nn.Sequential(copy.deepcopy(base))
+        use_expert_parallel(holder, mesh, chunks)
+        out[chunks] = _run(holder[0], x, grad)
+    worst = {c: max((out[c][k] - out[1][k]).abs().max().item() for k in out[1]) for c in CHUNKS}
+    return worst, sorted(out[1])
+
+
+@pytest.mark.parametrize("skew", [0.0, 50.0], ids=["uniform", "skewed"])
+def test_pipelined_layer_matches_the_plain_expert_parallel_layer(skew):
+    results = run_spawned(4, _compare, skew)
+    for worst, keys in results:
+        assert {"y", "x", "experts.w1", "experts.w2", "experts.w3", "router.gate.weight"} <= set(keys)
+        assert max(worst.values()) <= 1e-5, worst
