@@ -33,3 +33,28 @@ def test_bench_moe_reports_cost_routing_and_linear_memory():
     # the dense SwiGLU keeps its input and four [T, ffn] tensors (fp32): (dim + 4 ffn) x 4 bytes per token
     assert memory[0]["dense_bytes_per_token"] == (32 + 4 * 64) * 4
     assert memory[0]["moe_bytes_per_token"] > memory[0]["dense_bytes_per_token"]
+
+
+def test_bench_moe_cluster_reports_both_schedules_on_an_emulated_cluster():
+    """2 nodes x 1 rank, tiny sizes: the JSON keys, and one figure the emulation fixes: bytes sent
+    across nodes are every routed row that leaves the node, the same for both schedules."""
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "moe", "--cluster=2x1", "--model=debug-moe",
+                          "--tokens=64", "--layers=1", "--repeats=1", "--chunks=2", "--link-scale=1000"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    assert doc["bench"] == "moe_cluster" and doc["cluster"] == "2x1"
+    for key in ("sequential_s", "scheduled_s", "exposed_comm_sequential", "exposed_comm_scheduled"):
+        assert doc[key] > 0, key
+    assert doc["scheduled_chunks"] == "scheduled_2"
+    assert set(doc["schedules"]) == {"sequential", "scheduled_2"}
+    link = doc["config"]["link"]
+    assert link["ranks_per_node"] == 1 and link["inter_bytes_per_s"] > 0
+    flat = doc["cross_node_bytes_flat"]
+    assert flat > 0 and doc["schedules"]["scheduled_2"]["cross_node_bytes"] == flat
+
+
+def test_bench_moe_cluster_rejects_a_bad_cluster():
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "moe", "--cluster=2y4"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "NODESxRANKS" in out.stderr

@@ -67,6 +67,7 @@ class LinkEmulator:
         self.free_at = {"intra": 0.0, "inter": 0.0}
         self.exposed_s = 0.0
         self.transfers = 0
+        self.sent = {"intra": 0, "inter": 0}  # bytes this rank sent over each link
 
     def covers(self, dim: str) -> bool:
         return not self.profile.dims or dim in self.profile.dims
@@ -82,6 +83,8 @@ class LinkEmulator:
             link = load["intra" if p.node(peer) == p.node(self.rank) else "inter"]
             link[0] += sent
             link[1] += received
+        for name, (sent, _) in load.items():
+            self.sent[name] += sent
         now = time.monotonic() if now is None else now
         done = now
         for name, (sent, received) in load.items():

@@ -63,7 +63,7 @@ class PipelinedExperts(torch.autograd.Function):
         for c in range(plan.chunks):
             following = (comm.all_to_all_v_async(sends[c + 1], mesh, plan.send_rows[c + 1], plan.recv_rows[c + 1],
                                                  "expert") if c + 1 < plan.chunks else None)
-            got = pending.wait().detach().requires_grad_()
+            got = pending.wait().detach().requires_grad_(ctx.needs_input_grad[0])
             with torch.enable_grad():
                 out = run_experts(got, c, *weights)
             combines.append(comm.all_to_all_v_async(out.detach(), mesh, plan.recv_rows[c], plan.send_rows[c], "expert"))
@@ -82,22 +82,24 @@ class PipelinedExperts(torch.autograd.Function):
         sends = [grad.index_select(0, idx) for idx in plan.send_index]
         pending = comm.all_to_all_v_async(sends[0], mesh, plan.send_rows[0], plan.recv_rows[0], "expert")
         grad_w = [torch.zeros_like(w) for w in ctx.weights]
-        returns = []
+        want_x, returns = ctx.needs_input_grad[0], []
         for c, (got, out) in enumerate(ctx.graphs):
             following = (comm.all_to_all_v_async(sends[c + 1], mesh, plan.send_rows[c + 1], plan.recv_rows[c + 1],
                                                  "expert") if c + 1 < plan.chunks else None)
             g_out = pending.wait()
-            g_in, *g_w = torch.autograd.grad(out, [got, *ctx.weights], g_out, allow_unused=True)
+            grads = torch.autograd.grad(out, [got, *ctx.weights] if want_x else ctx.weights, g_out, allow_unused=True)
+            g_in, g_w = (grads[0], grads[1:]) if want_x else (None, grads)
             for acc, g in zip(grad_w, g_w):
                 if g is not None:
                     acc += g
-            if g_in is None:
-                g_in = torch.zeros_like(got)
-            returns.append(comm.all_to_all_v_async(g_in.contiguous(), mesh, plan.recv_rows[c], plan.send_rows[c],
-                                                   "expert"))
+            if want_x:  # (the rows' gradient travels back only when x needs one, as in the unchunked layer)
+                g_in = torch.zeros_like(got) if g_in is None else g_in.contiguous()
+                returns.append(comm.all_to_all_v_async(g_in, mesh, plan.recv_rows[c], plan.send_rows[c], "expert"))
             pending = following
         ctx.graphs = None
-        grad_x = grad.new_zeros(sum(len(i) for i in plan.send_index), grad.shape[1])
-        for idx, done in zip(plan.send_index, returns):
-            grad_x.index_copy_(0, idx, done.wait())
+        grad_x = None
+        if want_x:
+            grad_x = grad.new_zeros(sum(len(i) for i in plan.send_index), grad.shape[1])
+            for idx, done in zip(plan.send_index, returns):
+                grad_x.index_copy_(0, idx, done.wait())
         return grad_x, *grad_w, None, None

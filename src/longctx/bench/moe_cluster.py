@@ -1,0 +1,205 @@
+"""`longctx bench moe --cluster NODESxRANKS`: expert-parallel MoE layers on an emulated cluster.
+
+What FSMoE's schedule buys is hidden communication, and on one small machine there is no network
+to hide: every rank is a local process. So the ranks run the real expert-parallel code (gloo, the
+same all-to-alls, parallel/expert.py and expert_pipeline.py) while parallel/emulated_link.py makes
+each of their collectives take the time a cluster's links would:
+
+- NODES x RANKS processes; ranks are placed RANKS to a node; the MoE layers' experts split over all
+  of them (parallel.expert = NODES x RANKS), as a wide expert-parallel group spans nodes;
+- the links come from a planner hardware (--hardware, default h100: NVLink inside a node, its NIC
+  between nodes; --inter-ratio overrides inter / intra) and are slowed by the factor this
+  machine's measured GEMM rate per rank (all ranks computing at once) is slower than the
+  hardware's effective rate, latency included, so communication keeps the share of the step it
+  has on that cluster (--slowdown; --link-scale moves it on purpose);
+- the work is the forward + backward of the named model's MoE layers (--layers of them, each
+  `h = h + moe(h)` on random hidden states: attention does not take part in the exchange) on
+  --tokens tokens per rank.
+
+Each schedule (sequential: one all-to-all after the other; scheduled: --chunks pipelined chunks)
+is timed --repeats times after a warm-up; a repeat's step time is the slowest rank's, its exposed
+communication the time that rank spent blocked on a link; the least step time is reported, with
+its exposed time. Cross-node bytes are what the ranks sent over inter-node links, per step.
+
+Output: one JSON document on stdout; progress on stderr. Training never emulates a link; on a real
+cluster, --no-emulation runs the same measurement on its real network.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+
+import torch
+from torch import nn
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--cluster", default="", help="NODESxRANKS, e.g. 2x4: the emulated-cluster benchmark")
+    p.add_argument("--model", default="small-moe", help="--cluster: the MoE preset whose layers run")
+    p.add_argument("--layers", type=int, default=2, help="--cluster: MoE layers in the step (0 = all of the model's)")
+    p.add_argument("--tokens", type=int, default=8192,
+                   help="--cluster: tokens per rank per step (its share of a long sequence)")
+    p.add_argument("--hardware", default="h100", help="--cluster: planner hardware whose links are emulated")
+    p.add_argument("--inter-ratio", type=float, default=0.0,
+                   help="--cluster: inter-node / intra-node bandwidth (0 = the hardware's)")
+    p.add_argument("--slowdown", default="auto",
+                   help="--cluster: how much slower than the hardware this machine computes (auto = measured)")
+    p.add_argument("--link-scale", type=float, default=1.0,
+                   help="--cluster: links this many times faster than the hardware's (e.g. to put communication "
+                        "at a chosen share of the step)")
+    p.add_argument("--chunks", default="2,4", help="--cluster: pipelined chunk counts to time (comma-separated)")
+    p.add_argument("--no-emulation", action="store_true", help="--cluster: real links only (a real cluster)")
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench moe --cluster] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_cluster(text: str) -> tuple[int, int]:
+    try:
+        nodes, ranks = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"longctx bench moe: --cluster {text!r}: give NODESxRANKS, e.g. 2x4") from None
+    if nodes < 1 or ranks < 1:
+        raise SystemExit(f"longctx bench moe: --cluster {text!r}: nodes and ranks must be positive")
+    return nodes, ranks
+
+
+def _gemm_rate(rows: int, dim: int, hidden: int, mesh, repeats: int = 6) -> float:
+    """FLOP/s of expert-sized GEMMs on one rank while every rank runs them (they share the cores):
+    the wall time of all the repeats from a common start, not the best one."""
+    from ..parallel import comm
+
+    a, b = torch.randn(rows, dim), torch.randn(dim, hidden)
+    a @ b
+    comm.barrier(mesh)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * rows * dim * hidden * repeats / (time.perf_counter() - t0)
+
+
+def _step(stack, x, grad) -> None:
+    h = x
+    for layer in stack:
+        h = h + layer(h)
+    h.backward(grad)
+
+
+def _rank(spec: dict) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..config import load_config
+    from ..memory.host_malloc import keep_freed_blocks
+    from ..models.moe import MoEFeedForward
+    from ..parallel import comm
+    from ..parallel.emulated_link import LinkProfile, emulate
+    from ..parallel.expert import use_expert_parallel
+    from ..planner.hardware import get_hardware
+
+    keep_freed_blocks()  # as `longctx train` runs on CPU
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = load_config(None, [f"--model.preset={spec['model']}"]).model
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("expert_data", "expert"))
+    torch.manual_seed(0)
+    base = nn.ModuleList(MoEFeedForward(cfg) for _ in range(spec["layers"]))
+    for p in base.parameters():
+        nn.init.normal_(p, std=0.02)
+    tokens = spec["tokens"]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    # hidden states inside a model: they need a gradient (the layer sends the rows' gradients back)
+    x = torch.randn(tokens, cfg.dim, generator=gen).requires_grad_()
+    grad = torch.randn(tokens, cfg.dim, generator=gen)
+    hw = get_hardware(spec["hardware"])
+    expert_mesh = comm.sub_mesh(mesh, "expert")
+    rate = _gemm_rate(tokens * cfg.moe_top_k, cfg.dim, cfg.resolved_expert_dim, expert_mesh)
+    mean_rate = comm.all_reduce(torch.tensor([rate], dtype=torch.float64), expert_mesh).item() / world
+    slowdown = spec["slowdown"] or hw.peak_flops * hw.gemm_efficiency / mean_rate
+    # the rows travel here in fp32 where the hardware would send hw.dtype_bytes per value: the links
+    # are widened by that ratio, so a row takes the time it would take there
+    widen = x.element_size() / hw.dtype_bytes * spec["link_scale"]
+    intra = hw.intra_gbps * 1e9 / slowdown * widen
+    inter = (intra * spec["inter_ratio"] if spec["inter_ratio"] else hw.inter_gbps * 1e9 / slowdown * widen)
+    latency = slowdown / spec["link_scale"]
+    profile = LinkProfile(spec["ranks_per_node"], intra, inter, 5e-6 * latency, 10e-6 * latency, ("expert",))
+    out = {"slowdown": slowdown, "rank_gemm_flops": rate, "profile": dataclasses.asdict(profile),
+           "schedules": {}}
+    for name, chunks in spec["schedules"]:
+        stack = copy.deepcopy(base)
+        use_expert_parallel(stack, mesh, chunks)
+        _step(stack, x, grad)  # warm-up
+        runs = []
+        for _ in range(spec["repeats"]):
+            stack.zero_grad(set_to_none=True)
+            comm.barrier(expert_mesh)
+            t0 = time.monotonic()
+            if spec["emulate"]:
+                with emulate(profile) as emu:
+                    _step(stack, x, grad)
+                exposed, inter = emu.exposed_s, emu.sent["inter"]
+            else:
+                _step(stack, x, grad)
+                exposed, inter = float("nan"), 0
+            runs.append({"step_s": time.monotonic() - t0, "exposed_s": exposed, "cross_node_bytes": inter})
+        out["schedules"][name] = runs
+    return out
+
+
+def main(args) -> int:
+    from ..parallel.spawn import run_spawned
+
+    nodes, per_node = parse_cluster(args.cluster)
+    world = nodes * per_node
+    chunks = [int(c) for c in args.chunks.split(",") if c]
+    if any(c < 2 for c in chunks):
+        raise SystemExit(f"longctx bench moe: --chunks {args.chunks}: pipelined chunk counts are >= 2")
+    spec = {"model": args.model, "layers": args.layers, "tokens": args.tokens, "hardware": args.hardware,
+            "ranks_per_node": per_node, "inter_ratio": args.inter_ratio, "repeats": args.repeats,
+            "link_scale": args.link_scale,
+            "slowdown": 0.0 if args.slowdown == "auto" else float(args.slowdown), "emulate": not args.no_emulation,
+            "schedules": [("sequential", 1), *((f"scheduled_{c}", c) for c in chunks)]}
+    if not spec["layers"]:
+        from ..config import load_config
+        spec["layers"] = len(load_config(None, [f"--model.preset={args.model}"]).model.moe_layer_ids)
+    _progress(f"{world} ranks ({nodes} nodes x {per_node}), {args.model}: {spec['layers']} MoE layers, "
+              f"{args.tokens:,} tokens, schedules {[n for n, _ in spec['schedules']]}, {args.repeats} repeats")
+    per_rank = run_spawned(world, _rank, spec)
+    doc = summarize(per_rank, spec)
+    doc.update({"bench": "moe_cluster", "date": date.today().isoformat(), "cluster": f"{nodes}x{per_node}",
+                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}})
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def summarize(per_rank: list[dict], spec: dict) -> dict:
+    """Per schedule: each repeat's step time and exposed time are the slowest rank's; the repeat with
+    the least step time is the figure."""
+    table = {}
+    for name, _ in spec["schedules"]:
+        repeats = []
+        for i in range(spec["repeats"]):
+            runs = [r["schedules"][name][i] for r in per_rank]
+            repeats.append({"step_s": max(r["step_s"] for r in runs), "exposed_s": max(r["exposed_s"] for r in runs),
+                            "cross_node_bytes": sum(r["cross_node_bytes"] for r in runs)})
+        table[name] = min(repeats, key=lambda r: r["step_s"]) | {"repeats": repeats}
+    scheduled = [n for n, _ in spec["schedules"] if n != "sequential"]
+    best = min(scheduled, key=lambda n: table[n]["step_s"]) if scheduled else "sequential"
+    seq = table["sequential"]
+    return {
+        "config": {k: v for k, v in spec.items() if k != "schedules"} | {"slowdown": per_rank[0]["slowdown"],
+                                                                           "link": per_rank[0]["profile"]},
+        "sequential_s": seq["step_s"], "scheduled_s": table[best]["step_s"], "scheduled_chunks": best,
+        "exposed_comm_sequential": seq["exposed_s"], "exposed_comm_scheduled": table[best]["exposed_s"],
+        "step_ratio": table[best]["step_s"] / seq["step_s"],
+        "exposed_ratio": table[best]["exposed_s"] / seq["exposed_s"] if seq["exposed_s"] else None,
+        "cross_node_bytes_flat": seq["cross_node_bytes"],
+        "schedules": table,
+    }
