@@ -4,6 +4,7 @@ several chunk counts, uniform and skewed routing (an expert with fewer rows than
 Training under expert 4 x (head 2 x ctx 2) with chunks is in test_expert_parallel.py (LAYOUTS)."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from longctx.config import ModelConfig
 from longctx.models.moe import MoEFeedForward
 from longctx.parallel.expert import use_expert_parallel
-from longctx.parallel.expert_pipeline import chunk_counts, chunk_rows
+from longctx.parallel.expert_pipeline import ChunkTuner, chunk_counts, chunk_rows
 from longctx.parallel.spawn import run_spawned
 
 CHUNKS = (2, 3, 7)
@@ -70,3 +71,46 @@ def test_pipelined_layer_matches_the_plain_expert_parallel_layer(skew):
     for worst, keys in results:
         assert {"y", "x", "experts.w1", "experts.w2", "experts.w3", "router.gate.weight"} <= set(keys)
         assert max(worst.values()) <= 1e-5, worst
+
+
+class _OneRank:
+    def size(self):
+        return 1
+
+
+def test_the_chunk_tuner_profiles_step_by_step_then_keeps_the_fastest():
+    tuner = ChunkTuner(_OneRank())
+    cost = {1: 0.012, 2: 0.003, 4: 0.006, 8: 0.009}  # seconds per call: 2 chunks fastest
+    used, decisions = [], []
+    for _ in range(1 + 2 * 4 + 3):
+        decisions.append(tuner.begin_step())
+        for _ in range(2):  # two layer calls per step, both at the step's count
+            used.append(tuner.timed(lambda c: (time.sleep(cost[c]), c)[1]))
+    assert used == [1] * 2 + [1] * 4 + [2] * 4 + [4] * 4 + [8] * 4 + [2] * 6
+    made = [d for d in decisions if d is not None]
+    assert len(made) == 1 and made[0]["chunks"] == 2 and decisions.index(made[0]) == 9
+    assert made[0]["forward_s"][1] > made[0]["forward_s"][8] > made[0]["forward_s"][4] > made[0]["forward_s"][2]
+
+
+def _train_auto(args, run_dir):
+    from longctx.config import load_config
+    from longctx.train.trainer import train
+
+    lines = []
+    cfg = load_config("configs/debug.toml", [*args, f"--train.run_dir={run_dir}"])
+    losses = train(cfg, log=lambda *a, **k: lines.append(" ".join(map(str, a)))).losses
+    return losses, [line for line in lines if "expert pipeline chunks" in line]
+
+
+def test_a_run_with_chunks_chosen_online_logs_its_choice_and_trains_as_the_plain_one(tmp_path):
+    from longctx.parallel.spawn import run_spawned_many
+
+    base = ["--model.preset=debug-moe", "--train.steps=11", "--train.eval_interval=0", "--metrics.plots=false",
+            "--metrics.progress=false", "--data.max_docs=200", "--train.seq_len=256", "--train.global_batch=4",
+            "--parallel.expert=2", "--parallel.ctx=2"]
+    jobs = [(name, _train_auto, ([*base, f"--parallel.expert_pipeline_chunks={c}"], str(tmp_path / name)))
+            for name, c in (("plain", 1), ("auto", 0))]
+    results = run_spawned_many(2, jobs)
+    (plain, _), (auto, logged) = results["plain"][0], results["auto"][0]
+    assert len(logged) == 1 and "step 10: expert pipeline chunks" in logged[0], logged
+    assert max(abs(a - b) for a, b in zip(plain, auto, strict=True)) <= 1e-4

@@ -296,9 +296,9 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     problems += degree_problems({k: getattr(p, k) for k in DEGREES}, p.window)
     if p.head > 0 and m.heads > 0 and m.heads % p.head:
         problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
-    if p.expert_pipeline_chunks < 1:
-        problems.append(f"parallel.expert_pipeline_chunks must be >= 1 (1 = no pipelining), got "
-                        f"{p.expert_pipeline_chunks}.")
+    if p.expert_pipeline_chunks < 0:
+        problems.append(f"parallel.expert_pipeline_chunks must be >= 0 (1 = no pipelining, 0 = chosen by an online "
+                        f"profile of the first steps), got {p.expert_pipeline_chunks}.")
     if p.expert < 1:
         problems.append(f"parallel.expert must be a positive degree, got {p.expert}.")
     elif p.expert > 1 and not m.is_moe:

@@ -228,7 +228,8 @@ class ParallelConfig:
                           "must divide model.moe.experts and the world size")
     expert_pipeline_chunks: int = _opt(1, "parallel.expert > 1: each MoE layer's all-to-alls and experts run in this "
                                           "many chunks, the transfers of one under the experts of another (FSMoE's "
-                                          "schedule, parallel/expert_pipeline.py); 1 = one after another")
+                                          "schedule, parallel/expert_pipeline.py); 1 = one after another; 0 = "
+                                          "chosen by an online profile of the first steps (logged)")
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 

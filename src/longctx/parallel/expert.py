@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..models.moe import moe_layers, swiglu_experts
 from . import comm
-from .expert_pipeline import PipelinedExperts, chunk_counts, chunk_rows
+from .expert_pipeline import ChunkTuner, PipelinedExperts, chunk_counts, chunk_rows
 
 
 class AllToAllV(torch.autograd.Function):
@@ -122,8 +122,16 @@ def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, m
     ep = mesh.size()
     per_owner = counts.view(ep, -1)  # [owner, its local experts]
     received = comm.all_to_all(per_owner.contiguous(), mesh, label="expert_counts")  # [source, local expert]
+    tuner = getattr(experts, "chunk_tuner", None)
+    if tuner is not None:  # parallel.expert_pipeline_chunks = 0: chosen by an online profile
+        return tuner.timed(lambda chunks: _exchange(x, counts, per_owner, received, experts, mesh, chunks))
+    return _exchange(x, counts, per_owner, received, experts, mesh, getattr(experts, "pipeline_chunks", 1))
+
+
+def _exchange(x, counts, per_owner, received, experts, mesh, chunks: int) -> torch.Tensor:
+    """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1."""
+    ep = mesh.size()
     w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / ep) for w in (experts.w1, experts.w3, experts.w2))
-    chunks = getattr(experts, "pipeline_chunks", 1)
     if chunks > 1:  # FSMoE's schedule: the transfers of one chunk under the experts of another
         plan = chunk_plan(mesh, counts.tolist(), received.tolist(), chunks, x.device)
 
@@ -148,11 +156,14 @@ def expert_placement(p: torch.Tensor, mesh) -> DTensor:
 def use_expert_parallel(model, expert_mesh, pipeline_chunks: int = 1) -> None:
     """Every MoE layer's experts split over the `expert` dim of `expert_mesh`: weights as DTensors
     (before FSDP wraps them) and the forward as dispatch -> local experts -> combine, in
-    `pipeline_chunks` overlapped chunks when more than 1 (parallel/expert_pipeline.py)."""
+    `pipeline_chunks` overlapped chunks when more than 1 (parallel/expert_pipeline.py); 0 = the
+    count an online profile of the first layer calls picks (ChunkTuner, `model.expert_chunk_tuner`)."""
     mesh = comm.sub_mesh(expert_mesh, "expert")
+    tuner = ChunkTuner(mesh) if pipeline_chunks == 0 else None  # one profile for all the layers
+    model.expert_chunk_tuner = tuner
     for layer in moe_layers(model):
         experts = layer.experts
-        experts.pipeline_chunks = pipeline_chunks
+        experts.pipeline_chunks, experts.chunk_tuner = pipeline_chunks, tuner
         for name in ("w1", "w3", "w2"):
             setattr(experts, name, torch.nn.Parameter(expert_placement(getattr(experts, name), mesh)))
         experts.forward = functools.partial(expert_parallel_forward, experts=experts, mesh=mesh)

@@ -25,7 +25,11 @@ engine one blocking step at a time.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
+import torch.distributed as dist
 
 from . import comm
 
@@ -103,3 +107,69 @@ class PipelinedExperts(torch.autograd.Function):
             for idx, done in zip(plan.send_index, returns):
                 grad_x.index_copy_(0, idx, done.wait())
         return grad_x, *grad_w, None, None
+
+
+class ChunkTuner:
+    """parallel.expert_pipeline_chunks = 0: the chunk count chosen by a short online profile (FSMoE's).
+
+    The training loop calls `begin_step()` before each optimizer step. After WARMUP steps at 1
+    chunk, the steps cycle through CANDIDATES, ROUNDS steps each, every MoE layer call of a step
+    (its recomputation included, so that it routes through the same graph) using the step's count
+    and timing its forward (on CUDA with a synchronisation, during the profile only). Then the
+    median time per call of each candidate is taken over the expert group (the slowest rank's) and
+    the fastest candidate serves every later step, on every rank alike. The forward stands for the
+    backward, which runs the same transfers and GEMMs in the same pipelined order. `decision` holds
+    the times and the choice for the run's log. (A choice made by timing can differ between two
+    runs, and the chunk count moves the weight gradients' summation order: give a fixed count
+    where runs must be bit-identical.)
+    """
+
+    CANDIDATES = (1, 2, 4, 8)
+    WARMUP = 1
+    ROUNDS = 2
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.steps = 0
+        self.current = 1
+        self.times: dict[int, list[float]] = {c: [] for c in self.CANDIDATES}
+        self.chosen = 0
+        self.decision: dict | None = None
+
+    @property
+    def profiling(self) -> bool:
+        return not self.chosen and self.steps > self.WARMUP
+
+    def begin_step(self) -> dict | None:
+        """Move to the next step's chunk count; returns the decision on the step it is made."""
+        if self.chosen:
+            return None
+        self.steps += 1
+        i = self.steps - self.WARMUP - 1
+        if i >= self.ROUNDS * len(self.CANDIDATES):
+            self._decide()
+            return self.decision
+        self.current = 1 if i < 0 else self.CANDIDATES[i // self.ROUNDS]
+        return None
+
+    def timed(self, run):
+        """Run one layer call (`run(chunks)`), timed while profiling."""
+        if not self.profiling:
+            return run(self.current)
+        _sync()
+        t0 = time.perf_counter()
+        out = run(self.current)
+        _sync()
+        self.times[self.current].append(time.perf_counter() - t0)
+        return out
+
+    def _decide(self) -> None:
+        medians = torch.tensor([statistics.median(self.times[c]) for c in self.CANDIDATES], dtype=torch.float64)
+        medians = comm.all_reduce(medians, self.mesh, op=dist.ReduceOp.MAX, label="expert_tuning")
+        self.chosen = self.current = self.CANDIDATES[int(torch.argmin(medians))]
+        self.decision = {"chunks": self.chosen, "forward_s": dict(zip(self.CANDIDATES, medians.tolist()))}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

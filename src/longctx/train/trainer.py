@@ -257,6 +257,7 @@ class Trainer:
         micro = [rt.to_device(b, self.device) for b, _ in shares]
         if self.moe:
             self.model.set_router_step(step - 1)
+            self._tune_expert_chunks(step)
         router_stats = router_counts = None
         with self.device_section():
             local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -292,6 +293,14 @@ class Trainer:
             self.model.update_expert_bias(router_counts * apply)
             self.router_stats, self.router_counts = router_stats, router_counts
         return loss, grad_norm, lr
+
+    def _tune_expert_chunks(self, step: int) -> None:
+        """parallel.expert_pipeline_chunks = 0: the online profile's next step (and its choice, logged)."""
+        tuner = getattr(self.model, "expert_chunk_tuner", None)
+        decision = tuner.begin_step() if tuner is not None else None
+        if decision is not None:
+            times = ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in decision["forward_s"].items())
+            self.log(f"step {step}: expert pipeline chunks {decision['chunks']} (MoE layer forward by chunks: {times})")
 
     def _inject(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
         """LONGCTX_FAULT's nonfinite@STEP and spike@STEP (faults.py): the loss, and so its gradients."""
