@@ -209,7 +209,7 @@ def test_random_moe_models_export_to_transformers(tmp_path):
 def test_config_mapping_both_ways():
     """config.json -> [model] -> config.json keeps what transformers reads (expert counts under either
     name, Qwen's dense-layer rule, aux and z loss coefficients)."""
-    from longctx.config.hf import hf_config_from_model
+    from longctx.config.hf_export import hf_config_from_model
 
     m = config_from_hf(hf_config("qwen2_moe-sparse_step", router_aux_loss_coef=0.02, router_z_loss_coef=0.003))
     assert (m.moe_experts, m.moe_top_k, m.moe_expert_dim, m.ffn_dim, m.resolved_shared_dim) == (4, 2, 32, 96, 40)

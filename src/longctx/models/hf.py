@@ -31,7 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from ..config.hf import HFFormatError, hf_config_from_model, model_config, model_fields_from_hf, read_hf_config
+from ..config.hf import HFFormatError, model_config, model_fields_from_hf, read_hf_config
+from ..config.hf_export import hf_config_from_model
 from .llama import Llama, build_model
 from .moe import moe_layers
 from .shards import local_part, local_slices

@@ -170,6 +170,17 @@ class ChunkTuner:
         self.decision = {"chunks": self.chosen, "forward_s": dict(zip(self.CANDIDATES, medians.tolist()))}
 
 
+def tuning_step(model, step: int) -> str | None:
+    """Start the online profile's next step (the training loop calls it before each step); on the
+    step the choice is made, the line that says so."""
+    tuner = getattr(model, "expert_chunk_tuner", None)
+    decision = tuner.begin_step() if tuner is not None else None
+    if decision is None:
+        return None
+    times = ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in decision["forward_s"].items())
+    return f"step {step}: expert pipeline chunks {decision['chunks']} (MoE layer forward by chunks: {times})"
+
+
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import UserError
+from ..models.llama import count_params
 from .metrics import read_jsonl
 
 
@@ -97,3 +98,15 @@ def _expert_load_plot(run_dir: Path, records: list[dict], plt) -> Path:
 
 def _last_per_step(records) -> list[dict]:
     return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
+
+
+def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list[str]:
+    """The run's opening line: the model, its precision and memory policy, the layout."""
+    mem = cfg.memory
+    layout = (f"{world} ranks: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x head {dims.head} x ctx "
+              f"{dims.ctx}" + (f" (window {dims.window})" if dims.window else "") + f", {dims.placement}"
+              if world > 1 else "1 process")
+    return [f"model: {cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters, "
+            f"{device.type} {str(dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
+            + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
+            + f", loss_chunk={mem.loss_chunk}, {layout}; {peak}"]

@@ -45,3 +45,17 @@ def rollback_from(root: Path, checkpoint_step: int) -> dict | None:
         if entry.get("rolled_back_to") == checkpoint_step:
             found = entry
     return found
+
+
+def skip_rolled_back_window(root: Path, start_step: int, sampler) -> tuple[int, str | None]:
+    """A resume from a checkpoint the run once rolled back to continues after the bad step, with
+    the data it had then, instead of replaying the skipped window: (the step to start after, what
+    to log); unchanged when the checkpoint was no rollback's."""
+    skipped = rollback_from(root, start_step)
+    if skipped is None:
+        return start_step, None
+    sampler.load_state_dict(skipped["data_position"])
+    first, last = skipped["skipped_steps"]
+    return int(skipped["bad_step"]), (
+        f"checkpoint: this run rolled back to step {first - 1} at step {last} ({skipped['reason']}); the data of "
+        f"steps {first}-{last} stays skipped, and training goes on at step {last + 1}")

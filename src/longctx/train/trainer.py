@@ -28,8 +28,8 @@ from ..checkpoint.paths import CheckpointError
 from ..config import Config
 from ..errors import REQUEUE_EXIT_CODE, Preempted, TrainingError
 from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
-from ..models.llama import count_params
 from ..parallel import watchdog
+from ..parallel.expert_pipeline import tuning_step
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import progress_bar
@@ -37,8 +37,8 @@ from .guard import StepGuard
 from .metrics import MetricsLogger, peak_memory_bytes, router_record
 from .model import build_training_model, resolve_offload
 from .preemption import StopOnSignal
-from .report import write_plots
-from .rollback import record_rollback, rollback_from
+from .report import describe_run, write_plots
+from .rollback import record_rollback, skip_rolled_back_window
 from .setup import (
     build_data,
     check_packages,
@@ -125,17 +125,11 @@ class Trainer:
         self._describe()
 
     def _skip_rolled_back_window(self) -> None:
-        """A resume from a checkpoint the run once rolled back to continues after the bad step, with
-        the data it had then (rollback.py), instead of replaying the skipped window."""
-        if self.ckpt is None or not self.start_step:
-            return
-        skipped = rollback_from(self.ckpt.root, self.start_step)
-        if skipped is not None:
-            self.sampler.load_state_dict(skipped["data_position"])
-            self.start_step = int(skipped["bad_step"])
-            first, last = skipped["skipped_steps"]
-            self.log(f"checkpoint: this run rolled back to step {first - 1} at step {last} ({skipped['reason']}); "
-                     f"the data of steps {first}-{last} stays skipped, and training goes on at step {last + 1}")
+        """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py)."""
+        if self.ckpt is not None and self.start_step:
+            self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler)
+            if note:
+                self.log(note)
 
     @property
     def eval_samples(self):
@@ -159,16 +153,9 @@ class Trainer:
                      f"{s.seq_len} tokens per sequence")
 
     def _describe(self) -> None:
-        cfg, rt, mem = self.cfg, self.rt, self.cfg.memory
-        d = rt.dims
-        layout = (f"{rt.world} ranks: dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x head {d.head} x ctx "
-                  f"{d.ctx}" + (f" (window {d.window})" if d.window else "") + f", {d.placement}"
-                  if rt.world > 1 else "1 process")
-        self.log(f"model: {cfg.model.label}, {count_params(self.model) / 1e6:.2f}M parameters, "
-                 f"{self.device.type} {str(self.dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
-                 + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction
-                    else "")
-                 + f", loss_chunk={mem.loss_chunk}, {layout}; {self.metrics.describe_peak()}")
+        for line in describe_run(self.cfg, self.rt.world, self.rt.dims, self.model, self.device, self.dtype,
+                                 self.metrics.describe_peak()):
+            self.log(line)
         self.log(f"run directory: {self.run_dir}")
 
     # ------------------------------------------------------------------------------------------
@@ -257,7 +244,8 @@ class Trainer:
         micro = [rt.to_device(b, self.device) for b, _ in shares]
         if self.moe:
             self.model.set_router_step(step - 1)
-            self._tune_expert_chunks(step)
+            if (note := tuning_step(self.model, step)) is not None:  # parallel.expert_pipeline_chunks = 0
+                self.log(note)
         router_stats = router_counts = None
         with self.device_section():
             local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -293,14 +281,6 @@ class Trainer:
             self.model.update_expert_bias(router_counts * apply)
             self.router_stats, self.router_counts = router_stats, router_counts
         return loss, grad_norm, lr
-
-    def _tune_expert_chunks(self, step: int) -> None:
-        """parallel.expert_pipeline_chunks = 0: the online profile's next step (and its choice, logged)."""
-        tuner = getattr(self.model, "expert_chunk_tuner", None)
-        decision = tuner.begin_step() if tuner is not None else None
-        if decision is not None:
-            times = ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in decision["forward_s"].items())
-            self.log(f"step {step}: expert pipeline chunks {decision['chunks']} (MoE layer forward by chunks: {times})")
 
     def _inject(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
         """LONGCTX_FAULT's nonfinite@STEP and spike@STEP (faults.py): the loss, and so its gradients."""

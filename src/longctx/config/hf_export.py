@@ -1,0 +1,100 @@
+"""A [model] written as its Hugging Face family's config.json (`longctx checkpoint export`): the
+inverse of config/hf.py's reading, and the check of what a family cannot express."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .hf import FAMILIES, HFFormatError
+from .schema import MOE_FAMILIES, parse_layer_list
+
+
+def export_problems(m) -> list[str]:
+    """Why the [model] `m` (a ModelConfig) cannot be written as its family's config.json: what
+    transformers' class for that family cannot express (empty when it can)."""
+    f = m.family
+    if not m.is_moe:
+        return [f"model.family={f} is a Mixture-of-Experts family; a dense model exports as llama, mistral, qwen2 "
+                f"or qwen3."] if f in MOE_FAMILIES else []
+    if f not in MOE_FAMILIES:
+        return [f"a Mixture-of-Experts model (model.moe.experts={m.moe_experts}) exports as one of "
+                f"{', '.join(MOE_FAMILIES)}, not model.family={f}."]
+    problems = []
+    if m.moe_router != "softmax":
+        problems.append(f"{f} routes by the top-k of a softmax; model.moe.router={m.moe_router} has no "
+                        f"transformers equivalent.")
+    if m.moe_route_scale != 1.0:
+        problems.append(f"{f} has no factor on the routing weights (model.moe.route_scale={m.moe_route_scale}).")
+    if f == "mixtral" and not m.moe_norm_topk:
+        problems.append("mixtral always renormalises the top-k weights (model.moe.norm_topk must be true).")
+    shared, dense = m.resolved_shared_dim, parse_layer_list(m.moe_dense_layers) & set(range(m.layers))
+    if f == "qwen2_moe" and not (shared and m.moe_shared_gate):
+        problems.append("qwen2_moe has a gated shared expert in every MoE layer: set model.moe.shared_dim (or "
+                        "shared_experts) and model.moe.shared_gate=true, or export as qwen3_moe.")
+    if f != "qwen2_moe" and shared:
+        problems.append(f"{f} has no shared experts (model.moe.shared_dim={shared}); qwen2_moe has one.")
+    if f in ("mixtral", "olmoe") and dense:
+        problems.append(f"{f} has experts in every layer; model.moe.dense_layers={m.moe_dense_layers!r} needs "
+                        f"qwen2_moe or qwen3_moe.")
+    if f in ("mixtral", "olmoe") and m.resolved_expert_dim != m.ffn_dim:
+        problems.append(f"{f} has one intermediate_size, the experts' width: set model.ffn_dim to "
+                        f"model.moe.expert_dim ({m.resolved_expert_dim}).")
+    return problems
+
+
+def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
+    """config.json for the [model] `m` (a ModelConfig), in the newer rope_parameters form plus the
+    classic rope_theta / rope_scaling keys, so old and new transformers read it."""
+    rope: dict[str, Any] = {"rope_type": "default" if m.rope_scaling == "none" else m.rope_scaling,
+                            "rope_theta": m.rope_theta}
+    if m.rope_scaling in ("linear", "llama3", "yarn"):
+        rope["factor"] = m.rope_factor
+    if m.rope_scaling == "llama3":
+        rope.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
+                    original_max_position_embeddings=m.rope_original_max_len)
+    if m.rope_scaling == "yarn":
+        rope.update(original_max_position_embeddings=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
+                    beta_slow=m.rope_beta_slow, truncate=m.rope_truncate)
+        for key, value in (("mscale", m.rope_mscale), ("mscale_all_dim", m.rope_mscale_all_dim),
+                           ("attention_factor", m.rope_attention_factor)):
+            if value:
+                rope[key] = value
+    problems = export_problems(m)
+    if problems:
+        raise HFFormatError(f"this model cannot be written as a Hugging Face {m.family}: {' '.join(problems)}")
+    out = {
+        "architectures": [FAMILIES[m.family]], "model_type": m.family,
+        "hidden_size": m.dim, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
+        "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim, "intermediate_size": m.ffn_dim,
+        "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
+        "max_position_embeddings": m.max_seq_len, "initializer_range": m.init_std, "hidden_act": "silu",
+        "rope_theta": m.rope_theta, "rope_parameters": rope,
+        "rope_scaling": None if m.rope_scaling == "none" else dict(rope),
+        "torch_dtype": dtype_name, "dtype": dtype_name,
+    }
+    if m.family == "qwen2_moe":
+        out["qkv_bias"] = m.qkv_bias
+    elif m.family != "qwen2":
+        out["attention_bias"] = m.qkv_bias
+    if m.family == "llama":
+        out["mlp_bias"] = False
+    if m.family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    if m.family in ("mistral", "mixtral"):
+        out["sliding_window"] = None
+    if m.is_moe:
+        out.update(num_experts_per_tok=m.moe_top_k, router_aux_loss_coef=m.moe_aux_loss, output_router_logits=False)
+        if m.moe_z_loss:
+            out["router_z_loss_coef"] = m.moe_z_loss
+    if m.family == "mixtral":
+        out.update(num_local_experts=m.moe_experts, intermediate_size=m.resolved_expert_dim, router_jitter_noise=0.0)
+    elif m.family == "olmoe":
+        out.update(num_experts=m.moe_experts, intermediate_size=m.resolved_expert_dim, norm_topk_prob=m.moe_norm_topk,
+                   clip_qkv=None)
+    elif m.family in ("qwen2_moe", "qwen3_moe"):
+        out.update(num_experts=m.moe_experts, moe_intermediate_size=m.resolved_expert_dim,
+                   norm_topk_prob=m.moe_norm_topk, decoder_sparse_step=1,
+                   mlp_only_layers=sorted(parse_layer_list(m.moe_dense_layers) & set(range(m.layers))))
+        if m.family == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = m.resolved_shared_dim
+    return out
