@@ -13,8 +13,11 @@ from longctx.parallel.spawn import run_spawned
 
 def _what_a_rank_sees():
     rank = dist.get_rank()
-    print(f"out from rank {rank}", flush=True)
-    print(f"err from rank {rank}", file=sys.stderr, flush=True)
+    # one write per line: print() writes the text and its newline apart, and with PYTHONUNBUFFERED two
+    # ranks' lines can interleave on the shared pipe ("out from rank 1out from rank 0\n\n")
+    for stream, what in ((sys.stdout, "out"), (sys.stderr, "err")):
+        stream.write(f"{what} from rank {rank}\n")
+        stream.flush()
     return (os.environ.get("LONGCTX_TEST_SPAWN"), "LONGCTX_TEST_SPAWN_GONE" in os.environ, torch.get_num_threads(),
             torch.initial_seed(), int(np.random.randint(2**31)), os.getcwd())
 
