@@ -14,6 +14,7 @@ from longctx.train.trainer import train
 STEPS = 4         # every layout
 LONG_STEPS = 20   # one layout
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
+        "--train.seq_len=256",  # (a wrong layout shows at any length; half the default halves the jobs)
         "--train.warmup_steps=2"]
 
 LAYOUTS = {

@@ -16,7 +16,7 @@ import pytest
 from longctx.errors import REQUEUE_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 30  # room: the signal must land before the last step on a fast machine too
+STEPS = 16  # room: the signal (after step 3) must land before the last step on a fast machine too
 RUN = ["train", "--nproc", "4", "--parallel.head", "2", "--parallel.ctx", "2", "--train.steps", str(STEPS),
        "--train.seq_len", "128", "--checkpoint.interval", "3", "--checkpoint.async", "true",
        "--metrics.log_interval", "1", "--metrics.plots", "false", "--metrics.progress", "false",
@@ -58,7 +58,7 @@ def test_sigterm_saves_the_step_exits_75_and_resumes_exactly(tmp_path):
     p = subprocess.Popen(_cmd(*RUN, f"--train.run_dir={cut}"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, cwd=ROOT, env=_env())
     deadline = time.monotonic() + 300
-    while _steps_done(cut) < 5 and time.monotonic() < deadline and p.poll() is None:
+    while _steps_done(cut) < 3 and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.2)
     assert p.poll() is None, "the run ended before the signal"
     p.send_signal(signal.SIGTERM)  # to the launcher, as Slurm's scancel does
@@ -67,7 +67,7 @@ def test_sigterm_saves_the_step_exits_75_and_resumes_exactly(tmp_path):
     said = [line for line in err.splitlines() if "saved step" in line and "on SIGTERM" in line]
     assert len(said) == 1, err[-3000:]  # once, from the launcher, for all ranks
     stopped = int(said[0].split("saved step ")[1].split()[0])
-    assert 5 <= stopped < STEPS
+    assert 3 <= stopped < STEPS
     assert (cut / "checkpoints" / f"step-{stopped:08d}").is_dir()
     assert _steps_done(cut) == stopped  # it stopped at the step it saved
 

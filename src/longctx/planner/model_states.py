@@ -23,6 +23,9 @@ traffic, not the states at rest (which are already 1 / world under FSDP over eve
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 from ..config import ModelConfig
 from ..models.flops import layer_matmul_params, moe_ffn_params
 from .shape import MeshShape
@@ -45,10 +48,33 @@ def _block_extras(m: ModelConfig) -> int:
             + (m.dim if m.out_bias else 0))
 
 
+def _per_model(fn):
+    """Remember fn(m, *args) per model config: the planner asks it of one model for every one of its
+    tens of thousands of candidates (a config is never changed once built; the entry is dropped
+    when its config is)."""
+    memo: dict[tuple, tuple] = {}
+
+    @functools.wraps(fn)
+    def cached(m, *args):
+        key = (id(m), args)
+        hit = memo.get(key)
+        if hit is None or hit[0]() is not m:
+            ref = weakref.ref(m, lambda _, key=key: memo.pop(key, None))
+            hit = memo[key] = (ref, fn(m, *args))
+        return hit[1]
+
+    return cached
+
+
+@_per_model
+def _block_params(m: ModelConfig) -> tuple[int, ...]:
+    extras = _block_extras(m)
+    return tuple(n + extras for n in layer_matmul_params(m))
+
+
 def block_params(m: ModelConfig) -> list[int]:
     """Parameters of every block, in order: a MoE block with all its experts."""
-    extras = _block_extras(m)
-    return [n + extras for n in layer_matmul_params(m)]
+    return list(_block_params(m))
 
 
 def param_counts(m: ModelConfig, expert: int = 1) -> dict[str, int]:
@@ -56,6 +82,11 @@ def param_counts(m: ModelConfig, expert: int = 1) -> dict[str, int]:
     (embeddings, final norm, LM head), in total (every expert of a MoE model), and "experts": the
     routed experts of every MoE layer. expert: the expert-parallel degree, under which "block" is the
     largest block as one rank gathers it (its group's 1 / expert of a MoE layer's routed experts)."""
+    return dict(_param_counts(m, expert))
+
+
+@_per_model
+def _param_counts(m: ModelConfig, expert: int) -> dict[str, int]:
     routed = routed_expert_params(m)
     sparse = set(m.moe_layer_ids)
     blocks = block_params(m)

@@ -258,6 +258,13 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
 def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[list[Estimate], int]:
     hw, m = req.hardware, req.model
     pols = policies(req)
+    # every policy in both gradient-sync variants, in policy order, and what the checks below compare
+    # each with, made once (not per shape and micro-batch: tens of thousands of dataclass copies)
+    by_sync = {g: [dataclasses.replace(p, grad_sync=g) for p in pols] for g in ("step", "micro_batch")}
+    in_order = {syncs: [by_sync[g][i] for i in range(len(pols)) for g in syncs]
+                for syncs in (("step",), ("step", "micro_batch"))}
+    as_step = {v: s for g in by_sync for v, s in zip(by_sync[g], by_sync["step"])}
+    unchunked = {v: dataclasses.replace(v, expert_chunk=0) for g in by_sync for v in by_sync[g] if v.expert_chunk}
     results: list[Estimate] = []
     evaluated = 0
     for shape in candidate_shapes(req):
@@ -273,16 +280,15 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
             # with accumulation, reducing per micro-batch trades traffic for the unsharded gradients
             syncs = ("step", "micro_batch") if dp_share // mb > 1 and shape.world > 1 else ("step",)
             fit_whole = set()  # policies that fit with the experts' rows whole (expert_chunk 0)
-            for pol in (dataclasses.replace(p, grad_sync=g) for p in pols for g in syncs):
+            for pol in in_order[syncs]:
                 if pol.block_chunk and pol.block_chunk >= tokens:
                     continue  # one chunk: the same as whole blocks
-                if pol.expert_chunk and dataclasses.replace(pol, expert_chunk=0) in fit_whole:
+                if pol.expert_chunk and unchunked[pol] in fit_whole:
                     continue  # expert pieces only add recomputation where whole rows fit
                 if pol.attention_chunk and pol.attention_chunk >= tokens * shape.head:
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
                 # activations and the backward transient (which the Double-Ring window changes): the same
-                key = (shape.head, shape.ctx, shape.window, shape.expert, mb,
-                       dataclasses.replace(pol, grad_sync="step"))
+                key = (shape.head, shape.ctx, shape.window, shape.expert, mb, as_step[pol])
                 if key not in acts_cache:
                     acts_cache[key] = rank_activations(m, req.seq_len, mb, shape, pol, hw.dtype_bytes, req.doc_mask,
                                                        req.expert_skew)
