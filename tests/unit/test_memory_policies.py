@@ -173,3 +173,23 @@ def test_chunked_full_recomputes_the_token_wise_stages_once_more(reference):
     est = {c: estimate_activations(cfg, 64, 2, policy=MemoryPolicy("full", block_chunk=c)).recompute_flops
            for c in (0, 16)}
     assert est[16] > est[0]
+
+
+def test_a_span_whose_storage_lost_its_memory_does_not_answer_for_a_new_tensor_at_its_address():
+    """FSDP frees an unsharded weight's storage (resize to 0) after its module's forward, inside the
+    block; a later activation can then be given the same address. The offloader's record of the old
+    span must not hand the new tensor the old data (it did under expert parallelism with offload 0.5,
+    once freed memory was reused: losses 1e-3 off)."""
+    from longctx.memory.offload import HostOffloader
+
+    off = HostOffloader(torch.device("cpu"))
+    old, new = torch.arange(8.0), torch.arange(8.0) + 100
+    with off.block(0), off.offload(0.5):
+        packed_old = off._pack(old)
+        old.untyped_storage().resize_(0)  # freed as FSDP frees it
+        # the address taken by the new tensor: move the old record under it, as a reuse would
+        (key,) = [k for k in off._seen]
+        off._seen[(new.untyped_storage().data_ptr(), new.dtype)] = off._seen.pop(key)
+        packed_new = off._pack(new)
+    assert packed_new.region is not packed_old.region
+    assert torch.equal(off._unpack(packed_new), torch.arange(8.0) + 100)

@@ -117,6 +117,10 @@ class HostOffloader:
         storage = t.untyped_storage()
         lo, hi = _span(t)
         regions = self._seen.setdefault((storage.data_ptr(), t.dtype), [])
+        # a storage held below can still lose its memory to a resize (FSDP frees an unsharded weight's
+        # storage after its module's forward), and a new tensor can then take the same address: a
+        # span whose storage no longer has it is stale, and must not answer for the new tensor
+        regions[:] = [r for r in regions if r[3].data_ptr() == storage.data_ptr() and r[3].nbytes()]
         for r_lo, r_hi, region, _ in regions:
             if r_lo <= lo and hi <= r_hi:
                 return _View(region, lo - r_lo, t.shape, t.stride())
