@@ -45,7 +45,9 @@ def _timings(rows_per_peer: int, ranks_per_node: int):
         t0 = time.monotonic()
         pending = comm.all_to_all_v_async(x, mesh, splits, splits)
         issued = time.monotonic() - t0
+        t1 = time.monotonic()
         time.sleep(0.05)  # computation meanwhile
+        out["computed_s"] = time.monotonic() - t1  # (a loaded machine may oversleep)
         before = emu.exposed_s
         pending.wait()
         out["async_s"], out["async_issue_s"] = time.monotonic() - t0, issued
@@ -85,6 +87,8 @@ def test_a_lone_transfer_takes_latency_plus_bytes_over_bandwidth(inter, intra):
 def test_an_asynchronous_transfer_hides_behind_computation_and_transfers_queue(inter):
     for r in inter:
         assert r["async_issue_s"] < 0.01  # issuing does not wait for the link
-        assert r["async_s"] == pytest.approx(0.1, rel=0.1)  # 0.05 s of it under the computation
-        assert r["async_exposed_s"] == pytest.approx(0.05, abs=0.01)
+        hidden = r["async_issue_s"] + r["computed_s"]  # the transfer ran under these
+        assert r["async_s"] == pytest.approx(max(0.1, hidden), rel=0.1)  # 0.05 s of it under the computation
+        assert r["async_exposed_s"] == pytest.approx(max(0.1 - hidden, 0.0), abs=0.01)
+        assert r["async_exposed_s"] < 0.08  # well under the whole transfer
         assert r["two_s"] == pytest.approx(0.2, rel=0.1)  # the second queues behind the first
