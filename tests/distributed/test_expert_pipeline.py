@@ -114,3 +114,32 @@ def test_a_run_with_chunks_chosen_online_logs_its_choice_and_trains_as_the_plain
     (plain, _), (auto, logged) = results["plain"][0], results["auto"][0]
     assert len(logged) == 1 and "step 10: expert pipeline chunks" in logged[0], logged
     assert max(abs(a - b) for a, b in zip(plain, auto, strict=True)) <= 1e-4
+
+
+def _saved_expert_weights_are_weights():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from longctx.memory.offload import _is_weight
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("expert_data", "expert"))
+    holder = nn.Sequential(MoEFeedForward(ModelConfig(dim=16, ffn_dim=32, moe_experts=4, moe_top_k=2,
+                                                      moe_expert_dim=16)))
+    use_expert_parallel(holder, mesh, 1)
+    verdicts = []
+
+    def pack(t):
+        if tuple(t.shape) == (2, 16, 16):  # this rank's 2 experts' [in, out] weights the grouped GEMMs save
+            verdicts.append(_is_weight(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        holder(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    return verdicts
+
+
+def test_the_host_offloader_leaves_expert_weights_to_fsdp():
+    """Under expert parallelism the experts' weights reach the grouped GEMMs through DTensor.to_local
+    and the gradient-scaling identity: still weights, which FSDP gathers again for backward, so the
+    offloader must not copy them to the host as activations."""
+    for verdicts in run_spawned(2, _saved_expert_weights_are_weights):
+        assert len(verdicts) == 3 and all(verdicts), verdicts
