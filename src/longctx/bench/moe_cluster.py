@@ -37,7 +37,18 @@ import time
 from datetime import date
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..config import load_config
+from ..memory.host_malloc import keep_freed_blocks
+from ..models.moe import MoEFeedForward
+from ..parallel import comm
+from ..parallel.emulated_link import LinkProfile, emulate
+from ..parallel.expert import use_expert_parallel
+from ..parallel.spawn import run_spawned
+from ..planner.hardware import get_hardware
 
 
 def add_arguments(p) -> None:
@@ -75,8 +86,6 @@ def parse_cluster(text: str) -> tuple[int, int]:
 def _gemm_rate(rows: int, dim: int, hidden: int, mesh, repeats: int = 6) -> float:
     """FLOP/s of expert-sized GEMMs on one rank while every rank runs them (they share the cores):
     the wall time of all the repeats from a common start, not the best one."""
-    from ..parallel import comm
-
     a, b = torch.randn(rows, dim), torch.randn(dim, hidden)
     a @ b
     comm.barrier(mesh)
@@ -94,17 +103,6 @@ def _step(stack, x, grad) -> None:
 
 
 def _rank(spec: dict) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from ..config import load_config
-    from ..memory.host_malloc import keep_freed_blocks
-    from ..models.moe import MoEFeedForward
-    from ..parallel import comm
-    from ..parallel.emulated_link import LinkProfile, emulate
-    from ..parallel.expert import use_expert_parallel
-    from ..planner.hardware import get_hardware
-
     keep_freed_blocks()  # as `longctx train` runs on CPU
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = load_config(None, [f"--model.preset={spec['model']}"]).model
@@ -125,11 +123,8 @@ def _rank(spec: dict) -> dict:
     slowdown = spec["slowdown"] or hw.peak_flops * hw.gemm_efficiency / mean_rate
     # the rows travel here in fp32 where the hardware would send hw.dtype_bytes per value: the links
     # are widened by that ratio, so a row takes the time it would take there
-    widen = x.element_size() / hw.dtype_bytes * spec["link_scale"]
-    intra = hw.intra_gbps * 1e9 / slowdown * widen
-    inter = (intra * spec["inter_ratio"] if spec["inter_ratio"] else hw.inter_gbps * 1e9 / slowdown * widen)
-    latency = slowdown / spec["link_scale"]
-    profile = LinkProfile(spec["ranks_per_node"], intra, inter, 5e-6 * latency, 10e-6 * latency, ("expert",))
+    profile = LinkProfile.from_hardware(hw, spec["ranks_per_node"], slowdown, ("expert",), faster=spec["link_scale"],
+                                        widen=x.element_size() / hw.dtype_bytes, inter_ratio=spec["inter_ratio"])
     out = {"slowdown": slowdown, "rank_gemm_flops": rate, "profile": dataclasses.asdict(profile),
            "schedules": {}}
     for name, chunks in spec["schedules"]:
@@ -154,8 +149,6 @@ def _rank(spec: dict) -> dict:
 
 
 def main(args) -> int:
-    from ..parallel.spawn import run_spawned
-
     nodes, per_node = parse_cluster(args.cluster)
     world = nodes * per_node
     chunks = [int(c) for c in args.chunks.split(",") if c]
@@ -167,7 +160,6 @@ def main(args) -> int:
             "slowdown": 0.0 if args.slowdown == "auto" else float(args.slowdown), "emulate": not args.no_emulation,
             "schedules": [("sequential", 1), *((f"scheduled_{c}", c) for c in chunks)]}
     if not spec["layers"]:
-        from ..config import load_config
         spec["layers"] = len(load_config(None, [f"--model.preset={args.model}"]).model.moe_layer_ids)
     _progress(f"{world} ranks ({nodes} nodes x {per_node}), {args.model}: {spec['layers']} MoE layers, "
               f"{args.tokens:,} tokens, schedules {[n for n, _ in spec['schedules']]}, {args.repeats} repeats")
@@ -196,7 +188,8 @@ def summarize(per_rank: list[dict], spec: dict) -> dict:
     return {
         "config": {k: v for k, v in spec.items() if k != "schedules"} | {"slowdown": per_rank[0]["slowdown"],
                                                                            "link": per_rank[0]["profile"]},
-        "sequential_s": seq["step_s"], "scheduled_s": table[best]["step_s"], "scheduled_chunks": best,
+        "sequential_s": seq["step_s"], "scheduled_s": table[best]["step_s"],
+        "scheduled_chunks": dict(spec["schedules"])[best],
         "exposed_comm_sequential": seq["exposed_s"], "exposed_comm_scheduled": table[best]["exposed_s"],
         "step_ratio": table[best]["step_s"] / seq["step_s"],
         "exposed_ratio": table[best]["exposed_s"] / seq["exposed_s"] if seq["exposed_s"] else None,

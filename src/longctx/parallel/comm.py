@@ -196,10 +196,6 @@ def all_to_all_v(x: torch.Tensor, mesh, send_rows: list[int], recv_rows: list[in
     """Variable splits: x's first send_rows[0] rows go to group rank 0, the next send_rows[1] to rank
     1, ...; returns the rows received, recv_rows[j] of them from rank j, in rank order. Both lists
     are host integers (the caller exchanged the counts first). Counted: the rows that leave this rank."""
-    n = mesh.size()
-    if len(send_rows) != n or len(recv_rows) != n or sum(send_rows) != x.shape[0]:
-        raise ValueError(f"all_to_all_v over '{dim_name(mesh)}' ({n} ranks): {len(send_rows)} send and "
-                         f"{len(recv_rows)} receive splits for {x.shape[0]} rows")
     return all_to_all_v_async(x, mesh, send_rows, recv_rows, label).wait()
 
 
@@ -207,15 +203,16 @@ class PendingTransfer:
     """An all-to-all in flight (`all_to_all_v_async`); `wait()` returns its output once it has
     arrived: on an emulated link, once the modelled transfer is complete too."""
 
-    def __init__(self, out: torch.Tensor, work, done: float | None, emu):
+    def __init__(self, out: torch.Tensor, work, done: float | None, emu, sent: torch.Tensor | None = None):
         self.out, self._work, self._done, self._emu = out, work, done, emu
+        self._sent = sent  # the input stays alive while the transfer may still read it
 
     def wait(self) -> torch.Tensor:
         started = time.monotonic()
         if self._work is not None:
             with _own():
                 self._work.wait()
-            self._work = None
+            self._work = self._sent = None
         if self._emu is not None:
             self._emu.wait_until(self._done, started)
             self._emu = None
@@ -244,7 +241,7 @@ def all_to_all_v_async(x: torch.Tensor, mesh, send_rows: list[int], recv_rows: l
     emu = _emulator(mesh)
     done = None if emu is None else emu.post(_peer_bytes(mesh, [row * r for r in send_rows],
                                                          [row * r for r in recv_rows]), started)
-    return PendingTransfer(out, work, done, emu)
+    return PendingTransfer(out, work, done, emu, x)
 
 
 def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor:

@@ -48,12 +48,18 @@ class LinkProfile:
             raise ValueError(f"an emulated link needs ranks_per_node >= 1 and positive bandwidths, got {self}")
 
     @classmethod
-    def from_hardware(cls, hw, ranks_per_node: int, slowdown: float = 1.0, dims: tuple[str, ...] = ()) -> LinkProfile:
-        """The links of a planner hardware (planner/hardware.py: intra_gbps, inter_gbps per GPU),
-        `slowdown` times slower: set it to how much slower this machine computes than that hardware,
-        so communication keeps the share of a step it has there."""
-        return cls(ranks_per_node, hw.intra_gbps * 1e9 / slowdown, hw.inter_gbps * 1e9 / slowdown,
-                   5e-6 * slowdown, 10e-6 * slowdown, dims)
+    def from_hardware(cls, hw, ranks_per_node: int, slowdown: float = 1.0, dims: tuple[str, ...] = (),
+                      faster: float = 1.0, widen: float = 1.0, inter_ratio: float = 0.0) -> LinkProfile:
+        """The links of a planner hardware (planner/hardware.py: intra_gbps, inter_gbps per GPU; a
+        NIC latency of 5 us inside a node, 10 us across), `slowdown` times slower: set it to how
+        much slower this machine computes than that hardware, so communication keeps the share of a
+        step it has there. `faster` speeds latency and bandwidth up on purpose, `widen` bandwidth
+        only (bytes that travel wider here than there, fp32 for bf16); `inter_ratio` > 0 sets the
+        inter-node bandwidth to that fraction of the intra-node one."""
+        intra = hw.intra_gbps * 1e9 / slowdown * faster * widen
+        inter = intra * inter_ratio if inter_ratio else hw.inter_gbps * 1e9 / slowdown * faster * widen
+        latency = slowdown / faster
+        return cls(ranks_per_node, intra, inter, 5e-6 * latency, 10e-6 * latency, dims)
 
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node

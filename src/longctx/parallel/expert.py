@@ -30,14 +30,13 @@ expert degree like any other weight, and the names stay those of one device.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ..models.moe import moe_layers, swiglu_experts
 from . import comm
-from .expert_pipeline import ChunkTuner, PipelinedExperts, chunk_counts, chunk_rows
+from .expert_pipeline import ChunkTuner, PipelinedExperts, chunk_plan
 
 
 class AllToAllV(torch.autograd.Function):
@@ -92,29 +91,6 @@ def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch
     order, per_expert = order.to(got.device), per_expert.to(got.device)
     out = swiglu_experts(got[order], per_expert, w1, w3, w2, experts.chunk)
     return out[torch.argsort(order)] if order.numel() else out
-
-
-@dataclass
-class ChunkPlan:
-    """The cut of one layer call into pipelined chunks (parallel/expert_pipeline.py), per chunk c:
-    the rows this rank sends (their indices in x, owner-major), rows sent to / received from each
-    rank, and recv[c][source][local expert]."""
-    mesh: object
-    chunks: int
-    send_index: list[torch.Tensor]
-    send_rows: list[list[int]]
-    recv_rows: list[list[int]]
-    recv: list[list[list[int]]]
-
-
-def chunk_plan(mesh, counts: list[int], recv: list[list[int]], chunks: int, device) -> ChunkPlan:
-    ep = mesh.size()
-    local = len(counts) // ep
-    send = chunk_counts(counts, chunks)  # [chunk][global expert]
-    recv_c = [[[n * (c + 1) // chunks - n * c // chunks for n in row] for row in recv] for c in range(chunks)]
-    return ChunkPlan(mesh, chunks, [i.to(device) for i in chunk_rows(counts, chunks)],
-                     [[sum(row[o * local:(o + 1) * local]) for o in range(ep)] for row in send],
-                     [[sum(r) for r in rc] for rc in recv_c], recv_c)
 
 
 def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, mesh) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,15 +44,48 @@ def chunk_counts(counts: list[int], chunks: int) -> list[list[int]]:
 def chunk_rows(counts: list[int], chunks: int) -> list[torch.Tensor]:
     """For rows grouped by `counts` (group g's rows contiguous, in group order): the row indices of
     each chunk, group by group in order."""
-    starts, start = [], 0
-    for n in counts:
-        starts.append(start)
-        start += n
+    n = torch.tensor(counts, dtype=torch.long)
+    starts = torch.cumsum(n, 0) - n
     out = []
     for c in range(chunks):
-        pieces = [torch.arange(s + n * c // chunks, s + n * (c + 1) // chunks) for s, n in zip(starts, counts)]
-        out.append(torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long))
+        lo, hi = starts + n * c // chunks, starts + n * (c + 1) // chunks
+        lengths = hi - lo
+        # every group's [lo, hi) in one go: positions within the chunk shifted to each group's lo
+        first = torch.cumsum(lengths, 0) - lengths
+        out.append(torch.arange(int(lengths.sum())) + torch.repeat_interleave(lo - first, lengths))
     return out
+
+
+@dataclass
+class ChunkPlan:
+    """The cut of one layer call into pipelined chunks, per chunk c: the rows this rank sends (their
+    indices in x, owner-major), rows sent to / received from each rank, and recv[c][source][local
+    expert]."""
+    mesh: object
+    chunks: int
+    send_index: list[torch.Tensor]
+    send_rows: list[list[int]]
+    recv_rows: list[list[int]]
+    recv: list[list[list[int]]]
+
+
+def chunk_plan(mesh, counts: list[int], recv: list[list[int]], chunks: int, device) -> ChunkPlan:
+    """counts[E]: the rows this rank sends per (global) expert; recv[source][local expert]: the rows
+    it receives. Both sides cut each expert's rows with chunk_counts, so they agree without talking."""
+    ep = mesh.size()
+    local = len(counts) // ep
+    send = chunk_counts(counts, chunks)  # [chunk][global expert]
+    per_source = [chunk_counts(row, chunks) for row in recv]  # [source][chunk][local expert]
+    recv_c = [[per_source[s][c] for s in range(len(recv))] for c in range(chunks)]
+    return ChunkPlan(mesh, chunks, [i.to(device) for i in chunk_rows(counts, chunks)],
+                     [[sum(row[o * local:(o + 1) * local]) for o in range(ep)] for row in send],
+                     [[sum(r) for r in rc] for rc in recv_c], recv_c)
+
+
+def _issue(rows: torch.Tensor, plan: ChunkPlan, c: int, back: bool = False) -> comm.PendingTransfer:
+    """Start chunk c's transfer: to the experts' owners, or `back` from them to the rows' ranks."""
+    send, recv = (plan.recv_rows[c], plan.send_rows[c]) if back else (plan.send_rows[c], plan.recv_rows[c])
+    return comm.all_to_all_v_async(rows, plan.mesh, send, recv, "expert")
 
 
 class PipelinedExperts(torch.autograd.Function):
@@ -59,18 +93,17 @@ class PipelinedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w3, w2, plan, run_experts):
-        mesh = plan.mesh
         weights = [w.detach().requires_grad_() for w in (w1, w3, w2)]
-        sends = [x.index_select(0, idx) for idx in plan.send_index]
-        pending = comm.all_to_all_v_async(sends[0], mesh, plan.send_rows[0], plan.recv_rows[0], "expert")
+        # each chunk's rows are gathered when its transfer is issued: two chunks' copies at most
+        pending = _issue(x.index_select(0, plan.send_index[0]), plan, 0)
         graphs, combines = [], []
         for c in range(plan.chunks):
-            following = (comm.all_to_all_v_async(sends[c + 1], mesh, plan.send_rows[c + 1], plan.recv_rows[c + 1],
-                                                 "expert") if c + 1 < plan.chunks else None)
+            following = (_issue(x.index_select(0, plan.send_index[c + 1]), plan, c + 1)
+                         if c + 1 < plan.chunks else None)
             got = pending.wait().detach().requires_grad_(ctx.needs_input_grad[0])
             with torch.enable_grad():
                 out = run_experts(got, c, *weights)
-            combines.append(comm.all_to_all_v_async(out.detach(), mesh, plan.recv_rows[c], plan.send_rows[c], "expert"))
+            combines.append(_issue(out.detach(), plan, c, back=True))
             graphs.append((got, out))
             pending = following
         y = x.new_empty(x.shape[0], w2.shape[1])
@@ -81,15 +114,14 @@ class PipelinedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        plan, mesh = ctx.plan, ctx.plan.mesh
+        plan = ctx.plan
         grad = grad.contiguous()
-        sends = [grad.index_select(0, idx) for idx in plan.send_index]
-        pending = comm.all_to_all_v_async(sends[0], mesh, plan.send_rows[0], plan.recv_rows[0], "expert")
+        pending = _issue(grad.index_select(0, plan.send_index[0]), plan, 0)
         grad_w = [torch.zeros_like(w) for w in ctx.weights]
         want_x, returns = ctx.needs_input_grad[0], []
         for c, (got, out) in enumerate(ctx.graphs):
-            following = (comm.all_to_all_v_async(sends[c + 1], mesh, plan.send_rows[c + 1], plan.recv_rows[c + 1],
-                                                 "expert") if c + 1 < plan.chunks else None)
+            following = (_issue(grad.index_select(0, plan.send_index[c + 1]), plan, c + 1)
+                         if c + 1 < plan.chunks else None)
             g_out = pending.wait()
             grads = torch.autograd.grad(out, [got, *ctx.weights] if want_x else ctx.weights, g_out, allow_unused=True)
             g_in, g_w = (grads[0], grads[1:]) if want_x else (None, grads)
@@ -97,13 +129,13 @@ class PipelinedExperts(torch.autograd.Function):
                 if g is not None:
                     acc += g
             if want_x:  # (the rows' gradient travels back only when x needs one, as in the unchunked layer)
-                g_in = torch.zeros_like(got) if g_in is None else g_in.contiguous()
-                returns.append(comm.all_to_all_v_async(g_in, mesh, plan.recv_rows[c], plan.send_rows[c], "expert"))
+                returns.append(_issue(torch.zeros_like(got) if g_in is None else g_in.contiguous(), plan, c,
+                                      back=True))
             pending = following
         ctx.graphs = None
         grad_x = None
         if want_x:
-            grad_x = grad.new_zeros(sum(len(i) for i in plan.send_index), grad.shape[1])
+            grad_x = grad.new_zeros(grad.shape[0], grad.shape[1])
             for idx, done in zip(plan.send_index, returns):
                 grad_x.index_copy_(0, idx, done.wait())
         return grad_x, *grad_w, None, None
