@@ -299,6 +299,13 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     if p.expert_pipeline_chunks < 0:
         problems.append(f"parallel.expert_pipeline_chunks must be >= 0 (1 = no pipelining, 0 = chosen by an online "
                         f"profile of the first steps), got {p.expert_pipeline_chunks}.")
+    if p.expert_replicas < 0 or p.expert_placement_window < 1:
+        problems.append(f"parallel.expert_replicas must be >= 0 and parallel.expert_placement_window >= 1, got "
+                        f"{p.expert_replicas} and {p.expert_placement_window}.")
+    if p.expert_replicas and p.expert == 1:
+        problems.append(f"parallel.expert_replicas = {p.expert_replicas} copies hot experts onto other ranks of an "
+                        f"expert group, but parallel.expert = 1 (no group): set parallel.expert > 1 or "
+                        f"expert_replicas = 0.")
     if p.expert < 1:
         problems.append(f"parallel.expert must be a positive degree, got {p.expert}.")
     elif p.expert > 1 and not m.is_moe:

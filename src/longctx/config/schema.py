@@ -230,6 +230,11 @@ class ParallelConfig:
                                           "many chunks, the transfers of one under the experts of another (FSMoE's "
                                           "schedule, parallel/expert_pipeline.py); 1 = one after another; 0 = "
                                           "chosen by an online profile of the first steps (logged)")
+    expert_replicas: int = _opt(0, "parallel.expert > 1: copy slots per rank for hot experts (FlexMoE): part of a "
+                                   "hot expert's rows run on cooler ranks, placed from the router's counts "
+                                   "(parallel/expert_placement.py); 0 = every expert on its owner only")
+    expert_placement_window: int = _opt(10, "parallel.expert_replicas > 0: optimizer steps of router counts behind "
+                                            "each placement; re-placed at the end of every window (logged)")
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 

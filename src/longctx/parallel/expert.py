@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..models.moe import moe_layers, swiglu_experts
 from . import comm
 from .expert_pipeline import ChunkTuner, PipelinedExperts, chunk_plan
+from .expert_placement import ExpertPlacer, with_copies
 
 
 class AllToAllV(torch.autograd.Function):
@@ -94,20 +95,33 @@ def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch
 
 
 def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, mesh) -> torch.Tensor:
-    """`Experts.forward` under expert parallelism: x [n, dim] sorted by (global) expert, counts [E]."""
+    """`Experts.forward` under expert parallelism: x [n, dim] sorted by (global) expert, counts [E].
+    With a FlexMoE placement (parallel/expert_placement.py) the rows go by (rank, slot) instead."""
     ep = mesh.size()
-    per_owner = counts.view(ep, -1)  # [owner, its local experts]
+    placement, order = getattr(experts, "placement", None), None
+    if placement is not None and placement.copies:
+        host = counts.tolist()  # (the host read EP needs anyway, a step early)
+        order = placement.slot_order(host).to(x.device)
+        x = x.index_select(0, order)
+        counts = torch.tensor(placement.slot_counts(host), device=counts.device)
+    per_owner = counts.view(ep, -1)  # [owner, its local experts (slots)]
     received = comm.all_to_all(per_owner.contiguous(), mesh, label="expert_counts")  # [source, local expert]
     tuner = getattr(experts, "chunk_tuner", None)
+    slots = placement if order is not None else None
     if tuner is not None:  # parallel.expert_pipeline_chunks = 0: chosen by an online profile
-        return tuner.timed(lambda chunks: _exchange(x, counts, per_owner, received, experts, mesh, chunks))
-    return _exchange(x, counts, per_owner, received, experts, mesh, getattr(experts, "pipeline_chunks", 1))
+        y = tuner.timed(lambda chunks: _exchange(x, counts, per_owner, received, experts, mesh, chunks, slots))
+    else:
+        y = _exchange(x, counts, per_owner, received, experts, mesh, getattr(experts, "pipeline_chunks", 1), slots)
+    return y if order is None else y.index_select(0, torch.argsort(order))
 
 
-def _exchange(x, counts, per_owner, received, experts, mesh, chunks: int) -> torch.Tensor:
-    """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1."""
+def _exchange(x, counts, per_owner, received, experts, mesh, chunks: int, placement=None) -> torch.Tensor:
+    """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1; with a
+    placement, over its slots (the local experts, then the copies fetched from their owners)."""
     ep = mesh.size()
     w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / ep) for w in (experts.w1, experts.w3, experts.w2))
+    if placement is not None:
+        w1, w3, w2 = with_copies((w1, w3, w2), placement, mesh)
     if chunks > 1:  # FSMoE's schedule: the transfers of one chunk under the experts of another
         plan = chunk_plan(mesh, counts.tolist(), received.tolist(), chunks, x.device)
 
@@ -121,7 +135,7 @@ def _exchange(x, counts, per_owner, received, experts, mesh, chunks: int) -> tor
     return AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
 
 
-def expert_placement(p: torch.Tensor, mesh) -> DTensor:
+def shard_over_experts(p: torch.Tensor, mesh) -> DTensor:
     """A (meta) expert weight [E, ...] as a DTensor sharded on the expert dim over the expert group."""
     ep = mesh.size()
     rank = comm.local_rank(mesh)
@@ -129,17 +143,22 @@ def expert_placement(p: torch.Tensor, mesh) -> DTensor:
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
 
 
-def use_expert_parallel(model, expert_mesh, pipeline_chunks: int = 1) -> None:
+def use_expert_parallel(model, expert_mesh, pipeline_chunks: int = 1, replicas: int = 0,
+                        placement_window: int = 0) -> None:
     """Every MoE layer's experts split over the `expert` dim of `expert_mesh`: weights as DTensors
     (before FSDP wraps them) and the forward as dispatch -> local experts -> combine, in
     `pipeline_chunks` overlapped chunks when more than 1 (parallel/expert_pipeline.py); 0 = the
-    count an online profile of the first layer calls picks (ChunkTuner, `model.expert_chunk_tuner`)."""
+    count an online profile of the first layer calls picks (ChunkTuner, `model.expert_chunk_tuner`).
+    replicas > 0: FlexMoE's copies of hot experts, `replicas` slots per rank, re-placed every
+    `placement_window` optimizer steps from the router's counts (ExpertPlacer, `model.expert_placer`)."""
     mesh = comm.sub_mesh(expert_mesh, "expert")
     tuner = ChunkTuner(mesh) if pipeline_chunks == 0 else None  # one profile for all the layers
     model.expert_chunk_tuner = tuner
-    for layer in moe_layers(model):
+    layers = moe_layers(model)
+    model.expert_placer = ExpertPlacer(layers, mesh.size(), replicas, placement_window) if replicas else None
+    for layer in layers:
         experts = layer.experts
-        experts.pipeline_chunks, experts.chunk_tuner = pipeline_chunks, tuner
+        experts.pipeline_chunks, experts.chunk_tuner, experts.placement = pipeline_chunks, tuner, None
         for name in ("w1", "w3", "w2"):
-            setattr(experts, name, torch.nn.Parameter(expert_placement(getattr(experts, name), mesh)))
+            setattr(experts, name, torch.nn.Parameter(shard_over_experts(getattr(experts, name), mesh)))
         experts.forward = functools.partial(expert_parallel_forward, experts=experts, mesh=mesh)

@@ -1,0 +1,244 @@
+"""FlexMoE's dynamic expert placement: copies of hot experts on cool ranks of the expert group.
+
+Under expert parallelism a rank runs the rows of the experts it owns (E / expert of them). When
+routing is skewed, the rank that owns the hot experts receives several times the mean rows and the
+whole group waits for it. FlexMoE moves part of a hot expert's rows to other ranks, which run a
+copy of that expert.
+
+Here every rank has `replicas` extra slots next to its own experts. A `Placement` (one per MoE
+layer) says which expert each slot copies and what share of each expert's rows each of its holders
+takes (the owner included; shares sum to 1). A sending rank cuts its rows of expert e by those
+shares (cumulative rounding, so every row goes to exactly one holder), and the exchange of
+parallel/expert.py runs over slots instead of experts.
+
+A copy is not state: its weights are fetched from the owner in the layer's forward (one all-to-all
+of the copied experts' weights, `fetch_copies`), and the backward of that fetch sends the copy's
+weight gradient back to the owner, where autograd adds it to the owner's own. So the parameters,
+the optimizer and the checkpoints never see a placement (a checkpoint loads under any placement
+or none), a copy can never drift from its expert, and a placement can change between any two
+optimizer steps. The price is the copied experts' weights over the expert group's links, twice per
+step (forward fetch, backward gradient): the cost bound below.
+
+The policy (`plan_placement`) is a greedy water-filling over the loads seen over a window of steps
+(the router's choices per expert, summed over every rank, the same on all ranks, so every rank
+derives the same placement with no exchange):
+  repeat: take the most loaded rank h and the least loaded rank c that can still take a copy (a
+  free slot, or already holding the expert); move the largest of h's experts' rows that c can
+  take, min(h's rows of it, h - mean, mean - c), from h to c; until max / mean <= 1 + tolerance,
+  the slots run out, or a move would be smaller than `min_share` of the mean.
+Cost bound: at most `replicas` copies per rank and layer, each 2 x 3 x dim x expert_dim values
+over the links per step, against the rows it takes off the hot rank (each row 6 x dim x
+expert_dim FLOPs there); the log line states both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import comm
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Slots and shares of one MoE layer over an expert group of `ep` ranks, `local` experts owned by
+    each (expert e on rank e // local) and `replicas` copy slots per rank.
+
+    slot_expert[q]: the expert each slot of rank q runs (its own experts first, then its copies;
+    -1 = an empty copy slot). holders[e]: (rank, slot, share) of every holder of e, owner first."""
+    ep: int
+    local: int
+    replicas: int
+    slot_expert: tuple[tuple[int, ...], ...]
+    holders: tuple[tuple[tuple[int, int, float], ...], ...]
+    predicted: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def slots(self) -> int:
+        return self.local + self.replicas
+
+    @property
+    def copies(self) -> int:
+        return sum(e >= 0 for row in self.slot_expert for e in row[self.local:])
+
+    @staticmethod
+    def static(experts: int, ep: int, replicas: int = 0) -> Placement:
+        local = experts // ep
+        slots = tuple(tuple(range(q * local, (q + 1) * local)) + (-1,) * replicas for q in range(ep))
+        holders = tuple(((e // local, e % local, 1.0),) for e in range(experts))
+        return Placement(ep, local, replicas, slots, holders)
+
+    def slot_counts(self, counts: list[int]) -> list[int]:
+        """counts[e] rows of each expert on this rank -> rows per (rank, slot), flat [ep x slots]:
+        each expert's rows cut by its holders' shares, in holder order (cumulative rounding)."""
+        out = [0] * (self.ep * self.slots)
+        for e, n in enumerate(counts):
+            for q, s, take in self._cut(e, n):
+                out[q * self.slots + s] = take
+        return out
+
+    def _cut(self, e: int, n: int):
+        done, cum = 0, 0.0
+        for i, (q, s, share) in enumerate(self.holders[e]):
+            cum += share
+            upto = n if i == len(self.holders[e]) - 1 else min(n, int(n * cum + 0.5))
+            yield q, s, upto - done
+            done = upto
+
+    def slot_order(self, counts: list[int]) -> torch.Tensor:
+        """The permutation that lists rows grouped by expert (counts[e] each, in expert order) by
+        (rank, slot) instead: x[order] is what the slot exchange sends."""
+        starts, acc = [], 0
+        for n in counts:
+            starts.append(acc)
+            acc += n
+        segment = {}  # (rank, slot) -> (first row, rows)
+        for e, n in enumerate(counts):
+            first = starts[e]
+            for q, s, take in self._cut(e, n):
+                segment[(q, s)] = (first, take)
+                first += take
+        pieces = [torch.arange(a, a + n) for key in sorted(segment) for a, n in [segment[key]] if n]
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+
+    def fetches(self) -> list[tuple[int, int, int]]:
+        """(rank, copy slot index, expert) of every filled copy slot, in (rank, slot) order."""
+        return [(q, s - self.local, e) for q, row in enumerate(self.slot_expert)
+                for s, e in enumerate(row) if s >= self.local and e >= 0]
+
+
+def plan_placement(load, ep: int, replicas: int, tolerance: float = 0.05, min_share: float = 0.01) -> Placement:
+    """The water-filling policy of the module docstring over load[e] (rows per expert over the
+    window); returns the placement with its predicted max / mean rank load before and after."""
+    load = [float(v) for v in load]
+    experts = len(load)
+    local = experts // ep
+    mean = sum(load) / ep
+    # rows[q][e]: the rows rank q would run of expert e; slot_of[q][e]: its slot
+    rows = [{e: load[e] for e in range(q * local, (q + 1) * local)} for q in range(ep)]
+    slot_of = [{e: e - q * local for e in range(q * local, (q + 1) * local)} for q in range(ep)]
+    free = [replicas] * ep
+    rank_load = [sum(r.values()) for r in rows]
+    before = max(rank_load) / mean if mean else 1.0
+    for _ in range(ep * (replicas + local) * 4):  # each move fills a rank or empties one's expert
+        h = max(range(ep), key=lambda q: rank_load[q])
+        if not mean or rank_load[h] <= mean * (1 + tolerance):
+            break
+        best = None
+        for e, n in sorted(rows[h].items(), key=lambda kv: -kv[1]):
+            takers = [q for q in range(ep) if q != h and rank_load[q] < mean and (e in slot_of[q] or free[q])]
+            if not takers or n <= 0:
+                continue
+            c = min(takers, key=lambda q: (rank_load[q], e not in slot_of[q]))
+            amount = min(n, rank_load[h] - mean, mean - rank_load[c])
+            if best is None or amount > best[0]:
+                best = (amount, e, c)
+        if best is None or best[0] < min_share * mean:
+            break
+        amount, e, c = best
+        if e not in slot_of[c]:
+            slot_of[c][e] = local + replicas - free[c]
+            free[c] -= 1
+            rows[c][e] = 0.0
+        rows[h][e] -= amount
+        rows[c][e] += amount
+        rank_load[h] -= amount
+        rank_load[c] += amount
+    slot_expert = []
+    for q in range(ep):
+        row = [-1] * (local + replicas)
+        for e, s in slot_of[q].items():
+            row[s] = e
+        slot_expert.append(tuple(row))
+    holders = []
+    for e in range(experts):
+        owner = e // local
+        ranks = [owner] + sorted(q for q in range(ep) if q != owner and e in slot_of[q])
+        total = load[e]
+        holders.append(tuple((q, slot_of[q][e], (rows[q][e] / total) if total else float(q == owner))
+                             for q in ranks))
+    return Placement(ep, local, replicas, tuple(slot_expert), tuple(holders),
+                     {"max_over_mean_before": before, "max_over_mean_after": max(rank_load) / mean if mean else 1.0})
+
+
+class FetchCopies(torch.autograd.Function):
+    """The copy slots' weights from their owners (forward), their gradients back to the owners
+    (backward, added to the owner's own gradient by autograd). Weights travel as one [n, values]
+    block per expert: w1, w3, w2 flattened side by side."""
+
+    @staticmethod
+    def forward(ctx, packed, placement: Placement, mesh):
+        rank, ep = comm.local_rank(mesh), placement.ep
+        fetches = placement.fetches()
+        # what this rank sends: to each rank in order, its own experts that rank copies (slot order)
+        send = [(q, e - rank * placement.local) for q, _, e in fetches if e // placement.local == rank]
+        send_rows = [sum(1 for q, _ in send if q == dest) for dest in range(ep)]
+        mine = [(s, e) for q, s, e in fetches if q == rank]  # arrive owner-major, then in slot order
+        arrival = sorted(range(len(mine)), key=lambda i: (mine[i][1] // placement.local, mine[i][0]))
+        recv_rows = [sum(1 for _, e in mine if e // placement.local == src) for src in range(ep)]
+        index = torch.tensor([i for _, i in send], dtype=torch.long, device=packed.device)
+        got = comm.all_to_all_v(packed.index_select(0, index).contiguous(), mesh, send_rows, recv_rows,
+                                label="expert_copies")
+        out = packed.new_zeros(placement.replicas, packed.shape[1])
+        slots = torch.tensor([mine[i][0] for i in arrival], dtype=torch.long, device=packed.device)
+        out.index_copy_(0, slots, got)
+        ctx.mesh, ctx.index, ctx.slots = mesh, index, slots
+        ctx.send_rows, ctx.recv_rows, ctx.rows = send_rows, recv_rows, packed.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = comm.all_to_all_v(grad.index_select(0, ctx.slots).contiguous(), ctx.mesh, ctx.recv_rows,
+                                 ctx.send_rows, label="expert_copies")
+        g = grad.new_zeros(ctx.rows, grad.shape[1]).index_add_(0, ctx.index, back)
+        return g, None, None
+
+
+def with_copies(weights: tuple, placement: Placement, mesh) -> tuple:
+    """The local expert weights (w1, w3, w2; [local, ...] each) extended by the placement's copy
+    slots: [local + replicas, ...] each, in slot order (empty slots zero)."""
+    if not placement.replicas:
+        return weights
+    shapes = [w.shape[1:] for w in weights]
+    packed = torch.cat([w.reshape(w.shape[0], -1) for w in weights], dim=1)
+    copies = FetchCopies.apply(packed, placement, mesh)
+    out, start = [], 0
+    for w, shape in zip(weights, shapes):
+        n = shape.numel()
+        out.append(torch.cat([w, copies[:, start:start + n].view(-1, *shape)]))
+        start += n
+    return tuple(out)
+
+
+class ExpertPlacer:
+    """parallel.expert_replicas > 0: the router's counts of each optimizer step are summed (on the
+    device) over a window of `window` steps; at its end every MoE layer gets the placement the
+    policy derives from them, used from the next step on (an optimizer-step boundary)."""
+
+    def __init__(self, layers, ep: int, replicas: int, window: int):
+        self.layers, self.ep, self.replicas, self.window = layers, ep, replicas, max(1, window)
+        self.seen: torch.Tensor | None = None
+        self.steps = 0
+
+    def observe(self, counts: torch.Tensor) -> str | None:
+        """counts [layers, E]: one step's choices per expert over every rank (the same on all ranks).
+        Returns the log line on the steps that re-place."""
+        counts = counts.detach()
+        self.seen = counts if self.seen is None else self.seen + counts
+        self.steps += 1
+        if self.steps % self.window:
+            return None
+        load, self.seen = self.seen.tolist(), None  # the host read: once per window
+        before = after = copies = 0.0
+        for layer, row in zip(self.layers, load):
+            placement = plan_placement(row, self.ep, self.replicas)
+            layer.experts.placement = placement
+            before = max(before, placement.predicted["max_over_mean_before"])
+            after = max(after, placement.predicted["max_over_mean_after"])
+            copies += placement.copies
+        w = self.layers[0].experts.w1
+        moved = 2 * 3 * w.shape[1] * w.shape[2] * copies  # weights + their gradients, per step
+        return (f"expert placement over the last {self.window} steps: {int(copies)} copies in {len(self.layers)} "
+                f"layers; worst layer's max/mean rank load {before:.2f} -> {after:.2f} (predicted); the copies "
+                f"move {moved / 1e6:.1f}M values per step")
