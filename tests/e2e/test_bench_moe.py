@@ -39,7 +39,7 @@ def test_bench_moe_cluster_reports_both_schedules_on_an_emulated_cluster():
     """2 nodes x 1 rank, tiny sizes: the JSON keys, and one figure the emulation fixes: bytes sent
     across nodes are every routed row that leaves the node, the same for both schedules."""
     out = subprocess.run([sys.executable, "-m", "longctx", "bench", "moe", "--cluster=2x1", "--model=debug-moe",
-                          "--tokens=64", "--layers=1", "--repeats=1", "--chunks=2", "--link-scale=1000"],
+                          "--tokens=64", "--layers=1", "--repeats=1", "--chunks=2", "--link-scale=1000", "--zipf=0"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     doc = json.loads(out.stdout)
@@ -52,6 +52,22 @@ def test_bench_moe_cluster_reports_both_schedules_on_an_emulated_cluster():
     assert link["ranks_per_node"] == 1 and link["inter_bytes_per_s"] > 0
     flat = doc["cross_node_bytes_flat"]
     assert flat > 0 and doc["schedules"]["scheduled_2"]["cross_node_bytes"] == flat
+
+
+
+def test_bench_moe_cluster_reports_flexmoe_under_zipf_routing():
+    """4 ranks, Zipf(1.2) routing: the static placement's rows are skewed, FlexMoE's copies even
+    them out (the rows are counted from the real routing, not predicted)."""
+    out = subprocess.run([sys.executable, "-m", "longctx", "bench", "moe", "--cluster=2x2", "--model=debug-moe",
+                          "--tokens=256", "--layers=1", "--repeats=1", "--chunks=2", "--link-scale=1000",
+                          "--zipf=1.2", "--replicas=1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    for key in ("skew_step_static_s", "skew_step_flexmoe_s"):
+        assert doc[key] > 0, key
+    assert doc["skew_max_load_static"] > 1.5 and doc["skew_max_load_flexmoe"] <= 1.15
+    skew = doc["skew"]
+    assert skew["copies"] > 0 and sum(skew["rows_static"]) == sum(skew["rows_flexmoe"]) == 4 * 256 * 2
 
 
 def test_bench_moe_cluster_rejects_a_bad_cluster():

@@ -47,6 +47,7 @@ from ..models.moe import MoEFeedForward
 from ..parallel import comm
 from ..parallel.emulated_link import LinkProfile, emulate
 from ..parallel.expert import use_expert_parallel
+from ..parallel.expert_placement import Placement, plan_placement
 from ..parallel.spawn import run_spawned
 from ..planner.hardware import get_hardware
 
@@ -67,6 +68,10 @@ def add_arguments(p) -> None:
                         "at a chosen share of the step)")
     p.add_argument("--chunks", default="2,4", help="--cluster: pipelined chunk counts to time (comma-separated)")
     p.add_argument("--no-emulation", action="store_true", help="--cluster: real links only (a real cluster)")
+    p.add_argument("--zipf", type=float, default=1.2,
+                   help="--cluster: the skewed-routing runs' Zipf exponent over the experts (0 = no skewed runs)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="--cluster: FlexMoE copy slots per rank in the skewed runs (parallel.expert_replicas)")
 
 
 def _progress(msg: str) -> None:
@@ -130,21 +135,91 @@ def _rank(spec: dict) -> dict:
     for name, chunks in spec["schedules"]:
         stack = copy.deepcopy(base)
         use_expert_parallel(stack, mesh, chunks)
-        _step(stack, x, grad)  # warm-up
-        runs = []
-        for _ in range(spec["repeats"]):
-            stack.zero_grad(set_to_none=True)
-            comm.barrier(expert_mesh)
-            t0 = time.monotonic()
-            if spec["emulate"]:
-                with emulate(profile) as emu:
-                    _step(stack, x, grad)
-                exposed, inter = emu.exposed_s, emu.sent["inter"]
-            else:
+        out["schedules"][name] = _time(stack, x, grad, spec, profile, expert_mesh)
+    if spec["zipf"]:
+        out["skew"] = _skewed_runs(spec, base, x, grad, profile, mean_rate, mesh)
+    return out
+
+
+def _time(stack, x, grad, spec, profile, mesh) -> list[dict]:
+    """The step of `stack` timed spec["repeats"] times after a warm-up, under the emulated links
+    (unless --no-emulation): each repeat's step time, exposed time and bytes sent across nodes."""
+    _step(stack, x, grad)  # warm-up
+    runs = []
+    for _ in range(spec["repeats"]):
+        stack.zero_grad(set_to_none=True)
+        comm.barrier(mesh)
+        t0 = time.monotonic()
+        if spec["emulate"]:
+            with emulate(profile) as emu:
                 _step(stack, x, grad)
-                exposed, inter = float("nan"), 0
-            runs.append({"step_s": time.monotonic() - t0, "exposed_s": exposed, "cross_node_bytes": inter})
-        out["schedules"][name] = runs
+            exposed, inter = emu.exposed_s, emu.sent["inter"]
+        else:
+            _step(stack, x, grad)
+            exposed, inter = float("nan"), 0
+        runs.append({"step_s": time.monotonic() - t0, "exposed_s": exposed, "cross_node_bytes": inter})
+    return runs
+
+
+def _zipf_routing(stack, tokens: int, experts: int, s: float, seed: int) -> None:
+    """Every layer's router picks each token's experts as a draw without replacement from Zipf(s)
+    over the experts (Gumbel top-k on log p), a fixed draw per layer and rank; the logits keep
+    their graph (zero times the real ones) so the layer runs as in training."""
+    p = torch.tensor([(i + 1) ** -s for i in range(experts)], dtype=torch.float64)
+    logp = (p / p.sum()).log().float()
+    gen = torch.Generator().manual_seed(seed)
+    for layer in stack:
+        gumbel = -torch.log(-torch.log(torch.rand(tokens, experts, generator=gen).clamp_min(1e-20)))
+        fixed, choose = logp + gumbel, layer.router.choose
+        layer.router.choose = lambda logits, f=fixed, c=choose: c(logits * 0 + f)
+
+
+def _rank_rows(placements, counts: torch.Tensor, mesh) -> list[int]:
+    """Rows each rank of the group runs, over the layers: every rank's cut of its own rows by the
+    placement, summed over the senders."""
+    total = 0
+    for placement, c in zip(placements, counts.tolist()):
+        per_slot = torch.tensor(placement.slot_counts([int(v) for v in c]), dtype=torch.float64)
+        total = total + comm.all_reduce(per_slot, mesh).view(placement.ep, -1).sum(1)
+    return total.tolist()
+
+
+HEADROOM = 1.5  # emulated devices this much slower than the measured rate, so real GEMMs fit inside
+
+
+def _skewed_runs(spec, base, x, grad, profile, mean_rate, mesh) -> dict:
+    """Static placement vs FlexMoE's under Zipf routing, on emulated devices: each rank's expert
+    GEMMs take the time a device of `mean_rate / HEADROOM` would (emulated_link.paced), even when
+    its neighbours idle, and the links are slowed by the same factor, so a straggler costs the
+    group what it costs on a cluster. The placement comes from a first step's counts over the group
+    (what the placer sees over its window in training)."""
+    expert_mesh = comm.sub_mesh(mesh, "expert")
+    world = expert_mesh.size()
+    stack = copy.deepcopy(base)
+    experts = stack[0].num_experts
+    _zipf_routing(stack, x.shape[0], experts, spec["zipf"], 7000 + comm.local_rank(expert_mesh))
+    use_expert_parallel(stack, mesh, 1)
+    for layer in stack:
+        layer.recording = True
+    _step(stack, x, grad)
+    counts = torch.stack([sum(r.counts for r in layer.records) for layer in stack])
+    for layer in stack:
+        layer.recording, layer.records = False, []
+    global_counts = comm.all_reduce(counts.double(), expert_mesh)
+    static = [Placement.static(experts, world)] * len(stack)
+    placed = [plan_placement(c, world, spec["replicas"]) for c in global_counts.tolist()]
+    paced = dataclasses.replace(profile, compute_flops=mean_rate / HEADROOM,
+                                intra_bytes_per_s=profile.intra_bytes_per_s / HEADROOM,
+                                inter_bytes_per_s=profile.inter_bytes_per_s / HEADROOM,
+                                intra_latency_s=profile.intra_latency_s * HEADROOM,
+                                inter_latency_s=profile.inter_latency_s * HEADROOM)
+    out = {"copies": sum(p.copies for p in placed), "compute_flops": paced.compute_flops}
+    for name, placements in (("static", static), ("flexmoe", placed)):
+        for layer, placement in zip(stack, placements):
+            layer.experts.placement = placement
+        rows = _rank_rows(placements, counts, expert_mesh)
+        out[name] = {"rows": rows, "max_over_mean": max(rows) / (sum(rows) / len(rows)),
+                     "runs": _time(stack, x, grad, spec, paced, expert_mesh)}
     return out
 
 
@@ -156,7 +231,7 @@ def main(args) -> int:
         raise SystemExit(f"longctx bench moe: --chunks {args.chunks}: pipelined chunk counts are >= 2")
     spec = {"model": args.model, "layers": args.layers, "tokens": args.tokens, "hardware": args.hardware,
             "ranks_per_node": per_node, "inter_ratio": args.inter_ratio, "repeats": args.repeats,
-            "link_scale": args.link_scale,
+            "link_scale": args.link_scale, "zipf": args.zipf, "replicas": args.replicas,
             "slowdown": 0.0 if args.slowdown == "auto" else float(args.slowdown), "emulate": not args.no_emulation,
             "schedules": [("sequential", 1), *((f"scheduled_{c}", c) for c in chunks)]}
     if not spec["layers"]:
@@ -195,4 +270,20 @@ def summarize(per_rank: list[dict], spec: dict) -> dict:
         "exposed_ratio": table[best]["exposed_s"] / seq["exposed_s"] if seq["exposed_s"] else None,
         "cross_node_bytes_flat": seq["cross_node_bytes"],
         "schedules": table,
+        **(_skew_summary(per_rank, spec) if spec["zipf"] else {}),
     }
+
+
+def _skew_summary(per_rank: list[dict], spec: dict) -> dict:
+    """The skewed runs: per placement, the rows' max / mean over the ranks and the least of the
+    repeats' step times (each repeat's the slowest rank's)."""
+    skew = per_rank[0]["skew"]
+    step = {name: min(max(r["skew"][name]["runs"][i]["step_s"] for r in per_rank) for i in range(spec["repeats"]))
+            for name in ("static", "flexmoe")}
+    return {"skew_max_load_static": skew["static"]["max_over_mean"],
+            "skew_max_load_flexmoe": skew["flexmoe"]["max_over_mean"],
+            "skew_step_static_s": step["static"], "skew_step_flexmoe_s": step["flexmoe"],
+            "skew_step_ratio": step["flexmoe"] / step["static"],
+            "skew": {"zipf": spec["zipf"], "replicas": spec["replicas"], "copies": skew["copies"],
+                     "emulated_device_flops": skew["compute_flops"],
+                     "rows_static": skew["static"]["rows"], "rows_flexmoe": skew["flexmoe"]["rows"]}}

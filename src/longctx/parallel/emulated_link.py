@@ -21,6 +21,12 @@ modelled link would have delivered it:
 Time a rank spends blocked in a collective (in `wait()` or a blocking call) is counted as exposed
 communication (`exposed_seconds()`): the figure an overlapped schedule lowers.
 
+A profile may also emulate the devices' compute (`compute_flops` > 0): the expert GEMMs (`paced`)
+then take at least flops / compute_flops of wall time, forward and backward. Without it, ranks
+that share a few cores lend them to each other: a rank that waits frees a core for the rank that
+computes, so a straggler's extra work costs the group nothing, which is the opposite of a cluster
+(each rank its own device) and hides exactly what balancing the experts' load buys.
+
 This is for benchmarks only (`longctx bench moe`); training never turns it on, and on a real
 cluster the benchmark runs without it.
 """
@@ -31,6 +37,7 @@ import contextlib
 import time
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -42,6 +49,7 @@ class LinkProfile:
     intra_latency_s: float = 5e-6
     inter_latency_s: float = 10e-6
     dims: tuple[str, ...] = ()  # the mesh dims whose collectives are emulated (empty: all of them)
+    compute_flops: float = 0.0  # an emulated device's FLOP/s for the expert GEMMs (0: as fast as they run here)
 
     def __post_init__(self):
         if self.ranks_per_node < 1 or self.intra_bytes_per_s <= 0 or self.inter_bytes_per_s <= 0:
@@ -144,3 +152,53 @@ def emulate(profile: LinkProfile):
 def exposed_seconds() -> float:
     """Seconds this rank has spent blocked on emulated collectives in the current `emulate` block."""
     return 0.0 if _ACTIVE is None else _ACTIVE.exposed_s
+
+
+class _BackwardStarts(torch.autograd.Function):
+    """On a paced block's output: its backward (the first of the block's) notes the time."""
+
+    @staticmethod
+    def forward(ctx, y, clock):
+        ctx.clock = clock
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock["start"] = time.monotonic()
+        return grad, None
+
+
+class _BackwardEnds(torch.autograd.Function):
+    """On a paced block's input: its backward (the last of the block's) waits out the modelled time."""
+
+    @staticmethod
+    def forward(ctx, x, clock, seconds):
+        ctx.clock, ctx.seconds = clock, seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _sleep_until(ctx.clock.get("start", time.monotonic()) + ctx.seconds)
+        return grad, None, None
+
+
+def _sleep_until(t: float) -> None:
+    left = t - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
+def paced(run, x, flops: float):
+    """run(x) (a block of `flops` forward FLOPs, twice that backward) taking at least the time an
+    emulated device of the active profile's compute_flops would; just run(x) otherwise."""
+    emu = _ACTIVE
+    if emu is None or not emu.profile.compute_flops:
+        return run(x)
+    seconds = flops / emu.profile.compute_flops
+    clock: dict = {}
+    start = time.monotonic()
+    if x.requires_grad:
+        x = _BackwardEnds.apply(x, clock, 2 * seconds)
+    y = run(x)
+    _sleep_until(start + seconds)
+    return _BackwardStarts.apply(y, clock) if y.requires_grad else y
