@@ -302,6 +302,12 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     if p.expert_replicas < 0 or p.expert_placement_window < 1:
         problems.append(f"parallel.expert_replicas must be >= 0 and parallel.expert_placement_window >= 1, got "
                         f"{p.expert_replicas} and {p.expert_placement_window}.")
+    if p.expert_ranks_per_node and (p.expert_ranks_per_node < 0 or p.expert % p.expert_ranks_per_node):
+        problems.append(f"parallel.expert_ranks_per_node = {p.expert_ranks_per_node} must divide parallel.expert "
+                        f"({p.expert}): an expert group is a whole number of nodes (0 = flat dispatch).")
+    if p.expert_ranks_per_node and p.expert_replicas:
+        problems.append("parallel.expert_replicas (FlexMoE copies) and parallel.expert_ranks_per_node (hierarchical "
+                        "dispatch) are not combined yet: set one of them to 0.")
     if p.expert_replicas and p.expert == 1:
         problems.append(f"parallel.expert_replicas = {p.expert_replicas} copies hot experts onto other ranks of an "
                         f"expert group, but parallel.expert = 1 (no group): set parallel.expert > 1 or "

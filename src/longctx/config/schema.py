@@ -233,6 +233,9 @@ class ParallelConfig:
     expert_replicas: int = _opt(0, "parallel.expert > 1: copy slots per rank for hot experts (FlexMoE): part of a "
                                    "hot expert's rows run on cooler ranks, placed from the router's counts "
                                    "(parallel/expert_placement.py); 0 = every expert on its owner only")
+    expert_ranks_per_node: int = _opt(0, "parallel.expert > 1: hierarchical dispatch over nodes of this many ranks "
+                                          "(a token's row crosses to a node once, however many of its experts "
+                                          "are there; parallel/expert_hierarchy.py); 0 = flat all-to-all")
     expert_placement_window: int = _opt(10, "parallel.expert_replicas > 0: optimizer steps of router counts behind "
                                             "each placement; re-placed at the end of every window (logged)")
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")

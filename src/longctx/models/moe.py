@@ -326,6 +326,9 @@ class MoEFeedForward(nn.Module):
         return y.view(shape)
 
     def _routed(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        route = getattr(self.experts, "route_tokens", None)
+        if route is not None:  # experts that route the tokens themselves (parallel/expert_hierarchy.py)
+            return route(flat, routing)
         t, k = routing.experts.shape
         choice = routing.experts.flatten()
         if routing.kept is not None:  # dropped choices go to no expert (sorted last, then cut)

@@ -199,6 +199,20 @@ def all_to_all_v(x: torch.Tensor, mesh, send_rows: list[int], recv_rows: list[in
     return all_to_all_v_async(x, mesh, send_rows, recv_rows, label).wait()
 
 
+class AllToAllV(torch.autograd.Function):
+    """all_to_all_v with a gradient: backward sends the gradients back along the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, send_rows, recv_rows, label):
+        ctx.mesh, ctx.send_rows, ctx.recv_rows, ctx.label = mesh, send_rows, recv_rows, label
+        return all_to_all_v(x, mesh, send_rows, recv_rows, label=label)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = all_to_all_v(grad.contiguous(), ctx.mesh, ctx.recv_rows, ctx.send_rows, label=ctx.label)
+        return back, None, None, None, None
+
+
 class PendingTransfer:
     """An all-to-all in flight (`all_to_all_v_async`); `wait()` returns its output once it has
     arrived: on an emulated link, once the modelled transfer is complete too."""

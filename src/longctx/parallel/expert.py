@@ -32,26 +32,14 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..models.moe import moe_layers, swiglu_experts
 from . import comm, emulated_link
+from .expert_hierarchy import hierarchical_routed
 from .expert_pipeline import ChunkTuner, PipelinedExperts, chunk_plan
 from .expert_placement import ExpertPlacer, with_copies
-
-
-class AllToAllV(torch.autograd.Function):
-    """all_to_all_v with a gradient: backward sends the gradients back along the reverse splits."""
-
-    @staticmethod
-    def forward(ctx, x, mesh, send_rows, recv_rows, label):
-        ctx.mesh, ctx.send_rows, ctx.recv_rows, ctx.label = mesh, send_rows, recv_rows, label
-        return comm.all_to_all_v(x, mesh, send_rows, recv_rows, label=label)
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = comm.all_to_all_v(grad.contiguous(), ctx.mesh, ctx.recv_rows, ctx.send_rows, label=ctx.label)
-        return back, None, None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -98,10 +86,13 @@ def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch
     return emulated_link.paced(run, got, 6.0 * got.shape[0] * w1.shape[1] * w1.shape[2])
 
 
-def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, mesh) -> torch.Tensor:
-    """`Experts.forward` under expert parallelism: x [n, dim] sorted by (global) expert, counts [E].
-    With a FlexMoE placement (parallel/expert_placement.py) the rows go by (rank, slot) instead."""
+def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, mesh, group_size: int = 0
+                            ) -> torch.Tensor:
+    """`Experts.forward` under expert parallelism: x [n, dim] sorted by expert, counts [experts of
+    the mesh's ranks]. With a FlexMoE placement (parallel/expert_placement.py) the rows go by
+    (rank, slot) instead. `group_size`: the whole expert group's (when `mesh` is one node of it)."""
     ep = mesh.size()
+    group_size = group_size or ep
     placement, order = getattr(experts, "placement", None), None
     if placement is not None and placement.copies:
         host = counts.tolist()  # (the host read EP needs anyway, a step early)
@@ -113,16 +104,19 @@ def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, m
     tuner = getattr(experts, "chunk_tuner", None)
     slots = placement if order is not None else None
     if tuner is not None:  # parallel.expert_pipeline_chunks = 0: chosen by an online profile
-        y = tuner.timed(lambda chunks: _exchange(x, counts, per_owner, received, experts, mesh, chunks, slots))
+        y = tuner.timed(lambda chunks: _exchange(x, counts, per_owner, received, experts, mesh, chunks, slots,
+                                                 group_size))
     else:
-        y = _exchange(x, counts, per_owner, received, experts, mesh, getattr(experts, "pipeline_chunks", 1), slots)
+        y = _exchange(x, counts, per_owner, received, experts, mesh, getattr(experts, "pipeline_chunks", 1), slots,
+                      group_size)
     return y if order is None else y.index_select(0, torch.argsort(order))
 
 
-def _exchange(x, counts, per_owner, received, experts, mesh, chunks: int, placement=None) -> torch.Tensor:
+def _exchange(x, counts, per_owner, received, experts, mesh, chunks: int, placement=None, group_size: int = 0
+              ) -> torch.Tensor:
     """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1; with a
     placement, over its slots (the local experts, then the copies fetched from their owners)."""
-    ep = mesh.size()
+    ep = group_size or mesh.size()
     w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / ep) for w in (experts.w1, experts.w3, experts.w2))
     if placement is not None:
         w1, w3, w2 = with_copies((w1, w3, w2), placement, mesh)
@@ -134,9 +128,9 @@ def _exchange(x, counts, per_owner, received, experts, mesh, chunks: int, placem
         return PipelinedExperts.apply(x, w1, w3, w2, plan, run)
     send_rows, recv = per_owner.sum(1).tolist(), received.tolist()  # the host read EP needs (split sizes)
     recv_rows = [sum(r) for r in recv]
-    got = AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
+    got = comm.AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
     back = _run_local_experts(got, recv, experts, w1, w3, w2)
-    return AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
+    return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
 
 
 def shard_over_experts(p: torch.Tensor, mesh) -> DTensor:
@@ -148,21 +142,45 @@ def shard_over_experts(p: torch.Tensor, mesh) -> DTensor:
 
 
 def use_expert_parallel(model, expert_mesh, pipeline_chunks: int = 1, replicas: int = 0,
-                        placement_window: int = 0) -> None:
+                        placement_window: int = 0, ranks_per_node: int = 0) -> None:
     """Every MoE layer's experts split over the `expert` dim of `expert_mesh`: weights as DTensors
     (before FSDP wraps them) and the forward as dispatch -> local experts -> combine, in
     `pipeline_chunks` overlapped chunks when more than 1 (parallel/expert_pipeline.py); 0 = the
     count an online profile of the first layer calls picks (ChunkTuner, `model.expert_chunk_tuner`).
     replicas > 0: FlexMoE's copies of hot experts, `replicas` slots per rank, re-placed every
-    `placement_window` optimizer steps from the router's counts (ExpertPlacer, `model.expert_placer`)."""
+    `placement_window` optimizer steps from the router's counts (ExpertPlacer, `model.expert_placer`).
+    ranks_per_node > 0 (and fewer than the group): hierarchical dispatch over nodes of that many
+    ranks (parallel/expert_hierarchy.py)."""
     mesh = comm.sub_mesh(expert_mesh, "expert")
     tuner = ChunkTuner(mesh) if pipeline_chunks == 0 else None  # one profile for all the layers
     model.expert_chunk_tuner = tuner
     layers = moe_layers(model)
     model.expert_placer = ExpertPlacer(layers, mesh.size(), replicas, placement_window) if replicas else None
+    nodes = node_meshes(expert_mesh, ranks_per_node) if 0 < ranks_per_node < mesh.size() else None
     for layer in layers:
         experts = layer.experts
         experts.pipeline_chunks, experts.chunk_tuner, experts.placement = pipeline_chunks, tuner, None
         for name in ("w1", "w3", "w2"):
             setattr(experts, name, torch.nn.Parameter(shard_over_experts(getattr(experts, name), mesh)))
         experts.forward = functools.partial(expert_parallel_forward, experts=experts, mesh=mesh)
+        if nodes is not None:
+            run_flat = functools.partial(_node_exchange, experts=experts, group_size=mesh.size())
+            experts.route_tokens = functools.partial(hierarchical_routed, experts=experts, meshes=nodes,
+                                                     local=layer.num_experts // mesh.size(), run_flat=run_flat)
+
+
+def _node_exchange(x, counts, mesh, *, experts, group_size):
+    return expert_parallel_forward(x, counts, experts=experts, mesh=mesh, group_size=group_size)
+
+
+def node_meshes(expert_mesh, ranks_per_node: int):
+    """The (across nodes, inside a node) groups of every expert group, as one 3-D mesh (expert_data,
+    expert_node, expert_local) over the same ranks in the same order (every rank builds it)."""
+    grid = expert_mesh.mesh
+    ed, ep = grid.shape
+    if ep % ranks_per_node:
+        raise ValueError(f"parallel.expert = {ep} is not a whole number of nodes of {ranks_per_node} ranks "
+                         f"(parallel.expert_ranks_per_node): set it to a divisor of {ep}")
+    mesh3 = DeviceMesh(expert_mesh.device_type, grid.reshape(ed, ep // ranks_per_node, ranks_per_node),
+                       mesh_dim_names=("expert_data", "expert_node", "expert_local"))
+    return comm.sub_mesh(mesh3, "expert_node"), comm.sub_mesh(mesh3, "expert_local")

@@ -130,7 +130,8 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     use_router_sum(model, dims, mesh)
     if dims.expert > 1:  # the MoE layers' experts split over expert groups (parallel/expert.py)
         use_expert_parallel(model, dims.build_expert_mesh(device_type), cfg.parallel.expert_pipeline_chunks,
-                            cfg.parallel.expert_replicas, cfg.parallel.expert_placement_window)
+                            cfg.parallel.expert_replicas, cfg.parallel.expert_placement_window,
+                            cfg.parallel.expert_ranks_per_node)
     # 2. activation memory
     apply_memory(model, cfg.memory, device_type)
     # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)
