@@ -52,6 +52,8 @@ def test_bench_moe_cluster_reports_both_schedules_on_an_emulated_cluster():
     assert link["ranks_per_node"] == 1 and link["inter_bytes_per_s"] > 0
     flat = doc["cross_node_bytes_flat"]
     assert flat > 0 and doc["schedules"]["scheduled_2"]["cross_node_bytes"] == flat
+    # one rank per node: every choice on the other node crosses; hierarchically, once per token
+    assert 0 < doc["cross_node_bytes_hierarchical"] < flat and doc["hierarchical_s"] > 0
 
 
 

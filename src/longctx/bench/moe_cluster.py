@@ -128,7 +128,8 @@ def _rank(spec: dict) -> dict:
     slowdown = spec["slowdown"] or hw.peak_flops * hw.gemm_efficiency / mean_rate
     # the rows travel here in fp32 where the hardware would send hw.dtype_bytes per value: the links
     # are widened by that ratio, so a row takes the time it would take there
-    profile = LinkProfile.from_hardware(hw, spec["ranks_per_node"], slowdown, ("expert",), faster=spec["link_scale"],
+    profile = LinkProfile.from_hardware(hw, spec["ranks_per_node"], slowdown, ("expert", "expert_node", "expert_local"),
+                                        faster=spec["link_scale"],
                                         widen=x.element_size() / hw.dtype_bytes, inter_ratio=spec["inter_ratio"])
     out = {"slowdown": slowdown, "rank_gemm_flops": rate, "profile": dataclasses.asdict(profile),
            "schedules": {}}
@@ -136,6 +137,10 @@ def _rank(spec: dict) -> dict:
         stack = copy.deepcopy(base)
         use_expert_parallel(stack, mesh, chunks)
         out["schedules"][name] = _time(stack, x, grad, spec, profile, expert_mesh)
+    if spec["ranks_per_node"] < world:  # the sequential schedule with hierarchical dispatch
+        stack = copy.deepcopy(base)
+        use_expert_parallel(stack, mesh, 1, ranks_per_node=spec["ranks_per_node"])
+        out["hierarchical"] = _time(stack, x, grad, spec, profile, expert_mesh)
     if spec["zipf"]:
         out["skew"] = _skewed_runs(spec, base, x, grad, profile, mean_rate, mesh)
     return out
@@ -270,8 +275,22 @@ def summarize(per_rank: list[dict], spec: dict) -> dict:
         "exposed_ratio": table[best]["exposed_s"] / seq["exposed_s"] if seq["exposed_s"] else None,
         "cross_node_bytes_flat": seq["cross_node_bytes"],
         "schedules": table,
+        **(_hierarchical_summary(per_rank, spec, seq) if "hierarchical" in per_rank[0] else {}),
         **(_skew_summary(per_rank, spec) if spec["zipf"] else {}),
     }
+
+
+def _hierarchical_summary(per_rank: list[dict], spec: dict, seq: dict) -> dict:
+    """The sequential schedule with hierarchical dispatch: bytes sent across nodes per step (every
+    rank's), against the flat exchange's, and its step time."""
+    repeats = [{"step_s": max(r["hierarchical"][i]["step_s"] for r in per_rank),
+                "exposed_s": max(r["hierarchical"][i]["exposed_s"] for r in per_rank),
+                "cross_node_bytes": sum(r["hierarchical"][i]["cross_node_bytes"] for r in per_rank)}
+               for i in range(spec["repeats"])]
+    best = min(repeats, key=lambda r: r["step_s"])
+    return {"cross_node_bytes_hierarchical": best["cross_node_bytes"],
+            "cross_node_ratio": best["cross_node_bytes"] / seq["cross_node_bytes"] if seq["cross_node_bytes"] else None,
+            "hierarchical_s": best["step_s"], "exposed_comm_hierarchical": best["exposed_s"]}
 
 
 def _skew_summary(per_rank: list[dict], spec: dict) -> dict:
