@@ -189,35 +189,7 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         say(f"{where}, {name}: measuring activations")
         t0 = time.perf_counter()
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
-        measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
-        # the policy the model was built with (_build), the attention chunks and their offload included
-        analytic_policy = MemoryPolicy(policy, fraction, args.skip_last, loss_chunk=args.loss_chunk,
-                                       block_chunk=args.block_chunk if policy != "none" else 0,
-                                       attention_chunk=args.attention_chunk,
-                                       attention_offload=args.attention_offload and bool(args.attention_chunk))
-        est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
-                                   dtype_bytes=4, docs=args.docs > 1).to_dict()
-        layers = layer_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
-                                   dtype_bytes=4, docs=args.docs > 1)
-        tokens = est["tokens"]
-        entry = {
-            "policy": policy, "offload_fraction": fraction,
-            "measured_blocks_bytes_per_token": [{k: v / tokens for k, v in b.items()} for b in measured["blocks"]],
-            "measured_total_device_bytes": measured["total_device"],
-            "measured_total_host_bytes": measured["total_host"],
-            "analytic": est,
-            "analytic_per_token": {k: est[k] / tokens for k in ("per_block_device", "per_block_host",
-                                                                "kept_block_device")},
-            "analytic_blocks_bytes_per_token": [{"device": la.device / tokens, "host": la.host / tokens,
-                                                 **({"moe": True} if la.moe else {})} for la in layers],
-            "max_relative_error": _block_errors(measured, est, layers),
-            "recompute_flops_per_token": est["recompute_flops"] / tokens,
-        }
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            _one_step(model, inputs, device)
-            entry["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-        out[name] = entry
+        out[name] = _measure_policy(model, model_cfg, policy, fraction, args, seq, (head, ctx), inputs, device)
         say(f"{where}, {name}: measured in {time.perf_counter() - t0:.1f} s")
         if args.time_steps > 0:
             models[name] = model
@@ -226,16 +198,57 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         say(f"{where}: timing {args.time_steps} step{'s' if args.time_steps != 1 else ''} of each of "
             f"{len(models)} policies (taking turns)")
         t0 = time.perf_counter()
-        for name, step_s in _time_interleaved(models, inputs, args.time_steps, device).items():
-            out[name]["step_s"] = step_s
+        _add_step_times(out, models, inputs, args.time_steps, device)
         say(f"{where}: timed in {time.perf_counter() - t0:.1f} s")
-        base = out.get("none", {}).get("step_s")
-        for entry in out.values():
-            if base:
-                entry["step_time_ratio_to_none"] = entry["step_s"] / base
+    tokens = next(iter(out.values()))["analytic"]["tokens"]  # the rank's tokens: the same under every policy
     return {"seq_len": seq, "tokens_per_rank": tokens, "model": model_cfg.preset, "layers_built": model_cfg.layers,
             "published_per_layer_16bit": published_formulas(model_cfg, seq, args.micro_batch, head * ctx),
             "policies": out}
+
+
+def _measure_policy(model, model_cfg, policy: str, fraction: float, args, seq: int, layout: tuple[int, int],
+                    inputs, device) -> dict:
+    """One policy's measured activation bytes beside the analytic count (and on a GPU its step's peak)."""
+    head, ctx = layout
+    measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
+    # the policy the model was built with (_build), the attention chunks and their offload included
+    analytic_policy = MemoryPolicy(policy, fraction, args.skip_last, loss_chunk=args.loss_chunk,
+                                   block_chunk=args.block_chunk if policy != "none" else 0,
+                                   attention_chunk=args.attention_chunk,
+                                   attention_offload=args.attention_offload and bool(args.attention_chunk))
+    est = estimate_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
+                               dtype_bytes=4, docs=args.docs > 1).to_dict()
+    layers = layer_activations(model_cfg, seq, args.micro_batch, head=head, ctx=ctx, policy=analytic_policy,
+                               dtype_bytes=4, docs=args.docs > 1)
+    tokens = est["tokens"]
+    entry = {
+        "policy": policy, "offload_fraction": fraction,
+        "measured_blocks_bytes_per_token": [{k: v / tokens for k, v in b.items()} for b in measured["blocks"]],
+        "measured_total_device_bytes": measured["total_device"],
+        "measured_total_host_bytes": measured["total_host"],
+        "analytic": est,
+        "analytic_per_token": {k: est[k] / tokens for k in ("per_block_device", "per_block_host",
+                                                            "kept_block_device")},
+        "analytic_blocks_bytes_per_token": [{"device": la.device / tokens, "host": la.host / tokens,
+                                             **({"moe": True} if la.moe else {})} for la in layers],
+        "max_relative_error": _block_errors(measured, est, layers),
+        "recompute_flops_per_token": est["recompute_flops"] / tokens,
+    }
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        _one_step(model, inputs, device)
+        entry["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    return entry
+
+
+def _add_step_times(out: dict, models: dict, inputs, steps: int, device) -> None:
+    """Each timed policy's median step time into its entry, and its ratio to `none` when `none` was timed."""
+    for name, step_s in _time_interleaved(models, inputs, steps, device).items():
+        out[name]["step_s"] = step_s
+    base = out.get("none", {}).get("step_s")
+    for entry in out.values():
+        if base:
+            entry["step_time_ratio_to_none"] = entry["step_s"] / base
 
 
 def parse_bytes(text: str) -> int:

@@ -135,18 +135,9 @@ def _dp(cfg, nproc: int) -> int:
     return dims.dp_replicate * dims.dp_shard
 
 
-def _tokenizer_spec(args, cfg) -> str | None:
-    if args.tokenizer:
-        return args.tokenizer
-    return model_tokenizer(cfg.model.init_from)
-
-
 def prepare(args, overrides: list[str], nproc: int) -> Plan:
-    from ..data.tokenizer import load_tokenizer
-    from ..parallel.checks import check_layout
-    from ..parallel.dims import ParallelDims
-    from ..parallel.layouts import check_divisible
-    from .tasks import load_source, parse_depths, parse_lengths, ppl_sequences, retrieval_sequences
+    """Check every input and build the sequences to evaluate (the same in the launcher and on every rank)."""
+    from .tasks import parse_depths, parse_lengths
 
     mode = getattr(args, "mode", "score")
     if mode == "generate" and args.task == "ppl":
@@ -158,6 +149,20 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
         if value < 0 or (flag == "--buckets" and value == 0):
             raise ConfigError(f"{flag} must be positive, got {value}.")
     cfg, batch = _config(args, overrides, lengths, nproc)
+    _check_layout(cfg, lengths, mode, nproc)
+    spec, tokenizer = _load_tokenizer(args, cfg)
+    source = _load_source(args, cfg, spec, tokenizer)
+    sequences = _sequences(args, source, tokenizer, lengths, depths)
+    return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch,
+                mode)
+
+
+def _check_layout(cfg, lengths: list[int], mode: str, nproc: int) -> None:
+    """Every length splits over the layout, and the layout runs (generation's narrower one too)."""
+    from ..parallel.checks import check_layout
+    from ..parallel.dims import ParallelDims
+    from ..parallel.layouts import check_divisible
+
     dims = ParallelDims.from_config(cfg, world_size=nproc)
     for length in lengths:
         try:
@@ -167,18 +172,30 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     check_layout(cfg, nproc)
     if mode == "generate":
         _check_generation_layout(cfg, dims, nproc)
-    spec = _tokenizer_spec(args, cfg)
+
+
+def _load_tokenizer(args, cfg):
+    """(the tokenizer's spec, the tokenizer), both None when there is none and the task needs no text."""
+    from ..data.tokenizer import load_tokenizer
+
+    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)  # --tokenizer, else the checkpoint's
     text_needed = args.task != "ppl" or (args.data and Path(args.data).is_file()) or not args.data
     if spec is None and text_needed:
         where = ("its directory has no tokenizer.json" if cfg.model.init_from.startswith("hf:") else
                  "its manifest records no tokenizer (written before longctx recorded one)")
         raise ConfigError(f"--checkpoint {args.checkpoint}: {where}, and the {args.task} task turns text into "
-                        f"tokens. Pass --tokenizer byte (longctx's default) or --tokenizer PATH/tokenizer.json, "
-                        f"the one the model was trained with.")
+                          f"tokens. Pass --tokenizer byte (longctx's default) or --tokenizer PATH/tokenizer.json, "
+                          f"the one the model was trained with.")
     tokenizer = load_tokenizer(spec) if spec else None
     if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
         raise DataError(f"the tokenizer {spec} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
                         f"{cfg.model.vocab_size}; pass the tokenizer the model was trained with (--tokenizer).")
+    return spec, tokenizer
+
+
+def _load_source(args, cfg, spec: str | None, tokenizer):
+    """The text to evaluate on (--data, or the default corpus), checked against the model's tokenizer."""
+    from .tasks import load_source
 
     def default_store():
         from ..config import DataConfig
@@ -193,6 +210,13 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     if source.tokenizer_spec and spec and not same_tokenizer(source.tokenizer_spec, spec):
         raise DataError(f"--data {args.data or '(default corpus)'} was tokenized with {source.tokenizer_spec} but "
                         f"the checkpoint's tokenizer is {spec}; pass a store built with it, or a text file.")
+    return source
+
+
+def _sequences(args, source, tokenizer, lengths: list[int], depths: list[float]) -> dict[int, list[Sequence]]:
+    """Each length's sequences: text windows (ppl), or keys hidden at each depth (passkey/needle)."""
+    from .tasks import ppl_sequences, retrieval_sequences
+
     sequences = {}
     for length in lengths:
         if args.task == "ppl":
@@ -203,8 +227,7 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
                                                     args.seed)
         except DataError as e:
             raise ConfigError(f"--lengths {length}: {e}") from None
-    return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch,
-                mode)
+    return sequences
 
 
 def _check_generation_layout(cfg, dims, nproc: int) -> None:

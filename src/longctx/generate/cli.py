@@ -181,8 +181,31 @@ def eos_ids(init_from: str, tokenizer) -> list[int]:
 
 
 def prepare(args, overrides: list[str]) -> Plan:
-    from ..config.tokenizer import model_tokenizer
-    from ..data.tokenizer import HFTokenizer, load_tokenizer
+    """Check every input and tokenize the prompts, before any weight is read."""
+    from ..data.tokenizer import load_tokenizer
+
+    sampling = _sampling(args)
+    prompts = read_prompts(args)
+    cfg = _config(args, overrides)
+    spec = _tokenizer_spec(args, cfg)
+    if cfg.parallel.head > 1:
+        from ..parallel.ulysses import check_heads
+
+        check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
+    tokenizer = load_tokenizer(spec)
+    limits, notes = _encode_prompts(args, prompts, tokenizer, spec, cfg.model)
+    plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
+    if args.draft:
+        from .drafts import draft_config
+
+        plan.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec)
+    if args.cape:
+        plan.cape = _cape_table(args, sampling)
+    return plan
+
+
+def _sampling(args):
+    """The sampling settings, with every out-of-range flag said at once."""
     from .sampling import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
@@ -195,8 +218,13 @@ def prepare(args, overrides: list[str]) -> Plan:
         problems.append("--stop needs a non-empty text")
     if problems:
         raise ConfigError("; ".join(problems) + ".")
-    prompts = read_prompts(args)
-    cfg = _config(args, overrides)
+    return sampling
+
+
+def _tokenizer_spec(args, cfg) -> str:
+    """--tokenizer, else the checkpoint's; an error when neither names one."""
+    from ..config.tokenizer import model_tokenizer
+
     spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
     if spec is None:
         where = ("its directory has no tokenizer.json" if args.checkpoint.startswith("hf:") else
@@ -204,13 +232,16 @@ def prepare(args, overrides: list[str]) -> Plan:
         raise ConfigError(f"--checkpoint {args.checkpoint}: {where}, so the prompt cannot be turned into the model's "
                           f"token ids. Pass --tokenizer PATH/tokenizer.json (the one the model was trained with), or "
                           f"--tokenizer byte for a model trained on bytes.")
-    if cfg.parallel.head > 1:
-        from ..parallel.ulysses import check_heads
+    return spec
 
-        check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
-    tokenizer = load_tokenizer(spec)
+
+def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m) -> tuple[list[int], list[str]]:
+    """Each prompt's token ids (into its "ids"), checked against the model; returns each prompt's limit of
+    new tokens (--max-new-tokens within max_seq_len) and the notes on the ones cut short."""
+    from ..data.tokenizer import HFTokenizer
+
+    # with a Hugging Face tokenizer's special tokens (e.g. BOS) for hf:DIR, as transformers does
     special = args.checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)
-    m = cfg.model
     limits, notes = [], []
     for i, p in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
@@ -235,21 +266,19 @@ def prepare(args, overrides: list[str]) -> Plan:
                          f"{m.max_seq_len:,} (not {args.max_new_tokens}); raise --model.max_seq_len with RoPE "
                          f"scaling to go further")
         limits.append(min(args.max_new_tokens, room))
-    plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
-    if args.draft:
-        from .drafts import draft_config
+    return limits, notes
 
-        plan.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec)
-    if args.cape:
-        from .cape import CapeTable
 
-        if not args.draft:
-            raise ConfigError("--cape expands a draft's proposals; give the draft with --draft DIR.")
-        if not sampling.greedy:
-            raise ConfigError("--cape verifies its tree greedily: use --temperature 0 (plain --draft speculation "
-                              "also samples).")
-        plan.cape = CapeTable.parse(args.cape_table)
-    return plan
+def _cape_table(args, sampling):
+    """--cape's table; CaPE needs a draft to expand and greedy decoding to verify its tree."""
+    from .cape import CapeTable
+
+    if not args.draft:
+        raise ConfigError("--cape expands a draft's proposals; give the draft with --draft DIR.")
+    if not sampling.greedy:
+        raise ConfigError("--cape verifies its tree greedily: use --temperature 0 (plain --draft speculation "
+                          "also samples).")
+    return CapeTable.parse(args.cape_table)
 
 
 def load_model(cfg, device, dtype):
@@ -278,51 +307,7 @@ def load_model(cfg, device, dtype):
     return model.eval()
 
 
-class StopStrings:
-    """Whether a row's text so far contains one of the stop strings (checked on the last tokens only:
-    a stop string of c characters lies within the last 4c + 4 tokens, bytes of a UTF-8 character
-    being separate tokens at worst)."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.window = 4 * max((len(s) for s in stops), default=0) + 4
-
-    def __call__(self, row: int, tokens: list[int]) -> bool:
-        tail = self.tokenizer.decode(tokens[-self.window:])
-        return any(s in tail for s in self.stops)
-
-    def cut(self, text: str) -> str:
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return text[:min(found)] if found else text
-
-
-class Stream:
-    """One prompt's text, printed to stderr as it grows (held back while it may end in a partial
-    character or the start of a stop string)."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def __call__(self, row: int, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        end = len(text) - self.hold
-        while end > self.shown and text[end - 1] == "\ufffd":
-            end -= 1
-        if end > self.shown:
-            sys.stderr.write(text[self.shown:end])
-            sys.stderr.flush()
-            self.shown = end
-
-    def finish(self, text: str) -> None:
-        sys.stderr.write(text[self.shown:] + "\n")
-        sys.stderr.flush()
-
-
 def main(args, overrides) -> int:
-    import os
-
     from ..parallel.launch import argv_without_nproc, relaunch, under_launcher
 
     if under_launcher():  # a rank: the layout's size is the job's
@@ -363,82 +348,71 @@ def run(plan: Plan, args) -> int:
 
 
 def _run(plan: Plan, args) -> int:
+    """Generate every prompt on this rank (every rank the same tokens); rank 0 writes the lines."""
     import torch
 
-    from ..progress import on_terminal, progress_bar
     from ..train.step import resolve_dtype
     from .engine import generate
-    from .speculative import speculate_one
+    from .output import Output
 
     backend, device, main_rank = _backend(plan.cfg)
     dtype = resolve_dtype(plan.cfg.train.dtype, device)
     model = load_model(plan.cfg, device, dtype)
-    m, p = plan.cfg.model, plan.cfg.parallel
-    where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
-        device.type
     if main_rank:
-        _say(f"generate: {m.label} from {args.checkpoint} on {where} ({str(dtype).removeprefix('torch.')}), "
-             f"{len(plan.prompts)} prompt{'s' * (len(plan.prompts) > 1)}, tokenizer {plan.tokenizer_spec}")
+        _say(_describe(plan, args, device, dtype))
     # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
     generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend)
-    stops = StopStrings(plan.tokenizer, args.stop) if args.stop else None
-    if not main_rank:  # the same tokens on every rank: rank 0 speaks
-        out = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
-    else:
-        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout  # noqa: SIM115
-    stream = Stream(plan.tokenizer, args.stop) if main_rank and len(plan.prompts) == 1 and on_terminal() else None
-    bar = None if stream else progress_bar(sum(plan.limits), "generate", "tok", main_rank)
-    draft = None
-    if plan.draft_cfg is not None:
-        from .drafts import draft_label, load_draft
-
-        draft = load_draft(plan.draft_cfg, model, device, dtype)
-        if main_rank:
-            _say(f"generate: speculative decoding with {draft_label(plan.draft_cfg)} from {args.draft}, "
-                 f"{args.speculate} proposals per target pass, one prompt at a time")
-    size = 1 if draft is not None else args.batch
+    output = Output(plan.tokenizer, args.stop, args.output, len(plan.prompts), sum(plan.limits), main_rank)
+    draft = _load_draft(plan, args, model, device, dtype, main_rank)
+    size = 1 if draft is not None else args.batch  # speculation: one prompt at a time
     try:
         for start in range(0, len(plan.prompts), size):
             batch = plan.prompts[start:start + size]
-
-            def on_token(row, token):
-                if stream is not None:
-                    stream(row, token)
-                elif bar is not None:
-                    bar.update(1)
-
             if draft is not None:
-                results = [speculate_one(model, draft, batch[0]["ids"], plan.limits[start], k=args.speculate,
-                                         sampling=plan.sampling, eos_ids=plan.eos_ids,
-                                         prefill_chunk=args.prefill_chunk, stop=stops, backend=backend,
-                                         cape=plan.cape)]
+                results = [_speculate(plan, args, model, draft, start, output.stops, backend)]
             else:
                 results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + size],
                                    sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk,
-                                   stop=stops, on_token=on_token, device=device, backend=backend)
+                                   stop=output.stops, on_token=output.on_token, device=device, backend=backend)
             for p, r in zip(batch, results):
-                text = plan.tokenizer.decode(r.tokens)
-                if stops is not None and r.finish_reason == "stop":
-                    text = stops.cut(text)
-                if stream is not None:
-                    stream.finish(text)
-                line = {**({"id": p["id"]} if "id" in p else {}), "prompt_tokens": r.prompt_tokens,
-                        "tokens": r.tokens, "text": text, "finish_reason": r.finish_reason,
-                        "prefill_tokens_per_s": round(r.prefill_tokens_per_s, 2),
-                        "decode_tokens_per_s": round(r.decode_tokens_per_s, 2),
-                        **({"tau": round(r.tau, 3), "target_passes": r.passes} if draft is not None else {})}
-                if stream is None and bar is not None and draft is not None:
-                    bar.update(len(r.tokens))
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-            out.flush()
+                output.write(p, r, speculative=draft is not None)
+            output.file.flush()
             del results
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        if bar is not None:
-            bar.close()
-        if out is not sys.stdout:
-            out.close()
+        output.close()
     if args.output and main_rank:
         _say(f"generate: wrote {args.output}")
     return 0
+
+
+def _describe(plan: Plan, args, device, dtype) -> str:
+    """The line rank 0 says before generating: model, checkpoint, where, dtype, prompts, tokenizer."""
+    m, p = plan.cfg.model, plan.cfg.parallel
+    where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
+        device.type
+    return (f"generate: {m.label} from {args.checkpoint} on {where} ({str(dtype).removeprefix('torch.')}), "
+            f"{len(plan.prompts)} prompt{'s' * (len(plan.prompts) > 1)}, tokenizer {plan.tokenizer_spec}")
+
+
+def _load_draft(plan: Plan, args, model, device, dtype, main_rank: bool):
+    """--draft's model (None without one), said on rank 0."""
+    if plan.draft_cfg is None:
+        return None
+    from .drafts import draft_label, load_draft
+
+    draft = load_draft(plan.draft_cfg, model, device, dtype)
+    if main_rank:
+        _say(f"generate: speculative decoding with {draft_label(plan.draft_cfg)} from {args.draft}, "
+             f"{args.speculate} proposals per target pass, one prompt at a time")
+    return draft
+
+
+def _speculate(plan: Plan, args, model, draft, index: int, stops, backend):
+    """Prompt `index` generated by speculative decoding (--draft; CaPE's tree with --cape)."""
+    from .speculative import speculate_one
+
+    return speculate_one(model, draft, plan.prompts[index]["ids"], plan.limits[index], k=args.speculate,
+                         sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, stop=stops,
+                         backend=backend, cape=plan.cape)

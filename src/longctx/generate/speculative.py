@@ -258,7 +258,7 @@ def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096) -> Model
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
                   prefill_chunk: int, stop=None, backend=LOCAL, cape=None) -> Speculated:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
-    GliDe); a stop string (`stop(row, tokens)`, generate/cli.py's StopStrings) is applied to the
+    GliDe); a stop string (`stop(row, tokens)`, generate/output.py's StopStrings) is applied to the
     finished tokens."""
     import time
 

@@ -11,7 +11,11 @@ the step's other figures.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from ..errors import TrainingError
 
 
 class StepGuard:
@@ -39,3 +43,23 @@ class StepGuard:
         self._recent[self._seen % self.window] = torch.where(good, loss, torch.full_like(loss, float("nan")))
         self._seen += 1
         return good, spike
+
+
+def bad_step_reason(loss: float, grad_norm: float, spike: float, spike_factor: float, spike_window: int) -> str | None:
+    """What was wrong with a step, from its figures as read back on the host (None: nothing)."""
+    if math.isfinite(loss) and math.isfinite(grad_norm) and not spike:
+        return None
+    if spike:
+        return (f"the training loss {loss:.4g} is a spike (over train.spike_factor = {spike_factor:g} x the "
+                f"median of the last {spike_window} steps)")
+    return f"the training loss is {loss} (gradient norm {grad_norm})"
+
+
+def stopped_run_error(what: str, step: int, lr: float) -> TrainingError:
+    """The error that ends a run at a bad step under train.on_nonfinite = stop."""
+    return TrainingError(
+        f"{what} at step {step} (learning rate {lr:.3g}); its update was not "
+        f"applied, and the run stops (train.on_nonfinite = stop; losses are read every "
+        f"metrics.log_interval steps and before every checkpoint, so no checkpoint holds this step). "
+        f"Lower train.lr, raise train.warmup_steps or set train.grad_clip; train.on_nonfinite = skip "
+        f"goes on without it, rollback goes back to the last checkpoint and skips the data since.")

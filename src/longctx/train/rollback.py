@@ -1,4 +1,4 @@
-"""train.on_nonfinite = rollback: what was skipped, kept beside the checkpoints.
+"""train.on_nonfinite = rollback: going back to the last checkpoint, and what was skipped, kept beside it.
 
 A bad step (non-finite, or a loss spike) found at step B, with the newest checkpoint at step C < B:
 the run reloads C's weights and optimizer, takes the data position it had after step B, and goes on
@@ -15,6 +15,8 @@ import json
 import os
 import time
 from pathlib import Path
+
+from ..errors import TrainingError
 
 RECORD = "rollbacks.jsonl"
 
@@ -59,3 +61,31 @@ def skip_rolled_back_window(root: Path, start_step: int, sampler) -> tuple[int, 
     return int(skipped["bad_step"]), (
         f"checkpoint: this run rolled back to step {first - 1} at step {last} ({skipped['reason']}); the data of "
         f"steps {first}-{last} stays skipped, and training goes on at step {last + 1}")
+
+
+class BadStep(Exception):
+    """A step whose update was not applied, read back under train.on_nonfinite = rollback."""
+
+    def __init__(self, step: int, reason: str, position: dict):
+        super().__init__(reason)
+        self.step, self.reason, self.position = step, reason, position
+
+
+def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool) -> str:
+    """Reload the newest checkpoint (before the bad step: every save reads the steps before it),
+    take the data position after the bad step and record the skipped window; returns what to log."""
+    found = ckpt.resume_point("auto")
+    if found is None:
+        raise TrainingError(
+            f"{bad.reason} at step {bad.step}, and train.on_nonfinite = rollback, but no checkpoint was saved "
+            f"before it, so there is nothing to roll back to; the run stops. Lower checkpoint.interval so that "
+            f"a checkpoint precedes the first bad step, or use train.on_nonfinite = skip.")
+    path, manifest = found
+    state = ckpt.load(path, model, optimizer, manifest)
+    back_to = int(state["step"])
+    if is_main:
+        record_rollback(ckpt.root, bad.step, back_to, bad.reason, bad.position)
+    sampler.load_state_dict(bad.position)
+    return (f"step {bad.step}: {bad.reason}: rolled back to the checkpoint of step {back_to} ({path.name}); "
+            f"the data of steps {back_to + 1}-{bad.step} is skipped (recorded in {ckpt.root / RECORD}), "
+            f"and training goes on at step {bad.step + 1}")

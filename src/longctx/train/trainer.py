@@ -16,7 +16,6 @@ schedule, loss forward, clipping) in step.py; what a metrics line says in metric
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,19 +25,19 @@ import torch
 
 from ..checkpoint.paths import CheckpointError
 from ..config import Config
-from ..errors import REQUEUE_EXIT_CODE, Preempted, TrainingError
+from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
 from ..parallel import watchdog
 from ..parallel.expert_pipeline import tuning_step
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import progress_bar
-from .guard import StepGuard
+from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .metrics import MetricsLogger, peak_memory_bytes, router_record
 from .model import build_training_model, resolve_offload
 from .preemption import StopOnSignal
 from .report import describe_run, write_plots
-from .rollback import record_rollback, skip_rolled_back_window
+from .rollback import BadStep, roll_back, skip_rolled_back_window
 from .setup import (
     build_data,
     check_packages,
@@ -162,73 +161,94 @@ class Trainer:
     # the loop
 
     def run(self) -> TrainResult:
-        cfg, rt, t = self.cfg, self.rt, self.cfg.train
+        """Train from the step after start_step to train.steps; returns this job's losses and throughput."""
+        cfg = self.cfg
         self.metrics.open()
-        result = TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1)
-        progress = progress_bar(t.steps, "train", "step", cfg.metrics.progress and rt.is_main)
+        progress = progress_bar(cfg.train.steps, "train", "step", cfg.metrics.progress and self.rt.is_main)
         self.metrics.say = progress.write if progress is not None else self.log
-        run_start = time.perf_counter()
-        total_eval_s = 0.0
-        unread: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # steps whose figures are still on the device
+        loop = _Loop(TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1), progress)
+        try:
+            with self._watched() as stop:
+                step = self._run_steps(loop, stop)
+                if self.ckpt is not None:
+                    watchdog.phase(step, "save")
+                    with self._save_errors():
+                        self.ckpt.wait()  # the last async save is complete and committed before the job ends
+        finally:
+            self.sampler.close()
+            if progress is not None:
+                progress.close()
+            self.metrics.close()
+        return self._finish(loop.result, time.perf_counter() - loop.start, loop.eval_s)
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """While the loop runs: the watchdog, and the stop on a signal (which it yields)."""
+        cfg, rt = self.cfg, self.rt
         # checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1
         stop = StopOnSignal(cfg.checkpoint.on_signal if self.ckpt is not None else "", rt.world, new_gloo_group)
         # parallel.timeout_s: a rank idle that long says where it and its peers were, and the job ends
         watch = (watchdog.Watchdog(cfg.parallel.timeout_s, rt.rank, os.environ.get(ERROR_DIR_ENV))
                  if rt.world > 1 else None)
-        rollback = t.on_nonfinite == "rollback"
         try:
             if watch is not None:
                 watch.start()
             stop.install()
-            step = self.start_step
-            while step < t.steps:
-                step += 1
-                self._enter_stage(step)
-                loss_t, grad_norm_t, lr = self.step(step)
-                # (with rollback, the data position after the step: where a rollback past it continues)
-                unread.append((step, loss_t, grad_norm_t, self.last_spike,
-                               self.sampler.state_dict() if rollback else None))
-                stage = self.sampler.stage
-                self.metrics.stepped(stage.global_batch * stage.seq_len)
-                log_now = self.metrics.due(step)
-                if log_now or self._save_due(step):
-                    # the one host read of the step's figures, here and not every step: it waits for
-                    # the device to finish; before a save, so no checkpoint holds a non-finite step
-                    try:
-                        loss, grad_norm = self._read_back(unread, result)
-                    except _BadStep as bad:  # train.on_nonfinite = rollback
-                        step = self._roll_back(bad, result)
-                        continue
-                    if progress is not None:
-                        progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
-                self.metrics.saved(self.save(step))
-                if progress is not None:
-                    progress.update(1)
-                if log_now:
-                    self.metrics.line(step, loss, grad_norm, lr, {
-                        "tokens": tokens_through(self.sampler.stages, step), "seq_len": stage.seq_len,
-                        "elapsed_s": time.perf_counter() - run_start,
-                        **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
-                        **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
-                        **router_record(self.router_stats, self.router_counts, rt.dims.expert)})
-                if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
-                    total_eval_s += self._timed_evaluation(step, result)
-                signal_name = stop.agreed()  # every rank, every step: a CPU-side flag exchange
-                if signal_name and step < t.steps:
-                    self._stop_on_signal(step, signal_name, unread, result)
-            if self.ckpt is not None:
-                watchdog.phase(step, "save")
-                with self._save_errors():
-                    self.ckpt.wait()  # the last async save is complete and committed before the job ends
+            yield stop
         finally:
             if watch is not None:
                 watch.stop()
             stop.restore()
-            self.sampler.close()
+
+    def _run_steps(self, loop: _Loop, stop: StopOnSignal) -> int:
+        """Steps start_step + 1 to train.steps (a rollback runs some again); returns the last one run."""
+        t, progress = self.cfg.train, loop.progress
+        step = self.start_step
+        while step < t.steps:
+            step += 1
+            self._enter_stage(step)
+            lr = self._launch_step(step, loop.unread)
+            log_now = self.metrics.due(step)
+            if log_now or self._save_due(step):
+                # the one host read of the step's figures, here and not every step: it waits for
+                # the device to finish; before a save, so no checkpoint holds a non-finite step
+                try:
+                    loss, grad_norm = self._read_back(loop.unread, loop.result)
+                except BadStep as bad:  # train.on_nonfinite = rollback
+                    step = self._roll_back(bad, loop.result)
+                    continue
+                if progress is not None:
+                    progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            self.metrics.saved(self.save(step))
             if progress is not None:
-                progress.close()
-            self.metrics.close()
-        return self._finish(result, time.perf_counter() - run_start, total_eval_s)
+                progress.update(1)
+            if log_now:
+                self._log_step(step, loss, grad_norm, lr, loop.start)
+            if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
+                loop.eval_s += self._timed_evaluation(step, loop.result)
+            signal_name = stop.agreed()  # every rank, every step: a CPU-side flag exchange
+            if signal_name and step < t.steps:
+                self._stop_on_signal(step, signal_name, loop.unread, loop.result)
+        return step
+
+    def _launch_step(self, step: int, unread: list) -> float:
+        """Run `step` and queue its figures, left on the device, for the next read; returns its lr."""
+        loss_t, grad_norm_t, lr = self.step(step)
+        # (with rollback, the data position after the step: where a rollback past it continues)
+        position = self.sampler.state_dict() if self.cfg.train.on_nonfinite == "rollback" else None
+        unread.append((step, loss_t, grad_norm_t, self.last_spike, position))
+        stage = self.sampler.stage
+        self.metrics.stepped(stage.global_batch * stage.seq_len)
+        return lr
+
+    def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, run_start: float) -> None:
+        """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, routers."""
+        self.metrics.line(step, loss, grad_norm, lr, {
+            "tokens": tokens_through(self.sampler.stages, step), "seq_len": self.sampler.stage.seq_len,
+            "elapsed_s": time.perf_counter() - run_start,
+            **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
+            **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
+            **router_record(self.router_stats, self.router_counts, self.rt.dims.expert)})
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
@@ -296,7 +316,7 @@ class Trainer:
         if unread:
             try:
                 self._read_back(unread, result)  # (no checkpoint holds a non-finite step)
-            except _BadStep as bad:  # rolled back: the state to save is the one the run goes on from
+            except BadStep as bad:  # rolled back: the state to save is the one the run goes on from
                 step, saved = self._roll_back(bad, result), False
         watchdog.phase(step, "save")
         if not saved:
@@ -309,7 +329,7 @@ class Trainer:
     def _read_back(self, unread: list, result: TrainResult) -> tuple[float, float]:
         """Read the losses, gradient norms and spike flags of the steps since the last read in one
         transfer, record them, and act on a bad step (train.on_nonfinite): count it, stop, or raise
-        _BadStep for a rollback; returns the newest (loss, grad norm)."""
+        BadStep for a rollback; returns the newest (loss, grad norm)."""
         entries = list(unread)
         unread.clear()
         values = torch.stack([torch.stack([lo.double(), g.double(), torch.zeros_like(lo, dtype=torch.float64)
@@ -318,50 +338,29 @@ class Trainer:
         t = self.cfg.train
         for (step, *_, position), (loss, grad_norm, spike) in zip(entries, values):
             result.losses.append(loss)
-            if math.isfinite(loss) and math.isfinite(grad_norm) and not spike:
+            what = bad_step_reason(loss, grad_norm, spike, t.spike_factor, t.spike_window)
+            if what is None:
                 continue
-            what = (f"the training loss {loss:.4g} is a spike (over train.spike_factor = {t.spike_factor:g} x the "
-                    f"median of the last {t.spike_window} steps)" if spike else
-                    f"the training loss is {loss} (gradient norm {grad_norm})")
             if t.on_nonfinite == "stop":
-                raise TrainingError(
-                    f"{what} at step {step} (learning rate {lr_at(step - 1, self.cfg):.3g}); its update was not "
-                    f"applied, and the run stops (train.on_nonfinite = stop; losses are read every "
-                    f"metrics.log_interval steps and before every checkpoint, so no checkpoint holds this step). "
-                    f"Lower train.lr, raise train.warmup_steps or set train.grad_clip; train.on_nonfinite = skip "
-                    f"goes on without it, rollback goes back to the last checkpoint and skips the data since.")
+                raise stopped_run_error(what, step, lr_at(step - 1, self.cfg))
             if t.on_nonfinite == "rollback":
-                raise _BadStep(step, what, position)  # the steps read after it are run again
+                raise BadStep(step, what, position)  # the steps read after it are run again
             self.skipped_steps += 1
             self.log(f"step {step}: {what}: not applied (train.on_nonfinite = skip; {self.skipped_steps} skipped "
                      f"so far)")
         return values[-1][0], values[-1][1]
 
-    def _roll_back(self, bad: _BadStep, result: TrainResult) -> int:
-        """Reload the newest checkpoint (before the bad step: every save reads the steps before it),
-        take the data position after the bad step, record the skipped window; returns the step the
-        run goes on after (the bad one)."""
+    def _roll_back(self, bad: BadStep, result: TrainResult) -> int:
+        """Go back to the newest checkpoint before a bad step (rollback.py); returns the step the run
+        goes on after (the bad one)."""
         watchdog.phase(bad.step, "load")
         with self._save_errors():
             self.ckpt.wait()
-        found = self.ckpt.resume_point("auto")
-        if found is None:
-            raise TrainingError(
-                f"{bad.reason} at step {bad.step}, and train.on_nonfinite = rollback, but no checkpoint was saved "
-                f"before it, so there is nothing to roll back to; the run stops. Lower checkpoint.interval so that "
-                f"a checkpoint precedes the first bad step, or use train.on_nonfinite = skip.")
-        path, manifest = found
-        state = self.ckpt.load(path, self.model, self.optimizer, manifest)
-        back_to = int(state["step"])
-        if self.rt.is_main:
-            record_rollback(self.ckpt.root, bad.step, back_to, bad.reason, bad.position)
-        self.sampler.load_state_dict(bad.position)
+        note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main)
         self.guard.reset()
         del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
         self.rollbacks += 1
-        self.log(f"step {bad.step}: {bad.reason}: rolled back to the checkpoint of step {back_to} ({path.name}); "
-                 f"the data of steps {back_to + 1}-{bad.step} is skipped (recorded in "
-                 f"{self.ckpt.root / 'rollbacks.jsonl'}), and training goes on at step {bad.step + 1}")
+        self.log(note)
         return bad.step
 
     def _save_due(self, step: int) -> bool:
@@ -430,12 +429,14 @@ class Trainer:
         return result
 
 
-class _BadStep(Exception):
-    """A step whose update was not applied, read back under train.on_nonfinite = rollback."""
-
-    def __init__(self, step: int, reason: str, position: dict):
-        super().__init__(reason)
-        self.step, self.reason, self.position = step, reason, position
+@dataclass
+class _Loop:
+    """What the loop carries from step to step."""
+    result: TrainResult
+    progress: object  # the progress bar, or None
+    start: float = field(default_factory=time.perf_counter)
+    eval_s: float = 0.0  # time spent evaluating, left out of the throughput
+    unread: list = field(default_factory=list)  # steps whose figures are still on the device
 
 
 def train(cfg: Config, log=print) -> TrainResult:

@@ -1,0 +1,99 @@
+"""Where `longctx generate`'s text goes: one JSON line per prompt, the text streamed to a terminal
+or a progress bar, and the stop strings that cut it.
+
+Every rank generates the same tokens; only rank 0 writes (the others write to os.devnull, so the
+loop is the same on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+class StopStrings:
+    """Whether a row's text so far contains one of the stop strings (checked on the last tokens only:
+    a stop string of c characters lies within the last 4c + 4 tokens, bytes of a UTF-8 character
+    being separate tokens at worst)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.window = 4 * max((len(s) for s in stops), default=0) + 4
+
+    def __call__(self, row: int, tokens: list[int]) -> bool:
+        tail = self.tokenizer.decode(tokens[-self.window:])
+        return any(s in tail for s in self.stops)
+
+    def cut(self, text: str) -> str:
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return text[:min(found)] if found else text
+
+
+class Stream:
+    """One prompt's text, printed to stderr as it grows (held back while it may end in a partial
+    character or the start of a stop string)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def __call__(self, row: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.tokenizer.decode(self.tokens)
+        end = len(text) - self.hold
+        while end > self.shown and text[end - 1] == "\ufffd":
+            end -= 1
+        if end > self.shown:
+            sys.stderr.write(text[self.shown:end])
+            sys.stderr.flush()
+            self.shown = end
+
+    def finish(self, text: str) -> None:
+        sys.stderr.write(text[self.shown:] + "\n")
+        sys.stderr.flush()
+
+
+class Output:
+    """This rank's output: the JSON lines file, the stop strings, and the stream or the bar."""
+
+    def __init__(self, tokenizer, stops: list[str], path: str, prompts: int, new_tokens: int, main_rank: bool):
+        from ..progress import on_terminal, progress_bar
+
+        self.tokenizer = tokenizer
+        self.stops = StopStrings(tokenizer, stops) if stops else None
+        if not main_rank:  # the same tokens on every rank: rank 0 speaks
+            self.file = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+        else:
+            self.file = open(path, "w", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
+        # one prompt on a terminal streams its text; several show a bar of new tokens
+        self.stream = Stream(tokenizer, stops) if main_rank and prompts == 1 and on_terminal() else None
+        self.bar = None if self.stream else progress_bar(new_tokens, "generate", "tok", main_rank)
+
+    def on_token(self, row: int, token: int) -> None:
+        if self.stream is not None:
+            self.stream(row, token)
+        elif self.bar is not None:
+            self.bar.update(1)
+
+    def write(self, prompt: dict, result, speculative: bool) -> None:
+        """One prompt's JSON line (its text cut at a stop string), and the stream or bar finished for it."""
+        text = self.tokenizer.decode(result.tokens)
+        if self.stops is not None and result.finish_reason == "stop":
+            text = self.stops.cut(text)
+        if self.stream is not None:
+            self.stream.finish(text)
+        line = {**({"id": prompt["id"]} if "id" in prompt else {}), "prompt_tokens": result.prompt_tokens,
+                "tokens": result.tokens, "text": text, "finish_reason": result.finish_reason,
+                "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
+                "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
+                **({"tau": round(result.tau, 3), "target_passes": result.passes} if speculative else {})}
+        if self.stream is None and self.bar is not None and speculative:  # (speculation calls no on_token)
+            self.bar.update(len(result.tokens))
+        self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not sys.stdout:
+            self.file.close()
