@@ -31,11 +31,17 @@ MOE = [*BASE, "--model.preset=debug-moe", "--metrics.log_interval=1"]
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst")
 TOL = 1e-4
 
+FLEXMOE = ["--parallel.expert_replicas=1", "--parallel.expert_placement_window=2"]
 LAYOUTS = {  # world, args
     "expert4-head2-ctx2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"]),
     # FSMoE's schedule (parallel/expert_pipeline.py): the same layout, each layer in 3 overlapped chunks
     "expert4-head2-ctx2-pipeline3": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
                                          "--parallel.expert_pipeline_chunks=3"]),
+    # hierarchical dispatch (parallel/expert_hierarchy.py): the group as 2 nodes of 2 ranks
+    "expert4-head2-ctx2-hier2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
+                                     "--parallel.expert_ranks_per_node=2"]),
+    # FlexMoE (parallel/expert_placement.py): copies of hot experts from step 3 on (placed from steps 1-2)
+    "expert4-head2-ctx2-flexmoe": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2", *FLEXMOE]),
     "expert2-dp2-ctx2": (4, ["--parallel.expert=2", "--parallel.ctx=2"]),
     "expert4-ctx4-window2": (4, ["--parallel.expert=4", "--parallel.ctx=4", "--parallel.window=2"]),
     "expert8-dp2-head2-ctx2": (8, ["--parallel.expert=8", "--parallel.head=2", "--parallel.ctx=2"]),
@@ -51,8 +57,13 @@ POLICIES = {
 
 
 def _train(args, run_dir):
+    """The run's losses; its expert placement lines (FlexMoE) go to RUN_DIR/placement.log."""
     cfg = load_config("configs/debug.toml", [*args, f"--train.run_dir={run_dir}"])
-    return train(cfg, log=lambda *a, **k: None).losses
+    lines = []
+    losses = train(cfg, log=lambda *a, **k: lines.append(" ".join(map(str, a)))).losses
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (Path(run_dir) / "placement.log").write_text("".join(f"{x}\n" for x in lines if "expert placement" in x))
+    return losses
 
 
 def _stats(run_dir, steps):
@@ -83,6 +94,17 @@ def _check(name, key, reference, spawned):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_parallel_layouts_match_one_process(layout, reference, spawned):
     _check(layout, f"layout {layout}", reference, spawned)
+
+
+def test_flexmoe_places_copies_mid_run_and_trains_as_the_plain_run(spawned):
+    results, _, base = spawned(4)
+    logged = (_run_dir(base, "layout expert4-head2-ctx2-flexmoe") / "placement.log").read_text().splitlines()
+    # placed before steps 3, 5, ... (each from the 2 steps before); the copies serve step 3 on
+    assert len(logged) == (STEPS - 1) // 2 and " 0 copies" not in logged[0], logged
+    plain, placed = results["layout expert4-head2-ctx2"], results["layout expert4-head2-ctx2-flexmoe"]
+    diff = max(abs(a - b) for p, q in zip(plain, placed) for a, b in zip(p, q, strict=True))
+    print(f"flexmoe vs plain expert parallel, {STEPS} steps: max |loss diff| {diff:.2e}; {logged[0]}")
+    assert diff <= TOL
 
 
 def test_the_pipelined_schedule_trains_as_the_plain_expert_parallel_run(spawned):
@@ -159,7 +181,9 @@ def _resume(args, run_dir, checkpoint):
     return train(cfg, log=lambda *a, **k: None).losses
 
 
-RESUMES = [(4, 2), (2, 4), (4, 1)]  # expert degree before, after
+RESUMES = [(4, 2), (2, 4), (4, 1), ("4+copies", 4), ("4+copies", "4+copies")]  # expert degree before, after
+EXPERT_ARGS = {4: ["--parallel.expert=4"], 2: ["--parallel.expert=2"], 1: ["--parallel.expert=1"],
+               "4+copies": ["--parallel.expert=4", *FLEXMOE]}  # FlexMoE's placement active from step 3
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +196,7 @@ def resumed(spawned):
         first = _run_dir(base, f"resume from expert{before}")
         second = base / f"resume-expert{before}-to-expert{after}"
         shutil.copytree(first, second, ignore=shutil.ignore_patterns("step-00000006"))
-        jobs.append(((before, after), _resume, ([*RESUME, f"--parallel.expert={after}"], str(second),
+        jobs.append(((before, after), _resume, ([*RESUME, *EXPERT_ARGS[after]], str(second),
                                                 str(second / "checkpoints" / "step-00000003"))))
     out = run_spawned_many(4, jobs)
     return {(b, a): (results[f"resume from expert{b}"][0], out[(b, a)][0]) for b, a in RESUMES}
@@ -328,7 +352,7 @@ def _jobs(world):
                                              *args]) for name, args in POLICIES.items()]
     if world == 4:
         jobs += [(f"bytes {name}", _bytes_of_one_step, args) for name, args in BYTES.items()]
-        jobs += [(f"resume from expert{before}", _train, [*RESUME, f"--parallel.expert={before}"])
+        jobs += [(f"resume from expert{before}", _train, [*RESUME, *EXPERT_ARGS[before]])
                  for before in dict.fromkeys(b for b, _ in RESUMES)]  # (4 -> 2 and 4 -> 1 continue one run)
         jobs += [("weights expert1", _expert_elements, ["--parallel.ctx=4"]),
                  ("weights expert4", _expert_elements, ["--parallel.ctx=4", "--parallel.expert=4"])]

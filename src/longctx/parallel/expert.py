@@ -38,8 +38,8 @@ from torch.distributed.tensor import DTensor, Shard
 from ..models.moe import moe_layers, swiglu_experts
 from . import comm, emulated_link
 from .expert_hierarchy import hierarchical_routed
-from .expert_pipeline import ChunkTuner, PipelinedExperts, chunk_plan
-from .expert_placement import ExpertPlacer, with_copies
+from .expert_pipeline import ChunkTuner, PipelinedExperts, chunk_plan, tuning_step
+from .expert_placement import ExpertPlacer, placement_step, with_copies
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -184,3 +184,12 @@ def node_meshes(expert_mesh, ranks_per_node: int):
     mesh3 = DeviceMesh(expert_mesh.device_type, grid.reshape(ed, ep // ranks_per_node, ranks_per_node),
                        mesh_dim_names=("expert_data", "expert_node", "expert_local"))
     return comm.sub_mesh(mesh3, "expert_node"), comm.sub_mesh(mesh3, "expert_local")
+
+
+def expert_step_notes(model, step: int, last_counts) -> list[str]:
+    """Before optimizer step `step` (1-based): the expert schedule's decisions that take effect at
+    this boundary, as log lines: the online chunk profile (parallel.expert_pipeline_chunks = 0)
+    moves on, and FlexMoE's placer sees the last step's router counts [layers, E] (None before the
+    first step) and re-places at the end of its window."""
+    notes = [tuning_step(model, step), placement_step(model, last_counts)]
+    return [n for n in notes if n is not None]

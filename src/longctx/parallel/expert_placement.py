@@ -242,3 +242,12 @@ class ExpertPlacer:
         return (f"expert placement over the last {self.window} steps: {int(copies)} copies in {len(self.layers)} "
                 f"layers; worst layer's max/mean rank load {before:.2f} -> {after:.2f} (predicted); the copies "
                 f"move {moved / 1e6:.1f}M values per step")
+
+
+def placement_step(model, counts: torch.Tensor | None) -> str | None:
+    """After an optimizer step (the training loop calls it with the step's router counts [layers,
+    E]): feed the placer, which re-places at the end of its window; its log line when it does."""
+    placer = getattr(model, "expert_placer", None)
+    if placer is None or counts is None:
+        return None
+    return placer.observe(counts)

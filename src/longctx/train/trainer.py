@@ -28,7 +28,7 @@ from ..config import Config
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
 from ..parallel import watchdog
-from ..parallel.expert_pipeline import tuning_step
+from ..parallel.expert import expert_step_notes
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import progress_bar
@@ -264,7 +264,7 @@ class Trainer:
         micro = [rt.to_device(b, self.device) for b, _ in shares]
         if self.moe:
             self.model.set_router_step(step - 1)
-            if (note := tuning_step(self.model, step)) is not None:  # parallel.expert_pipeline_chunks = 0
+            for note in expert_step_notes(self.model, step, self.router_counts):  # chunk tuning, FlexMoE placement
                 self.log(note)
         router_stats = router_counts = None
         with self.device_section():
