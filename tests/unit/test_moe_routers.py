@@ -13,14 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.config import load_config
-from longctx.models.moe import (
-    ROUTERS,
-    MoEFeedForward,
-    balanced_assignment,
-    router_terms,
-    sinkhorn,
-    update_expert_bias,
-)
+from longctx.models.balanced_assignment import balanced_assignment, sinkhorn
+from longctx.models.moe import ROUTERS, MoEFeedForward, router_terms, update_expert_bias
 from longctx.ops.grouped import grouped_mm
 
 DIM = 16

@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
+from .balanced_assignment import balanced_assignment, sinkhorn
 from .swiglu import FeedForward
 
 
@@ -158,88 +159,6 @@ class DTSRouter(Router):
 
 ROUTERS: dict[str, type[Router]] = {"softmax": SoftmaxRouter, "switch": SwitchRouter, "sigmoid": SigmoidRouter,
                                     "sinkhorn": SinkhornRouter, "dts": DTSRouter}
-
-
-def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
-    """exp(logits) [T, E] scaled so that rows sum to 1 and columns to T / E (alternately, `iters`
-    times), in log space for stability."""
-    t, e = logits.shape
-    log_p = logits.float() - logits.float().max()
-    for _ in range(iters):
-        log_p = log_p - log_p.logsumexp(0, keepdim=True) + math.log(t / e)  # columns: T / E each
-        log_p = log_p - log_p.logsumexp(1, keepdim=True)                    # rows: 1 each
-    return log_p
-
-
-def balanced_assignment(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[T, E] scores -> [T, k] distinct experts per token, every expert taking floor or ceil of T k / E
-    of the choices (an even share, to within one).
-
-    Slot by slot, rounds of proposals: every token without an expert in the slot proposes to its
-    best expert that it does not hold yet and that is not full (ceil(T k / E) choices); an expert
-    accepts its best proposals up to its room. A token that finds every expert it does not hold full
-    (the only room left is with experts it already holds) takes one by a swap: another token moves
-    from that expert to one with room. Last, while an expert is below floor(T k / E), the cheapest
-    move of one choice from a full expert fills it. Both moves always exist (a full expert has more
-    holders than one with room, so one of its holders lacks the other), so the assignment always
-    completes; ties go to the lower token and expert index (deterministic)."""
-    t, e = scores.shape
-    dev = scores.device
-    full_at, floor = -(-t * k // e), t * k // e
-    out = torch.full((t, k), -1, dtype=torch.long, device=dev)
-    held = torch.zeros(t, e, dtype=torch.bool, device=dev)  # the experts a token holds
-    load = torch.zeros(e, dtype=torch.long, device=dev)
-    experts = torch.arange(e, device=dev)
-
-    def move(u: int, src: int, dst: int) -> None:  # token u's choice of expert src becomes dst
-        out[u][out[u] == src] = dst
-        held[u, src], held[u, dst] = False, True
-        load[src] -= 1
-        load[dst] += 1
-
-    for slot in range(k):
-        todo = torch.arange(t, device=dev)
-        stuck = []
-        while todo.numel():
-            masked = scores[todo].masked_fill(held[todo] | (load >= full_at), -math.inf)
-            blocked = masked.isneginf().all(-1)
-            stuck += todo[blocked].tolist()
-            todo, masked = todo[~blocked], masked[~blocked]
-            if not todo.numel():
-                break
-            want = masked.argmax(-1)
-            pref = masked.gather(1, want[:, None]).squeeze(1)
-            # per expert, rank the proposals by preference (best first; ties by token order)
-            order = torch.argsort(pref, descending=True, stable=True)
-            order = order[torch.argsort(want[order], stable=True)]
-            w_sorted = want[order]
-            first = torch.searchsorted(w_sorted, experts)
-            rank = torch.arange(order.numel(), device=dev) - first[w_sorted]
-            accepted = torch.zeros_like(want, dtype=torch.bool)
-            accepted[order] = rank < (full_at - load)[w_sorted]
-            took = todo[accepted]
-            out[took, slot] = want[accepted]
-            held[took, want[accepted]] = True
-            load += torch.bincount(want[accepted], minlength=e)
-            todo = todo[~accepted]  # rejected: that expert is full now, the next round skips it
-        for s in sorted(stuck):  # (rare) every expert s does not hold is full
-            free = ~held[s] & (load < full_at)
-            if free.any():  # an earlier swap made room
-                y = int(scores[s].masked_fill(~free, -math.inf).argmax())
-            else:  # y: s's best expert; x: one with room (s holds it); u: holds y, not x; u moves y -> x
-                y = int(scores[s].masked_fill(held[s], -math.inf).argmax())
-                x = int(torch.nonzero(load < full_at)[0])
-                gain = (scores[:, x] - scores[:, y]).masked_fill(~held[:, y] | held[:, x], -math.inf)
-                move(int(gain.argmax()), y, x)
-            out[s, slot] = y
-            held[s, y] = True
-            load[y] += 1
-    while floor < full_at and int(load.min()) < floor:  # x below an even share: a move from a full expert
-        x = int(load.argmin())
-        gain = (scores[:, x:x + 1] - scores).masked_fill(~held | held[:, x:x + 1] | (load < full_at), -math.inf)
-        u, y = divmod(int(gain.argmax()), e)
-        move(u, y, x)
-    return out
 
 
 @dataclass
