@@ -55,9 +55,23 @@ def _compare(case: str):
     return worst, sorted(out["flat"]), inter
 
 
-@pytest.mark.parametrize("case", ["uniform", "skewed", "capacity"])
-def test_hierarchical_dispatch_matches_the_flat_exchange_and_sends_less_across_nodes(case):
-    results = run_spawned(4, _compare, case)
+CASES = ("uniform", "skewed", "capacity")
+
+
+def _all_cases():
+    return {case: _compare(case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def compared():
+    """Every case in one 4-rank job (starting ranks costs seconds): {case: per-rank results}."""
+    per_rank = run_spawned(4, _all_cases)
+    return {case: [r[case] for r in per_rank] for case in CASES}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hierarchical_dispatch_matches_the_flat_exchange_and_sends_less_across_nodes(case, compared):
+    results = compared[case]
     flat = sum(r[2]["flat"] for r in results)
     hier = sum(r[2]["hierarchical"] for r in results)
     print(f"{case}: cross-node bytes hierarchical / flat = {hier} / {flat} = {hier / flat:.3f}")
