@@ -26,7 +26,7 @@ from longctx.parallel.spawn import run_spawned, run_spawned_many
 from longctx.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ["--train.steps=10", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
+BASE = ["--train.steps=6", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=300", "--train.seq_len=256"]
 LAYOUTS = {
     "single": (1, []),
@@ -73,20 +73,20 @@ def uninterrupted(tmp_path_factory):
 
 RESUMES = [("dp2-ctx2", "head2-ctx2"), ("head2-ctx2", "single"), ("single", "ctx4-window2"),
            ("dp4", "dp2-ctx2-ctxfirst")]
-SAVE = ["--checkpoint.interval=5", "--checkpoint.keep=2"]  # train to step 10 saving at 5 and 10, keep both
+SAVE = ["--checkpoint.interval=3", "--checkpoint.keep=2"]  # train to step 6 saving at 3 and 6, keep both
 AUTO = ["--checkpoint.resume=auto", "--checkpoint.interval=0"]  # resume without saving
 DAMAGED = "head2-ctx2"  # test_auto_resume_skips_a_damaged_checkpoint's 4-rank layout
 
 
 def _resume_args(run_dir):
-    return [f"--checkpoint.resume={run_dir / 'checkpoints' / 'step-00000005'}",
+    return [f"--checkpoint.resume={run_dir / 'checkpoints' / 'step-00000003'}",
             "--checkpoint.dir=" + str(run_dir / "b")]
 
 
 def flip_last_shard(run_dir, world) -> Path:
     """One flipped byte in the last rank's shard of the latest checkpoint: same size, only its
     checksum tells; with 4 ranks another rank than 0 may be the one that finds it."""
-    shard = run_dir / "checkpoints" / "step-00000010" / f"__{world - 1}_0.distcp"
+    shard = run_dir / "checkpoints" / "step-00000006" / f"__{world - 1}_0.distcp"
     flip_byte(shard)
     return shard
 
@@ -123,34 +123,34 @@ def halves(tmp_path_factory):
 
 @pytest.mark.parametrize("a, b", RESUMES)
 def test_resume_under_another_layout(a, b, uninterrupted, halves):
-    # layout A: train to step 10 saving at step 5 (keep both checkpoints), then resume at 5 under B
+    # layout A: train to step 6 saving at step 3 (keep both checkpoints), then resume at 3 under B
     results, dirs = halves
     run_dir = dirs[f"{a} {b}"]
-    five = run_dir / "checkpoints" / "step-00000005"
-    assert verify(five)["layout"]["world"] == LAYOUTS[a][0]
+    three = run_dir / "checkpoints" / "step-00000003"
+    assert verify(three)["layout"]["world"] == LAYOUTS[a][0]
     if b == "single":
         first, losses = run_layout(b, _resume_args(run_dir), run_dir)
     else:
         first, losses = results[f"second {a} {b}"]
-    assert first == 6 and len(losses) == 5
-    diff = max(abs(x - y) for x, y in zip(losses, uninterrupted[5:]))
-    print(f"{a} -> {b}: steps 6-10 max |loss - uninterrupted| = {diff:.2e}")
+    assert first == 4 and len(losses) == 3 and len(uninterrupted) == 6
+    diff = max(abs(x - y) for x, y in zip(losses, uninterrupted[3:]))
+    print(f"{a} -> {b}: steps 4-6 max |loss - uninterrupted| = {diff:.2e}")
     assert diff <= 1e-5
 
 
 def test_async_saves_commit_atomically_and_prune(halves):
     ckpts = halves[1]["async"] / "checkpoints"
     names = sorted(p.name for p in ckpts.iterdir())
-    assert names == ["latest", "step-00000008", "step-00000010"], names
-    assert latest_checkpoint(ckpts).name == "step-00000010"
-    m = verify(ckpts / "step-00000010")
-    assert m["step"] == 10 and m["layout"]["ctx"] == 2 and all(f["sha256"] for f in m["files"])
+    assert names == ["latest", "step-00000004", "step-00000006"], names  # step 2's pruned
+    assert latest_checkpoint(ckpts).name == "step-00000006"
+    m = verify(ckpts / "step-00000006")
+    assert m["step"] == 6 and m["layout"]["ctx"] == 2 and all(f["sha256"] for f in m["files"])
     # every rank's shard and RNG state is listed (each hashed by the rank that wrote it), the merged
     # per-rank checksum parts are gone
     expected = {".metadata", "trainer_state.json", *(f"__{r}_0.distcp" for r in range(4)),
                 *(f"rng-rank{r}.pt" for r in range(4))}
     assert {f["path"] for f in m["files"]} == expected
-    assert {p.name for p in (ckpts / "step-00000010").iterdir()} == expected | {"manifest.json"}
+    assert {p.name for p in (ckpts / "step-00000006").iterdir()} == expected | {"manifest.json"}
 
 
 def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
@@ -183,7 +183,7 @@ def test_the_last_step_is_saved_even_off_the_interval(tmp_path):
     assert sorted(p.name for p in ckpts.glob("step-*")) == ["step-00000003", "step-00000006", "step-00000007"]
     assert latest_checkpoint(ckpts).name == "step-00000007"
     # extending the finished run to 10 steps continues after its last step
-    first, losses = _train(["--checkpoint.resume=auto", "--checkpoint.interval=0"], tmp_path)
+    first, losses = _train(["--checkpoint.resume=auto", "--checkpoint.interval=0", "--train.steps=10"], tmp_path)
     assert first == 8 and len(losses) == 3
 
 
@@ -219,17 +219,17 @@ def test_export_to_hf_round_trip(tmp_path):
 def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "longctx", "train", "--config", "configs/debug.toml", "--nproc", "2",
-           "--parallel.ctx=2", *BASE, "--train.steps=1000", "--checkpoint.interval=5", "--checkpoint.async=true",
+           "--parallel.ctx=2", *BASE, "--train.steps=1000", "--checkpoint.interval=3", "--checkpoint.async=true",
            "--checkpoint.keep=5", f"--train.run_dir={run_dir}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.time() + 180
         ckpts = run_dir / "checkpoints"
-        # wait until step 5 is committed, then kill while a later save is being written
-        while time.time() < deadline and not (ckpts / "step-00000005" / "manifest.json").is_file():
+        # wait until step 3 is committed, then kill while a later save is being written
+        while time.time() < deadline and not (ckpts / "step-00000003" / "manifest.json").is_file():
             time.sleep(0.05)
-        assert (ckpts / "step-00000005" / "manifest.json").is_file(), "no checkpoint was committed"
-        while time.time() < deadline and not list(ckpts.glob(".tmp-step-0000001*")):
+        assert (ckpts / "step-00000003" / "manifest.json").is_file(), "no checkpoint was committed"
+        while time.time() < deadline and not list(ckpts.glob(".tmp-step-*")):  # (step 3's was renamed)
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -241,12 +241,13 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, uninterru
     latest = latest_checkpoint(ckpts)
     assert latest is not None
     step = verify(latest)["step"]  # intact: every file present with its checksum
-    assert step % 5 == 0 and step >= 5
+    assert step % 3 == 0 and step >= 3
     # resume auto continues from it; the losses match the uninterrupted run
-    first, losses = run_layout("single", ["--checkpoint.resume=auto", "--train.steps=10" if step < 10 else
+    first, losses = run_layout("single", ["--checkpoint.resume=auto", "--train.steps=6" if step < 6 else
                                           f"--train.steps={step + 2}"], run_dir)
     assert first == step + 1
-    if step < 10:
+    if step < 6:
+        assert len(losses) == 6 - step
         assert max(abs(x - y) for x, y in zip(losses, uninterrupted[step:])) <= 1e-5
 
 
@@ -267,16 +268,16 @@ def test_auto_resume_skips_a_damaged_checkpoint(layout, uninterrupted, request, 
     ckpts = run_dir / "checkpoints"
     said = "\n".join(lines)
     print(said)
-    assert f"step-00000010 is damaged ({shard.name} does not match its sha256 checksum)" in said
-    assert "resuming from step-00000005, the newest intact checkpoint" in said
-    assert "resumed step 5 from" in said
-    assert first == 6 and len(losses) == 5
-    assert max(abs(x - y) for x, y in zip(losses, uninterrupted[5:])) <= 1e-5
+    assert f"step-00000006 is damaged ({shard.name} does not match its sha256 checksum)" in said
+    assert "resuming from step-00000003, the newest intact checkpoint" in said
+    assert "resumed step 3 from" in said
+    assert first == 4 and len(losses) == 3
+    assert max(abs(x - y) for x, y in zip(losses, uninterrupted[3:])) <= 1e-5
     # none intact: a clear stop on every rank, nothing loaded
-    flip_byte(ckpts / "step-00000005" / ".metadata")
+    flip_byte(ckpts / "step-00000003" / ".metadata")
     with pytest.raises((CheckpointError, RuntimeError), match="no complete checkpoint in .* is intact") as e:
         run_layout(layout, AUTO, run_dir)
-    assert "step-00000010: __" in str(e.value) and "step-00000005: .metadata does not match" in str(e.value)
+    assert "step-00000006: __" in str(e.value) and "step-00000003: .metadata does not match" in str(e.value)
 
 
 def test_a_damaged_explicit_checkpoint_is_refused_and_the_cli_says_so(tmp_path):
