@@ -7,6 +7,7 @@ several hundred kilobytes. A directory of text files works the same way.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +31,21 @@ def _is_installed_package(rel: Path) -> bool:
     return any(part in ("site-packages", "dist-packages") for part in rel.parts)
 
 
+def _stdlib_sources(root: Path) -> list[Path]:
+    """The .py files under the standard library's root, not descending into installed packages:
+    site-packages can hold tens of thousands of files, and every run fingerprints this list."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not _is_installed_package(Path(d))]
+        out += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return out
+
+
 def corpus_files(corpus: str) -> tuple[Path, list[Path]]:
     """(root, sorted files) for 'stdlib' or a directory."""
     if corpus == "stdlib":
         root = stdlib_root()
-        files = [p for p in root.rglob("*.py") if not _is_installed_package(p.relative_to(root))]
+        files = _stdlib_sources(root)
     else:
         root = Path(corpus)
         if not root.is_dir():
