@@ -107,7 +107,8 @@ def _context():
     with _server_lock:
         # "__main__" as the ranks import it (the default preload); then torch and every longctx module
         # this process has imported
-        preload = ["__main__", "torch", "torch.distributed"] + sorted(
+        # (torch._dynamo: torch imports it lazily on the first init under a device context, 0.5 s a rank)
+        preload = ["__main__", "torch", "torch.distributed", "torch._dynamo"] + sorted(
             name for name, mod in list(sys.modules.items())
             if (name == "longctx" or name.startswith("longctx.")) and mod is not None
             and not name.endswith("__main__"))
