@@ -181,7 +181,7 @@ def _resume(args, run_dir, checkpoint):
     return train(cfg, log=lambda *a, **k: None).losses
 
 
-RESUMES = [(4, 2), (2, 4), (4, 1), ("4+copies", 4), ("4+copies", "4+copies")]  # expert degree before, after
+RESUMES = [(4, 2), (2, 4), (4, 1), ("4+copies", 4)]  # expert degree before, after
 EXPERT_ARGS = {4: ["--parallel.expert=4"], 2: ["--parallel.expert=2"], 1: ["--parallel.expert=1"],
                "4+copies": ["--parallel.expert=4", *FLEXMOE]}  # FlexMoE's placement active from step 3
 

@@ -16,7 +16,7 @@ import pytest
 from longctx.errors import REQUEUE_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 16  # room: the signal (after step 3) must land before the last step on a fast machine too
+STEPS = 12  # room: the signal (after step 3) must land before the last step on a fast machine too
 RUN = ["train", "--nproc", "4", "--parallel.head", "2", "--parallel.ctx", "2", "--train.steps", str(STEPS),
        "--train.seq_len", "128", "--checkpoint.interval", "3", "--checkpoint.async", "true",
        "--metrics.log_interval", "1", "--metrics.plots", "false", "--metrics.progress", "false",
