@@ -12,7 +12,7 @@ shares (cumulative rounding, so every row goes to exactly one holder), and the e
 parallel/expert.py runs over slots instead of experts.
 
 A copy is not state: its weights are fetched from the owner in the layer's forward (one all-to-all
-of the copied experts' weights, `fetch_copies`), and the backward of that fetch sends the copy's
+of the copied experts' weights, `_fetch_copies`), and the backward of that fetch sends the copy's
 weight gradient back to the owner, where autograd adds it to the owner's own. So the parameters,
 the optimizer and the checkpoints never see a placement (a checkpoint loads under any placement
 or none), a copy can never drift from its expert, and a placement can change between any two
@@ -162,37 +162,21 @@ def plan_placement(load, ep: int, replicas: int, tolerance: float = 0.05, min_sh
                      {"max_over_mean_before": before, "max_over_mean_after": max(rank_load) / mean if mean else 1.0})
 
 
-class FetchCopies(torch.autograd.Function):
-    """The copy slots' weights from their owners (forward), their gradients back to the owners
-    (backward, added to the owner's own gradient by autograd). Weights travel as one [n, values]
-    block per expert: w1, w3, w2 flattened side by side."""
-
-    @staticmethod
-    def forward(ctx, packed, placement: Placement, mesh):
-        rank, ep = comm.local_rank(mesh), placement.ep
-        fetches = placement.fetches()
-        # what this rank sends: to each rank in order, its own experts that rank copies (slot order)
-        send = [(q, e - rank * placement.local) for q, _, e in fetches if e // placement.local == rank]
-        send_rows = [sum(1 for q, _ in send if q == dest) for dest in range(ep)]
-        mine = [(s, e) for q, s, e in fetches if q == rank]  # arrive owner-major, then in slot order
-        arrival = sorted(range(len(mine)), key=lambda i: (mine[i][1] // placement.local, mine[i][0]))
-        recv_rows = [sum(1 for _, e in mine if e // placement.local == src) for src in range(ep)]
-        index = torch.tensor([i for _, i in send], dtype=torch.long, device=packed.device)
-        got = comm.all_to_all_v(packed.index_select(0, index).contiguous(), mesh, send_rows, recv_rows,
-                                label="expert_copies")
-        out = packed.new_zeros(placement.replicas, packed.shape[1])
-        slots = torch.tensor([mine[i][0] for i in arrival], dtype=torch.long, device=packed.device)
-        out.index_copy_(0, slots, got)
-        ctx.mesh, ctx.index, ctx.slots = mesh, index, slots
-        ctx.send_rows, ctx.recv_rows, ctx.rows = send_rows, recv_rows, packed.shape[0]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = comm.all_to_all_v(grad.index_select(0, ctx.slots).contiguous(), ctx.mesh, ctx.recv_rows,
-                                 ctx.send_rows, label="expert_copies")
-        g = grad.new_zeros(ctx.rows, grad.shape[1]).index_add_(0, ctx.index, back)
-        return g, None, None
+def _fetch_copies(packed: torch.Tensor, placement: Placement, mesh) -> torch.Tensor:
+    """The copy slots' weights [replicas, values] from their owners (w1, w3, w2 of an expert
+    flattened side by side in `packed`'s rows). Autograd ops only: the backward of the all-to-all
+    returns each copy's gradient to its owner, where index_select's backward adds it to the owner's."""
+    rank, local, ep = comm.local_rank(mesh), placement.local, placement.ep
+    fetches = placement.fetches()
+    # what this rank sends: to each rank in order, its own experts that rank copies (slot order)
+    send = [(q, e - rank * local) for q, _, e in fetches if e // local == rank]
+    mine = sorted((e // local, s) for q, s, e in fetches if q == rank)  # arrive owner-major, then by slot
+    index = torch.tensor([i for _, i in send], dtype=torch.long, device=packed.device)
+    got = comm.AllToAllV.apply(packed.index_select(0, index), mesh,
+                               [sum(1 for q, _ in send if q == dest) for dest in range(ep)],
+                               [sum(1 for o, _ in mine if o == src) for src in range(ep)], "expert_copies")
+    slots = torch.tensor([s for _, s in mine], dtype=torch.long, device=packed.device)
+    return packed.new_zeros(placement.replicas, packed.shape[1]).index_copy(0, slots, got)
 
 
 def with_copies(weights: tuple, placement: Placement, mesh) -> tuple:
@@ -202,7 +186,7 @@ def with_copies(weights: tuple, placement: Placement, mesh) -> tuple:
         return weights
     shapes = [w.shape[1:] for w in weights]
     packed = torch.cat([w.reshape(w.shape[0], -1) for w in weights], dim=1)
-    copies = FetchCopies.apply(packed, placement, mesh)
+    copies = _fetch_copies(packed, placement, mesh)
     out, start = [], 0
     for w, shape in zip(weights, shapes):
         n = shape.numel()
