@@ -94,7 +94,9 @@ def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, m
     ep = mesh.size()
     group_size = group_size or ep
     placement, order = getattr(experts, "placement", None), None
-    if placement is not None and placement.copies:
+    if placement is not None and not placement.copies:
+        placement = None  # (a placement without copies is the static one)
+    if placement is not None:
         host = counts.tolist()  # (the host read EP needs anyway, a step early)
         order = placement.slot_order(host).to(x.device)
         x = x.index_select(0, order)
@@ -102,12 +104,11 @@ def expert_parallel_forward(x: torch.Tensor, counts: torch.Tensor, *, experts, m
     per_owner = counts.view(ep, -1)  # [owner, its local experts (slots)]
     received = comm.all_to_all(per_owner.contiguous(), mesh, label="expert_counts")  # [source, local expert]
     tuner = getattr(experts, "chunk_tuner", None)
-    slots = placement if order is not None else None
     if tuner is not None:  # parallel.expert_pipeline_chunks = 0: chosen by an online profile
-        y = tuner.timed(lambda chunks: _exchange(x, counts, per_owner, received, experts, mesh, chunks, slots,
+        y = tuner.timed(lambda chunks: _exchange(x, counts, per_owner, received, experts, mesh, chunks, placement,
                                                  group_size))
     else:
-        y = _exchange(x, counts, per_owner, received, experts, mesh, getattr(experts, "pipeline_chunks", 1), slots,
+        y = _exchange(x, counts, per_owner, received, experts, mesh, getattr(experts, "pipeline_chunks", 1), placement,
                       group_size)
     return y if order is None else y.index_select(0, torch.argsort(order))
 
