@@ -602,3 +602,39 @@ def test_the_no_rows_case_still_reaches_the_input():
     out = grouped_mm(x, torch.randn(3, 4, 2, requires_grad=True), torch.tensor([0, 0, 0]))
     (g,) = grads(out.sum(), x)
     assert g.shape == (0, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_grouped_kernel_matches_the_loop(monkeypatch, autocast):
+    """torch._grouped_mm on the GPU (bf16) against the loop over groups on the same bf16 operands:
+    outputs and the gradients of x and of the experts' transposed [E, out, in] weights, with empty
+    groups. Under autocast the weights are fp32 (one GPU, no FSDP) and the kernel must still run."""
+    from longctx.ops import grouped
+
+    calls = []
+    kernel = grouped.kernel_grouped_mm
+    monkeypatch.setattr(grouped, "kernel_grouped_mm", lambda *a: calls.append(1) or kernel(*a))
+    counts = torch.tensor([96, 0, 40, 256, 0, 8], device="cuda")
+    dtype = torch.float32 if autocast else torch.bfloat16
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=dtype)
+    base = torch.randn(6, 128, 64, device="cuda", dtype=dtype) / 8  # [E, out, in], used transposed
+    coef = torch.randn(x.shape[0], 128, device="cuda")
+
+    def run(loop: bool):
+        xl, bl = leaf(x), leaf(base)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            if loop:
+                with grouped.use_loop():
+                    out = grouped_mm(xl, bl.transpose(1, 2), counts)
+            else:
+                out = grouped_mm(xl, bl.transpose(1, 2), counts)
+        return out, grads((out.float() * coef).sum(), xl, bl)
+
+    out, (gx, gw) = run(loop=False)
+    assert calls, "the grouped kernel did not run"
+    ref, (rx, rw) = run(loop=True)
+    assert out.dtype == torch.bfloat16
+    for got, want in ((out, ref), (gx, rx), (gw, rw)):
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+    assert not gw[1].any() and not gw[4].any()  # the empty groups' weights get a zero gradient

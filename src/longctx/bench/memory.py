@@ -74,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--max-seq: documents of this many tokens (attention work linear in the length, so long "
                         "CPU probes finish); 0 = --docs documents per sequence")
     p.add_argument("--max-seq-step", type=int, default=4096, help="--max-seq resolution in tokens")
+    p.add_argument("--max-seq-hi", type=int, default=1 << 22, help="GPU --max-seq: the longest length probed")
     p.add_argument("--malloc-mmap-threshold", type=int, default=131072,
                    help="CPU --max-seq: glibc's MALLOC_MMAP_THRESHOLD_ for the probe processes, so freed "
                         "tensors leave the RSS (glibc's default grows the threshold and keeps up to ~2x the live "
@@ -319,9 +320,10 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
     return {"longest_seq_len": best, "probes": probes}
 
 
-def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int = 1 << 22) -> int:
-    """GPU: the longest sequence (multiple of 1024) for which one forward+backward of the full
-    model fits, by binary search over out-of-memory errors."""
+def longest_sequence(args, policy: str, fraction: float, lo: int = 4096) -> int:
+    """GPU: the longest sequence (multiple of 1024, at most --max-seq-hi) for which one
+    forward+backward of the full model fits, by binary search over out-of-memory errors."""
+    hi = args.max_seq_hi
     device = torch.device("cuda")
     model_cfg = _model_cfg(args, layers=0)
 
@@ -337,7 +339,7 @@ def longest_sequence(args, policy: str, fraction: float, lo: int = 4096, hi: int
         model = None
         try:
             model = _build(model_cfg, policy, fraction, args, None, None, device).to(torch.bfloat16)
-            inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device)
+            inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 model(*inputs[:3], labels=inputs[3]).backward()
             torch.cuda.synchronize()

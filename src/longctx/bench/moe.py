@@ -44,7 +44,7 @@ from ..config import ModelConfig
 from ..memory.host_malloc import keep_freed_blocks
 from ..models.llama import FeedForward
 from ..models.moe import MoEFeedForward
-from . import moe_cluster
+from . import moe_cluster, moe_gpu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per layer (after a warm-up)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU seconds are summed over them)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: wall time of the layer on one GPU in bf16, grouped kernel vs loop vs dense "
+                        "(bench/moe_gpu.py)")
     moe_cluster.add_arguments(p)
     p.add_argument("--malloc", default="training", choices=("training", "glibc"),
                    help="training: glibc set as `longctx train` sets it on CPU (memory/host_malloc.py: freed blocks "
@@ -172,6 +175,8 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor) -> dict:
 def main(args) -> int:
     if args.cluster:  # the expert-parallel schedule on an emulated cluster (bench/moe_cluster.py)
         return moe_cluster.main(args)
+    if args.device == "cuda":  # one GPU, no emulation (bench/moe_gpu.py)
+        return moe_gpu.main(args)
     torch.set_num_threads(args.threads)
     malloc = keep_freed_blocks() if args.malloc == "training" else "glibc defaults"
     moe, dense, cfg = build_layers(args)

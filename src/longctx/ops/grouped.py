@@ -10,6 +10,8 @@ group order), w [groups, in, out] -> [n, out]. One interface, two paths:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -26,18 +28,37 @@ def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """[n, in] x [groups, in, out] -> [n, out]; rows grouped by `counts` [groups] (they sum to n)."""
-    if _kernel_fits(x, w):
-        return kernel_grouped_mm(x, w, counts)
-    sizes = counts.tolist()
-    # no rows at all still runs the Function: its output must stay a function of x as well as w, so
-    # that backward reaches whatever produced x (under expert parallelism, an all-to-all every rank joins)
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # cast as autocast casts a matmul's operands (not out= products)
+    if torch.is_autocast_enabled(device):
+        # cast as autocast casts a matmul's operands, BEFORE the kernel check: one GPU trains fp32
+        # weights under bf16 autocast (no FSDP gathers them in bf16), and the kernel wants bf16
         dtype = torch.get_autocast_dtype(device)
         x, w = (t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in (x, w))
         with torch.autocast(device, enabled=False):
-            return _LoopedGroupedMM.apply(x, w, sizes)
-    return _LoopedGroupedMM.apply(x, w, sizes)
+            return _grouped(x, w, counts)
+    return _grouped(x, w, counts)
+
+
+_FORCE_LOOP = False  # the benchmark's switch (use_loop): the reference path where the kernel would run
+
+
+@contextlib.contextmanager
+def use_loop():
+    """Run the loop over groups even where the kernel fits (to time or check one against the other)."""
+    global _FORCE_LOOP
+    before, _FORCE_LOOP = _FORCE_LOOP, True
+    try:
+        yield
+    finally:
+        _FORCE_LOOP = before
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if not _FORCE_LOOP and _kernel_fits(x, w):
+        return kernel_grouped_mm(x, w, counts)
+    # no rows at all still runs the Function: its output must stay a function of x as well as w, so
+    # that backward reaches whatever produced x (under expert parallelism, an all-to-all every rank joins)
+    return _LoopedGroupedMM.apply(x, w, counts.tolist())
 
 
 def _column_major(t: torch.Tensor) -> bool:

@@ -1,0 +1,92 @@
+"""`longctx bench moe --device cuda`: the MoE layer on one GPU, no emulation.
+
+Wall time of forward + backward (synchronised, the least over --repeats after a warm-up) of three
+layers in bf16 with the same active parameters:
+- `moe_kernel_s`: models/moe.py's MoEFeedForward with its experts through torch._grouped_mm (one
+  kernel for every expert, no host read of the counts);
+- `moe_loop_s`: the same layer with ops/grouped.py's loop over experts (one GEMM per expert after a
+  host read of the counts: what a build without the kernel runs);
+- `dense_s`: the dense SwiGLU of top-k x expert_dim.
+Under uniform and skewed routing (as the CPU benchmark routes), with the peak allocated memory of
+the MoE step. Several experts per rank and one GPU: this is the layer, not expert parallelism
+(which needs a node: `--cluster ... --no-emulation` on one).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from datetime import date
+
+import torch
+
+from ..ops.grouped import use_loop
+from . import moe as layer_bench  # (the CPU benchmark's layers and routing; it imports this module)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _wall(layer, x, grad, repeats: int, loop: bool = False) -> dict:
+    def once() -> float:
+        _sync(x.device)
+        t0 = time.perf_counter()
+        if loop:
+            with use_loop():
+                layer_bench._fwd_bwd(layer, x, grad)
+        else:
+            layer_bench._fwd_bwd(layer, x, grad)
+        _sync(x.device)
+        return time.perf_counter() - t0
+
+    once()  # warm-up
+    runs = [once() for _ in range(repeats)]
+    return {"min": min(runs), "median": statistics.median(runs)}
+
+
+def main(args, device: torch.device | None = None) -> int:
+    """(`device`: cuda unless given; the CPU runs it only to check the code.)"""
+    device = device or torch.device("cuda")
+    cuda = device.type == "cuda"
+    moe, dense, cfg = layer_bench.build_layers(args)
+    moe.to(device, torch.bfloat16)
+    dense.to(device, torch.bfloat16)
+    gen = torch.Generator(device).manual_seed(args.seed + 1)
+    rows = []
+    for routing in (r for r in args.routing.split(",") if r):
+        for seq in (int(s) for s in args.seq_len.split(",") if s):
+            x = torch.randn(1, seq, args.dim, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.randn_like(x)
+            moe.router.expert_bias.zero_()
+            bias = layer_bench.skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
+            share = layer_bench.choice_share(moe, x)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            kernel = _wall(moe, x, grad, args.repeats)
+            peak = torch.cuda.max_memory_allocated(device) if cuda else None
+            loop = _wall(moe, x, grad, args.repeats, loop=True)
+            dense_t = _wall(dense, x, grad, args.repeats)
+            row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
+                   "load_max_over_mean": float(share.max() * args.experts),
+                   "moe_kernel_s": kernel["min"], "moe_loop_s": loop["min"], "dense_s": dense_t["min"],
+                   "kernel_over_dense": layer_bench._ratio(kernel["min"], dense_t["min"]),
+                   "kernel_over_loop": layer_bench._ratio(kernel["min"], loop["min"]),
+                   "moe_tokens_per_s": seq / kernel["min"], "moe_peak_allocated_bytes": peak,
+                   "medians": {"kernel": kernel["median"], "loop": loop["median"], "dense": dense_t["median"]}}
+            layer_bench._progress(f"{routing}, {seq:,} tokens: kernel {kernel['min'] * 1e3:.2f} ms, loop "
+                      f"{loop['min'] * 1e3:.2f} ms, dense {dense_t['min'] * 1e3:.2f} ms")
+            rows.append(row)
+    print(json.dumps({
+        "bench": "moe", "date": date.today().isoformat(),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
+                   "dense_ffn_dim": cfg.ffn_dim, "dtype": "bf16", "repeats": args.repeats,
+                   "timing": "least wall time of a synchronised forward+backward over the repeats"},
+        "active_params": layer_bench.active_params(moe, dense, args.top_k), "timing": rows,
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda},
+    }, indent=2))
+    return 0
