@@ -42,6 +42,9 @@ LAYOUTS = {  # world, args
                                      "--parallel.expert_ranks_per_node=2"]),
     # FlexMoE (parallel/expert_placement.py): copies of hot experts from step 3 on (placed from steps 1-2)
     "expert4-head2-ctx2-flexmoe": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2", *FLEXMOE]),
+    # gradient buckets (parallel/grad_buckets.py): the 4 blocks in 2 FSDP units, one reduce-scatter each
+    "expert4-head2-ctx2-buckets2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
+                                        "--parallel.grad_bucket_blocks=2"]),
     "expert2-dp2-ctx2": (4, ["--parallel.expert=2", "--parallel.ctx=2"]),
     "expert4-ctx4-window2": (4, ["--parallel.expert=4", "--parallel.ctx=4", "--parallel.window=2"]),
     "expert8-dp2-head2-ctx2": (8, ["--parallel.expert=8", "--parallel.head=2", "--parallel.ctx=2"]),
@@ -105,6 +108,22 @@ def test_flexmoe_places_copies_mid_run_and_trains_as_the_plain_run(spawned):
     diff = max(abs(a - b) for p, q in zip(plain, placed) for a, b in zip(p, q, strict=True))
     print(f"flexmoe vs plain expert parallel, {STEPS} steps: max |loss diff| {diff:.2e}; {logged[0]}")
     assert diff <= TOL
+
+
+def test_gradient_buckets_train_as_the_plain_run_with_fewer_reduce_scatters(spawned):
+    results, _, base = spawned(4)
+    plain, bucketed = results["layout expert4-head2-ctx2"], results["layout expert4-head2-ctx2-buckets2"]
+    diff = max(abs(a - b) for p, q in zip(plain, bucketed) for a, b in zip(p, q, strict=True))
+    figures = {}
+    for key in ("layout expert4-head2-ctx2", "layout expert4-head2-ctx2-buckets2"):
+        rows = [r for r in read_jsonl(_run_dir(base, key) / "metrics.jsonl") if r.get("kind") == "train"]
+        figures[key] = (rows[-1]["grad_reduce_calls"], rows[-1]["grad_reduce_exposed_s"])
+    print(f"gradient buckets of 2 blocks vs 1, {STEPS} steps: max |loss diff| {diff:.2e}; (reduce-scatters, "
+          f"exposed s) per step: {figures}")
+    assert diff <= TOL
+    # 4 blocks' units + the root (the expert units' group is one rank: nothing to reduce) -> 2 + the root
+    assert figures["layout expert4-head2-ctx2"][0] == 5 and figures["layout expert4-head2-ctx2-buckets2"][0] == 3
+    assert all(exposed > 0 for _, exposed in figures.values())
 
 
 def test_the_pipelined_schedule_trains_as_the_plain_expert_parallel_run(spawned):

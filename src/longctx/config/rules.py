@@ -299,6 +299,9 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     if p.expert_pipeline_chunks < 0:
         problems.append(f"parallel.expert_pipeline_chunks must be >= 0 (1 = no pipelining, 0 = chosen by an online "
                         f"profile of the first steps), got {p.expert_pipeline_chunks}.")
+    if p.grad_bucket_blocks < 0:
+        problems.append(f"parallel.grad_bucket_blocks must be >= 0 (blocks per gradient reduce-scatter; 0 = chosen "
+                        f"by the cost model), got {p.grad_bucket_blocks}.")
     if p.expert_replicas < 0 or p.expert_placement_window < 1:
         problems.append(f"parallel.expert_replicas must be >= 0 and parallel.expert_placement_window >= 1, got "
                         f"{p.expert_replicas} and {p.expert_placement_window}.")

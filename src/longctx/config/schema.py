@@ -238,6 +238,9 @@ class ParallelConfig:
                                           "are there; parallel/expert_hierarchy.py); 0 = flat all-to-all")
     expert_placement_window: int = _opt(10, "parallel.expert_replicas > 0: optimizer steps of router counts behind "
                                             "each placement; re-placed at the end of every window (logged)")
+    grad_bucket_blocks: int = _opt(1, "transformer blocks per FSDP unit, i.e. per gradient reduce-scatter (and "
+                                      "parameter all-gather): 1 = one per block; 0 = chosen by the cost model "
+                                      "(parallel/grad_buckets.py, logged)")
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 

@@ -39,6 +39,7 @@ from . import comm
 from .attention import distributed_attention
 from .comm import sub_mesh
 from .expert import use_expert_parallel
+from .grad_buckets import plan_for, time_reduce_scatters
 from .sequence import gather_shards
 
 
@@ -137,22 +138,41 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)
     if cfg.train.compile:
         compile_token_wise_stages(model.layers)
-    # 4. hybrid ZeRO
+    # 4. hybrid ZeRO, the blocks in gradient buckets
     if dims.world_size > 1:
-        shard_mesh = fsdp_mesh(dims, device_type)
-        bf16 = gathers_in_bf16(device_type, cfg.train.dtype)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                  reduce_dtype=torch.float32 if bf16 else None)
-        for block in model.layers:
-            if dims.expert > 1 and isinstance(block.feed_forward, MoEFeedForward):
-                # expert weights: their own FSDP unit over the expert-data group, sharded on their
-                # second dim (the first is the expert group's); the block's FSDP takes the rest
-                fully_shard(block.feed_forward.experts, mesh=sub_mesh(dims.build_expert_mesh(device_type),
-                                                                      "expert_data"),
-                            mp_policy=mp, shard_placement_fn=lambda p: Shard(1))
-            fully_shard(block, mesh=shard_mesh, mp_policy=mp)
-        fully_shard(model, mesh=shard_mesh, mp_policy=mp)
+        shard_model(model, dims, cfg, device_type)
     return model
+
+
+def shard_model(model, dims, cfg, device_type: str) -> None:
+    """FSDP2 over the blocks, grouped into units by the gradient-bucket plan (parallel/grad_buckets.py,
+    kept as `model.grad_bucket_plan`), then the root; every unit's reduce-scatter timed
+    (`model.grad_reduce_timers`). Under expert parallelism a bucket's expert weights form a unit of
+    their own over the expert-data group, sharded on their second dim (the first is the expert group's)."""
+    shard_mesh, mp, t = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype), cfg.train
+    seq = t.seq_len
+    sequences = max(1, t.global_batch // max(t.grad_accum, 1) // (dims.world_size // (dims.head * dims.ctx)))
+    tokens = sequences * seq // (dims.head * dims.ctx)  # per rank and micro-batch
+    plan = plan_for(cfg.model, cfg.parallel.grad_bucket_blocks, tokens, seq, dims.world_size // dims.dp_replicate,
+                    dims.expert, device_type)
+    expert_mesh = sub_mesh(dims.build_expert_mesh(device_type), "expert_data") if dims.expert > 1 else None
+    units = []
+    for group in plan.groups():
+        blocks = [model.layers[i] for i in group]
+        experts = [b.feed_forward.experts for b in blocks
+                   if expert_mesh is not None and isinstance(b.feed_forward, MoEFeedForward)]
+        if experts:
+            units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp,
+                                     shard_placement_fn=lambda p: Shard(1)))
+        units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp))
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp)
+    model.grad_bucket_plan = plan
+    model.grad_reduce_timers = time_reduce_scatters(units, model)
+
+
+def _one_or_list(modules: list):
+    """fully_shard's argument for one unit: a module alone, as it always was, or a list (one group)."""
+    return modules[0] if len(modules) == 1 else modules
 
 
 def parallelize_draft(model, dims, cfg, mesh, device_type: str = "cpu"):
@@ -177,14 +197,18 @@ def parallelize_draft(model, dims, cfg, mesh, device_type: str = "cpu"):
     apply_glide_memory_policy(model.draft.layers, mem.recompute)
     model.loss_chunk = mem.loss_chunk
     if dims.world_size > 1:
-        shard_mesh = fsdp_mesh(dims, device_type)
-        bf16 = gathers_in_bf16(device_type, cfg.train.dtype)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                  reduce_dtype=torch.float32 if bf16 else None)
+        shard_mesh, mp = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype)
         for layer in model.draft.layers:
             fully_shard(layer, mesh=shard_mesh, mp_policy=mp)
         fully_shard(model, mesh=shard_mesh, mp_policy=mp)
     return model
+
+
+def mixed_precision(device_type: str, dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters gathered in bf16 and gradients reduced in fp32 where gathers_in_bf16."""
+    bf16 = gathers_in_bf16(device_type, dtype)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                reduce_dtype=torch.float32 if bf16 else None)
 
 
 def gathers_in_bf16(device_type: str, dtype: str) -> bool:

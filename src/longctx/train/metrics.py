@@ -18,6 +18,7 @@ import torch
 
 from ..memory.rss import peak_rss_bytes
 from ..models.flops import train_flops_per_token
+from ..parallel.grad_buckets import grad_reduce_figures
 from ..parallel.parallelize import gathers_in_bf16
 from ..parallel.runtime import TRACKED_DIMS
 from ..parallel.volumes import fsdp_bytes_per_step
@@ -77,6 +78,9 @@ def format_line(r: dict) -> str:
         parts.append(f"skipped {r['skipped_steps']} non-finite")
     if r.get("comm_bytes_per_step"):
         parts.append("comm/step " + " ".join(f"{d} {v / 2**20:.1f}MiB" for d, v in r["comm_bytes_per_step"].items()))
+    if "grad_reduce_exposed_s" in r:
+        parts.append(f"grad reduce {r['grad_reduce_calls']:.0f} calls, "
+                     f"{1e3 * r['grad_reduce_exposed_s']:.1f} ms exposed")
     return " | ".join(parts)
 
 
@@ -141,6 +145,7 @@ class MetricsLogger:
         self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
                                               cfg.memory.grad_sync, expert_params=experts)
         self.flops_per_token = 0.0
+        self.grad_timers = getattr(model, "grad_reduce_timers", [])  # parallel/grad_buckets.py
         self.interval = self._new_interval()
 
     def describe_peak(self) -> str:
@@ -189,7 +194,11 @@ class MetricsLogger:
         tps, flops_per_s = iv.tokens / elapsed, iv.flops / elapsed
         mem, mem_kind = peak_memory_bytes(self.device)
         sent = [(a - b - e) / iv.steps for a, b, e in zip(rt.comm_bytes(), iv.comm_bytes, iv.eval_bytes)]
-        stats = rt.max([mem, *sent])
+        reduce = grad_reduce_figures(self.grad_timers, iv.steps)
+        stats = rt.max([mem, *sent, reduce.get("grad_reduce_exposed_s", 0.0)])
+        if reduce:  # the step waits for the slowest rank's
+            reduce["grad_reduce_exposed_s"] = stats[-1]
+        stats = stats[:-1]
         per_dim = {d: v for d, v in zip(TRACKED_DIMS, stats[1:]) if v}
         if self.peak_calibrated and flops_per_s > rt.world * self.peak:
             self._raise_peak(flops_per_s / rt.world)
@@ -199,7 +208,7 @@ class MetricsLogger:
             "mfu": flops_per_s / (rt.world * self.peak) if self.peak else None,
             "memory_gib": stats[0] / 2**30, "memory_kind": mem_kind + (" max over ranks" if rt.world > 1 else ""),
             "comm_bytes_per_step": {**per_dim, **self.fsdp_bytes},
-            **extra, "world": rt.world,
+            **extra, **reduce, "world": rt.world,
         }
         if iv.save_blocking_s:
             record["checkpoint_blocking_s"] = iv.save_blocking_s

@@ -109,4 +109,5 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
     return [f"model: {cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters, "
             f"{device.type} {str(dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
-            + f", loss_chunk={mem.loss_chunk}, {layout}; {peak}"]
+            + f", loss_chunk={mem.loss_chunk}, {layout}; {peak}"] + (
+        [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else [])
