@@ -6,6 +6,7 @@ before the weights are read; prefill memory flat in the prompt beside the cache 
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -268,3 +269,29 @@ def test_bad_prompts_file(weightless_hf, tmp_path):
     f.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
     with pytest.raises(ConfigError, match="prompt 2 is empty"):
         _prepare("--checkpoint", f"hf:{weightless_hf}", "--prompts", str(f))
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_few_new_tokens_in_one_masked_call_equal_the_two_call_merge(tree):
+    """CPU, a speculative chain or tree to verify: one kernel call with a mask over the held slots
+    and the new ones (models/cache.py _small_chunk) against the prefix call + new-token call merged
+    by the log-sum-exp (_chunk, masked_attention), grouped queries (8 heads over 2 kv heads)."""
+    from longctx.models import cache as kv
+    from longctx.ops.attention import merge_partials
+
+    g = torch.Generator().manual_seed(0)
+    start, n, heads, d = 40, 6, 8, 16
+    q = torch.randn(1, n, heads, d, generator=g)
+    k, v = (torch.randn(1, 2, start + n + 3, d, generator=g) for _ in range(2))
+    among = torch.ones(n, n, dtype=torch.bool).tril()
+    if tree:  # node 3 hangs off node 1 (not node 2); node 5 off node 3
+        among[3, 2] = among[4, 2] = among[5, 2] = among[5, 4] = False
+    step = kv.CacheStep(np.array([start]), n, torch.arange(start, start + n)[None], among if tree else None)
+    out, lse = kv._small_chunk(q, k, v, step, d ** -0.5)
+    if tree:
+        new_out, new_lse = kv.masked_attention(q, k[:, :, start:start + n], v[:, :, start:start + n], among)
+        ref_out, ref_lse = merge_partials(*kv._full(q, k[:, :, :start], v[:, :, :start], d ** -0.5), new_out, new_lse)
+    else:
+        ref_out, ref_lse = kv._chunk(q, k, v, start, d ** -0.5)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=1e-5, rtol=1e-5)

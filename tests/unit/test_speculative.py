@@ -87,7 +87,7 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
             a = int(torch.multinomial(first, 1, generator=g))
             cache.truncate(len(prompt))
             drafter.rewind(prompt)
-            kept, following = sp.speculative_round(target, cache, drafter, a, 2, sampling, g)
+            kept, following, _ = sp.speculative_round(target, cache, drafter, a, 2, sampling, g)
         return a, (kept + [following])[0]
 
     keep = exact * runs >= 5  # chi-square on the cells expected at least 5 times, the rest pooled
@@ -133,3 +133,29 @@ def test_cape_tree_is_token_identical_and_keeps_more(draft):
     for bad in ("0.5:1,0.9:0", "0.5:1,0.4:2,1:0", "x", "0:1,1:0"):
         with pytest.raises(ConfigError, match="cape-table"):
             CapeTable.parse(bad)
+
+
+@pytest.mark.parametrize("cape", [False, True])
+def test_a_confidence_stop_ends_rounds_early_and_keeps_the_output(cape):
+    """--confidence-stop P: a round's proposals end after one the draft gives below P. The output stays
+    plain greedy decoding (chain and CaPE tree); rounds get shorter where the draft hesitates, and
+    a stop of 0 makes every round K long."""
+    from longctx.generate.cape import CapeTable
+
+    target, drafter_model = _model(1), _model(1)
+    with torch.no_grad():  # the target with a noisy head: sure of some tokens, not of others
+        w = drafter_model.lm_head_weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * w.std() * 0.8)
+        w.mul_(20.0)  # confidences from ~0.2 to ~1 (median ~0.7)
+    table = CapeTable.parse("0.5:2,1:0") if cape else None
+    prompt = _prompt(33, seed=3)
+    plain = generate(target, [prompt], max_new_tokens=40)[0].tokens
+    made = {}
+    for stop in (0.0, 0.5):
+        spec = speculative_generate(target, ModelDrafter(drafter_model, 120), prompt, max_new_tokens=40, k=4,
+                                    cape=table, stop_below=stop)
+        assert spec.tokens == plain, stop
+        assert len(spec.proposed) == spec.passes and all(1 <= p <= 4 for p in spec.proposed)
+        made[stop] = spec.proposed
+    assert all(p == 4 for p in made[0.0])
+    assert min(made[0.5]) < 4 and max(made[0.5]) > 1, made[0.5]  # both kinds of rounds happen

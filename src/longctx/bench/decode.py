@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, metavar="DIR|hf:DIR", help="the target model's checkpoint")
     p.add_argument("--draft", required=True, metavar="DIR|hf:DIR", help="the draft model's checkpoint")
     p.add_argument("--speculate", type=int, default=4, help="proposals per target pass (default 4)")
+    p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
+                   help="end a round's proposals after one the draft gives below P (0 = always --speculate)")
     p.add_argument("--cape", action="store_true", help="CaPE's tree instead of the chain (temperature 0)")
     p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", help="CaPE's confidence table")
     p.add_argument("--prompts", default="", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
@@ -111,7 +113,8 @@ def main(args) -> int:
          f"({len(draft.layers)} layers), K = {args.speculate}{', CaPE' if cape else ''}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
-    zero = {"kept": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
+    zero = {"kept": 0, "proposed": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "tokens": 0, "plain_tokens": 0,
+            "identical": True}
     groups, everything = [], dict(zero)
     for length, rows in prompts.items():
         g = dict(zero)
@@ -125,33 +128,36 @@ def main(args) -> int:
                 drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2)
                 spec = speculative_generate(target, drafter, ids,
                                             max_new_tokens=args.max_new_tokens, k=args.speculate,
-                                            sampling=sampling, cape=cape)
+                                            sampling=sampling, cape=cape, stop_below=args.confidence_stop)
                 spec_s = min(spec_s, time.perf_counter() - t0)
             for acc in (g, everything):
                 acc["kept"] += sum(spec.accepted)
+                acc["proposed"] += sum(spec.proposed)
                 acc["passes"] += spec.passes
                 acc["spec_s"] += spec_s
                 acc["plain_s"] += plain_s
                 acc["tokens"] += len(spec.tokens)
                 acc["plain_tokens"] += len(plain.tokens)
                 acc["identical"] &= (not sampling.greedy) or spec.tokens == plain.tokens
-        groups.append({"prompt_tokens": length, "prompts": len(rows), **_figures(g, args.speculate)})
+        groups.append({"prompt_tokens": length, "prompts": len(rows), **_figures(g)})
         _say(f"{length}: tau {groups[-1]['tau']:.2f}, speedup {groups[-1]['speedup']:.2f}x, "
              f"identical {groups[-1]['identical']}")
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target,
               "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if cape else None,
+              "confidence_stop": args.confidence_stop,
               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-              **_figures(everything, args.speculate), "by_length": groups}
+              **_figures(everything), "by_length": groups}
     print(json.dumps(result, indent=1))
     return 0
 
 
-def _figures(acc: dict, k: int) -> dict:
+def _figures(acc: dict) -> dict:
     passes = max(acc["passes"], 1)
     spec_rate = acc["tokens"] / acc["spec_s"] if acc["spec_s"] else 0.0
     plain_rate = acc["plain_tokens"] / acc["plain_s"] if acc["plain_s"] else 0.0
     return {"tau": (acc["kept"] + acc["passes"]) / passes, "tau_without_bonus": acc["kept"] / passes,
-            "acceptance_rate": acc["kept"] / (passes * k), "tokens_per_s": spec_rate,
+            "acceptance_rate": acc["kept"] / max(acc["proposed"], 1), "proposals_per_pass": acc["proposed"] / passes,
+            "tokens_per_s": spec_rate,
             "baseline_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate if plain_rate else 0.0,
             "identical": acc["identical"]}

@@ -73,9 +73,10 @@ class Tree:
         return seen
 
 
-def propose_tree(drafter, pending: int, k: int, table: CapeTable) -> Tree:
-    """The draft's greedy chain of k tokens, with each step's alternatives by the table."""
-    chain, q = drafter.propose(pending, k, GREEDY_PROBS, None)
+def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0) -> Tree:
+    """The draft's greedy chain of up to k tokens (stop_below: as ModelDrafter.propose), with each
+    step's alternatives by the table."""
+    chain, q = drafter.propose(pending, k, GREEDY_PROBS, None, stop_below)
     tree = Tree([pending], [-1], [0], [])
     parent = 0
     for i, d in enumerate(chain):
@@ -99,11 +100,12 @@ def propose_tree(drafter, pending: int, k: int, table: CapeTable) -> Tree:
 GREEDY_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the most likely token)
 
 
-def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable) -> tuple[list[int], int]:
-    """One CaPE round (greedy): the kept tokens and the next pending one. `cache`: the target's, on
+def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable,
+               stop_below: float = 0.0) -> tuple[list[int], int, int]:
+    """One CaPE round (greedy): the kept tokens, the next pending one and the chain's length. `cache`: the target's, on
     one device (models/cache.KVCache) or sharded over head x ctx ranks (parallel/generation.py),
     every rank running the same round."""
-    tree = propose_tree(drafter, pending, k, table)
+    tree = propose_tree(drafter, pending, k, table, stop_below)
     start = int(cache.lengths[0])
     device = cache.k.device
     tokens = torch.tensor([tree.tokens], device=device)
@@ -125,5 +127,5 @@ def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable) -
     while on_chain < len(kept) and kept[on_chain] == tree.chain[on_chain]:
         on_chain += 1
     extra = tree.tokens[kept[-1]] if len(kept) > on_chain else None  # a kept alternative ends the path
-    drafter.accepted(on_chain, k, extra)
-    return [tree.tokens[j] for j in kept], choice[node]
+    drafter.accepted(on_chain, len(tree.chain), extra)
+    return [tree.tokens[j] for j in kept], choice[node], len(tree.chain)

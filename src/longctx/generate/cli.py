@@ -72,6 +72,9 @@ def add_parser(sub) -> None:
                         "vocabulary, its own KV cache): the output is the target's, token for token at "
                         "temperature 0, in distribution when sampling; one prompt at a time")
     p.add_argument("--speculate", type=int, default=4, help="tokens the draft proposes per target pass (default 4)")
+    p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
+                   help="with --draft: end a round's proposals after one the draft gives a probability below P "
+                        "(fewer draft steps where it hesitates; 0 = always --speculate)")
     p.add_argument("--cape", action="store_true",
                    help="with --draft: add alternatives where the draft is unsure (CaPE) and verify them as a tree "
                         "(greedy, one process)")
@@ -415,4 +418,4 @@ def _speculate(plan: Plan, args, model, draft, index: int, stops, backend):
 
     return speculate_one(model, draft, plan.prompts[index]["ids"], plan.limits[index], k=args.speculate,
                          sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, stop=stops,
-                         backend=backend, cape=plan.cape)
+                         backend=backend, cape=plan.cape, stop_below=args.confidence_stop)

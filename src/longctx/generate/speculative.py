@@ -62,7 +62,12 @@ class ModelDrafter:
         """The draft's logits [vocab] after feeding `tokens` [1, n] to its cache."""
         return self.model(tokens, cache=self.cache)[0, -1]
 
-    def propose(self, pending: int, k: int, sampling: Sampling, generator) -> tuple[list[int], torch.Tensor]:
+    def propose(self, pending: int, k: int, sampling: Sampling, generator,
+                stop_below: float = 0.0) -> tuple[list[int], torch.Tensor]:
+        """Up to k proposals after `pending` and the distribution each was drawn from. `stop_below`:
+        the round ends after a proposal to which the draft gives a probability below it (at T = 0
+        its softmax's top probability): a draft that hesitates is likely wrong, and every further
+        proposal costs a draft step. The stop reads only the draft, so sampling stays exact."""
         device = self.cache.k.device
         token, tokens, qs = torch.tensor([[*self._unfed, pending]], device=device), [], []
         self._unfed = []
@@ -76,6 +81,8 @@ class ModelDrafter:
             choice = int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))
             tokens.append(choice)
             qs.append(q)
+            if stop_below and i + 1 < k and _confidence(logits, q, choice, sampling) < stop_below:
+                break
             token = torch.tensor([[choice]], device=device)
         self._last = tokens[-1]
         return tokens, torch.stack(qs)
@@ -94,6 +101,12 @@ class ModelDrafter:
             self._unfed = [self._last]
         elif extra is not None:
             self._unfed = [extra]
+
+
+def _confidence(logits: torch.Tensor, q: torch.Tensor, choice: int, sampling: Sampling) -> float:
+    """The draft's probability of its choice: from q when q is a distribution, from the logits'
+    softmax when greedy decoding made q one-hot."""
+    return float(torch.softmax(logits.float(), -1)[choice]) if sampling.greedy else float(q[choice])
 
 
 class GlideDrafter(ModelDrafter):
@@ -139,6 +152,7 @@ class GlideDrafter(ModelDrafter):
 class SpeculativeResult:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # proposals kept per target pass
+    proposed: list[int] = field(default_factory=list)  # proposals made per target pass (<= k)
 
     @property
     def passes(self) -> int:
@@ -152,8 +166,10 @@ class SpeculativeResult:
 
 def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_tokens: int, k: int,
                          sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
-                         generator: torch.Generator | None = None, backend=LOCAL, cape=None) -> SpeculativeResult:
-    """Continue `prompt` (batch 1) by up to max_new_tokens tokens, k proposals per target pass.
+                         generator: torch.Generator | None = None, backend=LOCAL, cape=None,
+                         stop_below: float = 0.0) -> SpeculativeResult:
+    """Continue `prompt` (batch 1) by up to max_new_tokens tokens, up to k proposals per target pass
+    (fewer after a proposal the draft gives less than `stop_below`: ModelDrafter.propose).
     `backend`: the target's cache and prefill (engine.py's; parallel/generation.py's ShardedGeneration
     on every rank of a head x ctx layout, the draft then run alike on every rank). `cape`: a
     generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy)."""
@@ -186,10 +202,12 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
                 if cape is not None:
                     from .cape import tree_round
 
-                    emitted, pending = tree_round(target, cache, drafter, pending, k, cape)
+                    emitted, pending, proposed = tree_round(target, cache, drafter, pending, k, cape, stop_below)
                 else:
-                    emitted, pending = speculative_round(target, cache, drafter, pending, k, sampling, generator)
+                    emitted, pending, proposed = speculative_round(target, cache, drafter, pending, k, sampling,
+                                                                   generator, stop_below)
                 out.accepted.append(len(emitted))
+                out.proposed.append(proposed)
                 for t in emitted:
                     if t in eos or len(out.tokens) >= max_new_tokens:
                         return out
@@ -200,17 +218,19 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
 
 
 def speculative_round(target, cache: KVCache, drafter, pending: int, k: int, sampling: Sampling,
-                      generator) -> tuple[list[int], int]:
+                      generator, stop_below: float = 0.0) -> tuple[list[int], int, int]:
     """One draft-then-verify round after `pending` (the last emitted token, not in `cache` yet): the
-    kept proposals, and the token after them (the target's replacement or bonus: the next pending).
+    kept proposals, the token after them (the target's replacement or bonus: the next pending) and
+    how many proposals were made.
     Leaves `cache` holding pending and the kept proposals, and the drafter told."""
-    proposals, q = drafter.propose(pending, k, sampling, generator)
+    proposals, q = drafter.propose(pending, k, sampling, generator, stop_below)
+    k = len(proposals)  # (fewer where the draft stopped on a hesitation)
     fed = torch.tensor([[pending, *proposals]], device=cache.k.device)
     p = sampling_probs(target(fed, cache=cache)[0].float(), sampling)  # [k + 1, vocab]
     kept, following = _accept(proposals, q, p, sampling, generator)
     cache.truncate(int(cache.lengths[0]) - (k - kept))
     drafter.accepted(kept, k)
-    return proposals[:kept], following
+    return proposals[:kept], following, k
 
 
 def _draw(probs: torch.Tensor, sampling: Sampling, generator) -> int:
@@ -256,7 +276,7 @@ def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096) -> Model
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
-                  prefill_chunk: int, stop=None, backend=LOCAL, cape=None) -> Speculated:
+                  prefill_chunk: int, stop=None, backend=LOCAL, cape=None, stop_below: float = 0.0) -> Speculated:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe); a stop string (`stop(row, tokens)`, generate/output.py's StopStrings) is applied to the
     finished tokens."""
@@ -265,7 +285,7 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
     t0 = time.perf_counter()
     r = speculative_generate(target, drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk), ids,
                              max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
-                             prefill_chunk=prefill_chunk, backend=backend, cape=cape)
+                             prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below)
     seconds = time.perf_counter() - t0
     tokens, reason = r.tokens, "length" if len(r.tokens) >= limit else "eos"
     if stop is not None:

@@ -71,6 +71,21 @@ class CacheStep:
         return self._masks[dtype]
 
 
+    def chunk_mask(self, dtype: torch.dtype, group: int, device) -> torch.Tensor:
+        """Additive mask [1, 1, new * group, held] for a few new tokens on rows that held `start`
+        tokens, queries grouped as _group_queries lays them (row i * group + j is new token i): every
+        held slot, and among the new ones causally or by the tree (`among`). Built once per step."""
+        key = (dtype, group)
+        if key not in self._masks:
+            s, n = int(self.start[0]), self.new
+            visible = torch.ones(n, s + n, dtype=torch.bool, device=device)
+            visible[:, s:] = self.among.to(device) if self.among is not None else \
+                torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            mask = torch.zeros(n, s + n, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            self._masks[key] = mask.repeat_interleave(group, dim=0)[None, None]
+        return self._masks[key]
+
+
 class LayerCache:
     """One layer's view of a KVCache: what a block's attention calls with its new q, k, v."""
 
@@ -106,6 +121,9 @@ def attend(q, k, v, layer: LayerCache, step: CacheStep) -> torch.Tensor:
     """The single-device cache core: append the new keys and values, attend to all the row holds
     (the new tokens among themselves causally, or by the step's tree)."""
     layer.append(k, v, step)
+    if _one_call(q, step):
+        out, _ = _small_chunk(q, layer.k, layer.v, step, 1.0 / math.sqrt(q.shape[-1]))
+        return out
     if step.among is None:
         out, _ = cached_attention(q, layer.k, layer.v, step)
         return out
@@ -289,6 +307,29 @@ def _chunk(q, k, v, start: int, scale):
     return out.to(q.dtype), lse
 
 
+SMALL_CHUNK = 64  # new tokens up to which a CPU call attends in one kernel call with a mask
+
+
+def _one_call(q, step: CacheStep) -> bool:
+    """A few new tokens (a speculative chain or tree to verify) on a CPU, rows of one length: one
+    masked kernel call over the prefix and the new tokens instead of two calls and a merge. The
+    CPU kernel's fixed cost per call (~70 us) is most of a decode step's attention there."""
+    return q.device.type == "cpu" and 1 < q.shape[1] <= SMALL_CHUNK and step.uniform
+
+
+def _small_chunk(q, k, v, step: CacheStep, scale):
+    """(out [b, n, h, d], lse [b, h, n] fp32): the n new queries over the held slots and each other
+    (step.chunk_mask), one call of the CPU flash kernel with queries grouped per kv head."""
+    b, n, h, d = q.shape
+    kv = k.shape[1]
+    held = int(step.start[0]) + n
+    mask = step.chunk_mask(q.dtype, h // kv, q.device)
+    qg = _group_queries(q, kv).transpose(1, 2)  # [b, kv, n * g, d]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg, k[:, :, :held], v[:, :, :held], 0.0, False, attn_mask=mask, scale=scale)
+    return _ungroup(out.transpose(1, 2), lse.float(), n, h)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale=None):
     """(out [b, n, h, d] fp32, lse [b, h, n] fp32) of q [b, n, h, d] over the keys k/v [b, kv_heads, L, d]
     that `visible` ([b, n, L] or [n, L], bool) lets each query see; a query that sees none gets out 0,
@@ -318,6 +359,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Ca
         mask = step.key_mask(q.dtype, q.device)
         held = mask.shape[-1]
         return _masked(q, k[:, :, :held], v[:, :, :held], mask, scale)
+    if _one_call(q, step) and step.among is None:
+        return _small_chunk(q, k, v, step, scale)
     if step.uniform:
         return _chunk(q, k, v, int(step.start[0]), scale)
     # several new tokens on rows of different lengths (rare: e.g. verifying drafts in a batch): row by
