@@ -295,3 +295,21 @@ def test_a_few_new_tokens_in_one_masked_call_equal_the_two_call_merge(tree):
         ref_out, ref_lse = kv._chunk(q, k, v, start, d ** -0.5)
     torch.testing.assert_close(out.float(), ref_out.float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_echo_puts_the_prompt_before_the_text(tmp_path):
+    """--echo: a line's text is prompt + continuation (a draft's training text from the target's own
+    continuations, read back as data.corpus); without it, the continuation alone."""
+    from types import SimpleNamespace
+
+    from longctx.data.tokenizer import load_tokenizer
+    from longctx.generate.output import Output
+
+    tok = load_tokenizer("byte")
+    result = SimpleNamespace(tokens=list(map(int, tok.encode(" = 1"))), prompt_tokens=1, finish_reason="length",
+                             prefill_tokens_per_s=1.0, decode_tokens_per_s=1.0)
+    for echo, want in ((True, "x = 1"), (False, " = 1")):
+        out = Output(tok, [], str(tmp_path / f"{echo}.jsonl"), 2, 4, True, echo=echo)
+        out.write({"text": "x"}, result, speculative=False)
+        out.close()
+        assert json.loads((tmp_path / f"{echo}.jsonl").read_text())["text"] == want

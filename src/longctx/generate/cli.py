@@ -58,6 +58,9 @@ def add_parser(sub) -> None:
                    help="stop a prompt's generation when its text contains TEXT (repeatable; the text is cut "
                         "before it)")
     p.add_argument("--output", default="", help="write the JSON lines here instead of stdout")
+    p.add_argument("--echo", action="store_true",
+                   help="each line's text starts with its prompt's (e.g. a draft's training text: the target's "
+                        "own continuations, usable as data.corpus)")
     p.add_argument("--prefill-chunk", type=int, default=4096,
                    help="prompt tokens per prefill call (memory grows with it, never with the prompt squared)")
     p.add_argument("--batch", type=int, default=8, help="prompts decoded together (default 8)")
@@ -365,7 +368,7 @@ def _run(plan: Plan, args) -> int:
         _say(_describe(plan, args, device, dtype))
     # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
     generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend)
-    output = Output(plan.tokenizer, args.stop, args.output, len(plan.prompts), sum(plan.limits), main_rank)
+    output = Output(plan.tokenizer, args.stop, args.output, len(plan.prompts), sum(plan.limits), main_rank, args.echo)
     draft = _load_draft(plan, args, model, device, dtype, main_rank)
     size = 1 if draft is not None else args.batch  # speculation: one prompt at a time
     try:

@@ -57,10 +57,11 @@ class Stream:
 class Output:
     """This rank's output: the JSON lines file, the stop strings, and the stream or the bar."""
 
-    def __init__(self, tokenizer, stops: list[str], path: str, prompts: int, new_tokens: int, main_rank: bool):
+    def __init__(self, tokenizer, stops: list[str], path: str, prompts: int, new_tokens: int, main_rank: bool,
+                 echo: bool = False):
         from ..progress import on_terminal, progress_bar
 
-        self.tokenizer = tokenizer
+        self.tokenizer, self.echo = tokenizer, echo
         self.stops = StopStrings(tokenizer, stops) if stops else None
         if not main_rank:  # the same tokens on every rank: rank 0 speaks
             self.file = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
@@ -84,7 +85,8 @@ class Output:
         if self.stream is not None:
             self.stream.finish(text)
         line = {**({"id": prompt["id"]} if "id" in prompt else {}), "prompt_tokens": result.prompt_tokens,
-                "tokens": result.tokens, "text": text, "finish_reason": result.finish_reason,
+                "tokens": result.tokens, "text": prompt["text"] + text if self.echo else text,
+                "finish_reason": result.finish_reason,
                 "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
                 **({"tau": round(result.tau, 3), "target_passes": result.passes} if speculative else {})}
