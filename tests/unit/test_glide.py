@@ -73,3 +73,11 @@ def test_speculative_decoding_with_a_glide_draft_is_plain_greedy(k):
         spec = speculative_generate(target, GlideDrafter(draft, target, n + 24 + k + 2, block=k), prompt,
                                     max_new_tokens=24, k=k)
         assert spec.tokens == plain and spec.passes <= 24
+        # a prompt pass over the last 8 tokens only (LongSpec's window): still plain greedy, with its
+        # positions where they were (a window of the whole prompt: the very same rounds)
+        for window, same in ((8, False), (n, True)):
+            drafter = GlideDrafter(draft, target, n + 24 + k + 2, block=k, window=window)
+            windowed = speculative_generate(target, drafter, prompt, max_new_tokens=24, k=k)
+            assert windowed.tokens == plain and drafter.offset == max(0, n - 1 - window)
+            if same:
+                assert windowed.accepted == spec.accepted

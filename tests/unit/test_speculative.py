@@ -159,3 +159,13 @@ def test_a_confidence_stop_ends_rounds_early_and_keeps_the_output(cape):
         made[stop] = spec.proposed
     assert all(p == 4 for p in made[0.0])
     assert min(made[0.5]) < 4 and max(made[0.5]) > 1, made[0.5]  # both kinds of rounds happen
+
+
+@pytest.mark.parametrize("stop, window, message", [(1.0, 0, r"--confidence-stop must be in \[0, 1\)"),
+                                                   (-0.1, 0, "--confidence-stop"), (0.5, -1, "--draft-window")])
+def test_bad_speculation_settings_are_refused_before_any_weight(stop, window, message):
+    from longctx.errors import ConfigError
+    from longctx.generate.drafts import draft_config
+
+    with pytest.raises(ConfigError, match=message):
+        draft_config("no/such/draft", "no/such/target", 4, None, "byte", stop, window)

@@ -78,6 +78,9 @@ def add_parser(sub) -> None:
     p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
                    help="with --draft: end a round's proposals after one the draft gives a probability below P "
                         "(fewer draft steps where it hesitates; 0 = always --speculate)")
+    p.add_argument("--draft-window", type=int, default=0, metavar="N",
+                   help="with a GliDe --draft: its own pass over the prompt covers the last N tokens only (its "
+                        "cross-attention reads the target's cache of all of them); 0 = the whole prompt")
     p.add_argument("--cape", action="store_true",
                    help="with --draft: add alternatives where the draft is unsure (CaPE) and verify them as a tree "
                         "(greedy, one process)")
@@ -204,7 +207,8 @@ def prepare(args, overrides: list[str]) -> Plan:
     if args.draft:
         from .drafts import draft_config
 
-        plan.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec)
+        plan.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
+                                      args.draft_window)
     if args.cape:
         plan.cape = _cape_table(args, sampling)
     return plan
@@ -421,4 +425,4 @@ def _speculate(plan: Plan, args, model, draft, index: int, stops, backend):
 
     return speculate_one(model, draft, plan.prompts[index]["ids"], plan.limits[index], k=args.speculate,
                          sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, stop=stops,
-                         backend=backend, cape=plan.cape, stop_below=args.confidence_stop)
+                         backend=backend, cape=plan.cape, stop_below=args.confidence_stop, window=args.draft_window)

@@ -24,6 +24,7 @@ q)` and `accepted(n)`; GliDe's reads the target's cache instead of keeping one.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -116,23 +117,34 @@ class GlideDrafter(ModelDrafter):
     one device (models/cache.KVCache) or sharded over head x ctx ranks (parallel/generation.py: read
     through its read_attention, each rank its share, merged), the draft run alike on every rank."""
 
-    def __init__(self, draft, target, max_len: int, block: int):
+    def __init__(self, draft, target, max_len: int, block: int, window: int = 0):
         super().__init__(draft, max_len)
-        self.target, self.block = target, block
+        self.target, self.block, self.window = target, block, window
         self.target_cache = None
+        self.offset = 0  # the position of the draft cache's first slot (its prompt pass starts there)
 
     def start(self, prompt: Sequence[int], target_cache=None) -> None:
+        """The draft's pass over the prompt (but its last token), each position reading the target
+        slots before its block as training's mask does. With a `window` (LongSpec's), only the last
+        `window` positions: the draft's own cache then holds those, and the target's cache, which
+        holds everything, gives the rest of the context through the cross-attention."""
         from ..models.glide import block_stale_visible
 
         cfg, w = self.target.cfg, self.target.tok_embeddings.weight
         self.target_cache = target_cache
         self.cache = KVCache(len(self.model.layers), 1, self.max_len, cfg.kv_heads, cfg.resolved_head_dim,
                              dtype=w.dtype, device=w.device)
-        if len(prompt) > 1:  # the prompt as training saw it: each position the target slots before its block
-            n = len(prompt) - 1
-            visible = block_stale_visible(n, self.block, w.device)[None]
-            self.model(self.target, torch.tensor([list(prompt[:-1])], device=w.device),
-                       torch.arange(n, device=w.device)[None], self._target_kv(), visible, cache=self.cache)
+        n = len(prompt) - 1
+        self.offset = max(0, n - self.window) if self.window else 0
+        if n > self.offset:
+            visible = block_stale_visible(n, self.block, w.device)[None, self.offset:]
+            self.model(self.target, torch.tensor([list(prompt[self.offset:-1])], device=w.device),
+                       torch.arange(self.offset, n, device=w.device)[None], self._target_kv(), visible,
+                       cache=self.cache)
+        self._unfed = [int(prompt[-1])]
+
+    def rewind(self, prompt: Sequence[int]) -> None:
+        self.cache.truncate(len(prompt) - 1 - self.offset)
         self._unfed = [int(prompt[-1])]
 
     def _target_kv(self):
@@ -143,7 +155,7 @@ class GlideDrafter(ModelDrafter):
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         device, n = tokens.device, tokens.shape[1]
-        positions = int(self.cache.lengths[0]) + torch.arange(n, device=device)
+        positions = self.offset + int(self.cache.lengths[0]) + torch.arange(n, device=device)
         visible = torch.full((1, n), int(self.target_cache.lengths[0]), device=device)
         return self.model(self.target, tokens, positions[None], self._target_kv(), visible, cache=self.cache)[0, -1]
 
@@ -153,6 +165,7 @@ class SpeculativeResult:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # proposals kept per target pass
     proposed: list[int] = field(default_factory=list)  # proposals made per target pass (<= k)
+    prefill_seconds: float = 0.0  # the target's prefill and first token (the draft's prompt pass is after it)
 
     @property
     def passes(self) -> int:
@@ -190,8 +203,10 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
             # room for one round's call past the tokens kept: K + 1 nodes, or CaPE's tree
             call = k + 1 if cape is None else 1 + k * (1 + max(n for _, n in cape.bins))
             cache = backend.cache(target, 1, len(prompt) + max_new_tokens + call)
+            t0 = time.perf_counter()
             logits = backend.prefill(target, cache, torch.tensor([list(prompt)], device=device), prefill_chunk)[0]
             pending = _draw(sampling_probs(logits[None], sampling)[0], sampling, generator)
+            out.prefill_seconds = time.perf_counter() - t0
             drafter.start(list(prompt), cache)
             while True:
                 if pending in eos or len(out.tokens) >= max_new_tokens:
@@ -265,25 +280,25 @@ class Speculated:
     passes: int
 
 
-def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096) -> ModelDrafter:
+def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int = 0) -> ModelDrafter:
     """The drafter of `draft`: a GliDe draft (models/glide.py, its `block` set by its checkpoint) reads
-    the target's cache; any other model drafts with its own."""
+    the target's cache (its own prompt pass over the last `window` tokens, 0 = all); any other
+    model drafts with its own."""
     from ..models.glide import GlideDraft
 
     if isinstance(draft, GlideDraft):
-        return GlideDrafter(draft, target, max_len, draft.block)
+        return GlideDrafter(draft, target, max_len, draft.block, window)
     return ModelDrafter(draft, max_len, prefill_chunk)
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
-                  prefill_chunk: int, stop=None, backend=LOCAL, cape=None, stop_below: float = 0.0) -> Speculated:
+                  prefill_chunk: int, stop=None, backend=LOCAL, cape=None, stop_below: float = 0.0,
+                  window: int = 0) -> Speculated:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe); a stop string (`stop(row, tokens)`, generate/output.py's StopStrings) is applied to the
     finished tokens."""
-    import time
-
     t0 = time.perf_counter()
-    r = speculative_generate(target, drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk), ids,
+    r = speculative_generate(target, drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window), ids,
                              max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below)
     seconds = time.perf_counter() - t0
@@ -293,6 +308,6 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
             if stop(0, tokens[:n]):
                 tokens, reason = tokens[:n], "stop"
                 break
-    # (one wall time: the prefill is a small part of it at the lengths where drafting pays)
-    return Speculated(len(ids), tokens, reason, 0.0, len(r.tokens) / seconds if seconds > 0 else 0.0, r.tau,
-                      r.passes)
+    decode_s = seconds - r.prefill_seconds  # (the draft's prompt pass included: speculation's own cost)
+    return Speculated(len(ids), tokens, reason, len(ids) / r.prefill_seconds if r.prefill_seconds > 0 else 0.0,
+                      max(len(r.tokens) - 1, 0) / decode_s if decode_s > 0 else 0.0, r.tau, r.passes)
