@@ -24,42 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_work import ROOT, RecipeWork  # noqa: E402
 
 
-def distill_prompts(count: int, length: int = 256) -> list[str]:
-    """`count` spans of `length` bytes from the default corpus's TRAINING split (the benchmark's prompts
-    come from its eval split), two per document at a third and two thirds of it, as text."""
-    from longctx.config import DataConfig
-    from longctx.data.cache import default_store
-    from longctx.data.tokenizer import load_tokenizer
-    from longctx.eval.tasks import load_source
-
-    tokenizer = load_tokenizer("byte")
-    source = load_source("", "train", tokenizer, lambda: default_store(DataConfig(tokenizer="byte"), 1024,
-                                                                       progress=False, announce_cached=False))
-    out = []
-    for doc in source.documents():
-        for at in (len(doc) // 3, 2 * len(doc) // 3):
-            if at + length <= len(doc) and len(out) < count:
-                out.append(tokenizer.decode(doc[at:at + length].tolist()))
-    return out
-
-
-def distill_text(work: RecipeWork, prompts: int, new_tokens: int) -> None:
-    """The drafts' training text: the target's own greedy continuations of training-split prompts,
-    prompt included (`longctx generate --echo`), as distill.jsonl. A draft learns what the target
-    does with its own text, which is what it must predict while decoding: drafts trained on the
-    corpus alone agree with the target's greedy choices on 0.33-0.49 of its generated text against
-    0.55-0.60 of the corpus (docs/benchmarks.md)."""
-    if "distill" in work.seconds:
-        print(f"distill: reusing {work.dir / 'distill.jsonl'}", file=sys.stderr)
-        return
-    rows = distill_prompts(prompts)
-    (work.dir / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
-    print(f"distill: the target continues {len(rows)} prompts by {new_tokens} tokens", file=sys.stderr)
-    work.run("distill", "generate", "--checkpoint", "runs/target/checkpoints", "--prompts", "prompts.jsonl",
-             "--max-new-tokens", str(new_tokens), "--batch", "128", "--echo", "--output", "distill.jsonl")
-    work.keep_timing()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(ROOT / "docs" / "results"))
@@ -69,19 +33,15 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2, help="prompts per length")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--speculate", type=int, default=4)
-    ap.add_argument("--distill-prompts", type=int, default=1024, help="the drafts' training text: prompts from the "
-                                                                      "training split the target continues")
-    ap.add_argument("--distill-new-tokens", type=int, default=384)
     args = ap.parse_args()
     out, stamp = Path(args.out), date.today().isoformat()
     work = RecipeWork(args.work, "longctx-glide-")
     seconds, train = work.seconds, work.train
 
     train("target", "configs/glide-target.toml")
-    distill_text(work, args.distill_prompts, args.distill_new_tokens)
     train("glide", "configs/glide.toml", "--draft.target", "runs/target/checkpoints",
-          "--draft.block", str(args.speculate), "--data.corpus", "distill.jsonl")
-    train("plain-draft", "configs/glide-plain-draft.toml", "--data.corpus", "distill.jsonl")
+          "--draft.block", str(args.speculate))
+    train("plain-draft", "configs/glide-plain-draft.toml")
 
     benches = {}
     for draft in ("glide", "plain-draft"):

@@ -47,10 +47,6 @@ class RecipeWork:
         print(f"{phase}: training ({config})", file=sys.stderr)
         self.seconds[phase], _ = longctx("train", "--config", config, "--nproc", "1", "--train.run_dir",
                                          f"runs/{phase}", "--metrics.progress", "false", *extra, cwd=self.dir)
-        self.keep_timing()
-
-    def keep_timing(self) -> None:
-        """Record the phases timed so far (a later run reuses what they made)."""
         self._timings.write_text(json.dumps(self.seconds))
 
     def run(self, name: str, *args: str) -> str:
