@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=2, help="prompts per length")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--speculate", type=int, default=4)
+    ap.add_argument("--draft-window", type=int, default=512, help="bench decode --draft-window (GliDe: the draft's "
+                                                                    "own pass over this many last prompt tokens)")
+    ap.add_argument("--confidence-stop", type=float, default=0.3, help="bench decode --confidence-stop")
     args = ap.parse_args()
     out, stamp = Path(args.out), date.today().isoformat()
     work = RecipeWork(args.work, "longctx-glide-")
@@ -52,7 +55,9 @@ def main() -> None:
                 f"bench {name}", "bench", "decode", "--target", "runs/target/checkpoints",
                 "--draft", f"runs/{draft}/checkpoints",
                 "--lengths", args.lengths, "--samples", str(args.samples), "--max-new-tokens",
-                str(args.max_new_tokens), "--speculate", str(args.speculate), *(["--cape"] if cape else []))
+                str(args.max_new_tokens), "--speculate", str(args.speculate), "--confidence-stop",
+                str(args.confidence_stop), *(["--draft-window", str(args.draft_window)] if draft == "glide" else []),
+                *(["--cape"] if cape else []))
             benches[name] = json.loads(text)
     keys = ("tau", "tau_without_bonus", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup",
             "identical")
