@@ -150,15 +150,15 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, cape) -> dict:
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling)[0]
-        plain_all = min(plain_all, time.perf_counter() - t0)
-        plain_s = min(plain_s, plain_all - plain.prefill_seconds)
+        elapsed = time.perf_counter() - t0
+        plain_all, plain_s = min(plain_all, elapsed), min(plain_s, elapsed - plain.prefill_seconds)
         t0 = time.perf_counter()
         drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2,
                               window=args.draft_window)
         spec = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, k=args.speculate,
                                     sampling=sampling, cape=cape, stop_below=args.confidence_stop)
-        spec_all = min(spec_all, time.perf_counter() - t0)
-        spec_s = min(spec_s, spec_all - spec.prefill_seconds)
+        elapsed = time.perf_counter() - t0
+        spec_all, spec_s = min(spec_all, elapsed), min(spec_s, elapsed - spec.prefill_seconds)
     return {"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "passes": spec.passes, "spec_s": spec_s,
             "plain_s": plain_s, "spec_all": spec_all, "plain_all": plain_all, "tokens": len(spec.tokens),
             "plain_tokens": len(plain.tokens), "identical": (not sampling.greedy) or spec.tokens == plain.tokens}

@@ -22,8 +22,10 @@ collectives win: the largest bucket allowed. The expert weights' units (their ow
 parallelism) are grouped by the same buckets.
 
 `parallel.grad_bucket_blocks`: 0 = this plan; N = N blocks per bucket. The plan is logged at the
-start of a run, and the reduce-scatter time each step leaves exposed is measured (comm.py
-TimedReduceScatter) and logged as `grad_reduce_exposed_s`.
+start of a run, and the reduce-scatter time each step leaves exposed is measured (ReduceScatterTimer,
+below) and logged as `grad_reduce_exposed_s`. Not counted: HSDP's all-reduce across replicas. The
+planner's memory model still assumes one block per FSDP unit (2 blocks gathered at a time), so with
+larger buckets its memory figures are low by the extra gathered blocks.
 """
 
 from __future__ import annotations
