@@ -266,15 +266,47 @@ def parse_bytes(text: str) -> int:
 
 def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
     """One training step of the --layers model at `seq` tokens in this process: peak RSS (whole
-    process) and time. Run in a fresh process per probe (`--probe`)."""
+    process) and time; on CUDA (bf16 weights, autocast) also the allocator's peak, and an
+    out-of-memory error is an answer ("fits": false), not a failure. Run in a fresh process per
+    probe (`--probe`), so that neither the GPU's nor the host's memory carries over, and a probe the
+    host kills (pinned memory of an offload policy) costs the probe, not the search."""
     model_cfg = _model_cfg(args)
-    device = torch.device("cpu")
-    model = _build(model_cfg, policy, fraction, args, None, None, device)
-    inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda" if cuda else "cpu")
     t0 = time.perf_counter()
-    model(*inputs[:3], labels=inputs[3]).backward()
-    return {"seq_len": seq, "peak_rss_bytes": peak_rss_bytes(),
-            "step_s": time.perf_counter() - t0}
+    try:
+        model = _build(model_cfg, policy, fraction, args, None, None, device)
+        model = model.to(torch.bfloat16) if cuda else model
+        inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            model(*inputs[:3], labels=inputs[3]).backward()
+        if cuda:
+            torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        if not cuda:
+            raise
+        return {"seq_len": seq, "fits": False, "error": "GPU out of memory", "peak_rss_bytes": peak_rss_bytes()}
+    out = {"seq_len": seq, "peak_rss_bytes": peak_rss_bytes(), "step_s": time.perf_counter() - t0}
+    if cuda:
+        out.update(fits=True, peak_allocated_bytes=torch.cuda.max_memory_allocated())
+    return out
+
+
+def _run_probe(args, name: str, seq: int, device: str, env=None) -> dict:
+    """`_probe_step` in a fresh process: its JSON, or {"fits": false, "error": ...} when it failed or
+    was killed (a negative return code: a signal, e.g. the host's out-of-memory killer)."""
+    cmd = [sys.executable, "-m", "longctx", "bench", "memory", "--probe", f"{name}:{seq}", "--device", device,
+           "--preset", args.preset, "--layers", str(args.layers if device == "cpu" else 0),
+           "--skip-last", str(args.skip_last), "--docs", str(args.docs), "--doc-len", str(args.doc_len),
+           "--loss-chunk", str(args.loss_chunk), "--block-chunk", str(args.block_chunk),
+           "--attention-chunk", str(args.attention_chunk), *(["--attention-offload"] if args.attention_offload else [])]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if run.returncode < 0:
+        return {"seq_len": seq, "fits": False, "error": f"killed by signal {-run.returncode} (host memory?)"}
+    if run.returncode != 0:  # failed: does not fit; say why
+        return {"seq_len": seq, "fits": False, "error": run.stderr.strip().splitlines()[-1:]}
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def longest_sequence_cpu(args, name: str, budget: int) -> dict:
@@ -288,16 +320,8 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
     def fits(seq: int) -> bool:
         _progress(f"--max-seq {name}: probing {seq:,} tokens in a fresh process")
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "longctx", "bench", "memory", "--probe", f"{name}:{seq}", "--device", "cpu",
-               "--preset", args.preset, "--layers", str(args.layers), "--skip-last", str(args.skip_last),
-               "--docs", str(args.docs), "--doc-len", str(args.doc_len), "--loss-chunk", str(args.loss_chunk),
-               "--block-chunk", str(args.block_chunk), "--attention-chunk", str(args.attention_chunk),
-               *(["--attention-offload"] if args.attention_offload else [])]
-        run = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if run.returncode != 0:  # killed for memory, or failed: does not fit; say why
-            probes.append({"seq_len": seq, "fits": False, "error": run.stderr.strip().splitlines()[-1:]})
-        else:
-            probes.append({**json.loads(run.stdout.strip().splitlines()[-1]), "fits": None})
+        probes.append(_run_probe(args, name, seq, "cpu", env))
+        if "error" not in probes[-1]:
             probes[-1]["fits"] = probes[-1]["peak_rss_bytes"] <= budget
         rss = probes[-1].get("peak_rss_bytes")
         _progress(f"--max-seq {name}: {seq:,} tokens -> {'fits' if probes[-1]['fits'] else 'over the budget'} ("
@@ -320,35 +344,20 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
     return {"longest_seq_len": best, "probes": probes}
 
 
-def longest_sequence(args, policy: str, fraction: float, lo: int = 4096) -> int:
+def longest_sequence(args, name: str, lo: int = 4096) -> dict:
     """GPU: the longest sequence (multiple of 1024, at most --max-seq-hi) for which one
-    forward+backward of the full model fits, by binary search over out-of-memory errors."""
-    hi = args.max_seq_hi
-    device = torch.device("cuda")
-    model_cfg = _model_cfg(args, layers=0)
+    forward+backward of the full model fits, by binary search; each probe in a fresh process
+    (`_run_probe`: a GPU out-of-memory error or a host kill is "does not fit", with its reason)."""
+    hi, probes = args.max_seq_hi, []
 
     def fits(seq: int) -> bool:
-        _progress(f"--max-seq {policy} offload {fraction:g}: trying {seq:,} tokens")
+        _progress(f"--max-seq {name}: trying {seq:,} tokens in a fresh process")
         t0 = time.perf_counter()
-        ok = _fits(seq)
-        _progress(f"--max-seq {policy} offload {fraction:g}: {seq:,} tokens -> "
-                  f"{'fits' if ok else 'out of memory'} ({time.perf_counter() - t0:.1f} s)")
+        probes.append(_run_probe(args, name, seq, "cuda"))
+        ok = bool(probes[-1].get("fits"))
+        _progress(f"--max-seq {name}: {seq:,} tokens -> {'fits' if ok else probes[-1].get('error')} "
+                  f"({time.perf_counter() - t0:.1f} s)")
         return ok
-
-    def _fits(seq: int) -> bool:
-        model = None
-        try:
-            model = _build(model_cfg, policy, fraction, args, None, None, device).to(torch.bfloat16)
-            inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                model(*inputs[:3], labels=inputs[3]).backward()
-            torch.cuda.synchronize()
-            return True
-        except torch.OutOfMemoryError:
-            return False
-        finally:
-            del model
-            torch.cuda.empty_cache()
 
     best = 0
     while lo <= hi:
@@ -357,7 +366,7 @@ def longest_sequence(args, policy: str, fraction: float, lo: int = 4096) -> int:
             best, lo = mid, mid + 1024
         else:
             hi = mid - 1024
-    return best
+    return {"longest_seq_len": best, "probes": probes}
 
 
 def _rank_measure(args, seq):
@@ -371,12 +380,14 @@ def main(args) -> int:
         name, seq = args.probe.rsplit(":", 1)
         print(json.dumps(_probe_step(args, *_policy(name), int(seq))))
         return 0
-    if args.max_seq and not (torch.cuda.is_available() and args.device != "cpu"):
-        if not args.budget:
+    if args.max_seq:
+        on_gpu = torch.cuda.is_available() and args.device != "cpu"
+        if not on_gpu and not args.budget:
             raise SystemExit("longctx bench memory: --max-seq on CPU needs --budget BYTES (e.g. --budget 6GiB): "
                              "the peak RSS a step may reach")
         try:  # a bad size or policy fails here, before any probe
-            parse_bytes(args.budget)
+            if not on_gpu:
+                parse_bytes(args.budget)
             for name in args.policies.split(","):
                 _policy(name)
         except ValueError as err:
@@ -406,8 +417,7 @@ def main(args) -> int:
     }
     if args.max_seq:
         if torch.cuda.is_available() and args.device != "cpu":
-            doc["longest_sequence"] = {name: longest_sequence(args, *_policy(name))
-                                       for name in args.policies.split(",")}
+            doc["longest_sequence"] = {name: longest_sequence(args, name) for name in args.policies.split(",")}
         else:
             budget = parse_bytes(args.budget)
             doc["longest_sequence"] = {
