@@ -202,6 +202,12 @@ def test_the_checkpoint_names_its_target_and_loads_for_generation(trained, targe
     assert glide_manifest(target) is None and glide_manifest(checkpoints.parent) is None
     draft = load_glide_draft(checkpoints, model, "cpu")
     assert draft.block == 3 and draft.target_layers == [1, 2]
+    # decoding's default draft window: the length it trained on (recorded), 0 or N when asked
+    from longctx.generate.speculative import drafter_for
+
+    assert draft.trained_seq_len == record["seq_len"] == trainer.cfg.train.seq_len
+    assert drafter_for(model, draft, 200).window == trainer.cfg.train.seq_len
+    assert drafter_for(model, draft, 200, window=0).window == 0
     tokens = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = trainer.model(tokens)[0]

@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculate", type=int, default=4, help="proposals per target pass (default 4)")
     p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
                    help="end a round's proposals after one the draft gives below P (0 = always --speculate)")
-    p.add_argument("--draft-window", type=int, default=0, metavar="N",
-                   help="a GliDe draft's own pass over only the last N prompt tokens (0 = all)")
+    p.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="a GliDe draft's own pass over only the last N prompt tokens (0 = all; default: the length "
+                        "it was trained on)")
     p.add_argument("--cape", action="store_true", help="CaPE's tree instead of the chain (temperature 0)")
     p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", help="CaPE's confidence table")
     p.add_argument("--prompts", default="", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
@@ -132,7 +133,9 @@ def main(args) -> int:
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target,
               "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if cape else None,
-              "confidence_stop": args.confidence_stop, "draft_window": args.draft_window,
+              "confidence_stop": args.confidence_stop,
+              "draft_window": args.draft_window if args.draft_window is not None else getattr(draft, "trained_seq_len",
+                                                                                                None),
               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
               **_figures(everything), "by_length": groups}
     print(json.dumps(result, indent=1))

@@ -78,4 +78,5 @@ def load_glide_draft(path, target_model, device=None) -> GlideDraft:
     for p in draft.parameters():  # (not the buffers: the RoPE frequencies stay fp32)
         p.data = p.data.to(weight.dtype)
     draft.block = int(record["block"])
+    draft.trained_seq_len = int(record.get("seq_len", 0))  # (0: a checkpoint from before it was recorded)
     return draft.eval()

@@ -78,9 +78,10 @@ def add_parser(sub) -> None:
     p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
                    help="with --draft: end a round's proposals after one the draft gives a probability below P "
                         "(fewer draft steps where it hesitates; 0 = always --speculate)")
-    p.add_argument("--draft-window", type=int, default=0, metavar="N",
+    p.add_argument("--draft-window", type=int, default=None, metavar="N",
                    help="with a GliDe --draft: its own pass over the prompt covers the last N tokens only (its "
-                        "cross-attention reads the target's cache of all of them); 0 = the whole prompt")
+                        "cross-attention reads the target's cache of all of them); 0 = the whole prompt; default: "
+                        "the sequence length the draft was trained on")
     p.add_argument("--cape", action="store_true",
                    help="with --draft: add alternatives where the draft is unsure (CaPE) and verify them as a tree "
                         "(greedy, one process)")

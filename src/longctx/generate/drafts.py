@@ -12,7 +12,7 @@ from ..errors import ConfigError
 
 
 def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, confidence_stop: float = 0.0,
-                 window: int = 0):
+                 window: int | None = None):
     """The draft's config (a GliDe draft: its `draft` record), refused before any weight is read when it
     cannot draft for the target `checkpoint` (config `cfg`, tokenizer `spec`): another vocabulary or
     tokenizer, a GliDe draft trained against another target, `speculate` below 1, a confidence stop
@@ -26,7 +26,7 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
     if not 0 <= confidence_stop < 1:
         raise ConfigError(f"--confidence-stop must be in [0, 1) (a draft probability below which a round's proposals "
                           f"end; 0 = never), got {confidence_stop}.")
-    if window < 0:
+    if window is not None and window < 0:
         raise ConfigError(f"--draft-window must be >= 0 (the last N prompt tokens of the draft's own pass; 0 = all), "
                           f"got {window}.")
     glide = glide_manifest(draft)

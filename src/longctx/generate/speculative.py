@@ -280,20 +280,24 @@ class Speculated:
     passes: int
 
 
-def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int = 0) -> ModelDrafter:
+def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int | None = None) -> ModelDrafter:
     """The drafter of `draft`: a GliDe draft (models/glide.py, its `block` set by its checkpoint) reads
-    the target's cache (its own prompt pass over the last `window` tokens, 0 = all); any other
-    model drafts with its own."""
+    the target's cache, its own prompt pass over the last `window` tokens (0 = all; None = the
+    sequence length it was trained on, where its checkpoint records it: a longer self-attention is
+    outside what it learned, and at long prompts the pass is most of its cost); any other model
+    drafts with its own."""
     from ..models.glide import GlideDraft
 
     if isinstance(draft, GlideDraft):
+        if window is None:
+            window = getattr(draft, "trained_seq_len", 0)
         return GlideDrafter(draft, target, max_len, draft.block, window)
     return ModelDrafter(draft, max_len, prefill_chunk)
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
                   prefill_chunk: int, stop=None, backend=LOCAL, cape=None, stop_below: float = 0.0,
-                  window: int = 0) -> Speculated:
+                  window: int | None = None) -> Speculated:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe); a stop string (`stop(row, tokens)`, generate/output.py's StopStrings) is applied to the
     finished tokens."""

@@ -197,7 +197,8 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     draft = GlideDraft(cfg.model, d.layers).to(device)
     draft.init_weights(cfg.train.seed)
     record = {"kind": "glide", "target": {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"]},
-              "layers": d.layers, "block": d.block, "loss": d.loss, "kd_temperature": d.kd_temperature}
+              "layers": d.layers, "block": d.block, "loss": d.loss, "kd_temperature": d.kd_temperature,
+              "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
     model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
                           record=record)
     parallelize_draft(model, rt.dims, cfg, rt.mesh, device.type)
