@@ -273,7 +273,6 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
     model_cfg = _model_cfg(args)
     cuda = args.device == "cuda"
     device = torch.device("cuda" if cuda else "cpu")
-    t0 = time.perf_counter()
     try:
         model = _build(model_cfg, policy, fraction, args, None, None, device)
         model = model.to(torch.bfloat16) if cuda else model

@@ -121,9 +121,6 @@ def attend(q, k, v, layer: LayerCache, step: CacheStep) -> torch.Tensor:
     """The single-device cache core: append the new keys and values, attend to all the row holds
     (the new tokens among themselves causally, or by the step's tree)."""
     layer.append(k, v, step)
-    if _one_call(q, step):
-        out, _ = _small_chunk(q, layer.k, layer.v, step, 1.0 / math.sqrt(q.shape[-1]))
-        return out
     if step.among is None:
         out, _ = cached_attention(q, layer.k, layer.v, step)
         return out
@@ -135,6 +132,8 @@ def _tree_attention(q, k, v, step: CacheStep) -> torch.Tensor:
     the new tokens by `step.among`, merged by the log-sum-exp in fp32."""
     if not step.uniform:
         raise ValueError("a tree of new tokens is verified on rows that hold the same number of tokens")
+    if _one_call(q, step):
+        return _small_chunk(q, k, v, step, 1.0 / math.sqrt(q.shape[-1]))[0]
     s, n = int(step.start[0]), q.shape[1]
     out, lse = masked_attention(q, k[:, :, s:s + n], v[:, :, s:s + n], step.among.to(q.device))
     if s:
@@ -359,7 +358,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Ca
         mask = step.key_mask(q.dtype, q.device)
         held = mask.shape[-1]
         return _masked(q, k[:, :, :held], v[:, :, :held], mask, scale)
-    if _one_call(q, step) and step.among is None:
+    if _one_call(q, step):  # (a chain: a tree goes through _tree_attention)
         return _small_chunk(q, k, v, step, scale)
     if step.uniform:
         return _chunk(q, k, v, int(step.start[0]), scale)
