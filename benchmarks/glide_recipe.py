@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--speculate", type=int, default=4)
     ap.add_argument("--draft-window", type=int, default=512, help="bench decode --draft-window (GliDe: the draft's "
                                                                     "own pass over this many last prompt tokens)")
-    ap.add_argument("--confidence-stop", type=float, default=0.3, help="bench decode --confidence-stop")
+    ap.add_argument("--confidence-stop", type=float, default=0.0, help="bench decode --confidence-stop")
     args = ap.parse_args()
     out, stamp = Path(args.out), date.today().isoformat()
     work = RecipeWork(args.work, "longctx-glide-")

@@ -44,6 +44,23 @@ def test_block_stale_cross_attention_against_a_per_position_reference():
     assert got[:, :block].abs().max() == 0
 
 
+@pytest.mark.parametrize("slots", [0, 1, 6, 9])
+def test_a_prefix_of_slots_reads_as_the_per_query_limit(slots):
+    # decoding passes an int (every query reads the first `slots`): no mask, no host read; it must
+    # equal the general path with that limit for every query
+    g = torch.Generator().manual_seed(1)
+    b, n, heads, kv, d, held = 1, 3, 8, 2, 16, 9
+    q = torch.randn(b, n, heads, d, generator=g)
+    k, v = torch.randn(b, kv, held + 4, d, generator=g), torch.randn(b, kv, held + 4, d, generator=g)
+    got = cross_attention(q, k, v, slots)
+    want = cross_attention(q, k, v, torch.full((b, n), slots))
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    if slots == 0:
+        assert got.abs().max() == 0
+    with pytest.raises(ValueError, match="prefix of slots"):
+        cross_attention(q, k, v, slots, key_pos=torch.arange(held + 4)[None])
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_decoding_reads_the_target_cache_as_training_does(layers):
     target = _target()
@@ -58,7 +75,8 @@ def test_decoding_reads_the_target_cache_as_training_does(layers):
         trained = draft(target, tokens, positions, kv, block_stale_visible(n, block)[None])[0]
         own = KVCache(layers, 1, n, target.cfg.kv_heads, target.cfg.resolved_head_dim)
         for t in range(n):  # token by token, each seeing the target's slots before its block
-            seen = torch.tensor([[t // block * block]])
+            seen = t // block * block  # (an int, as decoding passes it: every query reads that many slots)
+            seen = torch.tensor([[seen]]) if t % 2 else seen
             out = draft(target, tokens[:, t:t + 1], positions[:, t:t + 1], kv, seen, cache=own)[0, -1]
             assert torch.allclose(out, trained[t], atol=1e-4, rtol=0), t
 

@@ -156,7 +156,10 @@ class GlideDrafter(ModelDrafter):
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         device, n = tokens.device, tokens.shape[1]
         positions = self.offset + int(self.cache.lengths[0]) + torch.arange(n, device=device)
-        visible = torch.full((1, n), int(self.target_cache.lengths[0]), device=device)
+        slots = int(self.target_cache.lengths[0])
+        # one cache: every query reads its first `slots` (models/glide.py prefix_attention); sharded, the
+        # reader takes a per-query limit
+        visible = slots if isinstance(self.target_cache, KVCache) else torch.full((1, n), slots, device=device)
         return self.model(self.target, tokens, positions[None], self._target_kv(), visible, cache=self.cache)[0, -1]
 
 

@@ -48,18 +48,48 @@ def sequence_codes(doc, pos):
     return pos.long() if doc is None else (doc.long() << _DOC_SHIFT) | pos.long()
 
 
-def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+def _group_queries(q: torch.Tensor, kv: int) -> torch.Tensor:
+    """q [b, m, heads, d] -> [b, kv, m * group, d]: GQA without repeating the keys (a kv head's `group`
+    query heads are its rows of queries)."""
+    b, m, heads, d = q.shape
+    return q.reshape(b, m, kv, heads // kv, d).permute(0, 2, 1, 3, 4).reshape(b, kv, m * (heads // kv), d)
+
+
+def _ungroup(out: torch.Tensor, m: int, heads: int) -> torch.Tensor:
+    """_group_queries' inverse: [b, kv, m * group, d] -> [b, m, heads, d]."""
+    b, kv, _, d = out.shape
+    return out.reshape(b, kv, m, heads // kv, d).permute(0, 2, 1, 3, 4).reshape(b, m, heads, d)
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: int) -> torch.Tensor:
+    """Every query attends to the first `slots` keys (k/v [b, kv_heads, S, d]; 0 slots: zeros). A draft
+    step at decode time reads the target's cache so: every proposal of a round sees the slots the last
+    verification left. No mask and no host read, which a draft step, a few hundred microseconds of
+    small ops, would otherwise pay on each proposal."""
+    if slots <= 0:
+        return torch.zeros_like(q)
+    out = F.scaled_dot_product_attention(_group_queries(q, k.shape[1]), k[:, :, :slots], v[:, :, :slots])
+    return _ungroup(out, q.shape[1], q.shape[2])
+
+
+def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | int,
                     chunk: int = 1024, *, key_pos: torch.Tensor | None = None, q_doc: torch.Tensor | None = None,
                     k_doc: torch.Tensor | None = None) -> torch.Tensor:
     """q [b, n, heads, d] against the target's k/v [b, kv_heads, S, d] (GQA: query head h reads kv head
     h // (heads / kv_heads)). Query i of row r sees the keys j with key_pos[r, j] < visible[r, i]
     ([b, n]) and, with documents, k_doc[r, j] == q_doc[r, i]. key_pos [b, S] defaults to the slot
-    index (a cache: `visible` is then how many slots a query reads). A query that sees no key gets 0.
+    index (a cache: `visible` is then how many slots a query reads; an int: every query reads that
+    many, `prefix_attention`). A query that sees no key gets 0.
 
     The keys must be in sequence order (by document id, then position, as a sequence or a cache
     holds them; checked): a chunk of queries then sees one contiguous range of keys, found by binary
     search, and only that range is computed. Queries go `chunk` at a time, so a mask is
     [chunk, range] at most, never [n, S]; the ranges of every chunk are read to the host at once."""
+    if isinstance(visible, int):
+        if key_pos is not None or q_doc is not None or k_doc is not None:
+            raise ValueError("cross_attention reads a prefix of slots (an int `visible`) without key positions "
+                             "or documents")
+        return prefix_attention(q, k, v, visible)
     b, n, heads, d = q.shape
     kv, S = k.shape[1], k.shape[2]
     group = heads // kv
@@ -93,11 +123,9 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
         # a query that sees nothing attends to every key of the range (finite values and gradients)
         # and its output is zeroed below
         mask |= ~seen[..., None]
-        # GQA without repeating the keys: a kv head's `group` query heads are its rows of queries
-        qg = qc.reshape(b, m, kv, group, d).permute(0, 2, 1, 3, 4).reshape(b, kv, m * group, d)
         mg = mask[:, None, :, None, :].expand(b, 1, m, group, hi - lo).reshape(b, 1, m * group, hi - lo)
-        out = F.scaled_dot_product_attention(qg, k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mg)
-        out = out.reshape(b, kv, m, group, d).permute(0, 2, 1, 3, 4).reshape(b, m, heads, d)
+        out = _ungroup(F.scaled_dot_product_attention(_group_queries(qc, kv), k[:, :, lo:hi], v[:, :, lo:hi],
+                                                      attn_mask=mg), m, heads)
         outs.append(torch.where(seen[:, :, None, None], out, torch.zeros_like(out)))
     return torch.cat(outs, dim=1) if outs else q.new_zeros(q.shape)
 
