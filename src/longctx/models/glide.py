@@ -202,7 +202,8 @@ class GlideDraft(nn.Module):
         of its layer, or a reader `read(q, visible) -> out` of a cache held elsewhere (a target cache
         sharded over ranks: parallel/generation.py read_attention); visible [b, n]: per query, the
         key positions below which it may read the target (key_positions [b, S], default the slot
-        index: decoding passes how many cache slots); with
+        index: decoding passes how many cache slots, an int when every query reads the same first slots:
+        prefix_attention); with
         doc_ids [b, n] / key_doc_ids [b, S] only the keys of the query's document (training on packed
         documents, whose self-attention is then per document too). cache: the draft's own KVCache
         (decode: the tokens continue it), or None (training: the whole sequence)."""
