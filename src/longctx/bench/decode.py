@@ -100,6 +100,8 @@ def main(args) -> int:
     from ..generate.drafts import draft_label, load_draft
     from ..generate.engine import generate
     from ..generate.sampling import Sampling
+    from ..generate.speculative import draft_window
+    from ..models.glide import GlideDraft
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,8 +136,8 @@ def main(args) -> int:
               "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target,
               "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if cape else None,
               "confidence_stop": args.confidence_stop,
-              "draft_window": args.draft_window if args.draft_window is not None else getattr(draft, "trained_seq_len",
-                                                                                                None),
+              "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
+                               else args.draft_window),
               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
               **_figures(everything), "by_length": groups}
     print(json.dumps(result, indent=1))

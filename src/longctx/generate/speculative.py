@@ -292,10 +292,14 @@ def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: 
     from ..models.glide import GlideDraft
 
     if isinstance(draft, GlideDraft):
-        if window is None:
-            window = getattr(draft, "trained_seq_len", 0)
-        return GlideDrafter(draft, target, max_len, draft.block, window)
+        return GlideDrafter(draft, target, max_len, draft.block, draft_window(draft, window))
     return ModelDrafter(draft, max_len, prefill_chunk)
+
+
+def draft_window(draft, window: int | None) -> int:
+    """A GliDe draft's prompt window: `window` as given, or (None) the sequence length its checkpoint
+    records it was trained on (0, the whole prompt, for a checkpoint that records none)."""
+    return window if window is not None else getattr(draft, "trained_seq_len", 0)
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
