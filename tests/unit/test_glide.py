@@ -99,3 +99,28 @@ def test_speculative_decoding_with_a_glide_draft_is_plain_greedy(k):
             assert windowed.tokens == plain and drafter.offset == max(0, n - 1 - window)
             if same:
                 assert windowed.accepted == spec.accepted
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_prompt_pass_that_only_fills_the_cache_leaves_the_full_pass_cache(layers):
+    # GlideDrafter.start skips the last layer's attention, cross-attention and MLP (nobody reads the
+    # prompt pass's outputs): its cache must hold what the full pass leaves, every layer
+    target = _target()
+    draft = GlideDraft(target.cfg, layers=layers).init_weights(seed=5, std=0.1)
+    tokens = torch.randint(0, target.cfg.vocab_size, (1, 19), generator=torch.Generator().manual_seed(6))
+    n = tokens.shape[1]
+    with torch.inference_mode():
+        tcache = KVCache.for_model(target, 1, n)
+        prefill(target, tcache, tokens, 64)
+        kv = [(tcache.k[i], tcache.v[i]) for i in draft.target_layers]
+        args = (target, tokens, torch.arange(n)[None], kv, block_stale_visible(n, 4)[None])
+        caches = [KVCache(layers, 1, n + 2, target.cfg.kv_heads, target.cfg.resolved_head_dim) for _ in range(2)]
+        full = draft.hidden_states(*args, cache=caches[0])
+        assert full.shape == (1, n, target.cfg.dim)
+        assert draft.hidden_states(*args, cache=caches[1], fill_only=True) is None
+        assert int(caches[1].lengths[0]) == n == int(caches[0].lengths[0])
+        assert caches[0].k.abs().sum() > 0
+        assert torch.allclose(caches[1].k, caches[0].k, atol=1e-6, rtol=0)
+        assert torch.allclose(caches[1].v, caches[0].v, atol=1e-6, rtol=0)
+        with pytest.raises(ValueError, match="fill_only"):
+            draft.hidden_states(*args, fill_only=True)

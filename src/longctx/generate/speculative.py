@@ -138,9 +138,9 @@ class GlideDrafter(ModelDrafter):
         self.offset = max(0, n - self.window) if self.window else 0
         if n > self.offset:
             visible = block_stale_visible(n, self.block, w.device)[None, self.offset:]
-            self.model(self.target, torch.tensor([list(prompt[self.offset:-1])], device=w.device),
-                       torch.arange(self.offset, n, device=w.device)[None], self._target_kv(), visible,
-                       cache=self.cache)
+            self.model.hidden_states(self.target, torch.tensor([list(prompt[self.offset:-1])], device=w.device),
+                                     torch.arange(self.offset, n, device=w.device)[None], self._target_kv(),
+                                     visible, cache=self.cache, fill_only=True)
         self._unfed = [int(prompt[-1])]
 
     def rewind(self, prompt: Sequence[int]) -> None:

@@ -212,8 +212,13 @@ class GlideDraft(nn.Module):
         return F.linear(self.norm(x), target.lm_head_weight)
 
     def hidden_states(self, target, tokens, positions, target_kv, visible, cache=None, *, doc_ids=None,
-                      key_positions=None, key_doc_ids=None) -> torch.Tensor:
-        """The last layer's output [b, n, dim], before the final norm (forward's arguments)."""
+                      key_positions=None, key_doc_ids=None, fill_only: bool = False) -> torch.Tensor | None:
+        """The last layer's output [b, n, dim], before the final norm (forward's arguments). fill_only
+        (with a cache): only fill the cache, return None: the last layer's keys and values are then all
+        that is computed of it (a prompt pass, whose outputs nobody reads: for a 1-layer draft that
+        skips the cross-attention over the whole window, most of the pass at a long prompt)."""
+        if fill_only and cache is None:
+            raise ValueError("fill_only fills a draft cache: pass one")
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         x = target.tok_embeddings(tokens)
         if cache is not None:
@@ -221,6 +226,11 @@ class GlideDraft(nn.Module):
         ok = False
         try:
             for i, layer in enumerate(self.layers):
+                if fill_only and i == len(self.layers) - 1:
+                    _, k, v = layer.pre(x, cos, sin)
+                    cache.layer(i).append(k, v, cache.step)
+                    x = None
+                    break
                 k, v = (target_kv[i], None) if callable(target_kv[i]) else target_kv[i]
                 x = layer(x, cos, sin, k, v, visible, None if cache is None else cache.layer(i), doc_ids,
                           key_positions, key_doc_ids)
