@@ -215,10 +215,10 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
     d, _ = hf_model
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60)
-    for cape in ([], ["--cape"]):
+    for cape, samples in (([], 1), (["--cape"], 3)):  # (3: the text is one document)
         r = longctx("bench", "decode", "--target", f"hf:{d}", "--draft", f"hf:{draft_dirs['small']}", "--data",
-                    str(text), "--lengths", "32,96", "--samples", "1", "--max-new-tokens", "16", "--speculate", "3",
-                    *cape)
+                    str(text), "--lengths", "32,96", "--samples", str(samples), "--max-new-tokens", "16",
+                    "--speculate", "3", *cape)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         for key in ("tau", "tau_without_bonus", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup",
@@ -228,6 +228,11 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
         assert out["tau"] == pytest.approx(out["tau_without_bonus"] + 1)
         assert [g["prompt_tokens"] for g in out["by_length"]] == [32, 96] and out["cape"] == (
             "0.3:3,0.6:2,0.9:1,1:0" if cape else None)
+        # a shortfall of prompts is said, not left to read as noise
+        short = re.findall(r"holds (\d+) documents of (\d+) tokens or more, not the (\d+) asked", r.stderr)
+        held = out["by_length"][1]["prompts"]
+        assert short == ([] if samples == 1 else [(str(held), "96", "30")]) and held <= samples
+        assert out["by_length"][0]["prompts"] == held == 1  # (one prompt per length and document)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from longctx.data.tokenizer import ByteTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.eval.tasks import (
     TokenSource,
+    load_source,
     parse_depths,
     parse_lengths,
     ppl_sequences,
@@ -140,6 +141,20 @@ def test_ppl_windows_come_from_long_enough_documents():
         ppl_sequences(src, 64, samples=5)
 
 
+def test_a_glob_of_text_files_is_one_document_per_file_in_sorted_order(tmp_path):
+    # held-out sources as eval or bench decode prompts: `--data 'DIR/**/*.py'`
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    texts = {"pkg/b.py": "print(2)\n", "pkg/a.py": "x = 1\n", "pkg/sub/c.py": "def f(): pass\n", "pkg/d.txt": "no"}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    src = load_source(str(tmp_path / "pkg" / "**" / "*.py"), "eval", TOK, None)
+    assert [bytes(d.astype(np.uint8)).decode() for d in src.documents()] == [texts[k] for k in
+                                                                            ("pkg/a.py", "pkg/b.py", "pkg/sub/c.py")]
+    assert "(3 files)" in src.description
+    with pytest.raises(ConfigError, match="matches no file"):
+        load_source(str(tmp_path / "none" / "*.py"), "eval", TOK, None)
+
+
 def test_retrieval_sequences_are_deterministic_and_cover_each_depth():
     src = TokenSource(lambda: iter([FILLER]), "filler")
     a = retrieval_sequences("passkey", src, TOK, 512, [0.0, 1.0], 3, seed=0)
@@ -209,3 +224,20 @@ def test_bucket_bounds_are_the_positions_each_bucket_holds():
     assert [r["end"] - r["start"] for r in rows] == counts
     assert rows[0]["start"] == 0 and rows[-1]["end"] == length
     assert all(a["end"] == b["start"] for a, b in zip(rows, rows[1:]))
+
+
+def test_bench_decode_prompts_of_every_length_continue_the_same_text(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from longctx.bench.decode import _prompts
+
+    for i, n in enumerate((50, 130, 260, 64)):  # the first is too short: 3 prompts per length, one per document
+        (tmp_path / f"{i}.py").write_text("".join(chr(97 + (i + j) % 26) for j in range(n)))
+    args = SimpleNamespace(prompts="", data=str(tmp_path / "*.py"), lengths="16,64", samples=8)
+    prompts = _prompts(args, TOK, "byte")
+    assert sorted(prompts) == [16, 64] and len(prompts[64]) == 3 == len(prompts[16])
+    for i, (short, long) in zip((1, 2, 3), zip(prompts[16], prompts[64])):
+        assert len(long) == 64 and short == long[-16:] and bytes(long[:2]) == bytes([97 + i, 98 + i])
+    assert "holds 3 documents of 64 tokens or more, not the 8 asked" in capsys.readouterr().err
+    with pytest.raises(DataError, match="needs a document of that many tokens"):
+        _prompts(SimpleNamespace(prompts="", data=str(tmp_path / "0.py"), lengths="64", samples=1), TOK, "byte")

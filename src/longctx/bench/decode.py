@@ -7,7 +7,9 @@ For each prompt: plain decoding (generate/engine.py) and speculative decoding (g
 the draft a plain model with its own cache or a GliDe draft reading the target's; with --cape, CaPE's
 tree), timed one after the other on
 one device, the best of --repeats each. Prompts: --prompts (text, tokenized with the target's
-tokenizer), else spans of each --lengths from --data's eval split (default: the default corpus).
+tokenizer), else the first documents of --data's eval split (default: the default corpus; or a glob of
+held-out text files, each one document) that hold the longest of --lengths, one span each, cut to
+every length by its last tokens: the prompts of every length continue the same text.
 JSON on stdout, per length and overall:
 - tau: tokens per target pass, the replaced or bonus token included; tau_without_bonus: kept
   proposals per pass; acceptance_rate: kept proposals over proposals made;
@@ -43,10 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cape", action="store_true", help="CaPE's tree instead of the chain (temperature 0)")
     p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", help="CaPE's confidence table")
     p.add_argument("--prompts", default="", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
-    p.add_argument("--data", default="", help="a store (its eval split) or text file for prompts (default: the "
-                                             "default corpus)")
-    p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, comma-separated (without --prompts)")
-    p.add_argument("--samples", type=int, default=2, help="prompts per length (default 2)")
+    p.add_argument("--data", default="", help="a store (its eval split), a text file or a quoted glob of text files "
+                                             "('DIR/**/*.py') for prompts (default: the default corpus)")
+    p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, comma-separated (without --prompts); a "
+                                                        "document's prompts all end at the same token")
+    p.add_argument("--samples", type=int, default=2, help="prompts per length, one per document (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -77,7 +80,8 @@ def _models(args):
 
 def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     from ..data.cache import default_store
-    from ..eval.tasks import load_source, ppl_sequences
+    from ..errors import DataError
+    from ..eval.tasks import load_source
     from ..generate.cli import read_prompts
 
     if args.prompts:
@@ -90,8 +94,22 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
         return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=_say, announce_cached=False)
 
     source = load_source(args.data, "eval", tokenizer, store)
-    return {n: [s.tokens.tolist() for s in ppl_sequences(source, n, args.samples)]
-            for n in (int(x) for x in args.lengths.split(","))}
+    lengths = [int(x) for x in args.lengths.split(",")]
+    longest, spans = max(lengths), []
+    for doc in source.documents():  # one span per document: prompts as unlike as the texts allow
+        if len(doc) >= longest:
+            spans.append(doc[:longest].tolist())
+            if len(spans) == args.samples:
+                break
+    if len(spans) < args.samples:  # (the JSON's "prompts" says so too; a silent shortfall reads as noise)
+        _say(f"{source.description} holds {len(spans)} documents of {longest} tokens or more, not the "
+             f"{args.samples} asked; pass --data with more or longer texts (a glob of held-out files) for more")
+    if not spans:
+        raise DataError(f"bench decode at {longest} tokens needs a document of that many tokens; "
+                        f"{source.description} has none. Pass --data with longer texts or shorter --lengths.")
+    # every length's prompt ends where the longest one does: all continue the same text, so lengths
+    # differ only in how much context comes before it
+    return {n: [span[-n:] for span in spans] for n in lengths}
 
 
 def main(args) -> int:

@@ -76,9 +76,13 @@ def store_documents(root: Path, split: str) -> Iterator[np.ndarray]:
 
 
 def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
-    """`--data`: '' (the default corpus store), a store directory, or a text file (one document)."""
+    """`--data`: '' (the default corpus store), a store directory, a text file (one document), or a
+    glob of text files ('DIR/**/*.py': each file one document, in sorted order; text held out from
+    training, such as sources the corpus does not hold)."""
     if not data:
         data = str(default_store())
+    if any(c in data for c in "*?["):
+        return _glob_source(data, tokenizer)
     path = Path(data)
     if path.is_dir():
         if not (path / MANIFEST).is_file():
@@ -98,6 +102,22 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
         return TokenSource(lambda: iter([tokens]), f"{path} (text file)")
     raise ConfigError(f"--data {data} is neither a store directory nor a text file; pass a store built by "
                       f"`longctx data build`, a text file, or nothing for the default corpus.")
+
+
+def _glob_source(pattern: str, tokenizer) -> TokenSource:
+    """The files `pattern` matches (recursive with **), sorted, each one document, read when iterated."""
+    import glob
+
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
+    if not paths:
+        raise ConfigError(f"--data {pattern!r} matches no file; pass a glob of text files (quoted, so the shell "
+                          f"leaves it alone), a store, a text file, or nothing for the default corpus.")
+
+    def documents():
+        for p in paths:
+            text = Path(p).read_text(encoding="utf-8", errors="replace")
+            yield np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
+    return TokenSource(documents, f"{pattern} ({len(paths)} files)")
 
 
 def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequence]:

@@ -262,6 +262,18 @@ def _group_queries(q: torch.Tensor, kv: int) -> torch.Tensor:
     return q.view(b, n, kv, h // kv, d).transpose(2, 3).reshape(b, n * (h // kv), kv, d)
 
 
+def group_queries(q: torch.Tensor, kv: int) -> torch.Tensor:
+    """[b, n, h, d] -> [b, kv, n * g, d]: GQA without repeating the keys, a kv head's g query heads
+    its rows of queries (row i * g + j: token i, its head j): what an SDPA call over [b, kv, L, d] takes."""
+    return _group_queries(q, kv).transpose(1, 2)
+
+
+def ungroup_heads(out: torch.Tensor, n: int, heads: int) -> torch.Tensor:
+    """group_queries' inverse for an output: [b, kv, n * g, d] -> [b, n, heads, d]."""
+    b, kv, _, d = out.shape
+    return out.view(b, kv, n, heads // kv, d).permute(0, 2, 1, 3, 4).reshape(b, n, heads, d)
+
+
 def _ungroup(out: torch.Tensor, lse: torch.Tensor, n: int, heads: int):
     """Inverse of _group_queries for (out [b, n * g, kv, d], lse [b, kv, n * g])."""
     b, _, kv, d = out.shape
@@ -282,7 +294,7 @@ def _full(q, k, v, scale):
 def _masked(q, k, v, mask, scale):
     """_full with an additive key mask [b, 1, 1, L] (rows of different lengths, one query each)."""
     heads, n, kv = q.shape[2], q.shape[1], k.shape[1]
-    qg = _group_queries(q, kv).transpose(1, 2)  # [b, kv, n * g, d]
+    qg = group_queries(q, kv)  # [b, kv, n * g, d]
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k, v, 0.0, False,
                                                                               attn_mask=mask, scale=scale)
@@ -323,7 +335,7 @@ def _small_chunk(q, k, v, step: CacheStep, scale):
     kv = k.shape[1]
     held = int(step.start[0]) + n
     mask = step.chunk_mask(q.dtype, h // kv, q.device)
-    qg = _group_queries(q, kv).transpose(1, 2)  # [b, kv, n * g, d]
+    qg = group_queries(q, kv)  # [b, kv, n * g, d]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qg, k[:, :, :held], v[:, :, :held], 0.0, False, attn_mask=mask, scale=scale)
     return _ungroup(out.transpose(1, 2), lse.float(), n, h)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .cache import group_queries, ungroup_heads
 from .llama import Attention, RMSNorm, apply_rope, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from .swiglu import FeedForward
 
@@ -48,19 +49,6 @@ def sequence_codes(doc, pos):
     return pos.long() if doc is None else (doc.long() << _DOC_SHIFT) | pos.long()
 
 
-def _group_queries(q: torch.Tensor, kv: int) -> torch.Tensor:
-    """q [b, m, heads, d] -> [b, kv, m * group, d]: GQA without repeating the keys (a kv head's `group`
-    query heads are its rows of queries)."""
-    b, m, heads, d = q.shape
-    return q.reshape(b, m, kv, heads // kv, d).permute(0, 2, 1, 3, 4).reshape(b, kv, m * (heads // kv), d)
-
-
-def _ungroup(out: torch.Tensor, m: int, heads: int) -> torch.Tensor:
-    """_group_queries' inverse: [b, kv, m * group, d] -> [b, m, heads, d]."""
-    b, kv, _, d = out.shape
-    return out.reshape(b, kv, m, heads // kv, d).permute(0, 2, 1, 3, 4).reshape(b, m, heads, d)
-
-
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: int) -> torch.Tensor:
     """Every query attends to the first `slots` keys (k/v [b, kv_heads, S, d]; 0 slots: zeros). A draft
     step at decode time reads the target's cache so: every proposal of a round sees the slots the last
@@ -68,8 +56,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: i
     small ops, would otherwise pay on each proposal."""
     if slots <= 0:
         return torch.zeros_like(q)
-    out = F.scaled_dot_product_attention(_group_queries(q, k.shape[1]), k[:, :, :slots], v[:, :, :slots])
-    return _ungroup(out, q.shape[1], q.shape[2])
+    out = F.scaled_dot_product_attention(group_queries(q, k.shape[1]), k[:, :, :slots], v[:, :, :slots])
+    return ungroup_heads(out, q.shape[1], q.shape[2])
 
 
 def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | int,
@@ -124,7 +112,7 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
         # and its output is zeroed below
         mask |= ~seen[..., None]
         mg = mask[:, None, :, None, :].expand(b, 1, m, group, hi - lo).reshape(b, 1, m * group, hi - lo)
-        out = _ungroup(F.scaled_dot_product_attention(_group_queries(qc, kv), k[:, :, lo:hi], v[:, :, lo:hi],
+        out = ungroup_heads(F.scaled_dot_product_attention(group_queries(qc, kv), k[:, :, lo:hi], v[:, :, lo:hi],
                                                       attn_mask=mg), m, heads)
         outs.append(torch.where(seen[:, :, None, None], out, torch.zeros_like(out)))
     return torch.cat(outs, dim=1) if outs else q.new_zeros(q.shape)
