@@ -231,7 +231,7 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
         # a shortfall of prompts is said, not left to read as noise
         short = re.findall(r"holds (\d+) documents of (\d+) tokens or more, not the (\d+) asked", r.stderr)
         held = out["by_length"][1]["prompts"]
-        assert short == ([] if samples == 1 else [(str(held), "96", "30")]) and held <= samples
+        assert short == ([] if samples == 1 else [(str(held), "96", str(samples))])
         assert out["by_length"][0]["prompts"] == held == 1  # (one prompt per length and document)
 
 
