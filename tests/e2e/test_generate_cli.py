@@ -210,12 +210,13 @@ def test_a_draft_that_cannot_draft_is_refused_before_work(hf_model, draft_dirs, 
 
 
 def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
-    """`longctx bench decode`: spans of a text file at two lengths, the chain and CaPE; the keys the
-    issue names, and identical output at temperature 0."""
+    """`longctx bench decode`: spans of a text file at two lengths, the chain, CaPE, and both in one
+    process against the same plain runs; the keys the issue names, and identical output at T = 0."""
     d, _ = hf_model
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60)
-    for cape, samples in (([], 1), (["--cape"], 3)):  # (3: the text is one document)
+    for cape, samples in (([], 1), (["--cape", "true"], 1), (["--cape", "both", "--repeats", "2"], 3)):
+        # (3: more documents than the text, which is one, holds)
         r = longctx("bench", "decode", "--target", f"hf:{d}", "--draft", f"hf:{draft_dirs['small']}", "--data",
                     str(text), "--lengths", "32,96", "--samples", str(samples), "--max-new-tokens", "16",
                     "--speculate", "3", *cape)
@@ -228,6 +229,13 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
         assert out["tau"] == pytest.approx(out["tau_without_bonus"] + 1)
         assert [g["prompt_tokens"] for g in out["by_length"]] == [32, 96] and out["cape"] == (
             "0.3:3,0.6:2,0.9:1,1:0" if cape else None)
+        both = out.get("with_cape")
+        assert (both is not None) == ("both" in cape)
+        if both is not None:  # CaPE's figures beside the chain's, against the very same plain runs
+            assert both["identical"] and 1 <= both["tau"] <= 4 and [g["prompt_tokens"] for g in both["by_length"]] == [
+                32, 96]
+            assert both["baseline_tokens_per_s"] == out["baseline_tokens_per_s"]
+            assert "96 CaPE: tau" in r.stderr and "96: tau" in r.stderr
         # a shortfall of prompts is said, not left to read as noise
         short = re.findall(r"holds (\d+) documents of (\d+) tokens or more, not the (\d+) asked", r.stderr)
         held = out["by_length"][1]["prompts"]

@@ -1,12 +1,13 @@
 """`longctx bench decode`: speculative decoding against plain decoding, same models, prompts and run.
 
     longctx bench decode --target runs/T/checkpoints --draft runs/D/checkpoints --lengths 1024,8192 \\
-        --max-new-tokens 128 [--cape] [--prompts FILE.jsonl | --data STORE] [--temperature T]
+        --max-new-tokens 128 [--cape [true|false|both]] [--prompts FILE.jsonl | --data STORE] [--temperature T]
 
 For each prompt: plain decoding (generate/engine.py) and speculative decoding (generate/speculative.py,
 the draft a plain model with its own cache or a GliDe draft reading the target's; with --cape, CaPE's
-tree), timed one after the other on
-one device, the best of --repeats each. Prompts: --prompts (text, tokenized with the target's
+tree; with --cape both, the chain and CaPE), timed one after the other on one device, --repeats
+times in turn, the best of each (modes compared in one process: separate processes differ by up to
+~15% at equal work). Prompts: --prompts (text, tokenized with the target's
 tokenizer), else the first documents of --data's eval split (default: the default corpus; or a glob of
 held-out text files, each one document) that hold the longest of --lengths, one span each, cut to
 every length by its last tokens: the prompts of every length continue the same text.
@@ -17,7 +18,8 @@ JSON on stdout, per length and overall:
   i.e. the wall time after the target's prefill (the same work in both; a draft's own pass over
   the prompt comes after it and counts), and their ratio `speedup`; `speedup_with_prefill`: the
   ratio of the whole generations' wall times, which a long prompt's prefill pulls toward 1;
-- identical: at temperature 0, whether every prompt's tokens equal plain decoding's.
+- identical: at temperature 0, whether every prompt's tokens equal plain decoding's;
+- with_cape (--cape both): CaPE's figures and by_length, the top level being the chain's.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-window", type=int, default=None, metavar="N",
                    help="a GliDe draft's own pass over only the last N prompt tokens (0 = all; default: the length "
                         "it was trained on)")
-    p.add_argument("--cape", action="store_true", help="CaPE's tree instead of the chain (temperature 0)")
+    p.add_argument("--cape", nargs="?", const="true", default="false", choices=("true", "false", "both"),
+                   help="CaPE's tree instead of the chain (temperature 0); `both`: the chain and CaPE in turn, "
+                        "each against the same plain runs (CaPE's figures under with_cape)")
     p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", help="CaPE's confidence table")
     p.add_argument("--prompts", default="", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
     p.add_argument("--data", default="", help="a store (its eval split), a text file or a quoted glob of text files "
@@ -124,67 +128,80 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg, draft_cfg, tokenizer, spec = _models(args)
-    cape = CapeTable.parse(args.cape_table) if args.cape else None
+    table = CapeTable.parse(args.cape_table) if args.cape != "false" else None
+    # the speculative modes timed, each against the same plain runs: the chain, CaPE's tree, or both
+    modes = {"false": [None], "true": [table], "both": [None, table]}[args.cape]
     sampling = Sampling(args.temperature, seed=args.seed)
     sampling.check()
-    if cape is not None and not sampling.greedy:
+    if table is not None and not sampling.greedy:
         raise SystemExit("--cape verifies greedily: use --temperature 0")
     prompts = _prompts(args, tokenizer, spec)
     device = torch.device("cpu")
     target = load_model(cfg, device, torch.float32)
     draft = load_draft(draft_cfg, target, device, torch.float32)
     _say(f"target {cfg.model.label} ({cfg.model.layers} layers), draft {draft_label(draft_cfg)} "
-         f"({len(draft.layers)} layers), K = {args.speculate}{', CaPE' if cape else ''}")
+         f"({len(draft.layers)} layers), K = {args.speculate}{_MODE_SAID[args.cape]}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
-    zero = {"kept": 0, "proposed": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "spec_all": 0.0, "plain_all": 0.0,
-            "tokens": 0, "plain_tokens": 0, "identical": True}
-    groups, everything = [], dict(zero)
+    groups, everything = [[] for _ in modes], [dict(_ZERO) for _ in modes]
     for length, rows in prompts.items():
-        g = dict(zero)
+        g = [dict(_ZERO) for _ in modes]
         for ids in rows:
-            timed = _time_prompt(args, target, draft, ids, sampling, cape)
-            for acc in (g, everything):
-                for key, value in timed.items():
-                    acc[key] = acc[key] & value if key == "identical" else acc[key] + value
-        groups.append({"prompt_tokens": length, "prompts": len(rows), **_figures(g)})
-        _say(f"{length}: tau {groups[-1]['tau']:.2f}, speedup {groups[-1]['speedup']:.2f}x, "
-             f"identical {groups[-1]['identical']}")
+            for m, timed in enumerate(_time_prompt(args, target, draft, ids, sampling, modes)):
+                for acc in (g[m], everything[m]):
+                    for key, value in timed.items():
+                        acc[key] = acc[key] & value if key == "identical" else acc[key] + value
+        for m, cape in enumerate(modes):
+            groups[m].append({"prompt_tokens": length, "prompts": len(rows), **_figures(g[m])})
+            _say(f"{length}{' CaPE' if cape else ''}: tau {groups[m][-1]['tau']:.2f}, speedup "
+                 f"{groups[m][-1]['speedup']:.2f}x, identical {groups[m][-1]['identical']}")
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target,
-              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if cape else None,
+              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[-1] else None,
               "confidence_stop": args.confidence_stop,
               "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
                                else args.draft_window),
               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-              **_figures(everything), "by_length": groups}
+              **_figures(everything[0]), "by_length": groups[0]}
+    if len(modes) == 2:  # --cape both: the chain's figures above, CaPE's here (same plain runs)
+        result["with_cape"] = {**_figures(everything[1]), "by_length": groups[1]}
     print(json.dumps(result, indent=1))
     return 0
 
 
-def _time_prompt(args, target, draft, ids: list[int], sampling, cape) -> dict:
-    """One prompt, plain then speculative, the best of --repeats each: what the figures sum. A run's
-    decoding time is its wall time less the target's prefill (the same work in both)."""
+_MODE_SAID = {"false": "", "true": ", CaPE", "both": ", the chain and CaPE"}
+_ZERO = {"kept": 0, "proposed": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "spec_all": 0.0, "plain_all": 0.0,
+         "tokens": 0, "plain_tokens": 0, "identical": True}
+
+
+def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> list[dict]:
+    """One prompt, plain then each speculative mode (the chain: None; CaPE: its table), --repeats
+    times in turn, the best of each: what the figures sum, per mode. A run's decoding time is its
+    wall time less the target's prefill (the same work in every run)."""
     # (imported when run, as in main: the CLI's parser imports this module)
     from ..generate.engine import generate
     from ..generate.speculative import drafter_for, speculative_generate
 
-    plain_s = spec_s = plain_all = spec_all = float("inf")
+    plain_s = plain_all = float("inf")
+    spec_s, spec_all, specs = [float("inf")] * len(modes), [float("inf")] * len(modes), [None] * len(modes)
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling)[0]
         elapsed = time.perf_counter() - t0
         plain_all, plain_s = min(plain_all, elapsed), min(plain_s, elapsed - plain.prefill_seconds)
-        t0 = time.perf_counter()
-        drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2,
-                              window=args.draft_window)
-        spec = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens, k=args.speculate,
-                                    sampling=sampling, cape=cape, stop_below=args.confidence_stop)
-        elapsed = time.perf_counter() - t0
-        spec_all, spec_s = min(spec_all, elapsed), min(spec_s, elapsed - spec.prefill_seconds)
-    return {"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "passes": spec.passes, "spec_s": spec_s,
-            "plain_s": plain_s, "spec_all": spec_all, "plain_all": plain_all, "tokens": len(spec.tokens),
-            "plain_tokens": len(plain.tokens), "identical": (not sampling.greedy) or spec.tokens == plain.tokens}
+        for m, cape in enumerate(modes):
+            t0 = time.perf_counter()
+            drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2,
+                                  window=args.draft_window)
+            specs[m] = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
+                                            k=args.speculate, sampling=sampling, cape=cape,
+                                            stop_below=args.confidence_stop)
+            elapsed = time.perf_counter() - t0
+            spec_all[m], spec_s[m] = min(spec_all[m], elapsed), min(spec_s[m], elapsed - specs[m].prefill_seconds)
+    return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "passes": spec.passes, "spec_s": spec_s[m],
+             "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all, "tokens": len(spec.tokens),
+             "plain_tokens": len(plain.tokens), "identical": (not sampling.greedy) or spec.tokens == plain.tokens}
+            for m, spec in enumerate(specs)]
 
 
 def _figures(acc: dict) -> dict:
