@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--draft-window", type=int, default=512, help="bench decode --draft-window (GliDe: the draft's "
                                                                     "own pass over this many last prompt tokens)")
     ap.add_argument("--confidence-stop", type=float, default=0.0, help="bench decode --confidence-stop")
+    ap.add_argument("--repeats", type=int, default=1, help="bench decode --repeats (the best of each)")
     args = ap.parse_args()
     out, stamp = Path(args.out), date.today().isoformat()
     data = args.data or str(Path(importlib.util.find_spec("torch").origin).parent / "**" / "*.py")
@@ -53,19 +54,19 @@ def main() -> None:
           "--draft.block", str(args.speculate))
     train("plain-draft", "configs/glide-plain-draft.toml")
 
-    benches = {}
-    # (the plain draft as a chain only: it is GliDe's baseline; CaPE is measured on GliDe)
-    for draft, cape in (("glide", False), ("glide", True), ("plain-draft", False)):
-        name = f"{draft}{' + cape' if cape else ''}"
-        print(f"bench decode: {name}", file=sys.stderr)
-        text = work.run(
-            f"bench {name}", "bench", "decode", "--target", "runs/target/checkpoints",
-            "--draft", f"runs/{draft}/checkpoints",
-            "--data", data, "--lengths", args.lengths, "--samples", str(args.samples), "--max-new-tokens",
-            str(args.max_new_tokens), "--speculate", str(args.speculate), "--confidence-stop",
-            str(args.confidence_stop), *(["--draft-window", str(args.draft_window)] if draft == "glide" else []),
-            *(["--cape"] if cape else []))
-        benches[name] = json.loads(text)
+    common = ["--target", "runs/target/checkpoints", "--data", data, "--lengths", args.lengths, "--samples",
+              str(args.samples), "--max-new-tokens", str(args.max_new_tokens), "--speculate", str(args.speculate),
+              "--confidence-stop", str(args.confidence_stop), "--repeats", str(args.repeats)]
+    # GliDe as a chain and with CaPE in one process, against the same plain runs (`--cape both`: separate
+    # processes differ by more than the two do); the plain draft, GliDe's baseline, as a chain
+    print("bench decode: glide (chain and CaPE)", file=sys.stderr)
+    glide = json.loads(work.run("bench glide", "bench", "decode", *common, "--draft", "runs/glide/checkpoints",
+                                "--draft-window", str(args.draft_window), "--cape", "both"))
+    print("bench decode: plain-draft", file=sys.stderr)
+    benches = {"glide": glide, "glide + cape": {**glide["with_cape"], "cape": glide["cape"]},
+               "plain-draft": json.loads(work.run("bench plain-draft", "bench", "decode", *common, "--draft",
+                                                  "runs/plain-draft/checkpoints", "--cape", "false"))}
+    glide.pop("with_cape")
     keys = ("tau", "tau_without_bonus", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup",
             "identical")
     table = {name: {"all": {k: b[k] for k in keys},
@@ -74,6 +75,7 @@ def main() -> None:
     result = {"command": "python benchmarks/glide_recipe.py", "date": stamp, "data": data,
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}",
               "speculate": args.speculate, "max_new_tokens": args.max_new_tokens, "samples": args.samples,
+              "repeats": args.repeats,
               "seconds": {k: round(v, 1) for k, v in seconds.items()}, "total_seconds": round(sum(seconds.values()), 1),
               "figures": table, "bench": benches}
     out.mkdir(parents=True, exist_ok=True)
