@@ -5,7 +5,7 @@ prompts (temperature 0, batch 1). The prompts are held out from training: Python
 (the standard library) does not hold, those of the installed torch package by default (--data), one
 per file, the 1K prompt the last 1K tokens of the 8K one (both continue the same text).
 
-    python benchmarks/glide_recipe.py [--out docs/results] [--work DIR] [--lengths 1024,8192] [--samples 2]
+    python benchmarks/glide_recipe.py [--out docs/results] [--work DIR] [--lengths 1024,8192] [--samples 4]
 
 Runs the README's commands (configs/glide-target.toml, configs/glide.toml, configs/glide-plain-draft.toml)
 in a fresh directory (or --work DIR: a training phase whose timing is recorded there is not run again),
@@ -63,7 +63,7 @@ def main() -> None:
     glide = json.loads(work.run("bench glide", "bench", "decode", *common, "--draft", "runs/glide/checkpoints",
                                 "--draft-window", str(args.draft_window), "--cape", "both"))
     print("bench decode: plain-draft", file=sys.stderr)
-    benches = {"glide": glide, "glide + cape": {**glide["with_cape"], "cape": glide["cape"]},
+    benches = {"glide": glide, "glide + cape": glide["with_cape"],
                "plain-draft": json.loads(work.run("bench plain-draft", "bench", "decode", *common, "--draft",
                                                   "runs/plain-draft/checkpoints", "--cape", "false"))}
     glide.pop("with_cape")

@@ -153,6 +153,12 @@ def test_a_glob_of_text_files_is_one_document_per_file_in_sorted_order(tmp_path)
     assert "(3 files)" in src.description
     with pytest.raises(ConfigError, match="matches no file"):
         load_source(str(tmp_path / "none" / "*.py"), "eval", TOK, None)
+    with pytest.raises(ConfigError, match="needs a tokenizer"):
+        load_source(str(tmp_path / "pkg" / "*.py"), "eval", None, None)
+    # a file whose name has a glob's characters is that file
+    (tmp_path / "notes[1].txt").write_text("plain")
+    [doc] = load_source(str(tmp_path / "notes[1].txt"), "eval", TOK, None).documents()
+    assert bytes(doc.astype(np.uint8)) == b"plain"
 
 
 def test_retrieval_sequences_are_deterministic_and_cover_each_depth():
@@ -226,18 +232,22 @@ def test_bucket_bounds_are_the_positions_each_bucket_holds():
     assert all(a["end"] == b["start"] for a, b in zip(rows, rows[1:]))
 
 
-def test_bench_decode_prompts_of_every_length_continue_the_same_text(tmp_path, capsys):
+
+def test_eval_asks_for_a_tokenizer_when_its_data_is_a_glob_of_text(tmp_path, monkeypatch):
+    # a checkpoint that records no tokenizer: ppl on a store needs none, on text (a file or a glob) it does
     from types import SimpleNamespace
 
-    from longctx.bench.decode import _prompts
+    from longctx.eval import command
 
-    for i, n in enumerate((50, 130, 260, 64)):  # the first is too short: 3 prompts per length, one per document
-        (tmp_path / f"{i}.py").write_text("".join(chr(97 + (i + j) % 26) for j in range(n)))
-    args = SimpleNamespace(prompts="", data=str(tmp_path / "*.py"), lengths="16,64", samples=8)
-    prompts = _prompts(args, TOK, "byte")
-    assert sorted(prompts) == [16, 64] and len(prompts[64]) == 3 == len(prompts[16])
-    for i, (short, long) in zip((1, 2, 3), zip(prompts[16], prompts[64])):
-        assert len(long) == 64 and short == long[-16:] and bytes(long[:2]) == bytes([97 + i, 98 + i])
-    assert "holds 3 documents of 64 tokens or more, not the 8 asked" in capsys.readouterr().err
-    with pytest.raises(DataError, match="needs a document of that many tokens"):
-        _prompts(SimpleNamespace(prompts="", data=str(tmp_path / "0.py"), lengths="64", samples=1), TOK, "byte")
+    monkeypatch.setattr(command, "model_tokenizer", lambda init_from: None)
+    cfg = SimpleNamespace(model=SimpleNamespace(init_from="runs/a/checkpoints", vocab_size=256))
+    (tmp_path / "a.py").write_text("x = 1\n")
+    store = tmp_path / "store"
+    store.mkdir()
+    for data, needed in ((str(tmp_path / "*.py"), True), (str(tmp_path / "a.py"), True), (str(store), False)):
+        args = SimpleNamespace(tokenizer="", task="ppl", data=data, checkpoint="runs/a/checkpoints")
+        if needed:
+            with pytest.raises(ConfigError, match="turns text into tokens"):
+                command._load_tokenizer(args, cfg)
+        else:
+            assert command._load_tokenizer(args, cfg) == (None, None)

@@ -124,3 +124,27 @@ def test_a_prompt_pass_that_only_fills_the_cache_leaves_the_full_pass_cache(laye
         assert torch.allclose(caches[1].v, caches[0].v, atol=1e-6, rtol=0)
         with pytest.raises(ValueError, match="fill_only"):
             draft.hidden_states(*args, fill_only=True)
+
+
+@pytest.mark.parametrize("window", [0, 12])
+def test_the_drafter_prompt_pass_fills_the_cache_a_full_pass_would(window):
+    # decoding stays plain greedy whatever the draft's cache holds, so the drafter's prompt pass is
+    # checked against the full forward over the same tokens, positions and block-stale reads
+    target = _target()
+    draft = GlideDraft(target.cfg, layers=2).init_weights(seed=7, std=0.1)
+    prompt = torch.randint(0, target.cfg.vocab_size, (31,), generator=torch.Generator().manual_seed(8)).tolist()
+    n, block = len(prompt) - 1, 4
+    with torch.inference_mode():
+        tcache = KVCache.for_model(target, 1, len(prompt) + 8)
+        prefill(target, tcache, torch.tensor([prompt]), 64)
+        drafter = GlideDrafter(draft, target, len(prompt) + 8, block=block, window=window)
+        drafter.start(prompt, tcache)
+        first = max(0, n - window) if window else 0
+        assert drafter.offset == first and int(drafter.cache.lengths[0]) == n - first
+        kv = [(tcache.k[i], tcache.v[i]) for i in draft.target_layers]
+        want = KVCache(2, 1, len(prompt) + 8, target.cfg.kv_heads, target.cfg.resolved_head_dim)
+        draft(target, torch.tensor([prompt[first:n]]), torch.arange(first, n)[None], kv,
+              block_stale_visible(n, block)[None, first:], cache=want)
+        held = n - first
+        assert torch.allclose(drafter.cache.k[:, :, :, :held], want.k[:, :, :, :held], atol=1e-6, rtol=0)
+        assert torch.allclose(drafter.cache.v[:, :, :, :held], want.v[:, :, :, :held], atol=1e-6, rtol=0)

@@ -19,7 +19,7 @@ JSON on stdout, per length and overall:
   the prompt comes after it and counts), and their ratio `speedup`; `speedup_with_prefill`: the
   ratio of the whole generations' wall times, which a long prompt's prefill pulls toward 1;
 - identical: at temperature 0, whether every prompt's tokens equal plain decoding's;
-- with_cape (--cape both): CaPE's figures and by_length, the top level being the chain's.
+- with_cape (--cape both): CaPE's table (`cape`), figures and by_length; the top level is the chain's.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="", metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
     p.add_argument("--data", default="", help="a store (its eval split), a text file or a quoted glob of text files "
                                              "('DIR/**/*.py') for prompts (default: the default corpus)")
-    p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, comma-separated (without --prompts); a "
-                                                        "document's prompts all end at the same token")
+    p.add_argument("--lengths", default="1024", help="prompt lengths in tokens, comma-separated, e.g. 1K,8K (without "
+                                                        "--prompts); a document's prompts all end at the same token")
     p.add_argument("--samples", type=int, default=2, help="prompts per length, one per document (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -84,8 +84,8 @@ def _models(args):
 
 def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     from ..data.cache import default_store
-    from ..errors import DataError
-    from ..eval.tasks import load_source
+    from ..errors import ConfigError, DataError
+    from ..eval.tasks import load_source, parse_lengths
     from ..generate.cli import read_prompts
 
     if args.prompts:
@@ -97,8 +97,10 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
         return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=_say, announce_cached=False)
 
+    lengths = parse_lengths(args.lengths)
+    if args.samples < 1:
+        raise ConfigError(f"--samples {args.samples}: ask for at least one prompt per length.")
     source = load_source(args.data, "eval", tokenizer, store)
-    lengths = [int(x) for x in args.lengths.split(",")]
     longest, spans = max(lengths), []
     for doc in source.documents():  # one span per document: prompts as unlike as the texts allow
         if len(doc) >= longest:
@@ -157,14 +159,14 @@ def main(args) -> int:
                  f"{groups[m][-1]['speedup']:.2f}x, identical {groups[m][-1]['identical']}")
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target,
-              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[-1] else None,
+              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[0] else None,
               "confidence_stop": args.confidence_stop,
               "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
                                else args.draft_window),
               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
               **_figures(everything[0]), "by_length": groups[0]}
     if len(modes) == 2:  # --cape both: the chain's figures above, CaPE's here (same plain runs)
-        result["with_cape"] = {**_figures(everything[1]), "by_length": groups[1]}
+        result["with_cape"] = {"cape": args.cape_table, **_figures(everything[1]), "by_length": groups[1]}
     print(json.dumps(result, indent=1))
     return 0
 

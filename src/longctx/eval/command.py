@@ -177,9 +177,10 @@ def _check_layout(cfg, lengths: list[int], mode: str, nproc: int) -> None:
 def _load_tokenizer(args, cfg):
     """(the tokenizer's spec, the tokenizer), both None when there is none and the task needs no text."""
     from ..data.tokenizer import load_tokenizer
+    from .tasks import is_glob  # (lazy, as this module's other task imports: the CLI's parser imports it)
 
     spec = args.tokenizer or model_tokenizer(cfg.model.init_from)  # --tokenizer, else the checkpoint's
-    text_needed = args.task != "ppl" or (args.data and Path(args.data).is_file()) or not args.data
+    text_needed = args.task != "ppl" or not args.data or Path(args.data).is_file() or is_glob(args.data)
     if spec is None and text_needed:
         where = ("its directory has no tokenizer.json" if cfg.model.init_from.startswith("hf:") else
                  "its manifest records no tokenizer (written before longctx recorded one)")

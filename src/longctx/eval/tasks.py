@@ -81,9 +81,9 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
     training, such as sources the corpus does not hold)."""
     if not data:
         data = str(default_store())
-    if any(c in data for c in "*?["):
-        return _glob_source(data, tokenizer)
     path = Path(data)
+    if not path.exists() and is_glob(data):
+        return _glob_source(data, tokenizer)
     if path.is_dir():
         if not (path / MANIFEST).is_file():
             raise DataError(f"--data {data}: a directory must be a store built by `longctx data build` (it has no "
@@ -104,10 +104,17 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
                       f"`longctx data build`, a text file, or nothing for the default corpus.")
 
 
+def is_glob(data: str) -> bool:
+    """Whether `--data` is a glob of text files (a path that exists is itself, whatever its characters)."""
+    return any(c in data for c in "*?[") and not Path(data).exists()
+
+
 def _glob_source(pattern: str, tokenizer) -> TokenSource:
     """The files `pattern` matches (recursive with **), sorted, each one document, read when iterated."""
     import glob
 
+    if tokenizer is None:
+        raise ConfigError(f"--data {pattern!r} is text, which needs a tokenizer; pass --tokenizer byte|PATH.")
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
     if not paths:
         raise ConfigError(f"--data {pattern!r} matches no file; pass a glob of text files (quoted, so the shell "

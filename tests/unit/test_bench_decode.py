@@ -1,0 +1,35 @@
+"""`longctx bench decode`'s prompts, on the host before any model (the command end to end:
+tests/e2e/test_generate_cli.py)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from longctx.bench.decode import _prompts
+from longctx.data.tokenizer import ByteTokenizer
+from longctx.errors import ConfigError, DataError
+
+TOK = ByteTokenizer()
+
+
+def test_bench_decode_prompts_of_every_length_continue_the_same_text(tmp_path, capsys):
+    for i, n in enumerate((50, 130, 260, 64)):  # the first is too short: 3 prompts per length, one per document
+        (tmp_path / f"{i}.py").write_text("".join(chr(97 + (i + j) % 26) for j in range(n)))
+    args = SimpleNamespace(prompts="", data=str(tmp_path / "*.py"), lengths="16,64", samples=8)
+    prompts = _prompts(args, TOK, "byte")
+    assert sorted(prompts) == [16, 64] and len(prompts[64]) == 3 == len(prompts[16])
+    for i, (short, long) in zip((1, 2, 3), zip(prompts[16], prompts[64])):
+        assert len(long) == 64 and short == long[-16:] and bytes(long[:2]) == bytes([97 + i, 98 + i])
+    assert "holds 3 documents of 64 tokens or more, not the 8 asked" in capsys.readouterr().err
+    with pytest.raises(DataError, match="needs a document of that many tokens"):
+        _prompts(SimpleNamespace(prompts="", data=str(tmp_path / "0.py"), lengths="64", samples=1), TOK, "byte")
+
+
+@pytest.mark.parametrize("lengths, samples, message", [("0,64", 1, "not a positive token count"),
+                                                       ("-8", 1, "not a positive token count"),
+                                                       ("64", 0, "at least one prompt")])
+def test_bad_lengths_and_samples_are_refused(tmp_path, lengths, samples, message):
+    (tmp_path / "a.py").write_text("x" * 100)
+    with pytest.raises(ConfigError, match=message):
+        _prompts(SimpleNamespace(prompts="", data=str(tmp_path / "a.py"), lengths=lengths, samples=samples), TOK,
+                 "byte")
