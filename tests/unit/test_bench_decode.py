@@ -33,3 +33,11 @@ def test_bad_lengths_and_samples_are_refused(tmp_path, lengths, samples, message
     with pytest.raises(ConfigError, match=message):
         _prompts(SimpleNamespace(prompts="", data=str(tmp_path / "a.py"), lengths=lengths, samples=samples), TOK,
                  "byte")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")
+def test_a_gpu_asked_for_where_there_is_none_is_refused_before_work():
+    from longctx.bench.decode import main
+
+    with pytest.raises(ConfigError, match="--device cuda, but this machine has no CUDA device"):
+        main(SimpleNamespace(threads=0, device="cuda", dtype="fp32"))

@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="timed runs of each, the best counts (default 1)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where both models run (auto: a GPU when there is one)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                   help="the models' dtype (fp32: `identical` then compares like with like)")
     p.add_argument("--tokenizer", default="", help="the tokenizer (default: the target checkpoint's)")
 
 
@@ -119,6 +123,7 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 
 def main(args) -> int:
+    from ..errors import ConfigError
     from ..generate.cape import CapeTable
     from ..generate.cli import load_model
     from ..generate.drafts import draft_label, load_draft
@@ -126,9 +131,13 @@ def main(args) -> int:
     from ..generate.sampling import Sampling
     from ..generate.speculative import draft_window
     from ..models.glide import GlideDraft
+    from ..train.step import resolve_device
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda, but this machine has no CUDA device; use --device auto or cpu.")
+    device, dtype = resolve_device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     cfg, draft_cfg, tokenizer, spec = _models(args)
     table = CapeTable.parse(args.cape_table) if args.cape != "false" else None
     # the speculative modes timed, each against the same plain runs: the chain, CaPE's tree, or both
@@ -138,9 +147,8 @@ def main(args) -> int:
     if table is not None and not sampling.greedy:
         raise SystemExit("--cape verifies greedily: use --temperature 0")
     prompts = _prompts(args, tokenizer, spec)
-    device = torch.device("cpu")
-    target = load_model(cfg, device, torch.float32)
-    draft = load_draft(draft_cfg, target, device, torch.float32)
+    target = load_model(cfg, device, dtype)
+    draft = load_draft(draft_cfg, target, device, dtype)
     _say(f"target {cfg.model.label} ({cfg.model.layers} layers), draft {draft_label(draft_cfg)} "
          f"({len(draft.layers)} layers), K = {args.speculate}{_MODE_SAID[args.cape]}")
     first = next(iter(prompts.values()))[0]
@@ -158,7 +166,8 @@ def main(args) -> int:
             _say(f"{length}{' CaPE' if cape else ''}: tau {groups[m][-1]['tau']:.2f}, speedup "
                  f"{groups[m][-1]['speedup']:.2f}x, identical {groups[m][-1]['identical']}")
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "target": args.target,
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "device": _device_name(device),
+              "dtype": args.dtype, "target": args.target,
               "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[0] else None,
               "confidence_stop": args.confidence_stop,
               "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
@@ -169,6 +178,21 @@ def main(args) -> int:
         result["with_cape"] = {"cape": args.cape_table, **_figures(everything[1]), "by_length": groups[1]}
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _clock(device: torch.device):
+    """time.perf_counter, after the device's queued work (a GPU's kernels run after their launch)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return synced
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
 
 
 _MODE_SAID = {"false": "", "true": ", CaPE", "both": ", the chain and CaPE"}
@@ -184,21 +208,22 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
     from ..generate.engine import generate
     from ..generate.speculative import drafter_for, speculative_generate
 
+    clock = _clock(target.tok_embeddings.weight.device)
     plain_s = plain_all = float("inf")
     spec_s, spec_all, specs = [float("inf")] * len(modes), [float("inf")] * len(modes), [None] * len(modes)
     for _ in range(args.repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling)[0]
-        elapsed = time.perf_counter() - t0
+        elapsed = clock() - t0
         plain_all, plain_s = min(plain_all, elapsed), min(plain_s, elapsed - plain.prefill_seconds)
         for m, cape in enumerate(modes):
-            t0 = time.perf_counter()
+            t0 = clock()
             drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2,
                                   window=args.draft_window)
             specs[m] = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                             k=args.speculate, sampling=sampling, cape=cape,
                                             stop_below=args.confidence_stop)
-            elapsed = time.perf_counter() - t0
+            elapsed = clock() - t0
             spec_all[m], spec_s[m] = min(spec_all[m], elapsed), min(spec_s[m], elapsed - specs[m].prefill_seconds)
     return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "passes": spec.passes, "spec_s": spec_s[m],
              "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all, "tokens": len(spec.tokens),
