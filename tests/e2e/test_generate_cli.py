@@ -228,6 +228,10 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
         assert out["identical"] and 1 <= out["tau"] <= 4 and 0 <= out["acceptance_rate"] <= 1
         assert out["tau"] == pytest.approx(out["tau_without_bonus"] + 1)
         assert out["device"].startswith("cpu") and out["dtype"] == "fp32"  # (--device auto on a CPU machine)
+        for g in out["by_length"]:  # each prompt's figures, which the length's sum
+            assert len(g["per_prompt"]) == g["prompts"] and all(p["identical"] for p in g["per_prompt"])
+            taus = [p["tau"] for p in g["per_prompt"]]
+            assert min(taus) - 1e-9 <= g["tau"] <= max(taus) + 1e-9  # (the length's tau pools its prompts' passes)
         assert [g["prompt_tokens"] for g in out["by_length"]] == [32, 96] and out["cape"] == (
             "0.3:3,0.6:2,0.9:1,1:0" if "true" in cape else None)  # (with both, the top level is the chain's)
         both = out.get("with_cape")

@@ -19,7 +19,8 @@ JSON on stdout, per length and overall:
   the prompt comes after it and counts), and their ratio `speedup`; `speedup_with_prefill`: the
   ratio of the whole generations' wall times, which a long prompt's prefill pulls toward 1;
 - identical: at temperature 0, whether every prompt's tokens equal plain decoding's;
-- with_cape (--cape both): CaPE's table (`cape`), figures and by_length; the top level is the chain's.
+- with_cape (--cape both): CaPE's table (`cape`), figures and by_length; the top level is the chain's;
+- by_length[i].per_prompt: each prompt's tau, acceptance_rate, tokens/s, speedup and identical.
 """
 
 from __future__ import annotations
@@ -155,14 +156,16 @@ def main(args) -> int:
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
     groups, everything = [[] for _ in modes], [dict(_ZERO) for _ in modes]
     for length, rows in prompts.items():
-        g = [dict(_ZERO) for _ in modes]
+        g, each = [dict(_ZERO) for _ in modes], [[] for _ in modes]
         for ids in rows:
             for m, timed in enumerate(_time_prompt(args, target, draft, ids, sampling, modes)):
+                # (per prompt too: a length's figure can rest on a few prompts' very different texts)
+                each[m].append({k: v for k, v in _figures(timed).items() if k in _PER_PROMPT})
                 for acc in (g[m], everything[m]):
                     for key, value in timed.items():
                         acc[key] = acc[key] & value if key == "identical" else acc[key] + value
         for m, cape in enumerate(modes):
-            groups[m].append({"prompt_tokens": length, "prompts": len(rows), **_figures(g[m])})
+            groups[m].append({"prompt_tokens": length, "prompts": len(rows), **_figures(g[m]), "per_prompt": each[m]})
             _say(f"{length}{' CaPE' if cape else ''}: tau {groups[m][-1]['tau']:.2f}, speedup "
                  f"{groups[m][-1]['speedup']:.2f}x, identical {groups[m][-1]['identical']}")
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
@@ -195,6 +198,7 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
 
 
+_PER_PROMPT = ("tau", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "identical")
 _MODE_SAID = {"false": "", "true": ", CaPE", "both": ", the chain and CaPE"}
 _ZERO = {"kept": 0, "proposed": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "spec_all": 0.0, "plain_all": 0.0,
          "tokens": 0, "plain_tokens": 0, "identical": True}
