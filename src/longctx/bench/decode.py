@@ -112,19 +112,18 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
             spans.append(doc[:longest].tolist())
             if len(spans) == args.samples:
                 break
-    if len(spans) < args.samples:  # (the JSON's "prompts" says so too; a silent shortfall reads as noise)
-        _say(f"{source.description} holds {len(spans)} documents of {longest} tokens or more, not the "
-             f"{args.samples} asked; pass --data with more or longer texts (a glob of held-out files) for more")
     if not spans:
         raise DataError(f"bench decode at {longest} tokens needs a document of that many tokens; "
                         f"{source.description} has none. Pass --data with longer texts or shorter --lengths.")
+    if len(spans) < args.samples:  # (the JSON's "prompts" says so too; a silent shortfall reads as noise)
+        _say(f"{source.description} holds {len(spans)} documents of {longest} tokens or more, not the "
+             f"{args.samples} asked; pass --data with more or longer texts (a glob of held-out files) for more")
     # every length's prompt ends where the longest one does: all continue the same text, so lengths
     # differ only in how much context comes before it
     return {n: [span[-n:] for span in spans] for n in lengths}
 
 
 def main(args) -> int:
-    from ..errors import ConfigError
     from ..generate.cape import CapeTable
     from ..generate.cli import load_model
     from ..generate.drafts import draft_label, load_draft
@@ -132,13 +131,12 @@ def main(args) -> int:
     from ..generate.sampling import Sampling
     from ..generate.speculative import draft_window
     from ..models.glide import GlideDraft
-    from ..train.step import resolve_device
+    from ..train.step import resolve_device, resolve_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda, but this machine has no CUDA device; use --device auto or cpu.")
-    device, dtype = resolve_device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    device = resolve_device(args.device, "--device")
+    dtype = resolve_dtype(args.dtype, device)
     cfg, draft_cfg, tokenizer, spec = _models(args)
     table = CapeTable.parse(args.cape_table) if args.cape != "false" else None
     # the speculative modes timed, each against the same plain runs: the chain, CaPE's tree, or both

@@ -81,9 +81,9 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
     training, such as sources the corpus does not hold)."""
     if not data:
         data = str(default_store())
-    path = Path(data)
-    if not path.exists() and is_glob(data):
+    if is_glob(data):
         return _glob_source(data, tokenizer)
+    path = Path(data)
     if path.is_dir():
         if not (path / MANIFEST).is_file():
             raise DataError(f"--data {data}: a directory must be a store built by `longctx data build` (it has no "

@@ -73,7 +73,7 @@ class CacheStep:
 
     def chunk_mask(self, dtype: torch.dtype, group: int, device) -> torch.Tensor:
         """Additive mask [1, 1, new * group, held] for a few new tokens on rows that held `start`
-        tokens, queries grouped as _group_queries lays them (row i * group + j is new token i): every
+        tokens, queries grouped as group_queries lays them (row i * group + j is new token i): every
         held slot, and among the new ones causally or by the tree (`among`). Built once per step."""
         key = (dtype, group)
         if key not in self._masks:
@@ -256,16 +256,11 @@ class KVCache(TreeCalls):
 # Attention of new queries against the keys a cache holds
 
 
-def _group_queries(q: torch.Tensor, kv: int) -> torch.Tensor:
-    """[b, n, h, d] -> [b, n * g, kv, d]: the g query heads of each kv head along the query axis."""
-    b, n, h, d = q.shape
-    return q.view(b, n, kv, h // kv, d).transpose(2, 3).reshape(b, n * (h // kv), kv, d)
-
-
 def group_queries(q: torch.Tensor, kv: int) -> torch.Tensor:
     """[b, n, h, d] -> [b, kv, n * g, d]: GQA without repeating the keys, a kv head's g query heads
     its rows of queries (row i * g + j: token i, its head j): what an SDPA call over [b, kv, L, d] takes."""
-    return _group_queries(q, kv).transpose(1, 2)
+    b, n, h, d = q.shape
+    return q.view(b, n, kv, h // kv, d).permute(0, 2, 1, 3, 4).reshape(b, kv, n * (h // kv), d)
 
 
 def ungroup_heads(out: torch.Tensor, n: int, heads: int) -> torch.Tensor:
@@ -275,20 +270,18 @@ def ungroup_heads(out: torch.Tensor, n: int, heads: int) -> torch.Tensor:
 
 
 def _ungroup(out: torch.Tensor, lse: torch.Tensor, n: int, heads: int):
-    """Inverse of _group_queries for (out [b, n * g, kv, d], lse [b, kv, n * g])."""
-    b, _, kv, d = out.shape
-    g = heads // kv
-    out = out.view(b, n, g, kv, d).transpose(2, 3).reshape(b, n, heads, d)
-    lse = lse.view(b, kv, n, g).transpose(2, 3).reshape(b, heads, n)
-    return out, lse
+    """group_queries' inverse for (out [b, kv, n * g, d], lse [b, kv, n * g]) -> ([b, n, heads, d], [b, heads, n])."""
+    b, kv = lse.shape[:2]
+    lse = lse.view(b, kv, n, heads // kv).transpose(2, 3).reshape(b, heads, n)
+    return ungroup_heads(out, n, heads), lse
 
 
 def _full(q, k, v, scale):
     """Every query sees every key (k/v [b, kv, L, d] views of the cache): (out, lse)."""
     heads, n = q.shape[2], q.shape[1]
-    out, lse = attention_forward(_group_queries(q, k.shape[1]), k.transpose(1, 2), v.transpose(1, 2),
-                                 causal=False, scale=scale)
-    return _ungroup(out, lse, n, heads)
+    out, lse = attention_forward(group_queries(q, k.shape[1]).transpose(1, 2), k.transpose(1, 2),
+                                 v.transpose(1, 2), causal=False, scale=scale)
+    return _ungroup(out.transpose(1, 2), lse, n, heads)
 
 
 def _masked(q, k, v, mask, scale):
@@ -302,7 +295,7 @@ def _masked(q, k, v, mask, scale):
         s = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale + mask.float()
         lse = torch.logsumexp(s, dim=-1)
         out = torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
-    return _ungroup(out.transpose(1, 2), lse.float(), n, heads)
+    return _ungroup(out, lse.float(), n, heads)
 
 
 def _chunk(q, k, v, start: int, scale):
@@ -338,7 +331,7 @@ def _small_chunk(q, k, v, step: CacheStep, scale):
     qg = group_queries(q, kv)  # [b, kv, n * g, d]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         qg, k[:, :, :held], v[:, :, :held], 0.0, False, attn_mask=mask, scale=scale)
-    return _ungroup(out.transpose(1, 2), lse.float(), n, h)
+    return _ungroup(out, lse.float(), n, h)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale=None):

@@ -22,9 +22,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resolve_device(choice: str) -> torch.device:
+def resolve_device(choice: str, option: str = "train.device") -> torch.device:
+    """auto | cpu | cuda -> the device; `option` names the setting in the error (a CLI flag elsewhere)."""
     if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; use train.device=auto or cpu.")
+        raise ConfigError(f"{option}=cuda but no CUDA device is available; use {option}=auto or cpu.")
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
