@@ -31,17 +31,20 @@ class StopStrings:
 
 
 class Stream:
-    """One prompt's text, printed to stderr as it grows (held back while it may end in a partial
-    character or the start of a stop string)."""
+    """One prompt's text, printed to stderr as it grows. What is shown is always a prefix of the text
+    the JSON line will hold: nothing at or after a stop string that the text contains, nothing of a
+    tail that could still become one (a suffix of the text that a stop string starts with), and no
+    partial UTF-8 character. So the terminal never shows a character the JSON output removes, whether
+    the stop string spans tokens or sits inside one, and whatever order the engine checks it in."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
-        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.stops = [s for s in stops if s]
 
     def __call__(self, row: int, token: int) -> None:
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
-        end = len(text) - self.hold
+        end = safe_end(text, self.stops)
         while end > self.shown and text[end - 1] == "\ufffd":
             end -= 1
         if end > self.shown:
@@ -52,6 +55,26 @@ class Stream:
     def finish(self, text: str) -> None:
         sys.stderr.write(text[self.shown:] + "\n")
         sys.stderr.flush()
+
+
+def safe_end(text: str, stops: list[str]) -> int:
+    """How much of `text` can be shown for sure: up to the first stop string it contains (the engine
+    ends the row on this token, and the JSON text is cut there), else up to the longest tail of it
+    that a stop string begins with (more tokens may complete that one).
+
+    Why this is enough: a stop string s found later at i either ran past the end of `text`, so
+    text[i:] is a tail that s begins with and the returned end stays before i, or lay whole in
+    `text`, and then the row ended here."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if found:
+        return min(found)
+    end = len(text)
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):  # the longest proper prefix of s that text ends with
+            if text.endswith(s[:n]):
+                end = min(end, len(text) - n)
+                break
+    return end
 
 
 class Output:
