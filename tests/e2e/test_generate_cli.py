@@ -99,12 +99,18 @@ def test_checkpoint_of_a_longctx_run(tmp_path):
     [line] = _lines(out)
     assert line["prompt_tokens"] == len("def main():")  # byte tokenizer (the manifest's), no special tokens
     assert 0 < len(line["tokens"]) <= 12 or line["finish_reason"] == "eos"
+    # the run trained on 64 positions and its checkpoint says so: a longer prompt is refused, whatever
+    # max_seq_len says (config/positions.py)
+    [step] = (run / "checkpoints").glob("step-*")
+    assert json.loads((step / "manifest.json").read_text())["trained_positions"] == 64
+    r = longctx("generate", "--checkpoint", str(run / "checkpoints"), "--prompt", "x" * 80, "--model.max_seq_len=4096")
+    assert r.returncode == 2 and "past the 64 positions the model reaches" in flat(r.stderr)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--prompt", ""], "the prompt is empty"),
     (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--prompt", "x " * 300], "Use a shorter prompt, or extend the model with RoPE scaling"),
+    (["--prompt", "x " * 300], "Use a shorter prompt; or extend it with RoPE scaling"),
 ])
 def test_bad_input_is_one_paragraph_before_work(hf_model, args, message):
     d, _ = hf_model

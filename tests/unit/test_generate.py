@@ -239,8 +239,8 @@ def test_good_input_is_prepared_without_weights(weightless_hf):
 
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", ""], "the prompt is empty"),
-    (["--prompt", "x " * 400], "more than the model's max_seq_len of 256. Use a shorter prompt, or extend the model "
-                               "with RoPE scaling"),
+    (["--prompt", "x " * 400], "past the 256 positions the model reaches (trained on 256: its config.json's "
+                               "max_position_embeddings). Raising --model.max_seq_len does not teach"),
     (["--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0"),

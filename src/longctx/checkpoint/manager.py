@@ -170,6 +170,9 @@ class CheckpointManager:
         self.root, self.keep, self.async_save = Path(root), keep, async_save
         self.tokenizer = tokenizer  # recorded in the manifest: what `longctx eval` encodes text with
         self.draft = draft  # a GliDe draft run's record (train/glide.py), in the manifest; None for a model
+        # the positions the weights have trained on so far (the trainer raises it as stages start; 0 = unknown),
+        # in the manifest: what `longctx generate` trusts the model with (config/positions.py)
+        self.trained_positions = 0
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
         # they get their own group so they never interleave with the training loop's on the default group.
@@ -270,7 +273,7 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
-                       tokenizer=self.tokenizer, draft=self.draft)
+                       tokenizer=self.tokenizer, draft=self.draft, trained_positions=self.trained_positions)
         final = self.root / step_name(step)
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
             trash = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"

@@ -16,8 +16,9 @@ prefill_tokens_per_s, decode_tokens_per_s. On a terminal, one prompt's text stre
 it is generated; several prompts show a progress bar there instead.
 
 Everything that can be wrong with the input is said before the weights are read: both or neither of
---prompt / --prompts, a bad prompts file, an empty prompt, a prompt longer than the model's
-max_seq_len, a checkpoint that names no tokenizer, sampling settings out of range.
+--prompt / --prompts, a bad prompts file, an empty prompt, a prompt past the positions the model was
+trained on (config/positions.py: raising --model.max_seq_len does not move that, RoPE scaling does;
+--allow-extrapolation runs it anyway), a checkpoint that names no tokenizer, sampling settings out of range.
 
 The model is the checkpoint's own [model] (extension keys may be overridden: --model.rope_scaling,
 --model.rope_factor, --model.max_seq_len ...), built on one device (--train.device / --train.dtype);
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from .settings import add_sampling_flags
 
 
 def add_parser(sub) -> None:
@@ -48,15 +50,28 @@ def add_parser(sub) -> None:
                         "hf:DIR, a Hugging Face model directory")
     p.add_argument("--prompt", default=None, help="one prompt (text)")
     p.add_argument("--prompts", default=None, metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per prompt at most (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample among the most likely tokens whose probability reaches p, in (0, 1] (1 = all)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens per prompt at most (default: hf:DIR's generation_config.json, else 256)")
+    add_sampling_flags(p)  # (unset flags take hf:DIR's generation_config.json values: generate/settings.py)
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="no EOS before this many new tokens (transformers' min_new_tokens; default 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="EOS does not end a generation (it is kept as a token, as vLLM's ignore_eos)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the run's sampling seed: a prompt without its own \"seed\" field is seeded from it and "
+                        "its index in the file, so its tokens never depend on the rest of the batch")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N",
+                   help="N continuations per prompt, each its own JSON line with a \"sample\" index 0..N-1 "
+                        "(default 1)")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each new token's log-probability, and the N most likely (id, log-probability) per "
+                        "position (0: the chosen token's only), under the distribution it was chosen from")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop a prompt's generation when its text contains TEXT (repeatable; the text is cut "
                         "before it)")
+    p.add_argument("--allow-extrapolation", action="store_true",
+                   help="run prompts (and continuations) past the positions the model was trained on (a warning, "
+                        "not an error; raising --model.max_seq_len alone never makes a model read further)")
     p.add_argument("--output", default="", help="write the JSON lines here instead of stdout")
     p.add_argument("--echo", action="store_true",
                    help="each line's text starts with its prompt's (e.g. a draft's training text: the target's "
@@ -98,7 +113,7 @@ class Plan:
     tokenizer: object
     tokenizer_spec: str
     prompts: list[dict]          # {"text", "ids", "id"?}
-    limits: list[int]            # new tokens per prompt (max_new_tokens, capped at max_seq_len)
+    limits: list[int]            # new tokens per prompt (max_new_tokens, capped at the model's reach)
     eos_ids: list[int]
     sampling: object
     notes: list[str] = field(default_factory=list)
@@ -203,7 +218,7 @@ def prepare(args, overrides: list[str]) -> Plan:
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
     tokenizer = load_tokenizer(spec)
-    limits, notes = _encode_prompts(args, prompts, tokenizer, spec, cfg.model)
+    limits, notes = _encode_prompts(args, prompts, tokenizer, spec, cfg.model, _reach(cfg.model))
     plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
     if args.draft:
         from .drafts import draft_config
@@ -246,14 +261,32 @@ def _tokenizer_spec(args, cfg) -> str:
     return spec
 
 
-def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m) -> tuple[list[int], list[str]]:
+@dataclass(frozen=True)
+class Reach:
+    """How far the weights can be trusted (config/positions.py), and from what that was read."""
+    positions: int
+    trained: int
+    source: str
+    scaled: bool  # a RoPE scaling stretches `trained` to `positions`
+
+
+def _reach(m) -> Reach:
+    from ..config.positions import covered_positions, trained_positions
+
+    weights = trained_positions(m.init_from)
+    positions = covered_positions(m, weights.own, weights.positions)
+    return Reach(positions, weights.positions, weights.source, positions > weights.positions)
+
+
+def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach: Reach) -> tuple[list[int], list[str]]:
     """Each prompt's token ids (into its "ids"), checked against the model; returns each prompt's limit of
-    new tokens (--max-new-tokens within max_seq_len) and the notes on the ones cut short."""
+    new tokens (--max-new-tokens within the positions the model reaches) and the notes on the ones cut
+    short. A prompt past that reach is refused, or with --allow-extrapolation said once."""
     from ..data.tokenizer import HFTokenizer
 
     # with a Hugging Face tokenizer's special tokens (e.g. BOS) for hf:DIR, as transformers does
     special = args.checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)
-    limits, notes = [], []
+    limits, notes, past = [], [], []
     for i, p in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
         if not p["text"]:
@@ -265,19 +298,36 @@ def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m) -> tuple
         if max(p["ids"]) >= m.vocab_size:
             raise ConfigError(f"{which} has token id {max(p['ids'])} but the model's vocabulary is {m.vocab_size}: the "
                               f"tokenizer {spec} is not the model's; pass the one it was trained with (--tokenizer).")
-        if len(p["ids"]) > m.max_seq_len:
-            raise ConfigError(
-                f"{which} has {len(p['ids']):,} tokens, more than the model's max_seq_len of {m.max_seq_len:,}. Use a "
-                f"shorter prompt, or extend the model with RoPE scaling (e.g. --model.rope_scaling=yarn "
-                f"--model.rope_factor={max(2, -(-len(p['ids']) // m.max_seq_len))} "
-                f"--model.max_seq_len={len(p['ids']) + args.max_new_tokens}).")
-        room = m.max_seq_len - len(p["ids"])
-        if room < args.max_new_tokens:
-            notes.append(f"{which}: {len(p['ids']):,} tokens leave room for {room} new ones within max_seq_len "
-                         f"{m.max_seq_len:,} (not {args.max_new_tokens}); raise --model.max_seq_len with RoPE "
-                         f"scaling to go further")
-        limits.append(min(args.max_new_tokens, room))
+        if len(p["ids"]) > reach.positions:
+            if not args.allow_extrapolation:
+                raise ConfigError(_past_reach(which, len(p["ids"]), reach, args.max_new_tokens))
+            past.append(which)
+        room = reach.positions - len(p["ids"])
+        if room < args.max_new_tokens and not args.allow_extrapolation:
+            notes.append(f"{which}: {len(p['ids']):,} tokens leave room for {room} new ones within the "
+                         f"{reach.positions:,} positions the model reaches (not {args.max_new_tokens}); extend it "
+                         f"with RoPE scaling to go further, or pass --allow-extrapolation")
+            limits.append(room)
+        else:
+            limits.append(args.max_new_tokens)
+    if past:
+        notes.append(f"{', '.join(past)} run past the {reach.positions:,} positions the model reaches "
+                     f"({_reach_said(reach)}), as --allow-extrapolation asks: expect degraded text there")
     return limits, notes
+
+
+def _reach_said(reach: Reach) -> str:
+    said = f"trained on {reach.trained:,}: {reach.source}"
+    return said + (", stretched by its RoPE scaling" if reach.scaled else "")
+
+
+def _past_reach(which: str, n: int, reach: Reach, new_tokens: int) -> str:
+    factor = max(2, -(-(n + new_tokens) // reach.trained))
+    return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches "
+            f"({_reach_said(reach)}). "
+            f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or extend it "
+            f"with RoPE scaling, e.g. --model.rope_scaling=yarn --model.rope_factor={factor} "
+            f"--model.rope_original_max_len={reach.trained}; or pass --allow-extrapolation to run it anyway.")
 
 
 def _cape_table(args, sampling):

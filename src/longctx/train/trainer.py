@@ -25,6 +25,7 @@ import torch
 
 from ..checkpoint.paths import CheckpointError
 from ..config import Config
+from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
 from ..parallel import watchdog
@@ -110,6 +111,8 @@ class Trainer:
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
         self._skip_rolled_back_window()
+        # the positions the starting weights can be trusted with under this run's RoPE settings
+        self.start_positions = 0 if cfg.draft.target else run_start_positions(cfg.model.init_from, cfg.model)
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         if rt.is_main:
@@ -147,6 +150,9 @@ class Trainer:
             self.sampler.position_note = None
         s = self.sampler.stage
         self.metrics.enter_stage(s.seq_len)
+        if self.ckpt is not None:  # what checkpoints from here on record as trained (config/positions.py)
+            trained = (t.seq_len for t in self.sampler.stages[:s.index + 1])
+            self.ckpt.trained_positions = max(self.start_positions, *trained)
         if len(self.sampler.stages) > 1:
             self.log(f"stage {s.index + 1}/{len(self.sampler.stages)}: steps {s.first_step}-{s.last_step} at "
                      f"{s.seq_len} tokens per sequence")

@@ -1,0 +1,85 @@
+"""How many positions a model's weights can be trusted with: what they were trained on, and what a
+RoPE scaling stretches that to. `longctx generate` refuses a prompt past it (unless the user asks to
+extrapolate), and training records it in each checkpoint's manifest (`trained_positions`).
+
+`model.max_seq_len` is not evidence of anything: it is a number the user may raise at will, and a
+model trained on 64 positions does not read position 100 because a config says 4096. So the reach is
+built from what the weights saw:
+- trained: a longctx checkpoint's recorded `trained_positions` (the longest sequence any stage of its
+  runs trained on, and its start's reach); a Hugging Face model's `max_position_embeddings`; a
+  checkpoint written before the record existed: its max_seq_len (the old rule, never stricter).
+- a RoPE scaling that records its original length (yarn, llama3) reaches original x factor, as vLLM
+  counts it: a YaRN-scaled model's longer prompts run.
+- a scaling the user adds (or changes) at generation time stretches the unscaled length the weights
+  learned: min(trained, original) x factor for yarn / llama3, trained x factor for linear.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schema import ModelConfig
+
+_ROPE_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_len")
+_WITH_ORIGINAL = ("yarn", "llama3")  # scalings that name the length they stretch
+
+
+def scaled_reach(m: ModelConfig) -> int:
+    """original x factor for a scaling that records its original length, else 0."""
+    if m.rope_scaling in _WITH_ORIGINAL:
+        return int(m.rope_original_max_len * m.rope_factor)
+    return 0
+
+
+def _unscaled(m: ModelConfig, trained: int) -> int:
+    """The length the weights learned before `m`'s own scaling stretched it."""
+    if m.rope_scaling in _WITH_ORIGINAL:
+        return min(trained, m.rope_original_max_len)
+    if m.rope_scaling == "linear":
+        return int(trained / m.rope_factor)
+    return trained
+
+
+def covered_positions(now: ModelConfig, own: ModelConfig, trained: int) -> int:
+    """Positions `now` (the weights' config with the user's overrides) can be trusted with, for weights
+    whose own config is `own` and that trained on `trained` positions."""
+    if all(getattr(now, k) == getattr(own, k) for k in _ROPE_KEYS):
+        return max(trained, scaled_reach(own))
+    base = _unscaled(own, trained)
+    if now.rope_scaling in _WITH_ORIGINAL:
+        return max(base, int(min(base, now.rope_original_max_len) * now.rope_factor))
+    if now.rope_scaling == "linear":
+        return int(base * now.rope_factor)
+    return base
+
+
+@dataclass(frozen=True)
+class TrainedPositions:
+    positions: int      # how many positions the weights trained on
+    own: ModelConfig    # the weights' own [model], before any override
+    source: str         # where `positions` comes from, said in messages
+
+
+def trained_positions(init_from: str) -> TrainedPositions:
+    """What the weights of `init_from` (hf:DIR or a longctx checkpoint) trained on."""
+    from .hf import checkpoint_manifest, model_config, resolve_init_from
+
+    fields, _ = resolve_init_from({"init_from": init_from})
+    own = model_config(fields)
+    if init_from.startswith("hf:"):
+        return TrainedPositions(own.max_seq_len, own, "its config.json's max_position_embeddings")
+    path, manifest = checkpoint_manifest(init_from)
+    recorded = manifest.get("trained_positions")
+    if recorded:
+        return TrainedPositions(int(recorded), own, f"the trained_positions its manifest records ({path})")
+    return TrainedPositions(own.max_seq_len, own, f"its max_seq_len (its manifest, {path}, predates the record of "
+                                                   f"trained positions)")
+
+
+def run_start_positions(init_from: str, model: ModelConfig) -> int:
+    """The reach a training run starts from: 0 from scratch, else its start's reach under the run's
+    own RoPE settings (an extension run stretches what its start learned)."""
+    if not init_from:
+        return 0
+    start = trained_positions(init_from)
+    return covered_positions(model, start.own, start.positions)

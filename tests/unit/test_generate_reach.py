@@ -1,0 +1,117 @@
+"""The prompt-length guard of `longctx generate` (config/positions.py): a prompt is checked against
+the positions the weights were trained on (a checkpoint's recorded trained_positions, a Hugging Face
+model's max_position_embeddings) stretched only by a RoPE scaling, never by --model.max_seq_len.
+Past it: refused, or with --allow-extrapolation run with a note. Training records the positions."""
+
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+import test_hf  # noqa: E402
+from test_tokenizer_follows_model import bpe_tokenizer  # noqa: E402
+
+from longctx.checkpoint.manifest import read_manifest, write_manifest  # noqa: E402
+from longctx.cli import build_parser  # noqa: E402
+from longctx.config import load_config  # noqa: E402
+from longctx.config.hf import model_config  # noqa: E402
+from longctx.config.load import to_dict  # noqa: E402
+from longctx.config.positions import covered_positions, scaled_reach  # noqa: E402
+from longctx.errors import ConfigError  # noqa: E402
+from longctx.generate.cli import prepare  # noqa: E402
+
+PROMPT = "x " * 100  # 101 BPE tokens: past 64 positions
+
+
+def _model(**fields):
+    return model_config({"rope_scaling": "none", "rope_factor": 8.0, "rope_original_max_len": 8192, **fields})
+
+
+def test_covered_positions_by_hand():
+    none = _model()
+    assert covered_positions(none, none, 64) == 64
+    assert covered_positions(_model(max_seq_len=4096), none, 64) == 64  # max_seq_len moves nothing
+    yarn = _model(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=64)
+    assert scaled_reach(yarn) == 256 and covered_positions(yarn, yarn, 64) == 256  # the weights' own scaling
+    assert covered_positions(yarn, none, 64) == 256  # a scaling added at generation: 64 x 4
+    assert covered_positions(_model(rope_scaling="yarn", rope_factor=4.0), none, 64) == 256  # original > trained
+    assert covered_positions(_model(rope_scaling="linear", rope_factor=2.0), none, 64) == 128
+    extended = _model(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=512)
+    assert covered_positions(extended, extended, 1024) == 2048  # trained at 1024, yarn reaches 2048
+    wider = _model(rope_scaling="yarn", rope_factor=8.0, rope_original_max_len=512)
+    assert covered_positions(wider, extended, 1024) == 4096  # the factor raised: 512 x 8
+
+
+@pytest.fixture
+def hf64(tmp_path):
+    """A weightless Hugging Face Llama trained (as its config says) on 64 positions."""
+    def make(**extra):
+        d = tmp_path / f"hf{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(test_hf.hf_config("llama", max_position_embeddings=64, **extra)))
+        bpe_tokenizer(d / "tokenizer.json")
+        return d
+    return make
+
+
+def _prepare(*argv):
+    args, rest = build_parser("generate").parse_known_args(["generate", *argv])
+    return prepare(args, rest)
+
+
+def test_raising_max_seq_len_does_not_pass_the_guard(hf64):
+    d = hf64()
+    with pytest.raises(ConfigError) as e:
+        _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--model.max_seq_len=4096")
+    said = " ".join(str(e.value).split())
+    assert "past the 64 positions the model reaches (trained on 64: its config.json's max_position_embeddings)" \
+        in said and "--allow-extrapolation" in said and "--model.rope_scaling=yarn" in said
+
+
+def test_allow_extrapolation_runs_with_one_note(hf64):
+    d = hf64()
+    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--model.max_seq_len=4096",
+                    "--allow-extrapolation", "--max-new-tokens", "8")
+    assert plan.limits == [8]
+    [note] = plan.notes
+    assert "run past the 64 positions" in note and "--allow-extrapolation" in note
+
+
+def test_the_suggested_scaling_passes(hf64):
+    d = hf64()
+    with pytest.raises(ConfigError) as e:
+        _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
+    flags = [w.rstrip(";,.") for w in str(e.value).split() if w.startswith("--model.rope")]
+    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8", *flags)
+    assert plan.limits == [8] and not plan.notes
+
+
+def test_a_yarn_scaled_model_reads_longer_prompts(hf64):
+    d = hf64(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))
+    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert plan.limits == [8] and len(plan.prompts[0]["ids"]) > 64
+
+
+def test_new_tokens_capped_at_the_reach(hf64):
+    d = hf64()
+    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", "def f(x):", "--max-new-tokens", "300")
+    n = len(plan.prompts[0]["ids"])
+    assert plan.limits == [64 - n] and "within the 64 positions the model reaches" in plan.notes[0]
+
+
+def test_a_checkpoint_is_held_to_its_recorded_positions(tmp_path):
+    """A longctx checkpoint (weightless: the guard reads only the manifest) trained on 64 positions,
+    its max_seq_len the default 131072: the recorded 64 decides."""
+    cfg = load_config(None, {"model": {"layers": 1}})
+    model = to_dict(cfg)["model"]
+    step = tmp_path / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    write_manifest(step, step=2, layout={}, model=model, tokenizer="byte", trained_positions=64)
+    with pytest.raises(ConfigError, match="trained on 64: the trained_positions its manifest records"):
+        _prepare("--checkpoint", str(step), "--prompt", "x" * 100, "--model.max_seq_len=4096")
+    plan = _prepare("--checkpoint", str(step), "--prompt", "x" * 60, "--max-new-tokens", "10")
+    assert plan.limits == [4]
+    # written before the record: its max_seq_len, as before
+    write_manifest(step, step=2, layout={}, model=model, tokenizer="byte")
+    assert "trained_positions" not in read_manifest(step)
+    assert _prepare("--checkpoint", str(step), "--prompt", "x" * 100).limits == [256]
