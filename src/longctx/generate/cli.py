@@ -72,6 +72,10 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-extrapolation", action="store_true",
                    help="run prompts (and continuations) past the positions the model was trained on (a warning, "
                         "not an error; raising --model.max_seq_len alone never makes a model read further)")
+    p.add_argument("--chat", action="store_true",
+                   help="render each prompt with the tokenizer's chat template, as transformers' "
+                        "apply_chat_template(add_generation_prompt=True) does: a --prompts line's \"messages\" "
+                        "([{\"role\": ..., \"content\": ...}]), or the prompt as one user message")
     p.add_argument("--output", default="", help="write the JSON lines here instead of stdout")
     p.add_argument("--echo", action="store_true",
                    help="each line's text starts with its prompt's (e.g. a draft's training text: the target's "
@@ -179,13 +183,39 @@ def read_prompts(args) -> list[dict]:
         except ValueError as e:
             raise ConfigError(f"--prompts {path} line {n} is not JSON ({e}); each line must be an object "
                               f"like {{\"prompt\": \"...\"}}.") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or "messages" in row):
             raise ConfigError(f"--prompts {path} line {n} has no \"prompt\" string; each line must be an object "
-                              f"like {{\"prompt\": \"...\"}}.")
-        prompts.append({"text": row["prompt"], **({"id": row["id"]} if "id" in row else {})})
+                              f"like {{\"prompt\": \"...\"}} (or, with --chat, {{\"messages\": [...]}}).")
+        if "messages" in row:
+            _check_chat_row(row, args, f"--prompts {path} line {n}")
+        prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
+                        **({"messages": row["messages"]} if "messages" in row else {})})
     if not prompts:
         raise ConfigError(f"--prompts {path} holds no prompt.")
     return prompts
+
+
+def _check_chat_row(row: dict, args, where: str) -> None:
+    from .chat import check_messages
+
+    if "prompt" in row:
+        raise ConfigError(f"{where} has both \"prompt\" and \"messages\"; give one of them.")
+    if not getattr(args, "chat", False):
+        raise ConfigError(f"{where} has \"messages\": a conversation is turned into a prompt by the tokenizer's chat "
+                          f"template; pass --chat.")
+    check_messages(row["messages"], where)
+
+
+def _apply_chat(prompts: list[dict], spec: str) -> str:
+    """--chat: each prompt's text becomes its conversation (its "messages", or the prompt as one user
+    message) rendered by the tokenizer's chat template; returns where the template came from."""
+    from .chat import load_chat_template
+
+    template = load_chat_template(spec)
+    for p in prompts:
+        p["text"] = template.render(p.get("messages") or [{"role": "user", "content": p["text"]}])
+        p["chat"] = True
+    return template.source
 
 
 def eos_ids(init_from: str, tokenizer) -> list[int]:
@@ -218,6 +248,8 @@ def prepare(args, overrides: list[str]) -> Plan:
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
     tokenizer = load_tokenizer(spec)
+    if args.chat:
+        _apply_chat(prompts, spec)
     limits, notes = _encode_prompts(args, prompts, tokenizer, spec, cfg.model, _reach(cfg.model))
     plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
     if args.draft:
@@ -291,7 +323,9 @@ def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach: R
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
         if not p["text"]:
             raise ConfigError(f"{which} is empty; give it some text to continue.")
-        ids = tokenizer.encode(p["text"], add_special_tokens=True) if special else tokenizer.encode(p["text"])
+        # (a rendered chat holds its special tokens already: none added, as transformers tokenizes it)
+        add = special and not p.get("chat")
+        ids = tokenizer.encode(p["text"], add_special_tokens=True) if add else tokenizer.encode(p["text"])
         p["ids"] = [int(t) for t in ids]
         if not p["ids"]:
             raise ConfigError(f"{which} has no tokens after tokenization; give it some text to continue.")

@@ -1,0 +1,153 @@
+"""`longctx generate --chat`: a conversation turned into the prompt an instruction-tuned model was
+trained on, by the tokenizer's own chat template, as transformers' `apply_chat_template(messages,
+add_generation_prompt=True)` renders it.
+
+- Where the template is: beside the tokenizer.json in use, `chat_template.jinja` first, else
+  tokenizer_config.json's `chat_template` (a string, or a list of named templates, of which
+  "default"), the order transformers reads them in.
+- How it renders: Jinja in a sandbox (templates come from model hubs: untrusted code), blocks
+  trimmed as transformers does (trim_blocks, lstrip_blocks, loop controls), with its helpers
+  (raise_exception, tojson without HTML escaping, strftime_now, the `{% generation %}` block) and the
+  tokenizer's special tokens (bos_token, eos_token, ...) as variables.
+- The rendered text holds its special tokens already, so it is tokenized without adding more (as
+  transformers tokenizes a rendered chat).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from ..errors import ConfigError
+
+MESSAGE_KEYS = ("role", "content")  # what a message of the prompts file may hold
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str            # the file it was read from (said in errors)
+    template: str
+    special_tokens: dict   # bos_token, eos_token, ...: variables the template may read
+
+    def render(self, messages: list[dict]) -> str:
+        import jinja2
+
+        try:
+            return _compile(self.template).render(messages=messages, add_generation_prompt=True,
+                                                  **self.special_tokens)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"the chat template of {self.source} could not render the messages: {e}") from None
+
+
+def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
+    """The chat template beside the tokenizer.json `tokenizer_spec` names; a ConfigError saying what
+    to do when there is none."""
+    if tokenizer_spec == "byte":
+        raise ConfigError("--chat applies the tokenizer's chat template, and the byte tokenizer has none; use a model "
+                          "whose tokenizer comes with one (tokenizer_config.json's chat_template, or "
+                          "chat_template.jinja), or drop --chat.")
+    folder = Path(tokenizer_spec).parent
+    config_file = folder / "tokenizer_config.json"
+    config = _read_json(config_file) if config_file.is_file() else {}
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    else:
+        template, source = _named_default(config.get("chat_template"), config_file), str(config_file)
+    if not template:
+        raise ConfigError(f"--chat: the tokenizer in {folder} has no chat template (no chat_template.jinja, and no "
+                          f"chat_template in tokenizer_config.json); its model was not tuned for chat. Drop --chat, "
+                          f"or pass --tokenizer PATH/tokenizer.json of a tokenizer with one.")
+    specials = {k: _token_text(v) for k, v in config.items()
+                if k.endswith("_token") and _token_text(v) is not None}
+    return ChatTemplate(source, template, specials)
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """A prompts file's "messages": a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise ConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                          f"objects.")
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict):
+            raise ConfigError(f"{where}: message {i} is not an object; each is {{\"role\": ..., \"content\": ...}}.")
+        unknown = sorted(set(m) - set(MESSAGE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: message {i} has {', '.join(repr(k) for k in unknown)}, which the chat "
+                              f"template is not given; a message holds {' and '.join(MESSAGE_KEYS)} only.")
+        for key in MESSAGE_KEYS:
+            if not isinstance(m.get(key), str):
+                raise ConfigError(f"{where}: message {i} needs a \"{key}\" string.")
+    return messages
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--chat: {path} cannot be read ({e}).") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _named_default(template, where: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or [{"name", "template"}, ...] whose "default"."""
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" in named:
+            return named["default"]
+        raise ConfigError(f"--chat: {where} names chat templates {sorted(named)} but none is \"default\", the one "
+                          f"longctx applies.")
+    raise ConfigError(f"--chat: {where}'s chat_template is neither a string nor a list of named templates.")
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken's {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compile(template: str):
+    if template not in _COMPILED:
+        _COMPILED[template] = _environment().from_string(template)
+    return _COMPILED[template]
+
+
+def _environment():
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` marks the assistant's tokens for training masks; here
+        it renders its body and nothing more."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
