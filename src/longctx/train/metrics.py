@@ -84,26 +84,6 @@ def format_line(r: dict) -> str:
     return " | ".join(parts)
 
 
-ROUTER_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst", "moe_drop_rate")
-
-
-def router_record(stats: torch.Tensor | None, counts: torch.Tensor | None = None, expert: int = 1) -> dict:
-    """A step's router figures (models/moe.py RouterTerms.stats, read here at the log interval):
-    the balancing losses unweighted, max/mean tokens per expert (mean over MoE layers, and the worst
-    layer's) and the fraction of choices dropped for capacity. Empty for a dense model.
-
-    Under expert parallelism also `expert_rank_load`: the tokens the busiest rank of an expert group
-    runs over the mean (worst MoE layer), from the step's choices per expert [layers, E] (over every
-    expert group: the mean over expert-data groups, exact with one group); the straggler figure."""
-    if stats is None:
-        return {}
-    record = dict(zip(ROUTER_FIELDS, stats.tolist()))
-    if counts is not None and expert > 1:
-        per_rank = counts.view(counts.shape[0], expert, -1).sum(-1)
-        record["expert_rank_load"] = float((per_rank.max(1).values / per_rank.mean(1)).max())
-    return record
-
-
 def read_jsonl(path: Path) -> list[dict]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]

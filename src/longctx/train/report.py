@@ -1,5 +1,6 @@
 """PNG plots of a run from its metrics JSONL: loss (train and eval), throughput (tokens/s with its
-MFU scale) over memory, and for MoE models the expert load and router losses."""
+MFU scale) over memory, and for MoE models the expert load and router losses (expert_load.png) and
+each expert's share of its layer's choices over the steps (expert_heatmap.png)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,9 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
     moe = [r for r in train if "moe_load_mean" in r]
     if moe:
         written.append(_expert_load_plot(run_dir, moe, plt))
+    columns = [r for r in train if "moe_expert_load" in r]
+    if columns:
+        written.append(_expert_heatmap(run_dir, columns, plt))
     return written
 
 
@@ -91,6 +95,66 @@ def _expert_load_plot(run_dir: Path, records: list[dict], plt) -> Path:
     loss_ax.legend(fontsize=8)
     fig.tight_layout()
     path = run_dir / "expert_load.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+HEATMAP_PANELS = 8  # MoE layers drawn at most (the most unevenly loaded ones, past that)
+HEATMAP_RANGE = 4.0  # the colour scale: 1/4 to 4 times an even share (beyond: the end colours)
+
+
+def _expert_heatmap(run_dir: Path, records: list[dict], plt) -> Path:
+    """MoE runs: each expert's share of its layer's choices over the steps (router_metrics.py's
+    `moe_expert_load`, 1 = an even share), one panel per MoE layer, experts up, steps across; a
+    column per record, spanning the steps it covers. Past HEATMAP_PANELS layers, the most unevenly
+    loaded ones (highest expert load anywhere in the run)."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    # the steps each column covers, a blank column where records are missing (a resumed run)
+    edges, columns = [records[0].get("moe_expert_load_from", records[0]["step"]) - 1], []
+    for r in records:
+        start = r.get("moe_expert_load_from", edges[-1] + 1) - 1
+        if start > edges[-1]:
+            columns.append(None)
+            edges.append(start)
+        columns.append(np.asarray(r["moe_expert_load"], dtype=float) / 100)  # [layers, E]
+        edges.append(r["step"])
+    layers, experts = next(c for c in columns if c is not None).shape
+    load = np.stack([np.full((layers, experts), np.nan) if c is None else c for c in columns], axis=-1)  # [L, E, t]
+    blocks = records[-1].get("moe_blocks") or list(range(layers))
+    shown = list(range(layers))
+    if layers > HEATMAP_PANELS:
+        worst = np.nanmax(load, axis=(1, 2))
+        shown = sorted(np.argsort(-worst, kind="stable")[:HEATMAP_PANELS].tolist())
+    # a log scale symmetric about an even share: 2x over reads as far from even as 2x under
+    norm = LogNorm(vmin=1 / HEATMAP_RANGE, vmax=HEATMAP_RANGE)
+    load = np.where(np.isnan(load), np.nan, np.maximum(load, 1 / HEATMAP_RANGE))  # (an idle expert: coldest)
+    panel_h = min(1.8, max(1.0, 0.12 * experts))
+    fig, axes = plt.subplots(len(shown), 1, figsize=(8, 1.0 + panel_h * len(shown)), sharex=True, squeeze=False,
+                             layout="constrained")
+    axes = axes[:, 0]
+    for ax, i in zip(axes, shown):
+        mesh = ax.pcolormesh(edges, np.arange(experts + 1) - 0.5, load[i], cmap="RdBu_r", norm=norm)
+        ax.set_facecolor("0.6")  # steps no record covers (white is an even load)
+        ax.set_ylabel(f"block {blocks[i]}\nexpert", fontsize=8)
+        if experts <= 16:
+            ax.set_yticks(range(experts))
+        ax.tick_params(labelsize=7)
+    axes[-1].set_xlabel("step")
+    what = (f"{len(shown)} of {layers} MoE layers (the most unevenly loaded)" if len(shown) < layers
+            else f"{layers} MoE layers")
+    gap = "; grey: steps no record covers" if any(c is None for c in columns) else ""
+    fig.suptitle(f"expert load over steps - {run_dir.name}\n{what}\neach column: the steps since the previous one{gap}",
+                 fontsize=9)
+    bar = fig.colorbar(mesh, ax=list(axes), extend="both", aspect=max(20, 12 * len(shown)))
+    ticks = [2.0**k for k in range(-int(np.log2(HEATMAP_RANGE)), int(np.log2(HEATMAP_RANGE)) + 1)]
+    bar.set_ticks(ticks, labels=[f"{t:g}" if t >= 1 else f"1/{1 / t:g}" for t in ticks])
+    bar.minorticks_off()
+    bar.set_label("share of the layer's choices / even share (1/experts)", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    path = run_dir / "expert_heatmap.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -28,17 +28,19 @@ from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
+from ..models.moe import moe_layers
 from ..parallel import watchdog
 from ..parallel.expert import expert_step_notes
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import progress_bar
 from .guard import StepGuard, bad_step_reason, stopped_run_error
-from .metrics import MetricsLogger, peak_memory_bytes, router_record
+from .metrics import MetricsLogger, peak_memory_bytes
 from .model import build_training_model, resolve_offload
 from .preemption import StopOnSignal
 from .report import describe_run, write_plots
 from .rollback import BadStep, roll_back, skip_rolled_back_window
+from .router_metrics import RouterInterval, heatmap_every, layer_loads
 from .setup import (
     build_data,
     check_packages,
@@ -90,9 +92,10 @@ class Trainer:
         self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
         self.model = build_training_model(cfg, self.device, rt, self.log)
         self.moe = cfg.model.is_moe and not cfg.draft.target  # (a GliDe draft trains no routers)
-        # the last step's router figures (models/moe.py RouterTerms: stats, and choices per expert)
-        self.router_stats: torch.Tensor | None = None
+        # the last step's choices per expert [layers, E] (models/moe.py RouterTerms.counts): what the
+        # expert placement reads; the metrics' router figures sum every step's on the device
         self.router_counts: torch.Tensor | None = None
+        self.router_interval = self._router_interval() if self.moe else None
         # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
         self.device_section = contextlib.nullcontext
         # LONGCTX_FAULT (a testing aid): the steps each fault hits on this rank, each once
@@ -125,6 +128,12 @@ class Trainer:
         if self.device.type == "cuda":  # setup transients are not the step's peak
             torch.cuda.reset_peak_memory_stats(self.device)
         self._describe()
+
+    def _router_interval(self) -> RouterInterval:
+        """The MoE figures of each metrics line (router_metrics.py), the selection biases with aux-loss-free routing."""
+        m, every = self.cfg.model, heatmap_every(self.cfg.metrics.log_interval, self.cfg.train.steps)
+        return RouterInterval(m.moe_layer_ids, self.rt.dims.expert, every,
+                              moe_layers(self.model) if m.moe_bias_update_rate > 0 else ())
 
     def _skip_rolled_back_window(self) -> None:
         """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py)."""
@@ -254,7 +263,7 @@ class Trainer:
             "elapsed_s": time.perf_counter() - run_start,
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
-            **router_record(self.router_stats, self.router_counts, self.rt.dims.expert)})
+            **(self.router_interval.record(step, last=step == self.cfg.train.steps) if self.moe else {})})
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
@@ -272,7 +281,7 @@ class Trainer:
             self.model.set_router_step(step - 1)
             for note in expert_step_notes(self.model, step, self.router_counts):  # chunk tuning, FlexMoE placement
                 self.log(note)
-        router_stats = router_counts = None
+        router_stats = router_counts = layer_load = None
         with self.device_section():
             local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, batch in enumerate(micro):
@@ -287,6 +296,7 @@ class Trainer:
                     total = total + terms.loss * (scale / len(micro))
                     router_stats = terms.stats / len(micro) + (0 if router_stats is None else router_stats)
                     router_counts = terms.counts + (0 if router_counts is None else router_counts)
+                    layer_load = layer_loads(terms.counts) / len(micro) + (0 if layer_load is None else layer_load)
                 watchdog.phase(step, "backward")
                 total.backward()
                 local_loss += loss_sum.detach()
@@ -305,7 +315,8 @@ class Trainer:
             # once per optimizer step, from every micro-batch; not on a step whose update was not
             # applied (its counts zeroed on the device: the bias moves by sign(mean - count) = 0)
             self.model.update_expert_bias(router_counts * apply)
-            self.router_stats, self.router_counts = router_stats, router_counts
+            self.router_counts = router_counts
+            self.router_interval.add(step, router_stats, layer_load, router_counts, apply)
         return loss, grad_norm, lr
 
     def _inject(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
