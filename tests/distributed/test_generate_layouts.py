@@ -4,7 +4,9 @@ with its local cache), on random tiny models in fp32:
   ctx 4 and head 2, and the first step's logits agree to 1e-4;
 - several prompts of different lengths decoded together (ragged rows, one of 3 tokens: fewer than
   the ranks, so some rank holds none of its slots) equal one process;
-- seeded sampling gives the same tokens under every layout;
+- seeded sampling gives the same tokens under every layout; per request (issue 47), under head 2 x ctx 2
+  with every logits processor on, a prompt's tokens are one process's and the same alone, in a batch of
+  three and as sample 0 of two (the sharded cache's rows copied for the samples);
 - GQA with kv heads replicated over the head group (1 kv head, head 2), and an MoE model;
 - each rank's cache is 1/(head x ctx) of one process's (plus the decode slack), and the shares
   of a row stay within one slot of each other as tokens are dealt.
@@ -234,6 +236,42 @@ def test_a_sharded_cache_read_with_position_limits_is_the_one_process_read(layou
     for got in layouts[("read", layout)]:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert got[0, 0].abs().max() == 0  # limit 0: nothing visible
+
+
+# per-request seeds (issue 47): T = 1 with every processor, 32 new tokens; prompt A (seed 77) alone, in a
+# batch of three of other lengths, and with two samples per prompt (the sharded cache's rows copied)
+SEEDED = {"temperature": 1.0, "top_k": 60, "top_p": 0.95, "min_p": 0.01, "repetition_penalty": 1.2,
+          "presence_penalty": 0.3, "frequency_penalty": 0.2}
+
+
+def _seeded(head: int, ctx: int):
+    """(A alone, A in a batch of 3, the batch's 3 x 2 samples) on one process (1 x 1) or head x ctx ranks."""
+    from longctx.generate.engine import generate
+    from longctx.generate.sampling import Sampling
+
+    model = _model("dense")
+    backend, _ = _backend_and_cache(head, ctx, model, 8)
+    a, others = _prompt(301, seed=7), [_prompt(45, seed=8), _prompt(700, seed=9)]
+    s = Sampling(**SEEDED)
+    alone = generate(model, [a], max_new_tokens=NEW, sampling=s, seeds=[77], backend=backend)[0].tokens
+    batch = [others[0], a, others[1]]
+    together = generate(model, batch, max_new_tokens=NEW, sampling=s, seeds=[1, 77, 2], backend=backend)[1].tokens
+    samples = generate(model, batch, max_new_tokens=NEW, sampling=s, seeds=[1, 77, 2], backend=backend,
+                       num_samples=2)
+    return alone, together, [r.tokens for r in samples]
+
+
+@pytest.mark.slow
+def test_a_request_draws_its_own_tokens_under_head2_ctx2():
+    """Every rank of head 2 x ctx 2 draws one process's tokens for each request, and A's are the same
+    alone, in a batch of three, and as sample 0 of two (sample 1 differs)."""
+    from longctx.parallel.spawn import run_spawned_many
+
+    want_alone, want_together, want_samples = _seeded(1, 1)
+    assert want_alone == want_together == want_samples[2] and len(want_alone) == NEW
+    assert want_samples[3] != want_samples[2]
+    for alone, together, samples in run_spawned_many(4, [("seeded", _seeded, (2, 2))])["seeded"]:
+        assert alone == want_alone and together == want_together and samples == want_samples
 
 
 FOUR = {(case, layout): (_generate, (case, *layout)) for case in CASES for layout in ((2, 2), (1, 4))}

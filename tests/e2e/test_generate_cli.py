@@ -87,6 +87,43 @@ def test_several_prompts_seeded_sampling_and_stop(hf_model, tmp_path):
     assert c["tokens"] == line["tokens"][:len(c["tokens"])] and len(c["tokens"]) < len(line["tokens"])
 
 
+def test_generation_config_seeds_samples_and_logprobs(hf_model, tmp_path):
+    """generation_config.json's sampling defaults (said once on stderr); a prompt's "seed" field and the
+    run's seed x its index decide its tokens whatever --batch and whatever else is in the file;
+    --num-samples 2 writes two lines per prompt (sample 0, 1); --logprobs 3 the chosen token's and the
+    top 3 per position."""
+    import shutil
+
+    from longctx.generate.sampling import derive_seed
+
+    d, _ = hf_model
+    shutil.copytree(d, tmp_path / "hf")
+    d = tmp_path / "hf"
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.9, "top_k": 30,
+                                                          "repetition_penalty": 1.1, "max_new_tokens": 12,
+                                                          "eos_token_id": EOS}))
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"prompt": "import os", "seed": 5}, {"prompt": "class A:\n    def"}, {"prompt": "x = [1, 2"}]
+    prompts.write_text("\n".join(json.dumps(p) for p in rows) + "\n")
+    base = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--seed", "3"]
+    r = _run(*base, "--num-samples", "2", "--logprobs", "3", "--output", str(tmp_path / "a.jsonl"))
+    assert r.stderr.count("defaults from generation_config.json: do_sample true, temperature 0.9, top_k 30, "
+                          "repetition_penalty 1.1, max_new_tokens 12") == 1
+    a = _lines(tmp_path / "a.jsonl")
+    assert [x["sample"] for x in a] == [0, 1] * 3
+    assert [x["seed"] for x in a[::2]] == [5, derive_seed(3, 1), derive_seed(3, 2)]
+    for x in a:
+        assert 0 < len(x["tokens"]) <= 12 and len(x["logprobs"]) == len(x["tokens"]) == len(x["top_logprobs"])
+        assert all(len(top) == 3 and top[0][1] >= top[-1][1] for top in x["top_logprobs"])
+        assert all(lp <= 0 for lp in x["logprobs"])
+    # the same requests at --batch 1, and prompt 1 alone first in its file (its own seed: the same tokens)
+    _run(*base, "--batch", "1", "--output", str(tmp_path / "b.jsonl"))
+    assert [x["tokens"] for x in _lines(tmp_path / "b.jsonl")] == [x["tokens"] for x in a[::2]]
+    prompts.write_text(json.dumps(rows[0]) + "\n")
+    _run(*base, "--output", str(tmp_path / "c.jsonl"))
+    assert _lines(tmp_path / "c.jsonl")[0]["tokens"] == a[0]["tokens"]
+
+
 def test_checkpoint_of_a_longctx_run(tmp_path):
     run = tmp_path / "run"
     r = longctx("train", "--nproc", "1", "--train.seq_len=64", "--data.max_docs=30", "--train.eval_interval=0",

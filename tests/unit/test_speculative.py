@@ -2,9 +2,10 @@
 - T = 0: token-identical to plain greedy decoding, with a draft that agrees (the target itself:
   every proposal kept, tau = K + 1) and with one that mostly does not (another random model), for
   several K, prompt lengths and an EOS;
-- T = 1: over 2,000 continuations of a tiny model, the first two tokens' distribution is the
-  target's own (chi-square p > 0.01), and the same check rejects a sampler that keeps every
-  proposal (biased toward the draft), so it can fail."""
+- T = 1, and T = 0.9 with top-k and min-p: over 2,000 continuations of a tiny model, the first two
+  tokens' distribution is the target's own (chi-square p > 0.01), and the same check rejects a sampler
+  that keeps every proposal (biased toward the draft), so it can fail;
+- a prompt's own seed (speculate_one(seed=...)) decides its draws; the penalties are refused."""
 
 import numpy as np
 import pytest
@@ -58,10 +59,14 @@ def _pairs(draw_pair, runs, vocab):
 
 
 @pytest.mark.slow
-def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypatch):
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.9, top_k=6, min_p=0.05)],
+                         ids=["T1", "T0.9-topk-minp"])
+def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypatch, sampling):
     """The first two new tokens of 2,000 seeded continuations: the first from the prefill, the second
     the first speculative one (a round with K = 2 after it; caches rewound to the prompt between
-    draws, so each draw is a fresh continuation at the cost of one round)."""
+    draws, so each draw is a fresh continuation at the cost of one round). With top-k and min-p, the
+    target's and the draft's distributions are both filtered (sampling_probs), and the output keeps
+    the target's filtered distribution."""
     import longctx.generate.speculative as sp
     from longctx.models.cache import KVCache
 
@@ -71,13 +76,13 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
         for m in (target, draft):
             m.lm_head_weight.mul_(6.0)
     prompt = [3, 1, 4]
-    sampling = Sampling(temperature=1.0)
     with torch.inference_mode():  # the target's exact distribution of the first two tokens
-        p1 = target(torch.tensor([prompt]))[0, -1].float().softmax(-1)
-        seconds = torch.stack([target(torch.tensor([prompt + [a]]))[0, -1].float().softmax(-1) for a in range(vocab)])
+        p1 = sp.sampling_probs(target(torch.tensor([prompt]))[:, -1], sampling)[0]
+        seconds = torch.cat([sp.sampling_probs(target(torch.tensor([prompt + [a]]))[:, -1], sampling)
+                             for a in range(vocab)])
         exact = (p1[:, None] * seconds).flatten().double().numpy()
         cache = KVCache.for_model(target, 1, 16)
-        first = sp.prefill(target, cache, torch.tensor([prompt]), 64)[0].float().softmax(-1)
+        first = sp.sampling_probs(sp.prefill(target, cache, torch.tensor([prompt]), 64), sampling)[0]
         drafter = ModelDrafter(draft, 16)
         drafter.start(prompt)
 
@@ -91,15 +96,38 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
         return a, (kept + [following])[0]
 
     keep = exact * runs >= 5  # chi-square on the cells expected at least 5 times, the rest pooled
+    rare = ~keep & (exact > 0)  # (a pair the filters remove must never be drawn at all)
 
-    def cells(x):
-        return np.append(x[keep], x[~keep].sum()) if (~keep).any() else x[keep]
+    def pvalue(counts):
+        observed = np.append(counts[keep], counts[rare].sum()) if rare.any() else counts[keep]
+        expected = np.append(exact[keep], exact[rare].sum()) if rare.any() else exact[keep]
+        return chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
 
-    expected = cells(exact) / cells(exact).sum() * runs
-    assert chisquare(cells(_pairs(draw_pair, runs, vocab)), expected).pvalue > 0.01
+    counts = _pairs(draw_pair, runs, vocab)
+    assert counts[exact == 0].sum() == 0
+    p_exact = pvalue(counts)
+    print(f"speculative sampling chi-square p = {p_exact:.3g}")
+    assert p_exact > 0.01
     # a biased sampler: every proposal kept (the draft's distribution): the same check rejects it
     monkeypatch.setattr(sp, "_accept", lambda proposals, q, p, s, g: (len(proposals), sp._draw(p[-1], s, g)))
-    assert chisquare(cells(_pairs(draw_pair, runs, vocab)), expected).pvalue < 0.01
+    biased = _pairs(draw_pair, runs, vocab)
+    assert biased[exact == 0].sum() > 0 or pvalue(biased) < 0.01
+
+
+def test_a_prompt_speculates_from_its_own_seed_and_penalties_are_refused():
+    """speculate_one(seed=...): the same seed gives the same tokens, another seed others; the penalties and
+    min_new_tokens (a position's distribution would depend on the proposals before it) are refused."""
+    from longctx.generate.speculative import speculate_one
+
+    target, draft = _model(1), _model(2, layers=1)
+    prompt, s = _prompt(20, seed=3), Sampling(temperature=1.0)
+    runs = [speculate_one(target, draft, prompt, 24, k=3, sampling=s, eos_ids=(), prefill_chunk=64, seed=seed)
+            for seed in (77, 77, 78)]
+    assert runs[0].tokens == runs[1].tokens != runs[2].tokens and runs[0].seed == 77
+    for bad in (Sampling(temperature=1.0, repetition_penalty=1.2), Sampling(presence_penalty=0.5),
+                Sampling(frequency_penalty=0.5), Sampling(min_new_tokens=3)):
+        with pytest.raises(ValueError, match="speculative decoding does not apply"):
+            speculative_generate(target, ModelDrafter(draft, 64), prompt, max_new_tokens=8, k=2, sampling=bad)
 
 
 @pytest.mark.parametrize("draft", ["itself", "noisy"])

@@ -188,8 +188,11 @@ def read_prompts(args) -> list[dict]:
                               f"like {{\"prompt\": \"...\"}} (or, with --chat, {{\"messages\": [...]}}).")
         if "messages" in row:
             _check_chat_row(row, args, f"--prompts {path} line {n}")
+        if "seed" in row and (type(row["seed"]) is not int):
+            raise ConfigError(f"--prompts {path} line {n}: \"seed\" must be an integer, got {row['seed']!r}.")
         prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
                         **({"messages": row["messages"]} if "messages" in row else {})})
+        prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
     if not prompts:
         raise ConfigError(f"--prompts {path} holds no prompt.")
     return prompts
@@ -263,18 +266,36 @@ def prepare(args, overrides: list[str]) -> Plan:
 
 
 def _sampling(args):
-    """The sampling settings, with every out-of-range flag said at once."""
+    """The sampling settings (flags over hf:DIR's generation_config.json over longctx's defaults,
+    generate/settings.py; args.max_new_tokens resolved too, args.generation_defaults says what came
+    from the file), with every out-of-range value said at once."""
     from .sampling import Sampling
+    from .settings import generation_config, resolve
+    from .speculative import unsupported
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    fields, args.max_new_tokens, taken = resolve(args, generation_config(args.checkpoint))
+    args.generation_defaults = ", ".join(taken)
+    sampling = Sampling(**fields, seed=args.seed, min_new_tokens=args.min_new_tokens)
     problems = sampling.problems()
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--prefill-chunk", args.prefill_chunk),
-                        ("--batch", args.batch), ("--nproc", args.nproc)):
+                        ("--batch", args.batch), ("--nproc", args.nproc), ("--num-samples", args.num_samples)):
         if value < 1:
             problems.append(f"{flag} must be >= 1, got {value}")
+    if args.min_new_tokens > args.max_new_tokens:
+        problems.append(f"--min-new-tokens {args.min_new_tokens} is more than --max-new-tokens {args.max_new_tokens}")
+    if args.logprobs is not None and args.logprobs < 0:
+        problems.append(f"--logprobs must be >= 0 (0: the chosen token's only), got {args.logprobs}")
     if any(s == "" for s in args.stop):
         problems.append("--stop needs a non-empty text")
+    if args.draft and (unsupported(sampling) or args.logprobs is not None):
+        problems.append(f"--draft (speculative decoding) does not apply "
+                        f"{', '.join(unsupported(sampling) + ['--logprobs'] * (args.logprobs is not None))} (not "
+                        f"built: a penalty or --min-new-tokens makes a position's distribution depend on the tokens "
+                        f"before it, which its verification does not rebuild, and it reports no log-probabilities); "
+                        f"drop --draft, or those flags")
     if problems:
+        if taken:
+            problems.append(f"(from generation_config.json: {args.generation_defaults}; a flag overrides each)")
         raise ConfigError("; ".join(problems) + ".")
     return sampling
 
@@ -449,28 +470,38 @@ def _run(plan: Plan, args) -> int:
     from ..train.step import resolve_dtype
     from .engine import generate
     from .output import Output
+    from .sampling import derive_seed, sample_seed
 
     backend, device, main_rank = _backend(plan.cfg)
     dtype = resolve_dtype(plan.cfg.train.dtype, device)
     model = load_model(plan.cfg, device, dtype)
     if main_rank:
         _say(_describe(plan, args, device, dtype))
+        if getattr(args, "generation_defaults", ""):
+            _say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
     # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
     generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend)
-    output = Output(plan.tokenizer, args.stop, args.output, len(plan.prompts), sum(plan.limits), main_rank, args.echo)
+    samples = args.num_samples
+    output = Output(plan.tokenizer, args.stop, args.output, len(plan.prompts) * samples, sum(plan.limits) * samples,
+                    main_rank, args.echo)
     draft = _load_draft(plan, args, model, device, dtype, main_rank)
     size = 1 if draft is not None else args.batch  # speculation: one prompt at a time
+    eos = [] if args.ignore_eos else plan.eos_ids
     try:
         for start in range(0, len(plan.prompts), size):
             batch = plan.prompts[start:start + size]
+            # each prompt's own seed, else one from the run's and its index in the file (generate/sampling.py)
+            seeds = [p.get("seed", derive_seed(args.seed, start + i)) for i, p in enumerate(batch)]
             if draft is not None:
-                results = [_speculate(plan, args, model, draft, start, output.stops, backend)]
+                results = [_speculate(plan, args, model, draft, start, output.stops, backend, sample_seed(seeds[0], s),
+                                      eos, s) for s in range(samples)]
             else:
                 results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + size],
-                                   sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk,
-                                   stop=output.stops, on_token=output.on_token, device=device, backend=backend)
-            for p, r in zip(batch, results):
-                output.write(p, r, speculative=draft is not None)
+                                   sampling=plan.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk,
+                                   stop=output.stops, on_token=output.on_token, device=device, backend=backend,
+                                   seeds=seeds, num_samples=samples, logprobs=args.logprobs)
+            for i, r in enumerate(results):  # (prompt-major: a prompt's samples together)
+                output.write(batch[i // samples], r, speculative=draft is not None, samples=samples)
             output.file.flush()
             del results
             if device.type == "cuda":
@@ -504,10 +535,14 @@ def _load_draft(plan: Plan, args, model, device, dtype, main_rank: bool):
     return draft
 
 
-def _speculate(plan: Plan, args, model, draft, index: int, stops, backend):
-    """Prompt `index` generated by speculative decoding (--draft; CaPE's tree with --cape)."""
+def _speculate(plan: Plan, args, model, draft, index: int, stops, backend, seed: int, eos, sample: int = 0):
+    """Prompt `index` generated by speculative decoding (--draft; CaPE's tree with --cape), its draws
+    from `seed` (the prompt's, or its sample's)."""
     from .speculative import speculate_one
 
-    return speculate_one(model, draft, plan.prompts[index]["ids"], plan.limits[index], k=args.speculate,
-                         sampling=plan.sampling, eos_ids=plan.eos_ids, prefill_chunk=args.prefill_chunk, stop=stops,
-                         backend=backend, cape=plan.cape, stop_below=args.confidence_stop, window=args.draft_window)
+    result = speculate_one(model, draft, plan.prompts[index]["ids"], plan.limits[index], k=args.speculate,
+                           sampling=plan.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk, stop=stops,
+                           backend=backend, cape=plan.cape, stop_below=args.confidence_stop, window=args.draft_window,
+                           seed=seed)
+    result.sample = sample
+    return result

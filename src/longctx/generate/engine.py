@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.cache import KVCache
-from .sampling import Sampling, next_tokens
+from .sampling import Processors, Sampling, derive_seed, draw, process, row_generators, sample_seed
 
 GREEDY = Sampling()
 
@@ -43,6 +43,10 @@ class Result:
     finish_reason: str          # "eos", "stop" (a stop string, see generate's `stop`) or "length"
     prefill_seconds: float
     decode_seconds: float
+    sample: int = 0             # which of the prompt's num_samples continuations
+    seed: int | None = None     # the seed its draws came from (None when greedy)
+    logprobs: list[float] | None = None  # each new token's log-probability (generate's `logprobs`)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token, the top (id, log-probability)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -112,6 +116,15 @@ class LocalGeneration:
     def prefill_flat(self, model, cache: KVCache, prompts) -> torch.Tensor:
         return prefill_flat(model, cache, prompts)
 
+    def repeat_rows(self, cache: KVCache, rows: int, times: int) -> None:
+        """Rows [0, rows) copied to [s x rows, (s + 1) x rows) for s = 1..times-1 (a prompt's samples share
+        its prefill)."""
+        held = int(cache.lengths[:rows].max())
+        for s in range(1, times):
+            cache.k[:, s * rows:(s + 1) * rows, :, :held] = cache.k[:, :rows, :, :held]
+            cache.v[:, s * rows:(s + 1) * rows, :, :held] = cache.v[:, :rows, :, :held]
+            cache.lengths[s * rows:(s + 1) * rows] = cache.lengths[:rows]
+
 
 def prefill_calls(lengths: Sequence[int], chunk: int, flat: bool) -> list[tuple[bool, int, int]]:
     """The prefill calls for prompts of `lengths` (ascending): (flat, first row, end row). With
@@ -143,20 +156,37 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
              sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
              stop: Callable[[int, list[int]], bool] | None = None,
              on_token: Callable[[int, int], None] | None = None, cache_core=None,
-             device: torch.device | None = None, backend=LOCAL) -> list[Result]:
+             device: torch.device | None = None, backend=LOCAL, seeds: Sequence[int] | None = None,
+             num_samples: int = 1, logprobs: int | None = None) -> list[Result]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` (one for all, or per
-    prompt) tokens. A row ends at an EOS token (not included), when `stop(row, tokens)` says so
-    after a token (a stop string: the tokens so far are kept), or at its limit. `on_token(row,
-    token)` sees every new token as it is chosen (streaming, progress). `cache_core` replaces the
-    cache's attention core (models/cache.py); `backend` makes the cache and runs the prefill
-    (LocalGeneration, or parallel/generation.py's ShardedGeneration on every rank of a layout,
-    which then all return the same results). Results are in the order of `prompts`."""
+    prompt) tokens. A row ends at an EOS token (not included; `eos_ids=()` ignores EOS, as
+    --ignore-eos), when `stop(row, tokens)` says so after a token (a stop string: the tokens so far
+    are kept), or at its limit. `on_token(row, token)` sees every new token as it is chosen
+    (streaming, progress). `row` is the result's index. `cache_core` replaces the cache's attention
+    core (models/cache.py); `backend` makes the cache and runs the prefill (LocalGeneration, or
+    parallel/generation.py's ShardedGeneration on every rank of a layout, which then all return the
+    same results).
+
+    Sampling (generate/sampling.py): prompt i draws from its own stream, seeded `seeds[i]` (default
+    derive_seed(sampling.seed, i)), so its tokens do not depend on the other prompts or the batch.
+    `num_samples`: N continuations per prompt (sample s seeded sample_seed(seed, s)); the prompt is
+    prefilled once and its cache rows copied. `logprobs`: None (off), 0 (each new token's
+    log-probability) or N (also the top N (id, log-probability) per position), from the processed
+    logits the token was chosen from (sampling.process). Results are prompt-major: prompt 0's samples
+    0..N-1, then prompt 1's, ... (transformers' num_return_sequences order)."""
     if not prompts:
         return []
     n = len(prompts)
     limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"logprobs must be >= 0 (or None), got {logprobs}")
+    seeds = [derive_seed(sampling.seed, i) for i in range(n)] if seeds is None else [int(x) for x in seeds]
+    if len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} prompts")
     device = device or model.tok_embeddings.weight.device
     eos = set(int(e) for e in eos_ids)
     # cache rows in order of length, so each length group is a contiguous range of rows
@@ -167,7 +197,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
     model.eval()
     try:
         with torch.inference_mode():
-            cache = backend.cache(model, n, max_len, core=cache_core)
+            cache = backend.cache(model, n * num_samples, max_len, core=cache_core)
             logits = torch.empty(n, model.cfg.vocab_size, device=device)
             prefill_s = [0.0] * n
             lengths = [len(prompts[i]) for i in order]
@@ -182,24 +212,52 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
                 seconds = time.perf_counter() - t0
                 for r in range(row, end):
                     prefill_s[r] = seconds
-            return _decode(model, cache, logits, order, [len(prompts[i]) for i in order], [limits[i] for i in order],
-                           prefill_s, sampling, eos, stop, on_token, n)
+            if num_samples > 1:  # row s * n + j: sample s of the j-th shortest prompt
+                backend.repeat_rows(cache, n, num_samples)
+                logits = logits.repeat(num_samples, 1)
+            rows = [_Row(order[j] * num_samples + s, order[j], s, limits[order[j]], prefill_s[j],
+                         None if sampling.greedy else sample_seed(seeds[order[j]], s))
+                    for s in range(num_samples) for j in range(n)]
+            return _decode(model, cache, logits, rows, [prompts[r.prompt] for r in rows], sampling, eos, stop,
+                           on_token, logprobs)
     finally:
         model.train(was_training)
 
 
-def _decode(model, cache, logits, order, lengths, limits, prefill_s, sampling, eos, stop, on_token, n) -> list[Result]:
-    generator = sampling.generator(logits.device)
+@dataclass
+class _Row:
+    index: int        # the result's index (prompt-major)
+    prompt: int
+    sample: int
+    limit: int
+    prefill_s: float
+    seed: int | None  # None: greedy
+
+
+def _decode(model, cache, logits, rows: list[_Row], prompts, sampling, eos, stop, on_token, logprobs) -> list[Result]:
+    n = len(rows)
+    processors = Processors(sampling, prompts, logits.shape[-1], sorted(eos), logits.device) \
+        if sampling.penalised or sampling.min_new_tokens else None
+    generators = None if sampling.greedy else row_generators([r.seed for r in rows])
     out: list[list[int]] = [[] for _ in range(n)]
+    lps: list[list[float]] = [[] for _ in range(n)]
+    tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
     reason: list[str | None] = [None] * n
     decode_s = [0.0] * n
     for r in range(n):
-        if limits[r] <= 0:
+        if rows[r].limit <= 0:
             reason[r] = "length"
     t0 = time.perf_counter()
     while True:
-        chosen = next_tokens(logits, sampling, generator)
-        host = chosen.tolist()  # the one host read per step
+        processed = process(logits, sampling, processors)
+        chosen = processed.argmax(dim=-1) if sampling.greedy else draw(processed, generators)
+        host = chosen.tolist()  # the one host read per step (two more with logprobs)
+        if logprobs is not None:
+            lp = torch.log_softmax(processed, dim=-1)
+            chosen_lp = lp.gather(-1, chosen[:, None])[:, 0].tolist()
+            if logprobs:
+                top = torch.topk(lp, min(logprobs, lp.shape[-1]), dim=-1)
+                top_ids, top_lp = top.indices.tolist(), top.values.tolist()
         elapsed = time.perf_counter() - t0
         for r in range(n):
             if reason[r] is not None:
@@ -210,16 +268,24 @@ def _decode(model, cache, logits, order, lengths, limits, prefill_s, sampling, e
                 reason[r] = "eos"
                 continue
             out[r].append(token)
+            if logprobs is not None:
+                lps[r].append(chosen_lp[r])
+                if logprobs:  # (a token the sampling settings removed, at -inf, is left out)
+                    tops[r].append([(i, v) for i, v in zip(top_ids[r], top_lp[r]) if v != float("-inf")])
             if on_token is not None:
-                on_token(order[r], token)
-            if stop is not None and stop(order[r], out[r]):
+                on_token(rows[r].index, token)
+            if stop is not None and stop(rows[r].index, out[r]):
                 reason[r] = "stop"
-            elif len(out[r]) >= limits[r]:
+            elif len(out[r]) >= rows[r].limit:
                 reason[r] = "length"
         if all(x is not None for x in reason):
             break
+        if processors is not None:
+            processors.chosen(chosen)
         logits = model(chosen[:, None], cache=cache)[:, -1].float()
     results: list[Result | None] = [None] * n
-    for r in range(n):
-        results[order[r]] = Result(lengths[r], out[r], reason[r], prefill_s[r], decode_s[r])
+    for r, row in enumerate(rows):
+        results[row.index] = Result(len(prompts[r]), out[r], reason[r], row.prefill_s, decode_s[r], row.sample,
+                                    row.seed, lps[r] if logprobs is not None else None,
+                                    tops[r] if logprobs else None)
     return results

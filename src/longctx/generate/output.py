@@ -100,8 +100,12 @@ class Output:
         elif self.bar is not None:
             self.bar.update(1)
 
-    def write(self, prompt: dict, result, speculative: bool) -> None:
-        """One prompt's JSON line (its text cut at a stop string), and the stream or bar finished for it."""
+    def write(self, prompt: dict, result, speculative: bool, samples: int = 1) -> None:
+        """One prompt's JSON line (its text cut at a stop string), and the stream or bar finished for it.
+        With `samples` > 1 (--num-samples), one line per sample, its index under "sample"; when sampling,
+        "seed" is the seed its draws came from (generate/sampling.py); with --logprobs, "logprobs" (each
+        new token's) and, for N > 0, "top_logprobs" (per new token, [[id, logprob], ...] most likely
+        first)."""
         text = self.tokenizer.decode(result.tokens)
         if self.stops is not None and result.finish_reason == "stop":
             text = self.stops.cut(text)
@@ -113,6 +117,11 @@ class Output:
                 "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
                 **({"tau": round(result.tau, 3), "target_passes": result.passes} if speculative else {})}
+        if samples > 1:
+            line["sample"] = result.sample
+        for key in ("seed", "logprobs", "top_logprobs"):
+            if getattr(result, key, None) is not None:
+                line[key] = getattr(result, key)
         if self.stream is None and self.bar is not None and speculative:  # (speculation calls no on_token)
             self.bar.update(len(result.tokens))
         self.file.write(json.dumps(line, ensure_ascii=False) + "\n")

@@ -32,14 +32,26 @@ import torch
 
 from ..models.cache import KVCache
 from .engine import GREEDY, LOCAL, prefill
-from .sampling import Sampling, filter_logits
+from .sampling import Sampling, warp
 
 
 def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """The distribution a token is drawn from (fp32 [rows, vocab]); greedy: one-hot on the argmax."""
+    """The distribution a token is drawn from (fp32 [rows, vocab]): temperature, top-k, top-p and
+    min-p (sampling.warp: they read only the position's own logits, so the target's and the draft's
+    distributions stay exact); greedy: one-hot on the argmax."""
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return filter_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p).softmax(-1)
+    return warp(logits, sampling).softmax(-1)
+
+
+def unsupported(sampling: Sampling) -> list[str]:
+    """The settings speculative decoding refuses: those that make a position's distribution depend on
+    the tokens before it (the penalties, min_new_tokens): the verification would have to rebuild
+    them per proposal, for the target and the draft alike. Not built; they are refused before work."""
+    return [name for name, on in (("--repetition-penalty", sampling.repetition_penalty != 1.0),
+                                  ("--presence-penalty", sampling.presence_penalty != 0.0),
+                                  ("--frequency-penalty", sampling.frequency_penalty != 0.0),
+                                  ("--min-new-tokens", sampling.min_new_tokens > 0)) if on]
 
 
 class ModelDrafter:
@@ -195,6 +207,8 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
         raise ValueError("the prompt needs at least one token")
     if cape is not None and not sampling.greedy:
         raise ValueError("CaPE's tree is verified greedily (temperature 0)")
+    if unsupported(sampling):
+        raise ValueError(f"speculative decoding does not apply {', '.join(unsupported(sampling))}")
     device = target.tok_embeddings.weight.device
     eos = {int(e) for e in eos_ids}
     generator = generator if generator is not None else sampling.generator(device)
@@ -281,6 +295,9 @@ class Speculated:
     decode_tokens_per_s: float
     tau: float
     passes: int
+    sample: int = 0             # which of the prompt's num_samples continuations
+    seed: int | None = None     # the seed its draws came from (None when greedy)
+    logprobs = top_logprobs = None  # (not reported under speculation: refused before work)
 
 
 def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int | None = None) -> ModelDrafter:
@@ -304,14 +321,17 @@ def draft_window(draft, window: int | None) -> int:
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
                   prefill_chunk: int, stop=None, backend=LOCAL, cape=None, stop_below: float = 0.0,
-                  window: int | None = None) -> Speculated:
+                  window: int | None = None, seed: int | None = None) -> Speculated:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe); a stop string (`stop(row, tokens)`, generate/output.py's StopStrings) is applied to the
-    finished tokens."""
+    finished tokens. `seed`: the request's (its prompt's, or its sample's: generate/sampling.py),
+    seeding the generator every draw of its rounds comes from (default: the run's)."""
     t0 = time.perf_counter()
+    device = target.tok_embeddings.weight.device
     r = speculative_generate(target, drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window), ids,
                              max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
-                             prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below)
+                             prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below,
+                             generator=sampling.generator(device, seed))
     seconds = time.perf_counter() - t0
     tokens, reason = r.tokens, "length" if len(r.tokens) >= limit else "eos"
     if stop is not None:
@@ -321,4 +341,5 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
                 break
     decode_s = seconds - r.prefill_seconds  # (the draft's prompt pass included: speculation's own cost)
     return Speculated(len(ids), tokens, reason, len(ids) / r.prefill_seconds if r.prefill_seconds > 0 else 0.0,
-                      max(len(r.tokens) - 1, 0) / decode_s if decode_s > 0 else 0.0, r.tau, r.passes)
+                      max(len(r.tokens) - 1, 0) / decode_s if decode_s > 0 else 0.0, r.tau, r.passes,
+                      seed=None if sampling.greedy else (sampling.seed if seed is None else seed))

@@ -282,6 +282,17 @@ class ShardedGeneration:
             raise ValueError("a sharded cache has its own attention core")
         return ShardedKVCache(model, self.mesh, batch, max_len)
 
+    def repeat_rows(self, cache: ShardedKVCache, rows: int, times: int) -> None:
+        """Rows [0, rows) copied to [s x rows, (s + 1) x rows) for s = 1..times-1 (a prompt's samples
+        share its prefill): each rank its own slots, shares and slot positions; nothing moves between ranks."""
+        for s in range(1, times):
+            dst = slice(s * rows, (s + 1) * rows)
+            cache.k[:, dst] = cache.k[:, :rows]
+            cache.v[:, dst] = cache.v[:, :rows]
+            cache.lengths[dst] = cache.lengths[:rows]
+            cache.shares[dst] = cache.shares[:rows]
+            cache.slot_positions[dst] = cache.slot_positions[:rows]
+
     def prefill(self, model, cache: ShardedKVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
         """Prompts [rows, S] of one length into empty cache rows; the logits [rows, vocab] (fp32) of
         their last token, on every rank. The whole prompt is one call (`chunk` is the one-device

@@ -1,0 +1,99 @@
+"""The decoding settings of `longctx generate` and `longctx eval --mode generate`: their flags, and
+where each value comes from, resolved in one place.
+
+Every sampling flag defaults to "unset" (None). An unset flag takes, for an hf:DIR checkpoint, the
+value its generation_config.json gives (the keys below, as its authors meant the model to be
+sampled), else longctx's default (greedy, no limits, no penalties, 256 new tokens). A flag given
+always wins. The file is read as transformers reads it:
+- `do_sample` false or absent means greedy whatever its temperature (transformers' rule); true means
+  sampling at its `temperature` (1.0 when absent), with its `top_k`, `top_p`, `min_p`;
+- `repetition_penalty` applies at any temperature (transformers applies it to greedy decoding too);
+- `max_new_tokens` when it has one (`max_length`, a total, is not read);
+- a key the file does not write keeps longctx's default, as vLLM does (transformers would fill an
+  absent `top_k` with its global 50 when sampling; longctx does not).
+Which values came from the file is said once on stderr. `eval --mode generate` reads no file: a
+benchmark stays greedy unless its flags say otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import ConfigError
+
+# (flag, type, help) of the sampling flags generate and eval share
+SAMPLING_FLAGS = (
+    ("--temperature", float, "0 = greedy (default); > 0 samples"),
+    ("--top-k", int, "sample among the k most likely tokens (0 = all, the default)"),
+    ("--top-p", float, "sample among the most likely tokens whose probability reaches p, in (0, 1] (1 = all)"),
+    ("--min-p", float, "sample among the tokens of at least p x the top token's probability, in [0, 1] (0 = all; "
+                       "transformers' MinPLogitsWarper, after top-k and top-p)"),
+    ("--repetition-penalty", float, "> 0; divide a positive logit (multiply a negative one) of every token in the "
+                                    "prompt or generated so far (transformers'; 1 = none, the default)"),
+    ("--presence-penalty", float, "in [-2, 2]: subtract it from the logit of every token generated so far "
+                                  "(vLLM's / OpenAI's; 0 = none)"),
+    ("--frequency-penalty", float, "in [-2, 2]: subtract it x the times a token was generated so far (vLLM's / "
+                                   "OpenAI's; 0 = none)"),
+)
+# generation_config.json keys read, and the Sampling field (or max_new_tokens) each sets
+FILE_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def add_sampling_flags(p) -> None:
+    """The sampling flags (default unset: resolved by `resolve`)."""
+    for flag, kind, text in SAMPLING_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=text)
+
+
+def generation_config(checkpoint: str) -> dict:
+    """The keys of FILE_KEYS an hf:DIR checkpoint's generation_config.json writes (nulls dropped);
+    {} for a longctx checkpoint or a directory without the file."""
+    if not checkpoint.startswith("hf:"):
+        return {}
+    from ..config.hf import hf_dir
+
+    file = hf_dir(checkpoint) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{file} is not JSON ({e}).") from None
+    found = {k: data[k] for k in FILE_KEYS if data.get(k) is not None}
+    for key, kinds in (("do_sample", (bool,)), ("top_k", (int,)), ("max_new_tokens", (int,)),
+                       ("temperature", (int, float)), ("top_p", (int, float)), ("min_p", (int, float)),
+                       ("repetition_penalty", (int, float))):
+        if key in found and (not isinstance(found[key], kinds) or (bool not in kinds and isinstance(found[key], bool))):
+            raise ConfigError(f"{file}: {key} is {found[key]!r}, not a {'/'.join(k.__name__ for k in kinds)}.")
+    return found
+
+
+def resolve(args, file: dict) -> tuple[dict, int, list[str]]:
+    """(the Sampling fields, max_new_tokens, the values taken from the file as 'key value') from the
+    flags (args.temperature, ...; None = unset) and the file's keys (generation_config)."""
+    sample = file.get("do_sample") is True
+    fields, taken = {}, []
+    for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
+                          ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        given = getattr(args, name, None)
+        if given is not None:
+            fields[name] = given
+            continue
+        fields[name] = default
+        applies = name == "repetition_penalty" or (sample and name in ("top_k", "top_p", "min_p"))
+        if applies and name in file:
+            fields[name] = file[name]
+            taken.append(f"{name} {file[name]}")
+        elif name == "temperature" and sample:
+            fields[name] = file.get("temperature", 1.0)
+            taken.append(f"do_sample true, temperature {fields[name]}")
+        elif name == "temperature" and "do_sample" in file:
+            taken.append("do_sample false (greedy)")
+    fields = {k: int(v) if k == "top_k" else float(v) for k, v in fields.items()}
+    new = getattr(args, "max_new_tokens", None)
+    if new is None:
+        new = file.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+        if "max_new_tokens" in file:
+            taken.append(f"max_new_tokens {new}")
+    return fields, new, taken
