@@ -2,8 +2,9 @@
 transformers on random tiny checkpoints that transformers itself writes, in both expert layouts:
 one tensor per expert and projection (transformers 4's names, what save_pretrained still writes by
 default) and transformers 5's fused 3D tensors. fp32 logits within 1e-4 on load and after our
-export reloads in transformers; dense layers mixed in, shared experts, both top-k normalisations;
-and the errors for what we cannot read or that contradicts the weights."""
+export reloads in transformers; dense layers mixed in, shared experts, top-1 and top-2 routing under
+both top-k normalisations (Mixtral always renormalises: at top-1 every weight is 1); and the errors
+for what we cannot read or that contradicts the weights."""
 
 import dataclasses
 import json
@@ -42,6 +43,10 @@ CASES = {
     "olmoe": (dict(model_type="olmoe", num_experts=4, intermediate_size=48, norm_topk_prob=False,
                    attention_bias=True, num_key_value_heads=4), (0, 1, 2)),
 }
+# every family under the other norm_topk_prob too (Mixtral has no such setting)
+CASES.update({f"{case}-norm_topk_{not config['norm_topk_prob']}".lower(): (
+    {**config, "norm_topk_prob": not config["norm_topk_prob"]}, sparse)
+    for case, (config, sparse) in list(CASES.items()) if case in ("qwen3_moe", "olmoe")})
 LAYOUTS = ("per_expert", "fused")
 
 
@@ -96,10 +101,13 @@ LAYOUT_NAMES = {
 }
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", CASES)
-def test_load_and_export_match_transformers(tmp_path, case, layout):
-    config = hf_config(case)
+def test_load_and_export_match_transformers(tmp_path, case, layout, top_k):
+    """At top-1 a renormalised weight is 1 and an unnormalised one the probability p: a model that
+    weighs by p where transformers weighs by 1 is off by O(1) in the logits."""
+    config = hf_config(case, num_experts_per_tok=top_k)
     family, sparse = config["model_type"], CASES[case][1]
     d, ref = random_hf_dir(tmp_path, config, layout, shard="150KB" if case == "qwen3_moe" else None)
     names = stored_names(d)
@@ -112,12 +120,12 @@ def test_load_and_export_match_transformers(tmp_path, case, layout):
     ours = load_hf(d)
     m = ours.cfg
     assert m.family == family and m.moe_layer_ids == sparse and m.moe_router == "softmax"
-    assert m.moe_norm_topk == config.get("norm_topk_prob", True)
+    assert m.moe_norm_topk == config.get("norm_topk_prob", True) and m.moe_top_k == top_k
     assert m.qk_norm == (family in ("qwen3_moe", "olmoe"))
     assert m.qk_norm_span == ("all" if family == "olmoe" else "head")
     assert bool(m.resolved_shared_dim) == (family == "qwen2_moe") == m.moe_shared_gate
     err = max_err(ours, ref)
-    print(f"\n{case} {layout}: load max |logits diff| = {err:.2e}")
+    print(f"\n{case} {layout} top-{top_k}: load max |logits diff| = {err:.2e}")
     assert err <= TOL
 
     # export (per expert, or fused when the checkpoint was fused), reload in transformers, match again
@@ -127,7 +135,8 @@ def test_load_and_export_match_transformers(tmp_path, case, layout):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(theirs).__name__ == ARCH[family]
     err = max_err(ours, theirs)
-    print(f"{case} {layout}: export max |logits diff| = {err:.2e}")
+    print(f"{case} {layout} top-{top_k}: export max |logits diff| = {err:.2e}")
+    assert json.loads((out / "config.json").read_text()).get("norm_topk_prob", True) == m.moe_norm_topk
     assert err <= TOL
     for (n, a), b in zip(ref.state_dict().items(), theirs.state_dict().values()):
         assert torch.equal(a, b), n  # the very weights transformers wrote

@@ -61,7 +61,7 @@ def ref_softmax(x, w, k, norm, scale=1.0, bias=None, temperature=1.0):
         sel = (p + (0 if bias is None else bias)).tolist()
         c = ranked(sel, k)
         wt = p[c]
-        if norm and k > 1:
+        if norm:  # at any k: at top-1 the weight is 1 (transformers' Mixtral, Qwen-MoE, OLMoE)
             wt = wt / wt.sum()
         chosen.append(c)
         weights.append(wt * scale)
@@ -80,8 +80,8 @@ def ref_sigmoid(x, w, k, bias, groups, topk_groups, norm, scale):
         allowed = [i for i in range(e) if i // per in best]
         c = sorted(allowed, key=lambda i: -b[i])[:k]
         wt = s[c]
-        if norm:
-            wt = wt / wt.sum()
+        if norm:  # DeepSeek-V3: the chosen scores over their sum + 1e-20, at any k
+            wt = wt / (wt.sum() + 1e-20)
         chosen.append(c)
         weights.append(wt * scale)
     return chosen, torch.stack(weights)
@@ -120,9 +120,26 @@ def test_softmax_selection_bias_changes_the_choice_not_the_weight():
 
 
 def test_switch_is_top_1_weighted_by_its_probability():
-    router = make_router(router="switch", top_k=1)  # norm_topk (true) must not make the weight 1
-    chosen = check_router(router, torch.randn(T, DIM), ref_softmax, k=1, norm=True)
-    assert chosen.shape == (T, 1)
+    for norm in (True, False):  # the Switch Transformer's weight is p, whatever norm_topk says
+        router = make_router(router="switch", top_k=1, norm_topk=norm)
+        chosen = check_router(router, torch.randn(T, DIM), ref_softmax, k=1, norm=False)
+        assert chosen.shape == (T, 1)
+        assert (router(torch.randn(T, DIM)).weights < 0.99).all()  # p of 8 experts, never 1
+
+
+@pytest.mark.parametrize("router_name", ["softmax", "sigmoid", "dts"])
+def test_top_1_renormalised_weights_are_1(router_name):
+    """norm_topk at top-1: the one weight over itself is 1 (times route_scale); without it, the score."""
+    x = torch.randn(T, DIM)
+    extra = dict(dts_steps=0) if router_name == "dts" else {}
+    router = make_router(router=router_name, top_k=1, norm_topk=True, route_scale=2.5, **extra)
+    torch.testing.assert_close(router(x).weights, torch.full((T, 1), 2.5), rtol=0, atol=0)
+    router = make_router(router=router_name, top_k=1, norm_topk=False, **extra)
+    if router_name == "sigmoid":
+        check_router(router, x, ref_sigmoid, k=1, bias=torch.zeros(8), groups=1, topk_groups=1, norm=False,
+                     scale=1.0)
+    else:
+        check_router(router, x, ref_softmax, k=1, norm=False)
 
 
 def test_sigmoid_group_limited_with_a_bias():

@@ -169,8 +169,10 @@ class ModelConfig:
     moe_bias_update_rate: float = _opt(0.0, "aux-loss-free balancing (DeepSeek-V3): after each optimizer step every "
                                             "expert's selection bias moves this much toward an even load; 0 = off",
                                        key="moe.bias_update_rate")
-    moe_norm_topk: bool = _opt(True, "renormalise the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE; "
-                                     "false for OLMoE, Qwen2-MoE)", key="moe.norm_topk")
+    moe_norm_topk: bool = _opt(True, "renormalise the chosen experts' weights to sum to 1, at any top_k (at "
+                                     "top-1 the weight is then 1; Mixtral, Qwen3-MoE; false for OLMoE, Qwen2-MoE); "
+                                     "the switch router ignores it (its weight is the probability)",
+                               key="moe.norm_topk")
     moe_groups: int = _opt(1, "sigmoid router: expert groups (DeepSeek-V3's n_group)", key="moe.groups")
     moe_topk_groups: int = _opt(1, "sigmoid router: groups a token may pick its experts from", key="moe.topk_groups")
     moe_route_scale: float = _opt(1.0, "factor on the routing weights (DeepSeek's routed_scaling_factor)",

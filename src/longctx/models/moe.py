@@ -64,10 +64,15 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.gate.weight.float())
             return self.choose(logits)
 
+    renorm_eps = 0.0  # added to the sum of the chosen scores before the renormalisation
+
     def _weights(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' scores, renormalised to sum to 1 when moe.norm_topk is set, at any k
+        (at top-1 every weight is then 1, as in transformers' Mixtral and Qwen-MoE), times moe.route_scale."""
         w = probs.gather(1, chosen)
-        if self.norm_topk and chosen.shape[1] > 1:  # (DTS-Gate's k changes over its schedule)
-            w = w / w.sum(-1, keepdim=True)
+        if self.norm_topk:
+            total = w.sum(-1, keepdim=True)
+            w = w / (total + self.renorm_eps if self.renorm_eps else total)
         return w * self.scale if self.scale != 1.0 else w
 
     def choose(self, logits: torch.Tensor) -> Routing:
@@ -84,14 +89,22 @@ class SoftmaxRouter(Router):
 
 
 class SwitchRouter(SoftmaxRouter):
-    """Top-1 of a softmax, its probability as the weight (the Switch Transformer); capacity is the
-    layer's (moe.capacity_factor)."""
+    """Top-1 of a softmax, its probability p as the weight (the Switch Transformer), whatever
+    moe.norm_topk says: renormalised, a top-1 weight would be 1 and the router would get no gradient
+    from the model's loss, only from the balancing losses. Capacity is the layer's (moe.capacity_factor)."""
+
+    def _weights(self, probs, chosen):
+        w = probs.gather(1, chosen)
+        return w * self.scale if self.scale != 1.0 else w
 
 
 class SigmoidRouter(Router):
     """DeepSeek-V3: sigmoid scores; the experts are in `groups`, a group scores the sum of its two
     best (biased) experts, a token picks among its best `topk_groups` groups only; the weights are
-    the unbiased scores of the chosen experts, renormalised (moe.norm_topk) and scaled."""
+    the unbiased scores of the chosen experts, renormalised (moe.norm_topk) as DeepSeek-V3 does
+    (divided by their sum + 1e-20, at any k) and scaled (moe.route_scale)."""
+
+    renorm_eps = 1e-20
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
