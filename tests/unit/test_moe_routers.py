@@ -655,3 +655,73 @@ def test_cuda_grouped_kernel_matches_the_loop(monkeypatch, autocast):
     for got, want in ((out, ref), (gx, rx), (gw, rw)):
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
     assert not gw[1].any() and not gw[4].any()  # the empty groups' weights get a zero gradient
+
+
+# ----------------------------------------------------------------------------------------------
+# the dispatch's backward without a scatter-add (TokenRows)
+
+
+def _dispatch_grads(tokens: int, k: int, dropped: int, device="cpu", reference=False, seed=0):
+    """The gradient of a token-row gather over t x k slots sorted by a random expert choice, the
+    last `dropped` sorted slots cut (a capacity): TokenRows', or index_select's autograd (reference)."""
+    from longctx.models.moe import TokenRows
+
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(tokens, 24, generator=gen).to(device).requires_grad_(True)
+    choice = torch.randint(0, 8, (tokens * k,), generator=gen).to(device)
+    order = torch.argsort(choice, stable=True)
+    inverse = torch.argsort(order)
+    order = order[: tokens * k - dropped]
+    coef = torch.randn(order.numel(), 24, generator=gen).to(device)
+    rows = flat.index_select(0, order // k) if reference else TokenRows.apply(flat, order, inverse, k)
+    (g,) = grads((rows * coef).sum(), flat)
+    return rows.detach(), g
+
+
+@pytest.mark.parametrize("k,dropped", [(1, 0), (2, 0), (3, 0), (4, 0), (3, 17)])
+def test_token_rows_gradient_is_index_selects_summed_in_slot_order(k, dropped):
+    rows, g = _dispatch_grads(64, k, dropped)
+    ref_rows, ref_g = _dispatch_grads(64, k, dropped, reference=True)
+    assert torch.equal(rows, ref_rows)
+    assert g.abs().sum() > 0
+    torch.testing.assert_close(g, ref_g, rtol=1e-6, atol=1e-6)  # (only the summation order differs)
+    if dropped:  # a token whose every slot was dropped gets a zero gradient, not garbage
+        _, g_all = _dispatch_grads(64, k, 64 * k - 1)
+        assert (g_all == 0).all(1).sum() >= 63
+    assert torch.equal(_dispatch_grads(64, k, dropped)[1], g)  # bitwise, twice
+
+
+def test_layer_gradients_are_the_same_bits_twice():
+    """The whole layer (top-3, with and without a capacity): outputs and every gradient, bitwise."""
+    def run(layer, x):
+        xl = leaf(x)
+        y = layer(xl)
+        return [y.detach(), *grads((y * torch.linspace(-1, 1, DIM)).sum(), xl, *layer.parameters())]
+
+    for capacity in (0.0, 0.5):
+        layer, x = make_layer(top_k=3, capacity_factor=capacity), torch.randn(T, DIM)
+        for a, b in zip(run(layer, x), run(layer, x)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_dispatch_backward_is_the_same_bits_twice():
+    """On CUDA: many tokens per expert at top-4, so index_add_'s atomics would collide; two runs of
+    the dispatch's backward and of the layer's give the same bits, and equal index_select's to rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for dropped in (0, 1000):
+        first, second = (_dispatch_grads(8192, 4, dropped, "cuda")[1] for _ in range(2))
+        assert torch.equal(first, second)
+        torch.testing.assert_close(first, _dispatch_grads(8192, 4, dropped, "cuda", reference=True)[1],
+                                   rtol=1e-5, atol=1e-5)
+    layer = make_layer(top_k=4).cuda()
+    x = torch.randn(4096, DIM, device="cuda")
+
+    def run():
+        xl = leaf(x)
+        y = layer(xl)
+        return grads((y * y).sum(), xl, layer.router.gate.weight)
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)

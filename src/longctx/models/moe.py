@@ -5,9 +5,16 @@ are permuted so that each expert's are contiguous, every expert runs as one grou
 projection (ops/grouped.py), and the results are un-permuted and weighted. Shared experts (one
 SwiGLU every token goes through, optionally behind a sigmoid gate) are added on top.
 
-Determinism: the combine gathers each token's k results back by the inverse permutation and sums
-them in slot order, with no scatter-add; the backward's accumulations (index_add_: the gradient of
-each token's k copies) add in index order on any number of threads. So two runs give the same bits.
+Determinism: no step of the layer adds into memory in an order the hardware picks, so two runs give
+the same bits on CPU and on CUDA. The dispatch copies each token's row to its k slots (`TokenRows`),
+whose backward gathers the k gradient rows back into slot order by the inverse permutation and sums
+them in slot order (index_select's own backward, index_add_, uses atomics on CUDA, in no fixed order
+when k >= 3); the combine gathers each token's k results back by the inverse permutation and sums
+them in slot order (its backward adds one row into each zero row, exact in any order). Not so under
+expert parallelism with parallel.expert_ranks_per_node (parallel/expert_hierarchy.py adds rows with
+index_add: repeated indices, atomics on CUDA) or parallel.expert_replicas (expert_placement.py: a
+copied expert's weights gathered by index_select, whose backward adds the copies' gradients with
+index_add_); the flat exchange (parallel/expert.py) only permutes rows.
 
 Routing is a function of the token alone (for the dropless routers), so any slicing of the tokens
 (ranks of a sequence-parallel layout, memory.block_chunk, recomputation) routes each token as the
@@ -226,6 +233,30 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, chunk: int
     return torch.cat(pieces)
 
 
+class TokenRows(torch.autograd.Function):
+    """flat[order // k]: each kept slot's token row, in expert order (`order` [n]: the slots token x k + j
+    sorted by expert, the dropped ones cut off the end; `inverse` [T k]: the inverse of the uncut
+    permutation). Its backward sums each token's k row gradients without a scatter-add: index_select's
+    own backward (index_add_) adds them with atomics on CUDA, in no fixed order when k >= 3. Here the
+    gradient rows go back to slot order by the inverse permutation (a gather; dropped slots read a
+    zero row) and each token's k slots are summed in slot order: the same bits on every run and device."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return flat.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        dropped = inverse.numel() - grad.shape[0]  # the sorted rows past n are the dropped slots'
+        if dropped:
+            grad = torch.cat([grad, grad.new_zeros(dropped, grad.shape[1])])
+        slots = grad.index_select(0, inverse)
+        return slots.view(-1, ctx.k, grad.shape[1]).sum(1), None, None, None
+
+
 class MoEFeedForward(nn.Module):
     """Router + grouped experts (+ shared experts): a drop-in for the block's FeedForward."""
 
@@ -265,20 +296,19 @@ class MoEFeedForward(nn.Module):
         choice = routing.experts.flatten()
         if routing.kept is not None:  # dropped choices go to no expert (sorted last, then cut)
             choice = torch.where(routing.kept.flatten(), choice, self.num_experts)
-        order = torch.argsort(choice, stable=True)
+        order = torch.argsort(choice, stable=True)  # expert-sorted row -> its slot (token x k + j)
+        inverse = torch.argsort(order)  # slot -> its expert-sorted row
         counts = torch.bincount(choice, minlength=self.num_experts + 1)[: self.num_experts]
         n = order.numel() if routing.kept is None else int(counts.sum())  # host read only with a capacity
         order = order[:n]
-        # index_select, not flat[index]: the same rows; its backward (index_add_) adds each token's k
-        # gradients in index order on any number of threads (x[index]'s index_put_ does on one thread
-        # only), and is several times faster on CPU
-        out = self.experts(flat.index_select(0, order // k), counts)
+        out = self.experts(TokenRows.apply(flat, order, inverse, k), counts)
         # back to [T, k] slots (no scatter-add), weighted, summed: without drops by the inverse permutation,
-        # a gather (index_copy would keep `out`, k x dim values per token, for its backward)
+        # a gather (index_copy would keep `out`, k x dim values per token, for its backward); the gather's
+        # backward adds each gradient row to a distinct zero row, exact in any order
         if n < t * k:
             slots = out.new_zeros(t * k, out.shape[-1]).index_copy(0, order, out)
         else:
-            slots = out.index_select(0, torch.argsort(order))
+            slots = out.index_select(0, inverse)
         w = routing.weights.flatten() if routing.kept is None else routing.weights.flatten() * routing.kept.flatten()
         return (slots.view(t, k, -1) * w.view(t, k, 1).to(slots.dtype)).sum(1)
 
