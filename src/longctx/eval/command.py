@@ -6,9 +6,11 @@
 
 --mode score (the default) scores the answer in one teacher-forced forward pass (right when every
 answer token is the argmax); --mode generate (passkey/needle) lets the model answer: free greedy
-generation from the question with the KV cache (generate/engine.py), right when the first run of
-digits it writes is the key. Generation runs on one process or sharded over head x ctx ranks
-(parallel/generation.py, every rank the full weights), so its layout has no data parallelism.
+generation (or sampled: --temperature, --top-k, --top-p, --min-p and the penalties of `longctx
+generate`, each sequence seeded from --seed and its index) from the question with the KV cache
+(generate/engine.py), right when the first run of digits it writes is the key. Generation runs on
+one process or sharded over head x ctx ranks (parallel/generation.py, every rank the full weights),
+so its layout has no data parallelism.
 
 Everything that can be wrong with the input (task, lengths the layout cannot split, depths, a
 missing tokenizer, a too-short text) is found before any rank starts: the launching process
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING
 from ..config.rules import SYNTHETIC_TASKS
 from ..config.tokenizer import model_tokenizer, same_tokenizer
 from ..errors import ConfigError, DataError
+from ..generate.settings import SAMPLING_FLAGS, add_sampling_flags
 
 if TYPE_CHECKING:
     from .tasks import Sequence
@@ -73,6 +76,9 @@ def add_parser(sub) -> None:
                         "token is the argmax; generate: free greedy generation from the question, right when the "
                         "first run of digits generated is the answer (one process, or --nproc = --parallel.head x "
                         "--parallel.ctx: the cache sharded, no data parallelism)")
+    # --mode generate decodes greedily unless these say otherwise (generate/settings.py; no generation_config.json
+    # defaults: a benchmark stays greedy); its draws are seeded per sequence from --seed and the sequence's index
+    add_sampling_flags(p.add_argument_group("--mode generate sampling (default greedy, as longctx generate's flags)"))
     p.add_argument("--batch", type=int, default=0, help="sequences per forward (score) or prompts generated together "
                                                        "(generate) over the whole job (default: one per "
                                                        "data-parallel rank)")
@@ -95,6 +101,7 @@ class Plan:
     tokenizer: str
     batch: int
     mode: str = "score"
+    sampling: object = None  # --mode generate: generate/sampling.py's Sampling (None: greedy)
 
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):
@@ -143,6 +150,7 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     if mode == "generate" and args.task == "ppl":
         raise ConfigError("--mode generate lets the model answer a retrieval question (--task passkey or needle); "
                           "--task ppl asks none (it is the loss of every token): drop --mode generate.")
+    sampling = _sampling(args, mode)
     lengths = parse_lengths(args.lengths)
     depths = parse_depths(args.depths) if args.task != "ppl" else []
     for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
@@ -154,7 +162,24 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     source = _load_source(args, cfg, spec, tokenizer)
     sequences = _sequences(args, source, tokenizer, lengths, depths)
     return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch,
-                mode)
+                mode, sampling)
+
+
+def _sampling(args, mode: str):
+    """--mode generate's sampling flags (None: all unset, greedy), checked; refused under --mode score."""
+    given = [flag for flag, _, _ in SAMPLING_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is not None]
+    if not given:
+        return None
+    if mode != "generate":
+        raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --mode generate (the model "
+                          f"answers by decoding); --mode score reads the answer's logits and samples nothing.")
+    from ..generate.sampling import Sampling
+    from ..generate.settings import resolve
+
+    fields, _, _ = resolve(args, {})
+    sampling = Sampling(**fields, seed=args.seed)
+    sampling.check()
+    return sampling
 
 
 def _check_layout(cfg, lengths: list[int], mode: str, nproc: int) -> None:
@@ -374,7 +399,8 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
     tokens); right when the first run of digits generated is the answer. The result on rank 0."""
     from ..data.tokenizer import load_tokenizer
     from ..generate.cli import _backend, eos_ids, load_model
-    from ..generate.engine import generate
+    from ..generate.engine import GREEDY, generate
+    from ..generate.sampling import derive_seed
     from ..parallel.launch import finish_distributed
     from ..progress import progress_bar
     from ..train.step import resolve_dtype
@@ -393,6 +419,9 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
                "layout": layout, "data": plan.source, "tokenizer": plan.tokenizer,
                "dtype": str(dtype).removeprefix("torch."),
                "rope": {"theta": cfg.model.rope_theta, "scaling": cfg.model.rope_scaling}, "results": []}
+        if plan.sampling is not None:
+            out["sampling"] = {k: v for k, v in vars(plan.sampling).items() if k not in ("seed", "min_new_tokens")}
+        index = 0  # each sequence's draws seeded from --seed and its index here, whatever the batch
         total = sum(len(s) for s in plan.sequences.values())
         bar = progress_bar(total, f"eval {plan.task} (generate)", "seq", main_rank)
         start_all = time.perf_counter()
@@ -406,7 +435,9 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
                     cuts = [answer_start(q) for q in group]
                     results = generate(model, [q.tokens[:c].tolist() for q, c in zip(group, cuts)],
                                        max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)],
-                                       eos_ids=eos, device=device, backend=backend)
+                                       eos_ids=eos, device=device, backend=backend, sampling=plan.sampling or GREEDY,
+                                       seeds=[derive_seed(args.seed, index + i) for i in range(len(group))])
+                    index += len(group)
                     texts += [tokenizer.decode(r.tokens) for r in results]
                     if bar is not None:
                         bar.update(len(group))
