@@ -22,14 +22,15 @@ STEPS = 6
 BASE = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=300", "--train.seq_len=256", "--train.lr=1e-3",
         "--data.tokenizer=byte"]  # (the random model has no tokenizer.json: its tokenizer is named)
-# a Qwen2-MoE with a dense layer (mlp_only_layers), a gated shared expert and 8 experts, top 2
+# a Qwen2-MoE with a dense layer (mlp_only_layers), a gated shared expert and 8 experts, top 2; trained
+# with transformers' pooled balancing loss (output_router_logits: without it there would be none)
 QWEN2_MOE = dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], hidden_size=64,
                  intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
                  num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0], num_hidden_layers=3,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320, rms_norm_eps=1e-6,
                  max_position_embeddings=256, tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False,
-                 router_aux_loss_coef=0.01, torch_dtype="float32", rope_parameters={"rope_type": "default",
-                                                                                    "rope_theta": 10000.0})
+                 router_aux_loss_coef=0.01, output_router_logits=True, torch_dtype="float32",
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
 def _write(d: Path, layout: str) -> Path:

@@ -48,13 +48,16 @@ def _router_stats(run_dir) -> list[dict]:
     return [{k: r[k] for k in STATS} for r in lines]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
+def _single(args, run_dir):
     start = time.perf_counter()
-    losses = _train_losses(MOE, run_dir)
+    losses = _train_losses(args, run_dir)
     print(f"single process: {time.perf_counter() - start:.1f}s")
     return losses, _router_stats(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _single(MOE, tmp_path_factory.mktemp("single"))
 
 
 def _jobs(world):
@@ -128,6 +131,17 @@ def test_layouts_match_single_process(layout, reference, spawned):
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_memory_policies_match_single_process(policy, reference, spawned):
     check(f"head2-ctx2 {policy}", run(f"head2-ctx2 {policy}", spawned), reference)
+
+
+def test_pooled_aux_loss_matches_single_process(tmp_path):
+    """moe.aux_loss_scope = pooled (transformers' balancing loss: the layers pooled before the product)
+    under head 2 x ctx 2: each rank's share is still exact (a job of its own, so that -k pooled is cheap).
+    A weight of 0.5, not debug-moe's 0.01: a wrong share moves the step-2 loss well past the tolerance."""
+    pooled = [*MOE, "--model.moe.aux_loss_scope=pooled", "--model.moe.aux_loss=0.5"]
+    reference = _single(pooled, tmp_path / "single")
+    world, args = LAYOUTS["head2-ctx2"]
+    losses = run_spawned(world, _train_losses, [*pooled, *args], str(tmp_path / "parallel"))
+    check("head2-ctx2 pooled", (losses, _router_stats(tmp_path / "parallel")), reference)
 
 
 def test_two_runs_give_the_same_bits(spawned, tmp_path):

@@ -188,6 +188,55 @@ def test_parity_check_can_fail(tmp_path):
     assert max_err(ours, ref2) > 100 * TOL
 
 
+def _training_objective(ours, ids):
+    """longctx's training objective on one micro-batch in one process, as Trainer.step forms it: the
+    summed cross-entropy (forward_loss_sum) over the valid labels plus the router terms' loss. Every
+    token is routed, the last one has no label: transformers' shift (labels=ids) exactly."""
+    from longctx.data.samples import Batch
+    from longctx.train.step import forward_loss_sum
+
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    ours.train()
+    loss_sum = forward_loss_sum(ours, Batch(ids, labels, positions, None), None)
+    terms = ours.router_terms()
+    return loss_sum / (labels != -100).sum() + terms.loss
+
+
+@pytest.mark.parametrize("router_logits", [True, False])
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_training_loss_is_transformers_loss(tmp_path, case, router_logits):
+    """The loss longctx trains a loaded model on (cross-entropy + the router terms its config.json
+    implies) equals transformers' model(ids, labels=ids, output_router_logits=...).loss, and so do
+    the routers' gradients: with output_router_logits the pooled balancing loss at router_aux_loss_coef
+    (3 MoE layers for Mixtral, 2 for Qwen3-MoE: pooled is not a per-layer mean), without it none."""
+    config = hf_config(case, output_router_logits=router_logits, router_aux_loss_coef=0.3)
+    d, ref = random_hf_dir(tmp_path, config)
+    ours = load_hf(d)
+    assert (ours.cfg.moe_aux_loss, ours.cfg.moe_aux_loss_scope) == ((0.3 if router_logits else 0.0), "pooled")
+    from longctx.config.hf import init_from_notes
+
+    (note,) = init_from_notes(f"hf:{d}")  # what the run's "model: ... weights from" line says about it
+    assert ("output_router_logits=true, so its load-balancing loss, model.moe.aux_loss 0.3" in note if router_logits
+            else "output_router_logits=false, so no load-balancing loss (model.moe.aux_loss 0" in note), note
+    ids = tokens(seq=64)
+    ref.train()
+    out = ref(ids, labels=ids, output_router_logits=router_logits)
+    loss = _training_objective(ours, ids)
+    gates = [m.router.gate.weight for m in ours.modules() if isinstance(m, MoEFeedForward)]
+    ref_gates = [p for n, p in ref.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert len(gates) == len(ref_gates) == len(CASES[case][1])
+    diff = abs(loss.item() - out.loss.item())
+    grad_diff = max((a - b).abs().max().item() for a, b in zip(torch.autograd.grad(loss, gates),
+                                                                 torch.autograd.grad(out.loss, ref_gates)))
+    aux = out.aux_loss.item() if router_logits else 0.0
+    print(f"\n{case} output_router_logits={router_logits}: longctx {loss.item():.7f}, transformers "
+          f"{out.loss.item():.7f} (aux {aux:.5f}), |diff| {diff:.1e}, router grads |diff| {grad_diff:.1e}")
+    assert diff <= 1e-5 and grad_diff <= 1e-5
+    if router_logits:
+        assert 0.3 * aux > 100 * 1e-5  # the aux term weighs: leaving it out, or a per-layer mean, would show
+
+
 def test_random_moe_models_export_to_transformers(tmp_path):
     """A MoE model trained from scratch (no init_from) exports as its family, per expert and fused."""
     shape = ["--model.dim=64", "--model.layers=3", "--model.heads=4", "--model.kv_heads=2", "--model.vocab_size=300",
@@ -198,7 +247,7 @@ def test_random_moe_models_export_to_transformers(tmp_path):
                           ("olmoe-1b-7b", ["--model.ffn_dim=32", "--model.moe.norm_topk=true"]),
                           ("debug-moe", ["--model.family=qwen2_moe", "--model.moe.shared_dim=48",
                                          "--model.moe.shared_gate=true", "--model.qkv_bias=true",
-                                         "--model.moe.dense_layers=0,2"])):
+                                         "--model.moe.dense_layers=0,2", "--model.moe.aux_loss_scope=pooled"])):
         cfg = load_config(overrides=[f"--model.preset={preset}", *shape, *extra]).model
         ours = build_model(cfg, seed=7)
         with torch.no_grad():
@@ -220,19 +269,26 @@ def test_config_mapping_both_ways():
     name, Qwen's dense-layer rule, aux and z loss coefficients)."""
     from longctx.config.hf_export import hf_config_from_model
 
-    m = config_from_hf(hf_config("qwen2_moe-sparse_step", router_aux_loss_coef=0.02, router_z_loss_coef=0.003))
+    losses = dict(router_aux_loss_coef=0.02, router_z_loss_coef=0.003)
+    m = config_from_hf(hf_config("qwen2_moe-sparse_step", output_router_logits=True, **losses))
     assert (m.moe_experts, m.moe_top_k, m.moe_expert_dim, m.ffn_dim, m.resolved_shared_dim) == (4, 2, 32, 96, 40)
     assert m.moe_dense_layers == "0,2-3" and m.moe_layer_ids == (1,)
-    assert (m.moe_aux_loss, m.moe_z_loss, m.qkv_bias, m.out_bias) == (0.02, 0.003, False, False)
+    assert (m.moe_aux_loss, m.moe_aux_loss_scope, m.moe_z_loss) == (0.02, "pooled", 0.003)
+    assert (m.qkv_bias, m.out_bias) == (False, False)
     back = hf_config_from_model(m)
     assert back["mlp_only_layers"] == [0, 2, 3] and back["decoder_sparse_step"] == 1
     assert back["router_z_loss_coef"] == 0.003 and back["qkv_bias"] is False
+    assert back["output_router_logits"] is True and back["router_aux_loss_coef"] == 0.02
     assert config_from_hf(back) == m
+    # output_router_logits false (transformers' default): transformers trains without router losses
+    off = config_from_hf(hf_config("qwen2_moe-sparse_step", **losses))
+    assert (off.moe_aux_loss, off.moe_z_loss, off.moe_aux_loss_scope) == (0.0, 0.0, "pooled")
+    assert hf_config_from_model(off)["output_router_logits"] is False
     # transformers 5 writes Qwen3-MoE's count as num_local_experts (its attribute_map), the Hub num_experts
     q3 = hf_config("qwen3_moe")
     q3["num_local_experts"] = q3.pop("num_experts")
     assert config_from_hf(q3).moe_experts == 8
-    mix = config_from_hf(hf_config("mixtral"))
+    mix = config_from_hf(hf_config("mixtral", output_router_logits=True))
     assert (mix.moe_experts, mix.moe_expert_dim, mix.moe_norm_topk, mix.moe_aux_loss) == (8, 48, True, 0.001)
 
 
@@ -259,12 +315,15 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path):
         (["--model.family=qwen3_moe", "--model.qk_norm=true", "--model.moe.shared_dim=32"], "no shared experts"),
         (["--model.family=qwen2_moe", "--model.qkv_bias=true"], "gated shared expert"),
         ([], "exports as one of mixtral"),  # family llama with experts
+        (["--model.family=qwen3_moe", "--model.qk_norm=true", "--model.moe.aux_loss_scope=per_layer_sum"],
+         "aux_loss_scope=per_layer_sum .* has no config.json equivalent"),
     ]:
         model = build_model(load_config(overrides=[*base, *extra]).model)
         with pytest.raises(HFFormatError, match=match):
             save_hf(model, tmp_path / "x")
         assert not (tmp_path / "x").exists()  # refused before anything is written
-    cfg = load_config(overrides=[*base, "--model.family=qwen3_moe", "--model.qk_norm=true"]).model
+    cfg = load_config(overrides=[*base, "--model.family=qwen3_moe", "--model.qk_norm=true",
+                                 "--model.moe.aux_loss_scope=pooled"]).model
     model = build_model(cfg)
     save_hf(model, tmp_path / "ok")
     next(m for m in model.modules() if isinstance(m, MoEFeedForward)).router.expert_bias[0] = 0.5

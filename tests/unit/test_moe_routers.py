@@ -283,9 +283,56 @@ def test_dts_is_dense_at_step_0_and_top_k_after_its_steps():
     for step in (10, 11):
         router.step = step
         assert check_router(router, x, ref_softmax, k=2, norm=True).shape == (T, 2)
-    router.eval()
-    router.step = 0  # evaluation: top-k at temperature 1 whatever the step
+
+
+
+def test_dts_evaluates_as_it_trains_at_that_step():
+    """moe.dts_eval = schedule (the default): evaluation routes as training at the router's step,
+    warm-up included; top_k: top-k at temperature 1 whatever the step. With no step set (a model
+    built outside a run) evaluation routes as the schedule ends."""
+    x = torch.randn(T, DIM)
+    router = make_router(router="dts", top_k=2, dts_steps=10, dts_temperature=2.0).eval()
+    for step, k, temperature in ((0, 8, 2.0), (5, 5, 1.5), (12, 2, 1.0)):
+        router.step = step
+        check_router(router, x, ref_softmax, k=k, norm=True, temperature=temperature)
+    assert router.describe_eval() == "dts routing as its schedule ends (2 experts per token, temperature 1.00)"
+    router.step = 5
+    assert router.describe_eval() == "dts routing as training at step 6 (5 experts per token, temperature 1.50)"
+    router.step = None
     check_router(router, x, ref_softmax, k=2, norm=True)
+    top = make_router(router="dts", top_k=2, dts_steps=10, dts_temperature=2.0, dts_eval="top_k").eval()
+    top.step = 5
+    check_router(top, x, ref_softmax, k=2, norm=True)
+    assert top.describe_eval() == "dts routing as its schedule ends (2 experts per token, temperature 1.00)"
+    top.train()  # training follows the schedule under either setting
+    check_router(top, x, ref_softmax, k=5, norm=True, temperature=1.5)
+
+
+def test_dts_model_evaluation_equals_its_training_forward_in_the_warm_up():
+    """A DTS model at step 3 of 10: its evaluation's loss is the training forward's (the same routing),
+    not the loss of top-k routing it was never trained with (moe.dts_eval = top_k)."""
+    from longctx.models.llama import build_model
+    from longctx.models.moe import eval_routing_note
+
+    tokens = torch.randint(0, 320, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for mode in ("schedule", "top_k"):
+        cfg = load_config(overrides={"model": {"preset": "debug-moe", "layers": 2, "moe.router": "dts",
+                                               "moe.dts_steps": 10, "moe.dts_eval": mode}}).model
+        model = build_model(cfg, seed=3)
+        with torch.no_grad():  # experts of some weight in the output (the init's are tiny)
+            for name, p in model.named_parameters():
+                if ".experts." in name or "router.gate" in name:
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        model.set_router_step(3)
+        with torch.no_grad():
+            train_loss = model.train()(tokens[:, :-1], labels=tokens[:, 1:])
+            losses[mode] = model.eval()(tokens[:, :-1], labels=tokens[:, 1:])
+        if mode == "schedule":
+            assert losses[mode] == train_loss
+            assert eval_routing_note(model) == ("dts routing as training at step 4 (6 experts per token, "
+                                                "temperature 1.70)")
+    assert abs(losses["top_k"] - losses["schedule"]) > 1e-3
 
 
 # ----------------------------------------------------------------------------------------------
@@ -478,11 +525,48 @@ def test_capacity_drops_are_counted():
     torch.testing.assert_close(terms.stats[4], (counts - cap).clamp(min=0).sum() / (2 * T))
 
 
-def test_shares_of_two_ranks_sum_to_the_loss_of_one_device():
+@pytest.mark.parametrize("scope", ["per_layer_mean", "per_layer_sum", "pooled"])
+def test_aux_loss_scopes_match_their_references(scope):
+    """Three top-2 layers, their recorded routing combined by each moe.aux_loss_scope, against the
+    formula written from its source: pooled = transformers' own load_balancing_loss_func on the
+    layers' router logits; per_layer_sum (Megatron-LM) = the sum of the Switch losses, per_layer_mean
+    their mean. The three differ on this routing, so a scope computed as another one fails."""
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    layers = [make_layer(top_k=2, aux_loss_scope=scope) for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.router.gate.weight.data.mul_(1.0 + i)  # routers of different conviction
+    x = leaf(torch.randn(T, DIM))
+    forward_recorded(layers, x)
+    terms = router_terms(layers, 1.0, 0.0)
+    h, logits, switch = x, [], []
+    for layer in layers:
+        lg = h @ layer.router.gate.weight.t()
+        p = lg.softmax(-1)
+        f = torch.bincount(p.topk(2).indices.flatten(), minlength=8).float() / (2 * T)
+        logits.append(lg)
+        switch.append(8 * (f * p.mean(0)).sum())
+        h = h + layer(h)
+    switch = torch.stack(switch)
+    ref = {"pooled": load_balancing_loss_func(tuple(logits), 8, 2), "per_layer_sum": switch.sum(),
+           "per_layer_mean": switch.mean()}
+    print(f"\n{scope}: {terms.loss.item():.6f} " + " ".join(f"{k} {v.item():.6f}" for k, v in ref.items()))
+    torch.testing.assert_close(terms.loss, ref[scope])
+    assert all(abs(terms.loss.item() - v.item()) > 1e-3 for k, v in ref.items() if k != scope)
+    torch.testing.assert_close(terms.stats[0], switch.mean().detach())  # the logged figure: the mean, any scope
+    params = [layer.router.gate.weight for layer in layers]
+    for a, b in zip(grads(terms.loss, *params, x), grads(ref[scope], *params, x)):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("scope", ["per_layer_mean", "per_layer_sum", "pooled"])
+def test_shares_of_two_ranks_sum_to_the_loss_of_one_device(scope):
     """The tokens split in two calls ("ranks"), each summing its statistics with the other's through
     the hook: the shares add up to the loss of one call on all the tokens, gradients too, and both
-    ranks report the single call's statistics."""
-    layers = [make_layer(top_k=2), make_layer(top_k=2)]
+    ranks report the single call's statistics; under every moe.aux_loss_scope."""
+    layers = [make_layer(top_k=2, aux_loss_scope=scope), make_layer(top_k=2, aux_loss_scope=scope)]
     x = torch.randn(T, DIM)
     parts = [x[:10], x[10:]]  # uneven shares
     params = [layers[0].router.gate.weight, layers[1].router.gate.weight, layers[0].experts.w1]

@@ -19,10 +19,12 @@ and the Mixture-of-Experts ones ([model.moe], models/moe.py; every one a softmax
 - qwen3_moe: the same without a shared expert, with Qwen3's attention (per-head q/k norm);
 - olmoe: `num_experts` of width `intermediate_size`, RMSNorm on the whole q and k projections
   (model.qk_norm_span = all), optional `attention_bias`; `clip_qkv` is not supported.
-`router_aux_loss_coef` is moe.aux_loss, `router_z_loss_coef` (where present) moe.z_loss, as they
-stand: transformers' balancing loss counts each of a token's k choices (its load fractions sum to k)
-and pools the layers before the product, longctx's fractions sum to 1 per layer (models/moe.py), so
-the same coefficient weighs a loss about k times smaller than transformers' training would.
+The router losses are what transformers' training of the model would add: with `output_router_logits`
+true, moe.aux_loss = `router_aux_loss_coef` and moe.aux_loss_scope = pooled (its load_balancing_loss_func:
+every layer's routing pooled before the product, each of a token's k choices counted), and
+`router_z_loss_coef` (where present; transformers' classes of these families do not read it) is
+moe.z_loss; with it false (transformers' default, and the published configs') there is none:
+moe.aux_loss = moe.z_loss = 0. `router_loss_note` says which, once, when a run starts from the weights.
 RoPE types: default, linear, llama3 and yarn, in the classic (`rope_theta` + `rope_scaling`) or the
 newer (`rope_parameters`) form.
 """
@@ -58,6 +60,7 @@ FAMILIES = {
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # what transformers (5.x) assumes when a MoE config.json leaves a key out: its config classes' defaults
+# (output_router_logits: false in every one)
 _MOE_DEFAULTS = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
     "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
@@ -74,7 +77,8 @@ EXTENSION_KEYS = frozenset({
     "rope_attention_factor", "rope_truncate", "max_seq_len", "init_std",
 })
 # [model] keys that change how a loaded model trains, not what its weights compute: free too
-TRAINING_KEYS = frozenset({"moe.aux_loss", "moe.z_loss", "moe.capacity_factor", "moe.bias_update_rate"})
+TRAINING_KEYS = frozenset({"moe.aux_loss", "moe.aux_loss_scope", "moe.z_loss", "moe.capacity_factor",
+                           "moe.bias_update_rate"})
 # how each weight-shaping [model] key reads in config.json (for the error that names both);
 # a key whose name depends on the family maps to {family: name}
 _HF_KEY: dict[str, Any] = {
@@ -237,9 +241,39 @@ def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
     return {"moe.experts": int(experts), "moe.top_k": int(d["num_experts_per_tok"]), "moe.router": "softmax",
             "moe.expert_dim": int(expert_dim), "moe.shared_experts": int(shared > 0), "moe.shared_dim": shared,
             "moe.shared_gate": shared > 0, "moe.dense_layers": format_layer_list(dense), "moe.norm_topk": norm_topk,
-            "moe.route_scale": 1.0, "moe.groups": 1, "moe.topk_groups": 1,
-            "moe.aux_loss": float(d.get("router_aux_loss_coef") or 0.0),
-            "moe.z_loss": float(d.get("router_z_loss_coef") or 0.0)}
+            "moe.route_scale": 1.0, "moe.groups": 1, "moe.topk_groups": 1, **_router_loss_fields(d)}
+
+
+def _router_loss_fields(d: dict) -> dict[str, Any]:
+    """The router losses transformers' training adds (config.json with the family's defaults: `d`):
+    none unless output_router_logits, then its pooled balancing loss at router_aux_loss_coef."""
+    on = bool(d.get("output_router_logits"))
+    return {"moe.aux_loss": float(d.get("router_aux_loss_coef") or 0.0) if on else 0.0,
+            "moe.aux_loss_scope": "pooled", "moe.z_loss": float(d.get("router_z_loss_coef") or 0.0) if on else 0.0}
+
+
+def router_loss_note(hf: dict) -> str:
+    """What a MoE config.json makes of the router losses, in words (said once when a run starts from it)."""
+    family = hf.get("model_type")
+    d = {**_MOE_DEFAULTS.get(family, {}), **{k: v for k, v in hf.items() if v is not None}}
+    fields = _router_loss_fields(d)
+    if not d.get("output_router_logits"):
+        return (f"router losses as transformers trains {family}: config.json has output_router_logits=false, so no "
+                f"load-balancing loss (model.moe.aux_loss 0; router_aux_loss_coef={d.get('router_aux_loss_coef')} "
+                f"applies only with output_router_logits); --model.moe.aux_loss W adds transformers' pooled one")
+    z = f", model.moe.z_loss {fields['moe.z_loss']} (router_z_loss_coef)" if fields["moe.z_loss"] else ""
+    return (f"router losses as transformers trains {family}: config.json has output_router_logits=true, so its "
+            f"load-balancing loss, model.moe.aux_loss {fields['moe.aux_loss']} (router_aux_loss_coef) with "
+            f"model.moe.aux_loss_scope pooled (every layer's routing pooled, each of the k choices counted){z}")
+
+
+def init_from_notes(init_from: str) -> list[str]:
+    """What the weights' own description implies for training beyond their shapes (a MoE config.json's
+    router losses), for the line that names where the weights came from."""
+    if not init_from.startswith("hf:"):
+        return []
+    hf = read_hf_config(hf_dir(init_from))
+    return [router_loss_note(hf)] if hf.get("model_type") in MOE_FAMILIES else []
 
 
 def _dense_moe_fields() -> dict[str, Any]:

@@ -36,6 +36,10 @@ def export_problems(m) -> list[str]:
     if f in ("mixtral", "olmoe") and dense:
         problems.append(f"{f} has experts in every layer; model.moe.dense_layers={m.moe_dense_layers!r} needs "
                         f"qwen2_moe or qwen3_moe.")
+    if m.moe_aux_loss and m.moe_aux_loss_scope != "pooled":
+        problems.append(f"transformers' {f} pools every layer's routing into one balancing loss; this model's "
+                        f"model.moe.aux_loss_scope={m.moe_aux_loss_scope} (model.moe.aux_loss={m.moe_aux_loss}) "
+                        f"has no config.json equivalent: train with aux_loss_scope pooled (or aux_loss 0).")
     if f in ("mixtral", "olmoe") and m.resolved_expert_dim != m.ffn_dim:
         problems.append(f"{f} has one intermediate_size, the experts' width: set model.ffn_dim to "
                         f"model.moe.expert_dim ({m.resolved_expert_dim}).")
@@ -83,7 +87,9 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
     if m.family in ("mistral", "mixtral"):
         out["sliding_window"] = None
     if m.is_moe:
-        out.update(num_experts_per_tok=m.moe_top_k, router_aux_loss_coef=m.moe_aux_loss, output_router_logits=False)
+        # the router losses as config.json says them (config/hf.py reads them back): on only when asked
+        out.update(num_experts_per_tok=m.moe_top_k, router_aux_loss_coef=m.moe_aux_loss,
+                   output_router_logits=bool(m.moe_aux_loss or m.moe_z_loss))
         if m.moe_z_loss:
             out["router_z_loss_coef"] = m.moe_z_loss
     if m.family == "mixtral":

@@ -45,6 +45,7 @@ def _moe(shape: dict[str, Any], **moe) -> dict[str, Any]:
 
 MOE_ROUTERS = ("softmax", "switch", "sigmoid", "sinkhorn", "dts")  # model.moe.router
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_AUX_LOSS_SCOPES = ("per_layer_mean", "per_layer_sum", "pooled")  # model.moe.aux_loss_scope
 
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -68,15 +69,17 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": _moe(dict(family="mixtral", dim=4096, layers=32, heads=32, kv_heads=8, head_dim=128,
                               ffn_dim=14336, vocab_size=32000, rope_theta=1e6, rope_scaling="none",
                               tie_embeddings=False, max_seq_len=32768),
-                         experts=8, top_k=2, expert_dim=14336, norm_topk=True, aux_loss=0.02),
+                         experts=8, top_k=2, expert_dim=14336, norm_topk=True, aux_loss=0.02, aux_loss_scope="pooled"),
     "qwen3-30b-a3b": _moe(dict(family="qwen3_moe", dim=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
                                ffn_dim=6144, vocab_size=151936, rope_theta=1e6, rope_scaling="none", qk_norm=True,
                                norm_eps=1e-6, tie_embeddings=False, max_seq_len=40960),
-                          experts=128, top_k=8, expert_dim=768, norm_topk=True, aux_loss=0.001),
+                          experts=128, top_k=8, expert_dim=768, norm_topk=True, aux_loss=0.001,
+                          aux_loss_scope="pooled"),
     "olmoe-1b-7b": _moe(dict(family="olmoe", dim=2048, layers=16, heads=16, kv_heads=16, head_dim=0, ffn_dim=1024,
                              vocab_size=50304, rope_theta=10000.0, rope_scaling="none", qk_norm=True,
                              qk_norm_span="all", tie_embeddings=False, max_seq_len=4096),
-                        experts=64, top_k=8, expert_dim=1024, norm_topk=False, aux_loss=0.01, z_loss=0.001),
+                        experts=64, top_k=8, expert_dim=1024, norm_topk=False, aux_loss=0.01, z_loss=0.001,
+                        aux_loss_scope="pooled"),
 }
 
 
@@ -163,7 +166,15 @@ class ModelConfig:
                                            "over it pass through the residual (dropped, and counted); 0 = dropless",
                                       key="moe.capacity_factor")
     moe_aux_loss: float = _opt(0.0, "weight of the load-balancing loss (Switch/GShard: experts x sum of load "
-                                    "fraction x mean probability, averaged over MoE layers)", key="moe.aux_loss")
+                                    "fraction x mean probability; over the MoE layers as moe.aux_loss_scope says)",
+                               key="moe.aux_loss")
+    moe_aux_loss_scope: str = _opt("per_layer_mean", "how the load-balancing loss combines the MoE layers: "
+                                                     "per_layer_mean (each layer's loss, load fractions summing to "
+                                                     "1, averaged: 1 = even), per_layer_sum (the same summed: "
+                                                     "Megatron-LM), pooled (transformers' load_balancing_loss_func: "
+                                                     "every layer's choices and probabilities pooled before one "
+                                                     "product, each of a token's k choices counted: top_k = even)",
+                                   choices=MOE_AUX_LOSS_SCOPES, key="moe.aux_loss_scope")
     moe_z_loss: float = _opt(0.0, "weight of the router z-loss (mean squared log-sum-exp of the router logits)",
                              key="moe.z_loss")
     moe_bias_update_rate: float = _opt(0.0, "aux-loss-free balancing (DeepSeek-V3): after each optimizer step every "
@@ -181,6 +192,10 @@ class ModelConfig:
                                     "top_k", key="moe.dts_steps")
     moe_dts_temperature: float = _opt(2.0, "dts router: softmax temperature at step 0, annealed to 1",
                                       key="moe.dts_temperature")
+    moe_dts_eval: str = _opt("schedule", "dts router in evaluation: schedule (route as training does at the step "
+                                         "reached: in the warm-up, more experts at a higher temperature), top_k "
+                                         "(top_k experts at temperature 1, as the schedule ends)",
+                             choices=("schedule", "top_k"), key="moe.dts_eval")
     moe_sinkhorn_iters: int = _opt(8, "sinkhorn router: normalisation iterations before the balanced assignment",
                                    key="moe.sinkhorn_iters")
 

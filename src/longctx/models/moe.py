@@ -64,7 +64,9 @@ class Router(nn.Module):
         self.norm_topk, self.scale = cfg.moe_norm_topk, cfg.moe_route_scale
         self.gate = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts), persistent=True)
-        self.step = 0  # the optimizer step being run (set by the model; the DTS schedule reads it)
+        # the optimizer step being run, 0-based (set by the model; the DTS schedule reads it); None: no
+        # run has set one (see DTSRouter.routing)
+        self.step: int | None = None
 
     def forward(self, x: torch.Tensor) -> Routing:
         with torch.autocast(device_type=x.device.type, enabled=False):
@@ -157,11 +159,17 @@ class DTSRouter(Router):
     """DTS-Gate (dense to sparse): a softmax gate whose temperature goes from moe.dts_temperature to
     1 and whose number of experts goes from all of them to top_k, linearly over moe.dts_steps
     optimizer steps. The paper's Gumbel noise is left out, so that routing stays a function of the
-    token (the same under every layout and in recomputation)."""
+    token (the same under every layout and in recomputation).
+
+    In evaluation (moe.dts_eval): `schedule` routes as training does at the router's step (what the
+    weights were trained to, also during the warm-up), `top_k` as the schedule ends (top-k at
+    temperature 1). With no step set (a model built outside a training run, e.g. for `longctx
+    generate`), training starts at step 0 and evaluation routes as the schedule ends."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.steps, self.start_temperature = cfg.moe_dts_steps, cfg.moe_dts_temperature
+        self.eval_routing = cfg.moe_dts_eval
 
     def schedule(self, step: int) -> tuple[float, int]:
         """(temperature, experts per token) at an optimizer step (0-based)."""
@@ -170,8 +178,24 @@ class DTSRouter(Router):
         k = round(self.experts + (self.top_k - self.experts) * done)
         return temperature, max(self.top_k, k)
 
+    def routing(self) -> tuple[float, int]:
+        """(temperature, experts per token) of the next call, in training or evaluation."""
+        return self.schedule(self.step or 0) if self.training else self.eval_schedule()
+
+    def eval_schedule(self) -> tuple[float, int]:
+        if self.eval_routing == "schedule" and self.step is not None:
+            return self.schedule(self.step)
+        return 1.0, self.top_k
+
+    def describe_eval(self) -> str:
+        """How an evaluation routes (in either mode), for the line that reports it."""
+        temperature, k = self.eval_schedule()
+        ended = self.step is None or self.eval_routing == "top_k" or self.step >= self.steps
+        where = "as its schedule ends" if ended else f"as training at step {self.step + 1}"
+        return f"dts routing {where} ({k} experts per token, temperature {temperature:.2f})"
+
     def choose(self, logits):
-        temperature, k = self.schedule(self.step) if self.training else (1.0, self.top_k)
+        temperature, k = self.routing()
         probs = (logits / temperature).softmax(-1)
         chosen = (probs + self.expert_bias).topk(k, dim=-1).indices
         return Routing(chosen, self._weights(probs, chosen), probs, logits)
@@ -264,6 +288,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_loss_scope = cfg.moe_aux_loss_scope  # how router_terms combines the layers' balancing losses
         self.router = ROUTERS[cfg.moe_router](cfg)
         self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.resolved_expert_dim)
         shared = cfg.resolved_shared_dim
@@ -338,6 +363,13 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
+def eval_routing_note(model: nn.Module) -> str | None:
+    """How an evaluation of `model` routes where that depends on the step (DTS-Gate: moe.dts_eval),
+    for the eval line; None for routers that route the same at every step."""
+    routers = [layer.router for layer in moe_layers(model) if isinstance(layer.router, DTSRouter)]
+    return routers[0].describe_eval() if routers else None
+
+
 @dataclass
 class RouterTerms:
     """A micro-batch's balancing losses and load figures, after the model's forward.
@@ -351,14 +383,22 @@ class RouterTerms:
     counts: torch.Tensor
 
 
-def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: float, sum_over_ranks=None) -> RouterTerms:
+def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: float, sum_over_ranks=None,
+                 scope: str | None = None) -> RouterTerms:
     """Combine what the layers recorded in the last forward. `sum_over_ranks(t)` sums a tensor over
     every rank holding tokens of the micro-batch (identity on one device): one collective for all layers.
 
-    aux (Switch/GShard) = E x sum_e f_e P_e, f_e = fraction of the choices that went to e and P_e =
-    mean probability of e, both over every token; it is linear in the probabilities, so a rank's
-    share is E x sum_e f_e x (its sum of probabilities of e) / T. z = mean over tokens of
-    logsumexp(logits)^2, a rank's share its sum / T."""
+    aux (Switch/GShard) of a layer = E x sum_e f_e P_e, f_e = fraction of the choices that went to e
+    and P_e = mean probability of e, both over every token. The loss combines the L layers as `scope`
+    (moe.aux_loss_scope, the layers' own by default) says:
+    - per_layer_mean: the mean of the layers' aux; per_layer_sum: their sum (Megatron-LM);
+    - pooled (transformers' load_balancing_loss_func): E x sum_e F_e Q_e with F_e = every layer's
+      choices of e over L T and Q_e = every layer's probabilities of e summed over L T; F counts each
+      of a token's k choices (sums to k), so an even load gives k, not 1.
+    Each is linear in the probability sums, so a rank's share (the same product with its own sums of
+    probabilities and the global counts) is exact however the tokens are split. z = mean over tokens
+    of logsumexp(logits)^2, averaged over the layers, a rank's share its sum / T. `stats` keep the
+    per-layer mean of aux whatever the scope (1 = even), so runs under any scope log comparable loads."""
     counts = torch.stack([sum(r.counts for r in layer.records) for layer in layers])
     prob_sum = torch.stack([sum(r.prob_sum for r in layer.records) for layer in layers])
     lse_sq = torch.stack([sum(r.lse_sq_sum for r in layer.records) for layer in layers])
@@ -374,7 +414,7 @@ def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: floa
     g_lse = packed[2 * n_layers * e: 2 * n_layers * e + n_layers]
     g_dropped, g_tokens = packed[-2], packed[-1]
     fraction = g_counts / g_counts.sum(1, keepdim=True)  # f_e per layer
-    local_aux = e * (fraction * prob_sum).sum() / (g_tokens * n_layers)
+    local_aux = _aux_share(scope or layers[0].aux_loss_scope, g_counts, fraction, prob_sum, g_tokens)
     local_z = lse_sq.sum() / (g_tokens * n_layers)
     loss = aux_weight * local_aux + z_weight * local_z
     aux = e * (fraction * g_prob).sum() / (g_tokens * n_layers)
@@ -384,6 +424,22 @@ def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: floa
     for layer in layers:
         layer.records.clear()
     return RouterTerms(loss, stats.detach(), g_counts.detach())
+
+
+def _aux_share(scope: str, counts: torch.Tensor, fraction: torch.Tensor, prob_sum: torch.Tensor,
+               tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the balancing loss (router_terms): counts and fractions [L, E] over every
+    rank, prob_sum [L, E] this rank's (with gradient), tokens the micro-batch's over every rank."""
+    e, n_layers = counts.shape[1], counts.shape[0]
+    if scope == "pooled":  # transformers: choices per token (summing to k) and probabilities, pooled over layers
+        pooled = tokens * n_layers
+        return e * (counts.sum(0) / pooled * prob_sum.sum(0)).sum() / pooled
+    per_layer = e * (fraction * prob_sum).sum() / tokens  # the sum over layers of each layer's share
+    if scope == "per_layer_sum":
+        return per_layer
+    if scope == "per_layer_mean":
+        return per_layer / n_layers
+    raise ValueError(f"moe.aux_loss_scope {scope!r} is not one of per_layer_mean, per_layer_sum, pooled")
 
 
 @torch.no_grad()

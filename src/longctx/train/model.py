@@ -13,7 +13,7 @@ import torch
 
 from ..checkpoint.manager import load_weights_into, resolve_checkpoint
 from ..config import Config, build_model_config
-from ..config.hf import hf_dir
+from ..config.hf import hf_dir, init_from_notes
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
 from ..models.hf import load_hf_weights
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
@@ -52,7 +52,8 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
     path = load_weights(model, source, rt, log)
     changed = init_from_changes(cfg)
     log(f"model: {cfg.model.family} weights from {path}" +
-        (f"; changed for this run: {', '.join(changed)}" if changed else ""))
+        (f"; changed for this run: {', '.join(changed)}" if changed else "") +
+        "".join(f"; {note}" for note in init_from_notes(source)))
     return model
 
 
