@@ -58,6 +58,8 @@ class Router(nn.Module):
     """Token -> (experts, weights). Subclasses say how scores become choices (`choose`). The selection
     bias (DeepSeek-V3's aux-loss-free balancing) shifts which experts are chosen, never the weights."""
 
+    renorm_eps = 0.0  # added to the sum of the chosen scores before the renormalisation (moe.norm_topk)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
@@ -72,8 +74,6 @@ class Router(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
             return self.choose(logits)
-
-    renorm_eps = 0.0  # added to the sum of the chosen scores before the renormalisation
 
     def _weights(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The chosen experts' scores, renormalised to sum to 1 when moe.norm_topk is set, at any k
