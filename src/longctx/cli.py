@@ -152,9 +152,12 @@ def _cmd_checkpoint(args, overrides) -> int:
     from .checkpoint.export import export_hf
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    out, copied, why = export_hf(args.path, args.out, dtype=dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    out, copied, why, notes = export_hf(args.path, args.out, dtype=dtype,
+                                        max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"wrote {out} ({args.dtype}; " + (f"tokenizer files: {', '.join(copied)})" if copied else
                                             f"no tokenizer files: {why})"))
+    for note in notes:
+        print(f"note: {note}")
     return 0
 
 

@@ -290,6 +290,15 @@ def test_config_mapping_both_ways():
     assert config_from_hf(q3).moe_experts == 8
     mix = config_from_hf(hf_config("mixtral", output_router_logits=True))
     assert (mix.moe_experts, mix.moe_expert_dim, mix.moe_norm_topk, mix.moe_aux_loss) == (8, 48, True, 0.001)
+    # a balancing loss transformers cannot state (per layer): the weights export, the loss is left off and said
+    from longctx.config.hf_export import export_notes
+
+    per_layer = dataclasses.replace(m, moe_aux_loss_scope="per_layer_mean", moe_z_loss=0.0)
+    written = hf_config_from_model(per_layer)
+    assert written["output_router_logits"] is False and written["router_aux_loss_coef"] == 0.02
+    [note] = export_notes(per_layer)
+    assert "aux_loss_scope=per_layer_mean" in note and "output_router_logits=false" in note
+    assert export_notes(m) == [] and export_notes(off) == []
 
 
 def test_unsupported_features_are_refused():
@@ -315,15 +324,14 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path):
         (["--model.family=qwen3_moe", "--model.qk_norm=true", "--model.moe.shared_dim=32"], "no shared experts"),
         (["--model.family=qwen2_moe", "--model.qkv_bias=true"], "gated shared expert"),
         ([], "exports as one of mixtral"),  # family llama with experts
-        (["--model.family=qwen3_moe", "--model.qk_norm=true", "--model.moe.aux_loss_scope=per_layer_sum"],
-         "aux_loss_scope=per_layer_sum .* has no config.json equivalent"),
     ]:
         model = build_model(load_config(overrides=[*base, *extra]).model)
         with pytest.raises(HFFormatError, match=match):
             save_hf(model, tmp_path / "x")
         assert not (tmp_path / "x").exists()  # refused before anything is written
+    # (a per-layer balancing loss is a training objective, not the weights: exported, and said)
     cfg = load_config(overrides=[*base, "--model.family=qwen3_moe", "--model.qk_norm=true",
-                                 "--model.moe.aux_loss_scope=pooled"]).model
+                                 "--model.moe.aux_loss_scope=per_layer_sum"]).model
     model = build_model(cfg)
     save_hf(model, tmp_path / "ok")
     next(m for m in model.modules() if isinstance(m, MoEFeedForward)).router.expert_bias[0] = 0.5

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..config.hf import hf_dir, model_config
+from ..config.hf_export import export_notes
 from ..models.hf import copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from .manager import load_model_weights, resolve_checkpoint
@@ -20,8 +21,9 @@ from .manifest import CheckpointError, read_manifest
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,
-              max_shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str], str]:
-    """(the written directory, the tokenizer files copied, why none were when none were)."""
+              max_shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str], str, list[str]]:
+    """(the written directory, the tokenizer files copied, why none were when none were, what config.json
+    says differently from how the model trained: config/hf_export.py export_notes)."""
     path = resolve_checkpoint(str(checkpoint), Path(checkpoint))
     if path is None:
         raise CheckpointError(f"{checkpoint} holds no complete checkpoint to export.")
@@ -31,7 +33,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     load_model_weights(path, model)
     out = save_hf(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype)
     copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), out)
-    return out, copied, why
+    return out, copied, why, export_notes(cfg)
 
 
 def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[list[str], str]:

@@ -36,14 +36,27 @@ def export_problems(m) -> list[str]:
     if f in ("mixtral", "olmoe") and dense:
         problems.append(f"{f} has experts in every layer; model.moe.dense_layers={m.moe_dense_layers!r} needs "
                         f"qwen2_moe or qwen3_moe.")
-    if m.moe_aux_loss and m.moe_aux_loss_scope != "pooled":
-        problems.append(f"transformers' {f} pools every layer's routing into one balancing loss; this model's "
-                        f"model.moe.aux_loss_scope={m.moe_aux_loss_scope} (model.moe.aux_loss={m.moe_aux_loss}) "
-                        f"has no config.json equivalent: train with aux_loss_scope pooled (or aux_loss 0).")
     if f in ("mixtral", "olmoe") and m.resolved_expert_dim != m.ffn_dim:
         problems.append(f"{f} has one intermediate_size, the experts' width: set model.ffn_dim to "
                         f"model.moe.expert_dim ({m.resolved_expert_dim}).")
     return problems
+
+
+def export_notes(m) -> list[str]:
+    """What an export writes differently from how the model trained (the weights are exact; a training
+    objective transformers cannot state is left off, and said)."""
+    if m.is_moe and m.moe_aux_loss and m.moe_aux_loss_scope != "pooled":
+        return [f"the run's balancing loss (model.moe.aux_loss_scope={m.moe_aux_loss_scope}, aux_loss="
+                f"{m.moe_aux_loss}) has no config.json equivalent: transformers pools every layer's routing into "
+                f"one loss; config.json says output_router_logits=false (transformers adds no router term), and "
+                f"router_aux_loss_coef={m.moe_aux_loss} applies, pooled, to whoever sets it true"]
+    return []
+
+
+def _router_losses_on(m) -> bool:
+    """config.json's output_router_logits: on when the model trained with router losses transformers
+    computes the same way (a pooled aux loss, or a z-loss)."""
+    return bool((m.moe_aux_loss and m.moe_aux_loss_scope == "pooled") or m.moe_z_loss)
 
 
 def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
@@ -89,7 +102,7 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
     if m.is_moe:
         # the router losses as config.json says them (config/hf.py reads them back): on only when asked
         out.update(num_experts_per_tok=m.moe_top_k, router_aux_loss_coef=m.moe_aux_loss,
-                   output_router_logits=bool(m.moe_aux_loss or m.moe_z_loss))
+                   output_router_logits=_router_losses_on(m))
         if m.moe_z_loss:
             out["router_z_loss_coef"] = m.moe_z_loss
     if m.family == "mixtral":
