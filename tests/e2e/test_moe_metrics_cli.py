@@ -75,3 +75,35 @@ def test_records_have_sane_per_layer_figures_and_the_heatmap_is_written(runs):
         assert all(0 < n <= RATE * step * math.sqrt(8) * 1.001 for n in r["moe_bias_norm"])  # (4 digits)
     assert (run_dir / "expert_heatmap.png").stat().st_size > 5000
     assert (runs[3][0] / "expert_heatmap.png").is_file()
+
+
+
+def _records(tmp_path, name, *extra):
+    run_dir = tmp_path / name
+    args = [a for a in RUN if not a.startswith(("--model.moe.", "--train.eval_interval"))]
+    r = subprocess.run([sys.executable, "-m", "longctx", "train", *args, *extra, "--metrics.log_interval=3",
+                        f"--train.run_dir={run_dir}"], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r.stdout, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dts_eval_routes_as_training_at_that_step(tmp_path):
+    """DTS-Gate's warm-up: the periodic eval routes as training at that step, and its line says so."""
+    out, records = _records(tmp_path, "dts", "--model.moe.router=dts", "--model.moe.dts_steps=10",
+                            "--model.moe.dts_temperature=2.0", "--train.eval_interval=3", "--train.eval_batches=1")
+    evals = {rec["step"]: rec for rec in records if rec.get("kind") == "eval"}
+    assert evals[3]["routing"].startswith("dts routing as training at step 3 (")
+    assert "| dts routing as training at step 6 (" in out
+    assert all("moe_layer_drop" not in rec for rec in records)  # dropless: no drop figure
+
+
+def test_capacity_drops_per_layer(tmp_path):
+    """With a capacity, metrics.jsonl has each MoE layer's drop rate over the interval."""
+    _, records = _records(tmp_path, "capacity", "--model.moe.capacity_factor=1.0", "--train.eval_interval=0")
+    train = [rec for rec in records if rec.get("kind") == "train"]
+    drops = [rec["moe_layer_drop"] for rec in train]
+    assert all(len(d) == len(train[0]["moe_blocks"]) and all(0 <= x < 1 for x in d) for d in drops)
+    assert any(x > 0 for d in drops for x in d)  # a capacity of 1.0 drops some choices of an untrained router
+    for rec, d in zip(train, drops):  # the layers' rates bracket the rate over all layers
+        assert min(d) - 1e-4 <= rec["moe_drop_rate"] <= max(d) + 1e-4

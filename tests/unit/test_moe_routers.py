@@ -516,13 +516,17 @@ def test_aux_loss_of_top_k_uses_the_fraction_of_choices():
 
 
 def test_capacity_drops_are_counted():
-    layer = make_layer(top_k=2, capacity_factor=0.5)
-    forward_recorded([layer], torch.randn(T, DIM))
-    terms = router_terms([layer], 0.0, 0.0)
-    cap = math.ceil(0.5 * T * 2 / 8)
-    counts = terms.counts[0]
-    assert counts.sum() == 2 * T  # counted before the drop
-    torch.testing.assert_close(terms.stats[4], (counts - cap).clamp(min=0).sum() / (2 * T))
+    """Per layer (RouterTerms.dropped) and over the layers (stats[4]): two layers of other capacities."""
+    layers = [make_layer(top_k=2, capacity_factor=0.5), make_layer(top_k=2, capacity_factor=1.0)]
+    forward_recorded(layers, torch.randn(T, DIM))
+    terms = router_terms(layers, 0.0, 0.0)
+    want = []
+    for counts, factor in zip(terms.counts, (0.5, 1.0)):
+        assert counts.sum() == 2 * T  # counted before the drop
+        want.append((counts - math.ceil(factor * T * 2 / 8)).clamp(min=0).sum())
+    torch.testing.assert_close(terms.dropped, torch.stack(want))
+    assert terms.dropped[0] > terms.dropped[1]
+    torch.testing.assert_close(terms.stats[4], sum(want) / (4 * T))
 
 
 @pytest.mark.parametrize("scope", ["per_layer_mean", "per_layer_sum", "pooled"])

@@ -124,3 +124,15 @@ def test_a_run_has_at_most_a_bounded_number_of_heatmap_columns(log_interval, ste
     assert steps // every + 1 <= EXPERT_LOAD_COLUMNS + 1  # (+1: the last step closes a column)
     if steps <= log_interval * EXPERT_LOAD_COLUMNS:
         assert every == log_interval  # short runs: a column on every line
+
+
+def test_per_layer_drop_rate_is_the_intervals_dropped_over_its_choices():
+    interval = RouterInterval([1, 3])
+    drops = [[2.0, 0.0], [6.0, 1.0], [0.0, 3.0]]  # per step, per layer (each layer has 8 choices a step)
+    for step, (counts, d) in enumerate(zip(COUNTS, drops), start=1):
+        c = torch.tensor(counts, dtype=torch.float32)
+        interval.add(step, _stats(c, 1.0, 1.0, 0.0), layer_loads(c), c, torch.tensor(step != 2), torch.tensor(d))
+    r = interval.record(3)  # step 2's update was not applied: left out
+    assert r["moe_layer_drop"] == [round(2 / 16, 4), round(3 / 16, 4)]
+    _add(interval, 4, COUNTS[0])  # no capacity: no per-layer drop figure
+    assert "moe_layer_drop" not in interval.record(4)

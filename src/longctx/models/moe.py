@@ -377,10 +377,12 @@ class RouterTerms:
     micro-batch, as one device holding every token would compute it. `stats` [5] (no gradient, the
     same on every rank): aux loss, z-loss (unweighted, mean over MoE layers), mean over layers of
     max/mean tokens per expert, the worst layer's, and the fraction of choices dropped.
-    `counts` [layers, E] are the micro-batch's choices per expert over every rank."""
+    `counts` [layers, E] are the micro-batch's choices per expert over every rank, `dropped` [layers]
+    its choices dropped for capacity per layer over every rank."""
     loss: torch.Tensor
     stats: torch.Tensor
     counts: torch.Tensor
+    dropped: torch.Tensor
 
 
 def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: float, sum_over_ranks=None,
@@ -403,16 +405,16 @@ def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: floa
     prob_sum = torch.stack([sum(r.prob_sum for r in layer.records) for layer in layers])
     lse_sq = torch.stack([sum(r.lse_sq_sum for r in layer.records) for layer in layers])
     tokens = float(sum(r.tokens for r in layers[0].records))
-    dropped = sum(sum(r.dropped for r in layer.records) for layer in layers)
+    dropped = torch.stack([sum(r.dropped for r in layer.records) for layer in layers])
     e, n_layers = counts.shape[1], len(layers)
-    packed = torch.cat([counts.flatten(), prob_sum.detach().flatten(), lse_sq.detach(),
-                        torch.stack([dropped, counts.new_tensor(tokens)])])
+    packed = torch.cat([counts.flatten(), prob_sum.detach().flatten(), lse_sq.detach(), dropped,
+                        counts.new_tensor([tokens])])
     if sum_over_ranks is not None:
         packed = sum_over_ranks(packed)
     g_counts = packed[: n_layers * e].view(n_layers, e)
     g_prob = packed[n_layers * e: 2 * n_layers * e].view(n_layers, e)
     g_lse = packed[2 * n_layers * e: 2 * n_layers * e + n_layers]
-    g_dropped, g_tokens = packed[-2], packed[-1]
+    g_dropped, g_tokens = packed[2 * n_layers * e + n_layers: -1], packed[-1]
     fraction = g_counts / g_counts.sum(1, keepdim=True)  # f_e per layer
     local_aux = _aux_share(scope or layers[0].aux_loss_scope, g_counts, fraction, prob_sum, g_tokens)
     local_z = lse_sq.sum() / (g_tokens * n_layers)
@@ -420,10 +422,10 @@ def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: floa
     aux = e * (fraction * g_prob).sum() / (g_tokens * n_layers)
     z = g_lse.sum() / (g_tokens * n_layers)
     load = g_counts.max(1).values / g_counts.mean(1)
-    stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped / g_counts.sum()])
+    stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped.sum() / g_counts.sum()])
     for layer in layers:
         layer.records.clear()
-    return RouterTerms(loss, stats.detach(), g_counts.detach())
+    return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach())
 
 
 def _aux_share(scope: str, counts: torch.Tensor, fraction: torch.Tensor, prob_sum: torch.Tensor,

@@ -155,11 +155,14 @@ class MetricsLogger:
     def saved(self, blocking_s: float) -> None:
         self.interval.save_blocking_s += blocking_s
 
-    def evaluated(self, step: int, loss: float, seconds: float, bytes_before: list[float]) -> None:
-        """An evaluation's record; its time and bytes are taken out of the current interval."""
+    def evaluated(self, step: int, loss: float, seconds: float, bytes_before: list[float],
+                  routing: str | None = None) -> None:
+        """An evaluation's record; its time and bytes are taken out of the current interval. `routing`:
+        how the evaluation routed, where that depends on the step (DTS-Gate: models/moe.py
+        eval_routing_note)."""
         if self.writer is not None:
-            self.writer.write({"kind": "eval", "step": step, "loss": loss})
-        self.say(f"step {step:>5} | eval loss {loss:.4f}")
+            self.writer.write({"kind": "eval", "step": step, "loss": loss, **({"routing": routing} if routing else {})})
+        self.say(f"step {step:>5} | eval loss {loss:.4f}" + (f" | {routing}" if routing else ""))
         iv = self.interval
         iv.eval_s += seconds
         iv.eval_bytes = [e + a - b for e, a, b in zip(iv.eval_bytes, self.rt.comm_bytes(), bytes_before)]

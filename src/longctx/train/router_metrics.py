@@ -11,6 +11,8 @@ What a record holds (docs/moe.md, Metrics):
   expert parallelism `expert_rank_load`): the mean over the interval's steps of each step's figure;
 - `moe_layer_load` [layers]: per MoE layer, the interval's mean max/mean tokens per expert (its mean
   over layers is `moe_load_mean`), and `moe_blocks`: the block each MoE layer is;
+- `moe_layer_drop` [layers], with a capacity (moe.capacity_factor > 0): per MoE layer, the fraction
+  of the interval's choices dropped (its dropped choices over all its choices);
 - `moe_bias_norm` [layers], with aux-loss-free routing (moe.bias_update_rate > 0): the L2 norm of
   each router's selection bias as it stands at the line;
 - `moe_expert_load` [layers][E] (with `moe_expert_load_from`, the first step it covers): each
@@ -21,8 +23,7 @@ What a record holds (docs/moe.md, Metrics):
   for 48 layers of 128 experts), however long the run or short its log interval.
 
 A step whose update the guard did not apply (train.on_nonfinite, train.spike_factor) is left out,
-as the bias update leaves it out: its figures may be non-finite. The drop rate is over all layers
-(RouterTerms has no per-layer drop count).
+as the bias update leaves it out: its figures may be non-finite.
 """
 
 from __future__ import annotations
@@ -79,16 +80,19 @@ class RouterInterval:
         self._column_from: int | None = None      # the first step in _counts
 
     def add(self, step: int, stats: torch.Tensor, layer_load: torch.Tensor, counts: torch.Tensor,
-            applied: torch.Tensor) -> None:
+            applied: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
         """One optimizer step (1-based): its stats [5] and per-layer max/mean [layers] (each the mean
-        over its micro-batches), its choices per expert [layers, E] (summed over them) and whether its
-        update was applied (0-d bool): device tensors, left there."""
+        over its micro-batches), its choices per expert [layers, E] and choices dropped per layer
+        [layers] (summed over them; None: no capacity, nothing dropped) and whether its update was
+        applied (0-d bool): device tensors, left there."""
         if counts.shape[0] != len(self.blocks):  # (shapes are host metadata: no device read)
             raise ValueError(f"router counts for {counts.shape[0]} MoE layers, but the model config names "
                              f"{len(self.blocks)} (blocks {self.blocks})")
         parts = [stats.double(), layer_load.double()]
         if self.expert > 1:
             parts.append(rank_load(counts, self.expert).double().reshape(1))
+        if dropped is not None:  # (per layer: dropped choices, then all choices; their ratio is the rate)
+            parts += [dropped.double(), counts.double().sum(1)]
         row = torch.where(applied, torch.cat(parts), 0.0)  # (0 x NaN would be NaN)
         counts = torch.where(applied, counts.double(), 0.0)
         applied = applied.double()
@@ -124,6 +128,9 @@ class RouterInterval:
             record["moe_layer_load"] = [round(v, 3) for v in means[5: 5 + layers]]
             if self.expert > 1:
                 record["expert_rank_load"] = means[5 + layers]
+            drops = sums[5 + layers + (self.expert > 1):]
+            if drops:
+                record["moe_layer_drop"] = [round(d / max(c, 1), 4) for d, c in zip(drops[:layers], drops[layers:])]
             record["moe_blocks"] = self.blocks
         if column:
             n = self._counts.numel()

@@ -28,7 +28,7 @@ from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
-from ..models.moe import moe_layers
+from ..models.moe import eval_routing_note, moe_layers
 from ..parallel import watchdog
 from ..parallel.expert import expert_step_notes
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
@@ -281,7 +281,7 @@ class Trainer:
             self.model.set_router_step(step - 1)
             for note in expert_step_notes(self.model, step, self.router_counts):  # chunk tuning, FlexMoE placement
                 self.log(note)
-        router_stats = router_counts = layer_load = None
+        router_stats = router_counts = layer_load = router_dropped = None
         with self.device_section():
             local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
             for i, batch in enumerate(micro):
@@ -297,6 +297,7 @@ class Trainer:
                     router_stats = terms.stats / len(micro) + (0 if router_stats is None else router_stats)
                     router_counts = terms.counts + (0 if router_counts is None else router_counts)
                     layer_load = layer_loads(terms.counts) / len(micro) + (0 if layer_load is None else layer_load)
+                    router_dropped = terms.dropped + (0 if router_dropped is None else router_dropped)
                 watchdog.phase(step, "backward")
                 total.backward()
                 local_loss += loss_sum.detach()
@@ -316,7 +317,8 @@ class Trainer:
             # applied (its counts zeroed on the device: the bias moves by sign(mean - count) = 0)
             self.model.update_expert_bias(router_counts * apply)
             self.router_counts = router_counts
-            self.router_interval.add(step, router_stats, layer_load, router_counts, apply)
+            self.router_interval.add(step, router_stats, layer_load, router_counts, apply,
+                                     router_dropped if self.cfg.model.moe_capacity_factor > 0 else None)
         return loss, grad_norm, lr
 
     def _inject(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -429,7 +431,7 @@ class Trainer:
         loss = self.evaluate()
         result.eval_losses[step] = loss
         seconds = time.perf_counter() - start
-        self.metrics.evaluated(step, loss, seconds, before)
+        self.metrics.evaluated(step, loss, seconds, before, eval_routing_note(self.model) if self.moe else None)
         return seconds
 
     def _finish(self, result: TrainResult, total_s: float, eval_s: float) -> TrainResult:
