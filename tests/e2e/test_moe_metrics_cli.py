@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RATE = 0.01
@@ -91,11 +92,21 @@ def _records(tmp_path, name, *extra):
 def test_dts_eval_routes_as_training_at_that_step(tmp_path):
     """DTS-Gate's warm-up: the periodic eval routes as training at that step, and its line says so."""
     out, records = _records(tmp_path, "dts", "--model.moe.router=dts", "--model.moe.dts_steps=10",
-                            "--model.moe.dts_temperature=2.0", "--train.eval_interval=3", "--train.eval_batches=1")
+                            "--model.moe.dts_temperature=2.0", "--train.eval_interval=3", "--train.eval_batches=1",
+                            "--checkpoint.interval=6")
     evals = {rec["step"]: rec for rec in records if rec.get("kind") == "eval"}
     assert evals[3]["routing"].startswith("dts routing as training at step 3 (")
-    assert "| dts routing as training at step 6 (" in out
+    said = "dts routing as training at step 6 ("
+    assert "| " + said in out
     assert all("moe_layer_drop" not in rec for rec in records)  # dropless: no drop figure
+    # its step-6 checkpoint, loaded as generate and eval --mode generate load it, routes as training did at step 6
+    from longctx.config import load_config
+    from longctx.generate.cli import load_model
+    from longctx.models.moe import eval_routing_note
+
+    cfg = load_config(None, {"model": {"init_from": str(tmp_path / "dts" / "checkpoints")}})
+    note = eval_routing_note(load_model(cfg, torch.device("cpu"), torch.float32))
+    assert note.startswith(said) and note == evals[6]["routing"]
 
 
 def test_capacity_drops_per_layer(tmp_path):

@@ -416,7 +416,8 @@ def load_model(cfg, device, dtype):
         path = resolve_checkpoint(source, Path(source))
         if path is None:
             raise ConfigError(f"--checkpoint {source} holds no complete checkpoint.")
-        load_model_weights(path, model)
+        manifest = load_model_weights(path, model)
+        model.set_router_step(int(manifest["step"]) - 1)  # (DTS-Gate routes as training did at that step)
     if dtype != torch.float32:
         model.to(dtype)
     model.init_rope()  # (fp32, from the config: an extension applies to the loaded weights)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.manager import load_weights_into, resolve_checkpoint
+from ..checkpoint.manager import load_weights_into, read_manifest, resolve_checkpoint
 from ..config import Config, build_model_config
 from ..config.hf import hf_dir, init_from_notes
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
@@ -67,6 +67,9 @@ def load_weights(model: Llama, source: str, rt: Runtime, log=print) -> Path:
     else:
         path = resolve_checkpoint(source, Path(source))
         load_weights_into(path, model, rt, log)
+        # routers whose routing follows the step (DTS-Gate) route as the weights were trained: a run that
+        # trains from here sets its own step before each forward
+        model.set_router_step(int(read_manifest(path)["step"]) - 1)
     return path
 
 
