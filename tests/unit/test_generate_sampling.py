@@ -8,9 +8,11 @@ against transformers on random tiny checkpoints it wrote (fp32):
 - min_new_tokens / ignore-eos as transformers' (EOS suppressed until the minimum);
 - presence / frequency penalties: vLLM's formula, by hand;
 - T > 0: temperature, top-k, top-p, min-p and the penalties together give the distribution of
-  transformers' own processors (chi-square over the first two tokens of 4,000 samples; the same check
-  rejects the sampler without the penalty), and each token's logprobs are log_softmax of those
-  processors' scores for the sequence drawn (1e-5)."""
+  transformers' own processors (vLLM's presence / frequency formula inserted after its penalties;
+  chi-square over the first two tokens of 4,000 samples; the same check rejects the sampler without
+  the penalty), and each token's logprobs are log_softmax of those processors' scores for the
+  sequence drawn (1e-5);
+- the command's settings: generation_config.json defaults under the flags, bad values before work."""
 
 import json
 
@@ -167,14 +169,42 @@ def _two_token_draws(ours, prompt, sampling, samples):
     return [tuple(r.tokens) for r in results]
 
 
-def test_sampling_with_processors_is_transformers_distribution(tmp_path):
-    """Temperature 0.8, top-k 10, top-p 0.95, min-p 0.05, repetition penalty 1.5 on a 16-token vocabulary:
-    the first two tokens of 4,000 requests against the exact distribution of transformers' processors
-    (chi-square p > 0.01); without the penalty, the same check fails (p < 0.01)."""
+class _VllmPenalties:
+    """vLLM's presence / frequency penalties as a transformers logits processor (over the generated tokens)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        counts = torch.zeros_like(scores)
+        generated = input_ids[:, self.prompt_len:]
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+CASES = {  # (settings, the same without one of them: a sampler the check must reject)
+    "repetition": (dict(temperature=0.8, top_k=10, top_p=0.95, min_p=0.05, repetition_penalty=1.5),
+                   dict(temperature=0.8, top_k=10, top_p=0.95, min_p=0.05)),
+    "presence-frequency": (dict(temperature=1.2, min_p=0.02, presence_penalty=0.8, frequency_penalty=0.5),
+                           dict(temperature=1.2, min_p=0.02)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampling_with_processors_is_transformers_distribution(tmp_path, case):
+    """On a 16-token vocabulary, the first two tokens of 4,000 requests against the exact distribution of
+    transformers' processors (chi-square p > 0.01): temperature 0.8, top-k 10, top-p 0.95, min-p 0.05,
+    repetition penalty 1.5; or temperature 0.8, min-p 0.05 and vLLM's presence 0.8 / frequency 0.5 (a
+    processor of that formula inserted after transformers' penalties). Without the penalty the same check
+    fails (p < 0.01)."""
     ours, ref = _hf(tmp_path, vocab=16, init=0.2)
     prompt, vocab, runs = [3, 1, 4, 1, 5, 9, 2, 6], 16, 4000
-    settings = dict(do_sample=True, temperature=0.8, top_k=10, top_p=0.95, min_p=0.05, repetition_penalty=1.5)
-    procs = _hf_processors(ref, len(prompt), **settings)
+    good, bad = CASES[case]
+    hf = {k: v for k, v in good.items() if k not in ("presence_penalty", "frequency_penalty")}
+    procs = _hf_processors(ref, len(prompt), do_sample=True, **hf)
+    if "presence_penalty" in good:
+        at = next(i for i, p in enumerate(procs) if isinstance(p, transformers.TemperatureLogitsWarper))
+        procs.insert(at, _VllmPenalties(len(prompt), good["presence_penalty"], good["frequency_penalty"]))
 
     def probs(ids):
         with torch.no_grad():
@@ -196,10 +226,8 @@ def test_sampling_with_processors_is_transformers_distribution(tmp_path):
         expected = np.append(exact[keep], exact[rare].sum()) if rare.any() else exact[keep]
         return chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
 
-    good = Sampling(temperature=0.8, top_k=10, top_p=0.95, min_p=0.05, repetition_penalty=1.5)
-    p_good = pvalue(good)
-    p_bad = pvalue(Sampling(temperature=0.8, top_k=10, top_p=0.95, min_p=0.05))
-    print(f"chi-square p: processors {p_good:.3g}, without the penalty {p_bad:.3g}")
+    p_good, p_bad = pvalue(Sampling(**good)), pvalue(Sampling(**bad))
+    print(f"{case}: chi-square p: processors {p_good:.3g}, without the penalty {p_bad:.3g}")
     assert p_good > 0.01 and p_bad < 0.01
 
 
