@@ -312,6 +312,7 @@ def test_generation_config_gives_the_defaults_and_flags_override(weightless_hf):
     (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
     (["--min-p", "-0.1"], "--min-p must be in [0, 1]"),
     (["--num-samples", "0"], "--num-samples must be >= 1"),
+    (["--num-samples", "3"], "--num-samples 3 with greedy decoding would write 3 copies"),
     (["--min-new-tokens", "-1"], "--min-new-tokens must be >= 0"),
     (["--min-new-tokens", "20", "--max-new-tokens", "10"], "--min-new-tokens 20 is more than --max-new-tokens 10"),
     (["--logprobs", "-1"], "--logprobs must be >= 0"),

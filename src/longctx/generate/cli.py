@@ -281,6 +281,9 @@ def _sampling(args):
                         ("--batch", args.batch), ("--nproc", args.nproc), ("--num-samples", args.num_samples)):
         if value < 1:
             problems.append(f"{flag} must be >= 1, got {value}")
+    if args.num_samples > 1 and sampling.greedy:
+        problems.append(f"--num-samples {args.num_samples} with greedy decoding would write {args.num_samples} copies "
+                        f"of one continuation (as transformers, which refuses it); sample with --temperature > 0")
     if args.min_new_tokens > args.max_new_tokens:
         problems.append(f"--min-new-tokens {args.min_new_tokens} is more than --max-new-tokens {args.max_new_tokens}")
     if args.logprobs is not None and args.logprobs < 0:

@@ -14,6 +14,10 @@
   the only waste, and it is masked: a finished row's tokens never reach another row.
 - The first new token comes from the prefill's last logits; each decode step is one model call on
   one token per row and one host read of the chosen tokens (for EOS, stop strings and streaming).
+- Each row is a request: its logits go through the processors (penalties, min_new_tokens, then
+  temperature, top-k, top-p, min-p: generate/sampling.py) and, sampling, it draws from its own
+  seeded stream, so its tokens never depend on the other rows. A prompt's `num_samples` rows share
+  its prefill (the rows copied).
 
 Rates are per prompt: its own tokens over the wall time of the calls it took part in (prefill: its
 length group's chunks; decode: the steps until it finished).
