@@ -291,13 +291,17 @@ def test_generation_config_gives_the_defaults_and_flags_override(weightless_hf):
         "do_sample true, temperature 0.6, top_p 0.9, min_p 0.1, repetition_penalty 1.1, max_new_tokens 40"
     plan, args = _prepare(weightless_hf, "--prompt", "x", "--temperature", "0", "--top-p", "1", "--max-new-tokens", "7")
     assert plan.sampling.greedy and plan.sampling.top_p == 1.0 and plan.limits == [7]
-    assert args.generation_defaults == "min_p 0.1, repetition_penalty 1.1"
+    assert args.generation_defaults == "repetition_penalty 1.1"  # (greedy: the file's filters do not apply)
     # do_sample false: greedy whatever its temperature (transformers' rule); the penalty still applies
     (weightless_hf / "generation_config.json").write_text(json.dumps(
         {"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.2}))
     plan, args = _prepare(weightless_hf, "--prompt", "x")
     assert plan.sampling.greedy and plan.sampling.repetition_penalty == 1.2 and args.max_new_tokens == 256
     assert args.generation_defaults == "do_sample false (greedy), repetition_penalty 1.2"
+    # sampling asked by the flag: the file's filters apply, as to transformers' do_sample=True
+    (weightless_hf / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 20}))
+    plan, args = _prepare(weightless_hf, "--prompt", "x", "--temperature", "0.7")
+    assert (plan.sampling.temperature, plan.sampling.top_k) == (0.7, 20) and args.generation_defaults == "top_k 20"
     (weightless_hf / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 2.0}))
     with pytest.raises(ConfigError, match=r"--top-p must be in \(0, 1\].*from generation_config.json: do_sample "
                                           r"true, temperature 1.0, top_p 2.0"):

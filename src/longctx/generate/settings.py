@@ -6,7 +6,8 @@ value its generation_config.json gives (the keys below, as its authors meant the
 sampled), else longctx's default (greedy, no limits, no penalties, 256 new tokens). A flag given
 always wins. The file is read as transformers reads it:
 - `do_sample` false or absent means greedy whatever its temperature (transformers' rule); true means
-  sampling at its `temperature` (1.0 when absent), with its `top_k`, `top_p`, `min_p`;
+  sampling at its `temperature` (1.0 when absent). Its `top_k`, `top_p`, `min_p` apply whenever
+  decoding samples (do_sample true, or --temperature > 0: transformers' do_sample=True takes them);
 - `repetition_penalty` applies at any temperature (transformers applies it to greedy decoding too);
 - `max_new_tokens` when it has one (`max_length`, a total, is not read);
 - a key the file does not write keeps longctx's default, as vLLM does (transformers would fill an
@@ -72,24 +73,26 @@ def generation_config(checkpoint: str) -> dict:
 def resolve(args, file: dict) -> tuple[dict, int, list[str]]:
     """(the Sampling fields, max_new_tokens, the values taken from the file as 'key value') from the
     flags (args.temperature, ...; None = unset) and the file's keys (generation_config)."""
-    sample = file.get("do_sample") is True
     fields, taken = {}, []
-    for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
-                          ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-        given = getattr(args, name, None)
-        if given is not None:
-            fields[name] = given
-            continue
-        fields[name] = default
-        applies = name == "repetition_penalty" or (sample and name in ("top_k", "top_p", "min_p"))
-        if applies and name in file:
-            fields[name] = file[name]
-            taken.append(f"{name} {file[name]}")
-        elif name == "temperature" and sample:
-            fields[name] = file.get("temperature", 1.0)
-            taken.append(f"do_sample true, temperature {fields[name]}")
-        elif name == "temperature" and "do_sample" in file:
+    temperature = getattr(args, "temperature", None)
+    if temperature is None:
+        temperature = 0.0
+        if file.get("do_sample") is True:
+            temperature = file.get("temperature", 1.0)
+            taken.append(f"do_sample true, temperature {temperature}")
+        elif "do_sample" in file:
             taken.append("do_sample false (greedy)")
+    fields["temperature"] = temperature
+    for name, default in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                          ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+        given = getattr(args, name, None)
+        # the filters apply whenever decoding samples (the file's do_sample, or --temperature > 0, as
+        # transformers' do_sample=True would take them); the repetition penalty at any temperature
+        applies = name == "repetition_penalty" or (temperature > 0 and name in ("top_k", "top_p", "min_p"))
+        if given is None and applies and name in file:
+            given = file[name]
+            taken.append(f"{name} {given}")
+        fields[name] = default if given is None else given
     fields = {k: int(v) if k == "top_k" else float(v) for k, v in fields.items()}
     new = getattr(args, "max_new_tokens", None)
     if new is None:
