@@ -122,6 +122,10 @@ def test_generation_config_seeds_samples_and_logprobs(hf_model, tmp_path):
     prompts.write_text(json.dumps(rows[0]) + "\n")
     _run(*base, "--output", str(tmp_path / "c.jsonl"))
     assert _lines(tmp_path / "c.jsonl")[0]["tokens"] == a[0]["tokens"]
+    # --ignore-eos: every line runs to its limit (generation_config's 12), EOS kept as a token
+    _run(*base, "--ignore-eos", "--temperature", "0", "--output", str(tmp_path / "d.jsonl"))
+    assert [(x["finish_reason"], len(x["tokens"]), "seed" in x) for x in _lines(tmp_path / "d.jsonl")] == \
+        [("length", 12, False)]
 
 
 def test_checkpoint_of_a_longctx_run(tmp_path):
