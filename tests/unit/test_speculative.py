@@ -5,7 +5,9 @@
 - T = 1, and T = 0.9 with top-k and min-p: over 2,000 continuations of a tiny model, the first two
   tokens' distribution is the target's own (chi-square p > 0.01), and the same check rejects a sampler
   that keeps every proposal (biased toward the draft), so it can fail;
-- a prompt's own seed (speculate_one(seed=...)) decides its draws; the penalties are refused."""
+- the penalties and min_new_tokens: at T = 0 the output is plain decoding's with them, token for token
+  (T = 1: the chi-square above); CaPE's tree refuses them;
+- a prompt's own seed (speculate_one(seed=...)) decides its draws."""
 
 import numpy as np
 import pytest
@@ -59,15 +61,20 @@ def _pairs(draw_pair, runs, vocab):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.9, top_k=6, min_p=0.05)],
-                         ids=["T1", "T0.9-topk-minp"])
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.9, top_k=6, min_p=0.05),
+                                      Sampling(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.8,
+                                               frequency_penalty=0.5)],
+                         ids=["T1", "T0.9-topk-minp", "T1-penalties"])
 def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypatch, sampling):
     """The first two new tokens of 2,000 seeded continuations: the first from the prefill, the second
     the first speculative one (a round with K = 2 after it; caches rewound to the prompt between
     draws, so each draw is a fresh continuation at the cost of one round). With top-k and min-p, the
     target's and the draft's distributions are both filtered (sampling_probs), and the output keeps
-    the target's filtered distribution."""
+    the target's filtered distribution; with the penalties, each verified position and each draft step
+    is penalised with the tokens before it (Processors.chain), and the output keeps the target's
+    penalised distribution."""
     import longctx.generate.speculative as sp
+    from longctx.generate.sampling import Processors
     from longctx.models.cache import KVCache
 
     vocab, runs = 8, 2000
@@ -76,13 +83,22 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
         for m in (target, draft):
             m.lm_head_weight.mul_(6.0)
     prompt = [3, 1, 4]
+
+    def after(generated):  # the penalties' state after the prompt and `generated` (None: no penalty)
+        if not sampling.penalised:
+            return None
+        state = Processors(sampling, [prompt], vocab, [], "cpu")
+        for t in generated:
+            state.chosen(torch.tensor([t]))
+        return state
+
     with torch.inference_mode():  # the target's exact distribution of the first two tokens
-        p1 = sp.sampling_probs(target(torch.tensor([prompt]))[:, -1], sampling)[0]
-        seconds = torch.cat([sp.sampling_probs(target(torch.tensor([prompt + [a]]))[:, -1], sampling)
+        p1 = sp.sampling_probs(target(torch.tensor([prompt]))[:, -1], sampling, after([]))[0]
+        seconds = torch.cat([sp.sampling_probs(target(torch.tensor([prompt + [a]]))[:, -1], sampling, after([a]))
                              for a in range(vocab)])
         exact = (p1[:, None] * seconds).flatten().double().numpy()
         cache = KVCache.for_model(target, 1, 16)
-        first = sp.sampling_probs(sp.prefill(target, cache, torch.tensor([prompt]), 64), sampling)[0]
+        first = sp.sampling_probs(sp.prefill(target, cache, torch.tensor([prompt]), 64), sampling, after([]))[0]
         drafter = ModelDrafter(draft, 16)
         drafter.start(prompt)
 
@@ -92,7 +108,7 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
             a = int(torch.multinomial(first, 1, generator=g))
             cache.truncate(len(prompt))
             drafter.rewind(prompt)
-            kept, following, _ = sp.speculative_round(target, cache, drafter, a, 2, sampling, g)
+            kept, following, _ = sp.speculative_round(target, cache, drafter, a, 2, sampling, g, 0.0, after([a]))
         return a, (kept + [following])[0]
 
     keep = exact * runs >= 5  # chi-square on the cells expected at least 5 times, the rest pooled
@@ -114,9 +130,8 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
     assert biased[exact == 0].sum() > 0 or pvalue(biased) < 0.01
 
 
-def test_a_prompt_speculates_from_its_own_seed_and_penalties_are_refused():
-    """speculate_one(seed=...): the same seed gives the same tokens, another seed others; the penalties and
-    min_new_tokens (a position's distribution would depend on the proposals before it) are refused."""
+def test_a_prompt_speculates_from_its_own_seed():
+    """speculate_one(seed=...): the same seed gives the same tokens, another seed others."""
     from longctx.generate.speculative import speculate_one
 
     target, draft = _model(1), _model(2, layers=1)
@@ -124,10 +139,29 @@ def test_a_prompt_speculates_from_its_own_seed_and_penalties_are_refused():
     runs = [speculate_one(target, draft, prompt, 24, k=3, sampling=s, eos_ids=(), prefill_chunk=64, seed=seed)
             for seed in (77, 77, 78)]
     assert runs[0].tokens == runs[1].tokens != runs[2].tokens and runs[0].seed == 77
-    for bad in (Sampling(temperature=1.0, repetition_penalty=1.2), Sampling(presence_penalty=0.5),
-                Sampling(frequency_penalty=0.5), Sampling(min_new_tokens=3)):
-        with pytest.raises(ValueError, match="speculative decoding does not apply"):
-            speculative_generate(target, ModelDrafter(draft, 64), prompt, max_new_tokens=8, k=2, sampling=bad)
+
+
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_greedy_with_penalties_is_plain_greedy_with_them(draft):
+    """T = 0 with the repetition, presence and frequency penalties and min_new_tokens (an EOS the run
+    emits early): each verified position penalised with the proposals before it, the output is plain
+    decoding's with the same settings, token for token; CaPE's tree refuses them."""
+    from longctx.generate.cape import DEFAULT_TABLE, CapeTable
+
+    target = _model(1)
+    drafter_model = target if draft == "itself" else _model(2, layers=1)
+    prompt = _prompt(40, seed=5) + _prompt(10, seed=5)
+    free = generate(target, [prompt], max_new_tokens=30)[0].tokens
+    for s in (Sampling(repetition_penalty=1.3), Sampling(presence_penalty=0.7, frequency_penalty=0.4),
+              Sampling(repetition_penalty=0.9, frequency_penalty=0.3, min_new_tokens=12)):
+        plain = generate(target, [prompt], max_new_tokens=30, sampling=s, eos_ids=[free[4]])[0].tokens
+        assert plain != free
+        spec = speculative_generate(target, ModelDrafter(drafter_model, 120), prompt, max_new_tokens=30, k=3,
+                                    sampling=s, eos_ids=[free[4]])
+        assert spec.tokens == plain, s
+    with pytest.raises(ValueError, match="CaPE's tree does not apply --repetition-penalty"):
+        speculative_generate(target, ModelDrafter(drafter_model, 120), prompt, max_new_tokens=8, k=2,
+                             sampling=Sampling(repetition_penalty=1.2), cape=CapeTable.parse(DEFAULT_TABLE))
 
 
 @pytest.mark.parametrize("draft", ["itself", "noisy"])

@@ -290,12 +290,13 @@ def _sampling(args):
         problems.append(f"--logprobs must be >= 0 (0: the chosen token's only), got {args.logprobs}")
     if any(s == "" for s in args.stop):
         problems.append("--stop needs a non-empty text")
-    if args.draft and (unsupported(sampling) or args.logprobs is not None):
-        problems.append(f"--draft (speculative decoding) does not apply "
-                        f"{', '.join(unsupported(sampling) + ['--logprobs'] * (args.logprobs is not None))} (not "
-                        f"built: a penalty or --min-new-tokens makes a position's distribution depend on the tokens "
-                        f"before it, which its verification does not rebuild, and it reports no log-probabilities); "
-                        f"drop --draft, or those flags")
+    if args.draft and args.logprobs is not None:
+        problems.append("--draft (speculative decoding) reports no log-probabilities (not built); drop --draft or "
+                        "--logprobs")
+    if args.cape and unsupported(sampling):
+        problems.append(f"--cape's tree does not apply {', '.join(unsupported(sampling))} (not built: they make a "
+                        f"position's distribution depend on the tokens before it, which differ along each branch); "
+                        f"drop --cape (the chain applies them), or those flags")
     if problems:
         if taken:
             problems.append(f"(from generation_config.json: {args.generation_defaults}; a flag overrides each)")

@@ -169,6 +169,36 @@ class Processors:
                 logits[rows[:, None], self.eos[None, :]] = float("-inf")
         return logits
 
+    def copy(self) -> Processors:
+        other = object.__new__(Processors)
+        other.__dict__.update(self.__dict__)
+        other.new = list(self.new)
+        other.seen = None if self.seen is None else self.seen.clone()
+        other.counts = None if self.counts is None else self.counts.clone()
+        return other
+
+    def chain(self, tokens: Sequence[int]) -> Processors:
+        """From this one row's state, len(tokens) + 1 rows: row i as after tokens[:i] too (the positions
+        of a speculative verification, each after the proposals before it)."""
+        rows = len(tokens) + 1
+        other = self.copy()
+        other.new = [self.new[0] + i for i in range(rows)]
+        later = torch.tensor([[j < i for j in range(len(tokens))] for i in range(rows)], dtype=torch.bool)
+        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        for name in ("seen", "counts"):
+            state = getattr(self, name)
+            if state is None:
+                continue
+            state = state[:1].repeat(rows, 1)
+            for i in range(1, rows):  # (rows <= K + 1: a few)
+                if name == "seen":
+                    state[i, ids[later[i]].to(state.device)] = True
+                else:
+                    state[i].index_add_(0, ids[later[i]].to(state.device),
+                                        torch.ones(i, dtype=state.dtype, device=state.device))
+            setattr(other, name, state)
+        return other
+
     def chosen(self, tokens: torch.Tensor) -> None:
         """Each row's new token [rows] (a finished row's too: its state no longer matters)."""
         rows = torch.arange(len(tokens), device=tokens.device)

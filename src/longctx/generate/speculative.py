@@ -32,22 +32,24 @@ import torch
 
 from ..models.cache import KVCache
 from .engine import GREEDY, LOCAL, prefill
-from .sampling import Sampling, warp
+from .sampling import Processors, Sampling, warp
 
 
-def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """The distribution a token is drawn from (fp32 [rows, vocab]): temperature, top-k, top-p and
-    min-p (sampling.warp: they read only the position's own logits, so the target's and the draft's
-    distributions stay exact); greedy: one-hot on the argmax."""
+def sampling_probs(logits: torch.Tensor, sampling: Sampling, processors: Processors | None = None) -> torch.Tensor:
+    """The distribution a token is drawn from (fp32 [rows, vocab]): the penalties and min_new_tokens
+    (`processors`: each row's state, the tokens before its position), then temperature, top-k, top-p
+    and min-p (sampling.warp); greedy: one-hot on the argmax of the penalised logits."""
+    if processors is not None:
+        logits = processors(logits)
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return warp(logits, sampling).softmax(-1)
 
 
 def unsupported(sampling: Sampling) -> list[str]:
-    """The settings speculative decoding refuses: those that make a position's distribution depend on
-    the tokens before it (the penalties, min_new_tokens): the verification would have to rebuild
-    them per proposal, for the target and the draft alike. Not built; they are refused before work."""
+    """The settings CaPE's tree refuses: those that make a position's distribution depend on the
+    tokens before it (the penalties, min_new_tokens), which differ along each of the tree's branches
+    (not built). The chain applies them (each verified position with the proposals before it)."""
     return [name for name, on in (("--repetition-penalty", sampling.repetition_penalty != 1.0),
                                   ("--presence-penalty", sampling.presence_penalty != 0.0),
                                   ("--frequency-penalty", sampling.frequency_penalty != 0.0),
@@ -76,19 +78,22 @@ class ModelDrafter:
         return self.model(tokens, cache=self.cache)[0, -1]
 
     def propose(self, pending: int, k: int, sampling: Sampling, generator,
-                stop_below: float = 0.0) -> tuple[list[int], torch.Tensor]:
+                stop_below: float = 0.0, processors: Processors | None = None) -> tuple[list[int], torch.Tensor]:
         """Up to k proposals after `pending` and the distribution each was drawn from. `stop_below`:
         the round ends after a proposal to which the draft gives a probability below it (at T = 0
         its softmax's top probability): a draft that hesitates is likely wrong, and every further
-        proposal costs a draft step. The stop reads only the draft, so sampling stays exact."""
+        proposal costs a draft step. The stop reads only the draft, so sampling stays exact.
+        `processors`: the penalties' state after pending (updated here with each proposal, on a copy),
+        so the draft's q is processed as the target's p is."""
         device = self.cache.k.device
+        processors = processors.copy() if processors is not None else None
         token, tokens, qs = torch.tensor([[*self._unfed, pending]], device=device), [], []
         self._unfed = []
         for i in range(k):
             logits = self._logits(token)
             if i == 0:
                 self._base = int(self.cache.lengths[0])
-            q = sampling_probs(logits[None], sampling)[0]
+            q = sampling_probs(logits[None], sampling, processors)[0]
             # (no generator: the most likely token, with q the full distribution: CaPE's confidences)
             greedy = sampling.greedy or generator is None
             choice = int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))
@@ -97,6 +102,8 @@ class ModelDrafter:
             if stop_below and i + 1 < k and _confidence(logits, q, choice, sampling) < stop_below:
                 break
             token = torch.tensor([[choice]], device=device)
+            if processors is not None:
+                processors.chosen(token[0])
         self._last = tokens[-1]
         return tokens, torch.stack(qs)
 
@@ -207,8 +214,8 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
         raise ValueError("the prompt needs at least one token")
     if cape is not None and not sampling.greedy:
         raise ValueError("CaPE's tree is verified greedily (temperature 0)")
-    if unsupported(sampling):
-        raise ValueError(f"speculative decoding does not apply {', '.join(unsupported(sampling))}")
+    if cape is not None and unsupported(sampling):
+        raise ValueError(f"CaPE's tree does not apply {', '.join(unsupported(sampling))}")
     device = target.tok_embeddings.weight.device
     eos = {int(e) for e in eos_ids}
     generator = generator if generator is not None else sampling.generator(device)
@@ -222,13 +229,18 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
             cache = backend.cache(target, 1, len(prompt) + max_new_tokens + call)
             t0 = time.perf_counter()
             logits = backend.prefill(target, cache, torch.tensor([list(prompt)], device=device), prefill_chunk)[0]
-            pending = _draw(sampling_probs(logits[None], sampling)[0], sampling, generator)
+            # the penalties' state: the prompt and every emitted token (pending included)
+            state = Processors(sampling, [list(prompt)], logits.shape[-1], sorted(eos), logits.device) \
+                if sampling.penalised or sampling.min_new_tokens else None
+            pending = _draw(sampling_probs(logits[None], sampling, state)[0], sampling, generator)
             out.prefill_seconds = time.perf_counter() - t0
             drafter.start(list(prompt), cache)
             while True:
                 if pending in eos or len(out.tokens) >= max_new_tokens:
                     break
                 out.tokens.append(pending)
+                if state is not None:
+                    state.chosen(torch.tensor([pending], device=device))
                 if len(out.tokens) >= max_new_tokens:
                     break
                 if cape is not None:
@@ -237,28 +249,34 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
                     emitted, pending, proposed = tree_round(target, cache, drafter, pending, k, cape, stop_below)
                 else:
                     emitted, pending, proposed = speculative_round(target, cache, drafter, pending, k, sampling,
-                                                                   generator, stop_below)
+                                                                   generator, stop_below, state)
                 out.accepted.append(len(emitted))
                 out.proposed.append(proposed)
                 for t in emitted:
                     if t in eos or len(out.tokens) >= max_new_tokens:
                         return out
                     out.tokens.append(t)
+                    if state is not None:
+                        state.chosen(torch.tensor([t], device=device))
     finally:
         target.train(was_training)
     return out
 
 
 def speculative_round(target, cache: KVCache, drafter, pending: int, k: int, sampling: Sampling,
-                      generator, stop_below: float = 0.0) -> tuple[list[int], int, int]:
+                      generator, stop_below: float = 0.0,
+                      state: Processors | None = None) -> tuple[list[int], int, int]:
     """One draft-then-verify round after `pending` (the last emitted token, not in `cache` yet): the
     kept proposals, the token after them (the target's replacement or bonus: the next pending) and
-    how many proposals were made.
+    how many proposals were made. `state`: the penalties' state after pending (one row); verified
+    position i is processed with proposals d_1..d_i added (Processors.chain), the draft's alike, so
+    p and q are the processed distributions and the rule stays exact.
     Leaves `cache` holding pending and the kept proposals, and the drafter told."""
-    proposals, q = drafter.propose(pending, k, sampling, generator, stop_below)
+    proposals, q = drafter.propose(pending, k, sampling, generator, stop_below, state)
     k = len(proposals)  # (fewer where the draft stopped on a hesitation)
     fed = torch.tensor([[pending, *proposals]], device=cache.k.device)
-    p = sampling_probs(target(fed, cache=cache)[0].float(), sampling)  # [k + 1, vocab]
+    p = sampling_probs(target(fed, cache=cache)[0].float(), sampling,
+                       state.chain(proposals) if state is not None else None)  # [k + 1, vocab]
     kept, following = _accept(proposals, q, p, sampling, generator)
     cache.truncate(int(cache.lengths[0]) - (k - kept))
     drafter.accepted(kept, k)
