@@ -6,7 +6,8 @@ with its local cache), on random tiny models in fp32:
   the ranks, so some rank holds none of its slots) equal one process;
 - seeded sampling gives the same tokens under every layout; per request (issue 47), under head 2 x ctx 2
   with every logits processor on, a prompt's tokens are one process's and the same alone, in a batch of
-  three and as sample 0 of two (the sharded cache's rows copied for the samples);
+  three and as sample 0 of two (the sharded cache's rows copied for the samples); greedy speculation
+  with the penalties on the sharded cache is one process's plain greedy decoding with them;
 - GQA with kv heads replicated over the head group (1 kv head, head 2), and an MoE model;
 - each rank's cache is 1/(head x ctx) of one process's (plus the decode slack), and the shares
   of a row stay within one slot of each other as tokens are dealt.
@@ -261,17 +262,43 @@ def _seeded(head: int, ctx: int):
     return alone, together, [r.tokens for r in samples]
 
 
+def _speculate_penalised(head: int, ctx: int):
+    """Greedy speculative decoding (K = 3, a noisy draft) with the repetition and frequency penalties on
+    the target's cache sharded over head x ctx: (tokens, proposals kept per pass)."""
+    from longctx.generate.sampling import Sampling
+    from longctx.generate.speculative import ModelDrafter, speculative_generate
+
+    backend, _ = _backend_and_cache(head, ctx, _model("dense"), 8)
+    draft = _model("dense")
+    with torch.no_grad():
+        w = draft.lm_head_weight
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * w.std() * 0.6)
+    out = speculative_generate(_model("dense"), ModelDrafter(draft, 1200), _prompt(1000, seed=4), max_new_tokens=NEW,
+                               k=3, backend=backend, sampling=Sampling(repetition_penalty=1.3, frequency_penalty=0.5))
+    return out.tokens, out.accepted
+
+
 @pytest.mark.slow
 def test_a_request_draws_its_own_tokens_under_head2_ctx2():
     """Every rank of head 2 x ctx 2 draws one process's tokens for each request, and A's are the same
-    alone, in a batch of three, and as sample 0 of two (sample 1 differs)."""
+    alone, in a batch of three, and as sample 0 of two (sample 1 differs). Greedy speculation with the
+    penalties on the sharded cache is one process's plain greedy decoding with them."""
+    from longctx.generate.engine import generate
+    from longctx.generate.sampling import Sampling
     from longctx.parallel.spawn import run_spawned_many
 
     want_alone, want_together, want_samples = _seeded(1, 1)
     assert want_alone == want_together == want_samples[2] and len(want_alone) == NEW
     assert want_samples[3] != want_samples[2]
-    for alone, together, samples in run_spawned_many(4, [("seeded", _seeded, (2, 2))])["seeded"]:
+    got = run_spawned_many(4, [("seeded", _seeded, (2, 2)), ("speculate", _speculate_penalised, (2, 2))])
+    for alone, together, samples in got["seeded"]:
         assert alone == want_alone and together == want_together and samples == want_samples
+    plain = generate(_model("dense"), [_prompt(1000, seed=4)], max_new_tokens=NEW,
+                     sampling=Sampling(repetition_penalty=1.3, frequency_penalty=0.5))[0].tokens
+    assert plain != generate(_model("dense"), [_prompt(1000, seed=4)], max_new_tokens=NEW)[0].tokens
+    for tokens, accepted in got["speculate"]:
+        assert tokens == plain and accepted == got["speculate"][0][1]
+    assert 0 < sum(got["speculate"][0][1]) and min(got["speculate"][0][1]) < 3  # kept and rejected proposals
 
 
 FOUR = {(case, layout): (_generate, (case, *layout)) for case in CASES for layout in ((2, 2), (1, 4))}
