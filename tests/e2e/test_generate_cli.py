@@ -224,7 +224,8 @@ def draft_dirs(hf_model, tmp_path_factory):
 
 def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs, tmp_path):
     """--draft (a 1-layer model, then the target itself as its own draft): the same tokens and text as
-    plain greedy decoding, with tau per line (the target as draft keeps every proposal: tau = K + 1)."""
+    plain greedy decoding, with tau per line (the target as draft keeps every proposal: tau = K + 1);
+    with penalties and --logprobs, plain decoding's tokens and log-probabilities with them."""
     d, _ = hf_model
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["import os\nimport sys\n", "class A:"]) + "\n")
@@ -241,6 +242,16 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
         assert all(x["target_passes"] >= 1 and 1 <= x["tau"] <= k + 1 for x in spec)
         if draft == d:  # its own draft: every proposal kept (the last pass may stop early at the limit)
             assert all(x["tau"] > k for x in spec if x["finish_reason"] == "length")
+    # with a penalty and --logprobs: plain decoding's tokens and log-probabilities
+    extra = ["--repetition-penalty", "1.3", "--frequency-penalty", "0.2", "--logprobs", "2"]
+    _run(*common, *extra, "--output", str(tmp_path / "plain-pen.jsonl"))
+    _run(*common, *extra, "--draft", f"hf:{draft_dirs['small']}", "--output", str(tmp_path / "spec-pen.jsonl"))
+    plain, spec = _lines(tmp_path / "plain-pen.jsonl"), _lines(tmp_path / "spec-pen.jsonl")
+    assert [x["tokens"] for x in spec] == [x["tokens"] for x in plain] != [x["tokens"] for x in _lines(
+        tmp_path / "plain.jsonl")]
+    for a, b in zip(spec, plain):
+        assert len(a["logprobs"]) == len(a["tokens"]) and len(a["top_logprobs"][0]) == 2
+        assert max(abs(u - v) for u, v in zip(a["logprobs"], b["logprobs"])) <= 1e-4
 
 
 @pytest.mark.parametrize("draft, extra, message", [

@@ -7,6 +7,7 @@
   that keeps every proposal (biased toward the draft), so it can fail;
 - the penalties and min_new_tokens: at T = 0 the output is plain decoding's with them, token for token
   (T = 1: the chi-square above); CaPE's tree refuses them;
+- logprobs: the target's processed distribution at each token's position (T = 0: plain decoding's);
 - a prompt's own seed (speculate_one(seed=...)) decides its draws."""
 
 import numpy as np
@@ -162,6 +163,40 @@ def test_greedy_with_penalties_is_plain_greedy_with_them(draft):
     with pytest.raises(ValueError, match="CaPE's tree does not apply --repetition-penalty"):
         speculative_generate(target, ModelDrafter(drafter_model, 120), prompt, max_new_tokens=8, k=2,
                              sampling=Sampling(repetition_penalty=1.2), cape=CapeTable.parse(DEFAULT_TABLE))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_target_processed_distribution(temperature):
+    """logprobs=3: each token's log-probability (and the top 3) under the target's processed logits at
+    its position (the verification call's row; the first, the prefill's): at T = 0 those of plain
+    decoding with the same settings (1e-5); at T = 0.8 with top-k and the penalties, log_softmax of
+    the processors applied to a full forward of the sequence drawn."""
+    from longctx.generate.sampling import Processors, process
+
+    target, draft = _model(1), _model(2, layers=1)
+    prompt = _prompt(30, seed=7)
+    s = Sampling(temperature=temperature, top_k=40, repetition_penalty=1.2, presence_penalty=0.3, seed=2)
+    spec = speculative_generate(target, ModelDrafter(draft, 100), prompt, max_new_tokens=24, k=3, sampling=s,
+                                logprobs=3)
+    assert len(spec.logprobs) == len(spec.top_logprobs) == len(spec.tokens) == 24
+    if temperature == 0:
+        plain = generate(target, [prompt], max_new_tokens=24, sampling=s, logprobs=3)[0]
+        assert spec.tokens == plain.tokens
+        want, want_top = plain.logprobs, plain.top_logprobs
+    else:
+        with torch.inference_mode():
+            logits = target(torch.tensor([prompt + spec.tokens]))[0].float()
+        state, want, want_top = Processors(s, [prompt], logits.shape[-1], [], "cpu"), [], []
+        for t, token in enumerate(spec.tokens):
+            lp = torch.log_softmax(process(logits[len(prompt) + t - 1][None], s, state), -1)[0]
+            want.append(float(lp[token]))
+            top = lp.topk(3)
+            want_top.append(list(zip(top.indices.tolist(), top.values.tolist())))
+            state.chosen(torch.tensor([token]))
+    assert max(abs(a - b) for a, b in zip(spec.logprobs, want)) <= 1e-5
+    for got, exp in zip(spec.top_logprobs, want_top):
+        assert [i for i, _ in got] == [i for i, _ in exp]
+        assert max(abs(a[1] - b[1]) for a, b in zip(got, exp)) <= 1e-5
 
 
 @pytest.mark.parametrize("draft", ["itself", "noisy"])

@@ -290,13 +290,11 @@ def _sampling(args):
         problems.append(f"--logprobs must be >= 0 (0: the chosen token's only), got {args.logprobs}")
     if any(s == "" for s in args.stop):
         problems.append("--stop needs a non-empty text")
-    if args.draft and args.logprobs is not None:
-        problems.append("--draft (speculative decoding) reports no log-probabilities (not built); drop --draft or "
-                        "--logprobs")
-    if args.cape and unsupported(sampling):
-        problems.append(f"--cape's tree does not apply {', '.join(unsupported(sampling))} (not built: they make a "
-                        f"position's distribution depend on the tokens before it, which differ along each branch); "
-                        f"drop --cape (the chain applies them), or those flags")
+    if args.cape and (unsupported(sampling) or args.logprobs is not None):
+        problems.append(f"--cape's tree does not apply "
+                        f"{', '.join(unsupported(sampling) + ['--logprobs'] * (args.logprobs is not None))} (not "
+                        f"built: a penalty makes a position's distribution depend on the tokens before it, which "
+                        f"differ along each branch); drop --cape (the chain applies them), or those flags")
     if problems:
         if taken:
             problems.append(f"(from generation_config.json: {args.generation_defaults}; a flag overrides each)")
@@ -548,6 +546,6 @@ def _speculate(plan: Plan, args, model, draft, index: int, stops, backend, seed:
     result = speculate_one(model, draft, plan.prompts[index]["ids"], plan.limits[index], k=args.speculate,
                            sampling=plan.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk, stop=stops,
                            backend=backend, cape=plan.cape, stop_below=args.confidence_stop, window=args.draft_window,
-                           seed=seed)
+                           seed=seed, logprobs=args.logprobs)
     result.sample = sample
     return result

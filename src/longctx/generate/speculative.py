@@ -32,19 +32,31 @@ import torch
 
 from ..models.cache import KVCache
 from .engine import GREEDY, LOCAL, prefill
-from .sampling import Processors, Sampling, warp
+from .sampling import Processors, Sampling, process
 
 
 def sampling_probs(logits: torch.Tensor, sampling: Sampling, processors: Processors | None = None) -> torch.Tensor:
     """The distribution a token is drawn from (fp32 [rows, vocab]): the penalties and min_new_tokens
     (`processors`: each row's state, the tokens before its position), then temperature, top-k, top-p
     and min-p (sampling.warp); greedy: one-hot on the argmax of the penalised logits."""
-    if processors is not None:
-        logits = processors(logits)
-    if sampling.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    return warp(logits, sampling).softmax(-1)
+    return _probs(process(logits, sampling, processors), sampling)
 
+
+def _probs(processed: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution of processed logits (sampling.process): one-hot on the argmax when greedy."""
+    if sampling.greedy:
+        return torch.nn.functional.one_hot(processed.argmax(-1), processed.shape[-1]).float()
+    return processed.softmax(-1)
+
+
+def _logprob(row: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """A token's log-probability under processed logits `row` [vocab], and the `top` most likely (id,
+    log-probability), those at -inf left out: as the engine's --logprobs."""
+    lp = torch.log_softmax(row, -1)
+    best = torch.topk(lp, min(top, lp.shape[-1])) if top else None
+    pairs = [] if best is None else [(i, v) for i, v in zip(best.indices.tolist(), best.values.tolist())
+                                     if v != float("-inf")]
+    return float(lp[token]), pairs
 
 def unsupported(sampling: Sampling) -> list[str]:
     """The settings CaPE's tree refuses: those that make a position's distribution depend on the
@@ -188,6 +200,8 @@ class SpeculativeResult:
     accepted: list[int] = field(default_factory=list)  # proposals kept per target pass
     proposed: list[int] = field(default_factory=list)  # proposals made per target pass (<= k)
     prefill_seconds: float = 0.0  # the target's prefill and first token (the draft's prompt pass is after it)
+    logprobs: list[float] | None = None  # each token's, with speculative_generate's `logprobs`
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def passes(self) -> int:
@@ -202,24 +216,40 @@ class SpeculativeResult:
 def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_tokens: int, k: int,
                          sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
                          generator: torch.Generator | None = None, backend=LOCAL, cape=None,
-                         stop_below: float = 0.0) -> SpeculativeResult:
+                         stop_below: float = 0.0, logprobs: int | None = None) -> SpeculativeResult:
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, up to k proposals per target pass
     (fewer after a proposal the draft gives less than `stop_below`: ModelDrafter.propose).
     `backend`: the target's cache and prefill (engine.py's; parallel/generation.py's ShardedGeneration
     on every rank of a head x ctx layout, the draft then run alike on every rank). `cape`: a
-    generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy)."""
+    generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy). `logprobs`: as
+    the engine's (None, 0 or N): each token's from the target's processed logits at its position
+    (the verification call's row, or the prefill's), not with CaPE."""
     if k < 1:
         raise ValueError(f"speculate at least one token per pass, got {k}")
     if not prompt:
         raise ValueError("the prompt needs at least one token")
     if cape is not None and not sampling.greedy:
         raise ValueError("CaPE's tree is verified greedily (temperature 0)")
-    if cape is not None and unsupported(sampling):
-        raise ValueError(f"CaPE's tree does not apply {', '.join(unsupported(sampling))}")
+    if cape is not None and (unsupported(sampling) or logprobs is not None):
+        raise ValueError(f"CaPE's tree does not apply {', '.join(unsupported(sampling) or ['logprobs'])}")
     device = target.tok_embeddings.weight.device
     eos = {int(e) for e in eos_ids}
     generator = generator if generator is not None else sampling.generator(device)
     out = SpeculativeResult([])
+    rows = None if logprobs is None else []  # the processed logits of each token to come, in order
+    if rows is not None:
+        out.logprobs, out.top_logprobs = [], [] if logprobs else None
+
+    def emit(token: int) -> None:
+        out.tokens.append(token)
+        if state is not None:
+            state.chosen(torch.tensor([token], device=device))
+        if rows is not None:
+            lp, top = _logprob(rows.pop(0), token, logprobs)
+            out.logprobs.append(lp)
+            if logprobs:
+                out.top_logprobs.append(top)
+
     was_training = target.training
     target.eval()
     try:
@@ -232,15 +262,16 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
             # the penalties' state: the prompt and every emitted token (pending included)
             state = Processors(sampling, [list(prompt)], logits.shape[-1], sorted(eos), logits.device) \
                 if sampling.penalised or sampling.min_new_tokens else None
-            pending = _draw(sampling_probs(logits[None], sampling, state)[0], sampling, generator)
+            processed = process(logits[None], sampling, state)
+            pending = _draw(_probs(processed, sampling)[0], sampling, generator)
+            if rows is not None:
+                rows.append(processed[0])
             out.prefill_seconds = time.perf_counter() - t0
             drafter.start(list(prompt), cache)
             while True:
                 if pending in eos or len(out.tokens) >= max_new_tokens:
                     break
-                out.tokens.append(pending)
-                if state is not None:
-                    state.chosen(torch.tensor([pending], device=device))
+                emit(pending)
                 if len(out.tokens) >= max_new_tokens:
                     break
                 if cape is not None:
@@ -249,35 +280,37 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
                     emitted, pending, proposed = tree_round(target, cache, drafter, pending, k, cape, stop_below)
                 else:
                     emitted, pending, proposed = speculative_round(target, cache, drafter, pending, k, sampling,
-                                                                   generator, stop_below, state)
+                                                                   generator, stop_below, state, rows)
                 out.accepted.append(len(emitted))
                 out.proposed.append(proposed)
                 for t in emitted:
                     if t in eos or len(out.tokens) >= max_new_tokens:
                         return out
-                    out.tokens.append(t)
-                    if state is not None:
-                        state.chosen(torch.tensor([t], device=device))
+                    emit(t)
     finally:
         target.train(was_training)
     return out
 
 
 def speculative_round(target, cache: KVCache, drafter, pending: int, k: int, sampling: Sampling,
-                      generator, stop_below: float = 0.0,
-                      state: Processors | None = None) -> tuple[list[int], int, int]:
+                      generator, stop_below: float = 0.0, state: Processors | None = None,
+                      rows: list | None = None) -> tuple[list[int], int, int]:
     """One draft-then-verify round after `pending` (the last emitted token, not in `cache` yet): the
     kept proposals, the token after them (the target's replacement or bonus: the next pending) and
     how many proposals were made. `state`: the penalties' state after pending (one row); verified
     position i is processed with proposals d_1..d_i added (Processors.chain), the draft's alike, so
-    p and q are the processed distributions and the rule stays exact.
+    p and q are the processed distributions and the rule stays exact. `rows`, when given, receives
+    the target's processed logits of the kept proposals and of the token after them (logprobs).
     Leaves `cache` holding pending and the kept proposals, and the drafter told."""
     proposals, q = drafter.propose(pending, k, sampling, generator, stop_below, state)
     k = len(proposals)  # (fewer where the draft stopped on a hesitation)
     fed = torch.tensor([[pending, *proposals]], device=cache.k.device)
-    p = sampling_probs(target(fed, cache=cache)[0].float(), sampling,
-                       state.chain(proposals) if state is not None else None)  # [k + 1, vocab]
+    processed = process(target(fed, cache=cache)[0].float(), sampling,
+                        state.chain(proposals) if state is not None else None)
+    p = _probs(processed, sampling)  # [k + 1, vocab]
     kept, following = _accept(proposals, q, p, sampling, generator)
+    if rows is not None:
+        rows.extend(processed[:kept + 1])
     cache.truncate(int(cache.lengths[0]) - (k - kept))
     drafter.accepted(kept, k)
     return proposals[:kept], following, k
@@ -315,7 +348,8 @@ class Speculated:
     passes: int
     sample: int = 0             # which of the prompt's num_samples continuations
     seed: int | None = None     # the seed its draws came from (None when greedy)
-    logprobs = top_logprobs = None  # (not reported under speculation: refused before work)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int | None = None) -> ModelDrafter:
@@ -339,7 +373,7 @@ def draft_window(draft, window: int | None) -> int:
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
                   prefill_chunk: int, stop=None, backend=LOCAL, cape=None, stop_below: float = 0.0,
-                  window: int | None = None, seed: int | None = None) -> Speculated:
+                  window: int | None = None, seed: int | None = None, logprobs: int | None = None) -> Speculated:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe); a stop string (`stop(row, tokens)`, generate/output.py's StopStrings) is applied to the
     finished tokens. `seed`: the request's (its prompt's, or its sample's: generate/sampling.py),
@@ -349,7 +383,7 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
     r = speculative_generate(target, drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window), ids,
                              max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below,
-                             generator=sampling.generator(device, seed))
+                             generator=sampling.generator(device, seed), logprobs=logprobs)
     seconds = time.perf_counter() - t0
     tokens, reason = r.tokens, "length" if len(r.tokens) >= limit else "eos"
     if stop is not None:
@@ -360,4 +394,6 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
     decode_s = seconds - r.prefill_seconds  # (the draft's prompt pass included: speculation's own cost)
     return Speculated(len(ids), tokens, reason, len(ids) / r.prefill_seconds if r.prefill_seconds > 0 else 0.0,
                       max(len(r.tokens) - 1, 0) / decode_s if decode_s > 0 else 0.0, r.tau, r.passes,
-                      seed=None if sampling.greedy else (sampling.seed if seed is None else seed))
+                      seed=None if sampling.greedy else (sampling.seed if seed is None else seed),
+                      logprobs=None if r.logprobs is None else r.logprobs[:len(tokens)],
+                      top_logprobs=None if r.top_logprobs is None else r.top_logprobs[:len(tokens)])
