@@ -3,7 +3,8 @@
 One round, with the target's cache holding the prompt and every emitted token but the last (the
 `pending` token, not yet fed):
 1. the draft proposes d_1..d_K autoregressively, with its distribution q_i of each (its sampling
-   distribution: temperature, top-k and top-p applied, as the target's);
+   distribution: every processor of generate/sampling.py applied, as to the target's; the penalties
+   and min_new_tokens with the tokens before the position, proposals included);
 2. the target runs [pending, d_1..d_K] in one cached call (the new tokens attend to the cache and,
    causally, to each other: models/cache.py's chunk attention) and gets p_1..p_{K+1};
 3. acceptance. Greedy (T = 0): d_i is kept while it is the target's argmax; the first disagreement
