@@ -320,8 +320,6 @@ def test_generation_config_gives_the_defaults_and_flags_override(weightless_hf):
     (["--min-new-tokens", "-1"], "--min-new-tokens must be >= 0"),
     (["--min-new-tokens", "20", "--max-new-tokens", "10"], "--min-new-tokens 20 is more than --max-new-tokens 10"),
     (["--logprobs", "-1"], "--logprobs must be >= 0"),
-    (["--draft", "nowhere", "--cape", "--repetition-penalty", "1.2", "--min-new-tokens", "2", "--logprobs", "2"],
-     "--cape's tree does not apply --repetition-penalty, --min-new-tokens, --logprobs"),
 ])
 def test_bad_settings_are_one_clear_error_before_work(weightless_hf, argv, message):
     with pytest.raises(ConfigError) as e:

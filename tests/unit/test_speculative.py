@@ -5,8 +5,8 @@
 - T = 1, and T = 0.9 with top-k and min-p: over 2,000 continuations of a tiny model, the first two
   tokens' distribution is the target's own (chi-square p > 0.01), and the same check rejects a sampler
   that keeps every proposal (biased toward the draft), so it can fail;
-- the penalties and min_new_tokens: at T = 0 the output is plain decoding's with them, token for token
-  (T = 1: the chi-square above); CaPE's tree refuses them;
+- the penalties and min_new_tokens: at T = 0 the output is plain decoding's with them, token for token,
+  chain and CaPE's tree (T = 1: the chi-square above);
 - logprobs: the target's processed distribution at each token's position (T = 0: plain decoding's);
 - a prompt's own seed (speculate_one(seed=...)) decides its draws."""
 
@@ -142,27 +142,32 @@ def test_a_prompt_speculates_from_its_own_seed():
     assert runs[0].tokens == runs[1].tokens != runs[2].tokens and runs[0].seed == 77
 
 
-@pytest.mark.parametrize("draft", ["itself", "another"])
+@pytest.mark.parametrize("draft", ["itself", "another", "noisy"])
 def test_greedy_with_penalties_is_plain_greedy_with_them(draft):
     """T = 0 with the repetition, presence and frequency penalties and min_new_tokens (an EOS the run
-    emits early): each verified position penalised with the proposals before it, the output is plain
-    decoding's with the same settings, token for token; CaPE's tree refuses them."""
-    from longctx.generate.cape import DEFAULT_TABLE, CapeTable
+    emits early): each verified position penalised with the proposals before it (the chain), or each
+    tree node with its ancestors (CaPE, alternatives everywhere), the output is plain decoding's with
+    the same settings, token for token, and so are its logprobs (1e-5)."""
+    from longctx.generate.cape import CapeTable
 
     target = _model(1)
-    drafter_model = target if draft == "itself" else _model(2, layers=1)
+    drafter_model = target if draft == "itself" else _model(2, layers=1) if draft == "another" else _model(1)
+    if draft == "noisy":  # the target with a noisy head: it hesitates, CaPE adds alternatives and some are kept
+        with torch.no_grad():
+            w = drafter_model.lm_head_weight
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(9)) * w.std() * 0.8)
     prompt = _prompt(40, seed=5) + _prompt(10, seed=5)
     free = generate(target, [prompt], max_new_tokens=30)[0].tokens
     for s in (Sampling(repetition_penalty=1.3), Sampling(presence_penalty=0.7, frequency_penalty=0.4),
               Sampling(repetition_penalty=0.9, frequency_penalty=0.3, min_new_tokens=12)):
-        plain = generate(target, [prompt], max_new_tokens=30, sampling=s, eos_ids=[free[4]])[0].tokens
-        assert plain != free
-        spec = speculative_generate(target, ModelDrafter(drafter_model, 120), prompt, max_new_tokens=30, k=3,
-                                    sampling=s, eos_ids=[free[4]])
-        assert spec.tokens == plain, s
-    with pytest.raises(ValueError, match="CaPE's tree does not apply --repetition-penalty"):
-        speculative_generate(target, ModelDrafter(drafter_model, 120), prompt, max_new_tokens=8, k=2,
-                             sampling=Sampling(repetition_penalty=1.2), cape=CapeTable.parse(DEFAULT_TABLE))
+        plain = generate(target, [prompt], max_new_tokens=30, sampling=s, eos_ids=[free[4]], logprobs=2)[0]
+        assert plain.tokens != free
+        for cape in (None, CapeTable.parse("0.5:4,0.8:2,1:1")):
+            spec = speculative_generate(target, ModelDrafter(drafter_model, 160), prompt, max_new_tokens=30, k=3,
+                                        sampling=s, eos_ids=[free[4]], cape=cape, logprobs=2)
+            assert spec.tokens == plain.tokens, (s, cape)
+            assert max(abs(a - b) for a, b in zip(spec.logprobs, plain.logprobs)) <= 1e-5
+            assert [[i for i, _ in t] for t in spec.top_logprobs] == [[i for i, _ in t] for t in plain.top_logprobs]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

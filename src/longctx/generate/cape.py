@@ -100,18 +100,24 @@ def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: fl
 GREEDY_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the most likely token)
 
 
-def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable,
-               stop_below: float = 0.0) -> tuple[list[int], int, int]:
+def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0,
+               state=None, rows: list | None = None) -> tuple[list[int], int, int]:
     """One CaPE round (greedy): the kept tokens, the next pending one and the chain's length. `cache`: the target's, on
     one device (models/cache.KVCache) or sharded over head x ctx ranks (parallel/generation.py),
-    every rank running the same round."""
+    every rank running the same round. `state`: the penalties' state after pending
+    (generate/sampling.py Processors, one row): each node's logits are penalised with its ancestors
+    (Processors.paths), so the target's choice after each node is plain greedy decoding's with them.
+    `rows`, when given, receives the processed logits of the root and of each kept node (logprobs)."""
     tree = propose_tree(drafter, pending, k, table, stop_below)
     start = int(cache.lengths[0])
     device = cache.k.device
     tokens = torch.tensor([tree.tokens], device=device)
     positions = start + torch.tensor([tree.depths], device=device)
     cache.among(tree.visible())
-    choice = target(tokens, positions, cache=cache)[0].argmax(-1).tolist()  # the target's after each node
+    logits = target(tokens, positions, cache=cache)[0].float()
+    if state is not None:
+        logits = state.paths([_path(tree, j) for j in range(len(tree.tokens))])(logits)
+    choice = logits.argmax(-1).tolist()  # the target's after each node
     children: dict[int, list[int]] = {}
     for j, parent in enumerate(tree.parents[1:], 1):
         children.setdefault(parent, []).append(j)
@@ -123,9 +129,20 @@ def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable,
         kept.append(nxt)
         node = nxt
     cache.keep([0] + kept)  # the root and the accepted path; the other nodes are forgotten
+    if rows is not None:
+        rows.extend(logits[[0] + kept])
     on_chain = 0
     while on_chain < len(kept) and kept[on_chain] == tree.chain[on_chain]:
         on_chain += 1
     extra = tree.tokens[kept[-1]] if len(kept) > on_chain else None  # a kept alternative ends the path
     drafter.accepted(on_chain, len(tree.chain), extra)
     return [tree.tokens[j] for j in kept], choice[node], len(tree.chain)
+
+
+def _path(tree: Tree, node: int) -> list[int]:
+    """The tokens from the root's child down to `node` (the root, the pending token, excluded)."""
+    path = []
+    while node > 0:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]

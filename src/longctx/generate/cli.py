@@ -271,7 +271,6 @@ def _sampling(args):
     from the file), with every out-of-range value said at once."""
     from .sampling import Sampling
     from .settings import generation_config, resolve
-    from .speculative import unsupported
 
     fields, args.max_new_tokens, taken = resolve(args, generation_config(args.checkpoint))
     args.generation_defaults = ", ".join(taken)
@@ -290,11 +289,6 @@ def _sampling(args):
         problems.append(f"--logprobs must be >= 0 (0: the chosen token's only), got {args.logprobs}")
     if any(s == "" for s in args.stop):
         problems.append("--stop needs a non-empty text")
-    if args.cape and (unsupported(sampling) or args.logprobs is not None):
-        problems.append(f"--cape's tree does not apply "
-                        f"{', '.join(unsupported(sampling) + ['--logprobs'] * (args.logprobs is not None))} (not "
-                        f"built: a penalty makes a position's distribution depend on the tokens before it, which "
-                        f"differ along each branch); drop --cape (the chain applies them), or those flags")
     if problems:
         if taken:
             problems.append(f"(from generation_config.json: {args.generation_defaults}; a flag overrides each)")

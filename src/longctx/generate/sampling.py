@@ -180,22 +180,26 @@ class Processors:
     def chain(self, tokens: Sequence[int]) -> Processors:
         """From this one row's state, len(tokens) + 1 rows: row i as after tokens[:i] too (the positions
         of a speculative verification, each after the proposals before it)."""
-        rows = len(tokens) + 1
+        return self.paths([list(tokens[:i]) for i in range(len(tokens) + 1)])
+
+    def paths(self, paths: Sequence[Sequence[int]]) -> Processors:
+        """From this one row's state, one row per path: as after that path's tokens too (a speculative
+        tree's nodes, each after its ancestors)."""
         other = self.copy()
-        other.new = [self.new[0] + i for i in range(rows)]
-        later = torch.tensor([[j < i for j in range(len(tokens))] for i in range(rows)], dtype=torch.bool)
-        ids = torch.as_tensor(list(tokens), dtype=torch.long)
+        other.new = [self.new[0] + len(path) for path in paths]
         for name in ("seen", "counts"):
             state = getattr(self, name)
             if state is None:
                 continue
-            state = state[:1].repeat(rows, 1)
-            for i in range(1, rows):  # (rows <= K + 1: a few)
+            state = state[:1].repeat(len(paths), 1)
+            for i, path in enumerate(paths):  # (a few rows: K + 1, or a tree's nodes)
+                if not path:
+                    continue
+                ids = torch.as_tensor(list(path), dtype=torch.long, device=state.device)
                 if name == "seen":
-                    state[i, ids[later[i]].to(state.device)] = True
+                    state[i, ids] = True
                 else:
-                    state[i].index_add_(0, ids[later[i]].to(state.device),
-                                        torch.ones(i, dtype=state.dtype, device=state.device))
+                    state[i].index_add_(0, ids, torch.ones(len(path), dtype=state.dtype, device=state.device))
             setattr(other, name, state)
         return other
 

@@ -59,16 +59,6 @@ def _logprob(row: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple
                                      if v != float("-inf")]
     return float(lp[token]), pairs
 
-def unsupported(sampling: Sampling) -> list[str]:
-    """The settings CaPE's tree refuses: those that make a position's distribution depend on the
-    tokens before it (the penalties, min_new_tokens), which differ along each of the tree's branches
-    (not built). The chain applies them (each verified position with the proposals before it)."""
-    return [name for name, on in (("--repetition-penalty", sampling.repetition_penalty != 1.0),
-                                  ("--presence-penalty", sampling.presence_penalty != 0.0),
-                                  ("--frequency-penalty", sampling.frequency_penalty != 0.0),
-                                  ("--min-new-tokens", sampling.min_new_tokens > 0)) if on]
-
-
 class ModelDrafter:
     """A draft model with its own KV cache, fed the same tokens as the target."""
 
@@ -231,8 +221,6 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
         raise ValueError("the prompt needs at least one token")
     if cape is not None and not sampling.greedy:
         raise ValueError("CaPE's tree is verified greedily (temperature 0)")
-    if cape is not None and (unsupported(sampling) or logprobs is not None):
-        raise ValueError(f"CaPE's tree does not apply {', '.join(unsupported(sampling) or ['logprobs'])}")
     device = target.tok_embeddings.weight.device
     eos = {int(e) for e in eos_ids}
     generator = generator if generator is not None else sampling.generator(device)
@@ -278,7 +266,8 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
                 if cape is not None:
                     from .cape import tree_round
 
-                    emitted, pending, proposed = tree_round(target, cache, drafter, pending, k, cape, stop_below)
+                    emitted, pending, proposed = tree_round(target, cache, drafter, pending, k, cape, stop_below,
+                                                            state, rows)
                 else:
                     emitted, pending, proposed = speculative_round(target, cache, drafter, pending, k, sampling,
                                                                    generator, stop_below, state, rows)
