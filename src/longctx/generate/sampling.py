@@ -185,7 +185,8 @@ class Processors:
     def paths(self, paths: Sequence[Sequence[int]]) -> Processors:
         """From this one row's state, one row per path: as after that path's tokens too (a speculative
         tree's nodes, each after its ancestors)."""
-        other = self.copy()
+        other = object.__new__(Processors)
+        other.__dict__.update(self.__dict__)  # (seen and counts replaced below)
         other.new = [self.new[0] + len(path) for path in paths]
         for name in ("seen", "counts"):
             state = getattr(self, name)
