@@ -10,10 +10,15 @@ With --nproc N the cache is sharded over head x ctx ranks as training shards the
 the ranks return the same tokens as one process; rank 0 writes them.
 
 Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line; an "id"
-field is copied to the output). Output: one JSON line per prompt, in input order, to --output or
+field is copied to the output, a "seed" seeds that prompt's draws; with --chat a line may hold
+`{"messages": [...]}` instead, rendered by the tokenizer's chat template: generate/chat.py).
+Decoding settings: flags over hf:DIR's generation_config.json over longctx's defaults
+(generate/settings.py); processors as transformers orders them (generate/sampling.py). Output: one
+JSON line per prompt and sample (--num-samples; a "sample" index), in input order, to --output or
 stdout: prompt_tokens, tokens (the new ids), text, finish_reason (eos / stop / length),
-prefill_tokens_per_s, decode_tokens_per_s. On a terminal, one prompt's text streams to stderr as
-it is generated; several prompts show a progress bar there instead.
+prefill_tokens_per_s, decode_tokens_per_s, and with --logprobs the chosen tokens' and the top N's
+log-probabilities. On a terminal, one prompt's text streams to stderr as it is generated (never a
+character the line's text cuts); several prompts show a progress bar there instead.
 
 Everything that can be wrong with the input is said before the weights are read: both or neither of
 --prompt / --prompts, a bad prompts file, an empty prompt, a prompt past the positions the model was
