@@ -162,3 +162,23 @@ def test_template_errors_are_said(tmp_path):
     f = _messages_file(tmp_path / "m.jsonl", [[{"role": "assistant", "content": "hi"}]])
     with pytest.raises(ConfigError, match="could not render the messages: Conversations must start with a user"):
         _prepare("--checkpoint", f"hf:{folder}", "--chat", "--prompts", str(f))
+
+
+def test_templates_that_test_for_tools_render_as_transformers(tmp_path):
+    """transformers passes tools=None and documents=None: a template guarding on them must not see them
+    as defined (an undefined variable `is not none` in Jinja); a Python error inside is said, not raised."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    _chat_tokenizer(folder, jinja_file=True)
+    (folder / "chat_template.jinja").write_text(
+        "{%- if tools is not none %}[TOOLS]{{ tools|tojson }}[/TOOLS]{%- endif %}"
+        "{%- if documents is not none %}<docs>{%- endif %}"
+        "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
+        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    (folder / "config.json").write_text(json.dumps(test_hf.hf_config("llama")))
+    [p] = _prepare("--checkpoint", f"hf:{folder}", "--chat", "--prompt", "What is 2 + 2?").prompts
+    assert "[TOOLS]" not in p["text"] and "<docs>" not in p["text"]
+    assert p["ids"] == _theirs_ids(folder, CONVERSATIONS[0])
+    (folder / "chat_template.jinja").write_text("{{ messages|tojson(indent=undefined_thing) }}")
+    with pytest.raises(ConfigError, match="could not render the messages"):
+        _prepare("--checkpoint", f"hf:{folder}", "--chat", "--prompt", "hi")

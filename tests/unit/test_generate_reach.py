@@ -115,3 +115,25 @@ def test_a_checkpoint_is_held_to_its_recorded_positions(tmp_path):
     write_manifest(step, step=2, layout={}, model=model, tokenizer="byte")
     assert "trained_positions" not in read_manifest(step)
     assert _prepare("--checkpoint", str(step), "--prompt", "x" * 100).limits == [256]
+
+
+def test_hf_linear_scaling_stretches_max_position_embeddings(hf64):
+    """A linear-scaled config gives the length before its factor (vicuna-16k: 4096 x 4), as vLLM reads it."""
+    d = hf64(rope_scaling=dict(rope_type="linear", factor=4.0))
+    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert plan.limits == [8]
+    with pytest.raises(ConfigError, match="past the 256 positions .* x its linear RoPE factor"):
+        _prepare("--checkpoint", f"hf:{d}", "--prompt", "x " * 300)
+
+
+def test_the_suggestion_for_an_already_scaled_model_passes(hf64):
+    """A yarn model (max_position_embeddings 64, original 32 x factor 4: it reaches 128): the suggested
+    factor stretches the unscaled 32, so following the message is not refused again."""
+    d = hf64(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))
+    long = "x " * 150
+    with pytest.raises(ConfigError, match="past the 128 positions") as e:
+        _prepare("--checkpoint", f"hf:{d}", "--prompt", long, "--max-new-tokens", "8")
+    flags = [w.rstrip(";,.") for w in str(e.value).split() if w.startswith("--model.rope")]
+    assert "--model.rope_original_max_len=32" in flags
+    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", long, "--max-new-tokens", "8", *flags)
+    assert plan.limits == [8] and not plan.notes

@@ -159,7 +159,8 @@ def test_presence_and_frequency_penalties_are_vllms():
         counts = torch.bincount(torch.tensor(generated[r]), minlength=10).float()
         want = want - 0.5 * (counts > 0) - (-0.25) * counts
         torch.testing.assert_close(got[r], want)
-    assert got[0, 1] == logits[0, 1] / 1.3 if logits[0, 1] > 0 else logits[0, 1] * 1.3  # prompt only: no presence
+    x = logits[0, 1]
+    assert got[0, 1] == (x / 1.3 if x > 0 else x * 1.3)  # token 1 in the prompt only: no presence penalty
 
 
 def _two_token_draws(ours, prompt, sampling, samples):
@@ -336,3 +337,10 @@ def test_a_prompt_seed_must_be_an_integer(weightless_hf, tmp_path):
         f.write_text(f'{{"prompt": "a"}}\n{{"prompt": "b", "seed": {bad}}}\n')
         with pytest.raises(ConfigError, match='line 2: "seed" must be an integer'):
             _prepare(weightless_hf, "--prompts", str(f))
+
+
+@pytest.mark.parametrize("argv", [["--top-k", "5"], ["--top-p", "0.9", "--min-p", "0.1"]])
+def test_filters_with_greedy_decoding_are_said_not_dropped(weightless_hf, argv):
+    with pytest.raises(ConfigError, match="decoding is greedy .temperature 0., where .* nothing: add --temperature"):
+        _prepare(weightless_hf, "--prompt", "x", *argv)
+    assert _prepare(weightless_hf, "--prompt", "x", "--temperature", "0.7", *argv)[0].sampling.temperature == 0.7

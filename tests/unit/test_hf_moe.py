@@ -280,10 +280,12 @@ def test_config_mapping_both_ways():
     assert back["router_z_loss_coef"] == 0.003 and back["qkv_bias"] is False
     assert back["output_router_logits"] is True and back["router_aux_loss_coef"] == 0.02
     assert config_from_hf(back) == m
-    # output_router_logits false (transformers' default): transformers trains without router losses
+    # output_router_logits false (transformers' default): transformers trains without a balancing loss;
+    # router_z_loss_coef (written only by longctx's export) is the z-loss either way
     off = config_from_hf(hf_config("qwen2_moe-sparse_step", **losses))
-    assert (off.moe_aux_loss, off.moe_z_loss, off.moe_aux_loss_scope) == (0.0, 0.0, "pooled")
+    assert (off.moe_aux_loss, off.moe_z_loss, off.moe_aux_loss_scope) == (0.0, 0.003, "pooled")
     assert hf_config_from_model(off)["output_router_logits"] is False
+    assert config_from_hf(hf_config("qwen2_moe-sparse_step")).moe_z_loss == 0.0  # as transformers writes it
     # transformers 5 writes Qwen3-MoE's count as num_local_experts (its attribute_map), the Hub num_experts
     q3 = hf_config("qwen3_moe")
     q3["num_local_experts"] = q3.pop("num_experts")
@@ -293,12 +295,17 @@ def test_config_mapping_both_ways():
     # a balancing loss transformers cannot state (per layer): the weights export, the loss is left off and said
     from longctx.config.hf_export import export_notes
 
-    per_layer = dataclasses.replace(m, moe_aux_loss_scope="per_layer_mean", moe_z_loss=0.0)
-    written = hf_config_from_model(per_layer)
-    assert written["output_router_logits"] is False and written["router_aux_loss_coef"] == 0.02
-    [note] = export_notes(per_layer)
-    assert "aux_loss_scope=per_layer_mean" in note and "output_router_logits=false" in note
-    assert export_notes(m) == [] and export_notes(off) == []
+    for z in (0.0, 0.003):  # (a z-loss must not turn on transformers' pooled aux loss)
+        per_layer = dataclasses.replace(m, moe_aux_loss_scope="per_layer_mean", moe_z_loss=z)
+        written = hf_config_from_model(per_layer)
+        assert written["output_router_logits"] is False and written["router_aux_loss_coef"] == 0.02
+        notes = export_notes(per_layer)
+        assert "aux_loss_scope=per_layer_mean" in notes[0] and "output_router_logits=false" in notes[0]
+        assert len(notes) == 1 + bool(z)
+        back = config_from_hf(written)  # read back: no balancing loss, the z-loss kept
+        assert (back.moe_aux_loss, back.moe_z_loss) == (0.0, z)
+    assert [n.split(" (")[0] for n in export_notes(m)] == ["the run's router z-loss"]
+    assert export_notes(dataclasses.replace(m, moe_z_loss=0.0)) == []
 
 
 def test_unsupported_features_are_refused():

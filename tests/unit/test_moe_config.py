@@ -148,3 +148,15 @@ def test_written_config_round_trips(args, tmp_path):
     again = load_config(p)
     assert to_dict(again) == to_dict(cfg)
     assert to_toml(again) == text
+
+
+def test_top1_with_renormalised_weights_is_said():
+    """Top-1 with norm_topk: every weight is 1 (transformers' rule), so the router gets no gradient from the
+    model's loss; the run says so once (not an error: an HF top-1 model is meant to train that way)."""
+    from longctx.config.rules import moe_notes
+
+    [note] = moe_notes(load_config(overrides=[*MOE, "--model.moe.top_k=1"]).model)
+    assert "every routing weight is 1" in note and "--model.moe.norm_topk false" in note
+    assert moe_notes(load_config(overrides=[*MOE, "--model.moe.top_k=1", "--model.moe.norm_topk=false"]).model) == []
+    assert moe_notes(load_config(overrides=[*MOE, "--model.moe.top_k=1", "--model.moe.router=switch"]).model) == []
+    assert moe_notes(load_config(overrides=MOE).model) == []  # top-2

@@ -136,3 +136,14 @@ def test_per_layer_drop_rate_is_the_intervals_dropped_over_its_choices():
     assert r["moe_layer_drop"] == [round(2 / 16, 4), round(3 / 16, 4)]
     _add(interval, 4, COUNTS[0])  # no capacity: no per-layer drop figure
     assert "moe_layer_drop" not in interval.record(4)
+
+
+def test_reset_forgets_the_steps_a_rollback_discarded():
+    interval = RouterInterval([1, 3], every=3)
+    _add(interval, 1, COUNTS[0], aux=9.0)
+    _add(interval, 2, COUNTS[1], aux=9.0)
+    interval.reset()  # (trainer._roll_back: those steps run again)
+    _add(interval, 2, COUNTS[2], aux=1.0)
+    _add(interval, 3, COUNTS[0], aux=2.0)
+    r = interval.record(3)
+    assert r["moe_aux_loss"] == pytest.approx(1.5) and r["moe_expert_load_from"] == 2

@@ -21,10 +21,12 @@ and the Mixture-of-Experts ones ([model.moe], models/moe.py; every one a softmax
   (model.qk_norm_span = all), optional `attention_bias`; `clip_qkv` is not supported.
 The router losses are what transformers' training of the model would add: with `output_router_logits`
 true, moe.aux_loss = `router_aux_loss_coef` and moe.aux_loss_scope = pooled (its load_balancing_loss_func:
-every layer's routing pooled before the product, each of a token's k choices counted), and
-`router_z_loss_coef` (where present; transformers' classes of these families do not read it) is
-moe.z_loss; with it false (transformers' default, and the published configs') there is none:
-moe.aux_loss = moe.z_loss = 0. `router_loss_note` says which, once, when a run starts from the weights.
+every layer's routing pooled before the product, each of a token's k choices counted); with it
+false (transformers' default, and the published configs') there is none: moe.aux_loss = 0.
+`router_z_loss_coef` is moe.z_loss whatever output_router_logits says: transformers' classes of these
+families never write or read it, so it is there only where longctx's export wrote a z-loss the model
+trained with (a transformers config has none: moe.z_loss = 0, as transformers trains).
+`router_loss_note` says which, once, when a run starts from the weights.
 RoPE types: default, linear, llama3 and yarn, in the classic (`rope_theta` + `rope_scaling`) or the
 newer (`rope_parameters`) form.
 """
@@ -246,10 +248,11 @@ def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
 
 def _router_loss_fields(d: dict) -> dict[str, Any]:
     """The router losses transformers' training adds (config.json with the family's defaults: `d`):
-    none unless output_router_logits, then its pooled balancing loss at router_aux_loss_coef."""
+    none unless output_router_logits, then its pooled balancing loss at router_aux_loss_coef; and the
+    z-loss of a longctx export (router_z_loss_coef, a key only longctx writes)."""
     on = bool(d.get("output_router_logits"))
     return {"moe.aux_loss": float(d.get("router_aux_loss_coef") or 0.0) if on else 0.0,
-            "moe.aux_loss_scope": "pooled", "moe.z_loss": float(d.get("router_z_loss_coef") or 0.0) if on else 0.0}
+            "moe.aux_loss_scope": "pooled", "moe.z_loss": float(d.get("router_z_loss_coef") or 0.0)}
 
 
 def router_loss_note(hf: dict) -> str:
@@ -257,11 +260,12 @@ def router_loss_note(hf: dict) -> str:
     family = hf.get("model_type")
     d = {**_MOE_DEFAULTS.get(family, {}), **{k: v for k, v in hf.items() if v is not None}}
     fields = _router_loss_fields(d)
+    z = (f"; and model.moe.z_loss {fields['moe.z_loss']} from router_z_loss_coef, a key longctx's export writes and "
+         f"transformers never reads (its training of {family} adds no z-loss)" if fields["moe.z_loss"] else "")
     if not d.get("output_router_logits"):
         return (f"router losses as transformers trains {family}: config.json has output_router_logits=false, so no "
                 f"load-balancing loss (model.moe.aux_loss 0; router_aux_loss_coef={d.get('router_aux_loss_coef')} "
-                f"applies only with output_router_logits); --model.moe.aux_loss W adds transformers' pooled one")
-    z = f", model.moe.z_loss {fields['moe.z_loss']} (router_z_loss_coef)" if fields["moe.z_loss"] else ""
+                f"applies only with output_router_logits); --model.moe.aux_loss W adds transformers' pooled one{z}")
     return (f"router losses as transformers trains {family}: config.json has output_router_logits=true, so its "
             f"load-balancing loss, model.moe.aux_loss {fields['moe.aux_loss']} (router_aux_loss_coef) with "
             f"model.moe.aux_loss_scope pooled (every layer's routing pooled, each of the k choices counted){z}")

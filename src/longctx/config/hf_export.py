@@ -45,18 +45,25 @@ def export_problems(m) -> list[str]:
 def export_notes(m) -> list[str]:
     """What an export writes differently from how the model trained (the weights are exact; a training
     objective transformers cannot state is left off, and said)."""
-    if m.is_moe and m.moe_aux_loss and m.moe_aux_loss_scope != "pooled":
-        return [f"the run's balancing loss (model.moe.aux_loss_scope={m.moe_aux_loss_scope}, aux_loss="
-                f"{m.moe_aux_loss}) has no config.json equivalent: transformers pools every layer's routing into "
-                f"one loss; config.json says output_router_logits=false (transformers adds no router term), and "
-                f"router_aux_loss_coef={m.moe_aux_loss} applies, pooled, to whoever sets it true"]
-    return []
+    if not m.is_moe:
+        return []
+    notes = []
+    if m.moe_aux_loss and m.moe_aux_loss_scope != "pooled":
+        notes.append(f"the run's balancing loss (model.moe.aux_loss_scope={m.moe_aux_loss_scope}, aux_loss="
+                     f"{m.moe_aux_loss}) has no config.json equivalent: transformers pools every layer's routing "
+                     f"into one loss; config.json says output_router_logits=false (transformers adds no balancing "
+                     f"loss), and router_aux_loss_coef={m.moe_aux_loss} applies, pooled, to whoever sets it true")
+    if m.moe_z_loss:
+        notes.append(f"the run's router z-loss (model.moe.z_loss={m.moe_z_loss}) is written as router_z_loss_coef, "
+                     f"which longctx reads back and transformers' {m.family} never reads: training the export with "
+                     f"transformers adds no z-loss")
+    return notes
 
 
 def _router_losses_on(m) -> bool:
-    """config.json's output_router_logits: on when the model trained with router losses transformers
-    computes the same way (a pooled aux loss, or a z-loss)."""
-    return bool((m.moe_aux_loss and m.moe_aux_loss_scope == "pooled") or m.moe_z_loss)
+    """config.json's output_router_logits: on exactly when the model trained with the balancing loss
+    transformers computes (pooled; a z-loss alone is nothing transformers adds)."""
+    return bool(m.moe_aux_loss and m.moe_aux_loss_scope == "pooled")
 
 
 def hf_config_from_model(m, dtype_name: str = "float32") -> dict:

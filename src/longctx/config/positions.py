@@ -6,7 +6,8 @@ extrapolate), and training records it in each checkpoint's manifest (`trained_po
 model trained on 64 positions does not read position 100 because a config says 4096. So the reach is
 built from what the weights saw:
 - trained: a longctx checkpoint's recorded `trained_positions` (the longest sequence any stage of its
-  runs trained on, and its start's reach); a Hugging Face model's `max_position_embeddings`; a
+  runs trained on, and its start's reach); a Hugging Face model's `max_position_embeddings` (times
+  its factor for a linear scaling, whose configs give the length before it, as vLLM reads them); a
   checkpoint written before the record existed: its max_seq_len (the old rule, never stricter).
 - a RoPE scaling that records its original length (yarn, llama3) reaches original x factor, as vLLM
   counts it: a YaRN-scaled model's longer prompts run.
@@ -31,7 +32,7 @@ def scaled_reach(m: ModelConfig) -> int:
     return 0
 
 
-def _unscaled(m: ModelConfig, trained: int) -> int:
+def unscaled_positions(m: ModelConfig, trained: int) -> int:
     """The length the weights learned before `m`'s own scaling stretched it."""
     if m.rope_scaling in _WITH_ORIGINAL:
         return min(trained, m.rope_original_max_len)
@@ -45,7 +46,7 @@ def covered_positions(now: ModelConfig, own: ModelConfig, trained: int) -> int:
     whose own config is `own` and that trained on `trained` positions."""
     if all(getattr(now, k) == getattr(own, k) for k in _ROPE_KEYS):
         return max(trained, scaled_reach(own))
-    base = _unscaled(own, trained)
+    base = unscaled_positions(own, trained)
     if now.rope_scaling in _WITH_ORIGINAL:
         return max(base, int(min(base, now.rope_original_max_len) * now.rope_factor))
     if now.rope_scaling == "linear":
@@ -67,6 +68,9 @@ def trained_positions(init_from: str) -> TrainedPositions:
     fields, _ = resolve_init_from({"init_from": init_from})
     own = model_config(fields)
     if init_from.startswith("hf:"):
+        if own.rope_scaling == "linear":
+            return TrainedPositions(int(own.max_seq_len * own.rope_factor), own, "its config.json's "
+                                    "max_position_embeddings x its linear RoPE factor")
         return TrainedPositions(own.max_seq_len, own, "its config.json's max_position_embeddings")
     path, manifest = checkpoint_manifest(init_from)
     recorded = manifest.get("trained_positions")

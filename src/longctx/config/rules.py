@@ -110,6 +110,19 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
             )
 
 
+def moe_notes(m) -> list[str]:
+    """What a run should hear about its [model.moe] settings that is allowed but easy to get wrong."""
+    if not m.is_moe:
+        return []
+    notes = []
+    if m.moe_top_k == 1 and m.moe_norm_topk and m.moe_router != "switch":
+        notes.append(f"model.moe.top_k 1 with norm_topk true: every routing weight is 1 (as transformers' top-1 "
+                     f"Mixtral and Qwen-MoE compute it), so the {m.moe_router} router learns from the balancing "
+                     f"losses alone, never from the model's loss; set --model.moe.norm_topk false (the weight is the "
+                     f"expert's probability, as the Switch Transformer's) to let the loss reach it")
+    return notes
+
+
 def _moe_rules(m, problems: list[str]) -> None:
     """[model.moe]: each impossible combination named with its fix."""
     if m.moe_experts < 0:

@@ -82,7 +82,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=0, help="sequences per forward (score) or prompts generated together "
                                                        "(generate) over the whole job (default: one per "
                                                        "data-parallel rank)")
-    p.add_argument("--seed", type=int, default=0, help="seed for keys and filler offsets")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for keys and filler offsets, and with --mode generate's sampling flags of each "
+                        "sequence's draws (from it and the sequence's index)")
     p.add_argument("--output", default="", help="write the JSON here (and the plot next to it) instead of stdout")
     p.add_argument("--plot", default="", help="the PNG to write (default: --output with .png)")
     p.add_argument("--nproc", type=int, default=1, help="local processes through torchrun (default 1)")
@@ -174,11 +176,14 @@ def _sampling(args, mode: str):
         raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --mode generate (the model "
                           f"answers by decoding); --mode score reads the answer's logits and samples nothing.")
     from ..generate.sampling import Sampling
-    from ..generate.settings import resolve
+    from ..generate.settings import greedy_filter_problem, resolve
 
     fields, _, _ = resolve(args, {})
     sampling = Sampling(**fields, seed=args.seed)
     sampling.check()
+    inert = greedy_filter_problem(args, sampling.temperature)
+    if inert:
+        raise ConfigError(inert + ".")
     return sampling
 
 
@@ -309,6 +314,18 @@ def main(args, overrides) -> int:
     return 0
 
 
+def _note_routing(out: dict, model, main_rank: bool) -> None:
+    """How the model routes where that depends on its step (a DTS-Gate checkpoint: as training did at
+    its step), in the JSON and said once."""
+    from ..models.moe import eval_routing_note
+
+    note = eval_routing_note(model)
+    if note:
+        out["routing"] = note
+        if main_rank:
+            _say(f"eval: {note}")
+
+
 def evaluate(plan: Plan, args) -> dict | None:
     """Score every length's sequences on this rank's part of the layout; the result on rank 0."""
     if plan.mode == "generate":
@@ -335,6 +352,7 @@ def evaluate(plan: Plan, args) -> dict | None:
            "layout": layout, "data": plan.source, "tokenizer": plan.tokenizer,
            "dtype": str(dtype).removeprefix("torch."),
            "rope": {"theta": cfg.model.rope_theta, "scaling": cfg.model.rope_scaling}, "results": []}
+    _note_routing(out, model, rt.is_main)
     total = sum(len(s) for s in plan.sequences.values())
     bar = progress_bar(total, f"eval {plan.task}", "seq", rt.is_main)
     start_all = time.perf_counter()
@@ -419,6 +437,7 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
                "layout": layout, "data": plan.source, "tokenizer": plan.tokenizer,
                "dtype": str(dtype).removeprefix("torch."),
                "rope": {"theta": cfg.model.rope_theta, "scaling": cfg.model.rope_scaling}, "results": []}
+        _note_routing(out, model, main_rank)
         if plan.sampling is not None:
             out["sampling"] = {k: v for k, v in vars(plan.sampling).items() if k not in ("seed", "min_new_tokens")}
         index = 0  # each sequence's draws seeded from --seed and its index here, whatever the batch

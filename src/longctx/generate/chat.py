@@ -34,10 +34,10 @@ class ChatTemplate:
     def render(self, messages: list[dict]) -> str:
         import jinja2
 
-        try:
-            return _compile(self.template).render(messages=messages, add_generation_prompt=True,
-                                                  **self.special_tokens)
-        except jinja2.TemplateError as e:
+        try:  # (tools and documents are None, as transformers passes them without tools or documents)
+            return _compile(self.template).render(messages=messages, add_generation_prompt=True, tools=None,
+                                                  documents=None, **self.special_tokens)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise ConfigError(f"the chat template of {self.source} could not render the messages: {e}") from None
 
 

@@ -193,8 +193,9 @@ def read_prompts(args) -> list[dict]:
                               f"like {{\"prompt\": \"...\"}} (or, with --chat, {{\"messages\": [...]}}).")
         if "messages" in row:
             _check_chat_row(row, args, f"--prompts {path} line {n}")
-        if "seed" in row and (type(row["seed"]) is not int):
-            raise ConfigError(f"--prompts {path} line {n}: \"seed\" must be an integer, got {row['seed']!r}.")
+        if "seed" in row and (type(row["seed"]) is not int or not 0 <= row["seed"] < 2**63):
+            raise ConfigError(f"--prompts {path} line {n}: \"seed\" must be an integer in [0, 2^63), got "
+                              f"{row['seed']!r}.")
         prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
                         **({"messages": row["messages"]} if "messages" in row else {})})
         prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
@@ -275,12 +276,15 @@ def _sampling(args):
     generate/settings.py; args.max_new_tokens resolved too, args.generation_defaults says what came
     from the file), with every out-of-range value said at once."""
     from .sampling import Sampling
-    from .settings import generation_config, resolve
+    from .settings import generation_config, greedy_filter_problem, resolve
 
     fields, args.max_new_tokens, taken = resolve(args, generation_config(args.checkpoint))
     args.generation_defaults = ", ".join(taken)
     sampling = Sampling(**fields, seed=args.seed, min_new_tokens=args.min_new_tokens)
     problems = sampling.problems()
+    inert = greedy_filter_problem(args, sampling.temperature)
+    if inert:
+        problems.append(inert)
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--prefill-chunk", args.prefill_chunk),
                         ("--batch", args.batch), ("--nproc", args.nproc), ("--num-samples", args.num_samples)):
         if value < 1:
@@ -320,16 +324,18 @@ class Reach:
     """How far the weights can be trusted (config/positions.py), and from what that was read."""
     positions: int
     trained: int
+    unscaled: int  # what the weights learned before their own RoPE scaling (what a new one stretches)
     source: str
     scaled: bool  # a RoPE scaling stretches `trained` to `positions`
 
 
 def _reach(m) -> Reach:
-    from ..config.positions import covered_positions, trained_positions
+    from ..config.positions import covered_positions, trained_positions, unscaled_positions
 
     weights = trained_positions(m.init_from)
     positions = covered_positions(m, weights.own, weights.positions)
-    return Reach(positions, weights.positions, weights.source, positions > weights.positions)
+    return Reach(positions, weights.positions, unscaled_positions(weights.own, weights.positions), weights.source,
+                 positions > weights.positions)
 
 
 def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach: Reach) -> tuple[list[int], list[str]]:
@@ -378,12 +384,12 @@ def _reach_said(reach: Reach) -> str:
 
 
 def _past_reach(which: str, n: int, reach: Reach, new_tokens: int) -> str:
-    factor = max(2, -(-(n + new_tokens) // reach.trained))
+    factor = max(2, -(-(n + new_tokens) // reach.unscaled))  # (yarn: min(unscaled, original) x factor)
     return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches "
             f"({_reach_said(reach)}). "
             f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or extend it "
             f"with RoPE scaling, e.g. --model.rope_scaling=yarn --model.rope_factor={factor} "
-            f"--model.rope_original_max_len={reach.trained}; or pass --allow-extrapolation to run it anyway.")
+            f"--model.rope_original_max_len={reach.unscaled}; or pass --allow-extrapolation to run it anyway.")
 
 
 def _cape_table(args, sampling):

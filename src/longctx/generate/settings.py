@@ -70,6 +70,19 @@ def generation_config(checkpoint: str) -> dict:
     return found
 
 
+def greedy_filter_problem(args, temperature: float) -> str | None:
+    """The filter flags given (--top-k, --top-p, --min-p) when decoding is greedy, where they would do
+    nothing: said as a problem rather than dropped (transformers warns of the same)."""
+    off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0}  # (a value that filters nothing is no mistake)
+    given = [f"--{name.replace('_', '-')}" for name, none in off.items()
+             if getattr(args, name, None) not in (None, none)]
+    if temperature > 0 or not given:
+        return None
+    return (f"{', '.join(given)} filter{'s' if len(given) == 1 else ''} what is sampled, but decoding is greedy "
+            f"(temperature 0), where {'it does' if len(given) == 1 else 'they do'} nothing: add --temperature T > 0, "
+            f"or drop {'it' if len(given) == 1 else 'them'}")
+
+
 def resolve(args, file: dict) -> tuple[dict, int, list[str]]:
     """(the Sampling fields, max_new_tokens, the values taken from the file as 'key value') from the
     flags (args.temperature, ...; None = unset) and the file's keys (generation_config)."""

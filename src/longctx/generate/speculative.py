@@ -214,7 +214,7 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
     on every rank of a head x ctx layout, the draft then run alike on every rank). `cape`: a
     generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy). `logprobs`: as
     the engine's (None, 0 or N): each token's from the target's processed logits at its position
-    (the verification call's row, or the prefill's), not with CaPE."""
+    (the verification call's row, or the prefill's; a CaPE tree's: the accepted path's rows)."""
     if k < 1:
         raise ValueError(f"speculate at least one token per pass, got {k}")
     if not prompt:

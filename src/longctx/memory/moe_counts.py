@@ -23,13 +23,15 @@ def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
       of the input the gate multiplies (4 d), and the bf16 norm output is then kept only by the
       shared experts;
     - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (p each,
-      as the combine multiplies them), and with renormalised top-k (moe.norm_topk, k > 1) the
-      gathered probabilities [k] and their sum, fp32;
-    - permute: the source row of each of the T k slots (int64) and the permuted tokens [k, d];
+      as the combine multiplies them), and with renormalised top-k (moe.norm_topk, at any k; not the
+      switch router, whose weight is its probability) the gathered probabilities [k] and their sum, fp32;
+    - permute (TokenRows): the inverse permutation of the T k slots (int64), which its backward
+      gathers by, and the permuted tokens [k, d];
     - the routed experts: SwiGLU intermediates of expert_dim for each of the k slots (w1 out, silu
       out, w3 out, product: 4 x expert_dim, as the dense MLP's 4 x ffn_dim);
-    - un-permute, a gather by the inverse permutation: its index (int64) and the slots [k, d]; with a
-      capacity an index_copy instead, which also keeps its source, the experts' output [k, d];
+    - un-permute, a gather by the same inverse permutation (kept once) and the slots [k, d]; with a
+      capacity an index_copy instead, which keeps its own index (int64 [k]) and its source, the
+      experts' output [k, d];
     - shared experts: a SwiGLU of shared_dim (4 x shared_dim); with their sigmoid gate, the gate
       (1) and the shared output [d].
 
@@ -41,11 +43,11 @@ def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
     router = 8 * E + 4 + (4 if m.moe_router == "sigmoid" else 0)
     if p != 4:
         router += 4 * d - (0 if S else p * d)
-    choice = 8 * k + p * k + (4 * k + 4 if m.moe_norm_topk and k > 1 else 0)
+    choice = 8 * k + p * k + (4 * k + 4 if m.moe_norm_topk and m.moe_router != "switch" else 0)
     choice += k if m.moe_capacity_factor > 0 else 0
     permute = 8 * k + p * k * d
     experts = 4 * p * k * H
-    unpermute = 8 * k + p * k * d + (p * k * d if m.moe_capacity_factor > 0 else 0)
+    unpermute = p * k * d + (8 * k + p * k * d if m.moe_capacity_factor > 0 else 0)
     shared = 4 * p * S + ((p + p * d) if m.moe_shared_gate and S else 0)
     return router + choice + permute + experts + unpermute + shared
 

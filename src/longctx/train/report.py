@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..config.rules import moe_notes
 from ..errors import UserError
 from ..models.llama import count_params
 from .metrics import read_jsonl
@@ -174,4 +175,5 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             f"{device.type} {str(dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
             + f", loss_chunk={mem.loss_chunk}, {layout}; {peak}"] + (
-        [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else [])
+        [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
+        f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else [])]

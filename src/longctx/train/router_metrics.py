@@ -104,6 +104,11 @@ class RouterInterval:
         if self._column_from is None:
             self._column_from = step
 
+    def reset(self) -> None:
+        """Forget the steps added since the last record (a rollback discarded them: they run again)."""
+        self._sums = self._steps = self._counts = None
+        self._column_from = None
+
     def record(self, step: int, last: bool = False) -> dict:
         """The figures of the steps added since the last call, read in one transfer; then a new
         interval. `last`: the run's last step (its heatmap column closes whatever the spacing).

@@ -377,6 +377,8 @@ class Trainer:
             self.ckpt.wait()
         note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main)
         self.guard.reset()
+        if self.router_interval is not None:  # (its sums hold steps the rollback discarded)
+            self.router_interval.reset()
         del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
         self.rollbacks += 1
         self.log(note)
