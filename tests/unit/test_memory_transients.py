@@ -167,18 +167,19 @@ TINY_MOE = model("debug", dim=8, layers=2, heads=2, kv_heads=1, head_dim=4, ffn_
 def test_moe_ffn_bytes_by_hand():
     """fp32, per token: router logits and probabilities 4 x 4 B each + the log-sum-exp 4 B = 36; the
     chosen experts 2 x 8 B, the weights 2 x 4 B and, renormalised, the gathered probabilities 2 x 4
-    B and their sum 4 B = 36; permute: source rows 2 x 8 B + tokens 2 x 8 x 4 B = 80; experts: 2 slots
-    x 4 x 6 x 4 B = 192; un-permute: inverse permutation 2 x 8 B + slots 2 x 8 x 4 B = 80; shared: 4 x
-    10 x 4 B = 160, the gate 4 B and the shared output 8 x 4 B = 36. In bf16 the router's input copy
-    adds 4 x 8 B and the SwiGLUs' tensors halve. A capacity adds the kept flags (2 x 1 B) and the
-    experts' output, which its index_copy keeps (2 x 8 x 4 B)."""
-    assert moe_ffn_bytes(TINY_MOE, 4) == 36 + 36 + 80 + 192 + 80 + 160 + 36 == 620
-    bf16 = (36 + 32) + (16 + 4 + 12) + (16 + 32) + 96 + (16 + 32) + 80 + 18
+    B and their sum 4 B = 36; permute (TokenRows): the inverse permutation 2 x 8 B + tokens 2 x 8 x 4 B
+    = 80; experts: 2 slots x 4 x 6 x 4 B = 192; un-permute: a gather by that same inverse permutation
+    (kept once) + slots 2 x 8 x 4 B = 64; shared: 4 x 10 x 4 B = 160, the gate 4 B and the shared
+    output 8 x 4 B = 36. In bf16 the router's input copy adds 4 x 8 B and the SwiGLUs' tensors halve.
+    A capacity adds the kept flags (2 x 1 B) and its index_copy's own index (2 x 8 B) and source, the
+    experts' output (2 x 8 x 4 B)."""
+    assert moe_ffn_bytes(TINY_MOE, 4) == 36 + 36 + 80 + 192 + 64 + 160 + 36 == 604
+    bf16 = (36 + 32) + (16 + 4 + 12) + (16 + 32) + 96 + 32 + 80 + 18
     assert moe_ffn_bytes(TINY_MOE, 2) == bf16
     capacity = dataclasses.replace(TINY_MOE, moe_capacity_factor=1.25)
-    assert moe_ffn_bytes(capacity, 4) == 620 + 2 + 64
+    assert moe_ffn_bytes(capacity, 4) == 604 + 2 + 16 + 64
     parts = block_part_bytes(TINY_MOE, 1, 4, moe=True)
-    assert parts["mlp"] == 620 and block_part_bytes(TINY_MOE, 1, 4)["mlp"] == 4 * 4 * 16
+    assert parts["mlp"] == 604 and block_part_bytes(TINY_MOE, 1, 4)["mlp"] == 4 * 4 * 16
     # each call's router records: counts and probability sums [4] fp32, two scalars; in bf16 a
     # stored call also keeps the gate's fp32 weight copy [4, 8] and the kernel's int32 offsets
     assert moe_call_bytes(TINY_MOE, 4, stored=True) == 40
