@@ -137,3 +137,21 @@ def test_the_suggestion_for_an_already_scaled_model_passes(hf64):
     assert "--model.rope_original_max_len=32" in flags
     plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", long, "--max-new-tokens", "8", *flags)
     assert plan.limits == [8] and not plan.notes
+
+
+def test_eval_says_once_which_lengths_run_past_the_reach(hf64):
+    """longctx eval (issue 53): lengths past the reach run (an extension study measures them) with one
+    note naming the trained length and a scaling that covers them; that scaling then covers them."""
+    from longctx.eval.command import reach_notes
+
+    d = hf64()
+    m = load_config(None, {"model": {"init_from": f"hf:{d}", "max_seq_len": 256}, "train": {"seq_len": 64}}).model
+    assert reach_notes(m, [32, 64]) == ()
+    [note] = reach_notes(m, [32, 128, 256])
+    assert note.startswith("lengths 128, 256 run past the 64 positions the model reaches (trained on 64:")
+    flags = note.split("; ")[-1].removesuffix(" would cover them").split()
+    assert flags == ["--model.rope_scaling=yarn", "--model.rope_factor=4", "--model.rope_original_max_len=64"]
+    scaled = load_config(None, {"model": {"init_from": f"hf:{d}", "max_seq_len": 256, "rope_scaling": "yarn",
+                                          "rope_factor": 4.0, "rope_original_max_len": 64},
+                                "train": {"seq_len": 64}}).model
+    assert reach_notes(scaled, [32, 128, 256]) == ()

@@ -87,3 +87,32 @@ def run_start_positions(init_from: str, model: ModelConfig) -> int:
         return 0
     start = trained_positions(init_from)
     return covered_positions(model, start.own, start.positions)
+
+
+@dataclass(frozen=True)
+class Reach:
+    """How far a model (its weights and the run's RoPE settings) can be trusted, and from what."""
+    positions: int  # covered_positions
+    trained: int    # what the weights trained on (TrainedPositions.positions)
+    unscaled: int   # what they learned before their own RoPE scaling: what a new scaling stretches
+    source: str
+    scaled: bool    # a RoPE scaling stretches `trained` to `positions`
+
+    def said(self) -> str:
+        said = f"trained on {self.trained:,}: {self.source}"
+        return said + (", stretched by its RoPE scaling" if self.scaled else "")
+
+    def extension_flags(self, length: int) -> str:
+        """The --model.* flags of a yarn scaling that covers `length` positions (min(unscaled, original)
+        x factor >= length: covered_positions of the result passes)."""
+        factor = max(2, -(-length // self.unscaled))
+        return (f"--model.rope_scaling=yarn --model.rope_factor={factor} "
+                f"--model.rope_original_max_len={self.unscaled}")
+
+
+def model_reach(m: ModelConfig) -> Reach:
+    """The reach of the model `m` describes (its init_from's weights, with `m`'s RoPE settings)."""
+    weights = trained_positions(m.init_from)
+    positions = covered_positions(m, weights.own, weights.positions)
+    return Reach(positions, weights.positions, unscaled_positions(weights.own, weights.positions), weights.source,
+                 positions > weights.positions)

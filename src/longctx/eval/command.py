@@ -104,6 +104,7 @@ class Plan:
     batch: int
     mode: str = "score"
     sampling: object = None  # --mode generate: generate/sampling.py's Sampling (None: greedy)
+    notes: tuple = ()        # said once before work (lengths past the model's reach)
 
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):
@@ -164,7 +165,23 @@ def prepare(args, overrides: list[str], nproc: int) -> Plan:
     source = _load_source(args, cfg, spec, tokenizer)
     sequences = _sequences(args, source, tokenizer, lengths, depths)
     return Plan(cfg, args.task, lengths, depths, sequences, source.description, spec or source.tokenizer_spec, batch,
-                mode, sampling)
+                mode, sampling, reach_notes(cfg.model, lengths))
+
+
+def reach_notes(m, lengths: list[int]) -> tuple[str, ...]:
+    """Lengths past the positions the model reaches (config/positions.py): evaluating there is what an
+    extension study does, so it runs, but it is said once, with the scaling that would cover them."""
+    from ..config.positions import model_reach
+
+    reach = model_reach(m)
+    past = [n for n in lengths if n > reach.positions]
+    if not past:
+        return ()
+    many = len(past) > 1
+    return (f"length{'s' * many} {', '.join(f'{n:,}' for n in past)} run past the {reach.positions:,} positions the "
+            f"model reaches ({reach.said()}): {'their scores measure' if many else 'its score measures'} "
+            f"extrapolation, not what the model learned; {reach.extension_flags(max(past))} would cover "
+            f"{'them' if many else 'it'}",)
 
 
 def _sampling(args, mode: str):
@@ -292,6 +309,9 @@ def main(args, overrides) -> int:
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
     plan = prepare(args, overrides, nproc)
+    if not under_launcher():  # (once: in the launcher, or the one process)
+        for note in plan.notes:
+            _say(f"eval: note: {note}")
     if nproc > 1 and not under_launcher():
         relaunch(nproc, argv_without_nproc(args.argv))
         return 0

@@ -246,6 +246,7 @@ def eos_ids(init_from: str, tokenizer) -> list[int]:
 
 def prepare(args, overrides: list[str]) -> Plan:
     """Check every input and tokenize the prompts, before any weight is read."""
+    from ..config.positions import model_reach
     from ..data.tokenizer import load_tokenizer
 
     sampling = _sampling(args)
@@ -259,7 +260,7 @@ def prepare(args, overrides: list[str]) -> Plan:
     tokenizer = load_tokenizer(spec)
     if args.chat:
         _apply_chat(prompts, spec)
-    limits, notes = _encode_prompts(args, prompts, tokenizer, spec, cfg.model, _reach(cfg.model))
+    limits, notes = _encode_prompts(args, prompts, tokenizer, spec, cfg.model, model_reach(cfg.model))
     plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
     if args.draft:
         from .drafts import draft_config
@@ -319,26 +320,7 @@ def _tokenizer_spec(args, cfg) -> str:
     return spec
 
 
-@dataclass(frozen=True)
-class Reach:
-    """How far the weights can be trusted (config/positions.py), and from what that was read."""
-    positions: int
-    trained: int
-    unscaled: int  # what the weights learned before their own RoPE scaling (what a new one stretches)
-    source: str
-    scaled: bool  # a RoPE scaling stretches `trained` to `positions`
-
-
-def _reach(m) -> Reach:
-    from ..config.positions import covered_positions, trained_positions, unscaled_positions
-
-    weights = trained_positions(m.init_from)
-    positions = covered_positions(m, weights.own, weights.positions)
-    return Reach(positions, weights.positions, unscaled_positions(weights.own, weights.positions), weights.source,
-                 positions > weights.positions)
-
-
-def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach: Reach) -> tuple[list[int], list[str]]:
+def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) -> tuple[list[int], list[str]]:
     """Each prompt's token ids (into its "ids"), checked against the model; returns each prompt's limit of
     new tokens (--max-new-tokens within the positions the model reaches) and the notes on the ones cut
     short. A prompt past that reach is refused, or with --allow-extrapolation said once."""
@@ -374,22 +356,15 @@ def _encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach: R
             limits.append(args.max_new_tokens)
     if past:
         notes.append(f"{', '.join(past)} run past the {reach.positions:,} positions the model reaches "
-                     f"({_reach_said(reach)}), as --allow-extrapolation asks: expect degraded text there")
+                     f"({reach.said()}), as --allow-extrapolation asks: expect degraded text there")
     return limits, notes
 
 
-def _reach_said(reach: Reach) -> str:
-    said = f"trained on {reach.trained:,}: {reach.source}"
-    return said + (", stretched by its RoPE scaling" if reach.scaled else "")
-
-
-def _past_reach(which: str, n: int, reach: Reach, new_tokens: int) -> str:
-    factor = max(2, -(-(n + new_tokens) // reach.unscaled))  # (yarn: min(unscaled, original) x factor)
-    return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches "
-            f"({_reach_said(reach)}). "
+def _past_reach(which: str, n: int, reach, new_tokens: int) -> str:
+    return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches ({reach.said()}). "
             f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or extend it "
-            f"with RoPE scaling, e.g. --model.rope_scaling=yarn --model.rope_factor={factor} "
-            f"--model.rope_original_max_len={reach.unscaled}; or pass --allow-extrapolation to run it anyway.")
+            f"with RoPE scaling, e.g. {reach.extension_flags(n + new_tokens)}; or pass --allow-extrapolation to "
+            f"run it anyway.")
 
 
 def _cape_table(args, sampling):
