@@ -349,3 +349,20 @@ def test_a_glide_draft_of_another_target_is_refused_before_work(hf_model, glide_
     r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", str(glide))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "is a GliDe draft trained against" in flat(r.stderr), r.stderr
+
+
+def test_a_glide_draft_of_a_same_shape_target_is_refused_by_identity(glide_dirs, tmp_path):
+    """Issue 53: a target of the very same shape (another seed) is another target: refused before work,
+    naming both; the draft's own target, reached through its step directory, is accepted."""
+    target, glide = glide_dirs
+    other = tmp_path / "other"
+    r = longctx("train", "--nproc", "1", "--train.seq_len=128", "--data.max_docs=30", "--train.eval_interval=0",
+                "--train.global_batch=2", "--metrics.plots=false", "--metrics.progress=false", "--model.layers=2",
+                "--train.steps=2", "--checkpoint.interval=2", "--train.seed=7", f"--train.run_dir={other}")
+    assert r.returncode == 0, r.stderr
+    r = longctx("generate", "--checkpoint", str(other / "checkpoints"), "--prompt", "x", "--draft", str(glide))
+    said = flat(r.stderr)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "is a GliDe draft trained against" in said and "holds other weights" in said and "same shape" in said
+    [step] = target.glob("step-*")
+    _run("--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "4", "--draft", str(glide))

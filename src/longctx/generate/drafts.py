@@ -31,6 +31,7 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
                           f"got {window}.")
     glide = glide_manifest(draft)
     if glide is not None:
+        _check_target_identity(glide, draft, checkpoint)
         diffs = target_differences(glide, cfg.model)
         if diffs:
             raise ConfigError(f"--draft {draft} is a GliDe draft trained against {glide['target']['path']}, not "
@@ -52,6 +53,24 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
         found = load_config(None, {"model": {"init_from": draft, "max_seq_len": cfg.model.max_seq_len},
                                    "train": {"seq_len": 2, "eval_interval": 0}})
     return found
+
+
+def _check_target_identity(glide: dict, draft: str, checkpoint: str) -> None:
+    """A GliDe draft is used beside the very weights it was trained against (checkpoint/identity.py):
+    a target of the same shape, a later step of its run or a fine-tune of it, is another target. A
+    draft trained before the identity was recorded is checked by its target's config alone."""
+    from ..checkpoint.identity import weights_identity
+
+    recorded = glide["target"].get("identity")
+    if not recorded:
+        return
+    given = weights_identity(checkpoint)
+    if given != recorded:
+        raise ConfigError(f"--draft {draft} is a GliDe draft trained against {glide['target']['path']} (weights "
+                          f"{recorded}), but --checkpoint {checkpoint} holds other weights ({given}), although of the "
+                          f"same shape it may be: a draft predicts the target it learned from. Use it with its own "
+                          f"target, or train a draft against this one (longctx train --config configs/glide.toml "
+                          f"--draft.target {checkpoint}).")
 
 
 def load_draft(draft_cfg, target, device, dtype):

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..checkpoint.identity import weights_identity
 from ..config import Config, to_dict
 from ..config.hf import hf_dir
 from ..models.glide import GlideDraft, block_stale_limit, sequence_codes
@@ -196,7 +197,10 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     head = FrozenHead(_full(target.tok_embeddings.weight), None if tied else _full(target.output.weight))
     draft = GlideDraft(cfg.model, d.layers).to(device)
     draft.init_weights(cfg.train.seed)
-    record = {"kind": "glide", "target": {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"]},
+    # the target by identity (checkpoint/identity.py), so that decoding refuses another of the same shape
+    identity = weights_identity(d.target)
+    record = {"kind": "glide", "target": {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"],
+                                          "identity": identity},
               "layers": d.layers, "block": d.block, "loss": d.loss, "kd_temperature": d.kd_temperature,
               "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
     model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
