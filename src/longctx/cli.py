@@ -55,7 +55,12 @@ def _cmd_train(args, overrides) -> int:
     layout_given = any(getattr(p, k) != getattr(d, k) for k in ("dp_replicate", "dp_shard", "head", "ctx"))
     if nproc and not layout_given:
         # the embedded default runs 2D parallel: e.g. 4 CPU ranks as head 2 x ctx 2
-        extra = [f"--parallel.{k}={v}" for k, v in default_layout(nproc).items()]
+        layout = default_layout(nproc, cfg.model.heads, cfg.model.kv_heads)
+        extra = [f"--parallel.{k}={v}" for k, v in layout.items()]
+        if layout != default_layout(nproc) and launching:
+            print(f"longctx train: note: model.heads {cfg.model.heads} (kv {cfg.model.kv_heads}) do not split over a "
+                  f"head degree of 2, so the {nproc} ranks run the default layout as ctx {nproc} (sequence "
+                  f"parallel only); --parallel.head / --parallel.ctx choose another", file=sys.stderr)
         if extra:
             overrides = [*overrides, *extra]
             cfg, _ = load_run_config(args.config, overrides, layout_given=True)

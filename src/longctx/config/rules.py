@@ -304,11 +304,27 @@ def degree_problems(degrees: dict[str, int], window: int) -> list[str]:
     return problems
 
 
+def head_fits(heads: int, kv_heads: int, head: int) -> bool:
+    """Whether `heads` query heads and `kv_heads` key/value heads split over a head degree `head`
+    (kv heads are replicated when the degree is a multiple of them: parallel/ulysses.py check_heads)."""
+    return heads % head == 0 and (kv_heads % head == 0 or head % kv_heads == 0)
+
+
+def working_layouts(heads: int, kv_heads: int, ranks: int) -> list[str]:
+    """The head x ctx layouts of `ranks` ranks whose head degree the model's heads split over."""
+    return [f"--parallel.head {h} --parallel.ctx {ranks // h}" for h in range(1, ranks + 1)
+            if ranks % h == 0 and head_fits(heads, kv_heads, h)]
+
+
 def _parallel_rules(cfg: Config, problems: list[str]) -> None:
     p, m = cfg.parallel, cfg.model
     problems += degree_problems({k: getattr(p, k) for k in DEGREES}, p.window)
     if p.head > 0 and m.heads > 0 and m.heads % p.head:
-        problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head}).")
+        ranks = p.head * p.ctx if p.ctx > 0 else p.head
+        fits = working_layouts(m.heads, m.kv_heads or m.heads, ranks)
+        problems.append(f"model.heads ({m.heads}) must be divisible by parallel.head ({p.head})"
+                        + (f"; on the same {ranks} ranks these layouts work: {', '.join(fits)}" if fits else "")
+                        + " (or --nproc 1).")
     if p.expert_pipeline_chunks < 0:
         problems.append(f"parallel.expert_pipeline_chunks must be >= 0 (1 = no pipelining, 0 = chosen by an online "
                         f"profile of the first steps), got {p.expert_pipeline_chunks}.")

@@ -123,7 +123,7 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
         raise ConfigError("longctx eval takes the weights from --checkpoint; drop --model.init_from.")
     p = given.get("parallel", {})
     if nproc > 1 and not any(k in p for k in ("dp_replicate", "dp_shard", "head", "ctx")):
-        given.setdefault("parallel", {}).update(default_layout(nproc))
+        given.setdefault("parallel", {}).update(default_layout(nproc, *_heads(args.checkpoint)))
     given.setdefault("model", {})["init_from"] = args.checkpoint
     train = given.setdefault("train", {})
     # the checkpoint's own model and the layout's data-parallel degree, before the lengths are set
@@ -136,6 +136,14 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
         given["model"]["max_seq_len"] = max(lengths)
     train.update(seq_len=max(lengths), global_batch=batch, grad_accum=1, eval_interval=0)
     return load_config(None, given), batch
+
+
+def _heads(checkpoint: str) -> tuple[int, int]:
+    """The checkpoint's (heads, kv_heads), for the default layout."""
+    from ..config import load_config
+
+    m = load_config(None, {"model": {"init_from": checkpoint}, "train": {"seq_len": 2, "eval_interval": 0}}).model
+    return m.heads, m.kv_heads
 
 
 def _dp(cfg, nproc: int) -> int:

@@ -152,7 +152,9 @@ def _config(args, overrides: list[str]):
                           f"{', '.join('parallel.' + k for k in wrong)} does not apply (every rank holds the weights).")
     nproc = args.nproc
     if nproc > 1 and not layout.keys() & {"head", "ctx"}:
-        given["parallel"] = {**layout, **default_layout(nproc)}
+        probe = load_config(None, {"model": {"init_from": args.checkpoint}, "train": {"seq_len": 2,
+                                                                                   "eval_interval": 0}}).model
+        given["parallel"] = {**layout, **default_layout(nproc, probe.heads, probe.kv_heads)}
     degrees = given.get("parallel", {})
     if int(degrees.get("head", 1)) * int(degrees.get("ctx", 1)) != nproc:
         raise ConfigError(f"--nproc {nproc} must equal --parallel.head x --parallel.ctx = "
