@@ -91,7 +91,7 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     from ..data.cache import default_store
     from ..errors import ConfigError, DataError
     from ..eval.tasks import load_source, parse_lengths
-    from ..generate.cli import read_prompts
+    from ..generate.prompts import read_prompts
 
     if args.prompts:
         rows = read_prompts(SimpleNamespace(prompt=None, prompts=args.prompts))

@@ -96,7 +96,11 @@ class Reach:
     trained: int    # what the weights trained on (TrainedPositions.positions)
     unscaled: int   # what they learned before their own RoPE scaling: what a new scaling stretches
     source: str
-    scaled: bool    # a RoPE scaling stretches `trained` to `positions`
+
+    @property
+    def scaled(self) -> bool:
+        """A RoPE scaling stretches `trained` to `positions`."""
+        return self.positions > self.trained
 
     def said(self) -> str:
         said = f"trained on {self.trained:,}: {self.source}"
@@ -114,5 +118,4 @@ def model_reach(m: ModelConfig) -> Reach:
     """The reach of the model `m` describes (its init_from's weights, with `m`'s RoPE settings)."""
     weights = trained_positions(m.init_from)
     positions = covered_positions(m, weights.own, weights.positions)
-    return Reach(positions, weights.positions, unscaled_positions(weights.own, weights.positions), weights.source,
-                 positions > weights.positions)
+    return Reach(positions, weights.positions, unscaled_positions(weights.own, weights.positions), weights.source)

@@ -1,0 +1,115 @@
+"""`longctx generate`'s prompts: read (--prompt, or a --prompts JSONL file of "prompt" or, with --chat,
+"messages" lines, each with an optional "id" and "seed"), rendered by the chat template where asked
+(generate/chat.py), and turned into token ids checked against the model: its vocabulary, and the
+positions it reaches (config/positions.py), which also cap each prompt's new tokens. Every error is
+said before any weight is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+def read_prompts(args) -> list[dict]:
+    if (args.prompt is None) == (args.prompts is None):
+        raise ConfigError("give the prompt as --prompt TEXT or --prompts FILE.jsonl (one of them).")
+    if args.prompt is not None:
+        return [{"text": args.prompt}]
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise ConfigError(f"--prompts {path}: no such file; pass a .jsonl file with one {{\"prompt\": ...}} per line.")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"--prompts {path} line {n} is not JSON ({e}); each line must be an object "
+                              f"like {{\"prompt\": \"...\"}}.") from None
+        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or "messages" in row):
+            raise ConfigError(f"--prompts {path} line {n} has no \"prompt\" string; each line must be an object "
+                              f"like {{\"prompt\": \"...\"}} (or, with --chat, {{\"messages\": [...]}}).")
+        if "messages" in row:
+            _check_chat_row(row, args, f"--prompts {path} line {n}")
+        if "seed" in row and (type(row["seed"]) is not int or not 0 <= row["seed"] < 2**63):
+            raise ConfigError(f"--prompts {path} line {n}: \"seed\" must be an integer in [0, 2^63), got "
+                              f"{row['seed']!r}.")
+        prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
+                        **({"messages": row["messages"]} if "messages" in row else {})})
+        prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
+    if not prompts:
+        raise ConfigError(f"--prompts {path} holds no prompt.")
+    return prompts
+
+
+def _check_chat_row(row: dict, args, where: str) -> None:
+    from .chat import check_messages
+
+    if "prompt" in row:
+        raise ConfigError(f"{where} has both \"prompt\" and \"messages\"; give one of them.")
+    if not getattr(args, "chat", False):
+        raise ConfigError(f"{where} has \"messages\": a conversation is turned into a prompt by the tokenizer's chat "
+                          f"template; pass --chat.")
+    check_messages(row["messages"], where)
+
+
+def apply_chat(prompts: list[dict], spec: str) -> str:
+    """--chat: each prompt's text becomes its conversation (its "messages", or the prompt as one user
+    message) rendered by the tokenizer's chat template; returns where the template came from."""
+    from .chat import load_chat_template
+
+    template = load_chat_template(spec)
+    for p in prompts:
+        p["text"] = template.render(p.get("messages") or [{"role": "user", "content": p["text"]}])
+        p["chat"] = True
+    return template.source
+
+
+def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) -> tuple[list[int], list[str]]:
+    """Each prompt's token ids (into its "ids"), checked against the model; returns each prompt's limit of
+    new tokens (--max-new-tokens within the positions the model reaches) and the notes on the ones cut
+    short. A prompt past that reach is refused, or with --allow-extrapolation said once."""
+    from ..data.tokenizer import HFTokenizer
+
+    # with a Hugging Face tokenizer's special tokens (e.g. BOS) for hf:DIR, as transformers does
+    special = args.checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)
+    limits, notes, past = [], [], []
+    for i, p in enumerate(prompts):
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        if not p["text"]:
+            raise ConfigError(f"{which} is empty; give it some text to continue.")
+        # (a rendered chat holds its special tokens already: none added, as transformers tokenizes it)
+        add = special and not p.get("chat")
+        ids = tokenizer.encode(p["text"], add_special_tokens=True) if add else tokenizer.encode(p["text"])
+        p["ids"] = [int(t) for t in ids]
+        if not p["ids"]:
+            raise ConfigError(f"{which} has no tokens after tokenization; give it some text to continue.")
+        if max(p["ids"]) >= m.vocab_size:
+            raise ConfigError(f"{which} has token id {max(p['ids'])} but the model's vocabulary is {m.vocab_size}: the "
+                              f"tokenizer {spec} is not the model's; pass the one it was trained with (--tokenizer).")
+        if len(p["ids"]) > reach.positions:
+            if not args.allow_extrapolation:
+                raise ConfigError(_past_reach(which, len(p["ids"]), reach, args.max_new_tokens))
+            past.append(which)
+        room = reach.positions - len(p["ids"])
+        if room < args.max_new_tokens and not args.allow_extrapolation:
+            notes.append(f"{which}: {len(p['ids']):,} tokens leave room for {room} new ones within the "
+                         f"{reach.positions:,} positions the model reaches (not {args.max_new_tokens}); extend it "
+                         f"with RoPE scaling to go further, or pass --allow-extrapolation")
+            limits.append(room)
+        else:
+            limits.append(args.max_new_tokens)
+    if past:
+        notes.append(f"{', '.join(past)} run past the {reach.positions:,} positions the model reaches "
+                     f"({reach.said()}), as --allow-extrapolation asks: expect degraded text there")
+    return limits, notes
+
+
+def _past_reach(which: str, n: int, reach, new_tokens: int) -> str:
+    return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches ({reach.said()}). "
+            f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or extend it "
+            f"with RoPE scaling, e.g. {reach.extension_flags(n + new_tokens)}; or pass --allow-extrapolation to "
+            f"run it anyway.")
