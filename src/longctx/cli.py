@@ -32,38 +32,24 @@ def _config_help() -> str:
 
 
 def _cmd_train(args, overrides) -> int:
-    from .config import ParallelConfig, read_raw, to_toml
-    from .config.resume import LAYOUT_KEYS, load_run_config
-    from .parallel.launch import default_layout, default_nproc, launched_by_us, relaunch, under_launcher
+    from .config import to_toml
+    from .config.layout import resolve_layout
+    from .parallel.launch import default_nproc, launched_by_us, relaunch, under_launcher
 
-    given = read_raw(args.config, overrides).get("parallel", {})
-    # a resume keeps the saved run's layout unless this command names one (or a process count)
-    cfg, resumed = load_run_config(args.config, overrides, layout_given=bool(
-        args.nproc or any(k in given for k in LAYOUT_KEYS)))
-    if resumed is not None and not (under_launcher() and (os.environ["RANK"] != "0" or launched_by_us())):
-        print(resumed.describe())  # once: by the launching process, or rank 0 under torchrun directly
-    if under_launcher():
-        if args.nproc:
-            print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "
-                  f"{os.environ['WORLD_SIZE']} ranks", file=sys.stderr)
-        nproc = int(os.environ["WORLD_SIZE"])
-        launching = False
-    else:
-        launching = not args.print_config
-        nproc = args.nproc or (resumed and _saved_world(cfg)) or _layout_world(cfg) or default_nproc(cfg.train.device)
-    p, d = cfg.parallel, ParallelConfig()
-    layout_given = any(getattr(p, k) != getattr(d, k) for k in ("dp_replicate", "dp_shard", "head", "ctx"))
-    if nproc and not layout_given:
-        # the embedded default runs 2D parallel: e.g. 4 CPU ranks as head 2 x ctx 2
-        layout = default_layout(nproc, cfg.model.heads, cfg.model.kv_heads)
-        extra = [f"--parallel.{k}={v}" for k, v in layout.items()]
-        if layout != default_layout(nproc) and launching:
-            print(f"longctx train: note: model.heads {cfg.model.heads} (kv {cfg.model.kv_heads}) do not split over a "
-                  f"head degree of 2, so the {nproc} ranks run the default layout as ctx {nproc} (sequence "
-                  f"parallel only); --parallel.head / --parallel.ctx choose another", file=sys.stderr)
-        if extra:
-            overrides = [*overrides, *extra]
-            cfg, _ = load_run_config(args.config, overrides, layout_given=True)
+    launcher = under_launcher()
+    if launcher and args.nproc:
+        print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "
+              f"{os.environ['WORLD_SIZE']} ranks", file=sys.stderr)
+    # the layout rule (config/layout.py): the saved run's on a resume unless this command names one,
+    # else the command line's, completed by the default layout; what a resume prints is what runs
+    run = resolve_layout(args.config, overrides, args.nproc, world=int(os.environ["WORLD_SIZE"]) if launcher else None,
+                         saved_world=_saved_world, default_nproc=lambda c: default_nproc(c.train.device))
+    cfg, overrides, nproc = run.cfg, run.overrides, run.nproc
+    launching = not launcher and not args.print_config
+    if run.resumed is not None and not (launcher and (os.environ["RANK"] != "0" or launched_by_us())):
+        print(run.resumed.describe())  # once: by the launching process, or rank 0 under torchrun directly
+    if run.note and launching:
+        print(f"longctx train: note: {run.note}", file=sys.stderr)
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
@@ -85,14 +71,6 @@ def _cmd_train(args, overrides) -> int:
         raise
     finish_distributed()
     return 0
-
-
-def _layout_world(cfg) -> int | None:
-    """The world a config's layout spells out in full (no degree -1, e.g. a written plan): the
-    number of processes to start when --nproc is not given."""
-    p = cfg.parallel
-    degrees = (p.dp_replicate, p.dp_shard, p.head, p.ctx)
-    return p.dp_replicate * p.dp_shard * p.head * p.ctx if min(degrees) > 0 else None
 
 
 def _saved_world(cfg) -> int | None:

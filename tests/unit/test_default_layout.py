@@ -13,7 +13,7 @@ import test_hf  # noqa: E402
 
 from longctx.config import load_config  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
-from longctx.parallel.launch import default_layout  # noqa: E402
+from longctx.config.layout import default_layout  # noqa: E402
 
 
 def test_default_layout_by_heads():

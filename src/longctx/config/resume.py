@@ -6,10 +6,9 @@ and whatever else the defaults say. Here the saved config is the base and the co
 on top; each key that differs is said once ("resume: train.steps 20 -> 30"). Changing the model or
 the data, or turning saving off, is refused unless asked for with `--checkpoint.allow_changes`.
 
-The layout is the command line's when it names any degree (or `--nproc`): a resume under another
-layout is the point of reshardable checkpoints, and degrees mixed from two layouts would not
-multiply to the new world. Pure config logic (no torch), used by `longctx train`; `load_config`
-itself builds exactly what it is given.
+Which layout a resume runs is config/layout.py's rule (it calls this with `layout_given`). Pure
+config logic (no torch), used by `longctx train`; `load_config` itself builds exactly what it is
+given.
 """
 
 from __future__ import annotations

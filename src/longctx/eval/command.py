@@ -111,7 +111,7 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     """The run config eval builds its model from: the checkpoint's [model] (extension keys may be
     overridden), the layout and memory flags given, and the longest length."""
     from ..config import load_config, parse_overrides
-    from ..parallel.launch import default_layout
+    from ..config.layout import default_layout
 
     given = parse_overrides(overrides)
     allowed = {"model", "parallel", "memory", "train"}

@@ -136,7 +136,7 @@ def _say(message: str) -> None:
 
 def _config(args, overrides: list[str]):
     from ..config import load_config, parse_overrides
-    from ..parallel.launch import default_layout
+    from ..config.layout import default_layout
 
     given = parse_overrides(overrides)
     allowed = {"model", "train", "parallel"}

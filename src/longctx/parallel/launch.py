@@ -44,21 +44,6 @@ def default_nproc(device: str) -> int:
     return 4
 
 
-def default_layout(nproc: int, heads: int = 0, kv_heads: int = 0) -> dict[str, int]:
-    """The layout `longctx train` uses when no parallel degree is given: 2D whenever it can, that is
-    whenever the model's heads split over a head degree of 2 (a 9-head model, as SmolLM2-135M: the
-    context alone, ctx = nproc; config/rules.py head_fits)."""
-    from ..config.rules import head_fits
-
-    if nproc >= 4 and nproc % 2 == 0:
-        if heads and not head_fits(heads, kv_heads or heads, 2):
-            return {"ctx": nproc}
-        return {"head": 2, "ctx": nproc // 2}
-    if nproc == 2:
-        return {"ctx": 2}
-    return {}
-
-
 def die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker when its launcher dies.
 

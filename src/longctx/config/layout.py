@@ -1,0 +1,87 @@
+"""Which layout a `longctx train` runs: the one rule, in one place (no torch).
+
+- A new run takes the degrees the config and command line give; where they give none (every one of
+  dp_replicate, dp_shard, head and ctx at its default), the launch's ranks run `default_layout`.
+- A resume keeps the saved run's layout, on as many ranks as wrote the checkpoint, unless the
+  command line names a layout degree or `--nproc`; then the layout is wholly the command line's
+  (degrees mixed from two layouts would not multiply to the new world), completed by
+  `default_layout` exactly as for a new run.
+
+`resolve_layout` applies the rule once and returns the config the ranks run, the overrides that
+rebuild it under the launcher, and the resume's changes computed against that final config, so what
+is printed is what runs (issue 53: a resume once printed `parallel.ctx 2 -> 1` and then ran ctx 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .load import read_raw
+from .resume import LAYOUT_KEYS, Resumed, load_run_config
+from .rules import head_fits
+from .schema import Config, ParallelConfig
+
+SPELLED = ("dp_replicate", "dp_shard", "head", "ctx")  # the degrees that multiply to the world
+
+
+def default_layout(nproc: int, heads: int = 0, kv_heads: int = 0) -> dict[str, int]:
+    """The layout used when no parallel degree is given: 2D whenever it can, that is whenever the
+    model's heads split over a head degree of 2 (a 9-head model, as SmolLM2-135M: the context alone,
+    ctx = nproc; rules.head_fits)."""
+    if nproc >= 4 and nproc % 2 == 0:
+        if heads and not head_fits(heads, kv_heads or heads, 2):
+            return {"ctx": nproc}
+        return {"head": 2, "ctx": nproc // 2}
+    if nproc == 2:
+        return {"ctx": 2}
+    return {}
+
+
+def layout_world(cfg: Config) -> int | None:
+    """The world a config's layout spells out in full (no degree -1, e.g. a written plan): the
+    number of processes to start when --nproc is not given."""
+    p = cfg.parallel
+    degrees = [getattr(p, k) for k in SPELLED]
+    return p.dp_replicate * p.dp_shard * p.head * p.ctx if min(degrees) > 0 else None
+
+
+def _unspelled(cfg: Config) -> bool:
+    d = ParallelConfig()
+    return all(getattr(cfg.parallel, k) == getattr(d, k) for k in SPELLED)
+
+
+@dataclass
+class Layout:
+    cfg: Config  # what every rank runs
+    resumed: Resumed | None  # the resume's changes against `cfg` (None: not a resume)
+    overrides: list[str]  # the command line's overrides plus the default layout spelled out
+    nproc: int
+    note: str | None  # said once when the default layout had to bend to the model's heads
+
+
+def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int | None, *,
+                   world: int | None = None, saved_world: Callable[[Config], int | None] = lambda cfg: None,
+                   default_nproc: Callable[[Config], int] = lambda cfg: 1) -> Layout:
+    """The rule above. `nproc`: --nproc as given (None: not given); `world`: the ranks a launcher
+    already started (then they are the world, whatever --nproc says); `saved_world(cfg)`: the ranks
+    that wrote the checkpoint a resume continues; `default_nproc(cfg)`: the device's default."""
+    given = read_raw(path, overrides).get("parallel", {})
+    named = bool(nproc) or any(k in given for k in LAYOUT_KEYS)
+    cfg, resumed = load_run_config(path, overrides, layout_given=named)
+    if world:
+        nproc = world
+    else:
+        nproc = nproc or (resumed and saved_world(cfg)) or layout_world(cfg) or default_nproc(cfg)
+    overrides, note = list(overrides), None
+    if _unspelled(cfg):
+        layout = default_layout(nproc, cfg.model.heads, cfg.model.kv_heads)
+        if layout != default_layout(nproc):
+            note = (f"model.heads {cfg.model.heads} (kv {cfg.model.kv_heads}) do not split over a head degree of 2, "
+                    f"so the {nproc} ranks run the default layout as ctx {nproc} (sequence parallel only); "
+                    "--parallel.head / --parallel.ctx choose another")
+        if layout:
+            overrides += [f"--parallel.{k}={v}" for k, v in layout.items()]
+            cfg, resumed = load_run_config(path, overrides, layout_given=True)
+    return Layout(cfg, resumed, overrides, nproc, note)
