@@ -143,7 +143,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 def test_a_used_run_directory_is_never_overwritten(tmp_path):
     run = tmp_path / "run"
-    first = longctx("train", "--nproc", "1", *TINY, "--train.steps", "3", "--train.run_dir", str(run))
+    # (no checkpoint: a resume of it has nothing to continue from)
+    first = longctx("train", "--nproc", "1", *TINY, "--train.steps", "3", "--train.run_dir", str(run),
+                    "--checkpoint.final", "false")
     assert first.returncode == 0, first.stderr
     before = _snapshot(run)
     assert {"config.toml", "metrics.jsonl", "loss.png", "throughput.png"} <= set(before)
@@ -174,6 +176,29 @@ def test_resuming_continues_the_run_and_keeps_what_it_replaces(tmp_path):
     # the config changed (train.steps): the earlier one is kept beside the new one
     assert "steps = 5" in (run / "config.before-step4.toml").read_text()
     assert "steps = 6" in (run / "config.toml").read_text()
+
+
+def test_the_plainest_run_saves_its_last_step_and_generate_reads_it(tmp_path):
+    """checkpoint.final (default true): a run with no periodic saves still keeps its end, the done line
+    says where, and `longctx generate` reads it; turned off, the done line says nothing was saved."""
+    run = tmp_path / "run"
+    r = longctx("train", "--nproc", "1", *TINY, "--train.steps", "3", "--train.run_dir", str(run))
+    assert r.returncode == 0, r.stderr
+    done = flat(r.stdout.splitlines()[-1])
+    step_dir = run / "checkpoints" / "step-00000003"
+    assert done.startswith("done:") and f"the last step's weights in {step_dir}/" in done, done
+    assert "config, metrics and plots are in" in done
+    assert (step_dir / "manifest.json").is_file() and not (run / "checkpoints" / "step-00000002").exists()
+    g = longctx("generate", "--checkpoint", str(run / "checkpoints"), "--prompt", "def ", "--max-new-tokens", "4")
+    assert g.returncode == 0, g.stderr
+    assert len(json.loads(g.stdout.splitlines()[-1])["tokens"]) == 4
+    off = tmp_path / "off"
+    r = longctx("train", "--nproc", "1", *TINY, "--train.steps", "2", "--train.run_dir", str(off),
+                "--checkpoint.final", "false", "--metrics.plots", "false")
+    assert r.returncode == 0, r.stderr
+    done = flat(r.stdout.splitlines()[-1])
+    assert "nothing saved" in done and "plots" not in done.split("nothing saved")[0], done
+    assert not (off / "checkpoints").exists()
 
 
 def test_logs_sent_to_a_file_have_no_progress_bar_frames(tmp_path):

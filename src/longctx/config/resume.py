@@ -109,8 +109,9 @@ def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
         "the model": [d for d in diffs if d[0] == "model"],
         "the draft": [d for d in diffs if d[0] == "draft"],
         "the data": [d for d in diffs if d[0] == "data" and d[1] not in DATA_NEUTRAL],
-        "saving (checkpoint.interval 0: nothing after this point would be saved)":
-            [d for d in diffs if d[:2] == ("checkpoint", "interval") and not d[3]],
+        "saving (checkpoint.interval 0 and checkpoint.final false: nothing after this point would be saved)":
+            [d for d in diffs if d[:2] in (("checkpoint", "interval"), ("checkpoint", "final"))
+             and not (cfg.checkpoint.interval or cfg.checkpoint.final)],
     }
     found = {what: ds for what, ds in kinds.items() if ds}
     if not found:

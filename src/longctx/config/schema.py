@@ -358,7 +358,10 @@ class MemoryConfig:
 @dataclass
 class CheckpointConfig:
     dir: str = _opt("", "checkpoint directory; '' = <run_dir>/checkpoints")
-    interval: int = _opt(0, "save every N steps and at the last step; 0 disables saving")
+    interval: int = _opt(0, "save every N steps and at the last step; 0 = no periodic saves")
+    final: bool = _opt(True, "save the last step (weights, optimizer and data position: generate reads it, a "
+                             "resume continues it) when the run ends, whatever checkpoint.interval says; false with "
+                             "checkpoint.interval 0 saves nothing")
     keep: int = _opt(2, "complete checkpoints kept")
     async_save: bool = _opt(False, "write checkpoints in the background", key="async")
     resume: str = _opt("none", "'auto' (latest complete checkpoint), 'none', or a checkpoint path; `longctx train` "

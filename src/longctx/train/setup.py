@@ -270,7 +270,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
                        tokenizer: str | None = None):
     """The checkpoint manager (None when neither saving nor resuming) and the step to continue after."""
     ck = cfg.checkpoint
-    if not ck.interval and ck.resume == "none":
+    if not (ck.interval or ck.final) and ck.resume == "none":
         return None, 0
 
     root = checkpoint_root(cfg, run_dir)

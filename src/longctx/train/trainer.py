@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.paths import CheckpointError
+from ..checkpoint.paths import CheckpointError, step_name
 from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
@@ -386,8 +386,11 @@ class Trainer:
 
     def _save_due(self, step: int) -> bool:
         ck = self.cfg.checkpoint
-        # the last step too, so that a run whose length is not a multiple of the interval keeps its end
-        return self.ckpt is not None and bool(ck.interval) and (step % ck.interval == 0 or step == self.cfg.train.steps)
+        if self.ckpt is None:
+            return False
+        if step == self.cfg.train.steps:  # the end is kept by a periodic saver and by checkpoint.final alike
+            return bool(ck.interval or ck.final)
+        return bool(ck.interval) and step % ck.interval == 0
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -446,8 +449,21 @@ class Trainer:
         last_eval = f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
         if result.losses:
             self.log(f"done: steps {result.first_step}-{t.steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
-                     f"{result.losses[-1]:.4f}{last_eval}. Config, metrics and plots are in {self.run_dir}/")
+                     f"{result.losses[-1]:.4f}{last_eval}. {self._where_it_is(t.steps)}")
         return result
+
+    def _where_it_is(self, step: int) -> str:
+        """The done line's pointer to what the run wrote: its files, and the last step's checkpoint
+        when one was saved (what `longctx generate --checkpoint` reads)."""
+        files = "config, metrics and plots" if self.cfg.metrics.plots else "config and metrics"
+        said = f"Its {files} are in {self.run_dir}/"
+        if self.ckpt is None:
+            return f"{said} (nothing saved: checkpoint.interval 0 and checkpoint.final false)."
+        saved = self.ckpt.root / step_name(step)
+        if not saved.is_dir():  # (a failed save under checkpoint.on_save_error = warn)
+            return f"{said}."
+        return (f"{said}; the last step's weights in {saved}/ (`longctx generate --checkpoint {self.ckpt.root}` "
+                f"reads them).")
 
 
 @dataclass
