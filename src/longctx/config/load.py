@@ -251,13 +251,43 @@ def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     for section in raw:
         if section not in SECTIONS:
             _lookup(section, "")
-    raw = _draft_target(raw)
+    raw = _finetune_lr(_draft_target(raw))
     sections: dict[str, Any] = {}
     for section in SECTIONS:  # model first: data.tokenizer follows the model's weights
         sections[section] = _build_section(section, dict(raw.get(section, {})), sections)
     cfg = Config(**sections)
     validate(cfg)
     return cfg
+
+
+# Fine-tuning trained weights takes a learning rate ~100x below pretraining's: Position Interpolation
+# and YaRN extend Llama at 2e-5. The from-scratch default (3e-3, right for the debug models) would
+# undo what the weights learned in a few steps, so a run from model.init_from that names no rate
+# takes this one, written into its config.toml as any value is.
+FINETUNE_LR = 2e-5
+
+
+def _finetune_lr(raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """train.lr = FINETUNE_LR for a run from trained weights (model.init_from, not a GliDe draft,
+    which trains from random weights beside them) whose config and command line give no rate."""
+    starts_trained = raw.get("model", {}).get("init_from") and not raw.get("draft", {}).get("target")
+    if not starts_trained or "lr" in raw.get("train", {}):
+        return raw
+    return {**raw, "train": {**raw.get("train", {}), "lr": FINETUNE_LR}}
+
+
+def lr_note(cfg: Config) -> str:
+    """What the setup line says of the learning rate: where it came from, and a note when a run from
+    trained weights uses a from-scratch rate."""
+    said = f"lr {cfg.train.lr:g}"
+    if not cfg.model.init_from or cfg.draft.target:
+        return said
+    if cfg.train.lr == FINETUNE_LR:
+        return f"{said} (the fine-tuning default of a run from model.init_from; --train.lr sets another)"
+    if cfg.train.lr >= 50 * FINETUNE_LR:
+        return (f"{said} (note: a from-scratch rate for weights from model.init_from, which it may undo in a few "
+                f"steps; fine-tuning usually takes ~{FINETUNE_LR:g}, the default when no train.lr is given)")
+    return said
 
 
 def build_model_config(values: dict[str, Any]) -> ModelConfig:

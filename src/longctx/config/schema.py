@@ -138,8 +138,9 @@ class ModelConfig:
     tie_embeddings: bool = _opt(False, "share the input embedding with the LM head")
     max_seq_len: int = _opt(131072, "longest sequence the model is meant for (recorded in exports)")
     init_std: float = _opt(0.02, "std of the normal initialisation")
-    init_from: str = _opt("", "start from weights: '' (random), 'hf:DIR' (a local Hugging Face Llama, Mistral, Qwen2 "
-                              "or Qwen3 directory; its config.json becomes this [model]) or DIR (a longctx checkpoint, "
+    init_from: str = _opt("", "start from weights: '' (random), 'hf:DIR' (a local Hugging Face directory of Llama, "
+                              "Mistral, Qwen2, Qwen3, or the MoE Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; its "
+                              "config.json becomes this [model]) or DIR (a longctx checkpoint, "
                               "or a checkpoints directory for its latest: the weights only, a new run); extension keys "
                               "such as rope_theta or rope_scaling apply on top")
 
@@ -268,7 +269,7 @@ class TrainConfig:
                                 "micro-batch together), so a config means the same training under any layout")
     grad_accum: int = _opt(1, "micro-batches per optimizer step; each is global_batch / grad_accum sequences")
     seq_len: int = _opt(512, "tokens per sequence")
-    lr: float = _opt(3e-3, "peak learning rate")
+    lr: float = _opt(3e-3, "peak learning rate; a run from model.init_from that gives none takes 2e-5 (fine-tuning)")
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (cosine decay)")
     warmup_steps: int = _opt(20, "linear warmup steps")
     weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norms)")
