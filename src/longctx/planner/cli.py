@@ -173,7 +173,7 @@ def main(args, overrides) -> int:
         return anchors_main(args)
     from ..config import load_config
     from .hardware import hardware_names
-    from .output import plan_config, runnable, table, to_json, toml_text
+    from .output import memory_legend, plan_config, runnable, table, to_json, toml_text
     from .search import plan
 
     req, base = build_request(args, overrides)
@@ -210,6 +210,7 @@ def main(args, overrides) -> int:
         print(to_json(res, args.top, written, note))
     else:
         print(table(res, args.top))
+        print(memory_legend(res, args.top))
         if note:
             print(f"note: {note}")
         if written:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 
 from ..config import Config, build_config, rules, to_dict, to_toml
 from ..errors import ConfigError
@@ -80,26 +81,77 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
+# The table's memory columns: the terms of Estimate.memory (cost.memory_bytes; its "total" is their sum)
+# in the order they are summed, each with its heading and what it holds (the legend under the table).
+MEMORY_TERMS = {
+    "model_states": ("states", "fp32 parameters, gradients and Adam moments, sharded over the FSDP group"),
+    "gathered_params": ("gathered", "what FSDP holds unsharded (two blocks' parameters, one block's fp32 gradient, "
+                                    "the root)"),
+    "accumulated_grads": ("acc.grads", "every gradient, unsharded fp32, accumulated over the grad_accum "
+                                       "micro-batches (grad_sync step; gs-micro reduces each and has none)"),
+    "activations": ("activ.", "saved activations on the GPU (those offloaded are in host/node, GiB per node)"),
+    "transient": ("transient", "the working set of one block's backward and of the LM head on top of them"),
+}
+
+
+def memory_terms(rows: list[Estimate]) -> list[str]:
+    """The memory terms any of `rows` has, in summing order; a term MEMORY_TERMS does not know yet
+    (one cost.memory_bytes adds) comes last, under its own name, so the columns still add up."""
+    present = dict.fromkeys(k for e in rows for k in e.memory if k != "total")
+    return [k for k in MEMORY_TERMS if k in present] + [k for k in present if k not in MEMORY_TERMS]
+
+
+def _term_heading(key: str) -> str:
+    return MEMORY_TERMS[key][0] if key in MEMORY_TERMS else key
+
+
+def memory_legend(res: PlanResult, top: int = 10) -> str:
+    """What each memory column of the table holds, wrapped at 100 columns like the command's errors."""
+    terms = memory_terms(_rows(res, top))
+    text = ("memory per GPU in GiB, each figure rounded to 0.1, the terms adding up to the total within rounding: " +
+            "; ".join(f"{_term_heading(k)} = {MEMORY_TERMS[k][1]}" if k in MEMORY_TERMS else k for k in terms))
+    return textwrap.fill(text, width=100, break_on_hyphens=False)
+
+
+def _rows(res: PlanResult, top: int) -> list[Estimate]:
+    return res.feasible[:top] if res.feasible else res.ranked[:top]
+
+
 def table(res: PlanResult, top: int = 10) -> str:
+    """The intro line, the heading and one row per plan. The memory columns are every term of the
+    plan's memory dict, the one its total is summed from, so they add up to the total shown after
+    them (within rounding); the heading writes them as that sum."""
     req = res.request
-    rows = res.feasible[:top] if res.feasible else res.ranked[:top]
-    head = ["#", "layout", "memory policy", "micro-batch", "grad_accum", "states", "gathered", "activ.", "transient",
-            "total GiB", "host/node", "step s", "tok/s", "MFU", "bottleneck"]
+    rows = _rows(res, top)
+    terms = memory_terms(rows)
+    first_mem, last_mem = 5, 5 + len(terms)  # column indices of the first memory term and of the total
+    head = ["#", "layout", "memory policy", "micro-batch", "grad_accum", *map(_term_heading, terms), "total GiB",
+            "host/node", "step s", "tok/s", "MFU", "bottleneck"]
     body = []
     for i, e in enumerate(rows, 1):
         body.append([str(i), e.mesh_shape.describe(), e.policy.describe(), str(e.micro_batch), str(e.grad_accum),
-                     _gib(e.memory["model_states"]), _gib(e.memory["gathered_params"]), _gib(e.memory["activations"]),
-                     _gib(e.memory["transient"]),
-                     _gib(e.memory["total"]), f"{e.host_per_node / GIB:.0f}" if e.host_per_node else "-",
+                     *(_gib(e.memory[k]) if k in e.memory else "-" for k in terms), _gib(e.memory["total"]),
+                     f"{e.host_per_node / GIB:.0f}" if e.host_per_node else "-",
                      step_text(e.step_s), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%",
                      e.bottleneck if e.feasible else "INFEASIBLE: " + "; ".join(e.problems)])
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [head, *body]]
+
+    def line(cells: list[str], is_head: bool) -> str:
+        out = cells[0].ljust(widths[0])
+        for i in range(1, len(cells)):
+            if first_mem < i <= last_mem:  # inside the memory sum: "states + gathered + ... = total GiB"
+                sep = (" = " if i == last_mem else " + ") if is_head else "   "
+            else:
+                sep = "  "
+            numeric = first_mem <= i <= last_mem and not is_head  # right-aligned, so the decimals line up
+            out += sep + (cells[i].rjust(widths[i]) if numeric else cells[i].ljust(widths[i]))
+        return out.rstrip()
+
     intro = (f"{req.model.label} ({params_text(req.model)}): global batch {req.global_batch} x {req.seq_len:,} "
              f"tokens per step on {hardware_text(req)}; "
              f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible; "
              f"{doc_work_text(req)}; ranked by predicted step time as shown (equal: simpler policy, less memory)")
-    return "\n".join([intro, *lines])
+    return "\n".join([intro, line(head, True), *(line(r, False) for r in body)])
 
 
 def hardware_text(req: Request) -> str:
