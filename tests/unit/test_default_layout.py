@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 import test_hf  # noqa: E402
 
 from longctx.config import load_config  # noqa: E402
-from longctx.errors import ConfigError  # noqa: E402
 from longctx.config.layout import default_layout  # noqa: E402
+from longctx.errors import ConfigError  # noqa: E402
 
 
 def test_default_layout_by_heads():

@@ -195,8 +195,8 @@ def test_bench_memory_shows_progress_per_policy_on_stderr():
 def test_a_config_that_spells_out_its_layout_starts_that_many_processes():
     """`longctx train --config plan.toml` without --nproc: a plan for 2 ranks starts 2 (not the CPU
     default of 4, which its degrees could not fill); a layout with a -1 degree leaves it to --nproc."""
-    from longctx.config.layout import layout_world as _layout_world
     from longctx.config import load_config
+    from longctx.config.layout import layout_world as _layout_world
 
     assert _layout_world(load_config(overrides=["--parallel.dp_shard=1", "--parallel.ctx=2"])) == 2
     assert _layout_world(load_config(overrides=["--parallel.ctx=2"])) is None

@@ -220,7 +220,8 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         # 30 s, in which ranks that save on a signal (checkpoint.on_signal) saved and said so
         _raise_preempted(_rank_errors(error_dir), nproc)
         raise UserError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
-                        f"on checkpoint.on_signal when the run saves: checkpoint.interval > 0 or checkpoint.final).") from None
+                        f"on checkpoint.on_signal when the run saves: checkpoint.interval > 0 or "
+                        f"checkpoint.final).") from None
     except ChildFailedError as e:
         hang = watchdog.hang_report(error_dir, nproc)
         if hang is not None:  # the ranks' watchdogs fired (parallel.timeout_s): say where each was, once
