@@ -15,6 +15,7 @@ import os
 import sys
 import textwrap
 
+from . import threads
 from .errors import Preempted, UserError
 
 
@@ -199,6 +200,7 @@ def _add_train(sub) -> None:
                    help="local processes to start through torchrun (default: the checkpoint's on a resume, the "
                         "layout's when it names every degree, else 4 on CPU as head 2 x ctx 2 and every GPU on a "
                         "GPU machine; 1 = this process)")
+    p.add_argument("--threads", type=int, default=None, help=threads.HELP)
     p.set_defaults(func=_cmd_train)
 
 
@@ -240,6 +242,11 @@ def _add_bench(bench) -> None:
 
 def main(argv=None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
+    try:
+        threads.configure(given)  # before anything loads torch: OpenMP reads its settings once
+    except UserError as e:
+        print(f"longctx: error: {e}", file=sys.stderr)
+        return e.exit_code
     parser = build_parser(given[0] if given else None)
     args, rest = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a relaunch on N ranks runs again

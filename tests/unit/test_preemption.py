@@ -27,9 +27,10 @@ def _signal_at(trainer, at: int, sig):
     trainer.step = stepping
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_signal_saves_that_step_and_stops(sig, tmp_path):
-    cfg = load_config(None, [*BASE, "--checkpoint.interval=100", f"--train.run_dir={tmp_path}"])
+@pytest.mark.parametrize("sig, periodic", [(signal.SIGTERM, True), (signal.SIGUSR1, True), (signal.SIGTERM, False)])
+def test_a_signal_saves_that_step_and_stops(sig, periodic, tmp_path):
+    """Periodic saves or none (checkpoint.final, the default, makes any run one that saves)."""
+    cfg = load_config(None, [*BASE, f"--checkpoint.interval={100 if periodic else 0}", f"--train.run_dir={tmp_path}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
     _signal_at(trainer, 2, sig)
     before = signal.getsignal(sig)
@@ -41,8 +42,9 @@ def test_a_signal_saves_that_step_and_stops(sig, tmp_path):
 
 
 def test_without_checkpoints_the_signal_is_not_taken(tmp_path):
-    """checkpoint.interval 0: nothing to save, so the run does not catch the signals at all."""
-    cfg = load_config(None, [*BASE, f"--train.run_dir={tmp_path}"])
+    """checkpoint.interval 0 and checkpoint.final false: nothing to save, so the run does not catch
+    the signals at all (with checkpoint.final, the default, a run saves its end and so takes them)."""
+    cfg = load_config(None, [*BASE, f"--train.run_dir={tmp_path}", "--checkpoint.final=false"])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
     seen = []
     previous = signal.signal(signal.SIGUSR1, lambda *a: seen.append(1))

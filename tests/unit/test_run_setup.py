@@ -1,5 +1,7 @@
 """What a run sets up before its first step: the eval-split rule and the cached CPU peak."""
 
+import re
+
 import pytest
 import torch
 
@@ -47,9 +49,20 @@ def test_the_cpu_peak_is_calibrated_once_per_machine(monkeypatch, tmp_path):
     # another machine (here: another core count) is calibrated for itself
     monkeypatch.setattr(peaks, "usable_cores", lambda: 64)
     assert peaks.machine_cpu_peak()[2] is True and len(calls) == 2
-    # ranks on one machine share its peak
+    # ranks on one machine share its peak; the MFU line says when and how it was measured
     per_rank, source = peaks.device_peak(torch.device("cpu"), local_ranks=4)
     assert per_rank == 2e11 / 4 and "shared by 4 ranks" in source
+    assert re.search(r"measured 20\d\d-\d\d-\d\d \d\d:\d\d UTC with 64 threads at load \d", source), source
+
+
+def test_an_older_cache_of_bare_numbers_still_reads(monkeypatch, tmp_path):
+    import json
+
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
+    key = peaks._cached_peaks()[1]
+    (tmp_path / peaks.CPU_PEAK_FILE).write_text(json.dumps({key: 3e11}))
+    assert peaks.machine_cpu_peak()[::2] == (3e11, False)
+    assert peaks.cpu_peak_source() == "cached by an older longctx, when unknown"
 
 
 def test_a_damaged_peak_cache_is_recalibrated(monkeypatch, tmp_path):
@@ -80,7 +93,9 @@ def test_a_peak_calibrated_while_busy_is_raised_by_what_a_run_achieves(monkeypat
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert all(0 < r["mfu"] <= 1 for r in records), [r["mfu"] for r in records]
     assert any("above its cached CPU peak" in line for line in said)
-    assert max(json.loads((cache / peaks.CPU_PEAK_FILE).read_text()).values()) > 1e6
+    entry = max(json.loads((cache / peaks.CPU_PEAK_FILE).read_text()).values(), key=lambda e: e["flops"])
+    assert entry["flops"] > 1e6 and entry["how"] == "raised"
+    assert peaks.cpu_peak_source().startswith("raised to what a run reached")
 
 
 def test_the_data_summary_counts_the_eval_split_it_announced(tmp_path):

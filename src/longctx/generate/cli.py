@@ -42,6 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import threads
 from ..errors import ConfigError
 from .settings import add_sampling_flags
 
@@ -91,6 +92,7 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=int, default=1,
                    help="local processes through torchrun, the cache sharded over their --parallel.head x "
                         "--parallel.ctx layout (default 1; 2D when no degree is given)")
+    p.add_argument("--threads", type=int, default=None, help=threads.HELP)
     p.add_argument("--tokenizer", default="",
                    help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
                         "tokenizer.json)")
@@ -401,7 +403,8 @@ def _describe(plan: Plan, args, device, dtype) -> str:
     m, p = plan.cfg.model, plan.cfg.parallel
     where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
         device.type
-    return (f"generate: {m.label} from {args.checkpoint} on {where} ({str(dtype).removeprefix('torch.')}), "
+    cpu = f", {threads.describe()}" if device.type == "cpu" else ""
+    return (f"generate: {m.label} from {args.checkpoint} on {where} ({str(dtype).removeprefix('torch.')}{cpu}), "
             f"{len(plan.prompts)} prompt{'s' * (len(plan.prompts) > 1)}, tokenizer {plan.tokenizer_spec}")
 
 

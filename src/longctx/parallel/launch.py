@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
+from .. import threads
 from ..errors import REQUEUE_EXIT_CODE, Preempted, UserError
 from . import watchdog
 
@@ -207,7 +208,7 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
         f"--monitor-interval={monitor_interval}", "-m", "longctx", *argv,
     ])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    threads.share_cores(nproc)
     # the launcher's own lines ("Sending process ... closing signal SIGTERM") say nothing the
     # summary below does not; its errors still show
     elastic = logging.getLogger("torch.distributed.elastic")

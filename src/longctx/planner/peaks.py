@@ -70,22 +70,54 @@ def machine_cpu_peak() -> tuple[float, Path, bool]:
     """This machine's fp32 GEMM FLOP/s with all its usable cores: (FLOP/s, cache file, measured now).
 
     Measured once (about 2 s, with every core, best of several GEMMs) and cached under a key of the
-    CPU model, core count and torch version; measured at each start instead, the figure varied 10x
-    with whatever else ran (other ranks starting up included), and MFU could not be compared across
-    runs. Delete the file to re-calibrate.
+    CPU model, core count and torch version, with when it was measured, the threads and the load
+    average then (cpu_peak_source says them beside every MFU); measured at each start instead, the
+    figure varied 10x with whatever else ran (other ranks starting up included), and MFU could not be
+    compared across runs. Delete the file to re-calibrate.
     """
     path, key, cached = _cached_peaks()
-    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
-        return float(cached[key]), path, False
+    flops = _flops(cached.get(key))
+    if flops:
+        return flops, path, False
     threads = torch.get_num_threads()
     torch.set_num_threads(usable_cores())
     try:
         peak = measure_cpu_gemm_peak(size=2048, seconds=2.0)
     finally:
         torch.set_num_threads(threads)
-    cached[key] = peak
+    cached[key] = {"flops": peak, "how": "measured", "when": _now(), "threads": usable_cores(), "load": _load()}
     _write_peaks(path, cached)
     return peak, path, True
+
+
+def _flops(entry) -> float:
+    """An entry's FLOP/s (0 when absent or unusable); older caches hold the bare number."""
+    value = entry.get("flops") if isinstance(entry, dict) else entry
+    return float(value) if isinstance(value, (int, float)) and value > 0 else 0.0
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 1)
+    except OSError:  # pragma: no cover
+        return None
+
+
+def cpu_peak_source() -> str:
+    """Where this machine's cached CPU peak comes from: 'measured 2026-11-28 03:12 UTC with 2
+    threads at load 0.3', 'raised to what a run reached on ...', or 'cached by an older longctx'."""
+    _, key, cached = _cached_peaks()
+    entry = cached.get(key)
+    if not isinstance(entry, dict):
+        return "cached by an older longctx, when unknown"
+    if entry.get("how") == "raised":
+        return f"raised to what a run reached, {entry.get('when', 'when unknown')}"
+    load = f" at load {entry['load']}" if entry.get("load") is not None else ""
+    return f"measured {entry.get('when', 'when unknown')} with {entry.get('threads', '?')} threads{load}"
 
 
 def _cached_peaks() -> tuple[Path, str, dict]:
@@ -113,8 +145,9 @@ def raise_cpu_peak(flops: float) -> Path:
     """A run did `flops` FLOP/s on this machine, more than the cached peak: that calibration ran
     while the machine was busy. The cache keeps the higher figure, so MFU stays <= 1 from now on."""
     path, key, cached = _cached_peaks()
-    cached[key] = max(float(cached.get(key, 0.0)), flops)
-    _write_peaks(path, cached)
+    if flops > _flops(cached.get(key)):
+        cached[key] = {"flops": flops, "how": "raised", "when": _now()}
+        _write_peaks(path, cached)
     return path
 
 
@@ -132,4 +165,5 @@ def device_peak(device: torch.device, override_tflops: float = 0.0,
         return None, f"unknown GPU '{name}' (set metrics.peak_tflops)"
     peak, path, _ = machine_cpu_peak()
     shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
-    return peak / local_ranks, f"this machine's CPU fp32 GEMM peak {peak / 1e12:.3f} TFLOP/s{shared} (cached in {path})"
+    return peak / local_ranks, (f"this machine's CPU fp32 GEMM peak {peak / 1e12:.3f} TFLOP/s{shared}, "
+                                f"{cpu_peak_source()} (cached in {path}; delete it to measure again)")

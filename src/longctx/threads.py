@@ -1,0 +1,71 @@
+"""CPU threads of a longctx process: chosen before torch loads, and said.
+
+OpenMP (torch's CPU thread pool) reads OMP_WAIT_POLICY and OMP_NUM_THREADS once, when its library
+loads, so this runs first thing in `longctx`'s main, before any torch import. The one setting that
+matters is the wait policy: by default an OpenMP thread that finishes its share spins for a while
+before it sleeps. On an idle machine that saves a wake-up; beside a competing load the spinning
+threads take the cores the working thread needs, and a debug-moe run on a loaded 2-core machine fell
+from 7,238 tokens/s to 420 (17x; 29x in the report that found it). With PASSIVE the same run kept
+its speed (docs/benchmarks.md). A process therefore waits passively unless the environment says
+otherwise, and `--threads N` (or OMP_NUM_THREADS) sets the thread count; by default torch's own
+choice, one per physical core (multi-rank launches give each rank its share, parallel/launch.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+
+WAIT_ENV, THREADS_ENV = "OMP_WAIT_POLICY", "OMP_NUM_THREADS"
+HELP = ("CPU threads per process (default: torch's, one per core; a multi-rank launch gives each rank its "
+        "share); OpenMP waits passively unless OMP_WAIT_POLICY says otherwise (longctx/threads.py)")
+_FROM = "LONGCTX_THREADS_FROM"  # where the count came from, for the line that says it (inherited by ranks)
+
+
+def threads_given(argv: Sequence[str]) -> int | None:
+    """`--threads N` or `--threads=N` anywhere in argv (each command that runs models declares it for
+    its help; this reads it before the parser, which may import torch)."""
+    for i, arg in enumerate(argv):
+        value = None
+        if arg == "--threads" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--threads="):
+            value = arg.split("=", 1)[1]
+        if value is not None:
+            if not re.fullmatch(r"[1-9][0-9]*", value):
+                from .errors import ConfigError
+
+                raise ConfigError(f"--threads takes a positive number of CPU threads per process, got {value!r}.")
+            return int(value)
+    return None
+
+
+def configure(argv: Sequence[str]) -> None:
+    """Set OpenMP's wait policy and thread count for this process and the ranks it starts."""
+    os.environ.setdefault(WAIT_ENV, "PASSIVE")
+    given = threads_given(argv)
+    if given is not None:
+        os.environ[THREADS_ENV] = str(given)
+        os.environ[_FROM] = "--threads"
+    elif THREADS_ENV in os.environ:
+        os.environ.setdefault(_FROM, THREADS_ENV)
+
+
+def share_cores(nproc: int) -> None:
+    """A launch of `nproc` local ranks: each gets its share of the cores unless a count was given."""
+    if THREADS_ENV not in os.environ:
+        os.environ[THREADS_ENV] = str(max(1, (os.cpu_count() or 1) // nproc))
+        os.environ[_FROM] = "share"
+
+
+def describe() -> str:
+    """'2 threads (one per core; --threads sets it), OpenMP wait passive': for a run's setup line."""
+    import torch
+
+    n = torch.get_num_threads()
+    source = os.environ.get(_FROM)
+    why = {"--threads": "--threads", THREADS_ENV: THREADS_ENV, "share": "this rank's share of the cores"}.get(
+        source or "", "torch's default; --threads sets it")
+    wait = os.environ.get(WAIT_ENV, "OpenMP's default").lower()
+    return f"{n} CPU thread{'s' if n != 1 else ''} ({why}), OpenMP wait {wait}"
