@@ -56,6 +56,11 @@ def _cmd_train(args, overrides) -> int:
         return 0
     from .train.trainer import train
 
+    if launching and run.resumed is not None:
+        finished = _finished_run(cfg)
+        if finished:  # said before any data or model is built
+            print(finished)
+            return 0
     if launching:
         from .train.preflight import preflight
 
@@ -74,9 +79,9 @@ def _cmd_train(args, overrides) -> int:
     return 0
 
 
-def _saved_world(cfg) -> int | None:
-    """The number of ranks that wrote the checkpoint a resume continues from (a resume without
-    --nproc runs on as many, so the saved layout fits)."""
+def _saved_manifest(cfg) -> tuple[object, dict] | tuple[None, None]:
+    """(the checkpoint a resume continues from, its manifest), or (None, None); what is wrong with
+    it, if anything, preflight says."""
     import json
     from pathlib import Path
 
@@ -85,9 +90,31 @@ def _saved_world(cfg) -> int | None:
 
     try:
         target = resume_target(cfg, Path(cfg.train.run_dir))
-        return int(json.loads((target / MANIFEST).read_text())["layout"]["world"]) if target else None
-    except (OSError, ValueError, KeyError, TypeError, UserError):
-        return None  # (preflight says what is wrong with the checkpoint)
+        return (target, json.loads((target / MANIFEST).read_text())) if target else (None, None)
+    except (OSError, ValueError, UserError):
+        return None, None
+
+
+def _saved_world(cfg) -> int | None:
+    """The number of ranks that wrote the checkpoint a resume continues from (a resume without
+    --nproc runs on as many, so the saved layout fits)."""
+    try:
+        return int(_saved_manifest(cfg)[1]["layout"]["world"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _finished_run(cfg) -> str | None:
+    """The done line of a resume with nothing left to train (its checkpoint is at train.steps)."""
+    target, manifest = _saved_manifest(cfg)
+    try:
+        step = int(manifest["step"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if step < cfg.train.steps:
+        return None
+    return (f"done: nothing to train: {target} is step {step}, and train.steps is {cfg.train.steps}; a larger "
+            f"--train.steps continues the run from there.")
 
 
 def _cmd_report(args, overrides) -> int:

@@ -192,6 +192,12 @@ def test_the_plainest_run_saves_its_last_step_and_generate_reads_it(tmp_path):
     g = longctx("generate", "--checkpoint", str(run / "checkpoints"), "--prompt", "def ", "--max-new-tokens", "4")
     assert g.returncode == 0, g.stderr
     assert len(json.loads(g.stdout.splitlines()[-1])["tokens"]) == 4
+    # resumed as it is, the finished run says so before building data or model, in a done line
+    r = longctx("train", "--train.run_dir", str(run), "--checkpoint.resume", "auto")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1].startswith("done: nothing to train") and "step 3" in lines[-1], r.stdout
+    assert not any(line.startswith(("data:", "model:")) for line in lines), r.stdout
     off = tmp_path / "off"
     r = longctx("train", "--nproc", "1", *TINY, "--train.steps", "2", "--train.run_dir", str(off),
                 "--checkpoint.final", "false", "--metrics.plots", "false")

@@ -450,6 +450,8 @@ class Trainer:
         if result.losses:
             self.log(f"done: steps {result.first_step}-{t.steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
                      f"{result.losses[-1]:.4f}{last_eval}. {self._where_it_is(t.steps)}")
+        else:  # (a resume of a finished run under torchrun directly; `longctx train` says so before building)
+            self.log(f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {t.steps}.")
         return result
 
     def _where_it_is(self, step: int) -> str:
