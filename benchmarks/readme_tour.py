@@ -13,7 +13,9 @@ runs in a scratch working directory (runs/, stores/, out/ land there) in which:
     run as they are; the checkpoint pair gets enough steps to save and then resume;
   - the `pip install ... &&` prefixes are dropped (the tour runs in the installed environment) and
     `pytest` runs only with --with-tests; torchrun across nodes (a rendezvous HOST) is skipped.
-Prints one JSON document (each command, its exit code and seconds); exits non-zero if any failed.
+Prints one JSON document (each command, its exit code and seconds, with the conditions they hold
+under: the machine, and per command the load average before it and the CPU seconds it used, so a
+time measured beside other work reads as such); exits non-zero if any failed.
 Usage: python benchmarks/readme_tour.py [--with-tests] [--only SUBSTRING] [--keep DIR]
 """
 
@@ -146,6 +148,35 @@ def adapt(cmd: str, subs: dict[str, str], first_run: str | None, with_tests: boo
     return argv, ""
 
 
+def _machine() -> dict:
+    """What the times assume: the CPU, its usable cores, torch, the thread settings."""
+    import platform
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    import torch
+
+    return {"cpu": cpu, "usable_cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            **{k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY") if k in os.environ}}
+
+
+def _conditions() -> tuple[float, float]:
+    """(the 1-minute load average now, the CPU seconds children have used so far)."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return os.getloadavg()[0], ru.ru_utime + ru.ru_stime
+
+
+def _used(before: tuple[float, float], seconds: float) -> dict:
+    """A command's conditions: the load before it (other work on the machine; an idle one reads < 0.5)
+    and the CPU seconds it used, per second of its wall time (about the cores it kept busy)."""
+    load, cpu0 = before
+    cpu = _conditions()[1] - cpu0
+    return {"load_before": round(load, 2), "cpu_seconds": round(cpu, 1),
+            "cores_busy": round(cpu / seconds, 2) if seconds > 0 else None}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--with-tests", action="store_true", help="also run the README's test command")
@@ -167,7 +198,7 @@ def main() -> int:
             continue
         if "--train.steps" in argv and argv[argv.index("--train.steps") + 1] == str(10**6):
             argv[argv.index("--train.steps") + 1] = str(saved_steps + TOUR_STEPS)
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), _conditions()
         r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - t0
         found = re.search(r"run directory: (\S+)", r.stdout)
@@ -177,7 +208,7 @@ def main() -> int:
         if saved:
             saved_steps = int(saved[-1])
         rec = {"command": cmd, "ran": " ".join(argv[2:] if argv[0] == sys.executable else argv),
-               "exit_code": r.returncode, "seconds": round(seconds, 1)}
+               "exit_code": r.returncode, "seconds": round(seconds, 1), **_used(before, seconds)}
         if r.returncode:
             rec["stderr_tail"] = r.stderr[-2000:]
         done = [x for x in r.stdout.splitlines() if x.startswith("done:")]
@@ -190,10 +221,11 @@ def main() -> int:
             continue
         for k, v in subs.items():
             code = code.replace(k, v)
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), _conditions()
         r = subprocess.run([sys.executable, "-c", code], cwd=work, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - t0
-        rec = {"command": f"README python block {i + 1}", "exit_code": r.returncode, "seconds": round(seconds, 1)}
+        rec = {"command": f"README python block {i + 1}", "exit_code": r.returncode, "seconds": round(seconds, 1),
+               **_used(before, seconds)}
         if r.returncode:
             rec["stderr_tail"] = r.stderr[-2000:]
         results.append(rec)
@@ -201,7 +233,7 @@ def main() -> int:
               flush=True)
     failed = [r for r in results if r.get("exit_code")]
     print(json.dumps({"bench": "readme_tour", "date": time.strftime("%Y-%m-%d"), "work": str(work),
-                      "commands": results, "failed": len(failed)}, indent=1))
+                      "machine": _machine(), "commands": results, "failed": len(failed)}, indent=1))
     if not a.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
