@@ -1,0 +1,110 @@
+"""`longctx checkpoint verify PATH`: which checkpoint was checked, what was checked, each file's
+result and a one-line summary, as readable lines (the manifest's dicts are never printed raw).
+
+The checks are manifest.py's (the manifest's own checksum, then each listed file's presence, size
+and sha256), all of them: a damaged checkpoint names every damaged file, not only the first.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+
+from .manifest import MANIFEST, file_problem, read_manifest
+from .paths import CheckpointError, find_checkpoint
+
+# the layout's degrees in the order the training line says them (train/report.py describe_run)
+_DEGREES = ("dp_replicate", "dp_shard", "head", "ctx")
+
+
+def size_text(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def layout_text(layout: dict) -> str:
+    """A manifest's layout as the training line says it: '4 ranks: dp_replicate 1 x dp_shard 1 x head 2
+    x ctx 2, head-first' (degrees it does not know are added the same way)."""
+    if not layout:
+        return "an unrecorded layout"
+    world = layout.get("world", 1)
+    if world == 1:
+        return "1 process"
+    degrees = [k for k in _DEGREES if k in layout] + sorted(
+        k for k, v in layout.items() if k not in (*_DEGREES, "world", "window", "placement") and isinstance(v, int))
+    text = f"{world} ranks: " + " x ".join(f"{k} {layout[k]}" for k in degrees)
+    if layout.get("window"):
+        text += f" (window {layout['window']})"
+    return text + (f", {layout['placement']}" if layout.get("placement") else "")
+
+
+def model_text(manifest: dict) -> str:
+    m = manifest.get("model", {})
+    name = m.get("init_from") or m.get("preset") or "a custom [model]"
+    parts = [f"{m.get('family', '?')}", f"{m.get('layers', '?')} layers", f"dim {m.get('dim', '?')}"]
+    if m.get("moe.experts"):
+        parts.append(f"{m['moe.experts']} experts")
+    text = f"{name} ({', '.join(parts)}), tokenizer {manifest.get('tokenizer') or 'not recorded'}"
+    if manifest.get("trained_positions"):
+        text += f", trained on {manifest['trained_positions']:,} positions"
+    if manifest.get("draft"):
+        draft = manifest["draft"]
+        text += (f"; holds a GliDe draft of {draft.get('layers')} layers against "
+                 f"{draft.get('target', {}).get('path', 'its target')}, not the model")
+    return text
+
+
+def _when(created: str | None) -> str:
+    try:
+        return datetime.fromisoformat(created).strftime("%Y-%m-%d %H:%M:%S %Z").strip()
+    except (TypeError, ValueError):
+        return created or "(time not recorded)"
+
+
+def verify_lines(spec: str | Path) -> tuple[list[str], dict[str, str]]:
+    """(the lines `longctx checkpoint verify` prints, {path: problem} of the damaged files). A
+    checkpoints directory means its latest complete checkpoint; a damaged manifest raises."""
+    path = find_checkpoint(spec)
+    if path is None:
+        raise CheckpointError(f"{spec} holds no complete checkpoint (a step-* directory with {MANIFEST}, or a "
+                              f"directory holding them); nothing was checked.")
+    manifest = read_manifest(path)  # (raises when its own checksum does not match)
+    which = "" if Path(spec).resolve() == path.resolve() else f" (the latest complete one in {spec})"
+    lines = [
+        f"checkpoint {path}{which}",
+        f"  step {manifest['step']}, written {_when(manifest.get('created'))} by longctx "
+        f"{manifest.get('longctx', '?')} (torch {manifest.get('torch', '?')}) under {layout_text(manifest['layout'])}",
+        f"  model: {model_text(manifest)}",
+        f"checked: {MANIFEST}'s own checksum ("
+        + ("matches" if "checksum" in manifest else "none recorded: written before manifests had one")
+        + f"), then each of the {len(manifest['files'])} files it lists: present, its size, its sha256",
+    ]
+    problems, width = {}, max((len(e["path"]) for e in manifest["files"]), default=0)
+    for entry in manifest["files"]:
+        problem = file_problem(path, entry, checksums=True)
+        if problem:
+            problems[entry["path"]] = problem
+        lines.append(f"  {'DAMAGED' if problem else 'ok':<7}  {entry['path']:<{width}}  "
+                     f"{size_text(entry['bytes']):>10}" + (f"  {problem}" if problem else ""))
+    total = sum(e["bytes"] for e in manifest["files"])
+    n = len(manifest["files"])
+    if problems:
+        lines.append(f"DAMAGED: {len(problems)} of {n} files of step {manifest['step']} fail the check; this "
+                     f"checkpoint cannot be loaded.")
+    else:
+        lines.append(f"OK: step {manifest['step']}, all {n} files intact ({size_text(total)}): sizes and sha256 "
+                     f"checksums match.")
+    return lines, problems
+
+
+def run(spec: str | Path, say=print) -> int:
+    """`longctx checkpoint verify`: print the lines; a damaged checkpoint is an error after them."""
+    lines, problems = verify_lines(spec)
+    for line in lines:
+        say(line)
+    if problems:
+        raise CheckpointError(f"checkpoint {spec} is damaged ({len(problems)} files; listed above). Nothing in it "
+                              f"can be trusted: resume from another step-* directory.")
+    return 0
