@@ -4,16 +4,23 @@ The manifest records the run's `[model]` (for `init_from = hf:DIR` runs: the imp
 shapes and RoPE, with the extension overrides), so the export is the same family transformers
 loads. The tokenizer goes along: the tokenizer files of the imported Hugging Face directory when it
 still exists, else the tokenizer.json the run recorded; when there is none, the caller is told why.
+config.json carries the special token ids (bos / eos / pad_token_id) the weights mean: those of the
+Hugging Face config.json the run started from (through any longctx checkpoints in between), else
+the recorded tokenizer's (the byte tokenizer's 256 / 257; a tokenizer.json's end-of-document token,
+the one training separated documents with, and the BOS / pad its tokenizer_config.json declares).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from ..config.hf import hf_dir, model_config
-from ..config.hf_export import export_notes
+from ..config.hf import HFFormatError, checkpoint_manifest, hf_dir, model_config
+from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
+from ..config.tokenizer import tokenizer_file
+from ..data.tokenizer import load_tokenizer
 from ..models.hf import copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from .manager import load_model_weights, resolve_checkpoint
@@ -33,7 +40,52 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     load_model_weights(path, model)
     out = save_hf(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype)
     copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), out)
-    return out, copied, why, export_notes(cfg)
+    ids, unknown = special_token_ids(manifest)
+    config_file = out / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **ids}, indent=2) + "\n")
+    return out, copied, why, export_notes(cfg) + ([unknown] if unknown else [])
+
+
+def special_token_ids(manifest: dict) -> tuple[dict, str]:
+    """({bos_token_id, eos_token_id, pad_token_id}: each an id, a list of ids or None, the ones written
+    to config.json), and a note when the checkpoint records nothing they could be taken from."""
+    hf = _initial_hf_config(manifest["model"].get("init_from", ""))
+    if hf is not None and any(k in hf for k in SPECIAL_TOKEN_KEYS):
+        return {k: hf.get(k) for k in SPECIAL_TOKEN_KEYS}, ""
+    recorded = manifest.get("tokenizer")
+    path = tokenizer_file(recorded) if recorded else None
+    if recorded != "byte" and (path is None or not path.is_file()):
+        return {k: None for k in SPECIAL_TOKEN_KEYS}, (
+            "config.json names no BOS / EOS / pad token ids (null): " + (
+                f"the run's tokenizer {recorded} no longer exists" if recorded else
+                "the checkpoint records no tokenizer") + ", and the run started from no Hugging Face config.json that "
+            "names them; set them in config.json before generating with transformers")
+    tokenizer = load_tokenizer(recorded)
+    # EOS: the token training ended documents with (and `longctx generate` stops at)
+    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": None}
+    if path is not None:
+        declared = declared_special_ids(path)
+        ids.update({k: v for k, v in declared.items() if k != "eos_token_id"})
+    return ids, ""
+
+
+def _initial_hf_config(init_from: str, depth: int = 16) -> dict | None:
+    """The Hugging Face config.json the weights started from: init_from's, through the chain of longctx
+    checkpoints that started from one another (None: from scratch, or the directory is gone)."""
+    for _ in range(depth):
+        if not init_from:
+            return None
+        if init_from.startswith("hf:"):
+            file = hf_dir(init_from) / "config.json"
+            try:
+                return json.loads(file.read_text())
+            except (OSError, ValueError):
+                return None
+        try:
+            init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
+        except (HFFormatError, KeyError):
+            return None
+    return None
 
 
 def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[list[str], str]:

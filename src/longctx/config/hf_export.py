@@ -3,6 +3,8 @@ inverse of config/hf.py's reading, and the check of what a family cannot express
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from .hf import FAMILIES, HFFormatError
@@ -124,3 +126,31 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
         if m.family == "qwen2_moe":
             out["shared_expert_intermediate_size"] = m.resolved_shared_dim
     return out
+
+
+# config.json's special token ids: transformers' classes default the missing ones (LlamaConfig: BOS 1,
+# EOS 2), so an export always writes all three, null where the tokenizer has none
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def declared_special_ids(tokenizer_json: Path) -> dict[str, int]:
+    """The special tokens a tokenizer.json's own tokenizer_config.json (beside it) declares
+    (bos_token, eos_token, pad_token: a string or {"content": ...}), as config.json keys with the
+    tokenizer.json's ids; only those it declares and the vocabulary holds."""
+    config_file = Path(tokenizer_json).parent / "tokenizer_config.json"
+    try:
+        declared = json.loads(config_file.read_text())
+        tok = json.loads(Path(tokenizer_json).read_text())
+    except (OSError, ValueError):
+        return {}
+    vocab = tok.get("model", {}).get("vocab") or {}
+    if isinstance(vocab, list):  # (Unigram: [piece, score] pairs, the id is the position)
+        vocab = {piece: i for i, (piece, *_) in enumerate(vocab)}
+    vocab = {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens", [])}}
+    ids = {}
+    for name in ("bos", "eos", "pad"):
+        token = declared.get(f"{name}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str) and token in vocab:
+            ids[f"{name}_token_id"] = vocab[token]
+    return ids
