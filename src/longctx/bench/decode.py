@@ -148,8 +148,9 @@ def main(args) -> int:
     prompts = _prompts(args, tokenizer, spec)
     target = load_model(cfg, device, dtype)
     draft = load_draft(draft_cfg, target, device, dtype)
-    _say(f"target {cfg.model.label} ({cfg.model.layers} layers), draft {draft_label(draft_cfg)} "
-         f"({len(draft.layers)} layers), K = {args.speculate}{_MODE_SAID[args.cape]}")
+    n, d = cfg.model.layers, len(draft.layers)
+    _say(f"target {cfg.model.label} ({n} layer{'s' * (n != 1)}), draft {draft_label(draft_cfg)} "
+         f"({d} layer{'s' * (d != 1)}), K = {args.speculate}{_MODE_SAID[args.cape]}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
     groups, everything = [[] for _ in modes], [dict(_ZERO) for _ in modes]

@@ -1,6 +1,7 @@
 """PNG plots of a run from its metrics JSONL: loss (train and eval), throughput (tokens/s with its
 MFU scale) over memory, and for MoE models the expert load and router losses (expert_load.png) and
-each expert's share of its layer's choices over the steps (expert_heatmap.png)."""
+each expert's share of its layer's choices over the steps (expert_heatmap.png). token_log_axis: a
+log-scaled token axis labelled at a few powers of 2 (1K, 64K, 1M), for plots over positions."""
 
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
         raise UserError(f"{metrics_path} holds no training records to plot.")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train", marker=".")
+    _plot_train_loss(ax, train)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], label="eval", marker="o")
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], label="eval (its batches' mean)", marker="o",
+                color="tab:orange")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"loss - {run_dir.name}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     loss_png = run_dir / "loss.png"
     fig.savefig(loss_png, dpi=100)
@@ -71,6 +73,36 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
     if columns:
         written.append(_expert_heatmap(run_dir, columns, plt))
     return written
+
+
+SMOOTHING_POINTS = 5  # logged steps in the moving mean drawn over single-step losses
+
+
+def _plot_train_loss(ax, train: list[dict]) -> None:
+    """The training loss as the records hold it. A record's `loss` is the loss of its one logged
+    step (one global batch), not a mean over the steps since the previous record: drawn as such, with
+    a moving mean over SMOOTHING_POINTS logged steps (a mean of samples, said so). Records that
+    carry `loss_mean` (the mean over all steps of their log interval) draw that mean instead."""
+    steps = [r["step"] for r in train]
+    if all("loss_mean" in r for r in train):
+        ax.plot(steps, [r["loss_mean"] for r in train], marker=".", color="tab:blue",
+                label="train (mean over each log interval)")
+        return
+    losses = [r["loss"] for r in train]
+    every = _log_every(steps)
+    ax.plot(steps, losses, marker=".", lw=0.6, alpha=0.45, color="tab:blue",
+            label="train (the logged step's loss" + (f", every {every} steps)" if every > 1 else ")"))
+    if len(train) >= 2 * SMOOTHING_POINTS:  # (only whole windows: a cut one at the ends would mislead)
+        n, half = SMOOTHING_POINTS, SMOOTHING_POINTS // 2
+        mean = [sum(losses[i:i + n]) / n for i in range(len(losses) - n + 1)]
+        ax.plot(steps[half:half + len(mean)], mean, color="tab:blue", lw=1.8,
+                label=f"train (moving mean of {n} logged steps, centred)")
+
+
+def _log_every(steps: list[int]) -> int:
+    """The usual distance between logged steps (the first record is step 1, the last the run's end)."""
+    gaps = sorted(b - a for a, b in zip(steps, steps[1:]))
+    return gaps[len(gaps) // 2] if gaps else 1
 
 
 def _expert_load_plot(run_dir: Path, records: list[dict], plt) -> Path:
@@ -145,7 +177,7 @@ def _expert_heatmap(run_dir: Path, records: list[dict], plt) -> Path:
         ax.tick_params(labelsize=7)
     axes[-1].set_xlabel("step")
     what = (f"{len(shown)} of {layers} MoE layers (the most unevenly loaded)" if len(shown) < layers
-            else f"{layers} MoE layers")
+            else f"{layers} MoE layer{'s' * (layers != 1)}")
     gap = "; grey: steps no record covers" if any(c is None for c in columns) else ""
     fig.suptitle(f"expert load over steps - {run_dir.name}\n{what}\neach column: the steps since the previous one{gap}",
                  fontsize=9)
@@ -159,6 +191,40 @@ def _expert_heatmap(run_dir: Path, records: list[dict], plt) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+TOKEN_AXIS_LABELS = 8  # labelled ticks on a log token axis, at most
+
+
+def token_text(n: int) -> str:
+    """A power-of-2 token count as lengths are written (--lengths 1K,8K): 512, 1K, 64K, 1M, 2G."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n:g}"
+
+
+def token_log_axis(ax, axis: str = "x", most: int = TOKEN_AXIS_LABELS) -> None:
+    """Make `axis` of `ax` a log-scaled token axis (positions, lengths) for the data already drawn:
+    ticks at powers of 2, at most `most` of them labelled (every 1st, 2nd, 5th or 10th power, so 1K and
+    1M stay labelled as the span grows), as 1K / 64K / 1M; the other powers unlabelled minor ticks.
+    (matplotlib's own log axis labels minor ticks when the data spans a decade or two, as one eval
+    length's positions do, and those labels run into one another.)"""
+    import math
+
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    (ax.set_xscale if axis == "x" else ax.set_yscale)("log", base=2)
+    lo, hi = ax.dataLim.intervalx if axis == "x" else ax.dataLim.intervaly
+    first, last = max(0, math.floor(math.log2(max(lo, 1)))), max(0, math.ceil(math.log2(max(hi, 1))))
+    stride = next((s for s in (1, 2, 5, 10) if (last - first) // s + 1 <= most),
+                  10 * math.ceil((last - first) / most / 10))
+    powers = range(first, last + 1)
+    which.set_major_locator(FixedLocator([2.0**k for k in powers if k % stride == 0]))
+    which.set_major_formatter(FuncFormatter(lambda v, _: token_text(int(round(v)))))
+    which.set_minor_locator(FixedLocator([2.0**k for k in powers if k % stride]))
+    which.set_minor_formatter(NullFormatter())
 
 
 def _last_per_step(records) -> list[dict]:
