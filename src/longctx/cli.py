@@ -70,6 +70,7 @@ def _cmd_train(args, overrides) -> int:
             return 0
     from .parallel.launch import finish_distributed
 
+    threads.fit_to_idle_cores()  # one process alone (ranks have their share): as many threads as cores are idle
     try:
         train(cfg)
     except Preempted:

@@ -7,8 +7,10 @@ before it sleeps. On an idle machine that saves a wake-up; beside a competing lo
 threads take the cores the working thread needs, and a debug-moe run on a loaded 2-core machine fell
 from 7,238 tokens/s to 420 (17x; 29x in the report that found it). With PASSIVE the same run kept
 its speed (docs/benchmarks.md). A process therefore waits passively unless the environment says
-otherwise, and `--threads N` (or OMP_NUM_THREADS) sets the thread count; by default torch's own
-choice, one per physical core (multi-rank launches give each rank its share, parallel/launch.py).
+otherwise. The count: `--threads N` (or OMP_NUM_THREADS) where given; each of N local ranks its
+share of the cores (parallel/launch.py); one process alone as many threads as cores sat idle in the
+0.3 s before it started (fit_to_idle_cores), so that a thread team does not wait at every parallel
+region for a member the scheduler put aside. `describe` says which, on the run's setup line.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ WAIT_ENV, THREADS_ENV = "OMP_WAIT_POLICY", "OMP_NUM_THREADS"
 HELP = ("CPU threads per process (default: torch's, one per core; a multi-rank launch gives each rank its "
         "share); OpenMP waits passively unless OMP_WAIT_POLICY says otherwise (longctx/threads.py)")
 _FROM = "LONGCTX_THREADS_FROM"  # where the count came from, for the line that says it (inherited by ranks)
+_IDLE = "LONGCTX_THREADS_IDLE"  # the idle cores fit_to_idle_cores saw
 
 
 def threads_given(argv: Sequence[str]) -> int | None:
@@ -59,13 +62,58 @@ def share_cores(nproc: int) -> None:
         os.environ[_FROM] = "share"
 
 
+def _cpu_times(cpus: set[int]) -> tuple[float, float]:
+    """(idle, total) jiffies of these CPUs since boot, from /proc/stat."""
+    idle = total = 0.0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                values = [float(v) for v in fields[:8]]
+                idle += values[3] + values[4]  # idle + iowait
+                total += sum(values)
+    return idle, total
+
+
+def idle_cores(sample_s: float = 0.3) -> float | None:
+    """How many of this process's usable cores sat idle over `sample_s` (None where /proc/stat is not)."""
+    import time
+
+    try:
+        cpus = os.sched_getaffinity(0)
+        idle0, total0 = _cpu_times(cpus)
+        time.sleep(sample_s)
+        idle1, total1 = _cpu_times(cpus)
+    except (OSError, AttributeError, ValueError):
+        return None
+    return len(cpus) * (idle1 - idle0) / (total1 - total0) if total1 > total0 else None
+
+
+def fit_to_idle_cores(sample_s: float = 0.3) -> None:
+    """One process alone (not a rank, no --threads or OMP_NUM_THREADS): as many threads as cores are
+    idle now, at least one. Beside a competing load, a team of threads as wide as the machine waits at
+    every parallel region for its member that the scheduler put aside; a narrower team does not."""
+    if os.environ.get(_FROM):
+        return
+    free = idle_cores(sample_s)
+    if free is None:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, min(cores, round(free))))
+    os.environ[_FROM] = "idle"
+    os.environ[_IDLE] = f"{free:.1f} of {cores}"
+
+
 def describe() -> str:
     """'2 threads (one per core; --threads sets it), OpenMP wait passive': for a run's setup line."""
     import torch
 
     n = torch.get_num_threads()
     source = os.environ.get(_FROM)
-    why = {"--threads": "--threads", THREADS_ENV: THREADS_ENV, "share": "this rank's share of the cores"}.get(
+    why = {"--threads": "--threads", THREADS_ENV: THREADS_ENV, "share": "this rank's share of the cores",
+           "idle": f"{os.environ.get(_IDLE)} cores idle at start; --threads sets it"}.get(
         source or "", "torch's default; --threads sets it")
     wait = os.environ.get(WAIT_ENV, "OpenMP's default").lower()
     return f"{n} CPU thread{'s' if n != 1 else ''} ({why}), OpenMP wait {wait}"

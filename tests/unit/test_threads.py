@@ -45,3 +45,34 @@ def test_the_cli_refuses_a_bad_thread_count_before_work():
     r = subprocess.run([sys.executable, "-m", "longctx", "train", "--threads", "0"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "--threads takes a positive number" in r.stderr, r.stderr
+
+
+def test_one_process_fits_its_threads_to_the_idle_cores(monkeypatch):
+    """fit_to_idle_cores: as many threads as cores sat idle (at least one, at most the usable
+    cores), said as such; a count given by --threads or the environment is left alone."""
+    import torch
+
+    from longctx import threads
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("LONGCTX_THREADS_FROM", raising=False)
+    try:
+        for idle, expected in ((0.2, 1), (1.4, 1), (1.6, 2), (40.0, len(os.sched_getaffinity(0)))):
+            monkeypatch.delenv("LONGCTX_THREADS_FROM", raising=False)
+            monkeypatch.setattr(threads, "idle_cores", lambda sample_s=0.3, v=idle: v)
+            threads.fit_to_idle_cores()
+            assert torch.get_num_threads() == min(expected, len(os.sched_getaffinity(0)))
+            assert f"{idle:.1f} of" in threads.describe() and "cores idle at start" in threads.describe()
+        monkeypatch.setenv("LONGCTX_THREADS_FROM", "--threads")
+        torch.set_num_threads(1)
+        threads.fit_to_idle_cores()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_idle_cores_reads_the_machine():
+    from longctx import threads
+
+    free = threads.idle_cores(0.05)
+    assert free is None or 0.0 <= free <= len(os.sched_getaffinity(0)) + 1e-6

@@ -322,6 +322,7 @@ def main(args, overrides) -> int:
     if not under_launcher():
         for note in plan.notes:
             _say(f"generate: note: {note}")
+        threads.fit_to_idle_cores()  # one process alone: as many threads as cores are idle
     return run(plan, args)
 
 
