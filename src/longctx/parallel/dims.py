@@ -118,6 +118,12 @@ class ParallelDims:
         if getattr(self, "_expert_mesh", None) is None:
             grid = torch.arange(self.world_size).reshape(self.expert_data, self.expert)
             self._expert_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("expert_data", "expert"))
+            # The expert weights' gradients are DTensors on both dims, so their norm (train/step.py
+            # clip_gradients) is a partial result over both. With this flattened mesh registered,
+            # DTensor reduces it in one all-reduce over every rank; without it, in one all-reduce per
+            # dim, which PyTorch warns about on every rank ("may give inconsistent results between
+            # ranks due to different reduction orders").
+            self._expert_mesh._flatten("expert_data_expert")
         return self._expert_mesh
 
     @classmethod
