@@ -233,13 +233,20 @@ def _last_per_step(records) -> list[dict]:
 
 def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list[str]:
     """The run's opening line: the model, its precision and memory policy, the layout."""
+    from .. import threads
+    from ..config.load import lr_note
+
     mem = cfg.memory
+    expert = f" (expert {dims.expert} folded over them)" if getattr(dims, "expert", 1) > 1 else ""
     layout = (f"{world} ranks: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x head {dims.head} x ctx "
-              f"{dims.ctx}" + (f" (window {dims.window})" if dims.window else "") + f", {dims.placement}"
+              f"{dims.ctx}" + (f" (window {dims.window})" if dims.window else "") + f", {dims.placement}{expert}"
               if world > 1 else "1 process")
+    cpu = f", {threads.describe()}" if device.type == "cpu" else ""
     return [f"model: {cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters, "
-            f"{device.type} {str(dtype).removeprefix('torch.')}, memory: recompute={mem.recompute}"
+            f"{device.type} {str(dtype).removeprefix('torch.')}{cpu}, memory: recompute={mem.recompute}"
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
-            + f", loss_chunk={mem.loss_chunk}, {layout}; {peak}"] + (
+            + f", loss_chunk={mem.loss_chunk}, {layout}"
+            + (", compiled (train.compile: each block's token-wise stages)" if cfg.train.compile else "")
+            + f"; {lr_note(cfg)}; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else [])]
