@@ -26,6 +26,7 @@ from ..parallel.sequence import shard_sequence
 from ..parallel.spawn import run_spawned
 from ..parallel.ulysses import check_heads
 from ..parallel.volumes import attention_bytes
+from ..progress import phase
 from .attention_common import (
     CONFIG_KEYS,
     DEFAULT_SEQ_LEN,
@@ -93,12 +94,17 @@ def run(args) -> dict:
     check_divisible(args.seq_len, args.ctx, args.head)
     check_heads(args.heads, args.kv_heads, args.head)
     load_start = machine_load()
-    ranks = run_spawned(args.world, _rank_worker, args, threads=args.threads)
+    layout = f"head {args.head} x ctx {args.ctx}"
+    with phase(f"distributed attention on {args.world} ranks ({layout}, {args.seq_len:,} tokens)"):
+        ranks = run_spawned(args.world, _rank_worker, args, threads=args.threads)
     # The reference alone on the machine, and `world` copies of it at once: with more ranks than
     # cores, the second one carries the same oversubscription and memory contention as the ranks.
-    single = _single_process(args)
-    loaded = run_spawned(args.world, _single_process, args, threads=args.threads)
-    simulated = _simulated(args)
+    with phase("single-process attention"):
+        single = _single_process(args)
+    with phase(f"single-process attention, {args.world} copies at once"):
+        loaded = run_spawned(args.world, _single_process, args, threads=args.threads)
+    with phase(f"ring schedule of ctx {args.ctx} in one process"):
+        simulated = _simulated(args)
     expected = attention_bytes(seq=args.seq_len, batch=args.micro_batch, heads=args.heads, kv_heads=args.kv_heads,
                                head_dim=args.head_dim, head=args.head, ctx=args.ctx,
                                elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size())
@@ -160,7 +166,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    print(json.dumps(run(args), indent=2))
+    # each case is a progress phase: a case that takes long is said while it runs (stderr; JSON on stdout)
+    with phase("bench attention" + (" --docs" if args.docs is not None else "")):
+        result = run(args)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -38,6 +38,7 @@ from ..parallel.sequence import plan_layout
 from ..parallel.spawn import run_spawned
 from ..parallel.ulysses import check_heads
 from ..parallel.volumes import attention_bytes
+from ..progress import phase
 from .attention_common import (
     CONFIG_KEYS,
     DEFAULT_SEQ_LEN,
@@ -278,13 +279,19 @@ def run_docs(args) -> dict:
     check_heads(args.heads, args.kv_heads, args.head)
     load_start = machine_load()
     kinds = ("packed", "per_document", "causal") if args.causal_reference else ("packed", "per_document")
-    single = {kind: _fresh(_one_process, args, ids, kind, "time") for kind in kinds}
+    single = {}
+    for kind in kinds:
+        with phase(f"one process, {kind.replace('_', '-')} attention"):
+            single[kind] = _fresh(_one_process, args, ids, kind, "time")
     if args.storage_tracker:  # tensor bytes do not depend on the allocator: one process for all kinds
-        for kind, peak in _fresh(_tracked_peaks, args, ids, kinds).items():
-            single[kind]["memory"]["tracked_peak_mib"] = peak
-    ranks = run_spawned(args.world, _rank_worker_docs, args, ids, threads=args.threads)
+        with phase("one process, tensor-storage peaks"):
+            for kind, peak in _fresh(_tracked_peaks, args, ids, kinds).items():
+                single[kind]["memory"]["tracked_peak_mib"] = peak
+    with phase(f"distributed attention on {args.world} ranks (head {args.head} x ctx {args.ctx}, {args.split})"):
+        ranks = run_spawned(args.world, _rank_worker_docs, args, ids, threads=args.threads)
     # the per-document reference again, `world` copies at once: the ranks' load (more ranks than cores)
-    loaded = run_spawned(args.world, _one_process, args, ids, "per_document", threads=args.threads)
+    with phase(f"per-document attention, {args.world} copies at once"):
+        loaded = run_spawned(args.world, _one_process, args, ids, "per_document", threads=args.threads)
     expected = attention_bytes(seq=args.seq_len, batch=args.micro_batch, heads=args.heads, kv_heads=args.kv_heads,
                                head_dim=args.head_dim, head=args.head, ctx=args.ctx,
                                elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size(), docs=False)
@@ -322,7 +329,8 @@ def run_docs(args) -> dict:
     }
     if "causal" in single:
         result["packed_cpu_s_ratio_vs_causal"] = packed["fwd_bwd_cpu_s"] / single["causal"]["fwd_bwd_cpu_s"]
-    over = _work_over_samples(args)
+    with phase("work imbalance over samples"):
+        over = _work_over_samples(args)
     if over is not None:
         result["work_imbalance"]["over_samples"] = over
     result["machine"] = machine_summary(load_start)

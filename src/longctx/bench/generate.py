@@ -40,6 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..progress import phase, said
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=256, help="model width")
@@ -150,6 +152,7 @@ def sharded_memory(model, layout: str, lengths: list[int], seed: int = 0) -> lis
 
 def _progress(msg: str) -> None:
     print(f"[bench generate] {msg}", file=sys.stderr, flush=True)
+    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
 
 
 def _random_hf_model(args, directory: Path):
@@ -206,10 +209,19 @@ def main(args) -> int:
         import transformers
     except ImportError:
         raise SystemExit("longctx bench generate compares against transformers; pip install transformers") from None
-    from ..models.hf import load_hf
-
     if args.threads:
         torch.set_num_threads(args.threads)
+    # each case a progress phase: one that takes long is said while it runs
+    with phase("bench generate"):
+        result = _measure(args, transformers)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _measure(args, transformers) -> dict:
+    """The document `longctx bench generate` prints."""
+    from ..models.hf import load_hf
+
     with tempfile.TemporaryDirectory() as tmp:
         _progress(f"random Llama dim {args.dim}, {args.layers} layers, vocab {args.vocab} (written by transformers)")
         theirs = _random_hf_model(args, Path(tmp))
@@ -217,18 +229,23 @@ def main(args) -> int:
     prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
     runs = {"longctx": [], "transformers": []}
     for i in range(args.repeats):
-        runs["longctx"].append(_time_longctx(ours, prompt, args.new_tokens, args.prefill_chunk))
-        runs["transformers"].append(_time_transformers(theirs, prompt, args.new_tokens))
+        with phase(f"run {i + 1}/{args.repeats} (longctx, then transformers)", done_line=False):
+            runs["longctx"].append(_time_longctx(ours, prompt, args.new_tokens, args.prefill_chunk))
+            runs["transformers"].append(_time_transformers(theirs, prompt, args.new_tokens))
         _progress(f"run {i + 1}/{args.repeats}: decode tokens/s longctx "
                   f"{runs['longctx'][-1]['decode_tokens_per_s']:.1f}, transformers "
                   f"{runs['transformers'][-1]['decode_tokens_per_s']:.1f}")
     memory = []
     for length in (int(x) for x in args.memory_lengths.split(",") if x):
-        memory.append(prefill_memory(ours, length, args.prefill_chunk, args.seed))
+        with phase(f"prefill memory at {length:,} tokens", done_line=False):
+            memory.append(prefill_memory(ours, length, args.prefill_chunk, args.seed))
         _progress(f"prefill memory at {length:,} tokens: cache {memory[-1]['cache_bytes'] / 2**20:.1f} MiB, peak "
                   f"transient {memory[-1]['peak_transient_bytes'] / 2**20:.1f} MiB")
-    sharded = sharded_memory(ours, args.sharded, [int(x) for x in args.sharded_lengths.split(",") if x],
-                             args.seed) if args.sharded else []
+    sharded = []
+    if args.sharded:
+        with phase(f"sharded prefill memory ({args.sharded})", done_line=False):
+            sharded = sharded_memory(ours, args.sharded, [int(x) for x in args.sharded_lengths.split(",") if x],
+                                     args.seed)
     best = {k: {m: max(r[m] for r in v) for m in ("prefill_tokens_per_s", "decode_tokens_per_s")}
             for k, v in runs.items()}
     median = {k: statistics.median(r["decode_tokens_per_s"] for r in v) for k, v in runs.items()}
@@ -249,5 +266,4 @@ def main(args) -> int:
         "runs": {k: [{m: r[m] for m in ("prefill_tokens_per_s", "decode_tokens_per_s", "seconds")} for r in v]
                  for k, v in runs.items()},
     }
-    print(json.dumps(result, indent=1))
-    return 0
+    return result

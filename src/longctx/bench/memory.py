@@ -33,6 +33,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
 from ..parallel.sequence import shard_sequence
 from ..parallel.spawn import run_spawned
+from ..progress import phase, said
 
 POLICIES = {
     "none": ("none", 0.0),
@@ -89,6 +90,7 @@ _T0 = time.perf_counter()
 def _progress(text: str) -> None:
     """One progress line on stderr (stdout is the JSON), with the seconds since the command started."""
     print(f"bench memory [{time.perf_counter() - _T0:7.1f} s] {text}", file=sys.stderr, flush=True)
+    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
 
 
 def _policy(name: str) -> tuple[str, float]:
@@ -379,6 +381,19 @@ def main(args) -> int:
         name, seq = args.probe.rsplit(":", 1)
         print(json.dumps(_probe_step(args, *_policy(name), int(seq))))
         return 0
+    # each case a progress phase: one that takes long is said while it runs
+    with phase("bench memory"):
+        doc = _measure_all(args)
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+def _measure_all(args) -> dict:
+    """The document `longctx bench memory` prints: per length, and with --max-seq the longest sequences."""
     if args.max_seq:
         on_gpu = torch.cuda.is_available() and args.device != "cpu"
         if not on_gpu and not args.budget:
@@ -398,7 +413,8 @@ def main(args) -> int:
         world = args.head * args.ctx
         if world > 1:
             _progress(f"seq_len {seq:,}: starting {world} gloo ranks (head {args.head} x ctx {args.ctx})")
-            per_rank = run_spawned(world, _rank_measure, args, seq)
+            with phase(f"seq_len {seq:,} on {world} ranks", done_line=False):
+                per_rank = run_spawned(world, _rank_measure, args, seq)
             result = per_rank[0]
             result["ranks"] = world
             result["max_relative_error_over_ranks"] = {
@@ -406,7 +422,8 @@ def main(args) -> int:
                        for k in per_rank[0]["policies"][name]["max_relative_error"]}
                 for name in result["policies"]}
         else:
-            result = measure(args, seq)
+            with phase(f"seq_len {seq:,}", done_line=False):
+                result = measure(args, seq)
         results.append(result)
     doc = {
         "bench": "memory", "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
@@ -416,16 +433,17 @@ def main(args) -> int:
     }
     if args.max_seq:
         if torch.cuda.is_available() and args.device != "cpu":
-            doc["longest_sequence"] = {name: longest_sequence(args, name) for name in args.policies.split(",")}
+            doc["longest_sequence"] = {}
+            for name in args.policies.split(","):
+                with phase(f"longest sequence of {name}", done_line=False):
+                    doc["longest_sequence"][name] = longest_sequence(args, name)
         else:
             budget = parse_bytes(args.budget)
             doc["longest_sequence"] = {
                 "budget_bytes": budget, "measure": "peak RSS of one training step in a fresh process",
                 "malloc_mmap_threshold": args.malloc_mmap_threshold or "glibc default",
-                "per_policy": {name: longest_sequence_cpu(args, name, budget) for name in args.policies.split(",")}}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return 0
+                "per_policy": {}}
+            for name in args.policies.split(","):
+                with phase(f"longest sequence of {name} within {budget / 2**30:.1f} GiB", done_line=False):
+                    doc["longest_sequence"]["per_policy"][name] = longest_sequence_cpu(args, name, budget)
+    return doc

@@ -44,6 +44,7 @@ from ..config import ModelConfig
 from ..memory.host_malloc import keep_freed_blocks
 from ..models.llama import FeedForward
 from ..models.moe import MoEFeedForward
+from ..progress import phase, said
 from . import moe_cluster, moe_gpu
 
 
@@ -79,6 +80,7 @@ def _ratio(a: float, b: float) -> float:
 
 def _progress(msg: str) -> None:
     print(f"[bench moe] {msg}", file=sys.stderr, flush=True)
+    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
 
 
 def build_layers(args) -> tuple[MoEFeedForward, FeedForward, ModelConfig]:
@@ -177,6 +179,15 @@ def main(args) -> int:
         return moe_cluster.main(args)
     if args.device == "cuda":  # one GPU, no emulation (bench/moe_gpu.py)
         return moe_gpu.main(args)
+    # each case a progress phase: one that takes long is said while it runs
+    with phase("bench moe"):
+        doc = _measure_cpu(args)
+    print(json.dumps(doc, indent=2))
+    return 0
+
+
+def _measure_cpu(args) -> dict:
+    """The document `longctx bench moe` prints on the CPU: timing per routing and length, saved bytes."""
     torch.set_num_threads(args.threads)
     malloc = keep_freed_blocks() if args.malloc == "training" else "glibc defaults"
     moe, dense, cfg = build_layers(args)
@@ -194,7 +205,8 @@ def main(args) -> int:
             bias = skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
             share = choice_share(moe, x)
             _progress(f"{routing} routing, {seq:,} tokens: timing {args.repeats} x (moe, dense)")
-            t = time_pair(moe, dense, x, args.repeats)
+            with phase(f"{routing} routing, {seq:,} tokens", done_line=False):
+                t = time_pair(moe, dense, x, args.repeats)
             row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
                    "expert_share": [round(float(v), 5) for v in share],
                    "load_max_over_mean": float(share.max() * args.experts),
@@ -213,11 +225,12 @@ def main(args) -> int:
     memory = []
     for seq in (int(s) for s in args.memory_seq_len.split(",") if s):
         x = torch.randn(1, seq, args.dim, generator=gen, requires_grad=True)
-        m, d = saved_bytes(moe, x), saved_bytes(dense, x)
+        with phase(f"saved bytes at {seq:,} tokens", done_line=False):
+            m, d = saved_bytes(moe, x), saved_bytes(dense, x)
         memory.append({"tokens": seq, "moe_saved_bytes": m["bytes"], "dense_saved_bytes": d["bytes"],
                        "moe_saved_tensors": m["tensors"], "dense_saved_tensors": d["tensors"],
                        "moe_bytes_per_token": m["bytes"] / seq, "dense_bytes_per_token": d["bytes"] / seq})
-    print(json.dumps({
+    return {
         "bench": "moe", "date": date.today().isoformat(),
         "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
                    "dense_ffn_dim": cfg.ffn_dim, "router": "softmax", "capacity_factor": 0.0,
@@ -227,5 +240,4 @@ def main(args) -> int:
                    "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")},
         "active_params": params, "timing": timing, "memory": memory,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-    }, indent=2))
-    return 0
+    }

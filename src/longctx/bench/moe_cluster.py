@@ -50,6 +50,7 @@ from ..parallel.expert import use_expert_parallel
 from ..parallel.expert_placement import Placement, plan_placement
 from ..parallel.spawn import run_spawned
 from ..planner.hardware import get_hardware
+from ..progress import phase, said
 
 
 def add_arguments(p) -> None:
@@ -76,6 +77,7 @@ def add_arguments(p) -> None:
 
 def _progress(msg: str) -> None:
     print(f"[bench moe --cluster] {msg}", file=sys.stderr, flush=True)
+    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
 
 
 def parse_cluster(text: str) -> tuple[int, int]:
@@ -243,7 +245,8 @@ def main(args) -> int:
         spec["layers"] = len(load_config(None, [f"--model.preset={args.model}"]).model.moe_layer_ids)
     _progress(f"{world} ranks ({nodes} nodes x {per_node}), {args.model}: {spec['layers']} MoE layers, "
               f"{args.tokens:,} tokens, schedules {[n for n, _ in spec['schedules']]}, {args.repeats} repeats")
-    per_rank = run_spawned(world, _rank, spec)
+    with phase(f"bench moe --cluster on {world} ranks"):  # said while it runs, when that is long
+        per_rank = run_spawned(world, _rank, spec)
     doc = summarize(per_rank, spec)
     doc.update({"bench": "moe_cluster", "date": date.today().isoformat(), "cluster": f"{nodes}x{per_node}",
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}})

@@ -23,6 +23,7 @@ from datetime import date
 import torch
 
 from ..ops.grouped import use_loop
+from ..progress import phase
 from . import moe as layer_bench  # (the CPU benchmark's layers and routing; it imports this module)
 
 
@@ -66,10 +67,11 @@ def main(args, device: torch.device | None = None) -> int:
             share = layer_bench.choice_share(moe, x)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            kernel = _wall(moe, x, grad, args.repeats)
-            peak = torch.cuda.max_memory_allocated(device) if cuda else None
-            loop = _wall(moe, x, grad, args.repeats, loop=True)
-            dense_t = _wall(dense, x, grad, args.repeats)
+            with phase(f"bench moe on {device.type}: {routing} routing, {seq:,} tokens", done_line=False):
+                kernel = _wall(moe, x, grad, args.repeats)
+                peak = torch.cuda.max_memory_allocated(device) if cuda else None
+                loop = _wall(moe, x, grad, args.repeats, loop=True)
+                dense_t = _wall(dense, x, grad, args.repeats)
             row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
                    "load_max_over_mean": float(share.max() * args.experts),
                    "moe_kernel_s": kernel["min"], "moe_loop_s": loop["min"], "dense_s": dense_t["min"],

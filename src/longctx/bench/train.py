@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..progress import phase, said
+
 LAYOUTS = {
     "single": (1, []),
     "ctx4": (4, ["--parallel.ctx=4"]),
@@ -57,12 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     rows = []
-    for preset in args.presets.split(","):
-        for seq in map(int, args.seq_len.split(",")):
-            for layout in args.layouts.split(","):
-                row = run_one(preset, seq, layout, args.steps, args.global_batch)
-                print(json.dumps(row), file=sys.stderr, flush=True)  # progress
-                rows.append(row)
+    with phase("bench train"):  # each case a progress phase: one that takes long is said while it runs
+        for preset in args.presets.split(","):
+            for seq in map(int, args.seq_len.split(",")):
+                for layout in args.layouts.split(","):
+                    with phase(f"{preset} at {seq:,} tokens, layout {layout}", done_line=False):
+                        row = run_one(preset, seq, layout, args.steps, args.global_batch)
+                    print(json.dumps(row), file=sys.stderr, flush=True)  # progress
+                    said()
+                    rows.append(row)
     print(json.dumps({"bench": "train", "rows": rows, "machine": {
         "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}, indent=2))
     return 0

@@ -361,7 +361,7 @@ def evaluate(plan: Plan, args) -> dict | None:
     import torch
 
     from ..parallel.launch import finish_distributed
-    from ..progress import progress_bar
+    from ..progress import phase, progress_bar, said
     from ..train.model import build_training_model, resolve_offload
     from ..train.setup import join_job
     from ..train.step import resolve_dtype
@@ -372,8 +372,9 @@ def evaluate(plan: Plan, args) -> dict | None:
     world = rt.world
     log = _say if rt.is_main else (lambda *_: None)
     dtype = resolve_dtype(cfg.train.dtype, device)
-    cfg = resolve_offload(cfg, device, rt, log)
-    model = build_training_model(cfg, device, rt, log)
+    with phase(f"eval: building the model from {args.checkpoint}"):
+        cfg = resolve_offload(cfg, device, rt, log)
+        model = build_training_model(cfg, device, rt, log)
     model.eval()
     layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
     out = {"task": plan.task, "mode": plan.mode, "checkpoint": args.checkpoint, "model": cfg.model.label,
@@ -385,14 +386,18 @@ def evaluate(plan: Plan, args) -> dict | None:
     bar = progress_bar(total, f"eval {plan.task}", "seq", rt.is_main)
     start_all = time.perf_counter()
     try:
-        for length in plan.lengths:
-            seqs = plan.sequences[length]
-            t0 = time.perf_counter()
-            scores = score(model, rt, seqs, plan.batch, args.buckets, device,
-                           dtype if dtype != torch.float32 else None, bar)
-            out["results"].extend(_summarise(plan, length, seqs, scores, args.buckets, time.perf_counter() - t0))
-            if rt.is_main and bar is None:
-                _say(f"eval: {plan.task} at {length} tokens: {_headline(out['results'], length)}")
+        with phase(f"eval {plan.task}", done_line=False):
+            for which, length in enumerate(plan.lengths):
+                seqs = plan.sequences[length]
+                t0 = time.perf_counter()
+                # (each length's own line follows it: no closing line from the phase)
+                with phase(_length_phase(plan, which), len(seqs), "sequences", done_line=False, bar=bar) as progress:
+                    scores = score(model, rt, seqs, plan.batch, args.buckets, device,
+                                   dtype if dtype != torch.float32 else None, progress)
+                out["results"].extend(_summarise(plan, length, seqs, scores, args.buckets, time.perf_counter() - t0))
+                if rt.is_main and bar is None:
+                    _say(f"eval: {plan.task} at {length} tokens: {_headline(out['results'], length)}")
+                    said()
     finally:
         if bar is not None:
             bar.close()
@@ -402,6 +407,12 @@ def evaluate(plan: Plan, args) -> dict | None:
         out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
     finish_distributed()
     return out if rt.is_main else None
+
+
+def _length_phase(plan: Plan, i: int) -> str:
+    """'4,096 tokens (length 1 of 2)': what a heartbeat line says of the length being evaluated."""
+    n = len(plan.lengths)
+    return f"{plan.lengths[i]:,} tokens" + (f" (length {i + 1} of {n})" if n > 1 else "")
 
 
 def _summarise(plan: Plan, length: int, seqs: list[Sequence], s: dict, buckets: int, seconds: float) -> list[dict]:
@@ -448,7 +459,7 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
     from ..generate.engine import GREEDY, generate
     from ..generate.sampling import derive_seed
     from ..parallel.launch import finish_distributed
-    from ..progress import progress_bar
+    from ..progress import phase, progress_bar, said
     from ..train.step import resolve_dtype
 
     cfg = plan.cfg
@@ -456,7 +467,8 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
         backend, device, main_rank = _backend(cfg)
         log = _say if main_rank else (lambda *_: None)
         dtype = resolve_dtype(cfg.train.dtype, device)
-        model = load_model(cfg, device, dtype)
+        with phase(f"eval: loading the model from {args.checkpoint}"):
+            model = load_model(cfg, device, dtype)
         tokenizer = load_tokenizer(plan.tokenizer)
         eos = eos_ids(cfg.model.init_from, tokenizer)
         p = cfg.parallel
@@ -473,24 +485,29 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
         bar = progress_bar(total, f"eval {plan.task} (generate)", "seq", main_rank)
         start_all = time.perf_counter()
         try:
-            for length in plan.lengths:
-                seqs = plan.sequences[length]
-                t0 = time.perf_counter()
-                texts = []
-                for start in range(0, len(seqs), plan.batch):
-                    group = seqs[start:start + plan.batch]
-                    cuts = [answer_start(q) for q in group]
-                    results = generate(model, [q.tokens[:c].tolist() for q, c in zip(group, cuts)],
-                                       max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)],
-                                       eos_ids=eos, device=device, backend=backend, sampling=plan.sampling or GREEDY,
-                                       seeds=[derive_seed(args.seed, index + i) for i in range(len(group))])
-                    index += len(group)
-                    texts += [tokenizer.decode(r.tokens) for r in results]
-                    if bar is not None:
-                        bar.update(len(group))
-                out["results"].extend(_summarise_generated(plan, length, seqs, texts, time.perf_counter() - t0))
-                if bar is None:
-                    log(f"eval: {plan.task} (generate) at {length} tokens: {_headline(out['results'], length)}")
+            with phase(f"eval {plan.task} (generate)", done_line=False):
+                for which, length in enumerate(plan.lengths):
+                    seqs = plan.sequences[length]
+                    t0 = time.perf_counter()
+                    texts = []
+                    what = _length_phase(plan, which)
+                    with phase(what, len(seqs), "sequences", done_line=False, bar=bar) as progress:
+                        for start in range(0, len(seqs), plan.batch):
+                            group = seqs[start:start + plan.batch]
+                            cuts = [answer_start(q) for q in group]
+                            results = generate(model, [q.tokens[:c].tolist() for q, c in zip(group, cuts)],
+                                               max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS
+                                                               for q, c in zip(group, cuts)],
+                                               eos_ids=eos, device=device, backend=backend,
+                                               sampling=plan.sampling or GREEDY,
+                                               seeds=[derive_seed(args.seed, index + i) for i in range(len(group))])
+                            index += len(group)
+                            texts += [tokenizer.decode(r.tokens) for r in results]
+                            progress.update(len(group))
+                    out["results"].extend(_summarise_generated(plan, length, seqs, texts, time.perf_counter() - t0))
+                    if bar is None:
+                        log(f"eval: {plan.task} (generate) at {length} tokens: {_headline(out['results'], length)}")
+                        said()
         finally:
             if bar is not None:
                 bar.close()

@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from ..config import ModelConfig
 from ..config.hf import HFFormatError, model_config, model_fields_from_hf, read_hf_config
 from ..config.hf_export import hf_config_from_model
+from ..progress import phase
 from .llama import Llama, build_model
 from .moe import moe_layers
 from .shards import local_part, local_slices
@@ -169,7 +170,8 @@ def _check_shape(src: _Source, stored: tuple, p: torch.Tensor, name: str, file: 
 def load_hf_weights(model: Llama, path: str | Path) -> None:
     """Fill `model` (materialised, possibly FSDP-sharded) from the safetensors in `path`, each rank
     reading only the part of every tensor it holds (for experts: only its experts' rows, from
-    either expert layout)."""
+    either expert layout). Reading a large model takes minutes: it runs as a progress phase that
+    counts the MB this rank has filled."""
     path = Path(path)
     files = weight_files(path)
     params = dict(model.named_parameters())
@@ -191,17 +193,20 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
             for name in src.names:
                 stored, file = tensor(name)
                 _check_shape(src, tuple(stored.get_shape()), params[ours], name, file)
-        for ours, src in sources.items():
-            p = params[ours]
-            local, index = local_part(p), local_slices(p)
-            if src.kind == "whole":
-                local.copy_(tensor(src.names[0])[0][index].to(local.dtype))
-            elif src.kind == "fused":
-                rows = slice(index[1].start + src.offset, index[1].stop + src.offset)
-                local.copy_(tensor(src.names[0])[0][(index[0], rows, *index[2:])].to(local.dtype))
-            else:
-                for row, e in enumerate(range(index[0].start, index[0].stop)):
-                    local[row].copy_(tensor(src.names[e])[0][index[1:]].to(local.dtype))
+        mb = {ours: local_part(params[ours]).nbytes / 1e6 for ours in sources}
+        with phase(f"loading the weights of {path}", total=sum(mb.values()), unit="MB") as progress:
+            for ours, src in sources.items():
+                p = params[ours]
+                local, index = local_part(p), local_slices(p)
+                if src.kind == "whole":
+                    local.copy_(tensor(src.names[0])[0][index].to(local.dtype))
+                elif src.kind == "fused":
+                    rows = slice(index[1].start + src.offset, index[1].stop + src.offset)
+                    local.copy_(tensor(src.names[0])[0][(index[0], rows, *index[2:])].to(local.dtype))
+                else:
+                    for row, e in enumerate(range(index[0].start, index[0].stop)):
+                        local[row].copy_(tensor(src.names[e])[0][index[1:]].to(local.dtype))
+                progress.update(mb[ours])
     for layer in moe_layers(model):  # transformers' routers have no selection bias
         layer.router.expert_bias.zero_()
     model.init_rope()

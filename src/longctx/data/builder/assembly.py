@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import DataError
-from ...progress import progress_bar
+from ...progress import current, progress_bar
 from .. import store
 from .cluster import cluster
 from .dedup import Deduper
@@ -204,6 +204,8 @@ class Assembly:
         if seen_hashes is not None:
             deduper.seed(seen_hashes, seen_signatures)
         keep = np.zeros(corpus.n, dtype=bool)
+        progress = current()  # the dedup stage's phase (timing.py)
+        progress.expect(read, "documents")
         for index, shard in enumerate(corpus.shards):
             first = int(corpus.starts[index])
             if first >= read:
@@ -211,6 +213,7 @@ class Assembly:
             sigs = np.load(shard.path / "sigs.npy") if shard.minhash else None
             for row, h in enumerate(shard.hashes()[:read - first].tolist()):
                 keep[first + row] = deduper.check(first + row, h, None if sigs is None else sigs[row]) is None
+            progress.update(min(shard.n, read - first))
             if bar is not None:
                 bar.update(shard.n)
         return keep, {"documents_read": read, "exact_duplicates": deduper.exact, "near_duplicates": deduper.near,
@@ -231,11 +234,13 @@ class Assembly:
     def _pack_and_write(self) -> tuple[None, dict]:
         opts = self.opts
         bar = progress_bar(int(self.lengths.sum()), "pack", "tok", opts.progress)
+        progress = current()  # the pack stage's phase (timing.py): tokens packed, both splits
+        progress.expect(sum(int(np.sum(self.items[split].length)) for split in store.SPLITS), "tokens")
         groups_packed = 0
         for split in store.SPLITS:
             writer = SplitWriter(self.part_dir, split, opts.seq_len, self.token_dtype, self.tokenizer.eos_id,
                                  self.corpus, self.kept, self.doc_base)
-            groups_packed += self._pack_split(writer, self.items[split], bar)
+            groups_packed += self._pack_split(writer, self.items[split], bar, progress)
             stats = writer.close()
             documents = int(np.isin(self.where, (SPLIT_FLAG[split], IN_BOTH)).sum())
             self.splits[split] = {"samples": stats["samples"], "tokens": stats["tokens"], "documents": documents,
@@ -246,7 +251,7 @@ class Assembly:
                         opts.dedup == "minhash")
         return None, self._pack_record(groups_packed)
 
-    def _pack_split(self, writer: SplitWriter, items, bar) -> int:
+    def _pack_split(self, writer: SplitWriter, items, bar, progress) -> int:
         """One split packed and written group by group; the number of groups."""
         item_doc, item_start, item_len = items.arrays()
         count = 0
@@ -254,6 +259,7 @@ class Assembly:
             group = np.sort(group)  # items in document order inside a group, as a global packing sees them
             self._pack_group(writer, item_doc[group], item_start[group], item_len[group])
             count += 1
+            progress.update(int(item_len[group].sum()))
             if bar is not None:
                 bar.update(int(item_len[group].sum()))
         return count

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...progress import current
+
 SAMPLES_PER_CLUSTER = 8
 DOCS_PER_CLUSTER = 4
 MERGE_COSINE = 0.9
@@ -57,6 +59,8 @@ def kmeans(emb, k: int, seed: int, memory: int, iters: int = 10) -> tuple[np.nda
     cent = emb.rows(np.sort(rng.choice(emb.n, size=k, replace=False)))
     chunk = int(np.clip(memory // 16 // (k * 4), 64, 8192))
     labels = np.full(emb.n, -1, dtype=np.int64)
+    progress = current()  # the cluster stage's phase (timing.py): iterations (it may stop sooner)
+    progress.expect(iters, "k-means iterations")
     for _ in range(iters):
         sums = np.zeros((k, emb.dim), dtype=np.float64)
         changed = 0
@@ -67,6 +71,7 @@ def kmeans(emb, k: int, seed: int, memory: int, iters: int = 10) -> tuple[np.nda
             np.add.at(sums, lab, rows)
         norms = np.linalg.norm(sums, axis=1, keepdims=True)
         cent = np.where(norms > 0, sums / np.maximum(norms, 1e-12), cent).astype(np.float32)
+        progress.update(1)
         if changed <= emb.n // 1000:
             break
     return labels, sums

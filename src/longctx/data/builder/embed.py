@@ -5,7 +5,9 @@ the idf of every kept document, reduced to DIM dimensions by a truncated SVD fit
 spaced sample of up to `FIT_DOCS` documents, then applied chunk by chunk: memory follows the
 sample and one chunk, not the corpus. With `model=PATH`, a local sentence-transformers model embeds
 the documents' text heads (their first `MAX_CHARS` characters) instead. The vectors are written
-to a file (`emb.npy` in the work directory) and read back by rows (`Embeddings`).
+to a file (`emb.npy` in the work directory) and read back by rows (`Embeddings`). The documents
+embedded are counted in the running progress phase (the embed stage's), as a model on a CPU may
+take minutes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import DataError
+from ...progress import current, phase
 from . import spill
 from .features import BUCKETS
 from .scan import ScannedCorpus
@@ -119,22 +122,25 @@ def embed(corpus: ScannedCorpus, kept: np.ndarray, out: Path, model: str = "",
           memory: int = 2 << 30) -> tuple[Embeddings, dict]:
     """Embeddings of the kept documents, written to `out`."""
     writer = spill.NpyAppender(out, np.float32, (DIM,))
-    record = (_embed_with_model if model else _embed_tfidf)(writer, corpus, kept, model or memory)
+    progress = current()  # the embed stage's phase (timing.py)
+    progress.expect(len(kept), "documents")
+    record = (_embed_with_model if model else _embed_tfidf)(writer, corpus, kept, model or memory, progress)
     writer.close()
     return Embeddings(out), record
 
 
-def _embed_with_model(writer: spill.NpyAppender, corpus: ScannedCorpus, kept: np.ndarray, model: str) -> dict:
+def _embed_with_model(writer: spill.NpyAppender, corpus: ScannedCorpus, kept: np.ndarray, model: str,
+                      progress) -> dict:
     """A local sentence-transformers model over the text heads, chunk by chunk."""
     for a in range(0, len(kept), CHUNK):
-        z = embed_model([corpus.text(d)[:MAX_CHARS] for d in kept[a:a + CHUNK].tolist()], model)
+        z = embed_model([corpus.text(d)[:MAX_CHARS] for d in kept[a:a + CHUNK].tolist()], model, progress)
         out_rows = np.zeros((len(z), DIM), np.float32)
         out_rows[:, :min(DIM, z.shape[1])] = z[:, :DIM]
         writer.append(unit_rows(out_rows))
     return {"dim": DIM, "model": model}
 
 
-def _embed_tfidf(writer: spill.NpyAppender, corpus: ScannedCorpus, kept: np.ndarray, memory: int) -> dict:
+def _embed_tfidf(writer: spill.NpyAppender, corpus: ScannedCorpus, kept: np.ndarray, memory: int, progress) -> dict:
     """TF-IDF of the head features (idf over every kept document), reduced by a truncated SVD
     fitted on an evenly spaced sample, applied TRANSFORM_CHUNK documents at a time."""
     n = len(kept)
@@ -147,9 +153,10 @@ def _embed_tfidf(writer: spill.NpyAppender, corpus: ScannedCorpus, kept: np.ndar
     cols = np.unique(np.concatenate([corpus.get("feat_idx", d) for d in fit.tolist()] or [np.zeros(0, np.uint16)]))
     col_of = np.full(BUCKETS, -1, dtype=np.int32)
     col_of[cols] = np.arange(len(cols), dtype=np.int32)
-    x = tfidf_rows(corpus, fit, idf, col_of)
-    k = min(DIM, len(fit) - 1, len(cols) - 1)
-    comp = svd_components(x, k) if k >= 1 and x.nnz else None
+    with phase(f"SVD fit on {len(fit):,} documents", done_line=False):  # (one long numpy call: no count)
+        x = tfidf_rows(corpus, fit, idf, col_of)
+        k = min(DIM, len(fit) - 1, len(cols) - 1)
+        comp = svd_components(x, k) if k >= 1 and x.nnz else None
     k = 0 if comp is None else comp.shape[0]
     del x
     for a in range(0, n, TRANSFORM_CHUNK):
@@ -160,11 +167,17 @@ def _embed_tfidf(writer: spill.NpyAppender, corpus: ScannedCorpus, kept: np.ndar
         else:
             z[:, 0] = 1.0
         writer.append(unit_rows(z))
+        progress.update(rows.shape[0])
     return {"dim": DIM, "model": "hashed-tfidf-svd", "fit_documents": int(len(fit))}
 
 
-def embed_model(texts: list[str], model: str) -> np.ndarray:
-    """Unit vectors of `texts` from the local sentence-transformers model directory `model`."""
+ENCODE_BATCH = 32   # texts per forward of a sentence-transformers model
+COUNT_EVERY = 256   # texts encoded between two counts of the progress phase
+
+
+def embed_model(texts: list[str], model: str, progress=None) -> np.ndarray:
+    """Unit vectors of `texts` from the local sentence-transformers model directory `model`; the
+    texts encoded are counted in `progress` (a progress.Phase) as they go."""
     try:
         # an optional dependency, imported only when --embed-model asks for it
         from sentence_transformers import SentenceTransformer
@@ -178,5 +191,11 @@ def embed_model(texts: list[str], model: str) -> np.ndarray:
     except Exception as e:  # noqa: BLE001 - many loader errors, one message
         raise DataError(f"could not load the local sentence-embedding model '{model}' ({e}); pass the directory "
                         f"of a downloaded sentence-transformers model.") from None
-    z = st.encode([t[:MAX_CHARS] for t in texts], batch_size=32, show_progress_bar=False, convert_to_numpy=True)
-    return unit_rows(np.asarray(z, dtype=np.float32))
+    parts = []
+    for a in range(0, len(texts), COUNT_EVERY):
+        batch = [t[:MAX_CHARS] for t in texts[a:a + COUNT_EVERY]]
+        parts.append(np.asarray(st.encode(batch, batch_size=ENCODE_BATCH, show_progress_bar=False,
+                                          convert_to_numpy=True), dtype=np.float32))
+        if progress is not None:
+            progress.update(len(batch))
+    return unit_rows(np.concatenate(parts) if parts else np.zeros((0, DIM), np.float32))

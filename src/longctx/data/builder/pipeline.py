@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import DataError
-from ...progress import progress_bar
+from ...progress import current, phase, progress_bar
 from .. import store
 from ..tokenizer import load_tokenizer
 from . import scan
@@ -66,8 +66,21 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
     bar = progress_bar(plan["bytes"], "scan", "B", opts.progress)
     if bar is not None:
         bar.unit_scale = True
+    progress = current()  # the scan stage's phase (timing.py): MB of input scanned
+    progress.expect(plan["bytes"] / 1e6, "MB")
+    finished = 0
+
+    def scanned_shard(_counts, size):
+        nonlocal finished
+        finished += size
+        # a shard scanned in this process was counted file by file as it went (on_unit); one scanned
+        # by a worker process is counted here, when it is done
+        progress.done = max(progress.done, finished / 1e6)
+        if bar is not None:
+            bar.update(size)
+
     counts = scan.run_scans(work, shards, todo, sopts, plan["token_dtype"], opts.scan_workers, opts.max_docs,
-                            on_done=(lambda _c, size: bar.update(size)) if bar is not None else None)
+                            on_done=scanned_shard, on_unit=lambda unit: progress.update(unit.size / 1e6))
     if bar is not None:
         bar.close()
     plan["complete"] = [c["index"] for c in counts]
@@ -136,7 +149,8 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         i, n = opts.shard
         log(f"data build: {', '.join(opts.inputs)} shard {i}/{n} -> {out} {_describe(opts, tok)}")
         records: dict = {}
-        plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, out, opts.shard, log)
+        with phase(f"data build of shard {i}/{n}", done_line=False):
+            plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, out, opts.shard, log)
         docs = sum(s.n for s in shards)
         log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
             f"`longctx data merge`")
@@ -146,8 +160,9 @@ def build_store(opts: BuildOptions, log=print) -> dict:
     log(f"data build: {', '.join(opts.inputs)} -> {shown} {_describe(opts, tok)}")
     work = root / WORK
     records: dict = {}
-    plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, work, (0, 1), log)
-    manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
+    with phase("data build"):  # (the line above says of what)
+        plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, work, (0, 1), log)
+        manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
     shutil.rmtree(work, ignore_errors=True)
     return manifest
 
@@ -187,4 +202,5 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     root, old = _open_store(opts)
     log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
     records = {"scan": {"shards": len(shards), "machines": n}}
-    return Assembly(opts, root, old, tok, shards, first.get("other_suffix", 0), root / WORK, records, log).run()
+    with phase("data merge"):
+        return Assembly(opts, root, old, tok, shards, first.get("other_suffix", 0), root / WORK, records, log).run()

@@ -114,8 +114,9 @@ def shard_dir(work: Path, index: int) -> Path:
 
 
 def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, token_dtype: str,
-               max_docs: int = 0) -> dict:
-    """Scan one shard into `work/shards/INDEX` (atomically); returns its counts."""
+               max_docs: int = 0, on_unit=None) -> dict:
+    """Scan one shard into `work/shards/INDEX` (atomically); returns its counts. `on_unit(unit)`, if
+    given, is called as each input unit is done (progress, where the shard is scanned in-process)."""
     final = shard_dir(Path(work), index)
     if (final / "shard.json").is_file():
         return json.loads((final / "shard.json").read_text())
@@ -154,6 +155,8 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
                 n += 1
                 if max_docs and n >= max_docs:
                     break
+            if on_unit is not None:
+                on_unit(u)
             if max_docs and n >= max_docs:
                 break
     for w in (text, tokens, breaks, strong, feat_idx, feat_val):
@@ -195,9 +198,11 @@ def _alive(pid: int) -> bool:
 
 
 def run_scans(work: Path, shards: list[list[Unit]], todo: range, opts: ScanOptions, token_dtype: str,
-              workers: int, max_docs: int = 0, on_done=None) -> list[dict]:
+              workers: int, max_docs: int = 0, on_done=None, on_unit=None) -> list[dict]:
     """Scan the shards `todo` (skipping complete ones) in `workers` processes; counts in shard order.
-    With `max_docs`, shards are scanned in order only until that many documents are read."""
+    With `max_docs`, shards are scanned in order only until that many documents are read.
+    `on_done(counts, bytes)` is called as each shard is done; `on_unit(unit)` as each input unit is,
+    only where the shards are scanned in this process."""
     remove_stale_partials(work / SHARDS)
     jobs = [(str(work), i, shards[i], opts, token_dtype, max_docs) for i in todo]
     results: dict[int, dict] = {}
@@ -212,7 +217,7 @@ def run_scans(work: Path, shards: list[list[Unit]], todo: range, opts: ScanOptio
 
     if workers <= 1 or len(jobs) <= 1:
         for j in jobs:
-            finished(scan_shard(*j))
+            finished(scan_shard(*j, on_unit=on_unit))
             if max_docs and done_docs >= max_docs:
                 break
     else:

@@ -1,5 +1,8 @@
 """Each stage of a build timed, its record kept for the manifest and said in one log line.
 
+A stage runs as a progress phase (progress.py): one that takes long is said while it runs, with
+the count its code keeps in `progress.current()` (documents, MB, tokens, iterations).
+
 A stage's record holds its counts, `seconds` and `mb_per_s` (MB of raw input text per second). A
 figure that does not exist is None in the record and is said in words in the log line (the
 stage's reason under MISSING), never printed as "None".
@@ -9,6 +12,8 @@ from __future__ import annotations
 
 import time
 
+from ...progress import phase
+
 MISSING = "_missing"  # a stage record's key for why some of its figures are None (see timed)
 
 
@@ -16,7 +21,8 @@ def timed(records: dict, name: str, raw_bytes: int, log, fn, *args, **kwargs):
     """`fn(*args, **kwargs)` returns (result, record): the record, timed, goes to `records[name]`
     and the log; the result is returned."""
     t0 = time.perf_counter()
-    result, rec = fn(*args, **kwargs)
+    with phase(name, done_line=False):  # (its time is said below)
+        result, rec = fn(*args, **kwargs)
     dt = time.perf_counter() - t0
     rec = dict(rec)
     # why a figure is missing ({key: words}): for the log line only; the record keeps the null
