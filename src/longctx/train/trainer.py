@@ -33,7 +33,7 @@ from ..parallel import watchdog
 from ..parallel.expert import expert_step_notes
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
-from ..progress import progress_bar
+from ..progress import phase, progress_bar, said
 from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .metrics import MetricsLogger, peak_memory_bytes
 from .model import build_training_model, resolve_offload
@@ -183,7 +183,10 @@ class Trainer:
         self.metrics.say = progress.write if progress is not None else self.log
         loop = _Loop(TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1), progress)
         try:
-            with self._watched() as stop:
+            # a line at least every progress.interval_s() in logs where no bar is drawn (a first step,
+            # a slow interval, an evaluation are each minutes at long lengths on a CPU)
+            with self._watched() as stop, phase("training", total=cfg.train.steps - self.start_step, unit="steps",
+                                                  done_line=False, bar=progress) as loop.beat:
                 step = self._run_steps(loop, stop)
                 if self.ckpt is not None:
                     watchdog.phase(step, "save")
@@ -235,8 +238,7 @@ class Trainer:
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
             self.metrics.saved(self.save(step))
-            if progress is not None:
-                progress.update(1)
+            loop.beat.update(1)  # (and the bar)
             if log_now:
                 self._log_step(step, loss, grad_norm, lr, loop.start)
             if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
@@ -264,6 +266,7 @@ class Trainer:
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
             **(self.router_interval.record(step, last=step == self.cfg.train.steps) if self.moe else {})})
+        said()  # a metrics line: the heartbeat's quiet starts again
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
@@ -433,7 +436,8 @@ class Trainer:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
         start, before = time.perf_counter(), self.rt.comm_bytes()
         watchdog.phase(step, "eval")
-        loss = self.evaluate()
+        with phase(f"evaluation at step {step}", done_line=False):
+            loss = self.evaluate()
         result.eval_losses[step] = loss
         seconds = time.perf_counter() - start
         self.metrics.evaluated(step, loss, seconds, before, eval_routing_note(self.model) if self.moe else None)
@@ -476,6 +480,7 @@ class _Loop:
     start: float = field(default_factory=time.perf_counter)
     eval_s: float = 0.0  # time spent evaluating, left out of the throughput
     unread: list = field(default_factory=list)  # steps whose figures are still on the device
+    beat: object = None  # the training phase (progress.phase): heartbeat lines count its steps
 
 
 def train(cfg: Config, log=print) -> TrainResult:
