@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import threads
 from ..config.rules import SYNTHETIC_TASKS
 from ..config.tokenizer import model_tokenizer, same_tokenizer
 from ..errors import ConfigError, DataError
@@ -88,6 +89,7 @@ def add_parser(sub) -> None:
     p.add_argument("--output", default="", help="write the JSON here (and the plot next to it) instead of stdout")
     p.add_argument("--plot", default="", help="the PNG to write (default: --output with .png)")
     p.add_argument("--nproc", type=int, default=1, help="local processes through torchrun (default 1)")
+    p.add_argument("--threads", type=int, default=None, help=threads.HELP)
     p.set_defaults(func=main)
 
 
@@ -310,6 +312,15 @@ def _say(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def _say_threads(cfg) -> None:
+    """One process alone: its threads fit to the idle cores, said when it runs on the CPU."""
+    from ..train.step import resolve_device
+
+    threads.fit_to_idle_cores()
+    if resolve_device(cfg.train.device).type == "cpu":
+        _say(f"eval: {threads.describe()}")
+
+
 def main(args, overrides) -> int:
     from ..parallel.launch import argv_without_nproc, relaunch, under_launcher
 
@@ -323,6 +334,8 @@ def main(args, overrides) -> int:
     if nproc > 1 and not under_launcher():
         relaunch(nproc, argv_without_nproc(args.argv))
         return 0
+    if not under_launcher():
+        _say_threads(plan.cfg)
     result = evaluate(plan, args)
     if result is None:  # not rank 0
         return 0
