@@ -140,20 +140,10 @@ def _cmd_bench(args, overrides) -> int:
 def _cmd_checkpoint(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx checkpoint: {' '.join(overrides)}.")
-    from pathlib import Path
-
-    from .checkpoint.manager import resolve_checkpoint
-    from .checkpoint.manifest import CheckpointError, verify
-
     if args.action == "verify":
-        path = resolve_checkpoint(args.path, Path(args.path))
-        if path is None:
-            raise CheckpointError(f"{args.path} holds no complete checkpoint.")
-        m = verify(path, checksums=True)
-        total = sum(f["bytes"] for f in m["files"])
-        print(f"{path}: OK - step {m['step']}, {len(m['files'])} files, {total / 2**20:.1f} MiB, checksums match; "
-              f"written under {m['layout']}")
-        return 0
+        from .checkpoint.verify_command import run as verify_checkpoint
+
+        return verify_checkpoint(args.path)
     if args.to != "hf":
         raise UserError(f"--to {args.to}: only 'hf' export is available.")
     if not args.out:

@@ -113,3 +113,22 @@ def test_the_data_summary_counts_the_eval_split_it_announced(tmp_path):
     assert evals is None and 0 < n < 1024
     assert f"{n:,} eval samples (not evaluated)" in summary
     assert any(f"has {n} samples, fewer than one global batch of 1024" in line for line in said)
+
+
+def test_each_metrics_record_carries_its_interval_mean_loss(tmp_path):
+    """loss_mean: the mean of every step's loss since the previous line (loss.png draws it), where
+    `loss` is the logged step's alone (issue 53: the plot showed single steps)."""
+    from longctx.train.trainer import train
+
+    cfg = load_config("configs/debug.toml", [f"--train.run_dir={tmp_path / 'run'}", "--train.steps=7",
+                                             "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=50",
+                                             "--train.eval_interval=0", "--metrics.plots=false",
+                                             "--metrics.progress=false", "--metrics.log_interval=3",
+                                             "--checkpoint.final=false"])
+    result = train(cfg, log=lambda *a, **k: None)
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "train"]
+    assert [r["step"] for r in records] == [1, 3, 6, 7]
+    bounds = [(0, 1), (1, 3), (3, 6), (6, 7)]
+    for r, (a, b) in zip(records, bounds):
+        assert r["loss"] == pytest.approx(result.losses[b - 1])
+        assert r["loss_mean"] == pytest.approx(sum(result.losses[a:b]) / (b - a)), r["step"]

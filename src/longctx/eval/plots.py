@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..train.report import token_log_axis
+
 
 def write_plot(result: dict, path: str | Path) -> Path:
     import matplotlib  # (lazy: ~100 MB and a second to load, only when a plot is written)
@@ -20,7 +22,7 @@ def write_plot(result: dict, path: str | Path) -> Path:
             xs = [(b["start"] + b["end"]) / 2 for b in r["buckets"] if b["loss"] is not None]
             ys = [b["loss"] for b in r["buckets"] if b["loss"] is not None]
             ax.plot(xs, ys, marker=".", label=f"{r['length']:,} tokens ({r['sequences']} seq)")
-        ax.set_xscale("log")
+        token_log_axis(ax)  # (powers of 2 labelled 1K / 64K / 1M, never overlapping)
         ax.set_xlabel("position in the sequence (tokens)")
         ax.set_ylabel("loss (nats/token)")
         ax.legend()

@@ -16,6 +16,7 @@ schedule, loss forward, clipping) in step.py; what a metrics line says in metric
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -234,13 +235,14 @@ class Trainer:
                     loss, grad_norm = self._read_back(loop.unread, loop.result)
                 except BadStep as bad:  # train.on_nonfinite = rollback
                     step = self._roll_back(bad, loop.result)
+                    loop.mean_from = min(loop.mean_from, len(loop.result.losses))
                     continue
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
             self.metrics.saved(self.save(step))
             loop.beat.update(1)  # (and the bar)
             if log_now:
-                self._log_step(step, loss, grad_norm, lr, loop.start)
+                self._log_step(step, loss, grad_norm, lr, loop)
             if self.eval_samples is not None and (step % t.eval_interval == 0 or step == t.steps):
                 loop.eval_s += self._timed_evaluation(step, loop.result)
             signal_name = stop.agreed()  # every rank, every step: a CPU-side flag exchange
@@ -258,11 +260,17 @@ class Trainer:
         self.metrics.stepped(stage.global_batch * stage.seq_len)
         return lr
 
-    def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, run_start: float) -> None:
-        """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, routers."""
+    def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, loop: _Loop) -> None:
+        """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, routers,
+        and the mean loss of the interval's steps (every step's loss is read back anyway; a skipped
+        step's non-finite one left out), which loss.png draws."""
+        losses = loop.result.losses
+        finite = [x for x in losses[min(loop.mean_from, len(losses)):] if math.isfinite(x)]
+        loop.mean_from = len(losses)
         self.metrics.line(step, loss, grad_norm, lr, {
+            **({"loss_mean": sum(finite) / len(finite)} if finite else {}),
             "tokens": tokens_through(self.sampler.stages, step), "seq_len": self.sampler.stage.seq_len,
-            "elapsed_s": time.perf_counter() - run_start,
+            "elapsed_s": time.perf_counter() - loop.start,
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
             **(self.router_interval.record(step, last=step == self.cfg.train.steps) if self.moe else {})})
@@ -481,6 +489,7 @@ class _Loop:
     eval_s: float = 0.0  # time spent evaluating, left out of the throughput
     unread: list = field(default_factory=list)  # steps whose figures are still on the device
     beat: object = None  # the training phase (progress.phase): heartbeat lines count its steps
+    mean_from: int = 0  # result.losses' index where the current log interval's losses begin
 
 
 def train(cfg: Config, log=print) -> TrainResult:
