@@ -206,7 +206,7 @@ def _read(head: int, ctx: int, kind: str):
     """Another model's read of the cache (a GliDe draft's cross-attention): after a prefill of 301
     tokens and a 4-token chain call of which 2 are kept, queries with per-query position limits.
     One process (1 x 1): the same masked attention over the one-device cache."""
-    from longctx.models.cache import masked_attention
+    from longctx.models.cached_attention import masked_attention
 
     model = _model(kind)
     cfg = model.cfg

@@ -276,7 +276,7 @@ def test_a_few_new_tokens_in_one_masked_call_equal_the_two_call_merge(tree):
     """CPU, a speculative chain or tree to verify: one kernel call with a mask over the held slots
     and the new ones (models/cache.py _small_chunk) against the prefix call + new-token call merged
     by the log-sum-exp (_chunk, masked_attention), grouped queries (8 heads over 2 kv heads)."""
-    from longctx.models import cache as kv
+    from longctx.models import cached_attention as kv
     from longctx.ops.attention import merge_partials
 
     g = torch.Generator().manual_seed(0)

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..models.cache import CacheStep, TreeCalls, cached_attention, masked_attention
+from ..models.cache import TreeCalls
+from ..models.cached_attention import CacheStep, cached_attention, masked_attention
 from . import comm
 from .attention import distributed_attention
 from .sequence import shard_indices
