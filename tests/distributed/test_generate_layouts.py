@@ -66,7 +66,7 @@ def _generate(case: str, head: int, ctx: int):
         backend, cache = LOCAL, KVCache.for_model(model, 1, lengths[0] + NEW)
     else:
         from longctx.config import load_config
-        from longctx.parallel.generation import ShardedGeneration
+        from longctx.generate.sharded import ShardedGeneration
         from longctx.parallel.runtime import Runtime
 
         cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
@@ -193,7 +193,7 @@ def _backend_and_cache(head: int, ctx: int, model, max_len: int):
     if head * ctx == 1:
         return LOCAL, KVCache.for_model(model, 1, max_len)
     from longctx.config import load_config
-    from longctx.parallel.generation import ShardedGeneration
+    from longctx.generate.sharded import ShardedGeneration
     from longctx.parallel.runtime import Runtime
 
     rt = Runtime.create(load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"]),

@@ -109,7 +109,7 @@ def _sharded_prefill_rank(model, length: int, head: int, ctx: int, seed: int) ->
     """On each spawned rank: prefill one random prompt into the sharded cache; its bytes and the
     prefill's own peak here, and the last token's argmax (the same on every rank)."""
     from ..config import load_config
-    from ..parallel.generation import ShardedGeneration
+    from ..generate.sharded import ShardedGeneration
     from ..parallel.runtime import Runtime
 
     cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])

@@ -6,7 +6,7 @@
     longctx generate --checkpoint hf:DIR --prompts long.jsonl --nproc 4 --parallel.head 2 --parallel.ctx 2
 
 With --nproc N the cache is sharded over head x ctx ranks as training shards the sequence
-(parallel/generation.py): each rank holds the full weights and 1/(head x ctx) of the cache, and
+(generate/sharded.py): each rank holds the full weights and 1/(head x ctx) of the cache, and
 the ranks return the same tokens as one process; rank 0 writes them.
 
 Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line; an "id"
@@ -333,8 +333,8 @@ def _backend(cfg):
 
     if cfg.parallel.head * cfg.parallel.ctx == 1:
         return LOCAL, resolve_device(cfg.train.device), True
-    from ..parallel.generation import ShardedGeneration
     from ..train.setup import join_job
+    from .sharded import ShardedGeneration
 
     rt, device = join_job(cfg)
     return ShardedGeneration(rt.mesh, rt.world_mesh), device, rt.is_main

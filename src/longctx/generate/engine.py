@@ -106,7 +106,7 @@ def prefill_flat(model, cache: KVCache, prompts: Sequence[Sequence[int]]) -> tor
 
 class LocalGeneration:
     """The engine's backend on one device: a KVCache; short prompts prefilled flat, long ones in
-    chunks. Under a head x ctx layout, parallel/generation.py's ShardedGeneration takes its place
+    chunks. Under a head x ctx layout, generate/sharded.py's ShardedGeneration takes its place
     (a sharded cache, and a prefill through training's 2D attention)."""
 
     flat = True  # prompts of different lengths can share a prefill call (prefill_flat)
@@ -168,7 +168,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
     are kept), or at its limit. `on_token(row, token)` sees every new token as it is chosen
     (streaming, progress). `row` is the result's index. `cache_core` replaces the cache's attention
     core (models/cache.py); `backend` makes the cache and runs the prefill (LocalGeneration, or
-    parallel/generation.py's ShardedGeneration on every rank of a layout, which then all return the
+    generate/sharded.py's ShardedGeneration on every rank of a layout, which then all return the
     same results).
 
     Sampling (generate/sampling.py): prompt i draws from its own stream, seeded `seeds[i]` (default

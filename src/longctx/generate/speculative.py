@@ -136,7 +136,7 @@ class GlideDrafter(ModelDrafter):
     """A GliDe draft (models/glide.py): its own cache holds only its few layers' keys, and its
     cross-attention reads the target's cache as the last verification left it (every proposal of a
     round sees the same target slots, as in training's block-stale mask). The target's cache is on
-    one device (models/cache.KVCache) or sharded over head x ctx ranks (parallel/generation.py: read
+    one device (models/cache.KVCache) or sharded over head x ctx ranks (generate/sharded.py: read
     through its read_attention, each rank its share, merged), the draft run alike on every rank."""
 
     def __init__(self, draft, target, max_len: int, block: int, window: int = 0):
@@ -210,7 +210,7 @@ def speculative_generate(target, drafter, prompt: Sequence[int], *, max_new_toke
                          stop_below: float = 0.0, logprobs: int | None = None) -> SpeculativeResult:
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, up to k proposals per target pass
     (fewer after a proposal the draft gives less than `stop_below`: ModelDrafter.propose).
-    `backend`: the target's cache and prefill (engine.py's; parallel/generation.py's ShardedGeneration
+    `backend`: the target's cache and prefill (engine.py's; generate/sharded.py's ShardedGeneration
     on every rank of a head x ctx layout, the draft then run alike on every rank). `cape`: a
     generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy). `logprobs`: as
     the engine's (None, 0 or N): each token's from the target's processed logits at its position

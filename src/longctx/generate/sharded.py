@@ -1,5 +1,7 @@
 """Generation under a head x ctx layout: the KV cache sharded the way training shards the sequence.
 
+(generate/ sits above parallel/: the layout's attention and collectives come from there.)
+
 A prompt's cache at 1M tokens does not fit one device (Llama-3-8B: 128 KB per token). Sharding it
 by heads alone stops at the number of kv heads; our training layout already splits the right way:
 the tokens over ctx ranks, the heads over head ranks. Every rank holds the full weights (the cache,
@@ -32,10 +34,10 @@ import torch.nn.functional as F
 
 from ..models.cache import TreeCalls
 from ..models.cached_attention import CacheStep, cached_attention, masked_attention
-from . import comm
-from .attention import distributed_attention
-from .sequence import shard_indices
-from .ulysses import check_heads, kv_replication
+from ..parallel import comm
+from ..parallel.attention import distributed_attention
+from ..parallel.sequence import shard_indices
+from ..parallel.ulysses import check_heads, kv_replication
 
 
 class ShardedKVCache(TreeCalls):
