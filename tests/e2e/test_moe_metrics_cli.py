@@ -101,7 +101,7 @@ def test_dts_eval_routes_as_training_at_that_step(tmp_path):
     assert all("moe_layer_drop" not in rec for rec in records)  # dropless: no drop figure
     # its step-6 checkpoint, loaded as generate and eval --mode generate load it, routes as training did at step 6
     from longctx.config import load_config
-    from longctx.generate.cli import load_model
+    from longctx.generate.loading import load_model
     from longctx.models.moe import eval_routing_note
 
     cfg = load_config(None, {"model": {"init_from": str(tmp_path / "dts" / "checkpoints")}})

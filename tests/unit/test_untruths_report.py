@@ -115,9 +115,9 @@ def test_a_token_axis_never_crowds_its_labels(lo, hi):
 
 def test_bench_decode_counts_layers_in_words(monkeypatch, capsys):
     """The models line of `longctx bench decode`, a one-layer draft (up to the line; nothing runs)."""
-    import longctx.generate.cli as gen_cli
     import longctx.generate.drafts as drafts
     import longctx.generate.engine as engine
+    import longctx.generate.loading as gen_cli
     from longctx.bench import decode
 
     class Said(Exception):

@@ -125,9 +125,9 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 def main(args) -> int:
     from ..generate.cape import CapeTable
-    from ..generate.cli import load_model
     from ..generate.drafts import draft_label, load_draft
     from ..generate.engine import generate
+    from ..generate.loading import load_model
     from ..generate.sampling import Sampling
     from ..generate.speculative import draft_window
     from ..models.glide import GlideDraft

@@ -468,8 +468,9 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
     length + EXTRA_NEW_TOKENS tokens, on one device or sharded over head x ctx (every rank the same
     tokens); right when the first run of digits generated is the answer. The result on rank 0."""
     from ..data.tokenizer import load_tokenizer
-    from ..generate.cli import _backend, eos_ids, load_model
     from ..generate.engine import GREEDY, generate
+    from ..generate.loading import backend_for as _backend
+    from ..generate.loading import eos_ids, load_model
     from ..generate.sampling import derive_seed
     from ..parallel.launch import finish_distributed
     from ..progress import phase, progress_bar, said

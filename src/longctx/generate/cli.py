@@ -27,20 +27,19 @@ trained on (config/positions.py: raising --model.max_seq_len does not move that,
 
 The model is the checkpoint's own [model] (extension keys may be overridden: --model.rope_scaling,
 --model.rope_factor, --model.max_seq_len ...), built on one device (--train.device / --train.dtype);
-weights from hf:DIR's safetensors or a longctx checkpoint (checksums verified). The prompt is
-tokenized as the model saw text: with a Hugging Face tokenizer's special tokens (e.g. BOS) for
+weights from hf:DIR's safetensors or a longctx checkpoint (checksums verified); EOS: hf:DIR's
+generation_config.json or config.json eos_token_id, else the tokenizer's end-of-document token (both
+generate/loading.py, which eval and bench decode load through too). The prompt is tokenized as the
+model saw text (generate/prompts.py): with a Hugging Face tokenizer's special tokens (e.g. BOS) for
 hf:DIR, as transformers does by default; without them for a longctx checkpoint (training data
-carries none). EOS: hf:DIR's generation_config.json or config.json eos_token_id, else the
-tokenizer's end-of-document token.
+carries none). This module is the command alone: its flags, its plan, the run.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .. import threads
 from ..errors import ConfigError
@@ -175,41 +174,20 @@ def _config(args, overrides: list[str]):
     return load_config(None, given)
 
 
-def eos_ids(init_from: str, tokenizer) -> list[int]:
-    """The tokens that end a generation: a Hugging Face directory's generation_config.json or
-    config.json eos_token_id (an id or a list), else the tokenizer's end-of-document token."""
-    if init_from.startswith("hf:"):
-        from ..config.hf import hf_dir
-
-        for name in ("generation_config.json", "config.json"):
-            file = hf_dir(init_from) / name
-            if not file.is_file():
-                continue
-            value = json.loads(file.read_text()).get("eos_token_id")
-            if value is not None:
-                return [int(v) for v in (value if isinstance(value, list) else [value])]
-    eos = getattr(tokenizer, "eos_id", None)
-    return [] if eos is None else [int(eos)]
-
-
 def prepare(args, overrides: list[str]) -> Plan:
     """Check every input and tokenize the prompts, before any weight is read."""
-    from ..config.positions import model_reach
-    from ..data.tokenizer import load_tokenizer
-    from .prompts import apply_chat, encode_prompts, read_prompts
+    from .loading import eos_ids
+    from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
 
     sampling = _sampling(args)
     prompts = read_prompts(args)
     cfg = _config(args, overrides)
-    spec = _tokenizer_spec(args, cfg)
+    spec = tokenizer_spec(args, cfg)
     if cfg.parallel.head > 1:
         from ..parallel.ulysses import check_heads
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
-    tokenizer = load_tokenizer(spec)
-    if args.chat:
-        apply_chat(prompts, spec)
-    limits, notes = encode_prompts(args, prompts, tokenizer, spec, cfg.model, model_reach(cfg.model))
+    tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model)
     plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
     if args.draft:
         from .drafts import draft_config
@@ -255,20 +233,6 @@ def _sampling(args):
     return sampling
 
 
-def _tokenizer_spec(args, cfg) -> str:
-    """--tokenizer, else the checkpoint's; an error when neither names one."""
-    from ..config.tokenizer import model_tokenizer
-
-    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
-    if spec is None:
-        where = ("its directory has no tokenizer.json" if args.checkpoint.startswith("hf:") else
-                 "its manifest records no tokenizer")
-        raise ConfigError(f"--checkpoint {args.checkpoint}: {where}, so the prompt cannot be turned into the model's "
-                          f"token ids. Pass --tokenizer PATH/tokenizer.json (the one the model was trained with), or "
-                          f"--tokenizer byte for a model trained on bytes.")
-    return spec
-
-
 def _cape_table(args, sampling):
     """--cape's table; CaPE needs a draft to expand and greedy decoding to verify its tree."""
     from .cape import CapeTable
@@ -279,33 +243,6 @@ def _cape_table(args, sampling):
         raise ConfigError("--cape verifies its tree greedily: use --temperature 0 (plain --draft speculation "
                           "also samples).")
     return CapeTable.parse(args.cape_table)
-
-
-def load_model(cfg, device, dtype):
-    """The checkpoint's model on one device: built on meta, materialised, weights read (hf:DIR's
-    safetensors, or a longctx checkpoint verified first), RoPE frequencies from the config."""
-    import torch
-
-    from ..checkpoint.manager import load_model_weights, resolve_checkpoint
-    from ..config.hf import hf_dir
-    from ..models.hf import load_hf_weights
-    from ..models.llama import build_model
-
-    model = build_model(cfg.model, device="meta")
-    model.to_empty(device=device)
-    source = cfg.model.init_from
-    if source.startswith("hf:"):
-        load_hf_weights(model, hf_dir(source))
-    else:
-        path = resolve_checkpoint(source, Path(source))
-        if path is None:
-            raise ConfigError(f"--checkpoint {source} holds no complete checkpoint.")
-        manifest = load_model_weights(path, model)
-        model.set_router_step(int(manifest["step"]) - 1)  # (DTS-Gate routes as training did at that step)
-    if dtype != torch.float32:
-        model.to(dtype)
-    model.init_rope()  # (fp32, from the config: an extension applies to the loaded weights)
-    return model.eval()
 
 
 def main(args, overrides) -> int:
@@ -326,20 +263,6 @@ def main(args, overrides) -> int:
     return run(plan, args)
 
 
-def _backend(cfg):
-    """(backend, device, is rank 0): one device, or this rank's part of the head x ctx layout."""
-    from ..train.step import resolve_device
-    from .engine import LOCAL
-
-    if cfg.parallel.head * cfg.parallel.ctx == 1:
-        return LOCAL, resolve_device(cfg.train.device), True
-    from ..train.setup import join_job
-    from .sharded import ShardedGeneration
-
-    rt, device = join_job(cfg)
-    return ShardedGeneration(rt.mesh, rt.world_mesh), device, rt.is_main
-
-
 def run(plan: Plan, args) -> int:
     from ..parallel.launch import finish_distributed
 
@@ -355,10 +278,11 @@ def _run(plan: Plan, args) -> int:
 
     from ..train.step import resolve_dtype
     from .engine import generate
+    from .loading import backend_for, load_model
     from .output import Output
     from .sampling import derive_seed, sample_seed
 
-    backend, device, main_rank = _backend(plan.cfg)
+    backend, device, main_rank = backend_for(plan.cfg)
     dtype = resolve_dtype(plan.cfg.train.dtype, device)
     model = load_model(plan.cfg, device, dtype)
     if main_rank:

@@ -79,7 +79,7 @@ def load_draft(draft_cfg, target, device, dtype):
         from ..checkpoint.glide import load_glide_draft
 
         return load_glide_draft(draft_cfg["checkpoint"], target, device)
-    from .cli import load_model
+    from .loading import load_model
 
     return load_model(draft_cfg, device, dtype)
 

@@ -1,8 +1,9 @@
 """`longctx generate`'s prompts: read (--prompt, or a --prompts JSONL file of "prompt" or, with --chat,
-"messages" lines, each with an optional "id" and "seed"), rendered by the chat template where asked
-(generate/chat.py), and turned into token ids checked against the model: its vocabulary, and the
-positions it reaches (config/positions.py), which also cap each prompt's new tokens. Every error is
-said before any weight is read."""
+"messages" lines, each with an optional "id" and "seed"), the tokenizer that reads them (--tokenizer,
+else the checkpoint's), rendered by the chat template where asked (generate/chat.py), and turned into
+token ids checked against the model: its vocabulary, and the positions it reaches
+(config/positions.py), which also cap each prompt's new tokens. Every error is said before any weight
+is read."""
 
 from __future__ import annotations
 
@@ -54,6 +55,34 @@ def _check_chat_row(row: dict, args, where: str) -> None:
         raise ConfigError(f"{where} has \"messages\": a conversation is turned into a prompt by the tokenizer's chat "
                           f"template; pass --chat.")
     check_messages(row["messages"], where)
+
+
+def tokenizer_spec(args, cfg) -> str:
+    """--tokenizer, else the checkpoint's; an error when neither names one."""
+    from ..config.tokenizer import model_tokenizer
+
+    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
+    if spec is None:
+        where = ("its directory has no tokenizer.json" if args.checkpoint.startswith("hf:") else
+                 "its manifest records no tokenizer")
+        raise ConfigError(f"--checkpoint {args.checkpoint}: {where}, so the prompt cannot be turned into the model's "
+                          f"token ids. Pass --tokenizer PATH/tokenizer.json (the one the model was trained with), or "
+                          f"--tokenizer byte for a model trained on bytes.")
+    return spec
+
+
+def tokenize_prompts(args, prompts: list[dict], spec: str, m):
+    """(the tokenizer, each prompt's limit of new tokens, notes): the prompts rendered by the chat
+    template with --chat, then their token ids (into each one's "ids") checked against the model
+    config `m` and the positions it reaches."""
+    from ..config.positions import model_reach
+    from ..data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(spec)
+    if args.chat:
+        apply_chat(prompts, spec)
+    limits, notes = encode_prompts(args, prompts, tokenizer, spec, m, model_reach(m))
+    return tokenizer, limits, notes
 
 
 def apply_chat(prompts: list[dict], spec: str) -> str:
