@@ -95,8 +95,9 @@ def test_resume_continues_the_run_with_its_saved_settings(tmp_path):
 
     # turning saving off (or changing the model or data) on a resume is refused, with the flag to use
     r = longctx("train", f"--train.run_dir={a}", "--checkpoint.resume=auto", "--train.steps=40",
-                "--checkpoint.interval=0", "--model.rope_theta=1e6")
+                "--checkpoint.interval=0", "--checkpoint.final=false", "--model.rope_theta=1e6")
     assert r.returncode == 2
     flat = " ".join(r.stderr.split())
     assert "checkpoint.interval 10 -> 0" in flat and "model.rope_theta 10000.0 -> 1000000.0" in flat
+    assert "checkpoint.final true -> false" in flat
     assert "--checkpoint.allow_changes true" in flat
