@@ -55,7 +55,8 @@ CASES = {
 
 def _generate(case: str, head: int, ctx: int):
     """(tokens per prompt, first logits, cache bytes of this rank, slots per rank after decode)."""
-    from longctx.generate.engine import LOCAL, generate
+    from longctx.generate.engine import generate
+    from longctx.generate.local import LOCAL
     from longctx.generate.sampling import Sampling
     from longctx.models.cache import KVCache
 
@@ -91,7 +92,8 @@ def _speculate(head: int, ctx: int, cape: bool = False, glide: bool = False):
     `glide`, a GliDe draft reading the target's cache) on the target's cache sharded over head x ctx
     (one process with 1 x 1): (tokens, proposals kept per pass)."""
     from longctx.generate.cape import DEFAULT_TABLE, CapeTable
-    from longctx.generate.speculative import GlideDrafter, ModelDrafter, speculative_generate
+    from longctx.generate.drafters import GlideDrafter, ModelDrafter
+    from longctx.generate.speculative import speculative_generate
     from longctx.models.glide import GlideDraft
 
     backend, _ = _backend_and_cache(head, ctx, _model("dense"), 8)
@@ -170,8 +172,8 @@ def _glide_proposals(head: int, ctx: int):
     """A random GliDe draft's log-probabilities [3, vocab] over 3 proposals after a 301-token prompt (its
     prompt pass block-stale over the target's cache, then the cache as prefilled), read from the
     target's cache on one device or sharded."""
+    from longctx.generate.drafters import GlideDrafter
     from longctx.generate.sampling import Sampling
-    from longctx.generate.speculative import GlideDrafter
     from longctx.models.glide import GlideDraft
 
     target = _model("dense")
@@ -187,7 +189,7 @@ def _glide_proposals(head: int, ctx: int):
 
 def _backend_and_cache(head: int, ctx: int, model, max_len: int):
     """The generation backend of a head x ctx layout (one process: the local one) and a 1-row cache."""
-    from longctx.generate.engine import LOCAL
+    from longctx.generate.local import LOCAL
     from longctx.models.cache import KVCache
 
     if head * ctx == 1:
@@ -265,8 +267,9 @@ def _seeded(head: int, ctx: int):
 def _speculate_penalised(head: int, ctx: int):
     """Greedy speculative decoding (K = 3, a noisy draft) with the repetition and frequency penalties on
     the target's cache sharded over head x ctx: (tokens, proposals kept per pass)."""
+    from longctx.generate.drafters import ModelDrafter
     from longctx.generate.sampling import Sampling
-    from longctx.generate.speculative import ModelDrafter, speculative_generate
+    from longctx.generate.speculative import speculative_generate
 
     backend, _ = _backend_and_cache(head, ctx, _model("dense"), 8)
     draft = _model("dense")

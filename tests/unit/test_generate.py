@@ -20,7 +20,8 @@ from longctx.cli import build_parser  # noqa: E402
 from longctx.config import load_config  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 from longctx.generate.cli import prepare  # noqa: E402
-from longctx.generate.engine import generate, prefill  # noqa: E402
+from longctx.generate.engine import generate  # noqa: E402
+from longctx.generate.local import prefill  # noqa: E402
 from longctx.generate.sampling import Sampling, filter_logits  # noqa: E402
 from longctx.models.cache import KVCache  # noqa: E402
 from longctx.models.hf import load_hf  # noqa: E402
@@ -129,7 +130,8 @@ def test_flat_prefill_of_different_lengths_equals_each_alone(moe):
     """Short prompts of different lengths share one varlen prefill call (positions restart, attention
     masked per prompt): their cache rows and last logits equal each prompt's own prefill, and the
     generated tokens equal each prompt alone."""
-    from longctx.generate.engine import prefill_calls, prefill_flat
+    from longctx.generate.engine import prefill_calls
+    from longctx.generate.local import prefill_flat
 
     model = _debug_model(moe)
     vocab = model.cfg.vocab_size

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.generate.engine import generate, prefill
-from longctx.generate.speculative import GlideDrafter, speculative_generate
+from longctx.generate.drafters import GlideDrafter
+from longctx.generate.engine import generate
+from longctx.generate.local import prefill
+from longctx.generate.speculative import speculative_generate
 from longctx.models.cache import KVCache
 from longctx.models.glide import GlideDraft, block_stale_visible, cross_attention
 from longctx.models.llama import build_model

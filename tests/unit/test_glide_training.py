@@ -189,7 +189,7 @@ def test_the_draft_learns_and_the_target_stays_frozen(trained, target):
 
 
 def test_the_checkpoint_names_its_target_and_loads_for_generation(trained, target):
-    from longctx.generate.engine import prefill
+    from longctx.generate.local import prefill
     from longctx.models.cache import KVCache
     from longctx.models.glide import block_stale_visible
 
@@ -203,7 +203,7 @@ def test_the_checkpoint_names_its_target_and_loads_for_generation(trained, targe
     draft = load_glide_draft(checkpoints, model, "cpu")
     assert draft.block == 3 and draft.target_layers == [1, 2]
     # decoding's default draft window: the length it trained on (recorded), 0 or N when asked
-    from longctx.generate.speculative import drafter_for
+    from longctx.generate.drafters import drafter_for
 
     assert draft.trained_seq_len == record["seq_len"] == trainer.cfg.train.seq_len
     assert drafter_for(model, draft, 200).window == trainer.cfg.train.seq_len

@@ -16,9 +16,10 @@ import torch
 from scipy.stats import chisquare
 
 from longctx.config import load_config
+from longctx.generate.drafters import ModelDrafter
 from longctx.generate.engine import generate
 from longctx.generate.sampling import Sampling
-from longctx.generate.speculative import ModelDrafter, speculative_generate
+from longctx.generate.speculative import speculative_generate
 from longctx.models.llama import build_model
 
 
@@ -75,6 +76,8 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
     is penalised with the tokens before it (Processors.chain), and the output keeps the target's
     penalised distribution."""
     import longctx.generate.speculative as sp
+    from longctx.generate.acceptance import choose, sampling_probs
+    from longctx.generate.local import prefill
     from longctx.generate.sampling import Processors
     from longctx.models.cache import KVCache
 
@@ -94,12 +97,12 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
         return state
 
     with torch.inference_mode():  # the target's exact distribution of the first two tokens
-        p1 = sp.sampling_probs(target(torch.tensor([prompt]))[:, -1], sampling, after([]))[0]
-        seconds = torch.cat([sp.sampling_probs(target(torch.tensor([prompt + [a]]))[:, -1], sampling, after([a]))
+        p1 = sampling_probs(target(torch.tensor([prompt]))[:, -1], sampling, after([]))[0]
+        seconds = torch.cat([sampling_probs(target(torch.tensor([prompt + [a]]))[:, -1], sampling, after([a]))
                              for a in range(vocab)])
         exact = (p1[:, None] * seconds).flatten().double().numpy()
         cache = KVCache.for_model(target, 1, 16)
-        first = sp.sampling_probs(sp.prefill(target, cache, torch.tensor([prompt]), 64), sampling, after([]))[0]
+        first = sampling_probs(prefill(target, cache, torch.tensor([prompt]), 64), sampling, after([]))[0]
         drafter = ModelDrafter(draft, 16)
         drafter.start(prompt)
 
@@ -126,7 +129,7 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
     print(f"speculative sampling chi-square p = {p_exact:.3g}")
     assert p_exact > 0.01
     # a biased sampler: every proposal kept (the draft's distribution): the same check rejects it
-    monkeypatch.setattr(sp, "_accept", lambda proposals, q, p, s, g: (len(proposals), sp._draw(p[-1], s, g)))
+    monkeypatch.setattr(sp, "accept", lambda proposals, q, p, s, g: (len(proposals), choose(p[-1], s, g)))
     biased = _pairs(draw_pair, runs, vocab)
     assert biased[exact == 0].sum() > 0 or pvalue(biased) < 0.01
 

@@ -125,11 +125,11 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 def main(args) -> int:
     from ..generate.cape import CapeTable
+    from ..generate.drafters import draft_window
     from ..generate.drafts import draft_label, load_draft
     from ..generate.engine import generate
     from ..generate.loading import load_model
     from ..generate.sampling import Sampling
-    from ..generate.speculative import draft_window
     from ..models.glide import GlideDraft
     from ..train.step import resolve_device, resolve_dtype
 
@@ -208,8 +208,9 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
     times in turn, the best of each: what the figures sum, per mode. A run's decoding time is its
     wall time less the target's prefill (the same work in every run)."""
     # (imported when run, as in main: the CLI's parser imports this module)
+    from ..generate.drafters import drafter_for
     from ..generate.engine import generate
-    from ..generate.speculative import drafter_for, speculative_generate
+    from ..generate.speculative import speculative_generate
 
     clock = _clock(target.tok_embeddings.weight.device)
     plain_s = plain_all = float("inf")

@@ -92,7 +92,7 @@ class PeakLiveBytes(TorchDispatchMode):
 def prefill_memory(model, length: int, chunk: int, seed: int = 0) -> dict:
     """Prefill one random prompt of `length` tokens in chunks of `chunk`: the cache's bytes and the
     peak bytes of the tensors the prefill itself created (and the largest of them)."""
-    from ..generate.engine import prefill
+    from ..generate.local import prefill
     from ..models.cache import KVCache
 
     tokens = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))

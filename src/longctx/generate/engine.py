@@ -25,14 +25,13 @@ length group's chunks; decode: the steps until it finished).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..models.cache import KVCache
+from .local import LOCAL
 from .sampling import Processors, Sampling, derive_seed, draw, process, row_generators, sample_seed
 
 GREEDY = Sampling()
@@ -63,73 +62,6 @@ class Result:
         return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
 
-def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Feed `tokens` [rows, length] (rows of one length, appended to what `cache` holds) chunk by
-    chunk; the logits [rows, vocab] (fp32) of the last position."""
-    length = tokens.shape[1]
-    chunk = chunk if chunk > 0 else length
-    for start in range(0, length, chunk):
-        hidden = model.hidden_states(tokens[:, start:start + chunk], cache=cache)
-    return model.logits(hidden[:, -1]).float()
-
-
-def prefill_flat(model, cache: KVCache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-    """Prompts of any lengths into empty cache rows (one each, in order) in one varlen call: the
-    logits [rows, vocab] (fp32) of each prompt's last token."""
-    device = cache.k.device
-    lengths = [len(p) for p in prompts]
-    tokens = torch.tensor([[t for p in prompts for t in p]], dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-    with torch.inference_mode(False):  # a normal tensor: the attention's segment plan is cached on it
-        doc_ids = torch.cat([torch.full((n,), i, device=device) for i, n in enumerate(lengths)])[None]
-    offsets = [0, *itertools.accumulate(lengths)]
-
-    def keeping(index, core):
-        def core_keeping(q, k, v, ids):
-            for r, n in enumerate(lengths):  # each prompt's keys and values to its row
-                cache.k[index, r, :, :n] = k[0, offsets[r]:offsets[r] + n].transpose(0, 1)
-                cache.v[index, r, :, :n] = v[0, offsets[r]:offsets[r] + n].transpose(0, 1)
-            return core(q, k, v, ids)
-        return core_keeping
-
-    cores = [block.attention.core for block in model.layers]
-    for i, block in enumerate(model.layers):
-        block.attention.core = keeping(i, cores[i])
-    try:
-        hidden = model.hidden_states(tokens, positions, doc_ids)
-    finally:
-        for block, core in zip(model.layers, cores):
-            block.attention.core = core
-    cache.lengths[:] = lengths
-    return model.logits(hidden[0, [o - 1 for o in offsets[1:]]]).float()
-
-
-class LocalGeneration:
-    """The engine's backend on one device: a KVCache; short prompts prefilled flat, long ones in
-    chunks. Under a head x ctx layout, generate/sharded.py's ShardedGeneration takes its place
-    (a sharded cache, and a prefill through training's 2D attention)."""
-
-    flat = True  # prompts of different lengths can share a prefill call (prefill_flat)
-
-    def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:
-        return KVCache.for_model(model, batch, max_len, core=core)
-
-    def prefill(self, model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
-        return prefill(model, cache, tokens, chunk)
-
-    def prefill_flat(self, model, cache: KVCache, prompts) -> torch.Tensor:
-        return prefill_flat(model, cache, prompts)
-
-    def repeat_rows(self, cache: KVCache, rows: int, times: int) -> None:
-        """Rows [0, rows) copied to [s x rows, (s + 1) x rows) for s = 1..times-1 (a prompt's samples share
-        its prefill)."""
-        held = int(cache.lengths[:rows].max())
-        for s in range(1, times):
-            cache.k[:, s * rows:(s + 1) * rows, :, :held] = cache.k[:, :rows, :, :held]
-            cache.v[:, s * rows:(s + 1) * rows, :, :held] = cache.v[:, :rows, :, :held]
-            cache.lengths[s * rows:(s + 1) * rows] = cache.lengths[:rows]
-
-
 def prefill_calls(lengths: Sequence[int], chunk: int, flat: bool) -> list[tuple[bool, int, int]]:
     """The prefill calls for prompts of `lengths` (ascending): (flat, first row, end row). With
     `flat`, consecutive prompts of up to `chunk` tokens in all share a call; a longer prompt, with
@@ -152,8 +84,6 @@ def prefill_calls(lengths: Sequence[int], chunk: int, flat: bool) -> list[tuple[
         i = j
     return calls
 
-
-LOCAL = LocalGeneration()
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],

@@ -62,7 +62,7 @@ def backend_for(cfg):
     cfg.parallel names a head x ctx layout, this rank's part of it (generate/sharded.py; the job
     joined here)."""
     from ..train.step import resolve_device
-    from .engine import LOCAL
+    from .local import LOCAL
 
     if cfg.parallel.head * cfg.parallel.ctx == 1:
         return LOCAL, resolve_device(cfg.train.device), True
