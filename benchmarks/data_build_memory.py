@@ -7,7 +7,7 @@ a second time from another checkout's `src` (e.g. the in-memory build before the
 and the two stores are compared: same document names, tokens, fill rate.
 
     git worktree add /tmp/old <commit before the streaming build>
-    python -m longctx.bench.corpus --out /data/gen400 --mb 420
+    python benchmarks/generated_corpus.py --out /data/gen400 --mb 420
     python benchmarks/data_build_memory.py --input /data/gen400 --max-memory 300MB --seq-len 8192 \\
         --baseline-src /tmp/old/src
 """

@@ -22,7 +22,6 @@ import shutil
 import tempfile
 import time
 
-from longctx.bench.packing_reference import cluster, embed_tfidf
 from longctx.config import load_config
 from longctx.data.balance import balanced_order, imbalance
 from longctx.data.builder.dedup import deduplicate
@@ -34,6 +33,7 @@ from longctx.data.builder.tokenize import tokenize
 from longctx.data.loader import PackedSamples, cost_coefficients
 from longctx.data.samples import SampleOrder
 from longctx.data.tokenizer import ByteTokenizer
+from packing_reference import cluster, embed_tfidf
 
 
 def quality(seq_lens, strategies, seed=0):

@@ -33,19 +33,15 @@ import os
 import platform
 import resource
 import statistics
-import sys
-import time
 from datetime import date
 
 import torch
 from torch import nn
 
-from ..config import ModelConfig
 from ..memory.host_malloc import keep_freed_blocks
-from ..models.llama import FeedForward
-from ..models.moe import MoEFeedForward
-from ..progress import phase, said
+from ..progress import phase
 from . import moe_cluster, moe_gpu
+from .moe_common import active_params, build_layers, choice_share, fwd_bwd, ratio, say, skew
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,75 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kept for reuse); glibc: its defaults (every temporary of 32 MiB or more faulted in anew)")
 
 
-def _ratio(a: float, b: float) -> float:
-    """a / b, where a CPU time below the clock's resolution (tiny sizes) reads as that resolution, not 0."""
-    tick = time.get_clock_info("process_time").resolution
-    return max(a, tick) / max(b, tick)
-
-
-def _progress(msg: str) -> None:
-    print(f"[bench moe] {msg}", file=sys.stderr, flush=True)
-    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
-
-
-def build_layers(args) -> tuple[MoEFeedForward, FeedForward, ModelConfig]:
-    expert_dim = args.expert_dim or args.dim
-    cfg = ModelConfig(dim=args.dim, ffn_dim=args.top_k * expert_dim, moe_experts=args.experts, moe_top_k=args.top_k,
-                      moe_expert_dim=expert_dim, moe_router="softmax")
-    torch.manual_seed(args.seed)
-    moe, dense = MoEFeedForward(cfg), FeedForward(args.dim, cfg.ffn_dim)
-    std = 0.02
-    for p in (*moe.experts.parameters(), *dense.parameters()):
-        nn.init.normal_(p, std=std)
-    return moe, dense, cfg
-
-
-def active_params(moe: MoEFeedForward, dense: FeedForward, top_k: int) -> dict:
-    per_expert = sum(p[0].numel() for p in moe.experts.parameters())
-    router = moe.router.gate.weight.numel()
-    return {"dense": sum(p.numel() for p in dense.parameters()), "moe_experts": top_k * per_expert,
-            "moe_router": router, "moe_total": sum(p.numel() for p in moe.parameters())}
-
-
-def choice_share(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
-    """[E] the share of all choices each expert gets for tokens x."""
-    with torch.no_grad():
-        chosen = moe.router(x.reshape(-1, x.shape[-1])).experts.flatten()
-    return torch.bincount(chosen, minlength=moe.num_experts).double() / chosen.numel()
-
-
-def skew(moe: MoEFeedForward, x: torch.Tensor, share: float) -> float:
-    """Raise expert 0's selection bias (bisection) until it takes `share` of the choices; returns the bias."""
-    if not 0 < share <= 1 / moe.top_k + 1e-9:
-        raise SystemExit(f"longctx bench moe: --skew-share {share}: one expert can take at most 1 / top-k = "
-                         f"{1 / moe.top_k:g} of the choices (every token once)")
-    lo, hi = 0.0, 2.0  # probabilities are in [0, 1]: a bias of 1 already puts expert 0 in every top-k
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        moe.router.expert_bias[0] = mid
-        lo, hi = (lo, mid) if float(choice_share(moe, x)[0]) >= share - 1e-9 else (mid, hi)
-    moe.router.expert_bias[0] = hi
-    return hi
-
-
-def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
-    layer(x).backward(grad)
-    x.grad = None
-    for p in layer.parameters():
-        p.grad = None
-
-
 def time_pair(moe: nn.Module, dense: nn.Module, x: torch.Tensor, repeats: int) -> dict:
     """CPU seconds (user + system) of forward+backward for each layer over `repeats` alternating runs:
     the least, its user / system split and minor page faults, and the median."""
     grad = torch.randn_like(x)
     runs: dict[str, list[tuple[float, float, int]]] = {"moe": [], "dense": []}
     for layer in (moe, dense):  # warm-up
-        _fwd_bwd(layer, x, grad)
+        fwd_bwd(layer, x, grad)
     for _ in range(repeats):
         for name, layer in (("moe", moe), ("dense", dense)):
             before = resource.getrusage(resource.RUSAGE_SELF)
-            _fwd_bwd(layer, x, grad)
+            fwd_bwd(layer, x, grad)
             after = resource.getrusage(resource.RUSAGE_SELF)
             runs[name].append((after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime,
                                after.ru_minflt - before.ru_minflt))
@@ -204,7 +142,7 @@ def _measure_cpu(args) -> dict:
             moe.router.expert_bias.zero_()
             bias = skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
             share = choice_share(moe, x)
-            _progress(f"{routing} routing, {seq:,} tokens: timing {args.repeats} x (moe, dense)")
+            say(f"{routing} routing, {seq:,} tokens: timing {args.repeats} x (moe, dense)")
             with phase(f"{routing} routing, {seq:,} tokens", done_line=False):
                 t = time_pair(moe, dense, x, args.repeats)
             row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
@@ -212,12 +150,12 @@ def _measure_cpu(args) -> dict:
                    "load_max_over_mean": float(share.max() * args.experts),
                    "moe_cpu_s": t["moe"]["min"], "dense_cpu_s": t["dense"]["min"],
                    "moe_cpu_s_per_token": t["moe"]["min"] / seq, "dense_cpu_s_per_token": t["dense"]["min"] / seq,
-                   "ratio": _ratio(t["moe"]["min"], t["dense"]["min"]),
+                   "ratio": ratio(t["moe"]["min"], t["dense"]["min"]),
                    "moe_user_s": t["moe"]["user"], "moe_system_s": t["moe"]["system"],
                    "dense_user_s": t["dense"]["user"], "dense_system_s": t["dense"]["system"],
-                   "ratio_user": _ratio(t["moe"]["user"], t["dense"]["user"]),
-                   "ratio_median": _ratio(t["moe"]["median"], t["dense"]["median"]), "runs": t}
-            _progress(f"  moe {row['moe_cpu_s']:.3f} s (system {row['moe_system_s']:.3f}), dense "
+                   "ratio_user": ratio(t["moe"]["user"], t["dense"]["user"]),
+                   "ratio_median": ratio(t["moe"]["median"], t["dense"]["median"]), "runs": t}
+            say(f"  moe {row['moe_cpu_s']:.3f} s (system {row['moe_system_s']:.3f}), dense "
                       f"{row['dense_cpu_s']:.3f} s (system {row['dense_system_s']:.3f}): ratio {row['ratio']:.3f}, "
                       f"user time only {row['ratio_user']:.3f}")
             timing.append(row)

@@ -24,7 +24,7 @@ import torch
 
 from ..ops.grouped import use_loop
 from ..progress import phase
-from . import moe as layer_bench  # (the CPU benchmark's layers and routing; it imports this module)
+from . import moe_common as common
 
 
 def _sync(device: torch.device) -> None:
@@ -38,9 +38,9 @@ def _wall(layer, x, grad, repeats: int, loop: bool = False) -> dict:
         t0 = time.perf_counter()
         if loop:
             with use_loop():
-                layer_bench._fwd_bwd(layer, x, grad)
+                common.fwd_bwd(layer, x, grad)
         else:
-            layer_bench._fwd_bwd(layer, x, grad)
+            common.fwd_bwd(layer, x, grad)
         _sync(x.device)
         return time.perf_counter() - t0
 
@@ -53,7 +53,7 @@ def main(args, device: torch.device | None = None) -> int:
     """(`device`: cuda unless given; the CPU runs it only to check the code.)"""
     device = device or torch.device("cuda")
     cuda = device.type == "cuda"
-    moe, dense, cfg = layer_bench.build_layers(args)
+    moe, dense, cfg = common.build_layers(args)
     moe.to(device, torch.bfloat16)
     dense.to(device, torch.bfloat16)
     gen = torch.Generator(device).manual_seed(args.seed + 1)
@@ -63,8 +63,8 @@ def main(args, device: torch.device | None = None) -> int:
             x = torch.randn(1, seq, args.dim, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
             grad = torch.randn_like(x)
             moe.router.expert_bias.zero_()
-            bias = layer_bench.skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
-            share = layer_bench.choice_share(moe, x)
+            bias = common.skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
+            share = common.choice_share(moe, x)
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             with phase(f"bench moe on {device.type}: {routing} routing, {seq:,} tokens", done_line=False):
@@ -75,11 +75,11 @@ def main(args, device: torch.device | None = None) -> int:
             row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
                    "load_max_over_mean": float(share.max() * args.experts),
                    "moe_kernel_s": kernel["min"], "moe_loop_s": loop["min"], "dense_s": dense_t["min"],
-                   "kernel_over_dense": layer_bench._ratio(kernel["min"], dense_t["min"]),
-                   "kernel_over_loop": layer_bench._ratio(kernel["min"], loop["min"]),
+                   "kernel_over_dense": common.ratio(kernel["min"], dense_t["min"]),
+                   "kernel_over_loop": common.ratio(kernel["min"], loop["min"]),
                    "moe_tokens_per_s": seq / kernel["min"], "moe_peak_allocated_bytes": peak,
                    "medians": {"kernel": kernel["median"], "loop": loop["median"], "dense": dense_t["median"]}}
-            layer_bench._progress(f"{routing}, {seq:,} tokens: kernel {kernel['min'] * 1e3:.2f} ms, loop "
+            common.say(f"{routing}, {seq:,} tokens: kernel {kernel['min'] * 1e3:.2f} ms, loop "
                       f"{loop['min'] * 1e3:.2f} ms, dense {dense_t['min'] * 1e3:.2f} ms")
             rows.append(row)
     print(json.dumps({
@@ -88,7 +88,7 @@ def main(args, device: torch.device | None = None) -> int:
         "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
                    "dense_ffn_dim": cfg.ffn_dim, "dtype": "bf16", "repeats": args.repeats,
                    "timing": "least wall time of a synchronised forward+backward over the repeats"},
-        "active_params": layer_bench.active_params(moe, dense, args.top_k), "timing": rows,
+        "active_params": common.active_params(moe, dense, args.top_k), "timing": rows,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda},
     }, indent=2))
     return 0

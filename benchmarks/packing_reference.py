@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from ..data.builder.cluster import cluster as build_cluster
-from ..data.builder.embed import MAX_CHARS, unit_rows
-from ..data.builder.parallel import parallel_map
+from longctx.data.builder.cluster import cluster as build_cluster
+from longctx.data.builder.embed import MAX_CHARS, unit_rows
+from longctx.data.builder.parallel import parallel_map
 
 DIM = 128
 
