@@ -29,7 +29,7 @@ TRAIN_JOBS = {
     "debug-moe expert 2 x ctx 2": ["--nproc", "2", "--model.preset", "debug-moe", "--parallel.expert", "2",
                                    "--parallel.ctx", "2", "--train.steps", "100"],
 }
-PROMPTS = ["--prompt", "def main():", "--prompt", "import os\n", "--max-new-tokens", "48"]
+PROMPTS = ["def main():", "import os\nimport sys\n\n", "class Tree:\n    def __init__(self, left, right):\n"]
 GENERATE_JOBS = {
     "generate greedy": [],
     "generate sampled": ["--temperature", "1", "--seed", "3"],
@@ -55,8 +55,11 @@ def measure(work: Path) -> dict:
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         out[name] = {str(r["step"]): [r["loss"], r["grad_norm"]] for r in records if r.get("kind") == "train"}
     ckpt = next(work.glob("train_--nproc_1*")) / "checkpoints"
+    prompts = work / "prompts.jsonl"  # a batch of different lengths
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     for name, extra in GENERATE_JOBS.items():
-        r = _run(["generate", "--checkpoint", str(ckpt), *PROMPTS, *[a.format(ckpt=ckpt) for a in extra]], work)
+        r = _run(["generate", "--checkpoint", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "48",
+                  *[a.format(ckpt=ckpt) for a in extra]], work)
         out[name] = [json.loads(line)["tokens"] for line in r.stdout.splitlines() if line.startswith("{")]
     return out
 
