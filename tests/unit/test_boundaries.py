@@ -1,4 +1,4 @@
-"""The module boundaries of DESIGN.md, checked on the source: an import graph and a grep.
+"""The module boundaries of docs/architecture.md (the floors), checked on the source: an import graph and a grep.
 
 - models/ knows nothing about parallelism (never imports parallel/);
 - planner/ predicts, it does not depend on the training loop (never imports train/trainer.py or train/setup.py;
