@@ -130,8 +130,8 @@ def test_flat_prefill_of_different_lengths_equals_each_alone(moe):
     """Short prompts of different lengths share one varlen prefill call (positions restart, attention
     masked per prompt): their cache rows and last logits equal each prompt's own prefill, and the
     generated tokens equal each prompt alone."""
-    from longctx.generate.engine import prefill_calls
     from longctx.generate.local import prefill_flat
+    from longctx.generate.loop import prefill_calls
 
     model = _debug_model(moe)
     vocab = model.cfg.vocab_size

@@ -12,8 +12,8 @@ import pytest
 
 import longctx.progress
 from longctx.data.tokenizer import ByteTokenizer
-from longctx.generate.engine import Result
 from longctx.generate.output import Output, StopStrings, safe_end
+from longctx.generate.results import Result
 
 
 class Pieces:

@@ -24,7 +24,6 @@ import torch
 from ..errors import ConfigError
 from .sampling import Sampling
 
-GREEDY = Sampling()
 DEFAULT_TABLE = "0.3:3,0.6:2,0.9:1,1:0"
 
 

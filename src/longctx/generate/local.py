@@ -65,8 +65,6 @@ class LocalGeneration:
     ShardedGeneration takes its place (a sharded cache, and a prefill through training's 2D
     attention)."""
 
-    flat = True  # prompts of different lengths can share a prefill call (prefill_flat)
-
     def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:
         return KVCache.for_model(model, batch, max_len, core=core)
 

@@ -94,6 +94,9 @@ class Sampling:
         return None if self.greedy else torch.Generator(device=device).manual_seed(self.seed if seed is None else seed)
 
 
+GREEDY = Sampling()  # temperature 0, no penalties: plain greedy decoding
+
+
 def derive_seed(seed: int, index: int) -> int:
     """A seed for item `index` of a run (or sample `index` of a prompt) seeded `seed`: splitmix64 of
     seed + (index + 1) x golden ratio, 63 bits. Different indices give unrelated streams."""
