@@ -95,6 +95,12 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default="",
                    help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
                         "tokenizer.json)")
+    _add_draft_flags(p)
+    p.set_defaults(func=main)
+
+
+def _add_draft_flags(p) -> None:
+    """Speculative decoding's flags (--draft and what it takes)."""
     p.add_argument("--draft", default="", metavar="DIR|hf:DIR",
                    help="speculative decoding with this draft model (a smaller model of the same tokenizer and "
                         "vocabulary, its own KV cache): the output is the target's, token for token at "
@@ -113,7 +119,6 @@ def add_parser(sub) -> None:
     p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", metavar="BOUND:N,...",
                    help="CaPE's alternatives by the draft's confidence: up to each bound, N of them; the bounds "
                         "ascend to 1 (default 0.3:3,0.6:2,0.9:1,1:0)")
-    p.set_defaults(func=main)
 
 
 @dataclass

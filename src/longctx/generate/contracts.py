@@ -174,7 +174,8 @@ class Rounds(Protocol):
     def first(self, cache: Cache, logits: torch.Tensor, prompts: Sequence[Sequence[int]],
               seeds: Sequence[int | None], processors: Processors | None) -> Round:
         """The first token of each row from its prefill's last logits [rows, vocab] fp32 (`cache`
-        holds the prompts; `seeds`: each row's request seed, None when greedy)."""
+        holds the prompts; `seeds`: each row's request seed, None when greedy: plain decoding draws
+        from them, speculation from the generator it was given)."""
 
     def next(self, cache: Cache, processors: Processors | None) -> Round:
         """The next round's tokens, after every token of the rounds before."""

@@ -273,7 +273,7 @@ def _merge_over(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:
 
 
 class ShardedGeneration:
-    """The generate engine's backend under a head x ctx layout (generate/engine.py): a sharded cache,
+    """Generation's backend under a head x ctx layout (contracts.Backend, generate/loop.py): a sharded cache,
     and a prefill through training's 2D attention. `mesh`: the 4-D mesh (dims head and ctx);
     `world_mesh`: every rank, flattened (the prompt's last logits reach all of them)."""
 
@@ -299,7 +299,7 @@ class ShardedGeneration:
     def prefill(self, model, cache: ShardedKVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
         """Prompts [rows, S] of one length into empty cache rows; the logits [rows, vocab] (fp32) of
         their last token, on every rank. The whole prompt is one call (`chunk` is the one-device
-        engine's): each rank's share is S / (head x ctx) tokens, and the ring never builds [S, S]."""
+        backend's): each rank's share is S / (head x ctx) tokens, and the ring never builds [S, S]."""
         if cache.lengths.max() != 0:
             raise ValueError("a sharded prefill fills empty rows (a prompt is prefilled whole)")
         rows, length = tokens.shape
