@@ -1,4 +1,4 @@
-"""Generation under head x ctx layouts (parallel/generation.py) against one process (generate/engine.py
+"""Generation under head x ctx layouts (generate/sharded.py) against one process (generate/engine.py
 with its local cache), on random tiny models in fp32:
 - greedy 32 new tokens (NEW) from prompts of 4K and 16K tokens are token-identical under head 2 x ctx 2,
   ctx 4 and head 2, and the first step's logits agree to 1e-4;

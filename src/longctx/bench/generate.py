@@ -19,7 +19,7 @@ every op's outputs), beside the preallocated cache. Chunked prefill keeps that t
 would be S^2 x 4 bytes per head (256 MiB at 8K).
 
 Sharded cache memory (`--sharded HxC --sharded-lengths ...`): the same prefill on H x C spawned gloo
-ranks (parallel/generation.py), each rank's cache bytes against one process's at the same length,
+ranks (generate/sharded.py), each rank's cache bytes against one process's at the same length,
 and each rank's prefill transient (PeakLiveBytes again): the cache is 1/(H x C) of one process's,
 and the transient grows linearly with the prompt (S / (H x C) tokens per rank, never [S, S]).
 """

@@ -9,7 +9,7 @@ answer token is the argmax); --mode generate (passkey/needle) lets the model ans
 generation (or sampled: --temperature, --top-k, --top-p, --min-p and the penalties of `longctx
 generate`, each sequence seeded from --seed and its index) from the question with the KV cache
 (generate/engine.py), right when the first run of digits it writes is the key. Generation runs on
-one process or sharded over head x ctx ranks (parallel/generation.py, every rank the full weights),
+one process or sharded over head x ctx ranks (generate/sharded.py, every rank the full weights),
 so its layout has no data parallelism.
 
 Everything that can be wrong with the input (task, lengths the layout cannot split, depths, a
@@ -290,7 +290,7 @@ def _sequences(args, source, tokenizer, lengths: list[int], depths: list[float])
 
 def _check_generation_layout(cfg, dims, nproc: int) -> None:
     """--mode generate runs on one process, or on head x ctx ranks that shard the KV cache, each with
-    the full weights (parallel/generation.py): no data parallelism, no expert parallelism."""
+    the full weights (generate/sharded.py): no data parallelism, no expert parallelism."""
     dp = dims.dp_replicate * dims.dp_shard
     if dp > 1 or dims.head * dims.ctx != nproc:
         raise ConfigError(f"--mode generate under --nproc {nproc} needs --parallel.head x --parallel.ctx = {nproc} "

@@ -188,7 +188,7 @@ class GlideDraft(nn.Module):
         """Logits [b, n, vocab] of the draft at `tokens` [b, n] (positions [b, n]), through the
         target's embedding and LM head. target_kv: per draft layer, the target's (k, v) [b, kv, S, d]
         of its layer, or a reader `read(q, visible) -> out` of a cache held elsewhere (a target cache
-        sharded over ranks: parallel/generation.py read_attention); visible [b, n]: per query, the
+        sharded over ranks: generate/sharded.py read_attention); visible [b, n]: per query, the
         key positions below which it may read the target (key_positions [b, S], default the slot
         index: decoding passes how many cache slots, an int when every query reads the same first slots:
         prefix_attention); with
