@@ -5,16 +5,10 @@ are permuted so that each expert's are contiguous, every expert runs as one grou
 projection (ops/grouped.py), and the results are un-permuted and weighted. Shared experts (one
 SwiGLU every token goes through, optionally behind a sigmoid gate) are added on top.
 
-Determinism: no step of the layer adds into memory in an order the hardware picks, so two runs give
-the same bits on CPU and on CUDA. The dispatch copies each token's row to its k slots (`TokenRows`),
-whose backward gathers the k gradient rows back into slot order by the inverse permutation and sums
-them in slot order (index_select's own backward, index_add_, uses atomics on CUDA, in no fixed order
-when k >= 3); the combine gathers each token's k results back by the inverse permutation and sums
-them in slot order (its backward adds one row into each zero row, exact in any order). Not so under
-expert parallelism with parallel.expert_ranks_per_node (parallel/expert_hierarchy.py adds rows with
-index_add: repeated indices, atomics on CUDA) or parallel.expert_replicas (expert_placement.py: a
-copied expert's weights gathered by index_select, whose backward adds the copies' gradients with
-index_add_); the flat exchange (parallel/expert.py) only permutes rows.
+How the routed rows reach their experts and come back is the layer's `dispatcher`, its one hook
+for parallelism (models/moe_dispatch.py: dispatch -> run_experts -> combine): here the one-device
+permutation, deterministic on CPU and CUDA; expert parallelism installs one object that exchanges
+the rows between ranks (parallel/expert.py), so this module never imports parallel/.
 
 Routing is a function of the token alone (for the dropless routers), so any slicing of the tokens
 (ranks of a sequence-parallel layout, memory.block_chunk, recomputation) routes each token as the
@@ -42,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
+from .moe_dispatch import TokenDispatcher, TokenRows  # noqa: F401  (TokenRows: its tests import it from here)
 from .swiglu import FeedForward
 
 
@@ -226,8 +221,16 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.chunk = 0  # memory.expert_chunk: rows run (and recomputed) at a time; 0 = all at once
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [n, dim]: rows grouped by expert, counts[e] of them for expert e, in expert order."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, dispatcher: TokenDispatcher | None = None
+                ) -> torch.Tensor:
+        """x [n, dim]: rows grouped by expert, counts[e] of them for expert e, in expert order. The
+        layer passes its dispatcher, which runs them (`run_experts`: all here on one device, each on
+        its owner under expert parallelism); inside this module's call, so that its hooks (FSDP's
+        gather of these weights) see every run."""
+        return self.run_here(x, counts) if dispatcher is None else dispatcher.run_experts(self, x, counts)
+
+    def run_here(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Every expert on this device (one device's dispatcher runs this)."""
         return swiglu_experts(x, counts, self.w1, self.w3, self.w2, self.chunk)
 
 
@@ -257,30 +260,6 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, chunk: int
     return torch.cat(pieces)
 
 
-class TokenRows(torch.autograd.Function):
-    """flat[order // k]: each kept slot's token row, in expert order (`order` [n]: the slots token x k + j
-    sorted by expert, the dropped ones cut off the end; `inverse` [T k]: the inverse of the uncut
-    permutation). Its backward sums each token's k row gradients without a scatter-add: index_select's
-    own backward (index_add_) adds them with atomics on CUDA, in no fixed order when k >= 3. Here the
-    gradient rows go back to slot order by the inverse permutation (a gather; dropped slots read a
-    zero row) and each token's k slots are summed in slot order: the same bits on every run and device."""
-
-    @staticmethod
-    def forward(ctx, flat: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        ctx.k = k
-        return flat.index_select(0, order // k)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        dropped = inverse.numel() - grad.shape[0]  # the sorted rows past n are the dropped slots'
-        if dropped:
-            grad = torch.cat([grad, grad.new_zeros(dropped, grad.shape[1])])
-        slots = grad.index_select(0, inverse)
-        return slots.view(-1, ctx.k, grad.shape[1]).sum(1), None, None, None
-
-
 class MoEFeedForward(nn.Module):
     """Router + grouped experts (+ shared experts): a drop-in for the block's FeedForward."""
 
@@ -294,6 +273,9 @@ class MoEFeedForward(nn.Module):
         shared = cfg.resolved_shared_dim
         self.shared = FeedForward(cfg.dim, shared) if shared else None
         self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.moe_shared_gate else None
+        # how the routed rows reach the experts: one device's permutation, or the object expert
+        # parallelism installs (parallel/expert.py use_expert_parallel)
+        self.dispatcher: TokenDispatcher = TokenDispatcher()
         self.recording = False  # the model turns it on for its training forwards
         self.records: list[RouterRecord] = []
 
@@ -314,28 +296,9 @@ class MoEFeedForward(nn.Module):
         return y.view(shape)
 
     def _routed(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
-        route = getattr(self.experts, "route_tokens", None)
-        if route is not None:  # experts that route the tokens themselves (parallel/expert_hierarchy.py)
-            return route(flat, routing)
-        t, k = routing.experts.shape
-        choice = routing.experts.flatten()
-        if routing.kept is not None:  # dropped choices go to no expert (sorted last, then cut)
-            choice = torch.where(routing.kept.flatten(), choice, self.num_experts)
-        order = torch.argsort(choice, stable=True)  # expert-sorted row -> its slot (token x k + j)
-        inverse = torch.argsort(order)  # slot -> its expert-sorted row
-        counts = torch.bincount(choice, minlength=self.num_experts + 1)[: self.num_experts]
-        n = order.numel() if routing.kept is None else int(counts.sum())  # host read only with a capacity
-        order = order[:n]
-        out = self.experts(TokenRows.apply(flat, order, inverse, k), counts)
-        # back to [T, k] slots (no scatter-add), weighted, summed: without drops by the inverse permutation,
-        # a gather (index_copy would keep `out`, k x dim values per token, for its backward); the gather's
-        # backward adds each gradient row to a distinct zero row, exact in any order
-        if n < t * k:
-            slots = out.new_zeros(t * k, out.shape[-1]).index_copy(0, order, out)
-        else:
-            slots = out.index_select(0, inverse)
-        w = routing.weights.flatten() if routing.kept is None else routing.weights.flatten() * routing.kept.flatten()
-        return (slots.view(t, k, -1) * w.view(t, k, 1).to(slots.dtype)).sum(1)
+        """The routed experts' weighted sum for every token of `flat` [T, dim], through the dispatcher."""
+        rows, counts, state = self.dispatcher.dispatch(flat, routing)
+        return self.dispatcher.combine(self.experts(rows, counts, self.dispatcher), state)
 
     def _apply_capacity(self, routing: Routing) -> Routing:
         """Each expert keeps at most ceil(capacity_factor x T x k / E) of the choices, slot 0's first, then

@@ -1,7 +1,7 @@
-"""Hierarchical expert dispatch (parallel.expert_dispatch = hierarchical): across nodes once per
-token and node, then inside the node.
+"""Hierarchical expert dispatch (parallel.expert_ranks_per_node): across nodes once per token and
+node, then inside the node.
 
-With the flat exchange (parallel/expert.py) a token routed to k experts travels k times, and when
+With the flat exchange (parallel/expert_dispatch.py) a token routed to k experts travels k times, and when
 two of them live on the same remote node its row crosses the slow inter-node link twice, and its
 k results cross it back twice. Here an expert group of W ranks is seen as N nodes of R ranks
 (rank = node x R + local, as the ranks are placed) and a layer call runs:
@@ -11,7 +11,8 @@ k results cross it back twice. Here an expert group of W ranks is seen as N node
      sender's own local index there, with the token's choices on that node (expert ids and routing
      weights; -1 / 0 elsewhere);
   2. inside that node (the `expert_local` group): the received rows, one per (row, choice), go to
-     their experts' owners by the flat exchange of parallel/expert.py (pipelined chunks included);
+     their experts' owners by the flat exchange (ExpertParallelDispatcher.run_experts over the
+     node, pipelined chunks included);
   3. back inside the node, and each row's results on the node are weighted and summed there;
   4. back across nodes: one summed row per token and node, added up on the token's rank.
 
@@ -25,9 +26,12 @@ flat exchange's up to the order of the k-term sums.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import comm
+from .expert_dispatch import ExpertParallelDispatcher
 
 
 def _send_plan(choice: torch.Tensor, node_of_choice: torch.Tensor, nodes: int):
@@ -42,34 +46,65 @@ def _send_plan(choice: torch.Tensor, node_of_choice: torch.Tensor, nodes: int):
     return token, rows, on[node_idx, token]  # [n, k] which choices of each sent row
 
 
-def hierarchical_routed(flat: torch.Tensor, routing, *, experts, meshes, local: int, run_flat) -> torch.Tensor:
-    """The routed experts' weighted sum for every token of `flat` [T, dim], by the four steps of the
-    module docstring. meshes = (node group, local group); `local` experts per rank; run_flat(x,
-    counts, mesh) is parallel/expert.py's flat exchange over a group (rows sorted by expert)."""
-    inter, intra = meshes
-    nodes, per_node = inter.size(), intra.size()
-    choice, weights = routing.experts, routing.weights.float()
-    if routing.kept is not None:  # a dropped choice goes nowhere (its weight is zero anyway)
-        weights = weights * routing.kept
-        choice = torch.where(routing.kept, choice, -1)
-    node_of = torch.where(choice >= 0, choice // (local * per_node), -1)
-    token, rows, mask = _send_plan(choice, node_of, nodes)
-    send_rows = rows.tolist()  # the host read the exchange needs (split sizes), as in the flat path
-    recv_rows = comm.all_to_all(rows.view(nodes, 1), inter, label="expert_counts").view(-1).tolist()
-    ids = torch.where(mask, choice[token], -1)
-    w = torch.where(mask, weights[token], 0.0)
-    got = comm.AllToAllV.apply(flat.index_select(0, token), inter, send_rows, recv_rows, "expert_node")
-    got_ids = comm.all_to_all_v(ids, inter, send_rows, recv_rows, label="expert_node")
-    got_w = comm.AllToAllV.apply(w, inter, send_rows, recv_rows, "expert_node")
-    # 2-3: one row per (received row, choice on this node), sorted by expert, through the node's owners
-    base = comm.local_rank(inter) * per_node * local  # this node's first expert
-    row, slot = (got_ids >= 0).nonzero(as_tuple=True)
-    expert = got_ids[row, slot] - base
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=per_node * local)
-    out = run_flat(got.index_select(0, row[order]), counts, intra)
-    pair_w = got_w[row[order], slot[order]].to(out.dtype)
-    summed = out.new_zeros(got.shape[0], out.shape[1]).index_add(0, row[order], out * pair_w[:, None])
-    # 4: back to the tokens' ranks, one row per (token, node), added up per token
-    back = comm.AllToAllV.apply(summed, inter, recv_rows, send_rows, "expert_node")
-    return flat.new_zeros(flat.shape[0], back.shape[1]).index_add(0, token, back.to(flat.dtype))
+@dataclass
+class NodeRoute:
+    """What the hierarchical dispatch hands its combine: the tokens' rows (`flat`) and the index of
+    every row sent across nodes (`token`, node-major) with the rows per node each way; for each
+    (received row, choice) pair, in the order the experts got them, its received row and weight."""
+    flat: torch.Tensor
+    token: torch.Tensor
+    send_rows: list[int]
+    recv_rows: list[int]
+    received: int
+    pair_row: torch.Tensor
+    pair_weight: torch.Tensor
+
+
+class HierarchicalDispatcher(ExpertParallelDispatcher):
+    """parallel.expert_ranks_per_node: the four steps of the module docstring. dispatch is step 1
+    and the (row, choice) pairs of this node sorted by expert; run_experts is the flat exchange over
+    the node (`nodes[1]`, pipelined chunks included; the weights' gradient scale the whole group's);
+    combine is steps 3-4. nodes = (across nodes, inside a node): parallel/expert.py node_meshes."""
+
+    def __init__(self, group_size: int, nodes, chunks: int = 1, tuner=None):
+        inter, intra = nodes
+        super().__init__(intra, chunks, tuner, group_size=group_size)
+        self.inter = inter
+
+    def _route(self) -> str:
+        return f"hierarchical over {self.inter.size()} nodes of {self.mesh.size()} ranks"
+
+    def dispatch(self, flat: torch.Tensor, routing) -> tuple[torch.Tensor, torch.Tensor, NodeRoute]:
+        inter, intra = self.inter, self.mesh
+        nodes, per_node = inter.size(), intra.size()
+        local = routing.probs.shape[-1] // self.group_size  # experts per rank
+        choice, weights = routing.experts, routing.weights.float()
+        if routing.kept is not None:  # a dropped choice goes nowhere (its weight is zero anyway)
+            weights = weights * routing.kept
+            choice = torch.where(routing.kept, choice, -1)
+        node_of = torch.where(choice >= 0, choice // (local * per_node), -1)
+        token, rows, mask = _send_plan(choice, node_of, nodes)
+        send_rows = rows.tolist()  # the host read the exchange needs (split sizes), as in the flat path
+        recv_rows = comm.all_to_all(rows.view(nodes, 1), inter, label="expert_counts").view(-1).tolist()
+        ids = torch.where(mask, choice[token], -1)
+        w = torch.where(mask, weights[token], 0.0)
+        got = comm.AllToAllV.apply(flat.index_select(0, token), inter, send_rows, recv_rows, "expert_node")
+        got_ids = comm.all_to_all_v(ids, inter, send_rows, recv_rows, label="expert_node")
+        got_w = comm.AllToAllV.apply(w, inter, send_rows, recv_rows, "expert_node")
+        # 2: one row per (received row, choice on this node), sorted by expert, for the node's owners
+        base = comm.local_rank(inter) * per_node * local  # this node's first expert
+        row, slot = (got_ids >= 0).nonzero(as_tuple=True)
+        expert = got_ids[row, slot] - base
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=per_node * local)
+        route = NodeRoute(flat, token, send_rows, recv_rows, got.shape[0], row[order], got_w[row[order], slot[order]])
+        return got.index_select(0, route.pair_row), counts, route
+
+    def combine(self, out: torch.Tensor, route: NodeRoute) -> torch.Tensor:
+        # 3: each received row's results on this node, weighted and summed
+        pair_w = route.pair_weight.to(out.dtype)
+        summed = out.new_zeros(route.received, out.shape[1]).index_add(0, route.pair_row, out * pair_w[:, None])
+        # 4: back to the tokens' ranks, one row per (token, node), added up per token
+        back = comm.AllToAllV.apply(summed, self.inter, route.recv_rows, route.send_rows, "expert_node")
+        flat = route.flat
+        return flat.new_zeros(flat.shape[0], back.shape[1]).index_add(0, route.token, back.to(flat.dtype))

@@ -1,7 +1,8 @@
 """FSMoE's pipelined expert-parallel layer: the all-to-alls of one chunk under the experts of another.
 
-parallel/expert.py runs a layer's dispatch -> experts -> combine one after another, so the links
-idle while the experts compute and the experts idle while tokens travel. Here every expert's rows
+The expert-parallel dispatcher (parallel/expert_dispatch.py) with one chunk runs a layer's
+dispatch -> experts -> combine one after another, so the links idle while the experts compute and
+the experts idle while tokens travel. With `chunks` > 1 (its option) every expert's rows
 are cut into `chunks` near-equal pieces (piece c of n rows: rows n c / C to n (c + 1) / C, the
 same cut on the sending and the receiving rank, so no extra count exchange is needed), and chunk c
 is one small dispatch -> experts -> combine. The order of issue is what overlaps them:
@@ -144,8 +145,8 @@ class PipelinedExperts(torch.autograd.Function):
 class ChunkTuner:
     """parallel.expert_pipeline_chunks = 0: the chunk count chosen by a short online profile (FSMoE's).
 
-    The training loop calls `begin_step()` before each optimizer step. After WARMUP steps at 1
-    chunk, the steps cycle through CANDIDATES, ROUNDS steps each, every MoE layer call of a step
+    The dispatcher's step_notes call `begin_step()` before each optimizer step. After WARMUP steps
+    at 1 chunk, the steps cycle through CANDIDATES, ROUNDS steps each, every MoE layer call of a step
     (its recomputation included, so that it routes through the same graph) using the step's count
     and timing its forward (on CUDA with a synchronisation, during the profile only). Then the
     median time per call of each candidate is taken over the expert group (the slowest rank's) and
@@ -202,11 +203,10 @@ class ChunkTuner:
         self.decision = {"chunks": self.chosen, "forward_s": dict(zip(self.CANDIDATES, medians.tolist()))}
 
 
-def tuning_step(model, step: int) -> str | None:
-    """Start the online profile's next step (the training loop calls it before each step); on the
-    step the choice is made, the line that says so."""
-    tuner = getattr(model, "expert_chunk_tuner", None)
-    decision = tuner.begin_step() if tuner is not None else None
+def tuning_step(tuner: ChunkTuner, step: int) -> str | None:
+    """Start the online profile's next step (the dispatcher's step_notes, before each optimizer
+    step); on the step the choice is made, the line that says so."""
+    decision = tuner.begin_step()
     if decision is None:
         return None
     times = ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in decision["forward_s"].items())

@@ -8,8 +8,10 @@ copy of that expert.
 Here every rank has `replicas` extra slots next to its own experts. A `Placement` (one per MoE
 layer) says which expert each slot copies and what share of each expert's rows each of its holders
 takes (the owner included; shares sum to 1). A sending rank cuts its rows of expert e by those
-shares (cumulative rounding, so every row goes to exactly one holder), and the exchange of
-parallel/expert.py runs over slots instead of experts.
+shares (cumulative rounding, so every row goes to exactly one holder), and the expert-parallel
+dispatcher (parallel/expert_dispatch.py) exchanges the rows over slots instead of experts. A
+layer's placement is its experts' `placement` attribute (None: the static one), which the
+`ExpertPlacer` of the dispatcher sets.
 
 A copy is not state: its weights are fetched from the owner in the layer's forward (one all-to-all
 of the copied experts' weights, `_fetch_copies`), and the backward of that fetch sends the copy's
@@ -198,7 +200,8 @@ def with_copies(weights: tuple, placement: Placement, mesh) -> tuple:
 class ExpertPlacer:
     """parallel.expert_replicas > 0: the router's counts of each optimizer step are summed (on the
     device) over a window of `window` steps; at its end every MoE layer gets the placement the
-    policy derives from them, used from the next step on (an optimizer-step boundary)."""
+    policy derives from them (`layer.experts.placement`), used from the next step on (an
+    optimizer-step boundary). The dispatcher's step_notes feed it after every step."""
 
     def __init__(self, layers, ep: int, replicas: int, window: int):
         self.layers, self.ep, self.replicas, self.window = layers, ep, replicas, max(1, window)
@@ -226,12 +229,3 @@ class ExpertPlacer:
         return (f"expert placement over the last {self.window} steps: {int(copies)} copies in {len(self.layers)} "
                 f"layers; worst layer's max/mean rank load {before:.2f} -> {after:.2f} (predicted); the copies "
                 f"move {moved / 1e6:.1f}M values per step")
-
-
-def placement_step(model, counts: torch.Tensor | None) -> str | None:
-    """After an optimizer step (the training loop calls it with the step's router counts [layers,
-    E]): feed the placer, which re-places at the end of its window; its log line when it does."""
-    placer = getattr(model, "expert_placer", None)
-    if placer is None or counts is None:
-        return None
-    return placer.observe(counts)

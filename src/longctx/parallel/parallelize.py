@@ -129,7 +129,8 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     # 1. distributed attention; MoE router statistics summed over the ranks of the micro-batch
     use_sequence_parallel_attention(model, dims, mesh)
     use_router_sum(model, dims, mesh)
-    if dims.expert > 1:  # the MoE layers' experts split over expert groups (parallel/expert.py)
+    if dims.expert > 1:  # experts split over expert groups; every MoE layer's dispatcher: ONE object from
+        # parallel.expert_* (flat / hierarchical, pipelined chunks, FlexMoE copies: parallel/expert.py)
         use_expert_parallel(model, dims.build_expert_mesh(device_type), cfg.parallel.expert_pipeline_chunks,
                             cfg.parallel.expert_replicas, cfg.parallel.expert_placement_window,
                             cfg.parallel.expert_ranks_per_node)

@@ -1,0 +1,109 @@
+"""How a MoE layer's routed rows reach their experts and come back: the dispatcher contract.
+
+`MoEFeedForward.dispatcher` (models/moe.py) is a `TokenDispatcher`: `dispatch` (token rows ->
+rows grouped by expert), `run_experts` (the experts on them, called from inside the Experts
+module's call) and `combine` (results -> each token's weighted sum). The class here is the one
+device's; expert parallelism installs another object with the same three methods
+(parallel/expert.py), so models never import parallel/ and no module method is ever replaced.
+
+Determinism: no step of the one-device dispatch adds into memory in an order the hardware picks,
+so two runs give the same bits on CPU and on CUDA. The dispatch copies each token's row to its k
+slots (`TokenRows`), whose backward gathers the k gradient rows back into slot order by the
+inverse permutation and sums them in slot order (index_select's own backward, index_add_, uses
+atomics on CUDA, in no fixed order when k >= 3); the combine gathers each token's k results back
+by the inverse permutation and sums them in slot order (its backward adds one row into each zero
+row, exact in any order). Not so under expert parallelism with parallel.expert_ranks_per_node
+(parallel/expert_hierarchy.py adds rows with index_add: repeated indices, atomics on CUDA) or
+parallel.expert_replicas (expert_placement.py: a copied expert's weights gathered by
+index_select, whose backward adds the copies' gradients with index_add_); the flat exchange
+(parallel/expert_dispatch.py) only permutes rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # (annotations only: moe.py imports this module)
+    from .moe import Experts, Routing
+
+
+class TokenRows(torch.autograd.Function):
+    """flat[order // k]: each kept slot's token row, in expert order (`order` [n]: the slots token x k + j
+    sorted by expert, the dropped ones cut off the end; `inverse` [T k]: the inverse of the uncut
+    permutation). Its backward sums each token's k row gradients without a scatter-add: index_select's
+    own backward (index_add_) adds them with atomics on CUDA, in no fixed order when k >= 3. Here the
+    gradient rows go back to slot order by the inverse permutation (a gather; dropped slots read a
+    zero row) and each token's k slots are summed in slot order: the same bits on every run and device."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return flat.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        dropped = inverse.numel() - grad.shape[0]  # the sorted rows past n are the dropped slots'
+        if dropped:
+            grad = torch.cat([grad, grad.new_zeros(dropped, grad.shape[1])])
+        slots = grad.index_select(0, inverse)
+        return slots.view(-1, ctx.k, grad.shape[1]).sum(1), None, None, None
+
+
+@dataclass
+class SlotOrder:
+    """What the one-device dispatch hands its combine: the T x k slots (token x k + j) sorted by
+    expert, the first `rows` of them kept (`order`), the inverse of the uncut sort, and the weights."""
+    order: torch.Tensor
+    inverse: torch.Tensor
+    rows: int
+    weights: torch.Tensor  # [T, k] fp32, zero where a choice was dropped
+
+
+class TokenDispatcher:
+    """How a MoE layer's routed rows reach their experts and come back (`MoEFeedForward.dispatcher`).
+
+    The layer runs, for the T tokens of a call and their routing:
+        rows, counts, state = dispatcher.dispatch(flat, routing)  # rows grouped by expert, counts[e]
+        out = layer.experts(rows, counts, dispatcher)             # -> dispatcher.run_experts(experts, ...)
+        y = dispatcher.combine(out, state)                        # [T, dim]: each token's results, weighted
+    This class is the one-device dispatcher: dispatch copies each token's row to its k slots sorted by
+    expert (TokenRows), every expert runs here, combine gathers the results back by the inverse
+    permutation and sums each token's k of them with their weights. Expert parallelism replaces it
+    with one object for all the MoE layers (parallel/expert.py use_expert_parallel), whose
+    run_experts exchanges the rows with the ranks that own the experts (and whose dispatch may first
+    send them across nodes). A dispatcher keeps no state of a call: what combine needs travels in
+    `state`, so one object serves every layer, block chunk and recomputation."""
+
+    def dispatch(self, flat: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, SlotOrder]:
+        t, k = routing.experts.shape
+        experts = routing.probs.shape[-1]
+        choice = routing.experts.flatten()
+        if routing.kept is not None:  # dropped choices go to no expert (sorted last, then cut)
+            choice = torch.where(routing.kept.flatten(), choice, experts)
+        order = torch.argsort(choice, stable=True)  # expert-sorted row -> its slot (token x k + j)
+        inverse = torch.argsort(order)  # slot -> its expert-sorted row
+        counts = torch.bincount(choice, minlength=experts + 1)[:experts]
+        n = order.numel() if routing.kept is None else int(counts.sum())  # host read only with a capacity
+        order = order[:n]
+        weights = routing.weights if routing.kept is None else routing.weights * routing.kept
+        return TokenRows.apply(flat, order, inverse, k), counts, SlotOrder(order, inverse, n, weights)
+
+    def run_experts(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return experts.run_here(rows, counts)
+
+    def combine(self, out: torch.Tensor, state: SlotOrder) -> torch.Tensor:
+        t, k = state.weights.shape
+        # back to [T, k] slots (no scatter-add), weighted, summed: without drops by the inverse permutation,
+        # a gather (index_copy would keep `out`, k x dim values per token, for its backward); the gather's
+        # backward adds each gradient row to a distinct zero row, exact in any order
+        if state.rows < t * k:
+            slots = out.new_zeros(t * k, out.shape[-1]).index_copy(0, state.order, out)
+        else:
+            slots = out.index_select(0, state.inverse)
+        w = state.weights.flatten()
+        return (slots.view(t, k, -1) * w.view(t, k, 1).to(slots.dtype)).sum(1)

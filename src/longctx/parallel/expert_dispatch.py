@@ -1,0 +1,154 @@
+"""The expert-parallel dispatcher: a MoE layer's rows exchanged with the ranks that own their experts.
+
+`ExpertParallelDispatcher` is the `TokenDispatcher` (models/moe.py) of every MoE layer under
+expert parallelism, one object for the whole model, installed by parallel/expert.py
+`use_expert_parallel`. Its dispatch and combine are the one-device permutation (each token's k
+rows sorted by expert, and back); its `run_experts` is where the ranks meet. Rows sorted by
+expert are also sorted by owner, so a layer call runs:
+  1. the counts per expert go to the ranks that own them (a small all-to-all), read on the host:
+     they are the variable split sizes of the token all-to-all (the one host read EP needs);
+  2. all-to-all of the rows to their experts' owners;
+  3. the received rows (source-major) regrouped expert-major, run through the local experts as one
+     grouped GEMM per projection, and put back in source-major order;
+  4. the reverse all-to-all returns each row to the rank its token lives on.
+Backward runs the same way in reverse (AllToAllV's backward swaps the splits).
+
+Its options, chosen from config:
+- `chunks` > 1 (parallel.expert_pipeline_chunks): FSMoE's schedule, steps 2-4 in pipelined chunks
+  (parallel/expert_pipeline.py); `tuner` (parallel.expert_pipeline_chunks = 0): the chunk count a
+  short online profile picks (ChunkTuner);
+- `placer` (parallel.expert_replicas > 0): FlexMoE's copies of hot experts (parallel/
+  expert_placement.py). A layer's placement is its experts' `placement` attribute (None: every
+  expert on its owner only), which the placer sets at the end of each window; the rows then go by
+  (rank, slot) instead of by expert.
+HierarchicalDispatcher (parallel/expert_hierarchy.py) is this dispatcher over the ranks of one
+node, behind a dispatch and combine that cross nodes once per token and node.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..models.moe import TokenDispatcher, swiglu_experts
+from . import comm, emulated_link
+from .expert_pipeline import PipelinedExperts, chunk_plan, tuning_step
+from .expert_placement import with_copies
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _expert_major(recv: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows received source-major (from source s: recv[s][e] rows of local expert e, in expert
+    order) -> the permutation that lists them expert-major (expert e: its rows from source 0, then
+    1, ...), and the rows per local expert."""
+    sources, local = len(recv), len(recv[0])
+    start, offsets = 0, [[0] * local for _ in range(sources)]
+    for s in range(sources):
+        for e in range(local):
+            offsets[s][e] = start
+            start += recv[s][e]
+    pieces = [torch.arange(offsets[s][e], offsets[s][e] + recv[s][e]) for e in range(local) for s in range(sources)]
+    order = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+    per_expert = torch.tensor([sum(recv[s][e] for s in range(sources)) for e in range(local)])
+    return order, per_expert
+
+
+def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch.Tensor:
+    """The local experts on rows received source-major (recv[s][e] rows of local expert e from
+    source s), answered in the same order."""
+    order, per_expert = _expert_major(recv)
+    order, per_expert = order.to(got.device), per_expert.to(got.device)
+
+    def run(rows):
+        out = swiglu_experts(rows[order], per_expert, w1, w3, w2, experts.chunk)
+        return out[torch.argsort(order)] if order.numel() else out
+    # (a benchmark's emulated devices: at least the time their GEMMs would take; otherwise just run)
+    return emulated_link.paced(run, got, 6.0 * got.shape[0] * w1.shape[1] * w1.shape[2])
+
+
+class ExpertParallelDispatcher(TokenDispatcher):
+    """Every MoE layer's rows exchanged over the expert group `mesh` (the module docstring).
+
+    mesh: the 1-D group the rows are exchanged over; group_size: the whole expert group's ranks (the
+    weights' gradient scale; more than mesh.size() when `mesh` is one node of the group: hierarchical
+    dispatch); chunks / tuner: the pipelined schedule; placer: FlexMoE's placements (ExpertPlacer)."""
+
+    def __init__(self, mesh, chunks: int = 1, tuner=None, placer=None, group_size: int = 0):
+        self.mesh, self.chunks, self.tuner, self.placer = mesh, chunks, tuner, placer
+        self.group_size = group_size or mesh.size()
+
+    def __repr__(self) -> str:  # which dispatch is active, in words
+        schedule = "chunks chosen online" if self.tuner is not None else f"{self.chunks} chunk(s)"
+        copies = f", FlexMoE copies ({self.placer.replicas} slot(s) per rank)" if self.placer is not None else ""
+        return f"expert parallel over {self.group_size} ranks: {self._route()}, {schedule}{copies}"
+
+    def _route(self) -> str:
+        return "flat all-to-all"
+
+    def run_experts(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [n, dim] sorted by expert, counts [experts of the mesh's ranks]: each row through its
+        expert on the rank that holds it (by (rank, slot) under a FlexMoE placement), back in x's order."""
+        ep = self.mesh.size()
+        placement, order = getattr(experts, "placement", None), None
+        if placement is not None and not placement.copies:
+            placement = None  # (a placement without copies is the static one)
+        if placement is not None:
+            host = counts.tolist()  # (the host read EP needs anyway, a step early)
+            order = placement.slot_order(host).to(x.device)
+            x = x.index_select(0, order)
+            counts = torch.tensor(placement.slot_counts(host), device=counts.device)
+        per_owner = counts.view(ep, -1)  # [owner, its local experts (slots)]
+        received = comm.all_to_all(per_owner.contiguous(), self.mesh, label="expert_counts")  # [source, local expert]
+
+        def exchange(chunks: int) -> torch.Tensor:
+            return self._exchange(x, counts, per_owner, received, experts, chunks, placement)
+        # parallel.expert_pipeline_chunks = 0: the count chosen by an online profile
+        y = self.tuner.timed(exchange) if self.tuner is not None else exchange(self.chunks)
+        return y if order is None else y.index_select(0, torch.argsort(order))
+
+    def _exchange(self, x, counts, per_owner, received, experts, chunks: int, placement=None) -> torch.Tensor:
+        """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1; with a
+        placement, over its slots (the local experts, then the copies fetched from their owners).
+
+        FSDP averages the expert weights' gradients over the expert-data group (world / expert
+        ranks), while the loop scales every loss by the world size (parallelize.grad_scale) and an
+        expert's rows already carry the gradient of every token of its expert group: the local
+        weights pass through a gradient scale of 1 / group so that the average is the exact sum."""
+        mesh = self.mesh
+        w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / self.group_size) for w in (experts.w1, experts.w3, experts.w2))
+        if placement is not None:
+            w1, w3, w2 = with_copies((w1, w3, w2), placement, mesh)
+        if chunks > 1:  # FSMoE's schedule: the transfers of one chunk under the experts of another
+            plan = chunk_plan(mesh, counts.tolist(), received.tolist(), chunks, x.device)
+
+            def run(got, c, *w):
+                return _run_local_experts(got, plan.recv[c], experts, *w)
+            return PipelinedExperts.apply(x, w1, w3, w2, plan, run)
+        send_rows, recv = per_owner.sum(1).tolist(), received.tolist()  # the host read EP needs (split sizes)
+        recv_rows = [sum(r) for r in recv]
+        got = comm.AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
+        back = _run_local_experts(got, recv, experts, w1, w3, w2)
+        return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
+
+    def step_notes(self, step: int, last_counts) -> list[str]:
+        """Before optimizer step `step` (1-based): the schedule's decisions that take effect at this
+        boundary, as log lines: the online chunk profile moves on, and FlexMoE's placer sees the last
+        step's router counts [layers, E] (None before the first step) and re-places at the end of
+        its window."""
+        notes = [tuning_step(self.tuner, step) if self.tuner is not None else None,
+                 self.placer.observe(last_counts) if self.placer is not None and last_counts is not None else None]
+        return [n for n in notes if n is not None]
