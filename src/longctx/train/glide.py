@@ -52,7 +52,7 @@ from ..models.llama import Llama, build_model
 from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss
 from ..parallel.parallelize import parallelize, parallelize_draft
 from ..parallel.runtime import Runtime
-from .model import load_weights
+from .weights import load_weights
 
 
 class FrozenHead(nn.Module):

@@ -1,26 +1,27 @@
 """The training model: memory.offload_fraction = auto measured and decided into a new config, then
-the model built on the meta device, parallelised (parallel/parallelize.py) and only then
-materialised, each rank filling its own shards from the seed or the starting weights.
+the model built by the builder of its kind (MODEL_BUILDERS: dense, MoE, GliDe draft): on the meta
+device, parallelised (parallel/parallelize.py) and only then materialised, each rank filling its
+own shards from the seed or the starting weights (weights.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import torch
+from torch import nn
 
-from ..checkpoint.manager import load_weights_into, read_manifest, resolve_checkpoint
 from ..config import Config, build_model_config
-from ..config.hf import hf_dir, init_from_notes
+from ..config.hf import init_from_notes
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
-from ..models.hf import load_hf_weights
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
 from ..parallel.parallelize import parallelize, sequence_parallel_core
 from ..parallel.runtime import Runtime
+from .glide import build_glide_training
 from .stages import stages_of
 from .step import resolve_dtype
+from .weights import load_weights
 
 
 def resolve_offload(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Config:
@@ -32,16 +33,19 @@ def resolve_offload(cfg: Config, device: torch.device, rt: Runtime, log=print) -
     return dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, offload_fraction=fraction))
 
 
-def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Llama:
-    """The model, built on the meta device, parallelised, and only then materialised: each rank
-    allocates and fills just its own shards, from the seed (the same values one process draws, so
-    every layout starts identical) or from the Hugging Face safetensors (each rank reading only its
-    rows). No rank ever holds the whole model. memory.offload_fraction must be resolved
-    (resolve_offload)."""
-    if cfg.draft.target:  # a GliDe draft trained against a frozen target (train/glide.py)
-        from .glide import build_glide_training
+def model_kind(cfg: Config) -> str:
+    """What a run trains: `glide` (a GliDe draft against the frozen draft.target), else `moe` (a model
+    with routed experts: routers to train, moe_hooks.py) or `dense`."""
+    if cfg.draft.target:
+        return "glide"
+    return "moe" if cfg.model.is_moe else "dense"
 
-        return build_glide_training(cfg, device, rt, log)
+
+def build_llama_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> Llama:
+    """A dense or MoE decoder (models/llama.py builds either; parallelize applies expert parallelism),
+    built on the meta device, parallelised, and only then materialised: each rank allocates and
+    fills just its own shards, from the seed (the same values one process draws, so every layout
+    starts identical) or from the starting weights (each rank reading only its rows)."""
     model = build_model(cfg.model, device="meta")
     model = parallelize(model, rt.dims, cfg, rt.mesh, device.type)
     model.to_empty(device=device)
@@ -57,20 +61,18 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
     return model
 
 
-def load_weights(model: Llama, source: str, rt: Runtime, log=print) -> Path:
-    """Fill a materialised (possibly sharded) model from `source`: hf:DIR's safetensors or a longctx
-    checkpoint (DIR, or a checkpoints directory for its latest), each rank reading its own shards;
-    returns the directory read."""
-    if source.startswith("hf:"):
-        path = hf_dir(source)
-        load_hf_weights(model, path)
-    else:
-        path = resolve_checkpoint(source, Path(source))
-        load_weights_into(path, model, rt, log)
-        # routers whose routing follows the step (DTS-Gate) route as the weights were trained: a run that
-        # trains from here sets its own step before each forward
-        model.set_router_step(int(read_manifest(path)["step"]) - 1)
-    return path
+# model_kind -> the builder of the model the Trainer optimises: (cfg, device, rt, log) -> nn.Module
+MODEL_BUILDERS = {
+    "dense": build_llama_training,
+    "moe": build_llama_training,
+    "glide": build_glide_training,  # the draft + its frozen target (glide.py)
+}
+
+
+def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=print) -> nn.Module:
+    """The model a run trains, by MODEL_BUILDERS[model_kind(cfg)]. No rank ever holds the whole
+    model. memory.offload_fraction must be resolved (resolve_offload)."""
+    return MODEL_BUILDERS[model_kind(cfg)](cfg, device, rt, log)
 
 
 def init_from_changes(cfg: Config) -> list[str]:

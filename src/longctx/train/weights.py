@@ -1,0 +1,30 @@
+"""Starting weights: filling a materialised (possibly sharded) model from a source that model.init_from
+or draft.target names. Below both model builders (model.py, glide.py), so neither imports the other
+for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from ..checkpoint.manager import load_weights_into, read_manifest, resolve_checkpoint
+from ..config.hf import hf_dir
+from ..models.hf import load_hf_weights
+from ..parallel.runtime import Runtime
+
+
+def load_weights(model: nn.Module, source: str, rt: Runtime, log=print) -> Path:
+    """Fill a materialised (possibly sharded) model from `source`: hf:DIR's safetensors or a longctx
+    checkpoint (DIR, or a checkpoints directory for its latest), each rank reading its own shards;
+    returns the directory read."""
+    if source.startswith("hf:"):
+        path = hf_dir(source)
+        load_hf_weights(model, path)
+    else:
+        path = resolve_checkpoint(source, Path(source))
+        load_weights_into(path, model, rt, log)
+        # routers whose routing follows the step (DTS-Gate) route as the weights were trained: a run that
+        # trains from here sets its own step before each forward
+        model.set_router_step(int(read_manifest(path)["step"]) - 1)
+    return path
