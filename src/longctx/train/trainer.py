@@ -28,11 +28,11 @@ from ..checkpoint.paths import CheckpointError, step_name
 from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
-from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
 from ..parallel import watchdog
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import phase, progress_bar, said
+from .fault_injection import with_step_faults
 from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .hooks import StepHooks
 from .metrics import MetricsLogger, peak_memory_bytes
@@ -96,8 +96,8 @@ class Trainer:
         self.hooks = StepHooks(moe_step_hooks(cfg, self.model, rt, self.log))
         # wraps each step's forward and backward: tests put a host-sync detector here (tests/host_sync.py)
         self.device_section = contextlib.nullcontext
-        # LONGCTX_FAULT (a testing aid): the steps each fault hits on this rank, each once
-        self.faults = {kind: planned(kind, rt.rank) for kind in ("nonfinite", "spike", "hang")}
+        # LONGCTX_FAULT (a testing aid): the step wrapped to inject the faults planned on this rank
+        self.step = with_step_faults(self.step, self.model, rt.rank)
         # train.on_nonfinite / train.spike_factor: whether a step's update is applied, on the device
         self.guard = StepGuard(cfg.train.spike_factor, cfg.train.spike_window, self.device)
         self.last_spike: torch.Tensor | None = None  # the last step's spike flag (on the device)
@@ -297,8 +297,6 @@ class Trainer:
         # finite (and its loss no spike), decided on the device by the fused AdamW (guarded_step)
         guarded_step(self.optimizer, apply)
         self.optimizer.zero_grad(set_to_none=True)
-        for steps in self.faults.values():
-            steps.discard(step)
         self.hooks.after_optimizer(step, apply)
         return loss, grad_norm, lr
 
@@ -311,9 +309,7 @@ class Trainer:
         for i, batch in enumerate(micro):
             set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
             watchdog.phase(step, "forward")
-            if step in self.faults["hang"]:
-                hang_forever()
-            loss_sum = self._inject(step, forward_loss_sum(self.model, batch, self.autocast_dtype))
+            loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
             total = loss_sum * (scale / valid)
             for term in self.hooks.after_forward(len(micro), scale):
                 total = total + term
@@ -321,14 +317,6 @@ class Trainer:
             total.backward()
             local_loss += loss_sum.detach()
         return local_loss
-
-    def _inject(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
-        """LONGCTX_FAULT's nonfinite@STEP and spike@STEP (faults.py): the loss, and so its gradients."""
-        if step in self.faults["nonfinite"]:
-            loss_sum = loss_sum * float("nan")
-        if step in self.faults["spike"]:
-            loss_sum = loss_sum * SPIKE_MULTIPLIER
-        return loss_sum
 
     def _stop_on_signal(self, step: int, name: str, unread: list, result: TrainResult) -> None:
         """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
