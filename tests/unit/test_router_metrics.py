@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from longctx.train.host_sync import no_host_sync
+from host_sync import no_host_sync
 from longctx.train.router_metrics import (
     EXPERT_LOAD_COLUMNS,
     ROUTER_FIELDS,

@@ -28,20 +28,19 @@ from ..checkpoint.paths import CheckpointError, step_name
 from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
-from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
-from ..models.moe import eval_routing_note, moe_layers
 from ..parallel import watchdog
-from ..parallel.expert import expert_step_notes
 from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import phase, progress_bar, said
+from .fault_injection import with_step_faults
 from .guard import StepGuard, bad_step_reason, stopped_run_error
+from .hooks import StepHooks
 from .metrics import MetricsLogger, peak_memory_bytes
 from .model import build_training_model, resolve_offload
+from .moe_hooks import MoEStepHook, moe_step_hooks
 from .preemption import StopOnSignal
 from .report import describe_run, write_plots
 from .rollback import BadStep, roll_back, skip_rolled_back_window
-from .router_metrics import RouterInterval, heatmap_every, layer_loads
 from .setup import (
     build_data,
     check_packages,
@@ -92,15 +91,13 @@ class Trainer:
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
         self.model = build_training_model(cfg, self.device, rt, self.log)
-        self.moe = cfg.model.is_moe and not cfg.draft.target  # (a GliDe draft trains no routers)
-        # the last step's choices per expert [layers, E] (models/moe.py RouterTerms.counts): what the
-        # expert placement reads; the metrics' router figures sum every step's on the device
-        self.router_counts: torch.Tensor | None = None
-        self.router_interval = self._router_interval() if self.moe else None
-        # wraps each step's forward and backward: tests put a host-sync detector here (host_sync.py)
+        # what a step does beside the loss, at fixed points (hooks.py): MoE router bookkeeping, in a run
+        # that trains routers; none in a dense run
+        self.hooks = StepHooks(moe_step_hooks(cfg, self.model, rt, self.log))
+        # wraps each step's forward and backward: tests put a host-sync detector here (tests/host_sync.py)
         self.device_section = contextlib.nullcontext
-        # LONGCTX_FAULT (a testing aid): the steps each fault hits on this rank, each once
-        self.faults = {kind: planned(kind, rt.rank) for kind in ("nonfinite", "spike", "hang")}
+        # LONGCTX_FAULT (a testing aid): the step wrapped to inject the faults planned on this rank
+        self.step = with_step_faults(self.step, self.model, rt.rank)
         # train.on_nonfinite / train.spike_factor: whether a step's update is applied, on the device
         self.guard = StepGuard(cfg.train.spike_factor, cfg.train.spike_window, self.device)
         self.last_spike: torch.Tensor | None = None  # the last step's spike flag (on the device)
@@ -130,11 +127,12 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self._describe()
 
-    def _router_interval(self) -> RouterInterval:
-        """The MoE figures of each metrics line (router_metrics.py), the selection biases with aux-loss-free routing."""
-        m, every = self.cfg.model, heatmap_every(self.cfg.metrics.log_interval, self.cfg.train.steps)
-        return RouterInterval(m.moe_layer_ids, self.rt.dims.expert, every,
-                              moe_layers(self.model) if m.moe_bias_update_rate > 0 else ())
+    @property
+    def router_counts(self) -> torch.Tensor | None:
+        """The last step's choices per expert [layers, E] of a run that trains routers (moe_hooks.py),
+        else None: what tests of the expert placement read."""
+        moe = self.hooks.find(MoEStepHook)
+        return None if moe is None else moe.router_counts
 
     def _skip_rolled_back_window(self) -> None:
         """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py)."""
@@ -194,6 +192,7 @@ class Trainer:
                     with self._save_errors():
                         self.ckpt.wait()  # the last async save is complete and committed before the job ends
         finally:
+            self.hooks.run_end()
             self.sampler.close()
             if progress is not None:
                 progress.close()
@@ -261,7 +260,7 @@ class Trainer:
         return lr
 
     def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, loop: _Loop) -> None:
-        """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, routers,
+        """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, the hooks' fields,
         and the mean loss of the interval's steps (every step's loss is read back anyway; a skipped
         step's non-finite one left out), which loss.png draws."""
         losses = loop.result.losses
@@ -273,72 +272,51 @@ class Trainer:
             "elapsed_s": time.perf_counter() - loop.start,
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             **({"rollbacks": self.rollbacks} if self.rollbacks else {}),
-            **(self.router_interval.record(step, last=step == self.cfg.train.steps) if self.moe else {})})
+            **self.hooks.log_fields(step, last=step == self.cfg.train.steps)})
         said()  # a metrics line: the heartbeat's quiet starts again
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
         left on the device (nothing in a step waits for the device), and the lr."""
-        t, rt = self.cfg.train, self.rt
         lr = lr_at(step - 1, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         watchdog.phase(step, "data")
         shares = self.sampler.step_batches(step)  # this rank's, read on the host (read ahead, mostly)
         valid = sum(v for _, v in shares)  # of the global step: the same on every rank
-        scale = grad_scale(rt.dims)
-        micro = [rt.to_device(b, self.device) for b, _ in shares]
-        if self.moe:
-            self.model.set_router_step(step - 1)
-            for note in expert_step_notes(self.model, step, self.router_counts):  # chunk tuning, FlexMoE placement
-                self.log(note)
-        router_stats = router_counts = layer_load = router_dropped = None
+        micro = [self.rt.to_device(b, self.device) for b, _ in shares]
+        self.hooks.step_start(step)
         with self.device_section():
-            local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-            for i, batch in enumerate(micro):
-                set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
-                watchdog.phase(step, "forward")
-                if step in self.faults["hang"]:
-                    hang_forever()
-                loss_sum = self._inject(step, forward_loss_sum(self.model, batch, self.autocast_dtype))
-                total = loss_sum * (scale / valid)
-                terms = self.model.router_terms() if self.moe else None
-                if terms is not None:  # MoE balancing losses: the mean over the step's micro-batches
-                    total = total + terms.loss * (scale / len(micro))
-                    router_stats = terms.stats / len(micro) + (0 if router_stats is None else router_stats)
-                    router_counts = terms.counts + (0 if router_counts is None else router_counts)
-                    layer_load = layer_loads(terms.counts) / len(micro) + (0 if layer_load is None else layer_load)
-                    router_dropped = terms.dropped + (0 if router_dropped is None else router_dropped)
-                watchdog.phase(step, "backward")
-                total.backward()
-                local_loss += loss_sum.detach()
+            local_loss = self._forward_backward(step, micro, valid)
             watchdog.phase(step, "optimizer")
-            loss = rt.sum_tensor(local_loss) / max(valid, 1)
-            grad_norm = clip_gradients(self.model, t.grad_clip)
+            loss = self.rt.sum_tensor(local_loss) / max(valid, 1)
+            grad_norm = clip_gradients(self.model, self.cfg.train.grad_clip)
             # global figures, so the same decision on every rank
             apply, self.last_spike = self.guard.check(loss, grad_norm)
         # train.on_nonfinite: the update is applied only if the step's loss and gradient norm are
         # finite (and its loss no spike), decided on the device by the fused AdamW (guarded_step)
         guarded_step(self.optimizer, apply)
         self.optimizer.zero_grad(set_to_none=True)
-        for steps in self.faults.values():
-            steps.discard(step)
-        if router_counts is not None:
-            # once per optimizer step, from every micro-batch; not on a step whose update was not
-            # applied (its counts zeroed on the device: the bias moves by sign(mean - count) = 0)
-            self.model.update_expert_bias(router_counts * apply)
-            self.router_counts = router_counts
-            self.router_interval.add(step, router_stats, layer_load, router_counts, apply,
-                                     router_dropped if self.cfg.model.moe_capacity_factor > 0 else None)
+        self.hooks.after_optimizer(step, apply)
         return loss, grad_norm, lr
 
-    def _inject(self, step: int, loss_sum: torch.Tensor) -> torch.Tensor:
-        """LONGCTX_FAULT's nonfinite@STEP and spike@STEP (faults.py): the loss, and so its gradients."""
-        if step in self.faults["nonfinite"]:
-            loss_sum = loss_sum * float("nan")
-        if step in self.faults["spike"]:
-            loss_sum = loss_sum * SPIKE_MULTIPLIER
-        return loss_sum
+    def _forward_backward(self, step: int, micro: list, valid: int) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (gradients summed); returns this rank's
+        summed loss (float64, on the device). Each micro-batch's loss sum is normalised by the valid
+        labels of the whole step; the hooks' terms (MoE balancing losses) join its backward."""
+        scale = grad_scale(self.rt.dims)
+        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, batch in enumerate(micro):
+            set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
+            watchdog.phase(step, "forward")
+            loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
+            total = loss_sum * (scale / valid)
+            for term in self.hooks.after_forward(len(micro), scale):
+                total = total + term
+            watchdog.phase(step, "backward")
+            total.backward()
+            local_loss += loss_sum.detach()
+        return local_loss
 
     def _stop_on_signal(self, step: int, name: str, unread: list, result: TrainResult) -> None:
         """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
@@ -388,8 +366,7 @@ class Trainer:
             self.ckpt.wait()
         note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main)
         self.guard.reset()
-        if self.router_interval is not None:  # (its sums hold steps the rollback discarded)
-            self.router_interval.reset()
+        self.hooks.rolled_back()
         del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
         self.rollbacks += 1
         self.log(note)
@@ -448,7 +425,7 @@ class Trainer:
             loss = self.evaluate()
         result.eval_losses[step] = loss
         seconds = time.perf_counter() - start
-        self.metrics.evaluated(step, loss, seconds, before, eval_routing_note(self.model) if self.moe else None)
+        self.metrics.evaluated(step, loss, seconds, before, self.hooks.eval_note())
         return seconds
 
     def _finish(self, result: TrainResult, total_s: float, eval_s: float) -> TrainResult:

@@ -1,4 +1,6 @@
-"""Find device-to-host synchronisations inside a training step.
+"""Find device-to-host synchronisations inside a training step (a test tool: tests put it in the
+Trainer's `device_section`, around each step's forward and backward; `from host_sync import ...`,
+tests/ being on pytest's path).
 
 A host read of device data (`.item()`, `float(t)`, `bool(t)`, a boolean mask, `nonzero`, `unique`)
 makes the CPU wait for the GPU queue to drain: the launch pipeline stalls and communication can no

@@ -1,0 +1,96 @@
+"""The MoE step hook (hooks.py): everything a training step does for the routers, beside the loop.
+
+- before a step: the routers learn the step (DTS-Gate's schedule reads it), and the expert
+  dispatcher's decisions at this boundary are said (parallel/expert.py expert_step_notes: online
+  chunk tuning, FlexMoE's placement from the last step's choices per expert);
+- after each micro-batch's forward: the router terms (models/moe.py RouterTerms): their balancing
+  losses join the backward as a mean over the step's micro-batches, and their statistics (stats,
+  choices per expert, per-layer loads, choices dropped) are summed on the device;
+- after the optimizer step: the aux-loss-free selection bias moves toward an even load
+  (moe.bias_update_rate; not for a step whose update was not applied: its counts are zeroed on the
+  device, so the bias moves by sign(mean - count) = 0), and the step's figures join the metrics
+  interval (router_metrics.py RouterInterval: interval means, the heatmap's per-expert columns);
+- at a metrics line: the interval's figures; at a rollback: the interval forgotten (its steps run
+  again); at an evaluation: how it routed, where that depends on the step.
+
+A run installs this hook only when it trains routers (`moe_step_hooks`): a dense model, or a GliDe
+draft trained against an MoE target, has none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from ..models.moe import eval_routing_note, moe_layers
+from ..parallel.expert import expert_step_notes
+from ..parallel.runtime import Runtime
+from .hooks import StepHook
+from .model import model_kind
+from .router_metrics import RouterInterval, heatmap_every, layer_loads
+
+
+def moe_step_hooks(cfg: Config, model: torch.nn.Module, rt: Runtime, log=print) -> list[StepHook]:
+    """[MoEStepHook] for a run that trains routers (model_kind "moe"), else []."""
+    return [MoEStepHook(cfg, model, rt.dims.expert, log)] if model_kind(cfg) == "moe" else []
+
+
+class MoEStepHook(StepHook):
+    """The routers' part of each step. `router_counts`: the last step's choices per expert [layers, E]
+    over every rank (None before the first step): what FlexMoE's placement reads."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, expert: int, log=print):
+        m = cfg.model
+        self.model, self.log = model, log
+        self.capacity = m.moe_capacity_factor > 0  # (without one nothing is dropped: no drop figures)
+        every = heatmap_every(cfg.metrics.log_interval, cfg.train.steps)
+        self.interval = RouterInterval(m.moe_layer_ids, expert, every,
+                                       moe_layers(model) if m.moe_bias_update_rate > 0 else ())
+        self.router_counts: torch.Tensor | None = None
+        self._step = _StepSums()
+
+    def step_start(self, step: int) -> None:
+        self.model.set_router_step(step - 1)
+        for note in expert_step_notes(self.model, step, self.router_counts):
+            self.log(note)
+        self._step = _StepSums()
+
+    def after_forward(self, micro_batches: int, scale: float) -> torch.Tensor | None:
+        terms = self.model.router_terms()
+        if terms is None:
+            return None
+        self._step.add(terms, micro_batches)
+        return terms.loss * (scale / micro_batches)  # the balancing losses: a mean over the micro-batches
+
+    def after_optimizer(self, step: int, applied: torch.Tensor) -> None:
+        s = self._step
+        if s.counts is None:
+            return
+        # once per optimizer step, from every micro-batch's choices
+        self.model.update_expert_bias(s.counts * applied)
+        self.router_counts = s.counts
+        self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None)
+
+    def log_fields(self, step: int, last: bool) -> dict:
+        return self.interval.record(step, last=last)
+
+    def eval_note(self) -> str | None:
+        return eval_routing_note(self.model)
+
+    def rolled_back(self) -> None:
+        self.interval.reset()  # (its sums hold steps the rollback discarded)
+
+
+class _StepSums:
+    """One optimizer step's router figures over its micro-batches, on the device: stats and per-layer
+    max/mean loads as means, choices per expert and dropped choices as sums."""
+
+    def __init__(self):
+        self.stats = self.counts = self.layer_load = self.dropped = None
+
+    def add(self, terms, micro_batches: int) -> None:
+        n = micro_batches
+        self.stats = terms.stats / n + (0 if self.stats is None else self.stats)
+        self.counts = terms.counts + (0 if self.counts is None else self.counts)
+        self.layer_load = layer_loads(terms.counts) / n + (0 if self.layer_load is None else self.layer_load)
+        self.dropped = terms.dropped + (0 if self.dropped is None else self.dropped)
