@@ -7,7 +7,9 @@ A testing aid, documented in docs/running.md, that makes the guards of a long ru
   NIC would (a Python sleep, so its stack shows where): the hang watchdog (parallel/watchdog.py);
 - `enospc@2`: the run's second checkpoint save fails as a full disk would: checkpoint.on_save_error.
 Several faults are separated by commas. Each fires once per process: a step run again after a
-rollback is not hit again. Nothing in longctx reads the variable elsewhere.
+rollback is not hit again. Nothing in longctx reads the variable elsewhere; the step faults are
+injected by train/fault_injection.py (a wrapper around the Trainer's step), enospc by
+checkpoint/manager.py.
 """
 
 from __future__ import annotations

@@ -31,6 +31,18 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return peak_rss_bytes(), "peak RSS"
 
 
+def setup_peak_line(device: torch.device, rt) -> str:
+    """The setup line: every rank's peak while building, loading and sharding the model (before
+    anything the step allocates), lowest and highest over the ranks: what lets a model that no
+    single rank could hold start at all. On CUDA the peak is then reset: setup transients are not
+    the step's peak. A collective: every rank calls it."""
+    setup_peak, peak_kind = peak_memory_bytes(device)
+    high, neg_low = rt.max([float(setup_peak), -float(setup_peak)])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return f"setup: {peak_kind} per rank {-neg_low / 2**30:.2f}-{high / 2**30:.2f} GiB"
+
+
 class MetricsWriter:
     """Appends one JSON object per record to a JSONL file; optionally mirrors to TensorBoard."""
 

@@ -1,12 +1,14 @@
 """PNG plots of a run from its metrics JSONL: loss (train and eval), throughput (tokens/s with its
 MFU scale) over memory, and for MoE models the expert load and router losses (expert_load.png) and
 each expert's share of its layer's choices over the steps (expert_heatmap.png). token_log_axis: a
-log-scaled token axis labelled at a few powers of 2 (1K, 64K, 1M), for plots over positions."""
+log-scaled token axis labelled at a few powers of 2 (1K, 64K, 1M), for plots over positions.
+describe_run and done_line: what a run says when it starts and when it ends."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..checkpoint.paths import step_name
 from ..config.rules import moe_notes
 from ..errors import UserError
 from ..models.llama import count_params
@@ -250,3 +252,28 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             + f"; {lr_note(cfg)}; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else [])]
+
+
+def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None) -> str:
+    """The run's closing line: the steps this job ran (`result`: trainer.py TrainResult) up to
+    train.steps `steps`, their time and first and last loss, the last evaluation's, and where what the
+    run wrote is (`checkpoints`: the checkpoint directory, None when the run saves nothing)."""
+    # (no losses: a resume of a finished run under torchrun directly; `longctx train` says so before building)
+    if not result.losses:
+        return f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {steps}."
+    last_eval = f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
+    return (f"done: steps {result.first_step}-{steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
+            f"{result.losses[-1]:.4f}{last_eval}. {_where_it_is(steps, run_dir, plots, checkpoints)}")
+
+
+def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None) -> str:
+    """The done line's pointer to what the run wrote: its files, and the last step's checkpoint
+    when one was saved (what `longctx generate --checkpoint` reads)."""
+    files = "config, metrics and plots" if plots else "config and metrics"
+    said = f"Its {files} are in {run_dir}/"
+    if checkpoints is None:
+        return f"{said} (nothing saved: checkpoint.interval 0 and checkpoint.final false)."
+    saved = checkpoints / step_name(step)
+    if not saved.is_dir():  # (a failed save under checkpoint.on_save_error = warn)
+        return f"{said}."
+    return f"{said}; the last step's weights in {saved}/ (`longctx generate --checkpoint {checkpoints}` reads them)."

@@ -10,37 +10,38 @@ valid tokens are weighted exactly as one large batch on one device would be.
 
 What is set up before the first step lives in setup.py (run directory, data, checkpoints) and
 model.py (the parallelised model); the pieces of a step the planner also uses (optimizer,
-schedule, loss forward, clipping) in step.py; what a metrics line says in metrics.py.
+schedule, loss forward, clipping) in step.py; what a metrics line says in metrics.py. What a step
+does beside the loss is done by step hooks called at fixed points (hooks.py; the MoE routers'
+bookkeeping: moe_hooks.py), LONGCTX_FAULT's faults by a wrapper around the step
+(fault_injection.py); when to save in saves.py, what watches the loop in watch.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..checkpoint.paths import CheckpointError, step_name
 from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..parallel import watchdog
-from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
 from ..parallel.parallelize import grad_scale
 from ..progress import phase, progress_bar, said
 from .fault_injection import with_step_faults
 from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .hooks import StepHooks
-from .metrics import MetricsLogger, peak_memory_bytes
+from .metrics import MetricsLogger, setup_peak_line
 from .model import build_training_model, resolve_offload
 from .moe_hooks import MoEStepHook, moe_step_hooks
 from .preemption import StopOnSignal
-from .report import describe_run, write_plots
+from .report import describe_run, done_line, write_plots
 from .rollback import BadStep, roll_back, skip_rolled_back_window
+from .saves import RunSaves
 from .setup import (
     build_data,
     check_packages,
@@ -62,6 +63,7 @@ from .step import (
     seed_everything,
     set_gradient_sync,
 )
+from .watch import watched
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Trainer:
                                     read_local=rt.read_local_batch, read_ahead=read_ahead)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
+        self.saves = RunSaves(self.ckpt, cfg, self.log)  # checkpoint.interval / final / on_save_error
         self._skip_rolled_back_window()
         # the positions the starting weights can be trusted with under this run's RoPE settings
         self.start_positions = 0 if cfg.draft.target else run_start_positions(cfg.model.init_from, cfg.model)
@@ -118,13 +121,7 @@ class Trainer:
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         if rt.is_main:
             continue_run_files(self.run_dir, cfg, self.start_step, self.log)
-        # every rank's peak while building, loading and sharding the model (before anything the step
-        # allocates): what lets a model that no single rank could hold start at all
-        setup_peak, peak_kind = peak_memory_bytes(self.device)
-        high, neg_low = rt.max([float(setup_peak), -float(setup_peak)])
-        self.log(f"setup: {peak_kind} per rank {-neg_low / 2**30:.2f}-{high / 2**30:.2f} GiB")
-        if self.device.type == "cuda":  # setup transients are not the step's peak
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.log(setup_peak_line(self.device, rt))
         self._describe()
 
     @property
@@ -184,13 +181,13 @@ class Trainer:
         try:
             # a line at least every progress.interval_s() in logs where no bar is drawn (a first step,
             # a slow interval, an evaluation are each minutes at long lengths on a CPU)
-            with self._watched() as stop, phase("training", total=cfg.train.steps - self.start_step, unit="steps",
-                                                  done_line=False, bar=progress) as loop.beat:
+            with watched(cfg, self.rt, can_save=self.ckpt is not None) as stop, \
+                    phase("training", total=cfg.train.steps - self.start_step, unit="steps", done_line=False,
+                          bar=progress) as loop.beat:
                 step = self._run_steps(loop, stop)
                 if self.ckpt is not None:
                     watchdog.phase(step, "save")
-                    with self._save_errors():
-                        self.ckpt.wait()  # the last async save is complete and committed before the job ends
+                    self.saves.wait()  # the last async save is complete and committed before the job ends
         finally:
             self.hooks.run_end()
             self.sampler.close()
@@ -198,25 +195,6 @@ class Trainer:
                 progress.close()
             self.metrics.close()
         return self._finish(loop.result, time.perf_counter() - loop.start, loop.eval_s)
-
-    @contextlib.contextmanager
-    def _watched(self):
-        """While the loop runs: the watchdog, and the stop on a signal (which it yields)."""
-        cfg, rt = self.cfg, self.rt
-        # checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1
-        stop = StopOnSignal(cfg.checkpoint.on_signal if self.ckpt is not None else "", rt.world, new_gloo_group)
-        # parallel.timeout_s: a rank idle that long says where it and its peers were, and the job ends
-        watch = (watchdog.Watchdog(cfg.parallel.timeout_s, rt.rank, os.environ.get(ERROR_DIR_ENV))
-                 if rt.world > 1 else None)
-        try:
-            if watch is not None:
-                watch.start()
-            stop.install()
-            yield stop
-        finally:
-            if watch is not None:
-                watch.stop()
-            stop.restore()
 
     def _run_steps(self, loop: _Loop, stop: StopOnSignal) -> int:
         """Steps start_step + 1 to train.steps (a rollback runs some again); returns the last one run."""
@@ -227,7 +205,7 @@ class Trainer:
             self._enter_stage(step)
             lr = self._launch_step(step, loop.unread)
             log_now = self.metrics.due(step)
-            if log_now or self._save_due(step):
+            if log_now or self.saves.due(step):
                 # the one host read of the step's figures, here and not every step: it waits for
                 # the device to finish; before a save, so no checkpoint holds a non-finite step
                 try:
@@ -238,7 +216,7 @@ class Trainer:
                     continue
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
-            self.metrics.saved(self.save(step))
+            self.metrics.saved(self.saves.save(step, self.model, self.optimizer, self.sampler))
             loop.beat.update(1)  # (and the bar)
             if log_now:
                 self._log_step(step, loss, grad_norm, lr, loop)
@@ -320,7 +298,7 @@ class Trainer:
 
     def _stop_on_signal(self, step: int, name: str, unread: list, result: TrainResult) -> None:
         """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
-        saved = self._save_due(step)
+        saved = self.saves.due(step)
         if unread:
             try:
                 self._read_back(unread, result)  # (no checkpoint holds a non-finite step)
@@ -362,8 +340,7 @@ class Trainer:
         """Go back to the newest checkpoint before a bad step (rollback.py); returns the step the run
         goes on after (the bad one)."""
         watchdog.phase(bad.step, "load")
-        with self._save_errors():
-            self.ckpt.wait()
+        self.saves.wait()
         note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main)
         self.guard.reset()
         self.hooks.rolled_back()
@@ -371,14 +348,6 @@ class Trainer:
         self.rollbacks += 1
         self.log(note)
         return bad.step
-
-    def _save_due(self, step: int) -> bool:
-        ck = self.cfg.checkpoint
-        if self.ckpt is None:
-            return False
-        if step == self.cfg.train.steps:  # the end is kept by a periodic saver and by checkpoint.final alike
-            return bool(ck.interval or ck.final)
-        return bool(ck.interval) and step % ck.interval == 0
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -396,26 +365,6 @@ class Trainer:
             count += valid
         model.train()
         return float(self.rt.sum_tensor(total)) / max(count, 1)  # one host read per evaluation
-
-    def save(self, step: int) -> float:
-        """Save when the interval says so; returns the seconds the loop was blocked by it."""
-        if not self._save_due(step):
-            return 0.0
-        watchdog.phase(step, "save")
-        with self._save_errors():
-            self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
-        return self.ckpt.last_save_blocking_s
-
-    @contextlib.contextmanager
-    def _save_errors(self):
-        """checkpoint.on_save_error: a failed save (already cleaned up by the manager, on every rank
-        alike) stops the run, or is said and training goes on."""
-        try:
-            yield
-        except CheckpointError as e:
-            if self.cfg.checkpoint.on_save_error == "stop":
-                raise
-            self.log(f"checkpoint: {e} Training goes on (checkpoint.on_save_error = warn).")
 
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
@@ -435,26 +384,9 @@ class Trainer:
         result.tokens_per_s = trained / (total_s - eval_s) if result.losses else 0.0
         if self.cfg.metrics.plots and self.rt.is_main:
             write_plots(self.run_dir, self.metrics.path)
-        last_eval = f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
-        if result.losses:
-            self.log(f"done: steps {result.first_step}-{t.steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
-                     f"{result.losses[-1]:.4f}{last_eval}. {self._where_it_is(t.steps)}")
-        else:  # (a resume of a finished run under torchrun directly; `longctx train` says so before building)
-            self.log(f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {t.steps}.")
+        self.log(done_line(result, t.steps, total_s, self.run_dir, self.cfg.metrics.plots,
+                           None if self.ckpt is None else self.ckpt.root))
         return result
-
-    def _where_it_is(self, step: int) -> str:
-        """The done line's pointer to what the run wrote: its files, and the last step's checkpoint
-        when one was saved (what `longctx generate --checkpoint` reads)."""
-        files = "config, metrics and plots" if self.cfg.metrics.plots else "config and metrics"
-        said = f"Its {files} are in {self.run_dir}/"
-        if self.ckpt is None:
-            return f"{said} (nothing saved: checkpoint.interval 0 and checkpoint.final false)."
-        saved = self.ckpt.root / step_name(step)
-        if not saved.is_dir():  # (a failed save under checkpoint.on_save_error = warn)
-            return f"{said}."
-        return (f"{said}; the last step's weights in {saved}/ (`longctx generate --checkpoint {self.ckpt.root}` "
-                f"reads them).")
 
 
 @dataclass

@@ -1,0 +1,55 @@
+"""When a run saves its checkpoints, and what a failed save does.
+
+checkpoint.interval saves every that many steps, and the run's last step is kept by a periodic
+saver and by checkpoint.final alike; a run with neither has no checkpoint manager and saves
+nothing. checkpoint.on_save_error: a failed save (already cleaned up by the manager, on every rank
+alike) stops the run (`stop`), or is said and training goes on (`warn`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ..checkpoint.paths import CheckpointError
+from ..config import Config
+from ..parallel import watchdog
+
+
+class RunSaves:
+    """The saves of one run through its checkpoint manager `ckpt` (None: the run saves nothing)."""
+
+    def __init__(self, ckpt, cfg: Config, log=print):
+        self.ckpt, self.cfg, self.log = ckpt, cfg, log
+
+    def due(self, step: int) -> bool:
+        ck = self.cfg.checkpoint
+        if self.ckpt is None:
+            return False
+        if step == self.cfg.train.steps:  # the end is kept by a periodic saver and by checkpoint.final alike
+            return bool(ck.interval or ck.final)
+        return bool(ck.interval) and step % ck.interval == 0
+
+    def save(self, step: int, model, optimizer, sampler) -> float:
+        """Save `step` when it is due; returns the seconds the loop was blocked by it."""
+        if not self.due(step):
+            return 0.0
+        watchdog.phase(step, "save")
+        with self.errors():
+            self.ckpt.save(step, model, optimizer, sampler.state_dict())
+        return self.ckpt.last_save_blocking_s
+
+    def wait(self) -> None:
+        """Until the saves in flight are complete and committed (a failure handled as errors() says)."""
+        if self.ckpt is not None:
+            with self.errors():
+                self.ckpt.wait()
+
+    @contextlib.contextmanager
+    def errors(self):
+        """checkpoint.on_save_error for a failed save inside the block."""
+        try:
+            yield
+        except CheckpointError as e:
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise
+            self.log(f"checkpoint: {e} Training goes on (checkpoint.on_save_error = warn).")

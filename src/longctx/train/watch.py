@@ -1,0 +1,32 @@
+"""What watches the training loop from outside while it runs: the hang watchdog (parallel.timeout_s:
+a rank idle that long says where it and its peers were, and the job ends) and the stop on a signal
+(checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1,
+preemption.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from ..config import Config
+from ..parallel import watchdog
+from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
+from ..parallel.runtime import Runtime
+from .preemption import StopOnSignal
+
+
+@contextlib.contextmanager
+def watched(cfg: Config, rt: Runtime, can_save: bool):
+    """Both watchers for the block; yields the StopOnSignal that the loop asks after each step."""
+    stop = StopOnSignal(cfg.checkpoint.on_signal if can_save else "", rt.world, new_gloo_group)
+    watch = (watchdog.Watchdog(cfg.parallel.timeout_s, rt.rank, os.environ.get(ERROR_DIR_ENV))
+             if rt.world > 1 else None)
+    try:
+        if watch is not None:
+            watch.start()
+        stop.install()
+        yield stop
+    finally:
+        if watch is not None:
+            watch.stop()
+        stop.restore()
