@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from longctx.parallel import comm
-from longctx.parallel.attention import distributed_attention
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.spawn import run_spawned
+from longctx.job import comm
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned
+from longctx.parallel.context.attention import distributed_attention
 
 HEADS, HEAD_DIM = 8, 64
 

@@ -120,8 +120,9 @@ def _alternate_rank(seq: int, rounds: int, layout: list[str]) -> dict:
     import torch.distributed as dist
 
     from longctx.config import load_config
-    from longctx.parallel import comm
-    from longctx.parallel.runtime import Runtime
+    from longctx.job import comm
+    from longctx.job.runtime import Runtime
+    from longctx.parallel.context.shares import local_batch
     from longctx.train.model import build_training_model
 
     world = dist.get_world_size()
@@ -134,7 +135,7 @@ def _alternate_rank(seq: int, rounds: int, layout: list[str]) -> dict:
     from longctx.data.samples import Batch
 
     tokens = torch.randint(0, 320, (1, seq), generator=torch.Generator().manual_seed(0))
-    batch = rt.local_batch(Batch(tokens, tokens, torch.arange(seq)[None], None))
+    batch = local_batch(rt, Batch(tokens, tokens, torch.arange(seq)[None], None))
 
     def timed(model) -> float:
         comm.barrier(rt.world_mesh)
@@ -159,7 +160,7 @@ def _alternate_rank(seq: int, rounds: int, layout: list[str]) -> dict:
 def alternate_ranks(seq: int, rounds: int) -> dict:
     """`alternate` under head 2 x ctx 2 on 4 gloo ranks (FSDP over nothing: dp 1), timed per round
     as the slowest rank's forward + backward."""
-    from longctx.parallel.spawn import run_spawned
+    from longctx.job.spawn import run_spawned
 
     got = run_spawned(4, _alternate_rank, seq, rounds, ["--parallel.head=2", "--parallel.ctx=2"], timeout=3600)[0]
     ratios = [e / c for e, c in zip(got["eager_s"], got["compiled_s"])]

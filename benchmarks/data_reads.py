@@ -72,7 +72,7 @@ def _train(overrides, run_dir, read_ahead):
 
 
 def run(world, overrides, read_ahead):
-    from longctx.parallel.spawn import run_spawned
+    from longctx.job.spawn import run_spawned
 
     with tempfile.TemporaryDirectory() as tmp:
         if world == 1:

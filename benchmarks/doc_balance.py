@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from longctx.data.loader import PackedSamples
-from longctx.parallel.doc_balance import docs_balanced_indices
-from longctx.parallel.layouts import rank_runs, rank_work, zigzag_positions
+from longctx.parallel.context.doc_balance import docs_balanced_indices
+from longctx.parallel.context.layouts import rank_runs, rank_work, zigzag_positions
 
 
 def _dist(x) -> dict:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from longctx.config import load_config
-from longctx.planner.hardware import PRESETS
+from longctx.costs.hardware import PRESETS
 from longctx.planner.search import Request, plan
 
 

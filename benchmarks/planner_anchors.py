@@ -7,8 +7,8 @@ and the host memory per node each anchor would need under longctx's offload sche
 import json
 import sys
 
+from longctx.costs.hardware import get_hardware
 from longctx.planner.anchors import ANCHORS, check, passed
-from longctx.planner.hardware import get_hardware
 
 if __name__ == "__main__":
     rows = []

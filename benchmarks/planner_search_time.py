@@ -10,7 +10,7 @@ import statistics
 import time
 
 from longctx.config import load_config
-from longctx.planner.hardware import get_hardware
+from longctx.costs.hardware import get_hardware
 from longctx.planner.search import Request, plan
 
 REQUESTS = [("llama3-8b", 64, 2**20, "h100"), ("llama3-8b", 1024, 2**20, "h100"),

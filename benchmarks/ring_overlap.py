@@ -24,12 +24,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from longctx.parallel import comm
-from longctx.parallel.attention import distributed_attention
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.ring import TAG_KV, TAG_OUTER_KV, Schedule
-from longctx.parallel.sequence import shard_sequence
-from longctx.parallel.spawn import run_spawned
+from longctx.job import comm
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned
+from longctx.parallel.context.attention import distributed_attention
+from longctx.parallel.context.ring import TAG_KV, TAG_OUTER_KV, Schedule
+from longctx.parallel.context.sequence import shard_sequence
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ def _config_help() -> str:
 def _cmd_train(args, overrides) -> int:
     from .config import to_toml
     from .config.layout import resolve_layout
-    from .parallel.launch import default_nproc, launched_by_us, relaunch, under_launcher
+    from .job.launch import default_nproc, launched_by_us, relaunch, under_launcher
 
     launcher = under_launcher()
     if launcher and args.nproc:
@@ -68,7 +68,7 @@ def _cmd_train(args, overrides) -> int:
         if nproc > 1:
             relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
             return 0
-    from .parallel.launch import finish_distributed
+    from .job.launch import finish_distributed
 
     threads.fit_to_idle_cores()  # one process alone (ranks have their share): as many threads as cores are idle
     try:
@@ -86,7 +86,7 @@ def _saved_manifest(cfg) -> tuple[object, dict] | tuple[None, None]:
     import json
     from pathlib import Path
 
-    from .checkpoint.paths import MANIFEST
+    from .config.checkpoint_paths import MANIFEST
     from .train.setup import resume_target
 
     try:
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args, rest)
     except UserError as e:
-        from .parallel.launch import hand_error_to_launcher
+        from .job.launch import hand_error_to_launcher
 
         if hand_error_to_launcher(str(e), e.exit_code):
             return e.exit_code  # `longctx train --nproc N` prints it, once for all the ranks that hit it
@@ -282,7 +282,7 @@ def main(argv=None) -> int:
         print("\n".join(textwrap.fill(line, width=100) for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
     except Exception:
-        from .parallel.launch import another_rank_reported
+        from .job.launch import another_rank_reported
 
         if another_rank_reported():  # the launcher prints the error that stopped the job; this is its echo
             sys.stdout.flush()

@@ -4,7 +4,7 @@ A testing aid, documented in docs/running.md, that makes the guards of a long ru
 - `nonfinite@5`: step 5's loss is NaN on every rank (its gradients follow): train.on_nonfinite;
 - `spike@12`: step 12's loss (and gradients) are 1000 times what they were: train.spike_factor;
 - `hang@1:3`: rank 1 stops making progress in step 3's forward, as a rank stuck in I/O or a dead
-  NIC would (a Python sleep, so its stack shows where): the hang watchdog (parallel/watchdog.py);
+  NIC would (a Python sleep, so its stack shows where): the hang watchdog (job/watchdog.py);
 - `enospc@2`: the run's second checkpoint save fails as a full disk would: checkpoint.on_save_error.
 Several faults are separated by commas. Each fires once per process: a step run again after a
 rollback is not hit again. Nothing in longctx reads the variable elsewhere; the step faults are

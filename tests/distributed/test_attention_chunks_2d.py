@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from longctx.config import load_config
+from longctx.job import comm
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned
 from longctx.models.llama import build_model
-from longctx.parallel import comm
-from longctx.parallel.attention import distributed_attention
-from longctx.parallel.dims import ParallelDims
+from longctx.parallel.context.attention import distributed_attention
+from longctx.parallel.context.sequence import attach_layout, plan_layout, shard_sequence
 from longctx.parallel.parallelize import apply_memory, use_sequence_parallel_attention
-from longctx.parallel.sequence import attach_layout, plan_layout, shard_sequence
-from longctx.parallel.spawn import run_spawned
 
 B, H, D, SEQ = 2, 8, 16, 256
 LAYOUTS = [(2, 2, 0), (1, 4, 0), (1, 4, 2), (4, 1, 0)]  # head, ctx, window

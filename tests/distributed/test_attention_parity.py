@@ -11,13 +11,13 @@ import itertools
 import pytest
 import torch
 
+from longctx.job import comm
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned_many
 from longctx.ops.attention import attention
-from longctx.parallel import comm
-from longctx.parallel.attention import distributed_attention
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.sequence import shard_sequence
-from longctx.parallel.spawn import run_spawned_many
-from longctx.parallel.volumes import attention_bytes
+from longctx.parallel.context.attention import distributed_attention
+from longctx.parallel.context.sequence import shard_sequence
+from longctx.parallel.context.volumes import attention_bytes
 
 B, H, D = 2, 8, 16
 
@@ -161,7 +161,7 @@ def random_docs(seq, seed):
 
 
 def run_layout_cases(world, seq, cases):
-    from longctx.parallel.sequence import plan_layout
+    from longctx.parallel.context.sequence import plan_layout
 
     results = []
     meshes = {}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from longctx.checkpoint.manager import CheckpointManager, _load_rng, latest_checkpoint, verification_shares
 from longctx.checkpoint.manifest import CheckpointError, hash_files, owner_rank, verify, write_manifest
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned, run_spawned_many
+from longctx.job.spawn import run_spawned, run_spawned_many
 from longctx.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[2]

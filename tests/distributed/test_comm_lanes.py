@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longctx.job import comm
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned_many
 from longctx.ops.attention import attention
-from longctx.parallel import comm
-from longctx.parallel.attention import distributed_attention
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.sequence import shard_sequence
-from longctx.parallel.spawn import run_spawned_many
+from longctx.parallel.context.attention import distributed_attention
+from longctx.parallel.context.sequence import shard_sequence
 
 B, S, H, D = 1, 64, 4, 8
 

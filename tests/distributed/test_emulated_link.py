@@ -1,4 +1,4 @@
-"""The emulated link (parallel/emulated_link.py): a lone transfer takes latency + bytes / bandwidth
+"""The emulated link (bench/emulated_link.py): a lone transfer takes latency + bytes / bandwidth
 (within 10%), asynchronous transfers hide behind computation and queue behind each other on a link,
 and inter-node bytes go at the inter-node bandwidth."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from longctx.parallel import comm
-from longctx.parallel.emulated_link import LinkEmulator, LinkProfile, emulate
-from longctx.parallel.spawn import run_spawned
+from longctx.bench.emulated_link import LinkEmulator, LinkProfile, emulate
+from longctx.job import comm
+from longctx.job.spawn import run_spawned
 
 MB = 1e6
 # slow enough that gloo's own time (well under a millisecond for these sizes) is noise

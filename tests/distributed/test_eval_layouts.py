@@ -4,7 +4,7 @@
 import pytest
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job.spawn import run_spawned_many
 
 pytestmark = pytest.mark.slow  # two 4-rank runs (one spawned job)
 ARGS = ["--train.seq_len=128", "--data.max_docs=120", "--model.layers=2", "--train.global_batch=4",

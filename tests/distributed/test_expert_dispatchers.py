@@ -1,4 +1,4 @@
-"""The expert-parallel dispatcher (parallel/expert.py use_expert_parallel) on 4 gloo ranks:
+"""The expert-parallel dispatcher (parallel/expert/install.py use_expert_parallel) on 4 gloo ranks:
 
 - every option (flat, pipelined chunks, chunks chosen online, FlexMoE copy slots, hierarchical over
   nodes) installs ONE object on every MoE layer, chosen from the options, says in its repr which
@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from longctx.config import ModelConfig
+from longctx.job.spawn import run_spawned_many
 from longctx.models.moe import MoEFeedForward
-from longctx.parallel.spawn import run_spawned_many
 
 OPTIONS = {  # name: (use_expert_parallel's options, the dispatcher's class, what its repr says)
     "flat": ({}, "ExpertParallelDispatcher", "flat all-to-all, 1 chunk"),
@@ -29,7 +29,7 @@ OPTIONS = {  # name: (use_expert_parallel's options, the dispatcher's class, wha
 
 
 def _installed():
-    from longctx.parallel.expert import expert_step_notes, model_dispatcher, use_expert_parallel
+    from longctx.parallel.expert.install import expert_step_notes, model_dispatcher, use_expert_parallel
 
     mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("expert_data", "expert"))
     cfg = ModelConfig(dim=32, ffn_dim=64, moe_experts=8, moe_top_k=2, moe_expert_dim=48)

@@ -1,4 +1,4 @@
-"""Hierarchical expert dispatch (parallel/expert_hierarchy.py) against the flat exchange: one MoE
+"""Hierarchical expert dispatch (parallel/expert/hierarchy.py) against the flat exchange: one MoE
 layer on 4 expert ranks seen as 2 nodes of 2, outputs and every gradient (routing weights' included,
 through the router) within 1e-5, with pipelined chunks, capacity drops and skewed routing; and the
 bytes that cross nodes, counted by the emulated link, below the flat exchange's. Training under
@@ -12,11 +12,11 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from longctx.bench.emulated_link import LinkProfile, emulate
 from longctx.config import ModelConfig
+from longctx.job.spawn import run_spawned
 from longctx.models.moe import MoEFeedForward
-from longctx.parallel.emulated_link import LinkProfile, emulate
-from longctx.parallel.expert import use_expert_parallel
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.expert.install import use_expert_parallel
 
 
 def _local(t):

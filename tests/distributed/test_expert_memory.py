@@ -18,9 +18,10 @@ import torch.distributed as dist
 from test_training_parity import BASE
 
 from longctx.config import load_config
+from longctx.job.spawn import run_spawned_many
 from longctx.memory.accounting import layer_activations, measure_activations
 from longctx.memory.policy import MemoryPolicy
-from longctx.parallel.spawn import run_spawned_many
+from longctx.parallel.context.shares import to_device
 from longctx.train.trainer import Trainer
 
 MOE = [*BASE, "--model.preset=debug-moe", "--train.steps=1"]
@@ -34,7 +35,7 @@ def _hot_rank_blocks(args, run_dir, bias):
     backward, its tokens, and the routed rows it receives (from every rank's expert counts)."""
     from longctx.models.llama import build_model
     from longctx.models.moe import moe_layers
-    from longctx.parallel.expert import use_expert_parallel
+    from longctx.parallel.expert.install import use_expert_parallel
     from longctx.parallel.parallelize import apply_memory, use_sequence_parallel_attention
 
     cfg = load_config("configs/debug.toml", [*MOE, "--model.moe.dense_layers=", *args, f"--train.run_dir={run_dir}"])
@@ -48,7 +49,7 @@ def _hot_rank_blocks(args, run_dir, bias):
     for layer in moe_layers(model):
         layer.router.expert_bias[0] = bias  # the selection's bias only: weights unchanged
         layer.experts.register_forward_hook(lambda mod, inputs, out: counts.append(inputs[1].clone()))
-    local = rt.to_device(trainer.sampler.step_batches(1)[0][0], trainer.device)  # this rank's share
+    local = to_device(trainer.sampler.step_batches(1)[0][0], trainer.device)  # this rank's share
     trainer.sampler.close()
     held = measure_activations(model, local.tokens, local.positions, local.doc_ids, labels=local.labels)
     ep, rank = cfg.parallel.expert, dist.get_rank()
@@ -116,8 +117,8 @@ def _model_states(args, run_dir):
 def test_model_states_under_expert_parallelism_against_the_planner(tmp_path):
     """A MoE preset on 4 ranks: the states a rank holds at rest at expert 1 and 4, with the experts
     fully sharded (dp_shard 4) or replicated (dp_replicate 4), each within 10% of the planner's."""
-    from longctx.planner.model_states import model_state_bytes
-    from longctx.planner.shape import MeshShape
+    from longctx.costs.model_states import model_state_bytes
+    from longctx.costs.shape import MeshShape
 
     m = load_config(None, [f"--model.preset={STATES_PRESET}"]).model
     layouts = {"fsdp4": (["--parallel.dp_shard=4"], dict(dp_shard=4)),

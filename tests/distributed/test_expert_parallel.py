@@ -1,4 +1,4 @@
-"""Expert parallelism (parallel.expert, parallel/expert.py) against one process: per-step losses and
+"""Expert parallelism (parallel.expert, parallel/expert/install.py) against one process: per-step losses and
 router statistics under folded layouts and memory policies, the expert all-to-all bytes against
 their closed form from the routed counts, and resumes under another expert degree (fp32, gloo).
 
@@ -19,8 +19,9 @@ from test_training_parity import BASE
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
-from longctx.parallel import comm
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job import comm
+from longctx.job.spawn import run_spawned_many
+from longctx.parallel.context.shares import to_device
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import Trainer, train
 
@@ -34,15 +35,15 @@ TOL = 1e-4
 FLEXMOE = ["--parallel.expert_replicas=1", "--parallel.expert_placement_window=2"]
 LAYOUTS = {  # world, args
     "expert4-head2-ctx2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2"]),
-    # FSMoE's schedule (parallel/expert_pipeline.py): the same layout, each layer in 3 overlapped chunks
+    # FSMoE's schedule (parallel/expert/pipeline.py): the same layout, each layer in 3 overlapped chunks
     "expert4-head2-ctx2-pipeline3": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
                                          "--parallel.expert_pipeline_chunks=3"]),
-    # hierarchical dispatch (parallel/expert_hierarchy.py): the group as 2 nodes of 2 ranks
+    # hierarchical dispatch (parallel/expert/hierarchy.py): the group as 2 nodes of 2 ranks
     "expert4-head2-ctx2-hier2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
                                      "--parallel.expert_ranks_per_node=2"]),
-    # FlexMoE (parallel/expert_placement.py): copies of hot experts from step 3 on (placed from steps 1-2)
+    # FlexMoE (parallel/expert/placement.py): copies of hot experts from step 3 on (placed from steps 1-2)
     "expert4-head2-ctx2-flexmoe": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2", *FLEXMOE]),
-    # gradient buckets (parallel/grad_buckets.py): the 4 blocks in 2 FSDP units, one reduce-scatter each
+    # gradient buckets (parallel/fsdp/grad_buckets.py): the 4 blocks in 2 FSDP units, one reduce-scatter each
     "expert4-head2-ctx2-buckets2": (4, ["--parallel.expert=4", "--parallel.head=2", "--parallel.ctx=2",
                                         "--parallel.grad_bucket_blocks=2"]),
     "expert2-dp2-ctx2": (4, ["--parallel.expert=2", "--parallel.ctx=2"]),
@@ -244,7 +245,7 @@ def test_bad_expert_degrees_are_one_clear_error(args, message):
 
 
 def test_expert_degree_must_divide_the_world():
-    from longctx.parallel.dims import ParallelDims
+    from longctx.job.dims import ParallelDims
 
     with pytest.raises(ConfigError, match="must divide the world size"):
         ParallelDims(dp_shard=-1, world_size=6, expert=4)
@@ -283,14 +284,14 @@ def _expert_elements(args, run_dir):
 def _fsdp_traffic(args, run_dir):
     """FSDP2's bytes in one micro-step (forward + backward, gradients reduced) after a warm-up step,
     against the closed form the metrics line reports."""
-    from longctx.parallel.volumes import fsdp_bytes_per_step
-    from longctx.train.step import forward_loss_sum
+    from longctx.parallel.context.volumes import fsdp_bytes_per_step
+    from longctx.step.loss import forward_loss_sum
 
     cfg = load_config("configs/debug.toml", [*MOE, "--train.steps=2", *args, f"--train.run_dir={run_dir}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
     trainer.step(1)
     shares = trainer.sampler.step_batches(2)
-    batch = trainer.rt.to_device(shares[0][0], trainer.device)
+    batch = to_device(shares[0][0], trainer.device)
     with comm.library_traffic() as traffic:
         loss = forward_loss_sum(trainer.model, batch, None) + trainer.model.router_terms().loss
         loss.backward()

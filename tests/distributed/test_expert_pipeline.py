@@ -1,4 +1,4 @@
-"""FSMoE's pipelined expert-parallel layer (parallel/expert_pipeline.py) against the plain one: one
+"""FSMoE's pipelined expert-parallel layer (parallel/expert/pipeline.py) against the plain one: one
 MoE layer split over 4 expert ranks, the same inputs, outputs and every gradient within 1e-5, for
 several chunk counts, uniform and skewed routing (an expert with fewer rows than chunks included).
 Training under expert 4 x (head 2 x ctx 2) with chunks is in test_expert_parallel.py (LAYOUTS)."""
@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from longctx.config import ModelConfig
+from longctx.job.spawn import run_spawned
 from longctx.models.moe import MoEFeedForward
-from longctx.parallel.expert import use_expert_parallel
-from longctx.parallel.expert_pipeline import ChunkTuner, chunk_counts, chunk_rows
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.expert.install import use_expert_parallel
+from longctx.parallel.expert.pipeline import ChunkTuner, chunk_counts, chunk_rows
 
 CHUNKS = (2, 3, 7)
 
@@ -103,7 +103,7 @@ def _train_auto(args, run_dir):
 
 
 def test_a_run_with_chunks_chosen_online_logs_its_choice_and_trains_as_the_plain_one(tmp_path):
-    from longctx.parallel.spawn import run_spawned_many
+    from longctx.job.spawn import run_spawned_many
 
     base = ["--model.preset=debug-moe", "--train.steps=11", "--train.eval_interval=0", "--metrics.plots=false",
             "--metrics.progress=false", "--data.max_docs=200", "--train.seq_len=256", "--train.global_batch=4",

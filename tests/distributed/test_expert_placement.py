@@ -1,4 +1,4 @@
-"""FlexMoE's placement (parallel/expert_placement.py): the policy balances a Zipf load within the
+"""FlexMoE's placement (parallel/expert/placement.py): the policy balances a Zipf load within the
 copy slots it has, the slot cut sends every row once to a holder of its expert, and one MoE layer
 on 4 expert ranks with copies gives the outputs and every gradient of the plain expert-parallel
 layer (1e-5), with and without pipelined chunks. Training with a placement that changes mid-run,
@@ -13,11 +13,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from longctx.config import ModelConfig
+from longctx.job import comm
+from longctx.job.spawn import run_spawned
 from longctx.models.moe import MoEFeedForward
-from longctx.parallel import comm
-from longctx.parallel.expert import use_expert_parallel
-from longctx.parallel.expert_placement import ExpertPlacer, Placement, plan_placement
-from longctx.parallel.spawn import run_spawned
+from longctx.parallel.expert.install import use_expert_parallel
+from longctx.parallel.expert.placement import ExpertPlacer, Placement, plan_placement
 
 
 def _zipf_load(experts=16, tokens=20000, s=1.2, seed=0):

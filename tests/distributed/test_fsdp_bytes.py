@@ -24,14 +24,14 @@ up, then measures a second step:
 import pytest
 
 from longctx.config import load_config, to_dict
+from longctx.costs.hardware import PRESETS
+from longctx.costs.model_states import param_counts
+from longctx.costs.shape import MeshShape
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned
 from longctx.memory.policy import MemoryPolicy
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.spawn import run_spawned
-from longctx.parallel.volumes import fsdp_bytes_per_step
+from longctx.parallel.context.volumes import fsdp_bytes_per_step
 from longctx.planner.cost import estimate
-from longctx.planner.hardware import PRESETS
-from longctx.planner.model_states import param_counts
-from longctx.planner.shape import MeshShape
 from longctx.planner.validate import Case, case_config
 
 pytestmark = pytest.mark.slow  # one 4-rank job: 17-45 s on a 2-core CPU
@@ -50,7 +50,7 @@ CASES = [
 
 
 def _measure(raws):
-    from longctx.parallel import comm
+    from longctx.job import comm
     from longctx.planner.validate import _setup, model_state_bytes, train_step
 
     out = []

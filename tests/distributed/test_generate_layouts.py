@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job.spawn import run_spawned_many
 
 NEW = 32  # decode steps per case: a wrong merge or a misplaced slot shows within a few
 
@@ -68,7 +68,7 @@ def _generate(case: str, head: int, ctx: int):
     else:
         from longctx.config import load_config
         from longctx.generate.sharded import ShardedGeneration
-        from longctx.parallel.runtime import Runtime
+        from longctx.job.runtime import Runtime
 
         cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
         rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
@@ -196,7 +196,7 @@ def _backend_and_cache(head: int, ctx: int, model, max_len: int):
         return LOCAL, KVCache.for_model(model, 1, max_len)
     from longctx.config import load_config
     from longctx.generate.sharded import ShardedGeneration
-    from longctx.parallel.runtime import Runtime
+    from longctx.job.runtime import Runtime
 
     rt = Runtime.create(load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"]),
                         torch.distributed.get_rank(), head * ctx, "cpu")
@@ -288,7 +288,7 @@ def test_a_request_draws_its_own_tokens_under_head2_ctx2():
     penalties on the sharded cache is one process's plain greedy decoding with them."""
     from longctx.generate.engine import generate
     from longctx.generate.sampling import Sampling
-    from longctx.parallel.spawn import run_spawned_many
+    from longctx.job.spawn import run_spawned_many
 
     want_alone, want_together, want_samples = _seeded(1, 1)
     assert want_alone == want_together == want_samples[2] and len(want_alone) == NEW

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import train
 
 STEPS = 10

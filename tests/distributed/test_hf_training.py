@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from longctx.config import load_config  # noqa: E402
-from longctx.parallel.spawn import run_spawned_many  # noqa: E402
+from longctx.job.spawn import run_spawned_many  # noqa: E402
 from longctx.train.trainer import train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def _sharded_load(path):
     and its weights gathered back to full tensors."""
     import torch.distributed as dist
 
-    from longctx.parallel.runtime import Runtime
+    from longctx.job.runtime import Runtime
     from longctx.train.model import build_training_model
 
     cfg = load_config("configs/debug.toml", [*BASE, f"--model.init_from=hf:{path}"])

@@ -18,7 +18,7 @@ import torch
 import longctx.ops.grouped as grouped
 from host_sync import HostSyncError, no_host_sync
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job.spawn import run_spawned_many
 
 BASE = ["--train.steps=3", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=200", "--train.seq_len=256", "--train.global_batch=4"]

@@ -3,7 +3,7 @@
 Every policy must give the `none` policy's gradients and training losses; `selective` must not
 re-run attention or its communication in backward; what each block keeps must match the analytic
 count (memory/accounting.py) on every rank, to the byte. The batch is sharded as the training loop
-shards it (Runtime.local_batch): a sequence layout planned on the host from the document ids
+shards it (local_batch): a sequence layout planned on the host from the document ids
 (balance "docs"), attached to the local ids, so the attention core gathers nothing. The per-policy
 measurements and the 4-rank training runs share one spawned job (run_spawned_many).
 """
@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 
 from longctx.config import load_config
+from longctx.job import comm
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned_many
 from longctx.memory.accounting import estimate_activations, measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
-from longctx.parallel import comm
-from longctx.parallel.dims import ParallelDims
+from longctx.parallel.context.sequence import attach_layout, plan_layout, shard_sequence
 from longctx.parallel.parallelize import apply_memory, use_sequence_parallel_attention
-from longctx.parallel.sequence import attach_layout, plan_layout, shard_sequence
-from longctx.parallel.spawn import run_spawned_many
 from longctx.train.trainer import train
 
 POLICIES = [("none", 0.0), ("full", 0.0), ("selective", 0.0), ("selective", 0.5), ("selective", 1.0)]
@@ -67,7 +67,7 @@ def _rank_run(policies):
     base = build_model(cfg.model, seed=3)
     full = _batch(cfg.model.vocab_size)
     valid = _valid(full[3])  # the gradients are of the mean loss over the whole batch
-    layout = plan_layout(full[2], dims.ctx, dims.head, split="docs")  # as Runtime.local_batch does
+    layout = plan_layout(full[2], dims.ctx, dims.head, split="docs")  # as local_batch does
     tokens, pos, doc, labels = (layout.shard(t, mesh) for t in full)
     attach_layout(doc, layout)
     out = {}

@@ -16,7 +16,7 @@ import pytest
 from test_training_parity import BASE, LAYOUTS
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned, run_spawned_many
+from longctx.job.spawn import run_spawned, run_spawned_many
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import train
 

@@ -6,9 +6,9 @@ memory` does) within 5%."""
 
 import pytest
 
+from longctx.costs.hardware import PRESETS
+from longctx.costs.shape import MeshShape
 from longctx.memory.policy import MemoryPolicy
-from longctx.planner.hardware import PRESETS
-from longctx.planner.shape import MeshShape
 from longctx.planner.validate import Case, run_case
 
 # any hardware works for bytes (only step times depend on it); fp32 like the CPU run

@@ -6,7 +6,7 @@ one spawned job (run_spawned_many), each with its own run directory."""
 import pytest
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job.spawn import run_spawned_many
 
 STEPS = 4
 ARGS = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
@@ -17,6 +17,7 @@ ARGS = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=fa
 def _run(run_dir, how):
     """Losses, and per step: bytes read, bytes the rank's share allows, bytes already read ahead when
     the step starts."""
+    from longctx.parallel.context import shares
     from longctx.train.trainer import Trainer
 
     cfg = load_config("configs/debug.toml", [*ARGS, f"--train.run_dir={run_dir}/{how}"])
@@ -27,13 +28,13 @@ def _run(run_dir, how):
     if how == "whole":  # the reference: every rank reads the whole global batch and cuts its share
         def read_local(samples, indices):
             whole = samples.batch(indices)
-            return rt.local_batch(whole), whole.valid_tokens
+            return shares.local_batch(rt, whole), whole.valid_tokens
         sampler.read_local = read_local
     reads, allowed, ahead = [], [], []
-    plan_share, read_local, step_batches = rt.plan_share, sampler.read_local, sampler.step_batches
+    plan_share, read_local, step_batches = shares.plan_share, sampler.read_local, sampler.step_batches
 
-    def recording_plan(doc_ids, rows, seq_len):
-        layout, held = plan_share(doc_ids, rows, seq_len)
+    def recording_plan(rt, doc_ids, rows, seq_len):
+        layout, held = plan_share(rt, doc_ids, rows, seq_len)
         runs = int((held[:, 1:] != held[:, :-1] + 1).sum()) + rows  # each run: one label look-ahead at most
         allowed.append((held.numel() + runs) * itemsize)
         return layout, held
@@ -48,8 +49,11 @@ def _run(run_dir, how):
         ahead.append(samples.bytes_read - sum(reads[:2 * (step - 1)]))  # 2 micro-batches per step
         return step_batches(step)
 
-    rt.plan_share, sampler.read_local, sampler.step_batches = recording_plan, recording_read, recording_step
-    losses = trainer.run().losses
+    shares.plan_share, sampler.read_local, sampler.step_batches = recording_plan, recording_read, recording_step
+    try:
+        losses = trainer.run().losses
+    finally:
+        shares.plan_share = plan_share  # (the module's function, for the next run)
     per_step = lambda xs: [sum(xs[i:i + 2]) for i in range(0, len(xs), 2)]  # noqa: E731
     return losses, per_step(reads), per_step(allowed), ahead
 

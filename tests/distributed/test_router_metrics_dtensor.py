@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from longctx.parallel.spawn import run_spawned
+from longctx.job.spawn import run_spawned
 
 BIAS = [[0.03, -0.04, 0.0, 0.0], [0.01, 0.01, -0.01, -0.01]]
 

@@ -8,9 +8,9 @@ import os
 import torch.distributed as dist
 from test_training_parity import BASE
 
-from longctx.checkpoint.paths import LATEST, CheckpointError
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned_many
+from longctx.config.checkpoint_paths import LATEST, CheckpointError
+from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import Trainer
 
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from longctx.errors import ConfigError
-from longctx.parallel import comm
-from longctx.parallel.attention import distributed_attention
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.sequence import shard_sequence, unshard_sequence
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job import comm
+from longctx.job.dims import ParallelDims
+from longctx.job.spawn import run_spawned_many
+from longctx.parallel.context.attention import distributed_attention
+from longctx.parallel.context.sequence import shard_sequence, unshard_sequence
 
 
 def roundtrip(world):
@@ -39,7 +39,7 @@ def errors(world):
         "layout_length": (q, kv, "layout", 0),
     }
     msgs = {}
-    from longctx.parallel.sequence import plan_layout
+    from longctx.parallel.context.sequence import plan_layout
 
     other = plan_layout(torch.zeros(1, 64, dtype=torch.long), 2, 2)  # built for 64 tokens, used for 32
     for name, (qq, kk, doc, window) in cases.items():
@@ -83,7 +83,7 @@ def test_layout_inputs_are_checked_without_a_mesh():
     """plan_layout is a pure function: bad document ids fail there, before any process talks."""
     import numpy as np
 
-    from longctx.parallel.sequence import plan_layout
+    from longctx.parallel.context.sequence import plan_layout
 
     with pytest.raises(ValueError, match=r"must be shaped \[batch, seq\]"):
         plan_layout(torch.zeros(64, dtype=torch.long), 2, 2)

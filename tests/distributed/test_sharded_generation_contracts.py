@@ -4,15 +4,15 @@ ones, and every implementation's signatures: tests/unit/test_generate_contracts.
 
 import torch
 
-from longctx.parallel.spawn import run_spawned
+from longctx.job.spawn import run_spawned
 
 
 def _check_rank() -> dict:
     from longctx.config import load_config
     from longctx.generate import contracts
     from longctx.generate.sharded import ShardedGeneration
+    from longctx.job.runtime import Runtime
     from longctx.models.llama import build_model
-    from longctx.parallel.runtime import Runtime
 
     model = build_model(load_config(overrides=["--model.layers=2"]).model, seed=0).eval()
     rt = Runtime.create(load_config(overrides=["--parallel.ctx=2"]), torch.distributed.get_rank(), 2, "cpu")

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx.parallel import comm
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job import comm
+from longctx.job.spawn import run_spawned_many
 
 
 def _sum_of_ranks(n):

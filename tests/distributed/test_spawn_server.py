@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from longctx.parallel.spawn import run_spawned
+from longctx.job.spawn import run_spawned
 
 
 def _what_a_rank_sees():

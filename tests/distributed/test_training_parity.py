@@ -8,7 +8,7 @@ on one process group, each with its own run directory); the tests read their run
 import pytest
 
 from longctx.config import load_config
-from longctx.parallel.spawn import run_spawned_many
+from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import train
 
 STEPS = 4         # every layout

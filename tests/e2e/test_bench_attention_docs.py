@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from longctx.parallel.volumes import attention_bytes
+from longctx.parallel.context.volumes import attention_bytes
 
 
 def _bench(*args):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from longctx.parallel.watchdog import HANG_EXIT_CODE
+from longctx.job.watchdog import HANG_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -36,7 +36,7 @@ def longctx(*args, cwd=None, timeout=300):
 
 def test_plan_8b_1m_prints_a_table_and_writes_a_loadable_config(tmp_path):
     from longctx.config import load_config
-    from longctx.parallel.checks import check_layout
+    from longctx.job.checks import check_layout
 
     out = tmp_path / "plan.toml"
     r = longctx("plan", "--model", "llama3-8b", "--gpus", "64", "--gpus-per-node", "8", "--hardware", "h100",

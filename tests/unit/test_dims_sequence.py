@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from longctx.errors import ConfigError
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.layouts import check_divisible
-from longctx.parallel.ring import Schedule
-from longctx.parallel.sequence import shard_indices
+from longctx.job.checks import check_divisible
+from longctx.job.dims import ParallelDims
+from longctx.parallel.context.ring import Schedule
+from longctx.parallel.context.sequence import shard_indices
 
 
 def test_degrees_multiply_to_world_size_and_one_is_inferred():

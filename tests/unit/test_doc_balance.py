@@ -3,10 +3,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from longctx.parallel import doc_balance as db
-from longctx.parallel.doc_balance import docs_balanced_indices
-from longctx.parallel.layouts import rank_runs, rank_work, token_work, zigzag_positions
-from longctx.parallel.sequence import shard_indices
+from longctx.parallel.context import doc_balance as db
+from longctx.parallel.context.doc_balance import docs_balanced_indices
+from longctx.parallel.context.layouts import rank_runs, rank_work, token_work, zigzag_positions
+from longctx.parallel.context.sequence import shard_indices
 
 
 def ids_from_lengths(lengths, seed=0) -> np.ndarray:

@@ -151,7 +151,7 @@ def _draft_run(corpus, target, run_dir, *extra):
 
 
 def _target_model(target):
-    from longctx.checkpoint.paths import latest_checkpoint
+    from longctx.config.checkpoint_paths import latest_checkpoint
 
     path = latest_checkpoint(target)
     cfg = load_config(overrides=[f"--model.init_from={path}"]).model

@@ -1,11 +1,11 @@
-"""Gradient buckets (parallel/grad_buckets.py): the lane simulation against hand-worked timelines,
+"""Gradient buckets (parallel/fsdp/grad_buckets.py): the lane simulation against hand-worked timelines,
 the plan's choices where latency or the tail dominates, and the plan a run gets from its config."""
 
 import pytest
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
-from longctx.parallel.grad_buckets import (
+from longctx.parallel.fsdp.grad_buckets import (
     BucketPlan,
     bucket_sizes,
     exposed_seconds,

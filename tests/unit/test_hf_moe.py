@@ -193,7 +193,7 @@ def _training_objective(ours, ids):
     summed cross-entropy (forward_loss_sum) over the valid labels plus the router terms' loss. Every
     token is routed, the last one has no label: transformers' shift (labels=ids) exactly."""
     from longctx.data.samples import Batch
-    from longctx.train.step import forward_loss_sum
+    from longctx.step.loss import forward_loss_sum
 
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
     positions = torch.arange(ids.shape[1]).expand_as(ids)

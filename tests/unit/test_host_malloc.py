@@ -1,4 +1,4 @@
-"""memory/host_malloc.py: on CPU, freed large blocks are kept for the next tensor of their size
+"""job/host_malloc.py: on CPU, freed large blocks are kept for the next tensor of their size
 instead of being unmapped and faulted in again (each case in a fresh process: mallopt is global)."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 
 SCRIPT = """
 import resource, sys, torch
-from longctx.memory.host_malloc import keep_freed_blocks
+from longctx.job.host_malloc import keep_freed_blocks
 setting = keep_freed_blocks() if sys.argv[1] == "keep" else "glibc"
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -2,6 +2,7 @@
 is bit for bit the share it used to cut from the whole global batch, under every layout; the read
 ahead of the next step changes neither the batches nor the saved data position."""
 
+import functools
 import itertools
 import random
 import threading
@@ -16,9 +17,10 @@ from longctx.data.builder.pipeline import build_store
 from longctx.data.loader import BatchLoader, PackedSamples, stack_samples
 from longctx.data.samples import IGNORE, Batch
 from longctx.data.store import S_LENGTH
-from longctx.parallel.dims import ParallelDims
-from longctx.parallel.runtime import Runtime
-from longctx.parallel.sequence import attach_layout, layout_of, plan_layout, shard_sequence
+from longctx.job.dims import ParallelDims
+from longctx.job.runtime import Runtime
+from longctx.parallel.context.sequence import attach_layout, layout_of, plan_layout, shard_sequence
+from longctx.parallel.context.shares import local_batch, plan_share, read_local_batch
 from longctx.train.stages import StagedLoader
 
 SEQ = 64
@@ -98,7 +100,7 @@ def whole_sample(samples: PackedSamples, i: int):
 
 
 def cut_share(rt: Runtime, batch: Batch) -> Batch:
-    """Runtime.local_batch as it was: dp rows, then shard_sequence or the planned layout's shard."""
+    """local_batch as it was: dp rows, then shard_sequence or the planned layout's shard."""
     if rt.mesh is None:
         return batch
     rows = batch.tokens.shape[0] // rt.dp
@@ -157,14 +159,14 @@ def test_reading_only_the_share_gives_the_share_cut_from_the_whole_batch(store, 
         covered = torch.zeros(len(indices), SEQ, dtype=torch.int64)
         for rt in ranks:
             before = samples.bytes_read
-            share, valid = rt.read_local_batch(samples, indices)
+            share, valid = read_local_batch(rt, samples, indices)
             read = samples.bytes_read - before
             expected = cut_share(rt, whole)
             assert_same(share, expected)
-            assert_same(rt.local_batch(whole), expected)
+            assert_same(local_batch(rt, whole), expected)
             assert valid == whole.valid_tokens
             # what it read: the tokens it holds, plus at most one label look-ahead per run of them
-            held = rt.plan_share(whole.doc_ids[rt.dp_rows(len(indices))] if doc_mask else None,
+            held = plan_share(rt, whole.doc_ids[rt.dp_rows(len(indices))] if doc_mask else None,
                                  share.tokens.shape[0], SEQ)[1]
             held = torch.arange(SEQ).expand(share.tokens.shape[0], -1) if held is None else held
             runs = int((held[:, 1:] != held[:, :-1] + 1).sum()) + held.shape[0]
@@ -178,7 +180,7 @@ def test_a_whole_process_reads_the_batch_once(store):
     samples = PackedSamples(store)
     rt = next(runtimes())
     indices = [3, 1, 4, 1 + 4]
-    share, valid = rt.read_local_batch(samples, indices)
+    share, valid = read_local_batch(rt, samples, indices)
     assert samples.bytes_read == len(indices) * SEQ * samples.parts[0].tokens.dtype.itemsize
     assert valid == int((share.labels != IGNORE).sum())
 
@@ -193,7 +195,7 @@ def test_a_sample_set_that_cannot_read_by_position_is_read_whole_and_cut(store):
 
     samples = PackedSamples(store)
     for rt in runtimes(dp_shard=2, ctx=2):
-        share, valid = rt.read_local_batch(Whole(samples), [0, 5, 2, 7])
+        share, valid = read_local_batch(rt, Whole(samples), [0, 5, 2, 7])
         whole = samples.batch([0, 5, 2, 7])
         assert_same(share, cut_share(rt, whole))
         assert valid == whole.valid_tokens
@@ -295,7 +297,8 @@ def test_a_synthetic_mixture_reaches_each_step_whole_with_its_answer_labels(tmp_
     cfg = load_config(None, ["--train.seq_len=128", "--train.eval_interval=0", "--train.global_batch=8",
                              "--train.grad_accum=2", "--train.steps=4"])
     rt = next(runtimes())
-    loader = StagedLoader(cfg, lambda c: (mix, None), dp=1, read_local=rt.read_local_batch, read_ahead=True)
+    loader = StagedLoader(cfg, lambda c: (mix, None), dp=1, read_local=functools.partial(read_local_batch, rt),
+                          read_ahead=True)
     order = StagedLoader(cfg, lambda c: (mix, None), dp=1)  # the same draws, as indices
     order.enter(1)
     seen_synthetic = 0

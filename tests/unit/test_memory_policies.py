@@ -115,8 +115,8 @@ def test_auto_fraction_follows_link_and_memory_limits():
 def test_auto_fraction_with_stages_is_the_smallest_over_their_shapes(monkeypatch):
     """An early stage with 4x the tokens per micro-batch of the last needs 4x the host memory: the
     fraction planned for the last stage alone would not fit during it."""
+    from longctx.job.runtime import Runtime
     from longctx.memory import auto
-    from longctx.parallel.runtime import Runtime
     from longctx.train.model import auto_offload_fraction
 
     cfg = load_config(overrides=["--model.layers=5", "--train.stages=256:2:8,512:2:1", "--memory.offload_skip_last=1",

@@ -1,7 +1,7 @@
 """The MoE layer's dispatch hook (models/moe_dispatch.py): the layer runs dispatch -> experts ->
 combine through the object in `layer.dispatcher`, the one-device one keeps no state of a call, and
 no file of parallel/ installs a parallelism by replacing a module's method (DESIGN principle 15:
-the expert-parallel dispatcher is an object set on the layer, parallel/expert.py)."""
+the expert-parallel dispatcher is an object set on the layer, parallel/expert/install.py)."""
 
 import ast
 import copy

@@ -9,8 +9,8 @@ import torch
 
 from longctx.config import load_config
 from longctx.errors import ConfigError, TrainingError
+from longctx.step.optimizer import guarded_step
 from longctx.train.metrics import read_jsonl
-from longctx.train.step import guarded_step
 from longctx.train.trainer import Trainer
 
 BASE = ["--train.steps=5", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40",

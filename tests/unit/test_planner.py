@@ -5,18 +5,18 @@ import dataclasses
 import pytest
 
 from longctx.config import load_config
-from longctx.errors import ConfigError
-from longctx.memory.policy import MemoryPolicy
-from longctx.planner.cost import estimate
-from longctx.planner.hardware import (
+from longctx.costs.hardware import (
     PRESETS,
     get_hardware,
     hardware_names,
     load_hardware,
 )
-from longctx.planner.model_states import param_counts
+from longctx.costs.model_states import param_counts
+from longctx.costs.shape import MeshShape, group_is_intra_node
+from longctx.errors import ConfigError
+from longctx.memory.policy import MemoryPolicy
+from longctx.planner.cost import estimate
 from longctx.planner.search import Request, candidate_shapes, parse_tokens, plan
-from longctx.planner.shape import MeshShape, group_is_intra_node
 
 
 def model(preset, **over):
@@ -125,8 +125,7 @@ def test_placement_decides_which_groups_stay_in_a_node():
 
 
 def test_candidates_respect_heads_and_divisibility():
-    from longctx.parallel.layouts import check_divisible
-    from longctx.parallel.ulysses import check_heads
+    from longctx.job.checks import check_divisible, check_heads
 
     m = model("llama3-8b")
     req = Request(m, H100, 64, 3 * 2**14, gpus_per_node=8)
@@ -143,8 +142,7 @@ def fastest_by_brute_force(req):
     dp_replicate x dp_shard x head x ctx = gpus that the layout checks accept, both placements),
     every policy and micro-batch of the request: no pruning, no candidate generator of the planner."""
     from longctx.errors import ConfigError
-    from longctx.parallel.layouts import check_divisible
-    from longctx.parallel.ulysses import check_heads
+    from longctx.job.checks import check_divisible, check_heads
     from longctx.planner.search import divisors, policies
 
     m, n, best = req.model, req.gpus, float("inf")
@@ -177,7 +175,7 @@ def assert_best_plan_is_sound(res, req, tmp_path):
     """The best plan fits the hardware's memory; no plan of a brute-force enumeration is predicted
     faster (beyond 0.5%, the search's coarser grid); its config loads, passes the layout checks `longctx train` runs and
     means the request: the same sequence length, global batch, layout and memory policy."""
-    from longctx.parallel.checks import check_layout
+    from longctx.job.checks import check_layout
     from longctx.planner.output import plan_config, toml_text
 
     best, hw = res.best, req.hardware
@@ -201,7 +199,7 @@ def assert_best_plan_is_sound(res, req, tmp_path):
 
 
 def test_plan_writes_a_config_that_loads_and_passes_check_layout(tmp_path):
-    from longctx.parallel.checks import check_layout
+    from longctx.job.checks import check_layout
     from longctx.planner.output import plan_config, toml_text
 
     m = model("llama3-8b")

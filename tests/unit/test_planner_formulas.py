@@ -9,25 +9,25 @@ LM head [8x10] 80 = 168. Total 2 x 592 + 168 = 1352.
 import pytest
 
 from longctx.config import load_config
-from longctx.memory.accounting import ActivationEstimate
-from longctx.memory.policy import MemoryPolicy
-from longctx.parallel.volumes import fsdp_bytes_per_step
-from longctx.planner.cost import estimate
-from longctx.planner.hardware import PRESETS
-from longctx.planner.model_states import (
+from longctx.costs.hardware import PRESETS
+from longctx.costs.model_states import (
     accumulated_grad_bytes,
     gathered_param_bytes,
     model_state_bytes,
     param_counts,
 )
-from longctx.planner.shape import MeshShape
-from longctx.planner.timing import (
+from longctx.costs.shape import MeshShape
+from longctx.costs.timing import (
     Flops,
     causal_attention_flops,
     compute_seconds,
     exposed_offload_seconds,
     forward_gemm_flops,
 )
+from longctx.memory.accounting import ActivationEstimate
+from longctx.memory.policy import MemoryPolicy
+from longctx.parallel.context.volumes import fsdp_bytes_per_step
+from longctx.planner.cost import estimate
 
 TINY = load_config(None, {"model": {"preset": "debug", "dim": 8, "layers": 2, "heads": 2, "kv_heads": 1,
                                     "head_dim": 4, "ffn_dim": 16, "vocab_size": 10,

@@ -14,6 +14,17 @@ experts of 6, top-2, shared experts of 10 behind a sigmoid gate.
 import pytest
 
 from longctx.config import load_config
+from longctx.costs.hardware import PRESETS
+from longctx.costs.model_states import (
+    active_params,
+    block_params,
+    gathered_param_bytes,
+    model_state_bytes,
+    param_counts,
+    params_text,
+)
+from longctx.costs.shape import MeshShape
+from longctx.costs.timing import forward_gemm_flops
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.flops import (
     forward_flops_per_token,
@@ -22,18 +33,7 @@ from longctx.models.flops import (
     train_flops_per_token,
 )
 from longctx.planner.cost import estimate
-from longctx.planner.hardware import PRESETS
-from longctx.planner.model_states import (
-    active_params,
-    block_params,
-    gathered_param_bytes,
-    model_state_bytes,
-    param_counts,
-    params_text,
-)
 from longctx.planner.search import Request, plan
-from longctx.planner.shape import MeshShape
-from longctx.planner.timing import forward_gemm_flops
 
 
 def model(preset, **over):
@@ -132,7 +132,7 @@ def test_qwen3_moe_at_256k_on_8_h100_is_planned():
 def test_expert_parallel_model_states_split_the_routed_experts_over_every_rank():
     """At rest the routed experts are 1 / world per rank (E / expert each, FSDP over world / expert):
     the same as FSDP over every rank, less than replicas of them."""
-    from longctx.planner.model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes
+    from longctx.costs.model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes
 
     pc = param_counts(TINY_MOE)
     dense, experts = pc["total"] - pc["experts"], pc["experts"]
@@ -150,7 +150,7 @@ def test_expert_parallel_model_states_split_the_routed_experts_over_every_rank()
 def test_expert_all_to_all_bytes_follow_tokens_top_k_and_recomputation():
     from longctx.memory.moe_counts import moe_forward_runs
     from longctx.memory.policy import MemoryPolicy
-    from longctx.parallel.volumes import expert_bytes
+    from longctx.parallel.context.volumes import expert_bytes
 
     one = expert_bytes(tokens=100, top_k=2, experts=4, dim=8, expert=4, elem=2)
     # 200 rows, 3/4 of them leave the rank, 16 B each: dispatch + combine, forward and backward
@@ -177,7 +177,7 @@ def test_skew_is_bounded_by_what_routing_allows():
 def test_the_plan_searches_expert_degrees_and_prices_their_skew():
     """debug-moe on 4 GPUs: plans at expert 1 and 4 are both evaluated; an expert-4 plan's
     all-to-all bytes and time appear, and grow with the planned skew, as does its memory."""
-    from longctx.planner.hardware import PRESETS
+    from longctx.costs.hardware import PRESETS
     from longctx.planner.search import Request, plan
 
     m = model("debug-moe")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from longctx.ops.attention import attention
-from longctx.parallel.ring import simulate_ring
-from longctx.parallel.sequence import shard_indices
+from longctx.parallel.context.ring import simulate_ring
+from longctx.parallel.context.sequence import shard_indices
 
 
 @pytest.mark.parametrize("ctx, window", [(1, 0), (2, 0), (4, 0), (4, 2), (8, 2), (8, 4)])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.planner import peaks
+from longctx.costs import peaks
 from longctx.train.metrics import read_jsonl
 from longctx.train.setup import eval_split_problem
 

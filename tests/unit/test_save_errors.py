@@ -5,8 +5,8 @@ warn trains on and saves again later."""
 
 import pytest
 
-from longctx.checkpoint.paths import LATEST, CheckpointError
 from longctx.config import load_config
+from longctx.config.checkpoint_paths import LATEST, CheckpointError
 from longctx.train.trainer import Trainer
 
 BASE = ["--train.steps=6", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40",

@@ -49,7 +49,7 @@ def test_stages_set_steps_and_seq_len():
 
 
 def test_stage_lengths_must_fit_the_layout():
-    from longctx.parallel.checks import check_layout
+    from longctx.job.checks import check_layout
 
     cfg = load_config(None, ["--train.stages=100:2,128:2", "--parallel.ctx=2", "--parallel.head=2"])
     with pytest.raises(ConfigError, match="train.stages: sequence length 100 is not divisible"):

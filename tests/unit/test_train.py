@@ -7,8 +7,8 @@ import pytest
 from longctx.config import load_config
 from longctx.errors import ConfigError, TrainingError
 from longctx.models.flops import train_flops_per_token
+from longctx.step.schedule import lr_at
 from longctx.train.metrics import read_jsonl
-from longctx.train.step import lr_at
 from longctx.train.trainer import train
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from longctx.parallel.dims import ParallelDims
+from longctx.job.dims import ParallelDims
 
 
 @pytest.fixture

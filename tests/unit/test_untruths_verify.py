@@ -4,8 +4,8 @@ checkpoint, its step and layout, each file's result and a one-line summary; neve
 import pytest
 
 from longctx.checkpoint.manifest import write_manifest
-from longctx.checkpoint.paths import CheckpointError
 from longctx.checkpoint.verify_command import layout_text, run, verify_lines
+from longctx.config.checkpoint_paths import CheckpointError
 
 LAYOUT = {"world": 4, "dp_replicate": 1, "dp_shard": 1, "head": 2, "ctx": 2, "window": 0, "placement": "head-first"}
 

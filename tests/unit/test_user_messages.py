@@ -16,16 +16,16 @@ import pytest
 
 from longctx.cli import main as longctx_main
 from longctx.config import load_config
+from longctx.costs.hardware import PRESETS
+from longctx.costs.shape import MeshShape
 from longctx.data.builder import readers
 from longctx.data.builder.options import BuildOptions
 from longctx.data.builder.pipeline import build_store
 from longctx.data.store import read_manifest
 from longctx.memory.policy import MemoryPolicy
 from longctx.planner.cost import estimate
-from longctx.planner.hardware import PRESETS
 from longctx.planner.output import table
 from longctx.planner.search import PlanResult, Request, _sort_key
-from longctx.planner.shape import MeshShape
 
 ROOT = Path(__file__).resolve().parents[2]
 

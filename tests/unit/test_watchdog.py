@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from longctx.parallel import watchdog
-from longctx.parallel.watchdog import Watchdog, hang_report
+from longctx.job import watchdog
+from longctx.job.watchdog import Watchdog, hang_report
 
 # a function whose frame looks like one of torch.distributed's (a rank waiting in a collective)
 _FAKE = {}

@@ -16,16 +16,15 @@ import json
 
 import torch
 
+from ..job import comm
+from ..job.checks import check_divisible, check_heads
+from ..job.dims import ParallelDims
+from ..job.spawn import run_spawned
 from ..ops.attention import attention, attention_backward, attention_forward
-from ..parallel import comm
-from ..parallel.attention import distributed_attention
-from ..parallel.dims import ParallelDims
-from ..parallel.layouts import check_divisible
-from ..parallel.ring import simulate_ring
-from ..parallel.sequence import shard_sequence
-from ..parallel.spawn import run_spawned
-from ..parallel.ulysses import check_heads
-from ..parallel.volumes import attention_bytes
+from ..parallel.context.attention import distributed_attention
+from ..parallel.context.ring import simulate_ring
+from ..parallel.context.sequence import shard_sequence
+from ..parallel.context.volumes import attention_bytes
 from ..progress import phase
 from .attention_common import (
     CONFIG_KEYS,

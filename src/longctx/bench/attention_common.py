@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..parallel import comm
+from ..job import comm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEQ_LEN = 8192

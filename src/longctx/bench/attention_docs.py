@@ -27,17 +27,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..data.loader import PackedSamples
+from ..job import comm
+from ..job.checks import check_divisible, check_heads
+from ..job.dims import ParallelDims
+from ..job.spawn import run_spawned
 from ..memory.rss import proc_status_kib, reset_peak_rss
 from ..ops.attention import attention
 from ..ops.segments import plan_pairs, segments
-from ..parallel import comm
-from ..parallel.attention import distributed_attention
-from ..parallel.dims import ParallelDims
-from ..parallel.layouts import check_divisible
-from ..parallel.sequence import plan_layout
-from ..parallel.spawn import run_spawned
-from ..parallel.ulysses import check_heads
-from ..parallel.volumes import attention_bytes
+from ..parallel.context.attention import distributed_attention
+from ..parallel.context.sequence import plan_layout
+from ..parallel.context.volumes import attention_bytes
 from ..progress import phase
 from .attention_common import (
     CONFIG_KEYS,

@@ -130,8 +130,8 @@ def main(args) -> int:
     from ..generate.engine import generate
     from ..generate.loading import load_model
     from ..generate.sampling import Sampling
+    from ..job.devices import resolve_device, resolve_dtype
     from ..models.glide import GlideDraft
-    from ..train.step import resolve_device, resolve_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)

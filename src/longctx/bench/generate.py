@@ -110,7 +110,7 @@ def _sharded_prefill_rank(model, length: int, head: int, ctx: int, seed: int) ->
     prefill's own peak here, and the last token's argmax (the same on every rank)."""
     from ..config import load_config
     from ..generate.sharded import ShardedGeneration
-    from ..parallel.runtime import Runtime
+    from ..job.runtime import Runtime
 
     cfg = load_config(overrides=[f"--parallel.head={head}", f"--parallel.ctx={ctx}"])
     rt = Runtime.create(cfg, torch.distributed.get_rank(), head * ctx, "cpu")
@@ -128,8 +128,8 @@ def _sharded_prefill_rank(model, length: int, head: int, ctx: int, seed: int) ->
 def sharded_memory(model, layout: str, lengths: list[int], seed: int = 0) -> list[dict]:
     """Per length: one process's cache bytes, and over the ranks of the `HxC` layout the largest
     cache share, its ratio, the largest prefill transient; the ranks' argmax agree."""
+    from ..job.spawn import run_spawned_many
     from ..models.cache import KVCache
-    from ..parallel.spawn import run_spawned_many
 
     head, ctx = (int(x) for x in layout.lower().split("x"))
     jobs = [(length, _sharded_prefill_rank, (model, length, head, ctx, seed)) for length in lengths]

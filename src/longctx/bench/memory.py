@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from ..config import MemoryConfig, build_model_config, load_config
+from ..job.dims import ParallelDims
+from ..job.spawn import run_spawned
 from ..memory.accounting import estimate_activations, layer_activations, measure_activations, published_formulas
 from ..memory.policy import MemoryPolicy
 from ..memory.rss import peak_rss_bytes
 from ..models.llama import build_model
-from ..parallel.dims import ParallelDims
+from ..parallel.context.sequence import shard_sequence
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
-from ..parallel.sequence import shard_sequence
-from ..parallel.spawn import run_spawned
 from ..progress import phase, said
 
 POLICIES = {

@@ -16,7 +16,7 @@ machine inflates both alike and rarely the minimum; its user / system split and 
 are reported too. System time is the kernel handing out fresh zeroed pages: glibc serves each
 allocation of 32 MiB or more (a [2 x 16K tokens, 256] fp32 tensor) by a new mmap, so at long
 lengths every such temporary faults its pages in again. By default (--malloc training) the process
-runs as `longctx train` runs on CPU, with freed blocks kept for reuse (memory/host_malloc.py);
+runs as `longctx train` runs on CPU, with freed blocks kept for reuse (job/host_malloc.py);
 --malloc glibc keeps glibc's defaults. The setting is recorded.
 
 Memory is what the layer keeps for its backward: the bytes of the distinct storages that autograd
@@ -38,7 +38,7 @@ from datetime import date
 import torch
 from torch import nn
 
-from ..memory.host_malloc import keep_freed_blocks
+from ..job.host_malloc import keep_freed_blocks
 from ..progress import phase
 from . import moe_cluster, moe_gpu
 from .moe_common import active_params, build_layers, choice_share, fwd_bwd, ratio, say, skew
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(bench/moe_gpu.py)")
     moe_cluster.add_arguments(p)
     p.add_argument("--malloc", default="training", choices=("training", "glibc"),
-                   help="training: glibc set as `longctx train` sets it on CPU (memory/host_malloc.py: freed blocks "
+                   help="training: glibc set as `longctx train` sets it on CPU (job/host_malloc.py: freed blocks "
                         "kept for reuse); glibc: its defaults (every temporary of 32 MiB or more faulted in anew)")
 
 

@@ -2,7 +2,7 @@
 
 What FSMoE's schedule buys is hidden communication, and on one small machine there is no network
 to hide: every rank is a local process. So the ranks run the real expert-parallel code (gloo, the
-same all-to-alls, parallel/expert.py and expert_pipeline.py) while parallel/emulated_link.py makes
+same all-to-alls, parallel/expert/install.py and expert_pipeline.py) while bench/emulated_link.py makes
 each of their collectives take the time a cluster's links would:
 
 - NODES x RANKS processes; ranks are placed RANKS to a node; the MoE layers' experts split over all
@@ -42,15 +42,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import load_config
-from ..memory.host_malloc import keep_freed_blocks
+from ..costs.hardware import get_hardware
+from ..job import comm
+from ..job.host_malloc import keep_freed_blocks
+from ..job.spawn import run_spawned
 from ..models.moe import MoEFeedForward
-from ..parallel import comm
-from ..parallel.emulated_link import LinkProfile, emulate
-from ..parallel.expert import use_expert_parallel
-from ..parallel.expert_placement import Placement, plan_placement
-from ..parallel.spawn import run_spawned
-from ..planner.hardware import get_hardware
+from ..parallel.expert.install import use_expert_parallel
+from ..parallel.expert.placement import Placement, plan_placement
 from ..progress import phase, said
+from .emulated_link import LinkProfile, emulate
 
 
 def add_arguments(p) -> None:

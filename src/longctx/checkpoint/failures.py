@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .paths import CheckpointError, complete_checkpoints
+from ..config.checkpoint_paths import CheckpointError, complete_checkpoints
 
 
 def state_bytes(state) -> float:

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ..config.checkpoint_paths import find_checkpoint
 from ..errors import ConfigError
 from ..models.glide import GlideDraft
 from .manager import _single_process
 from .manifest import read_manifest, verify
-from .paths import find_checkpoint
 
 # ModelConfig fields that do not change what the target computes: a draft trained against weights
 # loaded under another preset name, path or initialisation, or another max_seq_len, still fits

@@ -17,7 +17,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from .paths import MANIFEST, find_checkpoint
+from ..config.checkpoint_paths import MANIFEST, find_checkpoint
 
 _SAMPLE = 1 << 20  # bytes of tensor data read at each end of a safetensors file
 

@@ -52,9 +52,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ..config.checkpoint_paths import (
+    LATEST,
+    complete_checkpoints,
+    latest_checkpoint,
+    resolve_checkpoint,
+    resume_candidates,
+    step_name,
+)
 from ..faults import planned
-from ..parallel import comm
-from ..parallel.launch import new_gloo_group
+from ..job import comm
+from ..job.launch import new_gloo_group
 from .failures import save_failed, state_bytes
 from .manifest import (
     CHECKSUM_MISMATCH,
@@ -74,7 +82,6 @@ from .manifest import (
     write_hashes_part,
     write_manifest,
 )
-from .paths import LATEST, complete_checkpoints, latest_checkpoint, resolve_checkpoint, resume_candidates, step_name
 
 TRAINER_STATE = "trainer_state.json"
 

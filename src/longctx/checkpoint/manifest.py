@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from .paths import MANIFEST, CheckpointError  # (re-exported: the checkpoint package's error and file name)
+from ..config.checkpoint_paths import (  # (re-exported: the checkpoint package's error and file name)
+    MANIFEST,
+    CheckpointError,
+)
 
 FORMAT = "longctx-checkpoint/1"
 

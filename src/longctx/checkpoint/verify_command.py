@@ -10,8 +10,8 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
+from ..config.checkpoint_paths import CheckpointError, find_checkpoint
 from .manifest import MANIFEST, file_problem, read_manifest
-from .paths import CheckpointError, find_checkpoint
 
 # the layout's degrees in the order the training line says them (train/report.py describe_run)
 _DEGREES = ("dp_replicate", "dp_shard", "head", "ctx")

@@ -38,8 +38,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.paths import MANIFEST, find_checkpoint
 from ..errors import ConfigError, UserError
+from .checkpoint_paths import MANIFEST, find_checkpoint
 from .schema import MOE_FAMILIES, ModelConfig
 
 

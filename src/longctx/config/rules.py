@@ -306,7 +306,7 @@ def degree_problems(degrees: dict[str, int], window: int) -> list[str]:
 
 def head_fits(heads: int, kv_heads: int, head: int) -> bool:
     """Whether `heads` query heads and `kv_heads` key/value heads split over a head degree `head`
-    (kv heads are replicated when the degree is a multiple of them: parallel/ulysses.py check_heads)."""
+    (kv heads are replicated when the degree is a multiple of them: parallel/context/ulysses.py check_heads)."""
     return heads % head == 0 and (kv_heads % head == 0 or head % kv_heads == 0)
 
 

@@ -246,19 +246,19 @@ class ParallelConfig:
                           "must divide model.moe.experts and the world size")
     expert_pipeline_chunks: int = _opt(1, "parallel.expert > 1: each MoE layer's all-to-alls and experts run in this "
                                           "many chunks, the transfers of one under the experts of another (FSMoE's "
-                                          "schedule, parallel/expert_pipeline.py); 1 = one after another; 0 = "
+                                          "schedule, parallel/expert/pipeline.py); 1 = one after another; 0 = "
                                           "chosen by an online profile of the first steps (logged)")
     expert_replicas: int = _opt(0, "parallel.expert > 1: copy slots per rank for hot experts (FlexMoE): part of a "
                                    "hot expert's rows run on cooler ranks, placed from the router's counts "
-                                   "(parallel/expert_placement.py); 0 = every expert on its owner only")
+                                   "(parallel/expert/placement.py); 0 = every expert on its owner only")
     expert_ranks_per_node: int = _opt(0, "parallel.expert > 1: hierarchical dispatch over nodes of this many ranks "
                                           "(a token's row crosses to a node once, however many of its experts "
-                                          "are there; parallel/expert_hierarchy.py); 0 = flat all-to-all")
+                                          "are there; parallel/expert/hierarchy.py); 0 = flat all-to-all")
     expert_placement_window: int = _opt(10, "parallel.expert_replicas > 0: optimizer steps of router counts behind "
                                             "each placement; re-placed at the end of every window (logged)")
     grad_bucket_blocks: int = _opt(1, "transformer blocks per FSDP unit, i.e. per gradient reduce-scatter (and "
                                       "parameter all-gather): 1 = one per block; 0 = chosen by the cost model "
-                                      "(parallel/grad_buckets.py, logged)")
+                                      "(parallel/fsdp/grad_buckets.py, logged)")
     timeout_s: float = _opt(300.0, "seconds a collective may wait before the job fails (a rank died or hangs)")
 
 

@@ -12,7 +12,7 @@ repeatedly merged by pairing the heaviest groups of one with the lightest of the
 single swaps between the heaviest and the lightest group while they lower the maximum.
 
 The result is a permutation of the batch: rank r takes rows [r * B/dp, (r + 1) * B/dp), exactly
-as `Runtime.local_batch` slices it. The loss is a global sum over the batch, so the permutation
+as `local_batch` (parallel/context/shares.py) slices it. The loss is a global sum over the batch, so the permutation
 does not change what is computed, only where.
 """
 

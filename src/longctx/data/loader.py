@@ -15,14 +15,14 @@ segment boundaries, positions are 0..L-1, no doc ids; padding, always at the end
 Positions, doc ids and which tokens have a label all follow from the store's segment index, so a
 training rank reads no tokens to learn them (`frames`); it plans its share of the sequences from
 them and then gathers from the memory-mapped token array only the positions it holds, plus the next
-position of each one that has a label (`read_at`, driven by `Runtime.read_local_batch`). The token
+position of each one that has a label (`read_at`, driven by `read_local_batch`, parallel/context/shares.py). The token
 elements gathered are counted (`bytes_read`), so a benchmark can show that each rank reads its
 share and no more. `label_count` gives a global batch's valid labels from the index alone.
 
 `BatchLoader` draws global batches: a seeded shuffle of the samples whose whole state is one
 global cursor (`SampleOrder`), so a resumed job continues with exactly the samples not yet seen
 under any data-parallel degree; with `dp > 1` each batch is permuted so that the dp blocks
-`Runtime.local_batch` hands out have balanced estimated cost (data/balance.py). What a training
+`local_batch` (parallel/context/shares.py) hands out have balanced estimated cost (data/balance.py). What a training
 rank reads of each step, and the background read of the next step, live in stages.py
 (`StagedLoader.step_batches`).
 """

@@ -149,7 +149,7 @@ def _heads(checkpoint: str) -> tuple[int, int]:
 
 
 def _dp(cfg, nproc: int) -> int:
-    from ..parallel.dims import ParallelDims
+    from ..job.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg, world_size=nproc)
     return dims.dp_replicate * dims.dp_shard
@@ -216,9 +216,8 @@ def _sampling(args, mode: str):
 
 def _check_layout(cfg, lengths: list[int], mode: str, nproc: int) -> None:
     """Every length splits over the layout, and the layout runs (generation's narrower one too)."""
-    from ..parallel.checks import check_layout
-    from ..parallel.dims import ParallelDims
-    from ..parallel.layouts import check_divisible
+    from ..job.checks import check_divisible, check_layout
+    from ..job.dims import ParallelDims
 
     dims = ParallelDims.from_config(cfg, world_size=nproc)
     for length in lengths:
@@ -303,7 +302,7 @@ def _check_generation_layout(cfg, dims, nproc: int) -> None:
         raise ConfigError(f"--mode generate: {which} does not apply (every rank holds the full weights and the cache "
                           f"is sharded over head x ctx only); drop it.")
     if dims.head > 1:
-        from ..parallel.ulysses import check_heads
+        from ..job.checks import check_heads
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
 
@@ -314,7 +313,7 @@ def _say(message: str) -> None:
 
 def _say_threads(cfg) -> None:
     """One process alone: its threads fit to the idle cores, said when it runs on the CPU."""
-    from ..train.step import resolve_device
+    from ..job.devices import resolve_device
 
     threads.fit_to_idle_cores()
     if resolve_device(cfg.train.device).type == "cpu":
@@ -322,7 +321,7 @@ def _say_threads(cfg) -> None:
 
 
 def main(args, overrides) -> int:
-    from ..parallel.launch import argv_without_nproc, relaunch, under_launcher
+    from ..job.launch import argv_without_nproc, relaunch, under_launcher
 
     nproc = int(__import__("os").environ["WORLD_SIZE"]) if under_launcher() else args.nproc
     if nproc < 1:
@@ -373,11 +372,11 @@ def evaluate(plan: Plan, args) -> dict | None:
         return evaluate_generate(plan, args)
     import torch
 
-    from ..parallel.launch import finish_distributed
+    from ..job.devices import resolve_dtype
+    from ..job.join import join_job
+    from ..job.launch import finish_distributed
     from ..progress import phase, progress_bar, said
     from ..train.model import build_training_model, resolve_offload
-    from ..train.setup import join_job
-    from ..train.step import resolve_dtype
     from .runner import score
 
     cfg = plan.cfg
@@ -472,9 +471,9 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
     from ..generate.loading import backend_for as _backend
     from ..generate.loading import eos_ids, load_model
     from ..generate.sampling import derive_seed
-    from ..parallel.launch import finish_distributed
+    from ..job.devices import resolve_dtype
+    from ..job.launch import finish_distributed
     from ..progress import phase, progress_bar, said
-    from ..train.step import resolve_dtype
 
     cfg = plan.cfg
     try:

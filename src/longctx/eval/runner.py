@@ -2,7 +2,7 @@
 
 The model is built the way training builds it (meta -> parallelise -> each rank fills its own
 shards from the checkpoint), so a length that needs several ranks evaluates on several ranks.
-Each rank scores its tokens of its rows (`Runtime.local_batch`: data-parallel rows, then the
+Each rank scores its tokens of its rows (`local_batch`, parallel/context/shares.py: data-parallel rows, then the
 head x ctx part of each sequence) and adds them into job-wide tensors that one all-reduce sums:
 per position bucket (ppl) and per sequence (retrieval). Every token is counted exactly once, so
 the figures are the same under every layout up to the order of float additions.
@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from ..data.samples import IGNORE, Batch
-from ..parallel.runtime import Runtime
+from ..job.runtime import Runtime
+from ..parallel.context.shares import local_batch
 from .tasks import Sequence
 
 
@@ -40,7 +41,7 @@ def score(model, rt: Runtime, seqs: list[Sequence], batch: int, buckets: int, de
     per_seq = torch.zeros(3, len(seqs), dtype=torch.float64, device=device)     # nll, misses, scored
     rows = batch // rt.dp
     for start, real, global_batch in _batches(seqs, batch):
-        local = rt.local_batch(global_batch, device)
+        local = local_batch(rt, global_batch, device)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             scores = model(local.tokens, local.positions, local.doc_ids, labels=local.labels,
                            loss_reduction="tokens").double()

@@ -189,7 +189,7 @@ def prepare(args, overrides: list[str]) -> Plan:
     cfg = _config(args, overrides)
     spec = tokenizer_spec(args, cfg)
     if cfg.parallel.head > 1:
-        from ..parallel.ulysses import check_heads
+        from ..job.checks import check_heads
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
     tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model)
@@ -251,7 +251,7 @@ def _cape_table(args, sampling):
 
 
 def main(args, overrides) -> int:
-    from ..parallel.launch import argv_without_nproc, relaunch, under_launcher
+    from ..job.launch import argv_without_nproc, relaunch, under_launcher
 
     if under_launcher():  # a rank: the layout's size is the job's
         args.nproc = int(os.environ["WORLD_SIZE"])
@@ -269,7 +269,7 @@ def main(args, overrides) -> int:
 
 
 def run(plan: Plan, args) -> int:
-    from ..parallel.launch import finish_distributed
+    from ..job.launch import finish_distributed
 
     try:
         return _run(plan, args)
@@ -281,7 +281,7 @@ def _run(plan: Plan, args) -> int:
     """Generate every prompt on this rank (every rank the same tokens); rank 0 writes the lines."""
     import torch
 
-    from ..train.step import resolve_dtype
+    from ..job.devices import resolve_dtype
     from .engine import generate
     from .loading import backend_for, load_model
     from .output import Output

@@ -61,12 +61,12 @@ def backend_for(cfg):
     """(backend, device, is rank 0) of this process: one device (generate/local.py), or, when
     cfg.parallel names a head x ctx layout, this rank's part of it (generate/sharded.py; the job
     joined here)."""
-    from ..train.step import resolve_device
+    from ..job.devices import resolve_device
     from .local import LOCAL
 
     if cfg.parallel.head * cfg.parallel.ctx == 1:
         return LOCAL, resolve_device(cfg.train.device), True
-    from ..train.setup import join_job
+    from ..job.join import join_job
     from .sharded import ShardedGeneration
 
     rt, device = join_job(cfg)

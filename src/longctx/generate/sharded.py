@@ -32,12 +32,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..job import comm
+from ..job.checks import check_heads
 from ..models.cache import TreeCalls
 from ..models.cached_attention import CacheStep, cached_attention, masked_attention
-from ..parallel import comm
-from ..parallel.attention import distributed_attention
-from ..parallel.sequence import shard_indices
-from ..parallel.ulysses import check_heads, kv_replication
+from ..parallel.context.attention import distributed_attention
+from ..parallel.context.sequence import shard_indices
+from ..parallel.context.ulysses import kv_replication
 
 
 class ShardedKVCache(TreeCalls):

@@ -62,7 +62,7 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
     `docs` changes nothing: with packed documents the attention core saves the same q, k, v, out and
     lse. The document ids are an input shared by every block (the batch's), and the segment plans
     that say which query-key pairs attend are host-side numpy (ops/segments.py,
-    parallel/sequence.py), so no block keeps anything per token for them. (Without a sequence
+    parallel/context/sequence.py), so no block keeps anything per token for them. (Without a sequence
     layout, distributed_attention gathers the ids once and keeps the [batch, seq] int64 tensor on
     the ids' layout, 8 x head x ctx bytes per local token once per batch, not per block; the
     training loop always plans a layout on the host and gathers nothing.)"""

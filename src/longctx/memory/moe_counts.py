@@ -103,7 +103,7 @@ def max_expert_skew(m: ModelConfig, expert: int) -> float:
 
 def expert_parallel_row_bytes(m: ModelConfig, p: int, chunked: bool) -> float:
     """Bytes a rank keeps for backward per routed row it receives under expert parallelism
-    (parallel/expert.py): the received row, the grouped GEMM's input (d); the experts' SwiGLU
+    (parallel/expert/install.py): the received row, the grouped GEMM's input (d); the experts' SwiGLU
     intermediates (4 x expert_dim; none when memory.expert_chunk recomputes them piece by piece);
     and the two int64 indices that regroup the rows expert-major and back (16). Without expert
     parallelism a rank's own rows keep the first two (moe_ffn_bytes' permute and experts), so with

@@ -28,7 +28,7 @@ from ..ops.chunked import is_chunk_store_host, pinned_copy
 
 _VIEW_OR_CAST = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
                  "ToCopyBackward0", "AliasBackward0", "UnsafeViewBackward0",
-                 # an expert weight under expert parallelism: DTensor.to_local, then parallel/expert.py's
+                 # an expert weight under expert parallelism: DTensor.to_local, then parallel/expert/install.py's
                  # identity that scales its gradient
                  "_ToTorchTensorBackward", "_ScaleGradBackward"}
 

@@ -8,7 +8,7 @@ SwiGLU every token goes through, optionally behind a sigmoid gate) are added on 
 How the routed rows reach their experts and come back is the layer's `dispatcher`, its one hook
 for parallelism (models/moe_dispatch.py: dispatch -> run_experts -> combine): here the one-device
 permutation, deterministic on CPU and CUDA; expert parallelism installs one object that exchanges
-the rows between ranks (parallel/expert.py), so this module never imports parallel/.
+the rows between ranks (parallel/expert/install.py), so this module never imports parallel/.
 
 Routing is a function of the token alone (for the dropless routers), so any slicing of the tokens
 (ranks of a sequence-parallel layout, memory.block_chunk, recomputation) routes each token as the
@@ -36,17 +36,8 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
-from .moe_dispatch import TokenDispatcher, TokenRows  # noqa: F401  (TokenRows: its tests import it from here)
+from .moe_dispatch import Routing, TokenDispatcher, TokenRows  # noqa: F401  (Routing, TokenRows: imported from here too)
 from .swiglu import FeedForward
-
-
-@dataclass
-class Routing:
-    experts: torch.Tensor       # [T, k] long: the chosen experts, slot 0 first
-    weights: torch.Tensor       # [T, k] fp32: each choice's weight on the output (0 where dropped)
-    probs: torch.Tensor         # [T, E] fp32: the distribution the balancing loss reads
-    logits: torch.Tensor        # [T, E] fp32: what the z-loss reads
-    kept: torch.Tensor | None = None  # [T, k] bool with a capacity: False where the choice was dropped
 
 
 class Router(nn.Module):
@@ -274,7 +265,7 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(cfg.dim, shared) if shared else None
         self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.moe_shared_gate else None
         # how the routed rows reach the experts: one device's permutation, or the object expert
-        # parallelism installs (parallel/expert.py use_expert_parallel)
+        # parallelism installs (parallel/expert/install.py use_expert_parallel)
         self.dispatcher: TokenDispatcher = TokenDispatcher()
         self.recording = False  # the model turns it on for its training forwards
         self.records: list[RouterRecord] = []

@@ -4,7 +4,7 @@
 rows grouped by expert), `run_experts` (the experts on them, called from inside the Experts
 module's call) and `combine` (results -> each token's weighted sum). The class here is the one
 device's; expert parallelism installs another object with the same three methods
-(parallel/expert.py), so models never import parallel/ and no module method is ever replaced.
+(parallel/expert/install.py), so models never import parallel/ and no module method is ever replaced.
 
 Determinism: no step of the one-device dispatch adds into memory in an order the hardware picks,
 so two runs give the same bits on CPU and on CUDA. The dispatch copies each token's row to its k
@@ -13,21 +13,28 @@ inverse permutation and sums them in slot order (index_select's own backward, in
 atomics on CUDA, in no fixed order when k >= 3); the combine gathers each token's k results back
 by the inverse permutation and sums them in slot order (its backward adds one row into each zero
 row, exact in any order). Not so under expert parallelism with parallel.expert_ranks_per_node
-(parallel/expert_hierarchy.py adds rows with index_add: repeated indices, atomics on CUDA) or
+(parallel/expert/hierarchy.py adds rows with index_add: repeated indices, atomics on CUDA) or
 parallel.expert_replicas (expert_placement.py: a copied expert's weights gathered by
 index_select, whose backward adds the copies' gradients with index_add_); the flat exchange
-(parallel/expert_dispatch.py) only permutes rows.
+(parallel/expert/dispatch.py) only permutes rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:  # (annotations only: moe.py imports this module)
-    from .moe import Experts, Routing
+
+@dataclass
+class Routing:
+    """A router's choice for T tokens (models/moe.py's routers make it; the dispatcher reads it)."""
+    experts: torch.Tensor       # [T, k] long: the chosen experts, slot 0 first
+    weights: torch.Tensor       # [T, k] fp32: each choice's weight on the output (0 where dropped)
+    probs: torch.Tensor         # [T, E] fp32: the distribution the balancing loss reads
+    logits: torch.Tensor        # [T, E] fp32: what the z-loss reads
+    kept: torch.Tensor | None = None  # [T, k] bool with a capacity: False where the choice was dropped
 
 
 class TokenRows(torch.autograd.Function):
@@ -74,7 +81,7 @@ class TokenDispatcher:
     This class is the one-device dispatcher: dispatch copies each token's row to its k slots sorted by
     expert (TokenRows), every expert runs here, combine gathers the results back by the inverse
     permutation and sums each token's k of them with their weights. Expert parallelism replaces it
-    with one object for all the MoE layers (parallel/expert.py use_expert_parallel), whose
+    with one object for all the MoE layers (parallel/expert/install.py use_expert_parallel), whose
     run_experts exchanges the rows with the ranks that own the experts (and whose dispatch may first
     send them across nodes). A dispatcher keeps no state of a call: what combine needs travels in
     `state`, so one object serves every layer, block chunk and recomputation."""
@@ -93,7 +100,8 @@ class TokenDispatcher:
         weights = routing.weights if routing.kept is None else routing.weights * routing.kept
         return TokenRows.apply(flat, order, inverse, k), counts, SlotOrder(order, inverse, n, weights)
 
-    def run_experts(self, experts: Experts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # (experts: models/moe.py's Experts, which imports this module: typed by what it is here)
         return experts.run_here(rows, counts)
 
     def combine(self, out: torch.Tensor, state: SlotOrder) -> torch.Tensor:

@@ -21,7 +21,7 @@ the price is O(u^2) chunk moves for u chunks (a key chunk meets every later quer
 
 Which pairs attend is a pure function of the tokens' global positions and document ids, so the
 same code serves one device (positions 0..S-1) and every ring block (the layout's positions of
-both ranks, parallel/ring.py). Chunking changes no result beyond the order of fp32 additions.
+both ranks, parallel/context/ring.py). Chunking changes no result beyond the order of fp32 additions.
 """
 
 from __future__ import annotations

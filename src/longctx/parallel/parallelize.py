@@ -8,7 +8,7 @@ The order is fixed and matters:
      the chunked LM head + loss (ops/loss.py) is switched on here too;
   3. with train.compile, each block's token-wise stages are compiled (models/compile.py);
   4. FSDP2 `fully_shard` on every block (under expert parallelism, its experts first, over their own
-     expert-data group: parallel/expert.py), then on the root (embeddings, final norm, LM head), over
+     expert-data group: parallel/expert/install.py), then on the root (embeddings, final norm, LM head), over
      the data x head x context ranks flattened into one shard dim (LoongTrain's hybrid ZeRO: the
      sequence ranks share the model states too), with dp_replicate as the HSDP replica dim.
 
@@ -30,17 +30,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from ..job import comm
+from ..job.comm import sub_mesh
 from ..memory.policies import apply_glide_memory_policy, apply_memory_policy
 from ..models.compile import compile_token_wise_stages
 from ..models.llama import local_attention
 from ..models.moe import MoEFeedForward
 from ..ops.chunked import chunked_local_attention
-from . import comm
-from .attention import distributed_attention
-from .comm import sub_mesh
-from .expert import use_expert_parallel
-from .grad_buckets import plan_for, time_reduce_scatters
-from .sequence import gather_shards
+from .context.attention import distributed_attention
+from .context.sequence import gather_shards
+from .expert.install import use_expert_parallel
+from .fsdp.grad_buckets import plan_for, time_reduce_scatters
 
 
 def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window, attention_chunk=0, attention_offload=False):
@@ -130,7 +130,7 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     use_sequence_parallel_attention(model, dims, mesh)
     use_router_sum(model, dims, mesh)
     if dims.expert > 1:  # experts split over expert groups; every MoE layer's dispatcher: ONE object from
-        # parallel.expert_* (flat / hierarchical, pipelined chunks, FlexMoE copies: parallel/expert.py)
+        # parallel.expert_* (flat / hierarchical, pipelined chunks, FlexMoE copies: parallel/expert/install.py)
         use_expert_parallel(model, dims.build_expert_mesh(device_type), cfg.parallel.expert_pipeline_chunks,
                             cfg.parallel.expert_replicas, cfg.parallel.expert_placement_window,
                             cfg.parallel.expert_ranks_per_node)
@@ -146,7 +146,7 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
 
 
 def shard_model(model, dims, cfg, device_type: str) -> None:
-    """FSDP2 over the blocks, grouped into units by the gradient-bucket plan (parallel/grad_buckets.py,
+    """FSDP2 over the blocks, grouped into units by the gradient-bucket plan (parallel/fsdp/grad_buckets.py,
     kept as `model.grad_bucket_plan`), then the root; every unit's reduce-scatter timed
     (`model.grad_reduce_timers`). Under expert parallelism a bucket's expert weights form a unit of
     their own over the expert-data group, sharded on their second dim (the first is the expert group's)."""

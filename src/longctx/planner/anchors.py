@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 
 from ..config import load_config
-from .hardware import get_hardware
+from ..costs.hardware import get_hardware
 from .search import Request, plan
 
 

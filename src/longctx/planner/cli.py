@@ -61,7 +61,7 @@ def _skew(text: str) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .hardware import hardware_names
+    from ..costs.hardware import hardware_names
 
     p.add_argument("--model", default="debug", help="model preset (config model.preset), e.g. llama3-8b, or "
                                                      "hf:DIR to read the shapes of a local Hugging Face config.json")
@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_request(args, overrides):
     from ..config import load_config
-    from .hardware import calibrate, load_hardware
+    from ..costs.hardware import calibrate, load_hardware
     from .search import Request, parse_tokens
 
     model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
@@ -130,7 +130,7 @@ def build_request(args, overrides):
         if args.calibrate_out:
             Path(args.calibrate_out).write_text(hw.to_toml())
         if args.hw:
-            from .hardware import apply_overrides, parse_kv
+            from ..costs.hardware import apply_overrides, parse_kv
 
             hw = apply_overrides(hw, parse_kv(args.hw))
     else:
@@ -172,7 +172,7 @@ def main(args, overrides) -> int:
 
         return anchors_main(args)
     from ..config import load_config
-    from .hardware import hardware_names
+    from ..costs.hardware import hardware_names
     from .output import memory_legend, plan_config, runnable, table, to_json, toml_text
     from .search import plan
 

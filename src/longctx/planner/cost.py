@@ -3,29 +3,29 @@ compute time, exposed communication, step time, tokens/s and MFU.
 
 `estimate` puts together named formulas, each in the module of its kind and testable alone:
 
-- model-state memory (planner/model_states.py): fp32 parameters, gradients and two Adam moments
+- model-state memory (costs/model_states.py): fp32 parameters, gradients and two Adam moments
   sharded over the FSDP group, the blocks and root FSDP holds gathered, and the unsharded fp32
   gradients accumulated between micro-batches under grad_sync "step";
 - activation memory: `memory.accounting.estimate_activations` (the formulas `longctx bench memory`
   is compared with to the byte), plus `memory.transients.transient_bytes`, the working set of one
   block's backward and of the LM head on top of it; host memory per node for offloaded activations
   and attention state (`attention_offload_host_and_traffic`);
-- communication bytes (parallel/volumes.py, the closed forms comm.py's counters are tested to
+- communication bytes (parallel/context/volumes.py, the closed forms comm.py's counters are tested to
   equal): attention's `attention_bytes` times the layers, the micro-batches and, under full
   recomputation, the forward once more; document ids cost no bytes (the training loop plans each
-  batch's sequence layout on the host from the ids every rank already has, Runtime.local_batch,
+  batch's sequence layout on the host from the ids every rank already has, parallel/context/shares.py local_batch,
   and the layout travels with the local ids to the attention core); FSDP's `fsdp_bytes_per_step`,
   the same function the training loop's metrics line reports (FSDP's collectives bypass comm.py's
   counters; `comm.library_traffic()` counts them, and tests/distributed/test_fsdp_bytes.py
   compares a real step with this figure); under expert parallelism the MoE layers' all-to-alls
-  (`expert_bytes`, even routing) and their time on the most loaded rank (planner/timing.py);
-- FLOPs and time (planner/timing.py): metrics.py's model FLOPs (the attention s^2 term halved under
+  (`expert_bytes`, even routing) and their time on the most loaded rank (costs/timing.py);
+- FLOPs and time (costs/timing.py): metrics.py's model FLOPs (the attention s^2 term halved under
   the causal mask), plus recomputation; with document masks the attention FLOPs are scaled by
   `doc_work`, the visible (causal, same-document) query-key pairs over those of a plain causal
   mask (planner/documents.py; 1.0 = one document per sequence, the default; `longctx plan --store`
   measures it). MFU keeps metrics.py's causal model FLOPs (what the training metrics line
   reports), so with doc_work < 1 it is an upper bound there and here alike; exposed communication
-  as planner/timing.py describes.
+  as costs/timing.py describes.
 """
 
 from __future__ import annotations
@@ -33,16 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..memory.accounting import ActivationEstimate, estimate_activations
-from ..memory.moe_counts import max_expert_skew, moe_forward_runs
-from ..memory.policy import MemoryPolicy
-from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
-from ..models.flops import train_flops_per_token
-from ..parallel.volumes import attention_bytes, expert_bytes, fsdp_bytes_per_step
-from .hardware import Hardware
-from .model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes, param_counts
-from .shape import MeshShape
-from .timing import (
+from ..costs.hardware import Hardware
+from ..costs.model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes, param_counts
+from ..costs.shape import MeshShape
+from ..costs.timing import (
     Flops,
     block_forward_seconds,
     compute_seconds,
@@ -56,6 +50,12 @@ from .timing import (
     micro_batch_flops,
     recompute_share,
 )
+from ..memory.accounting import ActivationEstimate, estimate_activations
+from ..memory.moe_counts import max_expert_skew, moe_forward_runs
+from ..memory.policy import MemoryPolicy
+from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
+from ..models.flops import train_flops_per_token
+from ..parallel.context.volumes import attention_bytes, expert_bytes, fsdp_bytes_per_step
 
 
 @dataclass
@@ -149,7 +149,7 @@ def attention_call_bytes(m: ModelConfig, seq_len: int, micro_batch: int, shape: 
                          dtype_bytes: int) -> tuple[dict, dict]:
     """Bytes of one layer's distributed attention: (forward + backward, the forward alone, which
     full recomputation runs again). No docs=: that would be document ids gathered without a sequence
-    layout; the training loop always plans one on the host (Runtime.local_batch), so documents
+    layout; the training loop always plans one on the host (parallel/context/shares.py local_batch), so documents
     cost no bytes."""
     kw = {"seq": seq_len, "batch": micro_batch, "heads": m.heads, "kv_heads": m.kv_heads,
           "head_dim": m.resolved_head_dim, "head": shape.head, "ctx": shape.ctx, "elem": dtype_bytes}

@@ -13,10 +13,10 @@ import json
 import textwrap
 
 from ..config import Config, build_config, rules, to_dict, to_toml
+from ..costs.model_states import active_params, param_counts, params_text
 from ..errors import ConfigError
-from ..parallel.checks import check_layout
+from ..job.checks import check_layout
 from .cost import Estimate
-from .model_states import active_params, param_counts, params_text
 from .search import PlanResult, Request, step_text
 
 GIB = 2**30

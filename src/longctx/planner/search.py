@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
+from ..costs.hardware import Hardware
+from ..costs.model_states import model_state_bytes
+from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..memory.policy import MemoryPolicy
 from .cost import Estimate, estimate, rank_activations
-from .hardware import Hardware
-from .model_states import model_state_bytes
-from .shape import MeshShape
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 _POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}

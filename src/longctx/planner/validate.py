@@ -35,19 +35,22 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import build_config, to_dict
+from ..costs.hardware import calibrate
+from ..costs.shape import MeshShape
 from ..data.samples import Batch
+from ..job import comm
+from ..job.runtime import Runtime
+from ..job.spawn import run_spawned
 from ..memory.accounting import measure_activations
 from ..memory.policy import MemoryPolicy
 from ..models.llama import build_model
-from ..parallel import comm
+from ..parallel.context.shares import local_batch
 from ..parallel.parallelize import apply_memory, grad_scale, parallelize, use_sequence_parallel_attention
-from ..parallel.runtime import Runtime
-from ..parallel.spawn import run_spawned
-from ..train.step import forward_loss_sum, make_optimizer, set_gradient_sync
+from ..step.gradients import set_gradient_sync
+from ..step.loss import forward_loss_sum
+from ..step.optimizer import make_optimizer
 from .cost import estimate
 from .documents import doc_work_of_ids
-from .hardware import calibrate
-from .shape import MeshShape
 
 SEED = 0
 
@@ -154,7 +157,7 @@ def micro_batches(cfg, rt, batch) -> list:
     def rows(t, i):
         return None if t is None else t[i * n:(i + 1) * n]
 
-    return [rt.local_batch(Batch(*(rows(t, i) for t in (batch.tokens, batch.labels, batch.positions,
+    return [local_batch(rt, Batch(*(rows(t, i) for t in (batch.tokens, batch.labels, batch.positions,
                                                           batch.doc_ids))))
             for i in range(cfg.train.grad_accum)]
 

@@ -15,7 +15,7 @@ With draft.target set, the model the Trainer optimises is `GlideTraining`: a Gli
   speculation length): exactly the cache as of the last verification at decode time. A query
   that sees none (the first block of each document) gets 0.
 - Under head x ctx, the captured K/V of those layers, with each key's position and document id, are
-  all-gathered over the head x ctx ranks (parallel/sequence.py gather_shards, through comm.py; no
+  all-gathered over the head x ctx ranks (parallel/context/sequence.py gather_shards, through comm.py; no
   gradient: the target is frozen), sorted into sequence order, and each rank's queries attend to
   them with the mask from the global document-relative positions: exact, and simple. Its cost: per
   draft layer, every rank holds that target layer's K and V for the WHOLE sequence during the step
@@ -47,11 +47,11 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint.identity import weights_identity
 from ..config import Config, to_dict
 from ..config.hf import hf_dir
+from ..job.runtime import Runtime
 from ..models.glide import GlideDraft, block_stale_limit, sequence_codes
 from ..models.llama import Llama, build_model
 from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss
 from ..parallel.parallelize import parallelize, parallelize_draft
-from ..parallel.runtime import Runtime
 from .weights import load_weights
 
 
@@ -173,7 +173,7 @@ def target_path(source: str) -> Path:
     """The directory draft.target names, resolved (a checkpoints directory: its latest checkpoint)."""
     if source.startswith("hf:"):
         return hf_dir(source).resolve()
-    from ..checkpoint.paths import resolve_checkpoint
+    from ..config.checkpoint_paths import resolve_checkpoint
 
     return resolve_checkpoint(source, Path(source)).resolve()
 

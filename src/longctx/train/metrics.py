@@ -1,6 +1,6 @@
 """Training metrics: MFU, memory, bytes sent, one printed line and one JSONL record per log step.
 
-MFU divides achieved model FLOP/s (models/flops.py) by the device's peak (planner/peaks.py); the
+MFU divides achieved model FLOP/s (models/flops.py) by the device's peak (costs/peaks.py); the
 line says which peak. `MetricsLogger` owns everything a metrics line needs (the interval since the
 last line, the peak, the communication and FSDP byte figures), so the training loop only tells it
 what happened: a step, an evaluation, a save.
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
+from ..costs.peaks import device_peak, raise_cpu_peak
+from ..job.runtime import TRACKED_DIMS
 from ..memory.rss import peak_rss_bytes
 from ..models.flops import train_flops_per_token
-from ..parallel.grad_buckets import grad_reduce_figures
+from ..parallel.context.volumes import fsdp_bytes_per_step
+from ..parallel.fsdp.grad_buckets import grad_reduce_figures
 from ..parallel.parallelize import gathers_in_bf16
-from ..parallel.runtime import TRACKED_DIMS
-from ..parallel.volumes import fsdp_bytes_per_step
-from ..planner.peaks import device_peak, raise_cpu_peak
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
@@ -137,7 +137,7 @@ class MetricsLogger:
         self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
                                               cfg.memory.grad_sync, expert_params=experts)
         self.flops_per_token = 0.0
-        self.grad_timers = getattr(model, "grad_reduce_timers", [])  # parallel/grad_buckets.py
+        self.grad_timers = getattr(model, "grad_reduce_timers", [])  # parallel/fsdp/grad_buckets.py
         self.interval = self._new_interval()
 
     def describe_peak(self) -> str:

@@ -14,13 +14,13 @@ from torch import nn
 
 from ..config import Config, build_model_config
 from ..config.hf import init_from_notes
+from ..job.devices import resolve_dtype
+from ..job.runtime import Runtime
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
 from ..parallel.parallelize import parallelize, sequence_parallel_core
-from ..parallel.runtime import Runtime
 from .glide import build_glide_training
 from .stages import stages_of
-from .step import resolve_dtype
 from .weights import load_weights
 
 

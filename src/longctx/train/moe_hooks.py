@@ -1,7 +1,7 @@
 """The MoE step hook (hooks.py): everything a training step does for the routers, beside the loop.
 
 - before a step: the routers learn the step (DTS-Gate's schedule reads it), and the expert
-  dispatcher's decisions at this boundary are said (parallel/expert.py expert_step_notes: online
+  dispatcher's decisions at this boundary are said (parallel/expert/install.py expert_step_notes: online
   chunk tuning, FlexMoE's placement from the last step's choices per expert);
 - after each micro-batch's forward: the router terms (models/moe.py RouterTerms): their balancing
   losses join the backward as a mean over the step's micro-batches, and their statistics (stats,
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..config import Config
+from ..job.runtime import Runtime
 from ..models.moe import eval_routing_note, moe_layers
-from ..parallel.expert import expert_step_notes
-from ..parallel.runtime import Runtime
+from ..parallel.expert.install import expert_step_notes
 from .hooks import StepHook
 from .model import model_kind
 from .router_metrics import RouterInterval, heatmap_every, layer_loads

@@ -58,7 +58,7 @@ class StopOnSignal:
             return None
         got = self._received
         if self.world > 1:
-            from ..parallel import comm  # collectives go through comm
+            from ..job import comm  # collectives go through comm
 
             flag = torch.tensor([got], dtype=torch.int64)
             got = int(comm.all_reduce_in_group(flag, self._group, op=torch.distributed.ReduceOp.MAX)[0])

@@ -18,16 +18,16 @@ from ..checkpoint.manifest import check_draft_matches, check_model_matches, read
 from ..config import Config, to_dict
 from ..config.hf import hf_dir
 from ..config.rules import parse_synthetic
+from ..costs.peaks import machine_cpu_peak
 from ..data.cache import default_store
 from ..data.synthetic import check_room
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError
+from ..job.checks import check_layout
+from ..job.devices import resolve_device
 from ..models.hf import weight_files
-from ..parallel.checks import check_layout
-from ..planner.peaks import machine_cpu_peak
 from .setup import check_packages, check_run_dir, check_store, check_tokenizer_known, resume_target
 from .stages import stage_config, stages_of
-from .step import resolve_device
 
 
 def preflight(cfg: Config, nproc: int, log=print) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint.paths import step_name
+from ..config.checkpoint_paths import step_name
 from ..config.rules import moe_notes
 from ..errors import UserError
 from ..models.llama import count_params

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 
-from ..checkpoint.paths import CheckpointError
 from ..config import Config
-from ..parallel import watchdog
+from ..config.checkpoint_paths import CheckpointError
+from ..job import watchdog
 
 
 class RunSaves:

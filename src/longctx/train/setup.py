@@ -14,8 +14,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import torch
-
 from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
 from ..config import Config, to_dict, to_toml
 from ..config.rules import parse_synthetic
@@ -26,22 +24,7 @@ from ..data.store import read_manifest
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError, UserError
-from ..memory.host_malloc import keep_freed_blocks
-from ..parallel.checks import check_layout
-from ..parallel.launch import init_distributed
-from ..parallel.runtime import Runtime
-from .step import resolve_device
-
-
-def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
-    """This process's place in the job (its process group joined, its layout checked) and its device."""
-    device = resolve_device(cfg.train.device)
-    if device.type == "cpu":  # freed activations reused, not faulted in again each step (host_malloc.py)
-        keep_freed_blocks()
-    rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
-    check_layout(cfg, world)
-    rt = Runtime.create(cfg, rank, world, device.type)
-    return rt, (rt.device if device.type == "cuda" else device)
+from ..job.runtime import Runtime
 
 
 def check_packages(cfg: Config) -> None:

@@ -8,7 +8,7 @@ right sample, whether the checkpoint is before, at or after a boundary. A run wi
 one stage of train.steps at train.seq_len, with exactly the loader it always had.
 
 `step_batches(step)` hands the training loop a step's micro-batches as this rank's shares, already
-read (Runtime.read_local_batch: only the tokens the rank holds), and starts reading the next step's
+read (parallel/context/shares.py read_local_batch: only the tokens the rank holds), and starts reading the next step's
 on a background thread while the current step runs. The sample order is still drawn on the main
 thread, in order, so the batches are the same with or without that read ahead; the data position
 a checkpoint saves is the one after the last step handed out, never the one read ahead, and a

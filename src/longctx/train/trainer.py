@@ -19,6 +19,7 @@ bookkeeping: moe_hooks.py), LONGCTX_FAULT's faults by a wrapper around the step
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,9 +30,16 @@ import torch
 from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
-from ..parallel import watchdog
+from ..job import watchdog
+from ..job.devices import resolve_dtype, seed_everything
+from ..job.join import join_job
+from ..parallel.context.shares import read_local_batch, to_device
 from ..parallel.parallelize import grad_scale
 from ..progress import phase, progress_bar, said
+from ..step.gradients import clip_gradients, set_gradient_sync
+from ..step.loss import forward_loss_sum
+from ..step.optimizer import guarded_step, make_optimizer
+from ..step.schedule import lr_at
 from .fault_injection import with_step_faults
 from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .hooks import StepHooks
@@ -46,23 +54,12 @@ from .setup import (
     build_data,
     check_packages,
     continue_run_files,
-    join_job,
     make_run_dir,
     on_main,
     open_checkpointing,
     run_tokenizer,
 )
 from .stages import StagedLoader, tokens_through
-from .step import (
-    clip_gradients,
-    forward_loss_sum,
-    guarded_step,
-    lr_at,
-    make_optimizer,
-    resolve_dtype,
-    seed_everything,
-    set_gradient_sync,
-)
 from .watch import watched
 
 
@@ -110,7 +107,7 @@ class Trainer:
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
         self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), rt.dp,
-                                    read_local=rt.read_local_batch, read_ahead=read_ahead)
+                                    read_local=functools.partial(read_local_batch, rt), read_ahead=read_ahead)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
         self.saves = RunSaves(self.ckpt, cfg, self.log)  # checkpoint.interval / final / on_save_error
@@ -262,7 +259,7 @@ class Trainer:
         watchdog.phase(step, "data")
         shares = self.sampler.step_batches(step)  # this rank's, read on the host (read ahead, mostly)
         valid = sum(v for _, v in shares)  # of the global step: the same on every rank
-        micro = [self.rt.to_device(b, self.device) for b, _ in shares]
+        micro = [to_device(b, self.device) for b, _ in shares]
         self.hooks.step_start(step)
         with self.device_section():
             local_loss = self._forward_backward(step, micro, valid)
@@ -360,8 +357,8 @@ class Trainer:
         model.eval()
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for start in range(0, n, micro):
-            share, valid = self.rt.read_local_batch(samples, list(range(start, start + micro)))  # my tokens only
-            total += forward_loss_sum(model, self.rt.to_device(share, self.device), self.autocast_dtype)
+            share, valid = read_local_batch(self.rt, samples, list(range(start, start + micro)))  # my tokens only
+            total += forward_loss_sum(model, to_device(share, self.device), self.autocast_dtype)
             count += valid
         model.train()
         return float(self.rt.sum_tensor(total)) / max(count, 1)  # one host read per evaluation

@@ -9,9 +9,9 @@ import contextlib
 import os
 
 from ..config import Config
-from ..parallel import watchdog
-from ..parallel.launch import ERROR_DIR_ENV, new_gloo_group
-from ..parallel.runtime import Runtime
+from ..job import watchdog
+from ..job.launch import ERROR_DIR_ENV, new_gloo_group
+from ..job.runtime import Runtime
 from .preemption import StopOnSignal
 
 

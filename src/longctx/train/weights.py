@@ -10,8 +10,8 @@ from torch import nn
 
 from ..checkpoint.manager import load_weights_into, read_manifest, resolve_checkpoint
 from ..config.hf import hf_dir
+from ..job.runtime import Runtime
 from ..models.hf import load_hf_weights
-from ..parallel.runtime import Runtime
 
 
 def load_weights(model: nn.Module, source: str, rt: Runtime, log=print) -> Path:

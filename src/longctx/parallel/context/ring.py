@@ -19,7 +19,7 @@ Causal work with the zigzag layout, for query rank i and a block from rank j:
   j <  i: all queries see the block's early chunk j, none of its late chunk: half the work;
   j >  i: only the late query chunk 2c-1-i sees the block, all of it: half the work.
 With packed documents the work follows the documents instead: a host-side SegmentPlan per block
-(parallel/sequence.py SequenceLayout.block_plan, built once per step from the batch's document
+(parallel/context/sequence.py SequenceLayout.block_plan, built once per step from the batch's document
 ids and the layout's positions) lists the (query segment, key segment) pairs the block needs; a
 block with none is skipped, and no document ids travel around the ring.
 
@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.attention import attention_backward, attention_forward, merge_partials
-from ..ops.chunked import ChunkGrid, ChunkStore, chunked_backward, chunked_forward
-from . import comm
+from ...job import comm
+from ...ops.attention import attention_backward, attention_forward, merge_partials
+from ...ops.chunked import ChunkGrid, ChunkStore, chunked_backward, chunked_forward
 from .sequence import shard_indices
 
 NEG_INF = float("-inf")

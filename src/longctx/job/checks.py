@@ -1,7 +1,9 @@
 """Every layout problem of a config on a number of ranks, found before any process starts work.
 
 Used by the launcher (fail before torchrun starts workers), by each rank at start-up, and by the
-planner (is a predicted plan runnable?).
+planner (is a predicted plan runnable?). The two arithmetic rules of the sequence layouts live here,
+below context parallelism, which applies them too: the heads a head-parallel degree can split
+(`check_heads`, Ulysses), and the lengths the balanced (zigzag) layout can cut (`check_divisible`).
 """
 
 from __future__ import annotations
@@ -9,8 +11,6 @@ from __future__ import annotations
 from ..config.rules import parse_stages
 from ..errors import ConfigError
 from .dims import ParallelDims
-from .layouts import check_divisible
-from .ulysses import check_heads
 
 
 def check_layout(cfg, world: int) -> ParallelDims:
@@ -27,6 +27,32 @@ def check_layout(cfg, world: int) -> ParallelDims:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
     return dims
+
+
+def check_heads(heads: int, kv_heads: int, head: int) -> None:
+    if heads % head:
+        raise ConfigError(
+            f"{heads} attention heads are not divisible by the head-parallel degree {head}; "
+            f"choose parallel.head among {[d for d in range(1, heads + 1) if heads % d == 0]}."
+        )
+    if heads % kv_heads:
+        raise ConfigError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads.")
+    if kv_heads % head and head % kv_heads:
+        raise ConfigError(
+            f"{kv_heads} key/value heads cannot be split over head-parallel degree {head}: one must divide "
+            f"the other (kv heads are replicated when the degree is a multiple of them)."
+        )
+
+
+def check_divisible(seq_len: int, ctx: int, head: int) -> None:
+    unit = 2 * ctx * head
+    if seq_len % unit:
+        lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit
+        raise ConfigError(
+            f"sequence length {seq_len} is not divisible by 2 x ctx x head = 2 x {ctx} x {head} = {unit}, which "
+            f"the balanced (zigzag) layout needs; use {lower or upper} or {upper}, or pad explicitly "
+            f"(padding must be masked out of the loss)."
+        )
 
 
 def _check_batch(global_batch: int, grad_accum: int, dims: ParallelDims) -> None:

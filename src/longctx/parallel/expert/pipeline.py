@@ -1,6 +1,6 @@
 """FSMoE's pipelined expert-parallel layer: the all-to-alls of one chunk under the experts of another.
 
-The expert-parallel dispatcher (parallel/expert_dispatch.py) with one chunk runs a layer's
+The expert-parallel dispatcher (parallel/expert/dispatch.py) with one chunk runs a layer's
 dispatch -> experts -> combine one after another, so the links idle while the experts compute and
 the experts idle while tokens travel. With `chunks` > 1 (its option) every expert's rows
 are cut into `chunks` near-equal pieces (piece c of n rows: rows n c / C to n (c + 1) / C, the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import comm
+from ...job import comm
 
 
 def chunk_counts(counts: list[int], chunks: int) -> list[list[int]]:

@@ -15,7 +15,7 @@ of the model unsharded at once; for the same reason at most a quarter of the blo
 The buckets are uniform from the top of the model and the remainder is placed at the bottom: the
 bucket reduced last, block 0's, is the smallest, so the tail is as short as it can be.
 
-The per-block figures come from the planner's cost model (planner/timing.py, model_states.py) for
+The per-block figures come from the planner's cost model (costs/timing.py, model_states.py) for
 the hardware the run is on (the CUDA device's name: h100, h200, a800; otherwise h100). On a CPU,
 gloo's reduce-scatter blocks the backward (no overlap), so every transfer is exposed and the fewest
 collectives win: the largest bucket allowed. The expert weights' units (their own mesh under expert
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 # a reduce-scatter's fixed cost: NCCL's small-message latency inside a node and across (an assumption,
-# ~2-3x the links' own latency in parallel/emulated_link.py; FSDP's copy-in and copy-out come on top)
+# ~2-3x the links' own latency in bench/emulated_link.py; FSDP's copy-in and copy-out come on top)
 LATENCY_S = {"intra": 20e-6, "inter": 40e-6}
 GPUS_PER_NODE = 8
 
@@ -105,7 +105,7 @@ def plan_buckets(blocks: int, block_bwd_s: float, block_reduce_s: float, latency
 
 
 def _hardware_for():
-    from ..planner.hardware import get_hardware  # the planner imports parallel/: imported when used
+    from ...costs.hardware import get_hardware  # the planner imports parallel/: imported when used
 
     name = torch.cuda.get_device_name().lower()
     for preset in ("h200", "h100", "a800"):
@@ -119,8 +119,8 @@ def plan_for(m: ModelConfig, per_bucket: int, tokens: int, seq_len: int, fsdp_ra
     """The plan a run uses: `per_bucket` blocks (parallel.grad_bucket_blocks) or, for 0, the cost
     model's choice for this model, `tokens` per rank and micro-batch, and an FSDP group of
     `fsdp_ranks` ranks."""
-    from ..planner.model_states import param_counts  # (as above)
-    from ..planner.timing import causal_attention_flops, forward_gemm_flops
+    from ...costs.model_states import param_counts  # (as above)
+    from ...costs.timing import causal_attention_flops, forward_gemm_flops
 
     blocks = m.layers
     if per_bucket:
@@ -134,7 +134,7 @@ def plan_for(m: ModelConfig, per_bucket: int, tokens: int, seq_len: int, fsdp_ra
     block_fwd = (forward_gemm_flops(m, tokens) / rate + causal_attention_flops(m, tokens, seq_len) / attn_rate) / blocks
     intra = fsdp_ranks <= GPUS_PER_NODE
     bandwidth = (hw.intra_gbps if intra else hw.inter_gbps) * 1e9
-    # fp32 gradients, (n - 1) / n of them leave each rank (planner/timing.py fsdp_transfer_seconds)
+    # fp32 gradients, (n - 1) / n of them leave each rank (costs/timing.py fsdp_transfer_seconds)
     reduce = (fsdp_ranks - 1) / fsdp_ranks * param_counts(m, expert)["block"] * 4 / bandwidth
     return plan_buckets(blocks, 2 * block_fwd, reduce, LATENCY_S["intra" if intra else "inter"],
                         overlap=hw.comm_overlap > 0, hardware=hw.name)

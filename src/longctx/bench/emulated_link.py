@@ -2,7 +2,7 @@
 
 On one small machine every rank is a local process and gloo moves bytes through shared memory in
 microseconds, so nothing shows what overlapping communication with compute, or sending less across
-nodes, buys. Under `emulate(profile)` each collective of parallel/comm.py on an emulated mesh dim
+nodes, buys. Under `emulate(profile)` each collective of job/comm.py on an emulated mesh dim
 still runs for real (the same code path, the same bytes), and then completes no earlier than the
 modelled link would have delivered it:
 
@@ -21,11 +21,15 @@ modelled link would have delivered it:
 Time a rank spends blocked in a collective (in `wait()` or a blocking call) is counted as exposed
 communication (`exposed_seconds()`): the figure an overlapped schedule lowers.
 
-A profile may also emulate the devices' compute (`compute_flops` > 0): the expert GEMMs (`paced`)
-then take at least flops / compute_flops of wall time, forward and backward. Without it, ranks
-that share a few cores lend them to each other: a rank that waits frees a core for the rank that
-computes, so a straggler's extra work costs the group nothing, which is the opposite of a cluster
-(each rank its own device) and hides exactly what balancing the experts' load buys.
+A profile may also emulate the devices' compute (`compute_flops` > 0): the expert GEMMs (comm.paced,
+which the expert dispatcher calls) then take at least flops / compute_flops of wall time, forward
+and backward. Without it, ranks that share a few cores lend them to each other: a rank that waits
+frees a core for the rank that computes, so a straggler's extra work costs the group nothing, which
+is the opposite of a cluster (each rank its own device) and hides exactly what balancing the
+experts' load buys.
+
+The emulator is a link hook that job/comm.py offers (`comm.set_link_hook`), installed by `emulate`:
+live code never imports this module.
 
 This is for benchmarks only (`longctx bench moe`); training never turns it on, and on a real
 cluster the benchmark runs without it.
@@ -39,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ..job import comm
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,7 @@ class LinkProfile:
     @classmethod
     def from_hardware(cls, hw, ranks_per_node: int, slowdown: float = 1.0, dims: tuple[str, ...] = (),
                       faster: float = 1.0, widen: float = 1.0, inter_ratio: float = 0.0) -> LinkProfile:
-        """The links of a planner hardware (planner/hardware.py: intra_gbps, inter_gbps per GPU; a
+        """The links of a planner hardware (costs/hardware.py: intra_gbps, inter_gbps per GPU; a
         NIC latency of 5 us inside a node, 10 us across), `slowdown` times slower: set it to how
         much slower this machine computes than that hardware, so communication keeps the share of a
         step it has there. `faster` speeds latency and bandwidth up on purpose, `widen` bandwidth
@@ -129,29 +135,43 @@ class LinkEmulator:
             time.sleep(left)
         self.exposed_s += time.monotonic() - start
 
-
-_ACTIVE: LinkEmulator | None = None
+    def paced(self, run, x, flops: float):
+        """run(x) (a block of `flops` forward FLOPs, twice that backward) taking at least the time an
+        emulated device of the profile's compute_flops would; just run(x) otherwise."""
+        if not self.profile.compute_flops:
+            return run(x)
+        seconds = flops / self.profile.compute_flops
+        clock: dict = {}
+        start = time.monotonic()
+        if x.requires_grad:
+            x = _BackwardEnds.apply(x, clock, 2 * seconds)
+        y = run(x)
+        _sleep_until(start + seconds)
+        return _BackwardStarts.apply(y, clock) if y.requires_grad else y
 
 
 def active() -> LinkEmulator | None:
-    return _ACTIVE
+    """The emulator installed as job/comm.py's link hook, if any."""
+    hook = comm.link_hook()
+    return hook if isinstance(hook, LinkEmulator) else None
 
 
 @contextlib.contextmanager
 def emulate(profile: LinkProfile):
-    """Emulate `profile`'s links for the collectives of parallel/comm.py inside the block (this rank)."""
-    global _ACTIVE
-    previous = _ACTIVE
-    _ACTIVE = LinkEmulator(profile, dist.get_rank() if dist.is_initialized() else 0)
+    """Emulate `profile`'s links for the collectives of job/comm.py inside the block (this rank): the
+    emulator is installed as comm's link hook, and the previous hook put back after."""
+    emu = LinkEmulator(profile, dist.get_rank() if dist.is_initialized() else 0)
+    previous = comm.set_link_hook(emu)
     try:
-        yield _ACTIVE
+        yield emu
     finally:
-        _ACTIVE = previous
+        comm.set_link_hook(previous)
 
 
 def exposed_seconds() -> float:
     """Seconds this rank has spent blocked on emulated collectives in the current `emulate` block."""
-    return 0.0 if _ACTIVE is None else _ACTIVE.exposed_s
+    emu = active()
+    return 0.0 if emu is None else emu.exposed_s
 
 
 class _BackwardStarts(torch.autograd.Function):
@@ -186,19 +206,3 @@ def _sleep_until(t: float) -> None:
     left = t - time.monotonic()
     if left > 0:
         time.sleep(left)
-
-
-def paced(run, x, flops: float):
-    """run(x) (a block of `flops` forward FLOPs, twice that backward) taking at least the time an
-    emulated device of the active profile's compute_flops would; just run(x) otherwise."""
-    emu = _ACTIVE
-    if emu is None or not emu.profile.compute_flops:
-        return run(x)
-    seconds = flops / emu.profile.compute_flops
-    clock: dict = {}
-    start = time.monotonic()
-    if x.requires_grad:
-        x = _BackwardEnds.apply(x, clock, 2 * seconds)
-    y = run(x)
-    _sleep_until(start + seconds)
-    return _BackwardStarts.apply(y, clock) if y.requires_grad else y

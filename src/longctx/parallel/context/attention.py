@@ -17,13 +17,14 @@ import math
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from ..ops.chunked import ChunkGrid, chunked_attention
-from . import comm
+from ...errors import ConfigError
+from ...job import comm
+from ...job.checks import check_heads
+from ...ops.chunked import ChunkGrid, chunked_attention
 from .layouts import check_doc_ids
 from .ring import ring_attention
 from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, shard_indices, unshard_sequence
-from .ulysses import check_heads, head_to_seq, kv_replication, seq_to_head
+from .ulysses import head_to_seq, kv_replication, seq_to_head
 
 
 def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:

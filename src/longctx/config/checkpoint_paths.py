@@ -1,7 +1,8 @@
 """Where checkpoints are on disk: step directories, the `latest` pointer, what a path names.
 
-Pure path logic (no torch; nothing of longctx but errors): the config reads a checkpoint's [model] through it
-(`model.init_from = DIR`) before anything else is imported.
+Pure path logic (no torch; nothing of longctx but errors). It sits in config/ because the config reads
+a checkpoint's [model] through it (`model.init_from = DIR`) before anything else is imported;
+checkpoint/ builds on it.
 """
 
 from __future__ import annotations

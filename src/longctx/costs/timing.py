@@ -63,7 +63,7 @@ def causal_attention_flops(m: ModelConfig, tokens: int, seq_len: int) -> float:
 def micro_batch_flops(m: ModelConfig, tokens: int, seq_len: int, policy: MemoryPolicy, acts: ActivationEstimate,
                       doc_work: float) -> Flops:
     """The FLOPs of a micro-batch of `tokens` rank tokens. The kernels run only same-document pairs,
-    and the "docs" balance gives each context rank 1/c of them (parallel/doc_balance.py): the rank's
+    and the "docs" balance gives each context rank 1/c of them (parallel/context/doc_balance.py): the rank's
     attention work is the documents' share. acts.recompute_flops counts the re-run attention at the
     causal rate; the rest of it is GEMMs."""
     gemm_fwd = forward_gemm_flops(m, tokens)

@@ -1,7 +1,7 @@
 """The expert-parallel dispatcher: a MoE layer's rows exchanged with the ranks that own their experts.
 
 `ExpertParallelDispatcher` is the `TokenDispatcher` (models/moe.py) of every MoE layer under
-expert parallelism, one object for the whole model, installed by parallel/expert.py
+expert parallelism, one object for the whole model, installed by parallel/expert/install.py
 `use_expert_parallel`. Its dispatch and combine are the one-device permutation (each token's k
 rows sorted by expert, and back); its `run_experts` is where the ranks meet. Rows sorted by
 expert are also sorted by owner, so a layer call runs:
@@ -15,13 +15,13 @@ Backward runs the same way in reverse (AllToAllV's backward swaps the splits).
 
 Its options, chosen from config:
 - `chunks` > 1 (parallel.expert_pipeline_chunks): FSMoE's schedule, steps 2-4 in pipelined chunks
-  (parallel/expert_pipeline.py); `tuner` (parallel.expert_pipeline_chunks = 0): the chunk count a
+  (parallel/expert/pipeline.py); `tuner` (parallel.expert_pipeline_chunks = 0): the chunk count a
   short online profile picks (ChunkTuner);
 - `placer` (parallel.expert_replicas > 0): FlexMoE's copies of hot experts (parallel/
   expert_placement.py). A layer's placement is its experts' `placement` attribute (None: every
   expert on its owner only), which the placer sets at the end of each window; the rows then go by
   (rank, slot) instead of by expert.
-HierarchicalDispatcher (parallel/expert_hierarchy.py) is this dispatcher over the ranks of one
+HierarchicalDispatcher (parallel/expert/hierarchy.py) is this dispatcher over the ranks of one
 node, behind a dispatch and combine that cross nodes once per token and node.
 """
 
@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..models.moe import TokenDispatcher, swiglu_experts
-from . import comm, emulated_link
-from .expert_pipeline import PipelinedExperts, chunk_plan, tuning_step
-from .expert_placement import with_copies
+from ...job import comm
+from ...models.moe import TokenDispatcher, swiglu_experts
+from .pipeline import PipelinedExperts, chunk_plan, tuning_step
+from .placement import with_copies
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -77,7 +77,7 @@ def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch
         out = swiglu_experts(rows[order], per_expert, w1, w3, w2, experts.chunk)
         return out[torch.argsort(order)] if order.numel() else out
     # (a benchmark's emulated devices: at least the time their GEMMs would take; otherwise just run)
-    return emulated_link.paced(run, got, 6.0 * got.shape[0] * w1.shape[1] * w1.shape[2])
+    return comm.paced(run, got, 6.0 * got.shape[0] * w1.shape[1] * w1.shape[2])
 
 
 class ExpertParallelDispatcher(TokenDispatcher):

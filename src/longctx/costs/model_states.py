@@ -13,7 +13,7 @@ count the experts a token goes through (active=True). A MoE model's blocks diffe
 dense_layers keep a dense SwiGLU): `block_params` lists them, and "block" below is the largest, the
 one FSDP's gather peaks on.
 
-Expert parallelism (shape.expert > 1, parallel/expert.py): each MoE layer's routed experts are
+Expert parallelism (shape.expert > 1, parallel/expert/install.py): each MoE layer's routed experts are
 split over an expert group, E / expert per rank, and FSDP shards those over the expert-data group
 (world / expert ranks, no replicas). A rank then holds 1 / world of the routed experts at rest, as
 a fully sharded run would, and gathers only its group's 1 / expert of them for a layer: what

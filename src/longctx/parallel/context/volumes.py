@@ -40,7 +40,7 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
 
     Under expert parallelism (dims.expert > 1), `expert_params` (the MoE layers' routed-expert
     weights, all experts) are their own FSDP units over the expert-data group of world / expert
-    ranks, without replicas, each rank's expert group holding 1 / expert of them (parallel/expert.py)."""
+    ranks, without replicas, each rank's expert group holding 1 / expert of them (parallel/expert/install.py)."""
     shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate
     ep = getattr(dims, "expert", 1)
     if ep == 1 or not expert_params:
@@ -54,7 +54,7 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
 
 def expert_bytes(*, tokens: float, top_k: int, experts: int, dim: int, expert: int, elem: int,
                  forwards: float = 1.0) -> dict[str, float]:
-    """{label: bytes} one rank sends in one MoE layer's expert all-to-alls (parallel/expert.py) for
+    """{label: bytes} one rank sends in one MoE layer's expert all-to-alls (parallel/expert/install.py) for
     `tokens` routed tokens when routing is even: each token's top_k rows, (expert - 1) / expert of
     them to other ranks of its expert group, `dim` x `elem` bytes each. A forward sends them
     (dispatch) and as many rows back to their tokens' ranks (combine); backward sends the same two

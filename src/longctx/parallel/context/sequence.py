@@ -10,12 +10,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from ..ops.chunked import ChunkGrid
-from ..ops.segments import plan_pairs
-from . import comm
+from ...errors import ConfigError
+from ...job import comm
+from ...job.checks import check_divisible
+from ...ops.chunked import ChunkGrid
+from ...ops.segments import plan_pairs
 from .doc_balance import docs_balanced_indices
-from .layouts import SPLITS, check_divisible, check_doc_ids, zigzag_positions
+from .layouts import SPLITS, check_doc_ids, zigzag_positions
 
 
 def _degrees(mesh) -> tuple[int, int, int, int]:

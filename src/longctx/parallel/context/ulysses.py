@@ -6,30 +6,14 @@ head_to_seq is its inverse. The backward of one is the other.
 GQA: the head group needs kv heads it can split. If kv_heads is a multiple of h, each rank gets
 kv_heads/h of them. If h is a multiple of kv_heads, every kv head is replicated h/kv_heads times
 ("just enough": each rank then holds the one kv head its query heads use). Otherwise the heads
-cannot be split consistently and `check_heads` says so.
+cannot be split consistently and `check_heads` (job/checks.py) says so.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from . import comm
-
-
-def check_heads(heads: int, kv_heads: int, head: int) -> None:
-    if heads % head:
-        raise ConfigError(
-            f"{heads} attention heads are not divisible by the head-parallel degree {head}; "
-            f"choose parallel.head among {[d for d in range(1, heads + 1) if heads % d == 0]}."
-        )
-    if heads % kv_heads:
-        raise ConfigError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads.")
-    if kv_heads % head and head % kv_heads:
-        raise ConfigError(
-            f"{kv_heads} key/value heads cannot be split over head-parallel degree {head}: one must divide "
-            f"the other (kv heads are replicated when the degree is a multiple of them)."
-        )
+from ...job import comm
 
 
 def kv_replication(kv_heads: int, head: int) -> int:

@@ -16,20 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...job.checks import check_divisible
 
 SPLITS = ("docs", "zigzag")  # parallel.split
 
-
-def check_divisible(seq_len: int, ctx: int, head: int) -> None:
-    unit = 2 * ctx * head
-    if seq_len % unit:
-        lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit
-        raise ConfigError(
-            f"sequence length {seq_len} is not divisible by 2 x ctx x head = 2 x {ctx} x {head} = {unit}, which "
-            f"the balanced (zigzag) layout needs; use {lower or upper} or {upper}, or pad explicitly "
-            f"(padding must be masked out of the loss)."
-        )
 
 
 def zigzag_positions(seq_len: int, ctx: int, head: int) -> np.ndarray:

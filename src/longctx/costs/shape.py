@@ -1,9 +1,9 @@
 """MeshShape: the parallel degrees of one candidate plan, and which of its groups share a node.
 
-The planner's view of the [parallel] table (parallel/dims.py builds the real DeviceMesh from the
+The planner's view of the [parallel] table (job/dims.py builds the real DeviceMesh from the
 same degrees): dp_replicate x dp_shard x head x ctx ranks, the Double-Ring `window` and the
 `placement` that decides which sequence group gets adjacent ranks; for a MoE model the `expert`
-degree, whose groups of adjacent ranks the MoE layers fold over those ranks (parallel/expert.py).
+degree, whose groups of adjacent ranks the MoE layers fold over those ranks (parallel/expert/install.py).
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ sequence), and only the routed tokens travel.
   2. every MoE layer's `dispatcher` (the documented hook of models/moe.py: dispatch -> run_experts
      -> combine) becomes ONE dispatcher object for the whole model, chosen from config by
      `expert_dispatcher`:
-       - flat all-to-all over the expert group (ExpertParallelDispatcher, parallel/expert_dispatch.py),
+       - flat all-to-all over the expert group (ExpertParallelDispatcher, parallel/expert/dispatch.py),
        - or hierarchical over nodes of parallel.expert_ranks_per_node ranks (HierarchicalDispatcher,
-         parallel/expert_hierarchy.py),
-     either in parallel.expert_pipeline_chunks pipelined chunks (FSMoE: parallel/expert_pipeline.py;
+         parallel/expert/hierarchy.py),
+     either in parallel.expert_pipeline_chunks pipelined chunks (FSMoE: parallel/expert/pipeline.py;
      0 = chosen online), the flat one with parallel.expert_replicas copy slots for hot experts
-     (FlexMoE: parallel/expert_placement.py).
+     (FlexMoE: parallel/expert/placement.py).
 No module method is replaced: the layers call what they always call, and `repr(layer.dispatcher)`
 says which dispatch is active. The dispatcher's decisions between optimizer steps (chunk
 profile, placements) reach the training loop through `expert_step_notes`.
@@ -32,12 +32,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..models.moe import moe_layers
-from . import comm
-from .expert_dispatch import ExpertParallelDispatcher
-from .expert_hierarchy import HierarchicalDispatcher
-from .expert_pipeline import ChunkTuner
-from .expert_placement import ExpertPlacer
+from ...job import comm
+from ...models.moe import moe_layers
+from .dispatch import ExpertParallelDispatcher
+from .hierarchy import HierarchicalDispatcher
+from .pipeline import ChunkTuner
+from .placement import ExpertPlacer
 
 
 def shard_over_experts(p: torch.Tensor, mesh) -> DTensor:

@@ -1,7 +1,7 @@
 """Hierarchical expert dispatch (parallel.expert_ranks_per_node): across nodes once per token and
 node, then inside the node.
 
-With the flat exchange (parallel/expert_dispatch.py) a token routed to k experts travels k times, and when
+With the flat exchange (parallel/expert/dispatch.py) a token routed to k experts travels k times, and when
 two of them live on the same remote node its row crosses the slow inter-node link twice, and its
 k results cross it back twice. Here an expert group of W ranks is seen as N nodes of R ranks
 (rank = node x R + local, as the ranks are placed) and a layer call runs:
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comm
-from .expert_dispatch import ExpertParallelDispatcher
+from ...job import comm
+from .dispatch import ExpertParallelDispatcher
 
 
 def _send_plan(choice: torch.Tensor, node_of_choice: torch.Tensor, nodes: int):
@@ -64,7 +64,7 @@ class HierarchicalDispatcher(ExpertParallelDispatcher):
     """parallel.expert_ranks_per_node: the four steps of the module docstring. dispatch is step 1
     and the (row, choice) pairs of this node sorted by expert; run_experts is the flat exchange over
     the node (`nodes[1]`, pipelined chunks included; the weights' gradient scale the whole group's);
-    combine is steps 3-4. nodes = (across nodes, inside a node): parallel/expert.py node_meshes."""
+    combine is steps 3-4. nodes = (across nodes, inside a node): parallel/expert/install.py node_meshes."""
 
     def __init__(self, group_size: int, nodes, chunks: int = 1, tuner=None):
         inter, intra = nodes

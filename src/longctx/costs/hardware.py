@@ -220,7 +220,7 @@ def _bandwidth_worker(nbytes: int, repeats: int):
     receive from the previous one), through comm.py, whose counters give the bytes sent."""
     import torch  # (lazy: see _attention_seconds)
 
-    from ..parallel import comm
+    from ..job import comm
 
     mesh = comm.world_mesh()
     rank, world = mesh.get_rank(), mesh.size()
@@ -264,7 +264,7 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
     gemm, attn = gemm * share, attn * share
     a2a = p2p = 1.0 * GB
     if measure_comm and world > 1:
-        from ..parallel.spawn import run_spawned  # (lazy: see _attention_seconds)
+        from ..job.spawn import run_spawned  # (lazy: see _attention_seconds)
 
         res = run_spawned(world, _bandwidth_worker, nbytes, repeats)
         a2a = min(r["all_to_all"] for r in res)

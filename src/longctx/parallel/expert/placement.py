@@ -9,7 +9,7 @@ Here every rank has `replicas` extra slots next to its own experts. A `Placement
 layer) says which expert each slot copies and what share of each expert's rows each of its holders
 takes (the owner included; shares sum to 1). A sending rank cuts its rows of expert e by those
 shares (cumulative rounding, so every row goes to exactly one holder), and the expert-parallel
-dispatcher (parallel/expert_dispatch.py) exchanges the rows over slots instead of experts. A
+dispatcher (parallel/expert/dispatch.py) exchanges the rows over slots instead of experts. A
 layer's placement is its experts' `placement` attribute (None: the static one), which the
 `ExpertPlacer` of the dispatcher sets.
 
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm
+from ...job import comm
 
 
 @dataclass(frozen=True)

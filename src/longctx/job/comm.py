@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import emulated_link, watchdog
+from . import watchdog
 
 _BYTES: dict[tuple[str, str], int] = defaultdict(int)
 _GROUPS: dict[tuple[str, str], set[str]] = defaultdict(set)  # (dim, label) -> names of the groups it ran on
@@ -96,10 +96,35 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# A link hook: what a benchmark installs to make this module's collectives take the time a modelled
+# cluster's links would (bench/emulated_link.py's LinkEmulator; training never installs one). It
+# answers covers(dim), post(by_peer, now) / post_ring(ranks, bytes, now) -> completion time,
+# wait_until(done, started), and paced(run, x, flops) for the compute between collectives.
+_LINK_HOOK = None
+
+
+def set_link_hook(hook):
+    """Install `hook` (None: real links only) for this process's collectives; returns the previous one."""
+    global _LINK_HOOK
+    previous, _LINK_HOOK = _LINK_HOOK, hook
+    return previous
+
+
+def link_hook():
+    return _LINK_HOOK
+
+
+def paced(run, x, flops: float):
+    """run(x), a block of `flops` forward FLOPs between collectives, as the installed link hook paces
+    it (an emulated device's compute time); just run(x) without one."""
+    hook = _LINK_HOOK
+    return run(x) if hook is None else hook.paced(run, x, flops)
+
+
 def _emulator(mesh):
-    """The emulated link (parallel/emulated_link.py) if one is on for this mesh's dim."""
-    emu = emulated_link.active()
-    return emu if emu is not None and mesh.size() > 1 and emu.covers(dim_name(mesh)) else None
+    """The link hook if one is installed and covers this mesh's dim."""
+    hook = _LINK_HOOK
+    return hook if hook is not None and mesh.size() > 1 and hook.covers(dim_name(mesh)) else None
 
 
 def _peer_bytes(mesh, send: list[int], recv: list[int]) -> dict[int, tuple[int, int]]:

@@ -1,0 +1,24 @@
+"""Joining the job: this process's process group, its layout checked against the world, its Runtime
+and its device. What every entry point that runs on ranks (train, eval, generate) does first."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from .checks import check_layout
+from .devices import resolve_device
+from .host_malloc import keep_freed_blocks
+from .launch import init_distributed
+from .runtime import Runtime
+
+
+def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
+    """This process's place in the job (its process group joined, its layout checked) and its device."""
+    device = resolve_device(cfg.train.device)
+    if device.type == "cpu":  # freed activations reused, not faulted in again each step (host_malloc.py)
+        keep_freed_blocks()
+    rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
+    check_layout(cfg, world)
+    rt = Runtime.create(cfg, rank, world, device.type)
+    return rt, (rt.device if device.type == "cuda" else device)

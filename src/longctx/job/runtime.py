@@ -1,0 +1,88 @@
+"""Runtime: this process's place in the job, and the few job-wide operations the loop needs from it.
+
+One object answers: which rank am I, on which mesh of degrees (dims), which data-parallel rows of a
+global batch are mine, and how do per-rank numbers become job numbers (sum, max, broadcast, the
+bytes sent per mesh dim). With one process every method is the identity, so the loop has a single
+code path. How a rank's part of each sequence is cut over head x ctx is context parallelism's
+business (parallel/context/shares.py), which reads the mesh and `split` from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .dims import ParallelDims
+
+TRACKED_DIMS = ("dp_replicate", "dp_shard", "head", "ctx", "expert")  # "expert": MoE token all-to-all
+
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    world: int = 1
+    dims: ParallelDims | None = None
+    mesh: object = None        # the 4-D DeviceMesh (None with one process)
+    world_mesh: object = None  # all ranks flattened, for job-wide reductions
+    device: torch.device = torch.device("cpu")
+    split: str = "docs"        # how sequences with documents are split over head x ctx (parallel.split)
+
+    @classmethod
+    def create(cls, cfg, rank: int, world: int, device_type: str) -> Runtime:
+        dims = ParallelDims.from_config(cfg, world_size=world)
+        device = (torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda"
+                  else torch.device("cpu"))
+        if world == 1:
+            return cls(dims=dims, device=device, split=cfg.parallel.split)
+        mesh = dims.build_mesh(device_type)
+        world_mesh = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("world")
+        return cls(rank, world, dims, mesh, world_mesh, device, cfg.parallel.split)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp_replicate * self.dims.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        if self.mesh is None:
+            return 0
+        replicate, shard = comm.sub_mesh(self.mesh, "dp_replicate"), comm.sub_mesh(self.mesh, "dp_shard")
+        return comm.local_rank(replicate) * self.dims.dp_shard + comm.local_rank(shard)
+
+    def dp_rows(self, batch_size: int) -> slice:
+        """My data-parallel rows of a global batch of `batch_size` samples."""
+        rows = batch_size // self.dp
+        return slice(self.dp_rank * rows, (self.dp_rank + 1) * rows)
+
+    def sum(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.SUM)
+
+    def max(self, values: list[float]) -> list[float]:
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over all ranks of a device tensor, left on the device (no host read)."""
+        if self.world_mesh is None:
+            return t
+        return comm.all_reduce(t, self.world_mesh, op=dist.ReduceOp.SUM, label="metrics")
+
+    def _reduce(self, values, op):
+        if self.world_mesh is None:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return comm.all_reduce(t, self.world_mesh, op=op, label="metrics").tolist()
+
+    def broadcast(self, obj):
+        return obj if self.world_mesh is None else comm.broadcast_object(obj, self.world_mesh)
+
+    def comm_bytes(self) -> list[float]:
+        """Bytes sent by this rank so far over each tracked mesh dim (from comm's counters)."""
+        c = comm.counters()
+        return [float(sum(c.get(d, {}).values())) for d in TRACKED_DIMS]
