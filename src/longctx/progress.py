@@ -199,6 +199,24 @@ def phase(what: str, total: float | None = None, unit: str = "", done_line: bool
         _HEARTBEAT.leave(p, line)
 
 
+def say(line: str) -> None:
+    """A command's own progress or status line, on stderr (stdout keeps what the command prints:
+    JSON, text), flushed, above any bar drawn; the quiet a heartbeat waits for starts again. The one
+    way the commands speak (`speaker` for a prefixed one)."""
+    _write(line)
+    said()
+
+
+def speaker(prefix: str = "", clock: bool = False):
+    """`say` with `prefix` before each line (and, with `clock`, the seconds since this call)."""
+    start = time.perf_counter()
+
+    def speak(line: str) -> None:
+        elapsed = f"[{time.perf_counter() - start:7.1f} s] " if clock else ""
+        say(f"{prefix}{elapsed}{line}")
+    return speak
+
+
 def said() -> None:
     """Note that a line was just written (a log line of the caller's own): the quiet that a
     heartbeat waits for starts again, so a loop that logs often gets no heartbeat lines between."""

@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from datetime import date
 from types import SimpleNamespace
 
 import torch
+
+from ..progress import speaker
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,8 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default="", help="the tokenizer (default: the target checkpoint's)")
 
 
-def _say(message: str) -> None:
-    print(f"[bench decode] {message}", file=sys.stderr, flush=True)
+say = speaker("[bench decode] ")
 
 
 def _models(args):
@@ -100,7 +100,7 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     def store():
         from ..config import DataConfig
 
-        return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=_say, announce_cached=False)
+        return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=say, announce_cached=False)
 
     lengths = parse_lengths(args.lengths)
     if args.samples < 1:
@@ -116,7 +116,7 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
         raise DataError(f"bench decode at {longest} tokens needs a document of that many tokens; "
                         f"{source.description} has none. Pass --data with longer texts or shorter --lengths.")
     if len(spans) < args.samples:  # (the JSON's "prompts" says so too; a silent shortfall reads as noise)
-        _say(f"{source.description} holds {len(spans)} documents of {longest} tokens or more, not the "
+        say(f"{source.description} holds {len(spans)} documents of {longest} tokens or more, not the "
              f"{args.samples} asked; pass --data with more or longer texts (a glob of held-out files) for more")
     # every length's prompt ends where the longest one does: all continue the same text, so lengths
     # differ only in how much context comes before it
@@ -149,7 +149,7 @@ def main(args) -> int:
     target = load_model(cfg, device, dtype)
     draft = load_draft(draft_cfg, target, device, dtype)
     n, d = cfg.model.layers, len(draft.layers)
-    _say(f"target {cfg.model.label} ({n} layer{'s' * (n != 1)}), draft {draft_label(draft_cfg)} "
+    say(f"target {cfg.model.label} ({n} layer{'s' * (n != 1)}), draft {draft_label(draft_cfg)} "
          f"({d} layer{'s' * (d != 1)}), K = {args.speculate}{_MODE_SAID[args.cape]}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
@@ -165,7 +165,7 @@ def main(args) -> int:
                         acc[key] = acc[key] & value if key == "identical" else acc[key] + value
         for m, cape in enumerate(modes):
             groups[m].append({"prompt_tokens": length, "prompts": len(rows), **_figures(g[m]), "per_prompt": each[m]})
-            _say(f"{length}{' CaPE' if cape else ''}: tau {groups[m][-1]['tau']:.2f}, speedup "
+            say(f"{length}{' CaPE' if cape else ''}: tau {groups[m][-1]['tau']:.2f}, speedup "
                  f"{groups[m][-1]['speedup']:.2f}x, identical {groups[m][-1]['identical']}")
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "device": _device_name(device),

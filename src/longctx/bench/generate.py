@@ -30,7 +30,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from datetime import date
@@ -40,7 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..progress import phase, said
+from ..progress import phase, speaker
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,15 +143,13 @@ def sharded_memory(model, layout: str, lengths: list[int], seed: int = 0) -> lis
                     "rank_peak_transient_bytes": max(r["peak_transient_bytes"] for r in ranks),
                     "rank_largest_tensor_bytes": max(r["largest_tensor_bytes"] for r in ranks),
                     "ranks_agree": len({r["argmax"] for r in ranks}) == 1})
-        _progress(f"sharded {layout} at {length:,} tokens: cache per rank {share / 2**20:.1f} MiB "
+        say(f"sharded {layout} at {length:,} tokens: cache per rank {share / 2**20:.1f} MiB "
                   f"({share / one:.3f}x one process's), prefill transient per rank "
                   f"{out[-1]['rank_peak_transient_bytes'] / 2**20:.1f} MiB")
     return out
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench generate] {msg}", file=sys.stderr, flush=True)
-    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
+say = speaker("[bench generate] ")
 
 
 def _random_hf_model(args, directory: Path):
@@ -223,7 +220,7 @@ def _measure(args, transformers) -> dict:
     from ..models.hf import load_hf
 
     with tempfile.TemporaryDirectory() as tmp:
-        _progress(f"random Llama dim {args.dim}, {args.layers} layers, vocab {args.vocab} (written by transformers)")
+        say(f"random Llama dim {args.dim}, {args.layers} layers, vocab {args.vocab} (written by transformers)")
         theirs = _random_hf_model(args, Path(tmp))
         ours = load_hf(tmp).eval()
     prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed))
@@ -232,14 +229,14 @@ def _measure(args, transformers) -> dict:
         with phase(f"run {i + 1}/{args.repeats} (longctx, then transformers)", done_line=False):
             runs["longctx"].append(_time_longctx(ours, prompt, args.new_tokens, args.prefill_chunk))
             runs["transformers"].append(_time_transformers(theirs, prompt, args.new_tokens))
-        _progress(f"run {i + 1}/{args.repeats}: decode tokens/s longctx "
+        say(f"run {i + 1}/{args.repeats}: decode tokens/s longctx "
                   f"{runs['longctx'][-1]['decode_tokens_per_s']:.1f}, transformers "
                   f"{runs['transformers'][-1]['decode_tokens_per_s']:.1f}")
     memory = []
     for length in (int(x) for x in args.memory_lengths.split(",") if x):
         with phase(f"prefill memory at {length:,} tokens", done_line=False):
             memory.append(prefill_memory(ours, length, args.prefill_chunk, args.seed))
-        _progress(f"prefill memory at {length:,} tokens: cache {memory[-1]['cache_bytes'] / 2**20:.1f} MiB, peak "
+        say(f"prefill memory at {length:,} tokens: cache {memory[-1]['cache_bytes'] / 2**20:.1f} MiB, peak "
                   f"transient {memory[-1]['peak_transient_bytes'] / 2**20:.1f} MiB")
     sharded = []
     if args.sharded:

@@ -33,7 +33,7 @@ from ..memory.rss import peak_rss_bytes
 from ..models.llama import build_model
 from ..parallel.context.sequence import shard_sequence
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
-from ..progress import phase, said
+from ..progress import phase, speaker
 
 POLICIES = {
     "none": ("none", 0.0),
@@ -84,13 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", default="", help=argparse.SUPPRESS)
 
 
-_T0 = time.perf_counter()
-
-
-def _progress(text: str) -> None:
-    """One progress line on stderr (stdout is the JSON), with the seconds since the command started."""
-    print(f"bench memory [{time.perf_counter() - _T0:7.1f} s] {text}", file=sys.stderr, flush=True)
-    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
+say = speaker("bench memory ", clock=True)  # (the seconds since the command started)
 
 
 def _policy(name: str) -> tuple[str, float]:
@@ -184,25 +178,25 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
     if mesh is not None:
         inputs = [None if t is None else shard_sequence(t, mesh) for t in inputs]
     head, ctx = (dims.head, dims.ctx) if dims is not None else (1, 1)
-    say = _progress if mesh is None or mesh.get_rank() == 0 else (lambda _text: None)  # one rank speaks
+    speak = say if mesh is None or mesh.get_rank() == 0 else (lambda _text: None)  # one rank speaks
     where = f"seq_len {seq:,}" + (f" (head {head} x ctx {ctx} ranks)" if mesh is not None else "")
     out, models = {}, {}
     for name in args.policies.split(","):
         policy, fraction = _policy(name)
-        say(f"{where}, {name}: measuring activations")
+        speak(f"{where}, {name}: measuring activations")
         t0 = time.perf_counter()
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
         out[name] = _measure_policy(model, model_cfg, policy, fraction, args, seq, (head, ctx), inputs, device)
-        say(f"{where}, {name}: measured in {time.perf_counter() - t0:.1f} s")
+        speak(f"{where}, {name}: measured in {time.perf_counter() - t0:.1f} s")
         if args.time_steps > 0:
             models[name] = model
         del model
     if models:
-        say(f"{where}: timing {args.time_steps} step{'s' if args.time_steps != 1 else ''} of each of "
-            f"{len(models)} policies (taking turns)")
+        speak(f"{where}: timing {args.time_steps} step{'s' if args.time_steps != 1 else ''} of each of "
+              f"{len(models)} policies (taking turns)")
         t0 = time.perf_counter()
         _add_step_times(out, models, inputs, args.time_steps, device)
-        say(f"{where}: timed in {time.perf_counter() - t0:.1f} s")
+        speak(f"{where}: timed in {time.perf_counter() - t0:.1f} s")
     tokens = next(iter(out.values()))["analytic"]["tokens"]  # the rank's tokens: the same under every policy
     return {"seq_len": seq, "tokens_per_rank": tokens, "model": model_cfg.preset, "layers_built": model_cfg.layers,
             "published_per_layer_16bit": published_formulas(model_cfg, seq, args.micro_batch, head * ctx),
@@ -319,13 +313,13 @@ def longest_sequence_cpu(args, name: str, budget: int) -> dict:
     probes = []
 
     def fits(seq: int) -> bool:
-        _progress(f"--max-seq {name}: probing {seq:,} tokens in a fresh process")
+        say(f"--max-seq {name}: probing {seq:,} tokens in a fresh process")
         t0 = time.perf_counter()
         probes.append(_run_probe(args, name, seq, "cpu", env))
         if "error" not in probes[-1]:
             probes[-1]["fits"] = probes[-1]["peak_rss_bytes"] <= budget
         rss = probes[-1].get("peak_rss_bytes")
-        _progress(f"--max-seq {name}: {seq:,} tokens -> {'fits' if probes[-1]['fits'] else 'over the budget'} ("
+        say(f"--max-seq {name}: {seq:,} tokens -> {'fits' if probes[-1]['fits'] else 'over the budget'} ("
                   + (f"peak RSS {rss / 2**30:.2f} GiB, " if rss is not None else "failed, ")
                   + f"{time.perf_counter() - t0:.1f} s)")
         return probes[-1]["fits"]
@@ -352,11 +346,11 @@ def longest_sequence(args, name: str, lo: int = 4096) -> dict:
     hi, probes = args.max_seq_hi, []
 
     def fits(seq: int) -> bool:
-        _progress(f"--max-seq {name}: trying {seq:,} tokens in a fresh process")
+        say(f"--max-seq {name}: trying {seq:,} tokens in a fresh process")
         t0 = time.perf_counter()
         probes.append(_run_probe(args, name, seq, "cuda"))
         ok = bool(probes[-1].get("fits"))
-        _progress(f"--max-seq {name}: {seq:,} tokens -> {'fits' if ok else probes[-1].get('error')} "
+        say(f"--max-seq {name}: {seq:,} tokens -> {'fits' if ok else probes[-1].get('error')} "
                   f"({time.perf_counter() - t0:.1f} s)")
         return ok
 
@@ -412,7 +406,7 @@ def _measure_all(args) -> dict:
     for seq in (int(s) for s in args.seq_len.split(",") if s):
         world = args.head * args.ctx
         if world > 1:
-            _progress(f"seq_len {seq:,}: starting {world} gloo ranks (head {args.head} x ctx {args.ctx})")
+            say(f"seq_len {seq:,}: starting {world} gloo ranks (head {args.head} x ctx {args.ctx})")
             with phase(f"seq_len {seq:,} on {world} ranks", done_line=False):
                 per_rank = run_spawned(world, _rank_measure, args, seq)
             result = per_rank[0]

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import os
 import platform
-import sys
 import time
 from datetime import date
 
@@ -49,7 +48,7 @@ from ..job.spawn import run_spawned
 from ..models.moe import MoEFeedForward
 from ..parallel.expert.install import use_expert_parallel
 from ..parallel.expert.placement import Placement, plan_placement
-from ..progress import phase, said
+from ..progress import phase, speaker
 from .emulated_link import LinkProfile, emulate
 
 
@@ -75,9 +74,7 @@ def add_arguments(p) -> None:
                    help="--cluster: FlexMoE copy slots per rank in the skewed runs (parallel.expert_replicas)")
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench moe --cluster] {msg}", file=sys.stderr, flush=True)
-    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
+say = speaker("[bench moe --cluster] ")
 
 
 def parse_cluster(text: str) -> tuple[int, int]:
@@ -243,7 +240,7 @@ def main(args) -> int:
             "schedules": [("sequential", 1), *((f"scheduled_{c}", c) for c in chunks)]}
     if not spec["layers"]:
         spec["layers"] = len(load_config(None, [f"--model.preset={args.model}"]).model.moe_layer_ids)
-    _progress(f"{world} ranks ({nodes} nodes x {per_node}), {args.model}: {spec['layers']} MoE layers, "
+    say(f"{world} ranks ({nodes} nodes x {per_node}), {args.model}: {spec['layers']} MoE layers, "
               f"{args.tokens:,} tokens, schedules {[n for n, _ in spec['schedules']]}, {args.repeats} repeats")
     with phase(f"bench moe --cluster on {world} ranks"):  # said while it runs, when that is long
         per_rank = run_spawned(world, _rank, spec)

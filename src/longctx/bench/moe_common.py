@@ -3,7 +3,6 @@ it builds, the routing it skews, one forward + backward, how it reports."""
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
@@ -12,7 +11,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..models.llama import FeedForward
 from ..models.moe import MoEFeedForward
-from ..progress import said
+from ..progress import speaker
 
 
 def ratio(a: float, b: float) -> float:
@@ -21,9 +20,7 @@ def ratio(a: float, b: float) -> float:
     return max(a, tick) / max(b, tick)
 
 
-def say(msg: str) -> None:
-    print(f"[bench moe] {msg}", file=sys.stderr, flush=True)
-    said()  # (a heartbeat line only comes after as long a quiet: progress.py)
+say = speaker("[bench moe] ")
 
 
 def build_layers(args) -> tuple[MoEFeedForward, FeedForward, ModelConfig]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..progress import phase, said
+from ..progress import phase, say
 
 LAYOUTS = {
     "single": (1, []),
@@ -65,8 +65,7 @@ def main(args) -> int:
                 for layout in args.layouts.split(","):
                     with phase(f"{preset} at {seq:,} tokens, layout {layout}", done_line=False):
                         row = run_one(preset, seq, layout, args.steps, args.global_batch)
-                    print(json.dumps(row), file=sys.stderr, flush=True)  # progress
-                    said()
+                    say(json.dumps(row))  # progress
                     rows.append(row)
     print(json.dumps({"bench": "train", "rows": rows, "machine": {
         "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}, indent=2))

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from ..config.rules import SYNTHETIC_TASKS
 from ..config.tokenizer import model_tokenizer, same_tokenizer
 from ..errors import ConfigError, DataError
 from ..generate.settings import SAMPLING_FLAGS, add_sampling_flags
+from ..progress import say
 
 if TYPE_CHECKING:
     from .tasks import Sequence
@@ -258,7 +258,7 @@ def _load_source(args, cfg, spec: str | None, tokenizer):
         from ..config import DataConfig
         from ..data.cache import default_store as build
 
-        return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=_say, announce_cached=False)
+        return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=say, announce_cached=False)
 
     source = load_source(args.data, args.split, tokenizer, default_store)
     if source.meta.get("vocab_size", 0) > cfg.model.vocab_size:
@@ -307,8 +307,6 @@ def _check_generation_layout(cfg, dims, nproc: int) -> None:
         check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr)
 
 
 def _say_threads(cfg) -> None:
@@ -317,7 +315,7 @@ def _say_threads(cfg) -> None:
 
     threads.fit_to_idle_cores()
     if resolve_device(cfg.train.device).type == "cpu":
-        _say(f"eval: {threads.describe()}")
+        say(f"eval: {threads.describe()}")
 
 
 def main(args, overrides) -> int:
@@ -329,7 +327,7 @@ def main(args, overrides) -> int:
     plan = prepare(args, overrides, nproc)
     if not under_launcher():  # (once: in the launcher, or the one process)
         for note in plan.notes:
-            _say(f"eval: note: {note}")
+            say(f"eval: note: {note}")
     if nproc > 1 and not under_launcher():
         relaunch(nproc, argv_without_nproc(args.argv))
         return 0
@@ -342,7 +340,7 @@ def main(args, overrides) -> int:
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text + "\n")
-        _say(f"eval: wrote {args.output}")
+        say(f"eval: wrote {args.output}")
     else:
         print(text)
     plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
@@ -350,7 +348,7 @@ def main(args, overrides) -> int:
         from .plots import write_plot
 
         write_plot(result, plot)
-        _say(f"eval: wrote {plot}")
+        say(f"eval: wrote {plot}")
     return 0
 
 
@@ -363,7 +361,7 @@ def _note_routing(out: dict, model, main_rank: bool) -> None:
     if note:
         out["routing"] = note
         if main_rank:
-            _say(f"eval: {note}")
+            say(f"eval: {note}")
 
 
 def evaluate(plan: Plan, args) -> dict | None:
@@ -382,7 +380,7 @@ def evaluate(plan: Plan, args) -> dict | None:
     cfg = plan.cfg
     rt, device = join_job(cfg)
     world = rt.world
-    log = _say if rt.is_main else (lambda *_: None)
+    log = say if rt.is_main else (lambda *_: None)
     dtype = resolve_dtype(cfg.train.dtype, device)
     with phase(f"eval: building the model from {args.checkpoint}"):
         cfg = resolve_offload(cfg, device, rt, log)
@@ -408,7 +406,7 @@ def evaluate(plan: Plan, args) -> dict | None:
                                    dtype if dtype != torch.float32 else None, progress)
                 out["results"].extend(_summarise(plan, length, seqs, scores, args.buckets, time.perf_counter() - t0))
                 if rt.is_main and bar is None:
-                    _say(f"eval: {plan.task} at {length} tokens: {_headline(out['results'], length)}")
+                    say(f"eval: {plan.task} at {length} tokens: {_headline(out['results'], length)}")
                     said()
     finally:
         if bar is not None:
@@ -478,7 +476,7 @@ def evaluate_generate(plan: Plan, args) -> dict | None:
     cfg = plan.cfg
     try:
         backend, device, main_rank = _backend(cfg)
-        log = _say if main_rank else (lambda *_: None)
+        log = say if main_rank else (lambda *_: None)
         dtype = resolve_dtype(cfg.train.dtype, device)
         with phase(f"eval: loading the model from {args.checkpoint}"):
             model = load_model(cfg, device, dtype)

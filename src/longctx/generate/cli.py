@@ -38,11 +38,11 @@ carries none). This module is the command alone: its flags, its plan, the run.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
 from .. import threads
 from ..errors import ConfigError
+from ..progress import say
 from .settings import add_sampling_flags
 
 
@@ -136,8 +136,6 @@ class Plan:
     cape: object = None          # --cape's table (generate/cape.py CapeTable)
 
 
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _config(args, overrides: list[str]):
@@ -258,12 +256,12 @@ def main(args, overrides) -> int:
     plan = prepare(args, overrides)  # every input error, before the weights are read (once, in the launcher)
     if args.nproc > 1 and not under_launcher():
         for note in plan.notes:
-            _say(f"generate: note: {note}")
+            say(f"generate: note: {note}")
         relaunch(args.nproc, argv_without_nproc(args.argv))
         return 0
     if not under_launcher():
         for note in plan.notes:
-            _say(f"generate: note: {note}")
+            say(f"generate: note: {note}")
         threads.fit_to_idle_cores()  # one process alone: as many threads as cores are idle
     return run(plan, args)
 
@@ -291,9 +289,9 @@ def _run(plan: Plan, args) -> int:
     dtype = resolve_dtype(plan.cfg.train.dtype, device)
     model = load_model(plan.cfg, device, dtype)
     if main_rank:
-        _say(_describe(plan, args, device, dtype))
+        say(_describe(plan, args, device, dtype))
         if getattr(args, "generation_defaults", ""):
-            _say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
+            say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
     # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
     generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend)
     samples = args.num_samples
@@ -324,7 +322,7 @@ def _run(plan: Plan, args) -> int:
     finally:
         output.close()
     if args.output and main_rank:
-        _say(f"generate: wrote {args.output}")
+        say(f"generate: wrote {args.output}")
     return 0
 
 
@@ -346,7 +344,7 @@ def _load_draft(plan: Plan, args, model, device, dtype, main_rank: bool):
 
     draft = load_draft(plan.draft_cfg, model, device, dtype)
     if main_rank:
-        _say(f"generate: speculative decoding with {draft_label(plan.draft_cfg)} from {args.draft}, "
+        say(f"generate: speculative decoding with {draft_label(plan.draft_cfg)} from {args.draft}, "
              f"{args.speculate} proposals per target pass, one prompt at a time")
     return draft
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -392,3 +393,14 @@ def chunked_attention(q, k, v, grid: ChunkGrid, *, offload: bool = False, scale=
 def chunked_local_attention(q, k, v, doc_ids, *, chunk: int, offload: bool = False):
     """The single-device attention core (models/llama.py's `local_attention`) in chunks of `chunk`."""
     return chunked_attention(q, k, v, local_grid(q.shape[0], q.shape[1], doc_ids, chunk, True), offload=offload)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalCore:
+    """The single-device attention core in chunks of `chunk` tokens (memory.attention_chunk) as an
+    `Attention.core` value; `offload` keeps its saved state in host memory until backward."""
+    chunk: int
+    offload: bool = False
+
+    def __call__(self, q, k, v, doc_ids):
+        return chunked_local_attention(q, k, v, doc_ids, chunk=self.chunk, offload=self.offload)

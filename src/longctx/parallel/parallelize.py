@@ -22,7 +22,7 @@ On GPU, parameters are gathered in bf16 and gradients reduced in fp32; on CPU ev
 
 from __future__ import annotations
 
-import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -36,16 +36,11 @@ from ..memory.policies import apply_glide_memory_policy, apply_memory_policy
 from ..models.compile import compile_token_wise_stages
 from ..models.llama import local_attention
 from ..models.moe import MoEFeedForward
-from ..ops.chunked import chunked_local_attention
-from .context.attention import distributed_attention
+from ..ops.chunked import ChunkedLocalCore
+from .context.attention import SequenceParallelCore
 from .context.sequence import gather_shards
 from .expert.install import use_expert_parallel
 from .fsdp.grad_buckets import plan_for, time_reduce_scatters
-
-
-def _sequence_parallel_core(q, k, v, doc_ids, *, mesh, window, attention_chunk=0, attention_offload=False):
-    return distributed_attention(q, k, v, mesh, causal=True, doc_ids=doc_ids, window=window,
-                                 attention_chunk=attention_chunk, attention_offload=attention_offload)
 
 
 def fsdp_mesh(dims, device_type: str):
@@ -66,9 +61,7 @@ def fsdp_mesh(dims, device_type: str):
 def sequence_parallel_core(dims, mesh):
     """The attention kernel of 2D sequence parallelism over the head x ctx ranks (None when both
     degrees are 1: the single-device kernel stays)."""
-    if dims.sequence_degree > 1:
-        return functools.partial(_sequence_parallel_core, mesh=mesh, window=dims.window)
-    return None
+    return SequenceParallelCore(mesh, dims.window) if dims.sequence_degree > 1 else None
 
 
 def use_sequence_parallel_attention(model, dims, mesh) -> None:
@@ -84,8 +77,28 @@ def use_router_sum(model, dims, mesh) -> None:
     holds a share of them (its data-parallel rows, its part of each sequence): the model sums its
     router statistics over all ranks, so that no layout changes the loss (models/moe.py)."""
     if dims.world_size > 1 and model.cfg.is_moe:
-        world = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("router")
-        model.router_sum = functools.partial(comm.all_reduce, mesh=world, op=dist.ReduceOp.SUM, label="router")
+        model.router_sum = RouterSum(mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("router"))
+
+
+@dataclass(frozen=True)
+class RouterSum:
+    """The model's `router_sum` under data or sequence parallelism: a tensor of router statistics
+    summed over every rank of `mesh` (the world, flattened)."""
+    mesh: object
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(t, mesh=self.mesh, op=dist.ReduceOp.SUM, label="router")
+
+
+@dataclass(frozen=True)
+class ShardGather:
+    """A GliDe draft's `kv_gather` under head x ctx: every rank's sequence shard of a tensor over
+    `mesh`, concatenated (context/sequence.py gather_shards)."""
+    mesh: object
+    label: str
+
+    def __call__(self, local: torch.Tensor) -> torch.Tensor:
+        return gather_shards(local, self.mesh, label=self.label)
 
 
 def use_attention_chunks(model, chunk: int, offload: bool) -> None:
@@ -100,10 +113,10 @@ def use_attention_chunks(model, chunk: int, offload: bool) -> None:
 
 def chunked_core(core, chunk: int, offload: bool):
     """An attention core (the single-device one, or 2D sequence parallel) run in chunks of `chunk` tokens."""
-    if isinstance(core, functools.partial) and core.func is _sequence_parallel_core:
-        return functools.partial(core, attention_chunk=chunk, attention_offload=offload)
+    if isinstance(core, SequenceParallelCore):
+        return core.chunked(chunk, offload)
     if core is local_attention:
-        return functools.partial(chunked_local_attention, chunk=chunk, offload=offload)
+        return ChunkedLocalCore(chunk, offload)
     raise ValueError(f"memory.attention_chunk does not know the attention core {core!r}")
 
 
@@ -190,7 +203,7 @@ def parallelize_draft(model, dims, cfg, mesh, device_type: str = "cpu"):
     if core is not None:
         for layer in model.draft.layers:
             layer.self_attention.core = core
-        model.kv_gather = functools.partial(gather_shards, mesh=mesh, label="glide_kv")
+        model.kv_gather = ShardGather(mesh, "glide_kv")
     mem = cfg.memory
     if mem.attention_chunk:
         for layer in model.draft.layers:

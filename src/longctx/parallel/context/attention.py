@@ -11,8 +11,10 @@ ranks would (LoongTrain's argument for 2D). Either degree may be 1.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -79,10 +81,10 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
         layout = layout or layout_of(doc_ids) or _zigzag_layout_of(doc_ids, mesh)
         layout.check(q.shape[1] * h * c, c, h, q.shape[0])
         me = comm.local_rank(ctx_mesh)
-        plans = functools.partial(_block_plan, layout, me, causal, attention_chunk)
+        plans = lambda src: _block_plan(layout, me, causal, attention_chunk, src)  # noqa: E731
     elif attention_chunk:
-        plans = functools.partial(_zigzag_grid, q.shape[0], q.shape[1] * h * c, c, comm.local_rank(ctx_mesh), causal,
-                                  attention_chunk)
+        batch, seq, me = q.shape[0], q.shape[1] * h * c, comm.local_rank(ctx_mesh)
+        plans = lambda src: _zigzag_grid(batch, seq, c, me, causal, attention_chunk, src)  # noqa: E731
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     r = kv_replication(k.shape[2], h)
     if r > 1:
@@ -119,3 +121,22 @@ def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:
     layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), split="zigzag")
     attach_layout(doc_ids, layout)
     return layout
+
+
+@dataclass(frozen=True)
+class SequenceParallelCore:
+    """An attention core (models/llama.py's `Attention.core`, the model's one attention hook) that is
+    2D sequence-parallel causal attention over `mesh`'s head x ctx ranks (`distributed_attention`);
+    `chunked` gives the same core run in chunks of attention_chunk tokens per ring block. A named
+    value rather than a partial, so that a reader (and `chunked_core`) can see which core a block has."""
+    mesh: object
+    window: int
+    attention_chunk: int = 0
+    attention_offload: bool = False
+
+    def __call__(self, q, k, v, doc_ids):
+        return distributed_attention(q, k, v, self.mesh, causal=True, doc_ids=doc_ids, window=self.window,
+                                     attention_chunk=self.attention_chunk, attention_offload=self.attention_offload)
+
+    def chunked(self, chunk: int, offload: bool) -> SequenceParallelCore:
+        return dataclasses.replace(self, attention_chunk=chunk, attention_offload=offload)
