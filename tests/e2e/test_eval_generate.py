@@ -15,7 +15,7 @@ import test_eval_cli
 from test_newcomer import longctx
 
 from longctx.data.tokenizer import load_tokenizer
-from longctx.eval.command import EXTRA_NEW_TOKENS, answer_start, parse_answer
+from longctx.eval.generate_mode import EXTRA_NEW_TOKENS, answer_start, parse_answer
 from longctx.eval.tasks import load_source, retrieval_sequences
 
 text_file = test_eval_cli.text_file  # the fixture: one long text file of the standard library

@@ -219,7 +219,7 @@ def test_duplicate_lengths_and_depths_count_once():
 def test_bucket_bounds_are_the_positions_each_bucket_holds():
     from types import SimpleNamespace
 
-    from longctx.eval.command import _summarise
+    from longctx.eval.score_mode import _summarise
 
     length, buckets = 256, 5
     counts = [0.0] * buckets
@@ -237,7 +237,7 @@ def test_eval_asks_for_a_tokenizer_when_its_data_is_a_glob_of_text(tmp_path, mon
     # a checkpoint that records no tokenizer: ppl on a store needs none, on text (a file or a glob) it does
     from types import SimpleNamespace
 
-    from longctx.eval import command
+    from longctx.eval import inputs as command
 
     monkeypatch.setattr(command, "model_tokenizer", lambda init_from: None)
     cfg = SimpleNamespace(model=SimpleNamespace(init_from="runs/a/checkpoints", vocab_size=256))

@@ -142,7 +142,7 @@ def test_the_suggestion_for_an_already_scaled_model_passes(hf64):
 def test_eval_says_once_which_lengths_run_past_the_reach(hf64):
     """longctx eval (issue 53): lengths past the reach run (an extension study measures them) with one
     note naming the trained length and a scaling that covers them; that scaling then covers them."""
-    from longctx.eval.command import reach_notes
+    from longctx.eval.request import reach_notes
 
     d = hf64()
     m = load_config(None, {"model": {"init_from": f"hf:{d}", "max_seq_len": 256}, "train": {"seq_len": 64}}).model

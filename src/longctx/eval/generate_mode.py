@@ -1,0 +1,124 @@
+"""`longctx eval --mode generate` (passkey/needle): the model answers. Each prompt (the sequence up to its
+answer) is continued greedily, or sampled with `longctx generate`'s flags, with the KV cache
+(generate/engine.py), on one process or sharded over head x ctx ranks (generate/sharded.py); right
+when the first run of digits it writes is the answer.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING
+
+from ..progress import say
+from .results import _headline, _length_phase, _note_routing, _result_head
+
+if TYPE_CHECKING:
+    from .request import EvalRequest
+    from .tasks import Sequence
+
+EXTRA_NEW_TOKENS = 8    # generate mode: new tokens past the answer's length (room for a wrong or longer answer)
+TEXT_CHARS = 80         # generate mode: each sample's generated text in the JSON, at most this many characters
+
+
+def answer_start(seq: Sequence) -> int:
+    """Where the answer's tokens begin: one past the first scored position (labels[i] is tokens[i + 1])."""
+    import numpy as np
+
+    from ..data.samples import IGNORE
+
+    return int(np.flatnonzero(seq.labels != IGNORE)[0]) + 1
+
+
+def parse_answer(text: str) -> str:
+    """The answer a generation gives: its first run of digits ('' when it has none)."""
+    found = re.search(r"[0-9]+", text)
+    return found.group() if found else ""
+
+
+def evaluate_generate(request: EvalRequest, args) -> dict | None:
+    """--mode generate: each prompt (the sequence up to its answer) continued greedily by the answer's
+    length + EXTRA_NEW_TOKENS tokens, on one device or sharded over head x ctx (every rank the same
+    tokens); right when the first run of digits generated is the answer. The result on rank 0."""
+    from ..data.tokenizer import load_tokenizer
+    from ..generate.loading import backend_for as _backend
+    from ..generate.loading import eos_ids, load_model
+    from ..job.devices import resolve_dtype
+    from ..job.launch import finish_distributed
+    from ..progress import phase, progress_bar, said
+
+    cfg = request.cfg
+    try:
+        backend, device, main_rank = _backend(cfg)
+        log = say if main_rank else (lambda *_: None)
+        dtype = resolve_dtype(cfg.train.dtype, device)
+        with phase(f"eval: loading the model from {args.checkpoint}"):
+            model = load_model(cfg, device, dtype)
+        tokenizer = load_tokenizer(request.tokenizer)
+        eos = eos_ids(cfg.model.init_from, tokenizer)
+        p = cfg.parallel
+        layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
+        out = _result_head(request, args, cfg, layout, dtype)
+        _note_routing(out, model, main_rank)
+        if request.sampling is not None:
+            out["sampling"] = {k: v for k, v in vars(request.sampling).items() if k not in ("seed", "min_new_tokens")}
+        index = 0  # each sequence's draws seeded from --seed and its index here, whatever the batch
+        total = sum(len(s) for s in request.sequences.values())
+        bar = progress_bar(total, f"eval {request.task} (generate)", "seq", main_rank)
+        start_all = time.perf_counter()
+        try:
+            with phase(f"eval {request.task} (generate)", done_line=False):
+                for which, length in enumerate(request.lengths):
+                    seqs = request.sequences[length]
+                    t0 = time.perf_counter()
+                    texts = []
+                    what = _length_phase(request, which)
+                    with phase(what, len(seqs), "sequences", done_line=False, bar=bar) as progress:
+                        for start in range(0, len(seqs), request.batch):
+                            group = seqs[start:start + request.batch]
+                            texts += _generate_answers(model, tokenizer, group, index, request.sampling, args.seed,
+                                                       eos_ids=eos, device=device, backend=backend)
+                            index += len(group)
+                            progress.update(len(group))
+                    out["results"].extend(_summarise_generated(request, length, seqs, texts, time.perf_counter() - t0))
+                    if bar is None:
+                        log(f"eval: {request.task} (generate) at {length} tokens: {_headline(out['results'], length)}")
+                        said()
+        finally:
+            if bar is not None:
+                bar.close()
+        out["seconds"] = round(time.perf_counter() - start_all, 2)
+        done = out["results"]
+        out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
+    finally:
+        finish_distributed()
+    return out if main_rank else None
+
+
+def _generate_answers(model, tokenizer, group: list[Sequence], first: int, sampling, seed: int, **engine) -> list[str]:
+    """One batch of prompts (each sequence up to its answer) continued by the answer's length +
+    EXTRA_NEW_TOKENS tokens, greedily unless `sampling` says otherwise, sequence first + i's draws
+    seeded from `seed` and first + i; the generated texts. `engine`: generate()'s eos_ids, device, backend."""
+    from ..generate.engine import GREEDY, generate
+    from ..generate.sampling import derive_seed
+
+    cuts = [answer_start(q) for q in group]
+    results = generate(model, [q.tokens[:c].tolist() for q, c in zip(group, cuts)],
+                       max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)],
+                       sampling=sampling or GREEDY, seeds=[derive_seed(seed, first + i) for i in range(len(group))],
+                       **engine)
+    return [tokenizer.decode(r.tokens) for r in results]
+
+
+def _summarise_generated(request: EvalRequest, length: int, seqs: list[Sequence], texts: list[str],
+                         seconds: float) -> list[dict]:
+    results = []
+    for depth in request.depths:
+        idx = [i for i, q in enumerate(seqs) if q.depth == depth]
+        correct = [parse_answer(texts[i]) == seqs[i].answer for i in idx]
+        results.append({"length": length, "depth": depth, "samples": len(idx), "correct": sum(correct),
+                        "accuracy": sum(correct) / len(idx), "per_sample": correct,
+                        "answers": [seqs[i].answer for i in idx],
+                        "generated": [texts[i][:TEXT_CHARS] for i in idx],
+                        "seconds": round(seconds / len(request.depths), 2)})
+    return results

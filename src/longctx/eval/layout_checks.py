@@ -1,0 +1,43 @@
+"""The layout checks of `longctx eval`, before any rank starts: every length splits over the layout and
+the layout runs; --mode generate's narrower one (head x ctx ranks, no data or expert parallelism).
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+
+def _check_layout(cfg, lengths: list[int], mode: str, nproc: int) -> None:
+    """Every length splits over the layout, and the layout runs (generation's narrower one too)."""
+    from ..job.checks import check_divisible, check_layout
+    from ..job.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg, world_size=nproc)
+    for length in lengths:
+        try:
+            check_divisible(length, dims.ctx, dims.head)
+        except ConfigError as e:
+            raise ConfigError(f"--lengths: {e} (the layout is head {dims.head} x ctx {dims.ctx})") from None
+    check_layout(cfg, nproc)
+    if mode == "generate":
+        _check_generation_layout(cfg, dims, nproc)
+
+
+def _check_generation_layout(cfg, dims, nproc: int) -> None:
+    """--mode generate runs on one process, or on head x ctx ranks that shard the KV cache, each with
+    the full weights (generate/sharded.py): no data parallelism, no expert parallelism."""
+    dp = dims.dp_replicate * dims.dp_shard
+    if dp > 1 or dims.head * dims.ctx != nproc:
+        raise ConfigError(f"--mode generate under --nproc {nproc} needs --parallel.head x --parallel.ctx = {nproc} "
+                          f"(the layout is data-parallel {dp} x head {dims.head} x ctx {dims.ctx}): generation "
+                          f"shards the KV cache over head x ctx ranks and every rank holds the full weights, so "
+                          f"there is no data parallelism to split prompts over. Use --nproc "
+                          f"{dims.head * dims.ctx}, or --parallel.head/--parallel.ctx whose product is {nproc}.")
+    if dims.expert > 1 or dims.window:
+        which = "--parallel.expert" if dims.expert > 1 else "--parallel.window"
+        raise ConfigError(f"--mode generate: {which} does not apply (every rank holds the full weights and the cache "
+                          f"is sharded over head x ctx only); drop it.")
+    if dims.head > 1:
+        from ..job.checks import check_heads
+
+        check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)

@@ -1,0 +1,140 @@
+"""What one `longctx eval` computes (EvalRequest), prepared from its flags: the run config its model is
+built from (the checkpoint's [model], the layout, the longest length), --mode generate's sampling, the
+notes on lengths past the model's reach, and each length's sequences (eval/inputs.py). The launching
+process prepares it once, so that bad input stops the command before any rank starts, and every rank
+prepares the same again (cheap, deterministic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+from ..generate.settings import SAMPLING_FLAGS
+from .inputs import _load_source, _load_tokenizer, _sequences
+from .layout_checks import _check_layout
+
+if TYPE_CHECKING:
+    from .tasks import Sequence
+
+
+@dataclass
+class EvalRequest:
+    """What one eval computes, prepared identically in the launcher and on every rank."""
+    cfg: object
+    task: str
+    lengths: list[int]
+    depths: list[float]
+    sequences: dict[int, list[Sequence]]
+    source: str
+    tokenizer: str
+    batch: int
+    mode: str = "score"
+    sampling: object = None  # --mode generate: generate/sampling.py's Sampling (None: greedy)
+    notes: tuple = ()        # said once before work (lengths past the model's reach)
+
+
+def _config(args, overrides: list[str], lengths: list[int], nproc: int):
+    """The run config eval builds its model from: the checkpoint's [model] (extension keys may be
+    overridden), the layout and memory flags given, and the longest length."""
+    from ..config import load_config, parse_overrides
+    from ..config.layout import default_layout
+
+    given = parse_overrides(overrides)
+    allowed = {"model", "parallel", "memory", "train"}
+    other = sorted(set(given) - allowed)
+    if other:
+        raise ConfigError(f"longctx eval takes --model.* (extension keys such as rope_theta), --parallel.*, "
+                          f"--memory.* and --train.device/dtype overrides; [{', '.join(other)}] does not apply.")
+    if "init_from" in given.get("model", {}):
+        raise ConfigError("longctx eval takes the weights from --checkpoint; drop --model.init_from.")
+    p = given.get("parallel", {})
+    if nproc > 1 and not any(k in p for k in ("dp_replicate", "dp_shard", "head", "ctx")):
+        given.setdefault("parallel", {}).update(default_layout(nproc, *_heads(args.checkpoint)))
+    given.setdefault("model", {})["init_from"] = args.checkpoint
+    train = given.setdefault("train", {})
+    # the checkpoint's own model and the layout's data-parallel degree, before the lengths are set
+    probe = load_config(None, {**given, "train": {**train, "seq_len": 2, "eval_interval": 0}})
+    dp = _dp(probe, nproc)
+    batch = args.batch or dp
+    if batch % dp:
+        raise ConfigError(f"--batch {batch} must be a multiple of the data-parallel degree {dp}.")
+    if max(lengths) > probe.model.max_seq_len:  # evaluating past the trained length is the point
+        given["model"]["max_seq_len"] = max(lengths)
+    train.update(seq_len=max(lengths), global_batch=batch, grad_accum=1, eval_interval=0)
+    return load_config(None, given), batch
+
+
+def _heads(checkpoint: str) -> tuple[int, int]:
+    """The checkpoint's (heads, kv_heads), for the default layout."""
+    from ..config import load_config
+
+    m = load_config(None, {"model": {"init_from": checkpoint}, "train": {"seq_len": 2, "eval_interval": 0}}).model
+    return m.heads, m.kv_heads
+
+
+def _dp(cfg, nproc: int) -> int:
+    from ..job.dims import ParallelDims
+
+    dims = ParallelDims.from_config(cfg, world_size=nproc)
+    return dims.dp_replicate * dims.dp_shard
+
+
+def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
+    """Check every input and build the sequences to evaluate (the same in the launcher and on every rank)."""
+    from .tasks import parse_depths, parse_lengths
+
+    mode = getattr(args, "mode", "score")
+    if mode == "generate" and args.task == "ppl":
+        raise ConfigError("--mode generate lets the model answer a retrieval question (--task passkey or needle); "
+                          "--task ppl asks none (it is the loss of every token): drop --mode generate.")
+    sampling = _sampling(args, mode)
+    lengths = parse_lengths(args.lengths)
+    depths = parse_depths(args.depths) if args.task != "ppl" else []
+    for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
+        if value < 0 or (flag == "--buckets" and value == 0):
+            raise ConfigError(f"{flag} must be positive, got {value}.")
+    cfg, batch = _config(args, overrides, lengths, nproc)
+    _check_layout(cfg, lengths, mode, nproc)
+    spec, tokenizer = _load_tokenizer(args, cfg)
+    source = _load_source(args, cfg, spec, tokenizer)
+    sequences = _sequences(args, source, tokenizer, lengths, depths)
+    return EvalRequest(cfg, args.task, lengths, depths, sequences, source.description,
+                       spec or source.tokenizer_spec, batch, mode, sampling, reach_notes(cfg.model, lengths))
+
+
+def reach_notes(m, lengths: list[int]) -> tuple[str, ...]:
+    """Lengths past the positions the model reaches (config/positions.py): evaluating there is what an
+    extension study does, so it runs, but it is said once, with the scaling that would cover them."""
+    from ..config.positions import model_reach
+
+    reach = model_reach(m)
+    past = [n for n in lengths if n > reach.positions]
+    if not past:
+        return ()
+    many = len(past) > 1
+    return (f"length{'s' * many} {', '.join(f'{n:,}' for n in past)} run past the {reach.positions:,} positions the "
+            f"model reaches ({reach.said()}): {'their scores measure' if many else 'its score measures'} "
+            f"extrapolation, not what the model learned; {reach.extension_flags(max(past))} would cover "
+            f"{'them' if many else 'it'}",)
+
+
+def _sampling(args, mode: str):
+    """--mode generate's sampling flags (None: all unset, greedy), checked; refused under --mode score."""
+    given = [flag for flag, _, _ in SAMPLING_FLAGS if getattr(args, flag[2:].replace("-", "_"), None) is not None]
+    if not given:
+        return None
+    if mode != "generate":
+        raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --mode generate (the model "
+                          f"answers by decoding); --mode score reads the answer's logits and samples nothing.")
+    from ..generate.sampling import Sampling
+    from ..generate.settings import greedy_filter_problem, resolve
+
+    fields, _, _ = resolve(args, {})
+    sampling = Sampling(**fields, seed=args.seed)
+    sampling.check()
+    inert = greedy_filter_problem(args, sampling.temperature)
+    if inert:
+        raise ConfigError(inert + ".")
+    return sampling

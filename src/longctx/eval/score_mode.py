@@ -1,0 +1,87 @@
+"""`longctx eval --mode score` (the default): every length's sequences scored in teacher-forced forward
+passes (eval/runner.py) on this rank's part of the layout, summarised per position bucket (ppl) or per
+depth (passkey/needle: right when every answer token is the argmax).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..progress import say
+from .results import _headline, _length_phase, _note_routing, _result_head
+
+if TYPE_CHECKING:
+    from .request import EvalRequest
+    from .tasks import Sequence
+
+
+def evaluate_score(request: EvalRequest, args) -> dict | None:
+    """Score every length's sequences on this rank's part of the layout; the result on rank 0."""
+    import torch
+
+    from ..job.devices import resolve_dtype
+    from ..job.join import join_job
+    from ..job.launch import finish_distributed
+    from ..progress import phase, progress_bar, said
+    from ..train.model import build_training_model, resolve_offload
+    from .runner import score
+
+    cfg = request.cfg
+    rt, device = join_job(cfg)
+    world = rt.world
+    log = say if rt.is_main else (lambda *_: None)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    with phase(f"eval: building the model from {args.checkpoint}"):
+        cfg = resolve_offload(cfg, device, rt, log)
+        model = build_training_model(cfg, device, rt, log)
+    model.eval()
+    layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
+    out = _result_head(request, args, cfg, layout, dtype)
+    _note_routing(out, model, rt.is_main)
+    total = sum(len(s) for s in request.sequences.values())
+    bar = progress_bar(total, f"eval {request.task}", "seq", rt.is_main)
+    start_all = time.perf_counter()
+    try:
+        with phase(f"eval {request.task}", done_line=False):
+            for which, length in enumerate(request.lengths):
+                seqs = request.sequences[length]
+                t0 = time.perf_counter()
+                # (each length's own line follows it: no closing line from the phase)
+                with phase(_length_phase(request, which), len(seqs), "sequences", done_line=False, bar=bar) as progress:
+                    scores = score(model, rt, seqs, request.batch, args.buckets, device,
+                                   dtype if dtype != torch.float32 else None, progress)
+                out["results"].extend(_summarise(request, length, seqs, scores, args.buckets, time.perf_counter() - t0))
+                if rt.is_main and bar is None:
+                    say(f"eval: {request.task} at {length} tokens: {_headline(out['results'], length)}")
+                    said()
+    finally:
+        if bar is not None:
+            bar.close()
+    out["seconds"] = round(time.perf_counter() - start_all, 2)
+    if request.task != "ppl":
+        done = out["results"]
+        out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
+    finish_distributed()
+    return out if rt.is_main else None
+
+
+def _summarise(request: EvalRequest, length: int, seqs: list[Sequence], s: dict, buckets: int,
+               seconds: float) -> list[dict]:
+    if request.task == "ppl":
+        # position p is in bucket p * buckets // length: bucket i holds [ceil(i L / B), ceil((i + 1) L / B))
+        rows = [{"start": -(-i * length // buckets), "end": -(-(i + 1) * length // buckets),
+                 "loss": s["nll_sum"][i] / s["tokens"][i] if s["tokens"][i] else None, "tokens": int(s["tokens"][i])}
+                for i in range(buckets)]
+        total = sum(s["tokens"])
+        return [{"length": length, "sequences": len(seqs), "loss": sum(s["nll_sum"]) / max(total, 1),
+                 "tokens": int(total), "buckets": rows, "seconds": round(seconds, 2)}]
+    results = []
+    for depth in request.depths:
+        idx = [i for i, q in enumerate(seqs) if q.depth == depth]
+        correct = [s["misses"][i] == 0 for i in idx]
+        results.append({"length": length, "depth": depth, "samples": len(idx), "correct": sum(correct),
+                        "accuracy": sum(correct) / len(idx),
+                        "answer_nll": sum(s["nll"][i] for i in idx) / max(1.0, sum(s["scored"][i] for i in idx)),
+                        "per_sample": correct, "seconds": round(seconds / len(request.depths), 2)})
+    return results
