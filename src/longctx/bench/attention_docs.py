@@ -267,6 +267,22 @@ def _memory_ratios(single: dict) -> dict:
             for kind, key in (("rss", "rss_peak_growth_mib"), ("tracked", "tracked_peak_mib"))}
 
 
+def _single_process_kinds(args, ids) -> dict:
+    """{kind: one process's measurements} for packed, per-document (and with --causal-reference plain
+    causal) attention: CPU seconds and peak memory growth, each measured in a fresh process, and with
+    --storage-tracker each kind's tensor-storage peak."""
+    kinds = ("packed", "per_document", "causal") if args.causal_reference else ("packed", "per_document")
+    single = {}
+    for kind in kinds:
+        with phase(f"one process, {kind.replace('_', '-')} attention"):
+            single[kind] = _fresh(_one_process, args, ids, kind, "time")
+    if args.storage_tracker:  # tensor bytes do not depend on the allocator: one process for all kinds
+        with phase("one process, tensor-storage peaks"):
+            for kind, peak in _fresh(_tracked_peaks, args, ids, kinds).items():
+                single[kind]["memory"]["tracked_peak_mib"] = peak
+    return single
+
+
 def run_docs(args) -> dict:
     """--docs: one process (packed vs per-document sum vs plain causal: CPU seconds and peak memory
     growth, each measured in a fresh process), the distributed run with the layout, the work
@@ -277,15 +293,7 @@ def run_docs(args) -> dict:
     check_divisible(args.seq_len, args.ctx, args.head)
     check_heads(args.heads, args.kv_heads, args.head)
     load_start = machine_load()
-    kinds = ("packed", "per_document", "causal") if args.causal_reference else ("packed", "per_document")
-    single = {}
-    for kind in kinds:
-        with phase(f"one process, {kind.replace('_', '-')} attention"):
-            single[kind] = _fresh(_one_process, args, ids, kind, "time")
-    if args.storage_tracker:  # tensor bytes do not depend on the allocator: one process for all kinds
-        with phase("one process, tensor-storage peaks"):
-            for kind, peak in _fresh(_tracked_peaks, args, ids, kinds).items():
-                single[kind]["memory"]["tracked_peak_mib"] = peak
+    single = _single_process_kinds(args, ids)
     with phase(f"distributed attention on {args.world} ranks (head {args.head} x ctx {args.ctx}, {args.split})"):
         ranks = run_spawned(args.world, _rank_worker_docs, args, ids, threads=args.threads)
     # the per-document reference again, `world` copies at once: the ranks' load (more ranks than cores)
