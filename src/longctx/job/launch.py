@@ -234,36 +234,41 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         if errors:
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
-        failures = e.failures
-        # The root cause: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before
-        # a rank that exited with an error, before a rank the launcher itself stopped with SIGTERM.
-        def cause(r):
-            code = failures[r].exitcode or 0
-            kind = 0 if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT) else (1 if code > 0 else 2)
-            return kind, failures[r].timestamp, r
-
-        first_rank = min(failures, key=cause)
-        failure = failures[first_rank]
-        what = f"exit code {failure.exitcode}"
-        if failure.exitcode is not None and failure.exitcode < 0:
-            try:
-                what = f"killed by {signal.Signals(-failure.exitcode).name}"
-            except ValueError:
-                pass
-        others = sorted(set(failures) - {first_rank})
-        if failure.exitcode == -signal.SIGKILL:
-            hint = (" Nothing else stops a process without a word: most often it is the out-of-memory killer "
-                    "(see `dmesg`); the rank needed more memory than the machine had. Lower train.seq_len, "
-                    "use more ranks, or a memory policy (longctx plan picks one).")
-        else:
-            hint = " See that rank's output above for its error."
-        raise UserError(
-            f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
-            + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "")
-            + "." + hint
-        ) from None
+        raise _first_failure(e.failures, nproc) from None
     finally:
         elastic.setLevel(level)
+
+
+def _first_failure(failures: dict, nproc: int) -> UserError:
+    """The error to raise when no rank reported one of its own: which rank failed first and how, from
+    `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure})."""
+    # The root cause: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before
+    # a rank that exited with an error, before a rank the launcher itself stopped with SIGTERM.
+    def cause(r):
+        code = failures[r].exitcode or 0
+        kind = 0 if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT) else (1 if code > 0 else 2)
+        return kind, failures[r].timestamp, r
+
+    first_rank = min(failures, key=cause)
+    failure = failures[first_rank]
+    what = f"exit code {failure.exitcode}"
+    if failure.exitcode is not None and failure.exitcode < 0:
+        try:
+            what = f"killed by {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            pass
+    others = sorted(set(failures) - {first_rank})
+    if failure.exitcode == -signal.SIGKILL:
+        hint = (" Nothing else stops a process without a word: most often it is the out-of-memory killer "
+                "(see `dmesg`); the rank needed more memory than the machine had. Lower train.seq_len, "
+                "use more ranks, or a memory policy (longctx plan picks one).")
+    else:
+        hint = " See that rank's output above for its error."
+    return UserError(
+        f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
+        + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "")
+        + "." + hint
+    )
 
 
 def _raise_preempted(errors: dict[str, tuple[list[int], int]], nproc: int) -> None:
