@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx.checkpoint.manager import CheckpointManager, _load_rng, latest_checkpoint, verification_shares
+from longctx.checkpoint.manager import CheckpointManager, latest_checkpoint, verification_shares
 from longctx.checkpoint.manifest import CheckpointError, hash_files, owner_rank, verify, write_manifest
+from longctx.checkpoint.rng_states import _load_rng
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned, run_spawned_many
 from longctx.train.trainer import train

@@ -5,7 +5,7 @@ saved by fully-qualified parameter name with their global shapes (`get_state_dic
 sharding, and loaded into whatever sharding the resumed job has (`set_state_dict`). The data
 position is the sampler's global cursor, which does not depend on the number of ranks, and the
 learning-rate schedule is a function of the step. Each rank's random generators are saved too
-(`rng-rank{r}.pt`).
+(`rng-rank{r}.pt`, checkpoint/rng_states.py).
 
 Crash safety: every save is written into a hidden temporary directory. When its own files are on
 disk, each rank hashes them (the DCP shards `__{rank}_*.distcp` and its RNG file; rank 0 also the
@@ -31,7 +31,6 @@ import functools
 import json
 import os
 import queue
-import random
 import shutil
 import threading
 import time
@@ -41,7 +40,6 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -82,12 +80,9 @@ from .manifest import (
     write_hashes_part,
     write_manifest,
 )
+from .rng_states import _load_rng, _rng_state, _set_rng_state, rng_file
 
 TRAINER_STATE = "trainer_state.json"
-
-
-def rng_file(rank: int) -> str:
-    return f"rng-rank{rank}.pt"
 
 
 def verification_shares(entries: list[dict], world: int) -> list[int]:
@@ -110,40 +105,6 @@ def _reusable_stager():
     cuda = torch.cuda.is_available()
     return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
                                         use_non_blocking_copy=cuda))
-
-
-# ---------------------------------------------------------------------------------- RNG states
-# Checkpoint files are data, never code: every torch.load here runs with weights_only=True. The
-# states are therefore stored as tensors, tuples and numbers only (numpy's key array as a tensor).
-
-
-def _rng_state() -> dict:
-    """This process's generators: python, numpy, torch CPU, and the current CUDA device's when this
-    process uses CUDA (only that one: asking for every device's would create a context on each)."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
-    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict, cuda: bool) -> None:
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # an ndarray in older checkpoints
-    np.random.set_state((name, keys.astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if cuda and "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _load_rng(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path.parent} has no {path.name}: it was written by an older longctx, before each "
-                              f"rank's RNG state was saved; resume from a checkpoint of this version (or start the "
-                              f"weights over with --model.init_from {path.parent}).")
-    return torch.load(path, weights_only=True)
 
 
 class _Worker:
