@@ -237,9 +237,9 @@ def test_eval_asks_for_a_tokenizer_when_its_data_is_a_glob_of_text(tmp_path, mon
     # a checkpoint that records no tokenizer: ppl on a store needs none, on text (a file or a glob) it does
     from types import SimpleNamespace
 
-    from longctx.eval import inputs as command
+    from longctx.eval import inputs
 
-    monkeypatch.setattr(command, "model_tokenizer", lambda init_from: None)
+    monkeypatch.setattr(inputs, "model_tokenizer", lambda init_from: None)
     cfg = SimpleNamespace(model=SimpleNamespace(init_from="runs/a/checkpoints", vocab_size=256))
     (tmp_path / "a.py").write_text("x = 1\n")
     store = tmp_path / "store"
@@ -248,6 +248,6 @@ def test_eval_asks_for_a_tokenizer_when_its_data_is_a_glob_of_text(tmp_path, mon
         args = SimpleNamespace(tokenizer="", task="ppl", data=data, checkpoint="runs/a/checkpoints")
         if needed:
             with pytest.raises(ConfigError, match="turns text into tokens"):
-                command._load_tokenizer(args, cfg)
+                inputs._load_tokenizer(args, cfg)
         else:
-            assert command._load_tokenizer(args, cfg) == (None, None)
+            assert inputs._load_tokenizer(args, cfg) == (None, None)
