@@ -31,7 +31,7 @@ def run_case(a) -> dict:
 
     from longctx.config import MODEL_PRESETS, ModelConfig
     from longctx.memory.accounting import estimate_activations
-    from longctx.memory.policies import apply_memory_policy
+    from longctx.memory.apply_policy import apply_memory_policy
     from longctx.memory.policy import MemoryPolicy
     from longctx.memory.transients import transient_bytes
     from longctx.models.llama import build_model

@@ -58,7 +58,7 @@ def _generate(case: str, head: int, ctx: int):
     from longctx.generate.engine import generate
     from longctx.generate.local import LOCAL
     from longctx.generate.sampling import Sampling
-    from longctx.models.cache import KVCache
+    from longctx.models.kv_cache import KVCache
 
     kind, lengths, sampling = CASES[case]
     model = _model(kind)
@@ -190,7 +190,7 @@ def _glide_proposals(head: int, ctx: int):
 def _backend_and_cache(head: int, ctx: int, model, max_len: int):
     """The generation backend of a head x ctx layout (one process: the local one) and a 1-row cache."""
     from longctx.generate.local import LOCAL
-    from longctx.models.cache import KVCache
+    from longctx.models.kv_cache import KVCache
 
     if head * ctx == 1:
         return LOCAL, KVCache.for_model(model, 1, max_len)

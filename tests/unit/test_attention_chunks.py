@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
-from longctx.memory.policies import apply_memory_policy
+from longctx.memory.apply_policy import apply_memory_policy
 from longctx.models.llama import build_model
 from longctx.ops.attention import attention
 from longctx.ops.chunked import ChunkGrid, chunked_local_attention, local_grid

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.memory.policies import apply_memory_policy
+from longctx.memory.apply_policy import apply_memory_policy
 from longctx.models.compile import compile_token_wise_stages
 from probes import loss_and_grads, reference_run
 

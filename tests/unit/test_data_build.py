@@ -366,7 +366,7 @@ def test_cache_key_covers_every_file_the_build_reads(tmp_path):
     import json
     import time
 
-    from longctx.data.cache import _fingerprint
+    from longctx.data.default_store import _fingerprint
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -193,7 +193,7 @@ def test_store_mismatches_are_config_errors(tmp_path):
 
 
 def test_default_store_is_built_once_and_reused(tmp_path, monkeypatch):
-    import longctx.data.cache as cache
+    import longctx.data.default_store as cache
 
     monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path / "cache"))
     src = corpus(tmp_path / "in", [random.Random(i).randint(10, 300) for i in range(50)])

@@ -1,4 +1,4 @@
-"""Generation with the KV cache (models/cache.py, generate/): greedy continuations token-identical to
+"""Generation with the KV cache (models/kv_cache.py, generate/): greedy continuations token-identical to
 transformers' greedy `generate` on random tiny checkpoints of every family, dense and MoE (fp32);
 cached decoding equal to the full forward at every step; chunked prefill equal to one-shot; batched
 prompts of different lengths equal to each alone; seeded sampling reproducible; bad input refused
@@ -23,8 +23,8 @@ from longctx.generate.cli import prepare  # noqa: E402
 from longctx.generate.engine import generate  # noqa: E402
 from longctx.generate.local import prefill  # noqa: E402
 from longctx.generate.sampling import Sampling, filter_logits  # noqa: E402
-from longctx.models.cache import KVCache  # noqa: E402
 from longctx.models.hf import load_hf  # noqa: E402
+from longctx.models.kv_cache import KVCache  # noqa: E402
 from longctx.models.llama import build_model  # noqa: E402
 from longctx.models.moe import moe_layers  # noqa: E402
 
@@ -234,9 +234,9 @@ def _prepare(*argv):
 
 
 def test_good_input_is_prepared_without_weights(weightless_hf):
-    plan = _prepare("--checkpoint", f"hf:{weightless_hf}", "--prompt", "def f(x):", "--max-new-tokens", "300")
-    assert plan.prompts[0]["ids"] and plan.eos_ids == [0]  # the tokenizer's </s>
-    assert plan.limits == [256 - len(plan.prompts[0]["ids"])] and "leave room for" in plan.notes[0]
+    request = _prepare("--checkpoint", f"hf:{weightless_hf}", "--prompt", "def f(x):", "--max-new-tokens", "300")
+    assert request.prompts[0]["ids"] and request.eos_ids == [0]  # the tokenizer's </s>
+    assert request.limits == [256 - len(request.prompts[0]["ids"])] and "leave room for" in request.notes[0]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -276,7 +276,7 @@ def test_bad_prompts_file(weightless_hf, tmp_path):
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_a_few_new_tokens_in_one_masked_call_equal_the_two_call_merge(tree):
     """CPU, a speculative chain or tree to verify: one kernel call with a mask over the held slots
-    and the new ones (models/cache.py _small_chunk) against the prefix call + new-token call merged
+    and the new ones (models/kv_cache.py _small_chunk) against the prefix call + new-token call merged
     by the log-sum-exp (_chunk, masked_attention), grouped queries (8 heads over 2 kv heads)."""
     from longctx.models import cached_attention as kv
     from longctx.ops.attention import merge_partials

@@ -90,9 +90,9 @@ def test_prompt_ids_equal_apply_chat_template(tmp_path, jinja_file):
     folder.mkdir()
     _chat_tokenizer(folder, jinja_file)
     (folder / "config.json").write_text(json.dumps(test_hf.hf_config("llama")))
-    plan = _prepare("--checkpoint", f"hf:{folder}", "--chat", "--prompts",
+    request = _prepare("--checkpoint", f"hf:{folder}", "--chat", "--prompts",
                     str(_messages_file(tmp_path / "m.jsonl", CONVERSATIONS)))
-    for p, messages in zip(plan.prompts, CONVERSATIONS):
+    for p, messages in zip(request.prompts, CONVERSATIONS):
         assert p["ids"] == _theirs_ids(folder, messages)
         assert p["text"].startswith("<|im_start|>") and p["text"].endswith("<|im_start|>assistant\n")
     # a plain prompt with --chat is one user message

@@ -26,7 +26,7 @@ from longctx.generate.local import LOCAL, LocalGeneration
 from longctx.generate.sampling import GREEDY
 from longctx.generate.sharded import ShardedGeneration, ShardedKVCache, _ShardedLayer
 from longctx.generate.speculative import SpeculativeRounds
-from longctx.models.cache import KVCache, LayerCache
+from longctx.models.kv_cache import KVCache, LayerCache
 from longctx.models.llama import build_model
 
 IMPLEMENTATIONS = {

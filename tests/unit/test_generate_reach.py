@@ -70,10 +70,10 @@ def test_raising_max_seq_len_does_not_pass_the_guard(hf64):
 
 def test_allow_extrapolation_runs_with_one_note(hf64):
     d = hf64()
-    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--model.max_seq_len=4096",
+    request = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--model.max_seq_len=4096",
                     "--allow-extrapolation", "--max-new-tokens", "8")
-    assert plan.limits == [8]
-    [note] = plan.notes
+    assert request.limits == [8]
+    [note] = request.notes
     assert "run past the 64 positions" in note and "--allow-extrapolation" in note
 
 
@@ -82,21 +82,21 @@ def test_the_suggested_scaling_passes(hf64):
     with pytest.raises(ConfigError) as e:
         _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
     flags = [w.rstrip(";,.") for w in str(e.value).split() if w.startswith("--model.rope")]
-    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8", *flags)
-    assert plan.limits == [8] and not plan.notes
+    request = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8", *flags)
+    assert request.limits == [8] and not request.notes
 
 
 def test_a_yarn_scaled_model_reads_longer_prompts(hf64):
     d = hf64(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))
-    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
-    assert plan.limits == [8] and len(plan.prompts[0]["ids"]) > 64
+    request = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert request.limits == [8] and len(request.prompts[0]["ids"]) > 64
 
 
 def test_new_tokens_capped_at_the_reach(hf64):
     d = hf64()
-    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", "def f(x):", "--max-new-tokens", "300")
-    n = len(plan.prompts[0]["ids"])
-    assert plan.limits == [64 - n] and "within the 64 positions the model reaches" in plan.notes[0]
+    request = _prepare("--checkpoint", f"hf:{d}", "--prompt", "def f(x):", "--max-new-tokens", "300")
+    n = len(request.prompts[0]["ids"])
+    assert request.limits == [64 - n] and "within the 64 positions the model reaches" in request.notes[0]
 
 
 def test_a_checkpoint_is_held_to_its_recorded_positions(tmp_path):
@@ -109,8 +109,8 @@ def test_a_checkpoint_is_held_to_its_recorded_positions(tmp_path):
     write_manifest(step, step=2, layout={}, model=model, tokenizer="byte", trained_positions=64)
     with pytest.raises(ConfigError, match="trained on 64: the trained_positions its manifest records"):
         _prepare("--checkpoint", str(step), "--prompt", "x" * 100, "--model.max_seq_len=4096")
-    plan = _prepare("--checkpoint", str(step), "--prompt", "x" * 60, "--max-new-tokens", "10")
-    assert plan.limits == [4]
+    request = _prepare("--checkpoint", str(step), "--prompt", "x" * 60, "--max-new-tokens", "10")
+    assert request.limits == [4]
     # written before the record: its max_seq_len, as before
     write_manifest(step, step=2, layout={}, model=model, tokenizer="byte")
     assert "trained_positions" not in read_manifest(step)
@@ -120,8 +120,8 @@ def test_a_checkpoint_is_held_to_its_recorded_positions(tmp_path):
 def test_hf_linear_scaling_stretches_max_position_embeddings(hf64):
     """A linear-scaled config gives the length before its factor (vicuna-16k: 4096 x 4), as vLLM reads it."""
     d = hf64(rope_scaling=dict(rope_type="linear", factor=4.0))
-    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
-    assert plan.limits == [8]
+    request = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert request.limits == [8]
     with pytest.raises(ConfigError, match="past the 256 positions .* x its linear RoPE factor"):
         _prepare("--checkpoint", f"hf:{d}", "--prompt", "x " * 300)
 
@@ -135,8 +135,8 @@ def test_the_suggestion_for_an_already_scaled_model_passes(hf64):
         _prepare("--checkpoint", f"hf:{d}", "--prompt", long, "--max-new-tokens", "8")
     flags = [w.rstrip(";,.") for w in str(e.value).split() if w.startswith("--model.rope")]
     assert "--model.rope_original_max_len=32" in flags
-    plan = _prepare("--checkpoint", f"hf:{d}", "--prompt", long, "--max-new-tokens", "8", *flags)
-    assert plan.limits == [8] and not plan.notes
+    request = _prepare("--checkpoint", f"hf:{d}", "--prompt", long, "--max-new-tokens", "8", *flags)
+    assert request.limits == [8] and not request.notes
 
 
 def test_eval_says_once_which_lengths_run_past_the_reach(hf64):

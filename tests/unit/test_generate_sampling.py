@@ -285,24 +285,26 @@ def test_generation_config_gives_the_defaults_and_flags_override(weightless_hf):
     (weightless_hf / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "min_p": 0.1, "repetition_penalty": 1.1,
          "max_new_tokens": 40, "eos_token_id": 0, "bos_token_id": 1}))
-    plan, args = _prepare(weightless_hf, "--prompt", "x")
-    s = plan.sampling
+    request, args = _prepare(weightless_hf, "--prompt", "x")
+    s = request.sampling
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty) == (0.6, 0, 0.9, 0.1, 1.1)
-    assert plan.limits == [40] and args.generation_defaults == \
+    assert request.limits == [40] and args.generation_defaults == \
         "do_sample true, temperature 0.6, top_p 0.9, min_p 0.1, repetition_penalty 1.1, max_new_tokens 40"
-    plan, args = _prepare(weightless_hf, "--prompt", "x", "--temperature", "0", "--top-p", "1", "--max-new-tokens", "7")
-    assert plan.sampling.greedy and plan.sampling.top_p == 1.0 and plan.limits == [7]
+    request, args = _prepare(weightless_hf, "--prompt", "x", "--temperature", "0", "--top-p", "1",
+                             "--max-new-tokens", "7")
+    assert request.sampling.greedy and request.sampling.top_p == 1.0 and request.limits == [7]
     assert args.generation_defaults == "repetition_penalty 1.1"  # (greedy: the file's filters do not apply)
     # do_sample false: greedy whatever its temperature (transformers' rule); the penalty still applies
     (weightless_hf / "generation_config.json").write_text(json.dumps(
         {"do_sample": False, "temperature": 0.6, "repetition_penalty": 1.2}))
-    plan, args = _prepare(weightless_hf, "--prompt", "x")
-    assert plan.sampling.greedy and plan.sampling.repetition_penalty == 1.2 and args.max_new_tokens == 256
+    request, args = _prepare(weightless_hf, "--prompt", "x")
+    assert request.sampling.greedy and request.sampling.repetition_penalty == 1.2 and args.max_new_tokens == 256
     assert args.generation_defaults == "do_sample false (greedy), repetition_penalty 1.2"
     # sampling asked by the flag: the file's filters apply, as to transformers' do_sample=True
     (weightless_hf / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 20}))
-    plan, args = _prepare(weightless_hf, "--prompt", "x", "--temperature", "0.7")
-    assert (plan.sampling.temperature, plan.sampling.top_k) == (0.7, 20) and args.generation_defaults == "top_k 20"
+    request, args = _prepare(weightless_hf, "--prompt", "x", "--temperature", "0.7")
+    assert (request.sampling.temperature, request.sampling.top_k) == (0.7, 20)
+    assert args.generation_defaults == "top_k 20"
     (weightless_hf / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_p": 2.0}))
     with pytest.raises(ConfigError, match=r"--top-p must be in \(0, 1\].*from generation_config.json: do_sample "
                                           r"true, temperature 1.0, top_p 2.0"):
@@ -331,8 +333,8 @@ def test_bad_settings_are_one_clear_error_before_work(weightless_hf, argv, messa
 def test_a_prompt_seed_must_be_an_integer(weightless_hf, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a", "seed": 5}\n{"prompt": "b"}\n')
-    plan, _ = _prepare(weightless_hf, "--prompts", str(f))
-    assert [p.get("seed") for p in plan.prompts] == [5, None]
+    request, _ = _prepare(weightless_hf, "--prompts", str(f))
+    assert [p.get("seed") for p in request.prompts] == [5, None]
     for bad in ('"5"', "1.5", "true", "null"):
         f.write_text(f'{{"prompt": "a"}}\n{{"prompt": "b", "seed": {bad}}}\n')
         with pytest.raises(ConfigError, match='line 2: "seed" must be an integer'):

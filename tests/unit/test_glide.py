@@ -16,8 +16,8 @@ from longctx.generate.drafters import GlideDrafter
 from longctx.generate.engine import generate
 from longctx.generate.local import prefill
 from longctx.generate.speculative import speculative_generate
-from longctx.models.cache import KVCache
 from longctx.models.glide import GlideDraft, block_stale_visible, cross_attention
+from longctx.models.kv_cache import KVCache
 from longctx.models.llama import build_model
 
 

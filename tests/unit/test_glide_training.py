@@ -190,8 +190,8 @@ def test_the_draft_learns_and_the_target_stays_frozen(trained, target):
 
 def test_the_checkpoint_names_its_target_and_loads_for_generation(trained, target):
     from longctx.generate.local import prefill
-    from longctx.models.cache import KVCache
     from longctx.models.glide import block_stale_visible
+    from longctx.models.kv_cache import KVCache
 
     trainer, _, checkpoints = trained
     model, target_path = _target_model(target)

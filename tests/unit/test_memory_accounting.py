@@ -9,7 +9,7 @@ import torch
 
 from longctx.config import load_config
 from longctx.memory.accounting import estimate_activations, layer_activations, measure_activations
-from longctx.memory.policies import apply_memory_policy
+from longctx.memory.apply_policy import apply_memory_policy
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
 

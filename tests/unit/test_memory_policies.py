@@ -8,7 +8,7 @@ import torch
 from longctx.config import load_config
 from longctx.errors import ConfigError
 from longctx.memory.accounting import estimate_activations
-from longctx.memory.policies import apply_memory_policy, check_policy
+from longctx.memory.apply_policy import apply_memory_policy, check_policy
 from longctx.memory.policy import MemoryPolicy
 from probes import loss_and_grads, reference_run
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.memory.policies import apply_memory_policy
+from longctx.memory.apply_policy import apply_memory_policy
 from longctx.models.llama import apply_rope, build_model, count_params, rope_cos_sin
 
 

@@ -614,7 +614,7 @@ def _loss_and_grads(model, tokens):
 
 @pytest.mark.parametrize("policy,chunk", [("full", 0), ("selective", 0), ("full", 24), ("selective", 24)])
 def test_recomputation_does_not_change_routing(policy, chunk):
-    from longctx.memory.policies import apply_memory_policy
+    from longctx.memory.apply_policy import apply_memory_policy
     from longctx.models.llama import build_model
 
     cfg = load_config(overrides={"model": {"preset": "debug-moe"}}).model

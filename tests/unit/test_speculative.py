@@ -79,7 +79,7 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
     from longctx.generate.acceptance import choose, sampling_probs
     from longctx.generate.local import prefill
     from longctx.generate.sampling import Processors
-    from longctx.models.cache import KVCache
+    from longctx.models.kv_cache import KVCache
 
     vocab, runs = 8, 2000
     target, draft = _model(1, layers=1, vocab=vocab, dim=32), _model(7, layers=1, vocab=vocab, dim=32)

@@ -88,7 +88,7 @@ def _models(args):
 
 
 def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
-    from ..data.cache import default_store
+    from ..data.default_store import default_store
     from ..errors import ConfigError, DataError
     from ..eval.tasks import load_source, parse_lengths
     from ..generate.prompts import read_prompts

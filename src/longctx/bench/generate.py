@@ -92,7 +92,7 @@ def prefill_memory(model, length: int, chunk: int, seed: int = 0) -> dict:
     """Prefill one random prompt of `length` tokens in chunks of `chunk`: the cache's bytes and the
     peak bytes of the tensors the prefill itself created (and the largest of them)."""
     from ..generate.local import prefill
-    from ..models.cache import KVCache
+    from ..models.kv_cache import KVCache
 
     tokens = torch.randint(0, model.cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():
@@ -128,7 +128,7 @@ def sharded_memory(model, layout: str, lengths: list[int], seed: int = 0) -> lis
     """Per length: one process's cache bytes, and over the ranks of the `HxC` layout the largest
     cache share, its ratio, the largest prefill transient; the ranks' argmax agree."""
     from ..job.spawn import run_spawned_many
-    from ..models.cache import KVCache
+    from ..models.kv_cache import KVCache
 
     head, ctx = (int(x) for x in layout.lower().split("x"))
     jobs = [(length, _sharded_prefill_rank, (model, length, head, ctx, seed)) for length in lengths]

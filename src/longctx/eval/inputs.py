@@ -42,7 +42,7 @@ def _load_source(args, cfg, spec: str | None, tokenizer):
 
     def default_store():
         from ..config import DataConfig
-        from ..data.cache import default_store as build
+        from ..data.default_store import default_store as build
 
         return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=say, announce_cached=False)
 

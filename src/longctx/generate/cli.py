@@ -32,7 +32,7 @@ generation_config.json or config.json eos_token_id, else the tokenizer's end-of-
 generate/loading.py, which eval and bench decode load through too). The prompt is tokenized as the
 model saw text (generate/prompts.py): with a Hugging Face tokenizer's special tokens (e.g. BOS) for
 hf:DIR, as transformers does by default; without them for a longctx checkpoint (training data
-carries none). This module is the command alone: its flags, its plan, the run.
+carries none). This module is the command alone: its flags, its request, the run.
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def _add_draft_flags(p) -> None:
 
 
 @dataclass
-class Plan:
-    """What one generate run does, checked before any weight is read."""
+class GenerateRequest:
+    """What one generate run does (its config, tokenizer, prompts, limits, sampling, draft), checked
+    before any weight is read."""
     cfg: object
     tokenizer: object
     tokenizer_spec: str
@@ -177,7 +178,7 @@ def _config(args, overrides: list[str]):
     return load_config(None, given)
 
 
-def prepare(args, overrides: list[str]) -> Plan:
+def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
     from .loading import eos_ids
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
@@ -191,15 +192,16 @@ def prepare(args, overrides: list[str]) -> Plan:
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
     tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model)
-    plan = Plan(cfg, tokenizer, spec, prompts, limits, eos_ids(cfg.model.init_from, tokenizer), sampling, notes)
+    eos = eos_ids(cfg.model.init_from, tokenizer)
+    request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes)
     if args.draft:
         from .drafts import draft_config
 
-        plan.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
+        request.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
                                       args.draft_window)
     if args.cape:
-        plan.cape = _cape_table(args, sampling)
-    return plan
+        request.cape = _cape_table(args, sampling)
+    return request
 
 
 def _sampling(args):
@@ -253,29 +255,29 @@ def main(args, overrides) -> int:
 
     if under_launcher():  # a rank: the layout's size is the job's
         args.nproc = int(os.environ["WORLD_SIZE"])
-    plan = prepare(args, overrides)  # every input error, before the weights are read (once, in the launcher)
+    request = prepare(args, overrides)  # every input error, before the weights are read (once, in the launcher)
     if args.nproc > 1 and not under_launcher():
-        for note in plan.notes:
+        for note in request.notes:
             say(f"generate: note: {note}")
         relaunch(args.nproc, argv_without_nproc(args.argv))
         return 0
     if not under_launcher():
-        for note in plan.notes:
+        for note in request.notes:
             say(f"generate: note: {note}")
         threads.fit_to_idle_cores()  # one process alone: as many threads as cores are idle
-    return run(plan, args)
+    return run(request, args)
 
 
-def run(plan: Plan, args) -> int:
+def run(request: GenerateRequest, args) -> int:
     from ..job.launch import finish_distributed
 
     try:
-        return _run(plan, args)
+        return _run(request, args)
     finally:
         finish_distributed()
 
 
-def _run(plan: Plan, args) -> int:
+def _run(request: GenerateRequest, args) -> int:
     """Generate every prompt on this rank (every rank the same tokens); rank 0 writes the lines."""
     import torch
 
@@ -285,32 +287,32 @@ def _run(plan: Plan, args) -> int:
     from .output import Output
     from .sampling import derive_seed, sample_seed
 
-    backend, device, main_rank = backend_for(plan.cfg)
-    dtype = resolve_dtype(plan.cfg.train.dtype, device)
-    model = load_model(plan.cfg, device, dtype)
+    backend, device, main_rank = backend_for(request.cfg)
+    dtype = resolve_dtype(request.cfg.train.dtype, device)
+    model = load_model(request.cfg, device, dtype)
     if main_rank:
-        say(_describe(plan, args, device, dtype))
+        say(_describe(request, args, device, dtype))
         if getattr(args, "generation_defaults", ""):
             say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
     # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
-    generate(model, [plan.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend)
+    generate(model, [request.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend)
     samples = args.num_samples
-    output = Output(plan.tokenizer, args.stop, args.output, len(plan.prompts) * samples, sum(plan.limits) * samples,
-                    main_rank, args.echo)
-    draft = _load_draft(plan, args, model, device, dtype, main_rank)
+    output = Output(request.tokenizer, args.stop, args.output, len(request.prompts) * samples,
+                    sum(request.limits) * samples, main_rank, args.echo)
+    draft = _load_draft(request, args, model, device, dtype, main_rank)
     size = 1 if draft is not None else args.batch  # speculation: one prompt at a time
-    eos = [] if args.ignore_eos else plan.eos_ids
+    eos = [] if args.ignore_eos else request.eos_ids
     try:
-        for start in range(0, len(plan.prompts), size):
-            batch = plan.prompts[start:start + size]
+        for start in range(0, len(request.prompts), size):
+            batch = request.prompts[start:start + size]
             # each prompt's own seed, else one from the run's and its index in the file (generate/sampling.py)
             seeds = [p.get("seed", derive_seed(args.seed, start + i)) for i, p in enumerate(batch)]
             if draft is not None:
-                results = [_speculate(plan, args, model, draft, start, output.stops, backend, sample_seed(seeds[0], s),
-                                      eos, s) for s in range(samples)]
+                results = [_speculate(request, args, model, draft, start, output.stops, backend,
+                                      sample_seed(seeds[0], s), eos, s) for s in range(samples)]
             else:
-                results = generate(model, [p["ids"] for p in batch], max_new_tokens=plan.limits[start:start + size],
-                                   sampling=plan.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk,
+                results = generate(model, [p["ids"] for p in batch], max_new_tokens=request.limits[start:start + size],
+                                   sampling=request.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk,
                                    stop=output.stops, on_token=output.on_token, device=device, backend=backend,
                                    seeds=seeds, num_samples=samples, logprobs=args.logprobs)
             for i, r in enumerate(results):  # (prompt-major: a prompt's samples together)
@@ -326,37 +328,38 @@ def _run(plan: Plan, args) -> int:
     return 0
 
 
-def _describe(plan: Plan, args, device, dtype) -> str:
+def _describe(request: GenerateRequest, args, device, dtype) -> str:
     """The line rank 0 says before generating: model, checkpoint, where, dtype, prompts, tokenizer."""
-    m, p = plan.cfg.model, plan.cfg.parallel
+    m, p = request.cfg.model, request.cfg.parallel
     where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
         device.type
     cpu = f", {threads.describe()}" if device.type == "cpu" else ""
     return (f"generate: {m.label} from {args.checkpoint} on {where} ({str(dtype).removeprefix('torch.')}{cpu}), "
-            f"{len(plan.prompts)} prompt{'s' * (len(plan.prompts) > 1)}, tokenizer {plan.tokenizer_spec}")
+            f"{len(request.prompts)} prompt{'s' * (len(request.prompts) > 1)}, tokenizer {request.tokenizer_spec}")
 
 
-def _load_draft(plan: Plan, args, model, device, dtype, main_rank: bool):
+def _load_draft(request: GenerateRequest, args, model, device, dtype, main_rank: bool):
     """--draft's model (None without one), said on rank 0."""
-    if plan.draft_cfg is None:
+    if request.draft_cfg is None:
         return None
     from .drafts import draft_label, load_draft
 
-    draft = load_draft(plan.draft_cfg, model, device, dtype)
+    draft = load_draft(request.draft_cfg, model, device, dtype)
     if main_rank:
-        say(f"generate: speculative decoding with {draft_label(plan.draft_cfg)} from {args.draft}, "
+        say(f"generate: speculative decoding with {draft_label(request.draft_cfg)} from {args.draft}, "
              f"{args.speculate} proposals per target pass, one prompt at a time")
     return draft
 
 
-def _speculate(plan: Plan, args, model, draft, index: int, stops, backend, seed: int, eos, sample: int = 0):
+def _speculate(request: GenerateRequest, args, model, draft, index: int, stops, backend, seed: int, eos,
+               sample: int = 0):
     """Prompt `index` generated by speculative decoding (--draft; CaPE's tree with --cape), its draws
     from `seed` (the prompt's, or its sample's)."""
     from .speculative import speculate_one
 
-    result = speculate_one(model, draft, plan.prompts[index]["ids"], plan.limits[index], k=args.speculate,
-                           sampling=plan.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk, stop=stops,
-                           backend=backend, cape=plan.cape, stop_below=args.confidence_stop, window=args.draft_window,
-                           seed=seed, logprobs=args.logprobs)
+    result = speculate_one(model, draft, request.prompts[index]["ids"], request.limits[index], k=args.speculate,
+                           sampling=request.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk, stop=stops,
+                           backend=backend, cape=request.cape, stop_below=args.confidence_stop,
+                           window=args.draft_window, seed=seed, logprobs=args.logprobs)
     result.sample = sample
     return result

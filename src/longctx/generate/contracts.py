@@ -5,7 +5,7 @@ tests/unit/test_generate_contracts.py also holds each implementation's signature
 
 | contract | implementations |
 |---|---|
-| `Cache`, `CacheLayer` | models/cache.py KVCache (one device), generate/sharded.py ShardedKVCache (a rank's share) |
+| `Cache`, `CacheLayer` | models/kv_cache.py KVCache (one device), generate/sharded.py ShardedKVCache (a rank's share) |
 | `Backend` | generate/local.py LocalGeneration, generate/sharded.py ShardedGeneration |
 | `FlatPrefill` | LocalGeneration (prompts of different lengths in one prefill call) |
 | `Drafter` | generate/drafters.py ModelDrafter, GlideDrafter |

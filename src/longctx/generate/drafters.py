@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.cache import KVCache
+from ..models.kv_cache import KVCache
 from .acceptance import sampling_probs
 from .local import prefill
 from .sampling import Processors, Sampling

@@ -60,7 +60,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
     --ignore-eos), when `stop(row, tokens)` says so after a token (a stop string: the tokens so far
     are kept), or at its limit. `on_token(row, token)` sees every new token as it is chosen
     (streaming, progress). `row` is the result's index. `cache_core` replaces the cache's attention
-    core (models/cache.py); `backend` makes the cache and runs the prefill (generate/local.py's
+    core (models/kv_cache.py); `backend` makes the cache and runs the prefill (generate/local.py's
     LocalGeneration, or generate/sharded.py's ShardedGeneration on every rank of a layout, which
     then all return the same results).
 

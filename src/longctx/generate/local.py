@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.cache import KVCache
+from ..models.kv_cache import KVCache
 
 
 def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ rank's positions: exactly its cache shard, kept as it is (`on_kv`), less the pad
 after every real token, so causal attention never lets a real token see it, and which is never
 stored. The last real token's logits come from the rank that holds it (one all-reduce).
 
-Decode (`ShardedKVCache`, the model's `cache=` seam, models/cache.py): every rank runs the new
+Decode (`ShardedKVCache`, the model's `cache=` seam, models/kv_cache.py): every rank runs the new
 token's non-attention parts itself (one token: cheap, and no communication); per layer it takes
 its heads' query, the owner of the new token's slot appends its key and value (the ctx rank
 holding the fewest of the row's slots: every rank knows every share, since the prompt's follow from
@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 from ..job import comm
 from ..job.checks import check_heads
-from ..models.cache import TreeCalls
 from ..models.cached_attention import CacheStep, cached_attention, masked_attention
+from ..models.kv_cache import TreeCalls
 from ..parallel.context.attention import distributed_attention
 from ..parallel.context.sequence import shard_indices
 from ..parallel.context.ulysses import kv_replication

@@ -63,7 +63,7 @@ def moe_call_bytes(m: ModelConfig, p: int, stored: bool) -> float:
 
 
 def _piece_sizes(tokens: int, chunk: int) -> list[int]:
-    """Tokens of each piece memory/policies.py `_slices` cuts `tokens` into (none for 0 tokens)."""
+    """Tokens of each piece memory/apply_policy.py `_slices` cuts `tokens` into (none for 0 tokens)."""
     if tokens <= 0:
         return []
     if chunk <= 0 or tokens <= chunk:
@@ -73,7 +73,7 @@ def _piece_sizes(tokens: int, chunk: int) -> list[int]:
 
 def moe_calls(recompute: str, offloaded: bool, tokens: int, policy: MemoryPolicy) -> list[tuple[int, bool]]:
     """(tokens, stored) of each call of a MoE block's feed-forward in one forward under the policy
-    (memory/policies.py): whole, or once per token piece (block_chunk; and under selective + offload
+    (memory/apply_policy.py): whole, or once per token piece (block_chunk; and under selective + offload
     the stored first offload_fraction of the tokens and the recomputed rest apart). `stored`: the
     call's saved tensors are kept (not recomputed from a checkpoint)."""
     chunk = policy.block_chunk

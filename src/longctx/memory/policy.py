@@ -4,7 +4,7 @@ The analytic counts (memory/accounting.py `estimate_activations`, memory/transie
 planner's cost model and its search all take this one object instead of the settings one by one.
 It is the [memory] table with `offload_fraction` resolved to a number; `from_config` builds it
 from a config, `to_config` writes the table back (what a plan's config carries). How the policies
-are applied to a model is memory/policies.py.
+are applied to a model is memory/apply_policy.py.
 
 `MemoryPolicy()` is "no memory technique": nothing recomputed, offloaded or chunked (the config's
 defaults chunk the loss; `from_config` reads them as given).

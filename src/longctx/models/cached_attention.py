@@ -1,4 +1,4 @@
-"""Attention of new queries against the keys and values a KV cache holds (models/cache.py holds them).
+"""Attention of new queries against the keys and values a KV cache holds (models/kv_cache.py holds them).
 
 One model call on a cache is a `CacheStep`: every row appends `new` tokens after the `start` it
 held; the new query at slot p sees slots 0..p (causal among the new tokens), or, for a speculative

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .cache import group_queries, ungroup_heads
+from .kv_cache import group_queries, ungroup_heads
 from .llama import Attention, RMSNorm, apply_rope, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from .swiglu import FeedForward
 
@@ -120,7 +120,7 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
 
 class GlideLayer(nn.Module):
     """Self-attention, cross-attention to the target's K/V, MLP; in stages like a Block (models/llama.py),
-    so memory policies (memory/policies.py apply_glide_memory_policy) can treat them apart: `pre`,
+    so memory policies (memory/apply_policy.py apply_glide_memory_policy) can treat them apart: `pre`,
     `mid` and `post` are token-wise; `self_attention.core` and the cross-attention are where tokens
     meet (and, sequence-parallel, `self_attention.core` is where ranks communicate)."""
 
@@ -154,7 +154,7 @@ class GlideLayer(nn.Module):
 
     def forward(self, x, cos, sin, target_k, target_v, visible, cache=None, doc_ids=None, key_pos=None,
                 key_doc=None):
-        """cache: this layer's models/cache.py LayerCache for the draft's own keys (decode), or None
+        """cache: this layer's models/kv_cache.py LayerCache for the draft's own keys (decode), or None
         (the whole sequence, causal within each document of `doc_ids`). The cross-attention's mask:
         cross_attention's `visible`, `key_pos`, and documents `doc_ids` (queries) / `key_doc` (keys)."""
         if cache is None:

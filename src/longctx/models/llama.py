@@ -168,7 +168,7 @@ def local_attention(q, k, v, doc_ids):
 
 
 class Block(nn.Module):
-    """One decoder layer as three stages, so memory policies (memory/policies.py) can treat them
+    """One decoder layer as three stages, so memory policies (memory/apply_policy.py) can treat them
     differently: `pre` and `post` are token-wise and cheap to recompute; `attention.core` is the
     only place tokens meet (and, sequence-parallel, the only place ranks communicate)."""
 
@@ -190,7 +190,7 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
     def forward(self, x, cos, sin, doc_ids, cache=None):
-        """With `cache` (a models/cache.py LayerCache) the new tokens' keys and values are appended
+        """With `cache` (a models/kv_cache.py LayerCache) the new tokens' keys and values are appended
         to it and their queries attend to everything it holds; without, `attention.core` runs."""
         if cache is None:
             return self.post(x, self.attention.core(*self.pre(x, cos, sin), doc_ids))
@@ -252,7 +252,7 @@ class Llama(nn.Module):
 
     def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True, cache=None):
         """The last block's output, through the final norm unless final_norm=False. With `cache` (a
-        models/cache.py KVCache) the tokens continue each row of the cache: their positions follow
+        models/kv_cache.py KVCache) the tokens continue each row of the cache: their positions follow
         what the row holds (unless given), and their keys and values are appended to it."""
         b, s = tokens.shape
         if cache is not None:
@@ -328,7 +328,7 @@ class Llama(nn.Module):
         averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
         normalise over a larger batch); `"tokens"` (evaluation, no gradient): per token [batch, seq, 2],
         the label's negative log-likelihood and whether it is the greedy choice (ops/loss.py).
-        With `cache` (models/cache.py) the tokens continue the cached rows (see hidden_states)."""
+        With `cache` (models/kv_cache.py) the tokens continue the cached rows (see hidden_states)."""
         if labels is None:
             h = self.hidden_states(tokens, positions, doc_ids, cache=cache)
             return h if hidden else F.linear(h, self.lm_head_weight)

@@ -69,11 +69,6 @@ class SegmentPlan:
         tri = (self.q_len * (self.q_len + 1) // 2)[self.causal].sum()
         return int(full + tri)
 
-    def covered_queries(self) -> np.ndarray:
-        """Flat offsets of the query rows that see at least one key."""
-        if self.empty:
-            return np.zeros(0, dtype=np.int64)
-        return np.unique(np.concatenate([np.arange(s, s + n) for s, n in zip(self.q_start, self.q_len)]))
 
 
 def segments(doc: np.ndarray, pos: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

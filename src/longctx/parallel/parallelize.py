@@ -3,7 +3,7 @@
 The order is fixed and matters:
   1. distributed attention in every layer: each block's attention kernel (`Attention.core`, the
      model's single hook) becomes 2D sequence-parallel attention over the head x ctx ranks;
-  2. activation memory policy (memory/policies.py): wraps block forwards, so it must see the
+  2. activation memory policy (memory/apply_policy.py): wraps block forwards, so it must see the
      blocks before FSDP wraps them and must wrap the distributed attention already in place;
      the chunked LM head + loss (ops/loss.py) is switched on here too;
   3. with train.compile, each block's token-wise stages are compiled (models/compile.py);
@@ -32,7 +32,7 @@ from torch.distributed.tensor import Shard
 
 from ..job import comm
 from ..job.comm import sub_mesh
-from ..memory.policies import apply_glide_memory_policy, apply_memory_policy
+from ..memory.apply_policy import apply_glide_memory_policy, apply_memory_policy
 from ..models.compile import compile_token_wise_stages
 from ..models.llama import local_attention
 from ..models.moe import MoEFeedForward
@@ -195,7 +195,7 @@ def parallelize_draft(model, dims, cfg, mesh, device_type: str = "cpu"):
       1. the draft layers' self-attention becomes 2D sequence-parallel attention like the target's,
          and under head x ctx the model all-gathers the target's captured K/V (with their positions
          and document ids) over the head x ctx ranks for the cross-attention (`kv_gather`);
-      2. attention chunks, the draft layers' recompute policy (memory/policies.py
+      2. attention chunks, the draft layers' recompute policy (memory/apply_policy.py
          apply_glide_memory_policy), the loss chunking;
       3. FSDP2 on every draft layer, then on the root (the draft's final norm), over the same ranks
          as the target's; the target is not a submodule, so it is neither optimised nor saved."""

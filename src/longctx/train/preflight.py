@@ -19,7 +19,7 @@ from ..config import Config, to_dict
 from ..config.hf import hf_dir
 from ..config.rules import parse_synthetic
 from ..costs.peaks import machine_cpu_peak
-from ..data.cache import default_store
+from ..data.default_store import default_store
 from ..data.synthetic import check_room
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError

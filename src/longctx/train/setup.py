@@ -18,7 +18,7 @@ from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
 from ..config import Config, to_dict, to_toml
 from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
-from ..data.cache import default_store
+from ..data.default_store import default_store
 from ..data.loader import PackedSamples
 from ..data.store import read_manifest
 from ..data.synthetic import SyntheticMixture

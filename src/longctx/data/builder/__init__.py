@@ -1,7 +1,7 @@
 """The offline data build: `longctx data build | merge` turns input documents into a packed store.
 
 Training never runs this code; it reads the store the build wrote (data/store.py, data/loader.py),
-or asks data/cache.py for the default store, which builds it here once on first use.
+or asks data/default_store.py for the default store, which builds it here once on first use.
 
     pipeline.py     build_store / merge_scans: the command, from options to a published store
     options.py      BuildOptions, their checks, the memory bound -> scan workers and group sizes

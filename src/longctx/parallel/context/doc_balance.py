@@ -18,7 +18,7 @@ few documents does up to ~2x the mean.
    final work - its work so far + this document + its remaining room filled at the mean density
    (work per token) of the documents still to place - is least; a document that fits no rank is cut
    in two, one piece filling a rank exactly (head or tail, whichever pair balances best);
-3. the tail of tiny documents (each below `TINY` of a rank's share, or past the `GREEDY` largest) is
+3. the tail of tiny documents (each below `TINY` of a rank's share, or past the `GREEDY_DOCS_MAX` largest) is
    laid out in a well-mixed order (bit-reversed rank of length) and cut into the ranks' remaining
    room, so each rank gets that pool at its mean density (a cut document: two pieces);
 4. this runs for a few `alpha`s (`ALPHAS`), zigzag is scored too, and among the assignments whose
@@ -38,8 +38,8 @@ from .layouts import doc_runs, rank_runs, zigzag_positions
 ALPHAS = (0.25, 0.5, 1.0, 2.0)
 # assignments whose maximal rank work is within this fraction of the best are as good: fewest runs
 TIE = 0.005
-# documents placed one by one (step 2): at most GREEDY, each above TINY x a rank's share of the work
-GREEDY = 256
+# documents placed one by one (step 2): at most GREEDY_DOCS_MAX, each above TINY x a rank's share of the work
+GREEDY_DOCS_MAX = 256
 TINY = 1e-3
 
 
@@ -107,7 +107,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, ctx: int
     long_pieces, work, cap = _split_head_tail(starts, lengths, order[:n_long], ctx, room)
     # 2. whole documents, largest first, to the least projected final work
     short, Ws = order[n_long:], Wd[n_long:]
-    n_greedy = min(GREEDY, int(np.searchsorted(-Ws, -TINY * share, side="right")))
+    n_greedy = min(GREEDY_DOCS_MAX, int(np.searchsorted(-Ws, -TINY * share, side="right")))
     pieces = _Pieces()
     _place_whole(pieces, work, cap, starts, lengths, short[:n_greedy], Ws[:n_greedy],
                  rem_tok=int(L[n_long:].sum()), rem_work=int(Ws.sum()))
