@@ -23,12 +23,12 @@ run d --world 4 --head 2 --ctx 2 --seq-len 16384 --repeats 3
 run b --docs 1024 --seq-len 8192 --world 4 --head 2 --ctx 2 --repeats 3
 run b --docs 1024 --seq-len 32768 --world 4 --head 2 --ctx 2 --repeats 2
 run b --docs 1024 --seq-len 65536 --world 4 --head 2 --ctx 2 --repeats 2 --no-causal-reference
-# e: a real store's first sample at 32K, ctx 4: docs split, then zigzag (imbalance over the whole split too)
+# e: a real store's first sample at 32K, ctx 4: docs balance, then zigzag (imbalance over the whole train split too)
 if [ ! -f "$STORE/manifest.json" ]; then
   longctx data build --input stdlib --strategy concat --seq-len 32768 --out "$STORE" >&2
 fi
-run e --docs "store:$STORE" --world 4 --head 1 --ctx 4 --split docs --imbalance-samples 940 --repeats 3 --no-causal-reference
-run e --docs "store:$STORE" --world 4 --head 1 --ctx 4 --split zigzag --repeats 3 --no-causal-reference
+run e --docs "store:$STORE" --world 4 --head 1 --ctx 4 --seq-balance docs --imbalance-samples 940 --repeats 3 --no-causal-reference
+run e --docs "store:$STORE" --world 4 --head 1 --ctx 4 --seq-balance zigzag --repeats 3 --no-causal-reference
 # d, baseline: the same run on the code before document-sparse attention (commit dba21b4, flag --seq),
 # for a same-machine, same-day comparison. BASELINE=1 to include it.
 if [ "${BASELINE:-0}" = 1 ]; then

@@ -44,7 +44,7 @@ def _attention_cases():
             gen = torch.Generator().manual_seed(7 + kv + chunk)
             q, k, v = (torch.randn(B, SEQ, n, D, generator=gen) for n in (H, kv, kv))
             dout = torch.randn(B, SEQ, H, D, generator=gen)
-            layout = plan_layout(_docs(SEQ), ctx, head, split="docs") if docs else None
+            layout = plan_layout(_docs(SEQ), ctx, head, balance="docs") if docs else None
             shard = ((lambda t, layout=layout, mesh=mesh: layout.shard(t, mesh)) if docs
                      else (lambda t, mesh=mesh: shard_sequence(t, mesh)))
             doc = shard(_docs(SEQ)) if docs else None
@@ -84,7 +84,7 @@ def _model_grads():
     base = build_model(cfg.model, seed=3)
     full = _batch(cfg.model.vocab_size)
     valid = int((full[3] != -100).sum())
-    layout = plan_layout(full[2], dims.ctx, dims.head, split="docs")
+    layout = plan_layout(full[2], dims.ctx, dims.head, balance="docs")
     tokens, pos, doc, labels = (layout.shard(t, mesh) for t in full)
     attach_layout(doc, layout)
     worst = {}

@@ -181,7 +181,7 @@ def run_layout_cases(world, seq, cases):
             ref, _ = attention(qr, kr, vr, causal=True, q_doc=doc, k_doc=doc)
             refs[kv, seed] = ref, torch.autograd.grad((ref * dout).sum(), (qr, kr, vr))
         ref, ref_grads = refs[kv, seed]
-        layout = plan_layout(doc, ctx, head, split=split)
+        layout = plan_layout(doc, ctx, head, balance=split)
         ql, kl, vl = (layout.shard(t, mesh).requires_grad_() for t in (q, k, v))
         comm.reset_counters()
         out = distributed_attention(ql, kl, vl, mesh, causal=True, doc_ids=layout.shard(doc, mesh), layout=layout)

@@ -67,7 +67,7 @@ def _rank_run(policies):
     base = build_model(cfg.model, seed=3)
     full = _batch(cfg.model.vocab_size)
     valid = _valid(full[3])  # the gradients are of the mean loss over the whole batch
-    layout = plan_layout(full[2], dims.ctx, dims.head, split="docs")  # as local_batch does
+    layout = plan_layout(full[2], dims.ctx, dims.head, balance="docs")  # as local_batch does
     tokens, pos, doc, labels = (layout.shard(t, mesh) for t in full)
     attach_layout(doc, layout)
     out = {}

@@ -97,7 +97,7 @@ PACKED = [("head2-ctx2", "docs"), ("ctx4-window2", "docs"), ("dp2-ctx2", "docs")
 
 
 def _packed(short_docs, split):
-    return [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.split={split}"]
+    return [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.seq_balance={split}"]
 
 
 @pytest.fixture(scope="module")

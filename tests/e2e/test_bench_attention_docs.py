@@ -17,7 +17,7 @@ def test_bench_attention_docs_reports_documents_memory_imbalance_and_bytes():
     out = _bench("--docs", "64", "--seq-len", "512", "--world", "2", "--ctx", "2", "--repeats", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
-    assert doc["config"]["docs"] == "64" and doc["config"]["split"] == "docs" and doc["config"]["seq_len"] == 512
+    assert doc["config"]["docs"] == "64" and doc["config"]["seq_balance"] == "docs" and doc["config"]["seq_len"] == 512
     assert doc["documents"]["count"] == 8 and doc["documents"]["length_max"] == 64
 
     single = doc["single_process"]
@@ -40,11 +40,11 @@ def test_bench_attention_docs_reports_documents_memory_imbalance_and_bytes():
 
     assert len(doc["per_rank"]) == 2 and doc["fwd_bwd_cpu_s_sum_over_ranks"] > 0
     imb = doc["work_imbalance"]
-    assert imb["split"] == "docs" and imb["max_over_mean"] == imb["docs"]["max_over_mean"]
-    for split in ("docs", "zigzag"):
-        assert imb[split]["max_over_mean"] >= 1 and len(imb[split]["rank_work"]) == 2
+    assert imb["seq_balance"] == "docs" and imb["max_over_mean"] == imb["docs"]["max_over_mean"]
+    for balance in ("docs", "zigzag"):
+        assert imb[balance]["max_over_mean"] >= 1 and len(imb[balance]["rank_work"]) == 2
         # every rank's visible pairs add up to the documents' causal triangles
-        assert sum(imb[split]["rank_work"]) == doc["documents"]["visible_pairs"]
+        assert sum(imb[balance]["rank_work"]) == doc["documents"]["visible_pairs"]
     assert [r["visible_pairs"] for r in doc["per_rank"]] == imb["docs"]["rank_work"]
 
     # with a layout, documents cost no bytes: the closed form without documents, to the byte

@@ -131,3 +131,15 @@ def test_offload_fraction_is_a_number_or_the_word_auto(tmp_path):
     p.write_text('[memory]\nrecompute = "selective"\noffload_fraction = "most"\n')
     with pytest.raises(ConfigError, match="memory.offload_fraction must be a number"):
         load_config(p)
+
+
+def test_a_renamed_key_is_read_from_a_file_and_refused_as_a_flag(tmp_path):
+    """parallel.split became parallel.seq_balance ('split' is the data store's train/eval split): an
+    older config file (a run's saved config.toml) still loads, a flag typed with the old name says the new one."""
+    old = tmp_path / "old.toml"
+    old.write_text('[parallel]\nsplit = "zigzag"\n')
+    assert load_config(old).parallel.seq_balance == "zigzag"
+    with pytest.raises(ConfigError, match=r"parallel.split is now called parallel.seq_balance .*"
+                                          r"--parallel.seq_balance="):
+        load_config(overrides=["--parallel.split=zigzag"])
+    assert load_config(overrides=["--parallel.seq_balance=zigzag"]).parallel.seq_balance == "zigzag"

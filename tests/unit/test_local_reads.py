@@ -63,16 +63,16 @@ class FakeMesh:
 NAMES = ("dp_replicate", "dp_shard", "head", "ctx")
 
 
-def runtimes(dp_replicate=1, dp_shard=1, head=1, ctx=1, split="docs"):
+def runtimes(dp_replicate=1, dp_shard=1, head=1, ctx=1, seq_balance="docs"):
     """One Runtime per rank of the layout, each with its coordinates in a fake mesh."""
     sizes = dict(zip(NAMES, (dp_replicate, dp_shard, head, ctx)))
     world = dp_replicate * dp_shard * head * ctx
     if world == 1:
-        yield Runtime(dims=ParallelDims(world_size=1), split=split)
+        yield Runtime(dims=ParallelDims(world_size=1), seq_balance=seq_balance)
         return
     dims = ParallelDims(dp_replicate, dp_shard, head, ctx, world_size=world)
     for rank, coords in enumerate(itertools.product(*(range(sizes[n]) for n in NAMES))):
-        yield Runtime(rank, world, dims, FakeMesh(sizes, dict(zip(NAMES, coords))), None, split=split)
+        yield Runtime(rank, world, dims, FakeMesh(sizes, dict(zip(NAMES, coords))), None, seq_balance=seq_balance)
 
 
 # --- the reference: how a rank got its share before (the whole sample read, then cut) -----------------
@@ -107,7 +107,7 @@ def cut_share(rt: Runtime, batch: Batch) -> Batch:
     sl = slice(rt.dp_rank * rows, (rt.dp_rank + 1) * rows)
     layout = None
     if batch.doc_ids is not None and rt.dims.head * rt.dims.ctx > 1:
-        layout = plan_layout(batch.doc_ids[sl], rt.dims.ctx, rt.dims.head, split=rt.split)
+        layout = plan_layout(batch.doc_ids[sl], rt.dims.ctx, rt.dims.head, balance=rt.seq_balance)
 
     def part(t):
         if t is None:
@@ -135,7 +135,7 @@ def assert_same(a: Batch, b: Batch):
 LAYOUTS = {
     "one process": {},
     "dp2": dict(dp_shard=2),
-    "dp2 x ctx2 zigzag": dict(dp_shard=2, ctx=2, split="zigzag"),
+    "dp2 x ctx2 zigzag": dict(dp_shard=2, ctx=2, seq_balance="zigzag"),
     "dp2 x ctx2 docs": dict(dp_shard=2, ctx=2),
     "head2 x ctx2 docs": dict(head=2, ctx=2),
     "head4": dict(head=4),

@@ -153,8 +153,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", default=None, metavar="N|store:DIR",
                    help="packed documents: N-token documents back to back (the last one shorter if needed), or "
                         "the document ids of the first --micro-batch samples of a `longctx data build` store")
-    p.add_argument("--split", default="docs", choices=("docs", "zigzag"),
-                   help="with --docs: the sequence layout of the distributed run (parallel.sequence.plan_layout)")
+    p.add_argument("--seq-balance", default="docs", choices=("docs", "zigzag"),
+                   help="with --docs: how the distributed run cuts the sequence (as parallel.seq_balance)")
     p.add_argument("--first-sample", type=int, default=0, help="with --docs store:DIR: the first sample used")
     p.add_argument("--imbalance-samples", type=int, default=0,
                    help="with --docs store:DIR: also summarise the work imbalance over this many samples")

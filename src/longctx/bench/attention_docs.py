@@ -7,7 +7,7 @@ first samples. It measures:
   sum of per-document calls (each document alone: the ideal) and plain causal attention (no
   documents): best-of-repeats CPU seconds and peak memory growth (peak RSS minus RSS before the
   inputs are built, the peak reset first; and peak live tensor-storage bytes);
-- the distributed run with the document ids and the sequence layout (--split docs|zigzag): CPU
+- the distributed run with the document ids and the sequence layout (--seq-balance docs|zigzag): CPU
   seconds summed over ranks against the per-document sum (alone and at the ranks' load), bytes
   against the closed form without documents (with a layout documents cost no bytes);
 - the work imbalance (max / mean visible query-key pairs over context ranks) of both layouts.
@@ -209,7 +209,7 @@ def _rank_worker_docs(args, ids):
                         world_size=args.world)
     mesh = dims.build_mesh("cpu")
     c0 = time.process_time()
-    layout = plan_layout(ids, args.ctx, args.head, split=args.split)
+    layout = plan_layout(ids, args.ctx, args.head, balance=args.seq_balance)
     layout_s = time.process_time() - c0
     me = mesh["ctx"].get_local_rank()
     c0 = time.process_time()
@@ -232,9 +232,9 @@ def _imbalance(work) -> float:
 
 def _work(ids, args) -> dict:
     out = {}
-    for split in ("docs", "zigzag"):
-        work = plan_layout(ids, args.ctx, args.head, split=split).rank_work(args.causal)
-        out[split] = {"rank_work": [int(w) for w in work], "max_over_mean": _imbalance(work)}
+    for balance in ("docs", "zigzag"):
+        work = plan_layout(ids, args.ctx, args.head, balance=balance).rank_work(args.causal)
+        out[balance] = {"rank_work": [int(w) for w in work], "max_over_mean": _imbalance(work)}
     return out
 
 
@@ -248,8 +248,8 @@ def _work_over_samples(args) -> dict | None:
     per = {"docs": [], "zigzag": []}
     for i in range(args.first_sample, args.first_sample + n):
         ids = samples.batch([i]).doc_ids[:, :args.seq_len]
-        for split, w in _work(ids, args).items():
-            per[split].append(w["max_over_mean"])
+        for balance, w in _work(ids, args).items():
+            per[balance].append(w["max_over_mean"])
     return {"samples": n, **{b: {"median": float(np.median(v)), "p90": float(np.percentile(v, 90)),
                                  "max": float(np.max(v))} for b, v in per.items()}}
 
@@ -294,7 +294,7 @@ def run_docs(args) -> dict:
     check_heads(args.heads, args.kv_heads, args.head)
     load_start = machine_load()
     single = _single_process_kinds(args, ids)
-    with phase(f"distributed attention on {args.world} ranks (head {args.head} x ctx {args.ctx}, {args.split})"):
+    with phase(f"distributed attention on {args.world} ranks (head {args.head} x ctx {args.ctx}, {args.seq_balance})"):
         ranks = run_spawned(args.world, _rank_worker_docs, args, ids, threads=args.threads)
     # the per-document reference again, `world` copies at once: the ranks' load (more ranks than cores)
     with phase(f"per-document attention, {args.world} copies at once"):
@@ -310,7 +310,7 @@ def run_docs(args) -> dict:
 
     result = {
         "bench": "attention",
-        "config": {k: getattr(args, k) for k in (*CONFIG_KEYS, "docs", "split")},
+        "config": {k: getattr(args, k) for k in (*CONFIG_KEYS, "docs", "seq_balance")},
         "documents": {**source, **_doc_summary(ids)},
         "single_process": single,
         "packed_cpu_s_ratio_vs_per_document": packed["fwd_bwd_cpu_s"] / per_doc["fwd_bwd_cpu_s"],
@@ -329,7 +329,7 @@ def run_docs(args) -> dict:
         "single_per_document_fwd_bwd_cpu_s_same_load": loaded_cpu,
         "cpu_s_ratio_vs_per_document_same_load": sum_cpu / loaded_cpu,
         "cpu_s_ratio_vs_packed": sum_cpu / packed["fwd_bwd_cpu_s"],
-        "work_imbalance": {"split": args.split, "max_over_mean": work[args.split]["max_over_mean"],
+        "work_imbalance": {"seq_balance": args.seq_balance, "max_over_mean": work[args.seq_balance]["max_over_mean"],
                            "docs": work["docs"], "zigzag": work["zigzag"]},
         "bytes_match_closed_form": all(r["bytes"] == expected for r in ranks),
         "bytes_closed_form": expected,

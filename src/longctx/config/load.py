@@ -103,7 +103,21 @@ def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     return text
 
 
+# keys that were renamed: {(section, old name): new name}. A TOML file that still uses an old name (a
+# run's saved config.toml, a config written before) is read as if it used the new one; a flag typed
+# now with the old name is an error that names the new one.
+RENAMED_KEYS = {("parallel", "split"): "seq_balance"}  # 'split' means the data store's train/eval split
+
+
+def _renamed(section: str, values: dict[str, Any]) -> dict[str, Any]:
+    return {RENAMED_KEYS.get((section, k), k): v for k, v in values.items()}
+
+
 def _lookup(section: str, name: str) -> dataclasses.Field:
+    if (section, name) in RENAMED_KEYS:
+        new = RENAMED_KEYS[section, name]
+        raise ConfigError(f"{section}.{name} is now called {section}.{new} (the same values); "
+                          f"use --{section}.{new}=... instead.")
     if section not in SECTIONS:
         raise ConfigError(
             f"unknown config section '{section}'. Valid sections: {', '.join(SECTIONS)}." + _suggest(section, SECTIONS)
@@ -181,7 +195,7 @@ def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | N
                     f"top-level key '{section}' in '{path}' must be a [section] table; "
                     f"valid sections: {', '.join(SECTIONS)}."
                 )
-            raw.setdefault(section, {}).update(_flatten_tables(values))
+            raw.setdefault(section, {}).update(_renamed(section, _flatten_tables(values)))
     if overrides:
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         for section, values in parsed.items():

@@ -237,9 +237,9 @@ class ParallelConfig:
     ctx: int = _opt(1, "context-parallel (ring attention) degree")
     window: int = _opt(0, "Double-Ring inner ring size; 0 = plain ring; must divide ctx")
     placement: str = _opt("head-first", "which group's ranks are adjacent", choices=("head-first", "ctx-first"))
-    split: str = _opt("docs", "how a sequence with documents is split over head x ctx ranks: docs (balance each "
-                                "context rank's visible query-key pairs) or zigzag (balance a plain causal mask)",
-                        choices=("docs", "zigzag"))
+    seq_balance: str = _opt("docs", "how a sequence with documents is cut over the head x ctx ranks for balance: "
+                                    "docs (balance each context rank's visible query-key pairs) or zigzag (balance "
+                                    "a plain causal mask)", choices=("docs", "zigzag"))
     expert: int = _opt(1, "expert-parallel degree of the MoE layers, folded over the same ranks as data x head x "
                           "ctx: groups of `expert` adjacent ranks split the experts between them and exchange tokens "
                           "by all-to-all; the expert weights are sharded over the groups (expert data parallel); "

@@ -28,7 +28,7 @@ class Runtime:
     mesh: object = None        # the 4-D DeviceMesh (None with one process)
     world_mesh: object = None  # all ranks flattened, for job-wide reductions
     device: torch.device = torch.device("cpu")
-    split: str = "docs"        # how sequences with documents are split over head x ctx (parallel.split)
+    seq_balance: str = "docs"  # how sequences with documents are cut over head x ctx (parallel.seq_balance)
 
     @classmethod
     def create(cls, cfg, rank: int, world: int, device_type: str) -> Runtime:
@@ -36,10 +36,10 @@ class Runtime:
         device = (torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda"
                   else torch.device("cpu"))
         if world == 1:
-            return cls(dims=dims, device=device, split=cfg.parallel.split)
+            return cls(dims=dims, device=device, seq_balance=cfg.parallel.seq_balance)
         mesh = dims.build_mesh(device_type)
         world_mesh = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("world")
-        return cls(rank, world, dims, mesh, world_mesh, device, cfg.parallel.split)
+        return cls(rank, world, dims, mesh, world_mesh, device, cfg.parallel.seq_balance)
 
     @property
     def is_main(self) -> bool:

@@ -118,7 +118,7 @@ def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:
     """Without a layout: gather the document ids once (one all-gather and one copy to the host per
     call) and plan on the zigzag layout they were sharded with; kept on doc_ids for the next layers."""
     full = unshard_sequence(doc_ids.contiguous(), mesh)
-    layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), split="zigzag")
+    layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), balance="zigzag")
     attach_layout(doc_ids, layout)
     return layout
 

@@ -1,5 +1,5 @@
 """Which positions of a sequence each (ctx rank, head rank) holds, and the attention work that gives
-each context rank: the one home of the zigzag and document-balanced splits (pure numpy).
+each context rank: the one home of the zigzag and document-balanced layouts (pure numpy).
 
 Context group of size c (ring), head group of size h (all-to-all). Zigzag: the sequence is cut into
 2c equal chunks and context rank i holds chunks i and 2c-1-i: under a causal mask the early chunk
@@ -7,9 +7,9 @@ has little to attend to and the late one a lot, so every context rank gets the s
 every ring step after the first exactly half of the block is needed (ring.py skips the other half).
 Inside a head group, the context rank's part is cut again into h contiguous pieces, one per head
 rank, so the all-to-all gathers it back in order. Packed documents change the work (a token sees
-only its own document): `parallel.split = docs` balances that instead (doc_balance.py).
+only its own document): `parallel.seq_balance = docs` balances that instead (doc_balance.py).
 
-sequence.py moves tensors by these positions; doc_balance.py computes the docs split from them.
+sequence.py moves tensors by these positions; doc_balance.py computes the docs balance from them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from ...job.checks import check_divisible
 
-SPLITS = ("docs", "zigzag")  # parallel.split
+SEQ_BALANCES = ("docs", "zigzag")  # parallel.seq_balance
 
 
 

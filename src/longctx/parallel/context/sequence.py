@@ -1,7 +1,7 @@
 """Shard / unshard full-sequence tensors by the positions each rank holds (layouts.py).
 
-Tokens, labels, positions and document ids all go through `shard_sequence` (the zigzag split) or a
-`SequenceLayout` (the split a batch's documents call for), so RoPE positions and document masks
+Tokens, labels, positions and document ids all go through `shard_sequence` (the zigzag layout) or a
+`SequenceLayout` (the layout a batch's documents call for), so RoPE positions and document masks
 stay attached to their tokens under any layout.
 """
 
@@ -16,7 +16,7 @@ from ...job.checks import check_divisible
 from ...ops.chunked import ChunkGrid
 from ...ops.segments import plan_pairs
 from .doc_balance import docs_balanced_indices
-from .layouts import SPLITS, check_doc_ids, zigzag_positions
+from .layouts import SEQ_BALANCES, check_doc_ids, zigzag_positions
 
 
 def _degrees(mesh) -> tuple[int, int, int, int]:
@@ -28,7 +28,7 @@ def _degrees(mesh) -> tuple[int, int, int, int]:
 
 
 def shard_indices(seq_len: int, ctx: int, head: int, ctx_rank: int, head_rank: int) -> torch.Tensor:
-    """Global positions of the tokens this rank holds under the zigzag split, in local order."""
+    """Global positions of the tokens this rank holds under the zigzag layout, in local order."""
     return torch.from_numpy(zigzag_positions(seq_len, ctx, head)[ctx_rank, head_rank].copy())
 
 
@@ -59,7 +59,7 @@ def unshard_sequence(local: torch.Tensor, mesh, seq_dim: int = 1) -> torch.Tenso
 def gather_shards(local: torch.Tensor, mesh, seq_dim: int = 1, label: str = "gather_shards") -> torch.Tensor:
     """Every head x ctx rank's shard of a sequence tensor, concatenated along seq_dim in rank order
     (ctx rank major, head rank minor): the whole sequence, but in an order that is not its own (under
-    any split, zigzag or documents'; unshard_sequence restores that order for the zigzag split).
+    any layout, zigzag or documents'; unshard_sequence restores that order for the zigzag layout).
     For callers that carry each token's position and document id along and need no more (GliDe's
     cross-attention: train/glide.py). Communicates; no gradient."""
     c, h, _, _ = _degrees(mesh)
@@ -87,10 +87,10 @@ class SequenceLayout:
     pieces of that order, so the Ulysses all-to-all reassembles the context rank's tokens in order.
     """
 
-    def __init__(self, positions: np.ndarray, doc_ids: np.ndarray | None, split: str):
+    def __init__(self, positions: np.ndarray, doc_ids: np.ndarray | None, balance: str):
         self.positions = positions  # int64 [batch, ctx, head, seq_local]
         self.doc_ids = doc_ids      # int64 [batch, seq] or None
-        self.split = split
+        self.balance = balance
         self.batch, self.ctx, self.head, self.seq_local = positions.shape
         self.seq_len = self.seq_local * self.ctx * self.head
         self._plans: dict = {}
@@ -162,26 +162,26 @@ class SequenceLayout:
                          for i in range(self.ctx)])
 
 
-def plan_layout(doc_ids, ctx: int, head: int, *, split: str = "docs") -> SequenceLayout:
+def plan_layout(doc_ids, ctx: int, head: int, *, balance: str = "docs") -> SequenceLayout:
     """The layout of a batch over ctx x head ranks: a pure function of the full-sequence document ids
     [batch, seq] (host array or tensor).
 
-    split="zigzag" balances a plain causal mask; split="docs" (parallel.split), per batch row, each
+    balance="zigzag" balances a plain causal mask; balance="docs" (parallel.seq_balance), per batch row, each
     context rank's visible (causal, same-document) query-key pairs (doc_balance.py); every rank
     still holds exactly seq / (ctx x head) tokens."""
-    if split not in SPLITS:
-        raise ConfigError(f"parallel.split must be one of {SPLITS}, got '{split}'.")
+    if balance not in SEQ_BALANCES:
+        raise ConfigError(f"parallel.seq_balance must be one of {SEQ_BALANCES}, got '{balance}'.")
     if doc_ids is None:
         raise ValueError("plan_layout needs the batch's document ids [batch, seq] (for a layout without documents, "
                          "shard with shard_sequence)")
     ids = check_doc_ids(doc_ids)
     batch, seq = ids.shape
     check_divisible(seq, ctx, head)
-    if split == "zigzag" or ctx == 1:
+    if balance == "zigzag" or ctx == 1:
         positions = np.broadcast_to(zigzag_positions(seq, ctx, head), (batch, ctx, head, seq // (ctx * head))).copy()
     else:
         positions = np.stack([docs_balanced_indices(row, ctx, head) for row in ids])
-    return SequenceLayout(positions.astype(np.int64), ids, split)
+    return SequenceLayout(positions.astype(np.int64), ids, balance)
 
 
 # A layout travels with the local document-id tensor it was sharded with, so the model (which knows

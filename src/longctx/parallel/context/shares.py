@@ -26,7 +26,7 @@ def plan_share(rt: Runtime, doc_ids, rows: int, seq_len: int) -> tuple[SequenceL
     ctx_rank = comm.local_rank(comm.sub_mesh(rt.mesh, "ctx"))
     head_rank = comm.local_rank(comm.sub_mesh(rt.mesh, "head"))
     if doc_ids is not None:
-        layout = plan_layout(doc_ids, rt.dims.ctx, rt.dims.head, split=rt.split)
+        layout = plan_layout(doc_ids, rt.dims.ctx, rt.dims.head, balance=rt.seq_balance)
         return layout, layout.indices(ctx_rank, head_rank)
     return None, shard_indices(seq_len, rt.dims.ctx, rt.dims.head, ctx_rank, head_rank).expand(rows, -1)
 
@@ -35,7 +35,7 @@ def local_batch(rt: Runtime, batch: Batch, device=None) -> Batch:
     """My data-parallel share of a global batch, then my balanced part of each sequence (on
     `device` if given).
 
-    With document ids the split is `plan_layout(..., split=parallel.split)`, planned here on
+    With document ids the layout is `plan_layout(..., balance=parallel.seq_balance)`, planned here on
     the host from the ids every rank already has; the layout rides on the local document-id
     tensor to the attention core, so no rank ever asks the device where documents are."""
     if rt.mesh is None:
