@@ -56,13 +56,13 @@ def profile(seq: int, compiled: bool) -> dict:
     from torch.profiler import profile as torch_profile
 
     from longctx.config import load_config
-    from longctx.models.compile import compile_token_wise_stages
+    from longctx.models.compile import compile_token_wise_parts
     from longctx.models.llama import build_model
 
     cfg = load_config(overrides=["--model.preset=small-100m"]).model
     model = build_model(cfg, seed=0)
     if compiled:
-        compile_token_wise_stages(model.layers)
+        compile_token_wise_parts(model.layers)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # compile and warm up
         model(tokens, labels=tokens).backward()
@@ -84,13 +84,13 @@ def alternate(seq: int, rounds: int) -> dict:
     import time
 
     from longctx.config import load_config
-    from longctx.models.compile import compile_token_wise_stages
+    from longctx.models.compile import compile_token_wise_parts
     from longctx.models.llama import build_model
 
     cfg = load_config(overrides=["--model.preset=small-100m"]).model
     eager = build_model(cfg, seed=0)
     compiled = copy.deepcopy(eager)
-    compile_token_wise_stages(compiled.layers)
+    compile_token_wise_parts(compiled.layers)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
 
     def timed(model):
@@ -177,7 +177,7 @@ def rounding(seq: int) -> dict:
     import torch.nn.functional as F
 
     from longctx.config import load_config
-    from longctx.models.compile import compile_token_wise_stages
+    from longctx.models.compile import compile_token_wise_parts
     from longctx.models.llama import apply_rope, build_model, rope_cos_sin
     from longctx.ops.norm import rms_norm
 
@@ -209,7 +209,7 @@ def rounding(seq: int) -> dict:
     cfg = load_config(overrides=["--model.preset=small-100m"]).model
     eager = build_model(cfg, seed=0)
     compiled = copy.deepcopy(eager)
-    compile_token_wise_stages(compiled.layers)
+    compile_token_wise_parts(compiled.layers)
     tokens = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
     results = []
     for model in (eager, compiled):

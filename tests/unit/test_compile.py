@@ -1,4 +1,4 @@
-"""train.compile: the token-wise stages compiled (CPU inductor) give the eager gradients under every
+"""train.compile: the token-wise parts compiled (CPU inductor) give the eager gradients under every
 memory policy, share one compiled graph per stage across blocks, and leave the offloader working."""
 
 import copy
@@ -8,7 +8,7 @@ import torch
 
 from longctx.config import load_config
 from longctx.memory.apply_policy import apply_memory_policy
-from longctx.models.compile import compile_token_wise_stages
+from longctx.models.compile import compile_token_wise_parts
 from probes import loss_and_grads, reference_run
 
 # (checkpoint, offload fraction, block chunk): one of each kind of wrapper around the stages
@@ -26,7 +26,7 @@ def test_compiled_stages_match_eager(reference, policy, fraction, chunk):
     cfg, base, batch, (ref_loss, ref_grads) = reference
     model = copy.deepcopy(base)
     apply_memory_policy(model.layers, policy, fraction, offload_skip_last=1, block_chunk=chunk)
-    compile_token_wise_stages(model.layers)
+    compile_token_wise_parts(model.layers)
     for _ in range(2):
         loss, grads = loss_and_grads(model, batch)
         assert loss == pytest.approx(ref_loss, abs=1e-5)
@@ -39,8 +39,8 @@ def _graphs(model, batch):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compile_token_wise_stages(model.layers)
-    compile_token_wise_stages(model.layers)  # a second call changes nothing
+    compile_token_wise_parts(model.layers)
+    compile_token_wise_parts(model.layers)  # a second call changes nothing
     loss = model(*batch[:3], labels=batch[3])
     loss.backward()
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())

@@ -154,7 +154,7 @@ def test_offload_fraction_auto_in_config():
         load_config(overrides=["--memory.recompute=selective", "--memory.offload_fraction=sometimes"])
 
 
-def test_chunked_full_recomputes_the_token_wise_stages_once_more(reference):
+def test_chunked_full_recomputes_the_token_wise_parts_once_more(reference):
     """Under full, chunk checkpoints nest inside the block's: backward re-runs pre and post in the
     block's recompute and again per chunk. Counted FLOPs show it (selective has no nesting: equal),
     and the analytic recompute count carries it, so the planner prices it."""

@@ -636,7 +636,7 @@ def test_recomputation_does_not_change_routing(policy, chunk):
         assert torch.equal(loss0, loss1)
         for name in g0:
             assert torch.equal(g0[name], g1[name]), name
-    else:  # the token-wise stages in chunks: the same routing, sums in another order
+    else:  # the token-wise parts in chunks: the same routing, sums in another order
         torch.testing.assert_close(stats[0].stats, stats[1].stats)
         torch.testing.assert_close(loss0, loss1, rtol=1e-6, atol=1e-6)
         for name in g0:

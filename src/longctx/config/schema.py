@@ -296,7 +296,7 @@ class TrainConfig:
                            "(200 steps of 16 sequences of 1024 tokens, then 100 steps of 4 of 4096; without a batch, "
                            "train.global_batch); sets train.steps (the sum) and train.seq_len (the last stage's); each "
                            "stage reads its own store built from data.corpus; '' = one length")
-    compile: bool = _opt(False, "torch.compile each block's token-wise stages (norms, projections, RoPE, MLP, "
+    compile: bool = _opt(False, "torch.compile each block's token-wise parts (norms, projections, RoPE, MLP, "
                                 "residuals); the attention core stays eager")
     eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
     eval_batches: int = _opt(4, "global batches (of train.global_batch sequences) per evaluation, whatever the "
@@ -336,7 +336,7 @@ class MemoryConfig:
                                    "recompute=selective or full); 'auto' (with recompute=selective) picks it from "
                                    "host-link bandwidth, block forward time and free host memory", words=("auto",))
     offload_skip_last: int = _opt(1, "the last K blocks are never offloaded")
-    block_chunk: int = _opt(0, "tokens per chunk of each block's token-wise stages (norms, projections, MLP; "
+    block_chunk: int = _opt(0, "tokens per chunk of each block's token-wise parts (norms, projections, MLP; "
                             "FPDT-style), so their intermediates never exist for all of a rank's tokens; needs "
                             "recompute=selective or full; 0 = whole blocks")
     attention_chunk: int = _opt(0, "tokens per chunk of the attention core (FPDT-style): each query chunk meets the "

@@ -103,7 +103,7 @@ def _kept_block(recompute: str, part: dict[str, float], fl: dict[str, float], se
         return kept, 0.0
     if recompute == "full":
         # the block keeps its input (the previous block's output); with chunks nested in the block's
-        # checkpoint the token-wise stages run once more
+        # checkpoint the token-wise parts run once more
         return part["block_out"], (2 if block_chunked else 1) * (fl["pre"] + fl["post"]) + fl["attention"]
     if recompute == "selective":
         return core_device + seq_out + part["block_out"], fl["pre"] + fl["post"]
@@ -209,7 +209,7 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     """Per-rank activation bytes under `policy` for micro_batch sequences of seq_len tokens sharded
     over head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations).
     policy.block_chunk changes no saved bytes, only recomputation: under `full` the chunks are
-    checkpoints nested in the block's, so the token-wise stages run once more (outer recompute, then
+    checkpoints nested in the block's, so the token-wise parts run once more (outer recompute, then
     each chunk's own). docs (packed documents) changes no saved bytes either (see block_part_bytes),
     nor does policy.attention_chunk (the chunked core keeps the same q, k, v, out, lse, by chunk);
     attention_offload (with attention_chunk) keeps that core state in host memory in every block

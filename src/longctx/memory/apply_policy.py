@@ -1,6 +1,6 @@
 """Activation memory policies, applied to a model's blocks without renaming any module.
 
-A block is three stages (models/llama.py): `pre` (norm, q/k/v projections, RoPE) and `post`
+A block is three parts (models/llama.py): `pre` (norm, q/k/v projections, RoPE) and `post`
 (output projection, residuals, MLP) are token-wise and cheap; `attention.core` is the only place
 tokens meet and, sequence-parallel, the only place ranks communicate. The policies:
 
@@ -20,7 +20,7 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
 - `full` + `offload_fraction` A > 0 (FPDT's choice): the one thing a block keeps, its input, goes
   to the host for the first A of its tokens. Host memory is then d elements per token and block,
   the least of any policy; the price is full recomputation.
-- `block_chunk` C > 0 (with full or selective): the token-wise stages run C tokens at a time and
+- `block_chunk` C > 0 (with full or selective): the token-wise parts run C tokens at a time and
   are checkpointed per chunk, so a block's MLP intermediates exist for C tokens, not for all of a
   rank's tokens (at 512K tokens per rank an 8B block's MLP alone is ~55 GiB in bf16).
 
@@ -83,13 +83,13 @@ def _cat(parts):
 
 
 def _one_row(t):
-    """[b, s, ...] as [1, b x s, ...]: token-wise stages may see the batch as one row; then a chunk
+    """[b, s, ...] as [1, b x s, ...]: token-wise parts may see the batch as one row; then a chunk
     and "the first tokens" are contiguous slices (with batch > 1 a slice per row would be strided)."""
     return t if t.shape[0] == 1 else t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
 
 
-def _staged(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0):
-    """The block as pre -> attention core -> post, the token-wise stages run `chunk` tokens at a
+def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0):
+    """The block as pre -> attention core -> post, the token-wise parts run `chunk` tokens at a
     time (FPDT's sequence chunks; the batch counts as one row of b x s tokens): pre's and post's
     intermediates (above all the MLP's 4 x ffn_dim per token) then exist for one chunk at a time,
     in forward and, recomputed, in backward. The first `stored` tokens keep their intermediates
@@ -117,10 +117,10 @@ def _staged(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored:
 
 def _full_forward(x, cos, sin, doc_ids, *, block, chunk: int, offloader: HostOffloader | None = None,
                   index: int = 0, fraction: float = 0.0):
-    """Checkpoint the whole block; with chunk > 0 its recompute runs the token-wise stages in
+    """Checkpoint the whole block; with chunk > 0 its recompute runs the token-wise parts in
     checkpointed chunks too. With the offloader, the only thing kept, the block input, goes to the
     host: its first `fraction` of tokens (the rest stays on the device)."""
-    fn = functools.partial(_staged, block, chunk=chunk, recompute=True) if chunk else \
+    fn = functools.partial(_in_parts, block, chunk=chunk, recompute=True) if chunk else \
         functools.partial(type(block).forward, block)
     if offloader is None:
         return _checkpointed(fn, x, cos, sin, doc_ids, block=block)
@@ -133,7 +133,7 @@ def _selective_forward(x, cos, sin, doc_ids, *, block, chunk: int):
     if not chunk:
         q, k, v = _checkpointed(block.pre, x, cos, sin)
         return _checkpointed(block.post, x, block.attention.core(q, k, v, doc_ids), block=block)
-    return _staged(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True)
+    return _in_parts(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True)
 
 
 def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, index: int, fraction: float,
@@ -143,7 +143,7 @@ def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, i
     # nothing on the device; `fraction` only decides which tokens' other activations are stored
     # (host) rather than recomputed.
     with offloader.block(index, shared=(cos, sin, doc_ids)), offloader.offload(1.0):
-        return _staged(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True,
+        return _in_parts(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True,
                        stored=round(fraction * x.shape[0] * x.shape[1]))
 
 
@@ -156,7 +156,7 @@ def check_policy(recompute: str, offload_fraction: float, block_chunk: int = 0) 
 def apply_memory_policy(layers: nn.ModuleList, recompute: str, offload_fraction: float = 0.0,
                         offload_skip_last: int = 1, device="cpu", block_chunk: int = 0) -> HostOffloader | None:
     """Wrap every block's forward for the policy; returns the offloader when anything is offloaded.
-    block_chunk: tokens per chunk of the token-wise stages (0 = all of a rank's tokens at once)."""
+    block_chunk: tokens per chunk of the token-wise parts (0 = all of a rank's tokens at once)."""
     check_policy(recompute, offload_fraction, block_chunk)
     if recompute == "none":
         return None
@@ -190,7 +190,7 @@ def _glide_selective_forward(x, cos, sin, target_k, target_v, visible, cache=Non
 def apply_glide_memory_policy(layers: nn.ModuleList, recompute: str) -> None:
     """The policies for GliDe draft layers (models/glide.py GlideLayer): `full` checkpoints each
     layer (its self-attention recomputed in backward, with its communication); `selective` recomputes
-    the token-wise stages (`pre`, `mid`, `post`) and keeps what both attentions' backwards need (the
+    the token-wise parts (`pre`, `mid`, `post`) and keeps what both attentions' backwards need (the
     self-attention core's saved state and the cross-attention's), as for a Block. Offload and
     block chunks are not offered for draft layers (config/rules.py refuses them)."""
     check_policy(recompute, 0.0)

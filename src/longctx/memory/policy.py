@@ -23,7 +23,7 @@ class MemoryPolicy:
     offload_fraction: float = 0.0     # requires full or selective
     offload_skip_last: int = 1
     loss_chunk: int = 0               # tokens per chunk of the LM head + loss; 0 = full logits
-    block_chunk: int = 0              # tokens per chunk of the blocks' token-wise stages; 0 = whole
+    block_chunk: int = 0              # tokens per chunk of the blocks' token-wise parts; 0 = whole
     attention_chunk: int = 0          # tokens per chunk of the attention core; 0 = all of a rank's tokens
     attention_offload: bool = False   # the attention core's kept state in host memory (with attention_chunk)
     grad_sync: str = "step"           # with grad_accum > 1: gradients reduced once per step, or per micro_batch

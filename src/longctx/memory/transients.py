@@ -186,7 +186,7 @@ def ffn_backward_bytes(m: ModelConfig, tokens: int, e: int, moe: bool = False, e
 
 def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, part: dict[str, float],
                            e: int, moe: bool = False) -> float:
-    """Bytes of the piece of the token-wise stages that backward holds at once: under `none` the
+    """Bytes of the piece of the token-wise parts that backward holds at once: under `none` the
     MLP's two widest gradients over all tokens; recomputed, the piece's saved tensors (block_chunk
     tokens, or all of them: under selective + offload the larger of the stored and the recomputed
     shares) with those gradients. `moe`: a MoE layer's block (`part` is then its parts, and the

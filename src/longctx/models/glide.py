@@ -119,7 +119,7 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
 
 
 class GlideLayer(nn.Module):
-    """Self-attention, cross-attention to the target's K/V, MLP; in stages like a Block (models/llama.py),
+    """Self-attention, cross-attention to the target's K/V, MLP; in parts like a Block (models/llama.py),
     so memory policies (memory/apply_policy.py apply_glide_memory_policy) can treat them apart: `pre`,
     `mid` and `post` are token-wise; `self_attention.core` and the cross-attention are where tokens
     meet (and, sequence-parallel, `self_attention.core` is where ranks communicate)."""

@@ -168,7 +168,7 @@ def local_attention(q, k, v, doc_ids):
 
 
 class Block(nn.Module):
-    """One decoder layer as three stages, so memory policies (memory/apply_policy.py) can treat them
+    """One decoder layer as three parts, so memory policies (memory/apply_policy.py) can treat them
     differently: `pre` and `post` are token-wise and cheap to recompute; `attention.core` is the
     only place tokens meet (and, sequence-parallel, the only place ranks communicate)."""
 

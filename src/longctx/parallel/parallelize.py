@@ -6,7 +6,7 @@ The order is fixed and matters:
   2. activation memory policy (memory/apply_policy.py): wraps block forwards, so it must see the
      blocks before FSDP wraps them and must wrap the distributed attention already in place;
      the chunked LM head + loss (ops/loss.py) is switched on here too;
-  3. with train.compile, each block's token-wise stages are compiled (models/compile.py);
+  3. with train.compile, each block's token-wise parts are compiled (models/compile.py);
   4. FSDP2 `fully_shard` on every block (under expert parallelism, its experts first, over their own
      expert-data group: parallel/expert/install.py), then on the root (embeddings, final norm, LM head), over
      the data x head x context ranks flattened into one shard dim (LoongTrain's hybrid ZeRO: the
@@ -33,7 +33,7 @@ from torch.distributed.tensor import Shard
 from ..job import comm
 from ..job.comm import sub_mesh
 from ..memory.apply_policy import apply_glide_memory_policy, apply_memory_policy
-from ..models.compile import compile_token_wise_stages
+from ..models.compile import compile_token_wise_parts
 from ..models.llama import local_attention
 from ..models.moe import MoEFeedForward
 from ..ops.chunked import ChunkedLocalCore
@@ -149,9 +149,9 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
                             cfg.parallel.expert_ranks_per_node)
     # 2. activation memory
     apply_memory(model, cfg.memory, device_type)
-    # 3. regional compilation of the token-wise stages (the memory policies call them; see models/compile.py)
+    # 3. regional compilation of the token-wise parts (the memory policies call them; see models/compile.py)
     if cfg.train.compile:
-        compile_token_wise_stages(model.layers)
+        compile_token_wise_parts(model.layers)
     # 4. hybrid ZeRO, the blocks in gradient buckets
     if dims.world_size > 1:
         shard_model(model, dims, cfg, device_type)

@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-skip-last", type=int, default=1, help="last blocks never offloaded")
     p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
     p.add_argument("--block-chunk", default="0,16K",
-                   help="token chunk sizes of the blocks' token-wise stages to try with full/selective (0 = whole)")
+                   help="token chunk sizes of the blocks' token-wise parts to try with full/selective (0 = whole)")
     p.add_argument("--expert", default=None, metavar="DEGREES",
                    help="MoE models: expert-parallel degrees to try (default: every one dividing the experts "
                         "and the GPUs)")

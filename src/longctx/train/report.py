@@ -248,7 +248,7 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             f"{device.type} {str(dtype).removeprefix('torch.')}{cpu}, memory: recompute={mem.recompute}"
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
             + f", loss_chunk={mem.loss_chunk}, {layout}"
-            + (", compiled (train.compile: each block's token-wise stages)" if cfg.train.compile else "")
+            + (", compiled (train.compile: each block's token-wise parts)" if cfg.train.compile else "")
             + f"; {lr_note(cfg)}; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else [])]
