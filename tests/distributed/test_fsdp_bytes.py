@@ -51,7 +51,7 @@ CASES = [
 
 def _measure(raws):
     from longctx.job import comm
-    from longctx.planner.validate import _setup, model_state_bytes, train_step
+    from longctx.planner.validate import _setup, measured_model_state_bytes, train_step
 
     out = []
     for raw in raws:
@@ -60,7 +60,7 @@ def _measure(raws):
         with comm.library_traffic() as traffic:
             train_step(*job, zero_grad=False)
         model, opt = job[2], job[3]
-        out.append({"traffic": dict(traffic), "states": model_state_bytes(model, opt)})
+        out.append({"traffic": dict(traffic), "states": measured_model_state_bytes(model, opt)})
         comm.barrier()
     return out
 

@@ -129,7 +129,7 @@ def test_auto_fraction_with_stages_is_the_smallest_over_their_shapes(monkeypatch
     last_fixed, last_other = host(512, 1, 1e-9), host(512, 1, 1.0) - host(512, 1, 1e-9)
     monkeypatch.setattr(auto, "host_memory_available", lambda: 4 * (last_fixed + 0.5 * last_other) / 0.8)
     monkeypatch.setattr(auto, "host_link_bandwidth", lambda device: 1e15)
-    monkeypatch.setattr(auto, "block_forward_seconds", lambda *a, **k: 1.0)
+    monkeypatch.setattr(auto, "measured_block_forward_seconds", lambda *a, **k: 1.0)
     lines = []
     rt = Runtime.create(cfg, 0, 1, "cpu")
     fraction = auto_offload_fraction(cfg, torch.device("cpu"), rt, lines.append)

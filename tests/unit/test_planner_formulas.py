@@ -13,8 +13,8 @@ from longctx.costs.hardware import PRESETS
 from longctx.costs.model_states import (
     accumulated_grad_bytes,
     gathered_param_bytes,
-    model_state_bytes,
     param_counts,
+    predicted_model_state_bytes,
 )
 from longctx.costs.shape import MeshShape
 from longctx.costs.timing import (
@@ -44,9 +44,9 @@ def test_parameter_counts():
 
 def test_model_states_are_16_bytes_per_parameter_over_the_fsdp_group():
     # fp32 parameter, gradient, exp_avg, exp_avg_sq over dp_shard 2 x ctx 2 = 4 ranks
-    assert model_state_bytes(TINY, DP2_CTX2) == 1352 * 16 / 4 == 5408
-    assert model_state_bytes(TINY, REP2_DP2_CTX2) == 5408  # replicas hold the same shard
-    assert model_state_bytes(TINY, MeshShape()) == 1352 * 16
+    assert predicted_model_state_bytes(TINY, DP2_CTX2) == 1352 * 16 / 4 == 5408
+    assert predicted_model_state_bytes(TINY, REP2_DP2_CTX2) == 5408  # replicas hold the same shard
+    assert predicted_model_state_bytes(TINY, MeshShape()) == 1352 * 16
 
 
 def test_gathered_parameters():

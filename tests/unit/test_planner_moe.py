@@ -19,9 +19,9 @@ from longctx.costs.model_states import (
     active_params,
     block_params,
     gathered_param_bytes,
-    model_state_bytes,
     param_counts,
     params_text,
+    predicted_model_state_bytes,
 )
 from longctx.costs.shape import MeshShape
 from longctx.costs.timing import forward_gemm_flops
@@ -67,7 +67,7 @@ def test_model_states_count_every_expert():
     holds the largest block (the MoE one, all experts) gathered twice (this one and the prefetched
     next) in the gather dtype and once as an fp32 gradient, and the root."""
     shape = MeshShape(1, 2, 1, 1)
-    assert model_state_bytes(TINY_MOE, shape) == 16 * 1824 / 2
+    assert predicted_model_state_bytes(TINY_MOE, shape) == 16 * 1824 / 2
     assert gathered_param_bytes(TINY_MOE, shape, 2) == 2 * 1064 * 2 + 1064 * 4 + 168 * (2 + 4)
 
 
@@ -132,15 +132,15 @@ def test_qwen3_moe_at_256k_on_8_h100_is_planned():
 def test_expert_parallel_model_states_split_the_routed_experts_over_every_rank():
     """At rest the routed experts are 1 / world per rank (E / expert each, FSDP over world / expert):
     the same as FSDP over every rank, less than replicas of them."""
-    from longctx.costs.model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes
+    from longctx.costs.model_states import accumulated_grad_bytes, gathered_param_bytes, predicted_model_state_bytes
 
     pc = param_counts(TINY_MOE)
     dense, experts = pc["total"] - pc["experts"], pc["experts"]
-    assert model_state_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4)) == model_state_bytes(
+    assert predicted_model_state_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4)) == predicted_model_state_bytes(
         TINY_MOE, MeshShape(dp_shard=4)) == 16 * pc["total"] / 4
-    assert model_state_bytes(TINY_MOE, MeshShape(dp_replicate=4, expert=4)) == 16 * dense + 16 * experts / 4
+    assert predicted_model_state_bytes(TINY_MOE, MeshShape(dp_replicate=4, expert=4)) == 16 * dense + 16 * experts / 4
     hsdp = MeshShape(dp_replicate=2, dp_shard=2, expert=2)
-    assert model_state_bytes(TINY_MOE, hsdp) == 16 * dense / 2 + 16 * experts / 4
+    assert predicted_model_state_bytes(TINY_MOE, hsdp) == 16 * dense / 2 + 16 * experts / 4
     # the working set: a MoE block gathered with its group's experts only; the unsharded gradients too
     assert gathered_param_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4), 2) == (
         2 * (1064 - 432) * 2 + (1064 - 432) * 4 + 168 * 6)

@@ -111,7 +111,7 @@ def params_text(m: ModelConfig) -> str:
     return f"{fmt(total)} parameters" + (f", {fmt(active_params(m))} active" if m.is_moe else "")
 
 
-def model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
+def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
     """Bytes of model states per rank: fp32 parameters, gradients and AdamW's exp_avg and exp_avg_sq
     (16 per parameter), sharded over the FSDP group and replicated over dp_replicate; under expert
     parallelism the routed experts sharded over every rank (1 / expert each, FSDP over world / expert)."""

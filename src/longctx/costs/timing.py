@@ -86,7 +86,7 @@ def compute_seconds(f: Flops, hw: Hardware) -> float:
     return (3 * f.gemm_fwd + f.rec_gemm) / gemm_rate + (3 * f.attn_fwd + f.rec_attn) / attn_rate
 
 
-def block_forward_seconds(f: Flops, m: ModelConfig, hw: Hardware) -> float:
+def predicted_block_forward_seconds(f: Flops, m: ModelConfig, hw: Hardware) -> float:
     """One block's forward (the LM head's share spread over the blocks)."""
     gemm_rate, attn_rate = _rates(hw)
     return (f.gemm_fwd / max(m.layers, 1)) / gemm_rate + (f.attn_fwd / max(m.layers, 1)) / attn_rate

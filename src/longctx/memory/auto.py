@@ -55,7 +55,7 @@ def host_memory_available() -> int:
 
 
 @torch.no_grad()
-def block_forward_seconds(block, x, cos, sin, doc_ids, repeats: int = 2) -> float:
+def measured_block_forward_seconds(block, x, cos, sin, doc_ids, repeats: int = 2) -> float:
     """Wall time of one block forward (the first call warms up)."""
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
     block(x, cos, sin, doc_ids)

@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.model_states import accumulated_grad_bytes, gathered_param_bytes, model_state_bytes, param_counts
+from ..costs.model_states import accumulated_grad_bytes, gathered_param_bytes, param_counts, predicted_model_state_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
-    block_forward_seconds,
     compute_seconds,
     exposed_attention_offload_seconds,
     exposed_expert_seconds,
@@ -48,6 +47,7 @@ from ..costs.timing import (
     exposed_ring_seconds,
     layer_attention_seconds,
     micro_batch_flops,
+    predicted_block_forward_seconds,
     recompute_share,
 )
 from ..memory.accounting import ActivationEstimate, estimate_activations
@@ -118,7 +118,7 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
                  acts: ActivationEstimate, transient: float) -> dict[str, float]:
     """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any."""
-    memory = {"model_states": model_state_bytes(m, shape),
+    memory = {"model_states": predicted_model_state_bytes(m, shape),
               "gathered_params": gathered_param_bytes(m, shape, gather_bytes)}
     accumulated = accumulated_grad_bytes(m, shape, grad_accum, policy.grad_sync)
     if accumulated:
@@ -198,7 +198,7 @@ def exposed_per_micro_batch(m: ModelConfig, shape: MeshShape, policy: MemoryPoli
                             gpus_per_node: int) -> dict[str, float]:
     """Seconds of communication compute does not hide, per micro-batch, by kind (FSDP's is per step)."""
     per_call, refwd = calls
-    block_fwd = block_forward_seconds(flops, m, hw)
+    block_fwd = predicted_block_forward_seconds(flops, m, hw)
     layer_attn = layer_attention_seconds(flops, m, hw)
     return {
         "head": exposed_head_seconds(m, shape, policy, per_call, refwd, hw, gpus_per_node),
@@ -268,7 +268,7 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
     skew = min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
     exposed["expert"] = exposed_expert_seconds(m, shape, comm.get("expert", {}), grad_accum, tokens, skew, hw,
                                                gpus_per_node)
-    fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_forward_seconds(flops, m, hw),
+    fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, predicted_block_forward_seconds(flops, m, hw),
                                      acts.recompute_flops, hw, gpus_per_node)
     times = step_times(compute, exposed, fsdp_step, grad_accum)
     tps = global_batch * seq_len / times["step"] if times["step"] > 0 else float("inf")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.model_states import model_state_bytes
+from ..costs.model_states import predicted_model_state_bytes
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..memory.policy import MemoryPolicy
@@ -269,7 +269,7 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
     evaluated = 0
     for shape in candidate_shapes(req):
         # model states alone: prune every policy of this shape if they do not fit
-        static = model_state_bytes(m, shape)
+        static = predicted_model_state_bytes(m, shape)
         if static > hw.usable_memory_bytes and not keep_infeasible:
             continue
         dp_share = req.global_batch // shape.dp if req.global_batch % shape.dp == 0 else 0

@@ -186,7 +186,7 @@ def train_step(cfg, rt, model, opt, batch, scale, zero_grad: bool = True) -> Non
         opt.zero_grad(set_to_none=True)
 
 
-def model_state_bytes(model, opt) -> int:
+def measured_model_state_bytes(model, opt) -> int:
     """Bytes of this rank's shards of the parameters, their gradients and the optimizer's state
     tensors (AdamW: exp_avg, exp_avg_sq), measured on the tensors."""
     def local(t):
@@ -218,7 +218,7 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
     # model states before zero_grad drops the gradients
     with comm.library_traffic() as fsdp:
         train_step(cfg, rt, model, opt, batch, scale, zero_grad=False)
-    states = model_state_bytes(model, opt)
+    states = measured_model_state_bytes(model, opt)
     opt.zero_grad(set_to_none=True)
     counters = {d: v for d, v in counters.items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
     out = {"rank": rt.rank, "times": times, "counters": counters, "fsdp": dict(fsdp), "model_states": states}

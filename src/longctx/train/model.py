@@ -126,7 +126,7 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
     cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.model, device=device))
     bf16 = resolve_dtype(t.dtype, device) == torch.bfloat16
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        block_s = auto.block_forward_seconds(_timing_block(cfg, device, rt), x, cos, sin, None)
+        block_s = auto.measured_block_forward_seconds(_timing_block(cfg, device, rt), x, cos, sin, None)
     block_s = rt.max([block_s])[0]  # the slowest block decides
     return auto.choose_offload_fraction(
         cfg.model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
