@@ -89,7 +89,7 @@ def _write(folder, name, data):
 def test_the_report_names_the_hung_and_frozen_ranks(tmp_path):
     now = time.time()
     waiting = {"step": 3, "phase": "forward", "idle_s": 30.2, "time": now,
-               "collective": "all_gather_single (distributed_c10d.py)", "where": "train/step.py:90 in forward_loss_sum"}
+               "collective": "all_gather_single (distributed_c10d.py)", "where": "step/loss.py:11 in forward_loss_sum"}
     for rank in (0, 2):
         _write(tmp_path, f"hang{rank}.json", {"rank": rank, **waiting})
         (tmp_path / f"stack{rank}.txt").write_text(

@@ -2,8 +2,8 @@
 
 For each case (model, sequence length, mesh shape, memory policy, grad_accum) N local processes
 run real training steps through the same pieces as `longctx train` (Runtime -> build_model ->
-parallelize -> train.step.forward_loss_sum / backward over grad_accum micro-batches ->
-train.step.make_optimizer's AdamW) on a random global batch with document ids, and report:
+parallelize -> step/loss.py forward_loss_sum / backward over grad_accum micro-batches ->
+step/optimizer.py make_optimizer's AdamW) on a random global batch with document ids, and report:
 
 - the bytes comm.py counted per mesh dim and label, on every rank, vs the planner's closed form
   (must be equal);
