@@ -102,7 +102,7 @@ GREEDY_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the mo
 def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0,
                state=None, rows: list | None = None) -> tuple[list[int], int, int]:
     """One CaPE round (greedy): the kept tokens, the next pending one and the chain's length. `cache`: the target's, on
-    one device (models/cache.KVCache) or sharded over head x ctx ranks (generate/sharded.py),
+    one device (models/kv_cache.KVCache) or sharded over head x ctx ranks (generate/sharded.py),
     every rank running the same round. `state`: the penalties' state after pending
     (generate/sampling.py Processors, one row): each node's logits are penalised with its ancestors
     (Processors.paths), so the target's choice after each node is plain greedy decoding's with them.

@@ -100,7 +100,7 @@ class GlideDrafter(ModelDrafter):
     """A GliDe draft (models/glide.py): its own cache holds only its few layers' keys, and its
     cross-attention reads the target's cache as the last verification left it (every proposal of a
     round sees the same target slots, as in training's block-stale mask). The target's cache is on
-    one device (models/cache.KVCache) or sharded over head x ctx ranks (generate/sharded.py: read
+    one device (models/kv_cache.KVCache) or sharded over head x ctx ranks (generate/sharded.py: read
     through its read_attention, each rank its share, merged), the draft run alike on every rank."""
 
     def __init__(self, draft, target, max_len: int, block: int, window: int = 0):

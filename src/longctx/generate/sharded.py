@@ -43,7 +43,7 @@ from ..parallel.context.ulysses import kv_replication
 
 class ShardedKVCache(TreeCalls):
     """This rank's share of the KV cache of `batch` sequences of up to `max_len` tokens: its kv heads,
-    its slots. The interface of models/cache.KVCache for the model's decode calls (begin, layer,
+    its slots. The interface of models/kv_cache.KVCache for the model's decode calls (begin, layer,
     end, lengths); prefill writes it through ShardedGeneration."""
 
     def __init__(self, model, mesh, batch: int, max_len: int, *, dtype=None, device=None):
