@@ -75,7 +75,7 @@ class Tree:
 def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0) -> Tree:
     """The draft's greedy chain of up to k tokens (stop_below: as ModelDrafter.propose), with each
     step's alternatives by the table."""
-    chain, q = drafter.propose(pending, k, GREEDY_PROBS, None, stop_below)
+    chain, q = drafter.propose(pending, k, SOFTMAX_PROBS, None, stop_below)
     tree = Tree([pending], [-1], [0], [])
     parent = 0
     for i, d in enumerate(chain):
@@ -96,7 +96,7 @@ def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: fl
 
 
 # the draft's own distribution (softmax), so confidences are probabilities; choices stay greedy
-GREEDY_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the most likely token)
+SOFTMAX_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the most likely token)
 
 
 def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0,
