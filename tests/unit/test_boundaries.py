@@ -274,7 +274,7 @@ def test_only_comm_calls_collectives():
 @pytest.mark.parametrize("file,line,expected", [
     ("planner/cost.py", "from ..train.trainer import Trainer", "longctx.planner.cost imports longctx.train"),
     ("planner/search.py", "import longctx.train.setup", "longctx.planner.search imports longctx.train.setup"),
-    ("config/load.py", "from ..memory.policies import check_policy", "longctx.config.load imports longctx.memory"),
+    ("config/load.py", "from ..memory.apply_policy import check_policy", "longctx.config.load imports longctx.memory"),
     ("config/rules.py", "from ..job import dims", "longctx.config.rules imports longctx.job"),
     ("models/llama.py", "from ..parallel.context import ring", "longctx.models.llama imports longctx.parallel"),
     ("job/launch.py", "from ..bench.moe import main", "longctx.job.launch imports longctx.bench"),
