@@ -1,5 +1,5 @@
 """train.compile: the token-wise parts compiled (CPU inductor) give the eager gradients under every
-memory policy, share one compiled graph per stage across blocks, and leave the offloader working."""
+memory policy, share one compiled graph per part across blocks, and leave the offloader working."""
 
 import copy
 
@@ -11,7 +11,7 @@ from longctx.memory.apply_policy import apply_memory_policy
 from longctx.models.compile import compile_token_wise_parts
 from probes import loss_and_grads, reference_run
 
-# (checkpoint, offload fraction, block chunk): one of each kind of wrapper around the stages
+# (checkpoint, offload fraction, block chunk): one of each kind of wrapper around the parts
 POLICIES = [("none", 0.0, 0), ("full", 0.0, 0), ("selective", 0.0, 0), ("selective", 0.5, 0), ("selective", 0.5, 24),
             ("full", 0.5, 24)]
 
@@ -22,7 +22,7 @@ def reference():
 
 
 @pytest.mark.parametrize("policy,fraction,chunk", POLICIES)
-def test_compiled_stages_match_eager(reference, policy, fraction, chunk):
+def test_compiled_parts_match_eager(reference, policy, fraction, chunk):
     cfg, base, batch, (ref_loss, ref_grads) = reference
     model = copy.deepcopy(base)
     apply_memory_policy(model.layers, policy, fraction, offload_skip_last=1, block_chunk=chunk)
@@ -50,18 +50,18 @@ def test_blocks_share_the_compiled_graphs(reference):
     cfg, base, batch, _ = reference
     model = copy.deepcopy(base)
     apply_memory_policy(model.layers, "selective", 0.0)
-    # three blocks, two stages: one graph each (parameters are inputs, not constants), no breaks
+    # three blocks, two parts (pre, post): one graph each (parameters are inputs, not constants), no breaks
     assert _graphs(model, batch) == (2, 0)
 
 
-def test_offload_still_moves_the_compiled_stages_tensors(reference):
+def test_offload_still_moves_the_compiled_parts_tensors(reference):
     cfg, base, batch, _ = reference
     model = copy.deepcopy(base)
     offloader = apply_memory_policy(model.layers, "selective", 1.0, offload_skip_last=1)
     # the offloaded blocks (under saved-tensor hooks) and the last one (without) compile apart
     assert _graphs(model, batch) == (4, 0)
     loss = model(*batch[:3], labels=batch[3])
-    # the compiled stages' saved activations still go through the offloader's hooks: two of three
+    # the compiled parts' saved activations still go through the offloader's hooks: two of three
     # blocks offloaded, each with its norm, MLP and attention tensors on the host (as eager)
     assert len(offloader.host_storage_ptrs()) >= 2 * 10
     loss.backward()
