@@ -9,6 +9,7 @@ from longctx.config import (
     to_dict,
     to_toml,
 )
+from longctx.config.resume import load_run_config
 from longctx.errors import ConfigError
 
 
@@ -133,13 +134,24 @@ def test_offload_fraction_is_a_number_or_the_word_auto(tmp_path):
         load_config(p)
 
 
-def test_a_renamed_key_is_read_from_a_file_and_refused_as_a_flag(tmp_path):
-    """parallel.split became parallel.seq_balance ('split' is the data store's train/eval split): an
-    older config file (a run's saved config.toml) still loads, a flag typed with the old name says the new one."""
+def test_a_renamed_key_is_refused_naming_the_new_one_but_a_saved_run_still_resumes(tmp_path):
+    """parallel.split became parallel.seq_balance ('split' is the data store's train/eval split): a
+    flag or a config file with the old name stops before any work with a message that names the new
+    key; a run's own config.toml saved before the rename still resumes, read under the new name."""
     old = tmp_path / "old.toml"
     old.write_text('[parallel]\nsplit = "zigzag"\n')
-    assert load_config(old).parallel.seq_balance == "zigzag"
+    with pytest.raises(ConfigError, match=r"parallel.split in '.*old.toml' is now called parallel.seq_balance .*"
+                                          r"seq_balance = \.\.\. in its \[parallel\] table"):
+        load_config(old)
     with pytest.raises(ConfigError, match=r"parallel.split is now called parallel.seq_balance .*"
                                           r"--parallel.seq_balance="):
         load_config(overrides=["--parallel.split=zigzag"])
     assert load_config(overrides=["--parallel.seq_balance=zigzag"]).parallel.seq_balance == "zigzag"
+
+    run = tmp_path / "run"  # a run saved before the rename: its config.toml says split
+    run.mkdir()
+    text = to_toml(load_config(None, ["--parallel.seq_balance=zigzag", "--train.steps=4"]))
+    assert text.count("seq_balance = ") == 1
+    (run / "config.toml").write_text(text.replace("seq_balance = ", "split = "))
+    cfg, resumed = load_run_config(None, [f"--train.run_dir={run}", "--checkpoint.resume=auto"], False)
+    assert cfg.parallel.seq_balance == "zigzag" and resumed.changes == []

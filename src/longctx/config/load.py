@@ -103,13 +103,20 @@ def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     return text
 
 
-# keys that were renamed: {(section, old name): new name}. A TOML file that still uses an old name (a
-# run's saved config.toml, a config written before) is read as if it used the new one; a flag typed
-# now with the old name is an error that names the new one.
+# keys that were renamed: {(section, old name): new name}. An old name a user gives, as a flag or in
+# a config file, is an error that names the new one, before any work; only a run's own saved
+# config.toml, written before the rename, is read as if it used the new name, so that a resume goes on.
 RENAMED_KEYS = {("parallel", "split"): "seq_balance"}  # 'split' means the data store's train/eval split
 
 
-def _renamed(section: str, values: dict[str, Any]) -> dict[str, Any]:
+def _renamed(section: str, values: dict[str, Any], path, saved_run: bool) -> dict[str, Any]:
+    """`values` of [section] in the file `path` with renamed keys under their new names (saved_run), or
+    a ConfigError naming the first old key and its new name."""
+    for k in values:
+        if (section, k) in RENAMED_KEYS and not saved_run:
+            new = RENAMED_KEYS[section, k]
+            raise ConfigError(f"{section}.{k} in '{path}' is now called {section}.{new} (the same values); "
+                              f"write {new} = ... in its [{section}] table instead.")
     return {RENAMED_KEYS.get((section, k), k): v for k, v in values.items()}
 
 
@@ -184,8 +191,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict 
     return build_config(read_raw(path, overrides))
 
 
-def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> dict:
-    """{section: {key: value}} as given by an optional TOML file and overrides on top, unresolved."""
+def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None, *,
+             saved_run: bool = False) -> dict:
+    """{section: {key: value}} as given by an optional TOML file and overrides on top, unresolved.
+    `saved_run`: the file is a run's own saved config.toml (renamed keys read under their new names)."""
     raw: dict[str, dict[str, Any]] = {}
     if path is not None:
         data = read_toml(path, "config file", "Pass an existing TOML file, e.g. configs/debug.toml.")
@@ -195,7 +204,7 @@ def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | N
                     f"top-level key '{section}' in '{path}' must be a [section] table; "
                     f"valid sections: {', '.join(SECTIONS)}."
                 )
-            raw.setdefault(section, {}).update(_renamed(section, _flatten_tables(values)))
+            raw.setdefault(section, {}).update(_renamed(section, _flatten_tables(values), path, saved_run))
     if overrides:
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         for section, values in parsed.items():

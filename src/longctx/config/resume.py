@@ -79,7 +79,9 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     run_dir = saved_run_dir(given)
     if run_dir is None:
         return build_config(given), None
-    saved = read_raw(run_dir / "config.toml")  # (its sub-tables, such as [model.moe], flattened as given ones are)
+    # (its sub-tables, such as [model.moe], flattened as given ones are; keys renamed since it was written,
+    # config/load.py RENAMED_KEYS, read under their new names)
+    saved = read_raw(run_dir / "config.toml", saved_run=True)
     base = _merge(saved, {})
     if layout_given:
         for key in LAYOUT_KEYS:
