@@ -9,7 +9,7 @@ from ..config import Config
 from .checks import check_layout
 from .devices import resolve_device
 from .host_malloc import keep_freed_blocks
-from .launch import init_distributed
+from .launch import init_distributed, init_one_rank_group
 from .runtime import Runtime
 
 
@@ -19,6 +19,8 @@ def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
     if device.type == "cpu":  # freed activations reused, not faulted in again each step (host_malloc.py)
         keep_freed_blocks()
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
+    if world == 1 and cfg.memory.model_states != "device":  # model states in host memory: FSDP2's offload
+        init_one_rank_group(device.type)
     check_layout(cfg, world)
     rt = Runtime.create(cfg, rank, world, device.type)
     return rt, (rt.device if device.type == "cuda" else device)

@@ -85,6 +85,18 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
 _CREATED = False  # whether init_distributed created the default group (then finish_distributed ends it)
 
 
+def init_one_rank_group(device_type: str) -> None:
+    """A process group of this process alone, for what needs one at world 1 (FSDP2, under
+    memory.model_states = host: its CPU offload is FSDP's); ended by finish_distributed like a
+    launched job's. Its store is in memory: nothing listens on a port."""
+    global _CREATED
+    if dist.is_initialized():
+        return
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    _CREATED = True
+
+
 def finish_distributed() -> None:
     """End the process groups init_distributed created, after a job that succeeded: every rank first
     waits for the others, so that no rank tears down connections a slower one is still using, then

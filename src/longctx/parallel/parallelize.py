@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from ..job import comm
@@ -152,8 +152,8 @@ def parallelize(model, dims, cfg, mesh, device_type: str = "cpu"):
     # 3. regional compilation of the token-wise parts (the memory policies call them; see models/compile.py)
     if cfg.train.compile:
         compile_token_wise_parts(model.layers)
-    # 4. hybrid ZeRO, the blocks in gradient buckets
-    if dims.world_size > 1:
+    # 4. hybrid ZeRO, the blocks in gradient buckets (at world 1 too when the states live in host memory)
+    if uses_fsdp(dims, cfg):
         shard_model(model, dims, cfg, device_type)
     return model
 
@@ -164,6 +164,7 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     (`model.grad_reduce_timers`). Under expert parallelism a bucket's expert weights form a unit of
     their own over the expert-data group, sharded on their second dim (the first is the expert group's)."""
     shard_mesh, mp, t = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype), cfg.train
+    offload = states_offload(cfg, device_type)
     seq = t.seq_len
     sequences = max(1, t.global_batch // max(t.grad_accum, 1) // (dims.world_size // (dims.head * dims.ctx)))
     tokens = sequences * seq // (dims.head * dims.ctx)  # per rank and micro-batch
@@ -176,10 +177,10 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         experts = [b.feed_forward.experts for b in blocks
                    if expert_mesh is not None and isinstance(b.feed_forward, MoEFeedForward)]
         if experts:
-            units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp,
+            units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
                                      shard_placement_fn=lambda p: Shard(1)))
-        units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp))
-    fully_shard(model, mesh=shard_mesh, mp_policy=mp)
+        units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload))
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
     model.grad_bucket_plan = plan
     model.grad_reduce_timers = time_reduce_scatters(units, model)
 
@@ -210,12 +211,30 @@ def parallelize_draft(model, dims, cfg, mesh, device_type: str = "cpu"):
             layer.self_attention.core = chunked_core(layer.self_attention.core, mem.attention_chunk, False)
     apply_glide_memory_policy(model.draft.layers, mem.recompute)
     model.loss_chunk = mem.loss_chunk
-    if dims.world_size > 1:
+    if uses_fsdp(dims, cfg):
         shard_mesh, mp = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype)
+        offload = states_offload(cfg, device_type)
         for layer in model.draft.layers:
-            fully_shard(layer, mesh=shard_mesh, mp_policy=mp)
-        fully_shard(model, mesh=shard_mesh, mp_policy=mp)
+            fully_shard(layer, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
     return model
+
+
+def uses_fsdp(dims, cfg) -> bool:
+    """FSDP2 wraps the model under more than one rank, and at world 1 when memory.model_states puts
+    the states in host memory (its CPU offload is FSDP's; join_job made the one-rank group)."""
+    return dims.world_size > 1 or cfg.memory.model_states != "device"
+
+
+def states_offload(cfg, device_type: str) -> OffloadPolicy:
+    """memory.model_states = host: FSDP2's CPUOffloadPolicy. Each unit's sharded fp32 parameters,
+    gradients and (the optimizer being built on them) AdamW moments live in host memory; the unit's
+    all-gather brings its parameters to the device for forward and again for backward, and its
+    reduce-scatter's gradient shard is copied back to the host. Pinned host memory on CUDA (copies
+    that overlap), plain memory on CPU, where host and device are one memory and the copies are none."""
+    if cfg.memory.model_states == "host":
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    return OffloadPolicy()
 
 
 def mixed_precision(device_type: str, dtype: str) -> MixedPrecisionPolicy:

@@ -1,0 +1,101 @@
+"""memory.model_states = host (FSDP2's CPU offload: fp32 weights, gradients and AdamW moments in host
+memory) against `device`, step by step (issue 49): at world 1 (a one-rank FSDP job), under head 2 x
+ctx 2, and for debug-moe under expert 2 x ctx 2; and a checkpoint saved under one tier resumed
+under the other, against the uninterrupted run. On CPU host and device are one memory, so the
+offload's copies are none and the code path is FSDP's offload one: the losses must be the same."""
+
+import pytest
+
+from longctx.config import load_config
+from longctx.job.spawn import run_spawned_many
+from longctx.train.trainer import train
+
+STEPS = 10
+BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
+        "--train.seq_len=256", "--train.warmup_steps=2", f"--train.steps={STEPS}"]
+TOLERANCE = 1e-6
+
+
+def _losses(args, run_dir):
+    cfg = load_config("configs/debug.toml", [*BASE, *args, f"--train.run_dir={run_dir}"])
+    return train(cfg, log=lambda *a, **k: None).losses
+
+
+def _resumed(first_tier, then_tier, run_dir):
+    """STEPS steps under `first_tier`, saved every STEPS / 2; then its middle checkpoint resumed under
+    `then_tier` up to STEPS (the same schedule as one run: train.steps is STEPS in both)."""
+    half = ["--checkpoint.interval", str(STEPS // 2)]
+    _losses([*half, f"--memory.model_states={first_tier}"], run_dir)
+    middle = f"{run_dir}/checkpoints/step-{STEPS // 2:08d}"
+    return _losses([*half, f"--memory.model_states={then_tier}", f"--checkpoint.resume={middle}"], run_dir)
+
+
+def _offloaded(tier, run_dir):
+    """(every parameter an FSDP shard, every FSDP unit offloaded to the host) of the model a run builds."""
+    from torch.distributed.tensor import DTensor
+
+    from longctx.train.trainer import Trainer
+
+    cfg = load_config("configs/debug.toml", [*BASE, f"--memory.model_states={tier}", f"--train.run_dir={run_dir}"])
+    model = Trainer(cfg, log=lambda *a, **k: None).model
+    units = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    offloaded = [p.offload_to_cpu for u in units for g in [u._get_fsdp_state()._fsdp_param_group] if g is not None
+                 for p in g.fsdp_params]
+    return all(isinstance(p, DTensor) for p in model.parameters()), bool(offloaded) and all(offloaded)
+
+
+def _jobs(base, layouts):
+    jobs = []
+    for name, args in layouts.items():
+        for tier in ("device", "host"):
+            run_dir = f"{base}/{name}-{tier}"
+            jobs.append((f"{name} {tier}", _losses, ([*args, f"--memory.model_states={tier}"], run_dir)))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    base = tmp_path_factory.mktemp("states1")
+    jobs = _jobs(base, {"world1": []})
+    jobs += [("host built", _offloaded, ("host", f"{base}/built-host")),
+             ("device built", _offloaded, ("device", f"{base}/built-device")),
+             ("host -> device", _resumed, ("host", "device", f"{base}/resume-a")),
+             ("device -> host", _resumed, ("device", "host", f"{base}/resume-b"))]
+    return run_spawned_many(1, jobs)
+
+
+@pytest.fixture(scope="module")
+def two_and_four_ranks(tmp_path_factory):
+    base = tmp_path_factory.mktemp("states24")
+    return {**run_spawned_many(4, _jobs(base, {"head2-ctx2": ["--parallel.head=2", "--parallel.ctx=2"]})),
+            **run_spawned_many(2, _jobs(base, {"moe expert2-ctx2": ["--model.preset=debug-moe", "--parallel.expert=2",
+                                                                     "--parallel.ctx=2"]}))}
+
+
+def _close(a, b):
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+def test_host_states_are_fsdp_shards_offloaded_even_at_world_1(one_rank):
+    assert one_rank["host built"] == [(True, True)]
+    assert one_rank["device built"] == [(False, False)]  # (world 1, device: the plain model, no FSDP)
+
+
+def test_host_states_train_as_device_states_at_world_1(one_rank):
+    (device,), (host,) = one_rank["world1 device"], one_rank["world1 host"]
+    assert len(device) == STEPS and _close(device, host) <= TOLERANCE
+
+
+@pytest.mark.parametrize("first", ["host -> device", "device -> host"])
+def test_a_checkpoint_resumes_under_the_other_tier(one_rank, first):
+    (uninterrupted,) = one_rank["world1 device"]
+    (resumed,) = one_rank[first]
+    assert len(resumed) == STEPS // 2 and _close(resumed, uninterrupted[STEPS // 2:]) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["head2-ctx2", "moe expert2-ctx2"])
+def test_host_states_train_as_device_states_under_layouts(two_and_four_ranks, layout):
+    device, host = two_and_four_ranks[f"{layout} device"], two_and_four_ranks[f"{layout} host"]
+    for rank_device, rank_host in zip(device, host):
+        assert len(rank_device) == STEPS and _close(rank_device, rank_host) <= TOLERANCE, layout
