@@ -1,4 +1,4 @@
-"""Balance of the context split under document masks: zigzag vs docs_balanced_indices.
+"""Balance of the context layout under document masks (parallel.seq_balance): zigzag vs docs_balanced_indices.
 
 Work of a ctx rank = visible (query, key) pairs of its tokens (causal, same document). For each
 sample of a packed store and each (ctx, head): max / mean rank work, contiguous same-document runs

@@ -136,7 +136,7 @@ def test_bf16_merge_stays_within_bf16_rounding(spawned):
 
 
 # ----------------------------------------------------------------------------------------------
-# Packed documents in a SequenceLayout (plan_layout): both splits, random documents
+# Packed documents in a SequenceLayout (plan_layout): both seq_balance choices (docs, zigzag), random documents
 
 
 def random_docs(seq, seed):
@@ -165,8 +165,8 @@ def run_layout_cases(world, seq, cases):
 
     results = []
     meshes = {}
-    refs = {}  # the single-device reference of a (kv, seed) input, the same for every layout and split
-    for head, ctx, window, placement, kv, split, seed in cases:
+    refs = {}  # the single-device reference of a (kv, seed) input, the same for every layout and balance
+    for head, ctx, window, placement, kv, balance, seed in cases:
         key = (head, ctx, window, placement)  # a Double-Ring window opens its outer lane with the mesh
         if key not in meshes:
             meshes[key] = ParallelDims(dp_shard=1, head=head, ctx=ctx, window=window, placement=placement,
@@ -181,7 +181,7 @@ def run_layout_cases(world, seq, cases):
             ref, _ = attention(qr, kr, vr, causal=True, q_doc=doc, k_doc=doc)
             refs[kv, seed] = ref, torch.autograd.grad((ref * dout).sum(), (qr, kr, vr))
         ref, ref_grads = refs[kv, seed]
-        layout = plan_layout(doc, ctx, head, balance=split)
+        layout = plan_layout(doc, ctx, head, balance=balance)
         ql, kl, vl = (layout.shard(t, mesh).requires_grad_() for t in (q, k, v))
         comm.reset_counters()
         out = distributed_attention(ql, kl, vl, mesh, causal=True, doc_ids=layout.shard(doc, mesh), layout=layout)
@@ -189,7 +189,7 @@ def run_layout_cases(world, seq, cases):
         sent = comm.counters()
         expected = attention_bytes(seq=seq, batch=B, heads=H, kv_heads=kv, head_dim=D, head=head, ctx=ctx, elem=4)
         full_out = layout.unshard(out.detach(), mesh)  # the exact inverse of shard
-        results.append(((head, ctx, window, placement, kv, split, seed),
+        results.append(((head, ctx, window, placement, kv, balance, seed),
                         (full_out - ref).abs().max().item(),
                         max((g - layout.shard(r, mesh)).abs().max().item() for g, r in zip(grads, ref_grads)),
                         sent == expected, f"sent {sent}, expected {expected}"))
@@ -197,9 +197,9 @@ def run_layout_cases(world, seq, cases):
 
 
 def layout_cases(world):
-    return [(head, ctx, window, placement, kv, split, seed)
+    return [(head, ctx, window, placement, kv, balance, seed)
             for head, ctx, window, placement in layouts(world) if ctx > 1
-            for kv, split, seed in ((2, "docs", 1), (H, "zigzag", 2), (1, "docs", 3))]
+            for kv, balance, seed in ((2, "docs", 1), (H, "zigzag", 2), (1, "docs", 3))]
 
 
 DOC_SEQ = {4: 512, 8: 4096}  # world -> sequence length of the packed-document cases

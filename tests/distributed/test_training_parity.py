@@ -96,30 +96,30 @@ def short_docs(tmp_path_factory):
 PACKED = [("head2-ctx2", "docs"), ("ctx4-window2", "docs"), ("dp2-ctx2", "docs"), ("head2-ctx2", "zigzag")]
 
 
-def _packed(short_docs, split):
-    return [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.seq_balance={split}"]
+def _packed(short_docs, balance):
+    return [f"--data.corpus={short_docs}", "--data.max_docs=0", "--train.steps=8", f"--parallel.seq_balance={balance}"]
 
 
 @pytest.fixture(scope="module")
 def packed_single(tmp_path_factory, short_docs):
-    """packed_single(split) -> the single process's losses on the short documents (one run per split,
-    on first use: the layouts of one split compare with the same run)."""
+    """packed_single(balance) -> the single process's losses on the short documents (one run per balance,
+    on first use: the layouts of one balance compare with the same run)."""
     done = {}
 
-    def get(split):
-        if split not in done:
-            done[split] = _train_losses([*BASE, *_packed(short_docs, split)], tmp_path_factory.mktemp("single"))
-        return done[split]
+    def get(balance):
+        if balance not in done:
+            done[balance] = _train_losses([*BASE, *_packed(short_docs, balance)], tmp_path_factory.mktemp("single"))
+        return done[balance]
 
     return get
 
 
-@pytest.mark.parametrize("layout,split", PACKED)
-def test_packed_documents_train_identically(layout, split, short_docs, packed_single, spawned):
-    single = packed_single(split)
+@pytest.mark.parametrize("layout,balance", PACKED)
+def test_packed_documents_train_identically(layout, balance, short_docs, packed_single, spawned):
+    single = packed_single(balance)
     world = LAYOUTS[layout][0]
-    losses, seconds = spawned(world)[f"{layout} packed {split}"]
-    print(f"{layout} packed {split}: {seconds:.1f}s in a {world}-rank job")
+    losses, seconds = spawned(world)[f"{layout} packed {balance}"]
+    print(f"{layout} packed {balance}: {seconds:.1f}s in a {world}-rank job")
     # the samples really are packed with many documents
     from longctx.data.builder.corpus import read_documents
 
@@ -145,8 +145,8 @@ def _jobs(world, short_docs):
                                      "--memory.recompute=selective", "--memory.offload_fraction=0.5",
                                      *LAYOUTS["head2-ctx2"][1]]),
         ]
-    jobs += [(f"{layout} packed {split}", [*BASE, *_packed(short_docs, split), *LAYOUTS[layout][1]])
-             for layout, split in PACKED if LAYOUTS[layout][0] == world]
+    jobs += [(f"{layout} packed {balance}", [*BASE, *_packed(short_docs, balance), *LAYOUTS[layout][1]])
+             for layout, balance in PACKED if LAYOUTS[layout][0] == world]
     return jobs
 
 

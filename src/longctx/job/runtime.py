@@ -4,7 +4,7 @@ One object answers: which rank am I, on which mesh of degrees (dims), which data
 global batch are mine, and how do per-rank numbers become job numbers (sum, max, broadcast, the
 bytes sent per mesh dim). With one process every method is the identity, so the loop has a single
 code path. How a rank's part of each sequence is cut over head x ctx is context parallelism's
-business (parallel/context/shares.py), which reads the mesh and `split` from here.
+business (parallel/context/shares.py), which reads the mesh and `seq_balance` from here.
 """
 
 from __future__ import annotations

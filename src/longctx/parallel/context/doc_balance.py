@@ -9,7 +9,7 @@ few documents does up to ~2x the mean.
 
 `docs_balanced_indices` (pure numpy, deterministic, ~1-5 ms per call):
 
-1. long documents are split head-tail: cut into 2 ctx near-equal chunks, rank i takes chunks i and
+1. long documents are cut head-tail: into 2 ctx near-equal chunks, rank i takes chunks i and
    2 ctx - 1 - i, so every rank gets the same share of that document's work (the rounding tokens go
    round-robin over the ranks, so the token counts stay within one of each other). Long = largest
    first, while a document's work exceeds `alpha` x the per-rank share of the work of itself and all
@@ -92,19 +92,19 @@ class _Pieces:
 
 
 def _num_long(Wd: np.ndarray, ctx: int, alpha: float) -> int:
-    """How many of the documents (work Wd, decreasing) are split head-tail for threshold `alpha`."""
+    """How many of the documents (work Wd, decreasing) are cut head-tail for threshold `alpha`."""
     pool = np.cumsum(Wd[::-1].astype(np.float64))[::-1]
     small = np.flatnonzero(Wd <= alpha * pool / ctx)
     return int(small[0]) if small.size else len(Wd)
 
 
 def _assign(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, ctx: int, room: int, n_long: int):
-    """One assignment, the n_long longest documents split head-tail: (pieces [n, 4] sorted by rank and
+    """One assignment, the n_long longest documents cut head-tail: (pieces [n, 4] sorted by rank and
     start, work per rank [ctx]). `order`: documents by decreasing length (ties: position order)."""
     L = lengths[order]
     Wd = _tri(L)
     share = float(Wd.sum()) / ctx
-    long_pieces, work, cap = _split_head_tail(starts, lengths, order[:n_long], ctx, room)
+    long_pieces, work, cap = _cut_head_tail(starts, lengths, order[:n_long], ctx, room)
     # 2. whole documents, largest first, to the least projected final work
     short, Ws = order[n_long:], Wd[n_long:]
     n_greedy = min(GREEDY_DOCS_MAX, int(np.searchsorted(-Ws, -TINY * share, side="right")))
@@ -121,7 +121,7 @@ def _assign(starts: np.ndarray, lengths: np.ndarray, order: np.ndarray, ctx: int
     return pieces.arrays(extra_pieces), np.asarray(work, dtype=np.int64)
 
 
-def _split_head_tail(starts, lengths, lg, ctx: int, room: int):
+def _cut_head_tail(starts, lengths, lg, ctx: int, room: int):
     """Step 1, vectorised: documents `lg` cut into 2 ctx chunks, rank i taking chunks i and 2 ctx - 1 - i;
     extra (rounding) tokens go to ranks ptr, ptr + 1, ... (early chunks first, then late ones), ptr
     running on over the documents. (pieces [n, 4], work per rank, room left per rank)."""
