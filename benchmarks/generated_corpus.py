@@ -2,7 +2,7 @@
 
 Documents are topical word sequences: each topic draws from its own Zipf-ranked slice of a shared
 vocabulary of made-up words (so TF-IDF embeddings and clusters have structure to find), with line
-breaks and blank lines (so long documents have natural split points). Lengths are log-normal, from
+breaks and blank lines (so long documents have natural cut points). Lengths are log-normal, from
 a few hundred bytes to about a megabyte. A known fraction of documents are planted duplicates:
 exact copies (with the whitespace changed, which exact dedup normalises away) and near copies
 (a few words changed, true shingle Jaccard well above 0.8). Written as `.jsonl` files of about

@@ -12,9 +12,9 @@ from longctx.data.builder.pack import (
     LENGTH,
     SAMPLE,
     START,
+    cut_points,
     pack,
     packing_stats,
-    split_points,
 )
 from longctx.errors import DataError
 
@@ -68,7 +68,7 @@ def test_every_token_exactly_once_in_order(lengths, seq_len, seed, strategy):
 
 @settings(max_examples=40, deadline=None)
 @given(lengths=doc_sets, seq_len=st.integers(min_value=8, max_value=128), seed=st.integers(0, 10_000))
-def test_bfd_and_datasculpt_split_only_documents_longer_than_seq_len(lengths, seq_len, seed):
+def test_bfd_and_datasculpt_cut_only_documents_longer_than_seq_len(lengths, seq_len, seed):
     rng = np.random.default_rng(seed)
     emb = random_embeddings(len(lengths), rng)
     for strategy in ("bfd", "datasculpt"):
@@ -95,16 +95,16 @@ def test_bfd_is_best_fit_decreasing():
     assert groups == [[2, 3, 5], [4, 6]]
 
 
-def test_split_points_prefer_natural_boundaries():
+def test_cut_points_prefer_natural_boundaries():
     # 1500 tokens, seq_len 640: line starts every 7 tokens, paragraphs at 635 and 1270 (inside the
     # last 1/64 of their samples) and at 100 (too early: the piece would waste most of a sample)
     breaks = np.arange(7, 1500, 7)
-    assert split_points(1500, 640, breaks, np.array([100, 635, 1270])) == [0, 635, 1270, 1500]
+    assert cut_points(1500, 640, breaks, np.array([100, 635, 1270])) == [0, 635, 1270, 1500]
     # no paragraph near the sample's end: the last line start in its second half
-    assert split_points(1500, 640, breaks, np.array([100]))[:2] == [0, 637]
+    assert cut_points(1500, 640, breaks, np.array([100]))[:2] == [0, 637]
     # no boundary at all: hard cuts at seq_len
-    assert split_points(1500, 640) == [0, 640, 1280, 1500]
-    assert split_points(640, 640) == [0, 640]
+    assert cut_points(1500, 640) == [0, 640, 1280, 1500]
+    assert cut_points(640, 640) == [0, 640]
 
 
 def test_datasculpt_groups_related_documents_and_stays_full():

@@ -1,6 +1,6 @@
 """From scanned shards to a store part: dedup -> embed -> cluster -> split -> pack -> publish, in bounded memory.
 
-The scan (scan.py) left every document's text, tokens, split points, hashes and head features on
+The scan (scan.py) left every document's text, tokens, cut points, hashes and head features on
 disk. `Assembly` reads them back in input order, one method per stage, and keeps in memory only
 what grows slowly with the corpus: a byte or two per document (kept, split), 8 bytes per exact
 hash and 12 per LSH band for dedup, the k-means centroids. Everything that grows with the tokens

@@ -2,7 +2,7 @@
 
 A document is held out when the hash of its name says so: stable when documents are added or
 removed, and the same rule the trainer has always used. A document longer than a sample is cut
-into sample-sized pieces (pack.py `split_points`) and each piece is held out by the hash of
+into sample-sized pieces (pack.py `cut_points`) and each piece is held out by the hash of
 `name#piece`: otherwise a corpus of long documents (a few books, a repository's largest files)
 leaves the eval split empty even though most of its tokens could have gone there. When the hash
 holds out nothing at all, the piece with the lowest hash is (`split_items`), so an eval fraction
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .pack import split_points
+from .pack import cut_points
 from .scan import ScannedCorpus
 
 # where a kept document went (the store's docs.jsonl says it as SPLIT_OF[where])
@@ -99,9 +99,9 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
 
 
 def _cuts(corpus: ScannedCorpus, scanned: int, length: int, seq_len: int) -> list[int]:
-    """The piece boundaries of scanned document `scanned` (pack.split_points at its line breaks)."""
-    return split_points(length, seq_len, corpus.get("breaks", scanned).astype(np.int64),
-                        corpus.get("strong", scanned).astype(np.int64))
+    """The piece boundaries of scanned document `scanned` (pack.cut_points at its line breaks)."""
+    return cut_points(length, seq_len, corpus.get("breaks", scanned).astype(np.int64),
+                      corpus.get("strong", scanned).astype(np.int64))
 
 
 def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: ScannedCorpus, scanned: int, length: int,

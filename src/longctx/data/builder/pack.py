@@ -2,7 +2,7 @@
 datasculpt.
 
 Input: per document its token count (EOS included: a document's tokens are its text's tokens
-followed by one EOS), optionally its natural split points and a unit-norm embedding and a cluster.
+followed by one EOS), optionally its natural cut points and a unit-norm embedding and a cluster.
 Output: a `Packing`, i.e. segments `(sample, doc, start, length)` in sample order, where a segment
 is the part `[start, start + length)` of document `doc`. Packing never drops, duplicates or reorders
 a document's tokens: concatenating a document's segments in (sample, offset) order gives back the
@@ -11,7 +11,7 @@ document (this is what the property tests check).
 - `concat`: the classic baseline. Documents in input order, concatenated and cut every `seq_len`
   tokens, so most documents that cross a cut are split, wherever the cut falls.
 - `bfd`: best-fit decreasing by length. Documents longer than `seq_len` are first cut into
-  sample-sized pieces at natural boundaries (`split_points`); no other document is split.
+  sample-sized pieces at natural boundaries (`cut_points`); no other document is split.
 - `datasculpt` (after DataSculpt, Lu et al. 2024): within each semantic cluster, the longest
   documents first, each into the sample that maximises relevance (cosine between the document and
   the sample's running centroid) times remaining capacity, never overflowing a sample. Each cluster
@@ -54,8 +54,8 @@ class Packing:
 # Splitting documents longer than seq_len
 
 
-def split_points(length: int, seq_len: int, breaks: np.ndarray | None = None,
-                 strong: np.ndarray | None = None) -> list[int]:
+def cut_points(length: int, seq_len: int, breaks: np.ndarray | None = None,
+               strong: np.ndarray | None = None) -> list[int]:
     """Piece boundaries `[0, b1, ..., length]` cutting a document into pieces of at most `seq_len`.
 
     `breaks` are sorted token offsets where a new line starts, `strong` those after a blank line
@@ -88,7 +88,7 @@ def _pieces(lengths: np.ndarray, seq_len: int, breaks, strong) -> list[tuple[int
         if n <= seq_len:
             out.append((d, 0, n))
             continue
-        cuts = split_points(n, seq_len, None if breaks is None else breaks[d], None if strong is None else strong[d])
+        cuts = cut_points(n, seq_len, None if breaks is None else breaks[d], None if strong is None else strong[d])
         out.extend((d, a, b - a) for a, b in zip(cuts[:-1], cuts[1:]))
     return out
 
@@ -378,13 +378,13 @@ def packing_stats(p: Packing, num_docs: int, embeddings: np.ndarray | None = Non
     # a document is split when its tokens lie in more than one sample
     pairs = np.unique(segs[:, [DOC, SAMPLE]], axis=0) if len(segs) else np.zeros((0, 2), np.int64)
     samples_per_doc = np.bincount(pairs[:, 0], minlength=num_docs) if len(pairs) else np.zeros(num_docs)
-    split = float((samples_per_doc > 1).sum() / num_docs) if num_docs else 0.0
+    docs_cut = float((samples_per_doc > 1).sum() / num_docs) if num_docs else 0.0
     docs_per_sample = np.bincount(pairs[:, 1], minlength=p.num_samples) if len(pairs) else np.zeros(0)
     stats = {
         "samples": int(p.num_samples),
         "tokens": tokens,
         "fill_rate": float(fill),
-        "split_fraction": split,
+        "split_fraction": docs_cut,  # (the stored name: documents cut over more than one sample)
         "docs_per_sample": float(docs_per_sample.mean()) if p.num_samples else 0.0,
     }
     if embeddings is not None and len(pairs):

@@ -68,7 +68,7 @@ class SplitWriter:
         self.segments = spill.NpyAppender(part / f"{split}.segments.npy", np.int64, (5,))
         self.pointer = [0]
         self.samples = 0
-        self.stats = {"tokens": 0, "docs": 0, "split_docs": 0, "pairs": 0, "hom_sum": 0.0, "hom_n": 0}
+        self.stats = {"tokens": 0, "docs": 0, "cut_docs": 0, "pairs": 0, "hom_sum": 0.0, "hom_n": 0}
 
     def write(self, packing: Packing, item_doc: np.ndarray, item_start: np.ndarray,
               vector_of: dict | None) -> None:
@@ -101,7 +101,7 @@ class SplitWriter:
         pairs = np.unique(np.stack([docs, seg[:, SAMPLE]], 1), axis=0)  # (document, sample), each once
         udocs, per_doc = np.unique(pairs[:, 0], return_counts=True)
         s["docs"] += len(udocs)
-        s["split_docs"] += int((per_doc > 1).sum())
+        s["cut_docs"] += int((per_doc > 1).sum())
         s["pairs"] += len(pairs)
         if vector_of is not None and len(pairs):
             local = np.searchsorted(udocs, pairs[:, 0])
@@ -120,7 +120,7 @@ class SplitWriter:
         stats = {
             "samples": self.samples, "tokens": s["tokens"],
             "fill_rate": s["tokens"] / (self.samples * self.seq_len) if self.samples else 0.0,
-            "split_fraction": s["split_docs"] / s["docs"] if s["docs"] else 0.0,
+            "split_fraction": s["cut_docs"] / s["docs"] if s["docs"] else 0.0,
             "docs_per_sample": s["pairs"] / self.samples if self.samples else 0.0,
         }
         if s["hom_n"] or s["pairs"]:

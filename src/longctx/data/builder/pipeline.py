@@ -1,7 +1,7 @@
 """`longctx data build` and `longctx data merge`: inputs -> scan -> dedup -> embed -> cluster -> pack -> store.
 
 A build streams: the scan (scan.py) reads the inputs shard by shard in worker processes and leaves
-each document's text, tokens, split points, hashes and features on disk in a work directory
+each document's text, tokens, cut points, hashes and features on disk in a work directory
 (`OUT/.build`); the rest (assembly.py) reads them back in input order, a group at a time. So the
 build's memory follows `--max-memory`, not the corpus: it sets how many workers scan at once and
 how many tokens are packed per group.

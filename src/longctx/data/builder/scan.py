@@ -2,7 +2,7 @@
 
 The inputs' files (units) are cut, in input order, into shards of about `SHARD_BYTES` bytes on
 disk. A worker reads a shard as a stream, one document at a time, and does everything a document
-needs on its own: normalise, exact hash, MinHash signature, tokens with their split points, and
+needs on its own: normalise, exact hash, MinHash signature, tokens with their cut points, and
 hashed head features. It writes them to the shard's directory (spill.py files, nothing kept in
 memory) and renames the directory into place when the shard is complete, so an interrupted build
 redoes only the shards that have no directory yet. Everything after the scan (dedup, embed,

@@ -1,4 +1,4 @@
-"""Batched, parallel tokenisation of documents, with the natural split points packing needs.
+"""Batched, parallel tokenisation of documents, with the natural cut points packing needs.
 
 Each document becomes its tokens followed by one EOS (the document's `length` counts it), plus two
 sorted arrays of token offsets where the document could be cut if it is longer than a sample:
