@@ -32,18 +32,18 @@ def test_a_transfer_occupies_each_link_for_latency_plus_bytes_over_bandwidth():
 def _timings(rows_per_peer: int, ranks_per_node: int):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("expert",))["expert"]
     x = torch.ones(2 * rows_per_peer, ROW)
-    splits = [rows_per_peer, rows_per_peer]
-    comm.all_to_all_v(x, mesh, splits, splits)  # warm-up, not emulated
+    rows = [rows_per_peer, rows_per_peer]
+    comm.all_to_all_v(x, mesh, rows, rows)  # warm-up, not emulated
     out = {}
     with emulate(LinkProfile(ranks_per_node=ranks_per_node, **PROFILE)) as emu:
         comm.barrier(mesh)
         t0 = time.monotonic()
-        got = comm.all_to_all_v(x, mesh, splits, splits)
+        got = comm.all_to_all_v(x, mesh, rows, rows)
         out["blocking_s"] = time.monotonic() - t0
         assert torch.equal(got, x)
         comm.barrier(mesh)
         t0 = time.monotonic()
-        pending = comm.all_to_all_v_async(x, mesh, splits, splits)
+        pending = comm.all_to_all_v_async(x, mesh, rows, rows)
         issued = time.monotonic() - t0
         t1 = time.monotonic()
         time.sleep(0.05)  # computation meanwhile
@@ -54,7 +54,7 @@ def _timings(rows_per_peer: int, ranks_per_node: int):
         out["async_exposed_s"] = emu.exposed_s - before
         comm.barrier(mesh)
         t0 = time.monotonic()
-        first, second = (comm.all_to_all_v_async(x, mesh, splits, splits) for _ in range(2))
+        first, second = (comm.all_to_all_v_async(x, mesh, rows, rows) for _ in range(2))
         first.wait()
         second.wait()
         out["two_s"] = time.monotonic() - t0

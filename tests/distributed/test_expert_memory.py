@@ -7,7 +7,7 @@
 - model states: what a rank holds of small-moe's parameters, gradients and AdamW state at expert 1
   and 4, under FSDP over the 4 ranks and under replication, against planner.model_states (with FSDP
   over every rank the states at rest are 1 / world at either degree: what expert parallelism
-  saves there is the gathered working set, test_expert_parallel's split-not-copied test).
+  saves there is the gathered working set, test_expert_parallel's sharded-not-copied test).
 """
 
 import os

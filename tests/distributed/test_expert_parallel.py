@@ -251,7 +251,7 @@ def test_expert_degree_must_divide_the_world():
         ParallelDims(dp_shard=-1, world_size=6, expert=4)
 
 
-def test_expert_weights_are_split_not_copied(spawned):
+def test_expert_weights_are_sharded_not_copied(spawned):
     """What a rank holds of the expert weights, at rest (its FSDP shard) and while a layer runs (FSDP's
     unsharded weights): at expert 4 the forward holds a quarter of the experts; at rest the shards
     over the 4 ranks add up to the model's experts exactly once either way."""

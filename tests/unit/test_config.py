@@ -104,7 +104,7 @@ def test_an_old_key_is_an_unknown_key_listing_the_valid_ones(tmp_path, old, new)
         load_config(path)
 
 
-def test_global_batch_must_split_into_micro_batches():
+def test_global_batch_must_divide_into_micro_batches():
     with pytest.raises(ConfigError, match="divisible by train.grad_accum"):
         load_config(overrides=["--train.global_batch=6", "--train.grad_accum=4"])
     assert load_config(overrides=["--train.global_batch=8", "--train.grad_accum=4"]).train.global_batch == 8

@@ -260,7 +260,7 @@ def test_store_holds_each_surviving_document_exactly_once(tmp_path_factory, size
                     assert s[:, S_LENGTH].sum() <= seq_len
 
 
-def test_long_document_is_split_at_line_boundaries_and_counted(tmp_path):
+def test_long_document_is_cut_at_line_boundaries_and_counted(tmp_path):
     rng = random.Random(3)
     long_doc = text_doc(rng, 1200)  # ~10x the seq_len below
     write_corpus(tmp_path / "in", [long_doc, text_doc(rng, 20), text_doc(rng, 30)])

@@ -24,7 +24,7 @@ def test_default_layout_by_heads():
     assert default_layout(2, heads=9, kv_heads=3) == {"ctx": 2}
 
 
-def test_a_head_degree_that_does_not_split_the_heads_names_what_would():
+def test_a_head_degree_that_does_not_divide_the_heads_names_what_would():
     with pytest.raises(ConfigError) as e:
         load_config(overrides=["--model.heads=9", "--model.kv_heads=3", "--model.dim=72", "--parallel.head=2",
                                "--parallel.ctx=2", "--train.seq_len=64"])

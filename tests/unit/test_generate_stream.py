@@ -67,7 +67,7 @@ def test_pieces(pieces, stops, want, monkeypatch, capsys):
     assert shown == text
 
 
-def test_utf8_split_over_byte_tokens(monkeypatch, capsys):
+def test_utf8_characters_over_several_byte_tokens(monkeypatch, capsys):
     tok = ByteTokenizer()
     ids = [int(t) for t in tok.encode("café ÉND é END")]
     shown, text, _ = _stream(tok, ids, ["ÉND", "é END"], monkeypatch, capsys)

@@ -595,10 +595,10 @@ def test_shares_of_two_ranks_sum_to_the_loss_of_one_device(scope):
         assert torch.equal(s.counts, single.counts)
     total = shares[0].loss + shares[1].loss
     torch.testing.assert_close(total, single.loss)
-    g_split = grads(total, *params, *leaves)
-    for a, b in zip(g_split[:len(params)], g_single[:len(params)]):
+    g_two_calls = grads(total, *params, *leaves)
+    for a, b in zip(g_two_calls[:len(params)], g_single[:len(params)]):
         torch.testing.assert_close(a, b)
-    torch.testing.assert_close(torch.cat(g_split[len(params):]), g_single[-1])
+    torch.testing.assert_close(torch.cat(g_two_calls[len(params):]), g_single[-1])
     assert g_single[0].abs().sum() > 0
 
 

@@ -129,7 +129,7 @@ def test_qwen3_moe_at_256k_on_8_h100_is_planned():
 # expert parallelism in the planner
 
 
-def test_expert_parallel_model_states_split_the_routed_experts_over_every_rank():
+def test_expert_parallel_model_states_shard_the_routed_experts_over_every_rank():
     """At rest the routed experts are 1 / world per rank (E / expert each, FSDP over world / expert):
     the same as FSDP over every rank, less than replicas of them."""
     from longctx.costs.model_states import accumulated_grad_bytes, gathered_param_bytes, predicted_model_state_bytes

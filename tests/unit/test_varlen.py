@@ -256,7 +256,7 @@ def test_rounds_of_ring_blocks(q_chunks, k_chunks, causal, seed):
     _round_invariants(plan_pairs(qd, kd, causal=causal, q_pos=qp, k_pos=kp))
 
 
-def test_rounds_split_by_kind_and_multiplicity():
+def test_rounds_separate_by_kind_and_multiplicity():
     # one document everywhere: the query chunk sees three earlier key chunks, three full pairs -> three rounds
     qd, kd = np.zeros((1, 4), dtype=np.int64), np.zeros((1, 12), dtype=np.int64)
     qp = np.arange(24, 28)[None]
