@@ -16,11 +16,11 @@ import pytest
 from longctx.config import load_config
 from longctx.costs.hardware import PRESETS
 from longctx.costs.model_states import (
-    active_params,
     block_params,
     gathered_param_bytes,
     param_counts,
     params_text,
+    predicted_active_params,
     predicted_model_state_bytes,
 )
 from longctx.costs.shape import MeshShape
@@ -53,7 +53,7 @@ def test_parameters_count_every_expert_flops_the_active_ones():
     assert param_counts(TINY_MOE) == {"block": 1064, "root": 168, "total": 592 + 1064 + 168, "experts": 3 * 4 * 8 * 6}
     # expert 2: a rank gathers 2 of the MoE block's 4 experts (576 routed weights, 288 of them)
     assert param_counts(TINY_MOE, expert=2)["block"] == 1064 - 288
-    assert active_params(TINY_MOE) == 1824 - (856 - 568)  # the two experts a token is not sent to
+    assert predicted_active_params(TINY_MOE) == 1824 - (856 - 568)  # the two experts a token is not sent to
     # forward per token: 2 per matmul parameter a token goes through (blocks and LM head 2 x 8 x 10),
     # and the attention scores 4 s x 8 per layer, halved by the causal mask
     for s in (1, 100):
@@ -94,7 +94,7 @@ def test_published_total_and_active_parameters(preset, total, active):
     pc = param_counts(m)
     assert pc["total"] == pytest.approx(total, rel=2e-3)
     assert sum(layer_matmul_params(m, active=True)) + pc["root"] == pytest.approx(active, rel=5e-3)
-    assert active_params(m) == pytest.approx(active, rel=5e-3)
+    assert predicted_active_params(m) == pytest.approx(active, rel=5e-3)
     assert params_text(m) == f"{total / 1e9:.3g}B parameters, {active / 1e9:.3g}B active"
 
 

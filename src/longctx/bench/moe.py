@@ -41,7 +41,7 @@ from torch import nn
 from ..job.host_malloc import keep_freed_blocks
 from ..progress import phase
 from . import moe_cluster, moe_gpu
-from .moe_common import active_params, build_layers, choice_share, fwd_bwd, ratio, say, skew
+from .moe_common import build_layers, choice_share, fwd_bwd, measured_active_params, ratio, say, skew
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -133,7 +133,7 @@ def _measure_cpu(args) -> dict:
     for r in routings:
         if r not in ("uniform", "skewed"):
             raise SystemExit(f"longctx bench moe: --routing {r}: one of uniform, skewed")
-    params = active_params(moe, dense, args.top_k)
+    params = measured_active_params(moe, dense, args.top_k)
     gen = torch.Generator().manual_seed(args.seed + 1)
     timing = []
     for routing in routings:

@@ -35,7 +35,7 @@ def build_layers(args) -> tuple[MoEFeedForward, FeedForward, ModelConfig]:
     return moe, dense, cfg
 
 
-def active_params(moe: MoEFeedForward, dense: FeedForward, top_k: int) -> dict:
+def measured_active_params(moe: MoEFeedForward, dense: FeedForward, top_k: int) -> dict:
     per_expert = sum(p[0].numel() for p in moe.experts.parameters())
     router = moe.router.gate.weight.numel()
     return {"dense": sum(p.numel() for p in dense.parameters()), "moe_experts": top_k * per_expert,

@@ -88,7 +88,7 @@ def main(args, device: torch.device | None = None) -> int:
         "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
                    "dense_ffn_dim": cfg.ffn_dim, "dtype": "bf16", "repeats": args.repeats,
                    "timing": "least wall time of a synchronised forward+backward over the repeats"},
-        "active_params": common.active_params(moe, dense, args.top_k), "timing": rows,
+        "active_params": common.measured_active_params(moe, dense, args.top_k), "timing": rows,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda},
     }, indent=2))
     return 0

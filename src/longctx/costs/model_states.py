@@ -95,7 +95,7 @@ def _param_counts(m: ModelConfig, expert: int) -> dict[str, int]:
     return {"block": max(gathered), "root": root, "total": sum(blocks) + root, "experts": routed * len(sparse)}
 
 
-def active_params(m: ModelConfig) -> int:
+def predicted_active_params(m: ModelConfig) -> int:
     """Parameters a token goes through: all but the routed experts it is not sent to (param_counts'
     total for a dense model)."""
     n_moe = len(m.moe_layer_ids)
@@ -108,7 +108,7 @@ def params_text(m: ModelConfig) -> str:
         return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
 
     total = param_counts(m)["total"]
-    return f"{fmt(total)} parameters" + (f", {fmt(active_params(m))} active" if m.is_moe else "")
+    return f"{fmt(total)} parameters" + (f", {fmt(predicted_active_params(m))} active" if m.is_moe else "")
 
 
 def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:

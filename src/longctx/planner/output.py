@@ -13,7 +13,7 @@ import json
 import textwrap
 
 from ..config import Config, build_config, rules, to_dict, to_toml
-from ..costs.model_states import active_params, param_counts, params_text
+from ..costs.model_states import param_counts, params_text, predicted_active_params
 from ..errors import ConfigError
 from ..job.checks import check_layout
 from .cost import Estimate
@@ -170,7 +170,8 @@ def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> s
     req = res.request
     return json.dumps({
         "request": {"model": req.model.label, "parameters": param_counts(req.model)["total"],
-                    "active_parameters": active_params(req.model), "gpus": req.gpus, "gpus_per_node": req.gpus_per_node,
+                    "active_parameters": predicted_active_params(req.model), "gpus": req.gpus,
+                    "gpus_per_node": req.gpus_per_node,
                     "seq_len": req.seq_len, "global_batch": req.global_batch,
                     "doc_mask": req.doc_mask, "doc_work": req.doc_work, "doc_work_source": req.doc_work_source,
                     **({"expert_skew": "max" if req.expert_skew == float("inf") else req.expert_skew}
