@@ -131,6 +131,8 @@ class _Worker:
                 done.set_exception(e)
 
 
+_STEP_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # optimizer flags, not state
+
 class CheckpointManager:
     def __init__(self, root: Path, *, keep: int, async_save: bool, rank: int, world: int, layout: dict,
                  model_cfg: dict, log=print, create: bool = True, tokenizer: str | None = None,
@@ -348,9 +350,14 @@ class CheckpointManager:
         check_draft_matches(manifest, None if self.draft is None else self.draft["layers"], path)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        # how this run computes its optimizer step (fused or foreach: a property of the device and
+        # memory.model_states it runs under) is kept; the checkpoint's groups would bring the saver's
+        implementation = [{k: g[k] for k in _STEP_IMPLEMENTATION if k in g} for g in optimizer.param_groups]
         with _single_process(self.world == 1):
             dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group, kept in zip(optimizer.param_groups, implementation):
+            group.update(kept)
         self._restore_rng(path, manifest)
         trainer = json.loads((path / TRAINER_STATE).read_text())
         trainer["manifest"] = manifest
