@@ -45,7 +45,8 @@ from ..memory.accounting import measure_activations
 from ..memory.policy import MemoryPolicy
 from ..models.llama import build_model
 from ..parallel.context.shares import local_batch
-from ..parallel.parallelize import apply_memory, grad_scale, parallelize, use_sequence_parallel_attention
+from ..parallel.fsdp.shard import grad_scale
+from ..parallel.parallelize import apply_memory, parallelize, use_sequence_parallel_attention
 from ..step.gradients import set_gradient_sync
 from ..step.loss import forward_loss_sum
 from ..step.optimizer import make_optimizer

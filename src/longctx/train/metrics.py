@@ -22,7 +22,7 @@ from ..memory.rss import peak_rss_bytes
 from ..models.flops import train_flops_per_token
 from ..parallel.context.volumes import fsdp_bytes_per_step
 from ..parallel.fsdp.grad_buckets import grad_reduce_figures
-from ..parallel.parallelize import gathers_in_bf16
+from ..parallel.fsdp.shard import gathers_in_bf16
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:

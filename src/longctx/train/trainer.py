@@ -34,7 +34,7 @@ from ..job import watchdog
 from ..job.devices import resolve_dtype, seed_everything
 from ..job.join import join_job
 from ..parallel.context.shares import read_local_batch, to_device
-from ..parallel.parallelize import grad_scale
+from ..parallel.fsdp.shard import grad_scale
 from ..progress import phase, progress_bar, said
 from ..step.gradients import clip_gradients, set_gradient_sync
 from ..step.loss import forward_loss_sum

@@ -125,7 +125,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
         placement, over its slots (the local experts, then the copies fetched from their owners).
 
         FSDP averages the expert weights' gradients over the expert-data group (world / expert
-        ranks), while the loop scales every loss by the world size (parallelize.grad_scale) and an
+        ranks), while the loop scales every loss by the world size (parallel/fsdp/shard.py grad_scale) and an
         expert's rows already carry the gradient of every token of its expert group: the local
         weights pass through a gradient scale of 1 / group so that the average is the exact sum."""
         mesh = self.mesh

@@ -1,0 +1,99 @@
+"""FSDP2 (hybrid ZeRO / HSDP) over the model: which ranks shard the states (`fsdp_mesh`), the blocks in
+units by the gradient-bucket plan (`shard_model`, grad_buckets.py), the experts in units of their own
+over the expert-data group, mixed precision (bf16 gathers on GPU), where the states live
+(memory.model_states: `states_offload`, FSDP2's CPU offload), and the loss scale that turns FSDP's
+gradient average into the global sum (`grad_scale`). parallel/parallelize.py calls it last, after
+context and expert parallelism and the memory policies have changed the blocks."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from ...job.comm import sub_mesh
+from ...models.moe import MoEFeedForward
+from .grad_buckets import plan_for, time_reduce_scatters
+
+
+def fsdp_mesh(dims, device_type: str):
+    """The mesh FSDP2 runs over: (dp_replicate, fsdp), fsdp = the dp_shard x head x ctx ranks.
+
+    Built as its own mesh over CONTIGUOUS ranks rather than by flattening the 4-D mesh: with
+    head-first placement the flattened order is permuted (e.g. 0, 2, 1, 3), and Distributed
+    Checkpoint then loads shards at offsets that disagree with FSDP's (found by the reshard tests).
+    Both placements keep dp_replicate outermost, so replica r is exactly ranks r*n .. r*n+n-1 and the
+    groups are the same sets of ranks either way.
+    """
+    grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1)
+    if dims.dp_replicate > 1:
+        return DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "fsdp"))
+    return DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",))
+
+
+def shard_model(model, dims, cfg, device_type: str) -> None:
+    """FSDP2 over the blocks, grouped into units by the gradient-bucket plan (parallel/fsdp/grad_buckets.py,
+    kept as `model.grad_bucket_plan`), then the root; every unit's reduce-scatter timed
+    (`model.grad_reduce_timers`). Under expert parallelism a bucket's expert weights form a unit of
+    their own over the expert-data group, sharded on their second dim (the first is the expert group's)."""
+    shard_mesh, mp, t = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype), cfg.train
+    offload = states_offload(cfg, device_type)
+    seq = t.seq_len
+    sequences = max(1, t.global_batch // max(t.grad_accum, 1) // (dims.world_size // (dims.head * dims.ctx)))
+    tokens = sequences * seq // (dims.head * dims.ctx)  # per rank and micro-batch
+    plan = plan_for(cfg.model, cfg.parallel.grad_bucket_blocks, tokens, seq, dims.world_size // dims.dp_replicate,
+                    dims.expert, device_type)
+    expert_mesh = sub_mesh(dims.build_expert_mesh(device_type), "expert_data") if dims.expert > 1 else None
+    units = []
+    for group in plan.groups():
+        blocks = [model.layers[i] for i in group]
+        experts = [b.feed_forward.experts for b in blocks
+                   if expert_mesh is not None and isinstance(b.feed_forward, MoEFeedForward)]
+        if experts:
+            units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
+                                     shard_placement_fn=lambda p: Shard(1)))
+        units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload))
+    fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
+    model.grad_bucket_plan = plan
+    model.grad_reduce_timers = time_reduce_scatters(units, model)
+
+
+def _one_or_list(modules: list):
+    """fully_shard's argument for one unit: a module alone, as it always was, or a list (one group)."""
+    return modules[0] if len(modules) == 1 else modules
+
+
+def uses_fsdp(dims, cfg) -> bool:
+    """FSDP2 wraps the model under more than one rank, and at world 1 when memory.model_states puts
+    the states in host memory (its CPU offload is FSDP's; join_job made the one-rank group)."""
+    return dims.world_size > 1 or cfg.memory.model_states != "device"
+
+
+def states_offload(cfg, device_type: str) -> OffloadPolicy:
+    """memory.model_states = host: FSDP2's CPUOffloadPolicy. Each unit's sharded fp32 parameters,
+    gradients and (the optimizer being built on them) AdamW moments live in host memory; the unit's
+    all-gather brings its parameters to the device for forward and again for backward, and its
+    reduce-scatter's gradient shard is copied back to the host. Pinned host memory on CUDA (copies
+    that overlap), plain memory on CPU, where host and device are one memory and the copies are none."""
+    if cfg.memory.model_states == "host":
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    return OffloadPolicy()
+
+
+def mixed_precision(device_type: str, dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy: parameters gathered in bf16 and gradients reduced in fp32 where gathers_in_bf16."""
+    bf16 = gathers_in_bf16(device_type, dtype)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                                reduce_dtype=torch.float32 if bf16 else None)
+
+
+def gathers_in_bf16(device_type: str, dtype: str) -> bool:
+    """FSDP gathers parameters in bf16 (and reduces gradients in fp32) on GPU under train.dtype auto
+    or bf16; on CPU everything is fp32."""
+    return device_type == "cuda" and dtype in ("auto", "bf16")
+
+
+def grad_scale(dims) -> float:
+    """What each rank's loss is multiplied by so FSDP's gradient average becomes the global sum."""
+    return float(dims.world_size)
