@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RECOMPUTE_POLICIES = ("none", "full", "selective")  # memory.recompute
-MODEL_STATE_TIERS = ("device", "host")  # memory.model_states
+MODEL_STATE_TIERS = ("device", "host_optimizer", "host")  # memory.model_states
 
 
 def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | None = None,
@@ -355,10 +355,12 @@ class MemoryConfig:
                           "(step: least traffic, but each rank holds its unsharded fp32 gradients between "
                           "micro-batches) or after every micro-batch (micro_batch: no extra memory)",
                           choices=("step", "micro_batch"))
-    model_states: str = _opt("device", "where the model states (fp32 weights, gradients, AdamW moments) live: device, "
-                                       "or host: FSDP2's CPU offload, each unit's weights brought to the device for "
-                                       "its forward and backward, its gradients sent back, the AdamW step on the host "
-                                       "(on one process a one-rank FSDP job)", choices=MODEL_STATE_TIERS)
+    model_states: str = _opt("device", "where the model states (fp32 weights, gradients, AdamW moments) live: device; "
+                                       "host_optimizer: the weights stay on the device, their fp32 master copy, "
+                                       "gradients and AdamW moments in host memory, each gradient sent there as its "
+                                       "backward ends, the AdamW step on the host (ZeRO-Offload); or host: FSDP2's "
+                                       "CPU offload, the weights too, each unit's brought to the device for its "
+                                       "forward and backward (on one process a one-rank FSDP job)", choices=MODEL_STATE_TIERS)
 
 
 @dataclass

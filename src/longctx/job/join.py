@@ -19,7 +19,7 @@ def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
     if device.type == "cpu":  # freed activations reused, not faulted in again each step (host_malloc.py)
         keep_freed_blocks()
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
-    if world == 1 and cfg.memory.model_states != "device":  # model states in host memory: FSDP2's offload
+    if world == 1 and cfg.memory.model_states == "host":  # weights in host memory: FSDP2's CPU offload
         init_one_rank_group(device.type)
     check_layout(cfg, world)
     rt = Runtime.create(cfg, rank, world, device.type)

@@ -66,8 +66,10 @@ def _one_or_list(modules: list):
 
 def uses_fsdp(dims, cfg) -> bool:
     """FSDP2 wraps the model under more than one rank, and at world 1 when memory.model_states puts
-    the states in host memory (its CPU offload is FSDP's; join_job made the one-rank group)."""
-    return dims.world_size > 1 or cfg.memory.model_states != "device"
+    the weights in host memory (`host`: its CPU offload is FSDP's; join_job made the one-rank group).
+    `host_optimizer` at world 1 needs no FSDP: the weights stay whole on the device and
+    step/host_optimizer.py moves each gradient as autograd finishes it."""
+    return dims.world_size > 1 or cfg.memory.model_states == "host"
 
 
 def states_offload(cfg, device_type: str) -> OffloadPolicy:
