@@ -1,8 +1,11 @@
 """memory.model_states = host (FSDP2's CPU offload: fp32 weights, gradients and AdamW moments in host
-memory) against `device`, step by step (issue 49): at world 1 (a one-rank FSDP job), under head 2 x
-ctx 2, and for debug-moe under expert 2 x ctx 2; and a checkpoint saved under one tier resumed
-under the other, against the uninterrupted run. On CPU host and device are one memory, so the
-offload's copies are none and the code path is FSDP's offload one: the losses must be the same."""
+memory) and host_optimizer (the weights on the device, their master copy, gradients and moments in
+host memory: step/host_optimizer.py) against `device`, step by step (issue 49): at world 1 (host:
+a one-rank FSDP job; host_optimizer: the plain model, gradients taken by hooks, also under
+gradient accumulation), under head 2 x ctx 2, and for debug-moe under expert 2 x ctx 2; and a
+checkpoint saved under one tier resumed under another, against the uninterrupted run. On CPU host
+and device are one memory, so the copies cost nothing, but the code paths are the tiers' own: the
+losses must be the same."""
 
 import pytest
 
@@ -11,6 +14,7 @@ from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import train
 
 STEPS = 10
+TIERS = ("device", "host_optimizer", "host")
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
         "--train.seq_len=256", "--train.warmup_steps=2", f"--train.steps={STEPS}"]
 TOLERANCE = 1e-6
@@ -44,10 +48,35 @@ def _offloaded(tier, run_dir):
     return all(isinstance(p, DTensor) for p in model.parameters()), bool(offloaded) and all(offloaded)
 
 
-def _jobs(base, layouts):
+def _after_backward(run_dir):
+    """Under host_optimizer at world 1, after one micro-batch's backward: (every weight's device
+    gradient freed, every gradient in the optimizer's host buffers, the buffers equal to the
+    device tier's gradients of the same batch)."""
+    import torch
+
+    from longctx.train.trainer import Trainer
+
+    grads = {}
+    for tier in ("device", "host_optimizer"):
+        cfg = load_config("configs/debug.toml", [*BASE, f"--memory.model_states={tier}",
+                                                 f"--train.run_dir={run_dir}-{tier}"])
+        trainer = Trainer(cfg, log=lambda *a, **k: None)
+        torch.manual_seed(0)
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 64))
+        trainer.model(tokens, None, None, labels=tokens, loss_reduction="sum").backward()
+        if tier == "device":
+            grads[tier] = [p.grad.clone() for p in trainer.optimizer.param_groups[0]["params"]]
+        else:
+            freed = all(p.grad is None for p in trainer.model.parameters())
+            grads[tier] = [m.grad for m in trainer.optimizer.masters[:len(grads["device"])]]
+    same = all(torch.equal(a, b) for a, b in zip(grads["device"], grads["host_optimizer"]))
+    return freed, same
+
+
+def _jobs(base, layouts, tiers=TIERS):
     jobs = []
     for name, args in layouts.items():
-        for tier in ("device", "host"):
+        for tier in tiers:
             run_dir = f"{base}/{name}-{tier}"
             jobs.append((f"{name} {tier}", _losses, ([*args, f"--memory.model_states={tier}"], run_dir)))
     return jobs
@@ -60,7 +89,11 @@ def one_rank(tmp_path_factory):
     jobs += [("host built", _offloaded, ("host", f"{base}/built-host")),
              ("device built", _offloaded, ("device", f"{base}/built-device")),
              ("host -> device", _resumed, ("host", "device", f"{base}/resume-a")),
-             ("device -> host", _resumed, ("device", "host", f"{base}/resume-b"))]
+             ("device -> host", _resumed, ("device", "host", f"{base}/resume-b")),
+             ("host_optimizer -> device", _resumed, ("host_optimizer", "device", f"{base}/resume-c")),
+             ("device -> host_optimizer", _resumed, ("device", "host_optimizer", f"{base}/resume-d")),
+             ("host_optimizer after backward", _after_backward, (f"{base}/after-backward",))]
+    jobs += _jobs(base, {"accum2": ["--train.grad_accum=2", "--train.global_batch=4"]}, ("device", "host_optimizer"))
     return run_spawned_many(1, jobs)
 
 
@@ -82,20 +115,32 @@ def test_host_states_are_fsdp_shards_offloaded_even_at_world_1(one_rank):
     assert one_rank["device built"] == [(False, False)]  # (world 1, device: the plain model, no FSDP)
 
 
-def test_host_states_train_as_device_states_at_world_1(one_rank):
-    (device,), (host,) = one_rank["world1 device"], one_rank["world1 host"]
+@pytest.mark.parametrize("tier", ["host", "host_optimizer"])
+def test_host_states_train_as_device_states_at_world_1(one_rank, tier):
+    (device,), (host,) = one_rank["world1 device"], one_rank[f"world1 {tier}"]
     assert len(device) == STEPS and _close(device, host) <= TOLERANCE
 
 
-@pytest.mark.parametrize("first", ["host -> device", "device -> host"])
+def test_host_optimizer_accumulates_micro_batches_as_the_device_does(one_rank):
+    (device,), (host,) = one_rank["accum2 device"], one_rank["accum2 host_optimizer"]
+    assert len(device) == STEPS and _close(device, host) <= TOLERANCE
+
+
+def test_host_optimizer_takes_every_gradient_off_the_device_during_backward(one_rank):
+    assert one_rank["host_optimizer after backward"] == [(True, True)]
+
+
+@pytest.mark.parametrize("first", ["host -> device", "device -> host", "host_optimizer -> device",
+                                   "device -> host_optimizer"])
 def test_a_checkpoint_resumes_under_the_other_tier(one_rank, first):
     (uninterrupted,) = one_rank["world1 device"]
     (resumed,) = one_rank[first]
     assert len(resumed) == STEPS // 2 and _close(resumed, uninterrupted[STEPS // 2:]) <= 1e-5
 
 
+@pytest.mark.parametrize("tier", ["host", "host_optimizer"])
 @pytest.mark.parametrize("layout", ["head2-ctx2", "moe expert2-ctx2"])
-def test_host_states_train_as_device_states_under_layouts(two_and_four_ranks, layout):
-    device, host = two_and_four_ranks[f"{layout} device"], two_and_four_ranks[f"{layout} host"]
+def test_host_states_train_as_device_states_under_layouts(two_and_four_ranks, layout, tier):
+    device, host = two_and_four_ranks[f"{layout} device"], two_and_four_ranks[f"{layout} {tier}"]
     for rank_device, rank_host in zip(device, host):
         assert len(rank_device) == STEPS and _close(rank_device, rank_host) <= TOLERANCE, layout

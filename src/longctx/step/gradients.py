@@ -15,6 +15,13 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def clip_step_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """clip_gradients of the step's gradients: the model's, or, where the optimizer keeps them in host
+    memory (step/host_optimizer.py, whose weights hold none after backward), the optimizer's."""
+    own = getattr(optimizer, "clip_gradients", None)
+    return own(max_norm) if own is not None else clip_gradients(model, max_norm)
+
+
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Global gradient norm (over all shards, a tensor left on the device: reading it is the
     caller's choice) and clipping to max_norm (0 = no clipping)."""

@@ -5,19 +5,24 @@ from __future__ import annotations
 
 import torch
 
+from .host_optimizer import HostOptimizer
+
 
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices only (not on norms): the fused kernel on CUDA (one launch
     for all parameters) and under memory.model_states = host (torch's fused CPU AdamW: as fast per
     parameter as DeepSpeed's CPU Adam here, 5x the foreach one; benchmarks/cpu_adam.py), the
-    multi-tensor (foreach) one on a CPU run otherwise (kept: its losses are the reference runs')."""
+    multi-tensor (foreach) one on a CPU run otherwise (kept: its losses are the reference runs').
+    Under memory.model_states = host_optimizer: HostOptimizer, the fused CPU AdamW over host masters."""
     t = cfg.train
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    hyper = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
+    if cfg.memory.model_states == "host_optimizer":  # the same AdamW, its state and step in host memory
+        return HostOptimizer(groups, **hyper)
     fused = next(model.parameters()).device.type == "cuda" or cfg.memory.model_states == "host"
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                             fused=fused, foreach=not fused)
+    return torch.optim.AdamW(groups, **hyper, fused=fused, foreach=not fused)
 
 
 def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from ..job.join import join_job
 from ..parallel.context.shares import read_local_batch, to_device
 from ..parallel.fsdp.shard import grad_scale
 from ..progress import phase, progress_bar, said
-from ..step.gradients import clip_gradients, set_gradient_sync
+from ..step.gradients import clip_step_gradients, set_gradient_sync
 from ..step.loss import forward_loss_sum
 from ..step.optimizer import guarded_step, make_optimizer
 from ..step.schedule import lr_at
@@ -265,7 +265,7 @@ class Trainer:
             local_loss = self._forward_backward(step, micro, valid)
             watchdog.phase(step, "optimizer")
             loss = self.rt.sum_tensor(local_loss) / max(valid, 1)
-            grad_norm = clip_gradients(self.model, self.cfg.train.grad_clip)
+            grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip)
             # global figures, so the same decision on every rank
             apply, self.last_spike = self.guard.check(loss, grad_norm)
         # train.on_nonfinite: the update is applied only if the step's loss and gradient norm are
