@@ -73,6 +73,18 @@ def _after_backward(run_dir):
     return freed, same
 
 
+def _metrics_fields(run_dir):
+    """The host update's fields on each metrics line of a 3-step host_optimizer run."""
+    import json
+    from pathlib import Path
+
+    cfg = load_config("configs/debug.toml", [*BASE, "--train.steps=3", "--metrics.log_interval=1",
+                                             "--memory.model_states=host_optimizer", f"--train.run_dir={run_dir}"])
+    train(cfg, log=lambda *a, **k: None)
+    lines = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(x["step"], x.get("host_step_s"), x.get("host_exposed_s")) for x in lines if "loss" in x]
+
+
 def _jobs(base, layouts, tiers=TIERS):
     jobs = []
     for name, args in layouts.items():
@@ -92,7 +104,8 @@ def one_rank(tmp_path_factory):
              ("device -> host", _resumed, ("device", "host", f"{base}/resume-b")),
              ("host_optimizer -> device", _resumed, ("host_optimizer", "device", f"{base}/resume-c")),
              ("device -> host_optimizer", _resumed, ("device", "host_optimizer", f"{base}/resume-d")),
-             ("host_optimizer after backward", _after_backward, (f"{base}/after-backward",))]
+             ("host_optimizer after backward", _after_backward, (f"{base}/after-backward",)),
+             ("host_optimizer fields", _metrics_fields, (f"{base}/fields",))]
     jobs += _jobs(base, {"accum2": ["--train.grad_accum=2", "--train.global_batch=4"]}, ("device", "host_optimizer"))
     return run_spawned_many(1, jobs)
 
@@ -128,6 +141,13 @@ def test_host_optimizer_accumulates_micro_batches_as_the_device_does(one_rank):
 
 def test_host_optimizer_takes_every_gradient_off_the_device_during_backward(one_rank):
     assert one_rank["host_optimizer after backward"] == [(True, True)]
+
+
+def test_host_optimizer_puts_its_update_time_on_the_metrics_line(one_rank):
+    (lines,) = one_rank["host_optimizer fields"]
+    assert [step for step, _, _ in lines] == [1, 2, 3]
+    assert lines[0][1:] == (None, None)  # no update before the first forward
+    assert all(0 < took and 0 <= waited <= took for _, took, waited in lines[1:])
 
 
 @pytest.mark.parametrize("first", ["host -> device", "device -> host", "host_optimizer -> device",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .host_optimizer import HostOptimizer
+from .host_optimizer import HostOptimizer, forward_units
 
 
 def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
@@ -20,7 +20,7 @@ def make_optimizer(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     hyper = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
     if cfg.memory.model_states == "host_optimizer":  # the same AdamW, its state and step in host memory
-        return HostOptimizer(groups, **hyper)
+        return HostOptimizer(groups, forward_units(model), **hyper)
     fused = next(model.parameters()).device.type == "cuda" or cfg.memory.model_states == "host"
     return torch.optim.AdamW(groups, **hyper, fused=fused, foreach=not fused)
 

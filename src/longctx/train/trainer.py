@@ -43,6 +43,7 @@ from ..step.schedule import lr_at
 from .fault_injection import with_step_faults
 from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .hooks import StepHooks
+from .host_update import host_update_hooks
 from .metrics import MetricsLogger, setup_peak_line
 from .model import build_training_model, resolve_offload
 from .moe_hooks import MoEStepHook, moe_step_hooks
@@ -103,6 +104,7 @@ class Trainer:
         self.skipped_steps = 0  # steps whose update the guard did not apply (as read so far)
         self.rollbacks = 0
         self.optimizer = make_optimizer(self.model, cfg)
+        self.hooks.hooks += host_update_hooks(self.optimizer)  # the host update's time (host_optimizer)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
