@@ -20,6 +20,9 @@ class HostUpdateFields(StepHook):
         return {"host_step_s": round(self.optimizer.host_step_s, 4),
                 "host_exposed_s": round(self.optimizer.host_exposed_s, 4)}
 
+    def run_end(self) -> None:
+        self.optimizer.finish_update()  # the last step's update lands before the run hands the model back
+
 
 def host_update_hooks(optimizer) -> list[StepHook]:
     """The hook for an optimizer that updates on the host (none otherwise)."""
