@@ -85,6 +85,29 @@ def test_chunks_bound_the_largest_tensor_a_block_creates(reference):
     assert sizes[16] == 16 * cfg.ffn_dim
 
 
+def test_chunks_bound_the_recompute_inside_backward(reference):
+    """Under recompute=full the backward runs each block's forward again: with block_chunk that
+    recompute (and its gradients) also goes chunk by chunk, so the backward alone never makes a
+    [tokens, ffn_dim] tensor (issue 49 item 2: ALST's tiled MLP bounds backward, not only forward)."""
+    from probes import LargestOutput
+
+    cfg, base, batch, _ = reference
+    weight_shapes = {(cfg.dim, cfg.ffn_dim), (cfg.ffn_dim, cfg.dim)}
+    ffn_wide = lambda t: t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and tuple(t.shape) not in weight_shapes  # noqa: E731
+    sizes = {}
+    for chunk in (0, 16):
+        model = copy.deepcopy(base)
+        apply_memory_policy(model.layers, "full", 0.0, block_chunk=chunk)
+        model.loss_chunk = 32
+        loss = model(*batch[:3], labels=batch[3])
+        probe = LargestOutput(ffn_wide)
+        with probe:
+            loss.backward()
+        sizes[chunk] = probe.largest
+    assert sizes[0] == batch[0].numel() * cfg.ffn_dim  # the recompute in backward does make it unchunked
+    assert sizes[16] == 16 * cfg.ffn_dim
+
+
 def test_auto_fraction_follows_link_and_memory_limits():
     from longctx.memory.auto import choose_offload_fraction
 
