@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from ...errors import ConfigError
 from ...job.comm import sub_mesh
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
@@ -44,6 +45,9 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     tokens = sequences * seq // (dims.head * dims.ctx)  # per rank and micro-batch
     plan = plan_for(cfg.model, cfg.parallel.grad_bucket_blocks, tokens, seq, dims.world_size // dims.dp_replicate,
                     dims.expert, device_type)
+    if cfg.memory.model_states == "host" and device_type == "cuda":  # before anything is sharded
+        check_staging_fits(model, plan.groups(), gathers_in_bf16(device_type, cfg.train.dtype),
+                           torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     expert_mesh = sub_mesh(dims.build_expert_mesh(device_type), "expert_data") if dims.expert > 1 else None
     units = []
     for group in plan.groups():
@@ -57,6 +61,27 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
     model.grad_bucket_plan = plan
     model.grad_reduce_timers = time_reduce_scatters(units, model)
+
+
+def check_staging_fits(model, groups, bf16: bool, device_bytes: int) -> None:
+    """memory.model_states = host keeps the weights in host memory, but FSDP still brings each unit
+    whole to the device: the largest unit twice in the gather dtype (this one and the next,
+    prefetched), its fp32 gradient before it goes back, and the root (embeddings, final norm, LM
+    head) with its gradient. When that staging alone exceeds the device, refuse before sharding."""
+    per_block = [sum(p.numel() for p in block.parameters()) for block in model.layers]
+    largest = max(sum(per_block[i] for i in group) for group in groups)
+    root = sum(p.numel() for p in model.parameters()) - sum(per_block)
+    gather = 2 if bf16 else 4
+    need = 2 * largest * gather + 4 * largest + root * (gather + 4)
+    if need > device_bytes:
+        blocks = max(len(group) for group in groups)
+        raise ConfigError(
+            f"memory.model_states=host stages each FSDP unit on the device: the largest unit ({blocks} block(s), "
+            f"{largest / 1e6:,.0f}M parameters) twice in {'bf16' if bf16 else 'fp32'} (this one and the prefetched "
+            f"next), its fp32 gradient and the root module ({root / 1e6:,.0f}M: embeddings, LM head) need "
+            f"{need / 2**30:.1f} GiB, more than this device's {device_bytes / 2**30:.1f} GiB before any "
+            f"activation. Use parallel.grad_bucket_blocks=1 (one block per unit), bf16 gathers (train.dtype=bf16), "
+            f"or a smaller model.")
 
 
 def _one_or_list(modules: list):
