@@ -1,0 +1,158 @@
+"""Issue 49's GPU measurements, for the device we are lent (benchmarks/gpu_frontier.sh runs it; run
+from the repository root). Every probe is a fresh `longctx train` process with its own time limit,
+all within one budget (BUDGET_S, default 450 s), in order of what matters most:
+
+1. smoke: the debug model 30 steps under each memory.model_states tier; the losses against device's
+   (the host paths' first run on a GPU);
+2. blocks: full-width llama3-8b blocks (2 and 4 layers) at SEQ_8B tokens (524,288; 1,048,576 on an
+   H200 with SEQ_8B set) under host_optimizer, checkpoint offload (recompute full + offload 1.0)
+   and chunked blocks / attention / loss: device peak, host peak, tokens/s, MFU. Depth must not
+   change the device peak (4 layers within 5% of 2) and it must stay under 90% of the device;
+3. overlap: llama3-1b at 32K under host_optimizer, 4 steps: how much of the host AdamW update the
+   next forward waited for (host_exposed_s / host_step_s; the issue asks at most 30%);
+4. longest: llama3-1b at full depth, the longest of 512K / 256K / 128K one step trains at (tried
+   longest first, stopping at the first that fits);
+5. with what budget is left, the same blocks under `host` (FSDP2's CPU offload).
+
+JSON goes to $OUT/gpu_frontier.json and, on a GPU, to docs/results/gpu_frontier_<card>_<date>.json.
+Glue check on CPU (small figures, no results file):
+  DEVICE=cpu SMOKE_STEPS=3 SEQ_8B=2048 SEQ_OVERLAP=1024 LONGEST="2048 1024" PRESET_8B=debug PRESET_1B=debug \
+      python benchmarks/gpu_frontier.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENV = os.environ
+DEVICE = ENV.get("DEVICE", "cuda")
+BUDGET_S = float(ENV.get("BUDGET_S", "450"))
+CHUNK = ENV.get("CHUNK", "8192")
+COMMON = ["--nproc", "1", "--train.device", DEVICE, "--train.eval_interval", "0", "--checkpoint.final", "false",
+          "--metrics.plots", "false", "--metrics.progress", "false", "--metrics.log_interval", "1"]
+FRONTIER = ["--memory.recompute", "full", "--memory.offload_fraction", "1.0", "--memory.block_chunk", CHUNK,
+            "--memory.attention_chunk", CHUNK, "--memory.loss_chunk", CHUNK, "--train.global_batch", "1",
+            "--train.warmup_steps", "1", "--data.max_docs", "3000"]
+START = time.monotonic()
+
+
+def left() -> float:
+    return BUDGET_S - (time.monotonic() - START)
+
+
+def train(name: str, args: list[str], limit: float) -> dict:
+    """One `longctx train` process: its return code, wall time, host peak (max RSS of the process
+    tree it waited for) and the last metrics line's figures."""
+    run = tempfile.mkdtemp(prefix=f"frontier_{name}_")
+    limit = min(limit, left())
+    if limit < 20:
+        return {"name": name, "skipped": "out of budget"}
+    cmd = [sys.executable, "-m", "longctx", "train", *COMMON, *args, "--train.run_dir", run]
+    t0 = time.monotonic()
+    with open(f"{run}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        while True:  # reaped by wait4 for its rusage: the tree's max RSS
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() - t0 > limit:
+                proc.kill()
+                _, status, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.5)
+    rc = proc.returncode = os.waitstatus_to_exitcode(status)
+    lines = [json.loads(x) for x in Path(run, "metrics.jsonl").read_text().splitlines()] \
+        if Path(run, "metrics.jsonl").exists() else []
+    steps = [x for x in lines if x.get("kind") == "train"]
+    out = {"name": name, "rc": rc, "wall_s": round(time.monotonic() - t0, 1), "steps": len(steps),
+           "losses": [x["loss"] for x in steps]}
+    out["host_peak_gib"] = round(usage.ru_maxrss / 2**20, 2)
+    if steps:
+        last = steps[-1]
+        out.update({k: last[k] for k in ("tokens_per_s", "mfu", "memory_gib", "memory_kind", "host_step_s",
+                                         "host_exposed_s") if k in last})
+    if rc != 0:
+        out["tail"] = Path(f"{run}.log").read_text()[-1500:]
+    print(json.dumps({k: v for k, v in out.items() if k not in ("losses", "tail")}), flush=True)
+    return out
+
+
+def smoke(steps: str) -> dict:
+    runs = {tier: train(f"smoke_{tier}", ["--train.steps", steps, "--memory.model_states", tier], 90)
+            for tier in ("device", "host_optimizer", "host")}
+    ref = runs["device"]["losses"]
+    for tier in ("host_optimizer", "host"):
+        got = runs[tier]["losses"]
+        runs[tier]["max_abs_loss_diff"] = max((abs(a - b) for a, b in zip(ref, got)), default=None)
+    return runs
+
+
+def blocks(preset: str, seq: str, tier: str) -> dict:
+    runs = {layers: train(f"blocks{layers}_{tier}", ["--model.preset", preset, "--model.layers", layers,
+                                                     "--train.seq_len", seq, "--train.steps", "1",
+                                                     "--memory.model_states", tier, *FRONTIER], 240)
+            for layers in ("2", "4")}
+    peaks = [runs[n].get("memory_gib") for n in ("2", "4")]
+    summary = {"seq_len": int(seq), "tier": tier, "runs": runs}
+    if all(peaks):
+        summary["device_peak_ratio_4_over_2"] = round(peaks[1] / peaks[0], 4)
+    return summary
+
+
+def longest(preset: str, lengths: list[str]) -> dict:
+    tried = []
+    for seq in lengths:  # longest first: the first that trains is the answer
+        run = train(f"longest_{seq}", ["--model.preset", preset, "--train.seq_len", seq, "--train.steps", "1",
+                                       "--memory.model_states", "host_optimizer", *FRONTIER], 300)
+        tried.append(run)
+        if run.get("rc") == 0:
+            return {"longest_seq_len": int(seq), "runs": tried}
+    return {"longest_seq_len": None, "runs": tried}
+
+
+def overlap(preset: str, seq: str) -> dict:
+    run = train("overlap", ["--model.preset", preset, "--train.seq_len", seq, "--train.steps", "4",
+                            "--memory.model_states", "host_optimizer", *FRONTIER], 120)
+    if run.get("host_step_s"):
+        run["hidden_fraction"] = round(1 - run["host_exposed_s"] / run["host_step_s"], 3)
+    return run
+
+
+def card() -> dict:
+    if DEVICE != "cuda":
+        return {"name": "cpu"}
+    import torch
+    props = torch.cuda.get_device_properties(0)
+    return {"name": torch.cuda.get_device_name(0), "memory_gib": round(props.total_memory / 2**30, 1),
+            "torch": torch.__version__}
+
+
+def main() -> None:
+    out = {"card": card(), "date": datetime.date.today().isoformat(), "budget_s": BUDGET_S}
+    print(json.dumps(out), flush=True)
+    out["smoke"] = smoke(ENV.get("SMOKE_STEPS", "30"))
+    seq_8b, preset_8b = ENV.get("SEQ_8B", "524288"), ENV.get("PRESET_8B", "llama3-8b")
+    out["blocks"] = [blocks(preset_8b, seq_8b, "host_optimizer")]
+    preset_1b = ENV.get("PRESET_1B", "llama3-1b")
+    out["overlap"] = overlap(preset_1b, ENV.get("SEQ_OVERLAP", "32768"))
+    out["longest"] = longest(preset_1b, ENV.get("LONGEST", "524288 262144 131072").split())
+    out["blocks"].append(blocks(preset_8b, seq_8b, "host"))
+    out["elapsed_s"] = round(time.monotonic() - START, 1)
+    text = json.dumps(out, indent=1)
+    Path(ENV.get("OUT", "/tmp/gpu_out")).mkdir(parents=True, exist_ok=True)
+    Path(ENV.get("OUT", "/tmp/gpu_out"), "gpu_frontier.json").write_text(text)
+    if DEVICE == "cuda":
+        slug = out["card"]["name"].lower().replace(" ", "-")
+        Path("docs/results", f"gpu_frontier_{slug}_{out['date']}.json").write_text(text)
+    print(text[:3000])
+
+
+if __name__ == "__main__":
+    main()
