@@ -51,6 +51,7 @@ class Hardware:
     usable_memory_fraction: float = 0.92   # allocator fragmentation, CUDA context, NCCL buffers
     usable_host_fraction: float = 0.80     # the OS, data loaders, pinned buffers
     dtype_bytes: int = 2                   # activations and gathered parameters (2 = bf16, 4 = fp32)
+    host_adam_gparams_per_s: float = 5.0   # the node's host AdamW, 1e9 parameters/s (HOST_ADAM below)
     source: str = "data sheet"
 
     @property
@@ -85,6 +86,15 @@ class Hardware:
 # Inter-node: one 400 Gb/s NIC per H100/H200 (50 GB/s), one 200 Gb/s NIC per A100/A800 (25 GB/s).
 # PCIe gen5 x16 ~ 50 GB/s achieved, gen4 ~ 25 GB/s. Host memory: 2 TB per node (DGX H100/H200
 # and DGX A100 80GB); override with --hw host_memory_gib=1024 for 1 TB nodes.
+#
+# HOST_ADAM: memory.model_states = host_optimizer / host step AdamW on the host's cores (torch's fused
+# CPU AdamW). Measured here (docs/results/cpu_adam_2026-11-28.json): 0.65 ns per parameter on 2
+# cores, 1.54e9 parameters/s, which moves ~28 bytes per parameter (reads weight, gradient, two
+# moments; writes weight, two moments): ~43 GB/s. A step this simple is memory-bound, so the lent
+# machines' 16 cores (8x ours: 12e9/s by cores) are capped by the host's memory bandwidth instead;
+# 5e9/s is 140 GB/s of traffic, a reasoned estimate for a 16-core slice of a DGX-class host, not
+# a measurement. Override with --hw host_adam_gparams_per_s=... once benchmarks/cpu_adam.py has
+# run on the host in question (the field's default, 5.0, is this estimate).
 PRESETS: dict[str, Hardware] = {
     "h100": Hardware("h100", 80, 989, 450, 50, 50, 2048),
     "h200": Hardware("h200", 141, 989, 450, 50, 50, 2048),
@@ -244,6 +254,12 @@ def _bandwidth_worker(nbytes: int, repeats: int):
     return res
 
 
+def _measured_host_adam_rate(cores: int) -> float:
+    """1e9 parameters/s of the fused CPU AdamW on `cores` cores: docs/results/cpu_adam_2026-11-28.json's
+    0.65 ns per parameter on 2 cores, scaled by cores (not measured again: it takes a 1.6 GB run)."""
+    return 1 / 0.65 * cores / 2
+
+
 def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure_comm: bool = True) -> Hardware:
     """This machine as hardware: per-process GEMM and attention FLOP/s when `world` processes share
     it (1 thread each), gloo all-to-all and ring-hop bandwidth between `world` local processes."""
@@ -280,6 +296,7 @@ def calibrate(world: int = 4, nbytes: int = 8 * 2**20, repeats: int = 3, measure
         intra_gbps=p2p / GB, inter_gbps=p2p / GB, host_link_gbps=5.0, all_to_all_efficiency=min(1.0, a2a / p2p),
         host_memory_gib=0.0, gemm_efficiency=1.0, attention_efficiency=attn / gemm, comm_overlap=0.0,
         usable_memory_fraction=0.9, usable_host_fraction=0.0, dtype_bytes=4,
+        host_adam_gparams_per_s=_measured_host_adam_rate(cores),
         source=f"measured: {world} processes x 1 thread on {cores} cores; all-to-all {a2a / GB:.2f} GB/s, "
                f"ring hop {p2p / GB:.2f} GB/s",
     )

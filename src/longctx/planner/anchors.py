@@ -56,8 +56,10 @@ def check(anchor: Anchor, hardware=None) -> dict:
         row.update(predicted_mfu=full.best.mfu, best=b["describe"], memory_gib=b["memory_gib"],
                    host_per_node_gib=b["host_per_node_gib"], bottleneck=full.best.bottleneck)
     if anchor.needs == "offload":
-        # without offload: neither the blocks' (MEMO) nor the attention core's (FPDT)
-        no_offload = dataclasses.replace(req, offload_fractions=(), attention_offloads=(False,))
+        # without offload: neither the blocks' (MEMO) nor the attention core's (FPDT) nor the model
+        # states' (memory.model_states host tiers: host memory standing in for GPU memory too)
+        no_offload = dataclasses.replace(req, offload_fractions=(), attention_offloads=(False,),
+                                         model_states=("device",))
         without = plan(no_offload, keep_infeasible=False, explain=False).best
         row["feasible_without_offload"] = without is not None
         if without is not None:

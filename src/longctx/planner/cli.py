@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation recomputation policies to try (none, full, selective)")
     p.add_argument("--offload", default="0.125,0.25,0.5,0.75,1",
                    help="offload fractions to try with selective (and 0.5,1 of them with full), or none")
+    p.add_argument("--model-states", default="device,host_optimizer,host",
+                   help="memory.model_states tiers to try (device, host_optimizer, host); each candidate takes the "
+                        "first that fits, in that order (a host tier adds host-link and host AdamW time)")
     p.add_argument("--offload-skip-last", type=int, default=1, help="last blocks never offloaded")
     p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
     p.add_argument("--block-chunk", default="0,16K",
@@ -142,6 +145,7 @@ def build_request(args, overrides):
     req = Request(base.model, hw, args.gpus, seq_len, gpus_per_node=args.gpus_per_node,
                   global_batch=args.global_batch, micro_batches=_ints(args.micro_batch, "--micro-batch", 1),
                   recomputes=recomputes,
+                  model_states=tuple(x.strip() for x in args.model_states.split(",") if x.strip()),
                   offload_fractions=_floats(args.offload), offload_skip_last=args.offload_skip_last,
                   loss_chunks=chunks, block_chunks=block_chunks, doc_mask=base.data.doc_mask,
                   doc_work=doc_work, doc_work_source=doc_work_source,

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.model_states import accumulated_grad_bytes, gathered_param_bytes, param_counts, predicted_model_state_bytes
+from ..costs.host_bytes import device_state_bytes, exposed_host_state_seconds, predicted_host_bytes
+from ..costs.model_states import accumulated_grad_bytes, param_counts
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
@@ -67,7 +68,7 @@ class Estimate:
     seq_len: int                       # tokens per sequence
     global_batch: int                  # sequences per optimizer step over the whole job
     memory: dict[str, float]           # bytes per GPU (rank) by part, and "total"
-    host_per_node: float               # bytes of host memory per node for offloaded activations
+    host_per_node: float               # bytes of host memory per node: every rank's `host` total
     comm_bytes: dict[str, dict[str, float]]  # per rank per optimizer step: {dim: {label: bytes}}
     times: dict[str, float]            # seconds per step: compute, exposed parts, step
     tokens_per_s: float
@@ -76,25 +77,33 @@ class Estimate:
     feasible: bool
     problems: list[str] = field(default_factory=list)
     doc_work: float = 1.0              # attention work with documents / plain causal (documents.py)
+    model_states: str = "device"       # memory.model_states: device | host_optimizer | host
+    host: dict[str, float] = field(default_factory=dict)  # host bytes per rank by part (costs/host_bytes.py)
 
     @property
     def step_s(self) -> float:
         return self.times["step"]
+
+    def policy_text(self) -> str:
+        """The memory policy as the table shows it, the model-state tier added when it is not device's."""
+        text = self.policy.describe()
+        return text if self.model_states == "device" else f"{text} states:{self.model_states}"
 
     def as_dict(self) -> dict:
         shape, policy = self.mesh_shape, self.policy
         return {
             "layout": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
                        "ctx": shape.ctx, "window": shape.window, "placement": shape.placement, "expert": shape.expert},
-            "policy": policy.to_config(),
+            "policy": {**policy.to_config(), "model_states": self.model_states},
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "global_batch": self.global_batch,
             "seq_len": self.seq_len,
             "memory_gib": {k: v / 2**30 for k, v in self.memory.items()},
             "host_per_node_gib": self.host_per_node / 2**30,
+            "host_gib": {k: v / 2**30 for k, v in self.host.items()},
             "comm_bytes_per_step": self.comm_bytes, "times_s": self.times,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bottleneck": self.bottleneck,
             "feasible": self.feasible, "problems": self.problems, "doc_work": self.doc_work,
-            "describe": f"{shape.describe()} | {policy.describe()} | micro-batch {self.micro_batch}",
+            "describe": f"{shape.describe()} | {self.policy_text()} | micro-batch {self.micro_batch}",
         }
 
 
@@ -116,10 +125,10 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
 
 
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
-                 acts: ActivationEstimate, transient: float) -> dict[str, float]:
-    """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any."""
-    memory = {"model_states": predicted_model_state_bytes(m, shape),
-              "gathered_params": gathered_param_bytes(m, shape, gather_bytes)}
+                 acts: ActivationEstimate, transient: float, model_states: str = "device") -> dict[str, float]:
+    """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any. The
+    model states as their tier leaves them on the device (costs/host_bytes.py)."""
+    memory = device_state_bytes(m, shape, model_states, gather_bytes)
     accumulated = accumulated_grad_bytes(m, shape, grad_accum, policy.grad_sync)
     if accumulated:
         memory["accumulated_grads"] = accumulated
@@ -129,15 +138,19 @@ def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_ac
     return memory
 
 
-def memory_problems(memory: dict[str, float], host_per_node: float, hw: Hardware) -> list[str]:
-    """What does not fit: GPU memory, host memory per node."""
+def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_node: int,
+                    hw: Hardware) -> list[str]:
+    """What does not fit: GPU memory, host memory per node (`host`: one rank's by part)."""
     problems = []
     if memory["total"] > hw.usable_memory_bytes:
         problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per GPU, {hw.usable_memory_bytes / 2**30:.1f} "
                         f"usable of {hw.memory_gib:g}")
-    if host_per_node > hw.usable_host_bytes:
-        problems.append(f"offload needs {host_per_node / 2**30:.0f} GiB of host memory per node, "
-                        f"{hw.usable_host_bytes / 2**30:.0f} usable")
+    per_node = host["total"] * ranks_per_node
+    if per_node > hw.usable_host_bytes:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v * ranks_per_node / 2**30:.1f}"
+                          for k, v in host.items() if k != "total" and v >= 2**30 / 10)
+        problems.append(f"needs {per_node / 2**30:.1f} GiB of host memory per node ({parts}), "
+                        f"{hw.usable_host_bytes / 2**30:.1f} usable of {hw.host_memory_gib:g}")
     return problems
 
 
@@ -208,20 +221,25 @@ def exposed_per_micro_batch(m: ModelConfig, shape: MeshShape, policy: MemoryPoli
     }
 
 
-def step_times(compute: float, exposed: dict[str, float], fsdp_step: float, grad_accum: int) -> dict[str, float]:
-    """Seconds per optimizer step: compute, each exposed kind, and the step."""
-    step = grad_accum * (compute + sum(exposed.values())) + fsdp_step
+def step_times(compute: float, exposed: dict[str, float], fsdp_step: float, grad_accum: int,
+               per_step: dict[str, float] | None = None) -> dict[str, float]:
+    """Seconds per optimizer step: compute, each exposed kind (`exposed` per micro-batch, `per_step`
+    per optimizer step: the model states' host link and host AdamW), and the step."""
+    per_step = per_step or {}
+    step = grad_accum * (compute + sum(exposed.values())) + fsdp_step + sum(per_step.values())
     return {"compute": grad_accum * compute, **{f"exposed_{k}": grad_accum * v for k, v in exposed.items()},
-            "exposed_fsdp": fsdp_step, "step": step}
+            "exposed_fsdp": fsdp_step, **{f"exposed_{k}": v for k, v in per_step.items()}, "step": step}
 
 
 def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad_accum: int, policy: MemoryPolicy,
-               flops: Flops, acts: ActivationEstimate) -> str:
+               flops: Flops, acts: ActivationEstimate, per_step: dict[str, float] | None = None) -> str:
     """The largest part of the step, naming recomputation's share of compute when it is over 15%."""
+    per_step = per_step or {}
     parts = {"compute": grad_accum * compute, "head all-to-all": exposed["head"] * grad_accum,
              "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": fsdp_step,
              "expert all-to-all": exposed["expert"] * grad_accum,
-             "offload copies": (exposed["offload"] + exposed["attention_offload"]) * grad_accum}
+             "offload copies": (exposed["offload"] + exposed["attention_offload"]) * grad_accum,
+             "host link (states)": per_step.get("host_link", 0.0), "host AdamW": per_step.get("host_adam", 0.0)}
     name = max(parts, key=parts.get)
     if name == "compute" and policy.recompute != "none" and acts.recompute_flops:
         share = recompute_share(flops)
@@ -237,12 +255,13 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
 def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
              global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
              doc_work: float = 1.0, acts: ActivationEstimate | None = None,
-             transient: float | None = None, expert_skew: float = 1.0) -> Estimate:
+             transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device") -> Estimate:
     """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
     job) under `shape` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
-    (so global_batch / (dp x micro_batch) micro-batches per step). doc_work: the documents' visible
-    query-key pairs over a plain causal mask's (planner/documents.py), in (0, 1]; ignored (1.0)
-    without document masks. acts, transient: `rank_activations`, when the caller has them."""
+    (so global_batch / (dp x micro_batch) micro-batches per step), the model states in
+    `model_states`'s tier. doc_work: the documents' visible query-key pairs over a plain causal
+    mask's (planner/documents.py), in (0, 1]; ignored (1.0) without document masks. acts,
+    transient: `rank_activations`, when the caller has them."""
     if not 0 < doc_work <= 1:
         raise ValueError(f"doc_work must be in (0, 1], got {doc_work}")
     work = doc_work if doc_mask else 1.0
@@ -252,14 +271,16 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
         problems.append(f"global batch {global_batch} is not divisible by dp {shape.dp} x micro-batch {micro_batch}")
     grad_accum = max(1, global_batch // (shape.dp * micro_batch))
     tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
+    ranks_per_node = min(gpus_per_node, shape.world)
     if acts is None or transient is None:
         acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, e, doc_mask, expert_skew)
-    memory = memory_bytes(m, shape, policy, grad_accum, e, acts, transient)
+    memory = memory_bytes(m, shape, policy, grad_accum, e, acts, transient, model_states)
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,
                                                                  ctx=shape.ctx, policy=policy, dtype_bytes=e,
                                                                  work=work)
-    host_per_node = (acts.total_host + attn_host) * min(gpus_per_node, shape.world)
-    problems += memory_problems(memory, host_per_node, hw)
+    host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                                offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask)
+    problems += memory_problems(memory, host, ranks_per_node, hw)
     calls = attention_call_bytes(m, seq_len, micro_batch, shape, e)
     comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e, tokens)
     flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
@@ -270,9 +291,12 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
                                                gpus_per_node)
     fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, predicted_block_forward_seconds(flops, m, hw),
                                      acts.recompute_flops, hw, gpus_per_node)
-    times = step_times(compute, exposed, fsdp_step, grad_accum)
+    per_step = ({} if model_states == "device" else exposed_host_state_seconds(
+        m, shape, model_states, hw, grad_accum, grad_accum * compute, ranks_per_node))
+    times = step_times(compute, exposed, fsdp_step, grad_accum, per_step)
     tps = global_batch * seq_len / times["step"] if times["step"] > 0 else float("inf")
     mfu = tps * train_flops_per_token(m, seq_len) / (shape.world * hw.peak_flops)
-    neck = bottleneck(compute, exposed, fsdp_step, grad_accum, policy, flops, acts)
-    return Estimate(shape, policy, micro_batch, grad_accum, seq_len, global_batch, memory, host_per_node, comm, times,
-                    tps, mfu, neck, not problems, problems, work)
+    neck = bottleneck(compute, exposed, fsdp_step, grad_accum, policy, flops, acts, per_step)
+    return Estimate(shape, policy, micro_batch, grad_accum, seq_len, global_batch, memory,
+                    host["total"] * ranks_per_node, comm, times, tps, mfu, neck, not problems, problems, work,
+                    model_states, host)

@@ -31,7 +31,7 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     raw["parallel"].update(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, head=shape.head, ctx=shape.ctx,
                            window=shape.window if shape.window and shape.window < shape.ctx else 0,
                            placement=shape.placement, expert=shape.expert)
-    raw["memory"].update(est.policy.to_config())
+    raw["memory"].update(est.policy.to_config(), model_states=est.model_states)
     global_batch = est.micro_batch * shape.dp * est.grad_accum
     if global_batch != req.global_batch:
         raise ValueError(f"plan {shape.describe()} micro-batch {est.micro_batch} x grad_accum {est.grad_accum} makes "
@@ -68,7 +68,8 @@ def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
          (f": runs where it is trained (GPUs: bf16, else CPU: fp32); predictions are for {req.hardware.name}"
           if cfg.train.device == "auto" else "")),
         (f"# predicted: step {est.step_s:.4g} s, {est.tokens_per_s:,.0f} tokens/s, MFU {100 * est.mfu:.1f}%, "
-         f"{est.memory['total'] / GIB:.1f} GiB per GPU, bottleneck {est.bottleneck}"),
+         f"{est.memory['total'] / GIB:.1f} GiB per GPU, {est.host_per_node / GIB:.1f} GiB of host memory per node "
+         f"(model states: {est.model_states}), bottleneck {est.bottleneck}"),
         f"# attention work: {doc_work_text(req)}",
         (f"# run: longctx train --config THIS --nproc {world}" if nodes == 1 else
          f"# run: torchrun --nnodes {nodes} --nproc-per-node {req.gpus_per_node} -m longctx train --config THIS"),
@@ -84,7 +85,8 @@ def _gib(x: float) -> str:
 # The table's memory columns: the terms of Estimate.memory (cost.memory_bytes; its "total" is their sum)
 # in the order they are summed, each with its heading and what it holds (the legend under the table).
 MEMORY_TERMS = {
-    "model_states": ("states", "fp32 parameters, gradients and Adam moments, sharded over the FSDP group"),
+    "model_states": ("states", "fp32 parameters, gradients and Adam moments, sharded over the FSDP group, as far as "
+                               "their tier (states in) keeps them on the GPU"),
     "gathered_params": ("gathered", "what FSDP holds unsharded (two blocks' parameters, one block's fp32 gradient, "
                                     "the root)"),
     "accumulated_grads": ("acc.grads", "every gradient, unsharded fp32, accumulated over the grad_accum "
@@ -109,7 +111,11 @@ def memory_legend(res: PlanResult, top: int = 10) -> str:
     """What each memory column of the table holds, wrapped at 100 columns like the command's errors."""
     terms = memory_terms(_rows(res, top))
     text = ("memory per GPU in GiB, each figure rounded to 0.1, the terms adding up to the total within rounding: " +
-            "; ".join(f"{_term_heading(k)} = {MEMORY_TERMS[k][1]}" if k in MEMORY_TERMS else k for k in terms))
+            "; ".join(f"{_term_heading(k)} = {MEMORY_TERMS[k][1]}" if k in MEMORY_TERMS else k for k in terms) +
+            ". states in = memory.model_states (device; host_optimizer: fp32 weights on the GPU, master copy, "
+            "gradients and moments in host memory, AdamW on the host; host: all of them in host memory). "
+            "host/GPU, host/node = host memory in GiB per rank and per node: a host tier's states, offloaded "
+            "activations, the data loader's batches")
     return textwrap.fill(text, width=100, break_on_hyphens=False)
 
 
@@ -124,14 +130,14 @@ def table(res: PlanResult, top: int = 10) -> str:
     req = res.request
     rows = _rows(res, top)
     terms = memory_terms(rows)
-    first_mem, last_mem = 5, 5 + len(terms)  # column indices of the first memory term and of the total
-    head = ["#", "layout", "memory policy", "micro-batch", "grad_accum", *map(_term_heading, terms), "total GiB",
-            "host/node", "step s", "tok/s", "MFU", "bottleneck"]
+    first_mem, last_mem = 6, 6 + len(terms)  # column indices of the first memory term and of the total
+    head = ["#", "layout", "memory policy", "states in", "micro-batch", "grad_accum", *map(_term_heading, terms),
+            "total GiB", "host/GPU", "host/node", "step s", "tok/s", "MFU", "bottleneck"]
     body = []
     for i, e in enumerate(rows, 1):
-        body.append([str(i), e.mesh_shape.describe(), e.policy.describe(), str(e.micro_batch), str(e.grad_accum),
-                     *(_gib(e.memory[k]) if k in e.memory else "-" for k in terms), _gib(e.memory["total"]),
-                     f"{e.host_per_node / GIB:.0f}" if e.host_per_node else "-",
+        body.append([str(i), e.mesh_shape.describe(), e.policy.describe(), e.model_states, str(e.micro_batch),
+                     str(e.grad_accum), *(_gib(e.memory[k]) if k in e.memory else "-" for k in terms),
+                     _gib(e.memory["total"]), _gib(e.host.get("total", 0.0)), f"{e.host_per_node / GIB:.1f}",
                      step_text(e.step_s), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%",
                      e.bottleneck if e.feasible else "INFEASIBLE: " + "; ".join(e.problems)])
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]

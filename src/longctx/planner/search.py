@@ -19,16 +19,17 @@ time), and, when nothing fits, what would: more GPUs, offload, a shorter sequenc
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.model_states import predicted_model_state_bytes
+from ..costs.host_bytes import TIERS, device_state_bytes
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..memory.policy import MemoryPolicy
-from .cost import Estimate, estimate, rank_activations
+from .cost import Estimate, estimate, memory_bytes, rank_activations
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 _POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -95,6 +96,8 @@ class Request:
     expert_degrees: tuple[int, ...] | None = None
     expert_skew: float = 2.0
     expert_chunks: tuple[int, ...] = (0, 16384)
+    # memory.model_states tiers to try, in the order tried: a candidate takes the first that fits
+    model_states: tuple[str, ...] = TIERS
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -112,6 +115,10 @@ class Request:
         if not 0 < self.doc_work <= 1:
             raise ConfigError(f"doc_work (the documents' share of causal attention work) must be in (0, 1], "
                               f"got {self.doc_work}.")
+        bad = [t for t in self.model_states if t not in TIERS] or ([] if self.model_states else ["(none)"])
+        if bad:
+            raise ConfigError(f"unknown model-state tier(s) {bad}; choose among {', '.join(TIERS)}.")
+        self.model_states = tuple(t for t in TIERS if t in self.model_states)  # tried cheapest first
         bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
         if bad:
             raise ConfigError(f"unknown recompute policy {bad}; choose among none, full, selective.")
@@ -232,7 +239,7 @@ def _sort_key(e: Estimate):
     p = e.policy
     if not e.feasible:
         return (1, e.memory["total"] + e.host_per_node, e.step_s)
-    return (0, float(step_text(e.step_s)), _POLICY_ORDER[p.recompute], p.offload_fraction,
+    return (0, float(step_text(e.step_s)), TIERS.index(e.model_states), _POLICY_ORDER[p.recompute], p.offload_fraction,
             round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
             e.mesh_shape.dp_replicate, e.mesh_shape.window, p.expert_chunk, e.mesh_shape.expert)
@@ -268,9 +275,9 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
     results: list[Estimate] = []
     evaluated = 0
     for shape in candidate_shapes(req):
-        # model states alone: prune every policy of this shape if they do not fit
-        static = predicted_model_state_bytes(m, shape)
-        if static > hw.usable_memory_bytes and not keep_infeasible:
+        # model states alone, in each tier: prune every policy of this shape if none of them fits
+        static = {t: sum(device_state_bytes(m, shape, t, hw.dtype_bytes).values()) for t in req.model_states}
+        if min(static.values()) > hw.usable_memory_bytes and not keep_infeasible:
             continue
         dp_share = req.global_batch // shape.dp if req.global_batch % shape.dp == 0 else 0
         for mb in req.micro_batches:
@@ -292,23 +299,65 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict) -> tuple[li
                 if key not in acts_cache:
                     acts_cache[key] = rank_activations(m, req.seq_len, mb, shape, pol, hw.dtype_bytes, req.doc_mask,
                                                        req.expert_skew)
-                acts, transient = acts_cache[key]
-                if not keep_infeasible and static + acts.total_device + transient > hw.usable_memory_bytes:
-                    continue
-                est = estimate(m, hw, shape, pol, seq_len=req.seq_len, global_batch=req.global_batch,
-                               micro_batch=mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
-                               doc_work=req.doc_work, acts=acts, transient=transient, expert_skew=req.expert_skew)
-                evaluated += 1
-                if est.feasible and not pol.expert_chunk:
+                kept, n = _tiers(req, shape, mb, pol, *acts_cache[key], static, keep_infeasible)
+                evaluated += n
+                if kept and kept[-1].feasible and not pol.expert_chunk:
                     fit_whole.add(pol)
-                if est.feasible or keep_infeasible:
-                    results.append(est)
+                results += kept
     return results, evaluated
+
+
+def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts, transient: float,
+           static: dict[str, float], keep_infeasible: bool) -> tuple[list[Estimate], int]:
+    """One candidate in the first model-state tier that fits, tried in req.model_states' order
+    (device, host_optimizer, host): for the same layout, policy and micro-batch a host tier adds
+    host-link and host AdamW time to the same compute, so it is never faster than a tier before it
+    that fits, and holds no less in host memory. Returns (the estimates kept, the number made):
+    with keep_infeasible every tier tried when none fits, else only a feasible one."""
+    hw, made = req.hardware, []
+    grad_accum = max(1, req.global_batch // (shape.dp * mb))
+    for tier in req.model_states:
+        if not keep_infeasible and (static[tier] + acts.total_device + transient > hw.usable_memory_bytes or
+                                    memory_bytes(req.model, shape, pol, grad_accum, hw.dtype_bytes, acts, transient,
+                                                 tier)["total"] > hw.usable_memory_bytes):
+            continue  # the GPU's memory alone rules it out (estimate's own sum, before its time)
+        est = estimate(req.model, hw, shape, pol, seq_len=req.seq_len, global_batch=req.global_batch,
+                       micro_batch=mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
+                       doc_work=req.doc_work, acts=acts, transient=transient, expert_skew=req.expert_skew,
+                       model_states=tier)
+        made.append(est)
+        if est.feasible:
+            return [est], len(made)
+        if est.host_per_node > hw.usable_host_bytes and not keep_infeasible:
+            break  # the tiers after it keep more in host memory, not less
+    return (made if keep_infeasible else []), len(made)
 
 
 def _first_feasible(req: Request, **changes) -> Estimate | None:
     r = dataclasses.replace(req, **changes)
     return plan(r, keep_infeasible=False, explain=False).best
+
+
+def _host_memory_suggestion(req: Request, res: PlanResult) -> list[str]:
+    """When plans fit the GPU but not the host: the least host memory one of them needs, by part,
+    against the hardware's, and the host memory per node that makes the request feasible."""
+    hw = req.hardware
+    fit_gpu = [e for e in res.ranked if e.memory["total"] <= hw.usable_memory_bytes]
+    if not fit_gpu or not hw.usable_host_fraction:
+        return []
+    e = min(fit_gpu, key=lambda e: e.host_per_node)
+    ranks = e.host_per_node / e.host["total"] if e.host.get("total") else 1
+    parts = ", ".join(f"{k.replace('_', ' ')} {v * ranks / 2**30:.1f}" for k, v in e.host.items()
+                      if k != "total" and v * ranks >= 2**30 / 10)
+    need = e.host_per_node / hw.usable_host_fraction / 2**30
+    text = (f"plans that fit the GPU need host memory the hardware does not have: at least "
+            f"{e.host_per_node / 2**30:.1f} GiB per node ({e.mesh_shape.describe()}, {e.policy.describe()}, "
+            f"model states {e.model_states}: {parts}) against {hw.usable_host_bytes / 2**30:.1f} GiB usable of "
+            f"{hw.host_memory_gib:g}")
+    for gib in sorted({math.ceil(need / 16) * 16, math.ceil(need / 64) * 64, 2 ** math.ceil(math.log2(need))}):
+        if _first_feasible(req, hardware=hw.replace(host_memory_gib=gib)):
+            return [f"{text}; nodes with {gib:,} GiB of host memory (--hw host_memory_gib={gib}) make it feasible"]
+    return [text]
 
 
 def suggest(req: Request, res: PlanResult) -> list[str]:
@@ -340,7 +389,9 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
                     out.append(f"activation offload makes it feasible with {host:,.0f} GiB of host memory per node "
                                f"(--hw host_memory_gib={host:.0f})")
                     break
-    if least.host_per_node > req.hardware.usable_host_bytes and req.hardware.host_memory_gib:
+    host_text = _host_memory_suggestion(req, res)
+    out += host_text
+    if not host_text and least.host_per_node > req.hardware.usable_host_bytes and req.hardware.host_memory_gib:
         need = least.host_per_node / req.hardware.usable_host_fraction / 2**30
         out.append(f"nodes with >= {need:,.0f} GiB of host memory (--hw host_memory_gib=...) would hold the "
                    f"offloaded activations")

@@ -255,7 +255,8 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
         "model_states_measured": [r["model_states"] for r in per_rank],
         "step_s_measured": max(step_times), "step_s_predicted": est.step_s,
         "predicted_times": est.times,
-        "activations_predicted": est.memory["activations"], "host_predicted": est.host_per_node / case.world,
+        "activations_predicted": est.memory["activations"],
+        "host_predicted": est.host["activations"] + est.host["attention_offload"],
     }
     row["activations_measured"] = [r["activations"]["device"] for r in per_rank]
     row["host_measured"] = [r["activations"]["host"] for r in per_rank]

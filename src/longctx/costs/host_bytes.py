@@ -1,0 +1,141 @@
+"""Where the model states live (memory.model_states), and what a rank holds in host memory.
+
+Per rank, bytes per parameter of the rank's share (predicted_model_state_bytes / 16: the FSDP
+group's shard, the routed experts over every rank under expert parallelism):
+
+- device: device 16 (fp32 weights, gradients, exp_avg, exp_avg_sq) + what FSDP gathers (world > 1);
+  host 0; host link 0.
+- host_optimizer: device 4 (fp32 weights) + the largest block's fp32 gradient on its way to the
+  host (world 1, no FSDP), or 4 + 4 (the shards' gradients, taken at the step) + FSDP's gathers
+  (world > 1); host 16 (masters, gradients, two moments); host link per step: gradients down 4
+  per micro-batch, updated weights up 4.
+- host: device only what FSDP gathers (two blocks, the root, one block's fp32 gradient), at world 1
+  too (a one-rank FSDP group); host 16 (FSDP2's CPU offload: sharded weights, gradients, moments);
+  host link per micro-batch: weights up 4 for the forward and 4 again for the backward,
+  gradients down 4.
+
+The AdamW step of both host tiers runs on the host's cores (torch's fused CPU AdamW), which the
+node's ranks share: `Hardware.host_adam_gparams_per_s` is the node's rate. The step is not
+overlapped with anything today (step/host_optimizer.py: clipping and the step guard need the whole
+backward first; FSDP2's CPU offload steps after the backward), so its time is exposed in full.
+Under host_optimizer the gradients go down on a side stream during the backward (hidden behind the
+backward's compute as far as `comm_overlap` allows); the updated weights go up on the compute
+stream before the next forward (exposed). Under host FSDP prefetches each unit one block ahead,
+so its copies hide behind compute as FSDP's gathers do.
+
+`predicted_host_bytes` is a rank's host memory by part, the one figure the planner (host memory
+per node) and the preflight (a run refused before work when its node's ranks would not fit) read:
+
+- model_states: the tier's host states above;
+- activations, attention_offload: offloaded activations and the attention core's offloaded state
+  (memory/accounting.py estimate_activations' total_host, memory/transients.py
+  attention_offload_host_and_traffic), given by the caller;
+- checkpoint_staging: under checkpoint.async, DCP's stager keeps a host copy of what a save
+  writes (fp32 weights and both moments: 12 bytes per parameter of the rank's share) between saves;
+- data_loader: the training loop holds this step's local batches while the read-ahead thread reads
+  the next step's (data/loader.py: tokens, labels, positions and document ids, int64 each, for
+  the rank's share of every micro-batch), and, while reading, the segment frames of the rank's
+  whole rows (positions and document ids int64, the labelled mask) and the held positions.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from .hardware import Hardware
+from .model_states import gathered_param_bytes, param_counts, predicted_model_state_bytes
+from .shape import MeshShape
+from .timing import exposed
+
+TIERS = ("device", "host_optimizer", "host")  # config/schema.py MODEL_STATE_TIERS, cheapest to run first
+HOST_STATE_BYTES = {"device": 0, "host_optimizer": 16, "host": 16}  # per parameter of the rank's share
+
+
+def rank_params(m: ModelConfig, shape: MeshShape) -> float:
+    """Parameters whose states one rank keeps (the FSDP shard; with expert parallelism the routed
+    experts over every rank)."""
+    return predicted_model_state_bytes(m, shape) / 16
+
+
+def device_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, gather_bytes: int) -> dict[str, float]:
+    """{"model_states", "gathered_params"}: the tier's model-state bytes on one rank's device."""
+    n = rank_params(m, shape)
+    if tier == "device":
+        return {"model_states": 16 * n, "gathered_params": gathered_param_bytes(m, shape, gather_bytes)}
+    if tier == "host_optimizer":
+        if shape.world == 1:  # no FSDP: the weights, and a block's gradients on their way to the host
+            return {"model_states": 4 * n + 4 * param_counts(m)["block"], "gathered_params": 0.0}
+        return {"model_states": 8 * n, "gathered_params": gathered_param_bytes(m, shape, gather_bytes)}
+    if tier == "host":
+        return {"model_states": 0.0, "gathered_params": gathered_param_bytes(m, shape, gather_bytes, sharded=True)}
+    raise ValueError(f"unknown model-state tier {tier!r}; one of {', '.join(TIERS)}")
+
+
+def host_state_bytes(m: ModelConfig, shape: MeshShape, tier: str) -> float:
+    """The tier's model-state bytes in one rank's host memory (pinned on CUDA)."""
+    return HOST_STATE_BYTES[tier] * rank_params(m, shape)
+
+
+def host_link_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_accum: int) -> dict[str, float]:
+    """Bytes one rank moves over the host link per optimizer step for its model states: {"down",
+    "up"} (device -> host, host -> device); {} under the device tier."""
+    n = rank_params(m, shape)
+    if tier == "host_optimizer":
+        return {"down": 4 * n * grad_accum, "up": 4 * n}
+    if tier == "host":
+        return {"down": 4 * n * grad_accum, "up": 8 * n * grad_accum}
+    return {}
+
+
+def host_adam_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware, ranks_per_node: int) -> float:
+    """Seconds of the AdamW step on the host, whose cores the node's ranks share (0 under device)."""
+    if tier == "device":
+        return 0.0
+    rate = hw.host_adam_gparams_per_s * 1e9 / max(1, ranks_per_node)
+    return rank_params(m, shape) / rate if rate > 0 else float("inf")
+
+
+def exposed_host_state_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware, grad_accum: int,
+                               compute_s: float, ranks_per_node: int) -> dict[str, float]:
+    """Seconds per optimizer step the model states' tier adds: {"host_link", "host_adam"} (module
+    docstring: what hides behind what). compute_s: the step's compute, forward and backward."""
+    if tier == "device":
+        return {"host_link": 0.0, "host_adam": 0.0}
+    link = hw.host_link_gbps * 1e9
+    moved = host_link_bytes(m, shape, tier, grad_accum)
+    if tier == "host_optimizer":  # gradients beside the backward (2/3 of compute); weights up before the forward
+        link_s = exposed(moved["down"] / link, compute_s * 2 / 3, hw) + moved["up"] / link
+    else:
+        link_s = exposed((moved["down"] + moved["up"]) / link, compute_s, hw)
+    return {"host_link": link_s, "host_adam": host_adam_seconds(m, shape, tier, hw, ranks_per_node)}
+
+
+def data_loader_bytes(seq_len: int, micro_batch: int, grad_accum: int, sequence_degree: int,
+                      doc_mask: bool = True) -> float:
+    """Host bytes of the data loader per rank: two steps of local batches (int64 tokens, labels,
+    positions and, with document masks, document ids), and the frames of one micro-batch being read
+    (positions and document ids int64 and the labelled mask over the whole rows, the held positions)."""
+    local = micro_batch * seq_len // max(1, sequence_degree)
+    per_token = 8 * (4 if doc_mask else 3)
+    held = 2 * grad_accum * local * per_token
+    reading = micro_batch * seq_len * (8 * (2 if doc_mask else 1) + 1) + 8 * local
+    return float(held + reading)
+
+
+def checkpoint_staging_bytes(m: ModelConfig, shape: MeshShape, async_save: bool) -> float:
+    """DCP's reusable host staging under checkpoint.async: fp32 weights and both AdamW moments."""
+    return 12 * rank_params(m, shape) if async_save else 0.0
+
+
+def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len: int, micro_batch: int,
+                         grad_accum: int, offloaded_activations: float = 0.0, attention_offload: float = 0.0,
+                         doc_mask: bool = True, async_checkpoint: bool = False) -> dict[str, float]:
+    """One rank's host memory by part (the module's docstring) and their "total"."""
+    parts = {
+        "model_states": host_state_bytes(m, shape, tier),
+        "activations": float(offloaded_activations),
+        "attention_offload": float(attention_offload),
+        "checkpoint_staging": checkpoint_staging_bytes(m, shape, async_checkpoint),
+        "data_loader": data_loader_bytes(seq_len, micro_batch, grad_accum, shape.sequence_degree, doc_mask),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
