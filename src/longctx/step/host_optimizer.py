@@ -145,6 +145,7 @@ class HostOptimizer(torch.optim.AdamW):
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self._inner = [self._unit_optimizer(unit, group_of) for unit in self._units]
         self._updates = _Updates(len(self._units))
+        self._last_upload: list[torch.cuda.Event | None] = [None] * len(self._units)
         for k, (module, _) in enumerate(units):
             module.register_forward_pre_hook(lambda *_, k=k: self._updates.wait(k), prepend=True)
         units[0][0].register_state_dict_pre_hook(lambda *_: self._updates.finish())
@@ -279,6 +280,8 @@ class HostOptimizer(torch.optim.AdamW):
     def _update_unit(self, k: int, found_inf: torch.Tensor | None) -> torch.cuda.Event | None:
         """Unit k's AdamW step on the host, then its weights to the device (on the worker thread)."""
         inner, _ = self._inner[k]
+        if self._last_upload[k] is not None:  # (done long ago in practice: the forward waited for it)
+            self._last_upload[k].synchronize()
         inner.found_inf = found_inf
         try:
             inner.step()
@@ -296,6 +299,7 @@ class HostOptimizer(torch.optim.AdamW):
                 _local(self.params[i]).copy_(self.masters[i], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
+        self._last_upload[k] = event  # the masters are not written again before this copy is done
         return event
 
     def _inner_state(self, i: int) -> dict:
