@@ -47,14 +47,27 @@ def test_link_traffic_and_host_adam_time():
     assert host_link_bytes(m, shape, "device", 1) == {}
     assert host_link_bytes(m, shape, "host_optimizer", 2) == {"down": 8 * n, "up": 4 * n}
     assert host_link_bytes(m, shape, "host", 1) == {"down": 4 * n, "up": 8 * n}
-    assert exposed_host_state_seconds(m, shape, "device", hw, 1, 1.0, 1) == {"host_link": 0.0, "host_adam": 0.0}
-    # long compute hides the gradients going down; the weights going up before the forward do not hide
-    t = exposed_host_state_seconds(m, shape, "host_optimizer", hw, 1, 100.0, 1)
-    assert t["host_link"] == pytest.approx(4 * n / (hw.host_link_gbps * 1e9))
-    assert t["host_adam"] == pytest.approx(n / (hw.host_adam_gparams_per_s * 1e9))
-    # the node's ranks share the host's cores
-    shared = exposed_host_state_seconds(m, shape, "host", hw, 1, 100.0, 8)
-    assert shared["host_adam"] == pytest.approx(8 * t["host_adam"])
+    assert exposed_host_state_seconds(m, shape, "device", hw, 1, 1.0, 2.0, 1) == {"host_link": 0.0, "host_adam": 0.0}
+    adam = n / (hw.host_adam_gparams_per_s * 1e9)
+    up = 4 * n / (hw.host_link_gbps * 1e9)
+    # world 1: a long backward hides the gradients going down, the next forward the update and the upload
+    t = exposed_host_state_seconds(m, shape, "host_optimizer", hw, 1, 100.0, 200.0, 1)
+    assert t == {"host_link": 0.0, "host_adam": 0.0}
+    # a forward shorter than the update: what it does not hide is exposed, the upload after it too
+    t = exposed_host_state_seconds(m, shape, "host_optimizer", hw, 1, adam / 2, 200.0, 1)
+    assert t["host_adam"] == pytest.approx(adam / 2) and t["host_link"] == pytest.approx(up)
+    # under FSDP the forward waits for the whole update
+    fsdp = MeshShape(1, 2)
+    t = exposed_host_state_seconds(m, fsdp, "host_optimizer", hw, 1, 100.0, 200.0, 2)
+    assert t["host_adam"] == pytest.approx(adam) and t["host_link"] == pytest.approx(up / 2)
+    # host: the step follows the backward; the node's ranks share the host's cores
+    t1 = exposed_host_state_seconds(m, shape, "host", hw, 1, 100.0, 200.0, 1)
+    t8 = exposed_host_state_seconds(m, shape, "host", hw, 1, 100.0, 200.0, 8)
+    assert t1["host_adam"] == pytest.approx(adam) and t8["host_adam"] == pytest.approx(8 * adam)
+    # on a CPU (comm_overlap 0) nothing hides
+    cpu = hw.replace(comm_overlap=0.0)
+    t = exposed_host_state_seconds(m, shape, "host_optimizer", cpu, 1, 100.0, 200.0, 1)
+    assert t["host_adam"] == pytest.approx(adam) and t["host_link"] == pytest.approx(up + up)
 
 
 def test_host_bytes_by_part():

@@ -37,9 +37,14 @@ def test_one_gpu_8b_is_feasible_with_its_states_in_host_memory(capsys, hardware,
     assert best["host_per_node_gib"] == pytest.approx(best["host_gib"]["total"])
     assert best["host_per_node_gib"] > 119
     assert best["memory_gib"]["total"] <= res["request"]["hardware"]["memory_gib"] * 0.92
-    # the step time carries the host AdamW (8.03e9 parameters at the preset's 5e9/s) and the host link
-    assert best["times_s"]["exposed_host_adam"] == pytest.approx(8.03e9 / 5e9, rel=0.01)
-    assert "exposed_host_link" in best["times_s"]
+    # the step time carries the host AdamW (8.03e9 parameters at the preset's 5e9/s: exposed in full
+    # under host, hidden behind the next forward at world 1 under host_optimizer) and the host link
+    times = best["times_s"]
+    adam = 8.03e9 / 5e9
+    if best["policy"]["model_states"] == "host":
+        assert times["exposed_host_adam"] == pytest.approx(adam, rel=0.01)
+    assert 0 <= times["exposed_host_adam"] <= adam * 1.01 and times["exposed_host_link"] >= 0
+    assert times["step"] == pytest.approx(sum(v for k, v in times.items() if k != "step"))
 
 
 def test_the_table_shows_the_tier_and_host_bytes(capsys):

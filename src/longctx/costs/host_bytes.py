@@ -15,13 +15,15 @@ group's shard, the routed experts over every rank under expert parallelism):
   gradients down 4.
 
 The AdamW step of both host tiers runs on the host's cores (torch's fused CPU AdamW), which the
-node's ranks share: `Hardware.host_adam_gparams_per_s` is the node's rate. The step is not
-overlapped with anything today (step/host_optimizer.py: clipping and the step guard need the whole
-backward first; FSDP2's CPU offload steps after the backward), so its time is exposed in full.
-Under host_optimizer the gradients go down on a side stream during the backward (hidden behind the
-backward's compute as far as `comm_overlap` allows); the updated weights go up on the compute
-stream before the next forward (exposed). Under host FSDP prefetches each unit one block ahead,
-so its copies hide behind compute as FSDP's gathers do.
+node's ranks share: `Hardware.host_adam_gparams_per_s` is the node's rate. Clipping and the step
+guard need the whole backward first, so no step overlaps the backward. Under host_optimizer
+(step/host_optimizer.py) the gradients go down on a side stream during the backward, and at world
+1 a worker thread steps the units in forward order, each unit's weights copied up as it is done,
+while the next step's forward runs: each block waits only for its own unit, so the update and the
+upload hide behind the next forward (as far as `comm_overlap` allows: 0 on a CPU, whose cores do
+both); under FSDP the forward waits for the whole update (exposed). Under host the step follows the
+backward (FSDP2's CPU offload; exposed) and FSDP prefetches each unit one block ahead, so its
+copies hide behind compute as FSDP's gathers do.
 
 `predicted_host_bytes` is a rank's host memory by part, the one figure the planner (host memory
 per node) and the preflight (a run refused before work when its node's ranks would not fit) read:
@@ -95,18 +97,25 @@ def host_adam_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware,
 
 
 def exposed_host_state_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware, grad_accum: int,
-                               compute_s: float, ranks_per_node: int) -> dict[str, float]:
+                               forward_s: float, backward_s: float, ranks_per_node: int) -> dict[str, float]:
     """Seconds per optimizer step the model states' tier adds: {"host_link", "host_adam"} (module
-    docstring: what hides behind what). compute_s: the step's compute, forward and backward."""
+    docstring: what hides behind what). forward_s, backward_s: one micro-batch's compute (the
+    backward with its recomputation)."""
     if tier == "device":
         return {"host_link": 0.0, "host_adam": 0.0}
     link = hw.host_link_gbps * 1e9
     moved = host_link_bytes(m, shape, tier, grad_accum)
-    if tier == "host_optimizer":  # gradients beside the backward (2/3 of compute); weights up before the forward
-        link_s = exposed(moved["down"] / link, compute_s * 2 / 3, hw) + moved["up"] / link
-    else:
-        link_s = exposed((moved["down"] + moved["up"]) / link, compute_s, hw)
-    return {"host_link": link_s, "host_adam": host_adam_seconds(m, shape, tier, hw, ranks_per_node)}
+    adam = host_adam_seconds(m, shape, tier, hw, ranks_per_node)
+    if tier == "host":
+        return {"host_link": exposed((moved["down"] + moved["up"]) / link, grad_accum * (forward_s + backward_s), hw),
+                "host_adam": adam}
+    down = exposed(moved["down"] / link, grad_accum * backward_s, hw)  # beside each micro-batch's backward
+    if shape.world > 1:  # FSDP gathers before any hook of ours: the forward waits for the whole update
+        return {"host_link": down + moved["up"] / link, "host_adam": adam}
+    # world 1: the update, then each unit's upload, beside the next step's first forward
+    hidden_adam = exposed(adam, forward_s, hw)
+    return {"host_link": down + exposed(moved["up"] / link, forward_s - min(forward_s, adam), hw),
+            "host_adam": hidden_adam}
 
 
 def data_loader_bytes(seq_len: int, micro_batch: int, grad_accum: int, sequence_degree: int,

@@ -289,10 +289,11 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
     skew = min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
     exposed["expert"] = exposed_expert_seconds(m, shape, comm.get("expert", {}), grad_accum, tokens, skew, hw,
                                                gpus_per_node)
-    fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, predicted_block_forward_seconds(flops, m, hw),
-                                     acts.recompute_flops, hw, gpus_per_node)
+    block_fwd = predicted_block_forward_seconds(flops, m, hw)
+    fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_fwd, acts.recompute_flops, hw,
+                                     gpus_per_node)
     per_step = ({} if model_states == "device" else exposed_host_state_seconds(
-        m, shape, model_states, hw, grad_accum, grad_accum * compute, ranks_per_node))
+        m, shape, model_states, hw, grad_accum, block_fwd * m.layers, compute - block_fwd * m.layers, ranks_per_node))
     times = step_times(compute, exposed, fsdp_step, grad_accum, per_step)
     tps = global_batch * seq_len / times["step"] if times["step"] > 0 else float("inf")
     mfu = tps * train_flops_per_token(m, seq_len) / (shape.world * hw.peak_flops)
