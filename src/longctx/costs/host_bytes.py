@@ -42,9 +42,14 @@ per node) and the preflight (a run refused before work when its node's ranks wou
 
 from __future__ import annotations
 
+import math
+
 from ..config import ModelConfig
+from ..memory.accounting import estimate_activations
+from ..memory.policy import MemoryPolicy
+from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
 from .hardware import Hardware
-from .model_states import gathered_param_bytes, param_counts, predicted_model_state_bytes
+from .model_states import accumulated_grad_bytes, gathered_param_bytes, param_counts, predicted_model_state_bytes
 from .shape import MeshShape
 from .timing import exposed
 
@@ -148,3 +153,37 @@ def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,
+                 activations: float, transient: float) -> dict[str, float]:
+    """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers,
+    the unsharded gradients accumulated under grad_sync "step" (only where there are any), the
+    saved activations and the backward's transient on top of them."""
+    memory = device_state_bytes(m, shape, tier, gather_bytes)
+    accumulated = accumulated_grad_bytes(m, shape, grad_accum, grad_sync)
+    if accumulated:
+        memory["accumulated_grads"] = accumulated
+    memory["activations"] = activations
+    memory["transient"] = transient
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tier: str, *, seq_len: int,
+                         micro_batch: int, grad_accum: int, dtype_bytes: int, doc_mask: bool = True,
+                         async_checkpoint: bool = False,
+                         offload_cap: float = math.inf) -> tuple[dict[str, float], dict[str, float]]:
+    """(device bytes, host bytes) of one rank of a run, each by part with its "total", from the
+    activation formulas (memory/accounting.py, memory/transients.py) and the tier: what the
+    preflight checks against free host memory and benchmarks/host_bytes.py against RSS.
+    offload_cap: the most offloaded activations may take (memory.offload_fraction auto's bound)."""
+    kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy, "dtype_bytes": dtype_bytes}
+    acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, **kw)
+    transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts, **kw)
+    attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
+    device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient)
+    host = predicted_host_bytes(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                                offloaded_activations=min(acts.total_host, offload_cap), attention_offload=attn_host,
+                                doc_mask=doc_mask, async_checkpoint=async_checkpoint)
+    return device, host

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.host_bytes import device_state_bytes, exposed_host_state_seconds, predicted_host_bytes
-from ..costs.model_states import accumulated_grad_bytes, param_counts
+from ..costs.host_bytes import device_bytes, exposed_host_state_seconds, predicted_host_bytes
+from ..costs.model_states import param_counts
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
@@ -127,15 +127,9 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
                  acts: ActivationEstimate, transient: float, model_states: str = "device") -> dict[str, float]:
     """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any. The
-    model states as their tier leaves them on the device (costs/host_bytes.py)."""
-    memory = device_state_bytes(m, shape, model_states, gather_bytes)
-    accumulated = accumulated_grad_bytes(m, shape, grad_accum, policy.grad_sync)
-    if accumulated:
-        memory["accumulated_grads"] = accumulated
-    memory["activations"] = acts.total_device
-    memory["transient"] = transient
-    memory["total"] = sum(memory.values())
-    return memory
+    model states as their tier leaves them on the device (costs/host_bytes.py device_bytes)."""
+    return device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
+                        transient)
 
 
 def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_node: int,

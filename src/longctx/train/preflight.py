@@ -6,6 +6,8 @@ the launcher checks the layout, the paths (data store, Hugging Face weights, che
 run directory), what the data store holds against the run (sample length, tokenizer against the
 model's vocabulary, eval split), and optional packages; it also builds or finds the cached default
 store and the CPU peak that MFU divides by, so no rank does either while the others wait.
+Before the data (cheap checks first) it refuses a run whose ranks on this node would not fit in
+the free host memory (`check_host_memory`), as the OOM killer would refuse it later.
 The ranks repeat the checks that guard their own work (a job started by torchrun directly has no
 launcher of ours), which then pass.
 """
@@ -23,9 +25,10 @@ from ..data.default_store import default_store
 from ..data.synthetic import check_room
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError
-from ..job.checks import check_layout
+from ..job.checks import check_layout, ranks_per_node
 from ..job.devices import resolve_device
 from ..models.hf import weight_files
+from .host_budget import check_host_memory
 from .setup import check_packages, check_run_dir, check_store, check_tokenizer_known, resume_target
 from .stages import stage_config, stages_of
 
@@ -33,11 +36,12 @@ from .stages import stage_config, stages_of
 def preflight(cfg: Config, nproc: int, log=print) -> None:
     """Raise the first UserError a run of `cfg` on `nproc` ranks would meet at start-up."""
     device_type = _device_type(cfg)  # first: train.device=cuda on a machine without one fails before any data work
-    check_layout(cfg, nproc)
+    dims = check_layout(cfg, nproc)
     check_packages(cfg)
     if cfg.model.init_from.startswith("hf:"):  # missing or partial shards (a checkpoint is checked at load)
         weight_files(hf_dir(cfg.model.init_from))
     _check_resume(cfg)
+    check_host_memory(cfg, dims, ranks_per_node(cfg, nproc), device_type)
 
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
         _check_data(stage_config(cfg, stage), log)

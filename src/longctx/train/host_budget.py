@@ -1,0 +1,107 @@
+"""Host memory as a budget: a run whose ranks on this node would not fit in the free host memory is
+refused before any work (issue 49), not ended by the OOM killer in its first step.
+
+One rank's host bytes come from costs/host_bytes.py `predicted_rank_bytes`, the figure the planner
+plans with: the model-state tier's host states, offloaded activations and attention state, DCP's
+staging under checkpoint.async, the data loader's batches. On a CPU run the device is host memory
+too, so the rank's device bytes (states, FSDP's gathers, activations, transient) are counted as
+well. The largest stage of train.stages sets the figure. `memory.offload_fraction = auto` is
+decided inside the ranks (memory/auto.py), bounded by 0.8 x this rank's share of host memory:
+it is counted here at its largest, fraction 1.0, capped at that bound.
+
+The budget is MemAvailable (memory/auto.py `host_memory_available`), or LONGCTX_HOST_MEMORY_BYTES
+(bytes, a testing aid like LONGCTX_FAULT: docs/running.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from ..config import Config
+from ..costs.host_bytes import predicted_rank_bytes
+from ..costs.shape import MeshShape
+from ..errors import ConfigError
+from ..memory.auto import host_memory_available
+from ..memory.policy import MemoryPolicy
+from .stages import stages_of
+
+BUDGET_ENV = "LONGCTX_HOST_MEMORY_BYTES"
+AUTO_SHARE = 0.8  # memory/auto.py: offload_fraction auto keeps within 0.8 x host memory per rank
+CPU_DEVICE = "device (CPU: host memory)"
+GIB = 2**30
+
+# what to change when a part is the largest
+ADVICE = {
+    "model_states": "memory.model_states=device (the host tiers keep 16 bytes per parameter in host memory), "
+                    "or more ranks sharding the states over more nodes",
+    "activations": "a lower memory.offload_fraction or a higher memory.offload_skip_last",
+    "attention_offload": "memory.attention_offload=false",
+    "checkpoint_staging": "checkpoint.async=false (async saves keep a host copy of the states)",
+    "data_loader": "a shorter train.seq_len or a smaller train.global_batch",
+    CPU_DEVICE: "a smaller model, a shorter train.seq_len, or memory.recompute=full with memory.block_chunk",
+}
+
+
+def host_budget() -> tuple[float, str]:
+    """(bytes of host memory this node's ranks may use, where the figure comes from)."""
+    text = os.environ.get(BUDGET_ENV, "").strip()
+    if not text:
+        return float(host_memory_available()), "free (MemAvailable)"
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{BUDGET_ENV} must be a number of bytes (e.g. 8e9), got {text!r}.")
+    return value, f"the budget {BUDGET_ENV}={text}"
+
+
+def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, budget: float) -> dict[str, float]:
+    """One rank's host bytes by part and their "total", for the stage that needs the most."""
+    shape = MeshShape(dims.dp_replicate, dims.dp_shard, dims.head, dims.ctx, dims.window, dims.placement,
+                      dims.expert)
+    auto = cfg.memory.offload_fraction == "auto"
+    policy = MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory)
+    cap = AUTO_SHARE * budget / max(1, ranks_on_node) if auto else math.inf
+    fp32 = cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type == "cpu")
+    worst: dict[str, float] = {"total": -1.0}
+    for stage in stages_of(cfg):
+        micro_batch = max(1, stage.global_batch // cfg.train.grad_accum // shape.dp)
+        device, host = predicted_rank_bytes(
+            cfg.model, shape, policy, cfg.memory.model_states, seq_len=stage.seq_len, micro_batch=micro_batch,
+            grad_accum=cfg.train.grad_accum, dtype_bytes=4 if fp32 else 2, doc_mask=cfg.data.doc_mask,
+            async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap)
+        parts = {k: v for k, v in host.items() if k != "total"}
+        if device_type == "cpu":
+            parts[CPU_DEVICE] = device["total"]
+        parts["total"] = sum(parts.values())
+        if parts["total"] > worst["total"]:
+            worst = parts
+    return worst
+
+
+def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str) -> None:
+    """Raise a ConfigError when this node's ranks would need more host memory than the budget."""
+    budget, source = host_budget()
+    per_rank = rank_host_bytes(cfg, dims, device_type, ranks_on_node, budget)
+    need = per_rank["total"] * ranks_on_node
+    if need <= budget:
+        return
+    parts = {k: v * ranks_on_node for k, v in per_rank.items() if k != "total" and v > 0}
+    listed = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    largest = max(parts, key=parts.get)
+    ranks = f"{ranks_on_node} ranks x {_size(per_rank['total'])}" if ranks_on_node > 1 else "1 rank"
+    fixes = [ADVICE[largest]] + (["fewer ranks on this node (--nproc)"] if ranks_on_node > 1 else [])
+    auto = (" (memory.offload_fraction auto counted at 1.0, capped at 0.8 x each rank's share of the budget)"
+            if cfg.memory.offload_fraction == "auto" else "")
+    raise ConfigError(
+        f"this run needs {_size(need)} of host memory on this node ({ranks}; memory.model_states="
+        f"{cfg.memory.model_states}: {listed}){auto}, but {source} is {_size(budget)}. It would be killed by the "
+        f"OOM killer, so it is refused before any work. To fit, try: {'; or '.join(fixes)}.")
+
+
+def _size(nbytes: float) -> str:
+    """'12.3 GiB (13,207,024,435 bytes)': readable, and exact for a test's budget."""
+    return f"{nbytes / GIB:.2f} GiB ({nbytes:,.0f} bytes)"

@@ -1,0 +1,82 @@
+"""Host memory as a budget (issue 49 item 3): the preflight refuses a run whose ranks on this node
+would not fit in the free host memory, before any work, with the figures; LONGCTX_HOST_MEMORY_BYTES
+stands in for the free memory."""
+
+import pytest
+
+from longctx.config import load_config
+from longctx.costs.host_bytes import predicted_rank_bytes
+from longctx.errors import ConfigError
+from longctx.job.checks import check_layout
+from longctx.train.host_budget import BUDGET_ENV, check_host_memory, rank_host_bytes
+from longctx.train.preflight import preflight
+
+
+def config(*overrides):
+    return load_config(None, ["--model.preset=small-100m", "--train.seq_len=512", "--train.device=cpu", *overrides])
+
+
+def test_a_run_over_the_budget_is_refused_before_any_work(monkeypatch):
+    # a data store that does not exist: the host check comes first, so it is what the user hears
+    cfg = config("--memory.model_states=host_optimizer", "--data.path=/nonexistent/store")
+    monkeypatch.setenv(BUDGET_ENV, "1e8")
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, 1)
+    text = str(err.value)
+    need = rank_host_bytes(cfg, check_layout(cfg, 1), "cpu", 1, 1e8)
+    assert f"({need['total']:,.0f} bytes) of host memory on this node" in text
+    assert f"model states 1.44 GiB ({need['model_states']:,.0f} bytes)" in text
+    assert "(100,000,000 bytes)" in text and BUDGET_ENV in text
+    assert "memory.model_states=host_optimizer" in text and "To fit, try:" in text
+
+
+def test_ranks_on_the_node_multiply_and_the_largest_part_names_the_fix(monkeypatch):
+    cfg = config("--memory.model_states=host", "--train.device=cuda")
+    dims = check_layout(cfg, 4)
+    per_rank = rank_host_bytes(cfg, dims, "cuda", 4, 1e12)
+    assert "device (CPU: host memory)" not in per_rank  # on a GPU the device is not host memory
+    monkeypatch.setenv(BUDGET_ENV, str(int(per_rank["total"] * 4 - 1)))
+    with pytest.raises(ConfigError, match=r"4 ranks x .*memory.model_states=device .*fewer ranks on this node"):
+        check_host_memory(cfg, dims, 4, "cuda")
+    monkeypatch.setenv(BUDGET_ENV, str(int(per_rank["total"] * 4 + 1)))
+    check_host_memory(cfg, dims, 4, "cuda")  # fits: no error
+
+
+def test_a_run_within_the_budget_passes(monkeypatch):
+    cfg = config()
+    monkeypatch.setenv(BUDGET_ENV, "64e9")
+    check_host_memory(cfg, check_layout(cfg, 1), 1, "cpu")
+    monkeypatch.delenv(BUDGET_ENV)
+    check_host_memory(cfg, check_layout(cfg, 1), 1, "cpu")  # this machine's free memory holds small-100m
+
+
+def test_offload_fraction_auto_is_counted_at_its_bound(monkeypatch):
+    cfg = config("--memory.recompute=selective", "--memory.offload_fraction=auto", "--train.seq_len=8192")
+    dims = check_layout(cfg, 1)
+    whole = rank_host_bytes(cfg, dims, "cuda", 1, 1e12)["activations"]
+    full = config("--memory.recompute=selective", "--memory.offload_fraction=1.0", "--train.seq_len=8192")
+    assert whole == rank_host_bytes(full, dims, "cuda", 1, 1e12)["activations"] > 0
+    assert rank_host_bytes(cfg, dims, "cuda", 1, whole / 2)["activations"] == pytest.approx(0.8 * whole / 2)
+    monkeypatch.setenv(BUDGET_ENV, "1e6")
+    with pytest.raises(ConfigError, match="offload_fraction auto counted at 1.0"):
+        check_host_memory(cfg, dims, 1, "cuda")
+
+
+def test_a_bad_budget_is_refused(monkeypatch):
+    cfg = config()
+    monkeypatch.setenv(BUDGET_ENV, "lots")
+    with pytest.raises(ConfigError, match="must be a number of bytes"):
+        check_host_memory(cfg, check_layout(cfg, 1), 1, "cpu")
+
+
+def test_cpu_counts_the_device_bytes_as_host_memory():
+    cfg = config()
+    dims = check_layout(cfg, 1)
+    on_cpu, on_gpu = rank_host_bytes(cfg, dims, "cpu", 1, 1e12), rank_host_bytes(cfg, dims, "cuda", 1, 1e12)
+    from longctx.costs.shape import MeshShape
+    from longctx.memory.policy import MemoryPolicy
+
+    device, _ = predicted_rank_bytes(cfg.model, MeshShape(), MemoryPolicy.from_config(cfg.memory), "device",
+                                     seq_len=512, micro_batch=cfg.train.global_batch, grad_accum=1, dtype_bytes=4)
+    assert on_cpu["device (CPU: host memory)"] == pytest.approx(device["total"])
+    assert on_cpu["total"] > on_gpu["total"]
