@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from datetime import date
 
@@ -34,6 +31,7 @@ from ..models.llama import build_model
 from ..parallel.context.sequence import shard_sequence
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
 from ..progress import phase, speaker
+from .max_seq import HOST_OOM, is_host_oom, longest_sequence, longest_sequence_cpu, parse_bytes
 
 POLICIES = {
     "none": ("none", 0.0),
@@ -248,18 +246,6 @@ def _add_step_times(out: dict, models: dict, inputs, steps: int, device) -> None
             entry["step_time_ratio_to_none"] = entry["step_s"] / base
 
 
-def parse_bytes(text: str) -> int:
-    """'6GiB', '512MiB', '2.5GB', '1000000' -> bytes."""
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "tb": 10**12, "b": 1, "": 1}
-    t = text.strip().lower()
-    num = t.rstrip("kmgtib")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (ValueError, KeyError):
-        raise ValueError(f"cannot read '{text}' as a size; write e.g. 6GiB, 512MiB or 2GB") from None
-
-
 def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
     """One training step of the --layers model at `seq` tokens in this process: peak RSS (whole
     process) and time; on CUDA (bf16 weights, autocast) also the allocator's peak, and an
@@ -282,86 +268,15 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
         if not cuda:
             raise
         return {"seq_len": seq, "fits": False, "error": "GPU out of memory", "peak_rss_bytes": peak_rss_bytes()}
+    except (MemoryError, RuntimeError) as e:  # the host's allocator refused (plain or pinned memory)
+        if not is_host_oom(e):
+            raise
+        return {"seq_len": seq, "fits": False, "error": f"{HOST_OOM}: {type(e).__name__}: {str(e)[:200]}",
+                "host_memory": True, "peak_rss_bytes": peak_rss_bytes()}
     out = {"seq_len": seq, "peak_rss_bytes": peak_rss_bytes(), "step_s": time.perf_counter() - t0}
     if cuda:
         out.update(fits=True, peak_allocated_bytes=torch.cuda.max_memory_allocated())
     return out
-
-
-def _run_probe(args, name: str, seq: int, device: str, env=None) -> dict:
-    """`_probe_step` in a fresh process: its JSON, or {"fits": false, "error": ...} when it failed or
-    was killed (a negative return code: a signal, e.g. the host's out-of-memory killer)."""
-    cmd = [sys.executable, "-m", "longctx", "bench", "memory", "--probe", f"{name}:{seq}", "--device", device,
-           "--preset", args.preset, "--layers", str(args.layers if device == "cpu" else 0),
-           "--skip-last", str(args.skip_last), "--docs", str(args.docs), "--doc-len", str(args.doc_len),
-           "--loss-chunk", str(args.loss_chunk), "--block-chunk", str(args.block_chunk),
-           "--attention-chunk", str(args.attention_chunk), *(["--attention-offload"] if args.attention_offload else [])]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if run.returncode < 0:
-        return {"seq_len": seq, "fits": False, "error": f"killed by signal {-run.returncode} (host memory?)"}
-    if run.returncode != 0:  # failed: does not fit; say why
-        return {"seq_len": seq, "fits": False, "error": run.stderr.strip().splitlines()[-1:]}
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-def longest_sequence_cpu(args, name: str, budget: int) -> dict:
-    """CPU: the longest sequence (a multiple of --max-seq-step) whose training step, in a fresh
-    process, peaks at most `budget` bytes of RSS; every probe is reported."""
-    env = dict(os.environ)
-    if args.malloc_mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-    probes = []
-
-    def fits(seq: int) -> bool:
-        say(f"--max-seq {name}: probing {seq:,} tokens in a fresh process")
-        t0 = time.perf_counter()
-        probes.append(_run_probe(args, name, seq, "cpu", env))
-        if "error" not in probes[-1]:
-            probes[-1]["fits"] = probes[-1]["peak_rss_bytes"] <= budget
-        rss = probes[-1].get("peak_rss_bytes")
-        say(f"--max-seq {name}: {seq:,} tokens -> {'fits' if probes[-1]['fits'] else 'over the budget'} ("
-                  + (f"peak RSS {rss / 2**30:.2f} GiB, " if rss is not None else "failed, ")
-                  + f"{time.perf_counter() - t0:.1f} s)")
-        return probes[-1]["fits"]
-
-    step = args.max_seq_step
-    lo, hi = step, step
-    while fits(hi):  # grow until a length does not fit
-        lo, hi = hi, hi * 2
-    best = lo if probes[0]["fits"] else 0
-    lo, hi = lo + step, hi - step
-    while lo <= hi:
-        mid = (lo + hi) // 2 // step * step
-        if fits(mid):
-            best, lo = mid, mid + step
-        else:
-            hi = mid - step
-    return {"longest_seq_len": best, "probes": probes}
-
-
-def longest_sequence(args, name: str, lo: int = 4096) -> dict:
-    """GPU: the longest sequence (multiple of 1024, at most --max-seq-hi) for which one
-    forward+backward of the full model fits, by binary search; each probe in a fresh process
-    (`_run_probe`: a GPU out-of-memory error or a host kill is "does not fit", with its reason)."""
-    hi, probes = args.max_seq_hi, []
-
-    def fits(seq: int) -> bool:
-        say(f"--max-seq {name}: trying {seq:,} tokens in a fresh process")
-        t0 = time.perf_counter()
-        probes.append(_run_probe(args, name, seq, "cuda"))
-        ok = bool(probes[-1].get("fits"))
-        say(f"--max-seq {name}: {seq:,} tokens -> {'fits' if ok else probes[-1].get('error')} "
-                  f"({time.perf_counter() - t0:.1f} s)")
-        return ok
-
-    best = 0
-    while lo <= hi:
-        mid = (lo + hi) // 2 // 1024 * 1024
-        if fits(mid):
-            best, lo = mid, mid + 1024
-        else:
-            hi = mid - 1024
-    return {"longest_seq_len": best, "probes": probes}
 
 
 def _rank_measure(args, seq):
