@@ -257,6 +257,12 @@ class ParallelConfig:
                                           "are there; parallel/expert/hierarchy.py); 0 = flat all-to-all")
     expert_placement_window: int = _opt(10, "parallel.expert_replicas > 0: optimizer steps of router counts behind "
                                             "each placement; re-placed at the end of every window (logged)")
+    zero_pp: str = _opt("", "ZeRO++ for slow links between nodes, a comma-separated set; built so far: hpz (after "
+                             "each unit's forward its weights stay sharded within the node, so backward's "
+                             "all-gathers never leave it: FSDP2's reshard_after_forward = parallel.ranks_per_node); "
+                             "qwz and qgz are to come (issue 50); '' = off")
+    ranks_per_node: int = _opt(0, "ranks per node, for parallel.zero_pp's hpz; 0 = the launcher's (LOCAL_WORLD_SIZE, "
+                                  "or every rank when the job runs on one machine)")
     grad_bucket_blocks: int = _opt(1, "transformer blocks per FSDP unit, i.e. per gradient reduce-scatter (and "
                                       "parameter all-gather): 1 = one per block; 0 = chosen by the cost model "
                                       "(parallel/fsdp/grad_buckets.py, logged)")

@@ -8,6 +8,8 @@ below context parallelism, which applies them too: the heads a head-parallel deg
 
 from __future__ import annotations
 
+import os
+
 from ..config.rules import parse_stages
 from ..errors import ConfigError
 from .dims import ParallelDims
@@ -26,7 +28,40 @@ def check_layout(cfg, world: int) -> ParallelDims:
             except ConfigError as e:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
+    hpz_group(cfg, dims)
     return dims
+
+
+ZERO_PP = {"hpz": "built", "qwz": "to come", "qgz": "to come"}  # parallel.zero_pp's names
+
+
+def ranks_per_node(cfg, world: int) -> int:
+    """parallel.ranks_per_node, or the launcher's (LOCAL_WORLD_SIZE; every rank on one machine)."""
+    return cfg.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def hpz_group(cfg, dims: ParallelDims) -> int | None:
+    """The ranks each unit's weights stay sharded over after its forward under parallel.zero_pp = hpz
+    (FSDP2's reshard_after_forward as an int: consecutive ranks of the FSDP group, i.e. a node's),
+    None without hpz; a ConfigError for a name that is not one, not built yet, or a node size that
+    does not split the FSDP group."""
+    names = [n.strip() for n in cfg.parallel.zero_pp.split(",") if n.strip()]
+    for name in names:
+        if name not in ZERO_PP:
+            raise ConfigError(f"parallel.zero_pp: unknown {name!r}; the names are {', '.join(ZERO_PP)} "
+                              f"(comma-separated), or '' for off.")
+        if ZERO_PP[name] != "built":
+            raise ConfigError(f"parallel.zero_pp: {name} is not built yet (issue 50); hpz is.")
+    if "hpz" not in names:
+        return None
+    group = dims.world_size // dims.dp_replicate
+    node = ranks_per_node(cfg, dims.world_size)
+    if node < 1 or group % node:
+        raise ConfigError(
+            f"parallel.zero_pp=hpz keeps each unit's weights sharded within a node of {node} ranks after its "
+            f"forward, which must split the FSDP group of {group} ranks (world {dims.world_size} / dp_replicate "
+            f"{dims.dp_replicate}); set parallel.ranks_per_node to a divisor of {group}.")
+    return node
 
 
 def check_heads(heads: int, kv_heads: int, head: int) -> None:

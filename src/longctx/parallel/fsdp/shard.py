@@ -13,6 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import Shard
 
 from ...errors import ConfigError
+from ...job.checks import hpz_group
 from ...job.comm import sub_mesh
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
@@ -49,6 +50,10 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         check_staging_fits(model, plan.groups(), gathers_in_bf16(device_type, cfg.train.dtype),
                            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     expert_mesh = sub_mesh(dims.build_expert_mesh(device_type), "expert_data") if dims.expert > 1 else None
+    # parallel.zero_pp = hpz (ZeRO++'s secondary partition): after its forward a block unit stays sharded
+    # over the ranks of a node, so its backward all-gather never leaves the node. (The experts' units
+    # keep plain resharding: their expert-data group is not node-local in general.)
+    reshard = hpz_group(cfg, dims) or True
     units = []
     for group in plan.groups():
         blocks = [model.layers[i] for i in group]
@@ -57,7 +62,8 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         if experts:
             units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
                                      shard_placement_fn=lambda p: Shard(1)))
-        units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload))
+        units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
+                                 reshard_after_forward=reshard))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
     model.grad_bucket_plan = plan
     model.grad_reduce_timers = time_reduce_scatters(units, model)

@@ -1,0 +1,54 @@
+"""parallel.zero_pp = hpz (ZeRO++'s secondary partition: after its forward each block unit stays
+sharded within a node, FSDP2's reshard_after_forward = ranks_per_node) against plain FSDP, step by
+step (issue 50): 4 ranks as 2 nodes of 2, under head 2 x ctx 2 and for debug-moe under expert 2 x
+ctx 2. Resharding to a smaller group changes where backward's all-gather reads from, not what it
+gathers: the losses must be the same. The built units are checked to reshard to the node."""
+
+import pytest
+
+from longctx.config import load_config
+from longctx.job.spawn import run_spawned_many
+from longctx.train.trainer import train
+
+STEPS = 10
+BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
+        "--train.seq_len=256", "--train.warmup_steps=2", f"--train.steps={STEPS}", "--parallel.ranks_per_node=2"]
+LAYOUTS = {"head2-ctx2": ["--parallel.head=2", "--parallel.ctx=2"],
+           "moe expert2-ctx2": ["--model.preset=debug-moe", "--parallel.expert=2", "--parallel.ctx=2"]}
+
+
+def _losses(args, run_dir):
+    cfg = load_config("configs/debug.toml", [*BASE, *args, f"--train.run_dir={run_dir}"])
+    return train(cfg, log=lambda *a, **k: None).losses
+
+
+def _post_forward_groups(args, run_dir):
+    """The group size each block unit reshards to after its forward."""
+    from longctx.train.trainer import Trainer
+
+    cfg = load_config("configs/debug.toml", [*BASE, *args, f"--train.run_dir={run_dir}"])
+    model = Trainer(cfg, log=lambda *a, **k: None).model
+    return [block._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info.shard_mesh_size
+            for block in model.layers]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("zero_pp")
+    jobs = [(f"{name} {mode}", _losses, ([*args, f"--parallel.zero_pp={mode}"], f"{base}/{name}-{mode}"))
+            for name, args in LAYOUTS.items() for mode in ("", "hpz")]
+    jobs += [(f"groups {mode}", _post_forward_groups, ([*LAYOUTS["head2-ctx2"], f"--parallel.zero_pp={mode}"],
+                                                       f"{base}/groups-{mode}")) for mode in ("", "hpz")]
+    return run_spawned_many(4, jobs)
+
+
+def test_hpz_units_reshard_to_the_node(runs):
+    assert all(sizes and set(sizes) == {2} for sizes in runs["groups hpz"])  # every block: a node of 2 ranks
+    assert all(sizes and set(sizes) == {4} for sizes in runs["groups "])  # plain FSDP: the whole group of 4
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hpz_trains_as_plain_fsdp(runs, layout):
+    for plain, hpz in zip(runs[f"{layout} "], runs[f"{layout} hpz"]):
+        assert len(plain) == STEPS == len(hpz)
+        assert max(abs(a - b) for a, b in zip(plain, hpz)) <= 1e-6, layout
