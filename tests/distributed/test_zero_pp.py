@@ -2,7 +2,8 @@
 sharded within a node, FSDP2's reshard_after_forward = ranks_per_node) against plain FSDP, step by
 step (issue 50): 4 ranks as 2 nodes of 2, under head 2 x ctx 2 and for debug-moe under expert 2 x
 ctx 2. Resharding to a smaller group changes where backward's all-gather reads from, not what it
-gathers: the losses must be the same. The built units are checked to reshard to the node."""
+gathers: the losses must be the same, and a checkpoint resumes across it. The built units are
+checked to reshard to the node."""
 
 import pytest
 
@@ -32,6 +33,14 @@ def _post_forward_groups(args, run_dir):
             for block in model.layers]
 
 
+def _resumed(first, then, run_dir):
+    """STEPS steps under zero_pp `first` saved at STEPS / 2, then that checkpoint resumed under `then`."""
+    half = ["--checkpoint.interval", str(STEPS // 2), *LAYOUTS["head2-ctx2"]]
+    _losses([*half, f"--parallel.zero_pp={first}"], run_dir)
+    middle = f"{run_dir}/checkpoints/step-{STEPS // 2:08d}"
+    return _losses([*half, f"--parallel.zero_pp={then}", f"--checkpoint.resume={middle}"], run_dir)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("zero_pp")
@@ -39,6 +48,8 @@ def runs(tmp_path_factory):
             for name, args in LAYOUTS.items() for mode in ("", "hpz")]
     jobs += [(f"groups {mode}", _post_forward_groups, ([*LAYOUTS["head2-ctx2"], f"--parallel.zero_pp={mode}"],
                                                        f"{base}/groups-{mode}")) for mode in ("", "hpz")]
+    jobs += [("hpz -> plain", _resumed, ("hpz", "", f"{base}/resume-a")),
+             ("plain -> hpz", _resumed, ("", "hpz", f"{base}/resume-b"))]
     return run_spawned_many(4, jobs)
 
 
@@ -52,3 +63,10 @@ def test_hpz_trains_as_plain_fsdp(runs, layout):
     for plain, hpz in zip(runs[f"{layout} "], runs[f"{layout} hpz"]):
         assert len(plain) == STEPS == len(hpz)
         assert max(abs(a - b) for a, b in zip(plain, hpz)) <= 1e-6, layout
+
+
+@pytest.mark.parametrize("resume", ["hpz -> plain", "plain -> hpz"])
+def test_a_checkpoint_resumes_across_hpz_exactly(runs, resume):
+    for uninterrupted, resumed in zip(runs["head2-ctx2 "], runs[resume]):
+        assert len(resumed) == STEPS // 2
+        assert max(abs(a - b) for a, b in zip(uninterrupted[STEPS // 2:], resumed)) <= 1e-6
