@@ -259,8 +259,12 @@ class ParallelConfig:
                                             "each placement; re-placed at the end of every window (logged)")
     zero_pp: str = _opt("", "ZeRO++ for slow links between nodes, a comma-separated set; built so far: hpz (after "
                              "each unit's forward its weights stay sharded within the node, so backward's "
-                             "all-gathers never leave it: FSDP2's reshard_after_forward = parallel.ranks_per_node); "
-                             "qwz and qgz are to come (issue 50); '' = off")
+                             "all-gathers never leave it: FSDP2's reshard_after_forward = parallel.ranks_per_node), "
+                             "qwz (weights all-gathered as int8 blocks with an fp32 scale each, "
+                             "parallel.zero_pp_block; the fp32 weights untouched); qgz is to come (issue 50); "
+                             "'' = off")
+    zero_pp_block: int = _opt(512, "parallel.zero_pp's qwz: elements per quantization block (one fp32 scale each: "
+                                   "4 / block bytes per element on top of the int8)")
     ranks_per_node: int = _opt(0, "ranks per node, for parallel.zero_pp's hpz; 0 = the launcher's (LOCAL_WORLD_SIZE, "
                                   "or every rank when the job runs on one machine)")
     grad_bucket_blocks: int = _opt(1, "transformer blocks per FSDP unit, i.e. per gradient reduce-scatter (and "

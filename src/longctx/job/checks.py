@@ -32,7 +32,7 @@ def check_layout(cfg, world: int) -> ParallelDims:
     return dims
 
 
-ZERO_PP = {"hpz": "built", "qwz": "to come", "qgz": "to come"}  # parallel.zero_pp's names
+ZERO_PP = {"hpz": "built", "qwz": "built", "qgz": "to come"}  # parallel.zero_pp's names
 
 
 def ranks_per_node(cfg, world: int) -> int:
@@ -51,7 +51,8 @@ def hpz_group(cfg, dims: ParallelDims) -> int | None:
             raise ConfigError(f"parallel.zero_pp: unknown {name!r}; the names are {', '.join(ZERO_PP)} "
                               f"(comma-separated), or '' for off.")
         if ZERO_PP[name] != "built":
-            raise ConfigError(f"parallel.zero_pp: {name} is not built yet (issue 50); hpz is.")
+            raise ConfigError(f"parallel.zero_pp: {name} is not built yet (issue 50); "
+                              f"{', '.join(n for n, s in ZERO_PP.items() if s == 'built')} are.")
     if "hpz" not in names:
         return None
     group = dims.world_size // dims.dp_replicate

@@ -299,6 +299,18 @@ def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor
     return out
 
 
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, label: str) -> None:
+    """Every rank's x, concatenated along dim 0 into `out`, over a process group as FSDP hands one
+    to its communication hooks (parallel/fsdp/quantized.py; no mesh there): counted under dim
+    "fsdp", as all_gather counts."""
+    n = group.size()
+    with _own():
+        _all_gather_single(out, x.contiguous(), group=group)
+    key = ("fsdp", label)
+    _BYTES[key] += nbytes(x) * (n - 1)
+    _GROUPS[key].add(group.group_name)
+
+
 def all_reduce(x: torch.Tensor, mesh, op=dist.ReduceOp.SUM, label: str = "all_reduce") -> torch.Tensor:
     n = mesh.size()
     if n == 1:

@@ -17,6 +17,7 @@ from ...job.checks import hpz_group
 from ...job.comm import sub_mesh
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
+from .quantized import QuantizedAllGather
 
 
 def fsdp_mesh(dims, device_type: str):
@@ -65,8 +66,27 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
                                  reshard_after_forward=reshard))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
+    model.weight_gather = quantize_gathers([*units, model], cfg, dims)
     model.grad_bucket_plan = plan
     model.grad_reduce_timers = time_reduce_scatters(units, model)
+
+
+def quantize_gathers(units: list, cfg, dims) -> QuantizedAllGather | None:
+    """parallel.zero_pp's qwz: every unit's all-gather (forward and backward) in int8 blocks, through one
+    QuantizedAllGather that counts the bytes; None without qwz. A block longer than the smallest
+    unit's shard would quantise padding more than weights: refused."""
+    if "qwz" not in [n.strip() for n in cfg.parallel.zero_pp.split(",")]:
+        return None
+    block = cfg.parallel.zero_pp_block
+    shards = [sum(p.numel() for m in (u if isinstance(u, list) else [u]) for p in m.parameters()) for u in units[:-1]]
+    smallest = min(shards) // (dims.world_size // dims.dp_replicate)  # (the root, last, holds more)
+    if block < 1 or block > smallest:
+        raise ConfigError(f"parallel.zero_pp_block = {block} elements is not a block of the smallest FSDP unit's "
+                          f"shard ({smallest:,} elements per rank); use 1 .. {smallest} (512 is usual).")
+    comm = QuantizedAllGather(block, node_group=hpz_group(cfg, dims) or 0)
+    for unit in units:
+        (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(comm)
+    return comm
 
 
 def check_staging_fits(model, groups, bf16: bool, device_bytes: int) -> None:

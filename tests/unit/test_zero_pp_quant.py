@@ -1,0 +1,49 @@
+"""qwZ's block quantisation (parallel/fsdp/quantized.py): the rounding bound, zeros, padding and the
+output dtype; and the block-size check against the smallest unit's shard."""
+
+import pytest
+import torch
+
+from longctx.parallel.fsdp.quantized import dequantize_blocks, quantize_blocks
+
+
+@pytest.mark.parametrize("n,block", [(1000, 64), (4096, 512), (7, 4)])
+def test_rounding_is_at_most_half_a_step_of_each_block(n, block):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)  # magnitudes that differ by block
+    q, scale = quantize_blocks(x, block)
+    assert q.dtype == torch.int8 and q.numel() == -(-n // block) * block and scale.numel() == -(-n // block)
+    back = dequantize_blocks(q, scale, n, torch.float32)
+    step = scale.repeat_interleave(block)[:n]  # each element's block: largest magnitude / 127
+    assert torch.all((back - x).abs() <= step / 2 + 1e-7 * x.abs())
+    assert torch.all((back - x).abs() <= x.abs().max() / 254 + 1e-6)
+
+
+def test_zero_blocks_stay_zero_and_the_largest_magnitude_is_exact():
+    x = torch.zeros(256)
+    x[130] = -3.5
+    q, scale = quantize_blocks(x, 128)
+    back = dequantize_blocks(q, scale, 256, torch.float32)
+    assert torch.count_nonzero(back[:128]) == 0 and back[130] == -3.5
+
+
+def test_the_output_takes_the_gather_dtype():
+    x = torch.randn(300, dtype=torch.bfloat16)
+    q, scale = quantize_blocks(x, 32)
+    back = dequantize_blocks(q, scale, 300, torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and (back.float() - x.float()).abs().max() < 0.05
+
+
+def test_a_block_longer_than_the_smallest_shard_is_refused():
+    from types import SimpleNamespace
+
+    from longctx.config import load_config
+    from longctx.errors import ConfigError
+    from longctx.parallel.fsdp.shard import quantize_gathers
+
+    cfg = load_config("configs/debug.toml", ["--parallel.zero_pp=qwz", "--parallel.zero_pp_block=512"])
+    units = [torch.nn.Linear(40, 40), torch.nn.Linear(40, 40), torch.nn.Linear(4, 4)]  # the last: the root
+    dims = SimpleNamespace(world_size=4, dp_replicate=1)
+    with pytest.raises(ConfigError, match=r"smallest FSDP unit's shard \(410 elements per rank\)"):
+        quantize_gathers(units, cfg, dims)
+    assert quantize_gathers(units, load_config("configs/debug.toml", []), dims) is None  # qwz off
