@@ -59,11 +59,39 @@ def _gather_check(n, block):
     return torch.equal(out, expected), comm.sent_bytes, comm.plain_bytes
 
 
+def _reduce_check(n, block):
+    """qgZ's reduce-scatter over the job's 4 ranks as 2 nodes of 2: (the largest error against the
+    exact sum, the bound on it, whether it is exact, the bytes each level's exchange counted)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from longctx.job import comm
+    from longctx.parallel.fsdp.quantized import QuantizedReduceScatter
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grads = [torch.randn(world * n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(1, 2, 2), mesh_dim_names=("dp_replicate", "inter", "intra"))
+    reduce = QuantizedReduceScatter(block, mesh)
+    out = torch.empty(n)
+    comm.reset_counters()
+    reduce(out, grads[rank].clone(), dist.group.WORLD, dist.ReduceOp.SUM)
+    exact = torch.stack(grads).sum(0).view(world, n)[rank]
+    # each of the two exchanges rounds each summand by at most half a step of its block (|x| / 254)
+    bound = 2 * world * max(g.abs().max().item() for g in grads) / 254
+    counted = comm.counters()
+    return ((out - exact).abs().max().item(), bound, torch.equal(out, exact),
+            counted["intra"]["qgz_intra_values"], counted["inter"]["qgz_inter_values"])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("zero_pp")
     jobs = [(f"{name} {mode}", _losses, ([*args, f"--parallel.zero_pp={mode}"], f"{base}/{name}-{mode}"))
-            for name, args in LAYOUTS.items() for mode in ("", "hpz", "qwz")]
+            for name, args in LAYOUTS.items() for mode in ("", "hpz", "qwz", "qgz")]
+    jobs.append(("head2-ctx2 hpz,qwz,qgz", _losses, ([*LAYOUTS["head2-ctx2"], "--parallel.zero_pp=hpz,qwz,qgz"],
+                                                     f"{base}/zeropp")))
+    jobs.append(("reduce", _reduce_check, (1000, 64)))
     jobs.append(("head2-ctx2 hpz,qwz", _losses, ([*LAYOUTS["head2-ctx2"], "--parallel.zero_pp=hpz,qwz"],
                                                  f"{base}/both")))
     jobs.append(("gather", _gather_check, (1000, 64)))
@@ -99,13 +127,27 @@ def test_qwz_gathers_every_shard_as_its_int8_blocks_and_sends_a_quarter_plus_sca
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_qwz_trains_close_to_plain_fsdp_but_not_equal(runs, layout):
-    """Quantised gathers change the forward's weights by at most half a step of int8 per block: the
-    losses stay within 0.5% of plain FSDP's over 10 steps, and differ (the quantisation is on)."""
-    for plain, qwz in zip(runs[f"{layout} "], runs[f"{layout} qwz"]):
-        assert len(qwz) == STEPS
-        worst = max(abs(a - b) / a for a, b in zip(plain, qwz))
+@pytest.mark.parametrize("mode", ["qwz", "qgz"])
+def test_quantised_modes_train_close_to_plain_fsdp_but_not_equal(runs, layout, mode):
+    """Quantised gathers (gradients) are off by at most half an int8 step per block: the losses stay
+    within 0.5% of plain FSDP's over 10 steps, and differ (the quantisation is on)."""
+    for plain, quantised in zip(runs[f"{layout} "], runs[f"{layout} {mode}"]):
+        assert len(quantised) == STEPS
+        worst = max(abs(a - b) / a for a, b in zip(plain, quantised))
         assert 1e-6 < worst < 5e-3, worst
+
+
+def test_all_of_zero_pp_trains_close_to_plain_fsdp(runs):
+    for plain, zeropp in zip(runs["head2-ctx2 "], runs["head2-ctx2 hpz,qwz,qgz"]):
+        assert max(abs(a - b) / a for a, b in zip(plain, zeropp)) < 5e-3
+
+
+def test_qgz_reduces_within_the_rounding_and_sends_int8_rows(runs):
+    """2 nodes of 2: within the node each rank sends its peer one row of 2 chunks (2 x 1000 values,
+    32 blocks of 64 padded: 2,048 bytes); across nodes one row of 1 chunk (1,024 bytes)."""
+    for err, bound, exact, intra, inter in runs["reduce"]:
+        assert 0 < err <= bound and not exact
+        assert (intra, inter) == (2048, 1024)
 
 
 def test_hpz_with_qwz_rounds_once(runs):

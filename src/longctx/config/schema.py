@@ -257,16 +257,15 @@ class ParallelConfig:
                                           "are there; parallel/expert/hierarchy.py); 0 = flat all-to-all")
     expert_placement_window: int = _opt(10, "parallel.expert_replicas > 0: optimizer steps of router counts behind "
                                             "each placement; re-placed at the end of every window (logged)")
-    zero_pp: str = _opt("", "ZeRO++ for slow links between nodes, a comma-separated set; built so far: hpz (after "
-                             "each unit's forward its weights stay sharded within the node, so backward's "
-                             "all-gathers never leave it: FSDP2's reshard_after_forward = parallel.ranks_per_node), "
-                             "qwz (weights all-gathered as int8 blocks with an fp32 scale each, "
-                             "parallel.zero_pp_block; the fp32 weights untouched); qgz is to come (issue 50); "
-                             "'' = off")
-    zero_pp_block: int = _opt(512, "parallel.zero_pp's qwz: elements per quantization block (one fp32 scale each: "
-                                   "4 / block bytes per element on top of the int8)")
-    ranks_per_node: int = _opt(0, "ranks per node, for parallel.zero_pp's hpz; 0 = the launcher's (LOCAL_WORLD_SIZE, "
-                                  "or every rank when the job runs on one machine)")
+    zero_pp: str = _opt("", "ZeRO++ for slow links between nodes, a comma-separated set (docs/parallelism.md): hpz "
+                             "(after each unit's forward its weights stay sharded within the node, so backward's "
+                             "all-gathers never leave it), qwz (weights all-gathered as int8 blocks with an fp32 "
+                             "scale each, the fp32 weights untouched), qgz (gradients reduce-scattered as int8 "
+                             "blocks, within the node first); '' = off")
+    zero_pp_block: int = _opt(512, "parallel.zero_pp's qwz and qgz: elements per quantization block (one fp32 "
+                                   "scale each: 4 / block bytes per element on top of the int8)")
+    ranks_per_node: int = _opt(0, "ranks per node, for parallel.zero_pp's hpz and qgz; 0 = the launcher's "
+                                  "(LOCAL_WORLD_SIZE, or every rank when the job runs on one machine)")
     grad_bucket_blocks: int = _opt(1, "transformer blocks per FSDP unit, i.e. per gradient reduce-scatter (and "
                                       "parameter all-gather): 1 = one per block; 0 = chosen by the cost model "
                                       "(parallel/fsdp/grad_buckets.py, logged)")
@@ -370,7 +369,8 @@ class MemoryConfig:
                                        "gradients and AdamW moments in host memory, each gradient sent there as its "
                                        "backward ends, the AdamW step on the host (ZeRO-Offload); or host: FSDP2's "
                                        "CPU offload, the weights too, each unit's brought to the device for its "
-                                       "forward and backward (on one process a one-rank FSDP job)", choices=MODEL_STATE_TIERS)
+                                       "forward and backward (on one process a one-rank FSDP job)",
+                             choices=MODEL_STATE_TIERS)
 
 
 @dataclass

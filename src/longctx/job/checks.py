@@ -28,41 +28,8 @@ def check_layout(cfg, world: int) -> ParallelDims:
             except ConfigError as e:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
-    hpz_group(cfg, dims)
+    node_size(cfg, dims)
     return dims
-
-
-ZERO_PP = {"hpz": "built", "qwz": "built", "qgz": "to come"}  # parallel.zero_pp's names
-
-
-def ranks_per_node(cfg, world: int) -> int:
-    """parallel.ranks_per_node, or the launcher's (LOCAL_WORLD_SIZE; every rank on one machine)."""
-    return cfg.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
-def hpz_group(cfg, dims: ParallelDims) -> int | None:
-    """The ranks each unit's weights stay sharded over after its forward under parallel.zero_pp = hpz
-    (FSDP2's reshard_after_forward as an int: consecutive ranks of the FSDP group, i.e. a node's),
-    None without hpz; a ConfigError for a name that is not one, not built yet, or a node size that
-    does not split the FSDP group."""
-    names = [n.strip() for n in cfg.parallel.zero_pp.split(",") if n.strip()]
-    for name in names:
-        if name not in ZERO_PP:
-            raise ConfigError(f"parallel.zero_pp: unknown {name!r}; the names are {', '.join(ZERO_PP)} "
-                              f"(comma-separated), or '' for off.")
-        if ZERO_PP[name] != "built":
-            raise ConfigError(f"parallel.zero_pp: {name} is not built yet (issue 50); "
-                              f"{', '.join(n for n, s in ZERO_PP.items() if s == 'built')} are.")
-    if "hpz" not in names:
-        return None
-    group = dims.world_size // dims.dp_replicate
-    node = ranks_per_node(cfg, dims.world_size)
-    if node < 1 or group % node:
-        raise ConfigError(
-            f"parallel.zero_pp=hpz keeps each unit's weights sharded within a node of {node} ranks after its "
-            f"forward, which must split the FSDP group of {group} ranks (world {dims.world_size} / dp_replicate "
-            f"{dims.dp_replicate}); set parallel.ranks_per_node to a divisor of {group}.")
-    return node
 
 
 def check_heads(heads: int, kv_heads: int, head: int) -> None:
@@ -99,3 +66,48 @@ def _check_batch(global_batch: int, grad_accum: int, dims: ParallelDims) -> None
             f"train.grad_accum ({grad_accum}) micro-batches over the data-parallel degree dp_replicate x "
             f"dp_shard = {dims.dp_replicate} x {dims.dp_shard} = {dp}; use a multiple of {dp * grad_accum}."
         )
+
+
+ZERO_PP = {"hpz": "built", "qwz": "built", "qgz": "built"}  # parallel.zero_pp's names
+
+
+def ranks_per_node(cfg, world: int) -> int:
+    """parallel.ranks_per_node, or the launcher's (LOCAL_WORLD_SIZE; every rank on one machine)."""
+    return cfg.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def zero_pp_names(cfg) -> list[str]:
+    """parallel.zero_pp's names, each checked: a ConfigError for one that is not one or not built yet."""
+    names = [n.strip() for n in cfg.parallel.zero_pp.split(",") if n.strip()]
+    for name in names:
+        if name not in ZERO_PP:
+            raise ConfigError(f"parallel.zero_pp: unknown {name!r}; the names are {', '.join(ZERO_PP)} "
+                              f"(comma-separated), or '' for off.")
+        if ZERO_PP[name] != "built":
+            raise ConfigError(f"parallel.zero_pp: {name} is not built yet (issue 50); "
+                              f"{', '.join(n for n, s in ZERO_PP.items() if s == 'built')} are.")
+    return names
+
+
+def node_size(cfg, dims: ParallelDims) -> int | None:
+    """The ranks of a node parallel.zero_pp works with (hpz's secondary partition, qgz's first
+    reduction: consecutive ranks of the FSDP group), None when neither is on; a ConfigError when it
+    does not split the FSDP group."""
+    if not {"hpz", "qgz"} & set(zero_pp_names(cfg)):
+        return None
+    group = dims.world_size // dims.dp_replicate
+    node = ranks_per_node(cfg, dims.world_size)
+    if node < 1 or group % node:
+        raise ConfigError(
+            f"parallel.zero_pp={cfg.parallel.zero_pp} works with nodes of {node} ranks, which must split the "
+            f"FSDP group of {group} ranks (world {dims.world_size} / dp_replicate {dims.dp_replicate}); "
+            f"set parallel.ranks_per_node to a divisor of {group}.")
+    return node
+
+
+def hpz_group(cfg, dims: ParallelDims) -> int | None:
+    """The ranks each unit's weights stay sharded over after its forward under parallel.zero_pp = hpz
+    (FSDP2's reshard_after_forward as an int: consecutive ranks of the FSDP group, i.e. a node's),
+    None without hpz."""
+    node = node_size(cfg, dims)
+    return node if "hpz" in zero_pp_names(cfg) else None

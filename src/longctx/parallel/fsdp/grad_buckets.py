@@ -158,9 +158,10 @@ class ReduceScatterTimer(DefaultReduceScatter or object):
       the stream runs it after every earlier one, so from its issue on the compute stream to its
       end on the reduce-scatter stream is the time the step waits: CUDA events, read at `take`."""
 
-    def __init__(self, tail: bool = False):
+    def __init__(self, tail: bool = False, inner=None):
         super().__init__()
         self.tail = tail
+        self._reduce = inner if inner is not None else super().__call__  # qgz's, or FSDP's own
         self.calls, self.bytes, self.blocked_s = 0, 0, 0.0
         self._marks: list = []  # CUDA, tail: (issued on the compute stream, done on the reduce-scatter stream)
 
@@ -169,16 +170,16 @@ class ReduceScatterTimer(DefaultReduceScatter or object):
         self.bytes += input_tensor.numel() * input_tensor.element_size()
         if input_tensor.is_cuda:
             if not self.tail:
-                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+                return self._reduce(output_tensor, input_tensor, group, op, async_op)
             issued = torch.cuda.Event(enable_timing=True)
             issued.record(torch.cuda.default_stream(input_tensor.device))
-            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            work = self._reduce(output_tensor, input_tensor, group, op, async_op)
             done = torch.cuda.Event(enable_timing=True)
             done.record()  # on the current stream: FSDP's reduce-scatter stream
             self._marks.append((issued, done))
             return work
         start = time.perf_counter()
-        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        work = self._reduce(output_tensor, input_tensor, group, op, async_op)
         self.blocked_s += time.perf_counter() - start
         return work
 
@@ -193,12 +194,13 @@ class ReduceScatterTimer(DefaultReduceScatter or object):
         return out
 
 
-def time_reduce_scatters(units, root) -> list[ReduceScatterTimer]:
-    """Install the timers on the FSDP units (one shared by the blocks' units, one on the root);
-    none where this torch has no custom reduce-scatter."""
+def time_reduce_scatters(units, root, inner=None) -> list[ReduceScatterTimer]:
+    """Install the timers on the FSDP units (one shared by the blocks' units, one on the root), each
+    timing `inner` (parallel.zero_pp's qgz) or FSDP's own reduce-scatter; none where this torch has
+    no custom reduce-scatter."""
     if DefaultReduceScatter is None or not hasattr(root, "set_custom_reduce_scatter"):
         return []
-    blocks, tail = ReduceScatterTimer(), ReduceScatterTimer(tail=True)
+    blocks, tail = ReduceScatterTimer(inner=inner), ReduceScatterTimer(tail=True, inner=inner)
     for unit in units:
         (unit[0] if isinstance(unit, list) else unit).set_custom_reduce_scatter(blocks)
     root.set_custom_reduce_scatter(tail)

@@ -1,4 +1,6 @@
-"""ZeRO++'s quantized weight all-gather (qwZ) as FSDP2's custom all-gather (`set_custom_all_gather`).
+"""ZeRO++'s quantized collectives as FSDP2's custom communications: the weight all-gather (qwZ,
+`set_custom_all_gather`) and the gradient reduce-scatter (qgZ, `set_custom_reduce_scatter`,
+QuantizedReduceScatter below).
 
 A unit's all-gather input is the flat concatenation of its parameters' shards in the gather dtype
 (bf16 on GPU, fp32 on CPU), the same length on every rank. qwZ cuts it into blocks of
@@ -17,12 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...job.comm import all_gather_into
+from ...job.comm import all_gather_into, all_to_all
 
 try:  # FSDP2's communication hooks (torch >= 2.8)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-except ImportError:  # pragma: no cover - older torch: qwZ is refused at set-up
-    AllGather = object
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError:  # pragma: no cover - older torch: qwZ and qgZ are refused at set-up
+    AllGather = ReduceScatter = DefaultReduceScatter = object
 
 _LEVELS = 127.0
 
@@ -77,3 +80,50 @@ class QuantizedAllGather(AllGather):
         self.sent_bytes += q.numel() + 4 * scale.numel()
         self.plain_bytes += n * input_tensor.element_size()
         return None  # done on the calling stream: nothing for FSDP to wait on
+
+
+class QuantizedReduceScatter(ReduceScatter):
+    """qgZ: FSDP's gradient reduce-scatter as two int8 all-to-alls, within the node first (ZeRO++'s
+    hierarchical scheme). FSDP hands the flat gradients [group x n], chunk r for group rank r; the
+    group's ranks are nodes of consecutive ranks, `mesh` ("inter", "intra") over them.
+
+    1. within the node, each rank sends the chunks bound for local index b' (one per node) to its
+       node peer b', quantised; each rank dequantises and sums its node's contributions;
+    2. across nodes, among the ranks of one local index, each sends the node sum bound for node a'
+       there, quantised; each rank dequantises and sums: its own chunk, over every rank.
+    Only summed values cross the slow link, once, as int8 plus a scale per block."""
+
+    def __init__(self, block: int, mesh):
+        super().__init__()
+        self.block, self.mesh = block, mesh
+        self.size = mesh["inter"].size() * mesh["intra"].size()
+        self._plain = DefaultReduceScatter()
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        if group.size() != self.size:  # an expert unit's group: FSDP's own reduce-scatter
+            return self._plain(output_tensor, input_tensor, group, op, async_op)
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise RuntimeError(f"qgz reduces with SUM or AVG, FSDP asked for {op}")
+        inter, intra = self.mesh["inter"], self.mesh["intra"]
+        nodes, local, n = inter.size(), intra.size(), output_tensor.numel()
+        chunks = input_tensor.view(nodes, local, n).transpose(0, 1)  # [bound for local b', node a', n]
+        node_sum = self._exchange(chunks.reshape(local, nodes * n), intra, "qgz_intra").view(nodes, n)
+        total = self._exchange(node_sum, inter, "qgz_inter")
+        if op == dist.ReduceOp.AVG:
+            total = total / self.size
+        output_tensor.copy_(total.view_as(output_tensor))
+        return None
+
+    def _exchange(self, parts: torch.Tensor, mesh, label: str) -> torch.Tensor:
+        """parts [k, m]: row i to group rank i as int8 blocks; returns the sum of the k rows received."""
+        k, m = parts.shape
+        if k == 1:
+            return parts[0].float()
+        q, scale = zip(*(quantize_blocks(row, self.block) for row in parts))
+        got_q = all_to_all(torch.stack(q), mesh, f"{label}_values")
+        got_scale = all_to_all(torch.stack(scale), mesh, f"{label}_scales")
+        return sum(dequantize_blocks(got_q[i], got_scale[i], m, torch.float32) for i in range(k))

@@ -13,11 +13,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import Shard
 
 from ...errors import ConfigError
-from ...job.checks import hpz_group
+from ...job.checks import hpz_group, node_size, zero_pp_names
 from ...job.comm import sub_mesh
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
-from .quantized import QuantizedAllGather
+from .quantized import QuantizedAllGather, QuantizedReduceScatter
 
 
 def fsdp_mesh(dims, device_type: str):
@@ -68,14 +68,15 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
     model.weight_gather = quantize_gathers([*units, model], cfg, dims)
     model.grad_bucket_plan = plan
-    model.grad_reduce_timers = time_reduce_scatters(units, model)
+    model.grad_reduce = quantized_reduce(cfg, dims, device_type)
+    model.grad_reduce_timers = time_reduce_scatters(units, model, inner=model.grad_reduce)
 
 
 def quantize_gathers(units: list, cfg, dims) -> QuantizedAllGather | None:
     """parallel.zero_pp's qwz: every unit's all-gather (forward and backward) in int8 blocks, through one
     QuantizedAllGather that counts the bytes; None without qwz. A block longer than the smallest
     unit's shard would quantise padding more than weights: refused."""
-    if "qwz" not in [n.strip() for n in cfg.parallel.zero_pp.split(",")]:
+    if "qwz" not in zero_pp_names(cfg):
         return None
     block = cfg.parallel.zero_pp_block
     shards = [sum(p.numel() for m in (u if isinstance(u, list) else [u]) for p in m.parameters()) for u in units[:-1]]
@@ -87,6 +88,17 @@ def quantize_gathers(units: list, cfg, dims) -> QuantizedAllGather | None:
     for unit in units:
         (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(comm)
     return comm
+
+
+def quantized_reduce(cfg, dims, device_type: str) -> QuantizedReduceScatter | None:
+    """parallel.zero_pp's qgz: the gradient reduce-scatter in int8 blocks, within the node first,
+    over a mesh (dp_replicate, inter, intra) whose node dims split each FSDP group; None without qgz.
+    The experts' units (another group) keep FSDP's own."""
+    if "qgz" not in zero_pp_names(cfg):
+        return None
+    grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1, node_size(cfg, dims))
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "inter", "intra"))
+    return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh)
 
 
 def check_staging_fits(model, groups, bf16: bool, device_bytes: int) -> None:
