@@ -1,5 +1,6 @@
 """Activation memory policies: every policy gives the `none` gradients (fp32, one process)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -61,51 +62,41 @@ def test_offload_and_chunks_need_a_recomputing_policy():
         load_config(overrides=["--memory.block_chunk=128"])
 
 
-def test_chunks_bound_the_largest_tensor_a_block_creates(reference):
-    """No op in a chunked block (forward and backward) outputs more than chunk x ffn_dim elements
-    per tensor beyond the whole-sequence tensors attention needs (q, k, v, out: heads x head_dim);
-    unchunked, the MLP creates [tokens, ffn_dim]. The probe shows the chunking is real."""
+def _largest_ffn_wide(reference, chunk: int, backward_only: bool) -> int:
+    """Elements of the largest [.., ffn_dim] tensor (not a weight) any op outputs under recompute=full
+    with block_chunk=chunk, in forward and backward or in the backward alone."""
     from probes import LargestOutput
 
     cfg, base, batch, _ = reference
     weight_shapes = {(cfg.dim, cfg.ffn_dim), (cfg.ffn_dim, cfg.dim)}
-    ffn_wide = lambda t: t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and tuple(t.shape) not in weight_shapes  # noqa: E731
+    probe = LargestOutput(lambda t: t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and tuple(t.shape) not in weight_shapes)
+    model = copy.deepcopy(base)
+    apply_memory_policy(model.layers, "full", 0.0, block_chunk=chunk)
+    model.loss_chunk = 32
+    with probe if not backward_only else contextlib.nullcontext():
+        loss = model(*batch[:3], labels=batch[3])
+    with probe if backward_only else contextlib.nullcontext():
+        loss.backward()
+    return probe.largest
 
-    sizes = {}
-    for chunk in (0, 16):
-        model = copy.deepcopy(base)
-        apply_memory_policy(model.layers, "full", 0.0, block_chunk=chunk)
-        model.loss_chunk = 32
-        probe = LargestOutput(ffn_wide)
-        with probe:
-            model(*batch[:3], labels=batch[3]).backward()
-        sizes[chunk] = probe.largest
-    tokens = batch[0].numel()
-    assert sizes[0] == tokens * cfg.ffn_dim
-    assert sizes[16] == 16 * cfg.ffn_dim
+
+def test_chunks_bound_the_largest_tensor_a_block_creates(reference):
+    """No op in a chunked block (forward and backward) outputs more than chunk x ffn_dim elements
+    per tensor beyond the whole-sequence tensors attention needs (q, k, v, out: heads x head_dim);
+    unchunked, the MLP creates [tokens, ffn_dim]. The probe shows the chunking is real."""
+    cfg, _, batch, _ = reference
+    assert _largest_ffn_wide(reference, 0, backward_only=False) == batch[0].numel() * cfg.ffn_dim
+    assert _largest_ffn_wide(reference, 16, backward_only=False) == 16 * cfg.ffn_dim
 
 
 def test_chunks_bound_the_recompute_inside_backward(reference):
     """Under recompute=full the backward runs each block's forward again: with block_chunk that
     recompute (and its gradients) also goes chunk by chunk, so the backward alone never makes a
     [tokens, ffn_dim] tensor (issue 49 item 2: ALST's tiled MLP bounds backward, not only forward)."""
-    from probes import LargestOutput
-
-    cfg, base, batch, _ = reference
-    weight_shapes = {(cfg.dim, cfg.ffn_dim), (cfg.ffn_dim, cfg.dim)}
-    ffn_wide = lambda t: t.dim() >= 2 and t.shape[-1] == cfg.ffn_dim and tuple(t.shape) not in weight_shapes  # noqa: E731
-    sizes = {}
-    for chunk in (0, 16):
-        model = copy.deepcopy(base)
-        apply_memory_policy(model.layers, "full", 0.0, block_chunk=chunk)
-        model.loss_chunk = 32
-        loss = model(*batch[:3], labels=batch[3])
-        probe = LargestOutput(ffn_wide)
-        with probe:
-            loss.backward()
-        sizes[chunk] = probe.largest
-    assert sizes[0] == batch[0].numel() * cfg.ffn_dim  # the recompute in backward does make it unchunked
-    assert sizes[16] == 16 * cfg.ffn_dim
+    cfg, _, batch, _ = reference
+    # unchunked, the recompute in backward does make the whole [tokens, ffn_dim]
+    assert _largest_ffn_wide(reference, 0, backward_only=True) == batch[0].numel() * cfg.ffn_dim
+    assert _largest_ffn_wide(reference, 16, backward_only=True) == 16 * cfg.ffn_dim
 
 
 def test_auto_fraction_follows_link_and_memory_limits():
