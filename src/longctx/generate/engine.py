@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..models.static_decode import CompiledStep, compiled_step
 from .contracts import Backend, Cache, Round
 from .local import LOCAL
 from .loop import decode
@@ -54,7 +55,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
              stop: Callable[[int, list[int]], bool] | None = None,
              on_token: Callable[[int, int], None] | None = None, cache_core=None,
              device: torch.device | None = None, backend: Backend = LOCAL, seeds: Sequence[int] | None = None,
-             num_samples: int = 1, logprobs: int | None = None) -> list[Result]:
+             num_samples: int = 1, logprobs: int | None = None, compile: bool | CompiledStep = False) -> list[Result]:
     """Continue each prompt (a list of token ids) by up to `max_new_tokens` (one for all, or per
     prompt) tokens. A row ends at an EOS token (not included; `eos_ids=()` ignores EOS, as
     --ignore-eos), when `stop(row, tokens)` says so after a token (a stop string: the tokens so far
@@ -70,7 +71,9 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
     prefilled once and its cache rows copied. `logprobs`: None (off), 0 (each new token's
     log-probability) or N (also the top N (id, log-probability) per position), from the processed
     logits the token was chosen from (sampling.process). Results are prompt-major: prompt 0's samples
-    0..N-1, then prompt 1's, ... (transformers' num_return_sequences order)."""
+    0..N-1, then prompt 1's, ... (transformers' num_return_sequences order). `compile`: decode steps
+    through a compiled static-shape step (models/static_decode.py; True: a new CompiledStep) on one
+    device, the same tokens as eager."""
     if not prompts:
         return []
     n = len(prompts)
@@ -86,4 +89,5 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
         raise ValueError(f"{len(seeds)} seeds for {n} prompts")
     return decode(model, prompts, PlainRounds(model, sampling), limits=limits, seeds=seeds, sampling=sampling,
                   backend=backend, num_samples=num_samples, eos_ids=eos_ids, prefill_chunk=prefill_chunk, stop=stop,
-                  on_token=on_token, cache_core=cache_core, device=device, logprobs=logprobs)
+                  on_token=on_token, cache_core=cache_core, device=device, logprobs=logprobs,
+                  compiled=compiled_step(compile))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.static_decode import CompiledStep, install
 from .contracts import Backend, Cache, FlatPrefill, Round, Rounds
 from .results import Result
 from .sampling import Processors, Sampling, sample_seed
@@ -72,17 +73,21 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
            seeds: Sequence[int], sampling: Sampling, backend: Backend, num_samples: int = 1,
            eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
            stop: Callable[[int, list[int]], bool] | None = None, on_token: Callable[[int, int], None] | None = None,
-           cache_core=None, device: torch.device | None = None, logprobs: int | None = None) -> list[Result]:
+           cache_core=None, device: torch.device | None = None, logprobs: int | None = None,
+           compiled: CompiledStep | None = None) -> list[Result]:
     """Continue each prompt by up to its limit of new tokens, `rounds` choosing them; `num_samples`
     rows per prompt (sample s of prompt i seeded sample_seed(seeds[i], s)). Results prompt-major:
     prompt 0's samples 0..N-1, then prompt 1's, ... `logprobs`: None (off), 0 (each token's) or N
-    (also the top N (id, log-probability) per token)."""
+    (also the top N (id, log-probability) per token). `compiled`: after the prefill, the rounds'
+    model calls run through this compiled static-shape step (models/static_decode.py) where the cache
+    and model have one (one device, a dense model; else eagerly, as without it)."""
     n = len(prompts)
     device = device or model.tok_embeddings.weight.device
     # cache rows in order of length, so each length group is a contiguous range of rows
     order = sorted(range(n), key=lambda i: len(prompts[i]))
     # a finished row is fed until every row is done, so each row may take the largest limit of steps
-    max_len = max(len(p) for p in prompts) + max(limits) + rounds.room
+    # (+ 1: the compiled step's spare slot, where the padding of a bucket writes)
+    max_len = max(len(p) for p in prompts) + max(limits) + rounds.room + (compiled is not None)
     was_training = model.training
     model.eval()
     try:
@@ -92,6 +97,8 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
             if num_samples > 1:  # row s * n + j: sample s of the j-th shortest prompt
                 backend.repeat_rows(cache, n, num_samples)
                 logits = logits.repeat(num_samples, 1)
+            if compiled is not None:  # (the prefill stays eager: its chunks are compute, and each length a graph)
+                install(cache, model, compiled)
             rows = [Row(order[j] * num_samples + s, order[j], s, limits[order[j]], prefill_s[j],
                         None if sampling.greedy else sample_seed(seeds[order[j]], s))
                     for s in range(num_samples) for j in range(n)]

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from ..models.static_decode import CompiledStep, compiled_step
 from .acceptance import accept, choose, token_probs
 from .cape import tree_round
 from .contracts import Backend, Cache, Drafter, Round
@@ -95,7 +96,8 @@ class SpeculativeRounds:
 def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max_new_tokens: int, k: int,
                          sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
                          generator: torch.Generator | None = None, backend: Backend = LOCAL, cape=None,
-                         stop_below: float = 0.0, logprobs: int | None = None, seed: int | None = None) -> Result:
+                         stop_below: float = 0.0, logprobs: int | None = None, seed: int | None = None,
+                         compile: bool | CompiledStep = False) -> Result:
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, up to k proposals per target pass
     (fewer after a proposal the draft gives less than `stop_below`: ModelDrafter.propose).
     `backend`: the target's cache and prefill (generate/local.py's; generate/sharded.py's
@@ -103,7 +105,8 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     `cape`: a generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy).
     `logprobs`: as generate's (None, 0 or N): each token's from the target's processed logits at its
     position (the verification call's row, or the prefill's; a CaPE tree's: the accepted path's rows).
-    Draws come from `generator`, else one seeded `seed` (default: the run's, sampling.seed)."""
+    Draws come from `generator`, else one seeded `seed` (default: the run's, sampling.seed).
+    `compile`: the target's verifications through a compiled static-shape step (generate's)."""
     if k < 1:
         raise ValueError(f"speculate at least one token per pass, got {k}")
     if not prompt:
@@ -115,12 +118,14 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     generator = generator if generator is not None else sampling.generator(device, seed)
     rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None)
     return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
-                  backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device, logprobs=logprobs)[0]
+                  backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device, logprobs=logprobs,
+                  compiled=compiled_step(compile))[0]
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
                   prefill_chunk: int, stop=None, backend: Backend = LOCAL, cape=None, stop_below: float = 0.0,
-                  window: int | None = None, seed: int | None = None, logprobs: int | None = None) -> Result:
+                  window: int | None = None, seed: int | None = None, logprobs: int | None = None,
+                  compile: bool | CompiledStep = False) -> Result:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe). `seed`: the request's (its prompt's, or its sample's: generate/sampling.py), seeding the
     generator every draw of its rounds comes from (default: the run's). A stop string (`stop(row,
@@ -130,7 +135,7 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
     drafter = drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window)
     r = speculative_generate(target, drafter, ids, max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below,
-                             logprobs=logprobs, seed=seed)
+                             logprobs=logprobs, seed=seed, compile=compile)
     # (the draft's own set-up and prompt pass count as decoding: speculation's own cost)
     r.decode_seconds = time.perf_counter() - t0 - r.prefill_seconds
     if stop is None:

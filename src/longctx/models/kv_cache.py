@@ -94,7 +94,11 @@ class KVCache(TreeCalls):
     """Preallocated keys and values of every layer for `batch` sequences of up to `max_len` tokens.
 
     `core(q, k, v, layer, step) -> out` is the attention each layer runs against the cache (default
-    `attend`); a distributed cache passes its own (see the module docstring)."""
+    `attend`); a distributed cache passes its own (see the module docstring). `fast`: a compiled
+    static-shape step (models/static_decode.py CompiledStep, installed after the prefill) that takes
+    the model's calls it handles; None: every call runs the per-layer path."""
+
+    fast = None
 
     def __init__(self, layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", core=None):

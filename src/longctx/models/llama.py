@@ -285,15 +285,22 @@ class Llama(nn.Module):
         try:
             if positions is None:
                 positions = step.positions
-            cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
-            x = self.tok_embeddings(tokens)
-            # (MoE routers record statistics only in a training forward; their flag stays off here)
-            for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, None, cache=cache.layer(i))
+            # a compiled static-shape step (models/static_decode.py) installed on the cache takes the
+            # calls it handles (decode steps, verifications); the per-layer path is the reference
+            fast = getattr(cache, "fast", None)
+            if fast is not None and fast.handles(cache, step):
+                x = fast(self, tokens, positions, cache, step, final_norm)
+            else:
+                cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
+                x = self.tok_embeddings(tokens)
+                # (MoE routers record statistics only in a training forward; their flag stays off here)
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, cos, sin, None, cache=cache.layer(i))
+                x = self.norm(x) if final_norm else x
             ok = True
         finally:
             cache.end(ok)
-        return self.norm(x) if final_norm else x
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final-normed hidden states [..., dim] -> [..., vocab]."""

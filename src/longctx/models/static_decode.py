@@ -1,0 +1,187 @@
+"""The compiled decode step: the model's cached forward for a few new tokens (a decode step, a
+speculative chain or a CaPE tree to verify) written with static shapes and compiled once per shape.
+
+Why: a small model's decode step is per-op overhead, not FLOPs. The debug model runs ~300 aten ops
+of a few microseconds each per token, plus the Python between them. torch.compile fuses the
+pointwise ops into a few kernels around the GEMMs; on a GPU (mode "reduce-overhead") the step is
+replayed as one CUDA graph. That needs every shape to stay the same from step to step:
+- the cache is the preallocated KVCache (models/kv_cache.py), written at the new tokens' slots by a
+  tensor index, never grown or sliced to the held prefix (a length that changes every step);
+- attention reads every slot and masks those a query must not see: the slots each row held before
+  the call, and among the new tokens those `among` names (causal for a chain; a tree's ancestors),
+  built inside the graph from tensors (each row's start, the [n, n] visibility);
+- the new tokens are padded to a bucket (1, 2, 4, ..., 64), so a chain of K + 1 tokens or a tree of
+  any size reuses one graph per bucket. A padded token writes its keys and values to the cache's
+  last slot (kept spare: `handles` refuses a call that would reach it) and sees only that slot and
+  the prefix; no real token sees it.
+So a decode compiles once per (model, batch, bucket) and never per token; the cache length is a
+dimension dynamo may make dynamic after its first change. tests/unit/test_compiled_decode.py counts
+the compilations and holds the tokens to the eager path's.
+
+The step is installed on a KVCache after its prefill (generate/loop.py: `cache.fast`); the model's
+cached forward (models/llama.py) hands it every call it `handles`, and runs the eager path (the
+reference: per-layer cache cores, models/cached_attention.py) otherwise. The prefill stays eager:
+its chunks are compute, and each chunk length would be a graph. A cache sharded over head x ctx
+(generate/sharded.py) has no `fast` step: it decodes eagerly.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .cached_attention import CacheStep, group_queries, ungroup_heads
+from .llama import rope_cos_sin
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per compiled call, padded up to the next
+
+
+def bucket(new: int) -> int | None:
+    """The padded size of a call of `new` tokens; None past the largest bucket (eager)."""
+    return next((b for b in BUCKETS if b >= new), None)
+
+
+def static_hidden_states(model, tokens, positions, slots, start, among, k_cache, v_cache, final_norm: bool):
+    """The cached forward with static shapes. tokens, positions, slots [b, n] long (slots: where each
+    new token's keys go); start [b] long (tokens each row held before the call); among [n, n] bool
+    (new token j sees new token i; a padded token's row is all False); k_cache, v_cache [layers, b,
+    kv_heads, L, head_dim], written in place. -> hidden [b, n, dim]."""
+    cos, sin = rope_cos_sin(positions, model.inv_freq, model.rope_scale)
+    x = model.tok_embeddings(tokens)
+    kv_heads = k_cache.shape[2]
+    visible = _visible(start, among, k_cache.shape[3], model.cfg.heads // kv_heads)
+    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+    layers = torch.arange(len(model.layers), device=tokens.device)
+    for i, block in enumerate(model.layers):
+        q, k, v = block.pre(x, cos, sin)
+        # one index_put on the whole cache (a tensor layer index, not a view of layer i: the write then
+        # happens in place instead of on a copy of the cache); [b, n] indexes, then [kv_heads, head_dim]
+        k_cache[layers[i:i + 1, None], rows, :, slots] = k.to(k_cache.dtype)
+        v_cache[layers[i:i + 1, None], rows, :, slots] = v.to(v_cache.dtype)
+        x = block.post(x, _attend(q, k_cache[i], v_cache[i], visible))
+    return model.norm(x) if final_norm else x
+
+
+def _visible(start, among, length: int, group: int) -> torch.Tensor:
+    """[b, 1, n * group, L] bool: query row i * group + j (new token i, its head j; group_queries'
+    order) sees slot s when the row held s before the call, when s is new token c's slot and
+    among[i, c], or, for a padded token, when s is the spare last slot."""
+    n = among.shape[0]
+    slot = torch.arange(length, device=start.device)
+    rel = slot[None, :] - start[:, None]  # [b, L]: which new token a slot holds, when in [0, n)
+    new = among[:, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))[None]  # [n, b, L]
+    padded = ~among.any(dim=1)  # a real token always sees itself
+    spare = padded[:, None, None] & (slot == length - 1)[None, None, :]
+    visible = ((rel < 0)[None] | new | spare).transpose(0, 1)  # [b, n, L]
+    return visible.repeat_interleave(group, dim=1)[:, None]
+
+
+def _attend(q, k, v, visible) -> torch.Tensor:
+    """q [b, n, h, d] over every slot of one layer's cache k, v [b, kv, L, d] that `visible` lets it
+    see: scores in fp32, queries grouped per kv head (the cache is read once per kv head)."""
+    n, heads = q.shape[1], q.shape[2]
+    qg = group_queries(q, k.shape[1])  # [b, kv, n * g, d]
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return ungroup_heads(torch.matmul(probs.to(v.dtype), v), n, heads).to(q.dtype)
+
+
+class CompiledStep:
+    """A KVCache's `fast` step (see the module docstring): `handles(cache, step)` says whether a call
+    goes through it; calling it runs the compiled static forward for the call's real tokens.
+
+    `mode`: torch.compile's; None picks "reduce-overhead" (CUDA graphs) on a GPU and the default on a
+    CPU. `backend`: torch.compile's (tests pass a counting one)."""
+
+    def __init__(self, mode: str | None = None, backend="inductor"):
+        self.mode, self.backend = mode, backend
+        self._among: dict[tuple[int, int], torch.Tensor] = {}
+        self._static: set[int] = set()  # caches whose addresses CUDA graphs may keep
+        self.calls = 0
+
+    def handles(self, cache, step: CacheStep) -> bool:
+        """A call of up to the largest bucket's tokens that leaves the spare last slot free."""
+        return bucket(step.new) is not None and int(step.start.max()) + step.new < cache.k.shape[3]
+
+    def __call__(self, model, tokens, positions, cache, step: CacheStep, final_norm: bool = True) -> torch.Tensor:
+        """Hidden states [b, new, dim] of the call's tokens [b, new] at `positions` [b, new], their
+        keys and values written to the cache at their slots (start + 0..new-1)."""
+        device, n = tokens.device, step.new
+        b, padded = tokens.shape[0], bucket(n)
+        slots = np.full((b, padded), cache.k.shape[3] - 1, dtype=np.int64)
+        slots[:, :n] = step.start[:, None] + np.arange(n)
+        if padded > n:
+            tokens, positions = F.pad(tokens, (0, padded - n)), F.pad(positions, (0, padded - n))
+        fn = self._function(device, cache)
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        self.calls += 1
+        hidden = fn(model, tokens, positions, _tensor(slots, device), _tensor(step.start, device),
+                    self._visibility(step.among, n, padded, device), cache.k, cache.v, final_norm)
+        # a CUDA graph's output is overwritten by its next replay: the caller keeps a copy
+        return hidden[:, :n].clone() if device.type == "cuda" else hidden[:, :n]
+
+    def _function(self, device: torch.device, cache):
+        mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
+        if device.type == "cuda" and id(cache.k) not in self._static:
+            # the cache is written in place by every replay: CUDA graphs must see it as a fixed buffer
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+            self._static.add(id(cache.k))
+        # on a CPU the C++ wrapper calls the kernels without Python between them (~1.3x the step)
+        cpp = mode is None and device.type == "cpu" and self.backend == "inductor"
+        return _compiled(mode, self.backend, cpp)
+
+    def _visibility(self, among: torch.Tensor | None, n: int, padded: int, device) -> torch.Tensor:
+        """[padded, padded] bool: the call's `among` (a tree's) or causal, the padded tokens' rows False."""
+        if among is None and (n, padded) in self._among:
+            return self._among[(n, padded)]
+        out = torch.zeros(padded, padded, dtype=torch.bool)
+        out[:n, :n] = among.cpu() if among is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        out = out.to(device)
+        if among is None:
+            self._among[(n, padded)] = out
+        return out
+
+
+@functools.cache
+def _compiled(mode: str | None, backend, cpp_wrapper: bool):
+    """One torch.compile of the static forward per setting, shared by every CompiledStep (its graphs
+    then serve every generation of the process)."""
+    return torch.compile(static_hidden_states, mode=mode, backend=backend, fullgraph=True,
+                         options={"cpp_wrapper": True} if cpp_wrapper else None)
+
+
+def compiled_step(compile: bool | CompiledStep | None) -> CompiledStep | None:
+    """A generation's `compile` argument as a step: True a new one, False / None none."""
+    if isinstance(compile, CompiledStep):
+        return compile
+    return CompiledStep() if compile else None
+
+
+def install(cache, model, step: CompiledStep) -> bool:
+    """Hand `step` the cached calls of `model` on `cache` it handles (`cache.fast`), where a static form
+    exists: a one-device KVCache and a dense Llama. Whether it was installed."""
+    from .kv_cache import KVCache
+
+    if not isinstance(cache, KVCache) or not supports(model):
+        return False
+    cache.fast = step
+    return True
+
+
+def _tensor(array: np.ndarray, device) -> torch.Tensor:
+    t = torch.from_numpy(array)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def supports(model) -> bool:
+    """Whether `model`'s cached forward has a static form here: a dense models.llama.Llama (an MoE
+    layer's routing has data-dependent shapes; it decodes eagerly)."""
+    from .moe import moe_layers
+
+    return hasattr(model, "layers") and hasattr(model, "inv_freq") and not moe_layers(model)
