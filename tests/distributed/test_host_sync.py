@@ -44,9 +44,10 @@ def _cpu_grouped_kernel() -> bool:
 
 
 CPU_GROUPED_KERNEL = _cpu_grouped_kernel()
-# MoE steps run their experts through the grouped kernel path (what a CUDA bf16 run takes), forced
-# here on CPU where torch._grouped_mm runs fp32 too: the CPU loop reads the expert counts on the
-# host by design (ops/grouped.py; see test_the_cpu_expert_loop_reads_only_the_counts)
+# MoE steps run their experts through the grouped kernel path (what a CUDA bf16 run takes; the CPU
+# takes it too where torch._grouped_mm has a CPU kernel), forced here for any shape: the loop
+# over experts reads the expert counts on the host by design (ops/grouped.py; see
+# test_the_cpu_expert_loop_reads_only_the_counts)
 MOE = ["--model.preset=debug-moe", "--model.moe.z_loss=0.001"]
 MOE_ONE_PROCESS = {
     "moe softmax top-2, aux + z loss, documents": MOE,
@@ -129,9 +130,11 @@ def test_moe_step_reads_nothing_from_the_device(name, tmp_path):
 
 
 def test_the_cpu_expert_loop_reads_only_the_counts(tmp_path):
-    """The CPU fallback of the grouped experts reads each layer's expert counts (forward, and its
-    backward keeps them): nothing else in an MoE step reads the host."""
-    syncs = _steps_under_probe(MOE, tmp_path, record=True)
+    """The loop over experts (ops/grouped.py's fallback where torch._grouped_mm cannot run, forced
+    here) reads each layer's expert counts (forward, and its backward keeps them): nothing else in
+    an MoE step reads the host."""
+    with grouped.use_loop():
+        syncs = _steps_under_probe(MOE, tmp_path, record=True)
     assert syncs and {where.split(":")[0] for _, where in syncs} == {"ops/grouped.py"}
     assert {what for what, _ in syncs} == {"Tensor.tolist"}
 

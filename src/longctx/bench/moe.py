@@ -28,6 +28,7 @@ Output: one JSON document on stdout; progress on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -39,9 +40,10 @@ import torch
 from torch import nn
 
 from ..job.host_malloc import keep_freed_blocks
+from ..ops.grouped import grouped_path, use_loop
 from ..progress import phase
 from . import moe_cluster, moe_gpu
-from .moe_common import build_layers, choice_share, fwd_bwd, measured_active_params, ratio, say, skew
+from .moe_common import aten_ops, build_layers, choice_share, fwd_bwd, measured_active_params, ratio, say, skew
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cuda: wall time of the layer on one GPU in bf16, grouped kernel vs loop vs dense "
                         "(bench/moe_gpu.py)")
     moe_cluster.add_arguments(p)
+    p.add_argument("--grouped", default="auto", choices=("auto", "loop"),
+                   help="the experts' grouped GEMMs: auto (torch._grouped_mm where it runs, ops/grouped.py), "
+                        "loop (the reference loop over experts, one GEMM per expert)")
     p.add_argument("--malloc", default="training", choices=("training", "glibc"),
                    help="training: glibc set as `longctx train` sets it on CPU (job/host_malloc.py: freed blocks "
                         "kept for reuse); glibc: its defaults (every temporary of 32 MiB or more faulted in anew)")
@@ -124,6 +129,14 @@ def main(args) -> int:
     return 0
 
 
+def _grouped_path(args, moe: nn.Module) -> str:
+    """Which path the experts' GEMMs took (the kernel needs 16-byte-aligned widths)."""
+    if args.grouped == "loop":
+        return "loop (forced)"
+    w = moe.experts.w1
+    return grouped_path(torch.empty(0, w.shape[-1]), w.transpose(1, 2))
+
+
 def _measure_cpu(args) -> dict:
     """The document `longctx bench moe` prints on the CPU: timing per routing and length, saved bytes."""
     torch.set_num_threads(args.threads)
@@ -143,8 +156,10 @@ def _measure_cpu(args) -> dict:
             bias = skew(moe, x, args.skew_share) if routing == "skewed" else 0.0
             share = choice_share(moe, x)
             say(f"{routing} routing, {seq:,} tokens: timing {args.repeats} x (moe, dense)")
-            with phase(f"{routing} routing, {seq:,} tokens", done_line=False):
+            with (phase(f"{routing} routing, {seq:,} tokens", done_line=False),
+                  use_loop() if args.grouped == "loop" else contextlib.nullcontext()):
                 t = time_pair(moe, dense, x, args.repeats)
+                ops = aten_ops(moe, x, torch.randn_like(x))
             row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
                    "expert_share": [round(float(v), 5) for v in share],
                    "load_max_over_mean": float(share.max() * args.experts),
@@ -154,7 +169,7 @@ def _measure_cpu(args) -> dict:
                    "moe_user_s": t["moe"]["user"], "moe_system_s": t["moe"]["system"],
                    "dense_user_s": t["dense"]["user"], "dense_system_s": t["dense"]["system"],
                    "ratio_user": ratio(t["moe"]["user"], t["dense"]["user"]),
-                   "ratio_median": ratio(t["moe"]["median"], t["dense"]["median"]), "runs": t}
+                   "ratio_median": ratio(t["moe"]["median"], t["dense"]["median"]), "moe_aten_ops": ops, "runs": t}
             say(f"  moe {row['moe_cpu_s']:.3f} s (system {row['moe_system_s']:.3f}), dense "
                       f"{row['dense_cpu_s']:.3f} s (system {row['dense_system_s']:.3f}): ratio {row['ratio']:.3f}, "
                       f"user time only {row['ratio_user']:.3f}")
@@ -172,7 +187,8 @@ def _measure_cpu(args) -> dict:
         "bench": "moe", "date": date.today().isoformat(),
         "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
                    "dense_ffn_dim": cfg.ffn_dim, "router": "softmax", "capacity_factor": 0.0,
-                   "skew_share": args.skew_share, "repeats": args.repeats, "threads": args.threads,
+                   "skew_share": args.skew_share, "grouped": _grouped_path(args, moe),
+                   "repeats": args.repeats, "threads": args.threads,
                    "timing": "the run of least user + system CPU time (getrusage) over the repeats",
                    "malloc": malloc,
                    "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")},

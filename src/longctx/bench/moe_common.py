@@ -7,6 +7,7 @@ import time
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ModelConfig
 from ..models.llama import FeedForward
@@ -61,6 +62,25 @@ def skew(moe: MoEFeedForward, x: torch.Tensor, share: float) -> float:
         lo, hi = (lo, mid) if float(choice_share(moe, x)[0]) >= share - 1e-9 else (mid, hi)
     moe.router.expert_bias[0] = hi
     return hi
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_ops(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> int:
+    """The aten operations one forward + backward of `layer` issues (after a warm-up), as they pass
+    the dispatcher: what a per-expert loop would make grow with the experts (tests/unit/test_moe_op_count.py)."""
+    fwd_bwd(layer, x, grad)
+    with _OpCount() as count:
+        fwd_bwd(layer, x, grad)
+    return count.ops
 
 
 def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:

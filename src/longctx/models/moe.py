@@ -36,7 +36,12 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
-from .moe_dispatch import Routing, TokenDispatcher, TokenRows  # noqa: F401  (Routing, TokenRows: imported from here too)
+from .moe_dispatch import (  # noqa: F401  (Routing, TokenRows: imported from here too)
+    Routing,
+    TokenDispatcher,
+    TokenRows,
+    expert_counts,
+)
 from .swiglu import FeedForward
 
 
@@ -237,7 +242,8 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, chunk: int
     chunk > 0 (memory.expert_chunk): at most `chunk` rows at a time, each piece checkpointed, so the
     experts' intermediates (3 x hidden per row, the largest tensors of an MoE layer) never exist for
     more rows than that, however many rows arrive: under skewed routing a rank may receive every
-    token of its expert group. The counts are read on the host to cut the pieces."""
+    token of its expert group. The pieces are cut by row position (the row count is a shape), each
+    piece's counts clipped from the cumulative counts on the device: no host read."""
     n = x.shape[0]
     if not chunk or n <= chunk:
         return _swiglu_grouped(x, counts, w1, w3, w2)
@@ -306,7 +312,7 @@ class MoEFeedForward(nn.Module):
         return Routing(routing.experts, routing.weights, routing.probs, routing.logits, kept)
 
     def _record(self, routing: Routing, tokens: int) -> None:
-        counts = torch.bincount(routing.experts.flatten(), minlength=self.num_experts).float()
+        counts = expert_counts(routing.experts.flatten(), self.num_experts).float()
         dropped = (torch.zeros((), device=counts.device) if routing.kept is None
                    else (~routing.kept).sum().float())
         self.records.append(RouterRecord(counts, routing.probs.sum(0), routing.logits.logsumexp(-1).square().sum(),

@@ -37,6 +37,12 @@ class Routing:
     kept: torch.Tensor | None = None  # [T, k] bool with a capacity: False where the choice was dropped
 
 
+def expert_counts(choice: torch.Tensor, experts: int) -> torch.Tensor:
+    """[experts] how many of `choice` (expert ids < experts) name each: bincount with a shape known
+    before the data (so torch.compile traces it in one graph; integer adds, exact in any order)."""
+    return choice.new_zeros(experts).index_add_(0, choice, torch.ones_like(choice))
+
+
 class TokenRows(torch.autograd.Function):
     """flat[order // k]: each kept slot's token row, in expert order (`order` [n]: the slots token x k + j
     sorted by expert, the dropped ones cut off the end; `inverse` [T k]: the inverse of the uncut
@@ -94,7 +100,7 @@ class TokenDispatcher:
             choice = torch.where(routing.kept.flatten(), choice, experts)
         order = torch.argsort(choice, stable=True)  # expert-sorted row -> its slot (token x k + j)
         inverse = torch.argsort(order)  # slot -> its expert-sorted row
-        counts = torch.bincount(choice, minlength=experts + 1)[:experts]
+        counts = expert_counts(choice, experts + 1)[:experts]
         n = order.numel() if routing.kept is None else int(counts.sum())  # host read only with a capacity
         order = order[:n]
         weights = routing.weights if routing.kept is None else routing.weights * routing.kept

@@ -2,10 +2,15 @@
 
 `grouped_mm(x, w, counts)`: x [n, in] with the rows of group g contiguous (counts[g] of them, in
 group order), w [groups, in, out] -> [n, out]. One interface, two paths:
-- `torch._grouped_mm` (one kernel for every group, no host read of the counts) on CUDA, where the
-  build has it and the shapes meet its alignment (16-byte strides, bf16);
-- elsewhere a loop over the groups (CPU, fp32): the counts are read on the host, which costs
-  nothing there. Both are deterministic; the loop is the reference the kernel is tested against.
+- `torch._grouped_mm`: one operation for every group, whatever their number, and no host read of
+  the counts. On CUDA where the build has it and the operands are bf16; on the CPU where the build
+  has a CPU kernel (it loops over the groups inside the one operation: the same products as the
+  loop below, the same bits), for fp32, bf16 and fp16. Both need 16-byte-aligned rows (in and out
+  multiples of 8 bf16 or 4 fp32 values);
+- elsewhere (fp64, unaligned widths, a build without the kernel) a loop over the groups: the counts
+  are read on the host and every group is its own matmul, so the number of operations grows with
+  the groups. Both are deterministic; the loop is the reference the kernel is tested against
+  (`use_loop` forces it).
 """
 
 from __future__ import annotations
@@ -14,16 +19,70 @@ import contextlib
 
 import torch
 
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_cpu_kernel: bool | None = None  # cpu_kernel_available's answer, once asked
+
+
+@torch.compiler.disable  # (run eagerly: traced, fp32 operands fail the kernel's bf16-only meta function)
+def _probe_cpu_kernel() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(2, 4), torch.ones(1, 4, 4), offs=torch.tensor([2], dtype=torch.int32))
+        return True
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def cpu_kernel_available() -> bool:
+    """Whether this build's torch._grouped_mm runs on the CPU (it does from about torch 2.9 on)."""
+    global _cpu_kernel
+    if _cpu_kernel is None:
+        _cpu_kernel = _probe_cpu_kernel()
+    return _cpu_kernel
+
+
+def _aligned(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Rows of 16 bytes' multiples, as the kernel requires of its operands' and output's strides."""
+    per_16_bytes = 16 // x.element_size()
+    return x.shape[-1] % per_16_bytes == 0 and w.shape[-1] % per_16_bytes == 0
+
 
 def _kernel_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 == w.dtype
-            and x.shape[-1] % 8 == 0 and w.shape[-1] % 8 == 0)
+    if x.dtype != w.dtype or not _aligned(x, w):
+        return False
+    if x.is_cuda:
+        return hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
+    return x.device.type == "cpu" and x.dtype in _CPU_KERNEL_DTYPES and cpu_kernel_available()
+
+
+def grouped_path(x: torch.Tensor, w: torch.Tensor) -> str:
+    """Which path grouped_mm takes for these operands, in words (for benchmarks' JSON)."""
+    return "loop (forced)" if _FORCE_LOOP else "torch._grouped_mm" if _kernel_fits(x, w) else "loop"
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient: torch._grouped_mm's backward
+    refuses an expanded one (the gradient of a `.sum()`: strides 0)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm's contract: `offs` are the int32 END offsets of the groups (cumulative row
-    counts); the last equals n. (Runs on CPU too for 16-byte-aligned shapes: the glue is tested there.)"""
-    return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    counts); the last equals n. (The CPU runs it for 16-byte-aligned shapes: the glue is tested there.)"""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32)))
+
+
+# Under torch.compile the kernel is traced through its meta function, which (torch 2.13) accepts bf16
+# operands only: fp32 and fp16 ones run it eagerly, between the compiled graphs around it.
+_eager_kernel_grouped_mm = torch.compiler.disable(kernel_grouped_mm)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -55,6 +114,8 @@ def use_loop():
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if not _FORCE_LOOP and _kernel_fits(x, w):
+        if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+            return _eager_kernel_grouped_mm(x, w, counts)
         return kernel_grouped_mm(x, w, counts)
     # no rows at all still runs the Function: its output must stay a function of x as well as w, so
     # that backward reaches whatever produced x (under expert parallelism, an all-to-all every rank joins)

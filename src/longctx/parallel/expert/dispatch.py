@@ -54,17 +54,17 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 def _expert_major(recv: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows received source-major (from source s: recv[s][e] rows of local expert e, in expert
     order) -> the permutation that lists them expert-major (expert e: its rows from source 0, then
-    1, ...), and the rows per local expert."""
-    sources, local = len(recv), len(recv[0])
-    start, offsets = 0, [[0] * local for _ in range(sources)]
-    for s in range(sources):
-        for e in range(local):
-            offsets[s][e] = start
-            start += recv[s][e]
-    pieces = [torch.arange(offsets[s][e], offsets[s][e] + recv[s][e]) for e in range(local) for s in range(sources)]
-    order = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
-    per_expert = torch.tensor([sum(recv[s][e] for s in range(sources)) for e in range(local)])
-    return order, per_expert
+    1, ...), and the rows per local expert. A fixed number of operations on the host's counts,
+    whatever the number of sources and local experts (no piece per (source, expert))."""
+    r = torch.tensor(recv, dtype=torch.long)  # [sources, local]
+    total = sum(map(sum, recv))
+    src_start = (r.flatten().cumsum(0) - r.flatten()).view(r.shape)  # where (s, e)'s rows arrived
+    length, start = r.t().flatten(), src_start.t().flatten()  # the pieces, expert-major
+    out_end = length.cumsum(0)
+    row = torch.arange(total)
+    piece = torch.searchsorted(out_end, row, right=True)  # the piece each expert-major row is in
+    order = row - (out_end - length)[piece] + start[piece]
+    return order, r.sum(0)
 
 
 def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch.Tensor:
