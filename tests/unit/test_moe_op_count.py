@@ -5,14 +5,18 @@ counted op by op as they pass the dispatcher at 8, 64 and 128 experts. The loop 
 (ops/grouped.py use_loop, the reference) is counted too, to show the count would see a per-expert
 loop. And the kernel path gives the reference's outputs and gradients, uniform and skewed routing."""
 
+import argparse
 import collections
 import contextlib
+import json
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from host_sync import no_host_sync
+from longctx.bench import moe as bench
+from longctx.bench import moe_gpu
 from longctx.config import ModelConfig
 from longctx.models.moe import MoEFeedForward
 from longctx.ops.grouped import cpu_kernel_available, use_loop
@@ -145,3 +149,17 @@ def test_the_bf16_layer_compiles_into_one_graph():
     ref = _forward_backward(layer, x, grad)
     for a, b in [(fast[0], ref[0]), *zip(fast[1], ref[1])]:
         torch.testing.assert_close(a.float(), b.float(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmark_times_the_compiled_layer(capsys):
+    """`longctx bench moe --device cuda --compile`'s code, run on the CPU (bf16): the compiled layer
+    is timed beside the kernel, the loop and the dense layer."""
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(["--dim", "64", "--experts", "8", "--expert-dim", "32", "--seq-len", "128",
+                         "--routing", "uniform,skewed", "--repeats", "1", "--compile"])
+    assert moe_gpu.main(args, device=torch.device("cpu")) == 0
+    rows = json.loads(capsys.readouterr().out)["timing"]
+    assert [r["routing"] for r in rows] == ["uniform", "skewed"]
+    assert all(r["moe_compiled_s"] > 0 and r["compiled_over_dense"] > 0 for r in rows)

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: wall time of the layer on one GPU in bf16, grouped kernel vs loop vs dense "
                         "(bench/moe_gpu.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="cuda: also time the torch.compile'd MoE layer (bf16: one graph, the permutation and the "
+                        "weighted combine fused; `moe_compiled_s`)")
     moe_cluster.add_arguments(p)
     p.add_argument("--grouped", default="auto", choices=("auto", "loop"),
                    help="the experts' grouped GEMMs: auto (torch._grouped_mm where it runs, ops/grouped.py), "

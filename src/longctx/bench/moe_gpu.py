@@ -6,7 +6,9 @@ layers in bf16 with the same active parameters:
   kernel for every expert, no host read of the counts);
 - `moe_loop_s`: the same layer with ops/grouped.py's loop over experts (one GEMM per expert after a
   host read of the counts: what a build without the kernel runs);
-- `dense_s`: the dense SwiGLU of top-k x expert_dim.
+- `dense_s`: the dense SwiGLU of top-k x expert_dim;
+- with --compile, `moe_compiled_s`: the MoE layer under torch.compile(fullgraph=True), the routing,
+  the sort-based permutation and the weighted combine fused around the grouped kernel.
 Under uniform and skewed routing (as the CPU benchmark routes), with the peak allocated memory of
 the MoE step. Several experts per rank and one GPU: this is the layer, not expert parallelism
 (which needs a node: `--cluster ... --no-emulation` on one).
@@ -57,6 +59,8 @@ def main(args, device: torch.device | None = None) -> int:
     moe.to(device, torch.bfloat16)
     dense.to(device, torch.bfloat16)
     gen = torch.Generator(device).manual_seed(args.seed + 1)
+    # (the same module compiled: its first call per length compiles, inside _wall's warm-up)
+    compiled = torch.compile(moe, fullgraph=True) if getattr(args, "compile", False) else None
     rows = []
     for routing in (r for r in args.routing.split(",") if r):
         for seq in (int(s) for s in args.seq_len.split(",") if s):
@@ -72,6 +76,7 @@ def main(args, device: torch.device | None = None) -> int:
                 peak = torch.cuda.max_memory_allocated(device) if cuda else None
                 loop = _wall(moe, x, grad, args.repeats, loop=True)
                 dense_t = _wall(dense, x, grad, args.repeats)
+                fused = _wall(compiled, x, grad, args.repeats) if compiled is not None else None
             row = {"routing": routing, "tokens": seq, "expert0_bias": bias,
                    "load_max_over_mean": float(share.max() * args.experts),
                    "moe_kernel_s": kernel["min"], "moe_loop_s": loop["min"], "dense_s": dense_t["min"],
@@ -79,6 +84,9 @@ def main(args, device: torch.device | None = None) -> int:
                    "kernel_over_loop": common.ratio(kernel["min"], loop["min"]),
                    "moe_tokens_per_s": seq / kernel["min"], "moe_peak_allocated_bytes": peak,
                    "medians": {"kernel": kernel["median"], "loop": loop["median"], "dense": dense_t["median"]}}
+            if fused is not None:
+                row.update(moe_compiled_s=fused["min"], compiled_over_dense=common.ratio(fused["min"], dense_t["min"]))
+                row["medians"]["compiled"] = fused["median"]
             common.say(f"{routing}, {seq:,} tokens: kernel {kernel['min'] * 1e3:.2f} ms, loop "
                       f"{loop['min'] * 1e3:.2f} ms, dense {dense_t['min'] * 1e3:.2f} ms")
             rows.append(row)
