@@ -155,12 +155,21 @@ def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len
     return parts
 
 
+def hpz_copy_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float:
+    """parallel.zero_pp = hpz: after its forward every block unit keeps its weights sharded over the
+    node (1 / node of them per rank, in the gather dtype) until its backward gathers them again."""
+    pc = param_counts(m)
+    return (pc["total"] - pc["root"]) * gather_bytes / max(shape.node, 1)
+
+
 def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,
                  activations: float, transient: float) -> dict[str, float]:
     """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers,
     the unsharded gradients accumulated under grad_sync "step" (only where there are any), the
     saved activations and the backward's transient on top of them."""
     memory = device_state_bytes(m, shape, tier, gather_bytes)
+    if "hpz" in shape.zero_pp.split(","):  # each block unit's node-sharded copy, kept from forward to backward
+        memory["gathered_params"] = memory.get("gathered_params", 0.0) + hpz_copy_bytes(m, shape, gather_bytes)
     accumulated = accumulated_grad_bytes(m, shape, grad_accum, grad_sync)
     if accumulated:
         memory["accumulated_grads"] = accumulated

@@ -3,7 +3,8 @@
 The planner's view of the [parallel] table (job/dims.py builds the real DeviceMesh from the
 same degrees): dp_replicate x dp_shard x head x ctx ranks, the Double-Ring `window` and the
 `placement` that decides which sequence group gets adjacent ranks; for a MoE model the `expert`
-degree, whose groups of adjacent ranks the MoE layers fold over those ranks (parallel/expert/install.py).
+degree, whose groups of adjacent ranks the MoE layers fold over those ranks (parallel/expert/install.py);
+and `zero_pp`, how FSDP's transfers cross nodes (parallel.zero_pp: ZeRO++'s hpz, qwz, qgz).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ class MeshShape:
     window: int = 0
     placement: str = "head-first"
     expert: int = 1
+    zero_pp: str = ""  # parallel.zero_pp: ZeRO++'s hpz / qwz / qgz for an FSDP group that spans nodes
+    node: int = 0      # parallel.ranks_per_node under zero_pp (the FSDP group's ranks in one node)
 
     @property
     def world(self) -> int:
@@ -59,6 +62,8 @@ class MeshShape:
             text += " " + ("hf" if self.placement == "head-first" else "cf")
         if self.expert > 1:
             text += f" ep{self.expert}"
+        if self.zero_pp:
+            text += " " + self.zero_pp.replace(",", "+")
         return text
 
 

@@ -24,6 +24,9 @@ from .hardware import Hardware
 from .model_states import block_params, param_counts, routed_expert_params
 from .shape import MeshShape, group_is_intra_node
 
+# parallel.zero_pp's qwz / qgz: bytes per element sent as int8 with one fp32 scale per block of 512
+QUANTIZED_BYTES = 1 + 4 / 512
+
 
 def link_bandwidth(hw: Hardware, intra: bool) -> float:
     """Bytes/s of one rank's link: inside a node or between nodes."""
@@ -151,12 +154,28 @@ def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, h
     n, r = shape.fsdp, shape.dp_replicate
     bw_f = link_bandwidth(hw, group_is_intra_node(shape, "fsdp", gpus_per_node))
     bw_r = link_bandwidth(hw, group_is_intra_node(shape, "replicate", gpus_per_node))
-    return {
-        "block_gather": (n - 1) / n * b * gather_bytes / bw_f,
-        "block_reduce": (n - 1) / n * b * 4 / bw_f + 2 * (r - 1) / r * b * 4 / n / bw_r,
-        "root_gather": (n - 1) / n * pc["root"] * gather_bytes / bw_f,
-        "root_reduce": (n - 1) / n * pc["root"] * 4 / bw_f + 2 * (r - 1) / r * pc["root"] * 4 / n / bw_r,
-    }
+    modes = set(shape.zero_pp.split(",")) if shape.zero_pp else set()
+    node = min(gpus_per_node, n)  # ranks of the FSDP group in one node (hpz, qgz)
+    weights = QUANTIZED_BYTES if "qwz" in modes else gather_bytes
+
+    def gather(p: int) -> tuple[float, float]:  # forward's all-gather, backward's
+        forward = (n - 1) / n * p * weights / bw_f
+        if "hpz" in modes:  # backward gathers the node-sharded copy, within the node, unquantised
+            return forward, (node - 1) / node * p * gather_bytes / link_bandwidth(hw, True)
+        return forward, forward
+
+    def reduce(p: int) -> float:
+        replicas = 2 * (r - 1) / r * p * 4 / n / bw_r
+        if "qgz" in modes:  # int8 all-to-all within the node, then the node sums across nodes
+            within = (node - 1) / node * p * QUANTIZED_BYTES / link_bandwidth(hw, True)
+            nodes = n // node
+            return within + (nodes - 1) / nodes * p / node * QUANTIZED_BYTES / bw_f + replicas
+        return (n - 1) / n * p * 4 / bw_f + replicas
+
+    block_fwd, block_bwd = gather(b)
+    root_fwd, _ = gather(pc["root"])
+    return {"block_gather": block_fwd, "block_gather_bwd": block_bwd, "block_reduce": reduce(b),
+            "root_gather": root_fwd, "root_reduce": reduce(pc["root"])}
 
 
 def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int,
@@ -177,9 +196,9 @@ def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     sizes = Counter(n - (routed - routed // shape.expert if i in sparse else 0) for i, n in enumerate(block_params(m)))
     for params, count in sizes.items():
         b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params)
-        gather, reduce = b["block_gather"], b["block_reduce"]
-        last += count * (exposed(gather, block_fwd_s, hw) + exposed(gather + reduce, block_bwd, hw))
-        others += count * (exposed(gather, block_fwd_s, hw) + exposed(gather, block_bwd, hw))
+        gather, again, reduce = b["block_gather"], b["block_gather_bwd"], b["block_reduce"]
+        last += count * (exposed(gather, block_fwd_s, hw) + exposed(again + reduce, block_bwd, hw))
+        others += count * (exposed(gather, block_fwd_s, hw) + exposed(again, block_bwd, hw))
     last_micro = last + x["root_gather"] + x["root_reduce"]
     other_micro = last_micro if policy.grad_sync == "micro_batch" else others + x["root_gather"]
     return last_micro + (grad_accum - 1) * other_micro

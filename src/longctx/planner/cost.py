@@ -140,7 +140,10 @@ def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_
         problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per GPU, {hw.usable_memory_bytes / 2**30:.1f} "
                         f"usable of {hw.memory_gib:g}")
     per_node = host["total"] * ranks_per_node
-    if per_node > hw.usable_host_bytes:
+    # hardware that names no host memory (0: a CPU calibration, test hardware) still refuses offload
+    # and host-tier states, but not the data loader's batches every run holds
+    checked = per_node if hw.host_memory_gib else (host["total"] - host.get("data_loader", 0.0)) * ranks_per_node
+    if checked > hw.usable_host_bytes:
         parts = ", ".join(f"{k.replace('_', ' ')} {v * ranks_per_node / 2**30:.1f}"
                           for k, v in host.items() if k != "total" and v >= 2**30 / 10)
         problems.append(f"needs {per_node / 2**30:.1f} GiB of host memory per node ({parts}), "

@@ -30,7 +30,8 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     shape = est.mesh_shape
     raw["parallel"].update(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, head=shape.head, ctx=shape.ctx,
                            window=shape.window if shape.window and shape.window < shape.ctx else 0,
-                           placement=shape.placement, expert=shape.expert)
+                           placement=shape.placement, expert=shape.expert, zero_pp=shape.zero_pp,
+                           ranks_per_node=shape.node if shape.zero_pp else 0)
     raw["memory"].update(est.policy.to_config(), model_states=est.model_states)
     global_batch = est.micro_batch * shape.dp * est.grad_accum
     if global_batch != req.global_batch:
@@ -115,8 +116,18 @@ def memory_legend(res: PlanResult, top: int = 10) -> str:
             ". states in = memory.model_states (device; host_optimizer: fp32 weights on the GPU, master copy, "
             "gradients and moments in host memory, AdamW on the host; host: all of them in host memory). "
             "host/GPU, host/node = host memory in GiB per rank and per node: a host tier's states, offloaded "
-            "activations, the data loader's batches")
+            "activations, the data loader's batches" + _zero_pp_legend(_rows(res, top)))
     return textwrap.fill(text, width=100, break_on_hyphens=False)
+
+
+def _zero_pp_legend(rows: list[Estimate]) -> str:
+    """Why a plan's layout says hpz / qwz / qgz (parallel.zero_pp), when one does."""
+    if not any(e.mesh_shape.zero_pp for e in rows):
+        return ""
+    return (". hpz, qwz, qgz in a layout = parallel.zero_pp (ZeRO++), tried where the FSDP group spans nodes: "
+            "hpz keeps each block's weights sharded within the node after its forward (backward's gather stays "
+            "in the node; gathered includes that copy), qwz gathers weights and qgz reduces gradients as int8 "
+            "blocks (about a quarter of fp32's bytes across nodes; lossy, so a tie goes to plain FSDP)")
 
 
 def _rows(res: PlanResult, top: int) -> list[Estimate]:

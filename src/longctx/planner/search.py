@@ -205,8 +205,22 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
                 for placement in placements:
                     for w in windows:
                         for x in degrees:
-                            out.append(MeshShape(r, dp // r, h, c, w, placement, x))
+                            out += with_zero_pp(MeshShape(r, dp // r, h, c, w, placement, x), G)
     return out
+
+
+# parallel.zero_pp tried for an FSDP group that spans nodes: ZeRO++ whole (hpz alone, exact, saves only
+# backward's gather: tried too, it tripled the search for plans it seldom wins; `--zero-pp` is to come)
+ZERO_PP_TRIED = ("hpz,qwz,qgz",)
+ZERO_PP_ORDER = ("", *ZERO_PP_TRIED)  # a tie goes to plain FSDP: quantising is lossy
+
+
+def with_zero_pp(shape: MeshShape, gpus_per_node: int) -> list[MeshShape]:
+    """`shape`, and when its FSDP group spans nodes the same layout under each ZERO_PP_TRIED (the
+    node: the group's ranks in one node)."""
+    if shape.fsdp <= gpus_per_node or shape.fsdp % gpus_per_node:
+        return [shape]
+    return [shape, *(dataclasses.replace(shape, zero_pp=z, node=gpus_per_node) for z in ZERO_PP_TRIED)]
 
 
 def expert_degrees(req: Request) -> tuple[int, ...]:
@@ -231,7 +245,8 @@ def step_text(step_s: float) -> str:
 
 
 def _sort_key(e: Estimate):
-    """Feasible plans by step time as shown (ties: simpler policy, less memory); infeasible ones by memory.
+    """Feasible plans by step time as shown (ties: device states, plain FSDP transfers, simpler policy,
+    less memory); infeasible ones by memory.
 
     The key is the step time the table prints, not the unrounded one nor a tolerance band: a band
     (say "within 0.5% is a tie, prefer the simpler policy") ranks 0.08921 s above 0.08918 s, which
@@ -239,7 +254,8 @@ def _sort_key(e: Estimate):
     p = e.policy
     if not e.feasible:
         return (1, e.memory["total"] + e.host_per_node, e.step_s)
-    return (0, float(step_text(e.step_s)), TIERS.index(e.model_states), _POLICY_ORDER[p.recompute], p.offload_fraction,
+    return (0, float(step_text(e.step_s)), TIERS.index(e.model_states), ZERO_PP_ORDER.index(e.mesh_shape.zero_pp),
+            _POLICY_ORDER[p.recompute], p.offload_fraction,
             round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
             e.mesh_shape.dp_replicate, e.mesh_shape.window, p.expert_chunk, e.mesh_shape.expert)
