@@ -2,10 +2,11 @@
 - plain greedy decoding, batch 1 and ragged rows of different prompt lengths, and sampled decoding
   with several samples per prompt: the same tokens;
 - a speculative chain (K = 3: 4 tokens per verification, padded to the bucket of 4; and a draft
-  that stops early, fewer tokens in the same bucket) and CaPE's tree (any size, padded): the same
+  that stops early, fewer tokens in the same bucket; the draft model's own steps compiled too) and
+  CaPE's tree (any size, padded): the same
   tokens as eager plain greedy, and the verifications went through the compiled step;
 - compilations are counted (a counting backend): one per bucket, never one per token or per round,
-  and a second generation of the same shapes compiles nothing;
+  and a second generation, of the same shapes or of another cache length, compiles nothing;
 - what has no static form (a MoE model) or no spare slot decodes eagerly; the prefill stays eager.
 Inductor itself (the compiled kernels, C++ wrapper) is the slow test at the end and
 tests/unit/test_bench_generate_compile.py (`bench generate --compile both`)."""
@@ -68,6 +69,8 @@ def test_plain_decoding_is_eager_token_for_token_and_compiles_once():
         assert step.counter.frame_count == 1  # one graph for the 23 steps: no recompilation per token
         again = [r.tokens for r in generate(model, batch, max_new_tokens=24, compile=step)]
         assert again == eager and step.counter.frame_count == 1  # the same shapes: nothing compiled
+        longer = [r.tokens for r in generate(model, batch, max_new_tokens=31, compile=step)]
+        assert [t[:24] for t in longer] == eager and step.counter.frame_count == 1  # another cache length: neither
         torch._dynamo.reset()
 
 
@@ -88,13 +91,15 @@ def test_speculative_chain_is_plain_greedy_and_compiles_per_bucket(stop_below):
     target, draft = _model(1), _model(2, layers=1)
     prompt = _prompt(33, seed=7)
     plain = generate(target, [prompt], max_new_tokens=30)[0].tokens
-    step = Counted()
-    spec = speculative_generate(target, ModelDrafter(draft, 80), prompt, max_new_tokens=30, k=3,
-                                stop_below=stop_below, compile=step)
+    step, draft_step = Counted(), Counted()
+    spec = speculative_generate(target, ModelDrafter(draft, 80, compile=draft_step), prompt, max_new_tokens=30,
+                                k=3, stop_below=stop_below, compile=step)
     assert spec.tokens == plain
     assert step.calls == spec.passes  # every verification went through it
     shapes = {bucket(p + 1) for p in spec.proposed}
     assert step.counter.frame_count == len(shapes) <= 2
+    # the draft's own steps too: one or two tokens (a kept last proposal, then the pending one)
+    assert draft_step.calls >= sum(spec.proposed) and draft_step.counter.frame_count <= 2
 
 
 def test_cape_tree_is_plain_greedy_through_the_compiled_step():

@@ -21,6 +21,9 @@ JSON on stdout, per length and overall:
 - identical: at temperature 0, whether every prompt's tokens equal plain decoding's;
 - with_cape (--cape both): CaPE's table (`cape`), figures and by_length; the top level is the chain's;
 - by_length[i].per_prompt: each prompt's tau, acceptance_rate, tokens/s, speedup and identical.
+With --compile, plain decoding, the target's verifications and a plain draft's steps run through the
+compiled static-shape step (models/static_decode.py), compiled before the timings; `identical` then
+compares compiled speculative decoding with compiled plain decoding.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                    help="the models' dtype (fp32: `identical` then compares like with like)")
     p.add_argument("--tokenizer", default="", help="the tokenizer (default: the target checkpoint's)")
+    p.add_argument("--compile", nargs="?", const="true", default="false", choices=("true", "false"),
+                   help="plain decoding, the target's verifications and a plain draft's steps through the compiled "
+                        "static-shape step (models/static_decode.py; CUDA graphs on a GPU), compiled by an untimed "
+                        "first run of each mode")
 
 
 say = speaker("[bench decode] ")
@@ -153,6 +160,15 @@ def main(args) -> int:
          f"({d} layer{'s' * (d != 1)}), K = {args.speculate}{_MODE_SAID[args.cape]}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
+    args.compiled = None
+    if args.compile == "true":  # the graphs of every mode compiled before any timing
+        from ..models.static_decode import CompiledStep
+
+        args.compiled = CompiledStep()
+        room = 1 + args.speculate * (1 + max(n for _, n in table.bins)) if table is not None else args.speculate + 1
+        args.compiled.warm_up(target, range(1, room + 1))  # every verification's bucket
+        if not isinstance(draft, GlideDraft):
+            args.compiled.warm_up(draft, (1, 2))
     groups, everything = [[] for _ in modes], [dict(_ZERO) for _ in modes]
     for length, rows in prompts.items():
         g, each = [dict(_ZERO) for _ in modes], [[] for _ in modes]
@@ -174,7 +190,7 @@ def main(args) -> int:
               "confidence_stop": args.confidence_stop,
               "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
                                else args.draft_window),
-              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "compile": args.compile,
               **_figures(everything[0]), "by_length": groups[0]}
     if len(modes) == 2:  # --cape both: the chain's figures above, CaPE's here (same plain runs)
         result["with_cape"] = {"cape": args.cape_table, **_figures(everything[1]), "by_length": groups[1]}
@@ -213,20 +229,22 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
     from ..generate.speculative import speculative_generate
 
     clock = _clock(target.tok_embeddings.weight.device)
+    compiled = getattr(args, "compiled", None) or False  # (main's CompiledStep under --compile)
     plain_s = plain_all = float("inf")
     spec_s, spec_all, specs = [float("inf")] * len(modes), [float("inf")] * len(modes), [None] * len(modes)
     for _ in range(args.repeats):
         t0 = clock()
-        plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling)[0]
+        plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                         compile=compiled)[0]
         elapsed = clock() - t0
         plain_all, plain_s = min(plain_all, elapsed), min(plain_s, elapsed - plain.prefill_seconds)
         for m, cape in enumerate(modes):
             t0 = clock()
             drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2,
-                                  window=args.draft_window)
+                                  window=args.draft_window, compile=compiled)
             specs[m] = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                             k=args.speculate, sampling=sampling, cape=cape,
-                                            stop_below=args.confidence_stop)
+                                            stop_below=args.confidence_stop, compile=compiled)
             elapsed = clock() - t0
             spec_all[m], spec_s[m] = min(spec_all[m], elapsed), min(spec_s[m], elapsed - specs[m].prefill_seconds)
     return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "passes": spec.passes, "spec_s": spec_s[m],

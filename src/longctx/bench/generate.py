@@ -61,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure the prefill's memory with the cache sharded over H x C local gloo ranks "
                         "(e.g. 1x4); '' = not")
     p.add_argument("--sharded-lengths", default="8192,16384,32768", help="prompt lengths of the sharded measure")
+    p.add_argument("--compile", nargs="?", const="true", default="false", choices=("false", "true", "both"),
+                   help="decode through the compiled static-shape step (models/static_decode.py) on the --preset "
+                        "model, no transformers: `true` compiled only, `both` eager and compiled in turn on the "
+                        "same prompt (eager.*, compiled.*, decode_speedup, identical)")
+    p.add_argument("--preset", default="debug", help="--compile: the model preset, random weights (default debug)")
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -152,6 +157,58 @@ def sharded_memory(model, layout: str, lengths: list[int], seed: int = 0) -> lis
 say = speaker("[bench generate] ")
 
 
+def _time_decode(model, prompt: list[int], new_tokens: int, chunk: int, compile) -> dict:
+    from ..generate.engine import generate
+
+    r = generate(model, [prompt], max_new_tokens=new_tokens, prefill_chunk=chunk, compile=compile)[0]
+    return {"tokens": r.tokens, "prefill_tokens_per_s": r.prefill_tokens_per_s,
+            "decode_tokens_per_s": r.decode_tokens_per_s}
+
+
+def measure_compile(args) -> dict:
+    """`--compile true|both`: the --preset model (random weights, seed --seed) decodes one random prompt
+    greedily, eagerly and through the compiled step (one CompiledStep, compiled by an untimed first
+    run), in turn --repeats times; the best rate of each counts (median beside it)."""
+    from ..config import load_config
+    from ..models.llama import build_model
+    from ..models.static_decode import CompiledStep
+
+    cfg = load_config(overrides=[f"--model.preset={args.preset}"]).model
+    model = build_model(cfg, seed=args.seed).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
+    prompt = prompt.tolist()
+    step = CompiledStep()
+    t0 = time.perf_counter()
+    _time_decode(model, prompt, args.new_tokens, args.prefill_chunk, step)  # compiles (or loads) the graph
+    compile_s = time.perf_counter() - t0
+    say(f"{args.preset} model, {args.prompt_len}-token prompt: compiled in {compile_s:.1f} s")
+    modes = {"eager": False, "compiled": step} if args.compile == "both" else {"compiled": step}
+    runs = {name: [] for name in modes}
+    for i in range(args.repeats):
+        for name, compile in modes.items():
+            runs[name].append(_time_decode(model, prompt, args.new_tokens, args.prefill_chunk, compile))
+        say(f"run {i + 1}/{args.repeats}: decode tokens/s " +
+            ", ".join(f"{name} {v[-1]['decode_tokens_per_s']:.1f}" for name, v in runs.items()))
+    result = {
+        "benchmark": "generate", "compile": args.compile, "date": date.today().isoformat(),
+        "machine": platform.machine(), "device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "model": {"preset": args.preset, "dim": cfg.dim, "layers": cfg.layers, "heads": cfg.heads,
+                  "kv_heads": cfg.kv_heads, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "dtype": "float32"},
+        "batch": 1, "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "compile_seconds": compile_s, "compiled_calls": step.calls,
+    }
+    for name, v in runs.items():
+        rates = [r["decode_tokens_per_s"] for r in v]
+        result[name] = {"decode_tokens_per_s": max(rates), "decode_tokens_per_s_median": statistics.median(rates),
+                        "prefill_tokens_per_s": max(r["prefill_tokens_per_s"] for r in v), "runs": rates}
+    if "eager" in runs:
+        result["decode_speedup"] = result["compiled"]["decode_tokens_per_s"] / result["eager"]["decode_tokens_per_s"]
+        result["decode_speedup_median"] = (result["compiled"]["decode_tokens_per_s_median"]
+                                           / result["eager"]["decode_tokens_per_s_median"])
+        result["identical"] = all(a["tokens"] == b["tokens"] for a, b in zip(runs["eager"], runs["compiled"]))
+    return result
+
+
 def _random_hf_model(args, directory: Path):
     import transformers
 
@@ -202,12 +259,17 @@ def _time_longctx(model, prompt: torch.Tensor, new_tokens: int, chunk: int) -> d
 
 
 def main(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.compile != "false":
+        with phase("bench generate --compile"):
+            result = measure_compile(args)
+        print(json.dumps(result, indent=1))
+        return 0
     try:
         import transformers
     except ImportError:
         raise SystemExit("longctx bench generate compares against transformers; pip install transformers") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
     # each case a progress phase: one that takes long is said while it runs
     with phase("bench generate"):
         result = _measure(args, transformers)

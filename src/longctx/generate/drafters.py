@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..models.kv_cache import KVCache
+from ..models.static_decode import CompiledStep, compiled_step, install
 from .acceptance import sampling_probs
 from .local import prefill
 from .sampling import Processors, Sampling
@@ -26,8 +27,11 @@ from .sampling import Processors, Sampling
 class ModelDrafter:
     """A draft model with its own KV cache, fed the same tokens as the target (contracts.Drafter)."""
 
-    def __init__(self, model, max_len: int, prefill_chunk: int = 4096):
+    def __init__(self, model, max_len: int, prefill_chunk: int = 4096, compile: bool | CompiledStep = False):
         self.model, self.max_len, self.chunk = model, max_len, prefill_chunk
+        # the draft's steps through a compiled static-shape step (models/static_decode.py) after its
+        # prefill (its cache then holds one spare slot)
+        self.compiled = compiled_step(compile)
         self.cache: KVCache | None = None
         self._unfed: list[int] = []  # kept tokens the draft has not been fed yet (a last proposal kept)
         self._base = 0  # the cache's length with the pending token fed, in the current round
@@ -35,9 +39,11 @@ class ModelDrafter:
     def start(self, prompt: Sequence[int], target_cache=None) -> None:
         """The prompt but its last token (which the first `propose` feeds as the pending one).
         `target_cache`: the target's cache (a plain draft does not read it)."""
-        self.cache = KVCache.for_model(self.model, 1, self.max_len)
+        self.cache = KVCache.for_model(self.model, 1, self.max_len + (self.compiled is not None))
         if len(prompt) > 1:
             prefill(self.model, self.cache, torch.tensor([list(prompt[:-1])], device=self.cache.k.device), self.chunk)
+        if self.compiled is not None:
+            install(self.cache, self.model, self.compiled)
         self._unfed = [int(prompt[-1])]
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -149,17 +155,18 @@ class GlideDrafter(ModelDrafter):
         return self.model(self.target, tokens, positions[None], self._target_kv(), visible, cache=self.cache)[0, -1]
 
 
-def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int | None = None) -> ModelDrafter:
+def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int | None = None,
+                compile: bool | CompiledStep = False) -> ModelDrafter:
     """The drafter of `draft`: a GliDe draft (models/glide.py, its `block` set by its checkpoint) reads
     the target's cache, its own prompt pass over the last `window` tokens (0 = all; None = the
     sequence length it was trained on, where its checkpoint records it: a longer self-attention is
     outside what it learned, and at long prompts the pass is most of its cost); any other model
-    drafts with its own."""
+    drafts with its own (`compile`: its steps compiled, as generate's; a GliDe draft's stay eager)."""
     from ..models.glide import GlideDraft
 
     if isinstance(draft, GlideDraft):
         return GlideDrafter(draft, target, max_len, draft.block, draft_window(draft, window))
-    return ModelDrafter(draft, max_len, prefill_chunk)
+    return ModelDrafter(draft, max_len, prefill_chunk, compile)
 
 
 def draft_window(draft, window: int | None) -> int:

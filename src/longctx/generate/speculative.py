@@ -132,10 +132,11 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
     tokens)`, generate/output.py's StopStrings) is applied to the finished tokens, not inside the
     loop, so tau and the target passes count the rounds run to EOS or the limit."""
     t0 = time.perf_counter()
-    drafter = drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window)
+    step = compiled_step(compile)  # (one step, target and draft: its graphs serve both)
+    drafter = drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window, step or False)
     r = speculative_generate(target, drafter, ids, max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below,
-                             logprobs=logprobs, seed=seed, compile=compile)
+                             logprobs=logprobs, seed=seed, compile=step or False)
     # (the draft's own set-up and prompt pass count as decoding: speculation's own cost)
     r.decode_seconds = time.perf_counter() - t0 - r.prefill_seconds
     if stop is None:

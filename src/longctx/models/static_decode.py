@@ -14,8 +14,9 @@ replayed as one CUDA graph. That needs every shape to stay the same from step to
   any size reuses one graph per bucket. A padded token writes its keys and values to the cache's
   last slot (kept spare: `handles` refuses a call that would reach it) and sees only that slot and
   the prefix; no real token sees it.
-So a decode compiles once per (model, batch, bucket) and never per token; the cache length is a
-dimension dynamo may make dynamic after its first change. tests/unit/test_compiled_decode.py counts
+So a decode compiles once per (model, batch, bucket) and never per token; the cache's length is
+marked dynamic, so generations of other prompt lengths or limits reuse the graph (a GPU records a
+CUDA graph per length, without compiling). tests/unit/test_compiled_decode.py counts
 the compilations and holds the tokens to the eager path's.
 
 The step is installed on a KVCache after its prefill (generate/loop.py: `cache.fast`); the model's
@@ -29,13 +30,14 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .cached_attention import CacheStep, group_queries, ungroup_heads
-from .llama import rope_cos_sin
+from .llama import Llama, rope_cos_sin
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per compiled call, padded up to the next
 
@@ -99,13 +101,25 @@ class CompiledStep:
 
     def __init__(self, mode: str | None = None, backend="inductor"):
         self.mode, self.backend = mode, backend
-        self._among: dict[tuple[int, int], torch.Tensor] = {}
-        self._static: set[int] = set()  # caches whose addresses CUDA graphs may keep
+        self._among: dict[tuple, torch.Tensor] = {}  # the causal masks, per size and device
         self.calls = 0
 
     def handles(self, cache, step: CacheStep) -> bool:
         """A call of up to the largest bucket's tokens that leaves the spare last slot free."""
         return bucket(step.new) is not None and int(step.start.max()) + step.new < cache.k.shape[3]
+
+    def warm_up(self, model, sizes, batch: int = 1) -> None:
+        """Compile now, on a scratch cache, the graphs of `model`'s calls of `sizes` new tokens (their
+        buckets), so none is compiled inside a timed generation (the cache length is dynamic)."""
+        from .kv_cache import KVCache
+
+        with torch.inference_mode():  # (as generation runs: the graphs are specialised to it)
+            cache = KVCache.for_model(model, batch, 2 * BUCKETS[-1] + 1)
+            install(cache, model, self)
+            device = cache.k.device
+            for padded in sorted({bucket(n) for n in sizes} - {None}):
+                cache.reset()
+                model(torch.zeros(batch, padded, dtype=torch.long, device=device), cache=cache)
 
     def __call__(self, model, tokens, positions, cache, step: CacheStep, final_norm: bool = True) -> torch.Tensor:
         """Hidden states [b, new, dim] of the call's tokens [b, new] at `positions` [b, new], their
@@ -116,7 +130,7 @@ class CompiledStep:
         slots[:, :n] = step.start[:, None] + np.arange(n)
         if padded > n:
             tokens, positions = F.pad(tokens, (0, padded - n)), F.pad(positions, (0, padded - n))
-        fn = self._function(device, cache)
+        fn = self._function(device, padded)
         if device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
         self.calls += 1
@@ -125,35 +139,38 @@ class CompiledStep:
         # a CUDA graph's output is overwritten by its next replay: the caller keeps a copy
         return hidden[:, :n].clone() if device.type == "cuda" else hidden[:, :n]
 
-    def _function(self, device: torch.device, cache):
+    def _function(self, device: torch.device, padded: int):
         mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
-        if device.type == "cuda" and id(cache.k) not in self._static:
-            # the cache is written in place by every replay: CUDA graphs must see it as a fixed buffer
-            torch._dynamo.mark_static_address(cache.k)
-            torch._dynamo.mark_static_address(cache.v)
-            self._static.add(id(cache.k))
         # on a CPU the C++ wrapper calls the kernels without Python between them (~1.3x the step)
         cpp = mode is None and device.type == "cpu" and self.backend == "inductor"
-        return _compiled(mode, self.backend, cpp)
+        return _compiled(mode, self.backend, cpp, padded)
 
     def _visibility(self, among: torch.Tensor | None, n: int, padded: int, device) -> torch.Tensor:
         """[padded, padded] bool: the call's `among` (a tree's) or causal, the padded tokens' rows False."""
-        if among is None and (n, padded) in self._among:
-            return self._among[(n, padded)]
+        key = (n, padded, str(device))
+        if among is None and key in self._among:
+            return self._among[key]
         out = torch.zeros(padded, padded, dtype=torch.bool)
         out[:n, :n] = among.cpu() if among is not None else torch.ones(n, n, dtype=torch.bool).tril()
         out = out.to(device)
         if among is None:
-            self._among[(n, padded)] = out
+            self._among[key] = out
         return out
 
 
 @functools.cache
-def _compiled(mode: str | None, backend, cpp_wrapper: bool):
-    """One torch.compile of the static forward per setting, shared by every CompiledStep (its graphs
-    then serve every generation of the process)."""
-    return torch.compile(static_hidden_states, mode=mode, backend=backend, fullgraph=True,
-                         options={"cpp_wrapper": True} if cpp_wrapper else None)
+def _compiled(mode: str | None, backend, cpp_wrapper: bool, padded: int):
+    """One torch.compile of the static forward per setting and bucket, shared by every CompiledStep
+    (its graphs then serve every generation of the process). Dynamo keeps graphs, and counts
+    recompilations against its limit, per code object: a copy of the function's code per bucket keeps
+    each bucket's token count static (a change of it would otherwise make it a dynamic dimension) and
+    the models and batch sizes of one bucket within the limit. On a CPU, kernels of one decode step are
+    too small to share among threads (`cpp.threads` 1; the GEMMs keep torch's threads)."""
+    code = static_hidden_states.__code__
+    name = f"{code.co_name}_{padded}"
+    fn = types.FunctionType(code.replace(co_name=name, co_qualname=name), static_hidden_states.__globals__, name)
+    return torch.compile(fn, mode=mode, backend=backend, fullgraph=True,
+                         options={"cpp_wrapper": True, "cpp.threads": 1} if cpp_wrapper else None)
 
 
 def compiled_step(compile: bool | CompiledStep | None) -> CompiledStep | None:
@@ -170,6 +187,11 @@ def install(cache, model, step: CompiledStep) -> bool:
 
     if not isinstance(cache, KVCache) or not supports(model):
         return False
+    for t in (cache.k, cache.v):
+        # one graph for every cache length (a generation's prompt and limit decide it), not one per length
+        torch._dynamo.maybe_mark_dynamic(t, 3)
+        if t.device.type == "cuda":  # written in place by every replay: CUDA graphs keep its address
+            torch._dynamo.mark_static_address(t)
     cache.fast = step
     return True
 
@@ -184,4 +206,4 @@ def supports(model) -> bool:
     layer's routing has data-dependent shapes; it decodes eagerly)."""
     from .moe import moe_layers
 
-    return hasattr(model, "layers") and hasattr(model, "inv_freq") and not moe_layers(model)
+    return isinstance(model, Llama) and not moe_layers(model)
