@@ -249,7 +249,8 @@ def _add_bench(bench) -> None:
         ("moe", moe, "Mixture-of-Experts feed-forward vs the dense SwiGLU of the same active parameters: CPU "
                      "seconds per token, uniform and skewed routing, saved-for-backward bytes per token"),
         ("generate", generate_bench, "KV-cache decoding vs transformers' greedy generate on the same random model "
-                                     "(decode and prefill tokens/s, same run)"),
+                                     "(decode and prefill tokens/s, same run); --compile both: the compiled decode "
+                                     "step vs eager on the debug model"),
         ("decode", decode_bench, "speculative decoding (a draft model, optionally CaPE) vs plain decoding: tau, "
                                  "acceptance, tokens/s, speedup, identical output (same run)"),
     ):
