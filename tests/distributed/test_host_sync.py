@@ -35,15 +35,7 @@ ONE_PROCESS = {
     # every guard of a long run on: the spike check (window 1, so it runs in the probed steps)
     "guards: spike check, rollback": GUARDS,
 }
-def _cpu_grouped_kernel() -> bool:
-    try:
-        torch._grouped_mm(torch.ones(2, 8), torch.ones(1, 8, 8), offs=torch.tensor([2], dtype=torch.int32))
-        return True
-    except (AttributeError, RuntimeError, NotImplementedError):
-        return False
-
-
-CPU_GROUPED_KERNEL = _cpu_grouped_kernel()
+CPU_GROUPED_KERNEL = grouped.cpu_kernel_available()
 # MoE steps run their experts through the grouped kernel path (what a CUDA bf16 run takes; the CPU
 # takes it too where torch._grouped_mm has a CPU kernel), forced here for any shape: the loop
 # over experts reads the expert counts on the host by design (ops/grouped.py; see
