@@ -138,7 +138,8 @@ def test_what_has_no_static_form_decodes_eagerly():
 
 @pytest.mark.slow
 def test_inductor_decode_chain_and_tree_are_eager_token_for_token():
-    """The real compiler (inductor, C++ wrapper on a CPU): plain, chain and CaPE tree tokens as eager."""
+    """The real compiler (inductor, C++ wrapper on a CPU): plain, chain and CaPE tree tokens as eager,
+    also after the weights change in place (no weight frozen into the graph)."""
     target, draft = _model(1), _model(2, layers=1)
     prompt = _prompt(50, seed=11)
     plain = generate(target, [prompt], max_new_tokens=20)[0].tokens
@@ -149,3 +150,7 @@ def test_inductor_decode_chain_and_tree_are_eager_token_for_token():
                                     compile=step)
         assert spec.tokens == plain
     assert step.calls > 19
+    with torch.no_grad():  # weights changed in place (a training step): the graph reads them, not a copy
+        target.layers[0].feed_forward.w2.weight.mul_(-3.0)
+    changed = generate(target, [prompt], max_new_tokens=20)[0].tokens
+    assert changed != plain and generate(target, [prompt], max_new_tokens=20, compile=step)[0].tokens == changed
