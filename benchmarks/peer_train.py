@@ -1,0 +1,115 @@
+"""Training speed against a peer on the same card (issue 52 item 1): `longctx train` and transformers
+(its LlamaForCausalLM with SDPA attention and gradient checkpointing, fused AdamW) on the same
+model (random weights, one sequence of SEQ tokens per step), both with fp32 weights under bf16
+autocast on a GPU (fp32 on CPU). Tokens/s from the steps after the first two, MFU from the same
+FLOP count (models/flops.py train_flops_per_token) over the card's bf16 dense peak (costs/peaks.py).
+
+    python benchmarks/peer_train.py --preset llama3-1b --seq-len 8192,32768 --steps 6 --out X.json
+
+longctx runs as a user runs it (`python -m longctx train`, recompute full and a chunked loss: what
+holds 32K on one card), in a fresh process per length; transformers in this process. Glue check on
+CPU: --preset debug --seq-len 512 --steps 4 --device cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def ours(preset: str, seq: int, steps: int, device: str) -> dict:
+    run = tempfile.mkdtemp(prefix="peer_ours_")
+    cmd = [sys.executable, "-m", "longctx", "train", "--nproc", "1", "--model.preset", preset,
+           "--train.seq_len", str(seq), "--train.global_batch", "1", "--train.steps", str(steps),
+           "--train.warmup_steps", "1", "--train.device", device, "--train.eval_interval", "0",
+           "--checkpoint.final", "false", "--metrics.plots", "false", "--metrics.progress", "false",
+           "--metrics.log_interval", "1", "--memory.recompute", "full", "--data.max_docs", "3000",
+           "--train.run_dir", run]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [json.loads(x) for x in Path(run, "metrics.jsonl").read_text().splitlines()] \
+        if Path(run, "metrics.jsonl").exists() else []
+    steps_seen = [x for x in lines if x.get("kind") == "train"][2:]
+    if done.returncode or not steps_seen:
+        return {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
+    return {"rc": 0, "tokens_per_s": statistics.median(x["tokens_per_s"] for x in steps_seen),
+            "mfu": statistics.median(x["mfu"] for x in steps_seen),
+            "memory_gib": max(x["memory_gib"] for x in steps_seen)}
+
+
+def peer(preset: str, seq: int, steps: int, device: str) -> dict:
+    import torch
+    import transformers
+
+    from longctx.config import load_config
+    from longctx.config.hf_export import hf_config_from_model
+    from longctx.costs.peaks import device_peak
+    from longctx.models.flops import train_flops_per_token
+
+    m = load_config(None, {"model": {"preset": preset, "max_seq_len": max(seq, 8192)}}).model
+    dev = torch.device(device)
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_config_from_model(m).items() if k != "architectures"})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(dev)
+    # (transformers 5 renamed gradient_checkpointing_enable)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.config.use_cache = False
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev.type == "cuda")
+    tokens = torch.randint(0, m.vocab_size, (1, seq), device=dev)
+    times = []
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times[2:] or times)
+    peak, _ = device_peak(dev)
+    tps = seq / step_s
+    out = {"tokens_per_s": tps, "mfu": tps * train_flops_per_token(m, seq) / peak if peak else None,
+           "transformers": transformers.__version__}
+    if dev.type == "cuda":
+        out["memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
+    del model, opt
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="llama3-1b")
+    ap.add_argument("--seq-len", default="8192,32768")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rows = []
+    for seq in (int(s) for s in args.seq_len.split(",")):
+        row = {"seq_len": seq, "longctx": ours(args.preset, seq, args.steps, args.device)}
+        try:
+            row["transformers"] = peer(args.preset, seq, args.steps, args.device)
+        except Exception as e:  # an out-of-memory peer is a result, not a crash
+            row["transformers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        a, b = row["longctx"].get("tokens_per_s"), row["transformers"].get("tokens_per_s")
+        if a and b:
+            row["speedup"] = a / b
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    text = json.dumps({"preset": args.preset, "device": args.device, "steps": args.steps, "rows": rows}, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
