@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model, no transformers: `true` compiled only, `both` eager and compiled in turn on the "
                         "same prompt (eager.*, compiled.*, decode_speedup, identical)")
     p.add_argument("--preset", default="debug", help="--compile: the model preset, random weights (default debug)")
+    p.add_argument("--device", default="cpu", help="--compile: where the model decodes (cpu, or cuda: the step "
+                                                    "captured as CUDA graphs)")
 
 
 class PeakLiveBytes(TorchDispatchMode):
@@ -174,7 +176,7 @@ def measure_compile(args) -> dict:
     from ..models.static_decode import CompiledStep
 
     cfg = load_config(overrides=[f"--model.preset={args.preset}"]).model
-    model = build_model(cfg, seed=args.seed).eval()
+    model = build_model(cfg, seed=args.seed).to(args.device).eval()
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(args.seed))
     prompt = prompt.tolist()
     step = CompiledStep()
@@ -191,7 +193,7 @@ def measure_compile(args) -> dict:
             ", ".join(f"{name} {v[-1]['decode_tokens_per_s']:.1f}" for name, v in runs.items()))
     result = {
         "benchmark": "generate", "compile": args.compile, "date": date.today().isoformat(),
-        "machine": platform.machine(), "device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": platform.machine(), "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "model": {"preset": args.preset, "dim": cfg.dim, "layers": cfg.layers, "heads": cfg.heads,
                   "kv_heads": cfg.kv_heads, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "dtype": "float32"},
         "batch": 1, "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,

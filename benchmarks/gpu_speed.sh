@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 52 on the GPU we are lent (after benchmarks/gpu_frontier.sh; run from the repository root).
+# Sized for about 6 minutes; each step has its own limit. $OUT collects the logs; the JSON of each
+# step also goes to docs/results/gpu_speed_<step>_<card>_<date>.json for the commit.
+#   1. training speed against a peer: llama3-1b at 8K and 32K, longctx train vs transformers (SDPA,
+#      gradient checkpointing) on the same card (benchmarks/peer_train.py; transformers must be
+#      importable: carry its wheel in the working tree if the machine lacks it);
+#   2. the MoE layer vs the dense one of equal active parameters, eager and torch.compile'd
+#      (`bench moe --device cuda --compile`, a Qwen3-30B-A3B-like layer, 8K and 32K tokens);
+#   3. decoding without per-token overhead: the debug model's compiled step (CUDA graphs) against
+#      eager at batch 1 (`bench generate --compile both --device cuda`; the issue asks >= 2,000 tokens/s).
+# GliDe/CaPE at 1K and 8K need the recipe's checkpoints: benchmarks/gpu_decode.sh trains them on the GPU.
+set -u
+export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 LONGCTX_CACHE=${LONGCTX_CACHE:-/tmp/longctx-cache}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+CARD=$(python3 -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))" 2>/dev/null || echo cpu)
+DAY=$(date +%F)
+save() { cp "$OUT/$1.json" "docs/results/gpu_speed_$1_${CARD}_${DAY}.json" 2>/dev/null || true; }
+nvidia-smi -L
+echo "== 1. longctx train vs transformers, llama3-1b, 8K and 32K"
+timeout 200 python3 benchmarks/peer_train.py --preset llama3-1b --seq-len 8192,32768 --steps 6 \
+  --out "$OUT/peer.json" 2>&1 | grep -v Warning | tail -4; echo "rc $?"; save peer
+echo "== 2. bench moe --device cuda --compile"
+timeout 120 python3 -m longctx bench moe --device cuda --compile --dim 2048 --experts 64 --top-k 8 --expert-dim 768 \
+  --seq-len 8192,32768 --repeats 5 > "$OUT/moe.json"; echo "rc $?"; save moe
+echo "== 3. bench generate --compile both --device cuda (debug model, batch 1)"
+timeout 120 python3 -m longctx bench generate --compile both --device cuda --preset debug --prompt-len 1024 \
+  --new-tokens 256 --repeats 5 > "$OUT/decode.json"; echo "rc $?"; save decode
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+for name in ("peer", "moe", "decode"):
+    try:
+        d = json.load(open(f"{out}/{name}.json"))
+    except (OSError, ValueError) as e:
+        print(name, "no result:", e); continue
+    if name == "peer":
+        for r in d["rows"]:
+            print("peer", r["seq_len"], {k: r[k].get("tokens_per_s") for k in ("longctx", "transformers")}, r.get("speedup"))
+    elif name == "decode":
+        print("decode tokens/s eager", d["eager"]["decode_tokens_per_s"], "compiled", d["compiled"]["decode_tokens_per_s"],
+              "identical", d.get("identical"))
+    else:
+        print("moe", [(r.get("tokens"), r.get("moe_kernel_s"), r.get("moe_compiled_s"), r.get("dense_s"))
+                      for r in d.get("timing", [])])
+PY
