@@ -366,3 +366,19 @@ def test_a_glide_draft_of_a_same_shape_target_is_refused_by_identity(glide_dirs,
     assert "is a GliDe draft trained against" in said and "holds other weights" in said and "same shape" in said
     [step] = target.glob("step-*")
     _run("--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "4", "--draft", str(glide))
+
+
+@pytest.mark.slow
+def test_compile_gives_the_same_lines(hf_model, draft_dirs, tmp_path):
+    """--compile (the compiled static-shape decode step): the same tokens as eager decoding, plain
+    (two prompts in one batch) and speculative with a 1-layer draft."""
+    d, _ = hf_model
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["import os\nimport sys\n", "class A:"]) + "\n")
+    common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "16", "--batch", "2"]
+    for extra in ([], ["--draft", f"hf:{draft_dirs['small']}", "--speculate", "3"]):
+        _run(*common, *extra, "--output", str(tmp_path / "eager.jsonl"))
+        r = _run(*common, *extra, "--compile", "--output", str(tmp_path / "compiled.jsonl"))
+        assert "ran compiled in the warm-up" in r.stderr
+        eager, compiled = _lines(tmp_path / "eager.jsonl"), _lines(tmp_path / "compiled.jsonl")
+        assert [x["tokens"] for x in compiled] == [x["tokens"] for x in eager] and all(x["tokens"] for x in eager)
