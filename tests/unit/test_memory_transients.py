@@ -181,10 +181,15 @@ def test_moe_ffn_bytes_by_hand():
     parts = block_part_bytes(TINY_MOE, 1, 4, moe=True)
     assert parts["mlp"] == 604 and block_part_bytes(TINY_MOE, 1, 4)["mlp"] == 4 * 4 * 16
     # each call's router records: counts and probability sums [4] fp32, two scalars; in bf16 a
-    # stored call also keeps the gate's fp32 weight copy [4, 8] and the kernel's int32 offsets
+    # stored call also keeps the gate's fp32 weight copy [4, 8]; the grouped GEMM kernel's int32
+    # offsets (3 x [4]) only where it runs: rows of whole 16 bytes (expert_dim 6 is not, 8 is)
     assert moe_call_bytes(TINY_MOE, 4, stored=True) == 40
-    assert moe_call_bytes(TINY_MOE, 2, stored=True) == 40 + 128 + 48
+    assert moe_call_bytes(TINY_MOE, 2, stored=True) == 40 + 128
     assert moe_call_bytes(TINY_MOE, 2, stored=False) == 40
+    aligned = dataclasses.replace(TINY_MOE, moe_expert_dim=8)
+    assert moe_call_bytes(aligned, 2, stored=True) == 40 + 128 + 48
+    from longctx.ops.grouped import cpu_kernel_available
+    assert moe_call_bytes(aligned, 4, stored=True) == 40 + (48 if cpu_kernel_available() else 0)
 
 
 def test_moe_ffn_grad_bytes_by_hand():

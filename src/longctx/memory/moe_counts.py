@@ -9,6 +9,7 @@ received row keeps (`expert_parallel_row_bytes`).
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..ops.grouped import cpu_kernel_available
 from .policy import MemoryPolicy
 
 
@@ -52,14 +53,21 @@ def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
     return router + choice + permute + experts + unpermute + shared
 
 
-def moe_call_bytes(m: ModelConfig, p: int, stored: bool) -> float:
+def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool = False) -> float:
     """Bytes one call of a MoE feed-forward keeps whatever its tokens: what its router records for
     the balancing losses (expert counts and probability sums, fp32 [E] each, the squared log-sum-exp
     sum and the dropped count: 8 E + 8, on the device, also under a checkpoint); and when the call's
     saved tensors are kept (`stored`: not recomputed), in bf16 the gate's fp32 weight copy its
-    linear saves (4 E d) and the grouped GEMM kernel's int32 group offsets (3 x 4 E)."""
+    linear saves (4 E d), and wherever the grouped GEMM kernel runs its int32 group offsets (3 x 4 E):
+    ops/grouped.py runs it for rows of whole 16 bytes (dim and expert_dim), in bf16, and in fp32 on a
+    CPU whose torch has the kernel (elsewhere its loop saves no offsets), unless the experts run in
+    checkpointed pieces (memory.expert_chunk: `experts_chunked`), which keep none of theirs."""
     E = m.moe_experts
-    return 8 * E + 8 + (4 * E * m.dim + 12 * E if stored and p != 4 else 0)
+    if not stored:
+        return 8 * E + 8
+    aligned = m.dim % (16 // p) == 0 and m.resolved_expert_dim % (16 // p) == 0
+    kernel = aligned and (p != 4 or cpu_kernel_available()) and not experts_chunked
+    return 8 * E + 8 + (4 * E * m.dim if p != 4 else 0) + (12 * E if kernel else 0)
 
 
 def _piece_sizes(tokens: int, chunk: int) -> list[int]:
@@ -130,7 +138,8 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
                     offloaded: bool, expert: int = 1, skew: float = 1.0) -> tuple[float, float, float]:
     """(device bytes, host bytes, recomputed FLOPs) a MoE block's feed-forward calls add to its
     per-token count (which holds every stored token's experts' intermediates, `moe_ffn_bytes`):
-    each call's `moe_call_bytes`; and with memory.expert_chunk, a call of more routed rows (tokens x
+    each call's `moe_call_bytes` (in an offloaded block its saved tensors' share on the host, the
+    router's records on the device); and with memory.expert_chunk, a call of more routed rows (tokens x
     top_k) than that runs its experts in checkpointed pieces: a stored call keeps no intermediates
     (4 x expert_dim per row less) but each piece's int64 group counts [E] (on the host in an
     offloaded block), and every such call runs its experts' forward once more in backward.
@@ -142,11 +151,14 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
     k, E = m.moe_top_k, m.moe_experts
     device = host = flops = 0.0
     for n, stored in calls:
-        device += moe_call_bytes(m, p, stored)
         rows = received = n * k
         if expert > 1:
             received = expert_rows(n, m, expert, skew)
         chunked = bool(expert_chunk) and received > expert_chunk
+        records = moe_call_bytes(m, p, stored=False)  # the router's records stay on the device
+        saved = moe_call_bytes(m, p, stored, chunked) - records  # saved tensors: the offloader takes them
+        device += records + (0.0 if offloaded else saved)
+        host += saved if offloaded else 0.0
         if chunked:
             flops += received * 6 * m.dim * m.resolved_expert_dim
         if chunked and stored:
