@@ -193,7 +193,8 @@ def measure_compile(args) -> dict:
             ", ".join(f"{name} {v[-1]['decode_tokens_per_s']:.1f}" for name, v in runs.items()))
     result = {
         "benchmark": "generate", "compile": args.compile, "date": date.today().isoformat(),
-        "machine": platform.machine(), "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "machine": platform.machine(), "device": args.device, "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "model": {"preset": args.preset, "dim": cfg.dim, "layers": cfg.layers, "heads": cfg.heads,
                   "kv_heads": cfg.kv_heads, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "dtype": "float32"},
         "batch": 1, "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
