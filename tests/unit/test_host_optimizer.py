@@ -145,3 +145,21 @@ def test_units_must_cover_every_parameter():
     model = _model()
     with pytest.raises(ValueError, match="every optimized parameter"):
         HostOptimizer(_groups(model), forward_units(model)[:-1], **HYPER)
+
+
+def test_zero_grad_without_a_step_drops_the_host_gradients():
+    """A backward whose gradients are thrown away (zero_grad, no step) leaves nothing behind for the
+    next backward to add to, also after an update the forward waited for block by block."""
+    model = _model()
+    opt = _host(model)
+    _loss(model, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    _loss(model, 1).backward()  # its forward waited for the update unit by unit
+    opt.zero_grad()
+    assert all(m.grad is None for m in opt.masters)
+    _loss(model, 2).backward()
+    fresh = [m.grad.clone() for m in opt.masters]
+    opt.zero_grad()
+    _loss(model, 2).backward()
+    assert all(torch.equal(a, m.grad) for a, m in zip(fresh, opt.masters))

@@ -102,6 +102,10 @@ class _Updates:
             torch.cuda.current_stream().wait_event(self.uploaded[k])
             self.uploaded[k] = None
 
+    def busy(self) -> bool:
+        """Whether an update is still running on the worker."""
+        return self.in_flight is not None and not self.in_flight.done()
+
     def finish(self) -> None:
         """Wait for the whole update (before anything reads the weights or the optimizer state)."""
         for k in range(len(self.ready)):
@@ -248,7 +252,7 @@ class HostOptimizer(torch.optim.AdamW):
         worker drops each unit's once stepped)."""
         for p in self.params:
             p.grad = None
-        if self._updates.in_flight is None:
+        if not self._updates.busy():
             for m in self.masters:
                 m.grad = None
 
