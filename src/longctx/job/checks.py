@@ -68,7 +68,7 @@ def _check_batch(global_batch: int, grad_accum: int, dims: ParallelDims) -> None
         )
 
 
-ZERO_PP = {"hpz": "built", "qwz": "built", "qgz": "built"}  # parallel.zero_pp's names
+ZERO_PP = ("hpz", "qwz", "qgz")  # parallel.zero_pp's names
 
 
 def ranks_per_node(cfg, world: int) -> int:
@@ -77,15 +77,12 @@ def ranks_per_node(cfg, world: int) -> int:
 
 
 def zero_pp_names(cfg) -> list[str]:
-    """parallel.zero_pp's names, each checked: a ConfigError for one that is not one or not built yet."""
+    """parallel.zero_pp's names, each checked: a ConfigError for one that is not one."""
     names = [n.strip() for n in cfg.parallel.zero_pp.split(",") if n.strip()]
     for name in names:
         if name not in ZERO_PP:
             raise ConfigError(f"parallel.zero_pp: unknown {name!r}; the names are {', '.join(ZERO_PP)} "
                               f"(comma-separated), or '' for off.")
-        if ZERO_PP[name] != "built":
-            raise ConfigError(f"parallel.zero_pp: {name} is not built yet (issue 50); "
-                              f"{', '.join(n for n, s in ZERO_PP.items() if s == 'built')} are.")
     return names
 
 

@@ -23,9 +23,9 @@ from ...job.comm import all_gather_into, all_to_all
 
 try:  # FSDP2's communication hooks (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllocMixin, DefaultReduceScatter
 except ImportError:  # pragma: no cover - older torch: qwZ and qgZ are refused at set-up
-    AllGather = ReduceScatter = DefaultReduceScatter = object
+    AllGather = ReduceScatter = DefaultAllocMixin = DefaultReduceScatter = object
 
 _LEVELS = 127.0
 
@@ -46,7 +46,7 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, numel: int, dtype: t
     return (q.view(-1, block).float() * scale[:, None]).view(-1)[:numel].to(dtype)
 
 
-class QuantizedAllGather(AllGather):
+class QuantizedAllGather(DefaultAllocMixin, AllGather):
     """qwZ: FSDP's all-gather in int8 blocks with fp32 scales (see the module docstring). Counts the
     calls and the bytes this rank sends (`sent_bytes`), and what plain FSDP would have sent."""
 
@@ -55,9 +55,6 @@ class QuantizedAllGather(AllGather):
         self.block = block
         self.node_group = node_group  # under hpz: a gather within the node (backward's) stays exact
         self.calls = self.sent_bytes = self.plain_bytes = 0
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
@@ -82,7 +79,7 @@ class QuantizedAllGather(AllGather):
         return None  # done on the calling stream: nothing for FSDP to wait on
 
 
-class QuantizedReduceScatter(ReduceScatter):
+class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
     """qgZ: FSDP's gradient reduce-scatter as two int8 all-to-alls, within the node first (ZeRO++'s
     hierarchical scheme). FSDP hands the flat gradients [group x n], chunk r for group rank r; the
     group's ranks are nodes of consecutive ranks, `mesh` ("inter", "intra") over them.
@@ -98,9 +95,6 @@ class QuantizedReduceScatter(ReduceScatter):
         self.block, self.mesh = block, mesh
         self.size = mesh["inter"].size() * mesh["intra"].size()
         self._plain = DefaultReduceScatter()
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
