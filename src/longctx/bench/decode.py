@@ -160,15 +160,7 @@ def main(args) -> int:
          f"({d} layer{'s' * (d != 1)}), K = {args.speculate}{_MODE_SAID[args.cape]}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
-    args.compiled = None
-    if args.compile == "true":  # the graphs of every mode compiled before any timing
-        from ..models.static_decode import CompiledStep
-
-        args.compiled = CompiledStep()
-        room = 1 + args.speculate * (1 + max(n for _, n in table.bins)) if table is not None else args.speculate + 1
-        args.compiled.warm_up(target, range(1, room + 1))  # every verification's bucket
-        if not isinstance(draft, GlideDraft):
-            args.compiled.warm_up(draft, (1, 2))
+    args.compiled = _compiled_step(args, target, draft, table) if args.compile == "true" else None
     groups, everything = [[] for _ in modes], [dict(_ZERO) for _ in modes]
     for length, rows in prompts.items():
         g, each = [dict(_ZERO) for _ in modes], [[] for _ in modes]
@@ -196,6 +188,20 @@ def main(args) -> int:
         result["with_cape"] = {"cape": args.cape_table, **_figures(everything[1]), "by_length": groups[1]}
     print(json.dumps(result, indent=1))
     return 0
+
+
+def _compiled_step(args, target, draft, table):
+    """--compile: one CompiledStep with every bucket a verification (chain or CaPE tree) and the plain
+    draft's steps use compiled before any timing (a GliDe draft decodes eagerly)."""
+    from ..models.glide import GlideDraft
+    from ..models.static_decode import CompiledStep
+
+    step = CompiledStep()
+    room = 1 + args.speculate * (1 + max(n for _, n in table.bins)) if table is not None else args.speculate + 1
+    step.warm_up(target, range(1, room + 1))  # every verification's bucket
+    if not isinstance(draft, GlideDraft):
+        step.warm_up(draft, (1, 2))
+    return step
 
 
 def _clock(device: torch.device):
