@@ -306,6 +306,20 @@ class TrainConfig:
                            "(200 steps of 16 sequences of 1024 tokens, then 100 steps of 4 of 4096; without a batch, "
                            "train.global_batch); sets train.steps (the sum) and train.seq_len (the last stage's); each "
                            "stage reads its own store built from data.corpus; '' = one length")
+    data_parallel: str = _opt("sync", "how the parallel.dp_replicate replicas agree: sync (gradients averaged every "
+                                      "step) or co2 (CO2: each replica takes train.co2_local_steps local steps, "
+                                      "then the average of its parameter change travels while the next round "
+                                      "runs, applied one round late with outer momentum; docs/parallelism.md)",
+                              choices=("sync", "co2"))
+    co2_local_steps: int = _opt(4, "train.data_parallel = co2: local optimizer steps per round (CO2's tau)")
+    co2_outer_lr: float = _opt(1.0, "train.data_parallel = co2: outer learning rate on the averaged round change "
+                                    "(1 with no momentum = plain parameter averaging, one round late)")
+    co2_outer_momentum: float = _opt(0.0, "train.data_parallel = co2: outer momentum on the averaged round change")
+    co2_momentum_clip: float = _opt(0.0, "train.data_parallel = co2: the outer momentum's norm (over the whole "
+                                         "model) is clipped to this; 0 = no clipping")
+    co2_staleness_penalty: float = _opt(0.0, "train.data_parallel = co2: the staleness gap penalty lambda: a "
+                                             "replica restarts each round from the outer model plus its own "
+                                             "not-yet-averaged change scaled by 1 / (1 + lambda); 0 = no penalty")
     compile: bool = _opt(False, "torch.compile each block's token-wise parts (norms, projections, RoPE, MLP, "
                                 "residuals); the attention core stays eager")
     eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
