@@ -136,6 +136,17 @@ class ModelConfig:
     rope_attention_factor: float = _opt(0.0, "yarn rope scaling: attention_factor on cos/sin; 0 = derived from "
                                         "factor (0.1 ln(factor) + 1)")
     rope_truncate: bool = _opt(True, "yarn rope scaling: round the correction range to whole dimensions")
+    rope_ms_poe: bool = _opt(False, "Ms-PoE (multi-scale positional encoding, generate and eval only): each kv head's "
+                                    "RoPE positions divided by its own ratio in [rope_ms_poe_min, rope_ms_poe_max], "
+                                    "for better recall of the middle of a prompt within the trained window "
+                                    "(models/ms_poe.py); longctx train refuses it")
+    rope_ms_poe_min: float = _opt(1.2, "Ms-PoE: the ratio of the most position-aware kv head (>= 1)")
+    rope_ms_poe_max: float = _opt(1.8, "Ms-PoE: the ratio of the least position-aware kv head (>= rope_ms_poe_min)")
+    rope_ms_poe_order: str = _opt("attention", "Ms-PoE: how kv heads are ranked for their ratios: attention (by the "
+                                               "share of outlier attention weights on a fixed probe, measured once at "
+                                               "load) or index (ratios rise with the kv head's index)",
+                                  choices=("attention", "index"))
+    rope_ms_poe_skip_layers: int = _opt(2, "Ms-PoE: the first layers that keep plain RoPE (the paper keeps 2)")
     tie_embeddings: bool = _opt(False, "share the input embedding with the LM head")
     max_seq_len: int = _opt(131072, "longest sequence the model is meant for (recorded in exports)")
     init_std: float = _opt(0.02, "std of the normal initialisation")
