@@ -46,6 +46,9 @@ def _cmd_train(args, overrides) -> int:
     run = resolve_layout(args.config, overrides, args.nproc, world=int(os.environ["WORLD_SIZE"]) if launcher else None,
                          saved_world=_saved_world, default_nproc=lambda c: default_nproc(c.train.device))
     cfg, overrides, nproc = run.cfg, run.overrides, run.nproc
+    from .config.positions import refuse_ms_poe_in_training
+
+    refuse_ms_poe_in_training(cfg.model)  # (a position option of generate and eval only)
     launching = not launcher and not args.print_config
     if run.resumed is not None and not (launcher and (os.environ["RANK"] != "0" or launched_by_us())):
         print(run.resumed.describe())  # once: by the launching process, or rank 0 under torchrun directly
@@ -144,23 +147,38 @@ def _cmd_checkpoint(args, overrides) -> int:
         from .checkpoint.verify_command import run as verify_checkpoint
 
         return verify_checkpoint(args.path)
+    out = _checkpoint_out(args)
+    if args.action == "import":
+        from .checkpoint.gguf_import import run as import_gguf
+
+        return import_gguf(args.path, out, args.dtype, args.force)
+    if args.dtype == "auto" or args.force:
+        raise UserError(f"{'--dtype auto' if args.dtype == 'auto' else '--force'} is for longctx checkpoint "
+                        f"import; export takes --dtype fp32 or bf16 and writes into OUT.")
     if args.to != "hf":
         raise UserError(f"--to {args.to}: only 'hf' export is available.")
-    if not args.out:
+    if not out:
         raise UserError("longctx checkpoint export needs an output directory: "
                         "longctx checkpoint export PATH --to hf OUT.")
     import torch
 
     from .checkpoint.export import export_hf
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    out, copied, why, notes = export_hf(args.path, args.out, dtype=dtype,
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or "fp32"]
+    out, copied, why, notes = export_hf(args.path, out, dtype=dtype,
                                         max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"wrote {out} ({args.dtype}; " + (f"tokenizer files: {', '.join(copied)})" if copied else
+    print(f"wrote {out} ({args.dtype or 'fp32'}; " + (f"tokenizer files: {', '.join(copied)})" if copied else
                                             f"no tokenizer files: {why})"))
     for note in notes:
         print(f"note: {note}")
     return 0
+
+
+def _checkpoint_out(args) -> str | None:
+    """OUT of export / import, given as the second argument or as --out (not two different ones)."""
+    if args.out and args.out_option and args.out != args.out_option:
+        raise UserError(f"two output directories: {args.out} and --out {args.out_option}; pass one.")
+    return args.out or args.out_option
 
 
 def _cmd_plan(args, overrides) -> int:
@@ -223,13 +241,18 @@ def _add_train(sub) -> None:
 
 
 def _add_checkpoint(sub) -> None:
-    p = sub.add_parser("checkpoint", help="verify a checkpoint, or export it to Hugging Face format",
-                       allow_abbrev=False)
-    p.add_argument("action", choices=("verify", "export"))
-    p.add_argument("path", help="a step-* checkpoint directory, or a checkpoints directory (its latest)")
-    p.add_argument("out", nargs="?", help="export: the output directory")
+    p = sub.add_parser("checkpoint", help="verify a checkpoint, export it to Hugging Face format, or import a GGUF "
+                       "file as a Hugging Face directory", allow_abbrev=False)
+    p.add_argument("action", choices=("verify", "export", "import"))
+    p.add_argument("path", help="verify / export: a step-* checkpoint directory, or a checkpoints directory (its "
+                                "latest); import: a .gguf file (or hf:FILE.gguf, or a directory holding one)")
+    p.add_argument("out", nargs="?", help="export / import: the output directory (or --out)")
+    p.add_argument("--out", dest="out_option", metavar="DIR", help="export / import: the output directory")
     p.add_argument("--to", default="hf", help="export format (hf)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="export: weight precision")
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "auto"),
+                   help="weight precision; export: fp32 (default) or bf16; import: auto (default: bf16 when every "
+                        "weight is exactly a bf16 value, else fp32), fp32 or bf16")
+    p.add_argument("--force", action="store_true", help="import: replace a non-empty output directory")
     p.add_argument("--max-shard-gb", type=float, default=5.0,
                    help="export: largest safetensors file in GiB; above it, shards with an index")
     p.set_defaults(func=_cmd_checkpoint)

@@ -77,6 +77,8 @@ EXTENSION_KEYS = frozenset({
     "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
     "rope_original_max_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",
     "rope_attention_factor", "rope_truncate", "max_seq_len", "init_std",
+    # Ms-PoE (models/ms_poe.py): positions at inference, not the weights
+    "rope_ms_poe", "rope_ms_poe_min", "rope_ms_poe_max", "rope_ms_poe_order", "rope_ms_poe_skip_layers",
 })
 # [model] keys that change how a loaded model trains, not what its weights compute: free too
 TRAINING_KEYS = frozenset({"moe.aux_loss", "moe.aux_loss_scope", "moe.z_loss", "moe.capacity_factor",

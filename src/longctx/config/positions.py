@@ -13,12 +13,15 @@ built from what the weights saw:
   counts it: a YaRN-scaled model's longer prompts run.
 - a scaling the user adds (or changes) at generation time stretches the unscaled length the weights
   learned: min(trained, original) x factor for yarn / llama3, trained x factor for linear.
+Ms-PoE (model.rope_ms_poe, models/ms_poe.py) divides positions by ratios >= 1: every position stays
+inside the window, so it moves no reach; its rules (and its refusal in training) are here too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from .schema import ModelConfig
 
 _ROPE_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_len")
@@ -119,3 +122,28 @@ def model_reach(m: ModelConfig) -> Reach:
     weights = trained_positions(m.init_from)
     positions = covered_positions(m, weights.own, weights.positions)
     return Reach(positions, weights.positions, unscaled_positions(weights.own, weights.positions), weights.source)
+
+
+def ms_poe_problems(m: ModelConfig) -> list[str]:
+    """What is wrong with model.rope_ms_poe's settings (models/ms_poe.py), one sentence with its fix
+    each; nothing when Ms-PoE is off."""
+    if not m.rope_ms_poe:
+        return []
+    problems = []
+    if not 1 <= m.rope_ms_poe_min <= m.rope_ms_poe_max:
+        problems.append(f"model.rope_ms_poe needs 1 <= model.rope_ms_poe_min <= model.rope_ms_poe_max (positions are "
+                        f"divided by ratios in that range: below 1 they would leave the trained window), got min "
+                        f"{m.rope_ms_poe_min} and max {m.rope_ms_poe_max}; the paper uses 1.2 and 1.8.")
+    if not 0 <= m.rope_ms_poe_skip_layers < m.layers:
+        problems.append(f"model.rope_ms_poe_skip_layers must be in [0, model.layers = {m.layers}) so that Ms-PoE "
+                        f"applies to some layer, got {m.rope_ms_poe_skip_layers}; the paper keeps 2.")
+    return problems
+
+
+def refuse_ms_poe_in_training(m: ModelConfig) -> None:
+    """`longctx train` with model.rope_ms_poe: one error before any work (Ms-PoE is a position option
+    of generation and evaluation: the weights never trained with it)."""
+    if m.rope_ms_poe:
+        raise ConfigError("model.rope_ms_poe is a position option for longctx generate and longctx eval (training-"
+                          "free: it divides each head's RoPE positions at inference); longctx train does not train "
+                          "with it. Drop --model.rope_ms_poe for training, and set it when generating or evaluating.")

@@ -27,10 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.positions import ms_poe_problems, refuse_ms_poe_in_training
+from ..errors import ConfigError
 from ..ops.attention import attention
 from ..ops.loss import lm_head_loss, lm_head_token_scores
 from ..ops.norm import rms_norm
 from .moe import MoEFeedForward, RouterTerms, moe_layers, router_terms, update_expert_bias
+from .ms_poe import head_ratios, ms_poe_cos_sin
 from .shards import write_full
 from .swiglu import FeedForward
 
@@ -155,7 +158,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        if cos.shape[-2] == 1:  # one table for every head: plain RoPE
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # Ms-PoE (models/ms_poe.py): a table per kv head, shared by its query heads (heads kv * g .. kv * g + g - 1)
+        g = self.heads // self.kv_heads
+        q = apply_rope(q.view(b, s, self.kv_heads, g, self.head_dim), cos[..., None, :], sin[..., None, :])
+        return q.view(b, s, self.heads, self.head_dim), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, doc_ids):
         out = self.core(*self.qkv(x, cos, sin), doc_ids)
@@ -200,6 +208,8 @@ class Block(nn.Module):
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if ms_poe_problems(cfg):  # (config validation says it first; a model built from a bare ModelConfig here)
+            raise ConfigError(" ".join(ms_poe_problems(cfg)))
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         sparse = set(cfg.moe_layer_ids)
@@ -208,6 +218,9 @@ class Llama(nn.Module):
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", torch.empty(cfg.resolved_head_dim // 2), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
+        # Ms-PoE's ratio per layer and kv head (models/ms_poe.py); None when off (one RoPE table for all)
+        self.register_buffer("ms_poe_ratios", torch.empty(cfg.layers, cfg.kv_heads) if cfg.rope_ms_poe else None,
+                             persistent=False)
         # tokens per chunk of the LM head + loss (ops/loss.py); 0 = one [tokens, vocab] logits tensor
         self.loss_chunk = 0
         # MoE: sums a tensor over every rank holding tokens of the micro-batch (the router statistics);
@@ -220,8 +233,19 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_rope(self):
-        """Set the non-persistent RoPE frequencies (after materialising from meta)."""
+        """Set the non-persistent RoPE frequencies (after materialising from meta) and, with Ms-PoE,
+        each kv head's ratio (its `attention` order measures the weights as they are now: call after
+        loading them)."""
         self.inv_freq.data = rope_inv_freq(self.cfg, device=self.inv_freq.device).float()
+        if self.ms_poe_ratios is not None:
+            self.ms_poe_ratios = head_ratios(self, lambda p: rope_cos_sin(p, self.inv_freq, self.rope_scale))
+
+    def layer_rope(self, index: int, positions: torch.Tensor, plain: tuple) -> tuple:
+        """(cos, sin) of layer `index` at `positions`: `plain` (rope_cos_sin's, shared by every layer),
+        or Ms-PoE's per-kv-head tables in the layers it applies to."""
+        if self.ms_poe_ratios is None or index < self.cfg.rope_ms_poe_skip_layers:
+            return plain
+        return ms_poe_cos_sin(positions, self.inv_freq, self.ms_poe_ratios[index], self.rope_scale)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None):
@@ -259,7 +283,9 @@ class Llama(nn.Module):
             return self._cached_hidden_states(tokens, positions, doc_ids, final_norm, cache)
         if positions is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
+        if self.ms_poe_ratios is not None and self.training and torch.is_grad_enabled():
+            refuse_ms_poe_in_training(self.cfg)  # (a library caller's training forward; longctx train refuses earlier)
+        rope = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
         x = self.tok_embeddings(tokens)
         moe = moe_layers(self)
         # routers record their statistics in a training forward only: not in evaluation, and not
@@ -268,8 +294,8 @@ class Llama(nn.Module):
             layer.records.clear()
             layer.recording = self.training and torch.is_grad_enabled()
         try:
-            for layer in self.layers:
-                x = layer(x, cos, sin, doc_ids)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, *self.layer_rope(i, positions, rope), doc_ids)
         finally:
             for layer in moe:
                 layer.recording = False
@@ -291,11 +317,11 @@ class Llama(nn.Module):
             if fast is not None and fast.handles(cache, step):
                 x = fast(self, tokens, positions, cache, step, final_norm)
             else:
-                cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
+                rope = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
                 x = self.tok_embeddings(tokens)
                 # (MoE routers record statistics only in a training forward; their flag stays off here)
                 for i, layer in enumerate(self.layers):
-                    x = layer(x, cos, sin, None, cache=cache.layer(i))
+                    x = layer(x, *self.layer_rope(i, positions, rope), None, cache=cache.layer(i))
                 x = self.norm(x) if final_norm else x
             ok = True
         finally:

@@ -52,14 +52,14 @@ def static_hidden_states(model, tokens, positions, slots, start, among, k_cache,
     new token's keys go); start [b] long (tokens each row held before the call); among [n, n] bool
     (new token j sees new token i; a padded token's row is all False); k_cache, v_cache [layers, b,
     kv_heads, L, head_dim], written in place. -> hidden [b, n, dim]."""
-    cos, sin = rope_cos_sin(positions, model.inv_freq, model.rope_scale)
+    rope = rope_cos_sin(positions, model.inv_freq, model.rope_scale)  # (Ms-PoE's layers: model.layer_rope)
     x = model.tok_embeddings(tokens)
     kv_heads = k_cache.shape[2]
     visible = _visible(start, among, k_cache.shape[3], model.cfg.heads // kv_heads)
     rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
     layers = torch.arange(len(model.layers), device=tokens.device)
     for i, block in enumerate(model.layers):
-        q, k, v = block.pre(x, cos, sin)
+        q, k, v = block.pre(x, *model.layer_rope(i, positions, rope))
         # one index_put on the whole cache (a tensor layer index, not a view of layer i: the write then
         # happens in place instead of on a copy of the cache); [b, n] indexes, then [kv_heads, head_dim]
         k_cache[layers[i:i + 1, None], rows, :, slots] = k.to(k_cache.dtype)
