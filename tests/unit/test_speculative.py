@@ -3,8 +3,9 @@
   every proposal kept, tau = K + 1) and with one that mostly does not (another random model), for
   several K, prompt lengths and an EOS;
 - T = 1, and T = 0.9 with top-k and min-p: over 2,000 continuations of a tiny model, the first two
-  tokens' distribution is the target's own (chi-square p > 0.01), and the same check rejects a sampler
-  that keeps every proposal (biased toward the draft), so it can fail;
+  tokens' distribution is the target's own (chi-square p > 0.01), also with K chosen per round by the
+  adaptive length, and the same check rejects a sampler that keeps every proposal (biased toward the
+  draft), so it can fail;
 - the penalties and min_new_tokens: at T = 0 the output is plain decoding's with them, token for token,
   chain and CaPE's tree (T = 1: the chi-square above);
 - logprobs: the target's processed distribution at each token's position (T = 0: plain decoding's);
@@ -19,6 +20,7 @@ from longctx.config import load_config
 from longctx.generate.drafters import ModelDrafter
 from longctx.generate.engine import generate
 from longctx.generate.sampling import Sampling
+from longctx.generate.spec_length import AdaptiveLength
 from longctx.generate.speculative import speculative_generate
 from longctx.models.llama import build_model
 
@@ -63,14 +65,16 @@ def _pairs(draw_pair, runs, vocab):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.9, top_k=6, min_p=0.05),
-                                      Sampling(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.8,
-                                               frequency_penalty=0.5)],
-                         ids=["T1", "T0.9-topk-minp", "T1-penalties"])
-def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypatch, sampling):
+@pytest.mark.parametrize("sampling, adaptive", [
+    (Sampling(temperature=1.0), False), (Sampling(temperature=0.9, top_k=6, min_p=0.05), False),
+    (Sampling(temperature=1.0, repetition_penalty=1.5, presence_penalty=0.8, frequency_penalty=0.5), False),
+    (Sampling(temperature=1.0), True)], ids=["T1", "T0.9-topk-minp", "T1-penalties", "T1-adaptive"])
+def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypatch, sampling, adaptive):
     """The first two new tokens of 2,000 seeded continuations: the first from the prefill, the second
     the first speculative one (a round with K = 2 after it; caches rewound to the prompt between
-    draws, so each draw is a fresh continuation at the cost of one round). With top-k and min-p, the
+    draws, so each draw is a fresh continuation at the cost of one round; `adaptive`: K in 1..4
+    chosen by one generate/spec_length.py AdaptiveLength from the rounds of the draws before, so K
+    varies with the history as in a generation and each K's rounds must be exact). With top-k and min-p, the
     target's and the draft's distributions are both filtered (sampling_probs), and the output keeps
     the target's filtered distribution; with the penalties, each verified position and each draft step
     is penalised with the tokens before it (Processors.chain), and the output keeps the target's
@@ -105,6 +109,7 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
         first = sampling_probs(prefill(target, cache, torch.tensor([prompt]), 64), sampling, after([]))[0]
         drafter = ModelDrafter(draft, 16)
         drafter.start(prompt)
+    length = AdaptiveLength(4, 0.1) if adaptive else None
 
     def draw_pair(seed):
         g = torch.Generator().manual_seed(seed)
@@ -112,7 +117,10 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
             a = int(torch.multinomial(first, 1, generator=g))
             cache.truncate(len(prompt))
             drafter.rewind(prompt)
-            kept, following, _ = sp.speculative_round(target, cache, drafter, a, 2, sampling, g, 0.0, after([a]))
+            k = length.next() if length is not None else 2
+            kept, following, made = sp.speculative_round(target, cache, drafter, a, k, sampling, g, 0.0, after([a]))
+            if length is not None:
+                length.observe(len(kept), made)
         return a, (kept + [following])[0]
 
     keep = exact * runs >= 5  # chi-square on the cells expected at least 5 times, the rest pooled
@@ -125,6 +133,8 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
 
     counts = _pairs(draw_pair, runs, vocab)
     assert counts[exact == 0].sum() == 0
+    if length is not None:  # every K was drawn from
+        assert set(length.chosen) == {1, 2, 3, 4}, sorted(set(length.chosen))
     p_exact = pvalue(counts)
     print(f"speculative sampling chi-square p = {p_exact:.3g}")
     assert p_exact > 0.01

@@ -1,11 +1,14 @@
 """`longctx bench decode`: speculative decoding against plain decoding, same models, prompts and run.
 
     longctx bench decode --target runs/T/checkpoints --draft runs/D/checkpoints --lengths 1024,8192 \\
-        --max-new-tokens 128 [--cape [true|false|both]] [--prompts FILE.jsonl | --data STORE] [--temperature T]
+        --max-new-tokens 128 [--cape [true|false|both]] [--speculate-adaptive [true|false|both]] \\
+        [--prompts FILE.jsonl | --data STORE] [--temperature T]
 
 For each prompt: plain decoding (generate/engine.py) and speculative decoding (generate/speculative.py,
 the draft a plain model with its own cache or a GliDe draft reading the target's; with --cape, CaPE's
-tree; with --cape both, the chain and CaPE), timed one after the other on one device, --repeats
+tree; with --cape both, the chain and CaPE; with --speculate-adaptive, K chosen each round up to
+--speculate: generate/spec_length.py; with --speculate-adaptive both, fixed and adaptive K, and with
+both flags `both`, all four), timed one after the other on one device, --repeats
 times in turn, the best of each (modes compared in one process: separate processes differ by up to
 ~15% at equal work). Prompts: --prompts (text, tokenized with the target's
 tokenizer), else the first documents of --data's eval split (default: the default corpus; or a glob of
@@ -19,7 +22,11 @@ JSON on stdout, per length and overall:
   the prompt comes after it and counts), and their ratio `speedup`; `speedup_with_prefill`: the
   ratio of the whole generations' wall times, which a long prompt's prefill pulls toward 1;
 - identical: at temperature 0, whether every prompt's tokens equal plain decoding's;
+- mean_k: the K chosen per target pass (--speculate every pass for a fixed K; the proposals made,
+  proposals_per_pass, are fewer where a confidence stop ends a round);
 - with_cape (--cape both): CaPE's table (`cape`), figures and by_length; the top level is the chain's;
+  with_adaptive (--speculate-adaptive both): adaptive K's figures and by_length (draft_cost: its c),
+  the top level fixed K's; with_cape_adaptive: CaPE with adaptive K (both flags `both`);
 - by_length[i].per_prompt: each prompt's tau, acceptance_rate, tokens/s, speedup and identical.
 With --compile, plain decoding, the target's verifications and a plain draft's steps run through the
 compiled static-shape step (models/static_decode.py), compiled before the timings; `identical` then
@@ -43,7 +50,15 @@ from ..progress import speaker
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, metavar="DIR|hf:DIR", help="the target model's checkpoint")
     p.add_argument("--draft", required=True, metavar="DIR|hf:DIR", help="the draft model's checkpoint")
-    p.add_argument("--speculate", type=int, default=4, help="proposals per target pass (default 4)")
+    p.add_argument("--speculate", type=int, default=4,
+                   help="proposals per target pass (default 4); with --speculate-adaptive, the most")
+    p.add_argument("--speculate-adaptive", nargs="?", const="true", default="false", choices=("true", "false", "both"),
+                   help="each round's K chosen up to --speculate from the proposals kept so far "
+                        "(generate/spec_length.py); `both`: fixed and adaptive K in turn, each against the same "
+                        "plain runs (adaptive's figures under with_adaptive)")
+    p.add_argument("--draft-cost", type=float, default=None, metavar="C",
+                   help="with --speculate-adaptive: a draft step's cost over one target pass (default: the models' "
+                        "forward FLOPs per token ratio)")
     p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
                    help="end a round's proposals after one the draft gives below P (0 = always --speculate)")
     p.add_argument("--draft-window", type=int, default=None, metavar="N",
@@ -85,11 +100,13 @@ def _models(args):
     from ..data.tokenizer import load_tokenizer
     from ..errors import ConfigError
     from ..generate.drafts import draft_config
+    from ..generate.spec_length import check_adaptive_flags
 
     cfg = load_config(None, {"model": {"init_from": args.target}, "train": {"seq_len": 2, "eval_interval": 0}})
     spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
     if spec is None:
         raise ConfigError(f"--target {args.target} names no tokenizer; pass --tokenizer byte|PATH/tokenizer.json.")
+    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive != "false", args.draft_cost)
     draft = draft_config(args.draft, args.target, args.speculate, cfg, spec, args.confidence_stop, args.draft_window)
     return cfg, draft, load_tokenizer(spec), spec
 
@@ -131,12 +148,12 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 
 def main(args) -> int:
-    from ..generate.cape import CapeTable
     from ..generate.drafters import draft_window
     from ..generate.drafts import draft_label, load_draft
     from ..generate.engine import generate
     from ..generate.loading import load_model
     from ..generate.sampling import Sampling
+    from ..generate.spec_length import draft_cost_ratio
     from ..job.devices import resolve_device, resolve_dtype
     from ..models.glide import GlideDraft
 
@@ -145,22 +162,57 @@ def main(args) -> int:
     device = resolve_device(args.device, "--device")
     dtype = resolve_dtype(args.dtype, device)
     cfg, draft_cfg, tokenizer, spec = _models(args)
-    table = CapeTable.parse(args.cape_table) if args.cape != "false" else None
-    # the speculative modes timed, each against the same plain runs: the chain, CaPE's tree, or both
-    modes = {"false": [None], "true": [table], "both": [None, table]}[args.cape]
+    modes = _modes(args)
     sampling = Sampling(args.temperature, seed=args.seed)
     sampling.check()
-    if table is not None and not sampling.greedy:
+    if any(cape is not None for cape, _ in modes) and not sampling.greedy:
         raise SystemExit("--cape verifies greedily: use --temperature 0")
     prompts = _prompts(args, tokenizer, spec)
     target = load_model(cfg, device, dtype)
     draft = load_draft(draft_cfg, target, device, dtype)
+    args.cost = args.draft_cost if args.draft_cost is not None else draft_cost_ratio(target, draft)
     n, d = cfg.model.layers, len(draft.layers)
     say(f"target {cfg.model.label} ({n} layer{'s' * (n != 1)}), draft {draft_label(draft_cfg)} "
-         f"({d} layer{'s' * (d != 1)}), K = {args.speculate}{_MODE_SAID[args.cape]}")
+         f"({d} layer{'s' * (d != 1)}), K = {args.speculate}{_MODE_SAID[args.cape]}"
+         f"{_ADAPTIVE_SAID[args.speculate_adaptive].format(c=args.cost)}")
     first = next(iter(prompts.values()))[0]
     generate(target, [first[:8]], max_new_tokens=2)  # kernels' first-call setup, outside the timings
-    args.compiled = _compiled_step(args, target, draft, table) if args.compile == "true" else None
+    tables = [cape for cape, _ in modes if cape is not None]
+    args.compiled = _compiled_step(args, target, draft, tables[0] if tables else None) \
+        if args.compile == "true" else None
+    groups, everything = _run_lengths(args, target, draft, prompts, sampling, modes)
+    result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "device": _device_name(device),
+              "dtype": args.dtype, "target": args.target,
+              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[0][0] else None,
+              "speculate_adaptive": modes[0][1], "draft_cost": args.cost if modes[0][1] else None,
+              "confidence_stop": args.confidence_stop,
+              "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
+                               else args.draft_window),
+              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "compile": args.compile,
+              **_figures(everything[0]), "by_length": groups[0]}
+    for m, (cape, adaptive) in enumerate(modes[1:], 1):  # each other mode's figures (same plain runs)
+        key = "with_cape_adaptive" if cape and adaptive else "with_cape" if cape else "with_adaptive"
+        result[key] = {**({"cape": args.cape_table} if cape else {}),
+                       **({"draft_cost": args.cost} if adaptive else {}), **_figures(everything[m]),
+                       "by_length": groups[m]}
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def _modes(args) -> list[tuple]:
+    """The speculative modes timed, each against the same plain runs: (CaPE's table or None for the
+    chain, adaptive K or not); the first is the JSON's top level."""
+    from ..generate.cape import CapeTable
+
+    table = CapeTable.parse(args.cape_table) if args.cape != "false" else None
+    capes = {"false": [None], "true": [table], "both": [None, table]}[args.cape]
+    adaptive = {"false": [False], "true": [True], "both": [False, True]}[args.speculate_adaptive]
+    return [(cape, a) for cape in capes for a in adaptive]
+
+
+def _run_lengths(args, target, draft, prompts: dict, sampling, modes: list) -> tuple[list, list]:
+    """Every prompt of every length in each mode: per mode, its by_length entries and its totals."""
     groups, everything = [[] for _ in modes], [dict(_ZERO) for _ in modes]
     for length, rows in prompts.items():
         g, each = [dict(_ZERO) for _ in modes], [[] for _ in modes]
@@ -171,23 +223,12 @@ def main(args) -> int:
                 for acc in (g[m], everything[m]):
                     for key, value in timed.items():
                         acc[key] = acc[key] & value if key == "identical" else acc[key] + value
-        for m, cape in enumerate(modes):
+        for m, (cape, adaptive) in enumerate(modes):
             groups[m].append({"prompt_tokens": length, "prompts": len(rows), **_figures(g[m]), "per_prompt": each[m]})
-            say(f"{length}{' CaPE' if cape else ''}: tau {groups[m][-1]['tau']:.2f}, speedup "
+            said = f"{' CaPE' if cape else ''}{' adaptive' if adaptive else ''}"
+            say(f"{length}{said}: tau {groups[m][-1]['tau']:.2f}, mean K {groups[m][-1]['mean_k']:.2f}, speedup "
                  f"{groups[m][-1]['speedup']:.2f}x, identical {groups[m][-1]['identical']}")
-    result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "device": _device_name(device),
-              "dtype": args.dtype, "target": args.target,
-              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[0] else None,
-              "confidence_stop": args.confidence_stop,
-              "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
-                               else args.draft_window),
-              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "compile": args.compile,
-              **_figures(everything[0]), "by_length": groups[0]}
-    if len(modes) == 2:  # --cape both: the chain's figures above, CaPE's here (same plain runs)
-        result["with_cape"] = {"cape": args.cape_table, **_figures(everything[1]), "by_length": groups[1]}
-    print(json.dumps(result, indent=1))
-    return 0
+    return groups, everything
 
 
 def _compiled_step(args, target, draft, table):
@@ -219,43 +260,51 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})"
 
 
-_PER_PROMPT = ("tau", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup", "identical")
+_PER_PROMPT = ("tau", "acceptance_rate", "mean_k", "tokens_per_s", "baseline_tokens_per_s", "speedup", "identical")
 _MODE_SAID = {"false": "", "true": ", CaPE", "both": ", the chain and CaPE"}
-_ZERO = {"kept": 0, "proposed": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "spec_all": 0.0, "plain_all": 0.0,
-         "tokens": 0, "plain_tokens": 0, "identical": True}
+_ADAPTIVE_SAID = {"false": "", "true": " (at most: adaptive, draft cost {c:.3g})",
+                  "both": ", fixed and adaptive (draft cost {c:.3g})"}
+_ZERO = {"kept": 0, "proposed": 0, "chosen": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "spec_all": 0.0,
+         "plain_all": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
 
 
 def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> list[dict]:
-    """One prompt, plain then each speculative mode (the chain: None; CaPE: its table), --repeats
+    """One prompt, plain then each speculative mode ((CaPE's table or None, adaptive K)), --repeats
     times in turn, the best of each: what the figures sum, per mode. A run's decoding time is its
     wall time less the target's prefill (the same work in every run)."""
     # (imported when run, as in main: the CLI's parser imports this module)
     from ..generate.drafters import drafter_for
     from ..generate.engine import generate
+    from ..generate.spec_length import AdaptiveLength
     from ..generate.speculative import speculative_generate
 
     clock = _clock(target.tok_embeddings.weight.device)
     compiled = getattr(args, "compiled", None) or False  # (main's CompiledStep under --compile)
     plain_s = plain_all = float("inf")
     spec_s, spec_all, specs = [float("inf")] * len(modes), [float("inf")] * len(modes), [None] * len(modes)
+    chosen = [0] * len(modes)
     for _ in range(args.repeats):
         t0 = clock()
         plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
                          compile=compiled)[0]
         elapsed = clock() - t0
         plain_all, plain_s = min(plain_all, elapsed), min(plain_s, elapsed - plain.prefill_seconds)
-        for m, cape in enumerate(modes):
+        for m, (cape, adaptive) in enumerate(modes):
+            length = AdaptiveLength(args.speculate, args.cost) if adaptive else False
             t0 = clock()
             drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2,
                                   window=args.draft_window, compile=compiled)
             specs[m] = speculative_generate(target, drafter, ids, max_new_tokens=args.max_new_tokens,
                                             k=args.speculate, sampling=sampling, cape=cape,
-                                            stop_below=args.confidence_stop, compile=compiled)
+                                            stop_below=args.confidence_stop, compile=compiled, adaptive=length)
             elapsed = clock() - t0
             spec_all[m], spec_s[m] = min(spec_all[m], elapsed), min(spec_s[m], elapsed - specs[m].prefill_seconds)
-    return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "passes": spec.passes, "spec_s": spec_s[m],
-             "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all, "tokens": len(spec.tokens),
-             "plain_tokens": len(plain.tokens), "identical": (not sampling.greedy) or spec.tokens == plain.tokens}
+            # the K of every pass (one per round: the policy's choices, or --speculate each time)
+            chosen[m] = sum(length.chosen) if adaptive else args.speculate * specs[m].passes
+    return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "chosen": chosen[m], "passes": spec.passes,
+             "spec_s": spec_s[m], "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all,
+             "tokens": len(spec.tokens), "plain_tokens": len(plain.tokens),
+             "identical": (not sampling.greedy) or spec.tokens == plain.tokens}
             for m, spec in enumerate(specs)]
 
 
@@ -265,7 +314,7 @@ def _figures(acc: dict) -> dict:
     plain_rate = acc["plain_tokens"] / acc["plain_s"] if acc["plain_s"] else 0.0
     return {"tau": (acc["kept"] + acc["passes"]) / passes, "tau_without_bonus": acc["kept"] / passes,
             "acceptance_rate": acc["kept"] / max(acc["proposed"], 1), "proposals_per_pass": acc["proposed"] / passes,
-            "tokens_per_s": spec_rate,
+            "mean_k": acc["chosen"] / passes, "tokens_per_s": spec_rate,
             "baseline_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate if plain_rate else 0.0,
             "speedup_with_prefill": acc["plain_all"] / acc["spec_all"] if acc["spec_all"] else 0.0,
             "identical": acc["identical"]}

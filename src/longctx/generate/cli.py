@@ -109,7 +109,15 @@ def _add_draft_flags(p) -> None:
                    help="speculative decoding with this draft model (a smaller model of the same tokenizer and "
                         "vocabulary, its own KV cache): the output is the target's, token for token at "
                         "temperature 0, in distribution when sampling; one prompt at a time")
-    p.add_argument("--speculate", type=int, default=4, help="tokens the draft proposes per target pass (default 4)")
+    p.add_argument("--speculate", type=int, default=4,
+                   help="tokens the draft proposes per target pass (default 4); with --speculate-adaptive, the most")
+    p.add_argument("--speculate-adaptive", action="store_true",
+                   help="with --draft: choose each round's proposals, 1..--speculate, from the proposals kept so far "
+                        "(the K of the most expected tokens per unit of cost; the output is the same, at T > 0 a "
+                        "seed still gives the same tokens); with --cape, the depth of the tree's chain")
+    p.add_argument("--draft-cost", type=float, default=None, metavar="C",
+                   help="with --speculate-adaptive: a draft step's cost over one target pass (default: the ratio "
+                        "of the two models' forward FLOPs per token)")
     p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
                    help="with --draft: end a round's proposals after one the draft gives a probability below P "
                         "(fewer draft steps where it hesitates; 0 = always --speculate)")
@@ -186,8 +194,10 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
     from .loading import eos_ids
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
+    from .spec_length import check_adaptive_flags
 
     sampling = _sampling(args)
+    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive, args.draft_cost)
     prompts = read_prompts(args)
     cfg = _config(args, overrides)
     spec = tokenizer_spec(args, cfg)
@@ -357,8 +367,15 @@ def _load_draft(request: GenerateRequest, args, model, device, dtype, main_rank:
 
     draft = load_draft(request.draft_cfg, model, device, dtype)
     if main_rank:
+        per_pass = f"{args.speculate} proposals per target pass"
+        if args.speculate_adaptive:
+            from .spec_length import draft_cost_ratio
+
+            cost = args.draft_cost if args.draft_cost is not None else draft_cost_ratio(model, draft)
+            per_pass = (f"up to {args.speculate} proposals per target pass, each round's chosen from those kept so "
+                        f"far (draft cost {cost:.3g} of a target pass)")
         say(f"generate: speculative decoding with {draft_label(request.draft_cfg)} from {args.draft}, "
-             f"{args.speculate} proposals per target pass, one prompt at a time")
+             f"{per_pass}, one prompt at a time")
     return draft
 
 
@@ -371,6 +388,7 @@ def _speculate(request: GenerateRequest, args, model, draft, index: int, stops, 
     result = speculate_one(model, draft, request.prompts[index]["ids"], request.limits[index], k=args.speculate,
                            sampling=request.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk, stop=stops,
                            backend=backend, cape=request.cape, stop_below=args.confidence_stop,
-                           window=args.draft_window, seed=seed, logprobs=args.logprobs, compile=step)
+                           window=args.draft_window, seed=seed, logprobs=args.logprobs, compile=step,
+                           adaptive=args.speculate_adaptive, draft_cost=args.draft_cost)
     result.sample = sample
     return result

@@ -11,7 +11,9 @@ One round, with the target's cache holding the prompt and every emitted token bu
    slots are overwritten later); the replaced or bonus token becomes the new pending one.
 With a CaPE table the round is a tree instead (generate/cape.py tree_round, greedy). Either way the
 rounds run in the decode loop every decoding shares (generate/loop.py): `SpeculativeRounds` is the
-chain's and the tree's contracts.Rounds.
+chain's and the tree's contracts.Rounds. K is the same every round, or (`adaptive`,
+--speculate-adaptive) chosen each round up to it from the proposals kept so far (generate/spec_length.py;
+under CaPE, the depth of the tree's chain).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .local import LOCAL
 from .loop import decode
 from .results import Result
 from .sampling import GREEDY, Processors, Sampling, process
+from .spec_length import AdaptiveLength, length_policy
 
 
 def speculative_round(target, cache: Cache, drafter: Drafter, pending: int, k: int, sampling: Sampling,
@@ -63,9 +66,10 @@ class SpeculativeRounds:
     tree's accepted path) and the target's token after them."""
 
     def __init__(self, target, drafter: Drafter, k: int, sampling: Sampling, generator: torch.Generator | None,
-                 stop_below: float = 0.0, cape=None, logprobs: bool = False):
+                 stop_below: float = 0.0, cape=None, logprobs: bool = False, length: AdaptiveLength | None = None):
         self.target, self.drafter, self.k, self.sampling, self.generator = target, drafter, k, sampling, generator
         self.stop_below, self.cape, self.logprobs = stop_below, cape, logprobs
+        self.length = length  # None: k every round; else each round's k (<= k) from the rounds before
         # room for one round's call past the tokens kept: K + 1 nodes, or CaPE's tree
         self.room = k + 1 if cape is None else 1 + k * (1 + max(n for _, n in cape.bins))
         self.pending = 0
@@ -78,13 +82,16 @@ class SpeculativeRounds:
 
     def next(self, cache: Cache, processors: Processors | None) -> Round:
         rows = [] if self.logprobs else None  # the processed logits of each token the round gives
+        k = self.k if self.length is None else self.length.next()
         if self.cape is not None:
-            kept, self.pending, proposed = tree_round(self.target, cache, self.drafter, self.pending, self.k,
+            kept, self.pending, proposed = tree_round(self.target, cache, self.drafter, self.pending, k,
                                                       self.cape, self.stop_below, processors, rows)
         else:
-            kept, self.pending, proposed = speculative_round(self.target, cache, self.drafter, self.pending, self.k,
+            kept, self.pending, proposed = speculative_round(self.target, cache, self.drafter, self.pending, k,
                                                              self.sampling, self.generator, self.stop_below,
                                                              processors, rows)
+        if self.length is not None:
+            self.length.observe(len(kept), proposed)
         return self._round([*kept, self.pending], rows, [len(kept)], [proposed])
 
     def _round(self, tokens: list[int], rows: list | None, kept=None, proposed=None) -> Round:
@@ -97,9 +104,13 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
                          sampling: Sampling = GREEDY, eos_ids: Sequence[int] = (), prefill_chunk: int = 4096,
                          generator: torch.Generator | None = None, backend: Backend = LOCAL, cape=None,
                          stop_below: float = 0.0, logprobs: int | None = None, seed: int | None = None,
-                         compile: bool | CompiledStep = False) -> Result:
+                         compile: bool | CompiledStep = False, adaptive: bool | AdaptiveLength = False,
+                         draft_cost: float | None = None) -> Result:
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, up to k proposals per target pass
     (fewer after a proposal the draft gives less than `stop_below`: ModelDrafter.propose).
+    `adaptive`: each round's proposals chosen up to k from the proposals kept so far
+    (generate/spec_length.py; True: c = `draft_cost`, else the models' FLOPs ratio; an
+    AdaptiveLength: that one, whose `chosen` then lists each round's K).
     `backend`: the target's cache and prefill (generate/local.py's; generate/sharded.py's
     ShardedGeneration on every rank of a head x ctx layout, the draft then run alike on every rank).
     `cape`: a generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy).
@@ -116,7 +127,9 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     device = target.tok_embeddings.weight.device
     seed = sampling.seed if seed is None else seed
     generator = generator if generator is not None else sampling.generator(device, seed)
-    rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None)
+    length = length_policy(adaptive, k, target, getattr(drafter, "model", None), draft_cost)
+    rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None,
+                               length)
     return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
                   backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device, logprobs=logprobs,
                   compiled=compiled_step(compile))[0]
@@ -125,18 +138,21 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
                   prefill_chunk: int, stop=None, backend: Backend = LOCAL, cape=None, stop_below: float = 0.0,
                   window: int | None = None, seed: int | None = None, logprobs: int | None = None,
-                  compile: bool | CompiledStep = False) -> Result:
+                  compile: bool | CompiledStep = False, adaptive: bool = False,
+                  draft_cost: float | None = None) -> Result:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe). `seed`: the request's (its prompt's, or its sample's: generate/sampling.py), seeding the
     generator every draw of its rounds comes from (default: the run's). A stop string (`stop(row,
     tokens)`, generate/output.py's StopStrings) is applied to the finished tokens, not inside the
-    loop, so tau and the target passes count the rounds run to EOS or the limit."""
+    loop, so tau and the target passes count the rounds run to EOS or the limit. `adaptive`,
+    `draft_cost`: --speculate-adaptive and --draft-cost (speculative_generate's)."""
     t0 = time.perf_counter()
     step = compiled_step(compile)  # (one step, target and draft: its graphs serve both)
     drafter = drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window, step or False)
     r = speculative_generate(target, drafter, ids, max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below,
-                             logprobs=logprobs, seed=seed, compile=step or False)
+                             logprobs=logprobs, seed=seed, compile=step or False, adaptive=adaptive,
+                             draft_cost=draft_cost)
     # (the draft's own set-up and prompt pass count as decoding: speculation's own cost)
     r.decode_seconds = time.perf_counter() - t0 - r.prefill_seconds
     if stop is None:

@@ -1,0 +1,149 @@
+"""Adaptive speculation length (`--speculate-adaptive`): K chosen each round from the acceptance so far.
+
+A fixed K is right for one acceptance rate only: where the draft follows the target, every proposal
+past K is a lost token; where it does not, every proposal is a draft step spent on a token the
+target will replace. `AdaptiveLength` picks each round's K in 1..cap (cap = --speculate) from the
+proposals kept so far, by the expected-speedup argument of Leviathan et al. 2023 ("Fast Inference
+from Transformers via Speculative Decoding", section 3.4, choosing gamma): if each proposal is kept
+with probability alpha, independently of the others, a round of K proposals gives
+E(K) = (1 - alpha^(K+1)) / (1 - alpha) tokens (the kept prefix plus the target's replacement or bonus),
+and costs K draft steps of c target passes each plus one verification: K x c + 1. The K of the most
+tokens per unit of cost, E(K) / (K x c + 1), is the round's.
+
+alpha is read from the history alone, never from timings, so a seeded sampling run draws the same
+tokens every time, and at T = 0 the output is plain greedy decoding for any K: the rule only decides
+how many proposals a round makes. Each round is a censored geometric trial: its kept proposals are
+successes and the first rejected one (when there is one) a failure; proposals after it were never
+tested. alpha = successes / trials, both as exponential moving averages over rounds (each round's
+counts weighed by `smoothing`, the older ones decaying by 1 - smoothing), so a draft that follows the
+target on one stretch of text and not on the next is tracked. (kept / proposed, the reported
+acceptance rate, would count the untested proposals after a rejection as failures and read a long K
+as a bad draft.) The first round proposes the cap.
+
+Under CaPE (generate/cape.py) the rule sets the depth of the tree's chain, and alpha is the tree's
+acceptance per depth: a kept alternative ends the path, so the depth after it counts as a failure,
+which is what it is for the next round's tokens. The tree's extra nodes are not in the cost (one
+verification call either way: on a GPU a few more nodes read the same cache).
+
+c: the draft's cost per token over the target's, by default the ratio of their forward matmul
+FLOPs per token (models/flops.py; a GliDe draft's own layers plus the target's LM head, which it
+uses): a fixed number of the two models, not a measurement. `--draft-cost C` sets it (e.g. a ratio
+measured on the machine: on a CPU a small draft's step costs more than its FLOPs say).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+
+SMOOTHING = 0.3  # the weight of the newest round in the moving averages (about the last 3-6 rounds count)
+
+
+class AdaptiveLength:
+    """The proposals of each round (`next`), 1..cap, from the kept proposals of the earlier ones
+    (`observe`): a pure function of that history. `chosen` lists every K it gave."""
+
+    def __init__(self, cap: int, draft_cost: float, smoothing: float = SMOOTHING):
+        if cap < 1:
+            raise ValueError(f"the cap of adaptive speculation must be >= 1, got {cap}")
+        if not (draft_cost > 0 and math.isfinite(draft_cost)):
+            raise ValueError(f"the draft's cost relative to the target must be > 0, got {draft_cost}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        self.cap, self.draft_cost, self.smoothing = cap, draft_cost, smoothing
+        self.successes = self.trials = 0.0  # moving averages (ratio is alpha; both start at 0)
+        self.chosen: list[int] = []
+
+    @property
+    def alpha(self) -> float | None:
+        """The estimated probability that a proposal is kept (None before any round)."""
+        return self.successes / self.trials if self.trials else None
+
+    def next(self) -> int:
+        """This round's K (said in `chosen`)."""
+        k = self.cap if self.alpha is None else best_length(self.alpha, self.draft_cost, self.cap)
+        self.chosen.append(k)
+        return k
+
+    def observe(self, kept: int, proposed: int) -> None:
+        """A round kept `kept` of its `proposed` proposals (the draft may make fewer than K: a
+        confidence stop). The first rejection is a tested failure; the proposals after it were not tested."""
+        if not 0 <= kept <= proposed:
+            raise ValueError(f"a round keeps 0..{proposed} proposals, got {kept}")
+        trials = kept + (kept < proposed)
+        w = self.smoothing
+        self.successes = (1 - w) * self.successes + w * kept
+        self.trials = (1 - w) * self.trials + w * trials
+
+    @property
+    def mean(self) -> float:
+        """The mean K chosen so far (0 before any round)."""
+        return sum(self.chosen) / len(self.chosen) if self.chosen else 0.0
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round of k proposals gives when each is kept with probability alpha: the kept
+    prefix (a truncated geometric) and the target's token after it; k + 1 at alpha = 1."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_length(alpha: float, draft_cost: float, cap: int) -> int:
+    """The k in 1..cap of the most expected tokens per unit of cost (k x draft_cost + 1 target
+    passes); the smallest such k on a tie (no draft step spent for nothing)."""
+    best, best_rate = 1, expected_tokens(alpha, 1) / (draft_cost + 1.0)
+    for k in range(2, cap + 1):
+        rate = expected_tokens(alpha, k) / (k * draft_cost + 1.0)
+        if rate > best_rate * (1 + 1e-12):
+            best, best_rate = k, rate
+    return best
+
+
+def matmul_flops(model, target) -> float:
+    """Forward matmul FLOPs per token of `model`: a longctx model by its config (models/flops.py); a
+    GliDe draft by its own layers' weights and the target's LM head, which it runs."""
+    from ..models.flops import forward_matmul_flops_per_token
+    from ..models.glide import GlideDraft
+
+    if isinstance(model, GlideDraft):
+        own = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
+        return 2.0 * own + 2.0 * target.cfg.dim * target.cfg.vocab_size
+    return forward_matmul_flops_per_token(model.cfg)
+
+
+def draft_cost_ratio(target, draft) -> float:
+    """c of the rule: the draft's forward matmul FLOPs per token over the target's."""
+    return matmul_flops(draft, target) / matmul_flops(target, target)
+
+
+def length_policy(adaptive, k: int, target, draft, draft_cost: float | None = None) -> AdaptiveLength | None:
+    """What `speculative_generate(adaptive=...)` takes: False (None: every round k), True (a policy
+    capped at k, c = draft_cost or the models' FLOPs ratio), or an AdaptiveLength (used as it is;
+    the caller reads its `chosen`), whose cap may not exceed k (the verification's room is k's)."""
+    if adaptive is False or adaptive is None:
+        return None
+    if adaptive is True:
+        return AdaptiveLength(k, draft_cost if draft_cost is not None else draft_cost_ratio(target, draft))
+    if adaptive.cap > k:
+        raise ValueError(f"an adaptive length capped at {adaptive.cap} for speculation of up to k = {k}")
+    return adaptive
+
+
+def check_adaptive_flags(draft: str, speculate: int, adaptive: bool, draft_cost: float | None) -> None:
+    """--speculate-adaptive and --draft-cost, checked before any work: adaptive speculation needs a
+    draft and a cap (--speculate) of at least 1; --draft-cost means something only with it, and is a
+    positive ratio."""
+    if adaptive and not draft:
+        raise ConfigError("--speculate-adaptive chooses how many tokens a draft proposes per target pass; give "
+                          "the draft with --draft DIR (or drop --speculate-adaptive for plain decoding).")
+    if adaptive and speculate < 1:
+        raise ConfigError(f"--speculate is the most tokens --speculate-adaptive proposes per target pass and must be "
+                          f">= 1, got {speculate}; e.g. --speculate 8 --speculate-adaptive.")
+    if draft_cost is not None and not adaptive:
+        raise ConfigError("--draft-cost is the draft/target cost ratio --speculate-adaptive weighs K by; add "
+                          "--speculate-adaptive, or drop --draft-cost.")
+    if draft_cost is not None and not (draft_cost > 0 and math.isfinite(draft_cost)):
+        raise ConfigError(f"--draft-cost must be a ratio > 0 (a draft step's cost over one target pass, e.g. 0.1), "
+                          f"got {draft_cost}.")
