@@ -232,10 +232,13 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
     common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "24"]
     _run(*common, "--output", str(tmp_path / "plain.jsonl"))
     plain = _lines(tmp_path / "plain.jsonl")
-    for draft, k, cape in ((draft_dirs["small"], 3, []), (d, 4, []), (draft_dirs["small"], 3, ["--cape"])):
-        out = tmp_path / f"spec-{k}-{len(cape)}.jsonl"
+    for draft, k, cape in ((draft_dirs["small"], 3, []), (d, 4, []), (draft_dirs["small"], 3, ["--cape"]),
+                           (draft_dirs["small"], 3, ["--speculate-adaptive"]),
+                           (draft_dirs["small"], 3, ["--cape", "--speculate-adaptive", "--draft-cost", "0.2"])):
+        out = tmp_path / f"spec-{k}-{'-'.join(cape)}.jsonl"
         r = _run(*common, "--draft", f"hf:{draft}", "--speculate", str(k), *cape, "--output", str(out))
         assert "speculative decoding with" in r.stderr
+        assert ("each round's chosen from those kept so far" in r.stderr) == ("--speculate-adaptive" in cape)
         spec = _lines(out)
         assert [x["tokens"] for x in spec] == [x["tokens"] for x in plain] and all(x["tokens"] for x in plain)
         assert [x["text"] for x in spec] == [x["text"] for x in plain]
@@ -256,6 +259,7 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
 
 @pytest.mark.parametrize("draft, extra, message", [
     ("small", ["--speculate", "0"], "--speculate must be >= 1"),
+    ("small", ["--speculate", "0", "--speculate-adaptive"], "--speculate is the most tokens --speculate-adaptive"),
     ("vocab", [], "has a vocabulary of 320 tokens but the target"),
     ("other", [], "a draft must share the target's tokenizer"),
     ("small", ["--cape", "--cape-table", "0.5:2,0.9:1"], "does not cover the confidences [0, 1]"),
@@ -273,7 +277,8 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
     d, _ = hf_model
     text = tmp_path / "corpus.txt"
     text.write_text("def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 60)
-    for cape, samples in (([], 1), (["--cape", "true"], 1), (["--cape", "both", "--repeats", "2"], 3)):
+    for cape, samples in (([], 1), (["--cape", "true"], 1), (["--cape", "both", "--repeats", "2"], 3),
+                          (["--speculate-adaptive", "both"], 1)):
         # (3: more documents than the text, which is one, holds)
         r = longctx("bench", "decode", "--target", f"hf:{d}", "--draft", f"hf:{draft_dirs['small']}", "--data",
                     str(text), "--lengths", "32,96", "--samples", str(samples), "--max-new-tokens", "16",
@@ -293,7 +298,16 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
         assert [g["prompt_tokens"] for g in out["by_length"]] == [32, 96] and out["cape"] == (
             "0.3:3,0.6:2,0.9:1,1:0" if "true" in cape else None)  # (with both, the top level is the chain's)
         both = out.get("with_cape")
-        assert (both is not None) == ("both" in cape)
+        assert (both is not None) == ("--cape" in cape and "both" in cape)
+        assert out["mean_k"] == 3 and out["speculate_adaptive"] is False  # (fixed K: --speculate every pass)
+        adaptive = out.get("with_adaptive")
+        assert (adaptive is not None) == ("--speculate-adaptive" in cape)
+        if adaptive is not None:  # adaptive K beside the fixed one, against the very same plain runs
+            assert adaptive["identical"] and 1 <= adaptive["mean_k"] <= 3 and adaptive["draft_cost"] > 0
+            assert adaptive["baseline_tokens_per_s"] == out["baseline_tokens_per_s"]
+            assert [g["prompt_tokens"] for g in adaptive["by_length"]] == [32, 96]
+            assert all("mean_k" in p for g in adaptive["by_length"] for p in g["per_prompt"])
+            assert "96 adaptive: tau" in r.stderr
         if both is not None:  # CaPE's figures beside the chain's, against the very same plain runs
             assert both["identical"] and 1 <= both["tau"] <= 4 and [g["prompt_tokens"] for g in both["by_length"]] == [
                 32, 96]
