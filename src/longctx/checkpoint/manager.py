@@ -80,7 +80,7 @@ from .manifest import (
     write_hashes_part,
     write_manifest,
 )
-from .rng_states import _load_rng, _rng_state, _set_rng_state, rng_file
+from .rng_states import _load_rng, _rng_state, _set_rng_state, local_state_file, rng_file
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -153,6 +153,10 @@ class CheckpointManager:
 
             self._mesh = DeviceMesh.from_group(self.group, "cpu", mesh_dim_names=("checkpoint",))
         self._stager = None  # host staging buffers, allocated at the first async save and reused
+        # state that is this rank's own and no layout-free tensor can hold (train.data_parallel = co2's
+        # replicas): a callable returning a dict, captured at each save into `local-rank{r}.pt`
+        self.rank_state = None
+        self.resumed_from: tuple[Path, dict] | None = None  # (path, manifest) of the last load
         # async saves: where each rank hashes its files and rank 0 commits, off the training loop
         self._worker = _Worker("checkpoint-finish") if async_save else None
         self._finishing: Future | None = None  # the async save in flight
@@ -174,7 +178,8 @@ class CheckpointManager:
         tmp = self._temporary_directory(step)
         # captured now (the generators move on with training), written with the rest off the loop
         own_files = functools.partial(self._write_own_files, tmp, _rng_state(),
-                                      json.dumps({"step": step, "sampler": sampler_state}), self.saves)
+                                      json.dumps({"step": step, "sampler": sampler_state}), self.saves,
+                                      None if self.rank_state is None else self.rank_state())
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         own_bytes = state_bytes(state)
@@ -206,11 +211,15 @@ class CheckpointManager:
         tmp.mkdir(parents=True, exist_ok=True)  # by every rank: each writes its RNG file there
         return tmp
 
-    def _write_own_files(self, tmp: Path, rng: dict, trainer_state: str, ordinal: int = 0) -> None:
-        """This rank's RNG state; rank 0 also the trainer state (step and data position are job-wide)."""
+    def _write_own_files(self, tmp: Path, rng: dict, trainer_state: str, ordinal: int = 0,
+                         rank_state: dict | None = None) -> None:
+        """This rank's RNG state (and its own state, if any); rank 0 also the trainer state (step and
+        data position are job-wide)."""
         if ordinal in self._enospc:  # LONGCTX_FAULT=enospc@N (a testing aid): the disk is full
             raise OSError(errno.ENOSPC, f"No space left on device (LONGCTX_FAULT=enospc@{ordinal})")
         torch.save(rng, tmp / rng_file(self.rank))
+        if rank_state is not None:
+            torch.save(rank_state, tmp / local_state_file(self.rank))
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(trainer_state)
 
@@ -359,9 +368,18 @@ class CheckpointManager:
         for group, kept in zip(optimizer.param_groups, implementation):
             group.update(kept)
         self._restore_rng(path, manifest)
+        self.resumed_from = (path, manifest)
         trainer = json.loads((path / TRAINER_STATE).read_text())
         trainer["manifest"] = manifest
         return trainer
+
+    def load_rank_state(self, path: Path, manifest: dict) -> dict | None:
+        """This rank's own state saved in `path` (rank_state), or None when the checkpoint has none or was
+        written under another layout (its ranks are not this job's)."""
+        own = path / local_state_file(self.rank)
+        if manifest["layout"] != self.layout or not own.is_file():
+            return None
+        return torch.load(own, weights_only=True)
 
     def _restore_rng(self, path: Path, manifest: dict) -> None:
         own = path / rng_file(self.rank)

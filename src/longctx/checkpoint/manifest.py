@@ -36,7 +36,7 @@ SHAPE_FIELDS = ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "
 OPTIONAL_PARAM_FIELDS = ("qkv_bias", "out_bias", "qk_norm")
 # files one rank writes: DCP's shards `__{rank}_{n}.distcp` (and its rank-local `__{rank}.metadata`
 # when it saves without coordination), the manager's `rng-rank{rank}.pt`
-_RANK_FILE = re.compile(r"^(?:__|rng-rank)(\d+)[_.]")
+_RANK_FILE = re.compile(r"^(?:__|rng-rank|local-rank)(\d+)[_.]")
 
 
 class DamagedManifest(CheckpointError):

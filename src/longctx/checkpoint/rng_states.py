@@ -20,6 +20,11 @@ def rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
 
 
+def local_state_file(rank: int) -> str:
+    """A rank's own training state beside its RNG's (CheckpointManager.rank_state: CO2's replicas)."""
+    return f"local-rank{rank}.pt"
+
+
 def _rng_state() -> dict:
     """This process's generators: python, numpy, torch CPU, and the current CUDA device's when this
     process uses CUDA (only that one: asking for every device's would create a context on each)."""

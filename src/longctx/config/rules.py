@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from ..errors import ConfigError
+from .data_parallel import data_parallel_problems
 from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config, parse_layer_list
 
 # families with q/k RMSNorm, and what it spans (model.qk_norm_span)
@@ -47,6 +48,7 @@ def validate(cfg: Config) -> None:
     for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules,
                           _draft_rules):
         section_rules(cfg, problems)
+    problems += data_parallel_problems(cfg)
     if problems:
         raise ConfigError(" ".join(problems))
 

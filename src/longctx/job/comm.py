@@ -324,6 +324,21 @@ def all_reduce(x: torch.Tensor, mesh, op=dist.ReduceOp.SUM, label: str = "all_re
     return x
 
 
+def all_reduce_async(x: torch.Tensor, mesh, label: str = "all_reduce") -> PendingTransfer:
+    """all_reduce (a sum, in place) started and not waited for: `.wait()` returns x once summed (on an
+    emulated link, once the modelled transfer is complete too). The caller leaves x alone until then."""
+    n = mesh.size()
+    if n == 1:
+        return PendingTransfer(x, None, None, None)
+    started = time.monotonic()
+    with _own():
+        work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group_of(mesh), async_op=True)
+    moved = 2 * nbytes(x) * (n - 1) // n
+    _count(mesh, label, moved)
+    emu = _emulator(mesh)
+    return PendingTransfer(x, work, None if emu is None else emu.post_ring(group_ranks(mesh), moved, started), emu)
+
+
 class Pending:
     """Handles of in-flight point-to-point ops; `wait()` blocks until all have completed."""
 

@@ -40,6 +40,7 @@ from ..step.gradients import clip_step_gradients, set_gradient_sync
 from ..step.loss import forward_loss_sum
 from ..step.optimizer import guarded_step, make_optimizer
 from ..step.schedule import lr_at
+from .co2 import co2_rounds
 from .fault_injection import with_step_faults
 from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .hooks import StepHooks
@@ -113,6 +114,9 @@ class Trainer:
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
         self.saves = RunSaves(self.ckpt, cfg, self.log)  # checkpoint.interval / final / on_save_error
+        # train.data_parallel = co2: CO2's rounds over the replicas (co2.py; None under sync)
+        self.co2 = co2_rounds(cfg, self.model, self.optimizer, rt, self.ckpt, self.log)
+        self.hooks.hooks += [self.co2] if self.co2 is not None else []
         self._skip_rolled_back_window()
         # the positions the starting weights can be trusted with under this run's RoPE settings
         self.start_positions = 0 if cfg.draft.target else run_start_positions(cfg.model.init_from, cfg.model)
@@ -268,6 +272,8 @@ class Trainer:
             watchdog.phase(step, "optimizer")
             loss = self.rt.sum_tensor(local_loss) / max(valid, 1)
             grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip)
+            if self.co2 is not None:  # each replica clipped its own: the guard reads the largest
+                grad_norm = self.co2.agreed_norm(grad_norm)
             # global figures, so the same decision on every rank
             apply, self.last_spike = self.guard.check(loss, grad_norm)
         # train.on_nonfinite: the update is applied only if the step's loss and gradient norm are

@@ -41,6 +41,8 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     (`model.grad_reduce_timers`). Under expert parallelism a bucket's expert weights form a unit of
     their own over the expert-data group, sharded on their second dim (the first is the expert group's)."""
     shard_mesh, mp, t = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype), cfg.train
+    if t.data_parallel == "co2":  # each replica an FSDP group of its own: no gradient leaves it (step/co2.py)
+        model.co2_replicas, shard_mesh = shard_mesh["dp_replicate"], shard_mesh["fsdp"]
     offload = states_offload(cfg, device_type)
     seq = t.seq_len
     sequences = max(1, t.global_batch // max(t.grad_accum, 1) // (dims.world_size // (dims.head * dims.ctx)))

@@ -1,0 +1,38 @@
+"""train.data_parallel's rules: CO2 (step/co2.py) needs replicas to average over, sane outer
+settings, and the parts of a run it composes with; each problem says what to change."""
+
+from __future__ import annotations
+
+from .schema import Config
+
+
+def data_parallel_problems(cfg: Config) -> list[str]:
+    t, p = cfg.train, cfg.parallel
+    if t.data_parallel != "co2":
+        return []
+    problems = []
+    if p.dp_replicate < 2:
+        problems.append(f"train.data_parallel = co2 averages the parameter change of parallel.dp_replicate "
+                        f"replicas, and dp_replicate is {p.dp_replicate}: set parallel.dp_replicate to the number "
+                        f"of replicas (e.g. 2 on 4 ranks: 2 replicas of 2 FSDP ranks each), or train.data_parallel "
+                        f"= sync.")
+    if t.co2_local_steps < 1:
+        problems.append(f"train.co2_local_steps must be at least 1 (local steps per round), got {t.co2_local_steps}.")
+    if t.co2_outer_lr <= 0:
+        problems.append(f"train.co2_outer_lr must be positive (1 = plain averaging), got {t.co2_outer_lr}.")
+    if not 0 <= t.co2_outer_momentum < 1:
+        problems.append(f"train.co2_outer_momentum must be in [0, 1), got {t.co2_outer_momentum}.")
+    for key in ("co2_momentum_clip", "co2_staleness_penalty"):
+        if getattr(t, key) < 0:
+            problems.append(f"train.{key} must be >= 0 (0 = off), got {getattr(t, key)}.")
+    if cfg.memory.model_states != "device":
+        problems.append(f"train.data_parallel = co2 keeps its outer state beside the weights on the device; "
+                        f"memory.model_states = {cfg.memory.model_states} is not supported with it yet: use "
+                        f"memory.model_states = device, or train.data_parallel = sync.")
+    if t.on_nonfinite == "rollback":
+        problems.append("train.data_parallel = co2 with train.on_nonfinite = rollback: a rollback would have to "
+                        "rewind every replica's outer state as well, which is not built; use skip or stop.")
+    if "qgz" in p.zero_pp.split(","):
+        problems.append("train.data_parallel = co2 with parallel.zero_pp's qgz: qgZ's reduce-scatter reduces "
+                        "over the replicas too, which CO2's local steps must not; drop qgz (hpz and qwz are fine).")
+    return problems

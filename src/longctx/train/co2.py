@@ -1,0 +1,64 @@
+"""train.data_parallel = co2 in the loop (the outer step itself: step/co2.py): a round ends after
+every train.co2_local_steps-th optimizer step; the metrics line says how many rounds ran and how
+long the last round end waited for the previous all-reduce (`co2_exposed_s`); each checkpoint
+carries every rank's CO2 state in its own file, read back on a resume under the same layout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..job import comm
+from ..step.co2 import OuterSync, replicated_params
+from .hooks import StepHook
+
+STATE_KEY = "co2"
+
+
+class CO2Rounds(StepHook):
+    def __init__(self, outer: OuterSync, replica_mesh):
+        self.outer, self.replica_mesh = outer, replica_mesh
+
+    def after_optimizer(self, step: int, applied: torch.Tensor) -> None:
+        if step % self.outer.local_steps == 0:
+            self.outer.end_round()
+
+    def agreed_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """The largest of the replicas' gradient norms (each clipped its own): one figure on every rank,
+        so that train.on_nonfinite's stop is decided by all of them alike."""
+        return comm.all_reduce(grad_norm.detach().clone(), self.replica_mesh, op=dist.ReduceOp.MAX, label="metrics")
+
+    def log_fields(self, step: int, last: bool) -> dict:
+        if not self.outer.rounds:
+            return {}
+        return {"co2_rounds": self.outer.rounds, "co2_exposed_s": round(self.outer.exposed_s, 4)}
+
+    def run_end(self) -> None:
+        self.outer.finish()
+
+
+def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
+    """The hook of a co2 run (None under sync), its state restored from the checkpoint the run resumed
+    from when that was written by a co2 run of the same layout; else its rounds start from the weights."""
+    t = cfg.train
+    if t.data_parallel != "co2":
+        return None
+    outer = OuterSync(replicated_params(model), model.co2_replicas, local_steps=t.co2_local_steps, lr=t.co2_outer_lr,
+                      momentum=t.co2_outer_momentum, clip=t.co2_momentum_clip, penalty=t.co2_staleness_penalty)
+    if ckpt is not None:
+        ckpt.rank_state = lambda: {STATE_KEY: outer.state_dict(optimizer)}
+        resumed = getattr(ckpt, "resumed_from", None)
+        if resumed is not None:
+            _restore(outer, optimizer, ckpt, *resumed, log)
+    log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps "
+        f"(outer lr {t.co2_outer_lr}, momentum {t.co2_outer_momentum})")
+    return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"))
+
+
+def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log) -> None:
+    state = ckpt.load_rank_state(path, manifest)
+    if state is None or STATE_KEY not in state:
+        log(f"co2: {path.name} holds no CO2 state for this layout (written under sync or another layout): the "
+            f"replicas start their rounds from its weights")
+        return
+    outer.load_state_dict(state[STATE_KEY], optimizer)

@@ -1,0 +1,30 @@
+"""train.data_parallel = co2's bad input: each problem one clear error before launch, naming the fix."""
+
+import pytest
+
+from longctx.config import load_config
+from longctx.errors import ConfigError
+
+CO2 = ["--train.data_parallel=co2", "--parallel.dp_replicate=2"]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--train.data_parallel=co2"], "set parallel.dp_replicate"),
+    ([*CO2, "--train.co2_local_steps=0"], "train.co2_local_steps must be at least 1"),
+    ([*CO2, "--train.co2_outer_lr=0"], "train.co2_outer_lr must be positive"),
+    ([*CO2, "--train.co2_outer_momentum=1"], "train.co2_outer_momentum must be in [0, 1)"),
+    ([*CO2, "--train.co2_staleness_penalty=-1"], "train.co2_staleness_penalty must be >= 0"),
+    ([*CO2, "--memory.model_states=host"], "use memory.model_states = device"),
+    ([*CO2, "--train.on_nonfinite=rollback"], "use skip or stop"),
+    ([*CO2, "--parallel.zero_pp=hpz,qgz"], "drop qgz"),
+])
+def test_each_problem_is_one_clear_error(args, says):
+    with pytest.raises(ConfigError, match="co2") as e:
+        load_config("configs/debug.toml", args)
+    assert says in str(e.value)
+
+
+def test_a_sound_co2_config_and_sync_are_accepted():
+    cfg = load_config("configs/debug.toml", [*CO2, "--train.co2_outer_momentum=0.5", "--parallel.zero_pp=hpz,qwz"])
+    assert cfg.train.data_parallel == "co2" and cfg.train.co2_local_steps == 4
+    assert load_config("configs/debug.toml", ["--train.co2_local_steps=0"]).train.data_parallel == "sync"
