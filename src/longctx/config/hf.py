@@ -118,6 +118,9 @@ def read_hf_config(path: str | Path) -> dict:
     """DIR/config.json as a dict, or an error naming what is missing."""
     path = Path(path)
     cfg_file = path / "config.json"
+    if path.is_file() and path.suffix == ".gguf":
+        raise HFFormatError(f"{path} is a GGUF file; longctx reads Hugging Face directories. Convert it once with "
+                            f"`longctx checkpoint import {path} --out DIR`, then pass hf:DIR.")
     if not path.is_dir():
         raise HFFormatError(f"model.init_from: {path} is not a directory; pass hf:DIR, a local Hugging Face "
                             f"model directory holding config.json and safetensors weights.")
