@@ -10,6 +10,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+import test_hf  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from longctx.checkpoint import gguf_import  # noqa: E402
@@ -109,9 +110,8 @@ def write_gguf(model, path, permute=True, extra_tensors=(), name="tiny llama"):
 
 
 def max_err(hf_dir, reference) -> float:
-    tokens = torch.randint(0, len(TOKENS), (2, 48), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        return (load_hf(hf_dir)(tokens) - reference(tokens).logits).abs().max().item()
+    """Max |longctx's logits on `hf_dir` - the transformers model `reference`'s| (test_hf's comparison)."""
+    return test_hf.max_err(load_hf(hf_dir), reference, test_hf.tokens(vocab=len(TOKENS), seq=48))
 
 
 def test_import_matches_the_model_that_was_written(tmp_path, capsys):
