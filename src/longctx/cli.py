@@ -134,10 +134,10 @@ def _cmd_report(args, overrides) -> int:
 def _cmd_bench(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
-    from .bench import attention, decode, generate, memory, moe, train
+    from .bench import attention, comm_cluster, decode, generate, memory, moe, train
 
     return {"attention": attention.main, "train": train.main, "memory": memory.main, "moe": moe.main,
-            "generate": generate.main, "decode": decode.main}[args.bench](args)
+            "generate": generate.main, "decode": decode.main, "comm": comm_cluster.main}[args.bench](args)
 
 
 def _cmd_checkpoint(args, overrides) -> int:
@@ -259,7 +259,7 @@ def _add_checkpoint(sub) -> None:
 
 
 def _add_bench(bench) -> None:
-    from .bench import attention, memory, moe
+    from .bench import attention, comm_cluster, memory, moe
     from .bench import decode as decode_bench
     from .bench import generate as generate_bench
     from .bench import train as train_bench
@@ -276,6 +276,8 @@ def _add_bench(bench) -> None:
                                      "step vs eager on the debug model"),
         ("decode", decode_bench, "speculative decoding (a draft model, optionally CaPE) vs plain decoding: tau, "
                                  "acceptance, tokens/s, speedup, identical output (same run)"),
+        ("comm", comm_cluster, "the slow-link modes (fsdp, ZeRO++'s hpz / qwz / qgz, co2) on an emulated cluster: "
+                               "step and exposed seconds, bytes across and inside nodes per step"),
     ):
         p = bench.add_parser(name, help=what, allow_abbrev=False)
         module.add_arguments(p)

@@ -21,6 +21,7 @@ from longctx.config import load_config
 from longctx.errors import ConfigError
 from longctx.job import comm
 from longctx.job.spawn import run_spawned_many
+from longctx.job.traffic import library_traffic
 from longctx.parallel.context.shares import to_device
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import Trainer, train
@@ -292,7 +293,7 @@ def _fsdp_traffic(args, run_dir):
     trainer.step(1)
     shares = trainer.sampler.step_batches(2)
     batch = to_device(shares[0][0], trainer.device)
-    with comm.library_traffic() as traffic:
+    with library_traffic() as traffic:
         loss = forward_loss_sum(trainer.model, batch, None) + trainer.model.router_terms().loss
         loss.backward()
     model = trainer.model

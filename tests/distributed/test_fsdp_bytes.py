@@ -4,7 +4,7 @@ For each layout one job builds the model as training does (Runtime -> build_mode
 with FSDP2 -> step.make_optimizer), runs one optimizer step of `grad_accum` micro-batches to warm
 up, then measures a second step:
 
-- bytes: `comm.library_traffic()` watches the c10d operators FSDP2 issues (all-gathers of the
+- bytes: `library_traffic()` watches the c10d operators FSDP2 issues (all-gathers of the
   parameters, reduce-scatters of the gradients, HSDP all-reduces) and sums, per rank, the bytes a
   ring implementation sends: (n-1)/n of an all-gather's output and of a reduce-scatter's input,
   2 (n-1)/n of an all-reduce's tensor, the convention of comm.py's counters and of the planner.
@@ -29,6 +29,7 @@ from longctx.costs.model_states import param_counts
 from longctx.costs.shape import MeshShape
 from longctx.job.dims import ParallelDims
 from longctx.job.spawn import run_spawned
+from longctx.job.traffic import library_traffic
 from longctx.memory.policy import MemoryPolicy
 from longctx.parallel.context.volumes import fsdp_bytes_per_step
 from longctx.planner.cost import estimate
@@ -57,7 +58,7 @@ def _measure(raws):
     for raw in raws:
         job = _setup(raw)  # cfg, runtime, model, optimizer, global batch, loss scale
         train_step(*job)  # warm-up: FSDP's lazy init, optimizer state created
-        with comm.library_traffic() as traffic:
+        with library_traffic() as traffic:
             train_step(*job, zero_grad=False)
         model, opt = job[2], job[3]
         out.append({"traffic": dict(traffic), "states": measured_model_state_bytes(model, opt)})

@@ -88,11 +88,14 @@ class LinkEmulator:
         self.exposed_s = 0.0
         self.transfers = 0
         self.sent = {"intra": 0, "inter": 0}  # bytes this rank sent over each link
+        # bytes this rank put on a hop within / across nodes: an all-to-all's to each peer directly, a
+        # ring collective's all to its successor in the ring (so a ring over k nodes crosses k times)
+        self.hops = {"intra": 0, "inter": 0}
 
     def covers(self, dim: str) -> bool:
         return not self.profile.dims or dim in self.profile.dims
 
-    def post(self, by_peer: dict[int, tuple[int, int]], now: float | None = None) -> float:
+    def post(self, by_peer: dict[int, tuple[int, int]], now: float | None = None, ring=None) -> float:
         """Put a transfer issued at `now` (default: now) on the links: {global peer rank: (bytes sent
         to it, bytes received from it)}; returns the monotonic time at which it is complete."""
         p = self.profile
@@ -105,6 +108,7 @@ class LinkEmulator:
             link[1] += received
         for name, (sent, _) in load.items():
             self.sent[name] += sent
+            self.hops[name] += sent if ring is None else 0
         now = time.monotonic() if now is None else now
         done = now
         for name, (sent, received) in load.items():
@@ -125,7 +129,10 @@ class LinkEmulator:
         crosses = len({p.node(r) for r in group_ranks}) > 1
         peer = next((r for r in group_ranks if (p.node(r) != p.node(self.rank)) == crosses and r != self.rank),
                     self.rank)
-        return self.post({peer: (int(nbytes), int(nbytes))}, now)
+        ordered = sorted(group_ranks)
+        successor = ordered[(ordered.index(self.rank) + 1) % len(ordered)]
+        self.hops["inter" if p.node(successor) != p.node(self.rank) else "intra"] += int(nbytes)
+        return self.post({peer: (int(nbytes), int(nbytes))}, now, ring=True)
 
     def wait_until(self, done: float, started: float | None = None) -> None:
         """Block until `done`; the blocked time since `started` (default: now) counts as exposed."""

@@ -32,7 +32,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import watchdog
 
@@ -302,13 +301,30 @@ def all_gather(x: torch.Tensor, mesh, label: str = "all_gather") -> torch.Tensor
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, group, label: str) -> None:
     """Every rank's x, concatenated along dim 0 into `out`, over a process group as FSDP hands one
     to its communication hooks (parallel/fsdp/quantized.py; no mesh there): counted under dim
-    "fsdp", as all_gather counts."""
-    n = group.size()
+    "fsdp", as all_gather counts; paced by an installed link hook that covers "fsdp"."""
+    n, started = group.size(), time.monotonic()
     with _own():
         _all_gather_single(out, x.contiguous(), group=group)
+    _count_group(group, label, nbytes(x) * (n - 1), started)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, op, label: str) -> None:
+    """FSDP's gradient reduce-scatter through this module (a benchmark's link hook paces it): x holds
+    every group rank's chunk in order, `out` receives this rank's, reduced with `op`."""
+    n, started = group.size(), time.monotonic()
+    with _own():
+        dist.reduce_scatter_tensor(out, x.contiguous(), op=op, group=group)
+    _count_group(group, label, nbytes(x) * (n - 1) // n, started)
+
+
+def _count_group(group, label: str, sent: int, started: float) -> None:
+    """Count a ring collective over a bare process group under dim "fsdp"; wait out an emulated link."""
     key = ("fsdp", label)
-    _BYTES[key] += nbytes(x) * (n - 1)
+    _BYTES[key] += sent
     _GROUPS[key].add(group.group_name)
+    hook = _LINK_HOOK
+    if hook is not None and group.size() > 1 and hook.covers("fsdp"):
+        hook.wait_until(hook.post_ring(dist.get_process_group_ranks(group), sent, started), started)
 
 
 def all_reduce(x: torch.Tensor, mesh, op=dist.ReduceOp.SUM, label: str = "all_reduce") -> torch.Tensor:
@@ -416,58 +432,3 @@ def world_mesh(device_type: str = "cpu"):
     """A 1-D mesh named "world" over every rank of the initialised process group (its default group),
     for callers outside a training layout (calibration, validation)."""
     return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("world",))
-
-
-# c10d operators of the collectives PyTorch libraries issue (FSDP2), by how this rank's bytes are counted
-_GATHERS = {"_allgather_base_", "allgather_into_tensor_coalesced_"}         # (n-1)/n of the output
-_SCATTERS = {"_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_"}   # (n-1)/n of the input
-_REDUCES = {"allreduce_", "allreduce_coalesced_"}                          # 2 (n-1)/n of the tensor
-_CONTROL = {"barrier", "monitored_barrier_"}
-
-
-def _bytes_of(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return nbytes(x)
-    if isinstance(x, (list, tuple)):
-        return sum(_bytes_of(item) for item in x)
-    return 0
-
-
-def _library_op_bytes(name: str, args) -> tuple[str, float]:
-    """(label, bytes this rank sends) of one c10d operator call, by the conventions above."""
-    if name in _GATHERS:  # (output, input, group, ...)
-        out, inp = _bytes_of(args[0]), _bytes_of(args[1])
-        n = round(out / inp)
-        return "all_gather", (n - 1) / n * out
-    if name in _SCATTERS:  # (output, input, group, op, ...)
-        out, inp = _bytes_of(args[0]), _bytes_of(args[1])
-        n = round(inp / out)
-        return "reduce_scatter", (n - 1) / n * inp
-    if name in _REDUCES:  # (tensors, group, op, ...): the group travels boxed
-        n = dist.ProcessGroup.unbox(args[1]).size()
-        return "all_reduce", 2 * (n - 1) / n * _bytes_of(args[0])
-    return name, float(_bytes_of(args))
-
-
-@contextlib.contextmanager
-def library_traffic():
-    """Count the bytes this rank sends in the collectives that something other than this module
-    (FSDP2) issues inside the block. Yields a dict that fills in as they run: {"all_gather" |
-    "reduce_scatter" | "all_reduce": bytes}, with the conventions of the counters above (all-gather:
-    (n-1)/n of the output; reduce-scatter: (n-1)/n of the input; all-reduce: 2 (n-1)/n of the
-    tensor). Any other c10d operator is recorded under its own name with the bytes of its tensors,
-    so nothing passes unseen. A TorchDispatchMode: every c10d operator dispatches through it,
-    whichever Python API issued it; the ones this module's functions issue are left out (their
-    bytes are in `counters()`)."""
-    found: dict[str, float] = defaultdict(float)
-
-    class _Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.namespace == "c10d" and func._opname not in _CONTROL and not getattr(_OWN, "depth", 0):
-                label, sent = _library_op_bytes(func._opname, args)
-                found[label] += sent
-            return out
-
-    with _Watch():
-        yield found

@@ -16,7 +16,7 @@ compute time, exposed communication, step time, tokens/s and MFU.
   batch's sequence layout on the host from the ids every rank already has, parallel/context/shares.py local_batch,
   and the layout travels with the local ids to the attention core); FSDP's `fsdp_bytes_per_step`,
   the same function the training loop's metrics line reports (FSDP's collectives bypass comm.py's
-  counters; `comm.library_traffic()` counts them, and tests/distributed/test_fsdp_bytes.py
+  counters; `job/traffic.py library_traffic()` counts them, and tests/distributed/test_fsdp_bytes.py
   compares a real step with this figure); under expert parallelism the MoE layers' all-to-alls
   (`expert_bytes`, even routing) and their time on the most loaded rank (costs/timing.py);
 - FLOPs and time (costs/timing.py): metrics.py's model FLOPs (the attention s^2 term halved under

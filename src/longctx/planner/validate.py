@@ -8,7 +8,7 @@ step/optimizer.py make_optimizer's AdamW) on a random global batch with document
 - the bytes comm.py counted per mesh dim and label, on every rank, vs the planner's closed form
   (must be equal);
 - the bytes FSDP2's own collectives sent (all-gathers, reduce-scatters, HSDP all-reduces, counted
-  by `comm.library_traffic()` from the c10d operators), on every rank, vs the planner's
+  by `job/traffic.py library_traffic()` from the c10d operators), on every rank, vs the planner's
   `fsdp_bytes_per_step` (must be equal);
 - the model-state bytes each rank holds after the optimizer step (its shards of the fp32
   parameters, gradients and AdamW's two moments), vs the planner's model-state figure (equal on
@@ -41,6 +41,7 @@ from ..data.samples import Batch
 from ..job import comm
 from ..job.runtime import Runtime
 from ..job.spawn import run_spawned
+from ..job.traffic import library_traffic
 from ..memory.accounting import measure_activations
 from ..memory.policy import MemoryPolicy
 from ..models.llama import build_model
@@ -217,7 +218,7 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
             times.append(time.perf_counter() - t0)
     # one more step, untimed (the dispatch mode slows every op): FSDP's own traffic, then the
     # model states before zero_grad drops the gradients
-    with comm.library_traffic() as fsdp:
+    with library_traffic() as fsdp:
         train_step(cfg, rt, model, opt, batch, scale, zero_grad=False)
     states = measured_model_state_bytes(model, opt)
     opt.zero_grad(set_to_none=True)

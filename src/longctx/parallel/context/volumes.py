@@ -14,7 +14,7 @@ DOC_ID_BYTES = 8  # int64
 def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_params: int = 0,
                grad_accum: int = 1, grad_sync: str = "step") -> float:
     """FSDP2 traffic per rank and optimizer step of `grad_accum` micro-batches (its collectives run
-    inside PyTorch; comm.library_traffic measures them). Every micro-batch all-gathers every block's
+    inside PyTorch; job/traffic.py library_traffic measures them). Every micro-batch all-gathers every block's
     parameters (gather_bytes each) for forward and again for backward, the root module's
     `root_params` (embeddings, final norm, LM head) once (FSDP2 does not reshard the root after
     forward), each (n-1)/n of the gathered tensor. The gradients cross once per step (grad_sync

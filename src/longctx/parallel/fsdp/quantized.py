@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...job.comm import all_gather_into, all_to_all
+from ...job.comm import all_gather_into, all_to_all, reduce_scatter_into
 
 try:  # FSDP2's communication hooks (torch >= 2.8)
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -121,3 +121,23 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
         got_q = all_to_all(torch.stack(q), mesh, f"{label}_values")
         got_scale = all_to_all(torch.stack(scale), mesh, f"{label}_scales")
         return sum(dequantize_blocks(got_q[i], got_scale[i], m, torch.float32) for i in range(k))
+
+
+class CountedAllGather(DefaultAllocMixin, AllGather):
+    """FSDP's all-gather in full precision through job/comm.py: what a benchmark's emulated link
+    (bench/emulated_link.py) paces and counts when qwz is off (parallel/fsdp/shard.py installs it only
+    under a link hook; training keeps FSDP's own)."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        all_gather_into(output_tensor, input_tensor, group, "fsdp_gather")
+        return None
+
+
+class CountedReduceScatter(DefaultAllocMixin, ReduceScatter):
+    """FSDP's gradient reduce-scatter in full precision through job/comm.py (see CountedAllGather)."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        reduce_scatter_into(output_tensor, input_tensor, group, op, "fsdp_reduce")
+        return None

@@ -14,10 +14,10 @@ from torch.distributed.tensor import Shard
 
 from ...errors import ConfigError
 from ...job.checks import hpz_group, node_size, zero_pp_names
-from ...job.comm import sub_mesh
+from ...job.comm import link_hook, sub_mesh
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
-from .quantized import QuantizedAllGather, QuantizedReduceScatter
+from .quantized import CountedAllGather, CountedReduceScatter, QuantizedAllGather, QuantizedReduceScatter
 
 
 def fsdp_mesh(dims, device_type: str):
@@ -79,6 +79,9 @@ def quantize_gathers(units: list, cfg, dims) -> QuantizedAllGather | None:
     QuantizedAllGather that counts the bytes; None without qwz. A block longer than the smallest
     unit's shard would quantise padding more than weights: refused."""
     if "qwz" not in zero_pp_names(cfg):
+        if link_hook() is not None:  # a benchmark's emulated link paces FSDP's gathers too (bench/comm_cluster.py)
+            for unit in units:
+                (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(CountedAllGather())
         return None
     block = cfg.parallel.zero_pp_block
     shards = [sum(p.numel() for m in (u if isinstance(u, list) else [u]) for p in m.parameters()) for u in units[:-1]]
@@ -97,7 +100,7 @@ def quantized_reduce(cfg, dims, device_type: str) -> QuantizedReduceScatter | No
     over a mesh (dp_replicate, inter, intra) whose node dims split each FSDP group; None without qgz.
     The experts' units (another group) keep FSDP's own."""
     if "qgz" not in zero_pp_names(cfg):
-        return None
+        return CountedReduceScatter() if link_hook() is not None else None  # (a benchmark's emulated link)
     grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1, node_size(cfg, dims))
     mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "inter", "intra"))
     return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh)

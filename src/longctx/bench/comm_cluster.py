@@ -1,0 +1,187 @@
+"""`longctx bench comm --cluster NODESxRANKS --inter-ratio R`: the slow-link modes of issue 50 on an
+emulated cluster, in one process group, on the same model and data.
+
+Every mode runs the real training step (the Trainer's, gloo) while bench/emulated_link.py makes each
+collective take the time the modelled links would: ranks placed RANKS to a node, each with a link
+inside its node (--intra-gbps, GB/s per rank, one direction) and one to other nodes (--inter-ratio
+times that). FSDP's own all-gathers and reduce-scatters go through job/comm.py for the emulation
+(parallel/fsdp/quantized.py's Counted*: the same collectives, paced), so plain FSDP and ZeRO++ are
+measured on the same links. Modes:
+
+- fsdp: one FSDP group over every rank (synchronous data parallelism across the nodes);
+- hpz, qwz, qgz, zeropp (all three): parallel.zero_pp, nodes of RANKS ranks;
+- co2: one replica per node (parallel.dp_replicate = NODES, FSDP inside it), train.co2_local_steps
+  local steps per round, the outer all-reduce overlapped with the next round.
+(three_level, Frontier's third link level, is not built yet.)
+
+Per mode: a warm-up step, then --timed steps (a multiple of co2's round). step_s is the mean step of
+the slowest rank; exposed_s the time that rank was blocked on a link per step; inter_node_bytes and
+intra_node_bytes what every rank put on a hop across / inside nodes, per step (their closed forms:
+bench/comm_bytes.py, docs/parallelism.md). With --steps N each mode also trains N steps from the
+same initialisation and reports final_loss (the mean of the last 10) and its losses; --plot draws
+them. JSON on stdout, progress on stderr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..config import load_config
+from ..job import comm
+from ..job.spawn import run_spawned
+from ..progress import speaker
+from .comm_bytes import Unit, step_bytes
+from .emulated_link import LinkProfile, emulate
+
+MODES = ("fsdp", "hpz", "qwz", "qgz", "zeropp", "co2")
+say = speaker("[bench comm --cluster] ")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--cluster", required=True, help="NODESxRANKS, e.g. 2x4: ranks placed RANKS to a node")
+    p.add_argument("--inter-ratio", type=float, default=0.125, help="inter-node / intra-node bandwidth (default 1/8)")
+    p.add_argument("--intra-gbps", type=float, default=1.0,
+                   help="emulated link inside a node, GB/s per rank and direction (default 1: slow enough that "
+                        "this CPU's compute does not hide every transfer; the ratios are what carry over)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--model", default="debug", help="model preset (default debug; small-100m for the issue's run)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence, one sequence per rank and step")
+    p.add_argument("--timed", type=int, default=8, help="timed steps per mode after a warm-up (default 8)")
+    p.add_argument("--co2-local-steps", type=int, default=4, help="co2's local steps per round (default 4)")
+    p.add_argument("--steps", type=int, default=0, help="also train each mode this many steps: final_loss")
+    p.add_argument("--plot", default="", help="with --steps: the PNG of the loss curves")
+
+
+def parse_cluster(text: str) -> tuple[int, int]:
+    try:
+        nodes, ranks = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"longctx bench comm: --cluster {text!r}: give NODESxRANKS, e.g. 2x4") from None
+    if nodes < 2 or ranks < 1:
+        raise SystemExit(f"longctx bench comm: --cluster {text!r}: at least 2 nodes (there is no slow link "
+                         f"otherwise) and 1 rank per node")
+    return nodes, ranks
+
+
+def mode_overrides(mode: str, nodes: int, ranks: int, spec: dict) -> list[str]:
+    """The config of `mode` on the cluster (the model, data and batch are every mode's)."""
+    base = [f"--model.preset={spec['model']}", f"--train.seq_len={spec['seq_len']}",
+            f"--train.global_batch={nodes * ranks}", "--train.eval_interval=0", "--metrics.plots=false",
+            "--metrics.progress=false", "--data.max_docs=300", "--train.warmup_steps=2",
+            f"--train.steps={max(spec['steps'], spec['timed'] + 1)}", f"--parallel.ranks_per_node={ranks}",
+            f"--model.max_seq_len={max(spec['seq_len'], 256)}"]
+    extra = {"fsdp": [], "hpz": ["--parallel.zero_pp=hpz"], "qwz": ["--parallel.zero_pp=qwz"],
+             "qgz": ["--parallel.zero_pp=qgz"], "zeropp": ["--parallel.zero_pp=hpz,qwz,qgz"],
+             "co2": [f"--parallel.dp_replicate={nodes}", "--train.data_parallel=co2",
+                     f"--train.co2_local_steps={spec['local_steps']}"]}[mode]
+    return [*base, *extra]
+
+
+def units_of(model, group: int, node: int) -> list[Unit]:
+    """The FSDP units' shards per rank, from the parameters' shapes and FSDP2's padding of dim 0 to a
+    multiple of the group (independent of what the links counted)."""
+    def shard(params, size):
+        return sum(math.ceil(p.shape[0] / size) * (p.numel() // max(p.shape[0], 1)) for p in params)
+
+    units, in_blocks = [], set()
+    for members in model.grad_bucket_plan.groups():
+        params = [p for i in members for p in model.layers[i].parameters()]
+        in_blocks.update(id(p) for p in params)
+        units.append(Unit(shard(params, group), shard(params, node)))
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    return [*units, Unit(shard(root, group), shard(root, node), root=True)]
+
+
+def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:
+    from ..train.trainer import Trainer
+
+    nodes, ranks = spec["nodes"], spec["ranks"]
+    cfg = load_config(None, mode_overrides(mode, nodes, ranks, spec) + [f"--train.run_dir={spec['work']}/{mode}"])
+    with emulate(profile) as emu:
+        trainer = Trainer(cfg, log=lambda *a, **k: None)
+        losses = [float(trainer.step(1)[0])]  # the warm-up (FSDP's lazy set-up, the optimizer's state)
+        exposed, hops, started = emu.exposed_s, dict(emu.hops), time.perf_counter()
+        for step in range(2, spec["timed"] + 2):
+            losses.append(float(trainer.step(step)[0]))
+        seconds = time.perf_counter() - started
+        exposed, moved = emu.exposed_s - exposed, [emu.hops[k] - hops[k] for k in ("inter", "intra")]
+        for step in range(spec["timed"] + 2, spec["steps"] + 1):
+            losses.append(float(trainer.step(step)[0]))
+        if trainer.co2 is not None:
+            trainer.co2.run_end()
+    world = comm.world_mesh()
+    slowest = comm.all_reduce(torch.tensor([seconds, exposed], dtype=torch.float64), world, op=dist.ReduceOp.MAX)
+    total = comm.all_reduce(torch.tensor(moved, dtype=torch.float64), world)
+    group = nodes * ranks if mode != "co2" else ranks
+    out = {"step_s": float(slowest[0]) / spec["timed"], "exposed_s": float(slowest[1]) / spec["timed"],
+           "inter_node_bytes": float(total[0]) / spec["timed"], "intra_node_bytes": float(total[1]) / spec["timed"]}
+    units = units_of(trainer.model, group, ranks)
+    out["closed_form"] = step_bytes(mode, units, nodes, ranks, cfg.parallel.zero_pp_block, spec["local_steps"])
+    if spec["steps"]:
+        out["final_loss"] = sum(losses[-10:]) / len(losses[-10:])
+        out["losses"] = losses
+    return out
+
+
+def _rank(spec: dict) -> dict:
+    profile = LinkProfile(spec["ranks"], spec["intra_gbps"] * 1e9, spec["intra_gbps"] * 1e9 * spec["inter_ratio"])
+    result = {"profile": dataclasses.asdict(profile), "modes": {}}
+    for mode in spec["modes"]:
+        if dist.get_rank() == 0:
+            say(f"{mode} ...")
+        result["modes"][mode] = _time_mode(mode, spec, profile)
+    return result
+
+
+def main(args) -> int:
+    nodes, ranks = parse_cluster(args.cluster)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"longctx bench comm: unknown --modes {unknown}; choose from {', '.join(MODES)} "
+                         f"(three_level is not built yet)")
+    timed = math.ceil(args.timed / args.co2_local_steps) * args.co2_local_steps  # whole co2 rounds
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="bench-comm-") as work:
+        spec = dict(nodes=nodes, ranks=ranks, modes=modes, model=args.model, seq_len=args.seq_len, timed=timed,
+                    steps=args.steps, local_steps=args.co2_local_steps, intra_gbps=args.intra_gbps,
+                    inter_ratio=args.inter_ratio, work=work)
+        result = run_spawned(nodes * ranks, _rank, spec, timeout=4 * 3600)[0]
+    out = {"cluster": f"{nodes}x{ranks}", "model": args.model, "seq_len": args.seq_len, "timed_steps": timed,
+           **result, "ratios": _ratios(result["modes"])}
+    if args.plot and args.steps:
+        _plot(result["modes"], args.plot)
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def _ratios(modes: dict) -> dict:
+    base = modes.get("fsdp")
+    if base is None:
+        return {}
+    return {f"{m}/fsdp": {"step_s": r["step_s"] / base["step_s"],
+                          "inter_node_bytes": r["inter_node_bytes"] / max(base["inter_node_bytes"], 1)}
+            for m, r in modes.items() if m != "fsdp"}
+
+
+def _plot(modes: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, r in modes.items():
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=mode)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
