@@ -64,3 +64,38 @@ def test_the_closed_form_counts_what_each_mode_moves():
     node_ring = 4 * 16 * 1  # a node's 2 ranks each send their one other share of the 16-element node shard
     assert hpz["inter_node_bytes"] == fsdp["inter_node_bytes"] - 2 * ring(8)
     assert hpz["intra_node_bytes"] == fsdp["intra_node_bytes"] - 2 * ring(8) + 4 * node_ring
+
+
+@pytest.mark.slow
+def test_three_levels_count_exactly_and_keep_backward_gathers_in_the_group():
+    """2 nodes x 2 groups x 2 ranks: three_level (zeropp, hpZ's partition a group) against zeropp (a node)."""
+    import contextlib
+    import io
+
+    p = argparse.ArgumentParser()
+    comm_cluster.add_arguments(p)
+    args = p.parse_args(["--cluster", "2x4", "--group-ranks", "2", "--modes", "fsdp,zeropp,three_level",
+                         "--timed", "2", "--co2-local-steps", "2", "--steps", "4"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert comm_cluster.main(args) == 0
+    modes = json.loads(out.getvalue())["modes"]
+    for r in modes.values():
+        for key in ("inter_node_bytes", "intra_node_bytes", "intra_group_bytes"):
+            assert r[key] == r["closed_form"][key] > 0
+    three, zeropp = modes["three_level"], modes["zeropp"]
+    assert three["inter_node_bytes"] == zeropp["inter_node_bytes"]  # the same across nodes
+    middle = lambda r: r["intra_node_bytes"] - r["intra_group_bytes"]  # noqa: E731  between a node's groups
+    assert middle(three) < middle(zeropp) and three["intra_group_bytes"] > zeropp["intra_group_bytes"]
+    # where backward reads the weights from changes, not what it reads: the same losses
+    assert max(abs(a - b) for a, b in zip(three["losses"], zeropp["losses"])) < 1e-6
+
+
+def test_bad_three_level_requests_are_refused():
+    p = argparse.ArgumentParser()
+    comm_cluster.add_arguments(p)
+    for argv, says in ((["--cluster", "2x4", "--modes", "three_level"], "needs a third link level"),
+                       (["--cluster", "2x4", "--group-ranks", "3"], "must split a node"),
+                       (["--cluster", "1x4"], "at least 2 nodes")):
+        with pytest.raises(SystemExit, match=says):
+            comm_cluster.main(p.parse_args(argv))

@@ -26,18 +26,25 @@ class Unit:
     elements: int  # this unit's padded shard per rank of the full FSDP group, in elements
     node_elements: int  # ... of a group of one node's ranks (hpz's backward gather; co2's replica)
     root: bool = False  # the root module: gathered once per step
+    hpz_elements: int = 0  # ... of hpz's secondary partition when it is smaller than a node (0: a node's)
 
 
-def _ring(ranks: int, nodes: int, sent: int) -> tuple[int, int]:
-    """(inter, intra) bytes of a ring collective over `ranks` ranks on `nodes` nodes, `sent` bytes each
-    (a ring inside one node never leaves it)."""
-    crossing = nodes if nodes > 1 else 0
-    return crossing * sent, (ranks - crossing) * sent
+def _ring(ranks: int, nodes: int, sent: int, group: int = 0) -> tuple[int, int, int]:
+    """(across nodes, across groups inside a node, inside a group) bytes of a ring collective over
+    `ranks` consecutive ranks on `nodes` nodes, `sent` bytes each: the ring's hops that cross a node
+    boundary, then a group boundary (three levels: groups of `group` ranks), the rest. Without a group
+    level (0) the second figure is every hop inside a node and the third 0."""
+    inter = nodes if nodes > 1 else 0
+    if not group:
+        return inter * sent, (ranks - inter) * sent, 0
+    groups = ranks // group if ranks >= group else 1
+    middle = (groups - inter) if groups > 1 else 0
+    return inter * sent, middle * sent, (ranks - inter - middle) * sent
 
 
-def _add(total: list[int], part: tuple[int, int], times: float = 1.0) -> None:
-    total[0] += int(part[0] * times)
-    total[1] += int(part[1] * times)
+def _add(total: list[int], part: tuple, times: float = 1.0) -> None:
+    for i, value in enumerate(part):
+        total[i] += int(value * times)
 
 
 def _int8_blocks(elements: int, block: int) -> int:
@@ -46,39 +53,43 @@ def _int8_blocks(elements: int, block: int) -> int:
     return blocks * block + 4 * blocks
 
 
-def step_bytes(mode: str, units: list[Unit], nodes: int, ranks: int, block: int = 512,
-               local_steps: int = 4) -> dict[str, int]:
-    """{"inter_node_bytes", "intra_node_bytes"} per step of `mode` (fsdp, hpz, qwz, qgz, zeropp, co2)."""
-    world, total = nodes * ranks, [0, 0]
-    parts = {"fsdp": set(), "hpz": {"hpz"}, "qwz": {"qwz"}, "qgz": {"qgz"}, "zeropp": {"hpz", "qwz", "qgz"},
-             "co2": set()}[mode]
+PARTS = {"fsdp": set(), "hpz": {"hpz"}, "qwz": {"qwz"}, "qgz": {"qgz"}, "zeropp": {"hpz", "qwz", "qgz"},
+         "three_level": {"hpz", "qwz", "qgz"}, "co2": set()}
+
+
+def step_bytes(mode: str, units: list[Unit], nodes: int, ranks: int, block: int = 512, local_steps: int = 4,
+               group: int = 0, hpz_ranks: int = 0) -> dict[str, int]:
+    """{"inter_node_bytes", "intra_node_bytes", "intra_group_bytes"} per step of `mode` (fsdp, hpz, qwz,
+    qgz, zeropp, three_level, co2) on `nodes` x `ranks`, with a third level of `group` ranks (0: none;
+    intra_group_bytes is part of intra_node_bytes); hpz's secondary partition over `hpz_ranks` (0: a node)."""
+    world, total, parts = nodes * ranks, [0, 0, 0], PARTS[mode]
     g, k = (ranks, 1) if mode == "co2" else (world, nodes)  # co2: each replica is one node's FSDP group
+    copies = nodes if mode == "co2" else 1
+    level = hpz_ranks or ranks
     for u in units:
         n = u.node_elements if mode == "co2" else u.elements
         plain = 4 * n * (g - 1)
-        quantised = _int8_blocks(n, block) * (g - 1)
-        gather = quantised if "qwz" in parts else plain
-        for _ in range(1 if u.root else 2):  # (per replica under co2: times the nodes below)
-            _add(total, _ring(g, k, gather), nodes if mode == "co2" else 1)
-        if "hpz" in parts and not u.root:  # backward's gather stays in the node, in the gather dtype
-            total[0] -= _ring(g, k, gather)[0]
-            total[1] -= _ring(g, k, gather)[1]
-            _add(total, _ring(ranks, 1, 4 * u.node_elements * (ranks - 1)), nodes)
+        gather = _int8_blocks(n, block) * (g - 1) if "qwz" in parts else plain
+        _add(total, _ring(g, k, gather, group), copies * (1 if u.root or "hpz" in parts else 2))
+        if "hpz" in parts and not u.root:  # backward's gather within the secondary partition, unquantised
+            _add(total, _ring(level, 1, 4 * (u.hpz_elements or u.node_elements) * (level - 1), group), world // level)
         if "qgz" in parts:
-            _add(total, _qgz(n, nodes, ranks, block))
+            _add(total, _qgz(n, nodes, ranks, block, group))
         else:
-            _add(total, _ring(g, k, plain), nodes if mode == "co2" else 1)
-    _add(total, _ring(world, nodes, 2 * 8 * (world - 1) // world))  # the loss, summed over every rank
+            _add(total, _ring(g, k, plain, group), copies)
+    _add(total, _ring(world, nodes, 2 * 8 * (world - 1) // world, group))  # the loss, summed over every rank
     if mode == "co2":
         _add(total, _ring(nodes, nodes, 2 * 4 * (nodes - 1) // nodes), ranks)  # the replicas' largest grad norm
         shard = 4 * sum(u.node_elements for u in units)  # each rank's share of its replica's weights
         _add(total, _ring(nodes, nodes, 2 * shard * (nodes - 1) // nodes), ranks / local_steps)  # outer all-reduce
-    return {"inter_node_bytes": total[0], "intra_node_bytes": total[1]}
+    return {"inter_node_bytes": total[0], "intra_node_bytes": total[1] + total[2], "intra_group_bytes": total[2]}
 
 
-def _qgz(n: int, nodes: int, ranks: int, block: int) -> tuple[int, int]:
+def _qgz(n: int, nodes: int, ranks: int, block: int, group: int) -> tuple[int, int, int]:
     """qgZ's two all-to-alls for a unit whose reduce-scatter output is n elements per rank: within the
-    node each rank sends ranks - 1 rows of nodes x n values; across nodes, nodes - 1 rows of n."""
-    intra = nodes * ranks * (ranks - 1) * _int8_blocks(nodes * n, block)
-    inter = nodes * ranks * (nodes - 1) * _int8_blocks(n, block)
-    return inter, intra
+    node each rank sends ranks - 1 rows of nodes x n values (group - 1 of them inside its group);
+    across nodes, nodes - 1 rows of n."""
+    row = _int8_blocks(nodes * n, block)
+    inside = (group - 1) if group else 0
+    return (nodes * ranks * (nodes - 1) * _int8_blocks(n, block),
+            nodes * ranks * (ranks - 1 - inside) * row, nodes * ranks * inside * row)

@@ -11,8 +11,11 @@ measured on the same links. Modes:
 - fsdp: one FSDP group over every rank (synchronous data parallelism across the nodes);
 - hpz, qwz, qgz, zeropp (all three): parallel.zero_pp, nodes of RANKS ranks;
 - co2: one replica per node (parallel.dp_replicate = NODES, FSDP inside it), train.co2_local_steps
-  local steps per round, the outer all-reduce overlapped with the next round.
-(three_level, Frontier's third link level, is not built yet.)
+  local steps per round, the outer all-reduce overlapped with the next round;
+- three_level (with --group-ranks G: a third, fastest link level of G-rank groups inside each node,
+  Frontier's GCD pairs; the link between a node's groups is --middle-ratio of it): zeropp with hpZ's
+  secondary partition over a group (parallel.hpz_ranks = G), so backward's gathers stay on the fastest
+  level. Every mode then runs on the three-level links.
 
 Per mode: a warm-up step, then --timed steps (a multiple of co2's round). step_s is the mean step of
 the slowest rank; exposed_s the time that rank was blocked on a link per step; inter_node_bytes and
@@ -39,7 +42,7 @@ from ..progress import speaker
 from .comm_bytes import Unit, step_bytes
 from .emulated_link import LinkProfile, emulate
 
-MODES = ("fsdp", "hpz", "qwz", "qgz", "zeropp", "co2")
+MODES = ("fsdp", "hpz", "qwz", "qgz", "zeropp", "co2", "three_level")
 say = speaker("[bench comm --cluster] ")
 
 
@@ -49,7 +52,13 @@ def add_arguments(p) -> None:
     p.add_argument("--intra-gbps", type=float, default=1.0,
                    help="emulated link inside a node, GB/s per rank and direction (default 1: slow enough that "
                         "this CPU's compute does not hide every transfer; the ratios are what carry over)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--group-ranks", type=int, default=0,
+                   help="a third link level: groups of this many ranks inside a node, linked at --intra-gbps "
+                        "(0 = two levels); adds the three_level mode")
+    p.add_argument("--middle-ratio", type=float, default=0.25,
+                   help="with --group-ranks: the link between a node's groups / the link inside a group")
+    p.add_argument("--modes", default="", help=f"comma-separated, of {', '.join(MODES)} (default: all; "
+                                               f"three_level only with --group-ranks)")
     p.add_argument("--model", default="debug", help="model preset (default debug; small-100m for the issue's run)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence, one sequence per rank and step")
     p.add_argument("--timed", type=int, default=8, help="timed steps per mode after a warm-up (default 8)")
@@ -79,11 +88,12 @@ def mode_overrides(mode: str, nodes: int, ranks: int, spec: dict) -> list[str]:
     extra = {"fsdp": [], "hpz": ["--parallel.zero_pp=hpz"], "qwz": ["--parallel.zero_pp=qwz"],
              "qgz": ["--parallel.zero_pp=qgz"], "zeropp": ["--parallel.zero_pp=hpz,qwz,qgz"],
              "co2": [f"--parallel.dp_replicate={nodes}", "--train.data_parallel=co2",
-                     f"--train.co2_local_steps={spec['local_steps']}"]}[mode]
+                     f"--train.co2_local_steps={spec['local_steps']}"],
+             "three_level": ["--parallel.zero_pp=hpz,qwz,qgz", f"--parallel.hpz_ranks={spec['group_ranks']}"]}[mode]
     return [*base, *extra]
 
 
-def units_of(model, group: int, node: int) -> list[Unit]:
+def units_of(model, group: int, node: int, hpz: int = 0) -> list[Unit]:
     """The FSDP units' shards per rank, from the parameters' shapes and FSDP2's padding of dim 0 to a
     multiple of the group (independent of what the links counted)."""
     def shard(params, size):
@@ -93,7 +103,7 @@ def units_of(model, group: int, node: int) -> list[Unit]:
     for members in model.grad_bucket_plan.groups():
         params = [p for i in members for p in model.layers[i].parameters()]
         in_blocks.update(id(p) for p in params)
-        units.append(Unit(shard(params, group), shard(params, node)))
+        units.append(Unit(shard(params, group), shard(params, node), hpz_elements=shard(params, hpz) if hpz else 0))
     root = [p for p in model.parameters() if id(p) not in in_blocks]
     return [*units, Unit(shard(root, group), shard(root, node), root=True)]
 
@@ -110,7 +120,7 @@ def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:
         for step in range(2, spec["timed"] + 2):
             losses.append(float(trainer.step(step)[0]))
         seconds = time.perf_counter() - started
-        exposed, moved = emu.exposed_s - exposed, [emu.hops[k] - hops[k] for k in ("inter", "intra")]
+        exposed, moved = emu.exposed_s - exposed, [emu.hops[k] - hops[k] for k in ("inter", "intra", "group")]
         for step in range(spec["timed"] + 2, spec["steps"] + 1):
             losses.append(float(trainer.step(step)[0]))
         if trainer.co2 is not None:
@@ -119,10 +129,14 @@ def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:
     slowest = comm.all_reduce(torch.tensor([seconds, exposed], dtype=torch.float64), world, op=dist.ReduceOp.MAX)
     total = comm.all_reduce(torch.tensor(moved, dtype=torch.float64), world)
     group = nodes * ranks if mode != "co2" else ranks
+    per_step = [float(v) / spec["timed"] for v in total]
     out = {"step_s": float(slowest[0]) / spec["timed"], "exposed_s": float(slowest[1]) / spec["timed"],
-           "inter_node_bytes": float(total[0]) / spec["timed"], "intra_node_bytes": float(total[1]) / spec["timed"]}
-    units = units_of(trainer.model, group, ranks)
-    out["closed_form"] = step_bytes(mode, units, nodes, ranks, cfg.parallel.zero_pp_block, spec["local_steps"])
+           "inter_node_bytes": per_step[0], "intra_node_bytes": per_step[1] + per_step[2],
+           "intra_group_bytes": per_step[2]}
+    hpz = spec["group_ranks"] if mode == "three_level" else 0
+    units = units_of(trainer.model, group, ranks, hpz)
+    out["closed_form"] = step_bytes(mode, units, nodes, ranks, cfg.parallel.zero_pp_block, spec["local_steps"],
+                                    spec["group_ranks"], hpz)
     if spec["steps"]:
         out["final_loss"] = sum(losses[-10:]) / len(losses[-10:])
         out["losses"] = losses
@@ -130,7 +144,10 @@ def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:
 
 
 def _rank(spec: dict) -> dict:
-    profile = LinkProfile(spec["ranks"], spec["intra_gbps"] * 1e9, spec["intra_gbps"] * 1e9 * spec["inter_ratio"])
+    fastest, group = spec["intra_gbps"] * 1e9, spec["group_ranks"]
+    profile = LinkProfile(spec["ranks"], fastest * (spec["middle_ratio"] if group else 1.0),
+                          fastest * spec["inter_ratio"], ranks_per_group=group,
+                          group_bytes_per_s=fastest if group else 0.0)
     result = {"profile": dataclasses.asdict(profile), "modes": {}}
     for mode in spec["modes"]:
         if dist.get_rank() == 0:
@@ -141,18 +158,24 @@ def _rank(spec: dict) -> dict:
 
 def main(args) -> int:
     nodes, ranks = parse_cluster(args.cluster)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()] or [
+        m for m in MODES if m != "three_level" or args.group_ranks]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise SystemExit(f"longctx bench comm: unknown --modes {unknown}; choose from {', '.join(MODES)} "
-                         f"(three_level is not built yet)")
+        raise SystemExit(f"longctx bench comm: unknown --modes {unknown}; choose from {', '.join(MODES)}")
+    if args.group_ranks and (args.group_ranks < 2 or ranks % args.group_ranks):
+        raise SystemExit(f"longctx bench comm: --group-ranks {args.group_ranks} must split a node of {ranks} ranks "
+                         f"into groups of 2 or more")
+    if "three_level" in modes and not args.group_ranks:
+        raise SystemExit("longctx bench comm: three_level needs a third link level: give --group-ranks G")
     timed = math.ceil(args.timed / args.co2_local_steps) * args.co2_local_steps  # whole co2 rounds
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as work:
         spec = dict(nodes=nodes, ranks=ranks, modes=modes, model=args.model, seq_len=args.seq_len, timed=timed,
                     steps=args.steps, local_steps=args.co2_local_steps, intra_gbps=args.intra_gbps,
-                    inter_ratio=args.inter_ratio, work=work)
+                    inter_ratio=args.inter_ratio, work=work, group_ranks=args.group_ranks,
+                    middle_ratio=args.middle_ratio)
         result = run_spawned(nodes * ranks, _rank, spec, timeout=4 * 3600)[0]
     out = {"cluster": f"{nodes}x{ranks}", "model": args.model, "seq_len": args.seq_len, "timed_steps": timed,
            **result, "ratios": _ratios(result["modes"])}
@@ -166,9 +189,12 @@ def _ratios(modes: dict) -> dict:
     base = modes.get("fsdp")
     if base is None:
         return {}
-    return {f"{m}/fsdp": {"step_s": r["step_s"] / base["step_s"],
-                          "inter_node_bytes": r["inter_node_bytes"] / max(base["inter_node_bytes"], 1)}
-            for m, r in modes.items() if m != "fsdp"}
+    out = {f"{m}/fsdp": {"step_s": r["step_s"] / base["step_s"],
+                         "inter_node_bytes": r["inter_node_bytes"] / max(base["inter_node_bytes"], 1)}
+           for m, r in modes.items() if m != "fsdp"}
+    if "three_level" in modes and "zeropp" in modes:
+        out["three_level/zeropp"] = {"step_s": modes["three_level"]["step_s"] / modes["zeropp"]["step_s"]}
+    return out
 
 
 def _plot(modes: dict, path: str) -> None:

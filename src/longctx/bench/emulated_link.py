@@ -56,10 +56,18 @@ class LinkProfile:
     inter_latency_s: float = 10e-6
     dims: tuple[str, ...] = ()  # the mesh dims whose collectives are emulated (empty: all of them)
     compute_flops: float = 0.0  # an emulated device's FLOP/s for the expert GEMMs (0: as fast as they run here)
+    # a third, fastest level (Frontier's GCD pairs): groups of this many ranks inside a node, linked at
+    # group_bytes_per_s; intra_bytes_per_s is then the link between a node's groups (0: two levels)
+    ranks_per_group: int = 0
+    group_bytes_per_s: float = 0.0
+    group_latency_s: float = 2e-6
 
     def __post_init__(self):
         if self.ranks_per_node < 1 or self.intra_bytes_per_s <= 0 or self.inter_bytes_per_s <= 0:
             raise ValueError(f"an emulated link needs ranks_per_node >= 1 and positive bandwidths, got {self}")
+        if self.ranks_per_group and (self.ranks_per_node % self.ranks_per_group or self.group_bytes_per_s <= 0):
+            raise ValueError(f"a three-level link needs groups that split a node and a positive group bandwidth, "
+                             f"got {self}")
 
     @classmethod
     def from_hardware(cls, hw, ranks_per_node: int, slowdown: float = 1.0, dims: tuple[str, ...] = (),
@@ -78,44 +86,70 @@ class LinkProfile:
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
+    def level(self, a: int, b: int) -> str:
+        """The link between ranks a and b: "group" (same group, three levels only), "intra" or "inter"."""
+        if self.node(a) != self.node(b):
+            return "inter"
+        if self.ranks_per_group and a // self.ranks_per_group == b // self.ranks_per_group:
+            return "group"
+        return "intra"
+
+    def slowest(self, ranks: list[int]) -> str:
+        """The slowest link a ring over `ranks` crosses."""
+        if len({self.node(r) for r in ranks}) > 1:
+            return "inter"
+        if self.ranks_per_group and len({r // self.ranks_per_group for r in ranks}) == 1:
+            return "group"
+        return "intra"
+
+    def link(self, name: str) -> tuple[float, float]:
+        """(latency, bytes/s) of a link."""
+        return {"group": (self.group_latency_s, self.group_bytes_per_s),
+                "intra": (self.intra_latency_s, self.intra_bytes_per_s),
+                "inter": (self.inter_latency_s, self.inter_bytes_per_s)}[name]
+
 
 class LinkEmulator:
     """One rank's two links: when each is free, and the time this rank has been blocked on them."""
 
     def __init__(self, profile: LinkProfile, rank: int):
         self.profile, self.rank = profile, rank
-        self.free_at = {"intra": 0.0, "inter": 0.0}
+        self.free_at = {"group": 0.0, "intra": 0.0, "inter": 0.0}
         self.exposed_s = 0.0
         self.transfers = 0
-        self.sent = {"intra": 0, "inter": 0}  # bytes this rank sent over each link
+        self.sent = {"group": 0, "intra": 0, "inter": 0}  # bytes this rank sent over each link
         # bytes this rank put on a hop within / across nodes: an all-to-all's to each peer directly, a
         # ring collective's all to its successor in the ring (so a ring over k nodes crosses k times)
-        self.hops = {"intra": 0, "inter": 0}
+        self.hops = {"group": 0, "intra": 0, "inter": 0}
 
     def covers(self, dim: str) -> bool:
         return not self.profile.dims or dim in self.profile.dims
 
-    def post(self, by_peer: dict[int, tuple[int, int]], now: float | None = None, ring=None) -> float:
+    def post(self, by_peer: dict[int, tuple[int, int]], now: float | None = None) -> float:
         """Put a transfer issued at `now` (default: now) on the links: {global peer rank: (bytes sent
         to it, bytes received from it)}; returns the monotonic time at which it is complete."""
         p = self.profile
-        load = {"intra": [0, 0], "inter": [0, 0]}
+        load = {"group": [0, 0], "intra": [0, 0], "inter": [0, 0]}
         for peer, (sent, received) in by_peer.items():
             if peer == self.rank:
                 continue
-            link = load["intra" if p.node(peer) == p.node(self.rank) else "inter"]
+            link = load[p.level(self.rank, peer)]
             link[0] += sent
             link[1] += received
         for name, (sent, _) in load.items():
+            self.hops[name] += sent
+        return self._occupy(load, now)
+
+    def _occupy(self, load: dict, now: float | None) -> float:
+        """Queue {link: [bytes sent, bytes received]} on this rank's links; the time all are done."""
+        for name, (sent, _) in load.items():
             self.sent[name] += sent
-            self.hops[name] += sent if ring is None else 0
         now = time.monotonic() if now is None else now
         done = now
         for name, (sent, received) in load.items():
             if not sent and not received:
                 continue
-            latency, bandwidth = ((p.intra_latency_s, p.intra_bytes_per_s) if name == "intra"
-                                  else (p.inter_latency_s, p.inter_bytes_per_s))
+            latency, bandwidth = self.profile.link(name)
             end = max(now, self.free_at[name]) + latency + max(sent, received) / bandwidth
             self.free_at[name] = end
             done = max(done, end)
@@ -126,13 +160,14 @@ class LinkEmulator:
         """A ring collective over `group_ranks` moving `nbytes` through each rank: at the speed of
         the slowest link the ring crosses."""
         p = self.profile
-        crosses = len({p.node(r) for r in group_ranks}) > 1
-        peer = next((r for r in group_ranks if (p.node(r) != p.node(self.rank)) == crosses and r != self.rank),
-                    self.rank)
+        if len(group_ranks) < 2:
+            return time.monotonic() if now is None else now
         ordered = sorted(group_ranks)
         successor = ordered[(ordered.index(self.rank) + 1) % len(ordered)]
-        self.hops["inter" if p.node(successor) != p.node(self.rank) else "intra"] += int(nbytes)
-        return self.post({peer: (int(nbytes), int(nbytes))}, now, ring=True)
+        self.hops[p.level(self.rank, successor)] += int(nbytes)
+        load = {"group": [0, 0], "intra": [0, 0], "inter": [0, 0]}
+        load[p.slowest(group_ranks)] = [int(nbytes), int(nbytes)]
+        return self._occupy(load, now)
 
     def wait_until(self, done: float, started: float | None = None) -> None:
         """Block until `done`; the blocked time since `started` (default: now) counts as exposed."""

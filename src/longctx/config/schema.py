@@ -277,6 +277,10 @@ class ParallelConfig:
                                    "scale each: 4 / block bytes per element on top of the int8)")
     ranks_per_node: int = _opt(0, "ranks per node, for parallel.zero_pp's hpz and qgz; 0 = the launcher's "
                                   "(LOCAL_WORLD_SIZE, or every rank when the job runs on one machine)")
+    hpz_ranks: int = _opt(0, "parallel.zero_pp's hpz: the ranks each unit stays sharded over after its forward; "
+                             "0 = a node's (parallel.ranks_per_node). Smaller (a divisor of it) keeps backward's "
+                             "gathers on a faster level inside the node, at the cost of a larger copy (Frontier's "
+                             "three levels: e.g. 2 for the two GCDs of an MI250X)")
     grad_bucket_blocks: int = _opt(1, "transformer blocks per FSDP unit, i.e. per gradient reduce-scatter (and "
                                       "parameter all-gather): 1 = one per block; 0 = chosen by the cost model "
                                       "(parallel/fsdp/grad_buckets.py, logged)")

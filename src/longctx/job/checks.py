@@ -28,7 +28,7 @@ def check_layout(cfg, world: int) -> ParallelDims:
             except ConfigError as e:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
-    node_size(cfg, dims)
+    hpz_group(cfg, dims)  # (and node_size: both checked before launch)
     return dims
 
 
@@ -104,7 +104,13 @@ def node_size(cfg, dims: ParallelDims) -> int | None:
 
 def hpz_group(cfg, dims: ParallelDims) -> int | None:
     """The ranks each unit's weights stay sharded over after its forward under parallel.zero_pp = hpz
-    (FSDP2's reshard_after_forward as an int: consecutive ranks of the FSDP group, i.e. a node's),
-    None without hpz."""
+    (FSDP2's reshard_after_forward as an int: consecutive ranks of the FSDP group, a node's, or the
+    smaller level parallel.hpz_ranks names), None without hpz."""
     node = node_size(cfg, dims)
-    return node if "hpz" in zero_pp_names(cfg) else None
+    if "hpz" not in zero_pp_names(cfg):
+        return None
+    level = cfg.parallel.hpz_ranks
+    if level < 0 or (level and node % level):
+        raise ConfigError(f"parallel.hpz_ranks = {level}: hpz's secondary partition must split a node of {node} "
+                          f"ranks (a divisor of parallel.ranks_per_node), or 0 for the whole node.")
+    return level or node
