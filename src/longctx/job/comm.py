@@ -42,6 +42,7 @@ _OWN = threading.local()  # depth > 0 while one of this module's functions runs 
 
 # torch >= 2.10 renamed all_gather_into_tensor (output concatenated along dim 0) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def counters() -> dict[str, dict[str, int]]:
@@ -313,7 +314,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, group, op, label: st
     every group rank's chunk in order, `out` receives this rank's, reduced with `op`."""
     n, started = group.size(), time.monotonic()
     with _own():
-        dist.reduce_scatter_tensor(out, x.contiguous(), op=op, group=group)
+        _reduce_scatter_single(out, x.contiguous(), op=op, group=group)
     _count_group(group, label, nbytes(x) * (n - 1) // n, started)
 
 
