@@ -135,10 +135,11 @@ def _resumed(first, then, run_dir):
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("co2")
     jobs = [(f"outer {name}", _distributed, (s,)) for name, s in (("plain", PLAIN), ("full", FULL), ("same", SAME))]
-    jobs += [("sync", _losses, ([], str(d / "sync"))), ("co2", _losses, (CO2, str(d / "co2"))),
+    jobs += [("co2", _losses, (CO2, str(d / "co2"))),
              ("co2 rounds", _logged_rounds, (str(d / "co2"),)),
              ("resumed", _resumed, (CO2, CO2, str(d / "resumed"))),
              ("co2 to sync", _resumed, (CO2, [], str(d / "to-sync"))),
+             ("sync to co2", _resumed, ([], CO2, str(d / "to-co2"))), ("sync", _losses, ([], str(d / "sync"))),
              ("co2 head2", _losses, ([*CO2, "--parallel.head=2"], str(d / "head2"))),
              ("co2 moe", _losses, ([*CO2, "--model.preset=debug-moe", "--parallel.expert=2"], str(d / "moe")))]
     return run_spawned_many(4, jobs)
@@ -185,6 +186,12 @@ def test_a_co2_checkpoint_resumes_under_sync(runs):
     resumed = runs["co2 to sync"][0]
     assert len(resumed) == 5 and all(x == x for x in resumed)
     assert resumed != runs["co2"][0][5:]  # it went on synchronously
+
+
+def test_a_sync_checkpoint_resumes_under_co2(runs):
+    resumed, sync = runs["sync to co2"][0], runs["sync"][0]
+    assert len(resumed) == 5 and resumed[0] == pytest.approx(sync[5], abs=1e-6)  # the same weights at step 6
+    assert resumed != sync[5:]  # then local rounds
 
 
 @pytest.mark.parametrize("run", ["co2 head2", "co2 moe"])
