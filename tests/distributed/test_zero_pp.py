@@ -81,7 +81,7 @@ def _reduce_check(n, block):
     bound = 2 * world * max(g.abs().max().item() for g in grads) / 254
     counted = comm.counters()
     return ((out - exact).abs().max().item(), bound, torch.equal(out, exact),
-            counted["intra"]["qgz_intra_values"], counted["inter"]["qgz_inter_values"])
+            counted["intra"]["qgz_intra"], counted["inter"]["qgz_inter"])
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +144,11 @@ def test_all_of_zero_pp_trains_close_to_plain_fsdp(runs):
 
 def test_qgz_reduces_within_the_rounding_and_sends_int8_rows(runs):
     """2 nodes of 2: within the node each rank sends its peer one row of 2 chunks (2 x 1000 values,
-    32 blocks of 64 padded: 2,048 bytes); across nodes one row of 1 chunk (1,024 bytes)."""
+    32 blocks of 64 padded: 2,048 bytes, and 32 fp32 scales: 128); across nodes one row of 1 chunk
+    (16 blocks: 1,024 + 64 bytes)."""
     for err, bound, exact, intra, inter in runs["reduce"]:
         assert 0 < err <= bound and not exact
-        assert (intra, inter) == (2048, 1024)
+        assert (intra, inter) == (2048 + 128, 1024 + 64)
 
 
 def test_hpz_with_qwz_rounds_once(runs):

@@ -66,13 +66,12 @@ class QuantizedAllGather(DefaultAllocMixin, AllGather):
             self.plain_bytes += n * input_tensor.element_size()
             return None
         q, scale = quantize_blocks(input_tensor, self.block)
-        gathered_q = q.new_empty(world * q.numel())
-        gathered_scale = scale.new_empty(world * scale.numel())
-        all_gather_into(gathered_q, q, group, "qwz_values")
-        all_gather_into(gathered_scale, scale, group, "qwz_scales")
-        parts = dequantize_blocks(gathered_q, gathered_scale, gathered_q.numel(), output_tensor.dtype)
-        parts = parts.view(world, -1)[:, :n]
-        output_tensor.view(world, n).copy_(parts)
+        packed = pack_blocks(q, scale)  # one collective for values and scales: half the calls
+        gathered = packed.new_empty(world * packed.numel())
+        all_gather_into(gathered, packed, group, "qwz")
+        got_q, got_scale = unpack_blocks(gathered.view(world, -1), q.numel())
+        parts = dequantize_blocks(got_q.reshape(-1), got_scale.reshape(-1), got_q.numel(), output_tensor.dtype)
+        output_tensor.view(world, n).copy_(parts.view(world, -1)[:, :n])
         self.calls += 1
         self.sent_bytes += q.numel() + 4 * scale.numel()
         self.plain_bytes += n * input_tensor.element_size()
@@ -113,14 +112,27 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
         return None
 
     def _exchange(self, parts: torch.Tensor, mesh, label: str) -> torch.Tensor:
-        """parts [k, m]: row i to group rank i as int8 blocks; returns the sum of the k rows received."""
+        """parts [k, m]: row i to group rank i as int8 blocks (values and scales in one message);
+        returns the sum of the k rows received."""
         k, m = parts.shape
         if k == 1:
             return parts[0].float()
-        q, scale = zip(*(quantize_blocks(row, self.block) for row in parts))
-        got_q = all_to_all(torch.stack(q), mesh, f"{label}_values")
-        got_scale = all_to_all(torch.stack(scale), mesh, f"{label}_scales")
-        return sum(dequantize_blocks(got_q[i], got_scale[i], m, torch.float32) for i in range(k))
+        rows = F.pad(parts.float(), (0, (-m) % self.block))  # each row whole blocks, as one row alone would be
+        q, scale = quantize_blocks(rows, self.block)
+        packed = torch.cat([q.view(k, -1).view(torch.uint8), scale.view(k, -1).contiguous().view(torch.uint8)], 1)
+        got_q, got_scale = unpack_blocks(all_to_all(packed, mesh, label), rows.shape[1])
+        values = dequantize_blocks(got_q.reshape(-1), got_scale.reshape(-1), got_q.numel(), torch.float32)
+        return values.view(k, -1)[:, :m].sum(0)
+
+
+def pack_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """quantize_blocks' values and scales as one byte buffer (values first)."""
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)])
+
+
+def unpack_blocks(packed: torch.Tensor, values: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of pack_blocks' buffers [r, bytes] -> (int8 values [r, values], fp32 scales [r, blocks])."""
+    return packed[:, :values].contiguous().view(torch.int8), packed[:, values:].contiguous().view(torch.float32)
 
 
 class CountedAllGather(DefaultAllocMixin, AllGather):
