@@ -125,6 +125,8 @@ def length_policy(adaptive, k: int, target, draft, draft_cost: float | None = No
     if adaptive is False or adaptive is None:
         return None
     if adaptive is True:
+        if draft is None and draft_cost is None:
+            raise ValueError("adaptive speculation needs draft_cost for a drafter without a draft model")
         return AdaptiveLength(k, draft_cost if draft_cost is not None else draft_cost_ratio(target, draft))
     if adaptive.cap > k:
         raise ValueError(f"an adaptive length capped at {adaptive.cap} for speculation of up to k = {k}")
