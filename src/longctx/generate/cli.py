@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from .. import threads
 from ..errors import ConfigError
 from ..progress import say
+from .context_memory import add_flags as add_context_memory_flags
 from .settings import add_sampling_flags
 
 
@@ -100,6 +101,7 @@ def add_parser(sub) -> None:
                    help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
                         "tokenizer.json)")
     _add_draft_flags(p)
+    add_context_memory_flags(p)  # --context-memory infllm, --infllm-* (generate/context_memory.py)
     p.set_defaults(func=main)
 
 
@@ -147,6 +149,7 @@ class GenerateRequest:
     notes: list[str] = field(default_factory=list)
     draft_cfg: object = None     # the draft model's config, or a GliDe draft's record (--draft), checked
     cape: object = None          # --cape's table (generate/cape.py CapeTable)
+    memory: object = None        # --context-memory infllm's shape (models/context_memory.py InfLLMShape)
 
 
 
@@ -192,6 +195,7 @@ def _config(args, overrides: list[str]):
 
 def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
+    from .context_memory import check_prompts, memory_reach, memory_shape
     from .loading import eos_ids
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
     from .spec_length import check_adaptive_flags
@@ -205,9 +209,14 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
         from ..job.checks import check_heads
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
-    tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model)
+    memory = memory_shape(args, cfg)
+    # InfLLM keeps every distance below init + window + block: that sum, not the prompt, meets the reach
+    reach = memory_reach(memory, cfg.model) if memory is not None else None
+    tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model, reach)
+    if memory is not None:
+        check_prompts(memory, prompts)
     eos = eos_ids(cfg.model.init_from, tokenizer)
-    request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes)
+    request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
     if args.draft:
         from .drafts import draft_config
 
@@ -303,6 +312,11 @@ def _run(request: GenerateRequest, args) -> int:
     from .sampling import derive_seed, sample_seed
 
     backend, device, main_rank = backend_for(request.cfg)
+    memory = None
+    if request.memory is not None:  # (the warm-up below stays plain: 8 tokens hold no memory)
+        from .context_memory import InfLLMGeneration, describe
+
+        memory = InfLLMGeneration(request.memory)
     dtype = resolve_dtype(request.cfg.train.dtype, device)
     model = load_model(request.cfg, device, dtype)
     if main_rank:
@@ -321,7 +335,10 @@ def _run(request: GenerateRequest, args) -> int:
     output = Output(request.tokenizer, args.stop, args.output, len(request.prompts) * samples,
                     sum(request.limits) * samples, main_rank, args.echo)
     draft = _load_draft(request, args, model, device, dtype, main_rank)
-    size = 1 if draft is not None else args.batch  # speculation: one prompt at a time
+    if memory is not None and main_rank:
+        say(describe(memory, args.prefill_chunk))
+    # speculation and InfLLM (rows of one length): one prompt at a time
+    size = 1 if draft is not None or memory is not None else args.batch
     eos = [] if args.ignore_eos else request.eos_ids
     try:
         for start in range(0, len(request.prompts), size):
@@ -334,7 +351,8 @@ def _run(request: GenerateRequest, args) -> int:
             else:
                 results = generate(model, [p["ids"] for p in batch], max_new_tokens=request.limits[start:start + size],
                                    sampling=request.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk,
-                                   stop=output.stops, on_token=output.on_token, device=device, backend=backend,
+                                   stop=output.stops, on_token=output.on_token, device=device,
+                                   backend=memory or backend,
                                    seeds=seeds, num_samples=samples, logprobs=args.logprobs, compile=step)
             for i, r in enumerate(results):  # (prompt-major: a prompt's samples together)
                 output.write(batch[i // samples], r, speculative=draft is not None, samples=samples)

@@ -71,17 +71,18 @@ def tokenizer_spec(args, cfg) -> str:
     return spec
 
 
-def tokenize_prompts(args, prompts: list[dict], spec: str, m):
+def tokenize_prompts(args, prompts: list[dict], spec: str, m, reach=None):
     """(the tokenizer, each prompt's limit of new tokens, notes): the prompts rendered by the chat
     template with --chat, then their token ids (into each one's "ids") checked against the model
-    config `m` and the positions it reaches."""
+    config `m` and the positions it reaches (`reach`: another, e.g. a context memory's
+    (generate/context_memory.py); default the model's, config/positions.py model_reach)."""
     from ..config.positions import model_reach
     from ..data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     if args.chat:
         apply_chat(prompts, spec)
-    limits, notes = encode_prompts(args, prompts, tokenizer, spec, m, model_reach(m))
+    limits, notes = encode_prompts(args, prompts, tokenizer, spec, m, reach or model_reach(m))
     return tokenizer, limits, notes
 
 

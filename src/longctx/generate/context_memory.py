@@ -1,0 +1,156 @@
+"""`--context-memory infllm`: generation past the trained window with InfLLM's context memory, on one process.
+
+The attention is models/context_memory.py's (InfLLMMemory.core on the KVCache); this module holds the
+flags, their checks (every one before any weight is read) and the backend that uses it.
+
+Why InfLLM prompts pass the length guard (config/positions.py's reach, which refuses prompts past the
+trained positions unless --allow-extrapolation): with the memory every distance a query sees is at most
+init + window + block - 1 (the local span keeps real distances below window + block, the initial
+tokens and retrieved units sit at that one distance), whatever the prompt's length. So the check is
+moved from the prompt to the memory's shape: init + window + block must be within the reach, and the
+prompts and their continuations may then be as long as the cache fits.
+
+Prefill runs in chunks of at most window / 2 tokens (--prefill-chunk if smaller): each chunk's units are
+chosen for it, and every query of a chunk keeps at least window / 2 real neighbours in its local span.
+Prompts run one at a time (rows of one length; their --num-samples copies share the prefill).
+Refused, each with its fix: --nproc > 1 (a ctx-sharded memory is a later step), --draft (speculation
+verifies several tokens against one selection, not built), --compile (its static step bypasses this
+core), Ms-PoE (its per-head RoPE tables and InfLLM's re-rotation are not combined here), a window
+larger than a prompt, a block that does not divide the window.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..models.context_memory import InfLLMMemory, InfLLMShape
+    from ..models.kv_cache import KVCache
+
+# (imported by generate/cli.py for its flags: torch and the models load only when a memory is made)
+# the defaults, for a model trained on 8K positions: 128 + 2048 + 128 of them at most, 3,327 keys per query
+DEFAULTS = {"block": 128, "repr": 4, "topk": 8, "window": 2048, "init": 128}
+
+
+def add_flags(p) -> None:
+    """--context-memory and the --infllm-* sizes."""
+    p.add_argument("--context-memory", choices=("none", "infllm"), default="none",
+                   help="infllm: attend to the first --infllm-init tokens, the last --infllm-window and the "
+                        "--infllm-topk best units of --infllm-block tokens of the rest, every distance within "
+                        "the trained window (prompts past it run; one process, one prompt at a time)")
+    for name, text in (("block", "tokens per memory unit"),
+                       ("repr", "representative keys per unit (scored against the query)"),
+                       ("topk", "memory units each call attends to"),
+                       ("window", "recent tokens attended at their real distance (a multiple of the block)"),
+                       ("init", "initial tokens always attended (attention sinks)")):
+        p.add_argument(f"--infllm-{name}", type=int, default=DEFAULTS[name],
+                       help=f"{text} (default {DEFAULTS[name]})")
+
+
+def memory_shape(args, cfg) -> InfLLMShape | None:
+    """--context-memory's shape (None without it), every flag and combination checked: one error."""
+    if getattr(args, "context_memory", "none") != "infllm":
+        return None
+    from ..models.context_memory import InfLLMShape
+
+    shape = InfLLMShape(args.infllm_block, args.infllm_repr, args.infllm_topk, args.infllm_window, args.infllm_init)
+    problems = shape.problems()
+    if args.nproc > 1 or cfg.parallel.head * cfg.parallel.ctx > 1:
+        problems.append(f"--context-memory infllm runs on one process (got --nproc {args.nproc}); drop --nproc and "
+                        f"--parallel.* (a memory sharded over ctx ranks is not built yet)")
+    if args.draft:
+        problems.append("--context-memory infllm does not verify a --draft's proposals (one unit selection per "
+                        "call of several tokens); drop --draft")
+    if args.compile:
+        problems.append("--compile's static decode step bypasses InfLLM's attention; drop --compile")
+    if cfg.model.rope_ms_poe:
+        problems.append("--context-memory infllm re-rotates keys with one RoPE table, not Ms-PoE's per-head ones; "
+                        "drop --model.rope_ms_poe")
+    if problems:
+        raise ConfigError("; ".join(problems) + ".")
+    return shape
+
+
+def check_reach(shape: InfLLMShape, reach) -> None:
+    """The farthest distance the memory shows (init + window + block - 1) within the trained positions."""
+    need = shape.init + shape.window + shape.block
+    if need > reach.positions:
+        raise ConfigError(f"--infllm-init + --infllm-window + --infllm-block = {need:,} positions, past the "
+                          f"{reach.positions:,} the model reaches ({reach.said()}): InfLLM keeps every distance "
+                          f"below that sum. Use a smaller --infllm-window (a multiple of --infllm-block).")
+
+
+def memory_reach(shape: InfLLMShape, m):
+    """The reach prompts are checked against under the memory: the model's (config/positions.py) must
+    cover init + window + block; then no prompt length is past it (the memory never shows a larger
+    distance), so it is unbounded."""
+    import dataclasses
+
+    from ..config.positions import model_reach
+
+    reach = model_reach(m)
+    check_reach(shape, reach)
+    return dataclasses.replace(reach, positions=UNBOUNDED)
+
+
+UNBOUNDED = 2 ** 62  # (a reach no prompt meets: generate/prompts.py then neither refuses nor caps)
+
+
+def describe(backend: InfLLMGeneration, prefill_chunk: int) -> str:
+    """The line generate says about the memory."""
+    s = backend.shape
+    return (f"generate: InfLLM context memory: {s.init} initial tokens, a {s.window}-token window, the top "
+            f"{s.topk} of units of {s.block} tokens ({s.repr} representative keys each); at most {s.max_keys:,} "
+            f"keys per query, every distance < {s.far + 1:,}; prefill chunks of {backend.chunk(prefill_chunk):,} "
+            f"tokens, one prompt at a time")
+
+
+def check_prompts(shape: InfLLMShape, prompts: list[dict]) -> None:
+    """A window larger than a prompt is an error (the issue's rule: nothing there to remember)."""
+    short = [(i, len(p["ids"])) for i, p in enumerate(prompts) if len(p["ids"]) < shape.window]
+    if short:
+        i, n = short[0]
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        raise ConfigError(f"--infllm-window {shape.window} is larger than {which} ({n:,} tokens"
+                          f"{f'; {len(short)} prompts are' if len(short) > 1 else ''}): the memory would never "
+                          f"hold anything. Use --infllm-window <= {n // shape.block * shape.block or shape.block} or "
+                          f"drop --context-memory.")
+
+
+class InfLLMGeneration:
+    """The one-device backend (contracts.Backend; not a FlatPrefill, whose one varlen call would bypass
+    the memory: rows prefill in chunks) whose cache attends through an InfLLMMemory. `memory`: the last
+    cache's (tests read its keys_read)."""
+
+    def __init__(self, shape: InfLLMShape):
+        self.shape = shape
+        self.memory: InfLLMMemory | None = None
+
+    def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:
+        from ..models.context_memory import InfLLMMemory
+        from ..models.kv_cache import KVCache
+
+        if core is not None:
+            raise ValueError("InfLLM's cache attends through its own core; pass no cache_core")
+        self.memory = InfLLMMemory(self.shape, model, batch, max_len)
+        return KVCache.for_model(model, batch, max_len, core=self.memory.core)
+
+    def prefill(self, model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
+        from .local import prefill
+
+        return prefill(model, cache, tokens, self.chunk(chunk))
+
+    def chunk(self, chunk: int) -> int:
+        """Prefill tokens per call: --prefill-chunk, at most window / 2 (each query keeps >= window / 2
+        real neighbours)."""
+        return max(1, min(chunk if chunk > 0 else self.shape.window, self.shape.window // 2))
+
+    def repeat_rows(self, cache: KVCache, rows: int, times: int) -> None:
+        from .local import LOCAL
+
+        LOCAL.repeat_rows(cache, rows, times)
+        self.memory.copy_rows(rows, times)

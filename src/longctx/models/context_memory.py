@@ -1,0 +1,186 @@
+"""InfLLM context memory (Xiao et al. 2024): a KV cache core that attends to a bounded set of keys.
+
+Training-free. A query at slot i of a row holding e tokens (e - 1 = the chunk's last slot) attends to
+- the first `init` tokens (attention sinks),
+- the local span: every slot from the end of the last memory unit to the query itself (between
+  `window` and `window + block - 1` tokens: a unit leaves the span only when it is whole),
+- the `topk` memory units that score highest for the call's queries. The slots between the initial
+  tokens and the local span are cut into units of `block` tokens; unit u holds slots
+  [init + u * block, init + (u + 1) * block) and exists once e - window - init >= (u + 1) * block.
+A call's units are chosen once for all its queries (a prefill chunk, or a decode token): score(u) =
+the mean over the call's queries of the sum over every head of q . rep(u), where rep(u) per kv head is
+the sum of `repr` of its keys. Which keys represent a unit (documented simplification of the paper,
+which takes those the local window's queries attended to most): per kv head, the `repr` keys with the
+largest dot product with the unit's mean key (the unit's most typical keys), chosen once when the unit
+forms, deterministic.
+
+Positions. The cache holds keys rotated (RoPE) at their real slot; the local span keeps those real
+relative distances (< window + block). Once any unit exists, the initial tokens and the retrieved
+units are all seen at the ONE distance `far` = init + window + block - 1: their keys are rotated back
+to position 0 (the inverse rotation of their slot) and the queries rotated on to position `far`, so
+q . k sees exactly the distance `far` (RoPE depends on the difference only). Every distance any
+query sees is therefore <= far < init + window + block: within the trained window whatever the
+prompt's length (generate/context_memory.py checks init + window + block against the model's reach).
+Before any unit exists (e < init + window + block) the call is the plain cached attention, the same
+kernels and numbers as without the memory. The two parts (local, and init + units) are merged by
+their log-sum-exp in fp32.
+
+Cost per call and layer: keys read <= init + topk x block (gathered) + window + block - 1 (local),
+plus the scan of the representatives: (e / block) units x kv_heads x head_dim multiply-adds; building
+a unit's representatives reads its block keys once. Nothing grows with the prompt but that scan.
+
+Limits (said by the caller as errors): rows that hold the same number of tokens (one prompt, or its
+samples), no speculative tree or chain, one plain RoPE table (not Ms-PoE's per-head tables), one
+process (a memory sharded over ctx ranks would select units per rank and merge by the log-sum-exp as
+generate/sharded.py does; not built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..ops.attention import attention_forward, merge_partials
+from .cached_attention import CacheStep, cached_attention, group_queries, ungroup_heads
+from .llama import apply_rope, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class InfLLMShape:
+    """InfLLM's sizes, in tokens (block, init, window) or counts (repr per unit, topk units); the
+    defaults are generate/context_memory.py's flags'."""
+
+    block: int
+    repr: int
+    topk: int
+    window: int
+    init: int
+
+    @property
+    def far(self) -> int:
+        """The distance of the initial tokens and retrieved units once memory exists (the largest seen)."""
+        return self.init + self.window + self.block - 1
+
+    @property
+    def max_keys(self) -> int:
+        """The most keys one query reads: init + topk units + the local span."""
+        return self.init + self.topk * self.block + self.window + self.block - 1
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("block", "repr", "topk", "window"):
+            if getattr(self, name) < 1:
+                out.append(f"--infllm-{name} must be >= 1, got {getattr(self, name)}")
+        if self.init < 0:
+            out.append(f"--infllm-init must be >= 0, got {self.init}")
+        if self.block >= 1 and self.repr > self.block:
+            out.append(f"--infllm-repr {self.repr} is more than the {self.block} tokens of a unit (--infllm-block)")
+        if self.block >= 1 and self.window >= 1 and self.window % self.block:
+            out.append(f"--infllm-block {self.block} does not divide --infllm-window {self.window}: the window "
+                       f"moves into memory one whole unit at a time (e.g. --infllm-window "
+                       f"{max(1, self.window // self.block) * self.block})")
+        return out
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x [b, s, heads, d] turned by RoPE's angle at `positions` [b or 1, s] (negative: turned back),
+    unscaled (YaRN's factor is already in the cached keys and the queries)."""
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    return apply_rope(x, cos, sin)
+
+
+def grouped_attention(q, k, v):
+    """(out [b, n, h, d], lse [b, h, n] fp32): every query over every key k/v [b, kv, G, d] (GQA grouped)."""
+    b, n, h, d = q.shape
+    kv = k.shape[1]
+    out, lse = attention_forward(group_queries(q, kv).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                 causal=False)
+    lse = lse.view(b, kv, n, h // kv).transpose(2, 3).reshape(b, h, n)
+    return ungroup_heads(out.transpose(1, 2), n, h), lse
+
+
+class InfLLMMemory:
+    """The memory units' representatives of every layer, and `core`, the KVCache core that uses them.
+
+    `reps` [layers, batch, units, kv_heads, head_dim] fp32: each unit's representative keys (turned back
+    to position 0) summed; `built[layer]`: the units built so far (rows hold the same length).
+    `keys_read`: the most keys one call's attention read (local + gathered), for the caller's checks."""
+
+    def __init__(self, shape: InfLLMShape, model, batch: int, max_len: int):
+        cfg, w = model.cfg, model.tok_embeddings.weight
+        self.shape, self.inv_freq = shape, model.inv_freq
+        units = max_len // shape.block + 1
+        self.reps = torch.zeros(cfg.layers, batch, units, cfg.kv_heads, cfg.resolved_head_dim, device=w.device)
+        self.built = np.zeros(cfg.layers, dtype=np.int64)
+        self.keys_read = 0
+
+    def copy_rows(self, rows: int, times: int) -> None:
+        """Rows [0, rows) copied to the next (times - 1) groups (a prompt's samples share its prefill)."""
+        for s in range(1, times):
+            self.reps[:, s * rows:(s + 1) * rows] = self.reps[:, :rows]
+
+    def core(self, q, k, v, layer, step: CacheStep) -> torch.Tensor:
+        """The cache core (models/kv_cache.py): append, then attend as the module docstring says."""
+        if step.among is not None or not step.uniform:
+            raise ValueError("InfLLM context memory attends for rows that hold the same number of tokens, "
+                             "without a speculative tree")
+        layer.append(k, v, step)
+        shape, s, n = self.shape, int(step.start[0]), step.new
+        end = s + n
+        init = min(shape.init, end)
+        units = max(0, (end - shape.window - init) // shape.block)
+        if units == 0:  # nothing in memory yet: plain attention, real positions
+            self.keys_read = max(self.keys_read, end)
+            return cached_attention(q, layer.k, layer.v, step)[0]
+        b = q.shape[0]
+        self._build(layer.index, layer.k, b, units)
+        q_far = rotate(q, shape.far - step.positions, self.inv_freq)  # each query turned on to distance `far`
+        slots = self._slots(self._select(layer.index, q_far, units), b, init)  # [b, G]
+        far_k, far_v = _gather(layer.k, slots), _gather(layer.v, slots)
+        far_k = rotate(far_k.transpose(1, 2), -slots, self.inv_freq).transpose(1, 2)  # back to position 0
+        far_out, far_lse = grouped_attention(q_far, far_k, far_v)
+        lo = init + units * shape.block  # the local span: [lo, end), real positions
+        local = CacheStep(step.start - lo, n, step.positions - lo)
+        out, lse = cached_attention(q, layer.k[:, :, lo:], layer.v[:, :, lo:], local)
+        self.keys_read = max(self.keys_read, slots.shape[1] + end - lo)
+        return merge_partials(out, lse, far_out, far_lse)[0].to(q.dtype)
+
+    def _build(self, index: int, keys: torch.Tensor, b: int, units: int) -> None:
+        """Representatives of units [built, units) of layer `index` from its cached keys [b, kv, L, d]."""
+        first = int(self.built[index])
+        if units <= first:
+            return
+        block, init = self.shape.block, self.shape.init
+        lo, hi = init + first * block, init + units * block
+        slots = torch.arange(lo, hi, device=keys.device)[None]
+        raw = rotate(keys[:, :, lo:hi].transpose(1, 2).float(), -slots, self.inv_freq)  # [b, m * block, kv, d]
+        kv, d = raw.shape[2], raw.shape[3]
+        per_unit = raw.view(b, units - first, block, kv, d)
+        typical = (per_unit * per_unit.mean(2, keepdim=True)).sum(-1)  # [b, m, block, kv]
+        top = typical.topk(self.shape.repr, dim=2).indices  # [b, m, repr, kv]
+        chosen = per_unit.gather(2, top[..., None].expand(-1, -1, -1, -1, d))
+        self.reps[index, :b, first:units] = chosen.sum(2)
+        self.built[index] = units
+
+    def _select(self, index: int, q_far: torch.Tensor, units: int) -> torch.Tensor:
+        """[b, k] the chosen units (ascending) of each row: the highest sum over heads of q . rep,
+        averaged over the call's queries (q at distance `far`, as the units' keys will be seen)."""
+        b, n, h, d = q_far.shape
+        kv = self.reps.shape[3]
+        query = q_far.float().view(b, n, kv, h // kv, d).sum(3).mean(1)  # [b, kv, d]
+        scores = torch.einsum("bkd,bukd->bu", query, self.reps[index, :b, :units])
+        return scores.topk(min(self.shape.topk, units), dim=-1).indices.sort(dim=-1).values
+
+    def _slots(self, chosen: torch.Tensor, b: int, init: int) -> torch.Tensor:
+        """[b, init + k x block] the slots of the initial tokens and of the chosen units."""
+        block, device = self.shape.block, chosen.device
+        unit_slots = (init + chosen[..., None] * block + torch.arange(block, device=device)).flatten(1)
+        return torch.cat([torch.arange(init, device=device).expand(b, init), unit_slots], dim=1)
+
+
+def _gather(cached: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cached [b, kv, L, d] at each row's slots [b, G] -> [b, kv, G, d]."""
+    b, kv, _, d = cached.shape
+    return cached.gather(2, slots[:, None, :, None].expand(b, kv, slots.shape[1], d))
