@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--co2-local-steps", type=int, default=4)
     p.add_argument("--co2", action="append", default=[], metavar="NAME=OVERRIDES",
                    help="another co2 variant, e.g. 'mom=--train.co2_outer_momentum=0.5' (repeatable)")
+    p.add_argument("--only", default="", help="comma-separated modes to run (default: all)")
     p.add_argument("--work", default="/tmp/slow_link_convergence")
     a = p.parse_args()
     common = [f"--train.steps={a.steps}", f"--train.co2_local_steps={a.co2_local_steps}", "--train.global_batch=8"]
@@ -56,6 +57,8 @@ def main() -> int:
     for variant in a.co2:
         name, _, overrides = variant.partition("=")
         modes[f"co2_{name}"] = [*MODES["co2"], *overrides.split()]
+    if a.only:
+        modes = {m: v for m, v in modes.items() if m in a.only.split(",")}
     shutil.rmtree(a.work, ignore_errors=True)  # (a run directory that holds a run is refused)
     jobs = [(mode, _run, ([*common, *extra], f"{a.work}/{mode}")) for mode, extra in modes.items()]
     runs = {mode: r[0] for mode, r in run_spawned_many(8, jobs, timeout=6 * 3600).items()}
@@ -63,6 +66,7 @@ def main() -> int:
         r["final_loss"] = sum(r["losses"][-20:]) / len(r["losses"][-20:])
     pairs = {"qwz_qgz / fsdp": ("qwz_qgz", "fsdp"),
              **{f"{m} / sync": (m, "sync") for m in runs if m.startswith("co2")}}
+    pairs = {k: v for k, v in pairs.items() if set(v) <= set(runs)}
     ratios = {name: runs[x]["final_loss"] / runs[y]["final_loss"] for name, (x, y) in pairs.items()}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -81,8 +85,9 @@ def _plot(runs: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, modes in zip(axes, (("fsdp", "qwz_qgz"), ("sync", "co2"))):
-        for mode in modes:
+    co2 = tuple(m for m in runs if m.startswith("co2"))
+    for ax, modes in zip(axes, (("fsdp", "qwz_qgz"), ("sync", *co2))):
+        for mode in (m for m in modes if m in runs):
             losses = runs[mode]["losses"]
             smooth = [sum(losses[max(0, i - 9):i + 1]) / len(losses[max(0, i - 9):i + 1]) for i in range(len(losses))]
             ax.plot(range(1, len(losses) + 1), smooth, label=mode)
