@@ -141,7 +141,8 @@ def runs(tmp_path_factory):
              ("co2 to sync", _resumed, (CO2, [], str(d / "to-sync"))),
              ("sync to co2", _resumed, ([], CO2, str(d / "to-co2"))), ("sync", _losses, ([], str(d / "sync"))),
              ("co2 head2", _losses, ([*CO2, "--parallel.head=2"], str(d / "head2"))),
-             ("co2 moe", _losses, ([*CO2, "--model.preset=debug-moe", "--parallel.expert=2"], str(d / "moe")))]
+             ("co2 moe", _losses, ([*CO2, "--model.preset=debug-moe", "--parallel.expert=2"], str(d / "moe"))),
+             ("co2 accum2", _losses, ([*CO2, "--train.grad_accum=2", "--train.global_batch=8"], str(d / "accum")))]
     return run_spawned_many(4, jobs)
 
 
@@ -194,7 +195,7 @@ def test_a_sync_checkpoint_resumes_under_co2(runs):
     assert resumed != sync[5:]  # then local rounds
 
 
-@pytest.mark.parametrize("run", ["co2 head2", "co2 moe"])
-def test_co2_composes_with_sequence_and_expert_layouts(runs, run):
+@pytest.mark.parametrize("run", ["co2 head2", "co2 moe", "co2 accum2"])
+def test_co2_composes_with_sequence_and_expert_layouts_and_accumulation(runs, run):
     losses = runs[run][0]
     assert len(losses) == 10 and losses[-1] < losses[0] - 0.5
