@@ -72,6 +72,8 @@ def test_fsdp_bytes_per_step():
     assert fsdp_bytes_per_step(total, root, DP2_CTX2, 2, 2) == {"fsdp": 2 * 3804 + 4056}
     assert fsdp_bytes_per_step(total, root, DP2_CTX2, 2, 2, "micro_batch") == {"fsdp": 2 * 3804 + 2 * 4056}
     assert fsdp_bytes_per_step(total, root, REP2_DP2_CTX2, 2, 2) == {"fsdp": 2 * 3804 + 4056 + 1352}
+    # train.data_parallel = co2: the replicas' all-reduce is not in the step (CO2's runs once a round)
+    assert fsdp_bytes_per_step(total, root, REP2_DP2_CTX2, 2, 2, replicas_sync=False) == {"fsdp": 2 * 3804 + 4056}
     assert fsdp_bytes_per_step(total, root, MeshShape(), 2, 2) == {}
     # the planner reports the same function's figure
     est = estimate(TINY, PRESETS["h100"], DP2_CTX2, MemoryPolicy(), seq_len=64, global_batch=4, micro_batch=1)

@@ -135,7 +135,8 @@ class MetricsLogger:
         gather = 2 if gathers_in_bf16(device.type, cfg.train.dtype) else 4
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
-                                              cfg.memory.grad_sync, expert_params=experts)
+                                              cfg.memory.grad_sync, expert_params=experts,
+                                              replicas_sync=cfg.train.data_parallel == "sync")
         self.flops_per_token = 0.0
         self.grad_timers = getattr(model, "grad_reduce_timers", [])  # parallel/fsdp/grad_buckets.py
         self.interval = self._new_interval()

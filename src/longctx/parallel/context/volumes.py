@@ -31,7 +31,8 @@ def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_p
 
 
 def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int,
-                        gather_bytes: int, grad_sync: str = "step", expert_params: int = 0) -> dict[str, float]:
+                        gather_bytes: int, grad_sync: str = "step", expert_params: int = 0,
+                        replicas_sync: bool = True) -> dict[str, float]:
     """{"fsdp": bytes} one rank sends per optimizer step through FSDP2 ({} on one rank): `fsdp_bytes`
     over the shard group dp_shard x head x ctx and the dp_replicate replicas of `dims` (anything
     with those four degrees: parallel.dims.ParallelDims in the training loop's metrics line,
@@ -40,8 +41,10 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
 
     Under expert parallelism (dims.expert > 1), `expert_params` (the MoE layers' routed-expert
     weights, all experts) are their own FSDP units over the expert-data group of world / expert
-    ranks, without replicas, each rank's expert group holding 1 / expert of them (parallel/expert/install.py)."""
-    shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate
+    ranks, without replicas, each rank's expert group holding 1 / expert of them (parallel/expert/install.py).
+    `replicas_sync=False` (train.data_parallel = co2): the replicas exchange nothing per step (each is
+    its own FSDP group; CO2's outer all-reduce is counted where it runs, in job/comm.py)."""
+    shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate if replicas_sync else 1
     ep = getattr(dims, "expert", 1)
     if ep == 1 or not expert_params:
         if shard * replicas == 1:
