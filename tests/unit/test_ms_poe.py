@@ -139,7 +139,7 @@ def test_overrides_reach_a_loaded_models_config(tmp_path):
     test_hf = pytest.importorskip("test_hf")
     (tmp_path / "config.json").write_text(json.dumps(test_hf.hf_config("llama")))
     cfg = load_config(None, {"model": {"init_from": f"hf:{tmp_path}", "rope_ms_poe": True, "rope_ms_poe_max": 2.0,
-                                       "rope_ms_poe_order": "index"},
+                                       "rope_ms_poe_order": "index", "rope_ms_poe_skip_layers": 1},
                              "train": {"seq_len": 2, "eval_interval": 0}})
     m = cfg.model
     assert (m.rope_ms_poe, m.rope_ms_poe_min, m.rope_ms_poe_max, m.rope_ms_poe_order) == (True, 1.2, 2.0, "index")

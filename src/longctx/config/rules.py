@@ -10,6 +10,7 @@ import functools
 
 from ..errors import ConfigError
 from .data_parallel import data_parallel_problems
+from .positions import ms_poe_problems
 from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config, parse_layer_list
 
 # families with q/k RMSNorm, and what it spans (model.qk_norm_span)
@@ -105,11 +106,12 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
     elif m.family not in ("qwen2", "qwen2_moe") and m.qkv_bias != m.out_bias:
         problems.append(f"model.family={m.family} has one attention_bias for q, k, v and o: set model.qkv_bias and "
                         f"model.out_bias alike.")
-        if not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
-            problems.append(
-                f"llama3 rope scaling needs 0 < model.rope_low_freq_factor ({m.rope_low_freq_factor}) "
-                f"< model.rope_high_freq_factor ({m.rope_high_freq_factor})."
-            )
+    if m.rope_scaling == "llama3" and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor):
+        problems.append(
+            f"llama3 rope scaling needs 0 < model.rope_low_freq_factor ({m.rope_low_freq_factor}) "
+            f"< model.rope_high_freq_factor ({m.rope_high_freq_factor})."
+        )
+    problems += ms_poe_problems(m)  # (the model refuses them too, for a config built another way)
 
 
 def moe_notes(m) -> list[str]:
