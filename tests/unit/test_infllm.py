@@ -198,7 +198,7 @@ def test_infllm_prompts_pass_the_length_guard(hf64):
     (("--nproc", "2"), "runs on one process"),
     (("--compile",), "drop --compile"),
     (("--draft", "hf:/nowhere"), "drop --draft"),
-    (("--model.rope_ms_poe=true",), "drop --model.rope_ms_poe"),
+    (("--model.rope_ms_poe=true", "--model.rope_ms_poe_skip_layers=0"), "drop --model.rope_ms_poe"),
 ])
 def test_bad_input_is_one_error_before_work(hf64, flags, said):
     from longctx.errors import ConfigError
