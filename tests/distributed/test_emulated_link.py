@@ -24,9 +24,23 @@ def test_a_transfer_occupies_each_link_for_latency_plus_bytes_over_bandwidth():
     done = emu.post({1: (4_000_000, 1_000_000), 2: (1_000_000, 0), 3: (0, 2_000_000), 0: (9, 9)}, now=100.0)
     intra, inter = 0.01 + 4_000_000 / (20 * MB), 0.02 + 2_000_000 / (5 * MB)
     assert done == pytest.approx(100.0 + max(intra, inter))
-    assert emu.free_at == pytest.approx({"intra": 100.0 + intra, "inter": 100.0 + inter})
+    assert emu.free_at == pytest.approx({"group": 0.0, "intra": 100.0 + intra, "inter": 100.0 + inter})
     # the next transfer on the inter-node link queues behind the first
     assert emu.post({2: (500_000, 500_000)}, now=100.0) == pytest.approx(100.0 + inter + 0.02 + 0.1)
+
+
+def test_three_levels_put_each_peer_on_its_link_and_a_ring_on_its_slowest():
+    """Nodes of 4 ranks in groups of 2: peer 1 shares rank 0's group, peer 2 its node, peer 4 neither."""
+    profile = LinkProfile(ranks_per_node=4, ranks_per_group=2, group_bytes_per_s=80 * MB, group_latency_s=0.005,
+                          **PROFILE)
+    emu = LinkEmulator(profile, rank=0)
+    done = emu.post({1: (8_000_000, 0), 2: (2_000_000, 0), 4: (500_000, 0)}, now=0.0)
+    assert emu.free_at == pytest.approx({"group": 0.005 + 0.1, "intra": 0.01 + 0.1, "inter": 0.02 + 0.1})
+    assert done == pytest.approx(0.12) and emu.hops == {"group": 8_000_000, "intra": 2_000_000, "inter": 500_000}
+    assert [profile.slowest(r) for r in ([0, 1], [0, 1, 2, 3], [0, 4])] == ["group", "intra", "inter"]
+    ring = LinkEmulator(profile, rank=1)  # a ring over the node: rank 1's successor is rank 2 (another group)
+    assert ring.post_ring([0, 1, 2, 3], 1_000_000, now=0.0) == pytest.approx(0.01 + 0.05)
+    assert ring.hops == {"group": 0, "intra": 1_000_000, "inter": 0}
 
 
 def _timings(rows_per_peer: int, ranks_per_node: int):
