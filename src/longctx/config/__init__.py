@@ -15,8 +15,8 @@ from .load import (
     to_dict,
     to_toml,
 )
+from .presets import MODEL_PRESETS
 from .schema import (
-    MODEL_PRESETS,
     CheckpointConfig,
     Config,
     DataConfig,

@@ -18,8 +18,9 @@ from typing import Any
 
 from ..errors import ConfigError
 from .hf import check_draft_target, resolve_init_from
+from .presets import MODEL_PRESETS
 from .rules import parse_stages, validate
-from .schema import MODEL_PRESETS, Config, DraftConfig, ModelConfig, TrainConfig
+from .schema import Config, DraftConfig, ModelConfig, TrainConfig
 from .tokenizer import resolve_tokenizer
 
 if sys.version_info >= (3, 11):

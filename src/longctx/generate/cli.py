@@ -305,7 +305,6 @@ def _run(request: GenerateRequest, args) -> int:
     import torch
 
     from ..job.devices import resolve_dtype
-    from ..models.static_decode import CompiledStep
     from .engine import generate
     from .loading import backend_for, load_model
     from .output import Output
@@ -323,14 +322,7 @@ def _run(request: GenerateRequest, args) -> int:
         say(_describe(request, args, device, dtype))
         if getattr(args, "generation_defaults", ""):
             say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
-    # --compile: one compiled step for the run (its graphs shared by every prompt, and by the draft)
-    step = CompiledStep() if args.compile else False
-    # one tiny generation first, so the first prompt's rates do not include the kernels' first-call setup
-    generate(model, [request.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend,
-             compile=step)
-    if step and main_rank:
-        say(f"generate: --compile: {step.calls} decode step(s) ran compiled in the warm-up" if step.calls else
-            "generate: --compile: this model decodes eagerly (MoE, or a cache sharded over ranks)")
+    step = _warm_up(request, args, model, device, backend, main_rank)
     samples = args.num_samples
     output = Output(request.tokenizer, args.stop, args.output, len(request.prompts) * samples,
                     sum(request.limits) * samples, main_rank, args.echo)
@@ -365,6 +357,22 @@ def _run(request: GenerateRequest, args) -> int:
     if args.output and main_rank:
         say(f"generate: wrote {args.output}")
     return 0
+
+
+def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: bool):
+    """One tiny generation first, so the first prompt's rates do not include the kernels' first-call
+    setup; returns --compile's step (one for the run: its graphs shared by every prompt and the draft),
+    else False."""
+    from ..models.static_decode import CompiledStep
+    from .engine import generate
+
+    step = CompiledStep() if args.compile else False
+    generate(model, [request.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend,
+             compile=step)
+    if step and main_rank:
+        say(f"generate: --compile: {step.calls} decode step(s) ran compiled in the warm-up" if step.calls else
+            "generate: --compile: this model decodes eagerly (MoE, or a cache sharded over ranks)")
+    return step
 
 
 def _describe(request: GenerateRequest, args, device, dtype) -> str:
