@@ -40,7 +40,7 @@ from ..job import comm
 from ..job.spawn import run_spawned
 from ..progress import speaker
 from .comm_bytes import Unit, step_bytes
-from .emulated_link import LinkProfile, emulate
+from .emulated_link import LinkProfile, emulate, parse_cluster
 
 MODES = ("fsdp", "hpz", "qwz", "qgz", "zeropp", "co2", "three_level")
 say = speaker("[bench comm --cluster] ")
@@ -65,17 +65,6 @@ def add_arguments(p) -> None:
     p.add_argument("--co2-local-steps", type=int, default=4, help="co2's local steps per round (default 4)")
     p.add_argument("--steps", type=int, default=0, help="also train each mode this many steps: final_loss")
     p.add_argument("--plot", default="", help="with --steps: the PNG of the loss curves")
-
-
-def parse_cluster(text: str) -> tuple[int, int]:
-    try:
-        nodes, ranks = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"longctx bench comm: --cluster {text!r}: give NODESxRANKS, e.g. 2x4") from None
-    if nodes < 2 or ranks < 1:
-        raise SystemExit(f"longctx bench comm: --cluster {text!r}: at least 2 nodes (there is no slow link "
-                         f"otherwise) and 1 rank per node")
-    return nodes, ranks
 
 
 def mode_overrides(mode: str, nodes: int, ranks: int, spec: dict) -> list[str]:
@@ -157,7 +146,7 @@ def _rank(spec: dict) -> dict:
 
 
 def main(args) -> int:
-    nodes, ranks = parse_cluster(args.cluster)
+    nodes, ranks = parse_cluster(args.cluster, "comm", min_nodes=2)  # (one node has no slow link)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] or [
         m for m in MODES if m != "three_level" or args.group_ranks]
     unknown = [m for m in modes if m not in MODES]

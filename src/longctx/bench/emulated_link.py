@@ -192,6 +192,19 @@ class LinkEmulator:
         return _BackwardStarts.apply(y, clock) if y.requires_grad else y
 
 
+def parse_cluster(text: str, command: str, min_nodes: int = 1) -> tuple[int, int]:
+    """`--cluster NODESxRANKS` of `longctx bench COMMAND` -> (nodes, ranks per node), or a SystemExit
+    that says what to write."""
+    try:
+        nodes, ranks = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"longctx bench {command}: --cluster {text!r}: give NODESxRANKS, e.g. 2x4") from None
+    if nodes < min_nodes or ranks < 1:
+        raise SystemExit(f"longctx bench {command}: --cluster {text!r}: at least {min_nodes} node"
+                         f"{'s' if min_nodes > 1 else ''} and 1 rank per node")
+    return nodes, ranks
+
+
 def active() -> LinkEmulator | None:
     """The emulator installed as job/comm.py's link hook, if any."""
     hook = comm.link_hook()

@@ -49,7 +49,7 @@ from ..models.moe import MoEFeedForward
 from ..parallel.expert.install import use_expert_parallel
 from ..parallel.expert.placement import Placement, plan_placement
 from ..progress import phase, speaker
-from .emulated_link import LinkProfile, emulate
+from .emulated_link import LinkProfile, emulate, parse_cluster
 
 
 def add_arguments(p) -> None:
@@ -75,16 +75,6 @@ def add_arguments(p) -> None:
 
 
 say = speaker("[bench moe --cluster] ")
-
-
-def parse_cluster(text: str) -> tuple[int, int]:
-    try:
-        nodes, ranks = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"longctx bench moe: --cluster {text!r}: give NODESxRANKS, e.g. 2x4") from None
-    if nodes < 1 or ranks < 1:
-        raise SystemExit(f"longctx bench moe: --cluster {text!r}: nodes and ranks must be positive")
-    return nodes, ranks
 
 
 def _gemm_rate(rows: int, dim: int, hidden: int, mesh, repeats: int = 6) -> float:
@@ -228,7 +218,7 @@ def _skewed_runs(spec, base, x, grad, profile, mean_rate, mesh) -> dict:
 
 
 def main(args) -> int:
-    nodes, per_node = parse_cluster(args.cluster)
+    nodes, per_node = parse_cluster(args.cluster, "moe")
     world = nodes * per_node
     chunks = [int(c) for c in args.chunks.split(",") if c]
     if any(c < 2 for c in chunks):

@@ -119,15 +119,15 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
             return parts[0].float()
         rows = F.pad(parts.float(), (0, (-m) % self.block))  # each row whole blocks, as one row alone would be
         q, scale = quantize_blocks(rows, self.block)
-        packed = torch.cat([q.view(k, -1).view(torch.uint8), scale.view(k, -1).contiguous().view(torch.uint8)], 1)
+        packed = pack_blocks(q.view(k, -1), scale.view(k, -1))  # a row per peer
         got_q, got_scale = unpack_blocks(all_to_all(packed, mesh, label), rows.shape[1])
         values = dequantize_blocks(got_q.reshape(-1), got_scale.reshape(-1), got_q.numel(), torch.float32)
         return values.view(k, -1)[:, :m].sum(0)
 
 
 def pack_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """quantize_blocks' values and scales as one byte buffer (values first)."""
-    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)])
+    """quantize_blocks' values and scales as one byte buffer, values first (row by row for 2-D ones)."""
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
 
 
 def unpack_blocks(packed: torch.Tensor, values: int) -> tuple[torch.Tensor, torch.Tensor]:
