@@ -263,3 +263,32 @@ def test_bad_input_is_refused_before_work(tmp_path, target, trained):
     refused(f"--draft.target={target}", f"--model.init_from={tmp_path}", match="drop model.init_from")
     with pytest.raises(HFFormatError, match="GliDe draft"):  # a draft is no model to start from
         load_config(None, [f"--model.init_from={trained[2]}"])
+
+
+def test_a_reduced_vocabulary_is_the_datas_most_frequent_and_saved(tmp_path, corpus, target):
+    # draft.vocab = N: the ids are the N tokens the training split uses most (counted here from the
+    # samples the loader reads), the loss sees only them, and the checkpoint brings them back
+    import numpy as np
+
+    from longctx.data.loader import PackedSamples
+    from longctx.train.setup import store_path
+
+    trainer, result = _draft_run(corpus, target, tmp_path / "v", "--train.steps=3", "--draft.loss=kd",
+                                 "--draft.vocab=40", "--checkpoint.interval=3")
+    assert all(math.isfinite(x) for x in result.losses)
+    samples = PackedSamples(store_path(trainer.cfg, lambda *a, **k: None, None), "train", True)
+    counts = np.zeros(trainer.cfg.model.vocab_size, dtype=np.int64)
+    for i in range(len(samples)):
+        np.add.at(counts, np.asarray(samples.sample(i)[0]), 1)
+    want = sorted(np.argsort(-counts, kind="stable")[:40].tolist())
+    ids = trainer.model.draft.vocab.ids
+    assert ids.tolist() == want
+    model, _ = _target_model(target)
+    draft = load_glide_draft(tmp_path / "v" / "checkpoints", model, "cpu")
+    assert torch.equal(draft.vocab.ids, ids)
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = trainer.model(tokens)[0]
+    assert torch.isneginf(logits[:, [t for t in range(logits.shape[-1]) if t not in set(want)]]).all()
+    with pytest.raises(ConfigError, match="draft.vocab"):
+        load_config(None, [f"--draft.target={target}", f"--draft.vocab={model.cfg.vocab_size}"])

@@ -69,7 +69,7 @@ def load_glide_draft(path, target_model, device=None) -> GlideDraft:
     verify(found, checksums=True)
     weight = target_model.lm_head_weight
     device = weight.device if device is None else torch.device(device)
-    draft = GlideDraft(target_model.cfg, int(record["layers"])).to(device=device)
+    draft = GlideDraft(target_model.cfg, int(record["layers"]), int(record.get("vocab", 0))).to(device=device)
     own = draft.state_dict()
     state = {"model": {_PREFIX + k: v for k, v in own.items()}}
     with _single_process(True):

@@ -430,6 +430,9 @@ def _draft_rules(cfg: Config, problems: list[str]) -> None:
                         f"got {d.block}.")
     if not d.kd_temperature > 0:
         problems.append(f"draft.kd_temperature must be positive, got {d.kd_temperature}.")
+    if d.vocab < 0 or d.target and m.vocab_size > 0 and d.vocab >= m.vocab_size:
+        problems.append(f"draft.vocab must be 0 (the target's {m.vocab_size:,} tokens) or a smaller count of the "
+                        f"tokens the draft proposes (e.g. 8192), got {d.vocab}.")
     if not d.target:
         return
     if m.is_moe:

@@ -401,6 +401,9 @@ class DraftConfig:
     block: int = _opt(4, "speculation length the block-stale mask trains for: a token at position p of its document "
                          "sees the target's keys of that document before p // block * block")
     kd_temperature: float = _opt(1.0, "softmax temperature of both distributions under draft.loss = kd")
+    vocab: int = _opt(0, "0 = the target's vocabulary; N: the draft proposes only the N tokens its training data "
+                         "uses most, through those rows of the target's LM head (EAGLE-3's reduced draft vocabulary: "
+                         "a cheaper draft step; verification, by the target, stays lossless)")
 
 
 @dataclass

@@ -103,13 +103,15 @@ def best_length(alpha: float, draft_cost: float, cap: int) -> int:
 
 def matmul_flops(model, target) -> float:
     """Forward matmul FLOPs per token of `model`: a longctx model by its config (models/flops.py); a
-    GliDe draft by its own layers' weights and the target's LM head, which it runs."""
+    GliDe draft by its own layers' weights and the target's LM head rows it runs (all, or its reduced
+    vocabulary's: models/draft_vocab.py)."""
     from ..models.flops import forward_matmul_flops_per_token
     from ..models.glide import GlideDraft
 
     if isinstance(model, GlideDraft):
         own = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
-        return 2.0 * own + 2.0 * target.cfg.dim * target.cfg.vocab_size
+        head = target.cfg.vocab_size if model.vocab is None else model.vocab.size
+        return 2.0 * own + 2.0 * target.cfg.dim * head
     return forward_matmul_flops_per_token(model.cfg)
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from .draft_vocab import DraftVocab
 from .kv_cache import group_queries, ungroup_heads
 from .llama import Attention, RMSNorm, apply_rope, rope_attention_scale, rope_cos_sin, rope_inv_freq
 from .swiglu import FeedForward
@@ -170,9 +171,11 @@ class GlideLayer(nn.Module):
 
 
 class GlideDraft(nn.Module):
-    """N GliDe layers over a target of `cfg` (its dims), reading target layers L_t - N .. L_t - 1."""
+    """N GliDe layers over a target of `cfg` (its dims), reading target layers L_t - N .. L_t - 1.
+    `vocab` > 0: the draft proposes only that many tokens (models/draft_vocab.py; `vocab.ids` set by
+    training from its data's counts, saved with the draft)."""
 
-    def __init__(self, cfg: ModelConfig, layers: int = 1):
+    def __init__(self, cfg: ModelConfig, layers: int = 1, vocab: int = 0):
         super().__init__()
         if not 1 <= layers <= cfg.layers:
             raise ValueError(f"a GliDe draft has 1..{cfg.layers} layers (the target's), got {layers}")
@@ -182,6 +185,18 @@ class GlideDraft(nn.Module):
         self.target_layers = [cfg.layers - layers + i for i in range(layers)]
         self.register_buffer("inv_freq", rope_inv_freq(cfg).float(), persistent=False)
         self.rope_scale = rope_attention_scale(cfg)
+        self.vocab = DraftVocab(vocab) if vocab else None
+
+    def head_weight(self, target) -> torch.Tensor:
+        """The LM head rows the draft scores: the target's, or those of its reduced vocabulary."""
+        weight = target.lm_head_weight
+        return weight if self.vocab is None else self.vocab.head(weight)
+
+    def logits(self, target, x: torch.Tensor) -> torch.Tensor:
+        """Logits [b, n, V] over the target's vocabulary from the last layer's output x (a reduced
+        vocabulary's put back on it: -inf outside)."""
+        out = F.linear(self.norm(x), self.head_weight(target))
+        return out if self.vocab is None else self.vocab.full_logits(out, target.lm_head_weight.shape[0])
 
     def forward(self, target, tokens, positions, target_kv, visible, cache=None, *, doc_ids=None,
                 key_positions=None, key_doc_ids=None) -> torch.Tensor:
@@ -197,7 +212,7 @@ class GlideDraft(nn.Module):
         (decode: the tokens continue it), or None (training: the whole sequence)."""
         x = self.hidden_states(target, tokens, positions, target_kv, visible, cache, doc_ids=doc_ids,
                                key_positions=key_positions, key_doc_ids=key_doc_ids)
-        return F.linear(self.norm(x), target.lm_head_weight)
+        return self.logits(target, x)
 
     def hidden_states(self, target, tokens, positions, target_kv, visible, cache=None, *, doc_ids=None,
                       key_positions=None, key_doc_ids=None, fill_only: bool = False) -> torch.Tensor | None:
@@ -232,7 +247,7 @@ class GlideDraft(nn.Module):
     def init_weights(self, seed: int = 0, std: float | None = None) -> GlideDraft:
         gen = torch.Generator().manual_seed(seed)
         std = std if std is not None else self.cfg.init_std
-        for p in self.parameters():
+        for p in self.parameters():  # (not the buffers: a reduced vocabulary's ids are set from data)
             if p.dim() == 1:
                 p.fill_(1.0)
             else:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,9 +122,11 @@ class GlideTraining(nn.Module):
         teacher, kv, key_pos, key_doc = self._target(tokens, positions, doc_ids)
         x = self.draft.hidden_states(self.head, tokens, positions, kv, block_stale_limit(positions, self.block),
                                      doc_ids=doc_ids, key_positions=key_pos, key_doc_ids=key_doc)
-        weight = self.head.lm_head_weight
         if labels is None:
-            return F.linear(self.draft.norm(x), weight)
+            return self.draft.logits(self.head, x)
+        weight = self.draft.head_weight(self.head)  # (a reduced vocabulary's rows: models/draft_vocab.py)
+        if self.draft.vocab is not None and self.loss == "ce":
+            labels = self.draft.vocab.labels(labels, IGNORE)
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"a GliDe draft's loss_reduction is sum or mean, got {loss_reduction!r}")
         norm = (self.draft.norm.weight, self.draft.norm.eps)
@@ -178,6 +181,21 @@ def target_path(source: str) -> Path:
     return resolve_checkpoint(source, Path(source)).resolve()
 
 
+def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
+    """How often each token id occurs in the run's training split [model.vocab_size] (the store built
+    first if it is not yet: every rank counts the same store, so every rank picks the same vocabulary)."""
+    from ..data.store import load_split, read_manifest
+    from .setup import store_path
+
+    root = Path(store_path(cfg, log, rt))
+    counts = np.zeros(cfg.model.vocab_size, dtype=np.int64)
+    for part in read_manifest(root)["parts"]:
+        split = load_split(root, part, "train")
+        if split is not None:
+            counts += np.bincount(np.asarray(split.tokens).ravel(), minlength=counts.size)[:counts.size]
+    return torch.from_numpy(counts)
+
+
 def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> GlideTraining:
     """The target built on meta, parallelised, materialised and loaded from draft.target (each rank its
     shards), frozen; the draft built and initialised from train.seed (the same full values on every
@@ -195,14 +213,18 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     target.eval()
     tied = target.output is None
     head = FrozenHead(_full(target.tok_embeddings.weight), None if tied else _full(target.output.weight))
-    draft = GlideDraft(cfg.model, d.layers).to(device)
+    draft = GlideDraft(cfg.model, d.layers, d.vocab).to(device)
     draft.init_weights(cfg.train.seed)
+    if d.vocab:
+        covered = draft.vocab.set_from_counts(token_counts(cfg, rt, log).to(device))
+        log(f"draft: its vocabulary is the {d.vocab:,} tokens of {cfg.model.vocab_size:,} its training data uses "
+            f"most, {covered:.1%} of that data's tokens (draft.vocab)")
     # the target by identity (checkpoint/identity.py), so that decoding refuses another of the same shape
     identity = weights_identity(d.target)
     record = {"kind": "glide", "target": {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"],
                                           "identity": identity},
-              "layers": d.layers, "block": d.block, "loss": d.loss, "kd_temperature": d.kd_temperature,
-              "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
+              "layers": d.layers, "vocab": d.vocab, "block": d.block, "loss": d.loss,
+              "kd_temperature": d.kd_temperature, "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
     model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
                           record=record)
     parallelize_draft(model, rt.dims, cfg, rt.mesh, device.type)

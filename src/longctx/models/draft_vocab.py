@@ -1,0 +1,73 @@
+"""A draft's reduced vocabulary (`draft.vocab`): the draft proposes only the N tokens its training data
+uses most, through those N rows of the target's LM head.
+
+Why: a draft without an LM head of its own runs the target's every step, and a real target's head is a
+large part of it (SmolLM2-135M: 49,152 x 576, a fifth of its parameters; on a CPU at batch 1 reading it
+costs about a quarter of a target step). The N most frequent tokens of a corpus cover nearly all of a
+text like it (EAGLE-3 drafts over 32K of Llama-3's 128K), and reading N rows is V / N times cheaper.
+
+Lossless all the same: the draft's distribution is put back on the full vocabulary (zero outside the
+N tokens: logits -inf), so the verification rules see an ordinary draft distribution q that never
+proposes a token outside them; the target, which has the whole vocabulary, decides what is kept.
+
+Training: the draft's logits are over the N tokens, and so is its teacher (distillation, draft.loss =
+kd: the target's distribution renormalised over them: what the draft can express); next-token
+cross-entropy (ce) ignores labels outside them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DraftVocab(nn.Module):
+    """The ids [N] of a draft's vocabulary (ascending), saved with the draft (a persistent buffer),
+    and the target's head rows for them (gathered once per head tensor, not per step)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("ids", torch.zeros(size, dtype=torch.long))
+        self._rows: tuple[tuple, torch.Tensor] | None = None
+
+    @property
+    def size(self) -> int:
+        return self.ids.numel()
+
+    def head(self, weight: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's LM head `weight` [V, dim] for this vocabulary: [N, dim]. Cached
+        by the head tensor's identity and version, so a decode step does not copy N rows each time."""
+        key = (id(weight), weight._version, weight.dtype, weight.device, self.ids.data_ptr())
+        if self._rows is None or self._rows[0] != key or torch.is_grad_enabled() and weight.requires_grad:
+            self._rows = (key, weight.index_select(0, self.ids))
+        return self._rows[1]
+
+    def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Logits [..., N] over this vocabulary as logits [..., V] over the target's: -inf elsewhere
+        (probability 0 after a softmax: a token the draft never proposes)."""
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        full[..., self.ids] = logits
+        return full
+
+    def labels(self, labels: torch.Tensor, ignore: int) -> torch.Tensor:
+        """Target-vocabulary labels as indices into this vocabulary; `ignore` where a label is outside it
+        (or already `ignore`)."""
+        index = torch.full((int(self.ids.max()) + 2 if self.size else 1,), -1, dtype=torch.long,
+                           device=labels.device)
+        index[self.ids] = torch.arange(self.size, device=labels.device)
+        safe = labels.clamp(0, index.numel() - 1)
+        mapped = index[safe]
+        return torch.where((labels >= 0) & (labels < index.numel()) & (mapped >= 0), mapped,
+                           torch.full_like(labels, ignore))
+
+    @torch.no_grad()
+    def set_from_counts(self, counts: torch.Tensor) -> float:
+        """The N most frequent ids of `counts` [V] (ties to the lower id), ascending; returns the share
+        of the counted tokens they cover."""
+        if counts.numel() < self.size:
+            raise ValueError(f"a draft vocabulary of {self.size} tokens from counts over {counts.numel()}")
+        order = torch.argsort(counts, descending=True, stable=True)
+        chosen = torch.sort(order[:self.size]).values
+        self.ids.copy_(chosen)
+        total = float(counts.sum())
+        return float(counts[chosen].sum()) / total if total else 0.0
