@@ -92,3 +92,21 @@ def test_generate_is_the_same_under_head_2_x_ctx_2(memorised, text_file, tmp_pat
     assert [r["generated"] for r in one["results"]] == [r["generated"] for r in four["results"]]
     assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in four["results"]]
     assert any(v for r in one["results"] for v in r["per_sample"])
+
+
+@pytest.mark.slow
+def test_generate_through_infllm_memory(memorised, text_file, tmp_path):
+    """--context-memory infllm: with a window as long as the sequences the memory never holds a unit, so
+    every answer is plain generation's, text for text; with a smaller window the run answers through
+    the memory (initial tokens, window, retrieved units) and records its shape."""
+    plain = _eval(memorised, tmp_path / "p.json", *EVAL, "--data", str(text_file), "--mode", "generate")
+    whole = _eval(memorised, tmp_path / "w.json", *EVAL, "--data", str(text_file), "--mode", "generate",
+                  "--context-memory", "infllm", "--infllm-window", "256", "--infllm-block", "64", "--infllm-init", "0")
+    assert whole["context_memory"]["window"] == 256
+    assert [r["generated"] for r in whole["results"]] == [r["generated"] for r in plain["results"]]
+    small = _eval(memorised, tmp_path / "s.json", *EVAL, "--data", str(text_file), "--mode", "generate",
+                  "--context-memory", "infllm", "--infllm-window", "64", "--infllm-block", "16", "--infllm-init", "16",
+                  "--infllm-topk", "2")
+    assert small["context_memory"] == {"method": "infllm", "block": 16, "repr": 4, "topk": 2, "window": 64,
+                                       "init": 16}
+    assert sum(r["samples"] for r in small["results"]) == 6

@@ -212,3 +212,35 @@ def test_a_window_larger_than_the_prompt_is_an_error(hf64):
 
     with pytest.raises(ConfigError, match="--infllm-window 16 is larger than the prompt"):
         _prepare(hf64, "--prompt", "x " * 5, *SMALL)
+
+
+# ------------------------------------------------------------------------------------------------
+# longctx eval --mode generate --context-memory infllm: the same flags and checks, plus eval's own
+
+def _prepare_eval(d, tmp_path, *argv, nproc=1):
+    from longctx.cli import build_parser
+    from longctx.eval.request import prepare
+
+    filler = tmp_path / "filler.txt"
+    filler.write_text("The grass is green and the sky is blue. " * 300)
+    args, rest = build_parser("eval").parse_known_args(["eval", "--checkpoint", f"hf:{d}", "--task", "passkey",
+                                                        "--data", str(filler), "--samples", "1", *argv])
+    return prepare(args, rest, nproc)
+
+
+def test_eval_takes_the_memory_in_generate_mode(hf64, tmp_path):
+    from longctx.errors import ConfigError
+
+    plain = _prepare_eval(hf64, tmp_path, "--lengths", "96", "--mode", "generate")
+    assert plain.memory is None and any("past the 64 positions" in n for n in plain.notes)
+    request = _prepare_eval(hf64, tmp_path, "--lengths", "96", "--mode", "generate", *SMALL)
+    assert request.memory.window == 16 and request.memory.far == 31 and not request.notes
+    for argv, nproc, said in (((), 1, "add --mode generate"),
+                              (("--mode", "generate", "--batch", "2"), 1, "one sequence at a time"),
+                              (("--mode", "generate", "--infllm-window", "64"), 1, "past the 64 the model reaches"),
+                              (("--mode", "generate"), 2, "runs on one process")):
+        with pytest.raises(ConfigError, match=said):
+            _prepare_eval(hf64, tmp_path, "--lengths", "96", *SMALL, *argv, nproc=nproc)
+    with pytest.raises(ConfigError, match="--infllm-window 32 is larger than the 24-token sequences"):
+        _prepare_eval(hf64, tmp_path, "--lengths", "24,96", "--mode", "generate", "--context-memory", "infllm",
+                      "--infllm-window", "32", "--infllm-block", "8", "--infllm-init", "8")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from .. import threads
 from ..config.rules import SYNTHETIC_TASKS
 from ..errors import ConfigError
+from ..generate.context_memory import add_flags as add_context_memory_flags
 from ..generate.settings import add_sampling_flags
 from ..progress import say
 
@@ -76,6 +77,8 @@ def add_parser(sub) -> None:
     # --mode generate decodes greedily unless these say otherwise (generate/settings.py; no generation_config.json
     # defaults: a benchmark stays greedy); its draws are seeded per sequence from --seed and the sequence's index
     add_sampling_flags(p.add_argument_group("--mode generate sampling (default greedy, as longctx generate's flags)"))
+    # --mode generate past the trained window: InfLLM's context memory (generate/context_memory.py), one process
+    add_context_memory_flags(p.add_argument_group("--mode generate context memory (as longctx generate's flags)"))
     p.add_argument("--batch", type=int, default=0, help="sequences per forward (score) or prompts generated together "
                                                        "(generate) over the whole job (default: one per "
                                                        "data-parallel rank)")

@@ -1,6 +1,7 @@
 """`longctx eval --mode generate` (passkey/needle): the model answers. Each prompt (the sequence up to its
 answer) is continued greedily, or sampled with `longctx generate`'s flags, with the KV cache
-(generate/engine.py), on one process or sharded over head x ctx ranks (generate/sharded.py); right
+(generate/engine.py), on one process or sharded over head x ctx ranks (generate/sharded.py), or on one
+process through InfLLM's context memory (--context-memory infllm: generate/context_memory.py); right
 when the first run of digits it writes is the answer.
 """
 
@@ -50,6 +51,10 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
     cfg = request.cfg
     try:
         backend, device, main_rank = _backend(cfg)
+        if request.memory is not None:  # --context-memory infllm (one process: generate/context_memory.py)
+            from ..generate.context_memory import InfLLMGeneration
+
+            backend = InfLLMGeneration(request.memory)
         log = say if main_rank else (lambda *_: None)
         dtype = resolve_dtype(cfg.train.dtype, device)
         with phase(f"eval: loading the model from {args.checkpoint}"):
@@ -60,6 +65,8 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
         layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
         out = _result_head(request, args, cfg, layout, dtype)
         _note_routing(out, model, main_rank)
+        if request.memory is not None:
+            out["context_memory"] = {"method": "infllm", **vars(request.memory)}
         if request.sampling is not None:
             out["sampling"] = {k: v for k, v in vars(request.sampling).items() if k not in ("seed", "min_new_tokens")}
         index = 0  # each sequence's draws seeded from --seed and its index here, whatever the batch

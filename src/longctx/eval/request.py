@@ -33,6 +33,7 @@ class EvalRequest:
     mode: str = "score"
     sampling: object = None  # --mode generate: generate/sampling.py's Sampling (None: greedy)
     notes: tuple = ()        # said once before work (lengths past the model's reach)
+    memory: object = None    # --context-memory infllm: models/context_memory.py's InfLLMShape (None: plain)
 
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):
@@ -99,9 +100,37 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     _check_layout(cfg, lengths, mode, nproc)
     spec, tokenizer = _load_tokenizer(args, cfg)
     source = _load_source(args, cfg, spec, tokenizer)
+    memory = _memory(args, cfg, mode, lengths, batch, nproc)
     sequences = _sequences(args, source, tokenizer, lengths, depths)
+    # (under the memory no length is past the reach: every distance a query sees stays within it)
+    notes = () if memory is not None else reach_notes(cfg.model, lengths)
     return EvalRequest(cfg, args.task, lengths, depths, sequences, source.description,
-                       spec or source.tokenizer_spec, batch, mode, sampling, reach_notes(cfg.model, lengths))
+                       spec or source.tokenizer_spec, batch, mode, sampling, notes, memory)
+
+
+def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):
+    """--context-memory infllm's shape (None without it), checked as generate checks it (one process,
+    its sizes within the model's reach) and for eval: --mode generate, one sequence at a time, a window
+    no longer than the shortest sequence."""
+    import argparse
+
+    if getattr(args, "context_memory", "none") != "infllm":
+        return None
+    from ..config.positions import model_reach
+    from ..generate.context_memory import check_reach, memory_shape
+
+    if mode != "generate":
+        raise ConfigError("--context-memory infllm is a way of decoding: add --mode generate (--mode score's one "
+                          "teacher-forced pass attends to every position).")
+    shape = memory_shape(argparse.Namespace(**{**vars(args), "nproc": nproc, "draft": "", "compile": False}), cfg)
+    check_reach(shape, model_reach(cfg.model))
+    if batch != 1:
+        raise ConfigError(f"--context-memory infllm generates one sequence at a time; drop --batch {batch}.")
+    if min(lengths) < shape.window:
+        raise ConfigError(f"--infllm-window {shape.window} is larger than the {min(lengths):,}-token sequences: the "
+                          f"memory would never hold anything. Use a --infllm-window of at most {min(lengths):,} (a "
+                          f"multiple of --infllm-block), or evaluate those lengths without --context-memory.")
+    return shape
 
 
 def reach_notes(m, lengths: list[int]) -> tuple[str, ...]:
