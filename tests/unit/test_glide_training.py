@@ -292,3 +292,27 @@ def test_a_reduced_vocabulary_is_the_datas_most_frequent_and_saved(tmp_path, cor
     assert torch.isneginf(logits[:, [t for t in range(logits.shape[-1]) if t not in set(want)]]).all()
     with pytest.raises(ConfigError, match="draft.vocab"):
         load_config(None, [f"--draft.target={target}", f"--draft.vocab={model.cfg.vocab_size}"])
+
+
+def test_a_draft_initialised_from_the_target_starts_as_its_last_layer(tmp_path, corpus, target):
+    cfg = load_config(None, [*QUIET, *corpus, f"--draft.target={target}", f"--train.run_dir={tmp_path / 'i'}",
+                             "--draft.init=target", "--draft.layers=2", "--train.steps=1"])
+    model = Trainer(cfg, log=lambda *a, **k: None).model
+    fresh, _ = _target_model(target)
+    draft = model.draft
+    assert draft.target_layers == [1, 2]
+    for layer, i in zip(draft.layers, draft.target_layers):
+        block = fresh.layers[i]
+        pairs = [(layer.self_attention.wq.weight, block.attention.wq.weight),
+                 (layer.self_attention.wo.weight, block.attention.wo.weight),
+                 (layer.cross_q.weight, block.attention.wq.weight), (layer.cross_o.weight, block.attention.wo.weight),
+                 (layer.feed_forward.w2.weight, block.feed_forward.w2.weight),
+                 (layer.self_norm.weight, block.attention_norm.weight), (layer.ffn_norm.weight, block.ffn_norm.weight)]
+        for mine, theirs in pairs:
+            assert torch.equal(mine.detach(), theirs), i
+    assert torch.equal(draft.norm.weight.detach(), fresh.norm.weight)
+    random = Trainer(load_config(None, [*QUIET, *corpus, f"--draft.target={target}", "--train.steps=1",
+                                        f"--train.run_dir={tmp_path / 'r'}"]), log=lambda *a, **k: None).model
+    assert not torch.equal(random.draft.layers[0].cross_q.weight.detach(), fresh.layers[2].attention.wq.weight)
+    with pytest.raises(ConfigError, match="random, target"):
+        load_config(None, [f"--draft.target={target}", "--draft.init=copy"])

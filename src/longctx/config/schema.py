@@ -401,6 +401,11 @@ class DraftConfig:
     block: int = _opt(4, "speculation length the block-stale mask trains for: a token at position p of its document "
                          "sees the target's keys of that document before p // block * block")
     kd_temperature: float = _opt(1.0, "softmax temperature of both distributions under draft.loss = kd")
+    init: str = _opt("random", "random: the draft's weights drawn from train.seed; target: draft layer i starts as a "
+                               "copy of target layer L - layers + i (its attention and MLP; the cross-attention's "
+                               "query and output projections from that layer's), the final norm as the target's: "
+                               "a draft that starts where the target ends learns in fewer steps",
+                     choices=("random", "target"))
     vocab: int = _opt(0, "0 = the target's vocabulary; N: the draft proposes only the N tokens its training data "
                          "uses most, through those rows of the target's LM head (EAGLE-3's reduced draft vocabulary: "
                          "a cheaper draft step; verification, by the target, stays lossless)")

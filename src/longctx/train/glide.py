@@ -181,6 +181,29 @@ def target_path(source: str) -> Path:
     return resolve_checkpoint(source, Path(source)).resolve()
 
 
+@torch.no_grad()
+def init_from_target(draft: GlideDraft, target: Llama) -> None:
+    """draft.init = target: each draft layer a copy of the target layer it reads (its attention norm, attention
+    and MLP; the cross-attention's norm, query and output projections from that layer's attention: at the
+    start it attends to that layer's keys and values as the layer itself does), the final norm the
+    target's. Full values on every rank (gathered from the target's shards)."""
+    def copy(dst: nn.Module, src: nn.Module) -> None:
+        theirs = dict(src.named_parameters())
+        for name, p in dst.named_parameters():
+            p.copy_(_full(theirs[name]))
+
+    for layer, i in zip(draft.layers, draft.target_layers):
+        block = target.layers[i]
+        copy(layer.self_norm, block.attention_norm)
+        copy(layer.cross_norm, block.attention_norm)
+        copy(layer.self_attention, block.attention)
+        copy(layer.ffn_norm, block.ffn_norm)
+        copy(layer.feed_forward, block.feed_forward)
+        layer.cross_q.weight.copy_(_full(block.attention.wq.weight))
+        layer.cross_o.weight.copy_(_full(block.attention.wo.weight))
+    copy(draft.norm, target.norm)
+
+
 def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     """How often each token id occurs in the run's training split [model.vocab_size] (the store built
     first if it is not yet: every rank counts the same store, so every rank picks the same vocabulary)."""
@@ -215,6 +238,8 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     head = FrozenHead(_full(target.tok_embeddings.weight), None if tied else _full(target.output.weight))
     draft = GlideDraft(cfg.model, d.layers, d.vocab).to(device)
     draft.init_weights(cfg.train.seed)
+    if d.init == "target":
+        init_from_target(draft, target)
     if d.vocab:
         covered = draft.vocab.set_from_counts(token_counts(cfg, rt, log).to(device))
         log(f"draft: its vocabulary is the {d.vocab:,} tokens of {cfg.model.vocab_size:,} its training data uses "
@@ -223,8 +248,9 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     identity = weights_identity(d.target)
     record = {"kind": "glide", "target": {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"],
                                           "identity": identity},
-              "layers": d.layers, "vocab": d.vocab, "block": d.block, "loss": d.loss,
-              "kd_temperature": d.kd_temperature, "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
+              "layers": d.layers, "vocab": d.vocab, "init": d.init, "block": d.block, "loss": d.loss,
+              "kd_temperature": d.kd_temperature,
+              "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
     model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
                           record=record)
     parallelize_draft(model, rt.dims, cfg, rt.mesh, device.type)
