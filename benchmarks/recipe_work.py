@@ -53,3 +53,17 @@ class RecipeWork:
         """A timed `longctx` command (not kept between runs): its stdout."""
         self.seconds[name], out = longctx(*args, cwd=self.dir)
         return out
+
+    def json_phase(self, name: str, *args: str) -> dict:
+        """A timed `longctx` command whose stdout is JSON, kept in WORK/results/NAME.json: a rerun in the
+        same directory reads it back instead of running it again."""
+        path = self.dir / "results" / (name.replace(" ", "_").replace("@", "_") + ".json")
+        if path.is_file():
+            print(f"{name}: reusing {path}", file=sys.stderr)
+            return json.loads(path.read_text())
+        print(f"{name}: running", file=sys.stderr)
+        self.seconds[name], out = longctx(*args, cwd=self.dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(out)
+        self._timings.write_text(json.dumps(self.seconds))
+        return json.loads(out)
