@@ -1,11 +1,12 @@
-"""Reading GliDe draft checkpoints (written by `longctx train --draft.target`, train/glide.py) for
-generation: `glide_manifest(path)` says whether a checkpoint is a draft's and what it was trained
-against; `load_glide_draft(path, target_model, device)` builds the draft beside a loaded target.
+"""Reading draft checkpoints (written by `longctx train --draft.target`, train/glide.py: a GliDe draft,
+or with draft.kind = clover its Clover draft) for generation: `glide_manifest(path)` says
+whether a checkpoint is a draft's (either kind: its record's "kind") and what it was trained against;
+`load_glide_draft(path, target_model, device)` builds the draft of that kind beside a loaded target.
 
 A draft checkpoint holds the draft's own weights only (state-dict keys `draft.*`); its manifest's
-`model` is the target's config and its `draft` record names the target (resolved path and model
-config) and the draft's layers, block and loss. The embedding and LM head are the target's, read
-at decode time from the target model itself (models/glide.py GlideDraft.forward).
+`model` is the target's config and its `draft` record names the kind, the target (resolved path and
+model config) and the draft's layers, block and loss. The embedding and LM head are the target's,
+read at decode time from the target model itself (models/glide.py GlideDraft.forward).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..config.checkpoint_paths import find_checkpoint
 from ..errors import ConfigError
+from ..models.clover import CloverDraft
 from ..models.glide import GlideDraft
 from .manager import _single_process
 from .manifest import read_manifest, verify
@@ -25,18 +27,21 @@ from .manifest import read_manifest, verify
 # loaded under another preset name, path or initialisation, or another max_seq_len, still fits
 _NOT_COMPUTED = ("preset", "init_from", "init_std", "max_seq_len")
 _PREFIX = "draft."
+DRAFT_KINDS = ("glide", "clover")  # a record's "kind" (draft.kind)
+_NAMES = {"glide": "GliDe", "clover": "Clover"}
 
 
 def glide_manifest(path) -> dict | None:
-    """The `draft` record of a GliDe draft checkpoint at `path` (a step-* directory, or a checkpoints
-    directory for its latest), with `checkpoint` (the step directory) and `tokenizer` added; None
-    when `path` holds no complete checkpoint or a checkpoint that is not a draft's."""
+    """The `draft` record of a draft checkpoint at `path` (a step-* directory, or a checkpoints
+    directory for its latest), GliDe or Clover (its "kind", one of DRAFT_KINDS), with `checkpoint` (the
+    step directory) and `tokenizer` added; None when `path` holds no complete checkpoint or a
+    checkpoint that is not a draft's."""
     found = find_checkpoint(path)
     if found is None:
         return None
     manifest = read_manifest(found)
     record = manifest.get("draft")
-    if not isinstance(record, dict) or record.get("kind") != "glide":
+    if not isinstance(record, dict) or record.get("kind") not in DRAFT_KINDS:
         return None
     return {**record, "checkpoint": str(found), "tokenizer": manifest.get("tokenizer")}
 
@@ -49,27 +54,31 @@ def target_differences(record: dict, target_cfg) -> list[str]:
             if k not in _NOT_COMPUTED and k in saved and saved[k] != v]
 
 
-def load_glide_draft(path, target_model, device=None) -> GlideDraft:
-    """The GliDe draft saved at `path`, on `device` (default the target's) in the target's dtype,
-    ready to draft for `target_model` (a models/llama.py Llama with the same model config as the one
-    the draft was trained against; its `block` attribute is the speculation length it was trained
-    for). Checksums are verified first. A ConfigError when `path` is not a draft's checkpoint or its
-    target's model config differs from target_model.cfg."""
+def load_glide_draft(path, target_model, device=None) -> GlideDraft | CloverDraft:
+    """The draft saved at `path` (a GlideDraft, or a CloverDraft where its record's kind says so), on
+    `device` (default the target's) in the target's dtype, ready to draft for `target_model` (a
+    models/llama.py Llama with the same model config as the one the draft was trained against; its
+    `block` attribute is the speculation length it was trained for). Checksums are verified first. A
+    ConfigError when `path` is not a draft's checkpoint or its target's model config differs from
+    target_model.cfg."""
     record = glide_manifest(path)
     if record is None:
-        what = "holds no complete checkpoint" if find_checkpoint(path) is None else "is not a GliDe draft's checkpoint"
+        what = "holds no complete checkpoint" if find_checkpoint(path) is None else \
+            "is not a GliDe draft's checkpoint (nor a Clover draft's)"
         raise ConfigError(f"{path} {what} (a draft's manifest has a `draft` record); train one with `longctx train "
                           f"--config configs/glide.toml --draft.target TARGET`.")
     diffs = target_differences(record, target_model.cfg)
     if diffs:
-        raise ConfigError(f"the GliDe draft {record['checkpoint']} was trained against another model "
-                          f"({record['target']['path']}): {'; '.join(diffs)}. Use it with that target, or train a "
-                          f"draft against this one.")
+        raise ConfigError(f"the {_NAMES[record['kind']]} draft {record['checkpoint']} was trained against another "
+                          f"model ({record['target']['path']}): {'; '.join(diffs)}. Use it with that target, or "
+                          f"train a draft against this one.")
     found = Path(record["checkpoint"])
     verify(found, checksums=True)
     weight = target_model.lm_head_weight
     device = weight.device if device is None else torch.device(device)
-    draft = GlideDraft(target_model.cfg, int(record["layers"]), int(record.get("vocab", 0))).to(device=device)
+    vocab = int(record.get("vocab", 0))
+    draft = (CloverDraft(target_model.cfg, vocab) if record["kind"] == "clover" else
+             GlideDraft(target_model.cfg, int(record["layers"]), vocab)).to(device=device)
     own = draft.state_dict()
     state = {"model": {_PREFIX + k: v for k, v in own.items()}}
     with _single_process(True):

@@ -10,6 +10,7 @@ import functools
 
 from ..errors import ConfigError
 from .data_parallel import data_parallel_problems
+from .draft_kinds import clover_problems
 from .positions import ms_poe_problems
 from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config, parse_layer_list
 
@@ -433,6 +434,7 @@ def _draft_rules(cfg: Config, problems: list[str]) -> None:
     if d.vocab < 0 or d.target and m.vocab_size > 0 and d.vocab >= m.vocab_size:
         problems.append(f"draft.vocab must be 0 (the target's {m.vocab_size:,} tokens) or a smaller count of the "
                         f"tokens the draft proposes (e.g. 8192), got {d.vocab}.")
+    problems += clover_problems(cfg)  # (draft.kind = clover: config/draft_kinds.py)
     if not d.target:
         return
     if m.is_moe:

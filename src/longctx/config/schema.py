@@ -389,7 +389,11 @@ DRAFT_LOSSES = ("ce", "kd")  # draft.loss
 
 @dataclass
 class DraftConfig:
-    """[draft]: train a GliDe draft model (models/glide.py, train/glide.py) against a frozen target."""
+    """[draft]: train a GliDe or Clover draft model (models/glide.py, models/clover.py; train/glide.py,
+    train/glide.py) against a frozen target."""
+    kind: str = _opt("glide", "glide: layers reading the target's KV cache (models/glide.py); clover: an Augmenting "
+                              "Block over the target's final hidden states and regressive steps (models/clover.py; "
+                              "one rank, one device to decode)", choices=("glide", "clover"))
     target: str = _opt("", "'' = a normal run; DIR (a longctx checkpoint, or a checkpoints directory for its latest) "
                            "or hf:DIR: train a GliDe draft against this frozen target, whose model config and "
                            "tokenizer the run takes (it sets model.init_from); only the draft is optimised and saved")

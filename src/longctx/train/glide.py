@@ -29,6 +29,12 @@ With draft.target set, the model the Trainer optimises is `GlideTraining`: a Gli
   model), `kd` the cross-entropy of the draft's distribution against the target's (both at
   draft.kd_temperature) on the labelled tokens; both chunked over tokens by memory.loss_chunk
   (ops/loss.py), so neither model's [tokens, vocab] logits exist at once.
+- draft.kind = clover (`CloverTraining`, models/clover.py): the same frame, the draft reading the
+  target's final-normed hidden states (the kd teacher, computed anyway) instead of captured K/V, its
+  states models/clover.py's chain_states (each position's as its round's chain computes it,
+  teacher-forced: `block` passes over the sequence); the record's kind "clover". One rank: the chain
+  reads the whole sequence's states and no head x ctx layout is built for it (config/draft_kinds.py
+  refuses one; data ranks are refused by the builder, before the target is read); no recompute.
 - Only the draft's parameters are optimised and checkpointed (the target is not a submodule); the
   manifest's `draft` record names the target (its resolved path and model config) and the draft's
   layers, block and loss. checkpoint/glide.py reads such checkpoints back for generation.
@@ -48,7 +54,9 @@ from torch.distributed.tensor import DTensor
 from ..checkpoint.identity import weights_identity
 from ..config import Config, to_dict
 from ..config.hf import hf_dir
+from ..errors import ConfigError
 from ..job.runtime import Runtime
+from ..models.clover import CloverDraft
 from ..models.glide import GlideDraft, block_stale_limit, sequence_codes
 from ..models.llama import Llama, build_model
 from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss
@@ -124,6 +132,11 @@ class GlideTraining(nn.Module):
                                      doc_ids=doc_ids, key_positions=key_pos, key_doc_ids=key_doc)
         if labels is None:
             return self.draft.logits(self.head, x)
+        return self.draft_loss(x, teacher, labels, loss_reduction)
+
+    def draft_loss(self, x, teacher, labels, loss_reduction):
+        """draft.loss on the draft's last states x [b, n, dim] (before its final norm), against the
+        target's final-normed states `teacher` (kd) or the labels (ce), chunked (memory.loss_chunk)."""
         weight = self.draft.head_weight(self.head)  # (a reduced vocabulary's rows: models/draft_vocab.py)
         if self.draft.vocab is not None and self.loss == "ce":
             labels = self.draft.vocab.labels(labels, IGNORE)
@@ -219,10 +232,9 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     return torch.from_numpy(counts)
 
 
-def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> GlideTraining:
+def frozen_target(cfg: Config, device: torch.device, rt: Runtime, log=print) -> tuple[Llama, FrozenHead, Path]:
     """The target built on meta, parallelised, materialised and loaded from draft.target (each rank its
-    shards), frozen; the draft built and initialised from train.seed (the same full values on every
-    rank, then sharded), and parallelised (parallel/parallelize.py parallelize_draft)."""
+    shards), frozen; its embedding and LM head as full frozen buffers; the path it was read from."""
     d = cfg.draft
     # the target saves nothing for a backward: no recompute policy, no offload (attention chunks stay)
     frozen = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none", offload_fraction=0.0,
@@ -236,24 +248,91 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     target.eval()
     tied = target.output is None
     head = FrozenHead(_full(target.tok_embeddings.weight), None if tied else _full(target.output.weight))
+    return target, head, path
+
+
+def set_draft_vocab(draft, cfg: Config, rt: Runtime, log=print) -> None:
+    """draft.vocab > 0: the draft's vocabulary from its training data's counts (models/draft_vocab.py)."""
+    if cfg.draft.vocab:
+        covered = draft.vocab.set_from_counts(token_counts(cfg, rt, log).to(draft.vocab.ids.device))
+        log(f"draft: its vocabulary is the {cfg.draft.vocab:,} tokens of {cfg.model.vocab_size:,} its training data "
+            f"uses most, {covered:.1%} of that data's tokens (draft.vocab)")
+
+
+def draft_record(cfg: Config, kind: str) -> dict:
+    """The manifest's `draft` record: the kind, the target by path, config and identity
+    (checkpoint/identity.py: decoding refuses another target of the same shape), the draft's settings."""
+    d = cfg.draft
+    target = {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"],
+              "identity": weights_identity(d.target)}
+    return {"kind": kind, "target": target, "layers": d.layers, "vocab": d.vocab, "init": d.init, "block": d.block,
+            "loss": d.loss, "kd_temperature": d.kd_temperature,
+            "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
+
+
+def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> GlideTraining:
+    """The frozen target (frozen_target); the draft built and initialised from train.seed (the same full
+    values on every rank, then sharded), and parallelised (parallel/parallelize.py parallelize_draft).
+    draft.kind = clover: build_clover_training's instead."""
+    d = cfg.draft
+    if d.kind == "clover":
+        return build_clover_training(cfg, device, rt, log)
+    target, head, path = frozen_target(cfg, device, rt, log)
     draft = GlideDraft(cfg.model, d.layers, d.vocab).to(device)
     draft.init_weights(cfg.train.seed)
     if d.init == "target":
         init_from_target(draft, target)
-    if d.vocab:
-        covered = draft.vocab.set_from_counts(token_counts(cfg, rt, log).to(device))
-        log(f"draft: its vocabulary is the {d.vocab:,} tokens of {cfg.model.vocab_size:,} its training data uses "
-            f"most, {covered:.1%} of that data's tokens (draft.vocab)")
-    # the target by identity (checkpoint/identity.py), so that decoding refuses another of the same shape
-    identity = weights_identity(d.target)
-    record = {"kind": "glide", "target": {"path": str(target_path(d.target)), "model": to_dict(cfg)["model"],
-                                          "identity": identity},
-              "layers": d.layers, "vocab": d.vocab, "init": d.init, "block": d.block, "loss": d.loss,
-              "kd_temperature": d.kd_temperature,
-              "seq_len": cfg.train.seq_len}  # (decoding's default draft window: the length it trained on)
+    set_draft_vocab(draft, cfg, rt, log)
+    record = draft_record(cfg, "glide")
     model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
                           record=record)
     parallelize_draft(model, rt.dims, cfg, rt.mesh, device.type)
     log(f"draft: a {d.layers}-layer GliDe draft (reading target layers {draft.target_layers}, block {d.block}, "
         f"loss {d.loss}) against the frozen target {path}")
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Clover (draft.kind = clover)
+
+
+class CloverTraining(GlideTraining):
+    """A Clover draft and its frozen target, as one model for the Trainer (GlideTraining's frame:
+    parameters, state dict and optimizer are the draft's alone, `draft.*`)."""
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The draft's block (what metrics count as blocks): its Augmenting Block."""
+        return nn.ModuleList([self.draft.aug])
+
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
+        """The draft's logits [b, n, vocab] without labels; with labels its loss (draft.loss)."""
+        b, n = tokens.shape
+        if positions is None:
+            positions = torch.arange(n, device=tokens.device).expand(b, n)
+        teacher = self._target(tokens, positions, doc_ids)[0]
+        x = self.draft.chain_states(self.head, tokens, positions, teacher, self.block, doc_ids)
+        if labels is None:
+            return self.draft.logits(self.head, x)
+        return self.draft_loss(x, teacher, labels, loss_reduction)
+
+
+def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> CloverTraining:
+    """The frozen target (train/glide.py frozen_target), a Clover draft initialised from train.seed
+    (draft.vocab's ids from the data), on one rank."""
+    if rt.world > 1:  # (config/draft_kinds.py refused head x ctx layouts; data ranks are refused here)
+        raise ConfigError(f"Clover draft training runs on one rank (the chained steps read the whole sequence's "
+                          f"states; data-parallel draft training is not built for it), got {rt.world} ranks: run "
+                          f"with --nproc 1.")
+    d = cfg.draft
+    target, head, path = frozen_target(cfg, device, rt, log)
+    draft = CloverDraft(cfg.model, d.vocab).to(device)
+    draft.init_weights(cfg.train.seed)
+    set_draft_vocab(draft, cfg, rt, log)
+    model = CloverTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
+                           record=draft_record(cfg, "clover"))
+    model.loss_chunk = cfg.memory.loss_chunk
+    params = sum(p.numel() for p in draft.parameters())
+    log(f"draft: a Clover draft ({params:,} parameters, block {d.block}, loss {d.loss}) against the frozen target "
+        f"{path}")
     return model
