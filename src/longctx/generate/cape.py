@@ -134,7 +134,7 @@ def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, s
     while on_chain < len(kept) and kept[on_chain] == tree.chain[on_chain]:
         on_chain += 1
     extra = tree.tokens[kept[-1]] if len(kept) > on_chain else None  # a kept alternative ends the path
-    drafter.accepted(on_chain, len(tree.chain), extra)
+    drafter.accepted(on_chain, len(tree.chain), extra, nodes=[0] + kept)
     return [tree.tokens[j] for j in kept], choice[node], len(tree.chain)
 
 

@@ -221,7 +221,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
         from .drafts import draft_config
 
         request.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
-                                      args.draft_window)
+                                      args.draft_window, args.compile)
     if args.cape:
         request.cape = _cape_table(args, sampling)
     return request

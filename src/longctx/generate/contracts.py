@@ -8,7 +8,7 @@ tests/unit/test_generate_contracts.py also holds each implementation's signature
 | `Cache`, `CacheLayer` | models/kv_cache.py KVCache (one device), generate/sharded.py ShardedKVCache (a rank's share) |
 | `Backend` | generate/local.py LocalGeneration, generate/sharded.py ShardedGeneration |
 | `FlatPrefill` | LocalGeneration (prompts of different lengths in one prefill call) |
-| `Drafter` | generate/drafters.py ModelDrafter, GlideDrafter |
+| `Drafter` | generate/drafters.py ModelDrafter, GlideDrafter, CloverDrafter |
 | `Rounds` | generate/engine.py PlainRounds, generate/speculative.py SpeculativeRounds (chain or CaPE tree) |
 
 The decode loop (generate/loop.py) is written against these alone: it never asks which cache,
@@ -143,9 +143,10 @@ class Drafter(Protocol):
         processing). Greedy, or no generator: the most likely token (q then the softmax, CaPE's
         confidences). Fewer than k after a proposal given less than `stop_below`."""
 
-    def accepted(self, n: int, k: int, extra: int | None = None) -> None:
+    def accepted(self, n: int, k: int, extra: int | None = None, nodes: list[int] | None = None) -> None:
         """n of the k last proposals were kept (and `extra`, a CaPE alternative kept after them): the
-        drafter's state follows."""
+        drafter's state follows. `nodes`: the rows of the last verification call that were kept, in
+        order (the chain: 0..n; a CaPE tree: its root and accepted path); None: 0..n."""
 
     def rewind(self, prompt: Sequence[int]) -> None:
         """Back to the state `start(prompt)` left."""

@@ -4,6 +4,8 @@
   cache, fed the same tokens as the target: the baseline GliDe is measured against.
 - `GlideDrafter`: a GliDe draft (models/glide.py), its own cache holding only its few layers' keys,
   its cross-attention reading the target's cache as the last verification left it.
+- `CloverDrafter`: a Clover draft (models/clover.py), reading the target's final hidden states of
+  the verified tokens (a hook on the target's final norm) through its Augmenting Block and memory.
 A drafter proposes up to K tokens autoregressively after the pending one, with the distribution q_i
 of each (its sampling distribution: every processor of generate/sampling.py applied, as to the
 target's; the penalties and min_new_tokens with the tokens before the position, proposals
@@ -13,10 +15,12 @@ included), and is told how many were kept (`accepted`).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 
 import torch
 
+from ..errors import ConfigError
 from ..models.kv_cache import KVCache
 from ..models.static_decode import CompiledStep, compiled_step, install
 from .acceptance import sampling_probs
@@ -85,8 +89,9 @@ class ModelDrafter:
         self.cache.truncate(len(prompt) - 1)
         self._unfed = [int(prompt[-1])]
 
-    def accepted(self, n: int, k: int, extra: int | None = None) -> None:
-        """n of the k proposals were kept (and, with CaPE, `extra`: an alternative kept after them).
+    def accepted(self, n: int, k: int, extra: int | None = None, nodes: list[int] | None = None) -> None:
+        """n of the k proposals were kept (and, with CaPE, `extra`: an alternative kept after them;
+        `nodes`, the verification call's kept rows, matter to a drafter that reads them: Clover's).
         The cache holds pending, d_1..d_{k-1} (d_k was never fed): keep pending and d_1..d_n; a kept
         d_k, or the alternative, is fed with the next pending token."""
         self.cache.truncate(self._base + min(n, k - 1))
@@ -155,6 +160,102 @@ class GlideDrafter(ModelDrafter):
         return self.model(self.target, tokens, positions[None], self._target_kv(), visible, cache=self.cache)[0, -1]
 
 
+class _StateSink:
+    """Where the hook on the target's final norm leaves its outputs (the final hidden states of every
+    target call: the prefill's chunks, then each verification's rows). Holds no drafter, so a drafter
+    is collected as usual and its finalizer removes the hook; keeps at most `rows` rows (oldest
+    dropped: a target run with no speculation meanwhile, e.g. plain decoding, cannot grow it)."""
+
+    def __init__(self, rows: int):
+        self.rows, self.held = rows, []
+
+    def hook(self, module, inputs, output) -> None:
+        self.held.append(output.detach())
+        while len(self.held) > 1 and sum(h.shape[1] for h in self.held[1:]) >= self.rows:
+            self.held.pop(0)
+
+    def take(self) -> list[torch.Tensor]:
+        held, self.held = self.held, []
+        return held
+
+
+class CloverDrafter(ModelDrafter):
+    """A Clover draft (models/clover.py): it reads the target's final hidden states, captured by a
+    forward hook on the target's final norm (`norm`), registered here and removed when the drafter is
+    collected. Its Augmenting Block and Attention Decoder memory (one KVCache of two layers) hold the
+    verified positions from `offset` on (the prompt's last `window`, then every kept token); a round
+    starts from the augmented state of the last verified position. One device, eager (drafter_for and
+    start refuse the rest)."""
+
+    def __init__(self, draft, target, max_len: int, block: int, window: int = 0):
+        super().__init__(draft, max_len)
+        self.target, self.block, self.window = target, block, window
+        self.sink = _StateSink(max_len)
+        handle = target.norm.register_forward_hook(self.sink.hook)
+        self._unhook = weakref.finalize(self, handle.remove)
+        self.offset = 0   # the first position the draft's cache holds
+        self.base = 0     # the position of the pending token (the next to verify)
+        self.state = self._start_state = None  # [1, 1, dim]: the augmented state at base - 1
+
+    def start(self, prompt: Sequence[int], target_cache=None) -> None:
+        """After the target's prefill of `prompt` (its final states captured chunk by chunk): the
+        Augmenting Block over the last `window` positions of it, the memory filled."""
+        if not isinstance(target_cache, KVCache):
+            raise ConfigError("a Clover draft decodes on one device: it reads the target's final hidden states of "
+                              "every verified token, which a cache sharded over head x ctx ranks does not gather; "
+                              "run with --nproc 1 (or use a GliDe draft).")
+        n = len(prompt)
+        held = self.sink.take()
+        hidden = torch.cat(held, dim=1)[:, -n:] if held else None
+        if hidden is None or hidden.shape[1] < n:
+            raise RuntimeError("a CloverDrafter must exist before the target's prefill of the prompt (its hook "
+                               "captures the prompt's final hidden states)")
+        cfg, w = self.target.cfg, self.target.tok_embeddings.weight
+        self.cache = KVCache(2, 1, self.max_len, cfg.kv_heads, cfg.resolved_head_dim, dtype=w.dtype, device=w.device)
+        self.offset = max(0, n - self.window) if self.window else 0
+        positions = torch.arange(self.offset, n, device=w.device)[None]
+        augmented = self.model.extend(hidden[:, self.offset:].to(w.dtype), positions, self.cache)
+        self.state = self._start_state = augmented[:, -1:]
+        self.base = n
+        self._unfed = []
+
+    def rewind(self, prompt: Sequence[int]) -> None:
+        self.cache.truncate(len(prompt) - self.offset)
+        self.state, self.base, self._unfed = self._start_state, len(prompt), []
+        self.sink.take()
+
+    def propose(self, pending: int, k: int, sampling: Sampling, generator, stop_below: float = 0.0,
+                processors: Processors | None = None) -> tuple[list[int], torch.Tensor]:
+        self._step_state, self._step = self.state, 0
+        self.sink.take()  # (the states before this round were learned; the verification's come next)
+        return super().propose(pending, k, sampling, generator, stop_below, processors)
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One regressive step: tokens [1, 1] at position base + step, from the previous step's state,
+        reading every memory slot (all verified before this round: block-stale)."""
+        position = torch.full((1, 1), self.base + self._step, device=tokens.device)
+        slots = int(self.cache.lengths[0])
+        self._step_state = self.model.step(self._step_state, self.target.tok_embeddings(tokens), position,
+                                           self.cache.k[1], self.cache.v[1], slots)
+        self._step += 1
+        return self.model.logits(self.target, self._step_state)[0, -1]
+
+    def accepted(self, n: int, k: int, extra: int | None = None, nodes: list[int] | None = None) -> None:
+        """The last verification call's rows that were kept (`nodes`: a CaPE tree's root and accepted
+        path; default rows 0..n: pending and the n kept proposals) continue the Augmenting Block and the
+        memory; the last one's augmented state starts the next round."""
+        rows = list(range(n + 1)) if nodes is None else list(nodes)
+        held = self.sink.take()
+        if not held or held[-1].shape[1] <= max(rows):
+            raise RuntimeError("CloverDrafter.accepted follows a verification call of the target (its final "
+                               "hidden states were not captured)")
+        device = held[-1].device
+        positions = self.base + torch.arange(len(rows), device=device)[None]
+        hidden = held[-1][:, rows].to(self.target.tok_embeddings.weight.dtype)
+        self.state = self.model.extend(hidden, positions, self.cache)[:, -1:]
+        self.base += len(rows)
+
+
 def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int | None = None,
                 compile: bool | CompiledStep = False) -> ModelDrafter:
     """The drafter of `draft`: a GliDe draft (models/glide.py, its `block` set by its checkpoint) reads
@@ -162,8 +263,15 @@ def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: 
     sequence length it was trained on, where its checkpoint records it: a longer self-attention is
     outside what it learned, and at long prompts the pass is most of its cost); any other model
     drafts with its own (`compile`: its steps compiled, as generate's; a GliDe draft's stay eager)."""
+    from ..models.clover import CloverDraft
     from ..models.glide import GlideDraft
 
+    if isinstance(draft, CloverDraft):
+        if compile:
+            raise ConfigError("a Clover draft decodes eagerly: its drafter reads the target's final hidden states "
+                              "through a hook on the target's final norm, which a compiled step skips; drop "
+                              "--compile (or use a GliDe draft).")
+        return CloverDrafter(draft, target, max_len, draft.block, draft_window(draft, window))
     if isinstance(draft, GlideDraft):
         return GlideDrafter(draft, target, max_len, draft.block, draft_window(draft, window))
     return ModelDrafter(draft, max_len, prefill_chunk, compile)

@@ -1,9 +1,10 @@
 """The draft of speculative decoding (`--draft DIR|hf:DIR` of `longctx generate` and `bench decode`):
 checked against the target before any weight is read, then loaded.
 
-A draft is either a plain model with its own cache (its longctx or Hugging Face config), or a GliDe
-draft trained by `longctx train --draft.target` (its checkpoint's `draft` record, checkpoint/glide.py),
-which reads the target's cache. `draft_config` returns the one or the other.
+A draft is either a plain model with its own cache (its longctx or Hugging Face config), or a GliDe or
+Clover draft trained by `longctx train --draft.target` (its checkpoint's `draft` record,
+checkpoint/glide.py), which reads the target's cache (GliDe) or final hidden states (Clover: one device
+only). `draft_config` returns the one or the other.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from ..errors import ConfigError
 
 
 def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, confidence_stop: float = 0.0,
-                 window: int | None = None):
+                 window: int | None = None, compile: bool = False):
     """The draft's config (a GliDe draft: its `draft` record), refused before any weight is read when it
     cannot draft for the target `checkpoint` (config `cfg`, tokenizer `spec`): another vocabulary or
     tokenizer, a GliDe draft trained against another target, `speculate` below 1, a confidence stop
-    outside [0, 1) or a negative draft window."""
+    outside [0, 1) or a negative draft window; a Clover draft under head x ctx ranks or `compile`."""
     from ..checkpoint.glide import glide_manifest, target_differences
     from ..config import load_config
     from ..config.tokenizer import model_tokenizer, same_tokenizer
@@ -31,6 +32,7 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
                           f"got {window}.")
     glide = glide_manifest(draft)
     if glide is not None:
+        _check_clover_layout(glide, draft, cfg, compile)
         _check_target_identity(glide, draft, checkpoint)
         diffs = target_differences(glide, cfg.model)
         if diffs:
@@ -53,6 +55,21 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
         found = load_config(None, {"model": {"init_from": draft, "max_seq_len": cfg.model.max_seq_len},
                                    "train": {"seq_len": 2, "eval_interval": 0}})
     return found
+
+
+def _check_clover_layout(record: dict, draft: str, cfg, compile: bool) -> None:
+    """A Clover draft decodes on one device, eagerly (generate/drafters.py CloverDrafter): it reads the
+    target's final hidden states of every verified token, through a hook on the target's final norm
+    (which a compiled step skips), and a cache sharded over head x ctx ranks does not gather them."""
+    if record.get("kind") == "clover" and compile:
+        raise ConfigError(f"--draft {draft} is a Clover draft, which decodes eagerly (it reads the target's final "
+                          f"hidden states through a hook on the target's final norm, which a compiled step skips): "
+                          f"drop --compile, or use a GliDe draft.")
+    ranks = cfg.parallel.head * cfg.parallel.ctx
+    if record.get("kind") == "clover" and ranks > 1:
+        raise ConfigError(f"--draft {draft} is a Clover draft, which decodes on one device (it reads the target's "
+                          f"final hidden states of every verified token; a cache sharded over head x ctx = {ranks} "
+                          f"ranks does not gather them): run with --nproc 1, or use a GliDe draft.")
 
 
 def _check_target_identity(glide: dict, draft: str, checkpoint: str) -> None:
@@ -85,6 +102,9 @@ def load_draft(draft_cfg, target, device, dtype):
 
 
 def draft_label(draft_cfg) -> str:
+    """What the draft is, in words (its kind, and a GliDe draft's layers)."""
     if isinstance(draft_cfg, dict):
+        if draft_cfg.get("kind") == "clover":
+            return f"a Clover draft (block {draft_cfg['block']})"
         return f"a {draft_cfg['layers']}-layer GliDe draft (block {draft_cfg['block']})"
     return draft_cfg.model.label

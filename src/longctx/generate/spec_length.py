@@ -27,7 +27,8 @@ verification call either way: on a GPU a few more nodes read the same cache).
 
 c: the draft's cost per token over the target's, by default the ratio of their forward matmul
 FLOPs per token (models/flops.py; a GliDe draft's own layers plus the target's LM head, which it
-uses): a fixed number of the two models, not a measurement. `--draft-cost C` sets it (e.g. a ratio
+uses; a Clover draft's step and that head, models/clover.py): a fixed number of the two models, not
+a measurement. `--draft-cost C` sets it (e.g. a ratio
 measured on the machine: on a CPU a small draft's step costs more than its FLOPs say).
 """
 
@@ -104,10 +105,17 @@ def best_length(alpha: float, draft_cost: float, cap: int) -> int:
 def matmul_flops(model, target) -> float:
     """Forward matmul FLOPs per token of `model`: a longctx model by its config (models/flops.py); a
     GliDe draft by its own layers' weights and the target's LM head rows it runs (all, or its reduced
-    vocabulary's: models/draft_vocab.py)."""
+    vocabulary's: models/draft_vocab.py); a Clover draft by one regressive step's weights and those rows
+    (its Augmenting Block runs once per kept token, not per proposal: left out, as the verification's)."""
+    from ..models.clover import CloverDraft
     from ..models.flops import forward_matmul_flops_per_token
     from ..models.glide import GlideDraft
 
+    if isinstance(model, CloverDraft):  # a step: the regressive connection, query, output, MLP; then the head
+        parts = (model.regressive, model.query, model.out, model.feed_forward)
+        own = sum(p.numel() for part in parts for p in part.parameters() if p.dim() == 2)
+        head = target.cfg.vocab_size if model.vocab is None else model.vocab.size
+        return 2.0 * own + 2.0 * target.cfg.dim * head
     if isinstance(model, GlideDraft):
         own = sum(p.numel() for p in model.layers.parameters() if p.dim() == 2)
         head = target.cfg.vocab_size if model.vocab is None else model.vocab.size

@@ -56,7 +56,7 @@ def speculative_round(target, cache: Cache, drafter: Drafter, pending: int, k: i
     if rows is not None:
         rows.extend(processed[:kept + 1])
     cache.truncate(int(cache.lengths[0]) - (k - kept))
-    drafter.accepted(kept, k)
+    drafter.accepted(kept, k, nodes=list(range(kept + 1)))  # (the call's rows kept: pending and the kept)
     return proposals[:kept], following, k
 
 
