@@ -231,33 +231,48 @@ def target_run(tmp_path_factory, corpus):
     return run / "checkpoints"
 
 
-def test_a_clover_draft_trains_saves_and_loads(tmp_path, corpus, target_run):
-    from longctx.checkpoint.glide import glide_manifest, load_glide_draft
-    from longctx.checkpoint.manager import load_model_weights
-    from longctx.config.checkpoint_paths import latest_checkpoint
-    from longctx.generate.drafts import draft_label
-    from longctx.generate.spec_length import draft_cost_ratio
-    from longctx.train.glide import CloverTraining
+@pytest.fixture(scope="module")
+def clover_run(tmp_path_factory, corpus, target_run):
+    """A Clover draft trained 12 steps against the tiny target (ce, a reduced vocabulary of 60)."""
     from longctx.train.trainer import Trainer
 
+    run = tmp_path_factory.mktemp("clover-draft")
     cfg = load_config(None, [*QUIET, *corpus, f"--draft.target={target_run}", "--draft.kind=clover",
                              "--draft.loss=ce", "--draft.vocab=60", "--train.lr=3e-3", "--train.steps=12",
-                             "--checkpoint.interval=12", f"--train.run_dir={tmp_path}"])
+                             "--checkpoint.interval=12", f"--train.run_dir={run}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
-    losses = trainer.run().losses
-    assert isinstance(trainer.model, CloverTraining) and len(losses) == 12
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
-    optimised = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert optimised == {id(p) for p in trainer.model.draft.parameters()}
-    record = glide_manifest(tmp_path / "checkpoints")
-    assert record["kind"] == "clover" and record["block"] == 4 and record["vocab"] == 60
-    assert draft_label(record) == "a Clover draft (block 4)"
+    return trainer, trainer.run().losses, run / "checkpoints"
+
+
+def _loaded_target(target_run):
+    from longctx.checkpoint.manager import load_model_weights
+    from longctx.config.checkpoint_paths import latest_checkpoint
+
     path = latest_checkpoint(target_run)
     model = build_model(load_config(overrides=[f"--model.init_from={path}"]).model, device="meta")
     model.to_empty(device="cpu")
     load_model_weights(path, model)
     model.init_rope()
-    draft = load_glide_draft(tmp_path / "checkpoints", model.eval(), "cpu")
+    return model.eval(), path
+
+
+def test_a_clover_draft_trains_saves_and_loads(clover_run, target_run):
+    from longctx.checkpoint.glide import glide_manifest, load_glide_draft
+    from longctx.generate.drafts import draft_label
+    from longctx.generate.spec_length import draft_cost_ratio
+    from longctx.models.flops import forward_matmul_flops_per_token
+    from longctx.train.glide import CloverTraining
+
+    trainer, losses, checkpoints = clover_run
+    assert isinstance(trainer.model, CloverTraining) and len(losses) == 12
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+    optimised = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert optimised == {id(p) for p in trainer.model.draft.parameters()}
+    record = glide_manifest(checkpoints)
+    assert record["kind"] == "clover" and record["block"] == 4 and record["vocab"] == 60
+    assert draft_label(record) == "a Clover draft (block 4)"
+    model, _ = _loaded_target(target_run)
+    draft = load_glide_draft(checkpoints, model, "cpu")
     assert isinstance(draft, CloverDraft) and draft.block == 4 and draft.trained_seq_len == 64
     assert torch.equal(draft.vocab.ids, trainer.model.draft.vocab.ids)
     tokens = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
@@ -269,32 +284,37 @@ def test_a_clover_draft_trains_saves_and_loads(tmp_path, corpus, target_run):
     # adaptive K's cost: one step's weights and the 60 head rows, over the target's FLOPs per token
     step = sum(p.numel() for m in (draft.regressive, draft.query, draft.out, draft.feed_forward)
                for p in m.parameters())
-    from longctx.models.flops import forward_matmul_flops_per_token
-
     assert draft_cost_ratio(model, draft) == pytest.approx((2 * step + 2 * 64 * 60) /
                                                            forward_matmul_flops_per_token(model.cfg))
-    # against another target of the same shape: refused (its identity), before any weight is read
-    from longctx.generate.drafts import draft_config
 
+
+def test_a_clover_draft_is_refused_beside_another_target_sharded_or_compiled(tmp_path, corpus, clover_run,
+                                                                             target_run):
+    from longctx.checkpoint.glide import load_glide_draft
+    from longctx.generate.drafts import draft_config
+    from longctx.train.trainer import Trainer
+
+    checkpoints = str(clover_run[2])
+    model, path = _loaded_target(target_run)
+    # another target of the same shape: refused by its identity, before any weight is read
     other = tmp_path / "other"
-    ocfg = load_config(None, [*QUIET, *corpus, "--model.layers=2", "--model.dim=64", "--model.ffn_dim=128",
-                              "--train.steps=1", "--checkpoint.interval=1", "--train.seed=5",
-                              f"--train.run_dir={other}"])
-    Trainer(ocfg, log=lambda *a, **k: None).run()
+    Trainer(load_config(None, [*QUIET, *corpus, "--model.layers=2", "--model.dim=64", "--model.ffn_dim=128",
+                               "--train.steps=1", "--checkpoint.interval=1", "--train.seed=5",
+                               f"--train.run_dir={other}"]), log=lambda *a, **k: None).run()
     target_cfg = load_config(overrides=[f"--model.init_from={path}"])
     with pytest.raises(ConfigError, match="other weights"):
-        draft_config(str(tmp_path / "checkpoints"), str(other / "checkpoints"), 4, target_cfg, "byte")
+        draft_config(checkpoints, str(other / "checkpoints"), 4, target_cfg, "byte")
     wide = build_model(load_config(overrides=["--model.layers=2", "--model.dim=64", "--model.ffn_dim=256"]).model)
     with pytest.raises(ConfigError, match="ffn_dim"):
-        load_glide_draft(tmp_path / "checkpoints", wide)
+        load_glide_draft(checkpoints, wide)
     # decoding it: one device, eager
     sharded = load_config(overrides=[f"--model.init_from={path}", "--parallel.ctx=2"])
     with pytest.raises(ConfigError, match="--nproc 1"):
-        draft_config(str(tmp_path / "checkpoints"), str(target_run), 4, sharded, "byte")
+        draft_config(checkpoints, str(target_run), 4, sharded, "byte")
     with pytest.raises(ConfigError, match="--compile"):
-        draft_config(str(tmp_path / "checkpoints"), str(target_run), 4, target_cfg, "byte", compile=True)
+        draft_config(checkpoints, str(target_run), 4, target_cfg, "byte", compile=True)
     with pytest.raises(ConfigError, match="--compile"):
-        drafter_for(model, draft, 64, compile=True)
+        drafter_for(model, load_glide_draft(checkpoints, model), 64, compile=True)
 
 
 def test_bad_clover_configs_are_refused_before_work(target_run):
