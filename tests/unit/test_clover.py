@@ -326,6 +326,8 @@ def test_bad_clover_configs_are_refused_before_work(target_run):
     refused("--draft.kind=clover", "--draft.init=target", match="GliDe-only")
     refused(f"--draft.target={target_run}", "--draft.kind=clover", "--parallel.ctx=2", match="--nproc 1")
     refused(f"--draft.target={target_run}", "--draft.kind=clover", "--memory.recompute=full", match="recompute")
+    refused(f"--draft.target={target_run}", "--draft.kind=clover", "--memory.model_states=host",
+            match="model_states")
     refused("--draft.kind=eagle", match="glide, clover")
     assert load_config(None, ["--draft.kind=clover"]).draft.kind == "clover"
     # the recipe (its target's shapes come from draft.target: here the tiny one)

@@ -29,4 +29,7 @@ def clover_problems(cfg: Config) -> list[str]:
         problems.append("Clover draft training keeps its activations (memory.recompute none, no "
                         "memory.attention_chunk: its one small block is not worth recomputing); drop them "
                         "(memory.loss_chunk applies).")
+    if mem.model_states == "host":
+        problems.append("Clover draft training does not shard its states (FSDP is not applied to it), so "
+                        "memory.model_states = host does not apply: use device or host_optimizer.")
     return problems
