@@ -5,7 +5,10 @@ only where tensors live (cpu / cuda). A `Hardware` is per GPU (or CPU process) e
 `host_memory_gib`, which is per node (the host RAM that offloaded activations of all the node's GPUs
 share). Bandwidths are what one GPU can push in one direction: `intra_gbps` inside a node (NVLink /
 NVSwitch), `inter_gbps` between nodes (the GPU's share of the node's InfiniBand / RoCE NICs),
-`host_link_gbps` to host memory (PCIe), all in GB/s (1e9 bytes/s). `gemm_efficiency` and
+`host_link_gbps` to host memory (PCIe), all in GB/s (1e9 bytes/s). A node with a third, fastest level
+inside it (Frontier's MI250X: two GCDs per package; GPUs paired on one switch) sets `group_ranks` (the
+ranks of one such group) and `middle_gbps` (per GPU between a node's groups); `intra_gbps` is then the
+link inside a group. 0 (the presets): two levels. `gemm_efficiency` and
 `attention_efficiency` are the fractions of the dense bf16 peak that large GEMMs and flash-attention
 forward+backward reach; the planner divides FLOPs by peak x efficiency. `comm_overlap` is the
 fraction of overlappable communication (ring hops, FSDP gathers, offload copies) that can hide
@@ -53,6 +56,8 @@ class Hardware:
     dtype_bytes: int = 2                   # activations and gathered parameters (2 = bf16, 4 = fp32)
     host_adam_gparams_per_s: float = 5.0   # the node's host AdamW, 1e9 parameters/s (HOST_ADAM below)
     source: str = "data sheet"
+    group_ranks: int = 0                   # a third link level: ranks per group inside a node (0: none)
+    middle_gbps: float = 0.0               # per GPU, one direction, between a node's groups (group_ranks > 0)
 
     @property
     def memory_bytes(self) -> float:

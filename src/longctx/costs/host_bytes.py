@@ -157,9 +157,10 @@ def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len
 
 def hpz_copy_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float:
     """parallel.zero_pp = hpz: after its forward every block unit keeps its weights sharded over the
-    node (1 / node of them per rank, in the gather dtype) until its backward gathers them again."""
+    node (1 / node of them per rank, in the gather dtype; 1 / hpz_ranks on a group inside the node) until
+    its backward gathers them again."""
     pc = param_counts(m)
-    return (pc["total"] - pc["root"]) * gather_bytes / max(shape.node, 1)
+    return (pc["total"] - pc["root"]) * gather_bytes / max(shape.hpz_ranks or shape.node, 1)
 
 
 def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,

@@ -4,7 +4,9 @@ The planner's view of the [parallel] table (job/dims.py builds the real DeviceMe
 same degrees): dp_replicate x dp_shard x head x ctx ranks, the Double-Ring `window` and the
 `placement` that decides which sequence group gets adjacent ranks; for a MoE model the `expert`
 degree, whose groups of adjacent ranks the MoE layers fold over those ranks (parallel/expert/install.py);
-and `zero_pp`, how FSDP's transfers cross nodes (parallel.zero_pp: ZeRO++'s hpz, qwz, qgz).
+and `zero_pp`, how FSDP's transfers cross nodes (parallel.zero_pp: ZeRO++'s hpz, qwz, qgz; `hpz_ranks`, hpz's
+secondary partition on a group smaller than the node: Frontier's third level); `data_parallel`, how the
+replicas agree (train.data_parallel: sync, or co2's rounds of `local_steps` local steps).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class MeshShape:
     expert: int = 1
     zero_pp: str = ""  # parallel.zero_pp: ZeRO++'s hpz / qwz / qgz for an FSDP group that spans nodes
     node: int = 0      # parallel.ranks_per_node under zero_pp (the FSDP group's ranks in one node)
+    hpz_ranks: int = 0  # parallel.hpz_ranks: hpz's secondary partition over this many ranks (0: the node)
+    data_parallel: str = "sync"  # train.data_parallel: sync | co2 (each replica its own FSDP group)
+    local_steps: int = 0  # train.co2_local_steps under co2 (H: local steps per round)
 
     @property
     def world(self) -> int:
@@ -63,7 +68,9 @@ class MeshShape:
         if self.expert > 1:
             text += f" ep{self.expert}"
         if self.zero_pp:
-            text += " " + self.zero_pp.replace(",", "+")
+            text += " " + self.zero_pp.replace(",", "+") + (f"/g{self.hpz_ranks}" if self.hpz_ranks else "")
+        if self.data_parallel == "co2":
+            text += f" co2/H{self.local_steps}"
         return text
 
 

@@ -8,7 +8,9 @@ otherwise. Ulysses all-to-alls block (fully exposed); ring hops overlap one ring
 compute (a Double-Ring outer hop overlaps a whole inner ring of `window` steps); FSDP gathers /
 reduce-scatters overlap their block's compute; offload copies overlap their block's compute;
 expert all-to-alls block (fully exposed) and the most loaded expert rank sets the pace;
-`hardware.comm_overlap` scales every overlap (0 on CPU).
+`hardware.comm_overlap` scales every overlap (0 on CPU). On hardware with a third level (hardware.group_ranks)
+FSDP's transfers inside a node run at the group's bandwidth when they stay in one group and at
+middle_gbps when they span groups (level_bandwidth); the other groups' still see intra_gbps.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ QUANTIZED_BYTES = 1 + 4 / 512
 def link_bandwidth(hw: Hardware, intra: bool) -> float:
     """Bytes/s of one rank's link: inside a node or between nodes."""
     return (hw.intra_gbps if intra else hw.inter_gbps) * 1e9
+
+
+def level_bandwidth(hw: Hardware, span: int) -> float:
+    """Bytes/s of a collective over `span` consecutive ranks of one node: the group's link when they fit
+    in one group of a three-level node (hardware.group_ranks), else the slower link between its groups."""
+    if hw.group_ranks and span > hw.group_ranks:
+        return hw.middle_gbps * 1e9
+    return hw.intra_gbps * 1e9
 
 
 def exposed(transfer_s: float, compute_s: float, hw: Hardware) -> float:
@@ -152,22 +162,25 @@ def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, h
     pc = param_counts(m)
     b = pc["block"] if block is None else block
     n, r = shape.fsdp, shape.dp_replicate
-    bw_f = link_bandwidth(hw, group_is_intra_node(shape, "fsdp", gpus_per_node))
+    in_node = group_is_intra_node(shape, "fsdp", gpus_per_node)
+    bw_f = level_bandwidth(hw, n) if in_node else link_bandwidth(hw, False)
     bw_r = link_bandwidth(hw, group_is_intra_node(shape, "replicate", gpus_per_node))
     modes = set(shape.zero_pp.split(",")) if shape.zero_pp else set()
     node = min(gpus_per_node, n)  # ranks of the FSDP group in one node (hpz, qgz)
+    level = shape.hpz_ranks or node  # hpz's secondary partition: a node, or a group inside it (Frontier)
     weights = QUANTIZED_BYTES if "qwz" in modes else gather_bytes
 
     def gather(p: int) -> tuple[float, float]:  # forward's all-gather, backward's
         forward = (n - 1) / n * p * weights / bw_f
-        if "hpz" in modes:  # backward gathers the node-sharded copy, within the node, unquantised
-            return forward, (node - 1) / node * p * gather_bytes / link_bandwidth(hw, True)
+        if "hpz" in modes:  # backward gathers the secondary partition's copy, inside it, unquantised
+            return forward, (level - 1) / level * p * gather_bytes / level_bandwidth(hw, level)
         return forward, forward
 
     def reduce(p: int) -> float:
-        replicas = 2 * (r - 1) / r * p * 4 / n / bw_r
+        # co2: each replica is its own FSDP group, no gradient crosses replicas (its outer all-reduce: planner)
+        replicas = 0.0 if shape.data_parallel == "co2" else 2 * (r - 1) / r * p * 4 / n / bw_r
         if "qgz" in modes:  # int8 all-to-all within the node, then the node sums across nodes
-            within = (node - 1) / node * p * QUANTIZED_BYTES / link_bandwidth(hw, True)
+            within = (node - 1) / node * p * QUANTIZED_BYTES / level_bandwidth(hw, node)
             nodes = n // node
             return within + (nodes - 1) / nodes * p / node * QUANTIZED_BYTES / bw_f + replicas
         return (n - 1) / n * p * 4 / bw_f + replicas

@@ -105,6 +105,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a data store (longctx data build) at --seq-len: the attention work is taken from its "
                         "documents (doc_work: visible same-document pairs over plain causal ones, from at most "
                         "2,000 of its samples); default: one document per sequence (doc_work 1.0)")
+    p.add_argument("--allow", default="", metavar="co2",
+                   help="lossy choices the plan may make: co2 (train.data_parallel = co2, local rounds whose outer "
+                        "all-reduce hides under H steps; it changes convergence). Without it co2 plans are "
+                        "estimated and reported beside the plan, never chosen")
+    p.add_argument("--co2-local-steps", default="2,4,8", metavar="H,...",
+                   help="train.co2_local_steps values to try for co2 plans: the smallest that hides the outer "
+                        "all-reduce is taken")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--out", default="plan.toml", help="where the best plan's config is written")
     p.add_argument("--no-write", action="store_true", help="do not write the config")
@@ -150,7 +157,9 @@ def build_request(args, overrides):
                   loss_chunks=chunks, block_chunks=block_chunks, doc_mask=base.data.doc_mask,
                   doc_work=doc_work, doc_work_source=doc_work_source,
                   expert_degrees=_ints(args.expert, "--expert", 1) if args.expert else None,
-                  expert_skew=_skew(args.expert_skew), expert_chunks=_ints(args.expert_chunk, "--expert-chunk"))
+                  expert_skew=_skew(args.expert_skew), expert_chunks=_ints(args.expert_chunk, "--expert-chunk"),
+                  allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
+                  co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1))
     return req, base
 
 
@@ -166,6 +175,28 @@ def _doc_work(store: str | None, seq_len: int, doc_mask: bool) -> tuple[float, s
     return work, f"from --store {store}: {used:,} of {total:,} train samples of {seq_len:,} tokens"
 
 
+def _write_best(res, base, args) -> tuple[str | None, str]:
+    """(where the best plan `longctx train` accepts was written, or None; a note when a better predicted
+    plan does not pass the config and layout checks)."""
+    from ..config import load_config
+    from .output import plan_config, runnable, toml_text
+
+    req, note = res.request, ""
+    for est in res.feasible:
+        cfg = plan_config(est, req, base)
+        why = runnable(cfg, est.mesh_shape.world)
+        if not why:
+            if args.no_write:
+                return None, note
+            Path(args.out).write_text(toml_text(cfg, est, req))
+            load_config(args.out, [])  # what we wrote loads (the config validates it)
+            return str(args.out), note
+        if not note:
+            note = (f"the best predicted plan ({est.mesh_shape.describe()}, {est.policy.describe()}) cannot run "
+                    f"in this version: {why}")
+    return None, note
+
+
 def main(args, overrides) -> int:
     if args.validate:
         from .validate import main as validate_main
@@ -175,9 +206,9 @@ def main(args, overrides) -> int:
         from .anchors import main as anchors_main
 
         return anchors_main(args)
-    from ..config import load_config
     from ..costs.hardware import hardware_names
-    from .output import memory_legend, plan_config, runnable, table, to_json, toml_text
+    from .link_report import report_text
+    from .output import memory_legend, table, to_json
     from .search import plan
 
     req, base = build_request(args, overrides)
@@ -190,31 +221,15 @@ def main(args, overrides) -> int:
         raise ConfigError(f"--seq-len {req.seq_len} exceeds the --model.max_seq_len you gave "
                           f"({base.model.max_seq_len}).")
     res = plan(req)
-    written, note = None, ""
     best = res.best
-    if best is not None:
-        # the best plan `longctx train` accepts (config and layout checks); say so when a better one does not
-        chosen = None
-        for est in res.feasible:
-            cfg = plan_config(est, req, base)
-            why = runnable(cfg, est.mesh_shape.world)
-            if not why:
-                chosen = (est, cfg)
-                break
-            if not note:
-                note = (f"the best predicted plan ({est.mesh_shape.describe()}, {est.policy.describe()}) cannot run "
-                        f"in this version: {why}")
-        if chosen is not None and not args.no_write:
-            est, cfg = chosen
-            text = toml_text(cfg, est, req)
-            Path(args.out).write_text(text)
-            load_config(args.out, [])  # what we wrote loads (the config validates it)
-            written = str(args.out)
+    written, note = _write_best(res, base, args) if best is not None else (None, "")
     if args.json:
         print(to_json(res, args.top, written, note))
     else:
         print(table(res, args.top))
         print(memory_legend(res, args.top))
+        if req.gpus > req.gpus_per_node or req.allow:
+            print("\n".join(report_text(res)))
         if note:
             print(f"note: {note}")
         if written:

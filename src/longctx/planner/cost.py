@@ -25,11 +25,14 @@ compute time, exposed communication, step time, tokens/s and MFU.
   mask (planner/documents.py; 1.0 = one document per sequence, the default; `longctx plan --store`
   measures it). MFU keeps metrics.py's causal model FLOPs (what the training metrics line
   reports), so with doc_work < 1 it is an upper bound there and here alike; exposed communication
-  as costs/timing.py describes.
+  as costs/timing.py describes;
+- train.data_parallel = co2 (planner/slow_links.py): no replica gradient all-reduce per step, the outer
+  all-reduce's exposed share per step ("exposed_co2_outer") and OuterSync's fp32 copies ("co2_state").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
@@ -57,6 +60,14 @@ from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
 from ..models.flops import train_flops_per_token
 from ..parallel.context.volumes import attention_bytes, expert_bytes, fsdp_bytes_per_step
+from .slow_links import (
+    CO2_LOCAL_STEPS,
+    co2_exposed_seconds,
+    co2_local_steps,
+    co2_outer_bytes,
+    co2_outer_seconds,
+    co2_state_bytes,
+)
 
 
 @dataclass
@@ -93,7 +104,9 @@ class Estimate:
         shape, policy = self.mesh_shape, self.policy
         return {
             "layout": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
-                       "ctx": shape.ctx, "window": shape.window, "placement": shape.placement, "expert": shape.expert},
+                       "ctx": shape.ctx, "window": shape.window, "placement": shape.placement, "expert": shape.expert,
+                       "zero_pp": shape.zero_pp, "hpz_ranks": shape.hpz_ranks,
+                       "data_parallel": shape.data_parallel, "co2_local_steps": shape.local_steps},
             "policy": {**policy.to_config(), "model_states": self.model_states},
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "global_batch": self.global_batch,
             "seq_len": self.seq_len,
@@ -127,9 +140,15 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
                  acts: ActivationEstimate, transient: float, model_states: str = "device") -> dict[str, float]:
     """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any. The
-    model states as their tier leaves them on the device (costs/host_bytes.py device_bytes)."""
-    return device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
-                        transient)
+    model states as their tier leaves them on the device (costs/host_bytes.py device_bytes), and under
+    co2 its outer state (the round's start, the outer model, the change in flight)."""
+    memory = device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
+                          transient)
+    co2 = co2_state_bytes(m, shape)
+    if co2:
+        memory["co2_state"] = co2
+        memory["total"] += co2
+    return memory
 
 
 def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_node: int,
@@ -178,9 +197,11 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
             comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
     pc = param_counts(m)
     fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync,
-                               expert_params=pc["experts"])
+                               expert_params=pc["experts"], replicas_sync=shape.data_parallel != "co2")
     if fsdp:  # {} on one rank
         comm["fsdp"] = fsdp
+    if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
+        comm["co2"] = {"co2_outer": co2_outer_bytes(m, shape) / shape.local_steps}
     expert = expert_layer_bytes(m, shape, policy, tokens, gather_bytes)
     if expert:
         comm["expert"] = {label: nbytes * grad_accum for label, nbytes in expert.items()}
@@ -236,13 +257,26 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
              "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": fsdp_step,
              "expert all-to-all": exposed["expert"] * grad_accum,
              "offload copies": (exposed["offload"] + exposed["attention_offload"]) * grad_accum,
-             "host link (states)": per_step.get("host_link", 0.0), "host AdamW": per_step.get("host_adam", 0.0)}
+             "host link (states)": per_step.get("host_link", 0.0), "host AdamW": per_step.get("host_adam", 0.0),
+             "co2 outer all-reduce": per_step.get("co2_outer", 0.0)}
     name = max(parts, key=parts.get)
     if name == "compute" and policy.recompute != "none" and acts.recompute_flops:
         share = recompute_share(flops)
         if share > 0.15:
             name = f"compute ({100 * share:.0f}% recompute)"
     return name
+
+
+def _co2_settled(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int, step_compute: float,
+                 tried: tuple[int, ...]) -> tuple[MeshShape, float]:
+    """(shape, seconds per step of CO2's outer all-reduce the local steps do not hide); a co2 shape
+    without local_steps gets the smallest of `tried` that hides it. (shape, 0.0) under sync."""
+    if shape.data_parallel != "co2":
+        return shape, 0.0
+    allreduce = co2_outer_seconds(m, shape, hw, gpus_per_node)
+    if not shape.local_steps:
+        shape = dataclasses.replace(shape, local_steps=co2_local_steps(allreduce, step_compute, hw, tried))
+    return shape, co2_exposed_seconds(allreduce, step_compute, shape.local_steps, hw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -252,13 +286,15 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
 def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
              global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
              doc_work: float = 1.0, acts: ActivationEstimate | None = None,
-             transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device") -> Estimate:
+             transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device",
+             co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS) -> Estimate:
     """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
     job) under `shape` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
     (so global_batch / (dp x micro_batch) micro-batches per step), the model states in
     `model_states`'s tier. doc_work: the documents' visible query-key pairs over a plain causal
     mask's (planner/documents.py), in (0, 1]; ignored (1.0) without document masks. acts,
-    transient: `rank_activations`, when the caller has them."""
+    transient: `rank_activations`, when the caller has them. A co2 shape without local_steps takes the
+    smallest of `co2_steps` that hides its outer all-reduce (slow_links.co2_local_steps)."""
     if not 0 < doc_work <= 1:
         raise ValueError(f"doc_work must be in (0, 1], got {doc_work}")
     work = doc_work if doc_mask else 1.0
@@ -271,6 +307,9 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
     ranks_per_node = min(gpus_per_node, shape.world)
     if acts is None or transient is None:
         acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, e, doc_mask, expert_skew)
+    flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
+    compute = compute_seconds(flops, hw)
+    shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * compute, co2_steps)
     memory = memory_bytes(m, shape, policy, grad_accum, e, acts, transient, model_states)
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,
                                                                  ctx=shape.ctx, policy=policy, dtype_bytes=e,
@@ -280,8 +319,6 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
     problems += memory_problems(memory, host, ranks_per_node, hw)
     calls = attention_call_bytes(m, seq_len, micro_batch, shape, e)
     comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e, tokens)
-    flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
-    compute = compute_seconds(flops, hw)
     exposed = exposed_per_micro_batch(m, shape, policy, calls, flops, acts, attn_traffic, hw, gpus_per_node)
     skew = min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
     exposed["expert"] = exposed_expert_seconds(m, shape, comm.get("expert", {}), grad_accum, tokens, skew, hw,
@@ -291,6 +328,8 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
                                      gpus_per_node)
     per_step = ({} if model_states == "device" else exposed_host_state_seconds(
         m, shape, model_states, hw, grad_accum, block_fwd * m.layers, compute - block_fwd * m.layers, ranks_per_node))
+    if shape.data_parallel == "co2":
+        per_step["co2_outer"] = co2_outer
     times = step_times(compute, exposed, fsdp_step, grad_accum, per_step)
     tps = global_batch * seq_len / times["step"] if times["step"] > 0 else float("inf")
     mfu = tps * train_flops_per_token(m, seq_len) / (shape.world * hw.peak_flops)

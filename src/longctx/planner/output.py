@@ -17,6 +17,7 @@ from ..costs.model_states import param_counts, params_text, predicted_active_par
 from ..errors import ConfigError
 from ..job.checks import check_layout
 from .cost import Estimate
+from .link_report import report
 from .search import PlanResult, Request, step_text
 
 GIB = 2**30
@@ -31,13 +32,15 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     raw["parallel"].update(dp_replicate=shape.dp_replicate, dp_shard=shape.dp_shard, head=shape.head, ctx=shape.ctx,
                            window=shape.window if shape.window and shape.window < shape.ctx else 0,
                            placement=shape.placement, expert=shape.expert, zero_pp=shape.zero_pp,
-                           ranks_per_node=shape.node if shape.zero_pp else 0)
+                           ranks_per_node=shape.node if shape.zero_pp else 0, hpz_ranks=shape.hpz_ranks)
     raw["memory"].update(est.policy.to_config(), model_states=est.model_states)
     global_batch = est.micro_batch * shape.dp * est.grad_accum
     if global_batch != req.global_batch:
         raise ValueError(f"plan {shape.describe()} micro-batch {est.micro_batch} x grad_accum {est.grad_accum} makes "
                          f"{global_batch} sequences per step, not the requested {req.global_batch}")
     raw["train"].update(seq_len=req.seq_len, global_batch=global_batch, grad_accum=est.grad_accum)
+    if shape.data_parallel == "co2":  # chosen only under --allow co2 (planner/slow_links.py)
+        raw["train"].update(data_parallel="co2", co2_local_steps=shape.local_steps)
     # A plan for GPUs leaves train.device / train.dtype as the base has them ("auto": cuda + bf16 where
     # there is a GPU, else cpu + fp32), so it also runs on a machine without the planned GPUs; a plan
     # for CPU processes (hardware "cpu...") trains on the CPU, which its predictions are for.
@@ -94,6 +97,8 @@ MEMORY_TERMS = {
                                        "micro-batches (grad_sync step; gs-micro reduces each and has none)"),
     "activations": ("activ.", "saved activations on the GPU (those offloaded are in host/node, GiB per node)"),
     "transient": ("transient", "the working set of one block's backward and of the LM head on top of them"),
+    "co2_state": ("co2", "train.data_parallel = co2's fp32 copies of the rank's shard: the round's start, the outer "
+                         "model, the change in flight"),
 }
 
 
@@ -127,7 +132,11 @@ def _zero_pp_legend(rows: list[Estimate]) -> str:
     return (". hpz, qwz, qgz in a layout = parallel.zero_pp (ZeRO++), tried where the FSDP group spans nodes: "
             "hpz keeps each block's weights sharded within the node after its forward (backward's gather stays "
             "in the node; gathered includes that copy), qwz gathers weights and qgz reduces gradients as int8 "
-            "blocks (about a quarter of fp32's bytes across nodes; lossy, so a tie goes to plain FSDP)")
+            "blocks (about a quarter of fp32's bytes across nodes; lossy, so a tie goes to plain FSDP)" +
+            ("; /gN = parallel.hpz_ranks N, hpz on a node's group of N ranks (three-level hardware)"
+             if any(e.mesh_shape.hpz_ranks for e in rows) else "") +
+            ("; co2/HN = train.data_parallel co2, N local steps per round (--allow co2)"
+             if any(e.mesh_shape.data_parallel == "co2" for e in rows) else ""))
 
 
 def _rows(res: PlanResult, top: int) -> list[Estimate]:
@@ -196,5 +205,5 @@ def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> s
                     "hardware": dataclasses.asdict(req.hardware)},
         "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible),
         "plans": [e.as_dict() for e in (res.feasible or res.ranked)[:top]],
-        "suggestions": res.suggestions, "written": written, "note": note,
+        "suggestions": res.suggestions, "written": written, "note": note, "slow_links": report(res),
     }, indent=2)

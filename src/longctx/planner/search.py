@@ -10,7 +10,9 @@ micro-batch). Branches are cut as early as their cause is known:
 - activation and transient estimates (cost.rank_activations) are computed once per (head, ctx,
   micro-batch, policy) and reused for every dp split, window and placement;
 - windows: 0 (plain ring) and the largest window whose inner ring fits in one node (the only
-  Double-Ring worth having: outer hops cross nodes, inner hops stay on NVLink).
+  Double-Ring worth having: outer hops cross nodes, inner hops stay on NVLink);
+- slow links: ZeRO++ where the FSDP group spans nodes, hpZ on a node's group on three-level hardware,
+  co2 where replicas span nodes (ranked only under Request.allow; planner/slow_links.py).
 
 `plan(...)` returns a `PlanResult` with every evaluated candidate ranked (feasible first, by step
 time), and, when nothing fits, what would: more GPUs, offload, a shorter sequence.
@@ -30,6 +32,7 @@ from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..memory.policy import MemoryPolicy
 from .cost import Estimate, estimate, memory_bytes, rank_activations
+from .slow_links import CO2_LOCAL_STEPS, slow_link_variants
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 _POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -98,6 +101,10 @@ class Request:
     expert_chunks: tuple[int, ...] = (0, 16384)
     # memory.model_states tiers to try, in the order tried: a candidate takes the first that fits
     model_states: tuple[str, ...] = TIERS
+    # lossy choices the user allows the plan to make ("co2": CO2's local rounds change convergence; without
+    # it co2 plans are estimated and reported beside the plan, never chosen), and co2's local steps to try
+    allow: tuple[str, ...] = ()
+    co2_local_steps: tuple[int, ...] = CO2_LOCAL_STEPS
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -119,6 +126,9 @@ class Request:
         if bad:
             raise ConfigError(f"unknown model-state tier(s) {bad}; choose among {', '.join(TIERS)}.")
         self.model_states = tuple(t for t in TIERS if t in self.model_states)  # tried cheapest first
+        if set(self.allow) - {"co2"} or not self.co2_local_steps or min(self.co2_local_steps) < 1:
+            raise ConfigError(f"--allow takes co2 (or nothing), got {','.join(self.allow)}; --co2-local-steps "
+                              f"takes integers >= 1, got {self.co2_local_steps}.")
         bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
         if bad:
             raise ConfigError(f"unknown recompute policy {bad}; choose among none, full, selective.")
@@ -141,6 +151,7 @@ class PlanResult:
     evaluated: int
     seconds: float
     suggestions: list[str] = field(default_factory=list)
+    co2_plans: list[Estimate] = field(default_factory=list)  # feasible co2 plans held out: co2 not allowed
 
     @property
     def feasible(self) -> list[Estimate]:
@@ -205,7 +216,8 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
                 for placement in placements:
                     for w in windows:
                         for x in degrees:
-                            out += with_zero_pp(MeshShape(r, dp // r, h, c, w, placement, x), G)
+                            for s in with_zero_pp(MeshShape(r, dp // r, h, c, w, placement, x), G):
+                                out += [s, *slow_link_variants(s, req.hardware, G, co2=True)]
     return out
 
 
@@ -254,8 +266,9 @@ def _sort_key(e: Estimate):
     p = e.policy
     if not e.feasible:
         return (1, e.memory["total"] + e.host_per_node, e.step_s)
-    return (0, float(step_text(e.step_s)), TIERS.index(e.model_states), ZERO_PP_ORDER.index(e.mesh_shape.zero_pp),
-            _POLICY_ORDER[p.recompute], p.offload_fraction,
+    s = e.mesh_shape  # ties: sync before co2 (convergence), hpZ on the node before a group (less memory)
+    return (0, float(step_text(e.step_s)), TIERS.index(e.model_states), ZERO_PP_ORDER.index(s.zero_pp),
+            s.data_parallel == "co2", s.hpz_ranks, _POLICY_ORDER[p.recompute], p.offload_fraction,
             round(e.memory["total"] / 2**30),
             p.loss_chunk, p.block_chunk != 0, -p.block_chunk, p.attention_chunk != 0, p.attention_offload,
             e.mesh_shape.dp_replicate, e.mesh_shape.window, p.expert_chunk, e.mesh_shape.expert)
@@ -272,7 +285,9 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
         results, more = _evaluate(req, True, acts_cache)
         evaluated += more
     results.sort(key=_sort_key)
-    res = PlanResult(req, results, evaluated, time.perf_counter() - t0)
+    held = [] if "co2" in req.allow else [e for e in results if e.mesh_shape.data_parallel == "co2"]
+    results = [e for e in results if e.mesh_shape.data_parallel != "co2"] if held else results
+    res = PlanResult(req, results, evaluated, time.perf_counter() - t0, co2_plans=[e for e in held if e.feasible])
     if explain and not res.feasible:
         res.suggestions = suggest(req, res)
     return res
@@ -332,7 +347,8 @@ def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts, tra
     with keep_infeasible every tier tried when none fits, else only a feasible one."""
     hw, made = req.hardware, []
     grad_accum = max(1, req.global_batch // (shape.dp * mb))
-    for tier in req.model_states:
+    # co2 keeps its outer state beside the weights on the device (config/data_parallel.py)
+    for tier in req.model_states if shape.data_parallel != "co2" else ("device",)[:"device" in req.model_states]:
         if not keep_infeasible and (static[tier] + acts.total_device + transient > hw.usable_memory_bytes or
                                     memory_bytes(req.model, shape, pol, grad_accum, hw.dtype_bytes, acts, transient,
                                                  tier)["total"] > hw.usable_memory_bytes):
@@ -340,7 +356,7 @@ def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts, tra
         est = estimate(req.model, hw, shape, pol, seq_len=req.seq_len, global_batch=req.global_batch,
                        micro_batch=mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
                        doc_work=req.doc_work, acts=acts, transient=transient, expert_skew=req.expert_skew,
-                       model_states=tier)
+                       model_states=tier, co2_steps=req.co2_local_steps)
         made.append(est)
         if est.feasible:
             return [est], len(made)

@@ -1,0 +1,100 @@
+"""Closed forms of the bytes per optimizer step that cross node boundaries, and that stay inside
+nodes, for each mode of `longctx bench comm --cluster` (docs/parallelism.md states them; tests/
+distributed/test_bench_comm.py checks the emulated cluster's count against them, exactly; the planner
+reports a plan's bytes per link level from them, planner/slow_links.py). Pure Python: bench/comm_bytes.py
+names them for the benchmark.
+
+A job of `nodes` x `ranks` ranks, ranks placed node by node. Bytes are job totals: the sum over
+ranks of what each puts on a hop. A ring collective (all-gather, reduce-scatter, all-reduce) over a
+group of g ranks spanning k nodes sends, from each rank, its share (n - 1) times to its ring
+successor; k of the g successors are on another node. So one ring collective whose ranks send s
+bytes each puts k x s across nodes and (g - k) x s inside them. An all-to-all sends each row
+straight to its peer: across nodes when the peer's node is another.
+
+The step of one micro-batch under FSDP2: each block unit is all-gathered for forward and again for
+backward and reduce-scattered once; the root module (embeddings, final norm, LM head) gathered once
+(FSDP2 keeps it unsharded from forward to backward) and reduce-scattered once; the metrics all-reduce
+of the step's loss (one float64 over every rank). A unit's shard is its flat parameters padded to a
+multiple of the group size, fp32 on CPU (`Unit.elements` per rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Unit:
+    elements: int  # this unit's padded shard per rank of the full FSDP group, in elements
+    node_elements: int  # ... of a group of one node's ranks (hpz's backward gather; co2's replica)
+    root: bool = False  # the root module: gathered once per step
+    hpz_elements: int = 0  # ... of hpz's secondary partition when it is smaller than a node (0: a node's)
+
+
+def _ring(ranks: int, nodes: int, sent: int, group: int = 0) -> tuple[int, int, int]:
+    """(across nodes, across groups inside a node, inside a group) bytes of a ring collective over
+    `ranks` consecutive ranks on `nodes` nodes, `sent` bytes each: the ring's hops that cross a node
+    boundary, then a group boundary (three levels: groups of `group` ranks), the rest. Without a group
+    level (0) the second figure is every hop inside a node and the third 0."""
+    inter = nodes if nodes > 1 else 0
+    if not group:
+        return inter * sent, (ranks - inter) * sent, 0
+    groups = ranks // group if ranks >= group else 1
+    middle = (groups - inter) if groups > 1 else 0
+    return inter * sent, middle * sent, (ranks - inter - middle) * sent
+
+
+def _add(total: list[int], part: tuple, times: float = 1.0) -> None:
+    for i, value in enumerate(part):
+        total[i] += int(value * times)
+
+
+def _int8_blocks(elements: int, block: int) -> int:
+    """Bytes of `elements` values sent as int8 blocks of `block` with one fp32 scale each."""
+    blocks = -(-elements // block)
+    return blocks * block + 4 * blocks
+
+
+PARTS = {"fsdp": set(), "hpz": {"hpz"}, "qwz": {"qwz"}, "qgz": {"qgz"}, "zeropp": {"hpz", "qwz", "qgz"},
+         "three_level": {"hpz", "qwz", "qgz"}, "co2": set()}
+
+
+def step_bytes(mode: str, units: list[Unit], nodes: int, ranks: int, block: int = 512, local_steps: int = 4,
+               group: int = 0, hpz_ranks: int = 0, gather_bytes: int = 4) -> dict[str, int]:
+    """{"inter_node_bytes", "intra_node_bytes", "intra_group_bytes"} per step of `mode` (fsdp, hpz, qwz,
+    qgz, zeropp, three_level, co2) on `nodes` x `ranks`, with a third level of `group` ranks (0: none;
+    intra_group_bytes is part of intra_node_bytes); hpz's secondary partition over `hpz_ranks` (0: a node).
+    gather_bytes: bytes per gathered element unquantised (4: fp32 on CPU, as bench comm runs; the planner
+    passes 2 for bf16 gathers on GPUs); gradients are reduced in fp32 either way."""
+    world, total, parts = nodes * ranks, [0, 0, 0], PARTS[mode]
+    g, k = (ranks, 1) if mode == "co2" else (world, nodes)  # co2: each replica is one node's FSDP group
+    copies = nodes if mode == "co2" else 1
+    level = hpz_ranks or ranks
+    for u in units:
+        n = u.node_elements if mode == "co2" else u.elements
+        plain = 4 * n * (g - 1)
+        gather = _int8_blocks(n, block) * (g - 1) if "qwz" in parts else gather_bytes * n * (g - 1)
+        _add(total, _ring(g, k, gather, group), copies * (1 if u.root or "hpz" in parts else 2))
+        if "hpz" in parts and not u.root:  # backward's gather within the secondary partition, unquantised
+            hpz_sent = gather_bytes * (u.hpz_elements or u.node_elements) * (level - 1)
+            _add(total, _ring(level, 1, hpz_sent, group), world // level)
+        if "qgz" in parts:
+            _add(total, _qgz(n, nodes, ranks, block, group))
+        else:
+            _add(total, _ring(g, k, plain, group), copies)
+    _add(total, _ring(world, nodes, 2 * 8 * (world - 1) // world, group))  # the loss, summed over every rank
+    if mode == "co2":
+        _add(total, _ring(nodes, nodes, 2 * 4 * (nodes - 1) // nodes), ranks)  # the replicas' largest grad norm
+        shard = 4 * sum(u.node_elements for u in units)  # each rank's share of its replica's weights
+        _add(total, _ring(nodes, nodes, 2 * shard * (nodes - 1) // nodes), ranks / local_steps)  # outer all-reduce
+    return {"inter_node_bytes": total[0], "intra_node_bytes": total[1] + total[2], "intra_group_bytes": total[2]}
+
+
+def _qgz(n: int, nodes: int, ranks: int, block: int, group: int) -> tuple[int, int, int]:
+    """qgZ's two all-to-alls for a unit whose reduce-scatter output is n elements per rank: within the
+    node each rank sends ranks - 1 rows of nodes x n values (group - 1 of them inside its group);
+    across nodes, nodes - 1 rows of n."""
+    row = _int8_blocks(nodes * n, block)
+    inside = (group - 1) if group else 0
+    return (nodes * ranks * (nodes - 1) * _int8_blocks(n, block),
+            nodes * ranks * (ranks - 1 - inside) * row, nodes * ranks * inside * row)

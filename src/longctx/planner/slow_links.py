@@ -1,0 +1,140 @@
+"""Slow links in the planner (issue 50): CO2's local rounds and Frontier's third hpZ level as candidate
+layouts, what they cost, and the bytes a plan puts on each link level.
+
+- CO2 (train.data_parallel = co2, step/co2.py): each of the r replicas is its own FSDP group, so no
+  gradient crosses replicas per step; every H = train.co2_local_steps steps each rank all-reduces its
+  shard's change (fp32, 2 (r - 1) / r of it) over the replicas, overlapped with the next round's H
+  steps. Exposed per step: max(0, all-reduce - H x step compute) / H (the overlap scaled by
+  hardware.comm_overlap, 1 on GPUs). Memory: OuterSync keeps, per parameter of the rank's shard, the
+  round's start, the outer model (anchor) and the change in flight in fp32, and the outer momentum when
+  train.co2_outer_momentum > 0 (3 or 4 x 4 bytes, on the device: co2 needs memory.model_states = device).
+  CO2 changes convergence, so the planner ranks it only under `--allow co2`; otherwise it reports the best
+  co2 plan beside the chosen one (link_report.py).
+- Three levels (parallel.hpz_ranks, hardware.group_ranks / middle_gbps): under ZeRO++ the backward's
+  gathers can read a secondary partition over one group of the node (at intra_gbps) instead of the whole
+  node (across its groups at middle_gbps), holding 1 / group instead of 1 / node of the blocks.
+- Bytes per link level: bench/comm_bytes.py's step_bytes (the closed forms the emulated cluster's
+  counts equal) for the layouts they describe: one FSDP group over every rank, or co2 with one replica
+  per node. Other layouts (HSDP, replicas over several nodes, expert parallelism) get None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..config import ModelConfig
+from ..costs.hardware import Hardware
+from ..costs.link_bytes import Unit, step_bytes
+from ..costs.model_states import block_params, param_counts
+from ..costs.shape import MeshShape, group_is_intra_node
+from ..costs.timing import exposed, link_bandwidth
+
+# OuterSync's fp32 buffers per parameter of a rank's shard: start, anchor, the change in flight (+ momentum)
+CO2_COPIES = 3
+CO2_CAVEAT = ("co2 changes convergence: on the debug model over 8 ranks for 300 steps it ended 3.9% (H=2) to 10% "
+              "(H=4) above sync's final loss (docs/benchmarks.md); check the loss against a sync run")
+# train.co2_local_steps values tried: the smallest that hides the outer all-reduce is chosen (less staleness)
+CO2_LOCAL_STEPS = (2, 4, 8)
+
+
+def co2_params(m: ModelConfig, shape: MeshShape) -> float:
+    """Parameters of one rank's shard that CO2 averages: all but the routed experts under expert
+    parallelism (sharded over an expert-data group spanning the replicas, they stay synchronous)."""
+    pc = param_counts(m)
+    return (pc["total"] - (pc["experts"] if shape.expert > 1 else 0)) / shape.fsdp
+
+
+def co2_state_bytes(m: ModelConfig, shape: MeshShape, outer_momentum: bool = False) -> float:
+    """CO2's device bytes per rank on top of FSDP's states (step/co2.py OuterSync's fp32 buffers)."""
+    if shape.data_parallel != "co2":
+        return 0.0
+    return (CO2_COPIES + (1 if outer_momentum else 0)) * 4 * co2_params(m, shape)
+
+
+def co2_outer_bytes(m: ModelConfig, shape: MeshShape) -> float:
+    """Bytes one rank sends in one round's outer all-reduce: 2 (r - 1) / r of its fp32 shard."""
+    r = shape.dp_replicate
+    return 2 * (r - 1) / r * 4 * co2_params(m, shape)
+
+
+def co2_outer_seconds(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int) -> float:
+    """One round's outer all-reduce over the replicas' link (across nodes where the replicas are)."""
+    intra = group_is_intra_node(shape, "replicate", gpus_per_node)
+    return co2_outer_bytes(m, shape) / link_bandwidth(hw, intra)
+
+
+def co2_exposed_seconds(allreduce_s: float, step_compute_s: float, local_steps: int, hw: Hardware) -> float:
+    """Per step, what of the outer all-reduce the next round's `local_steps` steps of compute do not
+    hide: max(0, allreduce - H x compute) / H where comm_overlap is 1."""
+    return exposed(allreduce_s, local_steps * step_compute_s, hw) / local_steps
+
+
+def co2_local_steps(allreduce_s: float, step_compute_s: float, hw: Hardware,
+                    tried: tuple[int, ...] = CO2_LOCAL_STEPS) -> int:
+    """The smallest H of `tried` that hides the outer all-reduce whole (fewer local steps: less
+    staleness), else the largest (the least exposed)."""
+    for h in sorted(tried):
+        if co2_exposed_seconds(allreduce_s, step_compute_s, h, hw) == 0:
+            return h
+    return max(tried)
+
+
+def three_level(hw: Hardware, gpus_per_node: int) -> int:
+    """The group size of a third link level that hpZ can use inside a node of `gpus_per_node`, else 0."""
+    g = hw.group_ranks
+    return g if g and 1 < g < gpus_per_node and gpus_per_node % g == 0 else 0
+
+
+def slow_link_variants(shape: MeshShape, hw: Hardware, gpus_per_node: int, co2: bool) -> list[MeshShape]:
+    """Layouts derived from `shape` for slow links: ZeRO++ with hpZ on a node's group (three-level
+    hardware), and co2 where replicas are linked across nodes (dense layers' parameters, no qgz: its
+    reduce-scatter would span the replicas), its local_steps left 0 for the estimate to settle."""
+    out = []
+    group = three_level(hw, gpus_per_node)
+    if group and "hpz" in shape.zero_pp.split(",") and not shape.hpz_ranks:
+        out.append(dataclasses.replace(shape, hpz_ranks=group))
+    if (co2 and shape.dp_replicate > 1 and not shape.zero_pp and shape.expert == 1
+            and not group_is_intra_node(shape, "replicate", gpus_per_node)):
+        out.append(dataclasses.replace(shape, data_parallel="co2"))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes per link level
+
+
+def planner_units(m: ModelConfig, group: int, node: int, hpz: int = 0) -> list[Unit]:
+    """One FSDP unit per block and the root, their shards per rank from the parameter counts (each
+    unit padded to a multiple of its group; FSDP2 pads each parameter's dim 0, a few elements more)."""
+    def shard(p: int, size: int) -> int:
+        return math.ceil(p / size)
+
+    units = [Unit(shard(p, group), shard(p, node), hpz_elements=shard(p, hpz) if hpz else 0) for p in block_params(m)]
+    root = param_counts(m)["root"]
+    return [*units, Unit(shard(root, group), shard(root, node), root=True)]
+
+
+def bench_mode(shape: MeshShape) -> str | None:
+    """bench comm's mode for `shape`'s FSDP transfers, or None where it has none."""
+    if shape.data_parallel == "co2":
+        return "co2" if not shape.zero_pp else None
+    return {"": "fsdp", "hpz,qwz,qgz": "three_level" if shape.hpz_ranks else "zeropp"}.get(shape.zero_pp)
+
+
+def link_level_bytes(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int) -> dict[str, int] | None:
+    """{"inter_node_bytes", "intra_node_bytes", "intra_group_bytes"}: the job's FSDP / ZeRO++ / CO2 bytes
+    of one step of one micro-batch (bench comm's step; co2's outer all-reduce 1 / H of a round's), by
+    link level; None where bench/comm_bytes.py's closed forms do not describe the layout."""
+    world, mode = shape.world, bench_mode(shape)
+    nodes, ranks = max(1, world // gpus_per_node), min(world, gpus_per_node)
+    if mode is None or shape.expert > 1 or world == 1:
+        return None
+    if mode == "co2" and (shape.fsdp != ranks or shape.dp_replicate != nodes):
+        return None
+    if mode != "co2" and shape.dp_replicate != 1:
+        return None
+    group = three_level(hw, ranks) if ranks == gpus_per_node else 0
+    units = planner_units(m, ranks if mode == "co2" else world, ranks, shape.hpz_ranks)
+    return step_bytes(mode, units, nodes, ranks, local_steps=shape.local_steps or max(CO2_LOCAL_STEPS),
+                      group=group, hpz_ranks=shape.hpz_ranks, gather_bytes=hw.dtype_bytes)
