@@ -356,7 +356,8 @@ class CheckpointManager:
         if manifest is None:
             manifest = self.verified_manifest(path)
         check_model_matches(manifest, self.model_cfg, path)
-        check_draft_matches(manifest, None if self.draft is None else self.draft["layers"], path)
+        d = self.draft or {}
+        check_draft_matches(manifest, d.get("layers"), path, d.get("kind", "glide"), d.get("vocab", 0))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         # how this run computes its optimizer step (fused or foreach: a property of the device and

@@ -205,22 +205,31 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
         )
 
 
-def check_draft_matches(manifest: dict, draft_layers: int | None, where: Path) -> None:
-    """A run resumes only a checkpoint of its own kind: a GliDe draft run (draft_layers: its draft.layers)
-    a draft's checkpoint with as many layers, a model run (None) a model's."""
+def check_draft_matches(manifest: dict, draft_layers: int | None, where: Path, kind: str = "glide",
+                        vocab: int = 0) -> None:
+    """A run resumes only a checkpoint of its own kind: a draft run (draft_layers: its draft.layers; `kind`
+    and `vocab`: its draft.kind and draft.vocab) a draft's checkpoint of that kind, layers and vocabulary,
+    a model run (None) a model's."""
     saved = manifest.get("draft")
     if saved and draft_layers is None:
         raise CheckpointError(
-            f"checkpoint {where} holds a GliDe draft (trained against {saved.get('target', {}).get('path')!r}), not "
-            f"a model: a run without draft.target cannot resume it. Resume it with its own config (--draft.target), "
-            f"or start without --checkpoint.resume. Nothing was loaded.")
+            f"checkpoint {where} holds a {saved.get('kind', 'glide')} draft (trained against "
+            f"{saved.get('target', {}).get('path')!r}), not a model: a run without draft.target cannot resume it. "
+            f"Resume it with its own config (--draft.target), or start without --checkpoint.resume. Nothing was "
+            f"loaded.")
     if draft_layers is not None and not saved:
         raise CheckpointError(
-            f"checkpoint {where} holds a model, not a GliDe draft: a draft run (draft.target set) resumes only a "
+            f"checkpoint {where} holds a model, not a draft: a draft run (draft.target set) resumes only a "
             f"draft's checkpoint. Name one of this draft run's checkpoints, or start without --checkpoint.resume. "
             f"Nothing was loaded.")
-    if saved and saved.get("layers") != draft_layers:
+    if not saved:
+        return
+    mine = {"kind": kind, "layers": draft_layers, "vocab": vocab}
+    theirs = {"kind": saved.get("kind", "glide"), "layers": saved.get("layers"), "vocab": saved.get("vocab", 0)}
+    differ = [k for k in mine if mine[k] != theirs[k]]
+    if differ:
+        said = ", ".join(f"draft.{k} {theirs[k]!r} (this run: {mine[k]!r})" for k in differ)
+        flags = " ".join(f"--draft.{k} {theirs[k]}" for k in differ)
         raise CheckpointError(
-            f"checkpoint {where} holds a GliDe draft of {saved.get('layers')} layers, but draft.layers is "
-            f"{draft_layers}; set --draft.layers {saved.get('layers')} or start without --checkpoint.resume. Nothing "
-            f"was loaded.")
+            f"checkpoint {where} holds another draft: {said}; set {flags} or start without "
+            f"--checkpoint.resume. Nothing was loaded.")

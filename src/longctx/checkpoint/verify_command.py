@@ -51,7 +51,8 @@ def model_text(manifest: dict) -> str:
         text += f", trained on {manifest['trained_positions']:,} positions"
     if manifest.get("draft"):
         draft = manifest["draft"]
-        text += (f"; holds a GliDe draft of {draft.get('layers')} layers against "
+        kind = "a Clover draft" if draft.get("kind") == "clover" else f"a GliDe draft of {draft.get('layers')} layers"
+        text += (f"; holds {kind} against "
                  f"{draft.get('target', {}).get('path', 'its target')}, not the model")
     return text
 

@@ -68,7 +68,8 @@ def _check_resume(cfg: Config) -> None:
     if target is not None:
         manifest = read_manifest(target)
         check_model_matches(manifest, to_dict(cfg)["model"], target)
-        check_draft_matches(manifest, cfg.draft.layers if cfg.draft.target else None, target)
+        check_draft_matches(manifest, cfg.draft.layers if cfg.draft.target else None, target, cfg.draft.kind,
+                            cfg.draft.vocab)
     check_run_dir(cfg, target)
 
 
