@@ -107,7 +107,8 @@ def _models(args):
     if spec is None:
         raise ConfigError(f"--target {args.target} names no tokenizer; pass --tokenizer byte|PATH/tokenizer.json.")
     check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive != "false", args.draft_cost)
-    draft = draft_config(args.draft, args.target, args.speculate, cfg, spec, args.confidence_stop, args.draft_window)
+    draft = draft_config(args.draft, args.target, args.speculate, cfg, spec, args.confidence_stop, args.draft_window,
+                         args.compile == "true")
     return cfg, draft, load_tokenizer(spec), spec
 
 
