@@ -49,6 +49,16 @@ def _co2_why(best: Estimate, sync: Estimate | None, req: Request) -> str:
     return f"{text}. Allowed by --allow co2, but {CO2_CAVEAT}"
 
 
+def _fewer_local_steps(best: Estimate, rows: list[Estimate]) -> list[str]:
+    """The fastest co2 plan with fewer local steps than the chosen one, if any: closer to sync's loss."""
+    fewer = _first(rows, lambda x: x.data_parallel == "co2" and x.local_steps < best.mesh_shape.local_steps)
+    if fewer is None:
+        return []
+    return [f"fewer local steps: {fewer.mesh_shape.describe()} ({fewer.policy.describe()}) takes {fewer.step_s:.4g} s "
+            f"({fewer.step_s / best.step_s - 1:+.1%}); fewer local steps per round ended closer to sync's loss "
+            f"(docs/benchmarks.md), worth the time where the loss matters more"]
+
+
 def _same_plan(rows: list[Estimate], e: Estimate, shape: MeshShape) -> Estimate | None:
     """The estimate of `e`'s policy and micro-batch under `shape`, if the search kept one."""
     return next((x for x in rows if x.mesh_shape == shape and x.policy == e.policy
@@ -122,6 +132,7 @@ def why(res: PlanResult) -> list[str]:
         s = best.mesh_shape
         if s.data_parallel == "co2":
             lines.append(_co2_why(best, _first(res.feasible, lambda x: x.data_parallel == "sync"), req))
+            lines += _fewer_local_steps(best, res.feasible)
         elif s.zero_pp:
             lines.append(_zero_pp_why(best, res))
         elif req.gpus > req.gpus_per_node:
@@ -146,6 +157,10 @@ def report_text(res: PlanResult) -> list[str]:
     rep = report(res)
     lines = [f"slow links: {line}" for line in rep["why"]]
     levels = rep["bytes_per_level"]
+    if levels is None and res.best is not None and res.best.mesh_shape.world > 1:
+        lines.append(f"slow links: bytes per link level not given for {res.best.mesh_shape.describe()}: bench comm's "
+                     f"closed forms (costs/link_bytes.py) describe one FSDP group over every rank (fsdp, ZeRO++, "
+                     f"three_level) and co2 with one replica per node; bytes per mesh dim are in --json's plans")
     if levels:
         lines.append("slow links: bytes per link level, " + ", ".join(
             f"{LEVELS[k]} {v / 1e9:.4g} GB" for k, v in levels.items() if k != "intra_group_bytes" or v) +

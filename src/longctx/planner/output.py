@@ -126,17 +126,19 @@ def memory_legend(res: PlanResult, top: int = 10) -> str:
 
 
 def _zero_pp_legend(rows: list[Estimate]) -> str:
-    """Why a plan's layout says hpz / qwz / qgz (parallel.zero_pp), when one does."""
-    if not any(e.mesh_shape.zero_pp for e in rows):
-        return ""
-    return (". hpz, qwz, qgz in a layout = parallel.zero_pp (ZeRO++), tried where the FSDP group spans nodes: "
-            "hpz keeps each block's weights sharded within the node after its forward (backward's gather stays "
-            "in the node; gathered includes that copy), qwz gathers weights and qgz reduces gradients as int8 "
-            "blocks (about a quarter of fp32's bytes across nodes; lossy, so a tie goes to plain FSDP)" +
-            ("; /gN = parallel.hpz_ranks N, hpz on a node's group of N ranks (three-level hardware)"
-             if any(e.mesh_shape.hpz_ranks for e in rows) else "") +
-            ("; co2/HN = train.data_parallel co2, N local steps per round (--allow co2)"
-             if any(e.mesh_shape.data_parallel == "co2" for e in rows) else ""))
+    """Why a plan's layout says hpz / qwz / qgz (parallel.zero_pp), /gN (hpz_ranks) or co2/HN, when one does."""
+    text = ""
+    if any(e.mesh_shape.zero_pp for e in rows):
+        text += (". hpz, qwz, qgz in a layout = parallel.zero_pp (ZeRO++), tried where the FSDP group spans nodes: "
+                 "hpz keeps each block's weights sharded within the node after its forward (backward's gather stays "
+                 "in the node; gathered includes that copy), qwz gathers weights and qgz reduces gradients as int8 "
+                 "blocks (about a quarter of fp32's bytes across nodes; lossy, so a tie goes to plain FSDP)")
+    if any(e.mesh_shape.hpz_ranks for e in rows):
+        text += "; /gN = parallel.hpz_ranks N: hpz on a node's group of N ranks (three-level hardware)"
+    if any(e.mesh_shape.data_parallel == "co2" for e in rows):
+        text += (". co2/HN in a layout = train.data_parallel co2 with N local steps per round (train.co2_local_steps; "
+                 "ranked under --allow co2 only: it changes convergence)")
+    return text
 
 
 def _rows(res: PlanResult, top: int) -> list[Estimate]:
@@ -184,7 +186,9 @@ def hardware_text(req: Request) -> str:
     """'4 x h100 (80 GiB, 989 TFLOP/s, ...)': the hardware a plan is made for."""
     hw = req.hardware
     return (f"{req.gpus} x {hw.name} ({hw.memory_gib:g} GiB, {hw.peak_tflops:g} TFLOP/s, {req.gpus_per_node} per "
-            f"node, {hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, host {hw.host_memory_gib:g} GiB per node)")
+            f"node, {hw.intra_gbps:g}/{hw.inter_gbps:g} GB/s intra/inter, " +
+            (f"groups of {hw.group_ranks} linked at {hw.middle_gbps:g} GB/s, " if hw.group_ranks else "") +
+            f"host {hw.host_memory_gib:g} GiB per node)")
 
 
 def doc_work_text(req: Request) -> str:
