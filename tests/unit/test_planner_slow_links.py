@@ -159,5 +159,22 @@ def test_bytes_per_level_are_bench_comms_closed_forms():
     assert levels["intra_group_bytes"] > node["intra_group_bytes"]
     co2 = MeshShape(dp_replicate=4, dp_shard=8, data_parallel="co2", local_steps=4)
     assert link_level_bytes(M, co2, SLOW, 8) == step_bytes("co2", _units(8, 8), 4, 8, local_steps=4, gather_bytes=2)
-    assert link_level_bytes(M, MeshShape(2, 16), SLOW, 8) is None  # HSDP: not a layout bench comm runs
     assert math.isclose(sum(block_params(M)) + param_counts(M)["root"], param_counts(M)["total"])
+
+
+def test_hsdp_bytes_per_level_by_hand():
+    """2 replicas of 16 ranks (2 nodes each) on 4 nodes of 8: each replica's FSDP step as bench comm counts
+    it on 2 x 8, its loss all-reduce replaced by one over all 32 ranks (sent 2 x 8 x 31 // 32 = 15 bytes by
+    each, 4 ring hops across nodes), and per unit a fp32 all-reduce of the 16-rank shard e between the 2
+    replicas on 16 rings whose both hops cross nodes (2 x 4 e x 1 // 2 bytes each)."""
+    got = link_level_bytes(M, MeshShape(2, 16), SLOW, 8)
+    one = step_bytes("fsdp", _units(16, 8), 2, 8, gather_bytes=2)
+    replicas = 16 * sum(2 * (2 * 4 * u.elements // 2) for u in _units(16, 8))
+    assert got["inter_node_bytes"] == 2 * (one["inter_node_bytes"] - 2 * 15) + 4 * 15 + replicas
+    assert got["intra_node_bytes"] == 2 * (one["intra_node_bytes"] - 14 * 15) + 28 * 15
+    assert got["intra_group_bytes"] == 0
+    co2 = link_level_bytes(M, MeshShape(2, 16, data_parallel="co2", local_steps=2), SLOW, 8)
+    outer = 2 * 4 * sum(u.elements for u in _units(16, 8)) // 2  # each rank's shard, 2 replicas
+    assert co2["inter_node_bytes"] == 2 * (one["inter_node_bytes"] - 30) + 60 + 16 * 2 * 4 + 16 * 2 * outer // 2
+    assert co2["inter_node_bytes"] < got["inter_node_bytes"]
+    assert link_level_bytes(M, MeshShape(dp_shard=16, expert=2), SLOW, 8) is None

@@ -98,3 +98,51 @@ def _qgz(n: int, nodes: int, ranks: int, block: int, group: int) -> tuple[int, i
     inside = (group - 1) if group else 0
     return (nodes * ranks * (nodes - 1) * _int8_blocks(n, block),
             nodes * ranks * (ranks - 1 - inside) * row, nodes * ranks * inside * row)
+
+
+def _loss_bytes(world: int, nodes: int, group: int) -> tuple[int, int, int]:
+    """The step's loss all-reduce (one float64 over every rank)."""
+    return _ring(world, nodes, 2 * 8 * (world - 1) // world, group)
+
+
+def layout_bytes(mode: str, units: list[Unit], nodes: int, ranks: int, replicas: int, block: int = 512,
+                 local_steps: int = 4, group: int = 0, hpz_ranks: int = 0,
+                 gather_bytes: int = 4) -> dict[str, int] | None:
+    """step_bytes for `replicas` FSDP groups of n = world / replicas consecutive ranks each (`units`: the
+    shards of one group's ranks, `elements`), composed by the same ring rule: each group's own FSDP step
+    (`mode`'s, fsdp's under co2), the loss over every rank once, and the replicas' rings (stride n):
+    under sync each unit's gradient shard all-reduced (fp32), under co2 the largest gradient norm and
+    1 / local_steps of the outer all-reduce of the rank's shard. Equals step_bytes where both apply
+    (one group; co2 with a replica per node). None where groups and nodes do not nest (n neither a
+    multiple nor a divisor of a node), ZeRO++ within part of a node, or, on three levels, replica rings
+    whose stride is under a group."""
+    world = nodes * ranks
+    n = world // replicas
+    if (n % ranks and ranks % n) or (mode != "fsdp" and mode != "co2" and n < ranks) or (group and n < group
+                                                                                      and replicas > 1):
+        return None
+    group_nodes = max(1, n // ranks)
+    inner = step_bytes("fsdp" if mode == "co2" else mode, units, group_nodes, min(n, ranks), block,
+                       group=group, hpz_ranks=hpz_ranks, gather_bytes=gather_bytes)
+    total = [0, 0, 0]
+    loss = _loss_bytes(n, group_nodes, group)
+    _add(total, [inner["inter_node_bytes"] - loss[0], inner["intra_node_bytes"] - inner["intra_group_bytes"]
+                 - loss[1], inner["intra_group_bytes"] - loss[2]], replicas)
+    _add(total, _loss_bytes(world, nodes, group))
+    if replicas > 1:
+        # the nodes a replica ring (stride n) spans: one per replica when a group fills nodes, else the
+        # replicas' share of them; on three levels the stride is at least a group: no hop stays in one
+        spanned = replicas if n >= ranks else max(1, replicas * n // ranks)
+        crossing = spanned if spanned > 1 else 0
+
+        def ring(sent: int) -> tuple[int, int, int]:
+            return crossing * sent, (replicas - crossing) * sent, 0
+
+        if mode == "co2":
+            _add(total, ring(2 * 4 * (replicas - 1) // replicas), n)  # the replicas' largest grad norm
+            shard = 4 * sum(u.elements for u in units)
+            _add(total, ring(2 * shard * (replicas - 1) // replicas), n / local_steps)  # the outer all-reduce
+        else:
+            for u in units:  # HSDP: each unit's reduce-scattered gradient shard all-reduced over the replicas
+                _add(total, ring(2 * 4 * u.elements * (replicas - 1) // replicas), n)
+    return {"inter_node_bytes": total[0], "intra_node_bytes": total[1] + total[2], "intra_group_bytes": total[2]}

@@ -46,6 +46,11 @@ def _co2_why(best: Estimate, sync: Estimate | None, req: Request) -> str:
     if sync is not None:
         text += (f"; the best sync plan ({sync.mesh_shape.describe()}) takes {sync.step_s:.4g} s per step, co2 "
                  f"{best.step_s:.4g} s ({best.step_s / sync.step_s:.2f}x)")
+        ours, theirs = (link_level_bytes(req.model, e.mesh_shape, req.hardware, req.gpus_per_node)
+                        for e in (best, sync))
+        if ours and theirs:
+            text += (f", {ours['inter_node_bytes'] / 1e9:.4g} GB across nodes per step against "
+                     f"{theirs['inter_node_bytes'] / 1e9:.4g}")
     return f"{text}. Allowed by --allow co2, but {CO2_CAVEAT}"
 
 
@@ -147,8 +152,8 @@ def report(res: PlanResult) -> dict:
     best, req = res.best, res.request
     levels = None if best is None else link_level_bytes(req.model, best.mesh_shape, req.hardware, req.gpus_per_node)
     return {"why": why(res), "bytes_per_level": levels,
-            "bytes_per_level_scope": "FSDP / ZeRO++ / CO2 bytes of one micro-batch step, job total (bench comm's "
-                                     "closed forms, costs/link_bytes.py); co2's outer all-reduce 1/H per step",
+            "bytes_per_level_scope": "FSDP / HSDP / ZeRO++ / CO2 bytes of one micro-batch step, job total (bench "
+                                     "comm's closed forms, costs/link_bytes.py); co2's outer all-reduce 1/H per step",
             "co2_plans": [e.as_dict() for e in res.co2_plans[:3]]}
 
 
@@ -159,11 +164,11 @@ def report_text(res: PlanResult) -> list[str]:
     levels = rep["bytes_per_level"]
     if levels is None and res.best is not None and res.best.mesh_shape.world > 1:
         lines.append(f"slow links: bytes per link level not given for {res.best.mesh_shape.describe()}: bench comm's "
-                     f"closed forms (costs/link_bytes.py) describe one FSDP group over every rank (fsdp, ZeRO++, "
-                     f"three_level) and co2 with one replica per node; bytes per mesh dim are in --json's plans")
+                     f"closed forms (costs/link_bytes.py) do not describe expert parallelism or FSDP groups that do "
+                     f"not nest in nodes; bytes per mesh dim are in --json's plans")
     if levels:
         lines.append("slow links: bytes per link level, " + ", ".join(
             f"{LEVELS[k]} {v / 1e9:.4g} GB" for k, v in levels.items() if k != "intra_group_bytes" or v) +
             " (of the intra-node, what stays in a group)" * bool(levels["intra_group_bytes"]) +
-            ": FSDP / ZeRO++ / CO2 bytes per step of one micro-batch, job total (bench comm's closed forms)")
+            ": FSDP / HSDP / ZeRO++ / CO2 bytes per step of one micro-batch, job total (bench comm's closed forms)")
     return lines

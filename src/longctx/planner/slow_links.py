@@ -13,9 +13,10 @@ layouts, what they cost, and the bytes a plan puts on each link level.
 - Three levels (parallel.hpz_ranks, hardware.group_ranks / middle_gbps): under ZeRO++ the backward's
   gathers can read a secondary partition over one group of the node (at intra_gbps) instead of the whole
   node (across its groups at middle_gbps), holding 1 / group instead of 1 / node of the blocks.
-- Bytes per link level: bench/comm_bytes.py's step_bytes (the closed forms the emulated cluster's
-  counts equal) for the layouts they describe: one FSDP group over every rank, or co2 with one replica
-  per node. Other layouts (HSDP, replicas over several nodes, expert parallelism) get None.
+- Bytes per link level: bench comm's closed forms (costs/link_bytes.py; the emulated cluster's counts
+  equal them for one FSDP group over every rank and for co2 with one replica per node), composed over
+  the layout's replicas by the same ring rule (layout_bytes: HSDP, co2 replicas of any size that nest
+  in nodes). Expert parallelism gets None.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.link_bytes import Unit, step_bytes
+from ..costs.link_bytes import Unit, layout_bytes
 from ..costs.model_states import block_params, param_counts
 from ..costs.shape import MeshShape, group_is_intra_node
 from ..costs.timing import exposed, link_bandwidth
@@ -125,16 +126,13 @@ def bench_mode(shape: MeshShape) -> str | None:
 def link_level_bytes(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int) -> dict[str, int] | None:
     """{"inter_node_bytes", "intra_node_bytes", "intra_group_bytes"}: the job's FSDP / ZeRO++ / CO2 bytes
     of one step of one micro-batch (bench comm's step; co2's outer all-reduce 1 / H of a round's), by
-    link level; None where bench/comm_bytes.py's closed forms do not describe the layout."""
+    link level (costs/link_bytes.py layout_bytes: bench comm's closed forms, over `shape`'s replicas);
+    None where they do not describe the layout (expert parallelism, groups that do not nest in nodes)."""
     world, mode = shape.world, bench_mode(shape)
-    nodes, ranks = max(1, world // gpus_per_node), min(world, gpus_per_node)
     if mode is None or shape.expert > 1 or world == 1:
         return None
-    if mode == "co2" and (shape.fsdp != ranks or shape.dp_replicate != nodes):
-        return None
-    if mode != "co2" and shape.dp_replicate != 1:
-        return None
-    group = three_level(hw, ranks) if ranks == gpus_per_node else 0
-    units = planner_units(m, ranks if mode == "co2" else world, ranks, shape.hpz_ranks)
-    return step_bytes(mode, units, nodes, ranks, local_steps=shape.local_steps or max(CO2_LOCAL_STEPS),
-                      group=group, hpz_ranks=shape.hpz_ranks, gather_bytes=hw.dtype_bytes)
+    nodes, ranks = max(1, world // gpus_per_node), min(world, gpus_per_node)
+    units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks)
+    return layout_bytes(mode, units, nodes, ranks, shape.dp_replicate, local_steps=shape.local_steps or
+                        max(CO2_LOCAL_STEPS), group=three_level(hw, gpus_per_node), hpz_ranks=shape.hpz_ranks,
+                        gather_bytes=hw.dtype_bytes)
