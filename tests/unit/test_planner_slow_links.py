@@ -177,4 +177,11 @@ def test_hsdp_bytes_per_level_by_hand():
     outer = 2 * 4 * sum(u.elements for u in _units(16, 8)) // 2  # each rank's shard, 2 replicas
     assert co2["inter_node_bytes"] == 2 * (one["inter_node_bytes"] - 30) + 60 + 16 * 2 * 4 + 16 * 2 * outer // 2
     assert co2["inter_node_bytes"] < got["inter_node_bytes"]
+    # co2 over replicas of half a node (8 of 4 ranks): each replica ring of 8 ranks crosses nodes 4 times and
+    # stays inside one 4 times; the norm sends 2 x 4 x 7 // 8 = 7 bytes, the outer all-reduce 1/H of its shard's
+    half = link_level_bytes(M, MeshShape(8, 4, data_parallel="co2", local_steps=4), SLOW, 8)
+    inner = step_bytes("fsdp", _units(4, 4), 1, 4, gather_bytes=2)  # one replica's own FSDP, inside a node
+    sent = 2 * 4 * sum(u.elements for u in _units(4, 4)) * 7 // 8
+    assert half["inter_node_bytes"] == 4 * 15 + 4 * 4 * 7 + 4 * 4 * sent // 4
+    assert half["intra_node_bytes"] == 8 * (inner["intra_node_bytes"] - 4 * 12) + 28 * 15 + 4 * 4 * 7 + 4 * sent
     assert link_level_bytes(M, MeshShape(dp_shard=16, expert=2), SLOW, 8) is None
