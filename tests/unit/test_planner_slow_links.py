@@ -185,3 +185,28 @@ def test_hsdp_bytes_per_level_by_hand():
     assert half["inter_node_bytes"] == 4 * 15 + 4 * 4 * 7 + 4 * 4 * sent // 4
     assert half["intra_node_bytes"] == 8 * (inner["intra_node_bytes"] - 4 * 12) + 28 * 15 + 4 * 4 * 7 + 4 * sent
     assert link_level_bytes(M, MeshShape(dp_shard=16, expert=2), SLOW, 8) is None
+
+
+def test_longctx_plan_allow_co2_writes_a_co2_config_and_says_why(tmp_path, capsys):
+    """`longctx plan` on the slow cluster: without --allow the written plan stays sync and the text names
+    co2 beside it; with --allow co2 the JSON explains the choice, gives bytes per level, and the plan
+    written is co2's."""
+    import json
+
+    from longctx.cli import main as longctx_main
+
+    args = ["plan", "--model", "llama3-8b", "--gpus", "32", "--seq-len", "8K", "--hardware", "h100", "--hw",
+            "inter_gbps=5", "--micro-batch", "1", "--recompute", "selective", "--model-states", "device"]
+    out = tmp_path / "sync.toml"
+    assert longctx_main([*args, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "slow links: not chosen: co2" in printed and "slow links: bytes per link level, inter-node" in printed
+    assert load_config(out).train.data_parallel == "sync"
+    out = tmp_path / "co2.toml"
+    assert longctx_main([*args, "--allow", "co2", "--json", "--out", str(out)]) == 0
+    links = json.loads(capsys.readouterr().out)["slow_links"]
+    assert any(line.startswith("co2 hides the replica all-reduce") for line in links["why"])
+    assert 0 < links["bytes_per_level"]["inter_node_bytes"] < links["bytes_per_level"]["intra_node_bytes"]
+    cfg = load_config(out)
+    assert cfg.train.data_parallel == "co2" and cfg.train.co2_local_steps in (2, 4, 8)
+    assert cfg.parallel.dp_replicate > 1
