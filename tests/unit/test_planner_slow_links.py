@@ -126,6 +126,10 @@ def test_co2_allowed_on_one_node_says_why_none_applies():
     assert any("none applies" in x and "one node" in x for x in why(res))
     with pytest.raises(ConfigError, match="--allow takes co2"):
         _request(SLOW, allow=("co3",))
+    with pytest.raises(ConfigError, match="needs middle_gbps > 0"):
+        _request(SLOW.replace(group_ranks=2))
+    with pytest.raises(ConfigError, match="a group size dividing the 8 GPUs per node"):
+        _request(THREE.replace(group_ranks=3))
 
 
 def test_three_level_hardware_puts_hpz_on_a_group_and_says_why():

@@ -32,7 +32,7 @@ from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..memory.policy import MemoryPolicy
 from .cost import Estimate, estimate, memory_bytes, rank_activations
-from .slow_links import CO2_LOCAL_STEPS, slow_link_variants
+from .slow_links import CO2_LOCAL_STEPS, check_levels, slow_link_variants
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
 _POLICY_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -126,6 +126,7 @@ class Request:
         if bad:
             raise ConfigError(f"unknown model-state tier(s) {bad}; choose among {', '.join(TIERS)}.")
         self.model_states = tuple(t for t in TIERS if t in self.model_states)  # tried cheapest first
+        check_levels(self.hardware, self.gpus_per_node)
         if set(self.allow) - {"co2"} or not self.co2_local_steps or min(self.co2_local_steps) < 1:
             raise ConfigError(f"--allow takes co2 (or nothing), got {','.join(self.allow)}; --co2-local-steps "
                               f"takes integers >= 1, got {self.co2_local_steps}.")

@@ -30,6 +30,7 @@ from ..costs.link_bytes import Unit, layout_bytes
 from ..costs.model_states import block_params, param_counts
 from ..costs.shape import MeshShape, group_is_intra_node
 from ..costs.timing import exposed, link_bandwidth
+from ..errors import ConfigError
 
 # OuterSync's fp32 buffers per parameter of a rank's shard: start, anchor, the change in flight (+ momentum)
 CO2_COPIES = 3
@@ -79,6 +80,16 @@ def co2_local_steps(allreduce_s: float, step_compute_s: float, hw: Hardware,
         if co2_exposed_seconds(allreduce_s, step_compute_s, h, hw) == 0:
             return h
     return max(tried)
+
+
+def check_levels(hw: Hardware, gpus_per_node: int) -> None:
+    """A third link level must be usable: a group size dividing the node, and the link between groups."""
+    g = hw.group_ranks
+    if g and (hw.middle_gbps <= 0 or gpus_per_node % g):
+        raise ConfigError(f"hardware {hw.name}: group_ranks = {g} describes a third link level, which needs "
+                          f"middle_gbps > 0 (the link between a node's groups, got {hw.middle_gbps:g}) and a group "
+                          f"size dividing the {gpus_per_node} GPUs per node; set both (--hw group_ranks=2 --hw "
+                          f"middle_gbps=100), or group_ranks = 0 for two levels.")
 
 
 def three_level(hw: Hardware, gpus_per_node: int) -> int:
