@@ -50,11 +50,7 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
 
     cfg = request.cfg
     try:
-        backend, device, main_rank = _backend(cfg)
-        if request.memory is not None:  # --context-memory infllm (one process: generate/context_memory.py)
-            from ..generate.context_memory import InfLLMGeneration
-
-            backend = InfLLMGeneration(request.memory)
+        backend, device, main_rank = _eval_backend(request, _backend)
         log = say if main_rank else (lambda *_: None)
         dtype = resolve_dtype(cfg.train.dtype, device)
         with phase(f"eval: loading the model from {args.checkpoint}"):
@@ -100,6 +96,17 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
     finally:
         finish_distributed()
     return out if main_rank else None
+
+
+def _eval_backend(request: EvalRequest, layout_backend):
+    """(backend, device, main rank): the layout's (one device or sharded), or with --context-memory
+    infllm the memory's on the one device (generate/context_memory.py)."""
+    backend, device, main_rank = layout_backend(request.cfg)
+    if request.memory is not None:
+        from ..generate.context_memory import InfLLMGeneration
+
+        backend = InfLLMGeneration(request.memory)
+    return backend, device, main_rank
 
 
 def _generate_answers(model, tokenizer, group: list[Sequence], first: int, sampling, seed: int, **engine) -> list[str]:
