@@ -210,14 +210,9 @@ QUIET = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    import random
+    from test_glide_training import word_documents
 
-    d = tmp_path_factory.mktemp("clover-docs")
-    rng = random.Random(0)
-    words = "def return self import class yield lambda async await with try except finally".split()
-    for i in range(200):
-        (d / f"doc{i:04d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30))) + "\n")
-    return [f"--data.corpus={d}", "--data.tokenizer=byte"]
+    return word_documents(tmp_path_factory.mktemp("clover-docs"), 200, 30)
 
 
 @pytest.fixture(scope="module")

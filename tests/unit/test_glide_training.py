@@ -126,11 +126,15 @@ def test_distillation_loss_chunked_equals_the_formula():
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """Short documents (20-300 bytes): every 128-token sample packs several."""
-    d = tmp_path_factory.mktemp("glide-docs")
+    return word_documents(tmp_path_factory.mktemp("glide-docs"), 300, 50)
+
+
+def word_documents(d, count: int, longest: int) -> list[str]:
+    """`count` documents of 3..`longest` keywords in `d` (seeded): the flags of a byte-tokenized corpus of them."""
     rng = random.Random(0)
     words = "def return self import class yield lambda async await with try except finally".split()
-    for i in range(300):
-        (d / f"doc{i:04d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(3, 50))) + "\n")
+    for i in range(count):
+        (d / f"doc{i:04d}.txt").write_text(" ".join(rng.choice(words) for _ in range(rng.randint(3, longest))) + "\n")
     return [f"--data.corpus={d}", "--data.tokenizer=byte"]
 
 

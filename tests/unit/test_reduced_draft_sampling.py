@@ -4,11 +4,9 @@ the first two new tokens of 2,000 seeded continuations follow the target's own d
 (chi-square p > 0.01, tests/unit/test_speculative.py's check), tokens the drafts can never propose
 included: the residual distribution after a rejection must put them back."""
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
-from test_speculative import _model, _pairs
+from test_speculative import _model, _pairs, pooled_chisquare
 
 from longctx.generate.drafters import CloverDrafter, GlideDrafter
 from longctx.generate.local import prefill
@@ -64,13 +62,8 @@ def test_a_reduced_vocabulary_draft_samples_the_targets_distribution(kind, monke
             kept, following, _ = sp.speculative_round(target, cache, drafter, a, 2, sampling, g)
         return a, (kept + [following])[0]
 
-    keep = exact * runs >= 5  # chi-square on the cells expected at least 5 times, the rest pooled
-    rare = ~keep & (exact > 0)
-
     def pvalue(counts):
-        observed = np.append(counts[keep], counts[rare].sum()) if rare.any() else counts[keep]
-        expected = np.append(exact[keep], exact[rare].sum()) if rare.any() else exact[keep]
-        return chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
+        return pooled_chisquare(counts, exact, runs)
 
     counts = _pairs(draw_pair, runs, vocab)
     assert counts[exact == 0].sum() == 0

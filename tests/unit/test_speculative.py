@@ -64,6 +64,17 @@ def _pairs(draw_pair, runs, vocab):
     return counts
 
 
+def pooled_chisquare(counts: np.ndarray, exact: np.ndarray, runs: int) -> float:
+    """The chi-square p-value of `counts` against the distribution `exact`: on the cells expected at least 5
+    times in `runs` draws, the other possible ones pooled (a cell `exact` gives 0 must be checked apart:
+    it must never be drawn at all)."""
+    keep = exact * runs >= 5
+    rare = ~keep & (exact > 0)
+    observed = np.append(counts[keep], counts[rare].sum()) if rare.any() else counts[keep]
+    expected = np.append(exact[keep], exact[rare].sum()) if rare.any() else exact[keep]
+    return chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling, adaptive", [
     (Sampling(temperature=1.0), False), (Sampling(temperature=0.9, top_k=6, min_p=0.05), False),
@@ -123,13 +134,8 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
                 length.observe(len(kept), made)
         return a, (kept + [following])[0]
 
-    keep = exact * runs >= 5  # chi-square on the cells expected at least 5 times, the rest pooled
-    rare = ~keep & (exact > 0)  # (a pair the filters remove must never be drawn at all)
-
     def pvalue(counts):
-        observed = np.append(counts[keep], counts[rare].sum()) if rare.any() else counts[keep]
-        expected = np.append(exact[keep], exact[rare].sum()) if rare.any() else exact[keep]
-        return chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
+        return pooled_chisquare(counts, exact, runs)
 
     counts = _pairs(draw_pair, runs, vocab)
     assert counts[exact == 0].sum() == 0
