@@ -227,8 +227,11 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     counts = np.zeros(cfg.model.vocab_size, dtype=np.int64)
     for part in read_manifest(root)["parts"]:
         split = load_split(root, part, "train")
-        if split is not None:
-            counts += np.bincount(np.asarray(split.tokens).ravel(), minlength=counts.size)[:counts.size]
+        if split is None:
+            continue
+        rows = max(1, (1 << 24) // max(1, split.tokens.shape[1]))  # ~16M tokens read at a time, not a whole part
+        for r in range(0, split.tokens.shape[0], rows):
+            counts += np.bincount(np.asarray(split.tokens[r:r + rows]).ravel(), minlength=counts.size)[:counts.size]
     return torch.from_numpy(counts)
 
 
