@@ -38,7 +38,7 @@ def test_full_logits_and_labels():
     assert torch.allclose(probs[0, [1, 4, 6]], torch.softmax(sub[0], -1))
     assert probs[0, [0, 2, 3, 5, 7]].abs().max() == 0
     labels = torch.tensor([4, 0, 6, IGNORE, 1, 7])
-    assert vocab.labels(labels, IGNORE).tolist() == [1, IGNORE, 2, IGNORE, 0, IGNORE]
+    assert vocab.labels(labels, IGNORE, 8).tolist() == [1, IGNORE, 2, IGNORE, 0, IGNORE]
 
 
 def test_a_reduced_draft_scores_the_targets_rows_and_decodes_losslessly():

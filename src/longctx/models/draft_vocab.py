@@ -49,16 +49,12 @@ class DraftVocab(nn.Module):
         full[..., self.ids] = logits
         return full
 
-    def labels(self, labels: torch.Tensor, ignore: int) -> torch.Tensor:
-        """Target-vocabulary labels as indices into this vocabulary; `ignore` where a label is outside it
-        (or already `ignore`)."""
-        index = torch.full((int(self.ids.max()) + 2 if self.size else 1,), -1, dtype=torch.long,
-                           device=labels.device)
+    def labels(self, labels: torch.Tensor, ignore: int, vocab_size: int) -> torch.Tensor:
+        """Target-vocabulary labels (ids < vocab_size, or `ignore`) as indices into this vocabulary;
+        `ignore` where a label is outside it. No host read (a training step calls it)."""
+        index = torch.full((vocab_size,), ignore, dtype=torch.long, device=labels.device)
         index[self.ids] = torch.arange(self.size, device=labels.device)
-        safe = labels.clamp(0, index.numel() - 1)
-        mapped = index[safe]
-        return torch.where((labels >= 0) & (labels < index.numel()) & (mapped >= 0), mapped,
-                           torch.full_like(labels, ignore))
+        return torch.where(labels >= 0, index[labels.clamp(min=0)], torch.full_like(labels, ignore))
 
     @torch.no_grad()
     def set_from_counts(self, counts: torch.Tensor) -> float:

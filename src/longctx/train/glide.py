@@ -139,7 +139,7 @@ class GlideTraining(nn.Module):
         target's final-normed states `teacher` (kd) or the labels (ce), chunked (memory.loss_chunk)."""
         weight = self.draft.head_weight(self.head)  # (a reduced vocabulary's rows: models/draft_vocab.py)
         if self.draft.vocab is not None and self.loss == "ce":
-            labels = self.draft.vocab.labels(labels, IGNORE)
+            labels = self.draft.vocab.labels(labels, IGNORE, self.head.lm_head_weight.shape[0])
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"a GliDe draft's loss_reduction is sum or mean, got {loss_reduction!r}")
         norm = (self.draft.norm.weight, self.draft.norm.eps)
