@@ -1,12 +1,16 @@
 """Adaptive speculation length (generate/spec_length.py, --speculate-adaptive):
 - the policy alone: the first round proposes the cap; a draft whose proposals are all kept keeps K at
-  the cap, one whose proposals are all rejected brings it to 1 (and back up when it recovers); K is
-  never above the cap; the choice after a history is the one worked out by hand from
-  E(K) / (K c + 1), and the same history always gives the same choices;
+  the cap, one whose proposals are all rejected brings it to 0, plain steps, with a probe round after
+  every 16 (and back up when it recovers); K is never above the cap; the choice after a history is
+  the one worked out by hand from E(K) / (K (c + w) + 1), and the same history always gives the same
+  choices;
 - generation: at T = 0, chain and CaPE, plain greedy decoding's tokens, token for token, while K
   varies; at T = 1 a seed gives the same tokens and choices twice (another seed others);
-- bad input (adaptive without a draft, a cap below 1, --draft-cost without adaptive or <= 0) is one
-  ConfigError from `longctx generate` before any file or weight is read.
+- plain steps (K = 0, where no K pays: a draft dearer than the target, or --verify-cost): the drafter
+  stays in step (a draft equal to the target keeps every proposal; a GliDe draft's cache gets each
+  pending token), the tokens are plain greedy's, and a seed still gives the same tokens;
+- bad input (adaptive without a draft, a cap below 1, --draft-cost or --verify-cost without adaptive,
+  or out of range) is one ConfigError from `longctx generate` before any file or weight is read.
 The sampled distribution with adaptive K: tests/unit/test_speculative.py's chi-square (T1-adaptive)."""
 
 import random
@@ -35,19 +39,34 @@ def _replay(policy: AdaptiveLength, history) -> list[int]:
     return policy.chosen
 
 
-def test_the_first_round_proposes_the_cap_and_acceptance_moves_k_within_1_to_the_cap():
+def test_the_first_round_proposes_the_cap_and_acceptance_moves_k_within_0_to_the_cap():
     every = _replay(AdaptiveLength(6, 0.1), [lambda k: k] * 10)  # every proposal kept
     assert every == [6] * 10
-    none = _replay(AdaptiveLength(6, 0.1), [lambda k: 0] * 10)  # every first proposal rejected
-    assert none[0] == 6 and none[1:] == [1] * 9
-    policy = AdaptiveLength(6, 0.1)
-    down_up = _replay(policy, [lambda k: 0] * 6 + [lambda k: k] * 12)  # a stretch the draft misses, then follows
-    assert down_up[5] == 1 and down_up[-1] == 6 and down_up[6:] == sorted(down_up[6:])
+    # every first proposal rejected: no K pays, so plain steps (K = 0), with a probe of K = 1 after
+    # every 16 of them (alpha stays 0: the probes are rejected too)
+    none = _replay(AdaptiveLength(6, 0.1), [lambda k: 0] * 36)
+    assert none == [6] + [0] * 16 + [1] + [0] * 16 + [1] + [0]
+    # a stretch the draft misses, then follows: plain steps, and back up to the cap through the probes
+    policy = AdaptiveLength(6, 0.1, probe_every=1)
+    down_up = _replay(policy, [lambda k: 0] * 6 + [lambda k: k] * 14)
+    assert 0 in down_up[:6] and down_up[-1] == 6
+    rises = [k for k in down_up[6:] if k]
+    assert rises == sorted(rises)
     rng = random.Random(0)
     for cap in (1, 2, 5):
         for c in (0.01, 0.3, 2.0):
             chosen = _replay(AdaptiveLength(cap, c), [lambda k: rng.randint(0, k) for _ in range(60)])
-            assert chosen[0] == cap and all(1 <= k <= cap for k in chosen)
+            assert chosen[0] == cap and all(0 <= k <= cap for k in chosen)
+    assert _replay(AdaptiveLength(5, 2.0), [lambda k: k] * 3)[1:] == [0, 0]  # a draft dearer than the target
+
+
+def test_a_plain_round_tells_nothing_and_probes_come_after_probe_every_plain_rounds():
+    policy = AdaptiveLength(4, 0.1, probe_every=3)
+    policy.observe(0, 4)  # (a rejected first proposal: alpha 0)
+    before = (policy.successes, policy.trials)
+    assert [policy.next() for _ in range(4)] == [0, 0, 0, 1]
+    policy.observe(0, 0)  # a plain round: the moving averages do not move
+    assert (policy.successes, policy.trials) == before
 
 
 def test_the_choice_is_the_hand_worked_optimum_and_depends_on_the_history_alone():
@@ -61,8 +80,13 @@ def test_the_choice_is_the_hand_worked_optimum_and_depends_on_the_history_alone(
     # alpha 0.8, c 0.05: 1.8/1.05 = 1.714, 2.44/1.1 = 2.218, 2.952/1.15 = 2.567, 3.362/1.2 = 2.801,
     # 3.689/1.25 = 2.952, 3.951/1.3 = 3.040, 4.161/1.35 = 3.082, 4.329/1.4 = 3.092, 4.463/1.45 = 3.078: K = 8
     assert best_length(0.8, 0.05, 12) == 8 and best_length(0.8, 0.05, 5) == 5
-    assert best_length(0.0, 0.05, 12) == 1 and best_length(1.0, 0.05, 12) == 12
-    assert best_length(1.0, 1.0, 12) == 1  # a draft as dear as the target: every K ties, the least wins
+    # alpha 0: E(K) = 1 for K x c + 1 passes, below a plain step's 1 per pass; the best K >= 1 is 1
+    assert best_length(0.0, 0.05, 12) == 0 and best_length(0.0, 0.05, 12, plain=False) == 1
+    assert best_length(1.0, 0.05, 12) == 12
+    assert best_length(1.0, 1.0, 12) == 0  # a draft as dear as the target: every K ties a plain step, the least wins
+    # the verification's cost per extra token w: alpha 0.5, c 0.1. w 0: K = 2 (above). w 0.3: 1.5 / 1.4 = 1.071
+    # at K = 1, 1.75 / 1.8 = 0.972 at K = 2: K = 1. w 0.5: 1.5 / 1.6 = 0.9375 < 1 at K = 1: a plain step
+    assert [best_length(0.5, 0.1, 4, w) for w in (0.0, 0.3, 0.5)] == [2, 1, 0]
     rng = random.Random(3)
     kept = [rng.randint(0, 4) for _ in range(40)]
     runs = [_replay(AdaptiveLength(4, 0.2), [lambda k, n=n: n for n in kept]) for _ in range(2)]
@@ -139,6 +163,8 @@ def _prepare(*argv):
     (["--draft", "no/draft", "--draft-cost", "0.1"], "add --speculate-adaptive"),
     (["--draft", "no/draft", "--speculate-adaptive", "--draft-cost", "0"], "--draft-cost must be a ratio > 0"),
     (["--draft", "no/draft", "--speculate-adaptive", "--draft-cost", "nan"], "--draft-cost must be a ratio > 0"),
+    (["--draft", "no/draft", "--verify-cost", "0.2"], "add --speculate-adaptive, or drop --verify-cost"),
+    (["--draft", "no/draft", "--speculate-adaptive", "--verify-cost", "-1"], "--verify-cost must be >= 0"),
 ])
 def test_bad_adaptive_flags_are_one_error_before_any_work(flags, message):
     # (the checkpoint, prompts file and draft do not exist: the error comes before anything is read)
@@ -146,3 +172,82 @@ def test_bad_adaptive_flags_are_one_error_before_any_work(flags, message):
         _prepare("--checkpoint", "no/such/checkpoint", "--prompts", "no/such.jsonl", *flags)
     with pytest.raises(ValueError, match="cap"):
         AdaptiveLength(0, 0.1)
+
+
+class Scripted(AdaptiveLength):
+    """A policy whose K follow `schedule`, cycled (plain steps, K = 0, where it says 0)."""
+
+    def __init__(self, cap: int, schedule: list[int]):
+        super().__init__(cap, 0.1)
+        self.schedule = schedule
+
+    def next(self) -> int:
+        k = self.schedule[len(self.chosen) % len(self.schedule)]
+        self.chosen.append(k)
+        return k
+
+
+SCHEDULE = [3, 0, 0, 2, 0, 4, 1, 0]
+
+
+@pytest.mark.parametrize("cape", [None, "0.5:2,1:0"])
+def test_plain_steps_keep_a_draft_in_step_with_the_target(cape):
+    # a draft that is the target proposes the target's own tokens exactly when its cache holds every
+    # token the target's does: after plain steps (which the draft does not run) too
+    target = _model(1)
+    twin = _model(2)
+    twin.load_state_dict(target.state_dict())
+    table = CapeTable.parse(cape) if cape else None
+    for n in (1, 30):
+        prompt = _prompt(n, seed=n + 5)
+        plain = generate(target, [prompt], max_new_tokens=40)[0].tokens
+        policy = Scripted(4, SCHEDULE)
+        spec = speculative_generate(target, ModelDrafter(twin, n + 50), prompt, max_new_tokens=40, k=4, cape=table,
+                                    adaptive=policy)
+        assert spec.tokens == plain
+        assert 0 in policy.chosen[:spec.passes] and sum(spec.proposed) > 0
+        assert sum(spec.accepted) == sum(spec.proposed)  # every proposal kept: the draft never fell behind
+    # sampled (T = 1): a draft equal to the target is kept with probability 1, and a seed gives its tokens
+    soft = Sampling(temperature=1.0)
+    runs = [speculative_generate(target, ModelDrafter(twin, 80), _prompt(20, 1), max_new_tokens=30, k=4,
+                                 sampling=soft, seed=5, adaptive=Scripted(4, SCHEDULE)) for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens and sum(runs[0].accepted) == sum(runs[0].proposed) > 0
+
+
+def test_plain_steps_with_a_glide_draft_are_plain_greedy_and_feed_its_cache():
+    from longctx.generate.drafters import GlideDrafter
+    from longctx.models.glide import GlideDraft
+
+    class Checked(GlideDrafter):  # each round's pending token lands in the draft's cache right after the target's
+        def propose(self, pending, k, *a, **kw):
+            out = super().propose(pending, k, *a, **kw)
+            assert self.offset + self._base == int(self.target_cache.lengths[0]) + 1
+            self.rounds = getattr(self, "rounds", 0) + 1
+            return out
+
+    target = _model(1)
+    draft = GlideDraft(target.cfg, layers=1).init_weights(seed=4, std=0.05)
+    for n, window in ((1, 0), (40, 0), (40, 8)):
+        prompt = _prompt(n, seed=n)
+        plain = generate(target, [prompt], max_new_tokens=30)[0].tokens
+        for cape in (None, CapeTable.parse("0.5:2,1:0")):
+            drafter = Checked(draft, target, n + 30 + 8, block=4, window=window)
+            spec = speculative_generate(target, drafter, prompt, max_new_tokens=30, k=4, cape=cape,
+                                        adaptive=Scripted(4, SCHEDULE))
+            assert spec.tokens == plain and drafter.rounds > 2, (n, window, cape)
+
+
+def test_a_high_verification_cost_turns_rounds_into_plain_steps_with_the_same_tokens():
+    target = _model(1)
+    draft = _noisy(target, scale=0.3)
+    prompt = _prompt(30, seed=4)
+    plain = generate(target, [prompt], max_new_tokens=48)[0].tokens
+    cheap, dear = AdaptiveLength(4, 0.05), AdaptiveLength(4, 0.05, verify_cost=2.0)
+    runs = [speculative_generate(target, ModelDrafter(draft, 90), prompt, max_new_tokens=48, k=4, adaptive=policy)
+            for policy in (cheap, dear)]
+    assert runs[0].tokens == runs[1].tokens == plain
+    assert dear.chosen.count(0) > cheap.chosen.count(0) and dear.chosen.count(0) > len(dear.chosen) // 2
+    # (through the flag's path too)
+    again = speculative_generate(target, ModelDrafter(draft, 90), prompt, max_new_tokens=48, k=4, adaptive=True,
+                                 draft_cost=0.05, verify_cost=2.0)
+    assert again.tokens == plain and again.proposed == runs[1].proposed

@@ -14,6 +14,7 @@ import inspect
 
 import pytest
 import torch
+from test_adaptive_speculation import SCHEDULE, Scripted
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
@@ -173,9 +174,11 @@ def test_speculative_decoding_with_a_clover_draft_is_plain_greedy(vocab):
         text = torch.tensor([[*prompt, *plain]])
         with torch.no_grad():  # every round's starting state: the augmented state of the last verified position
             augmented = draft.augment(target(text, hidden=True), torch.arange(text.shape[1])[None])[0]
-        for cape, adaptive, window in [(c, a, w) for c in tables for a in (False, True) for w in (0, 8)]:
+        # (adaptive "plain": test_adaptive_speculation's scripted K with plain steps, K = 0, between rounds)
+        for cape, adaptive, window in [(c, a, w) for c in tables for a in (False, True, "plain") for w in (0, 8)]:
             drafter = _Recording(draft, target, n + new + 40, block=k, window=window)
-            spec = speculative_generate(target, drafter, prompt, max_new_tokens=new, k=k, cape=cape, adaptive=adaptive)
+            policy = Scripted(k, SCHEDULE) if adaptive == "plain" else adaptive
+            spec = speculative_generate(target, drafter, prompt, max_new_tokens=new, k=k, cape=cape, adaptive=policy)
             assert spec.tokens == plain, (n, cape, adaptive, window)
             if not window:  # (a window changes what the Augmenting Block sees)
                 for base, state in drafter.states:

@@ -128,7 +128,8 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
             a = int(torch.multinomial(first, 1, generator=g))
             cache.truncate(len(prompt))
             drafter.rewind(prompt)
-            k = length.next() if length is not None else 2
+            # (K = 0, the policy's plain step, is plain decoding's own draw: a round here proposes >= 1)
+            k = max(1, length.next()) if length is not None else 2
             kept, following, made = sp.speculative_round(target, cache, drafter, a, k, sampling, g, 0.0, after([a]))
             if length is not None:
                 length.observe(len(kept), made)
@@ -140,7 +141,7 @@ def test_sampling_keeps_the_target_distribution_and_the_check_can_fail(monkeypat
     counts = _pairs(draw_pair, runs, vocab)
     assert counts[exact == 0].sum() == 0
     if length is not None:  # every K was drawn from
-        assert set(length.chosen) == {1, 2, 3, 4}, sorted(set(length.chosen))
+        assert {1, 2, 3, 4} <= set(length.chosen), sorted(set(length.chosen))
     p_exact = pvalue(counts)
     print(f"speculative sampling chi-square p = {p_exact:.3g}")
     assert p_exact > 0.01

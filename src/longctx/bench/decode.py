@@ -23,7 +23,8 @@ JSON on stdout, per length and overall:
   ratio of the whole generations' wall times, which a long prompt's prefill pulls toward 1;
 - identical: at temperature 0, whether every prompt's tokens equal plain decoding's;
 - mean_k: the K chosen per target pass (--speculate every pass for a fixed K; the proposals made,
-  proposals_per_pass, are fewer where a confidence stop ends a round);
+  proposals_per_pass, are fewer where a confidence stop ends a round); plain_step_share: the passes
+  adaptive K made plain decoding steps (K = 0: no K paid, by --draft-cost and --verify-cost);
 - with_cape (--cape both): CaPE's table (`cape`), figures and by_length; the top level is the chain's;
   with_adaptive (--speculate-adaptive both): adaptive K's figures and by_length (draft_cost: its c),
   the top level fixed K's; with_cape_adaptive: CaPE with adaptive K (both flags `both`);
@@ -59,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-cost", type=float, default=None, metavar="C",
                    help="with --speculate-adaptive: a draft step's cost over one target pass (default: the models' "
                         "forward FLOPs per token ratio)")
+    p.add_argument("--verify-cost", type=float, default=None, metavar="W",
+                   help="with --speculate-adaptive: a verification's cost per token past the first, in target "
+                        "passes (default 0; K = 0, a plain step, where no K pays)")
     p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
                    help="end a round's proposals after one the draft gives below P (0 = always --speculate)")
     p.add_argument("--draft-window", type=int, default=None, metavar="N",
@@ -106,7 +110,8 @@ def _models(args):
     spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
     if spec is None:
         raise ConfigError(f"--target {args.target} names no tokenizer; pass --tokenizer byte|PATH/tokenizer.json.")
-    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive != "false", args.draft_cost)
+    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive != "false", args.draft_cost,
+                         args.verify_cost)
     draft = draft_config(args.draft, args.target, args.speculate, cfg, spec, args.confidence_stop, args.draft_window,
                          args.compile == "true")
     return cfg, draft, load_tokenizer(spec), spec
@@ -187,6 +192,7 @@ def main(args) -> int:
               "dtype": args.dtype, "target": args.target,
               "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[0][0] else None,
               "speculate_adaptive": modes[0][1], "draft_cost": args.cost if modes[0][1] else None,
+              "verify_cost": (args.verify_cost or 0.0) if modes[0][1] else None,
               "confidence_stop": args.confidence_stop,
               "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
                                else args.draft_window),
@@ -195,7 +201,8 @@ def main(args) -> int:
     for m, (cape, adaptive) in enumerate(modes[1:], 1):  # each other mode's figures (same plain runs)
         key = "with_cape_adaptive" if cape and adaptive else "with_cape" if cape else "with_adaptive"
         result[key] = {**({"cape": args.cape_table} if cape else {}),
-                       **({"draft_cost": args.cost} if adaptive else {}), **_figures(everything[m]),
+                       **({"draft_cost": args.cost, "verify_cost": args.verify_cost or 0.0} if adaptive else {}),
+                       **_figures(everything[m]),
                        "by_length": groups[m]}
     print(json.dumps(result, indent=1))
     return 0
@@ -265,8 +272,8 @@ _PER_PROMPT = ("tau", "acceptance_rate", "mean_k", "tokens_per_s", "baseline_tok
 _MODE_SAID = {"false": "", "true": ", CaPE", "both": ", the chain and CaPE"}
 _ADAPTIVE_SAID = {"false": "", "true": " (at most: adaptive, draft cost {c:.3g})",
                   "both": ", fixed and adaptive (draft cost {c:.3g})"}
-_ZERO = {"kept": 0, "proposed": 0, "chosen": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0, "spec_all": 0.0,
-         "plain_all": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
+_ZERO = {"kept": 0, "proposed": 0, "chosen": 0, "plain_steps": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0,
+         "spec_all": 0.0, "plain_all": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
 
 
 def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> list[dict]:
@@ -283,7 +290,7 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
     compiled = getattr(args, "compiled", None) or False  # (main's CompiledStep under --compile)
     plain_s = plain_all = float("inf")
     spec_s, spec_all, specs = [float("inf")] * len(modes), [float("inf")] * len(modes), [None] * len(modes)
-    chosen = [0] * len(modes)
+    chosen, plain_steps = [0] * len(modes), [0] * len(modes)
     for _ in range(args.repeats):
         t0 = clock()
         plain = generate(target, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -291,7 +298,8 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
         elapsed = clock() - t0
         plain_all, plain_s = min(plain_all, elapsed), min(plain_s, elapsed - plain.prefill_seconds)
         for m, (cape, adaptive) in enumerate(modes):
-            length = AdaptiveLength(args.speculate, args.cost) if adaptive else False
+            length = AdaptiveLength(args.speculate, args.cost, verify_cost=args.verify_cost or 0.0) \
+                if adaptive else False
             t0 = clock()
             drafter = drafter_for(target, draft, len(ids) + args.max_new_tokens + args.speculate + 2,
                                   window=args.draft_window, compile=compiled)
@@ -302,7 +310,9 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
             spec_all[m], spec_s[m] = min(spec_all[m], elapsed), min(spec_s[m], elapsed - specs[m].prefill_seconds)
             # the K of every pass (one per round: the policy's choices, or --speculate each time)
             chosen[m] = sum(length.chosen) if adaptive else args.speculate * specs[m].passes
-    return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "chosen": chosen[m], "passes": spec.passes,
+            plain_steps[m] = length.chosen.count(0) if adaptive else 0  # adaptive K's K = 0 rounds
+    return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "chosen": chosen[m],
+             "plain_steps": plain_steps[m], "passes": spec.passes,
              "spec_s": spec_s[m], "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all,
              "tokens": len(spec.tokens), "plain_tokens": len(plain.tokens),
              "identical": (not sampling.greedy) or spec.tokens == plain.tokens}
@@ -315,7 +325,8 @@ def _figures(acc: dict) -> dict:
     plain_rate = acc["plain_tokens"] / acc["plain_s"] if acc["plain_s"] else 0.0
     return {"tau": (acc["kept"] + acc["passes"]) / passes, "tau_without_bonus": acc["kept"] / passes,
             "acceptance_rate": acc["kept"] / max(acc["proposed"], 1), "proposals_per_pass": acc["proposed"] / passes,
-            "mean_k": acc["chosen"] / passes, "tokens_per_s": spec_rate,
+            "mean_k": acc["chosen"] / passes, "plain_step_share": acc["plain_steps"] / passes,
+            "tokens_per_s": spec_rate,
             "baseline_tokens_per_s": plain_rate, "speedup": spec_rate / plain_rate if plain_rate else 0.0,
             "speedup_with_prefill": acc["plain_all"] / acc["spec_all"] if acc["spec_all"] else 0.0,
             "identical": acc["identical"]}

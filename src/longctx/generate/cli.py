@@ -120,6 +120,10 @@ def _add_draft_flags(p) -> None:
     p.add_argument("--draft-cost", type=float, default=None, metavar="C",
                    help="with --speculate-adaptive: a draft step's cost over one target pass (default: the ratio "
                         "of the two models' forward FLOPs per token)")
+    p.add_argument("--verify-cost", type=float, default=None, metavar="W",
+                   help="with --speculate-adaptive: a verification's cost per token past the first, in target passes "
+                        "(default 0: a GPU's few-token verification costs one step; on a CPU it grows, e.g. 0.17). "
+                        "Where no K pays, a round is a plain decoding step (K = 0)")
     p.add_argument("--confidence-stop", type=float, default=0.0, metavar="P",
                    help="with --draft: end a round's proposals after one the draft gives a probability below P "
                         "(fewer draft steps where it hesitates; 0 = always --speculate)")
@@ -201,7 +205,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     from .spec_length import check_adaptive_flags
 
     sampling = _sampling(args)
-    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive, args.draft_cost)
+    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive, args.draft_cost, args.verify_cost)
     prompts = read_prompts(args)
     cfg = _config(args, overrides)
     spec = tokenizer_spec(args, cfg)
@@ -399,7 +403,8 @@ def _load_draft(request: GenerateRequest, args, model, device, dtype, main_rank:
 
             cost = args.draft_cost if args.draft_cost is not None else draft_cost_ratio(model, draft)
             per_pass = (f"up to {args.speculate} proposals per target pass, each round's chosen from those kept so "
-                        f"far (draft cost {cost:.3g} of a target pass)")
+                        f"far (draft cost {cost:.3g} of a target pass, verification {args.verify_cost or 0:.3g} per "
+                        f"extra token; 0 proposals, a plain step, where none pays)")
         say(f"generate: speculative decoding with {draft_label(request.draft_cfg)} from {args.draft}, "
              f"{per_pass}, one prompt at a time")
     return draft
@@ -415,6 +420,7 @@ def _speculate(request: GenerateRequest, args, model, draft, index: int, stops, 
                            sampling=request.sampling, eos_ids=eos, prefill_chunk=args.prefill_chunk, stop=stops,
                            backend=backend, cape=request.cape, stop_below=args.confidence_stop,
                            window=args.draft_window, seed=seed, logprobs=args.logprobs, compile=step,
-                           adaptive=args.speculate_adaptive, draft_cost=args.draft_cost)
+                           adaptive=args.speculate_adaptive, draft_cost=args.draft_cost,
+                           verify_cost=args.verify_cost or 0.0)
     result.sample = sample
     return result

@@ -148,6 +148,10 @@ class Drafter(Protocol):
         drafter's state follows. `nodes`: the rows of the last verification call that were kept, in
         order (the chain: 0..n; a CaPE tree: its root and accepted path); None: 0..n."""
 
+    def skipped(self, pending: int) -> None:
+        """The target took `pending` alone, in a plain step (adaptive speculation's K = 0: no proposals
+        this round): the drafter's state follows, as after a round that kept none."""
+
     def rewind(self, prompt: Sequence[int]) -> None:
         """Back to the state `start(prompt)` left."""
 

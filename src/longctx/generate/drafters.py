@@ -84,6 +84,10 @@ class ModelDrafter:
         self._last = tokens[-1]
         return tokens, torch.stack(qs)
 
+    def skipped(self, pending: int) -> None:
+        """A plain step took `pending` (contracts.Drafter): it is fed with the next round's (one call)."""
+        self._unfed.append(int(pending))
+
     def rewind(self, prompt: Sequence[int]) -> None:
         """Back to the state `start(prompt)` left (the cache keeps the prompt's slots: no prefill)."""
         self.cache.truncate(len(prompt) - 1)
@@ -239,6 +243,10 @@ class CloverDrafter(ModelDrafter):
                                            self.cache.k[1], self.cache.v[1], slots)
         self._step += 1
         return self.model.logits(self.target, self._step_state)[0, -1]
+
+    def skipped(self, pending: int) -> None:
+        """A plain step took `pending`: its call's one row continues the Augmenting Block and the memory."""
+        self.accepted(0, 0, nodes=[0])
 
     def accepted(self, n: int, k: int, extra: int | None = None, nodes: list[int] | None = None) -> None:
         """The last verification call's rows that were kept (`nodes`: a CaPE tree's root and accepted

@@ -2,13 +2,22 @@
 
 A fixed K is right for one acceptance rate only: where the draft follows the target, every proposal
 past K is a lost token; where it does not, every proposal is a draft step spent on a token the
-target will replace. `AdaptiveLength` picks each round's K in 1..cap (cap = --speculate) from the
+target will replace. `AdaptiveLength` picks each round's K in 0..cap (cap = --speculate) from the
 proposals kept so far, by the expected-speedup argument of Leviathan et al. 2023 ("Fast Inference
 from Transformers via Speculative Decoding", section 3.4, choosing gamma): if each proposal is kept
 with probability alpha, independently of the others, a round of K proposals gives
 E(K) = (1 - alpha^(K+1)) / (1 - alpha) tokens (the kept prefix plus the target's replacement or bonus),
-and costs K draft steps of c target passes each plus one verification: K x c + 1. The K of the most
-tokens per unit of cost, E(K) / (K x c + 1), is the round's.
+and costs K draft steps of c target passes each plus one verification of K + 1 tokens, 1 + K x w
+target passes: K x (c + w) + 1. The K of the most tokens per unit of cost, E(K) / (K x (c + w) + 1),
+is the round's, and K = 0, a plain decoding step (one token for one pass), when no K >= 1 gives
+more than 1: a draft that does not pay is not run (Leviathan's speedup below 1, sglang #6783's
+"slower than no speculation"). w, the verification's cost per extra token (`--verify-cost`), is 0
+where verifying a few tokens costs one decode step (a GPU's memory-bound step); on a CPU it is not
+(SmolLM2-135M on our 2-core VM: a 5-token verification costs 1.68 steps, w = 0.17).
+
+A plain round tests no proposal, so alpha would never move again: after PROBE_EVERY plain rounds in
+a row the next round proposes the best K >= 1 (a probe; at most one round in PROBE_EVERY + 1 when
+the draft never pays), and its outcome updates alpha as any round's does.
 
 alpha is read from the history alone, never from timings, so a seeded sampling run draws the same
 tokens every time, and at T = 0 the output is plain greedy decoding for any K: the rule only decides
@@ -39,22 +48,31 @@ import math
 from ..errors import ConfigError
 
 SMOOTHING = 0.3  # the weight of the newest round in the moving averages (about the last 3-6 rounds count)
+PROBE_EVERY = 16  # plain rounds in a row before a probe round proposes again (the module docstring)
 
 
 class AdaptiveLength:
-    """The proposals of each round (`next`), 1..cap, from the kept proposals of the earlier ones
-    (`observe`): a pure function of that history. `chosen` lists every K it gave."""
+    """The proposals of each round (`next`), 0..cap (0: a plain step), from the kept proposals of the
+    earlier ones (`observe`): a pure function of that history. `chosen` lists every K it gave.
+    `verify_cost`: w, a verification's cost per token past the first, in target passes."""
 
-    def __init__(self, cap: int, draft_cost: float, smoothing: float = SMOOTHING):
+    def __init__(self, cap: int, draft_cost: float, smoothing: float = SMOOTHING, verify_cost: float = 0.0,
+                 probe_every: int = PROBE_EVERY):
         if cap < 1:
             raise ValueError(f"the cap of adaptive speculation must be >= 1, got {cap}")
         if not (draft_cost > 0 and math.isfinite(draft_cost)):
             raise ValueError(f"the draft's cost relative to the target must be > 0, got {draft_cost}")
+        if not (verify_cost >= 0 and math.isfinite(verify_cost)):
+            raise ValueError(f"the verification's cost per extra token must be >= 0, got {verify_cost}")
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.cap, self.draft_cost, self.smoothing = cap, draft_cost, smoothing
+        self.verify_cost, self.probe_every = verify_cost, probe_every
         self.successes = self.trials = 0.0  # moving averages (ratio is alpha; both start at 0)
         self.chosen: list[int] = []
+        self.plain_run = 0  # plain rounds (K = 0) in a row just before this one
 
     @property
     def alpha(self) -> float | None:
@@ -63,15 +81,24 @@ class AdaptiveLength:
 
     def next(self) -> int:
         """This round's K (said in `chosen`)."""
-        k = self.cap if self.alpha is None else best_length(self.alpha, self.draft_cost, self.cap)
+        if self.alpha is None:
+            k = self.cap
+        else:
+            k = best_length(self.alpha, self.draft_cost, self.cap, self.verify_cost)
+            if k == 0 and self.plain_run >= self.probe_every:  # a probe: alpha moves only on proposals
+                k = best_length(self.alpha, self.draft_cost, self.cap, self.verify_cost, plain=False)
+        self.plain_run = self.plain_run + 1 if k == 0 else 0
         self.chosen.append(k)
         return k
 
     def observe(self, kept: int, proposed: int) -> None:
         """A round kept `kept` of its `proposed` proposals (the draft may make fewer than K: a
-        confidence stop). The first rejection is a tested failure; the proposals after it were not tested."""
+        confidence stop). The first rejection is a tested failure; the proposals after it were not tested.
+        A plain round (nothing proposed) tells nothing of the draft."""
         if not 0 <= kept <= proposed:
             raise ValueError(f"a round keeps 0..{proposed} proposals, got {kept}")
+        if proposed == 0:
+            return
         trials = kept + (kept < proposed)
         w = self.smoothing
         self.successes = (1 - w) * self.successes + w * kept
@@ -91,12 +118,13 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_length(alpha: float, draft_cost: float, cap: int) -> int:
-    """The k in 1..cap of the most expected tokens per unit of cost (k x draft_cost + 1 target
-    passes); the smallest such k on a tie (no draft step spent for nothing)."""
-    best, best_rate = 1, expected_tokens(alpha, 1) / (draft_cost + 1.0)
-    for k in range(2, cap + 1):
-        rate = expected_tokens(alpha, k) / (k * draft_cost + 1.0)
+def best_length(alpha: float, draft_cost: float, cap: int, verify_cost: float = 0.0, plain: bool = True) -> int:
+    """The k in 0..cap (1..cap with plain=False) of the most expected tokens per unit of cost
+    (k x (draft_cost + verify_cost) + 1 target passes; k = 0, a plain step, gives 1 token per pass);
+    the smallest such k on a tie (no draft step spent for nothing)."""
+    best, best_rate = (0, 1.0) if plain else (None, -1.0)
+    for k in range(1, cap + 1):
+        rate = expected_tokens(alpha, k) / (k * (draft_cost + verify_cost) + 1.0)
         if rate > best_rate * (1 + 1e-12):
             best, best_rate = k, rate
     return best
@@ -128,25 +156,29 @@ def draft_cost_ratio(target, draft) -> float:
     return matmul_flops(draft, target) / matmul_flops(target, target)
 
 
-def length_policy(adaptive, k: int, target, draft, draft_cost: float | None = None) -> AdaptiveLength | None:
+def length_policy(adaptive, k: int, target, draft, draft_cost: float | None = None,
+                  verify_cost: float = 0.0) -> AdaptiveLength | None:
     """What `speculative_generate(adaptive=...)` takes: False (None: every round k), True (a policy
-    capped at k, c = draft_cost or the models' FLOPs ratio), or an AdaptiveLength (used as it is;
-    the caller reads its `chosen`), whose cap may not exceed k (the verification's room is k's)."""
+    capped at k, c = draft_cost or the models' FLOPs ratio, w = verify_cost), or an AdaptiveLength
+    (used as it is; the caller reads its `chosen`), whose cap may not exceed k (the verification's
+    room is k's)."""
     if adaptive is False or adaptive is None:
         return None
     if adaptive is True:
         if draft is None and draft_cost is None:
             raise ValueError("adaptive speculation needs draft_cost for a drafter without a draft model")
-        return AdaptiveLength(k, draft_cost if draft_cost is not None else draft_cost_ratio(target, draft))
+        return AdaptiveLength(k, draft_cost if draft_cost is not None else draft_cost_ratio(target, draft),
+                              verify_cost=verify_cost)
     if adaptive.cap > k:
         raise ValueError(f"an adaptive length capped at {adaptive.cap} for speculation of up to k = {k}")
     return adaptive
 
 
-def check_adaptive_flags(draft: str, speculate: int, adaptive: bool, draft_cost: float | None) -> None:
-    """--speculate-adaptive and --draft-cost, checked before any work: adaptive speculation needs a
-    draft and a cap (--speculate) of at least 1; --draft-cost means something only with it, and is a
-    positive ratio."""
+def check_adaptive_flags(draft: str, speculate: int, adaptive: bool, draft_cost: float | None,
+                         verify_cost: float | None = None) -> None:
+    """--speculate-adaptive, --draft-cost and --verify-cost, checked before any work: adaptive
+    speculation needs a draft and a cap (--speculate) of at least 1; --draft-cost and --verify-cost
+    mean something only with it; the first is a positive ratio, the second one >= 0."""
     if adaptive and not draft:
         raise ConfigError("--speculate-adaptive chooses how many tokens a draft proposes per target pass; give "
                           "the draft with --draft DIR (or drop --speculate-adaptive for plain decoding).")
@@ -159,3 +191,9 @@ def check_adaptive_flags(draft: str, speculate: int, adaptive: bool, draft_cost:
     if draft_cost is not None and not (draft_cost > 0 and math.isfinite(draft_cost)):
         raise ConfigError(f"--draft-cost must be a ratio > 0 (a draft step's cost over one target pass, e.g. 0.1), "
                           f"got {draft_cost}.")
+    if verify_cost is not None and not adaptive:
+        raise ConfigError("--verify-cost is the verification's cost per extra token --speculate-adaptive weighs K by; "
+                          "add --speculate-adaptive, or drop --verify-cost.")
+    if verify_cost is not None and not (verify_cost >= 0 and math.isfinite(verify_cost)):
+        raise ConfigError(f"--verify-cost must be >= 0 (a verification's cost per token past the first, in target "
+                          f"passes: 0 on a GPU, e.g. 0.17 on a small CPU), got {verify_cost}.")

@@ -46,6 +46,9 @@ def speculative_round(target, cache: Cache, drafter: Drafter, pending: int, k: i
     alike, so p and q are the processed distributions and the rule stays exact. `rows`, when given,
     receives the target's processed logits of the kept proposals and of the token after them
     (logprobs). Leaves `cache` holding pending and the kept proposals, and the drafter told."""
+    if k < 1:
+        raise ValueError(f"a speculative round proposes at least one token, got k = {k} (a plain step is "
+                         f"SpeculativeRounds' K = 0)")
     proposals, q = drafter.propose(pending, k, sampling, generator, stop_below, state)
     k = len(proposals)  # (fewer where the draft stopped on a hesitation)
     fed = torch.tensor([[pending, *proposals]], device=cache.k.device)
@@ -83,7 +86,9 @@ class SpeculativeRounds:
     def next(self, cache: Cache, processors: Processors | None) -> Round:
         rows = [] if self.logprobs else None  # the processed logits of each token the round gives
         k = self.k if self.length is None else self.length.next()
-        if self.cape is not None:
+        if k == 0:  # adaptive K's plain step: the draft would not pay (generate/spec_length.py)
+            kept, self.pending, proposed = [], self._plain_step(cache, processors, rows), 0
+        elif self.cape is not None:
             kept, self.pending, proposed = tree_round(self.target, cache, self.drafter, self.pending, k,
                                                       self.cape, self.stop_below, processors, rows)
         else:
@@ -93,6 +98,16 @@ class SpeculativeRounds:
         if self.length is not None:
             self.length.observe(len(kept), proposed)
         return self._round([*kept, self.pending], rows, [len(kept)], [proposed])
+
+    def _plain_step(self, cache: Cache, processors: Processors | None, rows: list | None) -> int:
+        """The target alone takes the pending token and draws the next, as plain decoding does (the same
+        processing and draw: lossless at any temperature); the drafter is told, to feed it later."""
+        fed = torch.tensor([[self.pending]], device=cache.k.device)
+        processed = process(self.target(fed, cache=cache)[0].float(), self.sampling, processors)  # [1, vocab]
+        if rows is not None:
+            rows.append(processed[0])
+        self.drafter.skipped(self.pending)
+        return choose(token_probs(processed, self.sampling)[0], self.sampling, self.generator)
 
     def _round(self, tokens: list[int], rows: list | None, kept=None, proposed=None) -> Round:
         device = self.target.tok_embeddings.weight.device
@@ -105,12 +120,12 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
                          generator: torch.Generator | None = None, backend: Backend = LOCAL, cape=None,
                          stop_below: float = 0.0, logprobs: int | None = None, seed: int | None = None,
                          compile: bool | CompiledStep = False, adaptive: bool | AdaptiveLength = False,
-                         draft_cost: float | None = None) -> Result:
+                         draft_cost: float | None = None, verify_cost: float = 0.0) -> Result:
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, up to k proposals per target pass
     (fewer after a proposal the draft gives less than `stop_below`: ModelDrafter.propose).
     `adaptive`: each round's proposals chosen up to k from the proposals kept so far
-    (generate/spec_length.py; True: c = `draft_cost`, else the models' FLOPs ratio; an
-    AdaptiveLength: that one, whose `chosen` then lists each round's K).
+    (generate/spec_length.py; True: c = `draft_cost`, else the models' FLOPs ratio, and w = `verify_cost`;
+    an AdaptiveLength: that one, whose `chosen` then lists each round's K, 0 for a plain step).
     `backend`: the target's cache and prefill (generate/local.py's; generate/sharded.py's
     ShardedGeneration on every rank of a head x ctx layout, the draft then run alike on every rank).
     `cape`: a generate/cape.py CapeTable, to verify each round's proposals as a tree (greedy).
@@ -127,7 +142,7 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     device = target.tok_embeddings.weight.device
     seed = sampling.seed if seed is None else seed
     generator = generator if generator is not None else sampling.generator(device, seed)
-    length = length_policy(adaptive, k, target, getattr(drafter, "model", None), draft_cost)
+    length = length_policy(adaptive, k, target, getattr(drafter, "model", None), draft_cost, verify_cost)
     rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None,
                                length)
     return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
@@ -139,20 +154,20 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
                   prefill_chunk: int, stop=None, backend: Backend = LOCAL, cape=None, stop_below: float = 0.0,
                   window: int | None = None, seed: int | None = None, logprobs: int | None = None,
                   compile: bool | CompiledStep = False, adaptive: bool = False,
-                  draft_cost: float | None = None) -> Result:
+                  draft_cost: float | None = None, verify_cost: float = 0.0) -> Result:
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe). `seed`: the request's (its prompt's, or its sample's: generate/sampling.py), seeding the
     generator every draw of its rounds comes from (default: the run's). A stop string (`stop(row,
     tokens)`, generate/output.py's StopStrings) is applied to the finished tokens, not inside the
     loop, so tau and the target passes count the rounds run to EOS or the limit. `adaptive`,
-    `draft_cost`: --speculate-adaptive and --draft-cost (speculative_generate's)."""
+    `draft_cost`, `verify_cost`: --speculate-adaptive, --draft-cost and --verify-cost (speculative_generate's)."""
     t0 = time.perf_counter()
     step = compiled_step(compile)  # (one step, target and draft: its graphs serve both)
     drafter = drafter_for(target, draft, len(ids) + limit + k + 2, prefill_chunk, window, step or False)
     r = speculative_generate(target, drafter, ids, max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below,
                              logprobs=logprobs, seed=seed, compile=step or False, adaptive=adaptive,
-                             draft_cost=draft_cost)
+                             draft_cost=draft_cost, verify_cost=verify_cost)
     # (the draft's own set-up and prompt pass count as decoding: speculation's own cost)
     r.decode_seconds = time.perf_counter() - t0 - r.prefill_seconds
     if stop is None:
