@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from ..costs.peaks import device_peak, raise_cpu_peak
+from ..job.checks import hpz_group, node_size, zero_pp_names
 from ..job.runtime import TRACKED_DIMS
 from ..memory.rss import peak_rss_bytes
 from ..models.flops import train_flops_per_token
-from ..parallel.context.volumes import fsdp_bytes_per_step
+from ..parallel.context.volumes import ZeroPP, fsdp_bytes_per_step
 from ..parallel.fsdp.grad_buckets import grad_reduce_figures
 from ..parallel.fsdp.shard import gathers_in_bf16
 
@@ -134,9 +135,11 @@ class MetricsLogger:
         blocks = sum(p.numel() for p in model.layers.parameters())
         gather = 2 if gathers_in_bf16(device.type, cfg.train.dtype) else 4
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        zero_pp = ZeroPP(frozenset(zero_pp_names(cfg)), cfg.parallel.zero_pp_block, node_size(cfg, rt.dims) or 0,
+                         hpz_group(cfg, rt.dims) or 0)  # (the bytes ZeRO++ really sends, not plain FSDP's)
         self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
                                               cfg.memory.grad_sync, expert_params=experts,
-                                              replicas_sync=cfg.train.data_parallel == "sync")
+                                              replicas_sync=cfg.train.data_parallel == "sync", zero_pp=zero_pp)
         self.flops_per_token = 0.0
         self.grad_timers = getattr(model, "grad_reduce_timers", [])  # parallel/fsdp/grad_buckets.py
         self.interval = self._new_interval()

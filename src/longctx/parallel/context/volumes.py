@@ -6,13 +6,30 @@ tested to equal them to the byte, and the benchmark and planner report them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .ulysses import kv_replication
 
 DOC_ID_BYTES = 8  # int64
 
 
+@dataclass(frozen=True)
+class ZeroPP:
+    """parallel.zero_pp as the byte counts need it: its parts (hpz, qwz, qgz), the quantization block,
+    the ranks of a node (qgz's first reduction) and hpz's secondary partition (0: the node)."""
+
+    parts: frozenset = frozenset()
+    block: int = 512
+    node: int = 0
+    hpz: int = 0
+
+    def int8(self, elements: float) -> float:
+        """Bytes of `elements` values as int8 blocks with one fp32 scale each (unpadded)."""
+        return elements * (1 + 4 / self.block)
+
+
 def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_params: int = 0,
-               grad_accum: int = 1, grad_sync: str = "step") -> float:
+               grad_accum: int = 1, grad_sync: str = "step", zero_pp: ZeroPP = ZeroPP()) -> float:
     """FSDP2 traffic per rank and optimizer step of `grad_accum` micro-batches (its collectives run
     inside PyTorch; job/traffic.py library_traffic measures them). Every micro-batch all-gathers every block's
     parameters (gather_bytes each) for forward and again for backward, the root module's
@@ -21,18 +38,36 @@ def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_p
     "step": the training loop turns gradient sync off for all micro-batches but the last; with
     "micro_batch" after every micro-batch): fp32 gradients reduce-
     scattered over the `shard` group ((n-1)/n of them) and, with HSDP, the fp32 gradient shards
-    all-reduced over `replicas` (2 (r-1)/r of the shard)."""
+    all-reduced over `replicas` (2 (r-1)/r of the shard).
+
+    Under `zero_pp` (parallel/fsdp/shard.py, quantized.py; costs/link_bytes.py splits them by link):
+    qwz sends every gather as int8 blocks with an fp32 scale each (1 + 4 / block bytes per element);
+    hpz gathers the blocks for backward within its secondary partition of h ranks ((h-1)/h of them,
+    unquantised); qgz replaces the reduce-scatter by two all-to-alls of int8 blocks: within the node
+    (ranks - 1 rows of nodes x n values, n = params / shard) then across nodes (nodes - 1 rows of n)."""
     if shard * replicas == 1:
         return 0.0
-    gathered = 2 * (params - root_params) + root_params
-    gathers = (shard - 1) / shard * gathered * gather_bytes
-    reduces = (shard - 1) / shard * params * 4 + 2 * (replicas - 1) / replicas * params * 4 / shard
+    blocks = params - root_params
+    forward = zero_pp.int8(1) if "qwz" in zero_pp.parts else gather_bytes  # bytes per gathered element
+    gathers = (shard - 1) / shard * (blocks + root_params) * forward
+    if "hpz" in zero_pp.parts:
+        h = zero_pp.hpz or zero_pp.node
+        gathers += (h - 1) / h * blocks * gather_bytes
+    else:
+        gathers += (shard - 1) / shard * blocks * forward
+    if "qgz" in zero_pp.parts:
+        ranks = zero_pp.node
+        nodes = shard // ranks
+        reduces = zero_pp.int8(((ranks - 1) * nodes + nodes - 1) * params / shard)
+    else:
+        reduces = (shard - 1) / shard * params * 4
+    reduces += 2 * (replicas - 1) / replicas * params * 4 / shard
     return gathers * grad_accum + reduces * (grad_accum if grad_sync == "micro_batch" else 1)
 
 
 def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int,
                         gather_bytes: int, grad_sync: str = "step", expert_params: int = 0,
-                        replicas_sync: bool = True) -> dict[str, float]:
+                        replicas_sync: bool = True, zero_pp: ZeroPP = ZeroPP()) -> dict[str, float]:
     """{"fsdp": bytes} one rank sends per optimizer step through FSDP2 ({} on one rank): `fsdp_bytes`
     over the shard group dp_shard x head x ctx and the dp_replicate replicas of `dims` (anything
     with those four degrees: parallel.dims.ParallelDims in the training loop's metrics line,
@@ -43,14 +78,17 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
     weights, all experts) are their own FSDP units over the expert-data group of world / expert
     ranks, without replicas, each rank's expert group holding 1 / expert of them (parallel/expert/install.py).
     `replicas_sync=False` (train.data_parallel = co2): the replicas exchange nothing per step (each is
-    its own FSDP group; CO2's outer all-reduce is counted where it runs, in job/comm.py)."""
+    its own FSDP group; CO2's outer all-reduce is counted where it runs, in job/comm.py). `zero_pp`:
+    parallel.zero_pp's parts, on the dense units' FSDP group (fsdp_bytes)."""
     shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate if replicas_sync else 1
     ep = getattr(dims, "expert", 1)
     if ep == 1 or not expert_params:
         if shard * replicas == 1:
             return {}
-        return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync)}
-    dense = fsdp_bytes(num_params - expert_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync)
+        return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync,
+                                   zero_pp)}
+    dense = fsdp_bytes(num_params - expert_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync,
+                       zero_pp)
     experts = fsdp_bytes(expert_params // ep, shard * replicas // ep, 1, gather_bytes, 0, grad_accum, grad_sync)
     return {"fsdp": dense + experts} if dense + experts else {}
 
