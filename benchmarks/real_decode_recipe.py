@@ -51,10 +51,11 @@ def table(bench: dict) -> dict:
             **{str(g["prompt_tokens"]): {k: g.get(k) for k in KEYS} for g in bench["by_length"]}}
 
 
-def bench_draft(work: RecipeWork, name: str, model: str, common: list[str], fixed_k: list[int]) -> tuple[dict, dict]:
+def bench_draft(work: RecipeWork, name: str, model: str, common: list[str], fixed_k: list[int],
+                verify_cost: float) -> tuple[dict, dict]:
     """The draft's figures by mode and its raw bench outputs (chain, CaPE, adaptive, both; each fixed K)."""
     raw = work.json_phase(f"bench {name}", "bench", "decode", *common, "--draft", f"runs/{name}/checkpoints",
-                          "--cape", "both", "--speculate-adaptive", "both")
+                          "--cape", "both", "--speculate-adaptive", "both", "--verify-cost", str(verify_cost))
     modes = {"chain": raw, "cape": raw["with_cape"], "adaptive": raw["with_adaptive"],
              "cape_adaptive": raw["with_cape_adaptive"]}
     outs = {"main": raw}
@@ -95,6 +96,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--speculate", type=int, default=4, help="K (adaptive K's cap)")
     ap.add_argument("--fixed-k", default="1,2,3", help="further fixed K of the chain, beside --speculate")
+    ap.add_argument("--verify-cost", type=float, default=0.17,
+                    help="adaptive K's w: a verification's cost per extra token in target steps (0.17: SmolLM2's "
+                         "5-token verification costs 1.68 steps on our 2-core CPU; 0 on a GPU)")
     ap.add_argument("--passkey-samples", type=int, default=4, help="per length and depth (5 depths)")
     ap.add_argument("--plain-long-samples", type=int, default=1, help="plain decoding at 32K: per depth")
     ap.add_argument("--skip", default="", help="comma-separated: glide, clover, passkey, plain, infllm, ms_poe, "
@@ -112,7 +116,7 @@ def main() -> None:
         if name in skip or not (ROOT / config).is_file():
             continue
         work.train(name, config, "--draft.target", f"hf:{model}", "--threads", str(os.cpu_count() or 1))
-        figures[name], raw[name] = bench_draft(work, name, model, common, fixed_k)
+        figures[name], raw[name] = bench_draft(work, name, model, common, fixed_k, args.verify_cost)
     accuracy, depths = ({}, {}) if "passkey" in skip else passkey(work, model, args.passkey_samples,
                                                                     args.plain_long_samples, skip)
     stamp = date.today().isoformat()
