@@ -195,7 +195,7 @@ def test_infllm_prompts_pass_the_length_guard(hf64):
     (("--infllm-block", "6"), "does not divide --infllm-window 16"),
     (("--infllm-repr", "9"), "more than the 8 tokens of a unit"),
     (("--infllm-topk", "0"), "--infllm-topk must be >= 1"),
-    (("--nproc", "2"), "runs on one process"),
+    (("--nproc", "2", "--parallel.head=2"), "over ctx ranks only"),
     (("--compile",), "drop --compile"),
     (("--draft", "hf:/nowhere"), "drop --draft"),
     (("--model.rope_ms_poe=true", "--model.rope_ms_poe_skip_layers=0"), "drop --model.rope_ms_poe"),
@@ -205,6 +205,15 @@ def test_bad_input_is_one_error_before_work(hf64, flags, said):
 
     with pytest.raises(ConfigError, match=said):
         _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, *flags)
+
+
+def test_several_processes_shard_the_memory_over_ctx_ranks(hf64, tmp_path):
+    # --nproc N with no layout: ctx N (generate/sharded_infllm.py; its answers: tests/distributed/
+    # test_sharded_infllm.py); generate and eval alike
+    request = _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, "--nproc", "2")
+    assert (request.cfg.parallel.head, request.cfg.parallel.ctx) == (1, 2) and request.memory.window == 16
+    evaluated = _prepare_eval(hf64, tmp_path, "--lengths", "96", "--mode", "generate", *SMALL, nproc=2)
+    assert (evaluated.cfg.parallel.head, evaluated.cfg.parallel.ctx) == (1, 2)
 
 
 def test_a_window_larger_than_the_prompt_is_an_error(hf64):
@@ -238,7 +247,7 @@ def test_eval_takes_the_memory_in_generate_mode(hf64, tmp_path):
     for argv, nproc, said in (((), 1, "add --mode generate"),
                               (("--mode", "generate", "--batch", "2"), 1, "one sequence at a time"),
                               (("--mode", "generate", "--infllm-window", "64"), 1, "past the 64 the model reaches"),
-                              (("--mode", "generate"), 2, "runs on one process")):
+                              (("--mode", "generate", "--parallel.head=2"), 2, "over ctx ranks only")):
         with pytest.raises(ConfigError, match=said):
             _prepare_eval(hf64, tmp_path, "--lengths", "96", *SMALL, *argv, nproc=nproc)
     with pytest.raises(ConfigError, match="--infllm-window 32 is larger than the 24-token sequences"):

@@ -100,12 +100,12 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
 
 def _eval_backend(request: EvalRequest, layout_backend):
     """(backend, device, main rank): the layout's (one device or sharded), or with --context-memory
-    infllm the memory's on the one device (generate/context_memory.py)."""
+    infllm the memory's on it (one device, or sharded over ctx ranks: generate/context_memory.py)."""
     backend, device, main_rank = layout_backend(request.cfg)
     if request.memory is not None:
-        from ..generate.context_memory import InfLLMGeneration
+        from ..generate.context_memory import memory_backend
 
-        backend = InfLLMGeneration(request.memory)
+        backend = memory_backend(request.memory, backend)
     return backend, device, main_rank
 
 

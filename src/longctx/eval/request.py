@@ -52,7 +52,9 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
         raise ConfigError("longctx eval takes the weights from --checkpoint; drop --model.init_from.")
     p = given.get("parallel", {})
     if nproc > 1 and not any(k in p for k in ("dp_replicate", "dp_shard", "head", "ctx")):
-        given.setdefault("parallel", {}).update(default_layout(nproc, *_heads(args.checkpoint)))
+        infllm = getattr(args, "context_memory", "none") == "infllm"  # (its memory shards over ctx ranks only)
+        given.setdefault("parallel", {}).update({"ctx": nproc} if infllm else default_layout(nproc, *_heads(
+            args.checkpoint)))
     given.setdefault("model", {})["init_from"] = args.checkpoint
     train = given.setdefault("train", {})
     # the checkpoint's own model and the layout's data-parallel degree, before the lengths are set

@@ -175,7 +175,9 @@ def _config(args, overrides: list[str]):
         raise ConfigError(f"longctx generate shards the cache over --parallel.head and --parallel.ctx only; "
                           f"{', '.join('parallel.' + k for k in wrong)} does not apply (every rank holds the weights).")
     nproc = args.nproc
-    if nproc > 1 and not layout.keys() & {"head", "ctx"}:
+    if nproc > 1 and not layout.keys() & {"head", "ctx"} and getattr(args, "context_memory", "none") == "infllm":
+        given["parallel"] = {**layout, "ctx": nproc}  # (InfLLM's memory is sharded over ctx ranks only)
+    elif nproc > 1 and not layout.keys() & {"head", "ctx"}:
         probe = load_config(None, {"model": {"init_from": args.checkpoint}, "train": {"seq_len": 2,
                                                                                    "eval_interval": 0}}).model
         given["parallel"] = {**layout, **default_layout(nproc, probe.heads, probe.kv_heads)}
@@ -317,9 +319,9 @@ def _run(request: GenerateRequest, args) -> int:
     backend, device, main_rank = backend_for(request.cfg)
     memory = None
     if request.memory is not None:  # (the warm-up below stays plain: 8 tokens hold no memory)
-        from .context_memory import InfLLMGeneration, describe
+        from .context_memory import describe, memory_backend
 
-        memory = InfLLMGeneration(request.memory)
+        memory = memory_backend(request.memory, backend)
     dtype = resolve_dtype(request.cfg.train.dtype, device)
     model = load_model(request.cfg, device, dtype)
     if main_rank:

@@ -1,4 +1,5 @@
-"""`--context-memory infllm`: generation past the trained window with InfLLM's context memory, on one process.
+"""`--context-memory infllm`: generation past the trained window with InfLLM's context memory, on one process
+or sharded over ctx ranks (generate/sharded_infllm.py).
 
 The attention is models/context_memory.py's (InfLLMMemory.core on the KVCache); this module holds the
 flags, their checks (every one before any weight is read) and the backend that uses it.
@@ -13,7 +14,7 @@ prompts and their continuations may then be as long as the cache fits.
 Prefill runs in chunks of at most window / 2 tokens (--prefill-chunk if smaller): each chunk's units are
 chosen for it, and every query of a chunk keeps at least window / 2 real neighbours in its local span.
 Prompts run one at a time (rows of one length; their --num-samples copies share the prefill).
-Refused, each with its fix: --nproc > 1 (a ctx-sharded memory is a later step), --draft (speculation
+Refused, each with its fix: --parallel.head > 1 (the memory shards over ctx ranks only), --draft (speculation
 verifies several tokens against one selection, not built), --compile (its static step bypasses this
 core), Ms-PoE (its per-head RoPE tables and InfLLM's re-rotation are not combined here), a window
 larger than a prompt, a block that does not divide the window.
@@ -59,9 +60,9 @@ def memory_shape(args, cfg) -> InfLLMShape | None:
 
     shape = InfLLMShape(args.infllm_block, args.infllm_repr, args.infllm_topk, args.infllm_window, args.infllm_init)
     problems = shape.problems()
-    if args.nproc > 1 or cfg.parallel.head * cfg.parallel.ctx > 1:
-        problems.append(f"--context-memory infllm runs on one process (got --nproc {args.nproc}); drop --nproc and "
-                        f"--parallel.* (a memory sharded over ctx ranks is not built yet)")
+    if cfg.parallel.head > 1:
+        problems.append(f"--context-memory infllm shards its memory over ctx ranks only (got --parallel.head "
+                        f"{cfg.parallel.head}); use --parallel.ctx N with --nproc N")
     if args.draft:
         problems.append("--context-memory infllm does not verify a --draft's proposals (one unit selection per "
                         "call of several tokens); drop --draft")
@@ -119,6 +120,18 @@ def check_prompts(shape: InfLLMShape, prompts: list[dict]) -> None:
                           f"{f'; {len(short)} prompts are' if len(short) > 1 else ''}): the memory would never "
                           f"hold anything. Use --infllm-window <= {n // shape.block * shape.block or shape.block} or "
                           f"drop --context-memory.")
+
+
+def memory_backend(shape: InfLLMShape, layout_backend):
+    """InfLLM's backend on this process's layout: the one device's, or, on the ranks of a ctx layout
+    (generate/sharded.py ShardedGeneration), the memory sharded over them (generate/sharded_infllm.py)."""
+    from .sharded import ShardedGeneration
+
+    if isinstance(layout_backend, ShardedGeneration):
+        from .sharded_infllm import ShardedInfLLMGeneration
+
+        return ShardedInfLLMGeneration(shape, layout_backend.mesh)
+    return InfLLMGeneration(shape)
 
 
 class InfLLMGeneration:

@@ -33,8 +33,8 @@ a unit's representatives reads its block keys once. Nothing grows with the promp
 
 Limits (said by the caller as errors): rows that hold the same number of tokens (one prompt, or its
 samples), no speculative tree or chain, one plain RoPE table (not Ms-PoE's per-head tables), one
-process (a memory sharded over ctx ranks would select units per rank and merge by the log-sum-exp as
-generate/sharded.py does; not built).
+device (generate/sharded_infllm.py shards the memory over ctx ranks with `representatives` and
+`unit_scores` below).
 """
 
 from __future__ import annotations
@@ -157,27 +157,15 @@ class InfLLMMemory:
             return
         block, init = self.shape.block, self.shape.init
         lo, hi = init + first * block, init + units * block
-        b, n, h, d = q.shape
-        kv = keys.shape[1]
-        # the logits each key receives, summed over the call's queries and the kv head's query heads (linear:
-        # one dot product with the summed query); real distances, as the queries see them now
-        summed = q.float().view(b, n, kv, h // kv, d).sum((1, 3))  # [b, kv, d]
-        received = torch.einsum("bkld,bkd->blk", keys[:, :, lo:hi].float(), summed)  # [b, m * block, kv]
-        slots = torch.arange(lo, hi, device=keys.device)[None]
-        raw = rotate(keys[:, :, lo:hi].transpose(1, 2).float(), -slots, self.inv_freq)  # [b, m * block, kv, d]
-        per_unit = raw.view(b, units - first, block, kv, d)
-        top = received.view(b, units - first, block, kv).topk(self.shape.repr, dim=2).indices  # [b, m, repr, kv]
-        chosen = per_unit.gather(2, top[..., None].expand(-1, -1, -1, -1, d))
-        self.reps[index, :b, first:units] = chosen.sum(2)
+        slots = torch.arange(lo, hi, device=keys.device)
+        self.reps[index, :q.shape[0], first:units] = representatives(keys[:, :, lo:hi], slots, q, self.shape,
+                                                                    self.inv_freq)
         self.built[index] = units
 
     def _select(self, index: int, q_far: torch.Tensor, units: int) -> torch.Tensor:
         """[b, k] the chosen units (ascending) of each row: the highest sum over heads of q . rep,
         averaged over the call's queries (q at distance `far`, as the units' keys will be seen)."""
-        b, n, h, d = q_far.shape
-        kv = self.reps.shape[3]
-        query = q_far.float().view(b, n, kv, h // kv, d).sum(3).mean(1)  # [b, kv, d]
-        scores = torch.einsum("bkd,bukd->bu", query, self.reps[index, :b, :units])
+        scores = unit_scores(q_far, self.reps[index, :q_far.shape[0], :units])
         return scores.topk(min(self.shape.topk, units), dim=-1).indices.sort(dim=-1).values
 
     def _slots(self, chosen: torch.Tensor, b: int, init: int) -> torch.Tensor:
@@ -185,6 +173,33 @@ class InfLLMMemory:
         block, device = self.shape.block, chosen.device
         unit_slots = (init + chosen[..., None] * block + torch.arange(block, device=device)).flatten(1)
         return torch.cat([torch.arange(init, device=device).expand(b, init), unit_slots], dim=1)
+
+
+def representatives(keys: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, shape: InfLLMShape,
+                    inv_freq: torch.Tensor) -> torch.Tensor:
+    """[b, m, kv, d] fp32: the summed representative keys of m whole units whose keys [b, kv, m x block,
+    d] (rotated at `positions` [m x block], their real slots) lie unit after unit, scored by the
+    running call's queries q [b, n, h, d] (the module docstring's rule). A unit's figure reads only its
+    own keys: a memory sharded by units (generate/sharded_infllm.py) builds each on its rank."""
+    b, n, h, d = q.shape
+    kv, m = keys.shape[1], keys.shape[2] // shape.block
+    # the logits each key receives, summed over the call's queries and the kv head's query heads (linear:
+    # one dot product with the summed query); real distances, as the queries see them now
+    summed = q.float().view(b, n, kv, h // kv, d).sum((1, 3))  # [b, kv, d]
+    received = torch.einsum("bkld,bkd->blk", keys.float(), summed)  # [b, m * block, kv]
+    raw = rotate(keys.transpose(1, 2).float(), -positions[None], inv_freq)  # [b, m * block, kv, d]
+    per_unit = raw.view(b, m, shape.block, kv, d)
+    top = received.view(b, m, shape.block, kv).topk(shape.repr, dim=2).indices  # [b, m, repr, kv]
+    return per_unit.gather(2, top[..., None].expand(-1, -1, -1, -1, d)).sum(2)
+
+
+def unit_scores(q_far: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
+    """[b, u]: each unit's score for the call, the sum over heads of q . rep averaged over the call's
+    queries q_far [b, n, h, d] (turned to distance `far`); reps [b, u, kv, d]."""
+    b, n, h, d = q_far.shape
+    kv = reps.shape[2]
+    query = q_far.float().view(b, n, kv, h // kv, d).sum(3).mean(1)  # [b, kv, d]
+    return torch.einsum("bkd,bukd->bu", query, reps)
 
 
 def _gather(cached: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
