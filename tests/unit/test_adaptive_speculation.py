@@ -42,10 +42,10 @@ def _replay(policy: AdaptiveLength, history) -> list[int]:
 def test_the_first_round_proposes_the_cap_and_acceptance_moves_k_within_0_to_the_cap():
     every = _replay(AdaptiveLength(6, 0.1), [lambda k: k] * 10)  # every proposal kept
     assert every == [6] * 10
-    # every first proposal rejected: no K pays, so plain steps (K = 0), with a probe of K = 1 after
-    # every 16 of them (alpha stays 0: the probes are rejected too)
-    none = _replay(AdaptiveLength(6, 0.1), [lambda k: 0] * 36)
-    assert none == [6] + [0] * 16 + [1] + [0] * 16 + [1] + [0]
+    # every first proposal rejected: no K pays, so plain steps (K = 0), with a probe of K = 1 after 16 of
+    # them, then after 32 (each probe rejected too: the wait doubles)
+    none = _replay(AdaptiveLength(6, 0.1), [lambda k: 0] * 60)
+    assert none == [6] + [0] * 16 + [1] + [0] * 32 + [1] + [0] * 9
     # a stretch the draft misses, then follows: plain steps, and back up to the cap through the probes
     policy = AdaptiveLength(6, 0.1, probe_every=1)
     down_up = _replay(policy, [lambda k: 0] * 6 + [lambda k: k] * 14)
@@ -60,13 +60,21 @@ def test_the_first_round_proposes_the_cap_and_acceptance_moves_k_within_0_to_the
     assert _replay(AdaptiveLength(5, 2.0), [lambda k: k] * 3)[1:] == [0, 0]  # a draft dearer than the target
 
 
-def test_a_plain_round_tells_nothing_and_probes_come_after_probe_every_plain_rounds():
+def test_a_plain_round_tells_nothing_and_probes_back_off_until_one_keeps():
     policy = AdaptiveLength(4, 0.1, probe_every=3)
     policy.observe(0, 4)  # (a rejected first proposal: alpha 0)
     before = (policy.successes, policy.trials)
-    assert [policy.next() for _ in range(4)] == [0, 0, 0, 1]
     policy.observe(0, 0)  # a plain round: the moving averages do not move
     assert (policy.successes, policy.trials) == before
+    rounds = []
+    while len([k for k in rounds if k]) < 3:  # the first two probes keep nothing, the third keeps one
+        k = policy.next()
+        rounds.append(k)
+        policy.observe(int(k > 0 and len([j for j in rounds if j]) == 3), k)
+    # probes after 3, then 6 (doubled), then 12 plain rounds; the third kept: the wait is back to 3 and
+    # alpha high enough that the next round proposes without a probe
+    assert [i for i, k in enumerate(rounds) if k] == [3, 10, 23]
+    assert policy.wait == 3 and policy.next() >= 1
 
 
 def test_the_choice_is_the_hand_worked_optimum_and_depends_on_the_history_alone():

@@ -16,8 +16,11 @@ where verifying a few tokens costs one decode step (a GPU's memory-bound step); 
 (SmolLM2-135M on our 2-core VM: a 5-token verification costs 1.68 steps, w = 0.17).
 
 A plain round tests no proposal, so alpha would never move again: after PROBE_EVERY plain rounds in
-a row the next round proposes the best K >= 1 (a probe; at most one round in PROBE_EVERY + 1 when
-the draft never pays), and its outcome updates alpha as any round's does.
+a row the next round proposes the best K >= 1 (a probe), and its outcome updates alpha as any
+round's does. A probe that keeps nothing doubles the wait before the next (up to PROBE_MOST plain
+rounds), one that keeps a proposal brings it back to PROBE_EVERY: a draft that never pays costs a
+probe in 257 rounds at length, one that recovers is taken up within PROBE_EVERY of the recovery
+once its probes keep proposals.
 
 alpha is read from the history alone, never from timings, so a seeded sampling run draws the same
 tokens every time, and at T = 0 the output is plain greedy decoding for any K: the rule only decides
@@ -49,6 +52,7 @@ from ..errors import ConfigError
 
 SMOOTHING = 0.3  # the weight of the newest round in the moving averages (about the last 3-6 rounds count)
 PROBE_EVERY = 16  # plain rounds in a row before a probe round proposes again (the module docstring)
+PROBE_MOST = 256  # ... after probes that kept nothing, at most this many
 
 
 class AdaptiveLength:
@@ -70,6 +74,7 @@ class AdaptiveLength:
             raise ValueError(f"probe_every must be >= 1, got {probe_every}")
         self.cap, self.draft_cost, self.smoothing = cap, draft_cost, smoothing
         self.verify_cost, self.probe_every = verify_cost, probe_every
+        self.wait, self.probing = probe_every, False  # plain rounds before the next probe; this round is one
         self.successes = self.trials = 0.0  # moving averages (ratio is alpha; both start at 0)
         self.chosen: list[int] = []
         self.plain_run = 0  # plain rounds (K = 0) in a row just before this one
@@ -85,7 +90,8 @@ class AdaptiveLength:
             k = self.cap
         else:
             k = best_length(self.alpha, self.draft_cost, self.cap, self.verify_cost)
-            if k == 0 and self.plain_run >= self.probe_every:  # a probe: alpha moves only on proposals
+            self.probing = k == 0 and self.plain_run >= self.wait
+            if self.probing:  # alpha moves only on proposals
                 k = best_length(self.alpha, self.draft_cost, self.cap, self.verify_cost, plain=False)
         self.plain_run = self.plain_run + 1 if k == 0 else 0
         self.chosen.append(k)
@@ -99,6 +105,9 @@ class AdaptiveLength:
             raise ValueError(f"a round keeps 0..{proposed} proposals, got {kept}")
         if proposed == 0:
             return
+        if self.probing:  # back off after a probe that kept nothing; back to the start after one that kept
+            self.wait = min(2 * self.wait, PROBE_MOST) if kept == 0 else self.probe_every
+            self.probing = False
         trials = kept + (kept < proposed)
         w = self.smoothing
         self.successes = (1 - w) * self.successes + w * kept
