@@ -101,13 +101,15 @@ def memory_reach(shape: InfLLMShape, m):
 UNBOUNDED = 2 ** 62  # (a reach no prompt meets: generate/prompts.py then neither refuses nor caps)
 
 
-def describe(backend: InfLLMGeneration, prefill_chunk: int) -> str:
-    """The line generate says about the memory."""
+def describe(backend, prefill_chunk: int) -> str:
+    """The line generate says about the memory (`backend`: memory_backend's)."""
     s = backend.shape
+    mesh = getattr(backend, "mesh", None)  # (the sharded backend's layout)
+    where = f", its units over {mesh['ctx'].size()} ctx ranks" if mesh is not None else ""
     return (f"generate: InfLLM context memory: {s.init} initial tokens, a {s.window}-token window, the top "
             f"{s.topk} of units of {s.block} tokens ({s.repr} representative keys each); at most {s.max_keys:,} "
             f"keys per query, every distance < {s.far + 1:,}; prefill chunks of {backend.chunk(prefill_chunk):,} "
-            f"tokens, one prompt at a time")
+            f"tokens, one prompt at a time{where}")
 
 
 def check_prompts(shape: InfLLMShape, prompts: list[dict]) -> None:
