@@ -186,7 +186,7 @@ class ShardedKVCache(TreeCalls):
         positions = torch.as_tensor(self.slot_positions[:, :held], device=q.device)
         visible = (positions[:, None, :] >= 0) & (positions[:, None, :] < limit[:, :, None])
         out, lse = masked_attention(q, self.k[layer][:, :, :held], self.v[layer][:, :, :held], visible)
-        return _gather_heads(_merge_over(out, lse, self.ctx_mesh) if self.c > 1 else out, self)
+        return _gather_heads(merge_over_ctx(out, lse, self.ctx_mesh) if self.c > 1 else out, self)
 
 
 class _ShardedLayer:
@@ -215,7 +215,7 @@ class _ShardedLayer:
         else:  # several new tokens: causal among them (or by the call's tree), wherever their slots went
             out, lse = _partial_masked(q, keys, values, c._before, mine, held, c.step)
         if c.c > 1:
-            out = _merge_over(out, lse, c.ctx_mesh)
+            out = merge_over_ctx(out, lse, c.ctx_mesh)
         return _gather_heads(out, c).to(q.dtype)
 
 
@@ -262,7 +262,7 @@ def _gather_heads(out: torch.Tensor, c: ShardedKVCache) -> torch.Tensor:
     return out.permute(1, 2, 0, 3, 4).reshape(b, n, c.h * hl, d)
 
 
-def _merge_over(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:
+def merge_over_ctx(out: torch.Tensor, lse: torch.Tensor, mesh) -> torch.Tensor:
     """The ctx group's partial attentions over disjoint slots, merged by their log-sum-exp (fp32):
     one all-gather of out and lse packed together."""
     packed = torch.cat([out.float(), lse.transpose(1, 2)[..., None]], dim=-1)  # [b, n, hl, d + 1]

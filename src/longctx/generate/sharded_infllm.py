@@ -36,7 +36,7 @@ from ..job import comm
 from ..models.cached_attention import CacheStep, masked_attention
 from ..models.context_memory import InfLLMShape, grouped_attention, representatives, rotate, unit_scores
 from ..ops.attention import merge_partials
-from .sharded import _merge_over
+from .sharded import merge_over_ctx
 
 
 def owners(positions: np.ndarray, shape: InfLLMShape, ctx: int) -> np.ndarray:
@@ -147,7 +147,7 @@ class _Layer:
             far_out, far_lse = self._far(q, query_pos, units, init)
             out, lse = merge_partials(out, lse, far_out, far_lse)
         if c.c > 1:
-            out = _merge_over(out, lse, c.mesh)
+            out = merge_over_ctx(out, lse, c.mesh)
         return out.to(q.dtype)
 
     def _span(self, q, lo: int, end: int, query_pos):
@@ -168,9 +168,7 @@ class _Layer:
         first = int(c.built[self.index])
         if units <= first:
             return
-        for u in range(first, units):
-            if owners(np.array([shape.init + u * shape.block]), shape, c.c)[0] != c.rank:
-                continue
+        for u in range(first + (c.rank - first) % c.c, units, c.c):  # this rank's units: u mod ctx == rank
             lo = shape.init + u * shape.block
             held = c.slots(lo, lo + shape.block)
             positions = torch.as_tensor(c.positions[held], device=q.device)
@@ -183,7 +181,7 @@ class _Layer:
         c, shape = self.cache, self.cache.shape
         b = q.shape[0]
         q_far = rotate(q, shape.far - query_pos, c.inv_freq)
-        mine = np.nonzero(owners(shape.init + np.arange(units) * shape.block, shape, c.c) == c.rank)[0]
+        mine = np.arange(c.rank, units, c.c)  # this rank's units (owners(): unit u on rank u mod ctx)
         scores = torch.full((b, units), -math.inf, device=q.device)
         if len(mine):
             index = torch.as_tensor(mine, device=q.device)
