@@ -80,3 +80,24 @@ def test_a_tie_goes_to_plain_fsdp():
                        offload_fractions=(0.0,), model_states=("device",)), explain=False)
     assert res.best.mesh_shape.zero_pp == ""
     assert any(e.mesh_shape.zero_pp for e in res.feasible)
+
+
+@pytest.mark.parametrize("zero_pp,hpz_ranks", [("", 0), ("hpz,qwz,qgz", 0), ("hpz,qwz,qgz", 4)])
+def test_a_plans_fsdp_bytes_per_rank_are_its_link_levels_share(zero_pp, hpz_ranks):
+    """The per-rank FSDP figure a plan reports (what the metrics line says for that layout) is the
+    world's share of its bytes per link level (bench comm's closed forms), less the loss all-reduce:
+    under ZeRO++ what qwz, hpz and qgz send, not plain FSDP's bf16 and fp32 volumes."""
+    from longctx.costs.link_bytes import _loss_bytes
+    from longctx.memory.policy import MemoryPolicy
+    from longctx.planner.cost import estimate
+    from longctx.planner.slow_links import link_level_bytes
+
+    shape = MeshShape(dp_shard=16, zero_pp=zero_pp, node=8 if zero_pp else 0, hpz_ranks=hpz_ranks)
+    est = estimate(M, H100, shape, MemoryPolicy(recompute="selective"), seq_len=8192, global_batch=16)
+    levels = link_level_bytes(M, shape, H100, 8)
+    job = sum(levels.values()) - levels.get("intra_group_bytes", 0) - sum(_loss_bytes(16, 2, 0))
+    assert 16 * est.comm_bytes["fsdp"]["fsdp"] == pytest.approx(job, rel=1e-4)
+    if zero_pp:
+        plain = estimate(M, H100, MeshShape(dp_shard=16), MemoryPolicy(recompute="selective"), seq_len=8192,
+                         global_batch=16)
+        assert est.comm_bytes["fsdp"]["fsdp"] < 0.6 * plain.comm_bytes["fsdp"]["fsdp"]

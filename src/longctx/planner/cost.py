@@ -59,7 +59,7 @@ from ..memory.moe_counts import max_expert_skew, moe_forward_runs
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
 from ..models.flops import train_flops_per_token
-from ..parallel.context.volumes import attention_bytes, expert_bytes, fsdp_bytes_per_step
+from ..parallel.context.volumes import ZeroPP, attention_bytes, expert_bytes, fsdp_bytes_per_step
 from .slow_links import (
     CO2_LOCAL_STEPS,
     co2_exposed_seconds,
@@ -196,8 +196,10 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
             total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
             comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
     pc = param_counts(m)
+    zero_pp = ZeroPP(frozenset(p for p in shape.zero_pp.split(",") if p), node=shape.node, hpz=shape.hpz_ranks)
     fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync,
-                               expert_params=pc["experts"], replicas_sync=shape.data_parallel != "co2")
+                               expert_params=pc["experts"], replicas_sync=shape.data_parallel != "co2",
+                               zero_pp=zero_pp)  # what ZeRO++ sends (its default block), not plain FSDP's
     if fsdp:  # {} on one rank
         comm["fsdp"] = fsdp
     if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
