@@ -9,7 +9,8 @@ host). The default data store is built (or found in the cache) by the preflight 
 before the model is built, the process's peak RSS is reset (/proc/self/clear_refs 5) and its RSS
 read as the baseline; after the steps the peak (VmHWM) minus the baseline is the measured growth.
 On a CPU the device is host memory, so the prediction compared is the rank's device bytes plus
-its host bytes (costs/host_bytes.py predicted_rank_bytes, the figures the preflight checks).
+its host bytes as one memory holds them (costs/host_bytes.py predicted_rank_bytes and
+one_memory_bytes: the figures the preflight checks on a CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from datetime import date
@@ -43,7 +45,7 @@ def _overrides(args, tier: str) -> list[str]:
 def child(args) -> dict:
     """One tier in this process: the prediction, then the run's RSS growth from the model's build."""
     from longctx.config import load_config
-    from longctx.costs.host_bytes import predicted_rank_bytes
+    from longctx.costs.host_bytes import one_memory_bytes, predicted_rank_bytes
     from longctx.costs.shape import MeshShape
     from longctx.memory.policy import MemoryPolicy
     from longctx.train import trainer
@@ -66,11 +68,12 @@ def child(args) -> dict:
     trainer.build_training_model = measured_build
     trainer.Trainer(cfg, log=lambda *a: None).run()
     peak = _status("VmHWM")
-    predicted = device["total"] + host["total"]
+    predicted = one_memory_bytes(cfg.model, MeshShape(), args.child, device, host)
     growth = peak - seen["baseline"]
     return {"tier": args.child, "baseline_rss_bytes": seen["baseline"], "peak_rss_bytes": peak,
             "measured_growth_bytes": growth, "predicted_bytes": predicted,
             "predicted_device": device, "predicted_host": host,
+            "one_memory_less_sum": predicted - device["total"] - host["total"],
             "predicted_over_measured": predicted / growth}
 
 
@@ -90,6 +93,7 @@ def main() -> int:
         return 0
     rows = []
     for tier in args.tiers.split(","):
+        shutil.rmtree(f"{args.run_dir}/{tier}", ignore_errors=True)  # this script's scratch: a fresh run each time
         cmd = [sys.executable, __file__, "--child", tier, "--preset", args.preset, "--seq-len", str(args.seq_len),
                "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--run-dir", args.run_dir]
         run = subprocess.run(cmd, capture_output=True, text=True)

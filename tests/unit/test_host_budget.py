@@ -80,3 +80,33 @@ def test_cpu_counts_the_device_bytes_as_host_memory():
                                      seq_len=512, micro_batch=cfg.train.global_batch, grad_accum=1, dtype_bytes=4)
     assert on_cpu["device (CPU: host memory)"] == pytest.approx(device["total"])
     assert on_cpu["total"] > on_gpu["total"]
+
+
+@pytest.mark.parametrize("seq_len", [128, 4096])
+def test_on_cpu_device_and_host_bytes_are_counted_as_one_memory_holds_them(seq_len):
+    # host: FSDP2's offloaded gradients appear in the backward as the activations are freed, so one
+    # memory holds the larger of the two; device: the foreach AdamW's step holds a fifth copy of the
+    # states when the activations are gone; host_optimizer: its gradient buffers meet the activations
+    from longctx.costs.host_bytes import rank_params
+    from longctx.costs.shape import MeshShape
+    from longctx.memory.policy import MemoryPolicy
+
+    cpu_part = {}
+    for tier in ("device", "host_optimizer", "host"):
+        cfg = config(f"--memory.model_states={tier}", f"--train.seq_len={seq_len}", "--train.global_batch=1")
+        dims = check_layout(cfg, 1)
+        on_cpu, on_gpu = rank_host_bytes(cfg, dims, "cpu", 1, 1e12), rank_host_bytes(cfg, dims, "cuda", 1, 1e12)
+        device, _ = predicted_rank_bytes(cfg.model, MeshShape(), MemoryPolicy.from_config(cfg.memory), tier,
+                                         seq_len=seq_len, micro_batch=1, grad_accum=1, dtype_bytes=4)
+        assert on_cpu["total"] - on_gpu["total"] == pytest.approx(on_cpu["device (CPU: host memory)"])
+        cpu_part[tier] = (on_cpu["device (CPU: host memory)"], device)
+    n = rank_params(cfg.model, MeshShape())
+    got, device = cpu_part["host_optimizer"]
+    assert got == pytest.approx(device["total"])
+    got, device = cpu_part["host"]
+    assert got == pytest.approx(device["total"] - min(4 * n, device["activations"]))
+    got, device = cpu_part["device"]
+    assert got == pytest.approx(max(device["total"], 20 * n))
+    # each side of each rule is taken at one of the lengths
+    long = seq_len == 4096
+    assert (4 * n < device["activations"]) == long and (device["total"] > 20 * n) == long

@@ -45,3 +45,54 @@ def test_kept_blocks_are_not_faulted_in_again():
 def test_a_threshold_set_by_the_user_is_left_alone():
     _, setting = _faults("keep", MALLOC_MMAP_THRESHOLD_="131072")
     assert setting == "environment (MALLOC_MMAP_THRESHOLD_=131072)"
+
+
+JOIN = """
+import sys
+from longctx.config import load_config
+from longctx.job import host_malloc
+from longctx.job.join import join_job
+join_job(load_config(None, ["--model.preset=debug", "--train.device=cpu", f"--memory.model_states={sys.argv[1]}"]))
+print(host_malloc._applied)
+"""
+
+
+@pytest.mark.parametrize("tier,setting", [("device", "freed blocks up to 1 GiB kept for reuse"),
+                                          ("host_optimizer", "freed blocks over 128 KiB returned to the kernel"),
+                                          ("host", "freed blocks over 128 KiB returned to the kernel")])
+def test_only_the_device_tier_keeps_freed_blocks(tier, setting):
+    # the host tiers plan host memory: what the heap would keep beyond the live bytes is not theirs to spend
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, "-c", JOIN, tier], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == setting
+
+
+RSS = """
+import sys, torch
+from longctx.job import host_malloc
+setting = {"keep": host_malloc.keep_freed_blocks, "return": host_malloc.return_freed_blocks,
+           "glibc": lambda: "glibc"}[sys.argv[1]]()
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+base = rss()
+for _ in range(4):  # 8 MiB tensors, under the dynamic threshold's 32 MiB ceiling, between long-lived small ones
+    held = []
+    for _ in range(8):
+        a = torch.ones(2 << 20); held.append(torch.ones(1024)); del a
+print(rss() - base, setting, sep="|")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
+def test_returned_blocks_leave_the_rss():
+    def grown(mode):
+        out = subprocess.run([sys.executable, "-c", RSS, mode], capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.strip().splitlines()[-1].split("|")[0])
+
+    # glibc's dynamic threshold keeps an 8 MiB block in the heap after its first free; returned: none kept
+    assert grown("glibc") > 7 << 20 and grown("keep") > 7 << 20
+    assert grown("return") < 2 << 20

@@ -155,6 +155,31 @@ def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len
     return parts
 
 
+FOREACH_ADAMW_TEMP = 4  # bytes per parameter: the foreach AdamW's sqrt of the second moments, during its step
+
+
+def one_memory_bytes(m: ModelConfig, shape: MeshShape, tier: str, device: dict[str, float],
+                     host: dict[str, float]) -> float:
+    """A CPU run's peak, its device being host memory: device["total"] + host["total"], where the two
+    parts' peaks are known not to meet, or where a CPU run holds what a GPU's does not, corrected:
+
+    - host: the rank's gradients (FSDP2's CPU offload, 4 per parameter) exist from the backward to
+      zero_grad, while the saved activations are freed block by block as the backward reaches them,
+      so one memory holds the larger of the two at either end of the backward, not both;
+    - device: a CPU run's AdamW is the foreach one (step/optimizer.py; fused on a GPU), whose step
+      holds a temporary copy of the second moments (4 per parameter) when the activations are gone:
+      the peak is the larger of the backward's (the sum, gradients beside activations: the kept heap
+      of job/host_malloc.py holds the activations' freed blocks) and the step's (16 + 4);
+    - host_optimizer: the host's gradient buffers are allocated once and meet the activations: the sum.
+    """
+    n = rank_params(m, shape)
+    if tier == "host":
+        return device["total"] + host["total"] - min(4 * n, device["activations"])
+    if tier == "device":
+        return max(device["total"], (16 + FOREACH_ADAMW_TEMP) * n) + host["total"]
+    return device["total"] + host["total"]
+
+
 def hpz_copy_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float:
     """parallel.zero_pp = hpz: after its forward every block unit keeps its weights sharded over the
     node (1 / node of them per rank, in the gather dtype; 1 / hpz_ranks on a group inside the node) until

@@ -8,7 +8,7 @@ import torch
 from ..config import Config
 from .checks import check_layout
 from .devices import resolve_device
-from .host_malloc import keep_freed_blocks
+from .host_malloc import keep_freed_blocks, return_freed_blocks
 from .launch import init_distributed, init_one_rank_group
 from .runtime import Runtime
 
@@ -16,8 +16,9 @@ from .runtime import Runtime
 def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
     """This process's place in the job (its process group joined, its layout checked) and its device."""
     device = resolve_device(cfg.train.device)
-    if device.type == "cpu":  # freed activations reused, not faulted in again each step (host_malloc.py)
-        keep_freed_blocks()
+    if device.type == "cpu":  # (host_malloc.py) the device tier reuses freed activations, not faulted in
+        # again each step; the host tiers plan host memory, so their RSS is what is live
+        keep_freed_blocks() if cfg.memory.model_states == "device" else return_freed_blocks()
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
     if world == 1 and cfg.memory.model_states == "host":  # weights in host memory: FSDP2's CPU offload
         init_one_rank_group(device.type)

@@ -5,9 +5,11 @@ One rank's host bytes come from costs/host_bytes.py `predicted_rank_bytes`, the 
 plans with: the model-state tier's host states, offloaded activations and attention state, DCP's
 staging under checkpoint.async, the data loader's batches. On a CPU run the device is host memory
 too, so the rank's device bytes (states, FSDP's gathers, activations, transient) are counted as
-well. The largest stage of train.stages sets the figure. `memory.offload_fraction = auto` is
-decided inside the ranks (memory/auto.py), bounded by 0.8 x this rank's share of host memory:
-it is counted here at its largest, fraction 1.0, capped at that bound.
+well, as one memory holds them (costs/host_bytes.py one_memory_bytes: under `host` the gradients and
+the saved activations never meet; the foreach AdamW's step under `device`). The largest stage of
+train.stages sets the figure. `memory.offload_fraction = auto` is decided inside the ranks
+(memory/auto.py), bounded by 0.8 x this rank's share of host memory: it is counted here at its
+largest, fraction 1.0, capped at that bound.
 
 The budget is MemAvailable (memory/auto.py `host_memory_available`), or LONGCTX_HOST_MEMORY_BYTES
 (bytes, a testing aid like LONGCTX_FAULT: docs/running.md).
@@ -20,7 +22,7 @@ import math
 import os
 
 from ..config import Config
-from ..costs.host_bytes import predicted_rank_bytes
+from ..costs.host_bytes import one_memory_bytes, predicted_rank_bytes
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..memory.auto import host_memory_available
@@ -75,7 +77,8 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
             async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap)
         parts = {k: v for k, v in host.items() if k != "total"}
         if device_type == "cpu":
-            parts[CPU_DEVICE] = device["total"]
+            parts[CPU_DEVICE] = one_memory_bytes(cfg.model, shape, cfg.memory.model_states, device,
+                                                 host) - host["total"]
         parts["total"] = sum(parts.values())
         if parts["total"] > worst["total"]:
             worst = parts
