@@ -259,3 +259,40 @@ def test_a_high_verification_cost_turns_rounds_into_plain_steps_with_the_same_to
     again = speculative_generate(target, ModelDrafter(draft, 90), prompt, max_new_tokens=48, k=4, adaptive=True,
                                  draft_cost=0.05, verify_cost=2.0)
     assert again.tokens == plain and again.proposed == runs[1].proposed
+
+
+def test_a_trees_extra_nodes_are_in_the_verifications_cost():
+    # alpha 0.5 (one round keeping 1 of 4), c 0.1, w 0.2. A chain (width 1) costs K x 0.3 + 1: 1.5 / 1.3 =
+    # 1.154 at K = 1, 1.75 / 1.6 = 1.094 at K = 2: K = 1. A tree that verified 12 nodes for 4 proposals
+    # (3 per proposal) moves width to 0.7 x 1 + 0.3 x 3 = 1.6: K x (0.1 + 0.2 x 1.6) + 1: 1.5 / 1.42 = 1.056
+    # at K = 1: K = 1; after three such rounds width 1 + 2 x (1 - 0.7^3) = 2.314: 1.5 / 1.563 = 0.96 < 1,
+    # below a plain step's 1 token per pass: K = 0
+    chain, tree = AdaptiveLength(4, 0.1, verify_cost=0.2), AdaptiveLength(4, 0.1, verify_cost=0.2)
+    for policy, verified in ((chain, None), (tree, 12)):
+        policy.next()
+        policy.observe(1, 4, verified)
+    assert chain.alpha == tree.alpha == pytest.approx(0.5)
+    assert tree.width == pytest.approx(0.7 * 1 + 0.3 * 3) and chain.width == 1.0
+    assert chain.next() == 1 and tree.next() == 1
+    for _ in range(2):
+        tree.observe(1, 4, 12)
+    assert tree.width == pytest.approx(1 + 2 * (1 - 0.7 ** 3)) and tree.next() == 0
+    # with w = 0 (a GPU's verification) the extra nodes cost nothing: the chain's choice
+    free = AdaptiveLength(4, 0.1)
+    free.next()
+    free.observe(1, 4, 12)
+    assert free.next() == best_length(0.5, 0.1, 4) == 2
+    with pytest.raises(ValueError, match="verifies at least its 4 proposals"):
+        free.observe(1, 4, 3)
+
+
+def test_cape_rounds_report_their_trees_nodes_to_the_policy():
+    target = _model(1)
+    draft = _noisy(target)
+    prompt = _prompt(30, seed=5)
+    table = CapeTable.parse("0.99:2,1:0")  # two alternatives per depth unless the draft is all but sure
+    plain = generate(target, [prompt], max_new_tokens=32)[0].tokens
+    policy = AdaptiveLength(4, 0.05)
+    spec = speculative_generate(target, ModelDrafter(draft, 90), prompt, max_new_tokens=32, k=4, cape=table,
+                                adaptive=policy)
+    assert spec.tokens == plain and policy.width > 2.0, policy.width  # about 3 nodes per proposal

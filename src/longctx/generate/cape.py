@@ -100,8 +100,9 @@ SOFTMAX_PROBS = Sampling(temperature=1.0)  # (propose without a generator: the m
 
 
 def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0,
-               state=None, rows: list | None = None) -> tuple[list[int], int, int]:
-    """One CaPE round (greedy): the kept tokens, the next pending one and the chain's length. `cache`: the target's, on
+               state=None, rows: list | None = None) -> tuple[list[int], int, int, int]:
+    """One CaPE round (greedy): the kept tokens, the next pending one, the chain's length and the nodes
+    verified past the root (the chain and its alternatives). `cache`: the target's, on
     one device (models/kv_cache.KVCache) or sharded over head x ctx ranks (generate/sharded.py),
     every rank running the same round. `state`: the penalties' state after pending
     (generate/sampling.py Processors, one row): each node's logits are penalised with its ancestors
@@ -135,7 +136,7 @@ def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, s
         on_chain += 1
     extra = tree.tokens[kept[-1]] if len(kept) > on_chain else None  # a kept alternative ends the path
     drafter.accepted(on_chain, len(tree.chain), extra, nodes=[0] + kept)
-    return [tree.tokens[j] for j in kept], choice[node], len(tree.chain)
+    return [tree.tokens[j] for j in kept], choice[node], len(tree.chain), len(tree.tokens) - 1
 
 
 def _path(tree: Tree, node: int) -> list[int]:

@@ -34,8 +34,11 @@ as a bad draft.) The first round proposes the cap.
 
 Under CaPE (generate/cape.py) the rule sets the depth of the tree's chain, and alpha is the tree's
 acceptance per depth: a kept alternative ends the path, so the depth after it counts as a failure,
-which is what it is for the next round's tokens. The tree's extra nodes are not in the cost (one
-verification call either way: on a GPU a few more nodes read the same cache).
+which is what it is for the next round's tokens. The tree's alternatives are verified too: a round
+of depth K verifies K x width nodes past the root, width (>= 1) the moving average of the nodes
+verified per proposal (1 for a chain; CaPE's alternatives per depth come from the draft's
+confidence), so the cost is K x (c + w x width) + 1. With w = 0 (a GPU) the extra nodes cost nothing
+and CaPE's choice is the chain's.
 
 c: the draft's cost per token over the target's, by default the ratio of their forward matmul
 FLOPs per token (models/flops.py; a GliDe draft's own layers plus the target's LM head, which it
@@ -76,6 +79,7 @@ class AdaptiveLength:
         self.verify_cost, self.probe_every = verify_cost, probe_every
         self.wait, self.probing = probe_every, False  # plain rounds before the next probe; this round is one
         self.successes = self.trials = 0.0  # moving averages (ratio is alpha; both start at 0)
+        self.width = 1.0  # moving average of the nodes verified per proposal (CaPE's tree: > 1)
         self.chosen: list[int] = []
         self.plain_run = 0  # plain rounds (K = 0) in a row just before this one
 
@@ -89,20 +93,25 @@ class AdaptiveLength:
         if self.alpha is None:
             k = self.cap
         else:
-            k = best_length(self.alpha, self.draft_cost, self.cap, self.verify_cost)
+            verify = self.verify_cost * self.width
+            k = best_length(self.alpha, self.draft_cost, self.cap, verify)
             self.probing = k == 0 and self.plain_run >= self.wait
             if self.probing:  # alpha moves only on proposals
-                k = best_length(self.alpha, self.draft_cost, self.cap, self.verify_cost, plain=False)
+                k = best_length(self.alpha, self.draft_cost, self.cap, verify, plain=False)
         self.plain_run = self.plain_run + 1 if k == 0 else 0
         self.chosen.append(k)
         return k
 
-    def observe(self, kept: int, proposed: int) -> None:
+    def observe(self, kept: int, proposed: int, verified: int | None = None) -> None:
         """A round kept `kept` of its `proposed` proposals (the draft may make fewer than K: a
-        confidence stop). The first rejection is a tested failure; the proposals after it were not tested.
+        confidence stop), verifying `verified` nodes past the root (default `proposed`: a chain; more
+        under CaPE). The first rejection is a tested failure; the proposals after it were not tested.
         A plain round (nothing proposed) tells nothing of the draft."""
         if not 0 <= kept <= proposed:
             raise ValueError(f"a round keeps 0..{proposed} proposals, got {kept}")
+        verified = proposed if verified is None else verified
+        if verified < proposed:
+            raise ValueError(f"a round verifies at least its {proposed} proposals, got {verified} nodes")
         if proposed == 0:
             return
         if self.probing:  # back off after a probe that kept nothing; back to the start after one that kept
@@ -112,6 +121,7 @@ class AdaptiveLength:
         w = self.smoothing
         self.successes = (1 - w) * self.successes + w * kept
         self.trials = (1 - w) * self.trials + w * trials
+        self.width = (1 - w) * self.width + w * verified / proposed
 
     @property
     def mean(self) -> float:

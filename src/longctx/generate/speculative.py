@@ -88,15 +88,17 @@ class SpeculativeRounds:
         k = self.k if self.length is None else self.length.next()
         if k == 0:  # adaptive K's plain step: the draft would not pay (generate/spec_length.py)
             kept, self.pending, proposed = [], self._plain_step(cache, processors, rows), 0
+            verified = 0
         elif self.cape is not None:
-            kept, self.pending, proposed = tree_round(self.target, cache, self.drafter, self.pending, k,
-                                                      self.cape, self.stop_below, processors, rows)
+            kept, self.pending, proposed, verified = tree_round(self.target, cache, self.drafter, self.pending, k,
+                                                                self.cape, self.stop_below, processors, rows)
         else:
             kept, self.pending, proposed = speculative_round(self.target, cache, self.drafter, self.pending, k,
                                                              self.sampling, self.generator, self.stop_below,
                                                              processors, rows)
+            verified = proposed
         if self.length is not None:
-            self.length.observe(len(kept), proposed)
+            self.length.observe(len(kept), proposed, verified)
         return self._round([*kept, self.pending], rows, [len(kept)], [proposed])
 
     def _plain_step(self, cache: Cache, processors: Processors | None, rows: list | None) -> int:
