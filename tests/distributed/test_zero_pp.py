@@ -42,9 +42,9 @@ def _resumed(first, then, run_dir):
     return _losses([*half, f"--parallel.zero_pp={then}", f"--checkpoint.resume={middle}"], run_dir)
 
 
-def _gather_check(n, block):
+def _gather_check(n, block, compiled=False):
     """qwZ's all-gather over the job's 4 ranks: (its output equals each rank's shard quantised and
-    dequantised locally, bytes sent, bytes plain FSDP would send)."""
+    dequantised locally by the eager kernels, bytes sent, bytes plain FSDP would send)."""
     import torch
     import torch.distributed as dist
 
@@ -52,16 +52,16 @@ def _gather_check(n, block):
 
     world, rank = dist.get_world_size(), dist.get_rank()
     shards = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    comm = QuantizedAllGather(block)
+    comm = QuantizedAllGather(block, compiled=compiled)
     out = comm.allocate((world * n,), dtype=torch.float32, device=torch.device("cpu"))
     comm(out, shards[rank], dist.group.WORLD)
     expected = torch.cat([dequantize_blocks(*quantize_blocks(s, block), n, torch.float32) for s in shards])
     return torch.equal(out, expected), comm.sent_bytes, comm.plain_bytes
 
 
-def _reduce_check(n, block):
+def _reduce_check(n, block, compiled=False):
     """qgZ's reduce-scatter over the job's 4 ranks as 2 nodes of 2: (the largest error against the
-    exact sum, the bound on it, whether it is exact, the bytes each level's exchange counted)."""
+    exact sum, the bound on it, whether it is exact, the bytes each level's exchange counted, the output)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -72,7 +72,7 @@ def _reduce_check(n, block):
     world, rank = dist.get_world_size(), dist.get_rank()
     grads = [torch.randn(world * n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(1, 2, 2), mesh_dim_names=("dp_replicate", "inter", "intra"))
-    reduce = QuantizedReduceScatter(block, mesh)
+    reduce = QuantizedReduceScatter(block, mesh, compiled=compiled)
     out = torch.empty(n)
     comm.reset_counters()
     reduce(out, grads[rank].clone(), dist.group.WORLD, dist.ReduceOp.SUM)
@@ -81,7 +81,7 @@ def _reduce_check(n, block):
     bound = 2 * world * max(g.abs().max().item() for g in grads) / 254
     counted = comm.counters()
     return ((out - exact).abs().max().item(), bound, torch.equal(out, exact),
-            counted["intra"]["qgz_intra"], counted["inter"]["qgz_inter"])
+            counted["intra"]["qgz_intra"], counted["inter"]["qgz_inter"], out.tolist())
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,8 @@ def runs(tmp_path_factory):
     jobs.append(("head2-ctx2 hpz,qwz", _losses, ([*LAYOUTS["head2-ctx2"], "--parallel.zero_pp=hpz,qwz"],
                                                  f"{base}/both")))
     jobs.append(("gather", _gather_check, (1000, 64)))
+    jobs.append(("gather compiled", _gather_check, (1000, 64, True)))  # (parallel.zero_pp_kernels)
+    jobs.append(("reduce compiled", _reduce_check, (1000, 64, True)))
     jobs += [(f"groups {mode}", _post_forward_groups, ([*LAYOUTS["head2-ctx2"], f"--parallel.zero_pp={mode}"],
                                                        f"{base}/groups-{mode}")) for mode in ("", "hpz")]
     jobs += [("hpz -> plain", _resumed, ("hpz", "", f"{base}/resume-a")),
@@ -121,9 +123,10 @@ def test_a_checkpoint_resumes_across_hpz_exactly(runs, resume):
         assert max(abs(a - b) for a, b in zip(uninterrupted[STEPS // 2:], resumed)) <= 1e-6
 
 
-def test_qwz_gathers_every_shard_as_its_int8_blocks_and_sends_a_quarter_plus_scales(runs):
+@pytest.mark.parametrize("kernels", ["", " compiled"])
+def test_qwz_gathers_every_shard_as_its_int8_blocks_and_sends_a_quarter_plus_scales(runs, kernels):
     n, blocks = 1000, -(-1000 // 64)
-    assert runs["gather"] == [(True, blocks * 64 + 4 * blocks, 4 * n)] * 4
+    assert runs["gather" + kernels] == [(True, blocks * 64 + 4 * blocks, 4 * n)] * 4
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -146,9 +149,14 @@ def test_qgz_reduces_within_the_rounding_and_sends_int8_rows(runs):
     """2 nodes of 2: within the node each rank sends its peer one row of 2 chunks (2 x 1000 values,
     32 blocks of 64 padded: 2,048 bytes, and 32 fp32 scales: 128); across nodes one row of 1 chunk
     (16 blocks: 1,024 + 64 bytes)."""
-    for err, bound, exact, intra, inter in runs["reduce"]:
+    for err, bound, exact, intra, inter, _ in runs["reduce"]:
         assert 0 < err <= bound and not exact
         assert (intra, inter) == (2048 + 128, 1024 + 64)
+    # the compiled kernels: the same rounding (bit-identical int8 and scales), the node's rows summed in
+    # one fused pass (float sums of 2 rows: equal up to their order)
+    for eager, compiled in zip(runs["reduce"], runs["reduce compiled"]):
+        assert compiled[3:5] == eager[3:5] and compiled[0] <= compiled[1]
+        assert max(abs(a - b) for a, b in zip(eager[5], compiled[5])) <= 1e-6
 
 
 def test_hpz_with_qwz_rounds_once(runs):

@@ -1,5 +1,6 @@
 """qwZ's block quantisation (parallel/fsdp/quantized.py): the rounding bound, zeros, padding and the
-output dtype; and the block-size check against the smallest unit's shard."""
+output dtype; the compiled kernels bit-identical to the eager ones; parallel.zero_pp_kernels; and the
+block-size check against the smallest unit's shard."""
 
 import pytest
 import torch
@@ -45,5 +46,36 @@ def test_a_block_longer_than_the_smallest_shard_is_refused():
     units = [torch.nn.Linear(40, 40), torch.nn.Linear(40, 40), torch.nn.Linear(4, 4)]  # the last: the root
     dims = SimpleNamespace(world_size=4, dp_replicate=1)
     with pytest.raises(ConfigError, match=r"smallest FSDP unit's shard \(410 elements per rank\)"):
-        quantize_gathers(units, cfg, dims)
-    assert quantize_gathers(units, load_config("configs/debug.toml", []), dims) is None  # qwz off
+        quantize_gathers(units, cfg, dims, "cpu")
+    assert quantize_gathers(units, load_config("configs/debug.toml", []), dims, "cpu") is None  # qwz off
+
+
+def test_the_compiled_kernels_give_the_eager_ones_bits():
+    # one compile, dynamic in the number of blocks: several sizes (and a padded tail), the same bits
+    g = torch.Generator().manual_seed(0)
+    for n, block in [(4096 * 3 + 17, 512), (1000, 64), (64, 64)]:
+        x = torch.randn(n, generator=g) * torch.logspace(-4, 2, n)
+        x[:block] = 0  # an all-zero block
+        q, scale = quantize_blocks(x, block)
+        qc, scalec = quantize_blocks(x, block, compiled=True)
+        assert torch.equal(q, qc) and torch.equal(scale, scalec)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(dequantize_blocks(q, scale, n, dtype), dequantize_blocks(q, scale, n, dtype, True))
+
+
+@pytest.mark.parametrize("kernels,device,compiled", [("auto", "cpu", False), ("auto", "cuda", True),
+                                                     ("compiled", "cpu", True), ("eager", "cuda", False)])
+def test_the_kernels_setting_picks_compiled_on_cuda_by_default(kernels, device, compiled):
+    from longctx.parallel.fsdp.quantized import use_compiled
+
+    assert use_compiled(kernels, device) is compiled
+
+
+def test_an_unknown_kernels_setting_is_refused_before_launch():
+    from longctx.config import load_config
+    from longctx.errors import ConfigError
+    from longctx.job.checks import check_layout
+
+    cfg = load_config("configs/debug.toml", ["--parallel.zero_pp=qwz", "--parallel.zero_pp_kernels=triton"])
+    with pytest.raises(ConfigError, match="zero_pp_kernels must be one of auto, compiled, eager, got 'triton'"):
+        check_layout(cfg, 1)

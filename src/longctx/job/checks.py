@@ -28,7 +28,7 @@ def check_layout(cfg, world: int) -> ParallelDims:
             except ConfigError as e:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
-    hpz_group(cfg, dims)  # (and node_size: both checked before launch)
+    hpz_group(cfg, dims)  # (and node_size, zero_pp_names: all checked before launch)
     return dims
 
 
@@ -69,6 +69,7 @@ def _check_batch(global_batch: int, grad_accum: int, dims: ParallelDims) -> None
 
 
 ZERO_PP = ("hpz", "qwz", "qgz")  # parallel.zero_pp's names
+ZERO_PP_KERNELS = ("auto", "compiled", "eager")  # parallel.zero_pp_kernels (parallel/fsdp/quantized.py)
 
 
 def ranks_per_node(cfg, world: int) -> int:
@@ -83,6 +84,9 @@ def zero_pp_names(cfg) -> list[str]:
         if name not in ZERO_PP:
             raise ConfigError(f"parallel.zero_pp: unknown {name!r}; the names are {', '.join(ZERO_PP)} "
                               f"(comma-separated), or '' for off.")
+    if cfg.parallel.zero_pp_kernels not in ZERO_PP_KERNELS:
+        raise ConfigError(f"parallel.zero_pp_kernels must be one of {', '.join(ZERO_PP_KERNELS)}, got "
+                          f"{cfg.parallel.zero_pp_kernels!r}.")
     return names
 
 

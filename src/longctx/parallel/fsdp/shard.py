@@ -17,7 +17,7 @@ from ...job.checks import hpz_group, node_size, zero_pp_names
 from ...job.comm import link_hook, sub_mesh
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
-from .quantized import CountedAllGather, CountedReduceScatter, QuantizedAllGather, QuantizedReduceScatter
+from .quantized import CountedAllGather, CountedReduceScatter, QuantizedAllGather, QuantizedReduceScatter, use_compiled
 
 
 def fsdp_mesh(dims, device_type: str):
@@ -68,13 +68,13 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
                                  reshard_after_forward=reshard))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
-    model.weight_gather = quantize_gathers([*units, model], cfg, dims)
+    model.weight_gather = quantize_gathers([*units, model], cfg, dims, device_type)
     model.grad_bucket_plan = plan
     model.grad_reduce = quantized_reduce(cfg, dims, device_type)
     model.grad_reduce_timers = time_reduce_scatters(units, model, inner=model.grad_reduce)
 
 
-def quantize_gathers(units: list, cfg, dims) -> QuantizedAllGather | None:
+def quantize_gathers(units: list, cfg, dims, device_type: str) -> QuantizedAllGather | None:
     """parallel.zero_pp's qwz: every unit's all-gather (forward and backward) in int8 blocks, through one
     QuantizedAllGather that counts the bytes; None without qwz. A block longer than the smallest
     unit's shard would quantise padding more than weights: refused."""
@@ -89,7 +89,8 @@ def quantize_gathers(units: list, cfg, dims) -> QuantizedAllGather | None:
     if block < 1 or block > smallest:
         raise ConfigError(f"parallel.zero_pp_block = {block} elements is not a block of the smallest FSDP unit's "
                           f"shard ({smallest:,} elements per rank); use 1 .. {smallest} (512 is usual).")
-    comm = QuantizedAllGather(block, node_group=hpz_group(cfg, dims) or 0)
+    comm = QuantizedAllGather(block, node_group=hpz_group(cfg, dims) or 0,
+                              compiled=use_compiled(cfg.parallel.zero_pp_kernels, device_type))
     for unit in units:
         (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(comm)
     return comm
@@ -103,7 +104,8 @@ def quantized_reduce(cfg, dims, device_type: str) -> QuantizedReduceScatter | No
         return CountedReduceScatter() if link_hook() is not None else None  # (a benchmark's emulated link)
     grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1, node_size(cfg, dims))
     mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "inter", "intra"))
-    return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh)
+    return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh,
+                                  compiled=use_compiled(cfg.parallel.zero_pp_kernels, device_type))
 
 
 def check_staging_fits(model, groups, bf16: bool, device_bytes: int) -> None:
