@@ -8,7 +8,9 @@
 #   2. the MoE layer vs the dense one of equal active parameters, eager and torch.compile'd
 #      (`bench moe --device cuda --compile`, a Qwen3-30B-A3B-like layer, 8K and 32K tokens);
 #   3. decoding without per-token overhead: the debug model's compiled step (CUDA graphs) against
-#      eager at batch 1 (`bench generate --compile both --device cuda`; the issue asks >= 2,000 tokens/s).
+#      eager at batch 1 (`bench generate --compile both --device cuda`; the issue asks >= 2,000 tokens/s);
+#   4. issue 50's ZeRO++ int8 kernels, eager and compiled, bf16 values (benchmarks/zero_pp_kernels.py;
+#      the issue asks >= 20 GB/s).
 # GliDe/CaPE at 1K and 8K need the recipe's checkpoints: benchmarks/gpu_decode.sh trains them on the GPU.
 set -u
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -27,6 +29,9 @@ timeout 120 python3 -m longctx bench moe --device cuda --compile --dim 2048 --ex
 echo "== 3. bench generate --compile both --device cuda (debug model, batch 1)"
 timeout 120 python3 -m longctx bench generate --compile both --device cuda --preset debug --prompt-len 1024 \
   --new-tokens 256 --repeats 5 > "$OUT/decode.json"; echo "rc $?"; save decode
+echo "== 4. ZeRO++ int8 kernels (issue 50), 256M bf16 values"
+timeout 60 python3 benchmarks/zero_pp_kernels.py --device cuda --elements 268435456 --dtype bf16 \
+  --out "$OUT/zero_pp_kernels.json" | head -2; echo "rc $?"; save zero_pp_kernels
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]

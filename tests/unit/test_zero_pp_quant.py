@@ -79,3 +79,21 @@ def test_an_unknown_kernels_setting_is_refused_before_launch():
     cfg = load_config("configs/debug.toml", ["--parallel.zero_pp=qwz", "--parallel.zero_pp_kernels=triton"])
     with pytest.raises(ConfigError, match="zero_pp_kernels must be one of auto, compiled, eager, got 'triton'"):
         check_layout(cfg, 1)
+
+
+def test_the_kernels_benchmark_runs_and_compares_the_bits(tmp_path):
+    # benchmarks/zero_pp_kernels.py, as benchmarks/gpu_speed.sh runs it on a card, here on the CPU
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "zero_pp_kernels.py"
+    out = tmp_path / "k.json"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--elements", "65536", "--dtype", "bf16",
+                          "--repeats", "1", "--threads", "1", "--out", str(out)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["kernels"]) == {"eager", "compiled"}
+    assert all(r["identical_to_eager"] and r["quantize_gbps"] > 0 for r in doc["kernels"].values())
