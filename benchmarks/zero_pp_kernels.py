@@ -58,8 +58,9 @@ def main() -> int:
         if reference is None:
             reference = (q, scale)
         identical = torch.equal(q, reference[0]) and torch.equal(scale, reference[1])
-        quantize_s = _best(lambda: quantize_blocks(x, args.block, compiled), args.repeats, device)
-        dequantize_s = _best(lambda: dequantize_blocks(q, scale, x.numel(), dtype, compiled), args.repeats, device)
+        quantize_s = _best(lambda c=compiled: quantize_blocks(x, args.block, c), args.repeats, device)
+        dequantize_s = _best(lambda q=q, s=scale, c=compiled: dequantize_blocks(q, s, x.numel(), dtype, c),
+                             args.repeats, device)
         rows[name] = {"quantize_s": quantize_s, "quantize_gbps": nbytes / quantize_s / 1e9,
                       "dequantize_s": dequantize_s, "dequantize_gbps": nbytes / dequantize_s / 1e9,
                       "identical_to_eager": identical}
