@@ -31,11 +31,12 @@ timeout 120 python3 -m longctx bench generate --compile both --device cuda --pre
   --new-tokens 256 --repeats 5 > "$OUT/decode.json"; echo "rc $?"; save decode
 echo "== 4. ZeRO++ int8 kernels (issue 50), 256M bf16 values"
 timeout 60 python3 benchmarks/zero_pp_kernels.py --device cuda --elements 268435456 --dtype bf16 \
-  --out "$OUT/zero_pp_kernels.json" | head -2; echo "rc $?"; save zero_pp_kernels
+  --out "$OUT/zero_pp_kernels.json" > "$OUT/zero_pp_kernels.log" 2>&1; echo "rc $?"; head -2 "$OUT/zero_pp_kernels.log"
+save zero_pp_kernels
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
-for name in ("peer", "moe", "decode"):
+for name in ("peer", "moe", "decode", "zero_pp_kernels"):
     try:
         d = json.load(open(f"{out}/{name}.json"))
     except (OSError, ValueError) as e:
@@ -43,6 +44,9 @@ for name in ("peer", "moe", "decode"):
     if name == "peer":
         for r in d["rows"]:
             print("peer", r["seq_len"], {k: r[k].get("tokens_per_s") for k in ("longctx", "transformers")}, r.get("speedup"))
+    elif name == "zero_pp_kernels":
+        print("zero_pp kernels GB/s", {k: (round(r["quantize_gbps"], 1), round(r["dequantize_gbps"], 1),
+                                           r["identical_to_eager"]) for k, r in d["kernels"].items()})
     elif name == "decode":
         print("decode tokens/s eager", d["eager"]["decode_tokens_per_s"], "compiled", d["compiled"]["decode_tokens_per_s"],
               "identical", d.get("identical"))

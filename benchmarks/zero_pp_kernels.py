@@ -3,10 +3,12 @@
 
     python benchmarks/zero_pp_kernels.py --device cuda --elements 268435456 --out docs/results/...json
 
-GB/s counts the fp32 (or --dtype) values quantised per second, and the values written per second
-when dequantising (what a gather of that many weights costs either way); the int8 values and scales
-of both kernels are compared bit for bit. Each figure is the best of --repeats timed calls after a
-warm-up call (the compile's, for the compiled kernels).
+The kernels FSDP's hooks run: quantising a shard (quantize_blocks), and dequantising a gather of 8
+ranks' rows straight into the output buffer in the gather dtype (qwz's `dequantize_into`). GB/s
+counts the --dtype values quantised, or written, per second (what a gather of that many weights
+costs either way); the int8 values, scales and dequantised values of both kernels are compared bit
+for bit. Each figure is the best of --repeats timed calls after a warm-up call (the compile's, for
+the compiled kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from datetime import date
 
 import torch
 
-from longctx.parallel.fsdp.quantized import dequantize_blocks, quantize_blocks
+from longctx.parallel.fsdp.quantized import _kernel, quantize_blocks
 
 
 def _best(fn, repeats: int, device: torch.device) -> float:
@@ -52,14 +54,20 @@ def main() -> int:
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     x = torch.randn(args.elements, device=device).to(dtype)
     nbytes = x.numel() * x.element_size()
+    ranks = 8  # the gathered rows: --elements / 8 per rank's shard
+    if args.elements % (ranks * args.block):
+        raise SystemExit(f"--elements must be a multiple of {ranks} x --block = {ranks * args.block}")
     rows, reference = {}, None
     for name, compiled in (("eager", False), ("compiled", True)):
         q, scale = quantize_blocks(x, args.block, compiled)
+        out = torch.empty(ranks, x.numel() // ranks, device=device, dtype=dtype)
+        into = _kernel("dequantize_into", compiled)
+        into(out, q.view(ranks, -1, args.block), scale.view(ranks, -1))
         if reference is None:
-            reference = (q, scale)
-        identical = torch.equal(q, reference[0]) and torch.equal(scale, reference[1])
+            reference = (q, scale, out.clone())
+        identical = all(torch.equal(a, b) for a, b in zip((q, scale, out), reference))
         quantize_s = _best(lambda c=compiled: quantize_blocks(x, args.block, c), args.repeats, device)
-        dequantize_s = _best(lambda q=q, s=scale, c=compiled: dequantize_blocks(q, s, x.numel(), dtype, c),
+        dequantize_s = _best(lambda k=into, o=out, q=q, s=scale: k(o, q.view(ranks, -1, args.block), s.view(ranks, -1)),
                              args.repeats, device)
         rows[name] = {"quantize_s": quantize_s, "quantize_gbps": nbytes / quantize_s / 1e9,
                       "dequantize_s": dequantize_s, "dequantize_gbps": nbytes / dequantize_s / 1e9,

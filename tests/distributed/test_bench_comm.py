@@ -75,7 +75,7 @@ def test_three_levels_count_exactly_and_keep_backward_gathers_in_the_group():
     p = argparse.ArgumentParser()
     comm_cluster.add_arguments(p)
     args = p.parse_args(["--cluster", "2x4", "--group-ranks", "2", "--modes", "fsdp,zeropp,three_level",
-                         "--timed", "2", "--co2-local-steps", "2", "--steps", "4", "--quantize-kernels", "eager"])
+                         "--timed", "2", "--co2-local-steps", "2", "--steps", "4", "--zero-pp-kernels", "eager"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert comm_cluster.main(args) == 0

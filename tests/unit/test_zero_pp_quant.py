@@ -50,6 +50,16 @@ def test_a_block_longer_than_the_smallest_shard_is_refused():
     assert quantize_gathers(units, load_config("configs/debug.toml", []), dims, "cpu") is None  # qwz off
 
 
+def _has_compiler() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+needs_compiler = pytest.mark.skipif(not _has_compiler(), reason="torch.compile on CPU needs a C++ compiler")
+
+
+@needs_compiler
 def test_the_compiled_kernels_give_the_eager_ones_bits():
     # one compile, dynamic in the number of blocks: several sizes (and a padded tail), the same bits
     g = torch.Generator().manual_seed(0)
@@ -81,6 +91,46 @@ def test_an_unknown_kernels_setting_is_refused_before_launch():
         check_layout(cfg, 1)
 
 
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [3 * 512, 3 * 512 - 5])
+def test_the_training_paths_kernels_give_the_eager_ones_bits(dtype, n):
+    # what FSDP's hooks run: qwz's gathered rows dequantised into the output buffer (in the gather dtype),
+    # qgz's node rows dequantised and summed; through pack_blocks / unpack_blocks as a collective leaves them
+    from longctx.parallel.fsdp.quantized import _kernel, _whole_blocks, pack_blocks, unpack_blocks
+
+    g = torch.Generator().manual_seed(n)
+    world, block = 4, 512
+    shards = (torch.randn(world, n, generator=g) * torch.logspace(-3, 2, n)).to(dtype)
+    outs = {}
+    for compiled in (False, True):
+        q, scale = _kernel("quantize", compiled)(_whole_blocks(shards, block))
+        got_q, got_scale = unpack_blocks(pack_blocks(q.view(world, -1), scale), q[0].numel())
+        out = torch.empty(world, n, dtype=dtype)
+        _kernel("dequantize_into", compiled)(out, got_q.view(world, -1, block), got_scale)
+        summed = _kernel("dequantize_sum", compiled)(got_q.view(world, -1, block), got_scale)
+        outs[compiled] = (q, scale, out, summed)
+    for eager, compiled in zip(outs[False], outs[True]):
+        assert torch.equal(eager, compiled)
+    assert (outs[True][2].float() - shards.float()).abs().max() <= shards.float().abs().max() / 200
+
+
+def test_a_machine_that_cannot_compile_the_kernels_is_one_clear_error(monkeypatch):
+    from longctx.errors import ConfigError
+    from longctx.parallel.fsdp import quantized
+
+    def broken(name, compiled):
+        def fail(*a):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+        return fail if compiled else quantized._KERNELS[name]
+
+    monkeypatch.setattr(quantized, "_kernel", broken)
+    with pytest.raises(ConfigError, match=r"could not build ZeRO\+\+'s int8 kernels on cpu \(RuntimeError: "
+                                          r"InvalidCxxCompiler.*--parallel.zero_pp_kernels eager"):
+        quantized.warm_up(torch.device("cpu"), torch.float32, 64)
+
+
+@needs_compiler
 def test_the_kernels_benchmark_runs_and_compares_the_bits(tmp_path):
     # benchmarks/zero_pp_kernels.py, as benchmarks/gpu_speed.sh runs it on a card, here on the CPU
     import json

@@ -64,9 +64,9 @@ def add_arguments(p) -> None:
     p.add_argument("--timed", type=int, default=8, help="timed steps per mode after a warm-up (default 8)")
     p.add_argument("--co2-local-steps", type=int, default=4, help="co2's local steps per round (default 4)")
     p.add_argument("--steps", type=int, default=0, help="also train each mode this many steps: final_loss")
-    p.add_argument("--quantize-kernels", choices=("compiled", "eager"), default="compiled",
-                   help="qwz / qgz's int8 kernels (parallel.zero_pp_kernels; default compiled: one fused pass, as "
-                        "a GPU run's; compiled in the untimed warm-up step)")
+    p.add_argument("--zero-pp-kernels", choices=("auto", "compiled", "eager"), default="compiled",
+                   help="parallel.zero_pp_kernels for the qwz / qgz modes (default compiled, as a GPU run's auto: "
+                        "one fused pass; compiled in the untimed warm-up; eager where no C++ compiler is)")
     p.add_argument("--plot", default="", help="with --steps: the PNG of the loss curves")
 
 
@@ -167,10 +167,10 @@ def main(args) -> int:
         spec = dict(nodes=nodes, ranks=ranks, modes=modes, model=args.model, seq_len=args.seq_len, timed=timed,
                     steps=args.steps, local_steps=args.co2_local_steps, intra_gbps=args.intra_gbps,
                     inter_ratio=args.inter_ratio, work=work, group_ranks=args.group_ranks,
-                    middle_ratio=args.middle_ratio, kernels=args.quantize_kernels)
+                    middle_ratio=args.middle_ratio, kernels=args.zero_pp_kernels)
         result = run_spawned(nodes * ranks, _rank, spec, timeout=4 * 3600)[0]
     out = {"cluster": f"{nodes}x{ranks}", "model": args.model, "seq_len": args.seq_len, "timed_steps": timed,
-           "quantize_kernels": args.quantize_kernels,
+           "zero_pp_kernels": args.zero_pp_kernels,
            **result, "ratios": _ratios(result["modes"])}
     if args.plot and args.steps:
         _plot(result["modes"], args.plot)

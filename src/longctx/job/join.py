@@ -13,12 +13,14 @@ from .launch import init_distributed, init_one_rank_group
 from .runtime import Runtime
 
 
-def join_job(cfg: Config) -> tuple[Runtime, torch.device]:
-    """This process's place in the job (its process group joined, its layout checked) and its device."""
+def join_job(cfg: Config, training: bool = False) -> tuple[Runtime, torch.device]:
+    """This process's place in the job (its process group joined, its layout checked) and its device.
+    `training`: a training run, whose memory.model_states tier (host_optimizer, host) plans host memory."""
     device = resolve_device(cfg.train.device)
-    if device.type == "cpu":  # (host_malloc.py) the device tier reuses freed activations, not faulted in
-        # again each step; the host tiers plan host memory, so their RSS is what is live
-        keep_freed_blocks() if cfg.memory.model_states == "device" else return_freed_blocks()
+    if device.type == "cpu":  # (host_malloc.py) freed activations reused, not faulted in again each step;
+        # a training run of the host tiers plans host memory, so its RSS is what is live
+        host_tier = training and cfg.memory.model_states != "device"
+        return_freed_blocks() if host_tier else keep_freed_blocks()
     rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
     if world == 1 and cfg.memory.model_states == "host":  # weights in host memory: FSDP2's CPU offload
         init_one_rank_group(device.type)

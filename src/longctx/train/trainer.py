@@ -82,7 +82,7 @@ class Trainer:
     optimizer -> checkpoint (resumed or not) -> the data of the stage the run continues in."""
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
-        self.rt, self.device = join_job(cfg)
+        self.rt, self.device = join_job(cfg, training=True)
         rt = self.rt
         self.log = log if rt.is_main else _silent  # one voice per job
         self.dtype = resolve_dtype(cfg.train.dtype, self.device)

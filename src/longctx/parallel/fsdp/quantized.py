@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...errors import ConfigError
 from ...job.comm import all_gather_into, all_to_all, reduce_scatter_into
 
 try:  # FSDP2's communication hooks (torch >= 2.8)
@@ -58,11 +59,13 @@ _compiled: dict[str, object] = {}
 
 
 def _kernel(name: str, compiled: bool):
-    """The eager function, or its torch.compile'd twin (dynamic in the number of blocks: one compile per
-    process for every unit's size). The compiled one fuses the passes the eager ops make over the data
+    """The eager function, or its torch.compile'd twin, dynamic in the number of blocks and rows (units
+    of any size reuse a graph; a new dtype, a padded shard or a one-block shard compile another, a
+    bounded handful per process). The compiled one fuses the passes the eager ops make over the data
     (maximum, division, rounding, clamp and cast: one read, one write; dequantisation into FSDP's
-    buffer or summed over the node's rows without an fp32 copy of each): about 10x the eager rate
-    on one CPU core, bit-identical values, and what a GPU run uses."""
+    buffer or summed over the node's rows without an fp32 copy of each): about 5x the eager rate on
+    one CPU core, the same values bit for bit on CPU (tests/unit/test_zero_pp_quant.py; a card's are
+    compared by benchmarks/zero_pp_kernels.py)."""
     eager = _KERNELS[name]
     if not compiled:
         return eager
@@ -75,6 +78,29 @@ def use_compiled(kernels: str, device_type: str) -> bool:
     """parallel.zero_pp_kernels: compiled, eager, or auto (compiled on CUDA, eager elsewhere: a CPU run
     needs a C++ compiler for inductor and pays seconds of compilation per process)."""
     return kernels == "compiled" or (kernels == "auto" and device_type == "cuda")
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, block: int) -> None:
+    """Compile the kernels a run uses (both gather dtypes' paths, whole and padded shards, a node's rows)
+    on small tensors at set-up, so that a machine that cannot compile them (no C++ compiler for a CPU's
+    inductor, no Triton on a card) is one clear error before the first step, not a failure inside
+    FSDP's first all-gather on every rank, and the first step does not compile inside FSDP's hooks."""
+    try:
+        for n in (4 * block, 4 * block - 1):  # whole blocks, and a padded tail
+            x = torch.randn(n, device=device).to(dtype)
+            q, scale = quantize_blocks(x, block, True)
+            rows = q.view(2, -1, block)
+            _kernel("dequantize_into", True)(torch.empty(2, rows[0].numel() - (n % 2), device=device, dtype=dtype),
+                                             rows, scale.view(2, -1))
+            _kernel("dequantize_sum", True)(rows, scale.view(2, -1))
+            pairs = n // (2 * block) * 2 * block  # a node's rows: 2 x 2 blocks, then 2 x 1 block
+            _kernel("quantize", True)(_whole_blocks(x.float()[:pairs].view(2, -1), block))
+    except Exception as e:  # noqa: BLE001 - whatever the compiler stack raises, the fix is the setting
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"parallel.zero_pp_kernels: torch.compile could not build ZeRO++'s int8 kernels on "
+                          f"{device.type} ({type(e).__name__}: {first[:300]}). Set --parallel.zero_pp_kernels "
+                          f"eager (the same values, slower), or install what the compiler needs (a C++ compiler "
+                          f"for a CPU's inductor).") from e
 
 
 def _whole_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -182,7 +208,8 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def unpack_blocks(packed: torch.Tensor, values: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of pack_blocks' buffers [r, bytes] -> (int8 values [r, values], a view of the buffer; fp32
     scales [r, blocks], copied: a row's scales need not start 4-byte aligned)."""
-    return packed[:, :values].view(torch.int8), packed[:, values:].contiguous().view(torch.float32)
+    scales = packed[:, values:].clone(memory_format=torch.contiguous_format)  # (one row's slice is no copy)
+    return packed[:, :values].view(torch.int8), scales.view(torch.float32)
 
 
 class CountedAllGather(DefaultAllocMixin, AllGather):

@@ -17,7 +17,14 @@ from ...job.checks import hpz_group, node_size, zero_pp_names
 from ...job.comm import link_hook, sub_mesh
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
-from .quantized import CountedAllGather, CountedReduceScatter, QuantizedAllGather, QuantizedReduceScatter, use_compiled
+from .quantized import (
+    CountedAllGather,
+    CountedReduceScatter,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
+    use_compiled,
+    warm_up,
+)
 
 
 def fsdp_mesh(dims, device_type: str):
@@ -71,6 +78,11 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     model.weight_gather = quantize_gathers([*units, model], cfg, dims, device_type)
     model.grad_bucket_plan = plan
     model.grad_reduce = quantized_reduce(cfg, dims, device_type)
+    if any(getattr(c, "compiled", False) for c in (model.weight_gather, model.grad_reduce)):
+        device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else \
+            torch.device(device_type)
+        gather = torch.bfloat16 if gathers_in_bf16(device_type, cfg.train.dtype) else torch.float32
+        warm_up(device, gather, cfg.parallel.zero_pp_block)  # a clear error here, not inside the first gather
     model.grad_reduce_timers = time_reduce_scatters(units, model, inner=model.grad_reduce)
 
 
