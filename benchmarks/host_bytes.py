@@ -84,7 +84,8 @@ def main() -> int:
     p.add_argument("--global-batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tiers", default=",".join(TIERS))
-    p.add_argument("--run-dir", default="/tmp/longctx_host_bytes")
+    p.add_argument("--run-dir", default="/tmp/longctx_host_bytes",
+                   help="scratch: each tier's run directory DIR/<tier> is deleted and made afresh")
     p.add_argument("--out", default="")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
