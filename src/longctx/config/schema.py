@@ -228,9 +228,9 @@ class ParallelConfig:
     zero_pp_block: int = _opt(512, "parallel.zero_pp's qwz and qgz: elements per quantization block (one fp32 "
                                    "scale each: 4 / block bytes per element on top of the int8)")
     zero_pp_kernels: str = _opt("auto", "parallel.zero_pp's qwz and qgz: the int8 quantize/dequantize kernels, "
-                                        "compiled (torch.compile: one fused pass, bit-identical), eager, or auto "
-                                        "(compiled on CUDA; eager on CPU, where compiling needs a C++ compiler and "
-                                        "seconds per process)")
+                                        "compiled (torch.compile: one fused pass; the eager values, bit for bit on "
+                                        "CPU), eager, or auto (compiled on CUDA; eager on CPU, where compiling needs "
+                                        "a C++ compiler and seconds per process)")
     ranks_per_node: int = _opt(0, "ranks per node, for parallel.zero_pp's hpz and qgz; 0 = the launcher's "
                                   "(LOCAL_WORLD_SIZE, or every rank when the job runs on one machine)")
     hpz_ranks: int = _opt(0, "parallel.zero_pp's hpz: the ranks each unit stays sharded over after its forward; "
