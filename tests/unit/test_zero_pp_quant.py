@@ -46,8 +46,8 @@ def test_a_block_longer_than_the_smallest_shard_is_refused():
     units = [torch.nn.Linear(40, 40), torch.nn.Linear(40, 40), torch.nn.Linear(4, 4)]  # the last: the root
     dims = SimpleNamespace(world_size=4, dp_replicate=1)
     with pytest.raises(ConfigError, match=r"smallest FSDP unit's shard \(410 elements per rank\)"):
-        quantize_gathers(units, cfg, dims, "cpu")
-    assert quantize_gathers(units, load_config("configs/debug.toml", []), dims, "cpu") is None  # qwz off
+        quantize_gathers(units, cfg, dims)
+    assert quantize_gathers(units, load_config("configs/debug.toml", []), dims) is None  # qwz off
 
 
 def _has_compiler() -> bool:
@@ -68,9 +68,7 @@ def test_the_compiled_kernels_give_the_eager_ones_bits():
         x[:block] = 0  # an all-zero block
         q, scale = quantize_blocks(x, block)
         qc, scalec = quantize_blocks(x, block, compiled=True)
-        assert torch.equal(q, qc) and torch.equal(scale, scalec)
-        for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(dequantize_blocks(q, scale, n, dtype), dequantize_blocks(q, scale, n, dtype, True))
+        assert torch.equal(q, qc) and torch.equal(scale, scalec)  # (dequantising: the training path's test below)
 
 
 @pytest.mark.parametrize("kernels,device,compiled", [("auto", "cpu", False), ("auto", "cuda", True),

@@ -29,6 +29,9 @@ def check_layout(cfg, world: int) -> ParallelDims:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
     hpz_group(cfg, dims)  # (and node_size, zero_pp_names: all checked before launch)
+    if cfg.parallel.zero_pp_kernels not in ZERO_PP_KERNELS:
+        raise ConfigError(f"parallel.zero_pp_kernels must be one of {', '.join(ZERO_PP_KERNELS)}, got "
+                          f"{cfg.parallel.zero_pp_kernels!r}.")
     return dims
 
 
@@ -84,9 +87,6 @@ def zero_pp_names(cfg) -> list[str]:
         if name not in ZERO_PP:
             raise ConfigError(f"parallel.zero_pp: unknown {name!r}; the names are {', '.join(ZERO_PP)} "
                               f"(comma-separated), or '' for off.")
-    if cfg.parallel.zero_pp_kernels not in ZERO_PP_KERNELS:
-        raise ConfigError(f"parallel.zero_pp_kernels must be one of {', '.join(ZERO_PP_KERNELS)}, got "
-                          f"{cfg.parallel.zero_pp_kernels!r}.")
     return names
 
 

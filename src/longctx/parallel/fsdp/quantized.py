@@ -53,8 +53,7 @@ def _dequantize_sum(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale[..., None]).sum(0).flatten()
 
 
-_KERNELS = {"quantize": _quantize_rows, "dequantize": _dequantize_rows, "dequantize_into": _dequantize_into,
-            "dequantize_sum": _dequantize_sum}
+_KERNELS = {"quantize": _quantize_rows, "dequantize_into": _dequantize_into, "dequantize_sum": _dequantize_sum}
 _compiled: dict[str, object] = {}
 
 
@@ -81,20 +80,19 @@ def use_compiled(kernels: str, device_type: str) -> bool:
 
 
 def warm_up(device: torch.device, dtype: torch.dtype, block: int) -> None:
-    """Compile the kernels a run uses (both gather dtypes' paths, whole and padded shards, a node's rows)
-    on small tensors at set-up, so that a machine that cannot compile them (no C++ compiler for a CPU's
+    """Compile the kernels a run uses (the gather dtype's, whole and padded shards, a node's rows) on
+    small tensors at set-up, so that a machine that cannot compile them (no C++ compiler for a CPU's
     inductor, no Triton on a card) is one clear error before the first step, not a failure inside
     FSDP's first all-gather on every rank, and the first step does not compile inside FSDP's hooks."""
     try:
-        for n in (4 * block, 4 * block - 1):  # whole blocks, and a padded tail
-            x = torch.randn(n, device=device).to(dtype)
-            q, scale = quantize_blocks(x, block, True)
-            rows = q.view(2, -1, block)
-            _kernel("dequantize_into", True)(torch.empty(2, rows[0].numel() - (n % 2), device=device, dtype=dtype),
-                                             rows, scale.view(2, -1))
-            _kernel("dequantize_sum", True)(rows, scale.view(2, -1))
-            pairs = n // (2 * block) * 2 * block  # a node's rows: 2 x 2 blocks, then 2 x 1 block
-            _kernel("quantize", True)(_whole_blocks(x.float()[:pairs].view(2, -1), block))
+        for tail in (0, 1):  # a shard of whole blocks, and one padded to them
+            x = torch.randn(4 * block - tail, device=device).to(dtype)
+            q, scale = quantize_blocks(x, block, True)  # a gather's shard (2-D blocks)
+            rows, row_scales = q.view(2, -1, block), scale.view(2, -1)  # as 2 ranks' rows arrive
+            out = torch.empty(2, 2 * block - tail, device=device, dtype=dtype)
+            _kernel("dequantize_into", True)(out, rows, row_scales)
+            _kernel("dequantize_sum", True)(rows, row_scales)
+            _kernel("quantize", True)(_whole_blocks(out.float(), block))  # a node's rows (3-D blocks)
     except Exception as e:  # noqa: BLE001 - whatever the compiler stack raises, the fix is the setting
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"parallel.zero_pp_kernels: torch.compile could not build ZeRO++'s int8 kernels on "
@@ -116,11 +114,11 @@ def quantize_blocks(x: torch.Tensor, block: int, compiled: bool = False) -> tupl
     return q.view(-1), scale
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, numel: int, dtype: torch.dtype,
-                      compiled: bool = False) -> torch.Tensor:
-    """The first `numel` values of quantize_blocks' output, back in `dtype`."""
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first `numel` values of quantize_blocks' output, back in `dtype` (the reference the hooks'
+    kernels are tested against; the hooks dequantise in place: _dequantize_into, _dequantize_sum)."""
     block = q.numel() // scale.numel()
-    return _kernel("dequantize", compiled)(q.view(-1, block), scale).view(-1)[:numel].to(dtype)
+    return _dequantize_rows(q.view(-1, block), scale).view(-1)[:numel].to(dtype)
 
 
 class QuantizedAllGather(DefaultAllocMixin, AllGather):

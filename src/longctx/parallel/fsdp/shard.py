@@ -75,20 +75,22 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
                                  reshard_after_forward=reshard))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
-    model.weight_gather = quantize_gathers([*units, model], cfg, dims, device_type)
+    compiled = use_compiled(cfg.parallel.zero_pp_kernels, device_type)
+    model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled)
     model.grad_bucket_plan = plan
-    model.grad_reduce = quantized_reduce(cfg, dims, device_type)
-    if any(getattr(c, "compiled", False) for c in (model.weight_gather, model.grad_reduce)):
+    model.grad_reduce = quantized_reduce(cfg, dims, device_type, compiled)
+    if compiled and {"qwz", "qgz"} & set(zero_pp_names(cfg)):  # a clear error here, not inside the first gather
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else \
             torch.device(device_type)
         gather = torch.bfloat16 if gathers_in_bf16(device_type, cfg.train.dtype) else torch.float32
-        warm_up(device, gather, cfg.parallel.zero_pp_block)  # a clear error here, not inside the first gather
+        warm_up(device, gather, cfg.parallel.zero_pp_block)
     model.grad_reduce_timers = time_reduce_scatters(units, model, inner=model.grad_reduce)
 
 
-def quantize_gathers(units: list, cfg, dims, device_type: str) -> QuantizedAllGather | None:
+def quantize_gathers(units: list, cfg, dims, compiled: bool = False) -> QuantizedAllGather | None:
     """parallel.zero_pp's qwz: every unit's all-gather (forward and backward) in int8 blocks, through one
-    QuantizedAllGather that counts the bytes; None without qwz. A block longer than the smallest
+    QuantizedAllGather that counts the bytes (`compiled`: its kernels, parallel.zero_pp_kernels); None
+    without qwz. A block longer than the smallest
     unit's shard would quantise padding more than weights: refused."""
     if "qwz" not in zero_pp_names(cfg):
         if link_hook() is not None:  # a benchmark's emulated link paces FSDP's gathers too (bench/comm_cluster.py)
@@ -101,14 +103,13 @@ def quantize_gathers(units: list, cfg, dims, device_type: str) -> QuantizedAllGa
     if block < 1 or block > smallest:
         raise ConfigError(f"parallel.zero_pp_block = {block} elements is not a block of the smallest FSDP unit's "
                           f"shard ({smallest:,} elements per rank); use 1 .. {smallest} (512 is usual).")
-    comm = QuantizedAllGather(block, node_group=hpz_group(cfg, dims) or 0,
-                              compiled=use_compiled(cfg.parallel.zero_pp_kernels, device_type))
+    comm = QuantizedAllGather(block, node_group=hpz_group(cfg, dims) or 0, compiled=compiled)
     for unit in units:
         (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(comm)
     return comm
 
 
-def quantized_reduce(cfg, dims, device_type: str) -> QuantizedReduceScatter | None:
+def quantized_reduce(cfg, dims, device_type: str, compiled: bool = False) -> QuantizedReduceScatter | None:
     """parallel.zero_pp's qgz: the gradient reduce-scatter in int8 blocks, within the node first,
     over a mesh (dp_replicate, inter, intra) whose node dims split each FSDP group; None without qgz.
     The experts' units (another group) keep FSDP's own."""
@@ -116,8 +117,7 @@ def quantized_reduce(cfg, dims, device_type: str) -> QuantizedReduceScatter | No
         return CountedReduceScatter() if link_hook() is not None else None  # (a benchmark's emulated link)
     grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1, node_size(cfg, dims))
     mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "inter", "intra"))
-    return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh,
-                                  compiled=use_compiled(cfg.parallel.zero_pp_kernels, device_type))
+    return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh, compiled=compiled)
 
 
 def check_staging_fits(model, groups, bf16: bool, device_bytes: int) -> None:
