@@ -68,7 +68,7 @@ def child(args) -> dict:
     trainer.build_training_model = measured_build
     trainer.Trainer(cfg, log=lambda *a: None).run()
     peak = _status("VmHWM")
-    predicted = one_memory_bytes(cfg.model, MeshShape(), args.child, device, host)
+    predicted = one_memory_bytes(cfg.model, MeshShape(), args.child, device, host, cfg.train.grad_accum)
     growth = peak - seen["baseline"]
     return {"tier": args.child, "baseline_rss_bytes": seen["baseline"], "peak_rss_bytes": peak,
             "measured_growth_bytes": growth, "predicted_bytes": predicted,

@@ -110,3 +110,10 @@ def test_on_cpu_device_and_host_bytes_are_counted_as_one_memory_holds_them(seq_l
     # each side of each rule is taken at one of the lengths
     long = seq_len == 4096
     assert (4 * n < device["activations"]) == long and (device["total"] > 20 * n) == long
+    # with gradient accumulation the first micro-batch's gradients stay through the next forward: they meet
+    cfg = config("--memory.model_states=host", f"--train.seq_len={seq_len}", "--train.global_batch=2",
+                 "--train.grad_accum=2")
+    on_cpu = rank_host_bytes(cfg, check_layout(cfg, 1), "cpu", 1, 1e12)
+    device, _ = predicted_rank_bytes(cfg.model, MeshShape(), MemoryPolicy.from_config(cfg.memory), "host",
+                                     seq_len=seq_len, micro_batch=1, grad_accum=2, dtype_bytes=4)
+    assert on_cpu["device (CPU: host memory)"] == pytest.approx(device["total"])

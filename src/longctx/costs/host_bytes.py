@@ -159,13 +159,14 @@ FOREACH_ADAMW_TEMP = 4  # bytes per parameter: the foreach AdamW's sqrt of the s
 
 
 def one_memory_bytes(m: ModelConfig, shape: MeshShape, tier: str, device: dict[str, float],
-                     host: dict[str, float]) -> float:
+                     host: dict[str, float], grad_accum: int = 1) -> float:
     """A CPU run's peak, its device being host memory: device["total"] + host["total"], where the two
     parts' peaks are known not to meet, or where a CPU run holds what a GPU's does not, corrected:
 
     - host: the rank's gradients (FSDP2's CPU offload, 4 per parameter) exist from the backward to
       zero_grad, while the saved activations are freed block by block as the backward reaches them,
-      so one memory holds the larger of the two at either end of the backward, not both;
+      so one memory holds the larger of the two at either end of the backward, not both (with
+      grad_accum > 1 the first micro-batch's gradients stay through the next forward: both);
     - device: a CPU run's AdamW is the foreach one (step/optimizer.py; fused on a GPU), whose step
       holds a temporary copy of the second moments (4 per parameter) when the activations are gone:
       the peak is the larger of the backward's (the sum, gradients beside activations: the kept heap
@@ -173,7 +174,7 @@ def one_memory_bytes(m: ModelConfig, shape: MeshShape, tier: str, device: dict[s
     - host_optimizer: the host's gradient buffers are allocated once and meet the activations: the sum.
     """
     n = rank_params(m, shape)
-    if tier == "host":
+    if tier == "host" and grad_accum == 1:
         return device["total"] + host["total"] - min(4 * n, device["activations"])
     if tier == "device":
         return max(device["total"], (16 + FOREACH_ADAMW_TEMP) * n) + host["total"]

@@ -77,8 +77,8 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
             async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap)
         parts = {k: v for k, v in host.items() if k != "total"}
         if device_type == "cpu":
-            parts[CPU_DEVICE] = one_memory_bytes(cfg.model, shape, cfg.memory.model_states, device,
-                                                 host) - host["total"]
+            parts[CPU_DEVICE] = one_memory_bytes(cfg.model, shape, cfg.memory.model_states, device, host,
+                                                 cfg.train.grad_accum) - host["total"]
         parts["total"] = sum(parts.values())
         if parts["total"] > worst["total"]:
             worst = parts
