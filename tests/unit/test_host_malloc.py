@@ -76,9 +76,10 @@ import sys, torch
 from longctx.job import host_malloc
 setting = {"keep": host_malloc.keep_freed_blocks, "return": host_malloc.return_freed_blocks,
            "glibc": lambda: "glibc"}[sys.argv[1]]()
-def rss():
+def rss():  # anonymous resident bytes: the heap's and the mmapped blocks', not the code pages the first op maps
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        resident, shared = (int(v) for v in f.read().split()[1:3])
+        return (resident - shared) * 4096
 base = rss()
 for _ in range(4):  # 8 MiB tensors, under the dynamic threshold's 32 MiB ceiling, between long-lived small ones
     held = []
