@@ -7,7 +7,7 @@
   train exactly as one replica alone would.
 - The Trainer under co2 (debug model, 2 replicas x 2 ranks): it trains, stays close to sync, logs its
   rounds, and a checkpoint taken mid-round resumes to the uninterrupted run's losses (1e-5); a co2
-  checkpoint resumes under sync.
+  checkpoint resumes under sync; with train.co2_sync_steps its first steps are sync's, exactly.
 """
 
 import pytest
@@ -142,6 +142,10 @@ def runs(tmp_path_factory):
              ("sync to co2", _resumed, ([], CO2, str(d / "to-co2"))), ("sync", _losses, ([], str(d / "sync"))),
              ("co2 head2", _losses, ([*CO2, "--parallel.head=2"], str(d / "head2"))),
              ("co2 moe", _losses, ([*CO2, "--model.preset=debug-moe", "--parallel.expert=2"], str(d / "moe"))),
+             ("co2 warm", _losses, ([*CO2, "--train.co2_sync_steps=6"], str(d / "warm"))),
+             ("co2 warm rounds", _logged_rounds, (str(d / "warm"),)),
+             ("warm resumed", _resumed, ([*CO2, "--train.co2_sync_steps=6"], [*CO2, "--train.co2_sync_steps=6"],
+                                         str(d / "warm-resumed"))),
              ("co2 accum2", _losses, ([*CO2, "--train.grad_accum=2", "--train.global_batch=8"], str(d / "accum")))]
     return run_spawned_many(4, jobs)
 
@@ -193,6 +197,18 @@ def test_a_sync_checkpoint_resumes_under_co2(runs):
     resumed, sync = runs["sync to co2"][0], runs["sync"][0]
     assert len(resumed) == 5 and resumed[0] == pytest.approx(sync[5], abs=1e-6)  # the same weights at step 6
     assert resumed != sync[5:]  # then local rounds
+
+
+def test_synchronous_steps_first_then_local_rounds(runs):
+    # train.co2_sync_steps = 6: steps 1-6 average the replicas' gradients, so they train as sync does
+    # (the loss of step 7 is read at the weights of step 6); the rounds start after step 6
+    sync, warm, co2 = runs["sync"][0], runs["co2 warm"][0], runs["co2"][0]
+    assert max(abs(a - b) for a, b in zip(warm[:7], sync[:7])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(co2[:7], sync[:7])) > 1e-4  # (without them, co2 leaves sync earlier)
+    assert warm[7:] != sync[7:]
+    assert dict(runs["co2 warm rounds"][0])[10] == 2  # (10 - 6) / H
+    # a checkpoint taken during the synchronous steps resumes to the uninterrupted run
+    assert max(abs(a - b) for a, b in zip(runs["warm resumed"][0], warm[5:])) < 1e-5
 
 
 @pytest.mark.parametrize("run", ["co2 head2", "co2 moe", "co2 accum2"])

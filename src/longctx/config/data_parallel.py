@@ -18,6 +18,10 @@ def data_parallel_problems(cfg: Config) -> list[str]:
                         f"= sync.")
     if t.co2_local_steps < 1:
         problems.append(f"train.co2_local_steps must be at least 1 (local steps per round), got {t.co2_local_steps}.")
+    if not 0 <= t.co2_sync_steps < t.steps:
+        problems.append(f"train.co2_sync_steps must be in [0, train.steps = {t.steps}) (synchronous steps before the "
+                        f"local rounds; 0 = none), got {t.co2_sync_steps}: a run of only synchronous steps is "
+                        f"train.data_parallel = sync.")
     if t.co2_outer_lr <= 0:
         problems.append(f"train.co2_outer_lr must be positive (1 = plain averaging), got {t.co2_outer_lr}.")
     if not 0 <= t.co2_outer_momentum < 1:

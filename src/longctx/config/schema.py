@@ -283,6 +283,9 @@ class TrainConfig:
                                       "runs, applied one round late with outer momentum; docs/parallelism.md)",
                               choices=("sync", "co2"))
     co2_local_steps: int = _opt(4, "train.data_parallel = co2: local optimizer steps per round (CO2's tau)")
+    co2_sync_steps: int = _opt(0, "train.data_parallel = co2: the run's first N optimizer steps are synchronous "
+                                  "(the replicas' gradients averaged, as under sync), and the local rounds start "
+                                  "from the weights they reach (post-local SGD); 0 = local rounds from step 1")
     co2_outer_lr: float = _opt(1.0, "train.data_parallel = co2: outer learning rate on the averaged round change "
                                     "(1 with no momentum = plain parameter averaging, one round late)")
     co2_outer_momentum: float = _opt(0.0, "train.data_parallel = co2: outer momentum on the averaged round change")

@@ -12,6 +12,13 @@ it. A round then ends on every rank with, on the local shards (flat fp32 buffers
     start_i  = anchor - delta_i / (1 + lambda)    where the next round starts, written into the weights
     all-reduce(delta_i) started, not waited for: it travels while the next round computes
 
+A run may start with `sync_steps` synchronous steps (train.co2_sync_steps; post-local SGD, Lin et al.,
+"Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020): `average_gradients()` before each of them
+makes every replica's gradient the global one (as train.data_parallel = sync), so the replicas, their
+AdamW moments included, stay identical; `restart()` after the last one makes the weights reached the
+start and the outer model of the first round. Local steps cost the most convergence early, where the
+loss falls fastest and a round-old change is furthest from current.
+
 So the outer step applies each round's averaged change one round late, and the all-reduce is fully
 overlapped with tau local steps (only what it takes longer than they do is exposed). A replica restarts
 from the outer model plus its own change, not yet averaged: the replicas differ by one round of local
@@ -101,6 +108,30 @@ class OuterSync:
         self._write(self.start)
         self.pending = comm.all_reduce_async(delta, self.replicas, label="co2_outer")
         self.rounds += 1
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """A synchronous step's gradients: each replica's (of its own share of the global batch) replaced
+        by their mean, in one all-reduce of the local shards (the replicas hold the same shards)."""
+        grads = [p.grad.to_local() for p in self.params if p.grad is not None]
+        if len(grads) != len(self.params):
+            raise RuntimeError(f"CO2's synchronous step found gradients on {len(grads)} of its {len(self.params)} "
+                               f"parameters: every replica must average the same set")
+        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.replicas, label="co2_sync")
+        flat.div_(self.replicas.size())
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """The local rounds begin here: the current weights (the same on every replica after synchronous
+        steps) are the first round's start and the outer model."""
+        self.finish()
+        self.start = self._flat()
+        self.anchor = self.start.clone()
+        self.arrived = None
+        if self.momentum is not None:
+            self.momentum.zero_()
 
     def finish(self) -> None:
         """Receive the change in flight, if any (kept for the next round end, or a checkpoint)."""

@@ -1,7 +1,8 @@
-"""train.data_parallel = co2 in the loop (the outer step itself: step/co2.py): a round ends after
-every train.co2_local_steps-th optimizer step; the metrics line says how many rounds ran and how
-long the last round end waited for the previous all-reduce (`co2_exposed_s`); each checkpoint
-carries every rank's CO2 state in its own file, read back on a resume under the same layout."""
+"""train.data_parallel = co2 in the loop (the outer step itself: step/co2.py): after the
+train.co2_sync_steps synchronous steps, a round ends after every train.co2_local_steps-th optimizer
+step; the metrics line says how many rounds ran and how long the last round end waited for the
+previous all-reduce (`co2_exposed_s`); each checkpoint carries every rank's CO2 state in its own
+file, read back on a resume under the same layout."""
 
 from __future__ import annotations
 
@@ -16,11 +17,20 @@ STATE_KEY = "co2"
 
 
 class CO2Rounds(StepHook):
-    def __init__(self, outer: OuterSync, replica_mesh):
-        self.outer, self.replica_mesh = outer, replica_mesh
+    """The rounds of a co2 run: steps 1..sync_steps synchronous (`before_clip` averages their gradients),
+    then a round ends after every local_steps-th step."""
+
+    def __init__(self, outer: OuterSync, replica_mesh, sync_steps: int = 0):
+        self.outer, self.replica_mesh, self.sync_steps = outer, replica_mesh, sync_steps
+
+    def before_clip(self, step: int) -> None:
+        if step <= self.sync_steps:
+            self.outer.average_gradients()
 
     def after_optimizer(self, step: int, applied: torch.Tensor) -> None:
-        if step % self.outer.local_steps == 0:
+        if step == self.sync_steps:
+            self.outer.restart()
+        elif step > self.sync_steps and (step - self.sync_steps) % self.outer.local_steps == 0:
             self.outer.end_round()
 
     def agreed_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
@@ -50,9 +60,10 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
         resumed = getattr(ckpt, "resumed_from", None)
         if resumed is not None:
             _restore(outer, optimizer, ckpt, *resumed, log)
-    log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps "
+    warm = f", after {t.co2_sync_steps} synchronous steps" if t.co2_sync_steps else ""
+    log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps{warm} "
         f"(outer lr {t.co2_outer_lr}, momentum {t.co2_outer_momentum})")
-    return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"))
+    return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"), t.co2_sync_steps)
 
 
 def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log) -> None:

@@ -271,6 +271,8 @@ class Trainer:
             local_loss = self._forward_backward(step, micro, valid)
             watchdog.phase(step, "optimizer")
             loss = self.rt.sum_tensor(local_loss) / max(valid, 1)
+            if self.co2 is not None:  # train.co2_sync_steps: a synchronous step's gradients averaged first
+                self.co2.before_clip(step)
             grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip)
             if self.co2 is not None:  # each replica clipped its own: the guard reads the largest
                 grad_norm = self.co2.agreed_norm(grad_norm)
