@@ -32,7 +32,7 @@ def _batch(step: int, replica: int, shard: int):
 
 def _outer(settings: dict) -> dict:
     return dict(local_steps=H, lr=settings["alpha"], momentum=settings["beta"], clip=settings["clip"],
-                penalty=settings["penalty"])
+                penalty=settings["penalty"], overlap=settings["overlap"])
 
 
 def _distributed(settings: dict) -> list[torch.Tensor]:
@@ -55,8 +55,7 @@ def _distributed(settings: dict) -> list[torch.Tensor]:
         torch.nn.functional.mse_loss(model(x), y).backward()  # FSDP averages the replica's 2 ranks
         optimizer.step()
         optimizer.zero_grad()
-        if step % H == 0:
-            outer.end_round()
+        outer.step_done(step)
     outer.finish()
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
@@ -72,11 +71,17 @@ def _write(model, flat: torch.Tensor) -> None:
 
 
 def _reference(settings: dict, replicas: int = 2) -> list[list[torch.Tensor]]:
-    """Both replicas on one process, the outer step written out from the formulas."""
+    """Both replicas on one process, the outer step written out from the formulas: a round end sends
+    each replica's progress since the last one and marks where it stands; `overlap` steps later (at the
+    next round end, before its change is measured, when that is H) the average replaces each replica's
+    own change, its progress since the mark kept, shrunk by 1 / (1 + penalty)."""
+    d = settings["overlap"] or H
     models = [_model() for _ in range(replicas)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
-    start = [_flat(m) for m in models]
-    anchor, momentum, averaged = start[0].clone(), torch.zeros_like(start[0]), None
+    anchor, momentum = _flat(models[0]), torch.zeros_like(_flat(models[0]))
+    sent = since = None  # the changes in flight, sent at step `since`
+    marks: list[torch.Tensor] = []  # where each replica stood at the round end
+    start = [anchor.clone() for _ in models]  # where each replica's next change is measured from
     for step in range(1, STEPS + 1):
         for r, (model, optimizer) in enumerate(zip(models, optimizers)):
             data = 0 if settings["same_data"] else r
@@ -84,32 +89,38 @@ def _reference(settings: dict, replicas: int = 2) -> list[list[torch.Tensor]]:
             (sum(losses) / 2).backward()
             optimizer.step()
             optimizer.zero_grad()
-        if step % H:
-            continue
-        deltas = [s - _flat(m) for s, m in zip(start, models)]
-        if averaged is not None:
-            change = averaged
+        if sent is not None and step == since + d:  # the merge
+            change = sum(sent) / replicas
             if settings["beta"] > 0:
-                momentum = settings["beta"] * momentum + averaged
+                momentum = settings["beta"] * momentum + change
                 change = momentum
             if settings["clip"] > 0:
                 change = change * min(1.0, settings["clip"] / (float(change.norm()) + 1e-12))
                 momentum = change if settings["beta"] > 0 else momentum
             anchor = anchor - settings["alpha"] * change
-        start = [anchor - d / (1 + settings["penalty"]) for d in deltas]
-        for m, s in zip(models, start):
-            _write(m, s)
-        averaged = sum(deltas) / replicas
+            for i, m in enumerate(models):
+                progress = _flat(m) - marks[i]
+                _write(m, anchor + progress / (1 + settings["penalty"]))
+                start[i] = _flat(m) - progress  # the next change: all progress since the mark
+            sent = None
+        if step % H == 0:  # the round end
+            marks = [_flat(m) for m in models]
+            sent = [s - x for s, x in zip(start, marks)]
+            start, since = [x.clone() for x in marks], step
     return [[p.detach() for p in m.parameters()] for m in models]
 
 
-PLAIN = dict(alpha=1.0, beta=0.0, clip=0.0, penalty=0.0, same_data=False)
-FULL = dict(alpha=0.7, beta=0.5, clip=0.02, penalty=0.5, same_data=False)
+PLAIN = dict(alpha=1.0, beta=0.0, clip=0.0, penalty=0.0, overlap=0, same_data=False)
+FULL = dict(alpha=0.7, beta=0.5, clip=0.02, penalty=0.5, overlap=0, same_data=False)
+SOONER = dict(FULL, overlap=1)  # merged one step after each round end
 SAME = dict(PLAIN, same_data=True)
+SAME_SOONER = dict(SAME, overlap=1)
 
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
         "--train.seq_len=256", "--train.warmup_steps=2", "--train.steps=10", "--parallel.dp_replicate=2"]
 CO2 = ["--train.data_parallel=co2", "--train.co2_local_steps=2"]
+# rounds of 4 merged 2 steps after their end: the checkpoint at step 5 falls between a round end and its merge
+SOONER_ARGS = ["--train.data_parallel=co2", "--train.co2_local_steps=4", "--train.co2_overlap_steps=2"]
 
 
 def _losses(args, run_dir):
@@ -134,7 +145,8 @@ def _resumed(first, then, run_dir):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("co2")
-    jobs = [(f"outer {name}", _distributed, (s,)) for name, s in (("plain", PLAIN), ("full", FULL), ("same", SAME))]
+    jobs = [(f"outer {name}", _distributed, (s,)) for name, s in (("plain", PLAIN), ("full", FULL), ("sooner", SOONER),
+                                                                   ("same", SAME), ("same sooner", SAME_SOONER))]
     jobs += [("co2", _losses, (CO2, str(d / "co2"))),
              ("co2 rounds", _logged_rounds, (str(d / "co2"),)),
              ("resumed", _resumed, (CO2, CO2, str(d / "resumed"))),
@@ -146,11 +158,13 @@ def runs(tmp_path_factory):
              ("co2 warm rounds", _logged_rounds, (str(d / "warm"),)),
              ("warm resumed", _resumed, ([*CO2, "--train.co2_sync_steps=6"], [*CO2, "--train.co2_sync_steps=6"],
                                          str(d / "warm-resumed"))),
+             ("co2 sooner", _losses, (SOONER_ARGS, str(d / "sooner"))),
+             ("sooner resumed", _resumed, (SOONER_ARGS, SOONER_ARGS, str(d / "sooner-resumed"))),
              ("co2 accum2", _losses, ([*CO2, "--train.grad_accum=2", "--train.global_batch=8"], str(d / "accum")))]
     return run_spawned_many(4, jobs)
 
 
-@pytest.mark.parametrize("name,settings", [("plain", PLAIN), ("full", FULL)])
+@pytest.mark.parametrize("name,settings", [("plain", PLAIN), ("full", FULL), ("sooner", SOONER)])
 def test_outer_step_matches_the_formulas_on_two_replicas(runs, name, settings):
     expected = _reference(settings)
     for rank, weights in enumerate(runs[f"outer {name}"]):
@@ -168,8 +182,14 @@ def test_replicas_on_the_same_data_train_as_one_replica(runs):
         (sum(losses) / 2).backward()
         optimizer.step()
         optimizer.zero_grad()
-    for weights in runs["outer same"]:
+    for weights in runs["outer same"] + runs["outer same sooner"]:
         assert max(float((a - b.detach()).abs().max()) for a, b in zip(weights, alone.parameters())) < 1e-6
+
+
+def test_merging_sooner_is_a_different_run(runs):
+    # the overlap setting reaches the outer step (the reference of each is checked above)
+    full, sooner = runs["outer full"][0], runs["outer sooner"][0]
+    assert max(float((a - b).abs().max()) for a, b in zip(full, sooner)) > 1e-4
 
 
 def test_co2_trains_close_to_sync_and_logs_its_rounds(runs):
@@ -185,6 +205,12 @@ def test_a_mid_round_checkpoint_resumes_exactly(runs):
     resumed = runs["resumed"][0]
     assert len(resumed) == 5
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[5:])) < 1e-5
+
+
+def test_a_checkpoint_between_a_round_end_and_its_merge_resumes_exactly(runs):
+    uninterrupted, resumed = runs["co2 sooner"][0], runs["sooner resumed"][0]
+    assert len(resumed) == 5 and max(abs(a - b) for a, b in zip(resumed, uninterrupted[5:])) < 1e-5
+    assert uninterrupted != runs["co2"][0]
 
 
 def test_a_co2_checkpoint_resumes_under_sync(runs):

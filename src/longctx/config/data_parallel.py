@@ -22,6 +22,10 @@ def data_parallel_problems(cfg: Config) -> list[str]:
         problems.append(f"train.co2_sync_steps must be in [0, train.steps = {t.steps}) (synchronous steps before the "
                         f"local rounds; 0 = none), got {t.co2_sync_steps}: a run of only synchronous steps is "
                         f"train.data_parallel = sync.")
+    if not 0 <= t.co2_overlap_steps <= t.co2_local_steps:
+        problems.append(f"train.co2_overlap_steps must be in 1..train.co2_local_steps = {t.co2_local_steps} (steps "
+                        f"after a round end at which its average is merged; 0 = co2_local_steps), got "
+                        f"{t.co2_overlap_steps}.")
     if t.co2_outer_lr <= 0:
         problems.append(f"train.co2_outer_lr must be positive (1 = plain averaging), got {t.co2_outer_lr}.")
     if not 0 <= t.co2_outer_momentum < 1:

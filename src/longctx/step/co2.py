@@ -3,30 +3,33 @@ with Full Communication-Computation Overlap", ICLR 2024), over the parallel.dp_r
 
 Each replica (an FSDP group: FSDP shards inside it, the replicas hold the same shards) takes
 `local_steps` (tau) optimizer steps on its own data with its own AdamW, its gradients never leaving
-it. A round then ends on every rank with, on the local shards (flat fp32 buffers):
+it. A round then ends on every rank (on the local shards, flat fp32 buffers): its change
+delta_i = start_i - x_i, the replica's progress since the last round end, starts an all-reduce that
+is not waited for, and x_i is remembered as the mark. `overlap` local steps later (d, 1..tau;
+train.co2_overlap_steps, tau by default: CO2's full overlap) the summed change is received and merged:
 
-    delta_i  = start_i - x_i                 this replica's change over the round
-    dbar     = mean over replicas of the PREVIOUS round's delta (its all-reduce ran under this round)
-    m        = beta * m + dbar;  m clipped to norm phi                      (outer momentum, its clip)
-    anchor  -= alpha * m                      the outer model, the same on every replica
-    start_i  = anchor - delta_i / (1 + lambda)    where the next round starts, written into the weights
-    all-reduce(delta_i) started, not waited for: it travels while the next round computes
+    dbar    = mean over replicas of delta_i
+    m       = beta * m + dbar;  m clipped to norm phi                  (outer momentum, its clip)
+    anchor -= alpha * m                       the outer model, the same on every replica
+    x_i     = anchor + (x_i - mark_i) / (1 + lambda)    written into the weights
+
+so a replica's own round change is replaced by the average, and what it learnt since the round end
+(d steps of its own progress, not yet averaged: the staleness gap) is kept, shrunk by the staleness
+gap penalty lambda (our reading of the paper's: a scalar here, not its layer-wise normalised form).
+The next round's change is measured so that it is the replica's whole progress since the round end
+(the penalty shrinks where the replica stands, not what it sends). With d = tau the merge comes at the
+next round end, just before that round's change is sent: the outer step applies each round's average
+one round late and the all-reduce is hidden under tau steps of compute (only its excess is exposed).
+A smaller d merges sooner, so the replicas drift less from the average, and hides the all-reduce
+under d steps only. With alpha = 1, beta = 0, lambda = 0 and replicas that see the same data, this is
+exactly training on one replica (each merge replaces a change by itself); tests/distributed/
+test_co2.py checks that and the formulas above on two replicas.
 
 A run may start with `sync_steps` synchronous steps (train.co2_sync_steps; post-local SGD, Lin et al.,
 "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020): `average_gradients()` before each of them
 makes every replica's gradient the global one (as train.data_parallel = sync), so the replicas, their
 AdamW moments included, stay identical; `restart()` after the last one makes the weights reached the
-start and the outer model of the first round. Local steps cost the most convergence early, where the
-loss falls fastest and a round-old change is furthest from current.
-
-So the outer step applies each round's averaged change one round late, and the all-reduce is fully
-overlapped with tau local steps (only what it takes longer than they do is exposed). A replica restarts
-from the outer model plus its own change, not yet averaged: the replicas differ by one round of local
-progress, the staleness gap. lambda (the staleness gap penalty, our reading of the paper's: a scalar
-here, not its layer-wise normalised form) shrinks that private lead; it is replaced by the average a
-round later in any case. With alpha = 1, beta = 0, lambda = 0 and replicas that see the same data, this
-is exactly training on one replica (the anchor lags the weights by one change); tests/distributed/
-test_co2.py checks that and the formulas above on two replicas.
+start and the outer model of the first round.
 
 Each replica is an FSDP group of its own (parallel/fsdp/shard.py), so no gradient leaves it. Only those
 groups' parameters are CO2's: under expert parallelism the experts' weights are sharded over an
@@ -54,22 +57,25 @@ def replicated_params(model: torch.nn.Module) -> list[DTensor]:
 class OuterSync:
     """CO2's outer step over `params` (DTensors sharded over one replica's FSDP group, `params[0]`'s mesh)
     between the replicas of `replicas` (a 1-D mesh: the ranks holding the same shards in every replica);
-    `end_round()` after every `local_steps`-th optimizer step."""
+    `step_done(k)` after each local optimizer step (k counts them from 1)."""
 
     def __init__(self, params: list[DTensor], replicas, *, local_steps: int, lr: float, momentum: float,
-                 clip: float, penalty: float):
+                 clip: float, penalty: float, overlap: int = 0):
         if not params:
             raise ValueError("CO2 needs parameters sharded over a replica's FSDP group (parallel/fsdp/shard.py)")
+        if not 0 <= overlap <= local_steps:
+            raise ValueError(f"CO2's overlap must be in 1..local_steps = {local_steps} (0 = local_steps), "
+                             f"got {overlap}")
         self.replicas, self.shards = replicas, params[0].device_mesh
-        self.params, self.local_steps = params, local_steps
+        self.params, self.local_steps, self.overlap = params, local_steps, overlap or local_steps
         self.lr, self.beta, self.clip, self.keep = lr, momentum, clip, 1.0 / (1.0 + penalty)
         with torch.no_grad():
-            self.start = self._flat()
+            self.start = self._flat()  # where the change sent at the next round end is measured from
         self.anchor = self.start.clone()
         self.momentum = torch.zeros_like(self.start) if momentum > 0 else None
         self.pending = None  # the last round's change, summed over the replicas in flight
         self.arrived: torch.Tensor | None = None  # ... or already received (a checkpoint's)
-        self.exposed_s = 0.0  # seconds the last round end waited for the previous all-reduce
+        self.exposed_s = 0.0  # seconds the last merge waited for its all-reduce
         self.rounds = 0
 
     def _locals(self) -> list[torch.Tensor]:
@@ -92,22 +98,41 @@ class OuterSync:
         summed, self.arrived = self.arrived, None
         return summed
 
+    def step_done(self, k: int) -> None:
+        """After the k-th local step: the last round's average merged `overlap` steps after its round
+        end (before the next round end's change is measured, when the two coincide); a round end
+        after every `local_steps`-th."""
+        if self.rounds and k == self.rounds * self.local_steps + self.overlap:  # (rounds x tau: the last round end)
+            self.merge()
+        if k % self.local_steps == 0:
+            self.end_round()
+
     @torch.no_grad()
     def end_round(self) -> None:
-        delta = self.start - self._flat()
-        summed = self._receive()
-        if summed is not None:
-            change = summed / self.replicas.size()
-            if self.momentum is not None:
-                change = self.momentum.mul_(self.beta).add_(change)
-            if self.clip > 0:
-                norm = comm.all_reduce(change.square().sum(), self.shards, label="co2_clip").sqrt()
-                change.mul_(torch.clamp(self.clip / (norm + 1e-12), max=1.0))
-            self.anchor.sub_(change, alpha=self.lr)
-        self.start = self.anchor - delta * self.keep  # (x 1.0 is exact: no penalty changes nothing)
-        self._write(self.start)
+        """Send this replica's change since the last round end; its weights are the mark."""
+        x = self._flat()
+        delta = self.start - x
+        self.start = x
         self.pending = comm.all_reduce_async(delta, self.replicas, label="co2_outer")
         self.rounds += 1
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """The last round's average in place of this replica's own change; the progress since kept."""
+        summed = self._receive()
+        if summed is None:
+            return
+        change = summed / self.replicas.size()
+        if self.momentum is not None:
+            change = self.momentum.mul_(self.beta).add_(change)
+        if self.clip > 0:
+            norm = comm.all_reduce(change.square().sum(), self.shards, label="co2_clip").sqrt()
+            change.mul_(torch.clamp(self.clip / (norm + 1e-12), max=1.0))
+        self.anchor.sub_(change, alpha=self.lr)
+        since = self._flat().sub_(self.start)  # this replica's progress since the round end (x - mark)
+        self._write(self.anchor + since * self.keep)  # (x 1.0 is exact: no penalty changes nothing)
+        # the next change sent is the whole progress since the round end, unshrunk: start - x then
+        self.start = self.anchor - since * (1.0 - self.keep)
 
     @torch.no_grad()
     def average_gradients(self) -> None:
@@ -134,7 +159,7 @@ class OuterSync:
             self.momentum.zero_()
 
     def finish(self) -> None:
-        """Receive the change in flight, if any (kept for the next round end, or a checkpoint)."""
+        """Receive the change in flight, if any (kept for its merge, or a checkpoint)."""
         if self.pending is not None:
             self.arrived, self.pending = self.pending.wait(), None
 

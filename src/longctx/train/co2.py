@@ -18,7 +18,7 @@ STATE_KEY = "co2"
 
 class CO2Rounds(StepHook):
     """The rounds of a co2 run: steps 1..sync_steps synchronous (`before_clip` averages their gradients),
-    then a round ends after every local_steps-th step."""
+    then a round ends after every local_steps-th step, its average merged overlap steps later."""
 
     def __init__(self, outer: OuterSync, replica_mesh, sync_steps: int = 0):
         self.outer, self.replica_mesh, self.sync_steps = outer, replica_mesh, sync_steps
@@ -30,8 +30,8 @@ class CO2Rounds(StepHook):
     def after_optimizer(self, step: int, applied: torch.Tensor) -> None:
         if step == self.sync_steps:
             self.outer.restart()
-        elif step > self.sync_steps and (step - self.sync_steps) % self.outer.local_steps == 0:
-            self.outer.end_round()
+        elif step > self.sync_steps:
+            self.outer.step_done(step - self.sync_steps)
 
     def agreed_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """The largest of the replicas' gradient norms (each clipped its own): one figure on every rank,
@@ -54,15 +54,17 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
     if t.data_parallel != "co2":
         return None
     outer = OuterSync(replicated_params(model), model.co2_replicas, local_steps=t.co2_local_steps, lr=t.co2_outer_lr,
-                      momentum=t.co2_outer_momentum, clip=t.co2_momentum_clip, penalty=t.co2_staleness_penalty)
+                      momentum=t.co2_outer_momentum, clip=t.co2_momentum_clip, penalty=t.co2_staleness_penalty,
+                      overlap=t.co2_overlap_steps)
     if ckpt is not None:
         ckpt.rank_state = lambda: {STATE_KEY: outer.state_dict(optimizer)}
         resumed = getattr(ckpt, "resumed_from", None)
         if resumed is not None:
             _restore(outer, optimizer, ckpt, *resumed, log)
     warm = f", after {t.co2_sync_steps} synchronous steps" if t.co2_sync_steps else ""
-    log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps{warm} "
-        f"(outer lr {t.co2_outer_lr}, momentum {t.co2_outer_momentum})")
+    log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps{warm}, "
+        f"its average merged {outer.overlap} steps later (outer lr {t.co2_outer_lr}, momentum "
+        f"{t.co2_outer_momentum})")
     return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"), t.co2_sync_steps)
 
 
