@@ -161,7 +161,9 @@ def runs(tmp_path_factory):
              ("co2 sooner", _losses, (SOONER_ARGS, str(d / "sooner"))),
              ("sooner resumed", _resumed, (SOONER_ARGS, SOONER_ARGS, str(d / "sooner-resumed"))),
              ("co2 accum2", _losses, ([*CO2, "--train.grad_accum=2", "--train.global_batch=8"], str(d / "accum")))]
-    return run_spawned_many(4, jobs)
+    out = run_spawned_many(4, jobs)
+    out["dir"] = d  # (where the runs' checkpoints are)
+    return out
 
 
 @pytest.mark.parametrize("name,settings", [("plain", PLAIN), ("full", FULL), ("sooner", SOONER)])
@@ -205,6 +207,20 @@ def test_a_mid_round_checkpoint_resumes_exactly(runs):
     resumed = runs["resumed"][0]
     assert len(resumed) == 5
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[5:])) < 1e-5
+
+
+def test_a_run_ends_on_one_averaged_model(runs):
+    # every replica's weights (each rank's shard, in its CO2 state) equal after the last step, not before
+    from pathlib import Path
+
+    def weights(step, rank):
+        state = torch.load(Path(runs["dir"]) / f"resumed/checkpoints/step-{step:08d}/local-rank{rank}.pt",
+                           weights_only=True)
+        return state["co2"]["weights"]
+
+    for a, b in ((0, 2), (1, 3)):  # the same shard in replicas 0 and 1
+        assert not torch.equal(weights(5, a), weights(5, b))
+        assert torch.allclose(weights(10, a), weights(10, b), rtol=0, atol=1e-7)
 
 
 def test_a_checkpoint_between_a_round_end_and_its_merge_resumes_exactly(runs):

@@ -63,6 +63,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence, one sequence per rank and step")
     p.add_argument("--timed", type=int, default=8, help="timed steps per mode after a warm-up (default 8)")
     p.add_argument("--co2-local-steps", type=int, default=4, help="co2's local steps per round (default 4)")
+    p.add_argument("--co2-overlap-steps", type=int, default=0,
+                   help="co2's train.co2_overlap_steps: steps after a round end at which its average is merged "
+                        "(default 0 = the local steps, CO2's full overlap)")
     p.add_argument("--steps", type=int, default=0, help="also train each mode this many steps: final_loss")
     p.add_argument("--zero-pp-kernels", choices=("auto", "compiled", "eager"), default="compiled",
                    help="parallel.zero_pp_kernels for the qwz / qgz modes (default compiled, as a GPU run's auto: "
@@ -80,7 +83,8 @@ def mode_overrides(mode: str, nodes: int, ranks: int, spec: dict) -> list[str]:
     extra = {"fsdp": [], "hpz": ["--parallel.zero_pp=hpz"], "qwz": ["--parallel.zero_pp=qwz"],
              "qgz": ["--parallel.zero_pp=qgz"], "zeropp": ["--parallel.zero_pp=hpz,qwz,qgz"],
              "co2": [f"--parallel.dp_replicate={nodes}", "--train.data_parallel=co2",
-                     f"--train.co2_local_steps={spec['local_steps']}"],
+                     f"--train.co2_local_steps={spec['local_steps']}",
+                     f"--train.co2_overlap_steps={spec.get('overlap_steps', 0)}"],
              "three_level": ["--parallel.zero_pp=hpz,qwz,qgz", f"--parallel.hpz_ranks={spec['group_ranks']}"]}[mode]
     return [*base, *extra]
 
@@ -165,11 +169,13 @@ def main(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as work:
         spec = dict(nodes=nodes, ranks=ranks, modes=modes, model=args.model, seq_len=args.seq_len, timed=timed,
-                    steps=args.steps, local_steps=args.co2_local_steps, intra_gbps=args.intra_gbps,
+                    steps=args.steps, local_steps=args.co2_local_steps, overlap_steps=args.co2_overlap_steps,
+                    intra_gbps=args.intra_gbps,
                     inter_ratio=args.inter_ratio, work=work, group_ranks=args.group_ranks,
                     middle_ratio=args.middle_ratio, kernels=args.zero_pp_kernels)
         result = run_spawned(nodes * ranks, _rank, spec, timeout=4 * 3600)[0]
     out = {"cluster": f"{nodes}x{ranks}", "model": args.model, "seq_len": args.seq_len, "timed_steps": timed,
+           "co2_local_steps": args.co2_local_steps, "co2_overlap_steps": args.co2_overlap_steps or args.co2_local_steps,
            "zero_pp_kernels": args.zero_pp_kernels,
            **result, "ratios": _ratios(result["modes"])}
     if args.plot and args.steps:

@@ -29,7 +29,8 @@ A run may start with `sync_steps` synchronous steps (train.co2_sync_steps; post-
 "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020): `average_gradients()` before each of them
 makes every replica's gradient the global one (as train.data_parallel = sync), so the replicas, their
 AdamW moments included, stay identical; `restart()` after the last one makes the weights reached the
-start and the outer model of the first round.
+start and the outer model of the first round. A run ends on one model: `final_average()` after its
+last step merges the change in flight and averages the replicas' weights.
 
 Each replica is an FSDP group of its own (parallel/fsdp/shard.py), so no gradient leaves it. Only those
 groups' parameters are CO2's: under expert parallelism the experts' weights are sharded over an
@@ -157,6 +158,19 @@ class OuterSync:
         self.arrived = None
         if self.momentum is not None:
             self.momentum.zero_()
+
+    @torch.no_grad()
+    def final_average(self) -> None:
+        """The run's last step: the change in flight merged, then every replica's weights replaced by
+        their mean (one all-reduce of the weights), so the run's last evaluation and checkpoint hold one
+        model that has every replica's progress, not one replica's. The rounds may go on from it (a
+        resumed, longer run), as from restart()."""
+        self.finish()
+        self.merge()
+        flat = comm.all_reduce(self._flat(), self.replicas, label="co2_final")
+        self._write(flat.div_(self.replicas.size()))
+        self.start = self._flat()
+        self.anchor = self.start.clone()
 
     def finish(self) -> None:
         """Receive the change in flight, if any (kept for its merge, or a checkpoint)."""

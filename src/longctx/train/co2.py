@@ -18,10 +18,11 @@ STATE_KEY = "co2"
 
 class CO2Rounds(StepHook):
     """The rounds of a co2 run: steps 1..sync_steps synchronous (`before_clip` averages their gradients),
-    then a round ends after every local_steps-th step, its average merged overlap steps later."""
+    then a round ends after every local_steps-th step, its average merged overlap steps later; after
+    the last step the replicas' weights are averaged."""
 
-    def __init__(self, outer: OuterSync, replica_mesh, sync_steps: int = 0):
-        self.outer, self.replica_mesh, self.sync_steps = outer, replica_mesh, sync_steps
+    def __init__(self, outer: OuterSync, replica_mesh, sync_steps: int = 0, last_step: int = 0):
+        self.outer, self.replica_mesh, self.sync_steps, self.last_step = outer, replica_mesh, sync_steps, last_step
 
     def before_clip(self, step: int) -> None:
         if step <= self.sync_steps:
@@ -32,6 +33,8 @@ class CO2Rounds(StepHook):
             self.outer.restart()
         elif step > self.sync_steps:
             self.outer.step_done(step - self.sync_steps)
+        if step == self.last_step:  # one model for the last evaluation and checkpoint
+            self.outer.final_average()
 
     def agreed_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """The largest of the replicas' gradient norms (each clipped its own): one figure on every rank,
@@ -65,7 +68,7 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
     log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps{warm}, "
         f"its average merged {outer.overlap} steps later (outer lr {t.co2_outer_lr}, momentum "
         f"{t.co2_outer_momentum})")
-    return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"), t.co2_sync_steps)
+    return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"), t.co2_sync_steps, t.steps)
 
 
 def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log) -> None:
