@@ -12,6 +12,9 @@ CO2 = ["--train.data_parallel=co2", "--parallel.dp_replicate=2"]
     (["--train.data_parallel=co2"], "set parallel.dp_replicate"),
     ([*CO2, "--train.co2_local_steps=0"], "train.co2_local_steps must be at least 1"),
     ([*CO2, "--train.co2_outer_lr=0"], "train.co2_outer_lr must be positive"),
+    ([*CO2, "--train.co2_sync_steps=300"], "train.co2_sync_steps must be in [0, train.steps = 300)"),
+    ([*CO2, "--train.co2_sync_steps=-1"], "train.co2_sync_steps must be in"),
+    ([*CO2, "--train.co2_overlap_steps=5"], "train.co2_overlap_steps must be in 1..train.co2_local_steps = 4"),
     ([*CO2, "--train.co2_outer_momentum=1"], "train.co2_outer_momentum must be in [0, 1)"),
     ([*CO2, "--train.co2_staleness_penalty=-1"], "train.co2_staleness_penalty must be >= 0"),
     ([*CO2, "--memory.model_states=host"], "use memory.model_states = device"),
@@ -25,6 +28,7 @@ def test_each_problem_is_one_clear_error(args, says):
 
 
 def test_a_sound_co2_config_and_sync_are_accepted():
-    cfg = load_config("configs/debug.toml", [*CO2, "--train.co2_outer_momentum=0.5", "--parallel.zero_pp=hpz,qwz"])
+    cfg = load_config("configs/debug.toml", [*CO2, "--train.co2_outer_momentum=0.5", "--parallel.zero_pp=hpz,qwz",
+                                             "--train.co2_sync_steps=299", "--train.co2_overlap_steps=4"])
     assert cfg.train.data_parallel == "co2" and cfg.train.co2_local_steps == 4
     assert load_config("configs/debug.toml", ["--train.co2_local_steps=0"]).train.data_parallel == "sync"
