@@ -7,7 +7,7 @@
   train exactly as one replica alone would.
 - The Trainer under co2 (debug model, 2 replicas x 2 ranks): it trains, stays close to sync, logs its
   rounds, and a checkpoint taken mid-round resumes to the uninterrupted run's losses (1e-5); a co2
-  checkpoint resumes under sync; with train.co2_sync_steps its first steps are sync's, exactly.
+  checkpoint resumes under sync; with train.co2_sync_steps its first steps are sync's (within 1e-5).
 """
 
 import pytest
@@ -159,6 +159,7 @@ def runs(tmp_path_factory):
              ("warm resumed", _resumed, ([*CO2, "--train.co2_sync_steps=6"], [*CO2, "--train.co2_sync_steps=6"],
                                          str(d / "warm-resumed"))),
              ("co2 sooner", _losses, (SOONER_ARGS, str(d / "sooner"))),
+             ("co2 h4", _losses, (["--train.data_parallel=co2", "--train.co2_local_steps=4"], str(d / "h4"))),
              ("sooner resumed", _resumed, (SOONER_ARGS, SOONER_ARGS, str(d / "sooner-resumed"))),
              ("co2 accum2", _losses, ([*CO2, "--train.grad_accum=2", "--train.global_batch=8"], str(d / "accum")))]
     out = run_spawned_many(4, jobs)
@@ -226,7 +227,10 @@ def test_a_run_ends_on_one_averaged_model(runs):
 def test_a_checkpoint_between_a_round_end_and_its_merge_resumes_exactly(runs):
     uninterrupted, resumed = runs["co2 sooner"][0], runs["sooner resumed"][0]
     assert len(resumed) == 5 and max(abs(a - b) for a, b in zip(resumed, uninterrupted[5:])) < 1e-5
-    assert uninterrupted != runs["co2"][0]
+    # the Trainer passes the setting on: merged at step 6, not 8 as with the round's default
+    h4 = runs["co2 h4"][0]
+    assert max(abs(a - b) for a, b in zip(uninterrupted[:6], h4[:6])) < 1e-6
+    assert max(abs(a - b) for a, b in zip(uninterrupted[6:], h4[6:])) > 1e-4
 
 
 def test_a_co2_checkpoint_resumes_under_sync(runs):
@@ -247,7 +251,7 @@ def test_synchronous_steps_first_then_local_rounds(runs):
     sync, warm, co2 = runs["sync"][0], runs["co2 warm"][0], runs["co2"][0]
     assert max(abs(a - b) for a, b in zip(warm[:7], sync[:7])) < 1e-5
     assert max(abs(a - b) for a, b in zip(co2[:7], sync[:7])) > 1e-4  # (without them, co2 leaves sync earlier)
-    assert warm[7:] != sync[7:]
+    assert max(abs(a - b) for a, b in zip(warm[7:], sync[7:])) > 1e-4
     assert dict(runs["co2 warm rounds"][0])[10] == 2  # (10 - 6) / H
     # a checkpoint taken during the synchronous steps resumes to the uninterrupted run
     assert max(abs(a - b) for a, b in zip(runs["warm resumed"][0], warm[5:])) < 1e-5

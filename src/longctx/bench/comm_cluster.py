@@ -78,7 +78,8 @@ def mode_overrides(mode: str, nodes: int, ranks: int, spec: dict) -> list[str]:
     base = [f"--model.preset={spec['model']}", f"--train.seq_len={spec['seq_len']}",
             f"--train.global_batch={nodes * ranks}", "--train.eval_interval=0", "--metrics.plots=false",
             "--metrics.progress=false", "--data.max_docs=300", "--train.warmup_steps=2",
-            f"--train.steps={max(spec['steps'], spec['timed'] + 1)}", f"--parallel.ranks_per_node={ranks}",
+            # (one step past the timed ones: a run's last step does more, e.g. co2's final average)
+            f"--train.steps={max(spec['steps'], spec['timed'] + 2)}", f"--parallel.ranks_per_node={ranks}",
             f"--model.max_seq_len={max(spec['seq_len'], 256)}", f"--parallel.zero_pp_kernels={spec['kernels']}"]
     extra = {"fsdp": [], "hpz": ["--parallel.zero_pp=hpz"], "qwz": ["--parallel.zero_pp=qwz"],
              "qgz": ["--parallel.zero_pp=qgz"], "zeropp": ["--parallel.zero_pp=hpz,qwz,qgz"],

@@ -100,12 +100,15 @@ class OuterSync:
         return summed
 
     def step_done(self, k: int) -> None:
-        """After the k-th local step: the last round's average merged `overlap` steps after its round
-        end (before the next round end's change is measured, when the two coincide); a round end
-        after every `local_steps`-th."""
-        if self.rounds and k == self.rounds * self.local_steps + self.overlap:  # (rounds x tau: the last round end)
-            self.merge()
-        if k % self.local_steps == 0:
+        """After the k-th local step: a merge `overlap` steps after every round end (before the next
+        round end's change is measured, when the two coincide; nothing to merge does nothing), a round
+        end after every `local_steps`-th. Scheduled from k alone, so a resume that changed the round's
+        length, or began from a checkpoint without CO2 state, still merges every round it sends."""
+        round_end = k % self.local_steps == 0
+        in_flight = self.pending is not None or self.arrived is not None
+        if (k >= self.overlap and (k - self.overlap) % self.local_steps == 0) or (round_end and in_flight):
+            self.merge()  # (a change in flight is merged before the next is sent, even off the schedule)
+        if round_end:
             self.end_round()
 
     @torch.no_grad()
@@ -118,12 +121,14 @@ class OuterSync:
         self.rounds += 1
 
     @torch.no_grad()
-    def merge(self) -> None:
-        """The last round's average in place of this replica's own change; the progress since kept."""
+    def merge(self, keep: float | None = None) -> None:
+        """The last round's average in place of this replica's own change; the progress since the mark
+        kept, times `keep` (the staleness penalty's by default)."""
         summed = self._receive()
         if summed is None:
             return
-        change = summed / self.replicas.size()
+        keep = self.keep if keep is None else keep
+        change = summed.div_(self.replicas.size())
         if self.momentum is not None:
             change = self.momentum.mul_(self.beta).add_(change)
         if self.clip > 0:
@@ -131,9 +136,9 @@ class OuterSync:
             change.mul_(torch.clamp(self.clip / (norm + 1e-12), max=1.0))
         self.anchor.sub_(change, alpha=self.lr)
         since = self._flat().sub_(self.start)  # this replica's progress since the round end (x - mark)
-        self._write(self.anchor + since * self.keep)  # (x 1.0 is exact: no penalty changes nothing)
+        self._write(torch.add(self.anchor, since, alpha=keep))  # (x 1.0 is exact: no penalty changes nothing)
         # the next change sent is the whole progress since the round end, unshrunk: start - x then
-        self.start = self.anchor - since * (1.0 - self.keep)
+        self.start.copy_(self.anchor).add_(since, alpha=keep - 1.0)
 
     @torch.no_grad()
     def average_gradients(self) -> None:
@@ -150,27 +155,29 @@ class OuterSync:
 
     @torch.no_grad()
     def restart(self) -> None:
-        """The local rounds begin here: the current weights (the same on every replica after synchronous
-        steps) are the first round's start and the outer model."""
+        """The local rounds begin here, from one model: the replicas' weights averaged (the same already
+        after synchronous steps; not after a resume that moved the synchronous steps past local rounds)
+        are the first round's start and the outer model; nothing in flight, no outer momentum."""
         self.finish()
-        self.start = self._flat()
-        self.anchor = self.start.clone()
         self.arrived = None
-        if self.momentum is not None:
-            self.momentum.zero_()
+        self._one_model("co2_restart")
 
     @torch.no_grad()
     def final_average(self) -> None:
-        """The run's last step: the change in flight merged, then every replica's weights replaced by
-        their mean (one all-reduce of the weights), so the run's last evaluation and checkpoint hold one
-        model that has every replica's progress, not one replica's. The rounds may go on from it (a
-        resumed, longer run), as from restart()."""
+        """The run's last step: the change in flight merged (the progress since its round end kept
+        whole: no later average is coming for the penalty to make room for), then every replica's
+        weights replaced by their mean, so the run's last evaluation and checkpoint hold one model with
+        every replica's progress. A resumed, longer run's rounds go on from it as from restart()."""
         self.finish()
-        self.merge()
-        flat = comm.all_reduce(self._flat(), self.replicas, label="co2_final")
-        self._write(flat.div_(self.replicas.size()))
-        self.start = self._flat()
-        self.anchor = self.start.clone()
+        self.merge(keep=1.0)
+        self._one_model("co2_final")
+
+    def _one_model(self, label: str) -> None:
+        flat = comm.all_reduce(self._flat(), self.replicas, label=label).div_(self.replicas.size())
+        self._write(flat)
+        self.start, self.anchor = flat, flat.clone()
+        if self.momentum is not None:
+            self.momentum.zero_()
 
     def finish(self) -> None:
         """Receive the change in flight, if any (kept for its merge, or a checkpoint)."""

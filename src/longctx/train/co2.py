@@ -1,7 +1,7 @@
 """train.data_parallel = co2 in the loop (the outer step itself: step/co2.py): after the
 train.co2_sync_steps synchronous steps, a round ends after every train.co2_local_steps-th optimizer
-step; the metrics line says how many rounds ran and how long the last round end waited for the
-previous all-reduce (`co2_exposed_s`); each checkpoint carries every rank's CO2 state in its own
+step; the metrics line says how many rounds ran and how long the last merge waited for its
+all-reduce (`co2_exposed_s`); each checkpoint carries every rank's CO2 state in its own
 file, read back on a resume under the same layout."""
 
 from __future__ import annotations
