@@ -286,11 +286,10 @@ class TrainConfig:
     co2_sync_steps: int = _opt(0, "train.data_parallel = co2: the run's first N optimizer steps are synchronous "
                                   "(the replicas' gradients averaged, as under sync), and the local rounds start "
                                   "from the weights they reach (post-local SGD); 0 = local rounds from step 1")
-    co2_overlap_steps: int = _opt(0, "train.data_parallel = co2: local steps after a round end at which its "
-                                     "averaged change is merged (1..co2_local_steps): the outer all-reduce hides "
-                                     "under that many steps, and a replica keeps only that much progress of its "
-                                     "own beside the average; 0 = co2_local_steps (CO2's full overlap: merged at "
-                                     "the next round end)")
+    co2_overlap_steps: int = _opt(0, "train.data_parallel = co2: steps after a round end at which its average is "
+                                     "merged (1..co2_local_steps; the all-reduce hides under them, and a replica "
+                                     "keeps that much progress of its own beside the average); 0 = "
+                                     "co2_local_steps (CO2's full overlap)")
     co2_outer_lr: float = _opt(1.0, "train.data_parallel = co2: outer learning rate on the averaged round change "
                                     "(1 with no momentum = plain parameter averaging, one round late)")
     co2_outer_momentum: float = _opt(0.0, "train.data_parallel = co2: outer momentum on the averaged round change")
