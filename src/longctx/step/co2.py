@@ -85,9 +85,10 @@ class OuterSync:
     def _flat(self) -> torch.Tensor:
         return torch.cat([t.reshape(-1).float() for t in self._locals()])
 
-    def _write(self, flat: torch.Tensor) -> None:
-        locals_ = self._locals()
-        for t, part in zip(locals_, flat.split([t.numel() for t in locals_])):
+    def _write(self, flat: torch.Tensor, into: list[torch.Tensor] | None = None) -> None:
+        """`flat` copied back into `into` (the local weights by default) in order."""
+        into = self._locals() if into is None else into
+        for t, part in zip(into, flat.split([t.numel() for t in into])):
             t.copy_(part.view_as(t))
 
     def _receive(self) -> torch.Tensor | None:
@@ -149,9 +150,7 @@ class OuterSync:
             raise RuntimeError(f"CO2's synchronous step found gradients on {len(grads)} of its {len(self.params)} "
                                f"parameters: every replica must average the same set")
         flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.replicas, label="co2_sync")
-        flat.div_(self.replicas.size())
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+        self._write(flat.div_(self.replicas.size()), into=grads)
 
     @torch.no_grad()
     def restart(self) -> None:
