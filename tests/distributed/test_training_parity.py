@@ -126,9 +126,10 @@ def test_packed_documents_train_identically(layout, balance, short_docs, packed_
     assert len(read_documents(short_docs)) == 400
     diffs = [abs(a - b) for a, b in zip(losses[0], single[:8])]
     # A wrong mask or split shows in the forward and the first update (steps 1-2), where the layouts
-    # agree within 1e-6 (a layout that ignores the documents is 3e-2 off there). Later steps carry fp32 rounding that AdamW amplifies: ctx 4 x window 2 merges
-    # four ranks' partial attentions in another order and drifted 7.5e-5 by step 8 here, 1.1e-4 on
-    # CI's CPU, growing smoothly; 3e-4 is still 1e-4 of the loss.
+    # agree within 1e-6 (a layout that ignores the documents is 3e-2 off there). Later steps carry
+    # fp32 rounding that AdamW amplifies: ctx 4 x window 2 merges four ranks' partial attentions in
+    # another order and drifted 7.5e-5 by step 8 here, 1.1e-4 on CI's CPU, growing smoothly; 3e-4 is
+    # still 1e-4 of the loss.
     assert max(diffs[:2]) <= 1e-5, f"{layout}: max |loss - single| over steps 1-2 = {max(diffs[:2]):.2e}"
     assert max(diffs) <= 3e-4, f"{layout}: max |loss - single| = {max(diffs):.2e}"
 
