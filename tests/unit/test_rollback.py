@@ -64,9 +64,9 @@ class Recorder:
         return [w for s, w, _ in self.calls if s == step][occurrence]
 
 
-def _trainer(tmp_path, name, extra, monkeypatch, fault=""):
+def _trainer(tmp_path, name, extra, monkeypatch, fault="", base=BASE):
     monkeypatch.setenv("LONGCTX_FAULT", fault)
-    cfg = load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / name}"])
+    cfg = load_config(None, [*base, *extra, f"--train.run_dir={tmp_path / name}"])
     return Trainer(cfg, log=_quiet)
 
 
@@ -108,6 +108,20 @@ def test_rollback_reloads_and_skips_the_window(fault, extra, bad, back_to, tmp_p
     assert line["rollbacks"] == 1
 
 
+def test_a_rollback_to_the_last_step_of_a_stage_starts_the_next_stage_afresh(tmp_path, monkeypatch):
+    # bad step 3 is stage 1's last, read at step 4 in stage 2: steps 4.. get the clean run's batches
+    base = [x for x in BASE if not x.startswith("--train.seq_len")]
+    extra = ["--train.stages=64:3,128:3", "--checkpoint.interval=2", "--metrics.log_interval=2"]
+    ref = Recorder(clean := _trainer(tmp_path, "clean", extra, monkeypatch, base=base))
+    clean.run()
+    rec = Recorder(faulty := _trainer(tmp_path, "faulty", extra, monkeypatch, "nonfinite@3", base=base))
+    faulty.run()
+    assert rec.steps() == [1, 2, 3, 4, 4, 5, 6] and faulty.rollbacks == 1
+    for s in (4, 5, 6):
+        assert all(torch.equal(a, b) for a, b in zip(rec.tokens(s), ref.tokens(s))), s
+    assert _same(rec.start(4), rec.start(3, 0))  # from the checkpoint of step 2
+
+
 @pytest.mark.slow
 def test_a_resume_after_a_rollback_does_not_replay_the_window(tmp_path, monkeypatch):
     extra = ["--train.steps=9", "--metrics.log_interval=1"]
@@ -134,6 +148,54 @@ def test_a_resume_after_a_rollback_does_not_replay_the_window(tmp_path, monkeypa
         assert all(torch.equal(a, b) for a, b in zip(rec.tokens(s), whole_rec.tokens(s)))
     assert _same(rec.start(7), whole_rec.start(7))
     assert losses == pytest.approx(whole_losses[6:], rel=0, abs=1e-6)
+
+
+def _abandoned_attempt(tmp_path, monkeypatch, extra):
+    """A run that saved steps 4 and 8 and crashed in step 9: `latest` names step 8; its checkpoints."""
+    first = _trainer(tmp_path, "run", extra, monkeypatch)
+    Recorder(first, crash_at_call=8)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        first.run()
+    first.sampler.close()
+    assert (first.ckpt.root / "latest").read_text().strip() == "step-00000008"
+    return first.ckpt.root
+
+
+def _resume(tmp_path, extra, checkpoint, logs):
+    return Trainer(load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / 'run'}",
+                                      f"--checkpoint.resume={checkpoint}"]), log=logs.append)
+
+
+def test_a_rollback_after_resuming_an_older_checkpoint_never_goes_to_the_abandoned_attempt(tmp_path, monkeypatch):
+    extra = ["--train.steps=12", "--metrics.log_interval=1"]
+    root = _abandoned_attempt(tmp_path, monkeypatch, extra)
+    # again from step 4, saving every 3 steps: bad step 5 (`latest` still names the abandoned step 8) goes
+    # back to step 4; bad step 9 to this run's step 6, not to the abandoned step 8 (before 9, but another run's)
+    monkeypatch.setenv("LONGCTX_FAULT", "nonfinite@5,nonfinite@9")
+    logs = []
+    resumed = _resume(tmp_path, [*extra, "--checkpoint.interval=3"], root / "step-00000004", logs)
+    assert resumed.start_step == 4
+    rec = Recorder(resumed)
+    resumed.run()
+    records = [json.loads(x) for x in (root / "rollbacks.jsonl").read_text().splitlines()]
+    assert [(r["bad_step"], r["rolled_back_to"]) for r in records] == [(5, 4), (9, 6)]
+    assert any("step 5: " in str(x) and "rolled back to the checkpoint of step 4" in str(x) for x in logs)
+    assert rec.steps() == [*range(5, 13)] and resumed.rollbacks == 2
+    assert _same(rec.start(6), rec.start(5)) and _same(rec.start(10), rec.start(7))
+
+
+def test_a_rollback_with_only_a_damaged_checkpoint_before_the_bad_step_stops(tmp_path, monkeypatch):
+    from longctx.errors import TrainingError
+
+    extra = ["--train.steps=12", "--metrics.log_interval=1"]
+    root = _abandoned_attempt(tmp_path, monkeypatch, extra)
+    monkeypatch.setenv("LONGCTX_FAULT", "nonfinite@6")
+    resumed = _resume(tmp_path, extra, root / "step-00000004", [])
+    (root / "step-00000004" / "trainer_state.json").write_text("{}")  # damaged after the resume loaded it
+    # the abandoned step 8 is intact, but after the bad step: never gone "back" to
+    with pytest.raises(TrainingError, match="at step 6, and train.on_nonfinite = rollback, but no checkpoint"):
+        resumed.run()
+    assert not (root / "rollbacks.jsonl").exists()
 
 
 def test_no_checkpoint_before_the_bad_step_stops_with_a_clear_message(tmp_path, monkeypatch):

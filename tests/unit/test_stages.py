@@ -23,7 +23,7 @@ class _Samples:
         return Batch(t, t, t, None)
 
 
-def _loader(stages="8:3,16:2"):
+def _loader(stages="8:3,16:2", read_ahead=False):
     cfg = load_config(None, [f"--train.stages={stages}", "--train.eval_interval=0", "--train.global_batch=2"])
     built = []
 
@@ -31,7 +31,7 @@ def _loader(stages="8:3,16:2"):
         built.append(stage_cfg.train.seq_len)
         return _Samples(10 * stage_cfg.train.seq_len, stage_cfg.train.seq_len), None
 
-    return StagedLoader(cfg, build, dp=1), built
+    return StagedLoader(cfg, build, dp=1, read_ahead=read_ahead), built
 
 
 def test_stages_set_steps_and_seq_len():
@@ -122,3 +122,32 @@ def test_moved_stage_boundaries_on_resume_are_said_not_silent():
     later.load_state_dict(second.state_dict())
     later.enter(5)
     assert "data position is in stage 2, but step 5 is in stage 1" in later.position_note
+
+
+def _steps(loader, steps):
+    """As the trainer reads them: enter the step's stage, take its micro-batches (read ahead, maybe)."""
+    out = []
+    for step in steps:
+        loader.enter(step)
+        out.append([(b.tokens.shape[1], b.tokens[:, 0].tolist()) for b, _ in loader.step_batches(step)])
+    return out
+
+
+@pytest.mark.parametrize("read_ahead", [False, True])
+@pytest.mark.parametrize("bad, read_at", [
+    (3, 4), (3, 5),  # stage 1's last step, read in stage 2: stage 2 starts again at its first sample
+    (2, 5),  # a step of stage 1 read in stage 2: the rest of stage 1, then stage 2 from its start
+    (4, 5), (2, 3), (3, 3),  # the bad step read in its own stage
+])
+def test_a_rollback_goes_on_with_the_data_after_the_bad_step_across_a_boundary(bad, read_at, read_ahead):
+    """train.on_nonfinite = rollback: steps 1..read_at ran, the position after the bad step is loaded,
+    and the steps after it (run again) get the batches a run without the rollback gets."""
+    reference = _steps(_loader(read_ahead=read_ahead)[0], range(1, 6))
+    loader, _ = _loader(read_ahead=read_ahead)
+    positions = {}
+    for step in range(1, read_at + 1):
+        _steps(loader, [step])
+        positions[step] = loader.state_dict()  # what the trainer keeps with each step's loss
+    loader.load_state_dict(positions[bad])
+    assert loader.state_dict() == positions[bad]  # what a save right after the rollback records
+    assert _steps(loader, range(bad + 1, 6)) == reference[bad:]

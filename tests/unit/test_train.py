@@ -86,13 +86,26 @@ def test_impossible_settings_are_refused_not_ignored(tmp_path):
 
 
 def test_lr_schedule_warmup_then_cosine_to_floor():
-    cfg = load_config(overrides=["--train.steps=100", "--train.warmup_steps=10", "--train.lr=1.0",
+    # 101 steps (0-based 0..100): warmup 0..9, then the cosine over steps 10..100, halfway at 55
+    cfg = load_config(overrides=["--train.steps=101", "--train.warmup_steps=10", "--train.lr=1.0",
                                  "--train.min_lr_ratio=0.1"])
     assert lr_at(0, cfg) == pytest.approx(0.1)
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(10, cfg) == pytest.approx(1.0)
     assert lr_at(55, cfg) == pytest.approx(0.55)
     assert lr_at(100, cfg) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("steps, warmup", [(10, 0), (100, 10), (4, 2), (2, 0)])
+def test_the_last_step_trains_at_the_floor(steps, warmup):
+    """lr_at's contract: lr * min_lr_ratio at the last step (0-based steps - 1, what the trainer's step
+    `steps` asks for), exactly; the first step after the warmup at the peak."""
+    cfg = load_config(overrides=[f"--train.steps={steps}", f"--train.warmup_steps={warmup}", "--train.lr=1.0",
+                                 "--train.min_lr_ratio=0.1"])
+    assert lr_at(steps - 1, cfg) == 1.0 * 0.1
+    assert lr_at(warmup, cfg) == 1.0
+    rates = [lr_at(s, cfg) for s in range(warmup, steps)]
+    assert rates == sorted(rates, reverse=True) and len(set(rates)) == len(rates)  # decays every step
 
 
 def test_flops_formula_matches_a_hand_count():

@@ -4,8 +4,9 @@ Layout independence comes from PyTorch Distributed Checkpoint: model and optimiz
 saved by fully-qualified parameter name with their global shapes (`get_state_dict`), whatever the
 sharding, and loaded into whatever sharding the resumed job has (`set_state_dict`). The data
 position is the sampler's global cursor, which does not depend on the number of ranks, and the
-learning-rate schedule is a function of the step. Each rank's random generators are saved too
-(`rng-rank{r}.pt`, checkpoint/rng_states.py).
+learning-rate schedule is a function of the step; the spike check's window (train/guard.py) is saved
+beside the data position. Each rank's random generators are saved too (`rng-rank{r}.pt`,
+checkpoint/rng_states.py). The optimizer's hyper-parameters are the resumed run's config's, not the saver's.
 
 Crash safety: every save is written into a hidden temporary directory. When its own files are on
 disk, each rank hashes them (the DCP shards `__{rank}_*.distcp` and its RNG file; rank 0 also the
@@ -131,8 +132,6 @@ class _Worker:
                 done.set_exception(e)
 
 
-_STEP_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")  # optimizer flags, not state
-
 class CheckpointManager:
     def __init__(self, root: Path, *, keep: int, async_save: bool, rank: int, world: int, layout: dict,
                  model_cfg: dict, log=print, create: bool = True, tokenizer: str | None = None,
@@ -156,7 +155,10 @@ class CheckpointManager:
         # state that is this rank's own and no layout-free tensor can hold (train.data_parallel = co2's
         # replicas): a callable returning a dict, captured at each save into `local-rank{r}.pt`
         self.rank_state = None
+        # the spike check's window (train/guard.py): a callable returning a dict, saved as "guard" in trainer_state.json
+        self.guard_state = None
         self.resumed_from: tuple[Path, dict] | None = None  # (path, manifest) of the last load
+        self.resumed_state: dict | None = None  # its trainer state (trainer_state.json and the manifest)
         # async saves: where each rank hashes its files and rank 0 commits, off the training loop
         self._worker = _Worker("checkpoint-finish") if async_save else None
         self._finishing: Future | None = None  # the async save in flight
@@ -177,8 +179,9 @@ class CheckpointManager:
         self.saves += 1
         tmp = self._temporary_directory(step)
         # captured now (the generators move on with training), written with the rest off the loop
-        own_files = functools.partial(self._write_own_files, tmp, _rng_state(),
-                                      json.dumps({"step": step, "sampler": sampler_state}), self.saves,
+        trainer_state = {"step": step, "sampler": sampler_state,
+                         **({} if self.guard_state is None else {"guard": self.guard_state()})}
+        own_files = functools.partial(self._write_own_files, tmp, _rng_state(), json.dumps(trainer_state), self.saves,
                                       None if self.rank_state is None else self.rank_state())
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -360,18 +363,23 @@ class CheckpointManager:
         check_draft_matches(manifest, d.get("layers"), path, d.get("kind", "glide"), d.get("vocab", 0))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        # how this run computes its optimizer step (fused or foreach: a property of the device and
-        # memory.model_states it runs under) is kept; the checkpoint's groups would bring the saver's
-        implementation = [{k: g[k] for k in _STEP_IMPLEMENTATION if k in g} for g in optimizer.param_groups]
+        # the state (moments, step counts) is the checkpoint's; every group's hyper-parameters are this run's
+        # (its config's betas, eps, weight_decay, which a resume may change and announces; how it computes the
+        # step, fused or foreach, a property of its device and memory.model_states): the checkpoint's groups
+        # would bring the saver's. (lr: the trainer sets the schedule's every step.)
+        own_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         with _single_process(self.world == 1):
             dcp.load(state, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        for group, kept in zip(optimizer.param_groups, implementation):
-            group.update(kept)
+        for group, own in zip(optimizer.param_groups, own_groups):
+            params = group["params"]
+            group.clear()
+            group.update(params=params, **own)
         self._restore_rng(path, manifest)
         self.resumed_from = (path, manifest)
         trainer = json.loads((path / TRAINER_STATE).read_text())
         trainer["manifest"] = manifest
+        self.resumed_state = trainer
         return trainer
 
     def load_rank_state(self, path: Path, manifest: dict) -> dict | None:

@@ -25,8 +25,9 @@ the host.
 - **Checkpoints do not see the tier.** The optimizer's parameters are the model's own (so DCP maps
   its state to the same names as under `device`), its state (exp_avg, exp_avg_sq, step) is the
   host tensors (DTensors over host shards under FSDP, as FSDP2's CPU offload keeps them), and
-  loading keeps them in host memory where torch's loader would move them to the weights' device.
-  The masters are not state: they are the weights, copied from the model again after a load.
+  loading keeps them in host memory where torch's loader would move them to the weights' device,
+  and keeps the groups' hyper-parameters (the run's config's, not the saver's). The masters are not
+  state: they are the weights, copied from the model again after a load.
 """
 
 from __future__ import annotations
@@ -326,9 +327,11 @@ class HostOptimizer(torch.optim.AdamW):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Torch's loading, except that the state stays in host memory (torch's would move it to
-        each weight's device); the masters are taken from the weights again before the next step
-        (DCP loads the optimizer before the model)."""
+        """Torch's loading of the state, except that it stays in host memory (torch's would move it to
+        each weight's device), and that the groups' hyper-parameters stay this optimizer's: those of
+        the run's config, which a resume may change (torch's would take the saved ones; lr is the
+        schedule's, set every step). The masters are taken from the weights again before the next
+        step (DCP loads the optimizer before the model)."""
         self._updates.finish()
         saved_groups = state_dict["param_groups"]
         if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in self.param_groups]:
@@ -344,6 +347,4 @@ class HostOptimizer(torch.optim.AdamW):
                 host = {k: v.pin_memory() for k, v in host.items()}
             self._inner_state(i)[self.masters[i]] = host
             self.state[p] = {"step": host["step"], **{k: _like(p, host[k]) for k in _MOMENTS}}
-        for sg, g in zip(saved_groups, self.param_groups):
-            g.update({k: v for k, v in sg.items() if k != "params"})
         self._refresh = True

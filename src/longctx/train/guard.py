@@ -6,7 +6,9 @@ starts once that window is full: the first steps' losses fall too fast to have a
 decision is a 0-d bool tensor on the device, taken by the optimizer step like a gradient scaler's
 found-inf (step.guarded_step): no step waits for the device. The window is a small device tensor,
 written every step; what the loop does with a bad step (skip, stop, roll back) is read later, with
-the step's other figures.
+the step's other figures. The window is training state: checkpoints save it beside the data position
+(trainer_state.json) and a resume restores it, so a resumed run checks the steps after the resumed
+one as the uninterrupted run did (without it, the check would be off for spike_window steps).
 """
 
 from __future__ import annotations
@@ -27,6 +29,24 @@ class StepGuard:
         """Forget the losses seen (after a rollback: the run continues from older weights)."""
         self._recent = torch.full((self.window,), float("nan"), dtype=torch.float64, device=self.device)
         self._seen = 0  # steps checked since the reset (host count: no read of the device)
+
+    def state_dict(self) -> dict:
+        """The window as JSON: the losses of the last min(steps seen, spike_window) steps, oldest
+        first, None for a bad step's empty slot. Read on the host (a save waits for the device anyway)."""
+        n = min(self._seen, self.window)
+        recent = self._recent.tolist()
+        ordered = [recent[i % self.window] for i in range(self._seen - n, self._seen)]
+        return {"losses": [None if math.isnan(x) else x for x in ordered]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore a window saved by state_dict (None: a checkpoint saved without one; the window
+        starts empty, as after reset). Under another train.spike_window the newest losses that fit
+        are kept, and the check starts once the window is full again."""
+        self.reset()
+        losses = [] if state is None else list(state["losses"])[-self.window:]
+        values = [float("nan") if x is None else float(x) for x in losses]
+        self._recent[:len(values)] = torch.tensor(values, dtype=torch.float64)
+        self._seen = len(values)
 
     def check(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(apply the update, is a spike): 0-d bool tensors, the same on every rank (the loss and

@@ -1,12 +1,14 @@
 """train.on_nonfinite = rollback: going back to the last checkpoint, and what was skipped, kept beside it.
 
-A bad step (non-finite, or a loss spike) found at step B, with the newest checkpoint at step C < B:
-the run reloads C's weights and optimizer, takes the data position it had after step B, and goes on
-at step B + 1. The data of steps C+1..B (the window that led to the bad step) is never trained on,
-and steps B+1.. see the data they would have seen. The choice is recorded in `rollbacks.jsonl` in
-the checkpoint directory (the run directory's checkpoints/ by default): one JSON line per
-rollback, written before training goes on, so that a resume from C, after a crash before the
-next save, continues at B + 1 with the same data instead of replaying the window.
+A bad step (non-finite, or a loss spike) found at step B, with the run's newest checkpoint at step
+C < B: the run reloads C's weights and optimizer, takes the data position it had after step B, and
+goes on at step B + 1. The data of steps C+1..B (the window that led to the bad step) is never
+trained on, and steps B+1.. see the data they would have seen. C is never at or after B: after a
+`--checkpoint.resume` of an older checkpoint, the newer ones (and `latest`) are the abandoned
+attempt's (rollback_candidates). The choice is recorded in `rollbacks.jsonl` in the checkpoint
+directory (the run directory's checkpoints/ by default): one JSON line per rollback, written before
+training goes on, so that a resume from C, after a crash before the next save, continues at B + 1
+with the same data instead of replaying the window.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import os
 import time
 from pathlib import Path
 
+from ..checkpoint.manifest import damage_report
+from ..config.checkpoint_paths import MANIFEST, complete_checkpoints, latest_checkpoint
 from ..errors import TrainingError
 
 RECORD = "rollbacks.jsonl"
@@ -71,15 +75,55 @@ class BadStep(Exception):
         self.step, self.reason, self.position = step, reason, position
 
 
+def _named_step(path: Path) -> int | None:
+    """The step of a step-NNNNNNNN directory, from its name (read before anything in it is verified)."""
+    digits = path.name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else None
+
+
+def rollback_candidates(ckpt, bad_step: int) -> list[Path]:
+    """The complete checkpoints a rollback at `bad_step` may go back to, best first (the same list on
+    every rank).
+
+    Only checkpoints before the bad step: one at or after it is another trajectory's (an explicit
+    resume of an older checkpoint leaves the newer ones, and `latest`, to the attempt it abandoned).
+    First this run's own newest: the one it loaded last (its resume, or its last rollback) or, once it
+    has saved, the one `latest` names (each save it commits points `latest` there). A checkpoint newer
+    than that one but before the bad step is not this run's either, so only older ones follow, newest
+    first, for when this run's own is damaged. A run with neither takes the newest before the bad step."""
+    own = [] if ckpt.resumed_from is None else [(int(ckpt.resumed_from[1]["step"]), ckpt.resumed_from[0])]
+    if ckpt.saves and (latest := latest_checkpoint(ckpt.root)) is not None:
+        own.append((_named_step(latest), latest))
+    own = [(step, path) for step, path in own if step is not None and step < bad_step]
+    limit = 1 + max(step for step, _ in own) if own else bad_step
+    others = [(step, p) for p in complete_checkpoints(ckpt.root)
+              if (step := _named_step(p)) is not None and step < limit]
+    ordered = []
+    for _, path in sorted([*own, *others], key=lambda c: -c[0]):  # (stable: this run's own first on a tie)
+        if (path / MANIFEST).is_file() and path.resolve() not in {p.resolve() for p in ordered}:
+            ordered.append(path)  # (a checkpoint loaded once may have been pruned since)
+    return ordered
+
+
 def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool) -> str:
-    """Reload the newest checkpoint (before the bad step: every save reads the steps before it),
-    take the data position after the bad step and record the skipped window; returns what to log."""
-    found = ckpt.resume_point("auto")
+    """Reload this run's newest intact checkpoint before the bad step (rollback_candidates), take the
+    data position after the bad step and record the skipped window; returns what to log."""
+    found, damaged = None, {}
+    for path in rollback_candidates(ckpt, bad.step):
+        manifest, problems = ckpt.find_damage(path)  # collective: every rank checks the same paths in order
+        if not problems:
+            found = path, manifest
+            break
+        damaged[path.name] = damage_report(problems)
+        ckpt.log(f"checkpoint: {path} is damaged ({damaged[path.name]}); not rolling back to it, trying the "
+                 f"previous checkpoint")
     if found is None:
+        why = (f"no checkpoint before it is intact ({'; '.join(f'{n}: {r}' for n, r in damaged.items())})"
+               if damaged else "no checkpoint was saved before it")
         raise TrainingError(
-            f"{bad.reason} at step {bad.step}, and train.on_nonfinite = rollback, but no checkpoint was saved "
-            f"before it, so there is nothing to roll back to; the run stops. Lower checkpoint.interval so that "
-            f"a checkpoint precedes the first bad step, or use train.on_nonfinite = skip.")
+            f"{bad.reason} at step {bad.step}, and train.on_nonfinite = rollback, but {why}, so there is nothing "
+            f"to roll back to; the run stops. Lower checkpoint.interval so that a checkpoint precedes the first bad "
+            f"step, or use train.on_nonfinite = skip.")
     path, manifest = found
     state = ckpt.load(path, model, optimizer, manifest)
     back_to = int(state["step"])

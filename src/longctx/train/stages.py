@@ -181,16 +181,29 @@ class StagedLoader:
         self._drop_ahead()
 
     def state_dict(self) -> dict:
-        """The data position after the last batch handed out (not after one read ahead)."""
+        """The data position after the last batch handed out (not after one read ahead). A loaded
+        position whose stage is not entered yet is returned as loaded (a save on a signal right after
+        a rollback to another stage's position records it, not the forgotten stage's)."""
+        if self.loader is None and self._saved is not None:
+            return {**self._saved, "stage": self._resumed_stage}
         position = self._ahead_from if self._ahead is not None else self.loader.state_dict()
         return {**position, "stage": self.stage.index}
 
     def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's data position: it continues its stage's order when that stage is entered;
-        a checkpoint at a stage's last step leaves the next stage to start at its first sample."""
+        """A checkpoint's (or a rollback's) data position: it continues its stage's order when that
+        stage is entered; a position at a stage's last step leaves the next stage to start at its
+        first sample."""
         self._drop_ahead()
         self._saved = dict(state)
         self._resumed_stage = int(state.get("stage", 0))
-        if self.stage is not None and int(state.get("stage", 0)) == self.stage.index:
+        if self.stage is None:
+            return
+        if self._resumed_stage == self.stage.index:
             self.loader.load_state_dict(state)
             self._saved = None
+        else:
+            # Another stage's position, e.g. a rollback read in stage k+1 to a bad step of stage k: the
+            # current stage's loader has moved past the steps that now run again, so it is forgotten,
+            # and the next enter() builds the step's stage afresh (from its first sample, or from this
+            # position when it is that stage's).
+            self.stage = self.loader = None

@@ -113,6 +113,7 @@ class Trainer:
                                     read_local=functools.partial(read_local_batch, rt), read_ahead=read_ahead)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
+        self._keep_guard_window()
         self.saves = RunSaves(self.ckpt, cfg, self.log)  # checkpoint.interval / final / on_save_error
         # train.data_parallel = co2: CO2's rounds over the replicas (co2.py; None under sync)
         self.co2 = co2_rounds(cfg, self.model, self.optimizer, rt, self.ckpt, self.log)
@@ -134,11 +135,22 @@ class Trainer:
         moe = self.hooks.find(MoEStepHook)
         return None if moe is None else moe.router_counts
 
+    def _keep_guard_window(self) -> None:
+        """The spike check's window is saved with each checkpoint and restored on resume (an older
+        checkpoint without it: the window starts empty)."""
+        if self.ckpt is None:
+            return
+        self.ckpt.guard_state = self.guard.state_dict
+        if self.ckpt.resumed_state is not None:
+            self.guard.load_state_dict(self.ckpt.resumed_state.get("guard"))
+
     def _skip_rolled_back_window(self) -> None:
-        """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py)."""
+        """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py),
+        with the spike check's window empty, as it was after the rollback."""
         if self.ckpt is not None and self.start_step:
             self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler)
             if note:
+                self.guard.reset()
                 self.log(note)
 
     @property
