@@ -3,6 +3,14 @@ answer) is continued greedily, or sampled with `longctx generate`'s flags, with 
 (generate/engine.py), on one process or sharded over head x ctx ranks (generate/sharded.py), or on one
 process through InfLLM's context memory (--context-memory infllm: generate/context_memory.py); right
 when the first run of digits it writes is the answer.
+
+The special-token prefix. For hf:DIR, `longctx generate` (as transformers) puts the tokenizer's special
+tokens before a prompt's text (e.g. BOS: generate/prompts.py); eval's sequences are built without them
+(data/synthetic.py, as training's). So both modes give the model the same prefix first (`special_prefix`):
+generate mode before each prompt, score mode in place of each sequence's last token, which is only
+ever a label (`with_prefix`), so a sequence stays `length` tokens and the context before the answer
+is the same in both modes. None for a longctx checkpoint (its training data carries none), a
+tokenizer that adds none, or the byte tokenizer.
 """
 
 from __future__ import annotations
@@ -31,6 +39,52 @@ def answer_start(seq: Sequence) -> int:
     return int(np.flatnonzero(seq.labels != IGNORE)[0]) + 1
 
 
+PROBE = "1"  # any text: what the tokenizer puts before it is its special-token prefix
+
+
+def special_prefix(checkpoint: str, tokenizer) -> list[int]:
+    """The token ids `longctx generate` puts before a prompt's text (generate/prompts.py): for hf:DIR with
+    a Hugging Face tokenizer, those its post-processing adds before the text (e.g. BOS), as
+    transformers does; none otherwise."""
+    from ..data.tokenizer import HFTokenizer
+    from ..errors import DataError
+
+    if not (checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)):
+        return []
+    plain = [int(t) for t in tokenizer.encode(PROBE)]
+    full = [int(t) for t in tokenizer.encode(PROBE, add_special_tokens=True)]
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return full[:i]
+    raise DataError(f"the tokenizer {tokenizer.name} tokenizes {PROBE!r} as {plain} alone but as {full} with its "
+                    f"special tokens, so the prefix `longctx generate` gives a prompt cannot be told apart; pass "
+                    f"another --tokenizer.")
+
+
+def with_prefix(seq: Sequence, prefix: list[int]) -> Sequence:
+    """`seq` read after `prefix`, still seq.length tokens: the prefix, then its tokens but the last
+    len(prefix), whose labels must be unscored (the last token is only ever a label: labels[i] is
+    tokens[i + 1]; the answer's last token stays the label of the last position)."""
+    import dataclasses
+
+    import numpy as np
+
+    from ..data.samples import IGNORE
+    from ..errors import DataError
+
+    k = len(prefix)
+    if not k:
+        return seq
+    if (seq.labels[len(seq.labels) - k:] != IGNORE).any():
+        raise DataError(f"the tokenizer puts {k} special tokens ({prefix}) before a text, as `longctx generate` "
+                        f"gives it to this model; --mode score keeps a sequence at its length by reading one such "
+                        f"token in place of its last token (only ever a label), and has room for no more without "
+                        f"leaving answer tokens unscored. Use --mode generate, which prompts with them all.")
+    tokens = np.concatenate([np.asarray(prefix, dtype=seq.tokens.dtype), seq.tokens[:-k]])
+    labels = np.concatenate([np.full(k, IGNORE, dtype=seq.labels.dtype), seq.labels[:-k]])
+    return dataclasses.replace(seq, tokens=tokens, labels=labels)
+
+
 def parse_answer(text: str) -> str:
     """The answer a generation gives: its first run of digits ('' when it has none)."""
     found = re.search(r"[0-9]+", text)
@@ -57,10 +111,13 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
             model = load_model(cfg, device, dtype)
         tokenizer = load_tokenizer(request.tokenizer)
         eos = eos_ids(cfg.model.init_from, tokenizer)
+        prefix = special_prefix(cfg.model.init_from, tokenizer)
         p = cfg.parallel
         layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
         out = _result_head(request, args, cfg, layout, dtype)
         _note_routing(out, model, main_rank)
+        if prefix:
+            out["special_prefix"] = prefix
         if request.memory is not None:
             out["context_memory"] = {"method": "infllm", **vars(request.memory)}
         if request.sampling is not None:
@@ -80,7 +137,7 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
                         for start in range(0, len(seqs), request.batch):
                             group = seqs[start:start + request.batch]
                             texts += _generate_answers(model, tokenizer, group, index, request.sampling, args.seed,
-                                                       eos_ids=eos, device=device, backend=backend)
+                                                       prefix, eos_ids=eos, device=device, backend=backend)
                             index += len(group)
                             progress.update(len(group))
                     out["results"].extend(_summarise_generated(request, length, seqs, texts, time.perf_counter() - t0))
@@ -109,15 +166,17 @@ def _eval_backend(request: EvalRequest, layout_backend):
     return backend, device, main_rank
 
 
-def _generate_answers(model, tokenizer, group: list[Sequence], first: int, sampling, seed: int, **engine) -> list[str]:
-    """One batch of prompts (each sequence up to its answer) continued by the answer's length +
-    EXTRA_NEW_TOKENS tokens, greedily unless `sampling` says otherwise, sequence first + i's draws
-    seeded from `seed` and first + i; the generated texts. `engine`: generate()'s eos_ids, device, backend."""
+def _generate_answers(model, tokenizer, group: list[Sequence], first: int, sampling, seed: int,
+                      prefix: list[int] | tuple = (), **engine) -> list[str]:
+    """One batch of prompts (each sequence up to its answer, after `prefix`: special_prefix) continued by
+    the answer's length + EXTRA_NEW_TOKENS tokens, greedily unless `sampling` says otherwise, sequence
+    first + i's draws seeded from `seed` and first + i; the generated texts. `engine`: generate()'s
+    eos_ids, device, backend."""
     from ..generate.engine import GREEDY, generate
     from ..generate.sampling import derive_seed
 
     cuts = [answer_start(q) for q in group]
-    results = generate(model, [q.tokens[:c].tolist() for q, c in zip(group, cuts)],
+    results = generate(model, [list(prefix) + q.tokens[:c].tolist() for q, c in zip(group, cuts)],
                        max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)],
                        sampling=sampling or GREEDY, seeds=[derive_seed(seed, first + i) for i in range(len(group))],
                        **engine)

@@ -1,6 +1,8 @@
 """`longctx eval --mode score` (the default): every length's sequences scored in teacher-forced forward
 passes (eval/runner.py) on this rank's part of the layout, summarised per position bucket (ppl) or per
-depth (passkey/needle: right when every answer token is the argmax).
+depth (passkey/needle: right when every answer token is the argmax). Passkey/needle sequences are read
+after the special tokens `longctx generate` would put before their text (hf:DIR's BOS, say), as
+generate mode's prompts are, each still `length` tokens (generate_mode.py, special_prefix).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def evaluate_score(request: EvalRequest, args) -> dict | None:
     from .runner import score
 
     cfg = request.cfg
+    sequences, prefix = _prefixed(request)
     rt, device = join_job(cfg)
     world = rt.world
     log = say if rt.is_main else (lambda *_: None)
@@ -39,13 +42,15 @@ def evaluate_score(request: EvalRequest, args) -> dict | None:
     layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
     out = _result_head(request, args, cfg, layout, dtype)
     _note_routing(out, model, rt.is_main)
-    total = sum(len(s) for s in request.sequences.values())
+    if prefix:
+        out["special_prefix"] = prefix
+    total = sum(len(s) for s in sequences.values())
     bar = progress_bar(total, f"eval {request.task}", "seq", rt.is_main)
     start_all = time.perf_counter()
     try:
         with phase(f"eval {request.task}", done_line=False):
             for which, length in enumerate(request.lengths):
-                seqs = request.sequences[length]
+                seqs = sequences[length]
                 t0 = time.perf_counter()
                 # (each length's own line follows it: no closing line from the phase)
                 with phase(_length_phase(request, which), len(seqs), "sequences", done_line=False, bar=bar) as progress:
@@ -64,6 +69,19 @@ def evaluate_score(request: EvalRequest, args) -> dict | None:
         out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
     finish_distributed()
     return out if rt.is_main else None
+
+
+def _prefixed(request: EvalRequest) -> tuple[dict[int, list[Sequence]], list[int]]:
+    """(each length's sequences as the model reads them, the special-token prefix): passkey/needle ones
+    after the prefix `longctx generate` gives a text (generate_mode.py); ppl's spans of documents as
+    they are (a span starts mid-document, where no BOS stands)."""
+    if request.task == "ppl":
+        return request.sequences, []
+    from ..data.tokenizer import load_tokenizer
+    from .generate_mode import special_prefix, with_prefix
+
+    prefix = special_prefix(request.cfg.model.init_from, load_tokenizer(request.tokenizer))
+    return {n: [with_prefix(q, prefix) for q in seqs] for n, seqs in request.sequences.items()}, prefix
 
 
 def _summarise(request: EvalRequest, length: int, seqs: list[Sequence], s: dict, buckets: int,

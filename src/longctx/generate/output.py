@@ -13,17 +13,35 @@ import sys
 
 
 class StopStrings:
-    """Whether a row's text so far contains one of the stop strings (checked on the last tokens only:
-    a stop string of c characters lies within the last 4c + 4 tokens, bytes of a UTF-8 character
-    being separate tokens at worst)."""
+    """Whether a row's text so far contains one of the stop strings, checked on the last tokens only.
+
+    A stop string of c characters that the last token completes starts at most c - 1 characters before
+    that token's text, so the tail read must hold that many characters before it. The tail starts at
+    4c + 4 tokens (bytes of a UTF-8 character being separate tokens at worst) and doubles until the
+    text before its last token holds 4c + 4 characters or it covers the row: tokens that decode to
+    nothing (special tokens, which decode skips, or a byte tokenizer's ids >= 256) may lie inside a
+    stop string, so a count of tokens alone is not enough. Doubling keeps the work within a few
+    decodes of the shortest tail that suffices (one, with one token more, when no token is silent)."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.window = 4 * max((len(s) for s in stops), default=0) + 4
 
     def __call__(self, row: int, tokens: list[int]) -> bool:
-        tail = self.tokenizer.decode(tokens[-self.window:])
-        return any(s in tail for s in self.stops)
+        return any(s in self.tail(tokens) for s in self.stops)
+
+    def tail(self, tokens: list[int]) -> str:
+        """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends."""
+        n, last = self.window, None
+        while True:
+            text = self.tokenizer.decode(tokens[-n:])
+            if n >= len(tokens):
+                return text
+            if last is None:  # (the last token's own text: the characters before it are what counts)
+                last = len(self.tokenizer.decode(tokens[-1:]))
+            if len(text) - last >= self.window:
+                return text
+            n *= 2
 
     def cut(self, text: str) -> str:
         found = [i for i in (text.find(s) for s in self.stops) if i >= 0]

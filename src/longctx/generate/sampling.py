@@ -27,18 +27,29 @@ prompt's seed is its own ("seed" in the prompts file, or `generate(seeds=...)`),
 `derive_seed(run seed, the prompt's index)`; sample s of a prompt of seed P uses `sample_seed(P, s)`
 (P itself for sample 0). `derive_seed` is splitmix64 (Steele et al.'s finaliser) of
 seed + (index + 1) x 0x9E3779B97F4A7C15, kept to 63 bits.
+
+Not finite. A distribution with NaN or inf in it (the model's logits NaN or inf, or logits / T past
+fp32's 3.4e38) is an error (NonFiniteLogits), never a token. A temperature below MIN_TEMPERATURE
+(1e-30) is refused with the other settings, before any work: below it the logits that overflow come
+within reach of real models (at 1e-36, a logit of 340), and sampling there is greedy decoding but for
+exact ties anyway. The small ones people use for "greedy through the sampler" (1e-5, 1e-6) are
+allowed: nothing overflows there (a logit would have to pass 3e33 at 1e-5), and refusing them would
+break commands that work. The check adds no host sync of its own on a GPU (draw).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 
 PENALTY_RANGE = 2.0  # presence / frequency penalties: vLLM's and OpenAI's [-2, 2]
+# the smallest temperature > 0: logits / T stays within fp32 (3.4e38) for any |logit| below 3.4e8
+MIN_TEMPERATURE = 1e-30
 _MASK64 = (1 << 64) - 1
 
 
@@ -58,6 +69,14 @@ class Sampling:
         out = []
         if not self.temperature >= 0:
             out.append(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        elif not math.isfinite(self.temperature):
+            out.append(f"--temperature must be finite, got {self.temperature} (a large one flattens the distribution "
+                       f"towards uniform; an infinite one makes it NaN)")
+        elif 0 < self.temperature < MIN_TEMPERATURE:
+            out.append(f"--temperature {self.temperature:g} is too small: below {MIN_TEMPERATURE:g}, logits divided by "
+                       f"it can overflow fp32 to inf (a logit of 340 does at 1e-36), which leaves no distribution to "
+                       f"draw from. Use --temperature 0 for greedy decoding (what so small a temperature amounts to), "
+                       f"or {MIN_TEMPERATURE:g} or more")
         if self.top_k < 0:
             out.append(f"--top-k must be >= 0 (0 = no limit), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -224,6 +243,10 @@ def process(logits: torch.Tensor, sampling: Sampling, processors: Processors | N
     return logits if sampling.greedy else warp(logits, sampling)
 
 
+class NonFiniteLogits(UserError, RuntimeError):
+    """A row's distribution to draw from holds NaN or inf."""
+
+
 def row_generators(seeds: Sequence[int]) -> list[torch.Generator]:
     """One host generator per request, seeded with its seed."""
     return [torch.Generator().manual_seed(int(s) & _MASK64) for s in seeds]
@@ -231,12 +254,35 @@ def row_generators(seeds: Sequence[int]) -> list[torch.Generator]:
 
 def draw(processed: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row [rows] from processed logits [rows, vocab] (sampling): one float64 uniform from
-    each row's generator, through the row's CDF (a token of probability 0 is never chosen)."""
-    u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=g)) for g in generators],
-                     dtype=torch.float64, device=processed.device)
+    each row's generator, through the row's CDF (a token of probability 0 is never chosen). A row whose
+    distribution is not finite is an error (NonFiniteLogits).
+
+    Host syncs on a GPU: one, the check, once all of the draw's work is queued, so the decode loop's
+    host read of the tokens right after it has nothing left to wait for; the uniforms go up without
+    one (pinned, non-blocking). (Before the check, their blocking copy was this sync.)"""
+    u = _uniforms(generators, processed.device)
     cdf = processed.softmax(dim=-1).double().cumsum(dim=-1)
-    x = (u * cdf[:, -1]).unsqueeze(-1)  # < the row's total for u < 1
-    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=processed.shape[-1] - 1)
+    total = cdf[:, -1]
+    x = (u * total).unsqueeze(-1)  # < the row's total for u < 1, so the index is < vocab when total is finite
+    tokens = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    finite = torch.isfinite(total)
+    if not bool(finite.all()):
+        rows = (~finite).nonzero().flatten().tolist()
+        raise NonFiniteLogits(
+            f"sampling: the distribution of row{'s' * (len(rows) > 1)} {', '.join(map(str, rows))} is not finite "
+            f"(NaN or inf in the processed logits): either the model's logits hold NaN or inf (a diverged "
+            f"checkpoint, or an overflow in a reduced dtype), or the temperature is so small that logits / "
+            f"temperature overflows fp32. Use a larger --temperature, or --temperature 0 for greedy decoding; "
+            f"if the model's logits are not finite, check the checkpoint and its dtype.")
+    return tokens
+
+
+def _uniforms(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """One float64 uniform from each row's host generator [rows], on `device` (on a GPU without a sync)."""
+    values = [float(torch.rand((), dtype=torch.float64, generator=g)) for g in generators]
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=torch.float64, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.float64, device=device)
 
 
 def next_tokens(logits: torch.Tensor, sampling: Sampling, generators: Sequence[torch.Generator] | None = None,
