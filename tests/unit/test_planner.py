@@ -16,7 +16,8 @@ from longctx.costs.shape import MeshShape, group_is_intra_node
 from longctx.errors import ConfigError
 from longctx.memory.policy import MemoryPolicy
 from longctx.planner.cost import estimate
-from longctx.planner.search import Request, candidate_shapes, parse_tokens, plan
+from longctx.planner.request import parse_tokens
+from longctx.planner.search import Request, candidate_shapes, plan
 
 
 def model(preset, **over):

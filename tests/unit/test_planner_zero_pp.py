@@ -57,14 +57,14 @@ def test_a_slow_inter_node_link_makes_zero_pp_pay_and_its_plan_runs(monkeypatch)
     """llama3-70b on 32 GPUs in 4 nodes at 5 GB/s between them: the states need FSDP over more than a
     node (HSDP within one would hold 140 GB per GPU), so the weights' and gradients' transfers cross
     the slow link every step; ZeRO++ sends about a quarter of their bytes across, and wins."""
-    import longctx.planner.search as search
+    import longctx.planner.request as request
 
     m70 = load_config(None, {"model": {"preset": "llama3-70b"}}).model
     req = Request(m70, H100.replace(inter_gbps=5), 32, 2**15, gpus_per_node=8, micro_batches=(1,),
                   recomputes=("selective",), model_states=("device",))
     best = plan(req, explain=False).best
     assert best.mesh_shape.zero_pp == "hpz,qwz,qgz" and best.mesh_shape.fsdp > 8, best.mesh_shape.describe()
-    monkeypatch.setattr(search, "ZERO_PP_TRIED", ())
+    monkeypatch.setattr(request, "ZERO_PP_TRIED", ())
     plain = plan(req, explain=False).best
     assert best.step_s < 0.8 * plain.step_s, (best.step_s, plain.step_s)
     cfg = plan_config(best, req, load_config(None, {"model": {"preset": "llama3-70b"}}))

@@ -49,7 +49,13 @@ from ..memory.accounting import estimate_activations
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
 from .hardware import Hardware
-from .model_states import accumulated_grad_bytes, gathered_param_bytes, param_counts, predicted_model_state_bytes
+from .model_states import (
+    accumulated_grad_bytes,
+    gathered_param_bytes,
+    param_counts,
+    per_model,
+    predicted_model_state_bytes,
+)
 from .shape import MeshShape
 from .timing import exposed
 
@@ -189,17 +195,26 @@ def hpz_copy_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float
     return (pc["total"] - pc["root"]) * gather_bytes / max(shape.hpz_ranks or shape.node, 1)
 
 
-def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,
-                 activations: float, transient: float) -> dict[str, float]:
-    """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers,
-    the unsharded gradients accumulated under grad_sync "step" (only where there are any), the
-    saved activations and the backward's transient on top of them."""
+@per_model
+def _state_parts(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int,
+                 gather_bytes: int) -> tuple[tuple[str, float], ...]:
+    """device_bytes' parts before the activations, in its order, remembered: the planner asks them of
+    every memory policy of a layout."""
     memory = device_state_bytes(m, shape, tier, gather_bytes)
     if "hpz" in shape.zero_pp.split(","):  # each block unit's node-sharded copy, kept from forward to backward
         memory["gathered_params"] = memory.get("gathered_params", 0.0) + hpz_copy_bytes(m, shape, gather_bytes)
     accumulated = accumulated_grad_bytes(m, shape, grad_accum, grad_sync)
     if accumulated:
         memory["accumulated_grads"] = accumulated
+    return tuple(memory.items())
+
+
+def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,
+                 activations: float, transient: float) -> dict[str, float]:
+    """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers,
+    the unsharded gradients accumulated under grad_sync "step" (only where there are any), the
+    saved activations and the backward's transient on top of them."""
+    memory = dict(_state_parts(m, shape, tier, grad_sync, grad_accum, gather_bytes))
     memory["activations"] = activations
     memory["transient"] = transient
     memory["total"] = sum(memory.values())

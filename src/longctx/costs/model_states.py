@@ -48,7 +48,7 @@ def _block_extras(m: ModelConfig) -> int:
             + (m.dim if m.out_bias else 0))
 
 
-def _per_model(fn):
+def per_model(fn):
     """Remember fn(m, *args) per model config: the planner asks it of one model for every one of its
     tens of thousands of candidates (a config is never changed once built; the entry is dropped
     when its config is)."""
@@ -66,7 +66,7 @@ def _per_model(fn):
     return cached
 
 
-@_per_model
+@per_model
 def _block_params(m: ModelConfig) -> tuple[int, ...]:
     extras = _block_extras(m)
     return tuple(n + extras for n in layer_matmul_params(m))
@@ -85,7 +85,7 @@ def param_counts(m: ModelConfig, expert: int = 1) -> dict[str, int]:
     return dict(_param_counts(m, expert))
 
 
-@_per_model
+@per_model
 def _param_counts(m: ModelConfig, expert: int) -> dict[str, int]:
     routed = routed_expert_params(m)
     sparse = set(m.moe_layer_ids)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..memory.accounting import ActivationEstimate
 from ..memory.policy import MemoryPolicy
-from ..models.flops import forward_matmul_flops_per_token
+from ..models.flops import forward_matmul_flops_per_token, train_flops_per_token
 from .hardware import Hardware
-from .model_states import block_params, param_counts, routed_expert_params
+from .model_states import block_params, param_counts, per_model, routed_expert_params
 from .shape import MeshShape, group_is_intra_node
 
 # parallel.zero_pp's qwz / qgz: bytes per element sent as int8 with one fp32 scale per block of 512
@@ -65,7 +65,19 @@ class Flops:
 def forward_gemm_flops(m: ModelConfig, tokens: int) -> float:
     """2 FLOPs per matmul parameter and token in every block (of a MoE layer: its router, the top_k
     experts a token goes through and the shared experts), and the LM head's 2 d V."""
-    return tokens * forward_matmul_flops_per_token(m)
+    return tokens * _matmul_flops_per_token(m)
+
+
+@per_model
+def _matmul_flops_per_token(m: ModelConfig) -> float:
+    return forward_matmul_flops_per_token(m)
+
+
+@per_model
+def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """models/flops.py train_flops_per_token (MFU's numerator), remembered per model and length: the
+    planner asks it of every candidate it times."""
+    return train_flops_per_token(m, seq_len)
 
 
 def causal_attention_flops(m: ModelConfig, tokens: int, seq_len: int) -> float:

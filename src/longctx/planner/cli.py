@@ -124,7 +124,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_request(args, overrides):
     from ..config import load_config
     from ..costs.hardware import calibrate, load_hardware
-    from .search import Request, parse_tokens
+    from .request import Request, parse_tokens
 
     model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
     base = load_config(None, [model, *overrides])

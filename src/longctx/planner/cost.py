@@ -51,6 +51,7 @@ from ..costs.timing import (
     exposed_ring_seconds,
     layer_attention_seconds,
     micro_batch_flops,
+    model_flops_per_token,
     predicted_block_forward_seconds,
     recompute_share,
 )
@@ -58,7 +59,6 @@ from ..memory.accounting import ActivationEstimate, estimate_activations
 from ..memory.moe_counts import max_expert_skew, moe_forward_runs
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
-from ..models.flops import train_flops_per_token
 from ..parallel.context.volumes import ZeroPP, attention_bytes, expert_bytes, fsdp_bytes_per_step
 from .slow_links import (
     CO2_LOCAL_STEPS,
@@ -285,18 +285,45 @@ def _co2_settled(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: 
 # The estimate
 
 
-def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
-             global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
-             doc_work: float = 1.0, acts: ActivationEstimate | None = None,
-             transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device",
-             co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS) -> Estimate:
-    """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
-    job) under `shape` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
-    (so global_batch / (dp x micro_batch) micro-batches per step), the model states in
-    `model_states`'s tier. doc_work: the documents' visible query-key pairs over a plain causal
-    mask's (planner/documents.py), in (0, 1]; ignored (1.0) without document masks. acts,
-    transient: `rank_activations`, when the caller has them. A co2 shape without local_steps takes the
-    smallest of `co2_steps` that hides its outer all-reduce (slow_links.co2_local_steps)."""
+@dataclass
+class Footprint:
+    """A candidate before its time: what it holds in GPU and host memory, and whether that fits; its
+    compute seconds per micro-batch, which bound its step time from below (`lower_bound_s`)."""
+    mesh_shape: MeshShape              # co2's local steps settled
+    policy: MemoryPolicy
+    micro_batch: int
+    grad_accum: int
+    tokens: int                        # per rank per micro-batch
+    work: float                        # doc_work as applied
+    acts: ActivationEstimate
+    transient: float
+    flops: Flops
+    compute: float                     # seconds per micro-batch
+    co2_outer: float
+    memory: dict[str, float]
+    host: dict[str, float]             # per rank
+    host_per_node: float
+    attn_traffic: float
+    problems: list[str]
+    model_states: str
+
+    @property
+    def feasible(self) -> bool:
+        return not self.problems
+
+    @property
+    def lower_bound_s(self) -> float:
+        """The step's compute alone: every other term of the step (step_times) is a non-negative
+        addition to it, so no step of this candidate is shorter."""
+        return self.grad_accum * self.compute
+
+
+def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
+              global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
+              doc_work: float = 1.0, acts: ActivationEstimate | None = None,
+              transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device",
+              co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS) -> Footprint:
+    """`estimate`'s first half: memory, host memory, compute, and what does not fit (its arguments)."""
     if not 0 < doc_work <= 1:
         raise ValueError(f"doc_work must be in (0, 1], got {doc_work}")
     work = doc_work if doc_mask else 1.0
@@ -319,23 +346,52 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
     host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask)
     problems += memory_problems(memory, host, ranks_per_node, hw)
+    return Footprint(shape, policy, micro_batch, grad_accum, tokens, work, acts, transient, flops, compute, co2_outer,
+                     memory, host, host["total"] * ranks_per_node, attn_traffic, problems, model_states)
+
+
+def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
+             global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
+             doc_work: float = 1.0, acts: ActivationEstimate | None = None,
+             transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device",
+             co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS) -> Estimate:
+    """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
+    job) under `shape` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
+    (so global_batch / (dp x micro_batch) micro-batches per step), the model states in
+    `model_states`'s tier. doc_work: the documents' visible query-key pairs over a plain causal
+    mask's (planner/documents.py), in (0, 1]; ignored (1.0) without document masks. acts,
+    transient: `rank_activations`, when the caller has them. A co2 shape without local_steps takes the
+    smallest of `co2_steps` that hides its outer all-reduce (slow_links.co2_local_steps)."""
+    fp = footprint(m, hw, shape, policy, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
+                   gpus_per_node=gpus_per_node, doc_mask=doc_mask, doc_work=doc_work, acts=acts,
+                   transient=transient, expert_skew=expert_skew, model_states=model_states, co2_steps=co2_steps)
+    return timed(m, hw, fp, seq_len=seq_len, global_batch=global_batch, gpus_per_node=gpus_per_node,
+                 expert_skew=expert_skew)
+
+
+def timed(m: ModelConfig, hw: Hardware, fp: Footprint, *, seq_len: int, global_batch: int, gpus_per_node: int = 8,
+          expert_skew: float = 1.0) -> Estimate:
+    """`estimate`'s second half: bytes per mesh dim, exposed communication, the step, tokens/s, MFU."""
+    shape, policy, grad_accum, flops, acts = fp.mesh_shape, fp.policy, fp.grad_accum, fp.flops, fp.acts
+    e, tokens, micro_batch, compute = hw.dtype_bytes, fp.tokens, fp.micro_batch, fp.compute
+    ranks_per_node = min(gpus_per_node, shape.world)
     calls = attention_call_bytes(m, seq_len, micro_batch, shape, e)
     comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e, tokens)
-    exposed = exposed_per_micro_batch(m, shape, policy, calls, flops, acts, attn_traffic, hw, gpus_per_node)
+    exposed = exposed_per_micro_batch(m, shape, policy, calls, flops, acts, fp.attn_traffic, hw, gpus_per_node)
     skew = min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
     exposed["expert"] = exposed_expert_seconds(m, shape, comm.get("expert", {}), grad_accum, tokens, skew, hw,
                                                gpus_per_node)
     block_fwd = predicted_block_forward_seconds(flops, m, hw)
     fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_fwd, acts.recompute_flops, hw,
                                      gpus_per_node)
-    per_step = ({} if model_states == "device" else exposed_host_state_seconds(
-        m, shape, model_states, hw, grad_accum, block_fwd * m.layers, compute - block_fwd * m.layers, ranks_per_node))
+    per_step = ({} if fp.model_states == "device" else exposed_host_state_seconds(
+        m, shape, fp.model_states, hw, grad_accum, block_fwd * m.layers, compute - block_fwd * m.layers,
+        ranks_per_node))
     if shape.data_parallel == "co2":
-        per_step["co2_outer"] = co2_outer
+        per_step["co2_outer"] = fp.co2_outer
     times = step_times(compute, exposed, fsdp_step, grad_accum, per_step)
     tps = global_batch * seq_len / times["step"] if times["step"] > 0 else float("inf")
-    mfu = tps * train_flops_per_token(m, seq_len) / (shape.world * hw.peak_flops)
+    mfu = tps * model_flops_per_token(m, seq_len) / (shape.world * hw.peak_flops)
     neck = bottleneck(compute, exposed, fsdp_step, grad_accum, policy, flops, acts, per_step)
-    return Estimate(shape, policy, micro_batch, grad_accum, seq_len, global_batch, memory,
-                    host["total"] * ranks_per_node, comm, times, tps, mfu, neck, not problems, problems, work,
-                    model_states, host)
+    return Estimate(shape, policy, micro_batch, grad_accum, seq_len, global_batch, fp.memory, fp.host_per_node,
+                    comm, times, tps, mfu, neck, fp.feasible, fp.problems, fp.work, fp.model_states, fp.host)

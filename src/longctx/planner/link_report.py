@@ -8,10 +8,11 @@ compared with, so a reader can find both rows in the table or the JSON."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..costs.shape import MeshShape
 from .cost import Estimate
+from .ranking import first
 from .search import PlanResult, Request
 from .slow_links import CO2_CAVEAT, co2_outer_bytes, co2_outer_seconds, link_level_bytes, three_level
 
@@ -32,8 +33,8 @@ def links_text(req: Request) -> str:
     return text
 
 
-def _first(rows: list[Estimate], keep: Callable[[MeshShape], bool]) -> Estimate | None:
-    return next((e for e in rows if keep(e.mesh_shape)), None)
+def _first(rows: Sequence[Estimate], keep: Callable[[MeshShape], bool]) -> Estimate | None:
+    return first(rows, lambda x: keep(x.mesh_shape))
 
 
 def _co2_why(best: Estimate, sync: Estimate | None, req: Request) -> str:
@@ -64,10 +65,9 @@ def _fewer_local_steps(best: Estimate, rows: list[Estimate]) -> list[str]:
             f"(docs/benchmarks.md), worth the time where the loss matters more"]
 
 
-def _same_plan(rows: list[Estimate], e: Estimate, shape: MeshShape) -> Estimate | None:
+def _same_plan(rows: Sequence[Estimate], e: Estimate, shape: MeshShape) -> Estimate | None:
     """The estimate of `e`'s policy and micro-batch under `shape`, if the search kept one."""
-    return next((x for x in rows if x.mesh_shape == shape and x.policy == e.policy
-                 and x.micro_batch == e.micro_batch), None)
+    return first(rows, lambda x: x.mesh_shape == shape and x.policy == e.policy and x.micro_batch == e.micro_batch)
 
 
 def _hpz_level_why(best: Estimate, res: PlanResult) -> str:
@@ -117,9 +117,8 @@ def co2_lines(res: PlanResult) -> list[str]:
                 f"but {CO2_CAVEAT}"]
     if "co2" not in req.allow or (best is not None and best.mesh_shape.data_parallel == "co2"):
         return []
-    tried = [e for e in res.ranked if e.mesh_shape.data_parallel == "co2"]
-    if tried and best is not None:
-        c = tried[0]
+    c = _first(res.ranked, lambda x: x.data_parallel == "co2")
+    if c is not None and best is not None:
         return [f"co2 allowed, not chosen: its best plan ({c.mesh_shape.describe()}) takes {c.step_s:.4g} s against "
                 f"{best.step_s:.4g} s" + ("" if c.feasible else f" and does not fit ({'; '.join(c.problems)})")]
     if req.gpus <= req.gpus_per_node:

@@ -177,7 +177,8 @@ def table(res: PlanResult, top: int = 10) -> str:
 
     intro = (f"{req.model.label} ({params_text(req.model)}): global batch {req.global_batch} x {req.seq_len:,} "
              f"tokens per step on {hardware_text(req)}; "
-             f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible; "
+             f"{res.evaluated} candidates in {res.seconds:.2f} s, {len(res.feasible)} feasible ({res.timed} timed: "
+             f"the rest cannot come before these rows); "
              f"{doc_work_text(req)}; ranked by predicted step time as shown (equal: simpler policy, less memory)")
     return "\n".join([intro, line(head, True), *(line(r, False) for r in body)])
 
@@ -198,6 +199,7 @@ def doc_work_text(req: Request) -> str:
 
 def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> str:
     req = res.request
+    plans, slow_links = [e.as_dict() for e in (res.feasible or res.ranked)[:top]], report(res)  # (timed first)
     return json.dumps({
         "request": {"model": req.model.label, "parameters": param_counts(req.model)["total"],
                     "active_parameters": predicted_active_params(req.model), "gpus": req.gpus,
@@ -207,7 +209,6 @@ def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> s
                     **({"expert_skew": "max" if req.expert_skew == float("inf") else req.expert_skew}
                        if req.model.is_moe else {}),
                     "hardware": dataclasses.asdict(req.hardware)},
-        "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible),
-        "plans": [e.as_dict() for e in (res.feasible or res.ranked)[:top]],
-        "suggestions": res.suggestions, "written": written, "note": note, "slow_links": report(res),
+        "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible), "timed": res.timed,
+        "plans": plans, "suggestions": res.suggestions, "written": written, "note": note, "slow_links": slow_links,
     }, indent=2)
