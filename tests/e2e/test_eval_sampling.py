@@ -1,6 +1,6 @@
 """`longctx eval --mode generate` with longctx generate's sampling flags: each sequence draws from its
-own seed (--seed and its index), so the answers are the same at --batch 1 and 4; the settings are in
-the JSON; the flags are refused under --mode score and out of range, before work."""
+own seed (--seed and its length, depth and sample), so the answers are the same at --batch 1 and 4; the
+settings are in the JSON; the flags are refused under --mode score and out of range, before work."""
 
 import json
 import sys

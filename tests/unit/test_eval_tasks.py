@@ -170,6 +170,17 @@ def test_retrieval_sequences_are_deterministic_and_cover_each_depth():
     assert len({s.answer for s in a}) > 1
 
 
+
+def test_the_prompts_at_a_depth_do_not_depend_on_the_other_depths():
+    """A depth's prompts are drawn from its value, not its place in --depths: --depths 0.5 and
+    --depths 0,0.5 ask the same questions at 0.5."""
+    src = TokenSource(lambda: iter([FILLER]), "filler")
+    alone = retrieval_sequences("passkey", src, TOK, 512, [0.5], 3, seed=0)
+    among = [s for s in retrieval_sequences("passkey", src, TOK, 512, [0.0, 0.5, 1.0], 3, seed=0) if s.depth == 0.5]
+    assert [s.answer for s in alone] == [s.answer for s in among]
+    assert all((x.tokens == y.tokens).all() and (x.labels == y.labels).all() for x, y in zip(alone, among))
+    assert [s.sample for s in among] == [0, 1, 2]
+
 def test_store_documents_reassemble_what_was_packed(tmp_path):
     from longctx.data.builder.options import BuildOptions
     from longctx.data.builder.pipeline import build_store

@@ -7,10 +7,10 @@
 --mode score (the default) scores the answer in one teacher-forced forward pass (right when every
 answer token is the argmax); --mode generate (passkey/needle) lets the model answer: free greedy
 generation (or sampled: --temperature, --top-k, --top-p, --min-p and the penalties of `longctx
-generate`, each sequence seeded from --seed and its index) from the question with the KV cache
-(generate/engine.py), right when the first run of digits it writes is the key. Generation runs on
-one process or sharded over head x ctx ranks (generate/sharded.py, every rank the full weights),
-so its layout has no data parallelism.
+generate`, each sequence seeded from --seed, its length, depth and sample) from the question with the
+KV cache (generate/engine.py), right when the first run of digits it writes is the key. Generation
+runs on one process or sharded over head x ctx ranks (generate/sharded.py, every rank the full
+weights), so its layout has no data parallelism.
 
 Everything that can be wrong with the input (task, lengths the layout cannot split, depths, a
 missing tokenizer, a too-short text) is found before any rank starts: the launching process
@@ -75,7 +75,8 @@ def add_parser(sub) -> None:
                         "first run of digits generated is the answer (one process, or --nproc = --parallel.head x "
                         "--parallel.ctx: the cache sharded, no data parallelism)")
     # --mode generate decodes greedily unless these say otherwise (generate/settings.py; no generation_config.json
-    # defaults: a benchmark stays greedy); its draws are seeded per sequence from --seed and the sequence's index
+    # defaults: a benchmark stays greedy); each sequence's draws are seeded from --seed and its length, depth and
+    # sample
     add_sampling_flags(p.add_argument_group("--mode generate sampling (default greedy, as longctx generate's flags)"))
     # --mode generate past the trained window: InfLLM's context memory (generate/context_memory.py), one process
     add_context_memory_flags(p.add_argument_group("--mode generate context memory (as longctx generate's flags)"))
@@ -84,7 +85,7 @@ def add_parser(sub) -> None:
                                                        "data-parallel rank)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed for keys and filler offsets, and with --mode generate's sampling flags of each "
-                        "sequence's draws (from it and the sequence's index)")
+                        "sequence's draws (from it and the sequence's length, depth and sample)")
     p.add_argument("--output", default="", help="write the JSON here (and the plot next to it) instead of stdout")
     p.add_argument("--plot", default="", help="the PNG to write (default: --output with .png)")
     p.add_argument("--nproc", type=int, default=1, help="local processes through torchrun (default 1)")

@@ -2,7 +2,11 @@
 answer) is continued greedily, or sampled with `longctx generate`'s flags, with the KV cache
 (generate/engine.py), on one process or sharded over head x ctx ranks (generate/sharded.py), or on one
 process through InfLLM's context memory (--context-memory infllm: generate/context_memory.py); right
-when the first run of digits it writes is the answer.
+when the first run of digits it writes is the answer. Sampled draws are seeded per sequence from --seed and
+what the sequence is (its length, depth and sample number: `sequence_seed`), never from its place in the
+run. The answer is read from the generated tokens up to the first one that decodes to nothing (a special
+token such as BOS, or an id past the tokenizer's vocabulary: `answer_text`), as score mode, which
+wants every answer token, would count a key such a token interrupts as a miss.
 
 The special-token prefix. For hf:DIR, `longctx generate` (as transformers) puts the tokenizer's special
 tokens before a prompt's text (e.g. BOS: generate/prompts.py); eval's sequences are built without them
@@ -91,6 +95,39 @@ def parse_answer(text: str) -> str:
     return found.group() if found else ""
 
 
+def answer_text(tokenizer, ids, vanishing: dict | None = None) -> str:
+    """The text a generation's answer is read from: its tokens decoded up to the first that decodes to
+    nothing. Decoding drops such a token (the byte tokenizer's BOS or an id past its 256 bytes, a
+    Hugging Face tokenizer's special tokens or an id past its vocabulary) and would join the text on
+    either side: ' 714' <BOS> '32.' must not read as the key 71432. `vanishing`: a cache by id."""
+    ids = [int(t) for t in ids]
+    cut = next((i for i, t in enumerate(ids) if _vanishes(tokenizer, t, vanishing)), len(ids))
+    return tokenizer.decode(ids[:cut])
+
+
+def _vanishes(tokenizer, token: int, cache: dict | None) -> bool:
+    """Whether `token` decodes to nothing: between two copies of a visible text it adds no character.
+    (Alone is not enough: a SentencePiece-style decoder strips the text's first space, so a bare '▁'
+    decodes to '' at the start of a text, yet is a space in it.)"""
+    if cache is not None and token in cache:
+        return cache[token]
+    probe = [int(t) for t in tokenizer.encode_batch([PROBE])[0]]
+    out = tokenizer.decode(probe + [token] + probe) == tokenizer.decode(probe + probe)
+    if cache is not None:
+        cache[token] = out
+    return out
+
+
+def sequence_seed(seed: int, seq: Sequence) -> int:
+    """Sequence `seq`'s sampling seed: from --seed and what the sequence is (its length, its depth's
+    value, its sample number), so its draws are the same whatever else the run evaluates (other
+    lengths or depths) and whatever --batch groups it with."""
+    from ..generate.sampling import derive_seed
+    from .tasks import depth_key
+
+    return derive_seed(derive_seed(derive_seed(seed, seq.length), depth_key(seq.depth or 0.0)), seq.sample)
+
+
 def evaluate_generate(request: EvalRequest, args) -> dict | None:
     """--mode generate: each prompt (the sequence up to its answer) continued greedily by the answer's
     length + EXTRA_NEW_TOKENS tokens, on one device or sharded over head x ctx (every rank the same
@@ -122,7 +159,6 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
             out["context_memory"] = {"method": "infllm", **vars(request.memory)}
         if request.sampling is not None:
             out["sampling"] = {k: v for k, v in vars(request.sampling).items() if k not in ("seed", "min_new_tokens")}
-        index = 0  # each sequence's draws seeded from --seed and its index here, whatever the batch
         total = sum(len(s) for s in request.sequences.values())
         bar = progress_bar(total, f"eval {request.task} (generate)", "seq", main_rank)
         start_all = time.perf_counter()
@@ -136,9 +172,8 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
                     with phase(what, len(seqs), "sequences", done_line=False, bar=bar) as progress:
                         for start in range(0, len(seqs), request.batch):
                             group = seqs[start:start + request.batch]
-                            texts += _generate_answers(model, tokenizer, group, index, request.sampling, args.seed,
+                            texts += _generate_answers(model, tokenizer, group, request.sampling, args.seed,
                                                        prefix, eos_ids=eos, device=device, backend=backend)
-                            index += len(group)
                             progress.update(len(group))
                     out["results"].extend(_summarise_generated(request, length, seqs, texts, time.perf_counter() - t0))
                     if bar is None:
@@ -166,21 +201,20 @@ def _eval_backend(request: EvalRequest, layout_backend):
     return backend, device, main_rank
 
 
-def _generate_answers(model, tokenizer, group: list[Sequence], first: int, sampling, seed: int,
+def _generate_answers(model, tokenizer, group: list[Sequence], sampling, seed: int,
                       prefix: list[int] | tuple = (), **engine) -> list[str]:
     """One batch of prompts (each sequence up to its answer, after `prefix`: special_prefix) continued by
-    the answer's length + EXTRA_NEW_TOKENS tokens, greedily unless `sampling` says otherwise, sequence
-    first + i's draws seeded from `seed` and first + i; the generated texts. `engine`: generate()'s
-    eos_ids, device, backend."""
+    the answer's length + EXTRA_NEW_TOKENS tokens, greedily unless `sampling` says otherwise, each
+    sequence's draws seeded by `sequence_seed`; the texts the answers are read from (`answer_text`).
+    `engine`: generate()'s eos_ids, device, backend."""
     from ..generate.engine import GREEDY, generate
-    from ..generate.sampling import derive_seed
 
     cuts = [answer_start(q) for q in group]
     results = generate(model, [list(prefix) + q.tokens[:c].tolist() for q, c in zip(group, cuts)],
                        max_new_tokens=[q.length - c + EXTRA_NEW_TOKENS for q, c in zip(group, cuts)],
-                       sampling=sampling or GREEDY, seeds=[derive_seed(seed, first + i) for i in range(len(group))],
-                       **engine)
-    return [tokenizer.decode(r.tokens) for r in results]
+                       sampling=sampling or GREEDY, seeds=[sequence_seed(seed, q) for q in group], **engine)
+    vanishing: dict[int, bool] = {}
+    return [answer_text(tokenizer, r.tokens, vanishing) for r in results]
 
 
 def _summarise_generated(request: EvalRequest, length: int, seqs: list[Sequence], texts: list[str],

@@ -1,8 +1,8 @@
 """What one `longctx eval` computes (EvalRequest), prepared from its flags: the run config its model is
-built from (the checkpoint's [model], the layout, the longest length), --mode generate's sampling, the
-notes on lengths past the model's reach, and each length's sequences (eval/inputs.py). The launching
-process prepares it once, so that bad input stops the command before any rank starts, and every rank
-prepares the same again (cheap, deterministic).
+built from (the checkpoint's [model] without a MoE capacity: `dropless`; the layout, the longest length),
+--mode generate's sampling, the notes on lengths past the model's reach, and each length's sequences
+(eval/inputs.py). The launching process prepares it once, so that bad input stops the command before
+any rank starts, and every rank prepares the same again (cheap, deterministic).
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ class EvalRequest:
     batch: int
     mode: str = "score"
     sampling: object = None  # --mode generate: generate/sampling.py's Sampling (None: greedy)
-    notes: tuple = ()        # said once before work (lengths past the model's reach)
+    notes: tuple = ()        # said once before work (lengths past the model's reach, a capacity left out)
     memory: object = None    # --context-memory infllm: models/context_memory.py's InfLLMShape (None: plain)
+    routing: str | None = None  # how the model routes, when eval changes it (a MoE capacity scored dropless)
 
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):
-    """The run config eval builds its model from: the checkpoint's [model] (extension keys may be
-    overridden), the layout and memory flags given, and the longest length."""
+    """(the run config eval builds its model from, the batch, the MoE capacity factor left out): the
+    checkpoint's [model] (extension keys may be overridden) without a capacity (`dropless`), the layout
+    and memory flags given, and the longest length."""
     from ..config import load_config, parse_overrides
     from ..config.layout import default_layout
 
@@ -65,8 +67,23 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
         raise ConfigError(f"--batch {batch} must be a multiple of the data-parallel degree {dp}.")
     if max(lengths) > probe.model.max_seq_len:  # evaluating past the trained length is the point
         given["model"]["max_seq_len"] = max(lengths)
+    capacity = probe.model.moe_capacity_factor
+    if capacity > 0:  # (a TRAINING_KEY: free to differ from the weights' config)
+        given["model"]["moe.capacity_factor"] = 0.0
     train.update(seq_len=max(lengths), global_batch=batch, grad_accum=1, eval_interval=0)
-    return load_config(None, given), batch
+    return load_config(None, given), batch, capacity
+
+
+def dropless(capacity: float) -> str | None:
+    """What eval says of a MoE capacity it leaves out (None: the model has none). A capacity is shared by
+    the tokens of one forward (models/moe.py: ceil(capacity_factor x T x k / E) choices per expert), so
+    with it a sequence's score would depend on the sequences batched with it (--batch, the unscored
+    copies filling the last batch) and on the layout; dropless, each token reaches its experts."""
+    if not capacity > 0:
+        return None
+    return (f"the model is evaluated dropless: its moe.capacity_factor {capacity:g} is left out, since a capacity is "
+            f"shared by the tokens of a forward and would make a sequence's score depend on what it is batched "
+            f"with and on the layout")
 
 
 def _heads(checkpoint: str) -> tuple[int, int]:
@@ -98,16 +115,17 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
         if value < 0 or (flag == "--buckets" and value == 0):
             raise ConfigError(f"{flag} must be positive, got {value}.")
-    cfg, batch = _config(args, overrides, lengths, nproc)
+    cfg, batch, capacity = _config(args, overrides, lengths, nproc)
+    routing = dropless(capacity)
     _check_layout(cfg, lengths, mode, nproc)
     spec, tokenizer = _load_tokenizer(args, cfg)
     source = _load_source(args, cfg, spec, tokenizer)
     memory = _memory(args, cfg, mode, lengths, batch, nproc)
     sequences = _sequences(args, source, tokenizer, lengths, depths)
     # (under the memory no length is past the reach: every distance a query sees stays within it)
-    notes = () if memory is not None else reach_notes(cfg.model, lengths)
+    notes = (() if memory is not None else reach_notes(cfg.model, lengths)) + ((routing,) if routing else ())
     return EvalRequest(cfg, args.task, lengths, depths, sequences, source.description,
-                       spec or source.tokenizer_spec, batch, mode, sampling, notes, memory)
+                       spec or source.tokenizer_spec, batch, mode, sampling, notes, memory, routing)
 
 
 def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):

@@ -5,6 +5,7 @@ the length being evaluated, and each length's one-line headline.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from ..progress import say
@@ -15,10 +16,14 @@ if TYPE_CHECKING:
 
 def _result_head(request: EvalRequest, args, cfg, layout: dict, dtype) -> dict:
     """The JSON result before its rows: what was evaluated, on what, under which layout ("results" empty)."""
-    return {"task": request.task, "mode": request.mode, "checkpoint": args.checkpoint, "model": cfg.model.label,
-            "layout": layout, "data": request.source, "tokenizer": request.tokenizer,
-            "dtype": str(dtype).removeprefix("torch."),
-            "rope": {"theta": cfg.model.rope_theta, "scaling": cfg.model.rope_scaling}, "results": []}
+    rope = {f.name.removeprefix("rope_"): getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)
+            if f.name.startswith("rope_")}  # (theta, scaling, factor, ..., the Ms-PoE settings)
+    out = {"task": request.task, "mode": request.mode, "checkpoint": args.checkpoint, "model": cfg.model.label,
+           "layout": layout, "data": request.source, "tokenizer": request.tokenizer,
+           "dtype": str(dtype).removeprefix("torch."), "rope": rope, "results": []}
+    if request.routing:  # (a capacity scored dropless: eval/request.py dropless)
+        out["routing"] = request.routing
+    return out
 
 
 def _note_routing(out: dict, model, main_rank: bool) -> None:

@@ -33,6 +33,7 @@ class Sequence:
     length: int
     depth: float | None = None   # retrieval: where the asked needle is
     answer: str | None = None
+    sample: int = 0              # retrieval: which of the (length, depth)'s --samples prompts it is
 
 
 FILLER_POOL_TOKENS = 1 << 22  # retrieval filler is drawn from at most the first 4M tokens of the source
@@ -148,19 +149,27 @@ def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequen
 
 def retrieval_sequences(task: str, source: TokenSource, tokenizer, length: int, depths: list[float],
                         samples: int, seed: int) -> list[Sequence]:
-    """`samples` prompts per depth, each with its own key and its own stretch of filler."""
+    """`samples` prompts per depth, each with its own key and its own stretch of filler, drawn from
+    (seed, length, the depth's value, sample j) alone: the prompts at a depth are the same whatever
+    other depths and lengths are asked for."""
     stream = source.stream(FILLER_POOL_TOKENS)
     if len(stream) < length:
         raise DataError(f"{task} at {length} tokens needs at least {length} filler tokens; {source.description} "
                         f"has {len(stream)}. Pass a longer text (--data FILE) or shorter --lengths.")
     out = []
-    for di, depth in enumerate(depths):
+    for depth in depths:
         for j in range(samples):
-            rng = np.random.default_rng([seed, length, di, j])
+            rng = np.random.default_rng([seed, length, depth_key(depth), j])
             start = int(rng.integers(0, len(stream) - length + 1))
             prompt = retrieval_prompt(task, stream[start:start + length], length, depth, rng, tokenizer)
-            out.append(Sequence(prompt.tokens, prompt.labels, length, depth, prompt.answer))
+            out.append(Sequence(prompt.tokens, prompt.labels, length, depth, prompt.answer, j))
     return out
+
+
+def depth_key(depth: float) -> int:
+    """A depth as a seed word: its value in millionths (0.5 -> 500000), so a depth's draws never
+    depend on its place in --depths."""
+    return int(round(depth * 10**6))
 
 
 def parse_lengths(text: str) -> list[int]:
