@@ -24,13 +24,20 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
   are checkpointed per chunk, so a block's MLP intermediates exist for C tokens, not for all of a
   rank's tokens (at 512K tokens per rank an 8B block's MLP alone is ~55 GiB in bf16).
 
-Token-splitting is exact because `pre` and `post` treat every token independently.
+Token-splitting is exact because `pre` and `post` treat every token independently, with one
+exception: MoE routing that looks across a call's tokens (a capacity, moe.capacity_factor > 0, drops
+choices over an expert's share of the call; the Sinkhorn router balances its assignment over it). A
+call in pieces routes such a layer as one call (`_PieceRouting`): a first pass over the pieces without
+gradient computes each piece's router input (output projection, residual, norm, router: the experts
+do not run, nothing is communicated), the routing is decided over all the call's tokens, and each
+piece then runs (and is recomputed) with its slice of it, so only the experts' work is chunked.
 The wrappers replace the block's bound `forward`, so parameter names (`layers.3.attention.wq.weight`)
 stay the same for checkpoints and HF export.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -88,13 +95,77 @@ def _one_row(t):
     return t if t.shape[0] == 1 else t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
 
 
+class _PieceRouting:
+    """A MoE layer's routing over every token of a block call that `_in_parts` runs in pieces, for a
+    layer whose routing looks across tokens (MoEFeedForward.across_tokens). Installed as the layer's
+    `pieces` while post runs: with no `piece` the layer only hands over its routing input (`gathered`);
+    after `decide`, a piece's call (and its recomputation in backward) routes with its slice of the
+    call's decisions (the kept choices of a capacity, Sinkhorn's assignment), held here in a few bytes
+    per token until the block's backward."""
+
+    def __init__(self, layer):
+        self.layer, self.gathered, self.piece = layer, [], None
+        self.chosen = self.kept = None
+
+    def decide(self) -> None:
+        chosen, self.kept = self.layer.decide(self.gathered)
+        self.gathered = []
+        small = torch.int16 if self.layer.num_experts <= torch.iinfo(torch.int16).max else torch.int32
+        self.chosen = None if chosen is None else chosen.to(small)
+
+    @torch.compiler.disable  # (compiled `post`: the routing runs eagerly; no guard on the piece's state)
+    def route(self, layer, flat):
+        if self.piece is None:
+            self.gathered.append(layer.routing_input(flat))
+            return None
+        sl = self.piece
+        return layer.route(flat, None if self.chosen is None else self.chosen[sl].long(),
+                           None if self.kept is None else self.kept[sl])
+
+
+@contextlib.contextmanager
+def _routing_pieces(routings: list[_PieceRouting], piece: slice | None):
+    for r in routings:
+        r.layer.pieces, r.piece = r, piece
+    try:
+        yield
+    finally:
+        for r in routings:
+            r.layer.pieces = None
+
+
+def _routed_post(block, routings: list[_PieceRouting], piece: slice):
+    """block.post for the tokens `piece` of the call, routed with its slice of the call's routing."""
+    if not routings:
+        return block.post
+
+    def post(x, attn):
+        with _routing_pieces(routings, piece):
+            return block.post(x, attn)
+    return post
+
+
+def _call_routing(block, xs, out, pieces) -> list[_PieceRouting]:
+    """The routing over all the call's tokens of the block's MoE layers whose routing looks across
+    tokens, from a first pass over the pieces without gradient (none with one piece: it is the call)."""
+    routings = [_PieceRouting(m) for m in moe_layers(block) if m.across_tokens()] if len(pieces) > 1 else []
+    if routings:
+        with torch.no_grad(), _routing_pieces(routings, None):
+            for xi, (sl, _) in zip(xs, pieces):
+                block.post(xi, out[:, sl])
+        for r in routings:
+            r.decide()
+    return routings
+
+
 def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0):
     """The block as pre -> attention core -> post, the token-wise parts run `chunk` tokens at a
     time (FPDT's sequence chunks; the batch counts as one row of b x s tokens): pre's and post's
     intermediates (above all the MLP's 4 x ffn_dim per token) then exist for one chunk at a time,
     in forward and, recomputed, in backward. The first `stored` tokens keep their intermediates
     (autograd saves them; under the offloader they go to the host); the others are checkpointed
-    per chunk when `recompute`."""
+    per chunk when `recompute`. A MoE layer whose routing looks across tokens routes the pieces as
+    one call (`_call_routing`)."""
     b, tokens = x.shape[:2]
     n = b * tokens
     cut = min(stored, n)
@@ -109,7 +180,9 @@ def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, store
     batched = lambda t: t if b == 1 else t.view(b, tokens, *t.shape[2:])
     q, k, v = (batched(_cat(parts)) for parts in zip(*qkv))
     out = _one_row(block.attention.core(q, k, v, doc_ids))
-    y = batched(_cat([run(block.post, ckpt, xi, out[:, sl]) for xi, (sl, ckpt) in zip(xs, pieces)]))
+    routings = _call_routing(block, xs, out, pieces)
+    posts = [_routed_post(block, routings, sl) for sl, _ in pieces]
+    y = batched(_cat([run(post, ckpt, xi, out[:, sl]) for post, xi, (sl, ckpt) in zip(posts, xs, pieces)]))
     # a block must not return a view: FSDP2 hooks its output, and an in-place op on a view would
     # bypass that hook (FSDP warns); one copy of the block output is cheap next to the MLP
     return y.clone() if y._is_view() else y

@@ -17,7 +17,8 @@ whole batch on one device would. Two things see more than a token:
   per-call sums (`RouterRecord`) and the model combines them after its forward (`router_terms`),
   through a `sum` hook that parallelize() points at the ranks holding the micro-batch;
 - capacity (moe.capacity_factor > 0) and the Sinkhorn router's balanced assignment act on the
-  tokens of one call: the tokens a rank holds, as in GShard and BASE.
+  tokens of one call: the tokens a rank holds, as in GShard and BASE. A call that a memory policy runs
+  in pieces (memory.block_chunk, the token-split offload) is routed as one all the same (`pieces`).
 
 Router selection runs in fp32 (autocast off): bf16 logits flip top-k choices between layouts and
 between a forward and its recomputation.
@@ -61,10 +62,14 @@ class Router(nn.Module):
         # run has set one (see DTSRouter.routing)
         self.step: int | None = None
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor | None = None) -> Routing:
+        """`chosen` [T, k]: experts decided over a larger call (MoEFeedForward.decide), only weighed here."""
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
-            return self.choose(logits)
+            return self.choose(self.logits(x), chosen)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x.float(), self.gate.weight.float())
 
     def _weights(self, probs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The chosen experts' scores, renormalised to sum to 1 when moe.norm_topk is set, at any k
@@ -75,16 +80,17 @@ class Router(nn.Module):
             w = w / (total + self.renorm_eps if self.renorm_eps else total)
         return w * self.scale if self.scale != 1.0 else w
 
-    def choose(self, logits: torch.Tensor) -> Routing:
+    def choose(self, logits: torch.Tensor, chosen: torch.Tensor | None = None) -> Routing:
         raise NotImplementedError
 
 
 class SoftmaxRouter(Router):
     """Top-k of a softmax (GShard, Mixtral, Qwen-MoE, OLMoE), renormalised or not (moe.norm_topk)."""
 
-    def choose(self, logits):
+    def choose(self, logits, chosen=None):
         probs = logits.softmax(-1)
-        chosen = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices
+        if chosen is None:
+            chosen = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices
         return Routing(chosen, self._weights(probs, chosen), probs, logits)
 
 
@@ -110,19 +116,22 @@ class SigmoidRouter(Router):
         super().__init__(cfg)
         self.groups, self.topk_groups = cfg.moe_groups, cfg.moe_topk_groups
 
-    def choose(self, logits):
+    def choose(self, logits, chosen=None):
         scores = logits.sigmoid()
-        biased = scores + self.expert_bias
+        probs = scores / scores.sum(-1, keepdim=True)  # what the balancing loss reads
+        if chosen is None:
+            chosen = self._select(scores + self.expert_bias)
+        return Routing(chosen, self._weights(scores, chosen), probs, logits)
+
+    def _select(self, biased):
         if self.groups > 1:
-            t = logits.shape[0]
+            t = biased.shape[0]
             per_group = biased.view(t, self.groups, -1)
             group_score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)
             best = group_score.topk(self.topk_groups, dim=-1).indices
             allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
             biased = biased.masked_fill(~allowed.repeat_interleave(per_group.shape[-1], dim=1), -math.inf)
-        chosen = biased.topk(self.top_k, dim=-1).indices
-        probs = scores / scores.sum(-1, keepdim=True)  # what the balancing loss reads
-        return Routing(chosen, self._weights(scores, chosen), probs, logits)
+        return biased.topk(self.top_k, dim=-1).indices
 
 
 class SinkhornRouter(Router):
@@ -136,11 +145,11 @@ class SinkhornRouter(Router):
         super().__init__(cfg)
         self.iters = cfg.moe_sinkhorn_iters
 
-    def choose(self, logits):
+    def choose(self, logits, chosen=None):
         probs = logits.softmax(-1)
-        if not self.training:
+        if chosen is None and not self.training:
             chosen = probs.topk(self.top_k, dim=-1).indices
-        else:
+        elif chosen is None:
             with torch.no_grad():
                 chosen = balanced_assignment(sinkhorn(logits, self.iters), self.top_k)
         return Routing(chosen, self._weights(probs, chosen), probs, logits)
@@ -185,10 +194,11 @@ class DTSRouter(Router):
         where = "as its schedule ends" if ended else f"as training at step {self.step + 1}"
         return f"dts routing {where} ({k} experts per token, temperature {temperature:.2f})"
 
-    def choose(self, logits):
+    def choose(self, logits, chosen=None):
         temperature, k = self.routing()
         probs = (logits / temperature).softmax(-1)
-        chosen = (probs + self.expert_bias).topk(k, dim=-1).indices
+        if chosen is None:
+            chosen = (probs + self.expert_bias).topk(k, dim=-1).indices
         return Routing(chosen, self._weights(probs, chosen), probs, logits)
 
 
@@ -275,13 +285,16 @@ class MoEFeedForward(nn.Module):
         self.dispatcher: TokenDispatcher = TokenDispatcher()
         self.recording = False  # the model turns it on for its training forwards
         self.records: list[RouterRecord] = []
+        # memory/apply_policy.py's, while it runs a call in pieces: route(layer, flat) -> the piece's routing
+        # as part of the whole call's (`decide`), or None in a first pass that gathers each `routing_input`
+        self.pieces = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        routing = self.router(flat)
-        if self.capacity_factor > 0:
-            routing = self._apply_capacity(routing)
+        routing = self.route(flat) if self.pieces is None else self.pieces.route(self, flat)
+        if routing is None:
+            return torch.zeros_like(x)
         if self.recording:
             self._record(routing, flat.shape[0])
         y = self._routed(flat, routing)
@@ -297,19 +310,43 @@ class MoEFeedForward(nn.Module):
         rows, counts, state = self.dispatcher.dispatch(flat, routing)
         return self.dispatcher.combine(self.experts(rows, counts, self.dispatcher), state)
 
-    def _apply_capacity(self, routing: Routing) -> Routing:
-        """Each expert keeps at most ceil(capacity_factor x T x k / E) of the choices, slot 0's first, then
-        in token order (GShard); the others are dropped (their token passes through the residual)."""
-        t, k = routing.experts.shape
+    def route(self, flat: torch.Tensor, chosen=None, kept=None) -> Routing:
+        """The routing of the tokens `flat` [T, dim]: the router's, within the capacity; `chosen` and
+        `kept` (the capacity's) decided over a larger call (`decide`) these tokens are a piece of."""
+        r = self.router(flat, chosen)
+        kept = self._kept(r.experts) if kept is None and self.capacity_factor > 0 else kept
+        return r if kept is None else Routing(r.experts, r.weights, r.probs, r.logits, kept)
+
+    def across_tokens(self) -> bool:
+        """Whether routing a token reads the call's other tokens: a capacity, Sinkhorn's assignment in training."""
+        return self.capacity_factor > 0 or (self.router.training and isinstance(self.router, SinkhornRouter))
+
+    @torch.no_grad()
+    def routing_input(self, flat: torch.Tensor) -> torch.Tensor:
+        """What `decide` needs of these tokens: the Sinkhorn router's logits in training, else their choices."""
+        sinkhorn = self.router.training and isinstance(self.router, SinkhornRouter)
+        return self.router.logits(flat) if sinkhorn else self.router(flat).experts
+
+    @torch.no_grad()
+    def decide(self, gathered: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(chosen, kept) over every token of a call from its pieces' routing_input, in token order: the
+        Sinkhorn assignment (None: each piece's router chooses as the whole call would) and the capacity's."""
+        x = torch.cat(gathered)  # Sinkhorn's logits [T, E], or the router's choices [T, k]
+        chosen = balanced_assignment(sinkhorn(x, self.router.iters), self.top_k) if x.is_floating_point() else None
+        return chosen, self._kept(x if chosen is None else chosen) if self.capacity_factor > 0 else None
+
+    def _kept(self, experts: torch.Tensor) -> torch.Tensor:
+        """[T, k] each expert keeps at most ceil(capacity_factor x T x k / E) of the choices `experts`, slot 0's
+        first, then in token order (GShard); the others are dropped (their token passes through the residual)."""
+        t, k = experts.shape
         capacity = math.ceil(self.capacity_factor * t * k / self.num_experts)
-        choice = routing.experts.t().flatten()  # slot-major: every token's first choice first
+        choice = experts.t().flatten()  # slot-major: every token's first choice first
         order = torch.argsort(choice, stable=True)
         sorted_choice = choice[order]
         first = torch.searchsorted(sorted_choice, torch.arange(self.num_experts, device=choice.device))
         rank = torch.empty_like(order)
         rank[order] = torch.arange(order.numel(), device=choice.device) - first[sorted_choice]
-        kept = (rank < capacity).view(k, t).t()
-        return Routing(routing.experts, routing.weights, routing.probs, routing.logits, kept)
+        return (rank < capacity).view(k, t).t()
 
     def _record(self, routing: Routing, tokens: int) -> None:
         counts = expert_counts(routing.experts.flatten(), self.num_experts).float()

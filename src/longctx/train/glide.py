@@ -138,8 +138,7 @@ class GlideTraining(nn.Module):
         """draft.loss on the draft's last states x [b, n, dim] (before its final norm), against the
         target's final-normed states `teacher` (kd) or the labels (ce), chunked (memory.loss_chunk)."""
         weight = self.draft.head_weight(self.head)  # (a reduced vocabulary's rows: models/draft_vocab.py)
-        if self.draft.vocab is not None and self.loss == "ce":
-            labels = self.draft.vocab.labels(labels, IGNORE, self.head.lm_head_weight.shape[0])
+        labels = self._scored(labels)
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"a GliDe draft's loss_reduction is sum or mean, got {loss_reduction!r}")
         norm = (self.draft.norm.weight, self.draft.norm.eps)
@@ -152,6 +151,23 @@ class GlideTraining(nn.Module):
         if loss_reduction == "sum":
             return total
         return total / (labels != IGNORE).sum().clamp(min=1)
+
+    def _scored(self, labels: torch.Tensor) -> torch.Tensor:
+        """The labels as the loss scores them: with a reduced vocabulary and ce, indices into it, IGNORE
+        where a label is outside it (kd scores every valid label, against the renormalised teacher)."""
+        if self.draft.vocab is not None and self.loss == "ce":
+            return self.draft.vocab.labels(labels, IGNORE, self.head.lm_head_weight.shape[0])
+        return labels
+
+    def scored_label_count(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """How many of `labels` the loss scores (a 0-d tensor on their device, no host read), or None when
+        it scores every valid label. The trainer divides a step's summed loss by the labels scored over the
+        global step (train/trainer.py): with draft.vocab and draft.loss = ce the labels outside the
+        vocabulary are not scored, and counting them would scale the loss (and each step's gradient) by
+        the step's in-vocabulary share."""
+        if self.draft.vocab is None or self.loss != "ce":
+            return None
+        return (self._scored(labels) != IGNORE).sum()
 
     @torch.no_grad()
     def _target(self, tokens, positions, doc_ids):
