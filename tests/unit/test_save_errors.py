@@ -53,3 +53,30 @@ def test_bad_choice_is_a_config_error():
 
     with pytest.raises(ConfigError, match="checkpoint.on_save_error must be stop or warn"):
         load_config(None, ["--checkpoint.on_save_error=ignore"])
+
+
+def test_a_signal_at_a_step_whose_save_failed_saves_it_then(tmp_path, monkeypatch):
+    """on_save_error = warn: step 4's periodic save meets a full disk and training goes on; a SIGTERM
+    in that same step must save step 4 (the fault fires once), not say "saved step 4" with none there."""
+    import os
+    import signal
+
+    from longctx.errors import Preempted
+
+    monkeypatch.setenv("LONGCTX_FAULT", "enospc@2")
+    cfg = load_config(None, [*BASE, "--checkpoint.on_save_error=warn", "--checkpoint.keep=5",
+                             f"--train.run_dir={tmp_path}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    step = trainer.step
+
+    def stepping(s):
+        out = step(s)
+        if s == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer.step = stepping
+    with pytest.raises(Preempted, match="saved step 4 on SIGTERM"):
+        trainer.run()
+    names, latest = _left(tmp_path)
+    assert "step-00000004" in names and latest == "step-00000004", names

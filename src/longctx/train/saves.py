@@ -20,6 +20,11 @@ class RunSaves:
 
     def __init__(self, ckpt, cfg: Config, log=print):
         self.ckpt, self.cfg, self.log = ckpt, cfg, log
+        self.failed: set[int] = set()  # steps whose due save failed under on_save_error = warn
+
+    def saved(self, step: int) -> bool:
+        """Whether `step` was saved when due (its save not failed: a stop on a signal saves it then)."""
+        return self.due(step) and step not in self.failed
 
     def due(self, step: int) -> bool:
         ck = self.cfg.checkpoint
@@ -34,7 +39,7 @@ class RunSaves:
         if not self.due(step):
             return 0.0
         watchdog.phase(step, "save")
-        with self.errors():
+        with self.errors(step):  # (an async save's failure surfaces at the next: that one is not made either)
             self.ckpt.save(step, model, optimizer, sampler.state_dict())
         return self.ckpt.last_save_blocking_s
 
@@ -45,11 +50,13 @@ class RunSaves:
                 self.ckpt.wait()
 
     @contextlib.contextmanager
-    def errors(self):
-        """checkpoint.on_save_error for a failed save inside the block."""
+    def errors(self, step: int | None = None):
+        """checkpoint.on_save_error for a failed save inside the block (that of `step`, if given)."""
         try:
             yield
         except CheckpointError as e:
             if self.cfg.checkpoint.on_save_error == "stop":
                 raise
+            if step is not None:
+                self.failed.add(step)
             self.log(f"checkpoint: {e} Training goes on (checkpoint.on_save_error = warn).")

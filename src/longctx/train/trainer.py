@@ -2,11 +2,11 @@
 
 One optimizer step = `train.grad_accum` micro-batches; `train.global_batch` counts the sequences of
 a whole step over every data-parallel rank, so a config means the same training under any layout.
-The loss of a step is the mean over every valid (non-ignored) label token of the global step:
-every rank divides its summed local loss by that count (known to all ranks, since all of them
-draw the same global batch and count its labels from the store's segment index, without reading
-its tokens) and FSDP sums the gradients, so micro-batches and ranks with different numbers of
-valid tokens are weighted exactly as one large batch on one device would be.
+The loss of a step is the mean over every valid (non-ignored) label token of the global step: every rank
+divides its summed local loss by that count (known to all ranks, since all of them draw the same global batch
+and count its labels from the store's segment index, without reading its tokens; a draft whose vocabulary
+scores fewer labels counts those on the device: _label_count) and FSDP sums the gradients, so micro-batches and
+ranks with different numbers of valid tokens are weighted exactly as one large batch on one device would be.
 
 What is set up before the first step lives in setup.py (run directory, data, checkpoints) and
 model.py (the parallelised model); the pieces of a step the planner also uses (optimizer,
@@ -277,12 +277,15 @@ class Trainer:
         watchdog.phase(step, "data")
         shares = self.sampler.step_batches(step)  # this rank's, read on the host (read ahead, mostly)
         valid = sum(v for _, v in shares)  # of the global step: the same on every rank
+        if not valid:  # (a draft's count of the labels it scores is on the device, not read: _label_count)
+            self.log(f"step {step}: every label of its global batch is ignored: no loss (NaN), update not applied")
         micro = [to_device(b, self.device) for b, _ in shares]
         self.hooks.step_start(step)
         with self.device_section():
+            valid = self._label_count(micro, valid)  # (a draft's reduced vocabulary scores fewer labels)
             local_loss = self._forward_backward(step, micro, valid)
             watchdog.phase(step, "optimizer")
-            loss = self.rt.sum_tensor(local_loss) / max(valid, 1)
+            loss = _step_mean(self.rt.sum_tensor(local_loss), valid)
             if self.co2 is not None:  # train.co2_sync_steps: a synchronous step's gradients averaged first
                 self.co2.before_clip(step)
             grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip)
@@ -297,17 +300,25 @@ class Trainer:
         self.hooks.after_optimizer(step, apply)
         return loss, grad_norm, lr
 
-    def _forward_backward(self, step: int, micro: list, valid: int) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches (gradients summed); returns this rank's
-        summed loss (float64, on the device). Each micro-batch's loss sum is normalised by the valid
-        labels of the whole step; the hooks' terms (MoE balancing losses) join its backward."""
+    def _label_count(self, micro: list, valid: int) -> int | torch.Tensor:
+        """The labels the loss scores in `micro`'s global batches: `valid` (the store index's count), or where the model
+        scores fewer (draft.vocab, loss ce: glide.py scored_label_count) its count over the ranks, on the device."""
+        count = getattr(self.model, "scored_label_count", None)
+        mine = [] if count is None else [count(b.labels) for b in micro]
+        return valid if not mine or mine[0] is None else self.rt.sum_tensor(torch.stack(mine).sum().double())
+
+    def _forward_backward(self, step: int, micro: list, valid: int | torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (gradients summed); returns this rank's summed
+        loss (float64, on the device), each micro-batch's normalised by the labels scored in the whole step
+        (_label_count; none: by 1, its sum being 0); the hooks' terms (MoE balancing losses) join its backward."""
         scale = grad_scale(self.rt.dims)
+        weight = scale / (valid.clamp(min=1) if isinstance(valid, torch.Tensor) else max(valid, 1))
         local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro):
             set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
             watchdog.phase(step, "forward")
             loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
-            total = loss_sum * (scale / valid)
+            total = loss_sum * weight
             for term in self.hooks.after_forward(len(micro), scale):
                 total = total + term
             watchdog.phase(step, "backward")
@@ -317,7 +328,7 @@ class Trainer:
 
     def _stop_on_signal(self, step: int, name: str, unread: list, result: TrainResult) -> None:
         """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
-        saved = self.saves.due(step)
+        saved = self.saves.saved(step)
         if unread:
             try:
                 self._read_back(unread, result)  # (no checkpoint holds a non-finite step)
@@ -380,10 +391,11 @@ class Trainer:
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for start in range(0, n, micro):
             share, valid = read_local_batch(self.rt, samples, list(range(start, start + micro)))  # my tokens only
-            total += forward_loss_sum(model, to_device(share, self.device), self.autocast_dtype)
-            count += valid
+            batch = to_device(share, self.device)
+            total += forward_loss_sum(model, batch, self.autocast_dtype)
+            count = count + self._label_count([batch], valid)  # (a host int, or a draft's count on the device)
         model.train()
-        return float(self.rt.sum_tensor(total)) / max(count, 1)  # one host read per evaluation
+        return float(self.rt.sum_tensor(total)) / max(float(count), 1)  # one host read per evaluation
 
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
@@ -418,6 +430,14 @@ class _Loop:
     unread: list = field(default_factory=list)  # steps whose figures are still on the device
     beat: object = None  # the training phase (progress.phase): heartbeat lines count its steps
     mean_from: int = 0  # result.losses' index where the current log interval's losses begin
+
+
+def _step_mean(total: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """A step's loss over the labels scored; with none, NaN (a mean over no token): the guard withholds the update
+    on the device as for a non-finite loss (AdamW would move the weights with no data); train.on_nonfinite decides."""
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, total / count.clamp(min=1), float("nan"))
+    return total / count if count else torch.full_like(total, float("nan"))
 
 
 def train(cfg: Config, log=print) -> TrainResult:
