@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..config.hf import HFFormatError, checkpoint_manifest, hf_dir, model_config
+from ..config.hf import hf_dir, initial_hf_config, model_config
 from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
+from ..config.hf_families import family_window
 from ..config.tokenizer import tokenizer_file
 from ..data.tokenizer import load_tokenizer
 from ..models.hf import copy_tokenizer_files, save_hf
@@ -42,14 +43,23 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), out)
     ids, unknown = special_token_ids(manifest)
     config_file = out / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **ids}, indent=2) + "\n")
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **ids, **_source_window(cfg)},
+                                      indent=2) + "\n")
     return out, copied, why, export_notes(cfg) + ([unknown] if unknown else [])
+
+
+def _source_window(cfg) -> dict:
+    """{"sliding_window": W} when the weights started from a Mistral whose attention was windowed (W >= the
+    run's max_seq_len, or the import is refused): transformers then runs the export as the source ran."""
+    hf = initial_hf_config(cfg.init_from)
+    window = family_window(hf) if hf and hf.get("model_type") == cfg.family else None
+    return {} if window is None else {"sliding_window": window}
 
 
 def special_token_ids(manifest: dict) -> tuple[dict, str]:
     """({bos_token_id, eos_token_id, pad_token_id}: each an id, a list of ids or None, the ones written
     to config.json), and a note when the checkpoint records nothing they could be taken from."""
-    hf = _initial_hf_config(manifest["model"].get("init_from", ""))
+    hf = initial_hf_config(manifest["model"].get("init_from", ""))
     if hf is not None and any(k in hf for k in SPECIAL_TOKEN_KEYS):
         return {k: hf.get(k) for k in SPECIAL_TOKEN_KEYS}, ""
     recorded = manifest.get("tokenizer")
@@ -67,25 +77,6 @@ def special_token_ids(manifest: dict) -> tuple[dict, str]:
         declared = declared_special_ids(path)
         ids.update({k: v for k, v in declared.items() if k != "eos_token_id"})
     return ids, ""
-
-
-def _initial_hf_config(init_from: str, depth: int = 16) -> dict | None:
-    """The Hugging Face config.json the weights started from: init_from's, through the chain of longctx
-    checkpoints that started from one another (None: from scratch, or the directory is gone)."""
-    for _ in range(depth):
-        if not init_from:
-            return None
-        if init_from.startswith("hf:"):
-            file = hf_dir(init_from) / "config.json"
-            try:
-                return json.loads(file.read_text())
-            except (OSError, ValueError):
-                return None
-        try:
-            init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
-        except (HFFormatError, KeyError):
-            return None
-    return None
 
 
 def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[list[str], str]:

@@ -7,7 +7,8 @@ user set that contradicts the weights is refused.
 
 Families are the Llama architecture with small differences:
 - llama (Llama 2, 3, 3.1, 3.2): optional `attention_bias` on q, k, v and o;
-- mistral: Llama with an explicit `head_dim`; sliding-window attention is not supported;
+- mistral: Llama with an explicit `head_dim`, no attention biases; its sliding window (4096 when config.json
+  has none) must not bind within the run's max_seq_len (longctx has no sliding-window attention);
 - qwen2 (Qwen2, Qwen2.5): bias on q, k and v (not o);
 - qwen3: per-head RMSNorm on q and k before RoPE, explicit `head_dim`, optional `attention_bias`.
 and the Mixture-of-Experts ones ([model.moe], models/moe.py; every one a softmax router, top-k):
@@ -28,7 +29,8 @@ families never write or read it, so it is there only where longctx's export wrot
 trained with (a transformers config has none: moe.z_loss = 0, as transformers trains).
 `router_loss_note` says which, once, when a run starts from the weights.
 RoPE types: default, linear, llama3 and yarn, in the classic (`rope_theta` + `rope_scaling`) or the
-newer (`rope_parameters`) form.
+newer (`rope_parameters`) form (config/hf_rope.py). A key config.json leaves out is the family's
+default in transformers (config/hf_families.py), not longctx's.
 """
 
 from __future__ import annotations
@@ -38,39 +40,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError
 from .checkpoint_paths import MANIFEST, find_checkpoint
+from .hf_families import FAMILIES, MOE_DEFAULTS, HFFormatError, check_sliding_window, with_family_defaults
+from .hf_rope import rope_fields
 from .schema import MOE_FAMILIES, ModelConfig
-
-
-class HFFormatError(UserError, ValueError):
-    """A Hugging Face directory or config.json that longctx cannot read; the message names the file or key."""
-
-    exit_code = 2
-
-
-# model_type -> the class transformers builds (written back on export)
-FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# what transformers (5.x) assumes when a MoE config.json leaves a key out: its config classes' defaults
-# (output_router_logits: false in every one)
-_MOE_DEFAULTS = {
-    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001),
-    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408,
-                      shared_expert_intermediate_size=5632, norm_topk_prob=False, router_aux_loss_coef=0.001),
-    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=False,
-                      router_aux_loss_coef=0.001),
-    "olmoe": dict(num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, router_aux_loss_coef=0.01),
-}
 
 # [model] keys that extend a loaded model's context without contradicting its weights
 EXTENSION_KEYS = frozenset({
@@ -133,68 +107,6 @@ def read_hf_config(path: str | Path) -> dict:
         raise HFFormatError(f"{cfg_file} is not valid JSON: {e}.") from None
 
 
-def _rope_params(hf: dict, where: str) -> tuple[str, dict]:
-    """(rope type, its parameters with rope_theta) from either config.json form."""
-    rope = hf.get("rope_parameters")
-    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
-        kinds = sorted(rope)
-        raise HFFormatError(f"{where}: rope_parameters is nested per layer type ({', '.join(kinds)}); longctx "
-                            f"reads one RoPE setting for every layer.")
-    params = {**(hf.get("rope_scaling") or {}), **(rope or {})}
-    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise HFFormatError(f"{where}: RoPE type '{kind}' is not supported; longctx reads {', '.join(ROPE_TYPES)}. "
-                            f"Convert the checkpoint or pick a model that uses one of these.")
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise HFFormatError(f"{where}: partial_rotary_factor={partial}; longctx rotates the whole head.")
-    return kind, params
-
-
-def _rope_fields(hf: dict, where: str) -> dict[str, Any]:
-    kind, p = _rope_params(hf, where)
-    out: dict[str, Any] = {"rope_theta": float(p["rope_theta"]),
-                           "rope_scaling": "none" if kind == "default" else kind}
-    # the pretraining length: a top-level original_max_position_embeddings wins (transformers' rule)
-    original = hf.get("original_max_position_embeddings") or p.get("original_max_position_embeddings")
-    original = int(original or hf.get("max_position_embeddings", 0) or 0)
-
-    def need(key):
-        if p.get(key) is None:
-            raise HFFormatError(f"{where}: RoPE type '{kind}' needs '{key}' in its rope settings.")
-        return p[key]
-
-    if kind == "linear":
-        out["rope_factor"] = float(need("factor"))
-    elif kind == "llama3":
-        out.update(rope_factor=float(need("factor")), rope_low_freq_factor=float(need("low_freq_factor")),
-                   rope_high_freq_factor=float(need("high_freq_factor")), rope_original_max_len=original)
-    elif kind == "yarn":
-        factor = p.get("factor")
-        if factor is None:  # DeepSeek-style: the ratio of the two lengths
-            factor = hf["max_position_embeddings"] / original
-        out.update(rope_factor=float(factor), rope_original_max_len=original,
-                   rope_beta_fast=float(p.get("beta_fast") or 32.0), rope_beta_slow=float(p.get("beta_slow") or 1.0),
-                   rope_mscale=float(p.get("mscale") or 0.0), rope_mscale_all_dim=float(p.get("mscale_all_dim") or 0.0),
-                   rope_attention_factor=float(p.get("attention_factor") or 0.0),
-                   rope_truncate=bool(p.get("truncate", True)))
-    return out
-
-
-def _reject_sliding_window(hf: dict, family: str, where: str) -> None:
-    layer_types = hf.get("layer_types") or []
-    sliding = "sliding_attention" in layer_types
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        sliding = sliding or bool(hf.get("use_sliding_window"))
-    elif family in ("mistral", "mixtral"):
-        window = hf.get("sliding_window")
-        sliding = sliding or (window is not None and window < hf.get("max_position_embeddings", 0))
-    if sliding:
-        raise HFFormatError(f"{where}: the model uses sliding-window attention (sliding_window="
-                            f"{hf.get('sliding_window')}); longctx trains full causal attention only.")
-
-
 def format_layer_list(layers) -> str:
     """{0, 3, 4, 5} -> "0,3-5" (what parse_layer_list reads back)."""
     out, run = [], []
@@ -224,7 +136,7 @@ def _experts_key(hf: dict, family: str) -> str:
 
 def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
     """The [model.moe] keys of a Mixture-of-Experts config.json (config keys: "moe.experts", ...)."""
-    d = {**_MOE_DEFAULTS[family], **{k: v for k, v in hf.items() if v is not None}}
+    d = {**MOE_DEFAULTS[family], **{k: v for k, v in hf.items() if v is not None}}
     if family == "mixtral":
         if d.get("router_jitter_noise"):
             raise HFFormatError(f"{where}: router_jitter_noise={d['router_jitter_noise']}; longctx's router does "
@@ -263,7 +175,7 @@ def _router_loss_fields(d: dict) -> dict[str, Any]:
 def router_loss_note(hf: dict) -> str:
     """What a MoE config.json makes of the router losses, in words (said once when a run starts from it)."""
     family = hf.get("model_type")
-    d = {**_MOE_DEFAULTS.get(family, {}), **{k: v for k, v in hf.items() if v is not None}}
+    d = {**MOE_DEFAULTS.get(family, {}), **{k: v for k, v in hf.items() if v is not None}}
     fields = _router_loss_fields(d)
     z = (f"; and model.moe.z_loss {fields['moe.z_loss']} from router_z_loss_coef, a key longctx's export writes and "
          f"transformers never reads (its training of {family} adds no z-loss)" if fields["moe.z_loss"] else "")
@@ -302,9 +214,10 @@ def model_defaults() -> dict[str, Any]:
     return {f.metadata.get("key", f.name): f.default for f in dataclasses.fields(ModelConfig)}
 
 
-def model_fields_from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]:
-    """The [model] values that describe the checkpoint `hf` (a parsed config.json), by config key
-    ("moe.experts", as a TOML file or the command line names them)."""
+def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int | None = None) -> dict[str, Any]:
+    """The [model] values that describe the checkpoint `hf` (a parsed config.json, a key it leaves out
+    read as its family's default), by config key ("moe.experts", as a TOML file or the command line
+    names them); `max_seq_len`: the run's, when it sets one (a sliding window must not bind within it)."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise HFFormatError(f"{where}: model_type '{family}' is not supported; longctx reads "
@@ -318,7 +231,12 @@ def model_fields_from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise HFFormatError(f"{where}: hidden_act '{act}'; only 'silu' (SwiGLU) is supported.")
-    _reject_sliding_window(hf, family, where)
+    check_sliding_window(hf, where, max_seq_len)
+    if family == "mistral" and hf.get("attention_bias"):
+        raise HFFormatError(f"{where}: attention_bias=true, but transformers' Mistral has no attention biases (it "
+                            f"ignores the key and drops the bias tensors). Set it false to load the model as "
+                            f"transformers does, or model_type llama (the same model, with biases) to keep them.")
+    hf = with_family_defaults(hf)
     if hf.get("clip_qkv") is not None:
         raise HFFormatError(f"{where}: clip_qkv={hf['clip_qkv']}; longctx does not clamp q, k and v. Use a "
                             f"checkpoint trained without it (clip_qkv null).")
@@ -335,15 +253,15 @@ def model_fields_from_hf(hf: dict, where: str = "config.json") -> dict[str, Any]
         dim=hf["hidden_size"], layers=hf["num_hidden_layers"], heads=heads,
         kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
         ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, out_bias=out_bias,
         qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
         qk_norm_span="all" if family == "olmoe" else "head",
-        max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+        max_seq_len=int(hf["max_position_embeddings"]),
         init_std=float(hf.get("initializer_range", 0.02)),
     )
-    fields.update(_rope_fields(hf, where))
+    fields.update(rope_fields(hf, where))
     fields.update(_moe_fields(hf, family, where) if family in MOE_FAMILIES else _dense_moe_fields())
     return fields
 
@@ -372,6 +290,24 @@ def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
         return path, json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise HFFormatError(f"model.init_from: {path / MANIFEST} cannot be read ({e}).") from None
+
+
+def initial_hf_config(init_from: str, depth: int = 16) -> dict | None:
+    """The Hugging Face config.json the weights started from: init_from's, through the chain of longctx
+    checkpoints that started from one another (None: from scratch, or the directory is gone)."""
+    for _ in range(depth):
+        if not init_from:
+            return None
+        if init_from.startswith("hf:"):
+            try:
+                return json.loads((hf_dir(init_from) / "config.json").read_text())
+            except (OSError, ValueError):
+                return None
+        try:
+            init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
+        except (HFFormatError, KeyError, TypeError):
+            return None
+    return None
 
 
 def check_draft_target(target: str) -> None:
@@ -409,7 +345,7 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         path = hf_dir(source)
         hf = read_hf_config(path)
         where = path / "config.json"
-        fields = model_fields_from_hf(hf, str(where))
+        fields = model_fields_from_hf(hf, str(where), values.get("max_seq_len"))
         preset = "hf"
 
         def stored(key):
@@ -447,6 +383,10 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
                 f"{fields[key]!r}. Drop the override; only context-extension keys "
                 f"({', '.join(sorted(EXTENSION_KEYS))}) and training keys ({', '.join(sorted(TRAINING_KEYS))}) "
                 f"may differ from the weights.")
+    origin = None if source.startswith("hf:") else initial_hf_config(source)
+    if origin is not None:  # (a window binds every run that started from the weights, however far back)
+        check_sliding_window(origin, f"model.init_from = {source!r} started from weights whose config.json says",
+                             fields["max_seq_len"])
     fields.update(preset=preset, init_from=source)
     return fields, changed
 

@@ -15,6 +15,9 @@ def export_problems(m) -> list[str]:
     """Why the [model] `m` (a ModelConfig) cannot be written as its family's config.json: what
     transformers' class for that family cannot express (empty when it can)."""
     f = m.family
+    if f in ("mistral", "mixtral") and (m.qkv_bias or m.out_bias):
+        return [f"transformers' {f} has no attention biases (it would drop the model's): export as llama, or train "
+                f"with model.qkv_bias and model.out_bias false."]
     if not m.is_moe:
         return [f"model.family={f} is a Mixture-of-Experts family; a dense model exports as llama, mistral, qwen2 "
                 f"or qwen3."] if f in MOE_FAMILIES else []
@@ -69,10 +72,11 @@ def _router_losses_on(m) -> bool:
 
 
 def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
-    """config.json for the [model] `m` (a ModelConfig), in the newer rope_parameters form plus the
-    classic rope_theta / rope_scaling keys, so old and new transformers read it."""
-    rope: dict[str, Any] = {"rope_type": "default" if m.rope_scaling == "none" else m.rope_scaling,
-                            "rope_theta": m.rope_theta}
+    """config.json for the [model] `m` (a ModelConfig). RoPE is written once, in the classic form
+    (rope_theta + rope_scaling): transformers 4 reads only that, transformers 5 reads it as rope_parameters
+    (and saves rope_parameters alone); a file with both means whichever rope_scaling says, so a
+    rope_scaling added later (Qwen's model cards' YaRN) must not sit beside a stale rope_parameters."""
+    rope: dict[str, Any] = {"rope_type": "default" if m.rope_scaling == "none" else m.rope_scaling}
     if m.rope_scaling in ("linear", "llama3", "yarn"):
         rope["factor"] = m.rope_factor
     if m.rope_scaling == "llama3":
@@ -94,13 +98,12 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
         "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim, "intermediate_size": m.ffn_dim,
         "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
         "max_position_embeddings": m.max_seq_len, "initializer_range": m.init_std, "hidden_act": "silu",
-        "rope_theta": m.rope_theta, "rope_parameters": rope,
-        "rope_scaling": None if m.rope_scaling == "none" else dict(rope),
+        "rope_theta": m.rope_theta, "rope_scaling": None if m.rope_scaling == "none" else rope,
         "torch_dtype": dtype_name, "dtype": dtype_name,
     }
     if m.family == "qwen2_moe":
         out["qkv_bias"] = m.qkv_bias
-    elif m.family != "qwen2":
+    elif m.family not in ("qwen2", "mistral", "mixtral"):  # (those two have no biases and no such key)
         out["attention_bias"] = m.qkv_bias
     if m.family == "llama":
         out["mlp_bias"] = False

@@ -102,8 +102,9 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
                         "model.out_bias=false.")
     elif m.family == "qwen2_moe" and m.out_bias:
         problems.append("model.family=qwen2_moe has no bias on the attention output: set model.out_bias=false.")
-    elif m.family == "mixtral" and (m.qkv_bias or m.out_bias):
-        problems.append("model.family=mixtral has no attention biases: set model.qkv_bias and model.out_bias false.")
+    elif m.family in ("mistral", "mixtral") and (m.qkv_bias or m.out_bias):  # (transformers' classes drop them)
+        problems.append(f"model.family={m.family} has no attention biases: set model.qkv_bias and model.out_bias "
+                        f"false (or model.family=llama, the same model with biases).")
     elif m.family not in ("qwen2", "qwen2_moe") and m.qkv_bias != m.out_bias:
         problems.append(f"model.family={m.family} has one attention_bias for q, k, v and o: set model.qkv_bias and "
                         f"model.out_bias alike.")
