@@ -31,7 +31,7 @@ def corpus(root, seed=0, files=8, docs_per_file=6, words=120):
             for _ in range(docs_per_file):
                 u = rng.random()
                 if made and u < 0.1:
-                    text = rng.choice(made).replace("\n", "\n\n")  # exact (whitespace-normalised) copy
+                    text = rng.choice(made).replace("\n", " \t\n")  # exact copy (trailing whitespace on lines)
                 elif made and u < 0.2:
                     words_ = rng.choice(made).split(" ")
                     words_[rng.randrange(len(words_))] = "changed"

@@ -1,7 +1,9 @@
 """The store `longctx train` uses when no `data.path` is given: built from `data.corpus` on first
 use, cached in `$LONGCTX_CACHE/data` (default `~/.cache/longctx/data`) under a key of everything
-that determines it (corpus files with sizes and mtimes, tokenizer, seq_len, strategy, dedup,
-max_docs, eval_fraction), and reused afterwards.
+that determines it (corpus files with sizes and mtimes, tokenizer and its file's sha256, seq_len,
+strategy, dedup, max_docs, eval_fraction, CACHE_VERSION and the builder's scan VERSION: a builder
+that keeps other documents bumps one, so an older cached store is never reused), and reused
+afterwards.
 
 The store is built complete in a temporary directory next to its final name and renamed into
 place, so a concurrent or interrupted build never exposes a half-written store; when two processes
@@ -20,9 +22,14 @@ from ..cache_dir import cache_root
 from .builder.inputs import input_files
 from .builder.options import BuildOptions
 from .builder.pipeline import build_store
+from .builder.scan import VERSION as SCAN_VERSION
 from .store import MANIFEST
+from .tokenizer import tokenizer_digest
 
-CACHE_VERSION = 3  # 2: near-duplicates confirmed by their true Jaccard; 3: the streaming build (eval pieces)
+# 2: near-duplicates confirmed by their true Jaccard; 3: the streaming build (eval pieces); 4: exact dedup keeps
+# indentation, short and CJK / Thai documents shingled as they read, tokenizer files' truncation / padding off
+# and special-token strings in documents encoded as text (dedup.VERSION 2)
+CACHE_VERSION = 4
 
 
 def _fingerprint(corpus: str, tokenizer: str) -> dict:
@@ -33,11 +40,9 @@ def _fingerprint(corpus: str, tokenizer: str) -> dict:
         s = f.stat()
         h.update(f"{f.relative_to(root)}\0{s.st_size}\0{s.st_mtime_ns}\n".encode())
     fp = {"root": str(root), "files": len(files), "digest": h.hexdigest()}
-    if tokenizer != "byte":
-        t = Path(tokenizer)
-        t = t / "tokenizer.json" if t.is_dir() else t
-        if t.is_file():
-            fp["tokenizer"] = hashlib.sha256(t.read_bytes()).hexdigest()
+    tok = tokenizer_digest(tokenizer)
+    if tok is not None:
+        fp["tokenizer"] = tok
     return fp
 
 
@@ -56,8 +61,8 @@ def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, ann
     """The cached store for this data config and seq_len, built now if it does not exist yet."""
     strategy = resolve_strategy(data_cfg.strategy, seq_len)
     key_fields = {
-        "version": CACHE_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer, "seq_len": seq_len,
-        "strategy": strategy, "dedup": data_cfg.dedup, "max_docs": data_cfg.max_docs,
+        "version": CACHE_VERSION, "builder": SCAN_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
+        "seq_len": seq_len, "strategy": strategy, "dedup": data_cfg.dedup, "max_docs": data_cfg.max_docs,
         "eval_fraction": data_cfg.eval_fraction, "fingerprint": _fingerprint(data_cfg.corpus, data_cfg.tokenizer),
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]

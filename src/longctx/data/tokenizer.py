@@ -1,10 +1,17 @@
 """Tokenizers: a byte-level one that needs no files, and Hugging Face `tokenizer.json` files.
 
 Both expose `vocab_size`, `eos_id` and `encode_batch(texts) -> list[np.ndarray]`.
+
+A document is encoded whole and as text: a tokenizer.json's own truncation and padding settings
+are switched off (they would cut or pad every document silently), and a special token's literal
+string in a document ("</s>" in a code corpus) is encoded as the text it is, never as the special
+token; the builder adds the EOS id itself. `encode` (a prompt for generation or eval) keeps the
+tokenizer's usual reading of special-token strings, as transformers does.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +55,8 @@ class HFTokenizer:
             )
         self.name = str(path)
         self._tok = Tokenizer.from_file(str(path))
+        self._tok.no_truncation()  # a document is never cut or padded to the file's settings
+        self._tok.no_padding()
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
@@ -60,20 +69,39 @@ class HFTokenizer:
         self.bos_id = None
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        encs = self._tok.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int32) for e in encs]
+        """Documents' ids, their special-token strings read as text."""
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.encode_encodings(texts)]
 
     def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         """One text's ids; with add_special_tokens, the tokenizer's own post-processing (e.g. a BOS
         token) as transformers applies it by default (generation from a Hugging Face model)."""
+        self._tok.encode_special_tokens = False
         return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
 
     def encode_encodings(self, texts: list[str]):
-        """The library's Encoding objects (ids and character offsets), for the data pipeline."""
-        return self._tok.encode_batch(texts, add_special_tokens=False)
+        """The library's Encoding objects (ids and character offsets), for the data pipeline: special-token
+        strings in the texts are encoded as text."""
+        self._tok.encode_special_tokens = True
+        try:
+            return self._tok.encode_batch(texts, add_special_tokens=False)
+        finally:
+            self._tok.encode_special_tokens = False
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def tokenizer_digest(spec: str) -> str | None:
+    """sha256 of a tokenizer spec's tokenizer.json (None for `byte` or a missing file): what a cached or
+    half-built store was tokenized with, beyond its path."""
+    if spec == "byte":
+        return None
+    path = Path(spec)
+    path = path / "tokenizer.json" if path.is_dir() else path
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def load_tokenizer(spec: str):

@@ -31,6 +31,7 @@ from ...errors import DataError
 from ...progress import current, progress_bar
 from .. import store
 from .cluster import cluster
+from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
 from .embed import embed
 from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, split_items
@@ -183,6 +184,10 @@ class Assembly:
             return None, None
         hashes, signatures = [], []
         for part in self.old["parts"]:
+            if part.get("dedup_version", 1) != DEDUP_VERSION:
+                self.log(f"  dedup     {part['dir']} was hashed by an older longctx (dedup version "
+                         f"{part.get('dedup_version', 1)}, now {DEDUP_VERSION}): copies of its documents that differ "
+                         f"only in spacing or are short, CJK or Thai may not be found; rebuild the store to be sure")
             h, s = store.load_part_docs(self.root, part)
             hashes.append(h)
             if s is not None:
@@ -311,6 +316,7 @@ class Assembly:
             "inputs": list(self.opts.inputs),
             "documents": len(self.kept),
             "first_doc": self.doc_base,
+            "dedup_version": DEDUP_VERSION,  # how its hashes and signatures were made (dedup.py), for appends
             "counts": {
                 "files": self.files, "documents_read": self.documents_read,
                 "skipped": dict(sorted(self.skipped.items())),

@@ -1,9 +1,14 @@
 """Exact and near-duplicate removal.
 
-- exact: a 64-bit hash (blake2b) of the text with runs of whitespace collapsed, so a copy that
-  differs only in spacing or line ends is still an exact duplicate.
+- exact: a 64-bit hash (blake2b) of the text with its line ends made LF and each line's trailing
+  whitespace (and trailing blank lines) dropped, so a copy that differs only in those is still an
+  exact duplicate; indentation and spacing within a line count (code that differs only in its
+  indentation is another program).
 - near (MinHash LSH): 128-permutation MinHash signatures (datasketch's form and permutations) of
-  the set of 5-grams of whitespace-separated words; candidates share a band of the signature in a
+  the set of 5-grams of words: whitespace-separated, except that each character of a script written
+  without spaces (CJK ideographs, kana, Thai, Lao, Khmer, Myanmar, and their punctuation) is a word
+  of its own; a document of fewer than 5 words is one shingle of all of them, in order (so "dog
+  bites man" is not "man bites dog"); candidates share a band of the signature in a
   numpy index (`_KeyIndex`, banded for a threshold 0.2 below the Jaccard threshold, default 0.8,
   so that pairs near it are not missed) and
   are confirmed by the true Jaccard similarity of the two shingle sets >= the threshold, computed
@@ -30,16 +35,30 @@ import numpy as np
 
 from .parallel import parallel_map
 
+VERSION = 2  # of the exact hash and the shingles: 2 keeps indentation, shingles short and CJK / Thai text
 NUM_PERM = 128
 SHINGLE = 5
 _PRIME = np.uint64((1 << 61) - 1)
 _MAX32 = np.uint64(0xFFFFFFFF)
-_WS = re.compile(r"\s+")
+_TRAILING = re.compile(r"[^\S\n]+$", re.MULTILINE)  # whitespace at the end of a line, but the newline
+# scripts written without spaces between words: each of their characters is a word of its own
+_UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3001-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+             "\uff00-\uffef\U00020000-\U0003134f")
+_HAS_UNSPACED = re.compile(f"[{_UNSPACED}]")
+_WORD = re.compile(f"[{_UNSPACED}]|[^\\s{_UNSPACED}]+")
 
 
 def exact_hash(text: str) -> int:
-    norm = _WS.sub(" ", text).strip().encode("utf-8")
+    norm = text.replace("\r\n", "\n").replace("\r", "\n")
+    norm = _TRAILING.sub("", norm).rstrip("\n").encode("utf-8")
     return int.from_bytes(hashlib.blake2b(norm, digest_size=8).digest(), "little")
+
+
+def words_of(text: str) -> list[str]:
+    """The words shingles are made of (whitespace-separated; a CJK / Thai / ... character alone)."""
+    if text.isascii() or not _HAS_UNSPACED.search(text):
+        return text.split()
+    return _WORD.findall(text)
 
 
 def _permutations(num_perm: int = NUM_PERM, seed: int = 1):
@@ -53,12 +72,15 @@ _A, _B = _permutations()
 
 
 def shingle_hashes(text: str) -> np.ndarray:
-    words = text.split()
+    """Sorted unique 32-bit hashes of the text's shingles: its runs of SHINGLE words, or all its words
+    as one shingle when it has fewer."""
+    words = words_of(text)
     h = np.fromiter((zlib.crc32(w.encode("utf-8", "surrogatepass")) for w in words), dtype=np.uint64, count=len(words))
-    if len(h) >= SHINGLE:
-        acc = np.zeros(len(h) - SHINGLE + 1, dtype=np.uint64)
-        for k in range(SHINGLE):
-            acc = acc * np.uint64(1000003) + h[k:len(h) - SHINGLE + 1 + k]
+    if len(h):
+        k_words = min(SHINGLE, len(h))
+        acc = np.zeros(len(h) - k_words + 1, dtype=np.uint64)
+        for k in range(k_words):
+            acc = acc * np.uint64(1000003) + h[k:len(h) - k_words + 1 + k]
         h = acc & _MAX32
     return np.unique(h)
 

@@ -48,13 +48,17 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
     shards = scan.plan_shards(units)
     digest = scan.plan_digest(units, sopts)
     todo = scan.machine_range(shards, *machine)
+    resume = scan.resume_key(units, opts.max_docs)
     plan = scan.read_plan(work)
-    if plan is not None and (plan["digest"] != digest or plan["machine"] != list(machine)):
-        log(f"  {work} holds an unfinished build of other inputs or scan options; starting over")
+    if plan is not None and (plan["digest"] != digest or plan["machine"] != list(machine)
+                             or plan.get("resume") != resume):
+        log(f"  {work} holds an unfinished build of other inputs (or inputs changed since), another tokenizer, "
+            f"--max-docs or scan options; starting over")
         shutil.rmtree(work)
         plan = None
     build = {k: v for k, v in asdict(opts).items() if k not in ("out", "shown_as", "progress", "shard", "append")}
-    plan = {"format": scan.FORMAT, "version": scan.VERSION, "digest": digest, "options": asdict(sopts),
+    plan = {"format": scan.FORMAT, "version": scan.VERSION, "digest": digest, "resume": resume,
+            "options": asdict(sopts),
             "build": build, "token_dtype": np.dtype(store.token_dtype(tok.vocab_size)).name,
             "shards": len(shards), "machine": list(machine), "range": [todo.start, todo.stop],
             "other_suffix": other if machine[0] == 0 else 0,
@@ -175,6 +179,9 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
         p = scan.read_plan(Path(d))
         if p is None or p.get("format") != scan.FORMAT:
             raise DataError(f"'{d}' is not a scan directory of `longctx data build --shard i/n` (no {scan.PLAN}).")
+        if p.get("version") != scan.VERSION:
+            raise DataError(f"'{d}' was scanned by another version of longctx (scan version {p.get('version')}, this "
+                            f"one merges {scan.VERSION}); run its `longctx data build --shard i/n` again.")
         plans.append((p, Path(d)))
     plans.sort(key=lambda pd: pd[0]["machine"][0])
     first = plans[0][0]

@@ -52,7 +52,7 @@ ROWS = 4096  # parquet / arrow values converted to Python at a time
 SKIP_REASONS = {
     "empty": "empty",                            # no text, or whitespace only
     "binary": "binary",                          # a NUL byte in the first 8 KiB
-    "invalid_utf8": "not UTF-8",
+    "invalid_utf8": "not UTF-8",                 # also a JSON string with a lone surrogate ("\ud800")
     "other_suffix": "unsupported suffix",        # a file of a kind no reader takes (e.g. .png, .parquet.gz)
     "bad_json_line": "unparsable JSON line",     # also a line that is not a JSON object
     "missing_text_field": "no text field",       # a record without the text field, or a non-string value
@@ -221,6 +221,12 @@ def _accept(value, name: str, skipped: Counter) -> Document | None:
     if "\x00" in value[:8192]:
         skipped["binary"] += 1
         return None
+    if not value.isascii():
+        try:  # a JSON string may hold a lone surrogate ("\ud800"), which is no UTF-8 text
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            skipped["invalid_utf8"] += 1
+            return None
     value = normalise(value)
     if not value.strip():
         skipped["empty"] += 1

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import DataError
-from ..tokenizer import load_tokenizer
+from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import spill
 from .dedup import NUM_PERM, exact_hash, signature
 from .features import head_features
@@ -40,7 +40,7 @@ from .tokenize import tokenize_one
 
 SHARD_BYTES = 16 << 20
 FORMAT = "longctx-scan"
-VERSION = 1
+VERSION = 2  # 2: shards hashed by dedup.py's VERSION 2
 PLAN = "plan.json"
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
@@ -101,7 +101,24 @@ def machine_range(shards: list[list[Unit]], i: int, n: int) -> range:
 
 
 def plan_digest(units: list[Unit], opts: ScanOptions) -> str:
-    h = hashlib.sha256(json.dumps([asdict(opts), [asdict(u) for u in units]]).encode())
+    """What every machine of a build must agree on: the inputs' names and sizes, the scan options, the
+    tokenizer file's content and this scan's version."""
+    tok = tokenizer_digest(opts.tokenizer)
+    h = hashlib.sha256(json.dumps([VERSION, asdict(opts), tok, [asdict(u) for u in units]]).encode())
+    return h.hexdigest()[:16]
+
+
+def resume_key(units: list[Unit], max_docs: int) -> str:
+    """What else the shards already scanned in a work directory depend on, checked when a build
+    resumes (not when scans of several machines are merged: their copies' mtimes differ): each input
+    file's mtime (a file rewritten in place at the same size) and --max-docs (a shard that stopped
+    at the old limit)."""
+    def mtime(path: str) -> int:
+        try:
+            return os.stat(path).st_mtime_ns
+        except OSError:
+            return 0
+    h = hashlib.sha256(json.dumps([max_docs, [[u.path, mtime(u.path)] for u in units]]).encode())
     return h.hexdigest()[:16]
 
 
