@@ -165,7 +165,7 @@ def _zipf_routing(stack, tokens: int, experts: int, s: float, seed: int) -> None
     for layer in stack:
         gumbel = -torch.log(-torch.log(torch.rand(tokens, experts, generator=gen).clamp_min(1e-20)))
         fixed, choose = logp + gumbel, layer.router.choose
-        layer.router.choose = lambda logits, f=fixed, c=choose: c(logits * 0 + f)
+        layer.router.choose = lambda logits, chosen=None, f=fixed, c=choose: c(logits * 0 + f, chosen)
 
 
 def _rank_rows(placements, counts: torch.Tensor, mesh) -> list[int]:
