@@ -100,7 +100,7 @@ class _PieceRouting:
     layer whose routing looks across tokens (MoEFeedForward.across_tokens). Installed as the layer's
     `pieces` while post runs: with no `piece` the layer only hands over its routing input (`gathered`);
     after `decide`, a piece's call (and its recomputation in backward) routes with its slice of the
-    call's decisions (the kept choices of a capacity, Sinkhorn's assignment), held here in a few bytes
+    call's decisions (its experts, and the capacity's kept choices), held here in a few bytes
     per token until the block's backward."""
 
     def __init__(self, layer):

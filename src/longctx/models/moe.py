@@ -329,11 +329,11 @@ class MoEFeedForward(nn.Module):
 
     @torch.no_grad()
     def decide(self, gathered: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(chosen, kept) over every token of a call from its pieces' routing_input, in token order: the
-        Sinkhorn assignment (None: each piece's router chooses as the whole call would) and the capacity's."""
+        """(chosen, kept) of every token of a call from its pieces' routing_input, in token order: Sinkhorn's
+        assignment or the first pass's choices (reused by the pieces: `kept` refers to them), and the capacity's."""
         x = torch.cat(gathered)  # Sinkhorn's logits [T, E], or the router's choices [T, k]
-        chosen = balanced_assignment(sinkhorn(x, self.router.iters), self.top_k) if x.is_floating_point() else None
-        return chosen, self._kept(x if chosen is None else chosen) if self.capacity_factor > 0 else None
+        chosen = balanced_assignment(sinkhorn(x, self.router.iters), self.top_k) if x.is_floating_point() else x
+        return chosen, self._kept(chosen) if self.capacity_factor > 0 else None
 
     def _kept(self, experts: torch.Tensor) -> torch.Tensor:
         """[T, k] each expert keeps at most ceil(capacity_factor x T x k / E) of the choices `experts`, slot 0's
