@@ -31,9 +31,7 @@ import errno
 import functools
 import json
 import os
-import queue
 import shutil
-import threading
 import time
 import uuid
 import warnings
@@ -59,9 +57,11 @@ from ..config.checkpoint_paths import (
     resume_candidates,
     step_name,
 )
+from ..durable import publish, write_text_durably
 from ..faults import planned
 from ..job import comm
 from ..job.launch import new_gloo_group
+from .background import Worker, reusable_stager
 from .failures import save_failed, state_bytes
 from .manifest import (
     CHECKSUM_MISMATCH,
@@ -97,41 +97,6 @@ def verification_shares(entries: list[dict], world: int) -> list[int]:
     return owner
 
 
-def _reusable_stager():
-    """A DCP stager that copies into host buffers it keeps for the next save (pinned on CUDA)."""
-    try:  # the staging API is newer than our oldest supported torch
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:  # older torch: DCP's own default staging
-        return None
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))
-
-
-class _Worker:
-    """One daemon thread, started once, that runs jobs in the order they are submitted. Submitting is
-    a queue put: starting a thread per save kept the training loop waiting several ms for the new
-    thread to get the GIL from DCP's busy writer thread. A daemon, so that a job stuck in a
-    collective with a dead rank never keeps the process from exiting."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, fn, *args) -> Future:
-        done: Future = Future()
-        self._jobs.put((done, fn, args))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            done, fn, args = self._jobs.get()
-            try:
-                done.set_result(fn(*args))
-            except BaseException as e:  # handed to whoever waits for the job
-                done.set_exception(e)
-
-
 class CheckpointManager:
     def __init__(self, root: Path, *, keep: int, async_save: bool, rank: int, world: int, layout: dict,
                  model_cfg: dict, log=print, create: bool = True, tokenizer: str | None = None,
@@ -142,6 +107,7 @@ class CheckpointManager:
         # the positions the weights have trained on so far (the trainer raises it as stages start; 0 = unknown),
         # in the manifest: what `longctx generate` trusts the model with (config/positions.py)
         self.trained_positions = 0
+        self.run_dir: str | None = None  # the run directory (absolute), in the manifest: where resumes find its config
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
         # they get their own group so they never interleave with the training loop's on the default group.
@@ -160,7 +126,7 @@ class CheckpointManager:
         self.resumed_from: tuple[Path, dict] | None = None  # (path, manifest) of the last load
         self.resumed_state: dict | None = None  # its trainer state (trainer_state.json and the manifest)
         # async saves: where each rank hashes its files and rank 0 commits, off the training loop
-        self._worker = _Worker("checkpoint-finish") if async_save else None
+        self._worker = Worker("checkpoint-finish") if async_save else None
         self._finishing: Future | None = None  # the async save in flight
         self.last_save_blocking_s = 0.0
         self.saves = 0  # saves started by this manager (LONGCTX_FAULT=enospc@N fails the N-th)
@@ -189,7 +155,7 @@ class CheckpointManager:
         kwargs = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=self.world == 1)
         if self.async_save:
             if self._stager is None:
-                self._stager = _reusable_stager()
+                self._stager = reusable_stager()
             if self._stager is not None:
                 kwargs["async_stager"] = self._stager
             with _single_process(kwargs["no_dist"]):
@@ -237,7 +203,8 @@ class CheckpointManager:
         try:
             written()  # first: DCP's writes are collective (a rank that skipped them would hang the others)
             own_files()
-            own = hash_files(tmp, [rel for rel in checkpoint_files(tmp) if owner_rank(Path(rel).name) == self.rank])
+            own = hash_files(tmp, [rel for rel in checkpoint_files(tmp) if owner_rank(Path(rel).name) == self.rank],
+                             sync=True)
             if self.rank != 0:  # rank 0 keeps its own in memory
                 write_hashes_part(tmp, self.rank, own)
         except Exception as e:  # agreed on below, so that no rank waits for this one forever
@@ -255,18 +222,19 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
-                       tokenizer=self.tokenizer, draft=self.draft, trained_positions=self.trained_positions)
+                       tokenizer=self.tokenizer, draft=self.draft, trained_positions=self.trained_positions,
+                       run_dir=self.run_dir)
         final = self.root / step_name(step)
+        # durably (durable.py): every rank synced its files (_finish), so after a power loss `latest` never
+        # names a checkpoint whose files did not reach the disk
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
             trash = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
             os.replace(final, trash)
-            os.replace(tmp, final)
+            publish(tmp, final)
             shutil.rmtree(trash, ignore_errors=True)
         else:
-            os.replace(tmp, final)
-        pointer_tmp = self.root / (LATEST + ".tmp")
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, self.root / LATEST)
+            publish(tmp, final)
+        write_text_durably(self.root / LATEST, final.name + "\n")
         self._prune(keep_also=final)
         self.log(f"checkpoint: saved step {step} to {final}")
 

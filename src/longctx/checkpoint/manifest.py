@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +24,7 @@ from ..config.checkpoint_paths import (  # (re-exported: the checkpoint package'
     MANIFEST,
     CheckpointError,
 )
+from ..durable import fsync_path, write_text_durably
 
 FORMAT = "longctx-checkpoint/1"
 
@@ -68,9 +68,15 @@ def checkpoint_files(directory: Path) -> list[str]:
                   if p.is_file() and p.name != MANIFEST and not p.name.startswith(HASHES_PREFIX))
 
 
-def hash_files(directory: Path, paths) -> dict[str, dict]:
-    """{path: {"bytes", "sha256"}} of the given files of `directory`."""
-    return {rel: {"bytes": (directory / rel).stat().st_size, "sha256": sha256(directory / rel)} for rel in paths}
+def hash_files(directory: Path, paths, sync: bool = False) -> dict[str, dict]:
+    """{path: {"bytes", "sha256"}} of the given files of `directory`; `sync`: each file is also flushed to
+    stable storage (the rank that wrote it does so before the checkpoint is published: durable.py)."""
+    hashes = {}
+    for rel in paths:
+        hashes[rel] = {"bytes": (directory / rel).stat().st_size, "sha256": sha256(directory / rel)}
+        if sync:
+            fsync_path(directory / rel)
+    return hashes
 
 
 def write_hashes_part(directory: Path, rank: int, hashes: dict[str, dict]) -> None:
@@ -93,12 +99,13 @@ def collect_hashes_parts(directory: Path, ranks) -> dict[str, dict]:
 
 def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
                    hashes: dict[str, dict] | None = None, tokenizer: str | None = None,
-                   draft: dict | None = None, trained_positions: int = 0) -> dict:
+                   draft: dict | None = None, trained_positions: int = 0, run_dir: str | None = None) -> dict:
     """Write manifest.json (last, atomically). `hashes` are the ranks' checksums of their files; any file
     on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file.
     `draft`: a GliDe draft's record (train/glide.py: its target, layers, block, loss); the checkpoint
     then holds the draft's weights only, and `model` is its target's config. `trained_positions`: the
-    positions the weights have trained on (config/positions.py; 0 = not known, left out)."""
+    positions the weights have trained on (config/positions.py; 0 = not known, left out). `run_dir`: the run
+    directory (absolute) whose config.toml a resume continues (config/resume.py; None: left out)."""
     hashes = dict(hashes or {})
     missing = [rel for rel in checkpoint_files(directory) if rel not in hashes]
     hashes.update(hash_files(directory, missing))
@@ -110,28 +117,20 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
         "tokenizer": tokenizer,
         **({"trained_positions": int(trained_positions)} if trained_positions else {}),
         **({"draft": draft} if draft else {}),
+        **({"run_dir": run_dir} if run_dir else {}),
         "files": [{"path": rel, **hashes[rel]} for rel in sorted(hashes)],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "longctx": __version__,
         "torch": torch.__version__,
     }
     manifest["checksum"] = _manifest_checksum(manifest)
-    _write_json_atomically(directory / MANIFEST, manifest, indent=2)
+    write_text_durably(directory / MANIFEST, json.dumps(manifest, indent=2))  # last: it makes the directory complete
     return manifest
 
 
 def _manifest_checksum(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _write_json_atomically(path: Path, obj, indent=None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(obj, f, indent=indent)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_manifest(directory: Path) -> dict:

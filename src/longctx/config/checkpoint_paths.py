@@ -43,12 +43,14 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def resume_candidates(root: Path) -> list[Path]:
-    """What `--checkpoint.resume auto` tries, in order: the checkpoint `latest` names, then the other
-    complete ones, newest first."""
+    """What `--checkpoint.resume auto` tries, in order: the checkpoint `latest` names, then the older
+    complete ones, newest first. A newer one than `latest`'s is not of the run `latest` continues (every
+    save moves `latest` to itself; an explicit resume of an older checkpoint leaves the newer ones to
+    the attempt it abandoned), so falling back to it would jump to another trajectory."""
     first = latest_checkpoint(root)
     if first is None:
         return []
-    return [first, *(p for p in reversed(complete_checkpoints(root)) if p != first)]
+    return [first, *(p for p in reversed(complete_checkpoints(root)) if p.name < first.name)]
 
 
 def resolve_checkpoint(spec: str, root: Path) -> Path | None:

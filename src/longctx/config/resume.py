@@ -13,12 +13,14 @@ given.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .checkpoint_paths import MANIFEST, latest_checkpoint
 from .load import build_config, read_raw, to_dict
 from .schema import Config
 
@@ -40,21 +42,38 @@ class Resumed:
 
 
 def saved_run_dir(raw: dict) -> Path | None:
-    """The run directory whose config.toml a resume continues: train.run_dir, or the run directory
-    holding the checkpoint PATH (`<run>/checkpoints/step-N`); None when there is none to continue."""
+    """The run directory whose config.toml a resume continues; None when there is none to continue.
+    train.run_dir when it holds one; else the run of the checkpoint to resume (PATH, or for `auto` the
+    newest in checkpoint.dir or <train.run_dir>/checkpoints): the run directory above it
+    (`<run>/checkpoints/step-N`), or the one its manifest names (a checkpoint.dir outside the run's)."""
     resume = raw.get("checkpoint", {}).get("resume", "none")
     if resume == "none":
         return None
     given = raw.get("train", {}).get("run_dir")
-    if given:
-        return Path(given) if (Path(given) / "config.toml").is_file() else None
+    if given and (Path(given) / "config.toml").is_file():
+        return Path(given)
     if resume == "auto":
-        return None
-    path = Path(resume).resolve()
+        root = raw.get("checkpoint", {}).get("dir") or (Path(given) / "checkpoints" if given else None)
+        target = latest_checkpoint(Path(root)) if root else None
+        if target is None:
+            return None
+    else:
+        target = Path(resume)
+    path = target.resolve()
     for parent in [path, *path.parents][:4]:
         if (parent / "config.toml").is_file():
             return parent
-    return None
+    return _manifest_run_dir(path)
+
+
+def _manifest_run_dir(checkpoint: Path) -> Path | None:
+    """The run directory a checkpoint's manifest names, if it still holds a config.toml (an unreadable
+    manifest: None here; verification refuses the checkpoint with its reasons later)."""
+    try:
+        named = json.loads((checkpoint / MANIFEST).read_text()).get("run_dir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(named) if named and (Path(named) / "config.toml").is_file() else None
 
 
 def _merge(base: dict, top: dict) -> dict:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..durable import fsync_path, publish, write_text_durably
 from ..errors import DataError
 
 MANIFEST = "manifest.json"
@@ -58,15 +59,6 @@ class SplitArrays:
     pointer: np.ndarray   # [samples + 1]: each sample's first segment
 
 
-def _fsync_path(path: Path) -> None:
-    """Flush a file's (or a directory's entries') data to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def new_part_dir(root: Path, index: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-part-{index:05d}-{os.getpid()}"
@@ -84,19 +76,13 @@ def publish_part(tmp: Path, root: Path, index: int) -> str:
     # durable before it is published: after a power loss the manifest must never name a part whose
     # files did not reach the disk
     for f in tmp.iterdir():
-        _fsync_path(f)
-    _fsync_path(tmp)
-    os.replace(tmp, final)
-    _fsync_path(root)
+        fsync_path(f)
+    publish(tmp, final)
     return name
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
-    tmp = root / f".{MANIFEST}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
-    _fsync_path(tmp)
-    os.replace(tmp, root / MANIFEST)
-    _fsync_path(root)
+    write_text_durably(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
 
 
 def read_manifest(root: str | Path) -> dict:

@@ -262,6 +262,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
     manager = CheckpointManager(root, keep=ck.keep, async_save=ck.async_save, rank=rt.rank, world=rt.world,
                                 layout=layout, model_cfg=to_dict(cfg)["model"], log=log,
                                 tokenizer=tokenizer, draft=getattr(model, "checkpoint_record", None))
+    manager.run_dir = str(run_dir.resolve())
     # verified on every rank before anything is loaded: `auto` skips damaged checkpoints (and says so)
     found = manager.resume_point(ck.resume)
     if found is None:

@@ -1,0 +1,106 @@
+"""Checkpoints survive a power loss and resumes continue the right run (checkpoint/manager.py, durable.py,
+config/resume.py, config/checkpoint_paths.py).
+
+- Every file of a checkpoint is flushed to the disk (fsync) before the rename that publishes its
+  directory; the directory's entries before it, the parent's after it; `latest` the same way. Without
+  it a power loss (not a crash) can leave `latest` naming a checkpoint whose files never reached the disk.
+- `--checkpoint.resume auto` falls back past a damaged `latest` only to older checkpoints: a newer one
+  belongs to an attempt an explicit resume abandoned.
+- `auto` with a --checkpoint.dir but no --train.run_dir (or a fresh run_dir) continues the saved run's
+  config.toml, found through the directory above the checkpoints or the manifest's run_dir, instead of
+  silently training on the defaults.
+"""
+
+import json
+import os
+
+import torch
+
+from longctx.checkpoint.manager import CheckpointManager
+from longctx.config import load_config
+from longctx.config.checkpoint_paths import resume_candidates
+from longctx.config.resume import load_run_config
+from longctx.train.trainer import Trainer
+
+BASE = ["--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40", "--train.eval_interval=0",
+        "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu"]
+
+
+def _quiet(*_a, **_k):
+    pass
+
+
+def test_every_file_is_synced_before_the_checkpoint_is_published(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    root = tmp_path / "ckpt"
+    manager = CheckpointManager(root, keep=2, async_save=False, rank=0, world=1, layout={}, model_cfg={},
+                                log=_quiet)
+    manager.run_dir = str(tmp_path / "run")
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    manager.save(3, model, optimizer, {"position": 0})
+    monkeypatch.undo()
+
+    final = root / "step-00000003"
+    publish = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(final))
+    tmp = events[publish][1]
+    synced_before = {e[1] for e in events[:publish] if e[0] == "fsync"}
+    files = sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file())
+    assert {"manifest.json", "trainer_state.json", ".metadata", "rng-rank0.pt"} <= set(files)
+    renamed = {e[2]: e[1] for e in events[:publish] if e[0] == "replace"}  # the manifest is written as a temp file
+    unsynced = [f for f in files if not {os.path.join(tmp, f), renamed.get(os.path.join(tmp, f))} & synced_before]
+    assert not unsynced, f"files not synced before the checkpoint was published: {unsynced}"
+    assert tmp in synced_before  # the directory's entries
+    assert ("fsync", str(root)) in events[publish + 1:]
+    pointer = next(i for i, e in enumerate(events) if e[0] == "replace" and e[2] == str(root / "latest"))
+    assert pointer > publish and ("fsync", events[pointer][1]) in events[:pointer]
+    assert ("fsync", str(root)) in events[pointer + 1:]
+    assert (root / "latest").read_text().strip() == final.name
+    assert json.loads((final / "manifest.json").read_text())["run_dir"] == str(tmp_path / "run")
+
+
+def _checkpoint(root, step):
+    path = root / f"step-{step:08d}"
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text("{}")
+    return path
+
+
+def test_auto_falls_back_only_to_checkpoints_older_than_latest(tmp_path):
+    # steps 10 and 20 saved; an explicit resume of 10 went on and saved 15 (latest): 20 is the abandoned attempt's
+    old, abandoned, own = (_checkpoint(tmp_path, s) for s in (10, 20, 15))
+    (tmp_path / "latest").write_text(own.name + "\n")
+    assert resume_candidates(tmp_path) == [own, old]
+    (tmp_path / "latest").unlink()  # no pointer: the newest complete one, then older ones
+    assert resume_candidates(tmp_path) == [abandoned, own, old]
+
+
+def test_auto_resume_with_only_a_checkpoint_dir_continues_the_saved_run(tmp_path):
+    run, ckpts = tmp_path / "run", tmp_path / "elsewhere" / "ckpts"  # checkpoints outside the run directory
+    first = [*BASE, f"--train.run_dir={run}", f"--checkpoint.dir={ckpts}", "--checkpoint.interval=2",
+             "--train.lr=0.0123"]
+    Trainer(load_config(None, [*first, "--train.steps=2"]), log=_quiet).run()
+    for again in ([f"--checkpoint.dir={ckpts}"],  # no run_dir: found through the manifest's run_dir
+                  [f"--checkpoint.dir={ckpts}", f"--train.run_dir={tmp_path / 'fresh'}"]):  # a new run_dir
+        cfg, resumed = load_run_config(None, ["--checkpoint.resume=auto", "--train.steps=4", *again], False)
+        assert resumed is not None and resumed.run_dir == run.resolve(), again
+        assert cfg.train.lr == 0.0123 and cfg.train.seq_len == 64 and cfg.checkpoint.interval == 2
+        assert resumed.changes == ["train.steps 2 -> 4"]
+    # an explicit checkpoint path into a fresh run directory continues its run's config too
+    cfg, resumed = load_run_config(None, [f"--checkpoint.resume={ckpts / 'step-00000002'}",
+                                          f"--train.run_dir={tmp_path / 'fresh'}"], False)
+    assert resumed.run_dir == run.resolve() and cfg.train.lr == 0.0123 and cfg.train.run_dir == str(tmp_path / "fresh")
