@@ -61,3 +61,55 @@ def test_generate_from_a_model_with_nan_logits_raises():
         model.output.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteLogits):
         generate(model, [[1, 2, 3]], max_new_tokens=4, sampling=Sampling(temperature=1.0))
+
+
+def _nan_model(seed=1):
+    model = build_model(load_config(overrides=["--model.layers=1"]).model, seed=seed).eval()
+    with torch.no_grad():
+        model.output.weight.fill_(float("nan"))
+    return model
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "masked"])
+def test_greedy_on_logits_that_are_no_distribution_is_an_error_not_a_token(bad):
+    """Greedy decoding took the argmax of NaN logits silently (the NaN's index, or 0); now the row is
+    UNCHOSEN on the device and the decode loop's host read raises."""
+    from longctx.generate.sampling import UNCHOSEN, greedy_choice
+
+    logits = LOGITS.repeat(3, 1)
+    if bad == "masked":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 2] = bad
+    assert greedy_choice(logits).tolist() == [0, UNCHOSEN, 0]
+    masked_some = LOGITS.clone()
+    masked_some[0, 0] = float("-inf")  # a processor's -inf (min_new_tokens) is a distribution still
+    assert greedy_choice(masked_some).tolist() == [1]
+    with pytest.raises(NonFiniteLogits, match="not finite"):
+        generate(_nan_model(), [[1, 2, 3]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "cape"])
+def test_speculative_decoding_with_a_nan_target_is_an_error(mode):
+    """The rejection rule kept every proposal of a NaN target (a NaN ratio compares as "keep"), and greedy
+    verification matched the NaN's argmax; each is an error now. A NaN draft under greedy only costs
+    its proposals: the output is plain greedy decoding's."""
+    from longctx.generate.cape import CapeTable
+    from longctx.generate.drafters import ModelDrafter
+    from longctx.generate.speculative import speculative_generate
+
+    healthy = build_model(load_config(overrides=["--model.layers=1"]).model, seed=1).eval()
+    sampling = Sampling(temperature=1.0) if mode == "sampled" else Sampling()
+    generator = torch.Generator().manual_seed(0) if mode == "sampled" else None
+    cape = CapeTable.parse("0.5:2,1:1") if mode == "cape" else None
+    with pytest.raises(NonFiniteLogits, match="target's logits are not finite|not finite"):
+        speculative_generate(_nan_model(), ModelDrafter(healthy, 40), [1, 2, 3], max_new_tokens=6, k=3,
+                             sampling=sampling, generator=generator, cape=cape)
+    if mode == "sampled":  # a NaN draft's q enters the ratio: an error too
+        with pytest.raises(NonFiniteLogits, match="draft's logits are not finite"):
+            speculative_generate(healthy, ModelDrafter(_nan_model(), 40), [1, 2, 3], max_new_tokens=6, k=3,
+                                 sampling=sampling, generator=generator)
+    else:
+        spec = speculative_generate(healthy, ModelDrafter(_nan_model(), 40), [1, 2, 3], max_new_tokens=6, k=3,
+                                    cape=cape)
+        assert spec.tokens == generate(healthy, [[1, 2, 3]], max_new_tokens=6)[0].tokens

@@ -17,12 +17,13 @@ ones it holds) and forgets the other nodes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import ConfigError
-from .sampling import Sampling
+from .sampling import Sampling, check_chosen, greedy_choice
 
 DEFAULT_TABLE = "0.3:3,0.6:2,0.9:1,1:0"
 
@@ -50,7 +51,8 @@ class CapeTable:
         return cls(bins)
 
     def alternatives(self, confidence: float) -> int:
-        return next(n for bound, n in self.bins if confidence <= bound)
+        """(A NaN draft proposes its chain alone: the target's verification decides every token anyway.)"""
+        return 0 if math.isnan(confidence) else next(n for bound, n in self.bins if confidence <= bound)
 
 
 @dataclass
@@ -117,7 +119,7 @@ def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, s
     logits = target(tokens, positions, cache=cache)[0].float()
     if state is not None:
         logits = state.paths([_path(tree, j) for j in range(len(tree.tokens))])(logits)
-    choice = logits.argmax(-1).tolist()  # the target's after each node
+    choice = greedy_choice(logits).tolist()  # the target's after each node (UNCHOSEN: not finite, matches none)
     children: dict[int, list[int]] = {}
     for j, parent in enumerate(tree.parents[1:], 1):
         children.setdefault(parent, []).append(j)
@@ -128,6 +130,7 @@ def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, s
             break
         kept.append(nxt)
         node = nxt
+    check_chosen(choice[node], "the target's")
     cache.keep([0] + kept)  # the root and the accepted path; the other nodes are forgotten
     if rows is not None:
         rows.extend(logits[[0] + kept])

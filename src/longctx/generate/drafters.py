@@ -25,7 +25,7 @@ from ..models.kv_cache import KVCache
 from ..models.static_decode import CompiledStep, compiled_step, install
 from .acceptance import sampling_probs
 from .local import prefill
-from .sampling import Processors, Sampling
+from .sampling import UNCHOSEN, Processors, Sampling, check_chosen
 
 
 class ModelDrafter:
@@ -73,6 +73,8 @@ class ModelDrafter:
             q = sampling_probs(logits[None], sampling, processors)[0]
             # (no generator: the most likely token, with q the full distribution: CaPE's confidences)
             greedy = sampling.greedy or generator is None
+            if not greedy and not bool(torch.isfinite(q).all()):  # its q enters the rejection rule's ratio
+                check_chosen(UNCHOSEN, "the draft's")
             choice = int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))
             tokens.append(choice)
             qs.append(q)

@@ -22,7 +22,7 @@ from .contracts import Backend, Cache, Round
 from .local import LOCAL
 from .loop import decode
 from .results import Result
-from .sampling import GREEDY, Processors, Sampling, derive_seed, draw, process, row_generators
+from .sampling import GREEDY, Processors, Sampling, derive_seed, draw, greedy_choice, process, row_generators
 
 
 class PlainRounds:
@@ -46,7 +46,7 @@ class PlainRounds:
 
     def _choose(self, logits: torch.Tensor, processors: Processors | None) -> Round:
         processed = process(logits, self.sampling, processors)
-        self.chosen = processed.argmax(dim=-1) if self.sampling.greedy else draw(processed, self.generators)
+        self.chosen = greedy_choice(processed) if self.sampling.greedy else draw(processed, self.generators)
         return Round(self.chosen[:, None], processed[:, None])
 
 

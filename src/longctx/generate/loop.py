@@ -31,7 +31,7 @@ import torch
 from ..models.static_decode import CompiledStep, install
 from .contracts import Backend, Cache, FlatPrefill, Round, Rounds
 from .results import Result
-from .sampling import Processors, Sampling, sample_seed
+from .sampling import Processors, Sampling, check_chosen, sample_seed
 
 
 @dataclass
@@ -174,6 +174,7 @@ class _Book:
 
     def _token(self, r: int, token: int, logprob: float | None, top) -> bool:
         """Row r takes `token`; whether the row has ended."""
+        check_chosen(token)
         if token in self.eos:
             self.reason[r] = "eos"
             return True

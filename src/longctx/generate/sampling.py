@@ -34,7 +34,9 @@ fp32's 3.4e38) is an error (NonFiniteLogits), never a token. A temperature below
 within reach of real models (at 1e-36, a logit of 340), and sampling there is greedy decoding but for
 exact ties anyway. The small ones people use for "greedy through the sampler" (1e-5, 1e-6) are
 allowed: nothing overflows there (a logit would have to pass 3e33 at 1e-5), and refusing them would
-break commands that work. The check adds no host sync of its own on a GPU (draw).
+break commands that work. The check adds no host sync of its own on a GPU (draw). Greedy decoding too:
+a row whose processed logits hold NaN or +inf, or are all -inf, is chosen as UNCHOSEN (-1) on the
+device (`greedy_choice`), and the decode loop's host read of the tokens raises (`check_chosen`).
 """
 
 from __future__ import annotations
@@ -247,6 +249,27 @@ class NonFiniteLogits(UserError, RuntimeError):
     """A row's distribution to draw from holds NaN or inf."""
 
 
+UNCHOSEN = -1  # greedy_choice's token for a row that is no distribution
+
+
+def greedy_choice(processed: torch.Tensor) -> torch.Tensor:
+    """The argmax of processed logits [..., vocab], UNCHOSEN where a row holds NaN or +inf or only -inf
+    (argmax would return the NaN's index, the overflow's, or 0). No host sync: a host read of the
+    tokens (the decode loop's, `check_chosen`) finds it."""
+    bad = (processed.isnan() | processed.isposinf()).any(-1) | ~(processed > float("-inf")).any(-1)
+    return processed.argmax(dim=-1).masked_fill(bad, UNCHOSEN)
+
+
+def check_chosen(token: int, what: str = "the greedy choice's") -> int:
+    """`token`, read on the host; NonFiniteLogits when greedy_choice found no distribution."""
+    if token == UNCHOSEN:
+        raise NonFiniteLogits(
+            f"decoding: {what} logits are not finite (NaN or +inf, or every token at -inf): the model's "
+            f"logits hold NaN or inf (a diverged checkpoint, or an overflow in a reduced dtype). Check the "
+            f"checkpoint and its dtype (--train.dtype fp32 shows whether the reduced precision overflows).")
+    return token
+
+
 def row_generators(seeds: Sequence[int]) -> list[torch.Generator]:
     """One host generator per request, seeded with its seed."""
     return [torch.Generator().manual_seed(int(s) & _MASK64) for s in seeds]
@@ -290,4 +313,4 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generators: Sequence[t
     """The next token of each row [rows] from its logits [rows, vocab] (one generator per row when
     sampling)."""
     processed = process(logits, sampling, processors)
-    return processed.argmax(dim=-1) if sampling.greedy else draw(processed, generators)
+    return greedy_choice(processed) if sampling.greedy else draw(processed, generators)
