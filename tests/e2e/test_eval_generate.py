@@ -65,21 +65,24 @@ def test_parse_answer_and_the_prompt_cut(text_file):
 @pytest.mark.slow
 def test_generate_gives_score_modes_verdicts(memorised, text_file, tmp_path):
     """Sample by sample: right by generation exactly where every answer token is the argmax, and the
-    text of a right answer is the key itself (then what the memorised document says next)."""
+    text of a right answer is the key itself (then what the memorised document says next), but for
+    the documented difference: a generation that writes more digits after the right key is a miss
+    that score mode counts right (the memorised prompts of one sample share key and filler at every
+    depth, so the model sometimes runs on with the key's digits)."""
     score = _eval(memorised, tmp_path / "score.json", *EVAL, "--data", str(text_file))
     gen = _eval(memorised, tmp_path / "gen.json", *EVAL, "--data", str(text_file), "--mode", "generate")
     assert score["mode"] == "score" and gen["mode"] == "generate"
     assert (tmp_path / "gen.png").is_file()
     verdicts = [v for r in gen["results"] for v in r["per_sample"]]
-    assert [v for r in score["results"] for v in r["per_sample"]] == verdicts
     assert 0 < sum(verdicts), "the memorised model answers none: the comparison says nothing"
-    for r in gen["results"]:
+    for r, s in zip(gen["results"], score["results"]):
         assert r["correct"] == sum(r["per_sample"]) and r["samples"] == 2
-        for ok, answer, text in zip(r["per_sample"], r["answers"], r["generated"]):
+        for ok, scored, answer, text in zip(r["per_sample"], s["per_sample"], r["answers"], r["generated"]):
             assert ok == (parse_answer(text) == answer)
             if ok:
-                assert text.startswith(f" {answer}"), (answer, text)
-    assert gen["accuracy"] == score["accuracy"]
+                assert scored and text.startswith(f" {answer}"), (answer, text)
+            else:  # the one documented difference (docs/eval.md): the key, then more digits
+                assert not scored or text[len(answer) + 1:][:1].isdigit() and text.startswith(f" {answer}"), text
 
 
 @pytest.mark.slow

@@ -181,6 +181,20 @@ def test_the_prompts_at_a_depth_do_not_depend_on_the_other_depths():
     assert all((x.tokens == y.tokens).all() and (x.labels == y.labels).all() for x, y in zip(alone, among))
     assert [s.sample for s in among] == [0, 1, 2]
 
+
+def test_a_sample_is_the_same_prompt_at_every_depth_but_for_the_needle():
+    """The depth curve compares like with like: sample j asks the same key in the same filler at every
+    depth (drawn from (seed, length, j)); only where the needle sits moves. Before, each depth drew its
+    own key and filler, so the curve mixed position with prompt-to-prompt variance."""
+    src = TokenSource(lambda: iter([FILLER]), "filler")
+    seqs = retrieval_sequences("passkey", src, TOK, 512, [0.0, 0.5, 1.0], 3, seed=0)
+    for j in range(3):
+        at = [s for s in seqs if s.sample == j]
+        assert len({s.answer for s in at}) == 1, [s.answer for s in at]
+        assert len({tuple(sorted(s.tokens.tolist())) for s in at}) == 1  # the same tokens, the needle moved
+        assert len({tuple(s.tokens.tolist()) for s in at}) == 3
+    assert len({s.answer for s in seqs}) == 3  # the samples differ from each other
+
 def test_store_documents_reassemble_what_was_packed(tmp_path):
     from longctx.data.builder.options import BuildOptions
     from longctx.data.builder.pipeline import build_store

@@ -149,9 +149,10 @@ def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequen
 
 def retrieval_sequences(task: str, source: TokenSource, tokenizer, length: int, depths: list[float],
                         samples: int, seed: int) -> list[Sequence]:
-    """`samples` prompts per depth, each with its own key and its own stretch of filler, drawn from
-    (seed, length, the depth's value, sample j) alone: the prompts at a depth are the same whatever
-    other depths and lengths are asked for."""
+    """`samples` prompts per depth. Sample j has its own key and its own stretch of filler, drawn from
+    (seed, length, j) alone and the same at every depth: the depth curve compares the same prompts with
+    only the needle moved (as a needle-in-a-haystack sweep does), and a depth's prompts are the same
+    whatever other depths and lengths are asked for."""
     stream = source.stream(FILLER_POOL_TOKENS)
     if len(stream) < length:
         raise DataError(f"{task} at {length} tokens needs at least {length} filler tokens; {source.description} "
@@ -159,7 +160,7 @@ def retrieval_sequences(task: str, source: TokenSource, tokenizer, length: int, 
     out = []
     for depth in depths:
         for j in range(samples):
-            rng = np.random.default_rng([seed, length, depth_key(depth), j])
+            rng = np.random.default_rng([seed, length, j])
             start = int(rng.integers(0, len(stream) - length + 1))
             prompt = retrieval_prompt(task, stream[start:start + length], length, depth, rng, tokenizer)
             out.append(Sequence(prompt.tokens, prompt.labels, length, depth, prompt.answer, j))
