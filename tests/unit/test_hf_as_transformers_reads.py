@@ -149,3 +149,17 @@ def test_a_window_binds_every_run_started_from_the_weights_and_is_exported(tmp_p
     assert load_config(overrides=[f"--model.init_from={step}", "--train.seq_len=256"]).model.max_seq_len == 256
     with pytest.raises(HFFormatError, match=r"model.max_seq_len=1024 .*\(sliding_window=256\)"):
         load_config(overrides=[f"--model.init_from={step}", "--model.max_seq_len=1024", "--train.seq_len=1024"])
+
+
+@pytest.mark.parametrize("key", ["rms_norm_eps", "rope_theta", "max_position_embeddings"])
+@pytest.mark.parametrize("bad", [None, "1e-6", True])
+def test_a_null_or_text_number_is_refused_naming_the_key(key, bad):
+    """An explicit null (or a string, or a bool) where a number belongs raised a bare TypeError from
+    float(None) (or, for a bool, read True as 1.0 silently): now an HFFormatError naming the key and the
+    family default. rope_parameters' own rope_theta is checked as the one read."""
+    with pytest.raises(HFFormatError, match=f"{key} is .*not a number.*llama default"):
+        model_fields_from_hf(_bare("llama", **{key: bad}))
+    if key == "rope_theta":
+        form = hf_config("qwen3", form="rope_parameters", rope_parameters={"rope_type": "default", "rope_theta": bad})
+        with pytest.raises(HFFormatError, match="rope_theta is"):
+            model_fields_from_hf(form)

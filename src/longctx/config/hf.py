@@ -42,7 +42,14 @@ from typing import Any
 
 from ..errors import ConfigError
 from .checkpoint_paths import MANIFEST, find_checkpoint
-from .hf_families import FAMILIES, MOE_DEFAULTS, HFFormatError, check_sliding_window, with_family_defaults
+from .hf_families import (
+    FAMILIES,
+    FAMILY_DEFAULTS,
+    MOE_DEFAULTS,
+    HFFormatError,
+    check_sliding_window,
+    with_family_defaults,
+)
 from .hf_rope import rope_fields
 from .schema import MOE_FAMILIES, ModelConfig
 
@@ -226,6 +233,12 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         if key not in hf:
             raise HFFormatError(f"{where}: the required key '{key}' is missing.")
+    for key in ("rms_norm_eps", "max_position_embeddings"):  # a number when present (rope_theta: hf_rope.py)
+        if key in hf and (isinstance(hf[key], bool) or not isinstance(hf[key], (int, float))):
+            default = FAMILY_DEFAULTS[family].get(key)
+            raise HFFormatError(f"{where}: {key} is {json.dumps(hf[key])}, not a number (transformers would build "
+                                f"a model that fails or computes with it); set it to the value the weights were "
+                                f"trained with, or remove the key for the {family} default ({default}).")
     if hf.get("mlp_bias"):
         raise HFFormatError(f"{where}: mlp_bias=true; longctx's feed-forward has no biases.")
     act = hf.get("hidden_act", "silu")

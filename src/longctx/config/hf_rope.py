@@ -11,9 +11,10 @@ than read one way: training on one reading and serving on the other is the silen
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from .hf_families import HFFormatError, with_family_defaults
+from .hf_families import FAMILY_DEFAULTS, HFFormatError, with_family_defaults
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -67,6 +68,10 @@ def rope_fields(hf: dict, where: str) -> dict[str, Any]:
     """The [model] rope keys of config.json `hf`."""
     kind, p = rope_params(hf, where)
     hf = with_family_defaults(hf)
+    if isinstance(p["rope_theta"], bool) or not isinstance(p["rope_theta"], (int, float)):
+        raise HFFormatError(f"{where}: rope_theta is {json.dumps(p['rope_theta'])}, not a number; set it to the "
+                            f"value the weights were trained with, or remove the key for the {hf['model_type']} "
+                            f"default ({FAMILY_DEFAULTS[hf['model_type']]['rope_theta']}).")
     out: dict[str, Any] = {"rope_theta": float(p["rope_theta"]),
                            "rope_scaling": "none" if kind == "default" else kind}
     # the pretraining length: a top-level original_max_position_embeddings wins (transformers' rule), else
