@@ -17,8 +17,9 @@ measured on the same links. Modes:
   secondary partition over a group (parallel.hpz_ranks = G), so backward's gathers stay on the fastest
   level. Every mode then runs on the three-level links.
 
-Per mode: a warm-up step, then --timed steps (a multiple of co2's round). step_s is the mean step of
-the slowest rank; exposed_s the time that rank was blocked on a link per step; inter_node_bytes and
+Per mode: a warm-up step (co2: co2_overlap_steps of them), then --timed steps (a multiple of co2's
+round; `timed_steps`: for co2 a window holding as many merges as round ends). step_s is the mean step of
+the slowest rank; exposed_s the largest time a rank was blocked on a link per step; inter_node_bytes and
 intra_node_bytes what every rank put on a hop across / inside nodes, per step (their closed forms:
 bench/comm_bytes.py, docs/parallelism.md). With --steps N each mode also trains N steps from the
 same initialisation and reports final_loss (the mean of the last 10) and its losses; --plot draws
@@ -79,7 +80,8 @@ def mode_overrides(mode: str, nodes: int, ranks: int, spec: dict) -> list[str]:
             f"--train.global_batch={nodes * ranks}", "--train.eval_interval=0", "--metrics.plots=false",
             "--metrics.progress=false", "--data.max_docs=300", "--train.warmup_steps=2",
             # (one step past the timed ones: a run's last step does more, e.g. co2's final average)
-            f"--train.steps={max(spec['steps'], spec['timed'] + 2)}", f"--parallel.ranks_per_node={ranks}",
+            f"--train.steps={max(spec['steps'], timed_steps(mode, spec)[-1] + 1)}",
+            f"--parallel.ranks_per_node={ranks}",
             f"--model.max_seq_len={max(spec['seq_len'], 256)}", f"--parallel.zero_pp_kernels={spec['kernels']}"]
     extra = {"fsdp": [], "hpz": ["--parallel.zero_pp=hpz"], "qwz": ["--parallel.zero_pp=qwz"],
              "qgz": ["--parallel.zero_pp=qgz"], "zeropp": ["--parallel.zero_pp=hpz,qwz,qgz"],
@@ -88,6 +90,17 @@ def mode_overrides(mode: str, nodes: int, ranks: int, spec: dict) -> list[str]:
                      f"--train.co2_overlap_steps={spec.get('overlap_steps', 0)}"],
              "three_level": ["--parallel.zero_pp=hpz,qwz,qgz", f"--parallel.hpz_ranks={spec['group_ranks']}"]}[mode]
     return [*base, *extra]
+
+
+def timed_steps(mode: str, spec: dict) -> range:
+    """The steps a mode is timed over: spec["timed"] of them after a warm-up. Under co2 a round ends
+    every local_steps (H) steps and its average is merged d = co2_overlap_steps (H by default) steps
+    later, where an all-reduce not yet done is waited for (exposed). A window from step 2 holds
+    timed / H round ends but, for d >= 2, one merge fewer: the last round's merge falls after it, and
+    its wait (the exposed part of the outer all-reduce) went uncounted. Starting the window at step
+    d + 1 puts timed / H round ends and their merges in it for any d in 1..H (d = 1: from step 2)."""
+    first = 1 + ((spec.get("overlap_steps") or spec["local_steps"]) if mode == "co2" else 1)
+    return range(first, first + spec["timed"])
 
 
 def units_of(model, group: int, node: int, hpz: int = 0) -> list[Unit]:
@@ -112,13 +125,15 @@ def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:
     cfg = load_config(None, mode_overrides(mode, nodes, ranks, spec) + [f"--train.run_dir={spec['work']}/{mode}"])
     with emulate(profile) as emu:
         trainer = Trainer(cfg, log=lambda *a, **k: None)
-        losses = [float(trainer.step(1)[0])]  # the warm-up (FSDP's lazy set-up, the optimizer's state)
+        window = timed_steps(mode, spec)
+        # the warm-up (FSDP's lazy set-up, the optimizer's state; co2: up to its first merge point)
+        losses = [float(trainer.step(step)[0]) for step in range(1, window[0])]
         exposed, hops, started = emu.exposed_s, dict(emu.hops), time.perf_counter()
-        for step in range(2, spec["timed"] + 2):
+        for step in window:
             losses.append(float(trainer.step(step)[0]))
         seconds = time.perf_counter() - started
         exposed, moved = emu.exposed_s - exposed, [emu.hops[k] - hops[k] for k in ("inter", "intra", "group")]
-        for step in range(spec["timed"] + 2, spec["steps"] + 1):
+        for step in range(window[-1] + 1, spec["steps"] + 1):
             losses.append(float(trainer.step(step)[0]))
         if trainer.co2 is not None:
             trainer.co2.run_end()
@@ -166,6 +181,11 @@ def main(args) -> int:
     if "three_level" in modes and not args.group_ranks:
         raise SystemExit("longctx bench comm: three_level needs a third link level: give --group-ranks G")
     timed = math.ceil(args.timed / args.co2_local_steps) * args.co2_local_steps  # whole co2 rounds
+    needed = max(timed_steps(m, dict(timed=timed, local_steps=args.co2_local_steps,
+                                     overlap_steps=args.co2_overlap_steps))[-1] + 1 for m in modes)
+    if 0 < args.steps < needed:  # (fewer: the run would train `needed` steps and report their losses as N's)
+        raise SystemExit(f"longctx bench comm: --steps {args.steps} is fewer than the warm-up, the {timed} timed "
+                         f"steps and one more ({needed}); give --steps {needed} or more, or 0")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as work:

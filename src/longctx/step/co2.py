@@ -76,7 +76,7 @@ class OuterSync:
         self.momentum = torch.zeros_like(self.start) if momentum > 0 else None
         self.pending = None  # the last round's change, summed over the replicas in flight
         self.arrived: torch.Tensor | None = None  # ... or already received (a checkpoint's)
-        self.exposed_s = 0.0  # seconds the last merge waited for its all-reduce
+        self.exposed_s = 0.0  # seconds the last wait for an outer all-reduce took (finish)
         self.rounds = 0
 
     def _locals(self) -> list[torch.Tensor]:
@@ -93,10 +93,7 @@ class OuterSync:
 
     def _receive(self) -> torch.Tensor | None:
         """The previous round's summed change (waiting for it if it is still travelling), or None."""
-        if self.pending is not None:
-            started = time.perf_counter()
-            self.arrived, self.pending = self.pending.wait(), None
-            self.exposed_s = time.perf_counter() - started
+        self.finish()
         summed, self.arrived = self.arrived, None
         return summed
 
@@ -179,9 +176,13 @@ class OuterSync:
             self.momentum.zero_()
 
     def finish(self) -> None:
-        """Receive the change in flight, if any (kept for its merge, or a checkpoint)."""
+        """Receive the change in flight, if any (kept for its merge, or a checkpoint), timing the wait:
+        `exposed_s` is the last one, wherever it fell (a merge, or a checkpoint's save before it; timed
+        at the merge only, a save's wait went uncounted and the merge after it repeated the one before)."""
         if self.pending is not None:
+            started = time.perf_counter()
             self.arrived, self.pending = self.pending.wait(), None
+            self.exposed_s = time.perf_counter() - started
 
     # ------------------------------------------------------------------ checkpoints
     @torch.no_grad()

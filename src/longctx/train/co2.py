@@ -38,8 +38,12 @@ class CO2Rounds(StepHook):
 
     def agreed_norm(self, grad_norm: torch.Tensor) -> torch.Tensor:
         """The largest of the replicas' gradient norms (each clipped its own): one figure on every rank,
-        so that train.on_nonfinite's stop is decided by all of them alike."""
-        return comm.all_reduce(grad_norm.detach().clone(), self.replica_mesh, op=dist.ReduceOp.MAX, label="metrics")
+        so that train.on_nonfinite's stop is decided by all of them alike. A NaN norm is sent as +inf:
+        a MAX all-reduce keeps the first operand when a comparison with NaN is false (gloo's max(1, NaN)
+        is 1), so one replica's NaN gradients would pass the guard, and their update would be applied."""
+        mine = grad_norm.detach().clone()
+        mine = torch.where(torch.isnan(mine), torch.full_like(mine, float("inf")), mine)
+        return comm.all_reduce(mine, self.replica_mesh, op=dist.ReduceOp.MAX, label="metrics")
 
     def log_fields(self, step: int, last: bool) -> dict:
         if not self.outer.rounds:

@@ -134,7 +134,9 @@ class QuantizedAllGather(DefaultAllocMixin, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> None:
         world, n = group.size(), input_tensor.numel()
-        if world <= self.node_group:  # hpz's gather of the node-sharded copy: already dequantised once
+        # hpz's gather of the node-sharded copy: already dequantised once. Or a unit whose parameters differ
+        # in dtype, which FSDP2 gathers as raw bytes (uint8): quantising those would scramble every value
+        if world <= self.node_group or not input_tensor.is_floating_point():
             all_gather_into(output_tensor, input_tensor, group, "hpz_gather")
             self.calls += 1
             self.sent_bytes += n * input_tensor.element_size()
@@ -169,10 +171,23 @@ class QuantizedReduceScatter(DefaultAllocMixin, ReduceScatter):
         self.block, self.mesh, self.compiled = block, mesh, compiled
         self.size = mesh["inter"].size() * mesh["intra"].size()
         self._plain = DefaultReduceScatter()
+        self._ours: dict[str, bool] = {}  # process group name -> is it this rank's FSDP group
+
+    def _is_fsdp_group(self, group: dist.ProcessGroup) -> bool:
+        """Whether `group` is this rank's FSDP group, in the order the node mesh splits it. Its size
+        alone does not say: an expert unit's expert-data group (ranks at a stride) has the FSDP group's
+        size when parallel.expert = dp_replicate, and reducing over the node mesh would then sum other
+        ranks' gradients."""
+        name = group.group_name
+        if name not in self._ours:
+            rank, grid = dist.get_rank(), self.mesh.mesh.reshape(self.mesh.mesh.shape[0], -1).tolist()
+            mine = next((row for row in grid if rank in row), None)
+            self._ours[name] = group.size() == self.size and dist.get_process_group_ranks(group) == mine
+        return self._ours[name]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False) -> None:
-        if group.size() != self.size:  # an expert unit's group: FSDP's own reduce-scatter
+        if not self._is_fsdp_group(group):  # an expert unit's group: FSDP's own reduce-scatter
             return self._plain(output_tensor, input_tensor, group, op, async_op)
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise RuntimeError(f"qgz reduces with SUM or AVG, FSDP asked for {op}")

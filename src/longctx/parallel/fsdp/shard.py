@@ -103,7 +103,13 @@ def quantize_gathers(units: list, cfg, dims, compiled: bool = False) -> Quantize
     if block < 1 or block > smallest:
         raise ConfigError(f"parallel.zero_pp_block = {block} elements is not a block of the smallest FSDP unit's "
                           f"shard ({smallest:,} elements per rank); use 1 .. {smallest} (512 is usual).")
-    comm = QuantizedAllGather(block, node_group=hpz_group(cfg, dims) or 0, compiled=compiled)
+    # hpz's backward gathers (within its secondary partition) stay exact. A partition as large as the FSDP
+    # group is no partition (FSDP2 reshards such a unit fully, so its backward gathers from the shards
+    # again): the group itself is then not one to leave exact, or no gather would be quantised (one node,
+    # or co2 with a replica per node)
+    hpz = hpz_group(cfg, dims) or 0
+    comm = QuantizedAllGather(block, node_group=hpz if hpz < dims.world_size // dims.dp_replicate else 0,
+                              compiled=compiled)
     for unit in units:
         (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(comm)
     return comm
