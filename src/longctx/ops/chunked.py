@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .attention import NEG_INF, attention_backward, attention_forward, merge_partials
-from .segments import SegmentPlan, _check_contiguous, host_ids, plan_pairs, segments
+from .segments import SegmentPlan, _check_contiguous, host_ids, plan_pairs, segments, tensor_version
 
 
 def chunk_slices(tokens: int, chunk: int) -> list[slice]:
@@ -118,9 +118,9 @@ def local_grid(batch: int, seq: int, doc_ids, chunk: int, causal: bool) -> Chunk
     without documents one grid per shape serves every step."""
     if doc_ids is None:
         return _plain_grid(batch, seq, chunk, causal)
-    key = (doc_ids._version, chunk, causal, tuple(doc_ids.shape))
+    key = (tensor_version(doc_ids), chunk, causal, tuple(doc_ids.shape))
     cached = getattr(doc_ids, "_longctx_chunk_grid", None)
-    if cached is None or cached[0] != key:
+    if cached is None or cached[0] != key or key[0] is None:  # (None: an inference tensor, never cached)
         ids = host_ids(doc_ids).astype(np.int64)
         for r, row in enumerate(ids):  # documents must be contiguous runs (checked once per batch)
             _check_contiguous(segments(row)[2], r)

@@ -84,17 +84,27 @@ def segments(doc: np.ndarray, pos: np.ndarray | None = None) -> tuple[np.ndarray
     return starts, lengths, doc[starts]
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """t's in-place write counter, what the caches kept on document-id tensors are keyed on; None for an
+    inference tensor (torch.inference_mode), which tracks none: nothing may be cached on it."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def keep_host_copy(ids: torch.Tensor, host: torch.Tensor) -> None:
     """Let `ids` (document ids moved to the device) carry their host copy, so that plans built from
     them in the step (here, ops/chunked.py) read no device data."""
-    ids._longctx_host = (ids._version, host.detach().cpu().numpy())
+    ids._longctx_host = (tensor_version(ids), host.detach().cpu().numpy())
 
 
 def host_ids(ids: torch.Tensor) -> np.ndarray:
     """The ids as a host array: the copy kept by keep_host_copy while `ids` is unchanged, else a
     device-to-host copy (a sync on CUDA)."""
     kept = getattr(ids, "_longctx_host", None)
-    return kept[1] if kept is not None and kept[0] == ids._version else ids.detach().cpu().numpy()
+    version = tensor_version(ids)
+    return kept[1] if kept is not None and version is not None and kept[0] == version else ids.detach().cpu().numpy()
 
 
 def _as_numpy(x) -> np.ndarray | None:
@@ -204,7 +214,9 @@ def cached_plan(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Segme
     unless they carry their host copy (keep_host_copy, as training's batches do)."""
     # The plan is kept on the query-id tensor itself, so the layers of one step (and their backward)
     # build it once and it goes away with the batch.
-    key = (id(k_doc), q_doc._version, k_doc._version, causal, tuple(q_doc.shape), tuple(k_doc.shape))
+    key = (id(k_doc), tensor_version(q_doc), tensor_version(k_doc), causal, tuple(q_doc.shape), tuple(k_doc.shape))
+    if None in key[1:3]:  # inference tensors: no version to tell a rewritten batch by, so no cache
+        return plan_pairs(q_doc, k_doc, causal=causal)
     cached = getattr(q_doc, "_longctx_plan", None)
     if cached is None or cached[0] != key:
         cached = (key, plan_pairs(q_doc, k_doc, causal=causal))

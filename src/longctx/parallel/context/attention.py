@@ -23,6 +23,7 @@ from ...errors import ConfigError
 from ...job import comm
 from ...job.checks import check_heads
 from ...ops.chunked import ChunkGrid, chunked_attention
+from ...ops.segments import host_ids
 from .layouts import check_doc_ids
 from .ring import ring_attention
 from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, shard_indices, unshard_sequence
@@ -73,14 +74,18 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     h, c = head_mesh.size(), ctx_mesh.size()
     check_inputs(q, k, v, doc_ids, h, c, window)
     plans = None
-    if doc_ids is not None and layout is None and layout_of(doc_ids) is None:
+    attached = None if doc_ids is None else layout_of(doc_ids)
+    if doc_ids is not None and layout is None and attached is None:
         # zigzag shards of contiguous documents have unique runs in local order: check that here,
         # before the ids are gathered
         check_doc_ids(doc_ids)
     if doc_ids is not None or layout is not None:
-        layout = layout or layout_of(doc_ids) or _zigzag_layout_of(doc_ids, mesh)
+        given = layout is not None and layout is not attached
+        layout = layout or attached or _zigzag_layout_of(doc_ids, mesh)
         layout.check(q.shape[1] * h * c, c, h, q.shape[0])
         me = comm.local_rank(ctx_mesh)
+        if given and doc_ids is not None:  # the ring follows the layout's documents: they must be these
+            _check_ids_follow(layout, doc_ids, me, comm.local_rank(head_mesh))
         plans = lambda src: _block_plan(layout, me, causal, attention_chunk, src)  # noqa: E731
     elif attention_chunk:
         batch, seq, me = q.shape[0], q.shape[1] * h * c, comm.local_rank(ctx_mesh)
@@ -114,12 +119,28 @@ def _zigzag_grid(batch: int, seq: int, ctx: int, me: int, causal: bool, chunk: i
     return ChunkGrid(qp, kp, None, None, chunk, causal)
 
 
+def _check_ids_follow(layout: SequenceLayout, doc_ids: torch.Tensor, ctx_rank: int, head_rank: int) -> None:
+    """A layout given beside doc_ids is what the ring attends by: refuse ids that are not its own at this
+    rank's positions (other documents, or ids sharded another way), before any communication. Once
+    checked, the ids carry the layout, so the model's other layers do not check again."""
+    expected = layout.doc_ids[np.arange(layout.batch)[:, None], layout.positions[:, ctx_rank, head_rank]]
+    got = host_ids(doc_ids)
+    if not np.array_equal(got, expected):
+        rows, cols = np.nonzero(got != expected)
+        raise ValueError(
+            f"doc_ids do not match the sequence layout given with them: at batch row {rows[0]}, local token "
+            f"{cols[0]} (global position {layout.positions[rows[0], ctx_rank, head_rank, cols[0]]}) the ids say "
+            f"document {got[rows[0], cols[0]]}, the layout {expected[rows[0], cols[0]]}. Shard the ids with "
+            f"layout.shard like the tokens, and plan the layout from the same batch's ids.")
+    attach_layout(doc_ids, layout, derived=True)
+
+
 def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:
     """Without a layout: gather the document ids once (one all-gather and one copy to the host per
     call) and plan on the zigzag layout they were sharded with; kept on doc_ids for the next layers."""
     full = unshard_sequence(doc_ids.contiguous(), mesh)
     layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), balance="zigzag")
-    attach_layout(doc_ids, layout)
+    attach_layout(doc_ids, layout, derived=True)  # planned from these ids: forgotten if they change
     return layout
 
 

@@ -14,7 +14,7 @@ from ...errors import ConfigError
 from ...job import comm
 from ...job.checks import check_divisible
 from ...ops.chunked import ChunkGrid
-from ...ops.segments import plan_pairs
+from ...ops.segments import plan_pairs, tensor_version
 from .doc_balance import docs_balanced_indices
 from .layouts import SEQ_BALANCES, check_doc_ids, zigzag_positions
 
@@ -185,14 +185,31 @@ def plan_layout(doc_ids, ctx: int, head: int, *, balance: str = "docs") -> Seque
 
 
 # A layout travels with the local document-id tensor it was sharded with, so the model (which knows
-# nothing about parallelism) passes it to the attention core untouched.
+# nothing about parallelism) passes it to the attention core untouched. It is kept with the tensor's
+# version: ids written in place afterwards (a reused buffer) no longer match it, and must not be
+# attended with it (the ops' own caches, ops/segments.py and ops/chunked.py, key on the version too).
 _LAYOUT_ATTR = "_longctx_layout"
 
 
-def attach_layout(doc_ids: torch.Tensor, layout: SequenceLayout) -> torch.Tensor:
-    setattr(doc_ids, _LAYOUT_ATTR, layout)
+def attach_layout(doc_ids: torch.Tensor, layout: SequenceLayout, *, derived: bool = False) -> torch.Tensor:
+    """Let `doc_ids` carry `layout`. derived=True: a layout planned from these ids alone (a cache, which
+    `layout_of` forgets once the ids change); otherwise the layout the tokens were sharded with."""
+    setattr(doc_ids, _LAYOUT_ATTR, (tensor_version(doc_ids), layout, derived))
     return doc_ids
 
 
 def layout_of(doc_ids) -> SequenceLayout | None:
-    return getattr(doc_ids, _LAYOUT_ATTR, None)
+    """The layout `doc_ids` carry, None without one (or a derived one the ids have outgrown); a
+    ValueError when the ids were written in place after the layout their tokens follow was attached."""
+    kept = getattr(doc_ids, _LAYOUT_ATTR, None)
+    if kept is None:
+        return None
+    version, layout, derived = kept
+    now = tensor_version(doc_ids)
+    if derived:  # a cache: good while the ids are unchanged (an inference tensor's may change unseen)
+        return layout if now is not None and now == version else None
+    if version == now:
+        return layout
+    raise ValueError("these document ids were changed in place after their sequence layout was attached "
+                     "(attach_layout / local_batch): the layout describes other documents. Give each batch's "
+                     "ids a new tensor with its own layout (plan_layout, then attach_layout).")
