@@ -6,8 +6,10 @@ statistics (drops included) within fp32 rounding, the next steps' within 1e-5 (c
 (Sinkhorn: its assignment turns a rounding-level change of the weights into a few changed choices;
 memory.loss_chunk alone moves its third loss by 1e-4), 2 ranks (expert 2 x ctx 2), gloo.
 
-Capacity and Sinkhorn act on the tokens of one call, a rank's (models/moe.py), so the reference is
-the same layout without chunks, not one process."""
+Capacity and Sinkhorn act on every token of the micro-batch, over the ranks (models/moe_capacity.py): the
+pieces on each rank are gathered with the other ranks' tokens. The reference here is the same layout
+without chunks; tests/distributed/test_moe_capacity_layouts.py compares layouts (block chunks included)
+with one process."""
 
 from pathlib import Path
 

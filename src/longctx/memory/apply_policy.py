@@ -29,7 +29,8 @@ exception: MoE routing that looks across a call's tokens (a capacity, moe.capaci
 choices over an expert's share of the call; the Sinkhorn router balances its assignment over it). A
 call in pieces routes such a layer as one call (`_PieceRouting`): a first pass over the pieces without
 gradient computes each piece's router input (output projection, residual, norm, router: the experts
-do not run, nothing is communicated), the routing is decided over all the call's tokens, and each
+do not run, nothing is communicated), the routing is decided over all the call's tokens (under a layout,
+with every other rank's tokens of the micro-batch: models/moe_capacity.py decide), and each
 piece then runs (and is recomputed) with its slice of it, so only the experts' work is chunked.
 The wrappers replace the block's bound `forward`, so parameter names (`layers.3.attention.wq.weight`)
 stay the same for checkpoints and HF export.

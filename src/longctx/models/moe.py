@@ -12,13 +12,16 @@ the rows between ranks (parallel/expert/install.py), so this module never import
 
 Routing is a function of the token alone (for the dropless routers), so any slicing of the tokens
 (ranks of a sequence-parallel layout, memory.block_chunk, recomputation) routes each token as the
-whole batch on one device would. Two things see more than a token:
-- the balancing losses need statistics over every token of the micro-batch: the layer records
-  per-call sums (`RouterRecord`) and the model combines them after its forward (`router_terms`),
-  through a `sum` hook that parallelize() points at the ranks holding the micro-batch;
-- capacity (moe.capacity_factor > 0) and the Sinkhorn router's balanced assignment act on the
-  tokens of one call: the tokens a rank holds, as in GShard and BASE. A call that a memory policy runs
-  in pieces (memory.block_chunk, the token-split offload) is routed as one all the same (`pieces`).
+whole batch on one device would. Two things see more than a token, and both are defined over every
+token of the micro-batch, as one device holding it (all its data-parallel rows, whole sequences):
+- the balancing losses: the layer records per-call sums (`RouterRecord`) and the model combines them
+  after its forward (`router_terms`), through a `sum` hook that parallelize() points at the ranks
+  holding the micro-batch;
+- capacity (moe.capacity_factor > 0) and the Sinkhorn router's balanced assignment in training
+  (models/moe_capacity.py): the call's routing input (the choices, T x k integers; Sinkhorn's logits)
+  is gathered over those ranks in one-device token order through the layer's `call_tokens` hook,
+  decided once, and each rank takes its part. A call that a memory policy runs in pieces
+  (memory.block_chunk, the token-split offload) is routed as one all the same (`pieces`).
 
 Router selection runs in fp32 (autocast off): bf16 logits flip top-k choices between layouts and
 between a forward and its recomputation.
@@ -37,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
+from .moe_capacity import CallTokens, capacity_kept, decide
 from .moe_dispatch import (  # noqa: F401  (Routing, TokenRows: imported from here too)
     Routing,
     TokenDispatcher,
@@ -288,6 +292,9 @@ class MoEFeedForward(nn.Module):
         # memory/apply_policy.py's, while it runs a call in pieces: route(layer, flat) -> the piece's routing
         # as part of the whole call's (`decide`), or None in a first pass that gathers each `routing_input`
         self.pieces = None
+        # every token of the micro-batch, for the decisions that look across tokens (models/moe_capacity.py):
+        # None = this process holds the micro-batch; parallelize() installs one object for all the layers
+        self.call_tokens: CallTokens | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -312,7 +319,10 @@ class MoEFeedForward(nn.Module):
 
     def route(self, flat: torch.Tensor, chosen=None, kept=None) -> Routing:
         """The routing of the tokens `flat` [T, dim]: the router's, within the capacity; `chosen` and
-        `kept` (the capacity's) decided over a larger call (`decide`) these tokens are a piece of."""
+        `kept` (the capacity's) decided over a larger call (`decide`) these tokens are a piece of. With
+        `call_tokens`, a call is one rank's part of the micro-batch: decided over all of it here."""
+        if chosen is None and kept is None and self.call_tokens is not None and self.across_tokens():
+            chosen, kept = self.decide([self.routing_input(flat)])
         r = self.router(flat, chosen)
         kept = self._kept(r.experts) if kept is None and self.capacity_factor > 0 else kept
         return r if kept is None else Routing(r.experts, r.weights, r.probs, r.logits, kept)
@@ -327,26 +337,15 @@ class MoEFeedForward(nn.Module):
         sinkhorn = self.router.training and isinstance(self.router, SinkhornRouter)
         return self.router.logits(flat) if sinkhorn else self.router(flat).experts
 
-    @torch.no_grad()
-    def decide(self, gathered: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(chosen, kept) of every token of a call from its pieces' routing_input, in token order: Sinkhorn's
-        assignment or the first pass's choices (reused by the pieces: `kept` refers to them), and the capacity's."""
-        x = torch.cat(gathered)  # Sinkhorn's logits [T, E], or the router's choices [T, k]
-        chosen = balanced_assignment(sinkhorn(x, self.router.iters), self.top_k) if x.is_floating_point() else x
-        return chosen, self._kept(chosen) if self.capacity_factor > 0 else None
+    def decide(self, gathered: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(chosen, kept) of this rank's call from its pieces' routing_input, in token order, decided over every
+        token of the micro-batch (models/moe_capacity.py): Sinkhorn's assignment or the router's choices
+        (reused by the pieces: `kept` refers to them), and the capacity's."""
+        return decide(self, gathered)
 
     def _kept(self, experts: torch.Tensor) -> torch.Tensor:
-        """[T, k] each expert keeps at most ceil(capacity_factor x T x k / E) of the choices `experts`, slot 0's
-        first, then in token order (GShard); the others are dropped (their token passes through the residual)."""
-        t, k = experts.shape
-        capacity = math.ceil(self.capacity_factor * t * k / self.num_experts)
-        choice = experts.t().flatten()  # slot-major: every token's first choice first
-        order = torch.argsort(choice, stable=True)
-        sorted_choice = choice[order]
-        first = torch.searchsorted(sorted_choice, torch.arange(self.num_experts, device=choice.device))
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(order.numel(), device=choice.device) - first[sorted_choice]
-        return (rank < capacity).view(k, t).t()
+        """[T, k] the capacity's kept choices over the call `experts` (models/moe_capacity.py capacity_kept)."""
+        return capacity_kept(experts, self.capacity_factor, self.num_experts)
 
     def _record(self, routing: Routing, tokens: int) -> None:
         counts = expert_counts(routing.experts.flatten(), self.num_experts).float()

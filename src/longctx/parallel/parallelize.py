@@ -32,10 +32,11 @@ from ..job import comm
 from ..memory.apply_policy import apply_glide_memory_policy, apply_memory_policy
 from ..models.compile import compile_token_wise_parts
 from ..models.llama import local_attention
-from ..models.moe import MoEFeedForward
+from ..models.moe import MoEFeedForward, moe_layers
 from ..ops.chunked import ChunkedLocalCore
 from .context.attention import SequenceParallelCore
 from .context.sequence import gather_shards
+from .expert.call_tokens import MicroBatchTokens
 from .expert.install import use_expert_parallel
 from .fsdp.shard import fsdp_mesh, mixed_precision, shard_model, states_offload, uses_fsdp
 
@@ -57,9 +58,16 @@ def use_sequence_parallel_attention(model, dims, mesh) -> None:
 def use_router_sum(model, dims, mesh) -> None:
     """MoE: the balancing losses read statistics over every token of the micro-batch, and each rank
     holds a share of them (its data-parallel rows, its part of each sequence): the model sums its
-    router statistics over all ranks, so that no layout changes the loss (models/moe.py)."""
+    router statistics over all ranks, so that no layout changes the loss (models/moe.py). The routing
+    decisions that look across tokens (a capacity, the Sinkhorn router) are made over the same ranks'
+    tokens, in one-device order: every MoE layer's `call_tokens` (parallel/expert/call_tokens.py)."""
     if dims.world_size > 1 and model.cfg.is_moe:
-        model.router_sum = RouterSum(mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("router"))
+        ranks = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("router")
+        model.router_sum = RouterSum(ranks)
+        tokens = MicroBatchTokens(mesh, ranks)
+        tokens.watch([block for block in model.layers if moe_layers(block)])
+        for layer in moe_layers(model):
+            layer.call_tokens = tokens
 
 
 @dataclass(frozen=True)

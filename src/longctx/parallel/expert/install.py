@@ -5,7 +5,8 @@ expert). An expert group of `expert` adjacent ranks splits the E experts between
 expert each; the ranks at the same place in every group hold the same experts, and FSDP shards
 their weights over that expert-data group. Attention, the router, the shared experts and the dense
 layers are untouched: each rank still routes the tokens it holds (its data rows, its part of each
-sequence), and only the routed tokens travel.
+sequence; a capacity's drops and the Sinkhorn assignment decided over every rank's: call_tokens.py),
+and only the routed tokens travel.
 
 `use_expert_parallel` is the one place that installs it, in two moves and nothing else:
   1. every MoE layer's expert weights become DTensors sharded on the expert dim over `expert`
