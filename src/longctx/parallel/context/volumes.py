@@ -44,13 +44,14 @@ def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_p
     qwz sends every gather as int8 blocks with an fp32 scale each (1 + 4 / block bytes per element);
     hpz gathers the blocks for backward within its secondary partition of h ranks ((h-1)/h of them,
     unquantised); qgz replaces the reduce-scatter by two all-to-alls of int8 blocks: within the node
-    (ranks - 1 rows of nodes x n values, n = params / shard) then across nodes (nodes - 1 rows of n)."""
+    (ranks - 1 rows of nodes x n values, n = params / shard) then across nodes (nodes - 1 rows of n).
+    A hpz partition as large as the shard group is none (`hpz_partition`: FSDP2 reshards fully)."""
     if shard * replicas == 1:
         return 0.0
     blocks = params - root_params
     forward = zero_pp.int8(1) if "qwz" in zero_pp.parts else gather_bytes  # bytes per gathered element
     gathers = (shard - 1) / shard * (blocks + root_params) * forward
-    if "hpz" in zero_pp.parts:
+    if hpz_partition(zero_pp, shard):
         h = zero_pp.hpz or zero_pp.node
         gathers += (h - 1) / h * blocks * gather_bytes
     else:
@@ -89,8 +90,20 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
                                    zero_pp)}
     dense = fsdp_bytes(num_params - expert_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync,
                        zero_pp)
-    experts = fsdp_bytes(expert_params // ep, shard * replicas // ep, 1, gather_bytes, 0, grad_accum, grad_sync)
+    group = shard * replicas // ep
+    # qwz's all-gather serves the experts' units too (their reduce-scatter stays FSDP's own, and they keep
+    # plain resharding), but takes a group no larger than hpz's partition for hpz's exact backward gather
+    # (parallel/fsdp/quantized.py QuantizedAllGather): such an expert-data group is gathered exactly
+    exact = hpz_partition(zero_pp, shard) and group <= (zero_pp.hpz or zero_pp.node)
+    quantized = ZeroPP(frozenset({"qwz"}), zero_pp.block) if "qwz" in zero_pp.parts and not exact else ZeroPP()
+    experts = fsdp_bytes(expert_params // ep, group, 1, gather_bytes, 0, grad_accum, grad_sync, quantized)
     return {"fsdp": dense + experts} if dense + experts else {}
+
+
+def hpz_partition(zero_pp: ZeroPP, shard: int) -> bool:
+    """Whether hpz partitions a shard group of `shard` ranks: its partition (hpz ranks, or the node) is
+    smaller than the group (parallel/fsdp/shard.py quantize_gathers' rule)."""
+    return "hpz" in zero_pp.parts and (zero_pp.hpz or zero_pp.node) < shard
 
 
 def expert_bytes(*, tokens: float, top_k: int, experts: int, dim: int, expert: int, elem: int,
