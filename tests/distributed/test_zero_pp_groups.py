@@ -47,7 +47,8 @@ def _reduce_on_both_groups():
 @pytest.fixture(scope="module")
 def runs():
     return run_spawned_many(4, [("reduce", _reduce_on_both_groups, ()), ("hpz 4", _gather_under_hpz, (4,)),
-                                ("hpz 2", _gather_under_hpz, (2,)), ("bytes", _gather_bytes, ())])
+                                ("hpz 2", _gather_under_hpz, (2,)), ("bytes", _gather_bytes, ()),
+                                    ("expert hpz", _expert_gather_under_hpz, ())])
 
 
 def test_qgz_reduces_an_expert_group_of_the_fsdp_groups_size_over_its_own_ranks(runs):
@@ -82,6 +83,46 @@ def _gather_under_hpz(ranks_per_node):
     out = torch.empty(4 * 256)
     comm(out, torch.randn(256, generator=torch.Generator().manual_seed(dist.get_rank())), dist.group.WORLD)
     return comm.sent_bytes, comm.plain_bytes
+
+
+def _expert_gather_under_hpz():
+    """quantize_gathers with an expert unit whose expert-data group (2 ranks) is as large as hpz's
+    partition (nodes of 2): the dense unit's gather over that partition is hpz's (exact), the expert
+    unit's over its group is int8 (before: both exact, qwz silently off for the experts)."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from longctx.config import load_config
+    from longctx.parallel.fsdp.shard import quantize_gathers
+
+    class Unit(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(n))
+
+        def set_custom_all_gather(self, comm):
+            self.gather = comm
+
+    cfg = load_config(None, ["--parallel.zero_pp=hpz,qwz", "--parallel.ranks_per_node=2",
+                             "--parallel.zero_pp_block=64"])
+    dense, expert = Unit(4096), Unit(4096)
+    quantize_gathers([dense, Unit(4096)], cfg, types.SimpleNamespace(world_size=4, dp_replicate=1, expert=2), False,
+                     [expert])
+    rank = dist.get_rank()
+    pair = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]  # an expert-data group of 2
+    out = []
+    for unit in (dense, expert):
+        before = unit.gather.sent_bytes
+        unit.gather(torch.empty(2 * 256), torch.randn(256, generator=torch.Generator().manual_seed(rank)), pair)
+        out.append(unit.gather.sent_bytes - before)
+    return out
+
+
+def test_qwz_quantises_the_expert_units_gathers_under_hpz(runs):
+    for dense, expert in runs["expert hpz"]:
+        assert dense == 4 * 256 and expert == 256 + 4 * 4, (dense, expert)
 
 
 def test_qwz_quantises_the_fsdp_groups_gathers_when_hpz_spans_it(runs):

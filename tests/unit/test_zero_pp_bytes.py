@@ -32,9 +32,8 @@ def test_a_hpz_partition_as_large_as_the_group_is_none_and_expert_units_gather_i
     """(parallel/fsdp/shard.py quantize_gathers) hpz over a partition as large as the shard group (one
     node; co2 with a replica per node) partitions nothing: FSDP2 reshards fully and every gather,
     backward's too, goes through qwz's int8 one, so the bytes are qwz's alone; they counted hpz's exact
-    backward gather. The experts' units (expert parallelism) gather through qwz's int8 too, unless their
-    expert-data group is no larger than hpz's partition (taken for hpz's exact gather); they were
-    counted as plain fp32 gathers under qwz."""
+    backward gather. The experts' units (expert parallelism) gather through qwz's int8 too, with or
+    without hpz (they keep plain resharding); they were counted as plain fp32 gathers under qwz."""
     from types import SimpleNamespace
 
     from longctx.parallel.context.volumes import fsdp_bytes_per_step
@@ -46,16 +45,10 @@ def test_a_hpz_partition_as_large_as_the_group_is_none_and_expert_units_gather_i
     hpz_only = ZeroPP(frozenset({"hpz"}), BLOCK, node=WORLD)
     assert fsdp_bytes(total, WORLD, 1, 4, ROOT, zero_pp=hpz_only) == fsdp_bytes(total, WORLD, 1, 4, ROOT)
     dims = SimpleNamespace(dp_shard=WORLD, head=1, ctx=1, dp_replicate=1, expert=2)
-    experts = BLOCKS // 2
-    plain = fsdp_bytes_per_step(total, ROOT, dims, 1, 4, expert_params=experts)["fsdp"]
-    got = fsdp_bytes_per_step(total, ROOT, dims, 1, 4, expert_params=experts, zero_pp=qwz)["fsdp"]
-    dense_only = fsdp_bytes(total - experts, WORLD, 1, 4, ROOT, zero_pp=qwz)
-    group = WORLD // 2
-    assert got - dense_only == pytest.approx(fsdp_bytes(experts // 2, group, 1, 4, zero_pp=ZeroPP(
-        frozenset({"qwz"}), BLOCK)), rel=1e-12)
-    assert got - dense_only < plain - fsdp_bytes(total - experts, WORLD, 1, 4, ROOT)  # int8, not fp32
-    # under hpz with a partition of 4 ranks, the expert-data group of 4 is taken for hpz's: exact, fp32
-    zeropp = ZeroPP(frozenset({"hpz", "qwz"}), BLOCK, node=RANKS)
-    got = fsdp_bytes_per_step(total, ROOT, dims, 1, 4, expert_params=experts, zero_pp=zeropp)["fsdp"]
-    assert got - fsdp_bytes(total - experts, WORLD, 1, 4, ROOT, zero_pp=zeropp) == pytest.approx(
-        fsdp_bytes(experts // 2, group, 1, 4), rel=1e-12)
+    experts, group = BLOCKS // 2, WORLD // 2
+    int8_experts = fsdp_bytes(experts // 2, group, 1, 4, zero_pp=ZeroPP(frozenset({"qwz"}), BLOCK))
+    assert int8_experts < fsdp_bytes(experts // 2, group, 1, 4)
+    for zero_pp in (qwz, ZeroPP(frozenset({"hpz", "qwz"}), BLOCK, node=RANKS)):  # hpz's partition: the group's size
+        got = fsdp_bytes_per_step(total, ROOT, dims, 1, 4, expert_params=experts, zero_pp=zero_pp)["fsdp"]
+        dense = fsdp_bytes(total - experts, WORLD, 1, 4, ROOT, zero_pp=zero_pp)
+        assert got - dense == pytest.approx(int8_experts, rel=1e-12), zero_pp

@@ -90,13 +90,11 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
                                    zero_pp)}
     dense = fsdp_bytes(num_params - expert_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync,
                        zero_pp)
-    group = shard * replicas // ep
-    # qwz's all-gather serves the experts' units too (their reduce-scatter stays FSDP's own, and they keep
-    # plain resharding), but takes a group no larger than hpz's partition for hpz's exact backward gather
-    # (parallel/fsdp/quantized.py QuantizedAllGather): such an expert-data group is gathered exactly
-    exact = hpz_partition(zero_pp, shard) and group <= (zero_pp.hpz or zero_pp.node)
-    quantized = ZeroPP(frozenset({"qwz"}), zero_pp.block) if "qwz" in zero_pp.parts and not exact else ZeroPP()
-    experts = fsdp_bytes(expert_params // ep, group, 1, gather_bytes, 0, grad_accum, grad_sync, quantized)
+    # the experts' units: qwz's int8 gathers too (parallel/fsdp/shard.py quantize_gathers), no hpz (they keep
+    # plain resharding), FSDP's own reduce-scatter (qgz is the dense units')
+    quantized = ZeroPP(frozenset({"qwz"}), zero_pp.block) if "qwz" in zero_pp.parts else ZeroPP()
+    experts = fsdp_bytes(expert_params // ep, shard * replicas // ep, 1, gather_bytes, 0, grad_accum, grad_sync,
+                         quantized)
     return {"fsdp": dense + experts} if dense + experts else {}
 
 

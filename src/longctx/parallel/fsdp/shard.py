@@ -64,19 +64,19 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     # over the ranks of a node, so its backward all-gather never leaves the node. (The experts' units
     # keep plain resharding: their expert-data group is not node-local in general.)
     reshard = hpz_group(cfg, dims) or True
-    units = []
+    units, expert_units = [], []
     for group in plan.groups():
         blocks = [model.layers[i] for i in group]
         experts = [b.feed_forward.experts for b in blocks
                    if expert_mesh is not None and isinstance(b.feed_forward, MoEFeedForward)]
         if experts:
-            units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp, offload_policy=offload,
-                                     shard_placement_fn=lambda p: Shard(1)))
+            expert_units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp,
+                                            offload_policy=offload, shard_placement_fn=lambda p: Shard(1)))
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
                                  reshard_after_forward=reshard))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
     compiled = use_compiled(cfg.parallel.zero_pp_kernels, device_type)
-    model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled)
+    model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled, expert_units)
     model.grad_bucket_plan = plan
     model.grad_reduce = quantized_reduce(cfg, dims, device_type, compiled)
     if compiled and {"qwz", "qgz"} & set(zero_pp_names(cfg)):  # a clear error here, not inside the first gather
@@ -87,19 +87,25 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     model.grad_reduce_timers = time_reduce_scatters(units, model, inner=model.grad_reduce)
 
 
-def quantize_gathers(units: list, cfg, dims, compiled: bool = False) -> QuantizedAllGather | None:
+def quantize_gathers(units: list, cfg, dims, compiled: bool = False, expert_units: list = ()
+                     ) -> QuantizedAllGather | None:
     """parallel.zero_pp's qwz: every unit's all-gather (forward and backward) in int8 blocks, through one
     QuantizedAllGather that counts the bytes (`compiled`: its kernels, parallel.zero_pp_kernels); None
-    without qwz. A block longer than the smallest
+    without qwz. `units` end with the root; `expert_units` (expert parallelism: over the expert-data
+    group) get one of their own that knows no hpz partition (they keep plain resharding, so each of
+    their gathers is a whole group's: the shared one took an expert-data group no larger than hpz's
+    partition for hpz's exact gather, and left them fp32). A block longer than the smallest
     unit's shard would quantise padding more than weights: refused."""
     if "qwz" not in zero_pp_names(cfg):
         if link_hook() is not None:  # a benchmark's emulated link paces FSDP's gathers too (bench/comm_cluster.py)
-            for unit in units:
+            for unit in [*units, *expert_units]:
                 (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(CountedAllGather())
         return None
     block = cfg.parallel.zero_pp_block
-    shards = [sum(p.numel() for m in (u if isinstance(u, list) else [u]) for p in m.parameters()) for u in units[:-1]]
-    smallest = min(shards) // (dims.world_size // dims.dp_replicate)  # (the root, last, holds more)
+    numel = lambda u: sum(p.numel() for m in (u if isinstance(u, list) else [u]) for p in m.parameters())  # noqa: E731
+    shards = [numel(u) // (dims.world_size // dims.dp_replicate) for u in units[:-1]]  # (the root, last, holds more)
+    shards += [numel(u) // (dims.world_size // dims.expert) for u in expert_units]  # (their expert-data group)
+    smallest = min(shards)
     if block < 1 or block > smallest:
         raise ConfigError(f"parallel.zero_pp_block = {block} elements is not a block of the smallest FSDP unit's "
                           f"shard ({smallest:,} elements per rank); use 1 .. {smallest} (512 is usual).")
@@ -112,6 +118,10 @@ def quantize_gathers(units: list, cfg, dims, compiled: bool = False) -> Quantize
                               compiled=compiled)
     for unit in units:
         (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(comm)
+    if expert_units:
+        experts = QuantizedAllGather(block, compiled=compiled)
+        for unit in expert_units:
+            (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(experts)
     return comm
 
 
