@@ -184,7 +184,8 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
         speak(f"{where}, {name}: measuring activations")
         t0 = time.perf_counter()
         model = _build(model_cfg, policy, fraction, args, dims, mesh, device)
-        out[name] = _measure_policy(model, model_cfg, policy, fraction, args, seq, (head, ctx), inputs, device)
+        out[name] = _measure_policy(model, model_cfg, policy, fraction, args, seq, (head, ctx), inputs, device,
+                                    held=sum(_model_bytes(m) for m in models.values()))
         speak(f"{where}, {name}: measured in {time.perf_counter() - t0:.1f} s")
         if args.time_steps > 0:
             models[name] = model
@@ -201,9 +202,17 @@ def measure(args, seq: int, dims=None, mesh=None) -> dict:
             "policies": out}
 
 
+def _model_bytes(model) -> int:
+    """Bytes of a model's parameters, buffers and gradients (distinct storages)."""
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def _measure_policy(model, model_cfg, policy: str, fraction: float, args, seq: int, layout: tuple[int, int],
-                    inputs, device) -> dict:
-    """One policy's measured activation bytes beside the analytic count (and on a GPU its step's peak)."""
+                    inputs, device, held: int = 0) -> dict:
+    """One policy's measured activation bytes beside the analytic count (and on a GPU its step's peak:
+    the allocator's peak less `held`, the bytes of the other policies' models kept alive for the
+    timing, which are on the same device but not this policy's)."""
     head, ctx = layout
     measured = measure_activations(model, *inputs[:3], labels=inputs[3], backward=not args.no_backward)
     # the policy the model was built with (_build), the attention chunks and their offload included
@@ -232,7 +241,7 @@ def _measure_policy(model, model_cfg, policy: str, fraction: float, args, seq: i
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         _one_step(model, inputs, device)
-        entry["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        entry["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device) - held
     return entry
 
 

@@ -3,7 +3,9 @@
 Wall time of forward + backward (synchronised, the least over --repeats after a warm-up) of three
 layers in bf16 with the same active parameters:
 - `moe_kernel_s`: models/moe.py's MoEFeedForward with its experts through torch._grouped_mm (one
-  kernel for every expert, no host read of the counts);
+  kernel for every expert, no host read of the counts) where the kernel runs: `config.grouped` says
+  which path it took (the loop, where the build lacks the kernel or a width is not a multiple of 16
+  bytes: then `moe_kernel_s` times the loop too, and `kernel_over_loop` is null);
 - `moe_loop_s`: the same layer with ops/grouped.py's loop over experts (one GEMM per expert after a
   host read of the counts: what a build without the kernel runs);
 - `dense_s`: the dense SwiGLU of top-k x expert_dim;
@@ -24,7 +26,7 @@ from datetime import date
 
 import torch
 
-from ..ops.grouped import use_loop
+from ..ops.grouped import grouped_path, use_loop
 from ..progress import phase
 from . import moe_common as common
 
@@ -61,6 +63,10 @@ def main(args, device: torch.device | None = None) -> int:
     gen = torch.Generator(device).manual_seed(args.seed + 1)
     # (the same module compiled: its first call per length compiles, inside _wall's warm-up)
     compiled = torch.compile(moe, fullgraph=True) if getattr(args, "compile", False) else None
+    # the path the experts' GEMMs take outside use_loop() (the kernel needs bf16 widths of 8's multiples)
+    path = {grouped_path(torch.empty(0, w.shape[-1], device=device, dtype=w.dtype), w.transpose(1, 2))
+            for w in (moe.experts.w1, moe.experts.w2)}
+    kernel_ran = path == {"torch._grouped_mm"}
     rows = []
     for routing in (r for r in args.routing.split(",") if r):
         for seq in (int(s) for s in args.seq_len.split(",") if s):
@@ -81,7 +87,7 @@ def main(args, device: torch.device | None = None) -> int:
                    "load_max_over_mean": float(share.max() * args.experts),
                    "moe_kernel_s": kernel["min"], "moe_loop_s": loop["min"], "dense_s": dense_t["min"],
                    "kernel_over_dense": common.ratio(kernel["min"], dense_t["min"]),
-                   "kernel_over_loop": common.ratio(kernel["min"], loop["min"]),
+                   "kernel_over_loop": common.ratio(kernel["min"], loop["min"]) if kernel_ran else None,
                    "moe_tokens_per_s": seq / kernel["min"], "moe_peak_allocated_bytes": peak,
                    "medians": {"kernel": kernel["median"], "loop": loop["median"], "dense": dense_t["median"]}}
             if fused is not None:
@@ -95,6 +101,8 @@ def main(args, device: torch.device | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,
                    "dense_ffn_dim": cfg.ffn_dim, "dtype": "bf16", "repeats": args.repeats,
+                   "grouped": "torch._grouped_mm" if kernel_ran else "loop (the kernel does not run here)"
+                   if "torch._grouped_mm" not in path else "kernel for some GEMMs, loop for the others",
                    "timing": "least wall time of a synchronised forward+backward over the repeats"},
         "active_params": common.measured_active_params(moe, dense, args.top_k), "timing": rows,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda},
