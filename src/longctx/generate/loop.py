@@ -121,6 +121,8 @@ def _prefill(model, backend: Backend, cache: Cache, prompts, chunk: int, device)
         else:
             tokens = torch.tensor(rows, dtype=torch.long, device=device)
             logits[row:end] = backend.prefill(model, cache.rows(row, end), tokens, chunk)
+        if logits.device.type == "cuda":  # the call's kernels done before the clock is read (else: launch time,
+            torch.cuda.synchronize(logits.device)  # and the decode's clock absorbed the rest of the prefill)
         seconds[row:end] = [time.perf_counter() - t0] * (end - row)
     return logits, seconds
 
