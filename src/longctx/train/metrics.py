@@ -148,6 +148,9 @@ class MetricsLogger:
         return f"MFU against {self.peak_source}" + (f" ({self.peak / 1e12:.3f} TFLOP/s per rank)" if self.peak else "")
 
     def open(self) -> None:
+        """The loop starts: the first line's interval starts here, not when the logger was made (what the
+        Trainer set up after that, its data among it, is not the first step's time or bytes)."""
+        self.interval = self._new_interval()
         if self.rt.is_main:
             self.writer = MetricsWriter(self.path, self.tensorboard_dir)
 
