@@ -7,7 +7,9 @@
   sample (its document ends, or continues in another sample), nor does padding: IGNORE (-100);
 - `doc_ids` number the sample's segments 0, 1, ...; padding gets the next id of its own, so it
   never attends to real tokens and they never attend to it;
-- `positions` restart at 0 at every segment (and in the padding).
+- `positions` restart at 0 at every segment (and in the padding);
+- `real` is False at the padding (Batch.real): MoE layers leave it out of their router statistics and
+  capacity queues (models/moe_stats.py); the labels cannot say it (a document's last token has none).
 
 Without document masks (`doc_mask=False`) a sample is a plain causal sequence: labels run across
 segment boundaries, positions are 0..L-1, no doc ids; padding, always at the end, stays ignored.
@@ -48,6 +50,7 @@ class Frames:
     positions: np.ndarray       # int64
     doc_ids: np.ndarray | None  # int64; None without document masks
     labelled: np.ndarray        # bool: token t has a label (token t + 1 of the same segment)
+    real: np.ndarray | None = None  # bool: token t is a document's, not padding (None: every token)
 
 
 class SampleSet:
@@ -141,8 +144,9 @@ class PackedSamples(SampleSet):
 
     def frames(self, indices) -> Frames:
         rows = [self._frame(int(i)) for i in indices]
+        real = np.arange(self.seq_len)[None] < self.real_tokens[np.asarray(indices, dtype=np.int64)][:, None]
         return Frames(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]) if self.doc_mask else None,
-                      np.stack([r[2] for r in rows]))
+                      np.stack([r[2] for r in rows]), real.reshape(len(rows), self.seq_len))
 
     def _tokens_at(self, i: int, labelled: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sample i's tokens at positions `held` and their labels, gathered from the memory-mapped
@@ -171,7 +175,8 @@ class PackedSamples(SampleSet):
         long = lambda a: torch.from_numpy(np.ascontiguousarray(a)).long()  # noqa: E731
         return Batch(long(np.stack([t for t, _ in read])), long(np.stack([lab for _, lab in read])),
                      long(frames.positions[rows, held]),
-                     None if frames.doc_ids is None else long(frames.doc_ids[rows, held]))
+                     None if frames.doc_ids is None else long(frames.doc_ids[rows, held]),
+                     None if frames.real is None else torch.from_numpy(np.ascontiguousarray(frames.real[rows, held])))
 
     def batch(self, indices) -> Batch:
         indices = list(indices)

@@ -29,10 +29,13 @@ class Batch:
     labels: torch.Tensor     # [batch, seq] int64, -100 = ignore
     positions: torch.Tensor  # [batch, seq] int64
     doc_ids: torch.Tensor | None  # [batch, seq] int64, or None without document masks
+    # [batch, seq] bool: False at padding (a packed sample's tokens past its documents: data/loader.py), which
+    # MoE layers leave out of their router statistics and capacity (models/moe_stats.py); None: every token
+    real: torch.Tensor | None = None
 
     def to(self, device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.tokens), move(self.labels), move(self.positions), move(self.doc_ids))
+        return Batch(move(self.tokens), move(self.labels), move(self.positions), move(self.doc_ids), move(self.real))
 
     @property
     def valid_tokens(self) -> int:

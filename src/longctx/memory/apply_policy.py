@@ -135,13 +135,27 @@ def _routing_pieces(routings: list[_PieceRouting], piece: slice | None):
             r.layer.pieces = None
 
 
+@contextlib.contextmanager
+def _padding_pieces(layers, piece: slice):
+    """Each MoE layer's padding mask (MoEFeedForward.real) cut to the piece being run, for its statistics."""
+    for layer in layers:
+        layer.piece = piece
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.piece = None
+
+
 def _routed_post(block, routings: list[_PieceRouting], piece: slice):
-    """block.post for the tokens `piece` of the call, routed with its slice of the call's routing."""
-    if not routings:
+    """block.post for the tokens `piece` of the call, routed with its slice of the call's routing (and of
+    the call's padding mask)."""
+    layers = moe_layers(block)
+    if not layers:
         return block.post
 
     def post(x, attn):
-        with _routing_pieces(routings, piece):
+        with _routing_pieces(routings, piece), _padding_pieces(layers, piece):
             return block.post(x, attn)
     return post
 

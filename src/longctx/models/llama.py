@@ -274,11 +274,15 @@ class Llama(nn.Module):
             layer.router.expert_bias.zero_()
         self.init_rope()
 
-    def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True, cache=None):
+    def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True, cache=None, real=None):
         """The last block's output, through the final norm unless final_norm=False. With `cache` (a
         models/kv_cache.py KVCache) the tokens continue each row of the cache: their positions follow
-        what the row holds (unless given), and their keys and values are appended to it."""
+        what the row holds (unless given), and their keys and values are appended to it. `real` [batch, seq]
+        bool (the loader's Batch.real; None: every token): False at padding, which MoE layers leave out of
+        their statistics and capacity queues (models/moe_stats.py, moe_capacity.py)."""
         b, s = tokens.shape
+        for layer in moe_layers(self):  # (kept after the forward: backward's recomputation routes as it did)
+            layer.real = None if real is None or cache is not None else real.reshape(-1).bool()
         if cache is not None:
             return self._cached_hidden_states(tokens, positions, doc_ids, final_norm, cache)
         if positions is None:
@@ -354,20 +358,21 @@ class Llama(nn.Module):
             update_expert_bias(moe_layers(self), counts, self.cfg.moe_bias_update_rate)
 
     def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", cache=None,
-                hidden: bool = False):
+                hidden: bool = False, real=None):
         """Logits [batch, seq, vocab] without labels (with `hidden=True` the final-normed hidden states
         [batch, seq, dim] instead, for a caller that applies the LM head itself, in chunks: GliDe's
         distillation, train/glide.py); with labels (-100 = ignore) the cross-entropy,
         averaged over valid tokens (`loss_reduction="mean"`) or summed (`"sum"`, for callers that
         normalise over a larger batch); `"tokens"` (evaluation, no gradient): per token [batch, seq, 2],
         the label's negative log-likelihood and whether it is the greedy choice (ops/loss.py).
-        With `cache` (models/kv_cache.py) the tokens continue the cached rows (see hidden_states)."""
+        With `cache` (models/kv_cache.py) the tokens continue the cached rows (see hidden_states); `real`:
+        which tokens are not padding (see hidden_states)."""
         if labels is None:
-            h = self.hidden_states(tokens, positions, doc_ids, cache=cache)
+            h = self.hidden_states(tokens, positions, doc_ids, cache=cache, real=real)
             return h if hidden else F.linear(h, self.lm_head_weight)
         # the final norm runs inside the loss, chunk by chunk when the loss is chunked: at long
         # context its fp32 statistics would otherwise be the largest tensor left outside the blocks
-        x = self.hidden_states(tokens, positions, doc_ids, final_norm=False, cache=cache)
+        x = self.hidden_states(tokens, positions, doc_ids, final_norm=False, cache=cache, real=real)
         norm = (self.norm.weight, self.norm.eps)
         if loss_reduction == "tokens":
             scores = lm_head_token_scores(x.flatten(0, 1), self.lm_head_weight, labels.flatten(),

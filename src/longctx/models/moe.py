@@ -15,13 +15,17 @@ Routing is a function of the token alone (for the dropless routers), so any slic
 whole batch on one device would. Two things see more than a token, and both are defined over every
 token of the micro-batch, as one device holding it (all its data-parallel rows, whole sequences):
 - the balancing losses: the layer records per-call sums (`RouterRecord`) and the model combines them
-  after its forward (`router_terms`), through a `sum` hook that parallelize() points at the ranks
+  after its forward (`router_terms`, models/moe_stats.py), through a `sum` hook that parallelize() points at the ranks
   holding the micro-batch;
 - capacity (moe.capacity_factor > 0) and the Sinkhorn router's balanced assignment in training
   (models/moe_capacity.py): the call's routing input (the choices, T x k integers; Sinkhorn's logits)
   is gathered over those ranks in one-device token order through the layer's `call_tokens` hook,
   decided once, and each rank takes its part. A call that a memory policy runs in pieces
   (memory.block_chunk, the token-split offload) is routed as one all the same (`pieces`).
+
+Padding (data/loader.py's tokens past a sample's documents) is no token of the micro-batch: the model sets
+each layer's `real` mask from the batch, and the statistics (models/moe_stats.py) and the decisions
+(models/moe_capacity.py) leave it out.
 
 Router selection runs in fp32 (autocast off): bf16 logits flip top-k choices between layouts and
 between a forward and its recomputation.
@@ -30,7 +34,6 @@ between a forward and its recomputation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +43,14 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
-from .moe_capacity import CallTokens, capacity_kept, decide
+from .moe_capacity import CallTokens, capacity_kept, decide, padded_choices
 from .moe_dispatch import (  # noqa: F401  (Routing, TokenRows: imported from here too)
     Routing,
     TokenDispatcher,
     TokenRows,
     expert_counts,
 )
+from .moe_stats import RouterRecord, RouterTerms, record, router_terms, update_expert_bias  # noqa: F401
 from .swiglu import FeedForward
 
 
@@ -210,16 +214,6 @@ ROUTERS: dict[str, type[Router]] = {"softmax": SoftmaxRouter, "switch": SwitchRo
                                     "sinkhorn": SinkhornRouter, "dts": DTSRouter}
 
 
-@dataclass
-class RouterRecord:
-    """What one call of a layer contributes to the balancing losses and the load metrics."""
-    counts: torch.Tensor      # [E] choices per expert (before any drop), no gradient
-    prob_sum: torch.Tensor    # [E] sum over the call's tokens of the router probabilities (with gradient)
-    lse_sq_sum: torch.Tensor  # sum over the tokens of logsumexp(logits)^2 (with gradient)
-    tokens: int
-    dropped: torch.Tensor     # choices dropped for capacity (no gradient)
-
-
 class Experts(nn.Module):
     """E SwiGLU experts as 3D weights, each expert's matrix stored as nn.Linear stores it ([out, in]):
     w1 (gate) and w3 (up) [E, hidden, dim], w2 (down) [E, dim, hidden]."""
@@ -295,6 +289,11 @@ class MoEFeedForward(nn.Module):
         # every token of the micro-batch, for the decisions that look across tokens (models/moe_capacity.py):
         # None = this process holds the micro-batch; parallelize() installs one object for all the layers
         self.call_tokens: CallTokens | None = None
+        # [T] bool over the tokens of the block's calls, False at padding (None: every token is real): set by the
+        # model for each forward (kept for backward's recomputation); `piece` the slice of them a memory policy's
+        # piece of the call holds (memory/apply_policy.py)
+        self.real: torch.Tensor | None = None
+        self.piece: slice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -303,7 +302,7 @@ class MoEFeedForward(nn.Module):
         if routing is None:
             return torch.zeros_like(x)
         if self.recording:
-            self._record(routing, flat.shape[0])
+            self.records.append(record(routing, flat.shape[0], self.num_experts, self.real_of(flat.shape[0], True)))
         y = self._routed(flat, routing)
         if self.shared is not None:
             s = self.shared(flat)
@@ -321,7 +320,8 @@ class MoEFeedForward(nn.Module):
         """The routing of the tokens `flat` [T, dim]: the router's, within the capacity; `chosen` and
         `kept` (the capacity's) decided over a larger call (`decide`) these tokens are a piece of. With
         `call_tokens`, a call is one rank's part of the micro-batch: decided over all of it here."""
-        if chosen is None and kept is None and self.call_tokens is not None and self.across_tokens():
+        if chosen is None and kept is None and (self.call_tokens is not None or self.real is not None) \
+                and self.across_tokens():  # (with padding, decide leaves it out of the decisions)
             chosen, kept = self.decide([self.routing_input(flat)])
         r = self.router(flat, chosen)
         kept = self._kept(r.experts) if kept is None and self.capacity_factor > 0 else kept
@@ -344,15 +344,23 @@ class MoEFeedForward(nn.Module):
         return decide(self, gathered)
 
     def _kept(self, experts: torch.Tensor) -> torch.Tensor:
-        """[T, k] the capacity's kept choices over the call `experts` (models/moe_capacity.py capacity_kept)."""
-        return capacity_kept(experts, self.capacity_factor, self.num_experts)
+        """[T, k] the capacity's kept choices over the call `experts` (models/moe_capacity.py capacity_kept);
+        padding's choices are never kept and take no place in the queues."""
+        real = self.real_of(experts.shape[0])
+        if real is None:
+            return capacity_kept(experts, self.capacity_factor, self.num_experts)
+        return capacity_kept(padded_choices(experts, real, self.num_experts), self.capacity_factor,
+                             self.num_experts, padded=True)
 
-    def _record(self, routing: Routing, tokens: int) -> None:
-        counts = expert_counts(routing.experts.flatten(), self.num_experts).float()
-        dropped = (torch.zeros((), device=counts.device) if routing.kept is None
-                   else (~routing.kept).sum().float())
-        self.records.append(RouterRecord(counts, routing.probs.sum(0), routing.logits.logsumexp(-1).square().sum(),
-                                         tokens, dropped))
+    def real_of(self, tokens: int, piece: bool = False) -> torch.Tensor | None:
+        """[tokens] bool: which of the call's tokens are real (None: all), of the piece being run if `piece`."""
+        if self.real is None:
+            return None
+        real = self.real[self.piece] if piece and self.piece is not None else self.real
+        if real.numel() != tokens:
+            raise ValueError(f"a MoE layer's call holds {tokens} tokens but its padding mask {real.numel()}: the "
+                             "mask must cover the block's call (Llama.hidden_states(real=...))")
+        return real
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
@@ -366,84 +374,3 @@ def eval_routing_note(model: nn.Module) -> str | None:
     return routers[0].describe_eval() if routers else None
 
 
-@dataclass
-class RouterTerms:
-    """A micro-batch's balancing losses and load figures, after the model's forward.
-    `loss` is THIS rank's share (with gradient): summed over the ranks it is the loss of the whole
-    micro-batch, as one device holding every token would compute it. `stats` [5] (no gradient, the
-    same on every rank): aux loss, z-loss (unweighted, mean over MoE layers), mean over layers of
-    max/mean tokens per expert, the worst layer's, and the fraction of choices dropped.
-    `counts` [layers, E] are the micro-batch's choices per expert over every rank, `dropped` [layers]
-    its choices dropped for capacity per layer over every rank."""
-    loss: torch.Tensor
-    stats: torch.Tensor
-    counts: torch.Tensor
-    dropped: torch.Tensor
-
-
-def router_terms(layers: list[MoEFeedForward], aux_weight: float, z_weight: float, sum_over_ranks=None,
-                 scope: str | None = None) -> RouterTerms:
-    """Combine what the layers recorded in the last forward. `sum_over_ranks(t)` sums a tensor over
-    every rank holding tokens of the micro-batch (identity on one device): one collective for all layers.
-
-    aux (Switch/GShard) of a layer = E x sum_e f_e P_e, f_e = fraction of the choices that went to e
-    and P_e = mean probability of e, both over every token. The loss combines the L layers as `scope`
-    (moe.aux_loss_scope, the layers' own by default) says:
-    - per_layer_mean: the mean of the layers' aux; per_layer_sum: their sum (Megatron-LM);
-    - pooled (transformers' load_balancing_loss_func): E x sum_e F_e Q_e with F_e = every layer's
-      choices of e over L T and Q_e = every layer's probabilities of e summed over L T; F counts each
-      of a token's k choices (sums to k), so an even load gives k, not 1.
-    Each is linear in the probability sums, so a rank's share (the same product with its own sums of
-    probabilities and the global counts) is exact however the tokens are split. z = mean over tokens
-    of logsumexp(logits)^2, averaged over the layers, a rank's share its sum / T. `stats` keep the
-    per-layer mean of aux whatever the scope (1 = even), so runs under any scope log comparable loads."""
-    counts = torch.stack([sum(r.counts for r in layer.records) for layer in layers])
-    prob_sum = torch.stack([sum(r.prob_sum for r in layer.records) for layer in layers])
-    lse_sq = torch.stack([sum(r.lse_sq_sum for r in layer.records) for layer in layers])
-    tokens = float(sum(r.tokens for r in layers[0].records))
-    dropped = torch.stack([sum(r.dropped for r in layer.records) for layer in layers])
-    e, n_layers = counts.shape[1], len(layers)
-    packed = torch.cat([counts.flatten(), prob_sum.detach().flatten(), lse_sq.detach(), dropped,
-                        counts.new_tensor([tokens])])
-    if sum_over_ranks is not None:
-        packed = sum_over_ranks(packed)
-    g_counts = packed[: n_layers * e].view(n_layers, e)
-    g_prob = packed[n_layers * e: 2 * n_layers * e].view(n_layers, e)
-    g_lse = packed[2 * n_layers * e: 2 * n_layers * e + n_layers]
-    g_dropped, g_tokens = packed[2 * n_layers * e + n_layers: -1], packed[-1]
-    fraction = g_counts / g_counts.sum(1, keepdim=True)  # f_e per layer
-    local_aux = _aux_share(scope or layers[0].aux_loss_scope, g_counts, fraction, prob_sum, g_tokens)
-    local_z = lse_sq.sum() / (g_tokens * n_layers)
-    loss = aux_weight * local_aux + z_weight * local_z
-    aux = e * (fraction * g_prob).sum() / (g_tokens * n_layers)
-    z = g_lse.sum() / (g_tokens * n_layers)
-    load = g_counts.max(1).values / g_counts.mean(1)
-    stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped.sum() / g_counts.sum()])
-    for layer in layers:
-        layer.records.clear()
-    return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach())
-
-
-def _aux_share(scope: str, counts: torch.Tensor, fraction: torch.Tensor, prob_sum: torch.Tensor,
-               tokens: torch.Tensor) -> torch.Tensor:
-    """This rank's share of the balancing loss (router_terms): counts and fractions [L, E] over every
-    rank, prob_sum [L, E] this rank's (with gradient), tokens the micro-batch's over every rank."""
-    e, n_layers = counts.shape[1], counts.shape[0]
-    if scope == "pooled":  # transformers: choices per token (summing to k) and probabilities, pooled over layers
-        pooled = tokens * n_layers
-        return e * (counts.sum(0) / pooled * prob_sum.sum(0)).sum() / pooled
-    per_layer = e * (fraction * prob_sum).sum() / tokens  # the sum over layers of each layer's share
-    if scope == "per_layer_sum":
-        return per_layer
-    if scope == "per_layer_mean":
-        return per_layer / n_layers
-    raise ValueError(f"moe.aux_loss_scope {scope!r} is not one of per_layer_mean, per_layer_sum, pooled")
-
-
-@torch.no_grad()
-def update_expert_bias(layers: list[MoEFeedForward], counts: torch.Tensor, rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3), once per optimizer step from the step's choices per
-    expert [layers, E] over every rank: an expert above the mean load gets its selection bias lowered
-    by `rate`, one below raised."""
-    for layer, c in zip(layers, counts):
-        layer.router.expert_bias += rate * torch.sign(c.mean() - c)

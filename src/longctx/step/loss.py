@@ -8,4 +8,6 @@ import torch
 def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """The summed loss over the batch's valid label tokens (the caller normalises)."""
     with torch.autocast(device_type=batch.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction="sum")
+        padding = {} if getattr(batch, "real", None) is None else {"real": batch.real}  # (MoE: models/moe_stats.py)
+        return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction="sum",
+                     **padding)

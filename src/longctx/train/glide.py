@@ -121,7 +121,7 @@ class GlideTraining(nn.Module):
         """The draft's layers (what metrics count as blocks)."""
         return self.draft.layers
 
-    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", real=None):
         """The draft's logits [b, n, vocab] without labels; with labels its loss (draft.loss), summed
         over the valid labels (`"sum"`) or averaged (`"mean"`)."""
         b, n = tokens.shape
@@ -324,7 +324,7 @@ class CloverTraining(GlideTraining):
         """The draft's block (what metrics count as blocks): its Augmenting Block."""
         return nn.ModuleList([self.draft.aug])
 
-    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean"):
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", real=None):
         """The draft's logits [b, n, vocab] without labels; with labels its loss (draft.loss)."""
         b, n = tokens.shape
         if positions is None:

@@ -42,10 +42,10 @@ def local_batch(rt: Runtime, batch: Batch, device=None) -> Batch:
         return batch if device is None else batch.to(device)
     sl = rt.dp_rows(batch.tokens.shape[0])
     mine = Batch(*(None if t is None else t[sl] for t in (batch.tokens, batch.labels, batch.positions,
-                                                         batch.doc_ids)))
+                                                         batch.doc_ids, batch.real)))
     layout, held = plan_share(rt, mine.doc_ids, mine.tokens.shape[0], mine.tokens.shape[1])
     take = lambda t: t if t is None or held is None else t.gather(1, held)  # noqa: E731
-    local = Batch(take(mine.tokens), take(mine.labels), take(mine.positions), take(mine.doc_ids))
+    local = Batch(take(mine.tokens), take(mine.labels), take(mine.positions), take(mine.doc_ids), take(mine.real))
     if layout is not None:
         attach_layout(local.doc_ids, layout)
     return local if device is None else to_device(local, device)

@@ -1,0 +1,130 @@
+"""The router statistics of the MoE layers (models/moe.py): what each call records, and the balancing
+losses and load figures the model combines from them after its forward.
+
+Padding (a packed sample's tokens past its documents, data/loader.py) is no token of the micro-batch:
+a layer's `real` mask (MoEFeedForward.real, from the batch) keeps it out of every sum here, the
+choices per expert, the probability sums, the z-loss and the token count (`record`), so a padded
+batch trains its routers as the same batch without the padding would. Without a mask every token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .moe_dispatch import Routing, expert_counts
+
+
+@dataclass
+class RouterRecord:
+    """What one call of a layer contributes to the balancing losses and the load metrics."""
+    counts: torch.Tensor      # [E] choices per expert (before any drop), no gradient
+    prob_sum: torch.Tensor    # [E] sum over the call's tokens of the router probabilities (with gradient)
+    lse_sq_sum: torch.Tensor  # sum over the tokens of logsumexp(logits)^2 (with gradient)
+    tokens: int | torch.Tensor  # the call's (real) tokens: an int, a 0-d tensor with a padding mask (no host read)
+    dropped: torch.Tensor     # real tokens' choices dropped for capacity (no gradient)
+
+
+def record(routing: Routing, tokens: int, num_experts: int, real: torch.Tensor | None = None) -> RouterRecord:
+    """What a call of T = `tokens` tokens with `routing` adds to the statistics; `real` [T] bool (None: all):
+    padding adds nothing (its choices, probabilities, z-loss term and count are left out; its choices,
+    never kept under a capacity, are no drops). Without padding the same bits as without a mask."""
+    if real is None:
+        counts = expert_counts(routing.experts.flatten(), num_experts).float()
+        dropped = (torch.zeros((), device=counts.device) if routing.kept is None
+                   else (~routing.kept).sum().float())
+        return RouterRecord(counts, routing.probs.sum(0), routing.logits.logsumexp(-1).square().sum(), tokens,
+                            dropped)
+    choice = torch.where(real[:, None], routing.experts, num_experts).flatten()  # padding: a bucket past E
+    counts = expert_counts(choice, num_experts + 1)[:num_experts].float()
+    dropped = (torch.zeros((), device=counts.device) if routing.kept is None
+               else (~routing.kept & real[:, None]).sum().float())
+    weight = real.to(routing.probs.dtype)
+    return RouterRecord(counts, (routing.probs * weight[:, None]).sum(0),
+                        (routing.logits.logsumexp(-1).square() * weight).sum(), real.sum().float(), dropped)
+
+
+
+@dataclass
+class RouterTerms:
+    """A micro-batch's balancing losses and load figures, after the model's forward.
+    `loss` is THIS rank's share (with gradient): summed over the ranks it is the loss of the whole
+    micro-batch, as one device holding every token would compute it. `stats` [5] (no gradient, the
+    same on every rank): aux loss, z-loss (unweighted, mean over MoE layers), mean over layers of
+    max/mean tokens per expert, the worst layer's, and the fraction of choices dropped.
+    `counts` [layers, E] are the micro-batch's choices per expert over every rank, `dropped` [layers]
+    its choices dropped for capacity per layer over every rank."""
+    loss: torch.Tensor
+    stats: torch.Tensor
+    counts: torch.Tensor
+    dropped: torch.Tensor
+
+
+def router_terms(layers: list, aux_weight: float, z_weight: float, sum_over_ranks=None,
+                 scope: str | None = None) -> RouterTerms:
+    """Combine what the MoE layers (models/moe.py MoEFeedForward) recorded in the last forward.
+    `sum_over_ranks(t)` sums a tensor over every rank holding tokens of the micro-batch (identity on one
+    device): one collective for all layers.
+
+    aux (Switch/GShard) of a layer = E x sum_e f_e P_e, f_e = fraction of the choices that went to e
+    and P_e = mean probability of e, both over every token. The loss combines the L layers as `scope`
+    (moe.aux_loss_scope, the layers' own by default) says:
+    - per_layer_mean: the mean of the layers' aux; per_layer_sum: their sum (Megatron-LM);
+    - pooled (transformers' load_balancing_loss_func): E x sum_e F_e Q_e with F_e = every layer's
+      choices of e over L T and Q_e = every layer's probabilities of e summed over L T; F counts each
+      of a token's k choices (sums to k), so an even load gives k, not 1.
+    Each is linear in the probability sums, so a rank's share (the same product with its own sums of
+    probabilities and the global counts) is exact however the tokens are split. z = mean over tokens
+    of logsumexp(logits)^2, averaged over the layers, a rank's share its sum / T. `stats` keep the
+    per-layer mean of aux whatever the scope (1 = even), so runs under any scope log comparable loads."""
+    counts = torch.stack([sum(r.counts for r in layer.records) for layer in layers])
+    prob_sum = torch.stack([sum(r.prob_sum for r in layer.records) for layer in layers])
+    lse_sq = torch.stack([sum(r.lse_sq_sum for r in layer.records) for layer in layers])
+    tokens = sum(r.tokens for r in layers[0].records)
+    dropped = torch.stack([sum(r.dropped for r in layer.records) for layer in layers])
+    e, n_layers = counts.shape[1], len(layers)
+    packed = torch.cat([counts.flatten(), prob_sum.detach().flatten(), lse_sq.detach(), dropped,
+                        torch.as_tensor(tokens, dtype=counts.dtype, device=counts.device).reshape(1)])
+    if sum_over_ranks is not None:
+        packed = sum_over_ranks(packed)
+    g_counts = packed[: n_layers * e].view(n_layers, e)
+    g_prob = packed[n_layers * e: 2 * n_layers * e].view(n_layers, e)
+    g_lse = packed[2 * n_layers * e: 2 * n_layers * e + n_layers]
+    g_dropped, g_tokens = packed[2 * n_layers * e + n_layers: -1], packed[-1]
+    fraction = g_counts / g_counts.sum(1, keepdim=True)  # f_e per layer
+    local_aux = _aux_share(scope or layers[0].aux_loss_scope, g_counts, fraction, prob_sum, g_tokens)
+    local_z = lse_sq.sum() / (g_tokens * n_layers)
+    loss = aux_weight * local_aux + z_weight * local_z
+    aux = e * (fraction * g_prob).sum() / (g_tokens * n_layers)
+    z = g_lse.sum() / (g_tokens * n_layers)
+    load = g_counts.max(1).values / g_counts.mean(1)
+    stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped.sum() / g_counts.sum()])
+    for layer in layers:
+        layer.records.clear()
+    return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach())
+
+
+def _aux_share(scope: str, counts: torch.Tensor, fraction: torch.Tensor, prob_sum: torch.Tensor,
+               tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the balancing loss (router_terms): counts and fractions [L, E] over every
+    rank, prob_sum [L, E] this rank's (with gradient), tokens the micro-batch's over every rank."""
+    e, n_layers = counts.shape[1], counts.shape[0]
+    if scope == "pooled":  # transformers: choices per token (summing to k) and probabilities, pooled over layers
+        pooled = tokens * n_layers
+        return e * (counts.sum(0) / pooled * prob_sum.sum(0)).sum() / pooled
+    per_layer = e * (fraction * prob_sum).sum() / tokens  # the sum over layers of each layer's share
+    if scope == "per_layer_sum":
+        return per_layer
+    if scope == "per_layer_mean":
+        return per_layer / n_layers
+    raise ValueError(f"moe.aux_loss_scope {scope!r} is not one of per_layer_mean, per_layer_sum, pooled")
+
+
+@torch.no_grad()
+def update_expert_bias(layers: list, counts: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3), once per optimizer step from the step's choices per
+    expert [layers, E] over every rank: an expert above the mean load gets its selection bias lowered
+    by `rate`, one below raised."""
+    for layer, c in zip(layers, counts):
+        layer.router.expert_bias += rate * torch.sign(c.mean() - c)
