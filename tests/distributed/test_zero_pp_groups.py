@@ -60,14 +60,9 @@ def test_qgz_reduces_an_expert_group_of_the_fsdp_groups_size_over_its_own_ranks(
         assert 0 < err <= bound and sent > 0  # the FSDP group's: int8, within its rounding
 
 
-def _gather_under_hpz(ranks_per_node):
-    import types
-
+def _unit_class():
+    """A stand-in FSDP unit: a parameter, and the custom all-gather it is given."""
     import torch
-    import torch.distributed as dist
-
-    from longctx.config import load_config
-    from longctx.parallel.fsdp.shard import quantize_gathers
 
     class Unit(torch.nn.Module):
         def __init__(self, n):
@@ -77,8 +72,21 @@ def _gather_under_hpz(ranks_per_node):
         def set_custom_all_gather(self, comm):
             self.gather = comm
 
+    return Unit
+
+
+def _gather_under_hpz(ranks_per_node):
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from longctx.config import load_config
+    from longctx.parallel.fsdp.shard import quantize_gathers
+
     cfg = load_config(None, ["--parallel.zero_pp=hpz,qwz", f"--parallel.ranks_per_node={ranks_per_node}",
                              "--parallel.zero_pp_block=64"])
+    Unit = _unit_class()
     comm = quantize_gathers([Unit(4096), Unit(4096)], cfg, types.SimpleNamespace(world_size=4, dp_replicate=1))
     out = torch.empty(4 * 256)
     comm(out, torch.randn(256, generator=torch.Generator().manual_seed(dist.get_rank())), dist.group.WORLD)
@@ -97,16 +105,9 @@ def _expert_gather_under_hpz():
     from longctx.config import load_config
     from longctx.parallel.fsdp.shard import quantize_gathers
 
-    class Unit(torch.nn.Module):
-        def __init__(self, n):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(n))
-
-        def set_custom_all_gather(self, comm):
-            self.gather = comm
-
     cfg = load_config(None, ["--parallel.zero_pp=hpz,qwz", "--parallel.ranks_per_node=2",
                              "--parallel.zero_pp_block=64"])
+    Unit = _unit_class()
     dense, expert = Unit(4096), Unit(4096)
     quantize_gathers([dense, Unit(4096)], cfg, types.SimpleNamespace(world_size=4, dp_replicate=1, expert=2), False,
                      [expert])
