@@ -67,9 +67,10 @@ def _batch(vocab):
     return tokens, pos, doc, labels
 
 
-def _step(model, tokens, pos, doc, labels, valid):
-    """Loss (this rank's share of the batch mean) + balancing losses, backward; (loss, terms)."""
-    loss = model(tokens, pos, doc, labels=labels, loss_reduction="sum") / valid
+def _step(model, tokens, pos, doc, labels, valid, **extra):
+    """Loss (this rank's share of the batch mean) + balancing losses, backward; (loss, terms). `extra`:
+    the model's other inputs (the padding mask)."""
+    loss = model(tokens, pos, doc, labels=labels, loss_reduction="sum", **extra) / valid
     terms = model.router_terms()
     (loss + terms.loss).backward()
     return loss.detach(), terms
@@ -91,12 +92,8 @@ def _rank_runs():
         dims = ParallelDims(head=head, ctx=ctx, world_size=dist.get_world_size())
         mesh = dims.build_mesh("cpu")
         dp_rank = mesh["dp_shard"].get_local_rank()
-        for routing, (_, _, chunk) in ROUTINGS.items():
-            cfg, model = _model(routing)
-            use_sequence_parallel_attention(model, dims, mesh)
-            use_router_sum(model, dims, mesh)  # (and the layers' view of the micro-batch's tokens)
-            if chunk:
-                apply_memory_policy(model.layers, "selective", block_chunk=chunk)
+        for routing in ROUTINGS:
+            cfg, model = _parallel_model(routing, dims, mesh)
             full = _batch(cfg.model.vocab_size)
             valid = int((full[3] != -100).sum())
             rows = BATCH // dims.dp_shard
@@ -109,15 +106,31 @@ def _rank_runs():
                 tokens, pos, doc, labels = (shard_sequence(t, mesh) for t in mine)
                 doc = doc if docs else None
             loss, terms = _step(model, tokens, pos, doc, labels, valid)
-            dist.all_reduce(loss)
-            grads = {}
-            for name, p in model.named_parameters():
-                g = p.grad.clone()
-                dist.all_reduce(g)
-                grads[name] = g.numpy()
-            out[(layout, routing)] = (float(loss), terms.counts.numpy(), terms.dropped.numpy(),
-                                      terms.stats.numpy(), grads)
+            out[(layout, routing)] = _reduced(model, loss, terms)
     return out
+
+
+def _parallel_model(routing: str, dims, mesh):
+    """_model(routing) under the layout: sequence-parallel attention, router statistics and the layers' view
+    of the micro-batch's tokens over the ranks, and the routing's block chunks."""
+    cfg, model = _model(routing)
+    use_sequence_parallel_attention(model, dims, mesh)
+    use_router_sum(model, dims, mesh)
+    if ROUTINGS[routing][2]:
+        apply_memory_policy(model.layers, "selective", block_chunk=ROUTINGS[routing][2])
+    return cfg, model
+
+
+def _reduced(model, loss, terms):
+    """A rank's step as one process's figures: the loss and every gradient summed over the ranks, the router
+    terms' counts, drops and statistics (already the micro-batch's)."""
+    dist.all_reduce(loss)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        grads[name] = g.numpy()
+    return float(loss), terms.counts.numpy(), terms.dropped.numpy(), terms.stats.numpy(), grads
 
 
 @pytest.fixture(scope="module")

@@ -4,39 +4,21 @@ padding out on every rank (its choices travel as expert E, queued nowhere: model
 head 2 x ctx 2 and dp 2 x ctx 2 (4 ranks, fp32, gloo) record the statistics, drop the choices and give
 the loss and gradients of one process holding the padded batch with its mask. A capacity binds hard (a
 skewed router), with and without memory.block_chunk pieces; the Sinkhorn router's balanced assignment
-includes the padding (its statistics do not)."""
+runs over the real rows (padding rows are not kept, and out of its statistics)."""
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_moe_capacity_layouts import ROUTINGS, _model, _parallel_model, _reduced, _step
 
-from longctx.config import load_config
 from longctx.job.dims import ParallelDims
 from longctx.job.spawn import run_spawned_many
 from longctx.memory.apply_policy import apply_memory_policy
-from longctx.models.llama import build_model
-from longctx.models.moe import moe_layers
 from longctx.parallel.context.sequence import attach_layout, plan_layout, shard_sequence
-from longctx.parallel.parallelize import use_router_sum, use_sequence_parallel_attention
 
 SEQ, BATCH, EOS = 128, 2, 257
 REAL = (80, 121)  # each row's real tokens, the rest padding (as data/loader.py pads: at the row's end)
-ROUTINGS = {  # name: (model.moe overrides, skew the selection, memory.block_chunk)
-    "capacity": ({"capacity_factor": 1.0}, True, 0),
-    "capacity-pieces": ({"capacity_factor": 1.0}, True, 48),
-    "sinkhorn": ({"router": "sinkhorn"}, False, 0),
-}
 LAYOUTS = {"head2-ctx2-docs": (2, 2, True), "dp2-ctx2-zigzag": (1, 2, False)}  # (head, ctx, documents' layout)
-
-
-def _model(routing: str):
-    moe, skew, _ = ROUTINGS[routing]
-    cfg = load_config(overrides=["--model.preset=debug-moe", *(f"--model.moe.{k}={v}" for k, v in moe.items())])
-    model = build_model(cfg.model, seed=3).train()
-    if skew:
-        for layer in moe_layers(model):
-            layer.router.expert_bias.copy_(torch.tensor([0.06, 0.03, 0, 0, 0, 0, 0, 0]))
-    return cfg, model
 
 
 def _batch(vocab):
@@ -55,19 +37,12 @@ def _batch(vocab):
     return tokens, pos, doc, labels, real
 
 
-def _step(model, tokens, pos, doc, labels, real, valid):
-    loss = model(tokens, pos, doc, labels=labels, loss_reduction="sum", real=real) / valid
-    terms = model.router_terms()
-    (loss + terms.loss).backward()
-    return loss.detach(), terms
-
-
 def _reference(routing):
     cfg, model = _model(routing)
     if ROUTINGS[routing][2]:
         apply_memory_policy(model.layers, "selective", block_chunk=ROUTINGS[routing][2])
     tokens, pos, doc, labels, real = _batch(cfg.model.vocab_size)
-    loss, terms = _step(model, tokens, pos, doc, labels, real, int((labels != -100).sum()))
+    loss, terms = _step(model, tokens, pos, doc, labels, int((labels != -100).sum()), real=real)
     return loss, terms, {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -77,12 +52,8 @@ def _rank_runs():
         dims = ParallelDims(head=head, ctx=ctx, world_size=dist.get_world_size())
         mesh = dims.build_mesh("cpu")
         dp_rank = mesh["dp_shard"].get_local_rank()
-        for routing, (_, _, chunk) in ROUTINGS.items():
-            cfg, model = _model(routing)
-            use_sequence_parallel_attention(model, dims, mesh)
-            use_router_sum(model, dims, mesh)
-            if chunk:
-                apply_memory_policy(model.layers, "selective", block_chunk=chunk)
+        for routing in ROUTINGS:
+            cfg, model = _parallel_model(routing, dims, mesh)
             full = _batch(cfg.model.vocab_size)
             valid = int((full[3] != -100).sum())
             rows = BATCH // dims.dp_shard
@@ -93,15 +64,8 @@ def _rank_runs():
                 attach_layout(doc, plan)
             else:
                 tokens, pos, doc, labels, real = (shard_sequence(t, mesh) for t in mine)
-            loss, terms = _step(model, tokens, pos, doc, labels, real, valid)
-            dist.all_reduce(loss)
-            grads = {}
-            for name, p in model.named_parameters():
-                g = p.grad.clone()
-                dist.all_reduce(g)
-                grads[name] = g.numpy()
-            out[(layout, routing)] = (float(loss), terms.counts.numpy(), terms.dropped.numpy(),
-                                      terms.stats.numpy(), grads)
+            loss, terms = _step(model, tokens, pos, doc, labels, valid, real=real)
+            out[(layout, routing)] = _reduced(model, loss, terms)
     return out
 
 

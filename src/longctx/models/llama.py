@@ -281,8 +281,9 @@ class Llama(nn.Module):
         bool (the loader's Batch.real; None: every token): False at padding, which MoE layers leave out of
         their statistics and capacity queues (models/moe_stats.py, moe_capacity.py)."""
         b, s = tokens.shape
+        flat_real = None if real is None or cache is not None else real.reshape(-1).bool()
         for layer in moe_layers(self):  # (kept after the forward: backward's recomputation routes as it did)
-            layer.real = None if real is None or cache is not None else real.reshape(-1).bool()
+            layer.real = flat_real
         if cache is not None:
             return self._cached_hidden_states(tokens, positions, doc_ids, final_norm, cache)
         if positions is None:

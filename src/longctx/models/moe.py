@@ -320,22 +320,27 @@ class MoEFeedForward(nn.Module):
         """The routing of the tokens `flat` [T, dim]: the router's, within the capacity; `chosen` and
         `kept` (the capacity's) decided over a larger call (`decide`) these tokens are a piece of. With
         `call_tokens`, a call is one rank's part of the micro-batch: decided over all of it here."""
-        if chosen is None and kept is None and (self.call_tokens is not None or self.real is not None) \
-                and self.across_tokens():  # (with padding, decide leaves it out of the decisions)
-            chosen, kept = self.decide([self.routing_input(flat)])
+        if chosen is None and kept is None and self._assigns() and (self.call_tokens is not None or
+                                                                      self.real is not None):
+            chosen, kept = self.decide([self.routing_input(flat)])  # the assignment replaces the router's choices
         r = self.router(flat, chosen)
-        kept = self._kept(r.experts) if kept is None and self.capacity_factor > 0 else kept
+        if kept is None and self.capacity_factor > 0:  # over the router's own choices (it runs once)
+            across = chosen is None and self.call_tokens is not None
+            kept = self.decide([r.experts])[1] if across else self._kept(r.experts)
         return r if kept is None else Routing(r.experts, r.weights, r.probs, r.logits, kept)
 
     def across_tokens(self) -> bool:
         """Whether routing a token reads the call's other tokens: a capacity, Sinkhorn's assignment in training."""
-        return self.capacity_factor > 0 or (self.router.training and isinstance(self.router, SinkhornRouter))
+        return self.capacity_factor > 0 or self._assigns()
+
+    def _assigns(self) -> bool:
+        """Whether the Sinkhorn router's balanced assignment chooses (in training), not each token's top k."""
+        return self.router.training and isinstance(self.router, SinkhornRouter)
 
     @torch.no_grad()
     def routing_input(self, flat: torch.Tensor) -> torch.Tensor:
         """What `decide` needs of these tokens: the Sinkhorn router's logits in training, else their choices."""
-        sinkhorn = self.router.training and isinstance(self.router, SinkhornRouter)
-        return self.router.logits(flat) if sinkhorn else self.router(flat).experts
+        return self.router.logits(flat) if self._assigns() else self.router(flat).experts
 
     def decide(self, gathered: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(chosen, kept) of this rank's call from its pieces' routing_input, in token order, decided over every
