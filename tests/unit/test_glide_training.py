@@ -192,6 +192,21 @@ def test_the_draft_learns_and_the_target_stays_frozen(trained, target):
         assert torch.equal(now[name], value), name
 
 
+def test_throughput_counts_the_draft_steps_flops_not_the_targets_training(trained):
+    import json
+
+    from longctx.models.flops import draft_train_flops_per_token
+
+    trainer, _, checkpoints = trained
+    records = [json.loads(line) for line in (checkpoints.parent / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert train
+    cfg = trainer.cfg
+    expected = draft_train_flops_per_token(cfg.model, cfg.train.seq_len, kind="glide", layers=2, block=3)
+    for r in train:
+        assert r["tflops"] * 1e12 / r["tokens_per_s"] == pytest.approx(expected, rel=1e-9)
+
+
 def test_the_checkpoint_names_its_target_and_loads_for_generation(trained, target):
     from longctx.generate.local import prefill
     from longctx.models.glide import block_stale_visible

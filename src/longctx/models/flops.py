@@ -68,3 +68,31 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True)
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
     return 3 * forward_flops_per_token(cfg, seq_len, causal)
+
+
+def draft_train_flops_per_token(cfg: ModelConfig, seq_len: int, *, kind: str, layers: int = 1, block: int = 4,
+                                vocab: int = 0, kd: bool = False) -> float:
+    """Model FLOPs per token of one draft-training step (train/glide.py) against a frozen target of `cfg`:
+    - the target's forward without its LM head (hidden states; no_grad: no backward);
+    - the draft's own matmuls and attention scores, trained: 3x forward. GliDe (models/glide.py): per
+      layer a self-attention, a cross-attention's query and output projections and scores over the
+      target's block-stale keys (about as many as causal), the SwiGLU. Clover (models/clover.py): the
+      Augmenting Block and the memory's key/value projections once, the regressive step `block` times
+      (training is teacher-forced in `block` passes over the sequence);
+    - the target's LM head rows the draft scores (`vocab`, 0 = all): frozen, so its forward and the
+      gradient to its input only (2x), and under kd (`kd`) the teacher's logits on the same rows (1x)."""
+    d, hd = cfg.dim, cfg.resolved_head_dim
+    d_attn = cfg.heads * hd
+    scores = 4 * seq_len * d_attn * 0.5
+    target = forward_flops_per_token(cfg, seq_len) - 2 * d * cfg.vocab_size
+    if kind == "glide":
+        draft = layers * (2 * (attention_matmul_params(cfg) + 2 * d * d_attn + dense_ffn_params(cfg)) + 2 * scores)
+    elif kind == "clover":
+        augmenting = 2 * (attention_matmul_params(cfg) + 3 * d * max(1, cfg.ffn_dim // 2)) + scores
+        memory = 2 * 2 * d * cfg.kv_heads * hd
+        step = 2 * (2 * d * d + 2 * d * d_attn + 3 * d * max(1, cfg.ffn_dim // 4)) + scores
+        draft = augmenting + memory + block * step
+    else:
+        raise ValueError(f"draft kind must be glide or clover, got {kind!r}")
+    head = 2 * d * (vocab or cfg.vocab_size)
+    return target + 3 * draft + 2 * head + (head if kd else 0)

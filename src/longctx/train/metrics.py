@@ -20,7 +20,7 @@ from ..costs.peaks import device_peak, raise_cpu_peak
 from ..job.checks import hpz_group, node_size, zero_pp_names
 from ..job.runtime import TRACKED_DIMS
 from ..memory.rss import peak_rss_bytes
-from ..models.flops import train_flops_per_token
+from ..models.flops import draft_train_flops_per_token, train_flops_per_token
 from ..parallel.context.volumes import ZeroPP, fsdp_bytes_per_step
 from ..parallel.fsdp.grad_buckets import grad_reduce_figures
 from ..parallel.fsdp.shard import gathers_in_bf16
@@ -102,6 +102,17 @@ def read_jsonl(path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def run_flops_per_token(cfg, seq_len: int) -> float:
+    """Model FLOPs per trained token of this run's step (MFU's numerator): the model's training, or with
+    draft.target a draft's training against its frozen target (models/flops.py: the target's forward
+    once, only the draft trained), which is not 3x the target's forward."""
+    d = cfg.draft
+    if not d.target:
+        return train_flops_per_token(cfg.model, seq_len)
+    return draft_train_flops_per_token(cfg.model, seq_len, kind=d.kind, layers=d.layers, block=d.block,
+                                       vocab=d.vocab, kd=d.loss == "kd")
+
+
 @dataclass
 class _Interval:
     """What a metrics line averages over: the steps since the last line, less evaluation."""
@@ -161,7 +172,7 @@ class MetricsLogger:
 
     def enter_stage(self, seq_len: int) -> None:
         """A stage's FLOPs per token, computed when the stage changes, not every step."""
-        self.flops_per_token = train_flops_per_token(self.cfg.model, seq_len)
+        self.flops_per_token = run_flops_per_token(self.cfg, seq_len)
 
     def due(self, step: int) -> bool:
         return step % self.cfg.metrics.log_interval == 0 or step == self.cfg.train.steps or step == 1
