@@ -98,15 +98,16 @@ def test_a_resumed_run_skips_the_spike_the_uninterrupted_run_skips(tmp_path, mon
     assert "guard" not in saved and old.skipped_steps == 0
 
 
-def test_a_resume_after_a_rollback_starts_with_the_empty_window_the_rollback_left(tmp_path, monkeypatch):
-    """A rollback forgets the window (the run goes on from older weights); a crash after it, resumed from
-    the checkpoint it rolled back to, goes on after the bad step with the window empty too, not with the
-    one saved in that checkpoint: a second spike right after the rollback is treated alike."""
+def test_a_resume_after_a_rollback_starts_with_the_window_the_rollback_left(tmp_path, monkeypatch):
+    """A rollback takes the window saved in the checkpoint it goes back to (the check stays on: a spike
+    right after it is caught, not applied while a new window fills); a crash after it, resumed from that
+    checkpoint, goes on after the bad step with the same window, so the second spike is treated alike."""
     monkeypatch.setenv("LONGCTX_FAULT", "spike@7,spike@9")
     extra = ["--train.steps=12", "--train.on_nonfinite=rollback"]
     whole = Trainer(load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / 'whole'}"]), log=_quiet)
     whole_losses = whole.run().losses
-    assert whole.rollbacks == 1  # step 7, back to step 4; step 9 comes before the window is full again
+    assert whole.rollbacks == 2  # step 7 back to step 4; step 9 back to step 8
+    assert max(whole_losses[9:]) < 100  # (index 8 is the spike of step 9 itself, not applied)
 
     crashed = Trainer(load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / 'crashed'}"]), log=_quiet)
     step = crashed.step

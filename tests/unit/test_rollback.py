@@ -224,3 +224,16 @@ def test_the_spike_check_is_the_running_median():
         window.append(loss if finite and not spike else None)
     assert decisions == good_history
     assert decisions[4] == (False, True) and decisions[5] == (False, False) and decisions[8] == (False, True)
+
+
+def test_the_spike_check_stays_on_after_a_rollback(tmp_path, monkeypatch):
+    # bad step 6 goes back to step 4; a spike at step 7, the first step after it, must be caught: the
+    # spike check's window is the checkpoint's (steps 2-4), as a resume from step 4 has it, not empty
+    # (the check then waited spike_window steps, and the 1000x update of step 7 was applied)
+    extra = ["--train.steps=9", "--metrics.log_interval=1", "--train.spike_factor=3", "--train.spike_window=3"]
+    trainer = _trainer(tmp_path, "run", extra, monkeypatch, "nonfinite@6,spike@7")
+    result = trainer.run()
+    records = [json.loads(x) for x in (trainer.ckpt.root / "rollbacks.jsonl").read_text().splitlines()]
+    assert [(r["bad_step"], r["rolled_back_to"]) for r in records] == [(6, 4), (7, 4)]
+    assert trainer.rollbacks == 2
+    assert all(x == x and x < 100 for i, x in enumerate(result.losses) if i not in (5, 6))

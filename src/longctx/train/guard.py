@@ -8,7 +8,8 @@ found-inf (step.guarded_step): no step waits for the device. The window is a sma
 written every step; what the loop does with a bad step (skip, stop, roll back) is read later, with
 the step's other figures. The window is training state: checkpoints save it beside the data position
 (trainer_state.json) and a resume restores it, so a resumed run checks the steps after the resumed
-one as the uninterrupted run did (without it, the check would be off for spike_window steps).
+one as the uninterrupted run did (without it, the check would be off for spike_window steps); a
+rollback takes the window of the checkpoint it goes back to, for the same reason.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class StepGuard:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the losses seen (after a rollback: the run continues from older weights)."""
+        """Forget the losses seen (a new guard, or a checkpoint saved without a window)."""
         self._recent = torch.full((self.window,), float("nan"), dtype=torch.float64, device=self.device)
         self._seen = 0  # steps checked since the reset (host count: no read of the device)
 

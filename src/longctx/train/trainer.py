@@ -146,11 +146,10 @@ class Trainer:
 
     def _skip_rolled_back_window(self) -> None:
         """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py),
-        with the spike check's window empty, as it was after the rollback."""
+        with the spike check's window the checkpoint's, as it was after the rollback."""
         if self.ckpt is not None and self.start_step:
             self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler)
             if note:
-                self.guard.reset()
                 self.log(note)
 
     @property
@@ -372,7 +371,7 @@ class Trainer:
         watchdog.phase(bad.step, "load")
         self.saves.wait()
         note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main)
-        self.guard.reset()
+        self.guard.load_state_dict(self.ckpt.resumed_state.get("guard"))  # the checkpoint's window: no blind steps
         self.hooks.rolled_back()
         del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
         self.rollbacks += 1
