@@ -32,5 +32,9 @@ def publish(tmp: Path, final: Path) -> None:
 def write_text_durably(path: Path, text: str) -> None:
     """Replace `path`'s contents with `text` atomically and durably (a temporary file, synced, renamed)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    publish(tmp, path)
+    try:
+        tmp.write_text(text)
+        publish(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk: no half-written file left behind)
+        raise

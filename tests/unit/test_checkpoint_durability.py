@@ -104,3 +104,30 @@ def test_auto_resume_with_only_a_checkpoint_dir_continues_the_saved_run(tmp_path
     cfg, resumed = load_run_config(None, [f"--checkpoint.resume={ckpts / 'step-00000002'}",
                                           f"--train.run_dir={tmp_path / 'fresh'}"], False)
     assert resumed.run_dir == run.resolve() and cfg.train.lr == 0.0123 and cfg.train.run_dir == str(tmp_path / "fresh")
+
+
+def test_a_failed_pointer_write_leaves_no_temporary_file_and_old_ones_are_swept(tmp_path, monkeypatch):
+    import errno
+    from pathlib import Path
+
+    import pytest
+
+    from longctx.durable import write_text_durably
+
+    (tmp_path / "latest").write_text("step-00000002\n")
+    real = Path.write_text
+
+    def full_disk(self, text, *a, **k):
+        real(self, text[:3], *a, **k)  # part of it reached the disk, then ENOSPC
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write_text_durably(tmp_path / "latest", "step-00000004\n")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+    assert (tmp_path / "latest").read_text() == "step-00000002\n"  # the old pointer, whole
+    # one a killed process left (SIGKILL between write and rename) is swept when a run opens the directory
+    (tmp_path / ".latest.tmp-12345").write_text("step-0")
+    CheckpointManager(tmp_path, keep=2, async_save=False, rank=0, world=1, layout={}, model_cfg={}, log=_quiet)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]

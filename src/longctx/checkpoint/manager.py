@@ -135,6 +135,9 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-*"):  # leftovers of saves that never completed
                 shutil.rmtree(stale, ignore_errors=True)
+            for stale in self.root.glob(".*.tmp-*"):  # a `latest` (durable.py) a killed process left
+                if stale.is_file():
+                    stale.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, model, optimizer, sampler_state: dict) -> None:
