@@ -27,3 +27,39 @@ def test_step_one_throughput_counts_the_loop_not_the_set_up(tmp_path):
     interval_s = first["tokens"] / first["tokens_per_s"]
     assert interval_s <= first["elapsed_s"] + SETUP_S / 2  # the loop's time since it began, not the set-up's
     assert first["mfu"] / first["tokens_per_s"] == pytest.approx(second["mfu"] / second["tokens_per_s"])
+
+
+def test_an_evaluations_clock_starts_after_the_devices_queued_work(tmp_path, monkeypatch):
+    """On CUDA the loop runs ahead of the device: an evaluation timed from the moment it is called takes
+    in the tail of the training steps queued before it, and that time is taken out of training's (its
+    tokens/s then read high). Its clock starts after a synchronize (the CUDA call is checked as
+    documented: torch.cuda.synchronize(device) before the time is read)."""
+    import torch
+
+    from longctx.train.metrics import MetricsLogger
+
+    logger = MetricsLogger.__new__(MetricsLogger)
+    logger.device = torch.device("cuda", 0)
+    calls = []
+
+    def synchronize(device=None):
+        calls.append(device)
+        time.sleep(0.2)  # the queued work
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    before = time.perf_counter()
+    assert logger.now() - before >= 0.2 and calls == [logger.device]
+    logger.device = torch.device("cpu")
+    assert logger.now() - before < 0.3 and len(calls) == 1  # (nothing queued on the CPU)
+
+    # the trainer's evaluations start their clock there
+    started = []
+    real_now = MetricsLogger.now
+    monkeypatch.setattr(MetricsLogger, "now", lambda self: started.append(1) or real_now(self))
+    cfg = load_config(overrides=[
+        f"--train.run_dir={tmp_path}", "--train.steps=2", "--train.seq_len=64", "--train.global_batch=2",
+        "--train.eval_interval=1", "--train.eval_batches=1", "--data.max_docs=40", "--metrics.progress=false",
+        "--metrics.plots=false", "--model.layers=1", "--train.device=cpu", "--checkpoint.final=false"])
+    Trainer(cfg, log=lambda *a, **k: None).run()
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
+    assert len(evals) >= 2 and len(started) >= len(evals)

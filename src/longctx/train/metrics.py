@@ -182,6 +182,13 @@ class MetricsLogger:
         self.interval.tokens += tokens
         self.interval.flops += tokens * self.flops_per_token
 
+    def now(self) -> float:
+        """time.perf_counter once the device's queued work is done (CUDA): a span that starts here (an
+        evaluation's) does not take in the tail of training work launched before it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     def saved(self, blocking_s: float) -> None:
         self.interval.save_blocking_s += blocking_s
 

@@ -398,7 +398,7 @@ class Trainer:
 
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
-        start, before = time.perf_counter(), self.rt.comm_bytes()
+        start, before = self.metrics.now(), self.rt.comm_bytes()  # (after the queued training work)
         watchdog.phase(step, "eval")
         with phase(f"evaluation at step {step}", done_line=False):
             loss = self.evaluate()
