@@ -41,3 +41,26 @@ def test_a_gpu_asked_for_where_there_is_none_is_refused_before_work():
 
     with pytest.raises(ConfigError, match="--device=cuda but no CUDA device is available"):
         main(SimpleNamespace(threads=0, device="cuda", dtype="fp32"))
+
+
+@pytest.mark.parametrize("temperature, expected", [(0.0, True), (1.0, None)])
+def test_identical_is_compared_only_when_decoding_is_greedy(temperature, expected):
+    """At T > 0 speculative sampling keeps plain sampling's distribution, not its seeded tokens: the
+    figure is null there (it read true whatever the tokens were)."""
+    import torch
+
+    from longctx.bench.decode import _all_identical, _time_prompt
+    from longctx.config import ModelConfig
+    from longctx.generate.sampling import Sampling
+    from longctx.models.llama import build_model
+
+    cfg = ModelConfig(dim=32, layers=1, heads=2, kv_heads=1, ffn_dim=64, vocab_size=64)
+    target, draft = build_model(cfg, seed=0).eval(), build_model(cfg, seed=1).eval()
+    args = SimpleNamespace(repeats=1, max_new_tokens=6, speculate=2, draft_window=0, cost=0.1, verify_cost=0.0,
+                           confidence_stop=0.0)
+    with torch.no_grad():
+        timed = _time_prompt(args, target, draft, list(range(1, 9)), Sampling(temperature=temperature, seed=0),
+                             [(None, False)])
+    assert timed[0]["identical"] is expected
+    assert _all_identical(True, None) is None and _all_identical(None, True) is None
+    assert _all_identical(True, False) is False and _all_identical(True, True) is True

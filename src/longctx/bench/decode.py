@@ -21,7 +21,9 @@ JSON on stdout, per length and overall:
   i.e. the wall time after the target's prefill (the same work in both; a draft's own pass over
   the prompt comes after it and counts), and their ratio `speedup`; `speedup_with_prefill`: the
   ratio of the whole generations' wall times, which a long prompt's prefill pulls toward 1;
-- identical: at temperature 0, whether every prompt's tokens equal plain decoding's;
+- identical: at temperature 0, whether every prompt's tokens equal plain decoding's; null when
+  sampling (speculative sampling keeps plain sampling's distribution, not its seeded tokens: issue 34's
+  chi-square test is the check there);
 - mean_k: the K chosen per target pass (--speculate every pass for a fixed K; the proposals made,
   proposals_per_pass, are fewer where a confidence stop ends a round); plain_step_share: the passes
   adaptive K made plain decoding steps (K = 0: no K paid, by --draft-cost and --verify-cost);
@@ -230,7 +232,7 @@ def _run_lengths(args, target, draft, prompts: dict, sampling, modes: list) -> t
                 each[m].append({k: v for k, v in _figures(timed).items() if k in _PER_PROMPT})
                 for acc in (g[m], everything[m]):
                     for key, value in timed.items():
-                        acc[key] = acc[key] & value if key == "identical" else acc[key] + value
+                        acc[key] = _all_identical(acc[key], value) if key == "identical" else acc[key] + value
         for m, (cape, adaptive) in enumerate(modes):
             groups[m].append({"prompt_tokens": length, "prompts": len(rows), **_figures(g[m]), "per_prompt": each[m]})
             said = f"{' CaPE' if cape else ''}{' adaptive' if adaptive else ''}"
@@ -315,8 +317,13 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
              "plain_steps": plain_steps[m], "passes": spec.passes,
              "spec_s": spec_s[m], "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all,
              "tokens": len(spec.tokens), "plain_tokens": len(plain.tokens),
-             "identical": (not sampling.greedy) or spec.tokens == plain.tokens}
+             "identical": spec.tokens == plain.tokens if sampling.greedy else None}
             for m, spec in enumerate(specs)]
+
+
+def _all_identical(so_far: bool | None, this: bool | None) -> bool | None:
+    """Prompts' `identical` together: None (not compared: sampling) stays None."""
+    return None if so_far is None or this is None else so_far and this
 
 
 def _figures(acc: dict) -> dict:
