@@ -28,8 +28,10 @@ from .tokenizer import tokenizer_digest
 
 # 2: near-duplicates confirmed by their true Jaccard; 3: the streaming build (eval pieces); 4: exact dedup keeps
 # indentation, short and CJK / Thai documents shingled as they read, tokenizer files' truncation / padding off
-# and special-token strings in documents encoded as text (dedup.VERSION 2)
-CACHE_VERSION = 4
+# and special-token strings in documents encoded as text (dedup.VERSION 2); 5: a long document's consecutive
+# pieces on one side of the eval split are one run of text (concat no longer cuts it inside a sample), token
+# dtype from a tokenizer's largest id
+CACHE_VERSION = 5
 
 
 def _fingerprint(corpus: str, tokenizer: str) -> dict:

@@ -54,10 +54,10 @@ class Frames:
 
 
 class SampleSet:
-    """What the loader needs of a list of samples, given `sample(i)`, `doc_mask` and per sample
-    `real_tokens` and `sq_tokens` (the sum of squared document lengths): token counts, estimated
-    costs, batches. A set that can read a sample at given positions only sets `reads_by_position`
-    and provides `frames`, `read_at` and `label_count` (PackedSamples)."""
+    """What the loader needs of a list of samples, given `sample(i)`, `seq_len`, `doc_mask` and per sample
+    `real_tokens` (its padding follows them) and `sq_tokens` (the sum of squared document lengths): token
+    counts, estimated costs, batches (with `real`). A set that can read a sample at given positions only
+    sets `reads_by_position` and provides `frames`, `read_at` and `label_count` (PackedSamples)."""
 
     reads_by_position = False
 
@@ -71,7 +71,12 @@ class SampleSet:
         return a * quad + b * self.real_tokens
 
     def batch(self, indices) -> Batch:
-        return stack_samples([self.sample(int(i)) for i in indices], self.doc_mask)
+        indices = [int(i) for i in indices]
+        batch = stack_samples([self.sample(i) for i in indices], self.doc_mask)
+        # a sample's padding is its tail past its real tokens: MoE statistics leave it out (Batch.real)
+        real = np.arange(self.seq_len)[None] < np.asarray(self.real_tokens)[indices][:, None]
+        batch.real = torch.from_numpy(real.reshape(len(indices), self.seq_len))
+        return batch
 
 
 class PackedSamples(SampleSet):

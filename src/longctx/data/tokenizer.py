@@ -57,8 +57,10 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(path))
         self._tok.no_truncation()  # a document is never cut or padded to the file's settings
         self._tok.no_padding()
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
+        # ids need not be dense (a trimmed vocabulary, added tokens past the base one): the size is what an id
+        # table needs, largest id + 1, not the count of tokens (a store's token dtype follows it: store.py)
+        self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
         if eos is None:
             raise DataError(

@@ -49,6 +49,15 @@ class Items:
         self.start.append(s)
         self.length.append(n)
 
+    def extend(self, d: int, s: int, n: int) -> None:
+        """Add [s, s + n) of document d, as part of the last item when it ends where this starts: the
+        consecutive pieces of a long document on one side of the split stay one run of text (concat
+        cuts it only where samples end; bfd and datasculpt cut it again at the same cut points)."""
+        if self.doc and self.doc[-1] == d and self.start[-1] + self.length[-1] == s:
+            self.length[-1] += n
+        else:
+            self.add(d, s, n)
+
     def arrays(self):
         return (np.asarray(self.doc, np.int64), np.asarray(self.start, np.int64), np.asarray(self.length, np.int64))
 
@@ -78,7 +87,7 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
             where[doc] = IN_EVAL if held[0] else IN_TRAIN
         else:
             for (start, size, _), h in zip(pieces, held):
-                items["eval" if h else "train"].add(doc, start, size)
+                items["eval" if h else "train"].extend(doc, start, size)
             where[doc] = IN_BOTH
     info = {"pieces": pieces_total}
     if eval_fraction and not items["eval"].doc:

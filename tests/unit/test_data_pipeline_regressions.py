@@ -1,0 +1,181 @@
+"""Regressions from an audit of the training data pipeline for silent wrong results.
+
+- concat packing of a long document whose pieces went to both splits: its consecutive train pieces
+  are one run of text, cut only where samples end (they were separate segments inside a sample: a
+  document boundary, positions restarting and a label lost in the middle of running text);
+- a tokenizer.json whose ids are not dense (largest id >= its token count): ids past 65535 were stored
+  as uint16 and silently wrapped;
+- a synthetic mixture (data.synthetic) read its samples without the padding mask (Batch.real None), so
+  MoE layers counted the padding of its ordinary samples in their router statistics and capacity;
+- the sample order at epoch boundaries: every epoch is each sample exactly once, whatever the batch,
+  grad_accum, read ahead, dp degree or the step a run resumes at (a batch that straddles two epochs may
+  hold one sample twice, once for each epoch: that is not a repeat within an epoch).
+"""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from longctx.config import load_config
+from longctx.data.builder.options import BuildOptions
+from longctx.data.builder.pipeline import build_store
+from longctx.data.loader import PackedSamples
+from longctx.data.samples import Batch
+from longctx.data.store import read_manifest
+from longctx.data.synthetic import SyntheticMixture
+from longctx.data.tokenizer import ByteTokenizer
+from longctx.train.stages import StagedLoader
+
+
+def quiet(*_):
+    pass
+
+
+def build(tmp_path, texts: dict, **kw):
+    src = tmp_path / "in"
+    src.mkdir()
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    kw = {"seq_len": 128, "strategy": "concat", "dedup": "none", "workers": 1, "stats": False, "progress": False,
+          **kw}
+    out = tmp_path / "store"
+    build_store(BuildOptions(inputs=[str(src)], out=str(out), **kw), log=quiet)
+    return out
+
+
+def part_arrays(root, split):
+    m = read_manifest(root)
+    d = root / m["parts"][0]["dir"]
+    docs = [json.loads(line) for line in open(d / "docs.jsonl")]
+    return m, docs, np.load(d / f"{split}.tokens.npy"), np.load(d / f"{split}.segments.npy")
+
+
+def long_text(rng, lines):
+    return "\n".join(" ".join(f"w{rng.randrange(500)}" for _ in range(rng.randint(1, 8))) for _ in range(lines))
+
+
+def test_concat_cuts_a_long_documents_train_text_only_where_samples_end(tmp_path):
+    rng = random.Random(0)
+    texts = {f"book{i:02d}.txt": long_text(rng, 60) for i in range(6)}
+    root = build(tmp_path, texts, eval_fraction=0.3)
+    m, docs, tokens, segs = part_arrays(root, "train")
+    assert any(d["split"] == "both" for d in docs)  # the case: a document with pieces in each split
+    L = m["seq_len"]
+    # reference, from the document text the store keeps for training: each document's train tokens as
+    # maximal runs [a, b), the runs concatenated in document order and cut every seq_len tokens
+    intervals: dict[int, list] = {}
+    for _, _, n, doc, start in segs.tolist():
+        intervals.setdefault(doc, []).append([start, start + n])
+    runs = []
+    for doc in sorted(intervals):
+        for a, b in sorted(intervals[doc]):
+            if runs and runs[-1][0] == doc and runs[-1][2] == a:
+                runs[-1][2] = b
+            else:
+                runs.append([doc, a, b])
+    expected, at = [], 0
+    for doc, a, b in runs:
+        while a < b:
+            take = min(b - a, L - at % L)
+            expected.append((at // L, at % L, take, doc, a))
+            a, at = a + take, at + take
+    assert [tuple(s) for s in segs.tolist()] == expected
+    # and the loader's labels: every token of a run but the last in its sample has one
+    samples = PackedSamples(root)
+    assert samples.label_count(range(len(samples))) == sum(n - 1 for _, _, n, _, _ in expected)
+    batch = samples.batch(range(len(samples)))
+    for s, off, n, _, _ in expected:
+        assert batch.labels[s, off:off + n - 1].tolist() == tokens[s, off + 1:off + n].tolist()
+        assert batch.positions[s, off:off + n].tolist() == list(range(n))
+
+
+def test_bfd_keeps_its_pieces_when_consecutive_train_pieces_are_one_item(tmp_path):
+    """bfd (and datasculpt) cut a long run again at the same cut points: each piece at most seq_len."""
+    rng = random.Random(0)
+    texts = {f"book{i:02d}.txt": long_text(rng, 60) for i in range(6)}
+    root = build(tmp_path, texts, eval_fraction=0.3, strategy="bfd")
+    m, docs, tokens, segs = part_arrays(root, "train")
+    assert any(d["split"] == "both" for d in docs)
+    assert (segs[:, 2] <= m["seq_len"]).all()
+    assert np.bincount(segs[:, 0], weights=segs[:, 2]).max() <= m["seq_len"]
+
+
+def test_a_tokenizer_with_ids_past_its_token_count_stores_them_unwrapped(tmp_path):
+    vocab = {"<unk>": 0, "alpha": 1, "beta": 2, "</s>": 3, "gamma": 70000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    root = build(tmp_path, {"a.txt": "alpha beta gamma", "b.txt": "gamma gamma alpha"}, tokenizer=str(path),
+                 seq_len=16)
+    m, docs, tokens, segs = part_arrays(root, "train")
+    stored = {}
+    for s, off, n, doc, _ in segs.tolist():
+        stored[docs[doc]["name"]] = tokens[s, off:off + n].tolist()
+    assert stored == {"a.txt": [1, 2, 70000, 3], "b.txt": [70000, 70000, 1, 3]}  # (not 70000 % 65536 = 4464)
+    assert m["tokenizer"]["vocab_size"] == 70001
+
+
+def test_a_synthetic_mixture_marks_the_padding_of_its_ordinary_samples(tmp_path):
+    rng = random.Random(1)
+    texts = {f"d{i:02d}.txt": " ".join(f"w{rng.randrange(99)}" for _ in range(rng.randint(3, 40))) for i in range(30)}
+    root = build(tmp_path, texts, strategy="bfd", seq_len=256)
+    store = PackedSamples(root)
+    mixture = SyntheticMixture(store, "passkey", 0.5, seed=0, tokenizer=ByteTokenizer())
+    rows = list(range(len(store)))
+    assert mixture.synthetic.any() and not mixture.synthetic.all()
+    assert (store.real_tokens[~mixture.synthetic] < store.seq_len).any()  # ordinary samples with padding
+    got = mixture.batch(rows).real
+    assert got is not None
+    expected = store.batch(rows).real.clone()  # the store's own mask (from its segment index)
+    expected[torch.from_numpy(mixture.synthetic)] = True  # a retrieval sequence is all text
+    assert torch.equal(got, expected)
+
+
+class _Samples:
+    """n samples; sample i is all i."""
+
+    def __init__(self, n, seq_len):
+        self.n, self.seq_len = n, seq_len
+
+    def __len__(self):
+        return self.n
+
+    def batch(self, indices):
+        t = torch.tensor(list(indices))[:, None].expand(-1, self.seq_len)
+        return Batch(t, t, t, None)
+
+
+def _staged(n, grad_accum, read_ahead, dp=1):
+    cfg = load_config(None, ["--train.stages=8:40", "--train.eval_interval=0", "--train.global_batch=4",
+                             f"--train.grad_accum={grad_accum}"])
+    return StagedLoader(cfg, lambda c: (_Samples(n, c.train.seq_len), None), dp=dp, read_ahead=read_ahead)
+
+
+def _run(loader, steps):
+    out = []
+    for step in steps:
+        loader.enter(step)
+        out += [i for b, _ in loader.step_batches(step) for i in b.tokens[:, 0].tolist()]
+    return out
+
+
+@pytest.mark.parametrize("n", [7, 10])  # batches straddle every epoch boundary, or some of them
+def test_every_epoch_is_each_sample_once_across_resumes_at_any_step(n):
+    steps = 10
+    reference = _run(_staged(n, 1, False), range(1, steps + 1))
+    for e in range(len(reference) // n):
+        assert sorted(reference[e * n:(e + 1) * n]) == list(range(n))
+    for cut in range(1, steps):
+        first = _staged(n, 2, True)
+        seen = _run(first, range(1, cut + 1))
+        state = first.state_dict()
+        first.close()
+        resumed = _staged(n, 4, False, dp=2)  # other grad_accum, no read ahead, other dp degree
+        resumed.load_state_dict(state)
+        rest = _run(resumed, range(cut + 1, steps + 1))
+        assert seen + rest == reference
