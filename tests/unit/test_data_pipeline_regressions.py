@@ -7,6 +7,9 @@
   as uint16 and silently wrapped;
 - a synthetic mixture (data.synthetic) read its samples without the padding mask (Batch.real None), so
   MoE layers counted the padding of its ordinary samples in their router statistics and capacity;
+- the eval split at several lengths: pieces of long documents held out at each store's own seq_len differ
+  between lengths (75% of a 512-token store's eval tokens were a 128-token store's training tokens);
+  --holdout-tokens gives them one grid, and train.stages builds every stage's store on its longest;
 - the sample order at epoch boundaries: every epoch is each sample exactly once, whatever the batch,
   grad_accum, read ahead, dp degree or the step a run resumes at (a batch that straddles two epochs may
   hold one sample twice, once for each epoch: that is not a repeat within an epoch).
@@ -14,6 +17,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +32,7 @@ from longctx.data.samples import Batch
 from longctx.data.store import read_manifest
 from longctx.data.synthetic import SyntheticMixture
 from longctx.data.tokenizer import ByteTokenizer
+from longctx.errors import DataError
 from longctx.train.stages import StagedLoader
 
 
@@ -179,3 +184,69 @@ def test_every_epoch_is_each_sample_once_across_resumes_at_any_step(n):
         resumed.load_state_dict(state)
         rest = _run(resumed, range(cut + 1, steps + 1))
         assert seen + rest == reference
+
+
+def held_out_text(root) -> dict:
+    """Per document name, the eval split's token intervals [a, b), merged."""
+    m, docs, _, segs = part_arrays(root, "eval")
+    found: dict = {}
+    for _, _, n, doc, start in segs.tolist():
+        found.setdefault(docs[doc]["name"], []).append([start, start + n])
+    out = {}
+    for name, spans in found.items():
+        merged = []
+        for a, b in sorted(spans):
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        out[name] = merged
+    return out
+
+
+def overlap(a: dict, b: dict) -> int:
+    """Tokens held out in `a` that `b` does not hold out (so trains on)."""
+    total = 0
+    for name, spans in a.items():
+        other = b.get(name, [])
+        for x, y in spans:
+            total += (y - x) - sum(max(0, min(y, q) - max(x, p)) for p, q in other)
+    return total
+
+
+def test_stores_at_two_lengths_hold_out_the_same_text_on_one_grid(tmp_path):
+    """Pieces held out at each store's own seq_len differ between lengths: most of one length's eval text
+    is the other's training text. With one --holdout-tokens (the longest length) both hold out the same."""
+    rng = random.Random(1)
+    texts = {f"book{i:02d}.txt": long_text(rng, 120) for i in range(8)}
+    for n in (128, 512):
+        (tmp_path / f"own{n}").mkdir()
+        (tmp_path / f"shared{n}").mkdir()
+    own = {n: held_out_text(build(tmp_path / f"own{n}", texts, seq_len=n, strategy="bfd", eval_fraction=0.2))
+           for n in (128, 512)}
+    assert overlap(own[512], own[128]) > 0  # the leak, at each store's own grid
+    shared = {n: held_out_text(build(tmp_path / f"shared{n}", texts, seq_len=n, strategy="bfd", eval_fraction=0.2,
+                                     holdout_tokens=512)) for n in (128, 512)}
+    assert shared[128] == shared[512] == own[512] and sum(len(s) for s in shared[128].values()) > 0
+    with pytest.raises(DataError, match="built with holdout_tokens 512"):  # an append keeps the store's grid
+        build_store(BuildOptions(inputs=[str(tmp_path / "own128" / "in")], out=str(tmp_path / "shared128" / "store"),
+                                 seq_len=128, strategy="bfd", dedup="none", eval_fraction=0.2, append=True,
+                                 stats=False, progress=False), log=quiet)
+
+
+def test_a_staged_run_holds_out_the_same_text_at_every_stage(tmp_path, monkeypatch):
+    from longctx.train.setup import store_path
+    from longctx.train.stages import stage_config, stages_of
+
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path / "cache"))
+    rng = random.Random(2)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"book{i:02d}.txt").write_text(long_text(rng, 120))
+    cfg = load_config(overrides=[f"--data.corpus={corpus}", "--data.eval_fraction=0.2", "--data.strategy=bfd",
+                                 "--data.dedup=none", "--train.stages=128:2,512:2"])
+    stores = [store_path(stage_config(cfg, stage), quiet, None) for stage in stages_of(cfg)]
+    assert len(set(stores)) == 2
+    first, second = (held_out_text(Path(s)) for s in stores)
+    assert first == second and overlap(second, first) == 0 and first

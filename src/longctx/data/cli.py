@@ -20,6 +20,7 @@ def _cmd_data(args, overrides) -> int:
     build_store(BuildOptions(
         inputs=args.input, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, strategy=args.strategy,
         dedup=args.dedup, workers=args.workers, text_field=args.text_field, eval_fraction=args.eval_fraction,
+        holdout_tokens=args.holdout_tokens,
         seed=args.seed, embed_model=args.embed_model, dedup_threshold=args.dedup_threshold, max_docs=args.max_docs,
         append=args.append, progress=not args.no_progress, clusters=args.clusters, max_memory=memory,
         shard=_shard(args.shard),
@@ -56,6 +57,10 @@ def add_parser(sub) -> None:
     p.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column")
     p.add_argument("--eval-fraction", type=float, default=0.02,
                    help="documents held out (by name hash) as eval samples (default 0.02)")
+    p.add_argument("--holdout-tokens", type=int, default=0, metavar="N",
+                   help="a document longer than N tokens is held out in pieces of about N (default 0 = --seq-len); "
+                        "give stores of one corpus at several lengths the same N (the longest) and they hold out "
+                        "the same text, so no length's eval text is another's training text")
     p.add_argument("--seed", type=int, default=0, help="seed for embeddings and clustering")
     p.add_argument("--embed-model", default="", help="a local sentence-transformers model directory "
                                                      "(default: hashed n-gram TF-IDF + SVD, no download)")

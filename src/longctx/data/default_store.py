@@ -59,13 +59,18 @@ def resolve_strategy(strategy: str, seq_len: int) -> str:
     return "datasculpt" if seq_len >= AUTO_DATASCULPT_FROM else "concat"
 
 
-def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, announce_cached: bool = True) -> Path:
-    """The cached store for this data config and seq_len, built now if it does not exist yet."""
+def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, announce_cached: bool = True,
+                  holdout_tokens: int = 0) -> Path:
+    """The cached store for this data config and seq_len, built now if it does not exist yet.
+    holdout_tokens: the eval split's grid (builder/holdout.py; 0 = seq_len): a staged run's longest stage,
+    so that every stage holds out the same text."""
     strategy = resolve_strategy(data_cfg.strategy, seq_len)
+    holdout_tokens = 0 if holdout_tokens == seq_len else holdout_tokens  # (the same store as without it)
     key_fields = {
         "version": CACHE_VERSION, "builder": SCAN_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
         "seq_len": seq_len, "strategy": strategy, "dedup": data_cfg.dedup, "max_docs": data_cfg.max_docs,
         "eval_fraction": data_cfg.eval_fraction, "fingerprint": _fingerprint(data_cfg.corpus, data_cfg.tokenizer),
+        **({"holdout_tokens": holdout_tokens} if holdout_tokens else {}),
     }
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:16]
     tag = "stdlib" if data_cfg.corpus == "stdlib" else Path(data_cfg.corpus).name or "corpus"
@@ -82,7 +87,8 @@ def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, ann
         build_store(BuildOptions(
             inputs=[data_cfg.corpus], out=str(tmp), seq_len=seq_len, tokenizer=data_cfg.tokenizer,
             strategy=strategy, dedup=data_cfg.dedup, workers=data_cfg.workers,
-            eval_fraction=data_cfg.eval_fraction, max_docs=data_cfg.max_docs, stats=False, progress=progress,
+            eval_fraction=data_cfg.eval_fraction, holdout_tokens=holdout_tokens, max_docs=data_cfg.max_docs,
+            stats=False, progress=progress,
             shown_as=str(final)), log=log)
         (tmp / "cache_key.json").write_text(json.dumps(key_fields, indent=1, sort_keys=True) + "\n")
         try:

@@ -1,10 +1,14 @@
 """Which documents, or pieces of documents, are held out as the eval split.
 
 A document is held out when the hash of its name says so: stable when documents are added or
-removed, and the same rule the trainer has always used. A document longer than a sample is cut
-into sample-sized pieces (pack.py `cut_points`) and each piece is held out by the hash of
-`name#piece`: otherwise a corpus of long documents (a few books, a repository's largest files)
-leaves the eval split empty even though most of its tokens could have gone there. When the hash
+removed, and the same rule the trainer has always used. A document longer than the holdout length
+(BuildOptions.holdout_len: --holdout-tokens, else the sample's seq_len) is cut into pieces of about
+that length (pack.py `cut_points`) and each piece is held out by the hash of `name#piece`: otherwise
+a corpus of long documents (a few books, a repository's largest files) leaves the eval split empty
+even though most of its tokens could have gone there. The pieces depend on the holdout length alone,
+so stores of one corpus at several sequence lengths built with the same one (a staged run's: its
+longest stage) hold out the same text; at their own seq_len, most of one length's eval text would be
+another's training text. When the hash
 holds out nothing at all, the piece with the lowest hash is (`split_items`), so an eval fraction
 above 0 always gives an eval split unless the corpus is a single piece.
 """
@@ -62,7 +66,7 @@ class Items:
         return (np.asarray(self.doc, np.int64), np.asarray(self.start, np.int64), np.asarray(self.length, np.int64))
 
 
-def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, seq_len: int,
+def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, piece_len: int,
                 eval_fraction: float, log) -> tuple[dict[str, Items], np.ndarray, dict]:
     """Train and eval items, and per kept document where it went (IN_TRAIN, IN_EVAL or IN_BOTH:
     pieces in each). Items name a document by its index in `kept`."""
@@ -71,10 +75,10 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
     lowest = None  # (hash rank, document, piece) of the first candidate for the eval split
     pieces_total = 0
     for doc, (scanned, name, length) in enumerate(zip(kept.tolist(), names, lengths.tolist())):
-        if length <= seq_len or eval_fraction == 0:
+        if length <= piece_len or eval_fraction == 0:
             pieces = [(0, length, name)]
         else:
-            cuts = _cuts(corpus, scanned, length, seq_len)
+            cuts = _cuts(corpus, scanned, length, piece_len)
             pieces = [(a, b - a, piece_name(name, p)) for p, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
         pieces_total += len(pieces)
         held = [is_eval_doc(piece, eval_fraction) for _, _, piece in pieces] if eval_fraction else [False]
@@ -93,13 +97,13 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
     if eval_fraction and not items["eval"].doc:
         if pieces_total < 2:
             log(f"  eval split: empty. --eval-fraction {eval_fraction} asks for held-out text, but the corpus is "
-                f"one piece of at most {seq_len} tokens after dedup, which training needs; add documents or pass "
+                f"one piece of at most {piece_len} tokens after dedup, which training needs; add documents or pass "
                 f"--eval-fraction 0.")
             info["eval_empty"] = "one piece only"
         else:  # the hash put nothing in it: hold out the piece with the lowest hash
             _, doc, piece = lowest
-            long = lengths[doc] > seq_len
-            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), seq_len)
+            long = lengths[doc] > piece_len
+            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len)
             where[doc] = IN_BOTH if long else IN_EVAL
             log(f"  eval split: no document or piece hashed into it at --eval-fraction {eval_fraction}; held out "
                 f"the one with the lowest hash ({names[doc]}{f', piece {piece}' if long else ''}).")
@@ -107,19 +111,19 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
     return items, where, info
 
 
-def _cuts(corpus: ScannedCorpus, scanned: int, length: int, seq_len: int) -> list[int]:
+def _cuts(corpus: ScannedCorpus, scanned: int, length: int, piece_len: int) -> list[int]:
     """The piece boundaries of scanned document `scanned` (pack.cut_points at its line breaks)."""
-    return cut_points(length, seq_len, corpus.get("breaks", scanned).astype(np.int64),
+    return cut_points(length, piece_len, corpus.get("breaks", scanned).astype(np.int64),
                       corpus.get("strong", scanned).astype(np.int64))
 
 
 def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: ScannedCorpus, scanned: int, length: int,
-                  seq_len: int) -> dict[str, Items]:
+                  piece_len: int) -> dict[str, Items]:
     """The items with piece `piece` of document `doc` (all of it if it fits a sample) in eval."""
-    if length <= seq_len:
+    if length <= piece_len:
         start, size = 0, length
     else:
-        cuts = _cuts(corpus, scanned, length, seq_len)
+        cuts = _cuts(corpus, scanned, length, piece_len)
         start, size = cuts[piece], cuts[piece + 1] - cuts[piece]
     train = Items()
     for d, s, m in zip(items["train"].doc, items["train"].start, items["train"].length):

@@ -29,6 +29,9 @@ class BuildOptions:
     workers: int = 2
     text_field: str = "text"
     eval_fraction: float = 0.0
+    # the eval split's grid: a document longer than this is held out in pieces of about this many tokens
+    # (0 = seq_len). Stores of one corpus at several lengths hold out the same text when they share it.
+    holdout_tokens: int = 0
     seed: int = 0
     embed_model: str = ""
     dedup_threshold: float = 0.8
@@ -40,6 +43,10 @@ class BuildOptions:
     shown_as: str = ""  # the path messages name, when `out` is a temporary directory renamed into it after
     max_memory: int = 0  # bytes the whole build may hold resident (0 = DEFAULT_MAX_MEMORY)
     shard: tuple[int, int] | None = None  # (i, n): scan only machine i's share of n into `out`
+
+    @property
+    def holdout_len(self) -> int:
+        return self.holdout_tokens or self.seq_len
 
     @property
     def memory(self) -> int:
@@ -73,6 +80,8 @@ def check_options(opts: BuildOptions) -> None:
         problems.append(f"--workers must be >= 1, got {opts.workers}.")
     if not 0 <= opts.eval_fraction < 1:
         problems.append(f"--eval-fraction must be in [0, 1), got {opts.eval_fraction}.")
+    if opts.holdout_tokens < 0:
+        problems.append(f"--holdout-tokens must be >= 0 (0 = --seq-len), got {opts.holdout_tokens}.")
     if not 0 < opts.dedup_threshold <= 1:
         problems.append(f"--dedup-threshold must be in (0, 1], got {opts.dedup_threshold}.")
     if opts.max_memory and opts.max_memory < MAIN_BYTES + WORKER_BYTES:

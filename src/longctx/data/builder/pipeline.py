@@ -123,8 +123,9 @@ def _open_store(opts: BuildOptions) -> tuple[Path, dict | None]:
             raise DataError(f"'{root}' already holds a data store; pass --append to add documents to it, or "
                             f"choose another --out.")
         old = store.read_manifest(root)
-        for key, want in (("seq_len", opts.seq_len), ("strategy", opts.strategy)):
-            if old[key] != want:
+        for key, want in (("seq_len", opts.seq_len), ("strategy", opts.strategy),
+                          ("holdout_tokens", opts.holdout_len)):
+            if old.get(key, old["seq_len"]) != want:  # (a store from before holdout_tokens: its seq_len)
                 raise DataError(f"the store '{root}' was built with {key} {old[key]}; an append must use the same "
                                 f"(got {want}).")
         if old["tokenizer"]["spec"] != opts.tokenizer:
