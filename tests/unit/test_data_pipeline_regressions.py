@@ -10,6 +10,9 @@
 - the eval split at several lengths: pieces of long documents held out at each store's own seq_len differ
   between lengths (75% of a 512-token store's eval tokens were a 128-token store's training tokens);
   --holdout-tokens gives them one grid, and train.stages builds every stage's store on its longest;
+- datasculpt's clustering features of Chinese / Japanese / Thai text: a clause without spaces was one
+  "word", so two sentences on one topic shared no feature; now each character is a word, its bigrams
+  the features (as the dedup shingles already read such text);
 - the sample order at epoch boundaries: every epoch is each sample exactly once, whatever the batch,
   grad_accum, read ahead, dp degree or the step a run resumes at (a batch that straddles two epochs may
   hold one sample twice, once for each epoch: that is not a repeat within an epoch).
@@ -250,3 +253,18 @@ def test_a_staged_run_holds_out_the_same_text_at_every_stage(tmp_path, monkeypat
     assert len(set(stores)) == 2
     first, second = (held_out_text(Path(s)) for s in stores)
     assert first == second and overlap(second, first) == 0 and first
+
+
+def test_features_of_unspaced_scripts_are_characters_and_their_bigrams():
+    from longctx.data.builder.features import _WORD, head_features
+
+    def shared(a, b):
+        return len(np.intersect1d(head_features(a)[0], head_features(b)[0]))
+
+    weather, weather2 = "今天天气很好，我们去公园散步吧。", "今天天气不错，我们去公园走走。"
+    training = "机器学习模型需要大量数据进行训练。"
+    assert shared(weather, weather2) >= 10 > 2 >= shared(weather, training)  # (was 0 and 0)
+    # text in spaced scripts keeps its features: runs of 2+ word characters and their bigrams
+    english = "The quick brown fox jumps over the lazy dog; a fox is quick."
+    assert _WORD.findall(english.lower())[:3] == ["the", "quick", "brown"]
+    assert len(head_features(english)[0]) == len(set(_WORD.findall(english.lower()))) + 12 - 1  # words + bigrams

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .parallel import parallel_map
+from .scripts import HAS_UNSPACED, UNSPACED
 
 VERSION = 2  # of the exact hash and the shingles: 2 keeps indentation, shingles short and CJK / Thai text
 NUM_PERM = 128
@@ -41,11 +42,7 @@ SHINGLE = 5
 _PRIME = np.uint64((1 << 61) - 1)
 _MAX32 = np.uint64(0xFFFFFFFF)
 _TRAILING = re.compile(r"[^\S\n]+$", re.MULTILINE)  # whitespace at the end of a line, but the newline
-# scripts written without spaces between words: each of their characters is a word of its own
-_UNSPACED = ("\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3001-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-             "\uff00-\uffef\U00020000-\U0003134f")
-_HAS_UNSPACED = re.compile(f"[{_UNSPACED}]")
-_WORD = re.compile(f"[{_UNSPACED}]|[^\\s{_UNSPACED}]+")
+_WORD = re.compile(f"[{UNSPACED}]|[^\\s{UNSPACED}]+")  # (scripts.py: each unspaced character a word)
 
 
 def exact_hash(text: str) -> int:
@@ -56,7 +53,7 @@ def exact_hash(text: str) -> int:
 
 def words_of(text: str) -> list[str]:
     """The words shingles are made of (whitespace-separated; a CJK / Thai / ... character alone)."""
-    if text.isascii() or not _HAS_UNSPACED.search(text):
+    if text.isascii() or not HAS_UNSPACED.search(text):
         return text.split()
     return _WORD.findall(text)
 

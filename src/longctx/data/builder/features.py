@@ -1,8 +1,9 @@
 """Hashed word features of a document's head, computed where the document is read (a scan worker).
 
 A document's head (its first `MAX_CHARS` characters, lower-cased) becomes counts of its words
-(runs of 2+ word characters) and word bigrams, hashed into `BUCKETS` buckets: word hashes are
-CRC32, a bigram's hash combines its two word hashes. The scan workers keep these sparse counts
+(runs of 2+ word characters; in scripts written without spaces, scripts.py, each character) and
+word bigrams (there: character bigrams, most of Chinese's words), hashed into `BUCKETS` buckets:
+word hashes are CRC32, a bigram's hash combines its two word hashes. The scan workers keep these sparse counts
 (a few thousand buckets per document) instead of the text, and the build's embed stage turns them
 into TF-IDF vectors (idf over every kept document) reduced by a truncated SVD (embed.py).
 Written here with numpy and zlib only, so that the workers stay small (scikit-learn's
@@ -16,14 +17,19 @@ import zlib
 
 import numpy as np
 
+from .scripts import HAS_UNSPACED, UNSPACED
+
 MAX_CHARS = 16384
 BUCKETS = 1 << 16
 _WORD = re.compile(r"(?u)\b\w\w+\b")
+# with unspaced scripts: each of their characters, or a run of 2+ other word characters
+_MIXED_WORD = re.compile(f"[{UNSPACED}]|(?:(?![{UNSPACED}])\\w){{2,}}")
 
 
 def head_features(text: str, max_chars: int = MAX_CHARS) -> tuple[np.ndarray, np.ndarray]:
     """(sorted bucket indices uint32, counts float32) of the head's words and word bigrams."""
-    words = _WORD.findall(text[:max_chars].lower())
+    head = text[:max_chars].lower()
+    words = (_MIXED_WORD if not head.isascii() and HAS_UNSPACED.search(head) else _WORD).findall(head)
     if not words:
         return np.zeros(0, np.uint32), np.zeros(0, np.float32)
     uniq, inverse = np.unique(np.asarray(words), return_inverse=True)

@@ -40,7 +40,7 @@ from .tokenize import tokenize_one
 
 SHARD_BYTES = 16 << 20
 FORMAT = "longctx-scan"
-VERSION = 2  # 2: shards hashed by dedup.py's VERSION 2
+VERSION = 3  # 2: shards hashed by dedup.py's VERSION 2; 3: features of unspaced scripts by character (features.py)
 PLAN = "plan.json"
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
