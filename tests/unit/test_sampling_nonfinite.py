@@ -113,3 +113,18 @@ def test_speculative_decoding_with_a_nan_target_is_an_error(mode):
         spec = speculative_generate(healthy, ModelDrafter(_nan_model(), 40), [1, 2, 3], max_new_tokens=6, k=3,
                                     cape=cape)
         assert spec.tokens == generate(healthy, [[1, 2, 3]], max_new_tokens=6)[0].tokens
+
+
+def test_a_draft_token_is_drawn_as_multinomial_draws_it_and_a_nan_draft_is_an_error():
+    """The draft's sampled step reads its token and q's finiteness in one transfer (drafters._sampled):
+    the same token as torch.multinomial from the same generator state, and a NaN q an error."""
+    from longctx.generate.drafters import _sampled
+
+    q = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(3)), dim=0)
+    for seed in range(20):
+        want = int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(seed)))
+        assert _sampled(q, torch.Generator().manual_seed(seed)) == want
+    bad = q.clone()
+    bad[7] = float("nan")
+    with pytest.raises(NonFiniteLogits, match="draft"):
+        _sampled(bad, torch.Generator().manual_seed(0))

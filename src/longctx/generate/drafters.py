@@ -28,6 +28,18 @@ from .local import prefill
 from .sampling import UNCHOSEN, Processors, Sampling, check_chosen
 
 
+def _sampled(q: torch.Tensor, generator) -> int:
+    """A token drawn from the draft's q, read with q's finiteness in one transfer: a non-finite q (its
+    q enters the rejection rule's ratio) is an error, never a token (multinomial sees a stand-in, so
+    that it raises nothing on the device first)."""
+    finite = torch.isfinite(q).all()
+    drawn = torch.multinomial(torch.where(finite, q, torch.ones_like(q)), 1, generator=generator)
+    choice, ok = torch.stack([drawn[0], finite.long()]).tolist()
+    if not ok:
+        check_chosen(UNCHOSEN, "the draft's")
+    return choice
+
+
 class ModelDrafter:
     """A draft model with its own KV cache, fed the same tokens as the target (contracts.Drafter)."""
 
@@ -73,9 +85,7 @@ class ModelDrafter:
             q = sampling_probs(logits[None], sampling, processors)[0]
             # (no generator: the most likely token, with q the full distribution: CaPE's confidences)
             greedy = sampling.greedy or generator is None
-            if not greedy and not bool(torch.isfinite(q).all()):  # its q enters the rejection rule's ratio
-                check_chosen(UNCHOSEN, "the draft's")
-            choice = int(q.argmax()) if greedy else int(torch.multinomial(q, 1, generator=generator))
+            choice = int(q.argmax()) if greedy else _sampled(q, generator)
             tokens.append(choice)
             qs.append(q)
             if stop_below and i + 1 < k and _confidence(logits, q, choice, sampling) < stop_below:
