@@ -10,9 +10,18 @@ def set_gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
     """Under FSDP2: reduce-scatter (and, with HSDP, all-reduce) the gradients at the end of this
     backward, or keep accumulating them unsharded on each rank. Gradient accumulation turns it off
     for every micro-batch but the last, so gradients cross the network once per optimizer step
-    (at the cost of holding this rank's unsharded gradients between micro-batches)."""
+    (at the cost of holding this rank's unsharded gradients between micro-batches). A one-rank FSDP
+    group (memory.model_states = host at world 1) always reduces: there is no traffic to save, and
+    deferring would keep the whole model's fp32 gradients on the device, where that tier (and its
+    accounting, costs/host_bytes.py) has none: each micro-batch's gradients go to host memory."""
     if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_gradient_sync(enabled or _one_rank_fsdp(model))
+
+
+def _one_rank_fsdp(model: torch.nn.Module) -> bool:
+    """Whether the model's FSDP states are sharded over a one-rank mesh (nothing to reduce across)."""
+    mesh = getattr(next(model.parameters(), None), "device_mesh", None)
+    return mesh is not None and mesh.size() == 1
 
 
 def clip_step_gradients(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:

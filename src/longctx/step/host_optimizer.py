@@ -158,8 +158,11 @@ class HostOptimizer(torch.optim.AdamW):
             if not isinstance(p, DTensor):  # FSDP's shards are given their gradients where no hook sees
                 p.register_post_accumulate_grad_hook(lambda p, i=i: self._take(i))
 
-    def _unit_optimizer(self, unit: list[int], group_of: list[int]) -> tuple[torch.optim.AdamW, list[int]]:
-        """The fused CPU AdamW over one unit's masters, with the outer groups it has members in."""
+    def _unit_optimizer(self, unit: list[int], group_of: list[int]) -> tuple[torch.optim.AdamW | None, list[int]]:
+        """The fused CPU AdamW over one unit's masters, with the outer groups it has members in (None:
+        a unit with nothing to optimize, e.g. a frozen block)."""
+        if not unit:
+            return None, []
         members = {g: [self.masters[i] for i in unit if group_of[i] == g] for g in range(len(self.param_groups))}
         used = [g for g, ms in members.items() if ms]
         inner = torch.optim.AdamW([{**{k: v for k, v in self.param_groups[g].items() if k != "params"},
@@ -273,7 +276,7 @@ class HostOptimizer(torch.optim.AdamW):
             self._refresh = False
         self.host_gradients()
         for inner, used in self._inner:
-            for g, group in zip(used, inner.param_groups):
+            for g, group in zip(used, [] if inner is None else inner.param_groups):
                 group.update({k: v for k, v in self.param_groups[g].items() if k not in ("params", "fused", "foreach")})
         found_inf = getattr(self, "found_inf", None)
         found_inf = None if found_inf is None else found_inf.to("cpu")
@@ -285,6 +288,8 @@ class HostOptimizer(torch.optim.AdamW):
     def _update_unit(self, k: int, found_inf: torch.Tensor | None) -> torch.cuda.Event | None:
         """Unit k's AdamW step on the host, then its weights to the device (on the worker thread)."""
         inner, _ = self._inner[k]
+        if inner is None:  # (a unit with nothing to optimize)
+            return None
         if self._last_upload[k] is not None:  # (done long ago in practice: the forward waited for it)
             self._last_upload[k].synchronize()
         inner.found_inf = found_inf
