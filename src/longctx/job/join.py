@@ -21,9 +21,10 @@ def join_job(cfg: Config, training: bool = False) -> tuple[Runtime, torch.device
         # a training run of the host tiers plans host memory, so its RSS is what is live
         host_tier = training and cfg.memory.model_states != "device"
         return_freed_blocks() if host_tier else keep_freed_blocks()
-    rank, world = init_distributed(device.type, cfg.parallel.timeout_s)
-    if world == 1 and cfg.memory.model_states == "host":  # weights in host memory: FSDP2's CPU offload
-        init_one_rank_group(device.type)
+    host_states = cfg.memory.model_states == "host"  # weights in host memory: FSDP2's CPU offload
+    rank, world = init_distributed(device.type, cfg.parallel.timeout_s, host_states)
+    if world == 1 and host_states:
+        init_one_rank_group(device.type, host_states)
     check_layout(cfg, world)
     rt = Runtime.create(cfg, rank, world, device.type)
     return rt, (rt.device if device.type == "cuda" else device)

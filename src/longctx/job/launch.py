@@ -60,8 +60,17 @@ def die_with_parent() -> None:
         pass
 
 
-def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
-    """Join (or reuse) the default process group; returns (rank, world size)."""
+def backend_for(device_type: str, host_states: bool = False) -> str:
+    """The process group's backend: NCCL on GPUs, gloo on CPU. host_states (memory.model_states = host:
+    FSDP2's CPU offload, whose gradients are CPU tensors): on GPUs gloo too, for CPU tensors (the gradient
+    norm's all-reduce under clipping), as FSDP2 asks of CPU offload; NCCL carries no CPU tensor."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if host_states else "nccl"
+
+
+def init_distributed(device_type: str, timeout_s: float, host_states: bool = False) -> tuple[int, int]:
+    """Join (or reuse) the default process group (backend_for); returns (rank, world size)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
@@ -69,7 +78,7 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
     die_with_parent()
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = backend_for(device_type, host_states)
     # parallel.timeout_s is enforced by the hang watchdog (watchdog.py), which says where each rank
     # was; the groups' own timeouts are a backstop behind it
     watchdog.set_group_timeout(timeout_s)
@@ -77,7 +86,7 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
     global _CREATED
     _CREATED = True
     # a job that ends in an error leaves by exit: NCCL's communicators are released there
-    if backend == "nccl":
+    if "nccl" in backend:
         atexit.register(_destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
 
@@ -85,15 +94,14 @@ def init_distributed(device_type: str, timeout_s: float) -> tuple[int, int]:
 _CREATED = False  # whether init_distributed created the default group (then finish_distributed ends it)
 
 
-def init_one_rank_group(device_type: str) -> None:
+def init_one_rank_group(device_type: str, host_states: bool = True) -> None:
     """A process group of this process alone, for what needs one at world 1 (FSDP2, under
     memory.model_states = host: its CPU offload is FSDP's); ended by finish_distributed like a
     launched job's. Its store is in memory: nothing listens on a port."""
     global _CREATED
     if dist.is_initialized():
         return
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1)
+    dist.init_process_group(backend_for(device_type, host_states), store=dist.HashStore(), rank=0, world_size=1)
     _CREATED = True
 
 
