@@ -47,6 +47,11 @@ def test_link_traffic_and_host_adam_time():
     assert host_link_bytes(m, shape, "device", 1) == {}
     assert host_link_bytes(m, shape, "host_optimizer", 2) == {"down": 8 * n, "up": 4 * n}
     assert host_link_bytes(m, shape, "host", 1) == {"down": 4 * n, "up": 8 * n}
+    # several ranks: the gradients reach the host once a step unless reduced every micro-batch
+    fsdp2, n2 = MeshShape(1, 2), predicted_model_state_bytes(m, MeshShape(1, 2)) / 16
+    assert host_link_bytes(m, fsdp2, "host", 3) == {"down": 4 * n2, "up": 24 * n2}
+    assert host_link_bytes(m, fsdp2, "host", 3, "micro_batch") == {"down": 12 * n2, "up": 24 * n2}
+    assert host_link_bytes(m, fsdp2, "host_optimizer", 3) == {"down": 4 * n2, "up": 4 * n2}
     assert exposed_host_state_seconds(m, shape, "device", hw, 1, 1.0, 2.0, 1) == {"host_link": 0.0, "host_adam": 0.0}
     adam = n / (hw.host_adam_gparams_per_s * 1e9)
     up = 4 * n / (hw.host_link_gbps * 1e9)

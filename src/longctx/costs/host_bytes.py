@@ -88,14 +88,22 @@ def host_state_bytes(m: ModelConfig, shape: MeshShape, tier: str) -> float:
     return HOST_STATE_BYTES[tier] * rank_params(m, shape)
 
 
-def host_link_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_accum: int) -> dict[str, float]:
+def _grads_every_micro_batch(shape: MeshShape, grad_sync: str) -> bool:
+    return grad_sync == "micro_batch" or shape.world == 1
+
+
+def host_link_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_accum: int,
+                    grad_sync: str = "step") -> dict[str, float]:
     """Bytes one rank moves over the host link per optimizer step for its model states: {"down",
-    "up"} (device -> host, host -> device); {} under the device tier."""
+    "up"} (device -> host, host -> device); {} under the device tier. Gradients go down after each
+    micro-batch where they are reduced after each (memory.grad_sync = micro_batch, or one rank: no
+    reduction to defer, step/gradients.py), else once, after the step's last."""
     n = rank_params(m, shape)
+    down = 4 * n * (grad_accum if _grads_every_micro_batch(shape, grad_sync) else 1)
     if tier == "host_optimizer":
-        return {"down": 4 * n * grad_accum, "up": 4 * n}
+        return {"down": down, "up": 4 * n}
     if tier == "host":
-        return {"down": 4 * n * grad_accum, "up": 8 * n * grad_accum}
+        return {"down": down, "up": 8 * n * grad_accum}
     return {}
 
 
@@ -108,19 +116,21 @@ def host_adam_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware,
 
 
 def exposed_host_state_seconds(m: ModelConfig, shape: MeshShape, tier: str, hw: Hardware, grad_accum: int,
-                               forward_s: float, backward_s: float, ranks_per_node: int) -> dict[str, float]:
+                               forward_s: float, backward_s: float, ranks_per_node: int,
+                               grad_sync: str = "step") -> dict[str, float]:
     """Seconds per optimizer step the model states' tier adds: {"host_link", "host_adam"} (module
     docstring: what hides behind what). forward_s, backward_s: one micro-batch's compute (the
     backward with its recomputation)."""
     if tier == "device":
         return {"host_link": 0.0, "host_adam": 0.0}
     link = hw.host_link_gbps * 1e9
-    moved = host_link_bytes(m, shape, tier, grad_accum)
+    moved = host_link_bytes(m, shape, tier, grad_accum, grad_sync)
     adam = host_adam_seconds(m, shape, tier, hw, ranks_per_node)
     if tier == "host":
         return {"host_link": exposed((moved["down"] + moved["up"]) / link, grad_accum * (forward_s + backward_s), hw),
                 "host_adam": adam}
-    down = exposed(moved["down"] / link, grad_accum * backward_s, hw)  # beside each micro-batch's backward
+    behind = grad_accum * backward_s if _grads_every_micro_batch(shape, grad_sync) else backward_s
+    down = exposed(moved["down"] / link, behind, hw)  # beside the backward(s) that send them
     if shape.world > 1:  # FSDP gathers before any hook of ours: the forward waits for the whole update
         return {"host_link": down + moved["up"] / link, "host_adam": adam}
     # world 1: the update, then each unit's upload, beside the next step's first forward

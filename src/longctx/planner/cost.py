@@ -386,7 +386,7 @@ def timed(m: ModelConfig, hw: Hardware, fp: Footprint, *, seq_len: int, global_b
                                      gpus_per_node)
     per_step = ({} if fp.model_states == "device" else exposed_host_state_seconds(
         m, shape, fp.model_states, hw, grad_accum, block_fwd * m.layers, compute - block_fwd * m.layers,
-        ranks_per_node))
+        ranks_per_node, policy.grad_sync))
     if shape.data_parallel == "co2":
         per_step["co2_outer"] = fp.co2_outer
     times = step_times(compute, exposed, fsdp_step, grad_accum, per_step)
