@@ -9,7 +9,9 @@
   MoE layers counted the padding of its ordinary samples in their router statistics and capacity;
 - the eval split at several lengths: pieces of long documents held out at each store's own seq_len differ
   between lengths (75% of a 512-token store's eval tokens were a 128-token store's training tokens);
-  --holdout-tokens gives them one grid, and train.stages builds every stage's store on its longest;
+  --holdout-tokens gives them one grid; a staged run's stores (and the ones its preflight checks, which
+  are the same) use its longest stage's; a few long documents do not lose a whole one to the eval
+  split when the grid is longer than a sample (the fallback holds out a sample-sized part);
 - datasculpt's clustering features of Chinese / Japanese / Thai text: a clause without spaces was one
   "word", so two sentences on one topic shared no feature; now each character is a word, its bigrams
   the features (as the dedup shingles already read such text);
@@ -69,7 +71,7 @@ def long_text(rng, lines):
 def test_concat_cuts_a_long_documents_train_text_only_where_samples_end(tmp_path):
     rng = random.Random(0)
     texts = {f"book{i:02d}.txt": long_text(rng, 60) for i in range(6)}
-    root = build(tmp_path, texts, eval_fraction=0.3)
+    root = build(tmp_path, texts, eval_fraction=0.3, holdout_tokens=128)  # (held out in pieces of a sample)
     m, docs, tokens, segs = part_arrays(root, "train")
     assert any(d["split"] == "both" for d in docs)  # the case: a document with pieces in each split
     L = m["seq_len"]
@@ -102,14 +104,25 @@ def test_concat_cuts_a_long_documents_train_text_only_where_samples_end(tmp_path
 
 
 def test_bfd_keeps_its_pieces_when_consecutive_train_pieces_are_one_item(tmp_path):
-    """bfd (and datasculpt) cut a long run again at the same cut points: each piece at most seq_len."""
+    """bfd (and datasculpt) cut a run of consecutive train pieces again at the same cut points: the
+    pieces of both splits are exactly those of the same corpus built with no eval split."""
     rng = random.Random(0)
     texts = {f"book{i:02d}.txt": long_text(rng, 60) for i in range(6)}
-    root = build(tmp_path, texts, eval_fraction=0.3, strategy="bfd")
-    m, docs, tokens, segs = part_arrays(root, "train")
+    (tmp_path / "split").mkdir()
+    (tmp_path / "whole").mkdir()
+    root = build(tmp_path / "split", texts, eval_fraction=0.3, strategy="bfd", holdout_tokens=128)
+
+    def pieces(root, splits):
+        out = set()
+        for split in splits:
+            _, docs, _, segs = part_arrays(root, split)
+            out |= {(docs[doc]["name"], start, n) for _, _, n, doc, start in segs.tolist()}
+        return out
+
+    _, docs, _, _ = part_arrays(root, "train")
     assert any(d["split"] == "both" for d in docs)
-    assert (segs[:, 2] <= m["seq_len"]).all()
-    assert np.bincount(segs[:, 0], weights=segs[:, 2]).max() <= m["seq_len"]
+    whole = build(tmp_path / "whole", texts, eval_fraction=0.0, strategy="bfd")
+    assert pieces(root, ("train", "eval")) == pieces(whole, ("train",))
 
 
 def test_a_tokenizer_with_ids_past_its_token_count_stores_them_unwrapped(tmp_path):
@@ -219,25 +232,29 @@ def overlap(a: dict, b: dict) -> int:
 
 def test_stores_at_two_lengths_hold_out_the_same_text_on_one_grid(tmp_path):
     """Pieces held out at each store's own seq_len differ between lengths: most of one length's eval text
-    is the other's training text. With one --holdout-tokens (the longest length) both hold out the same."""
+    is the other's training text. On one grid (the default, or one --holdout-tokens) they hold out the same."""
     rng = random.Random(1)
     texts = {f"book{i:02d}.txt": long_text(rng, 120) for i in range(8)}
-    for n in (128, 512):
-        (tmp_path / f"own{n}").mkdir()
-        (tmp_path / f"shared{n}").mkdir()
-    own = {n: held_out_text(build(tmp_path / f"own{n}", texts, seq_len=n, strategy="bfd", eval_fraction=0.2))
-           for n in (128, 512)}
-    assert overlap(own[512], own[128]) > 0  # the leak, at each store's own grid
-    shared = {n: held_out_text(build(tmp_path / f"shared{n}", texts, seq_len=n, strategy="bfd", eval_fraction=0.2,
-                                     holdout_tokens=512)) for n in (128, 512)}
-    assert shared[128] == shared[512] == own[512] and sum(len(s) for s in shared[128].values()) > 0
-    with pytest.raises(DataError, match="built with holdout_tokens 512"):  # an append keeps the store's grid
-        build_store(BuildOptions(inputs=[str(tmp_path / "own128" / "in")], out=str(tmp_path / "shared128" / "store"),
+    for name in ("own128", "own512", "given128", "given512"):
+        (tmp_path / name).mkdir()
+
+    def held(name, n, **kw):
+        return held_out_text(build(tmp_path / f"{name}{n}", texts, seq_len=n, strategy="bfd", eval_fraction=0.2,
+                                   **kw))
+
+    own = {n: held("own", n) for n in (128, 512)}  # each on its own seq_len's grid (the default)
+    assert overlap(own[512], own[128]) > 0.5 * sum(b - a for s in own[512].values() for a, b in s)
+    given = {n: held("given", n, holdout_tokens=512) for n in (128, 512)}
+    assert given[128] == given[512] == own[512] and given[128]
+    with pytest.raises(DataError, match="built with holdout_tokens 512.*pass --holdout-tokens 512"):
+        build_store(BuildOptions(inputs=[str(tmp_path / "own128" / "in")], out=str(tmp_path / "given128" / "store"),
                                  seq_len=128, strategy="bfd", dedup="none", eval_fraction=0.2, append=True,
                                  stats=False, progress=False), log=quiet)
 
 
-def test_a_staged_run_holds_out_the_same_text_at_every_stage(tmp_path, monkeypatch):
+def test_every_stage_and_preflight_read_one_store_per_length_on_one_grid(tmp_path, monkeypatch):
+    from longctx.data.default_store import holdout_for
+    from longctx.train.preflight import _check_data
     from longctx.train.setup import store_path
     from longctx.train.stages import stage_config, stages_of
 
@@ -249,10 +266,14 @@ def test_a_staged_run_holds_out_the_same_text_at_every_stage(tmp_path, monkeypat
         (corpus / f"book{i:02d}.txt").write_text(long_text(rng, 120))
     cfg = load_config(overrides=[f"--data.corpus={corpus}", "--data.eval_fraction=0.2", "--data.strategy=bfd",
                                  "--data.dedup=none", "--train.stages=128:2,512:2"])
+    for stage in stages_of(cfg):
+        _check_data(stage_config(cfg, stage), quiet)  # preflight builds the stores the run then reads
     stores = [store_path(stage_config(cfg, stage), quiet, None) for stage in stages_of(cfg)]
-    assert len(set(stores)) == 2
+    assert sorted(p.parent.name for p in (tmp_path / "cache").rglob("manifest.json")) == sorted(
+        Path(s).name for s in stores)
     first, second = (held_out_text(Path(s)) for s in stores)
     assert first == second and overlap(second, first) == 0 and first
+    assert holdout_for(4096, 0) == holdout_for(4096, 4096) == 0 and holdout_for(1024, 4096) == 4096
 
 
 def test_features_of_unspaced_scripts_are_characters_and_their_bigrams():
@@ -268,3 +289,21 @@ def test_features_of_unspaced_scripts_are_characters_and_their_bigrams():
     english = "The quick brown fox jumps over the lazy dog; a fox is quick."
     assert _WORD.findall(english.lower())[:3] == ["the", "quick", "brown"]
     assert len(head_features(english)[0]) == len(set(_WORD.findall(english.lower()))) + 12 - 1  # words + bigrams
+
+
+def test_with_a_grid_longer_than_a_sample_the_fallback_holds_out_a_sample_sized_part(tmp_path):
+    """No piece hashed into the eval split: the lowest-hash one's sample-sized part is held out, not a
+    whole grid piece (here a whole book: a quarter of the corpus)."""
+    rng = random.Random(4)
+    texts = {f"book{i:02d}.txt": long_text(rng, 120) for i in range(4)}
+    lines = []
+    src = tmp_path / "in"
+    src.mkdir()
+    for name, text in texts.items():
+        (src / name).write_text(text)
+    m = build_store(BuildOptions(inputs=[str(src)], out=str(tmp_path / "store"), seq_len=128, strategy="bfd",
+                                 dedup="none", eval_fraction=1e-6, holdout_tokens=1 << 14, workers=1, stats=False,
+                                 progress=False), log=lines.append)
+    held = held_out_text(tmp_path / "store")
+    assert sum(b - a for spans in held.values() for a, b in spans) <= 128 and len(held) == 1
+    assert m["totals"]["eval_samples"] == 1 and any("a sample-sized part of it" in line for line in lines)

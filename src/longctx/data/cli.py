@@ -59,8 +59,9 @@ def add_parser(sub) -> None:
                    help="documents held out (by name hash) as eval samples (default 0.02)")
     p.add_argument("--holdout-tokens", type=int, default=0, metavar="N",
                    help="a document longer than N tokens is held out in pieces of about N (default 0 = --seq-len); "
-                        "give stores of one corpus at several lengths the same N (the longest) and they hold out "
-                        "the same text, so no length's eval text is another's training text")
+                        "stores of one corpus with the same N hold out the same text: give every length you train "
+                        "or evaluate a model at the longest, so that no length's eval text is another's training "
+                        "text")
     p.add_argument("--seed", type=int, default=0, help="seed for embeddings and clustering")
     p.add_argument("--embed-model", default="", help="a local sentence-transformers model directory "
                                                      "(default: hashed n-gram TF-IDF + SVD, no download)")

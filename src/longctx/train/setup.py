@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
 from ..config import Config, to_dict, to_toml
-from ..config.rules import parse_stages, parse_synthetic
+from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
 from ..data.loader import PackedSamples
@@ -25,6 +25,7 @@ from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError, UserError
 from ..job.runtime import Runtime
+from .stages import longest_stage
 
 
 def check_packages(cfg: Config) -> None:
@@ -154,11 +155,10 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
         return cfg.data.path
     check_tokenizer_known(cfg)
 
-    # staged lengths: every stage's store holds out the same text (the longest stage's grid), or a later
-    # stage would evaluate on text an earlier one trained on
-    holdout = max(s for s, _, _ in parse_stages(cfg.train.stages)) if cfg.train.stages else 0
+    # every stage's store holds out the same text (default_store: one grid), or a later stage would
+    # evaluate on text an earlier one trained on
     return str(on_main(rt, lambda: default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log,
-                                                 holdout_tokens=holdout), "building the data store"))
+                                                 longest=longest_stage(cfg.train.stages)), "building the data store"))
 
 
 def run_tokenizer(cfg: Config) -> str:

@@ -44,6 +44,11 @@ def stages_of(cfg: Config) -> list[Stage]:
     return out
 
 
+def longest_stage(spec: str) -> int:
+    """The longest sequence of train.stages (0 without stages)."""
+    return max(s for s, _, _ in parse_stages(spec)) if spec else 0
+
+
 def stage_config(cfg: Config, stage: Stage) -> Config:
     """The run's config with this stage's sequence length and batch (what its data and checks see)."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=stage.seq_len,

@@ -146,7 +146,8 @@ class Assembly:
 
     def split(self) -> None:
         self.items, self.where, self.split_info = split_items(self.corpus, self.kept, self.names, self.lengths,
-                                                              self.opts.holdout_len, self.opts.eval_fraction, self.log)
+                                                              self.opts.holdout_len, self.opts.eval_fraction, self.log,
+                                                              self.opts.seq_len)
         if not self.items["train"].doc:
             raise DataError("every document landed in the eval split; lower --eval-fraction.")
 

@@ -67,9 +67,12 @@ class Items:
 
 
 def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, piece_len: int,
-                eval_fraction: float, log) -> tuple[dict[str, Items], np.ndarray, dict]:
+                eval_fraction: float, log, seq_len: int = 0) -> tuple[dict[str, Items], np.ndarray, dict]:
     """Train and eval items, and per kept document where it went (IN_TRAIN, IN_EVAL or IN_BOTH:
-    pieces in each). Items name a document by its index in `kept`."""
+    pieces in each). Items name a document by its index in `kept`. Pieces of `piece_len` (the holdout
+    grid); when the hash holds out none, the lowest-hash one's sample-sized part (`seq_len`, 0 = the
+    grid): a few long documents do not lose a whole one to the eval split."""
+    seq_len = seq_len or piece_len
     items = {"train": Items(), "eval": Items()}
     where = np.zeros(len(kept), dtype=np.int8)
     lowest = None  # (hash rank, document, piece) of the first candidate for the eval split
@@ -95,18 +98,18 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
             where[doc] = IN_BOTH
     info = {"pieces": pieces_total}
     if eval_fraction and not items["eval"].doc:
-        if pieces_total < 2:
+        if len(kept) < 2 and (not len(kept) or lengths[0] <= seq_len):
             log(f"  eval split: empty. --eval-fraction {eval_fraction} asks for held-out text, but the corpus is "
-                f"one piece of at most {piece_len} tokens after dedup, which training needs; add documents or pass "
+                f"one piece of at most {seq_len} tokens after dedup, which training needs; add documents or pass "
                 f"--eval-fraction 0.")
             info["eval_empty"] = "one piece only"
         else:  # the hash put nothing in it: hold out the piece with the lowest hash
             _, doc, piece = lowest
-            long = lengths[doc] > piece_len
-            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len)
+            long = lengths[doc] > seq_len
+            items = _move_to_eval(items, doc, piece, corpus, int(kept[doc]), int(lengths[doc]), piece_len, seq_len)
             where[doc] = IN_BOTH if long else IN_EVAL
             log(f"  eval split: no document or piece hashed into it at --eval-fraction {eval_fraction}; held out "
-                f"the one with the lowest hash ({names[doc]}{f', piece {piece}' if long else ''}).")
+                f"the one with the lowest hash ({names[doc]}{', a sample-sized part of it' if long else ''}).")
             info["eval_fallback"] = names[doc]
     return items, where, info
 
@@ -118,13 +121,16 @@ def _cuts(corpus: ScannedCorpus, scanned: int, length: int, piece_len: int) -> l
 
 
 def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: ScannedCorpus, scanned: int, length: int,
-                  piece_len: int) -> dict[str, Items]:
-    """The items with piece `piece` of document `doc` (all of it if it fits a sample) in eval."""
-    if length <= piece_len:
-        start, size = 0, length
+                  piece_len: int, seq_len: int) -> dict[str, Items]:
+    """The items with the sample-sized part of piece `piece` of document `doc` where it starts (all of
+    the document if it fits a sample) in eval."""
+    start = 0 if length <= piece_len else _cuts(corpus, scanned, length, piece_len)[piece]
+    if length <= seq_len:
+        size = length
     else:
-        cuts = _cuts(corpus, scanned, length, piece_len)
-        start, size = cuts[piece], cuts[piece + 1] - cuts[piece]
+        cuts = _cuts(corpus, scanned, length, seq_len)
+        i = max(j for j in range(len(cuts) - 1) if cuts[j] <= start)  # the sample-sized part holding `start`
+        start, size = cuts[i], cuts[i + 1] - cuts[i]
     train = Items()
     for d, s, m in zip(items["train"].doc, items["train"].start, items["train"].length):
         if d != doc:

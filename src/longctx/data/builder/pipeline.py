@@ -125,9 +125,10 @@ def _open_store(opts: BuildOptions) -> tuple[Path, dict | None]:
         old = store.read_manifest(root)
         for key, want in (("seq_len", opts.seq_len), ("strategy", opts.strategy),
                           ("holdout_tokens", opts.holdout_len)):
-            if old.get(key, old["seq_len"]) != want:  # (a store from before holdout_tokens: its seq_len)
-                raise DataError(f"the store '{root}' was built with {key} {old[key]}; an append must use the same "
-                                f"(got {want}).")
+            had = old.get(key, old["seq_len"])  # (a store from before holdout_tokens: its seq_len)
+            if had != want:
+                raise DataError(f"the store '{root}' was built with {key} {had}; an append must use the same (got "
+                                f"{want}: pass --{key.replace('_', '-')} {had}).")
         if old["tokenizer"]["spec"] != opts.tokenizer:
             raise DataError(f"the store '{root}' was built with tokenizer {old['tokenizer']['spec']!r}; an append "
                             f"must use the same (got {opts.tokenizer!r}).")
