@@ -253,7 +253,6 @@ def test_stores_at_two_lengths_hold_out_the_same_text_on_one_grid(tmp_path):
 
 
 def test_every_stage_and_preflight_read_one_store_per_length_on_one_grid(tmp_path, monkeypatch):
-    from longctx.data.default_store import holdout_for
     from longctx.train.preflight import _check_data
     from longctx.train.setup import store_path
     from longctx.train.stages import stage_config, stages_of
@@ -273,7 +272,6 @@ def test_every_stage_and_preflight_read_one_store_per_length_on_one_grid(tmp_pat
         Path(s).name for s in stores)
     first, second = (held_out_text(Path(s)) for s in stores)
     assert first == second and overlap(second, first) == 0 and first
-    assert holdout_for(4096, 0) == holdout_for(4096, 4096) == 0 and holdout_for(1024, 4096) == 4096
 
 
 def test_features_of_unspaced_scripts_are_characters_and_their_bigrams():
@@ -307,3 +305,30 @@ def test_with_a_grid_longer_than_a_sample_the_fallback_holds_out_a_sample_sized_
     held = held_out_text(tmp_path / "store")
     assert sum(b - a for spans in held.values() for a, b in spans) <= 128 and len(held) == 1
     assert m["totals"]["eval_samples"] == 1 and any("a sample-sized part of it" in line for line in lines)
+
+
+def test_eval_and_bench_decode_read_the_default_corpus_on_the_models_training_grid(tmp_path, monkeypatch):
+    """`longctx eval` / `bench decode` without --data evaluate on the default corpus's store at 1024
+    tokens: held out on the grid the checkpoint's own training store used (its manifest's
+    trained_positions), not on 1024's, so none of its text is what the model trained on."""
+    from types import SimpleNamespace
+
+    from longctx.bench import decode
+    from longctx.config.positions import trained_grid
+    from longctx.data import default_store as stores
+    from longctx.eval import inputs
+
+    step = tmp_path / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"trained_positions": 4096}))
+    assert trained_grid(str(step)) == 4096
+    assert trained_grid("hf:/nowhere") == trained_grid(str(tmp_path / "none")) == 0
+    asked = []
+    monkeypatch.setattr(stores, "default_store", lambda *a, **k: asked.append(k["holdout_tokens"]) or "x")
+    monkeypatch.setattr("longctx.eval.tasks.load_source", lambda data, split, tok, store: store())
+    with pytest.raises(AttributeError):  # (after the store: the stand-in source has no meta)
+        inputs._load_source(SimpleNamespace(data="", split="eval", checkpoint=str(step)), None, "byte", None)
+    with pytest.raises(AttributeError):  # (after the store)
+        decode._prompts(SimpleNamespace(prompts="", data="", lengths="16", samples=1, target=str(step)),
+                        ByteTokenizer(), "byte")
+    assert asked == [4096, 4096]

@@ -131,8 +131,11 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
     def store():
         from ..config import DataConfig
+        from ..config.positions import trained_grid
 
-        return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=say, announce_cached=False)
+        # held out on the grid of the target's own training data (eval/inputs.py): prompts it never trained on
+        return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=say, announce_cached=False,
+                             holdout_tokens=trained_grid(args.target))
 
     lengths = parse_lengths(args.lengths)
     if args.samples < 1:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 from .schema import ModelConfig
 
 _ROPE_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_len")
@@ -81,6 +81,20 @@ def trained_positions(init_from: str) -> TrainedPositions:
         return TrainedPositions(int(recorded), own, f"the trained_positions its manifest records ({path})")
     return TrainedPositions(own.max_seq_len, own, f"its max_seq_len (its manifest, {path}, predates the record of "
                                                    f"trained positions)")
+
+
+def trained_grid(checkpoint: str) -> int:
+    """The eval-split grid of the data a longctx checkpoint trained on (data/default_store.py: a run's
+    store holds out on its longest sequence, which is what its manifest's trained_positions records),
+    0 where that is not known (hf:DIR, an older manifest, no checkpoint): the store's own then."""
+    from .hf import checkpoint_manifest
+
+    if not checkpoint or checkpoint.startswith("hf:"):
+        return 0
+    try:
+        return int(checkpoint_manifest(checkpoint)[1].get("trained_positions", 0))
+    except UserError:  # (the eval or bench refuses a bad checkpoint itself, with its own words)
+        return 0
 
 
 def run_start_positions(init_from: str, model: ModelConfig) -> int:

@@ -59,19 +59,14 @@ def resolve_strategy(strategy: str, seq_len: int) -> str:
     return "datasculpt" if seq_len >= AUTO_DATASCULPT_FROM else "concat"
 
 
-def holdout_for(seq_len: int, longest: int) -> int:
-    """BuildOptions.holdout_tokens of a run's store at seq_len whose longest sequence is `longest`
-    (train.stages): that length's grid, or 0 (seq_len's own) when it is this one."""
-    return longest if longest > seq_len else 0
-
-
 def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, announce_cached: bool = True,
-                  longest: int = 0) -> Path:
+                  holdout_tokens: int = 0) -> Path:
     """The cached store for this data config and seq_len, built now if it does not exist yet. Its eval
-    split is held out on the grid of the run's `longest` sequence (train.stages; builder/holdout.py), so
-    that every stage of a run holds out the same text."""
+    split is held out on the grid of `holdout_tokens` (builder/holdout.py; 0 = seq_len): a staged run's
+    longest stage, so that every stage holds out the same text; for `longctx eval` and `bench decode`,
+    the grid the model's own training data was held out on (config/positions.py trained_grid)."""
     strategy = resolve_strategy(data_cfg.strategy, seq_len)
-    holdout_tokens = holdout_for(seq_len, longest)
+    holdout_tokens = 0 if holdout_tokens == seq_len else holdout_tokens  # (the same store as without it)
     key_fields = {
         "version": CACHE_VERSION, "builder": SCAN_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
         "seq_len": seq_len, "strategy": strategy, "dedup": data_cfg.dedup, "max_docs": data_cfg.max_docs,

@@ -42,9 +42,12 @@ def _load_source(args, cfg, spec: str | None, tokenizer):
 
     def default_store():
         from ..config import DataConfig
+        from ..config.positions import trained_grid
         from ..data.default_store import default_store as build
 
-        return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=say, announce_cached=False)
+        # held out on the grid of the model's own training data: none of it trained on
+        return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=say, announce_cached=False,
+                     holdout_tokens=trained_grid(args.checkpoint))
 
     source = load_source(args.data, args.split, tokenizer, default_store)
     if source.meta.get("vocab_size", 0) > cfg.model.vocab_size:

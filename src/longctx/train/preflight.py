@@ -87,7 +87,7 @@ def _check_data(cfg: Config, log) -> None:
                 f"the tokenizer {cfg.data.tokenizer} has {vocab} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}; add --model.vocab_size {vocab} (or more, e.g. a multiple of 64).")
         path = default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log, announce_cached=False,
-                             longest=longest_stage(cfg.train.stages))  # (the store the run reads: setup.py)
+                             holdout_tokens=longest_stage(cfg.train.stages))  # (the store the run reads: setup.py)
     manifest = check_store(cfg, path)  # (an eval split too small is not an error: rank 0 says so at start)
     mixture = parse_synthetic(cfg.data.synthetic)
     if mixture:

@@ -158,7 +158,8 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
     # every stage's store holds out the same text (default_store: one grid), or a later stage would
     # evaluate on text an earlier one trained on
     return str(on_main(rt, lambda: default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log,
-                                                 longest=longest_stage(cfg.train.stages)), "building the data store"))
+                                                 holdout_tokens=longest_stage(cfg.train.stages)),
+                       "building the data store"))
 
 
 def run_tokenizer(cfg: Config) -> str:
