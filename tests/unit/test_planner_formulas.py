@@ -59,6 +59,10 @@ def test_gathered_parameters():
 def test_accumulated_gradients_only_when_sync_waits_for_the_step():
     assert accumulated_grad_bytes(TINY, DP2_CTX2, 2, "step") == 1352 * 4  # every gradient, fp32, unsharded
     assert accumulated_grad_bytes(TINY, DP2_CTX2, 2, "micro_batch") == 0
+    # an FSDP group of one rank reduces every micro-batch (step/gradients.py): world 1, co2 replicas of one rank
+    alone = MeshShape(dp_replicate=2, data_parallel="co2", local_steps=2)
+    assert alone.reduces_alone and not MeshShape(dp_replicate=2).reduces_alone
+    assert accumulated_grad_bytes(TINY, alone, 2, "step") == 0 < accumulated_grad_bytes(TINY, MeshShape(2), 2, "step")
     assert accumulated_grad_bytes(TINY, DP2_CTX2, 1, "step") == 0
     assert accumulated_grad_bytes(TINY, MeshShape(), 2, "step") == 0
 

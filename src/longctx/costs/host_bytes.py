@@ -89,7 +89,7 @@ def host_state_bytes(m: ModelConfig, shape: MeshShape, tier: str) -> float:
 
 
 def _grads_every_micro_batch(shape: MeshShape, grad_sync: str) -> bool:
-    return grad_sync == "micro_batch" or shape.world == 1
+    return grad_sync == "micro_batch" or shape.reduces_alone
 
 
 def host_link_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_accum: int,

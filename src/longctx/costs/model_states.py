@@ -137,7 +137,7 @@ def accumulated_grad_bytes(m: ModelConfig, shape: MeshShape, grad_accum: int, gr
     """With gradient sync off between micro-batches (grad_accum > 1, grad_sync "step") FSDP2
     accumulates every gradient unsharded, in fp32 (of the routed experts, its expert group's 1 /
     expert); 0 otherwise."""
-    if shape.world > 1 and grad_accum > 1 and grad_sync == "step":
+    if not shape.reduces_alone and grad_accum > 1 and grad_sync == "step":
         pc = param_counts(m)
         return 4 * (pc["total"] - pc["experts"] + pc["experts"] // shape.expert)
     return 0.0

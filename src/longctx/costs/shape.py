@@ -43,6 +43,12 @@ class MeshShape:
         return self.dp_shard * self.head * self.ctx
 
     @property
+    def reduces_alone(self) -> bool:
+        """Whether the FSDP group a gradient is reduced over is this rank alone (world 1, or co2 replicas of
+        one rank each): step/gradients.py then reduces after every micro-batch (nothing to defer)."""
+        return self.world == 1 or (self.data_parallel == "co2" and self.fsdp == 1)
+
+    @property
     def sequence_degree(self) -> int:
         return self.head * self.ctx
 
