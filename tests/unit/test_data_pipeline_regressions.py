@@ -332,3 +332,23 @@ def test_eval_and_bench_decode_read_the_default_corpus_on_the_models_training_gr
         decode._prompts(SimpleNamespace(prompts="", data="", lengths="16", samples=1, target=str(step)),
                         ByteTokenizer(), "byte")
     assert asked == [4096, 4096]
+
+
+def test_eval_reads_a_documents_held_out_pieces_as_separate_runs(tmp_path):
+    """eval/tasks.py store_documents: a document whose pieces went to both splits is read as its runs of
+    eval text, each a contiguous part of the document (it glued non-adjacent pieces into one, so a span
+    crossed the training text between them)."""
+    from longctx.eval.tasks import store_documents
+
+    rng = random.Random(5)
+    texts = {f"book{i:02d}.txt": long_text(rng, 120) for i in range(6)}
+    (tmp_path / "split").mkdir()
+    (tmp_path / "whole").mkdir()
+    split = build(tmp_path / "split", texts, eval_fraction=0.3, strategy="bfd", holdout_tokens=128)
+    whole = [bytes(d.astype(np.uint8)) for d in store_documents(build(tmp_path / "whole", texts, strategy="bfd"),
+                                                                  "train")]
+    runs = [bytes(r.astype(np.uint8)) for r in store_documents(split, "eval")]
+    _, docs, _, _ = part_arrays(split, "eval")
+    held = {d["name"] for d in docs if d["split"] != "train"}
+    assert any(d["split"] == "both" for d in docs) and len(runs) > len(held)
+    assert all(any(r in doc for doc in whole) for r in runs)

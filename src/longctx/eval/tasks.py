@@ -59,9 +59,10 @@ class TokenSource:
 
 
 def store_documents(root: Path, split: str) -> Iterator[np.ndarray]:
-    """Each document of a store split, reassembled from its packed segments, in document order.
-    Lazy: the segment index is read up front, a document's tokens only when it is reached, so a
-    caller that needs a few spans never holds the split."""
+    """Each document of a store split, reassembled from its packed segments, in document order: each
+    run of its text, where a document's pieces went to both splits (builder/holdout.py), is one, so a
+    span never crosses the text the other split holds. Lazy: the segment index is read up front, a
+    document's tokens only when it is reached, so a caller that needs a few spans never holds the split."""
     manifest = read_manifest(root)
     for part in manifest["parts"]:  # a document lies in one part
         arrays = load_split(root, part, split)
@@ -70,7 +71,9 @@ def store_documents(root: Path, split: str) -> Iterator[np.ndarray]:
         seg = arrays.segments
         sample_of = np.repeat(np.arange(len(arrays.pointer) - 1), np.diff(arrays.pointer))
         order = np.lexsort((seg[:, S_START], seg[:, S_DOC]))  # by document, then by position in it
-        for group in np.split(order, np.flatnonzero(np.diff(seg[order, S_DOC])) + 1):
+        doc, start, end = seg[order, S_DOC], seg[order, S_START], seg[order, S_START] + seg[order, S_LENGTH]
+        cuts = np.flatnonzero((doc[1:] != doc[:-1]) | (start[1:] != end[:-1])) + 1  # another document, or a gap
+        for group in np.split(order, cuts):
             yield np.concatenate([np.asarray(arrays.tokens[sample_of[i]][seg[i, S_OFFSET]:seg[i, S_OFFSET] +
                                                                          seg[i, S_LENGTH]]) for i in group]
                                  ).astype(np.int64)
