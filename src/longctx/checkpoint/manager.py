@@ -152,6 +152,9 @@ class CheckpointManager:
                          **({} if self.guard_state is None else {"guard": self.guard_state()})}
         own_files = functools.partial(self._write_own_files, tmp, _rng_state(), json.dumps(trainer_state), self.saves,
                                       None if self.rank_state is None else self.rank_state())
+        # the manifest's record of this step, as it is now: an async commit runs while the loop goes on, and the
+        # first step of a new stage raises trained_positions before it (the step saved never trained there)
+        record = {"trained_positions": self.trained_positions, "run_dir": self.run_dir}
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         own_bytes = state_bytes(state)
@@ -165,13 +168,13 @@ class CheckpointManager:
                 future = dcp.async_save(state, **kwargs)
             if hasattr(future, "upload_completion"):  # AsyncSaveResponse (newer torch)
                 future = future.upload_completion
-            self._finishing = self._worker.submit(self._finish, step, tmp, own_files, own_bytes, future.result)
+            self._finishing = self._worker.submit(self._finish, step, tmp, own_files, own_bytes, future.result, record)
         else:
             def write():
                 with _single_process(kwargs["no_dist"]):
                     dcp.save(state, **kwargs)
 
-            self._finish(step, tmp, own_files, own_bytes, write)
+            self._finish(step, tmp, own_files, own_bytes, write, record)
         self.last_save_blocking_s = time.perf_counter() - t0
 
     def _temporary_directory(self, step: int) -> Path:
@@ -195,7 +198,8 @@ class CheckpointManager:
         if self.rank == 0:
             (tmp / TRAINER_STATE).write_text(trainer_state)
 
-    def _finish(self, step: int, tmp: Path, own_files, own_bytes: float = 0.0, written=lambda: None) -> None:
+    def _finish(self, step: int, tmp: Path, own_files, own_bytes: float = 0.0, written=lambda: None,
+                record: dict | None = None) -> None:
         """Write this rank's own files (`own_files()`), and once DCP's are written too (`written()`
         returns) hash them (every rank in parallel, each over the bytes it wrote); then rank 0 commits
         when every rank's checksums are there. If any rank failed (a full disk, an unwritable
@@ -221,12 +225,12 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise save_failed(self.root, step, needed, error)
         if self.rank == 0:
-            self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))})
+            self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))}, record)
 
-    def _commit(self, step: int, tmp: Path, hashes: dict[str, dict]) -> None:
+    def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
+        record = record or {"trained_positions": self.trained_positions, "run_dir": self.run_dir}  # (as save() took)
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
-                       tokenizer=self.tokenizer, draft=self.draft, trained_positions=self.trained_positions,
-                       run_dir=self.run_dir)
+                       tokenizer=self.tokenizer, draft=self.draft, **record)
         final = self.root / step_name(step)
         # durably (durable.py): every rank synced its files (_finish), so after a power loss `latest` never
         # names a checkpoint whose files did not reach the disk
@@ -331,7 +335,8 @@ class CheckpointManager:
             manifest = self.verified_manifest(path)
         check_model_matches(manifest, self.model_cfg, path)
         d = self.draft or {}
-        check_draft_matches(manifest, d.get("layers"), path, d.get("kind", "glide"), d.get("vocab", 0))
+        check_draft_matches(manifest, d.get("layers"), path, d.get("kind", "glide"), d.get("vocab", 0),
+                            (d.get("target") or {}).get("identity"))
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         # the state (moments, step counts) is the checkpoint's; every group's hyper-parameters are this run's

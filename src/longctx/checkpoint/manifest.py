@@ -24,6 +24,7 @@ from ..config.checkpoint_paths import (  # (re-exported: the checkpoint package'
     MANIFEST,
     CheckpointError,
 )
+from ..config.schema import parse_layer_list
 from ..durable import fsync_path, write_text_durably
 
 FORMAT = "longctx-checkpoint/1"
@@ -188,6 +189,7 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
     diff = {k: (saved.get(k), model_cfg.get(k)) for k in SHAPE_FIELDS if saved.get(k) != model_cfg.get(k)}
     diff.update({k: (saved.get(k, False), model_cfg.get(k, False)) for k in OPTIONAL_PARAM_FIELDS
                  if saved.get(k, False) != model_cfg.get(k, False)})
+    diff.update(_moe_structure_differences(saved, model_cfg))
     if saved.get("head_dim", 0) or model_cfg.get("head_dim", 0):
         def hd(c):
             return c.get("head_dim") or c["dim"] // c["heads"]
@@ -204,10 +206,32 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
         )
 
 
+def _moe_structure(c: dict) -> dict:
+    """What decides which MoE parameters a model has and their shapes (a dense model: experts 0 only):
+    a checkpoint of another structure failed inside DCP with a size or missing-key trace."""
+    experts = c.get("moe.experts", 0)
+    if not experts:
+        return {"moe.experts": 0}
+    expert_dim = c.get("moe.expert_dim", 0) or c.get("ffn_dim")
+    shared = c.get("moe.shared_experts", 0)
+    return {"moe.experts": experts, "moe.expert_dim": expert_dim, "moe.shared_experts": shared,
+            "moe.shared_dim": (c.get("moe.shared_dim", 0) or shared * expert_dim) if shared else 0,
+            "moe.shared_gate": bool(c.get("moe.shared_gate", False)) and bool(shared),
+            "moe layers": [i for i in range(c.get("layers", 0))
+                           if i not in parse_layer_list(str(c.get("moe.dense_layers", "")))]}
+
+
+def _moe_structure_differences(saved: dict, configured: dict) -> dict:
+    a, b = _moe_structure(saved), _moe_structure(configured)
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
 def check_draft_matches(manifest: dict, draft_layers: int | None, where: Path, kind: str = "glide",
-                        vocab: int = 0) -> None:
+                        vocab: int = 0, target_identity: str | None = None) -> None:
     """A run resumes only a checkpoint of its own kind: a draft run (draft_layers: its draft.layers; `kind`
     and `vocab`: its draft.kind and draft.vocab) a draft's checkpoint of that kind, layers and vocabulary,
+    trained against the same target weights (`target_identity`: checkpoint/identity.py, of this run's
+    draft.target; a `<run>/checkpoints` target names its latest step, which moves on when that run does),
     a model run (None) a model's."""
     saved = manifest.get("draft")
     if saved and draft_layers is None:
@@ -223,6 +247,15 @@ def check_draft_matches(manifest: dict, draft_layers: int | None, where: Path, k
             f"Nothing was loaded.")
     if not saved:
         return
+    theirs_target = saved.get("target") or {}
+    if target_identity and theirs_target.get("identity") and theirs_target["identity"] != target_identity:
+        raise CheckpointError(
+            f"checkpoint {where} holds a draft trained against the target weights {theirs_target['identity']} "
+            f"({theirs_target.get('path')!r}), but this run's draft.target holds other weights ({target_identity}): "
+            f"resuming would go on distilling another target. Point --draft.target at the checkpoint the draft was "
+            f"trained against (a step-N directory, not a run's checkpoints directory whose latest moves on; "
+            f"`longctx train` takes that change with --checkpoint.allow_changes true), or start a new draft run. "
+            f"Nothing was loaded.")
     mine = {"kind": kind, "layers": draft_layers, "vocab": vocab}
     theirs = {"kind": saved.get("kind", "glide"), "layers": saved.get("layers"), "vocab": saved.get("vocab", 0)}
     differ = [k for k in mine if mine[k] != theirs[k]]
