@@ -32,3 +32,14 @@ def test_a_sound_co2_config_and_sync_are_accepted():
                                              "--train.co2_sync_steps=299", "--train.co2_overlap_steps=4"])
     assert cfg.train.data_parallel == "co2" and cfg.train.co2_local_steps == 4
     assert load_config("configs/debug.toml", ["--train.co2_local_steps=0"]).train.data_parallel == "sync"
+
+
+def test_experts_spread_over_more_ranks_than_a_replica_holds_are_refused_before_launch():
+    """co2 replicas keep their own weights: an expert degree spanning replicas crashed at set-up (a division
+    by zero in the FSDP volumes), and would have mixed replicas' experts."""
+    from longctx.job.checks import check_layout
+
+    cfg = load_config(None, ["--model.preset=debug-moe", *CO2, "--parallel.expert=2", "--train.global_batch=4"])
+    with pytest.raises(ConfigError, match=r"choose parallel.expert among \[1\]"):
+        check_layout(cfg, 2)
+    assert check_layout(cfg, 4).expert == 2  # two replicas of 2 ranks: the experts within each

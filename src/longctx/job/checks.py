@@ -29,6 +29,12 @@ def check_layout(cfg, world: int) -> ParallelDims:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
     hpz_group(cfg, dims)  # (and node_size, zero_pp_names: all checked before launch)
+    replica = dims.world_size // dims.dp_replicate
+    if cfg.train.data_parallel == "co2" and dims.expert > 1 and replica % dims.expert:
+        raise ConfigError(f"train.data_parallel = co2 keeps each of the {dims.dp_replicate} replicas' weights its own, "
+                          f"so its experts must be spread over the replica's {replica} ranks, and parallel.expert = "
+                          f"{dims.expert} does not divide them: choose parallel.expert among "
+                          f"{[d for d in range(1, replica + 1) if replica % d == 0]}, or fewer replicas.")
     if cfg.parallel.zero_pp_kernels not in ZERO_PP_KERNELS:
         raise ConfigError(f"parallel.zero_pp_kernels must be one of {', '.join(ZERO_PP_KERNELS)}, got "
                           f"{cfg.parallel.zero_pp_kernels!r}.")
