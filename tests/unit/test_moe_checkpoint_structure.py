@@ -38,3 +38,23 @@ def test_the_same_structure_and_routing_changes_pass():
 def test_another_moe_structure_is_refused_naming_it(args, said):
     with pytest.raises(CheckpointError, match=said):
         check_model_matches(SAVED, _model(*args), "ck")
+
+
+def test_rank_state_is_read_back_only_under_the_same_expert_degree(tmp_path):
+    """A rank's own state (co2's outer state: its parameter shards) follows the sharding, which the expert
+    degree changes; the layout names it, and a checkpoint written before it did counts as expert 1."""
+    import torch
+
+    from longctx.checkpoint.manager import CheckpointManager, local_state_file
+
+    (tmp_path / local_state_file(0)).parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"co2": 1}, tmp_path / local_state_file(0))
+    old = {"layout": {"world": 4, "dp_replicate": 2}}  # (no expert key: written before it was named)
+
+    def reader(expert):
+        return CheckpointManager(tmp_path / "ckpts", keep=1, async_save=False, rank=0, world=1,
+                                 layout={"world": 4, "dp_replicate": 2, "expert": expert}, model_cfg={}, log=print)
+
+    assert reader(1).load_rank_state(tmp_path, old) == {"co2": 1}
+    assert reader(2).load_rank_state(tmp_path, old) is None
+    assert reader(2).load_rank_state(tmp_path, {"layout": {"world": 4, "dp_replicate": 2, "expert": 2}}) == {"co2": 1}

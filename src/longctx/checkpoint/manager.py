@@ -362,7 +362,8 @@ class CheckpointManager:
         """This rank's own state saved in `path` (rank_state), or None when the checkpoint has none or was
         written under another layout (its ranks are not this job's)."""
         own = path / local_state_file(self.rank)
-        if manifest["layout"] != self.layout or not own.is_file():
+        saved = {"expert": 1, **manifest["layout"]}  # (written before the layout named its expert degree: 1)
+        if saved != {"expert": 1, **self.layout} or not own.is_file():
             return None
         return torch.load(own, weights_only=True)
 

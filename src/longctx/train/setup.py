@@ -262,7 +262,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
 
     root = checkpoint_root(cfg, run_dir)
     layout = {"world": rt.world, **{k: getattr(rt.dims, k) for k in
-                                    ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement")}}
+                                    ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement", "expert")}}
     manager = CheckpointManager(root, keep=ck.keep, async_save=ck.async_save, rank=rt.rank, world=rt.world,
                                 layout=layout, model_cfg=to_dict(cfg)["model"], log=log,
                                 tokenizer=tokenizer, draft=getattr(model, "checkpoint_record", None))
