@@ -56,6 +56,18 @@ def test_a_draft_resumed_against_moved_on_target_weights_is_refused(runs):
               f"--checkpoint.dir={base / 'b'}", f"--train.run_dir={base / 'part'}"])
 
 
+def test_preflight_refuses_it_before_launch(runs):
+    from longctx.train.preflight import _check_resume
+
+    base, corpus, _ = runs
+    step = base / "part" / "checkpoints" / "step-00000002"
+    cfg = load_config(None, [*QUIET, *corpus, f"--draft.target={base / 'target' / 'checkpoints'}", "--draft.layers=1",
+                             "--train.steps=4", f"--checkpoint.resume={step}", f"--checkpoint.dir={base / 'd'}",
+                             f"--train.run_dir={base / 'part'}"])
+    with pytest.raises(CheckpointError, match="trained against the target weights"):
+        _check_resume(cfg)
+
+
 def test_a_draft_resumed_against_its_own_target_step_continues_exactly(runs):
     base, corpus, full = runs
     resumed = _run([*corpus, f"--draft.target={base / 'target' / 'checkpoints' / 'step-00000002'}",

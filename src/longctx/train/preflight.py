@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checkpoint.identity import weights_identity
 from ..checkpoint.manifest import check_draft_matches, check_model_matches, read_manifest
 from ..config import Config, to_dict
 from ..config.hf import hf_dir
@@ -69,7 +70,7 @@ def _check_resume(cfg: Config) -> None:
         manifest = read_manifest(target)
         check_model_matches(manifest, to_dict(cfg)["model"], target)
         check_draft_matches(manifest, cfg.draft.layers if cfg.draft.target else None, target, cfg.draft.kind,
-                            cfg.draft.vocab)
+                            cfg.draft.vocab, weights_identity(cfg.draft.target) if cfg.draft.target else None)
     check_run_dir(cfg, target)
 
 
