@@ -25,6 +25,11 @@ the micro-batch: its choices travel as expert E inside the choices gathered (`pa
 collective), queue for no expert, are never kept and N counts real tokens only; the Sinkhorn router
 assigns over the real rows (its mask gathered beside the logits) and marks padding rows not kept.
 
+The one-device order is the loader's: data.dp_balance (data/balance.py) permutes a batch's rows over
+the data-parallel ranks, so a run with these rules reads its rows unbalanced (`decides_over_rows`,
+train/stages.py): balanced, the shares' rows came in another order and moved drops (a first step's
+loss off by 6e-5 at dp 2 in a test run).
+
 `decide` takes the routing input of a call, all of it or the pieces a memory policy runs it in
 (memory/apply_policy.py _PieceRouting), gathers it over the ranks and returns this rank's choices and
 kept flags.
@@ -64,6 +69,12 @@ class CallTokens(Protocol):
     def share_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]: ...
 
     def routes_alone(self) -> bool: ...
+
+
+def decides_over_rows(m) -> bool:
+    """Whether a model's routing reads its micro-batch's tokens in order (a capacity, or the Sinkhorn
+    router): a ModelConfig."""
+    return m.is_moe and (m.moe_capacity_factor > 0 or m.moe_router == "sinkhorn")
 
 
 def capacity_kept(experts: torch.Tensor, capacity_factor: float, num_experts: int,

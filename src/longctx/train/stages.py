@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ..config import Config
 from ..config.rules import parse_stages
 from ..data.loader import BatchLoader, cost_coefficients
+from ..models.moe_capacity import decides_over_rows
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,10 @@ class StagedLoader:
         cfg = self.cfg
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
+        # (a routing that reads the micro-batch in token order takes its rows unbalanced: models/moe_capacity.py)
+        balance = cfg.data.dp_balance and not decides_over_rows(cfg.model)
         self.loader = BatchLoader(self.train_samples, self.micro_step_sequences, cfg.train.seed, dp=self.dp,
-                                  balance=cfg.data.dp_balance, cost=cost_coefficients(cfg.model))
+                                  balance=balance, cost=cost_coefficients(cfg.model))
         if self._saved is not None and int(self._saved.get("stage", 0)) == stage.index:
             self.loader.load_state_dict(self._saved)
         self._saved = None
