@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_stages import _Samples  # (n samples; sample i is all i)
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from longctx.config import load_config
 from longctx.data.builder.options import BuildOptions
 from longctx.data.builder.pipeline import build_store
 from longctx.data.loader import PackedSamples
-from longctx.data.samples import Batch
 from longctx.data.store import read_manifest
 from longctx.data.synthetic import SyntheticMixture
 from longctx.data.tokenizer import ByteTokenizer
@@ -155,20 +155,6 @@ def test_a_synthetic_mixture_marks_the_padding_of_its_ordinary_samples(tmp_path)
     expected = store.batch(rows).real.clone()  # the store's own mask (from its segment index)
     expected[torch.from_numpy(mixture.synthetic)] = True  # a retrieval sequence is all text
     assert torch.equal(got, expected)
-
-
-class _Samples:
-    """n samples; sample i is all i."""
-
-    def __init__(self, n, seq_len):
-        self.n, self.seq_len = n, seq_len
-
-    def __len__(self):
-        return self.n
-
-    def batch(self, indices):
-        t = torch.tensor(list(indices))[:, None].expand(-1, self.seq_len)
-        return Batch(t, t, t, None)
 
 
 def _staged(n, grad_accum, read_ahead, dp=1):
