@@ -338,3 +338,20 @@ def test_eval_reads_a_documents_held_out_pieces_as_separate_runs(tmp_path):
     held = {d["name"] for d in docs if d["split"] != "train"}
     assert any(d["split"] == "both" for d in docs) and len(runs) > len(held)
     assert all(any(r in doc for doc in whole) for r in runs)
+
+
+def test_a_staged_runs_early_checkpoint_names_the_grid_its_stores_hold_out_on(tmp_path):
+    """Checkpoints record the grid of the default-corpus stores their run read (the longest stage's), so
+    `longctx eval` of a checkpoint saved before that stage reads the corpus on it: its trained_positions
+    (the stage so far) would name another grid."""
+    from longctx.config.positions import trained_grid
+    from longctx.train.trainer import Trainer
+
+    cfg = load_config(None, ["--train.stages=64:2,128:2", "--train.global_batch=2", "--data.max_docs=40",
+                             "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
+                             "--checkpoint.interval=2", f"--train.run_dir={tmp_path}"])
+    Trainer(cfg, log=quiet).run()
+    early = tmp_path / "checkpoints" / "step-00000002"
+    manifest = json.loads((early / "manifest.json").read_text())
+    assert manifest["trained_positions"] == 64 and manifest["holdout_tokens"] == 128
+    assert trained_grid(str(early)) == 128 == trained_grid(str(tmp_path / "checkpoints"))

@@ -107,6 +107,7 @@ class CheckpointManager:
         # the positions the weights have trained on so far (the trainer raises it as stages start; 0 = unknown),
         # in the manifest: what `longctx generate` trusts the model with (config/positions.py)
         self.trained_positions = 0
+        self.holdout_tokens = 0  # the eval-split grid of the run's default-corpus store (manifest.py), 0: not one
         self.run_dir: str | None = None  # the run directory (absolute), in the manifest: where resumes find its config
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
@@ -154,7 +155,8 @@ class CheckpointManager:
                                       None if self.rank_state is None else self.rank_state())
         # the manifest's record of this step, as it is now: an async commit runs while the loop goes on, and the
         # first step of a new stage raises trained_positions before it (the step saved never trained there)
-        record = {"trained_positions": self.trained_positions, "run_dir": self.run_dir}
+        record = {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
+                  "holdout_tokens": self.holdout_tokens}
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         own_bytes = state_bytes(state)
@@ -228,7 +230,8 @@ class CheckpointManager:
             self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))}, record)
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
-        record = record or {"trained_positions": self.trained_positions, "run_dir": self.run_dir}  # (as save() took)
+        record = record or {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
+                            "holdout_tokens": self.holdout_tokens}  # (as save() took)
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
                        tokenizer=self.tokenizer, draft=self.draft, **record)
         final = self.root / step_name(step)

@@ -84,15 +84,17 @@ def trained_positions(init_from: str) -> TrainedPositions:
 
 
 def trained_grid(checkpoint: str) -> int:
-    """The eval-split grid of the data a longctx checkpoint trained on (data/default_store.py: a run's
-    store holds out on its longest sequence, which is what its manifest's trained_positions records),
-    0 where that is not known (hf:DIR, an older manifest, no checkpoint): the store's own then."""
+    """The eval-split grid of the data a longctx checkpoint trained on: its manifest's holdout_tokens (the
+    grid of the store its run built from data.corpus), else its trained_positions (a run's store holds
+    out on its longest sequence: data/default_store.py), 0 where neither is known (hf:DIR, no checkpoint):
+    the store's own then."""
     from .hf import checkpoint_manifest
 
     if not checkpoint or checkpoint.startswith("hf:"):
         return 0
     try:
-        return int(checkpoint_manifest(checkpoint)[1].get("trained_positions", 0))
+        manifest = checkpoint_manifest(checkpoint)[1]
+        return int(manifest.get("holdout_tokens") or manifest.get("trained_positions", 0))
     except UserError:  # (the eval or bench refuses a bad checkpoint itself, with its own words)
         return 0
 

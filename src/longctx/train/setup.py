@@ -267,6 +267,8 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
                                 layout=layout, model_cfg=to_dict(cfg)["model"], log=log,
                                 tokenizer=tokenizer, draft=getattr(model, "checkpoint_record", None))
     manager.run_dir = str(run_dir.resolve())
+    # the grid its default-corpus stores hold out on (store_path): `longctx eval` reads that corpus on it
+    manager.holdout_tokens = 0 if cfg.data.path else longest_stage(cfg.train.stages) or cfg.train.seq_len
     # verified on every rank before anything is loaded: `auto` skips damaged checkpoints (and says so)
     found = manager.resume_point(ck.resume)
     if found is None:
