@@ -11,11 +11,12 @@ or asks data/default_store.py for the default store, which builds it here once o
     corpus.py       Document; the default corpus (the standard library's own sources)
     tokenize.py     tokens of a document with its line and paragraph breaks
     features.py     hashed word features of a document's head, for the embeddings
+    scripts.py      scripts written without spaces: each character a word (dedup, features)
     dedup.py        exact and MinHash near-duplicate removal (Deduper)
     assembly.py     Assembly: dedup -> embed -> cluster -> split -> pack -> publish, one method each
     embed.py        document vectors on disk (TF-IDF + SVD, or a sentence-transformers model)
     cluster.py      chunked spherical k-means, near clusters merged
-    holdout.py      the eval split: documents or pieces held out by the hash of their name
+    holdout.py      the eval split: documents or pieces (--holdout-tokens) held out by the hash of their name
     pack.py         packing algorithms: concat, bfd, datasculpt; packing figures
     part_writer.py  a store part's files, written a group of samples at a time
     manifest.py     the store manifest: settings, parts, totals, packing figures
