@@ -300,8 +300,8 @@ def test_eval_and_bench_decode_read_the_default_corpus_on_the_models_training_gr
     from types import SimpleNamespace
 
     from longctx.bench import decode
-    from longctx.config.positions import trained_grid
     from longctx.data import default_store as stores
+    from longctx.data.default_store import trained_grid
     from longctx.eval import inputs
 
     step = tmp_path / "checkpoints" / "step-00000004"
@@ -344,7 +344,7 @@ def test_a_staged_runs_early_checkpoint_names_the_grid_its_stores_hold_out_on(tm
     """Checkpoints record the grid of the default-corpus stores their run read (the longest stage's), so
     `longctx eval` of a checkpoint saved before that stage reads the corpus on it: its trained_positions
     (the stage so far) would name another grid."""
-    from longctx.config.positions import trained_grid
+    from longctx.data.default_store import trained_grid
     from longctx.train.trainer import Trainer
 
     cfg = load_config(None, ["--train.stages=64:2,128:2", "--train.global_batch=2", "--data.max_docs=40",

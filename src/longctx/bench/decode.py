@@ -131,7 +131,7 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
     def store():
         from ..config import DataConfig
-        from ..config.positions import trained_grid
+        from ..data.default_store import trained_grid
 
         # held out on the grid of the target's own training data (eval/inputs.py): prompts it never trained on
         return default_store(DataConfig(tokenizer=spec), 1024, progress=False, log=say, announce_cached=False,

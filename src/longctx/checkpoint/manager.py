@@ -155,8 +155,7 @@ class CheckpointManager:
                                       None if self.rank_state is None else self.rank_state())
         # the manifest's record of this step, as it is now: an async commit runs while the loop goes on, and the
         # first step of a new stage raises trained_positions before it (the step saved never trained there)
-        record = {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
-                  "holdout_tokens": self.holdout_tokens}
+        record = self._manifest_record()
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         own_bytes = state_bytes(state)
@@ -178,6 +177,10 @@ class CheckpointManager:
 
             self._finish(step, tmp, own_files, own_bytes, write, record)
         self.last_save_blocking_s = time.perf_counter() - t0
+
+    def _manifest_record(self) -> dict:
+        return {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
+                "holdout_tokens": self.holdout_tokens}
 
     def _temporary_directory(self, step: int) -> Path:
         """A fresh hidden directory for this save, the same on every rank."""
@@ -230,8 +233,7 @@ class CheckpointManager:
             self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))}, record)
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
-        record = record or {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
-                            "holdout_tokens": self.holdout_tokens}  # (as save() took)
+        record = record or self._manifest_record()
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
                        tokenizer=self.tokenizer, draft=self.draft, **record)
         final = self.root / step_name(step)

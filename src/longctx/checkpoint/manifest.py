@@ -109,7 +109,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
     positions the weights have trained on (config/positions.py; 0 = not known, left out). `run_dir`: the run
     directory (absolute) whose config.toml a resume continues (config/resume.py; None: left out).
     `holdout_tokens`: the eval-split grid of the store the run trained on when it built it from data.corpus
-    (data/default_store.py; config/positions.py trained_grid reads it; 0 = left out)."""
+    (data/default_store.py, whose trained_grid reads it; 0 = left out)."""
     hashes = dict(hashes or {})
     missing = [rel for rel in checkpoint_files(directory) if rel not in hashes]
     hashes.update(hash_files(directory, missing))

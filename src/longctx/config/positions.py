@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError
 from .schema import ModelConfig
 
 _ROPE_KEYS = ("rope_scaling", "rope_factor", "rope_original_max_len")
@@ -81,22 +81,6 @@ def trained_positions(init_from: str) -> TrainedPositions:
         return TrainedPositions(int(recorded), own, f"the trained_positions its manifest records ({path})")
     return TrainedPositions(own.max_seq_len, own, f"its max_seq_len (its manifest, {path}, predates the record of "
                                                    f"trained positions)")
-
-
-def trained_grid(checkpoint: str) -> int:
-    """The eval-split grid of the data a longctx checkpoint trained on: its manifest's holdout_tokens (the
-    grid of the store its run built from data.corpus), else its trained_positions (a run's store holds
-    out on its longest sequence: data/default_store.py), 0 where neither is known (hf:DIR, no checkpoint):
-    the store's own then."""
-    from .hf import checkpoint_manifest
-
-    if not checkpoint or checkpoint.startswith("hf:"):
-        return 0
-    try:
-        manifest = checkpoint_manifest(checkpoint)[1]
-        return int(manifest.get("holdout_tokens") or manifest.get("trained_positions", 0))
-    except UserError:  # (the eval or bench refuses a bad checkpoint itself, with its own words)
-        return 0
 
 
 def run_start_positions(init_from: str, model: ModelConfig) -> int:

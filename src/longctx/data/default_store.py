@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from ..cache_dir import cache_root
+from ..errors import UserError
 from .builder.inputs import input_files
 from .builder.options import BuildOptions
 from .builder.pipeline import build_store
@@ -59,12 +60,28 @@ def resolve_strategy(strategy: str, seq_len: int) -> str:
     return "datasculpt" if seq_len >= AUTO_DATASCULPT_FROM else "concat"
 
 
+def trained_grid(checkpoint: str) -> int:
+    """The eval-split grid of the data a longctx checkpoint trained on: its manifest's holdout_tokens (the
+    grid of the stores its run built from data.corpus: train/stages.py holdout_grid), else its
+    trained_positions (a run's longest sequence), 0 where neither is known (hf:DIR, no checkpoint):
+    the store's own then."""
+    from ..config.hf import checkpoint_manifest
+
+    if not checkpoint or checkpoint.startswith("hf:"):
+        return 0
+    try:
+        manifest = checkpoint_manifest(checkpoint)[1]
+    except UserError:  # (the eval or bench refuses a bad checkpoint itself, with its own words)
+        return 0
+    return int(manifest.get("holdout_tokens") or manifest.get("trained_positions", 0))
+
+
 def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, announce_cached: bool = True,
                   holdout_tokens: int = 0) -> Path:
     """The cached store for this data config and seq_len, built now if it does not exist yet. Its eval
     split is held out on the grid of `holdout_tokens` (builder/holdout.py; 0 = seq_len): a staged run's
     longest stage, so that every stage holds out the same text; for `longctx eval` and `bench decode`,
-    the grid the model's own training data was held out on (config/positions.py trained_grid)."""
+    the grid the model's own training data was held out on (`trained_grid`)."""
     strategy = resolve_strategy(data_cfg.strategy, seq_len)
     holdout_tokens = 0 if holdout_tokens == seq_len else holdout_tokens  # (the same store as without it)
     key_fields = {

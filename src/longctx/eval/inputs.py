@@ -42,8 +42,8 @@ def _load_source(args, cfg, spec: str | None, tokenizer):
 
     def default_store():
         from ..config import DataConfig
-        from ..config.positions import trained_grid
         from ..data.default_store import default_store as build
+        from ..data.default_store import trained_grid
 
         # held out on the grid of the model's own training data: none of it trained on
         return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=say, announce_cached=False,

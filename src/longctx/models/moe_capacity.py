@@ -26,7 +26,7 @@ collective), queue for no expert, are never kept and N counts real tokens only; 
 assigns over the real rows (its mask gathered beside the logits) and marks padding rows not kept.
 
 The one-device order is the loader's: data.dp_balance (data/balance.py) permutes a batch's rows over
-the data-parallel ranks, so a run with these rules reads its rows unbalanced (`decides_over_rows`,
+the data-parallel ranks, so a run with these rules reads its rows unbalanced (`routes_across_tokens`,
 train/stages.py): balanced, the shares' rows came in another order and moved drops (a first step's
 loss off by 6e-5 at dp 2 in a test run).
 
@@ -71,9 +71,9 @@ class CallTokens(Protocol):
     def routes_alone(self) -> bool: ...
 
 
-def decides_over_rows(m) -> bool:
-    """Whether a model's routing reads its micro-batch's tokens in order (a capacity, or the Sinkhorn
-    router): a ModelConfig."""
+def routes_across_tokens(m) -> bool:
+    """MoEFeedForward.across_tokens in training, from a ModelConfig `m`: whether routing a token reads the
+    micro-batch's other tokens, in order (a capacity, or the Sinkhorn router)."""
     return m.is_moe and (m.moe_capacity_factor > 0 or m.moe_router == "sinkhorn")
 
 

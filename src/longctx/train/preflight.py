@@ -31,7 +31,7 @@ from ..job.devices import resolve_device
 from ..models.hf import weight_files
 from .host_budget import check_host_memory
 from .setup import check_packages, check_run_dir, check_store, check_tokenizer_known, resume_target
-from .stages import longest_stage, stage_config, stages_of
+from .stages import holdout_grid, stage_config, stages_of
 
 
 def preflight(cfg: Config, nproc: int, log=print) -> None:
@@ -88,7 +88,7 @@ def _check_data(cfg: Config, log) -> None:
                 f"the tokenizer {cfg.data.tokenizer} has {vocab} tokens but model.vocab_size is "
                 f"{cfg.model.vocab_size}; add --model.vocab_size {vocab} (or more, e.g. a multiple of 64).")
         path = default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log, announce_cached=False,
-                             holdout_tokens=longest_stage(cfg.train.stages))  # (the store the run reads: setup.py)
+                             holdout_tokens=holdout_grid(cfg))  # (the store the run reads: setup.py)
     manifest = check_store(cfg, path)  # (an eval split too small is not an error: rank 0 says so at start)
     mixture = parse_synthetic(cfg.data.synthetic)
     if mixture:

@@ -25,7 +25,7 @@ from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError, UserError
 from ..job.runtime import Runtime
-from .stages import longest_stage
+from .stages import holdout_grid
 
 
 def check_packages(cfg: Config) -> None:
@@ -158,7 +158,7 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
     # every stage's store holds out the same text (default_store: one grid), or a later stage would
     # evaluate on text an earlier one trained on
     return str(on_main(rt, lambda: default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log,
-                                                 holdout_tokens=longest_stage(cfg.train.stages)),
+                                                 holdout_tokens=holdout_grid(cfg)),
                        "building the data store"))
 
 
@@ -268,7 +268,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
                                 tokenizer=tokenizer, draft=getattr(model, "checkpoint_record", None))
     manager.run_dir = str(run_dir.resolve())
     # the grid its default-corpus stores hold out on (store_path): `longctx eval` reads that corpus on it
-    manager.holdout_tokens = 0 if cfg.data.path else longest_stage(cfg.train.stages) or cfg.train.seq_len
+    manager.holdout_tokens = 0 if cfg.data.path else holdout_grid(cfg)
     # verified on every rank before anything is loaded: `auto` skips damaged checkpoints (and says so)
     found = manager.resume_point(ck.resume)
     if found is None:

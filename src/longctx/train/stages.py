@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ..config import Config
 from ..config.rules import parse_stages
 from ..data.loader import BatchLoader, cost_coefficients
-from ..models.moe_capacity import decides_over_rows
+from ..models.moe_capacity import routes_across_tokens
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,10 @@ def stages_of(cfg: Config) -> list[Stage]:
     return out
 
 
-def longest_stage(spec: str) -> int:
-    """The longest sequence of train.stages (0 without stages)."""
-    return max(s for s, _, _ in parse_stages(spec)) if spec else 0
+def holdout_grid(cfg: Config) -> int:
+    """The eval-split grid of the stores a run builds from data.corpus (data/default_store.py): its
+    longest stage's length, so that every stage holds out the same text, else train.seq_len."""
+    return max(s for s, _, _ in parse_stages(cfg.train.stages)) if cfg.train.stages else cfg.train.seq_len
 
 
 def stage_config(cfg: Config, stage: Stage) -> Config:
@@ -135,7 +136,7 @@ class StagedLoader:
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
         # (a routing that reads the micro-batch in token order takes its rows unbalanced: models/moe_capacity.py)
-        balance = cfg.data.dp_balance and not decides_over_rows(cfg.model)
+        balance = cfg.data.dp_balance and not routes_across_tokens(cfg.model)
         self.loader = BatchLoader(self.train_samples, self.micro_step_sequences, cfg.train.seed, dp=self.dp,
                                   balance=balance, cost=cost_coefficients(cfg.model))
         if self._saved is not None and int(self._saved.get("stage", 0)) == stage.index:

@@ -394,7 +394,8 @@ class Trainer:
             total += forward_loss_sum(model, batch, self.autocast_dtype)
             count = count + self._label_count([batch], valid)  # (a host int, or a draft's count on the device)
         model.train()
-        return float(self.rt.sum_tensor(total)) / float(count) if float(count) else float("nan")  # (no label: no loss)
+        n = float(count)  # (one host read of each: the count may be a draft's, on the device)
+        return float(self.rt.sum_tensor(total)) / n if n else float("nan")  # (no label: no loss)
 
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""

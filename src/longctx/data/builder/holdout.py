@@ -15,6 +15,7 @@ above 0 always gives an eval split unless the corpus is a single piece.
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from dataclasses import dataclass, field
 
@@ -129,7 +130,7 @@ def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: Scanned
         size = length
     else:
         cuts = _cuts(corpus, scanned, length, seq_len)
-        i = max(j for j in range(len(cuts) - 1) if cuts[j] <= start)  # the sample-sized part holding `start`
+        i = bisect.bisect_right(cuts, start) - 1  # the sample-sized part holding `start`
         start, size = cuts[i], cuts[i + 1] - cuts[i]
     train = Items()
     for d, s, m in zip(items["train"].doc, items["train"].start, items["train"].length):
