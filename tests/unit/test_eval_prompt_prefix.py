@@ -1,7 +1,7 @@
 """`longctx eval` on hf:DIR prompts the model as `longctx generate` (and transformers) would: with the
 special tokens its tokenizer puts before a text (e.g. BOS), in --mode generate and --mode score alike,
 each sequence still `length` tokens long. A tokenizer that adds none, the byte tokenizer and a
-longctx checkpoint (whose training data carries none) are unchanged.
+longctx checkpoint trained before its documents began with them are unchanged.
 
 The model's calls are replaced by recorders: what is checked is the tokens it would be given."""
 
@@ -138,12 +138,19 @@ def test_tokenizers_that_add_nothing_leave_the_prompts_alone(folders, monkeypatc
     json.dumps(result)
 
 
-def test_a_longctx_checkpoint_gets_no_prefix(folders):
-    """`longctx generate` adds none for a longctx checkpoint (its training data carries none): eval neither."""
+def test_a_longctx_checkpoint_gets_the_prefix_its_manifest_records(folders, tmp_path):
+    """`longctx generate` puts before a longctx checkpoint's prompts the special tokens its training documents
+    began with (its manifest's text_prefix; none when it records none, as before they were recorded): eval too."""
     with_bos, _, _ = folders
     tok = HFTokenizer(with_bos / "tokenizer.json")
-    assert special_prefix("runs/x/checkpoints", tok) == []
-    assert special_prefix(f"hf:{with_bos}", tok) == [tok._tok.token_to_id("<s>")]
+    bos = tok._tok.token_to_id("<s>")
+    for name, record in (("old", {}), ("new", {"text_prefix": [bos]})):
+        step = tmp_path / name / "step-00000001"
+        step.mkdir(parents=True)
+        (step / "manifest.json").write_text(json.dumps({"step": 1, **record}))
+    assert special_prefix(str(tmp_path / "old"), tok) == []
+    assert special_prefix(str(tmp_path / "new"), tok) == [bos]
+    assert special_prefix(f"hf:{with_bos}", tok) == [bos]
 
 
 def test_two_prefix_tokens_prompt_generate_mode_and_are_refused_by_score_mode(folders, tmp_path, monkeypatch):

@@ -73,8 +73,8 @@ def test_prompt_without_room_is_refused():
 
 
 class _Samples:
-    """A stand-in store split: sample i is all tokens i % 200."""
-    seq_len, doc_mask = 256, True
+    """A stand-in store split: sample i is all tokens i % 200, documents beginning with no special tokens."""
+    seq_len, doc_mask, text_prefix = 256, True, []
 
     def __init__(self, n):
         self.n = n

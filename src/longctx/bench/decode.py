@@ -126,8 +126,11 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     from ..generate.prompts import read_prompts
 
     if args.prompts:
+        from ..config.tokenizer import model_text_prefix
+
         rows = read_prompts(SimpleNamespace(prompt=None, prompts=args.prompts))
-        return {"prompts": [list(map(int, tokenizer.encode(r["text"]))) for r in rows]}
+        prefix = model_text_prefix(args.target, tokenizer)  # (as `longctx generate` prompts it: its BOS, say)
+        return {"prompts": [prefix + list(map(int, tokenizer.encode(r["text"]))) for r in rows]}
 
     def store():
         from ..config import DataConfig

@@ -108,6 +108,7 @@ class CheckpointManager:
         # in the manifest: what `longctx generate` trusts the model with (config/positions.py)
         self.trained_positions = 0
         self.holdout_tokens = 0  # the eval-split grid of the run's default-corpus store (manifest.py), 0: not one
+        self.text_prefix: list[int] = []  # the special tokens its documents begin with (manifest.py)
         self.run_dir: str | None = None  # the run directory (absolute), in the manifest: where resumes find its config
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
         # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
@@ -180,7 +181,7 @@ class CheckpointManager:
 
     def _manifest_record(self) -> dict:
         return {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
-                "holdout_tokens": self.holdout_tokens}
+                "holdout_tokens": self.holdout_tokens, "text_prefix": self.text_prefix}
 
     def _temporary_directory(self, step: int) -> Path:
         """A fresh hidden directory for this save, the same on every rank."""

@@ -65,6 +65,19 @@ def model_tokenizer(init_from: str) -> str | None:
     return checkpoint_manifest(init_from)[1].get("tokenizer")
 
 
+def model_text_prefix(init_from: str, tokenizer) -> list[int]:
+    """The special tokens a prompt to the weights of `init_from` begins with, as their training
+    documents did: for hf:DIR with a Hugging Face tokenizer, those its post-processing puts before a
+    text (e.g. BOS: transformers' tokenizer(text)); for a longctx checkpoint, those its manifest
+    records its documents began with (data/builder/tokenize.py; none before they were recorded);
+    none for the byte tokenizer. `tokenizer` is the one the prompt is encoded with."""
+    if not init_from or getattr(tokenizer, "name", "") == "byte":
+        return []
+    if init_from.startswith("hf:"):
+        return tokenizer.text_prefix()
+    return [int(t) for t in checkpoint_manifest(init_from)[1].get("text_prefix", [])]
+
+
 def resolve_tokenizer(init_from: str, tokenizer: str, store: str = "") -> str:
     """data.tokenizer as the run uses it. The tokenizer follows the model: `auto` is the weights'
     own (model_tokenizer), else a store's (data.path), else `byte` for a model trained from scratch;

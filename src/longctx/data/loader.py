@@ -41,7 +41,7 @@ from ..errors import DataError
 from ..models.flops import forward_flops_per_token
 from .balance import balanced_order
 from .samples import IGNORE, Batch, SampleOrder
-from .store import S_LENGTH, load_split, read_manifest
+from .store import S_LENGTH, load_split, read_manifest, text_prefix
 
 
 @dataclass
@@ -60,6 +60,7 @@ class SampleSet:
     sets `reads_by_position` and provides `frames`, `read_at` and `label_count` (PackedSamples)."""
 
     reads_by_position = False
+    text_prefix: list[int] = []  # the special tokens each document begins with (PackedSamples: its store's)
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +117,11 @@ class PackedSamples(SampleSet):
     @property
     def tokenizer_spec(self) -> str:
         return self.manifest["tokenizer"]["spec"]
+
+    @property
+    def text_prefix(self) -> list[int]:
+        """The special tokens each of the store's documents begins with (e.g. BOS)."""
+        return text_prefix(self.manifest)
 
     def _locate(self, i: int):
         if not 0 <= i < self.num_samples:

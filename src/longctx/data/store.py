@@ -106,6 +106,13 @@ def read_manifest(root: str | Path) -> dict:
     return manifest
 
 
+def text_prefix(manifest: dict) -> list[int]:
+    """The special tokens each document of a store (or the store a checkpoint trained on) begins with
+    (data/tokenizer.py text_prefix); [] for one written before they were recorded, whose documents
+    began with none."""
+    return [int(t) for t in manifest["tokenizer"].get("text_prefix", [])]
+
+
 def remove_stale(root: Path, manifest: dict | None) -> None:
     """Temporary and unlisted parts left by interrupted builds or appends."""
     listed = {p["dir"] for p in manifest["parts"]} if manifest else set()

@@ -126,7 +126,9 @@ class SyntheticMixture(SampleSet):
     """A store split (PackedSamples) with a seeded fraction of its samples turned into retrieval
     sequences: sample i is synthetic for every epoch and every layout alike (its own seeded draw),
     built from its own tokens as filler, one document with positions 0..L-1, labelled on the answer
-    and its stop only. (Labelled on every token, the answer is 6 of the sample's L labels and its signal drowns
+    and its stop only, and beginning with the special tokens the store's documents begin with (its
+    text_prefix, e.g. BOS), as the model is prompted in `longctx eval` and `longctx generate`.
+    (Labelled on every token, the answer is 6 of the sample's L labels and its signal drowns
     in the language-model loss: the debug model at 128 tokens with half the samples synthetic stayed
     at chance on the answer for 300 steps, where answer-only labels learned it.)"""
 
@@ -146,13 +148,19 @@ class SyntheticMixture(SampleSet):
     def tokenizer_spec(self) -> str:
         return self.samples.tokenizer_spec
 
+    @property
+    def text_prefix(self) -> list[int]:
+        return self.samples.text_prefix
+
     def sample(self, i: int):
         if not self.synthetic[i]:
             return self.samples.sample(i)
         tokens, _, _, _ = self.samples.sample(i)
         rng = np.random.default_rng([self.seed, int(i)])
-        prompt = retrieval_prompt(self.task, tokens, self.seq_len, float(rng.random()), rng, self.tokenizer,
-                                  stop=ANSWER_STOP)
-        L = self.seq_len
-        return prompt.tokens, prompt.labels, np.arange(L), (np.zeros(L, dtype=np.int64) if self.doc_mask else None)
+        prefix = np.asarray(self.text_prefix, dtype=np.int64)
+        L, k = self.seq_len, len(prefix)
+        prompt = retrieval_prompt(self.task, tokens, L - k, float(rng.random()), rng, self.tokenizer, stop=ANSWER_STOP)
+        tokens = np.concatenate([prefix, prompt.tokens])
+        labels = np.concatenate([np.full(k, IGNORE, dtype=np.int64), prompt.labels])
+        return tokens, labels, np.arange(L), (np.zeros(L, dtype=np.int64) if self.doc_mask else None)
 

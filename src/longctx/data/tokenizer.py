@@ -1,12 +1,14 @@
 """Tokenizers: a byte-level one that needs no files, and Hugging Face `tokenizer.json` files.
 
-Both expose `vocab_size`, `eos_id` and `encode_batch(texts) -> list[np.ndarray]`.
+Both expose `vocab_size`, `eos_id`, `text_prefix()` and `encode_batch(texts) -> list[np.ndarray]`.
 
 A document is encoded whole and as text: a tokenizer.json's own truncation and padding settings
 are switched off (they would cut or pad every document silently), and a special token's literal
 string in a document ("</s>" in a code corpus) is encoded as the text it is, never as the special
-token; the builder adds the EOS id itself. `encode` (a prompt for generation or eval) keeps the
-tokenizer's usual reading of special-token strings, as transformers does.
+token; the builder adds the special tokens itself: the tokenizer's own prefix (`text_prefix`, e.g.
+Llama's BOS, which a pretrained model saw before every document) and the EOS id after. `encode` (a
+prompt for generation or eval) keeps the tokenizer's usual reading of special-token strings, as
+transformers does.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
+    def text_prefix(self) -> list[int]:
+        return []  # (models trained on bytes start a document with its first byte)
+
+
+PROBE = "1"  # any text: what a tokenizer puts before it is its special-token prefix (text_prefix)
 
 # End-of-document tokens used by common tokenizer.json files, most specific first.
 _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
@@ -69,6 +76,7 @@ class HFTokenizer:
             )
         self.eos_id = eos
         self.bos_id = None
+        self._prefix: list[int] | None = None
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Documents' ids, their special-token strings read as text."""
@@ -91,6 +99,22 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def text_prefix(self) -> list[int]:
+        """The ids the tokenizer's post-processing puts before a text (e.g. Llama's BOS), as transformers'
+        tokenizer(text) gives them: what a document starts with in a store (builder/tokenize.py) and a
+        prompt in `longctx generate`; [] when it adds none."""
+        if self._prefix is None:
+            plain = [int(t) for t in self.encode(PROBE)]
+            full = [int(t) for t in self.encode(PROBE, add_special_tokens=True)]
+            found = next((full[:i] for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain),
+                         None)
+            if found is None:
+                raise DataError(f"the tokenizer {self.name} tokenizes {PROBE!r} as {plain} alone but as {full} with "
+                                f"its special tokens, so the special tokens it puts before a text cannot be told "
+                                f"apart; pass another tokenizer.")
+            self._prefix = found
+        return list(self._prefix)
 
 
 def tokenizer_digest(spec: str) -> str | None:

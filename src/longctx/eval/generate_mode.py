@@ -8,13 +8,14 @@ run. The answer is read from the generated tokens up to the first one that decod
 token such as BOS, or an id past the tokenizer's vocabulary: `answer_text`), as score mode, which
 wants every answer token, would count a key such a token interrupts as a miss.
 
-The special-token prefix. For hf:DIR, `longctx generate` (as transformers) puts the tokenizer's special
-tokens before a prompt's text (e.g. BOS: generate/prompts.py); eval's sequences are built without them
-(data/synthetic.py, as training's). So both modes give the model the same prefix first (`special_prefix`):
-generate mode before each prompt, score mode in place of each sequence's last token, which is only
-ever a label (`with_prefix`), so a sequence stays `length` tokens and the context before the answer
-is the same in both modes. None for a longctx checkpoint (its training data carries none), a
-tokenizer that adds none, or the byte tokenizer.
+The special-token prefix. `longctx generate` puts before a prompt's text the special tokens the model's
+training documents began with (generate/prompts.py): for hf:DIR, the tokenizer's own (e.g. BOS, as
+transformers does); for a longctx checkpoint, those its manifest records (data/builder/tokenize.py).
+Eval's sequences are built without them (data/synthetic.py), so both modes give the model that prefix
+first (`special_prefix`): generate mode before each prompt, score mode in place of each sequence's last
+token, which is only ever a label (`with_prefix`), so a sequence stays `length` tokens and the context
+before the answer is the same in both modes. None for a tokenizer that adds none, a checkpoint trained
+before documents carried one, or the byte tokenizer.
 """
 
 from __future__ import annotations
@@ -43,26 +44,12 @@ def answer_start(seq: Sequence) -> int:
     return int(np.flatnonzero(seq.labels != IGNORE)[0]) + 1
 
 
-PROBE = "1"  # any text: what the tokenizer puts before it is its special-token prefix
-
-
 def special_prefix(checkpoint: str, tokenizer) -> list[int]:
-    """The token ids `longctx generate` puts before a prompt's text (generate/prompts.py): for hf:DIR with
-    a Hugging Face tokenizer, those its post-processing adds before the text (e.g. BOS), as
-    transformers does; none otherwise."""
-    from ..data.tokenizer import HFTokenizer
-    from ..errors import DataError
+    """The token ids `longctx generate` puts before a prompt's text (generate/prompts.py): those the
+    model's training documents began with (config/tokenizer.py model_text_prefix: hf:DIR's BOS, say)."""
+    from ..config.tokenizer import model_text_prefix
 
-    if not (checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)):
-        return []
-    plain = [int(t) for t in tokenizer.encode(PROBE)]
-    full = [int(t) for t in tokenizer.encode(PROBE, add_special_tokens=True)]
-    for i in range(len(full) - len(plain) + 1):
-        if full[i:i + len(plain)] == plain:
-            return full[:i]
-    raise DataError(f"the tokenizer {tokenizer.name} tokenizes {PROBE!r} as {plain} alone but as {full} with its "
-                    f"special tokens, so the prefix `longctx generate` gives a prompt cannot be told apart; pass "
-                    f"another --tokenizer.")
+    return model_text_prefix(checkpoint, tokenizer)
 
 
 def with_prefix(seq: Sequence, prefix: list[int]) -> Sequence:
@@ -111,6 +98,8 @@ def _vanishes(tokenizer, token: int, cache: dict | None) -> bool:
     decodes to '' at the start of a text, yet is a space in it.)"""
     if cache is not None and token in cache:
         return cache[token]
+    from ..data.tokenizer import PROBE
+
     probe = [int(t) for t in tokenizer.encode_batch([PROBE])[0]]
     out = tokenizer.decode(probe + [token] + probe) == tokenizer.decode(probe + probe)
     if cache is not None:

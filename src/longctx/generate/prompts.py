@@ -102,18 +102,24 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
     """Each prompt's token ids (into its "ids"), checked against the model; returns each prompt's limit of
     new tokens (--max-new-tokens within the positions the model reaches) and the notes on the ones cut
     short. A prompt past that reach is refused, or with --allow-extrapolation said once."""
+    from ..config.tokenizer import model_text_prefix
     from ..data.tokenizer import HFTokenizer
 
-    # with a Hugging Face tokenizer's special tokens (e.g. BOS) for hf:DIR, as transformers does
-    special = args.checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)
+    # with the special tokens the model's training documents began with (e.g. BOS): for hf:DIR its Hugging
+    # Face tokenizer's own, as transformers adds them; a longctx checkpoint's recorded text_prefix
+    hf = args.checkpoint.startswith("hf:") and isinstance(tokenizer, HFTokenizer)
+    prefix = [] if hf else model_text_prefix(args.checkpoint, tokenizer)
     limits, notes, past = [], [], []
     for i, p in enumerate(prompts):
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
         if not p["text"]:
             raise ConfigError(f"{which} is empty; give it some text to continue.")
         # (a rendered chat holds its special tokens already: none added, as transformers tokenizes it)
-        add = special and not p.get("chat")
-        ids = tokenizer.encode(p["text"], add_special_tokens=True) if add else tokenizer.encode(p["text"])
+        add = not p.get("chat")
+        if add and hf:
+            ids = tokenizer.encode(p["text"], add_special_tokens=True)
+        else:
+            ids = [*(prefix if add else []), *tokenizer.encode(p["text"])]
         p["ids"] = [int(t) for t in ids]
         if not p["ids"]:
             raise ConfigError(f"{which} has no tokens after tokenization; give it some text to continue.")

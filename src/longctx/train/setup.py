@@ -20,7 +20,7 @@ from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
 from ..data.loader import PackedSamples
-from ..data.store import read_manifest
+from ..data.store import read_manifest, text_prefix
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError, UserError
@@ -170,6 +170,15 @@ def run_tokenizer(cfg: Config) -> str:
     return read_manifest(cfg.data.path)["tokenizer"]["spec"]
 
 
+def run_text_prefix(cfg: Config) -> list[int]:
+    """The special tokens the run's documents begin with (e.g. BOS; recorded in each checkpoint's
+    manifest): its data.path store's, else those the default store's tokenizer puts before a text."""
+    if cfg.data.path:
+        return text_prefix(read_manifest(cfg.data.path))
+    spec = run_tokenizer(cfg)  # (`auto` here: the weights name none, which building the data reports)
+    return [] if spec == "auto" else load_tokenizer(spec).text_prefix()
+
+
 def check_tokenizer_known(cfg: Config) -> None:
     """data.tokenizer is still `auto` only when the weights of model.init_from name no tokenizer."""
     if cfg.data.tokenizer == "auto":
@@ -224,6 +233,21 @@ def check_store(cfg: Config, path) -> dict:
     return manifest
 
 
+def _missing_prefix(manifest: dict) -> str:
+    """A store written before documents began with their tokenizer's special tokens, for a tokenizer
+    that puts some before a text (e.g. Llama's BOS): what the run trains on unlike the model's pretraining."""
+    tok = manifest["tokenizer"]
+    if "text_prefix" in tok or tok["name"] == "byte":
+        return ""
+    try:
+        prefix = load_tokenizer(tok["spec"]).text_prefix()
+    except DataError:  # (its file is gone: the tokenizer checks say so where it matters)
+        return ""
+    return (f"its documents were built without the {prefix} their tokenizer puts before every text (e.g. BOS), "
+            f"which a pretrained model saw before each document; rebuild it with `longctx data build` to train "
+            f"with them" if prefix else "")
+
+
 def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     """Train and eval samples of the run's store (eval is None when evaluation is off or empty)."""
     t0 = time.perf_counter()
@@ -237,6 +261,9 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
         train = SyntheticMixture(train, *mixture, cfg.train.seed, load_tokenizer(manifest["tokenizer"]["spec"]))
         log(f"data: {int(train.synthetic.sum()):,} of {len(train):,} training samples are {mixture[0]} sequences "
             f"(data.synthetic = {cfg.data.synthetic})")
+    note = _missing_prefix(manifest)
+    if note:
+        log(f"data: {path}: {note}")
     problem = eval_split_problem(cfg, path, manifest)
     evals = None
     if problem:
@@ -269,6 +296,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
     manager.run_dir = str(run_dir.resolve())
     # the grid its default-corpus stores hold out on (store_path): `longctx eval` reads that corpus on it
     manager.holdout_tokens = 0 if cfg.data.path else holdout_grid(cfg)
+    manager.text_prefix = run_text_prefix(cfg)  # what generate and eval begin a prompt with
     # verified on every rank before anything is loaded: `auto` skips damaged checkpoints (and says so)
     found = manager.resume_point(ck.resume)
     if found is None:

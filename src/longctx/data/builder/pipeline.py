@@ -115,7 +115,7 @@ def scanned(work: Path, plan: dict) -> list[ScannedShard]:
 # build and merge
 
 
-def _open_store(opts: BuildOptions) -> tuple[Path, dict | None]:
+def _open_store(opts: BuildOptions, tok) -> tuple[Path, dict | None]:
     root = Path(opts.out)
     old = None
     if (root / store.MANIFEST).is_file():
@@ -132,6 +132,12 @@ def _open_store(opts: BuildOptions) -> tuple[Path, dict | None]:
         if old["tokenizer"]["spec"] != opts.tokenizer:
             raise DataError(f"the store '{root}' was built with tokenizer {old['tokenizer']['spec']!r}; an append "
                             f"must use the same (got {opts.tokenizer!r}).")
+        had = store.text_prefix(old)
+        if had != tok.text_prefix():  # (a store from before documents began with it: its parts would mix)
+            raise DataError(f"the store '{root}' holds documents that begin with {had or 'no special tokens'}, but "
+                            f"this version of longctx begins each with the tokenizer's own prefix "
+                            f"{tok.text_prefix()}; an append would mix the two. Rebuild the store (all its inputs) "
+                            f"into a new --out.")
     elif root.exists() and not root.is_dir():
         raise DataError(f"--out '{root}' exists and is not a directory.")
     return root, old
@@ -161,7 +167,7 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
             f"`longctx data merge`")
         return plan
-    root, old = _open_store(opts)
+    root, old = _open_store(opts, tok)
     shown = opts.shown_as or root
     log(f"data build: {', '.join(opts.inputs)} -> {shown} {_describe(opts, tok)}")
     work = root / WORK
@@ -208,7 +214,7 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
                            "max_memory": max_memory or built["max_memory"]})
     tok = load_tokenizer(opts.tokenizer)
-    root, old = _open_store(opts)
+    root, old = _open_store(opts, tok)
     log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
     records = {"scan": {"shards": len(shards), "machines": n}}
     with phase("data merge"):

@@ -40,7 +40,9 @@ from .tokenize import tokenize_one
 
 SHARD_BYTES = 16 << 20
 FORMAT = "longctx-scan"
-VERSION = 3  # 2: shards hashed by dedup.py's VERSION 2; 3: features of unspaced scripts by character (features.py)
+# 2: shards hashed by dedup.py's VERSION 2; 3: features of unspaced scripts by character (features.py);
+# 4: a document starts with its tokenizer's text_prefix (tokenize.py)
+VERSION = 4
 PLAN = "plan.json"
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open

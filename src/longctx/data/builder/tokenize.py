@@ -1,6 +1,7 @@
 """Batched, parallel tokenisation of documents, with the natural cut points packing needs.
 
-Each document becomes its tokens followed by one EOS (the document's `length` counts it), plus two
+Each document becomes the tokenizer's own prefix (`text_prefix`: Llama's BOS; none for the byte
+tokenizer and many others), its tokens and one EOS (the document's `length` counts all three), plus two
 sorted arrays of token offsets where the document could be cut if it is longer than a sample:
 `breaks` (a token that starts a new line) and `strong` (a new line after a blank line: a new
 paragraph, or a new top-level definition in source code). The byte tokenizer finds them from the
@@ -20,7 +21,7 @@ NEWLINE = 10
 
 @dataclass
 class Tokenized:
-    tokens: list[np.ndarray]  # per document, EOS included
+    tokens: list[np.ndarray]  # per document, prefix and EOS included
     breaks: list[np.ndarray]
     strong: list[np.ndarray]
 
@@ -50,22 +51,24 @@ def _offset_breaks(text: str, starts: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def tokenize_one(text: str, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens with the EOS appended, breaks, strong) of one document."""
+    """(prefix + tokens + EOS, breaks, strong) of one document."""
     return next(iter(_tokenized([text], tok)))
 
 
 def _tokenized(texts: list[str], tok):
-    """(tokens + EOS, breaks, strong) per text, in order."""
+    """(prefix + tokens + EOS, breaks, strong) per text, in order; the cut points count the prefix."""
     eos = np.array([tok.eos_id], dtype=np.int32)
     if getattr(tok, "name", "") == "byte":
         for text in texts:
             ids = tok.encode(text)
             yield (np.concatenate([ids, eos]), *_byte_breaks(ids))
         return
+    prefix = np.asarray(tok.text_prefix(), dtype=np.int32)
     for text, enc in zip(texts, tok.encode_encodings(texts)):
         ids = np.asarray(enc.ids, dtype=np.int32)
         starts = np.asarray([o[0] for o in enc.offsets], dtype=np.int64)
-        yield (np.concatenate([ids, eos]), *_offset_breaks(text, starts))
+        breaks, strong = _offset_breaks(text, starts)
+        yield (np.concatenate([prefix, ids, eos]), breaks + len(prefix), strong + len(prefix))
 
 
 def tokenize(texts: list[str], tok, workers: int = 1, batch: int = 256, progress=None) -> Tokenized:
