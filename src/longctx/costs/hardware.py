@@ -114,11 +114,12 @@ def hardware_names() -> list[str]:
     return [*PRESETS, "cpu-measured"]
 
 
-def get_hardware(name: str) -> Hardware:
-    """A hardware preset; 'cpu-measured' (or 'cpu') calibrates this machine."""
+def get_hardware(name: str, world: int = 4) -> Hardware:
+    """A hardware preset; 'cpu-measured' (or 'cpu') calibrates this machine for `world` processes
+    (each gets 1 / world of its memory and, past its cores, of its FLOP/s)."""
     key = ALIASES.get(name.lower(), name.lower())
     if key == "cpu-measured":
-        return calibrate()
+        return calibrate(world=world)
     if key not in PRESETS:
         close = difflib.get_close_matches(key, hardware_names(), n=1)
         raise ConfigError(
@@ -174,20 +175,25 @@ def parse_kv(items: list[str] | None) -> dict:
     return out
 
 
-def load_hardware(spec: str = "h100", overrides: list[str] | None = None) -> Hardware:
+def load_hardware(spec: str = "h100", overrides: list[str] | None = None, world: int = 4) -> Hardware:
     """`spec` (a preset name, or a TOML file whose [hardware] table gives fields, on top of a preset
-    named by `base = "h100"` or complete), then --hw KEY=VALUE strings."""
+    named by `base = "h100"` or complete), then --hw KEY=VALUE strings. world: the processes on this
+    machine that a 'cpu-measured' base is calibrated for (the plan's ranks in one node)."""
     values: dict = {}
     file, base = None, spec
     if is_hardware_file(spec):
         file = spec
         data = read_toml(file, "hardware file", "Write a TOML file with a [hardware] table.")
+        outside = [k for k in data if k != "hardware"] if "hardware" in data else []
+        if outside:  # read only [hardware]: a field above it (or another table) would be silently ignored
+            raise ConfigError(f"hardware file '{file}' has {', '.join(outside)} outside its [hardware] table; move "
+                              f"every field into [hardware] (or drop the table header and give the fields alone).")
         values = dict(data.get("hardware", data))
         if "base" not in values and "name" not in values:
             raise ConfigError(f"hardware file '{file}' must name a base preset (base = \"h100\") or give every field.")
         base = values.get("base")
     if base:
-        hw = get_hardware(base)
+        hw = get_hardware(base, world)
     else:
         types = _field_types()
         missing = [k for k in ("name", "memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "host_link_gbps",

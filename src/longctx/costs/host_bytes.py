@@ -200,9 +200,11 @@ def one_memory_bytes(m: ModelConfig, shape: MeshShape, tier: str, device: dict[s
 def hpz_copy_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float:
     """parallel.zero_pp = hpz: after its forward every block unit keeps its weights sharded over the
     node (1 / node of them per rank, in the gather dtype; 1 / hpz_ranks on a group inside the node) until
-    its backward gathers them again."""
+    its backward gathers them again. Under expert parallelism the routed experts are units of their own
+    over the expert-data group that keep plain resharding (parallel/fsdp/shard.py): no copy of them."""
     pc = param_counts(m)
-    return (pc["total"] - pc["root"]) * gather_bytes / max(shape.hpz_ranks or shape.node, 1)
+    blocks = pc["total"] - pc["root"] - (pc["experts"] if shape.expert > 1 else 0)
+    return blocks * gather_bytes / max(shape.hpz_ranks or shape.node, 1)
 
 
 @per_model

@@ -73,8 +73,15 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
     # the bf16 normed x and the output
     norm = 8 * d + 4
     core = p * (2 * H + 2 * k_eff) * hd + 4 * H
+    # model.qk_norm (Qwen3, OLMoE): the q and k norms (ops/norm.py rms_norm, in the sequence layout
+    # before the all-to-all: every head) keep their input's fp32 copy (the input itself in fp32), the
+    # normed values in the compute dtype, and an fp32 rsqrt per row (a head's vector, or the whole
+    # projection under qk_norm_span "all"); RoPE after them keeps nothing of its input
+    qk_rows = (2 if getattr(m, "qk_norm_span", "head") == "all" else H + K) if m.qk_norm else 0
+    qk_norm = (4 + p) * (H + K) * hd + 4 * qk_rows if m.qk_norm else 0
     return {
         "norm": norm,
+        "qk_norm": qk_norm,
         "norm_input": p * d if p == 4 else 0,          # fp32: the norm saves its input itself
         "core": core,                                  # q, k, v, out, lse
         "attn_out": p * H * hd,                        # the attention output in sequence layout
@@ -99,7 +106,8 @@ def _kept_block(recompute: str, part: dict[str, float], fl: dict[str, float], se
                 block_chunked: bool) -> tuple[float, float]:
     """(bytes, recomputed FLOPs) per token of a block that stays on the device under `recompute`."""
     if recompute == "none":
-        kept = part["norm"] * 2 + core_device + seq_out + part["residual"] + part["mlp"] + part["block_out"]
+        kept = (part["norm"] * 2 + part["qk_norm"] + core_device + seq_out + part["residual"] + part["mlp"]
+                + part["block_out"])
         return kept, 0.0
     if recompute == "full":
         # the block keeps its input (the previous block's output); with chunks nested in the block's
@@ -125,7 +133,8 @@ def _offloaded_block(recompute: str, part: dict[str, float], p: int, dim: int, A
     block_input = (1 - A) * p * dim + A * part["norm_input"]
     # the attention output in sequence layout: the core's own output when head = 1 (already
     # counted), else a tensor of its own, kept whole (stored tokens by post, the rest by its checkpoint)
-    host = part["core"] + block_input + seq_out + A * (2 * part["norm"] + part["residual"] + part["mlp"])
+    host = (part["core"] + block_input + seq_out
+            + A * (2 * part["norm"] + part["qk_norm"] + part["residual"] + part["mlp"]))
     return host, 0.0
 
 

@@ -135,8 +135,10 @@ def build_request(args, overrides):
     seq_len = parse_tokens(args.seq_len)
     if args.calibrate and args.hardware:
         raise ConfigError("give --calibrate (plan for this machine, measured) or --hardware, not both.")
+    # a calibration (--calibrate, or --hardware cpu-measured) is for the plan's ranks on this machine
+    world = max(1, min(args.gpus, args.gpus_per_node))
     if args.calibrate:
-        hw = calibrate(world=max(1, min(args.gpus, args.gpus_per_node)))
+        hw = calibrate(world=world)
         if args.calibrate_out:
             Path(args.calibrate_out).write_text(hw.to_toml())
         if args.hw:
@@ -144,7 +146,8 @@ def build_request(args, overrides):
 
             hw = apply_overrides(hw, parse_kv(args.hw))
     else:
-        hw = load_hardware(args.hardware or "h100", args.hw)
+        hw = load_hardware(args.hardware or "h100", args.hw, world=world)
+    _check_precision(base.train.dtype, hw)
     chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
     block_chunks = _ints(args.block_chunk, "--block-chunk")
     recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
@@ -161,6 +164,20 @@ def build_request(args, overrides):
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1))
     return req, base
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # train.dtype -> bytes per activation element and gathered parameter
+
+
+def _check_precision(dtype: str, hw) -> None:
+    """Every activation and gather figure of the plan is in the hardware's dtype_bytes, and the written
+    config keeps train.dtype as given: one given in another precision would hold other bytes than
+    predicted (fp32 on bf16 hardware: twice the activations), so it is refused."""
+    if DTYPE_BYTES.get(dtype, hw.dtype_bytes) != hw.dtype_bytes:
+        raise ConfigError(f"train.dtype = {dtype} trains with {DTYPE_BYTES[dtype]} bytes per activation, but "
+                          f"hardware {hw.name} is planned with dtype_bytes = {hw.dtype_bytes}: pass --hw "
+                          f"dtype_bytes={DTYPE_BYTES[dtype]} (and the peak of that precision, --hw peak_tflops=...), "
+                          f"or leave train.dtype auto.")
 
 
 def _doc_work(store: str | None, seq_len: int, doc_mask: bool) -> tuple[float, str]:

@@ -257,6 +257,13 @@ def _host_memory_suggestion(req: Request, res: PlanResult) -> list[str]:
 def suggest(req: Request, res: PlanResult) -> list[str]:
     """What would make an infeasible request feasible."""
     out = []
+    shapes = candidate_shapes(req) if not res.ranked else []
+    if shapes:  # layouts divide the sequence and the batch: no micro-batch size splits a rank's share
+        shares = sorted({req.global_batch // s.dp for s in shapes})
+        out.append(f"no micro-batch of {', '.join(map(str, req.micro_batches))} divides a data-parallel rank's share "
+                   f"of the global batch {req.global_batch} (sequences per rank per step: one of {shares}); "
+                   f"choose --micro-batch among the divisors of those, or a larger --global-batch")
+        return out
     if not res.ranked:
         units = sorted({2 * h * c for h in divisors(req.gpus) if head_degree_ok(req.model, h)
                         for c in divisors(req.gpus // h)})
