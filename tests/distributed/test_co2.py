@@ -136,10 +136,14 @@ def _logged_rounds(run_dir):
     return [(x["step"], x.get("co2_rounds")) for x in lines if "loss" in x]
 
 
-def _resumed(first, then, run_dir):
-    half = ["--checkpoint.interval=5", "--checkpoint.async=true"]
-    _losses([*half, *first], run_dir)
-    return _losses([*half, *then, f"--checkpoint.resume={run_dir}/checkpoints/step-00000005"], run_dir)
+# the uninterrupted runs that a resume starts from save (async) at steps 5 and 10: their step-5 checkpoint is
+# the first half of each resumed run (one run of 10 steps, not a second one that saves)
+SAVE = ["--checkpoint.interval=5", "--checkpoint.async=true"]
+
+
+def _resumed(then, saved_dir, run_dir):
+    """Steps 6-10 under `then`, resumed in `run_dir` from the step-5 checkpoint of the run in `saved_dir`."""
+    return _losses([*SAVE, *then, f"--checkpoint.resume={saved_dir}/checkpoints/step-00000005"], run_dir)
 
 
 @pytest.fixture(scope="module")
@@ -147,20 +151,21 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("co2")
     jobs = [(f"outer {name}", _distributed, (s,)) for name, s in (("plain", PLAIN), ("full", FULL), ("sooner", SOONER),
                                                                    ("same", SAME), ("same sooner", SAME_SOONER))]
-    jobs += [("co2", _losses, (CO2, str(d / "co2"))),
+    warm = [*CO2, "--train.co2_sync_steps=6"]
+    jobs += [("co2", _losses, ([*SAVE, *CO2], str(d / "co2"))),
              ("co2 rounds", _logged_rounds, (str(d / "co2"),)),
-             ("resumed", _resumed, (CO2, CO2, str(d / "resumed"))),
-             ("co2 to sync", _resumed, (CO2, [], str(d / "to-sync"))),
-             ("sync to co2", _resumed, ([], CO2, str(d / "to-co2"))), ("sync", _losses, ([], str(d / "sync"))),
+             ("resumed", _resumed, (CO2, str(d / "co2"), str(d / "resumed"))),
+             ("co2 to sync", _resumed, ([], str(d / "co2"), str(d / "to-sync"))),
+             ("sync", _losses, ([*SAVE], str(d / "sync"))),
+             ("sync to co2", _resumed, (CO2, str(d / "sync"), str(d / "to-co2"))),
              ("co2 head2", _losses, ([*CO2, "--parallel.head=2"], str(d / "head2"))),
              ("co2 moe", _losses, ([*CO2, "--model.preset=debug-moe", "--parallel.expert=2"], str(d / "moe"))),
-             ("co2 warm", _losses, ([*CO2, "--train.co2_sync_steps=6"], str(d / "warm"))),
+             ("co2 warm", _losses, ([*SAVE, *warm], str(d / "warm"))),
              ("co2 warm rounds", _logged_rounds, (str(d / "warm"),)),
-             ("warm resumed", _resumed, ([*CO2, "--train.co2_sync_steps=6"], [*CO2, "--train.co2_sync_steps=6"],
-                                         str(d / "warm-resumed"))),
-             ("co2 sooner", _losses, (SOONER_ARGS, str(d / "sooner"))),
+             ("warm resumed", _resumed, (warm, str(d / "warm"), str(d / "warm-resumed"))),
+             ("co2 sooner", _losses, ([*SAVE, *SOONER_ARGS], str(d / "sooner"))),
              ("co2 h4", _losses, (["--train.data_parallel=co2", "--train.co2_local_steps=4"], str(d / "h4"))),
-             ("sooner resumed", _resumed, (SOONER_ARGS, SOONER_ARGS, str(d / "sooner-resumed"))),
+             ("sooner resumed", _resumed, (SOONER_ARGS, str(d / "sooner"), str(d / "sooner-resumed"))),
              ("co2 accum2", _losses, ([*CO2, "--train.grad_accum=2", "--train.global_batch=8"], str(d / "accum")))]
     out = run_spawned_many(4, jobs)
     out["dir"] = d  # (where the runs' checkpoints are)
@@ -214,14 +219,15 @@ def test_a_run_ends_on_one_averaged_model(runs):
     # every replica's weights (each rank's shard, in its CO2 state) equal after the last step, not before
     from pathlib import Path
 
-    def weights(step, rank):
-        state = torch.load(Path(runs["dir"]) / f"resumed/checkpoints/step-{step:08d}/local-rank{rank}.pt",
+    def weights(run, step, rank):
+        state = torch.load(Path(runs["dir"]) / f"{run}/checkpoints/step-{step:08d}/local-rank{rank}.pt",
                            weights_only=True)
         return state["co2"]["weights"]
 
+    # the resumed run's step 5 (the uninterrupted co2 run's checkpoint) and its own last step
     for a, b in ((0, 2), (1, 3)):  # the same shard in replicas 0 and 1
-        assert not torch.equal(weights(5, a), weights(5, b))
-        assert torch.allclose(weights(10, a), weights(10, b), rtol=0, atol=1e-7)
+        assert not torch.equal(weights("co2", 5, a), weights("co2", 5, b))
+        assert torch.allclose(weights("resumed", 10, a), weights("resumed", 10, b), rtol=0, atol=1e-7)
 
 
 def test_a_checkpoint_between_a_round_end_and_its_merge_resumes_exactly(runs):

@@ -25,13 +25,16 @@ def _losses(args, run_dir):
     return train(cfg, log=lambda *a, **k: None).losses
 
 
-def _resumed(first_tier, then_tier, run_dir):
-    """STEPS steps under `first_tier`, saved every STEPS / 2; then its middle checkpoint resumed under
+# the world-1 runs save every STEPS / 2: each is the first half of the resumes from its tier (one
+# uninterrupted run that saves, not a second one)
+SAVE = ["--checkpoint.interval", str(STEPS // 2)]
+
+
+def _resumed(then_tier, saved_dir, run_dir):
+    """The middle checkpoint of the run in `saved_dir` (STEPS steps, saved every STEPS / 2) resumed under
     `then_tier` up to STEPS (the same schedule as one run: train.steps is STEPS in both)."""
-    half = ["--checkpoint.interval", str(STEPS // 2)]
-    _losses([*half, f"--memory.model_states={first_tier}"], run_dir)
-    middle = f"{run_dir}/checkpoints/step-{STEPS // 2:08d}"
-    return _losses([*half, f"--memory.model_states={then_tier}", f"--checkpoint.resume={middle}"], run_dir)
+    middle = f"{saved_dir}/checkpoints/step-{STEPS // 2:08d}"
+    return _losses([*SAVE, f"--memory.model_states={then_tier}", f"--checkpoint.resume={middle}"], run_dir)
 
 
 def _offloaded(tier, run_dir):
@@ -85,25 +88,25 @@ def _metrics_fields(run_dir):
     return [(x["step"], x.get("host_step_s"), x.get("host_exposed_s")) for x in lines if "loss" in x]
 
 
-def _jobs(base, layouts, tiers=TIERS):
+def _jobs(base, layouts, tiers=TIERS, save=()):
     jobs = []
     for name, args in layouts.items():
         for tier in tiers:
             run_dir = f"{base}/{name}-{tier}"
-            jobs.append((f"{name} {tier}", _losses, ([*args, f"--memory.model_states={tier}"], run_dir)))
+            jobs.append((f"{name} {tier}", _losses, ([*save, *args, f"--memory.model_states={tier}"], run_dir)))
     return jobs
 
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
     base = tmp_path_factory.mktemp("states1")
-    jobs = _jobs(base, {"world1": []})
+    jobs = _jobs(base, {"world1": []}, save=SAVE)  # (saved in {base}/world1-{tier}: resumed below)
     jobs += [("host built", _offloaded, ("host", f"{base}/built-host")),
              ("device built", _offloaded, ("device", f"{base}/built-device")),
-             ("host -> device", _resumed, ("host", "device", f"{base}/resume-a")),
-             ("device -> host", _resumed, ("device", "host", f"{base}/resume-b")),
-             ("host_optimizer -> device", _resumed, ("host_optimizer", "device", f"{base}/resume-c")),
-             ("device -> host_optimizer", _resumed, ("device", "host_optimizer", f"{base}/resume-d")),
+             ("host -> device", _resumed, ("device", f"{base}/world1-host", f"{base}/resume-a")),
+             ("device -> host", _resumed, ("host", f"{base}/world1-device", f"{base}/resume-b")),
+             ("host_optimizer -> device", _resumed, ("device", f"{base}/world1-host_optimizer", f"{base}/resume-c")),
+             ("device -> host_optimizer", _resumed, ("host_optimizer", f"{base}/world1-device", f"{base}/resume-d")),
              ("host_optimizer after backward", _after_backward, (f"{base}/after-backward",)),
              ("host_optimizer fields", _metrics_fields, (f"{base}/fields",))]
     jobs += _jobs(base, {"accum2": ["--train.grad_accum=2", "--train.global_batch=4"]}, ("device", "host_optimizer"))

@@ -34,12 +34,16 @@ def _post_forward_groups(args, run_dir):
             for block in model.layers]
 
 
-def _resumed(first, then, run_dir):
-    """STEPS steps under zero_pp `first` saved at STEPS / 2, then that checkpoint resumed under `then`."""
-    half = ["--checkpoint.interval", str(STEPS // 2), *LAYOUTS["head2-ctx2"]]
-    _losses([*half, f"--parallel.zero_pp={first}"], run_dir)
-    middle = f"{run_dir}/checkpoints/step-{STEPS // 2:08d}"
-    return _losses([*half, f"--parallel.zero_pp={then}", f"--checkpoint.resume={middle}"], run_dir)
+# head 2 x ctx 2's plain and hpz runs save at STEPS / 2 (and STEPS): each is the first half of a resume
+# (one uninterrupted run that saves, not a second one)
+SAVE = ["--checkpoint.interval", str(STEPS // 2)]
+
+
+def _resumed(then, saved_dir, run_dir):
+    """The middle checkpoint of the head 2 x ctx 2 run in `saved_dir` resumed under zero_pp `then` up to STEPS."""
+    middle = f"{saved_dir}/checkpoints/step-{STEPS // 2:08d}"
+    return _losses([*SAVE, *LAYOUTS["head2-ctx2"], f"--parallel.zero_pp={then}", f"--checkpoint.resume={middle}"],
+                   run_dir)
 
 
 def _gather_check(n, block, compiled=False):
@@ -87,7 +91,9 @@ def _reduce_check(n, block, compiled=False):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("zero_pp")
-    jobs = [(f"{name} {mode}", _losses, ([*args, f"--parallel.zero_pp={mode}"], f"{base}/{name}-{mode}"))
+    saves = {("head2-ctx2", ""), ("head2-ctx2", "hpz")}  # (resumed below)
+    jobs = [(f"{name} {mode}", _losses, ([*(SAVE if (name, mode) in saves else []), *args,
+                                          f"--parallel.zero_pp={mode}"], f"{base}/{name}-{mode}"))
             for name, args in LAYOUTS.items() for mode in ("", "hpz", "qwz", "qgz")]
     jobs.append(("head2-ctx2 hpz,qwz,qgz", _losses, ([*LAYOUTS["head2-ctx2"], "--parallel.zero_pp=hpz,qwz,qgz"],
                                                      f"{base}/zeropp")))
@@ -99,8 +105,8 @@ def runs(tmp_path_factory):
     jobs.append(("reduce compiled", _reduce_check, (1000, 64, True)))
     jobs += [(f"groups {mode}", _post_forward_groups, ([*LAYOUTS["head2-ctx2"], f"--parallel.zero_pp={mode}"],
                                                        f"{base}/groups-{mode}")) for mode in ("", "hpz")]
-    jobs += [("hpz -> plain", _resumed, ("hpz", "", f"{base}/resume-a")),
-             ("plain -> hpz", _resumed, ("", "hpz", f"{base}/resume-b"))]
+    jobs += [("hpz -> plain", _resumed, ("", f"{base}/head2-ctx2-hpz", f"{base}/resume-a")),
+             ("plain -> hpz", _resumed, ("hpz", f"{base}/head2-ctx2-", f"{base}/resume-b"))]
     return run_spawned_many(4, jobs)
 
 

@@ -4,6 +4,7 @@ settings are in the JSON; the flags are refused under --mode score and out of ra
 
 import json
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,22 @@ def hf_dir(tmp_path_factory):
     return d
 
 
-def test_sampled_answers_do_not_depend_on_the_batch(hf_dir, tmp_path):
+@pytest.fixture(scope="module")
+def filler(tmp_path_factory):
+    """The passkey filler as a text file (about 60 KB of the standard library, as test_eval_cli's): without
+    --data eval builds the default corpus's store with this model's tokenizer first, most of the test's time."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    path = tmp_path_factory.mktemp("text") / "long.py"
+    path.write_text("".join((root / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py")))
+    return path
+
+
+def test_sampled_answers_do_not_depend_on_the_batch(hf_dir, filler, tmp_path):
     runs = {}
     for batch in (1, 4):
         out = tmp_path / f"{batch}.json"
-        r = longctx("eval", "--checkpoint", f"hf:{hf_dir}", *EVAL, "--temperature", "1.0", "--min-p", "0.01",
+        r = longctx("eval", "--checkpoint", f"hf:{hf_dir}", *EVAL, "--data", str(filler),
+                    "--temperature", "1.0", "--min-p", "0.01",
                     "--repetition-penalty", "1.1", "--batch", str(batch), "--output", str(out))
         assert r.returncode == 0, r.stderr
         runs[batch] = json.loads(out.read_text())
