@@ -140,6 +140,22 @@ def _field_types() -> dict[str, type]:
             for f in dataclasses.fields(Hardware)}
 
 
+def _field_value(key: str, typ: type, value):
+    """`value` as the field's type. An integer field (dtype_bytes, group_ranks) takes whole numbers
+    only: 2.5 would otherwise be planned as 2, silently."""
+    try:
+        if typ is str:
+            return str(value)
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"hardware field '{key}' must be {typ.__name__}, got {value!r}.") from None
+    if typ is int:
+        if not number.is_integer():
+            raise ConfigError(f"hardware field '{key}' must be a whole number, got {value!r}.")
+        return int(number)
+    return number
+
+
 def apply_overrides(hw: Hardware, values: dict) -> Hardware:
     types = _field_types()
     changes = {}
@@ -153,10 +169,7 @@ def apply_overrides(hw: Hardware, values: dict) -> Hardware:
                 + (f". Did you mean '{close[0]}'?" if close else ".")
             )
         typ = types[key]
-        try:
-            v = str(value) if typ is str else int(float(value)) if typ is int else float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"hardware field '{key}' must be {typ.__name__}, got {value!r}.") from None
+        v = _field_value(key, typ, value)
         if typ in (int, float) and (not math.isfinite(v) or v < 0):
             raise ConfigError(f"hardware field '{key}' must be a non-negative number, got {value!r}.")
         changes[key] = v
@@ -200,7 +213,7 @@ def load_hardware(spec: str = "h100", overrides: list[str] | None = None, world:
                                "host_memory_gib") if k not in values]
         if missing:
             raise ConfigError(f"hardware file '{file}' lacks {', '.join(missing)} and names no base preset.")
-        hw = Hardware(**{k: types[k](values[k]) for k in values if k in types and k != "base"})
+        hw = Hardware(**{k: _field_value(k, types[k], values[k]) for k in values if k in types and k != "base"})
     hw = apply_overrides(hw, values)
     return apply_overrides(hw, parse_kv(overrides))
 

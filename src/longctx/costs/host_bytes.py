@@ -69,17 +69,21 @@ def rank_params(m: ModelConfig, shape: MeshShape) -> float:
     return predicted_model_state_bytes(m, shape) / 16
 
 
-def device_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, gather_bytes: int) -> dict[str, float]:
-    """{"model_states", "gathered_params"}: the tier's model-state bytes on one rank's device."""
+def device_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, gather_bytes: int,
+                       bucket_blocks: int = 1) -> dict[str, float]:
+    """{"model_states", "gathered_params"}: the tier's model-state bytes on one rank's device, FSDP's
+    units `bucket_blocks` blocks each (parallel.grad_bucket_blocks)."""
     n = rank_params(m, shape)
+    gathered = gathered_param_bytes(m, shape, gather_bytes, bucket_blocks=bucket_blocks)
     if tier == "device":
-        return {"model_states": 16 * n, "gathered_params": gathered_param_bytes(m, shape, gather_bytes)}
+        return {"model_states": 16 * n, "gathered_params": gathered}
     if tier == "host_optimizer":
         if shape.world == 1:  # no FSDP: the weights, and a block's gradients on their way to the host
             return {"model_states": 4 * n + 4 * param_counts(m)["block"], "gathered_params": 0.0}
-        return {"model_states": 8 * n, "gathered_params": gathered_param_bytes(m, shape, gather_bytes)}
+        return {"model_states": 8 * n, "gathered_params": gathered}
     if tier == "host":
-        return {"model_states": 0.0, "gathered_params": gathered_param_bytes(m, shape, gather_bytes, sharded=True)}
+        return {"model_states": 0.0,
+                "gathered_params": gathered_param_bytes(m, shape, gather_bytes, True, bucket_blocks)}
     raise ValueError(f"unknown model-state tier {tier!r}; one of {', '.join(TIERS)}")
 
 
@@ -209,10 +213,10 @@ def hpz_copy_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int) -> float
 
 @per_model
 def _state_parts(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int,
-                 gather_bytes: int) -> tuple[tuple[str, float], ...]:
+                 gather_bytes: int, bucket_blocks: int) -> tuple[tuple[str, float], ...]:
     """device_bytes' parts before the activations, in its order, remembered: the planner asks them of
     every memory policy of a layout."""
-    memory = device_state_bytes(m, shape, tier, gather_bytes)
+    memory = device_state_bytes(m, shape, tier, gather_bytes, bucket_blocks)
     if "hpz" in shape.zero_pp.split(","):  # each block unit's node-sharded copy, kept from forward to backward
         memory["gathered_params"] = memory.get("gathered_params", 0.0) + hpz_copy_bytes(m, shape, gather_bytes)
     accumulated = accumulated_grad_bytes(m, shape, grad_accum, grad_sync)
@@ -222,11 +226,12 @@ def _state_parts(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, gr
 
 
 def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,
-                 activations: float, transient: float) -> dict[str, float]:
-    """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers,
-    the unsharded gradients accumulated under grad_sync "step" (only where there are any), the
-    saved activations and the backward's transient on top of them."""
-    memory = dict(_state_parts(m, shape, tier, grad_sync, grad_accum, gather_bytes))
+                 activations: float, transient: float, bucket_blocks: int = 1) -> dict[str, float]:
+    """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers
+    (units of `bucket_blocks` blocks: parallel.grad_bucket_blocks), the unsharded gradients accumulated
+    under grad_sync "step" (only where there are any), the saved activations and the backward's
+    transient on top of them."""
+    memory = dict(_state_parts(m, shape, tier, grad_sync, grad_accum, gather_bytes, bucket_blocks))
     memory["activations"] = activations
     memory["transient"] = transient
     memory["total"] = sum(memory.values())

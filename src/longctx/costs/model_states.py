@@ -121,16 +121,19 @@ def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
     return 16 * (pc["total"] - pc["experts"]) / shape.fsdp + 16 * pc["experts"] / shape.world
 
 
-def gathered_param_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int, sharded: bool | None = None) -> float:
+def gathered_param_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int, sharded: bool | None = None,
+                         bucket_blocks: int = 1) -> float:
     """Bytes FSDP holds unsharded per rank (0 without FSDP: one rank, unless `sharded`, as
-    memory.model_states = host wraps one rank in a one-rank FSDP group): two blocks gathered in
-    `gather_bytes` per parameter (this one + the prefetched next) and one block's fp32 gradient
-    before its reduce-scatter, counted for the largest block (a MoE block with all its experts);
-    the root stays gathered for the step, its gradient is fp32 until reduced."""
+    memory.model_states = host wraps one rank in a one-rank FSDP group): two units gathered in
+    `gather_bytes` per parameter (this one + the prefetched next) and one unit's fp32 gradient
+    before its reduce-scatter, a unit being `bucket_blocks` blocks (parallel.grad_bucket_blocks),
+    each counted as the largest block (a MoE block with all its experts); the root stays gathered for
+    the step, its gradient is fp32 until reduced."""
     if not (shape.world > 1 if sharded is None else sharded):
         return 0.0
     pc = param_counts(m, shape.expert)
-    return 2 * pc["block"] * gather_bytes + pc["block"] * 4 + pc["root"] * (gather_bytes + 4)
+    unit = pc["block"] * max(1, min(bucket_blocks, m.layers))
+    return 2 * unit * gather_bytes + unit * 4 + pc["root"] * (gather_bytes + 4)
 
 
 def accumulated_grad_bytes(m: ModelConfig, shape: MeshShape, grad_accum: int, grad_sync: str) -> float:

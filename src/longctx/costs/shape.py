@@ -28,6 +28,7 @@ class MeshShape:
     hpz_ranks: int = 0  # parallel.hpz_ranks: hpz's secondary partition over this many ranks (0: the node)
     data_parallel: str = "sync"  # train.data_parallel: sync | co2 (each replica its own FSDP group)
     local_steps: int = 0  # train.co2_local_steps under co2 (H: local steps per round)
+    quant_block: int = 512  # parallel.zero_pp_block: elements per int8 block (one fp32 scale) under qwz / qgz
 
     @property
     def world(self) -> int:
@@ -81,7 +82,8 @@ class MeshShape:
 
 
 def group_is_intra_node(shape: MeshShape, group: str, gpus_per_node: int) -> bool:
-    """Whether every rank of one `group` ("head", "ctx", "window", "fsdp", "replicate", "expert") is in one node.
+    """Whether every rank of one `group` ("head", "ctx", "window", "fsdp", "replicate", "expert",
+    "expert_data") is in one node.
 
     A group of `size` ranks with `stride` between them spans stride x size consecutive ranks; with
     power-of-two-style divisibility it stays in one node iff that span is at most gpus_per_node."""
@@ -92,6 +94,7 @@ def group_is_intra_node(shape: MeshShape, group: str, gpus_per_node: int) -> boo
         stride_size = {"head": (c, h), "ctx": (1, c), "window": (1, w)}
     stride_size["fsdp"] = (1, shape.fsdp)
     stride_size["expert"] = (1, shape.expert)  # an expert group: `expert` adjacent ranks
+    stride_size["expert_data"] = (shape.expert, shape.expert_data)  # the ranks holding the same experts
     stride_size["replicate"] = (shape.fsdp, shape.dp_replicate)
     stride, size = stride_size[group]
     return size == 1 or stride * size <= gpus_per_node

@@ -26,8 +26,14 @@ from .hardware import Hardware
 from .model_states import block_params, param_counts, per_model, routed_expert_params
 from .shape import MeshShape, group_is_intra_node
 
-# parallel.zero_pp's qwz / qgz: bytes per element sent as int8 with one fp32 scale per block of 512
+# parallel.zero_pp's qwz / qgz: bytes per element sent as int8 with one fp32 scale per block of 512 (the
+# default parallel.zero_pp_block; a shape's own block: quantized_bytes)
 QUANTIZED_BYTES = 1 + 4 / 512
+
+
+def quantized_bytes(shape: MeshShape) -> float:
+    """Bytes per element qwz / qgz send: int8 and one fp32 scale per parallel.zero_pp_block elements."""
+    return 1 + 4 / shape.quant_block
 
 
 def link_bandwidth(hw: Hardware, intra: bool) -> float:
@@ -180,7 +186,8 @@ def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, h
     modes = set(shape.zero_pp.split(",")) if shape.zero_pp else set()
     node = min(gpus_per_node, n)  # ranks of the FSDP group in one node (hpz, qgz)
     level = shape.hpz_ranks or node  # hpz's secondary partition: a node, or a group inside it (Frontier)
-    weights = QUANTIZED_BYTES if "qwz" in modes else gather_bytes
+    q = quantized_bytes(shape)
+    weights = q if "qwz" in modes else gather_bytes
 
     def gather(p: int) -> tuple[float, float]:  # forward's all-gather, backward's
         forward = (n - 1) / n * p * weights / bw_f
@@ -192,15 +199,32 @@ def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, h
         # co2: each replica is its own FSDP group, no gradient crosses replicas (its outer all-reduce: planner)
         replicas = 0.0 if shape.data_parallel == "co2" else 2 * (r - 1) / r * p * 4 / n / bw_r
         if "qgz" in modes:  # int8 all-to-all within the node, then the node sums across nodes
-            within = (node - 1) / node * p * QUANTIZED_BYTES / level_bandwidth(hw, node)
+            within = (node - 1) / node * p * q / level_bandwidth(hw, node)
             nodes = n // node
-            return within + (nodes - 1) / nodes * p / node * QUANTIZED_BYTES / bw_f + replicas
+            return within + (nodes - 1) / nodes * p / node * q / bw_f + replicas
         return (n - 1) / n * p * 4 / bw_f + replicas
 
     block_fwd, block_bwd = gather(b)
     root_fwd, _ = gather(pc["root"])
     return {"block_gather": block_fwd, "block_gather_bwd": block_bwd, "block_reduce": reduce(b),
             "root_gather": root_fwd, "root_reduce": reduce(pc["root"])}
+
+
+def expert_unit_seconds(shape: MeshShape, params: int, gather_bytes: int, hw: Hardware,
+                        gpus_per_node: int) -> tuple[float, float, float]:
+    """(forward gather, backward gather, gradient reduce-scatter) seconds of one MoE layer's routed-expert
+    unit under expert parallelism: `params` (its expert group's share) over the expert-data group of
+    world / expert ranks, no replicas. qwz's int8 gathers apply to it, hpz does not (it reshards fully, so
+    backward gathers over the whole group again) and neither does qgz (FSDP's own fp32 reduce-scatter):
+    parallel/fsdp/shard.py, the bytes of parallel/context/volumes.py fsdp_bytes_per_step."""
+    k = shape.expert_data
+    if not params or k == 1:
+        return 0.0, 0.0, 0.0
+    bw = level_bandwidth(hw, k) if group_is_intra_node(shape, "expert_data", gpus_per_node) else \
+        link_bandwidth(hw, False)
+    weights = quantized_bytes(shape) if "qwz" in shape.zero_pp.split(",") else gather_bytes
+    gather = (k - 1) / k * params * weights / bw
+    return gather, gather, (k - 1) / k * params * 4 / bw
 
 
 def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int,
@@ -216,12 +240,17 @@ def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     block_bwd = 2 * block_fwd_s + (recompute_flops / max(m.layers, 1)) / _rates(hw)[0]
     last = others = 0.0
     sparse, routed = set(m.moe_layer_ids), routed_expert_params(m)
-    # a MoE model's blocks differ (dense layers, MoE layers); under expert parallelism a rank gathers
-    # its expert group's share of a MoE layer's experts. Blocks of one size cost the same: count them.
-    sizes = Counter(n - (routed - routed // shape.expert if i in sparse else 0) for i, n in enumerate(block_params(m)))
-    for params, count in sizes.items():
+    # a MoE model's blocks differ (dense layers, MoE layers); under expert parallelism a MoE layer's routed
+    # experts are units of their own over the expert-data group (parallel/fsdp/shard.py), a rank gathering
+    # its expert group's share: timed apart (expert_unit_seconds). Blocks of one size cost the same: count them.
+    apart = shape.expert > 1
+    sizes = Counter((n - (routed if apart and i in sparse else 0), routed // shape.expert if apart and i in sparse
+                     else 0) for i, n in enumerate(block_params(m)))
+    for (params, experts), count in sizes.items():
         b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params)
-        gather, again, reduce = b["block_gather"], b["block_gather_bwd"], b["block_reduce"]
+        x_gather, x_again, x_reduce = expert_unit_seconds(shape, experts, gather_bytes, hw, gpus_per_node)
+        gather, again, reduce = b["block_gather"] + x_gather, b["block_gather_bwd"] + x_again, \
+            b["block_reduce"] + x_reduce
         last += count * (exposed(gather, block_fwd_s, hw) + exposed(again + reduce, block_bwd, hw))
         others += count * (exposed(gather, block_fwd_s, hw) + exposed(again, block_bwd, hw))
     last_micro = last + x["root_gather"] + x["root_reduce"]

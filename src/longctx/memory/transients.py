@@ -229,9 +229,25 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     state_post = (e * q_dim if host_chunks else part["core"] + seq_out) if full else 0.0
     state_core = (0.0 if host_chunks else part["core"]) if full else 0.0
     piece = recomputed_piece_bytes(m, t, policy, part, e, moe)
-    return {"post": t * (2 * X + e * q_dim + state_post) + piece,
-            "core": t * (X + e * q_dim + state_core + core_work) + pair,
-            "pre": t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + piece}
+    # model.qk_norm: the q/k norms' saved tensors, recomputed, live until the q/k/v projections' backward:
+    # under `full` without block chunks from the block's recompute on (post, core and pre), otherwise
+    # for the piece `pre`'s backward recomputes (none: saved activations, counted by memory.accounting)
+    qk_pre = qk_block = 0.0
+    if policy.recompute != "none":
+        qk_pre = qk_norm_piece_tokens(t, policy) * part["qk_norm"]
+        qk_block = t * part["qk_norm"] if full and not policy.block_chunk else 0.0
+    return {"post": t * (2 * X + e * q_dim + state_post) + piece + qk_block,
+            "core": t * (X + e * q_dim + state_core + core_work) + pair + qk_block,
+            "pre": t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + piece + qk_pre}
+
+
+def qk_norm_piece_tokens(tokens: int, policy: MemoryPolicy) -> float:
+    """Tokens whose recomputed q/k-norm tensors `pre`'s backward holds at once: a block chunk, or the
+    recomputed tokens (under selective + offload the larger of the stored and recomputed shares, as
+    `recomputed_piece_bytes`)."""
+    A = policy.offload_fraction
+    whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
+    return min(policy.block_chunk, whole) if policy.block_chunk else whole
 
 
 def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int) -> float:

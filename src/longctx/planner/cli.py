@@ -148,6 +148,7 @@ def build_request(args, overrides):
     else:
         hw = load_hardware(args.hardware or "h100", args.hw, world=world)
     _check_precision(base.train.dtype, hw)
+    settings = run_settings(base)
     chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
     block_chunks = _ints(args.block_chunk, "--block-chunk")
     recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
@@ -162,8 +163,30 @@ def build_request(args, overrides):
                   expert_degrees=_ints(args.expert, "--expert", 1) if args.expert else None,
                   expert_skew=_skew(args.expert_skew), expert_chunks=_ints(args.expert_chunk, "--expert-chunk"),
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
-                  co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1))
+                  co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
+
+
+def run_settings(base):
+    """The settings of the base config (the user's overrides) that the written plan keeps and that
+    change its memory or time, as the cost model takes them; those it cannot cost are refused here,
+    before planning, rather than written into a plan whose figures would not hold."""
+    from .cost import RunSettings
+
+    t, p = base.train, base.parallel
+    if t.stages:
+        raise ConfigError(
+            f"train.stages = {t.stages!r} would train other lengths and batches than the plan's one --seq-len, "
+            f"which is all it costs. Plan the longest stage (--seq-len and --global-batch of that stage), then "
+            f"add train.stages to the written config yourself (dropping its train.seq_len), or plan without it.")
+    if p.grad_bucket_blocks == 0:
+        raise ConfigError(
+            "parallel.grad_bucket_blocks = 0 lets the run choose its blocks per FSDP unit when it starts, which the "
+            "plan cannot cost (a larger unit gathers more weights at once); give the number of blocks per unit "
+            "(the plan counts that many, 1 by default) or leave it out.")
+    return RunSettings(async_checkpoint=base.checkpoint.async_save, co2_outer_momentum=t.co2_outer_momentum > 0,
+                       co2_overlap_steps=t.co2_overlap_steps, grad_bucket_blocks=p.grad_bucket_blocks,
+                       zero_pp_block=p.zero_pp_block)
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # train.dtype -> bytes per activation element and gathered parameter

@@ -120,6 +120,17 @@ class Estimate:
         }
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """Settings the written plan keeps from the user's config overrides, costed as the run uses them
+    (planner/cli.py reads them; those it cannot cost it refuses before planning)."""
+    async_checkpoint: bool = False     # checkpoint.async: DCP's host staging of the states
+    co2_outer_momentum: bool = False   # train.co2_outer_momentum > 0: one more fp32 buffer per parameter
+    co2_overlap_steps: int = 0         # train.co2_overlap_steps: steps the outer all-reduce hides under (0: H)
+    grad_bucket_blocks: int = 1        # parallel.grad_bucket_blocks: blocks per FSDP unit
+    zero_pp_block: int = 512           # parallel.zero_pp_block: elements per int8 block under qwz / qgz
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory
 
@@ -138,13 +149,15 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
 
 
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
-                 acts: ActivationEstimate, transient: float, model_states: str = "device") -> dict[str, float]:
+                 acts: ActivationEstimate, transient: float, model_states: str = "device",
+                 settings: RunSettings = RunSettings()) -> dict[str, float]:
     """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any. The
-    model states as their tier leaves them on the device (costs/host_bytes.py device_bytes), and under
-    co2 its outer state (the round's start, the outer model, the change in flight)."""
+    model states as their tier leaves them on the device (costs/host_bytes.py device_bytes; FSDP units
+    of settings.grad_bucket_blocks blocks), and under co2 its outer state (the round's start, the outer
+    model, the change in flight, and the outer momentum when there is one)."""
     memory = device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
-                          transient)
-    co2 = co2_state_bytes(m, shape)
+                          transient, settings.grad_bucket_blocks)
+    co2 = co2_state_bytes(m, shape, settings.co2_outer_momentum)
     if co2:
         memory["co2_state"] = co2
         memory["total"] += co2
@@ -196,10 +209,11 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
             total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
             comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
     pc = param_counts(m)
-    zero_pp = ZeroPP(frozenset(p for p in shape.zero_pp.split(",") if p), node=shape.node, hpz=shape.hpz_ranks)
+    zero_pp = ZeroPP(frozenset(p for p in shape.zero_pp.split(",") if p), shape.quant_block, node=shape.node,
+                     hpz=shape.hpz_ranks)
     fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync,
                                expert_params=pc["experts"], replicas_sync=shape.data_parallel != "co2",
-                               zero_pp=zero_pp)  # what ZeRO++ sends (its default block), not plain FSDP's
+                               zero_pp=zero_pp)  # what ZeRO++ sends (parallel.zero_pp_block), not plain FSDP's
     if fsdp:  # {} on one rank
         comm["fsdp"] = fsdp
     if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
@@ -270,15 +284,16 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
 
 
 def _co2_settled(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int, step_compute: float,
-                 tried: tuple[int, ...]) -> tuple[MeshShape, float]:
-    """(shape, seconds per step of CO2's outer all-reduce the local steps do not hide); a co2 shape
-    without local_steps gets the smallest of `tried` that hides it. (shape, 0.0) under sync."""
+                 tried: tuple[int, ...], overlap: int = 0) -> tuple[MeshShape, float]:
+    """(shape, seconds per step of CO2's outer all-reduce the local steps do not hide: those before its
+    merge, `overlap` = train.co2_overlap_steps, 0 = all H); a co2 shape without local_steps gets the
+    smallest of `tried` that hides it. (shape, 0.0) under sync."""
     if shape.data_parallel != "co2":
         return shape, 0.0
     allreduce = co2_outer_seconds(m, shape, hw, gpus_per_node)
     if not shape.local_steps:
-        shape = dataclasses.replace(shape, local_steps=co2_local_steps(allreduce, step_compute, hw, tried))
-    return shape, co2_exposed_seconds(allreduce, step_compute, shape.local_steps, hw)
+        shape = dataclasses.replace(shape, local_steps=co2_local_steps(allreduce, step_compute, hw, tried, overlap))
+    return shape, co2_exposed_seconds(allreduce, step_compute, shape.local_steps, hw, overlap)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,7 +337,7 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
               global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
               doc_work: float = 1.0, acts: ActivationEstimate | None = None,
               transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device",
-              co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS) -> Footprint:
+              co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS, settings: RunSettings = RunSettings()) -> Footprint:
     """`estimate`'s first half: memory, host memory, compute, and what does not fit (its arguments)."""
     if not 0 < doc_work <= 1:
         raise ValueError(f"doc_work must be in (0, 1], got {doc_work}")
@@ -338,13 +353,15 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
         acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, e, doc_mask, expert_skew)
     flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
     compute = compute_seconds(flops, hw)
-    shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * compute, co2_steps)
-    memory = memory_bytes(m, shape, policy, grad_accum, e, acts, transient, model_states)
+    shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * compute, co2_steps,
+                                    settings.co2_overlap_steps)
+    memory = memory_bytes(m, shape, policy, grad_accum, e, acts, transient, model_states, settings)
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,
                                                                  ctx=shape.ctx, policy=policy, dtype_bytes=e,
                                                                  work=work)
     host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                                offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask)
+                                offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask,
+                                async_checkpoint=settings.async_checkpoint)
     problems += memory_problems(memory, host, ranks_per_node, hw)
     return Footprint(shape, policy, micro_batch, grad_accum, tokens, work, acts, transient, flops, compute, co2_outer,
                      memory, host, host["total"] * ranks_per_node, attn_traffic, problems, model_states)
@@ -354,7 +371,7 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
              global_batch: int, micro_batch: int = 1, gpus_per_node: int = 8, doc_mask: bool = True,
              doc_work: float = 1.0, acts: ActivationEstimate | None = None,
              transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device",
-             co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS) -> Estimate:
+             co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS, settings: RunSettings = RunSettings()) -> Estimate:
     """Cost of one optimizer step of `global_batch` sequences of `seq_len` tokens (over the whole
     job) under `shape` and `policy`, `micro_batch` sequences per data-parallel rank per micro-batch
     (so global_batch / (dp x micro_batch) micro-batches per step), the model states in
@@ -364,7 +381,8 @@ def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolic
     smallest of `co2_steps` that hides its outer all-reduce (slow_links.co2_local_steps)."""
     fp = footprint(m, hw, shape, policy, seq_len=seq_len, global_batch=global_batch, micro_batch=micro_batch,
                    gpus_per_node=gpus_per_node, doc_mask=doc_mask, doc_work=doc_work, acts=acts,
-                   transient=transient, expert_skew=expert_skew, model_states=model_states, co2_steps=co2_steps)
+                   transient=transient, expert_skew=expert_skew, model_states=model_states, co2_steps=co2_steps,
+                   settings=settings)
     return timed(m, hw, fp, seq_len=seq_len, global_batch=global_batch, gpus_per_node=gpus_per_node,
                  expert_skew=expert_skew)
 

@@ -91,8 +91,8 @@ def _gib(x: float) -> str:
 MEMORY_TERMS = {
     "model_states": ("states", "fp32 parameters, gradients and Adam moments, sharded over the FSDP group, as far as "
                                "their tier (states in) keeps them on the GPU"),
-    "gathered_params": ("gathered", "what FSDP holds unsharded (two blocks' parameters, one block's fp32 gradient, "
-                                    "the root)"),
+    "gathered_params": ("gathered", "what FSDP holds unsharded (two units' parameters, one unit's fp32 gradient, "
+                                    "the root; a unit is parallel.grad_bucket_blocks blocks, 1 by default)"),
     "accumulated_grads": ("acc.grads", "every gradient, unsharded fp32, accumulated over the grad_accum "
                                        "micro-batches (grad_sync step; gs-micro reduces each and has none)"),
     "activations": ("activ.", "saved activations on the GPU (those offloaded are in host/node, GiB per node)"),

@@ -22,6 +22,7 @@ from ..costs.host_bytes import TIERS
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..memory.policy import MemoryPolicy
+from .cost import RunSettings
 from .slow_links import CO2_LOCAL_STEPS, check_levels, slow_link_variants
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
@@ -95,6 +96,9 @@ class Request:
     # it co2 plans are estimated and reported beside the plan, never chosen), and co2's local steps to try
     allow: tuple[str, ...] = ()
     co2_local_steps: tuple[int, ...] = CO2_LOCAL_STEPS
+    # the config's settings the plan keeps and costs (checkpoint.async, co2's outer momentum and overlap,
+    # FSDP's blocks per unit, ZeRO++'s quantization block)
+    settings: RunSettings = RunSettings()
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -120,6 +124,11 @@ class Request:
         if set(self.allow) - {"co2"} or not self.co2_local_steps or min(self.co2_local_steps) < 1:
             raise ConfigError(f"--allow takes co2 (or nothing), got {','.join(self.allow)}; --co2-local-steps "
                               f"takes integers >= 1, got {self.co2_local_steps}.")
+        if self.settings.co2_overlap_steps > max(self.co2_local_steps):
+            raise ConfigError(f"train.co2_overlap_steps = {self.settings.co2_overlap_steps} needs co2 rounds of at "
+                              f"least that many local steps, but --co2-local-steps tries at most "
+                              f"{max(self.co2_local_steps)}; pass --co2-local-steps with values >= "
+                              f"{self.settings.co2_overlap_steps}, or a smaller train.co2_overlap_steps.")
         bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
         if bad:
             raise ConfigError(f"unknown recompute policy {bad}; choose among none, full, selective.")
@@ -188,7 +197,8 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
                 for placement in placements:
                     for w in windows:
                         for x in degrees:
-                            for s in with_zero_pp(MeshShape(r, dp // r, h, c, w, placement, x), G):
+                            for s in with_zero_pp(MeshShape(r, dp // r, h, c, w, placement, x), G,
+                                                  req.settings.zero_pp_block):
                                 out += [s, *slow_link_variants(s, req.hardware, G, co2=True)]
     return out
 
@@ -199,12 +209,13 @@ ZERO_PP_TRIED = ("hpz,qwz,qgz",)
 ZERO_PP_ORDER = ("", *ZERO_PP_TRIED)  # a tie goes to plain FSDP: quantising is lossy
 
 
-def with_zero_pp(shape: MeshShape, gpus_per_node: int) -> list[MeshShape]:
+def with_zero_pp(shape: MeshShape, gpus_per_node: int, quant_block: int = 512) -> list[MeshShape]:
     """`shape`, and when its FSDP group spans nodes the same layout under each ZERO_PP_TRIED (the
-    node: the group's ranks in one node)."""
+    node: the group's ranks in one node; quant_block: parallel.zero_pp_block, as the config has it)."""
     if shape.fsdp <= gpus_per_node or shape.fsdp % gpus_per_node:
         return [shape]
-    return [shape, *(dataclasses.replace(shape, zero_pp=z, node=gpus_per_node) for z in ZERO_PP_TRIED)]
+    return [shape, *(dataclasses.replace(shape, zero_pp=z, node=gpus_per_node, quant_block=quant_block)
+                     for z in ZERO_PP_TRIED)]
 
 
 def expert_degrees(req: Request) -> tuple[int, ...]:

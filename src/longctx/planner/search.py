@@ -212,12 +212,12 @@ def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts, tra
     for tier in req.model_states if shape.data_parallel != "co2" else ("device",)[:"device" in req.model_states]:
         if not keep_infeasible and (static[tier] + acts.total_device + transient > usable or
                                     memory_bytes(req.model, shape, pol, grad_accum, hw.dtype_bytes, acts, transient,
-                                                 tier)["total"] > usable):
+                                                 tier, req.settings)["total"] > usable):
             continue  # the GPU's memory alone rules it out (estimate's own sum, before its time)
         fp = footprint(req.model, hw, shape, pol, seq_len=req.seq_len, global_batch=req.global_batch,
                        micro_batch=mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
                        doc_work=req.doc_work, acts=acts, transient=transient, expert_skew=req.expert_skew,
-                       model_states=tier, co2_steps=req.co2_local_steps)
+                       model_states=tier, co2_steps=req.co2_local_steps, settings=req.settings)
         made.append(fp)
         if fp.feasible:
             return [fp], len(made)

@@ -66,20 +66,25 @@ def co2_outer_seconds(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_n
     return co2_outer_bytes(m, shape) / link_bandwidth(hw, intra)
 
 
-def co2_exposed_seconds(allreduce_s: float, step_compute_s: float, local_steps: int, hw: Hardware) -> float:
-    """Per step, what of the outer all-reduce the next round's `local_steps` steps of compute do not
-    hide: max(0, allreduce - H x compute) / H where comm_overlap is 1."""
-    return exposed(allreduce_s, local_steps * step_compute_s, hw) / local_steps
+def co2_exposed_seconds(allreduce_s: float, step_compute_s: float, local_steps: int, hw: Hardware,
+                        overlap: int = 0) -> float:
+    """Per step, what of the outer all-reduce the steps before its merge do not hide: max(0, allreduce
+    - d x compute) / H where comm_overlap is 1, d = train.co2_overlap_steps (0: H, CO2's full overlap;
+    the round's average is merged, so waited for, d steps after the round end: step/co2.py)."""
+    hidden_under = min(overlap, local_steps) if overlap else local_steps
+    return exposed(allreduce_s, hidden_under * step_compute_s, hw) / local_steps
 
 
 def co2_local_steps(allreduce_s: float, step_compute_s: float, hw: Hardware,
-                    tried: tuple[int, ...] = CO2_LOCAL_STEPS) -> int:
+                    tried: tuple[int, ...] = CO2_LOCAL_STEPS, overlap: int = 0) -> int:
     """The smallest H of `tried` that hides the outer all-reduce whole (fewer local steps: less
-    staleness), else the largest (the least exposed)."""
-    for h in sorted(tried):
-        if co2_exposed_seconds(allreduce_s, step_compute_s, h, hw) == 0:
+    staleness), else the largest (the least exposed); only H >= overlap (train.co2_overlap_steps must
+    be at most train.co2_local_steps)."""
+    allowed = sorted(h for h in tried if h >= overlap)
+    for h in allowed:
+        if co2_exposed_seconds(allreduce_s, step_compute_s, h, hw, overlap) == 0:
             return h
-    return max(tried)
+    return max(allowed)
 
 
 def check_levels(hw: Hardware, gpus_per_node: int) -> None:
@@ -144,6 +149,7 @@ def link_level_bytes(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_no
         return None
     nodes, ranks = max(1, world // gpus_per_node), min(world, gpus_per_node)
     units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks)
-    return layout_bytes(mode, units, nodes, ranks, shape.dp_replicate, local_steps=shape.local_steps or
+    return layout_bytes(mode, units, nodes, ranks, shape.dp_replicate, block=shape.quant_block,
+                        local_steps=shape.local_steps or
                         max(CO2_LOCAL_STEPS), group=three_level(hw, gpus_per_node), hpz_ranks=shape.hpz_ranks,
                         gather_bytes=hw.dtype_bytes)
