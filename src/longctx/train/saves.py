@@ -3,12 +3,17 @@
 checkpoint.interval saves every that many steps, and the run's last step is kept by a periodic
 saver and by checkpoint.final alike; a run with neither has no checkpoint manager and saves
 nothing. checkpoint.on_save_error: a failed save (already cleaned up by the manager, on every rank
-alike) stops the run (`stop`), or is said and training goes on (`warn`).
+alike) stops the run (`stop`), or is said and training goes on (`warn`). An async save's failure
+surfaces only when the next save waits for it; that wait is handled on its own, so under `warn` the
+next save is still made (handled inside it, the failure of step N's save cancelled step N+interval's
+too, the run's last included, with no word about it), and a stop on a signal saves its step again when
+the failed save was that step's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 from ..config import Config
 from ..config.checkpoint_paths import CheckpointError
@@ -39,9 +44,27 @@ class RunSaves:
         if not self.due(step):
             return 0.0
         watchdog.phase(step, "save")
-        with self.errors(step):  # (an async save's failure surfaces at the next: that one is not made either)
+        start = time.perf_counter()
+        self.wait()  # the save in flight first, apart: its failure is its own, not this step's (module docstring)
+        with self.errors(step):
             self.ckpt.save(step, model, optimizer, sampler.state_dict())
-        return self.ckpt.last_save_blocking_s
+        return time.perf_counter() - start
+
+    def save_for_stop(self, step: int, saved: bool, model, optimizer, sampler) -> None:
+        """The stop on a signal: `step` saved and committed before the run ends (`saved`: its save was made
+        when due, and may still be in flight). A failure of the save in flight is handled as errors() says;
+        under `warn` it may have been `step`'s own, so `step` is saved now. The stop's own save raises on
+        failure whatever the policy: the run never says it saved a step that is not on disk."""
+        try:
+            self.ckpt.wait()
+        except CheckpointError as e:
+            if self.cfg.checkpoint.on_save_error == "stop":
+                raise
+            self.log(f"checkpoint: {e} Saving step {step} before the run stops (checkpoint.on_save_error = warn).")
+            saved = False
+        if not saved:
+            self.ckpt.save(step, model, optimizer, sampler.state_dict())
+            self.ckpt.wait()
 
     def wait(self) -> None:
         """Until the saves in flight are complete and committed (a failure handled as errors() says)."""

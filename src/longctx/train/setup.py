@@ -90,16 +90,17 @@ def make_run_dir(cfg: Config) -> Path:
     return path
 
 
-def continue_run_files(run_dir: Path, cfg: Config, start_step: int, log) -> None:
+def continue_run_files(run_dir: Path, cfg: Config, start_step: int, log, metrics: Path | None = None) -> None:
     """Write the run's config.toml, keeping what a resumed run already holds: an earlier config
     that differs is kept as config.before-step{N}.toml, and metrics of steps after the resumed one
-    (the attempt that went on past the checkpoint) move to metrics.after-step{N}.jsonl, so the
-    metrics and plots read as one run with nothing lost."""
+    (the attempt that went on past the checkpoint) move to metrics.after-step{N}.jsonl beside the
+    metrics file, so the metrics and plots read as one run with nothing lost. `metrics`: the file the
+    run logs to (metrics.file; default <run_dir>/metrics.jsonl): the one whose later steps move."""
     config, text = run_dir / "config.toml", to_toml(cfg)
     if start_step and config.exists() and config.read_text() != text:
         os.replace(config, run_dir / f"config.before-step{start_step}.toml")
     config.write_text(text)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = Path(metrics) if metrics is not None else run_dir / "metrics.jsonl"
     if not start_step or not metrics.exists():
         return
     kept, later = [], []
@@ -107,7 +108,7 @@ def continue_run_files(run_dir: Path, cfg: Config, start_step: int, log) -> None
         (later if line.strip() and json.loads(line).get("step", 0) > start_step else kept).append(line)
     if not later:
         return
-    moved = run_dir / f"metrics.after-step{start_step}.jsonl"
+    moved = metrics.with_name(f"{metrics.stem}.after-step{start_step}{metrics.suffix}")
     with moved.open("a") as f:
         f.writelines(later)
     tmp = metrics.with_suffix(".jsonl.tmp")

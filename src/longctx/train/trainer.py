@@ -124,7 +124,7 @@ class Trainer:
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         if rt.is_main:
-            continue_run_files(self.run_dir, cfg, self.start_step, self.log)
+            continue_run_files(self.run_dir, cfg, self.start_step, self.log, self.metrics.path)
         self.log(setup_peak_line(self.device, rt))
         self._describe()
 
@@ -136,13 +136,14 @@ class Trainer:
         return None if moe is None else moe.router_counts
 
     def _keep_guard_window(self) -> None:
-        """The spike check's window is saved with each checkpoint and restored on resume (an older
-        checkpoint without it: the window starts empty)."""
+        """The spike check's window and the count of skipped steps (exact: a save reads every step before it) are
+        saved with each checkpoint and restored on resume, so the metrics go on counting (older checkpoint: empty)."""
         if self.ckpt is None:
             return
-        self.ckpt.guard_state = self.guard.state_dict
+        self.ckpt.guard_state = lambda: {**self.guard.state_dict(), "skipped_steps": self.skipped_steps}
         if self.ckpt.resumed_state is not None:
-            self.guard.load_state_dict(self.ckpt.resumed_state.get("guard"))
+            self.guard.load_state_dict(saved := self.ckpt.resumed_state.get("guard"))
+            self.skipped_steps = int((saved or {}).get("skipped_steps", 0))
 
     def _skip_rolled_back_window(self) -> None:
         """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py),
@@ -334,9 +335,7 @@ class Trainer:
             except BadStep as bad:  # rolled back: the state to save is the one the run goes on from
                 step, saved = self._roll_back(bad, result), False
         watchdog.phase(step, "save")
-        if not saved:
-            self.ckpt.save(step, self.model, self.optimizer, self.sampler.state_dict())
-        self.ckpt.wait()
+        self.saves.save_for_stop(step, saved, self.model, self.optimizer, self.sampler)  # (committed when it returns)
         self.log(f"saved step {step} on {name}")
         raise Preempted(f"saved step {step} on {name}; `--checkpoint.resume auto` continues the run from there "
                         f"(exit code {REQUEUE_EXIT_CODE}: a batch script requeues on it, docs/checkpoints.md).")
