@@ -1,7 +1,8 @@
 """`longctx eval --mode generate` (passkey/needle): the model answers. Each prompt (the sequence up to its
 answer) is continued greedily, or sampled with `longctx generate`'s flags, with the KV cache
-(generate/engine.py), on one process or sharded over head x ctx ranks (generate/sharded.py), or on one
-process through InfLLM's context memory (--context-memory infllm: generate/context_memory.py); right
+(generate/engine.py), on one process or sharded over head x ctx ranks (generate/sharded.py), or through
+InfLLM's context memory (--context-memory infllm: generate/context_memory.py; sharded over ctx ranks
+with --nproc N, generate/sharded_infllm.py); right
 when the first run of digits it writes is the answer. Sampled draws are seeded per sequence from --seed and
 what the sequence is (its length, depth and sample number: `sequence_seed`), never from its place in the
 run. The answer is read from the generated tokens up to the first one that decodes to nothing (a special

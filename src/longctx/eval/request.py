@@ -129,9 +129,9 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
 
 
 def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):
-    """--context-memory infllm's shape (None without it), checked as generate checks it (one process,
-    its sizes within the model's reach) and for eval: --mode generate, one sequence at a time, a window
-    no longer than the shortest sequence."""
+    """--context-memory infllm's shape (None without it), checked as generate checks it (head 1: one
+    process or ctx ranks; its sizes within the model's reach) and for eval: --mode generate, one
+    sequence at a time, a window no longer than the shortest sequence."""
     import argparse
 
     if getattr(args, "context_memory", "none") != "infllm":

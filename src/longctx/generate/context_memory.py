@@ -42,7 +42,8 @@ def add_flags(p) -> None:
     p.add_argument("--context-memory", choices=("none", "infllm"), default="none",
                    help="infllm: attend to the first --infllm-init tokens, the last --infllm-window and the "
                         "--infllm-topk best units of --infllm-block tokens of the rest, every distance within "
-                        "the trained window (prompts past it run; one process, one prompt at a time)")
+                        "the trained window (prompts past it run; one prompt at a time, on one process or over "
+                        "--nproc N ctx ranks)")
     for name, text in (("block", "tokens per memory unit"),
                        ("repr", "representative keys per unit (scored against the query)"),
                        ("topk", "memory units each call attends to"),
