@@ -149,6 +149,7 @@ def build_request(args, overrides):
         hw = load_hardware(args.hardware or "h100", args.hw, world=world)
     _check_precision(base.train.dtype, hw)
     settings = run_settings(base)
+    _check_planned_keys(base, load_config(None, [model]))
     chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
     block_chunks = _ints(args.block_chunk, "--block-chunk")
     recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
@@ -187,6 +188,35 @@ def run_settings(base):
     return RunSettings(async_checkpoint=base.checkpoint.async_save, co2_outer_momentum=t.co2_outer_momentum > 0,
                        co2_overlap_steps=t.co2_overlap_steps, grad_bucket_blocks=p.grad_bucket_blocks,
                        zero_pp_block=p.zero_pp_block)
+
+
+# what the plan chooses and writes (output.py plan_config) -> the plan's own flag for it
+PLANNED_KEYS = {
+    **{f"parallel.{k}": "--gpus and --gpus-per-node" for k in ("dp_replicate", "dp_shard", "head", "ctx", "window",
+                                                                "placement", "zero_pp", "ranks_per_node", "hpz_ranks")},
+    "parallel.expert": "--expert", "memory.recompute": "--recompute", "memory.offload_fraction": "--offload",
+    "memory.offload_skip_last": "--offload-skip-last", "memory.loss_chunk": "--loss-chunk",
+    "memory.block_chunk": "--block-chunk", "memory.expert_chunk": "--expert-chunk",
+    **{f"memory.{k}": "none: it tries its own" for k in ("attention_chunk", "attention_offload", "grad_sync")},
+    "memory.model_states": "--model-states", "train.seq_len": "--seq-len", "train.global_batch": "--global-batch",
+    "train.grad_accum": "--micro-batch", "train.data_parallel": "--allow co2",
+    "train.co2_local_steps": "--co2-local-steps",
+}
+
+
+def _check_planned_keys(base, default) -> None:
+    """An override of a setting the plan chooses would be overwritten in the written config without a
+    word (a `--train.data_parallel=co2` written as a sync plan, say): refused, with the plan's own flag.
+    `default`: the model's config without the overrides."""
+    from ..config import to_dict
+
+    given, default = to_dict(base), to_dict(default)
+    changed = [key for key in PLANNED_KEYS
+               if given[key.split(".")[0]][key.split(".")[1]] != default[key.split(".")[0]][key.split(".")[1]]]
+    if changed:
+        raise ConfigError("the plan chooses " + "; ".join(f"{k} (its flag: {PLANNED_KEYS[k]})" for k in changed)
+                          + ": an override of it would be overwritten in the written config. Drop "
+                          + ("it" if len(changed) == 1 else "them") + ".")
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # train.dtype -> bytes per activation element and gathered parameter
