@@ -24,8 +24,8 @@ parallelism) are grouped by the same buckets.
 `parallel.grad_bucket_blocks`: 0 = this plan; N = N blocks per bucket. The plan is logged at the
 start of a run, and the reduce-scatter time each step leaves exposed is measured (ReduceScatterTimer,
 below) and logged as `grad_reduce_exposed_s`. Not counted: HSDP's all-reduce across replicas. The
-planner's memory model still assumes one block per FSDP unit (2 blocks gathered at a time), so with
-larger buckets its memory figures are low by the extra gathered blocks.
+planner's memory model counts a given N (two units of N blocks gathered, one unit's fp32 gradient:
+costs/model_states.py gathered_param_bytes); 0, chosen here at the start, is refused by `longctx plan`.
 """
 
 from __future__ import annotations
