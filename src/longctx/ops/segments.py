@@ -20,6 +20,7 @@ device never waits for the host to learn where documents are.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -214,14 +215,34 @@ def cached_plan(q_doc: torch.Tensor, k_doc: torch.Tensor, causal: bool) -> Segme
     unless they carry their host copy (keep_host_copy, as training's batches do)."""
     # The plan is kept on the query-id tensor itself, so the layers of one step (and their backward)
     # build it once and it goes away with the batch.
-    key = (id(k_doc), tensor_version(q_doc), tensor_version(k_doc), causal, tuple(q_doc.shape), tuple(k_doc.shape))
-    if None in key[1:3]:  # inference tensors: no version to tell a rewritten batch by, so no cache
+    key = (tensor_version(q_doc), tensor_version(k_doc), causal, tuple(q_doc.shape), tuple(k_doc.shape))
+    if None in key[:2]:  # inference tensors: no version to tell a rewritten batch by, so no cache
         return plan_pairs(q_doc, k_doc, causal=causal)
-    cached = getattr(q_doc, "_longctx_plan", None)
-    if cached is None or cached[0] != key:
-        cached = (key, plan_pairs(q_doc, k_doc, causal=causal))
-        q_doc._longctx_plan = cached
-    return cached[1]
+    kept = getattr(q_doc, "_longctx_plan", None)
+    if not isinstance(kept, _KeptPlan) or not kept.serves(key, k_doc):
+        kept = _KeptPlan(key, k_doc, plan_pairs(q_doc, k_doc, causal=causal))
+        q_doc._longctx_plan = kept
+    return kept.plan
+
+
+class _KeptPlan:
+    """A plan kept on query ids (cached_plan), for the key-id tensor it was planned with. That tensor is
+    told by a weak reference, not by id(): CPython gives a freed tensor's id to the next one, whose ids
+    would then be attended with this plan. Pickled (with its tensor) without it: a copy plans anew."""
+
+    __slots__ = ("key", "k_doc", "plan")
+
+    def __init__(self, key: tuple, k_doc: torch.Tensor, plan: SegmentPlan):
+        self.key, self.k_doc, self.plan = key, weakref.ref(k_doc), plan
+
+    def serves(self, key: tuple, k_doc: torch.Tensor) -> bool:
+        return self.key == key and self.k_doc is not None and self.k_doc() is k_doc
+
+    def __getstate__(self):
+        return self.key, None, self.plan
+
+    def __setstate__(self, state):
+        self.key, self.k_doc, self.plan = state
 
 
 def whole_rows_plan(batch: int, seq_q: int, seq_k: int, causal: bool) -> SegmentPlan:
