@@ -65,7 +65,17 @@ class ShardedInfLLMCache:
         self.built = np.zeros(cfg.layers, dtype=np.int64)  # units formed so far (every rank's count)
         self.lengths = np.zeros(batch, dtype=np.int64)
         self.step: CacheStep | None = None
-        self.keys_read = 0  # the most keys one call's attention read on this rank
+        # the most keys one call's attention read on this rank, in a box that rows() views share: prefill's
+        # calls go through views, and their reads count too
+        self._keys_read = [0]
+
+    @property
+    def keys_read(self) -> int:
+        return self._keys_read[0]
+
+    @keys_read.setter
+    def keys_read(self, value: int) -> None:
+        self._keys_read[0] = value
 
     @property
     def batch(self) -> int:
