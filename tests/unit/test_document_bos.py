@@ -13,6 +13,7 @@ from test_eval_prompt_prefix import _bos_tokenizer
 
 from longctx.cli import build_parser
 from longctx.config import load_config
+from longctx.config.tokenizer import model_text_prefix as special_prefix
 from longctx.data import store
 from longctx.data.builder.pipeline import build_store
 from longctx.data.loader import PackedSamples
@@ -20,7 +21,6 @@ from longctx.data.samples import IGNORE
 from longctx.data.synthetic import SyntheticMixture
 from longctx.data.tokenizer import HFTokenizer
 from longctx.errors import DataError
-from longctx.eval.generate_mode import special_prefix
 from longctx.generate.cli import prepare
 from longctx.models.hf import save_hf
 from longctx.models.llama import build_model

@@ -16,10 +16,11 @@ import longctx.eval.runner
 import longctx.generate.engine
 from longctx.cli import build_parser
 from longctx.config import load_config
+from longctx.config.tokenizer import model_text_prefix as special_prefix
 from longctx.data.samples import IGNORE
 from longctx.data.tokenizer import HFTokenizer
 from longctx.errors import DataError
-from longctx.eval.generate_mode import answer_start, evaluate_generate, special_prefix
+from longctx.eval.generate_mode import answer_start, evaluate_generate
 from longctx.eval.request import prepare
 from longctx.eval.score_mode import evaluate_score
 from longctx.generate.results import Result

@@ -10,6 +10,7 @@ import torch
 from longctx.config import load_config
 from longctx.train.guard import StepGuard
 from longctx.train.trainer import Trainer
+from simulated_crash import run_until_crash
 
 BASE = ["--train.seq_len=64", "--train.steps=9", "--train.global_batch=2", "--data.max_docs=40",
         "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu",
@@ -64,17 +65,7 @@ def _crash_and_resume(tmp_path, monkeypatch, name, without_guard_state=False):
     crashed = Trainer(load_config(None, [*BASE, f"--train.run_dir={tmp_path / name}"]), log=_quiet)
     if without_guard_state:  # as a checkpoint written before the window was saved
         crashed.ckpt.guard_state = None
-    step = crashed.step
-
-    def stepping(s):
-        if s == 5:
-            raise RuntimeError("simulated crash")
-        return step(s)
-
-    crashed.step = stepping
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        crashed.run()
-    crashed.sampler.close()
+    run_until_crash(crashed, 5)
     saved = json.loads((tmp_path / name / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     resumed = Trainer(load_config(None, [*BASE, f"--train.run_dir={tmp_path / name}", "--checkpoint.resume=auto"]),
                       log=_quiet)
@@ -110,17 +101,7 @@ def test_a_resume_after_a_rollback_starts_with_the_window_the_rollback_left(tmp_
     assert max(whole_losses[9:]) < 100  # (index 8 is the spike of step 9 itself, not applied)
 
     crashed = Trainer(load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / 'crashed'}"]), log=_quiet)
-    step = crashed.step
-
-    def stepping(s):
-        if crashed.rollbacks:
-            raise RuntimeError("simulated crash")
-        return step(s)
-
-    crashed.step = stepping
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        crashed.run()
-    crashed.sampler.close()
+    run_until_crash(crashed, lambda s: crashed.rollbacks)
     resumed = Trainer(load_config(None, [*BASE, *extra, f"--train.run_dir={tmp_path / 'crashed'}",
                                          "--checkpoint.resume=auto"]), log=_quiet)
     assert resumed.start_step == 7

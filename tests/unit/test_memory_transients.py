@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from live_storage import LiveStorages
 from longctx.config import load_config
 from longctx.memory.accounting import block_part_bytes, estimate_activations
 from longctx.memory.moe_counts import moe_call_bytes, moe_ffn_bytes
@@ -241,49 +242,12 @@ def test_moe_backward_fits_the_count(over, expert_chunk):
         ff.recording = True
         y = ff(x)
         dy = torch.ones_like(y) if ones else torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
-        mode = _Live()
+        mode = LiveStorages()
         with mode:
             y.backward(dy)
         peaks.append(mode.peak(besides=[p.grad for p in ff.parameters() if p.grad is not None]))
     assert max(peaks) <= count, (peaks, count)
     # (measured by storage, not address, the ratios are the same in every run: 1.0 without an expert
     # chunk, 0.76-1.0 with one; the 0.64 once read with a chunk, and the 0.67 that failed the 80% one
-    # run in three, were temporaries excluded for having held a gradient's address earlier; see _Live)
+    # run in three, were temporaries excluded for having held a gradient's address earlier; see live_storage.py)
     assert max(peaks) >= count * (0.8 if not expert_chunk else 0.6), (peaks, count)
-
-
-class _Live(TorchDispatchMode):
-    """After every op, the bytes of each storage created in the mode that is still referenced
-    (not a view or an in-place result of an op's inputs).
-
-    Each storage is known by a serial number given when it is first seen, not by its address: the
-    allocator hands a freed storage's address to a later one (glibc's reuse depends on the address
-    layout, so it differs from run to run), and `peak` excludes storages that exist after the
-    backward (the parameters' gradients) from every earlier step. By address, a temporary that had
-    held a gradient's address earlier was excluded too, and the peak read 0.42-0.83 of the count in
-    one run in three. While a storage is held here its address cannot be reused, so the address
-    identifies it only as long as it is held."""
-
-    def __init__(self):
-        super().__init__()
-        self.held, self.steps, self._serials = {}, [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in self.held and ptr not in inputs:
-                    self._serials += 1
-                    self.held[ptr] = (self._serials, t.untyped_storage())
-        self.held = {p: v for p, v in self.held.items() if torch._C._storage_Use_Count(v[1]._cdata) > 1}
-        self.steps.append({serial: s.nbytes() for serial, s in self.held.values()})
-        return out
-
-    def peak(self, besides=()) -> int:
-        """The most bytes live after any op, not counting the storages of the tensors `besides`
-        (alive now; those the mode did not create are not counted anyway)."""
-        ptrs = {t.untyped_storage().data_ptr() for t in besides}
-        skip = {self.held[p][0] for p in ptrs if p in self.held}
-        return max(sum(n for serial, n in live.items() if serial not in skip) for live in self.steps)

@@ -11,7 +11,7 @@ from longctx.costs.hardware import PRESETS
 from longctx.costs.host_bytes import device_bytes
 from longctx.costs.model_states import param_counts
 from longctx.costs.shape import MeshShape
-from longctx.costs.timing import QUANTIZED_BYTES, fsdp_transfer_seconds
+from longctx.costs.timing import fsdp_transfer_seconds, quantized_bytes
 from longctx.planner.output import plan_config, runnable
 from longctx.planner.search import Request, candidate_shapes, plan
 
@@ -28,7 +28,7 @@ def test_transfer_seconds_per_mode_follow_the_closed_forms():
     assert plain["block_gather"] == plain["block_gather_bwd"] == pytest.approx(63 / 64 * b * 2 / INTER)
     assert plain["block_reduce"] == pytest.approx(63 / 64 * b * 4 / INTER)
     zpp = fsdp_transfer_seconds(M, MeshShape(dp_shard=64, zero_pp="hpz,qwz,qgz", node=8), 2, H100, 8)
-    assert QUANTIZED_BYTES == q
+    assert quantized_bytes(MeshShape(dp_shard=64, zero_pp="qwz")) == q  # the default parallel.zero_pp_block
     assert zpp["block_gather"] == pytest.approx(63 / 64 * b * q / INTER)       # qwz, across nodes
     assert zpp["block_gather_bwd"] == pytest.approx(7 / 8 * b * 2 / INTRA)    # hpz: in the node, bf16
     # qgz: int8 to the 7 node peers, then the node sums (b / 8) to the 7 other nodes

@@ -9,6 +9,7 @@ import pytest
 from longctx.config import load_config
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import Trainer
+from simulated_crash import run_until_crash
 
 BASE = ["--train.steps=8", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40",
         "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu",
@@ -20,17 +21,7 @@ def test_a_resumed_run_logs_each_step_once(own_file, tmp_path):
     metrics = tmp_path / "elsewhere" / "m.jsonl" if own_file else tmp_path / "run" / "metrics.jsonl"
     args = [*BASE, f"--train.run_dir={tmp_path / 'run'}", *([f"--metrics.file={metrics}"] if own_file else [])]
     crashed = Trainer(load_config(None, args), log=lambda *a, **k: None)
-    step = crashed.step
-
-    def stepping(s):
-        if s == 7:  # after step 6's line; the newest checkpoint is step 4's
-            raise RuntimeError("simulated crash")
-        return step(s)
-
-    crashed.step = stepping
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        crashed.run()
-    crashed.sampler.close()
+    run_until_crash(crashed, 7)  # after step 6's line; the newest checkpoint is step 4's
     assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]
 
     resumed = Trainer(load_config(None, [*args, "--checkpoint.resume=auto"]), log=lambda *a, **k: None)

@@ -4,11 +4,11 @@ metrics continue the run's file (continue_run_files), so its count goes on from 
 started again at 0: a run that skipped step 3, crashed in step 5 and resumed from step 4 logged
 skipped_steps 1 for steps 3-4 and then nothing (0, left out) for steps 5-6, as if no step had been skipped."""
 
-import pytest
 
 from longctx.config import load_config
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import Trainer
+from simulated_crash import run_until_crash
 
 BASE = ["--train.steps=6", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40",
         "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu",
@@ -19,17 +19,7 @@ def test_the_skipped_steps_count_goes_on_after_a_resume(tmp_path, monkeypatch):
     monkeypatch.setenv("LONGCTX_FAULT", "nonfinite@3")
     args = [*BASE, f"--train.run_dir={tmp_path}"]
     crashed = Trainer(load_config(None, args), log=lambda *a, **k: None)
-    step = crashed.step
-
-    def stepping(s):
-        if s == 5:
-            raise RuntimeError("simulated crash")
-        return step(s)
-
-    crashed.step = stepping
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        crashed.run()
-    crashed.sampler.close()
+    run_until_crash(crashed, 5)
     assert crashed.skipped_steps == 1
 
     monkeypatch.delenv("LONGCTX_FAULT")

@@ -6,9 +6,8 @@ bytes (selective: 5,144,576 against 4,198,400 predicted)."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from live_storage import LiveStorages
 from longctx.config import load_config
 from longctx.memory.apply_policy import apply_memory_policy
 from longctx.memory.policy import MemoryPolicy
@@ -22,29 +21,6 @@ SHAPE = ["--model.layers=2", "--model.dim=64", "--model.heads=8", "--model.kv_he
 QK_NORM = ["--model.family=qwen3", "--model.qk_norm=true"]
 
 
-class _Live(TorchDispatchMode):
-    """After every op, the bytes of each storage created in the mode that is still referenced (known by a
-    serial number: a freed storage's address is reused), and whether the backward had begun."""
-
-    def __init__(self):
-        super().__init__()
-        self.held, self.serials, self.steps, self.backward = {}, 0, [], False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in self.held and ptr not in inputs:
-                    self.serials += 1
-                    self.held[ptr] = (self.serials, t.untyped_storage())
-        self.held = {p: v for p, v in self.held.items() if torch._C._storage_Use_Count(v[1]._cdata) > 1}
-        if self.backward:
-            self.steps.append({serial: s.nbytes() for serial, s in self.held.values()})
-        return out
-
-
 def backward_peak_over_saved(over: list[str], policy: MemoryPolicy) -> tuple[int, float]:
     """(a step's measured peak in backward minus the bytes saved by its forward, the parameters'
     gradients not counted; transient_bytes' prediction)."""
@@ -54,15 +30,13 @@ def backward_peak_over_saved(over: list[str], policy: MemoryPolicy) -> tuple[int
                                                   offload_skip_last=policy.offload_skip_last)
     model.loss_chunk = 0
     tokens = torch.randint(0, cfg.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    mode = _Live()
+    mode = LiveStorages()
     with mode:
         loss = model(tokens, labels=tokens)
         saved = sum(s.nbytes() for _, s in mode.held.values())
-        mode.backward = True
+        backward_starts = len(mode.steps)
         loss.backward()
-    grads = {mode.held[p][0] for p in (q.grad.untyped_storage().data_ptr() for q in model.parameters())
-             if p in mode.held}
-    peak = max(sum(n for serial, n in live.items() if serial not in grads) for live in mode.steps)
+    peak = mode.peak(besides=[q.grad for q in model.parameters() if q.grad is not None], since=backward_starts)
     predicted = transient_bytes(cfg, SEQ, 1, head=1, ctx=1, policy=policy, dtype_bytes=4, docs=False)
     return peak - saved, predicted
 

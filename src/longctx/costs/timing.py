@@ -26,10 +26,6 @@ from .hardware import Hardware
 from .model_states import block_params, param_counts, per_model, routed_expert_params
 from .shape import MeshShape, group_is_intra_node
 
-# parallel.zero_pp's qwz / qgz: bytes per element sent as int8 with one fp32 scale per block of 512 (the
-# default parallel.zero_pp_block; a shape's own block: quantized_bytes)
-QUANTIZED_BYTES = 1 + 4 / 512
-
 
 def quantized_bytes(shape: MeshShape) -> float:
     """Bytes per element qwz / qgz send: int8 and one fp32 scale per parallel.zero_pp_block elements."""

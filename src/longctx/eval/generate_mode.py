@@ -13,9 +13,10 @@ The special-token prefix. `longctx generate` puts before a prompt's text the spe
 training documents began with (generate/prompts.py): for hf:DIR, the tokenizer's own (e.g. BOS, as
 transformers does); for a longctx checkpoint, those its manifest records (data/builder/tokenize.py).
 Eval's sequences are built without them (data/synthetic.py), so both modes give the model that prefix
-first (`special_prefix`): generate mode before each prompt, score mode in place of each sequence's last
-token, which is only ever a label (`with_prefix`), so a sequence stays `length` tokens and the context
-before the answer is the same in both modes. None for a tokenizer that adds none, a checkpoint trained
+first (config/tokenizer.py `model_text_prefix`; `special_prefix` in the JSON): generate mode before
+each prompt, score mode in place of each sequence's last token, which is only ever a label
+(`with_prefix`), so a sequence stays `length` tokens and the context before the answer is the same in
+both modes. None for a tokenizer that adds none, a checkpoint trained
 before documents carried one, or the byte tokenizer.
 """
 
@@ -25,6 +26,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from ..config.tokenizer import model_text_prefix
 from ..progress import say
 from .results import _headline, _length_phase, _note_routing, _result_head
 
@@ -43,14 +45,6 @@ def answer_start(seq: Sequence) -> int:
     from ..data.samples import IGNORE
 
     return int(np.flatnonzero(seq.labels != IGNORE)[0]) + 1
-
-
-def special_prefix(checkpoint: str, tokenizer) -> list[int]:
-    """The token ids `longctx generate` puts before a prompt's text (generate/prompts.py): those the
-    model's training documents began with (config/tokenizer.py model_text_prefix: hf:DIR's BOS, say)."""
-    from ..config.tokenizer import model_text_prefix
-
-    return model_text_prefix(checkpoint, tokenizer)
 
 
 def with_prefix(seq: Sequence, prefix: list[int]) -> Sequence:
@@ -138,7 +132,7 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
             model = load_model(cfg, device, dtype)
         tokenizer = load_tokenizer(request.tokenizer)
         eos = eos_ids(cfg.model.init_from, tokenizer)
-        prefix = special_prefix(cfg.model.init_from, tokenizer)
+        prefix = model_text_prefix(cfg.model.init_from, tokenizer)
         p = cfg.parallel
         layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
         out = _result_head(request, args, cfg, layout, dtype)
@@ -193,7 +187,7 @@ def _eval_backend(request: EvalRequest, layout_backend):
 
 def _generate_answers(model, tokenizer, group: list[Sequence], sampling, seed: int,
                       prefix: list[int] | tuple = (), **engine) -> list[str]:
-    """One batch of prompts (each sequence up to its answer, after `prefix`: special_prefix) continued by
+    """One batch of prompts (each sequence up to its answer, after `prefix`: model_text_prefix) continued by
     the answer's length + EXTRA_NEW_TOKENS tokens, greedily unless `sampling` says otherwise, each
     sequence's draws seeded by `sequence_seed`; the texts the answers are read from (`answer_text`).
     `engine`: generate()'s eos_ids, device, backend."""

@@ -2,7 +2,7 @@
 passes (eval/runner.py) on this rank's part of the layout, summarised per position bucket (ppl) or per
 depth (passkey/needle: right when every answer token is the argmax). Passkey/needle sequences are read
 after the special tokens `longctx generate` would put before their text (hf:DIR's BOS, say), as
-generate mode's prompts are, each still `length` tokens (generate_mode.py, special_prefix).
+generate mode's prompts are, each still `length` tokens (generate_mode.py, model_text_prefix).
 """
 
 from __future__ import annotations
@@ -77,10 +77,11 @@ def _prefixed(request: EvalRequest) -> tuple[dict[int, list[Sequence]], list[int
     they are (a span starts mid-document, where no BOS stands)."""
     if request.task == "ppl":
         return request.sequences, []
+    from ..config.tokenizer import model_text_prefix
     from ..data.tokenizer import load_tokenizer
-    from .generate_mode import special_prefix, with_prefix
+    from .generate_mode import with_prefix
 
-    prefix = special_prefix(request.cfg.model.init_from, load_tokenizer(request.tokenizer))
+    prefix = model_text_prefix(request.cfg.model.init_from, load_tokenizer(request.tokenizer))
     return {n: [with_prefix(q, prefix) for q in seqs] for n, seqs in request.sequences.items()}, prefix
 
 

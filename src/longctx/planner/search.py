@@ -254,23 +254,27 @@ def _host_memory_suggestion(req: Request, res: PlanResult) -> list[str]:
     return [text]
 
 
+def _why_no_candidate(req: Request) -> str:
+    """No candidate at all: the layouts divide the sequence and the batch but no micro-batch size splits
+    a rank's share, or no layout divides the sequence."""
+    shapes = candidate_shapes(req)
+    if shapes:
+        shares = sorted({req.global_batch // s.dp for s in shapes})
+        return (f"no micro-batch of {', '.join(map(str, req.micro_batches))} divides a data-parallel rank's share "
+                f"of the global batch {req.global_batch} (sequences per rank per step: one of {shares}); "
+                f"choose --micro-batch among the divisors of those, or a larger --global-batch")
+    units = sorted({2 * h * c for h in divisors(req.gpus) if head_degree_ok(req.model, h)
+                    for c in divisors(req.gpus // h)})
+    return (f"no layout of {req.gpus} GPUs divides the sequence: {req.seq_len} tokens must be divisible by "
+            f"2 x head x ctx (one of {units[:8]}); choose a sequence length that is a multiple of "
+            f"{units[-1]}, or a multiple of {units[0]} with fewer sequence-parallel ranks")
+
+
 def suggest(req: Request, res: PlanResult) -> list[str]:
     """What would make an infeasible request feasible."""
-    out = []
-    shapes = candidate_shapes(req) if not res.ranked else []
-    if shapes:  # layouts divide the sequence and the batch: no micro-batch size splits a rank's share
-        shares = sorted({req.global_batch // s.dp for s in shapes})
-        out.append(f"no micro-batch of {', '.join(map(str, req.micro_batches))} divides a data-parallel rank's share "
-                   f"of the global batch {req.global_batch} (sequences per rank per step: one of {shares}); "
-                   f"choose --micro-batch among the divisors of those, or a larger --global-batch")
-        return out
     if not res.ranked:
-        units = sorted({2 * h * c for h in divisors(req.gpus) if head_degree_ok(req.model, h)
-                        for c in divisors(req.gpus // h)})
-        out.append(f"no layout of {req.gpus} GPUs divides the sequence: {req.seq_len} tokens must be divisible by "
-                   f"2 x head x ctx (one of {units[:8]}); choose a sequence length that is a multiple of "
-                   f"{units[-1]}, or a multiple of {units[0]} with fewer sequence-parallel ranks")
-        return out
+        return [_why_no_candidate(req)]
+    out = []
     least = min(res.ranked, key=lambda e: e.memory["total"])
     out.append(f"the least GPU memory any plan needs is {least.memory['total'] / 2**30:.1f} GiB per GPU "
                f"({least.mesh_shape.describe()}, {least.policy.describe()}; "
