@@ -230,8 +230,20 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise save_failed(self.root, step, needed, error)
+        commit_error = None
         if self.rank == 0:
-            self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))}, record)
+            try:
+                self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))}, record)
+            except Exception as e:  # (a full disk at the manifest): said to every rank, or the others train
+                commit_error = e    # on into a collective rank 0 never joins, until the watchdog
+                shutil.rmtree(tmp, ignore_errors=True)
+        if self._mesh is not None:
+            flags = comm.all_reduce_in_group(torch.tensor([float(commit_error is not None)], dtype=torch.float64),
+                                             self.group)
+            if float(flags[0]) and commit_error is None:
+                commit_error = OSError("rank 0 could not commit it")
+        if commit_error is not None:
+            raise save_failed(self.root, step, needed, commit_error)
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
         record = record or self._manifest_record()
@@ -240,14 +252,21 @@ class CheckpointManager:
         final = self.root / step_name(step)
         # durably (durable.py): every rank synced its files (_finish), so after a power loss `latest` never
         # names a checkpoint whose files did not reach the disk
+        trash = None
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
             trash = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
             os.replace(final, trash)
+        try:
             publish(tmp, final)
+            write_text_durably(self.root / LATEST, final.name + "\n")
+        except BaseException:  # all or nothing: the new directory back to `tmp` (removed by the caller), the old
+            if final.exists() and not tmp.exists():  # one of this step back in place, `latest` as it was
+                os.replace(final, tmp)
+            if trash is not None:
+                os.replace(trash, final)
+            raise
+        if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
-        else:
-            publish(tmp, final)
-        write_text_durably(self.root / LATEST, final.name + "\n")
         self._prune(keep_also=final)
         self.log(f"checkpoint: saved step {step} to {final}")
 
