@@ -93,6 +93,11 @@ def rope_fields(hf: dict, where: str) -> dict[str, Any]:
         factor = p.get("factor")
         if factor is None:  # DeepSeek-style: the ratio of the two lengths
             factor = hf["max_position_embeddings"] / original
+        attention = p.get("attention_factor")
+        if attention is not None and not (isinstance(attention, (int, float)) and attention > 0):
+            # transformers multiplies cos and sin by it as given (0: every q.k is 0); 0 here would mean "derive it"
+            raise HFFormatError(f"{where}: yarn attention_factor={attention!r}; it must be positive (or "
+                                f"null / absent, to derive it from factor and mscale as transformers does).")
         out.update(rope_factor=float(factor), rope_original_max_len=original,
                    rope_beta_fast=float(p.get("beta_fast") or 32.0), rope_beta_slow=float(p.get("beta_slow") or 1.0),
                    rope_mscale=float(p.get("mscale") or 0.0), rope_mscale_all_dim=float(p.get("mscale_all_dim") or 0.0),
