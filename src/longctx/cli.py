@@ -159,7 +159,7 @@ def _cmd_checkpoint(args, overrides) -> int:
         raise UserError(f"--to {args.to}: only 'hf' export is available.")
     if not out:
         raise UserError("longctx checkpoint export needs an output directory: "
-                        "longctx checkpoint export PATH --to hf OUT.")
+                        "longctx checkpoint export PATH OUT --to hf.")
     import torch
 
     from .checkpoint.export import export_hf

@@ -1,4 +1,4 @@
-"""`longctx checkpoint export PATH --to hf OUT`: a complete checkpoint -> a Hugging Face directory.
+"""`longctx checkpoint export PATH OUT --to hf`: a complete checkpoint -> a Hugging Face directory.
 
 The manifest records the run's `[model]` (for `init_from = hf:DIR` runs: the imported family,
 shapes and RoPE, with the extension overrides), so the export is the same family transformers
@@ -8,23 +8,35 @@ config.json carries the special token ids (bos / eos / pad_token_id) the weights
 Hugging Face config.json the run started from (through any longctx checkpoints in between), else
 the recorded tokenizer's (the byte tokenizer's 256 / 257; a tokenizer.json's end-of-document token,
 the one training separated documents with, and the BOS / pad its tokenizer_config.json declares).
+
+OUT is written whole or not at all: everything goes into a temporary directory beside it, synced, and
+is renamed into place when complete (a full disk or a kill mid-write leaves OUT as it was, never a
+directory that looks like an export and lacks its ids or weights). A previous export in OUT is
+replaced whole, so none of its files (another model's tokenizer.json or generation_config.json) stays
+beside the new weights; a directory that holds anything an export does not write is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
-from ..config.hf import hf_dir, initial_hf_config, model_config
+from ..config.checkpoint_paths import find_checkpoint
+from ..config.hf import HFFormatError, checkpoint_manifest, hf_dir, initial_hf_config, model_config
 from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
 from ..config.hf_families import family_window
 from ..config.tokenizer import tokenizer_file
-from ..data.tokenizer import load_tokenizer
-from ..models.hf import copy_tokenizer_files, save_hf
+from ..data.tokenizer import load_tokenizer, tokenizer_digest
+from ..durable import fsync_path, publish
+from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
-from .manager import load_model_weights, resolve_checkpoint
+from .manager import load_model_weights
 from .manifest import CheckpointError, read_manifest
 
 
@@ -32,20 +44,69 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
               max_shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str], str, list[str]]:
     """(the written directory, the tokenizer files copied, why none were when none were, what config.json
     says differently from how the model trained: config/hf_export.py export_notes)."""
-    path = resolve_checkpoint(str(checkpoint), Path(checkpoint))
+    path = find_checkpoint(checkpoint)
     if path is None:
-        raise CheckpointError(f"{checkpoint} holds no complete checkpoint to export.")
+        raise CheckpointError(f"{checkpoint} holds no complete checkpoint to export (a step-* directory with "
+                              f"manifest.json, or a checkpoints directory holding them; a save that was interrupted "
+                              f"has none).")
     manifest = read_manifest(path)
     cfg = model_config(manifest["model"])  # (recorded by config key: "moe.experts")
+    out = Path(os.path.abspath(Path(out).expanduser()))  # (a name to rename, also for OUT '.')
+    check_output(out, cfg.init_from)
     model = build_model(cfg, device="cpu", seed=None)
     load_model_weights(path, model)
-    out = save_hf(model, out, max_shard_bytes=max_shard_bytes, dtype=dtype)
-    copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), out)
-    ids, unknown = special_token_ids(manifest)
-    config_file = out / "config.json"
-    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **ids, **_source_window(cfg)},
-                                      indent=2) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.exporting-", dir=out.parent))
+    try:
+        save_hf(model, work, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), work)
+        ids, unknown = special_token_ids(manifest)
+        config_file = work / "config.json"
+        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **ids, **_source_window(cfg)},
+                                          indent=2) + "\n")
+        _publish(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return out, copied, why, export_notes(cfg) + ([unknown] if unknown else [])
+
+
+# what an export writes (save_hf's weights and index, the tokenizer files): a directory holding only these
+# is a previous export, which a new one replaces whole
+_WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def check_output(out: Path, init_from: str) -> None:
+    """Refuse an OUT that is a file, the Hugging Face directory the run started from, or a directory
+    holding files an export does not write (replacing it would delete them)."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"export: {out} is a file; pass a directory to write (it is created).")
+    if not out.is_dir():
+        return
+    if init_from.startswith("hf:") and hf_dir(init_from).is_dir() and out.resolve() == hf_dir(init_from).resolve():
+        raise CheckpointError(f"export: {out} is the Hugging Face directory the run started from "
+                              f"(model.init_from={init_from}); export into another directory.")
+    own = {"config.json", "model.safetensors.index.json", *TOKENIZER_FILES}
+    other = sorted(p.name for p in out.iterdir() if p.name not in own and not _WEIGHT_FILE.match(p.name))
+    if other:
+        raise CheckpointError(f"export: {out} holds files an export does not write ({', '.join(other[:4])}"
+                              f"{', ...' if len(other) > 4 else ''}); an export replaces its directory whole. "
+                              f"Choose a new or empty directory (or a previous export's).")
+
+
+def _publish(work: Path, out: Path) -> None:
+    """Sync the finished `work` and rename it to `out`; a previous export in `out` is replaced whole."""
+    for file in work.iterdir():
+        fsync_path(file)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(work, 0o777 & ~mask)  # (mkdtemp's 0700 -> the usual permissions)
+    if not out.exists():
+        publish(work, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+    out.rename(old)  # (onto the empty directory mkdtemp made: no name a crashed export left can collide)
+    publish(work, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _source_window(cfg) -> dict:
@@ -79,7 +140,28 @@ def special_token_ids(manifest: dict) -> tuple[dict, str]:
     return ids, ""
 
 
+def _initial_hf(init_from: str, recorded: str | None, depth: int = 16) -> str:
+    """The hf:DIR the weights started from, through a chain of longctx checkpoints (as initial_hf_config
+    follows it), when the run's tokenizer is that directory's tokenizer.json: its tokenizer_config.json,
+    chat template and generation_config.json go with the export as they do for a run started from DIR
+    itself. '' when there is none."""
+    start = init_from
+    for _ in range(depth):
+        if not init_from or init_from.startswith("hf:"):
+            break
+        try:
+            init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
+        except (HFFormatError, KeyError, TypeError, AttributeError):
+            return ""
+    if not init_from.startswith("hf:") or init_from == start:  # (none; or DIR itself: its files, as before)
+        return init_from if init_from == start and init_from.startswith("hf:") else ""
+    digest = tokenizer_digest(recorded) if recorded else None
+    same = digest is not None and digest == tokenizer_digest(str(hf_dir(init_from) / "tokenizer.json"))
+    return init_from if same else ""
+
+
 def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[list[str], str]:
+    init_from = _initial_hf(init_from, recorded)
     if init_from.startswith("hf:") and hf_dir(init_from).is_dir():
         copied = copy_tokenizer_files(hf_dir(init_from), out)
         if copied:
