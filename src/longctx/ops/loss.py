@@ -39,10 +39,13 @@ def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
     if chunk <= 0 or h.shape[0] <= chunk:
         if norm is not None:
             h = rms_norm(h, *norm)
-        return F.cross_entropy(F.linear(h, weight).to(_stat_dtype(h)), labels, ignore_index=IGNORE, reduction=reduction)
-    dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
-    norm_weight, eps = norm if norm is not None else (None, 0.0)
-    total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype, norm_weight, eps)
+        # summed, then divided as the chunked path divides: a mean over no valid label is 0 with zero
+        # gradients on both paths (F.cross_entropy's own mean gives NaN there)
+        total = F.cross_entropy(F.linear(h, weight).to(_stat_dtype(h)), labels, ignore_index=IGNORE, reduction="sum")
+    else:
+        dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
+        norm_weight, eps = norm if norm is not None else (None, 0.0)
+        total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype, norm_weight, eps)
     if reduction == "sum":
         return total
     return total / (labels != IGNORE).sum().clamp(min=1)
