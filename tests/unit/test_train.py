@@ -7,7 +7,7 @@ import pytest
 from longctx.config import load_config
 from longctx.errors import ConfigError, TrainingError
 from longctx.models.flops import train_flops_per_token
-from longctx.step.schedule import lr_at
+from longctx.step.schedule import lr_at, schedule_note
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import train
 
@@ -106,6 +106,18 @@ def test_the_last_step_trains_at_the_floor(steps, warmup):
     assert lr_at(warmup, cfg) == 1.0
     rates = [lr_at(s, cfg) for s in range(warmup, steps)]
     assert rates == sorted(rates, reverse=True) and len(set(rates)) == len(rates)  # decays every step
+
+
+@pytest.mark.parametrize("steps, warmup, said", [(10, 20, "rises for the whole run"), (21, 20, "at the last step"),
+                                                 (22, 20, None), (4, 2, None), (1, 20, None)])
+def test_a_warmup_that_leaves_no_decay_is_said(steps, warmup, said):
+    """The schedule's note when the run ends at or below its peak (the last step's rate is not the floor)."""
+    cfg = load_config(overrides=[f"--train.steps={steps}", f"--train.warmup_steps={warmup}", "--train.lr=1.0",
+                                 "--train.min_lr_ratio=0.1"])
+    note = schedule_note(cfg)
+    last = lr_at(steps - 1, cfg)
+    assert (note is None) == (said is None) == (steps == 1 or last == 0.1), (note, last)
+    assert said is None or said in note and "--train.warmup_steps below" in note
 
 
 def test_flops_formula_matches_a_hand_count():

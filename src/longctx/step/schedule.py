@@ -16,3 +16,16 @@ def lr_at(step: int, cfg) -> float:
     progress = min(1.0, (step - t.warmup_steps) / decay_steps)
     floor = t.lr * t.min_lr_ratio
     return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def schedule_note(cfg) -> str | None:
+    """What a run should hear when its warmup leaves no decay: train.warmup_steps at or past train.steps - 1
+    (say the default 20 with a 10-step fine-tune) ends the run at or below the peak, never at the floor."""
+    t = cfg.train
+    if t.steps <= 1 or t.warmup_steps < t.steps - 1:
+        return None
+    top = lr_at(t.steps - 1, cfg)
+    return (f"train.warmup_steps {t.warmup_steps} with train.steps {t.steps}: the learning rate "
+            + ("rises for the whole run (its last step at " if t.warmup_steps >= t.steps else "reaches ")
+            + f"{top:.3g}{')' if t.warmup_steps >= t.steps else ' at the last step'} and never decays to the floor "
+            f"(train.min_lr_ratio); set --train.warmup_steps below {t.steps - 1} for a warmup and a decay")

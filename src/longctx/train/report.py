@@ -12,6 +12,7 @@ from ..config.checkpoint_paths import step_name
 from ..config.rules import moe_notes
 from ..errors import UserError
 from ..models.llama import count_params
+from ..step.schedule import schedule_note
 from .metrics import read_jsonl
 
 
@@ -251,7 +252,8 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             + (", compiled (train.compile: each block's token-wise parts)" if cfg.train.compile else "")
             + f"; {lr_note(cfg)}; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
-        f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else [])]
+        f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]
+        if note]
 
 
 def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None) -> str:
