@@ -163,3 +163,27 @@ def test_a_null_or_text_number_is_refused_naming_the_key(key, bad):
         form = hf_config("qwen3", form="rope_parameters", rope_parameters={"rope_type": "default", "rope_theta": bad})
         with pytest.raises(HFFormatError, match="rope_theta is"):
             model_fields_from_hf(form)
+
+
+def test_a_window_caps_the_reach_a_rope_scaling_would_stretch(tmp_path):
+    """A Mistral whose window equals its length, with a yarn scaling in its config.json: transformers attends
+    within the window past it, longctx fully, so the reach is the window (it was original x factor = 1024,
+    where logits differ from transformers' past 256); the length guard's message offers no RoPE flags."""
+    from longctx.config.positions import model_reach
+    from longctx.generate.prompts import _past_reach
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    (d / "config.json").write_text(json.dumps(_bare("mistral", sliding_window=256, max_position_embeddings=256,
+                                                    num_key_value_heads=2, rope_scaling=yarn)))
+    reach = model_reach(load_config(overrides=[f"--model.init_from=hf:{d}", "--train.seq_len=256"]).model)
+    assert (reach.positions, reach.window) == (256, 256) and "sliding window" in reach.said()
+    said = _past_reach("prompt 1", 600, reach, 10)
+    assert "256 positions" in said and "rope_scaling" not in said and "--allow-extrapolation" in said
+    plain = d.parent / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(_bare("mistral", sliding_window=256, max_position_embeddings=256,
+                                                        num_key_value_heads=2)))
+    reach = model_reach(load_config(overrides=[f"--model.init_from=hf:{plain}", "--train.seq_len=256"]).model)
+    assert (reach.positions, reach.window) == (256, 0)  # (the window is the length: nothing capped)

@@ -99,6 +99,7 @@ class Reach:
     trained: int    # what the weights trained on (TrainedPositions.positions)
     unscaled: int   # what they learned before their own RoPE scaling: what a new scaling stretches
     source: str
+    window: int = 0  # the sliding window of the config.json the weights started from, when it caps `positions`
 
     @property
     def scaled(self) -> bool:
@@ -107,6 +108,9 @@ class Reach:
 
     def said(self) -> str:
         said = f"trained on {self.trained:,}: {self.source}"
+        if self.window:
+            return said + (f"; capped at the {self.window:,}-token sliding window its config.json gives attention: "
+                           f"longctx attends to every earlier position, the same as the window only within it")
         return said + (", stretched by its RoPE scaling" if self.scaled else "")
 
     def extension_flags(self, length: int) -> str:
@@ -119,9 +123,17 @@ class Reach:
 
 def model_reach(m: ModelConfig) -> Reach:
     """The reach of the model `m` describes (its init_from's weights, with `m`'s RoPE settings)."""
+    from .hf import initial_hf_config
+    from .hf_families import family_window
+
     weights = trained_positions(m.init_from)
     positions = covered_positions(m, weights.own, weights.positions)
-    return Reach(positions, weights.positions, unscaled_positions(weights.own, weights.positions), weights.source)
+    # a windowed Mistral / Mixtral (its window at or past the length it was loaded at, or the load refuses it)
+    # attends within the window in transformers; longctx attends fully, which is the same only up to it
+    window = family_window(initial_hf_config(m.init_from) or {}) or 0
+    window = window if 0 < window < positions else 0
+    return Reach(min(positions, window or positions), weights.positions,
+                 unscaled_positions(weights.own, weights.positions), weights.source, window)
 
 
 def ms_poe_problems(m: ModelConfig) -> list[str]:

@@ -165,8 +165,9 @@ def reach_notes(m, lengths: list[int]) -> tuple[str, ...]:
     many = len(past) > 1
     return (f"length{'s' * many} {', '.join(f'{n:,}' for n in past)} run past the {reach.positions:,} positions the "
             f"model reaches ({reach.said()}): {'their scores measure' if many else 'its score measures'} "
-            f"extrapolation, not what the model learned; {reach.extension_flags(max(past))} would cover "
-            f"{'them' if many else 'it'}",)
+            f"extrapolation, not what the model learned" + ("" if reach.window else  # (no scaling moves a window)
+                                                            f"; {reach.extension_flags(max(past))} would cover "
+                                                            f"{'them' if many else 'it'}"),)
 
 
 def _sampling(args, mode: str):

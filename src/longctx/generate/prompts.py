@@ -145,7 +145,8 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
 
 
 def _past_reach(which: str, n: int, reach, new_tokens: int) -> str:
+    extend = ("" if reach.window else  # (no RoPE scaling moves a sliding window)
+              f"extend it with RoPE scaling, e.g. {reach.extension_flags(n + new_tokens)}; or ")
     return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches ({reach.said()}). "
-            f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or extend it "
-            f"with RoPE scaling, e.g. {reach.extension_flags(n + new_tokens)}; or pass --allow-extrapolation to "
-            f"run it anyway.")
+            f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or {extend}"
+            f"pass --allow-extrapolation to run it anyway.")
