@@ -117,3 +117,29 @@ def test_on_cpu_device_and_host_bytes_are_counted_as_one_memory_holds_them(seq_l
     device, _ = predicted_rank_bytes(cfg.model, MeshShape(), MemoryPolicy.from_config(cfg.memory), "host",
                                      seq_len=seq_len, micro_batch=1, grad_accum=2, dtype_bytes=4)
     assert on_cpu["device (CPU: host memory)"] == pytest.approx(device["total"])
+
+
+def test_on_cpu_the_layouts_own_states_are_counted():
+    """CO2's outer state (3 fp32 copies of the rank's shard, 4 with outer momentum), hpz's node-sharded copy
+    of the blocks and larger FSDP units (grad_bucket_blocks) are device memory, which on a CPU run is host
+    memory: the preflight counted the plain layout's bytes for all of them (co2: 43% of a rank's bytes missing)."""
+    from longctx.costs.host_bytes import hpz_copy_bytes
+    from longctx.costs.model_states import co2_params
+    from longctx.train.host_budget import CPU_DEVICE, run_shape
+
+    def device(*overrides):
+        cfg = config("--train.global_batch=4", *overrides)
+        dims = check_layout(cfg, 4)
+        return rank_host_bytes(cfg, dims, "cpu", 4, 1e12)[CPU_DEVICE], cfg, run_shape(cfg, dims)
+
+    hsdp = ["--parallel.dp_replicate=2", "--parallel.dp_shard=2"]
+    sync, _, _ = device(*hsdp)
+    co2, cfg, shape = device(*hsdp, "--train.data_parallel=co2", "--train.co2_local_steps=2")
+    assert co2 - sync == pytest.approx(3 * 4 * co2_params(cfg.model, shape))
+    momentum, _, _ = device(*hsdp, "--train.data_parallel=co2", "--train.co2_local_steps=2",
+                            "--train.co2_outer_momentum=0.5")
+    assert momentum - co2 == pytest.approx(4 * co2_params(cfg.model, shape))
+    fsdp, _, _ = device("--parallel.dp_shard=4")
+    hpz, cfg, shape = device("--parallel.dp_shard=4", "--parallel.zero_pp=hpz", "--parallel.ranks_per_node=2")
+    assert shape.node == 2 and hpz - fsdp == pytest.approx(hpz_copy_bytes(cfg.model, shape, 4))
+    assert device("--parallel.dp_shard=4", "--parallel.grad_bucket_blocks=2")[0] > fsdp

@@ -64,7 +64,7 @@ def test_stages_are_refused():
 
 
 def test_co2_outer_momentum_adds_a_buffer():
-    from longctx.planner.slow_links import co2_params
+    from longctx.costs.model_states import co2_params
 
     req = _request(CO2)
     plain = plan(req).best

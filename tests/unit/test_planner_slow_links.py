@@ -11,7 +11,7 @@ import torch.distributed as dist
 from longctx.bench.comm_bytes import Unit, step_bytes
 from longctx.config import load_config
 from longctx.costs.hardware import PRESETS
-from longctx.costs.model_states import block_params, param_counts
+from longctx.costs.model_states import block_params, co2_state_bytes, param_counts
 from longctx.costs.shape import MeshShape
 from longctx.errors import ConfigError
 from longctx.memory.policy import MemoryPolicy
@@ -19,7 +19,7 @@ from longctx.planner.cost import estimate
 from longctx.planner.link_report import report, why
 from longctx.planner.output import plan_config, runnable
 from longctx.planner.search import Request, candidate_shapes, plan
-from longctx.planner.slow_links import co2_exposed_seconds, co2_local_steps, co2_state_bytes, link_level_bytes
+from longctx.planner.slow_links import co2_exposed_seconds, co2_local_steps, link_level_bytes
 
 H100 = PRESETS["h100"]
 BASE = load_config(None, {"model": {"preset": "llama3-8b"}})

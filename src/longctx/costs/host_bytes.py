@@ -51,6 +51,7 @@ from ..memory.transients import attention_offload_host_and_traffic, transient_by
 from .hardware import Hardware
 from .model_states import (
     accumulated_grad_bytes,
+    co2_state_bytes,
     gathered_param_bytes,
     param_counts,
     per_model,
@@ -226,12 +227,17 @@ def _state_parts(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, gr
 
 
 def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,
-                 activations: float, transient: float, bucket_blocks: int = 1) -> dict[str, float]:
+                 activations: float, transient: float, bucket_blocks: int = 1,
+                 co2_momentum: bool = False) -> dict[str, float]:
     """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers
     (units of `bucket_blocks` blocks: parallel.grad_bucket_blocks), the unsharded gradients accumulated
-    under grad_sync "step" (only where there are any), the saved activations and the backward's
-    transient on top of them."""
+    under grad_sync "step" (only where there are any), under co2 its outer state (the round's start, the
+    outer model, the change in flight, and the outer momentum with `co2_momentum`), the saved activations
+    and the backward's transient on top of them."""
     memory = dict(_state_parts(m, shape, tier, grad_sync, grad_accum, gather_bytes, bucket_blocks))
+    co2 = co2_state_bytes(m, shape, co2_momentum)
+    if co2:
+        memory["co2_state"] = co2
     memory["activations"] = activations
     memory["transient"] = transient
     memory["total"] = sum(memory.values())
@@ -240,17 +246,19 @@ def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, gr
 
 def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tier: str, *, seq_len: int,
                          micro_batch: int, grad_accum: int, dtype_bytes: int, doc_mask: bool = True,
-                         async_checkpoint: bool = False,
-                         offload_cap: float = math.inf) -> tuple[dict[str, float], dict[str, float]]:
+                         async_checkpoint: bool = False, offload_cap: float = math.inf, bucket_blocks: int = 1,
+                         co2_momentum: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """(device bytes, host bytes) of one rank of a run, each by part with its "total", from the
     activation formulas (memory/accounting.py, memory/transients.py) and the tier: what the
     preflight checks against free host memory and benchmarks/host_bytes.py against RSS.
-    offload_cap: the most offloaded activations may take (memory.offload_fraction auto's bound)."""
+    offload_cap: the most offloaded activations may take (memory.offload_fraction auto's bound);
+    bucket_blocks, co2_momentum: device_bytes'."""
     kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy, "dtype_bytes": dtype_bytes}
     acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, **kw)
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts, **kw)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
-    device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient)
+    device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient,
+                          bucket_blocks, co2_momentum)
     host = predicted_host_bytes(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=min(acts.total_host, offload_cap), attention_offload=attn_host,
                                 doc_mask=doc_mask, async_checkpoint=async_checkpoint)

@@ -144,3 +144,23 @@ def accumulated_grad_bytes(m: ModelConfig, shape: MeshShape, grad_accum: int, gr
         pc = param_counts(m)
         return 4 * (pc["total"] - pc["experts"] + pc["experts"] // shape.expert)
     return 0.0
+
+
+# CO2's OuterSync (step/co2.py): fp32 buffers per parameter of a rank's shard: the round's start, the outer
+# model (anchor) and the change in flight (+ the outer momentum when train.co2_outer_momentum > 0)
+CO2_COPIES = 3
+
+
+def co2_params(m: ModelConfig, shape: MeshShape) -> float:
+    """Parameters of one rank's shard that CO2 averages: all but the routed experts under expert
+    parallelism (sharded over an expert-data group spanning the replicas, they stay synchronous)."""
+    pc = param_counts(m)
+    return (pc["total"] - (pc["experts"] if shape.expert > 1 else 0)) / shape.fsdp
+
+
+def co2_state_bytes(m: ModelConfig, shape: MeshShape, outer_momentum: bool = False) -> float:
+    """CO2's device bytes per rank on top of FSDP's states (step/co2.py OuterSync's fp32 buffers); 0 under
+    train.data_parallel = sync."""
+    if shape.data_parallel != "co2":
+        return 0.0
+    return (CO2_COPIES + (1 if outer_momentum else 0)) * 4 * co2_params(m, shape)

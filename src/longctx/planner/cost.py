@@ -66,7 +66,6 @@ from .slow_links import (
     co2_local_steps,
     co2_outer_bytes,
     co2_outer_seconds,
-    co2_state_bytes,
 )
 
 
@@ -155,13 +154,8 @@ def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_ac
     model states as their tier leaves them on the device (costs/host_bytes.py device_bytes; FSDP units
     of settings.grad_bucket_blocks blocks), and under co2 its outer state (the round's start, the outer
     model, the change in flight, and the outer momentum when there is one)."""
-    memory = device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
-                          transient, settings.grad_bucket_blocks)
-    co2 = co2_state_bytes(m, shape, settings.co2_outer_momentum)
-    if co2:
-        memory["co2_state"] = co2
-        memory["total"] += co2
-    return memory
+    return device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
+                        transient, settings.grad_bucket_blocks, settings.co2_outer_momentum)
 
 
 def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_node: int,

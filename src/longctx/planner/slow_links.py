@@ -27,31 +27,15 @@ import math
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
 from ..costs.link_bytes import Unit, layout_bytes
-from ..costs.model_states import block_params, param_counts
+from ..costs.model_states import block_params, co2_params, param_counts
 from ..costs.shape import MeshShape, group_is_intra_node
 from ..costs.timing import exposed, link_bandwidth
 from ..errors import ConfigError
 
-# OuterSync's fp32 buffers per parameter of a rank's shard: start, anchor, the change in flight (+ momentum)
-CO2_COPIES = 3
 CO2_CAVEAT = ("co2 changes convergence: on the debug model over 8 ranks for 300 steps it ended 3.9% (H=2) to 10% "
               "(H=4) above sync's final loss (docs/benchmarks.md); check the loss against a sync run")
 # train.co2_local_steps values tried: the smallest that hides the outer all-reduce is chosen (less staleness)
 CO2_LOCAL_STEPS = (2, 4, 8)
-
-
-def co2_params(m: ModelConfig, shape: MeshShape) -> float:
-    """Parameters of one rank's shard that CO2 averages: all but the routed experts under expert
-    parallelism (sharded over an expert-data group spanning the replicas, they stay synchronous)."""
-    pc = param_counts(m)
-    return (pc["total"] - (pc["experts"] if shape.expert > 1 else 0)) / shape.fsdp
-
-
-def co2_state_bytes(m: ModelConfig, shape: MeshShape, outer_momentum: bool = False) -> float:
-    """CO2's device bytes per rank on top of FSDP's states (step/co2.py OuterSync's fp32 buffers)."""
-    if shape.data_parallel != "co2":
-        return 0.0
-    return (CO2_COPIES + (1 if outer_momentum else 0)) * 4 * co2_params(m, shape)
 
 
 def co2_outer_bytes(m: ModelConfig, shape: MeshShape) -> float:

@@ -25,6 +25,7 @@ from ..config import Config
 from ..costs.host_bytes import one_memory_bytes, predicted_rank_bytes
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
+from ..job.checks import node_size, zero_pp_names
 from ..memory.auto import host_memory_available
 from ..memory.policy import MemoryPolicy
 from .stages import stages_of
@@ -60,10 +61,19 @@ def host_budget() -> tuple[float, str]:
     return value, f"the budget {BUDGET_ENV}={text}"
 
 
+def run_shape(cfg: Config, dims) -> MeshShape:
+    """The run's layout as the cost formulas take it: its degrees, and how its FSDP transfers cross nodes
+    (parallel.zero_pp's hpz copy over a node's or hpz_ranks' ranks) and its replicas agree (co2's outer state)."""
+    names = zero_pp_names(cfg)
+    return MeshShape(dims.dp_replicate, dims.dp_shard, dims.head, dims.ctx, dims.window, dims.placement, dims.expert,
+                     zero_pp=",".join(names), node=node_size(cfg, dims) or 0, hpz_ranks=cfg.parallel.hpz_ranks,
+                     data_parallel=cfg.train.data_parallel, local_steps=cfg.train.co2_local_steps,
+                     quant_block=cfg.parallel.zero_pp_block)
+
+
 def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, budget: float) -> dict[str, float]:
     """One rank's host bytes by part and their "total", for the stage that needs the most."""
-    shape = MeshShape(dims.dp_replicate, dims.dp_shard, dims.head, dims.ctx, dims.window, dims.placement,
-                      dims.expert)
+    shape = run_shape(cfg, dims)
     auto = cfg.memory.offload_fraction == "auto"
     policy = MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory)
     cap = AUTO_SHARE * budget / max(1, ranks_on_node) if auto else math.inf
@@ -74,7 +84,8 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
         device, host = predicted_rank_bytes(
             cfg.model, shape, policy, cfg.memory.model_states, seq_len=stage.seq_len, micro_batch=micro_batch,
             grad_accum=cfg.train.grad_accum, dtype_bytes=4 if fp32 else 2, doc_mask=cfg.data.doc_mask,
-            async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap)
+            async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap,
+            bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0)
         parts = {k: v for k, v in host.items() if k != "total"}
         if device_type == "cpu":
             parts[CPU_DEVICE] = one_memory_bytes(cfg.model, shape, cfg.memory.model_states, device, host,
