@@ -131,3 +131,30 @@ def test_a_failed_pointer_write_leaves_no_temporary_file_and_old_ones_are_swept(
     (tmp_path / ".latest.tmp-12345").write_text("step-0")
     CheckpointManager(tmp_path, keep=2, async_save=False, rank=0, world=1, layout={}, model_cfg={}, log=_quiet)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_pruning_keeps_this_runs_history_not_an_abandoned_attempts(tmp_path):
+    """A resume of step 4 with steps 6, 8, 10 of an abandoned attempt in the directory: keep = 2 counted
+    those, so the first save (step 6) deleted steps 2 and 4, the run's own, and kept the abandoned 8 and
+    10. Now the newer ones are left as they are and not counted: step 4 and the new 6 are kept."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def manager(keep):
+        return CheckpointManager(tmp_path, keep=keep, async_save=False, rank=0, world=1, layout={}, model_cfg={},
+                                 log=_quiet)
+
+    def names():
+        return sorted(p.name for p in tmp_path.iterdir())
+
+    first = manager(keep=0)  # (the abandoned attempt keeps everything)
+    for step in (2, 4, 6, 8, 10):
+        first.save(step, model, optimizer, {"position": step})
+    stale = (tmp_path / "step-00000008" / "manifest.json").read_text()
+    again = manager(keep=2)  # resumed from step 4
+    again.save(6, model, optimizer, {"position": 6})
+    assert names() == ["latest", "step-00000004", "step-00000006", "step-00000008", "step-00000010"]
+    assert (tmp_path / "step-00000008" / "manifest.json").read_text() == stale  # (untouched)
+    again.save(8, model, optimizer, {"position": 8})  # the abandoned 8 replaced, 4 pruned
+    assert names() == ["latest", "step-00000006", "step-00000008", "step-00000010"]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000008"

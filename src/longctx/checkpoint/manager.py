@@ -111,8 +111,7 @@ class CheckpointManager:
         self.text_prefix: list[int] = []  # the special tokens its documents begin with (manifest.py)
         self.run_dir: str | None = None  # the run directory (absolute), in the manifest: where resumes find its config
         self.rank, self.world, self.layout, self.model_cfg, self.log = rank, world, layout, model_cfg, log
-        # DCP's background writes, the hashing barrier and the verification all-reduce run collectives;
-        # they get their own group so they never interleave with the training loop's on the default group.
+        # DCP's writes, the hashing barrier and the verdicts' all-reduces: a group apart from the training loop's
         self.group = new_gloo_group() if world > 1 else None
         self._mesh = None  # the same group as a 1-D mesh: what comm's collectives take
         if self.group is not None:
@@ -234,8 +233,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 self._commit(step, tmp, {**own, **collect_hashes_parts(tmp, range(1, self.world))}, record)
-            except Exception as e:  # (a full disk at the manifest): said to every rank, or the others train
-                commit_error = e    # on into a collective rank 0 never joins, until the watchdog
+            except Exception as e:  # (a full disk at the manifest): said to every rank, lest they train on alone
+                commit_error = e
                 shutil.rmtree(tmp, ignore_errors=True)
         if self._mesh is not None:
             flags = comm.all_reduce_in_group(torch.tensor([float(commit_error is not None)], dtype=torch.float64),
@@ -271,10 +270,11 @@ class CheckpointManager:
         self.log(f"checkpoint: saved step {step} to {final}")
 
     def _prune(self, keep_also: Path) -> None:
-        found = complete_checkpoints(self.root)
+        # the `keep` newest up to the step just saved: newer ones are an attempt an explicit resume of an older
+        # checkpoint abandoned (left as they are), and counting them would delete this run's own history
+        found = [p for p in complete_checkpoints(self.root) if p.name <= keep_also.name]
         for old in found[:-self.keep] if self.keep else []:
-            if old != keep_also:
-                shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written, hashed and committed."""
