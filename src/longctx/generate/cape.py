@@ -88,11 +88,13 @@ def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: fl
         tree.chain.append(node)
         extra = table.alternatives(float(q[i].max()))
         if extra:
-            for alt in torch.topk(q[i], extra + 1).indices.tolist():
-                if alt != d:
-                    tree.tokens.append(int(alt))
-                    tree.parents.append(parent)
-                    tree.depths.append(i + 1)
+            # the next most likely tokens but d, `extra` at most: where q ties at its top, topk may leave d out,
+            # and all its extra + 1 would make a tree larger than the table (and the cache's room) allows
+            alternatives = [a for a in torch.topk(q[i], min(extra + 1, q.shape[-1])).indices.tolist() if a != d]
+            for alt in alternatives[:extra]:
+                tree.tokens.append(int(alt))
+                tree.parents.append(parent)
+                tree.depths.append(i + 1)
         parent = node
     return tree
 
