@@ -89,3 +89,21 @@ def test_a_balanced_rollback_goes_on_with_the_batches_after_the_bad_step(bad, re
     loader.load_state_dict(positions[bad])
     assert _steps(loader, range(bad + 1, STEPS + 1)) == reference[bad:]
     loader.close()
+
+
+def test_a_stage_that_repeats_its_store_says_how_many_epochs():
+    """Stage 1 draws 5 x 16 = 80 samples of a 13-sample store (6.15 epochs), stage 2 4 x 8 = 32 of 7 (4.57):
+    each said once, when the stage is entered; a stage within one pass says nothing."""
+    said = []
+    loader = _loader(1, 1, False)
+    loader.log = said.append
+    _steps(loader, range(1, STEPS + 1))
+    assert said == ["data: stage 1's 80 samples are 6.15 epochs of the store's 13 (each epoch reshuffled; a batch "
+                    "across an epoch's end may hold a sample twice)",
+                    "data: stage 2's 32 samples are 4.57 epochs of the store's 7 (each epoch reshuffled; a batch "
+                    "across an epoch's end may hold a sample twice)"], said
+    big = {8: _Costed(80, 8), 16: _Costed(32, 16)}
+    cfg = load_config(None, [f"--train.stages={STAGES}", "--train.eval_interval=0", "--train.global_batch=8"])
+    quiet = []
+    StagedLoader(cfg, lambda c: (big[c.train.seq_len], None), dp=1, log=quiet.append).enter(1)
+    assert quiet == []

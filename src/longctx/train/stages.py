@@ -98,8 +98,9 @@ class StagedLoader:
     """The global batches of each step, from the stage the step belongs to; as this rank's shares,
     with the next step's read ahead, through `step_batches`."""
 
-    def __init__(self, cfg: Config, build_data, dp: int, read_local=_whole_batch, read_ahead: bool = False):
-        self.cfg, self.build_data, self.dp = cfg, build_data, dp
+    def __init__(self, cfg: Config, build_data, dp: int, read_local=_whole_batch, read_ahead: bool = False,
+                 log=None):
+        self.cfg, self.build_data, self.dp, self.log = cfg, build_data, dp, log
         self.read_local = read_local  # (samples, global batch indices) -> (my share on the host, valid labels)
         self.read_ahead = read_ahead
         self.stages = stages_of(cfg)
@@ -135,6 +136,7 @@ class StagedLoader:
         cfg = self.cfg
         self.stage = stage
         self.train_samples, self.eval_samples = self.build_data(stage_config(cfg, stage))
+        self._say_epochs(stage)
         # (a routing that reads the micro-batch in token order takes its rows unbalanced: models/moe_capacity.py)
         balance = cfg.data.dp_balance and not routes_across_tokens(cfg.model)
         self.loader = BatchLoader(self.train_samples, self.micro_step_sequences, cfg.train.seed, dp=self.dp,
@@ -143,6 +145,17 @@ class StagedLoader:
             self.loader.load_state_dict(self._saved)
         self._saved = None
         return True
+
+    def _say_epochs(self, stage: Stage) -> None:
+        """A stage that draws more samples than its store holds repeats them (one seeded shuffle per epoch,
+        from the stage's first sample): said, so that a run over a small store is not taken for one pass."""
+        drawn = (stage.last_step - stage.first_step + 1) * stage.global_batch
+        epochs = drawn / max(1, len(self.train_samples))
+        if self.log is not None and epochs > 1:
+            where = f"stage {stage.index + 1}'s" if len(self.stages) > 1 else "the run's"
+            self.log(f"data: {where} {drawn:,} samples are {epochs:.2f} epochs of the store's "
+                     f"{len(self.train_samples):,} (each epoch reshuffled; a batch across an epoch's end may hold a "
+                     f"sample twice)")
 
     @property
     def micro_step_sequences(self) -> int:

@@ -110,7 +110,8 @@ class Trainer:
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
         self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), rt.dp,
-                                    read_local=functools.partial(read_local_batch, rt), read_ahead=read_ahead)
+                                    read_local=functools.partial(read_local_batch, rt), read_ahead=read_ahead,
+                                    log=self.log)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
         self._keep_guard_window()
