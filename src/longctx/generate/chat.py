@@ -8,7 +8,9 @@ add_generation_prompt=True)` renders it.
 - How it renders: Jinja in a sandbox (templates come from model hubs: untrusted code), blocks
   trimmed as transformers does (trim_blocks, lstrip_blocks, loop controls), with its helpers
   (raise_exception, tojson without HTML escaping, strftime_now, the `{% generation %}` block) and the
-  tokenizer's special tokens (bos_token, eos_token, ...) as variables.
+  tokenizer's special tokens (bos_token, eos_token, ...) as variables: tokenizer_config.json's, and
+  for a tokenizer saved in the older layout (no added_tokens_decoder there) special_tokens_map.json's
+  over them, as transformers reads them.
 - The rendered text holds its special tokens already, so it is tokenized without adding more (as
   transformers tokenizes a rendered chat).
 """
@@ -48,7 +50,8 @@ def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
         raise ConfigError("--chat applies the tokenizer's chat template, and the byte tokenizer has none; use a model "
                           "whose tokenizer comes with one (tokenizer_config.json's chat_template, or "
                           "chat_template.jinja), or drop --chat.")
-    folder = Path(tokenizer_spec).parent
+    spec = Path(tokenizer_spec)
+    folder = spec if spec.is_dir() else spec.parent  # (--tokenizer DIR names the folder holding tokenizer.json)
     config_file = folder / "tokenizer_config.json"
     config = _read_json(config_file) if config_file.is_file() else {}
     jinja_file = folder / "chat_template.jinja"
@@ -62,6 +65,13 @@ def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
                           f"or pass --tokenizer PATH/tokenizer.json of a tokenizer with one.")
     specials = {k: _token_text(v) for k, v in config.items()
                 if k.endswith("_token") and _token_text(v) is not None}
+    # a tokenizer saved without added_tokens_decoder (the older layout) keeps its special tokens in
+    # special_tokens_map.json, which transformers reads over tokenizer_config.json's: Llama-2-style
+    # templates write {{ bos_token }}, which would render as nothing without it
+    map_file = folder / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and map_file.is_file():
+        specials.update({k: _token_text(v) for k, v in _read_json(map_file).items()
+                         if k.endswith("_token") and _token_text(v) is not None})
     return ChatTemplate(source, template, specials)
 
 

@@ -62,9 +62,10 @@ class Stream:
     def __call__(self, row: int, token: int) -> None:
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
-        end = safe_end(text, self.stops)
-        while end > self.shown and text[end - 1] == "\ufffd":
-            end -= 1
+        end = len(text)
+        while end > self.shown and text[end - 1] == "\ufffd":  # (a partial character, before stop strings are
+            end -= 1                                            # matched: it would end a tail one begins with)
+        end = safe_end(text[:end], self.stops)
         if end > self.shown:
             sys.stderr.write(text[self.shown:end])
             sys.stderr.flush()
@@ -93,6 +94,20 @@ def safe_end(text: str, stops: list[str]) -> int:
                 end = min(end, len(text) - n)
                 break
     return end
+
+
+CONTEXT_TOKENS = 8  # the prompt's last ids that --echo decodes a continuation after
+
+
+def continuation_text(tokenizer, prompt_ids, tokens) -> str:
+    """The text `tokens` add after a prompt ending in `prompt_ids`, as transformers' text-generation
+    pipeline gives it (the whole decoded, less the prompt's decoding). Decoded alone, a SentencePiece
+    decoder (Llama-2, Mistral: its Strip) drops the first space: '▁time' is 'time', and prompt +
+    that reads 'Once upon atime'. Plain decoding when the prompt's text is not a prefix of the whole
+    (a character split across the boundary)."""
+    context = [int(t) for t in prompt_ids[-CONTEXT_TOKENS:]]
+    head, whole = tokenizer.decode(context), tokenizer.decode([*context, *tokens])
+    return whole[len(head):] if context and whole.startswith(head) else tokenizer.decode(tokens)
 
 
 class Output:
@@ -125,12 +140,16 @@ class Output:
         new token's) and, for N > 0, "top_logprobs" (per new token, [[id, logprob], ...] most likely
         first)."""
         text = self.tokenizer.decode(result.tokens)
-        if self.stops is not None and result.finish_reason == "stop":
+        cut = self.stops is not None and result.finish_reason == "stop"
+        if cut:
             text = self.stops.cut(text)
         if self.stream is not None:
             self.stream.finish(text)
+        if self.echo:  # (the continuation as it reads after the prompt: its first space kept)
+            after = continuation_text(self.tokenizer, prompt.get("ids", []), result.tokens)
+            echoed = prompt["text"] + (self.stops.cut(after) if cut else after)
         line = {**({"id": prompt["id"]} if "id" in prompt else {}), "prompt_tokens": result.prompt_tokens,
-                "tokens": result.tokens, "text": prompt["text"] + text if self.echo else text,
+                "tokens": result.tokens, "text": echoed if self.echo else text,
                 "finish_reason": result.finish_reason,
                 "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
