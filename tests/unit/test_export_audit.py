@@ -110,3 +110,23 @@ def test_a_run_started_from_a_checkpoint_of_an_hf_run_exports_the_models_tokeniz
     other = bpe_tokenizer(tmp_path / "other" / "tokenizer.json", vocab_size=280)
     c = checkpoint(tmp_path, str(other), [f"--model.init_from={a}"], "c")
     assert export_hf(c, tmp_path / "out-c")[1] == ["tokenizer.json"]
+
+
+def test_generation_from_a_checkpoint_of_an_hf_run_stops_at_the_models_eos_ids(tmp_path):
+    """generate / eval from a checkpoint of an hf:DIR run (an instruct fine-tune, say) stopped only at the
+    tokenizer's end-of-document token, not at DIR's generation_config.json eos ids (an end of turn among
+    them): it wrote past its turn. Now they follow the chain while the tokenizer is DIR's."""
+    from longctx.data.tokenizer import load_tokenizer
+    from longctx.generate.loading import eos_ids
+
+    hf = hf_source(tmp_path)
+    (hf / "generation_config.json").write_text(json.dumps({"bos_token_id": 4, "eos_token_id": [5, 7]}))
+    tok = str((hf / "tokenizer.json").resolve())
+    a = checkpoint(tmp_path, tok, [f"--model.init_from=hf:{hf}"], "a")
+    b = checkpoint(tmp_path, tok, [f"--model.init_from={a}"], "b")
+    assert eos_ids(f"hf:{hf}", load_tokenizer(tok)) == [5, 7]
+    assert eos_ids(str(b), load_tokenizer(tok)) == [5, 7]
+    (tmp_path / "other").mkdir()
+    other = bpe_tokenizer(tmp_path / "other" / "tokenizer.json", vocab_size=280)
+    c = checkpoint(tmp_path, str(other), [f"--model.init_from={a}"], "c")  # (another tokenizer: its own eos)
+    assert eos_ids(str(c), load_tokenizer(str(other))) == [load_tokenizer(str(other)).eos_id]

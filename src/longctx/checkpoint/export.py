@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 from ..config.checkpoint_paths import find_checkpoint
-from ..config.hf import HFFormatError, checkpoint_manifest, hf_dir, initial_hf_config, model_config
+from ..config.hf import hf_dir, initial_hf_config, model_config
 from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
 from ..config.hf_families import family_window
-from ..config.tokenizer import tokenizer_file
-from ..data.tokenizer import load_tokenizer, tokenizer_digest
+from ..config.tokenizer import source_hf, tokenizer_file
+from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
@@ -140,28 +140,8 @@ def special_token_ids(manifest: dict) -> tuple[dict, str]:
     return ids, ""
 
 
-def _initial_hf(init_from: str, recorded: str | None, depth: int = 16) -> str:
-    """The hf:DIR the weights started from, through a chain of longctx checkpoints (as initial_hf_config
-    follows it), when the run's tokenizer is that directory's tokenizer.json: its tokenizer_config.json,
-    chat template and generation_config.json go with the export as they do for a run started from DIR
-    itself. '' when there is none."""
-    start = init_from
-    for _ in range(depth):
-        if not init_from or init_from.startswith("hf:"):
-            break
-        try:
-            init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
-        except (HFFormatError, KeyError, TypeError, AttributeError):
-            return ""
-    if not init_from.startswith("hf:") or init_from == start:  # (none; or DIR itself: its files, as before)
-        return init_from if init_from == start and init_from.startswith("hf:") else ""
-    digest = tokenizer_digest(recorded) if recorded else None
-    same = digest is not None and digest == tokenizer_digest(str(hf_dir(init_from) / "tokenizer.json"))
-    return init_from if same else ""
-
-
 def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[list[str], str]:
-    init_from = _initial_hf(init_from, recorded)
+    init_from = source_hf(init_from, recorded)  # (through checkpoints that kept its tokenizer)
     if init_from.startswith("hf:") and hf_dir(init_from).is_dir():
         copied = copy_tokenizer_files(hf_dir(init_from), out)
         if copied:

@@ -65,6 +65,30 @@ def model_tokenizer(init_from: str) -> str | None:
     return checkpoint_manifest(init_from)[1].get("tokenizer")
 
 
+def source_hf(init_from: str, tokenizer: str | None = None, depth: int = 16) -> str:
+    """The hf:DIR the weights of `init_from` started from, through the longctx checkpoints that started
+    from one another, when the ids still mean DIR's tokenizer's (`tokenizer`, default the weights' own,
+    is DIR's tokenizer.json): its generation_config.json, chat files and special ids then still hold. ''
+    when there is none (from scratch, another tokenizer, a directory gone)."""
+    if init_from.startswith("hf:"):
+        return init_from if hf_dir(init_from).is_dir() else ""
+    own = tokenizer or (model_tokenizer(init_from) if init_from else None)
+    for _ in range(depth):
+        if not init_from or init_from.startswith("hf:"):
+            break
+        try:
+            init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
+        except (HFFormatError, KeyError, TypeError, AttributeError):
+            return ""
+    if not init_from.startswith("hf:") or not hf_dir(init_from).is_dir():
+        return ""
+    theirs = hf_dir(init_from) / "tokenizer.json"
+    try:
+        return init_from if own and theirs.is_file() and same_tokenizer(own, str(theirs)) else ""
+    except ConfigError:  # (a recorded tokenizer file since deleted: nothing says the ids still match)
+        return ""
+
+
 def model_text_prefix(init_from: str, tokenizer) -> list[int]:
     """The special tokens a prompt to the weights of `init_from` begins with, as their training
     documents did: for hf:DIR with a Hugging Face tokenizer, those its post-processing puts before a

@@ -41,13 +41,18 @@ def load_model(cfg, device, dtype):
 
 
 def eos_ids(init_from: str, tokenizer) -> list[int]:
-    """The tokens that end a generation: a Hugging Face directory's generation_config.json or
-    config.json eos_token_id (an id or a list), else the tokenizer's end-of-document token."""
-    if init_from.startswith("hf:"):
+    """The tokens that end a generation: the generation_config.json or config.json eos_token_id (an id or
+    a list: an instruct model's end of turn among them) of the Hugging Face directory the weights started
+    from (hf:DIR, or through checkpoints trained with its tokenizer: config/tokenizer.py source_hf), else
+    the tokenizer's end-of-document token."""
+    from ..config.tokenizer import source_hf
+
+    source = source_hf(init_from)
+    if source:
         from ..config.hf import hf_dir
 
         for name in ("generation_config.json", "config.json"):
-            file = hf_dir(init_from) / name
+            file = hf_dir(source) / name
             if not file.is_file():
                 continue
             value = json.loads(file.read_text()).get("eos_token_id")
