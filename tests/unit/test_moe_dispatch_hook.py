@@ -89,3 +89,14 @@ def test_parallel_overwrites_no_module_method():
 def test_the_check_catches_a_patched_forward():
     planted = "import functools\nexperts.forward = functools.partial(run, mesh=mesh)\nsetattr(m, 'route_tokens', f)\n"
     assert _method_assignments(ast.parse(planted)) == [2, 3]
+
+
+def test_a_call_with_no_token_returns_no_rows():
+    """A rank whose share of a batch holds no token (a data-parallel degree above the batch's rows) runs the
+    layer on zero tokens: combine's view(0, k, -1) raised ("ambiguous"); dropless and capacity alike."""
+    for capacity in (0.0, 1.0):
+        layer = _layer(capacity)
+        x = torch.randn(1, 0, 16, requires_grad=True)
+        y = layer(x)
+        y.sum().backward()
+        assert y.shape == (1, 0, 16) and x.grad.shape == (1, 0, 16)

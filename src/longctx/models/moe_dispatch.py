@@ -120,4 +120,4 @@ class TokenDispatcher:
         else:
             slots = out.index_select(0, state.inverse)
         w = state.weights.flatten()
-        return (slots.view(t, k, -1) * w.view(t, k, 1).to(slots.dtype)).sum(1)
+        return (slots.view(t, k, out.shape[-1]) * w.view(t, k, 1).to(slots.dtype)).sum(1)  # (t may be 0)
