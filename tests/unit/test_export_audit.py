@@ -130,3 +130,16 @@ def test_generation_from_a_checkpoint_of_an_hf_run_stops_at_the_models_eos_ids(t
     other = bpe_tokenizer(tmp_path / "other" / "tokenizer.json", vocab_size=280)
     c = checkpoint(tmp_path, str(other), [f"--model.init_from={a}"], "c")  # (another tokenizer: its own eos)
     assert eos_ids(str(c), load_tokenizer(str(other))) == [load_tokenizer(str(other)).eos_id]
+
+
+def test_a_preset_run_with_a_tokenizer_file_exports_the_files_that_declare_its_special_tokens(tmp_path):
+    """data.tokenizer = DIR/tokenizer.json on a preset model: config.json took its special ids from the
+    tokenizer_config.json beside it, but only tokenizer.json went along, so AutoTokenizer on the export
+    had no eos_token. Now the files that declare them go too."""
+    (tmp_path / "tok").mkdir()
+    tok = bpe_tokenizer(tmp_path / "tok" / "tokenizer.json", vocab_size=280)
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    step = checkpoint(tmp_path, str(tok))
+    out, copied, _, _ = export_hf(step, tmp_path / "out")
+    assert sorted(copied) == ["tokenizer.json", "tokenizer_config.json"]
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "</s>"

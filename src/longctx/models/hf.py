@@ -226,10 +226,14 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | 
 
 
 def copy_tokenizer_files(source: str | Path, dest: str | Path) -> list[str]:
-    """Copy the tokenizer files found in `source` (a Hugging Face directory, or a tokenizer.json
-    file) into `dest`; the names copied."""
+    """Copy the tokenizer files found in `source` (a Hugging Face directory, or a tokenizer.json file
+    with the files beside it that declare its special tokens: the ids config.json takes from them,
+    hf_export.declared_special_ids) into `dest`; the names copied."""
     source = Path(source)
-    candidates = [source] if source.is_file() else [source / name for name in TOKENIZER_FILES]
+    if source.is_file():
+        candidates = [source] + [source.parent / name for name in ("tokenizer_config.json", "special_tokens_map.json")]
+    else:
+        candidates = [source / name for name in TOKENIZER_FILES]
     copied = []
     for file in candidates:
         if file.is_file():
