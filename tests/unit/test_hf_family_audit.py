@@ -27,3 +27,20 @@ def test_yarn_attention_factor_absent_null_or_positive_reads_as_before():
     assert model_fields_from_hf(_llama())["rope_attention_factor"] == 0.0  # derived (longctx's 0)
     assert model_fields_from_hf(_llama(attention_factor=None))["rope_attention_factor"] == 0.0
     assert model_fields_from_hf(_llama(attention_factor=1.3))["rope_attention_factor"] == 1.3
+
+
+@pytest.mark.parametrize("max_seq_len, written, noted", [(256, 512, False), (512, 512, False), (1024, 1024, True)])
+def test_a_yarn_export_gives_older_transformers_its_factor(max_seq_len, written, noted):
+    """transformers before 4.56 took yarn's factor as max_position_embeddings / original whenever the original
+    is given (huggingface/transformers#38224): an export writing the run's max_seq_len (256 at original 128 x 4)
+    made those readers rotate with factor 2. It writes original x factor when that is longer; when the run
+    trained past it, the export says so."""
+    from longctx.config import load_config
+    from longctx.config.hf_export import export_notes, hf_config_from_model
+
+    m = load_config(None, ["--model.layers=1", "--train.seq_len=256", f"--model.max_seq_len={max_seq_len}",
+                           "--model.rope_scaling=yarn", "--model.rope_factor=4", "--model.rope_original_max_len=128"]
+                    ).model
+    config = hf_config_from_model(m)
+    assert config["max_position_embeddings"] == written and config["rope_scaling"]["factor"] == 4
+    assert any("transformers before 4.56" in n for n in export_notes(m)) == noted

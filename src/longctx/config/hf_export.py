@@ -50,9 +50,13 @@ def export_problems(m) -> list[str]:
 def export_notes(m) -> list[str]:
     """What an export writes differently from how the model trained (the weights are exact; a training
     objective transformers cannot state is left off, and said)."""
-    if not m.is_moe:
-        return []
     notes = []
+    if m.rope_scaling == "yarn" and _max_positions(m) != m.rope_original_max_len * m.rope_factor:
+        notes.append(f"max_position_embeddings is the run's max_seq_len {m.max_seq_len}, not yarn's original x factor "
+                     f"({m.rope_original_max_len} x {m.rope_factor:g}): transformers before 4.56 derive yarn's factor "
+                     f"from their ratio and would rotate positions otherwise; read the export with 4.56 or later")
+    if not m.is_moe:
+        return notes
     if m.moe_aux_loss and m.moe_aux_loss_scope != "pooled":
         notes.append(f"the run's balancing loss (model.moe.aux_loss_scope={m.moe_aux_loss_scope}, aux_loss="
                      f"{m.moe_aux_loss}) has no config.json equivalent: transformers pools every layer's routing "
@@ -69,6 +73,18 @@ def _router_losses_on(m) -> bool:
     """config.json's output_router_logits: on exactly when the model trained with the balancing loss
     transformers computes (pooled; a z-loss alone is nothing transformers adds)."""
     return bool(m.moe_aux_loss and m.moe_aux_loss_scope == "pooled")
+
+
+def _max_positions(m) -> int:
+    """config.json's max_position_embeddings: the run's max_seq_len, but for yarn original x factor when that
+    is longer. transformers before 4.56 (huggingface/transformers#38224, fixed by #40320) took yarn's factor
+    as max_position_embeddings / original whenever the original is given, so only that length makes every
+    reader rotate as the run did; it is the reach longctx (and vLLM) counts for such a scaling anyway."""
+    if m.rope_scaling == "yarn" and m.rope_original_max_len:
+        scaled = m.rope_original_max_len * m.rope_factor
+        if scaled >= m.max_seq_len and float(scaled).is_integer():
+            return int(scaled)
+    return m.max_seq_len
 
 
 def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
@@ -97,7 +113,7 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
         "hidden_size": m.dim, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
         "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim, "intermediate_size": m.ffn_dim,
         "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
-        "max_position_embeddings": m.max_seq_len, "initializer_range": m.init_std, "hidden_act": "silu",
+        "max_position_embeddings": _max_positions(m), "initializer_range": m.init_std, "hidden_act": "silu",
         "rope_theta": m.rope_theta, "rope_scaling": None if m.rope_scaling == "none" else rope,
         "torch_dtype": dtype_name, "dtype": dtype_name,
     }
