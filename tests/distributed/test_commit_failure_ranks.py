@@ -5,11 +5,12 @@ names step 2; on one process under on_save_error = warn the run trains on (befor
 
 import pytest
 import torch.distributed as dist
+from test_save_failure_ranks import checkpoint_error_of_a_run
 from test_training_parity import BASE
 
 import longctx.checkpoint.manager as manager
 from longctx.config import load_config
-from longctx.config.checkpoint_paths import LATEST, CheckpointError
+from longctx.config.checkpoint_paths import LATEST
 from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import Trainer
 
@@ -32,14 +33,9 @@ def _commit_fails_on_rank0(where, args, run_dir):
     if dist.get_rank() == 0:
         setattr(manager, where, _failing_at_second_latest(where))
     try:
-        cfg = load_config("configs/debug.toml", [*BASE, "--train.steps=6", "--checkpoint.interval=2",
-                                                 "--parallel.ctx=2", *args, f"--train.run_dir={run_dir}"])
-        Trainer(cfg, log=lambda *a, **k: None).run()
-    except CheckpointError as e:
-        return str(e)
+        return checkpoint_error_of_a_run(args, run_dir)
     finally:
         setattr(manager, where, real)  # (the next job runs in this process)
-    return None
 
 
 def _left(root):

@@ -14,18 +14,24 @@ from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import Trainer
 
 
-def _fail_on_rank1(args, run_dir):
-    if dist.get_rank() == 1:
-        os.environ["LONGCTX_FAULT"] = "enospc@2"
+def checkpoint_error_of_a_run(args, run_dir) -> str | None:
+    """A 6-step ctx 2 run saving every 2 steps: the CheckpointError it stops with (None: it finished)."""
     try:
         cfg = load_config("configs/debug.toml", [*BASE, "--train.steps=6", "--checkpoint.interval=2",
                                                  "--parallel.ctx=2", *args, f"--train.run_dir={run_dir}"])
         Trainer(cfg, log=lambda *a, **k: None).run()
     except CheckpointError as e:
         return str(e)
+    return None
+
+
+def _fail_on_rank1(args, run_dir):
+    if dist.get_rank() == 1:
+        os.environ["LONGCTX_FAULT"] = "enospc@2"
+    try:
+        return checkpoint_error_of_a_run(args, run_dir)
     finally:
         os.environ.pop("LONGCTX_FAULT", None)
-    return None
 
 
 def test_one_ranks_full_disk_stops_every_rank_and_commits_nothing(tmp_path):
