@@ -305,22 +305,29 @@ def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
         raise HFFormatError(f"model.init_from: {path / MANIFEST} cannot be read ({e}).") from None
 
 
-def initial_hf_config(init_from: str, depth: int = 16) -> dict | None:
-    """The Hugging Face config.json the weights started from: init_from's, through the chain of longctx
-    checkpoints that started from one another (None: from scratch, or the directory is gone)."""
+def initial_hf(init_from: str, depth: int = 16) -> str:
+    """The hf:DIR the weights started from: init_from itself, or through the chain of longctx checkpoints
+    that started from one another ('' from scratch, or where a manifest of the chain cannot be read)."""
     for _ in range(depth):
-        if not init_from:
-            return None
-        if init_from.startswith("hf:"):
-            try:
-                return json.loads((hf_dir(init_from) / "config.json").read_text())
-            except (OSError, ValueError):
-                return None
+        if not init_from or init_from.startswith("hf:"):
+            return init_from or ""
         try:
             init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
-        except (HFFormatError, KeyError, TypeError):
-            return None
-    return None
+        except (HFFormatError, KeyError, TypeError, AttributeError):
+            return ""
+    return ""
+
+
+def initial_hf_config(init_from: str, depth: int = 16) -> dict | None:
+    """The Hugging Face config.json the weights started from (initial_hf; None: from scratch, or the
+    directory is gone)."""
+    source = initial_hf(init_from, depth)
+    if not source:
+        return None
+    try:
+        return json.loads((hf_dir(source) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def check_draft_target(target: str) -> None:

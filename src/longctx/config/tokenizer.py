@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
-from .hf import HFFormatError, checkpoint_manifest, hf_dir
+from .hf import HFFormatError, checkpoint_manifest, hf_dir, initial_hf
 
 
 def tokenizer_file(spec: str) -> Path | None:
@@ -73,14 +73,8 @@ def source_hf(init_from: str, tokenizer: str | None = None, depth: int = 16) -> 
     if init_from.startswith("hf:"):
         return init_from if hf_dir(init_from).is_dir() else ""
     own = tokenizer or (model_tokenizer(init_from) if init_from else None)
-    for _ in range(depth):
-        if not init_from or init_from.startswith("hf:"):
-            break
-        try:
-            init_from = checkpoint_manifest(init_from)[1]["model"].get("init_from", "")
-        except (HFFormatError, KeyError, TypeError, AttributeError):
-            return ""
-    if not init_from.startswith("hf:") or not hf_dir(init_from).is_dir():
+    init_from = initial_hf(init_from, depth)
+    if not init_from or not hf_dir(init_from).is_dir():
         return ""
     theirs = hf_dir(init_from) / "tokenizer.json"
     try:

@@ -63,16 +63,19 @@ def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
         raise ConfigError(f"--chat: the tokenizer in {folder} has no chat template (no chat_template.jinja, and no "
                           f"chat_template in tokenizer_config.json); its model was not tuned for chat. Drop --chat, "
                           f"or pass --tokenizer PATH/tokenizer.json of a tokenizer with one.")
-    specials = {k: _token_text(v) for k, v in config.items()
-                if k.endswith("_token") and _token_text(v) is not None}
+    specials = _special_tokens(config)
     # a tokenizer saved without added_tokens_decoder (the older layout) keeps its special tokens in
     # special_tokens_map.json, which transformers reads over tokenizer_config.json's: Llama-2-style
     # templates write {{ bos_token }}, which would render as nothing without it
     map_file = folder / "special_tokens_map.json"
     if "added_tokens_decoder" not in config and map_file.is_file():
-        specials.update({k: _token_text(v) for k, v in _read_json(map_file).items()
-                         if k.endswith("_token") and _token_text(v) is not None})
+        specials.update(_special_tokens(_read_json(map_file)))
     return ChatTemplate(source, template, specials)
+
+
+def _special_tokens(declared: dict) -> dict[str, str]:
+    """The `*_token` entries of a tokenizer_config.json or special_tokens_map.json, as their text."""
+    return {k: _token_text(v) for k, v in declared.items() if k.endswith("_token") and _token_text(v) is not None}
 
 
 def check_messages(messages, where: str) -> list[dict]:
