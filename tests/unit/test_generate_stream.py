@@ -91,3 +91,56 @@ def test_safe_end_holds_back_only_a_possible_start():
     assert safe_end("hello ENx", ["END"]) == len("hello ENx")  # no longer a start: all of it shows
     assert safe_end("hello", ["END"]) == 5
     assert safe_end("abEND!", ["END"]) == 2
+
+
+class LeadingSpaceDropped(Pieces):
+    """A SentencePiece-like decoder: a decoding drops its first space ('▁time' alone is 'time'), so a
+    token's text depends on what is decoded before it."""
+
+    def decode(self, ids):
+        text = super().decode(ids)
+        return text[1:] if text.startswith(" ") else text
+
+
+class CountingBytes(ByteTokenizer):
+    """The byte tokenizer, counting the ids it is asked to decode."""
+
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return super().decode(ids)
+
+
+def test_random_scripts_context_dependent_decoder(monkeypatch, capsys):
+    """Tokens whose text depends on the tokens before them, and UTF-8 characters split over byte tokens:
+    the terminal still equals the JSON text, which decodes the row whole."""
+    rng = random.Random(1)
+    fragments = [" E", "N", "D", " ", "a", " b", "END", "\n", " \n"]
+    for trial in range(300):
+        stops = rng.sample(["END", "\n\n", " b", "a E"], rng.randint(1, 2))
+        ids = [rng.randrange(len(fragments)) for _ in range(rng.randint(1, 14))]
+        shown, text, _ = _stream(LeadingSpaceDropped(fragments), ids, stops, monkeypatch, capsys)
+        assert shown == text, (trial, stops, [fragments[i] for i in ids])
+    tok = ByteTokenizer()
+    for trial in range(200):
+        chars = "".join(rng.choice(["é", "a", "€", "𝄞", " ", "E", "N", "D"]) for _ in range(rng.randint(1, 12)))
+        stops = rng.sample(["END", "é€", "𝄞 "], rng.randint(1, 2))
+        shown, text, _ = _stream(tok, [int(t) for t in tok.encode(chars)], stops, monkeypatch, capsys)
+        assert shown == text, (trial, stops, chars)
+
+
+def test_stream_work_per_token_does_not_grow_with_the_text(capsys):
+    """Streaming n tokens decodes O(n) ids in all, not the whole row at every token (O(n^2): 2M ids at
+    n = 2,000), and shows the whole text."""
+    from longctx.generate.output import Stream
+
+    tok = CountingBytes()
+    ids = [int(t) for t in tok.encode("longctx streams text é€ " * 100)][:2000]
+    stream = Stream(tok, ["STOP"])
+    for t in ids:
+        stream(0, t)
+    assert tok.decoded < 40 * len(ids), tok.decoded
+    stream.finish(ByteTokenizer().decode(ids))
+    assert capsys.readouterr().err == ByteTokenizer().decode(ids) + "\n"

@@ -53,47 +53,73 @@ class Stream:
     the JSON line will hold: nothing at or after a stop string that the text contains, nothing of a
     tail that could still become one (a suffix of the text that a stop string starts with), and no
     partial UTF-8 character. So the terminal never shows a character the JSON output removes, whether
-    the stop string spans tokens or sits inside one, and whatever order the engine checks it in."""
+    the stop string spans tokens or sits inside one, and whatever order the engine checks it in.
+
+    Each token costs the same whatever the length: only the tokens after the last settled one are
+    decoded, after a few settled ones for context (a SentencePiece decoder drops the first space of a
+    decoding: '▁time' alone is 'time'), and only the text not yet shown is kept and searched. A stop
+    string cannot begin in the shown text (safe_end held back every tail one could begin). When the
+    context's text is not a prefix of the longer decoding (a character across the boundary), the
+    whole is decoded instead, as before."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
         self.stops = [s for s in stops if s]
+        self.settled = 0  # tokens whose text is final: it is self.unshown's prefix, or shown already
+        self.base, self.unshown = 0, ""  # the settled text from character `base` on (base <= shown)
 
     def __call__(self, row: int, token: int) -> None:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
+        text = self._text_from_base()
         end = len(text)
-        while end > self.shown and text[end - 1] == "\ufffd":  # (a partial character, before stop strings are
-            end -= 1                                            # matched: it would end a tail one begins with)
-        end = safe_end(text[:end], self.stops)
-        if end > self.shown:
-            sys.stderr.write(text[self.shown:end])
+        start = self.shown - self.base
+        while end > start and text[end - 1] == "\ufffd":  # (a partial character, before stop strings are
+            end -= 1                                       # matched: it would end a tail one begins with)
+        end = safe_end(text, self.stops, start, end)
+        if end > start:
+            sys.stderr.write(text[start:end])
             sys.stderr.flush()
-            self.shown = end
+            self.shown = self.base + end
+        if not text.endswith("\ufffd"):  # every character final: the tokens so far are settled
+            self.settled, self.unshown, self.base = len(self.tokens), text[end:], self.base + end
+        else:
+            drop = max(0, min(end, len(self.unshown)))  # (the settled text shown now is not kept)
+            self.unshown, self.base = self.unshown[drop:], self.base + drop
+
+    def _text_from_base(self) -> str:
+        """The text of all tokens so far, from character `base` on."""
+        context = self.tokens[max(0, self.settled - CONTEXT_TOKENS):self.settled]
+        head = self.tokenizer.decode(context)
+        whole = self.tokenizer.decode([*context, *self.tokens[self.settled:]])
+        if whole.startswith(head):
+            return self.unshown + whole[len(head):]
+        return self.tokenizer.decode(self.tokens)[self.base:]
 
     def finish(self, text: str) -> None:
         sys.stderr.write(text[self.shown:] + "\n")
         sys.stderr.flush()
 
 
-def safe_end(text: str, stops: list[str]) -> int:
-    """How much of `text` can be shown for sure: up to the first stop string it contains (the engine
-    ends the row on this token, and the JSON text is cut there), else up to the longest tail of it
-    that a stop string begins with (more tokens may complete that one).
+def safe_end(text: str, stops: list[str], start: int = 0, end: int | None = None) -> int:
+    """How much of `text[:end]` can be shown for sure: up to the first stop string it contains from
+    `start` on (the engine ends the row on this token, and the JSON text is cut there), else up to the
+    longest tail of it that a stop string begins with (more tokens may complete that one). An index into
+    `text`; `start` is what is shown already, where no stop string can begin (see below).
 
-    Why this is enough: a stop string s found later at i either ran past the end of `text`, so
-    text[i:] is a tail that s begins with and the returned end stays before i, or lay whole in
-    `text`, and then the row ended here."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    Why this is enough: a stop string s found later at i either ran past the end of the text, so
+    text[i:end] is a tail that s begins with and the returned end stays before i, or lay whole in
+    it, and then the row ended here."""
+    end = len(text) if end is None else end
+    found = [i for i in (text.find(s, start, end) for s in stops) if i >= 0]
     if found:
         return min(found)
-    end = len(text)
+    safe = end
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):  # the longest proper prefix of s that text ends with
-            if text.endswith(s[:n]):
-                end = min(end, len(text) - n)
+        for n in range(min(len(s) - 1, end - start), 0, -1):  # the longest proper prefix of s the text ends with
+            if text.endswith(s[:n], start, end):
+                safe = min(safe, end - n)
                 break
-    return end
+    return safe
 
 
 CONTEXT_TOKENS = 8  # the prompt's last ids that --echo decodes a continuation after
