@@ -147,3 +147,27 @@ def test_reset_forgets_the_steps_a_rollback_discarded():
     _add(interval, 3, COUNTS[0], aux=2.0)
     r = interval.record(3)
     assert r["moe_aux_loss"] == pytest.approx(1.5) and r["moe_expert_load_from"] == 2
+
+
+def test_expert_rank_load_counts_flexmoe_copies():
+    """Under FlexMoE's copies a rank runs its holders' share of each expert's rows: the figure follows
+    the placement (it showed the static placement's straggler, as if the copies took nothing)."""
+    from longctx.parallel.expert.placement import Placement, plan_placement
+
+    counts = torch.tensor([[6.0, 2.0, 2.0, 2.0]])  # one layer, 4 experts on 2 ranks: static loads 8 and 4
+    assert rank_load(counts, 2) == pytest.approx(8 / 6)
+    # half of expert 0's rows on rank 1 (slot 2, its copy slot): ranks run 3 + 2 and 3 + 2 + 2
+    half = Placement(2, 2, 1, ((0, 1, -1), (2, 3, 0)), (((0, 0, 0.5), (1, 2, 0.5)), ((0, 1, 1.0),),
+                                                        ((1, 0, 1.0),), ((1, 1, 1.0),)))
+    assert half.rank_shares() == [[0.5, 0.5], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]]
+    shares = torch.tensor([half.rank_shares()], dtype=torch.float64)
+    assert rank_load(counts, 2, shares) == pytest.approx(7 / 6)
+    assert rank_load(counts, 2, torch.tensor([Placement.static(4, 2).rank_shares()])) == pytest.approx(8 / 6)
+    # the policy's own prediction of the load after its placement (its water-filling, computed apart)
+    planned = plan_placement([6, 2, 2, 2], 2, 1)
+    got = rank_load(counts, 2, torch.tensor([planned.rank_shares()], dtype=torch.float64))
+    assert got == pytest.approx(planned.predicted["max_over_mean_after"])
+    assert got < planned.predicted["max_over_mean_before"]
+    interval = RouterInterval([1], expert=2, every=1)
+    interval.add(1, _stats(counts, 1.0, 2.0, 0.0), layer_loads(counts), counts, torch.tensor(True), shares=shares)
+    assert interval.record(1)["expert_rank_load"] == pytest.approx(7 / 6)

@@ -25,6 +25,7 @@ from ..config import Config
 from ..job.runtime import Runtime
 from ..models.moe import eval_routing_note, moe_layers
 from ..parallel.expert.install import expert_step_notes
+from ..parallel.expert.placement import Placement
 from .hooks import StepHook
 from .model import model_kind
 from .router_metrics import RouterInterval, heatmap_every, layer_loads
@@ -48,6 +49,7 @@ class MoEStepHook(StepHook):
                                        moe_layers(model) if m.moe_bias_update_rate > 0 else ())
         self.router_counts: torch.Tensor | None = None
         self._step = _StepSums()
+        self._shares: tuple[tuple, torch.Tensor | None] = ((), None)  # (the placements, their rank shares)
 
     def step_start(self, step: int) -> None:
         self.model.set_router_step(step - 1)
@@ -69,7 +71,21 @@ class MoEStepHook(StepHook):
         # once per optimizer step, from every micro-batch's choices
         self.model.update_expert_bias(s.counts * applied)
         self.router_counts = s.counts
-        self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None)
+        self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None,
+                          self._placement_shares(s.counts))
+
+    def _placement_shares(self, counts: torch.Tensor) -> torch.Tensor | None:
+        """[layers, E, expert]: this step's share of each expert's rows on each expert rank, under FlexMoE's
+        copies (parallel.expert_replicas; the placement of each layer's experts), else None (the static
+        placement). Built again only when a placement changes (once per placement window)."""
+        placements = tuple(getattr(m.experts, "placement", None) for m in moe_layers(self.model))
+        if all(p is None for p in placements):
+            return None
+        if placements != self._shares[0]:
+            static = Placement.static(counts.shape[1], self.interval.expert)
+            rows = [(p or static).rank_shares() for p in placements]
+            self._shares = (placements, torch.tensor(rows, dtype=torch.float64, device=counts.device))
+        return self._shares[1]
 
     def log_fields(self, step: int, last: bool) -> dict:
         return self.interval.record(step, last=last)

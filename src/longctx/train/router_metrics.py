@@ -42,10 +42,16 @@ def layer_loads(counts: torch.Tensor) -> torch.Tensor:
     return counts.max(1).values / counts.mean(1)
 
 
-def rank_load(counts: torch.Tensor, expert: int) -> torch.Tensor:
+def rank_load(counts: torch.Tensor, expert: int, shares: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens the busiest rank of an expert group runs over the mean, worst MoE layer (0-d),
-    from choices per expert [layers, E] (experts placed in contiguous blocks of E / expert)."""
-    per_rank = counts.view(counts.shape[0], expert, -1).sum(-1)
+    from choices per expert [layers, E]: experts placed in contiguous blocks of E / expert, or with
+    `shares` [layers, E, expert] (FlexMoE's copies: parallel/expert/placement.py rank_shares) each
+    expert's choices split over the ranks that run it. The counts are every rank's choices pooled,
+    as the placement policy reads them: with several expert groups, their mean rank load."""
+    if shares is None:
+        per_rank = counts.view(counts.shape[0], expert, -1).sum(-1)
+    else:
+        per_rank = torch.einsum("le,leq->lq", counts.to(shares.dtype), shares)
     return (per_rank.max(1).values / per_rank.mean(1)).max()
 
 
@@ -80,17 +86,17 @@ class RouterInterval:
         self._column_from: int | None = None      # the first step in _counts
 
     def add(self, step: int, stats: torch.Tensor, layer_load: torch.Tensor, counts: torch.Tensor,
-            applied: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
+            applied: torch.Tensor, dropped: torch.Tensor | None = None, shares: torch.Tensor | None = None) -> None:
         """One optimizer step (1-based): its stats [5] and per-layer max/mean [layers] (each the mean
         over its micro-batches), its choices per expert [layers, E] and choices dropped per layer
         [layers] (summed over them; None: no capacity, nothing dropped) and whether its update was
-        applied (0-d bool): device tensors, left there."""
+        applied (0-d bool): device tensors, left there. `shares`: the step's expert placement (rank_load)."""
         if counts.shape[0] != len(self.blocks):  # (shapes are host metadata: no device read)
             raise ValueError(f"router counts for {counts.shape[0]} MoE layers, but the model config names "
                              f"{len(self.blocks)} (blocks {self.blocks})")
         parts = [stats.double(), layer_load.double()]
         if self.expert > 1:
-            parts.append(rank_load(counts, self.expert).double().reshape(1))
+            parts.append(rank_load(counts, self.expert, shares).double().reshape(1))
         if dropped is not None:  # (per layer: dropped choices, then all choices; their ratio is the rate)
             parts += [dropped.double(), counts.double().sum(1)]
         row = torch.where(applied, torch.cat(parts), 0.0)  # (0 x NaN would be NaN)

@@ -71,6 +71,15 @@ class Placement:
         holders = tuple(((e // local, e % local, 1.0),) for e in range(experts))
         return Placement(ep, local, replicas, slots, holders)
 
+    def rank_shares(self) -> list[list[float]]:
+        """[E][ep]: the share of each expert's rows that each rank of the group runs (its holders' shares
+        on that rank; 1 on the owner under the static placement): what a rank's load is counted by."""
+        shares = [[0.0] * self.ep for _ in self.holders]
+        for e, holders in enumerate(self.holders):
+            for q, _, share in holders:
+                shares[e][q] += share
+        return shares
+
     def slot_counts(self, counts: list[int]) -> list[int]:
         """counts[e] rows of each expert on this rank -> rows per (rank, slot), flat [ep x slots]:
         each expert's rows cut by its holders' shares, in holder order (cumulative rounding)."""
