@@ -44,3 +44,18 @@ def test_a_yarn_export_gives_older_transformers_its_factor(max_seq_len, written,
     config = hf_config_from_model(m)
     assert config["max_position_embeddings"] == written and config["rope_scaling"]["factor"] == 4
     assert any("transformers before 4.56" in n for n in export_notes(m)) == noted
+
+
+@pytest.mark.parametrize("key, value, noted", [("attention_dropout", 0.1, True), ("attention_dropout", 0.0, False),
+                                               ("resid_pdrop", 0.05, True), ("hidden_dropout", None, False)])
+def test_dropout_in_config_json_is_said_not_silently_dropped(tmp_path, key, value, noted):
+    """transformers applies a config's attention_dropout while training; longctx applies none, so a
+    fine-tune from such weights says so on the line that names them, instead of differing silently."""
+    import json
+
+    from longctx.config.hf import init_from_notes
+
+    (tmp_path / "config.json").write_text(json.dumps({**_llama(), key: value}))
+    notes = init_from_notes(f"hf:{tmp_path}")
+    assert any(f"{key}={value}" in n and "without dropout" in n for n in notes) == noted, notes
+    assert len(notes) == int(noted)

@@ -201,7 +201,15 @@ def init_from_notes(init_from: str) -> list[str]:
     if not init_from.startswith("hf:"):
         return []
     hf = read_hf_config(hf_dir(init_from))
-    return [router_loss_note(hf)] if hf.get("model_type") in MOE_FAMILIES else []
+    notes = [router_loss_note(hf)] if hf.get("model_type") in MOE_FAMILIES else []
+    dropout = {k: hf[k] for k in DROPOUT_KEYS if isinstance(hf.get(k), (int, float)) and hf[k] > 0}
+    if dropout:  # (transformers applies them in training; a fine-tune here would differ from one there)
+        notes.append(f"config.json sets {', '.join(f'{k}={v}' for k, v in dropout.items())}: longctx trains "
+                     f"without dropout (none of its layers applies one), as most long-context recipes do")
+    return notes
+
+
+DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")
 
 
 def _dense_moe_fields() -> dict[str, Any]:
