@@ -189,7 +189,7 @@ def test_bad_checkpoints_are_explained(tmp_path):
         (dict(mlp_bias=True), "mlp_bias"),
         (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
         (dict(model_type="mistral", sliding_window=64), "sliding-window"),
-        (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64), "sliding-window"),
+        (dict(model_type="qwen2", use_sliding_window=True, sliding_window=64, max_window_layers=1), "sliding-window"),
         (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
     ]:
         with pytest.raises(HFFormatError, match=match):

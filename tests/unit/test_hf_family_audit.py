@@ -59,3 +59,69 @@ def test_dropout_in_config_json_is_said_not_silently_dropped(tmp_path, key, valu
     notes = init_from_notes(f"hf:{tmp_path}")
     assert any(f"{key}={value}" in n and "without dropout" in n for n in notes) == noted, notes
     assert len(notes) == int(noted)
+
+
+QWEN_WINDOW_CASES = [(family, use, below, layers) for family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+                     for use in (False, True) for below in (0, 1, 3, 28) for layers in (2, 4)]
+
+
+@pytest.mark.parametrize("family, use, below, layers", QWEN_WINDOW_CASES)
+def test_windowed_layers_are_the_ones_transformers_config_classes_window(family, use, below, layers):
+    """Which layers a Qwen config.json windows, as transformers' own classes derive it (Qwen2 / Qwen3 from
+    max_window_layers on, Qwen2-MoE its even layers below it, Qwen3-MoE every layer); longctx refused
+    every use_sliding_window, also where transformers windows no layer."""
+    transformers = pytest.importorskip("transformers")
+    from longctx.config.hf_families import windowed_layers
+
+    d = dict(model_type=family, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+             vocab_size=97, use_sliding_window=use, sliding_window=64, max_window_layers=below)
+    theirs = transformers.AutoConfig.for_model(**d)
+    if getattr(theirs, "layer_types", None) is not None:
+        want = [i for i, kind in enumerate(theirs.layer_types) if kind == "sliding_attention"]
+        if theirs.sliding_window in (None, 0):
+            want = []
+    else:  # (Qwen3-MoE: one window for every layer, or none)
+        want = list(range(layers)) if theirs.sliding_window is not None else []
+    assert windowed_layers(d) == want
+
+
+def _qwen2_dir(tmp_path, **window):
+    from test_hf import hf_config, random_hf_dir
+
+    return random_hf_dir(tmp_path, hf_config("qwen2", use_sliding_window=True, **window))
+
+
+def test_a_qwen_whose_window_reaches_no_layer_loads_and_matches_transformers(tmp_path):
+    """use_sliding_window with max_window_layers >= the layers: transformers windows no layer, so past
+    the window its logits are full attention's, as longctx's (refused before)."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from test_hf import max_err, tokens
+
+    from longctx.models.hf import load_hf
+
+    d, ref = _qwen2_dir(tmp_path, sliding_window=16, max_window_layers=2)
+    assert max_err(load_hf(d), ref, tokens(seq=64)) < 1e-4  # 64 tokens: four windows long
+
+
+def test_a_windowed_qwen_is_refused_within_its_window_and_exported_as_it_ran(tmp_path):
+    """A Qwen2 whose layer 1 is windowed: refused when the length passes the window (the message says
+    use_sliding_window false), loaded at the window, and its export keeps the window keys, so
+    transformers windows the same layer of the export."""
+    transformers = pytest.importorskip("transformers")
+    from test_untruths_export_ids import checkpoint, exported
+
+    from longctx.config import load_config
+    from longctx.config.hf import HFFormatError
+
+    d, _ = _qwen2_dir(tmp_path, sliding_window=64, max_window_layers=1)
+    with pytest.raises(HFFormatError, match=r"sliding_window=64.*use_sliding_window false"):
+        load_config(overrides=[f"--model.init_from=hf:{d}", "--train.seq_len=128"])
+    assert load_config(overrides=[f"--model.init_from=hf:{d}", "--model.max_seq_len=64",
+                                  "--train.seq_len=64"]).model.family == "qwen2"
+    tmp_path = tmp_path / "export"
+    tmp_path.mkdir()
+    step = checkpoint(tmp_path, "byte", [f"--model.init_from=hf:{d}", "--model.max_seq_len=64", "--train.seq_len=64",
+                                         "--model.layers=2"])
+    written, auto, _ = exported(tmp_path, step)
+    assert (written["use_sliding_window"], written["sliding_window"], written["max_window_layers"]) == (True, 64, 1)
+    assert auto.layer_types == ["full_attention", "sliding_attention"] and isinstance(auto, transformers.Qwen2Config)

@@ -30,7 +30,7 @@ import torch
 from ..config.checkpoint_paths import find_checkpoint
 from ..config.hf import hf_dir, initial_hf_config, model_config
 from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
-from ..config.hf_families import family_window
+from ..config.hf_families import QWEN_FAMILIES, family_window
 from ..config.tokenizer import source_hf, tokenizer_file
 from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish
@@ -110,11 +110,18 @@ def _publish(work: Path, out: Path) -> None:
 
 
 def _source_window(cfg) -> dict:
-    """{"sliding_window": W} when the weights started from a Mistral whose attention was windowed (W >= the
-    run's max_seq_len, or the import is refused): transformers then runs the export as the source ran."""
+    """The window keys of the config.json the weights started from when its attention was windowed (the
+    window >= the run's max_seq_len, or the import is refused): Mistral's sliding_window; Qwen's also
+    use_sliding_window and which layers (max_window_layers, layer_types). transformers then runs the
+    export as the source ran, past that length too."""
     hf = initial_hf_config(cfg.init_from)
     window = family_window(hf) if hf and hf.get("model_type") == cfg.family else None
-    return {} if window is None else {"sliding_window": window}
+    if window is None:
+        return {}
+    if cfg.family not in QWEN_FAMILIES:
+        return {"sliding_window": window}
+    return {"use_sliding_window": True, "sliding_window": window,
+            **{k: hf[k] for k in ("max_window_layers", "layer_types") if k in hf}}
 
 
 def special_token_ids(manifest: dict) -> tuple[dict, str]:

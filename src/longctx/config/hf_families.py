@@ -35,7 +35,7 @@ FAMILIES = {
 # each family's defaults for the keys that shape what the weights compute: rms_norm_eps,
 # max_position_embeddings (also yarn's and llama3's original length when their settings give none),
 # num_key_value_heads (absent from a row: as many as the heads), head_dim (absent: hidden_size / heads),
-# sliding_window (Mistral's; Qwen's applies only with use_sliding_window, which longctx refuses), and
+# sliding_window (Mistral's; Qwen's applies only with use_sliding_window: windowed_layers), and
 # rope_theta (the class's `default_theta`). From LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
 # MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig, OlmoeConfig in that order.
 FAMILY_DEFAULTS: dict[str, dict] = {
@@ -60,7 +60,7 @@ MOE_DEFAULTS = {
                       router_aux_loss_coef=0.001),
     "olmoe": dict(num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, router_aux_loss_coef=0.01),
 }
-_CONFIG_CLASS = {"mistral": "MistralConfig", "mixtral": "MixtralConfig"}
+_EVERY_LAYER_WINDOWED = ("mistral", "mixtral")  # (when their sliding_window is not null)
 
 
 def with_family_defaults(hf: dict) -> dict:
@@ -68,10 +68,38 @@ def with_family_defaults(hf: dict) -> dict:
     return {**FAMILY_DEFAULTS.get(hf.get("model_type"), {}), **hf}
 
 
+QWEN_FAMILIES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+QWEN_WINDOW_DEFAULTS = dict(sliding_window=4096, max_window_layers=28)  # (every Qwen class's, 5.x and 4.x)
+
+
+def windowed_layers(hf: dict) -> list[int]:
+    """The layers to which transformers' config class gives a sliding window, as it derives them: an
+    explicit layer_types' "sliding_attention" entries; every layer of a windowed Mistral / Mixtral; with
+    Qwen's use_sliding_window, Qwen2 / Qwen3's layers from max_window_layers on, Qwen2-MoE's even layers
+    below it, every layer of Qwen3-MoE (which has no max_window_layers). No window, none."""
+    family, layers = hf.get("model_type"), int(hf.get("num_hidden_layers") or 0)
+    if family in _EVERY_LAYER_WINDOWED:
+        return list(range(layers)) if with_family_defaults(hf).get("sliding_window") is not None else []
+    if hf.get("layer_types"):
+        return [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+    d = {**QWEN_WINDOW_DEFAULTS, **hf}
+    if family not in QWEN_FAMILIES or not d.get("use_sliding_window") or d.get("sliding_window") is None:
+        return []
+    below = int(d.get("max_window_layers") or 0)
+    if family in ("qwen2", "qwen3"):
+        return list(range(below, layers))
+    if family == "qwen2_moe":
+        return [i for i in range(min(below, layers)) if i % 2 == 0]
+    return list(range(layers))
+
+
 def family_window(hf: dict) -> int | None:
-    """The sliding window transformers gives every layer of a Mistral or Mixtral config.json (its class's
-    default when the key is absent); None: no window, or another family."""
-    return with_family_defaults(hf).get("sliding_window") if hf.get("model_type") in _CONFIG_CLASS else None
+    """The sliding window transformers gives some layer of this config.json (the class's default when
+    the key is absent: windowed_layers); None: no layer has one."""
+    if not windowed_layers(hf):
+        return None
+    defaults = QWEN_WINDOW_DEFAULTS if hf.get("model_type") in QWEN_FAMILIES else {}
+    return {**defaults, **with_family_defaults(hf)}.get("sliding_window")
 
 
 def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None) -> None:
@@ -79,17 +107,12 @@ def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None) -
     run's model.max_seq_len) or, when None, max_position_embeddings. longctx trains full causal
     attention only, which is a W-token window's exactly up to W tokens and not beyond."""
     family = hf.get("model_type")
-    windowed = "sliding_attention" in (hf.get("layer_types") or [])
-    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-        windowed = windowed or bool(hf.get("use_sliding_window"))
-    if windowed:
-        raise HFFormatError(f"{where}: the model uses sliding-window attention (sliding_window="
-                            f"{hf.get('sliding_window')}); longctx trains full causal attention only.")
     window = family_window(hf)
     if window is None:
         return
+    config_class = FAMILIES[family].replace("ForCausalLM", "Config")
     said = f"sliding_window={window}" + ("" if "sliding_window" in hf else
-                                        f" ({_CONFIG_CLASS[family]}'s default: config.json has no sliding_window)")
+                                        f" ({config_class}'s default: config.json has no sliding_window)")
     if max_seq_len is None:
         length, max_seq_len = "max_position_embeddings", with_family_defaults(hf)["max_position_embeddings"]
     else:
@@ -98,5 +121,6 @@ def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None) -
         raise HFFormatError(
             f"{where}: {length}={max_seq_len} passes the model's sliding-window attention ({said}); longctx trains "
             f"full causal attention only, the same as the window up to {window} tokens and not beyond. Use it "
-            f"within its window (model.init_from with --model.max_seq_len {window} or less), or set sliding_window "
-            f"null in config.json if the weights were trained without one.")
+            f"within its window (model.init_from with --model.max_seq_len {window} or less), or set "
+            f"{'use_sliding_window false' if family in QWEN_FAMILIES else 'sliding_window null'} in config.json if the "
+            f"weights were trained without one.")
