@@ -115,6 +115,8 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
         if value < 0 or (flag == "--buckets" and value == 0):
             raise ConfigError(f"{flag} must be positive, got {value}.")
+    if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
+        raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
     cfg, batch, capacity = _config(args, overrides, lengths, nproc)
     routing = dropless(capacity)
     _check_layout(cfg, lengths, mode, nproc)

@@ -36,7 +36,7 @@ class Sequence:
     sample: int = 0              # retrieval: which of the (length, depth)'s --samples prompts it is
 
 
-FILLER_POOL_TOKENS = 1 << 22  # retrieval filler is drawn from at most the first 4M tokens of the source
+FILLER_POOL_TOKENS = 1 << 22  # retrieval filler: from the first 4M tokens of the source (or `length`, if more)
 
 
 @dataclass
@@ -156,7 +156,9 @@ def retrieval_sequences(task: str, source: TokenSource, tokenizer, length: int, 
     (seed, length, j) alone and the same at every depth: the depth curve compares the same prompts with
     only the needle moved (as a needle-in-a-haystack sweep does), and a depth's prompts are the same
     whatever other depths and lengths are asked for."""
-    stream = source.stream(FILLER_POOL_TOKENS)
+    # (at least `length` tokens: a length past the pool draws from as much of the source as it needs, not a
+    # refusal that counts the pool as the source's size)
+    stream = source.stream(max(FILLER_POOL_TOKENS, length))
     if len(stream) < length:
         raise DataError(f"{task} at {length} tokens needs at least {length} filler tokens; {source.description} "
                         f"has {len(stream)}. Pass a longer text (--data FILE) or shorter --lengths.")
