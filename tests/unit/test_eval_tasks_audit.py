@@ -66,3 +66,49 @@ def test_a_length_past_the_filler_pool_draws_from_the_whole_source(monkeypatch):
         before, after = text[:-len(tail)].split(needle)
         assert (before + after) in TEXT  # the filler is one contiguous stretch of the source
         assert abs(len(before) - q.depth * len(before + after)) <= 1  # the needle at its depth
+
+
+def _legacy_llama_tokenizer(folder):
+    """A Llama-2 / Mistral-style tokenizer.json as those models ship it: Prepend('▁') in the normalizer, no
+    pre-tokenizer, and pieces that only begin with '▁' (SentencePiece splits words before merging: trained
+    here with a Metaspace pre-tokenizer, then left without one, as the converted files are)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    folder.mkdir()
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=[chr(c) for c in range(32, 127)] + ["▁"])
+    tok.train_from_iterator(["The pass key is 7 1 4 3 2. Remember it. What is the pass key? def f(x): return x\n"
+                             "The special magic number for apple is: 1234567."] * 20, trainer)
+    tok.pre_tokenizer = None
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_pieces_read_as_inside_the_text_with_a_prepending_tokenizer(tmp_path, task):
+    """The needle, question and answer are spliced between filler: each is encoded as it reads inside the
+    whole text, so the answer's ids are the ones that follow the question when the tokenizer reads
+    question + answer as one text (the model's view), and the prompt has no stray word boundaries.
+    Encoded alone under a Prepend('▁') normalizer, each piece gained a '▁': 'is  86556'."""
+    from longctx.data.synthetic import retrieval_prompt
+    from longctx.data.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(_legacy_llama_tokenizer(tmp_path / "sp"))
+    filler = tok.encode_batch(["def f(x): return x\n" * 200])[0].astype(np.int64)
+    p = retrieval_prompt(task, filler, 300, 0.5, np.random.default_rng(0), tok)
+    text = tok.decode(p.tokens)
+    assert "is  " not in text and "is:  " not in text, text  # (the answer's single space stays single)
+    from longctx.data.synthetic import _encode
+
+    for piece in (" The pass key is 86556. Remember it. ", "\nWhat is the pass key? The pass key is", " 86556."):
+        context = "def f(x): return x"  # (a piece after text that ends a word reads as in the whole text)
+        ids = [int(t) for t in tok.encode_batch([context + piece])[0]]
+        assert ids == [*tok.encode_batch([context])[0], *_encode(tok, piece)], piece
+    whole = [int(t) for t in tok.encode_batch([text[text.rindex("\n"):]])[0]]
+    answer = [int(t) for t in p.tokens[p.answer_start:]]
+    assert whole[-len(answer):] == answer and text.endswith(" " + p.answer), text[-60:]

@@ -34,6 +34,7 @@ from ..config.rules import SYNTHETIC_TASKS
 from ..errors import ConfigError, DataError
 from .loader import SampleSet
 from .samples import IGNORE
+from .tokenizer import PROBE
 
 TASKS = SYNTHETIC_TASKS
 # keys of the needle task: short, distinct, one word each
@@ -65,6 +66,15 @@ def _digits(rng: np.random.Generator, n: int) -> str:
 
 
 def _encode(tokenizer, text: str) -> np.ndarray:
+    """`text`'s ids as they read inside a longer text (a needle after filler, an answer after its
+    question): encoded after a probe, whose own ids are dropped. Encoded alone, a Llama-2 / Mistral
+    tokenizer.json (its normalizer's Prepend('▁')) starts every piece with a word boundary of its own,
+    so " 71432" read as '▁▁71432', not the '▁71432' that follows "is" in a text, and a model scored
+    the answer it never sees. Plain encoding where the probe's ids are not a prefix."""
+    probe = [int(t) for t in tokenizer.encode_batch([PROBE])[0]]
+    after = [int(t) for t in tokenizer.encode_batch([PROBE + text])[0]]
+    if after[:len(probe)] == probe:
+        return np.asarray(after[len(probe):], dtype=np.int64)
     return np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
 
 
