@@ -70,7 +70,7 @@ def lm_head_token_scores(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             valid = lab != IGNORE
             target = logits.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
             nll = torch.logsumexp(logits, dim=-1) - target
-            hit = logits.argmax(dim=-1) == lab  # greedy decoding's choice (a tie is not a hit)
+            hit = logits.argmax(dim=-1) == lab  # greedy's choice (argmax: the first of tied maxima, as generate's)
             out[s:e, 0] = torch.where(valid, nll, 0.0)
             out[s:e, 1] = (hit & valid).to(out.dtype)
     return out
