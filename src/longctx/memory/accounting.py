@@ -138,12 +138,25 @@ def _offloaded_block(recompute: str, part: dict[str, float], p: int, dim: int, A
     return host, 0.0
 
 
-def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloaded: int, loss_chunked: bool) -> float:
+def _output_held(p: int, recompute: str, i: int, layers: int, loss_chunked: bool) -> bool:
+    """Whether block i's output (i = -1: the embeddings output) is still referenced after the forward
+    when the block after it is not offloaded. In fp32 the next norm (the final norm after the last
+    block) saves it as its input; in bf16 a norm saves its own fp32 copy instead, so only a checkpoint
+    holding its input keeps it: the next block's under full or selective, the chunked loss's after
+    the last block."""
+    if p == 4:
+        return True
+    return loss_chunked if i == layers - 1 else recompute != "none"
+
+
+def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloaded: int, loss_chunked: bool,
+                    recompute: str = "none") -> float:
     """Device bytes per token kept outside the blocks: RoPE tables, the embeddings output, the final
     norm and what the loss keeps."""
+    embeddings = not offloaded and _output_held(p, recompute, -1, model.layers, loss_chunked)
     return (
         8 * model.resolved_head_dim                                     # RoPE cos/sin tables, fp32
-        + (0 if offloaded else p * model.dim)                           # embeddings output = block 0's input
+        + (p * model.dim if embeddings else 0)                          # embeddings output = block 0's input
         # the final norm: inside a chunked loss it is recomputed per chunk and keeps nothing
         + (0 if loss_chunked else part["norm"])
         + (4 if loss_chunked else 4 * model.vocab_size)                 # lse per token, or log-softmax
@@ -178,6 +191,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
     # when the core's state (its output included) is in host memory (attention_offload)
     attention_offload = policy.attention_offloaded
     block_chunked = bool(policy.block_chunk) and tokens > policy.block_chunk
+    loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
     sparse = set(model.moe_layer_ids)
     by_kind = {}
     for moe in {i in sparse for i in range(L)}:
@@ -198,10 +212,12 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         off = i < offloaded
         if off:
             device, host_bytes, flops = tokens * off_device, tokens * host, tokens * offloaded_recompute
-            if i == offloaded - 1:
+            if i == offloaded - 1 and _output_held(p, rc, i, L, loss_chunked):
                 device += tokens * part["block_out"]
         else:
             device, host_bytes, flops = tokens * kept, tokens * core_host, tokens * recompute
+            if not _output_held(p, rc, i, L, loss_chunked):  # (kept counts the block output)
+                device -= tokens * part["block_out"]
         if moe and model.is_moe:
             if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
                 moe_terms[off] = moe_call_terms(model, p, moe_calls(rc, off, tokens, policy), policy.expert_chunk,
@@ -233,7 +249,8 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     L = model.layers
     offloaded = sum(la.offloaded for la in layers)
     loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
-    model_device = _outside_blocks(model, block_part_bytes(model, head, p, docs), p, offloaded, loss_chunked)
+    model_device = _outside_blocks(model, block_part_bytes(model, head, p, docs), p, offloaded, loss_chunked,
+                                   policy.recompute)
     # per-block figures: the largest block of its kind (kept, offloaded); with every block offloaded
     # (offload_skip_last 0) or none, what one of them would keep, as if it were of the other kind
     all_kept = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx,
@@ -243,7 +260,8 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     kept = [la for la in all_kept if not la.offloaded]
     if offloaded:
         last = offloaded - 1
-        extra = tokens * block_part_bytes(model, head, p, docs, moe=layers[last].moe)["block_out"]
+        held = _output_held(p, policy.recompute, last, L, loss_chunked)
+        extra = tokens * block_part_bytes(model, head, p, docs, moe=layers[last].moe)["block_out"] if held else 0.0
         off_device = [la.device - (extra if i == last else 0.0) for i, la in enumerate(layers) if la.offloaded]
         per_block_device = max(off_device)
         per_block_host = max(la.host for la in layers if la.offloaded)

@@ -5,8 +5,10 @@ An offloaded block always sends its input and attention state (S_fixed) and the 
 other activations (A x S_other) to the host:
 
   A_link   = (t_block_forward x host_link_bandwidth - S_fixed) / S_other
-  A_memory = (0.8 x host_memory_per_rank / offloaded_blocks - S_fixed) / S_other
-  A        = min(1, A_link, A_memory), rounded down to a multiple of 0.05; 0 (no offload) when even
+  A_memory = (0.8 x host_memory_per_rank - R_fixed) / R_other   (R: the rank's whole host tier, every
+             offloaded block's and what the run's other settings put there, attention_offload's)
+  A        = min(1, A_link, A_memory), rounded down to a multiple of 0.05 (at least 0.05 when host
+             memory allows it; else A_memory rounded down to 0.001); 0 (no offload) when even
              S_fixed does not fit in host memory
 
 t_block_forward is measured on the real block (attention and its communication included), the
@@ -16,6 +18,7 @@ host link by timing a copy of 64 MiB to host memory (pinned on CUDA), the host m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -71,29 +74,43 @@ def measured_block_forward_seconds(block, x, cos, sin, doc_ids, repeats: int = 2
 
 def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: int, ctx: int, skip_last: int,
                             dtype_bytes: int, block_seconds: float, link_bytes_per_s: float,
-                            host_bytes_per_rank: float) -> tuple[float, str]:
-    """(fraction, the reason in one line) from measured times and bandwidths."""
-    def host_per_block(a):
-        return estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx,
-                                    policy=MemoryPolicy("selective", a, skip_last),
-                                    dtype_bytes=dtype_bytes).per_block_host
+                            host_bytes_per_rank: float, policy: MemoryPolicy | None = None,
+                            expert: int = 1) -> tuple[float, str]:
+    """(fraction, the reason in one line) from measured times and bandwidths. `policy`: the run's other
+    [memory] settings (attention_offload, expert_chunk, block_chunk...; its recompute and fraction are
+    replaced): they change what the rank keeps on the host, so they must be counted; `expert`: the
+    expert-parallel degree (the rows a rank's experts save), as the host budget counts them."""
+    base = policy if policy is not None else MemoryPolicy()
+
+    def host(a):
+        pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
+        est = estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
+                                   dtype_bytes=dtype_bytes, expert=expert)
+        return est.per_block_host, est.total_host
 
     offloaded = max(0, model_cfg.layers - skip_last)
     if offloaded == 0:
         return 0.0, f"nothing to offload: all {model_cfg.layers} blocks are among the last offload_skip_last"
-    whole, half = host_per_block(1.0), host_per_block(0.5)
-    other = 2 * (whole - half)
-    fixed = whole - other
-    host_per_block_budget = 0.8 * host_bytes_per_rank / offloaded
-    if host_per_block_budget < fixed:
+    (whole, whole_rank), (half, half_rank) = host(1.0), host(0.5)
+    other, other_rank = 2 * (whole - half), 2 * (whole_rank - half_rank)
+    fixed, fixed_rank = whole - other, whole_rank - other_rank
+    # host memory holds the rank's whole host tier: every offloaded block's, and what the kept blocks
+    # put there too (memory.attention_offload's core state)
+    budget = 0.8 * host_bytes_per_rank
+    if budget < fixed_rank:
         return 0.0, (f"offload_fraction auto -> 0 (offload off): {offloaded} blocks x {fixed / 2**20:.1f} MiB of block "
                      f"inputs and attention state would not fit in {host_bytes_per_rank / 2**30:.1f} GiB of host "
                      f"memory per rank; raise memory.offload_skip_last or add host memory")
     a_link = (block_seconds * link_bytes_per_s - fixed) / other
-    a_mem = (host_per_block_budget - fixed) / other
-    fraction = max(0.05, math.floor(min(1.0, a_link, a_mem) * 20) / 20)
-    limit = "the host link" if a_link <= min(1.0, a_mem) else "host memory" if a_mem < 1.0 else "nothing"
-    reason = (f"offload_fraction auto -> {fraction:.2f} (limited by {limit}): a block's forward takes "
+    a_mem = (budget - fixed_rank) / other_rank
+    fraction = math.floor(min(1.0, a_link, a_mem) * 20) / 20
+    if fraction < 0.05:
+        # a slow link may not push the fraction under 0.05 (its transfers then show), host memory must:
+        # a fraction above a_mem would put more on the host than it holds
+        fraction = 0.05 if a_mem >= 0.05 else max(math.floor(a_mem * 1000) / 1000, 1e-6)
+    limit = ("host memory" if a_mem < min(1.0, a_link, 0.05) else "the host link" if a_link <= min(1.0, a_mem)
+             else "host memory" if a_mem < 1.0 else "nothing")
+    reason = (f"offload_fraction auto -> {fraction:.3g} (limited by {limit}): a block's forward takes "
               f"{block_seconds * 1e3:.1f} ms and the host link moves {link_bytes_per_s / 1e9:.1f} GB/s; a block "
               f"always offloads {fixed / 2**20:.1f} MiB (input, attention state) plus A x {other / 2**20:.1f} MiB, "
               f"which hides behind its forward up to A = {max(a_link, 0.0):.2f}; {host_bytes_per_rank / 2**30:.1f} GiB "

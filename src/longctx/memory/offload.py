@@ -124,8 +124,10 @@ class HostOffloader:
         # storage after its module's forward), and a new tensor can then take the same address: a
         # span whose storage no longer has it is stale, and must not answer for the new tensor
         regions[:] = [r for r in regions if r[3].data_ptr() == storage.data_ptr() and r[3].nbytes()]
-        for r_lo, r_hi, region, _ in regions:
-            if r_lo <= lo and hi <= r_hi:
+        # a span changed in place since it was copied holds other values now: it answers only for
+        # tensors saved at the same version (autograd's own check is off under saved-tensor hooks)
+        for r_lo, r_hi, region, _, version in regions:
+            if r_lo <= lo and hi <= r_hi and version == t._version:
                 return _View(region, lo - r_lo, t.shape, t.stride())
         flat = t.new_empty(0).set_(storage, lo, (hi - lo,), (1,))
         cut = round(self._fraction * (hi - lo))
@@ -135,7 +137,7 @@ class HostOffloader:
         self._blocks[self._block].add(region)
         # holding the storage until the block ends keeps its address from being reused by another
         # tensor while the span is still registered
-        regions.append((lo, hi, region, storage))
+        regions.append((lo, hi, region, storage, t._version))
         return _View(region, 0, t.shape, t.stride())
 
     def _to_host(self, part: torch.Tensor) -> torch.Tensor:
