@@ -37,6 +37,10 @@ def _cmd_train(args, overrides) -> int:
     from .config.layout import resolve_layout
     from .job.launch import default_nproc, launched_by_us, relaunch, under_launcher
 
+    if args.nproc is not None and args.nproc < 1:  # (0 read as "not given" ran the default 4 ranks)
+        from .errors import ConfigError
+
+        raise ConfigError(f"--nproc must be >= 1 (1 = this process), got {args.nproc}.")
     launcher = under_launcher()
     if launcher and args.nproc:
         print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "

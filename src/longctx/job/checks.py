@@ -29,6 +29,7 @@ def check_layout(cfg, world: int) -> ParallelDims:
                 raise ConfigError(f"train.stages: {e}") from None
     _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
     hpz_group(cfg, dims)  # (and node_size, zero_pp_names: all checked before launch)
+    ranks_per_node(cfg, dims.world_size)  # (after: under hpz / qgz, node_size says what the node must split)
     replica = dims.world_size // dims.dp_replicate
     if cfg.train.data_parallel == "co2" and dims.expert > 1 and replica % dims.expert:
         raise ConfigError(f"train.data_parallel = co2 keeps each of the {dims.dp_replicate} replicas' weights its own, "
@@ -82,8 +83,15 @@ ZERO_PP_KERNELS = ("auto", "compiled", "eager")  # parallel.zero_pp_kernels (par
 
 
 def ranks_per_node(cfg, world: int) -> int:
-    """parallel.ranks_per_node, or the launcher's (LOCAL_WORLD_SIZE; every rank on one machine)."""
-    return cfg.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    """parallel.ranks_per_node, or the launcher's (LOCAL_WORLD_SIZE; every rank on one machine). A
+    given one must divide the world (every node runs as many ranks): the host-memory preflight
+    multiplies by it, and a negative count would pass any budget."""
+    given = cfg.parallel.ranks_per_node
+    if given < 0 or (given and world % given):  # (world >= 1: ParallelDims refuses less)
+        raise ConfigError(f"parallel.ranks_per_node = {given} must divide the {world} ranks of the job (each node "
+                          f"runs as many): choose among {[d for d in range(1, world + 1) if world % d == 0]}, or 0 "
+                          f"for the launcher's (LOCAL_WORLD_SIZE, else every rank on this machine).")
+    return given or int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def zero_pp_names(cfg) -> list[str]:
@@ -103,7 +111,7 @@ def node_size(cfg, dims: ParallelDims) -> int | None:
     if not {"hpz", "qgz"} & set(zero_pp_names(cfg)):
         return None
     group = dims.world_size // dims.dp_replicate
-    node = ranks_per_node(cfg, dims.world_size)
+    node = cfg.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     if node < 1 or group % node:
         raise ConfigError(
             f"parallel.zero_pp={cfg.parallel.zero_pp} works with nodes of {node} ranks, which must split the "

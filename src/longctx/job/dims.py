@@ -49,6 +49,9 @@ class ParallelDims:
         self._expert_mesh = None
 
     def _validate(self):
+        if self.world_size < 1:  # (an inferred degree would become 0 or negative, and nothing else refuses it)
+            raise ConfigError(f"the world size is {self.world_size}: a job runs on at least 1 process; with "
+                              f"`longctx train`, --nproc N takes N >= 1 (1 = this process).")
         degrees = {n: getattr(self, n) for n in DIM_NAMES}
         problems = degree_problems(degrees, self.window)
         if problems:

@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
 
 from .. import threads
-from ..errors import REQUEUE_EXIT_CODE, Preempted, UserError
+from ..errors import REQUEUE_EXIT_CODE, ConfigError, Preempted, UserError
 from . import watchdog
 
 
@@ -77,7 +77,7 @@ def init_distributed(device_type: str, timeout_s: float, host_states: bool = Fal
         return 0, 1
     die_with_parent()
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_cuda_device())
     backend = backend_for(device_type, host_states)
     # parallel.timeout_s is enforced by the hang watchdog (watchdog.py), which says where each rank
     # was; the groups' own timeouts are a backstop behind it
@@ -89,6 +89,22 @@ def init_distributed(device_type: str, timeout_s: float, host_states: bool = Fal
     if "nccl" in backend:
         atexit.register(_destroy_process_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def local_cuda_device() -> int:
+    """This rank's GPU: LOCAL_RANK (torchrun's; 0 without one), one of the devices this process sees.
+
+    More ranks on a node than visible GPUs (`--nproc 8` on 4 GPUs, or CUDA_VISIBLE_DEVICES naming
+    fewer) is refused here with the fix, before CUDA's "invalid device ordinal" on some ranks."""
+    index, count = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()
+    if count and not 0 <= index < count:  # (no device at all: resolve_device refused train.device cuda)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"this rank's LOCAL_RANK is {index}, but it sees {count} CUDA device{'s' if count != 1 else ''}"
+            + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+            + f": train.device cuda runs one rank per GPU, so start at most {count} ranks on this node "
+              f"(--nproc {count}, or torchrun --nproc-per-node {count}), or make more GPUs visible.")
+    return index
 
 
 _CREATED = False  # whether init_distributed created the default group (then finish_distributed ends it)

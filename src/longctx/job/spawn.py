@@ -138,21 +138,41 @@ def run_spawned(world: int, fn, *args, threads: int = 1, timeout: float = 900.0)
         p.start()
     out: dict[int, object] = {}
     try:
-        while len(out) < world:
-            try:
-                rank, ok, value = results.get(timeout=timeout)
-            except queue_mod.Empty:
-                raise TimeoutError(f"spawned ranks did not finish within {timeout:.0f}s "
-                                   f"(finished: {sorted(out)})") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
-            out[rank] = value
+        _collect(results, procs, out, timeout)
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world else 0)
             if p.is_alive():
                 p.terminate()
     return [out[r] for r in range(world)]
+
+
+def _collect(results, procs, out: dict, timeout: float) -> None:
+    """Fill `out` with each rank's result; raise on the first failure, on a rank that ended without
+    reporting one (killed, os._exit, a crash in C code: waiting for it would only end at `timeout`),
+    or at `timeout`."""
+    world, deadline = len(procs), time.monotonic() + timeout
+    while len(out) < world:
+        try:
+            rank, ok, value = results.get(timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+        except queue_mod.Empty:
+            gone = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+            if gone:  # (a rank's result is in the queue before it exits: one more look, then it is lost)
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue_mod.Empty:
+                    r = gone[0]
+                    raise RuntimeError(f"rank {r} of {world} ended with exit code {procs[r].exitcode} without "
+                                       f"returning a result or an error (killed, os._exit or a crash in C code); "
+                                       f"its output above says more (finished: {sorted(out)})") from None
+            elif time.monotonic() >= deadline:
+                raise TimeoutError(f"spawned ranks did not finish within {timeout:.0f}s "
+                                   f"(finished: {sorted(out)})") from None
+            else:
+                continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
+        out[rank] = value
 
 
 def _run_many(jobs):

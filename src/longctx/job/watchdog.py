@@ -1,12 +1,12 @@
 """The hang watchdog: parallel.timeout_s enforced on every rank, and where each rank was when it fired.
 
 A rank whose main thread has waited inside torch.distributed (a collective, any group, FSDP's
-included) or in a checkpoint save for parallel.timeout_s without progress is waiting for a peer
-that is hung. A rank that merely computes for long (a first torch.compile, a long forward) waits
-for nobody, and nothing fires. Progress is a new phase of the training loop (`phase(step, name)`:
-data, forward, backward, optimizer, save, load, eval) or a collective issued through comm.py
-(`tick()`: one attribute write, no I/O). A daemon thread per rank looks once a second at where the
-main thread is. When it fires it:
+included; or the wait of a transfer comm.py started, as the ring's) or in a checkpoint save for
+parallel.timeout_s without progress is waiting for a peer that is hung. A rank that merely computes
+for long (a first torch.compile, a long forward) waits for nobody, and nothing fires. Progress is a
+new phase of the training loop (`phase(step, name)`: data, forward, backward, optimizer, save,
+load, eval) or a collective issued through comm.py (`tick()`: one attribute write, no I/O). A
+daemon thread per rank looks once a second at where the main thread is. When it fires it:
 - dumps every thread's Python stack (faulthandler: it reads frames without running them);
 - records where the rank was: step, phase, and what the main thread waits in (or that it waits in
   nothing: it is the one stuck);
@@ -157,7 +157,10 @@ def main_thread_place(main_ident: int | None) -> dict:
     collective = where = None
     while frame is not None:
         path = frame.f_code.co_filename.replace(os.sep, "/")
-        if collective is None and "/torch/distributed/" in path:
+        # comm.py's handles of transfers in flight (the ring's Pending, PendingTransfer) wait in the
+        # C++ Work.wait(), which has no Python frame of torch.distributed: their `wait` is the wait
+        if collective is None and ("/torch/distributed/" in path or (
+                path.endswith("/longctx/job/comm.py") and frame.f_code.co_name == "wait")):
             collective = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
         if where is None and ("/longctx/" in path or not ("-packages/" in path or "/lib/python" in path
                                                           or "/torch/" in path or path.startswith("<"))):
