@@ -102,7 +102,8 @@ class ShardedKVCache(TreeCalls):
         if self.step is not None:
             raise RuntimeError("a model call on this cache is already running")
         if self.lengths.max() + new > self.max_len:
-            raise ValueError(f"the cache holds at most {self.max_len} tokens per row")
+            raise ValueError(f"the cache holds at most {self.max_len} tokens per row; {int(self.lengths.max())} "
+                             f"held + {new} new do not fit (allocate it with a larger max_len)")
         start = self.lengths.copy()
         device = device or self.k.device
         self.step = CacheStep(start, new, torch.as_tensor(start, device=device)[:, None] +
@@ -304,6 +305,9 @@ class ShardedGeneration:
         if cache.lengths.max() != 0:
             raise ValueError("a sharded prefill fills empty rows (a prompt is prefilled whole)")
         rows, length = tokens.shape
+        if length > cache.max_len:  # (every rank has the prompt: all refuse, before any collective)
+            raise ValueError(f"a prompt of {length} tokens does not fit a cache of at most {cache.max_len} tokens "
+                             f"per row (allocate it with a larger max_len)")
         h, c = cache.h, cache.c
         unit = 2 * h * c
         padded_len = -(-length // unit) * unit

@@ -107,7 +107,8 @@ class ShardedInfLLMCache:
         if not np.all(self.lengths == self.lengths[0]):
             raise ValueError("InfLLM context memory attends for rows that hold the same number of tokens")
         if int(self.lengths[0]) + new > self.max_len:
-            raise ValueError(f"the cache holds at most {self.max_len} tokens per row")
+            raise ValueError(f"the cache holds at most {self.max_len} tokens per row; {int(self.lengths[0])} held "
+                             f"+ {new} new do not fit (allocate it with a larger max_len)")
         start = self.lengths.copy()
         device = device or self.k.device
         positions = torch.as_tensor(start, device=device)[:, None] + torch.arange(new, device=device)

@@ -84,12 +84,14 @@ def _visible(start, among, length: int, group: int) -> torch.Tensor:
 
 def _attend(q, k, v, visible) -> torch.Tensor:
     """q [b, n, h, d] over every slot of one layer's cache k, v [b, kv, L, d] that `visible` lets it
-    see: scores in fp32, queries grouped per kv head (the cache is read once per kv head)."""
+    see: scores in fp32, queries grouped per kv head (the cache is read once per kv head). One SDPA
+    kernel call, as the eager path's: a bf16 matmul of q and k would round the scores to bf16 before
+    the softmax (scores of std 10 to 25: 6 to 20x the eager path's error), and upcasting the cache to
+    fp32 first would copy it whole each step. Every row sees a slot (itself; a padded one the spare slot)."""
     n, heads = q.shape[1], q.shape[2]
     qg = group_queries(q, k.shape[1])  # [b, kv, n * g, d]
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(q.shape[-1]))
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return ungroup_heads(torch.matmul(probs.to(v.dtype), v), n, heads).to(q.dtype)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=visible, scale=1.0 / math.sqrt(q.shape[-1]))
+    return ungroup_heads(out, n, heads).to(q.dtype)
 
 
 class CompiledStep:
@@ -182,10 +184,12 @@ def compiled_step(compile: bool | CompiledStep | None) -> CompiledStep | None:
 
 def install(cache, model, step: CompiledStep) -> bool:
     """Hand `step` the cached calls of `model` on `cache` it handles (`cache.fast`), where a static form
-    exists: a one-device KVCache and a dense Llama. Whether it was installed."""
-    from .kv_cache import KVCache
+    exists: a one-device KVCache with the plain core and a dense Llama. Whether it was installed."""
+    from .kv_cache import KVCache, attend
 
-    if not isinstance(cache, KVCache) or not supports(model):
+    # a cache with its own core (InfLLM's memory, a caller's cache_core) attends its own way: the static
+    # step, plain attention over every slot, would bypass it (other tokens, silently); it decodes eagerly
+    if not isinstance(cache, KVCache) or cache.core is not attend or not supports(model):
         return False
     for t in (cache.k, cache.v):
         # one graph for every cache length (a generation's prompt and limit decide it), not one per length
