@@ -40,6 +40,10 @@ def data_parallel_problems(cfg: Config) -> list[str]:
     if t.on_nonfinite == "rollback":
         problems.append("train.data_parallel = co2 with train.on_nonfinite = rollback: a rollback would have to "
                         "rewind every replica's outer state as well, which is not built; use skip or stop.")
+    if cfg.draft.target:  # (parallelize_draft shards the draft over every replica: it crashed at set-up)
+        problems.append(f"train.data_parallel = co2 with a draft (draft.target = {cfg.draft.target}): the draft is "
+                        f"sharded over all the replicas as under sync (parallel/parallelize.py parallelize_draft), "
+                        f"which CO2's local rounds do not support yet; use train.data_parallel = sync.")
     if "qgz" in p.zero_pp.split(","):
         problems.append("train.data_parallel = co2 with parallel.zero_pp's qgz: qgZ's reduce-scatter reduces "
                         "over the replicas too, which CO2's local steps must not; drop qgz (hpz and qwz are fine).")
