@@ -78,7 +78,7 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     compiled = use_compiled(cfg.parallel.zero_pp_kernels, device_type)
     model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled, expert_units)
     model.grad_bucket_plan = plan
-    model.grad_reduce = quantized_reduce(cfg, dims, device_type, compiled)
+    model.grad_reduce = quantized_reduce(cfg, dims, device_type, compiled, [*units, model])
     if compiled and {"qwz", "qgz"} & set(zero_pp_names(cfg)):  # a clear error here, not inside the first gather
         device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else \
             torch.device(device_type)
@@ -102,13 +102,10 @@ def quantize_gathers(units: list, cfg, dims, compiled: bool = False, expert_unit
                 (unit[0] if isinstance(unit, list) else unit).set_custom_all_gather(CountedAllGather())
         return None
     block = cfg.parallel.zero_pp_block
-    numel = lambda u: sum(p.numel() for m in (u if isinstance(u, list) else [u]) for p in m.parameters())  # noqa: E731
-    shards = [numel(u) // (dims.world_size // dims.dp_replicate) for u in units[:-1]]  # (the root, last, holds more)
-    shards += [numel(u) // (dims.world_size // dims.expert) for u in expert_units]  # (their expert-data group)
-    smallest = min(shards)
-    if block < 1 or block > smallest:
-        raise ConfigError(f"parallel.zero_pp_block = {block} elements is not a block of the smallest FSDP unit's "
-                          f"shard ({smallest:,} elements per rank); use 1 .. {smallest} (512 is usual).")
+    shards = _shards(units[:-1], dims.world_size // dims.dp_replicate)  # (the root, last, holds more)
+    if expert_units:  # (their expert-data group)
+        shards += _shards(expert_units, dims.world_size // dims.expert)
+    check_block(block, shards)
     # hpz's backward gathers (within its secondary partition) stay exact. A partition as large as the FSDP
     # group is no partition (FSDP2 reshards such a unit fully, so its backward gathers from the shards
     # again): the group itself is then not one to leave exact, or no gather would be quantised (one node,
@@ -125,15 +122,39 @@ def quantize_gathers(units: list, cfg, dims, compiled: bool = False, expert_unit
     return comm
 
 
-def quantized_reduce(cfg, dims, device_type: str, compiled: bool = False) -> QuantizedReduceScatter | None:
+def quantized_reduce(cfg, dims, device_type: str, compiled: bool = False, units: list = ()
+                     ) -> QuantizedReduceScatter | None:
     """parallel.zero_pp's qgz: the gradient reduce-scatter in int8 blocks, within the node first,
     over a mesh (dp_replicate, inter, intra) whose node dims split each FSDP group; None without qgz.
-    The experts' units (another group) keep FSDP's own."""
+    The experts' units (another group) keep FSDP's own. `units` (ending with the root) bound the block
+    as for qwz: each reduce-scatter row is a unit's shard, padded to whole blocks."""
     if "qgz" not in zero_pp_names(cfg):
         return CountedReduceScatter() if link_hook() is not None else None  # (a benchmark's emulated link)
+    # checked here, before any work: a block under 1 otherwise fails as a ZeroDivisionError in the byte
+    # counts or a reshape error inside the first backward's reduce-scatter, on every rank
+    check_block(cfg.parallel.zero_pp_block, _shards(units[:-1], dims.world_size // dims.dp_replicate))
     grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1, node_size(cfg, dims))
     mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "inter", "intra"))
     return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh, compiled=compiled)
+
+
+def _shards(units, ranks: int) -> list[int]:
+    """Each FSDP unit's (a module, or a list of them) elements per rank over `ranks`."""
+    return [sum(p.numel() for m in (u if isinstance(u, list) else [u]) for p in m.parameters()) // ranks
+            for u in units]
+
+
+def check_block(block: int, shards: list[int]) -> None:
+    """parallel.zero_pp_block (qwz, qgz) against the FSDP units' shards (elements per rank; none known:
+    only the lower bound): at least one element, and a block longer than the smallest shard would
+    quantise padding more than weights."""
+    smallest = min(shards, default=None)
+    if block < 1 or (smallest is not None and block > smallest):
+        bound = f"1 .. {smallest}" if smallest is not None else "at least 1"
+        where = f"the smallest FSDP unit's shard ({smallest:,} elements per rank)" if smallest is not None else \
+            "an FSDP unit's shard"
+        raise ConfigError(f"parallel.zero_pp_block = {block} elements is not a block of {where}; use "
+                          f"{bound} (512 is usual).")
 
 
 def check_staging_fits(model, groups, bf16: bool, device_bytes: int) -> None:
