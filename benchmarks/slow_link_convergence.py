@@ -50,9 +50,12 @@ def main() -> int:
     p.add_argument("--co2", action="append", default=[], metavar="NAME=OVERRIDES",
                    help="another co2 variant, e.g. 'mom=--train.co2_outer_momentum=0.5' (repeatable)")
     p.add_argument("--only", default="", help="comma-separated modes to run (default: all)")
+    p.add_argument("--every", default="", metavar="OVERRIDES",
+                   help="overrides for every mode, e.g. --every=--train.grad_clip=0 (sync and co2 alike)")
     p.add_argument("--work", default="/tmp/slow_link_convergence")
     a = p.parse_args()
-    common = [f"--train.steps={a.steps}", f"--train.co2_local_steps={a.co2_local_steps}", "--train.global_batch=8"]
+    common = [f"--train.steps={a.steps}", f"--train.co2_local_steps={a.co2_local_steps}", "--train.global_batch=8",
+              *a.every.split()]
     modes = dict(MODES)
     for variant in a.co2:
         name, _, overrides = variant.partition("=")
