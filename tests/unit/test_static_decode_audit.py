@@ -144,3 +144,24 @@ def test_bf16_attention_keeps_its_scores_in_fp32():
         ref = torch.einsum("hl,hld->hd", scores.softmax(-1), vv)
         # bf16 rounding of the output alone is ~4e-3 here; scores rounded to bf16 gave 0.15
         assert (out[r, 0] - ref).abs().max() < 0.03
+
+
+def test_keep_moves_the_nodes_in_any_order_and_refuses_others():
+    """KVCache.keep after a call of 3 tokens: the kept nodes' keys and values, in the order given (nodes
+    [2, 0] copied slot by slot read node 0 after slot 0 was overwritten), and an index outside the call
+    refused (it copied stale slots silently)."""
+    model = _model()
+    cache = KVCache.for_model(model, 1, 16)
+    with torch.inference_mode():
+        model.hidden_states(torch.arange(4)[None], cache=cache)
+        model.hidden_states(torch.tensor([[7, 8, 9]]), cache=cache)
+        k, v = cache.k.clone(), cache.v.clone()
+        cache.keep([2, 0])
+    assert cache.lengths.tolist() == [6]
+    assert torch.equal(cache.k[:, :, :, 4:6], k[:, :, :, [6, 4]])
+    assert torch.equal(cache.v[:, :, :, 4:6], v[:, :, :, [6, 4]])
+    assert torch.equal(cache.k[:, :, :, :4], k[:, :, :, :4])
+    with torch.inference_mode():
+        model.hidden_states(torch.tensor([[1, 2]]), cache=cache)
+    with pytest.raises(ValueError, match="indices of the last call's 2 tokens"):
+        cache.keep([0, 3])

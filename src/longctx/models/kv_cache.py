@@ -167,10 +167,15 @@ class KVCache(TreeCalls):
         if self._last_start is None or not np.all(self._last_start == self._last_start[0]):
             raise ValueError("keep() follows a call on rows that held the same number of tokens")
         start = int(self._last_start[0])
-        for slot, node in enumerate(nodes):
-            if node != slot:
-                self.k[:, :, :, start + slot] = self.k[:, :, :, start + node]
-                self.v[:, :, :, start + slot] = self.v[:, :, :, start + node]
+        new = int(self.lengths[0]) - start
+        if not all(0 <= n < new for n in nodes):
+            raise ValueError(f"keep() takes indices of the last call's {new} tokens, got {list(nodes)}")
+        if list(nodes) != list(range(len(nodes))):
+            # (the indexed read copies first: any order is safe; slot by slot in place, a node that an
+            # earlier slot overwrote was read overwritten)
+            index = torch.as_tensor([start + n for n in nodes], device=self.k.device)
+            self.k[:, :, :, start:start + len(nodes)] = self.k[:, :, :, index]
+            self.v[:, :, :, start:start + len(nodes)] = self.v[:, :, :, index]
         self.lengths[:] = start + len(nodes)
         self._last_start = None
 
