@@ -165,3 +165,15 @@ def test_keep_moves_the_nodes_in_any_order_and_refuses_others():
         model.hidden_states(torch.tensor([[1, 2]]), cache=cache)
     with pytest.raises(ValueError, match="indices of the last call's 2 tokens"):
         cache.keep([0, 3])
+
+
+def test_reset_forgets_a_tree_mask_a_failed_call_left():
+    """among() before a call that failed: reset() (the next prompt) must not hand that mask to the next
+    prompt's first call (it raised for another shape, or masked a same-shaped call silently)."""
+    model = _model()
+    cache = KVCache.for_model(model, 1, 16)
+    cache.among(torch.eye(3, dtype=torch.bool))  # a tree whose call never ran
+    cache.reset()
+    with torch.inference_mode():
+        got = model.logits(model.hidden_states(torch.tensor([[5, 6, 7]]), cache=cache))[0]
+    torch.testing.assert_close(got, _full(model, torch.tensor([5, 6, 7])), rtol=1e-5, atol=1e-5)

@@ -174,6 +174,7 @@ class ShardedKVCache(TreeCalls):
         self.shares[:] = 0
         self.slot_positions[:] = -1
         self.step = None
+        self._among, self._last = None, None  # (a failed call's tree mask or keep() point is not the next prompt's)
 
     def read_attention(self, layer: int, q: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
         """Attention [b, n, heads, d] of queries q [b, n, heads, d] (every head, the same on every rank)

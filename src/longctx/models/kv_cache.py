@@ -180,8 +180,11 @@ class KVCache(TreeCalls):
         self._last_start = None
 
     def reset(self) -> None:
+        """Empty rows, and nothing of a call before: no tree mask still waiting (among() before a call
+        that failed would apply to the next prompt's first call), no last call to keep()."""
         self.lengths[:] = 0
         self.step = None
+        self._among, self._last_start = None, None
 
     def truncate(self, length: int) -> None:
         """Every row forgets its tokens past `length` (speculative decoding's rejected proposals: their
