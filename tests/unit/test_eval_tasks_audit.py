@@ -112,3 +112,13 @@ def test_pieces_read_as_inside_the_text_with_a_prepending_tokenizer(tmp_path, ta
     whole = [int(t) for t in tok.encode_batch([text[text.rindex("\n"):]])[0]]
     answer = [int(t) for t in p.tokens[p.answer_start:]]
     assert whole[-len(answer):] == answer and text.endswith(" " + p.answer), text[-60:]
+
+
+def test_ppl_with_fewer_spans_than_asked_says_so(folder):
+    """--samples 20 where the text holds fewer 384-token spans: the result's loss is over those alone,
+    and a note says how many (nothing said before); as many as asked: no note."""
+    short = _prepare(folder, "--task", "ppl", "--samples", "20")
+    held = len(short.sequences[384])
+    assert 0 < held < 20 and held == len(TOK.encode(TEXT)) // 384
+    assert any(f"ppl at 384 tokens: {held} spans of the 20 asked for" in n for n in short.notes), short.notes
+    assert not any("asked for" in n for n in _prepare(folder, "--task", "ppl", "--samples", "1").notes)

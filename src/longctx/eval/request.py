@@ -125,7 +125,8 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     memory = _memory(args, cfg, mode, lengths, batch, nproc)
     sequences = _sequences(args, source, tokenizer, lengths, depths)
     # (under the memory no length is past the reach: every distance a query sees stays within it)
-    notes = (() if memory is not None else reach_notes(cfg.model, lengths)) + ((routing,) if routing else ())
+    notes = (() if memory is not None else reach_notes(cfg.model, lengths)) + ((routing,) if routing else ()) + \
+        short_ppl_notes(args, sequences)
     return EvalRequest(cfg, args.task, lengths, depths, sequences, source.description,
                        spec or source.tokenizer_spec, batch, mode, sampling, notes, memory, routing)
 
@@ -153,6 +154,15 @@ def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):
                           f"memory would never hold anything. Use a --infllm-window of at most {min(lengths):,} (a "
                           f"multiple of --infllm-block), or evaluate those lengths without --context-memory.")
     return shape
+
+
+def short_ppl_notes(args, sequences: dict) -> tuple[str, ...]:
+    """ppl at a length the data holds fewer spans of than --samples asks for (the result's `sequences`
+    counts them; its loss is over those alone)."""
+    asked = args.samples or 8
+    return tuple(f"ppl at {length} tokens: {len(spans)} span{'s' * (len(spans) != 1)} of the {asked} asked for "
+                 f"(the data holds no more that long; pass a longer text with --data for more)"
+                 for length, spans in sequences.items() if args.task == "ppl" and len(spans) < asked)
 
 
 def reach_notes(m, lengths: list[int]) -> tuple[str, ...]:
