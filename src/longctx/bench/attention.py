@@ -83,6 +83,8 @@ def _simulated(args) -> dict:
 
 
 def run(args) -> dict:
+    if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
+        raise SystemExit(f"longctx bench attention: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
     if args.docs is not None:
         return run_docs(args)
     if args.seq_len is None:

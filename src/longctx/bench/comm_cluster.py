@@ -180,6 +180,9 @@ def main(args) -> int:
                          f"into groups of 2 or more")
     if "three_level" in modes and not args.group_ranks:
         raise SystemExit("longctx bench comm: three_level needs a third link level: give --group-ranks G")
+    if args.timed < 1 or args.co2_local_steps < 1:  # (else no step timed, or a division by zero)
+        raise SystemExit(f"longctx bench comm: --timed {args.timed} and --co2-local-steps {args.co2_local_steps} "
+                         f"must each be at least 1 (e.g. --timed 8 --co2-local-steps 4)")
     timed = math.ceil(args.timed / args.co2_local_steps) * args.co2_local_steps  # whole co2 rounds
     needed = max(timed_steps(m, dict(timed=timed, local_steps=args.co2_local_steps,
                                      overlap_steps=args.co2_overlap_steps))[-1] + 1 for m in modes)

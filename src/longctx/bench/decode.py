@@ -17,10 +17,11 @@ every length by its last tokens: the prompts of every length continue the same t
 JSON on stdout, per length and overall:
 - tau: tokens per target pass, the replaced or bonus token included; tau_without_bonus: kept
   proposals per pass; acceptance_rate: kept proposals over proposals made;
-- tokens_per_s (speculative) and baseline_tokens_per_s (plain): new tokens per second of decoding,
-  i.e. the wall time after the target's prefill (the same work in both; a draft's own pass over
-  the prompt comes after it and counts), and their ratio `speedup`; `speedup_with_prefill`: the
-  ratio of the whole generations' wall times, which a long prompt's prefill pulls toward 1;
+- tokens_per_s (speculative) and baseline_tokens_per_s (plain): new tokens per second of decoding
+  (all but the first, which the prefill's logits give), i.e. over the wall time after the target's
+  prefill (the same work in both; a draft's own pass over the prompt comes after it and counts), and
+  their ratio `speedup`; `speedup_with_prefill`: the ratio of the whole generations' wall times,
+  which a long prompt's prefill pulls toward 1;
 - identical: at temperature 0, whether every prompt's tokens equal plain decoding's; null when
   sampling (speculative sampling keeps plain sampling's distribution, not its seeded tokens: issue 34's
   chi-square test is the check there);
@@ -171,6 +172,8 @@ def main(args) -> int:
     from ..job.devices import resolve_device, resolve_dtype
     from ..models.glide import GlideDraft
 
+    if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
+        raise SystemExit(f"longctx bench decode: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device, "--device")
@@ -322,9 +325,16 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
     return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "chosen": chosen[m],
              "plain_steps": plain_steps[m], "passes": spec.passes,
              "spec_s": spec_s[m], "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all,
-             "tokens": len(spec.tokens), "plain_tokens": len(plain.tokens),
+             "tokens": _decoded(spec), "plain_tokens": _decoded(plain),
              "identical": spec.tokens == plain.tokens if sampling.greedy else None}
             for m, spec in enumerate(specs)]
+
+
+def _decoded(r) -> int:
+    """Tokens a run's decoding produced after the prefill: all but the first, which the prefill's logits
+    give (an EOS counts), as generate/results.py's decode_tokens_per_s counts them; the rates divide
+    them by the time after the prefill, which does not include the first token's forward."""
+    return max(0, len(r.tokens) + (r.finish_reason == "eos") - 1)
 
 
 def _all_identical(so_far: bool | None, this: bool | None) -> bool | None:

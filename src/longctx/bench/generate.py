@@ -262,6 +262,8 @@ def _time_longctx(model, prompt: torch.Tensor, new_tokens: int, chunk: int) -> d
 
 
 def main(args) -> int:
+    if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
+        raise SystemExit(f"longctx bench generate: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compile != "false":

@@ -43,6 +43,21 @@ def is_host_oom(e: BaseException) -> bool:
                                           or "cudahostalloc" in text or "pinned memory" in text and "out of" in text)
 
 
+def check_search(args, on_gpu: bool, lo: int = 4096) -> None:
+    """A ValueError that says what to pass where the search could not run: a step below one token
+    (the CPU search would probe 0 tokens forever), a budget of no bytes (nothing fits: 0 read as
+    a measured answer), or a GPU ceiling under the first length probed
+    (nothing would be probed, and 0 read as "nothing fits")."""
+    if not on_gpu and args.max_seq_step < 1:
+        raise ValueError(f"--max-seq-step {args.max_seq_step}: the search resolution must be at least 1 token "
+                         f"(e.g. --max-seq-step 4096)")
+    if not on_gpu and parse_bytes(args.budget) <= 0:
+        raise ValueError(f"--budget {args.budget}: a peak-RSS budget must be positive (e.g. --budget 6GiB)")
+    if on_gpu and args.max_seq_hi < lo:
+        raise ValueError(f"--max-seq-hi {args.max_seq_hi} is below the shortest length probed ({lo:,} tokens); "
+                         f"give --max-seq-hi {lo} or more")
+
+
 def _probe_command(args, name: str, seq: int, device: str) -> list[str]:
     return [sys.executable, "-m", "longctx", "bench", "memory", "--probe", f"{name}:{seq}", "--device", device,
             "--preset", args.preset, "--layers", str(args.layers if device == "cpu" else 0),

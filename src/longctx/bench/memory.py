@@ -31,7 +31,7 @@ from ..models.llama import build_model
 from ..parallel.context.sequence import shard_sequence
 from ..parallel.parallelize import apply_memory, use_sequence_parallel_attention
 from ..progress import phase, speaker
-from .max_seq import HOST_OOM, is_host_oom, longest_sequence, longest_sequence_cpu, parse_bytes
+from .max_seq import HOST_OOM, check_search, is_host_oom, longest_sequence, longest_sequence_cpu, parse_bytes
 
 POLICIES = {
     "none": ("none", 0.0),
@@ -320,6 +320,7 @@ def _measure_all(args) -> dict:
         try:  # a bad size or policy fails here, before any probe
             if not on_gpu:
                 parse_bytes(args.budget)
+            check_search(args, on_gpu)
             for name in args.policies.split(","):
                 _policy(name)
         except ValueError as err:

@@ -121,6 +121,8 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor) -> dict:
 
 
 def main(args) -> int:
+    if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
+        raise SystemExit(f"longctx bench moe: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
     if args.cluster:  # the expert-parallel schedule on an emulated cluster (bench/moe_cluster.py)
         return moe_cluster.main(args)
     if args.device == "cuda":  # one GPU, no emulation (bench/moe_gpu.py)

@@ -41,10 +41,16 @@ def run_one(preset: str, seq: int, layout: str, steps: int, global_batch: int) -
         if r.returncode:
             return {"preset": preset, "seq_len": seq, "layout": layout, "error": r.stderr[-1500:]}
         records = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
-    timed = [x for x in records if x["kind"] == "train" and x["step"] > 1] or records[-1:]
-    mean = lambda k: sum(x[k] for x in timed) / len(timed)  # noqa: E731
+    timed = [x for x in records if x["kind"] == "train" and x["step"] > 1]
+    if not timed:
+        return {"preset": preset, "seq_len": seq, "layout": layout,
+                "error": f"no train record after the warm-up step (--steps {steps}): nothing timed"}
+    # every step trains the same tokens (and FLOPs), so the rate over the timed steps is the harmonic
+    # mean of the per-step rates (total tokens / total seconds), not their arithmetic mean, which a
+    # slow step pulls up instead of down
+    mean = lambda k: len(timed) / sum(1 / x[k] for x in timed)  # noqa: E731
     return {"preset": preset, "seq_len": seq, "layout": layout, "world": nproc, "steps_timed": len(timed),
-            "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu") if timed[0].get("mfu") is not None else None,
+            "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu") if timed[0].get("mfu") else None,
             "memory_gib_max": max(x["memory_gib"] for x in timed), "loss_last": timed[-1]["loss"],
             "comm_bytes_per_step": timed[-1].get("comm_bytes_per_step", {})}
 
@@ -58,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    if args.steps < 2:  # the first step is the warm-up: with one, the figures would be the warm-up's
+        raise SystemExit(f"longctx bench train: --steps {args.steps} leaves no timed step after the warm-up; "
+                         f"give --steps 2 or more (3 or more for a mean)")
     rows = []
     with phase("bench train"):  # each case a progress phase: one that takes long is said while it runs
         for preset in args.presets.split(","):
