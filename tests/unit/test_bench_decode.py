@@ -40,7 +40,7 @@ def test_a_gpu_asked_for_where_there_is_none_is_refused_before_work():
     from longctx.bench.decode import main
 
     with pytest.raises(ConfigError, match="--device=cuda but no CUDA device is available"):
-        main(SimpleNamespace(threads=0, device="cuda", dtype="fp32"))
+        main(SimpleNamespace(threads=0, device="cuda", dtype="fp32", repeats=1))
 
 
 @pytest.mark.parametrize("temperature, expected", [(0.0, True), (1.0, None)])

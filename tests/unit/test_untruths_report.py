@@ -131,7 +131,7 @@ def test_bench_decode_counts_layers_in_words(monkeypatch, capsys):
     monkeypatch.setattr(drafts, "draft_label", lambda c: "glide")
     monkeypatch.setattr(engine, "generate", lambda *a, **k: (_ for _ in ()).throw(Said()))
     args = SimpleNamespace(threads=0, device="cpu", dtype="fp32", cape="false", cape_table="", temperature=0.0,
-                           seed=0, speculate=4, speculate_adaptive="false", draft_cost=0.0)
+                           seed=0, speculate=4, speculate_adaptive="false", draft_cost=0.0, repeats=1)
     with pytest.raises(Said):
         decode.main(args)
     assert "target debug (4 layers), draft glide (1 layer), K = 4" in capsys.readouterr().err
