@@ -13,6 +13,7 @@
 import pytest
 import torch
 
+from co2_reference import outer_change
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import train
@@ -90,13 +91,7 @@ def _reference(settings: dict, replicas: int = 2) -> list[list[torch.Tensor]]:
             optimizer.step()
             optimizer.zero_grad()
         if sent is not None and step == since + d:  # the merge
-            change = sum(sent) / replicas
-            if settings["beta"] > 0:
-                momentum = settings["beta"] * momentum + change
-                change = momentum
-            if settings["clip"] > 0:
-                change = change * min(1.0, settings["clip"] / (float(change.norm()) + 1e-12))
-                momentum = change if settings["beta"] > 0 else momentum
+            change, momentum = outer_change(sent, momentum, settings["beta"], settings["clip"])
             anchor = anchor - settings["alpha"] * change
             for i, m in enumerate(models):
                 progress = _flat(m) - marks[i]

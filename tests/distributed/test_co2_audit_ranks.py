@@ -17,6 +17,7 @@ momentum and a change in flight resumes to the uninterrupted run.
 import pytest
 import torch
 
+from co2_reference import outer_change
 from longctx.job.spawn import run_spawned_many
 
 STEPS = 7
@@ -111,13 +112,7 @@ def _replay(s: dict, cfg, batches: list) -> tuple[list[float], torch.Tensor]:
 
     def merge(keep: float):
         nonlocal anchor, momentum, sent
-        change = sum(sent) / R
-        if s["beta"] > 0:
-            momentum = s["beta"] * momentum + change
-            change = momentum
-        if s["clip"] > 0:
-            change = change * min(1.0, s["clip"] / (float(change.norm()) + 1e-12))
-            momentum = change if s["beta"] > 0 else momentum
+        change, momentum = outer_change(sent, momentum, s["beta"], s["clip"])
         anchor = anchor - s["alpha"] * change
         for i, m in enumerate(models):
             progress = _flat(m) - marks[i]
