@@ -18,3 +18,15 @@ def outer_change(sent: list[torch.Tensor], momentum: torch.Tensor, beta: float,
         change = change * min(1.0, clip / (float(change.norm()) + 1e-12))
         momentum = change if beta > 0 else momentum
     return change, momentum
+
+
+def flat(model) -> torch.Tensor:
+    """A model's parameters as one vector (what the outer step moves)."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def write(model, vector: torch.Tensor) -> None:
+    """Set a model's parameters from one vector laid out as flat() lays them."""
+    with torch.no_grad():
+        for p, part in zip(model.parameters(), vector.split([p.numel() for p in model.parameters()])):
+            p.copy_(part.view_as(p))

@@ -13,7 +13,9 @@
 import pytest
 import torch
 
+from co2_reference import flat as _flat
 from co2_reference import outer_change
+from co2_reference import write as _write
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import train
@@ -59,16 +61,6 @@ def _distributed(settings: dict) -> list[torch.Tensor]:
         outer.step_done(step)
     outer.finish()
     return [p.full_tensor().detach().clone() for p in model.parameters()]
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _write(model, flat: torch.Tensor) -> None:
-    with torch.no_grad():
-        for p, part in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
-            p.copy_(part.view_as(p))
 
 
 def _reference(settings: dict, replicas: int = 2) -> list[list[torch.Tensor]]:

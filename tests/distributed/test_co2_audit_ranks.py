@@ -17,7 +17,9 @@ momentum and a change in flight resumes to the uninterrupted run.
 import pytest
 import torch
 
+from co2_reference import flat as _flat
 from co2_reference import outer_change
+from co2_reference import write as _write
 from longctx.job.spawn import run_spawned_many
 
 STEPS = 7
@@ -60,16 +62,6 @@ def _trained(s: dict, run_dir: str) -> dict:
     losses = trainer.run().losses
     weights = torch.cat([p.full_tensor().detach().reshape(-1) for p in trainer.model.parameters()]).numpy()
     return {"losses": losses, "batches": seen, "weights": weights}
-
-
-def _flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def _write(model, flat: torch.Tensor) -> None:
-    with torch.no_grad():
-        for p, part in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
-            p.copy_(part.view_as(p))
 
 
 def _local_step(model, optimizer, cfg, step: int, shares, replicas: int) -> float:
