@@ -16,7 +16,7 @@ import sys
 import textwrap
 
 from . import threads
-from .errors import Preempted, UserError
+from .errors import ConfigError, Preempted, UserError
 
 
 def _config_help() -> str:
@@ -38,8 +38,6 @@ def _cmd_train(args, overrides) -> int:
     from .job.launch import default_nproc, launched_by_us, relaunch, under_launcher
 
     if args.nproc is not None and args.nproc < 1:  # (0 read as "not given" ran the default 4 ranks)
-        from .errors import ConfigError
-
         raise ConfigError(f"--nproc must be >= 1 (1 = this process), got {args.nproc}.")
     launcher = under_launcher()
     if launcher and args.nproc:

@@ -190,25 +190,22 @@ def test_a_hang_comes_before_every_other_forward_pre_hook(monkeypatch):
 def test_the_moe_hook_counts_each_steps_expert_placement():
     """expert_rank_load follows the placement the step ran under (layer.experts.placement), and the
     static figure when no layer has one."""
+    from longctx.models.moe import moe_layers
     from longctx.parallel.expert.placement import plan_placement
 
     cfg = _cfg("--model.preset=debug-moe")
     model = build_model(cfg.model)
     (hook,) = moe_step_hooks(cfg, model, SimpleNamespace(dims=SimpleNamespace(expert=2)))
-    layers = len(cfg.model.moe_layer_ids)
-    experts = cfg.model.moe_experts
+    layers, experts = len(cfg.model.moe_layer_ids), cfg.model.moe_experts
     counts = torch.ones(layers, experts)
     counts[:, 0] = 3 * experts  # expert 0 hot: rank 0 runs most of the rows
-    for m in model.modules():
-        if hasattr(m, "experts") and hasattr(m.experts, "w1"):
-            m.experts.placement = None
-    static = float(hook._placement_shares(counts) is None)
+    for layer in moe_layers(model):
+        layer.experts.placement = None
+    assert hook._placement_shares(counts) is None  # (the static placement: rank_load's own blocks)
     planned = plan_placement(counts[0].tolist(), 2, 1)
-    for m in model.modules():
-        if hasattr(m, "experts") and hasattr(m.experts, "w1"):
-            m.experts.placement = planned
+    for layer in moe_layers(model):
+        layer.experts.placement = planned
     hook._step = SimpleNamespace(counts=counts, stats=torch.zeros(5), layer_load=torch.ones(layers), dropped=None)
     hook.model = SimpleNamespace(update_expert_bias=lambda c: None, modules=model.modules)
     hook.after_optimizer(1, torch.tensor(True))
-    assert static == 1.0
     assert hook.log_fields(1, last=True)["expert_rank_load"] == pytest.approx(planned.predicted["max_over_mean_after"])

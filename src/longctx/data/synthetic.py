@@ -26,6 +26,7 @@ that ends its answers otherwise (a newline, EOS) is not marked down.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,13 +66,20 @@ def _digits(rng: np.random.Generator, n: int) -> str:
     return str(int(rng.integers(10 ** (n - 1), 10 ** n)))
 
 
+@functools.lru_cache(maxsize=8)
+def _probe_ids(tokenizer) -> list[int]:
+    """The probe's own ids, once per tokenizer (a training run's synthetic samples encode several pieces
+    each)."""
+    return [int(t) for t in tokenizer.encode_batch([PROBE])[0]]
+
+
 def _encode(tokenizer, text: str) -> np.ndarray:
     """`text`'s ids as they read inside a longer text (a needle after filler, an answer after its
     question): encoded after a probe, whose own ids are dropped. Encoded alone, a Llama-2 / Mistral
     tokenizer.json (its normalizer's Prepend('▁')) starts every piece with a word boundary of its own,
     so " 71432" read as '▁▁71432', not the '▁71432' that follows "is" in a text, and a model scored
     the answer it never sees. Plain encoding where the probe's ids are not a prefix."""
-    probe = [int(t) for t in tokenizer.encode_batch([PROBE])[0]]
+    probe = _probe_ids(tokenizer)
     after = [int(t) for t in tokenizer.encode_batch([PROBE + text])[0]]
     if after[:len(probe)] == probe:
         return np.asarray(after[len(probe):], dtype=np.int64)
