@@ -43,10 +43,11 @@ class MoEStepHook(StepHook):
     def __init__(self, cfg: Config, model: torch.nn.Module, expert: int, log=print):
         m = cfg.model
         self.model, self.log = model, log
+        self._layers = moe_layers(model)  # (found once: each step reads their placements)
         self.capacity = m.moe_capacity_factor > 0  # (without one nothing is dropped: no drop figures)
         every = heatmap_every(cfg.metrics.log_interval, cfg.train.steps)
         self.interval = RouterInterval(m.moe_layer_ids, expert, every,
-                                       moe_layers(model) if m.moe_bias_update_rate > 0 else ())
+                                       self._layers if m.moe_bias_update_rate > 0 else ())
         self.router_counts: torch.Tensor | None = None
         self._step = _StepSums()
         self._shares: tuple[tuple, torch.Tensor | None] = ((), None)  # (the placements, their rank shares)
@@ -78,7 +79,7 @@ class MoEStepHook(StepHook):
         """[layers, E, expert]: this step's share of each expert's rows on each expert rank, under FlexMoE's
         copies (parallel.expert_replicas; the placement of each layer's experts), else None (the static
         placement). Built again only when a placement changes (once per placement window)."""
-        placements = tuple(getattr(m.experts, "placement", None) for m in moe_layers(self.model))
+        placements = tuple(getattr(m.experts, "placement", None) for m in self._layers)
         if all(p is None for p in placements):
             return None
         if placements != self._shares[0]:
