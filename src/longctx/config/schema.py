@@ -271,8 +271,8 @@ class TrainConfig:
                                  "the window is full)")
     seed: int = _opt(0, "seed for weights, data order and everything else random")
     device: str = _opt("auto", "where to train", choices=("auto", "cpu", "cuda"))
-    dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on GPU, fp32 on CPU",
-                      choices=("auto", "fp32", "bf16"))
+    dtype: str = _opt("auto", "compute precision: auto = bf16 autocast on a GPU with native bf16 (Ampere on), "
+                      "fp32 elsewhere", choices=("auto", "fp32", "bf16"))
     stages: str = _opt("", "progressive lengths: SEQ_LEN:STEPS[:GLOBAL_BATCH],... e.g. \"1024:200:16,4096:100:4\" "
                            "(200 steps of 16 sequences of 1024 tokens, then 100 steps of 4 of 4096; without a batch, "
                            "train.global_batch); sets train.steps (the sum) and train.seq_len (the last stage's); each "

@@ -1,5 +1,6 @@
 """This process's device, precision and seeds: `train.device` (auto: CUDA when there is one),
-`train.dtype` (auto: bf16 on CUDA, fp32 elsewhere) and every random generator seeded alike."""
+`train.dtype` (auto: bf16 on a CUDA device that computes it natively, fp32 elsewhere) and every
+random generator seeded alike."""
 
 from __future__ import annotations
 
@@ -26,7 +27,25 @@ def resolve_device(choice: str, option: str = "train.device") -> torch.device:
     return torch.device(choice)
 
 
+def native_bf16(device_type: str, start_cuda: bool = True) -> bool:
+    """This process's CUDA device computes bf16 natively (compute capability 8.0 on: Ampere, Hopper, ...).
+    Older cards (V100, T4) only emulate it, slower than fp32, so `auto` does not pick it there. Asking
+    starts CUDA in this process; a launcher that must not (the context would hold GPU memory through the
+    run) passes start_cuda=False and, if CUDA has not started, counts on a native card."""
+    if device_type != "cuda":
+        return False
+    if not start_cuda and not torch.cuda.is_initialized():
+        return True
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def computes_in_bf16(choice: str, device_type: str, start_cuda: bool = True) -> bool:
+    """Whether train.dtype `choice` (auto | fp32 | bf16) computes in bf16 on `device_type`: the one place
+    that decides it (autocast, FSDP's gathers and the host budget's byte counts all ask here)."""
+    if choice not in ("auto", "fp32", "bf16"):
+        raise ConfigError(f"train.dtype={choice!r}: expected auto, fp32 or bf16")
+    return native_bf16(device_type, start_cuda) if choice == "auto" else choice == "bf16"
+
+
 def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
-    if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+    return torch.bfloat16 if computes_in_bf16(choice, device.type) else torch.float32

@@ -26,6 +26,7 @@ from ..costs.host_bytes import one_memory_bytes, predicted_rank_bytes
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..job.checks import node_size, zero_pp_names
+from ..job.devices import computes_in_bf16
 from ..memory.auto import host_memory_available
 from ..memory.policy import MemoryPolicy
 from .stages import stages_of
@@ -77,7 +78,7 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
     auto = cfg.memory.offload_fraction == "auto"
     policy = MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory)
     cap = AUTO_SHARE * budget / max(1, ranks_on_node) if auto else math.inf
-    fp32 = cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type == "cpu")
+    fp32 = not computes_in_bf16(cfg.train.dtype, device_type, start_cuda=False)  # (run by the launcher)
     worst: dict[str, float] = {"total": -1.0}
     for stage in stages_of(cfg):
         micro_batch = max(1, stage.global_batch // cfg.train.grad_accum // shape.dp)

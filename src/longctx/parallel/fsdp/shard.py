@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard
 from ...errors import ConfigError
 from ...job.checks import hpz_group, node_size, zero_pp_names
 from ...job.comm import link_hook, sub_mesh
+from ...job.devices import computes_in_bf16
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
 from .quantized import (
@@ -210,9 +211,9 @@ def mixed_precision(device_type: str, dtype: str) -> MixedPrecisionPolicy:
 
 
 def gathers_in_bf16(device_type: str, dtype: str) -> bool:
-    """FSDP gathers parameters in bf16 (and reduces gradients in fp32) on GPU under train.dtype auto
-    or bf16; on CPU everything is fp32."""
-    return device_type == "cuda" and dtype in ("auto", "bf16")
+    """FSDP gathers parameters in bf16 (and reduces gradients in fp32) on GPU where train.dtype computes
+    in bf16 there (auto: a card with native bf16); on CPU everything is fp32."""
+    return device_type == "cuda" and computes_in_bf16(dtype, device_type)
 
 
 def grad_scale(dims) -> float:
