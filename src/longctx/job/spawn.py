@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
-import socket
 import sys
 import threading
 import time
@@ -31,11 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+HOST = "127.0.0.1"
 
 
 class _CallerState:
@@ -71,7 +66,7 @@ def _restore_caller_state(env, longctx_file, stdout, stderr):
 
 
 def _entry(caller_problem, rank, world, port, fn, args, results, threads):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
     # a fresh process's random seeds (forked ranks would all share the server's)
@@ -81,7 +76,9 @@ def _entry(caller_problem, rank, world, port, fn, args, results, threads):
     try:
         if caller_problem is not None:
             raise RuntimeError(caller_problem)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+        timeout = timedelta(seconds=300)
+        store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)  # the caller's (see _job_store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         results.put((rank, True, fn(*args)))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -126,11 +123,18 @@ def _context():
     return ctx
 
 
+def _job_store() -> dist.TCPStore:
+    """The job's rendezvous store, served by the caller on a port the system picks while binding it
+    (a port found free and bound later by rank 0 could be taken in between by another job)."""
+    return dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
+
+
 def run_spawned(world: int, fn, *args, threads: int = 1, timeout: float = 900.0) -> list:
     """fn(*args) on ranks 0..world-1 (gloo process group initialised); returns results by rank."""
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    store = _job_store()
+    port = store.port
     caller = _CallerState()  # first: the rank has the caller's environment before it imports fn's module
     procs = [ctx.Process(target=_entry, args=(caller, r, world, port, fn, args, results, threads), daemon=True)
              for r in range(world)]
