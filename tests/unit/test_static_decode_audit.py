@@ -177,3 +177,14 @@ def test_reset_forgets_a_tree_mask_a_failed_call_left():
     with torch.inference_mode():
         got = model.logits(model.hidden_states(torch.tensor([[5, 6, 7]]), cache=cache))[0]
     torch.testing.assert_close(got, _full(model, torch.tensor([5, 6, 7])), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights, held", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_a_cache_in_another_dtype_than_the_keys_is_refused_by_name(weights, held):
+    """A cache allocated in another dtype than the model computes keys in failed inside attention with a
+    bare 'expected scalar type Float but found BFloat16'; the append names both and the fix."""
+    model = _model().to(weights)
+    cache = KVCache.for_model(model, 1, 16, dtype=held)
+    with torch.inference_mode(), pytest.raises(TypeError, match=f"keys in {weights} but the KV cache holds {held}"):
+        model.hidden_states(torch.tensor([[5, 6, 7]]), cache=cache)
+    assert cache.lengths.tolist() == [0]

@@ -47,6 +47,11 @@ class LayerCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> None:
         """Write the new keys and values [batch, new, kv_heads, head_dim] after each row's tokens."""
+        if k.dtype != self.cache.k.dtype:  # (else a bare "expected scalar type" from inside attention)
+            raise TypeError(
+                f"the model computes keys in {k.dtype} but the KV cache holds {self.cache.k.dtype}: allocate the "
+                f"cache in the dtype the model computes in (KVCache.for_model(model) takes its weights' dtype; "
+                f"under torch.autocast pass dtype=the autocast dtype)")
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)
         if step.uniform:
             s = int(step.start[0])
