@@ -163,3 +163,23 @@ def test_zero_grad_without_a_step_drops_the_host_gradients():
     opt.zero_grad()
     _loss(model, 2).backward()
     assert all(torch.equal(a, m.grad) for a, m in zip(fresh, opt.masters))
+
+
+def test_a_direct_hidden_states_or_logits_call_waits_for_the_roots_update():
+    """The root unit (embeddings, final norm, LM head) was waited for only at model.forward: a direct
+    model.hidden_states / model.logits call (generation between steps) read those weights while the
+    worker still updated them."""
+    model = _model()
+    opt = _host(model)
+    _loss(model, 0).backward()
+    _slow_units(opt, 0.2)
+    before = model.tok_embeddings.weight.detach().clone()
+    opt.step()
+    tokens = torch.arange(8)[None]
+    with torch.no_grad():
+        got = model.logits(model.hidden_states(tokens))
+        embedded = model.tok_embeddings.weight.detach().clone()
+        opt.finish_update()
+        want = model.logits(model.hidden_states(tokens))
+    assert not torch.equal(embedded, before)  # the call saw the updated embeddings
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

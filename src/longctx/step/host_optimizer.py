@@ -125,6 +125,12 @@ def forward_units(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]
     return [(model, root), *((block, list(block.parameters())) for block in model.layers)]
 
 
+def _owners(root: nn.Module, params: list[nn.Parameter]) -> list[nn.Module]:
+    """The submodules of `root` that hold any of `params` themselves (embeddings, final norm, LM head)."""
+    wanted = {id(p) for p in params}
+    return [m for m in root.modules() if m is not root and any(id(p) in wanted for p in m.parameters(recurse=False))]
+
+
 class HostOptimizer(torch.optim.AdamW):
     """AdamW whose state and step live in host memory (see the module's docstring). Built on the
     model's parameters, with the same groups and hyper-parameters as the device's AdamW, and the
@@ -147,12 +153,20 @@ class HostOptimizer(torch.optim.AdamW):
         if sorted(i for unit in self._units for i in unit) != list(range(len(self.params))):
             raise ValueError("the forward units must hold every optimized parameter exactly once")
         self._unit_of = {i: k for k, unit in enumerate(self._units) for i in unit}
+        # the model's parameter order (units[0][0] is the model): the norm sums the tensors' norms in the
+        # order the device's clip_gradients does, to the bit (the groups' order was an ulp off)
+        position = {id(p): n for n, p in enumerate(units[0][0].parameters())}
+        self._model_order = sorted(range(len(self.params)), key=lambda i: position.get(id(self.params[i]), i))
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         self._inner = [self._unit_optimizer(unit, group_of) for unit in self._units]
         self._updates = _Updates(len(self._units))
         self._last_upload: list[torch.cuda.Event | None] = [None] * len(self._units)
         for k, (module, _) in enumerate(units):
             module.register_forward_pre_hook(lambda *_, k=k: self._updates.wait(k), prepend=True)
+        if len(units) > 1:  # also where the root's own weights are used: a direct model.hidden_states or
+            # model.logits call (generation in the loop) runs no model.forward, and read them mid-update
+            for sub in _owners(*units[0]):
+                sub.register_forward_pre_hook(lambda *_: self._updates.wait(0), prepend=True)
         units[0][0].register_state_dict_pre_hook(lambda *_: self._updates.finish())
         for i, p in enumerate(self.params):
             if not isinstance(p, DTensor):  # FSDP's shards are given their gradients where no hook sees
@@ -233,7 +247,8 @@ class HostOptimizer(torch.optim.AdamW):
                 groups.setdefault(key, []).append(m)
         self.host_gradients()
         if len(groups) == 1 and None in next(iter(groups)):  # one process, no mesh: the norm itself
-            norm = torch.nn.utils.get_total_norm([m.grad for m in self.masters if m.grad is not None], foreach=True)
+            grads = [self.masters[i].grad for i in self._model_order if self.masters[i].grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
             return self._clip(max_norm, norm)
         squares = []
         for (mesh, placements), members in groups.items():
