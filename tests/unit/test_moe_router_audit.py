@@ -1,0 +1,511 @@
+"""An audit of the MoE routers and balancing against float64 references written here from the papers and
+transformers (models/moe.py, moe_capacity.py, moe_dispatch.py, moe_stats.py, train/moe_hooks.py,
+train/router_metrics.py): every router kind's choices, weights, balancing probabilities and router
+gradients (ties, k = 1, k = E, groups = 1); DeepSeek-V3's router against transformers'; the balancing
+losses (each scope, padding, several calls) and the z-loss; the capacity's drops by priority with padding
+out of the queues, and the layer's output and gradients through them; the aux-loss-free bias update
+from a whole step's choices; the metrics' loads and drop rates over the real tokens only."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longctx.config import load_config
+from longctx.models.llama import build_model
+from longctx.models.moe import ROUTERS, MoEFeedForward, moe_layers
+from longctx.train.moe_hooks import MoEStepHook
+
+DIM = 16
+
+
+def moe_cfg(dim=DIM, **moe):
+    model = {"preset": "debug-moe", "dim": dim, "heads": 2, "kv_heads": 2, "moe.expert_dim": 8,
+             **{f"moe.{k}": v for k, v in moe.items()}}
+    return load_config(overrides={"model": model}).model
+
+
+def make_layer(seed=0, dim=DIM, **moe):
+    layer = MoEFeedForward(moe_cfg(dim, **moe))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+    return layer
+
+
+def tokens(n, dim=DIM, seed=1):
+    return torch.randn(n, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def best(values, k):
+    """Indices of the k largest values, best first, ties to the lower index (a plain sort)."""
+    return sorted(range(len(values)), key=lambda i: (-values[i], i))[:k]
+
+
+# ----------------------------------------------------------------------------------------------
+# the routers' reference, float64: (chosen [T][k], weights [T, k], probs [T, E], logits [T, E])
+
+
+def ref_route(kind, x, w, *, k, bias=None, norm=True, scale=1.0, groups=1, topk_groups=1, temperature=1.0):
+    e = w.shape[0]
+    bias = torch.zeros(e, dtype=torch.float64) if bias is None else bias.double()
+    logits = x.double() @ w.double().t()
+    if kind == "sigmoid":  # DeepSeek-V3
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdim=True)
+        select, gathered = scores + bias, scores
+    else:
+        probs = torch.softmax(logits / temperature, -1)
+        select, gathered = probs + bias, probs
+    chosen = []
+    per = e // groups
+    for row in select.detach().tolist():
+        allowed = range(e)
+        if groups > 1:  # a group's score: its two best biased scores
+            gs = [sum(sorted(row[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(groups)]
+            keep = best(gs, topk_groups)
+            allowed = [i for i in range(e) if i // per in keep]
+        vals = [row[i] if i in allowed else -math.inf for i in range(e)]
+        chosen.append(best(vals, k))
+    wt = torch.stack([gathered[t, c] for t, c in enumerate(chosen)])
+    if norm and kind != "switch":
+        wt = wt / (wt.sum(-1, keepdim=True) + (1e-20 if kind == "sigmoid" else 0.0))
+    return chosen, wt * scale, probs, logits
+
+
+CASES = {
+    "softmax-k2-norm-bias": dict(router="softmax", experts=8, top_k=2, norm_topk=True, bias=True),
+    "softmax-k3-nonorm-scale": dict(router="softmax", experts=8, top_k=3, norm_topk=False, route_scale=2.5,
+                                    bias=True),
+    "softmax-k1-norm": dict(router="softmax", experts=4, top_k=1, norm_topk=True),
+    "softmax-k1-nonorm": dict(router="softmax", experts=16, top_k=1, norm_topk=False),
+    "softmax-k=E": dict(router="softmax", experts=8, top_k=8, norm_topk=True),
+    "switch": dict(router="switch", experts=8, top_k=1, norm_topk=True, route_scale=1.5),
+    "sigmoid-groups-bias-scale": dict(router="sigmoid", experts=16, top_k=4, groups=4, topk_groups=2,
+                                      route_scale=2.5, bias=True),
+    "sigmoid-groups1-nonorm": dict(router="sigmoid", experts=8, top_k=2, norm_topk=False, bias=True),
+    "sigmoid-k=E": dict(router="sigmoid", experts=8, top_k=8, groups=2, topk_groups=2),
+    "sigmoid-k1-groups8": dict(router="sigmoid", experts=16, top_k=1, groups=8, topk_groups=3, bias=True),
+    "sinkhorn-eval": dict(router="sinkhorn", experts=8, top_k=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_router_matches_its_float64_reference(name):
+    """Choices (in slot order), weights, the balancing loss's probabilities and the logits, and the gate's
+    gradient through the combine weights, for every router kind the config offers."""
+    case = dict(CASES[name])
+    with_bias = case.pop("bias", False)
+    cfg = moe_cfg(**case)
+    router = ROUTERS[cfg.moe_router](cfg)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.randn(router.gate.weight.shape, generator=gen) * 0.6)
+        if with_bias:
+            router.expert_bias.copy_(torch.randn(cfg.moe_experts, generator=gen) * 0.05)
+    router.eval() if cfg.moe_router == "sinkhorn" else router.train()
+    x = tokens(96)
+    r = router(x)
+    w64 = router.gate.weight.detach().double().requires_grad_(True)
+    chosen, wt, probs, logits = ref_route(cfg.moe_router, x, w64, k=cfg.moe_top_k, bias=router.expert_bias,
+                                          norm=cfg.moe_norm_topk, scale=cfg.moe_route_scale, groups=cfg.moe_groups,
+                                          topk_groups=cfg.moe_topk_groups)
+    assert r.experts.tolist() == chosen
+    torch.testing.assert_close(r.weights.double(), wt.detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(r.probs.double(), probs.detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(r.logits.double(), logits.detach(), rtol=2e-6, atol=1e-6)
+    coef = torch.randn(wt.shape, generator=gen, dtype=torch.float64)
+    (g,) = torch.autograd.grad((r.weights.double() * coef).sum(), router.gate.weight)
+    (g_ref,) = torch.autograd.grad((wt * coef).sum(), w64)
+    if cfg.moe_top_k == 1 and cfg.moe_norm_topk and cfg.moe_router != "switch":
+        assert g_ref.abs().max() < 1e-12  # every weight is 1
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_deepseek_v3_router_matches_transformers():
+    """The sigmoid router (bias for the selection only, groups by their two best biased scores,
+    routed_scaling_factor) against transformers' DeepseekV3TopkRouter on the same weights and bias."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = moe_cfg(dim=32, router="sigmoid", experts=16, top_k=4, groups=4, topk_groups=2, route_scale=2.5)
+    router = ROUTERS["sigmoid"](cfg)
+    hf = DeepseekV3TopkRouter(DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                                               n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                               norm_topk_prob=True))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.randn(16, 32, generator=gen) * 0.3)
+        router.expert_bias.copy_(torch.randn(16, generator=gen) * 0.1)
+        hf.weight.copy_(router.gate.weight)
+        hf.e_score_correction_bias.copy_(router.expert_bias)
+    x = tokens(128, 32)
+    r = router(x)
+    _, hf_w, hf_idx = hf(x)
+    order = hf_idx.argsort(-1)  # transformers' top-k is unsorted: compare each token's choices as a set
+    ours = r.experts.argsort(-1)
+    assert torch.equal(r.experts.gather(1, ours), hf_idx.gather(1, order))
+    torch.testing.assert_close(r.weights.gather(1, ours), hf_w.gather(1, order))
+    unbiased = ref_route("sigmoid", x, router.gate.weight, k=4, groups=4, topk_groups=2)[0]
+    assert unbiased != r.experts.tolist()  # (the bias moves choices here: the case checks where it enters)
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid", "dts"])
+def test_the_bias_moves_the_choice_never_the_weight(router):
+    """A large bias on one expert puts it in every token's choices; its weight is still its unbiased score."""
+    case = dict(router=router, experts=8, top_k=2)
+    cfg = moe_cfg(**case)
+    r = ROUTERS[router](cfg).train()
+    r.step = 10 ** 6  # dts: past its schedule (top-k at temperature 1)
+    with torch.no_grad():
+        r.gate.weight.copy_(torch.randn(8, DIM, generator=torch.Generator().manual_seed(0)))
+        r.expert_bias[5] = 10.0
+    x = tokens(64)
+    out = r(x)
+    assert (out.experts == 5).any(-1).all()
+    chosen, wt, _, _ = ref_route("sigmoid" if router == "sigmoid" else "softmax", x, r.gate.weight, k=2,
+                                 bias=r.expert_bias)
+    assert out.experts.tolist() == chosen
+    torch.testing.assert_close(out.weights.double(), wt.detach(), rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("router", ["softmax", "switch", "sigmoid", "dts"])
+def test_ties_give_distinct_experts_and_the_tied_weights(router):
+    """A gate of zeros: every score ties. Each token still gets k distinct experts, with weight 1 / k
+    renormalised (softmax, sigmoid: 0.5 / (k x 0.5)), 1 / E for switch (its probability); and with two
+    identical gate rows the two tied experts get equal weights whichever of them is taken first."""
+    k = 1 if router == "switch" else 3
+    cfg = moe_cfg(router=router, experts=8, top_k=k, groups=2 if router == "sigmoid" else 1,
+                  topk_groups=2 if router == "sigmoid" else 1)
+    r = ROUTERS[router](cfg).train()
+    r.step = 10 ** 6
+    with torch.no_grad():
+        r.gate.weight.zero_()
+    out = r(tokens(64))
+    assert all(len(set(row)) == k for row in out.experts.tolist())
+    want = 1 / 8 if router == "switch" else 1 / k
+    torch.testing.assert_close(out.weights, torch.full_like(out.weights, want))
+    with torch.no_grad():
+        r.gate.weight.copy_(torch.randn(8, DIM, generator=torch.Generator().manual_seed(3)))
+        r.gate.weight[4] = r.gate.weight[1]
+    x = tokens(64, seed=4)
+    out = r(x)
+    kind = "sigmoid" if router == "sigmoid" else ("switch" if router == "switch" else "softmax")
+    chosen, wt, _, _ = ref_route(kind, x, r.gate.weight, k=k, groups=cfg.moe_groups, topk_groups=cfg.moe_topk_groups)
+    for t, (row, ref_row) in enumerate(zip(out.experts.tolist(), chosen)):
+        canon = [1 if e == 4 else e for e in row]  # experts 1 and 4 are the same expert
+        ref_canon = [1 if e == 4 else e for e in ref_row]
+        assert sorted(canon) == sorted(ref_canon), t
+        got = sorted(out.weights[t].tolist())
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), wt[t].detach().sort().values,
+                                   rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("step,temperature,k", [(0, 2.0, 8), (3, 1.5, 5), (6, 1.0, 2), (9, 1.0, 2)])
+def test_dts_routes_as_its_schedule_says(step, temperature, k):
+    """DTS-Gate (docs/moe.md): every expert at dts_temperature at step 0, annealed linearly to top_k at
+    temperature 1 over dts_steps optimizer steps; a softmax at that temperature, top k of it, renormalised."""
+    cfg = moe_cfg(router="dts", experts=8, top_k=2, dts_steps=6, dts_temperature=2.0)
+    r = ROUTERS["dts"](cfg).train()
+    r.step = step
+    with torch.no_grad():
+        r.gate.weight.copy_(torch.randn(8, DIM, generator=torch.Generator().manual_seed(6)))
+    x = tokens(64)
+    out = r(x)
+    w64 = r.gate.weight.detach().double().requires_grad_(True)
+    chosen, wt, probs, _ = ref_route("softmax", x, w64, k=k, temperature=temperature)
+    assert out.experts.shape == (64, k)
+    assert out.experts.tolist() == chosen
+    torch.testing.assert_close(out.weights.double(), wt.detach(), rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(out.probs.double(), probs.detach(), rtol=2e-6, atol=1e-7)
+    coef = torch.randn(wt.shape, dtype=torch.float64)
+    (g,) = torch.autograd.grad((out.weights.double() * coef).sum(), r.gate.weight)
+    (g_ref,) = torch.autograd.grad((wt * coef).sum(), w64)
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-6)
+
+
+def test_sinkhorn_assignment_is_top_k_when_top_k_is_already_balanced():
+    """Tokens whose top-k already load every expert evenly keep their top-k (the assignment only moves
+    choices it must), and the weights are the renormalised softmax probabilities of what was assigned."""
+    e, k, t = 8, 2, 64
+    cfg = moe_cfg(router="sinkhorn", experts=e, top_k=k)
+    r = ROUTERS["sinkhorn"](cfg).train()
+    gate = torch.eye(e, DIM) * 4.0
+    with torch.no_grad():
+        r.gate.weight.copy_(gate)
+    x = torch.zeros(t, DIM)
+    for i in range(t):  # token i prefers expert i % e, then (i + 1) % e
+        x[i, i % e], x[i, (i + 1) % e] = 1.0, 0.6
+    out = r(x)
+    assert out.experts.tolist() == [[i % e, (i + 1) % e] for i in range(t)]
+    chosen, wt, _, _ = ref_route("softmax", x, r.gate.weight, k=k)
+    torch.testing.assert_close(out.weights.double(), wt.detach(), rtol=2e-6, atol=1e-7)
+    # skewed: every token prefers expert 0; the assignment still loads each expert T k / E times
+    skew = r(x + torch.nn.functional.one_hot(torch.zeros(t, dtype=torch.long), DIM) * 3.0)
+    assert torch.bincount(skew.experts.flatten(), minlength=e).tolist() == [t * k // e] * e
+    assert all(len(set(row)) == k for row in skew.experts.tolist())
+
+
+# ----------------------------------------------------------------------------------------------
+# the model's balancing losses, capacity and statistics, from each MoE layer's input
+
+
+def ref_capacity(chosen, real, factor, e):
+    """[T][k] kept flags: each expert keeps ceil(factor x N x k / E) choices, N the real tokens, slot 0's
+    first, then in token order; padding queues nowhere and is never kept."""
+    k = len(chosen[0])
+    cap = math.ceil(factor * sum(real) * k / e)
+    load, kept = [0] * e, [[False] * k for _ in chosen]
+    for j in range(k):
+        for t, c in enumerate(chosen):
+            if real[t]:
+                kept[t][j] = load[c[j]] < cap
+                load[c[j]] += 1
+    return kept
+
+
+def ref_terms(inputs, gates, real, *, k, aux_w, z_w, scope, factor=0.0):
+    """The balancing loss (weighted), stats [5], counts [L, E] and drops [L] of one micro-batch from each
+    layer's input, float64 (differentiable through the inputs and the gates)."""
+    aux, z, counts, drops, probs_sum, n = [], [], [], [], [], sum(real)
+    m = torch.tensor(real, dtype=torch.float64)
+    for h, w in zip(inputs, gates):
+        chosen, _, probs, logits = ref_route("softmax", h, w, k=k)
+        e = w.shape[0]
+        c = torch.zeros(e, dtype=torch.float64)
+        for t, row in enumerate(chosen):
+            for ex in row:
+                c[ex] += real[t]
+        kept = ref_capacity(chosen, real, factor, e) if factor else None
+        drops.append(sum(real[t] and not kk for t, row in enumerate(kept) for kk in row) if kept else 0)
+        p_sum = (probs * m[:, None]).sum(0)
+        aux.append(e * ((c / c.sum()) * (p_sum / n)).sum())
+        z.append((torch.logsumexp(logits, -1) ** 2 * m).sum() / n)
+        counts.append(c)
+        probs_sum.append(p_sum)
+    aux, z, counts = torch.stack(aux), torch.stack(z), torch.stack(counts)
+    if scope == "pooled":  # transformers: each of the k choices counted, layers pooled
+        tokens_l = n * len(inputs)
+        aux_loss = e * (counts.sum(0) / tokens_l * torch.stack(probs_sum).sum(0) / tokens_l).sum()
+    else:
+        aux_loss = aux.sum() if scope == "per_layer_sum" else aux.mean()
+    load = counts.max(1).values / counts.mean(1)
+    stats = torch.stack([aux.mean(), z.mean(), load.mean(), load.max(),
+                         torch.tensor(float(sum(drops))) / counts.sum()])
+    return aux_w * aux_loss + z_w * z.mean(), stats, counts, torch.tensor(drops, dtype=torch.float64)
+
+
+def model_config(**moe):
+    model = {"preset": "debug-moe", "dim": 32, "heads": 2, "kv_heads": 2, "layers": 3, "vocab_size": 64,
+             "moe.expert_dim": 16, "moe.dense_layers": "", **{f"moe.{k}": v for k, v in moe.items()}}
+    return load_config(overrides={"model": model, "train": {"steps": 4, "seq_len": 64, "global_batch": 2},
+                                  "metrics": {"log_interval": 2}})
+
+
+def batch(seed, pad=(40, 64)):
+    """[2, 64] tokens and labels; row 0 real up to pad[0], row 1 up to pad[1] (padding: one token, no label)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 63, (2, 64), generator=g)
+    real = torch.arange(64)[None] < torch.tensor(pad)[:, None]
+    ids = torch.where(real, ids, 63)
+    labels = torch.where(real, ids.roll(-1, 1), -100)
+    return ids, labels, real
+
+
+def capture_inputs(model):
+    inputs, handles = [], []
+    for layer in moe_layers(model):
+        handles.append(layer.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].flatten(0, 1))))
+    return inputs, handles
+
+
+@pytest.mark.parametrize("scope,factor,skew", [("per_layer_mean", 0.0, False), ("per_layer_sum", 1.0, True),
+                                               ("pooled", 1.25, True), ("pooled", 0.0, False)])
+def test_model_router_terms_match_the_reference(scope, factor, skew):
+    """A 3-layer MoE model's router terms after a padded training forward: loss, stats, counts and drops
+    against each layer's float64 reference over the real tokens, and the loss's gradient (gates and
+    every earlier weight through the layers' inputs) against autograd through that reference."""
+    cfg = model_config(aux_loss=0.3, z_loss=0.01, aux_loss_scope=scope, capacity_factor=factor)
+    model = build_model(cfg.model, seed=0).train()
+    if skew:  # most first choices go to expert 0
+        for layer in moe_layers(model):
+            with torch.no_grad():
+                layer.router.gate.weight[0] += 0.5 * layer.router.gate.weight.norm(dim=0)
+    ids, labels, real = batch(0)
+    inputs, handles = capture_inputs(model)
+    model(ids, labels=labels, real=real)
+    for h in handles:
+        h.remove()
+    terms = model.router_terms()
+    gates = [layer.router.gate.weight for layer in moe_layers(model)]
+    ref_loss, stats, counts, drops = ref_terms([h.double() for h in inputs], [g.double() for g in gates],
+                                               real.flatten().tolist(), k=2, aux_w=0.3, z_w=0.01, scope=scope,
+                                               factor=factor)
+    print(f"\n{scope} cf {factor}: loss {terms.loss.item():.8f} ref {ref_loss.item():.8f}; stats "
+          f"{terms.stats.tolist()} ref {stats.tolist()}")
+    torch.testing.assert_close(terms.counts.double(), counts)
+    torch.testing.assert_close(terms.dropped.double(), drops)
+    if factor and skew:
+        assert drops.sum() > 0
+    torch.testing.assert_close(terms.stats.double(), stats.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(terms.loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-7)
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = torch.autograd.grad(terms.loss, params, allow_unused=True, retain_graph=True)
+    want = torch.autograd.grad(ref_loss, params, allow_unused=True)
+    for (name, _), a, b in zip(model.named_parameters(), got, want):
+        if b is None:
+            assert a is None or a.abs().max() == 0, name
+            continue
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_pooled_loss_with_padding_is_transformers_masked_loss():
+    """The pooled scope with padding against transformers' load_balancing_loss_func given the attention mask."""
+    pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    cfg = model_config(aux_loss=1.0, z_loss=0.0, aux_loss_scope="pooled")
+    model = build_model(cfg.model, seed=1).train()
+    ids, labels, real = batch(1, pad=(23, 50))
+    inputs, handles = capture_inputs(model)
+    model(ids, labels=labels, real=real)
+    for h in handles:
+        h.remove()
+    terms = model.router_terms()
+    logits = tuple(h @ layer.router.gate.weight.t() for h, layer in zip(inputs, moe_layers(model)))
+    ref = load_balancing_loss_func(logits, 8, 2, attention_mask=real.long())
+    torch.testing.assert_close(terms.loss, ref)
+
+
+def swiglu64(x, w1, w3, w2):
+    return w2 @ (F.silu(w1 @ x) * (w3 @ x))
+
+
+@pytest.mark.parametrize("router,factor,norm", [("softmax", 1.0, True), ("softmax", 0.5, False),
+                                                ("switch", 1.25, True), ("sigmoid", 1.0, True)])
+def test_capacity_drops_by_priority_and_dropped_choices_add_nothing(router, factor, norm):
+    """A skewed router (most first choices on expert 0) with a capacity and padding: the kept flags (slot 0
+    first, then token order, real tokens only, N = real tokens), the layer's output (each kept choice's
+    weight x its expert; a token with every choice dropped gives exactly 0: the residual alone) and its
+    gradients against float64 autograd, and the recorded drops and counts."""
+    k = 1 if router == "switch" else 2
+    layer = make_layer(router=router, experts=8, top_k=k, capacity_factor=factor, norm_topk=norm).train()
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.tensor([0.4, 0.1, 0, 0, 0, 0, 0, 0]))
+    t = 160
+    x = tokens(t, seed=9)
+    real = torch.ones(t, dtype=torch.bool)
+    real[:20] = False  # padding first: it would take the queue's head if it counted
+    real[100:130] = False
+    x[~real] = x[0].clone()
+    layer.real, layer.recording = real, True
+    layer.records.clear()
+    xa = x.clone().requires_grad_(True)
+    y = layer(xa)
+    layer.recording = False
+    params = dict(layer.named_parameters())
+    p64 = {n: p.detach().double().requires_grad_(True) for n, p in params.items()}
+    x64 = x.double().requires_grad_(True)
+    chosen, wt, _, _ = ref_route(router, x64, p64["router.gate.weight"], k=k, bias=layer.router.expert_bias,
+                                 norm=norm)
+    kept = ref_capacity(chosen, real.tolist(), factor, 8)
+    rows = []
+    for i in range(t):
+        acc = torch.zeros(DIM, dtype=torch.float64)
+        for j, ex in enumerate(chosen[i]):
+            if kept[i][j]:
+                acc = acc + wt[i, j] * swiglu64(x64[i], p64["experts.w1"][ex], p64["experts.w3"][ex],
+                                               p64["experts.w2"][ex])
+        rows.append(acc)
+    ref = torch.stack(rows)
+    rec = layer.records[0]
+    n_dropped = sum(real[i].item() and not kk for i, row in enumerate(kept) for kk in row)
+    assert n_dropped > 0 and rec.dropped.item() == n_dropped
+    assert rec.tokens.item() == real.sum().item()
+    counts = torch.zeros(8)
+    for i, row in enumerate(chosen):
+        for ex in row:
+            counts[ex] += float(real[i])
+    assert torch.equal(rec.counts, counts)
+    all_dropped = [i for i in range(t) if not any(kept[i])]
+    assert all_dropped and (y[all_dropped] == 0).all()  # padding and fully dropped tokens: exactly the residual
+    torch.testing.assert_close(y.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    coef = torch.randn(t, DIM, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    names = list(params)
+    got = torch.autograd.grad((y.double() * coef).sum(), [xa, *params.values()], allow_unused=True)
+    want = torch.autograd.grad((ref * coef).sum(), [x64, *p64.values()], allow_unused=True)
+    for name, a, b in zip(["x", *names], got, want):
+        if b is None:
+            continue
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-6, msg=name)
+    assert got[names.index("router.gate.weight") + 1].abs().max() > 0
+
+
+def step_of(model, hook, micro, applied=True):
+    """One optimizer step's router side (moe_hooks.py) over micro-batches `micro` (no optimizer: weights fixed);
+    returns each micro-batch's MoE inputs."""
+    hook.step_start(1)
+    seen = []
+    for ids, labels, real in micro:
+        inputs, handles = capture_inputs(model)
+        loss = model(ids, labels=labels, real=real)
+        for h in handles:
+            h.remove()
+        seen.append((inputs, real.flatten().tolist()))
+        term = hook.after_forward(len(micro), 1.0)
+        (loss + term).backward()
+    hook.after_optimizer(1, torch.tensor(applied))
+    return seen
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_bias_update_uses_the_whole_steps_real_choices(router):
+    """Aux-loss-free balancing: after a step of 3 padded micro-batches the bias moves by rate x sign(mean - c)
+    with c every micro-batch's choices of real tokens (not per micro-batch, not counting padding); an
+    overloaded expert goes down. A step not applied moves nothing."""
+    rate = 0.01
+    cfg = model_config(router=router, aux_loss=0.0, z_loss=0.0, bias_update_rate=rate, capacity_factor=1.0)
+    model = build_model(cfg.model, seed=2).train()
+    for layer in moe_layers(model):  # skew: expert 3 overloaded
+        with torch.no_grad():
+            layer.router.expert_bias[3] = 0.3
+    start = [layer.router.expert_bias.clone() for layer in moe_layers(model)]
+    hook = MoEStepHook(cfg, model, 1, log=lambda *a: None)
+    micro = [batch(10, pad=(64, 20)), batch(11, pad=(5, 64)), batch(12, pad=(33, 47))]
+    seen = step_of(model, hook, micro)
+    totals = torch.zeros(3, 8, dtype=torch.float64)
+    per_micro_sign = torch.zeros(3, 8, dtype=torch.float64)
+    loads, drops, chosen_all = [], torch.zeros(3), torch.zeros(3)
+    for inputs, real in seen:
+        mb = torch.zeros(3, 8, dtype=torch.float64)
+        for li, (h, layer) in enumerate(zip(inputs, moe_layers(model))):
+            chosen, _, _, _ = ref_route(router, h.detach(), layer.router.gate.weight.detach(), k=2, bias=start[li])
+            for t, row in enumerate(chosen):
+                for ex in row:
+                    mb[li, ex] += real[t]
+            kept = ref_capacity(chosen, real, 1.0, 8)
+            drops[li] += sum(real[t] and not kk for t, row in enumerate(kept) for kk in row)
+            chosen_all[li] += 2 * sum(real)
+        totals += mb
+        per_micro_sign += torch.sign(mb.mean(1, keepdim=True) - mb)
+        loads.append(mb.max(1).values / mb.mean(1))
+    want = torch.sign(totals.mean(1, keepdim=True) - totals) * rate
+    assert want[:, 3].eq(-rate).all()  # the overloaded expert goes down
+    assert not torch.equal(want, per_micro_sign * rate)  # (the case tells the two apart)
+    for layer, b0, d in zip(moe_layers(model), start, want):
+        torch.testing.assert_close((layer.router.expert_bias - b0).double(), d, rtol=0, atol=1e-7)
+    # the metrics line: the step's per-layer load (mean over its micro-batches) and drop rate, real tokens only
+    record = hook.log_fields(2, last=False)
+    layer_load = torch.stack(loads).mean(0)
+    assert record["moe_layer_load"] == [round(v, 3) for v in layer_load.tolist()]
+    assert record["moe_load_mean"] == pytest.approx(layer_load.mean().item(), rel=1e-5)
+    assert record["moe_layer_drop"] == [round(d / c, 4) for d, c in zip(drops.tolist(), chosen_all.tolist())]
+    assert sum(record["moe_layer_drop"]) > 0
+    # a step not applied: no move
+    before = [layer.router.expert_bias.clone() for layer in moe_layers(model)]
+    step_of(model, hook, micro[:1], applied=False)
+    for layer, b in zip(moe_layers(model), before):
+        assert torch.equal(layer.router.expert_bias, b)
