@@ -17,6 +17,8 @@ cross-entropy (ce) ignores labels outside them.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -28,7 +30,7 @@ class DraftVocab(nn.Module):
     def __init__(self, size: int):
         super().__init__()
         self.register_buffer("ids", torch.zeros(size, dtype=torch.long))
-        self._rows: tuple[tuple, torch.Tensor] | None = None
+        self._rows: tuple[weakref.ref, tuple, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -36,11 +38,20 @@ class DraftVocab(nn.Module):
 
     def head(self, weight: torch.Tensor) -> torch.Tensor:
         """The rows of the target's LM head `weight` [V, dim] for this vocabulary: [N, dim]. Cached
-        by the head tensor's identity and version, so a decode step does not copy N rows each time."""
-        key = (id(weight), weight._version, weight.dtype, weight.device, self.ids.data_ptr())
-        if self._rows is None or self._rows[0] != key or torch.is_grad_enabled() and weight.requires_grad:
-            self._rows = (key, weight.index_select(0, self.ids))
-        return self._rows[1]
+        by the head tensor (a weak reference: an id alone is reused by the next tensor allocated after
+        it is freed, e.g. another target's head) and its version, and by the ids' version (a checkpoint's
+        ids are copied in place; loading a state dict clears it too, for ids made under inference mode,
+        which keep no version), so a decode step does not copy N rows each time."""
+        key = (_version(weight), weight.dtype, weight.device, self.ids.data_ptr(), _version(self.ids))
+        cached = self._rows
+        if (cached is None or cached[0]() is not weight or cached[1] != key
+                or torch.is_grad_enabled() and weight.requires_grad):
+            cached = self._rows = (weakref.ref(weight), key, weight.index_select(0, self.ids))
+        return cached[2]
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._rows = None  # (the ids change in place)
+        super()._load_from_state_dict(*args, **kwargs)
 
     def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Logits [..., N] over this vocabulary as logits [..., V] over the target's: -inf elsewhere
@@ -65,5 +76,12 @@ class DraftVocab(nn.Module):
         order = torch.argsort(counts, descending=True, stable=True)
         chosen = torch.sort(order[:self.size]).values
         self.ids.copy_(chosen)
+        self._rows = None
         total = float(counts.sum())
         return float(counts[chosen].sum()) / total if total else 0.0
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """A tensor's version counter (bumped by every in-place write); None for an inference tensor, which
+    keeps none."""
+    return None if t.is_inference() else t._version

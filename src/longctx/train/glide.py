@@ -234,9 +234,12 @@ def init_from_target(draft: GlideDraft, target: Llama) -> None:
 
 
 def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
-    """How often each token id occurs in the run's training split [model.vocab_size] (the store built
-    first if it is not yet: every rank counts the same store, so every rank picks the same vocabulary)."""
-    from ..data.store import load_split, read_manifest
+    """How often each token id occurs in the documents of the run's training split [model.vocab_size] (the
+    store built first if it is not yet: every rank counts the same store, so every rank picks the same
+    vocabulary). A sample's padding (the pad token repeated after its segments) is not counted: it is no
+    text and no label reads it, yet a store of short documents in long samples is mostly padding, which
+    counted made the pad token the 'most frequent' and the reported coverage a share of padding."""
+    from ..data.store import S_LENGTH, S_SAMPLE, load_split, read_manifest
     from .setup import store_path
 
     root = Path(store_path(cfg, log, rt))
@@ -245,9 +248,14 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
         split = load_split(root, part, "train")
         if split is None:
             continue
-        rows = max(1, (1 << 24) // max(1, split.tokens.shape[1]))  # ~16M tokens read at a time, not a whole part
-        for r in range(0, split.tokens.shape[0], rows):
-            counts += np.bincount(np.asarray(split.tokens[r:r + rows]).ravel(), minlength=counts.size)[:counts.size]
+        samples, seq_len = split.tokens.shape
+        # a sample's segments are contiguous from offset 0: its real tokens are the first sum(lengths)
+        real = np.bincount(split.segments[:, S_SAMPLE], weights=split.segments[:, S_LENGTH], minlength=samples)
+        rows = max(1, (1 << 24) // max(1, seq_len))  # ~16M tokens read at a time, not a whole part
+        for r in range(0, samples, rows):
+            tokens = np.asarray(split.tokens[r:r + rows])
+            held = np.arange(seq_len)[None] < real[r:r + rows, None]
+            counts += np.bincount(tokens[held], minlength=counts.size)[:counts.size]
     return torch.from_numpy(counts)
 
 
