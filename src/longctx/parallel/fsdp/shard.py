@@ -43,11 +43,18 @@ def fsdp_mesh(dims, device_type: str):
     return DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",))
 
 
+# A router's own unit, its gate gathered in fp32 where the blocks gather bf16: the router selects in fp32
+# (models/moe.py Router.logits) from the fp32 weights one device routes with; a bf16-rounded gate picked
+# another expert set for 0.2-1.4% of tokens (top-2 of 8 to top-8 of 128), so routing depended on the layout.
+FP32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
 def shard_model(model, dims, cfg, device_type: str) -> None:
     """FSDP2 over the blocks, grouped into units by the gradient-bucket plan (parallel/fsdp/grad_buckets.py,
     kept as `model.grad_bucket_plan`), then the root; every unit's reduce-scatter timed
     (`model.grad_reduce_timers`). Under expert parallelism a bucket's expert weights form a unit of
-    their own over the expert-data group, sharded on their second dim (the first is the expert group's)."""
+    their own over the expert-data group, sharded on their second dim (the first is the expert group's).
+    Where the blocks gather bf16 (GPU), each MoE layer's router is a unit of its own gathered in fp32."""
     shard_mesh, mp, t = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype), cfg.train
     if t.data_parallel == "co2":  # each replica an FSDP group of its own: no gradient leaves it (step/co2.py)
         model.co2_replicas, shard_mesh = shard_mesh["dp_replicate"], shard_mesh["fsdp"]
@@ -73,6 +80,10 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         if experts:
             expert_units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp,
                                             offload_policy=offload, shard_placement_fn=lambda p: Shard(1)))
+        if mp.param_dtype is not None:  # routers gather fp32 (below), whatever the blocks gather in
+            for router in [b.feed_forward.router for b in blocks if isinstance(b.feed_forward, MoEFeedForward)]:
+                fully_shard(router, mesh=shard_mesh, mp_policy=FP32, offload_policy=offload,
+                            reshard_after_forward=reshard)
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
                                  reshard_after_forward=reshard))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
