@@ -509,3 +509,35 @@ def test_bias_update_uses_the_whole_steps_real_choices(router):
     step_of(model, hook, micro[:1], applied=False)
     for layer, b in zip(moe_layers(model), before):
         assert torch.equal(layer.router.expert_bias, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# a cast of the model keeps the router fp32
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_a_cast_to_bf16_keeps_the_gate_and_the_selection_bias_fp32(router):
+    """model.to(torch.bfloat16) (generation, an HF load in bf16) rounded the gate weights and the selection
+    bias to 3 digits, so bf16 decoding routed otherwise than the run trained; transformers keeps DeepSeek-V3's
+    in fp32 (_keep_in_fp32_modules_strict). A cast to float64 is not a narrowing: everything follows it."""
+    cfg = load_config(overrides={"model": {"preset": "debug-moe", "moe.router": router}}).model
+    model = build_model(cfg, seed=0)
+    routers = [layer.router for layer in moe_layers(model)]
+    with torch.no_grad():
+        for r in routers:
+            r.expert_bias.copy_(0.1234567 + 1e-3 * torch.randn(r.expert_bias.shape))
+    gates = [r.gate.weight for r in routers]
+    want = [(r.gate.weight.detach().clone(), r.expert_bias.clone()) for r in routers]
+    tokens = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(24, cfg.dim, generator=torch.Generator().manual_seed(1))
+    chosen = [r(x).experts for r in routers]
+    model.to(torch.bfloat16)
+    for r, g, (w, b), c in zip(routers, gates, want, chosen):
+        assert r.gate.weight is g and r.gate.weight.dtype == r.expert_bias.dtype == torch.float32
+        assert torch.equal(r.gate.weight, w) and torch.equal(r.expert_bias, b)
+        assert torch.equal(r(x.bfloat16()).experts, r(x.bfloat16().float()).experts)
+        assert torch.equal(r(x).experts, c)
+    assert model.layers[0].attention.wq.weight.dtype == torch.bfloat16
+    assert model(tokens).dtype == torch.bfloat16
+    model.to(torch.float64)
+    assert all(r.gate.weight.dtype == r.expert_bias.dtype == torch.float64 for r in routers)

@@ -70,6 +70,24 @@ class Router(nn.Module):
         # run has set one (see DTSRouter.routing)
         self.step: int | None = None
 
+    def _apply(self, fn, recurse=True):
+        """A cast of the model to bf16 / fp16 (model.to(torch.bfloat16) for generation, an HF load in bf16)
+        leaves the gate weights and the selection bias fp32, as transformers keeps DeepSeek-V3's
+        (_keep_in_fp32_modules_strict): routing selects in fp32, and a rounded gate or bias (3 digits in
+        bf16) picks other experts than the run trained with."""
+        # (detached: the cast swaps a parameter's .data, the detached tensor keeps the fp32 storage)
+        held = {name: t.detach() for name, t in [*self.named_parameters(), *self.named_buffers()]}
+        out = super()._apply(fn, recurse)
+        for name, now in [*self.named_parameters(), *self.named_buffers()]:
+            if now.dtype in (torch.bfloat16, torch.float16) and held[name].dtype == torch.float32:
+                kept = held[name].to(now.device)
+                if isinstance(now, nn.Parameter):
+                    now.data = kept  # (the same parameter object, as the cast itself keeps it)
+                else:
+                    owner, _, attr = name.rpartition(".")
+                    self.get_submodule(owner)._buffers[attr] = kept
+        return out
+
     def forward(self, x: torch.Tensor, chosen: torch.Tensor | None = None) -> Routing:
         """`chosen` [T, k]: experts decided over a larger call (MoEFeedForward.decide), only weighed here."""
         with torch.autocast(device_type=x.device.type, enabled=False):
