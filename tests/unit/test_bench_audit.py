@@ -173,3 +173,16 @@ def test_bench_moe_generate_decode_refuse_zero_repeats(monkeypatch, command, arg
     """0 repeats: an empty min()/max() (moe, generate: after the work), or None results (decode)."""
     with pytest.raises(SystemExit, match="--repeats 0"):
         _main_with_zero_repeats(monkeypatch, command, argv)
+
+
+def test_attention_docs_counts_the_visible_pairs_of_the_mask_it_times():
+    """bench attention --docs --no-causal timed full attention within each document but summarised the
+    documents' causal triangles (and a fraction of plain causal attention's pairs)."""
+    import torch
+
+    from longctx.bench.attention_docs import _doc_summary
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])  # documents of 3 and 5 tokens
+    causal, full = _doc_summary(ids, True), _doc_summary(ids, False)
+    assert causal["visible_pairs"] == 6 + 15 and causal["visible_fraction_of_causal"] == 21 / 36
+    assert full["visible_pairs"] == 9 + 25 and full["visible_fraction_of_full"] == 34 / 64
