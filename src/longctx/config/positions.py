@@ -66,15 +66,24 @@ class TrainedPositions:
 
 def trained_positions(init_from: str) -> TrainedPositions:
     """What the weights of `init_from` (hf:DIR or a longctx checkpoint) trained on."""
-    from .hf import checkpoint_manifest, model_config, resolve_init_from
+    from .hf import checkpoint_manifest, hf_dir, model_config, read_hf_config, resolve_init_from
+    from .hf_families import family_window, with_family_defaults
 
-    fields, _ = resolve_init_from({"init_from": init_from})
+    values, trained = {"init_from": init_from}, None
+    if init_from.startswith("hf:"):
+        hf = read_hf_config(hf_dir(init_from))
+        # the weights' own length is asked, not a run's: a sliding window within it (Mistral-7B-v0.1's 4,096
+        # of 32,768) refused the read, so no windowed model could generate; model_reach caps at the window
+        if family_window(hf):
+            values["max_seq_len"], trained = family_window(hf), int(with_family_defaults(hf)["max_position_embeddings"])
+    fields, _ = resolve_init_from(values)
     own = model_config(fields)
     if init_from.startswith("hf:"):
+        trained = trained or own.max_seq_len
         if own.rope_scaling == "linear":
-            return TrainedPositions(int(own.max_seq_len * own.rope_factor), own, "its config.json's "
+            return TrainedPositions(int(trained * own.rope_factor), own, "its config.json's "
                                     "max_position_embeddings x its linear RoPE factor")
-        return TrainedPositions(own.max_seq_len, own, "its config.json's max_position_embeddings")
+        return TrainedPositions(trained, own, "its config.json's max_position_embeddings")
     path, manifest = checkpoint_manifest(init_from)
     recorded = manifest.get("trained_positions")
     if recorded:
