@@ -1,6 +1,7 @@
-"""The peak FLOP/s MFU divides by: the dense bf16 peak of known GPUs (vendor data sheets), or on
-CPU this machine's fp32 GEMM peak with all its cores, calibrated once and cached (so MFU compares
-across runs), shared by the ranks on the machine. Hardware facts, next to the planner's specs.
+"""The peak FLOP/s MFU divides by: the dense peak of known GPUs for the precision the run computes in
+(vendor data sheets: bf16 tensor cores; fp32 on the CUDA cores, or TF32 tensor cores where torch allows
+them), or on CPU this machine's fp32 GEMM peak with all its cores, calibrated once and cached (so MFU
+compares across runs), shared by the ranks on the machine. Hardware facts, next to the planner's specs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ GPU_PEAK_BF16 = {  # most specific names first
     "L40S": 362e12,
     "A10G": 70e12,
     "RTX 4090": 165e12,
+}
+# Plain fp32 (CUDA cores, no tensor cores) in FLOP/s, same sources: what a train.dtype = fp32 run's
+# matmuls reach while torch keeps TF32 off (its default). Dividing such a run by the bf16 peak read
+# its MFU 15x low (H100: 67 vs 989). A GPU missing here has no fp32 figure: set metrics.peak_tflops.
+GPU_PEAK_FP32 = {
+    "H200": 67e12,
+    "H100 PCIe": 51e12,
+    "H100 NVL": 60e12,
+    "H100": 67e12,
+    "H800": 67e12,
+    "H20": 44e12,
+    "A100": 19.5e12,
+    "A800": 19.5e12,
+    "L40S": 91.6e12,
+    "RTX 4090": 82.6e12,
 }
 
 
@@ -151,19 +167,30 @@ def raise_cpu_peak(flops: float) -> Path:
     return path
 
 
-def device_peak(device: torch.device, override_tflops: float = 0.0,
-                local_ranks: int = 1) -> tuple[float | None, str]:
-    """(peak FLOP/s of one rank or None, where the figure comes from). On CPU the machine's peak is
-    shared by the `local_ranks` ranks that run on it."""
+def device_peak(device: torch.device, override_tflops: float = 0.0, local_ranks: int = 1,
+                dtype: torch.dtype = torch.bfloat16) -> tuple[float | None, str]:
+    """(peak FLOP/s of one rank or None, where the figure comes from). On a GPU the peak of `dtype`, the
+    precision the run computes in (train.dtype); on CPU the machine's peak, shared by the `local_ranks`
+    ranks that run on it."""
     if override_tflops:
         return override_tflops * 1e12, "metrics.peak_tflops"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16.items():
-            if key in name:
-                return peak, f"{key} bf16 dense peak"
-        return None, f"unknown GPU '{name}' (set metrics.peak_tflops)"
+        return _gpu_peak(torch.cuda.get_device_name(device), dtype)
     peak, path, _ = machine_cpu_peak()
     shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
     return peak / local_ranks, (f"this machine's CPU fp32 GEMM peak {peak / 1e12:.3f} TFLOP/s{shared}, "
                                 f"{cpu_peak_source()} (cached in {path}; delete it to measure again)")
+
+
+def _gpu_peak(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
+    """A GPU's dense peak for `dtype`: bf16 (and fp16: the same tensor-core rate on these cards); fp32
+    on the CUDA cores, or, where torch lets fp32 matmuls use TF32 (set_float32_matmul_precision 'high'
+    or 'medium'), TF32 tensor cores: half the bf16 rate on every card of the table (A100 156 of 312)."""
+    fp32 = dtype == torch.float32
+    tf32 = fp32 and torch.get_float32_matmul_precision() != "highest"
+    table = GPU_PEAK_FP32 if fp32 and not tf32 else GPU_PEAK_BF16
+    kind = "TF32 dense peak" if tf32 else "fp32 peak" if fp32 else "bf16 dense peak"
+    for key, peak in table.items():
+        if key in name:
+            return (peak / 2 if tf32 else peak), f"{key} {kind}"
+    return None, f"unknown GPU '{name}' for {kind.split()[0]} (set metrics.peak_tflops)"

@@ -18,6 +18,7 @@ import torch
 
 from ..costs.peaks import device_peak, raise_cpu_peak
 from ..job.checks import hpz_group, node_size, zero_pp_names
+from ..job.devices import resolve_dtype
 from ..job.runtime import TRACKED_DIMS
 from ..memory.rss import peak_rss_bytes
 from ..models.flops import draft_train_flops_per_token, train_flops_per_token
@@ -139,8 +140,10 @@ class MetricsLogger:
         # rank 0 reads (or, once per machine, calibrates) the peak while the others wait: a calibration
         # that ran beside other ranks' start-up would measure them, not the machine
         self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
+        # (a GPU's peak is that of the precision the run computes in: train.dtype = fp32 is not bf16's)
         self.peak, self.peak_source = rt.broadcast(
-            device_peak(device, cfg.metrics.peak_tflops, self.local_ranks) if rt.is_main else None)
+            device_peak(device, cfg.metrics.peak_tflops, self.local_ranks, resolve_dtype(cfg.train.dtype, device))
+            if rt.is_main else None)
         self.peak_calibrated = device.type == "cpu" and not cfg.metrics.peak_tflops
         total = sum(p.numel() for p in model.parameters())
         blocks = sum(p.numel() for p in model.layers.parameters())
