@@ -46,7 +46,7 @@ def test_the_loss_plot_says_its_points_are_single_logged_steps(tmp_path, figures
     write_plots(tmp_path / "run")
     ax = figures["loss.png"].axes[0]
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert set(lines) == {"train (the logged step's loss, every 10 steps)", "eval (its batches' mean)",
+    assert set(lines) == {"train (the logged step's loss, every 10 steps)", "eval (the mean over its labelled tokens)",
                           f"train (moving mean of {SMOOTHING_POINTS} logged steps, centred)"}
     raw = lines["train (the logged step's loss, every 10 steps)"]
     assert list(raw.get_xdata()) == STEPS and list(raw.get_ydata()) == losses

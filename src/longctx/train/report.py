@@ -36,8 +36,8 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
     fig, ax = plt.subplots(figsize=(7, 4))
     _plot_train_loss(ax, train)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], label="eval (its batches' mean)", marker="o",
-                color="tab:orange")
+        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals],
+                label="eval (the mean over its labelled tokens)", marker="o", color="tab:orange")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"loss - {run_dir.name}")
