@@ -2,8 +2,8 @@
 use, cached in `$LONGCTX_CACHE/data` (default `~/.cache/longctx/data`) under a key of everything
 that determines it (corpus files with sizes and mtimes, tokenizer and its file's sha256, seq_len,
 strategy, dedup, max_docs, eval_fraction, CACHE_VERSION and the builder's scan VERSION: a builder
-that keeps other documents bumps one, so an older cached store is never reused), and reused
-afterwards.
+that keeps other documents bumps one, so an older cached store is never reused; and the store's
+format VERSION, which this longctx refuses to read in any other), and reused afterwards.
 
 The store is built complete in a temporary directory next to its final name and renamed into
 place, so a concurrent or interrupted build never exposes a half-written store; when two processes
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..cache_dir import cache_root
 from ..errors import UserError
+from . import store
 from .builder.inputs import input_files
 from .builder.options import BuildOptions
 from .builder.pipeline import build_store
@@ -85,8 +86,9 @@ def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, ann
     strategy = resolve_strategy(data_cfg.strategy, seq_len)
     holdout_tokens = 0 if holdout_tokens == seq_len else holdout_tokens  # (the same store as without it)
     key_fields = {
-        "version": CACHE_VERSION, "builder": SCAN_VERSION, "corpus": data_cfg.corpus, "tokenizer": data_cfg.tokenizer,
-        "seq_len": seq_len, "strategy": strategy, "dedup": data_cfg.dedup, "max_docs": data_cfg.max_docs,
+        "version": CACHE_VERSION, "builder": SCAN_VERSION, "store": store.VERSION, "corpus": data_cfg.corpus,
+        "tokenizer": data_cfg.tokenizer, "seq_len": seq_len, "strategy": strategy, "dedup": data_cfg.dedup,
+        "max_docs": data_cfg.max_docs,
         "eval_fraction": data_cfg.eval_fraction, "fingerprint": _fingerprint(data_cfg.corpus, data_cfg.tokenizer),
         **({"holdout_tokens": holdout_tokens} if holdout_tokens else {}),
     }

@@ -128,13 +128,27 @@ def load_split(root: Path, part: dict, split: str) -> SplitArrays | None:
         return None
     d = root / part["dir"]
     try:
-        return SplitArrays(
+        arrays = SplitArrays(
             np.load(d / f"{split}.tokens.npy", mmap_mode="r"),
             np.load(d / f"{split}.segments.npy"),
             np.load(d / f"{split}.{POINTER}.npy"),
         )
     except (OSError, ValueError) as e:
         raise DataError(f"the store '{root}' is damaged: {d}/{split}.* cannot be read ({e}); rebuild it.") from None
+    _check_split(root, d, split, part["splits"][split], arrays)
+    return arrays
+
+
+def _check_split(root: Path, d: Path, split: str, record: dict, a: SplitArrays) -> None:
+    """The files hold what the manifest says they do: samples, segments and tokens agree. A part left by
+    another build (two builds racing into one directory) or files cut short would otherwise be read as
+    the manifest's data."""
+    samples, tokens = int(record["samples"]), int(record["tokens"])
+    found = (a.tokens.shape[0] if a.tokens.ndim == 2 else -1, len(a.pointer) - 1,
+             int(a.segments[:, S_LENGTH].sum()) if a.segments.ndim == 2 and len(a.segments) else 0)
+    if found != (samples, samples, tokens) or (len(a.pointer) and a.pointer[-1] != len(a.segments)):
+        raise DataError(f"the store '{root}' is damaged: {d}/{split}.* hold {found[0]} samples ({found[1]} in the "
+                        f"index) of {found[2]} tokens, its manifest {samples} samples of {tokens} tokens; rebuild it.")
 
 
 def load_part_docs(root: Path, part: dict) -> tuple[np.ndarray, np.ndarray | None]:

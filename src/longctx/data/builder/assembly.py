@@ -63,6 +63,7 @@ class Assembly:
                 self.skipped[reason] = self.skipped.get(reason, 0) + count
         if other_suffix:
             self.skipped["other_suffix"] = self.skipped.get("other_suffix", 0) + other_suffix
+        self.damaged = [name for shard in shards for name in shard.counts.get("damaged", [])]  # corrupt files
         self.files = sum(shard.counts["files"] for shard in shards)
         self.documents_read = self.raw_bytes = 0  # what the stages read: documents, UTF-8 bytes
         self.kept = np.zeros(0, np.int64)  # corpus documents that survive dedup, in input order
@@ -103,6 +104,10 @@ class Assembly:
     def count_inputs(self) -> None:
         """What the scan read (up to --max-docs), into the scan stage's record."""
         opts, corpus = self.opts, self.corpus
+        if self.damaged:  # by name, so they can be repaired: a count alone does not say which
+            more = f" and {len(self.damaged) - 10:,} more" if len(self.damaged) > 10 else ""
+            self.log(f"  scan      skipped {len(self.damaged):,} corrupt input file(s) (none of their documents "
+                     f"kept): {', '.join(self.damaged[:10])}{more} (all in the manifest: damaged_files)")
         if corpus.n == 0:
             raise DataError(f"the inputs ({', '.join(opts.inputs)}) hold no usable document "
                             f"({skipped_text(self.skipped)}). Point --input at text, .jsonl or .parquet data.")
@@ -320,7 +325,7 @@ class Assembly:
             "dedup_version": DEDUP_VERSION,  # how its hashes and signatures were made (dedup.py), for appends
             "counts": {
                 "files": self.files, "documents_read": self.documents_read,
-                "skipped": dict(sorted(self.skipped.items())),
+                "skipped": dict(sorted(self.skipped.items())), "damaged_files": self.damaged,
                 "exact_duplicates": dedup["exact_duplicates"], "near_duplicates": dedup["near_duplicates"],
                 "documents_kept": len(self.kept), "tokens": int(self.lengths.sum()), "raw_bytes": self.raw_bytes,
             },

@@ -35,6 +35,7 @@ class ReadResult:
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     files: int = 0
     bytes: int = 0  # raw bytes of the documents kept (UTF-8)
+    damaged: list[str] = field(default_factory=list)  # names of the corrupt files skipped
 
 
 def _listed(path: Path) -> bool:
@@ -181,12 +182,15 @@ def read_inputs(inputs: list[str], text_field: str = "text", max_docs: int = 0) 
         out.skipped["other_suffix"] += other
         for f in files:
             out.files += 1
-            docs = iter_file(f, f.relative_to(root).as_posix(), text_field, out.skipped)
+            start, damaged = len(out.docs), len(out.damaged)
+            docs = iter_file(f, f.relative_to(root).as_posix(), text_field, out.skipped, out.damaged)
             for doc in docs:
                 out.docs.append(doc)
                 if max_docs and len(out.docs) >= max_docs:
                     docs.close()
                     break
+            if len(out.damaged) > damaged:
+                del out.docs[start:]  # a damaged file gives no document (readers.py)
             if max_docs and len(out.docs) >= max_docs:
                 break
         if max_docs and len(out.docs) >= max_docs:

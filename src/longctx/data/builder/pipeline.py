@@ -8,6 +8,8 @@ how many tokens are packed per group.
 
 - Resume: a build that was interrupted picks up its work directory and redoes only the shards whose
   scan had not finished (a different set of inputs or scan options starts over, and says so).
+- One at a time: a build, append, shard scan or merge holds its --out directory while it runs (a lock); a
+  second one into it is refused instead of deleting the first's files and mixing their parts.
 - Several machines: `--shard i/n` scans only the i-th of n contiguous, byte-balanced runs of the
   input into `--out` (a scan directory, not a store); `longctx data merge DIR ... --out STORE`
   then dedups across all of them and packs the store, exactly as one build of all the inputs would.
@@ -21,7 +23,10 @@ last, so a failed or interrupted build never leaves a store that looks complete.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -44,7 +49,7 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
     """Scan machine `machine`'s share of the inputs into `work` (resuming what is there); its plan."""
     tok = load_tokenizer(opts.tokenizer)
     sopts = opts.scan_options()
-    units, other = scan.plan_units(opts.inputs)
+    units, other = scan.plan_units(opts.inputs, opts.out)
     shards = scan.plan_shards(units)
     digest = scan.plan_digest(units, sopts)
     todo = scan.machine_range(shards, *machine)
@@ -143,6 +148,28 @@ def _open_store(opts: BuildOptions, tok) -> tuple[Path, dict | None]:
     return root, old
 
 
+@contextmanager
+def _exclusive(out: Path):
+    """`out` (created if missing) held by this build, append, shard scan or merge until it ends: a second
+    one into the same directory while it runs is refused. Unchecked, the second would delete the first's
+    scan and unlisted part (as stale) and the two would publish over each other, leaving one's manifest
+    over the other's part. A lock on the directory itself (flock), so it leaves no file behind and a
+    killed build never holds it."""
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataError(f"another `longctx data build` or `data merge` is writing to '{out}' now; wait for it to "
+                            f"end, or choose another --out.") from None
+        except OSError:
+            pass  # a file system without locks (some network mounts): build as before, unguarded
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
 def _describe(opts: BuildOptions, tok) -> str:
     workers = opts.scan_workers
     return (f"(seq_len {opts.seq_len}, {opts.strategy}, dedup {opts.dedup}, {tok.name} tokenizer, {workers} "
@@ -161,21 +188,25 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         i, n = opts.shard
         log(f"data build: {', '.join(opts.inputs)} shard {i}/{n} -> {out} {_describe(opts, tok)}")
         records: dict = {}
-        with phase(f"data build of shard {i}/{n}", done_line=False):
+        with _exclusive(out), phase(f"data build of shard {i}/{n}", done_line=False):
             plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, out, opts.shard, log)
         docs = sum(s.n for s in shards)
         log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
             f"`longctx data merge`")
         return plan
-    root, old = _open_store(opts, tok)
-    shown = opts.shown_as or root
-    log(f"data build: {', '.join(opts.inputs)} -> {shown} {_describe(opts, tok)}")
-    work = root / WORK
-    records: dict = {}
-    with phase("data build"):  # (the line above says of what)
-        plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, work, (0, 1), log)
-        manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
-    shutil.rmtree(work, ignore_errors=True)
+    root = Path(opts.out)
+    if root.exists() and not root.is_dir():
+        raise DataError(f"--out '{root}' exists and is not a directory.")
+    with _exclusive(root):
+        root, old = _open_store(opts, tok)  # (under the lock: a build that just ended may have written it)
+        shown = opts.shown_as or root
+        log(f"data build: {', '.join(opts.inputs)} -> {shown} {_describe(opts, tok)}")
+        work = root / WORK
+        records: dict = {}
+        with phase("data build"):  # (the line above says of what)
+            plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, work, (0, 1), log)
+            manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
+        shutil.rmtree(work, ignore_errors=True)
     return manifest
 
 
@@ -214,8 +245,14 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
                            "max_memory": max_memory or built["max_memory"]})
     tok = load_tokenizer(opts.tokenizer)
-    root, old = _open_store(opts, tok)
-    log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
-    records = {"scan": {"shards": len(shards), "machines": n}}
-    with phase("data merge"):
-        return Assembly(opts, root, old, tok, shards, first.get("other_suffix", 0), root / WORK, records, log).run()
+    if Path(out).exists() and not Path(out).is_dir():
+        raise DataError(f"--out '{out}' exists and is not a directory.")
+    with _exclusive(Path(out)):
+        root, old = _open_store(opts, tok)
+        log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
+        records = {"scan": {"shards": len(shards), "machines": n}}
+        with phase("data merge"):
+            manifest = Assembly(opts, root, old, tok, shards, first.get("other_suffix", 0), root / WORK, records,
+                                log).run()
+        shutil.rmtree(root / WORK, ignore_errors=True)  # (its embeddings; the scans stay where they are)
+    return manifest

@@ -21,8 +21,12 @@ as an Arrow IPC stream (what `datasets` writes) or an Arrow IPC file.
 Bad input never stops a build half-way: an empty or whitespace-only document, a binary file (a NUL
 byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record without the text field,
 a corrupt parquet or arrow file, or a corrupt compressed file (bad gzip / zstd data, a truncated
-stream) is skipped and counted under its reason. A file that turns out corrupt part-way keeps the
-documents it yielded before the damage and counts one skip for the rest. What cannot be read at all
+stream, an empty file) is skipped and counted under its reason, and its name is recorded (`damaged`).
+A file found damaged part-way has already yielded the documents before the damage (a stream cannot
+take them back), but they are not to be trusted: gzip and zstd find damage only at the end of a
+block or frame (its checksum), after the text before it came out wrong. So the readers' callers
+(`read_inputs`, the scan) drop every document of a file named in `damaged`: a damaged file gives
+no document. What cannot be read at all
 (a missing path, an input directory with no usable file, a saved dataset missing a data file it
 lists, a parquet or arrow file without the text column, pyarrow or zstandard missing) is a
 `DataError`: before any output is written, except the missing column, which shows when the unit is
@@ -61,6 +65,8 @@ SKIP_REASONS = {
     "bad_parquet_file": "corrupt parquet",
     "bad_arrow_file": "corrupt arrow",
 }
+# the reasons that say an input file is damaged (messages and the manifest name such files)
+DAMAGE_REASONS = ("bad_compressed_file", "bad_parquet_file", "bad_arrow_file")
 
 
 def skipped_text(skipped: dict) -> str:
@@ -259,6 +265,13 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, t
         skipped["unreadable"] += 1
         return
     with f:
+        try:
+            if compression and not f.peek(1):  # no gzip or zstd stream at all: a download cut before it began
+                skipped["bad_compressed_file"] += 1
+                return
+        except OSError:
+            skipped["unreadable"] += 1
+            return
         chunks = _chunks(f, compression, path)
         try:
             if fmt == "jsonl":
@@ -344,14 +357,17 @@ def _iter_arrow(path: Path, name: str, text_field: str, skipped: Counter) -> Ite
         yield from _iter_values(batches, schema.get_field_index(text_field), name, skipped, "bad_arrow_file")
 
 
-def iter_file(path: Path, name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
+              damaged: list[str] | None = None) -> Iterator[Document]:
     """The documents of one unit, in order, one at a time: a text file is one document named
     `name`; a jsonl file one per line (`name:LINE`), a parquet or arrow file one per row
     (`name:ROW`, from 1). Skips are counted into `skipped[reason]`. A corrupt compressed, parquet or
     arrow file counts one skip ('bad_compressed_file', 'bad_parquet_file', 'bad_arrow_file') and
-    ends there: the documents it yielded before the damage stay. Raises DataError for a parquet or
+    ends there, `name` appended to `damaged` (if given): the caller drops the documents it yielded before
+    (the module's docstring says why). Raises DataError for a parquet or
     arrow file without the `text_field` column and for a missing pyarrow / zstandard."""
     fmt, compression = unit_format(path)
+    before = sum(skipped[r] for r in DAMAGE_REASONS)
     if fmt is None:
         skipped["other_suffix"] += 1
     elif fmt == "parquet":
@@ -360,3 +376,5 @@ def iter_file(path: Path, name: str, text_field: str, skipped: Counter) -> Itera
         yield from _iter_arrow(path, name, text_field, skipped)
     else:
         yield from _iter_bytes_file(path, name, fmt, compression, text_field, skipped)
+    if damaged is not None and sum(skipped[r] for r in DAMAGE_REASONS) > before:
+        damaged.append(name)  # (not reached when the caller stops early, --max-docs: nothing was found)

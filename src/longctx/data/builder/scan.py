@@ -4,9 +4,11 @@ The inputs' files (units) are cut, in input order, into shards of about `SHARD_B
 disk. A worker reads a shard as a stream, one document at a time, and does everything a document
 needs on its own: normalise, exact hash, MinHash signature, tokens with their cut points, and
 hashed head features. It writes them to the shard's directory (spill.py files, nothing kept in
-memory) and renames the directory into place when the shard is complete, so an interrupted build
-redoes only the shards that have no directory yet. Everything after the scan (dedup, embed,
-cluster, pack, write: assembly.py) reads these files in input order, through `ScannedCorpus`.
+memory) and renames the directory into place, synced, when the shard is complete, so an interrupted
+build (also by a power loss) redoes only the shards that have no directory yet. A file found damaged
+after it yielded documents gives none: they are rolled back (readers.py says why). Everything after
+the scan (dedup, embed, cluster, pack, write: assembly.py) reads these files in input order, through
+`ScannedCorpus`.
 
 `--shard i/n` runs the scan of the i-th of n contiguous runs of the shards (balanced by bytes):
 n machines scan a corpus too big for one, and `longctx data merge` finishes the build from all
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...durable import fsync_path, publish
 from ...errors import DataError
 from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import spill
@@ -41,8 +44,9 @@ from .tokenize import tokenize_one
 SHARD_BYTES = 16 << 20
 FORMAT = "longctx-scan"
 # 2: shards hashed by dedup.py's VERSION 2; 3: features of unspaced scripts by character (features.py);
-# 4: a document starts with its tokenizer's text_prefix (tokenize.py)
-VERSION = 4
+# 4: a document starts with its tokenizer's text_prefix (tokenize.py); 5: a corrupt compressed file yields no
+# document (readers.py: also none of the lines before the damage), its name recorded
+VERSION = 5
 PLAN = "plan.json"
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
@@ -64,15 +68,19 @@ class Unit:
     size: int  # bytes on disk
 
 
-def plan_units(inputs: list[str]) -> tuple[list[Unit], int]:
-    """Every input file in read order, and the count skipped for their suffix."""
+def plan_units(inputs: list[str], out: str | Path | None = None) -> tuple[list[Unit], int]:
+    """Every input file in read order, and the count skipped for their suffix. Files inside `out` (the
+    build's own store or scan directory, when it lies inside an input directory) are never inputs: a
+    rerun or an append would read its manifest, work files and docs.jsonl as documents."""
     if not inputs:
         raise DataError("no input given; pass --input with a directory, a .jsonl or .parquet file, or 'stdlib'.")
+    own = Path(out).resolve() if out else None
     units, other = [], 0
     for spec in inputs:
         root, files, skipped = input_files(spec)
         other += skipped
-        units.extend(Unit(str(f), f.relative_to(root).as_posix(), unit_size(f)) for f in files)
+        units.extend(Unit(str(f), f.relative_to(root).as_posix(), unit_size(f)) for f in files
+                     if own is None or own not in f.resolve().parents)
     return units, other
 
 
@@ -132,6 +140,52 @@ def shard_dir(work: Path, index: int) -> Path:
     return work / SHARDS / f"{index:06d}"
 
 
+class _ShardFiles:
+    """The files of a shard being scanned, a document at a time; `mark` and `rollback` drop the
+    documents of a unit found damaged after it yielded them (readers.py)."""
+
+    def __init__(self, tmp: Path, token_dtype: str, minhash: bool):
+        self.ragged = {what: spill.RaggedWriter(tmp / what, dtype) for what, dtype in (
+            ("text", np.uint8), ("tokens", token_dtype), ("breaks", np.int32), ("strong", np.int32),
+            ("feat_idx", np.uint16), ("feat_val", np.float32))}
+        self.hashes = spill.NpyAppender(tmp / "hashes.npy", np.uint64)
+        self.sigs = spill.NpyAppender(tmp / "sigs.npy", np.uint32, (NUM_PERM,)) if minhash else None
+        self.names = open(tmp / "names.jsonl", "w")
+        self.n = self.raw = 0
+
+    def _writers(self) -> list:
+        return [*self.ragged.values(), self.hashes] + ([self.sigs] if self.sigs is not None else [])
+
+    def add(self, doc, tok) -> None:
+        b = doc.text.encode("utf-8", "surrogatepass")
+        self.ragged["text"].append(b)
+        self.raw += len(b)
+        self.hashes.append(np.array([exact_hash(doc.text)], np.uint64))
+        if self.sigs is not None:
+            self.sigs.append(signature(doc.text)[None].astype(np.uint32))
+        for what, values in zip(("tokens", "breaks", "strong"), tokenize_one(doc.text, tok)):
+            self.ragged[what].append(values)
+        for what, values in zip(("feat_idx", "feat_val"), head_features(doc.text)):
+            self.ragged[what].append(values)
+        self.names.write(json.dumps(doc.name) + "\n")
+        self.n += 1
+
+    def mark(self) -> tuple:
+        return [w.mark() for w in self._writers()], self.names.tell(), self.n, self.raw
+
+    def rollback(self, mark: tuple) -> None:
+        marks, names_at, self.n, self.raw = mark
+        for w, m in zip(self._writers(), marks):
+            w.rollback(m)
+        self.names.seek(names_at)
+        self.names.truncate()
+
+    def close(self) -> None:
+        for w in self._writers():
+            w.close()
+        self.names.close()
+
+
 def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, token_dtype: str,
                max_docs: int = 0, on_unit=None) -> dict:
     """Scan one shard into `work/shards/INDEX` (atomically); returns its counts. `on_unit(unit)`, if
@@ -143,51 +197,31 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tok = load_tokenizer(opts.tokenizer)
-    minhash = opts.dedup == "minhash"
-    text = spill.RaggedWriter(tmp / "text", np.uint8)
-    tokens = spill.RaggedWriter(tmp / "tokens", token_dtype)
-    breaks = spill.RaggedWriter(tmp / "breaks", np.int32)
-    strong = spill.RaggedWriter(tmp / "strong", np.int32)
-    feat_idx = spill.RaggedWriter(tmp / "feat_idx", np.uint16)
-    feat_val = spill.RaggedWriter(tmp / "feat_val", np.float32)
-    hashes = spill.NpyAppender(tmp / "hashes.npy", np.uint64)
-    sigs = spill.NpyAppender(tmp / "sigs.npy", np.uint32, (NUM_PERM,)) if minhash else None
+    files = _ShardFiles(tmp, token_dtype, opts.dedup == "minhash")
     skipped: Counter = Counter()
-    n = raw = 0
-    with open(tmp / "names.jsonl", "w") as names:
-        for u in units:
-            for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped):
-                b = doc.text.encode("utf-8", "surrogatepass")
-                text.append(b)
-                raw += len(b)
-                hashes.append(np.array([exact_hash(doc.text)], np.uint64))
-                if sigs is not None:
-                    sigs.append(signature(doc.text)[None].astype(np.uint32))
-                t, br, st = tokenize_one(doc.text, tok)
-                tokens.append(t)
-                breaks.append(br)
-                strong.append(st)
-                fi, fv = head_features(doc.text)
-                feat_idx.append(fi)
-                feat_val.append(fv)
-                names.write(json.dumps(doc.name) + "\n")
-                n += 1
-                if max_docs and n >= max_docs:
-                    break
-            if on_unit is not None:
-                on_unit(u)
-            if max_docs and n >= max_docs:
+    damaged: list[str] = []
+    for u in units:
+        mark, hurt = files.mark(), len(damaged)
+        for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped, damaged):
+            files.add(doc, tok)
+            if max_docs and files.n >= max_docs:
                 break
-    for w in (text, tokens, breaks, strong, feat_idx, feat_val):
-        w.close()
-    hashes.close()
-    if sigs is not None:
-        sigs.close()
-    counts = {"index": index, "documents": n, "files": len(units), "bytes": raw,
-              "skipped": dict(sorted(skipped.items()))}
+        if len(damaged) > hurt:
+            files.rollback(mark)  # a damaged file gives no document (readers.py)
+        if on_unit is not None:
+            on_unit(u)
+        if max_docs and files.n >= max_docs:
+            break
+    files.close()
+    counts = {"index": index, "documents": files.n, "files": len(units), "bytes": files.raw,
+              "skipped": dict(sorted(skipped.items())), "damaged": damaged}
     (tmp / "shard.json").write_text(json.dumps(counts) + "\n")
     shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    # on the disk before it is published: a build resumed after a power loss trusts every shard that has
+    # its shard.json, and would read files the disk never got (zeros, or cut short) as the documents
+    for f in tmp.iterdir():
+        fsync_path(f)
+    publish(tmp, final)
     return counts
 
 

@@ -46,6 +46,15 @@ class NpyAppender:
         self.f.write(rows.tobytes())
         self.rows += len(rows)
 
+    def mark(self) -> tuple[int, int]:
+        return self.f.tell(), self.rows
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        """Drop the rows appended since `mark`."""
+        self.f.seek(mark[0])
+        self.f.truncate()
+        self.rows = mark[1]
+
     def close(self) -> int:
         self.f.seek(0)
         self.f.write(_header(self.dtype, (self.rows, *self.row_shape)))
@@ -68,6 +77,15 @@ class RaggedWriter:
             data, n = arr.tobytes(), arr.size
         self.f.write(data)
         self.offsets.append(self.offsets[-1] + n)
+
+    def mark(self) -> tuple[int, int]:
+        return self.f.tell(), len(self.offsets)
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        """Drop the items appended since `mark`."""
+        self.f.seek(mark[0])
+        self.f.truncate()
+        del self.offsets[mark[1]:]
 
     def close(self) -> None:
         self.f.close()
