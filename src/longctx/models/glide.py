@@ -247,8 +247,10 @@ class GlideDraft(nn.Module):
     def init_weights(self, seed: int = 0, std: float | None = None) -> GlideDraft:
         gen = torch.Generator().manual_seed(seed)
         std = std if std is not None else self.cfg.init_std
-        for p in self.parameters():  # (not the buffers: a reduced vocabulary's ids are set from data)
-            if p.dim() == 1:
+        for name, p in self.named_parameters():  # (not the buffers: a reduced vocabulary's ids are set from data)
+            if name.endswith(".bias"):  # q/k/v/o biases (a Qwen2 or attention_bias target) start at 0, as the
+                p.zero_()               # target's own init and Clover's do; 1 would shift every q, k, v
+            elif p.dim() == 1:
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
