@@ -39,6 +39,10 @@ def _cmd_train(args, overrides) -> int:
 
     if args.nproc is not None and args.nproc < 1:  # (0 read as "not given" ran the default 4 ranks)
         raise ConfigError(f"--nproc must be >= 1 (1 = this process), got {args.nproc}.")
+    if len(args.config or []) > 1:  # (argparse kept the last: `--config base.toml --config mine.toml` lost base)
+        raise ConfigError(f"--config takes one file, got {len(args.config)}: {', '.join(args.config)}; files are "
+                          f"not merged (put every key in one file, or give the others as --section.key=value).")
+    args.config = args.config[0] if args.config else None
     launcher = under_launcher()
     if launcher and args.nproc:
         print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "
@@ -232,7 +236,7 @@ def _add_train(sub) -> None:
         epilog=_config_help(),
         allow_abbrev=False,
     )
-    p.add_argument("--config", help="TOML config file (e.g. configs/debug.toml)")
+    p.add_argument("--config", action="append", help="TOML config file (e.g. configs/debug.toml)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     p.add_argument("--nproc", type=int, default=None,
                    help="local processes to start through torchrun (default: the checkpoint's on a resume, the "

@@ -41,7 +41,8 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fiel
 
 
 def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1)
+    options = list(options)  # (the same word in other capitals first: difflib finds no 'bf16' for 'BF16')
+    close = [o for o in options if o.lower() == word.lower()] or difflib.get_close_matches(word, options, n=1)
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
@@ -71,6 +72,9 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
         raise ConfigError(f"{key} must be {_type_name(typ)}, got {value!r} ({type(value).__name__}).")
     if typ is float:
         value = float(value)
+        if not math.isfinite(value):  # (no knob means anything by nan or inf: a NaN lr trains nothing, silently)
+            raise ConfigError(f"{key} must be a finite number, got {value!r}"
+                              + (" (a number beyond a float's range reads as inf)." if math.isinf(value) else "."))
     choices = f.metadata.get("choices")
     if choices is not None and value not in choices:
         raise ConfigError(
@@ -164,9 +168,10 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
             nxt = args[i + 1] if i + 1 < len(args) else None
             f_probe = _lookup(*dotted.split(".", 1)) if "." in dotted else None
             is_bool = f_probe is not None and (f_probe.type in ("bool", bool))
-            if nxt is None or (nxt.startswith("--") and is_bool):
+            if nxt is None or nxt.startswith("--"):  # (a value missing before the next option: not that option)
                 if not is_bool:
-                    raise ConfigError(f"--{dotted} needs a value, e.g. --{dotted}=VALUE.")
+                    raise ConfigError(f"--{dotted} needs a value, e.g. --{dotted}=VALUE"
+                                      + (f"; '{nxt}' after it is the next option." if nxt else "."))
                 text, i = "true", i + 1
             else:
                 text, i = nxt, i + 2
@@ -349,7 +354,10 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, int):
         return str(v)
-    return json.dumps(v)  # a JSON string is a valid TOML basic string
+    # a JSON string is a TOML basic string but for JSON's surrogate pairs (a path with an emoji wrote a config.toml
+    # no resume could read): every character past ASCII as TOML's own \uXXXX or \UXXXXXXXX, so the file stays ASCII
+    return "".join(c if ord(c) < 0x7F else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
+                   for c in json.dumps(v, ensure_ascii=False))
 
 
 def to_toml(cfg: Config) -> str:

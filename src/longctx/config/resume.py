@@ -102,6 +102,9 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     # config/load.py RENAMED_KEYS, read under their new names)
     saved = read_raw(run_dir / "config.toml", saved_run=True)
     base = _merge(saved, {})
+    if given.get("train", {}).get("stages"):  # (the saved steps and seq_len are its old stages' sum and last length)
+        for key in ("steps", "seq_len"):
+            base.get("train", {}).pop(key, None)
     if layout_given:
         for key in LAYOUT_KEYS:
             base.get("parallel", {}).pop(key, None)

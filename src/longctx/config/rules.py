@@ -65,9 +65,8 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
     positive = functools.partial(_positive, problems)
     for key in ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
         positive(f"model.{key}", getattr(m, key))
-    positive("model.norm_eps", m.norm_eps)
-    positive("model.rope_theta", m.rope_theta)
-    positive("model.init_std", m.init_std)
+    for key in ("norm_eps", "rope_theta", "init_std"):
+        positive(f"model.{key}", getattr(m, key))
     if m.heads > 0 and m.kv_heads > 0 and m.heads % m.kv_heads:
         problems.append(
             f"model.heads ({m.heads}) must be divisible by model.kv_heads ({m.kv_heads}) for grouped-query "
@@ -144,12 +143,12 @@ def _moe_rules(m, problems: list[str]) -> None:
     if m.moe_router == "switch" and k != 1:
         problems.append(f"model.moe.router = switch routes each token to one expert, but model.moe.top_k is {k}; "
                         f"set --model.moe.top_k 1 (or use router softmax for top-{k}).")
-    for key in ("expert_dim", "shared_experts", "shared_dim", "dts_steps", "sinkhorn_iters"):
+    for key in ("expert_dim", "shared_experts", "shared_dim", "dts_steps", "sinkhorn_iters", "capacity_factor",
+                "aux_loss", "z_loss", "bias_update_rate"):
         if getattr(m, f"moe_{key}") < 0:
             problems.append(f"model.moe.{key} must be >= 0, got {getattr(m, f'moe_{key}')}.")
-    for key in ("capacity_factor", "aux_loss", "z_loss", "bias_update_rate"):
-        if getattr(m, f"moe_{key}") < 0:
-            problems.append(f"model.moe.{key} must be >= 0, got {getattr(m, f'moe_{key}')}.")
+    if m.moe_route_scale <= 0:  # (0 silences the routed experts: the loss reaches neither them nor the router)
+        problems.append(f"model.moe.route_scale must be positive (1 = unscaled weights), got {m.moe_route_scale}.")
     if m.moe_shared_gate and not m.resolved_shared_dim:
         problems.append("model.moe.shared_gate gates the shared experts, but there are none: set "
                         "model.moe.shared_experts or model.moe.shared_dim.")
@@ -380,6 +379,8 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"memory.offload_skip_last must be >= 0, got {mem.offload_skip_last}.")
     if ck.interval < 0 or ck.keep < 1:
         problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
+    if not ck.resume.strip():  # ('' would be read as the path '.', the working directory)
+        problems.append("checkpoint.resume is empty; write auto (the latest checkpoint), none or a checkpoint path.")
     if ck.on_save_error not in ("stop", "warn"):
         problems.append(f"checkpoint.on_save_error must be stop or warn, got {ck.on_save_error!r}.")
     t = cfg.train

@@ -52,6 +52,11 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
                           f"--memory.* and --train.device/dtype overrides; [{', '.join(other)}] does not apply.")
     if "init_from" in given.get("model", {}):
         raise ConfigError("longctx eval takes the weights from --checkpoint; drop --model.init_from.")
+    extra = sorted(set(given.get("train", {})) - {"device", "dtype"})  # (the rest were overwritten or unread)
+    if extra:
+        raise ConfigError(f"longctx eval takes only --train.device and --train.dtype of [train]; "
+                          f"{', '.join('train.' + k for k in extra)} does not apply (the lengths are --lengths, "
+                          f"the batch --batch, the seed --seed).")
     p = given.get("parallel", {})
     if nproc > 1 and not any(k in p for k in ("dp_replicate", "dp_shard", "head", "ctx")):
         infllm = getattr(args, "context_memory", "none") == "infllm"  # (its memory shards over ctx ranks only)

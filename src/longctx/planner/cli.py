@@ -127,6 +127,10 @@ def build_request(args, overrides):
     from .request import Request, parse_tokens
 
     model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
+    named = [o for o in overrides if o.split("=")[0] in ("--model.preset", "--model.init_from")]
+    if named:  # (the later one won: `--model llama3-8b --model.preset=debug` planned the debug model)
+        raise ConfigError(f"longctx plan takes the model from --model ({args.model}); drop {named[0].split('=')[0]} "
+                          f"(--model names a preset, or hf:DIR).")
     base = load_config(None, [model, *overrides])
     if args.gpus is None:
         raise ConfigError("longctx plan needs --gpus N (the number of GPUs, i.e. ranks), e.g. --gpus 64.")
