@@ -127,8 +127,8 @@ class ModelConfig:
     moe_dense_layers: str = _opt("", "layers that keep a dense SwiGLU of ffn_dim, e.g. \"0\" or \"0,1\" or \"0-2\" "
                                      "(DeepSeek's first dense layers, Qwen2-MoE's mlp_only_layers)",
                                  key="moe.dense_layers")
-    moe_capacity_factor: float = _opt(0.0, "expert capacity as a multiple of an even share of a rank's tokens; tokens "
-                                           "over it pass through the residual (dropped, and counted); 0 = dropless",
+    moe_capacity_factor: float = _opt(0.0, "expert capacity, x an even share of the micro-batch's tokens (any layout); "
+                                           "tokens over it pass the residual (dropped, counted); 0 = dropless",
                                       key="moe.capacity_factor")
     moe_aux_loss: float = _opt(0.0, "weight of the load-balancing loss (Switch/GShard: experts x sum of load "
                                     "fraction x mean probability; over the MoE layers as moe.aux_loss_scope says)",
