@@ -142,8 +142,6 @@ class InfLLMGeneration:
     the memory: rows prefill in chunks) whose cache attends through an InfLLMMemory. `memory`: the last
     cache's (tests read its keys_read)."""
 
-    distance_bounded = True  # every distance stays within the memory's reach (generate/loop.py check_window)
-
     def __init__(self, shape: InfLLMShape):
         self.shape = shape
         self.memory: InfLLMMemory | None = None

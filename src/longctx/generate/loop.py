@@ -82,8 +82,6 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
     model calls run through this compiled static-shape step (models/static_decode.py) where the cache
     and model have one (one device, a dense model; else eagerly, as without it)."""
     n = len(prompts)
-    if cache_core is None and not getattr(backend, "distance_bounded", False):
-        check_window(model, prompts, limits)
     device = device or model.tok_embeddings.weight.device
     # cache rows in order of length, so each length group is a contiguous range of rows
     order = sorted(range(n), key=lambda i: len(prompts[i]))
@@ -108,26 +106,6 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
             return _run(rounds, cache, logits, book, sampling)
     finally:
         model.train(was_training)
-
-
-def check_window(model, prompts: Sequence[Sequence[int]], limits: Sequence[int]) -> None:
-    """Refuse rows that would pass the sliding window of the config.json a windowed model (Mistral, Qwen
-    with use_sliding_window) started from: longctx has no sliding-window attention, so past the window
-    it attends where transformers does not (the CLI caps its limits at that reach; a library caller got
-    other tokens, silently). A context memory backend keeps every distance within its own reach."""
-    from ..config.positions import model_reach
-
-    cfg = getattr(model, "cfg", None)
-    window = model_reach(cfg).window if cfg is not None and getattr(cfg, "init_from", "") else 0
-    if not window:
-        return
-    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
-        if len(prompt) + limit > window:
-            raise ValueError(
-                f"prompt {i}: {len(prompt):,} tokens + {limit:,} new pass the {window:,}-token sliding window of "
-                f"{cfg.init_from}'s config.json; longctx attends to every earlier position (no sliding window), "
-                f"which is the model's attention only within it. Keep prompt + max_new_tokens <= {window:,}, "
-                f"or decode through a context memory (generate/context_memory.py InfLLMGeneration)")
 
 
 def _prefill(model, backend: Backend, cache: Cache, prompts, chunk: int, device) -> tuple[torch.Tensor, list[float]]:

@@ -238,8 +238,6 @@ class ShardedInfLLMGeneration:
     """The backend (contracts.Backend) of InfLLM's memory over the ctx ranks of `mesh` (head 1): every
     rank prefills the prompt in chunks and decodes the same tokens; each holds its units."""
 
-    distance_bounded = True  # every distance stays within the memory's reach (generate/loop.py check_window)
-
     def __init__(self, shape: InfLLMShape, mesh):
         self.shape, self.mesh = shape, mesh
         self.memory: ShardedInfLLMCache | None = None
