@@ -185,6 +185,11 @@ def test_eval_refuses_a_train_key_it_would_overwrite_or_never_read(tmp_path, fla
         ["eval", "--checkpoint", f"hf:{tmp_path}", "--tokenizer", "byte", "--task", "ppl", "--lengths", "128", flag])
     with pytest.raises(ConfigError, match=f"{flag[2:].split('=')[0]} does not apply"):
         _config(args, rest, [128], 1)
+    # train.compile is read (score mode's model is parallelised, its blocks compiled): taken (review)
+    args, rest = build_parser("eval").parse_known_args(
+        ["eval", "--checkpoint", f"hf:{tmp_path}", "--tokenizer", "byte", "--task", "ppl", "--lengths", "128",
+         "--train.compile=true"])
+    assert _config(args, rest, [128], 1)[0].train.compile
 
 
 # ---------------------------------------------------------------------------------------------

@@ -541,3 +541,15 @@ def test_a_cast_to_bf16_keeps_the_gate_and_the_selection_bias_fp32(router):
     assert model(tokens).dtype == torch.bfloat16
     model.to(torch.float64)
     assert all(r.gate.weight.dtype == r.expert_bias.dtype == torch.float64 for r in routers)
+
+
+def test_a_cast_keeps_the_gates_gradient_in_its_dtype():
+    """The kept fp32 gate's gradient was cast to bf16 with the model: the next AdamW step mixed dtypes."""
+    cfg = load_config(overrides={"model": {"preset": "debug-moe"}}).model
+    model = build_model(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    model(tokens, None, None, labels=tokens).backward()
+    model.to(torch.bfloat16)
+    gates = [layer.router.gate.weight for layer in moe_layers(model)]
+    assert all(g.dtype == g.grad.dtype == torch.float32 for g in gates)
+    torch.optim.AdamW(gates, lr=1e-3).step()

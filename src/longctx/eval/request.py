@@ -52,9 +52,10 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
                           f"--memory.* and --train.device/dtype overrides; [{', '.join(other)}] does not apply.")
     if "init_from" in given.get("model", {}):
         raise ConfigError("longctx eval takes the weights from --checkpoint; drop --model.init_from.")
-    extra = sorted(set(given.get("train", {})) - {"device", "dtype"})  # (the rest were overwritten or unread)
+    # (the rest were overwritten or unread; compile: score mode's model is parallelised, blocks compiled)
+    extra = sorted(set(given.get("train", {})) - {"device", "dtype", "compile"})
     if extra:
-        raise ConfigError(f"longctx eval takes only --train.device and --train.dtype of [train]; "
+        raise ConfigError(f"longctx eval takes only --train.device, --train.dtype and --train.compile of [train]; "
                           f"{', '.join('train.' + k for k in extra)} does not apply (the lengths are --lengths, "
                           f"the batch --batch, the seed --seed).")
     p = given.get("parallel", {})

@@ -83,6 +83,8 @@ class Router(nn.Module):
                 kept = held[name].to(now.device)
                 if isinstance(now, nn.Parameter):
                     now.data = kept  # (the same parameter object, as the cast itself keeps it)
+                    if now.grad is not None:  # (its gradient was cast too: an optimizer step would mix dtypes)
+                        now.grad = now.grad.float()
                 else:
                     owner, _, attr = name.rpartition(".")
                     self.get_submodule(owner)._buffers[attr] = kept

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import Shard
 
 from ...errors import ConfigError
@@ -84,6 +90,9 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
             for router in [b.feed_forward.router for b in blocks if isinstance(b.feed_forward, MoEFeedForward)]:
                 fully_shard(router, mesh=shard_mesh, mp_policy=FP32, offload_policy=offload,
                             reshard_after_forward=reshard)
+                # the MoE layer also calls router.logits directly (the sinkhorn assignment, a padding mask,
+                # block chunks' first pass): FSDP gathers the gate for that call as for forward
+                register_fsdp_forward_method(router, "logits")
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
                                  reshard_after_forward=reshard))
     fully_shard(model, mesh=shard_mesh, mp_policy=mp, offload_policy=offload)
