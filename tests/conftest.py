@@ -17,6 +17,16 @@ def _data_cache(tmp_path_factory):
         os.environ["LONGCTX_CACHE"] = old
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on one thread (on a shared 2-core machine more threads only wait for each other); a module
+    asks for it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -29,14 +29,7 @@ from longctx.models.glide import GlideDraft
 from longctx.models.kv_cache import KVCache
 from longctx.models.llama import build_model
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread (on a shared 2-core machine more threads only wait for each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # (tests/conftest.py)
 
 
 def _target(layers=2):

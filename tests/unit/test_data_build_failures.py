@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import zstandard
 from test_data_build import store_documents, text_doc
+from test_data_build_audit import opts as audit_opts
+from test_data_build_audit import quiet
 
 from longctx.data import store
 from longctx.data.builder import pipeline, readers, scan, spill
 from longctx.data.builder.inputs import read_inputs
-from longctx.data.builder.options import BuildOptions
 from longctx.data.builder.part_writer import SplitWriter
 from longctx.data.builder.pipeline import build_store, merge_scans
 from longctx.data.loader import PackedSamples
@@ -34,18 +35,9 @@ from longctx.errors import DataError
 EOS = 257
 
 
-def quiet(*_):
-    pass
-
-
 def opts(inputs, out, **kw):
-    kw.setdefault("progress", False)
-    kw.setdefault("workers", 1)
-    kw.setdefault("seq_len", 128)
-    kw.setdefault("strategy", "concat")
-    kw.setdefault("dedup", "exact")
-    kw.setdefault("stats", False)
-    return BuildOptions(inputs=[str(i) for i in inputs], out=str(out), **kw)
+    """test_data_build_audit's build options, in 128-token samples with exact dedup."""
+    return audit_opts(inputs, out, **{"seq_len": 128, "dedup": "exact", **kw})
 
 
 def corpus(root, seed=0, files=6, per_file=5):
@@ -529,3 +521,12 @@ def test_a_document_bigger_than_a_shard_and_many_samples_survives_a_killed_build
         build_store(opts([tmp_path / "in"], tmp_path / "s", eval_fraction=0.2), log=quiet)
     build_store(opts([tmp_path / "in"], tmp_path / "s", eval_fraction=0.2), log=quiet)
     assert part_files(tmp_path / "s") == part_files(tmp_path / "whole")
+
+
+def test_an_out_that_is_a_file_is_refused_and_left_as_it_was(tmp_path):
+    corpus(tmp_path / "in", seed=3, files=1)
+    out = tmp_path / "s"
+    out.write_text("not a store")
+    with pytest.raises(DataError, match="exists and is not a directory"):
+        build_store(opts([tmp_path / "in"], out), log=quiet)
+    assert out.read_text() == "not a store"

@@ -74,8 +74,9 @@ def trained_positions(init_from: str) -> TrainedPositions:
         hf = read_hf_config(hf_dir(init_from))
         # the weights' own length is asked, not a run's: a sliding window within it (Mistral-7B-v0.1's 4,096
         # of 32,768) refused the read, so no windowed model could generate; model_reach caps at the window
-        if family_window(hf):
-            values["max_seq_len"], trained = family_window(hf), int(with_family_defaults(hf)["max_position_embeddings"])
+        window = family_window(hf)
+        if window:
+            values["max_seq_len"], trained = window, int(with_family_defaults(hf)["max_position_embeddings"])
     fields, _ = resolve_init_from(values)
     own = model_config(fields)
     if init_from.startswith("hf:"):

@@ -143,8 +143,6 @@ def _open_store(opts: BuildOptions, tok) -> tuple[Path, dict | None]:
                             f"this version of longctx begins each with the tokenizer's own prefix "
                             f"{tok.text_prefix()}; an append would mix the two. Rebuild the store (all its inputs) "
                             f"into a new --out.")
-    elif root.exists() and not root.is_dir():
-        raise DataError(f"--out '{root}' exists and is not a directory.")
     return root, old
 
 
@@ -155,6 +153,8 @@ def _exclusive(out: Path):
     scan and unlisted part (as stale) and the two would publish over each other, leaving one's manifest
     over the other's part. A lock on the directory itself (flock), so it leaves no file behind and a
     killed build never holds it."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out '{out}' exists and is not a directory.")
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out, os.O_RDONLY)
     try:
@@ -194,10 +194,7 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
             f"`longctx data merge`")
         return plan
-    root = Path(opts.out)
-    if root.exists() and not root.is_dir():
-        raise DataError(f"--out '{root}' exists and is not a directory.")
-    with _exclusive(root):
+    with _exclusive(Path(opts.out)):
         root, old = _open_store(opts, tok)  # (under the lock: a build that just ended may have written it)
         shown = opts.shown_as or root
         log(f"data build: {', '.join(opts.inputs)} -> {shown} {_describe(opts, tok)}")
@@ -245,8 +242,6 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
                            "max_memory": max_memory or built["max_memory"]})
     tok = load_tokenizer(opts.tokenizer)
-    if Path(out).exists() and not Path(out).is_dir():
-        raise DataError(f"--out '{out}' exists and is not a directory.")
     with _exclusive(Path(out)):
         root, old = _open_store(opts, tok)
         log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
