@@ -511,6 +511,31 @@ def test_bias_update_uses_the_whole_steps_real_choices(router):
         assert torch.equal(layer.router.expert_bias, b)
 
 
+@pytest.mark.parametrize("scope", ["per_layer_mean", "pooled"])
+def test_a_micro_batch_entirely_of_padding_adds_no_nan(scope):
+    """A micro-batch with no real token has no choice and no token: its balancing and z terms are 0 (they were
+    0/0 = NaN, so the non-finite guard skipped the whole step), its gradient 0, and the step's load figures are
+    the means over the micro-batches that route tokens: those of the same step without it."""
+    cfg = model_config(aux_loss=0.01, z_loss=0.001, aux_loss_scope=scope, capacity_factor=1.0)
+    model = build_model(cfg.model, seed=3).train()
+    ids, labels, real = batch(20, pad=(0, 0))
+    model(ids, labels=labels, real=real)
+    terms = model.router_terms()
+    assert terms.loss.item() == 0 and torch.isfinite(terms.stats).all() and terms.counts.sum() == 0
+    full, empty = [batch(21, pad=(64, 20)), batch(22, pad=(5, 64))], batch(23, pad=(0, 0))
+    lines = []
+    for micro in (full, [full[0], empty, full[1]]):
+        hook = MoEStepHook(cfg, model, 1, log=lambda *a: None)
+        model.zero_grad()
+        step_of(model, hook, micro)
+        gate = moe_layers(model)[0].router.gate.weight.grad
+        assert gate is not None and torch.isfinite(gate).all()
+        lines.append(hook.log_fields(2, last=False))
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst", "moe_drop_rate"):
+        assert lines[1][key] == pytest.approx(lines[0][key], rel=1e-6), key
+    assert lines[1]["moe_layer_load"] == lines[0]["moe_layer_load"] and lines[0]["moe_aux_loss"] > 0
+
+
 # ----------------------------------------------------------------------------------------------
 # a cast of the model keeps the router fp32
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from host_sync import no_host_sync
+from longctx.models.moe_stats import layer_loads
 from longctx.train.router_metrics import (
     EXPERT_LOAD_COLUMNS,
     ROUTER_FIELDS,
     RouterInterval,
     heatmap_every,
-    layer_loads,
     rank_load,
 )
 

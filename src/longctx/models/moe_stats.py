@@ -92,17 +92,26 @@ def router_terms(layers: list, aux_weight: float, z_weight: float, sum_over_rank
     g_prob = packed[n_layers * e: 2 * n_layers * e].view(n_layers, e)
     g_lse = packed[2 * n_layers * e: 2 * n_layers * e + n_layers]
     g_dropped, g_tokens = packed[2 * n_layers * e + n_layers: -1], packed[-1]
-    fraction = g_counts / g_counts.sum(1, keepdim=True)  # f_e per layer
+    # a micro-batch entirely of padding has no token and no choice: its terms are 0, not 0/0 (a NaN loss made
+    # the guard skip the whole step); the counts are whole numbers, so clamping at 1 changes nothing else
+    g_tokens = g_tokens.clamp_min(1)
+    fraction = g_counts / g_counts.sum(1, keepdim=True).clamp_min(1)  # f_e per layer
     local_aux = _aux_share(scope or layers[0].aux_loss_scope, g_counts, fraction, prob_sum, g_tokens)
     local_z = lse_sq.sum() / (g_tokens * n_layers)
     loss = aux_weight * local_aux + z_weight * local_z
     aux = e * (fraction * g_prob).sum() / (g_tokens * n_layers)
     z = g_lse.sum() / (g_tokens * n_layers)
-    load = g_counts.max(1).values / g_counts.mean(1)
-    stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped.sum() / g_counts.sum()])
+    load = layer_loads(g_counts)
+    stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped.sum() / g_counts.sum().clamp_min(1)])
     for layer in layers:
         layer.records.clear()
     return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach())
+
+
+def layer_loads(counts: torch.Tensor) -> torch.Tensor:
+    """Max / mean choices per expert of each layer: counts [layers, E] -> [layers] (1 = even; 0 for a layer
+    without a choice, a micro-batch of padding)."""
+    return counts.max(1).values * counts.shape[1] / counts.sum(1).clamp_min(1)
 
 
 def _aux_share(scope: str, counts: torch.Tensor, fraction: torch.Tensor, prob_sum: torch.Tensor,

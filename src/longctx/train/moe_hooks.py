@@ -24,11 +24,12 @@ import torch
 from ..config import Config
 from ..job.runtime import Runtime
 from ..models.moe import eval_routing_note, moe_layers
+from ..models.moe_stats import layer_loads
 from ..parallel.expert.install import expert_step_notes
 from ..parallel.expert.placement import Placement
 from .hooks import StepHook
 from .model import model_kind
-from .router_metrics import RouterInterval, heatmap_every, layer_loads
+from .router_metrics import RouterInterval, heatmap_every
 
 
 def moe_step_hooks(cfg: Config, model: torch.nn.Module, rt: Runtime, log=print) -> list[StepHook]:
@@ -62,8 +63,9 @@ class MoEStepHook(StepHook):
         terms = self.model.router_terms()
         if terms is None:
             return None
-        self._step.add(terms, micro_batches)
-        return terms.loss * (scale / micro_batches)  # the balancing losses: a mean over the micro-batches
+        self._step.add(terms)
+        # the balancing losses: a mean over the micro-batches (one of padding adds 0: models/moe_stats.py)
+        return terms.loss * (scale / micro_batches)
 
     def after_optimizer(self, step: int, applied: torch.Tensor) -> None:
         s = self._step
@@ -100,14 +102,24 @@ class MoEStepHook(StepHook):
 
 class _StepSums:
     """One optimizer step's router figures over its micro-batches, on the device: stats and per-layer
-    max/mean loads as means, choices per expert and dropped choices as sums."""
+    max/mean loads as means over the micro-batches holding a real token (one entirely of padding has no
+    load to average), choices per expert and dropped choices as sums."""
 
     def __init__(self):
-        self.stats = self.counts = self.layer_load = self.dropped = None
+        self.counts = self.dropped = self._stats = self._layer_load = self._routed = None
 
-    def add(self, terms, micro_batches: int) -> None:
-        n = micro_batches
-        self.stats = terms.stats / n + (0 if self.stats is None else self.stats)
+    def add(self, terms) -> None:
+        routed = (terms.counts.sum() > 0).to(terms.stats.dtype)  # (counts are over every rank: all agree)
+        self._stats = terms.stats * routed + (0 if self._stats is None else self._stats)
+        self._layer_load = layer_loads(terms.counts) * routed + (0 if self._layer_load is None else self._layer_load)
+        self._routed = routed + (0 if self._routed is None else self._routed)
         self.counts = terms.counts + (0 if self.counts is None else self.counts)
-        self.layer_load = layer_loads(terms.counts) / n + (0 if self.layer_load is None else self.layer_load)
         self.dropped = terms.dropped + (0 if self.dropped is None else self.dropped)
+
+    @property
+    def stats(self) -> torch.Tensor:
+        return self._stats / self._routed.clamp_min(1)
+
+    @property
+    def layer_load(self) -> torch.Tensor:
+        return self._layer_load / self._routed.clamp_min(1)

@@ -37,11 +37,6 @@ ROUTER_FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst"
 EXPERT_LOAD_COLUMNS = 100  # per-expert loads recorded at most this many times in a run (the heatmap's columns)
 
 
-def layer_loads(counts: torch.Tensor) -> torch.Tensor:
-    """Max / mean choices per expert of each layer: counts [layers, E] -> [layers] (1 = even)."""
-    return counts.max(1).values / counts.mean(1)
-
-
 def rank_load(counts: torch.Tensor, expert: int, shares: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens the busiest rank of an expert group runs over the mean, worst MoE layer (0-d),
     from choices per expert [layers, E]: experts placed in contiguous blocks of E / expert, or with
