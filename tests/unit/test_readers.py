@@ -16,6 +16,7 @@ import zstandard
 
 from longctx.cli import main as longctx_main
 from longctx.data.builder import readers
+from longctx.data.builder.corpus import read_documents
 from longctx.data.builder.inputs import input_files, read_inputs, unit_size
 from longctx.data.builder.readers import iter_file
 from longctx.errors import DataError
@@ -92,6 +93,25 @@ def test_suffix_before_the_compression_decides(tmp_path):
     res = read_inputs([str(d)])
     assert [x.name for x in res.docs] == ["readme.md.gz"] and res.skipped["other_suffix"] == 4
     assert input_files(str(d / "t.parquet.gz"))[1:] == ([], 1)
+
+
+def test_dot_directories_are_not_read(tmp_path):
+    """A project directory given as --input: its .git objects, a .venv's installed .py files and a tool's
+    cache are not the corpus (they were read: every file but a dotfile itself). An input that is itself
+    a dot-directory is read; one holding documents only under dot-directories is a clear error."""
+    d = tmp_path / ".proj"
+    for rel in ["src/a.py", "docs/b.md", ".venv/lib/site.py", ".git/HEAD.txt", "src/.cache/c.json", ".hid.txt"]:
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(f"text of {rel}\n")
+    root, units, skipped = input_files(str(d))
+    assert [u.relative_to(root).as_posix() for u in units] == ["docs/b.md", "src/a.py"] and skipped == 0
+    assert [x.name for x in read_inputs([str(d)]).docs] == ["docs/b.md", "src/a.py"]
+    assert sorted(x.name for x in read_documents(str(d))) == ["docs/b.md", "src/a.py"]
+    only = tmp_path / "only"
+    (only / ".git").mkdir(parents=True)
+    (only / ".git" / "x.txt").write_text("x\n")
+    with pytest.raises(DataError, match="names starting with '.'"):
+        input_files(str(only))
 
 
 def test_corrupt_compressed_files_are_skipped_and_reading_goes_on(tmp_path):

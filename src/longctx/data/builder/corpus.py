@@ -23,6 +23,12 @@ class Document:
     text: str
 
 
+def hidden(rel: Path) -> bool:
+    """A path (relative to an input directory) that is a dotfile or lies under a dot-directory: .git's
+    objects, a .venv's installed packages or a tool's cache are not the corpus a user points at."""
+    return any(part.startswith(".") for part in rel.parts)
+
+
 def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
@@ -52,7 +58,8 @@ def corpus_files(corpus: str) -> tuple[Path, list[Path]]:
             raise DataError(
                 f"data.corpus '{corpus}' is neither 'stdlib' nor an existing directory of text files."
             )
-        files = [p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES]
+        files = [p for p in root.rglob("*")
+                 if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not hidden(p.relative_to(root))]
     files.sort()
     if not files:
         raise DataError(f"data.corpus '{corpus}' holds no text files ({', '.join(sorted(TEXT_SUFFIXES))}).")

@@ -2,7 +2,8 @@
 
 An input (`--input`, `data.corpus`) is 'stdlib', a directory, a saved Hugging Face dataset or one
 file; its *units* are the files readers.py reads one at a time. In a directory: files sorted by
-path (dotfiles skipped; text files only with a known suffix). A directory written by
+path (dotfiles and files under dot-directories skipped: .git, .venv, caches; text files only with
+a known suffix). A directory written by
 `Dataset.save_to_disk` (`state.json` listing its arrow files) or `DatasetDict.save_to_disk`
 (`dataset_dict.json` listing its splits), given as the input or found inside an input directory,
 is read through its arrow files in the order state.json lists them (splits in dataset_dict.json
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import DataError
-from .corpus import TEXT_SUFFIXES, Document, corpus_files
+from .corpus import TEXT_SUFFIXES, Document, corpus_files, hidden
 from .readers import check_libraries, iter_file, unit_format
 
 # the json files a saved dataset holds beside its arrow files: metadata, never documents
@@ -108,7 +109,7 @@ def saved_dataset(d: Path) -> list[Path] | None:
 def _directory_units(p: Path) -> tuple[list[Path], int]:
     """(units of directory `p` in a deterministic order, files skipped): files sorted by path, a saved
     dataset's arrow files in its own order at the place the dataset directory sorts."""
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+    files = sorted(f for f in p.rglob("*") if f.is_file() and not hidden(f.relative_to(p)))
     datasets: dict[Path, list[Path]] = {}
     # outermost first, so a DatasetDict claims its splits
     for d in sorted({f.parent for f in files if f.name in ("state.json", "dataset_dict.json")},
@@ -138,7 +139,7 @@ def _directory_units(p: Path) -> tuple[list[Path], int]:
 def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], int]:
     """(root, the units read_inputs reads for `spec` in order, files skipped for their suffix):
     'stdlib', a directory (text, .jsonl, .parquet and .arrow files, text and .jsonl also .gz / .zst,
-    saved Hugging Face datasets; dotfiles skipped), a saved dataset directory, or one file. A unit's
+    saved Hugging Face datasets; dotfiles and dot-directories skipped), a saved dataset directory, or one file. A unit's
     name is its path relative to root. `option` names the setting `spec` came from in errors
     (--input, data.corpus). Checks now that pyarrow / zstandard are installed where units need them."""
     if spec == "stdlib":
@@ -162,8 +163,8 @@ def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], i
         raise DataError(
             f"{option} directory '{spec}' holds no usable file (text files with a suffix among "
             f"{', '.join(sorted(TEXT_SUFFIXES))}, .jsonl / .parquet / .arrow files, text and .jsonl also "
-            f"compressed as .gz / .zst, or datasets saved with save_to_disk); point {option} at a directory "
-            f"with documents."
+            f"compressed as .gz / .zst, or datasets saved with save_to_disk; names starting with '.', and "
+            f"everything under such directories, are not read); point {option} at a directory with documents."
         )
     check_libraries(usable)
     return root, usable, skipped
