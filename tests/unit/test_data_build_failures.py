@@ -397,6 +397,33 @@ def test_an_interrupted_default_store_build_is_never_reused(tmp_path, monkeypatc
     assert stored(path) == by_hand(texts)
 
 
+def test_a_default_store_build_killed_outright_leaves_nothing_after_the_next_build(tmp_path, monkeypatch):
+    """SIGKILL (the OOM killer) runs no `finally`: the half-written store stayed in the cache for good. The
+    next build on the host removes it once its process is gone; a live build's, and another host's (a cache
+    shared by hosts), stay."""
+    import socket
+    import subprocess
+    import sys
+
+    from longctx.config.schema import DataConfig
+    from longctx.data import default_store
+
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path / "cache"))
+    corpus(tmp_path / "corpus", seed=12, files=2)
+    cfg = DataConfig(corpus=str(tmp_path / "corpus"), tokenizer="byte", strategy="concat", dedup="exact",
+                     eval_fraction=0.0)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host, cache = socket.gethostname(), tmp_path / "cache" / "data"
+    killed = cache / f".tmp-stdlib-64-concat-0123@{host}-{int(dead.stdout)}"
+    live = cache / f".tmp-stdlib-64-concat-4567@{host}-{os.getpid()}"
+    other_host = cache / f".tmp-stdlib-64-concat-89ab@x{host}-{int(dead.stdout)}"
+    for d in (killed, live, other_host):
+        (d / "parts").mkdir(parents=True)
+        (d / "parts" / "train.00000.bin").write_bytes(b"\0" * 1024)
+    path = default_store.default_store(cfg, 64, log=quiet)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([path.name, live.name, other_host.name])
+
+
 def test_a_cached_default_store_of_other_options_or_another_version_is_not_reused(tmp_path, monkeypatch):
     from dataclasses import replace
 

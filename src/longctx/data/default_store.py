@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 from ..cache_dir import cache_root
@@ -25,6 +26,7 @@ from .builder.inputs import input_files
 from .builder.options import BuildOptions
 from .builder.pipeline import build_store
 from .builder.scan import VERSION as SCAN_VERSION
+from .builder.scan import remove_stale_partials
 from .store import MANIFEST
 from .tokenizer import tokenizer_digest
 
@@ -100,7 +102,11 @@ def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, ann
             log(f"data: using the cached store {final}")
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
+    # a build killed outright (SIGKILL, the OOM killer) leaves its half-written store: removed by the next
+    # build on the same host once its process is gone (the cache may be shared by hosts: only this one's)
+    host = socket.gethostname()
+    remove_stale_partials(final.parent, f".tmp-*@{host}-*")
+    tmp = final.parent / f".tmp-{final.name}@{host}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"data: building the store for {data_cfg.corpus} at seq_len {seq_len} (first use; cached in {final})")
     try:

@@ -229,12 +229,13 @@ def _scan_star(args) -> dict:
     return scan_shard(*args)
 
 
-def remove_stale_partials(shards_dir: Path) -> None:
+def remove_stale_partials(shards_dir: Path, pattern: str = ".tmp-*") -> None:
     """Delete the half-written shards of a killed scan (`.tmp-N-PID` whose process is gone): they
-    would be written again from the start anyway, and a large corpus leaves many."""
+    would be written again from the start anyway, and a large corpus leaves many. (`pattern`: other
+    half-written directories named ...-PID, e.g. a killed default store's.)"""
     if not shards_dir.is_dir():
         return
-    for p in shards_dir.glob(".tmp-*"):
+    for p in shards_dir.glob(pattern):
         pid = p.name.rsplit("-", 1)[-1]
         if not pid.isdigit() or not _alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
