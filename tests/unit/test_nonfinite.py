@@ -97,7 +97,7 @@ def test_faults_name_their_steps_and_ranks(monkeypatch):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--train.on_nonfinite=retry"], "train.on_nonfinite must be skip, stop or rollback"),
+    (["--train.on_nonfinite=retry"], "on_nonfinite = .retry. is not one of the valid choices: skip, stop, rollback"),
     (["--train.on_nonfinite=rollback"], "rollback reloads the last checkpoint, but checkpoint.interval is 0"),
     (["--train.spike_factor=0.5"], "train.spike_factor must be 0"),
     (["--train.spike_window=0"], "train.spike_window must be at least 1"),

@@ -51,7 +51,7 @@ def test_warn_trains_on_and_saves_again(tmp_path, monkeypatch):
 def test_bad_choice_is_a_config_error():
     from longctx.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="checkpoint.on_save_error must be stop or warn"):
+    with pytest.raises(ConfigError, match="on_save_error = .ignore. is not one of the valid choices: stop, warn"):
         load_config(None, ["--checkpoint.on_save_error=ignore"])
 
 

@@ -381,11 +381,7 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"checkpoint.interval must be >= 0 and checkpoint.keep >= 1, got {ck.interval} and {ck.keep}.")
     if not ck.resume.strip():  # ('' would be read as the path '.', the working directory)
         problems.append("checkpoint.resume is empty; write auto (the latest checkpoint), none or a checkpoint path.")
-    if ck.on_save_error not in ("stop", "warn"):
-        problems.append(f"checkpoint.on_save_error must be stop or warn, got {ck.on_save_error!r}.")
     t = cfg.train
-    if t.on_nonfinite not in ("skip", "stop", "rollback"):
-        problems.append(f"train.on_nonfinite must be skip, stop or rollback, got {t.on_nonfinite!r}.")
     if t.on_nonfinite == "rollback" and not ck.interval:
         problems.append("train.on_nonfinite = rollback reloads the last checkpoint, but checkpoint.interval is 0 (no "
                         "checkpoint is saved); set --checkpoint.interval N, or use skip or stop.")

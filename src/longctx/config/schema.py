@@ -262,8 +262,8 @@ class TrainConfig:
                                      "(train.spike_factor): 'skip' (its update is not applied, decided on the device; "
                                      "counted in the metrics), 'stop' (not applied, and the run stops at the next "
                                      "read naming the step) or 'rollback' (not applied; the run reloads the last "
-                                     "checkpoint and skips the data from it to the bad step, recorded beside the "
-                                     "checkpoints so that a resume does not replay it)")
+                                     "checkpoint and skips the data from it to the bad step, recorded beside "
+                                     "the checkpoints: no resume replays it)", choices=("skip", "stop", "rollback"))
     spike_factor: float = _opt(0.0, "a step whose loss exceeds this many times the median of the last "
                                     "train.spike_window steps' losses is a spike, handled as train.on_nonfinite says "
                                     "(e.g. 3 with rollback); 0 = no spike check")
@@ -380,7 +380,7 @@ class CheckpointConfig:
                                       "(checkpoint.interval 0); refused otherwise, since they are rarely meant")
     on_save_error: str = _opt("stop", "a save that fails (a full disk, an unwritable directory): 'stop' the run, or "
                                       "'warn' and train on; either way the partial save is removed and the "
-                                      "previous checkpoint stays the latest")
+                                      "previous checkpoint stays the latest", choices=("stop", "warn"))
     on_signal: str = _opt("SIGTERM,SIGUSR1", "signals on which a run that saves checkpoints finishes its step, "
                                              "saves it and exits with code 75 (requeue); '' = none")
 
