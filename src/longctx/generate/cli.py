@@ -238,11 +238,13 @@ def _sampling(args):
     generate/settings.py; args.max_new_tokens resolved too, args.generation_defaults says what came
     from the file), with every out-of-range value said at once."""
     from .sampling import Sampling
-    from .settings import generation_config, greedy_filter_problem, resolve
+    from .settings import generation_config, greedy_filter_problem, resolve, unapplied
 
     fields, args.max_new_tokens, taken = resolve(args, generation_config(args.checkpoint))
     args.generation_defaults = ", ".join(taken)
     sampling = Sampling(**fields, seed=args.seed, min_new_tokens=args.min_new_tokens)
+    # (keys the file sets that transformers would follow and longctx does not: said, never silently dropped)
+    args.generation_unapplied = ", ".join(unapplied(args.checkpoint, not sampling.greedy, args.min_new_tokens))
     problems = sampling.problems()
     inert = greedy_filter_problem(args, sampling.temperature)
     if inert:
@@ -328,6 +330,9 @@ def _run(request: GenerateRequest, args) -> int:
         say(_describe(request, args, device, dtype))
         if getattr(args, "generation_defaults", ""):
             say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
+        if getattr(args, "generation_unapplied", ""):
+            say(f"generate: note: generation_config.json also sets {args.generation_unapplied}, which longctx does "
+                f"not apply (transformers' generate would): the tokens may differ from the model's intended decoding")
     step = _warm_up(request, args, model, device, backend, main_rank)
     samples = args.num_samples
     output = Output(request.tokenizer, args.stop, args.output, len(request.prompts) * samples,

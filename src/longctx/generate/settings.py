@@ -12,8 +12,11 @@ always wins. The file is read as transformers reads it:
 - `max_new_tokens` when it has one (`max_length`, a total, is not read);
 - a key the file does not write keeps longctx's default, as vLLM does (transformers would fill an
   absent `top_k` with its global 50 when sampling; longctx does not).
-Which values came from the file is said once on stderr. `eval --mode generate` reads no file: a
-benchmark stays greedy unless its flags say otherwise.
+Which values came from the file is said once on stderr, and so are the keys it sets that would change
+transformers' choice of tokens but that longctx does not apply (UNAPPLIED: no_repeat_ngram_size,
+typical_p, num_beams, min_new_tokens, ...), so that a run never silently differs from the model's
+intended decoding. `eval --mode generate` reads no file: a benchmark stays greedy unless its flags
+say otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ SAMPLING_FLAGS = (
 # generation_config.json keys read, and the Sampling field (or max_new_tokens) each sets
 FILE_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 DEFAULT_MAX_NEW_TOKENS = 256
+# generation_config.json keys that change the tokens transformers' generate chooses and that longctx does
+# not apply, with the value that changes nothing (transformers' default; None: absent); True: a
+# sampling warper (it matters only when decoding samples)
+UNAPPLIED = {"min_new_tokens": (0, False), "min_length": (0, False), "no_repeat_ngram_size": (0, False),
+             "bad_words_ids": (None, False), "sequence_bias": (None, False), "suppress_tokens": (None, False),
+             "begin_suppress_tokens": (None, False), "forced_bos_token_id": (None, False),
+             "forced_eos_token_id": (None, False), "exponential_decay_length_penalty": (None, False),
+             "num_beams": (1, False), "penalty_alpha": (0, False), "guidance_scale": (1, False),
+             "dola_layers": (None, False), "typical_p": (1.0, True), "epsilon_cutoff": (0.0, True),
+             "eta_cutoff": (0.0, True), "top_h": (None, True)}
 
 
 def add_sampling_flags(p) -> None:
@@ -50,17 +63,7 @@ def add_sampling_flags(p) -> None:
 def generation_config(checkpoint: str) -> dict:
     """The keys of FILE_KEYS an hf:DIR checkpoint's generation_config.json writes (nulls dropped);
     {} for a longctx checkpoint or a directory without the file."""
-    if not checkpoint.startswith("hf:"):
-        return {}
-    from ..config.hf import hf_dir
-
-    file = hf_dir(checkpoint) / "generation_config.json"
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except ValueError as e:
-        raise ConfigError(f"{file} is not JSON ({e}).") from None
+    file, data = _read(checkpoint)
     found = {k: data[k] for k in FILE_KEYS if data.get(k) is not None}
     for key, kinds in (("do_sample", (bool,)), ("top_k", (int,)), ("max_new_tokens", (int,)),
                        ("temperature", (int, float)), ("top_p", (int, float)), ("min_p", (int, float)),
@@ -68,6 +71,37 @@ def generation_config(checkpoint: str) -> dict:
         if key in found and (not isinstance(found[key], kinds) or (bool not in kinds and isinstance(found[key], bool))):
             raise ConfigError(f"{file}: {key} is {found[key]!r}, not a {'/'.join(k.__name__ for k in kinds)}.")
     return found
+
+
+def _read(checkpoint: str) -> tuple[object, dict]:
+    """(the path, the keys) of an hf:DIR checkpoint's generation_config.json; (None, {}) without one."""
+    if not checkpoint.startswith("hf:"):
+        return None, {}
+    from ..config.hf import hf_dir
+
+    file = hf_dir(checkpoint) / "generation_config.json"
+    if not file.is_file():
+        return None, {}
+    try:
+        return file, json.loads(file.read_text())
+    except ValueError as e:
+        raise ConfigError(f"{file} is not JSON ({e}).") from None
+
+
+def unapplied(checkpoint: str, sampling: bool, min_new_tokens: int = 0) -> list[str]:
+    """'key value' of each UNAPPLIED key the checkpoint's generation_config.json sets to a value that
+    changes transformers' tokens (a sampling warper only when `sampling`; min_new_tokens unless the
+    flag gave one): what the run will not follow, to be said."""
+    _, data = _read(checkpoint)
+    out = []
+    for key, (neutral, warper) in UNAPPLIED.items():
+        value = data.get(key)
+        if value is None or value == neutral or value in ([], {}) or (warper and not sampling):
+            continue
+        if key == "min_new_tokens" and min_new_tokens:
+            continue
+        out.append(f"{key} {json.dumps(value)}")
+    return out
 
 
 def greedy_filter_problem(args, temperature: float) -> str | None:
