@@ -7,6 +7,9 @@ position is the sampler's global cursor, which does not depend on the number of 
 learning-rate schedule is a function of the step; the spike check's window (train/guard.py) is saved
 beside the data position. Each rank's random generators are saved too (`rng-rank{r}.pt`,
 checkpoint/rng_states.py). The optimizer's hyper-parameters are the resumed run's config's, not the saver's.
+Under co2 the replicas' weights and moments differ: DCP, which keeps one copy of a replicated tensor, is told to
+keep the lowest rank's, so that the checkpoint holds replica 0's whole state (dp_replicate is the mesh's outer
+dim, job/dims.py), not its default, each tensor from whichever rank had written least: a mix no rank held.
 
 Crash safety: every save is written into a hidden temporary directory. When its own files are on
 disk, each rank hashes them (the DCP shards `__{rank}_*.distcp` and its RNG file; rank 0 also the
@@ -70,6 +73,7 @@ from .manifest import (
     DamagedManifest,
     check_draft_matches,
     check_model_matches,
+    check_weights_fit,
     checkpoint_files,
     collect_hashes_parts,
     damage_report,
@@ -77,6 +81,7 @@ from .manifest import (
     hash_files,
     owner_rank,
     read_manifest,
+    verification_shares,
     verify,
     write_hashes_part,
     write_manifest,
@@ -84,17 +89,6 @@ from .manifest import (
 from .rng_states import _load_rng, _rng_state, _set_rng_state, local_state_file, rng_file
 
 TRAINER_STATE = "trainer_state.json"
-
-
-def verification_shares(entries: list[dict], world: int) -> list[int]:
-    """The rank that checks each manifest entry: largest files first, each to the rank with the fewest
-    bytes so far (ties: the lowest rank), so the ranks hash about equal amounts whatever world size
-    wrote the checkpoint. Deterministic, so every rank computes the same shares without talking."""
-    owner, load = [0] * len(entries), [0] * world
-    for i in sorted(range(len(entries)), key=lambda i: (-entries[i]["bytes"], entries[i]["path"])):
-        owner[i] = min(range(world), key=lambda r: (load[r], r))
-        load[owner[i]] += entries[i]["bytes"]
-    return owner
 
 
 class CheckpointManager:
@@ -160,6 +154,8 @@ class CheckpointManager:
         state = {"model": model_sd, "optim": optim_sd}
         own_bytes = state_bytes(state)
         kwargs = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=self.world == 1)
+        if self.rank_state is not None:  # the replicas differ (co2): all of replica 0's, not a mix (docstring)
+            kwargs["planner"] = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         if self.async_save:
             if self._stager is None:
                 self._stager = reusable_stager()
@@ -363,6 +359,7 @@ class CheckpointManager:
         check_draft_matches(manifest, d.get("layers"), path, d.get("kind", "glide"), d.get("vocab", 0),
                             (d.get("target") or {}).get("identity"))
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        check_weights_fit(path, model_sd)
         state = {"model": model_sd, "optim": optim_sd}
         # the state (moments, step counts) is the checkpoint's; every group's hyper-parameters are this run's
         # (its config's betas, eps, weight_decay, which a resume may change and announces; how it computes the

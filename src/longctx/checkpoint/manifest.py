@@ -175,6 +175,17 @@ def file_problem(directory: Path, entry: dict, checksums: bool = True) -> str | 
     return None
 
 
+def verification_shares(entries: list[dict], world: int) -> list[int]:
+    """The rank that checks each manifest entry: largest files first, each to the rank with the fewest
+    bytes so far (ties: the lowest rank), so the ranks hash about equal amounts whatever world size
+    wrote the checkpoint. Deterministic, so every rank computes the same shares without talking."""
+    owner, load = [0] * len(entries), [0] * world
+    for i in sorted(range(len(entries)), key=lambda i: (-entries[i]["bytes"], entries[i]["path"])):
+        owner[i] = min(range(world), key=lambda r: (load[r], r))
+        load[owner[i]] += entries[i]["bytes"]
+    return owner
+
+
 def damage_report(problems: dict[str, str]) -> str:
     """One line naming each damaged file and what is wrong with it."""
     return "; ".join(f"{path} {problem}" for path, problem in problems.items())
@@ -197,6 +208,11 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
     diff.update({k: (saved.get(k, False), model_cfg.get(k, False)) for k in OPTIONAL_PARAM_FIELDS
                  if saved.get(k, False) != model_cfg.get(k, False)})
     diff.update(_moe_structure_differences(saved, model_cfg))
+    # the q/k norms' weights are one head wide (span head) or the whole projection (all): else a size-mismatch
+    # trace from inside DCP, or (one head of each) weights of the other meaning loaded at the same width
+    span = tuple(c.get("qk_norm_span", "head") for c in (saved, model_cfg))
+    if saved.get("qk_norm", False) and model_cfg.get("qk_norm", False) and span[0] != span[1]:
+        diff["qk_norm_span"] = span
     if saved.get("head_dim", 0) or model_cfg.get("head_dim", 0):
         def hd(c):
             return c.get("head_dim") or c["dim"] // c["heads"]
@@ -211,6 +227,23 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
             f"checkpoint {where} was written for another model ({details}). Configure the same model shape "
             f"(e.g. {same}) or start without --checkpoint.resume. Nothing was loaded."
         )
+
+
+def check_weights_fit(directory: Path, model_keys) -> None:
+    """Refuse a checkpoint whose model holds tensors that the configured model has no place for: DCP reads only
+    the keys it is asked for, so a model with fewer parameters than the checkpoint's (a field the model check
+    does not know, a caller without a model config) would take part of it without a word."""
+    import torch.distributed.checkpoint as dcp  # (only on a load: a manifest reader needs no DCP)
+
+    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    extra = sorted(k.removeprefix("model.") for k in saved if k.startswith("model.")
+                   and k.removeprefix("model.") not in model_keys)
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise CheckpointError(
+            f"checkpoint {directory} holds model tensors that the configured model lacks ({shown}): it was written "
+            f"for another model. Configure the model it was saved with, or start without --checkpoint.resume. "
+            f"Nothing was loaded.")
 
 
 def _moe_structure(c: dict) -> dict:
