@@ -190,6 +190,26 @@ def test_a_store_inside_its_input_directory_never_reads_its_own_files(tmp_path, 
     assert stored(src / "store") == by_hand(texts + ["one more document\n"])
 
 
+def test_a_build_failing_before_it_writes_leaves_no_empty_out(tmp_path, monkeypatch):
+    """A bad input (or any failure before the first file) left the --out it had created, and its parents,
+    empty: it looked like a store that lost its files. They are removed; an --out that existed stays, and a
+    build that failed after scanning keeps its work (to be resumed)."""
+    from longctx.errors import DataError
+
+    with pytest.raises(DataError, match="does not exist"):
+        build_store(audit_opts([tmp_path / "missing"], tmp_path / "new" / "deeper" / "store"), log=quiet)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(DataError, match="does not exist"):
+        build_store(audit_opts([tmp_path / "missing"], tmp_path / "kept"), log=quiet)
+    assert (tmp_path / "kept").is_dir()
+    corpus(tmp_path / "corpus", seed=13, files=3)
+    with monkeypatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        dies_on_call(mp, SplitWriter, "write", 1)
+        build_store(audit_opts([tmp_path / "corpus"], tmp_path / "started"), log=quiet)
+    assert any((tmp_path / "started").iterdir())
+
+
 def test_a_second_build_into_a_directory_a_build_is_writing_is_refused_not_mixed(tmp_path, monkeypatch):
     """The second build starts while the first is between publishing its part and writing its manifest
     (run from inside it): unchecked, it deleted the first's part as stale, published its own, and the

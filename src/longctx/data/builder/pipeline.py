@@ -26,7 +26,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict
 from pathlib import Path
 
@@ -152,9 +152,11 @@ def _exclusive(out: Path):
     one into the same directory while it runs is refused. Unchecked, the second would delete the first's
     scan and unlisted part (as stale) and the two would publish over each other, leaving one's manifest
     over the other's part. A lock on the directory itself (flock), so it leaves no file behind and a
-    killed build never holds it."""
+    killed build never holds it. A build that fails before writing anything into an `out` it created
+    removes it again (an empty --out left behind looked like a store that had lost its files)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out '{out}' exists and is not a directory.")
+    created = [d for d in (out, *out.parents) if not d.exists()]  # (deepest first)
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out, os.O_RDONLY)
     try:
@@ -166,6 +168,11 @@ def _exclusive(out: Path):
         except OSError:
             pass  # a file system without locks (some network mounts): build as before, unguarded
         yield
+    except BaseException:
+        with suppress(OSError):
+            for d in created:
+                d.rmdir()  # only while empty: a started scan stays, to be resumed
+        raise
     finally:
         os.close(fd)  # (releases the lock)
 
