@@ -129,6 +129,20 @@ def test_a_file_key_wins_over_a_command_line_preset(tmp_path):
     assert (cfg.model.layers, cfg.model.dim, cfg.model.moe_experts, cfg.model.moe_top_k) == (3, 512, 16, 1)
 
 
+def test_a_command_line_preset_over_a_saved_config_builds_that_preset(tmp_path):
+    """A run's saved config.toml lists every model key; with --model.preset naming another preset, its keys
+    that only restate its own preset (or the default) overrode the flag's: the run built the file's model
+    under the flag's name. Now the flag's preset decides them; a key the file changed stays on top of it."""
+    p = tmp_path / "config.toml"
+    p.write_text(to_toml(load_config(None, ["--model.preset=debug-moe", "--model.moe.router=sinkhorn",
+                                            "--model.rope_theta=50000"])))
+    want = load_config(None, ["--model.preset=llama3-1b", "--model.moe.router=sinkhorn", "--model.rope_theta=50000"])
+    got = load_config(p, ["--model.preset=llama3-1b"])
+    assert got.model == want.model and (got.model.dim, got.model.layers, got.model.moe_experts) == (2048, 16, 0)
+    assert load_config(p, ["--model.preset=debug-moe"]).model == load_config(p).model  # the file's own preset
+    assert load_config(p, ["--model.preset=debug", "--model.layers=2"]).model.layers == 2  # a flag beats both
+
+
 # ---------------------------------------------------------------------------------------------
 # resume
 

@@ -213,9 +213,33 @@ def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | N
             raw.setdefault(section, {}).update(_renamed(section, _flatten_tables(values), path, saved_run))
     if overrides:
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        if "model" in raw and "preset" in parsed.get("model", {}):
+            raw["model"] = _restated_dropped(raw["model"], parsed["model"]["preset"])
         for section, values in parsed.items():
             raw.setdefault(section, {}).update(values)
     return raw
+
+
+def _restated_dropped(file_model: dict[str, Any], preset: Any) -> dict[str, Any]:
+    """A file's [model] under a flag naming another preset than the file's: its keys that only restate the
+    file's preset or the default (a run's saved config.toml lists every key) are dropped, so that the flag's
+    preset decides them; the keys the file changes stay on top of it. Kept, they overrode the flag's preset
+    (file over preset): the run built the file's model under the flag's preset's name."""
+    fields = fields_by_key(ModelConfig)
+    own = file_model.get("preset", fields["preset"].default)
+    if own == preset or own not in MODEL_PRESETS or file_model.get("init_from"):
+        return file_model
+    restated = {**{k: f.default for k, f in fields.items()}, **MODEL_PRESETS[own]}
+    kept = {}
+    for key, value in file_model.items():
+        if key != "preset" and key in fields and key in restated:
+            try:
+                if _coerce(f"model.{key}", value, fields[key]) == restated[key]:
+                    continue
+            except ConfigError:
+                pass  # (a bad value is kept, to be refused with the rest)
+        kept[key] = value
+    return kept
 
 
 def _flatten_tables(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
