@@ -179,6 +179,21 @@ def test_a_resume_of_a_staged_run_takes_new_stages(tmp_path):
         _resume(run, ["--train.stages=64:2,128:6", "--train.steps=9"])
 
 
+def test_a_resume_with_another_seed_is_refused_before_start_up_when_a_checkpoint_exists(tmp_path):
+    """The data position is a cursor into the seed's order: the loader refused another seed only once the ranks,
+    model and data had started. Refused when the config is read; a run with no checkpoint yet starts afresh."""
+    run = _saved_run(tmp_path, ["--train.seed=3"])
+    cfg, resumed = _resume(run, ["--train.seed=4"])  # no checkpoint: nothing to continue
+    assert cfg.train.seed == 4 and resumed.changes == ["train.seed 3 -> 4"]
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000002" / "manifest.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"train.seed 3 -> 4: its checkpoint's data order was drawn with seed 3.*"
+                                          r"--train.seed 3"):
+        _resume(run, ["--train.seed=4"])
+    assert _resume(run, ["--train.seed=4", "--checkpoint.resume=none"])[0].train.seed == 4  # (a new run: no resume)
+    assert _resume(run, [])[0].train.seed == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # eval's flags
 

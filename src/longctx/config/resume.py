@@ -117,12 +117,29 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
         raise ConfigError(f"the saved config of the run to resume, {run_dir / 'config.toml'}, no longer loads: "
                           f"{e}") from None
     diffs = _differences(before, to_dict(cfg))
+    _refuse_another_seed(diffs, cfg, run_dir)
     _refuse_unasked(diffs, cfg, run_dir)
     return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])
 
 
 def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _refuse_another_seed(diffs: list, cfg: Config, run_dir: Path) -> None:
+    """A checkpoint's data position is a cursor into the order its seed drew: another train.seed would repeat
+    samples and skip others (data/loader.py refuses it when the position loads, after the ranks, the model
+    and the data have started). Refused here, before any of that, whenever there is a checkpoint to load."""
+    change = next((d for d in diffs if d[:2] == ("train", "seed")), None)
+    if change is None or cfg.checkpoint.resume == "none":
+        return
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    if cfg.checkpoint.resume == "auto" and latest_checkpoint(root) is None:
+        return  # (nothing to resume: the run starts afresh under the new seed)
+    raise ConfigError(f"this resume of {run_dir} would change train.seed {change[2]} -> {change[3]}: its checkpoint's "
+                      f"data order was drawn with seed {change[2]}, and another would repeat some samples and skip "
+                      f"others. Resume with --train.seed {change[2]}, or start a new run from its weights with "
+                      f"--model.init_from {root}.")
 
 
 def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
