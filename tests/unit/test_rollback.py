@@ -11,6 +11,7 @@ import torch
 
 from longctx.config import load_config
 from longctx.train.guard import StepGuard
+from longctx.train.report import rolled_back_steps
 from longctx.train.trainer import Trainer
 
 BASE = ["--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40", "--train.eval_interval=0",
@@ -106,6 +107,8 @@ def test_rollback_reloads_and_skips_the_window(fault, extra, bad, back_to, tmp_p
     line = [r for r in map(json.loads, (trainer.run_dir / "metrics.jsonl").read_text().splitlines())
             if r.get("kind") == "train"][-1]
     assert line["rollbacks"] == 1
+    # the plots shade the discarded steps (their records stay in metrics.jsonl)
+    assert rolled_back_steps(trainer.run_dir) == [(back_to + 1, bad)] and rolled_back_steps(clean.run_dir) == []
 
 
 def test_a_rollback_to_the_last_step_of_a_stage_starts_the_next_stage_afresh(tmp_path, monkeypatch):
@@ -237,3 +240,14 @@ def test_the_spike_check_stays_on_after_a_rollback(tmp_path, monkeypatch):
     assert [(r["bad_step"], r["rolled_back_to"]) for r in records] == [(6, 4), (7, 4)]
     assert trainer.rollbacks == 2
     assert all(x == x and x < 100 for i, x in enumerate(result.losses) if i not in (5, 6))
+
+
+def test_the_discarded_steps_are_read_from_a_checkpoint_dir_outside_the_run(tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "ckpts"
+    run.mkdir()
+    elsewhere.mkdir()
+    (run / "config.toml").write_text(f'[checkpoint]\ndir = "{elsewhere}"\n')
+    assert rolled_back_steps(run) == []
+    lines = [{"skipped_steps": [11, 14]}, {"skipped_steps": [3, 5]}]
+    (elsewhere / "rollbacks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert rolled_back_steps(run) == [(3, 5), (11, 14)]

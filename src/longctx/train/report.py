@@ -34,6 +34,8 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
         raise UserError(f"{metrics_path} holds no training records to plot.")
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (first, last) in enumerate(rolled_back_steps(run_dir)):  # (their records are the abandoned attempt's)
+        ax.axvspan(first - 0.5, last + 0.5, color="0.88", label=None if i else "rolled back (updates discarded)")
     _plot_train_loss(ax, train)
     if evals:
         ax.plot([r["step"] for r in evals], [r["loss"] for r in evals],
@@ -228,6 +230,24 @@ def token_log_axis(ax, axis: str = "x", most: int = TOKEN_AXIS_LABELS) -> None:
     which.set_major_formatter(FuncFormatter(lambda v, _: token_text(int(round(v)))))
     which.set_minor_locator(FixedLocator([2.0**k for k in powers if k % stride]))
     which.set_minor_formatter(NullFormatter())
+
+
+def rolled_back_steps(run_dir: Path) -> list[tuple[int, int]]:
+    """The [first, last] steps each rollback of the run discarded (train/rollback.py records them beside the
+    checkpoints: <run>/checkpoints, or the checkpoint.dir its config.toml names): the records of those
+    steps stay in metrics.jsonl, but the updates they logged were undone and their data is never trained."""
+    import tomllib
+
+    from .rollback import RECORD
+
+    roots = [run_dir / "checkpoints"]
+    try:
+        named = tomllib.loads((run_dir / "config.toml").read_text()).get("checkpoint", {}).get("dir")
+        roots += [Path(named)] if named else []
+    except (OSError, ValueError):
+        pass  # (a run directory without a readable config: the default place only)
+    records = next((read_jsonl(r / RECORD) for r in roots if (r / RECORD).is_file()), [])
+    return sorted({(int(r["skipped_steps"][0]), int(r["skipped_steps"][1])) for r in records})
 
 
 def _last_per_step(records) -> list[dict]:
