@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from test_newcomer import longctx_here  # (refusals: in this process)
 
 
 @pytest.mark.parametrize("layout", [[], ["--head=2", "--ctx=2"]])
@@ -58,8 +59,7 @@ def test_bench_memory_of_a_moe_model_matches_its_count(layout):
                                        ("memory", "--batch")])
 def test_an_old_bench_flag_is_refused_not_taken_as_an_abbreviation(bench, old):
     """argparse would accept --seq for --seq-len; the bench parsers take no abbreviations."""
-    out = subprocess.run([sys.executable, "-m", "longctx", "bench", bench, old, "256"], capture_output=True, text=True,
-                         timeout=120)
+    out = longctx_here("bench", bench, old, "256")
     assert out.returncode != 0 and f"unexpected arguments for longctx bench {bench}: {old} 256" in out.stderr, \
         out.stderr
     assert not out.stdout
@@ -100,6 +100,5 @@ def test_max_seq_on_cpu_finds_the_longest_length_under_the_budget():
 
 def test_max_seq_on_cpu_needs_a_readable_budget():
     for extra, message in (([], "needs --budget"), (["--budget", "6 parsecs"], "cannot read")):
-        out = subprocess.run([sys.executable, "-m", "longctx", "bench", "memory", "--max-seq", *extra],
-                             capture_output=True, text=True, timeout=120)
+        out = longctx_here("bench", "memory", "--max-seq", *extra)
         assert out.returncode != 0 and message in out.stderr, out.stderr[-500:]

@@ -6,7 +6,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from test_newcomer import flat, longctx
+from test_newcomer import flat, longctx, longctx_here
 
 RUN = ["--train.seq_len=128", "--data.max_docs=100", "--train.eval_interval=0", "--metrics.log_interval=2",
        "--model.layers=2", "--train.steps=4", "--train.global_batch=2", "--checkpoint.interval=4",
@@ -86,7 +86,7 @@ def test_needle_and_default_corpus(checkpoint, tmp_path):
     (["--task", "passkey", "--lengths", "256", "--mode", "sample"], "invalid choice: 'sample'"),
 ])
 def test_bad_input_is_explained_before_work(checkpoint, args, needle):
-    r = longctx("eval", "--checkpoint", str(checkpoint), *args)
+    r = longctx_here("eval", "--checkpoint", str(checkpoint), *args)
     assert r.returncode == 2, r.stderr
     assert needle in flat(r.stderr) and "Traceback" not in r.stderr
 
@@ -95,7 +95,7 @@ def test_a_model_without_tokenizer_cannot_read_text(checkpoint, tmp_path):
     out = tmp_path / "hf"
     r = longctx("checkpoint", "export", str(checkpoint), str(out))
     assert r.returncode == 0, r.stderr
-    r = longctx("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256")
+    r = longctx_here("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256")
     assert r.returncode == 2
     assert "has no tokenizer.json" in flat(r.stderr) and "--tokenizer byte" in flat(r.stderr)
     ok = longctx("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256", "--samples", "1",
@@ -110,6 +110,6 @@ def test_training_starts_from_a_longctx_checkpoint_with_a_new_rope_base(checkpoi
                 "--model.rope_theta=40000", "--train.steps=2", "--data.synthetic=")
     assert r.returncode == 0, r.stderr
     assert "model.rope_theta: 10000.0 -> 40000.0" in r.stdout
-    bad = longctx("train", "--nproc", "1", *RUN, f"--model.init_from={checkpoint}", "--model.dim=256")
+    bad = longctx_here("train", "--nproc", "1", *RUN, f"--model.init_from={checkpoint}", "--model.dim=256")
     assert bad.returncode == 2
     assert "model.dim=256 contradicts the weights" in flat(bad.stderr)

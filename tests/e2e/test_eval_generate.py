@@ -49,6 +49,14 @@ def _eval(checkpoint, out, *args, nproc=1):
     return json.loads(Path(out).read_text())
 
 
+@pytest.fixture(scope="module")
+def plain_generate(memorised, text_file, tmp_path_factory):
+    """(the JSON, its path) of `--mode generate` on one process: the run the tests below each compare
+    against (one command, so run once)."""
+    out = tmp_path_factory.mktemp("plain-generate") / "gen.json"
+    return _eval(memorised, out, *EVAL, "--data", str(text_file), "--mode", "generate"), out
+
+
 def test_parse_answer_and_the_prompt_cut(text_file):
     assert parse_answer(" 71432. Remember") == "71432"
     assert parse_answer("  is 0815 and 99") == "0815"
@@ -63,16 +71,16 @@ def test_parse_answer_and_the_prompt_cut(text_file):
 
 
 @pytest.mark.slow
-def test_generate_gives_score_modes_verdicts(memorised, text_file, tmp_path):
+def test_generate_gives_score_modes_verdicts(memorised, text_file, plain_generate, tmp_path):
     """Sample by sample: right by generation exactly where every answer token is the argmax, and the
     text of a right answer is the key itself (then what the memorised document says next), but for
     the documented difference: a generation that writes more digits after the right key is a miss
     that score mode counts right (the memorised prompts of one sample share key and filler at every
     depth, so the model sometimes runs on with the key's digits)."""
     score = _eval(memorised, tmp_path / "score.json", *EVAL, "--data", str(text_file))
-    gen = _eval(memorised, tmp_path / "gen.json", *EVAL, "--data", str(text_file), "--mode", "generate")
+    gen, gen_json = plain_generate
     assert score["mode"] == "score" and gen["mode"] == "generate"
-    assert (tmp_path / "gen.png").is_file()
+    assert gen_json.with_suffix(".png").is_file()
     verdicts = [v for r in gen["results"] for v in r["per_sample"]]
     assert 0 < sum(verdicts), "the memorised model answers none: the comparison says nothing"
     for r, s in zip(gen["results"], score["results"]):
@@ -86,9 +94,9 @@ def test_generate_gives_score_modes_verdicts(memorised, text_file, tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_is_the_same_under_head_2_x_ctx_2(memorised, text_file, tmp_path):
+def test_generate_is_the_same_under_head_2_x_ctx_2(memorised, text_file, plain_generate, tmp_path):
     """The cache sharded over head 2 x ctx 2 (every rank the full weights): the same texts and verdicts."""
-    one = _eval(memorised, tmp_path / "g1.json", *EVAL, "--data", str(text_file), "--mode", "generate")
+    one, _ = plain_generate
     four = _eval(memorised, tmp_path / "g4.json", *EVAL, "--data", str(text_file), "--mode", "generate",
                  nproc=4)
     assert four["layout"] == {"world": 4, "dp_replicate": 1, "dp_shard": 1, "head": 2, "ctx": 2}
@@ -98,11 +106,11 @@ def test_generate_is_the_same_under_head_2_x_ctx_2(memorised, text_file, tmp_pat
 
 
 @pytest.mark.slow
-def test_generate_through_infllm_memory(memorised, text_file, tmp_path):
+def test_generate_through_infllm_memory(memorised, text_file, plain_generate, tmp_path):
     """--context-memory infllm: with a window as long as the sequences the memory never holds a unit, so
     every answer is plain generation's, text for text; with a smaller window the run answers through
     the memory (initial tokens, window, retrieved units) and records its shape."""
-    plain = _eval(memorised, tmp_path / "p.json", *EVAL, "--data", str(text_file), "--mode", "generate")
+    plain, _ = plain_generate
     whole = _eval(memorised, tmp_path / "w.json", *EVAL, "--data", str(text_file), "--mode", "generate",
                   "--context-memory", "infllm", "--infllm-window", "256", "--infllm-block", "64", "--infllm-init", "0")
     assert whole["context_memory"]["window"] == 256

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_newcomer import flat, longctx
+from test_newcomer import flat, longctx, longctx_here
 
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
@@ -31,6 +31,15 @@ def hf_model(tmp_path_factory):
 
 def _run(*args):
     r = longctx("generate", *args)
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def _run_here(*args):
+    """_run in this process (test_newcomer.longctx_here): the tests of one process's decoding run
+    many commands; _run keeps the real subprocess covered (greedy, a longctx checkpoint, --nproc 4,
+    --compile)."""
+    r = longctx_here("generate", *args)
     assert r.returncode == 0, r.stderr
     return r
 
@@ -71,17 +80,17 @@ def test_several_prompts_seeded_sampling_and_stop(hf_model, tmp_path):
                                                          {"prompt": "def f(x):\n    return x", "id": 3}]) + "\n")
     sample = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "16", "--temperature", "1.0",
               "--top-p", "0.9", "--top-k", "40", "--seed", "5", "--batch", "2"]
-    _run(*sample, "--output", str(tmp_path / "a.jsonl"))
-    _run(*sample, "--output", str(tmp_path / "b.jsonl"))
+    _run_here(*sample, "--output", str(tmp_path / "a.jsonl"))
+    _run_here(*sample, "--output", str(tmp_path / "b.jsonl"))
     a, b = _lines(tmp_path / "a.jsonl"), _lines(tmp_path / "b.jsonl")
     assert a == [{**x, **{k: y[k] for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}} for x, y in zip(b, a)]
     assert [x.get("id") for x in a] == ["a", None, 3] and all(x["tokens"] for x in a)
     # without --output the lines go to stdout; a stop string cuts the text before it
-    greedy = _run("--checkpoint", f"hf:{d}", "--prompt", "import os", "--max-new-tokens", "24")
+    greedy = _run_here("--checkpoint", f"hf:{d}", "--prompt", "import os", "--max-new-tokens", "24")
     [line] = [json.loads(x) for x in greedy.stdout.splitlines()]
     text = line["text"]
     stop = re.search(r"[!-~]{2}", text).group()  # two printable ASCII characters of the greedy text
-    cut = _run("--checkpoint", f"hf:{d}", "--prompt", "import os", "--max-new-tokens", "24", "--stop", stop)
+    cut = _run_here("--checkpoint", f"hf:{d}", "--prompt", "import os", "--max-new-tokens", "24", "--stop", stop)
     [c] = [json.loads(x) for x in cut.stdout.splitlines()]
     assert c["finish_reason"] == "stop" and c["text"] == text[:text.index(stop)]
     assert c["tokens"] == line["tokens"][:len(c["tokens"])] and len(c["tokens"]) < len(line["tokens"])
@@ -106,7 +115,7 @@ def test_generation_config_seeds_samples_and_logprobs(hf_model, tmp_path):
     rows = [{"prompt": "import os", "seed": 5}, {"prompt": "class A:\n    def"}, {"prompt": "x = [1, 2"}]
     prompts.write_text("\n".join(json.dumps(p) for p in rows) + "\n")
     base = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--seed", "3"]
-    r = _run(*base, "--num-samples", "2", "--logprobs", "3", "--output", str(tmp_path / "a.jsonl"))
+    r = _run_here(*base, "--num-samples", "2", "--logprobs", "3", "--output", str(tmp_path / "a.jsonl"))
     assert r.stderr.count("defaults from generation_config.json: do_sample true, temperature 0.9, top_k 30, "
                           "repetition_penalty 1.1, max_new_tokens 12") == 1
     a = _lines(tmp_path / "a.jsonl")
@@ -117,13 +126,13 @@ def test_generation_config_seeds_samples_and_logprobs(hf_model, tmp_path):
         assert all(len(top) == 3 and top[0][1] >= top[-1][1] for top in x["top_logprobs"])
         assert all(lp <= 0 for lp in x["logprobs"])
     # the same requests at --batch 1, and prompt 1 alone first in its file (its own seed: the same tokens)
-    _run(*base, "--batch", "1", "--output", str(tmp_path / "b.jsonl"))
+    _run_here(*base, "--batch", "1", "--output", str(tmp_path / "b.jsonl"))
     assert [x["tokens"] for x in _lines(tmp_path / "b.jsonl")] == [x["tokens"] for x in a[::2]]
     prompts.write_text(json.dumps(rows[0]) + "\n")
-    _run(*base, "--output", str(tmp_path / "c.jsonl"))
+    _run_here(*base, "--output", str(tmp_path / "c.jsonl"))
     assert _lines(tmp_path / "c.jsonl")[0]["tokens"] == a[0]["tokens"]
     # --ignore-eos: every line runs to its limit (generation_config's 12), EOS kept as a token
-    _run(*base, "--ignore-eos", "--temperature", "0", "--output", str(tmp_path / "d.jsonl"))
+    _run_here(*base, "--ignore-eos", "--temperature", "0", "--output", str(tmp_path / "d.jsonl"))
     assert [(x["finish_reason"], len(x["tokens"]), "seed" in x) for x in _lines(tmp_path / "d.jsonl")] == \
         [("length", 12, False)]
 
@@ -144,7 +153,8 @@ def test_checkpoint_of_a_longctx_run(tmp_path):
     # max_seq_len says (config/positions.py)
     [step] = (run / "checkpoints").glob("step-*")
     assert json.loads((step / "manifest.json").read_text())["trained_positions"] == 64
-    r = longctx("generate", "--checkpoint", str(run / "checkpoints"), "--prompt", "x" * 80, "--model.max_seq_len=4096")
+    r = longctx_here("generate", "--checkpoint", str(run / "checkpoints"), "--prompt", "x" * 80,
+                     "--model.max_seq_len=4096")
     assert r.returncode == 2 and "past the 64 positions the model reaches" in flat(r.stderr)
 
 
@@ -155,14 +165,14 @@ def test_checkpoint_of_a_longctx_run(tmp_path):
 ])
 def test_bad_input_is_one_paragraph_before_work(hf_model, args, message):
     d, _ = hf_model
-    r = longctx("generate", "--checkpoint", f"hf:{d}", *args)
+    r = longctx_here("generate", "--checkpoint", f"hf:{d}", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert flat(r.stderr).startswith("longctx generate: error:") and message in flat(r.stderr)
 
 
 def test_no_tokenizer_says_use_tokenizer(tmp_path):
     d, _ = test_hf.random_hf_dir(tmp_path, test_hf.hf_config("qwen2"))
-    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "hello")
+    r = longctx_here("generate", "--checkpoint", f"hf:{d}", "--prompt", "hello")
     assert r.returncode == 2 and "has no tokenizer.json" in flat(r.stderr) and "--tokenizer" in flat(r.stderr)
 
 
@@ -189,7 +199,7 @@ def test_sharded_over_head_and_ctx_ranks_gives_one_process_tokens(hf_model, tmp_
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in
                                  ["import os\nimport sys\n" * 9, "class A:", "def f(x):\n    return x"]) + "\n")
     common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "32"]
-    _run(*common, "--output", str(tmp_path / "one.jsonl"))
+    _run_here(*common, "--output", str(tmp_path / "one.jsonl"))
     r = _run(*common, "--nproc", "4", "--output", str(tmp_path / "four.jsonl"))
     assert "4 ranks (head 2 x ctx 2, the cache sharded)" in r.stderr and r.stderr.count("wrote") == 1
     one, four = _lines(tmp_path / "one.jsonl"), _lines(tmp_path / "four.jsonl")
@@ -204,7 +214,7 @@ def test_sharded_over_head_and_ctx_ranks_gives_one_process_tokens(hf_model, tmp_
 ])
 def test_bad_layouts_are_refused_before_work(hf_model, args, message):
     d, _ = hf_model
-    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", *args)
+    r = longctx_here("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", *args)
     assert r.returncode == 2 and "Traceback" not in r.stderr and message in flat(r.stderr), r.stderr
 
 
@@ -230,13 +240,13 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["import os\nimport sys\n", "class A:"]) + "\n")
     common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "24"]
-    _run(*common, "--output", str(tmp_path / "plain.jsonl"))
+    _run_here(*common, "--output", str(tmp_path / "plain.jsonl"))
     plain = _lines(tmp_path / "plain.jsonl")
     for draft, k, cape in ((draft_dirs["small"], 3, []), (d, 4, []), (draft_dirs["small"], 3, ["--cape"]),
                            (draft_dirs["small"], 3, ["--speculate-adaptive"]),
                            (draft_dirs["small"], 3, ["--cape", "--speculate-adaptive", "--draft-cost", "0.2"])):
         out = tmp_path / f"spec-{k}-{'-'.join(cape)}.jsonl"
-        r = _run(*common, "--draft", f"hf:{draft}", "--speculate", str(k), *cape, "--output", str(out))
+        r = _run_here(*common, "--draft", f"hf:{draft}", "--speculate", str(k), *cape, "--output", str(out))
         assert "speculative decoding with" in r.stderr
         assert ("each round's chosen from those kept so far" in r.stderr) == ("--speculate-adaptive" in cape)
         spec = _lines(out)
@@ -247,8 +257,8 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
             assert all(x["tau"] > k for x in spec if x["finish_reason"] == "length")
     # with a penalty and --logprobs: plain decoding's tokens and log-probabilities
     extra = ["--repetition-penalty", "1.3", "--frequency-penalty", "0.2", "--logprobs", "2"]
-    _run(*common, *extra, "--output", str(tmp_path / "plain-pen.jsonl"))
-    _run(*common, *extra, "--draft", f"hf:{draft_dirs['small']}", "--output", str(tmp_path / "spec-pen.jsonl"))
+    _run_here(*common, *extra, "--output", str(tmp_path / "plain-pen.jsonl"))
+    _run_here(*common, *extra, "--draft", f"hf:{draft_dirs['small']}", "--output", str(tmp_path / "spec-pen.jsonl"))
     plain, spec = _lines(tmp_path / "plain-pen.jsonl"), _lines(tmp_path / "spec-pen.jsonl")
     assert [x["tokens"] for x in spec] == [x["tokens"] for x in plain] != [x["tokens"] for x in _lines(
         tmp_path / "plain.jsonl")]
@@ -267,7 +277,8 @@ def test_speculative_decoding_gives_the_plain_greedy_lines(hf_model, draft_dirs,
 ])
 def test_a_draft_that_cannot_draft_is_refused_before_work(hf_model, draft_dirs, draft, extra, message):
     d, _ = hf_model
-    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", f"hf:{draft_dirs[draft]}", *extra)
+    r = longctx_here("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", f"hf:{draft_dirs[draft]}",
+                     *extra)
     assert r.returncode == 2 and "Traceback" not in r.stderr and message in flat(r.stderr), r.stderr
 
 
@@ -280,9 +291,10 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
     for cape, samples in (([], 1), (["--cape", "true"], 1), (["--cape", "both", "--repeats", "2"], 3),
                           (["--speculate-adaptive", "both"], 1)):
         # (3: more documents than the text, which is one, holds)
-        r = longctx("bench", "decode", "--target", f"hf:{d}", "--draft", f"hf:{draft_dirs['small']}", "--data",
-                    str(text), "--lengths", "32,96", "--samples", str(samples), "--max-new-tokens", "16",
-                    "--speculate", "3", *cape)
+        # (in this process: the glide test below runs `bench decode` as a subprocess)
+        r = longctx_here("bench", "decode", "--target", f"hf:{d}", "--draft", f"hf:{draft_dirs['small']}", "--data",
+                         str(text), "--lengths", "32,96", "--samples", str(samples), "--max-new-tokens", "16",
+                         "--speculate", "3", *cape)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         for key in ("tau", "tau_without_bonus", "acceptance_rate", "tokens_per_s", "baseline_tokens_per_s", "speedup",
@@ -346,11 +358,11 @@ def test_a_glide_draft_decodes_what_plain_greedy_decodes(glide_dirs, tmp_path):
     decoding, as a chain and with CaPE; `bench decode` takes it too."""
     target, glide = glide_dirs
     common = ["--checkpoint", str(target), "--prompt", "def main():\n    return", "--max-new-tokens", "20"]
-    _run(*common, "--output", str(tmp_path / "plain.jsonl"))
+    _run_here(*common, "--output", str(tmp_path / "plain.jsonl"))
     [plain] = _lines(tmp_path / "plain.jsonl")
     for cape in ([], ["--cape"]):
         out = tmp_path / f"glide{len(cape)}.jsonl"
-        r = _run(*common, "--draft", str(glide), "--speculate", "3", *cape, "--output", str(out))
+        r = _run_here(*common, "--draft", str(glide), "--speculate", "3", *cape, "--output", str(out))
         assert "GliDe draft (block 3)" in r.stderr
         [line] = _lines(out)
         assert line["tokens"] == plain["tokens"] and 1 <= line["tau"] <= 4
@@ -363,7 +375,7 @@ def test_a_glide_draft_decodes_what_plain_greedy_decodes(glide_dirs, tmp_path):
 def test_a_glide_draft_of_another_target_is_refused_before_work(hf_model, glide_dirs):
     d, _ = hf_model
     _, glide = glide_dirs
-    r = longctx("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", str(glide))
+    r = longctx_here("generate", "--checkpoint", f"hf:{d}", "--prompt", "x", "--draft", str(glide))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "is a GliDe draft trained against" in flat(r.stderr), r.stderr
 
@@ -377,12 +389,12 @@ def test_a_glide_draft_of_a_same_shape_target_is_refused_by_identity(glide_dirs,
                 "--train.global_batch=2", "--metrics.plots=false", "--metrics.progress=false", "--model.layers=2",
                 "--train.steps=2", "--checkpoint.interval=2", "--train.seed=7", f"--train.run_dir={other}")
     assert r.returncode == 0, r.stderr
-    r = longctx("generate", "--checkpoint", str(other / "checkpoints"), "--prompt", "x", "--draft", str(glide))
+    r = longctx_here("generate", "--checkpoint", str(other / "checkpoints"), "--prompt", "x", "--draft", str(glide))
     said = flat(r.stderr)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "is a GliDe draft trained against" in said and "holds other weights" in said and "same shape" in said
     [step] = target.glob("step-*")
-    _run("--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "4", "--draft", str(glide))
+    _run_here("--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "4", "--draft", str(glide))
 
 
 @pytest.mark.slow

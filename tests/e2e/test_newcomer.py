@@ -22,6 +22,57 @@ def longctx(*args, cwd=None, timeout=300):
                           cwd=cwd or ROOT, env=env, timeout=timeout)
 
 
+def longctx_here(*args, cwd=None):
+    """`longctx ARGS` run in this process, as `longctx` runs it in a new one: the same returncode, stdout
+    and stderr. For commands refused before any work, where a new interpreter and its torch import
+    (seconds each) buy nothing; every command keeps tests of the real subprocess too. File descriptors
+    1 and 2 are captured as well, so that a process the command starts (a rank launched by mistake)
+    still shows in the output checked. What main changes in the process is put back: environment,
+    working directory, torch's threads and default dtype. An exception main lets through fails the
+    test here (a subprocess would print a Traceback, which these tests refuse as well)."""
+    import contextlib
+    import tempfile
+
+    import torch
+
+    from longctx.cli import main
+
+    env, here = dict(os.environ), os.getcwd()
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    out, err = io.StringIO(), io.StringIO()
+    with tempfile.TemporaryFile() as fd_out, tempfile.TemporaryFile() as fd_err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        try:
+            os.chdir(cwd or ROOT)
+            os.dup2(fd_out.fileno(), 1)
+            os.dup2(fd_err.fileno(), 2)
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    code = main([str(a) for a in args])
+                except SystemExit as e:  # argparse's errors, and sys.exit
+                    code = e.code
+                    if code is not None and not isinstance(code, int):
+                        print(code, file=sys.stderr)
+                        code = 1
+        finally:
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+            os.chdir(here)
+            for key in set(os.environ) - set(env):
+                del os.environ[key]
+            os.environ.update(env)
+            torch.set_num_threads(threads)
+            torch.set_default_dtype(dtype)
+        fd_out.seek(0)
+        fd_err.seek(0)
+        stdout = out.getvalue() + fd_out.read().decode(errors="replace")
+        stderr = err.getvalue() + fd_err.read().decode(errors="replace")
+    return subprocess.CompletedProcess(["longctx", *args], code or 0, stdout, stderr)
+
+
 def flat(text: str) -> str:
     return " ".join(text.split())
 
@@ -74,7 +125,7 @@ def _error_cases(store_256, big_tokenizer, tmp):
                                   "missing resume path", "resume auto without a run", "missing HF model"])
 def test_each_error_is_found_before_launch_and_printed_once(case, store_256, big_tokenizer, tmp_path):
     args, needle = _error_cases(store_256, big_tokenizer, tmp_path)[case]
-    r = longctx("train", "--nproc", "4", *args, cwd=tmp_path)
+    r = longctx_here("train", "--nproc", "4", *args, cwd=tmp_path)
     assert r.returncode != 0
     err = flat(r.stderr)
     assert err.count(needle) == 1, r.stderr
@@ -150,7 +201,7 @@ def test_a_used_run_directory_is_never_overwritten(tmp_path):
     before = _snapshot(run)
     assert {"config.toml", "metrics.jsonl", "loss.png", "throughput.png"} <= set(before)
     for extra in ([], ["--checkpoint.resume", "auto"], ["--nproc", "2", "--parallel.ctx", "2"]):
-        r = longctx("train", "--nproc", "1", *TINY, "--train.steps", "5", "--train.run_dir", str(run), *extra)
+        r = longctx_here("train", "--nproc", "1", *TINY, "--train.steps", "5", "--train.run_dir", str(run), *extra)
         assert r.returncode != 0, (extra, r.stdout)
         err = flat(r.stderr)
         assert "already holds a run" in err and "another --train.run_dir" in err, r.stderr
@@ -193,7 +244,7 @@ def test_the_plainest_run_saves_its_last_step_and_generate_reads_it(tmp_path):
     assert g.returncode == 0, g.stderr
     assert len(json.loads(g.stdout.splitlines()[-1])["tokens"]) == 4
     # resumed as it is, the finished run says so before building data or model, in a done line
-    r = longctx("train", "--train.run_dir", str(run), "--checkpoint.resume", "auto")
+    r = longctx_here("train", "--train.run_dir", str(run), "--checkpoint.resume", "auto")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1].startswith("done: nothing to train") and "step 3" in lines[-1], r.stdout

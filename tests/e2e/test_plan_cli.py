@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_newcomer import longctx_here  # (refusals and plans without a run: in this process)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,7 @@ def test_plan_8b_1m_prints_a_table_and_writes_a_loadable_config(tmp_path):
     cfg = load_config(out, [])
     check_layout(cfg, 64)
     assert cfg.train.seq_len == 1048576 and cfg.model.dim == 4096 and cfg.train.global_batch == 128
-    j = longctx("plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "h100", "--seq-len", "1M",
+    j = longctx_here("plan", "--model", "llama3-8b", "--gpus", "64", "--hardware", "h100", "--seq-len", "1M",
                 "--global-batch", "128", "--json", "--no-write")
     assert j.returncode == 0, j.stderr
     doc = json.loads(j.stdout)
@@ -66,7 +67,7 @@ def test_cpu_plan_trains_unchanged(tmp_path):
     hw = tmp_path / "cpu.toml"
     hw.write_text(CPU_HW)
     out = tmp_path / "plan.toml"
-    r = longctx("plan", "--model", "debug", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(hw),
+    r = longctx_here("plan", "--model", "debug", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(hw),
                 "--seq-len", "256", "--global-batch", "2", "--out", str(out), "--train.eval_interval=0",
                 "--data.max_docs=60", "--metrics.plots=false", "--metrics.progress=false")
     assert r.returncode == 0, r.stderr
@@ -84,7 +85,7 @@ def test_cpu_plan_of_a_moe_model_trains_unchanged(tmp_path):
     hw = tmp_path / "cpu.toml"
     hw.write_text(CPU_HW)
     out = tmp_path / "plan.toml"
-    r = longctx("plan", "--model", "debug-moe", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(hw),
+    r = longctx_here("plan", "--model", "debug-moe", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(hw),
                 "--seq-len", "256", "--global-batch", "2", "--out", str(out), "--json", "--train.eval_interval=0",
                 "--data.max_docs=60", "--metrics.plots=false", "--metrics.progress=false")
     assert r.returncode == 0, r.stderr
@@ -111,22 +112,22 @@ def test_store_gives_the_attention_work_of_its_documents(tmp_path):
     hw.write_text(CPU_HW)
     common = ["--model", "debug", "--gpus", "2", "--gpus-per-node", "2", "--hardware", str(hw), "--no-write"]
     args = [*common, "--seq-len", "256"]
-    plain = longctx("plan", *args, cwd=tmp_path)
+    plain = longctx_here("plan", *args, cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr
     assert "doc_work 1.0 (no --store: one document per sequence assumed)" in plain.stdout
-    table = longctx("plan", *args, "--store", str(store), cwd=tmp_path)
+    table = longctx_here("plan", *args, "--store", str(store), cwd=tmp_path)
     assert table.returncode == 0, table.stderr
     assert f"from --store {store}" in table.stdout
-    j = longctx("plan", *args, "--store", str(store), "--json", cwd=tmp_path)
+    j = longctx_here("plan", *args, "--store", str(store), "--json", cwd=tmp_path)
     assert j.returncode == 0, j.stderr
     doc = json.loads(j.stdout)
     work = doc["request"]["doc_work"]
     assert 0 < work < 1 and str(store) in doc["request"]["doc_work_source"]
     assert all(p["doc_work"] == work for p in doc["plans"])
     assert f"doc_work {round(work, 3)!r} (from --store" in table.stdout
-    base = json.loads(longctx("plan", *args, "--json", cwd=tmp_path).stdout)
+    base = json.loads(longctx_here("plan", *args, "--json", cwd=tmp_path).stdout)
     assert doc["plans"][0]["times_s"]["step"] < base["plans"][0]["times_s"]["step"]
-    wrong = longctx("plan", *common, "--seq-len", "512", "--store", str(store), cwd=tmp_path)
+    wrong = longctx_here("plan", *common, "--seq-len", "512", "--store", str(store), cwd=tmp_path)
     assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
     text = " ".join(wrong.stderr.split())
     assert "256 tokens" in text and "--seq-len is 512" in text
@@ -149,7 +150,7 @@ def test_store_gives_the_attention_work_of_its_documents(tmp_path):
       "--block-chunk", "0", "--model-states", "device"], "activation offload"),
 ])
 def test_bad_or_infeasible_requests_exit_with_one_paragraph(args, needle, tmp_path):
-    r = longctx("plan", *args, "--no-write", cwd=tmp_path)
+    r = longctx_here("plan", *args, "--no-write", cwd=tmp_path)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert needle in " ".join(r.stderr.split())
@@ -164,7 +165,7 @@ def test_bad_or_infeasible_requests_exit_with_one_paragraph(args, needle, tmp_pa
 ])
 def test_an_old_flag_is_an_unknown_argument_never_an_abbreviation(old, value, tmp_path):
     args = ["--model", "llama3-8b", "--gpus", "8", *([] if old.startswith("--seq") else ["--seq-len", "1M"])]
-    r = longctx("plan", *args, old, *([value] if value else []), "--no-write", cwd=tmp_path)
+    r = longctx_here("plan", *args, old, *([value] if value else []), "--no-write", cwd=tmp_path)
     assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr)
     assert "Traceback" not in r.stderr and not r.stdout
     assert f"unexpected argument '{old.split('=')[0]}" in r.stderr
@@ -172,15 +173,15 @@ def test_an_old_flag_is_an_unknown_argument_never_an_abbreviation(old, value, tm
 
 def test_hardware_takes_a_preset_or_a_toml_file(tmp_path):
     args = ["--model", "llama3-8b", "--gpus", "8", "--seq-len", "128K", "--json", "--no-write", "--top", "1"]
-    preset = longctx("plan", *args, "--hardware", "a800", cwd=tmp_path)
+    preset = longctx_here("plan", *args, "--hardware", "a800", cwd=tmp_path)
     assert preset.returncode == 0, preset.stderr
     hw = json.loads(preset.stdout)["request"]["hardware"]
     assert (hw["name"], hw["memory_gib"], hw["intra_gbps"]) == ("a800", 80, 200)
     (tmp_path / "big.toml").write_text('[hardware]\nbase = "a800"\nmemory_gib = 160\n')
     for spec in ("big.toml", str(tmp_path / "big.toml")):  # relative to the working directory, or absolute
-        file = longctx("plan", *args, "--hardware", spec, cwd=tmp_path)
+        file = longctx_here("plan", *args, "--hardware", spec, cwd=tmp_path)
         assert file.returncode == 0, file.stderr
         hw = json.loads(file.stdout)["request"]["hardware"]
         assert (hw["name"], hw["memory_gib"], hw["intra_gbps"]) == ("a800", 160, 200)
-    default = longctx("plan", *args, cwd=tmp_path)
+    default = longctx_here("plan", *args, cwd=tmp_path)
     assert json.loads(default.stdout)["request"]["hardware"]["name"] == "h100"
