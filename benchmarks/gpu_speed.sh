@@ -38,6 +38,7 @@ timeout 60 python3 benchmarks/zero_pp_kernels.py --device cuda --elements 268435
   --out "$OUT/zero_pp_kernels.json" > "$OUT/zero_pp_kernels.log" 2>&1; echo "rc $?"; head -2 "$OUT/zero_pp_kernels.log"
 save zero_pp_kernels
 echo "== 5. debug-moe (sinkhorn) under FSDP on the card: model_states host vs device, 20 steps"
+rm -rf /tmp/run_moe_device /tmp/run_moe_host  # (a warm machine keeps the last call's runs: train refuses a used run_dir)
 for tier in device host; do
   timeout 150 python3 -m longctx train --model.preset debug-moe --model.moe.router sinkhorn --train.device cuda \
     --memory.model_states $tier --train.steps 20 --metrics.log_interval 10 --train.run_dir "/tmp/run_moe_$tier" \

@@ -141,6 +141,11 @@ def test_a_command_line_preset_over_a_saved_config_builds_that_preset(tmp_path):
     assert got.model == want.model and (got.model.dim, got.model.layers, got.model.moe_experts) == (2048, 16, 0)
     assert load_config(p, ["--model.preset=debug-moe"]).model == load_config(p).model  # the file's own preset
     assert load_config(p, ["--model.preset=debug", "--model.layers=2"]).model.layers == 2  # a flag beats both
+    # a hand-written file (configs/passkey-pretrain.toml pins the RoPE base) keeps every key it gives
+    hand = tmp_path / "hand.toml"
+    hand.write_text('[model]\npreset = "debug"\nrope_theta = 10000.0\ndim = 128\n')
+    cfg = load_config(hand, ["--model.preset=llama3-1b"]).model
+    assert (cfg.rope_theta, cfg.dim, cfg.layers) == (10000.0, 128, 16)
 
 
 # ---------------------------------------------------------------------------------------------

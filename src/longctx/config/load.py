@@ -214,20 +214,23 @@ def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | N
     if overrides:
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         if "model" in raw and "preset" in parsed.get("model", {}):
-            raw["model"] = _restated_dropped(raw["model"], parsed["model"]["preset"])
+            raw["model"] = drop_restated_model_keys(raw["model"], parsed["model"]["preset"])
         for section, values in parsed.items():
             raw.setdefault(section, {}).update(values)
     return raw
 
 
-def _restated_dropped(file_model: dict[str, Any], preset: Any) -> dict[str, Any]:
-    """A file's [model] under a flag naming another preset than the file's: its keys that only restate the
-    file's preset or the default (a run's saved config.toml lists every key) are dropped, so that the flag's
-    preset decides them; the keys the file changes stay on top of it. Kept, they overrode the flag's preset
-    (file over preset): the run built the file's model under the flag's preset's name."""
+def drop_restated_model_keys(file_model: dict[str, Any], preset: Any) -> dict[str, Any]:
+    """A written config's [model] (a run's saved config.toml: it lists every key, its preset's all among
+    them) under a flag naming another preset: its keys that only restate its own preset or the default are
+    dropped, so that the flag's preset decides them; the keys it changed stay on top. Kept, they overrode the
+    flag's preset (file over preset): the run built the file's model under the flag's preset's name. A
+    hand-written file (not every key of its preset listed) keeps every key it gives: each is meant."""
     fields = fields_by_key(ModelConfig)
     own = file_model.get("preset", fields["preset"].default)
     if own == preset or own not in MODEL_PRESETS or file_model.get("init_from"):
+        return file_model
+    if not set(MODEL_PRESETS[own]) <= set(file_model):
         return file_model
     restated = {**{k: f.default for k, f in fields.items()}, **MODEL_PRESETS[own]}
     kept = {}

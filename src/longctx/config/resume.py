@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .checkpoint_paths import MANIFEST, latest_checkpoint
-from .load import build_config, read_raw, to_dict
+from .load import build_config, drop_restated_model_keys, read_raw, to_dict
 from .schema import Config
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement", "expert")
@@ -102,6 +102,8 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     # config/load.py RENAMED_KEYS, read under their new names)
     saved = read_raw(run_dir / "config.toml", saved_run=True)
     base = _merge(saved, {})
+    if "preset" in given.get("model", {}) and "model" in base:  # (its full listing would keep the saved model)
+        base["model"] = drop_restated_model_keys(base["model"], given["model"]["preset"])
     if given.get("train", {}).get("stages"):  # (the saved steps and seq_len are its old stages' sum and last length)
         for key in ("steps", "seq_len"):
             base.get("train", {}).pop(key, None)

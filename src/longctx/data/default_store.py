@@ -105,7 +105,7 @@ def default_store(data_cfg, seq_len: int, progress: bool = False, log=print, ann
     # a build killed outright (SIGKILL, the OOM killer) leaves its half-written store: removed by the next
     # build on the same host once its process is gone (the cache may be shared by hosts: only this one's)
     host = socket.gethostname()
-    remove_stale_partials(final.parent, f".tmp-*@{host}-*")
+    remove_stale_partials(final.parent, ".tmp-*@*-*", host=host)
     tmp = final.parent / f".tmp-{final.name}@{host}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     log(f"data: building the store for {data_cfg.corpus} at seq_len {seq_len} (first use; cached in {final})")

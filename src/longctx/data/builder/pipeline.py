@@ -163,6 +163,8 @@ def _exclusive(out: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            # (not ours to remove: the build holding it may have found it missing too, and not written yet)
+            created = []
             raise DataError(f"another `longctx data build` or `data merge` is writing to '{out}' now; wait for it to "
                             f"end, or choose another --out.") from None
         except OSError:

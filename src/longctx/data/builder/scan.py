@@ -229,14 +229,17 @@ def _scan_star(args) -> dict:
     return scan_shard(*args)
 
 
-def remove_stale_partials(shards_dir: Path, pattern: str = ".tmp-*") -> None:
+def remove_stale_partials(shards_dir: Path, pattern: str = ".tmp-*", host: str | None = None) -> None:
     """Delete the half-written shards of a killed scan (`.tmp-N-PID` whose process is gone): they
     would be written again from the start anyway, and a large corpus leaves many. (`pattern`: other
-    half-written directories named ...-PID, e.g. a killed default store's.)"""
+    half-written directories named ...-PID, e.g. a killed default store's; `host`: only those named
+    ...@HOST-PID, exactly this host: a glob's `*` would take host node1-2's for node1's.)"""
     if not shards_dir.is_dir():
         return
     for p in shards_dir.glob(pattern):
-        pid = p.name.rsplit("-", 1)[-1]
+        rest, _, pid = p.name.rpartition("-")
+        if host is not None and rest.rpartition("@")[2] != host:
+            continue  # (another host's: its pid says nothing here)
         if not pid.isdigit() or not _alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
 
