@@ -117,12 +117,13 @@ def check_prompts(shape: InfLLMShape, prompts: list[dict]) -> None:
     """A window larger than a prompt is an error (the issue's rule: nothing there to remember)."""
     short = [(i, len(p["ids"])) for i, p in enumerate(prompts) if len(p["ids"]) < shape.window]
     if short:
-        i, n = short[0]
+        i, n = min(short, key=lambda x: x[1])  # (the shortest: a window that fits it fits every prompt)
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        fit = n // shape.block * shape.block  # (a window of whole units; none fits a prompt shorter than a unit)
+        fix = f"--infllm-window {fit}" if fit else f"an --infllm-block and --infllm-window of at most {n:,}"
         raise ConfigError(f"--infllm-window {shape.window} is larger than {which} ({n:,} tokens"
                           f"{f'; {len(short)} prompts are' if len(short) > 1 else ''}): the memory would never "
-                          f"hold anything. Use --infllm-window <= {n // shape.block * shape.block or shape.block} or "
-                          f"drop --context-memory.")
+                          f"hold anything. Use {fix} or drop --context-memory.")
 
 
 def memory_backend(shape: InfLLMShape, layout_backend):
@@ -147,13 +148,12 @@ class InfLLMGeneration:
         self.memory: InfLLMMemory | None = None
 
     def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:
-        from ..models.context_memory import InfLLMMemory
-        from ..models.kv_cache import KVCache
+        from ..models.context_memory import InfLLMCache, InfLLMMemory
 
         if core is not None:
             raise ValueError("InfLLM's cache attends through its own core; pass no cache_core")
         self.memory = InfLLMMemory(self.shape, model, batch, max_len)
-        return KVCache.for_model(model, batch, max_len, core=self.memory.core)
+        return InfLLMCache.for_memory(self.memory, model, batch, max_len)
 
     def prefill(self, model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
         from .local import prefill

@@ -34,7 +34,14 @@ import torch
 
 from ..job import comm
 from ..models.cached_attention import CacheStep, masked_attention
-from ..models.context_memory import InfLLMShape, grouped_attention, representatives, rotate, unit_scores
+from ..models.context_memory import (
+    InfLLMShape,
+    check_after_units,
+    grouped_attention,
+    representatives,
+    rotate,
+    unit_scores,
+)
 from ..ops.attention import merge_partials
 from .sharded import merge_over_ctx
 
@@ -152,6 +159,7 @@ class _Layer:
         units = max(0, (end - shape.window - init) // shape.block)
         query_pos = c.step.positions  # [b, n]
         lo = init + units * shape.block if units else 0  # the span attended at real distances: [lo, end)
+        check_after_units(s, n, lo, shape)
         out, lse = self._span(q, lo, end, query_pos)
         if units:
             self._build(q, units)

@@ -31,8 +31,9 @@ Cost per call and layer: keys read <= init + topk x block (gathered) + window + 
 plus the scan of the representatives: (e / block) units x kv_heads x head_dim multiply-adds; building
 a unit's representatives reads its block keys once. Nothing grows with the prompt but that scan.
 
-Limits (said by the caller as errors): rows that hold the same number of tokens (one prompt, or its
-samples), no speculative tree or chain, one plain RoPE table (not Ms-PoE's per-head tables), one
+Limits (said by the caller as errors; a library call meets them in InfLLMCache and the core): rows that
+hold the same number of tokens (one prompt, or its samples), no speculative tree or chain, calls of at
+most `window` tokens, one plain RoPE table (not Ms-PoE's per-head tables), one
 device (generate/sharded_infllm.py shards the memory over ctx ranks with `representatives` and
 `unit_scores` below).
 """
@@ -46,6 +47,7 @@ import torch
 
 from ..ops.attention import attention_forward, merge_partials
 from .cached_attention import CacheStep, cached_attention, group_queries, ungroup_heads
+from .kv_cache import KVCache
 from .llama import apply_rope, rope_cos_sin
 
 
@@ -108,7 +110,10 @@ class InfLLMMemory:
 
     `reps` [layers, batch, units, kv_heads, head_dim] fp32: each unit's representative keys (turned back
     to position 0) summed; `built[layer]`: the units built so far (rows hold the same length).
-    `keys_read`: the most keys one call's attention read (local + gathered), for the caller's checks."""
+    `keys_read`: the most keys one call's attention read (local + gathered), for the caller's checks.
+    `keys`: its InfLLMCache's keys (InfLLMCache.for_memory): the memory's rows are that cache's rows 0.., so
+    a view of later rows (a second group of prompts, generate/loop.py) is refused, not scored against the
+    first's units."""
 
     def __init__(self, shape: InfLLMShape, model, batch: int, max_len: int):
         cfg, w = model.cfg, model.tok_embeddings.weight
@@ -117,6 +122,7 @@ class InfLLMMemory:
         self.reps = torch.zeros(cfg.layers, batch, units, cfg.kv_heads, cfg.resolved_head_dim, device=w.device)
         self.built = np.zeros(cfg.layers, dtype=np.int64)
         self.keys_read = 0
+        self.keys: torch.Tensor | None = None
 
     def copy_rows(self, rows: int, times: int) -> None:
         """Rows [0, rows) copied to the next (times - 1) groups (a prompt's samples share its prefill)."""
@@ -128,6 +134,9 @@ class InfLLMMemory:
         if step.among is not None or not step.uniform:
             raise ValueError("InfLLM context memory attends for rows that hold the same number of tokens, "
                              "without a speculative tree")
+        if self.keys is not None and layer.cache.k.data_ptr() != self.keys.data_ptr():
+            raise ValueError("InfLLM context memory holds one prompt length at a time (its cache's rows from 0): "
+                             "generate prompts of different lengths in separate calls")
         layer.append(k, v, step)
         shape, s, n = self.shape, int(step.start[0]), step.new
         end = s + n
@@ -136,6 +145,7 @@ class InfLLMMemory:
         if units == 0:  # nothing in memory yet: plain attention, real positions
             self.keys_read = max(self.keys_read, end)
             return cached_attention(q, layer.k, layer.v, step)[0]
+        check_after_units(s, n, init + units * shape.block, shape)
         b = q.shape[0]
         self._build(layer.index, layer.k, q, units)
         q_far = rotate(q, shape.far - step.positions, self.inv_freq)  # each query turned on to distance `far`
@@ -175,6 +185,34 @@ class InfLLMMemory:
         return torch.cat([torch.arange(init, device=device).expand(b, init), unit_slots], dim=1)
 
 
+class InfLLMCache(KVCache):
+    """A KVCache attending through `memory` (InfLLMMemory.core). It only grows: truncating (speculation's
+    rejected proposals) or verifying a tree would leave units built by, or chosen for, tokens it no longer
+    holds, and one selection for several proposals is not decoding's one per token; refused, as the
+    sharded cache (generate/sharded_infllm.py) refuses them. reset() empties the memory too."""
+
+    memory: InfLLMMemory
+
+    @classmethod
+    def for_memory(cls, memory: InfLLMMemory, model, batch: int, max_len: int) -> InfLLMCache:
+        cache = cls.for_model(model, batch, max_len, core=memory.core)
+        cache.memory, memory.keys = memory, cache.k
+        return cache
+
+    def reset(self) -> None:
+        super().reset()
+        self.memory.built[:] = 0
+
+    def truncate(self, length: int) -> None:
+        raise ValueError("InfLLM context memory does not verify speculative proposals (nothing to truncate)")
+
+    def among(self, visible: torch.Tensor) -> None:
+        raise ValueError("InfLLM context memory does not verify a speculative tree")
+
+    def keep(self, nodes: list[int]) -> None:
+        raise ValueError("InfLLM context memory does not verify a speculative tree")
+
+
 def representatives(keys: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, shape: InfLLMShape,
                     inv_freq: torch.Tensor) -> torch.Tensor:
     """[b, m, kv, d] fp32: the summed representative keys of m whole units whose keys [b, kv, m x block,
@@ -200,6 +238,16 @@ def unit_scores(q_far: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
     kv = reps.shape[2]
     query = q_far.float().view(b, n, kv, h // kv, d).sum(3).mean(1)  # [b, kv, d]
     return torch.einsum("bkd,bukd->bu", query, reps)
+
+
+def check_after_units(start: int, new: int, lo: int, shape: InfLLMShape) -> None:
+    """A call's queries (slots start..start + new - 1) all at or after `lo`, the end of the units in memory:
+    an earlier query would see units after it (at distance `far`) and no local span. A call of at most
+    `window` tokens always is (lo <= end - window); the backends prefill in chunks of window / 2."""
+    if start < lo:
+        raise ValueError(f"InfLLM context memory: a call of {new} new tokens after {start} held has queries before "
+                         f"the end of its memory units (slot {lo}); feed at most --infllm-window {shape.window} "
+                         f"tokens per call (the InfLLM backends' prefill() chunks the prompt so)")
 
 
 def _gather(cached: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
