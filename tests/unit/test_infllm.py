@@ -250,6 +250,11 @@ def test_eval_takes_the_memory_in_generate_mode(hf64, tmp_path):
                               (("--mode", "generate", "--parallel.head=2"), 2, "over ctx ranks only")):
         with pytest.raises(ConfigError, match=said):
             _prepare_eval(hf64, tmp_path, "--lengths", "96", *SMALL, *argv, nproc=nproc)
-    with pytest.raises(ConfigError, match="--infllm-window 32 is larger than the 24-token sequences"):
+    with pytest.raises(ConfigError, match="--infllm-window 32 is larger than the 24-token sequences.*Use "
+                                          "--infllm-window 24,"):
         _prepare_eval(hf64, tmp_path, "--lengths", "24,96", "--mode", "generate", "--context-memory", "infllm",
+                      "--infllm-window", "32", "--infllm-block", "8", "--infllm-init", "8")
+    with pytest.raises(ConfigError, match="than the 6-token sequences.*an --infllm-block and --infllm-window of at "
+                                          "most 6"):  # (no whole unit of 8 fits: a window of 8 would not either)
+        _prepare_eval(hf64, tmp_path, "--lengths", "6,96", "--mode", "generate", "--context-memory", "infllm",
                       "--infllm-window", "32", "--infllm-block", "8", "--infllm-init", "8")

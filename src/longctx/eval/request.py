@@ -156,9 +156,11 @@ def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):
     if batch != 1:
         raise ConfigError(f"--context-memory infllm generates one sequence at a time; drop --batch {batch}.")
     if min(lengths) < shape.window:
-        raise ConfigError(f"--infllm-window {shape.window} is larger than the {min(lengths):,}-token sequences: the "
-                          f"memory would never hold anything. Use a --infllm-window of at most {min(lengths):,} (a "
-                          f"multiple of --infllm-block), or evaluate those lengths without --context-memory.")
+        n = min(lengths)
+        fit = n // shape.block * shape.block  # (a window of whole units; none fits a sequence shorter than a unit)
+        fix = f"--infllm-window {fit}" if fit else f"an --infllm-block and --infllm-window of at most {n:,}"
+        raise ConfigError(f"--infllm-window {shape.window} is larger than the {n:,}-token sequences: the memory would "
+                          f"never hold anything. Use {fix}, or evaluate those lengths without --context-memory.")
     return shape
 
 
