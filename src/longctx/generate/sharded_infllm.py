@@ -35,6 +35,7 @@ import torch
 from ..job import comm
 from ..models.cached_attention import CacheStep, masked_attention
 from ..models.context_memory import (
+    GrowsOnly,
     InfLLMShape,
     check_after_units,
     grouped_attention,
@@ -52,7 +53,7 @@ def owners(positions: np.ndarray, shape: InfLLMShape, ctx: int) -> np.ndarray:
     return np.where(positions < shape.init, 0, unit % ctx)
 
 
-class ShardedInfLLMCache:
+class ShardedInfLLMCache(GrowsOnly):
     """This rank's slots of `batch` rows of up to `max_len` tokens, placed by unit (module docstring),
     and its units' representatives; the contracts.Cache interface the model's calls use (no
     speculation: truncate, among and keep refuse)."""
@@ -131,15 +132,6 @@ class ShardedInfLLMCache:
         self.lengths[:] = 0
         self.built[:] = 0
         self.step = None
-
-    def truncate(self, length: int) -> None:
-        raise ValueError("InfLLM context memory does not verify speculative proposals (nothing to truncate)")
-
-    def among(self, visible: torch.Tensor) -> None:
-        raise ValueError("InfLLM context memory does not verify a speculative tree")
-
-    def keep(self, nodes: list[int]) -> None:
-        raise ValueError("InfLLM context memory does not verify a speculative tree")
 
 
 class _Layer:

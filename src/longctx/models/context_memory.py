@@ -185,11 +185,25 @@ class InfLLMMemory:
         return torch.cat([torch.arange(init, device=device).expand(b, init), unit_slots], dim=1)
 
 
-class InfLLMCache(KVCache):
-    """A KVCache attending through `memory` (InfLLMMemory.core). It only grows: truncating (speculation's
-    rejected proposals) or verifying a tree would leave units built by, or chosen for, tokens it no longer
-    holds, and one selection for several proposals is not decoding's one per token; refused, as the
-    sharded cache (generate/sharded_infllm.py) refuses them. reset() empties the memory too."""
+class GrowsOnly:
+    """What a cache attending through InfLLM's memory refuses: truncating (speculation's rejected proposals)
+    or verifying a tree would leave units built by, or chosen for, tokens it no longer holds, and one
+    selection for several proposals is not decoding's one per token (InfLLMCache, and the sharded one of
+    generate/sharded_infllm.py)."""
+
+    def truncate(self, length: int) -> None:
+        raise ValueError("InfLLM context memory does not verify speculative proposals (nothing to truncate)")
+
+    def among(self, visible: torch.Tensor) -> None:
+        raise ValueError("InfLLM context memory does not verify a speculative tree")
+
+    def keep(self, nodes: list[int]) -> None:
+        raise ValueError("InfLLM context memory does not verify a speculative tree")
+
+
+class InfLLMCache(GrowsOnly, KVCache):
+    """A KVCache attending through `memory` (InfLLMMemory.core); it only grows (GrowsOnly). reset() empties
+    the memory too."""
 
     memory: InfLLMMemory
 
@@ -202,15 +216,6 @@ class InfLLMCache(KVCache):
     def reset(self) -> None:
         super().reset()
         self.memory.built[:] = 0
-
-    def truncate(self, length: int) -> None:
-        raise ValueError("InfLLM context memory does not verify speculative proposals (nothing to truncate)")
-
-    def among(self, visible: torch.Tensor) -> None:
-        raise ValueError("InfLLM context memory does not verify a speculative tree")
-
-    def keep(self, nodes: list[int]) -> None:
-        raise ValueError("InfLLM context memory does not verify a speculative tree")
 
 
 def representatives(keys: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, shape: InfLLMShape,
