@@ -244,5 +244,7 @@ def test_generation_config_keys_longctx_does_not_apply_are_said(tmp_path):
 
     assert said() == "min_new_tokens 4, no_repeat_ngram_size 3, typical_p 0.9"
     assert said("--temperature", "0", "--min-new-tokens", "2") == "no_repeat_ngram_size 3"
+    (d / "generation_config.json").write_text(json.dumps({"stop_strings": ["\n\n"]}))  # (transformers stops there)
+    assert said() == 'stop_strings ["\\n\\n"]'
     (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "typical_p": 1.0, "num_beams": 1}))
     assert said() == ""

@@ -50,7 +50,8 @@ UNAPPLIED = {"min_new_tokens": (0, False), "min_length": (0, False), "no_repeat_
              "begin_suppress_tokens": (None, False), "forced_bos_token_id": (None, False),
              "forced_eos_token_id": (None, False), "exponential_decay_length_penalty": (None, False),
              "num_beams": (1, False), "penalty_alpha": (0, False), "guidance_scale": (1, False),
-             "dola_layers": (None, False), "typical_p": (1.0, True), "epsilon_cutoff": (0.0, True),
+             "dola_layers": (None, False), "stop_strings": (None, False), "watermarking_config": (None, False),
+             "typical_p": (1.0, True), "epsilon_cutoff": (0.0, True),
              "eta_cutoff": (0.0, True), "top_h": (None, True)}
 
 
