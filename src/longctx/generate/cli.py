@@ -238,13 +238,14 @@ def _sampling(args):
     generate/settings.py; args.max_new_tokens resolved too, args.generation_defaults says what came
     from the file), with every out-of-range value said at once."""
     from .sampling import Sampling
-    from .settings import generation_config, greedy_filter_problem, resolve, unapplied
+    from .settings import generation_config, greedy_filter_problem, read_generation_config, resolve, unapplied
 
-    fields, args.max_new_tokens, taken = resolve(args, generation_config(args.checkpoint))
+    file, data = read_generation_config(args.checkpoint)
+    fields, args.max_new_tokens, taken = resolve(args, generation_config(file, data))
     args.generation_defaults = ", ".join(taken)
     sampling = Sampling(**fields, seed=args.seed, min_new_tokens=args.min_new_tokens)
     # (keys the file sets that transformers would follow and longctx does not: said, never silently dropped)
-    args.generation_unapplied = ", ".join(unapplied(args.checkpoint, not sampling.greedy, args.min_new_tokens))
+    args.generation_unapplied = ", ".join(unapplied(data, not sampling.greedy, args.min_new_tokens))
     problems = sampling.problems()
     inert = greedy_filter_problem(args, sampling.temperature)
     if inert:

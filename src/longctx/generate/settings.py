@@ -61,10 +61,9 @@ def add_sampling_flags(p) -> None:
         p.add_argument(flag, type=kind, default=None, help=text)
 
 
-def generation_config(checkpoint: str) -> dict:
-    """The keys of FILE_KEYS an hf:DIR checkpoint's generation_config.json writes (nulls dropped);
-    {} for a longctx checkpoint or a directory without the file."""
-    file, data = _read(checkpoint)
+def generation_config(file, data: dict) -> dict:
+    """The keys of FILE_KEYS a generation_config.json (`file`, its keys `data`: read_generation_config)
+    writes, nulls dropped, their types checked; {} without a file."""
     found = {k: data[k] for k in FILE_KEYS if data.get(k) is not None}
     for key, kinds in (("do_sample", (bool,)), ("top_k", (int,)), ("max_new_tokens", (int,)),
                        ("temperature", (int, float)), ("top_p", (int, float)), ("min_p", (int, float)),
@@ -74,8 +73,9 @@ def generation_config(checkpoint: str) -> dict:
     return found
 
 
-def _read(checkpoint: str) -> tuple[object, dict]:
-    """(the path, the keys) of an hf:DIR checkpoint's generation_config.json; (None, {}) without one."""
+def read_generation_config(checkpoint: str) -> tuple[object, dict]:
+    """(the path, the keys) of an hf:DIR checkpoint's generation_config.json; (None, {}) for a longctx
+    checkpoint or a directory without the file."""
     if not checkpoint.startswith("hf:"):
         return None, {}
     from ..config.hf import hf_dir
@@ -89,11 +89,10 @@ def _read(checkpoint: str) -> tuple[object, dict]:
         raise ConfigError(f"{file} is not JSON ({e}).") from None
 
 
-def unapplied(checkpoint: str, sampling: bool, min_new_tokens: int = 0) -> list[str]:
-    """'key value' of each UNAPPLIED key the checkpoint's generation_config.json sets to a value that
+def unapplied(data: dict, sampling: bool, min_new_tokens: int = 0) -> list[str]:
+    """'key value' of each UNAPPLIED key a generation_config.json's keys `data` set to a value that
     changes transformers' tokens (a sampling warper only when `sampling`; min_new_tokens unless the
     flag gave one): what the run will not follow, to be said."""
-    _, data = _read(checkpoint)
     out = []
     for key, (neutral, warper) in UNAPPLIED.items():
         value = data.get(key)
