@@ -163,18 +163,18 @@ def _exclusive(out: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            # (not ours to remove: the build holding it may have found it missing too, and not written yet)
-            created = []
+            # (refused, it removes nothing: the build holding it may have found it missing too, and not written yet)
             raise DataError(f"another `longctx data build` or `data merge` is writing to '{out}' now; wait for it to "
                             f"end, or choose another --out.") from None
         except OSError:
             pass  # a file system without locks (some network mounts): build as before, unguarded
-        yield
-    except BaseException:
-        with suppress(OSError):
-            for d in created:
-                d.rmdir()  # only while empty: a started scan stays, to be resumed
-        raise
+        try:
+            yield
+        except BaseException:
+            with suppress(OSError):
+                for d in created:
+                    d.rmdir()  # only while empty: a started scan stays, to be resumed
+            raise
     finally:
         os.close(fd)  # (releases the lock)
 
