@@ -54,11 +54,13 @@ class RouterTerms:
     same on every rank): aux loss, z-loss (unweighted, mean over MoE layers), mean over layers of
     max/mean tokens per expert, the worst layer's, and the fraction of choices dropped.
     `counts` [layers, E] are the micro-batch's choices per expert over every rank, `dropped` [layers]
-    its choices dropped for capacity per layer over every rank."""
+    its choices dropped for capacity per layer over every rank, `layer_load` [layers] each layer's
+    max/mean choices per expert (layer_loads)."""
     loss: torch.Tensor
     stats: torch.Tensor
     counts: torch.Tensor
     dropped: torch.Tensor
+    layer_load: torch.Tensor
 
 
 def router_terms(layers: list, aux_weight: float, z_weight: float, sum_over_ranks=None,
@@ -105,7 +107,7 @@ def router_terms(layers: list, aux_weight: float, z_weight: float, sum_over_rank
     stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped.sum() / g_counts.sum().clamp_min(1)])
     for layer in layers:
         layer.records.clear()
-    return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach())
+    return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach(), load.detach())
 
 
 def layer_loads(counts: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,6 @@ import torch
 from ..config import Config
 from ..job.runtime import Runtime
 from ..models.moe import eval_routing_note, moe_layers
-from ..models.moe_stats import layer_loads
 from ..parallel.expert.install import expert_step_notes
 from ..parallel.expert.placement import Placement
 from .hooks import StepHook
@@ -111,7 +110,7 @@ class _StepSums:
     def add(self, terms) -> None:
         routed = (terms.counts.sum() > 0).to(terms.stats.dtype)  # (counts are over every rank: all agree)
         self._stats = terms.stats * routed + (0 if self._stats is None else self._stats)
-        self._layer_load = layer_loads(terms.counts) * routed + (0 if self._layer_load is None else self._layer_load)
+        self._layer_load = terms.layer_load * routed + (0 if self._layer_load is None else self._layer_load)
         self._routed = routed + (0 if self._routed is None else self._routed)
         self.counts = terms.counts + (0 if self.counts is None else self.counts)
         self.dropped = terms.dropped + (0 if self.dropped is None else self.dropped)
