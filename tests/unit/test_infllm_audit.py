@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from test_infllm import CFG, _prompt
 
 from longctx.config import ModelConfig
 from longctx.generate.context_memory import InfLLMGeneration
@@ -17,19 +18,13 @@ from longctx.generate.engine import generate
 from longctx.models.context_memory import InfLLMShape
 from longctx.models.llama import build_model
 
-CFG = ModelConfig(dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=128, vocab_size=97, init_std=0.2)
-
 
 @pytest.fixture(scope="module")
-def model():
+def model():  # (test_infllm.py's model and prompts, another seed; one thread, as there)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield build_model(CFG, seed=7).eval()
     torch.set_num_threads(threads)
-
-
-def _prompt(n, seed=1):
-    return torch.randint(0, CFG.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _turn(x, pos, inv_freq):

@@ -235,7 +235,7 @@ def drop_restated_model_keys(file_model: dict[str, Any], preset: Any) -> dict[st
     restated = {**{k: f.default for k, f in fields.items()}, **MODEL_PRESETS[own]}
     kept = {}
     for key, value in file_model.items():
-        if key != "preset" and key in fields and key in restated:
+        if key != "preset" and key in restated:  # (every field's key: its default, or the preset's value)
             try:
                 if _coerce(f"model.{key}", value, fields[key]) == restated[key]:
                     continue
