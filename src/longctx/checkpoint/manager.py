@@ -426,6 +426,7 @@ def load_weights_into(path: Path, model, rt, log=print) -> dict:
         raise CheckpointError(f"model.init_from: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
                               f"loaded. Start from an intact checkpoint (`longctx checkpoint verify PATH` checks one).")
     state = {"model": get_model_state_dict(model)}
+    check_weights_fit(path, state["model"], "start from a checkpoint of the configured model")
     with _single_process(rt.world == 1):
         dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
     set_model_state_dict(model, state["model"])
@@ -437,6 +438,8 @@ def load_model_weights(path: Path, model) -> dict:
     """Only the model weights of a checkpoint, into a single-process model (for export)."""
     manifest = verify(path, checksums=True)
     state = {"model": model.state_dict()}
+    # (the model is built from the checkpoint's own config: tensors beyond it mean a config that does not describe them)
+    check_weights_fit(path, state["model"], "use the longctx version that wrote it")
     with _single_process(True):
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])

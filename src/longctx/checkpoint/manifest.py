@@ -229,10 +229,11 @@ def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
         )
 
 
-def check_weights_fit(directory: Path, model_keys) -> None:
+def check_weights_fit(directory: Path, model_keys, fix: str = "start without --checkpoint.resume") -> None:
     """Refuse a checkpoint whose model holds tensors that the configured model has no place for: DCP reads only
     the keys it is asked for, so a model with fewer parameters than the checkpoint's (a field the model check
-    does not know, a caller without a model config) would take part of it without a word."""
+    does not know, a caller without a model config) would take part of it without a word. `fix`: the way
+    out other than configuring the saved model, for the error."""
     import torch.distributed.checkpoint as dcp  # (only on a load: a manifest reader needs no DCP)
 
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
@@ -242,7 +243,7 @@ def check_weights_fit(directory: Path, model_keys) -> None:
         shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise CheckpointError(
             f"checkpoint {directory} holds model tensors that the configured model lacks ({shown}): it was written "
-            f"for another model. Configure the model it was saved with, or start without --checkpoint.resume. "
+            f"for another model. Configure the model it was saved with, or {fix}. "
             f"Nothing was loaded.")
 
 
