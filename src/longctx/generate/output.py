@@ -34,7 +34,8 @@ class StopStrings:
         """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends."""
         n, last = self.window, None
         while True:
-            text = self.tokenizer.decode(tokens[-n:])
+            # (begun on a character, not inside one: see from_character)
+            _, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens))
             if n >= len(tokens):
                 return text
             if last is None:  # (the last token's own text: the characters before it are what counts)
@@ -88,8 +89,8 @@ class Stream:
 
     def _text_from_base(self) -> str:
         """The text of all tokens so far, from character `base` on."""
-        context = self.tokens[max(0, self.settled - CONTEXT_TOKENS):self.settled]
-        head = self.tokenizer.decode(context)
+        start, head = from_character(self.tokenizer, self.tokens, max(0, self.settled - CONTEXT_TOKENS), self.settled)
+        context = self.tokens[start:self.settled]
         whole = self.tokenizer.decode([*context, *self.tokens[self.settled:]])
         if whole.startswith(head):
             return self.unshown + whole[len(head):]
@@ -125,14 +126,34 @@ def safe_end(text: str, stops: list[str], start: int = 0, end: int | None = None
 CONTEXT_TOKENS = 8  # the prompt's last ids that --echo decodes a continuation after
 
 
+def from_character(tokenizer, ids, start: int, end: int) -> tuple[int, str]:
+    """(s, the text of ids[s:end]) for the first s of start..start + 3 whose text does not begin with
+    U+FFFD (inside a character), else (start, its text); start 0 is the row's own beginning, kept.
+
+    Why: a byte-fallback decoder (tokenizer.json's ByteFallback: Llama's, Mistral's) decodes a run of
+    byte tokens that is not valid UTF-8 as one U+FFFD per byte, so a decoding begun inside a character
+    turns the whole run into U+FFFD, the complete characters after it too: text the row's decoding does
+    not hold (a stop string in the run went unseen; the stream showed U+FFFD for the characters). A
+    character is at most 4 bytes, so one of the next 3 starts is a character's first byte."""
+    first = None
+    for s in range(start, min(start + 4, end)):
+        text = tokenizer.decode(ids[s:end])
+        if s == 0 or not text.startswith("\ufffd"):
+            return s, text
+        first = text if first is None else first
+    return start, first if first is not None else tokenizer.decode(ids[start:end])
+
+
 def continuation_text(tokenizer, prompt_ids, tokens) -> str:
     """The text `tokens` add after a prompt ending in `prompt_ids`, as transformers' text-generation
     pipeline gives it (the whole decoded, less the prompt's decoding). Decoded alone, a SentencePiece
     decoder (Llama-2, Mistral: its Strip) drops the first space: '▁time' is 'time', and prompt +
     that reads 'Once upon atime'. Plain decoding when the prompt's text is not a prefix of the whole
     (a character split across the boundary)."""
-    context = [int(t) for t in prompt_ids[-CONTEXT_TOKENS:]]
-    head, whole = tokenizer.decode(context), tokenizer.decode([*context, *tokens])
+    n = len(prompt_ids)
+    start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n)
+    context = [int(t) for t in prompt_ids[start:]]
+    whole = tokenizer.decode([*context, *tokens])
     return whole[len(head):] if context and whole.startswith(head) else tokenizer.decode(tokens)
 
 

@@ -176,7 +176,8 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
         return r
     for n in range(1, len(r.tokens) + 1):
         if stop(0, r.tokens[:n]):
-            return replace(r, tokens=r.tokens[:n], finish_reason="stop",
+            # (decoded: the rate stays the rounds' tokens over the rounds' seconds, all of which ran)
+            return replace(r, tokens=r.tokens[:n], finish_reason="stop", decoded=r.decode_steps,
                            logprobs=None if r.logprobs is None else r.logprobs[:n],
                            top_logprobs=None if r.top_logprobs is None else r.top_logprobs[:n])
     return r
