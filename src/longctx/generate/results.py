@@ -22,9 +22,6 @@ class Result:
     # speculative decoding, per target pass (a round): the proposals kept and made (plain decoding: none)
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
-    # tokens the decode steps produced, where they ran on past `tokens`: speculation applies a stop string
-    # after its rounds, which decoded to EOS or the limit (speculative.py speculate_one); None: from `tokens`
-    decoded: int | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -34,15 +31,8 @@ class Result:
     def decode_tokens_per_s(self) -> float:
         """Tokens produced by decode steps (all but the first, which the prefill's logits give; an EOS
         counts) per second."""
-        return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
-
-    @property
-    def decode_steps(self) -> int:
-        """The tokens decode_seconds produced: `decoded` when set (the count cut tokens would make is not the
-        work timed: a speculative stop string at the 5th of 64 tokens gave 4 / the 64 tokens' seconds)."""
-        if self.decoded is not None:
-            return self.decoded
-        return max(0, len(self.tokens) + (self.finish_reason == "eos") - 1)
+        steps = max(0, len(self.tokens) + (self.finish_reason == "eos") - 1)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     @property
     def passes(self) -> int:

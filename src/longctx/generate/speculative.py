@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
@@ -122,7 +121,7 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
                          generator: torch.Generator | None = None, backend: Backend = LOCAL, cape=None,
                          stop_below: float = 0.0, logprobs: int | None = None, seed: int | None = None,
                          compile: bool | CompiledStep = False, adaptive: bool | AdaptiveLength = False,
-                         draft_cost: float | None = None, verify_cost: float = 0.0) -> Result:
+                         draft_cost: float | None = None, verify_cost: float = 0.0, stop=None) -> Result:
     """Continue `prompt` (batch 1) by up to max_new_tokens tokens, up to k proposals per target pass
     (fewer after a proposal the draft gives less than `stop_below`: ModelDrafter.propose).
     `adaptive`: each round's proposals chosen up to k from the proposals kept so far
@@ -134,7 +133,9 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     `logprobs`: as generate's (None, 0 or N): each token's from the target's processed logits at its
     position (the verification call's row, or the prefill's; a CaPE tree's: the accepted path's rows).
     Draws come from `generator`, else one seeded `seed` (default: the run's, sampling.seed).
-    `compile`: the target's verifications through a compiled static-shape step (generate's)."""
+    `compile`: the target's verifications through a compiled static-shape step (generate's). `stop`: as
+    generate's (`stop(row, tokens)`, row 0): the row ends at the token that completes a stop string, the
+    rest of that round's kept proposals dropped."""
     if k < 1:
         raise ValueError(f"speculate at least one token per pass, got {k}")
     if not prompt:
@@ -149,7 +150,7 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
                                length)
     return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
                   backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device, logprobs=logprobs,
-                  compiled=compiled_step(compile))[0]
+                  compiled=compiled_step(compile), stop=stop)[0]
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
@@ -160,8 +161,8 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
     """`longctx generate --draft`: one prompt by speculative decoding with a draft model (plain or
     GliDe). `seed`: the request's (its prompt's, or its sample's: generate/sampling.py), seeding the
     generator every draw of its rounds comes from (default: the run's). A stop string (`stop(row,
-    tokens)`, generate/output.py's StopStrings) is applied to the finished tokens, not inside the
-    loop, so tau and the target passes count the rounds run to EOS or the limit. `adaptive`,
+    tokens)`, generate/output.py's StopStrings) ends the rounds at the token that completes it, as in
+    plain decoding (tau and the target passes count the rounds that ran). `adaptive`,
     `draft_cost`, `verify_cost`: --speculate-adaptive, --draft-cost and --verify-cost (speculative_generate's)."""
     t0 = time.perf_counter()
     step = compiled_step(compile)  # (one step, target and draft: its graphs serve both)
@@ -169,15 +170,7 @@ def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling
     r = speculative_generate(target, drafter, ids, max_new_tokens=limit, k=k, sampling=sampling, eos_ids=eos_ids,
                              prefill_chunk=prefill_chunk, backend=backend, cape=cape, stop_below=stop_below,
                              logprobs=logprobs, seed=seed, compile=step or False, adaptive=adaptive,
-                             draft_cost=draft_cost, verify_cost=verify_cost)
+                             draft_cost=draft_cost, verify_cost=verify_cost, stop=stop)
     # (the draft's own set-up and prompt pass count as decoding: speculation's own cost)
     r.decode_seconds = time.perf_counter() - t0 - r.prefill_seconds
-    if stop is None:
-        return r
-    for n in range(1, len(r.tokens) + 1):
-        if stop(0, r.tokens[:n]):
-            # (decoded: the rate stays the rounds' tokens over the rounds' seconds, all of which ran)
-            return replace(r, tokens=r.tokens[:n], finish_reason="stop", decoded=r.decode_steps,
-                           logprobs=None if r.logprobs is None else r.logprobs[:n],
-                           top_logprobs=None if r.top_logprobs is None else r.top_logprobs[:n])
     return r
