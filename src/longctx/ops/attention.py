@@ -173,10 +173,36 @@ def _dense_forward(q, k, v, causal, scale, backend):
 
 
 def _dense_backward(dout, q, k, v, out, lse, causal, scale, backend, dlse=None):
-    if backend == "math" or dlse is not None:
+    if dlse is not None:
+        return _math_backward_rows(dout, q, k, v, out, lse, causal, scale, dlse)
+    if backend == "math":
         mask = causal_mask(q.shape[1], k.shape[1], q.device) if causal else None
-        return _math_backward(dout, q, k, v, out, lse, mask, scale, dlse)
+        return _math_backward(dout, q, k, v, out, lse, mask, scale)
     return _flash_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+_LSE_GRAD_ROWS = 1024  # query rows per block of the math backward that carries an lse gradient
+
+
+def _math_backward_rows(dout, q, k, v, out, lse, causal, scale, dlse):
+    """_math_backward by blocks of query rows. The flash kernels take no lse gradient, so this backward
+    runs on any backend, and in one piece it held [b, h, S_q, S_k] fp32 scores, probabilities and their
+    gradients plus an S x S mask (2 GiB each at 16K tokens and 2 heads); a block holds [b, h, rows, S_k]
+    and, causal, only the keys up to its last query. Accumulated in fp32."""
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs as many queries as keys here, got {q.shape[1]} and {k.shape[1]}")
+    qf, kf, vf = q.float(), k.float(), v.float()
+    dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+    for s in range(0, q.shape[1], _LSE_GRAD_ROWS):
+        e = min(s + _LSE_GRAD_ROWS, q.shape[1])
+        keys = e if causal else k.shape[1]
+        mask = torch.ones(e - s, keys, dtype=torch.bool, device=q.device).tril(s)[None, None] if causal else None
+        gq, gk, gv = _math_backward(dout[:, s:e], qf[:, s:e], kf[:, :keys], vf[:, :keys], out[:, s:e],
+                                    lse[..., s:e], mask, scale, dlse[..., s:e])
+        dq[:, s:e] = gq
+        dk[:, :keys] += gk
+        dv[:, :keys] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _Rows:
@@ -351,7 +377,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=True, q_doc=None, k_do
 
     `out` and `lse` may be the *global* output and lse of a larger attention this call is one block
     of (ring attention); then the result is this block's share of the global gradients.
-    `dlse`, the gradient flowing into the lse, if any, is handled by the math backend.
+    `dlse`, the gradient flowing into the lse, if any, is handled by the math backward (by blocks of
+    query rows: no [S_q, S_k] tensor either).
     """
     _check(q, k, v, q_doc, k_doc)
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])

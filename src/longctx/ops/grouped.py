@@ -77,7 +77,11 @@ class _ContiguousGrad(torch.autograd.Function):
 def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm's contract: `offs` are the int32 END offsets of the groups (cumulative row
     counts); the last equals n. (The CPU runs it for 16-byte-aligned shapes: the glue is tested there.)"""
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32)))
+    offs = counts.cumsum(0).to(torch.int32)
+    # The kernel trusts offs: rows past offs[-1] come back as uninitialised memory, and offsets past n
+    # read beyond x, both silently (the loop's split refuses such counts). Checked on the device: no host read.
+    torch._assert_async(offs[-1] == x.shape[0], "grouped_mm: the group counts must sum to the rows of x")
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offs))
 
 
 # Under torch.compile the kernel is traced through its meta function, which (torch 2.13) accepts bf16

@@ -36,6 +36,7 @@ def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
     if h.dim() != 2 or labels.shape != h.shape[:1] or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise ValueError(f"lm_head_loss expects h [n, dim], weight [vocab, dim], labels [n]; got "
                          f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
+    _check_labels(labels, weight.shape[0])
     if chunk <= 0 or h.shape[0] <= chunk:
         if norm is not None:
             h = rms_norm(h, *norm)
@@ -57,6 +58,7 @@ def lm_head_token_scores(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     """Per token, [n, 2]: the label's negative log-likelihood and 1.0 where the label is the greedy
     (argmax) choice; both 0 where labels == -100. Forward only (evaluation); chunked like the loss,
     so [tokens, vocab] logits never exist beyond one chunk."""
+    _check_labels(labels, weight.shape[0])
     n = h.shape[0]
     out = torch.zeros(n, 2, dtype=_stat_dtype(h), device=h.device)
     step = chunk if chunk > 0 else max(n, 1)
@@ -74,6 +76,15 @@ def lm_head_token_scores(h: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             out[s:e, 0] = torch.where(valid, nll, 0.0)
             out[s:e, 1] = (hit & valid).to(out.dtype)
     return out
+
+
+def _check_labels(labels: torch.Tensor, vocab: int) -> None:
+    """Refuse labels outside [0, vocab) other than IGNORE. The chunked paths gather the target logit
+    at labels.clamp(min=0), so a negative label such as -1 (another ignore convention) would silently
+    be scored as token 0 (F.cross_entropy, the plain path, raises). _assert_async: no host read on
+    CUDA (a device-side assert there), an immediate error on the CPU; traceable by torch.compile."""
+    bad = ((labels < 0) | (labels >= vocab)) & (labels != IGNORE)
+    torch._assert_async(~bad.any(), f"labels must be token ids in [0, {vocab}) or {IGNORE} (ignored)")
 
 
 def _stat_dtype(h):
