@@ -120,6 +120,12 @@ def test_a_warmup_that_leaves_no_decay_is_said(steps, warmup, said):
     assert said is None or said in note and "--train.warmup_steps below" in note
 
 
+def test_a_two_step_run_is_told_a_warmup_it_can_take():
+    """Two steps have no room for a warmup and a decay: "below 1" (0) was said as "a warmup and a decay"."""
+    note = schedule_note(load_config(overrides=["--train.steps=2"]))
+    assert "set --train.warmup_steps 0 for a decay" in note and "below" not in note
+
+
 def test_flops_formula_matches_a_hand_count():
     cfg = load_config(overrides=["--model.preset=llama3-8b"]).model
     s = 8192

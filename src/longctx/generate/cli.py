@@ -133,7 +133,7 @@ def _add_draft_flags(p) -> None:
                         "the sequence length the draft was trained on")
     p.add_argument("--cape", action="store_true",
                    help="with --draft: add alternatives where the draft is unsure (CaPE) and verify them as a tree "
-                        "(greedy, one process)")
+                        "(greedy; one process or sharded)")
     p.add_argument("--cape-table", default="0.3:3,0.6:2,0.9:1,1:0", metavar="BOUND:N,...",
                    help="CaPE's alternatives by the draft's confidence: up to each bound, N of them; the bounds "
                         "ascend to 1 (default 0.3:3,0.6:2,0.9:1,1:0)")

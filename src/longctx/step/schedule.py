@@ -28,4 +28,5 @@ def schedule_note(cfg) -> str | None:
     return (f"train.warmup_steps {t.warmup_steps} with train.steps {t.steps}: the learning rate "
             + ("rises for the whole run (its last step at " if t.warmup_steps >= t.steps else "reaches ")
             + f"{top:.3g}{')' if t.warmup_steps >= t.steps else ' at the last step'} and never decays to the floor "
-            f"(train.min_lr_ratio); set --train.warmup_steps below {t.steps - 1} for a warmup and a decay")
+            f"(train.min_lr_ratio); " + (f"set --train.warmup_steps below {t.steps - 1} for a warmup and a decay"
+                                         if t.steps > 2 else "set --train.warmup_steps 0 for a decay"))
