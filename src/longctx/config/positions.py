@@ -10,7 +10,9 @@ built from what the weights saw:
   its factor for a linear scaling, whose configs give the length before it, as vLLM reads them); a
   checkpoint written before the record existed: its max_seq_len (the old rule, never stricter).
 - a RoPE scaling that records its original length (yarn, llama3) reaches original x factor, as vLLM
-  counts it: a YaRN-scaled model's longer prompts run.
+  counts it: a YaRN-scaled model's longer prompts run. Not on top of a longctx record, which is that
+  reach already where a run stretched its start; a run that trained under the scaling from scratch
+  learned its tables at the lengths it saw, not at the original length it names.
 - a scaling the user adds (or changes) at generation time stretches the unscaled length the weights
   learned: min(trained, original) x factor for yarn / llama3, trained x factor for linear.
 Ms-PoE (model.rope_ms_poe, models/ms_poe.py) divides positions by ratios >= 1: every position stays
@@ -44,11 +46,14 @@ def unscaled_positions(m: ModelConfig, trained: int) -> int:
     return trained
 
 
-def covered_positions(now: ModelConfig, own: ModelConfig, trained: int) -> int:
+def covered_positions(now: ModelConfig, own: ModelConfig, trained: int, recorded: bool = False) -> int:
     """Positions `now` (the weights' config with the user's overrides) can be trusted with, for weights
-    whose own config is `own` and that trained on `trained` positions."""
+    whose own config is `own` and that trained on `trained` positions. `recorded`: `trained` is a longctx
+    checkpoint's trained_positions, already the reach under `own`'s RoPE (its start's reach included)."""
     if all(getattr(now, k) == getattr(own, k) for k in _ROPE_KEYS):
-        return max(trained, scaled_reach(own))
+        # (a record is not stretched again: a run that learned its scaled tables from scratch, e.g. the
+        # llama3-1b preset's llama3 x 32 over 8,192 trained on 2,048, reached 262,144 by original x factor)
+        return trained if recorded else max(trained, scaled_reach(own))
     base = unscaled_positions(own, trained)
     if now.rope_scaling in _WITH_ORIGINAL:
         return max(base, int(min(base, now.rope_original_max_len) * now.rope_factor))
@@ -62,6 +67,7 @@ class TrainedPositions:
     positions: int      # how many positions the weights trained on
     own: ModelConfig    # the weights' own [model], before any override
     source: str         # where `positions` comes from, said in messages
+    recorded: bool = False  # a longctx manifest's trained_positions (covered_positions' `recorded`)
 
 
 def trained_positions(init_from: str) -> TrainedPositions:
@@ -88,7 +94,7 @@ def trained_positions(init_from: str) -> TrainedPositions:
     path, manifest = checkpoint_manifest(init_from)
     recorded = manifest.get("trained_positions")
     if recorded:
-        return TrainedPositions(int(recorded), own, f"the trained_positions its manifest records ({path})")
+        return TrainedPositions(int(recorded), own, f"the trained_positions its manifest records ({path})", True)
     return TrainedPositions(own.max_seq_len, own, f"its max_seq_len (its manifest, {path}, predates the record of "
                                                    f"trained positions)")
 
@@ -99,7 +105,7 @@ def run_start_positions(init_from: str, model: ModelConfig) -> int:
     if not init_from:
         return 0
     start = trained_positions(init_from)
-    return covered_positions(model, start.own, start.positions)
+    return covered_positions(model, start.own, start.positions, start.recorded)
 
 
 @dataclass(frozen=True)
@@ -137,7 +143,7 @@ def model_reach(m: ModelConfig) -> Reach:
     from .hf_families import family_window
 
     weights = trained_positions(m.init_from)
-    positions = covered_positions(m, weights.own, weights.positions)
+    positions = covered_positions(m, weights.own, weights.positions, weights.recorded)
     # a windowed Mistral / Mixtral (its window at or past the length it was loaded at, or the load refuses it)
     # attends within the window in transformers; longctx attends fully, which is the same only up to it
     window = family_window(initial_hf_config(m.init_from) or {}) or 0
