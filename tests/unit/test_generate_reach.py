@@ -34,7 +34,8 @@ def test_covered_positions_by_hand():
     yarn = _model(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=64)
     assert scaled_reach(yarn) == 256 and covered_positions(yarn, yarn, 64) == 256  # the weights' own scaling
     assert covered_positions(yarn, none, 64) == 256  # a scaling added at generation: 64 x 4
-    assert covered_positions(_model(rope_scaling="yarn", rope_factor=4.0), none, 64) == 256  # original > trained
+    # original (8,192) past what the weights learned (64): the scaling stretches nothing (test below)
+    assert covered_positions(_model(rope_scaling="yarn", rope_factor=4.0), none, 64) == 64
     assert covered_positions(_model(rope_scaling="linear", rope_factor=2.0), none, 64) == 128
     extended = _model(rope_scaling="yarn", rope_factor=4.0, rope_original_max_len=512)
     assert covered_positions(extended, extended, 1024) == 2048  # trained at 1024, yarn reaches 2048
@@ -84,6 +85,16 @@ def test_the_suggested_scaling_passes(hf64):
     flags = [w.rstrip(";,.") for w in str(e.value).split() if w.startswith("--model.rope")]
     request = _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8", *flags)
     assert request.limits == [8] and not request.notes
+
+
+def test_a_scaling_with_the_default_original_is_refused_naming_it(hf64):
+    """yarn x 4 added over weights of 64 positions, its original left at the default 8,192: the 101-token
+    prompt ran as within the reach (64 x 4); now refused, saying why and with flags that do cover it."""
+    d = hf64()
+    scaled = ("--model.rope_scaling=yarn", "--model.rope_factor=4")
+    with pytest.raises(ConfigError, match="model.rope_original_max_len 8,192 is past the 64 positions") as e:
+        _prepare("--checkpoint", f"hf:{d}", "--prompt", PROMPT, "--max-new-tokens", "8", *scaled)
+    assert "--model.rope_original_max_len=64" in str(e.value)
 
 
 def test_a_yarn_scaled_model_reads_longer_prompts(hf64):
@@ -173,3 +184,24 @@ def test_a_windowed_models_reach_is_read_and_capped_at_its_window(tmp_path):
     model = build_model(cfg.model)
     load_hf_weights(model, d)
     assert len(generate(model, [list(range(1, 21))], max_new_tokens=12)[0].tokens) == 12
+
+
+@pytest.mark.parametrize("scaling", ["yarn", "llama3"])
+@pytest.mark.parametrize("original", [64, 32, 8192])
+def test_a_scaling_added_reaches_only_angles_the_weights_turned_through(scaling, original):
+    """What the reach promises, from the frequencies themselves: up to it every rotary pair either turned
+    through a whole period within the 64 trained positions, or stays within the angle it reached there.
+    An original length past the trained one (the default 8,192) leaves the pairs whose wavelengths lie
+    between unscaled: at position 255 they turned up to 4x past any trained angle, and the reach said 256."""
+    import math
+
+    from longctx.models.llama import rope_inv_freq
+
+    trained, none = 64, _model()
+    now = _model(rope_scaling=scaling, rope_factor=4.0, rope_original_max_len=original)
+    reach = covered_positions(now, none, trained)
+    base, scaled = rope_inv_freq(none).double(), rope_inv_freq(now).double()
+    turned = 2 * math.pi / base <= trained  # (a whole period seen: every angle of the pair was trained)
+    within = (reach - 1) * scaled <= trained * base * (1 + 1e-9)
+    assert bool((turned | within).all()), (reach, ((reach - 1) * scaled / (trained * base))[~turned].max())
+    assert reach == (max(trained, original * 4) if original <= trained else trained)  # (no less than the rule)

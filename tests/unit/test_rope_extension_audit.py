@@ -313,13 +313,15 @@ def test_ctx_sharded_prefill_and_decode_use_the_scaled_tables(tmp_path):
 def test_a_run_trained_under_a_scaling_from_scratch_reaches_what_it_trained_on(tmp_path, preset, scaling, stretched):
     """A checkpoint (weightless: the guard reads the manifest) of a from-scratch run under the llama3-1b preset's
     llama3 x 32 over 8,192 (or yarn x 4 over the default 8,192) that trained on 2,048 positions: its reach is
-    2,048, not original x factor; a scaling changed at generation still stretches min(2,048, original)."""
+    2,048, not original x factor; a scaling changed at generation stretches it from an original of 2,048
+    (original x factor), not from the default 8,192, past what the weights learned (nothing)."""
     cfg = load_config(None, {"model": {"preset": preset, "layers": 1, **scaling}, "train": {"seq_len": 2048}})
     step = tmp_path / "checkpoints" / "step-00000002"
     step.mkdir(parents=True)
     write_manifest(step, step=2, layout={}, model=to_dict(cfg)["model"], tokenizer="byte", trained_positions=2048)
     reach = model_reach(load_config(None, {"model": {"init_from": str(step)}, "train": {"seq_len": 2048}}).model)
     assert (reach.positions, reach.trained, reach.scaled) == (2048, 2048, False), stretched  # (was `stretched`)
-    wider = load_config(None, {"model": {"init_from": str(step), "rope_scaling": "yarn", "rope_factor": 2.0},
-                               "train": {"seq_len": 2048}}).model
-    assert model_reach(wider).positions == 4096
+    for original, reaches in ((2048, 4096), (8192, 2048)):
+        wider = load_config(None, {"model": {"init_from": str(step), "rope_scaling": "yarn", "rope_factor": 2.0,
+                                             "rope_original_max_len": original}, "train": {"seq_len": 2048}}).model
+        assert model_reach(wider).positions == reaches, original

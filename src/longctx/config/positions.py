@@ -14,7 +14,8 @@ built from what the weights saw:
   reach already where a run stretched its start; a run that trained under the scaling from scratch
   learned its tables at the lengths it saw, not at the original length it names.
 - a scaling the user adds (or changes) at generation time stretches the unscaled length the weights
-  learned: min(trained, original) x factor for yarn / llama3, trained x factor for linear.
+  learned: original x factor for yarn / llama3 when the original is at most that length (past it, nothing:
+  see covered_positions), trained x factor for linear.
 Ms-PoE (model.rope_ms_poe, models/ms_poe.py) divides positions by ratios >= 1: every position stays
 inside the window, so it moves no reach; its rules (and its refusal in training) are here too.
 """
@@ -56,7 +57,10 @@ def covered_positions(now: ModelConfig, own: ModelConfig, trained: int, recorded
         return trained if recorded else max(trained, scaled_reach(own))
     base = unscaled_positions(own, trained)
     if now.rope_scaling in _WITH_ORIGINAL:
-        return max(base, int(min(base, now.rope_original_max_len) * now.rope_factor))
+        # yarn / llama3 leave the wavelengths shorter than the original length (nearly) unscaled, trusting that
+        # the weights turned through them: with an original past what they learned (the default 8,192 over
+        # weights trained on 2,048), those between turn to angles never trained, so nothing is stretched
+        return base if now.rope_original_max_len > base else max(base, int(now.rope_original_max_len * now.rope_factor))
     if now.rope_scaling == "linear":
         return int(base * now.rope_factor)
     return base
@@ -116,6 +120,7 @@ class Reach:
     unscaled: int   # what they learned before their own RoPE scaling: what a new scaling stretches
     source: str
     window: int = 0  # the sliding window of the config.json the weights started from, when it caps `positions`
+    idle_original: int = 0  # a scaling's original length past `unscaled`, which it then stretches not at all
 
     @property
     def scaled(self) -> bool:
@@ -127,6 +132,10 @@ class Reach:
         if self.window:
             return said + (f"; capped at the {self.window:,}-token sliding window its config.json gives attention: "
                            f"longctx attends to every earlier position, the same as the window only within it")
+        if self.idle_original:
+            return said + (f"; model.rope_original_max_len {self.idle_original:,} is past the {self.unscaled:,} "
+                           f"positions the weights learned unscaled, so the RoPE scaling stretches none of them (its "
+                           f"original length must be at most {self.unscaled:,})")
         return said + (", stretched by its RoPE scaling" if self.scaled else "")
 
     def extension_flags(self, length: int) -> str:
@@ -148,8 +157,11 @@ def model_reach(m: ModelConfig) -> Reach:
     # attends within the window in transformers; longctx attends fully, which is the same only up to it
     window = family_window(initial_hf_config(m.init_from) or {}) or 0
     window = window if 0 < window < positions else 0
-    return Reach(min(positions, window or positions), weights.positions,
-                 unscaled_positions(weights.own, weights.positions), weights.source, window)
+    unscaled = unscaled_positions(weights.own, weights.positions)
+    changed = any(getattr(m, k) != getattr(weights.own, k) for k in _ROPE_KEYS)
+    idle = m.rope_original_max_len if changed and m.rope_scaling in _WITH_ORIGINAL and \
+        m.rope_original_max_len > unscaled else 0
+    return Reach(min(positions, window or positions), weights.positions, unscaled, weights.source, window, idle)
 
 
 def ms_poe_problems(m: ModelConfig) -> list[str]:
