@@ -9,8 +9,9 @@ built from what the weights saw:
   runs trained on, and its start's reach); a Hugging Face model's `max_position_embeddings` (times
   its factor for a linear scaling, whose configs give the length before it, as vLLM reads them); a
   checkpoint written before the record existed: its max_seq_len (the old rule, never stricter).
-- a RoPE scaling that records its original length (yarn, llama3) reaches original x factor, as vLLM
-  counts it: a YaRN-scaled model's longer prompts run. Not on top of a longctx record, which is that
+- a yarn scaling reaches original x factor, as vLLM counts it: a YaRN-scaled model's longer prompts
+  run (a llama3 config's max_position_embeddings is its scaled length already: vLLM stretches it by
+  nothing, and neither does this). Not on top of a longctx record, which is that
   reach already where a run stretched its start; a run that trained under the scaling from scratch
   learned its tables at the lengths it saw, not at the original length it names.
 - a scaling the user adds (or changes) at generation time stretches the unscaled length the weights
@@ -32,8 +33,9 @@ _WITH_ORIGINAL = ("yarn", "llama3")  # scalings that name the length they stretc
 
 
 def scaled_reach(m: ModelConfig) -> int:
-    """original x factor for a scaling that records its original length, else 0."""
-    if m.rope_scaling in _WITH_ORIGINAL:
+    """original x factor for yarn, else 0. (Not llama3: vLLM takes a llama3 model's max_position_embeddings
+    as it is, and Llama-3.2's x 32 over 8,192 would read 262,144 for the 131,072 it was trained to.)"""
+    if m.rope_scaling == "yarn":
         return int(m.rope_original_max_len * m.rope_factor)
     return 0
 
@@ -139,8 +141,8 @@ class Reach:
         return said + (", stretched by its RoPE scaling" if self.scaled else "")
 
     def extension_flags(self, length: int) -> str:
-        """The --model.* flags of a yarn scaling that covers `length` positions (min(unscaled, original)
-        x factor >= length: covered_positions of the result passes)."""
+        """The --model.* flags of a yarn scaling that covers `length` positions (original = unscaled, so
+        original x factor >= length: covered_positions of the result passes)."""
         factor = max(2, -(-length // self.unscaled))
         return (f"--model.rope_scaling=yarn --model.rope_factor={factor} "
                 f"--model.rope_original_max_len={self.unscaled}")
