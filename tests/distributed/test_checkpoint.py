@@ -69,7 +69,8 @@ def flip_byte(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return run_layout("single", [], tmp_path_factory.mktemp("full"))[1]
+    # (only its losses are read: no final checkpoint to save)
+    return run_layout("single", ["--checkpoint.final=false"], tmp_path_factory.mktemp("full"))[1]
 
 
 RESUMES = [("dp2-ctx2", "head2-ctx2"), ("head2-ctx2", "single"), ("single", "ctx4-window2"),

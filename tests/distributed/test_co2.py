@@ -104,7 +104,8 @@ SAME = dict(PLAIN, same_data=True)
 SAME_SOONER = dict(SAME, overlap=1)
 
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
-        "--train.seq_len=128", "--train.warmup_steps=2", "--train.steps=10", "--parallel.dp_replicate=2"]
+        "--train.seq_len=128", "--train.warmup_steps=2", "--train.steps=10", "--parallel.dp_replicate=2",
+        "--checkpoint.final=false"]  # (the runs that a test reads the checkpoints of save at an interval)
 CO2 = ["--train.data_parallel=co2", "--train.co2_local_steps=2"]
 # rounds of 4 merged 2 steps after their end: the checkpoint at step 5 falls between a round end and its merge
 SOONER_ARGS = ["--train.data_parallel=co2", "--train.co2_local_steps=4", "--train.co2_overlap_steps=2"]

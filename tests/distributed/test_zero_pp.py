@@ -14,7 +14,8 @@ from longctx.train.trainer import train
 
 STEPS = 10
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
-        "--train.seq_len=256", "--train.warmup_steps=2", f"--train.steps={STEPS}", "--parallel.ranks_per_node=2"]
+        "--train.seq_len=256", "--train.warmup_steps=2", f"--train.steps={STEPS}", "--parallel.ranks_per_node=2",
+        "--checkpoint.final=false"]  # (no test reads the last step's checkpoint: its save only costs time)
 LAYOUTS = {"head2-ctx2": ["--parallel.head=2", "--parallel.ctx=2"],
            "moe expert2-ctx2": ["--model.preset=debug-moe", "--parallel.expert=2", "--parallel.ctx=2"]}
 
