@@ -281,6 +281,15 @@ def _prepare(d, *argv):
     return prepare(args, rest), args
 
 
+def test_a_sampling_temperature_of_0_in_generation_config_is_said_to_decode_greedily(weightless_hf):
+    """do_sample true with temperature 0: transformers' generate raises; longctx decodes greedily and says so."""
+    (weightless_hf / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0}))
+    request, args = _prepare(weightless_hf, "--prompt", "x")
+    assert request.sampling.greedy
+    assert args.generation_defaults == "do_sample true, temperature 0 (greedy: transformers' generate refuses to " \
+        "sample at temperature 0)"
+
+
 def test_generation_config_gives_the_defaults_and_flags_override(weightless_hf):
     (weightless_hf / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "min_p": 0.1, "repetition_penalty": 1.1,
