@@ -49,20 +49,33 @@ def unscaled_positions(m: ModelConfig, trained: int) -> int:
     return trained
 
 
+def _same_rope(a: ModelConfig, b: ModelConfig) -> bool:
+    return all(getattr(a, k) == getattr(b, k) for k in _ROPE_KEYS)
+
+
+def idle_original(now: ModelConfig, own: ModelConfig, trained: int) -> int:
+    """The original length of a yarn / llama3 scaling that `now` adds or changes over `own` when it lies past
+    the length the weights learned unscaled, else 0. Such a scaling stretches nothing: yarn / llama3 leave
+    the wavelengths shorter than the original (nearly) unscaled, trusting that the weights turned through
+    them, so with the default 8,192 over weights trained on 2,048 those between turn to angles never trained."""
+    if _same_rope(now, own) or now.rope_scaling not in _WITH_ORIGINAL:
+        return 0
+    return now.rope_original_max_len if now.rope_original_max_len > unscaled_positions(own, trained) else 0
+
+
 def covered_positions(now: ModelConfig, own: ModelConfig, trained: int, recorded: bool = False) -> int:
     """Positions `now` (the weights' config with the user's overrides) can be trusted with, for weights
     whose own config is `own` and that trained on `trained` positions. `recorded`: `trained` is a longctx
     checkpoint's trained_positions, already the reach under `own`'s RoPE (its start's reach included)."""
-    if all(getattr(now, k) == getattr(own, k) for k in _ROPE_KEYS):
+    if _same_rope(now, own):
         # (a record is not stretched again: a run that learned its scaled tables from scratch, e.g. the
         # llama3-1b preset's llama3 x 32 over 8,192 trained on 2,048, reached 262,144 by original x factor)
         return trained if recorded else max(trained, scaled_reach(own))
     base = unscaled_positions(own, trained)
+    if idle_original(now, own, trained):
+        return base
     if now.rope_scaling in _WITH_ORIGINAL:
-        # yarn / llama3 leave the wavelengths shorter than the original length (nearly) unscaled, trusting that
-        # the weights turned through them: with an original past what they learned (the default 8,192 over
-        # weights trained on 2,048), those between turn to angles never trained, so nothing is stretched
-        return base if now.rope_original_max_len > base else max(base, int(now.rope_original_max_len * now.rope_factor))
+        return max(base, int(now.rope_original_max_len * now.rope_factor))
     if now.rope_scaling == "linear":
         return int(base * now.rope_factor)
     return base
@@ -122,7 +135,7 @@ class Reach:
     unscaled: int   # what they learned before their own RoPE scaling: what a new scaling stretches
     source: str
     window: int = 0  # the sliding window of the config.json the weights started from, when it caps `positions`
-    idle_original: int = 0  # a scaling's original length past `unscaled`, which it then stretches not at all
+    idle_original: int = 0  # idle_original(): a scaling's original length past `unscaled`, stretching nothing
 
     @property
     def scaled(self) -> bool:
@@ -159,11 +172,9 @@ def model_reach(m: ModelConfig) -> Reach:
     # attends within the window in transformers; longctx attends fully, which is the same only up to it
     window = family_window(initial_hf_config(m.init_from) or {}) or 0
     window = window if 0 < window < positions else 0
-    unscaled = unscaled_positions(weights.own, weights.positions)
-    changed = any(getattr(m, k) != getattr(weights.own, k) for k in _ROPE_KEYS)
-    idle = m.rope_original_max_len if changed and m.rope_scaling in _WITH_ORIGINAL and \
-        m.rope_original_max_len > unscaled else 0
-    return Reach(min(positions, window or positions), weights.positions, unscaled, weights.source, window, idle)
+    return Reach(min(positions, window or positions), weights.positions,
+                 unscaled_positions(weights.own, weights.positions), weights.source, window,
+                 idle_original(m, weights.own, weights.positions))
 
 
 def ms_poe_problems(m: ModelConfig) -> list[str]:

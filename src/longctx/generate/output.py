@@ -135,13 +135,14 @@ def from_character(tokenizer, ids, start: int, end: int) -> tuple[int, str]:
     turns the whole run into U+FFFD, the complete characters after it too: text the row's decoding does
     not hold (a stop string in the run went unseen; the stream showed U+FFFD for the characters). A
     character is at most 4 bytes, so one of the next 3 starts is a character's first byte."""
-    first = None
-    for s in range(start, min(start + 4, end)):
+    first = tokenizer.decode(ids[start:end])
+    if start == 0 or not first.startswith("\ufffd"):
+        return start, first
+    for s in range(start + 1, min(start + 4, end)):
         text = tokenizer.decode(ids[s:end])
-        if s == 0 or not text.startswith("\ufffd"):
+        if not text.startswith("\ufffd"):
             return s, text
-        first = text if first is None else first
-    return start, first if first is not None else tokenizer.decode(ids[start:end])
+    return start, first
 
 
 def continuation_text(tokenizer, prompt_ids, tokens) -> str:

@@ -126,10 +126,10 @@ def resolve(args, file: dict) -> tuple[dict, int, list[str]]:
         temperature = 0.0
         if file.get("do_sample") is True:
             temperature = file.get("temperature", 1.0)
-            # (0 decodes greedily here; transformers' generate refuses a sampling temperature of 0: said)
-            taken.append(f"do_sample true, temperature {temperature}"
-                         + (" (greedy: transformers' generate refuses to sample at temperature 0)" if temperature == 0
-                            else ""))
+            said = f"do_sample true, temperature {temperature}"
+            if temperature == 0:  # (decoded greedily here, where transformers' generate raises: said)
+                said += " (greedy: transformers' generate refuses to sample at temperature 0)"
+            taken.append(said)
         elif "do_sample" in file:
             taken.append("do_sample false (greedy)")
     fields["temperature"] = temperature

@@ -58,10 +58,14 @@ def _reduce_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
 
 
-def causal_mask(seq_q: int, seq_k: int, device) -> torch.Tensor:
-    """Boolean lower-triangular mask [1, 1, seq_q, seq_k] of the math reference (never used with documents)."""
+def _check_square(seq_q: int, seq_k: int) -> None:
     if seq_q != seq_k:
         raise ValueError(f"causal attention needs as many queries as keys here, got {seq_q} and {seq_k}")
+
+
+def causal_mask(seq_q: int, seq_k: int, device) -> torch.Tensor:
+    """Boolean lower-triangular mask [1, 1, seq_q, seq_k] of the math reference (never used with documents)."""
+    _check_square(seq_q, seq_k)
     return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril()[None, None]
 
 
@@ -189,8 +193,8 @@ def _math_backward_rows(dout, q, k, v, out, lse, causal, scale, dlse):
     runs on any backend, and in one piece it held [b, h, S_q, S_k] fp32 scores, probabilities and their
     gradients plus an S x S mask (2 GiB each at 16K tokens and 2 heads); a block holds [b, h, rows, S_k]
     and, causal, only the keys up to its last query. Accumulated in fp32."""
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(f"causal attention needs as many queries as keys here, got {q.shape[1]} and {k.shape[1]}")
+    if causal:
+        _check_square(q.shape[1], k.shape[1])
     qf, kf, vf = q.float(), k.float(), v.float()
     dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
     for s in range(0, q.shape[1], _LSE_GRAD_ROWS):

@@ -25,8 +25,10 @@ def schedule_note(cfg) -> str | None:
     if t.steps <= 1 or t.warmup_steps < t.steps - 1:
         return None
     top = lr_at(t.steps - 1, cfg)
+    # (two steps have no room for both: "below 1" would be no warmup at all)
+    fix = (f"set --train.warmup_steps below {t.steps - 1} for a warmup and a decay" if t.steps > 2
+           else "set --train.warmup_steps 0 for a decay")
     return (f"train.warmup_steps {t.warmup_steps} with train.steps {t.steps}: the learning rate "
             + ("rises for the whole run (its last step at " if t.warmup_steps >= t.steps else "reaches ")
             + f"{top:.3g}{')' if t.warmup_steps >= t.steps else ' at the last step'} and never decays to the floor "
-            f"(train.min_lr_ratio); " + (f"set --train.warmup_steps below {t.steps - 1} for a warmup and a decay"
-                                         if t.steps > 2 else "set --train.warmup_steps 0 for a decay"))
+            f"(train.min_lr_ratio); {fix}")
