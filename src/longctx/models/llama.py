@@ -158,12 +158,15 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, self.kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
+        # q and k in v's dtype, the projections' compute dtype: under bf16 autocast the q/k norms' fp32 weights
+        # make them fp32 (rms_norm: x's dtype times weight's), and the kernels take one dtype (a ring's
+        # stack([k, v]) promoted v instead: attention silently in fp32), as SDPA under autocast casts them
         if cos.shape[-2] == 1:  # one table for every head: plain RoPE
-            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            return apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
         # Ms-PoE (models/ms_poe.py): a table per kv head, shared by its query heads (heads kv * g .. kv * g + g - 1)
         g = self.heads // self.kv_heads
         q = apply_rope(q.view(b, s, self.kv_heads, g, self.head_dim), cos[..., None, :], sin[..., None, :])
-        return q.view(b, s, self.heads, self.head_dim), apply_rope(k, cos, sin), v
+        return q.view(b, s, self.heads, self.head_dim).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype), v
 
     def forward(self, x, cos, sin, doc_ids):
         out = self.core(*self.qkv(x, cos, sin), doc_ids)
