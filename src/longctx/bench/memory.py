@@ -266,7 +266,9 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     try:
         model = _build(model_cfg, policy, fraction, args, None, None, device)
-        model = model.to(torch.bfloat16) if cuda else model
+        if cuda:  # (the cast rounds the RoPE frequencies too: back to fp32, as generation's cast does)
+            model = model.to(torch.bfloat16)
+            model.init_rope()
         inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):

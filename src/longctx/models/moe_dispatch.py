@@ -14,7 +14,7 @@ atomics on CUDA, in no fixed order when k >= 3); the combine gathers each token'
 by the inverse permutation and sums them in slot order (its backward adds one row into each zero
 row, exact in any order). Not so under expert parallelism with parallel.expert_ranks_per_node
 (parallel/expert/hierarchy.py adds rows with index_add: repeated indices, atomics on CUDA) or
-parallel.expert_replicas (expert_placement.py: a copied expert's weights gathered by
+parallel.expert_replicas (parallel/expert/placement.py: a copied expert's weights gathered by
 index_select, whose backward adds the copies' gradients with index_add_); the flat exchange
 (parallel/expert/dispatch.py) only permutes rows.
 """

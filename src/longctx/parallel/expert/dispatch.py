@@ -18,7 +18,7 @@ Its options, chosen from config:
   (parallel/expert/pipeline.py); `tuner` (parallel.expert_pipeline_chunks = 0): the chunk count a
   short online profile picks (ChunkTuner);
 - `placer` (parallel.expert_replicas > 0): FlexMoE's copies of hot experts (parallel/
-  expert_placement.py). A layer's placement is its experts' `placement` attribute (None: every
+  expert/placement.py). A layer's placement is its experts' `placement` attribute (None: every
   expert on its owner only), which the placer sets at the end of each window; the rows then go by
   (rank, slot) instead of by expert.
 HierarchicalDispatcher (parallel/expert/hierarchy.py) is this dispatcher over the ranks of one
