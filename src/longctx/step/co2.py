@@ -34,7 +34,9 @@ last step merges the change in flight and averages the replicas' weights.
 
 Each replica is an FSDP group of its own (parallel/fsdp/shard.py), so no gradient leaves it. Only those
 groups' parameters are CO2's: under expert parallelism the experts' weights are sharded over an
-expert-data group that spans the replicas, and their gradients stay synchronous.
+expert-data group that spans the replicas, and their gradients stay synchronous; being one copy, they
+are clipped by one coefficient on every shard, the agreed (largest) norm's (`reclip_synchronous`),
+where each replica clips its own weights by its own norm.
 The state a resume needs is each rank's own (`state_dict`): the replicas' weights and AdamW moments
 differ, which a layout-free checkpoint (one copy per replicated shard) cannot hold.
 """
@@ -53,6 +55,31 @@ def replicated_params(model: torch.nn.Module) -> list[DTensor]:
     """The parameters sharded over a replica's own FSDP group (parallel/fsdp/shard.py gives each replica
     one under co2), not over the experts' mesh."""
     return [p for p in model.parameters() if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("fsdp",)]
+
+
+def synchronous_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters that are not CO2's (replicated_params): one copy over the replicas, their gradients
+    synchronous (the experts' weights under expert parallelism, sharded over an expert-data group that
+    spans the replicas)."""
+    own = {id(p) for p in replicated_params(model)}
+    return [p for p in model.parameters() if id(p) not in own]
+
+
+@torch.no_grad()
+def reclip_synchronous(params: list[torch.Tensor], own_norm: torch.Tensor, agreed_norm: torch.Tensor,
+                       max_norm: float) -> None:
+    """The synchronous `params`' gradients, which clip_gradients clipped by this replica's own norm,
+    clipped by the agreed (largest) norm instead: one coefficient on every shard of these one-copy
+    weights. With each replica's own, an expert's global gradient reached its optimizer with its shards
+    scaled apart (by 0.036 and 0.047 in tests/distributed/test_grad_norm_tiers_audit.py): a replica's
+    norm holds its own weights' gradients. A replica's own weights keep its own coefficient. (A non-finite
+    norm makes these gradients non-finite or zero: the step is not applied anyway.)"""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    if max_norm <= 0 or not grads:
+        return
+    own = torch.clamp(max_norm / (own_norm + 1e-6), max=1.0)  # (clip_grads_with_norm_'s coefficients)
+    agreed = torch.clamp(max_norm / (agreed_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, (agreed / own).to(grads[0].device))
 
 
 class OuterSync:

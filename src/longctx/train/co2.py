@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..job import comm
-from ..step.co2 import OuterSync, replicated_params
+from ..step.co2 import OuterSync, reclip_synchronous, replicated_params, synchronous_params
 from .hooks import StepHook
 
 STATE_KEY = "co2"
@@ -21,8 +21,10 @@ class CO2Rounds(StepHook):
     then a round ends after every local_steps-th step, its average merged overlap steps later; after
     the last step the replicas' weights are averaged."""
 
-    def __init__(self, outer: OuterSync, replica_mesh, sync_steps: int = 0, last_step: int = 0):
+    def __init__(self, outer: OuterSync, replica_mesh, sync_steps: int = 0, last_step: int = 0,
+                 synchronous: list = (), max_norm: float = 0.0):
         self.outer, self.replica_mesh, self.sync_steps, self.last_step = outer, replica_mesh, sync_steps, last_step
+        self.synchronous, self.max_norm = list(synchronous), max_norm  # (the experts' weights, train.grad_clip)
 
     def before_clip(self, step: int) -> None:
         if step <= self.sync_steps:
@@ -43,7 +45,10 @@ class CO2Rounds(StepHook):
         is 1), so one replica's NaN gradients would pass the guard, and their update would be applied."""
         mine = grad_norm.detach().clone()
         mine = torch.where(torch.isnan(mine), torch.full_like(mine, float("inf")), mine)
-        return comm.all_reduce(mine, self.replica_mesh, op=dist.ReduceOp.MAX, label="metrics")
+        agreed = comm.all_reduce(mine, self.replica_mesh, op=dist.ReduceOp.MAX, label="metrics")
+        # weights that are not a replica's own (the experts') take the agreed norm's clip, one on every shard
+        reclip_synchronous(self.synchronous, grad_norm, agreed, self.max_norm)
+        return agreed
 
     def log_fields(self, step: int, last: bool) -> dict:
         if not self.outer.rounds:
@@ -72,7 +77,8 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
     log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps{warm}, "
         f"its average merged {outer.overlap} steps later (outer lr {t.co2_outer_lr}, momentum "
         f"{t.co2_outer_momentum})")
-    return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"), t.co2_sync_steps, t.steps)
+    return CO2Rounds(outer, comm.sub_mesh(rt.mesh, "dp_replicate"), t.co2_sync_steps, t.steps,
+                     synchronous_params(model), t.grad_clip)
 
 
 def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log) -> None:
