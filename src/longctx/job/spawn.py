@@ -18,6 +18,7 @@ group (training's `init_distributed` reuses a group that exists).
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import sys
 import threading
@@ -79,7 +80,11 @@ def _entry(caller_problem, rank, world, port, fn, args, results, threads):
         timeout = timedelta(seconds=300)
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)  # the caller's (see _job_store)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-        results.put((rank, True, fn(*args)))
+        # pickled here, with plain pickle: the queue's pickler hands a tensor over as a shared-memory file
+        # descriptor that the caller fetches from this process when it reads the result, which fails
+        # (ConnectionResetError, FileNotFoundError) once the rank has exited; an unpicklable result is an
+        # error of this rank, not a result lost in the queue's feeder thread
+        results.put((rank, True, pickle.dumps(fn(*args), protocol=pickle.HIGHEST_PROTOCOL)))
     except BaseException:  # report everything, including assertion errors, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -176,7 +181,7 @@ def _collect(results, procs, out: dict, timeout: float) -> None:
                 continue
         if not ok:
             raise RuntimeError(f"rank {rank} of {world} failed:\n{value}")
-        out[rank] = value
+        out[rank] = pickle.loads(value)
 
 
 def _run_many(jobs):
