@@ -40,7 +40,9 @@ def _prompt(length, vocab=300, seed=1):
 def _transformers_greedy(model, prompt, new=NEW):
     model.generation_config.eos_token_id = None  # exactly `new` tokens, as ours without eos_ids
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+        ids = torch.tensor([prompt])  # (the mask given: with pad_token_id 0 alone, a prompt's 0s would read as padding)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

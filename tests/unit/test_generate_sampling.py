@@ -105,7 +105,8 @@ def test_repetition_penalty_greedy_and_logprobs_match_transformers(tmp_path):
     worst = 0.0
     for penalty in (1.5, 0.8):
         with torch.no_grad():
-            out = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, repetition_penalty=penalty,
+            out = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=NEW, do_sample=False, repetition_penalty=penalty,
                                pad_token_id=0, output_scores=True, return_dict_in_generate=True)
         theirs = out.sequences[0, len(prompt):].tolist()
         got = generate(ours, [prompt], max_new_tokens=NEW, sampling=Sampling(repetition_penalty=penalty),
@@ -129,7 +130,8 @@ def test_min_new_tokens_and_ignore_eos_follow_transformers(tmp_path):
     eos = free[2]
     for minimum in (0, 6, 20):
         with torch.no_grad():
-            seq = ref.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, min_new_tokens=minimum,
+            seq = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=NEW, do_sample=False, min_new_tokens=minimum,
                                eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
         theirs = seq[:seq.index(eos)] if eos in seq else seq
         got = generate(ours, [prompt], max_new_tokens=NEW, sampling=Sampling(min_new_tokens=minimum), eos_ids=[eos])[0]

@@ -221,6 +221,10 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model, reach)
     if memory is not None:
         check_prompts(memory, prompts)
+    if cfg.model.moe_capacity_factor > 0:  # (generate/loop.py decodes dropless; said once, as eval says it)
+        notes.append(f"the model generates dropless: its moe.capacity_factor {cfg.model.moe_capacity_factor:g} is "
+                     f"left out, since a capacity is shared by the tokens of a call and would make a prompt's tokens "
+                     f"depend on the prompts batched with it and on how its prefill is chunked")
     eos = eos_ids(cfg.model.init_from, tokenizer)
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
     if args.draft:

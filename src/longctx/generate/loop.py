@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.moe import dropless
 from ..models.static_decode import CompiledStep, install
 from .contracts import Backend, Cache, FlatPrefill, Round, Rounds
 from .results import Result
@@ -91,7 +92,8 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        # (dropless: a MoE capacity would make a row's tokens depend on the rows and calls it runs with)
+        with torch.inference_mode(), dropless(model):
             cache = backend.cache(model, n * num_samples, max_len, core=cache_core)
             logits, prefill_s = _prefill(model, backend, cache, [prompts[i] for i in order], prefill_chunk, device)
             if num_samples > 1:  # row s * n + j: sample s of the j-th shortest prompt

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..models.moe import dropless
 from ..models.static_decode import CompiledStep, compiled_step
 from .acceptance import accept, choose, token_probs
 from .cape import tree_round
@@ -148,9 +149,10 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     length = length_policy(adaptive, k, target, getattr(drafter, "model", None), draft_cost, verify_cost)
     rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None,
                                length)
-    return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
-                  backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device, logprobs=logprobs,
-                  compiled=compiled_step(compile), stop=stop)[0]
+    with dropless(getattr(drafter, "model", None)):  # (a MoE draft's proposals as dropless as the target: loop.py)
+        return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
+                      backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device,
+                      logprobs=logprobs, compiled=compiled_step(compile), stop=stop)[0]
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,

@@ -34,6 +34,7 @@ between a forward and its recomputation.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -390,6 +391,25 @@ class MoEFeedForward(nn.Module):
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+@contextmanager
+def dropless(*models: nn.Module | None):
+    """Every MoE layer of `models` (None: skipped) routes without its capacity (moe.capacity_factor) inside
+    the block, and keeps it after: generation's routing. A capacity is shared by the tokens of one call,
+    so a token's experts would depend on the other rows of a decode batch (finished ones too), on how the
+    prompt is chunked or grouped in prefill, on a verification's proposals and on the layout: a prompt's
+    tokens would depend on what it runs with. Dropless, each token reaches its top k, as eval scores such a
+    model (eval/request.py) and as transformers' MoE families route."""
+    layers = [layer for m in models if m is not None for layer in moe_layers(m)]
+    held = [layer.capacity_factor for layer in layers]
+    for layer in layers:
+        layer.capacity_factor = 0.0
+    try:
+        yield
+    finally:
+        for layer, capacity in zip(layers, held):
+            layer.capacity_factor = capacity
 
 
 def eval_routing_note(model: nn.Module) -> str | None:
