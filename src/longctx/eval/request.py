@@ -1,5 +1,5 @@
 """What one `longctx eval` computes (EvalRequest), prepared from its flags: the run config its model is
-built from (the checkpoint's [model] without a MoE capacity: `dropless`; the layout, the longest length),
+built from (the checkpoint's [model] without a MoE capacity: `dropless_note` says so; the layout, the longest length),
 --mode generate's sampling, the notes on lengths past the model's reach, and each length's sequences
 (eval/inputs.py). The launching process prepares it once, so that bad input stops the command before
 any rank starts, and every rank prepares the same again (cheap, deterministic).
@@ -39,7 +39,7 @@ class EvalRequest:
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     """(the run config eval builds its model from, the batch, the MoE capacity factor left out): the
-    checkpoint's [model] (extension keys may be overridden) without a capacity (`dropless`), the layout
+    checkpoint's [model] (extension keys may be overridden) without a capacity (`dropless_note`), the layout
     and memory flags given, and the longest length."""
     from ..config import load_config, parse_overrides
     from ..config.layout import default_layout
@@ -80,7 +80,7 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     return load_config(None, given), batch, capacity
 
 
-def dropless(capacity: float) -> str | None:
+def dropless_note(capacity: float) -> str | None:
     """What eval says of a MoE capacity it leaves out (None: the model has none). A capacity is shared by
     the tokens of one forward (models/moe.py: ceil(capacity_factor x T x k / E) choices per expert), so
     with it a sequence's score would depend on the sequences batched with it (--batch, the unscored
@@ -124,7 +124,7 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
         raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
     cfg, batch, capacity = _config(args, overrides, lengths, nproc)
-    routing = dropless(capacity)
+    routing = dropless_note(capacity)
     _check_layout(cfg, lengths, mode, nproc)
     spec, tokenizer = _load_tokenizer(args, cfg)
     source = _load_source(args, cfg, spec, tokenizer)
