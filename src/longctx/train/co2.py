@@ -42,7 +42,9 @@ class CO2Rounds(StepHook):
         """The largest of the replicas' gradient norms (each clipped its own): one figure on every rank,
         so that train.on_nonfinite's stop is decided by all of them alike. A NaN norm is sent as +inf:
         a MAX all-reduce keeps the first operand when a comparison with NaN is false (gloo's max(1, NaN)
-        is 1), so one replica's NaN gradients would pass the guard, and their update would be applied."""
+        is 1), so one replica's NaN gradients would pass the guard, and their update would be applied.
+        It also re-clips the synchronous weights' gradients (the experts', one copy over the replicas) by
+        that agreed norm, in place (step/co2.py reclip_synchronous)."""
         mine = grad_norm.detach().clone()
         mine = torch.where(torch.isnan(mine), torch.full_like(mine, float("inf")), mine)
         agreed = comm.all_reduce(mine, self.replica_mesh, op=dist.ReduceOp.MAX, label="metrics")

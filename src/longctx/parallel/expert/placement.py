@@ -19,8 +19,10 @@ weight gradient back to the owner, where autograd adds it to the owner's own. So
 the optimizer and the checkpoints never see a placement (a checkpoint loads under any placement
 or none), a copy can never drift from its expert, and a placement can change between any two
 optimizer steps. The price is the copied experts' weights over the expert group's links, twice per
-layer call (forward fetch, backward gradient; a forward recomputed in backward fetches them once
-more), and the layer is called for every micro-batch of a step (train.grad_accum): the cost bound below.
+layer call (forward fetch, backward gradient; a call recomputed in backward fetches them once more),
+and the layer is called for every micro-batch of a step (train.grad_accum), and for every piece of one a
+memory policy runs the block in (memory.block_chunk's chunks, offload_fraction's two parts): the cost
+bound below.
 
 The policy (`plan_placement`) is a greedy water-filling over the loads seen over a window of steps
 (the router's choices per expert, summed over every rank, the same on all ranks, so every rank
@@ -30,7 +32,7 @@ derives the same placement with no exchange):
   take, min(h's rows of it, h - mean, mean - c), from h to c; until max / mean <= 1 + tolerance,
   the slots run out, or a move would be smaller than `min_share` of the mean.
 Cost bound: at most `replicas` copies per rank and layer, each 2 x 3 x dim x expert_dim values
-over the links per micro-batch, against the rows it takes off the hot rank (each row 6 x dim x
+over the links per layer call, against the rows it takes off the hot rank (each row 6 x dim x
 expert_dim FLOPs there); the log line states both.
 """
 
@@ -235,9 +237,12 @@ class ExpertPlacer:
             after = max(after, placement.predicted["max_over_mean_after"])
             copies += placement.copies
         w = self.layers[0].experts.w1
-        # weights + their gradients, per forward and backward of the model: a step runs one per micro-batch
-        # (train.grad_accum of them), and a recomputed forward fetches the weights again (not counted here)
+        # weights + their gradients, per forward and backward of every layer once: a step runs one per
+        # micro-batch (train.grad_accum of them), each layer once per piece of a memory policy's block
+        # (memory.block_chunk: 16 fetches for 2 where a micro-batch is 8 chunks), and a recomputed call fetches
+        # the weights again (not counted here)
         moved = 2 * 3 * w.shape[1] * w.shape[2] * copies
         return (f"expert placement over the last {self.window} steps: {int(copies)} copies in {len(self.layers)} "
                 f"layers; worst layer's max/mean rank load {before:.2f} -> {after:.2f} (predicted); the copies "
-                f"move {moved / 1e6:.1f}M values per micro-batch (+half per recomputed forward)")
+                f"move {moved / 1e6:.1f}M values per micro-batch (times the pieces a memory policy runs it in; "
+                f"+half per recomputed forward)")
