@@ -53,7 +53,7 @@ def _trained(s: dict, run_dir: str) -> dict:
 
     def recorded(step):
         shares = original(step)
-        # (numpy: pickled by value; a tensor would travel as a shared-memory handle the rank's exit can close)
+        # (numpy arrays: by value; job/spawn.py now pickles a rank's tensors by value too)
         seen.append([(b.tokens.numpy().copy(), b.labels.numpy().copy(), b.positions.numpy().copy(),
                       None if b.doc_ids is None else b.doc_ids.numpy().copy(), valid) for b, valid in shares])
         return shares

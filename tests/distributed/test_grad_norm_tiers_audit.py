@@ -184,7 +184,7 @@ def _probe(args, run_dir, steps=1, poison=None):
         trainer_mod.clip_step_gradients, trainer_mod.guarded_step = clip, guarded
     metrics = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")] if _is_main() else []
     out["logged"] = [r["grad_norm"] for r in metrics if r.get("kind") == "train"]
-    # (numpy: pickled by value; a tensor would travel as a shared-memory handle the rank's exit can close)
+    # (numpy arrays: by value; job/spawn.py now pickles a rank's tensors by value too)
     for key in ("raw", "applied", "after"):
         out[key] = [{n: g.numpy() for n, g in d.items()} for d in out[key]]
     out["before"] = {n: g.numpy() for n, g in out["before"].items()}

@@ -164,3 +164,30 @@ def test_a_non_leaf_tensor_that_requires_grad_comes_back_by_value():
 
     got = run_spawned(1, _non_leaf)[0]["y"]
     assert torch.equal(got.detach(), torch.tensor([0.0, 2.0, 4.0]))
+
+
+def test_a_train_mode_draft_proposes_in_eval_mode_and_gets_its_mode_back():
+    """speculative_generate runs the draft as decode runs the target: eval mode (a train-mode Sinkhorn router
+    would propose by its balanced assignment), dropless, and as it was after."""
+    from longctx.generate.drafters import ModelDrafter
+    from longctx.generate.speculative import speculative_generate
+
+    target, draft = _capacity_model(), _capacity_model().train()
+    seen = []
+    draft.register_forward_pre_hook(lambda module, args: seen.append(
+        (module.training, [layer.capacity_factor for layer in moe_layers(module)])))
+    speculative_generate(target, ModelDrafter(draft, max_len=64), [1, 2, 3, 4, 5], max_new_tokens=6, k=2)
+    assert seen and all(not training and set(caps) == {0.0} for training, caps in seen), seen[:3]
+    assert draft.training and all(layer.capacity_factor == 1.25 for layer in moe_layers(draft))
+
+
+def test_generate_says_once_that_a_capacity_target_or_draft_runs_dropless():
+    from longctx.generate.cli import _dropless_note
+
+    capacity = load_config(overrides=["--model.preset=debug-moe", "--model.moe.capacity_factor=1.25"]).model
+    assert _dropless_note("draft", capacity) == [
+        "the draft generates dropless: its moe.capacity_factor 1.25 is left out, since a capacity is shared by the "
+        "tokens of a call and would make a prompt's tokens depend on the prompts batched with it and on how its "
+        "prefill is chunked"]
+    assert _dropless_note("model", load_config(overrides=["--model.preset=debug-moe"]).model) == []
+    assert _dropless_note("draft", None) == []  # a GliDe draft's record: no MoE

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -149,10 +150,25 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     length = length_policy(adaptive, k, target, getattr(drafter, "model", None), draft_cost, verify_cost)
     rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None,
                                length)
-    with dropless(getattr(drafter, "model", None)):  # (a MoE draft's proposals as dropless as the target: loop.py)
+    with _generating(getattr(drafter, "model", None)):
         return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
                       backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device,
                       logprobs=logprobs, compiled=compiled_step(compile), stop=stop)[0]
+
+
+@contextmanager
+def _generating(draft):
+    """The draft model (None: a drafter without one) as decode runs the target: in eval mode (a train-mode
+    Sinkhorn router would propose by its balanced assignment) and dropless (loop.py); as it was after."""
+    was_training = draft is not None and draft.training
+    if draft is not None:
+        draft.eval()
+    try:
+        with dropless(draft):
+            yield
+    finally:
+        if draft is not None:
+            draft.train(was_training)
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
