@@ -56,20 +56,26 @@ def hf_config(case: str, **extra) -> dict:
     return {**COMMON, "architectures": [ARCH[family]], **config, **extra}
 
 
+@torch.no_grad()
+def randomise(model):
+    """`model` (a transformers MoE model) with random norms and biases (HF initialises them to 1 and 0, where a
+    wrong mapping would not show) and routers of some conviction (top-k choices far from ties)."""
+    for n, p in model.named_parameters():
+        if "norm" in n:
+            p.uniform_(0.5, 1.5)
+        elif n.endswith(".bias"):
+            p.normal_(0, 0.1)
+        elif n.endswith("mlp.gate.weight"):
+            p.normal_(0, 0.3)
+    return model
+
+
 def random_hf_dir(tmp_path, config: dict, layout: str = "per_expert", name: str = "hf", shard: str | None = None):
     """A random checkpoint written by transformers' save_pretrained: per expert (its default,
     save_original_format: transformers 4's names) or fused (transformers 5's 3D tensors)."""
     cfg = transformers.AutoConfig.for_model(**config)
     torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: randomise so a wrong mapping shows
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-            elif n.endswith(".bias"):
-                p.normal_(0, 0.1)
-            elif n.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.3)  # routers of some conviction: top-k choices far from ties
+    model = randomise(transformers.AutoModelForCausalLM.from_config(cfg).float().eval())
     d = tmp_path / name
     sizes = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(d, save_original_format=layout == "per_expert", **sizes)

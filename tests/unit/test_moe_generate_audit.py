@@ -18,6 +18,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_hf_moe import randomise  # noqa: E402
+
 from longctx.config import load_config  # noqa: E402
 from longctx.generate.drafters import drafter_for  # noqa: E402
 from longctx.generate.engine import generate  # noqa: E402
@@ -53,15 +55,8 @@ def _hf_model(family, tmp_path, ties=False):
     expert tied for every token), layer 1's experts 1-3 sharing one gate row."""
     cfg = transformers.AutoConfig.for_model(**{**COMMON, "architectures": [ARCH[family]], **FAMILIES[family]})
     torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():  # norms and biases random, routers of some conviction (far from ties unless asked)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.3)
+    model = randomise(transformers.AutoModelForCausalLM.from_config(cfg).float().eval())  # (far from ties)
+    with torch.no_grad():
         if ties:
             gates = [p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight")]
             gates[0].zero_()
