@@ -182,12 +182,12 @@ def test_a_train_mode_draft_proposes_in_eval_mode_and_gets_its_mode_back():
 
 
 def test_generate_says_once_that_a_capacity_target_or_draft_runs_dropless():
-    from longctx.generate.cli import _dropless_note
+    from longctx.generate.cli import _dropless_notes
 
     capacity = load_config(overrides=["--model.preset=debug-moe", "--model.moe.capacity_factor=1.25"]).model
-    assert _dropless_note("draft", capacity) == [
+    assert _dropless_notes("draft", capacity) == [
         "the draft generates dropless: its moe.capacity_factor 1.25 is left out, since a capacity is shared by the "
         "tokens of a call and would make a prompt's tokens depend on the prompts batched with it and on how its "
         "prefill is chunked"]
-    assert _dropless_note("model", load_config(overrides=["--model.preset=debug-moe"]).model) == []
-    assert _dropless_note("draft", None) == []  # a GliDe draft's record: no MoE
+    assert _dropless_notes("model", load_config(overrides=["--model.preset=debug-moe"]).model) == []
+    assert _dropless_notes("draft", None) == []  # a GliDe draft's record: no MoE

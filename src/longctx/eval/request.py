@@ -1,8 +1,8 @@
 """What one `longctx eval` computes (EvalRequest), prepared from its flags: the run config its model is
-built from (the checkpoint's [model] without a MoE capacity: `dropless_note` says so; the layout, the longest length),
---mode generate's sampling, the notes on lengths past the model's reach, and each length's sequences
-(eval/inputs.py). The launching process prepares it once, so that bad input stops the command before
-any rank starts, and every rank prepares the same again (cheap, deterministic).
+built from (the checkpoint's [model] without a MoE capacity, said by models/moe.py `dropless_note`; the
+layout, the longest length), --mode generate's sampling, the notes on lengths past the model's reach, and
+each length's sequences (eval/inputs.py). The launching process prepares it once, so that bad input stops the
+command before any rank starts, and every rank prepares the same again (cheap, deterministic).
 """
 
 from __future__ import annotations
@@ -80,18 +80,6 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     return load_config(None, given), batch, capacity
 
 
-def dropless_note(capacity: float) -> str | None:
-    """What eval says of a MoE capacity it leaves out (None: the model has none). A capacity is shared by
-    the tokens of one forward (models/moe.py: ceil(capacity_factor x T x k / E) choices per expert), so
-    with it a sequence's score would depend on the sequences batched with it (--batch, the unscored
-    copies filling the last batch) and on the layout; dropless, each token reaches its experts."""
-    if not capacity > 0:
-        return None
-    return (f"the model is evaluated dropless: its moe.capacity_factor {capacity:g} is left out, since a capacity is "
-            f"shared by the tokens of a forward and would make a sequence's score depend on what it is batched "
-            f"with and on the layout")
-
-
 def _heads(checkpoint: str) -> tuple[int, int]:
     """The checkpoint's (heads, kv_heads), for the default layout."""
     from ..config import load_config
@@ -109,6 +97,7 @@ def _dp(cfg, nproc: int) -> int:
 
 def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     """Check every input and build the sequences to evaluate (the same in the launcher and on every rank)."""
+    from ..models.moe import dropless_note  # (here: the module stays free of torch)
     from .tasks import parse_depths, parse_lengths
 
     mode = getattr(args, "mode", "score")
@@ -124,7 +113,10 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
         raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
     cfg, batch, capacity = _config(args, overrides, lengths, nproc)
-    routing = dropless_note(capacity)
+    # (a capacity shared by a forward's tokens: a sequence's score would depend on --batch, the unscored copies
+    # filling the last batch, and the layout)
+    routing = dropless_note(capacity, "the model is evaluated",
+                            "a sequence's score depend on what it is batched with and on the layout")
     _check_layout(cfg, lengths, mode, nproc)
     spec, tokenizer = _load_tokenizer(args, cfg)
     source = _load_source(args, cfg, spec, tokenizer)

@@ -221,7 +221,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model, reach)
     if memory is not None:
         check_prompts(memory, prompts)
-    notes += _dropless_note("model", cfg.model)
+    notes += _dropless_notes("model", cfg.model)
     eos = eos_ids(cfg.model.init_from, tokenizer)
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
     if args.draft:
@@ -229,20 +229,21 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
 
         request.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
                                       args.draft_window, args.compile)
-        request.notes += _dropless_note("draft", getattr(request.draft_cfg, "model", None))  # (a GliDe record: none)
+        request.notes += _dropless_notes("draft", getattr(request.draft_cfg, "model", None))  # (GliDe: no MoE)
     if args.cape:
         request.cape = _cape_table(args, sampling)
     return request
 
 
-def _dropless_note(which: str, model) -> list[str]:
-    """What generate says once of a MoE capacity it leaves out (generate/loop.py and speculative.py decode
-    dropless, as eval scores), for the target ("model") or a longctx draft ("draft"); none without one."""
-    if model is None or not model.moe_capacity_factor > 0:
-        return []
-    return [f"the {which} generates dropless: its moe.capacity_factor {model.moe_capacity_factor:g} is left out, "
-            f"since a capacity is shared by the tokens of a call and would make a prompt's tokens depend on the "
-            f"prompts batched with it and on how its prefill is chunked"]
+def _dropless_notes(which: str, model) -> list[str]:
+    """generate's note on a MoE capacity its decoding leaves out (generate/loop.py generating), for the target
+    ("model") or a longctx draft ("draft"); none without one."""
+    from ..models.moe import dropless_note
+
+    note = model and dropless_note(model.moe_capacity_factor, f"the {which} generates",
+                                   "a prompt's tokens depend on the prompts batched with it and on how its prefill "
+                                   "is chunked")
+    return [note] if note else []
 
 
 def _sampling(args):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,23 +90,34 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
     # a finished row is fed until every row is done, so each row may take the largest limit of steps
     # (+ 1: the compiled step's spare slot, where the padding of a bucket writes)
     max_len = max(len(p) for p in prompts) + max(limits) + rounds.room + (compiled is not None)
+    with generating(model), torch.inference_mode():
+        cache = backend.cache(model, n * num_samples, max_len, core=cache_core)
+        logits, prefill_s = _prefill(model, backend, cache, [prompts[i] for i in order], prefill_chunk, device)
+        if num_samples > 1:  # row s * n + j: sample s of the j-th shortest prompt
+            backend.repeat_rows(cache, n, num_samples)
+            logits = logits.repeat(num_samples, 1)
+        if compiled is not None:  # (the prefill stays eager: its chunks are compute, and each length a graph)
+            install(cache, model, compiled)
+        rows = [Row(order[j] * num_samples + s, order[j], s, limits[order[j]], prefill_s[j],
+                    None if sampling.greedy else sample_seed(seeds[order[j]], s))
+                for s in range(num_samples) for j in range(n)]
+        book = _Book(rows, [prompts[r.prompt] for r in rows], {int(e) for e in eos_ids}, stop, on_token, logprobs)
+        return _run(rounds, cache, logits, book, sampling)
+
+
+@contextmanager
+def generating(model):
+    """`model` (None: nothing) as generation runs it, a target or a draft: in eval mode (a train-mode
+    Sinkhorn router would route by its balanced assignment) and dropless (models/moe.py: a MoE capacity
+    would make a row's tokens depend on the rows and calls it runs with); its mode back after."""
+    if model is None:
+        yield
+        return
     was_training = model.training
     model.eval()
     try:
-        # (dropless: a MoE capacity would make a row's tokens depend on the rows and calls it runs with)
-        with torch.inference_mode(), dropless(model):
-            cache = backend.cache(model, n * num_samples, max_len, core=cache_core)
-            logits, prefill_s = _prefill(model, backend, cache, [prompts[i] for i in order], prefill_chunk, device)
-            if num_samples > 1:  # row s * n + j: sample s of the j-th shortest prompt
-                backend.repeat_rows(cache, n, num_samples)
-                logits = logits.repeat(num_samples, 1)
-            if compiled is not None:  # (the prefill stays eager: its chunks are compute, and each length a graph)
-                install(cache, model, compiled)
-            rows = [Row(order[j] * num_samples + s, order[j], s, limits[order[j]], prefill_s[j],
-                        None if sampling.greedy else sample_seed(seeds[order[j]], s))
-                    for s in range(num_samples) for j in range(n)]
-            book = _Book(rows, [prompts[r.prompt] for r in rows], {int(e) for e in eos_ids}, stop, on_token, logprobs)
-            return _run(rounds, cache, logits, book, sampling)
+        with dropless(model):
+            yield
     finally:
         model.train(was_training)
 

@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 
 import torch
 
-from ..models.moe import dropless
 from ..models.static_decode import CompiledStep, compiled_step
 from .acceptance import accept, choose, token_probs
 from .cape import tree_round
 from .contracts import Backend, Cache, Drafter, Round
 from .drafters import drafter_for
 from .local import LOCAL
-from .loop import decode
+from .loop import decode, generating
 from .results import Result
 from .sampling import GREEDY, Processors, Sampling, process
 from .spec_length import AdaptiveLength, length_policy
@@ -150,25 +148,10 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     length = length_policy(adaptive, k, target, getattr(drafter, "model", None), draft_cost, verify_cost)
     rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None,
                                length)
-    with _generating(getattr(drafter, "model", None)):
+    with generating(getattr(drafter, "model", None)):  # (the draft as decode runs the target)
         return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
                       backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device,
                       logprobs=logprobs, compiled=compiled_step(compile), stop=stop)[0]
-
-
-@contextmanager
-def _generating(draft):
-    """The draft model (None: a drafter without one) as decode runs the target: in eval mode (a train-mode
-    Sinkhorn router would propose by its balanced assignment) and dropless (loop.py); as it was after."""
-    was_training = draft is not None and draft.training
-    if draft is not None:
-        draft.eval()
-    try:
-        with dropless(draft):
-            yield
-    finally:
-        if draft is not None:
-            draft.train(was_training)
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,

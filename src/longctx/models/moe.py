@@ -412,6 +412,15 @@ def dropless(*models: nn.Module | None):
             layer.capacity_factor = capacity
 
 
+def dropless_note(capacity: float, runs: str, would: str) -> str | None:
+    """What a command says once of the capacity `dropless` leaves out (None: no capacity): `runs` what runs
+    dropless ("the model is evaluated"), `would` what the capacity would make depend on what."""
+    if not capacity > 0:
+        return None
+    return (f"{runs} dropless: its moe.capacity_factor {capacity:g} is left out, since a capacity is shared by the "
+            f"tokens of a call and would make {would}")
+
+
 def eval_routing_note(model: nn.Module) -> str | None:
     """How an evaluation of `model` routes where that depends on the step (DTS-Gate: moe.dts_eval),
     for the eval line; None for routers that route the same at every step."""
