@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 from . import threads
 from .errors import ConfigError, Preempted, UserError
@@ -166,6 +167,7 @@ def _cmd_checkpoint(args, overrides) -> int:
     if not out:
         raise UserError("longctx checkpoint export needs an output directory: "
                         "longctx checkpoint export PATH OUT --to hf.")
+    _check_export_args(out, args.max_shard_gb)
     import torch
 
     from .checkpoint.export import export_hf
@@ -178,6 +180,19 @@ def _cmd_checkpoint(args, overrides) -> int:
     for note in notes:
         print(f"note: {note}")
     return 0
+
+
+def _check_export_args(out: str, max_shard_gb: float) -> None:
+    """What export_hf would find wrong only after reading every weight (or never: --max-shard-gb 0 wrote
+    each tensor to a file of its own)."""
+    from .checkpoint.out_path import file_in_the_way
+
+    if not (0 < max_shard_gb < float("inf")):
+        raise UserError(f"--max-shard-gb {max_shard_gb}: expected a size in GiB above 0, e.g. 5 (the default).")
+    blocker = file_in_the_way(Path(out))
+    if blocker is not None:
+        raise UserError(f"export: OUT {out} cannot be a directory: {blocker} is a file. Pass a directory to write "
+                        f"(it is created).")
 
 
 def _checkpoint_out(args) -> str | None:

@@ -54,7 +54,8 @@ def test_a_second_export_into_the_same_directory_keeps_nothing_of_the_first(tmp_
     export_hf(first, out)
     assert {"tokenizer.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
     export_hf(checkpoint(tmp_path, "byte", name="b"), out)  # a byte-tokenizer model, into the same OUT
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "longctx_export.json", "model.safetensors"]
+    assert json.loads((out / "longctx_export.json").read_text())["step"] == 1
     assert transformers.AutoConfig.from_pretrained(out).eos_token_id == 257
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary left
 
@@ -89,6 +90,16 @@ def test_a_directory_holding_other_files_or_the_source_model_is_refused_untouche
             export_hf(step, out)
     assert (mine / "notes.txt").read_text() == "keep me"
     assert snapshot(hf) == before_source  # the source model's config.json and weights were overwritten before
+
+
+def test_a_downloaded_model_directory_is_refused_untouched(tmp_path):
+    """A Hugging Face model directory holds only names an export writes (config.json, the weights, the
+    tokenizer files): the export replaced it whole, deleting a model that was not longctx's to delete."""
+    downloaded = hf_source(tmp_path)  # (config.json, model.safetensors, tokenizer.json, generation_config.json)
+    before = snapshot(downloaded)
+    with pytest.raises(CheckpointError, match="did not export"):
+        export_hf(checkpoint(tmp_path, "byte"), downloaded)
+    assert snapshot(downloaded) == before
 
 
 def test_a_run_started_from_a_checkpoint_of_an_hf_run_exports_the_models_tokenizer_files(tmp_path):

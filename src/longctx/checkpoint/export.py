@@ -13,7 +13,9 @@ OUT is written whole or not at all: everything goes into a temporary directory b
 is renamed into place when complete (a full disk or a kill mid-write leaves OUT as it was, never a
 directory that looks like an export and lacks its ids or weights). A previous export in OUT is
 replaced whole, so none of its files (another model's tokenizer.json or generation_config.json) stays
-beside the new weights; a directory that holds anything an export does not write is refused.
+beside the new weights. An export says it is one (longctx_export.json: the checkpoint and step it came
+from), and only a directory that says so is replaced: a downloaded Hugging Face model holds the same
+file names, and replacing it would delete a model the user may not have elsewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from ..config.checkpoint_paths import find_checkpoint
 from ..config.hf import hf_dir, initial_hf_config, model_config
-from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
+from ..config.hf_export import SPECIAL_TOKEN_KEYS, config_reach, declared_special_ids, export_notes
 from ..config.hf_families import QWEN_FAMILIES, family_window
 from ..config.tokenizer import source_hf, tokenizer_file
 from ..data.tokenizer import load_tokenizer
@@ -57,27 +59,52 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     load_model_weights(path, model)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.exporting-", dir=out.parent))
+    trained = int(manifest.get("trained_positions") or 0)  # (0: a checkpoint older than the record)
     try:
-        save_hf(model, work, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        save_hf(model, work, max_shard_bytes=max_shard_bytes, dtype=dtype, trained_positions=trained)
         copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), work)
         ids, unknown = special_token_ids(manifest)
         config_file = work / "config.json"
-        config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **ids, **_source_window(cfg)},
-                                          indent=2) + "\n")
+        config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg)}
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer_note = _tokenizer_reach(work, config_reach(config))
+        (work / EXPORT_MARK).write_text(json.dumps({"format": "longctx-hf-export/1", "checkpoint": str(path),
+                                                    "step": manifest.get("step")}, indent=2) + "\n")
         _publish(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return out, copied, why, export_notes(cfg) + ([unknown] if unknown else [])
+    return out, copied, why, export_notes(cfg, trained) + [n for n in (unknown, tokenizer_note) if n]
 
 
-# what an export writes (save_hf's weights and index, the tokenizer files): a directory holding only these
-# is a previous export, which a new one replaces whole
+def _tokenizer_reach(work: Path, reach: int) -> str:
+    """Raise a copied tokenizer_config.json's model_max_length to the export's reach when it is shorter (a
+    source's own length, e.g. 4,096, copied beside weights extended to 16,384): transformers' tokenizer
+    truncates to it when asked (truncation=True, pipelines), so inputs the model now reads would be cut
+    silently. A longer one (or transformers' unset sentinel, 1e30) is kept. The note says what changed."""
+    file = work / "tokenizer_config.json"
+    if not file.is_file():
+        return ""
+    try:
+        settings = json.loads(file.read_text())
+    except ValueError:
+        return ""
+    length = settings.get("model_max_length") if isinstance(settings, dict) else None
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or length >= reach:
+        return ""
+    file.write_text(json.dumps({**settings, "model_max_length": reach}, indent=2) + "\n")
+    return (f"tokenizer_config.json's model_max_length is {reach}, the positions this export reaches, not the "
+            f"starting model's {length:g}: transformers' tokenizers truncate to it when asked")
+
+
+# what an export writes (save_hf's weights and index, the tokenizer files, its mark): a directory holding
+# only these, the mark among them, is a previous export, which a new one replaces whole
+EXPORT_MARK = "longctx_export.json"
 _WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
 def check_output(out: Path, init_from: str) -> None:
-    """Refuse an OUT that is a file, the Hugging Face directory the run started from, or a directory
-    holding files an export does not write (replacing it would delete them)."""
+    """Refuse an OUT that is a file, the Hugging Face directory the run started from, a directory holding
+    files an export does not write, or one without the mark of an export (replacing it would delete them)."""
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"export: {out} is a file; pass a directory to write (it is created).")
     if not out.is_dir():
@@ -85,12 +112,18 @@ def check_output(out: Path, init_from: str) -> None:
     if init_from.startswith("hf:") and hf_dir(init_from).is_dir() and out.resolve() == hf_dir(init_from).resolve():
         raise CheckpointError(f"export: {out} is the Hugging Face directory the run started from "
                               f"(model.init_from={init_from}); export into another directory.")
-    own = {"config.json", "model.safetensors.index.json", *TOKENIZER_FILES}
-    other = sorted(p.name for p in out.iterdir() if p.name not in own and not _WEIGHT_FILE.match(p.name))
+    own = {"config.json", "model.safetensors.index.json", EXPORT_MARK, *TOKENIZER_FILES}
+    held = sorted(p.name for p in out.iterdir())
+    other = [name for name in held if name not in own and not _WEIGHT_FILE.match(name)]
     if other:
         raise CheckpointError(f"export: {out} holds files an export does not write ({', '.join(other[:4])}"
                               f"{', ...' if len(other) > 4 else ''}); an export replaces its directory whole. "
                               f"Choose a new or empty directory (or a previous export's).")
+    if held and EXPORT_MARK not in held:
+        raise CheckpointError(f"export: {out} holds a model longctx did not export ({', '.join(held[:3])}"
+                              f"{', ...' if len(held) > 3 else ''}; no {EXPORT_MARK}); an export replaces its "
+                              f"directory whole and would delete it. Choose a new or empty directory, or remove "
+                              f"{out} first if it is an old export you no longer need.")
 
 
 def _publish(work: Path, out: Path) -> None:

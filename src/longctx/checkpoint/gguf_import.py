@@ -11,8 +11,9 @@ Everything that can be refused is refused before the weights are read: a missing
 missing packages, an output that exists, too little disk, an architecture longctx does not read
 (its config goes through config/hf.py like any config.json), and RoPE scaling that transformers'
 reader would drop without a word (a `rope_freqs` tensor: Llama 3.1-style factors; `rope.scaling.*`
-keys). After writing, longctx loads the directory and its logits are compared with transformers'
-on the same weights, so an import that longctx would read differently is never renamed into place.
+keys), and metadata that does not describe the file's tensors (transformers would fill what it lacks
+with its defaults). After writing, longctx loads the directory and its logits are compared with
+transformers' on the same weights, so an import that longctx would read differently is never renamed into place.
 The directory is written under a temporary name beside DIR and renamed when complete.
 """
 
@@ -34,6 +35,7 @@ from ..config.hf import HFFormatError
 from ..errors import UserError
 from ..models.hf import config_from_hf, load_hf
 from ..progress import phase, say
+from .out_path import file_in_the_way
 
 # what transformers needs to read a GGUF: the file format (gguf) and its loading hooks (accelerate)
 REQUIRED_PACKAGES = ("transformers", "gguf", "accelerate")
@@ -99,6 +101,10 @@ def require_packages() -> None:
 def check_output(out: Path, source: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise GGUFImportError(f"--out {out} is a file; pass a directory to write (it is created).")
+    blocker = file_in_the_way(out)
+    if blocker is not None:
+        raise GGUFImportError(f"--out {out} lies under {blocker}, which is a file, not a directory; pass a "
+                              f"directory to write (it is created).")
     if source.resolve().is_relative_to(out.resolve()):
         raise GGUFImportError(f"--out {out} holds the file being imported ({source.name}); choose another "
                               f"directory (the import replaces --out's contents).")
@@ -162,6 +168,31 @@ def read_config(path: Path):
     except HFFormatError as e:
         raise GGUFImportError(f"{path.name} is a model longctx does not read: {e}") from None
     return config
+
+
+def check_filled(reader, config, arch: str, path: Path) -> None:
+    """transformers fills what a file's metadata lacks with its config class's defaults (a llama file
+    without hyperparameters reads as a 32-layer Llama of 6.6B parameters) and finds the weights missing
+    only after building that model in fp32 (26 GB, minutes). Refuse a file whose tensors hold fewer values
+    than the model its metadata describes has parameters, counted on the meta device (no memory)."""
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, RuntimeError, NotImplementedError):  # (load_model's own check follows)
+        return
+    need = sum(p.numel() for p in model.parameters())
+    have = sum(int(t.n_elements) for t in reader.tensors)
+    if need > have:
+        keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length")
+        lacks = [f"{arch}.{k}" for k in keys if f"{arch}.{k}" not in reader.fields]
+        lacking = f"; it lacks {', '.join(lacks)}, which transformers fills with its defaults" if lacks else ""
+        raise GGUFImportError(f"{path.name}'s metadata does not describe its tensors: as transformers reads it, it is "
+                              f"a model of {need:,} parameters ({config.num_hidden_layers} layers, hidden size "
+                              f"{config.hidden_size}, vocabulary {config.vocab_size:,}), and the file holds {have:,} "
+                              f"values{lacking}. Convert the model again with llama.cpp's convert_hf_to_gguf.py, or "
+                              f"use its Hugging Face release (hf:DIR).")
 
 
 def unread_tensors(model, reader, arch: str) -> list[str]:
@@ -250,6 +281,7 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
     check_rope(reader, arch, path)
     check_disk(reader, out, dtype)
     config = read_config(path)
+    check_filled(reader, config, arch, path)
     stored: dict[str, int] = {}
     for t in reader.tensors:
         stored[t.tensor_type.name] = stored.get(t.tensor_type.name, 0) + 1

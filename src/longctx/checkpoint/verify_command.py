@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..config.checkpoint_paths import CheckpointError, find_checkpoint
-from .manifest import MANIFEST, file_problem, read_manifest
+from .manifest import MANIFEST, DamagedManifest, file_problem, read_manifest
 
 # the layout's degrees in the order the training line says them (train/report.py describe_run)
 _DEGREES = ("dp_replicate", "dp_shard", "head", "ctx")
@@ -64,6 +64,19 @@ def _when(created: str | None) -> str:
         return created or "(time not recorded)"
 
 
+def _check_fields(path: Path, manifest: dict) -> None:
+    """A manifest without a checksum of its own (written before manifests had one, or edited by hand) is
+    read as it is: what the lines below need must be there, or it is damaged, not a KeyError."""
+    files = manifest.get("files")
+    entries_ok = isinstance(files, list) and all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("bytes"), int) and "sha256" in e
+        for e in files)
+    missing = [k for k in ("step", "layout") if k not in manifest] + ([] if entries_ok else ["files"])
+    if missing:
+        raise DamagedManifest(path, f"lacks or garbles {', '.join(missing)} (a list of files with path, bytes and "
+                                    f"sha256), so its files cannot be checked")
+
+
 def verify_lines(spec: str | Path) -> tuple[list[str], dict[str, str]]:
     """(the lines `longctx checkpoint verify` prints, {path: problem} of the damaged files). A
     checkpoints directory means its latest complete checkpoint; a damaged manifest raises."""
@@ -72,6 +85,7 @@ def verify_lines(spec: str | Path) -> tuple[list[str], dict[str, str]]:
         raise CheckpointError(f"{spec} holds no complete checkpoint (a step-* directory with {MANIFEST}, or a "
                               f"directory holding them); nothing was checked.")
     manifest = read_manifest(path)  # (raises when its own checksum does not match)
+    _check_fields(path, manifest)
     which = "" if Path(spec).resolve() == path.resolve() else f" (the latest complete one in {spec})"
     lines = [
         f"checkpoint {path}{which}",

@@ -47,14 +47,21 @@ def export_problems(m) -> list[str]:
     return problems
 
 
-def export_notes(m) -> list[str]:
+def export_notes(m, trained: int = 0) -> list[str]:
     """What an export writes differently from how the model trained (the weights are exact; a training
-    objective transformers cannot state is left off, and said)."""
+    objective transformers cannot state is left off, and said). `trained`: as for hf_config_from_model."""
     notes = []
-    if m.rope_scaling == "yarn" and _max_positions(m) != m.rope_original_max_len * m.rope_factor:
-        notes.append(f"max_position_embeddings is the run's max_seq_len {m.max_seq_len}, not yarn's original x factor "
+    written = _max_positions(m, trained)
+    if m.rope_scaling == "yarn" and written != m.rope_original_max_len * m.rope_factor:
+        notes.append(f"max_position_embeddings is the run's length {written}, not yarn's original x factor "
                      f"({m.rope_original_max_len} x {m.rope_factor:g}): transformers before 4.56 derive yarn's factor "
                      f"from their ratio and would rotate positions otherwise; read the export with 4.56 or later")
+    linear = m.rope_scaling == "linear"
+    if trained and written * (m.rope_factor if linear else 1) < m.max_seq_len:
+        times = f" (x the linear factor {m.rope_factor:g})" if linear else ""
+        notes.append(f"max_position_embeddings is {written}{times}: the {trained} positions the weights trained "
+                     f"on (the checkpoint's trained_positions), not model.max_seq_len {m.max_seq_len}, which no "
+                     f"sequence reached; readers take it as the length the model serves")
     if not m.is_moe:
         return notes
     if m.moe_aux_loss and m.moe_aux_loss_scope != "pooled":
@@ -75,20 +82,39 @@ def _router_losses_on(m) -> bool:
     return bool(m.moe_aux_loss and m.moe_aux_loss_scope == "pooled")
 
 
-def _max_positions(m) -> int:
-    """config.json's max_position_embeddings: the run's max_seq_len, but for yarn original x factor when that
-    is longer. transformers before 4.56 (huggingface/transformers#38224, fixed by #40320) took yarn's factor
-    as max_position_embeddings / original whenever the original is given, so only that length makes every
-    reader rotate as the run did; it is the reach longctx (and vLLM) counts for such a scaling anyway."""
+def _max_positions(m, trained: int = 0) -> int:
+    """config.json's max_position_embeddings: the positions the weights can be trusted with, as readers count
+    them. `trained` is a checkpoint's recorded trained_positions (config/positions.py; 0: unknown, the run's
+    max_seq_len instead, as save_hf of a model writes it): max_seq_len is a number the user may raise at will
+    (the presets' 131,072), and transformers' users, vLLM and longctx's own hf: reader take this key as the
+    length the model serves, so a debug run trained on 512 must not say 131,072. For yarn, original x factor
+    when that is longer: transformers before 4.56 (huggingface/transformers#38224, fixed by #40320) took
+    yarn's factor as max_position_embeddings / original whenever the original is given, so only that length
+    makes every reader rotate as the run did; it is the reach longctx (and vLLM) counts for such a scaling
+    anyway. For linear, the length before the factor: a linear config.json gives that (vicuna-7b-v1.5-16k:
+    4,096 x 4), as transformers' docs, vLLM and config/positions.py read it; the scaled length written there
+    read back as reaching factor times further than the weights trained."""
+    length = trained or m.max_seq_len
     if m.rope_scaling == "yarn" and m.rope_original_max_len:
         scaled = m.rope_original_max_len * m.rope_factor
-        if scaled >= m.max_seq_len and float(scaled).is_integer():
+        if scaled >= length and float(scaled).is_integer():
             return int(scaled)
-    return m.max_seq_len
+    if m.rope_scaling == "linear" and trained:  # (rounded down: a reach read back never past the trained one)
+        return max(1, int(trained / m.rope_factor))
+    return length
 
 
-def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
-    """config.json for the [model] `m` (a ModelConfig). RoPE is written once, in the classic form
+def config_reach(config: dict) -> int:
+    """The positions a config.json's model reaches as its readers count them: max_position_embeddings,
+    times the factor of a linear scaling (whose configs give the length before it)."""
+    rope = config.get("rope_scaling") or {}
+    factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "linear" else 1
+    return int(config["max_position_embeddings"] * (factor or 1))
+
+
+def hf_config_from_model(m, dtype_name: str = "float32", trained: int = 0) -> dict:
+    """config.json for the [model] `m` (a ModelConfig) whose weights trained on `trained` positions (a
+    checkpoint's trained_positions; 0: not known, _max_positions). RoPE is written once, in the classic form
     (rope_theta + rope_scaling): transformers 4 reads only that, transformers 5 reads it as rope_parameters
     (and saves rope_parameters alone); a file with both means whichever rope_scaling says, so a
     rope_scaling added later (Qwen's model cards' YaRN) must not sit beside a stale rope_parameters."""
@@ -113,7 +139,7 @@ def hf_config_from_model(m, dtype_name: str = "float32") -> dict:
         "hidden_size": m.dim, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
         "num_key_value_heads": m.kv_heads, "head_dim": m.resolved_head_dim, "intermediate_size": m.ffn_dim,
         "vocab_size": m.vocab_size, "rms_norm_eps": m.norm_eps, "tie_word_embeddings": m.tie_embeddings,
-        "max_position_embeddings": _max_positions(m), "initializer_range": m.init_std, "hidden_act": "silu",
+        "max_position_embeddings": _max_positions(m, trained), "initializer_range": m.init_std, "hidden_act": "silu",
         "rope_theta": m.rope_theta, "rope_scaling": None if m.rope_scaling == "none" else rope,
         "torch_dtype": dtype_name, "dtype": dtype_name,
     }

@@ -153,6 +153,10 @@ def _check_split(root: Path, d: Path, split: str, record: dict, a: SplitArrays) 
 
 def load_part_docs(root: Path, part: dict) -> tuple[np.ndarray, np.ndarray | None]:
     d = root / part["dir"]
-    hashes = np.load(d / "hashes.npy")
-    sigs = np.load(d / "minhash.npy") if (d / "minhash.npy").is_file() else None
+    try:
+        hashes = np.load(d / "hashes.npy")
+        sigs = np.load(d / "minhash.npy") if (d / "minhash.npy").is_file() else None
+    except (OSError, ValueError) as e:
+        raise DataError(f"the store '{root}' is damaged: {d}/hashes.npy or minhash.npy cannot be read ({e}); "
+                        f"rebuild it.") from None
     return hashes, sigs

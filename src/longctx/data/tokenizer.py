@@ -61,7 +61,11 @@ class HFTokenizer:
                 f"tokenizer file '{path}' does not exist; pass data.tokenizer=byte or a path to a tokenizer.json."
             )
         self.name = str(path)
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # (the tokenizers library raises a bare Exception for a file it cannot parse)
+            raise DataError(f"tokenizer file '{path}' is not a tokenizer.json the tokenizers library reads ({e}); "
+                            f"pass data.tokenizer=byte or the tokenizer.json of a Hugging Face model.") from None
         self._tok.no_truncation()  # a document is never cut or padded to the file's settings
         self._tok.no_padding()
         vocab = self._tok.get_vocab(with_added_tokens=True)

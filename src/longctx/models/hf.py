@@ -276,16 +276,18 @@ def _hf_state(model: Llama, dtype: torch.dtype | None, fused_experts: bool) -> d
 
 
 def save_hf(model: Llama, path: str | Path, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None,
-            tokenizer_from: str | Path | None = None, fused_experts: bool = False) -> Path:
+            tokenizer_from: str | Path | None = None, fused_experts: bool = False, trained_positions: int = 0) -> Path:
     """Write config.json and safetensors weights (sharded above `max_shard_bytes`, with an index),
     in `dtype` (default: the model's), plus the tokenizer files of `tokenizer_from` if given.
     A Mixture of Experts is written as its family (transformers' MixtralForCausalLM, ...) with one
     tensor per expert and projection, the layout of the published checkpoints that every version
-    of transformers reads; `fused_experts=True` writes transformers 5's own 3D tensors instead."""
+    of transformers reads; `fused_experts=True` writes transformers 5's own 3D tensors instead.
+    `trained_positions`: the positions the weights trained on, when known (a checkpoint's record), which
+    config.json's max_position_embeddings then says (config/hf_export.py _max_positions)."""
     path = Path(path)
     state = _hf_state(model, dtype, fused_experts)
     dtype_name = str(next(iter(state.values())).dtype).removeprefix("torch.")
-    config = hf_config_from_model(model.cfg, dtype_name)  # (refuses what the family cannot express)
+    config = hf_config_from_model(model.cfg, dtype_name, trained_positions)  # (refuses what a family cannot say)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):

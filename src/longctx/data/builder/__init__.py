@@ -5,6 +5,7 @@ or asks data/default_store.py for the default store, which builds it here once o
 
     pipeline.py     build_store / merge_scans: the command, from options to a published store
     options.py      BuildOptions, their checks, the memory bound -> scan workers and group sizes
+    out_dir.py      what an existing --out may hold (a build removes what it finds under its own names)
     scan.py         inputs -> shards, scanned in worker processes into a work directory; ScannedCorpus
     inputs.py       the units (files) of an input, in order; read_inputs (all documents in memory)
     readers.py      one unit's documents, streamed: text, jsonl, parquet, arrow, .gz / .zst

@@ -23,11 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import DataError
+from ..store import FORMAT as STORE_FORMAT
+from ..store import MANIFEST as STORE_MANIFEST
 from .corpus import TEXT_SUFFIXES, Document, corpus_files, hidden
 from .readers import check_libraries, iter_file, unit_format
 
 # the json files a saved dataset holds beside its arrow files: metadata, never documents
 DATASET_METADATA = {"state.json", "dataset_info.json", "dataset_dict.json"}
+SCAN_FORMAT, SCAN_PLAN = "longctx-scan", "plan.json"  # scan.py's (which imports this module)
+# what longctx's own builds write: (the file that marks such a directory, its "format", what it is)
+BUILD_OUTPUTS = ((STORE_MANIFEST, STORE_FORMAT, "a data store"), (SCAN_PLAN, SCAN_FORMAT, "a `--shard` scan"))
 
 
 @dataclass
@@ -106,10 +111,24 @@ def saved_dataset(d: Path) -> list[Path] | None:
     return _dataset_files(d)
 
 
+def build_output(d: Path) -> str | None:
+    """What `d` is when a longctx build wrote it (a store or a shard scan), else None."""
+    for marker, fmt, what in BUILD_OUTPUTS:
+        found = _read_json(d / marker) if (d / marker).is_file() else None
+        if isinstance(found, dict) and found.get("format") == fmt:
+            return what
+    return None
+
+
 def _directory_units(p: Path) -> tuple[list[Path], int]:
     """(units of directory `p` in a deterministic order, files skipped): files sorted by path, a saved
-    dataset's arrow files in its own order at the place the dataset directory sorts."""
+    dataset's arrow files in its own order at the place the dataset directory sorts. A store or scan
+    that a build wrote inside the directory (a store per sequence length beside the corpus) is not
+    read: its manifest.json, plan.json and docs.jsonl are the build's records, not documents."""
     files = sorted(f for f in p.rglob("*") if f.is_file() and not hidden(f.relative_to(p)))
+    built = {f.parent for f in files if f.name in (STORE_MANIFEST, SCAN_PLAN) and build_output(f.parent)}
+    if built:
+        files = [f for f in files if not any(a in built for a in f.parents)]
     datasets: dict[Path, list[Path]] = {}
     # outermost first, so a DatasetDict claims its splits
     for d in sorted({f.parent for f in files if f.name in ("state.json", "dataset_dict.json")},
@@ -158,6 +177,11 @@ def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], i
     if saved_dataset(p) is not None:
         p = p.absolute()  # names start with the dataset directory's own name, also for '.'
         root = p.parent
+    what = build_output(p)
+    if what is not None:
+        raise DataError(f"{option} '{spec}' is {what} written by `longctx data build`, not documents; point "
+                        f"{option} at the documents it was built from (or pass the store to `longctx train "
+                        f"--data.path`).")
     usable, skipped = _directory_units(p)
     if not usable:
         raise DataError(

@@ -84,6 +84,14 @@ def check_options(opts: BuildOptions) -> None:
         problems.append(f"--holdout-tokens must be >= 0 (0 = --seq-len), got {opts.holdout_tokens}.")
     if not 0 < opts.dedup_threshold <= 1:
         problems.append(f"--dedup-threshold must be in (0, 1], got {opts.dedup_threshold}.")
+    if opts.max_docs < 0:
+        problems.append(f"--max-docs must be >= 0 (0 = all), got {opts.max_docs}.")
+    if opts.clusters < 0:
+        problems.append(f"--clusters must be >= 0 (0 = automatic), got {opts.clusters}.")
+    if opts.seq_len > opts.group_tokens:
+        problems.append(f"--seq-len {opts.seq_len}: one sample is more tokens than the build packs at a time in "
+                        f"--max-memory {opts.memory / 2**20:.0f}MB ({opts.group_tokens:,}); raise --max-memory or "
+                        f"lower --seq-len.")
     if opts.max_memory and opts.max_memory < MAIN_BYTES + WORKER_BYTES:
         problems.append(f"--max-memory {opts.max_memory / 2**20:.0f}MB is below what a build needs at the least "
                         f"(~{(MAIN_BYTES + WORKER_BYTES) / 2**20:.0f}MB: its imports and one scan worker).")

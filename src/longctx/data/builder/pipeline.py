@@ -39,10 +39,9 @@ from ..tokenizer import load_tokenizer
 from . import scan
 from .assembly import Assembly
 from .options import BuildOptions, check_options
+from .out_dir import WORK, check_out, check_parts
 from .scan import ScannedShard
 from .timing import timed
-
-WORK = ".build"  # a build's scan directory inside --out
 
 
 def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -> dict:
@@ -120,14 +119,16 @@ def scanned(work: Path, plan: dict) -> list[ScannedShard]:
 # build and merge
 
 
-def _open_store(opts: BuildOptions, tok) -> tuple[Path, dict | None]:
+def _open_store(opts: BuildOptions, tok, merge: bool = False) -> tuple[Path, dict | None]:
     root = Path(opts.out)
     old = None
     if (root / store.MANIFEST).is_file():
         if not opts.append:
-            raise DataError(f"'{root}' already holds a data store; pass --append to add documents to it, or "
-                            f"choose another --out.")
+            how = ("a merge writes a new store: choose another --out" if merge else
+                   "pass --append to add documents to it, or choose another --out")
+            raise DataError(f"'{root}' already holds a data store; {how}.")
         old = store.read_manifest(root)
+        check_parts(root, old)
         for key, want in (("seq_len", opts.seq_len), ("strategy", opts.strategy),
                           ("holdout_tokens", opts.holdout_len)):
             had = old.get(key, old["seq_len"])  # (a store from before holdout_tokens: its seq_len)
@@ -147,17 +148,19 @@ def _open_store(opts: BuildOptions, tok) -> tuple[Path, dict | None]:
 
 
 @contextmanager
-def _exclusive(out: Path):
+def _exclusive(out: Path, scan_dir: bool = False):
     """`out` (created if missing) held by this build, append, shard scan or merge until it ends: a second
     one into the same directory while it runs is refused. Unchecked, the second would delete the first's
     scan and unlisted part (as stale) and the two would publish over each other, leaving one's manifest
     over the other's part. A lock on the directory itself (flock), so it leaves no file behind and a
     killed build never holds it. A build that fails before writing anything into an `out` it created
     removes it again (an empty --out left behind looked like a store that had lost its files)."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out '{out}' exists and is not a directory.")
+    check_out(out, scan_dir)
     created = [d for d in (out, *out.parents) if not d.exists()]  # (deepest first)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out '{out}' cannot be created ({e.strerror}); choose a directory you can write.") from None
     fd = os.open(out, os.O_RDONLY)
     try:
         try:
@@ -197,7 +200,7 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         i, n = opts.shard
         log(f"data build: {', '.join(opts.inputs)} shard {i}/{n} -> {out} {_describe(opts, tok)}")
         records: dict = {}
-        with _exclusive(out), phase(f"data build of shard {i}/{n}", done_line=False):
+        with _exclusive(out, scan_dir=True), phase(f"data build of shard {i}/{n}", done_line=False):
             plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, out, opts.shard, log)
         docs = sum(s.n for s in shards)
         log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
@@ -250,9 +253,10 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     built = first["build"]
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
                            "max_memory": max_memory or built["max_memory"]})
+    check_options(opts)  # (the scans' own were checked by their builds; --workers and --max-memory are new)
     tok = load_tokenizer(opts.tokenizer)
     with _exclusive(Path(out)):
-        root, old = _open_store(opts, tok)
+        root, old = _open_store(opts, tok, merge=True)
         log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
         records = {"scan": {"shards": len(shards), "machines": n}}
         with phase("data merge"):

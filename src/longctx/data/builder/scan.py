@@ -37,17 +37,17 @@ from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import spill
 from .dedup import NUM_PERM, exact_hash, signature
 from .features import head_features
-from .inputs import input_files, unit_size
+from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, unit_size
 from .readers import iter_file
 from .tokenize import tokenize_one
 
 SHARD_BYTES = 16 << 20
-FORMAT = "longctx-scan"
+FORMAT = SCAN_FORMAT
 # 2: shards hashed by dedup.py's VERSION 2; 3: features of unspaced scripts by character (features.py);
 # 4: a document starts with its tokenizer's text_prefix (tokenize.py); 5: a corrupt compressed file yields no
 # document (readers.py: also none of the lines before the damage), its name recorded
 VERSION = 5
-PLAN = "plan.json"
+PLAN = SCAN_PLAN
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
 
@@ -391,4 +391,13 @@ def write_plan(work: Path, plan: dict) -> None:
 
 def read_plan(work: Path) -> dict | None:
     p = work / PLAN
-    return json.loads(p.read_text()) if p.is_file() else None
+    if not p.is_file():
+        return None
+    try:
+        plan = json.loads(p.read_text())
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
+        plan = f"{type(e).__name__}: {e}"
+    if not isinstance(plan, dict):
+        raise DataError(f"{p} is not a scan plan of `longctx data build` ({str(plan)[:80]}); if it is a scan's, the "
+                        f"scan is damaged: remove '{work}' and run its `longctx data build` again.")
+    return plan
