@@ -142,7 +142,9 @@ def _cmd_bench(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx bench {args.bench}: {' '.join(overrides)}.")
     from .bench import attention, comm_cluster, decode, generate, memory, moe, train
+    from .bench.arg_checks import check_bench_args
 
+    check_bench_args(args.bench, args)  # (every size, before a model is built or a rank started)
     return {"attention": attention.main, "train": train.main, "memory": memory.main, "moe": moe.main,
             "generate": generate.main, "decode": decode.main, "comm": comm_cluster.main}[args.bench](args)
 

@@ -131,7 +131,11 @@ def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
         rows = read_prompts(SimpleNamespace(prompt=None, prompts=args.prompts))
         prefix = model_text_prefix(args.target, tokenizer)  # (as `longctx generate` prompts it: its BOS, say)
-        return {"prompts": [prefix + list(map(int, tokenizer.encode(r["text"]))) for r in rows]}
+        prompts = [prefix + list(map(int, tokenizer.encode(r["text"]))) for r in rows]
+        if not all(prompts):  # (else the prefill's ValueError, after both models have loaded)
+            raise ConfigError(f"--prompts {args.prompts}: prompt {prompts.index([]) + 1} has no tokens; give each "
+                              f"line some text.")
+        return {"prompts": prompts}
 
     def store():
         from ..config import DataConfig

@@ -105,6 +105,7 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
         raise ConfigError("--mode generate lets the model answer a retrieval question (--task passkey or needle); "
                           "--task ppl asks none (it is the loss of every token): drop --mode generate.")
     sampling = _sampling(args, mode)
+    _check_flags(args)
     lengths = parse_lengths(args.lengths)
     depths = parse_depths(args.depths) if args.task != "ppl" else []
     for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
@@ -127,6 +128,42 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
         short_ppl_notes(args, sequences)
     return EvalRequest(cfg, args.task, lengths, depths, sequences, source.description,
                        spec or source.tokenizer_spec, batch, mode, sampling, notes, memory, routing)
+
+
+# what matplotlib's savefig writes (it would add .png to a name without one, and refuse another suffix after the
+# whole evaluation has run)
+PLOT_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff", "webp", "pgf", "raw", "rgba")
+
+
+def _check_flags(args) -> None:
+    """Before any work: a flag the run would ignore (--depths for ppl, --buckets for passkey/needle, an
+    --infllm-* size without --context-memory infllm, --split of a text --data), and --output and --plot,
+    written only once the evaluation has run: each must be writable, neither the --data file nor the other."""
+    from pathlib import Path
+
+    from ..generate.settings import check_output_path, given_flags, unused_memory_flags
+    from .command import DEFAULT_DEPTHS
+
+    unused = given_flags(args, {"depths": DEFAULT_DEPTHS} if args.task == "ppl" else {"buckets": 16})
+    if unused:
+        which = "the needle's depths" if args.task == "ppl" else "ppl's position buckets"
+        raise ConfigError(f"{unused[0]} sets {which}, which --task {args.task} does not have; drop it.")
+    memory = unused_memory_flags(args)
+    if memory:
+        raise ConfigError(f"{', '.join(memory)} size{'s' * (len(memory) == 1)} InfLLM's context memory, which this "
+                          f"run does not use: add --mode generate --context-memory infllm, or drop "
+                          f"{'it' if len(memory) == 1 else 'them'}.")
+    if args.split != "eval" and args.data and not Path(args.data).is_dir():  # (a store's split; text has none)
+        raise ConfigError(f"--split {args.split} picks a store's split, but --data {args.data} is text, read whole; "
+                          f"drop --split, or pass a store built by `longctx data build`.")
+    plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
+    if plot and Path(plot).suffix[1:].lower() not in PLOT_FORMATS:
+        raise ConfigError(f"--plot {plot}: the plot's format is its suffix, one of .{', .'.join(PLOT_FORMATS)}; "
+                          f"pass e.g. --plot {Path(plot).with_suffix('.png')}.")
+    data = args.data if args.data and Path(args.data).is_file() else ""
+    check_output_path("--output", args.output, {"--data": data}, create_parents=True)
+    check_output_path("--plot" if args.plot else "the plot (--output's name with .png)", plot,
+                      {"--data": data, "--output": args.output}, create_parents=True)
 
 
 def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):

@@ -204,10 +204,10 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     from .context_memory import check_prompts, memory_reach, memory_shape
     from .loading import eos_ids
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
-    from .spec_length import check_adaptive_flags
+    from .settings import check_run_flags
 
     sampling = _sampling(args)
-    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive, args.draft_cost, args.verify_cost)
+    check_run_flags(args)  # (speculation's, a flag this run would ignore, --output)
     prompts = read_prompts(args)
     cfg = _config(args, overrides)
     spec = tokenizer_spec(args, cfg)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
+from .settings import check_prompt_keys
 
 
 def read_prompts(args) -> list[dict]:
@@ -33,6 +34,7 @@ def read_prompts(args) -> list[dict]:
         if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or "messages" in row):
             raise ConfigError(f"--prompts {path} line {n} has no \"prompt\" string; each line must be an object "
                               f"like {{\"prompt\": \"...\"}} (or, with --chat, {{\"messages\": [...]}}).")
+        check_prompt_keys(row, f"--prompts {path} line {n}")
         if "messages" in row:
             _check_chat_row(row, args, f"--prompts {path} line {n}")
         if "seed" in row and (type(row["seed"]) is not int or not 0 <= row["seed"] < 2**63):

@@ -85,9 +85,9 @@ class Sampling:
             out.append(f"--top-p must be in (0, 1] (1 = no limit), got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             out.append(f"--min-p must be in [0, 1] (0 = no limit), got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            out.append(f"--repetition-penalty must be > 0 (1 = none, above 1 penalises, below 1 rewards a repeat), "
-                       f"got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty < math.inf:  # (inf: a repeat's logit 0 or -inf, no penalty's scale)
+            out.append(f"--repetition-penalty must be > 0 and finite (1 = none, above 1 penalises, below 1 rewards a "
+                       f"repeat), got {self.repetition_penalty}")
         for flag, value in (("--presence-penalty", self.presence_penalty),
                             ("--frequency-penalty", self.frequency_penalty)):
             if not -PENALTY_RANGE <= value <= PENALTY_RANGE:

@@ -150,3 +150,89 @@ def resolve(args, file: dict) -> tuple[dict, int, list[str]]:
         if "max_new_tokens" in file:
             taken.append(f"max_new_tokens {new}")
     return fields, new, taken
+
+
+def check_run_flags(args) -> None:
+    """`longctx generate`'s flags that no setting above checks, before any weight is read: adaptive
+    speculation's (generate/spec_length.py), a flag that would do nothing in this run (said, never
+    silently dropped: a --speculate without --draft, an --infllm-* size without --context-memory infllm,
+    ...), and --output, whose open would fail only after the model has loaded, or would write over
+    the --prompts file it reads."""
+    from .cape import DEFAULT_TABLE
+    from .spec_length import check_adaptive_flags
+
+    check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive, args.draft_cost, args.verify_cost)
+    for unused, need in (
+            ([] if args.draft else given_flags(args, {"speculate": 4, "confidence_stop": 0.0, "draft_window": None}),
+             "--draft DIR (speculative decoding)"),
+            ([] if args.cape else given_flags(args, {"cape_table": DEFAULT_TABLE}),
+             "--cape (CaPE's tree, with --draft)"),
+            (unused_memory_flags(args), "--context-memory infllm (InfLLM's context memory)")):
+        if unused:
+            one = len(unused) == 1
+            raise ConfigError(f"{', '.join(unused)} {'does' if one else 'do'} nothing without {need}: add it, or "
+                              f"drop {'it' if one else 'them'}.")
+    check_output_path("--output", args.output, {"--prompts": args.prompts})
+
+
+def given_flags(args, defaults: dict) -> list[str]:
+    """'--flag value' of each of `defaults` (attribute: its default) set to another value in `args`;
+    as greedy_filter_problem, a flag given its default changes nothing and is no mistake."""
+    return [f"--{name.replace('_', '-')} {getattr(args, name)}" for name, default in defaults.items()
+            if getattr(args, name, default) != default]
+
+
+def unused_memory_flags(args) -> list[str]:
+    """The --infllm-* sizes given without --context-memory infllm (generate and eval), which would size
+    nothing."""
+    from .context_memory import DEFAULTS
+
+    if getattr(args, "context_memory", "none") == "infllm":
+        return []
+    return given_flags(args, {f"infllm_{name}": value for name, value in DEFAULTS.items()})
+
+
+def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool = False) -> None:
+    """An output file (`flag` `path`; '' = stdout) that can be written once the work is done: not a
+    directory, in a directory that exists (or, `create_parents`, that can be made: no file on the way),
+    and none of the command's `inputs` ({flag: path}), which it would write over."""
+    import os
+    from pathlib import Path
+
+    if not path:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; pass the path of a file to write, e.g. {out / 'out.json'}.")
+    blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None or (not create_parents and not out.parent.is_dir()):
+        where = f"{blocked} is a file, not a directory" if blocked is not None else f"{out.parent} does not exist"
+        raise ConfigError(f"{flag} {path} cannot be written: {where}. Create the directory first, or pass another "
+                          f"path.")
+    for name, given in inputs.items():
+        same = given and (out.resolve() == Path(given).resolve() or
+                          (out.exists() and Path(given).exists() and os.path.samefile(out, given)))
+        if same:
+            raise ConfigError(f"{flag} {path} is also {name} {given}: writing there would destroy that. Pass "
+                              f"another path.")
+
+
+# what a --prompts line may hold that names a run's setting (vLLM's and OpenAI's per-request names too):
+# longctx reads "prompt", "messages", "id" and "seed" only, so a line's own limit or temperature would be
+# silently decoded with the flags' instead. Other keys (a line's metadata) are left alone.
+PER_RUN_KEYS = {"max_new_tokens": "--max-new-tokens", "max_tokens": "--max-new-tokens",
+                "min_new_tokens": "--min-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                "top_p": "--top-p", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
+                "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+                "stop": "--stop", "n": "--num-samples", "num_samples": "--num-samples", "logprobs": "--logprobs",
+                "do_sample": "--temperature"}
+
+
+def check_prompt_keys(row: dict, where: str) -> None:
+    """A --prompts line (`row`, at `where`) that sets a run's setting for itself, which no line can."""
+    found = [k for k in row if k in PER_RUN_KEYS]
+    if found:
+        flags = ", ".join(dict.fromkeys(PER_RUN_KEYS[k] for k in found))
+        raise ConfigError(f"{where} sets {', '.join(map(repr, found))}: decoding settings are the run's, not a "
+                          f"line's (a line holds \"prompt\" or \"messages\", and \"id\" and \"seed\"); give them as "
+                          f"{flags} (one run per setting), or drop them from the line.")

@@ -137,6 +137,7 @@ def build_request(args, overrides):
     if args.seq_len is None:
         raise ConfigError("longctx plan needs --seq-len TOKENS, e.g. --seq-len 1M or --seq-len 131072.")
     seq_len = parse_tokens(args.seq_len)
+    _check_outputs(args)
     if args.calibrate and args.hardware:
         raise ConfigError("give --calibrate (plan for this machine, measured) or --hardware, not both.")
     # a calibration (--calibrate, or --hardware cpu-measured) is for the plan's ranks on this machine
@@ -170,6 +171,24 @@ def build_request(args, overrides):
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
+
+
+def _check_outputs(args) -> None:
+    """--top, and the files written (--out, --calibrate-out), checked before planning or calibrating: a
+    write that fails only after the search (a directory, a missing one) or a --calibrate-out that
+    nothing would write."""
+    top = getattr(args, "top", 10)
+    if top < 1:  # (0 printed an empty table; -1 every row but the last)
+        raise ConfigError(f"--top is the number of rows of the ranked table, at least 1; got {top}.")
+    if getattr(args, "calibrate_out", None) and not args.calibrate:
+        raise ConfigError(f"--calibrate-out {args.calibrate_out} writes what --calibrate measures; add --calibrate, "
+                          f"or drop it.")
+    for flag, path in (("--out", None if getattr(args, "no_write", False) else getattr(args, "out", None)),
+                       ("--calibrate-out", getattr(args, "calibrate_out", None))):
+        if path and (Path(path).is_dir() or not Path(path).parent.is_dir()):
+            where = "is a directory" if Path(path).is_dir() else f"is in {Path(path).parent}, which is no directory"
+            raise ConfigError(f"{flag} {path} {where}; pass the path of a file in an existing directory, e.g. "
+                              f"{flag} plan.toml.")
 
 
 def run_settings(base):

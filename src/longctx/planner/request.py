@@ -120,6 +120,7 @@ class Request:
         if bad:
             raise ConfigError(f"unknown model-state tier(s) {bad}; choose among {', '.join(TIERS)}.")
         self.model_states = tuple(t for t in TIERS if t in self.model_states)  # tried cheapest first
+        check_hardware(self.hardware)
         check_levels(self.hardware, self.gpus_per_node)
         if set(self.allow) - {"co2"} or not self.co2_local_steps or min(self.co2_local_steps) < 1:
             raise ConfigError(f"--allow takes co2 (or nothing), got {','.join(self.allow)}; --co2-local-steps "
@@ -130,9 +131,10 @@ class Request:
                               f"{max(self.co2_local_steps)}; pass --co2-local-steps with values >= "
                               f"{self.settings.co2_overlap_steps}, or a smaller train.co2_overlap_steps.")
         bad = [c for c in self.recomputes if c not in _POLICY_ORDER]
-        if bad:
-            raise ConfigError(f"unknown recompute policy {bad}; choose among none, full, selective.")
-        if self.expert_skew < 1:
+        if bad or not self.recomputes:  # (none: "no plan fits" blamed the micro-batches)
+            raise ConfigError(f"{f'unknown recompute policy {bad}' if bad else '--recompute names no policy'}; "
+                              f"choose among none, full, selective.")
+        if not self.expert_skew >= 1:  # (NaN too: it reached the search as a row count)
             raise ConfigError(f"the expert skew is the most loaded expert rank's routed rows over an even share, "
                               f"at least 1; got {self.expert_skew}.")
         if self.expert_degrees and not self.model.is_moe:
@@ -142,6 +144,36 @@ class Request:
         if bad:
             raise ConfigError(f"expert-parallel degree(s) {bad} must divide both the GPUs ({self.gpus}) and the "
                               f"experts ({self.model.moe_experts}).")
+
+
+# hardware fields the cost model divides by (> 0), and fractions of a peak or a capacity (<= 1; a percentage
+# such as gemm_efficiency = 70 would plan 70x the peak). attention_efficiency is a fraction of the GEMM peak
+# that a CPU calibration may measure above 1, and host_memory_gib may be 0 (no host tier; then its fraction is
+# unread)
+POSITIVE_FIELDS = ("memory_gib", "peak_tflops", "intra_gbps", "inter_gbps", "host_link_gbps", "gemm_efficiency",
+                   "attention_efficiency", "all_to_all_efficiency", "usable_memory_fraction",
+                   "host_adam_gparams_per_s")
+FRACTION_FIELDS = ("gemm_efficiency", "all_to_all_efficiency", "usable_memory_fraction", "usable_host_fraction",
+                   "comm_overlap")
+
+
+def check_hardware(hw: Hardware) -> None:
+    """Every hardware figure the plan is computed from within its meaning, before any planning: one
+    error naming each field out of range (--hw KEY=VALUE or the hardware file)."""
+    import math
+
+    problems = [f"{k} = {getattr(hw, k)} must be > 0" for k in POSITIVE_FIELDS
+                if not (getattr(hw, k) > 0 and math.isfinite(getattr(hw, k)))]
+    problems += [f"{k} = {getattr(hw, k)} must be a fraction in [0, 1]" for k in FRACTION_FIELDS
+                 if not 0 <= getattr(hw, k) <= 1]
+    if hw.host_memory_gib > 0 and not hw.usable_host_fraction > 0:
+        problems.append(f"usable_host_fraction = {hw.usable_host_fraction} must be > 0 with host memory "
+                        f"({hw.host_memory_gib} GiB per node; host_memory_gib = 0 for none)")
+    if hw.dtype_bytes not in (2, 4):
+        problems.append(f"dtype_bytes = {hw.dtype_bytes} must be 2 (bf16) or 4 (fp32)")
+    if problems:
+        raise ConfigError(f"hardware {hw.name}: {'; '.join(dict.fromkeys(problems))}. Fix the --hw override or the "
+                          f"hardware file.")
 
 
 # full + offload moves only block inputs: halves and whole are the useful points

@@ -1,0 +1,105 @@
+"""The sizes of every `longctx bench` command, checked before it builds a model or starts a rank.
+
+A size of zero or less (a --seq-len 0, a --top-k above the experts, a --micro-batch 0) otherwise
+surfaced from deep inside the work as a ZeroDivisionError, a rank killed by a signal, a reshape's
+RuntimeError, or, worse, as figures of nothing (bench decode at --max-new-tokens 0 printed a speedup
+of 0x). Each command's own checks (--repeats, --steps, --cluster, ...) stay in its module; these are
+the ones its module left to the work.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..errors import ConfigError
+
+# per command: each flag (attribute) with the least value it takes
+MINIMUM = {
+    "generate": {"dim": 1, "layers": 1, "heads": 1, "kv_heads": 1, "ffn_dim": 1, "vocab": 1, "prompt_len": 1,
+                 "new_tokens": 1, "prefill_chunk": 1},
+    "decode": {"max_new_tokens": 1},
+    "attention": {"world": 1, "head": 1, "ctx": 1, "window": 0, "micro_batch": 1, "heads": 1, "kv_heads": 1,
+                  "head_dim": 1, "threads": 1},
+    "train": {"global_batch": 1},
+    "memory": {"layers": 0, "micro_batch": 1, "skip_last": 0, "head": 1, "ctx": 1, "docs": 1, "loss_chunk": 0,
+               "block_chunk": 0, "time_steps": 0, "attention_chunk": 0, "doc_len": 0},
+    "moe": {"dim": 1, "experts": 1, "top_k": 1, "expert_dim": 0, "threads": 1},
+    "comm": {"seq_len": 2},
+}
+# per command: comma-separated token counts (each a positive integer)
+LENGTHS = {"generate": ("memory_lengths", "sharded_lengths"), "train": ("seq_len",), "memory": ("seq_len",),
+           "moe": ("seq_len", "memory_seq_len")}
+
+
+def check_bench_args(command: str, args) -> None:
+    """`longctx bench COMMAND`'s sizes (args: its parsed flags); one error naming each bad one."""
+    problems = [f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}"
+                for name, least in MINIMUM.get(command, {}).items()
+                if getattr(args, name, None) is not None and getattr(args, name) < least]
+    for name in LENGTHS.get(command, ()):
+        text = str(getattr(args, name, "") or "")
+        bad = [x for x in text.split(",") if not (x.strip().isdigit() and int(x) > 0)] if text.strip() else []
+        if bad:
+            problems.append(f"--{name.replace('_', '-')} {text!r}: {', '.join(map(repr, bad))} is not a positive "
+                            f"token count (write e.g. 4096,8192)")
+    problems += _structure(command, args)
+    if problems:
+        raise ConfigError(f"{'; '.join(problems)}.")  # (the CLI says "longctx bench: error: ...")
+
+
+def _structure(command: str, args) -> list[str]:
+    """What a command's sizes must agree on (heads and their groups, a layout's degrees, a policy name)."""
+    out = []
+    if command in ("generate", "attention") and min(args.heads, args.kv_heads) >= 1 and args.heads % args.kv_heads:
+        out.append(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
+    if command == "generate" and min(args.dim, args.heads) >= 1 and args.dim % args.heads:
+        out.append(f"--heads {args.heads} must divide --dim {args.dim} (the head size is dim / heads)")
+    if command == "generate" and args.sharded and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", args.sharded):
+        out.append(f"--sharded {args.sharded!r}: write HxC, the head and ctx degrees, e.g. 1x4")
+    if command == "attention":
+        if args.seq_len is not None and args.seq_len < 2:
+            out.append(f"--seq-len must be >= 2, got {args.seq_len}")
+        if args.window > 0 and args.ctx >= 1 and args.ctx % args.window:
+            out.append(f"--window {args.window} must be 0 (a plain ring) or divide --ctx {args.ctx}")
+    if command == "train":
+        from ..config.presets import MODEL_PRESETS
+        from .train import LAYOUTS
+
+        unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS]
+        if unknown:
+            out.append(f"--layouts {', '.join(unknown)}: choose among {', '.join(LAYOUTS)}")
+        unknown = [x for x in args.presets.split(",") if x not in MODEL_PRESETS]
+        if unknown:  # (each run's `longctx train` refused it, written into the JSON as that row's error)
+            out.append(f"--presets {', '.join(unknown)}: choose among "
+                       f"{', '.join(MODEL_PRESETS)}")
+    if command == "memory":
+        out += _policy_problems(args.policies)
+    if command == "moe" and min(args.top_k, args.experts) >= 1:
+        if args.top_k > args.experts:
+            out.append(f"--top-k {args.top_k} is more than the {args.experts} --experts")
+        skewed = "skewed" in args.routing.split(",") and not getattr(args, "cluster", "")  # (the runs that read it)
+        if skewed and not 0 < args.skew_share <= 1 / args.top_k + 1e-9:  # (moe_common.skew's rule, before any run)
+            out.append(f"--skew-share {args.skew_share}: expert 0's share of the choices, in (0, 1 / top-k = "
+                       f"{1 / args.top_k:g}]")
+    if command == "comm":
+        for name in ("intra_gbps", "inter_ratio", "middle_ratio"):
+            if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
+                out.append(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    return out
+
+
+def _policy_problems(policies: str) -> list[str]:
+    """bench memory's --policies, each a name its _policy reads."""
+    from .memory import _policy
+
+    out = []
+    for name in (x.strip() for x in policies.split(",") if x.strip()):
+        try:
+            _, fraction = _policy(name)
+        except ValueError as e:  # (an unknown name, or offloadA whose A is no number)
+            out.append(f"--policies {name}: {e}")
+            continue
+        if not 0 <= fraction <= 1:
+            out.append(f"--policies {name}: an offload fraction is in [0, 1]")
+    return out
