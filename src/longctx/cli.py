@@ -187,7 +187,7 @@ def _cmd_checkpoint(args, overrides) -> int:
 def _check_export_args(out: str, max_shard_gb: float) -> None:
     """What export_hf would find wrong only after reading every weight (or never: --max-shard-gb 0 wrote
     each tensor to a file of its own)."""
-    from .checkpoint.out_path import file_in_the_way
+    from .durable import file_in_the_way
 
     if not (0 < max_shard_gb < float("inf")):
         raise UserError(f"--max-shard-gb {max_shard_gb}: expected a size in GiB above 0, e.g. 5 (the default).")

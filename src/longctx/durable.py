@@ -38,3 +38,12 @@ def write_text_durably(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # (a full disk: no half-written file left behind)
         raise
+
+
+def file_in_the_way(directory: Path) -> Path | None:
+    """The file that keeps `directory` from being made (`directory` itself, or the nearest existing of its
+    parents when that is a file), else None. Commands check it before their work: otherwise they fail
+    only where they create the directory, after reading weights or training a step."""
+    directory = Path(directory).expanduser()
+    nearest = next((p for p in (directory, *directory.parents) if p.exists()), None)
+    return nearest if nearest is not None and not nearest.is_dir() else None

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from ..config.hf import HFFormatError
+from ..durable import file_in_the_way
 from ..errors import UserError
 from ..models.hf import config_from_hf, load_hf
 from ..progress import phase, say
-from .out_path import file_in_the_way
 
 # what transformers needs to read a GGUF: the file format (gguf) and its loading hooks (accelerate)
 REQUIRED_PACKAGES = ("transformers", "gguf", "accelerate")

@@ -11,7 +11,9 @@ import functools
 from ..errors import ConfigError
 from .data_parallel import data_parallel_problems
 from .draft_kinds import clover_problems
+from .inert_options import dense_moe_notes, inert_option_problems
 from .positions import ms_poe_problems
+from .rules_ranges import range_problems
 from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config, parse_layer_list
 
 # families with q/k RMSNorm, and what it spans (model.qk_norm_span)
@@ -50,7 +52,7 @@ def validate(cfg: Config) -> None:
     for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules,
                           _draft_rules):
         section_rules(cfg, problems)
-    problems += data_parallel_problems(cfg)
+    problems += data_parallel_problems(cfg) + range_problems(cfg) + inert_option_problems(cfg)
     if problems:
         raise ConfigError(" ".join(problems))
 
@@ -118,7 +120,7 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
 def moe_notes(m) -> list[str]:
     """What a run should hear about its [model.moe] settings that is allowed but easy to get wrong."""
     if not m.is_moe:
-        return []
+        return dense_moe_notes(m)  # (keys the dense model ignores)
     notes = []
     if m.moe_top_k == 1 and m.moe_norm_topk and m.moe_router != "switch":
         notes.append(f"model.moe.top_k 1 with norm_topk true: every routing weight is 1 (as transformers' top-1 "

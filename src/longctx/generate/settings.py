@@ -199,12 +199,14 @@ def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool =
     import os
     from pathlib import Path
 
+    from ..durable import file_in_the_way
+
     if not path:
         return
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; pass the path of a file to write, e.g. {out / 'out.json'}.")
-    blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    blocked = file_in_the_way(out.parent)
     if blocked is not None or (not create_parents and not out.parent.is_dir()):
         where = f"{blocked} is a file, not a directory" if blocked is not None else f"{out.parent} does not exist"
         raise ConfigError(f"{flag} {path} cannot be written: {where}. Create the directory first, or pass another "

@@ -3,7 +3,8 @@
 Found after launch, a mistake is printed by every rank, glued into the others' output and wrapped
 in the launcher's lines, and only after the time it takes to start them. So before any rank starts,
 the launcher checks the layout, the paths (data store, Hugging Face weights, checkpoint to resume,
-run directory), what the data store holds against the run (sample length, tokenizer against the
+run directory; no file where a directory the run writes should be, no other run's checkpoints in its
+checkpoint directory), what the data store holds against the run (sample length, tokenizer against the
 model's vocabulary, eval split), and optional packages; it also builds or finds the cached default
 store and the CPU peak that MFU divides by, so no rank does either while the others wait.
 Before the data (cheap checks first) it refuses a run whose ranks on this node would not fit in
@@ -19,18 +20,20 @@ from pathlib import Path
 from ..checkpoint.identity import weights_identity
 from ..checkpoint.manifest import check_draft_matches, check_model_matches, read_manifest
 from ..config import Config, to_dict
+from ..config.checkpoint_paths import complete_checkpoints
 from ..config.hf import hf_dir
 from ..config.rules import parse_synthetic
 from ..costs.peaks import machine_cpu_peak
 from ..data.default_store import default_store
 from ..data.synthetic import check_room
 from ..data.tokenizer import load_tokenizer
+from ..durable import file_in_the_way
 from ..errors import ConfigError, DataError
 from ..job.checks import check_layout, ranks_per_node
 from ..job.devices import resolve_device
 from ..models.hf import weight_files
 from .host_budget import check_host_memory
-from .setup import check_packages, check_run_dir, check_store, check_tokenizer_known, resume_target
+from .setup import check_packages, check_run_dir, check_store, check_tokenizer_known, checkpoint_root, resume_target
 from .stages import holdout_grid, stage_config, stages_of
 
 
@@ -42,6 +45,7 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     if cfg.model.init_from.startswith("hf:"):  # missing or partial shards (a checkpoint is checked at load)
         weight_files(hf_dir(cfg.model.init_from))
     _check_resume(cfg)
+    _check_output_paths(cfg)
     check_host_memory(cfg, dims, ranks_per_node(cfg, nproc), device_type)
 
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
@@ -72,6 +76,47 @@ def _check_resume(cfg: Config) -> None:
         check_draft_matches(manifest, cfg.draft.layers if cfg.draft.target else None, target, cfg.draft.kind,
                             cfg.draft.vocab, weights_identity(cfg.draft.target) if cfg.draft.target else None)
     check_run_dir(cfg, target)
+    _check_checkpoint_dir(cfg, target, run_dir)
+
+
+def _check_checkpoint_dir(cfg: Config, target: Path | None, run_dir: Path | None) -> None:
+    """A run that saves into a checkpoint directory holding another run's checkpoints (a shared
+    --checkpoint.dir, a run directory's checkpoints/ without its config.toml) would replace their step
+    directories of the same numbers, prune the older ones (checkpoint.keep) and move `latest` to its own:
+    refused unless this job continues one of them."""
+    ck = cfg.checkpoint
+    if (not ck.interval and not ck.final) or (run_dir is None and not ck.dir):
+        return  # (nothing is saved; or a new runs/<time>-<preset>/checkpoints/)
+    root = checkpoint_root(cfg, run_dir or Path("."))
+    found = complete_checkpoints(root)
+    if not found or (target is not None and root.resolve() in target.resolve().parents):
+        return
+    resumes = f"it resumes {target}, elsewhere" if target is not None else f"--checkpoint.resume {ck.resume}"
+    raise ConfigError(
+        f"the checkpoint directory {root} already holds {len(found)} checkpoint(s) of another run (the newest "
+        f"{found[-1].name}), which this job does not continue ({resumes}): its saves would replace their step "
+        f"directories of the same numbers, delete the older ones (checkpoint.keep) and move `latest`. Nothing was "
+        f"changed. Give another --checkpoint.dir, continue them with --checkpoint.resume auto, or delete them first.")
+
+
+def _check_output_paths(cfg: Config) -> None:
+    """The directories the run writes into can be made: a file where one of them (or a parent) should be
+    failed with a raw FileExistsError once the model was built (checkpoint.dir: at the first save, after a
+    step's work), and a directory as metrics.file with an IsADirectoryError."""
+    t, ck, mt = cfg.train, cfg.checkpoint, cfg.metrics
+    run_dir = Path(t.run_dir) if t.run_dir else Path("runs")  # ('': a new runs/<time>-<preset>/ under it)
+    checkpoints = Path(ck.dir) if ck.dir else run_dir / "checkpoints"
+    wanted = [("train.run_dir", t.run_dir or "runs", run_dir),
+              ("checkpoint.dir", ck.dir or "<run_dir>/checkpoints", checkpoints),
+              ("metrics.file", mt.file, Path(mt.file).parent if mt.file else None)]
+    for key, given, directory in wanted:
+        blocker = file_in_the_way(directory) if directory is not None else None
+        if blocker is not None:
+            raise ConfigError(f"{key} {given}: the run writes into the directory {directory}, but {blocker} is a "
+                              f"file. Pass another {key}, or move the file away.")
+    if mt.file and Path(mt.file).is_dir():
+        raise ConfigError(f"metrics.file {mt.file} is a directory; it names the JSONL file the metrics go to (e.g. "
+                          f"{Path(mt.file) / 'metrics.jsonl'}), or '' for <run_dir>/metrics.jsonl.")
 
 
 def _check_data(cfg: Config, log) -> None:

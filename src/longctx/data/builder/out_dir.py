@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ...durable import file_in_the_way
 from ...errors import DataError
 from .. import store
 
@@ -41,8 +42,8 @@ def check_out(out: Path, scan_dir: bool = False) -> None:
     """Refuse an `out` that is a file, lies under one, or holds files no build wrote (foreign_entries)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out '{out}' exists and is not a directory.")
-    above = next((p for p in out.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
+    above = file_in_the_way(out)
+    if above is not None:
         raise DataError(f"--out '{out}' lies under '{above}', which is a file, not a directory; choose a directory.")
     foreign = foreign_entries(out, scan_dir)
     if foreign:

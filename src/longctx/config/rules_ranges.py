@@ -1,0 +1,21 @@
+"""Ranges of numbers that rules.py asks beside its own: values the work would otherwise refuse only
+deep inside it (a traceback from numpy at the first step), each said here before any work with what
+to write instead."""
+
+from __future__ import annotations
+
+from .schema import Config
+
+# torch.manual_seed takes up to 2**64 - 1, but numpy's generators (data order, synthetic samples)
+# take no negative seed, and a config.toml is TOML, whose integers are signed 64-bit
+SEED_LIMIT = 2**63
+
+
+def range_problems(cfg: Config) -> list[str]:
+    """One sentence with its fix per number out of its range (empty when every one is in it)."""
+    t = cfg.train
+    problems = []
+    if not 0 <= t.seed < SEED_LIMIT:  # (a negative seed stopped the first step in numpy's default_rng)
+        problems.append(f"train.seed must be a whole number from 0 to 2**63 - 1 (the data order's generator takes "
+                        f"no negative seed), got {t.seed}; e.g. --train.seed 0.")
+    return problems
