@@ -147,8 +147,11 @@ def test_chat_without_a_template(tmp_path):
     (folder / "config.json").write_text(json.dumps(test_hf.hf_config("llama")))
     with pytest.raises(ConfigError, match="has no chat template"):
         _prepare("--checkpoint", f"hf:{folder}", "--chat", "--prompt", "hi")
+    bare = tmp_path / "bare"  # (weights without a tokenizer of their own take --tokenizer byte)
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(test_hf.hf_config("llama")))
     with pytest.raises(ConfigError, match="the byte tokenizer has none"):
-        _prepare("--checkpoint", f"hf:{folder}", "--chat", "--prompt", "hi", "--tokenizer", "byte")
+        _prepare("--checkpoint", f"hf:{bare}", "--chat", "--prompt", "hi", "--tokenizer", "byte")
 
 
 def test_template_errors_are_said(tmp_path):

@@ -65,6 +65,48 @@ def model_tokenizer(init_from: str) -> str | None:
     return checkpoint_manifest(init_from)[1].get("tokenizer")
 
 
+def checkpoint_tokenizer(init_from: str, given: str | None, own: str | None) -> str | None:
+    """The tokenizer `longctx generate` and `longctx eval` read text with for the weights of `init_from`,
+    which name `own` (model_tokenizer): --tokenizer `given` when it is the weights' own (compared by
+    content: a copy, or the recorded file moved elsewhere, is the same tokenizer), else `own`; None when
+    neither names one. Another tokenizer than the weights' own is refused: the model would read its ids as
+    other text and write garbage without an error. Weights that name none (a checkpoint written before
+    longctx recorded one, hf:DIR without tokenizer.json) take `given` unchecked (unchecked_tokenizer says so)."""
+    own_file = tokenizer_file(own) if own else None
+    if not given:
+        if own_file is not None and not own_file.is_file():
+            raise ConfigError(f"--checkpoint {init_from} was trained with the tokenizer {own}, which no longer "
+                              f"exists; pass --tokenizer PATH/tokenizer.json, that file where it is now.")
+        return own
+    given_file = tokenizer_file(given)
+    if given_file is not None and not given_file.is_file():
+        raise ConfigError(f"--tokenizer {given}: no such file; pass a tokenizer.json (or a directory holding one), "
+                          f"or byte.")
+    if own is None or (own_file is not None and given_file is not None and not own_file.is_file()):
+        return given  # (nothing to compare with: said by unchecked_tokenizer)
+    if not (given == own if "byte" in (given, own) else same_tokenizer(given, own)):
+        raise ConfigError(f"--tokenizer {given} is not the tokenizer the weights of --checkpoint {init_from} were "
+                          f"trained with ({own}): the model would read its token ids as other text and write "
+                          f"garbage without an error. Drop --tokenizer (the checkpoint's own is used), or pass "
+                          f"--tokenizer {own}.")
+    return given
+
+
+def unchecked_tokenizer(init_from: str, given: str | None) -> str:
+    """The note for a --tokenizer checkpoint_tokenizer took without comparing it with the weights' own
+    (they name none, or the file they name has moved); '' when it was compared or not given."""
+    own = model_tokenizer(init_from) if given else None
+    if given and own is None:
+        where = ("its directory has no tokenizer.json" if init_from.startswith("hf:") else
+                 "its manifest records no tokenizer (written before longctx recorded one)")
+        return (f"--tokenizer {given} is taken unchecked: --checkpoint {init_from} names no tokenizer ({where}), so "
+                f"nothing says it is the one the model was trained with")
+    if given and given != "byte" and own != "byte" and not tokenizer_file(own).is_file():
+        return (f"--tokenizer {given} is taken as the tokenizer --checkpoint {init_from} records, {own}, which no "
+                f"longer exists there to compare it with")
+    return ""
+
+
 def source_hf(init_from: str, tokenizer: str | None = None, depth: int = 16) -> str:
     """The hf:DIR the weights of `init_from` started from, through the longctx checkpoints that started
     from one another, when the ids still mean DIR's tokenizer's (`tokenizer`, default the weights' own,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config.tokenizer import model_tokenizer, same_tokenizer
+from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer, same_tokenizer
 from ..errors import ConfigError, DataError
 from ..progress import say
 
@@ -17,11 +17,14 @@ if TYPE_CHECKING:
 
 
 def _load_tokenizer(args, cfg):
-    """(the tokenizer's spec, the tokenizer), both None when there is none and the task needs no text."""
+    """(the tokenizer's spec, the tokenizer), both None when there is none and the task needs no text; a
+    --tokenizer that is not the one the checkpoint's weights were trained with is refused
+    (config/tokenizer.py checkpoint_tokenizer)."""
     from ..data.tokenizer import load_tokenizer
     from .tasks import is_glob  # (lazy, as this module's other task imports)
 
-    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)  # --tokenizer, else the checkpoint's
+    # --tokenizer, else the checkpoint's
+    spec = checkpoint_tokenizer(cfg.model.init_from, args.tokenizer, model_tokenizer(cfg.model.init_from))
     text_needed = args.task != "ppl" or not args.data or Path(args.data).is_file() or is_glob(args.data)
     if spec is None and text_needed:
         where = ("its directory has no tokenizer.json" if cfg.model.init_from.startswith("hf:") else

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..config.tokenizer import unchecked_tokenizer
 from ..errors import ConfigError
 from ..generate.settings import SAMPLING_FLAGS
 from .inputs import _load_source, _load_tokenizer, _sequences
@@ -124,8 +125,9 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     memory = _memory(args, cfg, mode, lengths, batch, nproc)
     sequences = _sequences(args, source, tokenizer, lengths, depths)
     # (under the memory no length is past the reach: every distance a query sees stays within it)
-    notes = (() if memory is not None else reach_notes(cfg.model, lengths)) + ((routing,) if routing else ()) + \
-        short_ppl_notes(args, sequences)
+    unchecked = unchecked_tokenizer(cfg.model.init_from, args.tokenizer)  # (a --tokenizer nothing could check)
+    notes = ((unchecked,) if unchecked else ()) + (() if memory is not None else reach_notes(cfg.model, lengths)) + \
+        ((routing,) if routing else ()) + short_ppl_notes(args, sequences)
     return EvalRequest(cfg, args.task, lengths, depths, sequences, source.description,
                        spec or source.tokenizer_spec, batch, mode, sampling, notes, memory, routing)
 

@@ -60,10 +60,11 @@ def _check_chat_row(row: dict, args, where: str) -> None:
 
 
 def tokenizer_spec(args, cfg) -> str:
-    """--tokenizer, else the checkpoint's; an error when neither names one."""
-    from ..config.tokenizer import model_tokenizer
+    """--tokenizer, else the checkpoint's; an error when neither names one, or when --tokenizer is not the
+    one the checkpoint's weights were trained with (config/tokenizer.py checkpoint_tokenizer)."""
+    from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer
 
-    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
+    spec = checkpoint_tokenizer(cfg.model.init_from, args.tokenizer, model_tokenizer(cfg.model.init_from))
     if spec is None:
         where = ("its directory has no tokenizer.json" if args.checkpoint.startswith("hf:") else
                  "its manifest records no tokenizer")
@@ -79,13 +80,18 @@ def tokenize_prompts(args, prompts: list[dict], spec: str, m, reach=None):
     config `m` and the positions it reaches (`reach`: another, e.g. a context memory's
     (generate/context_memory.py); default the model's, config/positions.py model_reach)."""
     from ..config.positions import model_reach
+    from ..config.tokenizer import unchecked_tokenizer
     from ..data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
+    if tokenizer.vocab_size > m.vocab_size:  # (its ids past the embedding: not the model's, whatever the prompt)
+        raise ConfigError(f"the tokenizer {spec} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                          f"{m.vocab_size}: it is not the model's; pass the one it was trained with (--tokenizer).")
     if args.chat:
         apply_chat(prompts, spec)
     limits, notes = encode_prompts(args, prompts, tokenizer, spec, m, reach or model_reach(m))
-    return tokenizer, limits, notes
+    note = unchecked_tokenizer(args.checkpoint, args.tokenizer)
+    return tokenizer, limits, [note, *notes] if note else notes
 
 
 def apply_chat(prompts: list[dict], spec: str) -> str:
