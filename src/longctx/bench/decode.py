@@ -120,7 +120,20 @@ def _models(args):
     return cfg, draft, load_tokenizer(spec), spec
 
 
-def _prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
+def _prompts(args, tokenizer, spec, m=None) -> dict[int | str, list[list[int]]]:
+    """The prompts, by length (or "prompts": --prompts'); with `m` (the target's ModelConfig), each with
+    --max-new-tokens checked within the window of its weights (the decode loop's rule, generate/loading.py
+    check_window), so that it is said before any weight is read."""
+    from ..generate.loading import check_window
+
+    prompts = _read_prompts(args, tokenizer, spec)
+    if m is not None:
+        longest = max(len(ids) for rows in prompts.values() for ids in rows)
+        check_window(m, longest + args.max_new_tokens, "bench decode")
+    return prompts
+
+
+def _read_prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     from ..data.default_store import default_store
     from ..errors import ConfigError, DataError
     from ..eval.tasks import load_source, parse_lengths
@@ -188,7 +201,7 @@ def main(args) -> int:
     sampling.check()
     if any(cape is not None for cape, _ in modes) and not sampling.greedy:
         raise SystemExit("--cape verifies greedily: use --temperature 0")
-    prompts = _prompts(args, tokenizer, spec)
+    prompts = _prompts(args, tokenizer, spec, cfg.model)
     target = load_model(cfg, device, dtype)
     draft = load_draft(draft_cfg, target, device, dtype)
     args.cost = args.draft_cost if args.draft_cost is not None else draft_cost_ratio(target, draft)

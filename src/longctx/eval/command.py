@@ -35,6 +35,7 @@ from ..errors import ConfigError
 from ..generate.context_memory import add_flags as add_context_memory_flags
 from ..generate.settings import add_sampling_flags
 from ..progress import say
+from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
 
 if TYPE_CHECKING:
     from .request import EvalRequest
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 # it (and torch with it), or every `longctx` command, `data build` included, pays ~220 MB for it
 TASKS = ("ppl", *SYNTHETIC_TASKS)
 
-DEFAULT_DEPTHS = "0,0.25,0.5,0.75,1"
 MODES = ("score", "generate")
 
 
@@ -68,7 +68,8 @@ def add_parser(sub) -> None:
     p.add_argument("--tokenizer", default="",
                    help="'byte' or PATH/tokenizer.json; default: the checkpoint's (its manifest, or hf:DIR's "
                         "tokenizer.json)")
-    p.add_argument("--buckets", type=int, default=16, help="ppl: position buckets per length (default 16)")
+    p.add_argument("--buckets", type=int, default=DEFAULT_BUCKETS,
+                   help=f"ppl: position buckets per length (default {DEFAULT_BUCKETS})")
     p.add_argument("--mode", default="score", choices=MODES,
                    help="passkey/needle: score (default): one teacher-forced forward pass, right when every answer "
                         "token is the argmax; generate: free greedy generation from the question, right when the "

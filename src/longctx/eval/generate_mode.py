@@ -125,14 +125,15 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
 
     cfg = request.cfg
     try:
+        tokenizer = load_tokenizer(request.tokenizer)
+        prefix = model_text_prefix(cfg.model.init_from, tokenizer)
+        _check_window(request, len(prefix))
         backend, device, main_rank = _eval_backend(request, _backend)
         log = say if main_rank else (lambda *_: None)
         dtype = resolve_dtype(cfg.train.dtype, device)
         with phase(f"eval: loading the model from {args.checkpoint}"):
             model = load_model(cfg, device, dtype)
-        tokenizer = load_tokenizer(request.tokenizer)
         eos = eos_ids(cfg.model.init_from, tokenizer)
-        prefix = model_text_prefix(cfg.model.init_from, tokenizer)
         p = cfg.parallel
         layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
         out = _result_head(request, args, cfg, layout, dtype)
@@ -172,6 +173,22 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
     finally:
         finish_distributed()
     return out if main_rank else None
+
+
+def _check_window(request: EvalRequest, prefix: int) -> None:
+    """The decode loop's sliding-window rule (generate/loading.py check_window) before any work: each
+    sequence's prompt and new tokens take prefix + its length + EXTRA_NEW_TOKENS positions (InfLLM's memory:
+    at most its farthest distance + 1), which must lie within the window of a windowed model's weights."""
+    from ..generate.loading import attention_window, check_window
+
+    longest = max(request.lengths)
+    need = prefix + longest + EXTRA_NEW_TOKENS
+    if request.memory is not None:
+        need = min(need, request.memory.far + 1)
+    fit = attention_window(request.cfg.model) - EXTRA_NEW_TOKENS - prefix
+    check_window(request.cfg.model, need, f"eval --mode generate at length {longest:,} ({prefix} special tokens "
+                                          f"before it, {EXTRA_NEW_TOKENS} new tokens past its answer; --lengths up "
+                                          f"to {fit:,} fit)")
 
 
 def _eval_backend(request: EvalRequest, layout_backend):

@@ -144,9 +144,9 @@ def _check_flags(args) -> None:
     from pathlib import Path
 
     from ..generate.settings import check_output_path, given_flags, unused_memory_flags
-    from .command import DEFAULT_DEPTHS
+    from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
 
-    unused = given_flags(args, {"depths": DEFAULT_DEPTHS} if args.task == "ppl" else {"buckets": 16})
+    unused = given_flags(args, {"depths": DEFAULT_DEPTHS} if args.task == "ppl" else {"buckets": DEFAULT_BUCKETS})
     if unused:
         which = "the needle's depths" if args.task == "ppl" else "ppl's position buckets"
         raise ConfigError(f"{unused[0]} sets {which}, which --task {args.task} does not have; drop it.")

@@ -156,8 +156,6 @@ class GenerateRequest:
     memory: object = None        # --context-memory infllm's shape (models/context_memory.py InfLLMShape)
 
 
-
-
 def _config(args, overrides: list[str]):
     from ..config import load_config, parse_overrides
     from ..config.layout import default_layout
@@ -202,7 +200,7 @@ def _config(args, overrides: list[str]):
 def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
     from .context_memory import check_prompts, memory_reach, memory_shape
-    from .loading import eos_ids
+    from .loading import check_window, eos_ids
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
     from .settings import check_run_flags
 
@@ -221,6 +219,8 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model, reach)
     if memory is not None:
         check_prompts(memory, prompts)
+    else:  # (the decode loop's rule, said before any weight is read: --allow-extrapolation does not move a window)
+        check_window(cfg.model, max(len(p["ids"]) + n for p, n in zip(prompts, limits)), "generate")
     notes += _dropless_notes("model", cfg.model)
     eos = eos_ids(cfg.model.init_from, tokenizer)
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)

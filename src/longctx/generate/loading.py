@@ -2,7 +2,8 @@
 generation (EOS), and this process's backend (one device, or its rank of a head x ctx layout).
 
 Library functions: `longctx generate` (generate/cli.py), `eval --mode generate`, `bench decode` and a
-plain draft model (generate/drafts.py) all load through here.
+plain draft model (generate/drafts.py) all load through here; `check_window` is the one sliding-window rule
+that the decode loop (generate/loop.py) and, before any weight is read, those commands apply.
 """
 
 from __future__ import annotations
@@ -76,3 +77,37 @@ def backend_for(cfg):
 
     rt, device = join_job(cfg)
     return ShardedGeneration(rt.mesh, rt.world_mesh), device, rt.is_main
+
+
+def attention_window(m) -> int:
+    """The sliding window of the weights' attention (ModelConfig `m`): that of the config.json they started
+    from (hf:DIR, or followed back through longctx checkpoints: config/hf.py initial_hf_config), as
+    transformers gives it to some layer (config/hf_families.py family_window); 0: none."""
+    from ..config.hf import initial_hf_config
+    from ..config.hf_families import family_window
+
+    return int(family_window(initial_hf_config(m.init_from) or {}) or 0)
+
+
+def check_window(m, positions: int, where: str) -> None:
+    """Refuse a generation of `positions` positions (a prompt and its new tokens) past the sliding window of
+    the weights (`m`: their ModelConfig). longctx has no sliding-window attention: it attends to every
+    earlier position, which is the window's attention only while a sequence is within it; past it the
+    logits differ from transformers' (and from what the model trained with) by O(1), with no error. (The
+    last new token is never fed, so window + 1 would still be exact; `longctx generate` caps at the window,
+    config/positions.py's reach: one rule.)"""
+    window = attention_window(m)
+    if not window or positions <= window:
+        return
+    from ..config.hf import hf_dir, initial_hf, initial_hf_config
+    from ..config.hf_families import QWEN_FAMILIES
+
+    config = hf_dir(initial_hf(m.init_from)) / "config.json"
+    off = ("use_sliding_window false" if (initial_hf_config(m.init_from) or {}).get("model_type") in QWEN_FAMILIES
+           else "sliding_window null")
+    raise ConfigError(f"{where}: a prompt and its new tokens take {positions:,} positions, past the {window:,}-token "
+                      f"sliding window that {config} gives the model's attention: longctx attends to every earlier "
+                      f"position, the same as the window only up to {window:,} positions, so past them the tokens "
+                      f"would not be this model's. Keep each prompt + new tokens within {window:,}; or decode with "
+                      f"InfLLM's context memory (--context-memory infllm), which keeps every distance within the "
+                      f"window; or, to run the weights with full attention, set {off} in that config.json.")

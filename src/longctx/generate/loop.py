@@ -32,6 +32,7 @@ import torch
 from ..models.moe import dropless
 from ..models.static_decode import CompiledStep, install
 from .contracts import Backend, Cache, FlatPrefill, Round, Rounds
+from .loading import check_window
 from .results import Result
 from .sampling import Processors, Sampling, check_chosen, sample_seed
 
@@ -84,6 +85,7 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
     model calls run through this compiled static-shape step (models/static_decode.py) where the cache
     and model have one (one device, a dense model; else eagerly, as without it)."""
     n = len(prompts)
+    _check_window(model, prompts, limits, backend)
     device = device or model.tok_embeddings.weight.device
     # cache rows in order of length, so each length group is a contiguous range of rows
     order = sorted(range(n), key=lambda i: len(prompts[i]))
@@ -103,6 +105,16 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
                 for s in range(num_samples) for j in range(n)]
         book = _Book(rows, [prompts[r.prompt] for r in rows], {int(e) for e in eos_ids}, stop, on_token, logprobs)
         return _run(rounds, cache, logits, book, sampling)
+
+
+def _check_window(model, prompts: Sequence[Sequence[int]], limits: Sequence[int], backend: Backend) -> None:
+    """Every entry point's sliding-window rule (generate/loading.py check_window), before any work: the longest
+    prompt + limit within the window of the model's weights, else an error. Under InfLLM's context memory (a
+    backend with a `shape`, models/context_memory.py InfLLMShape) no query sees a distance past its `far`,
+    whatever the length: that span is what meets the window."""
+    longest = max(len(p) + int(limit) for p, limit in zip(prompts, limits))
+    far = getattr(getattr(backend, "shape", None), "far", None)
+    check_window(model.cfg, longest if far is None else min(longest, far + 1), "generate")
 
 
 @contextmanager
