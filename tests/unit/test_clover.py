@@ -320,7 +320,9 @@ def test_bad_clover_configs_are_refused_before_work(target_run):
     refused(f"--draft.target={target_run}", "--draft.kind=clover", "--memory.model_states=host",
             match="model_states")
     refused("--draft.kind=eagle", match="glide, clover")
-    assert load_config(None, ["--draft.kind=clover"]).draft.kind == "clover"
+    # (a kind without draft.target would train the model itself: refused, config/inert_options.py)
+    refused("--draft.kind=clover", match="draft.target is ''")
+    assert load_config(None, ["--draft.kind=clover", f"--draft.target={target_run}"]).draft.kind == "clover"
     # the recipe (its target's shapes come from draft.target: here the tiny one)
     recipe = load_config("configs/clover-smollm2.toml", [f"--draft.target={target_run}", "--data.tokenizer=byte",
                                                          "--draft.vocab=100"])

@@ -4,7 +4,12 @@ A knob set for a feature the run does not have (memory.expert_chunk on a dense m
 that no block takes) was accepted and silently ignored: the run trained, and its config.toml and
 setup line named the option as if it applied. Each is refused here, before any work, with the
 setting that makes it apply or the advice to drop it. [model.moe] keys on a dense model are a note
-(dense_moe_notes), since a saved MoE config.toml under a dense preset legitimately carries them.
+(dense_moe_notes), since a saved MoE config.toml under a dense preset legitimately carries them; so are
+train.co2_* under sync and parallel.zero_pp_block without qwz / qgz (inert_option_notes), which
+`longctx plan` takes in its (sync, unquantized) base config to cost its co2 and quantized plans. What
+needs the world size (parallel.zero_pp on one process) is job/checks.py check_layout's: inert_layout_problems.
+A key counts as given when it differs from its default (and from its preset's value): every saved
+config.toml lists every key, at its default when the run did not set it.
 """
 
 from __future__ import annotations
@@ -12,12 +17,115 @@ from __future__ import annotations
 import dataclasses
 
 from .presets import MODEL_PRESETS
-from .schema import Config, ModelConfig
+from .schema import Config, DraftConfig, ModelConfig, ParallelConfig, TrainConfig
 
 
 def inert_option_problems(cfg: Config) -> list[str]:
     """One sentence with its fix per option that would be ignored (empty when each applies)."""
-    return _expert_chunk_on_dense(cfg) + _offload_without_blocks(cfg)
+    return (_expert_chunk_on_dense(cfg) + _offload_without_blocks(cfg) + _draft_without_target(cfg)
+            + _zero_pp_unused(cfg) + _rope_factor_unscaled(cfg) + _unusable_expert_replicas(cfg))
+
+
+def inert_option_notes(cfg: Config) -> list[str]:
+    """Options the run ignores that a legitimate path writes: a note each at setup (train/report.py), not an
+    error. `longctx plan` loads its base config, sync and unquantized, with the co2 and qwz / qgz settings
+    it costs its co2 and quantized plans by (planner/cli.py run_settings), and writes them into its plan
+    whichever it picks; a resume of a co2 run under --train.data_parallel sync keeps its saved train.co2_*."""
+    notes = []
+    t, p = cfg.train, cfg.parallel
+    co2 = _given(t, TrainConfig, lambda key: key.startswith("co2_"))
+    if t.data_parallel == "sync" and co2:
+        notes.append(f"{_named('train', co2, 'is')} ignored: train.data_parallel = sync averages the gradients every "
+                     f"step, so no CO2 rounds run; set --train.data_parallel co2 (with parallel.dp_replicate >= 2) "
+                     f"to use {'them' if len(co2) > 1 else 'it'}")
+    block = _given(p, ParallelConfig, lambda key: key == "zero_pp_block")
+    if block and not {"qwz", "qgz"} & _zero_pp(cfg):
+        notes.append(f"{_named('parallel', block, 'is')} ignored: it sizes the int8 blocks of parallel.zero_pp's qwz "
+                     f"and qgz, and neither is on (parallel.zero_pp = {p.zero_pp!r})")
+    return notes
+
+
+def inert_layout_problems(cfg: Config, world: int) -> list[str]:
+    """What the world size makes inert (job/checks.py check_layout asks, before launch and on each rank):
+    parallel.zero_pp on one process whose states FSDP does not shard (parallel/fsdp/shard.py uses_fsdp: one
+    rank and memory.model_states device or host_optimizer), so no weight is gathered and no gradient reduced."""
+    names = _zero_pp(cfg)
+    if not names or world != 1 or cfg.memory.model_states == "host":
+        return []
+    return [f"parallel.zero_pp = {cfg.parallel.zero_pp!r} would be ignored: ZeRO++ changes FSDP's gathers and "
+            f"reduce-scatters between ranks, and this run is one process (memory.model_states = "
+            f"{cfg.memory.model_states}: FSDP is not applied); drop it, or train on more ranks (--nproc N)."]
+
+
+def _zero_pp(cfg: Config) -> set[str]:
+    return {n.strip() for n in cfg.parallel.zero_pp.split(",") if n.strip()}
+
+
+def _given(section, cls, wanted, preset: dict | None = None) -> list[tuple[str, object]]:
+    """(key, value) of the `wanted` keys of `section` (a `cls`) set away from their default (and from
+    `preset`'s value)."""
+    return [(key, getattr(section, f.name)) for f in dataclasses.fields(cls)
+            if wanted(key := f.metadata.get("key", f.name))
+            and getattr(section, f.name) not in (f.default, (preset or {}).get(key, f.default))]
+
+
+def _named(section: str, given: list[tuple[str, object]], verb: str = "") -> str:
+    """'draft.kind = 'clover', draft.loss = 'kd'' (+ ' are' / ' is' with `verb`)."""
+    said = ", ".join(f"{section}.{key} = {value!r}" for key, value in given)
+    return f"{said} {'are' if len(given) > 1 else 'is'}" if verb else said
+
+
+def _draft_without_target(cfg: Config) -> list[str]:
+    """[draft] keys without draft.target: train/model.py trains the model itself, as if [draft] were absent."""
+    given = _given(cfg.draft, DraftConfig, lambda key: key != "target")
+    if cfg.draft.target or not given:
+        return []
+    return [f"{_named('draft', given)} would be ignored: [draft] configures a draft trained against the "
+            f"frozen draft.target, and draft.target is '' (a normal run, which trains the model itself); set "
+            f"--draft.target DIR (the target's checkpoint, or hf:DIR), or drop them."]
+
+
+def _zero_pp_unused(cfg: Config) -> list[str]:
+    """parallel.hpz_ranks without hpz; parallel.zero_pp beside a draft, whose FSDP (parallel/parallelize.py
+    parallelize_draft) is plain: no secondary partition, no int8 gathers or reduce-scatters."""
+    p = cfg.parallel
+    problems = []
+    if cfg.draft.target and _zero_pp(cfg):
+        problems.append(f"parallel.zero_pp = {p.zero_pp!r} would be ignored: a draft's training (draft.target) "
+                        f"shards the draft with plain FSDP (parallel/parallelize.py parallelize_draft); drop it.")
+    if p.hpz_ranks and "hpz" not in _zero_pp(cfg):
+        problems.append(f"parallel.hpz_ranks = {p.hpz_ranks} would be ignored: it sizes hpz's secondary partition, "
+                        f"and parallel.zero_pp ({p.zero_pp!r}) has no hpz; add hpz to parallel.zero_pp, or drop "
+                        f"parallel.hpz_ranks (0).")
+    return problems
+
+
+def _rope_factor_unscaled(cfg: Config) -> list[str]:
+    """model.rope_factor with model.rope_scaling none: models/llama.py reads the factor only under a scaling.
+    A model from model.init_from takes its factor from the weights' config (an extension may set rope_scaling
+    none over it), so only a preset model's factor away from its default and its preset's counts."""
+    m = cfg.model
+    preset = MODEL_PRESETS.get(m.preset, {})
+    given = _given(m, ModelConfig, lambda key: key == "rope_factor", preset)
+    if m.rope_scaling != "none" or m.init_from or not given:
+        return []
+    return [f"model.rope_factor = {m.rope_factor} would be ignored: model.rope_scaling is none (plain RoPE, no "
+            f"factor); set --model.rope_scaling linear, llama3 or yarn to scale by it, or drop it."]
+
+
+def _unusable_expert_replicas(cfg: Config) -> list[str]:
+    """parallel.expert_replicas beyond the experts a rank can copy: it owns E / expert of them and holds at
+    most one copy of each other one (parallel/expert/placement.py plan_placement), so the slots past
+    E - E / expert stay empty, though every forward still fetches (zeroes) all of them."""
+    p, m = cfg.parallel, cfg.model
+    if not m.is_moe or p.expert < 2 or m.moe_experts % p.expert or not p.expert_replicas:
+        return []
+    usable = m.moe_experts - m.moe_experts // p.expert
+    if p.expert_replicas <= usable:
+        return []
+    return [f"parallel.expert_replicas = {p.expert_replicas} is more copy slots than a rank can fill: it owns "
+            f"{m.moe_experts // p.expert} of the {m.moe_experts} experts (parallel.expert = {p.expert}) and holds "
+            f"at most one copy of each of the other {usable}; set parallel.expert_replicas to at most {usable}."]
 
 
 def dense_moe_notes(m: ModelConfig) -> list[str]:

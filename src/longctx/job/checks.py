@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from ..config.inert_options import inert_layout_problems
 from ..config.rules import parse_stages
 from ..errors import ConfigError
 from .dims import ParallelDims
@@ -39,6 +40,9 @@ def check_layout(cfg, world: int) -> ParallelDims:
     if cfg.parallel.zero_pp_kernels not in ZERO_PP_KERNELS:
         raise ConfigError(f"parallel.zero_pp_kernels must be one of {', '.join(ZERO_PP_KERNELS)}, got "
                           f"{cfg.parallel.zero_pp_kernels!r}.")
+    inert = inert_layout_problems(cfg, dims.world_size)  # (options this world size would ignore)
+    if inert:
+        raise ConfigError(" ".join(inert))
     return dims
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config.checkpoint_paths import step_name
+from ..config.inert_options import inert_option_notes
 from ..config.rules import moe_notes
 from ..errors import UserError
 from ..models.llama import count_params
@@ -273,7 +274,7 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             + f"; {lr_note(cfg)}; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]
-        if note]
+        + inert_option_notes(cfg) if note]
 
 
 def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None) -> str:
