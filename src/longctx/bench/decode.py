@@ -123,13 +123,19 @@ def _models(args):
 def _prompts(args, tokenizer, spec, m=None) -> dict[int | str, list[list[int]]]:
     """The prompts, by length (or "prompts": --prompts'); with `m` (the target's ModelConfig), each with
     --max-new-tokens checked within the window of its weights (the decode loop's rule, generate/loading.py
-    check_window), so that it is said before any weight is read."""
+    check_window), so that it is said before any weight is read, and a note on lengths past the positions the
+    target reaches (config/positions.py; eval's note): decoded there, its tokens are extrapolation."""
+    from ..eval.request import reach_notes
     from ..generate.loading import check_window
 
     prompts = _read_prompts(args, tokenizer, spec)
     if m is not None:
         longest = max(len(ids) for rows in prompts.values() for ids in rows)
         check_window(m, longest + args.max_new_tokens, "bench decode")
+        lengths = sorted({len(ids) for rows in prompts.values() for ids in rows})
+        # (bench decode takes no --model.* flags: no RoPE scaling to suggest)
+        for note in reach_notes(m, lengths, args.max_new_tokens, "figure", extend=False):
+            say(f"note: {note}")
     return prompts
 
 

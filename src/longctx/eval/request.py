@@ -114,6 +114,7 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
             raise ConfigError(f"{flag} must be positive, got {value}.")
     if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
         raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
+    _check_score_window(args, lengths, mode)
     cfg, batch, capacity = _config(args, overrides, lengths, nproc)
     # (a capacity shared by a forward's tokens: a sequence's score would depend on --batch, the unscored copies
     # filling the last batch, and the layout)
@@ -204,21 +205,46 @@ def short_ppl_notes(args, sequences: dict) -> tuple[str, ...]:
                  for length, spans in sequences.items() if args.task == "ppl" and len(spans) < asked)
 
 
-def reach_notes(m, lengths: list[int]) -> tuple[str, ...]:
+def _check_score_window(args, lengths: list[int], mode: str) -> None:
+    """--mode score past the sliding window of the weights: refused before work (the config's own rule would
+    refuse it too, naming the model.max_seq_len eval sets from --lengths). Its one teacher-forced pass attends
+    to every earlier position, a window's attention only within the window: past it each figure is O(1) off the
+    model's (generate/loading.py check_window), and InfLLM's context memory, a way of decoding, does not apply.
+    (--mode generate's rule counts its new tokens too: generate_mode.py _check_window.)"""
+    from ..generate.loading import init_window, window_off
+
+    window = init_window(args.checkpoint)
+    past = [n for n in lengths if n > window]
+    if mode != "score" or not window or not past:
+        return
+    fit = ", ".join(f"{n:,}" for n in lengths if n <= window)
+    raise ConfigError(f"--lengths {', '.join(f'{n:,}' for n in past)}: past the {window:,}-token sliding window "
+                      f"that the weights' config.json gives their attention. --mode score reads a sequence in one "
+                      f"pass that attends to every earlier position (longctx has no sliding-window attention), the "
+                      f"same as the window only up to {window:,} positions, so past them the {args.task} figures "
+                      f"would not be this model's (InfLLM's context memory, a way of decoding, does not apply to "
+                      f"--mode score). Evaluate --lengths up to {window:,}" + (f" (here {fit})" if fit else "") +
+                      f"; or, to score the weights with full attention, {window_off(args.checkpoint)}.")
+
+
+def reach_notes(m, lengths: list[int], new_tokens: int = 0, figure: str = "score",
+                extend: bool = True) -> tuple[str, ...]:
     """Lengths past the positions the model reaches (config/positions.py): evaluating there is what an
-    extension study does, so it runs, but it is said once, with the scaling that would cover them."""
+    extension study does, so it runs, but it is said once, with the scaling that would cover them (`extend`:
+    a command that takes --model.* flags). `new_tokens`: decoded past each length (bench decode's note), the
+    positions counted with them; `figure`: what each length measures."""
     from ..config.positions import model_reach
 
     reach = model_reach(m)
-    past = [n for n in lengths if n > reach.positions]
+    past = [n for n in lengths if n + new_tokens > reach.positions]
     if not past:
         return ()
-    many = len(past) > 1
-    return (f"length{'s' * many} {', '.join(f'{n:,}' for n in past)} run past the {reach.positions:,} positions the "
-            f"model reaches ({reach.said()}): {'their scores measure' if many else 'its score measures'} "
-            f"extrapolation, not what the model learned" + ("" if reach.window else  # (no scaling moves a window)
-                                                            f"; {reach.extension_flags(max(past))} would cover "
-                                                            f"{'them' if many else 'it'}"),)
+    many, decoded = len(past) > 1, f" (+ {new_tokens:,} new tokens)" if new_tokens else ""
+    measure = f"their {figure}s measure" if many else f"its {figure} measures"
+    return (f"length{'s' * many} {', '.join(f'{n:,}' for n in past)}{decoded} run past the {reach.positions:,} "
+            f"positions the model reaches ({reach.said()}): {measure} extrapolation, not what the model learned" +
+            ("" if reach.window or not extend else  # (no scaling moves a window)
+             f"; {reach.extension_flags(max(past) + new_tokens)} would cover {'them' if many else 'it'}"),)
 
 
 def _sampling(args, mode: str):

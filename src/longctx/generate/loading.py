@@ -83,10 +83,16 @@ def attention_window(m) -> int:
     """The sliding window of the weights' attention (ModelConfig `m`): that of the config.json they started
     from (hf:DIR, or followed back through longctx checkpoints: config/hf.py initial_hf_config), as
     transformers gives it to some layer (config/hf_families.py family_window); 0: none."""
+    return init_window(m.init_from)
+
+
+def init_window(init_from: str) -> int:
+    """attention_window of the weights `init_from` names (hf:DIR or a longctx checkpoint), read before any
+    config is built from them (eval refuses a length past it before its config would)."""
     from ..config.hf import initial_hf_config
     from ..config.hf_families import family_window
 
-    return int(family_window(initial_hf_config(m.init_from) or {}) or 0)
+    return int(family_window(initial_hf_config(init_from) or {}) or 0)
 
 
 def check_window(m, positions: int, where: str) -> None:
@@ -99,15 +105,21 @@ def check_window(m, positions: int, where: str) -> None:
     window = attention_window(m)
     if not window or positions <= window:
         return
+    raise ConfigError(f"{where}: a prompt and its new tokens take {positions:,} positions, past the {window:,}-token "
+                      f"sliding window that the weights' config.json gives their attention: longctx attends to every "
+                      f"earlier position, the same as the window only up to {window:,} positions, so past them the "
+                      f"tokens would not be this model's. Keep each prompt + new tokens within {window:,}; or decode "
+                      f"with InfLLM's context memory (--context-memory infllm), which keeps every distance within the "
+                      f"window; or, to run the weights with full attention, {window_off(m.init_from)}.")
+
+
+def window_off(init_from: str) -> str:
+    """How to run windowed weights (those of `init_from`) with full attention: the config.json key to change,
+    said as the refusals of a length past the window end ("set sliding_window null in DIR/config.json")."""
     from ..config.hf import hf_dir, initial_hf, initial_hf_config
     from ..config.hf_families import QWEN_FAMILIES
 
-    config = hf_dir(initial_hf(m.init_from)) / "config.json"
-    off = ("use_sliding_window false" if (initial_hf_config(m.init_from) or {}).get("model_type") in QWEN_FAMILIES
+    off = ("use_sliding_window false" if (initial_hf_config(init_from) or {}).get("model_type") in QWEN_FAMILIES
            else "sliding_window null")
-    raise ConfigError(f"{where}: a prompt and its new tokens take {positions:,} positions, past the {window:,}-token "
-                      f"sliding window that {config} gives the model's attention: longctx attends to every earlier "
-                      f"position, the same as the window only up to {window:,} positions, so past them the tokens "
-                      f"would not be this model's. Keep each prompt + new tokens within {window:,}; or decode with "
-                      f"InfLLM's context memory (--context-memory infllm), which keeps every distance within the "
-                      f"window; or, to run the weights with full attention, set {off} in that config.json.")
+    source = initial_hf(init_from)
+    return f"set {off} in {hf_dir(source) / 'config.json' if source else 'the config.json of the weights'}"

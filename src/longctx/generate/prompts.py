@@ -136,13 +136,14 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
                               f"tokenizer {spec} is not the model's; pass the one it was trained with (--tokenizer).")
         if len(p["ids"]) > reach.positions:
             if not args.allow_extrapolation:
-                raise ConfigError(_past_reach(which, len(p["ids"]), reach, args.max_new_tokens))
+                raise ConfigError(_past_reach(which, len(p["ids"]), reach, args.max_new_tokens, m.init_from))
             past.append(which)
         room = reach.positions - len(p["ids"])
         if room < args.max_new_tokens and not args.allow_extrapolation:
             notes.append(f"{which}: {len(p['ids']):,} tokens leave room for {room} new ones within the "
-                         f"{reach.positions:,} positions the model reaches (not {args.max_new_tokens}); extend it "
-                         f"with RoPE scaling to go further, or pass --allow-extrapolation")
+                         f"{reach.positions:,} positions the model reaches (not {args.max_new_tokens}); " +
+                         (_window_ways_out(reach, m.init_from) if reach.window else  # (no --allow-extrapolation)
+                          "extend it with RoPE scaling to go further, or pass --allow-extrapolation"))
             limits.append(room)
         else:
             limits.append(args.max_new_tokens)
@@ -152,9 +153,19 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
     return limits, notes
 
 
-def _past_reach(which: str, n: int, reach, new_tokens: int) -> str:
-    extend = ("" if reach.window else  # (no RoPE scaling moves a sliding window)
-              f"extend it with RoPE scaling, e.g. {reach.extension_flags(n + new_tokens)}; or ")
+def _past_reach(which: str, n: int, reach, new_tokens: int, init_from: str = "") -> str:
+    if reach.window:  # (no RoPE scaling moves a window, and past it check_window refuses --allow-extrapolation)
+        return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches ({reach.said()}). "
+                f"Use a shorter prompt; or {_window_ways_out(reach, init_from)}.")
     return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches ({reach.said()}). "
-            f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or {extend}"
-            f"pass --allow-extrapolation to run it anyway.")
+            f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or extend it "
+            f"with RoPE scaling, e.g. {reach.extension_flags(n + new_tokens)}; or pass --allow-extrapolation to run "
+            f"it anyway.")
+
+
+def _window_ways_out(reach, init_from: str) -> str:
+    """The ways past a sliding window (generate/loading.py check_window says the same)."""
+    from .loading import window_off
+
+    return (f"decode with InfLLM's context memory (--context-memory infllm), which keeps every distance within the "
+            f"{reach.window:,}-token window; or, to run the weights with full attention, {window_off(init_from)}")
