@@ -33,7 +33,7 @@ from ..config.checkpoint_paths import find_checkpoint
 from ..config.hf import hf_dir, initial_hf_config, model_config
 from ..config.hf_export import SPECIAL_TOKEN_KEYS, config_reach, declared_special_ids, export_notes
 from ..config.hf_families import QWEN_FAMILIES, family_window
-from ..config.tokenizer import source_hf, tokenizer_file
+from ..config.tokenizer import source_hf, tokenizer_file, tokenizer_identity
 from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
@@ -62,7 +62,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     trained = int(manifest.get("trained_positions") or 0)  # (0: a checkpoint older than the record)
     try:
         save_hf(model, work, max_shard_bytes=max_shard_bytes, dtype=dtype, trained_positions=trained)
-        copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), work)
+        copied, why = _copy_tokenizer(cfg.init_from, manifest.get("tokenizer"), work,
+                                      manifest.get("tokenizer_identity"))
         ids, unknown = special_token_ids(manifest)
         config_file = work / "config.json"
         config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg)}
@@ -180,8 +181,11 @@ def special_token_ids(manifest: dict) -> tuple[dict, str]:
     return ids, ""
 
 
-def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[list[str], str]:
-    init_from = source_hf(init_from, recorded)  # (through checkpoints that kept its tokenizer)
+def _copy_tokenizer(init_from: str, recorded: str | None, out: Path, identity: str | None = None
+                    ) -> tuple[list[str], str]:
+    """`identity`: the content the manifest records for `recorded` (config/tokenizer.py), which the files
+    copied must have: the recorded file edited since the run is not its tokenizer."""
+    init_from = source_hf(init_from, recorded, identity=identity)  # (through checkpoints that kept its tokenizer)
     if init_from.startswith("hf:") and hf_dir(init_from).is_dir():
         copied = copy_tokenizer_files(hf_dir(init_from), out)
         if copied:
@@ -194,4 +198,6 @@ def _copy_tokenizer(init_from: str, recorded: str | None, out: Path) -> tuple[li
     source = Path(recorded)
     if not (source / "tokenizer.json" if source.is_dir() else source).is_file():
         return [], f"the run's tokenizer {recorded} no longer exists"
+    if identity and tokenizer_identity(recorded) != identity:
+        return [], f"the run's tokenizer {recorded} has changed since the run ({identity} then, not this content)"
     return copy_tokenizer_files(source, out), ""

@@ -94,9 +94,9 @@ TRAINER_STATE = "trainer_state.json"
 class CheckpointManager:
     def __init__(self, root: Path, *, keep: int, async_save: bool, rank: int, world: int, layout: dict,
                  model_cfg: dict, log=print, create: bool = True, tokenizer: str | None = None,
-                 draft: dict | None = None):
+                 draft: dict | None = None, tokenizer_identity: str | None = None):
         self.root, self.keep, self.async_save = Path(root), keep, async_save
-        self.tokenizer = tokenizer  # recorded in the manifest: what `longctx eval` encodes text with
+        self.tokenizer, self.tokenizer_identity = tokenizer, tokenizer_identity  # in the manifest: what eval reads
         self.draft = draft  # a GliDe draft run's record (train/glide.py), in the manifest; None for a model
         # the positions the weights have trained on so far (the trainer raises it as stages start; 0 = unknown),
         # in the manifest: what `longctx generate` trusts the model with (config/positions.py)
@@ -243,7 +243,7 @@ class CheckpointManager:
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
         record = record or self._manifest_record()
         write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
-                       tokenizer=self.tokenizer, draft=self.draft, **record)
+                       tokenizer=self.tokenizer, tokenizer_identity=self.tokenizer_identity, draft=self.draft, **record)
         final = self.root / step_name(step)
         # durably (durable.py): every rank synced its files (_finish), so after a power loss `latest` never
         # names a checkpoint whose files did not reach the disk

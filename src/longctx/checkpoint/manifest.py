@@ -100,10 +100,12 @@ def collect_hashes_parts(directory: Path, ranks) -> dict[str, dict]:
 
 def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
                    hashes: dict[str, dict] | None = None, tokenizer: str | None = None,
-                   draft: dict | None = None, trained_positions: int = 0, run_dir: str | None = None,
-                   holdout_tokens: int = 0, text_prefix: list[int] | None = None) -> dict:
+                   tokenizer_identity: str | None = None, draft: dict | None = None, trained_positions: int = 0,
+                   run_dir: str | None = None, holdout_tokens: int = 0, text_prefix: list[int] | None = None) -> dict:
     """Write manifest.json (last, atomically). `hashes` are the ranks' checksums of their files; any file
     on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file.
+    `tokenizer_identity`: the run's tokenizer's content (config/tokenizer.py tokenizer_identity, as data stores
+    record it), which names it wherever its file is (and tells an edited one); None = left out.
     `draft`: a GliDe draft's record (train/glide.py: its target, layers, block, loss); the checkpoint
     then holds the draft's weights only, and `model` is its target's config. `trained_positions`: the
     positions the weights have trained on (config/positions.py; 0 = not known, left out). `run_dir`: the run
@@ -121,6 +123,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
         "layout": layout,
         "model": model,
         "tokenizer": tokenizer,
+        **({"tokenizer_identity": tokenizer_identity} if tokenizer_identity else {}),
         **({"trained_positions": int(trained_positions)} if trained_positions else {}),
         **({"draft": draft} if draft else {}),
         **({"run_dir": run_dir} if run_dir else {}),

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..config.checkpoint_paths import CheckpointError, find_checkpoint
+from ..config.tokenizer import tokenizer_file, tokenizer_identity
 from .manifest import MANIFEST, DamagedManifest, file_problem, read_manifest
 
 # the layout's degrees in the order the training line says them (train/report.py describe_run)
@@ -47,6 +48,7 @@ def model_text(manifest: dict) -> str:
     if m.get("moe.experts"):
         parts.append(f"{m['moe.experts']} experts")
     text = f"{name} ({', '.join(parts)}), tokenizer {manifest.get('tokenizer') or 'not recorded'}"
+    text += _tokenizer_state(manifest.get("tokenizer"), manifest.get("tokenizer_identity"))
     if manifest.get("trained_positions"):
         text += f", trained on {manifest['trained_positions']:,} positions"
     if manifest.get("draft"):
@@ -55,6 +57,19 @@ def model_text(manifest: dict) -> str:
         text += (f"; holds {kind} against "
                  f"{draft.get('target', {}).get('path', 'its target')}, not the model")
     return text
+
+
+def _tokenizer_state(spec: str | None, identity: str | None) -> str:
+    """Whether the tokenizer file a manifest names still holds the content it records (config/tokenizer.py
+    tokenizer_identity): generate and eval refuse an edited one, and take it moved when given its new path."""
+    path = tokenizer_file(spec) if spec and identity and identity.startswith("sha256:") else None
+    if path is None:
+        return ""
+    if not path.is_file():
+        return f" (no longer there; its content {identity} is recorded: pass the file where it is now, --tokenizer)"
+    if tokenizer_identity(spec) != identity:
+        return f" (CHANGED since the run: it no longer holds the content the checkpoint records, {identity})"
+    return " (its content as recorded)"
 
 
 def _when(created: str | None) -> str:

@@ -32,11 +32,15 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The checkpoint `latest` names, if it is complete (else the newest complete one)."""
+    """The checkpoint `latest` names, if it is complete (else the newest complete one: also for a `latest`
+    that names nothing readable, garbled text or bytes that are no UTF-8 at all)."""
     pointer = root / LATEST
     if pointer.is_file():
-        candidate = root / pointer.read_text().strip()
-        if (candidate / MANIFEST).is_file():
+        try:
+            candidate = root / pointer.read_text().strip()
+        except UnicodeDecodeError:  # (was a raw traceback from `checkpoint verify` and `resume auto`)
+            candidate = None
+        if candidate is not None and (candidate / MANIFEST).is_file():
             return candidate
     found = complete_checkpoints(root)
     return found[-1] if found else None

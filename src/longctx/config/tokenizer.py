@@ -65,62 +65,99 @@ def model_tokenizer(init_from: str) -> str | None:
     return checkpoint_manifest(init_from)[1].get("tokenizer")
 
 
+def recorded_identity(init_from: str) -> str | None:
+    """The identity (tokenizer_identity) of the tokenizer the manifest of the longctx checkpoint `init_from`
+    records beside its path; None for hf:DIR and for checkpoints written before longctx recorded one."""
+    if not init_from or init_from.startswith("hf:"):
+        return None
+    return checkpoint_manifest(init_from)[1].get("tokenizer_identity")
+
+
 def checkpoint_tokenizer(init_from: str, given: str | None, own: str | None) -> str | None:
     """The tokenizer `longctx generate` and `longctx eval` read text with for the weights of `init_from`,
     which name `own` (model_tokenizer): --tokenizer `given` when it is the weights' own (compared by
     content: a copy, or the recorded file moved elsewhere, is the same tokenizer), else `own`; None when
     neither names one. Another tokenizer than the weights' own is refused: the model would read its ids as
-    other text and write garbage without an error. Weights that name none (a checkpoint written before
-    longctx recorded one, hf:DIR without tokenizer.json) take `given` unchecked (unchecked_tokenizer says so)."""
+    other text and write garbage without an error. The content is the one the manifest records
+    (recorded_identity): the recorded file edited since is refused too. Weights that record no content name
+    `own` only by its path, compared as it is now; weights that name none (a checkpoint written before longctx
+    recorded one, hf:DIR without tokenizer.json), or whose recorded file has moved and whose content is not
+    recorded, take `given` unchecked (unchecked_tokenizer says so)."""
     own_file = tokenizer_file(own) if own else None
+    recorded = recorded_identity(init_from) if own else None
     if not given:
         if own_file is not None and not own_file.is_file():
             raise ConfigError(f"--checkpoint {init_from} was trained with the tokenizer {own}, which no longer "
                               f"exists; pass --tokenizer PATH/tokenizer.json, that file where it is now.")
+        if recorded and tokenizer_identity(own) != recorded:
+            raise _not_its_tokenizer(init_from, own, own, recorded)
         return own
     given_file = tokenizer_file(given)
     if given_file is not None and not given_file.is_file():
         raise ConfigError(f"--tokenizer {given}: no such file; pass a tokenizer.json (or a directory holding one), "
                           f"or byte.")
+    if recorded:  # (by content, wherever the file is now)
+        if tokenizer_identity(given) != recorded:
+            raise _not_its_tokenizer(init_from, given, own, recorded)
+        return given
     if own is None or (own_file is not None and given_file is not None and not own_file.is_file()):
         return given  # (nothing to compare with: said by unchecked_tokenizer)
     if not (given == own if "byte" in (given, own) else same_tokenizer(given, own)):
-        raise ConfigError(f"--tokenizer {given} is not the tokenizer the weights of --checkpoint {init_from} were "
-                          f"trained with ({own}): the model would read its token ids as other text and write "
-                          f"garbage without an error. Drop --tokenizer (the checkpoint's own is used), or pass "
-                          f"--tokenizer {own}.")
+        raise _not_its_tokenizer(init_from, given, own)
     return given
+
+
+def _not_its_tokenizer(init_from: str, given: str, own: str, recorded: str | None = None) -> ConfigError:
+    """The refusal of a tokenizer that is not the one the weights trained with (`recorded`: its content, as the
+    manifest records it); `given` is `own` when the recorded file itself has changed since."""
+    said = f"--tokenizer {given} is not" if given != own else f"the tokenizer file {own} has changed since it was"
+    content = (f", whose content the checkpoint records as {recorded} ({given} holds {tokenizer_identity(given)})"
+               if recorded and recorded.startswith("sha256:") and given != "byte" else "")
+    if given == own:
+        fix = "Pass --tokenizer PATH/tokenizer.json, the file the run trained with (the content above)"
+    elif own == "byte" or tokenizer_file(own).is_file():
+        fix = f"Drop --tokenizer (the checkpoint's own is used), or pass --tokenizer {own}"
+    else:
+        fix = f"Pass --tokenizer PATH/tokenizer.json, the file {own} moved to"
+    return ConfigError(f"{said} the tokenizer the weights of --checkpoint {init_from} were trained with ({own})"
+                       f"{content}: the model would read its token ids as other text and write garbage without an "
+                       f"error. {fix}.")
 
 
 def unchecked_tokenizer(init_from: str, given: str | None) -> str:
     """The note for a --tokenizer checkpoint_tokenizer took without comparing it with the weights' own
-    (they name none, or the file they name has moved); '' when it was compared or not given."""
+    (they name none, or the file they name has moved and its content is not recorded); '' when it was
+    compared or not given."""
     own = model_tokenizer(init_from) if given else None
     if given and own is None:
         where = ("its directory has no tokenizer.json" if init_from.startswith("hf:") else
                  "its manifest records no tokenizer (written before longctx recorded one)")
         return (f"--tokenizer {given} is taken unchecked: --checkpoint {init_from} names no tokenizer ({where}), so "
                 f"nothing says it is the one the model was trained with")
-    if given and given != "byte" and own != "byte" and not tokenizer_file(own).is_file():
+    if (given and given != "byte" and own != "byte" and not tokenizer_file(own).is_file()
+            and not recorded_identity(init_from)):
         return (f"--tokenizer {given} is taken as the tokenizer --checkpoint {init_from} records, {own}, which no "
                 f"longer exists there to compare it with")
     return ""
 
 
-def source_hf(init_from: str, tokenizer: str | None = None, depth: int = 16) -> str:
+def source_hf(init_from: str, tokenizer: str | None = None, depth: int = 16, identity: str | None = None) -> str:
     """The hf:DIR the weights of `init_from` started from, through the longctx checkpoints that started
     from one another, when the ids still mean DIR's tokenizer's (`tokenizer`, default the weights' own,
-    is DIR's tokenizer.json): its generation_config.json, chat files and special ids then still hold. ''
-    when there is none (from scratch, another tokenizer, a directory gone)."""
+    is DIR's tokenizer.json; compared by `identity`, the content a manifest records for it, when there is
+    one, so a moved or edited file says nothing either way): its generation_config.json, chat files and
+    special ids then still hold. '' when there is none (from scratch, another tokenizer, a directory gone)."""
     if init_from.startswith("hf:"):
         return init_from if hf_dir(init_from).is_dir() else ""
     own = tokenizer or (model_tokenizer(init_from) if init_from else None)
+    identity = identity or (recorded_identity(init_from) if own and not tokenizer else None)
     init_from = initial_hf(init_from, depth)
     if not init_from or not hf_dir(init_from).is_dir():
         return ""
     theirs = hf_dir(init_from) / "tokenizer.json"
     try:
-        return init_from if own and theirs.is_file() and same_tokenizer(own, str(theirs)) else ""
+        want = identity or (tokenizer_identity(own) if own else None)
+        return init_from if want and theirs.is_file() and tokenizer_identity(str(theirs)) == want else ""
     except ConfigError:  # (a recorded tokenizer file since deleted: nothing says the ids still match)
         return ""
 
@@ -144,8 +181,10 @@ def resolve_tokenizer(init_from: str, tokenizer: str, store: str = "") -> str:
     it stays `auto` when the weights name none (unknown_tokenizer says why, where data is built).
     An explicit tokenizer that is not the weights' own is refused: a pretrained model trained on
     another tokenizer's ids is a silent wrong result (its step-1 loss only looks high). Tokenizers
-    are compared by content, not by path."""
+    are compared by content (a checkpoint's: what its manifest records, so its file may have moved), not by
+    path."""
     own = model_tokenizer(init_from)
+    recorded = recorded_identity(init_from) if own else None  # (by content: the recorded file may have moved)
     if tokenizer == "auto":
         if own or init_from:
             return own or "auto"
@@ -155,7 +194,7 @@ def resolve_tokenizer(init_from: str, tokenizer: str, store: str = "") -> str:
             except (OSError, ValueError, KeyError, TypeError):
                 return "auto"
         return "byte"
-    if own and not same_tokenizer(tokenizer, own):
+    if own and not (tokenizer_identity(tokenizer) == recorded if recorded else same_tokenizer(tokenizer, own)):
         raise HFFormatError(
             f"data.tokenizer = {tokenizer!r} is not the tokenizer of model.init_from = {init_from!r}, which was "
             f"trained with {own!r}: its embeddings mean that tokenizer's ids. Drop data.tokenizer (the model's own "

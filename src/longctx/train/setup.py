@@ -171,6 +171,20 @@ def run_tokenizer(cfg: Config) -> str:
     return read_manifest(cfg.data.path)["tokenizer"]["spec"]
 
 
+def run_tokenizer_identity(cfg: Config, spec: str | None) -> str | None:
+    """The content of the run's tokenizer `spec` (run_tokenizer; config/tokenizer.py tokenizer_identity, the
+    sha256 data stores record), taken as the run starts and recorded beside it in each checkpoint's manifest:
+    what names the tokenizer when its file has moved, or has been edited, by the time the weights are used.
+    A data.path store's own record when the run takes the store's tokenizer (its file may have moved since the
+    store was built); None when nothing names one."""
+    if cfg.data.tokenizer == "auto" and cfg.data.path:
+        return stored_identity(read_manifest(cfg.data.path)["tokenizer"])
+    try:
+        return tokenizer_identity(spec) if spec and spec != "auto" else None
+    except ConfigError:  # (a file gone: building the data says so with its fix)
+        return None
+
+
 def run_text_prefix(cfg: Config) -> list[int]:
     """The special tokens the run's documents begin with (e.g. BOS; recorded in each checkpoint's
     manifest): its data.path store's, else those the default store's tokenizer puts before a text."""
@@ -293,7 +307,8 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
                                     ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement", "expert")}}
     manager = CheckpointManager(root, keep=ck.keep, async_save=ck.async_save, rank=rt.rank, world=rt.world,
                                 layout=layout, model_cfg=to_dict(cfg)["model"], log=log,
-                                tokenizer=tokenizer, draft=getattr(model, "checkpoint_record", None))
+                                tokenizer=tokenizer, draft=getattr(model, "checkpoint_record", None),
+                                tokenizer_identity=run_tokenizer_identity(cfg, tokenizer))
     manager.run_dir = str(run_dir.resolve())
     # the grid its default-corpus stores hold out on (store_path): `longctx eval` reads that corpus on it
     manager.holdout_tokens = 0 if cfg.data.path else holdout_grid(cfg)

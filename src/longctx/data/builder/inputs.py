@@ -25,7 +25,7 @@ from pathlib import Path
 from ...errors import DataError
 from ..store import FORMAT as STORE_FORMAT
 from ..store import MANIFEST as STORE_MANIFEST
-from .corpus import TEXT_SUFFIXES, Document, corpus_files, hidden
+from .corpus import TEXT_SUFFIXES, Document, corpus_files, hidden, stdlib_root
 from .readers import check_libraries, iter_file, unit_format
 
 # the json files a saved dataset holds beside its arrow files: metadata, never documents
@@ -192,6 +192,25 @@ def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], i
         )
     check_libraries(usable)
     return root, usable, skipped
+
+
+def overlapping_inputs(inputs: list[str]) -> list[str]:
+    """What is wrong with inputs that name the same files twice (the same path, however written, or one
+    inside another, by their resolved paths; 'stdlib' is the standard library's directory): each file is
+    read once per input naming it, so every document of them went into the store twice, without a word
+    under --dedup none (and the copies were counted as duplicates removed under the others)."""
+    seen: list[tuple[str, Path]] = []
+    problems = []
+    for spec in inputs:
+        path = (stdlib_root() if spec == "stdlib" else Path(spec)).resolve()
+        for earlier, other in seen:
+            if path == other:
+                problems.append(f"'{spec}' and '{earlier}' are the same input")
+            elif other in path.parents or path in other.parents:
+                inner, outer = (spec, earlier) if other in path.parents else (earlier, spec)
+                problems.append(f"'{inner}' lies inside '{outer}'")
+        seen.append((spec, path))
+    return problems
 
 
 def read_inputs(inputs: list[str], text_field: str = "text", max_docs: int = 0) -> ReadResult:

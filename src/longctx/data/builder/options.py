@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...errors import DataError
+from .inputs import overlapping_inputs
 from .pack import STRATEGIES
 from .scan import ScanOptions
 
@@ -76,6 +77,14 @@ def check_options(opts: BuildOptions) -> None:
         problems.append(f"--strategy {opts.strategy!r} is not one of {', '.join(STRATEGIES)}.")
     if opts.dedup not in DEDUP_MODES:
         problems.append(f"--dedup {opts.dedup!r} is not one of {', '.join(DEDUP_MODES)}.")
+    overlaps = overlapping_inputs(opts.inputs)
+    if overlaps:
+        problems.append(f"--input: {'; '.join(overlaps)}: their files would be read, and stored, once for each. "
+                        f"Pass each directory or file once, and none inside another.")
+    if not opts.text_field:
+        problems.append("--text-field '' names no field: no .jsonl record has one (each would be skipped as "
+                        "having no text) and no .parquet or .arrow column does; pass the field holding the "
+                        "documents' text (default: text).")
     if opts.workers < 1:
         problems.append(f"--workers must be >= 1, got {opts.workers}.")
     if not 0 <= opts.eval_fraction < 1:
