@@ -103,14 +103,18 @@ say = speaker("[bench decode] ")
 def _models(args):
     """The target's and the draft's configs (the draft checked against the target), the tokenizer."""
     from ..config import load_config
-    from ..config.tokenizer import model_tokenizer
+    from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer, unchecked_tokenizer
     from ..data.tokenizer import load_tokenizer
     from ..errors import ConfigError
     from ..generate.drafts import draft_config
     from ..generate.spec_length import check_adaptive_flags
 
     cfg = load_config(None, {"model": {"init_from": args.target}, "train": {"seq_len": 2, "eval_interval": 0}})
-    spec = args.tokenizer or model_tokenizer(cfg.model.init_from)
+    # --tokenizer, else the target's; refused when it is not the one the target's weights trained with (generate's)
+    spec = checkpoint_tokenizer(cfg.model.init_from, args.tokenizer or None, model_tokenizer(cfg.model.init_from))
+    unchecked = unchecked_tokenizer(cfg.model.init_from, args.tokenizer or None)
+    if unchecked:
+        say(f"note: {unchecked}")
     if spec is None:
         raise ConfigError(f"--target {args.target} names no tokenizer; pass --tokenizer byte|PATH/tokenizer.json.")
     check_adaptive_flags(args.draft, args.speculate, args.speculate_adaptive != "false", args.draft_cost,
@@ -168,6 +172,10 @@ def _read_prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     if args.samples < 1:
         raise ConfigError(f"--samples {args.samples}: ask for at least one prompt per length.")
     source = load_source(args.data, "eval", tokenizer, store)
+    if source.tokenizer_spec:  # (a store's ids: the target's tokenizer's, by content, as eval checks them)
+        from ..eval.inputs import check_store_tokenizer
+
+        check_store_tokenizer(args.data or "(default corpus)", source, spec)
     longest, spans = max(lengths), []
     for doc in source.documents():  # one span per document: prompts as unlike as the texts allow
         if len(doc) >= longest:

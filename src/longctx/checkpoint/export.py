@@ -164,14 +164,17 @@ def special_token_ids(manifest: dict) -> tuple[dict, str]:
     hf = initial_hf_config(manifest["model"].get("init_from", ""))
     if hf is not None and any(k in hf for k in SPECIAL_TOKEN_KEYS):
         return {k: hf.get(k) for k in SPECIAL_TOKEN_KEYS}, ""
-    recorded = manifest.get("tokenizer")
+    recorded, identity = manifest.get("tokenizer"), manifest.get("tokenizer_identity")
     path = tokenizer_file(recorded) if recorded else None
-    if recorded != "byte" and (path is None or not path.is_file()):
+    why = ("the checkpoint records no tokenizer" if not recorded else "" if recorded == "byte" else
+           f"the run's tokenizer {recorded} no longer exists" if not path.is_file() else
+           # (an edited file's ids are another tokenizer's: not the ones the run's documents began and ended with)
+           f"the run's tokenizer {recorded} has changed since the run ({identity} then, not this content)"
+           if identity and tokenizer_identity(recorded) != identity else "")
+    if why:
         return {k: None for k in SPECIAL_TOKEN_KEYS}, (
-            "config.json names no BOS / EOS / pad token ids (null): " + (
-                f"the run's tokenizer {recorded} no longer exists" if recorded else
-                "the checkpoint records no tokenizer") + ", and the run started from no Hugging Face config.json that "
-            "names them; set them in config.json before generating with transformers")
+            f"config.json names no BOS / EOS / pad token ids (null): {why}, and the run started from no Hugging Face "
+            f"config.json that names them; set them in config.json before generating with transformers")
     tokenizer = load_tokenizer(recorded)
     # EOS: the token training ended documents with (and `longctx generate` stops at)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": None}

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer, same_tokenizer
+from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer, stored_identity, tokenizer_identity
 from ..errors import ConfigError, DataError
 from ..progress import say
 
@@ -56,10 +56,28 @@ def _load_source(args, cfg, spec: str | None, tokenizer):
     if source.meta.get("vocab_size", 0) > cfg.model.vocab_size:
         raise ConfigError(f"--data {args.data}: its tokenizer has {source.meta['vocab_size']} tokens but the model's "
                           f"vocabulary is {cfg.model.vocab_size}; pass a store built with the model's tokenizer.")
-    if source.tokenizer_spec and spec and not same_tokenizer(source.tokenizer_spec, spec):
-        raise DataError(f"--data {args.data or '(default corpus)'} was tokenized with {source.tokenizer_spec} but "
-                        f"the checkpoint's tokenizer is {spec}; pass a store built with it, or a text file.")
+    if source.tokenizer_spec and spec:
+        check_store_tokenizer(args.data or "(default corpus)", source, spec)
     return source
+
+
+def check_store_tokenizer(data: str, source, spec: str) -> None:
+    """A store's token ids mean the model's tokenizer `spec`, compared by content (config/tokenizer.py): the
+    identity the store records, so its tokenizer file may have moved since (and an edit to it since says
+    nothing); a store built before identities were recorded, by the file its record names as it is now."""
+    theirs = source.tokenizer_spec
+    record = source.meta.get("tokenizer") or {"spec": theirs}
+    have, want = stored_identity(record), tokenizer_identity(spec)
+    if have is None:  # (a store without the record whose file has moved: nothing to compare)
+        raise DataError(f"--data {data} was tokenized with {theirs}, which no longer exists, and the store records "
+                        f"not its content (built before longctx recorded it): nothing says its ids mean the "
+                        f"checkpoint's tokenizer {spec}. Put that file back at {theirs}, rebuild the store with "
+                        f"--tokenizer {spec}, or pass a text file.")
+    if have != want:
+        content = f" ({have}; the checkpoint's is {want})" if "byte" not in (have, want) else ""
+        raise DataError(f"--data {data} was tokenized with {theirs}{content} but the checkpoint's tokenizer is "
+                        f"{spec}: the model would read the store's ids as other text. Pass a store built with it "
+                        f"(longctx data build --tokenizer {spec}), or a text file.")
 
 
 def _sequences(args, source, tokenizer, lengths: list[int], depths: list[float]) -> dict[int, list[Sequence]]:

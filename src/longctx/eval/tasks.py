@@ -45,7 +45,7 @@ class TokenSource:
     documents: Callable[[], Iterator[np.ndarray]]  # a fresh pass over the documents, in order
     description: str
     tokenizer_spec: str | None = None  # the store's tokenizer (None: tokenized here with the model's)
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # a store's: its vocab_size, its tokenizer record (its "identity")
 
     def stream(self, limit: int) -> np.ndarray:
         """The documents one after another, up to `limit` tokens (only those documents are read)."""
@@ -99,7 +99,8 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
             raise DataError(f"--data {data}: the store's {split} split is empty; use --split "
                             f"{'train' if split == 'eval' else 'eval'} or another store.")
         return TokenSource(lambda: store_documents(path, split), f"{path} ({split} split, {documents} documents)",
-                           manifest["tokenizer"]["spec"], {"vocab_size": int(manifest["tokenizer"]["vocab_size"])})
+                           manifest["tokenizer"]["spec"], {"vocab_size": int(manifest["tokenizer"]["vocab_size"]),
+                                                           "tokenizer": manifest["tokenizer"]})
     if path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
         tokens = np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)

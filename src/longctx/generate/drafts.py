@@ -20,7 +20,7 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
     outside [0, 1) or a negative draft window; a Clover draft under head x ctx ranks or `compile`."""
     from ..checkpoint.glide import glide_manifest, target_differences
     from ..config import load_config
-    from ..config.tokenizer import model_tokenizer, same_tokenizer
+    from ..config.tokenizer import model_tokenizer, recorded_identity
 
     if speculate < 1:
         raise ConfigError(f"--speculate must be >= 1 (tokens the draft proposes per target pass), got {speculate}.")
@@ -40,7 +40,7 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
                               f"--checkpoint {checkpoint}: {'; '.join(diffs)}. Use it with its own target, or "
                               f"train a draft against this one (longctx train --config configs/glide.toml "
                               f"--draft.target {checkpoint}).")
-        found, theirs = glide, glide.get("tokenizer")
+        found, theirs, recorded = glide, glide.get("tokenizer"), recorded_identity(glide["checkpoint"])
     else:
         found = load_config(None, {"model": {"init_from": draft}, "train": {
             "seq_len": 2, "eval_interval": 0, **{k: getattr(cfg.train, k) for k in ("device", "dtype")}}})
@@ -48,13 +48,36 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
             raise ConfigError(f"--draft {draft} has a vocabulary of {found.model.vocab_size} tokens but the target "
                               f"{checkpoint} has {cfg.model.vocab_size}: a draft must share the target's tokenizer.")
         theirs = model_tokenizer(found.model.init_from)
-    if theirs is not None and not same_tokenizer(theirs, spec):
-        raise ConfigError(f"--draft {draft} was trained with the tokenizer {theirs}, the target with {spec}: a "
-                          f"draft must share the target's tokenizer (its token ids are what the target verifies).")
+        recorded = recorded_identity(found.model.init_from) if theirs is not None else None
+    _check_draft_tokenizer(draft, theirs, recorded, spec)
     if glide is None and found.model.max_seq_len < cfg.model.max_seq_len:
         found = load_config(None, {"model": {"init_from": draft, "max_seq_len": cfg.model.max_seq_len},
                                    "train": {"seq_len": 2, "eval_interval": 0}})
     return found
+
+
+def _check_draft_tokenizer(draft: str, theirs: str | None, recorded: str | None, spec: str) -> None:
+    """A draft shares the target's tokenizer `spec` (its token ids are what the target verifies), compared by
+    content (config/tokenizer.py tokenizer_identity): `recorded`, the content the draft's manifest records for
+    its tokenizer `theirs`, so that file may have moved (and an edit to it since says nothing); a draft without
+    the record (hf:DIR, or written before longctx recorded it) by its file as it is now. A draft that names no
+    tokenizer is checked by its vocabulary alone."""
+    from ..config.tokenizer import tokenizer_file, tokenizer_identity
+
+    if theirs is None:
+        return
+    if not recorded and theirs != spec and theirs != "byte" and not tokenizer_file(theirs).is_file():
+        raise ConfigError(f"--draft {draft} was trained with the tokenizer {theirs}, which no longer exists, and its "
+                          f"manifest records not its content (written before longctx recorded it): nothing says it is "
+                          f"the target's ({spec}), which a draft must share. Put that tokenizer.json back at {theirs}, "
+                          f"or use a draft trained with the target's tokenizer.")
+    want = recorded or tokenizer_identity(theirs)
+    given = tokenizer_identity(spec)
+    if want != given:
+        content = f" ({want}; the target's is {given})" if "byte" not in (want, given) else ""
+        raise ConfigError(f"--draft {draft} was trained with the tokenizer {theirs}{content}, the target with {spec}: "
+                          f"a draft must share the target's tokenizer (its token ids are what the target verifies). "
+                          f"Use a draft trained with the target's tokenizer, or the target the draft was made for.")
 
 
 def _check_clover_layout(record: dict, draft: str, cfg, compile: bool) -> None:
