@@ -48,6 +48,7 @@ from .hf_families import (
     MOE_DEFAULTS,
     HFFormatError,
     check_sliding_window,
+    family_window,
     with_family_defaults,
 )
 from .hf_rope import rope_fields
@@ -232,7 +233,8 @@ def model_defaults() -> dict[str, Any]:
 def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int | None = None) -> dict[str, Any]:
     """The [model] values that describe the checkpoint `hf` (a parsed config.json, a key it leaves out
     read as its family's default), by config key ("moe.experts", as a TOML file or the command line
-    names them); `max_seq_len`: the run's, when it sets one (a sliding window must not bind within it)."""
+    names them); `max_seq_len`: the run's (a sliding window must not bind within it; None: the weights' own
+    max_position_embeddings must not pass it either)."""
     family = hf.get("model_type")
     if family not in FAMILIES:
         raise HFFormatError(f"{where}: model_type '{family}' is not supported; longctx reads "
@@ -285,6 +287,30 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
     fields.update(rope_fields(hf, where))
     fields.update(_moe_fields(hf, family, where) if family in MOE_FAMILIES else _dense_moe_fields())
     return fields
+
+
+def default_max_seq_len(hf: dict) -> int:
+    """model.max_seq_len when the run gives none: max_position_embeddings, or the sliding window where it binds
+    below that (Mistral-7B-v0.1's 4,096 of 32,768). longctx has no sliding-window attention, so the weights
+    compute as trained only within the window; defaulting past it refused every command, a prompt of a few tokens
+    too. A length the user gives past the window is still refused (check_sliding_window). The one place a run's
+    default is decided: resolve_init_from, where what the user gave is known."""
+    hf = with_family_defaults(hf)
+    length, window = int(hf["max_position_embeddings"]), family_window(hf)
+    return min(length, window) if window else length
+
+
+def check_run_window(cfg) -> None:
+    """A run's train.seq_len (its longest stage's) past the sliding window of the weights it starts from, said
+    as the window's refusal: with model.max_seq_len defaulted to the window (default_max_seq_len), the rule of
+    train.seq_len against it said "raise model.max_seq_len", which the window then refuses."""
+    origin = initial_hf_config(cfg.model.init_from) if cfg.model.init_from else None
+    if origin is None:
+        return
+    t = cfg.train
+    # (train.stages "LEN:STEPS[:BATCH],...", parsed and checked by load.py already; rules.py imports this module)
+    longest = max([t.seq_len] + [int(stage.split(":")[0]) for stage in t.stages.split(",") if stage.strip()])
+    check_sliding_window(origin, f"model.init_from = {cfg.model.init_from!r}", longest, "train.seq_len")
 
 
 def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
@@ -373,7 +399,9 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         path = hf_dir(source)
         hf = read_hf_config(path)
         where = path / "config.json"
-        fields = model_fields_from_hf(hf, str(where), values.get("max_seq_len"))
+        given = values.get("max_seq_len")  # (none given: the window where it binds, not max_position_embeddings)
+        fields = model_fields_from_hf(hf, str(where), given or default_max_seq_len(hf))
+        fields["max_seq_len"] = default_max_seq_len(hf)
         preset = "hf"
 
         def stored(key):

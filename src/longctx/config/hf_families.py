@@ -102,10 +102,12 @@ def family_window(hf: dict) -> int | None:
     return {**defaults, **with_family_defaults(hf)}.get("sliding_window")
 
 
-def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None) -> None:
-    """Refuse a config.json whose attention is windowed within the run's length: `max_seq_len` (the
-    run's model.max_seq_len) or, when None, max_position_embeddings. longctx trains full causal
-    attention only, which is a W-token window's exactly up to W tokens and not beyond."""
+def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None, key: str = "model.max_seq_len") -> None:
+    """Refuse a length past the sliding window of this config.json: `max_seq_len`, the run's `key` (as given, or
+    config/hf.py default_max_seq_len: the window where it binds), or when None (a model read outside a run's
+    config: models/hf.py load_hf, which no command's window check guards) max_position_embeddings. longctx has
+    no sliding-window attention; it attends to every earlier position, the window's attention up to W and not
+    beyond."""
     family = hf.get("model_type")
     window = family_window(hf)
     if window is None:
@@ -114,13 +116,17 @@ def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None) -
     said = f"sliding_window={window}" + ("" if "sliding_window" in hf else
                                         f" ({config_class}'s default: config.json has no sliding_window)")
     if max_seq_len is None:
-        length, max_seq_len = "max_position_embeddings", with_family_defaults(hf)["max_position_embeddings"]
-    else:
-        length = "model.max_seq_len"
-    if window < max_seq_len:
-        raise HFFormatError(
-            f"{where}: {length}={max_seq_len} passes the model's sliding-window attention ({said}); longctx trains "
-            f"full causal attention only, the same as the window up to {window} tokens and not beyond. Use it "
-            f"within its window (model.init_from with --model.max_seq_len {window} or less), or set "
-            f"{'use_sliding_window false' if family in QWEN_FAMILIES else 'sliding_window null'} in config.json if the "
-            f"weights were trained without one.")
+        key, max_seq_len = "max_position_embeddings", with_family_defaults(hf)["max_position_embeddings"]
+    if max_seq_len <= window:
+        return
+    fix = {"model.max_seq_len": f"Drop --model.max_seq_len (for these weights it defaults to {window}) or give "
+                                f"{window} or less",
+           "max_position_embeddings": f"Use it within its window: through model.init_from or --checkpoint, whose "
+                                      f"model.max_seq_len defaults to {window}"}.get(key, f"Keep {key} at {window} "
+                                                                                         f"or less")
+    raise HFFormatError(
+        f"{where}: {key}={max_seq_len} passes the model's sliding-window attention ({said}). longctx has no "
+        f"sliding-window attention: it attends to every earlier position, the same as the window up to {window} "
+        f"positions and not beyond, so past them the model's outputs (and its training) would not be these "
+        f"weights'. {fix}; or set {'use_sliding_window false' if family in QWEN_FAMILIES else 'sliding_window null'} "
+        f"in config.json if the weights were trained without one.")

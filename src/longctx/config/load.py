@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .hf import check_draft_target, resolve_init_from
+from .hf import check_draft_target, check_run_window, resolve_init_from
 from .presets import MODEL_PRESETS
 from .rules import parse_stages, validate
 from .schema import Config, DraftConfig, ModelConfig, TrainConfig
@@ -312,6 +312,7 @@ def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     for section in SECTIONS:  # model first: data.tokenizer follows the model's weights
         sections[section] = _build_section(section, dict(raw.get(section, {})), sections)
     cfg = Config(**sections)
+    check_run_window(cfg)  # (before validate's rule of train.seq_len against model.max_seq_len: the window's words)
     validate(cfg)
     return cfg
 

@@ -97,11 +97,10 @@ def trained_positions(init_from: str) -> TrainedPositions:
     values, trained = {"init_from": init_from}, None
     if init_from.startswith("hf:"):
         hf = read_hf_config(hf_dir(init_from))
-        # the weights' own length is asked, not a run's: a sliding window within it (Mistral-7B-v0.1's 4,096
-        # of 32,768) refused the read, so no windowed model could generate; model_reach caps at the window
-        window = family_window(hf)
-        if window:
-            values["max_seq_len"], trained = window, int(with_family_defaults(hf)["max_position_embeddings"])
+        # what the weights trained on is max_position_embeddings, not the max_seq_len a window below it makes the
+        # default (Mistral-7B-v0.1's 4,096 of 32,768: config/hf.py default_max_seq_len); model_reach caps at it
+        if family_window(hf):
+            trained = int(with_family_defaults(hf)["max_position_embeddings"])
     fields, _ = resolve_init_from(values)
     own = model_config(fields)
     if init_from.startswith("hf:"):

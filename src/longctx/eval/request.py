@@ -72,13 +72,31 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     batch = args.batch or dp
     if batch % dp:
         raise ConfigError(f"--batch {batch} must be a multiple of the data-parallel degree {dp}.")
-    if max(lengths) > probe.model.max_seq_len:  # evaluating past the trained length is the point
-        given["model"]["max_seq_len"] = max(lengths)
+    seq_len = _longest(args, probe, lengths, nproc)
+    if seq_len > probe.model.max_seq_len:  # evaluating past the trained length is the point
+        given["model"]["max_seq_len"] = seq_len
     capacity = probe.model.moe_capacity_factor
     if capacity > 0:  # (a TRAINING_KEY: free to differ from the weights' config)
         given["model"]["moe.capacity_factor"] = 0.0
-    train.update(seq_len=max(lengths), global_batch=batch, grad_accum=1, eval_interval=0)
+    train.update(seq_len=seq_len, global_batch=batch, grad_accum=1, eval_interval=0)
     return load_config(None, given), batch, capacity
+
+
+def _longest(args, probe, lengths: list[int], nproc: int) -> int:
+    """The length eval builds its config for (train.seq_len; model.max_seq_len raised to it): the longest of
+    --lengths, but under InfLLM's context memory on windowed weights no further than the model's max_seq_len
+    (their window by default): the memory keeps every distance within it (generate/context_memory.py check_reach),
+    and a max_seq_len past the window is refused (config/hf_families.py check_sliding_window), so eval raised
+    itself into that refusal. (--mode generate reads no train.seq_len; it is the unit of the layout's rule.)"""
+    from ..generate.loading import init_window
+    from ..job.dims import ParallelDims
+
+    longest, cap = max(lengths), probe.model.max_seq_len
+    if longest <= cap or getattr(args, "context_memory", "none") != "infllm" or not init_window(args.checkpoint):
+        return longest
+    dims = ParallelDims.from_config(probe, world_size=nproc)
+    unit = 2 * dims.head * dims.ctx
+    return max(unit, cap // unit * unit)
 
 
 def _heads(checkpoint: str) -> tuple[int, int]:
