@@ -300,17 +300,14 @@ def default_max_seq_len(hf: dict) -> int:
     return min(length, window) if window else length
 
 
-def check_run_window(cfg) -> None:
-    """A run's train.seq_len (its longest stage's) past the sliding window of the weights it starts from, said
-    as the window's refusal: with model.max_seq_len defaulted to the window (default_max_seq_len), the rule of
-    train.seq_len against it said "raise model.max_seq_len", which the window then refuses."""
-    origin = initial_hf_config(cfg.model.init_from) if cfg.model.init_from else None
-    if origin is None:
-        return
-    t = cfg.train
-    # (train.stages "LEN:STEPS[:BATCH],...", parsed and checked by load.py already; rules.py imports this module)
-    longest = max([t.seq_len] + [int(stage.split(":")[0]) for stage in t.stages.split(",") if stage.strip()])
-    check_sliding_window(origin, f"model.init_from = {cfg.model.init_from!r}", longest, "train.seq_len")
+def check_run_window(init_from: str, longest: int) -> None:
+    """A run's `longest` sequence (train.seq_len, or its longest stage's) past the sliding window of the weights
+    it starts from, said as the window's refusal: with model.max_seq_len defaulted to the window
+    (default_max_seq_len), the rule of train.seq_len against it said "raise model.max_seq_len", which the
+    window then refuses."""
+    origin = initial_hf_config(init_from) if init_from else None
+    if origin is not None:
+        check_sliding_window(origin, f"model.init_from = {init_from!r}", longest, "train.seq_len")
 
 
 def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
@@ -399,9 +396,9 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         path = hf_dir(source)
         hf = read_hf_config(path)
         where = path / "config.json"
-        given = values.get("max_seq_len")  # (none given: the window where it binds, not max_position_embeddings)
-        fields = model_fields_from_hf(hf, str(where), given or default_max_seq_len(hf))
-        fields["max_seq_len"] = default_max_seq_len(hf)
+        default = default_max_seq_len(hf)  # (none given: the window where it binds, not max_position_embeddings)
+        fields = model_fields_from_hf(hf, str(where), values.get("max_seq_len") or default)
+        fields["max_seq_len"] = default
         preset = "hf"
 
         def stored(key):

@@ -312,7 +312,9 @@ def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     for section in SECTIONS:  # model first: data.tokenizer follows the model's weights
         sections[section] = _build_section(section, dict(raw.get(section, {})), sections)
     cfg = Config(**sections)
-    check_run_window(cfg)  # (before validate's rule of train.seq_len against model.max_seq_len: the window's words)
+    stage_lengths = [length for length, _, _ in parse_stages(cfg.train.stages)] if cfg.train.stages else []
+    # (before validate's rule of train.seq_len against model.max_seq_len: the window's words)
+    check_run_window(cfg.model.init_from, max([cfg.train.seq_len, *stage_lengths]))
     validate(cfg)
     return cfg
 

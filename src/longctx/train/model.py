@@ -78,19 +78,8 @@ def build_training_model(cfg: Config, device: torch.device, rt: Runtime, log=pri
 
 def init_from_changes(cfg: Config) -> list[str]:
     """The [model] keys this run sets differently from what its init_from weights describe (their
-    config.json or manifest, with defaults for what they leave out): only what really changed. Windowed hf:DIR
-    weights are read at their window (as config/positions.py trained_positions reads them): at their
-    max_position_embeddings past it, the read refused every run, the ones within the window too."""
-    from ..config.hf import hf_dir, read_hf_config
-    from ..config.hf_families import family_window, with_family_defaults
-
-    source, values = cfg.model.init_from, {"init_from": cfg.model.init_from}
-    if source.startswith("hf:"):
-        hf = read_hf_config(hf_dir(source))
-        window = family_window(hf)
-        if window and window < with_family_defaults(hf)["max_position_embeddings"]:
-            values["max_seq_len"] = window
-    own = vars(build_model_config(values))
+    config.json or manifest, with defaults for what they leave out): only what really changed."""
+    own = vars(build_model_config({"init_from": cfg.model.init_from}))
     return [f"model.{k}: {own[k]!r} -> {v!r}" for k, v in vars(cfg.model).items() if own[k] != v]
 
 
