@@ -179,13 +179,13 @@ def _check_window(request: EvalRequest, prefix: int) -> None:
     """The decode loop's sliding-window rule (generate/loading.py check_window) before any work: each
     sequence's prompt and new tokens take prefix + its length + EXTRA_NEW_TOKENS positions (InfLLM's memory:
     at most its farthest distance + 1), which must lie within the window of a windowed model's weights."""
-    from ..generate.loading import attention_window, check_window
+    from ..generate.loading import check_window, init_window
 
     longest = max(request.lengths)
     need = prefix + longest + EXTRA_NEW_TOKENS
     if request.memory is not None:
         need = min(need, request.memory.far + 1)
-    fit = attention_window(request.cfg.model) - EXTRA_NEW_TOKENS - prefix
+    fit = init_window(request.cfg.model.init_from) - EXTRA_NEW_TOKENS - prefix
     check_window(request.cfg.model, need, f"eval --mode generate at length {longest:,} ({prefix} special tokens "
                                           f"before it, {EXTRA_NEW_TOKENS} new tokens past its answer; --lengths up "
                                           f"to {fit:,} fit)")

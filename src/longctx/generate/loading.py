@@ -79,16 +79,11 @@ def backend_for(cfg):
     return ShardedGeneration(rt.mesh, rt.world_mesh), device, rt.is_main
 
 
-def attention_window(m) -> int:
-    """The sliding window of the weights' attention (ModelConfig `m`): that of the config.json they started
-    from (hf:DIR, or followed back through longctx checkpoints: config/hf.py initial_hf_config), as
-    transformers gives it to some layer (config/hf_families.py family_window); 0: none."""
-    return init_window(m.init_from)
-
-
 def init_window(init_from: str) -> int:
-    """attention_window of the weights `init_from` names (hf:DIR or a longctx checkpoint), read before any
-    config is built from them (eval refuses a length past it before its config would)."""
+    """The sliding window of the attention of the weights `init_from` names (hf:DIR, or a longctx checkpoint
+    followed back to the config.json it started from: config/hf.py initial_hf_config), as transformers gives
+    it to some layer (config/hf_families.py family_window); 0: none. Read before any config is built from
+    them (eval refuses a length past it before its config would)."""
     from ..config.hf import initial_hf_config
     from ..config.hf_families import family_window
 
@@ -102,15 +97,22 @@ def check_window(m, positions: int, where: str) -> None:
     logits differ from transformers' (and from what the model trained with) by O(1), with no error. (The
     last new token is never fed, so window + 1 would still be exact; `longctx generate` caps at the window,
     config/positions.py's reach: one rule.)"""
-    window = attention_window(m)
+    window = init_window(m.init_from)
     if not window or positions <= window:
         return
     raise ConfigError(f"{where}: a prompt and its new tokens take {positions:,} positions, past the {window:,}-token "
                       f"sliding window that the weights' config.json gives their attention: longctx attends to every "
                       f"earlier position, the same as the window only up to {window:,} positions, so past them the "
-                      f"tokens would not be this model's. Keep each prompt + new tokens within {window:,}; or decode "
-                      f"with InfLLM's context memory (--context-memory infllm), which keeps every distance within the "
-                      f"window; or, to run the weights with full attention, {window_off(m.init_from)}.")
+                      f"tokens would not be this model's. Keep each prompt + new tokens within {window:,}; or "
+                      f"{window_ways_out(window, m.init_from)}.")
+
+
+def window_ways_out(window: int, init_from: str) -> str:
+    """The ways past a sliding window of `window` tokens that work (said by check_window and by generate's
+    messages on a prompt past a window's reach, generate/prompts.py): InfLLM, or the weights run with full
+    attention."""
+    return (f"decode with InfLLM's context memory (--context-memory infllm), which keeps every distance within the "
+            f"{window:,}-token window; or, to run the weights with full attention, {window_off(init_from)}")
 
 
 def window_off(init_from: str) -> str:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
+from .loading import window_ways_out
 from .settings import check_prompt_keys
 
 
@@ -142,7 +143,7 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
         if room < args.max_new_tokens and not args.allow_extrapolation:
             notes.append(f"{which}: {len(p['ids']):,} tokens leave room for {room} new ones within the "
                          f"{reach.positions:,} positions the model reaches (not {args.max_new_tokens}); " +
-                         (_window_ways_out(reach, m.init_from) if reach.window else  # (no --allow-extrapolation)
+                         (window_ways_out(reach.window, m.init_from) if reach.window else  # (no --allow-extrapolation)
                           "extend it with RoPE scaling to go further, or pass --allow-extrapolation"))
             limits.append(room)
         else:
@@ -156,16 +157,8 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
 def _past_reach(which: str, n: int, reach, new_tokens: int, init_from: str = "") -> str:
     if reach.window:  # (no RoPE scaling moves a window, and past it check_window refuses --allow-extrapolation)
         return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches ({reach.said()}). "
-                f"Use a shorter prompt; or {_window_ways_out(reach, init_from)}.")
+                f"Use a shorter prompt; or {window_ways_out(reach.window, init_from)}.")
     return (f"{which} has {n:,} tokens, past the {reach.positions:,} positions the model reaches ({reach.said()}). "
             f"Raising --model.max_seq_len does not teach a model new positions. Use a shorter prompt; or extend it "
             f"with RoPE scaling, e.g. {reach.extension_flags(n + new_tokens)}; or pass --allow-extrapolation to run "
             f"it anyway.")
-
-
-def _window_ways_out(reach, init_from: str) -> str:
-    """The ways past a sliding window (generate/loading.py check_window says the same)."""
-    from .loading import window_off
-
-    return (f"decode with InfLLM's context memory (--context-memory infllm), which keeps every distance within the "
-            f"{reach.window:,}-token window; or, to run the weights with full attention, {window_off(init_from)}")
