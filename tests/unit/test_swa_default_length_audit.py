@@ -15,28 +15,18 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-import test_hf  # noqa: E402
-from test_tokenizer_follows_model import bpe_tokenizer  # noqa: E402
+from test_swa_eval_audit import W, windowed_model  # noqa: E402
 
 from longctx.cli import build_parser  # noqa: E402
 from longctx.config import load_config  # noqa: E402
 from longctx.config.hf import HFFormatError  # noqa: E402
 from longctx.errors import ConfigError  # noqa: E402
 
-W = 16  # the window; max_position_embeddings is test_hf's 256
-
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
-    """(the directory of a random Mistral with a 16-token window and its tokenizer, transformers' model of it
-    with the window applied (eager), a text to evaluate on)."""
-    tmp = tmp_path_factory.mktemp("swa_default")
-    d, hf = test_hf.random_hf_dir(tmp, test_hf.hf_config("mistral", sliding_window=W))
-    hf.config._attn_implementation = "eager"
-    bpe_tokenizer(d / "tokenizer.json")
-    text = tmp / "text.py"
-    text.write_text("def f(x):\n    return x + 1\nclass A:\n    pass\nimport os\nprint(os.getcwd())\n" * 30)
-    return d, hf, text
+    """The windowed Mistral of test_swa_eval_audit (a 16-token window; test_hf's max_position_embeddings 256)."""
+    return windowed_model(tmp_path_factory.mktemp("swa_default"))
 
 
 def _generate(d, *extra):

@@ -34,9 +34,12 @@ W = 16
 
 @pytest.fixture(scope="module")
 def windowed(tmp_path_factory):
-    """(a random Mistral with a 16-token window and its tokenizer, transformers' model of it with the window
-    applied (eager), a text to evaluate on)."""
-    tmp = tmp_path_factory.mktemp("swa_eval")
+    return windowed_model(tmp_path_factory.mktemp("swa_eval"))
+
+
+def windowed_model(tmp):
+    """(the directory of a random Mistral with a W-token window and its tokenizer, transformers' model of it
+    with the window applied (eager), a text to evaluate on), under `tmp`."""
     d, hf = test_hf.random_hf_dir(tmp, test_hf.hf_config("mistral", sliding_window=W))
     hf.config._attn_implementation = "eager"
     bpe_tokenizer(d / "tokenizer.json")
