@@ -134,16 +134,13 @@ def dense_moe_notes(m: ModelConfig) -> list[str]:
     keys it changed (load.py drop_restated_model_keys) and that is allowed."""
     if m.moe_experts != 0:
         return []
-    preset = MODEL_PRESETS.get(m.preset, {})
     # a key at its default or at its preset's value was not set for this run (a MoE preset's keys stay
     # when its experts are turned off: that dense model is allowed, and the saved config lists them)
-    given = [(key, getattr(m, f.name)) for f in dataclasses.fields(ModelConfig)
-             if (key := f.metadata.get("key", f.name)).startswith("moe.") and key != "moe.experts"
-             and getattr(m, f.name) not in (f.default, preset.get(key, f.default))]
+    given = _given(m, ModelConfig, lambda key: key.startswith("moe.") and key != "moe.experts",
+                   MODEL_PRESETS.get(m.preset, {}))
     if not given:
         return []
-    named = ", ".join(f"model.{key} = {value!r}" for key, value in given)
-    return [f"{named} {'are' if len(given) > 1 else 'is'} ignored: the model is dense (model.moe.experts = 0, "
+    return [f"{_named('model', given, 'is')} ignored: the model is dense (model.moe.experts = 0, "
             f"model.preset {m.preset}), so no layer has experts to route to; set model.moe.experts (or a "
             f"Mixture-of-Experts preset such as --model.preset debug-moe) to train experts"]
 
