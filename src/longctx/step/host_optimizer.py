@@ -80,16 +80,20 @@ class _Updates:
 
     def _run(self, update_unit) -> None:
         t0 = time.perf_counter()
+        last = len(self.ready) - 1
         try:
-            for k in range(len(self.ready)):
+            for k in range(last):
                 self.uploaded[k] = update_unit(k)
                 self.ready[k].set()
+            self.uploaded[last] = update_unit(last)
         except BaseException as e:  # raised where the forward waits
             self.error = e
         finally:
+            # the time is written before the last unit reads as ready: a forward that has waited for every
+            # unit then reads this update's time, not the one before it
+            self.step_s = time.perf_counter() - t0
             for event in self.ready:
                 event.set()
-            self.step_s = time.perf_counter() - t0
 
     def wait(self, k: int) -> None:
         if not self.ready[k].is_set():
