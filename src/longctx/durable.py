@@ -3,13 +3,16 @@
 A rename publishes data atomically for readers, but after a power loss the file system may hold the
 new name with the old (or no) contents: the data must reach the disk (fsync) before the rename that
 publishes it, and the directory holding the new name after it. Checkpoints and the packed-data store
-publish this way.
+publish this way. Before any work, commands check that their outputs can be written where asked
+(file_in_the_way, check_output_path), not after it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from .errors import ConfigError
 
 
 def fsync_path(path: Path) -> None:
@@ -47,3 +50,25 @@ def file_in_the_way(directory: Path) -> Path | None:
     directory = Path(directory).expanduser()
     nearest = next((p for p in (directory, *directory.parents) if p.exists()), None)
     return nearest if nearest is not None and not nearest.is_dir() else None
+
+
+def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool = False) -> None:
+    """An output file (`flag` `path`; '' = stdout) that can be written once the work is done: not a
+    directory, in a directory that exists (or, `create_parents`, that can be made: no file on the way),
+    and none of the command's `inputs` ({flag: path}), which it would write over."""
+    if not path:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; pass the path of a file to write, e.g. {out / 'out.json'}.")
+    blocked = file_in_the_way(out.parent)
+    if blocked is not None or (not create_parents and not out.parent.is_dir()):
+        where = f"{blocked} is a file, not a directory" if blocked is not None else f"{out.parent} does not exist"
+        raise ConfigError(f"{flag} {path} cannot be written: {where}. Create the directory first, or pass another "
+                          f"path.")
+    for name, given in inputs.items():
+        same = given and (out.resolve() == Path(given).resolve() or
+                          (out.exists() and Path(given).exists() and os.path.samefile(out, given)))
+        if same:
+            raise ConfigError(f"{flag} {path} is also {name} {given}: writing there would destroy that. Pass "
+                              f"another path.")

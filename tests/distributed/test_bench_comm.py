@@ -11,6 +11,7 @@ import pytest
 
 from longctx.bench import comm_cluster
 from longctx.bench.comm_bytes import Unit, step_bytes
+from longctx.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -97,5 +98,5 @@ def test_bad_three_level_requests_are_refused():
     for argv, says in ((["--cluster", "2x4", "--modes", "three_level"], "needs a third link level"),
                        (["--cluster", "2x4", "--group-ranks", "3"], "must split a node"),
                        (["--cluster", "1x4"], "at least 2 nodes")):
-        with pytest.raises(SystemExit, match=says):
+        with pytest.raises(ConfigError, match=says):
             comm_cluster.main(p.parse_args(argv))

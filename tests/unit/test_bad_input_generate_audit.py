@@ -197,7 +197,7 @@ def test_plan_refuses_its_other_bad_flags_before_planning(tmp_path):
                        (("--recompute", ""), "--recompute names no policy"),
                        (("--calibrate-out", str(tmp_path / "hw.toml")), "writes what --calibrate measures"),
                        (("--out", str(tmp_path)), "is a directory"),
-                       (("--out", str(tmp_path / "missing" / "plan.toml")), "which is no directory")):
+                       (("--out", str(tmp_path / "missing" / "plan.toml")), "does not exist")):
         with pytest.raises(ConfigError, match=said):
             _plan(*argv)
     req, _ = _plan("--out", str(tmp_path / "plan.toml"), "--top", "1")

@@ -11,6 +11,7 @@ import torch
 
 from longctx.bench import memory as bench_memory
 from longctx.bench import train as bench_train
+from longctx.errors import ConfigError
 
 
 def _fake_train(monkeypatch, records: list[dict]) -> None:
@@ -52,7 +53,7 @@ def test_bench_train_with_only_the_warm_up_step_reports_no_figures(monkeypatch):
 
     monkeypatch.setattr(bench_train, "run_one", no_run)
     args = SimpleNamespace(presets="debug", seq_len="64", layouts="single", steps=1, global_batch=1)
-    with pytest.raises(SystemExit, match="--steps 2 or more"):
+    with pytest.raises(ConfigError, match="--steps 2 or more"):
         bench_train.main(args)
 
 
@@ -74,7 +75,7 @@ def test_bench_memory_max_seq_cpu_search_settings_are_refused_before_any_probe(m
         raise AssertionError("the search ran")
 
     monkeypatch.setattr(bench_memory, "longest_sequence_cpu", no_search)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ConfigError, match=message):
         bench_memory._measure_all(_memory_args(*argv))
 
 
@@ -85,7 +86,7 @@ def test_bench_memory_max_seq_gpu_ceiling_below_the_first_length_is_refused(monk
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_memory, "longest_sequence", no_search)
-    with pytest.raises(SystemExit, match="--max-seq-hi 2048"):
+    with pytest.raises(ConfigError, match="--max-seq-hi 2048"):
         bench_memory._measure_all(_memory_args("--max-seq-hi", "2048"))
 
 
@@ -129,7 +130,7 @@ def test_bench_comm_refuses_no_timed_steps(monkeypatch, over, message):
         raise AssertionError("ranks were started")
 
     monkeypatch.setattr(comm_cluster, "run_spawned", no_run)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ConfigError, match=message):
         comm_cluster.main(_comm_args(**over))
 
 
@@ -146,7 +147,7 @@ def test_bench_attention_refuses_zero_repeats(monkeypatch):
     monkeypatch.setattr(attention, "run_spawned", _no_work)
     monkeypatch.setattr(attention, "run_docs", _no_work)
     for argv in ((), ("--docs", "64")):
-        with pytest.raises(SystemExit, match="--repeats 0"):
+        with pytest.raises(ConfigError, match="--repeats 0"):
             attention.run(p.parse_args(["--repeats", "0", "--seq-len", "64", *argv]))
 
 
@@ -171,7 +172,7 @@ def _main_with_zero_repeats(monkeypatch, command: str, argv: tuple):
                                            ("generate", ("--compile",)), ("decode", ())])
 def test_bench_moe_generate_decode_refuse_zero_repeats(monkeypatch, command, argv):
     """0 repeats: an empty min()/max() (moe, generate: after the work), or None results (decode)."""
-    with pytest.raises(SystemExit, match="--repeats 0"):
+    with pytest.raises(ConfigError, match="--repeats 0"):
         _main_with_zero_repeats(monkeypatch, command, argv)
 
 

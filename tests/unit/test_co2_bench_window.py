@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from longctx.bench import comm_cluster
+from longctx.errors import ConfigError
 from longctx.step.co2 import OuterSync
 
 
@@ -94,5 +95,5 @@ def test_too_few_steps_for_the_window_are_refused(monkeypatch):
     p = argparse.ArgumentParser()
     comm_cluster.add_arguments(p)
     args = p.parse_args(["--cluster", "2x1", "--timed", "4", "--co2-local-steps", "4", "--steps", "6"])
-    with pytest.raises(SystemExit, match="--steps 6 is fewer"):
+    with pytest.raises(ConfigError, match="--steps 6 is fewer"):
         comm_cluster.main(args)

@@ -16,6 +16,7 @@ import json
 
 import torch
 
+from ..errors import ConfigError
 from ..job import comm
 from ..job.checks import check_divisible, check_heads
 from ..job.dims import ParallelDims
@@ -84,14 +85,14 @@ def _simulated(args) -> dict:
 
 def run(args) -> dict:
     if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
-        raise SystemExit(f"longctx bench attention: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
+        raise ConfigError(f"--repeats {args.repeats}: time at least one run (e.g. --repeats 3).")
     if args.docs is not None:
         return run_docs(args)
     if args.seq_len is None:
         args.seq_len = DEFAULT_SEQ_LEN
 
     if args.head * args.ctx != args.world:
-        raise SystemExit(f"--head {args.head} x --ctx {args.ctx} must equal --world {args.world}")
+        raise ConfigError(f"--head {args.head} x --ctx {args.ctx} must equal --world {args.world}.")
     check_divisible(args.seq_len, args.ctx, args.head)
     check_heads(args.heads, args.kv_heads, args.head)
     load_start = machine_load()

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..data.loader import PackedSamples
+from ..errors import ConfigError
 from ..job import comm
 from ..job.checks import check_divisible, check_heads
 from ..job.dims import ParallelDims
@@ -60,19 +61,19 @@ def _doc_ids(args) -> tuple[torch.Tensor, dict]:
         samples = PackedSamples(root, "train", True)
         idx = list(range(args.first_sample, args.first_sample + args.micro_batch))
         if idx[-1] >= len(samples):
-            raise SystemExit(f"--docs {spec}: the store has {len(samples)} training samples, asked for {idx}")
+            raise ConfigError(f"--docs {spec}: the store has {len(samples)} training samples, asked for {idx}.")
         if args.seq_len is None:
             args.seq_len = samples.seq_len
         if args.seq_len > samples.seq_len:
-            raise SystemExit(f"--seq-len {args.seq_len} is longer than the store's samples ({samples.seq_len})")
+            raise ConfigError(f"--seq-len {args.seq_len} is longer than the store's samples ({samples.seq_len}).")
         ids = samples.batch(idx).doc_ids[:, :args.seq_len].contiguous()  # a prefix keeps documents contiguous
         return ids.long(), {"store": root, "split": "train", "samples": idx, "store_seq_len": samples.seq_len}
     try:
         n = int(spec)
     except ValueError:
-        raise SystemExit(f"--docs takes a document length in tokens or store:DIR, got '{spec}'") from None
+        raise ConfigError(f"--docs takes a document length in tokens or store:DIR, got '{spec}'.") from None
     if n <= 0:
-        raise SystemExit(f"--docs {n}: a document length must be positive")
+        raise ConfigError(f"--docs {n}: a document length must be positive.")
     if args.seq_len is None:
         args.seq_len = DEFAULT_SEQ_LEN
     ids = (torch.arange(args.seq_len) // n).expand(args.micro_batch, -1).contiguous()
@@ -293,7 +294,7 @@ def run_docs(args) -> dict:
     growth, each measured in a fresh process), the distributed run with the layout, the work
     imbalance of the layouts, and bytes against the closed form."""
     if args.head * args.ctx != args.world:
-        raise SystemExit(f"--head {args.head} x --ctx {args.ctx} must equal --world {args.world}")
+        raise ConfigError(f"--head {args.head} x --ctx {args.ctx} must equal --world {args.world}.")
     ids, source = _doc_ids(args)
     check_divisible(args.seq_len, args.ctx, args.head)
     check_heads(args.heads, args.kv_heads, args.head)

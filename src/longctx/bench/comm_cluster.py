@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import load_config
+from ..errors import ConfigError
 from ..job import comm
 from ..job.spawn import run_spawned
 from ..progress import speaker
@@ -174,21 +175,21 @@ def main(args) -> int:
         m for m in MODES if m != "three_level" or args.group_ranks]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise SystemExit(f"longctx bench comm: unknown --modes {unknown}; choose from {', '.join(MODES)}")
+        raise ConfigError(f"unknown --modes {unknown}; choose from {', '.join(MODES)}.")
     if args.group_ranks and (args.group_ranks < 2 or ranks % args.group_ranks):
-        raise SystemExit(f"longctx bench comm: --group-ranks {args.group_ranks} must split a node of {ranks} ranks "
-                         f"into groups of 2 or more")
+        raise ConfigError(f"--group-ranks {args.group_ranks} must split a node of {ranks} ranks "
+                          f"into groups of 2 or more.")
     if "three_level" in modes and not args.group_ranks:
-        raise SystemExit("longctx bench comm: three_level needs a third link level: give --group-ranks G")
+        raise ConfigError("three_level needs a third link level: give --group-ranks G.")
     if args.timed < 1 or args.co2_local_steps < 1:  # (else no step timed, or a division by zero)
-        raise SystemExit(f"longctx bench comm: --timed {args.timed} and --co2-local-steps {args.co2_local_steps} "
-                         f"must each be at least 1 (e.g. --timed 8 --co2-local-steps 4)")
+        raise ConfigError(f"--timed {args.timed} and --co2-local-steps {args.co2_local_steps} "
+                          f"must each be at least 1 (e.g. --timed 8 --co2-local-steps 4).")
     timed = math.ceil(args.timed / args.co2_local_steps) * args.co2_local_steps  # whole co2 rounds
     needed = max(timed_steps(m, dict(timed=timed, local_steps=args.co2_local_steps,
                                      overlap_steps=args.co2_overlap_steps))[-1] + 1 for m in modes)
     if 0 < args.steps < needed:  # (fewer: the run would train `needed` steps and report their losses as N's)
-        raise SystemExit(f"longctx bench comm: --steps {args.steps} is fewer than the warm-up, the {timed} timed "
-                         f"steps and one more ({needed}); give --steps {needed} or more, or 0")
+        raise ConfigError(f"--steps {args.steps} is fewer than the warm-up, the {timed} timed "
+                          f"steps and one more ({needed}); give --steps {needed} or more, or 0.")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as work:

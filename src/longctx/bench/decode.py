@@ -48,6 +48,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..errors import ConfigError
 from ..progress import speaker
 
 
@@ -107,6 +108,7 @@ def _models(args):
     from ..data.tokenizer import load_tokenizer
     from ..errors import ConfigError
     from ..generate.drafts import draft_config
+    from ..generate.prompts import check_tokenizer_vocab
     from ..generate.spec_length import check_adaptive_flags
 
     cfg = load_config(None, {"model": {"init_from": args.target}, "train": {"seq_len": 2, "eval_interval": 0}})
@@ -121,19 +123,27 @@ def _models(args):
                          args.verify_cost)
     draft = draft_config(args.draft, args.target, args.speculate, cfg, spec, args.confidence_stop, args.draft_window,
                          args.compile == "true")
-    return cfg, draft, load_tokenizer(spec), spec
+    tokenizer = load_tokenizer(spec)
+    check_tokenizer_vocab(tokenizer, spec, cfg.model)  # (generate's: its ids past the embedding are not the model's)
+    return cfg, draft, tokenizer, spec
 
 
 def _prompts(args, tokenizer, spec, m=None) -> dict[int | str, list[list[int]]]:
-    """The prompts, by length (or "prompts": --prompts'); with `m` (the target's ModelConfig), each with
-    --max-new-tokens checked within the window of its weights (the decode loop's rule, generate/loading.py
-    check_window), so that it is said before any weight is read, and a note on lengths past the positions the
-    target reaches (config/positions.py; eval's note): decoded there, its tokens are extrapolation."""
+    """The prompts, by length (or "prompts": --prompts'); with `m` (the target's ModelConfig), each with its ids
+    within the target's vocabulary (generate/prompts.py check_prompt_ids) and --max-new-tokens checked within the
+    window of its weights (the decode loop's rule, generate/loading.py check_window), so that it is said before
+    any weight is read, and a note on lengths past the positions the target reaches (config/positions.py; eval's
+    note): decoded there, its tokens are extrapolation."""
     from ..eval.request import reach_notes
     from ..generate.loading import check_window
+    from ..generate.prompts import check_prompt_ids
 
     prompts = _read_prompts(args, tokenizer, spec)
     if m is not None:
+        for length, rows in prompts.items():  # (generate's check: an id past the embedding, after both models load)
+            for i, ids in enumerate(rows):
+                check_prompt_ids(f"prompt {i + 1}" + (f" of length {length}" if length != "prompts" else ""), ids,
+                                 spec, m)
         longest = max(len(ids) for rows in prompts.values() for ids in rows)
         check_window(m, longest + args.max_new_tokens, "bench decode")
         lengths = sorted({len(ids) for rows in prompts.values() for ids in rows})
@@ -195,7 +205,7 @@ def _read_prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
 
 def main(args) -> int:
     from ..generate.drafters import draft_window
-    from ..generate.drafts import draft_label, load_draft
+    from ..generate.drafts import draft_label, draft_notes, load_draft
     from ..generate.engine import generate
     from ..generate.loading import load_model
     from ..generate.sampling import Sampling
@@ -204,7 +214,7 @@ def main(args) -> int:
     from ..models.glide import GlideDraft
 
     if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
-        raise SystemExit(f"longctx bench decode: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
+        raise ConfigError(f"--repeats {args.repeats}: time at least one run (e.g. --repeats 3).")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device, "--device")
@@ -214,8 +224,11 @@ def main(args) -> int:
     sampling = Sampling(args.temperature, seed=args.seed)
     sampling.check()
     if any(cape is not None for cape, _ in modes) and not sampling.greedy:
-        raise SystemExit("--cape verifies greedily: use --temperature 0")
+        raise ConfigError("--cape verifies greedily: use --temperature 0.")
     prompts = _prompts(args, tokenizer, spec, cfg.model)
+    longest = max(len(ids) for rows in prompts.values() for ids in rows)
+    for note in draft_notes(draft_cfg, longest + args.max_new_tokens):  # (generate's: figures of a draft past it)
+        say(f"note: {note}")
     target = load_model(cfg, device, dtype)
     draft = load_draft(draft_cfg, target, device, dtype)
     args.cost = args.draft_cost if args.draft_cost is not None else draft_cost_ratio(target, draft)

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from ..job import comm
 
 
@@ -193,15 +194,15 @@ class LinkEmulator:
 
 
 def parse_cluster(text: str, command: str, min_nodes: int = 1) -> tuple[int, int]:
-    """`--cluster NODESxRANKS` of `longctx bench COMMAND` -> (nodes, ranks per node), or a SystemExit
+    """`--cluster NODESxRANKS` of `longctx bench COMMAND` -> (nodes, ranks per node), or a ConfigError
     that says what to write."""
     try:
         nodes, ranks = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"longctx bench {command}: --cluster {text!r}: give NODESxRANKS, e.g. 2x4") from None
+        raise ConfigError(f"--cluster {text!r}: give NODESxRANKS, e.g. 2x4.") from None
     if nodes < min_nodes or ranks < 1:
-        raise SystemExit(f"longctx bench {command}: --cluster {text!r}: at least {min_nodes} node"
-                         f"{'s' if min_nodes > 1 else ''} and 1 rank per node")
+        raise ConfigError(f"--cluster {text!r}: at least {min_nodes} node"
+                          f"{'s' if min_nodes > 1 else ''} and 1 rank per node.")
     return nodes, ranks
 
 

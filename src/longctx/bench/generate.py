@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..errors import ConfigError, UserError
 from ..progress import phase, speaker
 
 
@@ -263,7 +264,7 @@ def _time_longctx(model, prompt: torch.Tensor, new_tokens: int, chunk: int) -> d
 
 def main(args) -> int:
     if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
-        raise SystemExit(f"longctx bench generate: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
+        raise ConfigError(f"--repeats {args.repeats}: time at least one run (e.g. --repeats 3).")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compile != "false":
@@ -274,7 +275,7 @@ def main(args) -> int:
     try:
         import transformers
     except ImportError:
-        raise SystemExit("longctx bench generate compares against transformers; pip install transformers") from None
+        raise UserError("longctx bench generate compares against transformers; pip install transformers.") from None
     # each case a progress phase: one that takes long is said while it runs
     with phase("bench generate"):
         result = _measure(args, transformers)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import MemoryConfig, build_model_config, load_config
+from ..errors import ConfigError
 from ..job.dims import ParallelDims
 from ..job.spawn import run_spawned
 from ..memory.accounting import estimate_activations, layer_activations, measure_activations, published_formulas
@@ -317,8 +318,8 @@ def _measure_all(args) -> dict:
     if args.max_seq:
         on_gpu = torch.cuda.is_available() and args.device != "cpu"
         if not on_gpu and not args.budget:
-            raise SystemExit("longctx bench memory: --max-seq on CPU needs --budget BYTES (e.g. --budget 6GiB): "
-                             "the peak RSS a step may reach")
+            raise ConfigError("--max-seq on CPU needs --budget BYTES (e.g. --budget 6GiB): "
+                              "the peak RSS a step may reach.")
         try:  # a bad size or policy fails here, before any probe
             if not on_gpu:
                 parse_bytes(args.budget)
@@ -326,7 +327,7 @@ def _measure_all(args) -> dict:
             for name in args.policies.split(","):
                 _policy(name)
         except ValueError as err:
-            raise SystemExit(f"longctx bench memory: {err}") from None
+            raise ConfigError(f"{str(err).rstrip('.')}.") from None
         if args.seq_len == "8192":
             args.seq_len = ""  # the per-length tables are not what --max-seq asks for
     results = []

@@ -39,6 +39,7 @@ from datetime import date
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..job.host_malloc import keep_freed_blocks
 from ..ops.grouped import grouped_path, use_loop
 from ..progress import phase
@@ -122,7 +123,7 @@ def saved_bytes(layer: nn.Module, x: torch.Tensor) -> dict:
 
 def main(args) -> int:
     if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
-        raise SystemExit(f"longctx bench moe: --repeats {args.repeats}: time at least one run (e.g. --repeats 3)")
+        raise ConfigError(f"--repeats {args.repeats}: time at least one run (e.g. --repeats 3).")
     if args.cluster:  # the expert-parallel schedule on an emulated cluster (bench/moe_cluster.py)
         return moe_cluster.main(args)
     if args.device == "cuda":  # one GPU, no emulation (bench/moe_gpu.py)
@@ -150,7 +151,7 @@ def _measure_cpu(args) -> dict:
     routings = [r for r in args.routing.split(",") if r]
     for r in routings:
         if r not in ("uniform", "skewed"):
-            raise SystemExit(f"longctx bench moe: --routing {r}: one of uniform, skewed")
+            raise ConfigError(f"--routing {r}: one of uniform, skewed.")
     params = measured_active_params(moe, dense, args.top_k)
     gen = torch.Generator().manual_seed(args.seed + 1)
     timing = []

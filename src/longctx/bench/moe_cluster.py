@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..config import load_config
 from ..costs.hardware import get_hardware
+from ..errors import ConfigError
 from ..job import comm
 from ..job.host_malloc import keep_freed_blocks
 from ..job.spawn import run_spawned
@@ -222,7 +223,7 @@ def main(args) -> int:
     world = nodes * per_node
     chunks = [int(c) for c in args.chunks.split(",") if c]
     if any(c < 2 for c in chunks):
-        raise SystemExit(f"longctx bench moe: --chunks {args.chunks}: pipelined chunk counts are >= 2")
+        raise ConfigError(f"--chunks {args.chunks}: pipelined chunk counts are >= 2.")
     spec = {"model": args.model, "layers": args.layers, "tokens": args.tokens, "hardware": args.hardware,
             "ranks_per_node": per_node, "inter_ratio": args.inter_ratio, "repeats": args.repeats,
             "link_scale": args.link_scale, "zipf": args.zipf, "replicas": args.replicas,

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import ModelConfig
+from ..errors import ConfigError
 from ..models.llama import FeedForward
 from ..models.moe import MoEFeedForward
 from ..progress import speaker
@@ -53,8 +54,8 @@ def choice_share(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
 def skew(moe: MoEFeedForward, x: torch.Tensor, share: float) -> float:
     """Raise expert 0's selection bias (bisection) until it takes `share` of the choices; returns the bias."""
     if not 0 < share <= 1 / moe.top_k + 1e-9:
-        raise SystemExit(f"longctx bench moe: --skew-share {share}: one expert can take at most 1 / top-k = "
-                         f"{1 / moe.top_k:g} of the choices (every token once)")
+        raise ConfigError(f"--skew-share {share}: one expert can take at most 1 / top-k = "
+                          f"{1 / moe.top_k:g} of the choices (every token once).")
     lo, hi = 0.0, 2.0  # probabilities are in [0, 1]: a bias of 1 already puts expert 0 in every top-k
     for _ in range(40):
         mid = (lo + hi) / 2

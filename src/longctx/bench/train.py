@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ConfigError
 from ..progress import phase, say
 
 LAYOUTS = {
@@ -65,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     if args.steps < 2:  # the first step is the warm-up: with one, the figures would be the warm-up's
-        raise SystemExit(f"longctx bench train: --steps {args.steps} leaves no timed step after the warm-up; "
-                         f"give --steps 2 or more (3 or more for a mean)")
+        raise ConfigError(f"--steps {args.steps} leaves no timed step after the warm-up; "
+                          f"give --steps 2 or more (3 or more for a mean).")
     rows = []
     with phase("bench train"):  # each case a progress phase: one that takes long is said while it runs
         for preset in args.presets.split(","):

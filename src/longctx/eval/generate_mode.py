@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 from ..config.tokenizer import model_text_prefix
 from ..progress import say
+from .defaults import EXTRA_NEW_TOKENS
 from .results import _headline, _length_phase, _note_routing, _result_head
 
 if TYPE_CHECKING:
     from .request import EvalRequest
     from .tasks import Sequence
 
-EXTRA_NEW_TOKENS = 8    # generate mode: new tokens past the answer's length (room for a wrong or longer answer)
 TEXT_CHARS = 80         # generate mode: each sample's generated text in the JSON, at most this many characters
 
 

@@ -132,7 +132,7 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
             raise ConfigError(f"{flag} must be positive, got {value}.")
     if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
         raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
-    _check_score_window(args, lengths, mode)
+    _check_window_lengths(args, lengths, mode)
     cfg, batch, capacity = _config(args, overrides, lengths, nproc)
     # (a capacity shared by a forward's tokens: a sequence's score would depend on --batch, the unscored copies
     # filling the last batch, and the layout)
@@ -223,17 +223,21 @@ def short_ppl_notes(args, sequences: dict) -> tuple[str, ...]:
                  for length, spans in sequences.items() if args.task == "ppl" and len(spans) < asked)
 
 
-def _check_score_window(args, lengths: list[int], mode: str) -> None:
-    """--mode score past the sliding window of the weights: refused before work (the config's own rule would
-    refuse it too, naming the model.max_seq_len eval sets from --lengths). Its one teacher-forced pass attends
-    to every earlier position, a window's attention only within the window: past it each figure is O(1) off the
-    model's (generate/loading.py check_window), and InfLLM's context memory, a way of decoding, does not apply.
+def _check_window_lengths(args, lengths: list[int], mode: str) -> None:
+    """--lengths past the sliding window of the weights: refused before work (the config's own rule would
+    refuse it too, naming the model.max_seq_len eval sets from --lengths); --mode generate's by
+    _check_generate_window. --mode score's one teacher-forced pass attends to every earlier position, a
+    window's attention only within the window: past it each figure is O(1) off the model's
+    (generate/loading.py check_window), and InfLLM's context memory, a way of decoding, does not apply.
     (--mode generate's rule counts its new tokens too: generate_mode.py _check_window.)"""
     from ..generate.loading import init_window, window_off
 
     window = init_window(args.checkpoint)
     past = [n for n in lengths if n > window]
-    if mode != "score" or not window or not past:
+    if not window or not past:
+        return
+    if mode == "generate":
+        _check_generate_window(args, past, window)
         return
     fit = ", ".join(f"{n:,}" for n in lengths if n <= window)
     raise ConfigError(f"--lengths {', '.join(f'{n:,}' for n in past)}: past the {window:,}-token sliding window "
@@ -243,6 +247,25 @@ def _check_score_window(args, lengths: list[int], mode: str) -> None:
                       f"would not be this model's (InfLLM's context memory, a way of decoding, does not apply to "
                       f"--mode score). Evaluate --lengths up to {window:,}" + (f" (here {fit})" if fit else "") +
                       f"; or, to score the weights with full attention, {window_off(args.checkpoint)}.")
+
+
+def _check_generate_window(args, past: list[int], window: int) -> None:
+    """--mode generate at `past` (of --lengths) beyond the `window` of the weights, refused before the config is
+    built, which would refuse the model.max_seq_len eval raises to the longest length, a key the user never typed
+    (lengths within the window whose new tokens pass it: generate_mode.py _check_window, which knows the prompts'
+    special tokens). InfLLM's context memory keeps every distance within the window: a way out here."""
+    from ..generate.loading import window_ways_out
+    from .defaults import EXTRA_NEW_TOKENS
+
+    if getattr(args, "context_memory", "none") == "infllm":
+        return
+    room = window - EXTRA_NEW_TOKENS
+    raise ConfigError(f"--lengths {', '.join(f'{n:,}' for n in past)}: past the {window:,}-token sliding window that "
+                      f"the weights' config.json gives their attention. longctx attends to every earlier position, "
+                      f"the same as the window only up to {window:,} positions, so past them the answers would not "
+                      f"be this model's. Evaluate --lengths of at most {room:,} (the window less the "
+                      f"{EXTRA_NEW_TOKENS} new tokens decoded after a prompt, and less its special tokens); or "
+                      f"{window_ways_out(window, args.checkpoint)}.")
 
 
 def reach_notes(m, lengths: list[int], new_tokens: int = 0, figure: str = "score",

@@ -202,12 +202,13 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     from .context_memory import check_prompts, memory_reach, memory_shape
     from .loading import check_window, eos_ids
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
-    from .settings import check_run_flags
+    from .settings import check_logprobs, check_run_flags
 
     sampling = _sampling(args)
     check_run_flags(args)  # (speculation's, a flag this run would ignore, --output)
     prompts = read_prompts(args)
     cfg = _config(args, overrides)
+    check_logprobs(args.logprobs, cfg.model.vocab_size)
     spec = tokenizer_spec(args, cfg)
     if cfg.parallel.head > 1:
         from ..job.checks import check_heads
@@ -225,11 +226,12 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     eos = eos_ids(cfg.model.init_from, tokenizer)
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
     if args.draft:
-        from .drafts import draft_config
+        from .drafts import draft_config, draft_notes
 
         request.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
                                       args.draft_window, args.compile)
         request.notes += _dropless_notes("draft", getattr(request.draft_cfg, "model", None))  # (GliDe: no MoE)
+        request.notes += draft_notes(request.draft_cfg, max(len(p["ids"]) + n for p, n in zip(prompts, limits)))
     if args.cape:
         request.cape = _cape_table(args, sampling)
     return request

@@ -50,10 +50,29 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
         theirs = model_tokenizer(found.model.init_from)
         recorded = recorded_identity(found.model.init_from) if theirs is not None else None
     _check_draft_tokenizer(draft, theirs, recorded, spec)
-    if glide is None and found.model.max_seq_len < cfg.model.max_seq_len:
-        found = load_config(None, {"model": {"init_from": draft, "max_seq_len": cfg.model.max_seq_len},
-                                   "train": {"seq_len": 2, "eval_interval": 0}})
+    # (the draft keeps its own config: nothing in decoding reads its max_seq_len, and raising it to the
+    # target's refused a windowed draft, whose max_seq_len may not pass its window, at any length;
+    # draft_notes says where a generation runs past the draft's reach)
     return found
+
+
+def draft_notes(draft_cfg, positions: int) -> list[str]:
+    """The note on a plain draft model (`draft_config`'s config; a GliDe or Clover draft reads the target's
+    cache or states instead) run over `positions` (a prompt and its new tokens, the longest) past the positions
+    it reaches (config/positions.py: what it trained on, or its sliding window, which longctx does not apply):
+    there its proposals are not its model's. The output stays the target's (every token is verified), so it
+    is said, not refused: fewer proposals may be kept."""
+    if isinstance(draft_cfg, dict) or draft_cfg is None:
+        return []
+    from ..config.positions import model_reach
+
+    reach = model_reach(draft_cfg.model)
+    if positions <= reach.positions:
+        return []
+    return [f"a prompt and its new tokens take {positions:,} positions, past the {reach.positions:,} the draft "
+            f"reaches ({reach.said()}): its proposals there are not its model's. The output is still the target's "
+            f"(it verifies every token), but fewer proposals may be kept; a draft trained on longer sequences "
+            f"(without a sliding window) drafts better there"]
 
 
 def _check_draft_tokenizer(draft: str, theirs: str | None, recorded: str | None, spec: str) -> None:

@@ -23,7 +23,7 @@ def read_prompts(args) -> list[dict]:
     path = Path(args.prompts)
     if not path.is_file():
         raise ConfigError(f"--prompts {path}: no such file; pass a .jsonl file with one {{\"prompt\": ...}} per line.")
-    prompts = []
+    prompts, lines = [], {}
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -44,9 +44,24 @@ def read_prompts(args) -> list[dict]:
         prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
                         **({"messages": row["messages"]} if "messages" in row else {})})
         prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
+        if "id" in row:  # (by its JSON: 1 and "1" are two ids, as a reader of the output tells them apart)
+            lines.setdefault(json.dumps(row["id"], sort_keys=True, ensure_ascii=False), []).append(n)
     if not prompts:
         raise ConfigError(f"--prompts {path} holds no prompt.")
+    _check_unique_ids(path, lines)
     return prompts
+
+
+def _check_unique_ids(path: Path, lines: dict) -> None:
+    """Each "id" of a --prompts file (`lines`: an id's JSON -> the lines that hold it) on one line only: the
+    output lines carry it to say which prompt each continues, which two prompts of one id would leave
+    ambiguous (they may be in any order to whoever joins them back)."""
+    twice = {key: at for key, at in lines.items() if len(at) > 1}
+    if twice:
+        said = "; ".join(f"id {key} on lines {', '.join(map(str, at))}" for key, at in list(twice.items())[:5])
+        more = f" (and {len(twice) - 5} more)" if len(twice) > 5 else ""
+        raise ConfigError(f"--prompts {path} gives one id to several prompts: {said}{more}. The output lines carry "
+                          f"the id to say which prompt each continues; give each line its own \"id\" (or none).")
 
 
 def _check_chat_row(row: dict, args, where: str) -> None:
@@ -85,14 +100,28 @@ def tokenize_prompts(args, prompts: list[dict], spec: str, m, reach=None):
     from ..data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
-    if tokenizer.vocab_size > m.vocab_size:  # (its ids past the embedding: not the model's, whatever the prompt)
-        raise ConfigError(f"the tokenizer {spec} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
-                          f"{m.vocab_size}: it is not the model's; pass the one it was trained with (--tokenizer).")
+    check_tokenizer_vocab(tokenizer, spec, m)
     if args.chat:
         apply_chat(prompts, spec)
     limits, notes = encode_prompts(args, prompts, tokenizer, spec, m, reach or model_reach(m))
     note = unchecked_tokenizer(args.checkpoint, args.tokenizer)
     return tokenizer, limits, [note, *notes] if note else notes
+
+
+def check_tokenizer_vocab(tokenizer, spec: str, m) -> None:
+    """The tokenizer (`spec`) of prompts to the model `m` (its ModelConfig) writes no id past its
+    vocabulary: its ids past the embedding are not the model's, whatever the prompt (generate and bench
+    decode)."""
+    if tokenizer.vocab_size > m.vocab_size:
+        raise ConfigError(f"the tokenizer {spec} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                          f"{m.vocab_size}: it is not the model's; pass the one it was trained with (--tokenizer).")
+
+
+def check_prompt_ids(which: str, ids: list[int], spec: str, m) -> None:
+    """A prompt's token ids (`which`: the prompt, said) within the vocabulary of the model `m`."""
+    if max(ids) >= m.vocab_size:
+        raise ConfigError(f"{which} has token id {max(ids)} but the model's vocabulary is {m.vocab_size}: the "
+                          f"tokenizer {spec} is not the model's; pass the one it was trained with (--tokenizer).")
 
 
 def apply_chat(prompts: list[dict], spec: str) -> str:
@@ -132,9 +161,7 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
         p["ids"] = [int(t) for t in ids]
         if not p["ids"]:
             raise ConfigError(f"{which} has no tokens after tokenization; give it some text to continue.")
-        if max(p["ids"]) >= m.vocab_size:
-            raise ConfigError(f"{which} has token id {max(p['ids'])} but the model's vocabulary is {m.vocab_size}: the "
-                              f"tokenizer {spec} is not the model's; pass the one it was trained with (--tokenizer).")
+        check_prompt_ids(which, p["ids"], spec, m)
         if len(p["ids"]) > reach.positions:
             if not args.allow_extrapolation:
                 raise ConfigError(_past_reach(which, len(p["ids"]), reach, args.max_new_tokens, m.init_from))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 
+from ..durable import check_output_path
 from ..errors import ConfigError
 
 # (flag, type, help) of the sampling flags generate and eval share
@@ -175,6 +176,15 @@ def check_run_flags(args) -> None:
     check_output_path("--output", args.output, {"--prompts": args.prompts})
 
 
+def check_logprobs(logprobs: int | None, vocab_size: int) -> None:
+    """--logprobs N within the model's vocabulary of `vocab_size` tokens: no position has more than that to
+    list, and a larger N would be cut to it without a word (a reader counting on N entries would not get them)."""
+    if logprobs is not None and logprobs > vocab_size:
+        raise ConfigError(f"--logprobs {logprobs} asks for the {logprobs} most likely tokens per position, but the "
+                          f"model's vocabulary has {vocab_size} tokens, and no position has more: pass --logprobs "
+                          f"{vocab_size} or less (0: the chosen token's only).")
+
+
 def given_flags(args, defaults: dict) -> list[str]:
     """'--flag value' of each of `defaults` (attribute: its default) set to another value in `args`;
     as greedy_filter_problem, a flag given its default changes nothing and is no mistake."""
@@ -190,33 +200,6 @@ def unused_memory_flags(args) -> list[str]:
     if getattr(args, "context_memory", "none") == "infllm":
         return []
     return given_flags(args, {f"infllm_{name}": value for name, value in DEFAULTS.items()})
-
-
-def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool = False) -> None:
-    """An output file (`flag` `path`; '' = stdout) that can be written once the work is done: not a
-    directory, in a directory that exists (or, `create_parents`, that can be made: no file on the way),
-    and none of the command's `inputs` ({flag: path}), which it would write over."""
-    import os
-    from pathlib import Path
-
-    from ..durable import file_in_the_way
-
-    if not path:
-        return
-    out = Path(path)
-    if out.is_dir():
-        raise ConfigError(f"{flag} {path} is a directory; pass the path of a file to write, e.g. {out / 'out.json'}.")
-    blocked = file_in_the_way(out.parent)
-    if blocked is not None or (not create_parents and not out.parent.is_dir()):
-        where = f"{blocked} is a file, not a directory" if blocked is not None else f"{out.parent} does not exist"
-        raise ConfigError(f"{flag} {path} cannot be written: {where}. Create the directory first, or pass another "
-                          f"path.")
-    for name, given in inputs.items():
-        same = given and (out.resolve() == Path(given).resolve() or
-                          (out.exists() and Path(given).exists() and os.path.samefile(out, given)))
-        if same:
-            raise ConfigError(f"{flag} {path} is also {name} {given}: writing there would destroy that. Pass "
-                              f"another path.")
 
 
 # what a --prompts line may hold that names a run's setting (vLLM's and OpenAI's per-request names too):

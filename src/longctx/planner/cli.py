@@ -183,12 +183,15 @@ def _check_outputs(args) -> None:
     if getattr(args, "calibrate_out", None) and not args.calibrate:
         raise ConfigError(f"--calibrate-out {args.calibrate_out} writes what --calibrate measures; add --calibrate, "
                           f"or drop it.")
-    for flag, path in (("--out", None if getattr(args, "no_write", False) else getattr(args, "out", None)),
-                       ("--calibrate-out", getattr(args, "calibrate_out", None))):
-        if path and (Path(path).is_dir() or not Path(path).parent.is_dir()):
-            where = "is a directory" if Path(path).is_dir() else f"is in {Path(path).parent}, which is no directory"
-            raise ConfigError(f"{flag} {path} {where}; pass the path of a file in an existing directory, e.g. "
-                              f"{flag} plan.toml.")
+    from ..costs.hardware import is_hardware_file
+    from ..durable import check_output_path
+
+    hardware = getattr(args, "hardware", None)
+    inputs = {"--hardware": hardware} if hardware and is_hardware_file(hardware) else {}
+    calibrate_out = getattr(args, "calibrate_out", None)
+    check_output_path("--calibrate-out", calibrate_out or "", inputs)
+    if not getattr(args, "no_write", False):  # (the plan after the calibration: not over it)
+        check_output_path("--out", getattr(args, "out", None) or "", {**inputs, "--calibrate-out": calibrate_out})
 
 
 def run_settings(base):
