@@ -199,3 +199,29 @@ def test_plan_refuses_an_out_that_is_an_input(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(said)):
             build_request(args, rest)
     assert hw.read_text() == '[hardware]\nbase = "h100"\n'
+
+
+def test_bench_decode_says_generates_dropless_note_for_a_capacity_target(tmp_path, monkeypatch, capsys):
+    """bench decode decodes a MoE target with a capacity dropless, as generate does (generate/loading.py
+    dropless_notes): its figures are of that model, which generate says and bench decode did not."""
+    import longctx.bench.decode as bench_decode
+    import longctx.generate.loading as loading
+    from longctx.cli import main
+    from longctx.config import load_config
+    from longctx.data.tokenizer import ByteTokenizer
+
+    cfg = load_config(overrides=["--model.preset=debug-moe", "--model.moe.capacity_factor=1.25"])
+    monkeypatch.setattr(bench_decode, "_models", lambda args: (cfg, None, ByteTokenizer(), "byte"))
+    monkeypatch.setattr(bench_decode, "_prompts", lambda *a: {"prompts": [[1, 2, 3]]})
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*a, **k):
+        raise Loaded  # (the notes come before any weight is read)
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+    with pytest.raises(Loaded):
+        main(["bench", "decode", "--target", "t", "--draft", "d"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert "note: the model generates dropless: its moe.capacity_factor 1.25 is left out" in err, err[-800:]

@@ -182,7 +182,7 @@ def test_a_train_mode_draft_proposes_in_eval_mode_and_gets_its_mode_back():
 
 
 def test_generate_says_once_that_a_capacity_target_or_draft_runs_dropless():
-    from longctx.generate.cli import _dropless_notes
+    from longctx.generate.loading import dropless_notes as _dropless_notes
 
     capacity = load_config(overrides=["--model.preset=debug-moe", "--model.moe.capacity_factor=1.25"]).model
     assert _dropless_notes("draft", capacity) == [

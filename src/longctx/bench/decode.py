@@ -207,7 +207,7 @@ def main(args) -> int:
     from ..generate.drafters import draft_window
     from ..generate.drafts import draft_label, draft_notes, load_draft
     from ..generate.engine import generate
-    from ..generate.loading import load_model
+    from ..generate.loading import dropless_notes, load_model
     from ..generate.sampling import Sampling
     from ..generate.spec_length import draft_cost_ratio
     from ..job.devices import resolve_device, resolve_dtype
@@ -227,7 +227,9 @@ def main(args) -> int:
         raise ConfigError("--cape verifies greedily: use --temperature 0.")
     prompts = _prompts(args, tokenizer, spec, cfg.model)
     longest = max(len(ids) for rows in prompts.values() for ids in rows)
-    for note in draft_notes(draft_cfg, longest + args.max_new_tokens):  # (generate's: figures of a draft past it)
+    notes = [*dropless_notes("model", cfg.model), *dropless_notes("draft", getattr(draft_cfg, "model", None)),
+             *draft_notes(draft_cfg, longest + args.max_new_tokens)]  # (generate's notes: figures they qualify)
+    for note in notes:
         say(f"note: {note}")
     target = load_model(cfg, device, dtype)
     draft = load_draft(draft_cfg, target, device, dtype)

@@ -200,7 +200,7 @@ def _config(args, overrides: list[str]):
 def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
     from .context_memory import check_prompts, memory_reach, memory_shape
-    from .loading import check_window, eos_ids
+    from .loading import check_window, dropless_notes, eos_ids
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
     from .settings import check_logprobs, check_run_flags
 
@@ -222,7 +222,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
         check_prompts(memory, prompts)
     else:  # (the decode loop's rule, said before any weight is read: --allow-extrapolation does not move a window)
         check_window(cfg.model, max(len(p["ids"]) + n for p, n in zip(prompts, limits)), "generate")
-    notes += _dropless_notes("model", cfg.model)
+    notes += dropless_notes("model", cfg.model)
     eos = eos_ids(cfg.model.init_from, tokenizer)
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
     if args.draft:
@@ -230,22 +230,11 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
 
         request.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
                                       args.draft_window, args.compile)
-        request.notes += _dropless_notes("draft", getattr(request.draft_cfg, "model", None))  # (GliDe: no MoE)
+        request.notes += dropless_notes("draft", getattr(request.draft_cfg, "model", None))  # (GliDe: no MoE)
         request.notes += draft_notes(request.draft_cfg, max(len(p["ids"]) + n for p, n in zip(prompts, limits)))
     if args.cape:
         request.cape = _cape_table(args, sampling)
     return request
-
-
-def _dropless_notes(which: str, model) -> list[str]:
-    """generate's note on a MoE capacity its decoding leaves out (generate/loop.py generating), for the target
-    ("model") or a longctx draft ("draft"); none without one."""
-    from ..models.moe import dropless_note
-
-    note = model and dropless_note(model.moe_capacity_factor, f"the {which} generates",
-                                   "a prompt's tokens depend on the prompts batched with it and on how its prefill "
-                                   "is chunked")
-    return [note] if note else []
 
 
 def _sampling(args):

@@ -125,3 +125,14 @@ def window_off(init_from: str) -> str:
            else "sliding_window null")
     source = initial_hf(init_from)
     return f"set {off} in {hf_dir(source) / 'config.json' if source else 'the config.json of the weights'}"
+
+
+def dropless_notes(which: str, model) -> list[str]:
+    """generate's (and bench decode's) note on a MoE capacity its decoding leaves out (generate/loop.py
+    generating), for the target ("model") or a longctx draft ("draft"); none without one."""
+    from ..models.moe import dropless_note
+
+    note = model and dropless_note(model.moe_capacity_factor, f"the {which} generates",
+                                   "a prompt's tokens depend on the prompts batched with it and on how its prefill "
+                                   "is chunked")
+    return [note] if note else []
