@@ -22,6 +22,7 @@ Each stage is timed into `records` (timing.py), which the manifest keeps as the 
 
 from __future__ import annotations
 
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -112,6 +113,13 @@ class Assembly:
             raise DataError(f"the inputs ({', '.join(opts.inputs)}) hold no usable document "
                             f"({skipped_text(self.skipped)}). Point --input at text, .jsonl or .parquet data.")
         self.documents_read = min(corpus.n, opts.max_docs) if opts.max_docs else corpus.n
+        # the limit reached, what lies past its last document is not this build's input: shards scan their files up
+        # to --max-docs documents each, and in parallel, so they read past it
+        cut = counts_before(corpus.shards, opts.max_docs) if opts.max_docs and corpus.n >= opts.max_docs else None
+        if cut is not None:
+            skipped, self.files = cut
+            self.skipped = {**skipped, **({"other_suffix": self.skipped["other_suffix"]}
+                                          if "other_suffix" in self.skipped else {})}
         self.raw_bytes = int(corpus.per_doc(lambda shard: shard.text_bytes())[:self.documents_read].sum())
         scan = self.records.setdefault("scan", {})
         scan.update(files=self.files, documents=self.documents_read, skipped=dict(sorted(self.skipped.items())),
@@ -332,3 +340,20 @@ class Assembly:
             "splits": self.splits,
             "stages": self.records,
         }
+
+
+def counts_before(shards, cut: int) -> tuple[dict, int] | None:
+    """(skipped by reason, files opened) before the corpus' document `cut` (--max-docs): what a scan that
+    stopped there read. None for shards scanned without the record (their totals stand)."""
+    skipped: Counter = Counter()
+    files = base = 0
+    for shard in shards:
+        c = shard.counts
+        if "skips_at" not in c:
+            return None
+        for n, reason, count in c["skips_at"]:
+            if base + n < cut:
+                skipped[reason] += count
+        files += sum(base + n < cut for n in c["units_at"])
+        base += shard.n
+    return dict(sorted(skipped.items())), files

@@ -200,21 +200,33 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
     files = _ShardFiles(tmp, token_dtype, opts.dedup == "minhash")
     skipped: Counter = Counter()
     damaged: list[str] = []
+    # with --max-docs, where each skip and each unit fell (the shard's documents before it): the build counts
+    # only those before its last document (assembly.py), not the ones a shard read past the corpus' limit
+    where = _Where(skipped) if max_docs else None
     for u in units:
         mark, hurt = files.mark(), len(damaged)
+        if where is not None:
+            where.unit(files.n)
         for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped, damaged):
+            if where is not None:
+                where.skips(files.n)
             files.add(doc, tok)
             if max_docs and files.n >= max_docs:
                 break
+        if where is not None:
+            where.skips(files.n)
         if len(damaged) > hurt:
             files.rollback(mark)  # a damaged file gives no document (readers.py)
+            if where is not None:
+                where.rolled_back(files.n)
         if on_unit is not None:
             on_unit(u)
         if max_docs and files.n >= max_docs:
             break
     files.close()
     counts = {"index": index, "documents": files.n, "files": len(units), "bytes": files.raw,
-              "skipped": dict(sorted(skipped.items())), "damaged": damaged}
+              "skipped": dict(sorted(skipped.items())), "damaged": damaged,
+              **({"skips_at": where.skips_at, "units_at": where.units_at} if where is not None else {})}
     (tmp / "shard.json").write_text(json.dumps(counts) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     # on the disk before it is published: a build resumed after a power loss trusts every shard that has
@@ -223,6 +235,28 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
         fsync_path(f)
     publish(tmp, final)
     return counts
+
+
+class _Where:
+    """Where a shard's skips and units fell: `skips_at` [documents before, reason, count], `units_at` the
+    documents before each unit opened."""
+
+    def __init__(self, skipped: Counter):
+        self.skipped, self.seen = skipped, Counter()
+        self.skips_at: list[list] = []
+        self.units_at: list[int] = []
+
+    def unit(self, n: int) -> None:
+        self.units_at.append(n)
+
+    def skips(self, n: int) -> None:
+        for reason, count in sorted((self.skipped - self.seen).items()):
+            self.skips_at.append([n, reason, count])
+        self.seen = Counter(self.skipped)
+
+    def rolled_back(self, n: int) -> None:
+        for entry in self.skips_at:  # (the damaged unit's documents are gone)
+            entry[0] = min(entry[0], n)
 
 
 def _scan_star(args) -> dict:
