@@ -38,6 +38,7 @@ from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
+from ..models.moe import dropless_note
 from .manager import load_model_weights
 from .manifest import CheckpointError, read_manifest
 
@@ -74,7 +75,17 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
         _publish(work, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return out, copied, why, export_notes(cfg, trained) + [n for n in (unknown, tokenizer_note) if n]
+    notes = (unknown, tokenizer_note, _capacity_note(cfg))
+    return out, copied, why, export_notes(cfg, trained) + [n for n in notes if n]
+
+
+def _capacity_note(cfg) -> str | None:
+    """A MoE capacity (moe.capacity_factor) has no config.json key: transformers runs the export dropless, as
+    longctx's eval and generate run the checkpoint; the run's training forwards dropped choices, so where they
+    did the export's logits are not the ones training computed (~10 apart on a tiny top-1 Mixtral at capacity 1)."""
+    return dropless_note(cfg.moe_capacity_factor if cfg.is_moe else 0.0, "transformers runs the export",
+                         "a token's output depend on the other tokens of its call; config.json has no key for it, "
+                         "and longctx's eval and generate run the checkpoint dropless too")
 
 
 def _tokenizer_reach(work: Path, reach: int) -> str:

@@ -104,6 +104,13 @@ class Router(nn.Module):
         """The chosen experts' scores, renormalised to sum to 1 when moe.norm_topk is set, at any k
         (at top-1 every weight is then 1, as in transformers' Mixtral and Qwen-MoE), times moe.route_scale."""
         w = probs.gather(1, chosen)
+        if self.norm_topk and chosen.shape[1] == 1:
+            # exactly 1 with an exactly zero gradient (0 x w keeps the graph): autograd's gradient of p / p is
+            # rounding noise (~1e-10), which Adam scales up to router updates of a sizeable fraction of the
+            # learning rate, in a direction each layout's summation order picks (a tiny top-1 Mixtral with a
+            # capacity trained 3e-2 to 5e-2 off one process by step 6: tests/distributed/test_moe_journey_audit.py)
+            w = 1.0 + 0.0 * w
+            return w * self.scale if self.scale != 1.0 else w
         if self.norm_topk:
             total = w.sum(-1, keepdim=True)
             w = w / (total + self.renorm_eps if self.renorm_eps else total)
