@@ -123,7 +123,7 @@ def test_bench_decode_counts_layers_in_words(monkeypatch, capsys):
     class Said(Exception):
         pass
 
-    cfg = SimpleNamespace(model=SimpleNamespace(label="debug", layers=4))
+    cfg = SimpleNamespace(model=SimpleNamespace(label="debug", layers=4, moe_capacity_factor=0.0))
     monkeypatch.setattr(decode, "_models", lambda args: (cfg, None, None, "byte"))
     monkeypatch.setattr(decode, "_prompts", lambda *a: {8: [list(range(8))]})
     monkeypatch.setattr(gen_cli, "load_model", lambda *a: None)
@@ -131,7 +131,7 @@ def test_bench_decode_counts_layers_in_words(monkeypatch, capsys):
     monkeypatch.setattr(drafts, "draft_label", lambda c: "glide")
     monkeypatch.setattr(engine, "generate", lambda *a, **k: (_ for _ in ()).throw(Said()))
     args = SimpleNamespace(threads=0, device="cpu", dtype="fp32", cape="false", cape_table="", temperature=0.0,
-                           seed=0, speculate=4, speculate_adaptive="false", draft_cost=0.0, repeats=1)
+                           seed=0, speculate=4, speculate_adaptive="false", draft_cost=0.0, repeats=1, max_new_tokens=4)
     with pytest.raises(Said):
         decode.main(args)
     assert "target debug (4 layers), draft glide (1 layer), K = 4" in capsys.readouterr().err
