@@ -142,7 +142,7 @@ def test_loader_refuses_a_position_from_other_data(small_store):
     with pytest.raises(DataError, match="training samples"):
         loader.load_state_dict({"cursor": 4, "seed": 0, "num_samples": 999})
     loader.load_state_dict({"cursor": 1, "seed": 0, "num_samples": len(w)})
-    assert loader.state_dict() == {"cursor": 1, "seed": 0, "num_samples": len(w)}
+    assert loader.state_dict() == {"cursor": 1, "seed": 0, "num_samples": len(w), "store": w.identity}
 
 
 def cfg_for(tmp_path, *extra):

@@ -23,7 +23,9 @@ share and no more. `label_count` gives a global batch's valid labels from the in
 
 `BatchLoader` draws global batches: a seeded shuffle of the samples whose whole state is one
 global cursor (`SampleOrder`), so a resumed job continues with exactly the samples not yet seen
-under any data-parallel degree; with `dp > 1` each batch is permuted so that the dp blocks
+under any data-parallel degree (the position also records its store's identity, `store_identity`: a
+resume refuses a store rebuilt with other content, whatever its sample count); with `dp > 1` each
+batch is permuted so that the dp blocks
 `local_batch` (parallel/context/shares.py) hands out have balanced estimated cost (data/balance.py). What a training
 rank reads of each step, and the background read of the next step, live in stages.py
 (`StagedLoader.step_batches`).
@@ -31,6 +33,8 @@ rank reads of each step, and the background read of the next step, live in stage
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +55,54 @@ class Frames:
     doc_ids: np.ndarray | None  # int64; None without document masks
     labelled: np.ndarray        # bool: token t has a label (token t + 1 of the same segment)
     real: np.ndarray | None = None  # bool: token t is a document's, not padding (None: every token)
+
+
+# What says "the same content" of a store (store_identity): its build settings and each part's counts, from the
+# manifest alone (no token array is read). Not its path, the parts' creation times or the stages' timings, so a
+# store moved, or rebuilt from the same inputs with the same settings, keeps its identity; not float statistics
+# (fill rate, homogeneity), which an identical rebuild on other hardware may round differently; and only named
+# count keys, so a builder that records a new count does not change the identity of the same content.
+PART_COUNTS = ("files", "documents_read", "raw_bytes", "exact_duplicates", "near_duplicates", "documents_kept",
+               "tokens")
+SPLIT_COUNTS = ("samples", "tokens", "documents")
+
+
+def store_identity(manifest: dict) -> dict:
+    """The store's identity as a data position records it: `identity` (a digest of its settings and
+    each part's inputs and counts) and, to say what differs, its inputs, documents, tokens and train samples."""
+    tok = manifest["tokenizer"]
+    content = {
+        **{k: manifest.get(k) for k in ("seq_len", "strategy", "dedup", "seed", "eval_fraction", "holdout_tokens")},
+        # the tokenizer's recorded content hash (its spec where a store predates it: never the file read now)
+        "tokenizer": [tok.get("identity") or tok["spec"], tok.get("vocab_size"), tok.get("text_prefix", [])],
+        "inputs": manifest["inputs"],
+        "parts": [{"inputs": p["inputs"], "first_doc": p.get("first_doc"),
+                   "counts": {k: p["counts"].get(k) for k in PART_COUNTS},
+                   "splits": {s: {k: c.get(k) for k in SPLIT_COUNTS} for s, c in sorted(p["splits"].items())}}
+                  for p in manifest["parts"]],
+    }
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+    t = manifest["totals"]
+    return {"identity": digest, "inputs": list(manifest["inputs"]), "documents": t["documents"],
+            "tokens": t["tokens"], "train_samples": t["train_samples"]}
+
+
+def store_of(samples) -> PackedSamples | None:
+    """The store a sample set reads (through wrappers such as data/synthetic.py's, which hold theirs as
+    `samples`); None for a set that is no store's (tests' stand-ins)."""
+    while samples is not None and not isinstance(samples, PackedSamples):
+        samples = getattr(samples, "samples", None)
+    return samples
+
+
+def identity_of(samples) -> dict | None:
+    store = store_of(samples)
+    return None if store is None else store.identity
+
+
+def _describe_store(record: dict) -> str:
+    return (f"built from {', '.join(record['inputs'])} ({record['documents']:,} documents, {record['tokens']:,} "
+            f"tokens, {record['train_samples']:,} train samples; identity {record['identity']})")
 
 
 class SampleSet:
@@ -117,6 +169,11 @@ class PackedSamples(SampleSet):
     @property
     def tokenizer_spec(self) -> str:
         return self.manifest["tokenizer"]["spec"]
+
+    @property
+    def identity(self) -> dict:
+        """What a data position records of this store, to know it again on resume (store_identity)."""
+        return store_identity(self.manifest)
 
     @property
     def text_prefix(self) -> list[int]:
@@ -208,6 +265,8 @@ def stack_samples(parts: list[tuple], doc_mask: bool) -> Batch:
 class BatchLoader:
     """Global batches of `batch_size` samples in seeded order, cost-balanced over `dp` ranks."""
 
+    store: dict | None = None  # the identity of the store read (store_identity); None: samples of no store
+
     def __init__(self, samples, batch_size: int, seed: int, dp: int = 1, balance: bool = True,
                  cost: tuple[float, float] = (1.0, 0.0)):
         if len(samples) == 0:
@@ -216,6 +275,8 @@ class BatchLoader:
         self.order = SampleOrder(len(samples), seed)
         self.balance = balance and dp > 1 and hasattr(samples, "costs")
         self.costs = samples.costs(*cost) if self.balance else None
+        # taken once: the position is taken every step a run may roll back to
+        self.store = identity_of(samples)
 
     def next_indices(self) -> list[int]:
         idx = self.order.next_indices(self.batch_size)
@@ -229,13 +290,30 @@ class BatchLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        return self.order.state_dict()
+        """The sample order's cursor, and the identity of the store it is a cursor into (`store`)."""
+        return {**self.order.state_dict(), **({"store": self.store} if self.store is not None else {})}
 
-    def load_state_dict(self, state: dict) -> None:
-        saved = state.get("num_samples")
-        if saved is not None and int(saved) != len(self.samples):
+    def load_state_dict(self, state: dict, allow_changes: bool = False) -> str | None:
+        """Continue from a saved position; refused when it is for other data. A store of other content (its
+        identity; a position saved before identities were recorded has none, and is not checked) is refused
+        unless `allow_changes` (--checkpoint.allow_changes), which continues from the same cursor on the new
+        store: what to tell the user then is returned (None: nothing to say)."""
+        note = None
+        saved, now = state.get("store"), self.store
+        if saved is not None and now is not None and saved.get("identity") != now["identity"]:
+            what = (f"the checkpoint's data position was saved on a store {_describe_store(saved)}, but the store "
+                    f"{store_of(self.samples).root} is one {_describe_store(now)}")
+            if not allow_changes:
+                raise DataError(
+                    f"{what}: it was rebuilt with other content (or is another store), so the saved cursor would "
+                    f"point into other data. "
+                    f"Resume with the store the run trained on, or add --checkpoint.allow_changes true to continue "
+                    f"on the new data from the same cursor.")
+            note = f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
+        saved_n = state.get("num_samples")
+        if saved_n is not None and int(saved_n) != len(self.samples):
             raise DataError(
-                f"the checkpoint's data position is for {saved} training samples but the data has "
+                f"the checkpoint's data position is for {saved_n} training samples but the data has "
                 f"{len(self.samples)}; resume with the same data (data.path / data.corpus and train.seq_len)."
             )
         if "seed" in state and int(state["seed"]) != self.order.seed:
@@ -245,6 +323,7 @@ class BatchLoader:
                 f"--train.seed {state['seed']}."
             )
         self.order.load_state_dict(state)
+        return note
 
 
 def cost_coefficients(model_cfg) -> tuple[float, float]:

@@ -3,9 +3,11 @@
 A stage is a sequence length and a number of steps. Each stage reads its own store (the default
 store of data.corpus at that length, built once and cached) and has its own sample order, whose
 state is one cursor like any run's. The loader switches at the first step of a stage; what is
-saved in a checkpoint is the stage and its cursor, so a resume lands in the right stage at the
-right sample, whether the checkpoint is before, at or after a boundary. A run without stages is
-one stage of train.steps at train.seq_len, with exactly the loader it always had.
+saved in a checkpoint is the stage, its cursor and the identity of its store (data/loader.py
+store_identity: a resume into that stage refuses a store rebuilt with other content), so a resume
+lands in the right stage at the right sample, whether the checkpoint is before, at or after a
+boundary. A run without stages is one stage of train.steps at train.seq_len, with exactly the
+loader it always had.
 
 `step_batches(step)` hands the training loop a step's micro-batches as this rank's shares, already
 read (parallel/context/shares.py read_local_batch: only the tokens the rank holds), and starts reading the next step's
@@ -142,7 +144,9 @@ class StagedLoader:
         self.loader = BatchLoader(self.train_samples, self.micro_step_sequences, cfg.train.seed, dp=self.dp,
                                   balance=balance, cost=cost_coefficients(cfg.model))
         if self._saved is not None and int(self._saved.get("stage", 0)) == stage.index:
-            self.loader.load_state_dict(self._saved)
+            # (the position records its own stage's store, checked against the store this stage reads now)
+            changed = self.loader.load_state_dict(self._saved, allow_changes=cfg.checkpoint.allow_changes)
+            self.position_note = " ".join(n for n in (self.position_note, changed) if n) or None
         self._saved = None
         return True
 
@@ -221,7 +225,8 @@ class StagedLoader:
         if self.stage is None:
             return
         if self._resumed_stage == self.stage.index:
-            self.loader.load_state_dict(state)
+            # (a position of this run's own stage: a rollback's, on the store it was drawn from)
+            self.loader.load_state_dict(state, allow_changes=self.cfg.checkpoint.allow_changes)
             self._saved = None
         else:
             # Another stage's position, e.g. a rollback read in stage k+1 to a bad step of stage k: the

@@ -1,0 +1,201 @@
+"""A checkpoint's data position records the identity of the store its cursor points into (data/loader.py
+store_identity): a store rebuilt in place with other content but the same number of training samples is
+refused on resume (before, the sample count and the seed were all that was checked, and the run went on
+with its cursor in other data), unless --checkpoint.allow_changes asks to continue on it (said). The same
+content keeps its identity wherever it lies and however often it is rebuilt; a position saved before
+identities were recorded resumes unchecked; with train.stages each stage's position carries its stage's."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from longctx.config import load_config
+from longctx.config.resume import load_run_config
+from longctx.data.builder.options import BuildOptions
+from longctx.data.builder.pipeline import build_store
+from longctx.data.loader import BatchLoader, PackedSamples
+from longctx.errors import DataError
+from longctx.train.stages import StagedLoader
+from longctx.train.trainer import Trainer
+
+SEQ = 64
+BASE = [f"--train.seq_len={SEQ}", "--train.global_batch=2", "--train.eval_interval=0", "--train.warmup_steps=1",
+        "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu", "--model.layers=1",
+        "--checkpoint.interval=2"]
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+def corpus(d, n_docs, doc_bytes, letter):
+    """n_docs documents of doc_bytes bytes (+ EOS each): with doc_bytes + 1 > seq_len / 2, one per sample."""
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    for i in range(n_docs):
+        (d / f"d{i:02d}.txt").write_text((letter + chr(ord("a") + i % 26)) * (doc_bytes // 2) + "x" * (doc_bytes % 2))
+    return d
+
+
+def build(src, out, seq_len=SEQ, eval_fraction=0.0):
+    shutil.rmtree(out, ignore_errors=True)
+    build_store(BuildOptions([str(src)], str(out), seq_len, strategy="bfd", dedup="none", workers=1,
+                             eval_fraction=eval_fraction, progress=False, stats=False), log=quiet)
+    return out
+
+
+def two_stores(tmp_path, seq_len=SEQ):
+    """The corpus a run trained on, and another one of the same number of documents (so of samples), each
+    document shorter: other tokens, the same train sample count. Both read from `in` (the same inputs)."""
+    a = corpus(tmp_path / "a", 8, seq_len - 1, "p")
+    b = corpus(tmp_path / "b", 8, seq_len * 3 // 4, "q")
+    return a, b
+
+
+def trained_run(tmp_path):
+    """A 2-step run on the store at tmp_path/s (built from tmp_path/in = corpus a), saved at step 2."""
+    a, _ = two_stores(tmp_path)
+    src = tmp_path / "in"
+    shutil.copytree(a, src)
+    build(src, tmp_path / "s")
+    Trainer(load_config(None, [*BASE, f"--data.path={tmp_path / 's'}", f"--train.run_dir={tmp_path / 'run'}",
+                               "--train.steps=2"]), log=quiet).run()
+    return src
+
+
+def resume(tmp_path, *extra, log=quiet):
+    cfg, _ = load_run_config(None, ["--checkpoint.resume=auto", f"--train.run_dir={tmp_path / 'run'}",
+                                    "--train.steps=3", *extra], layout_given=False)
+    return Trainer(cfg, log=log)
+
+
+def saved_position(tmp_path, step):
+    state = tmp_path / "run" / "checkpoints" / f"step-{step:08d}" / "trainer_state.json"
+    return json.loads(state.read_text())["sampler"]
+
+
+def test_a_store_rebuilt_with_other_content_and_the_same_sample_count_is_refused(tmp_path):
+    src = trained_run(tmp_path)
+    before = PackedSamples(tmp_path / "s")
+    _, b = two_stores(tmp_path)
+    shutil.rmtree(src)
+    shutil.copytree(b, src)
+    build(src, tmp_path / "s")  # the same data.path, inputs and settings: other documents
+    after = PackedSamples(tmp_path / "s")
+    assert len(after) == len(before) == 8 and after.num_tokens != before.num_tokens
+    with pytest.raises(DataError) as e:
+        resume(tmp_path)
+    msg = str(e.value)
+    assert "rebuilt with other content" in msg and "--checkpoint.allow_changes true" in msg
+    assert f"{before.num_tokens:,} tokens" in msg and f"{after.num_tokens:,} tokens" in msg
+
+
+def test_allow_changes_continues_on_the_new_store_from_the_same_cursor_and_says_so(tmp_path):
+    src = trained_run(tmp_path)
+    cursor = saved_position(tmp_path, 2)["cursor"]
+    _, b = two_stores(tmp_path)
+    shutil.rmtree(src)
+    shutil.copytree(b, src)
+    build(src, tmp_path / "s")
+    said = []
+    trainer = resume(tmp_path, "--checkpoint.allow_changes=true", log=lambda *a, **_: said.append(str(a)))
+    assert trainer.sampler.loader.order.cursor == cursor == 4  # 2 steps of 2 samples
+    assert any("continuing on the new data from the same cursor" in s for s in said)
+    trainer.run()
+    # what is saved from here on is a position in the new store
+    assert saved_position(tmp_path, 3)["store"] == PackedSamples(tmp_path / "s").identity
+
+
+def test_the_same_store_moved_or_rebuilt_identically_resumes(tmp_path):
+    src = trained_run(tmp_path)
+    saved = saved_position(tmp_path, 2)["store"]
+    # rebuilt from the same inputs into the same place: its parts have new creation times and timings
+    (src / "d00.txt").touch()
+    build(src, tmp_path / "s")
+    assert PackedSamples(tmp_path / "s").identity == saved
+    said = []
+    trainer = resume(tmp_path, log=lambda *a, **_: said.append(str(a)))
+    assert trainer.start_step == 2 and trainer.sampler.loader.order.cursor == 4
+    assert not any("cursor" in s for s in said)
+    # moved elsewhere (data.path changed: a config change, so asked for; the loader knows the store again)
+    os.rename(tmp_path / "s", tmp_path / "moved")
+    assert PackedSamples(tmp_path / "moved").identity == saved
+    moved = BatchLoader(PackedSamples(tmp_path / "moved"), 2, seed=0)
+    assert moved.load_state_dict(saved_position(tmp_path, 2)) is None and moved.order.cursor == 4
+
+
+def test_a_position_saved_before_identities_were_recorded_resumes_unchecked(tmp_path):
+    a, b = two_stores(tmp_path)
+    old = BatchLoader(PackedSamples(build(a, tmp_path / "s")), 2, seed=0)
+    old.next_indices()
+    position = {k: v for k, v in old.state_dict().items() if k != "store"}  # as an older longctx saved it
+    assert set(position) == {"cursor", "seed", "num_samples"}
+    other = BatchLoader(PackedSamples(build(b, tmp_path / "s")), 2, seed=0)
+    assert other.load_state_dict(position) is None and other.order.cursor == 2
+
+
+def test_the_default_store_and_a_data_build_store_of_the_same_corpus_share_an_identity(tmp_path, monkeypatch):
+    from longctx.data.default_store import default_store
+
+    monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path / "cache"))
+    src, _ = two_stores(tmp_path)
+    data = load_config(None, [f"--data.corpus={src}", "--data.tokenizer=byte", "--data.dedup=none",
+                              "--data.strategy=bfd", "--data.workers=1"]).data
+    cached = default_store(data, SEQ, log=quiet)
+    built = build(src, tmp_path / "built", eval_fraction=data.eval_fraction)  # (the default store's fraction)
+    assert PackedSamples(cached).identity == PackedSamples(built).identity
+    # the corpus touched: the cache key changes, so the store is built again elsewhere, with the same identity
+    (src / "d01.txt").touch()
+    os.utime(src / "d01.txt", ns=(1, 1))
+    again = default_store(data, SEQ, log=quiet)
+    assert again != cached and PackedSamples(again).identity == PackedSamples(cached).identity
+
+
+def _staged(tmp_path, stores, allow=False):
+    """A StagedLoader of stages 8:2,16:2 reading the given store per seq_len."""
+    cfg = load_config(None, ["--train.stages=8:2,16:2", "--train.eval_interval=0", "--train.global_batch=2",
+                             f"--checkpoint.allow_changes={str(allow).lower()}"])
+    return StagedLoader(cfg, lambda c: (PackedSamples(stores[c.train.seq_len]), None), dp=1)
+
+
+def test_each_stage_position_carries_its_stage_store_and_a_rebuilt_one_is_refused(tmp_path):
+    stores = {}
+    for L in (8, 16):
+        a, _ = two_stores(tmp_path / f"c{L}", L)
+        stores[L] = build(a, tmp_path / f"s{L}", L)
+    run = _staged(tmp_path, stores)
+    run.enter(1)
+    run.step_batches(1)
+    in_first = run.state_dict()
+    assert in_first["stage"] == 0 and in_first["store"] == PackedSamples(stores[8]).identity
+    run.step_batches(2)
+    run.enter(3)
+    run.step_batches(3)
+    in_second = run.state_dict()
+    assert in_second["stage"] == 1 and in_second["store"] == PackedSamples(stores[16]).identity
+    assert in_second["store"]["identity"] != in_first["store"]["identity"]
+    # stage 0's store (length 8) rebuilt with other content: a position in stage 0 is refused, one in stage 1 not
+    _, b = two_stores(tmp_path / "c8", 8)
+    build(b, stores[8], 8)
+    again = _staged(tmp_path, stores)
+    again.load_state_dict(in_second)
+    again.enter(4)
+    assert again.loader.order.cursor == in_second["cursor"]
+    again = _staged(tmp_path, stores)
+    again.load_state_dict(in_first)
+    with pytest.raises(DataError, match="rebuilt with other content"):
+        again.enter(2)
+    # a position at stage 0's last step: stage 1 starts at its first sample, nothing of stage 0 is read
+    at_boundary = {**in_first, "cursor": 4}
+    again = _staged(tmp_path, stores)
+    again.load_state_dict(at_boundary)
+    again.enter(3)
+    assert again.stage.index == 1 and again.loader.order.cursor == 0
+    # asked for: continues from the same cursor in the new stage-0 store, and says so
+    allowed = _staged(tmp_path, stores, allow=True)
+    allowed.load_state_dict(in_first)
+    allowed.enter(2)
+    assert allowed.loader.order.cursor == in_first["cursor"]
+    assert "continuing on the new data from the same cursor" in allowed.position_note
