@@ -21,6 +21,16 @@ def reusable_stager():
                                         use_non_blocking_copy=cuda))
 
 
+def host_copies(state):
+    """`state` with every tensor in host memory cloned, for a torch without DefaultStager: its async_save
+    stages by `.to("cpu")`, which copies nothing already there (a CPU run's states, the host tiers' master
+    weights and moments), so the background write would read tensors the next steps change in place."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t,
+                    state)
+
+
 class Worker:
     """One daemon thread, started once, that runs jobs in the order they are submitted. Submitting is
     a queue put: starting a thread per save kept the training loop waiting several ms for the new

@@ -1,31 +1,28 @@
 """Saving and resuming training state, under any layout.
 
-Layout independence comes from PyTorch Distributed Checkpoint: model and optimizer states are
-saved by fully-qualified parameter name with their global shapes (`get_state_dict`), whatever the
-sharding, and loaded into whatever sharding the resumed job has (`set_state_dict`). The data
-position is the sampler's global cursor, which does not depend on the number of ranks, and the
-learning-rate schedule is a function of the step; the spike check's window (train/guard.py) is saved
-beside the data position. Each rank's random generators are saved too (`rng-rank{r}.pt`,
-checkpoint/rng_states.py). The optimizer's hyper-parameters are the resumed run's config's, not the saver's.
-Under co2 the replicas' weights and moments differ: DCP, which keeps one copy of a replicated tensor, is told to
-keep the lowest rank's, so that the checkpoint holds replica 0's whole state (dp_replicate is the mesh's outer
-dim, job/dims.py), not its default, each tensor from whichever rank had written least: a mix no rank held.
+Layout independence comes from PyTorch Distributed Checkpoint: model and optimizer states are saved by
+fully-qualified parameter name with their global shapes (`get_state_dict`), whatever the sharding, and loaded into
+whatever sharding the resumed job has (`set_state_dict`). The data position is the sampler's global cursor, which
+does not depend on the number of ranks, and the learning-rate schedule is a function of the step; the spike check's
+window (train/guard.py) is saved beside the data position. Each rank's random generators are saved too
+(`rng-rank{r}.pt`, checkpoint/rng_states.py). The optimizer's hyper-parameters are the resumed run's config's, not
+the saver's. Under co2 the replicas' weights and moments differ: DCP, which keeps one copy of a replicated tensor,
+is told to keep the lowest rank's, so that the checkpoint holds replica 0's whole state (dp_replicate is the mesh's
+outer dim, job/dims.py), not its default, each tensor from whichever rank had written least: a mix no rank held.
 
-Crash safety: every save is written into a hidden temporary directory. When its own files are on
-disk, each rank hashes them (the DCP shards `__{rank}_*.distcp` and its RNG file; rank 0 also the
-job-wide .metadata and trainer_state.json) and leaves the checksums there; after a barrier rank 0
-merges them into the manifest, renames the directory to `step-NNNNNNNN`, and only then points
-`latest` at it and prunes old checkpoints. A crash at any moment leaves the previous complete
-checkpoint and `latest` untouched.
+Crash safety: every save is written into a hidden temporary directory. When its own files are on disk, each rank
+hashes them (the DCP shards `__{rank}_*.distcp` and its RNG file; rank 0 also the job-wide .metadata and
+trainer_state.json) and leaves the checksums there; after a barrier rank 0 merges them into the manifest, renames
+the directory to `step-NNNNNNNN`, and only then points `latest` at it and prunes old checkpoints. A crash at any
+moment leaves the previous complete checkpoint and `latest` untouched.
 
-Async saves (`--checkpoint.async`): the states are staged into host memory (the only part the
-training loop waits for); DCP writes them in a background thread, and another background thread
-on each rank hashes that rank's files and (rank 0) commits. At most one save is in flight: a new
-save first waits for the last.
+Async saves (`--checkpoint.async`): the states are staged into host memory (the only part the training loop waits
+for); DCP writes them in a background thread, and another background thread on each rank hashes that rank's files
+and (rank 0) commits. At most one save is in flight: a new save first waits for the last.
 
-Resuming verifies before it loads: the ranks split the checkpoint's files between them, each
-checks its share's checksums, and one all-reduce makes every rank agree on the verdict. A damaged
-checkpoint is never loaded; `auto` falls back to the newest intact one and says why.
+Resuming verifies before it loads: the ranks split the checkpoint's files between them, each checks its share's
+checksums, and one all-reduce makes every rank agree on the verdict. A damaged checkpoint is never loaded; `auto`
+falls back to the newest intact one and says why.
 """
 
 from __future__ import annotations
@@ -64,7 +61,7 @@ from ..durable import publish, write_text_durably
 from ..faults import planned
 from ..job import comm
 from ..job.launch import new_gloo_group
-from .background import Worker, reusable_stager
+from .background import Worker, host_copies, reusable_stager
 from .failures import save_failed, state_bytes
 from .manifest import (
     CHECKSUM_MISMATCH,
@@ -161,6 +158,8 @@ class CheckpointManager:
                 self._stager = reusable_stager()
             if self._stager is not None:
                 kwargs["async_stager"] = self._stager
+            else:  # (older torch stages host tensors by reference)
+                state = host_copies(state)
             with _single_process(kwargs["no_dist"]):
                 future = dcp.async_save(state, **kwargs)
             if hasattr(future, "upload_completion"):  # AsyncSaveResponse (newer torch)
