@@ -338,3 +338,31 @@ def test_stage_batches_under_dp2_ctx2_draw_and_train_like_one_process(journey):
         [128 * 8 * 3 + 256 * 4 * k for k in (1, 2, 3)]
     diff = max(abs(a - b) for a, b in zip(one["losses"], dp2["losses"]))
     assert len(dp2["losses"]) == 6 and diff <= TOL, (one["losses"], dp2["losses"])
+
+
+@pytest.mark.parametrize("max_docs", [15, 20])
+def test_max_docs_names_only_the_damaged_files_before_its_last_document(tmp_path, monkeypatch, max_docs):
+    """A corrupt .gz after the limit's last document is a file a scan that stopped there never opens: not in
+    damaged_files (the review of the cut above: its counts said "nothing skipped" while damaged_files named it);
+    one before it is named, and its documents are not kept."""
+    import gzip
+
+    from longctx.data.builder import scan
+    from longctx.data.builder.options import BuildOptions
+    from longctx.data.builder.pipeline import build_store
+
+    monkeypatch.setattr(scan, "SHARD_BYTES", 1024)  # a shard per file
+    d = tmp_path / "in"
+    d.mkdir()
+    rng = random.Random(3)
+    for name in ("a", "c"):
+        (d / f"{name}.jsonl").write_text("".join(json.dumps({"text": text_doc(rng, 30)}) + "\n" for _ in range(15)))
+    (d / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "lost"}\n' * 50)[:-12])  # its checksum cut off
+    m = build_store(BuildOptions(inputs=[str(d)], out=str(tmp_path / "s"), seq_len=128, workers=2, max_docs=max_docs,
+                                 strategy="bfd", dedup="none", progress=False), log=lambda *a: None)
+    counts = m["parts"][0]["counts"]
+    assert counts["documents_read"] == max_docs
+    if max_docs == 15:  # a.jsonl's 15 documents: b and c are past the limit
+        assert counts["damaged_files"] == [] and counts["skipped"] == {} and counts["files"] == 1
+    else:
+        assert [Path(f).name for f in counts["damaged_files"]] == ["b.jsonl.gz"] and counts["files"] == 3

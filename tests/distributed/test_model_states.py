@@ -150,9 +150,9 @@ def test_host_optimizer_puts_its_update_time_on_the_metrics_line(one_rank):
     (lines,) = one_rank["host_optimizer fields"]
     assert [step for step, _, _ in lines] == [1, 2, 3]
     assert lines[0][1:] == (None, None)  # no update before the first forward
-    # (a forward wakes a moment after the update's last unit is ready: its wait may pass the update's time
-    # by that moment on a loaded machine)
-    assert all(0 < took and 0 <= waited <= took + 0.05 for _, took, waited in lines[1:])
+    # (no bound of the wait by the update's time: a forward wakes a moment after the update's last unit is
+    # ready, which on a loaded machine can be long; tests/unit/test_host_update_time_race.py checks the time)
+    assert all(0 < took and 0 <= waited for _, took, waited in lines[1:])
 
 
 @pytest.mark.parametrize("first", ["host -> device", "device -> host", "host_optimizer -> device",

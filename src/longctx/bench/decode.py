@@ -106,7 +106,6 @@ def _models(args):
     from ..config import load_config
     from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer, unchecked_tokenizer
     from ..data.tokenizer import load_tokenizer
-    from ..errors import ConfigError
     from ..generate.drafts import draft_config
     from ..generate.prompts import check_tokenizer_vocab
     from ..generate.spec_length import check_adaptive_flags

@@ -162,7 +162,8 @@ def _check_flags(args) -> None:
     written only once the evaluation has run: each must be writable, neither the --data file nor the other."""
     from pathlib import Path
 
-    from ..generate.settings import check_output_path, given_flags, unused_memory_flags
+    from ..durable import check_output_path
+    from ..generate.settings import given_flags, unused_memory_flags
     from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
 
     unused = given_flags(args, {"depths": DEFAULT_DEPTHS} if args.task == "ppl" else {"buckets": DEFAULT_BUCKETS})

@@ -102,14 +102,17 @@ class Assembly:
     # ------------------------------------------------------------------------------------------
     # the stages, in order
 
-    def count_inputs(self) -> None:
-        """What the scan read (up to --max-docs), into the scan stage's record."""
-        opts, corpus = self.opts, self.corpus
+    def _say_damaged(self) -> None:
         if self.damaged:  # by name, so they can be repaired: a count alone does not say which
             more = f" and {len(self.damaged) - 10:,} more" if len(self.damaged) > 10 else ""
             self.log(f"  scan      skipped {len(self.damaged):,} corrupt input file(s) (none of their documents "
                      f"kept): {', '.join(self.damaged[:10])}{more} (all in the manifest: damaged_files)")
+
+    def count_inputs(self) -> None:
+        """What the scan read (up to --max-docs), into the scan stage's record."""
+        opts, corpus = self.opts, self.corpus
         if corpus.n == 0:
+            self._say_damaged()
             raise DataError(f"the inputs ({', '.join(opts.inputs)}) hold no usable document "
                             f"({skipped_text(self.skipped)}). Point --input at text, .jsonl or .parquet data.")
         self.documents_read = min(corpus.n, opts.max_docs) if opts.max_docs else corpus.n
@@ -117,9 +120,10 @@ class Assembly:
         # to --max-docs documents each, and in parallel, so they read past it
         cut = counts_before(corpus.shards, opts.max_docs) if opts.max_docs and corpus.n >= opts.max_docs else None
         if cut is not None:
-            skipped, self.files = cut
+            skipped, self.files, self.damaged = cut
             self.skipped = {**skipped, **({"other_suffix": self.skipped["other_suffix"]}
                                           if "other_suffix" in self.skipped else {})}
+        self._say_damaged()
         self.raw_bytes = int(corpus.per_doc(lambda shard: shard.text_bytes())[:self.documents_read].sum())
         scan = self.records.setdefault("scan", {})
         scan.update(files=self.files, documents=self.documents_read, skipped=dict(sorted(self.skipped.items())),
@@ -342,11 +346,12 @@ class Assembly:
         }
 
 
-def counts_before(shards, cut: int) -> tuple[dict, int] | None:
-    """(skipped by reason, files opened) before the corpus' document `cut` (--max-docs): what a scan that
-    stopped there read. None for shards scanned without the record (their totals stand)."""
+def counts_before(shards, cut: int) -> tuple[dict, int, list[str]] | None:
+    """(skipped by reason, files opened, damaged files) before the corpus' document `cut` (--max-docs): what a
+    scan that stopped there read. None for shards scanned without the record (their totals stand)."""
     skipped: Counter = Counter()
     files = base = 0
+    damaged: list[str] = []
     for shard in shards:
         c = shard.counts
         if "skips_at" not in c:
@@ -355,5 +360,6 @@ def counts_before(shards, cut: int) -> tuple[dict, int] | None:
             if base + n < cut:
                 skipped[reason] += count
         files += sum(base + n < cut for n in c["units_at"])
+        damaged += [name for n, name in c.get("damaged_at", []) if base + n < cut]
         base += shard.n
-    return dict(sorted(skipped.items())), files
+    return dict(sorted(skipped.items())), files, damaged

@@ -218,7 +218,7 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
         if len(damaged) > hurt:
             files.rollback(mark)  # a damaged file gives no document (readers.py)
             if where is not None:
-                where.rolled_back(files.n)
+                where.rolled_back(files.n, damaged[hurt:])
         if on_unit is not None:
             on_unit(u)
         if max_docs and files.n >= max_docs:
@@ -226,7 +226,8 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
     files.close()
     counts = {"index": index, "documents": files.n, "files": len(units), "bytes": files.raw,
               "skipped": dict(sorted(skipped.items())), "damaged": damaged,
-              **({"skips_at": where.skips_at, "units_at": where.units_at} if where is not None else {})}
+              **({"skips_at": where.skips_at, "units_at": where.units_at, "damaged_at": where.damaged_at}
+                 if where is not None else {})}
     (tmp / "shard.json").write_text(json.dumps(counts) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     # on the disk before it is published: a build resumed after a power loss trusts every shard that has
@@ -245,6 +246,7 @@ class _Where:
         self.skipped, self.seen = skipped, Counter()
         self.skips_at: list[list] = []
         self.units_at: list[int] = []
+        self.damaged_at: list[list] = []  # [documents before, name] of each damaged unit
 
     def unit(self, n: int) -> None:
         self.units_at.append(n)
@@ -254,9 +256,10 @@ class _Where:
             self.skips_at.append([n, reason, count])
         self.seen = Counter(self.skipped)
 
-    def rolled_back(self, n: int) -> None:
+    def rolled_back(self, n: int, names: list[str]) -> None:
         for entry in self.skips_at:  # (the damaged unit's documents are gone)
             entry[0] = min(entry[0], n)
+        self.damaged_at += [[n, name] for name in names]
 
 
 def _scan_star(args) -> dict:
