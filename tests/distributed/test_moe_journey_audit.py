@@ -17,7 +17,6 @@ an exactly zero gradient); and the export left a capacity out of config.json wit
 ran dropless what trained with half its choices dropped (checkpoint/export.py now says so)."""
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -33,8 +32,10 @@ from longctx.job.spawn import run_spawned_many  # noqa: E402
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS / "e2e"))
 sys.path.insert(0, str(TESTS / "unit"))
+sys.path.insert(0, str(TESTS / "distributed"))
 from test_newcomer import longctx_here  # noqa: E402
 from test_tokenizer_follows_model import bpe_tokenizer  # noqa: E402
+from test_user_journey_audit import save_hf_dir  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,15 +78,7 @@ def _source(d: Path, family: str, keys: dict, tokenizer: Path) -> Path:
     else:
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**COMMON, intermediate_size=32,
                                                                            num_local_experts=4, **keys))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:  # (norms at 1 would hide one read wrongly)
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(d)
-    shutil.copyfile(tokenizer, d / "tokenizer.json")
-    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": LENGTH, "eos_token": "</s>",
-                                                         "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return d
+    return save_hf_dir(model, d, tokenizer, LENGTH)
 
 
 def _train(args, run_dir):

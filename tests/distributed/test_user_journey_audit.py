@@ -57,13 +57,19 @@ def _source(d: Path, family: str, tokenizer: Path) -> Path:
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, tie_word_embeddings=True,
                                                                        attention_bias=False))
-    with torch.no_grad():  # norms at 1 would hide a q/k-norm or layer-norm weight read wrongly
+    return save_hf_dir(model, d, tokenizer, ORIGINAL)
+
+
+def save_hf_dir(model, d, tokenizer, max_length: int):
+    """`model` (transformers) saved into `d` with `tokenizer` (a tokenizer.json) and its tokenizer_config.json,
+    its norms drawn away from 1 first (norms at 1 would hide a q/k-norm or layer-norm weight read wrongly)."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(d)
     shutil.copyfile(tokenizer, d / "tokenizer.json")
-    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": ORIGINAL, "eos_token": "</s>",
+    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": max_length, "eos_token": "</s>",
                                                          "tokenizer_class": "PreTrainedTokenizerFast"}))
     return d
 
