@@ -35,7 +35,7 @@ sys.path.insert(0, str(TESTS / "unit"))
 sys.path.insert(0, str(TESTS / "distributed"))
 from test_newcomer import longctx_here  # noqa: E402
 from test_tokenizer_follows_model import bpe_tokenizer  # noqa: E402
-from test_user_journey_audit import save_hf_dir  # noqa: E402
+from test_user_journey_audit import _prompt, save_hf_dir  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -215,13 +215,6 @@ def test_transformers_on_the_export_computes_the_checkpoint(journeys, exports, n
     print(f"{name}: export max |logits - checkpoint| {err:.2e}, - one process's {err_one:.2e} (trained away from "
           f"the source by {moved:.2f})")
     assert err <= 1e-4 and err_one <= 2e-3 and moved > 1e-2
-
-
-def _prompt(tokenizer, at_least: int) -> str:
-    line, text = "import os\nprint(os.getcwd())\nclass A:\n    def f(x):\n        return x + 1\n", ""
-    while len(tokenizer(text).input_ids) < at_least:
-        text += line
-    return text
 
 
 @pytest.mark.parametrize("name", EXPORTED)
