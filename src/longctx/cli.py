@@ -327,7 +327,8 @@ def main(argv=None) -> int:
         rank = os.environ.get("RANK")
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         kind = "stopped" if isinstance(e, Preempted) else "error"  # a preemption is no failure
-        text = f"{prefix}longctx {args.command}: {kind}: {e}"
+        command = f"{args.command} {args.bench}" if getattr(args, "bench", None) else args.command  # (bench X)
+        text = f"{prefix}longctx {command}: {kind}: {e}"
         print("\n".join(textwrap.fill(line, width=100) for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
     except Exception:

@@ -45,7 +45,7 @@ def check_bench_args(command: str, args) -> None:
                             f"token count (write e.g. 4096,8192)")
     problems += _structure(command, args)
     if problems:
-        raise ConfigError(f"{'; '.join(problems)}.")  # (the CLI says "longctx bench: error: ...")
+        raise ConfigError(f"{'; '.join(problems)}.")  # (the CLI says "longctx bench X: error: ...")
 
 
 def _structure(command: str, args) -> list[str]:

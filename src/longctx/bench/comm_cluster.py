@@ -170,7 +170,7 @@ def _rank(spec: dict) -> dict:
 
 
 def main(args) -> int:
-    nodes, ranks = parse_cluster(args.cluster, "comm", min_nodes=2)  # (one node has no slow link)
+    nodes, ranks = parse_cluster(args.cluster, min_nodes=2)  # (one node has no slow link)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()] or [
         m for m in MODES if m != "three_level" or args.group_ranks]
     unknown = [m for m in modes if m not in MODES]

@@ -193,8 +193,8 @@ class LinkEmulator:
         return _BackwardStarts.apply(y, clock) if y.requires_grad else y
 
 
-def parse_cluster(text: str, command: str, min_nodes: int = 1) -> tuple[int, int]:
-    """`--cluster NODESxRANKS` of `longctx bench COMMAND` -> (nodes, ranks per node), or a ConfigError
+def parse_cluster(text: str, min_nodes: int = 1) -> tuple[int, int]:
+    """`--cluster NODESxRANKS` of a `longctx bench` command -> (nodes, ranks per node), or a ConfigError
     that says what to write."""
     try:
         nodes, ranks = (int(v) for v in text.lower().split("x"))

@@ -219,7 +219,7 @@ def _skewed_runs(spec, base, x, grad, profile, mean_rate, mesh) -> dict:
 
 
 def main(args) -> int:
-    nodes, per_node = parse_cluster(args.cluster, "moe")
+    nodes, per_node = parse_cluster(args.cluster)
     world = nodes * per_node
     chunks = [int(c) for c in args.chunks.split(",") if c]
     if any(c < 2 for c in chunks):

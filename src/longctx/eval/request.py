@@ -225,12 +225,12 @@ def short_ppl_notes(args, sequences: dict) -> tuple[str, ...]:
 
 
 def _check_window_lengths(args, lengths: list[int], mode: str) -> None:
-    """--lengths past the sliding window of the weights: refused before work (the config's own rule would
-    refuse it too, naming the model.max_seq_len eval sets from --lengths); --mode generate's by
-    _check_generate_window. --mode score's one teacher-forced pass attends to every earlier position, a
-    window's attention only within the window: past it each figure is O(1) off the model's
-    (generate/loading.py check_window), and InfLLM's context memory, a way of decoding, does not apply.
-    (--mode generate's rule counts its new tokens too: generate_mode.py _check_window.)"""
+    """--lengths past the sliding window of the weights: refused before work, naming --lengths (the config's
+    own rule would refuse it too, naming the model.max_seq_len eval sets from them, a key the user never typed).
+    --mode score: its one teacher-forced pass attends to every earlier position, a window's attention only
+    within the window, so past it each figure is O(1) off the model's (generate/loading.py check_window), and
+    InfLLM's context memory, a way of decoding, does not apply. --mode generate: _check_generate_window (lengths
+    within the window whose new tokens pass it: generate_mode.py _check_window)."""
     from ..generate.loading import init_window, window_off
 
     window = init_window(args.checkpoint)

@@ -137,9 +137,9 @@ def build_request(args, overrides):
     if args.seq_len is None:
         raise ConfigError("longctx plan needs --seq-len TOKENS, e.g. --seq-len 1M or --seq-len 131072.")
     seq_len = parse_tokens(args.seq_len)
-    _check_outputs(args)
     if args.calibrate and args.hardware:
         raise ConfigError("give --calibrate (plan for this machine, measured) or --hardware, not both.")
+    _check_outputs(args)
     # a calibration (--calibrate, or --hardware cpu-measured) is for the plan's ranks on this machine
     world = max(1, min(args.gpus, args.gpus_per_node))
     if args.calibrate:
