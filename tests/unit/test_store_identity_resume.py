@@ -199,3 +199,16 @@ def test_each_stage_position_carries_its_stage_store_and_a_rebuilt_one_is_refuse
     allowed.enter(2)
     assert allowed.loader.order.cursor == in_first["cursor"]
     assert "continuing on the new data from the same cursor" in allowed.position_note
+
+
+def test_a_manifest_with_only_the_required_keys_has_an_identity():
+    """A store written by another tool than the builder (tests/distributed/test_packed_docs_edges_audit.py writes
+    one) may lack inputs, counts and totals: it still has an identity, which its splits' counts change."""
+    from longctx.data.loader import store_identity
+
+    def manifest(samples):
+        return {"format": "longctx-store", "version": 2, "seq_len": 64, "tokenizer": {"spec": "byte"},
+                "parts": [{"dir": "part-00000", "splits": {"train": {"samples": samples, "tokens": 64 * samples}}}]}
+
+    a, b = store_identity(manifest(4)), store_identity(manifest(5))
+    assert a["identity"] != b["identity"] and a["inputs"] == [] and a["train_samples"] == 0

@@ -70,21 +70,21 @@ SPLIT_COUNTS = ("samples", "tokens", "documents")
 def store_identity(manifest: dict) -> dict:
     """The store's identity as a data position records it: `identity` (a digest of its settings and
     each part's inputs and counts) and, to say what differs, its inputs, documents, tokens and train samples."""
-    tok = manifest["tokenizer"]
+    # (every key read with .get: a store written by other tools than the builder may lack the optional ones)
+    tok, t = manifest.get("tokenizer", {}), manifest.get("totals", {})
     content = {
         **{k: manifest.get(k) for k in ("seq_len", "strategy", "dedup", "seed", "eval_fraction", "holdout_tokens")},
         # the tokenizer's recorded content hash (its spec where a store predates it: never the file read now)
-        "tokenizer": [tok.get("identity") or tok["spec"], tok.get("vocab_size"), tok.get("text_prefix", [])],
-        "inputs": manifest["inputs"],
-        "parts": [{"inputs": p["inputs"], "first_doc": p.get("first_doc"),
-                   "counts": {k: p["counts"].get(k) for k in PART_COUNTS},
-                   "splits": {s: {k: c.get(k) for k in SPLIT_COUNTS} for s, c in sorted(p["splits"].items())}}
-                  for p in manifest["parts"]],
+        "tokenizer": [tok.get("identity") or tok.get("spec"), tok.get("vocab_size"), tok.get("text_prefix", [])],
+        "inputs": manifest.get("inputs", []),
+        "parts": [{"inputs": p.get("inputs"), "first_doc": p.get("first_doc"),
+                   "counts": {k: p.get("counts", {}).get(k) for k in PART_COUNTS},
+                   "splits": {s: {k: c.get(k) for k in SPLIT_COUNTS} for s, c in sorted(p.get("splits", {}).items())}}
+                  for p in manifest.get("parts", [])],
     }
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
-    t = manifest["totals"]
-    return {"identity": digest, "inputs": list(manifest["inputs"]), "documents": t["documents"],
-            "tokens": t["tokens"], "train_samples": t["train_samples"]}
+    return {"identity": digest, "inputs": list(manifest.get("inputs", [])), "documents": t.get("documents", 0),
+            "tokens": t.get("tokens", 0), "train_samples": t.get("train_samples", 0)}
 
 
 def store_of(samples) -> PackedSamples | None:
@@ -101,8 +101,9 @@ def identity_of(samples) -> dict | None:
 
 
 def _describe_store(record: dict) -> str:
-    return (f"built from {', '.join(record['inputs'])} ({record['documents']:,} documents, {record['tokens']:,} "
-            f"tokens, {record['train_samples']:,} train samples; identity {record['identity']})")
+    inputs = ", ".join(record["inputs"]) or "inputs it does not name"
+    return (f"built from {inputs} ({record['documents']:,} documents, {record['tokens']:,} tokens, "
+            f"{record['train_samples']:,} train samples; identity {record['identity']})")
 
 
 class SampleSet:
