@@ -10,12 +10,11 @@ still refuses at the point of work, and a --model.max_seq_len given past it is r
 generate --context-memory infllm (every distance within the window) at lengths past the window raised max_seq_len
 to the longest length itself, into that refusal: no longer."""
 
-import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from test_swa_eval_audit import W, windowed_model  # noqa: E402
+from test_swa_eval_audit import W, transformers_nll, windowed_model  # noqa: E402
 
 from longctx.cli import build_parser  # noqa: E402
 from longctx.config import load_config  # noqa: E402
@@ -80,12 +79,7 @@ def test_eval_without_max_seq_len_is_transformers_nll_within_the_window(windowed
     args, request = _eval(windowed, "--lengths", str(W), "--buckets", "2")
     assert request.cfg.model.max_seq_len == W
     out = evaluate_score(request, args)
-    nll = []
-    for seq in request.sequences[W]:
-        tokens = torch.as_tensor(np.asarray(seq.tokens), dtype=torch.long)
-        with torch.no_grad():
-            logp = torch.log_softmax(windowed[1](tokens[None]).logits[0].double(), -1)
-        nll += (-logp[:-1].gather(1, tokens[1:, None])[:, 0]).tolist()
+    nll = transformers_nll(windowed[1], request.sequences[W])
     [row] = out["results"]
     assert row["tokens"] == len(nll) == 2 * (W - 1)
     assert row["loss"] == pytest.approx(sum(nll) / len(nll), abs=1e-5)

@@ -63,15 +63,22 @@ def test_score_within_the_window_is_transformers_nll(windowed):
     args, rest = _eval_args(windowed, "--lengths", str(W))
     request = prepare(args, rest, 1)
     out = evaluate_score(request, args)
-    nll = []
-    for seq in request.sequences[W]:
-        tokens = torch.as_tensor(np.asarray(seq.tokens), dtype=torch.long)
-        with torch.no_grad():
-            logp = torch.log_softmax(windowed[1](tokens[None]).logits[0].double(), -1)
-        nll += (-logp[:-1].gather(1, tokens[1:, None])[:, 0]).tolist()  # (the last position predicts nothing)
+    nll = transformers_nll(windowed[1], request.sequences[W])
     [row] = out["results"]
     assert row["tokens"] == len(nll) == 2 * (W - 1)
     assert row["loss"] == pytest.approx(sum(nll) / len(nll), abs=1e-5)
+
+
+def transformers_nll(model, sequences) -> list[float]:
+    """Each next-token NLL of `sequences` (eval's) under the transformers `model`, in float64: the
+    reference eval's score mode is compared with (the last position predicts nothing)."""
+    nll = []
+    for seq in sequences:
+        tokens = torch.as_tensor(np.asarray(seq.tokens), dtype=torch.long)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(tokens[None]).logits[0].double(), -1)
+        nll += (-logp[:-1].gather(1, tokens[1:, None])[:, 0]).tolist()
+    return nll
 
 
 def test_init_from_changes_reads_windowed_weights_at_their_window(windowed):
