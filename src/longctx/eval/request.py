@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from ..config.tokenizer import unchecked_tokenizer
 from ..errors import ConfigError
 from ..generate.settings import SAMPLING_FLAGS
+from .defaults import EXTRA_NEW_TOKENS
 from .inputs import _load_source, _load_tokenizer, _sequences
 from .layout_checks import _check_layout
 
@@ -256,7 +257,6 @@ def _check_generate_window(args, past: list[int], window: int) -> None:
     (lengths within the window whose new tokens pass it: generate_mode.py _check_window, which knows the prompts'
     special tokens). InfLLM's context memory keeps every distance within the window: a way out here."""
     from ..generate.loading import window_ways_out
-    from .defaults import EXTRA_NEW_TOKENS
 
     if getattr(args, "context_memory", "none") == "infllm":
         return

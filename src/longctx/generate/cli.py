@@ -218,10 +218,11 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     # InfLLM keeps every distance below init + window + block: that sum, not the prompt, meets the reach
     reach = memory_reach(memory, cfg.model) if memory is not None else None
     tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model, reach)
+    longest = max(len(p["ids"]) + n for p, n in zip(prompts, limits))  # (positions a prompt and its new tokens take)
     if memory is not None:
         check_prompts(memory, prompts)
     else:  # (the decode loop's rule, said before any weight is read: --allow-extrapolation does not move a window)
-        check_window(cfg.model, max(len(p["ids"]) + n for p, n in zip(prompts, limits)), "generate")
+        check_window(cfg.model, longest, "generate")
     notes += dropless_notes("model", cfg.model)
     eos = eos_ids(cfg.model.init_from, tokenizer)
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
@@ -231,7 +232,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
         request.draft_cfg = draft_config(args.draft, args.checkpoint, args.speculate, cfg, spec, args.confidence_stop,
                                       args.draft_window, args.compile)
         request.notes += dropless_notes("draft", getattr(request.draft_cfg, "model", None))  # (GliDe: no MoE)
-        request.notes += draft_notes(request.draft_cfg, max(len(p["ids"]) + n for p, n in zip(prompts, limits)))
+        request.notes += draft_notes(request.draft_cfg, longest)
     if args.cape:
         request.cape = _cape_table(args, sampling)
     return request

@@ -81,16 +81,16 @@ def _check_draft_tokenizer(draft: str, theirs: str | None, recorded: str | None,
     its tokenizer `theirs`, so that file may have moved (and an edit to it since says nothing); a draft without
     the record (hf:DIR, or written before longctx recorded it) by its file as it is now. A draft that names no
     tokenizer is checked by its vocabulary alone."""
-    from ..config.tokenizer import tokenizer_file, tokenizer_identity
+    from ..config.tokenizer import stored_identity, tokenizer_identity
 
     if theirs is None:
         return
-    if not recorded and theirs != spec and theirs != "byte" and not tokenizer_file(theirs).is_file():
+    want = stored_identity({"spec": theirs, "identity": recorded})  # (None: no record, and the file has gone)
+    if want is None:
         raise ConfigError(f"--draft {draft} was trained with the tokenizer {theirs}, which no longer exists, and its "
                           f"manifest records not its content (written before longctx recorded it): nothing says it is "
                           f"the target's ({spec}), which a draft must share. Put that tokenizer.json back at {theirs}, "
                           f"or use a draft trained with the target's tokenizer.")
-    want = recorded or tokenizer_identity(theirs)
     given = tokenizer_identity(spec)
     if want != given:
         content = f" ({want}; the target's is {given})" if "byte" not in (want, given) else ""
