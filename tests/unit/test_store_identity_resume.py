@@ -1,9 +1,10 @@
 """A checkpoint's data position records the identity of the store its cursor points into (data/loader.py
 store_identity): a store rebuilt in place with other content but the same number of training samples is
 refused on resume (before, the sample count and the seed were all that was checked, and the run went on
-with its cursor in other data), unless --checkpoint.allow_changes asks to continue on it (said). The same
-content keeps its identity wherever it lies and however often it is rebuilt; a position saved before
-identities were recorded resumes unchecked; with train.stages each stage's position carries its stage's."""
+with its cursor in other data; so is one whose counts all agree but whose text does not), unless
+--checkpoint.allow_changes asks to continue on it (said). The same content keeps its identity wherever it
+lies and however often it is rebuilt; a position saved before identities were recorded resumes unchecked;
+with train.stages each stage's position carries its stage's."""
 
 import json
 import os
@@ -90,6 +91,22 @@ def test_a_store_rebuilt_with_other_content_and_the_same_sample_count_is_refused
     msg = str(e.value)
     assert "rebuilt with other content" in msg and "--checkpoint.allow_changes true" in msg
     assert f"{before.num_tokens:,} tokens" in msg and f"{after.num_tokens:,} tokens" in msg
+
+
+def test_a_store_rebuilt_with_the_same_counts_but_other_text_is_refused(tmp_path):
+    """One document's letters changed in place: every count (files, bytes, documents, tokens, samples) is the
+    same, only the text differs; the identity's digest of the documents' contents tells them apart."""
+    src = trained_run(tmp_path)
+    before = PackedSamples(tmp_path / "s")
+    doc = src / "d03.txt"
+    doc.write_text(doc.read_text().replace("p", "r"))
+    build(src, tmp_path / "s")
+    after = PackedSamples(tmp_path / "s")
+    assert (len(after), after.num_tokens) == (len(before), before.num_tokens)
+    assert after.manifest["parts"][0]["counts"] == before.manifest["parts"][0]["counts"]
+    assert after.identity["identity"] != before.identity["identity"]
+    with pytest.raises(DataError, match="rebuilt with other content"):
+        resume(tmp_path)
 
 
 def test_allow_changes_continues_on_the_new_store_from_the_same_cursor_and_says_so(tmp_path):

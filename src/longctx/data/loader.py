@@ -45,7 +45,7 @@ from ..errors import DataError
 from ..models.flops import forward_flops_per_token
 from .balance import balanced_order
 from .samples import IGNORE, Batch, SampleOrder
-from .store import S_LENGTH, load_split, read_manifest, text_prefix
+from .store import S_LENGTH, load_split, part_documents_digest, read_manifest, text_prefix
 
 
 @dataclass
@@ -57,19 +57,22 @@ class Frames:
     real: np.ndarray | None = None  # bool: token t is a document's, not padding (None: every token)
 
 
-# What says "the same content" of a store (store_identity): its build settings and each part's counts, from the
-# manifest alone (no token array is read). Not its path, the parts' creation times or the stages' timings, so a
-# store moved, or rebuilt from the same inputs with the same settings, keeps its identity; not float statistics
-# (fill rate, homogeneity), which an identical rebuild on other hardware may round differently; and only named
-# count keys, so a builder that records a new count does not change the identity of the same content.
+# What says "the same content" of a store (store_identity): its build settings, each part's counts (from the
+# manifest) and a digest of its documents' contents (store.py part_documents_digest, from the per-document hashes
+# the builder keeps for dedup: 8 bytes a document, never the token arrays). Not its path, the parts' creation
+# times or the stages' timings, so a store moved, or rebuilt from the same inputs with the same settings, keeps
+# its identity; not float statistics (fill rate, homogeneity), which an identical rebuild on other hardware may
+# round differently; and only named count keys, so a builder that records a new count does not change the
+# identity of the same content.
 PART_COUNTS = ("files", "documents_read", "raw_bytes", "exact_duplicates", "near_duplicates", "documents_kept",
                "tokens")
 SPLIT_COUNTS = ("samples", "tokens", "documents")
 
 
-def store_identity(manifest: dict) -> dict:
-    """The store's identity as a data position records it: `identity` (a digest of its settings and
-    each part's inputs and counts) and, to say what differs, its inputs, documents, tokens and train samples."""
+def store_identity(manifest: dict, root: Path | None = None) -> dict:
+    """The store's identity as a data position records it: `identity` (a digest of its settings and each
+    part's inputs, counts and, given the store's `root`, documents' contents) and, to say what differs, its
+    inputs, documents, tokens and train samples."""
     # (every key read with .get: a store written by other tools than the builder may lack the optional ones)
     tok, t = manifest.get("tokenizer", {}), manifest.get("totals", {})
     content = {
@@ -79,7 +82,8 @@ def store_identity(manifest: dict) -> dict:
         "inputs": manifest.get("inputs", []),
         "parts": [{"inputs": p.get("inputs"), "first_doc": p.get("first_doc"),
                    "counts": {k: p.get("counts", {}).get(k) for k in PART_COUNTS},
-                   "splits": {s: {k: c.get(k) for k in SPLIT_COUNTS} for s, c in sorted(p.get("splits", {}).items())}}
+                   "splits": {s: {k: c.get(k) for k in SPLIT_COUNTS} for s, c in sorted(p.get("splits", {}).items())},
+                   "documents": None if root is None else part_documents_digest(root, p)}
                   for p in manifest.get("parts", [])],
     }
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
@@ -142,6 +146,8 @@ class PackedSamples(SampleSet):
         self.seq_len = int(self.manifest["seq_len"])
         self.doc_mask = doc_mask
         self.parts = [a for a in (load_split(self.root, p, split) for p in self.manifest["parts"]) if a is not None]
+        # what a data position records of this store, to know it again on resume: of the store as opened here
+        self.identity = store_identity(self.manifest, self.root)
         counts = [len(a.pointer) - 1 for a in self.parts]
         self.offsets = np.cumsum([0, *counts])
         self.num_samples = int(self.offsets[-1])
@@ -170,11 +176,6 @@ class PackedSamples(SampleSet):
     @property
     def tokenizer_spec(self) -> str:
         return self.manifest["tokenizer"]["spec"]
-
-    @property
-    def identity(self) -> dict:
-        """What a data position records of this store, to know it again on resume (store_identity)."""
-        return store_identity(self.manifest)
 
     @property
     def text_prefix(self) -> list[int]:

@@ -28,6 +28,7 @@ which does not list the unfinished part (the next append removes it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -149,6 +150,23 @@ def _check_split(root: Path, d: Path, split: str, record: dict, a: SplitArrays) 
     if found != (samples, samples, tokens) or (len(a.pointer) and a.pointer[-1] != len(a.segments)):
         raise DataError(f"the store '{root}' is damaged: {d}/{split}.* hold {found[0]} samples ({found[1]} in the "
                         f"index) of {found[2]} tokens, its manifest {samples} samples of {tokens} tokens; rebuild it.")
+
+
+def part_documents_digest(root: Path, part: dict) -> str | None:
+    """A digest of a part's documents' contents: of its exact-duplicate hash per kept document
+    (hashes.npy, 8 bytes a document, read in slices), in order; None where the part has no such file
+    (a store written by another tool)."""
+    path = root / part["dir"] / "hashes.npy"
+    if not path.is_file():
+        return None
+    try:
+        hashes = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DataError(f"the store '{root}' is damaged: {path} cannot be read ({e}); rebuild it.") from None
+    digest = hashlib.blake2b(digest_size=16)
+    for start in range(0, len(hashes), 1 << 20):
+        digest.update(np.ascontiguousarray(hashes[start:start + (1 << 20)]).astype("<u8").tobytes())
+    return digest.hexdigest()
 
 
 def load_part_docs(root: Path, part: dict) -> tuple[np.ndarray, np.ndarray | None]:
