@@ -125,6 +125,29 @@ def test_allow_changes_continues_on_the_new_store_from_the_same_cursor_and_says_
     assert saved_position(tmp_path, 3)["store"] == PackedSamples(tmp_path / "s").identity
 
 
+def test_a_store_of_another_sample_count_is_refused_naming_allow_changes_which_continues_on_it(tmp_path):
+    """Documents added (10 samples where the run drew from 8): refused, saying how to go on anyway; with
+    --checkpoint.allow_changes the cursor indexes the new store's own order (said), and what is saved next
+    is a position in it, drawn on from that cursor."""
+    src = trained_run(tmp_path)
+    for i in (8, 9):
+        (src / f"d{i:02d}.txt").write_text("zz" * 31 + "x")
+    build(src, tmp_path / "s")
+    assert len(PackedSamples(tmp_path / "s")) == 10
+    with pytest.raises(DataError) as e:
+        resume(tmp_path)
+    assert "8 train samples" in str(e.value) and "10 train samples" in str(e.value)
+    assert "--checkpoint.allow_changes true" in str(e.value)
+    said = []
+    trainer = resume(tmp_path, "--checkpoint.allow_changes=true", log=lambda *a, **_: said.append(str(a)))
+    assert trainer.sampler.loader.order.cursor == 4
+    assert any("continuing at sample 4 of epoch 0 of this data's own order" in s for s in said)
+    trainer.run()
+    saved = saved_position(tmp_path, 3)
+    assert (saved["num_samples"], saved["cursor"]) == (10, 6)
+    assert saved["store"] == PackedSamples(tmp_path / "s").identity
+
+
 def test_the_same_store_moved_or_rebuilt_identically_resumes(tmp_path):
     src = trained_run(tmp_path)
     saved = saved_position(tmp_path, 2)["store"]

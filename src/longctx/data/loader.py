@@ -314,10 +314,17 @@ class BatchLoader:
             note = f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
         saved_n = state.get("num_samples")
         if saved_n is not None and int(saved_n) != len(self.samples):
-            raise DataError(
-                f"the checkpoint's data position is for {saved_n} training samples but the data has "
-                f"{len(self.samples)}; resume with the same data (data.path / data.corpus and train.seq_len)."
-            )
+            counts = (f"the checkpoint's data position is for {saved_n} training samples but the data has "
+                      f"{len(self.samples)}")
+            if not allow_changes:
+                raise DataError(
+                    f"{counts}; resume with the same data (data.path / data.corpus and train.seq_len), or add "
+                    f"--checkpoint.allow_changes true to continue on this data from the same cursor.")
+            # the cursor counts samples drawn; on a store of another size it indexes that store's own seeded order
+            # (an epoch of N' samples), so samples drawn before may come again and others not yet
+            epoch, pos = divmod(int(state.get("cursor", 0)), len(self.samples)) if len(self.samples) else (0, 0)
+            note = (f"{note + ' ' if note else ''}{counts}: continuing at sample {pos} of epoch {epoch} of this "
+                    f"data's own order (--checkpoint.allow_changes); samples drawn before may be drawn again.")
         if "seed" in state and int(state["seed"]) != self.order.seed:
             raise DataError(
                 f"the checkpoint's data order was drawn with seed {state['seed']} but this run uses train.seed="
