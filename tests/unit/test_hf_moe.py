@@ -335,7 +335,8 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path):
         (["--model.family=mixtral", "--model.moe.dense_layers=", "--model.ffn_dim=128",
           "--model.moe.router=sinkhorn"], "router=sinkhorn"),
         (["--model.family=qwen3_moe", "--model.qk_norm=true", "--model.moe.shared_dim=32"], "no shared experts"),
-        (["--model.family=qwen2_moe", "--model.qkv_bias=true"], "gated shared expert"),
+        (["--model.family=qwen2_moe", "--model.qkv_bias=true", "--model.moe.shared_dim=32"],
+         "gates its shared expert"),
         ([], "exports as one of mixtral"),  # family llama with experts
     ]:
         model = build_model(load_config(overrides=[*base, *extra]).model)
@@ -350,6 +351,27 @@ def test_export_refuses_what_the_family_cannot_express(tmp_path):
     next(m for m in model.modules() if isinstance(m, MoEFeedForward)).router.expert_bias[0] = 0.5
     with pytest.raises(HFFormatError, match="expert_bias is not zero"):
         save_hf(model, tmp_path / "biased")
+
+
+def test_a_qwen2_moe_without_shared_experts_exports_to_what_transformers_computes(tmp_path):
+    """shared_expert_intermediate_size 0: transformers builds a 0-wide shared expert behind a gate, which adds
+    nothing; longctx reads it as no shared expert, and its export (refused before, with advice the import
+    itself rejected) writes that 0-wide expert, so transformers loads every weight it builds and computes
+    the model's logits."""
+    config = hf_config("qwen2_moe-mlp_only", shared_expert_intermediate_size=0)
+    d, ref = random_hf_dir(tmp_path, config)
+    ours = load_hf(d)
+    assert ours.cfg.resolved_shared_dim == 0 and not ours.cfg.moe_shared_gate
+    assert max_err(ours, ref) <= TOL
+    out = save_hf(ours, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["shared_expert_intermediate_size"] == 0
+    theirs, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                     output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    err = max_err(ours, theirs.eval())
+    print(f"\nqwen2_moe without shared experts: export max |logits diff| = {err:.2e}")
+    assert err <= TOL
+    assert load_hf(out).cfg == ours.cfg
 
 
 def test_expert_count_contradicting_the_weights_is_one_clear_error(tmp_path):

@@ -33,9 +33,10 @@ def export_problems(m) -> list[str]:
     if f == "mixtral" and not m.moe_norm_topk:
         problems.append("mixtral always renormalises the top-k weights (model.moe.norm_topk must be true).")
     shared, dense = m.resolved_shared_dim, parse_layer_list(m.moe_dense_layers) & set(range(m.layers))
-    if f == "qwen2_moe" and not (shared and m.moe_shared_gate):
-        problems.append("qwen2_moe has a gated shared expert in every MoE layer: set model.moe.shared_dim (or "
-                        "shared_experts) and model.moe.shared_gate=true, or export as qwen3_moe.")
+    # (a qwen2_moe of shared_expert_intermediate_size 0 has none: its 0-wide shared expert adds nothing)
+    if f == "qwen2_moe" and shared and not m.moe_shared_gate:
+        problems.append("qwen2_moe gates its shared expert (a sigmoid of the input): set model.moe.shared_gate=true, "
+                        "or export as qwen3_moe (no shared experts).")
     if f != "qwen2_moe" and shared:
         problems.append(f"{f} has no shared experts (model.moe.shared_dim={shared}); qwen2_moe has one.")
     if f in ("mixtral", "olmoe") and dense:

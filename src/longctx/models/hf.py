@@ -272,6 +272,22 @@ def _hf_state(model: Llama, dtype: torch.dtype | None, fused_experts: bool) -> d
             state[f"{prefix}.experts.{e}.{names[which]}"] = v[e].contiguous()
     if model.cfg.family == "mixtral" and not fused_experts:  # the router where transformers 4 has it
         state = {n.replace(".mlp.gate.", ".block_sparse_moe.gate."): t for n, t in state.items()}
+    if model.cfg.family == "qwen2_moe" and not model.cfg.resolved_shared_dim:
+        state.update(_empty_shared_experts(model, next(iter(state.values())).dtype))
+    return state
+
+
+def _empty_shared_experts(model: Llama, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A Qwen2-MoE without shared experts (shared_expert_intermediate_size 0, which transformers builds as a
+    0-wide MLP behind a gate: it adds exactly nothing): its 0-wide projections and a zero gate, so that
+    transformers finds every weight it builds rather than initialising the missing ones at random."""
+    d, state = model.cfg.dim, {}
+    for i in model.cfg.moe_layer_ids:
+        mlp = f"model.layers.{i}.mlp"
+        state.update({f"{mlp}.shared_expert.gate_proj.weight": torch.zeros(0, d, dtype=dtype),
+                      f"{mlp}.shared_expert.up_proj.weight": torch.zeros(0, d, dtype=dtype),
+                      f"{mlp}.shared_expert.down_proj.weight": torch.zeros(d, 0, dtype=dtype),
+                      f"{mlp}.shared_expert_gate.weight": torch.zeros(1, d, dtype=dtype)})
     return state
 
 
