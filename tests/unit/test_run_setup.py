@@ -132,3 +132,23 @@ def test_each_metrics_record_carries_its_interval_mean_loss(tmp_path):
     for r, (a, b) in zip(records, bounds):
         assert r["loss"] == pytest.approx(result.losses[b - 1])
         assert r["loss_mean"] == pytest.approx(sum(result.losses[a:b]) / (b - a)), r["step"]
+        assert r["interval_steps"] == b - a
+
+
+def test_the_first_line_after_a_mid_interval_resume_says_how_many_steps_its_means_cover(tmp_path):
+    """Saved at step 4 with lines every 3 steps: the resumed run's line at step 6 covers steps 5 and 6 only,
+    and says so (interval_steps 2); its loss_mean is theirs."""
+    from longctx.config.resume import load_run_config
+    from longctx.train.trainer import train
+
+    args = [f"--train.run_dir={tmp_path / 'run'}", "--train.seq_len=64", "--train.global_batch=2",
+            "--data.max_docs=50", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
+            "--metrics.log_interval=3", "--checkpoint.interval=4", "--checkpoint.async=false"]
+    train(load_config("configs/debug.toml", [*args, "--train.steps=4"]), log=lambda *a, **k: None)
+    cfg, _ = load_run_config(None, ["--checkpoint.resume=auto", f"--train.run_dir={tmp_path / 'run'}",
+                                    "--train.steps=7"], layout_given=False)
+    result = train(cfg, log=lambda *a, **k: None)
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r.get("kind") == "train"]
+    # (the first run's last step, 4, has its line too)
+    assert [(r["step"], r["interval_steps"]) for r in records] == [(1, 1), (3, 2), (4, 1), (6, 2), (7, 1)]
+    assert records[3]["loss_mean"] == pytest.approx(sum(result.losses[:2]) / 2)

@@ -258,10 +258,10 @@ class Trainer:
         and the mean loss of the interval's steps (every step's loss is read back anyway; a skipped
         step's non-finite one left out), which loss.png draws."""
         losses = loop.result.losses
-        finite = [x for x in losses[min(loop.mean_from, len(losses)):] if math.isfinite(x)]
-        loop.mean_from = len(losses)
-        self.metrics.line(step, loss, grad_norm, lr, {
-            **({"loss_mean": sum(finite) / len(finite)} if finite else {}),
+        interval, loop.mean_from = losses[min(loop.mean_from, len(losses)):], len(losses)
+        finite = [x for x in interval if math.isfinite(x)]
+        self.metrics.line(step, loss, grad_norm, lr, {  # (interval_steps: what loss_mean and router figures cover)
+            **({"loss_mean": sum(finite) / len(finite)} if finite else {}), "interval_steps": len(interval),
             "tokens": tokens_through(self.sampler.stages, step), "seq_len": self.sampler.stage.seq_len,
             "elapsed_s": time.perf_counter() - loop.start,
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
