@@ -142,3 +142,21 @@ def test_the_result_records_every_rope_setting(folder, monkeypatch):
     assert rope["scaling"] == "yarn" and rope["factor"] == 4.0 and rope["original_max_len"] == 128
     assert rope["ms_poe"] is True and rope["ms_poe_max"] == 1.5 and rope["ms_poe_skip_layers"] == 0
     assert rope["theta"] == load_config(overrides=["--model.layers=1"]).model.rope_theta
+
+
+def test_the_rope_record_holds_only_the_settings_the_scaling_reads():
+    """Scaling none records no factor or original length (the defaults 8 and 8192 read as an extension that
+    was not applied); llama3 its four settings; Ms-PoE off, no Ms-PoE ratios."""
+    from longctx.eval.results import rope_record
+
+    def record(*args):
+        return rope_record(load_config(overrides=["--model.layers=1", *args]).model)
+
+    assert set(record("--model.rope_scaling=none")) == {"theta", "scaling", "ms_poe"}
+    assert set(record("--model.rope_scaling=linear", "--model.rope_factor=2")) == {"theta", "scaling", "ms_poe",
+                                                                                 "factor"}
+    llama3 = record("--model.rope_scaling=llama3", "--model.rope_factor=4")
+    assert set(llama3) == {"theta", "scaling", "ms_poe", "factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_len"} and llama3["factor"] == 4.0
+    poe = record("--model.rope_ms_poe=true", "--model.rope_ms_poe_skip_layers=0")
+    assert poe["ms_poe"] is True and {"ms_poe_min", "ms_poe_max", "ms_poe_order", "ms_poe_skip_layers"} <= set(poe)

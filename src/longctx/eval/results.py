@@ -14,10 +14,27 @@ if TYPE_CHECKING:
     from .request import EvalRequest
 
 
+# the model.rope_* settings each rope_scaling reads (beside theta and scaling); the others are inert defaults
+ROPE_SCALING_READS = {
+    "none": (), "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"),
+    "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+             "truncate"),
+}
+
+
+def rope_record(m) -> dict:
+    """What positions the model evaluated with: theta, the scaling and the settings it reads, and Ms-PoE (its
+    settings when on), never a setting the model does not read (a factor of 8 beside scaling none)."""
+    given = {f.name.removeprefix("rope_"): getattr(m, f.name) for f in dataclasses.fields(m)
+             if f.name.startswith("rope_")}
+    read = {"theta", "scaling", "ms_poe", *ROPE_SCALING_READS.get(m.rope_scaling, given)}
+    return {k: v for k, v in given.items() if k in read or (m.rope_ms_poe and k.startswith("ms_poe_"))}
+
+
 def _result_head(request: EvalRequest, args, cfg, layout: dict, dtype) -> dict:
     """The JSON result before its rows: what was evaluated, on what, under which layout ("results" empty)."""
-    rope = {f.name.removeprefix("rope_"): getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)
-            if f.name.startswith("rope_")}  # (theta, scaling, factor, ..., the Ms-PoE settings)
+    rope = rope_record(cfg.model)
     out = {"task": request.task, "mode": request.mode, "checkpoint": args.checkpoint, "model": cfg.model.label,
            "layout": layout, "data": request.source, "tokenizer": request.tokenizer,
            "dtype": str(dtype).removeprefix("torch."), "rope": rope, "results": []}
