@@ -1,6 +1,8 @@
 """What a run sets up before its first step: the eval-split rule and the cached CPU peak."""
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,6 +115,11 @@ def test_the_data_summary_counts_the_eval_split_it_announced(tmp_path):
     assert evals is None and 0 < n < 1024
     assert f"{n:,} eval samples (not evaluated)" in summary
     assert any(f"has {n} samples, fewer than one global batch of 1024" in line for line in said)
+    # the documents each split's tokens come from (one the holdout cuts is in both), from docs.jsonl
+    splits = [json.loads(x)["split"] for part in sorted(Path(path).glob("part-*"))
+              for x in (part / "docs.jsonl").read_text().splitlines()]
+    in_train, in_eval = (sum(s in (name, "both") for s in splits) for name in ("train", "eval"))
+    assert f"{len(splits):,} documents (train tokens from {in_train:,}, eval from {in_eval:,};" in summary
 
 
 def test_each_metrics_record_carries_its_interval_mean_loss(tmp_path):

@@ -20,7 +20,7 @@ from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
 from ..data.loader import PackedSamples
-from ..data.store import read_manifest, text_prefix
+from ..data.store import SPLITS, read_manifest, text_prefix
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError, UserError
@@ -287,7 +287,10 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
         evals = PackedSamples(path, "eval", cfg.data.doc_mask)
     t, tok = manifest["totals"], manifest["tokenizer"]
     fill = manifest["packing"]["train"]["fill_rate"]
-    log(f"data: {path} -> {t['documents']:,} documents ({t['duplicates_removed']:,} duplicates removed), "
+    # (a document the holdout cuts in two is in both splits)
+    in_split = {s: sum(p["splits"].get(s, {}).get("documents", 0) for p in manifest["parts"]) for s in SPLITS}
+    log(f"data: {path} -> {t['documents']:,} documents (train tokens from {in_split['train']:,}, eval from "
+        f"{in_split['eval']:,}; {t['duplicates_removed']:,} duplicates removed), "
         f"{train.num_tokens:,} train tokens in {len(train):,} samples of {cfg.train.seq_len} ({manifest['strategy']}, "
         f"fill {fill:.3f}), {t['eval_samples']:,} eval samples{'' if evals is not None else ' (not evaluated)'} "
         f"({tok['name']} tokenizer, "
