@@ -328,8 +328,8 @@ _PER_PROMPT = ("tau", "acceptance_rate", "mean_k", "tokens_per_s", "baseline_tok
 _MODE_SAID = {"false": "", "true": ", CaPE", "both": ", the chain and CaPE"}
 _ADAPTIVE_SAID = {"false": "", "true": " (at most: adaptive, draft cost {c:.3g})",
                   "both": ", fixed and adaptive (draft cost {c:.3g})"}
-_ZERO = {"kept": 0, "proposed": 0, "chosen": 0, "plain_steps": 0, "passes": 0, "spec_s": 0.0, "plain_s": 0.0,
-         "spec_all": 0.0, "plain_all": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
+_ZERO = {"kept": 0, "unused": 0, "proposed": 0, "chosen": 0, "plain_steps": 0, "passes": 0, "spec_s": 0.0,
+         "plain_s": 0.0, "spec_all": 0.0, "plain_all": 0.0, "tokens": 0, "plain_tokens": 0, "identical": True}
 
 
 def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> list[dict]:
@@ -367,7 +367,7 @@ def _time_prompt(args, target, draft, ids: list[int], sampling, modes: list) -> 
             # the K of every pass (one per round: the policy's choices, or --speculate each time)
             chosen[m] = sum(length.chosen) if adaptive else args.speculate * specs[m].passes
             plain_steps[m] = length.chosen.count(0) if adaptive else 0  # adaptive K's K = 0 rounds
-    return [{"kept": sum(spec.accepted), "proposed": sum(spec.proposed), "chosen": chosen[m],
+    return [{"kept": sum(spec.accepted), "unused": spec.unused, "proposed": sum(spec.proposed), "chosen": chosen[m],
              "plain_steps": plain_steps[m], "passes": spec.passes,
              "spec_s": spec_s[m], "plain_s": plain_s, "spec_all": spec_all[m], "plain_all": plain_all,
              "tokens": _decoded(spec), "plain_tokens": _decoded(plain),
@@ -391,7 +391,8 @@ def _figures(acc: dict) -> dict:
     passes = max(acc["passes"], 1)
     spec_rate = acc["tokens"] / acc["spec_s"] if acc["spec_s"] else 0.0
     plain_rate = acc["plain_tokens"] / acc["plain_s"] if acc["plain_s"] else 0.0
-    return {"tau": (acc["kept"] + acc["passes"]) / passes, "tau_without_bonus": acc["kept"] / passes,
+    emitted = acc["kept"] - acc["unused"]  # (tau: tokens emitted; the acceptance rate: every kept proposal)
+    return {"tau": (emitted + acc["passes"]) / passes, "tau_without_bonus": emitted / passes,
             "acceptance_rate": acc["kept"] / max(acc["proposed"], 1), "proposals_per_pass": acc["proposed"] / passes,
             "mean_k": acc["chosen"] / passes, "plain_step_share": acc["plain_steps"] / passes,
             "tokens_per_s": spec_rate,

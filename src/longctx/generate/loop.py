@@ -181,6 +181,7 @@ class _Book:
         self.decode_s = [0.0] * n
         self.accepted: list[list[int]] = [[] for _ in range(n)]
         self.proposed: list[list[int]] = [[] for _ in range(n)]
+        self.unused = [0] * n
 
     def take(self, taken: Round, t0: float) -> bool:
         """Each live row takes its tokens of the round; whether every row has now ended."""
@@ -197,6 +198,10 @@ class _Book:
             for j, token in enumerate(host[r]):
                 if self._token(r, token, None if chosen_lp is None else chosen_lp[r][j],
                                None if tops is None else tops[r][j]):
+                    # the row ended on its round's token j (EOS, a stop, its limit): the kept proposals after it
+                    # were verified but not emitted, so tau (tokens per pass) leaves them out
+                    if taken.kept is not None:
+                        self.unused[r] = max(0, taken.kept[r] - j)
                     break
         return all(x is not None for x in self.reason)
 
@@ -226,7 +231,7 @@ class _Book:
             results[row.index] = Result(
                 len(self.prompts[r]), self.tokens[r], self.reason[r], row.prefill_s, self.decode_s[r], row.sample,
                 row.seed, self.lps[r] if self.logprobs is not None else None, self.tops[r] if self.logprobs else None,
-                self.accepted[r], self.proposed[r])
+                self.accepted[r], self.proposed[r], self.unused[r])
         return results
 
 

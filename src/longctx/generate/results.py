@@ -22,6 +22,7 @@ class Result:
     # speculative decoding, per target pass (a round): the proposals kept and made (plain decoding: none)
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)
+    unused: int = 0  # kept proposals of the last pass after the row's end (EOS, stop, limit): verified, not emitted
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -41,5 +42,6 @@ class Result:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per target pass, the replaced or bonus token included."""
-        return (sum(self.accepted) + self.passes) / max(self.passes, 1)
+        """Mean tokens emitted per target pass, the replaced or bonus token included (the last pass's kept
+        proposals after the end not: `unused`)."""
+        return (sum(self.accepted) - self.unused + self.passes) / max(self.passes, 1)
