@@ -225,3 +225,25 @@ def test_bench_decode_says_generates_dropless_note_for_a_capacity_target(tmp_pat
         main(["bench", "decode", "--target", "t", "--draft", "d"])
     err = " ".join(capsys.readouterr().err.split())
     assert "note: the model generates dropless: its moe.capacity_factor 1.25 is left out" in err, err[-800:]
+
+
+@pytest.mark.parametrize("task, advice", [("ppl", "drop --context-memory"), ("passkey", "add --mode generate")])
+def test_eval_context_memory_outside_generate_mode_gives_advice_the_task_takes(tmp_path, task, advice):
+    """ppl has no generate mode (refused there): its refusal of --context-memory once said "add --mode generate"."""
+    pytest.importorskip("transformers")
+    import test_hf
+    from test_tokenizer_follows_model import bpe_tokenizer
+
+    from longctx.cli import build_parser
+    from longctx.eval.request import prepare
+
+    d, _ = test_hf.random_hf_dir(tmp_path, test_hf.hf_config("mistral", sliding_window=None))
+    bpe_tokenizer(d / "tokenizer.json")
+    text = tmp_path / "text.py"
+    text.write_text("def f(x):\n    return x + 1\n" * 60)
+    args, rest = build_parser("eval").parse_known_args(
+        ["eval", "--checkpoint", f"hf:{d}", "--task", task, "--data", str(text), "--samples", "1",
+         "--lengths", "64", "--context-memory", "infllm"])
+    with pytest.raises(ConfigError) as e:
+        prepare(args, rest, 1)
+    assert advice in _said(e)

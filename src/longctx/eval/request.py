@@ -201,8 +201,10 @@ def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):
     from ..generate.context_memory import check_reach, memory_shape
 
     if mode != "generate":
-        raise ConfigError("--context-memory infllm is a way of decoding: add --mode generate (--mode score's one "
-                          "teacher-forced pass attends to every position).")
+        how = ("drop --context-memory: --task ppl scores every token in one teacher-forced pass, which "
+               "attends to every position" if args.task == "ppl" else
+               "add --mode generate (--mode score's one teacher-forced pass attends to every position)")
+        raise ConfigError(f"--context-memory infllm is a way of decoding: {how}.")
     shape = memory_shape(argparse.Namespace(**{**vars(args), "nproc": nproc, "draft": "", "compile": False}), cfg)
     check_reach(shape, model_reach(cfg.model))
     if batch != 1:
