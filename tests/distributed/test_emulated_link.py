@@ -43,40 +43,56 @@ def test_three_levels_put_each_peer_on_its_link_and_a_ring_on_its_slowest():
     assert ring.hops == {"group": 0, "intra": 1_000_000, "inter": 0}
 
 
-def _timings(rows_per_peer: int, ranks_per_node: int):
+def _timings(rows_per_peer: int, ranks_per_node: int, repeats: int = 3):
+    """Each figure the least of `repeats` tries: a measured time is the link's modelled time plus whatever the
+    machine adds (a rank descheduled after the barrier, so its peer waits for it in the real transfer; an
+    oversleep), never less, and on a loaded 2-core machine one try in several takes tens of ms more."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("expert",))["expert"]
     x = torch.ones(2 * rows_per_peer, ROW)
     rows = [rows_per_peer, rows_per_peer]
     comm.all_to_all_v(x, mesh, rows, rows)  # warm-up, not emulated
-    out = {}
     with emulate(LinkProfile(ranks_per_node=ranks_per_node, **PROFILE)) as emu:
-        comm.barrier(mesh)
-        t0 = time.monotonic()
-        got = comm.all_to_all_v(x, mesh, rows, rows)
-        out["blocking_s"] = time.monotonic() - t0
-        assert torch.equal(got, x)
-        comm.barrier(mesh)
-        t0 = time.monotonic()
-        pending = comm.all_to_all_v_async(x, mesh, rows, rows)
-        issued = time.monotonic() - t0
-        t1 = time.monotonic()
-        time.sleep(0.05)  # computation meanwhile
-        out["computed_s"] = time.monotonic() - t1  # (a loaded machine may oversleep)
-        before = emu.exposed_s
-        pending.wait()
-        out["async_s"], out["async_issue_s"] = time.monotonic() - t0, issued
-        out["async_exposed_s"] = emu.exposed_s - before
-        comm.barrier(mesh)
-        t0 = time.monotonic()
-        first, second = (comm.all_to_all_v_async(x, mesh, rows, rows) for _ in range(2))
-        first.wait()
-        second.wait()
-        out["two_s"] = time.monotonic() - t0
-        t = torch.ones(rows_per_peer, ROW)
-        comm.barrier(mesh)
-        t0 = time.monotonic()
-        comm.all_reduce(t, mesh)
-        out["all_reduce_s"] = time.monotonic() - t0
+        tries = [_timed_once(emu, mesh, x, rows, rows_per_peer) for _ in range(repeats)]
+    out = {k: min(t[k] for t in tries) for k in ("blocking_s", "two_s", "all_reduce_s")}
+    # the asynchronous figures belong together (the transfer against the computation of the same try): the
+    # try that ran closest to its model
+    out.update(min(({k: t[k] for k in ASYNC} for t in tries),
+                   key=lambda t: t["async_s"] - max(0.1, t["async_issue_s"] + t["computed_s"])))
+    return out
+
+
+ASYNC = ("computed_s", "async_s", "async_issue_s", "async_exposed_s")
+
+
+def _timed_once(emu, mesh, x, rows, rows_per_peer):
+    out = {}
+    comm.barrier(mesh)
+    t0 = time.monotonic()
+    got = comm.all_to_all_v(x, mesh, rows, rows)
+    out["blocking_s"] = time.monotonic() - t0
+    assert torch.equal(got, x)
+    comm.barrier(mesh)
+    t0 = time.monotonic()
+    pending = comm.all_to_all_v_async(x, mesh, rows, rows)
+    issued = time.monotonic() - t0
+    t1 = time.monotonic()
+    time.sleep(0.05)  # computation meanwhile
+    out["computed_s"] = time.monotonic() - t1  # (a loaded machine may oversleep)
+    before = emu.exposed_s
+    pending.wait()
+    out["async_s"], out["async_issue_s"] = time.monotonic() - t0, issued
+    out["async_exposed_s"] = emu.exposed_s - before
+    comm.barrier(mesh)
+    t0 = time.monotonic()
+    first, second = (comm.all_to_all_v_async(x, mesh, rows, rows) for _ in range(2))
+    first.wait()
+    second.wait()
+    out["two_s"] = time.monotonic() - t0
+    t = torch.ones(rows_per_peer, ROW)
+    comm.barrier(mesh)
+    t0 = time.monotonic()
+    comm.all_reduce(t, mesh)
+    out["all_reduce_s"] = time.monotonic() - t0
     return out
 
 

@@ -224,7 +224,8 @@ def write_corpus(d, texts):
         (d / f"doc{i:04d}.txt").write_text(t)
 
 
-@settings(max_examples=12, deadline=None)
+# (derandomize: the same examples on every run, so a CI run cannot fail on a draw no other run made)
+@settings(max_examples=12, deadline=None, derandomize=True)
 @given(sizes=st.lists(st.integers(1, 400), min_size=1, max_size=25), seq_len=st.sampled_from([32, 100, 256]),
        strategy=st.sampled_from(["concat", "bfd", "datasculpt"]), seed=st.integers(0, 1000),
        eval_fraction=st.sampled_from([0.0, 0.3]))

@@ -66,7 +66,8 @@ def cases(draw):
     return ids_from_lengths(lengths, draw(st.integers(0, 3))), ctx, head
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# (derandomize: the same examples on every run, so a CI run cannot fail on a draw no other run made)
+@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_exact_partition_sorted_and_never_worse_than_zigzag(case):
     doc_ids, ctx, head = case

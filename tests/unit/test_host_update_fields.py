@@ -33,4 +33,7 @@ def test_the_forwards_wait_for_the_host_update_is_on_the_line(tmp_path):
     for r in lines[1:]:
         # the first forward unit alone waits its own update's UNIT_S; the whole update takes units x UNIT_S
         assert r["host_step_s"] >= units * UNIT_S * 0.9, r
-        assert UNIT_S * 0.8 <= r["host_exposed_s"] <= r["host_step_s"] + 0.01, r
+        # (the forward's wait also takes in its thread's wake-up after the last unit's ready, which host_step_s,
+        # written before it, does not: tens of ms on a loaded machine; an exposure summed over two updates
+        # would read twice host_step_s)
+        assert UNIT_S * 0.8 <= r["host_exposed_s"] <= r["host_step_s"] + 0.05, r

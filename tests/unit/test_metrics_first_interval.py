@@ -50,7 +50,8 @@ def test_an_evaluations_clock_starts_after_the_devices_queued_work(tmp_path, mon
     before = time.perf_counter()
     assert logger.now() - before >= 0.2 and calls == [logger.device]
     logger.device = torch.device("cpu")
-    assert logger.now() - before < 0.3 and len(calls) == 1  # (nothing queued on the CPU)
+    before = time.perf_counter()  # (timed alone: the CUDA call's oversleep above is not this call's)
+    assert logger.now() - before < 0.2 and len(calls) == 1  # (nothing queued on the CPU)
 
     # the trainer's evaluations start their clock there
     started = []

@@ -51,7 +51,8 @@ def check_exact_cover(p, docs, seq_len):
 doc_sets = st.lists(st.integers(min_value=1, max_value=300), min_size=1, max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+# (derandomize: the same examples on every run, so a CI run cannot fail on a draw no other run made)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(lengths=doc_sets, seq_len=st.integers(min_value=2, max_value=128), seed=st.integers(0, 10_000),
        strategy=st.sampled_from(["concat", "bfd", "datasculpt"]))
 def test_every_token_exactly_once_in_order(lengths, seq_len, seed, strategy):
@@ -66,7 +67,7 @@ def test_every_token_exactly_once_in_order(lengths, seq_len, seed, strategy):
     check_exact_cover(p, docs, seq_len)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(lengths=doc_sets, seq_len=st.integers(min_value=8, max_value=128), seed=st.integers(0, 10_000))
 def test_bfd_and_datasculpt_cut_only_documents_longer_than_seq_len(lengths, seq_len, seed):
     rng = np.random.default_rng(seed)

@@ -83,7 +83,7 @@ def test_lines_can_be_turned_off(capsys, monkeypatch):
 def test_an_error_ends_the_phase_without_a_done_line(capsys):
     with pytest.raises(RuntimeError):
         with phase("failing"):
-            time.sleep(0.3)
+            time.sleep(3 * INTERVAL)  # a heartbeat is due at INTERVAL: room for a late wake-up of its thread
             raise RuntimeError("stop")
     lines = _lines(capsys)
     assert lines and not any("done in" in line for line in lines)
@@ -94,7 +94,10 @@ def test_durations_read_as_times():
     assert [duration(s) for s in (4.4, 59.6, 61, 3725)] == ["4s", "1m00s", "1m01s", "1h02m"]
 
 
-def test_a_caller_that_logs_often_gets_no_heartbeat_between(capsys):
+def test_a_caller_that_logs_often_gets_no_heartbeat_between(capsys, monkeypatch):
+    # quiet of 0.5 s: a 0.1 s sleep that overslept by 0.1 s (a loaded machine) is not a silence, yet the
+    # phase (0.6 s) runs longer than one, so a heartbeat would come if said() did not restart the quiet
+    monkeypatch.setenv(progress.INTERVAL_ENV, "0.5")
     with phase("training", total=6, unit="steps", done_line=False) as p:
         for _ in range(6):
             time.sleep(0.1)

@@ -5,11 +5,11 @@ proposals verified but not emitted; tau once counted them (a self-draft at K = 4
 tokens per pass reported, 3.0 emitted). The acceptance rate, a property of the draft, still counts them."""
 
 import pytest
+from test_speculative import _model, _prompt
 
 from longctx.generate.drafters import ModelDrafter
 from longctx.generate.engine import generate
 from longctx.generate.speculative import speculative_generate
-from test_speculative import _model, _prompt
 
 
 def decoded(r) -> int:
