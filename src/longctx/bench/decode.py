@@ -15,8 +15,9 @@ tokenizer), else the first documents of --data's eval split (default: the defaul
 held-out text files, each one document) that hold the longest of --lengths, one span each, cut to
 every length by its last tokens: the prompts of every length continue the same text.
 JSON on stdout, per length and overall:
-- tau: tokens per target pass, the replaced or bonus token included; tau_without_bonus: kept
-  proposals per pass; acceptance_rate: kept proposals over proposals made;
+- tau: tokens emitted per target pass, the replaced or bonus token included; tau_without_bonus: kept
+  proposals emitted per pass (not a last pass's kept past the end); acceptance_rate: kept proposals
+  (all) over proposals made;
 - tokens_per_s (speculative) and baseline_tokens_per_s (plain): new tokens per second of decoding
   (all but the first, which the prefill's logits give), i.e. over the wall time after the target's
   prefill (the same work in both; a draft's own pass over the prompt comes after it and counts), and

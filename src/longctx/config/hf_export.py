@@ -35,8 +35,8 @@ def export_problems(m) -> list[str]:
     shared, dense = m.resolved_shared_dim, parse_layer_list(m.moe_dense_layers) & set(range(m.layers))
     # (a qwen2_moe of shared_expert_intermediate_size 0 has none: its 0-wide shared expert adds nothing)
     if f == "qwen2_moe" and shared and not m.moe_shared_gate:
-        problems.append("qwen2_moe gates its shared expert (a sigmoid of the input): set model.moe.shared_gate=true, "
-                        "or export as qwen3_moe (no shared experts).")
+        problems.append("qwen2_moe gates its shared expert (a sigmoid of the input), and no family has an ungated "
+                        "one: train with model.moe.shared_gate=true, or without shared experts (then qwen3_moe too).")
     if f != "qwen2_moe" and shared:
         problems.append(f"{f} has no shared experts (model.moe.shared_dim={shared}); qwen2_moe has one.")
     if f in ("mixtral", "olmoe") and dense:

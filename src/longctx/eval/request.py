@@ -173,9 +173,10 @@ def _check_flags(args) -> None:
         raise ConfigError(f"{unused[0]} sets {which}, which --task {args.task} does not have; drop it.")
     memory = unused_memory_flags(args)
     if memory:
+        # (ppl has no generate mode, so no memory to size: only the drop applies)
+        use = "" if args.task == "ppl" else "add --mode generate --context-memory infllm, or "
         raise ConfigError(f"{', '.join(memory)} size{'s' * (len(memory) == 1)} InfLLM's context memory, which this "
-                          f"run does not use: add --mode generate --context-memory infllm, or drop "
-                          f"{'it' if len(memory) == 1 else 'them'}.")
+                          f"run does not use: {use}drop {'it' if len(memory) == 1 else 'them'}.")
     if args.split != "eval" and args.data and not Path(args.data).is_dir():  # (a store's split; text has none)
         raise ConfigError(f"--split {args.split} picks a store's split, but --data {args.data} is text, read whole; "
                           f"drop --split, or pass a store built by `longctx data build`.")

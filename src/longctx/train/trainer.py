@@ -227,8 +227,8 @@ class Trainer:
                 try:
                     loss, grad_norm = self._read_back(loop.unread, loop.result)
                 except BadStep as bad:  # train.on_nonfinite = rollback
-                    step = self._roll_back(bad, loop.result)
-                    loop.mean_from = min(loop.mean_from, len(loop.result.losses))
+                    # a new interval, as the router figures' (hooks.rolled_back): no rolled-back loss in a mean
+                    step, loop.mean_from = self._roll_back(bad, loop.result), len(loop.result.losses)
                     continue
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
