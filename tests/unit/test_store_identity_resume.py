@@ -109,6 +109,22 @@ def test_a_store_rebuilt_with_the_same_counts_but_other_text_is_refused(tmp_path
         resume(tmp_path)
 
 
+def test_a_store_built_before_the_digest_was_recorded_has_the_same_identity(tmp_path):
+    """The builder records each part's documents digest in the manifest (no hashes.npy read at open); a
+    manifest without it (a store built before) gets the same digest from hashes.npy, and so the same identity."""
+    from longctx.data.store import MANIFEST, documents_digest
+
+    a, _ = two_stores(tmp_path)
+    root = build(a, tmp_path / "s")
+    manifest = json.loads((root / MANIFEST).read_text())
+    [part] = manifest["parts"]
+    assert part["documents_digest"] == documents_digest(root / part["dir"]) is not None
+    recorded = PackedSamples(root).identity
+    del part["documents_digest"]
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    assert PackedSamples(root).identity == recorded
+
+
 def test_allow_changes_continues_on_the_new_store_from_the_same_cursor_and_says_so(tmp_path):
     src = trained_run(tmp_path)
     cursor = saved_position(tmp_path, 2)["cursor"]

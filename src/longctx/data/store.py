@@ -153,16 +153,21 @@ def _check_split(root: Path, d: Path, split: str, record: dict, a: SplitArrays) 
 
 
 def part_documents_digest(root: Path, part: dict) -> str | None:
-    """A digest of a part's documents' contents: of its exact-duplicate hash per kept document
-    (hashes.npy, 8 bytes a document, read in slices), in order; None where the part has no such file
-    (a store written by another tool)."""
-    path = root / part["dir"] / "hashes.npy"
+    """A digest of a part's documents' contents: the one its manifest record holds (`documents_digest`, which
+    the builder writes), else (a store built before) of its hashes.npy (documents_digest)."""
+    return part.get("documents_digest") or documents_digest(root / part["dir"])
+
+
+def documents_digest(part_dir: Path) -> str | None:
+    """A digest of the exact-duplicate hash of each document a part keeps (hashes.npy, 8 bytes a document,
+    read in slices), in order; None where the part has no such file (a store written by another tool)."""
+    path = part_dir / "hashes.npy"
     if not path.is_file():
         return None
     try:
         hashes = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
-        raise DataError(f"the store '{root}' is damaged: {path} cannot be read ({e}); rebuild it.") from None
+        raise DataError(f"the store part '{part_dir}' is damaged: {path} cannot be read ({e}); rebuild it.") from None
     digest = hashlib.blake2b(digest_size=16)
     for start in range(0, len(hashes), 1 << 20):
         digest.update(np.ascontiguousarray(hashes[start:start + (1 << 20)]).astype("<u8").tobytes())

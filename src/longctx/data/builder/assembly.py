@@ -335,6 +335,8 @@ class Assembly:
             "documents": len(self.kept),
             "first_doc": self.doc_base,
             "dedup_version": DEDUP_VERSION,  # how its hashes and signatures were made (dedup.py), for appends
+            # its documents' contents, which a data position's store identity reads (data/loader.py)
+            "documents_digest": store.documents_digest(self.root / name),
             "counts": {
                 "files": self.files, "documents_read": self.documents_read,
                 "skipped": dict(sorted(self.skipped.items())), "damaged_files": self.damaged,
