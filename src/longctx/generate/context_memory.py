@@ -126,16 +126,6 @@ def check_prompts(shape: InfLLMShape, prompts: list[dict]) -> None:
                           f"hold anything. Use {fix} or drop --context-memory.")
 
 
-def check_shape(shape: InfLLMShape) -> InfLLMShape:
-    """`shape` if the command would take it, else a ValueError naming every problem: the backends' own
-    check, for library callers (a `repr` of 0 made every unit score 0, so top-k took units by index
-    whatever the query; a `topk` of 0 retrieved nothing; both ran without a word)."""
-    problems = shape.problems()
-    if problems:
-        raise ValueError("InfLLM context memory: " + "; ".join(problems))
-    return shape
-
-
 def memory_backend(shape: InfLLMShape, layout_backend):
     """InfLLM's backend on this process's layout: the one device's, or, on the ranks of a ctx layout
     (generate/sharded.py ShardedGeneration), the memory sharded over them (generate/sharded_infllm.py)."""
@@ -154,7 +144,7 @@ class InfLLMGeneration:
     cache's (tests read its keys_read)."""
 
     def __init__(self, shape: InfLLMShape):
-        self.shape = check_shape(shape)
+        self.shape = shape.checked()
         self.memory: InfLLMMemory | None = None
 
     def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:

@@ -44,7 +44,6 @@ from ..models.context_memory import (
     unit_scores,
 )
 from ..ops.attention import merge_partials
-from .context_memory import check_shape
 from .sharded import merge_over_ctx
 
 
@@ -240,7 +239,7 @@ class ShardedInfLLMGeneration:
     rank prefills the prompt in chunks and decodes the same tokens; each holds its units."""
 
     def __init__(self, shape: InfLLMShape, mesh):
-        self.shape, self.mesh = check_shape(shape), mesh
+        self.shape, self.mesh = shape.checked(), mesh
         self.memory: ShardedInfLLMCache | None = None
 
     def cache(self, model, batch: int, max_len: int, core=None) -> ShardedInfLLMCache:

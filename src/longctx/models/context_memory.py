@@ -87,6 +87,15 @@ class InfLLMShape:
                        f"{max(1, self.window // self.block) * self.block})")
         return out
 
+    def checked(self) -> InfLLMShape:
+        """This shape if the command would take it, else a ValueError naming every problem: the backends' own
+        check, for library callers (a `repr` of 0 made every unit score 0, so top-k took units by index
+        whatever the query; a `topk` of 0 retrieved nothing; both ran without a word)."""
+        problems = self.problems()
+        if problems:
+            raise ValueError("InfLLM context memory: " + "; ".join(problems))
+        return self
+
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x [b, s, heads, d] turned by RoPE's angle at `positions` [b or 1, s] (negative: turned back),

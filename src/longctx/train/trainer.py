@@ -10,7 +10,7 @@ ranks with different numbers of valid tokens are weighted exactly as one large b
 
 What is set up before the first step lives in setup.py (run directory, data, checkpoints) and
 model.py (the parallelised model); the pieces of a step the planner also uses (optimizer,
-schedule, loss forward, clipping) in step.py; what a metrics line says in metrics.py. What a step
+schedule, loss forward, clipping) in the step/ package; what a metrics line says in metrics.py. What a step
 does beside the loss is done by step hooks called at fixed points (hooks.py; the MoE routers'
 bookkeeping: moe_hooks.py), LONGCTX_FAULT's faults by a wrapper around the step
 (fault_injection.py); when to save in saves.py, what watches the loop in watch.py.
