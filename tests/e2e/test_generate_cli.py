@@ -404,8 +404,8 @@ def test_compile_gives_the_same_lines(hf_model, draft_dirs, tmp_path):
     d, _ = hf_model
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["import os\nimport sys\n", "class A:"]) + "\n")
-    common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "16", "--batch", "2"]
-    for extra in ([], ["--draft", f"hf:{draft_dirs['small']}", "--speculate", "3"]):
+    common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "16"]
+    for extra in (["--batch", "2"], ["--draft", f"hf:{draft_dirs['small']}", "--speculate", "3"]):
         _run(*common, *extra, "--output", str(tmp_path / "eager.jsonl"))
         r = _run(*common, *extra, "--compile", "--output", str(tmp_path / "compiled.jsonl"))
         assert "ran compiled in the warm-up" in r.stderr

@@ -247,3 +247,20 @@ def test_eval_context_memory_outside_generate_mode_gives_advice_the_task_takes(t
     with pytest.raises(ConfigError) as e:
         prepare(args, rest, 1)
     assert advice in _said(e)
+
+
+@pytest.mark.parametrize("alone", [["--draft", "DRAFT"], ["--context-memory", "infllm"]])
+def test_a_batch_given_with_speculation_or_the_memory_is_refused(tmp_path, alone):
+    """Both decode one prompt at a time: a --batch given with them was ignored (eval refuses it with the
+    memory); its default, or 1, is no mistake."""
+    d = _llama_dir(tmp_path / "hf")
+    alone = [f"hf:{d}" if a == "DRAFT" else a for a in alone]
+    with pytest.raises(ConfigError) as e:
+        _prepare(d, "--prompt", "hello", *alone, "--batch", "4")
+    which = "--draft" if alone[0] == "--draft" else "--context-memory infllm"
+    assert _said(e) == f"--batch 4 does nothing with {which}, which decodes one prompt at a time: drop it."
+    for batch in ("8", "1"):
+        try:
+            _prepare(d, "--prompt", "hello", *alone, "--batch", batch)
+        except ConfigError as other:  # (a later check may refuse the stand-in model, never the batch)
+            assert "--batch" not in str(other)

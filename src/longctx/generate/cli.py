@@ -44,7 +44,7 @@ from .. import threads
 from ..errors import ConfigError
 from ..progress import say
 from .context_memory import add_flags as add_context_memory_flags
-from .settings import add_sampling_flags
+from .settings import DEFAULT_BATCH, add_sampling_flags
 
 
 def add_parser(sub) -> None:
@@ -92,7 +92,8 @@ def add_parser(sub) -> None:
                         "own continuations, usable as data.corpus)")
     p.add_argument("--prefill-chunk", type=int, default=4096,
                    help="prompt tokens per prefill call (memory grows with it, never with the prompt squared)")
-    p.add_argument("--batch", type=int, default=8, help="prompts decoded together (default 8)")
+    p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                   help=f"prompts decoded together (default {DEFAULT_BATCH}; one at a time with --draft or InfLLM)")
     p.add_argument("--nproc", type=int, default=1,
                    help="local processes through torchrun, the cache sharded over their --parallel.head x "
                         "--parallel.ctx layout (default 1; 2D when no degree is given)")

@@ -43,6 +43,7 @@ SAMPLING_FLAGS = (
 # generation_config.json keys read, and the Sampling field (or max_new_tokens) each sets
 FILE_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_BATCH = 8  # --batch: prompts decoded together
 # generation_config.json keys that change the tokens transformers' generate chooses and that longctx does
 # not apply, with the value that changes nothing (transformers' default; None: absent); True: a
 # sampling warper (it matters only when decoding samples)
@@ -173,6 +174,11 @@ def check_run_flags(args) -> None:
             one = len(unused) == 1
             raise ConfigError(f"{', '.join(unused)} {'does' if one else 'do'} nothing without {need}: add it, or "
                               f"drop {'it' if one else 'them'}.")
+    memory = getattr(args, "context_memory", "none") == "infllm"
+    alone = "--draft" if args.draft else "--context-memory infllm" if memory else None
+    batch = given_flags(args, {"batch": DEFAULT_BATCH})
+    if alone and batch and args.batch > 1:  # (as eval refuses it with the memory; 1 is what runs)
+        raise ConfigError(f"{batch[0]} does nothing with {alone}, which decodes one prompt at a time: drop it.")
     check_output_path("--output", args.output, {"--prompts": args.prompts})
 
 
