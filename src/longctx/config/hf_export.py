@@ -10,6 +10,18 @@ from typing import Any
 from .hf import FAMILIES, HFFormatError
 from .schema import MOE_FAMILIES, parse_layer_list
 
+# the model.rope_* settings each model.rope_scaling reads (beside theta; models/llama.py), each with the name
+# config.json's rope_scaling gives it; eval's result records the same (eval/results.py rope_record)
+ROPE_SCALING_READS: dict[str, dict[str, str]] = {
+    "none": {}, "linear": {"factor": "factor"},
+    "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+               "original_max_len": "original_max_position_embeddings"},
+    "yarn": {"factor": "factor", "original_max_len": "original_max_position_embeddings", "beta_fast": "beta_fast",
+             "beta_slow": "beta_slow", "truncate": "truncate", "mscale": "mscale", "mscale_all_dim": "mscale_all_dim",
+             "attention_factor": "attention_factor"},
+}
+_ZERO_IS_UNSET = ("mscale", "mscale_all_dim", "attention_factor")  # (yarn's: written only when set)
+
 
 def export_problems(m) -> list[str]:
     """Why the [model] `m` (a ModelConfig) cannot be written as its family's config.json: what
@@ -120,18 +132,10 @@ def hf_config_from_model(m, dtype_name: str = "float32", trained: int = 0) -> di
     (and saves rope_parameters alone); a file with both means whichever rope_scaling says, so a
     rope_scaling added later (Qwen's model cards' YaRN) must not sit beside a stale rope_parameters."""
     rope: dict[str, Any] = {"rope_type": "default" if m.rope_scaling == "none" else m.rope_scaling}
-    if m.rope_scaling in ("linear", "llama3", "yarn"):
-        rope["factor"] = m.rope_factor
-    if m.rope_scaling == "llama3":
-        rope.update(low_freq_factor=m.rope_low_freq_factor, high_freq_factor=m.rope_high_freq_factor,
-                    original_max_position_embeddings=m.rope_original_max_len)
-    if m.rope_scaling == "yarn":
-        rope.update(original_max_position_embeddings=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
-                    beta_slow=m.rope_beta_slow, truncate=m.rope_truncate)
-        for key, value in (("mscale", m.rope_mscale), ("mscale_all_dim", m.rope_mscale_all_dim),
-                           ("attention_factor", m.rope_attention_factor)):
-            if value:
-                rope[key] = value
+    for ours, theirs in ROPE_SCALING_READS[m.rope_scaling].items():
+        value = getattr(m, f"rope_{ours}")
+        if value or ours not in _ZERO_IS_UNSET:
+            rope[theirs] = value
     problems = export_problems(m)
     if problems:
         raise HFFormatError(f"this model cannot be written as a Hugging Face {m.family}: {' '.join(problems)}")

@@ -8,19 +8,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from ..config.hf_export import ROPE_SCALING_READS
 from ..progress import say
 
 if TYPE_CHECKING:
     from .request import EvalRequest
-
-
-# the model.rope_* settings each rope_scaling reads (beside theta and scaling); the others are inert defaults
-ROPE_SCALING_READS = {
-    "none": (), "linear": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"),
-    "yarn": ("factor", "original_max_len", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
-             "truncate"),
-}
 
 
 def rope_record(m) -> dict:
@@ -28,7 +20,7 @@ def rope_record(m) -> dict:
     settings when on), never a setting the model does not read (a factor of 8 beside scaling none)."""
     given = {f.name.removeprefix("rope_"): getattr(m, f.name) for f in dataclasses.fields(m)
              if f.name.startswith("rope_")}
-    read = {"theta", "scaling", "ms_poe", *ROPE_SCALING_READS.get(m.rope_scaling, given)}
+    read = {"theta", "scaling", "ms_poe", *ROPE_SCALING_READS[m.rope_scaling]}
     return {k: v for k, v in given.items() if k in read or (m.rope_ms_poe and k.startswith("ms_poe_"))}
 
 
