@@ -322,7 +322,7 @@ class BatchLoader:
                     f"--checkpoint.allow_changes true to continue on this data from the same cursor.")
             # the cursor counts samples drawn; on a store of another size it indexes that store's own seeded order
             # (an epoch of N' samples), so samples drawn before may come again and others not yet
-            epoch, pos = divmod(int(state.get("cursor", 0)), len(self.samples)) if len(self.samples) else (0, 0)
+            epoch, pos = divmod(int(state.get("cursor", 0)), len(self.samples))  # (a loader has samples)
             note = (f"{note + ' ' if note else ''}{counts}: continuing at sample {pos} of epoch {epoch} of this "
                     f"data's own order (--checkpoint.allow_changes); samples drawn before may be drawn again.")
         if "seed" in state and int(state["seed"]) != self.order.seed:

@@ -258,7 +258,7 @@ class Trainer:
         and the mean loss of the interval's steps (every step's loss is read back anyway; a skipped
         step's non-finite one left out), which loss.png draws."""
         losses = loop.result.losses
-        interval, loop.mean_from = losses[min(loop.mean_from, len(losses)):], len(losses)
+        interval, loop.mean_from = losses[loop.mean_from:], len(losses)  # (a rollback's cut resets mean_from)
         finite = [x for x in interval if math.isfinite(x)]
         self.metrics.line(step, loss, grad_norm, lr, {  # (interval_steps: what loss_mean and router figures cover)
             **({"loss_mean": sum(finite) / len(finite)} if finite else {}), "interval_steps": len(interval),
