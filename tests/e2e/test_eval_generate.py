@@ -106,6 +106,20 @@ def test_generate_is_the_same_under_head_2_x_ctx_2(memorised, text_file, plain_g
 
 
 @pytest.mark.slow
+def test_generate_under_head_2_x_ctx_2_takes_any_length(memorised, text_file, tmp_path):
+    """A length that training's zigzag split over head 2 x ctx 2 refuses (250 is not a multiple of 8) runs
+    in generate mode, which pads its prompts itself, and answers as one process does (score mode still
+    refuses it: tests/e2e/test_eval_cli.py)."""
+    odd = ["--lengths", "250", *EVAL[EVAL.index("--depths"):]]
+    args = ["--task", "passkey", *odd, "--data", str(text_file), "--mode", "generate"]
+    one = _eval(memorised, tmp_path / "g1.json", *args)
+    four = _eval(memorised, tmp_path / "g4.json", *args, nproc=4)
+    assert [r["length"] for r in four["results"]] == [250] * 3  # (one row a depth)
+    assert [r["generated"] for r in one["results"]] == [r["generated"] for r in four["results"]]
+    assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in four["results"]]
+
+
+@pytest.mark.slow
 def test_generate_through_infllm_memory(memorised, text_file, plain_generate, tmp_path):
     """--context-memory infllm: with a window as long as the sequences the memory never holds a unit, so
     every answer is plain generation's, text for text; with a smaller window the run answers through

@@ -64,7 +64,7 @@ def _crash_and_resume(tmp_path, monkeypatch, name, without_guard_state=False):
     monkeypatch.setenv("LONGCTX_FAULT", "spike@6")
     crashed = Trainer(load_config(None, [*BASE, f"--train.run_dir={tmp_path / name}"]), log=_quiet)
     if without_guard_state:  # as a checkpoint written before the window was saved
-        crashed.ckpt.guard_state = None
+        crashed.ckpt.extra_state.pop("guard")
     run_until_crash(crashed, 5)
     saved = json.loads((tmp_path / name / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
     resumed = Trainer(load_config(None, [*BASE, f"--train.run_dir={tmp_path / name}", "--checkpoint.resume=auto"]),

@@ -370,6 +370,23 @@ def test_store_with_another_seq_len_is_a_config_error_naming_both(tmp_path):
     assert req.doc_work == 1.0 and req.doc_work_source == "no --store: one document per sequence assumed"
 
 
+def test_a_data_path_store_gives_the_plan_its_documents(tmp_path):
+    """--data.path names the store the plan's config trains: its documents are the attention work (as --store's),
+    not one document per sequence; a store of another length is refused at plan time, naming data.path."""
+    import argparse
+
+    from longctx.planner.cli import add_arguments, build_request
+    from longctx.planner.documents import store_doc_work
+
+    root = _store(tmp_path, "s64", 64, [30, 40, 50, 20, 10])
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    req, _ = build_request(p.parse_args(["--gpus", "2", "--seq-len", "64"]), [f"--data.path={root}"])
+    assert req.doc_work == store_doc_work(root, 64)[0] < 1 and req.doc_work_source.startswith(f"from data.path {root}")
+    with pytest.raises(ConfigError, match=r"data.path .* holds samples of 64 tokens.*--seq-len is 128"):
+        build_request(p.parse_args(["--gpus", "2", "--seq-len", "128"]), [f"--data.path={root}"])
+
+
 def test_documents_shorten_the_predicted_step_most_where_attention_dominates():
     m = model("llama3-8b")
     kw = dict(global_batch=8, micro_batch=1, gpus_per_node=8)

@@ -33,3 +33,13 @@ def test_init_from_help_names_every_family_it_loads():
     flat = text.lower().replace("-", "").replace("_", "")
     missing = [family for family in FAMILIES if family.replace("_", "") not in flat]
     assert not missing, f"--model.init_from's help does not name {missing}"
+
+
+def test_setup_line_names_the_memory_settings_that_differ_from_the_default():
+    line = _line(["--memory.recompute=full", "--memory.block_chunk=16", "--memory.attention_chunk=32",
+                  "--memory.grad_sync=micro_batch",
+                  "--memory.model_states=host_optimizer", "--train.grad_accum=2", "--train.global_batch=4"])
+    for said in ("block_chunk=16", "attention_chunk=32", "grad_sync=micro_batch", "model_states=host_optimizer"):
+        assert said in line, (said, line)
+    plain = _line([])
+    assert not any(k in plain for k in ("block_chunk", "attention_chunk", "expert_chunk", "grad_sync", "model_states"))

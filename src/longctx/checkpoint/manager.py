@@ -35,6 +35,7 @@ import shutil
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,8 +114,9 @@ class CheckpointManager:
         # state that is this rank's own and no layout-free tensor can hold (train.data_parallel = co2's
         # replicas): a callable returning a dict, captured at each save into `local-rank{r}.pt`
         self.rank_state = None
-        # the spike check's window (train/guard.py): a callable returning a dict, saved as "guard" in trainer_state.json
-        self.guard_state = None
+        # the trainer's own state beside step and data position (the spike check's window, FlexMoE's placements):
+        # name -> a callable returning a JSON-able dict, saved under that name in trainer_state.json
+        self.extra_state: dict[str, Callable[[], dict]] = {}
         self.resumed_from: tuple[Path, dict] | None = None  # (path, manifest) of the last load
         self.resumed_state: dict | None = None  # its trainer state (trainer_state.json and the manifest)
         # async saves: where each rank hashes its files and rank 0 commits, off the training loop
@@ -140,8 +142,7 @@ class CheckpointManager:
         self.saves += 1
         tmp = self._temporary_directory(step)
         # captured now (the generators move on with training), written with the rest off the loop
-        trainer_state = {"step": step, "sampler": sampler_state,
-                         **({} if self.guard_state is None else {"guard": self.guard_state()})}
+        trainer_state = {"step": step, "sampler": sampler_state, **{k: f() for k, f in self.extra_state.items()}}
         own_files = functools.partial(self._write_own_files, tmp, _rng_state(), json.dumps(trainer_state), self.saves,
                                       None if self.rank_state is None else self.rank_state())
         # the manifest's record of this step, as it is now: an async commit runs while the loop goes on, and the

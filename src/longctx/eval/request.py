@@ -79,8 +79,25 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     capacity = probe.model.moe_capacity_factor
     if capacity > 0:  # (a TRAINING_KEY: free to differ from the weights' config)
         given["model"]["moe.capacity_factor"] = 0.0
-    train.update(seq_len=seq_len, global_batch=batch, grad_accum=1, eval_interval=0)
+    train.update(seq_len=_layout_length(args, probe, seq_len, nproc), global_batch=batch, grad_accum=1,
+                 eval_interval=0)
     return load_config(None, given), batch, capacity
+
+
+def _layout_length(args, probe, longest: int, nproc: int) -> int:
+    """train.seq_len: the longest length; under --mode generate, which reads no train.seq_len and pads its
+    prompts over the ranks itself (generate/sharded.py), the nearest multiple of training's zigzag unit
+    (2 x head x ctx) at or below it, so the layout checks refuse no length generation can run."""
+    return _unit_floor(probe, longest, nproc) if getattr(args, "mode", "score") == "generate" else longest
+
+
+def _unit_floor(probe, length: int, nproc: int) -> int:
+    """The multiple of the layout's zigzag unit (2 x head x ctx) at or below `length` (at least one unit)."""
+    from ..job.dims import ParallelDims
+
+    dims = ParallelDims.from_config(probe, world_size=nproc)
+    unit = 2 * dims.head * dims.ctx
+    return max(unit, length // unit * unit)
 
 
 def _longest(args, probe, lengths: list[int], nproc: int) -> int:
@@ -88,16 +105,13 @@ def _longest(args, probe, lengths: list[int], nproc: int) -> int:
     --lengths, but under InfLLM's context memory on windowed weights no further than the model's max_seq_len
     (their window by default): the memory keeps every distance within it (generate/context_memory.py check_reach),
     and a max_seq_len past the window is refused (config/hf_families.py check_sliding_window), so eval raised
-    itself into that refusal. (--mode generate reads no train.seq_len; it is the unit of the layout's rule.)"""
+    itself into that refusal."""
     from ..generate.loading import init_window
-    from ..job.dims import ParallelDims
 
     longest, cap = max(lengths), probe.model.max_seq_len
     if longest <= cap or getattr(args, "context_memory", "none") != "infllm" or not init_window(args.checkpoint):
         return longest
-    dims = ParallelDims.from_config(probe, world_size=nproc)
-    unit = 2 * dims.head * dims.ctx
-    return max(unit, cap // unit * unit)
+    return _unit_floor(probe, cap, nproc)
 
 
 def _heads(checkpoint: str) -> tuple[int, int]:

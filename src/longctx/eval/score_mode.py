@@ -40,6 +40,8 @@ def evaluate_score(request: EvalRequest, args) -> dict | None:
         model = build_training_model(cfg, device, rt, log)
     model.eval()
     layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
+    if rt.dims.expert > 1:  # (folded over the same ranks: the degrees above do not show it)
+        layout["expert"] = rt.dims.expert
     out = _result_head(request, args, cfg, layout, dtype)
     _note_routing(out, model, rt.is_main)
     if prefix:

@@ -278,8 +278,9 @@ def _glide_selective_forward(x, cos, sin, target_k, target_v, visible, cache=Non
 def apply_glide_memory_policy(layers: nn.ModuleList, recompute: str) -> None:
     """The policies for GliDe draft layers (models/glide.py GlideLayer): `full` checkpoints each
     layer (its self-attention recomputed in backward, with its communication); `selective` recomputes
-    the token-wise parts (`pre`, `mid`, `post`) and keeps what both attentions' backwards need (the
-    self-attention core's saved state and the cross-attention's), as for a Block. Offload and
+    the token-wise parts (`pre`, `mid`, `post`) and keeps the self-attention core's saved state, as for
+    a Block; the cross-attention keeps its inputs and recomputes each query chunk's masked kernel in
+    backward under every policy (models/glide.py cross_attention: its masks are quadratic). Offload and
     block chunks are not offered for draft layers (config/rules.py refuses them)."""
     check_policy(recompute, 0.0)
     for layer in layers:

@@ -22,11 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .draft_vocab import DraftVocab
 from .kv_cache import group_queries, ungroup_heads
 from .llama import Attention, RMSNorm, apply_rope, rope_attention_scale, rope_cos_sin, rope_inv_freq
+from .shards import write_full
 from .swiglu import FeedForward
 
 
@@ -73,15 +75,18 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     The keys must be in sequence order (by document id, then position, as a sequence or a cache
     holds them; checked): a chunk of queries then sees one contiguous range of keys, found by binary
     search, and only that range is computed. Queries go `chunk` at a time, so a mask is
-    [chunk, range] at most, never [n, S]; the ranges of every chunk are read to the host at once."""
+    [chunk, range] at most, never [n, S]; the ranges of every chunk are read to the host at once.
+    Under autograd each chunk is checkpointed: the kernel would keep its fp32 additive mask [chunk x
+    group, range] for backward, and over all chunks those are ~group x n x S / 2 floats (quadratic:
+    4 GiB per layer and row at 32K tokens, 2 query heads per kv head, one document); backward rebuilds
+    one chunk's at a time."""
     if isinstance(visible, int):
         if key_pos is not None or q_doc is not None or k_doc is not None:
             raise ValueError("cross_attention reads a prefix of slots (an int `visible`) without key positions "
                              "or documents")
         return prefix_attention(q, k, v, visible)
-    b, n, heads, d = q.shape
-    kv, S = k.shape[1], k.shape[2]
-    group = heads // kv
+    b, n = q.shape[:2]
+    S = k.shape[2]
     if (q_doc is None) != (k_doc is None):
         raise ValueError("cross_attention takes document ids for both the queries and the keys, or for neither")
     if key_pos is None:
@@ -97,26 +102,37 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: 
     if plan[-1]:
         raise ValueError("cross_attention needs its keys in sequence order (document ids, then positions, "
                          "non-decreasing); sort them (and their positions and document ids) first")
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     outs = []
     for c, s in enumerate(starts):
         lo, hi = plan[2 * c], plan[2 * c + 1]
         qc = q[:, s:s + chunk]
-        m = qc.shape[1]
         if hi <= lo:
             outs.append(torch.zeros_like(qc))
             continue
-        mask = key_pos[:, None, lo:hi] < visible[:, s:s + chunk, None]                          # [b, m, keys]
-        if q_doc is not None:
-            mask &= k_doc[:, None, lo:hi] == q_doc[:, s:s + chunk, None]
-        seen = mask.any(-1)                                                                     # [b, m]
-        # a query that sees nothing attends to every key of the range (finite values and gradients)
-        # and its output is zeroed below
-        mask |= ~seen[..., None]
-        mg = mask[:, None, :, None, :].expand(b, 1, m, group, hi - lo).reshape(b, 1, m * group, hi - lo)
-        out = ungroup_heads(F.scaled_dot_product_attention(group_queries(qc, kv), k[:, :, lo:hi], v[:, :, lo:hi],
-                                                      attn_mask=mg), m, heads)
-        outs.append(torch.where(seen[:, :, None, None], out, torch.zeros_like(out)))
+        args = (qc, k[:, :, lo:hi], v[:, :, lo:hi], key_pos[:, lo:hi], visible[:, s:s + chunk],
+                None if k_doc is None else k_doc[:, lo:hi], None if q_doc is None else q_doc[:, s:s + chunk])
+        # (no randomness inside: nothing to save of the RNG for the recompute)
+        outs.append(checkpoint(_masked_chunk, *args, use_reentrant=False, preserve_rng_state=False) if grad
+                    else _masked_chunk(*args))
     return torch.cat(outs, dim=1) if outs else q.new_zeros(q.shape)
+
+
+def _masked_chunk(qc, k, v, key_pos, visible, k_doc, q_doc):
+    """cross_attention of one chunk of queries qc [b, m, heads, d] over the key range k/v [b, kv, keys, d]
+    it can see: query i sees key j when key_pos[:, j] < visible[:, i] (and k_doc[:, j] == q_doc[:, i])."""
+    b, m, heads, _ = qc.shape
+    kv, keys = k.shape[1], k.shape[2]
+    mask = key_pos[:, None, :] < visible[:, :, None]                                            # [b, m, keys]
+    if q_doc is not None:
+        mask &= k_doc[:, None, :] == q_doc[:, :, None]
+    seen = mask.any(-1)                                                                         # [b, m]
+    # a query that sees nothing attends to every key of the range (finite values and gradients)
+    # and its output is zeroed below
+    mask |= ~seen[..., None]
+    mg = mask[:, None, :, None, :].expand(b, 1, m, heads // kv, keys).reshape(b, 1, m * (heads // kv), keys)
+    out = ungroup_heads(F.scaled_dot_product_attention(group_queries(qc, kv), k, v, attn_mask=mg), m, heads)
+    return torch.where(seen[:, :, None, None], out, torch.zeros_like(out))
 
 
 class GlideLayer(nn.Module):
@@ -245,13 +261,18 @@ class GlideDraft(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, std: float | None = None) -> GlideDraft:
+        """Every parameter from `seed`, and the RoPE frequencies (after materialising from meta). A sharded
+        parameter (after FSDP) gets its own slice of the full tensor one process draws, one parameter at a
+        time, so every layout starts from the same draft and no rank holds the whole draft."""
         gen = torch.Generator().manual_seed(seed)
         std = std if std is not None else self.cfg.init_std
         for name, p in self.named_parameters():  # (not the buffers: a reduced vocabulary's ids are set from data)
             if name.endswith(".bias"):  # q/k/v/o biases (a Qwen2 or attention_bias target) start at 0, as the
-                p.zero_()               # target's own init and Clover's do; 1 would shift every q, k, v
+                full = torch.zeros(p.shape)  # target's own init and Clover's do; 1 would shift every q, k, v
             elif p.dim() == 1:
-                p.fill_(1.0)
+                full = torch.ones(p.shape)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                full = torch.randn(p.shape, generator=gen) * std
+            write_full(p, full)
+        self.inv_freq.copy_(rope_inv_freq(self.cfg).float())
         return self

@@ -104,7 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, metavar="DIR",
                    help="a data store (longctx data build) at --seq-len: the attention work is taken from its "
                         "documents (doc_work: visible same-document pairs over plain causal ones, from at most "
-                        "2,000 of its samples); default: one document per sequence (doc_work 1.0)")
+                        "2,000 of its samples) and the written config trains it (data.path); default: one "
+                        "document per sequence (doc_work 1.0)")
     p.add_argument("--allow", default="", metavar="co2",
                    help="lossy choices the plan may make: co2 (train.data_parallel = co2, local rounds whose outer "
                         "all-reduce hides under H steps; it changes convergence). Without it co2 plans are "
@@ -131,7 +132,7 @@ def build_request(args, overrides):
     if named:  # (the later one won: `--model llama3-8b --model.preset=debug` planned the debug model)
         raise ConfigError(f"longctx plan takes the model from --model ({args.model}); drop {named[0].split('=')[0]} "
                           f"(--model names a preset, or hf:DIR).")
-    base = load_config(None, [model, *overrides])
+    base = _with_store(getattr(args, "store", None), model, overrides, load_config(None, [model, *overrides]))
     if args.gpus is None:
         raise ConfigError("longctx plan needs --gpus N (the number of GPUs, i.e. ranks), e.g. --gpus 64.")
     if args.seq_len is None:
@@ -158,7 +159,9 @@ def build_request(args, overrides):
     chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
     block_chunks = _ints(args.block_chunk, "--block-chunk")
     recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
-    doc_work, doc_work_source = _doc_work(getattr(args, "store", None), seq_len, base.data.doc_mask)
+    store = getattr(args, "store", None)  # (else the store the plan will train, when --data.path names one)
+    doc_work, doc_work_source = _doc_work(store or base.data.path or None, seq_len, base.data.doc_mask,
+                                          "--store" if store else "data.path")
     req = Request(base.model, hw, args.gpus, seq_len, gpus_per_node=args.gpus_per_node,
                   global_batch=args.global_batch, micro_batches=_ints(args.micro_batch, "--micro-batch", 1),
                   recomputes=recomputes,
@@ -171,6 +174,23 @@ def build_request(args, overrides):
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
+
+
+def _with_store(store: str | None, model: str, overrides, base):
+    """`base`, and with --store DIR the base that trains DIR: the plan's attention work is DIR's documents,
+    so its written config reads them (data.path; data.tokenizer auto then is the store's). Without it the
+    config trained data.corpus (the stdlib by default), not the documents the plan was costed on. A
+    --data.path naming another store is refused: the plan would cost one store and the run train the other."""
+    if not store:
+        return base
+    from ..config import load_config
+
+    root = Path(store).resolve()
+    if base.data.path and Path(base.data.path).resolve() != root:
+        raise ConfigError(f"--store {store} gives the plan the attention work of its documents, but --data.path="
+                          f"{base.data.path} would train another store's: give --store alone (the written config "
+                          f"then trains it, as data.path), or the same store to both.")
+    return load_config(None, [model, *overrides, f"--data.path={root}"])
 
 
 def _check_outputs(args) -> None:
@@ -259,16 +279,17 @@ def _check_precision(dtype: str, hw) -> None:
                           f"or leave train.dtype auto.")
 
 
-def _doc_work(store: str | None, seq_len: int, doc_mask: bool) -> tuple[float, str]:
-    """(doc_work, where it comes from) for the request: measured on --store's samples, else 1.0."""
+def _doc_work(store: str | None, seq_len: int, doc_mask: bool, flag: str = "--store") -> tuple[float, str]:
+    """(doc_work, where it comes from) for the request: measured on the samples of the store `flag` names
+    (--store, or the data.path the plan trains), else 1.0."""
     if not doc_mask:
-        return 1.0, "data.doc_mask = false: plain causal attention" + (", --store not used" if store else "")
+        return 1.0, "data.doc_mask = false: plain causal attention" + (f", {flag} not used" if store else "")
     if not store:
         return 1.0, "no --store: one document per sequence assumed"
     from .documents import store_doc_work
 
-    work, used, total = store_doc_work(store, seq_len)
-    return work, f"from --store {store}: {used:,} of {total:,} train samples of {seq_len:,} tokens"
+    work, used, total = store_doc_work(store, seq_len, flag=flag)
+    return work, f"from {flag} {store}: {used:,} of {total:,} train samples of {seq_len:,} tokens"
 
 
 def _write_best(res, base, args) -> tuple[str | None, str]:
@@ -304,7 +325,7 @@ def main(args, overrides) -> int:
         return anchors_main(args)
     from ..costs.hardware import hardware_names
     from .link_report import report_text
-    from .output import memory_legend, table, to_json
+    from .output import memory_legend, micro_batch_note, table, to_json
     from .search import plan
 
     req, base = build_request(args, overrides)
@@ -324,6 +345,9 @@ def main(args, overrides) -> int:
     else:
         print(table(res, args.top))
         print(memory_legend(res, args.top))
+        mb_note = micro_batch_note(res, args.top)  # (a MoE objective that depends on the micro-batch's size)
+        if mb_note:
+            print(mb_note)
         if req.gpus > req.gpus_per_node or req.allow:
             print("\n".join(report_text(res)))
         if note:

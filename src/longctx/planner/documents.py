@@ -52,7 +52,8 @@ def sample_indices(n: int, limit: int = MAX_SAMPLES) -> np.ndarray:
     return np.arange(limit, dtype=np.int64) * n // limit
 
 
-def store_doc_work(root: str | Path, seq_len: int, limit: int = MAX_SAMPLES) -> tuple[float, int, int]:
+def store_doc_work(root: str | Path, seq_len: int, limit: int = MAX_SAMPLES,
+                   flag: str = "--store") -> tuple[float, int, int]:
     """(doc_work, samples read, train samples in the store) of the store at `root`, whose samples
     must be `seq_len` tokens (the plan's sequence length). Reads the document ids the training
     loop sees (`PackedSamples(root, "train", True).batch([i]).doc_ids`) of at most `limit` samples."""
@@ -60,17 +61,17 @@ def store_doc_work(root: str | Path, seq_len: int, limit: int = MAX_SAMPLES) -> 
     try:
         manifest = read_manifest(root)
     except DataError as e:
-        raise ConfigError(f"--store: {e}") from None
+        raise ConfigError(f"{flag}: {e}") from None
     store_seq = int(manifest["seq_len"])
     if store_seq != seq_len:
         raise ConfigError(
-            f"--store {root} holds samples of {store_seq:,} tokens (its manifest's seq_len), but --seq-len is "
+            f"{flag} {root} holds samples of {store_seq:,} tokens (its manifest's seq_len), but --seq-len is "
             f"{seq_len:,}: the documents' share of the attention work depends on the sequence length. Plan with "
             f"--seq-len {store_seq}, or build a store at {seq_len} tokens (longctx data build --seq-len {seq_len}).")
     samples = PackedSamples(root, "train", True)
     n = len(samples)
     if n == 0:
-        raise ConfigError(f"--store {root} has no training samples to measure the documents of.")
+        raise ConfigError(f"{flag} {root} has no training samples to measure the documents of.")
     idx = sample_indices(n, limit)
     causal = seq_len * (seq_len + 1) // 2
     work = [visible_pairs(samples.batch([int(i)]).doc_ids[0].numpy()) / causal for i in idx]

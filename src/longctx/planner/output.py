@@ -61,9 +61,53 @@ def runnable(cfg: Config, world: int) -> str:
     return ""
 
 
+def micro_batch_terms(m) -> list[str]:
+    """The MoE settings of model `m` whose result depends on which sequences share a micro-batch: the
+    balancing loss's statistics, a capacity's drops and the Sinkhorn router's assignment are taken over
+    every token of the micro-batch, all its data-parallel rows (docs/moe.md). With any of them, two plans
+    of one request that split the global batch into micro-batches of other sizes (dp x micro-batch
+    sequences, global batch / grad_accum) train other objectives, not other layouts of one."""
+    if not m.is_moe:
+        return []
+    terms = [f"moe.aux_loss = {m.moe_aux_loss:g} (the balancing loss)"] if m.moe_aux_loss > 0 else []
+    if m.moe_capacity_factor > 0:
+        terms.append(f"moe.capacity_factor = {m.moe_capacity_factor:g} (which choices are dropped)")
+    if m.moe_router == "sinkhorn":
+        terms.append("moe.router = sinkhorn (its balanced assignment)")
+    return terms
+
+
+def _terms_are(terms: list[str]) -> str:
+    """micro_batch_terms as the subject of a sentence: 'A is' / 'A and B are'."""
+    return f"{' and '.join(terms)} {'are' if len(terms) > 1 else 'is'}"
+
+
+def micro_batch_sequences(est: Estimate) -> int:
+    """Sequences of one micro-batch over the job: every data-parallel rank's micro-batch."""
+    return est.micro_batch * est.mesh_shape.dp
+
+
+def micro_batch_note(res: PlanResult, top: int = 10) -> str:
+    """'' for a model whose training does not depend on the micro-batch's size (micro_batch_terms), else
+    what the listed plans' sizes are and why a plan with another trains something else."""
+    terms = micro_batch_terms(res.request.model)
+    if not terms:
+        return ""
+    sizes = sorted({micro_batch_sequences(e) for e in _rows(res, top)})
+    text = (f"note: {res.request.model.label}'s {_terms_are(terms)} computed over each micro-batch's tokens, all "
+            f"its data-parallel rows (docs/moe.md), so a plan trains the objective of its micro-batch size, dp x "
+            f"micro-batch sequences (global batch / grad_accum): "
+            + (f"the plans listed take {', '.join(map(str, sizes))} sequences per micro-batch and do not train "
+               f"the same model; compare plans of one size (--json: micro_batch_sequences)" if len(sizes) > 1 else
+               f"the plans listed all take {sizes[0]} sequences per micro-batch; a run with another number of "
+               f"sequences per micro-batch trains another objective"))
+    return textwrap.fill(text, width=100, break_on_hyphens=False)
+
+
 def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
     world = est.mesh_shape.world
     nodes = max(1, world // req.gpus_per_node)
+    terms = micro_batch_terms(req.model)
     head = [
         (f"# written by `longctx plan`: {req.model.label}, {req.global_batch} sequences of {req.seq_len:,} tokens "
          f"per step on {world} x {req.hardware.name}"),
@@ -75,6 +119,9 @@ def toml_text(cfg: Config, est: Estimate, req: Request) -> str:
          f"{est.memory['total'] / GIB:.1f} GiB per GPU, {est.host_per_node / GIB:.1f} GiB of host memory per node "
          f"(model states: {est.model_states}), bottleneck {est.bottleneck}"),
         f"# attention work: {doc_work_text(req)}",
+        *([f"# micro-batch: {micro_batch_sequences(est)} sequences over the job (dp {est.mesh_shape.dp} x micro-batch "
+           f"{est.micro_batch}), which {_terms_are(terms)} computed over: "
+           f"another size trains another objective"] if terms else []),
         (f"# run: longctx train --config THIS --nproc {world}" if nodes == 1 else
          f"# run: torchrun --nnodes {nodes} --nproc-per-node {req.gpus_per_node} -m longctx train --config THIS"),
         "",
@@ -199,7 +246,9 @@ def doc_work_text(req: Request) -> str:
 
 def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> str:
     req = res.request
-    plans, slow_links = [e.as_dict() for e in (res.feasible or res.ranked)[:top]], report(res)  # (timed first)
+    plans = [{**e.as_dict(), "micro_batch_sequences": micro_batch_sequences(e)}
+             for e in (res.feasible or res.ranked)[:top]]
+    slow_links = report(res)  # (after the plans: they are timed first)
     return json.dumps({
         "request": {"model": req.model.label, "parameters": param_counts(req.model)["total"],
                     "active_parameters": predicted_active_params(req.model), "gpus": req.gpus,
@@ -211,4 +260,5 @@ def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> s
                     "hardware": dataclasses.asdict(req.hardware)},
         "evaluated": res.evaluated, "search_seconds": res.seconds, "feasible": len(res.feasible), "timed": res.timed,
         "plans": plans, "suggestions": res.suggestions, "written": written, "note": note, "slow_links": slow_links,
+        "micro_batch_dependent": micro_batch_terms(req.model),
     }, indent=2)

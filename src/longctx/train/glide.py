@@ -59,6 +59,7 @@ from ..job.runtime import Runtime
 from ..models.clover import CloverDraft
 from ..models.glide import GlideDraft, block_stale_limit, sequence_codes
 from ..models.llama import Llama, build_model
+from ..models.shards import write_full
 from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss
 from ..parallel.parallelize import parallelize, parallelize_draft
 from .weights import load_weights
@@ -215,11 +216,11 @@ def init_from_target(draft: GlideDraft, target: Llama) -> None:
     """draft.init = target: each draft layer a copy of the target layer it reads (its attention norm, attention
     and MLP; the cross-attention's norm, query and output projections from that layer's attention: at the
     start it attends to that layer's keys and values as the layer itself does), the final norm the
-    target's. Full values on every rank (gathered from the target's shards)."""
+    target's. Each target weight is gathered whole, one at a time, and each rank writes its own shard of it."""
     def copy(dst: nn.Module, src: nn.Module) -> None:
         theirs = dict(src.named_parameters())
         for name, p in dst.named_parameters():
-            p.copy_(_full(theirs[name]))
+            write_full(p, _full(theirs[name]))
 
     for layer, i in zip(draft.layers, draft.target_layers):
         block = target.layers[i]
@@ -228,8 +229,8 @@ def init_from_target(draft: GlideDraft, target: Llama) -> None:
         copy(layer.self_attention, block.attention)
         copy(layer.ffn_norm, block.ffn_norm)
         copy(layer.feed_forward, block.feed_forward)
-        layer.cross_q.weight.copy_(_full(block.attention.wq.weight))
-        layer.cross_o.weight.copy_(_full(block.attention.wo.weight))
+        write_full(layer.cross_q.weight, _full(block.attention.wq.weight))
+        write_full(layer.cross_o.weight, _full(block.attention.wo.weight))
     copy(draft.norm, target.norm)
 
 
@@ -298,22 +299,27 @@ def draft_record(cfg: Config, kind: str) -> dict:
 
 
 def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> GlideTraining:
-    """The frozen target (frozen_target); the draft built and initialised from train.seed (the same full
-    values on every rank, then sharded), and parallelised (parallel/parallelize.py parallelize_draft).
+    """The frozen target (frozen_target); the draft built on the meta device, parallelised
+    (parallel/parallelize.py parallelize_draft), then materialised: each rank fills its own shards of the
+    values one process draws from train.seed (or copies from the target with draft.init = target).
     draft.kind = clover: build_clover_training's instead."""
     d = cfg.draft
     if d.kind == "clover":
         return build_clover_training(cfg, device, rt, log)
     target, head, path = frozen_target(cfg, device, rt, log)
-    draft = GlideDraft(cfg.model, d.layers, d.vocab).to(device)
-    draft.init_weights(cfg.train.seed)
-    if d.init == "target":
-        init_from_target(draft, target)
-    set_draft_vocab(draft, cfg, rt, log)
+    # built on the meta device and sharded first, then each rank fills only its shards (as the target): a
+    # whole draft on every rank was a transient the size of the model this run trains
+    with torch.device("meta"):
+        draft = GlideDraft(cfg.model, d.layers, d.vocab)
     record = draft_record(cfg, "glide")
     model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
                           record=record)
     parallelize_draft(model, rt.dims, cfg, rt.mesh, device.type)
+    draft.to_empty(device=device)
+    draft.init_weights(cfg.train.seed)
+    if d.init == "target":
+        init_from_target(draft, target)
+    set_draft_vocab(draft, cfg, rt, log)
     log(f"draft: a {d.layers}-layer GliDe draft (reading target layers {draft.target_layers}, block {d.block}, "
         f"loss {d.loss}) against the frozen target {path}")
     return model

@@ -11,7 +11,8 @@
   device, so the bias moves by sign(mean - count) = 0), and the step's figures join the metrics
   interval (router_metrics.py RouterInterval: interval means, the heatmap's per-expert columns);
 - at a metrics line: the interval's figures; at a rollback: the interval forgotten (its steps run
-  again); at an evaluation: how it routed, where that depends on the step.
+  again); at an evaluation: how it routed, where that depends on the step;
+- at a save and a resume (or rollback): the last step's choices and FlexMoE's placer (state_dict).
 
 A run installs this hook only when it trains routers (`moe_step_hooks`): a dense model, or a GliDe
 draft trained against an MoE target, has none.
@@ -24,7 +25,7 @@ import torch
 from ..config import Config
 from ..job.runtime import Runtime
 from ..models.moe import eval_routing_note, moe_layers
-from ..parallel.expert.install import expert_step_notes
+from ..parallel.expert.install import expert_placer, expert_step_notes
 from ..parallel.expert.placement import Placement
 from .hooks import StepHook
 from .model import model_kind
@@ -93,10 +94,29 @@ class MoEStepHook(StepHook):
         return self.interval.record(step, last=last)
 
     def eval_note(self) -> str | None:
-        return eval_routing_note(self.model)
+        notes = (eval_routing_note(self.model), "dropless (moe.capacity_factor applies to training steps only)"
+                 if self.capacity else None)
+        return "; ".join(n for n in notes if n) or None
 
     def rolled_back(self) -> None:
         self.interval.reset()  # (its sums hold steps the rollback discarded)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (JSON, trainer_state.json "moe"): the last step's choices per expert, which
+        FlexMoE's placer reads at the next step, and the placer's window and placements, so a resumed run
+        places its expert copies as the uninterrupted one does."""
+        placer, counts = expert_placer(self.model), self.router_counts
+        return {"router_counts": None if counts is None else counts.tolist(),
+                "placer": None if placer is None else placer.state_dict()}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's state_dict (None: one written before it was saved; the placer starts static)."""
+        state = state or {}
+        placer, counts = expert_placer(self.model), state.get("router_counts")
+        if placer is not None:
+            placer.load_state_dict(state.get("placer"))
+        device = next(self.model.parameters()).device
+        self.router_counts = None if counts is None else torch.tensor(counts, dtype=torch.float32, device=device)
 
 
 class _StepSums:

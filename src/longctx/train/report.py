@@ -269,12 +269,22 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
     return [f"model: {cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters, "
             f"{device.type} {str(dtype).removeprefix('torch.')}{cpu}, memory: recompute={mem.recompute}"
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
-            + f", loss_chunk={mem.loss_chunk}, {layout}"
+            + _memory_options(mem) + f", loss_chunk={mem.loss_chunk}, {layout}"
             + (", compiled (train.compile: each block's token-wise parts)" if cfg.train.compile else "")
             + f"; {lr_note(cfg)}; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]
         + inert_option_notes(cfg) if note]
+
+
+def _memory_options(mem) -> str:
+    """The memory settings a run departs from the default in, beyond recompute and offload (a plan's choices,
+    planner/output.py, read back in the setup line): chunks, the attention offload, grad_sync, model_states."""
+    chunks = "".join(f" {k}={getattr(mem, k)}" for k in ("block_chunk", "attention_chunk", "expert_chunk")
+                     if getattr(mem, k))
+    return (chunks + (" attention_offload=true" if mem.attention_offload else "")
+            + (f" grad_sync={mem.grad_sync}" if mem.grad_sync != "step" else "")
+            + (f" model_states={mem.model_states}" if mem.model_states != "device" else ""))
 
 
 def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None) -> str:

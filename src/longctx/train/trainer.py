@@ -33,6 +33,7 @@ from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..job import watchdog
 from ..job.devices import resolve_dtype, seed_everything
 from ..job.join import join_job
+from ..models.moe import dropless
 from ..parallel.context.shares import read_local_batch, to_device
 from ..parallel.fsdp.shard import grad_scale
 from ..progress import phase, progress_bar, said
@@ -62,6 +63,7 @@ from .setup import (
     run_tokenizer,
 )
 from .stages import StagedLoader, tokens_through
+from .step_state import keep_step_state, restore_step_state
 from .watch import watched
 
 
@@ -114,7 +116,7 @@ class Trainer:
                                     log=self.log)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
-        self._keep_guard_window()
+        keep_step_state(self)  # the spike check's window, the routers' placements: saved, restored
         self.saves = RunSaves(self.ckpt, cfg, self.log)  # checkpoint.interval / final / on_save_error
         # train.data_parallel = co2: CO2's rounds over the replicas (co2.py; None under sync)
         self.co2 = co2_rounds(cfg, self.model, self.optimizer, rt, self.ckpt, self.log)
@@ -135,16 +137,6 @@ class Trainer:
         else None: what tests of the expert placement read."""
         moe = self.hooks.find(MoEStepHook)
         return None if moe is None else moe.router_counts
-
-    def _keep_guard_window(self) -> None:
-        """The spike check's window and the count of skipped steps (exact: a save reads every step before it) are
-        saved with each checkpoint and restored on resume, so the metrics go on counting (older checkpoint: empty)."""
-        if self.ckpt is None:
-            return
-        self.ckpt.guard_state = lambda: {**self.guard.state_dict(), "skipped_steps": self.skipped_steps}
-        if self.ckpt.resumed_state is not None:
-            self.guard.load_state_dict(saved := self.ckpt.resumed_state.get("guard"))
-            self.skipped_steps = int((saved or {}).get("skipped_steps", 0))
 
     def _skip_rolled_back_window(self) -> None:
         """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py),
@@ -371,7 +363,7 @@ class Trainer:
         watchdog.phase(bad.step, "load")
         self.saves.wait()
         note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main)
-        self.guard.load_state_dict(self.ckpt.resumed_state.get("guard"))  # the checkpoint's window: no blind steps
+        restore_step_state(self)  # the checkpoint's spike window (no blind steps) and placements
         self.hooks.rolled_back()
         del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
         self.rollbacks += 1
@@ -388,11 +380,14 @@ class Trainer:
         n = min(len(samples), self.cfg.train.eval_batches * global_batch) // global_batch * global_batch
         model.eval()
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
-        for start in range(0, n, micro):
-            share, valid = read_local_batch(self.rt, samples, list(range(start, start + micro)))  # my tokens only
-            batch = to_device(share, self.device)
-            total += forward_loss_sum(model, batch, self.autocast_dtype)
-            count = count + self._label_count([batch], valid)  # (a host int, or a draft's count on the device)
+        # dropless, as longctx eval scores: a MoE capacity is shared by a micro-batch's tokens (its loss would
+        # depend on grad_accum and on which sequences are evaluated together)
+        with dropless(model):
+            for start in range(0, n, micro):
+                share, valid = read_local_batch(self.rt, samples, list(range(start, start + micro)))  # my tokens
+                batch = to_device(share, self.device)
+                total += forward_loss_sum(model, batch, self.autocast_dtype)
+                count = count + self._label_count([batch], valid)  # (a host int, or a draft's count on the device)
         model.train()
         n = float(count)  # (one host read of each: the count may be a draft's, on the device)
         return float(self.rt.sum_tensor(total)) / n if n else float("nan")  # (no label: no loss)

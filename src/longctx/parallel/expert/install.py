@@ -94,6 +94,11 @@ def model_dispatcher(model) -> ExpertParallelDispatcher | None:
     return None
 
 
+def expert_placer(model) -> ExpertPlacer | None:
+    """FlexMoE's placer installed on `model` (parallel.expert_replicas > 0), else None."""
+    return getattr(model_dispatcher(model), "placer", None)
+
+
 def node_meshes(expert_mesh, ranks_per_node: int):
     """The (across nodes, inside a node) groups of every expert group, as one 3-D mesh (expert_data,
     expert_node, expert_local) over the same ranks in the same order (every rank builds it)."""

@@ -219,6 +219,23 @@ class ExpertPlacer:
         self.layers, self.ep, self.replicas, self.window = layers, ep, replicas, max(1, window)
         self.seen: torch.Tensor | None = None
         self.steps = 0
+        self.load: list[list[float]] | None = None  # the window the placements in use were planned from
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (JSON): the window's steps and counts so far, and the load the placements
+        in use came from; a resume plans them again for its own expert degree and copy slots."""
+        return {"steps": self.steps, "seen": None if self.seen is None else self.seen.tolist(), "load": self.load}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's state_dict (None: one written before placements were saved, the static start)."""
+        if not state:
+            return
+        self.steps = int(state["steps"])
+        w = self.layers[0].experts.w1
+        self.seen = None if state["seen"] is None else torch.tensor(state["seen"], dtype=torch.float32,
+                                                                   device=w.device)
+        if state["load"] is not None:
+            self._place(state["load"])
 
     def observe(self, counts: torch.Tensor) -> str | None:
         """counts [layers, E]: one step's choices per expert over every rank (the same on all ranks).
@@ -229,13 +246,7 @@ class ExpertPlacer:
         if self.steps % self.window:
             return None
         load, self.seen = self.seen.tolist(), None  # the host read: once per window
-        before = after = copies = 0.0
-        for layer, row in zip(self.layers, load):
-            placement = plan_placement(row, self.ep, self.replicas)
-            layer.experts.placement = placement
-            before = max(before, placement.predicted["max_over_mean_before"])
-            after = max(after, placement.predicted["max_over_mean_after"])
-            copies += placement.copies
+        before, after, copies = self._place(load)
         w = self.layers[0].experts.w1
         # weights + their gradients, per forward and backward of every layer once: a step runs one per
         # micro-batch (train.grad_accum of them), each layer once per piece of a memory policy's block
@@ -246,3 +257,17 @@ class ExpertPlacer:
                 f"layers; worst layer's max/mean rank load {before:.2f} -> {after:.2f} (predicted); the copies "
                 f"move {moved / 1e6:.1f}M values per micro-batch (times the pieces a memory policy runs it in; "
                 f"+half per recomputed forward)")
+
+    def _place(self, load: list[list[float]]) -> tuple[float, float, int]:
+        """Every layer's placement planned from its row of `load` [layers, E]; returns the worst layer's
+        predicted max / mean rank load before and after, and the copies made."""
+        self.load = load
+        before = after = 0.0
+        copies = 0
+        for layer, row in zip(self.layers, load, strict=True):
+            placement = plan_placement(row, self.ep, self.replicas)
+            layer.experts.placement = placement
+            before = max(before, placement.predicted["max_over_mean_before"])
+            after = max(after, placement.predicted["max_over_mean_after"])
+            copies += placement.copies
+        return before, after, copies
