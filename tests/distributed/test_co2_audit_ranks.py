@@ -173,3 +173,20 @@ def test_a_checkpoint_with_outer_momentum_and_a_change_in_flight_resumes_exactly
     (losses, weights), (again, weights_again) = out["whole"][0], out["resumed"][0]
     assert len(again) == 3 and again == pytest.approx(losses[7:], rel=1e-6, abs=1e-6)
     assert float(abs(weights - weights_again).max()) < 1e-6
+    _saved_state_is_the_costed_host_copy(f"{whole}/checkpoints/step-00000007/local-rank0.pt", whole)
+
+
+def _saved_state_is_the_costed_host_copy(path: str, run_dir: str) -> None:
+    """The rank's CO2 state a save wrote (momentum on, a change in flight) is in host memory, and its bytes are
+    what the host budget counts for it (costs/model_states.py co2_checkpoint_bytes; the AdamW step counts,
+    one scalar per tensor, aside)."""
+    from longctx.costs.model_states import co2_checkpoint_bytes
+    from longctx.costs.shape import MeshShape
+
+    state = torch.load(path, weights_only=True)["co2"]
+    tensors = [t for k, t in state.items() if isinstance(t, torch.Tensor)]
+    tensors += [t for moments in state["optimizer"] for t in moments.values() if t.dim() > 0]
+    assert all(t.device.type == "cpu" for t in tensors) and len(tensors) == 5 + 2 * len(state["optimizer"])
+    shape = MeshShape(dp_replicate=2, data_parallel="co2", local_steps=FULL["H"])
+    costed = co2_checkpoint_bytes(_config(FULL, run_dir).model, shape, outer_momentum=True)
+    assert sum(t.numel() * t.element_size() for t in tensors) == costed

@@ -143,3 +143,23 @@ def test_on_cpu_the_layouts_own_states_are_counted():
     hpz, cfg, shape = device("--parallel.dp_shard=4", "--parallel.zero_pp=hpz", "--parallel.ranks_per_node=2")
     assert shape.node == 2 and hpz - fsdp == pytest.approx(hpz_copy_bytes(cfg.model, shape, 4))
     assert device("--parallel.dp_shard=4", "--parallel.grad_bucket_blocks=2")[0] > fsdp
+
+
+def test_a_co2_save_s_host_copy_is_counted_when_the_run_saves():
+    """A co2 save copies each rank's own CO2 state to host memory (step/co2.py state_dict), held until the
+    save is written: 6 fp32 words per averaged parameter (7 with outer momentum) in the host parts of a run
+    that saves, none in one that never does (checkpoint.interval 0, checkpoint.final false) or under sync."""
+    from longctx.costs.model_states import co2_params
+    from longctx.train.host_budget import run_shape
+
+    def part(*overrides):
+        cfg = config("--train.global_batch=4", "--parallel.dp_replicate=2", "--parallel.dp_shard=2", *overrides)
+        dims = check_layout(cfg, 4)
+        return rank_host_bytes(cfg, dims, "cuda", 4, 1e12).get("co2_checkpoint", 0.0), cfg, run_shape(cfg, dims)
+
+    co2 = ["--train.data_parallel=co2", "--train.co2_local_steps=2"]
+    saved, cfg, shape = part(*co2)
+    assert saved == pytest.approx(6 * 4 * co2_params(cfg.model, shape)) and saved > 0
+    assert part(*co2, "--train.co2_outer_momentum=0.5")[0] == pytest.approx(7 * 4 * co2_params(cfg.model, shape))
+    assert part(*co2, "--checkpoint.interval=0", "--checkpoint.final=false")[0] == 0.0
+    assert part()[0] == 0.0

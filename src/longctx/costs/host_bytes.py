@@ -34,6 +34,8 @@ per node) and the preflight (a run refused before work when its node's ranks wou
   attention_offload_host_and_traffic), given by the caller;
 - checkpoint_staging: under checkpoint.async, DCP's stager keeps a host copy of what a save
   writes (fp32 weights and both moments: 12 bytes per parameter of the rank's share) between saves;
+- co2_checkpoint: under train.data_parallel = co2, a save's host copy of the rank's own CO2 state
+  (costs/model_states.py co2_checkpoint_bytes: 24 or 28 bytes per parameter it averages);
 - data_loader: the training loop holds this step's local batches while the read-ahead thread reads
   the next step's (data/loader.py: tokens, labels, positions and document ids, int64 each, for
   the rank's share of every micro-batch), and, while reading, the segment frames of the rank's
@@ -51,6 +53,7 @@ from ..memory.transients import attention_offload_host_and_traffic, transient_by
 from .hardware import Hardware
 from .model_states import (
     accumulated_grad_bytes,
+    co2_checkpoint_bytes,
     co2_state_bytes,
     gathered_param_bytes,
     param_counts,
@@ -163,13 +166,15 @@ def checkpoint_staging_bytes(m: ModelConfig, shape: MeshShape, async_save: bool)
 
 def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len: int, micro_batch: int,
                          grad_accum: int, offloaded_activations: float = 0.0, attention_offload: float = 0.0,
-                         doc_mask: bool = True, async_checkpoint: bool = False) -> dict[str, float]:
+                         doc_mask: bool = True, async_checkpoint: bool = False,
+                         co2_momentum: bool = False) -> dict[str, float]:
     """One rank's host memory by part (the module's docstring) and their "total"."""
     parts = {
         "model_states": host_state_bytes(m, shape, tier),
         "activations": float(offloaded_activations),
         "attention_offload": float(attention_offload),
         "checkpoint_staging": checkpoint_staging_bytes(m, shape, async_checkpoint),
+        "co2_checkpoint": co2_checkpoint_bytes(m, shape, co2_momentum),
         "data_loader": data_loader_bytes(seq_len, micro_batch, grad_accum, shape.sequence_degree, doc_mask),
     }
     parts["total"] = sum(parts.values())
@@ -261,5 +266,5 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
                           bucket_blocks, co2_momentum)
     host = predicted_host_bytes(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=min(acts.total_host, offload_cap), attention_offload=attn_host,
-                                doc_mask=doc_mask, async_checkpoint=async_checkpoint)
+                                doc_mask=doc_mask, async_checkpoint=async_checkpoint, co2_momentum=co2_momentum)
     return device, host

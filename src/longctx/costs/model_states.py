@@ -164,3 +164,13 @@ def co2_state_bytes(m: ModelConfig, shape: MeshShape, outer_momentum: bool = Fal
     if shape.data_parallel != "co2":
         return 0.0
     return (CO2_COPIES + (1 if outer_momentum else 0)) * 4 * co2_params(m, shape)
+
+
+def co2_checkpoint_bytes(m: ModelConfig, shape: MeshShape, outer_momentum: bool = False) -> float:
+    """The host copy a save takes of a co2 rank's own state (step/co2.py OuterSync.state_dict), held until
+    the save is written (an async save's, steps later): its local weights, the round's start, the outer
+    model, the change in flight, the outer momentum with `outer_momentum`, and the two AdamW moments, fp32
+    each; 0 under train.data_parallel = sync."""
+    if shape.data_parallel != "co2":
+        return 0.0
+    return (1 + CO2_COPIES + (1 if outer_momentum else 0) + 2) * 4 * co2_params(m, shape)

@@ -355,7 +355,7 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
                                                                  work=work)
     host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask,
-                                async_checkpoint=settings.async_checkpoint)
+                                async_checkpoint=settings.async_checkpoint, co2_momentum=settings.co2_outer_momentum)
     problems += memory_problems(memory, host, ranks_per_node, hw)
     return Footprint(shape, policy, micro_batch, grad_accum, tokens, work, acts, transient, flops, compute, co2_outer,
                      memory, host, host["total"] * ranks_per_node, attn_traffic, problems, model_states)

@@ -214,16 +214,18 @@ class OuterSync:
     # ------------------------------------------------------------------ checkpoints
     @torch.no_grad()
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """This rank's CO2 state, copied: outer state, its local weights and their AdamW state."""
+        """This rank's CO2 state, copied to host memory: outer state, its local weights and their AdamW state.
+        (Host copies: a save writes them after the loop has gone on, an async one steps later, and device
+        copies would hold 24-28 bytes per parameter of the device until then; costs/model_states.py
+        co2_checkpoint_bytes counts them in the host memory.)"""
         self.finish()
         moments = []
         for p in self.params:
             state = optimizer.state.get(p, {})
-            moments.append({k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in state.items()})
-        return {"weights": self._flat().clone(), "start": self.start.clone(), "anchor": self.anchor.clone(),
-                "momentum": None if self.momentum is None else self.momentum.clone(),
-                "arrived": None if self.arrived is None else self.arrived.clone(), "optimizer": moments,
-                "rounds": self.rounds}
+            moments.append({k: _host_copy(v.to_local() if isinstance(v, DTensor) else v) for k, v in state.items()})
+        return {"weights": _host_copy(self._flat()), "start": _host_copy(self.start),
+                "anchor": _host_copy(self.anchor), "momentum": _host_copy(self.momentum),
+                "arrived": _host_copy(self.arrived), "optimizer": moments, "rounds": self.rounds}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
@@ -244,3 +246,8 @@ class OuterSync:
                 if k in current:
                     target = current[k].to_local() if isinstance(current[k], DTensor) else current[k]
                     target.copy_(v)
+
+
+def _host_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy of `t` in host memory (a copy on a CPU run too: the state goes on changing), or None."""
+    return None if t is None else t.detach().to("cpu", copy=True)

@@ -43,6 +43,8 @@ ADVICE = {
     "activations": "a lower memory.offload_fraction or a higher memory.offload_skip_last",
     "attention_offload": "memory.attention_offload=false",
     "checkpoint_staging": "checkpoint.async=false (async saves keep a host copy of the states)",
+    "co2_checkpoint": "train.data_parallel=sync, or more ranks per replica (a co2 save copies each rank's own "
+                      "CO2 state to host memory)",
     "data_loader": "a shorter train.seq_len or a smaller train.global_batch",
     CPU_DEVICE: "a smaller model, a shorter train.seq_len, or memory.recompute=full with memory.block_chunk",
 }
@@ -88,6 +90,8 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
             async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap,
             bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0)
         parts = {k: v for k, v in host.items() if k != "total"}
+        if not (cfg.checkpoint.interval or cfg.checkpoint.final):
+            parts["co2_checkpoint"] = 0.0  # (a run that never saves takes no copy)
         if device_type == "cpu":
             parts[CPU_DEVICE] = one_memory_bytes(cfg.model, shape, cfg.memory.model_states, device, host,
                                                  cfg.train.grad_accum) - host["total"]
