@@ -6,7 +6,8 @@ setup line named the option as if it applied. Each is refused here, before any w
 setting that makes it apply or the advice to drop it. [model.moe] keys on a dense model are a note
 (dense_moe_notes), since a saved MoE config.toml under a dense preset legitimately carries them; so are
 train.co2_* under sync and parallel.zero_pp_block without qwz / qgz (inert_option_notes), which
-`longctx plan` takes in its (sync, unquantized) base config to cost its co2 and quantized plans. What
+`longctx plan` takes in its (sync, unquantized) base config to cost its co2 and quantized plans, and the
+decay's keys under train.lr_schedule constant, which a resume that switches to it carries. What
 needs the world size (parallel.zero_pp on one process) is job/checks.py check_layout's: inert_layout_problems.
 A key counts as given when it differs from its default (and from its preset's value): every saved
 config.toml lists every key, at its default when the run did not set it.
@@ -38,6 +39,10 @@ def inert_option_notes(cfg: Config) -> list[str]:
         notes.append(f"{_named('train', co2, 'is')} ignored: train.data_parallel = sync averages the gradients every "
                      f"step, so no CO2 rounds run; set --train.data_parallel co2 (with parallel.dp_replicate >= 2) "
                      f"to use {'them' if len(co2) > 1 else 'it'}")
+    decay = _given(t, TrainConfig, lambda key: key in ("min_lr_ratio", "lr_decay_fraction"))
+    if t.lr_schedule == "constant" and decay:
+        notes.append(f"{_named('train', decay, 'is')} ignored: train.lr_schedule = constant holds train.lr after the "
+                     f"warmup, with no decay; set --train.lr_schedule cosine, linear or 1-sqrt to decay")
     block = _given(p, ParallelConfig, lambda key: key == "zero_pp_block")
     if block and not {"qwz", "qgz"} & _zero_pp(cfg):
         notes.append(f"{_named('parallel', block, 'is')} ignored: it sizes the int8 blocks of parallel.zero_pp's qwz "

@@ -218,6 +218,9 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}.")
     if t.warmup_steps < 0:
         problems.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}.")
+    if not 0 < t.lr_decay_fraction <= 1:
+        problems.append(f"train.lr_decay_fraction must be in (0, 1] (the share of train.steps the decay takes at the "
+                        f"end; 1 = from the warmup's end), got {t.lr_decay_fraction}.")
     if t.weight_decay < 0:
         problems.append(f"train.weight_decay must be >= 0, got {t.weight_decay}.")
     for key in ("beta1", "beta2"):

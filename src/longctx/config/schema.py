@@ -133,12 +133,10 @@ class ModelConfig:
     moe_aux_loss: float = _opt(0.0, "weight of the load-balancing loss (Switch/GShard: experts x sum of load "
                                     "fraction x mean probability; over the MoE layers as moe.aux_loss_scope says)",
                                key="moe.aux_loss")
-    moe_aux_loss_scope: str = _opt("per_layer_mean", "how the load-balancing loss combines the MoE layers: "
-                                                     "per_layer_mean (each layer's loss, load fractions summing to "
-                                                     "1, averaged: 1 = even), per_layer_sum (the same summed: "
-                                                     "Megatron-LM), pooled (transformers' load_balancing_loss_func: "
-                                                     "every layer's choices and probabilities pooled before one "
-                                                     "product, each of a token's k choices counted: top_k = even)",
+    moe_aux_loss_scope: str = _opt("per_layer_mean", "how the MoE layers' balancing losses combine: per_layer_mean "
+                                   "(each layer's, load fractions summing to 1, averaged: 1 = even), per_layer_sum "
+                                   "(summed: Megatron-LM), pooled (transformers' load_balancing_loss_func: choices "
+                                   "and probabilities pooled, a token's k choices each counted: top_k = even)",
                                    choices=MOE_AUX_LOSS_SCOPES, key="moe.aux_loss_scope")
     moe_z_loss: float = _opt(0.0, "weight of the router z-loss (mean squared log-sum-exp of the router logits)",
                              key="moe.z_loss")
@@ -251,8 +249,12 @@ class TrainConfig:
     grad_accum: int = _opt(1, "micro-batches per optimizer step; each is global_batch / grad_accum sequences")
     seq_len: int = _opt(512, "tokens per sequence")
     lr: float = _opt(3e-3, "peak learning rate; a run from model.init_from that gives none takes 2e-5 (fine-tuning)")
-    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (cosine decay)")
+    min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (the decay's floor, at the last step)")
     warmup_steps: int = _opt(20, "linear warmup steps")
+    lr_schedule: str = _opt("cosine", "the decay's shape after the warmup, to lr x min_lr_ratio at the last step; "
+                            "constant = train.lr throughout", choices=("cosine", "linear", "1-sqrt", "constant"))
+    lr_decay_fraction: float = _opt(1.0, "the share of train.steps the decay takes, at the run's end; below 1 the "
+                                         "lr holds at train.lr until then (warmup-stable-decay, WSD)")
     weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norms)")
     beta1: float = _opt(0.9, "AdamW beta1")
     beta2: float = _opt(0.95, "AdamW beta2")
@@ -357,12 +359,10 @@ class MemoryConfig:
                           "micro-batches) or after every micro-batch (micro_batch: no extra memory)",
                           choices=("step", "micro_batch"))
     model_states: str = _opt("device", "where the model states (fp32 weights, gradients, AdamW moments) live: device; "
-                                       "host_optimizer: the weights stay on the device, their fp32 master copy, "
-                                       "gradients and AdamW moments in host memory, each gradient sent there as its "
-                                       "backward ends, the AdamW step on the host (ZeRO-Offload); or host: FSDP2's "
-                                       "CPU offload, the weights too, each unit's brought to the device for its "
-                                       "forward and backward (on one process a one-rank FSDP job)",
-                             choices=MODEL_STATE_TIERS)
+                             "host_optimizer: weights on the device, their fp32 masters, gradients and moments in host "
+                             "memory, each gradient sent there as its backward ends, AdamW on the host (ZeRO-Offload); "
+                             "host: FSDP2's CPU offload, the weights too, each unit's brought to the device for its "
+                             "forward and backward (on one process a one-rank FSDP job)", choices=MODEL_STATE_TIERS)
 
 
 @dataclass

@@ -1,28 +1,53 @@
-"""The learning-rate schedule: linear warmup to train.lr, then cosine decay to lr x min_lr_ratio."""
+"""The learning-rate schedule: linear warmup to train.lr, then a decay to lr x min_lr_ratio at the last step.
+
+- train.lr_schedule is the decay's shape: cosine (the default), linear, 1-sqrt (1 - sqrt(progress): the
+  cooldown Hägele et al. 2024 found to match a tuned cosine), or constant (train.lr after the warmup,
+  no decay: the recipe of YaRN's and LongLoRA's context extension).
+- train.lr_decay_fraction is the share of train.steps the decay takes, at the end of the run: 1 (the
+  default) decays from the warmup's end; below 1 the learning rate holds at train.lr until the decay
+  begins (warmup-stable-decay, WSD: a run can be lengthened before its decay, and a decay branched off
+  any stable-phase checkpoint).
+"""
 
 from __future__ import annotations
 
 import math
 
+DECAYS = {
+    "cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
+    "linear": lambda progress: 1 - progress,
+    "1-sqrt": lambda progress: 1 - math.sqrt(progress),
+}
+
+
+def decay_start(cfg) -> int:
+    """The 0-based step at which the decay starts from train.lr: the warmup's end, or later when the decay
+    takes less than the whole run (it ends at train.steps - 1, at the floor, and spans
+    round(lr_decay_fraction x train.steps) updates when the warmup leaves that many)."""
+    t = cfg.train
+    return max(t.warmup_steps, t.steps - 1 - max(1, round(t.lr_decay_fraction * t.steps)))
+
 
 def lr_at(step: int, cfg) -> float:
-    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at the last step (step is 0-based:
-    the trainer's step s asks for lr_at(s - 1)). The decay runs from the first step after the warmup
-    (at lr) to step train.steps - 1 (at the floor, exactly), so the run's last update is made at it."""
+    """Linear warmup to lr, then the decay to lr * min_lr_ratio at the last step (step is 0-based: the
+    trainer's step s asks for lr_at(s - 1)). The decay runs from decay_start (at lr) to step
+    train.steps - 1 (at the floor, exactly), so the run's last update is made at it."""
     t = cfg.train
     if t.warmup_steps and step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
-    decay_steps = max(1, t.steps - t.warmup_steps - 1)
-    progress = min(1.0, (step - t.warmup_steps) / decay_steps)
+    if t.lr_schedule == "constant":
+        return t.lr
+    start = decay_start(cfg)
+    progress = min(1.0, max(0.0, (step - start) / max(1, t.steps - 1 - start)))
     floor = t.lr * t.min_lr_ratio
-    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * progress))
+    return floor + (t.lr - floor) * DECAYS[t.lr_schedule](progress)
 
 
 def schedule_note(cfg) -> str | None:
     """What a run should hear when its warmup leaves no decay: train.warmup_steps at or past train.steps - 1
     (say the default 20 with a 10-step fine-tune) ends the run at or below the peak, never at the floor."""
     t = cfg.train
-    if t.steps <= 1 or t.warmup_steps < t.steps - 1:
+    if t.steps <= 1 or t.warmup_steps < t.steps - 1 or t.lr_schedule == "constant":
         return None
     top = lr_at(t.steps - 1, cfg)
     # (two steps have no room for both: "below 1" would be no warmup at all)
@@ -32,3 +57,15 @@ def schedule_note(cfg) -> str | None:
             + ("rises for the whole run (its last step at " if t.warmup_steps >= t.steps else "reaches ")
             + f"{top:.3g}{')' if t.warmup_steps >= t.steps else ' at the last step'} and never decays to the floor "
             f"(train.min_lr_ratio); {fix}")
+
+
+def schedule_words(cfg) -> str:
+    """The schedule for the setup line where it is not the default cosine over the whole run: "schedule
+    constant", "schedule 1-sqrt over the last 20% of steps (WSD: from step 241)"; else ""."""
+    t = cfg.train
+    if t.lr_schedule == "constant" or (t.lr_schedule == "cosine" and t.lr_decay_fraction >= 1):
+        return "" if t.lr_schedule == "cosine" else "schedule constant"
+    if t.lr_decay_fraction >= 1:
+        return f"schedule {t.lr_schedule}"
+    return (f"schedule {t.lr_schedule} over the last {100 * t.lr_decay_fraction:g}% of steps (WSD: from step "
+            f"{decay_start(cfg) + 1})")

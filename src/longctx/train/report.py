@@ -13,7 +13,7 @@ from ..config.inert_options import inert_option_notes
 from ..config.rules import moe_notes
 from ..errors import UserError
 from ..models.llama import count_params
-from ..step.schedule import schedule_note
+from ..step.schedule import schedule_note, schedule_words
 from .metrics import read_jsonl
 
 
@@ -271,7 +271,7 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
             + _memory_options(mem) + f", loss_chunk={mem.loss_chunk}, {layout}"
             + (", compiled (train.compile: each block's token-wise parts)" if cfg.train.compile else "")
-            + f"; {lr_note(cfg)}; {peak}"] + (
+            + f"; {lr_note(cfg)}" + (f", {words}" if (words := schedule_words(cfg)) else "") + f"; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]
         + inert_option_notes(cfg) if note]
