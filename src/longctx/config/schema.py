@@ -225,16 +225,14 @@ class ParallelConfig:
                              "blocks, within the node first); '' = off")
     zero_pp_block: int = _opt(512, "parallel.zero_pp's qwz and qgz: elements per quantization block (one fp32 "
                                    "scale each: 4 / block bytes per element on top of the int8)")
-    zero_pp_kernels: str = _opt("auto", "parallel.zero_pp's qwz and qgz: the int8 quantize/dequantize kernels, "
-                                        "compiled (torch.compile: one fused pass; the eager values, bit for bit on "
-                                        "CPU), eager, or auto (compiled on CUDA; eager on CPU, where compiling needs "
-                                        "a C++ compiler and seconds per process)")
+    zero_pp_kernels: str = _opt("auto", "qwz and qgz's int8 kernels: compiled (torch.compile, one fused pass: the "
+                                        "eager values, bit for bit on CPU), eager, or auto (compiled on CUDA; eager "
+                                        "on CPU, where compiling needs a C++ compiler and seconds per process)")
     ranks_per_node: int = _opt(0, "ranks per node, for parallel.zero_pp's hpz and qgz; 0 = the launcher's "
                                   "(LOCAL_WORLD_SIZE, or every rank when the job runs on one machine)")
-    hpz_ranks: int = _opt(0, "parallel.zero_pp's hpz: the ranks each unit stays sharded over after its forward; "
-                             "0 = a node's (parallel.ranks_per_node). Smaller (a divisor of it) keeps backward's "
-                             "gathers on a faster level inside the node, at the cost of a larger copy (Frontier's "
-                             "three levels: e.g. 2 for the two GCDs of an MI250X)")
+    hpz_ranks: int = _opt(0, "hpz: the ranks a unit stays sharded over after its forward; 0 = a node's. Smaller (a "
+                             "divisor of it) keeps backward's gathers on a faster level inside the node, for a larger "
+                             "copy (Frontier's three levels: e.g. 2 for the two GCDs of an MI250X)")
     grad_bucket_blocks: int = _opt(1, "transformer blocks per FSDP unit, i.e. per gradient reduce-scatter (and "
                                       "parameter all-gather): 1 = one per block; 0 = chosen by the cost model "
                                       "(parallel/fsdp/grad_buckets.py, logged)")
@@ -302,6 +300,9 @@ class TrainConfig:
                                              "not-yet-averaged change scaled by 1 / (1 + lambda); 0 = no penalty")
     compile: bool = _opt(False, "torch.compile each block's token-wise parts (norms, projections, RoPE, MLP, "
                                 "residuals); the attention core stays eager")
+    deterministic: bool = _opt(False, "bitwise-reproducible steps on a GPU: torch.use_deterministic_algorithms (an "
+                                      "op without a deterministic kernel raises, named), cuDNN deterministic, "
+                                      "CUBLAS_WORKSPACE_CONFIG; slower there (CPU steps are deterministic already)")
     eval_interval: int = _opt(50, "evaluate on the held-out split every N steps; 0 disables")
     eval_batches: int = _opt(4, "global batches (of train.global_batch sequences) per evaluation, whatever the "
                                 "layout and grad_accum, so the eval loss means the same under any of them")
@@ -354,10 +355,9 @@ class MemoryConfig:
                                    "attention_chunk > 0")
     loss_chunk: int = _opt(4096, "tokens per chunk of the LM head + cross-entropy when a rank holds more tokens "
                            "than this (logits [tokens, vocab] never exist); 0 = never chunk")
-    grad_sync: str = _opt("step", "with train.grad_accum > 1 under FSDP: reduce gradients once per optimizer step "
-                          "(step: least traffic, but each rank holds its unsharded fp32 gradients between "
-                          "micro-batches) or after every micro-batch (micro_batch: no extra memory)",
-                          choices=("step", "micro_batch"))
+    grad_sync: str = _opt("step", "with train.grad_accum > 1 under FSDP: reduce gradients once per step (step: least "
+                          "traffic, but each rank holds its unsharded fp32 gradients between micro-batches) or after "
+                          "every micro-batch (micro_batch: no extra memory)", choices=("step", "micro_batch"))
     model_states: str = _opt("device", "where the model states (fp32 weights, gradients, AdamW moments) live: device; "
                              "host_optimizer: weights on the device, their fp32 masters, gradients and moments in host "
                              "memory, each gradient sent there as its backward ends, AdamW on the host (ZeRO-Offload); "

@@ -1,9 +1,10 @@
 """This process's device, precision and seeds: `train.device` (auto: CUDA when there is one),
-`train.dtype` (auto: bf16 on a CUDA device that computes it natively, fp32 elsewhere) and every
-random generator seeded alike."""
+`train.dtype` (auto: bf16 on a CUDA device that computes it natively, fp32 elsewhere), every
+random generator seeded alike, and `train.deterministic`'s kernels."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -16,6 +17,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+# cuBLAS's workspace configuration under which its GEMMs are deterministic (CUDA's and torch's
+# reproducibility notes); read when cuBLAS starts in the process, so set before the first matmul
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def use_deterministic_algorithms() -> None:
+    """train.deterministic: torch's deterministic kernels for the rest of the process (an op that has none
+    raises, naming itself; SDPA's flash and efficient backwards take their deterministic paths, cuDNN's
+    attention is excluded), cuDNN deterministic without autotuning, and cuBLAS's deterministic workspace
+    (kept where the environment sets one). Called before the model is built."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def resolve_device(choice: str, option: str = "train.device") -> torch.device:

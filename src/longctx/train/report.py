@@ -271,6 +271,7 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
             + _memory_options(mem) + f", loss_chunk={mem.loss_chunk}, {layout}"
             + (", compiled (train.compile: each block's token-wise parts)" if cfg.train.compile else "")
+            + (", deterministic kernels (train.deterministic)" if cfg.train.deterministic else "")
             + f"; {lr_note(cfg)}" + (f", {words}" if (words := schedule_words(cfg)) else "") + f"; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]

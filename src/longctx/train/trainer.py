@@ -31,7 +31,7 @@ from ..config import Config
 from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..job import watchdog
-from ..job.devices import resolve_dtype, seed_everything
+from ..job.devices import resolve_dtype, seed_everything, use_deterministic_algorithms
 from ..job.join import join_job
 from ..models.moe import dropless
 from ..parallel.context.shares import read_local_batch, to_device
@@ -90,6 +90,8 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         seed_everything(cfg.train.seed)
+        if cfg.train.deterministic:
+            use_deterministic_algorithms()  # (the process's: before any kernel of the model runs)
         check_packages(cfg)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
