@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 52 on the GPU we are lent (after benchmarks/gpu_frontier.sh; run from the repository root).
-# Sized for about 7 minutes; each step has its own limit. $OUT collects the logs; the JSON of each
+# Sized for about 8 minutes; each step has its own limit. $OUT collects the logs; the JSON of each
 # step also goes to docs/results/gpu_speed_<step>_<card>_<date>.json for the commit.
 #   1. training speed against a peer: llama3-1b at 8K and 32K, longctx train vs transformers (SDPA,
 #      gradient checkpointing) on the same card (benchmarks/peer_train.py; transformers must be
@@ -14,7 +14,9 @@
 #   5. an MoE model under FSDP on the card (memory.model_states = host: FSDP at world 1, the blocks
 #      gathered in bf16, each router its own fp32 unit, the sinkhorn router calling router.logits
 #      directly): it trains, and its losses follow the device tier's (no CPU run gathers bf16; the
-#      first run builds the default store).
+#      first run builds the default store);
+#   6. train.deterministic on the card: the debug model's 20 steps twice with it (the losses must be
+#      equal bit for bit; an op without a deterministic kernel would raise) and twice without.
 # GliDe/CaPE at 1K and 8K need the recipe's checkpoints: benchmarks/gpu_decode.sh trains them on the GPU.
 set -u
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -44,6 +46,22 @@ for tier in device host; do
     --memory.model_states $tier --train.steps 20 --metrics.log_interval 10 --train.run_dir "/tmp/run_moe_$tier" \
     > "$OUT/moe_fsdp_$tier.log" 2>&1; echo "rc $? $tier: $(grep '^done:' "$OUT/moe_fsdp_$tier.log" | cut -c1-70)"
 done
+echo "== 6. train.deterministic: the same 20 steps twice, with and without"
+for run in det1 det2 plain1 plain2; do
+  rm -rf "/tmp/run_$run"; flag=$([ "${run#det}" != "$run" ] && echo true || echo false)
+  timeout 60 python3 -m longctx train --train.device cuda --train.deterministic $flag --train.steps 20 \
+    --metrics.log_interval 1 --checkpoint.final false --train.run_dir "/tmp/run_$run" > "$OUT/$run.log" 2>&1
+  echo "rc $? $run"
+done
+python3 - <<'PY'
+import json
+def losses(run):
+    try:
+        return [r["loss"] for r in map(json.loads, open(f"/tmp/run_{run}/metrics.jsonl")) if r.get("kind", "train") == "train"]
+    except OSError as e:
+        return str(e)
+print("deterministic identical:", losses("det1") == losses("det2"), "| plain identical:", losses("plain1") == losses("plain2"))
+PY
 python3 - "$OUT" <<'PY'
 import json, sys
 out = sys.argv[1]
