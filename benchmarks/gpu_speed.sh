@@ -15,8 +15,9 @@
 #      gathered in bf16, each router its own fp32 unit, the sinkhorn router calling router.logits
 #      directly): it trains, and its losses follow the device tier's (no CPU run gathers bf16; the
 #      first run builds the default store);
-#   6. train.deterministic on the card: the debug model's 20 steps twice with it (the losses must be
-#      equal bit for bit; an op without a deterministic kernel would raise) and twice without.
+#   6. train.deterministic on the card: 20 steps twice with it, of the debug model and of debug-moe with
+#      the spike check on (its router, dispatch and loss kernels, the guard's median): the losses must be
+#      equal bit for bit, and an op without a deterministic kernel would raise, named.
 # GliDe/CaPE at 1K and 8K need the recipe's checkpoints: benchmarks/gpu_decode.sh trains them on the GPU.
 set -u
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -46,21 +47,23 @@ for tier in device host; do
     --memory.model_states $tier --train.steps 20 --metrics.log_interval 10 --train.run_dir "/tmp/run_moe_$tier" \
     > "$OUT/moe_fsdp_$tier.log" 2>&1; echo "rc $? $tier: $(grep '^done:' "$OUT/moe_fsdp_$tier.log" | cut -c1-70)"
 done
-echo "== 6. train.deterministic: the same 20 steps twice, with and without"
-for run in det1 det2 plain1 plain2; do
-  rm -rf "/tmp/run_$run"; flag=$([ "${run#det}" != "$run" ] && echo true || echo false)
-  timeout 60 python3 -m longctx train --train.device cuda --train.deterministic $flag --train.steps 20 \
-    --metrics.log_interval 1 --checkpoint.final false --train.run_dir "/tmp/run_$run" > "$OUT/$run.log" 2>&1
-  echo "rc $? $run"
+echo "== 6. train.deterministic: the same 20 steps twice, dense and MoE"
+for run in dense1 dense2 moe1 moe2; do
+  rm -rf "/tmp/run_det_$run"; extra=$([ "${run#moe}" != "$run" ] && echo "--model.preset debug-moe --train.spike_factor 3")
+  timeout 60 python3 -m longctx train --train.device cuda --train.deterministic true --train.steps 20 $extra \
+    --metrics.log_interval 1 --checkpoint.final false --train.run_dir "/tmp/run_det_$run" > "$OUT/det_$run.log" 2>&1
+  echo "rc $? $run"; grep -m1 -i "error" "$OUT/det_$run.log" | cut -c1-200
 done
 python3 - <<'PY'
 import json
 def losses(run):
     try:
-        return [r["loss"] for r in map(json.loads, open(f"/tmp/run_{run}/metrics.jsonl")) if r.get("kind", "train") == "train"]
+        return [r["loss"] for r in map(json.loads, open(f"/tmp/run_det_{run}/metrics.jsonl")) if r.get("kind", "train") == "train"]
     except OSError as e:
         return str(e)
-print("deterministic identical:", losses("det1") == losses("det2"), "| plain identical:", losses("plain1") == losses("plain2"))
+for kind in ("dense", "moe"):
+    a, b = losses(f"{kind}1"), losses(f"{kind}2")
+    print(f"deterministic {kind}: identical {a == b}, {len(a) if isinstance(a, list) else a} steps")
 PY
 python3 - "$OUT" <<'PY'
 import json, sys

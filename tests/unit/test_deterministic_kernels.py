@@ -1,8 +1,9 @@
 """train.deterministic (job/devices.py use_deterministic_algorithms): the Trainer switches torch to its
-deterministic kernels before the model is built (torch.use_deterministic_algorithms, cuDNN deterministic
-without autotuning, cuBLAS's deterministic workspace unless the environment sets one), says so in its
-setup line, and an MoE run (the router's sort, the dispatch's index_add) trains under the mode without an
-op refusing it, the same losses twice; without the flag the process's settings are left as they are."""
+deterministic kernels before the job starts (torch.use_deterministic_algorithms, cuDNN deterministic
+without autotuning, cuBLAS's deterministic workspace: the environment's when it is one of the two, refused
+when it is another), says so in its setup line, and an MoE run trains under the mode; without the flag the
+process's settings are left as they are. On a CPU the mode refuses no op on the training path and the losses
+repeat with or without it: what the mode changes on a GPU is run by benchmarks/gpu_speed.sh step 6."""
 
 import os
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from longctx.config import load_config
+from longctx.errors import ConfigError
 from longctx.train.trainer import Trainer
 
 BASE = ["--model.preset=debug-moe", "--model.layers=2", "--train.seq_len=64", "--train.global_batch=2",
@@ -21,9 +23,10 @@ BASE = ["--model.preset=debug-moe", "--model.layers=2", "--train.seq_len=64", "-
 def restored():
     """Torch's process-wide settings as they were before the test."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-              torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+              torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+              torch.is_deterministic_algorithms_warn_only_enabled())
     yield
-    torch.use_deterministic_algorithms(before[0])
+    torch.use_deterministic_algorithms(before[0], warn_only=before[4])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
     if before[3] is None:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
@@ -50,10 +53,14 @@ def test_the_flag_switches_torch_to_deterministic_kernels_and_an_moe_run_trains_
     assert len(losses) == 3 and losses == again
 
 
-def test_an_environment_s_cublas_workspace_is_kept(tmp_path, restored):
+def test_an_environment_s_cublas_workspace_is_kept_and_another_one_refused(tmp_path, restored):
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
     _, state, _ = _trained(tmp_path, "a", "--train.deterministic=true", "--train.steps=1")
     assert state[0] and state[3] == ":16:8"
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:2"
+    with pytest.raises(ConfigError, match=r"CUBLAS_WORKSPACE_CONFIG :4096:8 or :16:8, but the environment sets "
+                                          r"':4096:2'.*unset it"):
+        _trained(tmp_path, "b", "--train.deterministic=true", "--train.steps=1")
 
 
 def test_without_the_flag_the_process_settings_stay(tmp_path, restored):

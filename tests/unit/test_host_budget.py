@@ -148,7 +148,8 @@ def test_on_cpu_the_layouts_own_states_are_counted():
 def test_a_co2_save_s_host_copy_is_counted_when_the_run_saves():
     """A co2 save copies each rank's own CO2 state to host memory (step/co2.py state_dict), held until the
     save is written: 6 fp32 words per averaged parameter (7 with outer momentum) in the host parts of a run
-    that saves, none in one that never does (checkpoint.interval 0, checkpoint.final false) or under sync."""
+    that can save (a resumed one also on a signal), none in one that never does (checkpoint.interval 0,
+    checkpoint.final false, no resume) or under sync."""
     from longctx.costs.model_states import co2_params
     from longctx.train.host_budget import run_shape
 
@@ -162,4 +163,6 @@ def test_a_co2_save_s_host_copy_is_counted_when_the_run_saves():
     assert saved == pytest.approx(6 * 4 * co2_params(cfg.model, shape)) and saved > 0
     assert part(*co2, "--train.co2_outer_momentum=0.5")[0] == pytest.approx(7 * 4 * co2_params(cfg.model, shape))
     assert part(*co2, "--checkpoint.interval=0", "--checkpoint.final=false")[0] == 0.0
+    # a run that only resumes still has a checkpoint manager, which saves on a signal (a requeued job's)
+    assert part(*co2, "--checkpoint.interval=0", "--checkpoint.final=false", "--checkpoint.resume=auto")[0] == saved
     assert part()[0] == 0.0

@@ -58,17 +58,32 @@ def test_each_shape_holds_then_decays_to_the_floor_at_the_last_step(shape, fract
     assert all(a >= b for a, b in zip(rates[20:], rates[21:]))
     assert schedule_note(cfg) is None
     if fraction < 1:
-        assert schedule_words(cfg) == (f"schedule {shape} over the last {100 * fraction:g}% of steps (WSD: from "
+        assert schedule_words(cfg) == (f"schedule {shape} over the last {299 - start} steps (WSD: train.lr held to "
                                        f"step {start + 1})")
+
+
+@pytest.mark.parametrize("fraction,length", [(0.25, 3), (0.35, 4), (0.15, 2), (0.05, 1), (0.01, 1)])
+def test_the_decay_length_rounds_halves_up_and_is_at_least_one_update(fraction, length):
+    """round(fraction x steps) with halves up (Python's round takes 2.5 to 2, and 0.15 x 10 is 1.4999...)."""
+    cfg = _cfg("--train.steps=10", "--train.warmup_steps=0", f"--train.lr_decay_fraction={fraction}")
+    assert 9 - decay_start(cfg) == length
+
+
+def test_a_fraction_the_warmup_overlaps_is_said_to_leave_no_stable_phase():
+    cfg = _cfg("--train.steps=10", "--train.warmup_steps=3", "--train.lr_decay_fraction=0.9")
+    assert decay_start(cfg) == 3 and "leaves no stable phase" in schedule_words(cfg)
 
 
 def test_constant_holds_the_peak_after_the_warmup():
     cfg = _cfg("--train.steps=50", "--train.warmup_steps=5", "--train.lr_schedule=constant")
     assert [lr_at(s, cfg) for s in range(50)] == [LR * (s + 1) / 5 for s in range(5)] + [LR] * 45
     assert schedule_words(cfg) == "schedule constant"
-    # the warmup-leaves-no-decay note is about a decay: constant has none to miss
-    assert schedule_note(_cfg("--train.steps=10", "--train.lr_schedule=constant")) is None
-    assert schedule_note(_cfg("--train.steps=10", "--train.lr_schedule=linear")) is not None
+    # constant misses no decay, only the peak: a warmup as long as the run never reaches train.lr (the default
+    # warmup of 20 in a 10-step run), one step shorter reaches it at the last step
+    note = schedule_note(_cfg("--train.steps=10", "--train.lr_schedule=constant"))
+    assert "never reaches train.lr" in note and "below 10" in note
+    assert schedule_note(_cfg("--train.steps=10", "--train.warmup_steps=9", "--train.lr_schedule=constant")) is None
+    assert "never decays to the floor" in schedule_note(_cfg("--train.steps=10", "--train.lr_schedule=linear"))
 
 
 @pytest.mark.parametrize("fraction", [0, -0.1, 1.5])

@@ -250,7 +250,7 @@ class TrainConfig:
     min_lr_ratio: float = _opt(0.1, "final learning rate as a fraction of lr (the decay's floor, at the last step)")
     warmup_steps: int = _opt(20, "linear warmup steps")
     lr_schedule: str = _opt("cosine", "the decay's shape after the warmup, to lr x min_lr_ratio at the last step; "
-                            "constant = train.lr throughout", choices=("cosine", "linear", "1-sqrt", "constant"))
+                            "constant = train.lr after the warmup", choices=("cosine", "linear", "1-sqrt", "constant"))
     lr_decay_fraction: float = _opt(1.0, "the share of train.steps the decay takes, at the run's end; below 1 the "
                                          "lr holds at train.lr until then (warmup-stable-decay, WSD)")
     weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norms)")

@@ -19,17 +19,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-# cuBLAS's workspace configuration under which its GEMMs are deterministic (CUDA's and torch's
-# reproducibility notes); read when cuBLAS starts in the process, so set before the first matmul
-CUBLAS_DETERMINISTIC = ":4096:8"
+# cuBLAS's workspace configurations under which its GEMMs are deterministic (CUDA's and torch's
+# reproducibility notes: torch refuses a cuBLAS call under the deterministic mode with any other); read
+# when cuBLAS starts in the process, so set before the first matmul
+CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 def use_deterministic_algorithms() -> None:
     """train.deterministic: torch's deterministic kernels for the rest of the process (an op that has none
     raises, naming itself; SDPA's flash and efficient backwards take their deterministic paths, cuDNN's
     attention is excluded), cuDNN deterministic without autotuning, and cuBLAS's deterministic workspace
-    (kept where the environment sets one). Called before the model is built."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+    (the environment's, where it sets one of the two). Called before the job starts CUDA."""
+    workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC[0])
+    if workspace not in CUBLAS_DETERMINISTIC:
+        raise ConfigError(f"train.deterministic needs cuBLAS's deterministic workspace, CUBLAS_WORKSPACE_CONFIG "
+                          f"{' or '.join(CUBLAS_DETERMINISTIC)}, but the environment sets {workspace!r} (torch would "
+                          f"refuse the first matrix product); unset it or set one of those.")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

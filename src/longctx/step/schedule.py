@@ -25,7 +25,9 @@ def decay_start(cfg) -> int:
     takes less than the whole run (it ends at train.steps - 1, at the floor, and spans
     round(lr_decay_fraction x train.steps) updates when the warmup leaves that many)."""
     t = cfg.train
-    return max(t.warmup_steps, t.steps - 1 - max(1, round(t.lr_decay_fraction * t.steps)))
+    # (halves rounded up, and a hair of slack for the fraction's binary error: 0.15 x 10 is 1.4999...)
+    length = max(1, math.floor(t.lr_decay_fraction * t.steps + 0.5 + 1e-9))
+    return max(t.warmup_steps, t.steps - 1 - length)
 
 
 def lr_at(step: int, cfg) -> float:
@@ -45,9 +47,16 @@ def lr_at(step: int, cfg) -> float:
 
 def schedule_note(cfg) -> str | None:
     """What a run should hear when its warmup leaves no decay: train.warmup_steps at or past train.steps - 1
-    (say the default 20 with a 10-step fine-tune) ends the run at or below the peak, never at the floor."""
+    (say the default 20 with a 10-step fine-tune) ends the run at or below the peak, never at the floor; under
+    constant, a warmup at or past train.steps never reaches train.lr."""
     t = cfg.train
-    if t.steps <= 1 or t.warmup_steps < t.steps - 1 or t.lr_schedule == "constant":
+    if t.lr_schedule == "constant":
+        if t.warmup_steps < t.steps:
+            return None
+        return (f"train.warmup_steps {t.warmup_steps} with train.steps {t.steps}: the learning rate rises for the "
+                f"whole run (its last step at {lr_at(t.steps - 1, cfg):.3g}) and never reaches train.lr "
+                f"{t.lr:g}; set --train.warmup_steps below {t.steps}")
+    if t.steps <= 1 or t.warmup_steps < t.steps - 1:
         return None
     top = lr_at(t.steps - 1, cfg)
     # (two steps have no room for both: "below 1" would be no warmup at all)
@@ -61,11 +70,16 @@ def schedule_note(cfg) -> str | None:
 
 def schedule_words(cfg) -> str:
     """The schedule for the setup line where it is not the default cosine over the whole run: "schedule
-    constant", "schedule 1-sqrt over the last 20% of steps (WSD: from step 241)"; else ""."""
+    constant", "schedule 1-sqrt over the last 60 steps (WSD: train.lr held to step 240)"; else "". A
+    fraction whose decay would start inside the warmup is said to leave no stable phase."""
     t = cfg.train
-    if t.lr_schedule == "constant" or (t.lr_schedule == "cosine" and t.lr_decay_fraction >= 1):
-        return "" if t.lr_schedule == "cosine" else "schedule constant"
+    if t.lr_schedule == "constant":
+        return "schedule constant"
     if t.lr_decay_fraction >= 1:
-        return f"schedule {t.lr_schedule}"
-    return (f"schedule {t.lr_schedule} over the last {100 * t.lr_decay_fraction:g}% of steps (WSD: from step "
-            f"{decay_start(cfg) + 1})")
+        return "" if t.lr_schedule == "cosine" else f"schedule {t.lr_schedule}"
+    start = decay_start(cfg)
+    if start == t.warmup_steps:
+        return (f"schedule {t.lr_schedule} (train.lr_decay_fraction {t.lr_decay_fraction:g} leaves no stable phase "
+                f"after the warmup: the decay starts at its end)")
+    return (f"schedule {t.lr_schedule} over the last {t.steps - 1 - start} steps (WSD: train.lr held to step "
+            f"{start + 1})")

@@ -84,14 +84,14 @@ class Trainer:
     optimizer -> checkpoint (resumed or not) -> the data of the stage the run continues in."""
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
+        if cfg.train.deterministic:
+            use_deterministic_algorithms()  # (the process's: before the job starts CUDA or runs any kernel)
         self.rt, self.device = join_job(cfg, training=True)
         rt = self.rt
         self.log = log if rt.is_main else _silent  # one voice per job
         self.dtype = resolve_dtype(cfg.train.dtype, self.device)
         self.autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         seed_everything(cfg.train.seed)
-        if cfg.train.deterministic:
-            use_deterministic_algorithms()  # (the process's: before any kernel of the model runs)
         check_packages(cfg)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
