@@ -24,7 +24,7 @@ from ..config.checkpoint_paths import (  # (re-exported: the checkpoint package'
     MANIFEST,
     CheckpointError,
 )
-from ..config.schema import parse_layer_list
+from ..config.layer_lists import parse_layer_list
 from ..durable import fsync_path, write_text_durably
 
 FORMAT = "longctx-checkpoint/1"

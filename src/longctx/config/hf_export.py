@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from .hf import FAMILIES, HFFormatError
-from .schema import MOE_FAMILIES, parse_layer_list
+from .layer_lists import parse_layer_list
+from .schema import MOE_FAMILIES
 
 # the model.rope_* settings each model.rope_scaling reads (beside theta; models/llama.py), each with the name
 # config.json's rope_scaling gives it; eval's result records the same (eval/results.py rope_record)

@@ -12,9 +12,10 @@ from ..errors import ConfigError
 from .data_parallel import data_parallel_problems
 from .draft_kinds import clover_problems
 from .inert_options import dense_moe_notes, inert_option_problems
+from .layer_lists import parse_layer_list
 from .positions import ms_poe_problems
 from .rules_ranges import range_problems
-from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config, parse_layer_list
+from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config
 
 # families with q/k RMSNorm, and what it spans (model.qk_norm_span)
 QK_NORM_SPAN = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all"}

@@ -8,11 +8,11 @@ explicitly, so `--model.preset llama3-8b --model.layers 2` is the 8B shape with 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .layer_lists import moe_layer_ids
 from .presets import MODEL_PRESETS
 
 RECOMPUTE_POLICIES = ("none", "full", "selective")  # memory.recompute
@@ -34,21 +34,6 @@ def _opt(default, help: str, choices: Sequence[Any] | None = None, key: str | No
 MOE_ROUTERS = ("softmax", "switch", "sigmoid", "sinkhorn", "dts")  # model.moe.router
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 MOE_AUX_LOSS_SCOPES = ("per_layer_mean", "per_layer_sum", "pooled")  # model.moe.aux_loss_scope
-
-
-def parse_layer_list(text: str) -> set[int]:
-    """"0,3-5" -> {0, 3, 4, 5}; "" -> set(). ValueError names what it could not read."""
-    out: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi or lo)
-        except ValueError:
-            raise ValueError(f"cannot read '{part}' as a layer or a range of layers (write e.g. \"0,3-5\")") from None
-        if first < 0 or last < first:
-            raise ValueError(f"'{part}' is not a layer range (write first-last, first <= last, both >= 0)")
-        out.update(range(first, last + 1))
-    return out
 
 
 @dataclass
@@ -177,7 +162,7 @@ class ModelConfig:
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         """The layers whose feed-forward is a Mixture of Experts (all but moe.dense_layers)."""
-        return _moe_layer_ids(self.layers, self.is_moe, self.moe_dense_layers)
+        return moe_layer_ids(self.layers, self.is_moe, self.moe_dense_layers)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -436,15 +421,3 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
-
-
-
-
-@functools.lru_cache(maxsize=256)
-def _moe_layer_ids(layers: int, is_moe: bool, dense_layers) -> tuple[int, ...]:
-    """ModelConfig.moe_layer_ids, computed once per (layers, dense_layers): the planner asks for it
-    in every candidate's estimate."""
-    if not is_moe:
-        return ()
-    dense = parse_layer_list(dense_layers)
-    return tuple(i for i in range(layers) if i not in dense)
