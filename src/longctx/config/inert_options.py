@@ -24,7 +24,19 @@ from .schema import Config, DraftConfig, ModelConfig, ParallelConfig, TrainConfi
 def inert_option_problems(cfg: Config) -> list[str]:
     """One sentence with its fix per option that would be ignored (empty when each applies)."""
     return (_expert_chunk_on_dense(cfg) + _offload_without_blocks(cfg) + _draft_without_target(cfg)
-            + _zero_pp_unused(cfg) + _rope_factor_unscaled(cfg) + _unusable_expert_replicas(cfg))
+            + _zero_pp_unused(cfg) + _rope_factor_unscaled(cfg) + _unusable_expert_replicas(cfg)
+            + _time_limit_without_saves(cfg))
+
+
+def _time_limit_without_saves(cfg: Config) -> list[str]:
+    """checkpoint.exit_after_minutes in a run without a checkpoint manager (train/setup.py opens_checkpoints):
+    the limit's stop saves the step it stops at, and such a run can save nothing."""
+    ck = cfg.checkpoint
+    if not ck.exit_after_minutes or ck.interval or ck.final or ck.resume != "none":
+        return []
+    return [f"checkpoint.exit_after_minutes = {ck.exit_after_minutes:g} would stop the run with nothing saved: it "
+            f"saves the step it stops at, and this run saves no checkpoint (checkpoint.interval 0, checkpoint.final "
+            f"false); set --checkpoint.final true (or an interval), or drop the limit."]
 
 
 def inert_option_notes(cfg: Config) -> list[str]:

@@ -18,4 +18,7 @@ def range_problems(cfg: Config) -> list[str]:
     if not 0 <= t.seed < SEED_LIMIT:  # (a negative seed stopped the first step in numpy's default_rng)
         problems.append(f"train.seed must be a whole number from 0 to 2**63 - 1 (the data order's generator takes "
                         f"no negative seed), got {t.seed}; e.g. --train.seed 0.")
+    limit = cfg.checkpoint.exit_after_minutes  # (not a finite number: refused where the config is read)
+    if limit < 0:
+        problems.append(f"checkpoint.exit_after_minutes must be a number of minutes >= 0 (0 = no limit), got {limit}.")
     return problems

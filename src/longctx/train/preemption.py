@@ -7,33 +7,45 @@ own: a CPU-side all-reduce of one integer, no device-to-host sync (the step's fi
 device). The signal reaches ranks at different moments, so they agree: all stop after the first
 step at which any rank had it. Then the trainer saves that step (waiting for any save in flight),
 says "saved step N on SIGTERM", and the command exits with REQUEUE_EXIT_CODE.
+
+checkpoint.exit_after_minutes stops the same way at the first step boundary past a deadline on the
+rank's own clock (a scheduler's time limit, less the time of a save and a step): a rank past it sends
+TIME_LIMIT in the same exchange, so the ranks stop together at the step any of them passed it.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import torch
 
 from ..config.rules import parse_signals
 
+TIME_LIMIT = 1 << 10  # what a rank past the deadline sends (above every signal's number: it wins the MAX)
+
 
 class StopOnSignal:
     """Records the configured signals between `install()` and `restore()` and answers, once per step,
-    whether any rank has had one (`agreed()`: the signal's name, the same on every rank)."""
+    whether any rank has had one or passed `deadline` (a time.monotonic() value; None: no limit), as
+    `agreed()`: the signal's name, or the time limit's, the same on every rank. `limit_minutes` is what
+    the deadline came from (said in the name)."""
 
-    def __init__(self, names: str, world: int, group_factory=None):
+    def __init__(self, names: str, world: int, group_factory=None, deadline: float | None = None,
+                 limit_minutes: float = 0.0):
         self.signals = parse_signals(names)
         self.world = world
+        self.deadline, self.limit_minutes = deadline, limit_minutes
         self._group_factory = group_factory  # () -> a gloo group over every rank (created when installed)
         self._group = None
         self._received = 0  # the first signal's number, from the handler
         self._previous: dict[signal.Signals, object] = {}
 
     def install(self) -> StopOnSignal:
-        if not self.signals or threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
             self.signals = []  # (handlers can only be installed from the main thread: tests run there)
+        if not self.signals and self.deadline is None:
             return self
         if self.world > 1 and self._group_factory is not None:
             self._group = self._group_factory()
@@ -54,12 +66,16 @@ class StopOnSignal:
     def agreed(self) -> str | None:
         """The signal any rank has received so far (the highest number if several), or None: a
         collective, called by every rank after every step."""
-        if not self.signals:
+        if not self.signals and self.deadline is None:
             return None
         got = self._received
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            got = TIME_LIMIT
         if self.world > 1:
             from ..job import comm  # collectives go through comm
 
             flag = torch.tensor([got], dtype=torch.int64)
             got = int(comm.all_reduce_in_group(flag, self._group, op=torch.distributed.ReduceOp.MAX)[0])
+        if got == TIME_LIMIT:
+            return f"the time limit (checkpoint.exit_after_minutes {self.limit_minutes:g})"
         return signal.Signals(got).name if got else None

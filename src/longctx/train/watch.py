@@ -1,7 +1,7 @@
 """What watches the training loop from outside while it runs: the hang watchdog (parallel.timeout_s:
 a rank idle that long says where it and its peers were, and the job ends) and the stop on a signal
-(checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1,
-preemption.py)."""
+(checkpoint.on_signal, in a run that can save: stop at a step boundary on SIGTERM / SIGUSR1, or past
+checkpoint.exit_after_minutes, preemption.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from .preemption import StopOnSignal
 
 
 @contextlib.contextmanager
-def watched(cfg: Config, rt: Runtime, can_save: bool):
-    """Both watchers for the block; yields the StopOnSignal that the loop asks after each step."""
-    stop = StopOnSignal(cfg.checkpoint.on_signal if can_save else "", rt.world, new_gloo_group)
+def watched(cfg: Config, rt: Runtime, can_save: bool, started: float = 0.0):
+    """Both watchers for the block; yields the StopOnSignal that the loop asks after each step (and, with
+    checkpoint.exit_after_minutes, at the deadline that many minutes after `started`, a time.monotonic())."""
+    minutes = cfg.checkpoint.exit_after_minutes if can_save else 0.0
+    stop = StopOnSignal(cfg.checkpoint.on_signal if can_save else "", rt.world, new_gloo_group,
+                        deadline=started + 60 * minutes if minutes else None, limit_minutes=minutes)
     watch = (watchdog.Watchdog(cfg.parallel.timeout_s, rt.rank, os.environ.get(ERROR_DIR_ENV))
              if rt.world > 1 else None)
     try:
