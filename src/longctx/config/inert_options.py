@@ -29,10 +29,10 @@ def inert_option_problems(cfg: Config) -> list[str]:
 
 
 def _time_limit_without_saves(cfg: Config) -> list[str]:
-    """checkpoint.exit_after_minutes in a run without a checkpoint manager (train/setup.py opens_checkpoints):
+    """checkpoint.exit_after_minutes in a run without a checkpoint manager (CheckpointConfig.saves_or_resumes):
     the limit's stop saves the step it stops at, and such a run can save nothing."""
     ck = cfg.checkpoint
-    if not ck.exit_after_minutes or ck.interval or ck.final or ck.resume != "none":
+    if not ck.exit_after_minutes or ck.saves_or_resumes:
         return []
     return [f"checkpoint.exit_after_minutes = {ck.exit_after_minutes:g} would stop the run with nothing saved: it "
             f"saves the step it stops at, and this run saves no checkpoint (checkpoint.interval 0, checkpoint.final "

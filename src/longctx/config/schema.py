@@ -373,6 +373,13 @@ class CheckpointConfig:
                                           "(requeue), as on a signal: a scheduler's time limit less a save's time and "
                                           "a step's; 0 = no limit")
 
+    @property
+    def saves_or_resumes(self) -> bool:
+        """Whether the run has a checkpoint manager: it saves (interval, final) or resumes. A manager also
+        saves on a signal or the time limit (train/watch.py), where a co2 run copies its own state."""
+        return bool(self.interval or self.final or self.resume != "none")
+
+
 
 @dataclass
 class MetricsConfig:

@@ -29,7 +29,6 @@ from ..job.checks import node_size, zero_pp_names
 from ..job.devices import computes_in_bf16
 from ..memory.auto import host_memory_available
 from ..memory.policy import MemoryPolicy
-from .setup import opens_checkpoints
 from .stages import stages_of
 
 BUDGET_ENV = "LONGCTX_HOST_MEMORY_BYTES"
@@ -91,7 +90,7 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
             async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap,
             bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0)
         parts = {k: v for k, v in host.items() if k != "total"}
-        if not opens_checkpoints(cfg):
+        if not cfg.checkpoint.saves_or_resumes:
             parts["co2_checkpoint"] = 0.0  # (a run that can never save takes no copy: not even on a signal)
         if device_type == "cpu":
             parts[CPU_DEVICE] = one_memory_bytes(cfg.model, shape, cfg.memory.model_states, device, host,

@@ -28,15 +28,15 @@ TIME_LIMIT = 1 << 10  # what a rank past the deadline sends (above every signal'
 
 class StopOnSignal:
     """Records the configured signals between `install()` and `restore()` and answers, once per step,
-    whether any rank has had one or passed `deadline` (a time.monotonic() value; None: no limit), as
+    whether any rank has had one or passed `deadline` (a reading of `clock`; None: no limit), as
     `agreed()`: the signal's name, or the time limit's, the same on every rank. `limit_minutes` is what
     the deadline came from (said in the name)."""
 
     def __init__(self, names: str, world: int, group_factory=None, deadline: float | None = None,
-                 limit_minutes: float = 0.0):
+                 limit_minutes: float = 0.0, clock=time.monotonic):
         self.signals = parse_signals(names)
         self.world = world
-        self.deadline, self.limit_minutes = deadline, limit_minutes
+        self.deadline, self.limit_minutes, self.clock = deadline, limit_minutes, clock
         self._group_factory = group_factory  # () -> a gloo group over every rank (created when installed)
         self._group = None
         self._received = 0  # the first signal's number, from the handler
@@ -69,7 +69,7 @@ class StopOnSignal:
         if not self.signals and self.deadline is None:
             return None
         got = self._received
-        if self.deadline is not None and time.monotonic() >= self.deadline:
+        if self.deadline is not None and self.clock() >= self.deadline:
             got = TIME_LIMIT
         if self.world > 1:
             from ..job import comm  # collectives go through comm

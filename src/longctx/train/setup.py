@@ -298,18 +298,11 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     return train, evals
 
 
-def opens_checkpoints(cfg: Config) -> bool:
-    """Whether the run has a checkpoint manager: it saves (checkpoint.interval, checkpoint.final) or resumes;
-    a manager also saves on a signal (watch.py), and a co2 run then copies its own state (host_budget.py)."""
-    ck = cfg.checkpoint
-    return bool(ck.interval or ck.final or ck.resume != "none")
-
-
 def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer, sampler, log,
                        tokenizer: str | None = None):
     """The checkpoint manager (None when neither saving nor resuming) and the step to continue after."""
     ck = cfg.checkpoint
-    if not opens_checkpoints(cfg):
+    if not ck.saves_or_resumes:
         return None, 0
 
     root = checkpoint_root(cfg, run_dir)

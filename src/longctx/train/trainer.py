@@ -84,7 +84,8 @@ class Trainer:
     optimizer -> checkpoint (resumed or not) -> the data of the stage the run continues in."""
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
-        self.started = time.monotonic()  # (checkpoint.exit_after_minutes counts from here, set-up included)
+        self.clock = time.monotonic  # what checkpoint.exit_after_minutes reads (a test installs its own)
+        self.started = self.clock()  # (the limit counts from here, set-up included)
         if cfg.train.deterministic:
             use_deterministic_algorithms()  # (the process's: before the job starts CUDA or runs any kernel)
         self.rt, self.device = join_job(cfg, training=True)
@@ -192,7 +193,7 @@ class Trainer:
         try:
             # a line at least every progress.interval_s() in logs where no bar is drawn (a first step,
             # a slow interval, an evaluation are each minutes at long lengths on a CPU)
-            with watched(cfg, self.rt, can_save=self.ckpt is not None, started=self.started) as stop, \
+            with watched(cfg, self.rt, self.ckpt is not None, self.started, self.clock) as stop, \
                     phase("training", total=cfg.train.steps - self.start_step, unit="steps", done_line=False,
                           bar=progress) as loop.beat:
                 step = self._run_steps(loop, stop)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 from ..config import Config
 from ..job import watchdog
@@ -16,12 +17,12 @@ from .preemption import StopOnSignal
 
 
 @contextlib.contextmanager
-def watched(cfg: Config, rt: Runtime, can_save: bool, started: float = 0.0):
+def watched(cfg: Config, rt: Runtime, can_save: bool, started: float = 0.0, clock=time.monotonic):
     """Both watchers for the block; yields the StopOnSignal that the loop asks after each step (and, with
-    checkpoint.exit_after_minutes, at the deadline that many minutes after `started`, a time.monotonic())."""
+    checkpoint.exit_after_minutes, at the deadline that many minutes after `started`, a reading of `clock`)."""
     minutes = cfg.checkpoint.exit_after_minutes if can_save else 0.0
     stop = StopOnSignal(cfg.checkpoint.on_signal if can_save else "", rt.world, new_gloo_group,
-                        deadline=started + 60 * minutes if minutes else None, limit_minutes=minutes)
+                        deadline=started + 60 * minutes if minutes else None, limit_minutes=minutes, clock=clock)
     watch = (watchdog.Watchdog(cfg.parallel.timeout_s, rt.rank, os.environ.get(ERROR_DIR_ENV))
              if rt.world > 1 else None)
     try:
