@@ -12,10 +12,10 @@ With --docs it measures document-sparse attention instead (attention_docs.py).
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
+from .. import strict_json
 from ..errors import ConfigError
 from ..job import comm
 from ..job.checks import check_divisible, check_heads
@@ -171,7 +171,7 @@ def main(args) -> int:
     # each case is a progress phase: a case that takes long is said while it runs (stderr; JSON on stdout)
     with phase("bench attention" + (" --docs" if args.docs is not None else "")):
         result = run(args)
-    print(json.dumps(result, indent=2))
+    print(strict_json.dumps(result, indent=2))
     return 0
 
 

@@ -29,13 +29,13 @@ them. JSON on stdout, progress on stderr.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 
 import torch
 import torch.distributed as dist
 
+from .. import strict_json
 from ..config import load_config
 from ..errors import ConfigError
 from ..job import comm
@@ -205,7 +205,7 @@ def main(args) -> int:
            **result, "ratios": _ratios(result["modes"])}
     if args.plot and args.steps:
         _plot(result["modes"], args.plot)
-    print(json.dumps(out, indent=1))
+    print(strict_json.dumps(out, indent=1))
     return 0
 
 

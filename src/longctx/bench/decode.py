@@ -41,7 +41,6 @@ compares compiled speculative decoding with compiled plain decoding.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from datetime import date
@@ -49,6 +48,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .. import strict_json
 from ..errors import ConfigError
 from ..progress import speaker
 
@@ -261,7 +261,7 @@ def main(args) -> int:
                        **({"draft_cost": args.cost, "verify_cost": args.verify_cost or 0.0} if adaptive else {}),
                        **_figures(everything[m]),
                        "by_length": groups[m]}
-    print(json.dumps(result, indent=1))
+    print(strict_json.dumps(result, indent=1))
     return 0
 
 

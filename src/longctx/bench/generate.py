@@ -27,7 +27,6 @@ and the transient grows linearly with the prompt (S / (H x C) tokens per rank, n
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -39,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .. import strict_json
 from ..errors import ConfigError, UserError
 from ..progress import phase, speaker
 
@@ -270,7 +270,7 @@ def main(args) -> int:
     if args.compile != "false":
         with phase("bench generate --compile"):
             result = measure_compile(args)
-        print(json.dumps(result, indent=1))
+        print(strict_json.dumps(result, indent=1))
         return 0
     try:
         import transformers
@@ -279,7 +279,7 @@ def main(args) -> int:
     # each case a progress phase: one that takes long is said while it runs
     with phase("bench generate"):
         result = _measure(args, transformers)
-    print(json.dumps(result, indent=1))
+    print(strict_json.dumps(result, indent=1))
     return 0
 
 

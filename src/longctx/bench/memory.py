@@ -12,7 +12,6 @@ and --max-seq probe starts and ends, with seconds) goes to stderr, so a run of m
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -21,6 +20,7 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
+from .. import strict_json
 from ..config import MemoryConfig, build_model_config, load_config
 from ..errors import ConfigError
 from ..job.dims import ParallelDims
@@ -300,12 +300,12 @@ def _rank_measure(args, seq):
 def main(args) -> int:
     if args.probe:  # one --max-seq probe, in its own process
         name, seq = args.probe.rsplit(":", 1)
-        print(json.dumps(_probe_step(args, *_policy(name), int(seq))))
+        print(strict_json.dumps(_probe_step(args, *_policy(name), int(seq))))
         return 0
     # each case a progress phase: one that takes long is said while it runs
     with phase("bench memory"):
         doc = _measure_all(args)
-    text = json.dumps(doc, indent=1)
+    text = strict_json.dumps(doc, indent=1)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

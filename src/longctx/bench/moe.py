@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import resource
@@ -39,6 +38,7 @@ from datetime import date
 import torch
 from torch import nn
 
+from .. import strict_json
 from ..errors import ConfigError
 from ..job.host_malloc import keep_freed_blocks
 from ..ops.grouped import grouped_path, use_loop
@@ -131,7 +131,7 @@ def main(args) -> int:
     # each case a progress phase: one that takes long is said while it runs
     with phase("bench moe"):
         doc = _measure_cpu(args)
-    print(json.dumps(doc, indent=2))
+    print(strict_json.dumps(doc, indent=2))
     return 0
 
 

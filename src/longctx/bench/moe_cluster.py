@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import platform
 import time
@@ -40,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from .. import strict_json
 from ..config import load_config
 from ..costs.hardware import get_hardware
 from ..errors import ConfigError
@@ -238,7 +238,7 @@ def main(args) -> int:
     doc = summarize(per_rank, spec)
     doc.update({"bench": "moe_cluster", "date": date.today().isoformat(), "cluster": f"{nodes}x{per_node}",
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}})
-    print(json.dumps(doc, indent=2))
+    print(strict_json.dumps(doc, indent=2))
     return 0
 
 

@@ -18,7 +18,6 @@ the MoE step. Several experts per rank and one GPU: this is the layer, not exper
 
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -26,6 +25,7 @@ from datetime import date
 
 import torch
 
+from .. import strict_json
 from ..ops.grouped import grouped_path, use_loop
 from ..progress import phase
 from . import moe_common as common
@@ -96,7 +96,7 @@ def main(args, device: torch.device | None = None) -> int:
             common.say(f"{routing}, {seq:,} tokens: kernel {kernel['min'] * 1e3:.2f} ms, loop "
                       f"{loop['min'] * 1e3:.2f} ms, dense {dense_t['min'] * 1e3:.2f} ms")
             rows.append(row)
-    print(json.dumps({
+    print(strict_json.dumps({
         "bench": "moe", "date": date.today().isoformat(),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "config": {"dim": args.dim, "experts": args.experts, "top_k": args.top_k, "expert_dim": cfg.resolved_expert_dim,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .. import strict_json
 from ..errors import ConfigError
 from ..progress import phase, say
 
@@ -75,8 +76,8 @@ def main(args) -> int:
                 for layout in args.layouts.split(","):
                     with phase(f"{preset} at {seq:,} tokens, layout {layout}", done_line=False):
                         row = run_one(preset, seq, layout, args.steps, args.global_batch)
-                    say(json.dumps(row))  # progress
+                    say(strict_json.dumps(row))  # progress
                     rows.append(row)
-    print(json.dumps({"bench": "train", "rows": rows, "machine": {
+    print(strict_json.dumps({"bench": "train", "rows": rows, "machine": {
         "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}, indent=2))
     return 0

@@ -25,11 +25,10 @@ loads torch, which `longctx data build` must not.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .. import threads
+from .. import strict_json, threads
 from ..config.rules import SYNTHETIC_TASKS
 from ..errors import ConfigError
 from ..generate.context_memory import add_flags as add_context_memory_flags
@@ -122,7 +121,7 @@ def main(args, overrides) -> int:
     result = evaluate(request, args)
     if result is None:  # not rank 0
         return 0
-    text = json.dumps(result, indent=1)
+    text = strict_json.dumps(result, indent=1)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(text + "\n")

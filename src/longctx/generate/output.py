@@ -7,9 +7,10 @@ loop is the same on every rank).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+
+from .. import strict_json
 
 
 class StopStrings:
@@ -209,7 +210,7 @@ class Output:
                 line[key] = getattr(result, key)
         if self.stream is None and self.bar is not None and speculative:  # (speculation calls no on_token)
             self.bar.update(len(result.tokens))
-        self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self.file.write(strict_json.dumps(line, ensure_ascii=False) + "\n")
 
     def close(self) -> None:
         if self.bar is not None:

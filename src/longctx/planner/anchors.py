@@ -12,9 +12,9 @@ a sanity check, not a fit).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
+from .. import strict_json
 from ..config import load_config
 from ..costs.hardware import get_hardware
 from .search import Request, plan
@@ -77,6 +77,6 @@ def passed(row: dict) -> bool:
 
 def main(args=None) -> int:
     rows = [check(a) for a in ANCHORS]
-    print(json.dumps({"bench": "planner_anchors", "rows": rows}, indent=2))
+    print(strict_json.dumps({"bench": "planner_anchors", "rows": rows}, indent=2))
     ok = all(passed(r) for r in rows)
     return 0 if ok else 1

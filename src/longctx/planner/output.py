@@ -9,9 +9,9 @@ predictions are for the hardware its header names."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import textwrap
 
+from .. import strict_json
 from ..config import Config, build_config, rules, to_dict, to_toml
 from ..costs.model_states import param_counts, params_text, predicted_active_params
 from ..errors import ConfigError
@@ -249,7 +249,7 @@ def to_json(res: PlanResult, top: int, written: str | None, note: str = "") -> s
     plans = [{**e.as_dict(), "micro_batch_sequences": micro_batch_sequences(e)}
              for e in (res.feasible or res.ranked)[:top]]
     slow_links = report(res)  # (after the plans: they are timed first)
-    return json.dumps({
+    return strict_json.dumps({
         "request": {"model": req.model.label, "parameters": param_counts(req.model)["total"],
                     "active_parameters": predicted_active_params(req.model), "gpus": req.gpus,
                     "gpus_per_node": req.gpus_per_node,

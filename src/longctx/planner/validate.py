@@ -24,7 +24,6 @@ runs it with options and writes the docs table.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import strict_json
 from ..config import build_config, to_dict
 from ..costs.hardware import calibrate
 from ..costs.shape import MeshShape
@@ -333,21 +333,21 @@ def ranking_agreement(rows: list[dict]) -> dict:
 
 def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_calibration: int = 4) -> int:
     hw = calibrate(world=world_for_calibration)
-    print(json.dumps({"calibrated": hw.source, "peak_tflops": hw.peak_tflops,
+    print(strict_json.dumps({"calibrated": hw.source, "peak_tflops": hw.peak_tflops,
                       "attention_efficiency": hw.attention_efficiency}), file=sys.stderr, flush=True)
     out = {"bench": "planner_validate", "hardware": hw.__dict__, "bytes": [], "ranking": [],
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
     for case in (BYTES_CASES if cases is None else cases):
         row = run_case(case, hw, steps=1, warmup=1)  # step times of these cases are not compared
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        print(strict_json.dumps(row), file=sys.stderr, flush=True)
         out["bytes"].append(row)
     ranking_cases = RANKING_CASES if ranking_cases is None else ranking_cases
     out["ranking"] = run_ranking(ranking_cases, hw, rounds=steps) if ranking_cases else []
     for row in out["ranking"]:
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        print(strict_json.dumps(row), file=sys.stderr, flush=True)
     if out["ranking"]:
         out["ranking_agreement"] = ranking_agreement(out["ranking"])
-    print(json.dumps(out, indent=2))
+    print(strict_json.dumps(out, indent=2))
     ok = all(r["comm_equal_all_ranks"] for r in out["bytes"] + out["ranking"]) and \
         all(r["fsdp_equal_all_ranks"] for r in out["bytes"])
     return 0 if ok else 1

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .. import strict_json
 from ..costs.peaks import device_peak, raise_cpu_peak
 from ..job.checks import hpz_group, node_size, zero_pp_names
 from ..job.devices import resolve_dtype
@@ -59,7 +60,7 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(tensorboard_dir))
 
     def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(strict_json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
             for k, v in record.items():

@@ -14,6 +14,7 @@ from ..config.rules import moe_notes
 from ..errors import UserError
 from ..models.llama import count_params
 from ..step.schedule import schedule_note, schedule_words
+from ..strict_json import number
 from .metrics import read_jsonl
 
 
@@ -39,7 +40,7 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
         ax.axvspan(first - 0.5, last + 0.5, color="0.88", label=None if i else "rolled back (updates discarded)")
     _plot_train_loss(ax, train)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["loss"] for r in evals],
+        ax.plot([r["step"] for r in evals], [number(r["loss"]) for r in evals],
                 label="eval (the mean over its labelled tokens)", marker="o", color="tab:orange")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
@@ -91,10 +92,10 @@ def _plot_train_loss(ax, train: list[dict]) -> None:
     carry `loss_mean` (the mean over all steps of their log interval) draw that mean instead."""
     steps = [r["step"] for r in train]
     if all("loss_mean" in r for r in train):
-        ax.plot(steps, [r["loss_mean"] for r in train], marker=".", color="tab:blue",
+        ax.plot(steps, [number(r["loss_mean"]) for r in train], marker=".", color="tab:blue",
                 label="train (mean over each log interval)")
         return
-    losses = [r["loss"] for r in train]
+    losses = [number(r["loss"]) for r in train]  # (null: a non-finite loss)
     every = _log_every(steps)
     ax.plot(steps, losses, marker=".", lw=0.6, alpha=0.45, color="tab:blue",
             label="train (the logged step's loss" + (f", every {every} steps)" if every > 1 else ")"))
