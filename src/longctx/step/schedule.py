@@ -7,11 +7,17 @@
   default) decays from the warmup's end; below 1 the learning rate holds at train.lr until the decay
   begins (warmup-stable-decay, WSD: a run can be lengthened before its decay, and a decay branched off
   any stable-phase checkpoint).
+
+A checkpoint keeps its run's schedule settings (schedule_state); a resume whose settings give the next step
+another rate than the saved run's would says so (resume_note): the schedule is recomputed over the new
+settings from step 1, not stretched from the rate the run had reached, so a longer train.steps under a
+decay moves the rate up at the resumed step.
 """
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 DECAYS = {
     "cosine": lambda progress: 0.5 * (1 + math.cos(math.pi * progress)),
@@ -83,3 +89,32 @@ def schedule_words(cfg) -> str:
                 f"after the warmup: the decay starts at its end)")
     return (f"schedule {t.lr_schedule} over the last {t.steps - 1 - start} steps (WSD: train.lr held to step "
             f"{start + 1})")
+
+
+# the train.* keys lr_at reads: what a checkpoint keeps of its run's schedule
+SCHEDULE_KEYS = ("lr", "steps", "warmup_steps", "lr_schedule", "lr_decay_fraction", "min_lr_ratio")
+
+
+def schedule_state(cfg) -> dict:
+    """The run's schedule settings, saved with each checkpoint (train/step_state.py) for resume_note."""
+    return {key: getattr(cfg.train, key) for key in SCHEDULE_KEYS}
+
+
+def resume_note(saved: dict | None, cfg, step: int) -> str | None:
+    """What a resume from checkpoint `step` should hear when the next step's rate under this run's settings
+    is not the saved run's (`saved`: its schedule_state; None, from a checkpoint written before it was kept:
+    nothing to compare). A changed train.steps is listed with the config's changes, but not that it moves
+    the rate: lr_at is recomputed over the new length, so a lengthened cosine run jumps up at the resume
+    (100 -> 200 steps at step 50: 2.15e-3 -> 2.82e-3), as does one resumed inside a WSD decay."""
+    if not saved or step >= cfg.train.steps:
+        return None
+    before = SimpleNamespace(train=SimpleNamespace(**{**schedule_state(cfg), **saved}))
+    was, now = lr_at(step, before), lr_at(step, cfg)
+    if math.isclose(was, now, rel_tol=1e-9):
+        return None
+    changed = ", ".join(f"train.{key} {saved[key]} -> {value}" for key, value in schedule_state(cfg).items()
+                        if key in saved and saved[key] != value)
+    moved = f"{now / was - 1:+.0%}" if was else "from 0"  # (min_lr_ratio 0 ends a decay at 0)
+    return (f"learning-rate schedule: step {step + 1} trains at {now:.3g}, where the checkpoint's settings give "
+            f"{was:.3g} ({moved}; {changed}): the schedule is recomputed over this run's settings from step 1, "
+            f"not continued from the rate the run had reached")
