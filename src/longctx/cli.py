@@ -36,7 +36,7 @@ def _config_help() -> str:
 def _cmd_train(args, overrides) -> int:
     from .config import to_toml
     from .config.layout import resolve_layout
-    from .job.launch import default_nproc, launched_by_us, relaunch, under_launcher
+    from .job.launch import default_nproc, launched_by_us, under_launcher
 
     if args.nproc is not None and args.nproc < 1:  # (0 read as "not given" ran the default 4 ranks)
         raise ConfigError(f"--nproc must be >= 1 (1 = this process), got {args.nproc}.")
@@ -64,9 +64,18 @@ def _cmd_train(args, overrides) -> int:
     if args.print_config:
         print(to_toml(cfg), end="")
         return 0
+    from .train.preemption import command_clock
+
+    with command_clock():  # checkpoint.exit_after_minutes counts from the command's start, preflight included
+        return _train(args, overrides, cfg, nproc, launching, run.resumed is not None)
+
+
+def _train(args, overrides, cfg, nproc: int, launching: bool, resumed: bool) -> int:
+    """`longctx train` once its config is known: the preflight and a relaunch on `nproc` ranks, or this rank's run."""
+    from .job.launch import relaunch
     from .train.trainer import train
 
-    if launching and run.resumed is not None:
+    if launching and resumed:
         finished = _finished_run(cfg)
         if finished:  # said before any data or model is built
             print(finished)

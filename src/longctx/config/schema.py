@@ -368,8 +368,8 @@ class CheckpointConfig:
                                       "previous checkpoint stays the latest", choices=("stop", "warn"))
     on_signal: str = _opt("SIGTERM,SIGUSR1", "signals on which a run that saves checkpoints finishes its step, "
                                              "saves it and exits with code 75 (requeue); '' = none")
-    exit_after_minutes: float = _opt(0.0, "stop at the first step boundary this many minutes after the run began on "
-                                          "its ranks (set-up included), save that step and exit with code 75 "
+    exit_after_minutes: float = _opt(0.0, "stop at the first step boundary this many minutes after the command began "
+                                          "(data build, set-up included), save that step and exit with code 75 "
                                           "(requeue), as on a signal: a scheduler's time limit less a save's time and "
                                           "a step's; 0 = no limit")
 

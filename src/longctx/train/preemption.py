@@ -9,21 +9,65 @@ step at which any rank had it. Then the trainer saves that step (waiting for any
 says "saved step N on SIGTERM", and the command exits with REQUEUE_EXIT_CODE.
 
 checkpoint.exit_after_minutes stops the same way at the first step boundary past a deadline on the
-rank's own clock (a scheduler's time limit, less the time of a save and a step): a rank past it sends
-TIME_LIMIT in the same exchange, so the ranks stop together at the step any of them passed it.
+rank's own clock (a scheduler's time limit, less the time of a save and a step), counted from the start of
+the `longctx train` command (command_clock): a rank past it sends TIME_LIMIT in the same exchange, so the
+ranks stop together at the step any of them passed it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 from ..config.rules import parse_signals
+from ..job.launch import ERROR_DIR_ENV
 
 TIME_LIMIT = 1 << 10  # what a rank past the deadline sends (above every signal's number: it wins the MAX)
+# when `longctx train` began (time.time()), for the limit: set by command_clock, read by command_age
+STARTED_ENV = "LONGCTX_COMMAND_STARTED"
+
+
+def process_started() -> float:
+    """When this process began, as a time.time() reading (Linux's /proc; elsewhere: now)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # (field 22: starttime)
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - max(0.0, since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+@contextlib.contextmanager
+def command_clock():
+    """Around `longctx train`: its start in the environment, where the ranks' set-up finds it (command_age).
+    A scheduler's limit counts from the job's start, so the limit must count what ran before the Trainer:
+    the interpreter's start, the launcher's preflight (which builds the default store from data.corpus:
+    hours for a large corpus) and its ranks' start. A rank that `--nproc N` started keeps its launcher's."""
+    old = os.environ.get(STARTED_ENV)
+    if old is None or ERROR_DIR_ENV not in os.environ:  # (ERROR_DIR_ENV: a rank our launcher started)
+        os.environ[STARTED_ENV] = repr(process_started())
+    try:
+        yield
+    finally:  # (not left to a later run in this process: a library caller's Trainer counts from its own set-up)
+        if old is None:
+            os.environ.pop(STARTED_ENV, None)
+        else:
+            os.environ[STARTED_ENV] = old
+
+
+def command_age() -> float:
+    """Seconds since the `longctx train` command this process runs in began (0 outside one: a Trainer
+    built by a library caller counts from its own set-up)."""
+    try:
+        return max(0.0, time.time() - float(os.environ.get(STARTED_ENV, "")))
+    except ValueError:  # unset (or not a number)
+        return 0.0
 
 
 class StopOnSignal:

@@ -49,7 +49,7 @@ from .host_update import host_update_hooks
 from .metrics import MetricsLogger, setup_peak_line
 from .model import build_training_model, resolve_offload
 from .moe_hooks import MoEStepHook, moe_step_hooks
-from .preemption import StopOnSignal
+from .preemption import StopOnSignal, command_age
 from .report import describe_run, done_line, write_plots
 from .rollback import BadStep, roll_back, skip_rolled_back_window
 from .saves import RunSaves
@@ -85,7 +85,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
         self.clock = time.monotonic  # what checkpoint.exit_after_minutes reads (a test installs its own)
-        self.started = self.clock()  # (the limit counts from here, set-up included)
+        self.started = self.clock() - command_age()  # (the limit counts from the command's start: command_clock)
         if cfg.train.deterministic:
             use_deterministic_algorithms()  # (the process's: before the job starts CUDA or runs any kernel)
         self.rt, self.device = join_job(cfg, training=True)
