@@ -35,13 +35,13 @@ import torch.nn.functional as F
 from ..job import comm
 from ..job.checks import check_heads
 from ..models.cached_attention import CacheStep, cached_attention, masked_attention
-from ..models.kv_cache import TreeCalls
+from ..models.kv_cache import CacheRows, TreeCalls
 from ..parallel.context.attention import distributed_attention
 from ..parallel.context.sequence import shard_indices
 from ..parallel.context.ulysses import kv_replication
 
 
-class ShardedKVCache(TreeCalls):
+class ShardedKVCache(CacheRows, TreeCalls):
     """This rank's share of the KV cache of `batch` sequences of up to `max_len` tokens: its kv heads,
     its slots. The interface of models/kv_cache.KVCache for the model's decode calls (begin, layer,
     end, lengths); prefill writes it through ShardedGeneration."""
@@ -71,17 +71,9 @@ class ShardedKVCache(TreeCalls):
         self._owners = self._before = self._local_step = self._last = None
 
     @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
-    @property
     def local(self) -> np.ndarray:
         """Slots of each row this rank holds."""
         return self.shares[:, self.ctx_rank]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
 
     def rows(self, start: int, stop: int) -> ShardedKVCache:
         """Rows [start, stop) as a cache of their own, sharing storage and lengths (a prefill group)."""
@@ -99,15 +91,9 @@ class ShardedKVCache(TreeCalls):
     def begin(self, new: int, device=None) -> CacheStep:
         """A call appending `new` tokens to every row (decode: 1; a speculative verification: K + 1).
         Each new slot goes to the ctx rank holding the fewest of its row's slots, in order."""
-        if self.step is not None:
-            raise RuntimeError("a model call on this cache is already running")
-        if self.lengths.max() + new > self.max_len:
-            raise ValueError(f"the cache holds at most {self.max_len} tokens per row; {int(self.lengths.max())} "
-                             f"held + {new} new do not fit (allocate it with a larger max_len)")
-        start = self.lengths.copy()
-        device = device or self.k.device
-        self.step = CacheStep(start, new, torch.as_tensor(start, device=device)[:, None] +
-                              torch.arange(new, device=device), self._take_among(new))
+        self._check_room(new)
+        start, positions = self._step_positions(new, device)
+        self.step = CacheStep(start, new, positions, self._take_among(new))
         shares, rows = self.shares.copy(), np.arange(self.batch)
         self._owners = np.empty((self.batch, new), dtype=np.int64)
         for j in range(new):

@@ -43,6 +43,7 @@ from ..models.context_memory import (
     rotate,
     unit_scores,
 )
+from ..models.kv_cache import CacheRows
 from ..ops.attention import merge_partials
 from .sharded import merge_over_ctx
 
@@ -53,7 +54,7 @@ def owners(positions: np.ndarray, shape: InfLLMShape, ctx: int) -> np.ndarray:
     return np.where(positions < shape.init, 0, unit % ctx)
 
 
-class ShardedInfLLMCache(GrowsOnly):
+class ShardedInfLLMCache(GrowsOnly, CacheRows):
     """This rank's slots of `batch` rows of up to `max_len` tokens, placed by unit (module docstring),
     and its units' representatives; the contracts.Cache interface the model's calls use (no
     speculation: truncate, among and keep refuse)."""
@@ -85,14 +86,6 @@ class ShardedInfLLMCache(GrowsOnly):
     def keys_read(self, value: int) -> None:
         self._keys_read[0] = value
 
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def slots(self, lo: int, hi: int) -> slice:
         """The local slots holding positions [lo, hi) that this rank owns (ascending: one run)."""
         return slice(int(np.searchsorted(self.positions, lo)), int(np.searchsorted(self.positions, hi)))
@@ -110,16 +103,10 @@ class ShardedInfLLMCache(GrowsOnly):
         return _Layer(self, index)
 
     def begin(self, new: int, device=None) -> CacheStep:
-        if self.step is not None:
-            raise RuntimeError("a model call on this cache is already running")
+        self._check_room(new)
         if not np.all(self.lengths == self.lengths[0]):
             raise ValueError("InfLLM context memory attends for rows that hold the same number of tokens")
-        if int(self.lengths[0]) + new > self.max_len:
-            raise ValueError(f"the cache holds at most {self.max_len} tokens per row; {int(self.lengths[0])} held "
-                             f"+ {new} new do not fit (allocate it with a larger max_len)")
-        start = self.lengths.copy()
-        device = device or self.k.device
-        positions = torch.as_tensor(start, device=device)[:, None] + torch.arange(new, device=device)
+        start, positions = self._step_positions(new, device)
         self.step = CacheStep(start, new, positions)
         return self.step
 

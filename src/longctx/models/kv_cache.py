@@ -95,7 +95,41 @@ class TreeCalls:
         return visible
 
 
-class KVCache(TreeCalls):
+class CacheRows:
+    """What every cache (this module's, InfLLM's and generate/sharded*.py's) holds and checks the same way:
+    keys and values [layers, batch, ...] of this rank, each row's `lengths`, `max_len`, the running `step`."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lengths: np.ndarray
+    max_len: int
+    step: CacheStep | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def _check_room(self, new: int) -> None:
+        """Before a call appends `new` tokens to every row: none running, and room for them in every row."""
+        if self.step is not None:
+            raise RuntimeError("a model call on this cache is already running")
+        held = int(self.lengths.max())
+        if held + new > self.max_len:
+            raise ValueError(f"the cache holds at most {self.max_len} tokens per row; {held} held + {new} new do "
+                             f"not fit (allocate it with a larger max_len)")
+
+    def _step_positions(self, new: int, device) -> tuple[np.ndarray, torch.Tensor]:
+        """Each row's first new slot (a copy of `lengths`) and the new tokens' positions [batch, new]."""
+        start = self.lengths.copy()
+        device = device or self.k.device
+        return start, torch.as_tensor(start, device=device)[:, None] + torch.arange(new, device=device)
+
+
+class KVCache(CacheRows, TreeCalls):
     """Preallocated keys and values of every layer for `batch` sequences of up to `max_len` tokens.
 
     `core(q, k, v, layer, step) -> out` is the attention each layer runs against the cache (default
@@ -125,14 +159,6 @@ class KVCache(TreeCalls):
         return cls(cfg.layers, batch, max_len, cfg.kv_heads, cfg.resolved_head_dim,
                    dtype=dtype or w.dtype, device=device or w.device, core=core)
 
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
     def rows(self, start: int, stop: int) -> KVCache:
         """Rows [start, stop) as a cache of their own, sharing storage and lengths with this one
         (prefill a group of prompts of one length in it)."""
@@ -147,14 +173,8 @@ class KVCache(TreeCalls):
 
     def begin(self, new: int, device=None) -> CacheStep:
         """Start a call that appends `new` tokens to every row (the model calls it)."""
-        if self.step is not None:
-            raise RuntimeError("a model call on this cache is already running")
-        if self.lengths.max() + new > self.max_len:
-            raise ValueError(f"the cache holds at most {self.max_len} tokens per row; {int(self.lengths.max())} "
-                             f"held + {new} new do not fit (allocate it with a larger max_len)")
-        start = self.lengths.copy()
-        positions = torch.as_tensor(start, device=device or self.k.device)[:, None] + \
-            torch.arange(new, device=device or self.k.device)
+        self._check_room(new)
+        start, positions = self._step_positions(new, device)
         self.step = CacheStep(start, new, positions, self._take_among(new))
         return self.step
 
