@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from ..errors import ConfigError
+from .data_mix import mix_problems
 from .data_parallel import data_parallel_problems
 from .draft_kinds import clover_problems
 from .inert_options import dense_moe_notes, inert_option_problems
@@ -53,7 +54,7 @@ def validate(cfg: Config) -> None:
     for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules,
                           _draft_rules):
         section_rules(cfg, problems)
-    problems += data_parallel_problems(cfg) + range_problems(cfg) + inert_option_problems(cfg)
+    problems += data_parallel_problems(cfg) + range_problems(cfg) + inert_option_problems(cfg) + mix_problems(cfg)
     if problems:
         raise ConfigError(" ".join(problems))
 
@@ -203,8 +204,7 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
                             f"({m.max_seq_len}); raise model.max_seq_len or shorten the stage.")
     if t.stages and cfg.data.path:
         problems.append(f"train.stages reads one store per stage length, built from data.corpus; data.path "
-                        f"({cfg.data.path}) holds one length only. Drop data.path (set data.corpus to your text "
-                        f"directory) or train.stages.")
+                        f"({cfg.data.path}) holds one length; drop data.path (data.corpus: your text) or train.stages.")
     positive = functools.partial(_positive, problems)
     for key in ("steps", "global_batch", "grad_accum", "eval_batches"):
         positive(f"train.{key}", getattr(t, key))

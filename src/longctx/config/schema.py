@@ -303,8 +303,11 @@ class DataConfig:
     eval_fraction: float = _opt(0.02, "fraction of documents held out for evaluation")
     doc_mask: bool = _opt(True, "attend only within a document and restart positions at each one")
     max_docs: int = _opt(0, "use at most this many documents; 0 = all")
-    path: str = _opt("", "a store built by `longctx data build` (its seq_len must equal train.seq_len); '' = build "
-                         "one from data.corpus on first use, cached in $LONGCTX_CACHE or ~/.cache/longctx")
+    path: str = _opt("", "a store built by `longctx data build` (its seq_len must equal train.seq_len), or several "
+                         "comma-separated (a weighted mix: data.weights); '' = build one from data.corpus on first "
+                         "use, cached in $LONGCTX_CACHE or ~/.cache/longctx")
+    weights: str = _opt("", "the mix's weight of each store of data.path, comma-separated, e.g. \"0.7,0.3\" "
+                            "(normalised); '' = in proportion to each store's training samples")
     strategy: str = _opt("auto", "packing when building from data.corpus; auto = concat below 2048 tokens (nearly "
                                  "every document is longer than a sample), datasculpt from 2048 up",
                          choices=("auto", "datasculpt", "bfd", "concat"))

@@ -99,13 +99,23 @@ def store_of(samples) -> PackedSamples | None:
     return samples
 
 
+def _data_read(samples):
+    """The store, or mix of stores (data/mixture.py StoreMix), a sample set reads (through wrappers): what has
+    an `identity` and a `root`; None for a set of no store."""
+    while samples is not None and not isinstance(getattr(samples, "identity", None), dict):
+        samples = getattr(samples, "samples", None)
+    return samples
+
+
 def identity_of(samples) -> dict | None:
-    store = store_of(samples)
-    return None if store is None else store.identity
+    data = _data_read(samples)
+    return None if data is None else data.identity
 
 
 def _describe_store(record: dict) -> str:
     inputs = ", ".join(record["inputs"]) or "inputs it does not name"
+    if record.get("mix"):  # (a mix of stores: data/mixture.py mix_identity)
+        inputs = f"a mix of {', '.join(record['mix'])}"
     return (f"built from {inputs} ({record['documents']:,} documents, {record['tokens']:,} tokens, "
             f"{record['train_samples']:,} train samples; identity {record['identity']})")
 
@@ -274,7 +284,8 @@ class BatchLoader:
         if len(samples) == 0:
             raise DataError("the data store has no training samples; build it from more documents.")
         self.samples, self.batch_size, self.dp = samples, batch_size, dp
-        self.order = SampleOrder(len(samples), seed)
+        # (a mix of stores is read in its blend's own order: data/mixture.py)
+        self.order = samples.sample_order(seed) if hasattr(samples, "sample_order") else SampleOrder(len(samples), seed)
         self.balance = balance and dp > 1 and hasattr(samples, "costs")
         self.costs = samples.costs(*cost) if self.balance else None
         # taken once: the position is taken every step a run may roll back to
@@ -304,11 +315,11 @@ class BatchLoader:
         saved, now = state.get("store"), self.store
         if saved is not None and now is not None and saved.get("identity") != now["identity"]:
             what = (f"the checkpoint's data position was saved on a store {_describe_store(saved)}, but the store "
-                    f"{store_of(self.samples).root} is one {_describe_store(now)}")
+                    f"{_data_read(self.samples).root} is one {_describe_store(now)}")
             if not allow_changes:
                 raise DataError(
-                    f"{what}: it was rebuilt with other content (or is another store), so the saved cursor would "
-                    f"point into other data. "
+                    f"{what}: it was rebuilt with other content (or is another store, or mix), so the saved cursor "
+                    f"would point into other data. "
                     f"Resume with the store the run trained on, or add --checkpoint.allow_changes true to continue "
                     f"on the new data from the same cursor.")
             note = f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."

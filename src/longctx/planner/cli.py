@@ -180,7 +180,14 @@ def _with_store(store: str | None, model: str, overrides, base):
     """`base`, and with --store DIR the base that trains DIR: the plan's attention work is DIR's documents,
     so its written config reads them (data.path; data.tokenizer auto then is the store's). Without it the
     config trained data.corpus (the stdlib by default), not the documents the plan was costed on. A
-    --data.path naming another store is refused: the plan would cost one store and the run train the other."""
+    --data.path naming another store is refused: the plan would cost one store and the run train the other, as
+    is a mix of stores (data/mixture.py): the plan costs one store's documents."""
+    from ..config.data_mix import is_mix
+
+    if is_mix(base):
+        raise ConfigError(f"--data.path={base.data.path} mixes several stores, but a plan costs the attention work of "
+                          f"one store's documents: plan with --store naming the mix's store of longest documents (and "
+                          f"no --data.path), then train the mix with the layout the plan writes.")
     if not store:
         return base
     from ..config import load_config

@@ -21,6 +21,7 @@ from ..checkpoint.identity import weights_identity
 from ..checkpoint.manifest import check_draft_matches, check_model_matches, read_manifest
 from ..config import Config, to_dict
 from ..config.checkpoint_paths import complete_checkpoints
+from ..config.data_mix import is_mix
 from ..config.hf import hf_dir
 from ..config.rules import parse_synthetic
 from ..costs.peaks import machine_cpu_peak
@@ -33,7 +34,15 @@ from ..job.checks import check_layout, ranks_per_node
 from ..job.devices import resolve_device
 from ..models.hf import weight_files
 from .host_budget import check_host_memory
-from .setup import check_packages, check_run_dir, check_store, check_tokenizer_known, checkpoint_root, resume_target
+from .setup import (
+    check_mix,
+    check_packages,
+    check_run_dir,
+    check_store,
+    check_tokenizer_known,
+    checkpoint_root,
+    resume_target,
+)
 from .stages import holdout_grid, stage_config, stages_of
 
 
@@ -121,6 +130,9 @@ def _check_output_paths(cfg: Config) -> None:
 
 def _check_data(cfg: Config, log) -> None:
     """The store exists and fits the run; the default store is built (or found in the cache) here."""
+    if is_mix(cfg):
+        check_mix(cfg)  # every store fits the run and the mix's other stores
+        return
     if cfg.data.path:
         path = cfg.data.path
     else:

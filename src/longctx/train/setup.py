@@ -16,10 +16,12 @@ from pathlib import Path
 
 from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
 from ..config import Config, to_dict, to_toml
+from ..config.data_mix import first_store, is_mix, parse_weights, store_paths
 from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
 from ..data.loader import PackedSamples
+from ..data.mixture import StoreMix, check_same_kind, mix_line
 from ..data.store import SPLITS, read_manifest, text_prefix
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
@@ -168,7 +170,7 @@ def run_tokenizer(cfg: Config) -> str:
     data.tokenizer, or, left `auto` for a data.path store, that store's own."""
     if cfg.data.tokenizer != "auto" or not cfg.data.path:
         return cfg.data.tokenizer
-    return read_manifest(cfg.data.path)["tokenizer"]["spec"]
+    return read_manifest(first_store(cfg.data.path))["tokenizer"]["spec"]  # (a mix's stores share it: check_mix)
 
 
 def run_tokenizer_identity(cfg: Config, spec: str | None) -> str | None:
@@ -178,7 +180,7 @@ def run_tokenizer_identity(cfg: Config, spec: str | None) -> str | None:
     A data.path store's own record when the run takes the store's tokenizer (its file may have moved since the
     store was built); None when nothing names one."""
     if cfg.data.tokenizer == "auto" and cfg.data.path:
-        return stored_identity(read_manifest(cfg.data.path)["tokenizer"])
+        return stored_identity(read_manifest(first_store(cfg.data.path))["tokenizer"])
     try:
         return tokenizer_identity(spec) if spec and spec != "auto" else None
     except ConfigError:  # (a file gone: building the data says so with its fix)
@@ -189,7 +191,7 @@ def run_text_prefix(cfg: Config) -> list[int]:
     """The special tokens the run's documents begin with (e.g. BOS; recorded in each checkpoint's
     manifest): its data.path store's, else those the default store's tokenizer puts before a text."""
     if cfg.data.path:
-        return text_prefix(read_manifest(cfg.data.path))
+        return text_prefix(read_manifest(first_store(cfg.data.path)))
     spec = run_tokenizer(cfg)  # (`auto` here: the weights name none, which building the data reports)
     return [] if spec == "auto" else load_tokenizer(spec).text_prefix()
 
@@ -265,6 +267,8 @@ def _missing_prefix(manifest: dict) -> str:
 
 def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     """Train and eval samples of the run's store (eval is None when evaluation is off or empty)."""
+    if is_mix(cfg):
+        return build_mix(cfg, log)
     t0 = time.perf_counter()
     path = store_path(cfg, log, rt)
     manifest = check_store(cfg, path)
@@ -333,3 +337,58 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
     if state["step"] >= cfg.train.steps:
         log(f"checkpoint: step {state['step']} is already >= train.steps={cfg.train.steps}; nothing to train")
     return manager, int(state["step"])
+
+
+def check_mix(cfg: Config) -> list[dict]:
+    """The manifests of a mix's stores (data.path naming several), once each fits the run (check_store), they
+    agree with each other (tokenizer, text prefix: data/mixture.py) and each one weighed has training samples."""
+    paths = store_paths(cfg.data.path)
+    manifests = [read_manifest(p) for p in paths]
+    check_same_kind(paths, manifests)  # (first: a store unlike the others is that, not unlike the run's tokenizer)
+    for path, manifest in zip(paths, manifests):
+        _check_store(cfg, path, manifest)
+    weights = parse_weights(cfg.data.weights) or [1.0] * len(paths)
+    for path, manifest, weight in zip(paths, manifests, weights):
+        if weight > 0 and not manifest["totals"].get("train_samples", 0):
+            raise DataError(f"the data store {path} of the mix has no training samples, so its weight in "
+                            f"data.weights cannot be drawn; build it from more documents, or drop it from data.path.")
+    return manifests
+
+
+def mix_eval_problem(cfg: Config, mix: StoreMix, manifests: list[dict]) -> str | None:
+    """Why a mix cannot evaluate (eval_split_problem's rule for one store): a store weighed in the mix whose
+    eval split is empty (the eval blend has the training blend's weights), or a blend of fewer samples than
+    one global batch."""
+    if not cfg.train.eval_interval:
+        return None
+    empty = [name for name, w, m in zip(mix.names, mix.weights, manifests) if w > 0 and not m["totals"]["eval_samples"]]
+    if empty:
+        return (f"evaluation is off: the eval split of {', '.join(empty)} is empty, and the eval blend has the "
+                f"weights of the training one; build those stores with --eval-fraction > 0, or set "
+                f"train.eval_interval=0 to not be told.")
+    total = {"eval_samples": sum(m["totals"]["eval_samples"] for m in manifests)}
+    return eval_split_problem(cfg, mix.root, {"totals": total})
+
+
+def build_mix(cfg: Config, log=print):
+    """Train and eval samples of a weighted mix of stores (data/mixture.py StoreMix): the eval split is the
+    same blend (same weights and seed) over the stores' eval splits."""
+    t0 = time.perf_counter()
+    manifests = check_mix(cfg)
+    paths, weights = store_paths(cfg.data.path), parse_weights(cfg.data.weights) or None
+    split = lambda name: StoreMix([PackedSamples(p, name, cfg.data.doc_mask) for p in paths], paths,  # noqa: E731
+                                  weights, cfg.train.seed)
+    train = split("train")
+    for path, manifest in zip(paths, manifests):
+        note = _missing_prefix(manifest)
+        if note:
+            log(f"data: {path}: {note}")
+    problem = mix_eval_problem(cfg, train, manifests)
+    if problem:
+        log(f"data: {problem}")
+    evals = split("eval") if cfg.train.eval_interval and not problem else None
+    log(f"data: {len(paths)} stores ({', '.join(paths)}) -> {train.num_tokens:,} train tokens in {len(train):,} "
+        f"samples of {cfg.train.seq_len}, {0 if evals is None else len(evals):,} eval samples"
+        f"{'' if evals is not None else ' (not evaluated)'} ({time.perf_counter() - t0:.1f}s)")
+    log(f"data: {mix_line(train, cfg.train.steps * cfg.train.global_batch)}")
+    return train, evals

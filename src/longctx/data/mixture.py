@@ -1,0 +1,249 @@
+"""A weighted blend of several stores' samples (`data.path = "books,code"`, `data.weights = "0.7,0.3"`):
+what Megatron's `--data-path 0.7 a 0.3 b` gives, and long-context recipes (upsampled long books mixed
+with short text) rely on.
+
+`StoreMix` is one sample set over the stores of one split. Blend sample k (k = 0, 1, ... without end)
+is sample `perm_s[e][j]` of store s, where s is the store the blend's schedule gives position k,
+j its count of earlier positions of store s, and `perm_s[e]` store s's own seeded permutation of its
+e-th epoch: each store cycles its epochs on its own, so a small store with a large weight repeats.
+
+The schedule keeps every prefix of the blend within one sample of its weights: after k samples,
+|count_s - w_s k| < 1 for every store. The plain greedy (the store with the largest w_s (k + 1) -
+count_s) does not quite: with many stores it strays past one sample (five weighed 12:1:1:12:3: 1.03, tested;
+up to ~1.1 seen in random trials of 2-5 stores); Tijdeman's rule
+(1980, "the chairman assignment problem") does, within 1 - 1/(2n - 2) for n stores: among the stores
+at least 1/(2n - 2) behind, the one whose next sample falls due first (w_s (k + 1) - count_s is the
+same greedy deficit), ties to the lower index.
+
+The training order of a mix is the blend itself (`sample_order`, read by data/loader.py BatchLoader):
+no shuffle over it, which would break the weights at every prefix; its state is still the one
+global cursor of SampleOrder, so checkpoints, resumes, data-parallel balance (`costs`) and rank reads
+(`frames`, `read_at`, `label_count`: each row read from its store) work as for one store. `len` is
+the stores' samples together (one "blend epoch"), what a resume compares and the epochs are said of.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config.tokenizer import stored_identity
+from ..errors import ConfigError
+from .loader import Frames, PackedSamples, SampleSet
+from .samples import Batch, SampleOrder
+from .store import text_prefix
+
+
+class BlendOrder(SampleOrder):
+    """The blend's positions in order, k = cursor (no shuffle: the stores' own permutations are the
+    shuffle); the state is SampleOrder's one cursor."""
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.arange(epoch * self.num_samples, (epoch + 1) * self.num_samples)
+
+
+def blend_schedule(weights: np.ndarray, start_counts: list[int], first: int, n: int) -> np.ndarray:
+    """The store of blend positions first .. first + n - 1, given each store's count before `first`
+    (updated in place): Tijdeman's chairman assignment (module docstring)."""
+    w = [float(x) for x in weights]
+    stores = range(len(w))
+    slack = 1.0 / (2 * len(w) - 2)
+    counts, out = start_counts, np.empty(n, dtype=np.int64)
+    for k in range(first, first + n):
+        behind = [i for i in stores if w[i] > 0 and w[i] * (k + 1) - counts[i] >= slack - 1e-12]
+        s = min(behind or [i for i in stores if w[i] > 0], key=lambda i: ((counts[i] + 1 - slack) / w[i], i))
+        out[k - first] = s
+        counts[s] += 1
+    return out
+
+
+def store_name(path: str, paths: list[str]) -> str:
+    """A store's short name in messages: its directory's name, or its path where two names would clash."""
+    name = Path(path).name or path
+    return name if sum((Path(p).name or p) == name for p in paths) == 1 else path
+
+
+class StoreMix(SampleSet):
+    reads_by_position = True
+
+    def __init__(self, stores: list[PackedSamples], paths: list[str], weights: list[float] | None, seed: int):
+        self.stores, self.paths, self.seed = stores, list(paths), seed
+        self.names = [store_name(p, self.paths) for p in self.paths]
+        self.root = ",".join(self.paths)  # (what messages name as the data read)
+        sizes = np.asarray([len(s) for s in stores], dtype=np.float64)
+        raw = np.asarray(weights if weights else sizes, dtype=np.float64)
+        self.weights = raw / raw.sum()
+        self.seq_len, self.doc_mask = stores[0].seq_len, stores[0].doc_mask
+        self.num_samples = int(sizes.sum())
+        self._choice = np.zeros(0, dtype=np.int64)  # the schedule, extended as far as it is read
+        self._ordinal = np.zeros(0, dtype=np.int64)  # each position's count of earlier ones of its store
+        self._counts = [0] * len(stores)
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self.identity = mix_identity(stores, self.names, self.weights)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def sample_order(self, seed: int) -> BlendOrder:
+        return BlendOrder(self.num_samples, seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.stores)
+
+    @property
+    def tokenizer_spec(self) -> str:
+        return self.stores[0].tokenizer_spec
+
+    @property
+    def text_prefix(self) -> list[int]:
+        return self.stores[0].text_prefix
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(s.bytes_read for s in self.stores)
+
+    def _extend(self, upto: int) -> None:
+        """The schedule known through position upto - 1 (extended by doubling: a resume far into a run
+        computes it once)."""
+        have = len(self._choice)
+        if upto <= have:
+            return
+        n = max(upto, 2 * have, 1024) - have
+        before = list(self._counts)
+        choice = blend_schedule(self.weights, self._counts, have, n)
+        ordinal = np.empty(n, dtype=np.int64)
+        for s in range(len(self.stores)):
+            mine = choice == s
+            ordinal[mine] = before[s] + np.arange(int(mine.sum()))
+        self._choice, self._ordinal = np.concatenate([self._choice, choice]), np.concatenate([self._ordinal, ordinal])
+
+    def _permutation(self, s: int, epoch: int) -> np.ndarray:
+        key = (s, epoch)
+        if key not in self._perms:
+            if len(self._perms) > 4 * len(self.stores):  # (a run reads each store's epochs in order)
+                self._perms.clear()
+            self._perms[key] = np.random.default_rng([self.seed, 0x4D4958, s, epoch]).permutation(len(self.stores[s]))
+        return self._perms[key]
+
+    def locate(self, k: int) -> tuple[int, int]:
+        """Blend position k -> (its store, the sample of that store)."""
+        if k < 0:
+            raise IndexError(f"blend position {k} < 0")
+        self._extend(k + 1)
+        s = int(self._choice[k])
+        epoch, pos = divmod(int(self._ordinal[k]), len(self.stores[s]))
+        return s, int(self._permutation(s, epoch)[pos])
+
+    def _by_store(self, indices) -> list[tuple[int, np.ndarray, list[int]]]:
+        """Rows of `indices` grouped by store: (store, the rows' places in `indices`, their samples there)."""
+        where = [self.locate(int(k)) for k in indices]
+        groups = []
+        for s in sorted({s for s, _ in where}):
+            rows = np.asarray([r for r, (t, _) in enumerate(where) if t == s], dtype=np.int64)
+            groups.append((s, rows, [where[r][1] for r in rows]))
+        return groups
+
+    def stores_of(self, indices) -> np.ndarray:
+        """The store of each blend position (e.g. to count the blend's realised fractions)."""
+        return np.asarray([self.locate(int(k))[0] for k in indices], dtype=np.int64)
+
+    def label_count(self, indices) -> int:
+        return sum(self.stores[s].label_count(local) for s, _, local in self._by_store(indices))
+
+    def costs(self, a: float, b: float) -> BlendCosts:
+        return BlendCosts(self, [s.costs(a, b) for s in self.stores])
+
+    def frames(self, indices) -> Frames:
+        n, parts = len(indices), [(rows, self.stores[s].frames(local)) for s, rows, local in self._by_store(indices)]
+        field = lambda name: _rows_in_order(n, [(rows, getattr(f, name)) for rows, f in parts])  # noqa: E731
+        return Frames(field("positions"), field("doc_ids"), field("labelled"), field("real"))
+
+    def read_at(self, indices, frames: Frames, held: np.ndarray | None) -> Batch:
+        """Each store's rows read from it (PackedSamples.read_at), back in the order of `indices`."""
+        n, parts = len(indices), []
+        for s, rows, local in self._by_store(indices):
+            sub = Frames(*(None if a is None else a[rows] for a in (frames.positions, frames.doc_ids, frames.labelled,
+                                                                     frames.real)))
+            parts.append((rows, self.stores[s].read_at(local, sub, None if held is None else held[rows])))
+        field = lambda name: _rows_in_order(n, [(rows, getattr(b, name)) for rows, b in parts])  # noqa: E731
+        return Batch(field("tokens"), field("labels"), field("positions"), field("doc_ids"), field("real"))
+
+    def batch(self, indices) -> Batch:
+        indices = list(indices)
+        return self.read_at(indices, self.frames(indices), None)
+
+    def sample(self, k: int):
+        s, j = self.locate(int(k))
+        return self.stores[s].sample(j)
+
+
+class BlendCosts:
+    """The estimated cost of blend positions, by position (data/balance.py indexes it as an array)."""
+
+    def __init__(self, mix: StoreMix, per_store: list[np.ndarray]):
+        self.mix, self.per_store = mix, per_store
+
+    def __getitem__(self, k) -> float:
+        s, j = self.mix.locate(int(k))
+        return float(self.per_store[s][j])
+
+
+def _rows_in_order(n: int, parts: list[tuple[np.ndarray, object]]):
+    """Row blocks (numpy arrays or tensors) put back at their rows of an n-row whole; None stays None."""
+    if parts[0][1] is None:
+        return None
+    first = parts[0][1]
+    if isinstance(first, torch.Tensor):
+        out = first.new_empty((n, *first.shape[1:]))
+        for rows, block in parts:
+            out[torch.from_numpy(rows)] = block
+        return out
+    out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+    for rows, block in parts:
+        out[rows] = block
+    return out
+
+
+def mix_identity(stores: list[PackedSamples], names: list[str], weights: np.ndarray) -> dict:
+    """What a data position records of a mix (as data/loader.py store_identity of one store): a digest of
+    every store's identity and the weights, so a resume on another mix is refused like another store."""
+    records = [s.identity for s in stores]
+    content = [[r["identity"] for r in records], [round(float(w), 12) for w in weights]]
+    digest = hashlib.sha256(json.dumps(content).encode()).hexdigest()[:16]
+    total = lambda key: sum(int(r.get(key, 0)) for r in records)  # noqa: E731
+    return {"identity": digest, "inputs": [i for r in records for i in r["inputs"]], "documents": total("documents"),
+            "tokens": total("tokens"), "train_samples": total("train_samples"),
+            "mix": [f"{name} {w:.0%} ({r['identity']})" for name, w, r in zip(names, weights, records)]}
+
+
+def mix_line(mix: StoreMix, drawn: int) -> str:
+    """The setup line of a mix: each store's share, and the epochs of it that `drawn` samples read."""
+    parts = []
+    for name, w, store in zip(mix.names, mix.weights, mix.stores):
+        parts.append(f"{name} {w:.0%} ({w * drawn / max(1, len(store)):.1f} epochs of {len(store):,} samples)")
+    return f"mix: {', '.join(parts)} over {drawn:,} samples (a store read past one epoch repeats, reshuffled)"
+
+
+def check_same_kind(paths: list[str], manifests: list[dict]) -> None:
+    """Refuse a mix whose stores do not mean the same token ids alike: the tokenizer (by content, as
+    config/tokenizer.py stored_identity records it) and the special tokens each document begins with.
+    (Each store's seq_len against the run is train/setup.py check_store's.)"""
+    names = [store_name(p, paths) for p in paths]
+    kinds = {"tokenizer": [stored_identity(m["tokenizer"]) or m["tokenizer"]["spec"] for m in manifests],
+             "text prefix (the special tokens each document begins with)": [text_prefix(m) for m in manifests]}
+    for what, values in kinds.items():
+        if any(v != values[0] for v in values):
+            said = "; ".join(f"{name}: {_short(v, m)}" for name, v, m in zip(names, values, manifests))
+            raise ConfigError(f"the stores of data.path must share one {what} to be mixed, but they differ ({said}); "
+                              f"rebuild them with the same `longctx data build --tokenizer`, or mix only those "
+                              f"that agree.")
+
+
+def _short(value, manifest: dict) -> str:
+    """A tokenizer identity said with the spec it was built with; anything else as it is."""
+    return f"{manifest['tokenizer']['spec']} ({value[:12]})" if isinstance(value, str) else str(value)
