@@ -152,8 +152,16 @@ class StoreMix(SampleSet):
         """The store of each blend position (e.g. to count the blend's realised fractions)."""
         return np.asarray([self.locate(int(k))[0] for k in indices], dtype=np.int64)
 
+    def label_counts(self, indices) -> list[int]:
+        """The labelled tokens of `indices` in each store, from the stores' segment indices (no token read):
+        what label_count sums, and each store's eval loss divides by (train/evaluation.py)."""
+        counts = [0] * len(self.stores)
+        for s, _, local in self._by_store(indices):
+            counts[s] = self.stores[s].label_count(local)
+        return counts
+
     def label_count(self, indices) -> int:
-        return sum(self.stores[s].label_count(local) for s, _, local in self._by_store(indices))
+        return sum(self.label_counts(indices))
 
     def costs(self, a: float, b: float) -> BlendCosts:
         return BlendCosts(self, [s.costs(a, b) for s in self.stores])

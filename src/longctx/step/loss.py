@@ -1,4 +1,5 @@
-"""The loss forward of a training step: the summed loss over a batch's valid labels, under autocast."""
+"""The loss forward of a training step: the summed loss over a batch's valid labels, under autocast; and each
+label token's loss, for an evaluation that sums them by row (train/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,18 @@ import torch
 
 def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """The summed loss over the batch's valid label tokens (the caller normalises)."""
+    return _forward_with_labels(model, batch, autocast_dtype, "sum")
+
+
+def forward_token_losses(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """Each label token's loss [rows, tokens] (0 where the label is ignored), forward only: the model's "tokens"
+    reduction, chunked by memory.loss_chunk as the summed loss is. Models that score only a sum (a GliDe
+    draft) refuse it."""
+    return _forward_with_labels(model, batch, autocast_dtype, "tokens")[..., 0]
+
+
+def _forward_with_labels(model, batch, autocast_dtype, reduction: str) -> torch.Tensor:
     with torch.autocast(device_type=batch.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         padding = {} if getattr(batch, "real", None) is None else {"real": batch.real}  # (MoE: models/moe_stats.py)
-        return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction="sum",
+        return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction=reduction,
                      **padding)

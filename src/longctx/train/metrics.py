@@ -197,13 +197,16 @@ class MetricsLogger:
         self.interval.save_blocking_s += blocking_s
 
     def evaluated(self, step: int, loss: float, seconds: float, bytes_before: list[float],
-                  routing: str | None = None) -> None:
+                  routing: str | None = None, by_store: dict[str, float] | None = None) -> None:
         """An evaluation's record; its time and bytes are taken out of the current interval. `routing`:
         how the evaluation routed, where that depends on the step (DTS-Gate: models/moe.py
-        eval_routing_note)."""
+        eval_routing_note); `by_store`: a mix's loss of each store (train/evaluation.py), in the record
+        and in the line after the blend's."""
         if self.writer is not None:
-            self.writer.write({"kind": "eval", "step": step, "loss": loss, **({"routing": routing} if routing else {})})
-        self.say(f"step {step:>5} | eval loss {loss:.4f}" + (f" | {routing}" if routing else ""))
+            record = {"kind": "eval", "step": step, "loss": loss, **({"by_store": by_store} if by_store else {})}
+            self.writer.write({**record, **({"routing": routing} if routing else {})})
+        stores = f" ({', '.join(f'{name} {x:.4f}' for name, x in by_store.items())})" if by_store else ""
+        self.say(f"step {step:>5} | eval loss {loss:.4f}{stores}" + (f" | {routing}" if routing else ""))
         iv = self.interval
         iv.eval_s += seconds
         iv.eval_bytes = [e + a - b for e, a, b in zip(iv.eval_bytes, self.rt.comm_bytes(), bytes_before)]

@@ -18,6 +18,14 @@ from ..strict_json import number
 from .metrics import read_jsonl
 
 
+def _plot_store_evals(ax, evals: list[dict]) -> None:
+    """A mix's eval loss of each store (the record's by_store), a dashed line each beside the blend's."""
+    names = list(dict.fromkeys(name for r in evals for name in r.get("by_store") or {}))
+    for name in names:
+        points = [(r["step"], number(r["by_store"][name])) for r in evals if name in (r.get("by_store") or {})]
+        ax.plot([s for s, _ in points], [x for _, x in points], label=f"eval: {name}", marker=".", linestyle="--")
+
+
 def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> list[Path]:
     import matplotlib  # (lazy: ~100 MB and a second to load, only when plots are written)
 
@@ -42,6 +50,7 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> 
     if evals:
         ax.plot([r["step"] for r in evals], [number(r["loss"]) for r in evals],
                 label="eval (the mean over its labelled tokens)", marker="o", color="tab:orange")
+        _plot_store_evals(ax, evals)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(f"loss - {run_dir.name}")

@@ -10,7 +10,8 @@ ranks with different numbers of valid tokens are weighted exactly as one large b
 
 What is set up before the first step lives in setup.py (run directory, data, checkpoints) and
 model.py (the parallelised model); the pieces of a step the planner also uses (optimizer,
-schedule, loss forward, clipping) in the step/ package; what a metrics line says in metrics.py. What a step
+schedule, loss forward, clipping) in the step/ package; what a metrics line says in metrics.py, an evaluation
+(a mix's loss of each store among it) in evaluation.py. What a step
 does beside the loss is done by step hooks called at fixed points (hooks.py; the MoE routers'
 bookkeeping: moe_hooks.py), LONGCTX_FAULT's faults by a wrapper around the step
 (fault_injection.py); when to save in saves.py, what watches the loop in watch.py.
@@ -33,7 +34,6 @@ from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..job import watchdog
 from ..job.devices import resolve_dtype, seed_everything, use_deterministic_algorithms
 from ..job.join import join_job
-from ..models.moe import dropless
 from ..parallel.context.shares import read_local_batch, to_device
 from ..parallel.fsdp.shard import grad_scale
 from ..progress import phase, progress_bar, said
@@ -42,6 +42,7 @@ from ..step.loss import forward_loss_sum
 from ..step.optimizer import guarded_step, make_optimizer
 from ..step.schedule import lr_at
 from .co2 import co2_rounds
+from .evaluation import evaluate_eval_set
 from .fault_injection import with_step_faults
 from .guard import StepGuard, bad_step_reason, stopped_run_error
 from .hooks import StepHooks
@@ -73,6 +74,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step run by this job
     first_step: int = 1  # the step losses[0] belongs to (> 1 after a resume)
     eval_losses: dict[int, float] = field(default_factory=dict)
+    eval_by_store: dict[int, dict[str, float]] = field(default_factory=dict)  # a mix's: each store's eval loss
     tokens_per_s: float = 0.0
 
 
@@ -374,27 +376,13 @@ class Trainer:
         self.log(note)
         return bad.step
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over every valid label of the first train.eval_batches global batches of eval
         samples: a fixed set of sequences (so evals compare), the same under any layout and any
-        grad_accum (the micro-batch only decides how many are in flight at once)."""
-        model, samples, micro = self.model, self.eval_samples, self.micro_step_sequences
-        global_batch = self.sampler.stage.global_batch
-        n = min(len(samples), self.cfg.train.eval_batches * global_batch) // global_batch * global_batch
-        model.eval()
-        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
-        # dropless, as longctx eval scores: a MoE capacity is shared by a micro-batch's tokens (its loss would
-        # depend on grad_accum and on which sequences are evaluated together)
-        with dropless(model):
-            for start in range(0, n, micro):
-                share, valid = read_local_batch(self.rt, samples, list(range(start, start + micro)))  # my tokens
-                batch = to_device(share, self.device)
-                total += forward_loss_sum(model, batch, self.autocast_dtype)
-                count = count + self._label_count([batch], valid)  # (a host int, or a draft's count on the device)
-        model.train()
-        n = float(count)  # (one host read of each: the count may be a draft's, on the device)
-        return float(self.rt.sum_tensor(total)) / n if n else float("nan")  # (no label: no loss)
+        grad_accum (the micro-batch only decides how many are in flight at once). Over a mix of stores
+        self.last_eval.by_store holds each store's too (evaluation.py)."""
+        self.last_eval = evaluate_eval_set(self, self._label_count)
+        return self.last_eval.loss
 
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
         """Evaluate and record; its time and bytes are taken out of the current metrics interval."""
@@ -403,8 +391,10 @@ class Trainer:
         with phase(f"evaluation at step {step}", done_line=False):
             loss = self.evaluate()
         result.eval_losses[step] = loss
+        if self.last_eval.by_store is not None:  # (a mix of stores)
+            result.eval_by_store[step] = self.last_eval.by_store
         seconds = time.perf_counter() - start
-        self.metrics.evaluated(step, loss, seconds, before, self.hooks.eval_note())
+        self.metrics.evaluated(step, loss, seconds, before, self.hooks.eval_note(), self.last_eval.by_store)
         return seconds
 
     def _finish(self, result: TrainResult, total_s: float, eval_s: float) -> TrainResult:
