@@ -21,7 +21,7 @@ from longctx.config.resume import load_run_config  # noqa: E402
 from longctx.data.builder.options import BuildOptions  # noqa: E402
 from longctx.data.builder.pipeline import build_store  # noqa: E402
 from longctx.data.loader import BatchLoader, PackedSamples  # noqa: E402
-from longctx.data.mixture import StoreMix, blend_schedule  # noqa: E402
+from longctx.data.mixture import StoreMix, blend_schedule, mix_line  # noqa: E402
 from longctx.errors import ConfigError, DataError  # noqa: E402
 from longctx.parallel.context.shares import local_batch, read_local_batch  # noqa: E402
 from longctx.train.setup import build_data  # noqa: E402
@@ -221,6 +221,8 @@ def test_the_setup_line_says_each_stores_share_and_epochs(stores):
     n = [len(s) for s in train.stores]
     assert f"a 50% ({0.5 * 120 / n[0]:.1f} epochs of {n[0]:,} samples)" in line
     assert f"b 30% ({0.3 * 120 / n[1]:.1f} epochs" in line and "c 20%" in line
+    few = mix_line(train, 1)  # (a share of a few samples is said as such, not as "0.0 epochs")
+    assert "0.0 epochs" not in few and f"a 50% ({0.5 / n[0]:.1g} epochs" in few
     assert isinstance(evals, StoreMix) and np.allclose(evals.weights, train.weights)
     assert len(evals) == sum(json.loads((s / "manifest.json").read_text())["totals"]["eval_samples"] for s in stores)
     assert len(evals) != len(train)  # the stores' eval splits

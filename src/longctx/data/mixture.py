@@ -233,7 +233,9 @@ def mix_line(mix: StoreMix, drawn: int) -> str:
     """The setup line of a mix: each store's share, and the epochs of it that `drawn` samples read."""
     parts = []
     for name, w, store in zip(mix.names, mix.weights, mix.stores):
-        parts.append(f"{name} {w:.0%} ({w * drawn / max(1, len(store)):.1f} epochs of {len(store):,} samples)")
+        epochs = w * drawn / max(1, len(store))
+        said = f"{epochs:.1f}" if epochs >= 0.1 or epochs == 0 else f"{epochs:.1g}"  # (not "0.0" for a few samples)
+        parts.append(f"{name} {w:.0%} ({said} epochs of {len(store):,} samples)")
     return f"mix: {', '.join(parts)} over {drawn:,} samples (a store read past one epoch repeats, reshuffled)"
 
 
