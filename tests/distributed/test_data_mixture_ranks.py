@@ -1,4 +1,4 @@
-"""A mix of stores (data/mixture.py) under data parallelism (2 gloo ranks): each rank reads its rows of the same
+"""A mix of stores (data/store_mix.py) under data parallelism (2 gloo ranks): each rank reads its rows of the same
 global batches of the blend straight from the stores, together exactly the batches one process reads, and the
 losses are one process's."""
 

@@ -1,4 +1,4 @@
-"""Weighted mixtures of stores (data.path = "a,b,c", data.weights; data/mixture.py): the blend keeps every
+"""Weighted mixtures of stores (data.path = "a,b,c", data.weights; data/store_mix.py): the blend keeps every
 prefix within one sample of its weights, is the same under a seed, reads each store through its own seeded
 epochs, splits over data-parallel ranks as one store does, resumes exactly, refuses what cannot be mixed
 (before any work), and trains and evaluates in a Trainer."""
@@ -21,7 +21,7 @@ from longctx.config.resume import load_run_config  # noqa: E402
 from longctx.data.builder.options import BuildOptions  # noqa: E402
 from longctx.data.builder.pipeline import build_store  # noqa: E402
 from longctx.data.loader import BatchLoader, PackedSamples  # noqa: E402
-from longctx.data.mixture import StoreMix, blend_schedule, mix_line  # noqa: E402
+from longctx.data.store_mix import StoreMix, blend_schedule, mix_line  # noqa: E402
 from longctx.errors import ConfigError, DataError  # noqa: E402
 from longctx.parallel.context.shares import local_batch, read_local_batch  # noqa: E402
 from longctx.train.setup import build_data  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 from longctx.config import load_config
 from longctx.data.builder.options import BuildOptions
 from longctx.data.builder.pipeline import build_store
-from longctx.data.mixture import StoreMix
+from longctx.data.store_mix import StoreMix
 from longctx.train.report import _plot_store_evals
 from longctx.train.trainer import Trainer
 

@@ -1,7 +1,7 @@
 """Weighted data mixtures in the config: `data.path` naming several stores (comma-separated) and
 `data.weights`, one non-negative number per store (normalised; '' = in proportion to each store's
 training samples, as if the stores were one). Read and checked here, before any work; the blend
-itself is data/mixture.py's.
+itself is data/store_mix.py's.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def first_store(path: str) -> str:
 
 
 def is_mix(cfg: Config) -> bool:
-    """Whether the run reads a blend of stores (several stores, or weights given) rather than one store."""
+    """Whether the run reads a blend of several stores (one store, even with a weight, is read as before)."""
     return len(store_paths(cfg.data.path)) > 1
 
 
@@ -66,7 +66,7 @@ def mix_problems(cfg: Config) -> list[str]:
     bad = [w for w in weights if not math.isfinite(w) or w < 0]
     if bad:
         problems.append(f"data.weights must be finite numbers >= 0, got {d.weights}.")
-    elif weights and sum(weights) == 0:
+    elif sum(weights) == 0:
         problems.append(f"data.weights are all zero ({d.weights}): no store would be read; give at least one a "
                         f"positive weight.")
     return problems

@@ -189,9 +189,9 @@ def resolve_tokenizer(init_from: str, tokenizer: str, store: str = "") -> str:
     if tokenizer == "auto":
         if own or init_from:
             return own or "auto"
-        if first_store(store):  # (a mix's stores share one tokenizer: train/setup.py checks it)
+        if first := first_store(store):  # (a mix's stores share one tokenizer: train/setup.py checks it)
             try:  # (a missing or damaged store is reported by the data checks, with its own fix)
-                return json.loads((Path(first_store(store)) / "manifest.json").read_text())["tokenizer"]["spec"]
+                return json.loads((Path(first) / "manifest.json").read_text())["tokenizer"]["spec"]
             except (OSError, ValueError, KeyError, TypeError):
                 return "auto"
         return "byte"

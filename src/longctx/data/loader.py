@@ -100,7 +100,7 @@ def store_of(samples) -> PackedSamples | None:
 
 
 def _data_read(samples):
-    """The store, or mix of stores (data/mixture.py StoreMix), a sample set reads (through wrappers): what has
+    """The store, or mix of stores (data/store_mix.py StoreMix), a sample set reads (through wrappers): what has
     an `identity` and a `root`; None for a set of no store."""
     while samples is not None and not isinstance(getattr(samples, "identity", None), dict):
         samples = getattr(samples, "samples", None)
@@ -114,7 +114,7 @@ def identity_of(samples) -> dict | None:
 
 def _describe_store(record: dict) -> str:
     inputs = ", ".join(record["inputs"]) or "inputs it does not name"
-    if record.get("mix"):  # (a mix of stores: data/mixture.py mix_identity)
+    if record.get("mix"):  # (a mix of stores: data/store_mix.py mix_identity)
         inputs = f"a mix of {', '.join(record['mix'])}"
     return (f"built from {inputs} ({record['documents']:,} documents, {record['tokens']:,} tokens, "
             f"{record['train_samples']:,} train samples; identity {record['identity']})")
@@ -284,7 +284,7 @@ class BatchLoader:
         if len(samples) == 0:
             raise DataError("the data store has no training samples; build it from more documents.")
         self.samples, self.batch_size, self.dp = samples, batch_size, dp
-        # (a mix of stores is read in its blend's own order: data/mixture.py)
+        # (a mix of stores is read in its blend's own order: data/store_mix.py)
         self.order = samples.sample_order(seed) if hasattr(samples, "sample_order") else SampleOrder(len(samples), seed)
         self.balance = balance and dp > 1 and hasattr(samples, "costs")
         self.costs = samples.costs(*cost) if self.balance else None

@@ -181,7 +181,7 @@ def _with_store(store: str | None, model: str, overrides, base):
     so its written config reads them (data.path; data.tokenizer auto then is the store's). Without it the
     config trained data.corpus (the stdlib by default), not the documents the plan was costed on. A
     --data.path naming another store is refused: the plan would cost one store and the run train the other, as
-    is a mix of stores (data/mixture.py): the plan costs one store's documents."""
+    is a mix of stores (data/store_mix.py): the plan costs one store's documents."""
     from ..config.data_mix import is_mix
 
     if is_mix(base):

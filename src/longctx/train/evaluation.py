@@ -1,5 +1,5 @@
 """The in-training evaluation (Trainer.evaluate): the mean loss over every labelled token of the first
-train.eval_batches global batches of eval samples, and over a mix of stores (data/mixture.py StoreMix)
+train.eval_batches global batches of eval samples, and over a mix of stores (data/store_mix.py StoreMix)
 each store's too: the mean over that store's labelled tokens among the same sequences.
 
 A store's loss comes out of the blend's one forward: the model scores each token (its "tokens" reduction,
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data.mixture import StoreMix
+from ..data.store_mix import StoreMix
 from ..models.moe import dropless
 from ..parallel.context.shares import read_local_batch, to_device
 from ..step.loss import forward_loss_sum, forward_token_losses

@@ -21,8 +21,8 @@ from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
 from ..data.loader import PackedSamples
-from ..data.mixture import StoreMix, check_same_kind, mix_line
 from ..data.store import SPLITS, read_manifest, text_prefix
+from ..data.store_mix import StoreMix, check_same_kind, mix_line
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..errors import ConfigError, DataError, UserError
@@ -341,7 +341,7 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
 
 def check_mix(cfg: Config) -> list[dict]:
     """The manifests of a mix's stores (data.path naming several), once each fits the run (check_store), they
-    agree with each other (tokenizer, text prefix: data/mixture.py) and each one weighed has training samples."""
+    agree with each other (tokenizer, text prefix: data/store_mix.py) and each one weighed has training samples."""
     paths = store_paths(cfg.data.path)
     manifests = [read_manifest(p) for p in paths]
     check_same_kind(paths, manifests)  # (first: a store unlike the others is that, not unlike the run's tokenizer)
@@ -371,7 +371,7 @@ def mix_eval_problem(cfg: Config, mix: StoreMix, manifests: list[dict]) -> str |
 
 
 def build_mix(cfg: Config, log=print):
-    """Train and eval samples of a weighted mix of stores (data/mixture.py StoreMix): the eval split is the
+    """Train and eval samples of a weighted mix of stores (data/store_mix.py StoreMix): the eval split is the
     same blend (same weights and seed) over the stores' eval splits."""
     t0 = time.perf_counter()
     manifests = check_mix(cfg)

@@ -155,7 +155,7 @@ class StagedLoader:
         from the stage's first sample): said, so that a run over a small store is not taken for one pass."""
         drawn = (stage.last_step - stage.first_step + 1) * stage.global_batch
         epochs = drawn / max(1, len(self.train_samples))
-        # (a mix of stores says each store's epochs itself: data/mixture.py mix_line)
+        # (a mix of stores says each store's epochs itself: data/store_mix.py mix_line)
         if self.log is not None and epochs > 1 and not hasattr(self.train_samples, "stores"):
             where = f"stage {stage.index + 1}'s" if len(self.stages) > 1 else "the run's"
             self.log(f"data: {where} {drawn:,} samples are {epochs:.2f} epochs of the store's "
