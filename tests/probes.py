@@ -1,5 +1,8 @@
 """Test probes and small fixtures shared by several test files."""
 
+import json
+from pathlib import Path
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -53,3 +56,9 @@ def reference_run(layers=3, seed=1):
     model = build_model(cfg, seed=seed)
     batch = packed_batch(cfg)
     return cfg, model, batch, loss_and_grads(model, batch)
+
+
+def metrics_losses(run_dir: Path) -> dict[int, float]:
+    """A run's training loss of each logged step, from its metrics.jsonl."""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r.get("kind", "train") == "train"}

@@ -4,7 +4,6 @@ from the Trainer's set-up; a limit passed at the last step finishes the run (exi
 with async saves the step is saved once and committed before the stop; a bad step found by the stop's
 read is rolled back and the state the run goes on from is saved, and its resume continues exactly."""
 
-import json
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 from longctx.config import load_config
 from longctx.errors import REQUEUE_EXIT_CODE, Preempted
+from probes import metrics_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--train.steps=6", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40",
@@ -45,10 +45,6 @@ def _trainer(args: list[str], jump_after: int = 0, log=_quiet):
     trainer.step = stepping
     return trainer
 
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r.get("kind", "train") == "train"}
 
 
 def _steps(run_dir: Path) -> list[str]:
@@ -127,4 +123,4 @@ def test_a_bad_step_read_at_the_stop_is_rolled_back_and_the_resume_continues_exa
         trainer.run()
     assert _steps(cut)[-1] == "step-00000003"
     _trainer([*args, f"--train.run_dir={cut}", "--checkpoint.resume=auto"]).run()
-    assert _losses(cut) == _losses(whole) and sorted(_losses(whole)) == [1, 5, 6]
+    assert metrics_losses(cut) == metrics_losses(whole) and sorted(metrics_losses(whole)) == [1, 5, 6]

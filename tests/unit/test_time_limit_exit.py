@@ -3,7 +3,6 @@ deadline (minutes after the run's set-up began) the run saves that step and exit
 signal; the ranks stop together at the step any of them passed it; a resume continues exactly; bad
 values, and a limit in a run that saves nothing, are refused before work."""
 
-import json
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import pytest
 
 from longctx.config import load_config
 from longctx.errors import REQUEUE_EXIT_CODE, ConfigError, Preempted
+from probes import metrics_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--train.steps=6", "--train.seq_len=64", "--train.global_batch=2", "--data.max_docs=40",
@@ -49,10 +49,6 @@ def _trainer_with_clock(cfg, at: int):
     return trainer
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r.get("kind", "train") == "train"}
-
 
 def test_past_the_limit_the_step_is_saved_the_run_exits_75_and_a_resume_continues_exactly(tmp_path):
     from longctx.train.trainer import train
@@ -67,7 +63,7 @@ def test_past_the_limit_the_step_is_saved_the_run_exits_75_and_a_resume_continue
     assert e.value.exit_code == REQUEUE_EXIT_CODE
     assert sorted(p.name for p in (cut / "checkpoints").glob("step-*")) == ["step-00000002"]
     train(load_config(None, [*BASE, f"--train.run_dir={cut}", "--checkpoint.resume=auto"]), log=lambda *a, **k: None)
-    assert _losses(cut) == _losses(whole) and len(_losses(whole)) == 6
+    assert metrics_losses(cut) == metrics_losses(whole) and len(metrics_losses(whole)) == 6
 
 
 def _rank_stops(run_dir: str, at_by_rank: tuple) -> str:
