@@ -1,13 +1,20 @@
+import os
+
 import pytest
 import torch
+
+# Under pytest-xdist (`-n 2` in pyproject's addopts) the workers share the cores: each takes its part
+# of them for its own matmuls, rather than every worker running as many threads as there are cores
+# (oversubscribed, they wait for each other). Spawned ranks set their own count (job/spawn.py).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 
 @pytest.fixture(autouse=True, scope="session")
 def _data_cache(tmp_path_factory):
     """Data stores that training builds on first use go to a temporary cache, not ~/.cache/longctx
     (an environment variable, so spawned ranks and CLI subprocesses use the same one)."""
-    import os
-
     old = os.environ.get("LONGCTX_CACHE")
     os.environ["LONGCTX_CACHE"] = str(tmp_path_factory.mktemp("longctx-cache"))
     yield
