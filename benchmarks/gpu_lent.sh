@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# THE one command a session that is lent a GPU runs, in one device call (run from the repository root):
+#   run(command="bash benchmarks/gpu_lent.sh", timeout_s=590)
+# It runs benchmarks/gpu_frontier.sh (issue 49) with BUDGET_S=${FRONTIER_S:-330}, then
+# benchmarks/gpu_speed.sh (issue 52) with BUDGET_S = what is left of ${TOTAL_S:-560} s counted from
+# this script's start, so a slow frontier eats the speed steps' time instead of overrunning the call
+# (each script skips what no longer fits and still prints its summary). The JSON is written to
+# docs/results/ on the device machine, but only $OUT comes back from it, and at most 8 files of it: the
+# new docs/results files are copied to $OUT/results/, and then all of $OUT (the scripts' logs and JSON,
+# a dozen files and more) is packed into the one file $OUT/gpu_lent.tgz; unpack it here and copy its
+# results/ into docs/results/ for the commit.
+# Glue check on CPU (the frontier's own glue check; gpu_speed.sh with DEVICE=cpu only prints its steps):
+#   DEVICE=cpu SMOKE_STEPS=3 SEQ_8B=2048 SEQ_OVERLAP=1024 LONGEST="2048 1024" PRESET_8B=debug \
+#     PRESET_1B=debug FRONTIER_S=200 TOTAL_S=230 DRY_STEP_S=40 bash benchmarks/gpu_lent.sh
+set -u
+export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" docs/results
+FRONTIER_S=${FRONTIER_S:-330}; TOTAL_S=${TOTAL_S:-560}
+MARK=$(mktemp); trap 'rm -f "$MARK"' EXIT  # docs/results files newer than this are this call's
+echo "=== gpu_lent: gpu_frontier.sh with ${FRONTIER_S} s, then gpu_speed.sh with the rest of ${TOTAL_S} s"
+BUDGET_S=$FRONTIER_S bash benchmarks/gpu_frontier.sh
+LEFT=$((TOTAL_S - SECONDS)); [ "$LEFT" -lt 0 ] && LEFT=0
+echo "=== gpu_lent: gpu_frontier.sh took ${SECONDS} s; gpu_speed.sh gets ${LEFT} s"
+BUDGET_S=$LEFT bash benchmarks/gpu_speed.sh
+mkdir -p "$OUT/results"
+echo "=== gpu_lent: done in ${SECONDS} s of ${TOTAL_S}; for the commit, copied to \$OUT/results/:"
+find docs/results -maxdepth 1 -name '*.json' -newer "$MARK" -print -exec cp {} "$OUT/results/" \;
+PACK=$(mktemp -d)/gpu_lent.tgz  # (8 files at most come back from $OUT: one archive of them all)
+tar -C "$OUT" -czf "$PACK" . && find "$OUT" -mindepth 1 -delete && mv "$PACK" "$OUT/" && ls -l "$OUT"
