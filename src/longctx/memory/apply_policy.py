@@ -48,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config.rules import memory_policy_problems
 from ..errors import ConfigError
 from ..models.moe import moe_layers
+from ..ops.eager import eager_under_compile
 from .offload import HostOffloader
 
 
@@ -114,7 +115,7 @@ class _PieceRouting:
         small = torch.int16 if self.layer.num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self.chosen = None if chosen is None else chosen.to(small)
 
-    @torch.compiler.disable  # (compiled `post`: the routing runs eagerly; no guard on the piece's state)
+    @eager_under_compile  # (compiled `post`: the routing runs eagerly; no guard on the piece's state)
     def route(self, layer, flat):
         if self.piece is None:
             self.gathered.append(layer.routing_input(flat))

@@ -42,6 +42,7 @@ from typing import Protocol
 
 import torch
 
+from ..ops.eager import eager_under_compile
 from .balanced_assignment import balanced_assignment, sinkhorn
 
 
@@ -142,7 +143,7 @@ def _slot_keys(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-@torch.compiler.disable  # (a compiled `post`: the decision and its collectives run eagerly)
+@eager_under_compile  # (a compiled `post`: the decision and its collectives run eagerly)
 def decide(layer, gathered: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(chosen, kept) of this rank's call from its routing input (MoEFeedForward.routing_input), all of
     it or its pieces in token order: Sinkhorn's assignment or the router's choices, and the capacity's

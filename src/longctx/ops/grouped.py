@@ -19,13 +19,15 @@ import contextlib
 
 import torch
 
+from .eager import eager_under_compile
+
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 _cpu_kernel: bool | None = None  # cpu_kernel_available's answer, once asked
 
 
-@torch.compiler.disable  # (run eagerly: traced, fp32 operands fail the kernel's bf16-only meta function)
+@eager_under_compile  # (run eagerly: traced, fp32 operands fail the kernel's bf16-only meta function)
 def _probe_cpu_kernel() -> bool:
     try:
         torch._grouped_mm(torch.ones(2, 4), torch.ones(1, 4, 4), offs=torch.tensor([2], dtype=torch.int32))
@@ -86,7 +88,7 @@ def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) ->
 
 # Under torch.compile the kernel is traced through its meta function, which (torch 2.13) accepts bf16
 # operands only: fp32 and fp16 ones run it eagerly, between the compiled graphs around it.
-_eager_kernel_grouped_mm = torch.compiler.disable(kernel_grouped_mm)
+_eager_kernel_grouped_mm = eager_under_compile(kernel_grouped_mm)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
