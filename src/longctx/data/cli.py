@@ -19,7 +19,8 @@ def _cmd_data(args, overrides) -> int:
         return 0
     build_store(BuildOptions(
         inputs=args.input, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, strategy=args.strategy,
-        dedup=args.dedup, workers=args.workers, text_field=args.text_field, eval_fraction=args.eval_fraction,
+        dedup=args.dedup, workers=args.workers, text_field=args.text_field,
+        response_field=args.response_field, eval_fraction=args.eval_fraction,
         holdout_tokens=args.holdout_tokens,
         seed=args.seed, embed_model=args.embed_model, dedup_threshold=args.dedup_threshold, max_docs=args.max_docs,
         append=args.append, progress=not args.no_progress, clusters=args.clusters, max_memory=memory,
@@ -55,6 +56,9 @@ def add_parser(sub) -> None:
                    help="exact and near-duplicate removal (default minhash = exact + MinHash LSH)")
     p.add_argument("--workers", type=int, default=2, help="processes / threads for the parallel stages (default 2)")
     p.add_argument("--text-field", default="text", help="the text field of .jsonl records / .parquet column")
+    p.add_argument("--response-field", default="", metavar="FIELD",
+                   help="instruction data: each record is a prompt (--text-field) and a response (this field), "
+                        "trained on the response's tokens only (docs/data.md; default: plain documents)")
     p.add_argument("--eval-fraction", type=float, default=0.02,
                    help="documents held out (by name hash) as eval samples (default 0.02)")
     p.add_argument("--holdout-tokens", type=int, default=0, metavar="N",

@@ -45,7 +45,17 @@ from ..errors import DataError
 from ..models.flops import forward_flops_per_token
 from .balance import balanced_order
 from .samples import IGNORE, Batch, SampleOrder
-from .store import S_LENGTH, load_split, part_documents_digest, read_manifest, text_prefix
+from .store import (
+    LOSS_FROM,
+    S_DOC,
+    S_LENGTH,
+    S_START,
+    load_loss_from,
+    load_split,
+    part_documents_digest,
+    read_manifest,
+    text_prefix,
+)
 
 
 @dataclass
@@ -155,7 +165,12 @@ class PackedSamples(SampleSet):
         self.manifest = read_manifest(self.root)
         self.seq_len = int(self.manifest["seq_len"])
         self.doc_mask = doc_mask
-        self.parts = [a for a in (load_split(self.root, p, split) for p in self.manifest["parts"]) if a is not None]
+        self.parts, self.firsts = [], []  # firsts: per part, each segment's document's first token trained on
+        for part in self.manifest["parts"]:
+            arrays = load_split(self.root, part, split)
+            if arrays is not None:
+                self.parts.append(arrays)
+                self.firsts.append(_segment_firsts(self.root, part, arrays.segments))
         # what a data position records of this store, to know it again on resume: of the store as opened here
         self.identity = store_identity(self.manifest, self.root)
         counts = [len(a.pointer) - 1 for a in self.parts]
@@ -164,18 +179,16 @@ class PackedSamples(SampleSet):
         # per sample: real tokens, sum of squared segment lengths (for the cost estimate) and labels
         # (every token of a segment but its last has one)
         real, sq, labels = [], [], []
-        for a in self.parts:
+        for a, firsts in zip(self.parts, self.firsts):
             w = np.repeat(np.arange(len(a.pointer) - 1), np.diff(a.pointer))  # each segment's sample
             n = len(a.pointer) - 1
             lens = a.segments[:, S_LENGTH].astype(np.float64)
             real.append(np.bincount(w, weights=lens, minlength=n))
             sq.append(np.bincount(w, weights=lens ** 2, minlength=n))
-            labels.append(np.bincount(w, weights=np.maximum(lens - 1, 0), minlength=n))
+            labels.append(_label_counts(a, firsts, w, n, doc_mask))
         self.real_tokens = np.concatenate(real) if real else np.zeros(0)
         self.sq_tokens = np.concatenate(sq) if sq else np.zeros(0)
-        # without document masks labels cross segments: every real token but the last has one
-        self.label_counts = (np.concatenate(labels) if doc_mask and labels else
-                             np.maximum(self.real_tokens - 1, 0)).astype(np.int64)
+        self.label_counts = (np.concatenate(labels) if labels else np.zeros(0)).astype(np.int64)
         # token elements gathered from the token arrays x their size. One reader at a time: the
         # loader waits for its background read before it reads itself (stages.py)
         self.bytes_read = 0
@@ -202,6 +215,13 @@ class PackedSamples(SampleSet):
         part, j = self._locate(i)
         return part.segments[part.pointer[j]:part.pointer[j + 1]]
 
+    def _segment_firsts(self, i: int) -> np.ndarray | None:
+        """Sample i's segments' first tokens trained on (in their documents), or None: every token."""
+        p = int(np.searchsorted(self.offsets, i, side="right") - 1)
+        firsts, part = self.firsts[p], self.parts[p]
+        j = i - int(self.offsets[p])
+        return None if firsts is None else firsts[part.pointer[j]:part.pointer[j + 1]]
+
     def label_count(self, indices) -> int:
         """Valid (non-ignored) labels of these samples, from the segment index."""
         return int(self.label_counts[np.asarray(indices, dtype=np.int64)].sum())
@@ -211,15 +231,23 @@ class PackedSamples(SampleSet):
         segs = self.segments(i)
         L = self.seq_len
         real = int(segs[:, S_LENGTH].sum())
+        firsts = self._segment_firsts(i)
+        # a token trained on: one at or after its document's first token trained on (instruction pairs)
+        trained = None if firsts is None else _trained_tokens(segs, firsts)
         if not self.doc_mask:
-            return np.arange(L), None, np.arange(L) < real - 1
+            labelled = np.arange(L) < real - 1
+            if trained is not None and real > 1:
+                labelled[:real - 1] &= trained[1:]
+            return np.arange(L), None, labelled
         lengths = np.append(segs[:, S_LENGTH], L - real) if real < L else segs[:, S_LENGTH]
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         doc_ids = np.repeat(np.arange(len(lengths)), lengths)
         positions = np.arange(L) - np.repeat(starts, lengths)
-        labelled = np.zeros(L, dtype=bool)  # True where token t + 1 is in the same segment
+        labelled = np.zeros(L, dtype=bool)  # True where token t + 1 is in the same segment (and trained on)
         labelled[:-1] = doc_ids[1:] == doc_ids[:-1]
         labelled[real:] = False  # padding predicts nothing
+        if trained is not None and real > 1:
+            labelled[:real - 1] &= trained[1:]
         return positions, doc_ids, labelled
 
     def frames(self, indices) -> Frames:
@@ -266,6 +294,41 @@ class PackedSamples(SampleSet):
         positions, doc_ids, labelled = self._frame(i)
         tokens, labels = self._tokens_at(i, labelled, np.arange(self.seq_len))
         return tokens, labels, positions, doc_ids
+
+
+def _segment_firsts(root: Path, part: dict, segments: np.ndarray) -> np.ndarray | None:
+    """Each segment's document's first token trained on (store.LOSS_FROM), or None where the part has
+    none (every token of every document is)."""
+    firsts = load_loss_from(root / part["dir"])
+    masked = part["counts"].get("response_only_documents", 0)
+    if firsts is None and not masked:
+        return None
+    if firsts is None or len(firsts) != int(part["documents"]):
+        # a part copied without it would train on its prompts: refused, as a part of cut-short samples is
+        found = "is missing" if firsts is None else f"holds {len(firsts):,} documents"
+        raise DataError(f"the store '{root}' is damaged: {root / part['dir'] / LOSS_FROM} {found}, its manifest "
+                        f"{int(part['documents']):,} ({masked:,} trained on their responses only); rebuild it.")
+    return np.asarray(firsts)[segments[:, S_DOC] - int(part["first_doc"])]
+
+
+def _trained_tokens(segs: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+    """[real tokens] bool: whether each of a sample's tokens is one its document is trained on."""
+    lengths = segs[:, S_LENGTH]
+    in_doc = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths - segs[:, S_START], lengths)
+    return in_doc >= np.repeat(firsts, lengths)
+
+
+def _label_counts(a, firsts: np.ndarray | None, w: np.ndarray, n: int, doc_mask: bool) -> np.ndarray:
+    """Per sample of a part's split, its tokens that have a label (as _frame labels them)."""
+    lens, starts = a.segments[:, S_LENGTH], a.segments[:, S_START]
+    if firsts is None:
+        firsts = np.zeros(len(lens), dtype=np.int64)
+    if doc_mask:  # token t labelled by t + 1 of the same segment: targets at in-document start + 1 ... end - 1
+        return np.bincount(w, weights=np.maximum(0, starts + lens - np.maximum(starts + 1, firsts)), minlength=n)
+    # labels cross segments: every trained-on token is a target but a sample's first one
+    targets = np.bincount(w, weights=np.maximum(0, starts + lens - np.maximum(starts, firsts)), minlength=n)
+    leading = a.pointer[:-1]  # each sample's first segment (a sample has one at least)
+    return np.maximum(targets - (starts[leading] >= firsts[leading]), 0)
 
 
 def stack_samples(parts: list[tuple], doc_mask: bool) -> Batch:

@@ -43,6 +43,10 @@ from ..errors import DataError
 MANIFEST = "manifest.json"
 FORMAT = "longctx-store"
 VERSION = 2
+# 3: some part trains some documents on their responses only (LOSS_FROM); a store without is written as 2
+MASKED_VERSION = 3
+READABLE_VERSIONS = (VERSION, MASKED_VERSION)
+LOSS_FROM = "loss_from.npy"  # a part's per-document first token trained on (int64; absent: 0 for every one)
 SPLITS = ("train", "eval")
 # segment columns in the store
 S_SAMPLE, S_OFFSET, S_LENGTH, S_DOC, S_START = range(5)
@@ -100,8 +104,9 @@ def read_manifest(root: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except ValueError as e:
         raise DataError(f"{path} is not valid JSON ({e}); rebuild the store with `longctx data build`.") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise DataError(f"{path} is not a longctx store manifest of the version this longctx reads ({VERSION}, "
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
+        raise DataError(f"{path} is not a longctx store manifest of a version this longctx reads "
+                        f"({' or '.join(map(str, READABLE_VERSIONS))}, "
                         f"found {manifest.get('format')!r} version {manifest.get('version')!r}); rebuild the store "
                         f"with this version's `longctx data build`.")
     return manifest
@@ -160,7 +165,9 @@ def part_documents_digest(root: Path, part: dict) -> str | None:
 
 def documents_digest(part_dir: Path) -> str | None:
     """A digest of the exact-duplicate hash of each document a part keeps (hashes.npy, 8 bytes a document,
-    read in slices), in order; None where the part has no such file (a store written by another tool)."""
+    read in slices), in order, and of where each one's training starts where that is not its first token
+    (LOSS_FROM: a prompt moved between the two fields of a pair keeps the text's hash, not what is trained
+    on); None where the part has no hashes.npy (a store written by another tool)."""
     path = part_dir / "hashes.npy"
     if not path.is_file():
         return None
@@ -171,7 +178,23 @@ def documents_digest(part_dir: Path) -> str | None:
     digest = hashlib.blake2b(digest_size=16)
     for start in range(0, len(hashes), 1 << 20):
         digest.update(np.ascontiguousarray(hashes[start:start + (1 << 20)]).astype("<u8").tobytes())
+    firsts = load_loss_from(part_dir)
+    if firsts is not None:
+        digest.update(b"loss_from")
+        for start in range(0, len(firsts), 1 << 20):
+            digest.update(np.ascontiguousarray(firsts[start:start + (1 << 20)]).astype("<i8").tobytes())
     return digest.hexdigest()
+
+
+def load_loss_from(part_dir: Path) -> np.ndarray | None:
+    """A part's per-document first token trained on (memory-mapped), or None: every token of every one."""
+    path = part_dir / LOSS_FROM
+    if not path.is_file():
+        return None
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise DataError(f"the store part '{part_dir}' is damaged: {path} cannot be read ({e}); rebuild it.") from None
 
 
 def load_part_docs(root: Path, part: dict) -> tuple[np.ndarray, np.ndarray | None]:

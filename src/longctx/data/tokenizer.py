@@ -5,7 +5,8 @@ Both expose `vocab_size`, `eos_id`, `text_prefix()` and `encode_batch(texts) -> 
 A document is encoded whole and as text: a tokenizer.json's own truncation and padding settings
 are switched off (they would cut or pad every document silently), and a special token's literal
 string in a document ("</s>" in a code corpus) is encoded as the text it is, never as the special
-token; the builder adds the special tokens itself: the tokenizer's own prefix (`text_prefix`, e.g.
+token (an instruction pair's are the special tokens, as at inference: builder/tokenize.py
+tokenize_pair); the builder adds the special tokens itself: the tokenizer's own prefix (`text_prefix`, e.g.
 Llama's BOS, which a pretrained model saw before every document) and the EOS id after. `encode` (a
 prompt for generation or eval) keeps the tokenizer's usual reading of special-token strings, as
 transformers does.
@@ -92,10 +93,11 @@ class HFTokenizer:
         self._tok.encode_special_tokens = False
         return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
 
-    def encode_encodings(self, texts: list[str]):
+    def encode_encodings(self, texts: list[str], special_tokens: bool = False):
         """The library's Encoding objects (ids and character offsets), for the data pipeline: special-token
-        strings in the texts are encoded as text."""
-        self._tok.encode_special_tokens = True
+        strings in the texts are encoded as text, or with `special_tokens` read as the special tokens (an
+        instruction pair, as the model's tokenizer reads a prompt at inference); no prefix added."""
+        self._tok.encode_special_tokens = not special_tokens
         try:
             return self._tok.encode_batch(texts, add_special_tokens=False)
         finally:

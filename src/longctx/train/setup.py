@@ -275,6 +275,8 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     train = PackedSamples(path, "train", cfg.data.doc_mask)
     if len(train) == 0:
         raise DataError(f"the data store {path} has no training samples; build it from more documents.")
+    pairs = sum(p["counts"].get("response_only_documents", 0) for p in manifest["parts"])  # (instruction data)
+    trained = f", {pairs:,} trained on their responses only: {int(train.label_counts.sum()):,} labels" if pairs else ""
     mixture = parse_synthetic(cfg.data.synthetic)
     if mixture:
         train = SyntheticMixture(train, *mixture, cfg.train.seed, load_tokenizer(manifest["tokenizer"]["spec"]))
@@ -294,7 +296,7 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     # (a document the holdout cuts in two is in both splits)
     in_split = {s: sum(p["splits"].get(s, {}).get("documents", 0) for p in manifest["parts"]) for s in SPLITS}
     log(f"data: {path} -> {t['documents']:,} documents (train tokens from {in_split['train']:,}, eval from "
-        f"{in_split['eval']:,}; {t['duplicates_removed']:,} duplicates removed), "
+        f"{in_split['eval']:,}; {t['duplicates_removed']:,} duplicates removed{trained}), "
         f"{train.num_tokens:,} train tokens in {len(train):,} samples of {cfg.train.seq_len} ({manifest['strategy']}, "
         f"fill {fill:.3f}), {t['eval_samples']:,} eval samples{'' if evals is not None else ' (not evaluated)'} "
         f"({tok['name']} tokenizer, "

@@ -67,6 +67,7 @@ class Assembly:
         self.damaged = [name for shard in shards for name in shard.counts.get("damaged", [])]  # corrupt files
         self.files = sum(shard.counts["files"] for shard in shards)
         self.documents_read = self.raw_bytes = 0  # what the stages read: documents, UTF-8 bytes
+        self.response_only = 0  # kept documents trained on their response only (instruction pairs)
         self.kept = np.zeros(0, np.int64)  # corpus documents that survive dedup, in input order
         self.lengths = np.zeros(0, np.int64)  # their token counts (EOS included)
         self.names: list[str] = []  # their names
@@ -142,11 +143,25 @@ class Assembly:
             raise DataError("every document is a duplicate of one already in the store; nothing to add.")
 
     def measure(self) -> None:
-        """The kept documents' token counts and names (the scan tokenized them)."""
+        """The kept documents' token counts and names (the scan tokenized them). An instruction pair longer
+        than a sample is dropped: cut across samples, its response would be trained without its prompt."""
         self.lengths = self.corpus.per_doc(lambda shard: shard.token_lengths())[self.kept].astype(np.int64)
+        firsts = self.corpus.per_doc(lambda shard: shard.loss_from())[self.kept]
+        too_long = (firsts > 0) & (self.lengths > self.opts.seq_len)
+        dropped = int(too_long.sum())
+        if dropped:
+            self.skipped["pair_longer_than_sample"] = self.skipped.get("pair_longer_than_sample", 0) + dropped
+            self.log(f"  measure   dropped {dropped:,} instruction pair(s) longer than a sample of "
+                     f"{self.opts.seq_len:,} tokens (the longest {int(self.lengths[too_long].max()):,}): cut, a "
+                     f"response would be trained without its prompt. Raise --seq-len to keep them.")
+            self.kept, self.lengths = self.kept[~too_long], self.lengths[~too_long]
+            if not len(self.kept):
+                raise DataError(f"every document is an instruction pair longer than --seq-len {self.opts.seq_len}; "
+                                f"raise --seq-len.")
         self.names = self._kept_names()
         self.records["tokenize"] = {"tokens": int(self.lengths.sum()), "longest": int(self.lengths.max()),
-                                    "longer_than_seq_len": int((self.lengths > self.opts.seq_len).sum())}
+                                    "longer_than_seq_len": int((self.lengths > self.opts.seq_len).sum()),
+                                    **({"pairs_dropped": dropped} if dropped else {})}  # (after dedup's kept)
 
     def embed(self) -> None:
         """Only where they are used: datasculpt's relevance, or the homogeneity figure (`stats`)."""
@@ -188,7 +203,8 @@ class Assembly:
         train, dedup = self.splits["train"], self.records["dedup"]
         self.log(f"data build: wrote {self.opts.shown_as or self.root} ({train['samples']:,} train / "
                  f"{self.splits['eval']['samples']:,} eval samples of {self.opts.seq_len} tokens; fill "
-                 f"{train['stats']['fill_rate']:.3f}, {len(self.kept):,} documents, "
+                 f"{train['stats']['fill_rate']:.3f}, {len(self.kept):,} documents"
+                 f"{f' ({self.response_only:,} trained on their responses only)' if self.response_only else ''}, "
                  f"{dedup['exact_duplicates'] + dedup['near_duplicates']:,} duplicates removed, "
                  f"{skipped_text(self.skipped)})")
         return manifest
@@ -270,8 +286,8 @@ class Assembly:
                                   "stats": stats if stats["samples"] else None}
         if bar is not None:
             bar.close()
-        write_doc_files(self.part_dir, self.corpus, self.kept, self.names, self.lengths, self.where,
-                        opts.dedup == "minhash")
+        self.response_only = write_doc_files(self.part_dir, self.corpus, self.kept, self.names, self.lengths,
+                                             self.where, opts.dedup == "minhash")
         return None, self._pack_record(groups_packed)
 
     def _pack_split(self, writer: SplitWriter, items, bar, progress) -> int:
@@ -342,6 +358,7 @@ class Assembly:
                 "skipped": dict(sorted(self.skipped.items())), "damaged_files": self.damaged,
                 "exact_duplicates": dedup["exact_duplicates"], "near_duplicates": dedup["near_duplicates"],
                 "documents_kept": len(self.kept), "tokens": int(self.lengths.sum()), "raw_bytes": self.raw_bytes,
+                **({"response_only_documents": self.response_only} if self.response_only else {}),
             },
             "splits": self.splits,
             "stages": self.records,

@@ -21,6 +21,9 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".h
 class Document:
     name: str  # stable identifier (path relative to the corpus root)
     text: str
+    # an instruction pair (`--response-field`): text = prompt + response, the response from this character
+    # on; only its tokens (and the EOS) are trained on (tokenize.py tokenize_pair). None: a plain document
+    response_at: int | None = None
 
 
 def hidden(rel: Path) -> bool:

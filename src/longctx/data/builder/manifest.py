@@ -16,7 +16,9 @@ def store_manifest(opts: BuildOptions, tokenizer, token_dtype, old: dict | None,
     parts = (old["parts"] if old else []) + [part]
     return {
         "format": store.FORMAT,
-        "version": store.VERSION,
+        # a store of instruction pairs: a version the longctx before them refuses, rather than train on their prompts
+        "version": store.MASKED_VERSION if any(p["counts"].get("response_only_documents") for p in parts)
+        else store.VERSION,
         "seq_len": opts.seq_len,
         "strategy": opts.strategy,
         "dedup": opts.dedup,

@@ -29,6 +29,7 @@ class BuildOptions:
     dedup: str = "minhash"
     workers: int = 2
     text_field: str = "text"
+    response_field: str = ""  # records as (prompt = text_field, response = this): loss on the response only
     eval_fraction: float = 0.0
     # the eval split's grid: a document longer than this is held out in pieces of about this many tokens
     # (0 = seq_len). Stores of one corpus at several lengths hold out the same text when they share it.
@@ -65,7 +66,7 @@ class BuildOptions:
         return int(max(1 << 20, (self.memory - MAIN_BYTES) // 8))
 
     def scan_options(self) -> ScanOptions:
-        return ScanOptions(self.tokenizer, self.dedup, self.text_field)
+        return ScanOptions(self.tokenizer, self.dedup, self.text_field, self.response_field)
 
 
 def check_options(opts: BuildOptions) -> None:
@@ -85,6 +86,17 @@ def check_options(opts: BuildOptions) -> None:
         problems.append("--text-field '' names no field: no .jsonl record has one (each would be skipped as "
                         "having no text) and no .parquet or .arrow column does; pass the field holding the "
                         "documents' text (default: text).")
+    if opts.response_field and opts.response_field == opts.text_field:
+        problems.append(f"--response-field {opts.response_field!r} is the --text-field too: a record's prompt and "
+                        f"response must be two fields (e.g. --text-field prompt --response-field response).")
+    if opts.response_field and opts.strategy == "concat":
+        problems.append("--strategy concat cuts documents wherever a sample ends, so a response could be trained "
+                        "in another sample than its prompt (--response-field); use datasculpt or bfd, which keep "
+                        "a document that fits a sample whole.")
+    if opts.response_field and 0 < opts.holdout_tokens < opts.seq_len:
+        problems.append(f"--holdout-tokens {opts.holdout_tokens} below --seq-len {opts.seq_len} would hold out pieces "
+                        f"of an instruction pair apart (--response-field): its response in one split, its prompt in "
+                        f"the other. Leave it at 0 (= --seq-len) or raise it.")
     if opts.workers < 1:
         problems.append(f"--workers must be >= 1, got {opts.workers}.")
     if not 0 <= opts.eval_fraction < 1:

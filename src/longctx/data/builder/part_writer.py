@@ -130,18 +130,28 @@ class SplitWriter:
 
 
 def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray,
-                    where: np.ndarray, minhash: bool) -> None:
+                    where: np.ndarray, minhash: bool) -> int:
     """docs.jsonl (name, tokens, split per kept document), hashes.npy and, with minhash dedup,
-    minhash.npy: what a later append dedups against."""
+    minhash.npy: what a later append dedups against; loss_from.npy (store.LOSS_FROM) where a kept
+    document is trained on its response only (an instruction pair with a prompt). Returns how many are."""
     with open(part / "docs.jsonl", "w") as f:
         for name, length, went in zip(names, lengths.tolist(), where.tolist()):
             f.write(json.dumps({"name": name, "tokens": length, "split": SPLIT_OF[went]}) + "\n")
     hashes = spill.NpyAppender(part / "hashes.npy", np.uint64)
     sigs = spill.NpyAppender(part / "minhash.npy", np.uint64, (NUM_PERM,)) if minhash else None
+    loss_from = spill.NpyAppender(part / store.LOSS_FROM, np.int64)
+    masked = 0
     for shard, rows in corpus.kept_in_shards(kept):
         hashes.append(shard.hashes()[rows])
         if sigs is not None:
             sigs.append(np.asarray(shard.sigs()[rows], dtype=np.uint64))
+        firsts = shard.loss_from()[rows]
+        loss_from.append(firsts)
+        masked += int(np.count_nonzero(firsts))
     hashes.close()
+    loss_from.close()
     if sigs is not None:
         sigs.close()
+    if not masked:  # every document trained on whole: the part is written as before instruction pairs existed
+        (part / store.LOSS_FROM).unlink()
+    return masked

@@ -2,7 +2,8 @@
 (Hugging Face `datasets` saved with `save_to_disk`, or a lone `.arrow` file), `stdlib`; text and
 `.jsonl` files also compressed (`.gz`, `.zst`).
 
-Every input yields `Document(name, text)`; the name is stable (a path relative to the input
+Every input yields `Document(name, text)` (with `--response-field`, a record's prompt and response:
+`Document.response_at`); the name is stable (a path relative to the input
 directory, or `file.jsonl:LINE`, `file.parquet:ROW`, `dataset/data-00000-of-00001.arrow:ROW`),
 because the train/eval split hashes it. A compressed file's name keeps its compression suffix
 (`a/b.jsonl.gz:12`), so a compressed and an uncompressed copy are different documents. Text is
@@ -49,6 +50,7 @@ from .corpus import Document
 COMPRESSION_SUFFIXES = {".gz", ".zst"}
 CHUNK = 1 << 20  # bytes read (or decompressed) at a time when streaming a file
 ROWS = 4096  # parquet / arrow values converted to Python at a time
+_NO_RESPONSE = object()  # a plain document's record (no --response-field)
 
 
 # Every reason a file or document is skipped for (the keys of `inputs.ReadResult.skipped`, of a scan's
@@ -60,6 +62,8 @@ SKIP_REASONS = {
     "other_suffix": "unsupported suffix",        # a file of a kind no reader takes (e.g. .png, .parquet.gz)
     "bad_json_line": "unparsable JSON line",     # also a line that is not a JSON object
     "missing_text_field": "no text field",       # a record without the text field, or a non-string value
+    "missing_response_field": "no response field",  # with --response-field: a record without it, or not a string
+    "pair_longer_than_sample": "pair longer than a sample",  # an instruction pair that would be cut (assembly.py)
     "unreadable": "unreadable",                  # the file could not be opened or read
     "bad_compressed_file": "corrupt .gz/.zst",
     "bad_parquet_file": "corrupt parquet",
@@ -220,9 +224,10 @@ def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
 
 # -- one unit --------------------------------------------------------------------------------------
 
-def _accept(value, name: str, skipped: Counter) -> Document | None:
+def _text(value, skipped: Counter, missing: str) -> str | None:
+    """A field's value as normalised text, or None (counted under its reason)."""
     if not isinstance(value, str):
-        skipped["missing_text_field"] += 1
+        skipped[missing] += 1
         return None
     if "\x00" in value[:8192]:
         skipped["binary"] += 1
@@ -233,14 +238,30 @@ def _accept(value, name: str, skipped: Counter) -> Document | None:
         except UnicodeEncodeError:
             skipped["invalid_utf8"] += 1
             return None
-    value = normalise(value)
-    if not value.strip():
-        skipped["empty"] += 1
+    return normalise(value)
+
+
+def _accept(value, name: str, skipped: Counter, response=_NO_RESPONSE) -> Document | None:
+    """A record's document: its text field's value, or with a response (`--response-field`) the
+    prompt (the text field, which may be empty) followed by the response (which may not)."""
+    if response is _NO_RESPONSE:
+        text = _text(value, skipped, "missing_text_field")
+        if text is not None and not text.strip():
+            skipped["empty"] += 1
+            return None
+        return None if text is None else Document(name, text)
+    prompt = _text(value, skipped, "missing_text_field")
+    answer = None if prompt is None else _text(response, skipped, "missing_response_field")
+    if answer is None:
         return None
-    return Document(name, value)
+    if not answer.strip():
+        skipped["empty"] += 1  # nothing to train on but the EOS
+        return None
+    return Document(name, prompt + answer, response_at=len(prompt))
 
 
-def _iter_jsonl(lines: Iterable[bytes], name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+def _iter_jsonl(lines: Iterable[bytes], name: str, text_field: str, skipped: Counter,
+                response_field: str = "") -> Iterator[Document]:
     for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -252,13 +273,14 @@ def _iter_jsonl(lines: Iterable[bytes], name: str, text_field: str, skipped: Cou
         if not isinstance(record, dict):
             skipped["bad_json_line"] += 1
             continue
-        doc = _accept(record.get(text_field), f"{name}:{i}", skipped)
+        response = record.get(response_field) if response_field else _NO_RESPONSE
+        doc = _accept(record.get(text_field), f"{name}:{i}", skipped, response)
         if doc is not None:
             yield doc
 
 
 def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, text_field: str,
-                     skipped: Counter) -> Iterator[Document]:
+                     skipped: Counter, response_field: str = "") -> Iterator[Document]:
     try:
         f = open(path, "rb")
     except OSError:
@@ -275,7 +297,7 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, t
         chunks = _chunks(f, compression, path)
         try:
             if fmt == "jsonl":
-                yield from _iter_jsonl(_lines(chunks), name, text_field, skipped)
+                yield from _iter_jsonl(_lines(chunks), name, text_field, skipped, response_field)
                 return
             text, why = decode(b"".join(chunks))
         except _BadCompressed:
@@ -290,16 +312,18 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, t
         yield Document(name, text)
 
 
-def _missing_column(kind: str, path: Path, text_field: str, columns: list[str]) -> DataError:
-    return DataError(
-        f"{kind} file '{path}' has no column '{text_field}' (columns: {', '.join(columns)}); "
-        f"pass --text-field with the column that holds the document text."
-    )
+def _missing_column(kind: str, path: Path, fields: list[str], columns: list[str]) -> DataError | None:
+    """The error for a parquet / arrow file without one of the columns `fields` (text, then response)."""
+    for field, flag, holds in zip(fields, ("--text-field", "--response-field"), ("document text", "response")):
+        if field not in columns:
+            return DataError(f"{kind} file '{path}' has no column '{field}' (columns: {', '.join(columns)}); "
+                             f"pass {flag} with the column that holds the {holds}.")
+    return None
 
 
-def _iter_values(batches: Iterator, column, name: str, skipped: Counter, reason: str) -> Iterator[Document]:
-    """Documents of the `column` (index or callable) of record batches; a batch that cannot be read
-    ends the unit, counted under `reason`."""
+def _iter_values(batches: Iterator, columns: list, name: str, skipped: Counter, reason: str) -> Iterator[Document]:
+    """Documents of the `columns` (indices: the text's, then the response's if there is one) of record
+    batches; a batch that cannot be read ends the unit, counted under `reason`."""
     row = 0
     while True:
         try:
@@ -309,30 +333,30 @@ def _iter_values(batches: Iterator, column, name: str, skipped: Counter, reason:
         except Exception:  # pyarrow raises several types for corrupt data
             skipped[reason] += 1
             return
-        values = batch.column(column)
-        for start in range(0, len(values), ROWS):
-            for value in values.slice(start, ROWS).to_pylist():
+        values = [batch.column(c) for c in columns]
+        for start in range(0, len(values[0]), ROWS):
+            for fields in zip(*(v.slice(start, ROWS).to_pylist() for v in values)):
                 row += 1
-                doc = _accept(value, f"{name}:{row}", skipped)
+                doc = _accept(fields[0], f"{name}:{row}", skipped, *fields[1:])
                 if doc is not None:
                     yield doc
 
 
-def _iter_parquet(path: Path, name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+def _iter_parquet(path: Path, name: str, fields: list[str], skipped: Counter) -> Iterator[Document]:
     pq = _pyarrow(path).parquet
     try:
         pf = pq.ParquetFile(str(path))
     except Exception:  # pyarrow raises several types for a corrupt file
         skipped["bad_parquet_file"] += 1
         return
-    columns = pf.schema_arrow.names
-    if text_field not in columns:
-        raise _missing_column("parquet", path, text_field, columns)
-    yield from _iter_values(pf.iter_batches(columns=[text_field], batch_size=ROWS), 0, name, skipped,
-                            "bad_parquet_file")
+    missing = _missing_column("parquet", path, fields, pf.schema_arrow.names)
+    if missing is not None:
+        raise missing
+    yield from _iter_values(pf.iter_batches(columns=fields, batch_size=ROWS), list(range(len(fields))), name,
+                            skipped, "bad_parquet_file")
 
 
-def _iter_arrow(path: Path, name: str, text_field: str, skipped: Counter) -> Iterator[Document]:
+def _iter_arrow(path: Path, name: str, fields: list[str], skipped: Counter) -> Iterator[Document]:
     pa = _pyarrow(path)
     try:
         source = pa.memory_map(str(path))  # batches are read in place, not copied into memory
@@ -352,29 +376,34 @@ def _iter_arrow(path: Path, name: str, text_field: str, skipped: Counter) -> Ite
             except Exception:
                 skipped["bad_arrow_file"] += 1
                 return
-        if text_field not in schema.names:
-            raise _missing_column("arrow", path, text_field, schema.names)
-        yield from _iter_values(batches, schema.get_field_index(text_field), name, skipped, "bad_arrow_file")
+        missing = _missing_column("arrow", path, fields, schema.names)
+        if missing is not None:
+            raise missing
+        yield from _iter_values(batches, [schema.get_field_index(f) for f in fields], name, skipped,
+                                "bad_arrow_file")
 
 
 def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
-              damaged: list[str] | None = None) -> Iterator[Document]:
+              damaged: list[str] | None = None, response_field: str = "") -> Iterator[Document]:
     """The documents of one unit, in order, one at a time: a text file is one document named
     `name`; a jsonl file one per line (`name:LINE`), a parquet or arrow file one per row
     (`name:ROW`, from 1). Skips are counted into `skipped[reason]`. A corrupt compressed, parquet or
     arrow file counts one skip ('bad_compressed_file', 'bad_parquet_file', 'bad_arrow_file') and
     ends there, `name` appended to `damaged` (if given): the caller drops the documents it yielded before
     (the module's docstring says why). Raises DataError for a parquet or
-    arrow file without the `text_field` column and for a missing pyarrow / zstandard."""
+    arrow file without the `text_field` column and for a missing pyarrow / zstandard. With
+    `response_field`, a record (jsonl line, parquet or arrow row) is an instruction pair: its text field
+    the prompt, this field the response (Document.response_at); a text file stays a plain document."""
     fmt, compression = unit_format(path)
+    fields = [text_field, response_field] if response_field else [text_field]
     before = sum(skipped[r] for r in DAMAGE_REASONS)
     if fmt is None:
         skipped["other_suffix"] += 1
     elif fmt == "parquet":
-        yield from _iter_parquet(path, name, text_field, skipped)
+        yield from _iter_parquet(path, name, fields, skipped)
     elif fmt == "arrow":
-        yield from _iter_arrow(path, name, text_field, skipped)
+        yield from _iter_arrow(path, name, fields, skipped)
     else:
-        yield from _iter_bytes_file(path, name, fmt, compression, text_field, skipped)
+        yield from _iter_bytes_file(path, name, fmt, compression, text_field, skipped, response_field)
     if damaged is not None and sum(skipped[r] for r in DAMAGE_REASONS) > before:
         damaged.append(name)  # (not reached when the caller stops early, --max-docs: nothing was found)

@@ -39,14 +39,15 @@ from .dedup import NUM_PERM, exact_hash, signature
 from .features import head_features
 from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, unit_size
 from .readers import iter_file
-from .tokenize import tokenize_one
+from .tokenize import tokenize_one, tokenize_pair
 
 SHARD_BYTES = 16 << 20
 FORMAT = SCAN_FORMAT
 # 2: shards hashed by dedup.py's VERSION 2; 3: features of unspaced scripts by character (features.py);
 # 4: a document starts with its tokenizer's text_prefix (tokenize.py); 5: a corrupt compressed file yields no
-# document (readers.py: also none of the lines before the damage), its name recorded
-VERSION = 5
+# document (readers.py: also none of the lines before the damage), its name recorded; 6: each document's
+# first token trained on (loss_from.npy: instruction pairs, --response-field)
+VERSION = 6
 PLAN = SCAN_PLAN
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
@@ -59,6 +60,7 @@ class ScanOptions:
     tokenizer: str
     dedup: str
     text_field: str
+    response_field: str = ""  # records as instruction pairs (readers.py iter_file); '' = plain documents
 
 
 @dataclass(frozen=True)
@@ -149,12 +151,13 @@ class _ShardFiles:
             ("text", np.uint8), ("tokens", token_dtype), ("breaks", np.int32), ("strong", np.int32),
             ("feat_idx", np.uint16), ("feat_val", np.float32))}
         self.hashes = spill.NpyAppender(tmp / "hashes.npy", np.uint64)
+        self.loss_from = spill.NpyAppender(tmp / "loss_from.npy", np.int64)  # 0: a plain document
         self.sigs = spill.NpyAppender(tmp / "sigs.npy", np.uint32, (NUM_PERM,)) if minhash else None
         self.names = open(tmp / "names.jsonl", "w")
         self.n = self.raw = 0
 
     def _writers(self) -> list:
-        return [*self.ragged.values(), self.hashes] + ([self.sigs] if self.sigs is not None else [])
+        return [*self.ragged.values(), self.hashes, self.loss_from] + ([self.sigs] if self.sigs is not None else [])
 
     def add(self, doc, tok) -> None:
         b = doc.text.encode("utf-8", "surrogatepass")
@@ -163,8 +166,13 @@ class _ShardFiles:
         self.hashes.append(np.array([exact_hash(doc.text)], np.uint64))
         if self.sigs is not None:
             self.sigs.append(signature(doc.text)[None].astype(np.uint32))
-        for what, values in zip(("tokens", "breaks", "strong"), tokenize_one(doc.text, tok)):
+        if doc.response_at is None:
+            tokenized, loss_from = tokenize_one(doc.text, tok), 0
+        else:
+            *tokenized, loss_from = tokenize_pair(doc.text, doc.response_at, tok)
+        for what, values in zip(("tokens", "breaks", "strong"), tokenized):
             self.ragged[what].append(values)
+        self.loss_from.append(np.array([loss_from], np.int64))
         for what, values in zip(("feat_idx", "feat_val"), head_features(doc.text)):
             self.ragged[what].append(values)
         self.names.write(json.dumps(doc.name) + "\n")
@@ -207,7 +215,7 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
         mark, hurt = files.mark(), len(damaged)
         if where is not None:
             where.unit(files.n)
-        for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped, damaged):
+        for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped, damaged, opts.response_field):
             if where is not None:
                 where.skips(files.n)
             files.add(doc, tok)
@@ -346,6 +354,10 @@ class ScannedShard:
 
     def sigs(self) -> np.ndarray | None:
         return np.load(self.path / "sigs.npy", mmap_mode="r") if self.minhash else None
+
+    def loss_from(self) -> np.ndarray:
+        """Per document, its first token trained on (tokenize.py tokenize_pair; 0: every token)."""
+        return np.load(self.path / "loss_from.npy")
 
     def names(self) -> list[str]:
         with open(self.path / "names.jsonl") as f:

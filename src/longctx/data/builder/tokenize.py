@@ -55,6 +55,53 @@ def tokenize_one(text: str, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return next(iter(_tokenized([text], tok)))
 
 
+def tokenize_pair(text: str, response_at: int, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(prefix + prompt tokens + response tokens + EOS, breaks, strong, loss_from) of an instruction pair,
+    text = prompt + response with the response from character `response_at`, encoded as the model reads
+    and writes them at inference:
+    - the prompt alone, its special-token strings read as special tokens (a chat template's
+      `<|im_start|>`, as `longctx generate` encodes a prompt); the tokenizer's prefix (BOS) put before
+      it unless the prompt begins with it already (a rendered template holds its BOS);
+    - the response apart from the prompt, so no token straddles the two, and as it reads after other
+      text (`_piece`), the tokens a model emits when it answers;
+    - `loss_from`: the index of the response's first token. The tokens trained on are it, the ones after
+      it and the EOS; the boundary is a break."""
+    prompt, response = text[:response_at], text[response_at:]
+    p_ids, pb, ps = _piece(prompt, tok, after_text=False)
+    prefix = np.asarray(tok.text_prefix(), dtype=np.int32)
+    lead = prefix if len(prefix) and not np.array_equal(p_ids[:len(prefix)], prefix) else prefix[:0]
+    r_ids, rb, rs = _piece(response, tok, after_text=bool(prompt))
+    at = len(lead) + len(p_ids)
+    breaks = np.unique(np.concatenate([pb + len(lead), [at] if at else [], rb + at])).astype(np.int64)
+    strong = np.concatenate([ps + len(lead), rs + at]).astype(np.int64)
+    tokens = np.concatenate([lead, p_ids, r_ids, np.array([tok.eos_id], dtype=np.int32)])
+    return tokens, breaks, strong, at
+
+
+PIECE_PROBES = ("1", "a", ".")  # text a piece is encoded after (the first whose own ids stay a prefix)
+
+
+def _piece(text: str, tok, after_text: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, breaks, strong) of one piece of a pair, special-token strings read as special tokens, no
+    prefix or EOS. `after_text`: as the piece reads after other text, encoded after a probe whose ids
+    are dropped: encoded alone, a Llama-2 / Mistral tokenizer.json (its normalizer's Prepend('▁')) starts
+    it with a word boundary of its own, '▁▁there' for " there" (data/synthetic.py _encode does the same
+    for an answer). Plain encoding where no probe's ids stay a prefix (the piece merged with each)."""
+    if getattr(tok, "name", "") == "byte":
+        ids = tok.encode(text)
+        return (ids, *_byte_breaks(ids)) if len(ids) else (ids, np.zeros(0, np.int64), np.zeros(0, np.int64))
+    for probe in PIECE_PROBES if after_text else ():
+        own = tok.encode_encodings([probe], special_tokens=True)[0].ids
+        enc = tok.encode_encodings([probe + text], special_tokens=True)[0]
+        if enc.ids[:len(own)] == own:
+            breaks, strong = _offset_breaks(probe + text, np.asarray([o[0] for o in enc.offsets], dtype=np.int64))
+            n = len(own)
+            return (np.asarray(enc.ids[n:], dtype=np.int32), breaks[breaks > n] - n, strong[strong > n] - n)
+    enc = tok.encode_encodings([text], special_tokens=True)[0]
+    breaks, strong = _offset_breaks(text, np.asarray([o[0] for o in enc.offsets], dtype=np.int64))
+    return np.asarray(enc.ids, dtype=np.int32), breaks, strong
+
+
 def _tokenized(texts: list[str], tok):
     """(prefix + tokens + EOS, breaks, strong) per text, in order; the cut points count the prefix."""
     eos = np.array([tok.eos_id], dtype=np.int32)
