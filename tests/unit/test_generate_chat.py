@@ -1,4 +1,4 @@
-"""`longctx generate --chat` (generate/chat.py): a SmolLM2-135M-Instruct-like tokenizer (its special
+"""`longctx generate --chat` (data/chat_template.py): a SmolLM2-135M-Instruct-like tokenizer (its special
 tokens and its real chat template in tokenizer_config.json, or in chat_template.jinja) turns a
 conversation into the same token ids as transformers' apply_chat_template(add_generation_prompt=True),
 and a tiny random model then decodes, greedily, the same tokens as transformers' generate on them.

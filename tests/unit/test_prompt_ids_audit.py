@@ -1,4 +1,4 @@
-"""Prompt ids and output text against transformers (audit of generate/chat.py, output.py): a chat
+"""Prompt ids and output text against transformers (audit of data/chat_template.py, generate/output.py): a chat
 template's special tokens read as transformers reads them (special_tokens_map.json of a tokenizer
 saved in the older layout), the template found from --tokenizer DIR, and --echo's text keeping the
 first space of a SentencePiece-style continuation (transformers' text-generation pipeline, vLLM)."""

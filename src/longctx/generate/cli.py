@@ -11,7 +11,7 @@ the ranks return the same tokens as one process; rank 0 writes them.
 
 Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line; an "id"
 field is copied to the output, a "seed" seeds that prompt's draws; with --chat a line may hold
-`{"messages": [...]}` instead, rendered by the tokenizer's chat template: generate/chat.py).
+`{"messages": [...]}` instead, rendered by the tokenizer's chat template: data/chat_template.py).
 Decoding settings: flags over hf:DIR's generation_config.json over longctx's defaults
 (generate/settings.py); processors as transformers orders them (generate/sampling.py). Output: one
 JSON line per prompt and sample (--num-samples; a "sample" index), in input order, to --output or

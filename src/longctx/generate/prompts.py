@@ -1,6 +1,6 @@
 """`longctx generate`'s prompts: read (--prompt, or a --prompts JSONL file of "prompt" or, with --chat,
 "messages" lines, each with an optional "id" and "seed"), the tokenizer that reads them (--tokenizer,
-else the checkpoint's), rendered by the chat template where asked (generate/chat.py), and turned into
+else the checkpoint's), rendered by the chat template where asked (data/chat_template.py), and turned into
 token ids checked against the model: its vocabulary, and the positions it reaches
 (config/positions.py), which also cap each prompt's new tokens. Every error is said before any weight
 is read."""
@@ -65,7 +65,7 @@ def _check_unique_ids(path: Path, lines: dict) -> None:
 
 
 def _check_chat_row(row: dict, args, where: str) -> None:
-    from .chat import check_messages
+    from ..data.chat_template import check_messages
 
     if "prompt" in row:
         raise ConfigError(f"{where} has both \"prompt\" and \"messages\"; give one of them.")
@@ -127,7 +127,7 @@ def check_prompt_ids(which: str, ids: list[int], spec: str, m) -> None:
 def apply_chat(prompts: list[dict], spec: str) -> str:
     """--chat: each prompt's text becomes its conversation (its "messages", or the prompt as one user
     message) rendered by the tokenizer's chat template; returns where the template came from."""
-    from .chat import load_chat_template
+    from ..data.chat_template import load_chat_template
 
     template = load_chat_template(spec)
     for p in prompts:

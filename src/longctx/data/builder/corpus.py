@@ -24,6 +24,9 @@ class Document:
     # an instruction pair (`--response-field`): text = prompt + response, the response from this character
     # on; only its tokens (and the EOS) are trained on (tokenize.py tokenize_pair). None: a plain document
     response_at: int | None = None
+    # rendered by a chat template (--messages-field): its special tokens, BOS included where the template
+    # writes one, are all it begins with (transformers' apply_chat_template adds none); no prefix is added
+    templated: bool = False
 
 
 def hidden(rel: Path) -> bool:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import DataError
+from ...errors import ConfigError, DataError
+from ..chat_template import load_chat_template
 from .inputs import overlapping_inputs
 from .pack import STRATEGIES
 from .scan import ScanOptions
@@ -30,6 +31,7 @@ class BuildOptions:
     workers: int = 2
     text_field: str = "text"
     response_field: str = ""  # records as (prompt = text_field, response = this): loss on the response only
+    messages_field: str = ""  # records as conversations: the last answer trained on (conversations.py)
     eval_fraction: float = 0.0
     # the eval split's grid: a document longer than this is held out in pieces of about this many tokens
     # (0 = seq_len). Stores of one corpus at several lengths hold out the same text when they share it.
@@ -66,7 +68,7 @@ class BuildOptions:
         return int(max(1 << 20, (self.memory - MAIN_BYTES) // 8))
 
     def scan_options(self) -> ScanOptions:
-        return ScanOptions(self.tokenizer, self.dedup, self.text_field, self.response_field)
+        return ScanOptions(self.tokenizer, self.dedup, self.text_field, self.response_field, self.messages_field)
 
 
 def check_options(opts: BuildOptions) -> None:
@@ -89,13 +91,22 @@ def check_options(opts: BuildOptions) -> None:
     if opts.response_field and opts.response_field == opts.text_field:
         problems.append(f"--response-field {opts.response_field!r} is the --text-field too: a record's prompt and "
                         f"response must be two fields (e.g. --text-field prompt --response-field response).")
-    if opts.response_field and opts.strategy == "concat":
+    pairs = opts.response_field or opts.messages_field  # (instruction data: a response trained after its prompt)
+    if opts.response_field and opts.messages_field:
+        problems.append("--response-field and --messages-field do not go together: a record is a prompt and a "
+                        "response, or a conversation; build each kind into its own store, or append one to the other.")
+    if opts.messages_field:
+        try:
+            load_chat_template(opts.tokenizer, "--messages-field")
+        except ConfigError as e:
+            problems.append(str(e))
+    if pairs and opts.strategy == "concat":
         problems.append("--strategy concat cuts documents wherever a sample ends, so a response could be trained "
-                        "in another sample than its prompt (--response-field); use datasculpt or bfd, which keep "
+                        "in another sample than its prompt (instruction data); use datasculpt or bfd, which keep "
                         "a document that fits a sample whole.")
-    if opts.response_field and 0 < opts.holdout_tokens < opts.seq_len:
+    if pairs and 0 < opts.holdout_tokens < opts.seq_len:
         problems.append(f"--holdout-tokens {opts.holdout_tokens} below --seq-len {opts.seq_len} would hold out pieces "
-                        f"of an instruction pair apart (--response-field): its response in one split, its prompt in "
+                        f"of an instruction pair apart (instruction data): its response in one split, its prompt in "
                         f"the other. Leave it at 0 (= --seq-len) or raise it.")
     if opts.workers < 1:
         problems.append(f"--workers must be >= 1, got {opts.workers}.")

@@ -64,6 +64,8 @@ SKIP_REASONS = {
     "missing_text_field": "no text field",       # a record without the text field, or a non-string value
     "missing_response_field": "no response field",  # with --response-field: a record without it, or not a string
     "pair_longer_than_sample": "pair longer than a sample",  # an instruction pair that would be cut (assembly.py)
+    "bad_conversation": "not a conversation",    # --messages-field: not role/content messages ending with an answer
+    "chat_template_not_prefix": "template not prefix-stable",  # (conversations.py)
     "unreadable": "unreadable",                  # the file could not be opened or read
     "bad_compressed_file": "corrupt .gz/.zst",
     "bad_parquet_file": "corrupt parquet",
@@ -260,8 +262,25 @@ def _accept(value, name: str, skipped: Counter, response=_NO_RESPONSE) -> Docume
     return Document(name, prompt + answer, response_at=len(prompt))
 
 
-def _iter_jsonl(lines: Iterable[bytes], name: str, text_field: str, skipped: Counter,
-                response_field: str = "") -> Iterator[Document]:
+def _record_reader(text_field: str, response_field: str, conversations):
+    """(the record's fields as (name, the option naming it, what it holds), accept(values, name, skipped):
+    the record's document or None) of a plain document, an instruction pair or a conversation."""
+    if conversations is not None:
+        def accept(values, name, skipped):
+            pair = conversations.pair(values[0], skipped)
+            doc = None if pair is None else _accept(pair[0], name, skipped, pair[1])
+            if doc is not None:
+                doc.templated = True
+            return doc
+        return [(conversations.field, "--messages-field", "conversation")], accept
+    if response_field:
+        return ([(text_field, "--text-field", "prompt"), (response_field, "--response-field", "response")],
+                lambda values, name, skipped: _accept(values[0], name, skipped, values[1]))
+    return [(text_field, "--text-field", "document text")], lambda values, name, skipped: _accept(values[0], name,
+                                                                                                  skipped)
+
+
+def _iter_jsonl(lines: Iterable[bytes], name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
     for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -273,14 +292,13 @@ def _iter_jsonl(lines: Iterable[bytes], name: str, text_field: str, skipped: Cou
         if not isinstance(record, dict):
             skipped["bad_json_line"] += 1
             continue
-        response = record.get(response_field) if response_field else _NO_RESPONSE
-        doc = _accept(record.get(text_field), f"{name}:{i}", skipped, response)
+        doc = accept([record.get(f) for f, _, _ in fields], f"{name}:{i}", skipped)
         if doc is not None:
             yield doc
 
 
-def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, text_field: str,
-                     skipped: Counter, response_field: str = "") -> Iterator[Document]:
+def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, fields: list[tuple], accept,
+                     skipped: Counter) -> Iterator[Document]:
     try:
         f = open(path, "rb")
     except OSError:
@@ -297,7 +315,7 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, t
         chunks = _chunks(f, compression, path)
         try:
             if fmt == "jsonl":
-                yield from _iter_jsonl(_lines(chunks), name, text_field, skipped, response_field)
+                yield from _iter_jsonl(_lines(chunks), name, fields, accept, skipped)
                 return
             text, why = decode(b"".join(chunks))
         except _BadCompressed:
@@ -312,18 +330,20 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, t
         yield Document(name, text)
 
 
-def _missing_column(kind: str, path: Path, fields: list[str], columns: list[str]) -> DataError | None:
-    """The error for a parquet / arrow file without one of the columns `fields` (text, then response)."""
-    for field, flag, holds in zip(fields, ("--text-field", "--response-field"), ("document text", "response")):
+def _missing_column(kind: str, path: Path, fields: list[tuple], columns: list[str]) -> DataError | None:
+    """The error for a parquet / arrow file without one of the record's columns `fields` ((name, the
+    option naming it, what it holds) each)."""
+    for field, flag, holds in fields:
         if field not in columns:
             return DataError(f"{kind} file '{path}' has no column '{field}' (columns: {', '.join(columns)}); "
                              f"pass {flag} with the column that holds the {holds}.")
     return None
 
 
-def _iter_values(batches: Iterator, columns: list, name: str, skipped: Counter, reason: str) -> Iterator[Document]:
-    """Documents of the `columns` (indices: the text's, then the response's if there is one) of record
-    batches; a batch that cannot be read ends the unit, counted under `reason`."""
+def _iter_values(batches: Iterator, columns: list, accept, name: str, skipped: Counter,
+                 reason: str) -> Iterator[Document]:
+    """Documents of the `columns` (indices, the record's fields in order) of record batches, each row's
+    values made a document by `accept`; a batch that cannot be read ends the unit, counted under `reason`."""
     row = 0
     while True:
         try:
@@ -337,12 +357,12 @@ def _iter_values(batches: Iterator, columns: list, name: str, skipped: Counter, 
         for start in range(0, len(values[0]), ROWS):
             for fields in zip(*(v.slice(start, ROWS).to_pylist() for v in values)):
                 row += 1
-                doc = _accept(fields[0], f"{name}:{row}", skipped, *fields[1:])
+                doc = accept(list(fields), f"{name}:{row}", skipped)
                 if doc is not None:
                     yield doc
 
 
-def _iter_parquet(path: Path, name: str, fields: list[str], skipped: Counter) -> Iterator[Document]:
+def _iter_parquet(path: Path, name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
     pq = _pyarrow(path).parquet
     try:
         pf = pq.ParquetFile(str(path))
@@ -352,11 +372,11 @@ def _iter_parquet(path: Path, name: str, fields: list[str], skipped: Counter) ->
     missing = _missing_column("parquet", path, fields, pf.schema_arrow.names)
     if missing is not None:
         raise missing
-    yield from _iter_values(pf.iter_batches(columns=fields, batch_size=ROWS), list(range(len(fields))), name,
-                            skipped, "bad_parquet_file")
+    yield from _iter_values(pf.iter_batches(columns=[f for f, _, _ in fields], batch_size=ROWS),
+                            list(range(len(fields))), accept, name, skipped, "bad_parquet_file")
 
 
-def _iter_arrow(path: Path, name: str, fields: list[str], skipped: Counter) -> Iterator[Document]:
+def _iter_arrow(path: Path, name: str, fields: list[tuple], accept, skipped: Counter) -> Iterator[Document]:
     pa = _pyarrow(path)
     try:
         source = pa.memory_map(str(path))  # batches are read in place, not copied into memory
@@ -379,12 +399,12 @@ def _iter_arrow(path: Path, name: str, fields: list[str], skipped: Counter) -> I
         missing = _missing_column("arrow", path, fields, schema.names)
         if missing is not None:
             raise missing
-        yield from _iter_values(batches, [schema.get_field_index(f) for f in fields], name, skipped,
+        yield from _iter_values(batches, [schema.get_field_index(f) for f, _, _ in fields], accept, name, skipped,
                                 "bad_arrow_file")
 
 
 def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
-              damaged: list[str] | None = None, response_field: str = "") -> Iterator[Document]:
+              damaged: list[str] | None = None, response_field: str = "", conversations=None) -> Iterator[Document]:
     """The documents of one unit, in order, one at a time: a text file is one document named
     `name`; a jsonl file one per line (`name:LINE`), a parquet or arrow file one per row
     (`name:ROW`, from 1). Skips are counted into `skipped[reason]`. A corrupt compressed, parquet or
@@ -393,17 +413,19 @@ def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
     (the module's docstring says why). Raises DataError for a parquet or
     arrow file without the `text_field` column and for a missing pyarrow / zstandard. With
     `response_field`, a record (jsonl line, parquet or arrow row) is an instruction pair: its text field
-    the prompt, this field the response (Document.response_at); a text file stays a plain document."""
+    the prompt, this field the response (Document.response_at); with `conversations`
+    (conversations.Conversations), its field holds a conversation made a pair by the chat template. A
+    text file stays a plain document either way."""
     fmt, compression = unit_format(path)
-    fields = [text_field, response_field] if response_field else [text_field]
+    fields, accept = _record_reader(text_field, response_field, conversations)
     before = sum(skipped[r] for r in DAMAGE_REASONS)
     if fmt is None:
         skipped["other_suffix"] += 1
     elif fmt == "parquet":
-        yield from _iter_parquet(path, name, fields, skipped)
+        yield from _iter_parquet(path, name, fields, accept, skipped)
     elif fmt == "arrow":
-        yield from _iter_arrow(path, name, fields, skipped)
+        yield from _iter_arrow(path, name, fields, accept, skipped)
     else:
-        yield from _iter_bytes_file(path, name, fmt, compression, text_field, skipped, response_field)
+        yield from _iter_bytes_file(path, name, fmt, compression, fields, accept, skipped)
     if damaged is not None and sum(skipped[r] for r in DAMAGE_REASONS) > before:
         damaged.append(name)  # (not reached when the caller stops early, --max-docs: nothing was found)

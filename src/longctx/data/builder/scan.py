@@ -35,6 +35,7 @@ from ...durable import fsync_path, publish
 from ...errors import DataError
 from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import spill
+from .conversations import Conversations
 from .dedup import NUM_PERM, exact_hash, signature
 from .features import head_features
 from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, unit_size
@@ -61,6 +62,7 @@ class ScanOptions:
     dedup: str
     text_field: str
     response_field: str = ""  # records as instruction pairs (readers.py iter_file); '' = plain documents
+    messages_field: str = ""  # records as conversations, pairs by the chat template (conversations.py)
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,7 @@ class _ShardFiles:
         if doc.response_at is None:
             tokenized, loss_from = tokenize_one(doc.text, tok), 0
         else:
-            *tokenized, loss_from = tokenize_pair(doc.text, doc.response_at, tok)
+            *tokenized, loss_from = tokenize_pair(doc.text, doc.response_at, tok, prefix=not doc.templated)
         for what, values in zip(("tokens", "breaks", "strong"), tokenized):
             self.ragged[what].append(values)
         self.loss_from.append(np.array([loss_from], np.int64))
@@ -205,6 +207,7 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tok = load_tokenizer(opts.tokenizer)
+    conversations = Conversations(opts.tokenizer, opts.messages_field) if opts.messages_field else None
     files = _ShardFiles(tmp, token_dtype, opts.dedup == "minhash")
     skipped: Counter = Counter()
     damaged: list[str] = []
@@ -215,7 +218,8 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
         mark, hurt = files.mark(), len(damaged)
         if where is not None:
             where.unit(files.n)
-        for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped, damaged, opts.response_field):
+        for doc in iter_file(Path(u.path), u.name, opts.text_field, skipped, damaged, opts.response_field,
+                             conversations):
             if where is not None:
                 where.skips(files.n)
             files.add(doc, tok)

@@ -55,21 +55,23 @@ def tokenize_one(text: str, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return next(iter(_tokenized([text], tok)))
 
 
-def tokenize_pair(text: str, response_at: int, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def tokenize_pair(text: str, response_at: int, tok,
+                  prefix: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(prefix + prompt tokens + response tokens + EOS, breaks, strong, loss_from) of an instruction pair,
     text = prompt + response with the response from character `response_at`, encoded as the model reads
     and writes them at inference:
     - the prompt alone, its special-token strings read as special tokens (a chat template's
       `<|im_start|>`, as `longctx generate` encodes a prompt); the tokenizer's prefix (BOS) put before
-      it unless the prompt begins with it already (a rendered template holds its BOS);
+      it unless the prompt begins with it already, or `prefix` is False (a conversation rendered by a
+      chat template: as transformers' apply_chat_template, only what the template writes);
     - the response apart from the prompt, so no token straddles the two, and as it reads after other
       text (`_piece`), the tokens a model emits when it answers;
     - `loss_from`: the index of the response's first token. The tokens trained on are it, the ones after
       it and the EOS; the boundary is a break."""
     prompt, response = text[:response_at], text[response_at:]
     p_ids, pb, ps = _piece(prompt, tok, after_text=False)
-    prefix = np.asarray(tok.text_prefix(), dtype=np.int32)
-    lead = prefix if len(prefix) and not np.array_equal(p_ids[:len(prefix)], prefix) else prefix[:0]
+    own = np.asarray(tok.text_prefix() if prefix else [], dtype=np.int32)
+    lead = own if len(own) and not np.array_equal(p_ids[:len(own)], own) else own[:0]
     r_ids, rb, rs = _piece(response, tok, after_text=bool(prompt))
     at = len(lead) + len(p_ids)
     breaks = np.unique(np.concatenate([pb + len(lead), [at] if at else [], rb + at])).astype(np.int64)

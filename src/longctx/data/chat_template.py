@@ -1,6 +1,7 @@
-"""`longctx generate --chat`: a conversation turned into the prompt an instruction-tuned model was
-trained on, by the tokenizer's own chat template, as transformers' `apply_chat_template(messages,
-add_generation_prompt=True)` renders it.
+"""A conversation turned into the text an instruction-tuned model was trained on, by the tokenizer's own
+chat template, as transformers' `apply_chat_template(messages, add_generation_prompt=...)` renders it:
+the prompt of `longctx generate --chat` (with the generation prompt), and the conversations of
+`longctx data build --messages-field` (builder/conversations.py: the last answer apart from the rest).
 
 - Where the template is: beside the tokenizer.json in use, `chat_template.jinja` first, else
   tokenizer_config.json's `chat_template` (a string, or a list of named templates, of which
@@ -33,35 +34,35 @@ class ChatTemplate:
     template: str
     special_tokens: dict   # bos_token, eos_token, ...: variables the template may read
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         import jinja2
 
         try:  # (tools and documents are None, as transformers passes them without tools or documents)
-            return _compile(self.template).render(messages=messages, add_generation_prompt=True, tools=None,
-                                                  documents=None, **self.special_tokens)
+            return _compile(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  tools=None, documents=None, **self.special_tokens)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise ConfigError(f"the chat template of {self.source} could not render the messages: {e}") from None
 
 
-def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
+def load_chat_template(tokenizer_spec: str, flag: str = "--chat") -> ChatTemplate:
     """The chat template beside the tokenizer.json `tokenizer_spec` names; a ConfigError saying what
-    to do when there is none."""
+    to do when there is none (naming `flag`, the option that asked for it)."""
     if tokenizer_spec == "byte":
-        raise ConfigError("--chat applies the tokenizer's chat template, and the byte tokenizer has none; use a model "
-                          "whose tokenizer comes with one (tokenizer_config.json's chat_template, or "
-                          "chat_template.jinja), or drop --chat.")
+        raise ConfigError(f"{flag} applies the tokenizer's chat template, and the byte tokenizer has none; use a "
+                          f"model whose tokenizer comes with one (tokenizer_config.json's chat_template, or "
+                          f"chat_template.jinja), or drop {flag}.")
     spec = Path(tokenizer_spec)
     folder = spec if spec.is_dir() else spec.parent  # (--tokenizer DIR names the folder holding tokenizer.json)
     config_file = folder / "tokenizer_config.json"
-    config = _read_json(config_file) if config_file.is_file() else {}
+    config = _read_json(config_file, flag) if config_file.is_file() else {}
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
         template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
     else:
-        template, source = _named_default(config.get("chat_template"), config_file), str(config_file)
+        template, source = _named_default(config.get("chat_template"), config_file, flag), str(config_file)
     if not template:
-        raise ConfigError(f"--chat: the tokenizer in {folder} has no chat template (no chat_template.jinja, and no "
-                          f"chat_template in tokenizer_config.json); its model was not tuned for chat. Drop --chat, "
+        raise ConfigError(f"{flag}: the tokenizer in {folder} has no chat template (no chat_template.jinja, and no "
+                          f"chat_template in tokenizer_config.json); its model was not tuned for chat. Drop {flag}, "
                           f"or pass --tokenizer PATH/tokenizer.json of a tokenizer with one.")
     specials = _special_tokens(config)
     # a tokenizer saved without added_tokens_decoder (the older layout) keeps its special tokens in
@@ -69,7 +70,7 @@ def load_chat_template(tokenizer_spec: str) -> ChatTemplate:
     # templates write {{ bos_token }}, which would render as nothing without it
     map_file = folder / "special_tokens_map.json"
     if "added_tokens_decoder" not in config and map_file.is_file():
-        specials.update(_special_tokens(_read_json(map_file)))
+        specials.update(_special_tokens(_read_json(map_file, flag)))
     return ChatTemplate(source, template, specials)
 
 
@@ -96,15 +97,15 @@ def check_messages(messages, where: str) -> list[dict]:
     return messages
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, flag: str) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--chat: {path} cannot be read ({e}).") from None
+        raise ConfigError(f"{flag}: {path} cannot be read ({e}).") from None
     return value if isinstance(value, dict) else {}
 
 
-def _named_default(template, where: Path) -> str | None:
+def _named_default(template, where: Path, flag: str) -> str | None:
     """tokenizer_config.json's chat_template: a string, or [{"name", "template"}, ...] whose "default"."""
     if template is None or isinstance(template, str):
         return template
@@ -112,9 +113,9 @@ def _named_default(template, where: Path) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" in named:
             return named["default"]
-        raise ConfigError(f"--chat: {where} names chat templates {sorted(named)} but none is \"default\", the one "
+        raise ConfigError(f"{flag}: {where} names chat templates {sorted(named)} but none is \"default\", the one "
                           f"longctx applies.")
-    raise ConfigError(f"--chat: {where}'s chat_template is neither a string nor a list of named templates.")
+    raise ConfigError(f"{flag}: {where}'s chat_template is neither a string nor a list of named templates.")
 
 
 def _token_text(value) -> str | None:

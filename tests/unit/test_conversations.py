@@ -1,0 +1,93 @@
+"""Conversations as instruction data (`data build --messages-field`, data/builder/conversations.py): a
+record's conversation rendered by the tokenizer's chat template (SmolLM2-Instruct's, as in
+test_generate_chat) is stored as transformers' apply_chat_template tokenizes it, trained on its last
+answer only: the prompt is apply_chat_template(conversation before it, add_generation_prompt=True).
+Records that are no conversation, or that the template cannot split there, are counted skips."""
+
+import json
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+from test_data_build import opts, quiet, store_documents  # noqa: E402
+from test_generate_chat import _chat_tokenizer  # noqa: E402
+from test_instruction_pairs import _targets  # noqa: E402
+
+from longctx.data.builder.pipeline import build_store  # noqa: E402
+from longctx.data.loader import PackedSamples  # noqa: E402
+from longctx.data.store import LOSS_FROM  # noqa: E402
+from longctx.errors import DataError  # noqa: E402
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}],
+    [{"role": "system", "content": "You answer in Python."}, {"role": "user", "content": "def f(x):"},
+     {"role": "assistant", "content": "return x + 1"}, {"role": "user", "content": "And a class?"},
+     {"role": "assistant", "content": "class A:\n    pass"}],
+]
+NOT_CONVERSATIONS = [
+    [{"role": "user", "content": "no answer yet"}],  # (ends with the user)
+    "a string",
+    [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}],
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat")
+    _chat_tokenizer(d)
+    return d
+
+
+def _build(tmp_path, folder, records, **kw):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    kw = {"dedup": "none", "strategy": "bfd", "eval_fraction": 0.0, "tokenizer": str(folder / "tokenizer.json"),
+          "messages_field": "messages", **kw}
+    return build_store(opts([path], tmp_path / "store", seq_len=256, **kw), log=quiet)
+
+
+def test_the_last_answer_is_trained_after_the_conversation_as_transformers_renders_it(tmp_path, folder):
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    records = [{"messages": m} for m in CONVERSATIONS] + [{"messages": m} for m in NOT_CONVERSATIONS] + [{"x": 1}]
+    manifest = _build(tmp_path, folder, records)
+    assert manifest["parts"][0]["counts"]["skipped"] == {"bad_conversation": 4}
+    root = tmp_path / "store"
+    docs, firsts = store_documents(root), np.load(root / "part-00000" / LOSS_FROM)
+    expected = set()
+    eos = theirs.convert_tokens_to_ids("<|endoftext|>")
+    for doc, messages in enumerate(CONVERSATIONS):
+        whole = list(theirs.apply_chat_template(messages, tokenize=True, return_dict=False))
+        prompt = list(theirs.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+        assert docs[doc] == [*whole, eos] and whole[:len(prompt)] == prompt and firsts[doc] == len(prompt)
+        expected |= {(doc, j) for j in range(len(prompt), len(docs[doc]))}  # the answer, its <|im_end|>, "\n", EOS
+    assert _targets(PackedSamples(root, "train"))[0] == expected  # (the first answer of the second: prompt)
+
+
+def test_a_template_whose_generation_prompt_is_not_how_an_answer_begins_is_a_counted_skip(tmp_path, folder):
+    """A generation prompt the history does not repeat (a reasoning model's empty thinking block after
+    `assistant`, say): the whole conversation's rendering does not begin with the prompt's, so the answer
+    cannot be told apart from it."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("{{ '<|im_start|>assistant\n' }}",
+                                                              "{{ '<|im_start|>assistant\n<think></think>\n' }}")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match="no usable document .*2 template not prefix-stable"):
+        _build(tmp_path, other, [{"messages": m} for m in CONVERSATIONS])
+    manifest = _build(tmp_path, folder, [{"messages": m} for m in CONVERSATIONS])  # (the template as it was)
+    assert manifest["parts"][0]["counts"]["documents_kept"] == 2
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"tokenizer": "byte"}, "--messages-field applies the tokenizer's chat template, and the byte tokenizer has none"),
+    ({"response_field": "response"}, "--response-field and --messages-field do not go together"),
+    ({"strategy": "concat"}, "--strategy concat cuts documents"),
+])
+def test_conversations_without_a_template_or_with_pair_options_are_refused_before_work(tmp_path, folder, kw, message):
+    with pytest.raises(DataError, match=message):
+        _build(tmp_path, folder, [{"messages": CONVERSATIONS[0]}], **kw)
+    assert not (tmp_path / "store").exists()
