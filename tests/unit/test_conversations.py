@@ -91,3 +91,49 @@ def test_conversations_without_a_template_or_with_pair_options_are_refused_befor
     with pytest.raises(DataError, match=message):
         _build(tmp_path, folder, [{"messages": CONVERSATIONS[0]}], **kw)
     assert not (tmp_path / "store").exists()
+
+
+def _with_template(tmp_path, folder, name, template):
+    other = tmp_path / name
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return other
+
+
+def test_bad_conversations_and_a_failing_template_are_counted_skips_not_a_crash(tmp_path, folder):
+    """An empty answer, a lone answer (no prompt before it), and a template expression that fails on a
+    record (a division by zero of its own): counted, the build goes on with the rest."""
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                "{% if m['content'] == 'boom' %}{{ 1 // 0 }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    other = _with_template(tmp_path, folder, "failing", template)
+    records = [CONVERSATIONS[0], [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}],
+               [{"role": "assistant", "content": "alone"}],
+               [{"role": "user", "content": "boom"}, {"role": "assistant", "content": "x"}]]
+    manifest = _build(tmp_path, other, [{"messages": m} for m in records])
+    counts = manifest["parts"][0]["counts"]
+    assert counts["skipped"] == {"empty": 1, "bad_conversation": 2} and counts["documents_kept"] == 1
+
+
+def test_a_template_that_does_not_compile_is_refused_before_work(tmp_path, folder):
+    other = _with_template(tmp_path, folder, "broken", "{% for m in messages %}{{ m['content'] | nosuchfilter }}")
+    with pytest.raises(DataError, match="--messages-field: the chat template of .* is not a Jinja template"):
+        _build(tmp_path, other, [{"messages": CONVERSATIONS[0]}])
+    assert not (tmp_path / "store").exists()
+
+
+def test_a_revised_template_is_another_scan(tmp_path, folder):
+    """A template edited beside an unchanged tokenizer.json renders other documents: a resumed or merged
+    build must not take the scans of one for the other."""
+    from longctx.data.builder.scan import ScanOptions, plan_digest
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    d = _with_template(tmp_path, folder, "edited", config["chat_template"])
+
+    def digest(template):
+        (d / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+        return plan_digest([], ScanOptions(str(d / "tokenizer.json"), "none", "text", "", "messages"))
+    first = digest(config["chat_template"])
+    assert digest(config["chat_template"].replace("helpful", "careful")) != first == digest(config["chat_template"])

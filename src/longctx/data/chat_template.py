@@ -18,6 +18,7 @@ the prompt of `longctx generate --chat` (with the generation prompt), and the co
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-MESSAGE_KEYS = ("role", "content")  # what a message of the prompts file may hold
+MESSAGE_KEYS = ("role", "content")  # what a message holds (generate's prompts file: all it may hold)
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,23 @@ class ChatTemplate:
         try:  # (tools and documents are None, as transformers passes them without tools or documents)
             return _compile(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                   tools=None, documents=None, **self.special_tokens)
-        except (jinja2.TemplateError, TypeError, ValueError) as e:
+        except (jinja2.TemplateError, ArithmeticError, LookupError, RecursionError, TypeError, ValueError) as e:
+            # (a template is code from a model hub: its own raise_exception, or any error of its expressions)
             raise ConfigError(f"the chat template of {self.source} could not render the messages: {e}") from None
+
+    def check(self, flag: str) -> None:
+        """A ConfigError now for a template that does not compile (rather than for every record later)."""
+        import jinja2
+
+        try:
+            _compile(self.template)
+        except jinja2.TemplateError as e:
+            raise ConfigError(f"{flag}: the chat template of {self.source} is not a Jinja template this longctx "
+                              f"reads ({e}).") from None
+
+    def digest(self) -> str:
+        """What the rendering depends on: the template and the special tokens it may read."""
+        return hashlib.sha256(json.dumps([self.template, self.special_tokens], sort_keys=True).encode()).hexdigest()
 
 
 def load_chat_template(tokenizer_spec: str, flag: str = "--chat") -> ChatTemplate:
@@ -57,7 +73,10 @@ def load_chat_template(tokenizer_spec: str, flag: str = "--chat") -> ChatTemplat
     config = _read_json(config_file, flag) if config_file.is_file() else {}
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+        try:
+            template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{flag}: {jinja_file} cannot be read as UTF-8 text ({e}).") from None
     else:
         template, source = _named_default(config.get("chat_template"), config_file, flag), str(config_file)
     if not template:

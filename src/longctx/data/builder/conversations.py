@@ -12,8 +12,8 @@ Only the last answer is trained on; the earlier ones are prompt (a conversation 
 learn is several records, one per answer). A template whose rendering of the whole conversation does
 not begin with the prompt's (one that drops earlier reasoning from the history, say) cannot be split
 so: such a record is skipped and counted (`chat_template_not_prefix`), as is a conversation that is not
-a list of role / content strings ending with an assistant message, or that the template refuses
-(`bad_conversation`).
+a list of role / content strings with a message before the assistant's last, or that the template
+refuses or fails on (`bad_conversation`), and one whose last answer is empty (`empty`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ class Conversations:
         if not _is_conversation(messages):
             skipped["bad_conversation"] += 1
             return None
+        if not messages[-1]["content"].strip():
+            skipped["empty"] += 1  # (nothing to train on but the template's end of turn)
+            return None
         try:
             prompt = self.template.render(messages[:-1], add_generation_prompt=True)
             whole = self.template.render(messages, add_generation_prompt=False)
@@ -51,8 +54,8 @@ class Conversations:
 
 
 def _is_conversation(messages) -> bool:
-    """A non-empty list of messages with role and content strings (other keys go to the template as
-    they are, as transformers passes them), the last the assistant's."""
-    return (isinstance(messages, list) and len(messages) > 0
+    """A list of messages with role and content strings (other keys go to the template as they are, as
+    transformers passes them), the last the assistant's, after one at least (the prompt)."""
+    return (isinstance(messages, list) and len(messages) > 1
             and all(isinstance(m, dict) and all(isinstance(m.get(k), str) for k in MESSAGE_KEYS) for m in messages)
             and messages[-1]["role"] == "assistant")

@@ -97,7 +97,7 @@ def check_options(opts: BuildOptions) -> None:
                         "response, or a conversation; build each kind into its own store, or append one to the other.")
     if opts.messages_field:
         try:
-            load_chat_template(opts.tokenizer, "--messages-field")
+            load_chat_template(opts.tokenizer, "--messages-field").check("--messages-field")
         except ConfigError as e:
             problems.append(str(e))
     if pairs and opts.strategy == "concat":

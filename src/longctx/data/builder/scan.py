@@ -116,8 +116,10 @@ def machine_range(shards: list[list[Unit]], i: int, n: int) -> range:
 
 def plan_digest(units: list[Unit], opts: ScanOptions) -> str:
     """What every machine of a build must agree on: the inputs' names and sizes, the scan options, the
-    tokenizer file's content and this scan's version."""
+    tokenizer file's content (and its chat template's, for conversations) and this scan's version."""
     tok = tokenizer_digest(opts.tokenizer)
+    if opts.messages_field:  # (a template revised beside an unchanged tokenizer.json renders other documents)
+        tok = [tok, Conversations(opts.tokenizer, opts.messages_field).template.digest()]
     h = hashlib.sha256(json.dumps([VERSION, asdict(opts), tok, [asdict(u) for u in units]]).encode())
     return h.hexdigest()[:16]
 
