@@ -300,14 +300,15 @@ def _segment_firsts(root: Path, part: dict, segments: np.ndarray) -> np.ndarray 
     """Each segment's document's first token trained on (store.LOSS_FROM), or None where the part has
     none (every token of every document is)."""
     firsts = load_loss_from(root / part["dir"])
-    masked = part["counts"].get("response_only_documents", 0)
+    masked = part.get("counts", {}).get("response_only_documents", 0)  # (a store another tool wrote: no counts)
     if firsts is None and not masked:
         return None
-    if firsts is None or len(firsts) != int(part["documents"]):
+    documents = part.get("documents", len(firsts) if firsts is not None else 0)
+    if firsts is None or len(firsts) != int(documents):
         # a part copied without it would train on its prompts: refused, as a part of cut-short samples is
         found = "is missing" if firsts is None else f"holds {len(firsts):,} documents"
         raise DataError(f"the store '{root}' is damaged: {root / part['dir'] / LOSS_FROM} {found}, its manifest "
-                        f"{int(part['documents']):,} ({masked:,} trained on their responses only); rebuild it.")
+                        f"{int(documents):,} ({masked:,} trained on their responses only); rebuild it.")
     return np.asarray(firsts)[segments[:, S_DOC] - int(part["first_doc"])]
 
 

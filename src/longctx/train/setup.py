@@ -275,7 +275,7 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     train = PackedSamples(path, "train", cfg.data.doc_mask)
     if len(train) == 0:
         raise DataError(f"the data store {path} has no training samples; build it from more documents.")
-    pairs = sum(p["counts"].get("response_only_documents", 0) for p in manifest["parts"])  # (instruction data)
+    pairs = sum(p.get("counts", {}).get("response_only_documents", 0) for p in manifest["parts"])  # (instruction data)
     trained = f", {pairs:,} trained on their responses only: {int(train.label_counts.sum()):,} labels" if pairs else ""
     mixture = parse_synthetic(cfg.data.synthetic)
     if mixture:
