@@ -7,10 +7,12 @@ or asks data/default_store.py for the default store, which builds it here once o
     options.py      BuildOptions, their checks, the memory bound -> scan workers and group sizes
     out_dir.py      what an existing --out may hold (a build removes what it finds under its own names)
     scan.py         inputs -> shards, scanned in worker processes into a work directory; ScannedCorpus
+    shard_files.py  a shard's files, written a document at a time
     inputs.py       the units (files) of an input, in order; read_inputs (all documents in memory)
     readers.py      one unit's documents, streamed: text, jsonl, parquet, arrow, .gz / .zst
     corpus.py       Document; the default corpus (the standard library's own sources)
-    tokenize.py     tokens of a document with its line and paragraph breaks
+    conversations.py  --messages-field: a conversation made an instruction pair by the chat template
+    tokenize.py     tokens of a document (or an instruction pair) with its line and paragraph breaks
     features.py     hashed word features of a document's head, for the embeddings
     scripts.py      scripts written without spaces: each character a word (dedup, features)
     dedup.py        exact and MinHash near-duplicate removal (Deduper)

@@ -88,26 +88,7 @@ def check_options(opts: BuildOptions) -> None:
         problems.append("--text-field '' names no field: no .jsonl record has one (each would be skipped as "
                         "having no text) and no .parquet or .arrow column does; pass the field holding the "
                         "documents' text (default: text).")
-    if opts.response_field and opts.response_field == opts.text_field:
-        problems.append(f"--response-field {opts.response_field!r} is the --text-field too: a record's prompt and "
-                        f"response must be two fields (e.g. --text-field prompt --response-field response).")
-    pairs = opts.response_field or opts.messages_field  # (instruction data: a response trained after its prompt)
-    if opts.response_field and opts.messages_field:
-        problems.append("--response-field and --messages-field do not go together: a record is a prompt and a "
-                        "response, or a conversation; build each kind into its own store, or append one to the other.")
-    if opts.messages_field:
-        try:
-            load_chat_template(opts.tokenizer, "--messages-field").check("--messages-field")
-        except ConfigError as e:
-            problems.append(str(e))
-    if pairs and opts.strategy == "concat":
-        problems.append("--strategy concat cuts documents wherever a sample ends, so a response could be trained "
-                        "in another sample than its prompt (instruction data); use datasculpt or bfd, which keep "
-                        "a document that fits a sample whole.")
-    if pairs and 0 < opts.holdout_tokens < opts.seq_len:
-        problems.append(f"--holdout-tokens {opts.holdout_tokens} below --seq-len {opts.seq_len} would hold out pieces "
-                        f"of an instruction pair apart (instruction data): its response in one split, its prompt in "
-                        f"the other. Leave it at 0 (= --seq-len) or raise it.")
+    problems += _instruction_problems(opts)
     if opts.workers < 1:
         problems.append(f"--workers must be >= 1, got {opts.workers}.")
     if not 0 <= opts.eval_fraction < 1:
@@ -139,6 +120,32 @@ def check_options(opts: BuildOptions) -> None:
                             "known once every shard is scanned.")
     if problems:
         raise DataError(" ".join(problems))
+
+
+def _instruction_problems(opts: BuildOptions) -> list[str]:
+    """What would train a response without its prompt, or cannot make pairs at all (instruction data)."""
+    problems = []
+    if opts.response_field and opts.response_field == opts.text_field:
+        problems.append(f"--response-field {opts.response_field!r} is the --text-field too: a record's prompt and "
+                        f"response must be two fields (e.g. --text-field prompt --response-field response).")
+    pairs = opts.response_field or opts.messages_field  # (instruction data: a response trained after its prompt)
+    if opts.response_field and opts.messages_field:
+        problems.append("--response-field and --messages-field do not go together: a record is a prompt and a "
+                        "response, or a conversation; build each kind into its own store, or append one to the other.")
+    if opts.messages_field:
+        try:
+            load_chat_template(opts.tokenizer, "--messages-field").check("--messages-field")
+        except ConfigError as e:
+            problems.append(str(e))
+    if pairs and opts.strategy == "concat":
+        problems.append("--strategy concat cuts documents wherever a sample ends, so a response could be trained "
+                        "in another sample than its prompt (instruction data); use datasculpt or bfd, which keep "
+                        "a document that fits a sample whole.")
+    if pairs and 0 < opts.holdout_tokens < opts.seq_len:
+        problems.append(f"--holdout-tokens {opts.holdout_tokens} below --seq-len {opts.seq_len} would hold out pieces "
+                        f"of an instruction pair apart (instruction data): its response in one split, its prompt in "
+                        f"the other. Leave it at 0 (= --seq-len) or raise it.")
+    return problems
 
 
 def parse_memory(text: str) -> int:

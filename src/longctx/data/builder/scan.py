@@ -36,11 +36,9 @@ from ...errors import DataError
 from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import spill
 from .conversations import Conversations
-from .dedup import NUM_PERM, exact_hash, signature
-from .features import head_features
 from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, unit_size
 from .readers import iter_file
-from .tokenize import tokenize_one, tokenize_pair
+from .shard_files import ShardFiles
 
 SHARD_BYTES = 16 << 20
 FORMAT = SCAN_FORMAT
@@ -146,58 +144,6 @@ def shard_dir(work: Path, index: int) -> Path:
     return work / SHARDS / f"{index:06d}"
 
 
-class _ShardFiles:
-    """The files of a shard being scanned, a document at a time; `mark` and `rollback` drop the
-    documents of a unit found damaged after it yielded them (readers.py)."""
-
-    def __init__(self, tmp: Path, token_dtype: str, minhash: bool):
-        self.ragged = {what: spill.RaggedWriter(tmp / what, dtype) for what, dtype in (
-            ("text", np.uint8), ("tokens", token_dtype), ("breaks", np.int32), ("strong", np.int32),
-            ("feat_idx", np.uint16), ("feat_val", np.float32))}
-        self.hashes = spill.NpyAppender(tmp / "hashes.npy", np.uint64)
-        self.loss_from = spill.NpyAppender(tmp / "loss_from.npy", np.int64)  # 0: a plain document
-        self.sigs = spill.NpyAppender(tmp / "sigs.npy", np.uint32, (NUM_PERM,)) if minhash else None
-        self.names = open(tmp / "names.jsonl", "w")
-        self.n = self.raw = 0
-
-    def _writers(self) -> list:
-        return [*self.ragged.values(), self.hashes, self.loss_from] + ([self.sigs] if self.sigs is not None else [])
-
-    def add(self, doc, tok) -> None:
-        b = doc.text.encode("utf-8", "surrogatepass")
-        self.ragged["text"].append(b)
-        self.raw += len(b)
-        self.hashes.append(np.array([exact_hash(doc.text)], np.uint64))
-        if self.sigs is not None:
-            self.sigs.append(signature(doc.text)[None].astype(np.uint32))
-        if doc.response_at is None:
-            tokenized, loss_from = tokenize_one(doc.text, tok), 0
-        else:
-            *tokenized, loss_from = tokenize_pair(doc.text, doc.response_at, tok, prefix=not doc.templated)
-        for what, values in zip(("tokens", "breaks", "strong"), tokenized):
-            self.ragged[what].append(values)
-        self.loss_from.append(np.array([loss_from], np.int64))
-        for what, values in zip(("feat_idx", "feat_val"), head_features(doc.text)):
-            self.ragged[what].append(values)
-        self.names.write(json.dumps(doc.name) + "\n")
-        self.n += 1
-
-    def mark(self) -> tuple:
-        return [w.mark() for w in self._writers()], self.names.tell(), self.n, self.raw
-
-    def rollback(self, mark: tuple) -> None:
-        marks, names_at, self.n, self.raw = mark
-        for w, m in zip(self._writers(), marks):
-            w.rollback(m)
-        self.names.seek(names_at)
-        self.names.truncate()
-
-    def close(self) -> None:
-        for w in self._writers():
-            w.close()
-        self.names.close()
-
-
 def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, token_dtype: str,
                max_docs: int = 0, on_unit=None) -> dict:
     """Scan one shard into `work/shards/INDEX` (atomically); returns its counts. `on_unit(unit)`, if
@@ -210,7 +156,7 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
     tmp.mkdir(parents=True)
     tok = load_tokenizer(opts.tokenizer)
     conversations = Conversations(opts.tokenizer, opts.messages_field) if opts.messages_field else None
-    files = _ShardFiles(tmp, token_dtype, opts.dedup == "minhash")
+    files = ShardFiles(tmp, token_dtype, opts.dedup == "minhash")
     skipped: Counter = Counter()
     damaged: list[str] = []
     # with --max-docs, where each skip and each unit fell (the shard's documents before it): the build counts
