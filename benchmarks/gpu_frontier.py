@@ -14,7 +14,8 @@ all within one budget (BUDGET_S, default 450 s), in order of what matters most:
    longest first, stopping at the first that fits);
 5. with what budget is left, the same blocks under `host` (FSDP2's CPU offload).
 
-JSON goes to $OUT/gpu_frontier.json and, on a GPU, to docs/results/gpu_frontier_<card>_<date>.json.
+JSON goes to $OUT/gpu_frontier.json and, on a GPU, to docs/results/gpu_frontier_<card>_<date>.json,
+rewritten after each probe (a call stopped from outside keeps what was measured).
 Glue check on CPU (small figures, no results file):
   DEVICE=cpu SMOKE_STEPS=3 SEQ_8B=2048 SEQ_OVERLAP=1024 LONGEST="2048 1024" PRESET_8B=debug PRESET_1B=debug \
       python benchmarks/gpu_frontier.py
@@ -136,16 +137,9 @@ def card() -> dict:
             "torch": torch.__version__}
 
 
-def main() -> None:
-    out = {"card": card(), "date": datetime.date.today().isoformat(), "budget_s": BUDGET_S}
-    print(json.dumps(out), flush=True)
-    out["smoke"] = smoke(ENV.get("SMOKE_STEPS", "30"))
-    seq_8b, preset_8b = ENV.get("SEQ_8B", "524288"), ENV.get("PRESET_8B", "llama3-8b")
-    out["blocks"] = [blocks(preset_8b, seq_8b, "host_optimizer")]
-    preset_1b = ENV.get("PRESET_1B", "llama3-1b")
-    out["overlap"] = overlap(preset_1b, ENV.get("SEQ_OVERLAP", "32768"))
-    out["longest"] = longest(preset_1b, ENV.get("LONGEST", "524288 262144 131072").split())
-    out["blocks"].append(blocks(preset_8b, seq_8b, "host"))
+def save(out: dict) -> str:
+    """The figures so far, to $OUT/gpu_frontier.json (and docs/results on a GPU): written after each
+    probe, so a call stopped from outside (its time limit) still returns what was measured."""
     out["elapsed_s"] = round(time.monotonic() - START, 1)
     text = json.dumps(out, indent=1)
     Path(ENV.get("OUT", "/tmp/gpu_out")).mkdir(parents=True, exist_ok=True)
@@ -153,7 +147,24 @@ def main() -> None:
     if DEVICE == "cuda":
         slug = out["card"]["name"].lower().replace(" ", "-")
         Path("docs/results", f"gpu_frontier_{slug}_{out['date']}.json").write_text(text)
-    print(text[:3000])
+    return text
+
+
+def main() -> None:
+    out = {"card": card(), "date": datetime.date.today().isoformat(), "budget_s": BUDGET_S}
+    print(json.dumps(out), flush=True)
+    out["smoke"] = smoke(ENV.get("SMOKE_STEPS", "30"))
+    save(out)
+    seq_8b, preset_8b = ENV.get("SEQ_8B", "524288"), ENV.get("PRESET_8B", "llama3-8b")
+    out["blocks"] = [blocks(preset_8b, seq_8b, "host_optimizer")]
+    save(out)
+    preset_1b = ENV.get("PRESET_1B", "llama3-1b")
+    out["overlap"] = overlap(preset_1b, ENV.get("SEQ_OVERLAP", "32768"))
+    save(out)
+    out["longest"] = longest(preset_1b, ENV.get("LONGEST", "524288 262144 131072").split())
+    save(out)
+    out["blocks"].append(blocks(preset_8b, seq_8b, "host"))
+    print(save(out)[:3000])
 
 
 if __name__ == "__main__":
