@@ -54,6 +54,7 @@ from .store import (
     load_split,
     part_documents_digest,
     read_manifest,
+    response_only_documents,
     text_prefix,
 )
 
@@ -170,7 +171,7 @@ class PackedSamples(SampleSet):
             arrays = load_split(self.root, part, split)
             if arrays is not None:
                 self.parts.append(arrays)
-                self.firsts.append(_segment_firsts(self.root, part, arrays.segments))
+                self.firsts.append(_firsts_of_segments(self.root, part, arrays.segments))
         # what a data position records of this store, to know it again on resume: of the store as opened here
         self.identity = store_identity(self.manifest, self.root)
         counts = [len(a.pointer) - 1 for a in self.parts]
@@ -205,22 +206,25 @@ class PackedSamples(SampleSet):
         """The special tokens each of the store's documents begins with (e.g. BOS)."""
         return text_prefix(self.manifest)
 
-    def _locate(self, i: int):
+    def _where(self, i: int) -> tuple[int, int]:
+        """(part, row in the part) of sample i."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range [0, {self.num_samples})")
         p = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        return self.parts[p], i - int(self.offsets[p])
+        return p, i - int(self.offsets[p])
+
+    def _locate(self, i: int):
+        p, j = self._where(i)
+        return self.parts[p], j
 
     def segments(self, i: int) -> np.ndarray:
-        part, j = self._locate(i)
-        return part.segments[part.pointer[j]:part.pointer[j + 1]]
+        return self._segments_and_firsts(i)[0]
 
-    def _segment_firsts(self, i: int) -> np.ndarray | None:
-        """Sample i's segments' first tokens trained on (in their documents), or None: every token."""
-        p = int(np.searchsorted(self.offsets, i, side="right") - 1)
-        firsts, part = self.firsts[p], self.parts[p]
-        j = i - int(self.offsets[p])
-        return None if firsts is None else firsts[part.pointer[j]:part.pointer[j + 1]]
+    def _segments_and_firsts(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Sample i's segments and each one's document's first token trained on (None: every token)."""
+        p, j = self._where(i)
+        rows = slice(self.parts[p].pointer[j], self.parts[p].pointer[j + 1])
+        return self.parts[p].segments[rows], None if self.firsts[p] is None else self.firsts[p][rows]
 
     def label_count(self, indices) -> int:
         """Valid (non-ignored) labels of these samples, from the segment index."""
@@ -228,10 +232,9 @@ class PackedSamples(SampleSet):
 
     def _frame(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Sample i's positions, doc ids and labelled tokens [seq_len], from its segments."""
-        segs = self.segments(i)
+        segs, firsts = self._segments_and_firsts(i)
         L = self.seq_len
         real = int(segs[:, S_LENGTH].sum())
-        firsts = self._segment_firsts(i)
         # a token trained on: one at or after its document's first token trained on (instruction pairs)
         trained = None if firsts is None else _trained_tokens(segs, firsts)
         if not self.doc_mask:
@@ -296,11 +299,11 @@ class PackedSamples(SampleSet):
         return tokens, labels, positions, doc_ids
 
 
-def _segment_firsts(root: Path, part: dict, segments: np.ndarray) -> np.ndarray | None:
+def _firsts_of_segments(root: Path, part: dict, segments: np.ndarray) -> np.ndarray | None:
     """Each segment's document's first token trained on (store.LOSS_FROM), or None where the part has
     none (every token of every document is)."""
     firsts = load_loss_from(root / part["dir"])
-    masked = part.get("counts", {}).get("response_only_documents", 0)  # (a store another tool wrote: no counts)
+    masked = response_only_documents(part)
     if firsts is None and not masked:
         return None
     documents = part.get("documents", len(firsts) if firsts is not None else 0)

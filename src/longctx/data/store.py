@@ -186,6 +186,12 @@ def documents_digest(part_dir: Path) -> str | None:
     return digest.hexdigest()
 
 
+def response_only_documents(part: dict) -> int:
+    """How many of a part's documents are trained on their responses only (its manifest record's count;
+    0 for a part written before instruction pairs, or by another tool, which has no counts)."""
+    return int(part.get("counts", {}).get("response_only_documents", 0))
+
+
 def load_loss_from(part_dir: Path) -> np.ndarray | None:
     """A part's per-document first token trained on (memory-mapped), or None: every token of every one."""
     path = part_dir / LOSS_FROM

@@ -21,7 +21,7 @@ from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
 from ..data.loader import PackedSamples
-from ..data.store import SPLITS, read_manifest, text_prefix
+from ..data.store import SPLITS, read_manifest, response_only_documents, text_prefix
 from ..data.store_mix import StoreMix, check_same_kind, mix_line
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
@@ -275,7 +275,7 @@ def build_data(cfg: Config, log=print, rt: Runtime | None = None):
     train = PackedSamples(path, "train", cfg.data.doc_mask)
     if len(train) == 0:
         raise DataError(f"the data store {path} has no training samples; build it from more documents.")
-    pairs = sum(p.get("counts", {}).get("response_only_documents", 0) for p in manifest["parts"])  # (instruction data)
+    pairs = sum(response_only_documents(p) for p in manifest["parts"])  # (instruction data)
     trained = f", {pairs:,} trained on their responses only: {int(train.label_counts.sum()):,} labels" if pairs else ""
     mixture = parse_synthetic(cfg.data.synthetic)
     if mixture:

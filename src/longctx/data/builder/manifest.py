@@ -17,8 +17,7 @@ def store_manifest(opts: BuildOptions, tokenizer, token_dtype, old: dict | None,
     return {
         "format": store.FORMAT,
         # a store of instruction pairs: a version the longctx before them refuses, rather than train on their prompts
-        "version": store.MASKED_VERSION if any(p.get("counts", {}).get("response_only_documents") for p in parts)
-        else store.VERSION,
+        "version": store.MASKED_VERSION if any(map(store.response_only_documents, parts)) else store.VERSION,
         "seq_len": opts.seq_len,
         "strategy": opts.strategy,
         "dedup": opts.dedup,

@@ -243,23 +243,21 @@ def _text(value, skipped: Counter, missing: str) -> str | None:
     return normalise(value)
 
 
-def _accept(value, name: str, skipped: Counter, response=_NO_RESPONSE) -> Document | None:
-    """A record's document: its text field's value, or with a response (`--response-field`) the
-    prompt (the text field, which may be empty) followed by the response (which may not)."""
-    if response is _NO_RESPONSE:
-        text = _text(value, skipped, "missing_text_field")
-        if text is not None and not text.strip():
-            skipped["empty"] += 1
-            return None
-        return None if text is None else Document(name, text)
-    prompt = _text(value, skipped, "missing_text_field")
-    answer = None if prompt is None else _text(response, skipped, "missing_response_field")
-    if answer is None:
+def _accept(value, name: str, skipped: Counter, response=_NO_RESPONSE, templated: bool = False) -> Document | None:
+    """A record's document: its text field's value, or with a response (`--response-field`, or a
+    conversation's rendering: `templated`) the prompt (the text field, which may be empty) followed by
+    the response (which may not: nothing to train on but the EOS)."""
+    text = _text(value, skipped, "missing_text_field")
+    at = None
+    if text is not None and response is not _NO_RESPONSE:
+        answer = _text(response, skipped, "missing_response_field")
+        text, at = (None, None) if answer is None else (text + answer, len(text))
+    if text is None:
         return None
-    if not answer.strip():
-        skipped["empty"] += 1  # nothing to train on but the EOS
+    if not text[at or 0:].strip():
+        skipped["empty"] += 1
         return None
-    return Document(name, prompt + answer, response_at=len(prompt))
+    return Document(name, text, response_at=at, templated=templated)
 
 
 def _record_reader(text_field: str, response_field: str, conversations):
@@ -268,10 +266,7 @@ def _record_reader(text_field: str, response_field: str, conversations):
     if conversations is not None:
         def accept(values, name, skipped):
             pair = conversations.pair(values[0], skipped)
-            doc = None if pair is None else _accept(pair[0], name, skipped, pair[1])
-            if doc is not None:
-                doc.templated = True
-            return doc
+            return None if pair is None else _accept(pair[0], name, skipped, pair[1], templated=True)
         return [(conversations.field, "--messages-field", "conversation")], accept
     if response_field:
         return ([(text_field, "--text-field", "prompt"), (response_field, "--response-field", "response")],

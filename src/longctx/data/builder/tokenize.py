@@ -67,7 +67,8 @@ def tokenize_pair(text: str, response_at: int, tok,
     - the response as the whole text's ids after the prompt's, where the whole text's begin with the
       prompt's (the usual case: the ids of the text read whole, as transformers' apply_chat_template
       gives them); else, where a token would straddle the two ("\n" + "\n" merged, say), apart from the
-      prompt and as it reads after other text (`_piece`): what the model writes after the prompt's ids;
+      prompt and as it reads after other text (`_piece`): what the model writes after the prompt's ids
+      (so a pair's prompt is encoded twice, alone and in the whole text: linear, twice a plain document's);
     - `loss_from`: the index of the response's first token. The tokens trained on are it, the ones after
       it and the EOS; the boundary is a break."""
     prompt, response = text[:response_at], text[response_at:]
