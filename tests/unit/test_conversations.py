@@ -1,7 +1,8 @@
 """Conversations as instruction data (`data build --messages-field`, data/builder/conversations.py): a
 record's conversation rendered by the tokenizer's chat template (SmolLM2-Instruct's, as in
-test_generate_chat) is stored as transformers' apply_chat_template tokenizes it, trained on its last
-answer only: the prompt is apply_chat_template(conversation before it, add_generation_prompt=True).
+test_generate_chat) is stored as transformers' apply_chat_template tokenizes it, trained on its answers
+(--answers all) or its last one (--answers last): an answer's prompt is apply_chat_template(the
+conversation before it, add_generation_prompt=True).
 Records that are no conversation, or that the template cannot split there, are counted skips."""
 
 import json
@@ -47,22 +48,32 @@ def _build(tmp_path, folder, records, **kw):
     return build_store(opts([path], tmp_path / "store", seq_len=256, **kw), log=quiet)
 
 
-def test_the_last_answer_is_trained_after_the_conversation_as_transformers_renders_it(tmp_path, folder):
+@pytest.mark.parametrize("answers", ["all", "last"])
+def test_the_answers_are_trained_after_the_conversation_as_transformers_renders_it(tmp_path, folder, answers):
+    """Stored as apply_chat_template's ids of the whole conversation; each answer trained from the end of
+    apply_chat_template(what it answers, add_generation_prompt=True) to the end of the rendering through
+    it (its <|im_end|> and "\n"; the last one's EOS too). --answers last: the first answer of the second
+    conversation is prompt."""
     theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
     records = [{"messages": m} for m in CONVERSATIONS] + [{"messages": m} for m in NOT_CONVERSATIONS] + [{"x": 1}]
-    manifest = _build(tmp_path, folder, records)
+    manifest = _build(tmp_path, folder, records, answers=answers)
     assert manifest["parts"][0]["counts"]["skipped"] == {"bad_conversation": 4}
+    assert manifest["version"] == (4 if answers == "all" else 3)  # (a store of gaps: refused by a reader before)
     root = tmp_path / "store"
     docs, firsts = store_documents(root), np.load(root / "part-00000" / LOSS_FROM)
     expected = set()
     eos = theirs.convert_tokens_to_ids("<|endoftext|>")
+    ids = lambda messages, **kw: list(theirs.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))  # noqa: E731
     for doc, messages in enumerate(CONVERSATIONS):
-        whole = list(theirs.apply_chat_template(messages, tokenize=True, return_dict=False))
-        prompt = list(theirs.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False))
-        assert docs[doc] == [*whole, eos] and whole[:len(prompt)] == prompt and firsts[doc] == len(prompt)
-        expected |= {(doc, j) for j in range(len(prompt), len(docs[doc]))}  # the answer, its <|im_end|>, "\n", EOS
-    assert _targets(PackedSamples(root, "train"))[0] == expected  # (the first answer of the second: prompt)
+        whole = ids(messages)
+        assert docs[doc] == [*whole, eos]
+        trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"][-1 if answers == "last" else 0:]
+        for i in trained:
+            start, end = len(ids(messages[:i], add_generation_prompt=True)), len(ids(messages[:i + 1]))
+            assert whole[:start] == ids(messages[:i], add_generation_prompt=True)
+            expected |= {(doc, j) for j in range(start, end if i < len(messages) - 1 else len(whole) + 1)}
+        assert firsts[doc] == len(ids(messages[:trained[0]], add_generation_prompt=True))
+    assert len(expected) > 0 and _targets(PackedSamples(root, "train"))[0] == expected
 
 
 def test_a_template_whose_generation_prompt_is_not_how_an_answer_begins_is_a_counted_skip(tmp_path, folder):
@@ -86,11 +97,32 @@ def test_a_template_whose_generation_prompt_is_not_how_an_answer_begins_is_a_cou
     ({"tokenizer": "byte"}, "--messages-field applies the tokenizer's chat template, and the byte tokenizer has none"),
     ({"response_field": "response"}, "--response-field and --messages-field do not go together"),
     ({"strategy": "concat"}, "--strategy concat cuts documents"),
+    ({"messages_field": "", "text_field": "messages", "answers": "last"}, "--answers last .* needs --messages-field"),
+    ({"answers": "first"}, "--answers 'first' is not one of all, last"),
 ])
 def test_conversations_without_a_template_or_with_pair_options_are_refused_before_work(tmp_path, folder, kw, message):
     with pytest.raises(DataError, match=message):
         _build(tmp_path, folder, [{"messages": CONVERSATIONS[0]}], **kw)
     assert not (tmp_path / "store").exists()
+
+
+def test_an_answer_whose_first_token_would_straddle_its_prompt_is_each_piece_as_the_model_writes_it(tmp_path, folder):
+    """An earlier answer beginning with "\n" after the generation prompt's "\n": the whole text's ids
+    merge the two (no boundary at the answer), so the pieces are encoded apart; each trained span is
+    then exactly its answer and end of turn, the turn between is not trained on."""
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\n\nfirst line"},
+                {"role": "user", "content": "More?"}, {"role": "assistant", "content": "second"}]
+    _build(tmp_path, folder, [{"messages": messages}])
+    root = tmp_path / "store"
+    (doc,) = store_documents(root).values()
+    found, _ = _targets(PackedSamples(root, "train"))
+    trained = sorted(j for _, j in found)
+    runs = np.split(np.array(trained), np.flatnonzero(np.diff(trained) > 1) + 1)
+    assert [theirs.decode(doc[r[0]:r[-1] + 1]) for r in runs] == [
+        "\n\nfirst line<|im_end|>\n", "second<|im_end|>\n<|endoftext|>"]
+    assert doc[:runs[0][0]] == list(theirs.apply_chat_template(messages[:1], add_generation_prompt=True,
+                                                               tokenize=True, return_dict=False))
 
 
 def _with_template(tmp_path, folder, name, template):

@@ -340,7 +340,7 @@ def test_a_store_of_another_version_is_refused_with_how_to_rebuild_it(tmp_path):
     (root / "manifest.json").write_text(json.dumps({**old, "version": 1, "context": 256}, indent=1) + "\n")
     for read in (read_manifest, PackedSamples,
                  lambda r: build_store(opts([tmp_path / "a"], r, append=True), log=quiet)):
-        with pytest.raises(DataError, match=r"a version this longctx reads \(2 or 3, found 'longctx-store' "
+        with pytest.raises(DataError, match=r"a version this longctx reads \(2, 3 or 4, found 'longctx-store' "
                                             r"version 1\); rebuild the store with this version's `longctx data build`"):
             read(root)
 

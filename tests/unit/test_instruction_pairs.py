@@ -72,16 +72,21 @@ def test_only_the_responses_and_their_eos_are_targets(tmp_path, doc_mask):
     assert found == expected  # no document is cut at 256 tokens: each response token is a target once
 
 
-def test_a_document_cut_across_samples_keeps_its_prompt_out_of_the_loss(tmp_path):
-    """The loader's side where a document with a first token trained on is cut across samples (a build
-    keeps a pair whole, so the store is a concat one of long plain documents given a LOSS_FROM by hand)."""
+def long_plain_store(tmp_path):
+    """A concat store of 6 plain documents of ~400 tokens, cut across samples of 64: (root, its documents)."""
     docs_in = tmp_path / "in"
     docs_in.mkdir()
     for i in range(6):
         (docs_in / f"{i}.txt").write_text("line of context\n" * (20 + i) + f"Answer {i}\n" * 3)
     root, _ = _build(tmp_path, [docs_in], seq_len=64, strategy="concat", eval_fraction=0.0, response_field="",
                      text_field="text")
-    docs = store_documents(root)
+    return root, store_documents(root)
+
+
+def test_a_document_cut_across_samples_keeps_its_prompt_out_of_the_loss(tmp_path):
+    """The loader's side where a document with a first token trained on is cut across samples (a build
+    keeps a pair whole, so the store is a concat one of long plain documents given a LOSS_FROM by hand)."""
+    root, docs = long_plain_store(tmp_path)
     firsts = np.array([len(docs[d]) - 7 * (d + 2) for d in range(len(docs))], dtype=np.int64)
     np.save(root / "part-00000" / LOSS_FROM, firsts)
     for doc_mask in (True, False):

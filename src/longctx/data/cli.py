@@ -20,7 +20,8 @@ def _cmd_data(args, overrides) -> int:
     build_store(BuildOptions(
         inputs=args.input, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, strategy=args.strategy,
         dedup=args.dedup, workers=args.workers, text_field=args.text_field,
-        response_field=args.response_field, messages_field=args.messages_field, eval_fraction=args.eval_fraction,
+        response_field=args.response_field, messages_field=args.messages_field, answers=args.answers,
+        eval_fraction=args.eval_fraction,
         holdout_tokens=args.holdout_tokens,
         seed=args.seed, embed_model=args.embed_model, dedup_threshold=args.dedup_threshold, max_docs=args.max_docs,
         append=args.append, progress=not args.no_progress, clusters=args.clusters, max_memory=memory,
@@ -61,7 +62,10 @@ def add_parser(sub) -> None:
                         "trained on the response's tokens only (docs/data.md; default: plain documents)")
     p.add_argument("--messages-field", default="", metavar="FIELD",
                    help="conversations: each record's FIELD is [{role, content}, ...] ending with the assistant's "
-                        "answer, rendered by the tokenizer's chat template and trained on that last answer only")
+                        "answer, rendered by the tokenizer's chat template and trained on its answers (--answers)")
+    p.add_argument("--answers", default="all", choices=("all", "last"),
+                   help="with --messages-field: train on every answer of a conversation (default all) or on the "
+                        "last one only, the earlier ones read as its prompt")
     p.add_argument("--eval-fraction", type=float, default=0.02,
                    help="documents held out (by name hash) as eval samples (default 0.02)")
     p.add_argument("--holdout-tokens", type=int, default=0, metavar="N",

@@ -47,16 +47,20 @@ from .balance import balanced_order
 from .samples import IGNORE, Batch, SampleOrder
 from .store import (
     LOSS_FROM,
+    LOSS_GAPS,
     S_DOC,
     S_LENGTH,
     S_START,
+    answer_gap_documents,
     load_loss_from,
+    load_loss_gaps,
     load_split,
     part_documents_digest,
     read_manifest,
     response_only_documents,
     text_prefix,
 )
+from .trained_spans import TrainedSpans
 
 
 @dataclass
@@ -166,12 +170,15 @@ class PackedSamples(SampleSet):
         self.manifest = read_manifest(self.root)
         self.seq_len = int(self.manifest["seq_len"])
         self.doc_mask = doc_mask
-        self.parts, self.firsts = [], []  # firsts: per part, each segment's document's first token trained on
+        # spans: per part, which tokens of its documents are trained on (None: all) and each segment's document
+        self.parts, self.spans = [], []
         for part in self.manifest["parts"]:
             arrays = load_split(self.root, part, split)
             if arrays is not None:
                 self.parts.append(arrays)
-                self.firsts.append(_firsts_of_segments(self.root, part, arrays.segments))
+                spans = _trained_spans(self.root, part)
+                self.spans.append(None if spans is None else
+                                  (spans, arrays.segments[:, S_DOC].astype(np.int64) - int(part["first_doc"])))
         # what a data position records of this store, to know it again on resume: of the store as opened here
         self.identity = store_identity(self.manifest, self.root)
         counts = [len(a.pointer) - 1 for a in self.parts]
@@ -180,13 +187,13 @@ class PackedSamples(SampleSet):
         # per sample: real tokens, sum of squared segment lengths (for the cost estimate) and labels
         # (every token of a segment but its last has one)
         real, sq, labels = [], [], []
-        for a, firsts in zip(self.parts, self.firsts):
+        for a, spans in zip(self.parts, self.spans):
             w = np.repeat(np.arange(len(a.pointer) - 1), np.diff(a.pointer))  # each segment's sample
             n = len(a.pointer) - 1
             lens = a.segments[:, S_LENGTH].astype(np.float64)
             real.append(np.bincount(w, weights=lens, minlength=n))
             sq.append(np.bincount(w, weights=lens ** 2, minlength=n))
-            labels.append(_label_counts(a, firsts, w, n, doc_mask))
+            labels.append(_label_counts(a, spans, w, n, doc_mask))
         self.real_tokens = np.concatenate(real) if real else np.zeros(0)
         self.sq_tokens = np.concatenate(sq) if sq else np.zeros(0)
         self.label_counts = (np.concatenate(labels) if labels else np.zeros(0)).astype(np.int64)
@@ -218,13 +225,15 @@ class PackedSamples(SampleSet):
         return self.parts[p], j
 
     def segments(self, i: int) -> np.ndarray:
-        return self._segments_and_firsts(i)[0]
+        return self._segments_and_spans(i)[0]
 
-    def _segments_and_firsts(self, i: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Sample i's segments and each one's document's first token trained on (None: every token)."""
+    def _segments_and_spans(self, i: int) -> tuple[np.ndarray, tuple | None]:
+        """Sample i's segments and (its part's TrainedSpans, each segment's document in it); None: every
+        token is trained on."""
         p, j = self._where(i)
         rows = slice(self.parts[p].pointer[j], self.parts[p].pointer[j + 1])
-        return self.parts[p].segments[rows], None if self.firsts[p] is None else self.firsts[p][rows]
+        return self.parts[p].segments[rows], None if self.spans[p] is None else (self.spans[p][0],
+                                                                                  self.spans[p][1][rows])
 
     def label_count(self, indices) -> int:
         """Valid (non-ignored) labels of these samples, from the segment index."""
@@ -232,11 +241,11 @@ class PackedSamples(SampleSet):
 
     def _frame(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Sample i's positions, doc ids and labelled tokens [seq_len], from its segments."""
-        segs, firsts = self._segments_and_firsts(i)
+        segs, spans = self._segments_and_spans(i)
         L = self.seq_len
         real = int(segs[:, S_LENGTH].sum())
-        # a token trained on: one at or after its document's first token trained on (instruction pairs)
-        trained = None if firsts is None else _trained_tokens(segs, firsts)
+        # a token trained on: an answer's, not a prompt's (instruction data)
+        trained = None if spans is None else _trained_tokens(segs, *spans)
         if not self.doc_mask:
             labelled = np.arange(L) < real - 1
             if trained is not None and real > 1:
@@ -299,40 +308,48 @@ class PackedSamples(SampleSet):
         return tokens, labels, positions, doc_ids
 
 
-def _firsts_of_segments(root: Path, part: dict, segments: np.ndarray) -> np.ndarray | None:
-    """Each segment's document's first token trained on (store.LOSS_FROM), or None where the part has
-    none (every token of every document is)."""
-    firsts = load_loss_from(root / part["dir"])
-    masked = response_only_documents(part)
-    if firsts is None and not masked:
+def _trained_spans(root: Path, part: dict) -> TrainedSpans | None:
+    """Which tokens of the part's documents are trained on (store.LOSS_FROM, LOSS_GAPS), or None where the
+    part has neither file (every token of every document is)."""
+    firsts, gaps = load_loss_from(root / part["dir"]), load_loss_gaps(root / part["dir"])
+    masked, gapped = response_only_documents(part), answer_gap_documents(part)
+    if firsts is None and gaps is None and not masked:
         return None
-    documents = part.get("documents", len(firsts) if firsts is not None else 0)
-    if firsts is None or len(firsts) != int(documents):
-        # a part copied without it would train on its prompts: refused, as a part of cut-short samples is
-        found = "is missing" if firsts is None else f"holds {len(firsts):,} documents"
-        raise DataError(f"the store '{root}' is damaged: {root / part['dir'] / LOSS_FROM} {found}, its manifest "
-                        f"{int(documents):,} ({masked:,} trained on their responses only); rebuild it.")
-    return np.asarray(firsts)[segments[:, S_DOC] - int(part["first_doc"])]
+    documents = int(part.get("documents", len(firsts) if firsts is not None else 0))
+    # a part copied without them would train on its prompts or user turns: refused, as a part of cut-short samples is
+    for path, found, count, what in (
+            (root / part["dir"] / LOSS_FROM, firsts, masked, "trained on their responses only"),
+            (root / part["dir"] / f"{LOSS_GAPS}.offsets.npy", None if gaps is None else gaps[0][1:], gapped,
+             "trained on several answers")):
+        if (found is None and count) or (found is not None and len(found) != documents):
+            held = "is missing" if found is None else f"holds {len(found):,} documents"
+            raise DataError(f"the store '{root}' is damaged: {path} {held}, its manifest {documents:,} ({count:,} "
+                            f"{what}); rebuild it.")
+    if firsts is None:
+        firsts = np.zeros(documents, dtype=np.int64)
+    return TrainedSpans(np.asarray(firsts), *(gaps if gaps is not None else (None, None)))
 
 
-def _trained_tokens(segs: np.ndarray, firsts: np.ndarray) -> np.ndarray:
+def _trained_tokens(segs: np.ndarray, spans: TrainedSpans, docs: np.ndarray) -> np.ndarray:
     """[real tokens] bool: whether each of a sample's tokens is one its document is trained on."""
     lengths = segs[:, S_LENGTH]
     in_doc = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths - segs[:, S_START], lengths)
-    return in_doc >= np.repeat(firsts, lengths)
+    return spans.trained(np.repeat(docs, lengths), in_doc)
 
 
-def _label_counts(a, firsts: np.ndarray | None, w: np.ndarray, n: int, doc_mask: bool) -> np.ndarray:
+def _label_counts(a, spans: tuple | None, w: np.ndarray, n: int, doc_mask: bool) -> np.ndarray:
     """Per sample of a part's split, its tokens that have a label (as _frame labels them)."""
-    lens, starts = a.segments[:, S_LENGTH], a.segments[:, S_START]
-    if firsts is None:
-        firsts = np.zeros(len(lens), dtype=np.int64)
+    lens, starts = a.segments[:, S_LENGTH].astype(np.int64), a.segments[:, S_START].astype(np.int64)
+    if spans is None:  # (every token trained on: each segment its own document, trained from its start)
+        spans = (TrainedSpans(np.zeros(len(lens), dtype=np.int64)), np.arange(len(lens)))
+    trained, docs = spans
     if doc_mask:  # token t labelled by t + 1 of the same segment: targets at in-document start + 1 ... end - 1
-        return np.bincount(w, weights=np.maximum(0, starts + lens - np.maximum(starts + 1, firsts)), minlength=n)
+        return np.bincount(w, weights=trained.before(docs, starts + lens) - trained.before(docs, starts + 1),
+                           minlength=n)
     # labels cross segments: every trained-on token is a target but a sample's first one
-    targets = np.bincount(w, weights=np.maximum(0, starts + lens - np.maximum(starts, firsts)), minlength=n)
+    targets = np.bincount(w, weights=trained.before(docs, starts + lens) - trained.before(docs, starts), minlength=n)
     leading = a.pointer[:-1]  # each sample's first segment (a sample has one at least)
-    return np.maximum(targets - (starts[leading] >= firsts[leading]), 0)
+    return np.maximum(targets - trained.trained(docs[leading], starts[leading]), 0)
 
 
 def stack_samples(parts: list[tuple], doc_mask: bool) -> Batch:

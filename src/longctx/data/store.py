@@ -45,8 +45,14 @@ FORMAT = "longctx-store"
 VERSION = 2
 # 3: some part trains some documents on their responses only (LOSS_FROM); a store without is written as 2
 MASKED_VERSION = 3
-READABLE_VERSIONS = (VERSION, MASKED_VERSION)
+# 4: some document is trained on several spans (LOSS_GAPS: a conversation's answers): a reader that knows
+# only LOSS_FROM would train on the user turns between them, so it must refuse the store
+GAPS_VERSION = 4
+READABLE_VERSIONS = (VERSION, MASKED_VERSION, GAPS_VERSION)
 LOSS_FROM = "loss_from.npy"  # a part's per-document first token trained on (int64; absent: 0 for every one)
+# per document, the token offsets after LOSS_FROM where training stops and starts again (ragged, int64:
+# loss_gaps.bin and loss_gaps.offsets.npy; absent: none in any document). data/trained_spans.py reads both
+LOSS_GAPS = "loss_gaps"
 SPLITS = ("train", "eval")
 # segment columns in the store
 S_SAMPLE, S_OFFSET, S_LENGTH, S_DOC, S_START = range(5)
@@ -106,7 +112,7 @@ def read_manifest(root: str | Path) -> dict:
         raise DataError(f"{path} is not valid JSON ({e}); rebuild the store with `longctx data build`.") from None
     if manifest.get("format") != FORMAT or manifest.get("version") not in READABLE_VERSIONS:
         raise DataError(f"{path} is not a longctx store manifest of a version this longctx reads "
-                        f"({' or '.join(map(str, READABLE_VERSIONS))}, "
+                        f"({', '.join(map(str, READABLE_VERSIONS[:-1]))} or {READABLE_VERSIONS[-1]}, "
                         f"found {manifest.get('format')!r} version {manifest.get('version')!r}); rebuild the store "
                         f"with this version's `longctx data build`.")
     return manifest
@@ -183,6 +189,10 @@ def documents_digest(part_dir: Path) -> str | None:
         digest.update(b"loss_from")
         for start in range(0, len(firsts), 1 << 20):
             digest.update(np.ascontiguousarray(firsts[start:start + (1 << 20)]).astype("<i8").tobytes())
+    gaps = load_loss_gaps(part_dir)
+    if gaps is not None:
+        for name, values in zip((b"gap_offsets", b"gaps"), gaps):
+            digest.update(name + np.ascontiguousarray(values).astype("<i8").tobytes())
     return digest.hexdigest()
 
 
@@ -201,6 +211,23 @@ def load_loss_from(part_dir: Path) -> np.ndarray | None:
         return np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
         raise DataError(f"the store part '{part_dir}' is damaged: {path} cannot be read ({e}); rebuild it.") from None
+
+
+def load_loss_gaps(part_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """A part's per-document gaps in training (LOSS_GAPS) as (offsets [documents + 1], values), or None."""
+    values, offsets = part_dir / f"{LOSS_GAPS}.bin", part_dir / f"{LOSS_GAPS}.offsets.npy"
+    if not values.is_file() and not offsets.is_file():
+        return None
+    try:
+        return np.load(offsets), np.fromfile(values, dtype=np.int64)
+    except (OSError, ValueError) as e:
+        raise DataError(f"the store part '{part_dir}' is damaged: {values} or {offsets} cannot be read ({e}); "
+                        f"rebuild it.") from None
+
+
+def answer_gap_documents(part: dict) -> int:
+    """How many of a part's documents are trained on several spans (its manifest record's count)."""
+    return int(part.get("counts", {}).get("answer_gap_documents", 0))
 
 
 def load_part_docs(root: Path, part: dict) -> tuple[np.ndarray, np.ndarray | None]:

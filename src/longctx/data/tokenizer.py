@@ -6,7 +6,7 @@ A document is encoded whole and as text: a tokenizer.json's own truncation and p
 are switched off (they would cut or pad every document silently), and a special token's literal
 string in a document ("</s>" in a code corpus) is encoded as the text it is, never as the special
 token (an instruction pair's are the special tokens, as at inference: builder/tokenize.py
-tokenize_pair); the builder adds the special tokens itself: the tokenizer's own prefix (`text_prefix`, e.g.
+tokenize_answers); the builder adds the special tokens itself: the tokenizer's own prefix (`text_prefix`, e.g.
 Llama's BOS, which a pretrained model saw before every document) and the EOS id after. `encode` (a
 prompt for generation or eval) keeps the tokenizer's usual reading of special-token strings, as
 transformers does.

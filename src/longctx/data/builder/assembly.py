@@ -67,7 +67,8 @@ class Assembly:
         self.damaged = [name for shard in shards for name in shard.counts.get("damaged", [])]  # corrupt files
         self.files = sum(shard.counts["files"] for shard in shards)
         self.documents_read = self.raw_bytes = 0  # what the stages read: documents, UTF-8 bytes
-        self.response_only = 0  # kept documents trained on their response only (instruction pairs)
+        self.response_only = 0  # kept documents trained on their response only (instruction data)
+        self.answer_gaps = 0  # of those, the ones trained on several spans (conversations' answers)
         self.kept = np.zeros(0, np.int64)  # corpus documents that survive dedup, in input order
         self.lengths = np.zeros(0, np.int64)  # their token counts (EOS included)
         self.names: list[str] = []  # their names
@@ -286,8 +287,8 @@ class Assembly:
                                   "stats": stats if stats["samples"] else None}
         if bar is not None:
             bar.close()
-        self.response_only = write_doc_files(self.part_dir, self.corpus, self.kept, self.names, self.lengths,
-                                             self.where, opts.dedup == "minhash")
+        self.response_only, self.answer_gaps = write_doc_files(
+            self.part_dir, self.corpus, self.kept, self.names, self.lengths, self.where, opts.dedup == "minhash")
         return None, self._pack_record(groups_packed)
 
     def _pack_split(self, writer: SplitWriter, items, bar, progress) -> int:
@@ -359,6 +360,7 @@ class Assembly:
                 "exact_duplicates": dedup["exact_duplicates"], "near_duplicates": dedup["near_duplicates"],
                 "documents_kept": len(self.kept), "tokens": int(self.lengths.sum()), "raw_bytes": self.raw_bytes,
                 **({"response_only_documents": self.response_only} if self.response_only else {}),
+                **({"answer_gap_documents": self.answer_gaps} if self.answer_gaps else {}),
             },
             "splits": self.splits,
             "stages": self.records,

@@ -1,18 +1,21 @@
-"""Conversations as instruction pairs (`longctx data build --messages-field FIELD`).
+"""Conversations as instruction data (`longctx data build --messages-field FIELD [--answers all|last]`).
 
 A record's FIELD holds a conversation, `[{"role": ..., "content": ...}, ...]` ending with the
 assistant's answer, and the tokenizer's own chat template (data/chat_template.py: chat_template.jinja
-or tokenizer_config.json, beside the build's tokenizer.json) renders it. The pair is then
-- the prompt: the conversation before its last message, rendered with the generation prompt, the text
-  the model reads when it answers (`longctx generate --chat` renders the same);
-- the response: the rest of the whole conversation's rendering, the last answer and the template's end
-  of its turn, which the model learns to write.
+or tokenizer_config.json, beside the build's tokenizer.json) renders it whole. What is trained on is
+each answer as the model writes it: for the assistant's message i, the rendering of the conversation up
+to it (messages[:i + 1]) after the rendering of what it answers with the generation prompt (messages[:i],
+the text the model reads when it answers; `longctx generate --chat` renders the same), so the answer and
+the template's end of its turn, not the template's header of the turn. The rest (system and user
+turns, the headers) is read, not trained on.
 
-Only the last answer is trained on; the earlier ones are prompt (a conversation of several answers to
-learn is several records, one per answer). A template whose rendering of the whole conversation does
-not begin with the prompt's (one that drops earlier reasoning from the history, say) cannot be split
-so: such a record is skipped and counted (`chat_template_not_prefix`), as is a conversation that is not
-a list of role / content strings with a message before the assistant's last, or that the template
+`--answers all` (the default; what TRL's assistant-only loss and ArcticTraining's SFT train on) trains
+every answer that has a message before it and some text; `--answers last` only the last one, the
+earlier ones read as the prompt (LLaMA-Factory's mask_history). A template whose renderings of those
+prefixes are not prefixes of the whole conversation's (one that drops earlier reasoning from the
+history, say) cannot be split so: such a record is skipped and counted (`chat_template_not_prefix`;
+with `--answers last` only the last answer's prefix must be one), as is a conversation that is not a
+list of role / content strings with a message before the assistant's last, or that the template
 refuses or fails on (`bad_conversation`), and one whose last answer is empty (`empty`).
 """
 
@@ -26,31 +29,55 @@ from ..chat_template import MESSAGE_KEYS, load_chat_template
 FLAG = "--messages-field"
 
 
-class Conversations:
-    """The pairs of one build's conversations, by its tokenizer's chat template."""
+ANSWERS = ("all", "last")  # --answers
 
-    def __init__(self, tokenizer_spec: str, field: str):
-        self.field = field
+
+class Conversations:
+    """The trained answers of one build's conversations, by its tokenizer's chat template."""
+
+    def __init__(self, tokenizer_spec: str, field: str, answers: str = "all"):
+        self.field, self.answers = field, answers
         self.template = load_chat_template(tokenizer_spec, FLAG)
 
-    def pair(self, messages, skipped: Counter) -> tuple[str, str] | None:
-        """(prompt, response) of a conversation, or None (counted in `skipped`)."""
+    def pieces(self, messages, skipped: Counter) -> list[str] | None:
+        """The conversation's rendering cut into prompt, answer, turns between, answer, ..., last answer
+        (the answers trained on), or None (counted in `skipped`)."""
         if not _is_conversation(messages):
             skipped["bad_conversation"] += 1
             return None
         if not messages[-1]["content"].strip():
             skipped["empty"] += 1  # (nothing to train on but the template's end of turn)
             return None
+        last = len(messages) - 1
+        trained = [i for i, m in enumerate(messages) if self.answers == "all" and 0 < i < last
+                   and m["role"] == "assistant" and m["content"].strip()] + [last]
         try:
-            prompt = self.template.render(messages[:-1], add_generation_prompt=True)
             whole = self.template.render(messages, add_generation_prompt=False)
+            bounds = []
+            for i in trained:  # (each answer between the rendering of what it answers and of itself)
+                bounds.append(self.template.render(messages[:i], add_generation_prompt=True))
+                bounds.append(self.template.render(messages[:i + 1], add_generation_prompt=False)
+                              if i < last else whole)
         except ConfigError:  # (the template's raise_exception: roles that do not alternate, a system message...)
             skipped["bad_conversation"] += 1
             return None
-        if not whole.startswith(prompt):
+        ends = [len(b) for b in bounds]
+        if not all(whole.startswith(b) for b in bounds) or ends != sorted(ends):
             skipped["chat_template_not_prefix"] += 1
             return None
-        return prompt, whole[len(prompt):]
+        cuts = [0, *_merged(ends[:-1]), len(whole)]
+        return [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _merged(cuts: list[int]) -> list[int]:
+    """Answer boundaries with each answer that ends where the next begins joined to it (no turn between)."""
+    out: list[int] = []
+    for cut in cuts:
+        if out and out[-1] == cut:
+            out.pop()
+        else:
+            out.append(cut)
+    return out
 
 
 def _is_conversation(messages) -> bool:

@@ -21,9 +21,11 @@ TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".json", ".toml", ".h
 class Document:
     name: str  # stable identifier (path relative to the corpus root)
     text: str
-    # an instruction pair (`--response-field`): text = prompt + response, the response from this character
-    # on; only its tokens (and the EOS) are trained on (tokenize.py tokenize_pair). None: a plain document
-    response_at: int | None = None
+    # instruction data: the character offsets where training starts and stops, (start, stop, start, ...,
+    # start), the last span to the end; only those tokens (and the EOS) are trained on (tokenize.py
+    # tokenize_answers). An instruction pair (`--response-field`, text = prompt + response): (response start,);
+    # a conversation (--messages-field): each answer's span. None: a plain document, trained on whole
+    trained_chars: tuple[int, ...] | None = None
     # rendered by a chat template (--messages-field): its special tokens, BOS included where the template
     # writes one, are all it begins with (transformers' apply_chat_template adds none); no prefix is added
     templated: bool = False

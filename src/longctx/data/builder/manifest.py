@@ -11,13 +11,20 @@ from .. import store
 from .options import BuildOptions
 
 
+def store_version(parts: list[dict]) -> int:
+    """The oldest format that holds what the parts train on: a longctx that reads only older ones refuses the
+    store rather than train on its prompts (instruction pairs) or its user turns (conversations' answers)."""
+    if any(map(store.answer_gap_documents, parts)):
+        return store.GAPS_VERSION
+    return store.MASKED_VERSION if any(map(store.response_only_documents, parts)) else store.VERSION
+
+
 def store_manifest(opts: BuildOptions, tokenizer, token_dtype, old: dict | None, part: dict) -> dict:
     """The manifest of the store `old` (None: a new store) with `part` added."""
     parts = (old["parts"] if old else []) + [part]
     return {
         "format": store.FORMAT,
-        # a store of instruction pairs: a version the longctx before them refuses, rather than train on their prompts
-        "version": store.MASKED_VERSION if any(map(store.response_only_documents, parts)) else store.VERSION,
+        "version": store_version(parts),
         "seq_len": opts.seq_len,
         "strategy": opts.strategy,
         "dedup": opts.dedup,

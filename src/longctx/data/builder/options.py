@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError, DataError
 from ..chat_template import load_chat_template
+from .conversations import ANSWERS
 from .inputs import overlapping_inputs
 from .pack import STRATEGIES
 from .scan import ScanOptions
@@ -31,7 +32,8 @@ class BuildOptions:
     workers: int = 2
     text_field: str = "text"
     response_field: str = ""  # records as (prompt = text_field, response = this): loss on the response only
-    messages_field: str = ""  # records as conversations: the last answer trained on (conversations.py)
+    messages_field: str = ""  # records as conversations, trained on their answers (conversations.py)
+    answers: str = "all"  # which of a conversation's answers: all, or the last (--answers)
     eval_fraction: float = 0.0
     # the eval split's grid: a document longer than this is held out in pieces of about this many tokens
     # (0 = seq_len). Stores of one corpus at several lengths hold out the same text when they share it.
@@ -68,7 +70,8 @@ class BuildOptions:
         return int(max(1 << 20, (self.memory - MAIN_BYTES) // 8))
 
     def scan_options(self) -> ScanOptions:
-        return ScanOptions(self.tokenizer, self.dedup, self.text_field, self.response_field, self.messages_field)
+        return ScanOptions(self.tokenizer, self.dedup, self.text_field, self.response_field, self.messages_field,
+                           self.answers)
 
 
 def check_options(opts: BuildOptions) -> None:
@@ -132,6 +135,11 @@ def _instruction_problems(opts: BuildOptions) -> list[str]:
     if opts.response_field and opts.messages_field:
         problems.append("--response-field and --messages-field do not go together: a record is a prompt and a "
                         "response, or a conversation; build each kind into its own store, or append one to the other.")
+    if opts.answers not in ANSWERS:
+        problems.append(f"--answers {opts.answers!r} is not one of {', '.join(ANSWERS)}.")
+    elif opts.answers != "all" and not opts.messages_field:
+        problems.append(f"--answers {opts.answers} chooses a conversation's answers to train on; it needs "
+                        f"--messages-field (a pair's --response-field is one answer).")
     if opts.messages_field:
         try:
             load_chat_template(opts.tokenizer, "--messages-field").check("--messages-field")

@@ -130,17 +130,19 @@ class SplitWriter:
 
 
 def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray,
-                    where: np.ndarray, minhash: bool) -> int:
+                    where: np.ndarray, minhash: bool) -> tuple[int, int]:
     """docs.jsonl (name, tokens, split per kept document), hashes.npy and, with minhash dedup,
     minhash.npy: what a later append dedups against; loss_from.npy (store.LOSS_FROM) where a kept
-    document is trained on its response only (an instruction pair with a prompt). Returns how many are."""
+    document is trained on its response only (instruction data with a prompt), and store.LOSS_GAPS where
+    one pauses its training between answers (a conversation's). Returns how many are of each."""
     with open(part / "docs.jsonl", "w") as f:
         for name, length, went in zip(names, lengths.tolist(), where.tolist()):
             f.write(json.dumps({"name": name, "tokens": length, "split": SPLIT_OF[went]}) + "\n")
     hashes = spill.NpyAppender(part / "hashes.npy", np.uint64)
     sigs = spill.NpyAppender(part / "minhash.npy", np.uint64, (NUM_PERM,)) if minhash else None
     loss_from = spill.NpyAppender(part / store.LOSS_FROM, np.int64)
-    masked = 0
+    gaps = spill.RaggedWriter(part / store.LOSS_GAPS, np.int64)
+    masked = gapped = 0
     for shard, rows in corpus.kept_in_shards(kept):
         hashes.append(shard.hashes()[rows])
         if sigs is not None:
@@ -148,10 +150,16 @@ def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: 
         firsts = shard.loss_from()[rows]
         loss_from.append(firsts)
         masked += int(np.count_nonzero(firsts))
-    hashes.close()
-    loss_from.close()
-    if sigs is not None:
-        sigs.close()
-    if not masked:  # every document trained on whole: the part is written as before instruction pairs existed
+        offsets, values = shard.gaps(rows)
+        for i in range(len(rows)):
+            gaps.append(values[offsets[i]:offsets[i + 1]])
+        gapped += int(np.count_nonzero(np.diff(offsets)))
+    for writer in (hashes, loss_from, gaps, *([sigs] if sigs is not None else [])):
+        writer.close()
+    # where no document needs them, the files are not written: the part reads as before they existed
+    if not masked:
         (part / store.LOSS_FROM).unlink()
-    return masked
+    if not gapped:
+        for suffix in (".bin", ".offsets.npy"):
+            (part / f"{store.LOSS_GAPS}{suffix}").unlink()
+    return masked, gapped

@@ -3,7 +3,7 @@
 `.jsonl` files also compressed (`.gz`, `.zst`).
 
 Every input yields `Document(name, text)` (with `--response-field`, a record's prompt and response:
-`Document.response_at`); the name is stable (a path relative to the input
+`Document.trained_chars`); the name is stable (a path relative to the input
 directory, or `file.jsonl:LINE`, `file.parquet:ROW`, `dataset/data-00000-of-00001.arrow:ROW`),
 because the train/eval split hashes it. A compressed file's name keeps its compression suffix
 (`a/b.jsonl.gz:12`), so a compressed and an uncompressed copy are different documents. Text is
@@ -42,6 +42,7 @@ import unicodedata
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from itertools import accumulate
 from pathlib import Path
 
 from ...errors import DataError
@@ -243,21 +244,27 @@ def _text(value, skipped: Counter, missing: str) -> str | None:
     return normalise(value)
 
 
-def _accept(value, name: str, skipped: Counter, response=_NO_RESPONSE, templated: bool = False) -> Document | None:
-    """A record's document: its text field's value, or with a response (`--response-field`, or a
-    conversation's rendering: `templated`) the prompt (the text field, which may be empty) followed by
-    the response (which may not: nothing to train on but the EOS)."""
+def _accept(value, name: str, skipped: Counter, response=_NO_RESPONSE) -> Document | None:
+    """A record's document: its text field's value, or with a response (`--response-field`) the prompt
+    (the text field, which may be empty) followed by the response (which may not: nothing to train on but
+    the EOS)."""
     text = _text(value, skipped, "missing_text_field")
-    at = None
-    if text is not None and response is not _NO_RESPONSE:
-        answer = _text(response, skipped, "missing_response_field")
-        text, at = (None, None) if answer is None else (text + answer, len(text))
-    if text is None:
-        return None
-    if not text[at or 0:].strip():
+    if text is None or response is _NO_RESPONSE:
+        return text if text is None else _document(name, [text], skipped)
+    answer = _text(response, skipped, "missing_response_field")
+    return None if answer is None else _document(name, [text, answer], skipped)
+
+
+def _document(name: str, pieces: list[str], skipped: Counter, templated: bool = False) -> Document | None:
+    """The document of normalised `pieces`: one, a plain document; else prompt, answer, turns between,
+    answer, ..., answer (instruction data, trained on the answers). None (counted) when nothing after the
+    prompt holds more than white space."""
+    text = "".join(pieces)
+    ends = list(accumulate(len(piece) for piece in pieces[:-1]))
+    if not text[ends[0] if ends else 0:].strip():
         skipped["empty"] += 1
         return None
-    return Document(name, text, response_at=at, templated=templated)
+    return Document(name, text, trained_chars=tuple(ends) if ends else None, templated=templated)
 
 
 def _record_reader(text_field: str, response_field: str, conversations):
@@ -265,8 +272,10 @@ def _record_reader(text_field: str, response_field: str, conversations):
     the record's document or None) of a plain document, an instruction pair or a conversation."""
     if conversations is not None:
         def accept(values, name, skipped):
-            pair = conversations.pair(values[0], skipped)
-            return None if pair is None else _accept(pair[0], name, skipped, pair[1], templated=True)
+            pieces = conversations.pieces(values[0], skipped)
+            if pieces is None or _text("".join(pieces), skipped, "bad_conversation") is None:  # (binary, bad UTF-8)
+                return None
+            return _document(name, [normalise(piece) for piece in pieces], skipped, templated=True)
         return [(conversations.field, "--messages-field", "conversation")], accept
     if response_field:
         return ([(text_field, "--text-field", "prompt"), (response_field, "--response-field", "response")],
@@ -408,7 +417,7 @@ def iter_file(path: Path, name: str, text_field: str, skipped: Counter,
     (the module's docstring says why). Raises DataError for a parquet or
     arrow file without the `text_field` column and for a missing pyarrow / zstandard. With
     `response_field`, a record (jsonl line, parquet or arrow row) is an instruction pair: its text field
-    the prompt, this field the response (Document.response_at); with `conversations`
+    the prompt, this field the response (Document.trained_chars); with `conversations`
     (conversations.Conversations), its field holds a conversation made a pair by the chat template. A
     text file stays a plain document either way."""
     fmt, compression = unit_format(path)

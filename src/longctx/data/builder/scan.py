@@ -45,8 +45,9 @@ FORMAT = SCAN_FORMAT
 # 2: shards hashed by dedup.py's VERSION 2; 3: features of unspaced scripts by character (features.py);
 # 4: a document starts with its tokenizer's text_prefix (tokenize.py); 5: a corrupt compressed file yields no
 # document (readers.py: also none of the lines before the damage), its name recorded; 6: each document's
-# first token trained on (loss_from.npy: instruction pairs, --response-field)
-VERSION = 6
+# first token trained on (loss_from.npy: instruction pairs, --response-field); 7: its gaps in training (gaps.bin:
+# a conversation's turns between its answers)
+VERSION = 7
 PLAN = SCAN_PLAN
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
@@ -60,7 +61,8 @@ class ScanOptions:
     dedup: str
     text_field: str
     response_field: str = ""  # records as instruction pairs (readers.py iter_file); '' = plain documents
-    messages_field: str = ""  # records as conversations, pairs by the chat template (conversations.py)
+    messages_field: str = ""  # records as conversations, rendered by the chat template (conversations.py)
+    answers: str = "all"  # a conversation's answers trained on: all, or the last (conversations.py ANSWERS)
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def plan_digest(units: list[Unit], opts: ScanOptions) -> str:
     tokenizer file's content (and its chat template's, for conversations) and this scan's version."""
     tok = tokenizer_digest(opts.tokenizer)
     if opts.messages_field:  # (a template revised beside an unchanged tokenizer.json renders other documents)
-        tok = [tok, Conversations(opts.tokenizer, opts.messages_field).template.digest()]
+        tok = [tok, Conversations(opts.tokenizer, opts.messages_field, opts.answers).template.digest()]
     h = hashlib.sha256(json.dumps([VERSION, asdict(opts), tok, [asdict(u) for u in units]]).encode())
     return h.hexdigest()[:16]
 
@@ -155,7 +157,7 @@ def scan_shard(work: str, index: int, units: list[Unit], opts: ScanOptions, toke
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tok = load_tokenizer(opts.tokenizer)
-    conversations = Conversations(opts.tokenizer, opts.messages_field) if opts.messages_field else None
+    conversations = Conversations(opts.tokenizer, opts.messages_field, opts.answers) if opts.messages_field else None
     files = ShardFiles(tmp, token_dtype, opts.dedup == "minhash")
     skipped: Counter = Counter()
     damaged: list[str] = []
@@ -308,8 +310,14 @@ class ScannedShard:
         return np.load(self.path / "sigs.npy", mmap_mode="r") if self.minhash else None
 
     def loss_from(self) -> np.ndarray:
-        """Per document, its first token trained on (tokenize.py tokenize_pair; 0: every token)."""
+        """Per document, its first token trained on (tokenize.py tokenize_answers; 0: every token)."""
         return np.load(self.path / "loss_from.npy")
+
+    def gaps(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Documents `rows`' gaps in training (tokenize.py tokenize_answers) as (offsets, values), in order."""
+        offsets = np.load(self.path / "gaps.offsets.npy")
+        values = np.fromfile(self.path / "gaps.bin", dtype=np.int64)
+        return spill.ragged_rows(offsets, values, rows)
 
     def names(self) -> list[str]:
         with open(self.path / "names.jsonl") as f:
@@ -317,7 +325,7 @@ class ScannedShard:
 
     def ragged(self, what: str) -> spill.RaggedReader:
         dtype = {"text": np.uint8, "tokens": self.token_dtype, "breaks": np.int32, "strong": np.int32,
-                 "feat_idx": np.uint16, "feat_val": np.float32}[what]
+                 "feat_idx": np.uint16, "feat_val": np.float32, "gaps": np.int64}[what]
         return spill.RaggedReader(self.path / what, dtype)
 
     def token_lengths(self) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The files of a shard being scanned (scan.py scan_shard), written a document at a time: its text, tokens
-(tokenize.py: a plain document, or an instruction pair with its first token trained on), line and
+(tokenize.py: a plain document, or instruction data with where its training starts and pauses), line and
 paragraph breaks, head features, exact hash, MinHash signature and name, each appended as the document
 is read (spill.py), so a shard's memory does not grow with its documents."""
 
@@ -13,7 +13,7 @@ import numpy as np
 from . import spill
 from .dedup import NUM_PERM, exact_hash, signature
 from .features import head_features
-from .tokenize import tokenize_one, tokenize_pair
+from .tokenize import tokenize_answers, tokenize_one
 
 
 class ShardFiles:
@@ -23,7 +23,7 @@ class ShardFiles:
     def __init__(self, tmp: Path, token_dtype: str, minhash: bool):
         self.ragged = {what: spill.RaggedWriter(tmp / what, dtype) for what, dtype in (
             ("text", np.uint8), ("tokens", token_dtype), ("breaks", np.int32), ("strong", np.int32),
-            ("feat_idx", np.uint16), ("feat_val", np.float32))}
+            ("feat_idx", np.uint16), ("feat_val", np.float32), ("gaps", np.int64))}
         self.hashes = spill.NpyAppender(tmp / "hashes.npy", np.uint64)
         self.loss_from = spill.NpyAppender(tmp / "loss_from.npy", np.int64)  # 0: a plain document
         self.sigs = spill.NpyAppender(tmp / "sigs.npy", np.uint32, (NUM_PERM,)) if minhash else None
@@ -40,13 +40,14 @@ class ShardFiles:
         self.hashes.append(np.array([exact_hash(doc.text)], np.uint64))
         if self.sigs is not None:
             self.sigs.append(signature(doc.text)[None].astype(np.uint32))
-        if doc.response_at is None:
-            tokenized, loss_from = tokenize_one(doc.text, tok), 0
+        if doc.trained_chars is None:
+            tokenized, switches = tokenize_one(doc.text, tok), np.zeros(1, np.int64)
         else:
-            *tokenized, loss_from = tokenize_pair(doc.text, doc.response_at, tok, prefix=not doc.templated)
+            *tokenized, switches = tokenize_answers(doc.text, doc.trained_chars, tok, prefix=not doc.templated)
         for what, values in zip(("tokens", "breaks", "strong"), tokenized):
             self.ragged[what].append(values)
-        self.loss_from.append(np.array([loss_from], np.int64))
+        self.loss_from.append(switches[:1])  # (its first trained token; the rest: the gaps, trained_spans.py)
+        self.ragged["gaps"].append(switches[1:])
         for what, values in zip(("feat_idx", "feat_val"), head_features(doc.text)):
             self.ragged[what].append(values)
         self.names.write(json.dumps(doc.name) + "\n")

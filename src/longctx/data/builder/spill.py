@@ -97,6 +97,15 @@ def ragged_lengths(prefix: str | Path) -> np.ndarray:
     return np.diff(np.load(f"{prefix}.offsets.npy"))
 
 
+def ragged_rows(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Items `rows` of a ragged array (`offsets` into `values`) as a ragged array of their own."""
+    rows = np.asarray(rows, dtype=np.int64)
+    lengths = np.diff(offsets)[rows]
+    out = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    at = np.repeat(offsets[rows] - out[:-1], lengths) + np.arange(int(out[-1]))
+    return out, values[at]
+
+
 class RaggedReader:
     def __init__(self, prefix: str | Path, dtype):
         self.prefix, self.dtype = Path(prefix), np.dtype(dtype)

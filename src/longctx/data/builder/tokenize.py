@@ -55,37 +55,46 @@ def tokenize_one(text: str, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return next(iter(_tokenized([text], tok)))
 
 
-def tokenize_pair(text: str, response_at: int, tok,
-                  prefix: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(prefix + prompt tokens + response tokens + EOS, breaks, strong, loss_from) of an instruction pair,
-    text = prompt + response with the response from character `response_at`, encoded as the model reads
-    and writes them at inference:
-    - the prompt alone, its special-token strings read as special tokens (a chat template's
-      `<|im_start|>`, as `longctx generate` encodes a prompt); the tokenizer's prefix (BOS) put before
-      it unless the prompt begins with it already, or `prefix` is False (a conversation rendered by a
-      chat template: as transformers' apply_chat_template, only what the template writes);
-    - the response as the whole text's ids after the prompt's, where the whole text's begin with the
-      prompt's (the usual case: the ids of the text read whole, as transformers' apply_chat_template
-      gives them); else, where a token would straddle the two ("\n" + "\n" merged, say), apart from the
-      prompt and as it reads after other text (`_piece`): what the model writes after the prompt's ids
-      (so a pair's prompt is encoded twice, alone and in the whole text: linear, twice a plain document's);
-    - `loss_from`: the index of the response's first token. The tokens trained on are it, the ones after
-      it and the EOS; the boundary is a break."""
-    prompt, response = text[:response_at], text[response_at:]
-    p_ids, pb, ps = _piece(prompt, tok, after_text=False)
+def tokenize_answers(text: str, trained_chars, tok,
+                     prefix: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(prefix + tokens + EOS, breaks, strong, switches) of instruction data: `text` trained on from
+    character `trained_chars[0]` (an instruction pair's response, a conversation's first answer), then
+    off and on again at each later offset (a conversation's user turns between its answers), the last
+    span to the end. Encoded as the model reads and writes it at inference:
+    - the prompt (the text before the first answer), its special-token strings read as special tokens
+      (a chat template's `<|im_start|>`, as `longctx generate` encodes a prompt); the tokenizer's prefix
+      (BOS) put before it unless the prompt begins with it already, or `prefix` is False (a conversation
+      rendered by a chat template: as transformers' apply_chat_template, only what the template writes);
+    - the rest as the whole text's ids, where the whole text's begin with the ids of the text up to each
+      switch (the usual case: the ids of the text read whole, as transformers' apply_chat_template gives
+      them); else, where a token would straddle a switch ("\n" + "\n" merged, say), each piece between
+      two switches apart, as it reads after other text (`_piece`): what the model writes after the prompt's
+      ids (so the text up to each switch is encoded once more: for n answers, n prefixes of the text);
+    - `switches`: the token offsets where training starts and stops; the first is where it starts
+      (store.LOSS_FROM), the others the gaps (store.LOSS_GAPS); the last span runs on to the EOS. Each
+      switch is a break."""
+    bounds = [int(c) for c in trained_chars]
+    p_ids, pb, ps = _piece(text[:bounds[0]], tok, after_text=False)
     own = np.asarray(tok.text_prefix() if prefix else [], dtype=np.int32)
     lead = own if len(own) and not np.array_equal(p_ids[:len(own)], own) else own[:0]
     w_ids, wb, ws = _piece(text, tok, after_text=False)
-    if np.array_equal(w_ids[:len(p_ids)], p_ids):
-        at, ids, breaks, strong = len(p_ids), w_ids, wb, ws
+    upto = [p_ids, *(_piece(text[:c], tok, after_text=False)[0] for c in bounds[1:])]  # ids up to each switch
+    ats = [len(ids) for ids in upto]
+    if all(np.array_equal(w_ids[:len(ids)], ids) for ids in upto):
+        ids, breaks, strong = w_ids, wb, ws
     else:
-        r_ids, rb, rs = _piece(response, tok, after_text=bool(prompt))
-        at, ids = len(p_ids), np.concatenate([p_ids, r_ids])
-        breaks, strong = np.concatenate([pb, rb + at]), np.concatenate([ps, rs + at])
+        pieces = [(p_ids, pb, ps)] + [_piece(text[a:b], tok, after_text=True)
+                                      for a, b in zip(bounds, [*bounds[1:], len(text)])]
+        starts = np.cumsum([0] + [len(piece[0]) for piece in pieces])
+        ats = starts[1:-1].tolist()
+        ids = np.concatenate([piece[0] for piece in pieces])
+        breaks = np.concatenate([piece[1] + at for piece, at in zip(pieces, starts)])
+        strong = np.concatenate([piece[2] + at for piece, at in zip(pieces, starts)])
     n = len(lead)
-    breaks = np.unique(np.concatenate([breaks + n, [at + n] if at + n else []])).astype(np.int64)
+    switches = np.asarray(ats, dtype=np.int64) + n
+    breaks = np.unique(np.concatenate([breaks + n, switches[switches > 0]])).astype(np.int64)
     tokens = np.concatenate([lead, ids, np.array([tok.eos_id], dtype=np.int32)])
-    return tokens, breaks, (strong + n).astype(np.int64), at + n
+    return tokens, breaks, (strong + n).astype(np.int64), switches
 
 
 # text a piece is encoded after (the first whose own ids stay a prefix). (Latent: a pre-tokenizer that groups

@@ -1,0 +1,102 @@
+"""Documents trained on several spans (a conversation's answers, `data build --messages-field`): training
+starts at store.LOSS_FROM and stops and starts again at each offset of store.LOSS_GAPS. TrainedSpans
+(data/trained_spans.py) answers both of the loader's questions, per token and per range, and is checked
+here against a token-by-token reading; the loader then labels only the answers' tokens, with and without
+document masks, also where a document is cut across samples, and label_count agrees with the labels.
+(test_conversations.py builds such stores from real conversations; here the gaps are written by hand into
+a store of long plain documents, so that they fall across sample boundaries.)"""
+
+import numpy as np
+import pytest
+from test_instruction_pairs import _targets, long_plain_store
+
+from longctx.data.builder import spill
+from longctx.data.loader import PackedSamples
+from longctx.data.store import LOSS_FROM, LOSS_GAPS, read_manifest, write_manifest
+from longctx.data.trained_spans import TrainedSpans
+from longctx.errors import DataError
+
+
+def _switches(rng, length, gaps):
+    """A first trained token in [1, length) and up to `gaps` (off, on) pairs after it, increasing."""
+    first = int(rng.integers(1, length))
+    after = np.sort(rng.choice(np.arange(first + 1, length), size=min(2 * gaps, length - first - 1), replace=False))
+    return first, after[:len(after) // 2 * 2]
+
+
+def _by_token(length, first, gaps):
+    """[length + 1] bool, token by token: trained where an odd number of switches lie at or before it."""
+    switches = [first, *gaps.tolist()]
+    return np.array([sum(s <= t for s in switches) % 2 == 1 for t in range(length + 1)])
+
+
+def test_trained_spans_agree_with_a_token_by_token_reading():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        lengths = rng.integers(2, 50, rng.integers(1, 7))
+        drawn = [_switches(rng, int(n), int(rng.integers(0, 4)) if trial % 4 else 0) for n in lengths]
+        offsets = np.concatenate([[0], np.cumsum([len(g) for _, g in drawn])])
+        spans = TrainedSpans(np.array([f for f, _ in drawn]), offsets, np.concatenate([g for _, g in drawn]))
+        trained = [_by_token(int(n), f, g) for n, (f, g) in zip(lengths, drawn)]
+        docs = np.concatenate([np.full(n + 1, d) for d, n in enumerate(lengths)])
+        at = np.concatenate([np.arange(n + 1) for n in lengths])
+        order = rng.permutation(len(docs))  # (queries in any order, documents mixed)
+        assert np.array_equal(spans.trained(docs[order], at[order]), np.concatenate(trained)[order])
+        before = np.concatenate([np.concatenate([[0], np.cumsum(t)[:-1]]) for t in trained])
+        assert np.array_equal(spans.before(docs[order], at[order]), before[order])
+    assert TrainedSpans(np.array([3])).before([0, 0], [2, 9]).tolist() == [0, 6]  # (no gaps: one formula)
+
+
+def _gapped_store(tmp_path):
+    """A concat store of long plain documents (cut across samples of 64), each given a first trained token
+    and gaps by hand, and its manifest their counts; (root, documents, their [tokens] trained masks)."""
+    root, docs = long_plain_store(tmp_path)
+    rng = np.random.default_rng(1)
+    drawn = [_switches(rng, len(docs[d]), 3) for d in range(len(docs))]
+    np.save(root / "part-00000" / LOSS_FROM, np.array([f for f, _ in drawn], dtype=np.int64))
+    gaps = spill.RaggedWriter(root / "part-00000" / LOSS_GAPS, np.int64)
+    for _, g in drawn:
+        gaps.append(g)
+    gaps.close()
+    manifest = read_manifest(root)
+    manifest["version"] = 4
+    manifest["parts"][0]["counts"].update(response_only_documents=len(docs), answer_gap_documents=len(docs))
+    write_manifest(root, manifest)
+    return root, docs, {d: _by_token(len(docs[d]), *drawn[d])[:-1] for d in docs}
+
+
+@pytest.mark.parametrize("doc_mask", [True, False])
+def test_only_the_answers_are_labelled_where_documents_are_cut_across_samples(tmp_path, doc_mask):
+    root, docs, trained = _gapped_store(tmp_path)
+    samples = PackedSamples(root, "train", doc_mask=doc_mask)
+    segments = [samples.segments(i).tolist() for i in range(len(samples))]
+    starts = {(doc, start) for segs in segments for _, _, _, doc, start in segs}
+    found, counts = _targets(samples)  # (label_count checked against each sample's labels there)
+    # a piece's first token is no target with document masks (its context is in another sample); without
+    # them it is, but for a sample's very first token
+    skip = starts if doc_mask else {(segs[0][3], segs[0][4]) for segs in segments}
+    expected = {(d, j) for d in docs for j in np.flatnonzero(trained[d]).tolist() if (d, j) not in skip}
+    assert len(samples) > len(docs) and found == expected
+    assert any((~t[int(t.argmax()):]).any() for t in trained.values())  # (a gap after a first answer)
+    assert sum(counts) == len(expected)
+    indices = list(range(min(4, len(samples))))  # a sequence-parallel rank's share: the same labels there
+    whole, frames = samples.batch(indices), samples.frames(indices)
+    held = np.stack([np.sort(np.random.default_rng(i).choice(64, 16, replace=False)) for i in indices])
+    part = samples.read_at(indices, frames, held)
+    assert np.array_equal(part.labels.numpy(), np.take_along_axis(whole.labels.numpy(), held, 1))
+
+
+@pytest.mark.parametrize("damage", ["missing", "shorter"])
+def test_a_part_whose_gaps_are_missing_or_of_another_length_is_refused(tmp_path, damage):
+    """A part copied without its gaps file would train on the user turns between the answers."""
+    root, docs, _ = _gapped_store(tmp_path)
+    offsets = root / "part-00000" / f"{LOSS_GAPS}.offsets.npy"
+    if damage == "missing":
+        offsets.unlink()
+        (root / "part-00000" / f"{LOSS_GAPS}.bin").unlink()
+    else:
+        np.save(offsets, np.load(offsets)[:-1])
+    found = "is missing" if damage == "missing" else f"holds {len(docs) - 1} documents"
+    with pytest.raises(DataError, match=f"is damaged: .*{LOSS_GAPS}.offsets.npy {found}, its manifest {len(docs)} "
+                                        f"\\({len(docs)} trained on several answers\\); rebuild it"):
+        PackedSamples(root, "train")
