@@ -69,6 +69,7 @@ class Assembly:
         self.documents_read = self.raw_bytes = 0  # what the stages read: documents, UTF-8 bytes
         self.response_only = 0  # kept documents trained on their response only (instruction data)
         self.answer_gaps = 0  # of those, the ones trained on several spans (conversations' answers)
+        self.pairs_dropped = 0  # instruction data longer than a sample, dropped before dedup
         self.kept = np.zeros(0, np.int64)  # corpus documents that survive dedup, in input order
         self.lengths = np.zeros(0, np.int64)  # their token counts (EOS included)
         self.names: list[str] = []  # their names
@@ -134,35 +135,43 @@ class Assembly:
             scan["mb_per_s"] = round(self.raw_bytes / 1e6 / scan["seconds"], 2)
 
     def dedup(self) -> None:
-        seen_hashes, seen_signatures = self._seen_documents()
+        """Duplicates removed (dedup.py), among the documents a sample can hold: an instruction pair longer
+        than a sample is dropped first (cut across samples, its response would be trained without its
+        prompt), so that it takes no copy of itself that fits with it."""
+        too_long = self._pairs_too_long()
+        seen, seen_plain = self._seen_documents()
         bar = progress_bar(self.documents_read, "dedup", "doc", self.opts.progress)
-        keep = self._stage("dedup", self._dedup, seen_hashes, seen_signatures, bar)
+        keep = self._stage("dedup", self._dedup, seen, seen_plain, too_long, bar)
         if bar is not None:
             bar.close()
         self.kept = np.flatnonzero(keep)
         if len(self.kept) == 0:
             raise DataError("every document is a duplicate of one already in the store; nothing to add.")
 
-    def measure(self) -> None:
-        """The kept documents' token counts and names (the scan tokenized them). An instruction pair longer
-        than a sample is dropped: cut across samples, its response would be trained without its prompt."""
-        self.lengths = self.corpus.per_doc(lambda shard: shard.token_lengths())[self.kept].astype(np.int64)
-        firsts = self.corpus.per_doc(lambda shard: shard.loss_from())[self.kept]
-        too_long = (firsts > 0) & (self.lengths > self.opts.seq_len)
-        dropped = int(too_long.sum())
+    def _pairs_too_long(self) -> np.ndarray:
+        """[corpus documents] bool: instruction data longer than a sample (counted, said)."""
+        lengths = self.corpus.per_doc(lambda shard: shard.token_lengths()).astype(np.int64)
+        firsts = self.corpus.per_doc(lambda shard: shard.loss_from())
+        too_long = (firsts > 0) & (lengths > self.opts.seq_len) & (np.arange(len(lengths)) < self.documents_read)
+        self.pairs_dropped = dropped = int(too_long.sum())
         if dropped:
             self.skipped["pair_longer_than_sample"] = self.skipped.get("pair_longer_than_sample", 0) + dropped
-            self.log(f"  measure   dropped {dropped:,} instruction pair(s) longer than a sample of "
-                     f"{self.opts.seq_len:,} tokens (the longest {int(self.lengths[too_long].max()):,}): cut, a "
+            self.log(f"  dedup     dropped {dropped:,} instruction pair(s) longer than a sample of "
+                     f"{self.opts.seq_len:,} tokens (the longest {int(lengths[too_long].max()):,}): cut, a "
                      f"response would be trained without its prompt. Raise --seq-len to keep them.")
-            self.kept, self.lengths = self.kept[~too_long], self.lengths[~too_long]
-            if not len(self.kept):
+            if dropped == min(self.documents_read, len(lengths)):
                 raise DataError(f"every document is an instruction pair longer than --seq-len {self.opts.seq_len}; "
                                 f"raise --seq-len.")
+        return too_long
+
+    def measure(self) -> None:
+        """The kept documents' token counts and names (the scan tokenized them)."""
+        self.lengths = self.corpus.per_doc(lambda shard: shard.token_lengths())[self.kept].astype(np.int64)
         self.names = self._kept_names()
+        dropped = self.pairs_dropped
         self.records["tokenize"] = {"tokens": int(self.lengths.sum()), "longest": int(self.lengths.max()),
                                     "longer_than_seq_len": int((self.lengths > self.opts.seq_len).sum()),
-                                    **({"pairs_dropped": dropped} if dropped else {})}  # (after dedup's kept)
+                                    **({"pairs_dropped": dropped} if dropped else {})}
 
     def embed(self) -> None:
         """Only where they are used: datasculpt's relevance, or the homogeneity figure (`stats`)."""
@@ -213,11 +222,12 @@ class Assembly:
     # ------------------------------------------------------------------------------------------
     # dedup
 
-    def _seen_documents(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(exact hashes, MinHash signatures or None) of the documents already in the store."""
+    def _seen_documents(self) -> tuple[tuple | None, np.ndarray | None]:
+        """((exact hashes, MinHash signatures or None), whether each signature's document is plain) of the
+        documents already in the store: its instruction data's signatures are of their answers alone."""
         if self.old is None or self.opts.dedup == "none":
             return None, None
-        hashes, signatures = [], []
+        hashes, signatures, plain = [], [], []
         for part in self.old["parts"]:
             if part.get("dedup_version", 1) != DEDUP_VERSION:
                 self.log(f"  dedup     {part['dir']} was hashed by an older longctx (dedup version "
@@ -227,10 +237,13 @@ class Assembly:
             hashes.append(h)
             if s is not None:
                 signatures.append(s)
+                firsts = store.load_loss_from(self.root / part["dir"])
+                plain.append(np.ones(len(s), bool) if firsts is None else np.asarray(firsts) == 0)
         minhash = self.opts.dedup == "minhash" and signatures
-        return np.concatenate(hashes), np.concatenate(signatures) if minhash else None
+        return ((np.concatenate(hashes), np.concatenate(signatures) if minhash else None),
+                np.concatenate(plain) if minhash else None)
 
-    def _dedup(self, seen_hashes, seen_signatures, bar) -> tuple[np.ndarray, dict]:
+    def _dedup(self, seen, seen_plain, too_long, bar) -> tuple[np.ndarray, dict]:
         """Keep mask over the corpus (only the first `documents_read` are read). Signatures are read
         a shard at a time; a candidate's from another shard is one row read from its file (not a
         memory map of every shard, whose touched pages would count as resident)."""
@@ -240,9 +253,10 @@ class Assembly:
             shard, row = corpus.locate(doc)
             return np.array(corpus.shards[shard].sigs()[row])
 
-        deduper = Deduper(self.opts.dedup, self.opts.dedup_threshold, text_of=corpus.text, sig_of=signature_of)
-        if seen_hashes is not None:
-            deduper.seed(seen_hashes, seen_signatures)
+        deduper = Deduper(self.opts.dedup, self.opts.dedup_threshold, text_of=corpus.text, sig_of=signature_of,
+                          switches_of=lambda doc: corpus.get("chars", doc))
+        if seen is not None:
+            deduper.seed(*seen, seen_plain)
         keep = np.zeros(corpus.n, dtype=bool)
         progress = current()  # the dedup stage's phase (timing.py)
         progress.expect(read, "documents")
@@ -252,7 +266,8 @@ class Assembly:
                 break
             sigs = np.load(shard.path / "sigs.npy") if shard.minhash else None
             for row, h in enumerate(shard.hashes()[:read - first].tolist()):
-                keep[first + row] = deduper.check(first + row, h, None if sigs is None else sigs[row]) is None
+                if not too_long[first + row]:
+                    keep[first + row] = deduper.check(first + row, h, None if sigs is None else sigs[row]) is None
             progress.update(min(shard.n, read - first))
             if bar is not None:
                 bar.update(shard.n)

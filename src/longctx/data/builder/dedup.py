@@ -19,6 +19,14 @@
   changed characters in a document of a few hundred words change only ~5 shingles per edit, so
   its similarity to the original stays well above the threshold.
 
+Instruction data (a prompt and its answers: `Document.trained_chars`) are copies only of instruction data,
+and only where both parts are: the exact hash is of the pieces in order (the same text cut at another
+switch is another document), the signature of the answers, and a candidate is confirmed by both the
+answers' and the prompts' Jaccard >= the threshold (many questions on one long document share the prompt
+that a signature of the whole would be made of; one short answer, "4", follows many prompts). A
+candidate of an earlier part of the store is not confirmed for instruction data (no prompt's signature is
+kept): only its exact copies are found there.
+
 The first occurrence (in input order) is kept. Signatures are computed in `workers` processes;
 the shingle hashes are CRC32 of words combined with a rolling polynomial, vectorised in numpy
 (datasketch's own per-shingle SHA-1 in Python is ~10x slower on source code).
@@ -36,7 +44,9 @@ import numpy as np
 from .parallel import parallel_map
 from .scripts import HAS_UNSPACED, UNSPACED
 
-VERSION = 2  # of the exact hash and the shingles: 2 keeps indentation, shingles short and CJK / Thai text
+# of the exact hash and the shingles: 2 keeps indentation, shingles short and CJK / Thai text; 3 hashes instruction
+# data by its pieces and signs its answers
+VERSION = 3
 NUM_PERM = 128
 SHINGLE = 5
 _PRIME = np.uint64((1 << 61) - 1)
@@ -49,6 +59,28 @@ def exact_hash(text: str) -> int:
     norm = text.replace("\r\n", "\n").replace("\r", "\n")
     norm = _TRAILING.sub("", norm).rstrip("\n").encode("utf-8")
     return int.from_bytes(hashlib.blake2b(norm, digest_size=8).digest(), "little")
+
+
+def instruction_pieces(text: str, switches) -> list[str]:
+    """Instruction data cut where its training starts and stops (Document.trained_chars): prompt, answer,
+    turns between, answer, ..."""
+    cuts = [0, *switches, len(text)]
+    return [text[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def instruction_hash(text: str, switches) -> int:
+    """The exact hash of instruction data: of its pieces' hashes in order."""
+    digest = hashlib.blake2b(b"instruction", digest_size=8)
+    for piece in instruction_pieces(text, switches):
+        digest.update(exact_hash(piece).to_bytes(8, "little"))
+    return int.from_bytes(digest.digest(), "little")
+
+
+def instruction_parts(text: str, switches) -> tuple[str, str]:
+    """(what is read: the prompt and the turns between answers, what is trained on: the answers), each
+    piece on a line of its own (no word of one runs into the next's)."""
+    pieces = instruction_pieces(text, switches)
+    return "\n".join(pieces[0::2]), "\n".join(pieces[1::2])
 
 
 def words_of(text: str) -> list[str]:
@@ -182,8 +214,9 @@ class Deduper:
     at hand, are confirmed by the signature estimate. Memory: 8 bytes per document for exact
     hashes and 12 per band per kept document for the LSH index."""
 
-    def __init__(self, mode: str, threshold: float = 0.8, text_of=None, sig_of=None):
+    def __init__(self, mode: str, threshold: float = 0.8, text_of=None, sig_of=None, switches_of=None):
         self.mode, self.threshold, self.text_of, self.sig_of = mode, threshold, text_of, sig_of
+        self.switches_of = switches_of  # a document's trained_chars (empty: a plain document); None: all plain
         self.hashes = _KeyIndex()
         self.bands, self.rows = band_params(max(0.05, threshold - 0.2))
         self.lsh = _KeyIndex()
@@ -198,23 +231,39 @@ class Deduper:
             key = key * _BAND_MUL + b[:, j]
         return key
 
-    def seed(self, hashes: np.ndarray, sigs: np.ndarray | None) -> None:
-        """Documents of earlier parts of the store (ids -1, -2, ...)."""
+    def seed(self, hashes: np.ndarray, sigs: np.ndarray | None, plain: np.ndarray | None = None) -> None:
+        """Documents of earlier parts of the store (ids -1, -2, ...); near copies are looked for among
+        the `plain` ones of `sigs` only (None: all; instruction data's are confirmed in-build only)."""
         for j, h in enumerate(np.asarray(hashes, np.uint64).tolist()):
             self.hashes.add(np.uint64(h), -1 - j)
         if sigs is not None and self.mode == "minhash":
             self.old_sigs = sigs
             for j, sig in enumerate(sigs):
-                self.lsh.add(self._band_keys(sig), -1 - j)
+                if plain is None or plain[j]:
+                    self.lsh.add(self._band_keys(sig), -1 - j)
 
-    def _shingle_set(self, ident: int, text: str | None = None) -> np.ndarray:
+    def _texts(self, ident: int, text: str | None = None) -> tuple[str, ...]:
+        """What a copy must be near: the text of a plain document; a prompt and its answers (instruction data)."""
+        text = text if text is not None else self.text_of(ident)
+        switches = self.switches_of(ident) if self.switches_of is not None else ()
+        return instruction_parts(text, switches) if len(switches) else (text,)
+
+    def _shingle_sets(self, ident: int, text: str | None = None) -> list[np.ndarray]:
         got = self._shingles.get(ident)
         if got is None:
-            got = shingle_hashes(text if text is not None else self.text_of(ident))
+            got = [shingle_hashes(t) for t in self._texts(ident, text)]
             if len(self._shingles) >= 256:  # a small cache: a document is often a candidate of its copies
                 self._shingles.pop(next(iter(self._shingles)))
             self._shingles[ident] = got
         return got
+
+    def _instruction(self, ident: int) -> bool:
+        return self.switches_of is not None and len(self.switches_of(ident)) > 0
+
+    def _similarity(self, ident: int, other: int, text: str | None) -> float:
+        """The true Jaccard of two documents' shingle sets (of instruction data, the lower of its prompts'
+        and its answers')."""
+        return min(jaccard(a, b) for a, b in zip(self._shingle_sets(ident, text), self._shingle_sets(other)))
 
     def check(self, ident: int, h: int, sig: np.ndarray | None = None, text: str | None = None) -> str | None:
         """None (kept, and remembered), "exact" or "near" for document `ident`."""
@@ -227,13 +276,16 @@ class Deduper:
         if self.mode != "minhash":
             return None
         keys = self._band_keys(sig)
+        instruction = self._instruction(ident)
         for c in dict.fromkeys(self.lsh.find(keys)):
+            if instruction if c < 0 else instruction != self._instruction(c):
+                continue  # (a plain document and instruction data are never copies; an earlier part's: seeded plain)
             other = self.old_sigs[-1 - c] if c < 0 else self.sig_of(c)
             estimate = float(np.mean(np.asarray(other, np.uint64) == np.asarray(sig, np.uint64)))
             if c < 0:
                 duplicate = estimate >= self.threshold
             else:
-                truth = jaccard(self._shingle_set(ident, text), self._shingle_set(c))
+                truth = self._similarity(ident, c, text)
                 self.checked += 1
                 self.disagreed += (estimate >= self.threshold) != (truth >= self.threshold)
                 duplicate = truth >= self.threshold

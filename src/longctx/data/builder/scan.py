@@ -46,7 +46,7 @@ FORMAT = SCAN_FORMAT
 # 4: a document starts with its tokenizer's text_prefix (tokenize.py); 5: a corrupt compressed file yields no
 # document (readers.py: also none of the lines before the damage), its name recorded; 6: each document's
 # first token trained on (loss_from.npy: instruction pairs, --response-field); 7: its gaps in training (gaps.bin:
-# a conversation's turns between its answers)
+# a conversation's turns between its answers) and where its characters switch (chars.bin: instruction data's dedup)
 VERSION = 7
 PLAN = SCAN_PLAN
 SHARDS = "shards"
@@ -325,7 +325,7 @@ class ScannedShard:
 
     def ragged(self, what: str) -> spill.RaggedReader:
         dtype = {"text": np.uint8, "tokens": self.token_dtype, "breaks": np.int32, "strong": np.int32,
-                 "feat_idx": np.uint16, "feat_val": np.float32, "gaps": np.int64}[what]
+                 "feat_idx": np.uint16, "feat_val": np.float32, "gaps": np.int64, "chars": np.int64}[what]
         return spill.RaggedReader(self.path / what, dtype)
 
     def token_lengths(self) -> np.ndarray:

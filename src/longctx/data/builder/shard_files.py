@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from . import spill
-from .dedup import NUM_PERM, exact_hash, signature
+from .dedup import NUM_PERM, exact_hash, instruction_hash, instruction_parts, signature
 from .features import head_features
 from .tokenize import tokenize_answers, tokenize_one
 
@@ -23,7 +23,7 @@ class ShardFiles:
     def __init__(self, tmp: Path, token_dtype: str, minhash: bool):
         self.ragged = {what: spill.RaggedWriter(tmp / what, dtype) for what, dtype in (
             ("text", np.uint8), ("tokens", token_dtype), ("breaks", np.int32), ("strong", np.int32),
-            ("feat_idx", np.uint16), ("feat_val", np.float32), ("gaps", np.int64))}
+            ("feat_idx", np.uint16), ("feat_val", np.float32), ("gaps", np.int64), ("chars", np.int64))}
         self.hashes = spill.NpyAppender(tmp / "hashes.npy", np.uint64)
         self.loss_from = spill.NpyAppender(tmp / "loss_from.npy", np.int64)  # 0: a plain document
         self.sigs = spill.NpyAppender(tmp / "sigs.npy", np.uint32, (NUM_PERM,)) if minhash else None
@@ -37,9 +37,14 @@ class ShardFiles:
         b = doc.text.encode("utf-8", "surrogatepass")
         self.ragged["text"].append(b)
         self.raw += len(b)
-        self.hashes.append(np.array([exact_hash(doc.text)], np.uint64))
+        switches = doc.trained_chars or ()
+        # instruction data: hashed by its pieces, its signature of the answers (dedup.py says why)
+        h = instruction_hash(doc.text, switches) if switches else exact_hash(doc.text)
+        self.hashes.append(np.array([h], np.uint64))
         if self.sigs is not None:
-            self.sigs.append(signature(doc.text)[None].astype(np.uint32))
+            text = instruction_parts(doc.text, switches)[1] if switches else doc.text
+            self.sigs.append(signature(text)[None].astype(np.uint32))
+        self.ragged["chars"].append(np.asarray(switches, np.int64))
         if doc.trained_chars is None:
             tokenized, switches = tokenize_one(doc.text, tok), np.zeros(1, np.int64)
         else:
