@@ -100,3 +100,44 @@ def test_a_part_whose_gaps_are_missing_or_of_another_length_is_refused(tmp_path,
     with pytest.raises(DataError, match=f"is damaged: .*{LOSS_GAPS}.offsets.npy {found}, its manifest {len(docs)} "
                                         f"\\({len(docs)} trained on several answers\\); rebuild it"):
         PackedSamples(root, "train")
+
+
+def test_the_trained_token_mask_of_a_part_is_the_loaders_reading(tmp_path):
+    """data.loader.trained_token_mask (what the GliDe draft's vocabulary counts, train/glide.py token_counts):
+    per sample, the tokens whose document trains on them, in any block of samples."""
+    from longctx.data.loader import trained_token_mask
+    from longctx.data.store import load_split
+
+    root, docs, trained = _gapped_store(tmp_path)
+    samples, part = PackedSamples(root, "train"), read_manifest(root)["parts"][0]
+    arrays = load_split(root, part, "train")
+    for lo, hi in ((0, len(samples)), (1, 3), (len(samples) - 2, len(samples) + 5)):
+        mask = trained_token_mask(root, part, arrays, lo, hi)
+        assert mask.shape == (min(hi, len(samples)) - lo, 64)
+        for i in range(lo, min(hi, len(samples))):
+            want = np.zeros(64, dtype=bool)
+            for _, offset, length, doc, start in samples.segments(i).tolist():
+                want[offset:offset + length] = trained[doc][start:start + length]
+            assert np.array_equal(mask[i - lo], want)
+
+
+def test_eval_ppl_on_instruction_data_scores_its_answers_only(tmp_path):
+    """`longctx eval --task ppl --data STORE` (eval/tasks.py): a span's token predicts the next only where
+    that one is trained on, as training's loss scores it; a plain store's spans are scored whole."""
+    from longctx.data.samples import IGNORE
+    from longctx.eval.tasks import load_source, ppl_sequences
+
+    root, docs, trained = _gapped_store(tmp_path)
+    source = load_source(str(root), "train", None, None)
+    assert "ppl scores their answers" in source.description
+    sequences = ppl_sequences(source, 64, 1000)
+    want = []
+    for d in sorted(docs):
+        for start in range(0, len(docs[d]) - 63, 64):
+            scored = trained[d][start + 1:start + 64]
+            if scored.any():
+                want.append((docs[d][start:start + 64], np.append(scored, False)))
+    assert len(sequences) == len(want) > 0
+    for seq, (tokens, scored) in zip(sequences, want):
+        assert seq.tokens.tolist() == tokens and np.array_equal(seq.labels != IGNORE, scored)
+    assert sum(int((s.labels != IGNORE).sum()) for s in sequences) < 63 * len(sequences)  # (prompts left out)

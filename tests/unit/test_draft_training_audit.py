@@ -343,6 +343,31 @@ def _word_store(d, count, seed=0):
     return [f"--data.corpus={d}", "--data.tokenizer=byte"]
 
 
+def test_the_vocabulary_of_instruction_data_counts_its_answers_not_its_prompts(tmp_path):
+    # prompts of capitals and digits, answers of small letters: the draft proposes answers, so its vocabulary
+    # is theirs (counted over every token, the prompts' letters were the most frequent)
+    from test_instruction_pairs import _build, _jsonl
+
+    from longctx.data.loader import PackedSamples
+    from longctx.data.samples import IGNORE
+    from longctx.job.runtime import Runtime
+    from longctx.train.glide import token_counts
+
+    rng = random.Random(0)
+    pairs = [("".join(rng.choice("ABC123") for _ in range(60)), " " + "".join(rng.choice("xyz") for _ in range(8)))
+             for _ in range(30)]
+    root, _ = _build(tmp_path, [_jsonl(tmp_path / "p.jsonl", pairs)], eval_fraction=0.0)
+    cfg = load_config(None, [f"--data.path={root}", "--train.seq_len=256", "--metrics.progress=false"])
+    counts = token_counts(cfg, Runtime(), log=lambda *a, **k: None)
+    samples, want = PackedSamples(root, "train"), np.zeros(cfg.model.vocab_size, dtype=np.int64)
+    for i in range(len(samples)):
+        tokens, labels, _, _ = samples.sample(i)
+        np.add.at(want, np.asarray(tokens)[1:][np.asarray(labels)[:-1] != IGNORE], 1)  # (each trained token)
+    assert counts.tolist() == want.tolist() and want[ord("A")] == 0 and want[ord("x")] > 0
+    vocab = DraftVocab(5)  # (" ", x, y, z and the EOS: every token trained on)
+    assert vocab.set_from_counts(counts) == 1.0 and sorted(vocab.ids.tolist()) == [32, 120, 121, 122, 257]
+
+
 def test_the_vocabulary_counts_real_tokens_not_the_padding(tmp_path):
     # few short documents in long samples: most of each sample is padding (the pad token: EOS), which
     # no label reads; the draft's vocabulary and the share it reports are the real tokens'

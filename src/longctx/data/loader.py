@@ -50,6 +50,8 @@ from .store import (
     LOSS_GAPS,
     S_DOC,
     S_LENGTH,
+    S_OFFSET,
+    S_SAMPLE,
     S_START,
     answer_gap_documents,
     load_loss_from,
@@ -176,7 +178,7 @@ class PackedSamples(SampleSet):
             arrays = load_split(self.root, part, split)
             if arrays is not None:
                 self.parts.append(arrays)
-                spans = _trained_spans(self.root, part)
+                spans = part_trained_spans(self.root, part)
                 self.spans.append(None if spans is None else
                                   (spans, arrays.segments[:, S_DOC].astype(np.int64) - int(part["first_doc"])))
         # what a data position records of this store, to know it again on resume: of the store as opened here
@@ -308,7 +310,7 @@ class PackedSamples(SampleSet):
         return tokens, labels, positions, doc_ids
 
 
-def _trained_spans(root: Path, part: dict) -> TrainedSpans | None:
+def part_trained_spans(root: Path, part: dict) -> TrainedSpans | None:
     """Which tokens of the part's documents are trained on (store.LOSS_FROM, LOSS_GAPS), or None where the
     part has neither file (every token of every document is)."""
     firsts, gaps = load_loss_from(root / part["dir"]), load_loss_gaps(root / part["dir"])
@@ -328,6 +330,23 @@ def _trained_spans(root: Path, part: dict) -> TrainedSpans | None:
     if firsts is None:
         firsts = np.zeros(documents, dtype=np.int64)
     return TrainedSpans(np.asarray(firsts), *(gaps if gaps is not None else (None, None)))
+
+
+def trained_token_mask(root: Path, part: dict, arrays, lo: int, hi: int) -> np.ndarray | None:
+    """[samples lo..hi of a part's split, seq_len] bool: their tokens that are trained on (instruction data's
+    answers; padding not), or None where every real token is (a part of plain text)."""
+    spans = part_trained_spans(root, part)
+    if spans is None:
+        return None
+    hi = min(hi, len(arrays.pointer) - 1)
+    segs = arrays.segments[int(arrays.pointer[lo]):int(arrays.pointer[hi])].astype(np.int64)
+    lengths = segs[:, S_LENGTH]
+    seg = np.repeat(np.arange(len(segs)), lengths)
+    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    mask = np.zeros((hi - lo, arrays.tokens.shape[1]), dtype=bool)
+    mask[segs[seg, S_SAMPLE] - lo, segs[seg, S_OFFSET] + within] = spans.trained(
+        segs[seg, S_DOC] - int(part["first_doc"]), segs[seg, S_START] + within)
+    return mask
 
 
 def _trained_tokens(segs: np.ndarray, spans: TrainedSpans, docs: np.ndarray) -> np.ndarray:

@@ -18,8 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.loader import part_trained_spans
 from ..data.samples import IGNORE
-from ..data.store import MANIFEST, S_DOC, S_LENGTH, S_OFFSET, S_START, load_split, read_manifest
+from ..data.store import (
+    MANIFEST,
+    S_DOC,
+    S_LENGTH,
+    S_OFFSET,
+    S_START,
+    load_split,
+    read_manifest,
+    response_only_documents,
+)
 from ..data.synthetic import retrieval_prompt
 from ..errors import ConfigError, DataError
 
@@ -46,6 +56,14 @@ class TokenSource:
     description: str
     tokenizer_spec: str | None = None  # the store's tokenizer (None: tokenized here with the model's)
     meta: dict = field(default_factory=dict)  # a store's: its vocab_size, its tokenizer record (its "identity")
+    # a fresh pass of (document, its tokens trained on or None: all), for instruction data (None: all of all)
+    trained_documents: Callable[[], Iterator[tuple[np.ndarray, np.ndarray | None]]] | None = None
+
+    def scored(self) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """Each document with the tokens a ppl scores (None: every one): of instruction data, its answers."""
+        if self.trained_documents is not None:
+            return self.trained_documents()
+        return ((doc, None) for doc in self.documents())
 
     def stream(self, limit: int) -> np.ndarray:
         """The documents one after another, up to `limit` tokens (only those documents are read)."""
@@ -58,25 +76,33 @@ class TokenSource:
         return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def store_documents(root: Path, split: str) -> Iterator[np.ndarray]:
+def store_documents(root: Path, split: str, trained: bool = False) -> Iterator:
     """Each document of a store split, reassembled from its packed segments, in document order: each
     run of its text, where a document's pieces went to both splits (builder/holdout.py), is one, so a
     span never crosses the text the other split holds. Lazy: the segment index is read up front, a
-    document's tokens only when it is reached, so a caller that needs a few spans never holds the split."""
+    document's tokens only when it is reached, so a caller that needs a few spans never holds the split.
+    With `trained`, (tokens, which of them the document trains on: None where every one is)."""
     manifest = read_manifest(root)
     for part in manifest["parts"]:  # a document lies in one part
         arrays = load_split(root, part, split)
         if arrays is None:
             continue
+        spans = part_trained_spans(root, part) if trained else None
         seg = arrays.segments
         sample_of = np.repeat(np.arange(len(arrays.pointer) - 1), np.diff(arrays.pointer))
         order = np.lexsort((seg[:, S_START], seg[:, S_DOC]))  # by document, then by position in it
         doc, start, end = seg[order, S_DOC], seg[order, S_START], seg[order, S_START] + seg[order, S_LENGTH]
         cuts = np.flatnonzero((doc[1:] != doc[:-1]) | (start[1:] != end[:-1])) + 1  # another document, or a gap
         for group in np.split(order, cuts):
-            yield np.concatenate([np.asarray(arrays.tokens[sample_of[i]][seg[i, S_OFFSET]:seg[i, S_OFFSET] +
-                                                                         seg[i, S_LENGTH]]) for i in group]
-                                 ).astype(np.int64)
+            tokens = np.concatenate([np.asarray(arrays.tokens[sample_of[i]][seg[i, S_OFFSET]:seg[i, S_OFFSET] +
+                                                                           seg[i, S_LENGTH]]) for i in group]
+                                    ).astype(np.int64)
+            if not trained:
+                yield tokens
+                continue
+            at = int(seg[group[0], S_START]) + np.arange(len(tokens))
+            yield tokens, None if spans is None else spans.trained(
+                np.full(len(tokens), int(seg[group[0], S_DOC]) - int(part["first_doc"])), at)
 
 
 def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
@@ -98,9 +124,12 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
         if not documents:
             raise DataError(f"--data {data}: the store's {split} split is empty; use --split "
                             f"{'train' if split == 'eval' else 'eval'} or another store.")
-        return TokenSource(lambda: store_documents(path, split), f"{path} ({split} split, {documents} documents)",
+        answers = any(map(response_only_documents, manifest["parts"]))  # (instruction data: its answers scored)
+        return TokenSource(lambda: store_documents(path, split), f"{path} ({split} split, {documents} documents"
+                           f"{'; ppl scores their answers' if answers else ''})",
                            manifest["tokenizer"]["spec"], {"vocab_size": int(manifest["tokenizer"]["vocab_size"]),
-                                                           "tokenizer": manifest["tokenizer"]})
+                                                           "tokenizer": manifest["tokenizer"]},
+                           (lambda: store_documents(path, split, trained=True)) if answers else None)
     if path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
         tokens = np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
@@ -133,14 +162,21 @@ def _glob_source(pattern: str, tokenizer) -> TokenSource:
 
 
 def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequence]:
-    """Up to `samples` spans of `length` tokens, consecutive within each long-enough document."""
+    """Up to `samples` spans of `length` tokens, consecutive within each long-enough document; of instruction
+    data each token predicts the next only where that is one its document trains on (an answer's), as
+    training's loss and in-training evaluation score it, and a span with none is passed over."""
     out, longest = [], 0
-    for doc in source.documents():
+    for doc, trained in source.scored():
         longest = max(longest, len(doc))
         for start in range(0, len(doc) - length + 1, length):
             span = doc[start:start + length]
             labels = np.full(length, IGNORE, dtype=np.int64)
             labels[:-1] = span[1:]
+            if trained is not None:
+                scored = trained[start + 1:start + length]
+                if not scored.any():
+                    continue
+                labels[:-1][~scored] = IGNORE
             out.append(Sequence(span, labels, length))
             if len(out) == samples:
                 return out

@@ -239,7 +239,9 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     store built first if it is not yet: every rank counts the same store, so every rank picks the same
     vocabulary). A sample's padding (the pad token repeated after its segments) is not counted: it is no
     text and no label reads it, yet a store of short documents in long samples is mostly padding, which
-    counted made the pad token the 'most frequent' and the reported coverage a share of padding."""
+    counted made the pad token the 'most frequent' and the reported coverage a share of padding. Of
+    instruction data only the answers are counted: the tokens the draft proposes and is trained on."""
+    from ..data.loader import trained_token_mask
     from ..data.store import S_LENGTH, S_SAMPLE, load_split, read_manifest
     from .setup import store_path
 
@@ -256,6 +258,9 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
         for r in range(0, samples, rows):
             tokens = np.asarray(split.tokens[r:r + rows])
             held = np.arange(seq_len)[None] < real[r:r + rows, None]
+            trained = trained_token_mask(root, part, split, r, r + rows)
+            if trained is not None:
+                held &= trained
             counts += np.bincount(tokens[held], minlength=counts.size)[:counts.size]
     return torch.from_numpy(counts)
 
@@ -284,7 +289,7 @@ def set_draft_vocab(draft, cfg: Config, rt: Runtime, log=print) -> None:
     if cfg.draft.vocab:
         covered = draft.vocab.set_from_counts(token_counts(cfg, rt, log).to(draft.vocab.ids.device))
         log(f"draft: its vocabulary is the {cfg.draft.vocab:,} tokens of {cfg.model.vocab_size:,} its training data "
-            f"uses most, {covered:.1%} of that data's tokens (draft.vocab)")
+            f"uses most, {covered:.1%} of the tokens it trains on (draft.vocab)")
 
 
 def draft_record(cfg: Config, kind: str) -> dict:
