@@ -40,6 +40,26 @@ def folder(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def merging(tmp_path_factory, folder):
+    """The chat tokenizer with "\n\n" one token (its first merge): an answer that starts with a line break
+    after the generation prompt's would share a token with it, read whole."""
+    from test_generate_chat import SPECIALS
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    d = tmp_path_factory.mktemp("merging")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["a\n\nb\n\nc\n\n" * 20, "user assistant system what\n\n"] * 50, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_bytes((folder / "tokenizer_config.json").read_bytes())
+    assert len(Tokenizer.from_file(str(d / "tokenizer.json")).encode("\n\n").ids) == 1
+    return d
+
+
 def _build(tmp_path, folder, records, **kw):
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -106,10 +126,12 @@ def test_conversations_without_a_template_or_with_pair_options_are_refused_befor
     assert not (tmp_path / "store").exists()
 
 
-def test_an_answer_whose_first_token_would_straddle_its_prompt_is_each_piece_as_the_model_writes_it(tmp_path, folder):
+def test_an_answer_whose_first_token_would_straddle_its_prompt_is_each_piece_as_the_model_writes_it(tmp_path,
+                                                                                                   merging):
     """An earlier answer beginning with "\n" after the generation prompt's "\n": the whole text's ids
     merge the two (no boundary at the answer), so the pieces are encoded apart; each trained span is
     then exactly its answer and end of turn, the turn between is not trained on."""
+    folder = merging
     theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\n\nfirst line"},
                 {"role": "user", "content": "More?"}, {"role": "assistant", "content": "second"}]
@@ -123,6 +145,8 @@ def test_an_answer_whose_first_token_would_straddle_its_prompt_is_each_piece_as_
         "\n\nfirst line<|im_end|>\n", "second<|im_end|>\n<|endoftext|>"]
     assert doc[:runs[0][0]] == list(theirs.apply_chat_template(messages[:1], add_generation_prompt=True,
                                                                tokenize=True, return_dict=False))
+    # (read whole, the text's ids differ: the pieces were encoded apart, the case this is about)
+    assert doc[:-1] != list(theirs.apply_chat_template(messages, tokenize=True, return_dict=False))
 
 
 def _with_template(tmp_path, folder, name, template):
@@ -169,3 +193,39 @@ def test_a_revised_template_is_another_scan(tmp_path, folder):
         return plan_digest([], ScanOptions(str(d / "tokenizer.json"), "none", "text", "", "messages"))
     first = digest(config["chat_template"])
     assert digest(config["chat_template"].replace("helpful", "careful")) != first == digest(config["chat_template"])
+
+
+def test_each_switch_is_found_as_encoding_the_whole_prefix_would_find_it(merging):
+    """tokenize.py _switch_at encodes the text up to a switch only from the last added token before it
+    (linear in a long conversation); it must give what encoding the whole prefix gives: the length of its
+    ids where they begin the whole text's, else None (a straddling token). Random conversations, some
+    answers starting with the line break that merges with the generation prompt's."""
+    import random
+    from collections import Counter
+    from itertools import accumulate
+
+    from longctx.data.builder.conversations import Conversations
+    from longctx.data.builder.tokenize import _added_tokens, _piece, _switch_at
+    from longctx.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(merging / "tokenizer.json"))
+    conversations = Conversations(str(merging / "tokenizer.json"), "messages")
+    rng, found = random.Random(0), Counter()
+    words = ["def", "class", "x", "+", "1", "\n", "\n\n", " ", "assistant", "<|im_end|>", "what"]
+    for _ in range(40):
+        messages = []
+        for _ in range(rng.randint(1, 4)):
+            for role in ("user", "assistant"):
+                messages.append({"role": role, "content": "".join(rng.choice(words) for _ in range(8))})
+        pieces = conversations.pieces(messages, Counter())
+        if pieces is None:
+            continue
+        text = "".join(pieces)
+        w_ids = _piece(text, tok, after_text=False)[0]
+        anchors = _added_tokens(text, tok, w_ids)
+        for c in accumulate(len(p) for p in pieces[:-1]):
+            ids = _piece(text[:c], tok, after_text=False)[0]
+            whole = len(ids) if np.array_equal(w_ids[:len(ids)], ids) else None
+            assert _switch_at(text, c, tok, w_ids, anchors) == whole
+            found[whole is None] += 1
+    assert found[False] > 20 and found[True] > 0  # (both cases met)

@@ -82,6 +82,7 @@ class HFTokenizer:
         self.eos_id = eos
         self.bos_id = None
         self._prefix: list[int] | None = None
+        self._added: frozenset[int] | None = None
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Documents' ids, their special-token strings read as text."""
@@ -105,6 +106,13 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+    def added_ids(self) -> frozenset[int]:
+        """The ids of its added tokens, special or not: the library reads the text between two of them apart
+        (builder/tokenize.py uses that to check a prefix of a long text locally)."""
+        if self._added is None:
+            self._added = frozenset(int(i) for i in self._tok.get_added_tokens_decoder())
+        return self._added
 
     def text_prefix(self) -> list[int]:
         """The ids the tokenizer's post-processing puts before a text (e.g. Llama's BOS), as transformers'

@@ -69,7 +69,8 @@ def tokenize_answers(text: str, trained_chars, tok,
       switch (the usual case: the ids of the text read whole, as transformers' apply_chat_template gives
       them); else, where a token would straddle a switch ("\n" + "\n" merged, say), each piece between
       two switches apart, as it reads after other text (`_piece`): what the model writes after the prompt's
-      ids (so the text up to each switch is encoded once more: for n answers, n prefixes of the text);
+      ids. (The prompt is encoded alone; the text up to a later switch only from the last added token
+      before it, `_switch_at`: linear in the text, not in its switches times its length);
     - `switches`: the token offsets where training starts and stops; the first is where it starts
       (store.LOSS_FROM), the others the gaps (store.LOSS_GAPS); the last span runs on to the EOS. Each
       switch is a break."""
@@ -78,9 +79,11 @@ def tokenize_answers(text: str, trained_chars, tok,
     own = np.asarray(tok.text_prefix() if prefix else [], dtype=np.int32)
     lead = own if len(own) and not np.array_equal(p_ids[:len(own)], own) else own[:0]
     w_ids, wb, ws = _piece(text, tok, after_text=False)
-    upto = [p_ids, *(_piece(text[:c], tok, after_text=False)[0] for c in bounds[1:])]  # ids up to each switch
-    ats = [len(ids) for ids in upto]
-    if all(np.array_equal(w_ids[:len(ids)], ids) for ids in upto):
+    ats = [len(p_ids) if np.array_equal(w_ids[:len(p_ids)], p_ids) else None]
+    if len(bounds) > 1:
+        anchors = _added_tokens(text, tok, w_ids)
+        ats += [_switch_at(text, c, tok, w_ids, anchors) for c in bounds[1:]]
+    if None not in ats:
         ids, breaks, strong = w_ids, wb, ws
     else:
         pieces = [(p_ids, pb, ps)] + [_piece(text[a:b], tok, after_text=True)
@@ -95,6 +98,30 @@ def tokenize_answers(text: str, trained_chars, tok,
     breaks = np.unique(np.concatenate([breaks + n, switches[switches > 0]])).astype(np.int64)
     tokens = np.concatenate([lead, ids, np.array([tok.eos_id], dtype=np.int32)])
     return tokens, breaks, (strong + n).astype(np.int64), switches
+
+
+def _added_tokens(text: str, tok, w_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index, first character, end character) of each added token (special or not) in the whole text's
+    ids `w_ids`, in order: the tokenizer reads the text between two of them apart."""
+    added = getattr(tok, "added_ids", lambda: frozenset())()
+    if not added:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    enc = tok.encode_encodings([text], special_tokens=True)[0]
+    at = np.flatnonzero(np.isin(w_ids, list(added)))
+    offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+    return at, offsets[at, 0], offsets[at, 1]
+
+
+def _switch_at(text: str, c: int, tok, w_ids: np.ndarray, anchors) -> int | None:
+    """The length of the ids of text[:c], where they are the whole text's first ones (else None: a token of
+    the whole straddles character c). Encoded from the last added token that ends by c (its index i in
+    the whole's ids, its first character s): what lies before it is read apart from what follows in both,
+    so the ids of text[:c] are the whole's first i and then those of text[s:c]."""
+    index, first, end = anchors
+    k = int(np.searchsorted(end, c, side="right")) - 1
+    i, s = (int(index[k]), int(first[k])) if k >= 0 else (0, 0)
+    ids = _piece(text[s:c], tok, after_text=False)[0]
+    return i + len(ids) if np.array_equal(w_ids[i:i + len(ids)], ids) else None
 
 
 # text a piece is encoded after (the first whose own ids stay a prefix). (Latent: a pre-tokenizer that groups
