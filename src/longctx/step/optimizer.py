@@ -41,3 +41,31 @@ def guarded_step(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None
             optimizer.found_inf = None
     elif bool(finite):
         optimizer.step()
+    elif not optimizer.state:
+        fresh_state(optimizer)
+
+
+def fresh_state(optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter given the state a skipped fused step leaves (the fused kernel makes it and undoes the
+    step under found_inf): AdamW's step 0 and zero moments, which is what a first update starts from. The
+    foreach AdamW makes none for a skipped step, and a checkpoint then saved would have DCP's get_state_dict
+    make one by a step of zero gradients at lr 0 that it counts: every later update bias-corrected one
+    step late (the first real one as the second, ~0.7x its size), the run not what it would be unsaved."""
+    grads = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0 if not torch.is_tensor(group["lr"]) else torch.zeros_like(group["lr"])
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for p, grad in grads.items():
+            p.grad = grad
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
