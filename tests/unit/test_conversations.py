@@ -229,3 +229,17 @@ def test_each_switch_is_found_as_encoding_the_whole_prefix_would_find_it(merging
             assert _switch_at(text, c, tok, w_ids, anchors) == whole
             found[whole is None] += 1
     assert found[False] > 20 and found[True] > 0  # (both cases met)
+
+
+def test_a_sharegpt_conversation_is_read_as_role_and_content(tmp_path, folder):
+    """ShareGPT's messages (`from`: human / gpt / system, `value`) give the same store as role / content ones."""
+    def sharegpt(messages):
+        speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+        return [{"from": speaker[m["role"]], "value": m["content"]} for m in messages]
+
+    for name, records in (("a", CONVERSATIONS), ("b", [sharegpt(m) for m in CONVERSATIONS])):
+        (tmp_path / name).mkdir()
+        _build(tmp_path / name, folder, [{"messages": m} for m in records])
+    assert store_documents(tmp_path / "a" / "store") == store_documents(tmp_path / "b" / "store")
+    a, b = (np.load(tmp_path / d / "store" / "part-00000" / LOSS_FROM) for d in ("a", "b"))
+    assert np.array_equal(a, b) and len(a) == len(CONVERSATIONS)

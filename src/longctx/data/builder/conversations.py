@@ -1,8 +1,9 @@
 """Conversations as instruction data (`longctx data build --messages-field FIELD [--answers all|last]`).
 
 A record's FIELD holds a conversation, `[{"role": ..., "content": ...}, ...]` ending with the
-assistant's answer, and the tokenizer's own chat template (data/chat_template.py: chat_template.jinja
-or tokenizer_config.json, beside the build's tokenizer.json) renders it whole. What is trained on is
+assistant's answer (or in ShareGPT's form, `[{"from": "human" | "gpt" | "system", "value": ...}, ...]`),
+and the tokenizer's own chat template (data/chat_template.py: chat_template.jinja or
+tokenizer_config.json, beside the build's tokenizer.json) renders it whole. What is trained on is
 each answer as the model writes it: for the assistant's message i, the rendering of the conversation up
 to it (messages[:i + 1]) after the rendering of what it answers with the generation prompt (messages[:i],
 the text the model reads when it answers; `longctx generate --chat` renders the same), so the answer and
@@ -42,6 +43,7 @@ class Conversations:
     def pieces(self, messages, skipped: Counter) -> list[str] | None:
         """The conversation's rendering cut into prompt, answer, turns between, answer, ..., last answer
         (the answers trained on), or None (counted in `skipped`)."""
+        messages = from_sharegpt(messages)
         if not _is_conversation(messages):
             skipped["bad_conversation"] += 1
             return None
@@ -67,6 +69,20 @@ class Conversations:
             return None
         cuts = [0, *_merged(ends[:-1]), len(whole)]
         return [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+# ShareGPT's speakers (`{"from": ..., "value": ...}` messages) as chat templates name them; others kept as given
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def from_sharegpt(messages):
+    """A conversation in ShareGPT's form (each message `{"from": "human" | "gpt" | "system" | ..., "value":
+    text}`, as LLaMA-Factory and Axolotl read it) as role / content messages; anything else as it is."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "from" in m and "value" in m
+                                                  and "role" not in m and "content" not in m for m in messages):
+        return messages
+    return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
+             **{k: v for k, v in m.items() if k not in ("from", "value")}} for m in messages]
 
 
 def _merged(cuts: list[int]) -> list[int]:
