@@ -141,3 +141,20 @@ def test_eval_ppl_on_instruction_data_scores_its_answers_only(tmp_path):
     for seq, (tokens, scored) in zip(sequences, want):
         assert seq.tokens.tolist() == tokens and np.array_equal(seq.labels != IGNORE, scored)
     assert sum(int((s.labels != IGNORE).sum()) for s in sequences) < 63 * len(sequences)  # (prompts left out)
+
+
+def test_a_mix_says_each_stores_share_of_the_tokens_trained_on(tmp_path):
+    """data.weights are shares of samples; a store of instruction data trains on its answers only, so its share
+    of the loss is smaller than its weight: the mix's setup line says it (store_mix.mix_line)."""
+    from test_instruction_pairs import PAIRS, _build, _jsonl
+
+    from longctx.data.store_mix import StoreMix, mix_line
+
+    pairs, _ = _build(tmp_path, [_jsonl(tmp_path / "p.jsonl", PAIRS)], eval_fraction=0.0, name="pairs")
+    plain, _ = _build(tmp_path, [_jsonl(tmp_path / "t.jsonl", [(p + r, "") for p, r in PAIRS], response="x")],
+                      eval_fraction=0.0, name="plain", response_field="", text_field="prompt")
+    stores = [PackedSamples(pairs, "train"), PackedSamples(plain, "train")]
+    mix = StoreMix(stores, [str(pairs), str(plain)], [0.5, 0.5], seed=0)
+    share = np.mean(stores[0].label_counts) / (np.mean(stores[0].label_counts) + np.mean(stores[1].label_counts))
+    line = mix_line(mix, 100)
+    assert share < 0.4 and "pairs 50% (" in line and f"{share:.0%} of the tokens trained on" in line

@@ -219,7 +219,9 @@ def test_the_setup_line_says_each_stores_share_and_epochs(stores):
                                      "--train.eval_interval=5"), log=said.append)
     line = next(s for s in said if s.startswith("data: mix: "))
     n = [len(s) for s in train.stores]
-    assert f"a 50% ({0.5 * 120 / n[0]:.1f} epochs of {n[0]:,} samples)" in line
+    labels = [w * np.mean(st.label_counts) for w, st in zip(train.weights, train.stores)]  # (per sample)
+    share = labels[0] / sum(labels)  # the loss's share, not the samples': stores of other fill differ
+    assert f"a 50% ({0.5 * 120 / n[0]:.1f} epochs of {n[0]:,} samples; {share:.0%} of the tokens trained on)" in line
     assert f"b 30% ({0.3 * 120 / n[1]:.1f} epochs" in line and "c 20%" in line
     few = mix_line(train, 1)  # (a share of a few samples is said as such, not as "0.0 epochs")
     assert "0.0 epochs" not in few and f"a 50% ({0.5 / n[0]:.1g} epochs" in few

@@ -230,12 +230,17 @@ def mix_identity(stores: list[PackedSamples], names: list[str], weights: np.ndar
 
 
 def mix_line(mix: StoreMix, drawn: int) -> str:
-    """The setup line of a mix: each store's share, and the epochs of it that `drawn` samples read."""
+    """The setup line of a mix: each store's share of the samples, the epochs of it that `drawn` samples
+    read, and its expected share of the tokens trained on (the loss's labels): the weights are shares of
+    samples, so a store of instruction data, whose prompts are not trained on, weighs less in the loss."""
+    labels = [w * float(np.mean(store.label_counts)) if len(store) else 0.0
+              for w, store in zip(mix.weights, mix.stores)]
     parts = []
-    for name, w, store in zip(mix.names, mix.weights, mix.stores):
+    for name, w, store, trained in zip(mix.names, mix.weights, mix.stores, labels):
         epochs = w * drawn / max(1, len(store))
         said = f"{epochs:.1f}" if epochs >= 0.1 or epochs == 0 else f"{epochs:.1g}"  # (not "0.0" for a few samples)
-        parts.append(f"{name} {w:.0%} ({said} epochs of {len(store):,} samples)")
+        parts.append(f"{name} {w:.0%} ({said} epochs of {len(store):,} samples; "
+                     f"{trained / max(sum(labels), 1e-12):.0%} of the tokens trained on)")
     return f"mix: {', '.join(parts)} over {drawn:,} samples (a store read past one epoch repeats, reshuffled)"
 
 
