@@ -60,12 +60,12 @@ def merging(tmp_path_factory, folder):
     return d
 
 
-def _build(tmp_path, folder, records, **kw):
+def _build(tmp_path, folder, records, log=quiet, **kw):
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     kw = {"dedup": "none", "strategy": "bfd", "eval_fraction": 0.0, "tokenizer": str(folder / "tokenizer.json"),
           "messages_field": "messages", **kw}
-    return build_store(opts([path], tmp_path / "store", seq_len=256, **kw), log=quiet)
+    return build_store(opts([path], tmp_path / "store", seq_len=256, **kw), log=log)
 
 
 @pytest.mark.parametrize("answers", ["all", "last"])
@@ -76,7 +76,10 @@ def test_the_answers_are_trained_after_the_conversation_as_transformers_renders_
     conversation is prompt."""
     theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
     records = [{"messages": m} for m in CONVERSATIONS] + [{"messages": m} for m in NOT_CONVERSATIONS] + [{"x": 1}]
-    manifest = _build(tmp_path, folder, records, answers=answers)
+    said = []
+    manifest = _build(tmp_path, folder, records, answers=answers, log=said.append)
+    several = ", 1 of them on several answers" if answers == "all" else ""
+    assert any(f"2 documents (2 trained on their responses only{several})" in line for line in said)
     assert manifest["parts"][0]["counts"]["skipped"] == {"bad_conversation": 4}
     assert manifest["version"] == (4 if answers == "all" else 3)  # (a store of gaps: refused by a reader before)
     root = tmp_path / "store"

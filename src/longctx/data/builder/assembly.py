@@ -205,6 +205,13 @@ class Assembly:
                 for f in self.part_dir.glob(f"{split}.*"):
                     f.unlink()
 
+    def _instruction_said(self) -> str:
+        """What the build's log says of its instruction data ('' for plain documents only)."""
+        if not self.response_only:
+            return ""
+        several = f", {self.answer_gaps:,} of them on several answers" if self.answer_gaps else ""
+        return f" ({self.response_only:,} trained on their responses only{several})"
+
     def publish(self) -> dict:
         """The part renamed into place, then the manifest that lists it; the manifest."""
         name = store.publish_part(self.part_dir, self.root, self.part_index)
@@ -214,7 +221,7 @@ class Assembly:
         self.log(f"data build: wrote {self.opts.shown_as or self.root} ({train['samples']:,} train / "
                  f"{self.splits['eval']['samples']:,} eval samples of {self.opts.seq_len} tokens; fill "
                  f"{train['stats']['fill_rate']:.3f}, {len(self.kept):,} documents"
-                 f"{f' ({self.response_only:,} trained on their responses only)' if self.response_only else ''}, "
+                 f"{self._instruction_said()}, "
                  f"{dedup['exact_duplicates'] + dedup['near_duplicates']:,} duplicates removed, "
                  f"{skipped_text(self.skipped)})")
         return manifest
