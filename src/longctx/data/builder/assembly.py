@@ -260,8 +260,9 @@ class Assembly:
             shard, row = corpus.locate(doc)
             return np.array(corpus.shards[shard].sigs()[row])
 
+        instruction = self.opts.response_field or self.opts.messages_field  # (else no document has switches)
         deduper = Deduper(self.opts.dedup, self.opts.dedup_threshold, text_of=corpus.text, sig_of=signature_of,
-                          switches_of=lambda doc: corpus.get("chars", doc))
+                          switches_of=(lambda doc: corpus.get("chars", doc)) if instruction else None)
         if seen is not None:
             deduper.seed(*seen, seen_plain)
         keep = np.zeros(corpus.n, dtype=bool)
