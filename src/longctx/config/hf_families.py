@@ -61,6 +61,9 @@ MOE_DEFAULTS = {
     "olmoe": dict(num_experts=64, num_experts_per_tok=8, norm_topk_prob=False, router_aux_loss_coef=0.01),
 }
 _EVERY_LAYER_WINDOWED = ("mistral", "mixtral")  # (when their sliding_window is not null)
+# the families whose transformers config class reads layer_types (5.x): Qwen3-MoE, Llama and OLMoE have none, so a
+# layer_types key in their config.json changes nothing there (Qwen3-MoE windows every layer by use_sliding_window)
+_LAYER_TYPES_FAMILIES = ("qwen2", "qwen3", "qwen2_moe")
 
 
 def with_family_defaults(hf: dict) -> dict:
@@ -74,13 +77,14 @@ QWEN_WINDOW_DEFAULTS = dict(sliding_window=4096, max_window_layers=28)  # (every
 
 def windowed_layers(hf: dict) -> list[int]:
     """The layers to which transformers' config class gives a sliding window, as it derives them: an
-    explicit layer_types' "sliding_attention" entries; every layer of a windowed Mistral / Mixtral; with
-    Qwen's use_sliding_window, Qwen2 / Qwen3's layers from max_window_layers on, Qwen2-MoE's even layers
-    below it, every layer of Qwen3-MoE (which has no max_window_layers). No window, none."""
+    explicit layer_types' "sliding_attention" entries (of the families that read it); every layer of a
+    windowed Mistral / Mixtral; with Qwen's use_sliding_window, Qwen2 / Qwen3's layers from max_window_layers
+    on, Qwen2-MoE's even layers below it, every layer of Qwen3-MoE (which has no max_window_layers). No
+    window, none."""
     family, layers = hf.get("model_type"), int(hf.get("num_hidden_layers") or 0)
     if family in _EVERY_LAYER_WINDOWED:
         return list(range(layers)) if with_family_defaults(hf).get("sliding_window") is not None else []
-    if hf.get("layer_types"):
+    if hf.get("layer_types") and family in _LAYER_TYPES_FAMILIES:
         return [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
     d = {**QWEN_WINDOW_DEFAULTS, **hf}
     if family not in QWEN_FAMILIES or not d.get("use_sliding_window") or d.get("sliding_window") is None:

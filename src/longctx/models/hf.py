@@ -166,6 +166,29 @@ def _check_shape(src: _Source, stored: tuple, p: torch.Tensor, name: str, file: 
         raise HFFormatError(f"{file.name}: tensor {name} has shape {stored}, config.json implies {want}.")
 
 
+def _check_dtype(dtype: str, name: str, file: Path) -> None:
+    """Refuse a tensor stored quantized (float8, or integers packing several weights): cast as it is, it would
+    be another model's weights (its scales are other tensors)."""
+    if dtype.startswith("F8") or dtype in ("I8", "U8", "I16", "I32", "I64", "U16", "U32", "U64"):
+        raise HFFormatError(f"{file.name}: tensor {name} is stored as {dtype}, a quantized weight; longctx reads "
+                            f"unquantized (float) weights only. Use the model's bf16 release, or dequantize it once.")
+
+
+def _check_tied(embed, head, path: Path, rows: int = 4096) -> None:
+    """config.json ties the head to the embedding, but the files hold an lm_head.weight too: it must be the
+    embedding (compared a block of rows at a time). transformers 5 unties a model whose two differ and uses
+    the file's head (4.x ties it and drops the head): which is meant is the config's to say, not ours."""
+    vocab = embed.get_shape()[0]
+    for lo in range(0, vocab, rows):
+        hi = min(vocab, lo + rows)
+        if not torch.equal(embed[lo:hi], head[lo:hi]):
+            raise HFFormatError(f"{path}/config.json has tie_word_embeddings true, but the files hold an "
+                                f"lm_head.weight that differs from model.embed_tokens.weight (rows {lo}-{hi - 1}): "
+                                f"transformers 5 unties such a model and uses the head, 4.x ties it and drops it. "
+                                f"Set tie_word_embeddings to false in config.json to use the head (as transformers 5), "
+                                f"or remove lm_head.weight to tie them.")
+
+
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | Path) -> None:
     """Fill `model` (materialised, possibly FSDP-sharded) from the safetensors in `path`, each rank
@@ -193,6 +216,9 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
             for name in src.names:
                 stored, file = tensor(name)
                 _check_shape(src, tuple(stored.get_shape()), params[ours], name, file)
+                _check_dtype(stored.get_dtype(), name, file)
+        if model.output is None and "lm_head.weight" in files:
+            _check_tied(tensor("model.embed_tokens.weight")[0], tensor("lm_head.weight")[0], path)
         mb = {ours: local_part(params[ours]).nbytes / 1e6 for ours in sources}
         with phase(f"loading the weights of {path}", total=sum(mb.values()), unit="MB") as progress:
             for ours, src in sources.items():
