@@ -105,14 +105,14 @@ def test_a_part_whose_gaps_are_missing_or_of_another_length_is_refused(tmp_path,
 def test_the_trained_token_mask_of_a_part_is_the_loaders_reading(tmp_path):
     """data.loader.trained_token_mask (what the GliDe draft's vocabulary counts, train/glide.py token_counts):
     per sample, the tokens whose document trains on them, in any block of samples."""
-    from longctx.data.loader import trained_token_mask
+    from longctx.data.loader import part_trained_spans, trained_token_mask
     from longctx.data.store import load_split
 
     root, docs, trained = _gapped_store(tmp_path)
     samples, part = PackedSamples(root, "train"), read_manifest(root)["parts"][0]
     arrays = load_split(root, part, "train")
     for lo, hi in ((0, len(samples)), (1, 3), (len(samples) - 2, len(samples) + 5)):
-        mask = trained_token_mask(root, part, arrays, lo, hi)
+        mask = trained_token_mask(part_trained_spans(root, part), part, arrays, lo, hi)
         assert mask.shape == (min(hi, len(samples)) - lo, 64)
         for i in range(lo, min(hi, len(samples))):
             want = np.zeros(64, dtype=bool)

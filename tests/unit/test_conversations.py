@@ -246,3 +246,54 @@ def test_a_sharegpt_conversation_is_read_as_role_and_content(tmp_path, folder):
     assert store_documents(tmp_path / "a" / "store") == store_documents(tmp_path / "b" / "store")
     a, b = (np.load(tmp_path / d / "store" / "part-00000" / LOSS_FROM) for d in ("a", "b"))
     assert np.array_equal(a, b) and len(a) == len(CONVERSATIONS)
+
+
+def test_an_added_token_matched_after_normalisation_is_no_anchor(tmp_path):
+    """An added token with normalized=True (`add_tokens`' default) is matched in the normalised text, where a
+    Prepend('▁') normalizer's space before it joins it: the text is not read apart there, so encoding from it
+    would find a straddle that encoding the whole prefix does not (a review's finding). Only normalized=False
+    added tokens anchor the local check, and a local miss is confirmed on the whole prefix."""
+    from tokenizers import AddedToken, Tokenizer, models, normalizers
+
+    from longctx.data.builder.tokenize import _added_tokens, _piece, _switch_at
+    from longctx.data.tokenizer import load_tokenizer
+
+    vocab = {c: i for i, c in enumerate(["<unk>", "▁", "a", "b", "x", "\n"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.add_special_tokens([AddedToken("</s>", special=True, normalized=False)])
+    tok.add_tokens([AddedToken("<|im_end|>", normalized=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    for text, c in (("a <|im_end|>\nb\nx", len("a <|im_end|>\nb")),
+                    ("a </s>\nb <|im_end|>\nx", len("a </s>\nb <|im_end|>"))):
+        w = _piece(text, t, after_text=False)[0]
+        ids = _piece(text[:c], t, after_text=False)[0]
+        whole = len(ids) if np.array_equal(w[:len(ids)], ids) else None
+        assert _switch_at(text, c, t, w, _added_tokens(text, t, w)) == whole
+
+
+def test_a_template_that_renders_history_otherwise_trains_the_last_answer_and_says_so(tmp_path, folder):
+    """Qwen3's template writes an empty thinking block in the last assistant turn only (and after the
+    generation prompt): an earlier answer reads otherwise once it is history, so it cannot be cut out of the
+    whole rendering. The conversation is kept, trained on its last answer only, and counted (not skipped)."""
+    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+                "{% if m['role'] == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+                "{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}")
+    other = _with_template(tmp_path, folder, "qwen3", template)
+    said = []
+    manifest = _build(tmp_path, other, [{"messages": m} for m in CONVERSATIONS], log=said.append)
+    counts = manifest["parts"][0]["counts"]
+    assert counts["documents_kept"] == 2 and counts["skipped"] == {} and counts["last_answer_only"] == 1
+    assert manifest["version"] == 3 and "answer_gap_documents" not in counts  # (one span each)
+    assert any("1 conversations trained on their last answer only" in line for line in said)
+    root = tmp_path / "store"
+    theirs = transformers.AutoTokenizer.from_pretrained(str(other))
+    docs = store_documents(root)
+    expected = set()
+    for doc, messages in enumerate(CONVERSATIONS):
+        start = len(theirs.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False))
+        expected |= {(doc, j) for j in range(start, len(docs[doc]))}
+    assert _targets(PackedSamples(root, "train"))[0] == expected

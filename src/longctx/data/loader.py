@@ -332,10 +332,9 @@ def part_trained_spans(root: Path, part: dict) -> TrainedSpans | None:
     return TrainedSpans(np.asarray(firsts), *(gaps if gaps is not None else (None, None)))
 
 
-def trained_token_mask(root: Path, part: dict, arrays, lo: int, hi: int) -> np.ndarray | None:
+def trained_token_mask(spans: TrainedSpans | None, part: dict, arrays, lo: int, hi: int) -> np.ndarray | None:
     """[samples lo..hi of a part's split, seq_len] bool: their tokens that are trained on (instruction data's
-    answers; padding not), or None where every real token is (a part of plain text)."""
-    spans = part_trained_spans(root, part)
+    answers; padding not), by the part's `spans` (part_trained_spans), or None where every real token is."""
     if spans is None:
         return None
     hi = min(hi, len(arrays.pointer) - 1)

@@ -108,10 +108,12 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
     def added_ids(self) -> frozenset[int]:
-        """The ids of its added tokens, special or not: the library reads the text between two of them apart
-        (builder/tokenize.py uses that to check a prefix of a long text locally)."""
+        """The ids of its added tokens that are matched before normalisation (normalized=False: chat templates'
+        special tokens), so that the library reads the text between two of them apart (builder/tokenize.py
+        checks a prefix of a long text locally from one). One matched after normalisation (normalized=True,
+        `add_tokens`' default) may take in the text around it (a Prepend('▁') normalizer's space)."""
         if self._added is None:
-            self._added = frozenset(int(i) for i in self._tok.get_added_tokens_decoder())
+            self._added = frozenset(int(i) for i, t in self._tok.get_added_tokens_decoder().items() if not t.normalized)
         return self._added
 
     def text_prefix(self) -> list[int]:

@@ -241,7 +241,7 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     text and no label reads it, yet a store of short documents in long samples is mostly padding, which
     counted made the pad token the 'most frequent' and the reported coverage a share of padding. Of
     instruction data only the answers are counted: the tokens the draft proposes and is trained on."""
-    from ..data.loader import trained_token_mask
+    from ..data.loader import part_trained_spans, trained_token_mask
     from ..data.store import S_LENGTH, S_SAMPLE, load_split, read_manifest
     from .setup import store_path
 
@@ -252,13 +252,14 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
         if split is None:
             continue
         samples, seq_len = split.tokens.shape
+        spans = part_trained_spans(root, part)  # (instruction data: its answers only)
         # a sample's segments are contiguous from offset 0: its real tokens are the first sum(lengths)
         real = np.bincount(split.segments[:, S_SAMPLE], weights=split.segments[:, S_LENGTH], minlength=samples)
         rows = max(1, (1 << 24) // max(1, seq_len))  # ~16M tokens read at a time, not a whole part
         for r in range(0, samples, rows):
             tokens = np.asarray(split.tokens[r:r + rows])
             held = np.arange(seq_len)[None] < real[r:r + rows, None]
-            trained = trained_token_mask(root, part, split, r, r + rows)
+            trained = trained_token_mask(spans, part, split, r, r + rows)
             if trained is not None:
                 held &= trained
             counts += np.bincount(tokens[held], minlength=counts.size)[:counts.size]

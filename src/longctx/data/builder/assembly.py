@@ -32,6 +32,7 @@ from ...errors import DataError
 from ...progress import current, progress_bar
 from .. import store
 from .cluster import cluster
+from .conversations import LAST_ONLY
 from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
 from .embed import embed
@@ -64,6 +65,8 @@ class Assembly:
                 self.skipped[reason] = self.skipped.get(reason, 0) + count
         if other_suffix:
             self.skipped["other_suffix"] = self.skipped.get("other_suffix", 0) + other_suffix
+        # conversations kept but trained on their last answer only (conversations.py): read, not skipped
+        self.last_answer_only = self.skipped.pop(LAST_ONLY, 0)
         self.damaged = [name for shard in shards for name in shard.counts.get("damaged", [])]  # corrupt files
         self.files = sum(shard.counts["files"] for shard in shards)
         self.documents_read = self.raw_bytes = 0  # what the stages read: documents, UTF-8 bytes
@@ -210,6 +213,9 @@ class Assembly:
         if not self.response_only:
             return ""
         several = f", {self.answer_gaps:,} of them on several answers" if self.answer_gaps else ""
+        if self.last_answer_only:  # (--answers all, a template that renders earlier answers otherwise as history)
+            several += (f"; {self.last_answer_only:,} conversations trained on their last answer only: the chat "
+                        f"template renders their earlier answers otherwise once they are history")
         return f" ({self.response_only:,} trained on their responses only{several})"
 
     def publish(self) -> dict:
@@ -238,8 +244,9 @@ class Assembly:
         for part in self.old["parts"]:
             if part.get("dedup_version", 1) != DEDUP_VERSION:
                 self.log(f"  dedup     {part['dir']} was hashed by an older longctx (dedup version "
-                         f"{part.get('dedup_version', 1)}, now {DEDUP_VERSION}): copies of its documents that differ "
-                         f"only in spacing or are short, CJK or Thai may not be found; rebuild the store to be sure")
+                         f"{part.get('dedup_version', 1)}, now {DEDUP_VERSION}): copies of its documents may not be "
+                         f"found (1: those that differ only in spacing or are short, CJK or Thai; 2: of instruction "
+                         f"data, hashed then as plain text); rebuild the store to be sure")
             h, s = store.load_part_docs(self.root, part)
             hashes.append(h)
             if s is not None:
@@ -384,6 +391,7 @@ class Assembly:
                 "documents_kept": len(self.kept), "tokens": int(self.lengths.sum()), "raw_bytes": self.raw_bytes,
                 **({"response_only_documents": self.response_only} if self.response_only else {}),
                 **({"answer_gap_documents": self.answer_gaps} if self.answer_gaps else {}),
+                **({"last_answer_only": self.last_answer_only} if self.last_answer_only else {}),
             },
             "splits": self.splits,
             "stages": self.records,

@@ -13,9 +13,11 @@ turns, the headers) is read, not trained on.
 `--answers all` (the default; what TRL's assistant-only loss and ArcticTraining's SFT train on) trains
 every answer that has a message before it and some text; `--answers last` only the last one, the
 earlier ones read as the prompt (LLaMA-Factory's mask_history). A template whose renderings of those
-prefixes are not prefixes of the whole conversation's (one that drops earlier reasoning from the
-history, say) cannot be split so: such a record is skipped and counted (`chat_template_not_prefix`;
-with `--answers last` only the last answer's prefix must be one), as is a conversation that is not a
+prefixes are not prefixes of the whole conversation's (Qwen3's, which writes an empty thinking block
+in the last turn only, or one that drops earlier reasoning from the history) cannot be split at the
+earlier answers: such a conversation is trained on its last answer only, and counted
+(`last_answer_only`, not a skip); where even the last answer's prefix is none, it is skipped and
+counted (`chat_template_not_prefix`), as is a conversation that is not a
 list of role / content strings with a message before the assistant's last, or that the template
 refuses or fails on (`bad_conversation`), and one whose last answer is empty (`empty`).
 """
@@ -31,6 +33,9 @@ FLAG = "--messages-field"
 
 
 ANSWERS = ("all", "last")  # --answers
+# not a skip: a conversation kept, trained on its last answer only (its template renders earlier answers otherwise
+# in the history); taken out of the scan's skip counts by the build (assembly.py) and said on its own
+LAST_ONLY = "last_answer_only"
 
 
 class Conversations:
@@ -51,24 +56,36 @@ class Conversations:
             skipped["empty"] += 1  # (nothing to train on but the template's end of turn)
             return None
         last = len(messages) - 1
-        trained = [i for i, m in enumerate(messages) if self.answers == "all" and 0 < i < last
-                   and m["role"] == "assistant" and m["content"].strip()] + [last]
+        earlier = [i for i, m in enumerate(messages) if self.answers == "all" and 0 < i < last
+                   and m["role"] == "assistant" and m["content"].strip()]
         try:
             whole = self.template.render(messages, add_generation_prompt=False)
-            bounds = []
-            for i in trained:  # (each answer between the rendering of what it answers and of itself)
-                bounds.append(self.template.render(messages[:i], add_generation_prompt=True))
-                bounds.append(self.template.render(messages[:i + 1], add_generation_prompt=False)
-                              if i < last else whole)
+            ends = self._ends(messages, [*earlier, last], whole)
+            if ends is None and earlier:
+                # a template that renders an answer otherwise once it is history (Qwen3's empty thinking block,
+                # written for the last turn only): the last answer alone, counted
+                ends = self._ends(messages, [last], whole)
+                if ends is not None:
+                    skipped[LAST_ONLY] += 1
         except ConfigError:  # (the template's raise_exception: roles that do not alternate, a system message...)
             skipped["bad_conversation"] += 1
             return None
-        ends = [len(b) for b in bounds]
-        if not all(whole.startswith(b) for b in bounds) or ends != sorted(ends):
+        if ends is None:
             skipped["chat_template_not_prefix"] += 1
             return None
         cuts = [0, *_merged(ends[:-1]), len(whole)]
         return [whole[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    def _ends(self, messages, trained: list[int], whole: str) -> list[int] | None:
+        """Where each trained answer starts and ends in the whole rendering (the renderings of what it answers,
+        with the generation prompt, and of itself), or None where one of those is not a prefix of it."""
+        bounds = []
+        for i in trained:
+            bounds.append(self.template.render(messages[:i], add_generation_prompt=True))
+            bounds.append(self.template.render(messages[:i + 1], add_generation_prompt=False)
+                          if i < len(messages) - 1 else whole)
+        ends = [len(b) for b in bounds]
+        return ends if all(whole.startswith(b) for b in bounds) and ends == sorted(ends) else None
 
 
 # ShareGPT's speakers (`{"from": ..., "value": ...}` messages) as chat templates name them; others kept as given

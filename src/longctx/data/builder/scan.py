@@ -46,8 +46,9 @@ FORMAT = SCAN_FORMAT
 # 4: a document starts with its tokenizer's text_prefix (tokenize.py); 5: a corrupt compressed file yields no
 # document (readers.py: also none of the lines before the damage), its name recorded; 6: each document's
 # first token trained on (loss_from.npy: instruction pairs, --response-field); 7: its gaps in training (gaps.bin:
-# a conversation's turns between its answers) and where its characters switch (chars.bin: instruction data's dedup)
-VERSION = 7
+# a conversation's turns between its answers); 8: where its characters switch (chars.bin), instruction data hashed
+# by its pieces and signed by its answers (dedup.py)
+VERSION = 8
 PLAN = SCAN_PLAN
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open

@@ -80,9 +80,11 @@ def tokenize_answers(text: str, trained_chars, tok,
     lead = own if len(own) and not np.array_equal(p_ids[:len(own)], own) else own[:0]
     w_ids, wb, ws = _piece(text, tok, after_text=False)
     ats = [len(p_ids) if np.array_equal(w_ids[:len(p_ids)], p_ids) else None]
-    if len(bounds) > 1:
-        anchors = _added_tokens(text, tok, w_ids)
-        ats += [_switch_at(text, c, tok, w_ids, anchors) for c in bounds[1:]]
+    anchors = _added_tokens(text, tok, w_ids) if len(bounds) > 1 else None
+    for c in bounds[1:]:
+        if ats[-1] is None:
+            break  # (one straddled switch: every piece is encoded apart)
+        ats.append(_switch_at(text, c, tok, w_ids, anchors))
     if None not in ats:
         ids, breaks, strong = w_ids, wb, ws
     else:
@@ -121,7 +123,12 @@ def _switch_at(text: str, c: int, tok, w_ids: np.ndarray, anchors) -> int | None
     k = int(np.searchsorted(end, c, side="right")) - 1
     i, s = (int(index[k]), int(first[k])) if k >= 0 else (0, 0)
     ids = _piece(text[s:c], tok, after_text=False)[0]
-    return i + len(ids) if np.array_equal(w_ids[i:i + len(ids)], ids) else None
+    if np.array_equal(w_ids[i:i + len(ids)], ids):
+        return i + len(ids)
+    if s:  # (not a prefix locally: confirmed on the whole prefix, once a document, before the pieces go apart)
+        ids = _piece(text[:c], tok, after_text=False)[0]
+        return len(ids) if np.array_equal(w_ids[:len(ids)], ids) else None
+    return None
 
 
 # text a piece is encoded after (the first whose own ids stay a prefix). (Latent: a pre-tokenizer that groups
