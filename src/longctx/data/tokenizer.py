@@ -107,6 +107,10 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of its special tokens (decode leaves them out of the text)."""
+        return {t.content: int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
     def added_ids(self) -> frozenset[int]:
         """The ids of its added tokens that are matched before normalisation (normalized=False: chat templates'
         special tokens), so that the library reads the text between two of them apart (builder/tokenize.py

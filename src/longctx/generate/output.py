@@ -11,6 +11,7 @@ import os
 import sys
 
 from .. import strict_json
+from ..errors import ConfigError
 
 
 class StopStrings:
@@ -22,14 +23,29 @@ class StopStrings:
     text before its last token holds 4c + 4 characters or it covers the row: tokens that decode to
     nothing (special tokens, which decode skips, or a byte tokenizer's ids >= 256) may lie inside a
     stop string, so a count of tokens alone is not enough. Doubling keeps the work within a few
-    decodes of the shortest tail that suffices (one, with one token more, when no token is silent)."""
+    decodes of the shortest tail that suffices (one, with one token more, when no token is silent).
+
+    A stop string that is a special token's text (`--stop "<|im_end|>"`, the usual cure for a chat model whose
+    EOS leaves out its end of turn) never shows in the text, which decode leaves special tokens out of: it
+    ends a row when that token is generated instead (as transformers' stop strings match it). One that holds
+    a special token's text among other text could never match, and is refused."""
 
     def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.window = 4 * max((len(s) for s in stops), default=0) + 4
+        special = getattr(tokenizer, "special_tokens", dict)()  # {text: id}
+        self.stop_ids = {special[s] for s in stops if s in special}
+        self.tokenizer, self.stops = tokenizer, [s for s in stops if s not in special]
+        for stop in self.stops:
+            inside = [t for t in special if t and t in stop]
+            if inside:
+                raise ConfigError(f"--stop {stop!r} holds the special token {inside[0]!r}, which the generated text "
+                                  f"never shows (special tokens decode to nothing), so it could never match; give "
+                                  f"--stop {inside[0]!r} on its own (a row then ends when that token is generated).")
+        self.window = 4 * max((len(s) for s in self.stops), default=0) + 4
 
     def __call__(self, row: int, tokens: list[int]) -> bool:
-        return any(s in self.tail(tokens) for s in self.stops)
+        if tokens and tokens[-1] in self.stop_ids:
+            return True
+        return bool(self.stops) and any(s in self.tail(tokens) for s in self.stops)
 
     def tail(self, tokens: list[int]) -> str:
         """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends."""
@@ -173,7 +189,8 @@ class Output:
         else:
             self.file = open(path, "w", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
         # one prompt on a terminal streams its text; several show a bar of new tokens
-        self.stream = Stream(tokenizer, stops) if main_rank and prompts == 1 and on_terminal() else None
+        text_stops = self.stops.stops if self.stops is not None else []  # (a special token's never shows)
+        self.stream = Stream(tokenizer, text_stops) if main_rank and prompts == 1 and on_terminal() else None
         self.bar = None if self.stream else progress_bar(new_tokens, "generate", "tok", main_rank)
 
     def on_token(self, row: int, token: int) -> None:
