@@ -136,7 +136,8 @@ def test_a_failed_pointer_write_leaves_no_temporary_file_and_old_ones_are_swept(
 def test_pruning_keeps_this_runs_history_not_an_abandoned_attempts(tmp_path):
     """A resume of step 4 with steps 6, 8, 10 of an abandoned attempt in the directory: keep = 2 counted
     those, so the first save (step 6) deleted steps 2 and 4, the run's own, and kept the abandoned 8 and
-    10. Now the newer ones are left as they are and not counted: step 4 and the new 6 are kept."""
+    10. Now the newer ones are left as they are and not counted: step 4 and the new 6 are kept (the
+    trajectory of the new 6: its parent 4, and 4's parent 2)."""
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
 
@@ -151,7 +152,9 @@ def test_pruning_keeps_this_runs_history_not_an_abandoned_attempts(tmp_path):
     for step in (2, 4, 6, 8, 10):
         first.save(step, model, optimizer, {"position": step})
     stale = (tmp_path / "step-00000008" / "manifest.json").read_text()
-    again = manager(keep=2)  # resumed from step 4
+    again = manager(keep=2)  # resumed from step 4: its load names step 4 the parent of its next save
+    again.parent = {"name": "step-00000004",
+                    "checksum": json.loads((tmp_path / "step-00000004" / "manifest.json").read_text())["checksum"]}
     again.save(6, model, optimizer, {"position": 6})
     assert names() == ["latest", "step-00000004", "step-00000006", "step-00000008", "step-00000010"]
     assert (tmp_path / "step-00000008" / "manifest.json").read_text() == stale  # (untouched)

@@ -57,6 +57,7 @@ from ..config.checkpoint_paths import (
     resolve_checkpoint,
     resume_candidates,
     step_name,
+    trajectory,
 )
 from ..durable import publish, write_text_durably
 from ..faults import planned
@@ -118,6 +119,8 @@ class CheckpointManager:
         # name -> a callable returning a JSON-able dict, saved under that name in trainer_state.json
         self.extra_state: dict[str, Callable[[], dict]] = {}
         self.resumed_from: tuple[Path, dict] | None = None  # (path, manifest) of the last load
+        # the checkpoint this run saved or loaded last ({"name", "checksum"}): the next one's parent (manifest.py)
+        self.parent: dict | None = None
         self.resumed_state: dict | None = None  # its trainer state (trainer_state.json and the manifest)
         # async saves: where each rank hashes its files and rank 0 commits, off the training loop
         self._worker = Worker("checkpoint-finish") if async_save else None
@@ -176,7 +179,7 @@ class CheckpointManager:
 
     def _manifest_record(self) -> dict:
         return {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
-                "holdout_tokens": self.holdout_tokens, "text_prefix": self.text_prefix}
+                "holdout_tokens": self.holdout_tokens, "text_prefix": self.text_prefix, "parent": self.parent}
 
     def _temporary_directory(self, step: int) -> Path:
         """A fresh hidden directory for this save, the same on every rank."""
@@ -242,7 +245,7 @@ class CheckpointManager:
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
         record = record or self._manifest_record()
-        write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
+        written = write_manifest(tmp, step=step, layout=self.layout, model=self.model_cfg, hashes=hashes,
                        tokenizer=self.tokenizer, tokenizer_identity=self.tokenizer_identity, draft=self.draft, **record)
         final = self.root / step_name(step)
         # durably (durable.py): every rank synced its files (_finish), so after a power loss `latest` never
@@ -262,14 +265,15 @@ class CheckpointManager:
             raise
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+        self.parent = {"name": final.name, "checksum": written["checksum"]}
         self._prune(keep_also=final)
         self.log(f"checkpoint: saved step {step} to {final}")
 
     def _prune(self, keep_also: Path) -> None:
-        # the `keep` newest up to the step just saved: newer ones are an attempt an explicit resume of an older
-        # checkpoint abandoned (left as they are), and counting them would delete this run's own history
-        found = [p for p in complete_checkpoints(self.root) if p.name <= keep_also.name]
-        for old in found[:-self.keep] if self.keep else []:
+        # the `keep` newest of this run's trajectory (the one just saved and those it descends from): another
+        # attempt's, which an explicit resume of an older checkpoint left newer or interleaved, are neither counted
+        # nor deleted (counting them deleted this run's own history)
+        for old in trajectory(self.root, keep_also)[self.keep:] if self.keep else []:
             shutil.rmtree(old, ignore_errors=True)
 
     def wait(self) -> None:
@@ -375,6 +379,8 @@ class CheckpointManager:
             group.update(params=params, **own)
         self._restore_rng(path, manifest)
         self.resumed_from = (path, manifest)
+        here = path.resolve().parent == self.root.resolve()  # (one loaded from elsewhere starts a trajectory here)
+        self.parent = {"name": path.name, "checksum": manifest.get("checksum")} if here else None
         trainer = json.loads((path / TRAINER_STATE).read_text())
         trainer["manifest"] = manifest
         self.resumed_state = trainer

@@ -101,7 +101,8 @@ def collect_hashes_parts(directory: Path, ranks) -> dict[str, dict]:
 def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
                    hashes: dict[str, dict] | None = None, tokenizer: str | None = None,
                    tokenizer_identity: str | None = None, draft: dict | None = None, trained_positions: int = 0,
-                   run_dir: str | None = None, holdout_tokens: int = 0, text_prefix: list[int] | None = None) -> dict:
+                   run_dir: str | None = None, holdout_tokens: int = 0, text_prefix: list[int] | None = None,
+                   parent: dict | None = None) -> dict:
     """Write manifest.json (last, atomically). `hashes` are the ranks' checksums of their files; any file
     on disk they do not cover (all of them when None) is hashed here, so the manifest lists every file.
     `tokenizer_identity`: the run's tokenizer's content (config/tokenizer.py tokenizer_identity, as data stores
@@ -113,7 +114,9 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
     `holdout_tokens`: the eval-split grid of the store the run trained on when it built it from data.corpus
     (data/default_store.py, whose trained_grid reads it; 0 = left out). `text_prefix`: the special tokens
     its documents began with (e.g. BOS: data/builder/tokenize.py), which `longctx generate` and `longctx
-    eval` put before a prompt (config/tokenizer.py model_text_prefix; none = left out)."""
+    eval` put before a prompt (config/tokenizer.py model_text_prefix; none = left out). `parent`: the
+    checkpoint the run saved or loaded last before this one ({"name", "checksum"}; None: it started afresh),
+    which keep, resume auto and rollbacks follow (config/checkpoint_paths.py trajectory)."""
     hashes = dict(hashes or {})
     missing = [rel for rel in checkpoint_files(directory) if rel not in hashes]
     hashes.update(hash_files(directory, missing))
@@ -129,6 +132,7 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
         **({"run_dir": run_dir} if run_dir else {}),
         **({"holdout_tokens": int(holdout_tokens)} if holdout_tokens else {}),
         **({"text_prefix": [int(t) for t in text_prefix]} if text_prefix else {}),
+        "parent": parent,
         "files": [{"path": rel, **hashes[rel]} for rel in sorted(hashes)],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "longctx": __version__,

@@ -47,14 +47,41 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def resume_candidates(root: Path) -> list[Path]:
-    """What `--checkpoint.resume auto` tries, in order: the checkpoint `latest` names, then the older
-    complete ones, newest first. A newer one than `latest`'s is not of the run `latest` continues (every
-    save moves `latest` to itself; an explicit resume of an older checkpoint leaves the newer ones to
-    the attempt it abandoned), so falling back to it would jump to another trajectory."""
+    """What `--checkpoint.resume auto` tries, in order: the checkpoint `latest` names, then the ones it
+    descends from, newest first (`trajectory`). Another attempt's (an explicit resume of an older checkpoint
+    leaves the abandoned attempt's in the directory, newer or interleaved) would jump to another trajectory."""
     first = latest_checkpoint(root)
-    if first is None:
-        return []
-    return [first, *(p for p in reversed(complete_checkpoints(root)) if p.name < first.name)]
+    return [] if first is None else trajectory(root, first)
+
+
+def trajectory(root: Path, newest: Path) -> list[Path]:
+    """`newest` and the complete checkpoints of root it descends from, newest first: each manifest names its
+    `parent` (the checkpoint the run saved or loaded last before it: name and manifest checksum), followed
+    while that directory still holds that very checkpoint (a later attempt may have saved its own of the same
+    step). A manifest written before parents were recorded (no `parent` key) is followed by every older
+    complete checkpoint, as then; a null parent (a run started afresh) or one gone ends the list."""
+    import json
+
+    out, at = [], newest
+    while True:
+        out.append(at)
+        try:
+            manifest = json.loads((at / MANIFEST).read_text())
+        except (OSError, ValueError):
+            manifest = {}
+        if "parent" not in manifest:  # (older checkpoints: every complete one before it, newest first)
+            return out + [p for p in reversed(complete_checkpoints(root)) if p.name < at.name]
+        parent = manifest["parent"]
+        if not parent or parent.get("name", "") >= at.name:
+            return out
+        nxt = root / parent["name"]
+        try:
+            theirs = json.loads((nxt / MANIFEST).read_text()).get("checksum")
+        except (OSError, ValueError):
+            theirs = None
+        if theirs != parent.get("checksum"):
+            return out
+        at = nxt
 
 
 def resolve_checkpoint(spec: str, root: Path) -> Path | None:

@@ -19,16 +19,20 @@ import time
 from pathlib import Path
 
 from ..checkpoint.manifest import damage_report
-from ..config.checkpoint_paths import MANIFEST, complete_checkpoints, latest_checkpoint
+from ..config.checkpoint_paths import MANIFEST, complete_checkpoints, latest_checkpoint, trajectory
 from ..errors import TrainingError
 
 RECORD = "rollbacks.jsonl"
 
 
-def record_rollback(root: Path, bad_step: int, checkpoint_step: int, reason: str, data_position: dict) -> None:
-    """Append one rollback (rank 0 only; flushed to disk before the run goes on)."""
+def record_rollback(root: Path, bad_step: int, checkpoint_step: int, reason: str, data_position: dict,
+                    checksum: str | None = None) -> None:
+    """Append one rollback (rank 0 only; flushed to disk before the run goes on). `checksum`: the manifest
+    checksum of the checkpoint rolled back to, which names that very checkpoint (a later attempt may save
+    its own of the same step)."""
     entry = {"bad_step": bad_step, "rolled_back_to": checkpoint_step, "skipped_steps": [checkpoint_step + 1, bad_step],
-             "reason": reason, "data_position": data_position, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+             "reason": reason, "data_position": data_position, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             **({"checkpoint": checksum} if checksum else {})}
     root.mkdir(parents=True, exist_ok=True)
     with open(root / RECORD, "a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -36,9 +40,11 @@ def record_rollback(root: Path, bad_step: int, checkpoint_step: int, reason: str
         os.fsync(f.fileno())
 
 
-def rollback_from(root: Path, checkpoint_step: int) -> dict | None:
-    """The newest rollback to the checkpoint of `checkpoint_step` (None when the run never rolled
-    back to it): a resume from that checkpoint continues after its bad step instead."""
+def rollback_from(root: Path, checkpoint_step: int, checksum: str | None = None) -> dict | None:
+    """The newest rollback to the checkpoint of `checkpoint_step` whose manifest checksum is `checksum` (a
+    record written before checksums were, by step alone; None when the run never rolled back to it): a
+    resume from that checkpoint continues after its bad step instead. Another attempt's checkpoint of the
+    same step, saved after an explicit resume of an older one, is not the one rolled back to."""
     path = root / RECORD
     if not checkpoint_step or not path.is_file():
         return None
@@ -48,16 +54,17 @@ def rollback_from(root: Path, checkpoint_step: int) -> dict | None:
             entry = json.loads(line)
         except ValueError:  # a line cut by a crash while it was written: that rollback did not go on
             continue
-        if entry.get("rolled_back_to") == checkpoint_step:
+        if entry.get("rolled_back_to") == checkpoint_step and entry.get("checkpoint", checksum) == checksum:
             found = entry
     return found
 
 
-def skip_rolled_back_window(root: Path, start_step: int, sampler) -> tuple[int, str | None]:
-    """A resume from a checkpoint the run once rolled back to continues after the bad step, with
-    the data it had then, instead of replaying the skipped window: (the step to start after, what
-    to log); unchanged when the checkpoint was no rollback's."""
-    skipped = rollback_from(root, start_step)
+def skip_rolled_back_window(root: Path, start_step: int, sampler,
+                            checksum: str | None = None) -> tuple[int, str | None]:
+    """A resume from a checkpoint the run once rolled back to (the one of manifest checksum `checksum`)
+    continues after the bad step, with the data it had then, instead of replaying the skipped window:
+    (the step to start after, what to log); unchanged when the checkpoint was no rollback's."""
+    skipped = rollback_from(root, start_step, checksum)
     if skipped is None:
         return start_step, None
     sampler.load_state_dict(skipped["data_position"])
@@ -88,15 +95,17 @@ def rollback_candidates(ckpt, bad_step: int) -> list[Path]:
     Only checkpoints before the bad step: one at or after it is another trajectory's (an explicit
     resume of an older checkpoint leaves the newer ones, and `latest`, to the attempt it abandoned).
     First this run's own newest: the one it loaded last (its resume, or its last rollback) or, once it
-    has saved, the one `latest` names (each save it commits points `latest` there). A checkpoint newer
-    than that one but before the bad step is not this run's either, so only older ones follow, newest
+    has saved, the one `latest` names (each save it commits points `latest` there). Then the ones that one
+    descends from (its trajectory: another attempt's, newer or interleaved, is not this run's), newest
     first, for when this run's own is damaged. A run with neither takes the newest before the bad step."""
     own = [] if ckpt.resumed_from is None else [(int(ckpt.resumed_from[1]["step"]), ckpt.resumed_from[0])]
     if ckpt.saves and (latest := latest_checkpoint(ckpt.root)) is not None:
         own.append((_named_step(latest), latest))
     own = [(step, path) for step, path in own if step is not None and step < bad_step]
     limit = 1 + max(step for step, _ in own) if own else bad_step
-    others = [(step, p) for p in complete_checkpoints(ckpt.root)
+    newest = max(own, key=lambda c: c[0])[1] if own else None
+    mine = newest is not None and newest.resolve().parent == ckpt.root.resolve()
+    others = [(step, p) for p in (trajectory(ckpt.root, newest) if mine else complete_checkpoints(ckpt.root))
               if (step := _named_step(p)) is not None and step < limit]
     ordered = []
     for _, path in sorted([*own, *others], key=lambda c: -c[0]):  # (stable: this run's own first on a tie)
@@ -128,7 +137,7 @@ def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool) -> s
     state = ckpt.load(path, model, optimizer, manifest)
     back_to = int(state["step"])
     if is_main:
-        record_rollback(ckpt.root, bad.step, back_to, bad.reason, bad.position)
+        record_rollback(ckpt.root, bad.step, back_to, bad.reason, bad.position, manifest.get("checksum"))
     sampler.load_state_dict(bad.position)
     return (f"step {bad.step}: {bad.reason}: rolled back to the checkpoint of step {back_to} ({path.name}); "
             f"the data of steps {back_to + 1}-{bad.step} is skipped (recorded in {ckpt.root / RECORD}), "

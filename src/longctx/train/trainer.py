@@ -148,7 +148,8 @@ class Trainer:
         """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py),
         with the spike check's window the checkpoint's, as it was after the rollback."""
         if self.ckpt is not None and self.start_step:
-            self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler)
+            loaded = self.ckpt.resumed_from[1].get("checksum") if self.ckpt.resumed_from else None
+            self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler, loaded)
             if note:
                 self.log(note)
 
