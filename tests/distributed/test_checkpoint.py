@@ -198,7 +198,7 @@ def test_export_to_hf_round_trip(tmp_path):
     r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "verify", str(tmp_path / "checkpoints")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "checksums match" in r.stdout, r.stderr
-    from longctx.checkpoint.manager import load_model_weights
+    from longctx.checkpoint.weights_only import load_model_weights
     from longctx.models.hf import load_hf
     from longctx.models.llama import build_model
 

@@ -124,7 +124,7 @@ def test_qwen2_moe_head2_ctx2_matches_one_process_then_exports(moe_dirs, spawned
     r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(parallel_dir / "checkpoints"),
                         str(out), "--to", "hf"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    from longctx.checkpoint.manager import load_model_weights
+    from longctx.checkpoint.weights_only import load_model_weights
     from longctx.models.hf import load_hf
     from longctx.models.llama import build_model
 

@@ -84,7 +84,7 @@ def test_qwen3_head2_ctx2_matches_one_process_then_exports(qwen3_dir, spawned, t
                         "--to", "hf", "--max-shard-gb", "0.0001"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert (out / "tokenizer_config.json").is_file() and (out / "model.safetensors.index.json").is_file()
-    from longctx.checkpoint.manager import load_model_weights
+    from longctx.checkpoint.weights_only import load_model_weights
     from longctx.models.hf import load_hf
     from longctx.models.llama import build_model
 

@@ -116,8 +116,8 @@ def journeys(tmp_path_factory):
 
 
 def _ours(path):
-    from longctx.checkpoint.manager import load_model_weights
     from longctx.checkpoint.manifest import read_manifest
+    from longctx.checkpoint.weights_only import load_model_weights
     from longctx.config.checkpoint_paths import find_checkpoint
     from longctx.config.hf import model_config
     from longctx.models.llama import build_model

@@ -105,8 +105,8 @@ def test_a_part_whose_gaps_are_missing_or_of_another_length_is_refused(tmp_path,
 def test_the_trained_token_mask_of_a_part_is_the_loaders_reading(tmp_path):
     """data.loader.trained_token_mask (what the GliDe draft's vocabulary counts, train/glide.py token_counts):
     per sample, the tokens whose document trains on them, in any block of samples."""
-    from longctx.data.loader import part_trained_spans, trained_token_mask
     from longctx.data.store import load_split
+    from longctx.data.trained_spans import part_trained_spans, trained_token_mask
 
     root, docs, trained = _gapped_store(tmp_path)
     samples, part = PackedSamples(root, "train"), read_manifest(root)["parts"][0]

@@ -9,7 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import longctx.checkpoint.manager as manager_module
-from longctx.checkpoint.manager import CheckpointManager, load_model_weights
+from longctx.checkpoint.manager import CheckpointManager
+from longctx.checkpoint.weights_only import load_model_weights
 
 
 def _storages(tensors) -> set[int]:

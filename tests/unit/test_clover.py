@@ -236,7 +236,7 @@ def clover_run(tmp_path_factory, corpus, target_run):
 
 
 def _loaded_target(target_run):
-    from longctx.checkpoint.manager import load_model_weights
+    from longctx.checkpoint.weights_only import load_model_weights
     from longctx.config.checkpoint_paths import latest_checkpoint
 
     path = latest_checkpoint(target_run)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from longctx.checkpoint.glide import glide_manifest, load_glide_draft
-from longctx.checkpoint.manager import load_model_weights
+from longctx.checkpoint.weights_only import load_model_weights
 from longctx.config import load_config
 from longctx.config.hf import HFFormatError
 from longctx.errors import ConfigError

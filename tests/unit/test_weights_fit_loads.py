@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from longctx.checkpoint.manager import CheckpointManager, load_model_weights, load_weights_into
+from longctx.checkpoint.manager import CheckpointManager
+from longctx.checkpoint.weights_only import load_model_weights, load_weights_into
 from longctx.config import load_config
 from longctx.config.checkpoint_paths import CheckpointError
 from longctx.config.load import to_dict

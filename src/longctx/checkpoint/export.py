@@ -39,8 +39,8 @@ from ..durable import fsync_path, publish
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from ..models.moe import dropless_note
-from .manager import load_model_weights
 from .manifest import CheckpointError, read_manifest
+from .weights_only import load_model_weights
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torch.float32,

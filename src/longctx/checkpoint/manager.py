@@ -44,9 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 
@@ -420,37 +418,5 @@ def _single_process(no_dist: bool):
         yield
 
 
-def load_weights_into(path: Path, model, rt, log=print) -> dict:
-    """Only the model weights of a checkpoint, verified first (the ranks split the checksums), into
-    a model of any layout (each rank reads its shards): what `model.init_from = DIR` and
-    `longctx eval` start from. RoPE frequencies are set from the model's own config afterwards, so
-    an extension (rope_theta, rope_scaling) applies to the loaded weights."""
-    manager = CheckpointManager(path.parent, keep=0, async_save=False, rank=rt.rank, world=rt.world, layout={},
-                                model_cfg={}, log=log, create=False)
-    manifest, problems = manager.find_damage(path)
-    if problems:
-        raise CheckpointError(f"model.init_from: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
-                              f"loaded. Start from an intact checkpoint (`longctx checkpoint verify PATH` checks one).")
-    state = {"model": get_model_state_dict(model)}
-    check_weights_fit(path, state["model"], "start from a checkpoint of the configured model")
-    with _single_process(rt.world == 1):
-        dcp.load(state, checkpoint_id=str(path), process_group=manager.group, no_dist=rt.world == 1)
-    set_model_state_dict(model, state["model"])
-    model.init_rope()
-    return manifest
-
-
-def load_model_weights(path: Path, model) -> dict:
-    """Only the model weights of a checkpoint, into a single-process model (for export)."""
-    manifest = verify(path, checksums=True)
-    state = {"model": model.state_dict()}
-    # (the model is built from the checkpoint's own config: tensors beyond it mean a config that does not describe them)
-    check_weights_fit(path, state["model"], "use the longctx version that wrote it")
-    with _single_process(True):
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
-    model.load_state_dict(state["model"])
-    return manifest
-
-
-__all__ = ["CheckpointManager", "CheckpointError", "complete_checkpoints", "latest_checkpoint", "load_model_weights",
-           "read_manifest", "resolve_checkpoint", "resume_candidates", "verify"]
+__all__ = ["CheckpointManager", "CheckpointError", "complete_checkpoints", "latest_checkpoint", "read_manifest",
+           "resolve_checkpoint", "resume_candidates", "verify"]

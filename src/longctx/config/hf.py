@@ -48,6 +48,7 @@ from .hf_families import (
     MOE_DEFAULTS,
     HFFormatError,
     check_sliding_window,
+    check_unquantized,
     family_window,
     with_family_defaults,
 )
@@ -249,13 +250,7 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
             raise HFFormatError(f"{where}: {key} is {json.dumps(hf[key])}, not a number (transformers would build "
                                 f"a model that fails or computes with it); set it to the value the weights were "
                                 f"trained with, or remove the key for the {family} default ({default}).")
-    if hf.get("quantization_config"):
-        method = (hf["quantization_config"] or {}).get("quant_method", "?") if isinstance(
-            hf["quantization_config"], dict) else "?"
-        raise HFFormatError(f"{where}: quantization_config (quant_method {method}): the weights are stored quantized "
-                            f"(fp8 blocks with their scales, GPTQ, AWQ, ...), and longctx reads unquantized weights "
-                            f"only (read as they are, they would compute another model). Use the model's bf16 "
-                            f"release, or dequantize it once and save that copy.")
+    check_unquantized(hf, where)
     if hf.get("mlp_bias"):
         raise HFFormatError(f"{where}: mlp_bias=true; longctx's feed-forward has no biases.")
     act = hf.get("hidden_act", "silu")

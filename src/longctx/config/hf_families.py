@@ -134,3 +134,14 @@ def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None, k
         f"positions and not beyond, so past them the model's outputs (and its training) would not be these "
         f"weights'. {fix}; or set {'use_sliding_window false' if family in QWEN_FAMILIES else 'sliding_window null'} "
         f"in config.json if the weights were trained without one.")
+
+
+def check_unquantized(hf: dict, where: str) -> None:
+    """Refuse a config.json whose weights are stored quantized: read as they are, they compute another model."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise HFFormatError(f"{where}: quantization_config (quant_method {method}): the weights are stored quantized "
+                            f"(fp8 blocks with their scales, GPTQ, AWQ, ...), and longctx reads unquantized weights "
+                            f"only (read as they are, they would compute another model). Use the model's bf16 "
+                            f"release, or dequantize it once and save that copy.")

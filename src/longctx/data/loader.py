@@ -46,23 +46,15 @@ from ..models.flops import forward_flops_per_token
 from .balance import balanced_order
 from .samples import IGNORE, Batch, SampleOrder
 from .store import (
-    LOSS_FROM,
-    LOSS_GAPS,
     S_DOC,
     S_LENGTH,
-    S_OFFSET,
-    S_SAMPLE,
     S_START,
-    answer_gap_documents,
-    load_loss_from,
-    load_loss_gaps,
     load_split,
     part_documents_digest,
     read_manifest,
-    response_only_documents,
     text_prefix,
 )
-from .trained_spans import TrainedSpans
+from .trained_spans import TrainedSpans, part_trained_spans
 
 
 @dataclass
@@ -308,44 +300,6 @@ class PackedSamples(SampleSet):
         positions, doc_ids, labelled = self._frame(i)
         tokens, labels = self._tokens_at(i, labelled, np.arange(self.seq_len))
         return tokens, labels, positions, doc_ids
-
-
-def part_trained_spans(root: Path, part: dict) -> TrainedSpans | None:
-    """Which tokens of the part's documents are trained on (store.LOSS_FROM, LOSS_GAPS), or None where the
-    part has neither file (every token of every document is)."""
-    firsts, gaps = load_loss_from(root / part["dir"]), load_loss_gaps(root / part["dir"])
-    masked, gapped = response_only_documents(part), answer_gap_documents(part)
-    if firsts is None and gaps is None and not masked:
-        return None
-    documents = int(part.get("documents", len(firsts) if firsts is not None else 0))
-    # a part copied without them would train on its prompts or user turns: refused, as a part of cut-short samples is
-    for path, found, count, what in (
-            (root / part["dir"] / LOSS_FROM, firsts, masked, "trained on their responses only"),
-            (root / part["dir"] / f"{LOSS_GAPS}.offsets.npy", None if gaps is None else gaps[0][1:], gapped,
-             "trained on several answers")):
-        if (found is None and count) or (found is not None and len(found) != documents):
-            held = "is missing" if found is None else f"holds {len(found):,} documents"
-            raise DataError(f"the store '{root}' is damaged: {path} {held}, its manifest {documents:,} ({count:,} "
-                            f"{what}); rebuild it.")
-    if firsts is None:
-        firsts = np.zeros(documents, dtype=np.int64)
-    return TrainedSpans(np.asarray(firsts), *(gaps if gaps is not None else (None, None)))
-
-
-def trained_token_mask(spans: TrainedSpans | None, part: dict, arrays, lo: int, hi: int) -> np.ndarray | None:
-    """[samples lo..hi of a part's split, seq_len] bool: their tokens that are trained on (instruction data's
-    answers; padding not), by the part's `spans` (part_trained_spans), or None where every real token is."""
-    if spans is None:
-        return None
-    hi = min(hi, len(arrays.pointer) - 1)
-    segs = arrays.segments[int(arrays.pointer[lo]):int(arrays.pointer[hi])].astype(np.int64)
-    lengths = segs[:, S_LENGTH]
-    seg = np.repeat(np.arange(len(segs)), lengths)
-    within = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    mask = np.zeros((hi - lo, arrays.tokens.shape[1]), dtype=bool)
-    mask[segs[seg, S_SAMPLE] - lo, segs[seg, S_OFFSET] + within] = spans.trained(
-        segs[seg, S_DOC] - int(part["first_doc"]), segs[seg, S_START] + within)
-    return mask
 
 
 def _trained_tokens(segs: np.ndarray, spans: TrainedSpans, docs: np.ndarray) -> np.ndarray:

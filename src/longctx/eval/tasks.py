@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.loader import part_trained_spans
 from ..data.samples import IGNORE
 from ..data.store import (
     MANIFEST,
@@ -31,6 +30,7 @@ from ..data.store import (
     response_only_documents,
 )
 from ..data.synthetic import retrieval_prompt
+from ..data.trained_spans import part_trained_spans
 from ..errors import ConfigError, DataError
 
 TASKS = ("ppl", "passkey", "needle")

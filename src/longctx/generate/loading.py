@@ -19,7 +19,8 @@ def load_model(cfg, device, dtype):
     safetensors, or a longctx checkpoint verified first), RoPE frequencies from the config."""
     import torch
 
-    from ..checkpoint.manager import load_model_weights, resolve_checkpoint
+    from ..checkpoint.manager import resolve_checkpoint
+    from ..checkpoint.weights_only import load_model_weights
     from ..config.hf import hf_dir
     from ..models.hf import load_hf_weights
     from ..models.llama import build_model

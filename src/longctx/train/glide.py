@@ -241,8 +241,8 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     text and no label reads it, yet a store of short documents in long samples is mostly padding, which
     counted made the pad token the 'most frequent' and the reported coverage a share of padding. Of
     instruction data only the answers are counted: the tokens the draft proposes and is trained on."""
-    from ..data.loader import part_trained_spans, trained_token_mask
     from ..data.store import S_LENGTH, S_SAMPLE, load_split, read_manifest
+    from ..data.trained_spans import part_trained_spans, trained_token_mask
     from .setup import store_path
 
     root = Path(store_path(cfg, log, rt))

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from torch import nn
 
-from ..checkpoint.manager import load_weights_into, read_manifest, resolve_checkpoint
+from ..checkpoint.manager import read_manifest, resolve_checkpoint
+from ..checkpoint.weights_only import load_weights_into
 from ..config.hf import hf_dir
 from ..job.runtime import Runtime
 from ..models.hf import load_hf_weights
