@@ -7,6 +7,7 @@ checkpoint/ builds on it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import UserError
@@ -60,28 +61,26 @@ def trajectory(root: Path, newest: Path) -> list[Path]:
     while that directory still holds that very checkpoint (a later attempt may have saved its own of the same
     step). A manifest written before parents were recorded (no `parent` key) is followed by every older
     complete checkpoint, as then; a null parent (a run started afresh) or one gone ends the list."""
-    import json
-
-    out, at = [], newest
+    out, at, manifest = [], newest, _manifest(newest)
     while True:
         out.append(at)
-        try:
-            manifest = json.loads((at / MANIFEST).read_text())
-        except (OSError, ValueError):
-            manifest = {}
         if "parent" not in manifest:  # (older checkpoints: every complete one before it, newest first)
             return out + [p for p in reversed(complete_checkpoints(root)) if p.name < at.name]
         parent = manifest["parent"]
         if not parent or parent.get("name", "") >= at.name:
             return out
-        nxt = root / parent["name"]
-        try:
-            theirs = json.loads((nxt / MANIFEST).read_text()).get("checksum")
-        except (OSError, ValueError):
-            theirs = None
-        if theirs != parent.get("checksum"):
+        at = root / parent["name"]
+        manifest = _manifest(at)
+        if manifest.get("checksum") != parent.get("checksum"):
             return out
-        at = nxt
+
+
+def _manifest(path: Path) -> dict:
+    """A checkpoint's manifest, {} where it cannot be read."""
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def resolve_checkpoint(spec: str, root: Path) -> Path | None:

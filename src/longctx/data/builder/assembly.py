@@ -153,7 +153,8 @@ class Assembly:
 
     def _pairs_too_long(self) -> np.ndarray:
         """[corpus documents] bool: instruction data longer than a sample (counted, said)."""
-        lengths = self.corpus.per_doc(lambda shard: shard.token_lengths()).astype(np.int64)
+        # every scanned document's token count (EOS included), read once: measure() takes the kept ones'
+        self.corpus_lengths = lengths = self.corpus.per_doc(lambda shard: shard.token_lengths()).astype(np.int64)
         firsts = self.corpus.per_doc(lambda shard: shard.loss_from())
         too_long = (firsts > 0) & (lengths > self.opts.seq_len) & (np.arange(len(lengths)) < self.documents_read)
         self.pairs_dropped = dropped = int(too_long.sum())
@@ -169,7 +170,7 @@ class Assembly:
 
     def measure(self) -> None:
         """The kept documents' token counts and names (the scan tokenized them)."""
-        self.lengths = self.corpus.per_doc(lambda shard: shard.token_lengths())[self.kept].astype(np.int64)
+        self.lengths = self.corpus_lengths[self.kept]
         self.names = self._kept_names()
         dropped = self.pairs_dropped
         self.records["tokenize"] = {"tokens": int(self.lengths.sum()), "longest": int(self.lengths.max()),

@@ -78,9 +78,10 @@ def tokenize_answers(text: str, trained_chars, tok,
     p_ids, pb, ps = _piece(text[:bounds[0]], tok, after_text=False)
     own = np.asarray(tok.text_prefix() if prefix else [], dtype=np.int32)
     lead = own if len(own) and not np.array_equal(p_ids[:len(own)], own) else own[:0]
-    w_ids, wb, ws = _piece(text, tok, after_text=False)
+    byte = getattr(tok, "name", "") == "byte"
+    w_ids, wb, ws, w_enc = (*_piece(text, tok, after_text=False), None) if byte else _encoding(text, tok)
     ats = [len(p_ids) if np.array_equal(w_ids[:len(p_ids)], p_ids) else None]
-    anchors = _added_tokens(text, tok, w_ids) if len(bounds) > 1 else None
+    anchors = _added_tokens(text, tok, w_ids, w_enc) if len(bounds) > 1 else None
     for c in bounds[1:]:
         if ats[-1] is None:
             break  # (one straddled switch: every piece is encoded apart)
@@ -102,13 +103,14 @@ def tokenize_answers(text: str, trained_chars, tok,
     return tokens, breaks, (strong + n).astype(np.int64), switches
 
 
-def _added_tokens(text: str, tok, w_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(index, first character, end character) of each added token (special or not) in the whole text's
-    ids `w_ids`, in order: the tokenizer reads the text between two of them apart."""
+def _added_tokens(text: str, tok, w_ids: np.ndarray, enc=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(index, first character, end character) of each added token matched before normalisation in the whole
+    text's ids `w_ids` (its Encoding `enc`, encoded here if not given), in order: the tokenizer reads the text
+    between two of them apart."""
     added = getattr(tok, "added_ids", lambda: frozenset())()
     if not added:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    enc = tok.encode_encodings([text], special_tokens=True)[0]
+    enc = enc if enc is not None else tok.encode_encodings([text], special_tokens=True)[0]
     at = np.flatnonzero(np.isin(w_ids, list(added)))
     offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
     return at, offsets[at, 0], offsets[at, 1]
@@ -153,9 +155,15 @@ def _piece(text: str, tok, after_text: bool) -> tuple[np.ndarray, np.ndarray, np
             breaks, strong = _offset_breaks(probe + text, np.asarray([o[0] for o in enc.offsets], dtype=np.int64))
             n = len(own)
             return (np.asarray(enc.ids[n:], dtype=np.int32), breaks[breaks > n] - n, strong[strong > n] - n)
+    return _encoding(text, tok)[:3]
+
+
+def _encoding(text: str, tok) -> tuple[np.ndarray, np.ndarray, np.ndarray, object]:
+    """(ids, breaks, strong, the library's Encoding) of a text read whole by a Hugging Face tokenizer,
+    special-token strings as special tokens."""
     enc = tok.encode_encodings([text], special_tokens=True)[0]
     breaks, strong = _offset_breaks(text, np.asarray([o[0] for o in enc.offsets], dtype=np.int64))
-    return np.asarray(enc.ids, dtype=np.int32), breaks, strong
+    return np.asarray(enc.ids, dtype=np.int32), breaks, strong, enc
 
 
 def _tokenized(texts: list[str], tok):
