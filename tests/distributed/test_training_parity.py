@@ -134,6 +134,25 @@ def test_packed_documents_train_identically(layout, balance, short_docs, packed_
     assert max(diffs) <= 3e-4, f"{layout}: max |loss - single| = {max(diffs):.2e}"
 
 
+BY_SEQUENCE = {"head2-ctx2": [], "dp2-ctx2": ["--train.grad_accum=2"]}  # train.loss_weighting = sequence
+
+
+@pytest.mark.parametrize("layout", list(BY_SEQUENCE))
+def test_packed_documents_weighted_by_sequence_train_identically(layout, short_docs, packed_single, spawned,
+                                                                 tmp_path):
+    """LongAlign's loss weighting (each packed document's mean loss, averaged over the step's documents): each
+    rank weighs its pieces of a document by the whole document's labels, and the step divides by the global
+    batch's documents (data/sequence_weights.py), so a layout, and micro-batches, train as one process."""
+    single = _train_losses([*BASE, *_packed(short_docs, "docs"), "--train.loss_weighting=sequence"], tmp_path)
+    assert abs(single[0] - packed_single("docs")[0]) > 1e-3  # (the weighting is another loss)
+    losses, seconds = spawned(LAYOUTS[layout][0])[f"{layout} by sequence"]
+    print(f"{layout} by sequence: {seconds:.1f}s")
+    diffs = [abs(a - b) for a, b in zip(losses[0], single)]
+    assert len(losses[0]) == len(single) == 8
+    assert max(diffs[:2]) <= 1e-5, f"{layout}: max |loss - single| over steps 1-2 = {max(diffs[:2]):.2e}"
+    assert max(diffs) <= 3e-4, f"{layout}: max |loss - single| = {max(diffs):.2e}"
+
+
 # ----------------------------------------------------------------------------------------------
 # one spawned job per world size
 
@@ -153,6 +172,9 @@ def _jobs(world, short_docs):
         ]
     jobs += [(f"{layout} packed {balance}", [*BASE, *_packed(short_docs, balance), *LAYOUTS[layout][1]])
              for layout, balance in PACKED if LAYOUTS[layout][0] == world]
+    jobs += [(f"{layout} by sequence", [*BASE, *_packed(short_docs, "docs"), "--train.loss_weighting=sequence", *extra,
+                                        *LAYOUTS[layout][1]])
+             for layout, extra in BY_SEQUENCE.items() if LAYOUTS[layout][0] == world]
     return jobs
 
 

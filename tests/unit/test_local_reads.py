@@ -26,17 +26,22 @@ from longctx.train.stages import StagedLoader
 SEQ = 64
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """Short documents packed best-fit into 64-token samples: several per sample, some padding."""
+def bfd_store(tmp_path_factory, longest: int = 90):
+    """120 documents of 3 to `longest` bytes packed best-fit into 64-token samples: several per sample,
+    some padding."""
     d = tmp_path_factory.mktemp("docs")
     rng = random.Random(0)
     for i in range(120):
-        (d / f"d{i:03d}.txt").write_text("".join(rng.choice("abcdefgh \n") for _ in range(rng.randint(3, 90))))
+        (d / f"d{i:03d}.txt").write_text("".join(rng.choice("abcdefgh \n") for _ in range(rng.randint(3, longest))))
     out = tmp_path_factory.mktemp("store") / "s"
     build_store(BuildOptions([str(d)], str(out), SEQ, strategy="bfd", dedup="none", workers=1, progress=False,
                              stats=False), log=lambda *a: None)
     return out
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return bfd_store(tmp_path_factory)
 
 
 class _Dim:

@@ -444,6 +444,9 @@ def _draft_rules(cfg: Config, problems: list[str]) -> None:
     if m.is_moe:
         problems.append("draft.target is a Mixture-of-Experts model; GliDe draft training supports dense targets "
                         "only for now.")
+    if cfg.train.loss_weighting != "token":
+        problems.append(f"GliDe draft training weighs every distilled token alike (train.loss_weighting = token); "
+                        f"drop train.loss_weighting = {cfg.train.loss_weighting}.")
     if mem.offload_fraction != 0 or mem.block_chunk or mem.attention_offload:
         problems.append("GliDe draft training supports memory.recompute (none, selective, full), "
                         "memory.attention_chunk and memory.loss_chunk; drop memory.offload_fraction, "

@@ -243,6 +243,12 @@ class TrainConfig:
     beta2: float = _opt(0.95, "AdamW beta2")
     eps: float = _opt(1e-8, "AdamW epsilon")
     grad_clip: float = _opt(1.0, "max global gradient norm; 0 disables clipping")
+    loss_weighting: str = _opt("token", "how a step's loss averages its labels: token (the mean over the step's "
+                                        "trained tokens) or sequence (LongAlign's loss weighting: each trained "
+                                        "sequence of the step, a packed sample's document such as a conversation, "
+                                        "counts once, as the mean over its own labels, so a long answer weighs no "
+                                        "more than a short one; evaluation stays per token; docs/data.md)",
+                               choices=("token", "sequence"))
     on_nonfinite: str = _opt("skip", "a step whose loss or gradient norm is not finite, or whose loss spikes "
                                      "(train.spike_factor): 'skip' (its update is not applied, decided on the device; "
                                      "counted in the metrics), 'stop' (not applied, and the run stops at the next "

@@ -180,17 +180,21 @@ class PackedSamples(SampleSet):
         self.num_samples = int(self.offsets[-1])
         # per sample: real tokens, sum of squared segment lengths (for the cost estimate) and labels
         # (every token of a segment but its last has one)
-        real, sq, labels = [], [], []
+        real, sq, labels, sequences = [], [], [], []
         for a, spans in zip(self.parts, self.spans):
             w = np.repeat(np.arange(len(a.pointer) - 1), np.diff(a.pointer))  # each segment's sample
             n = len(a.pointer) - 1
             lens = a.segments[:, S_LENGTH].astype(np.float64)
             real.append(np.bincount(w, weights=lens, minlength=n))
             sq.append(np.bincount(w, weights=lens ** 2, minlength=n))
-            labels.append(_label_counts(a, spans, w, n, doc_mask))
+            by_segment = _label_counts(a, spans, w, n, doc_mask)
+            labels.append(np.bincount(w, weights=by_segment, minlength=n) if doc_mask else by_segment)
+            # the trained sequences (train.loss_weighting = sequence): a sample's documents with a label, or the sample
+            sequences.append(np.bincount(w, weights=by_segment > 0, minlength=n) if doc_mask else by_segment > 0)
         self.real_tokens = np.concatenate(real) if real else np.zeros(0)
         self.sq_tokens = np.concatenate(sq) if sq else np.zeros(0)
         self.label_counts = (np.concatenate(labels) if labels else np.zeros(0)).astype(np.int64)
+        self.sequence_counts = (np.concatenate(sequences) if sequences else np.zeros(0)).astype(np.int64)
         # token elements gathered from the token arrays x their size. One reader at a time: the
         # loader waits for its background read before it reads itself (stages.py)
         self.bytes_read = 0
@@ -232,6 +236,10 @@ class PackedSamples(SampleSet):
     def label_count(self, indices) -> int:
         """Valid (non-ignored) labels of these samples, from the segment index."""
         return int(self.label_counts[np.asarray(indices, dtype=np.int64)].sum())
+
+    def sequence_count(self, indices) -> int:
+        """Trained sequences of these samples (data/sequence_weights.py), from the segment index."""
+        return int(self.sequence_counts[np.asarray(indices, dtype=np.int64)].sum())
 
     def _frame(self, i: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
         """Sample i's positions, doc ids and labelled tokens [seq_len], from its segments."""
@@ -310,14 +318,14 @@ def _trained_tokens(segs: np.ndarray, spans: TrainedSpans, docs: np.ndarray) -> 
 
 
 def _label_counts(a, spans: tuple | None, w: np.ndarray, n: int, doc_mask: bool) -> np.ndarray:
-    """Per sample of a part's split, its tokens that have a label (as _frame labels them)."""
+    """A part's split's tokens that have a label (as _frame labels them): per segment with document masks
+    (a label never crosses one), else per sample."""
     lens, starts = a.segments[:, S_LENGTH].astype(np.int64), a.segments[:, S_START].astype(np.int64)
     if spans is None:  # (every token trained on: each segment its own document, trained from its start)
         spans = (TrainedSpans(np.zeros(len(lens), dtype=np.int64)), np.arange(len(lens)))
     trained, docs = spans
     if doc_mask:  # token t labelled by t + 1 of the same segment: targets at in-document start + 1 ... end - 1
-        return np.bincount(w, weights=trained.before(docs, starts + lens) - trained.before(docs, starts + 1),
-                           minlength=n)
+        return trained.before(docs, starts + lens) - trained.before(docs, starts + 1)
     # labels cross segments: every trained-on token is a target but a sample's first one
     targets = np.bincount(w, weights=trained.before(docs, starts + lens) - trained.before(docs, starts), minlength=n)
     leading = a.pointer[:-1]  # each sample's first segment (a sample has one at least)

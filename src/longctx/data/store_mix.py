@@ -163,6 +163,10 @@ class StoreMix(SampleSet):
     def label_count(self, indices) -> int:
         return sum(self.label_counts(indices))
 
+    def sequence_count(self, indices) -> int:
+        """Trained sequences of `indices` (train.loss_weighting = sequence), each store's from its index."""
+        return sum(self.stores[s].sequence_count(local) for s, _, local in self._by_store(indices))
+
     def costs(self, a: float, b: float) -> BlendCosts:
         return BlendCosts(self, [s.costs(a, b) for s in self.stores])
 

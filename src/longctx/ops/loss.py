@@ -26,30 +26,48 @@ IGNORE = -100
 
 
 def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int = 0,
-                 reduction: str = "mean", norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                 reduction: str = "mean", norm: tuple[torch.Tensor, float] | None = None,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of `labels` [n] under logits norm(h) [n, dim] @ weight [vocab, dim]^T.
 
     chunk = 0, or n <= chunk: the plain path (one logits tensor). Otherwise chunked as above.
-    reduction: "sum" or "mean" (over labels != -100). norm: (RMSNorm weight, eps), or None for none."""
+    reduction: "sum" or "mean" (over labels != -100). norm: (RMSNorm weight, eps), or None for none.
+    weights: [n] float, each label's weight in the sum (train.loss_weighting = sequence: 1 / its sequence's
+    labels, data/sequence_weights.py); "mean" then divides by the weights' sum over valid labels."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if h.dim() != 2 or labels.shape != h.shape[:1] or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise ValueError(f"lm_head_loss expects h [n, dim], weight [vocab, dim], labels [n]; got "
                          f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
     _check_labels(labels, weight.shape[0])
+    if weights is not None and weights.shape != labels.shape:
+        raise ValueError(f"lm_head_loss's weights must be one per label, {tuple(labels.shape)}; got "
+                         f"{tuple(weights.shape)}")
     if chunk <= 0 or h.shape[0] <= chunk:
         if norm is not None:
             h = rms_norm(h, *norm)
         # summed, then divided as the chunked path divides: a mean over no valid label is 0 with zero
         # gradients on both paths (F.cross_entropy's own mean gives NaN there)
-        total = F.cross_entropy(F.linear(h, weight).to(_stat_dtype(h)), labels, ignore_index=IGNORE, reduction="sum")
+        logits = F.linear(h, weight).to(_stat_dtype(h))
+        if weights is None:
+            total = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+        else:
+            each = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="none")
+            total = (each * _valid_weights(labels, weights, each.dtype)).sum()
     else:
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
         norm_weight, eps = norm if norm is not None else (None, 0.0)
-        total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype, norm_weight, eps)
+        total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype, norm_weight, eps, weights)
     if reduction == "sum":
         return total
-    return total / (labels != IGNORE).sum().clamp(min=1)
+    if weights is None:
+        return total / (labels != IGNORE).sum().clamp(min=1)
+    return total / _valid_weights(labels, weights, total.dtype).sum().clamp(min=torch.finfo(total.dtype).tiny)
+
+
+def _valid_weights(labels: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each label's weight, 0 where it is ignored (whatever the weights hold there)."""
+    return torch.where(labels != IGNORE, weights.to(dtype), 0.0)
 
 
 @torch.no_grad()
@@ -104,7 +122,7 @@ def _normed(x, norm_weight, eps):
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk, dtype, norm_weight, eps):
+    def forward(ctx, h, weight, labels, chunk, dtype, norm_weight, eps, weights=None):
         n = h.shape[0]
         lse = torch.empty(n, dtype=_stat_dtype(h), device=h.device)
         total = torch.zeros((), dtype=_stat_dtype(h), device=h.device)
@@ -114,17 +132,17 @@ class _ChunkedLoss(torch.autograd.Function):
                 logits = _logits(_normed(h[s:e], norm_weight, eps), weight, dtype)
                 lse[s:e] = torch.logsumexp(logits, dim=-1)
                 lab = labels[s:e]
-                valid = lab != IGNORE
                 target = logits.gather(1, lab.clamp(min=0)[:, None]).squeeze(1)
-                total += torch.where(valid, lse[s:e] - target, 0.0).sum()
+                scale = _label_scale(lab, weights, s, e, total.dtype)
+                total += torch.where(lab != IGNORE, scale * (lse[s:e] - target), 0.0).sum()
                 del logits
-        ctx.save_for_backward(h, weight, labels, lse, norm_weight)
+        ctx.save_for_backward(h, weight, labels, lse, norm_weight, weights)
         ctx.chunk, ctx.dtype, ctx.eps = chunk, dtype, eps
         return total
 
     @staticmethod
     def backward(ctx, grad):
-        h, weight, labels, lse, norm_weight = ctx.saved_tensors
+        h, weight, labels, lse, norm_weight, weights = ctx.saved_tensors
         chunk, dtype = ctx.chunk, ctx.dtype
         n = h.shape[0]
         dh = torch.empty_like(h)
@@ -137,7 +155,7 @@ class _ChunkedLoss(torch.autograd.Function):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 lab = labels[s:e]
-                valid = lab != IGNORE
+                scale = _label_scale(lab, weights, s, e, lse.dtype)  # (0 for an ignored label)
                 x = h[s:e]
                 if norm_weight is not None:  # recompute this chunk's norm, with a graph for its backward
                     x = x.detach().requires_grad_()
@@ -149,8 +167,8 @@ class _ChunkedLoss(torch.autograd.Function):
                 # d loss / d logits = softmax - onehot(label), zero for ignored tokens
                 probs = torch.exp_(_logits(xn.detach(), weight, dtype).sub_(lse[s:e, None]))
                 # (a scatter, not a boolean mask: a mask's size would be read from the device)
-                probs.scatter_add_(1, lab.clamp(min=0)[:, None], -valid.to(probs.dtype)[:, None])
-                probs.mul_((valid.to(probs.dtype) * grad)[:, None])
+                probs.scatter_add_(1, lab.clamp(min=0)[:, None], -(lab != IGNORE).to(probs.dtype)[:, None])
+                probs.mul_((scale.to(probs.dtype) * grad)[:, None])
                 g = probs.to(mm)
                 del probs
                 dxn = (g @ weight.to(mm)).to(h.dtype)
@@ -163,7 +181,13 @@ class _ChunkedLoss(torch.autograd.Function):
                     dh[s:e] = dx
                     dnorm += dwn
         return (dh, None if dw is None else dw.to(weight.dtype), None, None, None,
-                None if dnorm is None else dnorm.to(norm_weight.dtype), None)
+                None if dnorm is None else dnorm.to(norm_weight.dtype), None, None)
+
+
+def _label_scale(lab: torch.Tensor, weights: torch.Tensor | None, s: int, e: int, dtype) -> torch.Tensor:
+    """Chunk [s, e)'s labels' factors in the sum: 1 (or the label's weight) where valid, else 0."""
+    valid = lab != IGNORE
+    return valid.to(dtype) if weights is None else torch.where(valid, weights[s:e].to(dtype), 0.0)
 
 
 def lm_head_distill_loss(h: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor, *,

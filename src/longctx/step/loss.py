@@ -7,7 +7,8 @@ import torch
 
 
 def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
-    """The summed loss over the batch's valid label tokens (the caller normalises)."""
+    """The summed loss over the batch's valid label tokens, each times its weight where the batch has
+    weights (Batch.weights: train.loss_weighting = sequence); the caller normalises."""
     return _forward_with_labels(model, batch, autocast_dtype, "sum")
 
 
@@ -20,6 +21,8 @@ def forward_token_losses(model: torch.nn.Module, batch, autocast_dtype: torch.dt
 
 def _forward_with_labels(model, batch, autocast_dtype, reduction: str) -> torch.Tensor:
     with torch.autocast(device_type=batch.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        padding = {} if getattr(batch, "real", None) is None else {"real": batch.real}  # (MoE: models/moe_stats.py)
+        extra = {} if getattr(batch, "real", None) is None else {"real": batch.real}  # (MoE: models/moe_stats.py)
+        if reduction == "sum" and getattr(batch, "weights", None) is not None:  # (train.loss_weighting = sequence)
+            extra["label_weights"] = batch.weights
         return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction=reduction,
-                     **padding)
+                     **extra)

@@ -282,6 +282,8 @@ def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list
             + _memory_options(mem) + f", loss_chunk={mem.loss_chunk}, {layout}"
             + (", compiled (train.compile: each block's token-wise parts)" if cfg.train.compile else "")
             + (", deterministic kernels (train.deterministic)" if cfg.train.deterministic else "")
+            + (", loss per sequence (train.loss_weighting: each trained sequence's mean, averaged)"
+               if cfg.train.loss_weighting == "sequence" else "")
             + f"; {lr_note(cfg)}" + (f", {words}" if (words := schedule_words(cfg)) else "") + f"; {peak}"] + (
         [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
         f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]

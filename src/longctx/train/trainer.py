@@ -7,6 +7,8 @@ divides its summed local loss by that count (known to all ranks, since all of th
 and count its labels from the store's segment index, without reading its tokens; a draft whose vocabulary
 scores fewer labels counts those on the device: _label_count) and FSDP sums the gradients, so micro-batches and
 ranks with different numbers of valid tokens are weighted exactly as one large batch on one device would be.
+With train.loss_weighting = sequence the same holds of the step's trained sequences, each label weighted by
+1 / its sequence's labels (data/sequence_weights.py; LongAlign's loss weighting).
 
 What is set up before the first step lives in setup.py (run directory, data, checkpoints) and
 model.py (the parallelised model); the pieces of a step the planner also uses (optimizer,
@@ -117,9 +119,11 @@ class Trainer:
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
+        # (train.loss_weighting = sequence: each label weighted by 1 / its sequence's labels, the step's sum divided
+        # by its trained sequences instead of its labels: data/sequence_weights.py)
+        read_local = functools.partial(read_local_batch, rt, loss_weighting=cfg.train.loss_weighting)
         self.sampler = StagedLoader(cfg, lambda stage_cfg: build_data(stage_cfg, self.log, rt), rt.dp,
-                                    read_local=functools.partial(read_local_batch, rt), read_ahead=read_ahead,
-                                    log=self.log)
+                                    read_local=read_local, read_ahead=read_ahead, log=self.log)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
         keep_step_state(self)  # the spike check's window, the routers' placements: saved, restored
