@@ -61,6 +61,10 @@ def _generate(d, *argv):
     (("--cape-table", "0.5:2,1:0"), "--cape-table 0.5:2,1:0 does nothing without --cape"),
     (("--infllm-window", "64", "--infllm-topk", "2"),
      "--infllm-topk 2, --infllm-window 64 do nothing without --context-memory infllm"),
+    (("--ignore-eos", "--min-new-tokens", "3"), "--min-new-tokens 3 holds back EOS, which --ignore-eos"),
+    # (the sharded prefill runs a rank's share in one call: the chunk would bound nothing)
+    (("--nproc", "2", "--parallel.ctx", "2", "--prefill-chunk", "64"),
+     "--prefill-chunk 64 does nothing with --nproc 2"),
 ])
 def test_generate_refuses_a_flag_its_run_would_ignore(hf_dir, flags, said):
     with pytest.raises(ConfigError) as e:

@@ -44,7 +44,7 @@ from .. import threads
 from ..errors import ConfigError
 from ..progress import say
 from .context_memory import add_flags as add_context_memory_flags
-from .settings import DEFAULT_BATCH, add_sampling_flags
+from .settings import DEFAULT_BATCH, DEFAULT_PREFILL_CHUNK, add_sampling_flags
 
 
 def add_parser(sub) -> None:
@@ -90,7 +90,7 @@ def add_parser(sub) -> None:
     p.add_argument("--echo", action="store_true",
                    help="each line's text starts with its prompt's (e.g. a draft's training text: the target's "
                         "own continuations, usable as data.corpus)")
-    p.add_argument("--prefill-chunk", type=int, default=4096,
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens per prefill call (memory grows with it, never with the prompt squared)")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
                    help=f"prompts decoded together (default {DEFAULT_BATCH}; one at a time with --draft or InfLLM)")

@@ -44,6 +44,7 @@ SAMPLING_FLAGS = (
 FILE_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens")
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_BATCH = 8  # --batch: prompts decoded together
+DEFAULT_PREFILL_CHUNK = 4096  # --prefill-chunk: prompt tokens per forward
 # generation_config.json keys that change the tokens transformers' generate chooses and that longctx does
 # not apply, with the value that changes nothing (transformers' default; None: absent); True: a
 # sampling warper (it matters only when decoding samples)
@@ -179,6 +180,15 @@ def check_run_flags(args) -> None:
     batch = given_flags(args, {"batch": DEFAULT_BATCH})
     if alone and batch and args.batch > 1:  # (as eval refuses it with the memory; 1 is what runs)
         raise ConfigError(f"{batch[0]} does nothing with {alone}, which decodes one prompt at a time: drop it.")
+    # a sharded prefill runs each rank's share of the prompt in one call (generate/sharded.py): --prefill-chunk
+    # then does nothing (a draft's own prefill and InfLLM's chunks still read it)
+    chunk = given_flags(args, {"prefill_chunk": DEFAULT_PREFILL_CHUNK})
+    if chunk and getattr(args, "nproc", 1) > 1 and not args.draft and not memory:
+        raise ConfigError(f"{chunk[0]} does nothing with --nproc {args.nproc}: the sharded prefill runs each rank's "
+                          f"share of the prompt in one call (a chunked sharded prefill is not built); drop it.")
+    if getattr(args, "ignore_eos", False) and getattr(args, "min_new_tokens", 0):
+        raise ConfigError(f"--min-new-tokens {args.min_new_tokens} holds back EOS, which --ignore-eos already never "
+                          f"ends a row on: it does nothing; drop one of them.")
     check_output_path("--output", args.output, {"--prompts": args.prompts})
 
 
