@@ -166,3 +166,15 @@ def test_a_co2_save_s_host_copy_is_counted_when_the_run_saves():
     # a run that only resumes still has a checkpoint manager, which saves on a signal (a requeued job's)
     assert part(*co2, "--checkpoint.interval=0", "--checkpoint.final=false", "--checkpoint.resume=auto")[0] == saved
     assert part()[0] == 0.0
+
+
+def test_every_rank_the_launcher_starts_here_is_counted_whatever_ranks_per_node_says(monkeypatch):
+    # `longctx train --nproc 4` starts all 4 ranks on this machine (torchrun --standalone), also when
+    # parallel.ranks_per_node = 2 emulates two nodes for hpz: 4 ranks' host bytes, not 2
+    cfg = load_config(None, ["--model.preset=debug", "--train.device=cpu", "--train.seq_len=256",
+                             "--train.global_batch=4", "--memory.model_states=host", "--parallel.dp_shard=4",
+                             "--parallel.zero_pp=hpz", "--parallel.ranks_per_node=2", "--data.path=/nonexistent/store"])
+    per_rank = rank_host_bytes(cfg, check_layout(cfg, 4), "cpu", 4, 1e12)["total"]
+    monkeypatch.setenv(BUDGET_ENV, str(int(3 * per_rank)))
+    with pytest.raises(ConfigError, match=r"4 ranks x "):
+        preflight(cfg, 4)

@@ -55,7 +55,10 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
         weight_files(hf_dir(cfg.model.init_from))
     _check_resume(cfg)
     _check_output_paths(cfg)
-    check_host_memory(cfg, dims, ranks_per_node(cfg, nproc), device_type)
+    # the launcher starts every one of the nproc ranks on this machine (torchrun --standalone), whatever
+    # parallel.ranks_per_node says the job's nodes are (hpz / qgz emulate nodes on one machine with it)
+    ranks_per_node(cfg, nproc)  # (checked: it must divide the job)
+    check_host_memory(cfg, dims, nproc, device_type)
 
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
         _check_data(stage_config(cfg, stage), log)
