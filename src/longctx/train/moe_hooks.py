@@ -137,7 +137,11 @@ class _StepSums:
 
     @property
     def stats(self) -> torch.Tensor:
-        return self._stats / self._routed.clamp_min(1)
+        # the drop rate is the step's choices dropped over its choices (as moe_layer_drop), not a mean of the
+        # micro-batches' rates: a micro-batch of few real tokens (padding) would weigh as much as a full one
+        stats = self._stats / self._routed.clamp_min(1)
+        rate = self.dropped.sum() / self.counts.sum().clamp_min(1)
+        return torch.cat([stats[:4], rate.reshape(1).to(stats.dtype), stats[5:]])
 
     @property
     def layer_load(self) -> torch.Tensor:

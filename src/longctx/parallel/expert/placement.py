@@ -227,7 +227,12 @@ class ExpertPlacer:
         return {"steps": self.steps, "seen": None if self.seen is None else self.seen.tolist(), "load": self.load}
 
     def load_state_dict(self, state: dict | None) -> None:
-        """A checkpoint's state_dict (None: one written before placements were saved, the static start)."""
+        """A checkpoint's state_dict (None: one written before placements were saved, the static start).
+        Everything is replaced, placements included: a rollback restores a placer that may have re-placed
+        since that checkpoint was saved."""
+        self.steps, self.seen, self.load = 0, None, None
+        for layer in self.layers:
+            layer.experts.placement = None
         if not state:
             return
         self.steps = int(state["steps"])
