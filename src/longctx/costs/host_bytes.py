@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
-from ..memory.accounting import estimate_activations
+from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
 from .hardware import Hardware
@@ -252,14 +252,19 @@ def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, gr
 def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tier: str, *, seq_len: int,
                          micro_batch: int, grad_accum: int, dtype_bytes: int, doc_mask: bool = True,
                          async_checkpoint: bool = False, offload_cap: float = math.inf, bucket_blocks: int = 1,
-                         co2_momentum: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+                         co2_momentum: bool = False,
+                         device_type: str = "cuda") -> tuple[dict[str, float], dict[str, float]]:
     """(device bytes, host bytes) of one rank of a run, each by part with its "total", from the
     activation formulas (memory/accounting.py, memory/transients.py) and the tier: what the
     preflight checks against free host memory and benchmarks/host_bytes.py against RSS.
     offload_cap: the most offloaded activations may take (memory.offload_fraction auto's bound);
-    bucket_blocks, co2_momentum: device_bytes'."""
+    bucket_blocks, co2_momentum: device_bytes'; device_type: where it runs (activation_dtype: bf16 on CPU is
+    autocast over fp32 weights at any world size)."""
     kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy, "dtype_bytes": dtype_bytes}
-    acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, **kw)
+    # (one process off the host tier in bf16: autocast over fp32 weights, activations counted at 4 B)
+    act_bytes, copies = activation_dtype(dtype_bytes == 2, shape.world, tier, device_type)
+    acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, weight_copies=copies,
+                                **{**kw, "dtype_bytes": act_bytes})
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts, **kw)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
     device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient,

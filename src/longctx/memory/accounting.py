@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import ModelConfig
-from ..models.flops import dense_ffn_params, moe_ffn_params
+from ..models.flops import dense_ffn_params, matmul_params_per_layer, moe_ffn_params
 from ..ops.chunked import chunk_store_host_ptrs
 from .moe_counts import moe_call_terms, moe_calls, moe_ffn_bytes
 from .policy import MemoryPolicy
@@ -173,13 +173,36 @@ class LayerActivations:
     offloaded: bool    # its activations go to the host (offload_fraction > 0, not among the last kept)
 
 
+def activation_dtype(bf16: bool, world: int, model_states: str, device_type: str = "cuda") -> tuple[int, bool]:
+    """(bytes an activation is counted at, whether matmuls keep bf16 weight copies: `weight_copies`) of a run
+    computing in bf16 or not. Under FSDP on a GPU (world > 1, or the `host` tier's one-rank FSDP) the blocks
+    run on bf16 weights gathered from fp32 shards and their inputs are cast to bf16 (parallel/fsdp/shard.py
+    mixed_precision): activations are bf16. One GPU process of the `device` or `host_optimizer` tier is not
+    wrapped in FSDP, and on CPU FSDP keeps fp32: bf16 autocast over fp32 weights (docs/memory.md), whose
+    residual stream (every block's input and output, the embeddings' output) stays fp32 and whose matmuls
+    keep autocast's bf16 copy of their weight for backward. That is counted at 4 B per element (exact for
+    the bytes full recomputation keeps, with and without offload; over by 1.4x under none and 1.5x for
+    selective's host bytes, whose matmul outputs are bf16: tests/unit/test_autocast_accounting.py) with the
+    weight copies."""
+    if not bf16:
+        return 4, False
+    if device_type != "cuda" or (world == 1 and model_states != "host"):
+        return 4, True
+    return 2, False
+
+
 def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                       policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
-                      docs: bool = False, expert: int = 1, expert_skew: float = 1.0) -> list[LayerActivations]:
+                      docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
+                      weight_copies: bool = False) -> list[LayerActivations]:
     """What each block leaves for backward under `policy` (see estimate_activations), block by
     block: a MoE model's dense and MoE layers differ; `expert`, `expert_skew`: the expert-parallel
     degree and the receive skew of the rank counted (moe_counts.moe_call_terms). The last offloaded block's device bytes
-    include its output, which stays on the device as the input of the kept block after it."""
+    include its output, which stays on the device as the input of the kept block after it.
+    `weight_copies` (bf16 autocast over fp32 weights: activation_dtype): each matmul autograd saves keeps a
+    bf16 copy of its weight on the device (the offloader leaves weights where they are), 2 B per matmul
+    parameter of a block whose token-wise forward is not recomputed: every block under recompute none, the
+    offloaded blocks under selective (their stored tokens' matmuls); none under full."""
     if seq_len % (head * ctx):
         raise ValueError(f"seq_len {seq_len} is not divisible by head x ctx = {head * ctx}")
     p, rc = dtype_bytes, policy.recompute
@@ -218,6 +241,8 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
             device, host_bytes, flops = tokens * kept, tokens * core_host, tokens * recompute
             if not _output_held(p, rc, i, L, loss_chunked):  # (kept counts the block output)
                 device -= tokens * part["block_out"]
+        if weight_copies and (rc == "none" or (rc == "selective" and off)):
+            device += 2 * matmul_params_per_layer(model, moe)
         if moe and model.is_moe:
             if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
                 moe_terms[off] = moe_call_terms(model, p, moe_calls(rc, off, tokens, policy), policy.expert_chunk,
@@ -230,7 +255,8 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
 
 def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                          policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
-                         docs: bool = False, expert: int = 1, expert_skew: float = 1.0) -> ActivationEstimate:
+                         docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
+                         weight_copies: bool = False) -> ActivationEstimate:
     """Per-rank activation bytes under `policy` for micro_batch sequences of seq_len tokens sharded
     over head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations).
     policy.block_chunk changes no saved bytes, only recomputation: under `full` the chunks are
@@ -241,9 +267,11 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     (ops/chunked.py ChunkStore). grad_sync changes no activation.
 
     A MoE model's layers differ (layer_activations); the per-block figures are then its largest
-    block's (a MoE one, unless dense layers keep more), the totals sum every block."""
+    block's (a MoE one, unless dense layers keep more), the totals sum every block. weight_copies: see
+    layer_activations (one process in bf16 autocast over fp32 weights: activation_dtype)."""
     layers = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
-                               dtype_bytes=dtype_bytes, docs=docs, expert=expert, expert_skew=expert_skew)
+                               dtype_bytes=dtype_bytes, docs=docs, expert=expert, expert_skew=expert_skew,
+                               weight_copies=weight_copies)
     p = dtype_bytes
     tokens = micro_batch * seq_len // (head * ctx)
     L = model.layers
@@ -256,7 +284,7 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     all_kept = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx,
                                  policy=dataclasses.replace(policy, offload_fraction=0.0),
                                  dtype_bytes=dtype_bytes, docs=docs, expert=expert,
-                                 expert_skew=expert_skew) if offloaded == L else layers
+                                 expert_skew=expert_skew, weight_copies=weight_copies) if offloaded == L else layers
     kept = [la for la in all_kept if not la.offloaded]
     if offloaded:
         last = offloaded - 1

@@ -55,7 +55,7 @@ from ..costs.timing import (
     predicted_block_forward_seconds,
     recompute_share,
 )
-from ..memory.accounting import ActivationEstimate, estimate_activations
+from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
 from ..memory.moe_counts import max_expert_skew, moe_forward_runs
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
@@ -135,12 +135,14 @@ class RunSettings:
 
 
 def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
-                     dtype_bytes: int, docs: bool, expert_skew: float = 1.0) -> tuple[ActivationEstimate, float]:
+                     dtype_bytes: int, docs: bool, expert_skew: float = 1.0,
+                     weight_copies: bool = False) -> tuple[ActivationEstimate, float]:
     """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
     under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
-    the routed rows (memory.moe_counts.expert_rows)."""
+    the routed rows (memory.moe_counts.expert_rows). dtype_bytes, weight_copies: activation_dtype's."""
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
-                                dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew)
+                                dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
+                                weight_copies=weight_copies)
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
                                 policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts)
     return acts, transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy,
@@ -343,8 +345,10 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
     grad_accum = max(1, global_batch // (shape.dp * micro_batch))
     tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
     ranks_per_node = min(gpus_per_node, shape.world)
-    if acts is None or transient is None:
-        acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, e, doc_mask, expert_skew)
+    if acts is None or transient is None:  # (one process off the host tier: bf16 autocast over fp32 weights)
+        act_e, copies = activation_dtype(e == 2, shape.world, model_states)
+        acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, act_e, doc_mask, expert_skew,
+                                           weight_copies=copies)
     flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
     compute = compute_seconds(flops, hw)
     shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * compute, co2_steps,

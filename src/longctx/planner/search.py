@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ..costs.host_bytes import TIERS, device_state_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import exposed_fsdp_seconds, predicted_block_forward_seconds
+from ..memory.accounting import activation_dtype
 from ..memory.policy import MemoryPolicy
 from .cost import Estimate, Footprint, footprint, memory_bytes, rank_activations, timed
 from .ranking import Ranking
@@ -185,10 +186,16 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict,
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
                 # activations and the backward transient (which the Double-Ring window changes): the same
                 key = (shape.head, shape.ctx, shape.window, shape.expert, mb, as_step[pol])
-                if key not in acts_cache:
-                    acts_cache[key] = rank_activations(m, req.seq_len, mb, shape, pol, hw.dtype_bytes, req.doc_mask,
-                                                       req.expert_skew)
-                kept, n = _tiers(req, shape, mb, pol, *acts_cache[key], static, keep_infeasible)
+
+                def acts_for(tier, key=key, shape=shape, mb=mb, pol=pol):
+                    # (one process off the host tier computes in autocast over fp32 weights: activation_dtype)
+                    e, copies = activation_dtype(hw.dtype_bytes == 2, shape.world, tier)
+                    if (key, e, copies) not in acts_cache:
+                        acts_cache[key, e, copies] = rank_activations(m, req.seq_len, mb, shape, pol, e, req.doc_mask,
+                                                                      req.expert_skew, weight_copies=copies)
+                    return acts_cache[key, e, copies]
+
+                kept, n = _tiers(req, shape, mb, pol, acts_for, static, keep_infeasible)
                 evaluated += n
                 if kept and kept[-1].feasible and not pol.expert_chunk:
                     fit_whole.add(pol)
@@ -198,18 +205,20 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict,
     return results, evaluated
 
 
-def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts, transient: float,
-           static: dict[str, float], keep_infeasible: bool) -> tuple[list[Footprint], int]:
+def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts_for, static: dict[str, float],
+           keep_infeasible: bool) -> tuple[list[Footprint], int]:
     """One candidate in the first model-state tier that fits, tried in req.model_states' order
     (device, host_optimizer, host): for the same layout, policy and micro-batch a host tier adds
     host-link and host AdamW time to the same compute, so it is never faster than a tier before it
     that fits, and holds no less in host memory. Returns (the footprints kept, the number made):
-    with keep_infeasible every tier tried when none fits, else only a feasible one."""
+    with keep_infeasible every tier tried when none fits, else only a feasible one. `acts_for(tier)`: the
+    (activations, transient bytes) of this candidate under that tier."""
     hw, made = req.hardware, []
     usable = hw.usable_memory_bytes
     grad_accum = max(1, req.global_batch // (shape.dp * mb))
     # co2 keeps its outer state beside the weights on the device (config/data_parallel.py)
     for tier in req.model_states if shape.data_parallel != "co2" else ("device",)[:"device" in req.model_states]:
+        acts, transient = acts_for(tier)
         if not keep_infeasible and (static[tier] + acts.total_device + transient > usable or
                                     memory_bytes(req.model, shape, pol, grad_accum, hw.dtype_bytes, acts, transient,
                                                  tier, req.settings)["total"] > usable):

@@ -88,7 +88,8 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
             cfg.model, shape, policy, cfg.memory.model_states, seq_len=stage.seq_len, micro_batch=micro_batch,
             grad_accum=cfg.train.grad_accum, dtype_bytes=4 if fp32 else 2, doc_mask=cfg.data.doc_mask,
             async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap,
-            bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0)
+            bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0,
+            device_type=device_type)
         parts = {k: v for k, v in host.items() if k != "total"}
         if not cfg.checkpoint.saves_or_resumes:
             parts["co2_checkpoint"] = 0.0  # (a run that can never save takes no copy: not even on a signal)

@@ -17,6 +17,7 @@ from ..config.hf import init_from_notes
 from ..job.devices import resolve_dtype
 from ..job.runtime import Runtime
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
+from ..memory.accounting import activation_dtype
 from ..memory.policy import MemoryPolicy
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
 from ..parallel.parallelize import parallelize, sequence_parallel_core
@@ -131,7 +132,9 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
     block_s = rt.max([block_s])[0]  # the slowest block decides
     return auto.choose_offload_fraction(
         cfg.model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
-        dtype_bytes=2 if bf16 else 4, block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
+        # (one process off the host tier in bf16: autocast over fp32 weights, its block inputs fp32)
+        dtype_bytes=activation_dtype(bf16, rt.dims.world_size, cfg.memory.model_states, device.type)[0],
+        block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
         host_bytes_per_rank=host_bytes_per_rank, expert=d.expert,
         # (the run's other [memory] settings put bytes on the host too: attention_offload's core state)
         policy=MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=0.0)))
