@@ -44,7 +44,7 @@ def _fingerprint(corpus: str, tokenizer: str) -> dict:
     h = hashlib.sha256()
     for f in files:
         s = f.stat()
-        h.update(f"{f.relative_to(root)}\0{s.st_size}\0{s.st_mtime_ns}\n".encode())
+        h.update(f"{f.relative_to(root)}\0{s.st_size}\0{s.st_mtime_ns}\n".encode("utf-8", "surrogateescape"))
     fp = {"root": str(root), "files": len(files), "digest": h.hexdigest()}
     tok = tokenizer_digest(tokenizer)
     if tok is not None:

@@ -167,7 +167,7 @@ class PackedSamples(SampleSet):
         # spans: per part, which tokens of its documents are trained on (None: all) and each segment's document
         self.parts, self.spans = [], []
         for part in self.manifest["parts"]:
-            arrays = load_split(self.root, part, split)
+            arrays = load_split(self.root, part, split, self.seq_len)
             if arrays is not None:
                 self.parts.append(arrays)
                 spans = part_trained_spans(self.root, part)

@@ -135,7 +135,7 @@ def remove_stale(root: Path, manifest: dict | None) -> None:
             p.unlink(missing_ok=True)
 
 
-def load_split(root: Path, part: dict, split: str) -> SplitArrays | None:
+def load_split(root: Path, part: dict, split: str, seq_len: int | None = None) -> SplitArrays | None:
     if part["splits"][split]["samples"] == 0:
         return None
     d = root / part["dir"]
@@ -148,6 +148,9 @@ def load_split(root: Path, part: dict, split: str) -> SplitArrays | None:
     except (OSError, ValueError) as e:
         raise DataError(f"the store '{root}' is damaged: {d}/{split}.* cannot be read ({e}); rebuild it.") from None
     _check_split(root, d, split, part["splits"][split], arrays)
+    if seq_len is not None and arrays.tokens.shape[1] != seq_len:
+        raise DataError(f"the store '{root}' is damaged: {d}/{split}.tokens.npy holds samples of "
+                        f"{arrays.tokens.shape[1]} tokens, its manifest says seq_len {seq_len}; rebuild it.")
     return arrays
 
 

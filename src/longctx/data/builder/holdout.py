@@ -29,8 +29,14 @@ IN_TRAIN, IN_EVAL, IN_BOTH = 0, 1, 2
 SPLIT_OF = ("train", "eval", "both")
 
 
+def _name_bytes(name: str) -> bytes:
+    """A name's bytes: UTF-8, and a file name's undecodable bytes as they are on disk (Python reads such a
+    name with surrogateescape; a plain .encode() fails on it)."""
+    return name.encode("utf-8", "surrogateescape")
+
+
 def is_eval_doc(name: str, eval_fraction: float) -> bool:
-    return zlib.crc32(name.encode()) % 1_000_000 < eval_fraction * 1_000_000
+    return zlib.crc32(_name_bytes(name)) % 1_000_000 < eval_fraction * 1_000_000
 
 
 def piece_name(name: str, piece: int) -> str:
@@ -39,7 +45,7 @@ def piece_name(name: str, piece: int) -> str:
 
 def eval_rank(name: str) -> int:
     """The hash `is_eval_doc` compares: the lowest one is the first to be held out."""
-    return zlib.crc32(name.encode()) % 1_000_000
+    return zlib.crc32(_name_bytes(name)) % 1_000_000
 
 
 @dataclass
@@ -126,8 +132,8 @@ def _move_to_eval(items: dict[str, Items], doc: int, piece: int, corpus: Scanned
     """The items with the sample-sized part of piece `piece` of document `doc` where it starts (all of
     the document if it fits a sample) in eval."""
     start = 0 if length <= piece_len else _cuts(corpus, scanned, length, piece_len)[piece]
-    if length <= seq_len:
-        size = length
+    if length <= seq_len:  # (also a document cut into pieces by a grid shorter than a sample: all of it)
+        start, size = 0, length
     else:
         cuts = _cuts(corpus, scanned, length, seq_len)
         i = bisect.bisect_right(cuts, start) - 1  # the sample-sized part holding `start`

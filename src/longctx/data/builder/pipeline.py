@@ -32,10 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ...config.tokenizer import tokenizer_identity
 from ...errors import DataError
 from ...progress import current, phase, progress_bar
 from .. import store
-from ..tokenizer import load_tokenizer
+from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import scan
 from .assembly import Assembly
 from .options import BuildOptions, check_options
@@ -64,6 +65,7 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
     plan = {"format": scan.FORMAT, "version": scan.VERSION, "digest": digest, "resume": resume,
             "options": asdict(sopts),
             "build": build, "token_dtype": np.dtype(store.token_dtype(tok.vocab_size)).name,
+            "tokenizer_digest": tokenizer_digest(opts.tokenizer),  # (what a merge checks its tokenizer file against)
             "shards": len(shards), "machine": list(machine), "range": [todo.start, todo.stop],
             "other_suffix": other if machine[0] == 0 else 0,
             "bytes": sum(u.size for s in shards[todo.start:todo.stop] for u in s)}
@@ -138,6 +140,13 @@ def _open_store(opts: BuildOptions, tok, merge: bool = False) -> tuple[Path, dic
         if old["tokenizer"]["spec"] != opts.tokenizer:
             raise DataError(f"the store '{root}' was built with tokenizer {old['tokenizer']['spec']!r}; an append "
                             f"must use the same (got {opts.tokenizer!r}).")
+        recorded = old["tokenizer"].get("identity")  # (a store from before it was recorded: its spec alone)
+        now = tokenizer_identity(opts.tokenizer)
+        if recorded and recorded != now:
+            raise DataError(f"the tokenizer file {opts.tokenizer} is not the one the store '{root}' was built with "
+                            f"(its content has changed since: {recorded[:19]} then, {now[:19]} now); an append "
+                            f"would store other token ids under the same manifest. Restore that file, or rebuild "
+                            f"the store (all its inputs) into a new --out.")
         had = store.text_prefix(old)
         if had != tok.text_prefix():  # (a store from before documents began with it: its parts would mix)
             raise DataError(f"the store '{root}' holds documents that begin with {had or 'no special tokens'}, but "
@@ -254,6 +263,10 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
                            "max_memory": max_memory or built["max_memory"]})
     check_options(opts)  # (the scans' own were checked by their builds; --workers and --max-memory are new)
+    if "tokenizer_digest" in first and tokenizer_digest(opts.tokenizer) != first["tokenizer_digest"]:
+        raise DataError(f"the tokenizer file {opts.tokenizer} has changed since the scans were made (its content is "
+                        f"not what they were tokenized with); the store would record it for tokens of the other. "
+                        f"Restore that file, or scan again with this one (`longctx data build --shard i/n`).")
     tok = load_tokenizer(opts.tokenizer)
     with _exclusive(Path(out)):
         root, old = _open_store(opts, tok, merge=True)
