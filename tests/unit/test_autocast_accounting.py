@@ -6,15 +6,18 @@ bf16 activations (dtype_bytes 2): measured here it kept 2.0x the predicted host 
 planner's one-GPU plan and the host preflight under-counted them. Now counted at 4 B with the weight
 copies: exact under full, never below what is measured, and at most 1.6x over (bf16 matmul outputs)."""
 
+import weakref
+
 import pytest
 import torch
-from probes import packed_batch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longctx.config import load_config
 from longctx.memory.accounting import activation_dtype, estimate_activations, layer_activations, measure_activations
 from longctx.memory.apply_policy import apply_memory_policy
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
+from probes import packed_batch
 
 SEQ, BATCH = 96, 2
 
@@ -54,3 +57,49 @@ def test_autocast_over_fp32_weights_keeps_no_more_than_counted(recompute, fracti
     assert est.total_device <= 1.6 * measured["total_device"] and est.total_host <= 1.6 * measured["total_host"]
     if recompute == "full":  # the one tensor a block keeps, its fp32 input: exact
         assert est.total_device <= measured["total_device"] + 64 and est.total_host == measured["total_host"]
+
+
+class _Casts(TorchDispatchMode):
+    """Every bf16 cast of a weight (a 2-D tensor that requires grad) the forward makes, held weakly."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and out.dtype == torch.bfloat16 and args[0].dim() == 2 \
+                and args[0].requires_grad:
+            self.refs.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_the_training_forward_keeps_no_weight_copy_where_blocks_are_recomputed(recompute):
+    """step/loss.py's autocast is uncached: autocast's cache held a bf16 copy of every block weight until the
+    forward's end (after the loss), 2 B per block parameter uncounted under full and selective (13 GiB for an
+    8B on one GPU). Counted at the last block's output, with the cache on (as before) and as trained."""
+    from longctx.data.samples import Batch
+    from longctx.step.loss import forward_loss_sum
+
+    cfg = load_config(overrides=["--model.layers=3"]).model
+    model = build_model(cfg, seed=0)
+    model.memory_offloader = apply_memory_policy(model.layers, recompute, 0.0, offload_skip_last=0)
+    tokens, positions, doc, labels = packed_batch(cfg, seq=SEQ, batch=BATCH)
+    batch = Batch(tokens, labels, positions, doc)
+    seen = {}
+    for cached in (True, False):
+        mode = _Casts()
+        hook = model.layers[-1].register_forward_hook(lambda *_, c=cached, m=mode: seen.__setitem__(c, m.alive()))
+        with mode:
+            if cached:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(tokens, positions, doc, labels=labels, loss_reduction="sum")
+            else:
+                forward_loss_sum(model, batch, torch.bfloat16)
+        hook.remove()
+    assert seen[True] >= 7 * cfg.layers  # (q, k, v, o, w1, w3, w2 of every block)
+    assert seen[False] == 0

@@ -261,11 +261,13 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     bucket_blocks, co2_momentum: device_bytes'; device_type: where it runs (activation_dtype: bf16 on CPU is
     autocast over fp32 weights at any world size)."""
     kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy, "dtype_bytes": dtype_bytes}
-    # (one process off the host tier in bf16: autocast over fp32 weights, activations counted at 4 B)
+    # (one process off the host tier in bf16: autocast over fp32 weights, activations and the backward's
+    # transient counted at 4 B, as the planner counts them: planner/cost.py rank_activations)
     act_bytes, copies = activation_dtype(dtype_bytes == 2, shape.world, tier, device_type)
+    acts_kw = {**kw, "dtype_bytes": act_bytes}
     acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, weight_copies=copies,
-                                **{**kw, "dtype_bytes": act_bytes})
-    transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts, **kw)
+                                **acts_kw)
+    transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts, **acts_kw)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
     device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient,
                           bucket_blocks, co2_momentum)

@@ -42,7 +42,8 @@ def score(model, rt: Runtime, seqs: list[Sequence], batch: int, buckets: int, de
     rows = batch // rt.dp
     for start, real, global_batch in _batches(seqs, batch):
         local = local_batch(rt, global_batch, device)
-        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        # (uncached: the weights' bf16 copies would otherwise live until the forward's end: step/loss.py)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None, cache_enabled=False):
             scores = model(local.tokens, local.positions, local.doc_ids, labels=local.labels,
                            loss_reduction="tokens").double()
         valid = (local.labels != IGNORE).double()
