@@ -123,8 +123,10 @@ def main(args, overrides) -> int:
         return 0
     text = strict_json.dumps(result, indent=1)
     if args.output:
+        from ..durable import write_text_durably
+
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(text + "\n")
+        write_text_durably(Path(args.output), text + "\n")  # (a failed write leaves the previous file whole)
         say(f"eval: wrote {args.output}")
     else:
         print(text)

@@ -52,7 +52,12 @@ def _load_source(args, cfg, spec: str | None, tokenizer):
         return build(DataConfig(tokenizer=spec or "byte"), 1024, progress=False, log=say, announce_cached=False,
                      holdout_tokens=trained_grid(args.checkpoint))
 
-    source = load_source(args.data, args.split, tokenizer, default_store)
+    from ..config.tokenizer import model_text_prefix
+
+    # (ppl: a text document begins with the special tokens the model's documents began with, as a store's do, so
+    # a span at its start reads as training read it; retrieval's filler is left as it was)
+    prefix = model_text_prefix(cfg.model.init_from, tokenizer) if tokenizer is not None and args.task == "ppl" else []
+    source = load_source(args.data, args.split, tokenizer, default_store, prefix)
     if source.meta.get("vocab_size", 0) > cfg.model.vocab_size:
         raise ConfigError(f"--data {args.data}: its tokenizer has {source.meta['vocab_size']} tokens but the model's "
                           f"vocabulary is {cfg.model.vocab_size}; pass a store built with the model's tokenizer.")

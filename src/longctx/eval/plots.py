@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..train.report import token_log_axis
@@ -18,11 +19,18 @@ def write_plot(result: dict, path: str | Path) -> Path:
     title = f"{result['task']} - {result['model']}"
     if result["task"] == "ppl":
         fig, ax = plt.subplots(figsize=(7, 4))
+        drawn = False
         for r in result["results"]:
-            xs = [(b["start"] + b["end"]) / 2 for b in r["buckets"] if b["loss"] is not None]
-            ys = [b["loss"] for b in r["buckets"] if b["loss"] is not None]
+            # (a NaN or infinite loss, a diverged model's, is no point: a gap, as the JSON's null)
+            kept = [b for b in r["buckets"] if b["loss"] is not None and math.isfinite(b["loss"])]
+            xs = [(b["start"] + b["end"]) / 2 for b in kept]
+            ys = [b["loss"] for b in kept]
+            drawn = drawn or bool(xs)
             ax.plot(xs, ys, marker=".", label=f"{r['length']:,} tokens ({r['sequences']} seq)")
-        token_log_axis(ax)  # (powers of 2 labelled 1K / 64K / 1M, never overlapping)
+        if drawn:  # (no finite loss at all: the axis has no data to place ticks by)
+            token_log_axis(ax)  # (powers of 2 labelled 1K / 64K / 1M, never overlapping)
+        else:
+            ax.text(0.5, 0.5, "no finite loss", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("position in the sequence (tokens)")
         ax.set_ylabel("loss (nats/token)")
         ax.legend()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..config.tokenizer import unchecked_tokenizer
 from ..errors import ConfigError
 from ..generate.settings import SAMPLING_FLAGS
-from .defaults import EXTRA_NEW_TOKENS
+from .defaults import DEFAULT_BUCKETS, EXTRA_NEW_TOKENS
 from .inputs import _load_source, _load_tokenizer, _sequences
 from .layout_checks import _check_layout
 
@@ -147,6 +147,12 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
             raise ConfigError(f"{flag} must be positive, got {value}.")
     if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
         raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
+    if args.task == "ppl" and args.buckets > min(lengths) and args.buckets == DEFAULT_BUCKETS:
+        args.buckets = min(lengths)  # (the default, at a length shorter than it: one position a bucket)
+    if args.task == "ppl" and args.buckets > min(lengths):
+        raise ConfigError(f"--buckets {args.buckets} is more than the {min(lengths):,} positions of --lengths "
+                          f"{min(lengths):,}: a bucket holds at least one position; pass --buckets {min(lengths)} "
+                          f"or fewer.")
     _check_window_lengths(args, lengths, mode)
     cfg, batch, capacity = _config(args, overrides, lengths, nproc)
     # (a capacity shared by a forward's tokens: a sequence's score would depend on --batch, the unscored copies
@@ -179,7 +185,7 @@ def _check_flags(args) -> None:
 
     from ..durable import check_output_path
     from ..generate.settings import given_flags, unused_memory_flags
-    from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
+    from .defaults import DEFAULT_DEPTHS
 
     unused = given_flags(args, {"depths": DEFAULT_DEPTHS} if args.task == "ppl" else {"buckets": DEFAULT_BUCKETS})
     if unused:

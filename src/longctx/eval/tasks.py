@@ -105,14 +105,16 @@ def store_documents(root: Path, split: str, trained: bool = False) -> Iterator:
                 np.full(len(tokens), int(seg[group[0], S_DOC]) - int(part["first_doc"])), at)
 
 
-def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
+def load_source(data: str, split: str, tokenizer, default_store, prefix=()) -> TokenSource:
     """`--data`: '' (the default corpus store), a store directory, a text file (one document), or a
     glob of text files ('DIR/**/*.py': each file one document, in sorted order; text held out from
-    training, such as sources the corpus does not hold)."""
+    training, such as sources the corpus does not hold). `prefix`: the special tokens the model's documents
+    began with (config/tokenizer.py model_text_prefix), put before each text document as a store's builder
+    puts them before each of its documents, so a span at a document's start reads as training read it."""
     if not data:
         data = str(default_store())
     if is_glob(data):
-        return _glob_source(data, tokenizer)
+        return _glob_source(data, tokenizer, prefix)
     path = Path(data)
     if path.is_dir():
         if not (path / MANIFEST).is_file():
@@ -132,7 +134,8 @@ def load_source(data: str, split: str, tokenizer, default_store) -> TokenSource:
                            (lambda: store_documents(path, split, trained=True)) if answers else None)
     if path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
-        tokens = np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
+        tokens = np.concatenate([np.asarray(prefix, dtype=np.int64),
+                                 np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)])
         return TokenSource(lambda: iter([tokens]), f"{path} (text file)")
     raise ConfigError(f"--data {data} is neither a store directory nor a text file; pass a store built by "
                       f"`longctx data build`, a text file, or nothing for the default corpus.")
@@ -143,7 +146,7 @@ def is_glob(data: str) -> bool:
     return any(c in data for c in "*?[") and not Path(data).exists()
 
 
-def _glob_source(pattern: str, tokenizer) -> TokenSource:
+def _glob_source(pattern: str, tokenizer, prefix=()) -> TokenSource:
     """The files `pattern` matches (recursive with **), sorted, each one document, read when iterated."""
     import glob
 
@@ -157,7 +160,8 @@ def _glob_source(pattern: str, tokenizer) -> TokenSource:
     def documents():
         for p in paths:
             text = Path(p).read_text(encoding="utf-8", errors="replace")
-            yield np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
+            yield np.concatenate([np.asarray(prefix, dtype=np.int64),
+                                  np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)])
     return TokenSource(documents, f"{pattern} ({len(paths)} files)")
 
 

@@ -36,9 +36,13 @@ def load_model(cfg, device, dtype):
             raise ConfigError(f"--checkpoint {source} holds no complete checkpoint.")
         manifest = load_model_weights(path, model)
         model.set_router_step(int(manifest["step"]) - 1)  # (DTS-Gate routes as training did at that step)
+    ratios = None
     if dtype != torch.float32:
+        if model.ms_poe_ratios is not None:  # (Ms-PoE's heads ranked on the fp32 weights, as score mode ranks them)
+            model.init_rope()
+            ratios = model.ms_poe_ratios.clone()
         model.to(dtype)
-    model.init_rope()  # (fp32, from the config: an extension applies to the loaded weights)
+    model.init_rope(ratios)  # (fp32, from the config: an extension applies to the loaded weights)
     return model.eval()
 
 

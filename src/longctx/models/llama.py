@@ -235,13 +235,14 @@ class Llama(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     @torch.no_grad()
-    def init_rope(self):
+    def init_rope(self, ms_poe_ratios: torch.Tensor | None = None):
         """Set the non-persistent RoPE frequencies (after materialising from meta) and, with Ms-PoE,
         each kv head's ratio (its `attention` order measures the weights as they are now: call after
-        loading them)."""
+        loading them; `ms_poe_ratios`: ratios measured before, e.g. on the fp32 weights before a cast)."""
         self.inv_freq.data = rope_inv_freq(self.cfg, device=self.inv_freq.device).float()
         if self.ms_poe_ratios is not None:
-            self.ms_poe_ratios = head_ratios(self, lambda p: rope_cos_sin(p, self.inv_freq, self.rope_scale))
+            self.ms_poe_ratios = ms_poe_ratios.float() if ms_poe_ratios is not None else \
+                head_ratios(self, lambda p: rope_cos_sin(p, self.inv_freq, self.rope_scale))
 
     def layer_rope(self, index: int, positions: torch.Tensor, plain: tuple) -> tuple:
         """(cos, sin) of layer `index` at `positions`: `plain` (rope_cos_sin's, shared by every layer),

@@ -70,7 +70,7 @@ def probe_scores(model, cos_sin) -> torch.Tensor:
     the model running with plain RoPE and its attention written out in fp32."""
     _refuse_sharded(model)
     cfg, device = model.cfg, model.inv_freq.device
-    length = min(PROBE_TOKENS, cfg.max_seq_len)
+    length = min(PROBE_TOKENS, probe_positions(cfg))
     tokens = torch.randint(cfg.vocab_size, (1, length), generator=torch.Generator().manual_seed(PROBE_SEED))
     positions = torch.arange(length, device=device)[None]
     cos, sin = cos_sin(positions)
@@ -90,6 +90,17 @@ def probe_scores(model, cos_sin) -> torch.Tensor:
         out = torch.einsum("bhqk,bkhd->bqhd", probs, vv)
         x = block.post(x, out.to(x.dtype))
     return torch.stack(scores)
+
+
+def probe_positions(cfg) -> int:
+    """The positions the probe may use: those the weights trained on (config/positions.py), not model.max_seq_len,
+    which a run raises at will (eval sets it to its longest --lengths): the ratios, and so every score, would then
+    depend on the other lengths a run evaluates. Without init_from (a library model), its max_seq_len."""
+    if not cfg.init_from:
+        return cfg.max_seq_len
+    from ..config.positions import trained_positions
+
+    return trained_positions(cfg.init_from).positions
 
 
 def _refuse_sharded(model) -> None:
