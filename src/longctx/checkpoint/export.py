@@ -53,6 +53,12 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
                               f"manifest.json, or a checkpoints directory holding them; a save that was interrupted "
                               f"has none).")
     manifest = read_manifest(path)
+    if manifest.get("draft"):  # (its manifest's [model] is the target's: the weights are not that model's)
+        draft = manifest["draft"]
+        raise CheckpointError(f"{path} holds a {draft.get('kind', 'glide')} draft trained against "
+                              f"{draft.get('target', {}).get('path')!r}, not a model: a draft has no Hugging Face "
+                              f"form (it runs beside its target: longctx generate --draft). Export the target "
+                              f"instead.")
     cfg = model_config(manifest["model"])  # (recorded by config key: "moe.experts")
     out = Path(os.path.abspath(Path(out).expanduser()))  # (a name to rename, also for OUT '.')
     check_output(out, cfg.init_from)

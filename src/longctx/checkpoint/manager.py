@@ -86,6 +86,7 @@ from .manifest import (
 from .rng_states import _load_rng, _rng_state, _set_rng_state, local_state_file, rng_file
 
 TRAINER_STATE = "trainer_state.json"
+_TRASH = ".tmp-old-"  # a step directory a re-save of its step moved aside (restored if the commit died)
 
 
 class CheckpointManager:
@@ -128,6 +129,10 @@ class CheckpointManager:
         self._enospc = planned("enospc")
         if rank == 0 and create:  # (create=False: a reader of checkpoints that writes none)
             self.root.mkdir(parents=True, exist_ok=True)
+            for old in self.root.glob(f"{_TRASH}step-*"):  # a commit killed after moving a complete step aside
+                final = self.root / old.name[len(_TRASH):].rsplit("-", 1)[0]  # (and before publishing its new one)
+                if old.is_dir() and (old / MANIFEST).is_file() and not final.exists():
+                    os.replace(old, final)
             for stale in self.root.glob(".tmp-*"):  # leftovers of saves that never completed
                 shutil.rmtree(stale, ignore_errors=True)
             for stale in self.root.glob(".*.tmp-*"):  # a `latest` (durable.py) a killed process left
@@ -250,7 +255,7 @@ class CheckpointManager:
         # names a checkpoint whose files did not reach the disk
         trash = None
         if final.exists():  # a re-run of the same step: replace it only now that the new one is complete
-            trash = self.root / f".tmp-old-{uuid.uuid4().hex[:8]}"
+            trash = self.root / f"{_TRASH}{final.name}-{uuid.uuid4().hex[:8]}"
             os.replace(final, trash)
         try:
             publish(tmp, final)

@@ -287,6 +287,8 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
         init_std=float(hf.get("initializer_range", 0.02)),
     )
     fields.update(rope_fields(hf, where))
+    if fields["rope_scaling"] == "linear":  # (a linear config.json gives the length before its factor: positions.py)
+        fields["max_seq_len"] = int(fields["max_seq_len"] * fields["rope_factor"])
     fields.update(_moe_fields(hf, family, where) if family in MOE_FAMILIES else _dense_moe_fields())
     return fields
 
@@ -297,8 +299,10 @@ def default_max_seq_len(hf: dict) -> int:
     compute as trained only within the window; defaulting past it refused every command, a prompt of a few tokens
     too. A length the user gives past the window is still refused (check_sliding_window). The one place a run's
     default is decided: resolve_init_from, where what the user gave is known."""
+    from .hf_export import config_reach  # (a linear config gives the length before its factor: positions.py)
+
     hf = with_family_defaults(hf)
-    length, window = int(hf["max_position_embeddings"]), family_window(hf)
+    length, window = config_reach(hf), family_window(hf)
     return min(length, window) if window else length
 
 

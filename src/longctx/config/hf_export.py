@@ -55,6 +55,10 @@ def export_problems(m) -> list[str]:
     if f in ("mixtral", "olmoe") and dense:
         problems.append(f"{f} has experts in every layer; model.moe.dense_layers={m.moe_dense_layers!r} needs "
                         f"qwen2_moe or qwen3_moe.")
+    if f == "olmoe" and m.resolved_head_dim * m.heads != m.dim:  # (its q/k norms are hidden_size wide)
+        problems.append(f"olmoe's q/k norms span hidden_size, so its heads are dim / heads wide: model.head_dim="
+                        f"{m.resolved_head_dim} x {m.heads} heads is not model.dim={m.dim} (train with "
+                        f"model.head_dim 0).")
     if f in ("mixtral", "olmoe") and m.resolved_expert_dim != m.ffn_dim:
         problems.append(f"{f} has one intermediate_size, the experts' width: set model.ffn_dim to "
                         f"model.moe.expert_dim ({m.resolved_expert_dim}).")
@@ -113,8 +117,8 @@ def _max_positions(m, trained: int = 0) -> int:
         scaled = m.rope_original_max_len * m.rope_factor
         if scaled >= length and float(scaled).is_integer():
             return int(scaled)
-    if m.rope_scaling == "linear" and trained:  # (rounded down: a reach read back never past the trained one)
-        return max(1, int(trained / m.rope_factor))
+    if m.rope_scaling == "linear":  # (rounded down: a reach read back never past the trained one)
+        return max(1, int(length / m.rope_factor))
     return length
 
 

@@ -92,15 +92,15 @@ class TrainedPositions:
 def trained_positions(init_from: str) -> TrainedPositions:
     """What the weights of `init_from` (hf:DIR or a longctx checkpoint) trained on."""
     from .hf import checkpoint_manifest, hf_dir, model_config, read_hf_config, resolve_init_from
-    from .hf_families import family_window, with_family_defaults
+    from .hf_families import with_family_defaults
 
     values, trained = {"init_from": init_from}, None
     if init_from.startswith("hf:"):
         hf = read_hf_config(hf_dir(init_from))
         # what the weights trained on is max_position_embeddings, not the max_seq_len a window below it makes the
         # default (Mistral-7B-v0.1's 4,096 of 32,768: config/hf.py default_max_seq_len); model_reach caps at it
-        if family_window(hf):
-            trained = int(with_family_defaults(hf)["max_position_embeddings"])
+        # (and not model.max_seq_len's default either: that is the reach, x a linear factor already)
+        trained = int(with_family_defaults(hf)["max_position_embeddings"])
     fields, _ = resolve_init_from(values)
     own = model_config(fields)
     if init_from.startswith("hf:"):
