@@ -85,5 +85,8 @@ def _prepare(tmp_path, *flags):
 def test_more_ppl_buckets_than_positions_are_refused_and_the_default_fits_a_short_length(tmp_path):
     with pytest.raises(ConfigError, match="--buckets 100 is more than the 64 positions"):
         _prepare(tmp_path, "--lengths", "64", "--buckets", "100")
-    _, args = _prepare(tmp_path, "--lengths", "8")
-    assert args.buckets == 8
+    from longctx.eval.score_mode import evaluate_score
+
+    request, args = _prepare(tmp_path, "--lengths", "8,64")  # (the default 16 at 8 tokens: 8 there, 16 at 64)
+    out = evaluate_score(request, args)
+    assert [len(r["buckets"]) for r in out["results"]] == [8, 16]

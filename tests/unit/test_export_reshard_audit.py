@@ -69,3 +69,22 @@ def test_a_commit_killed_while_it_replaces_a_step_keeps_that_step(tmp_path):
     out = run("restart")
     assert out.stdout.strip() == "step-00000004", out.stderr
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+
+
+def test_a_linear_config_in_transformers_5_form_defaults_to_its_reach(tmp_path):
+    """rope_parameters (transformers 5's config.json) as rope_scaling: max_position_embeddings x the factor."""
+    base = load_config(overrides=["--model.preset=debug", "--train.seq_len=64"]).model
+    for form in ("rope_scaling", "rope_parameters"):
+        hf = save_hf(build_model(base, seed=0), tmp_path / form)
+        config = json.loads((hf / "config.json").read_text())
+        theta = config.pop("rope_theta", 10000.0)
+        config.pop("rope_scaling", None)
+        config.pop("rope_parameters", None)
+        config["max_position_embeddings"] = 64
+        if form == "rope_scaling":
+            config["rope_theta"], config["rope_scaling"] = theta, {"rope_type": "linear", "factor": 4.0}
+        else:
+            config["rope_parameters"] = {"rope_type": "linear", "factor": 4.0, "rope_theta": theta}
+        (hf / "config.json").write_text(json.dumps(config))
+        m = load_config(overrides=[f"--model.init_from=hf:{hf}", "--train.seq_len=256"]).model
+        assert (m.rope_scaling, m.max_seq_len) == ("linear", 256), form

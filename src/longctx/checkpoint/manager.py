@@ -138,6 +138,8 @@ class CheckpointManager:
             for stale in self.root.glob(".*.tmp-*"):  # a `latest` (durable.py) a killed process left
                 if stale.is_file():
                     stale.unlink(missing_ok=True)
+        if self._mesh is not None and create:  # every rank lists the checkpoints only after rank 0's restore
+            comm.barrier(self._mesh)
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, model, optimizer, sampler_state: dict) -> None:

@@ -125,7 +125,7 @@ def _max_positions(m, trained: int = 0) -> int:
 def config_reach(config: dict) -> int:
     """The positions a config.json's model reaches as its readers count them: max_position_embeddings,
     times the factor of a linear scaling (whose configs give the length before it)."""
-    rope = config.get("rope_scaling") or {}
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # (transformers' reading: hf_rope.py)
     factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "linear" else 1
     return int(config["max_position_embeddings"] * (factor or 1))
 

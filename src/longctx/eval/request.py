@@ -147,9 +147,8 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
             raise ConfigError(f"{flag} must be positive, got {value}.")
     if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
         raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
-    if args.task == "ppl" and args.buckets > min(lengths) and args.buckets == DEFAULT_BUCKETS:
-        args.buckets = min(lengths)  # (the default, at a length shorter than it: one position a bucket)
-    if args.task == "ppl" and args.buckets > min(lengths):
+    # (the default is capped at each length shorter than it, per length: score_mode.py)
+    if args.task == "ppl" and args.buckets != DEFAULT_BUCKETS and args.buckets > min(lengths):
         raise ConfigError(f"--buckets {args.buckets} is more than the {min(lengths):,} positions of --lengths "
                           f"{min(lengths):,}: a bucket holds at least one position; pass --buckets {min(lengths)} "
                           f"or fewer.")

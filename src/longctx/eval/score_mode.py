@@ -53,12 +53,13 @@ def evaluate_score(request: EvalRequest, args) -> dict | None:
         with phase(f"eval {request.task}", done_line=False):
             for which, length in enumerate(request.lengths):
                 seqs = sequences[length]
+                buckets = min(args.buckets, length)  # (a bucket holds one position at least)
                 t0 = time.perf_counter()
                 # (each length's own line follows it: no closing line from the phase)
                 with phase(_length_phase(request, which), len(seqs), "sequences", done_line=False, bar=bar) as progress:
-                    scores = score(model, rt, seqs, request.batch, args.buckets, device,
+                    scores = score(model, rt, seqs, request.batch, buckets, device,
                                    dtype if dtype != torch.float32 else None, progress)
-                out["results"].extend(_summarise(request, length, seqs, scores, args.buckets, time.perf_counter() - t0))
+                out["results"].extend(_summarise(request, length, seqs, scores, buckets, time.perf_counter() - t0))
                 if rt.is_main and bar is None:
                     say(f"eval: {request.task} at {length} tokens: {_headline(out['results'], length)}")
                     said()
