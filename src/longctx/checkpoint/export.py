@@ -31,8 +31,9 @@ import torch
 
 from ..config.checkpoint_paths import find_checkpoint
 from ..config.hf import hf_dir, initial_hf_config, model_config
-from ..config.hf_export import SPECIAL_TOKEN_KEYS, config_reach, declared_special_ids, export_notes
+from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
 from ..config.hf_families import QWEN_FAMILIES, family_window
+from ..config.hf_rope import config_reach
 from ..config.tokenizer import source_hf, tokenizer_file, tokenizer_identity
 from ..data.tokenizer import load_tokenizer
 from ..durable import fsync_path, publish

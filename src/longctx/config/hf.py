@@ -52,7 +52,7 @@ from .hf_families import (
     family_window,
     with_family_defaults,
 )
-from .hf_rope import rope_fields
+from .hf_rope import config_reach, rope_fields
 from .schema import MOE_FAMILIES, ModelConfig
 
 # [model] keys that extend a loaded model's context without contradicting its weights
@@ -299,8 +299,6 @@ def default_max_seq_len(hf: dict) -> int:
     compute as trained only within the window; defaulting past it refused every command, a prompt of a few tokens
     too. A length the user gives past the window is still refused (check_sliding_window). The one place a run's
     default is decided: resolve_init_from, where what the user gave is known."""
-    from .hf_export import config_reach  # (a linear config gives the length before its factor: positions.py)
-
     hf = with_family_defaults(hf)
     length, window = config_reach(hf), family_window(hf)
     return min(length, window) if window else length

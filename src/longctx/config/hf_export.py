@@ -122,14 +122,6 @@ def _max_positions(m, trained: int = 0) -> int:
     return length
 
 
-def config_reach(config: dict) -> int:
-    """The positions a config.json's model reaches as its readers count them: max_position_embeddings,
-    times the factor of a linear scaling (whose configs give the length before it)."""
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # (transformers' reading: hf_rope.py)
-    factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "linear" else 1
-    return int(config["max_position_embeddings"] * (factor or 1))
-
-
 def hf_config_from_model(m, dtype_name: str = "float32", trained: int = 0) -> dict:
     """config.json for the [model] `m` (a ModelConfig) whose weights trained on `trained` positions (a
     checkpoint's trained_positions; 0: not known, _max_positions). RoPE is written once, in the classic form

@@ -104,3 +104,11 @@ def rope_fields(hf: dict, where: str) -> dict[str, Any]:
                    rope_attention_factor=float(p.get("attention_factor") or 0.0),
                    rope_truncate=bool(p.get("truncate", True)))
     return out
+
+
+def config_reach(config: dict) -> int:
+    """The positions a config.json's model reaches as its readers count them: max_position_embeddings,
+    times the factor of a linear scaling (whose configs give the length before it)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # (transformers 5 writes rope_parameters)
+    factor = rope.get("factor") if rope.get("rope_type", rope.get("type")) == "linear" else 1
+    return int(config["max_position_embeddings"] * (factor or 1))
