@@ -56,7 +56,8 @@ def test_the_weighted_loss_and_its_gradients_are_the_weighted_sum(chunk, norm):
     labels = torch.randint(0, vocab, (n,))
     labels[torch.rand(n) < 0.3] = IGNORE
     weights = torch.rand(n, dtype=torch.float64) + 0.1  # (also where ignored: those must not count)
-    got = lm_head_loss(h, w, labels, chunk=chunk, reduction="sum", norm=(g, 1e-5) if norm else None, weights=weights)
+    got = lm_head_loss(h, w, labels, chunk=chunk, reduction="sum", norm=(g, 1e-5) if norm else None,
+                       label_weights=weights)
     x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * g if norm else h
     each = torch.nn.functional.cross_entropy(x @ w.t(), labels.clamp(min=0), reduction="none")
     expected = (each * weights * (labels != IGNORE)).sum()
@@ -64,7 +65,7 @@ def test_the_weighted_loss_and_its_gradients_are_the_weighted_sum(chunk, norm):
     params = [h, w] + ([g] if norm else [])
     for a, b in zip(torch.autograd.grad(got, params), torch.autograd.grad(expected, params)):
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
-    mean = lm_head_loss(h, w, labels, chunk=chunk, norm=(g, 1e-5) if norm else None, weights=weights)
+    mean = lm_head_loss(h, w, labels, chunk=chunk, norm=(g, 1e-5) if norm else None, label_weights=weights)
     assert torch.allclose(mean, expected / (weights * (labels != IGNORE)).sum(), rtol=1e-10, atol=0)
     unweighted = lm_head_loss(h, w, labels, chunk=chunk, reduction="sum", norm=(g, 1e-5) if norm else None)
     assert not torch.allclose(got, unweighted)  # (the weights are taken)
@@ -112,11 +113,11 @@ def test_each_ranks_weights_are_the_whole_batchs_at_its_tokens(short_store, layo
         local, count = read_local_batch(rt, samples, indices, loss_weighting="sequence")
         cut, cut_count = read_local_batch(rt, _Whole(samples), indices, loss_weighting="sequence")
         assert count == cut_count == k
-        assert torch.equal(local.weights, cut.weights) and torch.equal(local.labels, cut.labels)
-        assert local.weights.dtype == torch.float32 and not local.weights[local.labels == IGNORE].any()
-        total += float(local.weights.double().sum())
+        assert torch.equal(local.label_weights, cut.label_weights) and torch.equal(local.labels, cut.labels)
+        assert local.label_weights.dtype == torch.float32 and not local.label_weights[local.labels == IGNORE].any()
+        total += float(local.label_weights.double().sum())
         plain, labels = read_local_batch(rt, samples, indices)
-        assert plain.weights is None and labels == int(labelled.sum())
+        assert plain.label_weights is None and labels == int(labelled.sum())
     # each token is held by one rank (dp ranks hold other rows, head x ctx cut a row), each sequence's weights
     # sum to 1
     assert total == pytest.approx(k, rel=1e-6) and expected.sum() == pytest.approx(k, rel=1e-9)

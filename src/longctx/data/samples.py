@@ -34,12 +34,12 @@ class Batch:
     real: torch.Tensor | None = None
     # [batch, seq] float32: each label's weight in the loss's sum (train.loss_weighting = sequence: 1 / the labels
     # of its sequence, data/sequence_weights.py); None: every label weighs 1
-    weights: torch.Tensor | None = None
+    label_weights: torch.Tensor | None = None
 
     def to(self, device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.tokens), move(self.labels), move(self.positions), move(self.doc_ids), move(self.real),
-                     move(self.weights))
+                     move(self.label_weights))
 
     @property
     def valid_tokens(self) -> int:

@@ -25,10 +25,16 @@ def sequence_weights(labelled: np.ndarray, doc_ids: np.ndarray | None) -> np.nda
     """[rows, seq] float32: 1 / (labelled tokens of its sequence) at each labelled token, 0 elsewhere.
     `labelled`: [rows, seq] bool (a token has a label); `doc_ids`: [rows, seq] each token's document in
     its row (None: the row is one sequence)."""
+    return weigh_sequences(labelled, doc_ids)[0]
+
+
+def weigh_sequences(labelled: np.ndarray, doc_ids: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """(sequence_weights, trained_sequences) of the same rows, counted once."""
     counts, keys = _counts(labelled, doc_ids)
+    labelled = np.asarray(labelled, dtype=bool)
     weights = np.zeros(labelled.shape, dtype=np.float32)
     weights[labelled] = (1.0 / counts[keys[labelled]]).astype(np.float32)
-    return weights
+    return weights, int((counts > 0).sum())
 
 
 def trained_sequences(labelled: np.ndarray, doc_ids: np.ndarray | None) -> int:

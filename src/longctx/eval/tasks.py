@@ -134,8 +134,7 @@ def load_source(data: str, split: str, tokenizer, default_store, prefix=()) -> T
                            (lambda: store_documents(path, split, trained=True)) if answers else None)
     if path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
-        tokens = np.concatenate([np.asarray(prefix, dtype=np.int64),
-                                 np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)])
+        tokens = _encoded(tokenizer, text, prefix)
         return TokenSource(lambda: iter([tokens]), f"{path} (text file)")
     raise ConfigError(f"--data {data} is neither a store directory nor a text file; pass a store built by "
                       f"`longctx data build`, a text file, or nothing for the default corpus.")
@@ -144,6 +143,12 @@ def load_source(data: str, split: str, tokenizer, default_store, prefix=()) -> T
 def is_glob(data: str) -> bool:
     """Whether `--data` is a glob of text files (a path that exists is itself, whatever its characters)."""
     return any(c in data for c in "*?[") and not Path(data).exists()
+
+
+def _encoded(tokenizer, text: str, prefix) -> np.ndarray:
+    """A text document's tokens after `prefix` (load_source's)."""
+    return np.concatenate([np.asarray(prefix, dtype=np.int64),
+                           np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)])
 
 
 def _glob_source(pattern: str, tokenizer, prefix=()) -> TokenSource:
@@ -160,8 +165,7 @@ def _glob_source(pattern: str, tokenizer, prefix=()) -> TokenSource:
     def documents():
         for p in paths:
             text = Path(p).read_text(encoding="utf-8", errors="replace")
-            yield np.concatenate([np.asarray(prefix, dtype=np.int64),
-                                  np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)])
+            yield _encoded(tokenizer, text, prefix)
     return TokenSource(documents, f"{pattern} ({len(paths)} files)")
 
 

@@ -386,7 +386,7 @@ class Llama(nn.Module):
             return scores.view(*labels.shape, 2)
         return lm_head_loss(x.flatten(0, 1), self.lm_head_weight, labels.flatten(), chunk=self.loss_chunk,
                             reduction=loss_reduction, norm=norm,
-                            weights=None if label_weights is None else label_weights.flatten())
+                            label_weights=None if label_weights is None else label_weights.flatten())
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Llama:

@@ -27,12 +27,12 @@ IGNORE = -100
 
 def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int = 0,
                  reduction: str = "mean", norm: tuple[torch.Tensor, float] | None = None,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+                 label_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of `labels` [n] under logits norm(h) [n, dim] @ weight [vocab, dim]^T.
 
     chunk = 0, or n <= chunk: the plain path (one logits tensor). Otherwise chunked as above.
     reduction: "sum" or "mean" (over labels != -100). norm: (RMSNorm weight, eps), or None for none.
-    weights: [n] float, each label's weight in the sum (train.loss_weighting = sequence: 1 / its sequence's
+    label_weights: [n] float, each label's weight in the sum (train.loss_weighting = sequence: 1 / its sequence's
     labels, data/sequence_weights.py); "mean" then divides by the weights' sum over valid labels."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
@@ -40,29 +40,29 @@ def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
         raise ValueError(f"lm_head_loss expects h [n, dim], weight [vocab, dim], labels [n]; got "
                          f"{tuple(h.shape)}, {tuple(weight.shape)}, {tuple(labels.shape)}")
     _check_labels(labels, weight.shape[0])
-    if weights is not None and weights.shape != labels.shape:
-        raise ValueError(f"lm_head_loss's weights must be one per label, {tuple(labels.shape)}; got "
-                         f"{tuple(weights.shape)}")
+    if label_weights is not None and label_weights.shape != labels.shape:
+        raise ValueError(f"lm_head_loss's label_weights must be one per label, {tuple(labels.shape)}; got "
+                         f"{tuple(label_weights.shape)}")
     if chunk <= 0 or h.shape[0] <= chunk:
         if norm is not None:
             h = rms_norm(h, *norm)
         # summed, then divided as the chunked path divides: a mean over no valid label is 0 with zero
         # gradients on both paths (F.cross_entropy's own mean gives NaN there)
         logits = F.linear(h, weight).to(_stat_dtype(h))
-        if weights is None:
+        if label_weights is None:
             total = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
         else:
             each = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="none")
-            total = (each * _valid_weights(labels, weights, each.dtype)).sum()
+            total = (each * _valid_weights(labels, label_weights, each.dtype)).sum()
     else:
         dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else None
         norm_weight, eps = norm if norm is not None else (None, 0.0)
-        total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype, norm_weight, eps, weights)
+        total = _ChunkedLoss.apply(h, weight, labels, chunk, dtype, norm_weight, eps, label_weights)
     if reduction == "sum":
         return total
-    if weights is None:
+    if label_weights is None:
         return total / (labels != IGNORE).sum().clamp(min=1)
-    return total / _valid_weights(labels, weights, total.dtype).sum().clamp(min=torch.finfo(total.dtype).tiny)
+    return total / _valid_weights(labels, label_weights, total.dtype).sum().clamp(min=torch.finfo(total.dtype).tiny)
 
 
 def _valid_weights(labels: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

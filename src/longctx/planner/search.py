@@ -17,6 +17,7 @@ offload, a shorter sequence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -186,15 +187,7 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict,
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
                 # activations and the backward transient (which the Double-Ring window changes): the same
                 key = (shape.head, shape.ctx, shape.window, shape.expert, mb, as_step[pol])
-
-                def acts_for(tier, key=key, shape=shape, mb=mb, pol=pol):
-                    # (one process off the host tier computes in autocast over fp32 weights: activation_dtype)
-                    e, copies = activation_dtype(hw.dtype_bytes == 2, shape.world, tier)
-                    if (key, e, copies) not in acts_cache:
-                        acts_cache[key, e, copies] = rank_activations(m, req.seq_len, mb, shape, pol, e, req.doc_mask,
-                                                                      req.expert_skew, weight_copies=copies)
-                    return acts_cache[key, e, copies]
-
+                acts_for = functools.partial(_tier_activations, acts_cache, key, req, shape, mb, pol)
                 kept, n = _tiers(req, shape, mb, pol, acts_for, static, keep_infeasible)
                 evaluated += n
                 if kept and kept[-1].feasible and not pol.expert_chunk:
@@ -203,6 +196,17 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict,
                 if first_only and any(not held(req, fp.mesh_shape) for fp in kept):
                     return results, evaluated
     return results, evaluated
+
+
+def _tier_activations(cache: dict, key: tuple, req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy,
+                      tier: str) -> tuple:
+    """(activations, transient bytes) of a candidate under `tier`, computed once per `key` and activation
+    dtype: one process off the host tier computes in autocast over fp32 weights (activation_dtype)."""
+    e, copies = activation_dtype(req.hardware.dtype_bytes == 2, shape.world, tier)
+    if (key, e, copies) not in cache:
+        cache[key, e, copies] = rank_activations(req.model, req.seq_len, mb, shape, pol, e, req.doc_mask,
+                                                 req.expert_skew, weight_copies=copies)
+    return cache[key, e, copies]
 
 
 def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts_for, static: dict[str, float],

@@ -8,7 +8,7 @@ import torch
 
 def forward_loss_sum(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None) -> torch.Tensor:
     """The summed loss over the batch's valid label tokens, each times its weight where the batch has
-    weights (Batch.weights: train.loss_weighting = sequence); the caller normalises."""
+    weights (Batch.label_weights: train.loss_weighting = sequence); the caller normalises."""
     return _forward_with_labels(model, batch, autocast_dtype, "sum")
 
 
@@ -29,7 +29,8 @@ def _forward_with_labels(model, batch, autocast_dtype, reduction: str) -> torch.
     with torch.autocast(device_type=batch.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None,
                         cache_enabled=False):
         extra = {} if getattr(batch, "real", None) is None else {"real": batch.real}  # (MoE: models/moe_stats.py)
-        if reduction == "sum" and getattr(batch, "weights", None) is not None:  # (train.loss_weighting = sequence)
-            extra["label_weights"] = batch.weights
+        # (train.loss_weighting = sequence)
+        if reduction == "sum" and getattr(batch, "label_weights", None) is not None:
+            extra["label_weights"] = batch.label_weights
         return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction=reduction,
                      **extra)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ...data.samples import IGNORE, Batch
-from ...data.sequence_weights import sequence_weights, trained_sequences
+from ...data.sequence_weights import sequence_weights, weigh_sequences
 from ...job import comm
 from ...job.runtime import Runtime
 from ...ops.segments import keep_host_copy
@@ -44,11 +44,11 @@ def local_batch(rt: Runtime, batch: Batch, device=None) -> Batch:
         return batch if device is None else batch.to(device)
     sl = rt.dp_rows(batch.tokens.shape[0])
     mine = Batch(*(None if t is None else t[sl] for t in (batch.tokens, batch.labels, batch.positions,
-                                                         batch.doc_ids, batch.real, batch.weights)))
+                                                         batch.doc_ids, batch.real, batch.label_weights)))
     layout, held = plan_share(rt, mine.doc_ids, mine.tokens.shape[0], mine.tokens.shape[1])
     take = lambda t: t if t is None or held is None else t.gather(1, held)  # noqa: E731
     local = Batch(take(mine.tokens), take(mine.labels), take(mine.positions), take(mine.doc_ids), take(mine.real),
-                  take(mine.weights))
+                  take(mine.label_weights))
     if layout is not None:
         attach_layout(local.doc_ids, layout)
     return local if device is None else to_device(local, device)
@@ -58,7 +58,7 @@ def read_local_batch(rt: Runtime, samples, indices: list[int], loss_weighting: s
     """My share of the global batch of samples `indices`, on the host (layout attached), and the loss's
     denominator over the whole global batch (the same on every rank): its valid labels, or with
     `loss_weighting` "sequence" (train.loss_weighting) its trained sequences, each label then weighted by
-    1 / its sequence's labels (Batch.weights, from the rows whole: data/sequence_weights.py).
+    1 / its sequence's labels (Batch.label_weights, from the rows whole: data/sequence_weights.py).
 
     A sample set that reads by position (a memory-mapped store, data/loader.py) reads its segment
     index for my rows, plans my share from it, and then reads only the tokens I hold, plus the next
@@ -69,16 +69,18 @@ def read_local_batch(rt: Runtime, samples, indices: list[int], loss_weighting: s
         full = samples.batch(indices)
         if not by_sequence:
             return local_batch(rt, full), full.valid_tokens
-        labelled, docs = (full.labels != IGNORE).numpy(), None if full.doc_ids is None else full.doc_ids.numpy()
-        full.weights = torch.from_numpy(sequence_weights(labelled, docs))
-        return local_batch(rt, full), trained_sequences(labelled, docs)
+        weights, count = weigh_sequences((full.labels != IGNORE).numpy(),
+                                         None if full.doc_ids is None else full.doc_ids.numpy())
+        full.label_weights = torch.from_numpy(weights)
+        return local_batch(rt, full), count
     mine = list(indices)[rt.dp_rows(len(indices))]
     frames = samples.frames(mine)  # positions, document ids, labelled tokens: no token reads
     layout, held = plan_share(rt, frames.doc_ids, len(mine), samples.seq_len)
     local = samples.read_at(mine, frames, None if held is None else held.numpy())
     if by_sequence:
-        weights = sequence_weights(frames.labelled, frames.doc_ids)
-        local.weights = torch.from_numpy(weights if held is None else np.take_along_axis(weights, held.numpy(), 1))
+        weights = sequence_weights(frames.labelled, frames.doc_ids)  # (of the rows whole: then my positions)
+        local.label_weights = torch.from_numpy(weights if held is None else
+                                               np.take_along_axis(weights, held.numpy(), 1))
     if layout is not None:
         attach_layout(local.doc_ids, layout)
     return local, samples.sequence_count(indices) if by_sequence else samples.label_count(indices)
