@@ -311,7 +311,7 @@ def test_eval_and_bench_decode_read_the_default_corpus_on_the_models_training_gr
     assert trained_grid("hf:/nowhere") == trained_grid(str(tmp_path / "none")) == 0
     asked = []
     monkeypatch.setattr(stores, "default_store", lambda *a, **k: asked.append(k["holdout_tokens"]) or "x")
-    monkeypatch.setattr("longctx.eval.tasks.load_source", lambda data, split, tok, store: store())
+    monkeypatch.setattr("longctx.eval.tasks.load_source", lambda data, split, tok, store, prefix=(): store())
     with pytest.raises(AttributeError):  # (after the store: the stand-in source has no meta)
         inputs._load_source(SimpleNamespace(data="", split="eval", checkpoint=str(step)), None, "byte", None)
     with pytest.raises(AttributeError):  # (after the store)
