@@ -61,11 +61,12 @@ def merging(tmp_path_factory, folder):
 
 
 def _build(tmp_path, folder, records, log=quiet, **kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     kw = {"dedup": "none", "strategy": "bfd", "eval_fraction": 0.0, "tokenizer": str(folder / "tokenizer.json"),
-          "messages_field": "messages", **kw}
-    return build_store(opts([path], tmp_path / "store", seq_len=256, **kw), log=log)
+          "messages_field": "messages", "seq_len": 256, **kw}
+    return build_store(opts([path], tmp_path / "store", **kw), log=log)
 
 
 @pytest.mark.parametrize("answers", ["all", "last"])
@@ -297,3 +298,37 @@ def test_a_template_that_renders_history_otherwise_trains_the_last_answer_and_sa
                                                return_dict=False))
         expected |= {(doc, j) for j in range(start, len(docs[doc]))}
     assert _targets(PackedSamples(root, "train"))[0] == expected
+
+
+LONG = [{"role": "system", "content": "You explain code."},
+        *[m for i in range(3) for m in ({"role": "user", "content": f"Question {i}: what does line {i} do?"},
+                                        {"role": "assistant", "content": f"Line {i} " + "adds one to x and " * 12})]]
+
+
+@pytest.mark.parametrize("room", [0, -1])
+def test_a_conversation_longer_than_a_sample_is_cut_after_its_last_answer_that_fits(tmp_path, folder, room):
+    """--long-conversations truncate (the default): a conversation longer than --seq-len is stored as the
+    conversation through its last answer that fits with its EOS (room 0: the second answer's EOS the
+    sample's last token; room -1: one token short, so the first), tokens and trained labels equal to a build
+    of that shorter conversation; one whose first answer does not fit, and with --answers last one that has
+    no earlier answer to cut after, is dropped and counted; --long-conversations drop drops them all."""
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ids = lambda messages: theirs.apply_chat_template(messages, tokenize=True, return_dict=False)  # noqa: E731
+    seq_len = len(ids(LONG[:5])) + 1 + room
+    assert len(ids(LONG)) + 1 > seq_len > len(ids(LONG[:3])) + 1
+    huge = [{"role": "user", "content": "Say it all."}, {"role": "assistant", "content": "x = 1\n" * seq_len}]
+    records = [{"messages": m} for m in (LONG, CONVERSATIONS[0], huge)]
+    said = []
+    cut = _build(tmp_path / "cut", folder, records, seq_len=seq_len, log=said.append)
+    assert cut["parts"][0]["counts"]["skipped"] == {"pair_longer_than_sample": 1}
+    assert cut["parts"][0]["stages"]["tokenize"]["conversations_truncated"] == 1
+    assert any("cut 1 conversation(s) longer than a sample" in line for line in said)
+    kept = LONG[:5] if room == 0 else LONG[:3]
+    alone = _build(tmp_path / "alone", folder, [{"messages": m} for m in (kept, CONVERSATIONS[0])], seq_len=seq_len)
+    assert "conversations_truncated" not in alone["parts"][0]["stages"]["tokenize"]
+    a, b = tmp_path / "cut" / "store", tmp_path / "alone" / "store"
+    assert store_documents(a) == store_documents(b) and len(store_documents(a)[0]) == len(ids(kept)) + 1
+    assert _targets(PackedSamples(a, "train")) == _targets(PackedSamples(b, "train"))
+    for kw in ({"long_conversations": "drop"}, {"answers": "last"}):
+        dropped = _build(tmp_path / next(iter(kw)), folder, records, seq_len=seq_len, **kw)
+        assert dropped["parts"][0]["counts"]["skipped"] == {"pair_longer_than_sample": 2}

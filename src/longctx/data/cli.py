@@ -21,6 +21,7 @@ def _cmd_data(args, overrides) -> int:
         inputs=args.input, out=args.out, seq_len=args.seq_len, tokenizer=args.tokenizer, strategy=args.strategy,
         dedup=args.dedup, workers=args.workers, text_field=args.text_field,
         response_field=args.response_field, messages_field=args.messages_field, answers=args.answers,
+        long_conversations=args.long_conversations,
         eval_fraction=args.eval_fraction,
         holdout_tokens=args.holdout_tokens,
         seed=args.seed, embed_model=args.embed_model, dedup_threshold=args.dedup_threshold, max_docs=args.max_docs,
@@ -66,6 +67,9 @@ def add_parser(sub) -> None:
     p.add_argument("--answers", default="all", choices=("all", "last"),
                    help="with --messages-field: train on every answer of a conversation (default all) or on the "
                         "last one only, the earlier ones read as its prompt")
+    p.add_argument("--long-conversations", default="truncate", choices=("truncate", "drop"),
+                   help="a conversation longer than --seq-len: cut after its last answer that fits (default "
+                        "truncate; one whose first answer does not fit is dropped, as is a longer pair) or dropped")
     p.add_argument("--eval-fraction", type=float, default=0.02,
                    help="documents held out (by name hash) as eval samples (default 0.02)")
     p.add_argument("--holdout-tokens", type=int, default=0, metavar="N",

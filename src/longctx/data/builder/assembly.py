@@ -32,7 +32,7 @@ from ...errors import DataError
 from ...progress import current, progress_bar
 from .. import store
 from .cluster import cluster
-from .conversations import LAST_ONLY
+from .conversations import LAST_ONLY, turn_cut
 from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
 from .embed import embed
@@ -73,6 +73,8 @@ class Assembly:
         self.response_only = 0  # kept documents trained on their response only (instruction data)
         self.answer_gaps = 0  # of those, the ones trained on several spans (conversations' answers)
         self.pairs_dropped = 0  # instruction data longer than a sample, dropped before dedup
+        self.eos_at: dict[int, int] = {}  # conversations longer than a sample: corpus document -> cut after an answer
+        self.kept_eos_at: dict[int, int] = {}  # the same by kept document
         self.kept = np.zeros(0, np.int64)  # corpus documents that survive dedup, in input order
         self.lengths = np.zeros(0, np.int64)  # their token counts (EOS included)
         self.names: list[str] = []  # their names
@@ -152,11 +154,20 @@ class Assembly:
             raise DataError("every document is a duplicate of one already in the store; nothing to add.")
 
     def _pairs_too_long(self) -> np.ndarray:
-        """[corpus documents] bool: instruction data longer than a sample (counted, said)."""
+        """[corpus documents] bool: instruction data longer than a sample (counted, said), but for the conversations
+        cut after their last answer that fits (--long-conversations truncate), whose lengths become the cut's."""
         # every scanned document's token count (EOS included), read once: measure() takes the kept ones'
         self.corpus_lengths = lengths = self.corpus.per_doc(lambda shard: shard.token_lengths()).astype(np.int64)
         firsts = self.corpus.per_doc(lambda shard: shard.loss_from())
         too_long = (firsts > 0) & (lengths > self.opts.seq_len) & (np.arange(len(lengths)) < self.documents_read)
+        if self.opts.long_conversations == "truncate" and too_long.any():
+            self.eos_at = self._turn_cuts(np.flatnonzero(too_long))
+            if self.eos_at:
+                cut = np.array(list(self.eos_at.items()), dtype=np.int64)
+                self.log(f"  dedup     cut {len(cut):,} conversation(s) longer than a sample of {self.opts.seq_len:,} "
+                         f"tokens (the longest {int(lengths[cut[:, 0]].max()):,}) after their last answer that fits"
+                         f" (--long-conversations drop drops them instead)")
+                lengths[cut[:, 0]], too_long[cut[:, 0]] = cut[:, 1] + 1, False  # (the EOS after the cut)
         self.pairs_dropped = dropped = int(too_long.sum())
         if dropped:
             self.skipped["pair_longer_than_sample"] = self.skipped.get("pair_longer_than_sample", 0) + dropped
@@ -168,14 +179,31 @@ class Assembly:
                                 f"raise --seq-len.")
         return too_long
 
+    def _turn_cuts(self, docs: np.ndarray) -> dict[int, int]:
+        """{corpus document: where it is cut} for the conversations `docs` (sorted) that can be cut at a turn."""
+        cuts, order = {}, iter(docs.tolist())
+        for shard, rows in self.corpus.kept_in_shards(docs):  # (shard by shard, in document order)
+            offsets, values = shard.gaps(rows)
+            for i, doc in zip(range(len(rows)), order):
+                cut = turn_cut(values[offsets[i]:offsets[i + 1]], self.opts.seq_len)
+                if cut:
+                    cuts[doc] = cut
+        return cuts
+
     def measure(self) -> None:
         """The kept documents' token counts and names (the scan tokenized them)."""
         self.lengths = self.corpus_lengths[self.kept]
+        # the cut conversations by their index among the kept documents (the store's numbering, less doc_base)
+        if self.eos_at:
+            docs = np.fromiter(self.eos_at, np.int64)
+            at = np.minimum(np.searchsorted(self.kept, docs), len(self.kept) - 1)
+            self.kept_eos_at = {int(a): self.eos_at[int(d)] for a, d in zip(at, docs) if self.kept[a] == d}
         self.names = self._kept_names()
         dropped = self.pairs_dropped
         self.records["tokenize"] = {"tokens": int(self.lengths.sum()), "longest": int(self.lengths.max()),
                                     "longer_than_seq_len": int((self.lengths > self.opts.seq_len).sum()),
-                                    **({"pairs_dropped": dropped} if dropped else {})}
+                                    **({"pairs_dropped": dropped} if dropped else {}),
+                                    **({"conversations_truncated": len(self.kept_eos_at)} if self.eos_at else {})}
 
     def embed(self) -> None:
         """Only where they are used: datasculpt's relevance, or the homogeneity figure (`stats`)."""
@@ -310,7 +338,7 @@ class Assembly:
         groups_packed = 0
         for split in store.SPLITS:
             writer = SplitWriter(self.part_dir, split, opts.seq_len, self.token_dtype, self.tokenizer.eos_id,
-                                 self.corpus, self.kept, self.doc_base)
+                                 self.corpus, self.kept, self.doc_base, self.kept_eos_at)
             groups_packed += self._pack_split(writer, self.items[split], bar, progress)
             stats = writer.close()
             documents = int(np.isin(self.where, (SPLIT_FLAG[split], IN_BOTH)).sum())
@@ -319,7 +347,8 @@ class Assembly:
         if bar is not None:
             bar.close()
         self.response_only, self.answer_gaps = write_doc_files(
-            self.part_dir, self.corpus, self.kept, self.names, self.lengths, self.where, opts.dedup == "minhash")
+            self.part_dir, self.corpus, self.kept, self.names, self.lengths, self.where, opts.dedup == "minhash",
+            self.kept_eos_at)
         return None, self._pack_record(groups_packed)
 
     def _pack_split(self, writer: SplitWriter, items, bar, progress) -> int:

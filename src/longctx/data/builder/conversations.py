@@ -33,6 +33,7 @@ FLAG = "--messages-field"
 
 
 ANSWERS = ("all", "last")  # --answers
+LONG_CONVERSATIONS = ("truncate", "drop")  # --long-conversations: one longer than a sample
 # not a skip: a conversation kept, trained on its last answer only (its template renders earlier answers otherwise
 # in the history); taken out of the scan's skip counts by the build (assembly.py) and said on its own
 LAST_ONLY = "last_answer_only"
@@ -100,6 +101,15 @@ def from_sharegpt(messages):
         return messages
     return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"],
              **{k: v for k, v in m.items() if k not in ("from", "value")}} for m in messages]
+
+
+def turn_cut(gaps, seq_len: int) -> int:
+    """Where a conversation longer than a sample is cut (`--long-conversations truncate`): after its last
+    answer that ends with room for the EOS within `seq_len` tokens, as a conversation that ended with that
+    answer is stored; 0 where no answer but the last ends (a pair, --answers last) or none fits. `gaps` are
+    its training's off / on offsets (tokenize_answers): each answer but the last ends where training turns off."""
+    ends = [int(g) for g in gaps[0::2] if g < seq_len]
+    return ends[-1] if ends else 0
 
 
 def _merged(cuts: list[int]) -> list[int]:

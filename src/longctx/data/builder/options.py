@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError, DataError
 from ..chat_template import load_chat_template
-from .conversations import ANSWERS
+from .conversations import ANSWERS, LONG_CONVERSATIONS
 from .inputs import overlapping_inputs
 from .pack import STRATEGIES
 from .scan import ScanOptions
@@ -34,6 +34,8 @@ class BuildOptions:
     response_field: str = ""  # records as (prompt = text_field, response = this): loss on the response only
     messages_field: str = ""  # records as conversations, trained on their answers (conversations.py)
     answers: str = "all"  # which of a conversation's answers: all, or the last (--answers)
+    # a conversation longer than a sample: cut after its last answer that fits, or dropped (--long-conversations)
+    long_conversations: str = "truncate"
     eval_fraction: float = 0.0
     # the eval split's grid: a document longer than this is held out in pieces of about this many tokens
     # (0 = seq_len). Stores of one corpus at several lengths hold out the same text when they share it.
@@ -140,6 +142,9 @@ def _instruction_problems(opts: BuildOptions) -> list[str]:
     elif opts.answers != "all" and not opts.messages_field:
         problems.append(f"--answers {opts.answers} chooses a conversation's answers to train on; it needs "
                         f"--messages-field (a pair's --response-field is one answer).")
+    if opts.long_conversations not in LONG_CONVERSATIONS:
+        problems.append(f"--long-conversations {opts.long_conversations!r} is not one of "
+                        f"{', '.join(LONG_CONVERSATIONS)}.")
     if opts.messages_field:
         try:
             load_chat_template(opts.tokenizer, "--messages-field").check("--messages-field")

@@ -61,9 +61,10 @@ class SplitWriter:
     documents the build keeps); the store numbers them from `doc_base` on."""
 
     def __init__(self, part: Path, split: str, seq_len: int, token_dtype, pad_id: int, corpus: ScannedCorpus,
-                 kept: np.ndarray, doc_base: int):
+                 kept: np.ndarray, doc_base: int, eos_at: dict[int, int] | None = None):
         self.part, self.split, self.seq_len, self.pad = part, split, seq_len, pad_id
         self.corpus, self.kept, self.doc_base = corpus, kept, doc_base
+        self.eos_at = eos_at or {}  # kept documents cut after an answer (--long-conversations): where the EOS goes
         self.tokens = spill.NpyAppender(part / f"{split}.tokens.npy", token_dtype, (seq_len,))
         self.segments = spill.NpyAppender(part / f"{split}.segments.npy", np.int64, (5,))
         self.pointer = [0]
@@ -86,13 +87,20 @@ class SplitWriter:
         rows = np.full((packing.num_samples, self.seq_len), self.pad, dtype=self.tokens.dtype)
         for sample, doc, start, length, at in zip(seg[:, SAMPLE].tolist(), docs.tolist(), starts.tolist(),
                                                   seg[:, LENGTH].tolist(), offset.tolist()):
-            rows[sample, at:at + length] = self.corpus.get("tokens", int(self.kept[doc]), start, start + length)
+            rows[sample, at:at + length] = self._tokens(doc, start, length)
         self.tokens.append(rows)
         self.segments.append(np.stack([seg[:, SAMPLE] + self.samples, offset, seg[:, LENGTH], self.doc_base + docs,
                                        starts], axis=1))
         self.pointer.extend((self.pointer[-1] + sample_ends).tolist())
         self.samples += packing.num_samples
         self._count(seg, docs, packing.num_samples, vector_of)
+
+    def _tokens(self, doc: int, start: int, length: int) -> np.ndarray:
+        """A kept document's tokens [start, start + length); a conversation cut after an answer ends with the
+        EOS (the pad id: the tokenizer's) where it is cut, as one that ended there is stored."""
+        cut = self.eos_at.get(doc, start + length)
+        tokens = self.corpus.get("tokens", int(self.kept[doc]), start, min(cut, start + length))
+        return tokens if cut >= start + length else np.r_[tokens, np.array([self.pad], tokens.dtype)]
 
     def _count(self, seg: np.ndarray, docs: np.ndarray, num_samples: int, vector_of: dict | None) -> None:
         """The quality figures of one group, added to the split's."""
@@ -130,11 +138,12 @@ class SplitWriter:
 
 
 def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray,
-                    where: np.ndarray, minhash: bool) -> tuple[int, int]:
+                    where: np.ndarray, minhash: bool, eos_at: dict[int, int] | None = None) -> tuple[int, int]:
     """docs.jsonl (name, tokens, split per kept document), hashes.npy and, with minhash dedup,
     minhash.npy: what a later append dedups against; loss_from.npy (store.LOSS_FROM) where a kept
     document is trained on its response only (instruction data with a prompt), and store.LOSS_GAPS where
-    one pauses its training between answers (a conversation's). Returns how many are of each."""
+    one pauses its training between answers (a conversation's; one cut after an answer, `eos_at` by kept
+    document, keeps the gaps before its cut). Returns how many are of each."""
     with open(part / "docs.jsonl", "w") as f:
         for name, length, went in zip(names, lengths.tolist(), where.tolist()):
             f.write(json.dumps({"name": name, "tokens": length, "split": SPLIT_OF[went]}) + "\n")
@@ -142,7 +151,7 @@ def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: 
     sigs = spill.NpyAppender(part / "minhash.npy", np.uint64, (NUM_PERM,)) if minhash else None
     loss_from = spill.NpyAppender(part / store.LOSS_FROM, np.int64)
     gaps = spill.RaggedWriter(part / store.LOSS_GAPS, np.int64)
-    masked = gapped = 0
+    masked = gapped = index = 0
     for shard, rows in corpus.kept_in_shards(kept):
         hashes.append(shard.hashes()[rows])
         if sigs is not None:
@@ -152,8 +161,12 @@ def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: 
         masked += int(np.count_nonzero(firsts))
         offsets, values = shard.gaps(rows)
         for i in range(len(rows)):
-            gaps.append(values[offsets[i]:offsets[i + 1]])
-        gapped += int(np.count_nonzero(np.diff(offsets)))
+            mine = values[offsets[i]:offsets[i + 1]]
+            cut = (eos_at or {}).get(index + i)
+            mine = mine if cut is None else mine[mine < cut]
+            gaps.append(mine)
+            gapped += len(mine) > 0
+        index += len(rows)
     for writer in (hashes, loss_from, gaps, *([sigs] if sigs is not None else [])):
         writer.close()
     # where no document needs them, the files are not written: the part reads as before they existed
