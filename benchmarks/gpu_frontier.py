@@ -88,9 +88,9 @@ def train(name: str, args: list[str], limit: float) -> dict:
 def smoke(steps: str) -> dict:
     runs = {tier: train(f"smoke_{tier}", ["--train.steps", steps, "--memory.model_states", tier], 90)
             for tier in ("device", "host_optimizer", "host")}
-    ref = runs["device"]["losses"]
+    ref = runs["device"].get("losses", [])  # (a run skipped for want of budget has none)
     for tier in ("host_optimizer", "host"):
-        got = runs[tier]["losses"]
+        got = runs[tier].get("losses", [])
         # over the steps both ran; a tier that stopped early (its rc) has no diff for the rest, said apart
         runs[tier]["max_abs_loss_diff"] = max((abs(a - b) for a, b in zip(ref, got)), default=None)
         runs[tier]["loss_steps_compared"] = min(len(ref), len(got))
@@ -150,20 +150,30 @@ def save(out: dict) -> str:
     return text
 
 
+def probe(out: dict, key: str, fn, *args, append: bool = False) -> None:
+    """One probe's figures into `out` (a list's next entry with `append`), saved at once; a probe that
+    fails records its error instead, so the probes after it still run within the call."""
+    try:
+        got = fn(*args)
+    except Exception as e:  # (a failing probe must not lose the rest of a lent device's minutes)
+        got = {"error": f"{type(e).__name__}: {e}"}
+    if append:
+        out.setdefault(key, []).append(got)
+    else:
+        out[key] = got
+    save(out)
+
+
 def main() -> None:
     out = {"card": card(), "date": datetime.date.today().isoformat(), "budget_s": BUDGET_S}
     print(json.dumps(out), flush=True)
-    out["smoke"] = smoke(ENV.get("SMOKE_STEPS", "30"))
-    save(out)
+    probe(out, "smoke", smoke, ENV.get("SMOKE_STEPS", "30"))
     seq_8b, preset_8b = ENV.get("SEQ_8B", "524288"), ENV.get("PRESET_8B", "llama3-8b")
-    out["blocks"] = [blocks(preset_8b, seq_8b, "host_optimizer")]
-    save(out)
+    probe(out, "blocks", blocks, preset_8b, seq_8b, "host_optimizer", append=True)
     preset_1b = ENV.get("PRESET_1B", "llama3-1b")
-    out["overlap"] = overlap(preset_1b, ENV.get("SEQ_OVERLAP", "32768"))
-    save(out)
-    out["longest"] = longest(preset_1b, ENV.get("LONGEST", "524288 262144 131072").split())
-    save(out)
-    out["blocks"].append(blocks(preset_8b, seq_8b, "host"))
+    probe(out, "overlap", overlap, preset_1b, ENV.get("SEQ_OVERLAP", "32768"))
+    probe(out, "longest", longest, preset_1b, ENV.get("LONGEST", "524288 262144 131072").split())
+    probe(out, "blocks", blocks, preset_8b, seq_8b, "host", append=True)
     print(save(out)[:3000])
 
 
