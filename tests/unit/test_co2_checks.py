@@ -20,6 +20,7 @@ CO2 = ["--train.data_parallel=co2", "--parallel.dp_replicate=2"]
     ([*CO2, "--memory.model_states=host"], "use memory.model_states = device"),
     ([*CO2, "--train.on_nonfinite=rollback"], "use skip or stop"),
     ([*CO2, "--parallel.zero_pp=hpz,qgz"], "drop qgz"),
+    ([*CO2, "--parallel.zero_pp=hpz, qgz"], "drop qgz"),  # (read as the run reads it: names stripped)
 ])
 def test_each_problem_is_one_clear_error(args, says):
     with pytest.raises(ConfigError, match="co2") as e:

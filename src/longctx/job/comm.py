@@ -149,6 +149,26 @@ def _mesh_fact(mesh, key, compute):
     return hit[1]
 
 
+def mesh_with_backstop(mesh):
+    """`mesh` (a DeviceMesh built here), each of its dims' process groups given the backstop timeout
+    (watchdog.group_timeout: parallel.timeout_s + grace + 30 s) that the default group and comm's own
+    groups get. DeviceMesh creates its groups with torch's default (gloo 30 min, NCCL 10 min), which
+    would end a hang in FSDP's or the ring's collectives before the watchdog could report it whenever
+    parallel.timeout_s is raised past that default. Returns `mesh`."""
+    timeout = watchdog.group_timeout()
+    if timeout is not None and dist.is_initialized():
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        for dim in range(mesh.ndim):
+            _set_pg_timeout(timeout, mesh.get_group(dim))
+    return mesh
+
+
+def flattened(mesh, name: str):
+    """mesh._flatten(name) (DeviceMesh's one group over several of its dims), given the backstop timeout too."""
+    return mesh_with_backstop(mesh._flatten(name))
+
+
 def sub_mesh(mesh, name):
     """mesh[name], computed once per mesh."""
     return _mesh_fact(mesh, ("sub", name), lambda: mesh[name])
@@ -432,4 +452,4 @@ def barrier(mesh=None) -> None:
 def world_mesh(device_type: str = "cpu"):
     """A 1-D mesh named "world" over every rank of the initialised process group (its default group),
     for callers outside a training layout (calibration, validation)."""
-    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("world",))
+    return mesh_with_backstop(init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("world",)))

@@ -97,7 +97,7 @@ class ParallelDims:
     def build_mesh(self, device_type: str = "cpu"):
         """The DeviceMesh with dims dp_replicate, dp_shard, head, ctx (needs an initialised process group)."""
         if self._mesh is None:
-            self._mesh = DeviceMesh(device_type, self.rank_grid(), mesh_dim_names=DIM_NAMES)
+            self._mesh = comm.mesh_with_backstop(DeviceMesh(device_type, self.rank_grid(), mesh_dim_names=DIM_NAMES))
 
             # the attention's transfers get process groups of their own (comm's "Lanes")
             if self.head > 1:
@@ -120,13 +120,14 @@ class ParallelDims:
         keeps the 4-D mesh; only the experts see this one."""
         if getattr(self, "_expert_mesh", None) is None:
             grid = torch.arange(self.world_size).reshape(self.expert_data, self.expert)
-            self._expert_mesh = DeviceMesh(device_type, grid, mesh_dim_names=("expert_data", "expert"))
+            self._expert_mesh = comm.mesh_with_backstop(
+                DeviceMesh(device_type, grid, mesh_dim_names=("expert_data", "expert")))
             # The expert weights' gradients are DTensors on both dims, so their norm (train/step.py
             # clip_gradients) is a partial result over both. With this flattened mesh registered,
             # DTensor reduces it in one all-reduce over every rank; without it, in one all-reduce per
             # dim, which PyTorch warns about on every rank ("may give inconsistent results between
             # ranks due to different reduction orders").
-            self._expert_mesh._flatten("expert_data_expert")
+            comm.flattened(self._expert_mesh, "expert_data_expert")
         return self._expert_mesh
 
     @classmethod

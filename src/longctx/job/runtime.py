@@ -38,7 +38,7 @@ class Runtime:
         if world == 1:
             return cls(dims=dims, device=device, seq_balance=cfg.parallel.seq_balance)
         mesh = dims.build_mesh(device_type)
-        world_mesh = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("world")
+        world_mesh = comm.flattened(mesh["dp_replicate", "dp_shard", "head", "ctx"], "world")
         return cls(rank, world, dims, mesh, world_mesh, device, cfg.parallel.seq_balance)
 
     @property

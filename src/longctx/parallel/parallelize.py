@@ -62,7 +62,7 @@ def use_router_sum(model, dims, mesh) -> None:
     decisions that look across tokens (a capacity, the Sinkhorn router) are made over the same ranks'
     tokens, in one-device order: every MoE layer's `call_tokens` (parallel/expert/call_tokens.py)."""
     if dims.world_size > 1 and model.cfg.is_moe:
-        ranks = mesh["dp_replicate", "dp_shard", "head", "ctx"]._flatten("router")
+        ranks = comm.flattened(mesh["dp_replicate", "dp_shard", "head", "ctx"], "router")
         model.router_sum = RouterSum(ranks)
         tokens = MicroBatchTokens(mesh, ranks)
         tokens.watch([block for block in model.layers if moe_layers(block)])

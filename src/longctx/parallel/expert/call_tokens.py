@@ -42,8 +42,8 @@ class MicroBatchTokens:
     def __init__(self, mesh, group):
         self.mesh, self.group = mesh, group
         # a data-parallel share's ranks (its rows' sequences), and the shares (one rank each, in share order)
-        self.share = mesh["head", "ctx"]._flatten("moe_share")
-        self.shares = mesh["dp_replicate", "dp_shard"]._flatten("moe_shares")
+        self.share = comm.flattened(mesh["head", "ctx"], "moe_share")
+        self.shares = comm.flattened(mesh["dp_replicate", "dp_shard"], "moe_shares")
         self._call = None  # (rows, seq_local, document ids or None, cached?) of the last block call
         self._places = None  # (key, [T] int64 places of this rank's tokens in the micro-batch, and in its share)
 

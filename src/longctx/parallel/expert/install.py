@@ -107,8 +107,9 @@ def node_meshes(expert_mesh, ranks_per_node: int):
     if ep % ranks_per_node:
         raise ValueError(f"parallel.expert = {ep} is not a whole number of nodes of {ranks_per_node} ranks "
                          f"(parallel.expert_ranks_per_node): set it to a divisor of {ep}")
-    mesh3 = DeviceMesh(expert_mesh.device_type, grid.reshape(ed, ep // ranks_per_node, ranks_per_node),
-                       mesh_dim_names=("expert_data", "expert_node", "expert_local"))
+    mesh3 = comm.mesh_with_backstop(DeviceMesh(expert_mesh.device_type, grid.reshape(ed, ep // ranks_per_node,
+                                                                                     ranks_per_node),
+                                               mesh_dim_names=("expert_data", "expert_node", "expert_local")))
     return comm.sub_mesh(mesh3, "expert_node"), comm.sub_mesh(mesh3, "expert_local")
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 
 from ...errors import ConfigError
 from ...job.checks import hpz_group, node_size, zero_pp_names
-from ...job.comm import link_hook, sub_mesh
+from ...job.comm import link_hook, mesh_with_backstop, sub_mesh
 from ...job.devices import computes_in_bf16
 from ...models.moe import MoEFeedForward
 from .grad_buckets import plan_for, time_reduce_scatters
@@ -45,8 +45,8 @@ def fsdp_mesh(dims, device_type: str):
     """
     grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1)
     if dims.dp_replicate > 1:
-        return DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "fsdp"))
-    return DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",))
+        return mesh_with_backstop(DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "fsdp")))
+    return mesh_with_backstop(DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",)))
 
 
 # A router's own unit, its gate gathered in fp32 where the blocks gather bf16: the router selects in fp32
@@ -155,7 +155,7 @@ def quantized_reduce(cfg, dims, device_type: str, compiled: bool = False, units:
     # counts or a reshape error inside the first backward's reduce-scatter, on every rank
     check_block(cfg.parallel.zero_pp_block, _shards(units[:-1], dims.world_size // dims.dp_replicate))
     grid = torch.arange(dims.world_size).reshape(dims.dp_replicate, -1, node_size(cfg, dims))
-    mesh = DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "inter", "intra"))
+    mesh = mesh_with_backstop(DeviceMesh(device_type, grid, mesh_dim_names=("dp_replicate", "inter", "intra")))
     return QuantizedReduceScatter(cfg.parallel.zero_pp_block, mesh, compiled=compiled)
 
 
