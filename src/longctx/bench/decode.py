@@ -211,6 +211,7 @@ def main(args) -> int:
     from ..generate.sampling import Sampling
     from ..generate.spec_length import draft_cost_ratio
     from ..job.devices import resolve_device, resolve_dtype
+    from ..models.clover import CloverDraft
     from ..models.glide import GlideDraft
 
     if args.repeats < 1:  # (0 timed runs: no figure, only an empty minimum or an infinite time)
@@ -251,7 +252,7 @@ def main(args) -> int:
               "speculate_adaptive": modes[0][1], "draft_cost": args.cost if modes[0][1] else None,
               "verify_cost": (args.verify_cost or 0.0) if modes[0][1] else None,
               "confidence_stop": args.confidence_stop,
-              "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, GlideDraft)
+              "draft_window": (draft_window(draft, args.draft_window) if isinstance(draft, (GlideDraft, CloverDraft))
                                else args.draft_window),
               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "compile": args.compile,
               **_figures(everything[0]), "by_length": groups[0]}

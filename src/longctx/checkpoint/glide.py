@@ -24,8 +24,11 @@ from .manager import _single_process
 from .manifest import read_manifest, verify
 
 # ModelConfig fields that do not change what the target computes: a draft trained against weights
-# loaded under another preset name, path or initialisation, or another max_seq_len, still fits
-_NOT_COMPUTED = ("preset", "init_from", "init_std", "max_seq_len")
+# loaded under another preset name, path or initialisation, or another max_seq_len, still fits; and Ms-PoE's
+# (generate and eval only, never trained with): it changes the target's positions at decode time, which a draft
+# reads with plain RoPE (its acceptance may drop; verification keeps decoding lossless: docs/generate.md)
+_NOT_COMPUTED = ("preset", "init_from", "init_std", "max_seq_len", "rope_ms_poe", "rope_ms_poe_min",
+                 "rope_ms_poe_max", "rope_ms_poe_order", "rope_ms_poe_skip_layers")
 _PREFIX = "draft."
 DRAFT_KINDS = ("glide", "clover")  # a record's "kind" (draft.kind)
 _NAMES = {"glide": "GliDe", "clover": "Clover"}
@@ -43,7 +46,8 @@ def glide_manifest(path) -> dict | None:
     record = manifest.get("draft")
     if not isinstance(record, dict) or record.get("kind") not in DRAFT_KINDS:
         return None
-    return {**record, "checkpoint": str(found), "tokenizer": manifest.get("tokenizer")}
+    return {**record, "checkpoint": str(found), "tokenizer": manifest.get("tokenizer"),
+            "trained_positions": int(manifest.get("trained_positions") or 0)}
 
 
 def target_differences(record: dict, target_cfg) -> list[str]:
@@ -87,5 +91,9 @@ def load_glide_draft(path, target_model, device=None) -> GlideDraft | CloverDraf
     for p in draft.parameters():  # (not the buffers: the RoPE frequencies stay fp32)
         p.data = p.data.to(weight.dtype)
     draft.block = int(record["block"])
-    draft.trained_seq_len = int(record.get("seq_len", 0))  # (0: a checkpoint from before it was recorded)
+    # (0: a checkpoint from before it was recorded). Under train.stages the record holds the last stage's length,
+    # which a checkpoint saved in an earlier stage never trained on: the manifest's trained_positions says how far
+    trained = int(record.get("seq_len", 0))
+    draft.trained_seq_len = min(trained, record["trained_positions"]) if record["trained_positions"] and trained \
+        else trained
     return draft.eval()

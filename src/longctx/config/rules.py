@@ -433,8 +433,15 @@ def _draft_rules(cfg: Config, problems: list[str]) -> None:
     if d.block < 1:
         problems.append(f"draft.block (the speculation length the block-stale mask trains for) must be at least 1, "
                         f"got {d.block}.")
+    elif d.target and d.block >= cfg.train.seq_len:  # (every position in the first block: no target key read)
+        problems.append(f"draft.block = {d.block} is not below train.seq_len = {cfg.train.seq_len}: each position "
+                        f"reads the target's keys of the blocks before its own, and there would be none; use the "
+                        f"speculation length you decode with (e.g. 4).")
     if not d.kd_temperature > 0:
         problems.append(f"draft.kd_temperature must be positive, got {d.kd_temperature}.")
+    elif d.loss == "ce" and d.kd_temperature != 1.0:
+        problems.append(f"draft.kd_temperature = {d.kd_temperature} does nothing with draft.loss = ce (it tempers "
+                        f"the distillation's two distributions): set draft.loss = kd, or drop draft.kd_temperature.")
     if d.vocab < 0 or d.target and m.vocab_size > 0 and d.vocab >= m.vocab_size:
         problems.append(f"draft.vocab must be 0 (the target's {m.vocab_size:,} tokens) or a smaller count of the "
                         f"tokens the draft proposes (e.g. 8192), got {d.vocab}.")

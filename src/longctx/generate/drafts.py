@@ -42,6 +42,10 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
                               f"--draft.target {checkpoint}).")
         found, theirs, recorded = glide, glide.get("tokenizer"), recorded_identity(glide["checkpoint"])
     else:
+        if window is not None:
+            raise ConfigError(f"--draft-window {window} is the prompt window of a GliDe or Clover draft's own pass; "
+                              f"--draft {draft} is a plain draft model, which reads the whole prompt with its own "
+                              f"cache: drop --draft-window.")
         found = load_config(None, {"model": {"init_from": draft}, "train": {
             "seq_len": 2, "eval_interval": 0, **{k: getattr(cfg.train, k) for k in ("device", "dtype")}}})
         if found.model.vocab_size != cfg.model.vocab_size:

@@ -240,13 +240,27 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     vocabulary). A sample's padding (the pad token repeated after its segments) is not counted: it is no
     text and no label reads it, yet a store of short documents in long samples is mostly padding, which
     counted made the pad token the 'most frequent' and the reported coverage a share of padding. Of
-    instruction data only the answers are counted: the tokens the draft proposes and is trained on."""
-    from ..data.store import S_LENGTH, S_SAMPLE, load_split, read_manifest
-    from ..data.trained_spans import part_trained_spans, trained_token_mask
+    instruction data only the answers are counted: the tokens the draft proposes and is trained on. A data mix
+    (data.path = 'A,B'): every store's counts, summed; with data.weights each store's as a share of its own
+    tokens times its weight, the mix the run trains on."""
+    from ..config.data_mix import parse_weights, store_paths
     from .setup import store_path
 
-    root = Path(store_path(cfg, log, rt))
-    counts = np.zeros(cfg.model.vocab_size, dtype=np.int64)
+    stores = []
+    for root in map(Path, store_paths(store_path(cfg, log, rt))):  # (a data mix: each of its stores)
+        stores.append(np.zeros(cfg.model.vocab_size, dtype=np.int64))
+        _count_store(root, stores[-1])
+    weights = parse_weights(cfg.data.weights)
+    if not weights:  # (in proportion to each store's samples: as if the stores were one)
+        return torch.from_numpy(np.sum(stores, axis=0))
+    return torch.from_numpy(sum(w * c / max(int(c.sum()), 1) for w, c in zip(weights, stores)))
+
+
+def _count_store(root: Path, counts: np.ndarray) -> None:
+    """token_counts of one store, added to `counts`."""
+    from ..data.store import S_LENGTH, S_SAMPLE, load_split, read_manifest
+    from ..data.trained_spans import part_trained_spans, trained_token_mask
+
     for part in read_manifest(root)["parts"]:
         split = load_split(root, part, "train")
         if split is None:
@@ -263,7 +277,6 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
             if trained is not None:
                 held &= trained
             counts += np.bincount(tokens[held], minlength=counts.size)[:counts.size]
-    return torch.from_numpy(counts)
 
 
 def frozen_target(cfg: Config, device: torch.device, rt: Runtime, log=print) -> tuple[Llama, FrozenHead, Path]:
