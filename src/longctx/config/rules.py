@@ -11,7 +11,7 @@ import functools
 from ..errors import ConfigError
 from .data_mix import mix_problems
 from .data_parallel import data_parallel_problems
-from .draft_kinds import clover_problems
+from .draft_rules import draft_problems
 from .inert_options import dense_moe_notes, inert_option_problems
 from .layer_lists import parse_layer_list
 from .positions import ms_poe_problems
@@ -51,10 +51,10 @@ def memory_policy_problems(recompute: str, offload_fraction, block_chunk: int = 
 def validate(cfg: Config) -> None:
     """Reject impossible values and combinations; all problems are reported together."""
     problems: list[str] = []
-    for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules,
-                          _draft_rules):
+    for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules):
         section_rules(cfg, problems)
-    problems += data_parallel_problems(cfg) + range_problems(cfg) + inert_option_problems(cfg) + mix_problems(cfg)
+    problems += (draft_problems(cfg) + data_parallel_problems(cfg) + range_problems(cfg) + inert_option_problems(cfg)
+                 + mix_problems(cfg))
     if problems:
         raise ConfigError(" ".join(problems))
 
@@ -420,41 +420,3 @@ def parse_signals(text: str) -> list:
                               f"such as SIGTERM,SIGUSR1 (or '' for none).")
         out.append(signal.Signals[name])
     return out
-
-
-def _draft_rules(cfg: Config, problems: list[str]) -> None:
-    """[draft]: its numbers, and what GliDe draft training (train/glide.py) supports."""
-    d, m, mem = cfg.draft, cfg.model, cfg.memory
-    if d.layers < 1:
-        problems.append(f"draft.layers must be at least 1, got {d.layers}.")
-    elif d.target and m.layers > 0 and d.layers > m.layers:
-        problems.append(f"draft.layers ({d.layers}) must be at most the target's layers ({m.layers}): draft layer i "
-                        f"reads target layer {m.layers} - {d.layers} + i.")
-    if d.block < 1:
-        problems.append(f"draft.block (the speculation length the block-stale mask trains for) must be at least 1, "
-                        f"got {d.block}.")
-    elif d.target and d.block >= cfg.train.seq_len:  # (every position in the first block: no target key read)
-        problems.append(f"draft.block = {d.block} is not below train.seq_len = {cfg.train.seq_len}: each position "
-                        f"reads the target's keys of the blocks before its own, and there would be none; use the "
-                        f"speculation length you decode with (e.g. 4).")
-    if not d.kd_temperature > 0:
-        problems.append(f"draft.kd_temperature must be positive, got {d.kd_temperature}.")
-    elif d.loss == "ce" and d.kd_temperature != 1.0:
-        problems.append(f"draft.kd_temperature = {d.kd_temperature} does nothing with draft.loss = ce (it tempers "
-                        f"the distillation's two distributions): set draft.loss = kd, or drop draft.kd_temperature.")
-    if d.vocab < 0 or d.target and m.vocab_size > 0 and d.vocab >= m.vocab_size:
-        problems.append(f"draft.vocab must be 0 (the target's {m.vocab_size:,} tokens) or a smaller count of the "
-                        f"tokens the draft proposes (e.g. 8192), got {d.vocab}.")
-    problems += clover_problems(cfg)  # (draft.kind = clover: config/draft_kinds.py)
-    if not d.target:
-        return
-    if m.is_moe:
-        problems.append("draft.target is a Mixture-of-Experts model; GliDe draft training supports dense targets "
-                        "only for now.")
-    if cfg.train.loss_weighting != "token":
-        problems.append(f"GliDe draft training weighs every distilled token alike (train.loss_weighting = token); "
-                        f"drop train.loss_weighting = {cfg.train.loss_weighting}.")
-    if mem.offload_fraction != 0 or mem.block_chunk or mem.attention_offload:
-        problems.append("GliDe draft training supports memory.recompute (none, selective, full), "
-                        "memory.attention_chunk and memory.loss_chunk; drop memory.offload_fraction, "
-                        "memory.block_chunk and memory.attention_offload.")

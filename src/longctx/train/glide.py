@@ -33,7 +33,7 @@ With draft.target set, the model the Trainer optimises is `GlideTraining`: a Gli
   target's final-normed hidden states (the kd teacher, computed anyway) instead of captured K/V, its
   states models/clover.py's chain_states (each position's as its round's chain computes it,
   teacher-forced: `block` passes over the sequence); the record's kind "clover". One rank: the chain
-  reads the whole sequence's states and no head x ctx layout is built for it (config/draft_kinds.py
+  reads the whole sequence's states and no head x ctx layout is built for it (config/draft_rules.py
   refuses one; data ranks are refused by the builder, before the target is read); no recompute.
 - Only the draft's parameters are optimised and checkpointed (the target is not a submodule); the
   manifest's `draft` record names the target (its resolved path and model config) and the draft's
@@ -372,7 +372,7 @@ class CloverTraining(GlideTraining):
 def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> CloverTraining:
     """The frozen target (train/glide.py frozen_target), a Clover draft initialised from train.seed
     (draft.vocab's ids from the data), on one rank."""
-    if rt.world > 1:  # (config/draft_kinds.py refused head x ctx layouts; data ranks are refused here)
+    if rt.world > 1:  # (config/draft_rules.py refused head x ctx layouts; data ranks are refused here)
         raise ConfigError(f"Clover draft training runs on one rank (the chained steps read the whole sequence's "
                           f"states; data-parallel draft training is not built for it), got {rt.world} ranks: run "
                           f"with --nproc 1.")

@@ -1,0 +1,77 @@
+"""[draft]'s rules (config/rules.py validate asks them): its numbers, what GliDe draft training (train/glide.py)
+supports, and what draft.kind = clover (models/clover.py, train/glide.py CloverTraining) allows: GliDe's options
+that a Clover draft has no use for, and the training it supports (one rank; its one Augmenting Block without a
+recompute policy or attention chunks)."""
+
+from __future__ import annotations
+
+from .schema import Config
+
+
+def clover_problems(cfg: Config) -> list[str]:
+    """One sentence with its fix per problem of a draft.kind = clover config (none for glide)."""
+    d, mem, par = cfg.draft, cfg.memory, cfg.parallel
+    if d.kind != "clover":
+        return []
+    problems = []
+    if d.layers != 1:
+        problems.append(f"draft.layers = {d.layers} is a GliDe-only option: a Clover draft (draft.kind = clover) has "
+                        f"one Augmenting Block and a regressive step; drop draft.layers (1) or use draft.kind = glide.")
+    if d.init != "random":
+        problems.append(f"draft.init = {d.init} is a GliDe-only option (a copy of the target layer a GliDe layer "
+                        f"reads); a Clover draft starts from train.seed: drop draft.init or use draft.kind = glide.")
+    if not d.target:
+        return problems
+    if par.head * par.ctx > 1:
+        problems.append(f"Clover draft training runs on one rank (its chained steps read the whole sequence's "
+                        f"states; no head x ctx layout is built for it), got parallel.head {par.head} x parallel.ctx "
+                        f"{par.ctx}: drop them and run with --nproc 1.")
+    if mem.recompute != "none" or mem.attention_chunk:
+        problems.append("Clover draft training keeps its activations (memory.recompute none, no "
+                        "memory.attention_chunk: its one small block is not worth recomputing); drop them "
+                        "(memory.loss_chunk applies).")
+    if mem.model_states == "host":
+        problems.append("Clover draft training does not shard its states (FSDP is not applied to it), so "
+                        "memory.model_states = host does not apply: use device or host_optimizer.")
+    return problems
+
+
+def draft_problems(cfg: Config) -> list[str]:
+    """One sentence with its fix per problem of [draft]: its numbers, what GliDe draft training (train/glide.py)
+    supports, and draft.kind = clover's own (clover_problems)."""
+    problems: list[str] = []
+    d, m, mem = cfg.draft, cfg.model, cfg.memory
+    if d.layers < 1:
+        problems.append(f"draft.layers must be at least 1, got {d.layers}.")
+    elif d.target and m.layers > 0 and d.layers > m.layers:
+        problems.append(f"draft.layers ({d.layers}) must be at most the target's layers ({m.layers}): draft layer i "
+                        f"reads target layer {m.layers} - {d.layers} + i.")
+    if d.block < 1:
+        problems.append(f"draft.block (the speculation length the block-stale mask trains for) must be at least 1, "
+                        f"got {d.block}.")
+    elif d.target and d.block >= cfg.train.seq_len:  # (every position in the first block: no target key read)
+        problems.append(f"draft.block = {d.block} is not below train.seq_len = {cfg.train.seq_len}: each position "
+                        f"reads the target's keys of the blocks before its own, and there would be none; use the "
+                        f"speculation length you decode with (e.g. 4).")
+    if not d.kd_temperature > 0:
+        problems.append(f"draft.kd_temperature must be positive, got {d.kd_temperature}.")
+    elif d.loss == "ce" and d.kd_temperature != 1.0:
+        problems.append(f"draft.kd_temperature = {d.kd_temperature} does nothing with draft.loss = ce (it tempers "
+                        f"the distillation's two distributions): set draft.loss = kd, or drop draft.kd_temperature.")
+    if d.vocab < 0 or d.target and m.vocab_size > 0 and d.vocab >= m.vocab_size:
+        problems.append(f"draft.vocab must be 0 (the target's {m.vocab_size:,} tokens) or a smaller count of the "
+                        f"tokens the draft proposes (e.g. 8192), got {d.vocab}.")
+    problems += clover_problems(cfg)
+    if not d.target:
+        return problems
+    if m.is_moe:
+        problems.append("draft.target is a Mixture-of-Experts model; GliDe draft training supports dense targets "
+                        "only for now.")
+    if cfg.train.loss_weighting != "token":
+        problems.append(f"GliDe draft training weighs every distilled token alike (train.loss_weighting = token); "
+                        f"drop train.loss_weighting = {cfg.train.loss_weighting}.")
+    if mem.offload_fraction != 0 or mem.block_chunk or mem.attention_offload:
+        problems.append("GliDe draft training supports memory.recompute (none, selective, full), "
+                        "memory.attention_chunk and memory.loss_chunk; drop memory.offload_fraction, "
+                        "memory.block_chunk and memory.attention_offload.")
+    return problems
