@@ -218,11 +218,11 @@ def _bench(*argv):
 
 @pytest.mark.parametrize("argv, said", [
     (("generate", "--prompt-len", "0"), "--prompt-len must be >= 1, got 0"),      # was ValueError after building
-    (("generate", "--new-tokens", "0"), "--new-tokens must be >= 1, got 0"),      # was transformers' ValueError
+    (("generate", "--new-tokens", "0"), "--new-tokens must be >= 2, got 0"),      # was transformers' ValueError
     (("generate", "--heads", "3", "--kv-heads", "2"), "--kv-heads 2 must divide --heads 3"),
     (("generate", "--memory-lengths", "0"), "'0' is not a positive token count"),  # was UnboundLocalError
     (("generate", "--sharded", "0x2"), "--sharded '0x2': write HxC"),               # was max() of nothing
-    (("decode", "--target", "t", "--draft", "d", "--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
+    (("decode", "--target", "t", "--draft", "d", "--max-new-tokens", "0"), "--max-new-tokens must be >= 2"),
     (("attention", "--seq-len", "0"), "--seq-len must be >= 2, got 0"),           # was a rank killed (SIGFPE)
     (("attention", "--head-dim", "0"), "--head-dim must be >= 1, got 0"),
     (("attention", "--world", "4", "--ctx", "4", "--window", "3"), "--window 3 must be 0 (a plain ring) or divide"),
@@ -236,12 +236,35 @@ def _bench(*argv):
     (("moe", "--top-k", "0"), "--top-k must be >= 1, got 0"),
     (("moe", "--skew-share", "-0.5"), "--skew-share -0.5: expert 0's share"),     # was said after a first case
     (("comm", "--cluster", "2x1", "--intra-gbps", "0"), "--intra-gbps must be > 0, got 0.0"),
+    # (bench audit, 2026-12-02: each of these died in a rank or after the work, or printed figures of nothing)
+    (("generate", "--new-tokens", "1"), "--new-tokens must be >= 2, got 1"),       # was ZeroDivisionError after
+    (("decode", "--target", "t", "--draft", "d", "--max-new-tokens", "1"), "--max-new-tokens must be >= 2"),  # 0x
+    (("train", "--seq-len", "100", "--layouts", "ctx4"), "layout ctx4 needs a multiple of 2 x head x ctx = 8"),
+    (("train", "--global-batch", "3", "--layouts", "dp2-ctx2"), "layout dp2-ctx2 splits it over dp 2"),
+    (("memory", "--seq-len", "100", "--ctx", "4"), "a multiple of 2 x head x ctx = 8"),   # was a rank's traceback
+    (("moe", "--routing", "skwed"), "--routing skwed: one of uniform, skewed"),  # GPU path ran it as uniform
+    (("moe", "--cluster", "2x1", "--layers", "-1"), "--layers must be >= 0, got -1"),   # was a step of no layers
+    (("moe", "--cluster", "2x1", "--tokens", "0"), "--tokens must be >= 1, got 0"),     # was ZeroDivisionError
+    (("moe", "--cluster", "2x1", "--link-scale", "0"), "--link-scale must be > 0"),
+    (("moe", "--cluster", "2x1", "--chunks", "two"), "--chunks 'two'"),
+    (("moe", "--cluster", "2x1", "--slowdown", "x"), "--slowdown 'x'"),
+    (("moe", "--cluster", "2x1", "--model", "debug"), "--model debug has no MoE layers"),
+    (("comm", "--cluster", "2x1", "--steps", "-1"), "--steps must be >= 0, got -1"),   # was a final_loss of -1 steps
 ])
 def test_bench_sizes_are_checked_before_any_work(argv, said):
     from longctx.bench.arg_checks import check_bench_args
 
     with pytest.raises(ConfigError, match=re_escape(said)):
         check_bench_args(argv[0], _bench(*argv))
+
+
+def test_bench_comm_refuses_a_co2_merge_past_its_round():
+    """--co2-overlap-steps above --co2-local-steps was refused by co2's config inside the ranks, after every
+    mode before co2 had been timed (a traceback)."""
+    from longctx.bench.comm_cluster import main
+
+    with pytest.raises(ConfigError, match="--co2-overlap-steps 9"):
+        main(_bench("comm", "--cluster", "2x1", "--modes", "fsdp,co2", "--co2-overlap-steps", "9"))
 
 
 def test_bench_defaults_pass():

@@ -42,6 +42,20 @@ def test_bench_train_rate_is_total_tokens_over_total_time_of_the_timed_steps(mon
     assert row["mfu"] == pytest.approx(2 * flops / timed_s / peak)
 
 
+def test_bench_train_times_no_checkpoint_save(monkeypatch):
+    """The run's last step is timed; with checkpoint.final (its default) that step also blocked on the final
+    save, which halved its tokens/s on the debug model at 256 tokens (repro_3 of the bench audit)."""
+    seen = []
+
+    def run(cmd, **_kw):
+        seen.append(cmd)
+        return SimpleNamespace(returncode=1, stderr="stopped")
+
+    monkeypatch.setattr(bench_train.subprocess, "run", run)
+    bench_train.run_one("debug", 64, "single", 3, 1)
+    assert "--checkpoint.final=false" in seen[0] and not any(a.startswith("--checkpoint.interval=") for a in seen[0])
+
+
 def test_bench_train_with_only_the_warm_up_step_reports_no_figures(monkeypatch):
     """One step is the warm-up: its rate (lazy set-up, compilation) is not a timed figure."""
     _fake_train(monkeypatch, [_record(1, 100, 5.0, 1e9, 1e10)])

@@ -17,15 +17,17 @@ from ..errors import ConfigError
 # per command: each flag (attribute) with the least value it takes
 MINIMUM = {
     "generate": {"dim": 1, "layers": 1, "heads": 1, "kv_heads": 1, "ffn_dim": 1, "vocab": 1, "prompt_len": 1,
-                 "new_tokens": 1, "prefill_chunk": 1},
-    "decode": {"max_new_tokens": 1},
+                 "new_tokens": 2, "prefill_chunk": 1},
+    # (at least 2 new tokens: the first comes from the prefill's logits, so 1 makes no decode step to time)
+    "decode": {"max_new_tokens": 2},
     "attention": {"world": 1, "head": 1, "ctx": 1, "window": 0, "micro_batch": 1, "heads": 1, "kv_heads": 1,
                   "head_dim": 1, "threads": 1},
     "train": {"global_batch": 1},
     "memory": {"layers": 0, "micro_batch": 1, "skip_last": 0, "head": 1, "ctx": 1, "docs": 1, "loss_chunk": 0,
                "block_chunk": 0, "time_steps": 0, "attention_chunk": 0, "doc_len": 0},
-    "moe": {"dim": 1, "experts": 1, "top_k": 1, "expert_dim": 0, "threads": 1},
-    "comm": {"seq_len": 2},
+    "moe": {"dim": 1, "experts": 1, "top_k": 1, "expert_dim": 0, "threads": 1, "tokens": 1, "layers": 0,
+            "replicas": 1, "zipf": 0},
+    "comm": {"seq_len": 2, "steps": 0},
 }
 # per command: comma-separated token counts (each a positive integer)
 LENGTHS = {"generate": ("memory_lengths", "sharded_lengths"), "train": ("seq_len",), "memory": ("seq_len",),
@@ -57,6 +59,13 @@ def _structure(command: str, args) -> list[str]:
         out.append(f"--heads {args.heads} must divide --dim {args.dim} (the head size is dim / heads)")
     if command == "generate" and args.sharded and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", args.sharded):
         out.append(f"--sharded {args.sharded!r}: write HxC, the head and ctx degrees, e.g. 1x4")
+    if command == "generate" and args.compile != "false" and args.device != "cpu":
+        import torch
+
+        if not args.device.startswith("cuda"):
+            out.append(f"--device {args.device!r}: cpu or cuda")
+        elif not torch.cuda.is_available():
+            out.append(f"--device {args.device}: no CUDA device is available here")
     if command == "attention":
         if args.seq_len is not None and args.seq_len < 2:
             out.append(f"--seq-len must be >= 2, got {args.seq_len}")
@@ -69,12 +78,35 @@ def _structure(command: str, args) -> list[str]:
         unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS]
         if unknown:
             out.append(f"--layouts {', '.join(unknown)}: choose among {', '.join(LAYOUTS)}")
+        for layout in (x for x in args.layouts.split(",") if x in LAYOUTS):  # (else every row an error, rc 0)
+            degree = {k.split("=")[0]: int(k.split("=")[1]) for k in LAYOUTS[layout][1]}
+            split = degree.get("--parallel.head", 1) * degree.get("--parallel.ctx", 1)
+            bad = [x for x in args.seq_len.split(",") if x.strip().isdigit() and int(x) % (2 * split)]
+            if bad:
+                out.append(f"--seq-len {', '.join(bad)}: layout {layout} needs a multiple of 2 x head x ctx = "
+                           f"{2 * split}")
+            dp = degree.get("--parallel.dp_shard", 1)
+            if args.global_batch >= 1 and args.global_batch % dp:
+                out.append(f"--global-batch {args.global_batch}: layout {layout} splits it over dp {dp}")
         unknown = [x for x in args.presets.split(",") if x not in MODEL_PRESETS]
         if unknown:  # (each run's `longctx train` refused it, written into the JSON as that row's error)
             out.append(f"--presets {', '.join(unknown)}: choose among "
                        f"{', '.join(MODEL_PRESETS)}")
     if command == "memory":
         out += _policy_problems(args.policies)
+        world = args.head * args.ctx
+        if args.head >= 1 and args.ctx >= 1 and world > 1:
+            bad = [x for x in str(args.seq_len).split(",") if x.strip().isdigit() and int(x) % (2 * world)]
+            if bad:
+                out.append(f"--seq-len {', '.join(bad)}: under head {args.head} x ctx {args.ctx} a length is a "
+                           f"multiple of 2 x head x ctx = {2 * world} (the balanced layout's pieces)")
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                out.append("--device cuda: no CUDA device is available here")
+    if command == "moe":
+        out += _moe_problems(args)
     if command == "moe" and min(args.top_k, args.experts) >= 1:
         if args.top_k > args.experts:
             out.append(f"--top-k {args.top_k} is more than the {args.experts} --experts")
@@ -86,6 +118,36 @@ def _structure(command: str, args) -> list[str]:
         for name in ("intra_gbps", "inter_ratio", "middle_ratio"):
             if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
                 out.append(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    return out
+
+
+def _moe_problems(args) -> list[str]:
+    """bench moe's names and the --cluster flags its ranks would otherwise trip on."""
+    out = [f"--routing {r}: one of uniform, skewed" for r in args.routing.split(",")
+           if r and r not in ("uniform", "skewed")]
+    if not getattr(args, "cluster", ""):
+        return out
+    chunks = [c.strip() for c in args.chunks.split(",") if c.strip()]
+    if not all(c.isdigit() and int(c) >= 2 for c in chunks):
+        out.append(f"--chunks {args.chunks!r}: pipelined chunk counts, each an integer >= 2 (e.g. 2,4)")
+    if not (args.link_scale > 0 and math.isfinite(args.link_scale)):
+        out.append(f"--link-scale must be > 0, got {args.link_scale}")
+    if args.slowdown != "auto":
+        try:
+            ok = float(args.slowdown) > 0 and math.isfinite(float(args.slowdown))
+        except ValueError:
+            ok = False
+        if not ok:
+            out.append(f"--slowdown {args.slowdown!r}: auto, or a factor > 0")
+    if not (args.inter_ratio >= 0 and math.isfinite(args.inter_ratio)):
+        out.append(f"--inter-ratio must be >= 0 (0 = the hardware's), got {args.inter_ratio}")
+    from ..config.presets import MODEL_PRESETS
+
+    preset = MODEL_PRESETS.get(args.model)
+    if preset is None:
+        out.append(f"--model {args.model}: choose among {', '.join(MODEL_PRESETS)}")
+    elif not preset.get("moe.experts", 0):
+        out.append(f"--model {args.model} has no MoE layers; give a MoE preset (e.g. debug-moe, small-moe)")
     return out
 
 

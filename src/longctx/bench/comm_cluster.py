@@ -184,6 +184,9 @@ def main(args) -> int:
     if args.timed < 1 or args.co2_local_steps < 1:  # (else no step timed, or a division by zero)
         raise ConfigError(f"--timed {args.timed} and --co2-local-steps {args.co2_local_steps} "
                           f"must each be at least 1 (e.g. --timed 8 --co2-local-steps 4).")
+    if "co2" in modes and not 0 <= args.co2_overlap_steps <= args.co2_local_steps:  # (else co2's config refuses
+        raise ConfigError(f"--co2-overlap-steps {args.co2_overlap_steps}: 0 (= the local steps) or 1.."  # it in
+                          f"--co2-local-steps = {args.co2_local_steps}.")  # the ranks, after the other modes ran)
     timed = math.ceil(args.timed / args.co2_local_steps) * args.co2_local_steps  # whole co2 rounds
     needed = max(timed_steps(m, dict(timed=timed, local_steps=args.co2_local_steps,
                                      overlap_steps=args.co2_overlap_steps))[-1] + 1 for m in modes)
