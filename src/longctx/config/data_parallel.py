@@ -44,7 +44,4 @@ def data_parallel_problems(cfg: Config) -> list[str]:
         problems.append(f"train.data_parallel = co2 with a draft (draft.target = {cfg.draft.target}): the draft is "
                         f"sharded over all the replicas as under sync (parallel/parallelize.py parallelize_draft), "
                         f"which CO2's local rounds do not support yet; use train.data_parallel = sync.")
-    if "qgz" in {n.strip() for n in p.zero_pp.split(",")}:  # (as job/checks.py zero_pp_names reads it)
-        problems.append("train.data_parallel = co2 with parallel.zero_pp's qgz: qgZ's reduce-scatter reduces "
-                        "over the replicas too, which CO2's local steps must not; drop qgz (hpz and qwz are fine).")
     return problems

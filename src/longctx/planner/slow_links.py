@@ -89,8 +89,9 @@ def three_level(hw: Hardware, gpus_per_node: int) -> int:
 
 def slow_link_variants(shape: MeshShape, hw: Hardware, gpus_per_node: int, co2: bool) -> list[MeshShape]:
     """Layouts derived from `shape` for slow links: ZeRO++ with hpZ on a node's group (three-level
-    hardware), and co2 where replicas are linked across nodes (dense layers' parameters, no qgz: its
-    reduce-scatter would span the replicas), its local_steps left 0 for the estimate to settle."""
+    hardware), and co2 where replicas are linked across nodes (dense layers' parameters, over plain FSDP
+    replicas: the bytes below price co2 without zero_pp, which a run may still add), its local_steps left 0
+    for the estimate to settle."""
     out = []
     group = three_level(hw, gpus_per_node)
     if group and "hpz" in shape.zero_pp.split(",") and not shape.hpz_ranks:
