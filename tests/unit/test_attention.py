@@ -65,6 +65,22 @@ def test_forward_backward_match_reference(backend, causal, with_docs, kv, batch)
         torch.testing.assert_close(g.double(), r.double(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_a_float64_model_runs_backward_on_the_default_backend(with_docs):
+    """The CPU flash kernel's backward wants the lse in fp64 for fp64 inputs: it was always handed fp32, so a
+    `.double()` model (a high-precision reference, gradcheck) failed in backward ("expected Double")."""
+    q, k, v = (t.detach().double().requires_grad_() for t in make())
+    qd = kd = docs() if with_docs else None
+    out, _ = attention(q, k, v, q_doc=qd, k_doc=kd)
+    ref_out, _ = reference(q, k, v, True, qd, kd)
+    gout = torch.randn_like(out)
+    grads = torch.autograd.grad((out * gout).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref_out * gout).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.float64
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-6)  # (the forward keeps its lse in fp32)
+
+
 @pytest.mark.parametrize("backend", ["flash", "math"])
 def test_gradient_through_lse(backend):
     """Ring attention merges with the lse, so a gradient flowing into lse must be right too."""

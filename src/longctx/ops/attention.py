@@ -144,8 +144,10 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     if q.device.type == "cuda":
         dq, dk, dv = _cuda_efficient_backward(dot, qt, kt, vt, None, ot, lse, causal, scale)
     else:
-        # Rows that see no key have lse = -inf; the kernel wants a finite value there (their grads are 0).
-        lse_k = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(torch.float32)
+        # Rows that see no key have lse = -inf; the kernel wants a finite value there (their grads are 0), in
+        # fp32, or fp64 for fp64 inputs (it refused a float64 model's backward: "expected Double")
+        lse_dtype = torch.promote_types(q.dtype, torch.float32)
+        lse_k = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(lse_dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dot, qt, kt, vt, ot, lse_k, 0.0, causal, scale=scale)
     dq, dk, dv = (_to_bhsd(t) for t in (dq, dk, dv))
