@@ -151,3 +151,40 @@ def test_a_rollback_goes_on_with_the_data_after_the_bad_step_across_a_boundary(b
     loader.load_state_dict(positions[bad])
     assert loader.state_dict() == positions[bad]  # what a save right after the rollback records
     assert _steps(loader, range(bad + 1, 6)) == reference[bad:]
+
+
+def test_a_resume_with_other_stages_keeps_what_the_weights_trained_on(tmp_path):
+    """A checkpoint trained at 64 tokens, resumed with stages that put the next step in a 32-token stage: the
+    new checkpoints recorded trained_positions 32 (rebuilt from this run's stages alone), so generate, export and
+    a draft's window cut prompts the weights handle. A stage's explicit batch of 0 is refused (not the default)."""
+    import json
+
+    from longctx.config.resume import load_run_config
+    from longctx.train.trainer import Trainer
+
+    quiet = lambda *a, **k: None  # noqa: E731
+    base = ["--train.global_batch=2", "--data.max_docs=40", "--train.eval_interval=0", "--metrics.plots=false",
+            "--metrics.progress=false", "--model.layers=2", "--model.dim=32", "--model.heads=2", "--model.kv_heads=2",
+            "--train.warmup_steps=1", "--checkpoint.interval=1", "--checkpoint.final=false"]
+    Trainer(load_config(None, [*base, "--train.stages=32:1,64:1", f"--train.run_dir={tmp_path}"]), log=quiet).run()
+    step = tmp_path / "checkpoints" / "step-00000002"
+    assert json.loads((step / "manifest.json").read_text())["trained_positions"] == 64
+    cfg, _ = load_run_config(None, [f"--checkpoint.resume={step}", f"--train.run_dir={tmp_path}",
+                                    "--train.stages=32:3,64:1"], False)
+    Trainer(cfg, log=quiet).run()
+    after = json.loads((tmp_path / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert after["trained_positions"] == 64
+    with pytest.raises(ConfigError, match="'32:2:0' is not SEQ_LEN:STEPS"):
+        load_config(None, ["--train.stages=32:2:0,64:2"])
+
+
+def test_train_global_batch_is_not_checked_when_every_stage_names_its_batch():
+    """Each stage's own batch (6) splits over grad_accum 3 and 3 data-parallel ranks; the unused default
+    train.global_batch (4) refused the run."""
+    from longctx.job.checks import check_layout
+
+    cfg = load_config(None, ["--train.stages=32:2:6,64:2:6", "--train.grad_accum=3"])
+    check_layout(cfg, 1)
+    check_layout(load_config(None, ["--train.stages=32:2:6,64:2:6", "--parallel.dp_shard=3"]), 3)
+    with pytest.raises(ConfigError, match="train.stages: train.global_batch .4 sequences"):
+        check_layout(load_config(None, ["--train.stages=32:2:6,64:2", "--parallel.dp_shard=3"]), 3)

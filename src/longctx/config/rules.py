@@ -208,7 +208,11 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
     positive = functools.partial(_positive, problems)
     for key in ("steps", "global_batch", "grad_accum", "eval_batches"):
         positive(f"train.{key}", getattr(t, key))
-    if t.global_batch > 0 and t.grad_accum > 0 and t.global_batch % t.grad_accum:
+    try:  # (train.global_batch is unused when every stage names its own batch: job/checks.py checks those)
+        every_stage_batched = bool(t.stages) and all(batch for _, _, batch in parse_stages(t.stages))
+    except ConfigError:
+        every_stage_batched = False
+    if t.global_batch > 0 and t.grad_accum > 0 and t.global_batch % t.grad_accum and not every_stage_batched:
         problems.append(
             f"train.global_batch ({t.global_batch} sequences per optimizer step) must be divisible by "
             f"train.grad_accum ({t.grad_accum} micro-batches per step); use a multiple of {t.grad_accum}.")
@@ -249,7 +253,7 @@ def parse_stages(spec: str) -> list[tuple[int, int, int]]:
             stage = tuple(int(f) for f in fields) + (0,) * (3 - len(fields)) if len(fields) in (2, 3) else (0, 0, 0)
         except ValueError:
             stage = (0, 0, 0)
-        if stage[0] <= 0 or stage[1] <= 0 or stage[2] < 0:
+        if stage[0] <= 0 or stage[1] <= 0 or stage[2] < 0 or (len(fields) == 3 and stage[2] == 0):
             raise ConfigError(f"train.stages = {spec!r}: {item.strip()!r} is not SEQ_LEN:STEPS[:GLOBAL_BATCH] with "
                               f"positive numbers; write e.g. \"1024:200:16,4096:100:4\" (200 steps of 16 sequences "
                               f"of 1024 tokens, then 100 of 4 of 4096; without the batch, train.global_batch).")

@@ -134,6 +134,11 @@ class Trainer:
         self._skip_rolled_back_window()
         # the positions the starting weights can be trusted with under this run's RoPE settings
         self.start_positions = 0 if cfg.draft.target else run_start_positions(cfg.model.init_from, cfg.model)
+        if self.ckpt is not None and self.ckpt.resumed_from and not cfg.draft.target:
+            # a resume keeps what the loaded weights already trained on, under this run's RoPE settings (its
+            # stages may have changed since: the record was rebuilt from this run's stages alone, and fell)
+            self.start_positions = max(self.start_positions,
+                                       run_start_positions(str(self.ckpt.resumed_from[0]), cfg.model))
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         if rt.is_main:
