@@ -144,3 +144,41 @@ def test_train_refuses_nproc_below_one(nproc, capsys, monkeypatch, tmp_path):
     assert cli.main(["train", "--nproc", nproc]) == 2
     assert f"--nproc must be >= 1 (1 = this process), got {nproc}" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # (refused before any work: no run directory)
+
+
+@pytest.mark.parametrize("env, said", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK=2 must be in \[0, WORLD_SIZE=2\)"),  # (waited on the rendezvous)
+    ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE must be an integer, got 'two'"),  # (int()'s traceback)
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not set"),  # (torch's traceback, late)
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}, "MASTER_PORT is not set"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "x"}, "LOCAL_RANK must be an integer"),
+])
+def test_a_launchers_bad_variables_are_one_clear_error_before_any_wait(env, said, monkeypatch):
+    from longctx.job.launch import check_launcher_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=said):
+        check_launcher_env()
+
+
+def test_a_rendezvous_that_times_out_is_one_clear_error(monkeypatch):
+    """A peer that never came: torch's DistStoreError traceback became the run's error naming what to check."""
+    import torch.distributed as dist
+
+    from longctx.errors import UserError
+    from longctx.job import launch
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(name, value)
+
+    def never(*a, **k):
+        raise dist.DistStoreError("Timed out after 43 seconds waiting for clients. 1/2 clients joined.")
+
+    monkeypatch.setattr(launch.dist, "init_process_group", never)
+    monkeypatch.setattr(launch, "die_with_parent", lambda: None)
+    monkeypatch.setattr(watchdog, "_GROUP_TIMEOUT_S", watchdog._GROUP_TIMEOUT_S)  # (restored after: it sets it)
+    with pytest.raises(UserError, match=r"the 2 ranks did not all meet at 127.0.0.1:29999.*DistStoreError"):
+        launch.init_distributed("cpu", 10.0)

@@ -103,10 +103,10 @@ def _say_threads(cfg) -> None:
 
 
 def main(args, overrides) -> int:
-    from ..job.launch import argv_without_nproc, relaunch, under_launcher
+    from ..job.launch import argv_without_nproc, check_launcher_env, relaunch, under_launcher
     from .request import prepare
 
-    nproc = int(__import__("os").environ["WORLD_SIZE"]) if under_launcher() else args.nproc
+    nproc = check_launcher_env()[1] if under_launcher() else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
     request = prepare(args, overrides, nproc)

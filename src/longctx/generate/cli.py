@@ -37,7 +37,6 @@ carries none). This module is the command alone: its flags, its request, the run
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from .. import threads
@@ -289,10 +288,10 @@ def _cape_table(args, sampling):
 
 
 def main(args, overrides) -> int:
-    from ..job.launch import argv_without_nproc, relaunch, under_launcher
+    from ..job.launch import argv_without_nproc, check_launcher_env, relaunch, under_launcher
 
-    if under_launcher():  # a rank: the layout's size is the job's
-        args.nproc = int(os.environ["WORLD_SIZE"])
+    if under_launcher():  # a rank: the layout's size is the job's (its launcher's variables checked first)
+        args.nproc = check_launcher_env()[1]
     request = prepare(args, overrides)  # every input error, before the weights are read (once, in the launcher)
     if args.nproc > 1 and not under_launcher():
         for note in request.notes:

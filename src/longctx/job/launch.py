@@ -33,6 +33,33 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def check_launcher_env(rendezvous: bool = True) -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) of the env:// variables a launcher set, checked before any wait: a rank outside
+    the world waited on the rendezvous until the store's timeout (and its retries), a missing
+    MASTER_ADDR / MASTER_PORT or a non-number ended in torch's traceback."""
+    def integer(name: str) -> int:
+        text = os.environ.get(name, "")
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"the launcher's {name} must be an integer, got {text!r}.") from None
+
+    world, rank = integer("WORLD_SIZE"), integer("RANK")
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={world}) (as torchrun sets them); check the "
+                          f"variables your launcher sets.")
+    if "LOCAL_RANK" in os.environ:
+        integer("LOCAL_RANK")
+    if world > 1 and rendezvous:  # (the command checks it: a test's mocked process group has none)
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE={world} ranks meet at MASTER_ADDR:MASTER_PORT, but {' and '.join(missing)} "
+                              f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun, or "
+                              f"`longctx train --nproc {world}`, or set them.")
+        integer("MASTER_PORT")
+    return rank, world
+
+
 def launched_by_us() -> bool:
     """This process is a rank that `longctx ... --nproc N` started (its launcher already spoke)."""
     return ERROR_DIR_ENV in os.environ
@@ -73,7 +100,7 @@ def init_distributed(device_type: str, timeout_s: float, host_states: bool = Fal
     """Join (or reuse) the default process group (backend_for); returns (rank, world size)."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
+    if not under_launcher() or check_launcher_env(rendezvous=False)[1] == 1:
         return 0, 1
     die_with_parent()
     if device_type == "cuda":
@@ -82,7 +109,15 @@ def init_distributed(device_type: str, timeout_s: float, host_states: bool = Fal
     # parallel.timeout_s is enforced by the hang watchdog (watchdog.py), which says where each rank
     # was; the groups' own timeouts are a backstop behind it
     watchdog.set_group_timeout(timeout_s)
-    dist.init_process_group(backend, timeout=watchdog.group_timeout())
+    try:
+        dist.init_process_group(backend, timeout=watchdog.group_timeout())
+    except (dist.DistStoreError, dist.DistNetworkError) as e:  # (a peer that never came, an unreachable master)
+        world = os.environ["WORLD_SIZE"]
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise UserError(f"the {world} ranks did not all meet at {where} within the process group's timeout "
+                        f"({watchdog.group_timeout()}, parallel.timeout_s and its grace): start every rank with "
+                        f"the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and check that this machine reaches "
+                        f"the master. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     global _CREATED
     _CREATED = True
     # a job that ends in an error leaves by exit: NCCL's communicators are released there
