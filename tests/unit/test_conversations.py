@@ -332,3 +332,16 @@ def test_a_conversation_longer_than_a_sample_is_cut_after_its_last_answer_that_f
     for kw in ({"long_conversations": "drop"}, {"answers": "last"}):
         dropped = _build(tmp_path / next(iter(kw)), folder, records, seq_len=seq_len, **kw)
         assert dropped["parts"][0]["counts"]["skipped"] == {"pair_longer_than_sample": 2}
+
+
+@pytest.mark.parametrize("dedup", ["exact", "minhash"])
+def test_a_cut_conversation_is_deduplicated_as_it_is_stored(tmp_path, folder, dedup):
+    """Dedup compared a cut conversation whole (before its cut): two conversations that share their first answers
+    but not the last, and the shorter conversation itself, were stored three times as the same document."""
+    theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+    seq_len = len(theirs.apply_chat_template(LONG[:5], tokenize=True, return_dict=False)) + 1
+    other = LONG[:5] + [{"role": "user", "content": "Something else entirely?"},
+                        {"role": "assistant", "content": "A different final answer " * 8}]
+    built = _build(tmp_path, folder, [{"messages": m} for m in (LONG, other, LONG[:5])], seq_len=seq_len, dedup=dedup)
+    assert len(store_documents(tmp_path / "store")) == 1
+    assert built["parts"][0]["counts"]["exact_duplicates"] == 2

@@ -85,8 +85,8 @@ def test_an_early_stage_checkpoints_draft_window_is_the_length_it_trained_on(cor
 
 
 def test_a_reduced_vocabulary_is_counted_over_a_data_mix(corpus, target, tmp_path):  # noqa: F811
-    """draft.vocab with data.path = 'A,B': each store's counts, weighted by data.weights (it opened 'A,B' as one
-    store and failed after loading the target)."""
+    """draft.vocab with data.path = 'A,B': each store's counts per train sample, weighted by data.weights (shares of
+    samples), the tokens the run trains on (it opened 'A,B' as one store and failed after loading the target)."""
     from longctx.data.loader import PackedSamples
     from longctx.train.glide import token_counts
     from longctx.train.setup import store_path
@@ -108,5 +108,5 @@ def test_a_reduced_vocabulary_is_counted_over_a_data_mix(corpus, target, tmp_pat
             tokens, labels, _, _ = samples.sample(i)
             real = sum(int(n) for _, _, n, _, _ in samples.segments(i).tolist())
             c += torch.bincount(torch.as_tensor(tokens[:real]).long(), minlength=c.numel()).double()
-        alone.append(c / c.sum())
+        alone.append(c / len(samples))  # (a weight is a share of the samples: a store's tokens per sample)
     assert torch.allclose(counts.double(), 0.25 * alone[0] + 0.75 * alone[1], rtol=1e-9, atol=1e-12)

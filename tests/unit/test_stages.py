@@ -188,3 +188,30 @@ def test_train_global_batch_is_not_checked_when_every_stage_names_its_batch():
     check_layout(load_config(None, ["--train.stages=32:2:6,64:2:6", "--parallel.dp_shard=3"]), 3)
     with pytest.raises(ConfigError, match="train.stages: train.global_batch .4 sequences"):
         check_layout(load_config(None, ["--train.stages=32:2:6,64:2", "--parallel.dp_shard=3"]), 3)
+
+
+def test_a_resume_from_a_manifest_without_trained_positions_records_the_stages(tmp_path):
+    """A checkpoint from before the record (2026-11-28): the resume kept run_start_positions' fallback, its
+    model.max_seq_len (131,072), as what the weights trained on; the stages' length is what they did."""
+    import json
+
+    from longctx.checkpoint.manifest import _manifest_checksum
+    from longctx.config.resume import load_run_config
+    from longctx.train.trainer import Trainer
+
+    quiet = lambda *a, **k: None  # noqa: E731
+    base = ["--train.global_batch=2", "--data.max_docs=40", "--train.eval_interval=0", "--metrics.plots=false",
+            "--metrics.progress=false", "--model.layers=2", "--model.dim=32", "--model.heads=2", "--model.kv_heads=2",
+            "--train.warmup_steps=1", "--checkpoint.interval=1", "--checkpoint.final=false", "--train.seq_len=32"]
+    Trainer(load_config(None, [*base, "--train.steps=2", f"--train.run_dir={tmp_path}"]), log=quiet).run()
+    step = tmp_path / "checkpoints" / "step-00000002"
+    manifest = json.loads((step / "manifest.json").read_text())
+    del manifest["trained_positions"]
+    manifest["checksum"] = _manifest_checksum(manifest)
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    cfg, _ = load_run_config(None, [f"--checkpoint.resume={step}", f"--train.run_dir={tmp_path}", "--train.steps=3"],
+                             False)
+    assert cfg.model.max_seq_len > 32
+    Trainer(cfg, log=quiet).run()
+    after = json.loads((tmp_path / "checkpoints" / "step-00000003" / "manifest.json").read_text())
+    assert after["trained_positions"] == 32

@@ -114,6 +114,9 @@ def init_distributed(device_type: str, timeout_s: float, host_states: bool = Fal
     except (dist.DistStoreError, dist.DistNetworkError) as e:  # (a peer that never came, an unreachable master)
         world = os.environ["WORLD_SIZE"]
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        if "EADDRINUSE" in str(e) or "address already in use" in str(e):  # (at once: no wait, no peer asked)
+            raise UserError(f"rank 0 cannot listen at {where}: MASTER_PORT is in use on this machine (another job, "
+                            f"or a rank of an earlier run still alive); choose a free port.") from None
         raise UserError(f"the {world} ranks did not all meet at {where} within the process group's timeout "
                         f"({watchdog.group_timeout()}, parallel.timeout_s and its grace): start every rank with "
                         f"the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and check that this machine reaches "

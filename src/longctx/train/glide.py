@@ -241,31 +241,34 @@ def token_counts(cfg: Config, rt: Runtime, log=print) -> torch.Tensor:
     text and no label reads it, yet a store of short documents in long samples is mostly padding, which
     counted made the pad token the 'most frequent' and the reported coverage a share of padding. Of
     instruction data only the answers are counted: the tokens the draft proposes and is trained on. A data mix
-    (data.path = 'A,B'): every store's counts, summed; with data.weights each store's as a share of its own
-    tokens times its weight, the mix the run trains on."""
+    (data.path = 'A,B'): every store's counts, summed; with data.weights (shares of samples, docs/data.md) each
+    store's per train sample times its weight: the mix of tokens the run trains on (store_mix.mix_line)."""
     from ..config.data_mix import parse_weights, store_paths
     from .setup import store_path
 
-    stores = []
+    stores, sizes = [], []
     for root in map(Path, store_paths(store_path(cfg, log, rt))):  # (a data mix: each of its stores)
         stores.append(np.zeros(cfg.model.vocab_size, dtype=np.int64))
-        _count_store(root, stores[-1])
+        sizes.append(_count_store(root, stores[-1]))
     weights = parse_weights(cfg.data.weights)
     if not weights:  # (in proportion to each store's samples: as if the stores were one)
         return torch.from_numpy(np.sum(stores, axis=0))
-    return torch.from_numpy(sum(w * c / max(int(c.sum()), 1) for w, c in zip(weights, stores)))
+    # (a weight is a share of the samples drawn: a store's tokens per sample times it)
+    return torch.from_numpy(sum(w * c / max(n, 1) for w, c, n in zip(weights, stores, sizes)))
 
 
-def _count_store(root: Path, counts: np.ndarray) -> None:
-    """token_counts of one store, added to `counts`."""
+def _count_store(root: Path, counts: np.ndarray) -> int:
+    """token_counts of one store, added to `counts`; returns its train samples."""
     from ..data.store import S_LENGTH, S_SAMPLE, load_split, read_manifest
     from ..data.trained_spans import part_trained_spans, trained_token_mask
 
+    total = 0
     for part in read_manifest(root)["parts"]:
         split = load_split(root, part, "train")
         if split is None:
             continue
         samples, seq_len = split.tokens.shape
+        total += samples
         spans = part_trained_spans(root, part)  # (instruction data: its answers only)
         # a sample's segments are contiguous from offset 0: its real tokens are the first sum(lengths)
         real = np.bincount(split.segments[:, S_SAMPLE], weights=split.segments[:, S_LENGTH], minlength=samples)
@@ -277,6 +280,7 @@ def _count_store(root: Path, counts: np.ndarray) -> None:
             if trained is not None:
                 held &= trained
             counts += np.bincount(tokens[held], minlength=counts.size)[:counts.size]
+    return total
 
 
 def frozen_target(cfg: Config, device: torch.device, rt: Runtime, log=print) -> tuple[Llama, FrozenHead, Path]:

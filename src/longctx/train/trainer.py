@@ -134,7 +134,8 @@ class Trainer:
         self._skip_rolled_back_window()
         # the positions the starting weights can be trusted with under this run's RoPE settings
         self.start_positions = 0 if cfg.draft.target else run_start_positions(cfg.model.init_from, cfg.model)
-        if self.ckpt is not None and self.ckpt.resumed_from and not cfg.draft.target:
+        if self.ckpt is not None and self.ckpt.resumed_from and not cfg.draft.target \
+                and self.ckpt.resumed_from[1].get("trained_positions"):  # (an older manifest: its max_seq_len, no)
             # a resume keeps what the loaded weights already trained on, under this run's RoPE settings (its
             # stages may have changed since: the record was rebuilt from this run's stages alone, and fell)
             self.start_positions = max(self.start_positions,

@@ -32,7 +32,8 @@ from ...errors import DataError
 from ...progress import current, progress_bar
 from .. import store
 from .cluster import cluster
-from .conversations import LAST_ONLY, turn_cut
+from .conversations import LAST_ONLY
+from .cut_conversations import cut_hashes, cut_view, turn_cuts
 from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
 from .embed import embed
@@ -75,6 +76,8 @@ class Assembly:
         self.pairs_dropped = 0  # instruction data longer than a sample, dropped before dedup
         self.eos_at: dict[int, int] = {}  # conversations longer than a sample: corpus document -> cut after an answer
         self.kept_eos_at: dict[int, int] = {}  # the same by kept document
+        self.cut_hashes: dict = {}  # their (exact hash, signature) as stored (dedup and a later append compare them)
+        self.kept_cut_hashes: dict = {}  # the same by kept document
         self.kept = np.zeros(0, np.int64)  # corpus documents that survive dedup, in input order
         self.lengths = np.zeros(0, np.int64)  # their token counts (EOS included)
         self.names: list[str] = []  # their names
@@ -161,7 +164,7 @@ class Assembly:
         firsts = self.corpus.per_doc(lambda shard: shard.loss_from())
         too_long = (firsts > 0) & (lengths > self.opts.seq_len) & (np.arange(len(lengths)) < self.documents_read)
         if self.opts.long_conversations == "truncate" and too_long.any():
-            self.eos_at = self._turn_cuts(np.flatnonzero(too_long))
+            self.eos_at = turn_cuts(self.corpus, np.flatnonzero(too_long), self.opts.seq_len)
             if self.eos_at:
                 cut = np.array(list(self.eos_at.items()), dtype=np.int64)
                 self.log(f"  dedup     cut {len(cut):,} conversation(s) longer than a sample of {self.opts.seq_len:,} "
@@ -179,17 +182,6 @@ class Assembly:
                                 f"raise --seq-len.")
         return too_long
 
-    def _turn_cuts(self, docs: np.ndarray) -> dict[int, int]:
-        """{corpus document: where it is cut} for the conversations `docs` (sorted) that can be cut at a turn."""
-        cuts, order = {}, iter(docs.tolist())
-        for shard, rows in self.corpus.kept_in_shards(docs):  # (shard by shard, in document order)
-            offsets, values = shard.gaps(rows)
-            for i, doc in zip(range(len(rows)), order):
-                cut = turn_cut(values[offsets[i]:offsets[i + 1]], self.opts.seq_len)
-                if cut:
-                    cuts[doc] = cut
-        return cuts
-
     def measure(self) -> None:
         """The kept documents' token counts and names (the scan tokenized them)."""
         self.lengths = self.corpus_lengths[self.kept]
@@ -198,6 +190,7 @@ class Assembly:
             docs = np.fromiter(self.eos_at, np.int64)
             at = np.minimum(np.searchsorted(self.kept, docs), len(self.kept) - 1)
             self.kept_eos_at = {int(a): self.eos_at[int(d)] for a, d in zip(at, docs) if self.kept[a] == d}
+            self.kept_cut_hashes = {int(a): self.cut_hashes[int(d)] for a, d in zip(at, docs) if self.kept[a] == d}
         self.names = self._kept_names()
         dropped = self.pairs_dropped
         self.records["tokenize"] = {"tokens": int(self.lengths.sum()), "longest": int(self.lengths.max()),
@@ -291,14 +284,24 @@ class Assembly:
         a shard at a time; a candidate's from another shard is one row read from its file (not a
         memory map of every shard, whose touched pages would count as resident)."""
         corpus, read = self.corpus, self.documents_read
+        # a conversation cut after an answer is compared as stored (cut_conversations.py), not whole
+        self.cut_hashes = cut = cut_hashes(corpus, self.eos_at, self.opts.dedup == "minhash")
 
         def signature_of(doc: int) -> np.ndarray:
+            if doc in cut:
+                return cut[doc][1]
             shard, row = corpus.locate(doc)
             return np.array(corpus.shards[shard].sigs()[row])
 
+        def text_of(doc: int) -> str:
+            return cut_view(corpus, self.eos_at, doc)[0] if doc in cut else corpus.text(doc)
+
+        def switches_of(doc: int) -> np.ndarray:
+            return cut_view(corpus, self.eos_at, doc)[1] if doc in cut else corpus.get("chars", doc)
+
         instruction = self.opts.response_field or self.opts.messages_field  # (else no document has switches)
-        deduper = Deduper(self.opts.dedup, self.opts.dedup_threshold, text_of=corpus.text, sig_of=signature_of,
-                          switches_of=(lambda doc: corpus.get("chars", doc)) if instruction else None)
+        deduper = Deduper(self.opts.dedup, self.opts.dedup_threshold, text_of=text_of, sig_of=signature_of,
+                          switches_of=switches_of if instruction else None)
         if seen is not None:
             deduper.seed(*seen, seen_plain)
         keep = np.zeros(corpus.n, dtype=bool)
@@ -311,7 +314,8 @@ class Assembly:
             sigs = np.load(shard.path / "sigs.npy") if shard.minhash else None
             for row, h in enumerate(shard.hashes()[:read - first].tolist()):
                 if not too_long[first + row]:
-                    keep[first + row] = deduper.check(first + row, h, None if sigs is None else sigs[row]) is None
+                    h, sig = cut.get(first + row, (h, None if sigs is None else sigs[row]))
+                    keep[first + row] = deduper.check(first + row, h, sig) is None
             progress.update(min(shard.n, read - first))
             if bar is not None:
                 bar.update(shard.n)
@@ -348,7 +352,7 @@ class Assembly:
             bar.close()
         self.response_only, self.answer_gaps = write_doc_files(
             self.part_dir, self.corpus, self.kept, self.names, self.lengths, self.where, opts.dedup == "minhash",
-            self.kept_eos_at)
+            self.kept_eos_at, self.kept_cut_hashes)
         return None, self._pack_record(groups_packed)
 
     def _pack_split(self, writer: SplitWriter, items, bar, progress) -> int:

@@ -145,6 +145,9 @@ def _instruction_problems(opts: BuildOptions) -> list[str]:
     if opts.long_conversations not in LONG_CONVERSATIONS:
         problems.append(f"--long-conversations {opts.long_conversations!r} is not one of "
                         f"{', '.join(LONG_CONVERSATIONS)}.")
+    elif opts.long_conversations != "truncate" and not opts.messages_field:
+        problems.append(f"--long-conversations {opts.long_conversations} chooses what becomes of a conversation "
+                        f"longer than a sample; it needs --messages-field (a longer pair is dropped either way).")
     if opts.messages_field:
         try:
             load_chat_template(opts.tokenizer, "--messages-field").check("--messages-field")

@@ -138,7 +138,8 @@ class SplitWriter:
 
 
 def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray,
-                    where: np.ndarray, minhash: bool, eos_at: dict[int, int] | None = None) -> tuple[int, int]:
+                    where: np.ndarray, minhash: bool, eos_at: dict[int, int] | None = None,
+                    cut_hashes: dict | None = None) -> tuple[int, int]:
     """docs.jsonl (name, tokens, split per kept document), hashes.npy and, with minhash dedup,
     minhash.npy: what a later append dedups against; loss_from.npy (store.LOSS_FROM) where a kept
     document is trained on its response only (instruction data with a prompt), and store.LOSS_GAPS where
@@ -153,9 +154,17 @@ def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: 
     gaps = spill.RaggedWriter(part / store.LOSS_GAPS, np.int64)
     masked = gapped = index = 0
     for shard, rows in corpus.kept_in_shards(kept):
-        hashes.append(shard.hashes()[rows])
+        mine_h = np.array(shard.hashes()[rows])
+        mine_s = np.array(shard.sigs()[rows], dtype=np.uint64) if sigs is not None else None
+        for i in range(len(rows)):  # (a cut conversation: its hash and signature as stored, `cut_hashes`)
+            if index + i in (cut_hashes or {}):
+                h, sig = cut_hashes[index + i]
+                mine_h[i] = h
+                if mine_s is not None and sig is not None:
+                    mine_s[i] = sig
+        hashes.append(mine_h)
         if sigs is not None:
-            sigs.append(np.asarray(shard.sigs()[rows], dtype=np.uint64))
+            sigs.append(mine_s)
         firsts = shard.loss_from()[rows]
         loss_from.append(firsts)
         masked += int(np.count_nonzero(firsts))

@@ -1,0 +1,46 @@
+"""Conversations longer than a sample, cut after an answer (`longctx data build --long-conversations
+truncate`, the default): where each is cut (conversations.py turn_cut, over the scan's gaps), and the text,
+switches, exact hash and MinHash signature of what is stored, the shorter conversation it becomes (its
+rendering is the long one's prefix), so that dedup and a later append compare what the store holds. The
+assembly (assembly.py) shortens their lengths and the part writer (part_writer.py) writes their EOS and
+their gaps before the cut."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .conversations import turn_cut
+from .dedup import instruction_hash, instruction_parts, signature
+from .scan import ScannedCorpus
+
+
+def turn_cuts(corpus: ScannedCorpus, docs: np.ndarray, seq_len: int) -> dict[int, int]:
+    """{corpus document: where it is cut} for the conversations `docs` (sorted) that can be cut at a turn."""
+    cuts, order = {}, iter(docs.tolist())
+    for shard, rows in corpus.kept_in_shards(docs):  # (shard by shard, in document order)
+        offsets, values = shard.gaps(rows)
+        for i, doc in zip(range(len(rows)), order):
+            cut = turn_cut(values[offsets[i]:offsets[i + 1]], seq_len)
+            if cut:
+                cuts[doc] = cut
+    return cuts
+
+
+def cut_view(corpus: ScannedCorpus, eos_at: dict[int, int], doc: int) -> tuple[str, np.ndarray]:
+    """(text, trained_chars) of corpus document `doc`, cut after an answer (`eos_at`), as stored: the shorter
+    conversation it becomes."""
+    text, chars, cut = corpus.text(doc), np.asarray(corpus.get("chars", doc), np.int64), eos_at[doc]
+    k = int(np.flatnonzero(np.asarray(corpus.get("gaps", doc)) == cut)[0]) + 1  # (gaps: the switches after the first)
+    return text[:int(chars[k])], chars[:k]
+
+
+def cut_hashes(corpus: ScannedCorpus, eos_at: dict[int, int],
+               minhash: bool) -> dict[int, tuple[int, np.ndarray | None]]:
+    """{corpus document: (exact hash, MinHash signature or None)} of the cut conversations, as a scan of the
+    shorter conversation makes them (shard_files.py)."""
+    out = {}
+    for doc in eos_at:
+        text, chars = cut_view(corpus, eos_at, doc)
+        sig = signature(instruction_parts(text, chars)[1]).astype(np.uint32) if minhash else None
+        out[doc] = (instruction_hash(text, chars), sig)
+    return out
