@@ -178,6 +178,7 @@ def test_a_rendezvous_that_times_out_is_one_clear_error(monkeypatch):
         raise dist.DistStoreError("Timed out after 43 seconds waiting for clients. 1/2 clients joined.")
 
     monkeypatch.setattr(launch.dist, "init_process_group", never)
+    monkeypatch.setattr(launch.dist, "is_initialized", lambda: False)  # (an earlier test's group may be up)
     monkeypatch.setattr(launch, "die_with_parent", lambda: None)
     monkeypatch.setattr(watchdog, "_GROUP_TIMEOUT_S", watchdog._GROUP_TIMEOUT_S)  # (restored after: it sets it)
     with pytest.raises(UserError, match=r"the 2 ranks did not all meet at 127.0.0.1:29999.*DistStoreError"):
