@@ -59,13 +59,8 @@ def _structure(command: str, args) -> list[str]:
         out.append(f"--heads {args.heads} must divide --dim {args.dim} (the head size is dim / heads)")
     if command == "generate" and args.sharded and not re.fullmatch(r"[1-9]\d*x[1-9]\d*", args.sharded):
         out.append(f"--sharded {args.sharded!r}: write HxC, the head and ctx degrees, e.g. 1x4")
-    if command == "generate" and args.compile != "false" and args.device != "cpu":
-        import torch
-
-        if not args.device.startswith("cuda"):
-            out.append(f"--device {args.device!r}: cpu or cuda")
-        elif not torch.cuda.is_available():
-            out.append(f"--device {args.device}: no CUDA device is available here")
+    if command == "generate" and args.compile != "false":
+        out += _device_problems(args.device)
     if command == "attention":
         if args.seq_len is not None and args.seq_len < 2:
             out.append(f"--seq-len must be >= 2, got {args.seq_len}")
@@ -100,11 +95,8 @@ def _structure(command: str, args) -> list[str]:
             if bad:
                 out.append(f"--seq-len {', '.join(bad)}: under head {args.head} x ctx {args.ctx} a length is a "
                            f"multiple of 2 x head x ctx = {2 * world} (the balanced layout's pieces)")
-        if args.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                out.append("--device cuda: no CUDA device is available here")
+        if args.device == "cuda":  # (auto: whichever there is)
+            out += _device_problems(args.device)
     if command == "moe":
         out += _moe_problems(args)
     if command == "moe" and min(args.top_k, args.experts) >= 1:
@@ -119,6 +111,17 @@ def _structure(command: str, args) -> list[str]:
             if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
                 out.append(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     return out
+
+
+def _device_problems(device: str) -> list[str]:
+    """--device: cpu, or cuda (cuda:N) where this machine has a CUDA device."""
+    if device == "cpu":
+        return []
+    if not device.startswith("cuda"):
+        return [f"--device {device!r}: cpu or cuda"]
+    import torch
+
+    return [] if torch.cuda.is_available() else [f"--device {device}: no CUDA device is available here"]
 
 
 def _moe_problems(args) -> list[str]:

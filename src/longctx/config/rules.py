@@ -208,11 +208,11 @@ def _train_rules(cfg: Config, problems: list[str]) -> None:
     positive = functools.partial(_positive, problems)
     for key in ("steps", "global_batch", "grad_accum", "eval_batches"):
         positive(f"train.{key}", getattr(t, key))
-    try:  # (train.global_batch is unused when every stage names its own batch: job/checks.py checks those)
-        every_stage_batched = bool(t.stages) and all(batch for _, _, batch in parse_stages(t.stages))
-    except ConfigError:
-        every_stage_batched = False
-    if t.global_batch > 0 and t.grad_accum > 0 and t.global_batch % t.grad_accum and not every_stage_batched:
+    try:  # (job/checks.py checks the stages' own batches)
+        batch_used = global_batch_used(t.stages)
+    except ConfigError:  # (said by the stages' own rule)
+        batch_used = True
+    if t.global_batch > 0 and t.grad_accum > 0 and t.global_batch % t.grad_accum and batch_used:
         problems.append(
             f"train.global_batch ({t.global_batch} sequences per optimizer step) must be divisible by "
             f"train.grad_accum ({t.grad_accum} micro-batches per step); use a multiple of {t.grad_accum}.")
@@ -259,6 +259,11 @@ def parse_stages(spec: str) -> list[tuple[int, int, int]]:
                               f"of 1024 tokens, then 100 of 4 of 4096; without the batch, train.global_batch).")
         stages.append(stage)
     return stages
+
+
+def global_batch_used(stages: str) -> bool:
+    """Whether train.global_batch is read: no train.stages, or a stage that names no batch of its own."""
+    return not stages or any(not batch for _, _, batch in parse_stages(stages))
 
 
 SYNTHETIC_TASKS = ("passkey", "needle")

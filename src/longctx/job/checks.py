@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..config.inert_options import inert_layout_problems
-from ..config.rules import parse_stages
+from ..config.rules import global_batch_used, parse_stages
 from ..errors import ConfigError
 from .dims import ParallelDims
 
@@ -28,8 +28,8 @@ def check_layout(cfg, world: int) -> ParallelDims:
                 _check_batch(batch or cfg.train.global_batch, cfg.train.grad_accum, dims)
             except ConfigError as e:
                 raise ConfigError(f"train.stages: {e}") from None
-    if not cfg.train.stages or any(not batch for _, _, batch in parse_stages(cfg.train.stages)):
-        _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)  # (unused when every stage names its batch)
+    if global_batch_used(cfg.train.stages):  # (unused when every stage names its batch)
+        _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
     hpz_group(cfg, dims)  # (and node_size, zero_pp_names: all checked before launch)
     ranks_per_node(cfg, dims.world_size)  # (after: under hpz / qgz, node_size says what the node must split)
     replica = dims.world_size // dims.dp_replicate

@@ -156,12 +156,11 @@ def write_doc_files(part: Path, corpus: ScannedCorpus, kept: np.ndarray, names: 
     for shard, rows in corpus.kept_in_shards(kept):
         mine_h = np.array(shard.hashes()[rows])
         mine_s = np.array(shard.sigs()[rows], dtype=np.uint64) if sigs is not None else None
-        for i in range(len(rows)):  # (a cut conversation: its hash and signature as stored, `cut_hashes`)
-            if index + i in (cut_hashes or {}):
-                h, sig = cut_hashes[index + i]
-                mine_h[i] = h
+        for kept_index, (h, sig) in (cut_hashes or {}).items():  # (a cut conversation: its hash and signature
+            if index <= kept_index < index + len(rows):         # as stored)
+                mine_h[kept_index - index] = h
                 if mine_s is not None and sig is not None:
-                    mine_s[i] = sig
+                    mine_s[kept_index - index] = sig
         hashes.append(mine_h)
         if sigs is not None:
             sigs.append(mine_s)
