@@ -13,6 +13,8 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """exp(logits) [T, E] scaled so that rows sum to 1 and columns to T / E (alternately, `iters`
     times), in log space for stability."""
     t, e = logits.shape
+    if not t:  # (a call of no token: max() of nothing raises)
+        return logits.float()
     log_p = logits.float() - logits.float().max()
     for _ in range(iters):
         log_p = log_p - log_p.logsumexp(0, keepdim=True) + math.log(t / e)  # columns: T / E each

@@ -73,7 +73,8 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        # (an empty tensor counts as contiguous whatever its strides: an expanded one keeps its zero strides)
+        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
 
 
 def kernel_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

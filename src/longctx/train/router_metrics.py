@@ -47,7 +47,9 @@ def rank_load(counts: torch.Tensor, expert: int, shares: torch.Tensor | None = N
         per_rank = counts.view(counts.shape[0], expert, -1).sum(-1)
     else:
         per_rank = torch.einsum("le,leq->lq", counts.to(shares.dtype), shares)
-    return (per_rank.max(1).values / per_rank.mean(1)).max()
+    mean = per_rank.mean(1)
+    # (a layer of no choice at all, a step of padding only: balanced, not 0 / 0)
+    return torch.where(mean > 0, per_rank.max(1).values / mean.clamp_min(1e-30), 1.0).max()
 
 
 def heatmap_every(log_interval: int, steps: int) -> int:
