@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..config.checkpoint_paths import CheckpointError, complete_checkpoints
+from ..config.checkpoint_paths import CheckpointError, latest_checkpoint
 
 
 def state_bytes(state) -> float:
@@ -32,9 +32,10 @@ def save_failed(root: Path, step: int, needed: float, error: Exception | None) -
         free = f"{shutil.disk_usage(root).free / 2**30:.2f} GiB free there"
     except OSError:
         free = "its free space unknown"
-    found = complete_checkpoints(root) if root.is_dir() else []
-    kept = (f"the previous checkpoint, {found[-1].name}, is intact and `latest` still points to it"
-            if found else "no earlier checkpoint exists")
+    # (the one `latest` names: the newest in the directory may be an abandoned attempt's, after an explicit resume)
+    found = latest_checkpoint(root) if root.is_dir() else None
+    kept = (f"the previous checkpoint, {found.name}, is intact and `latest` still points to it"
+            if found is not None else "no earlier checkpoint exists")
     what = f"{error}" if error is not None else "another rank's write failed"
     return CheckpointError(f"the checkpoint of step {step} could not be written to {root} ({what}); it needs about "
                            f"{needed / 2**30:.2f} GiB ({free}). The partial save was removed and {kept}.")

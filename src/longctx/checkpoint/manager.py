@@ -148,7 +148,13 @@ class CheckpointManager:
         self.wait()  # at most one save in flight
         t0 = time.perf_counter()
         self.saves += 1
-        tmp = self._temporary_directory(step)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        own_bytes = state_bytes(state)
+        try:
+            tmp = self._temporary_directory(step)
+        except OSError as e:  # (a full disk already at its directory: this save failed, said as any failed save is)
+            raise save_failed(self.root, step, own_bytes, e) from e
         # captured now (the generators move on with training), written with the rest off the loop
         trainer_state = {"step": step, "sampler": sampler_state, **{k: f() for k, f in self.extra_state.items()}}
         own_files = functools.partial(self._write_own_files, tmp, _rng_state(), json.dumps(trainer_state), self.saves,
@@ -156,9 +162,6 @@ class CheckpointManager:
         # the manifest's record of this step, as it is now: an async commit runs while the loop goes on, and the
         # first step of a new stage raises trained_positions before it (the step saved never trained there)
         record = self._manifest_record()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-        own_bytes = state_bytes(state)
         kwargs = dict(checkpoint_id=str(tmp), process_group=self.group, no_dist=self.world == 1)
         if self.rank_state is not None:  # the replicas differ (co2): all of replica 0's, not a mix (docstring)
             kwargs["planner"] = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)

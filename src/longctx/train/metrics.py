@@ -99,9 +99,23 @@ def format_line(r: dict) -> str:
     return " | ".join(parts)
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, cut: list[int] | None = None) -> list[dict]:
+    """The records of a JSONL file. A line that is no JSON object (a write cut short by a kill or a full disk)
+    is left out; its line number goes to `cut`, when given, for the caller to say so."""
+    records = []
     with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            elif cut is not None:
+                cut.append(number)
+    return records
 
 
 def run_flops_per_token(cfg, seq_len: int) -> float:

@@ -26,17 +26,22 @@ def _plot_store_evals(ax, evals: list[dict]) -> None:
         ax.plot([s for s, _ in points], [x for _, x in points], label=f"eval: {name}", marker=".", linestyle="--")
 
 
-def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None) -> list[Path]:
+def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None, say=print) -> list[Path]:
     import matplotlib  # (lazy: ~100 MB and a second to load, only when plots are written)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    metrics_path = Path(metrics_path) if metrics_path else run_dir / "metrics.jsonl"
+    # (a run given --metrics.file wrote there: its config.toml says where)
+    metrics_path = Path(metrics_path or _run_setting(run_dir, "metrics", "file") or run_dir / "metrics.jsonl")
     if not metrics_path.is_file():
         raise UserError(f"{metrics_path} does not exist; pass the run directory a `longctx train` run wrote.")
-    records = read_jsonl(metrics_path)
+    cut: list[int] = []
+    records = read_jsonl(metrics_path, cut)
+    if cut:  # (a run killed, or out of disk, while it wrote a line)
+        say(f"note: {metrics_path}: line{'s' * (len(cut) > 1)} {', '.join(map(str, cut))} "
+            f"{'are' if len(cut) > 1 else 'is'} no JSON record (a write cut short); left out of the plots")
     # the newest record of each step (a run resumed by an older longctx repeated steps)
     train = _last_per_step(r for r in records if r.get("kind", "train") == "train")
     evals = _last_per_step(r for r in records if r.get("kind") == "eval")
@@ -247,18 +252,22 @@ def rolled_back_steps(run_dir: Path) -> list[tuple[int, int]]:
     """The [first, last] steps each rollback of the run discarded (train/rollback.py records them beside the
     checkpoints: <run>/checkpoints, or the checkpoint.dir its config.toml names): the records of those
     steps stay in metrics.jsonl, but the updates they logged were undone and their data is never trained."""
-    import tomllib
-
     from .rollback import RECORD
 
-    roots = [run_dir / "checkpoints"]
-    try:
-        named = tomllib.loads((run_dir / "config.toml").read_text()).get("checkpoint", {}).get("dir")
-        roots += [Path(named)] if named else []
-    except (OSError, ValueError):
-        pass  # (a run directory without a readable config: the default place only)
+    named = _run_setting(run_dir, "checkpoint", "dir")
+    roots = [run_dir / "checkpoints", *([Path(named)] if named else [])]
     records = next((read_jsonl(r / RECORD) for r in roots if (r / RECORD).is_file()), [])
     return sorted({(int(r["skipped_steps"][0]), int(r["skipped_steps"][1])) for r in records})
+
+
+def _run_setting(run_dir: Path, section: str, key: str):
+    """A setting of the run's config.toml (None where it has none, or the directory no readable config)."""
+    import tomllib
+
+    try:
+        return tomllib.loads((run_dir / "config.toml").read_text()).get(section, {}).get(key) or None
+    except (OSError, ValueError):
+        return None
 
 
 def _last_per_step(records) -> list[dict]:

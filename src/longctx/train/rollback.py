@@ -23,6 +23,9 @@ from ..config.checkpoint_paths import MANIFEST, complete_checkpoints, latest_che
 from ..errors import TrainingError
 
 RECORD = "rollbacks.jsonl"
+# rollbacks in a row to one checkpoint (no newer one saved in between) before a bad step stops the run instead:
+# every attempt from that checkpoint failed before the next save, so rolling back again only discards more data
+REPEAT_LIMIT = 3
 
 
 def record_rollback(root: Path, bad_step: int, checkpoint_step: int, reason: str, data_position: dict,
@@ -34,8 +37,10 @@ def record_rollback(root: Path, bad_step: int, checkpoint_step: int, reason: str
              "reason": reason, "data_position": data_position, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
              **({"checkpoint": checksum} if checksum else {})}
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / RECORD, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    with open(root / RECORD, "a+b") as f:
+        f.seek(max(0, f.tell() - 1))
+        cut = f.tell() > 0 and f.read(1) != b"\n"  # a line a crash cut short: this one must not join it
+        f.write((("\n" if cut else "") + json.dumps(entry) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -114,9 +119,27 @@ def rollback_candidates(ckpt, bad_step: int) -> list[Path]:
     return ordered
 
 
-def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool) -> str:
+def check_repeats(bad: BadStep, path: Path, manifest: dict, repeats: dict) -> None:
+    """Count a rollback to the checkpoint at `path` in `repeats` (the run's: {"checkpoint", "bad_steps"} of
+    its last rollbacks in a row to one checkpoint); a TrainingError once REPEAT_LIMIT of them went there."""
+    key = [path.name, manifest.get("checksum")]
+    if repeats.get("checkpoint") != key:
+        repeats.update(checkpoint=key, bad_steps=[])
+    steps = repeats["bad_steps"]
+    if len(steps) >= REPEAT_LIMIT:
+        raise TrainingError(
+            f"{bad.reason} at step {bad.step}, and train.on_nonfinite = rollback, but the run already rolled back "
+            f"to {path.name} {len(steps)} times in a row (at steps {', '.join(map(str, steps))}) without reaching "
+            f"a save after it: training from that checkpoint keeps failing, and rolling back again would only "
+            f"discard more data. The run stops. Lower train.lr or set train.grad_clip, or resume from an earlier "
+            f"checkpoint (--checkpoint.resume PATH).")
+    steps.append(bad.step)
+
+
+def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool, repeats: dict | None = None) -> str:
     """Reload this run's newest intact checkpoint before the bad step (rollback_candidates), take the
-    data position after the bad step and record the skipped window; returns what to log."""
+    data position after the bad step and record the skipped window; returns what to log. `repeats`: the
+    run's count of rollbacks in a row to one checkpoint (check_repeats)."""
     found, damaged = None, {}
     for path in rollback_candidates(ckpt, bad.step):
         manifest, problems = ckpt.find_damage(path)  # collective: every rank checks the same paths in order
@@ -134,6 +157,7 @@ def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool) -> s
             f"to roll back to; the run stops. Lower checkpoint.interval so that a checkpoint precedes the first bad "
             f"step, or use train.on_nonfinite = skip.")
     path, manifest = found
+    check_repeats(bad, path, manifest, {} if repeats is None else repeats)
     state = ckpt.load(path, model, optimizer, manifest)
     back_to = int(state["step"])
     if is_main:

@@ -72,6 +72,17 @@ class RunSaves:
             with self.errors():
                 self.ckpt.wait()
 
+    def finish_in_flight(self) -> None:
+        """On the way out of a run that failed: the async save in flight (staged before the failure, from steps
+        already read) completed and committed, not left half-written for the next start to sweep away; its own
+        failure is said, not raised over the run's."""
+        if self.ckpt is None:
+            return
+        try:
+            self.ckpt.wait()
+        except CheckpointError as e:
+            self.log(f"checkpoint: {e}")
+
     @contextlib.contextmanager
     def errors(self, step: int | None = None):
         """checkpoint.on_save_error for a failed save inside the block (that of `step`, if given)."""

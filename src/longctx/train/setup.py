@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import time
 from datetime import datetime
@@ -25,6 +26,7 @@ from ..data.store import SPLITS, read_manifest, response_only_documents, text_pr
 from ..data.store_mix import StoreMix, check_same_kind, mix_line
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
+from ..durable import write_text_durably
 from ..errors import ConfigError, DataError, UserError
 from ..job.runtime import Runtime
 from .stages import holdout_grid
@@ -99,16 +101,20 @@ def continue_run_files(run_dir: Path, cfg: Config, start_step: int, log, metrics
     metrics file, so the metrics and plots read as one run with nothing lost. `metrics`: the file the
     run logs to (metrics.file; default <run_dir>/metrics.jsonl): the one whose later steps move."""
     config, text = run_dir / "config.toml", to_toml(cfg)
-    if start_step and config.exists() and config.read_text() != text:
-        os.replace(config, run_dir / f"config.before-step{start_step}.toml")
-    config.write_text(text)
+    # (each written whole or not at all: a full disk, or a kill, mid-write left config.toml cut short or gone,
+    # and the next resume, finding no saved config or part of one, ran on the defaults for what was lost)
+    if start_step and config.exists() and (before := config.read_text()) != text:
+        write_text_durably(run_dir / f"config.before-step{start_step}.toml", before)
+    write_text_durably(config, text)
     metrics = Path(metrics) if metrics is not None else run_dir / "metrics.jsonl"
     if not start_step or not metrics.exists():
         return
-    kept, later = [], []
-    for line in metrics.read_text().splitlines(keepends=True):
-        (later if line.strip() and json.loads(line).get("step", 0) > start_step else kept).append(line)
-    if not later:
+    kept, later, saved = [], [], metrics.read_text()
+    for line in saved.splitlines(keepends=True):
+        (later if line.strip() and _record_step(line) > start_step else kept).append(line.rstrip("\n") + "\n")
+    if not later:  # (a last line without its newline gets one: the resumed run's first record starts a line)
+        if saved and not saved.endswith("\n"):
+            write_text_durably(metrics, "".join(kept))
         return
     moved = metrics.with_name(f"{metrics.stem}.after-step{start_step}{metrics.suffix}")
     with moved.open("a") as f:
@@ -118,6 +124,16 @@ def continue_run_files(run_dir: Path, cfg: Config, start_step: int, log, metrics
     os.replace(tmp, metrics)
     log(f"run: {len(later)} metrics records of steps after {start_step} (the earlier attempt past the checkpoint) "
         f"moved to {moved.name}")
+
+
+def _record_step(line: str) -> float:
+    """The step of a metrics line; a line cut short by a kill or a full disk (no JSON object) is the earlier
+    attempt's last, after every step (moved aside with the later records, not read as one)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        record = None
+    return record.get("step", 0) if isinstance(record, dict) else math.inf
 
 
 def on_main(rt: Runtime | None, fn, what: str):

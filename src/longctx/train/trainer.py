@@ -113,7 +113,9 @@ class Trainer:
         self.guard = StepGuard(cfg.train.spike_factor, cfg.train.spike_window, self.device)
         self.last_spike: torch.Tensor | None = None  # the last step's spike flag (on the device)
         self.skipped_steps = 0  # steps whose update the guard did not apply (as read so far)
+        self.skipped_at: set[int] = set()  # their indices in this job's TrainResult.losses (left out of loss_mean)
         self.rollbacks = 0
+        self.rollback_repeats: dict = {}  # the last rollbacks in a row to one checkpoint (rollback.check_repeats)
         self.optimizer = make_optimizer(self.model, cfg)
         self.hooks.hooks += host_update_hooks(self.optimizer)  # the host update's time (host_optimizer)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
@@ -209,7 +211,11 @@ class Trainer:
             with watched(cfg, self.rt, self.ckpt is not None, self.started, self.clock) as stop, \
                     phase("training", total=cfg.train.steps - self.start_step, unit="steps", done_line=False,
                           bar=progress) as loop.beat:
-                step = self._run_steps(loop, stop)
+                try:
+                    step = self._run_steps(loop, stop)
+                except BaseException:  # (a stop on a bad step, a full disk, Ctrl-C): the save in flight committed
+                    self.saves.finish_in_flight()
+                    raise
                 if self.ckpt is not None:
                     watchdog.phase(step, "save")
                     self.saves.wait()  # the last async save is complete and committed before the job ends
@@ -265,10 +271,11 @@ class Trainer:
     def _log_step(self, step: int, loss: float, grad_norm: float, lr: float, loop: _Loop) -> None:
         """`step`'s metrics line (metrics.py), with where the run is: tokens, stage, skips, the hooks' fields,
         and the mean loss of the interval's steps (every step's loss is read back anyway; a skipped
-        step's non-finite one left out), which loss.png draws."""
+        step's left out: non-finite, or a spike whose update was not applied), which loss.png draws."""
         losses = loop.result.losses
-        interval, loop.mean_from = losses[loop.mean_from:], len(losses)  # (a rollback's cut resets mean_from)
-        finite = [x for x in interval if math.isfinite(x)]
+        start, loop.mean_from = loop.mean_from, len(losses)  # (a rollback's cut resets mean_from)
+        interval = losses[start:]
+        finite = [x for i, x in enumerate(interval, start) if math.isfinite(x) and i not in self.skipped_at]
         self.metrics.line(step, loss, grad_norm, lr, {  # (interval_steps: what loss_mean and router figures cover)
             **({"loss_mean": sum(finite) / len(finite)} if finite else {}), "interval_steps": len(interval),
             "tokens": tokens_through(self.sampler.stages, step), "seq_len": self.sampler.stage.seq_len,
@@ -370,6 +377,7 @@ class Trainer:
             if t.on_nonfinite == "rollback":
                 raise BadStep(step, what, position)  # the steps read after it are run again
             self.skipped_steps += 1
+            self.skipped_at.add(len(result.losses) - 1)
             self.log(f"step {step}: {what}: not applied (train.on_nonfinite = skip; {self.skipped_steps} skipped "
                      f"so far)")
         return values[-1][0], values[-1][1]
@@ -379,10 +387,12 @@ class Trainer:
         goes on after (the bad one)."""
         watchdog.phase(bad.step, "load")
         self.saves.wait()
-        note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main)
+        note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main,
+                         self.rollback_repeats)
         restore_step_state(self)  # the checkpoint's spike window (no blind steps) and placements
         self.hooks.rolled_back()
         del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
+        self.skipped_at = {i for i in self.skipped_at if i < len(result.losses)}  # (indices of steps kept)
         self.rollbacks += 1
         self.log(note)
         return bad.step
@@ -414,7 +424,7 @@ class Trainer:
                    - tokens_through(self.sampler.stages, result.first_step - 1))
         result.tokens_per_s = trained / (total_s - eval_s) if result.losses else 0.0
         if self.cfg.metrics.plots and self.rt.is_main:
-            write_plots(self.run_dir, self.metrics.path)
+            write_plots(self.run_dir, self.metrics.path, self.log)
         self.log(done_line(result, t.steps, total_s, self.run_dir, self.cfg.metrics.plots,
                            None if self.ckpt is None else self.ckpt.root))
         return result
