@@ -229,6 +229,9 @@ class Llama(nn.Module):
         # MoE: sums a tensor over every rank holding tokens of the micro-batch (the router statistics);
         # None = this process holds them all. parallelize() sets it.
         self.router_sum = None
+        # True once parallelize() splits each row over sequence-parallel ranks (a zigzag or document share
+        # each): a forward must then be given each token's positions (arange over the share is not them)
+        self.split_sequence = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -291,6 +294,10 @@ class Llama(nn.Module):
         if cache is not None:
             return self._cached_hidden_states(tokens, positions, doc_ids, final_norm, cache)
         if positions is None:
+            if self.split_sequence:
+                raise ValueError("this model's rows are split over sequence-parallel ranks (each holds a zigzag or "
+                                 "document share of a row): pass each token's positions (the loader's Batch."
+                                 "positions); 0..n-1 over a share would rotate its tokens by the wrong angles")
             positions = torch.arange(s, device=tokens.device).expand(b, s)
         if self.ms_poe_ratios is not None and self.training and torch.is_grad_enabled():
             refuse_ms_poe_in_training(self.cfg)  # (a library caller's training forward; longctx train refuses earlier)

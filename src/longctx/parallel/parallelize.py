@@ -53,6 +53,7 @@ def use_sequence_parallel_attention(model, dims, mesh) -> None:
     if core is not None:
         for block in model.layers:
             block.attention.core = core
+        model.split_sequence = True  # (a forward without positions is refused: models/llama.py)
 
 
 def use_router_sum(model, dims, mesh) -> None:
