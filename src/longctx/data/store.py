@@ -222,10 +222,14 @@ def load_loss_gaps(part_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
     if not values.is_file() and not offsets.is_file():
         return None
     try:
-        return np.load(offsets), np.fromfile(values, dtype=np.int64)
+        found = np.load(offsets), np.fromfile(values, dtype=np.int64)
     except (OSError, ValueError) as e:
         raise DataError(f"the store part '{part_dir}' is damaged: {values} or {offsets} cannot be read ({e}); "
                         f"rebuild it.") from None
+    if found[0].ndim != 1 or not len(found[0]) or int(found[0][-1]) > len(found[1]):  # (values cut short)
+        raise DataError(f"the store part '{part_dir}' is damaged: {values} holds {len(found[1]):,} gaps, its offsets "
+                        f"{int(found[0][-1]) if found[0].ndim == 1 and len(found[0]) else 'none'}; rebuild it.")
+    return found
 
 
 def answer_gap_documents(part: dict) -> int:

@@ -212,10 +212,12 @@ class Assembly:
                                         opts.clusters, opts.seed, opts.memory)
 
     def split(self) -> None:
+        held = bool(self.old and self.old["totals"]["eval_samples"])  # (an append to a store with an eval split)
         self.items, self.where, self.split_info = split_items(self.corpus, self.kept, self.names, self.lengths,
                                                               self.opts.holdout_len, self.opts.eval_fraction, self.log,
-                                                              self.opts.seq_len)
-        if not self.items["train"].doc:
+                                                              self.opts.seq_len, fallback=not held)
+        # (an append to a store with train samples may add eval documents only: its --eval-fraction is the store's)
+        if not self.items["train"].doc and not (self.old and self.old["totals"]["train_samples"]):
             raise DataError("every document landed in the eval split; lower --eval-fraction.")
 
     def pack(self) -> None:
@@ -248,7 +250,7 @@ class Assembly:
         train, dedup = self.splits["train"], self.records["dedup"]
         self.log(f"data build: wrote {self.opts.shown_as or self.root} ({train['samples']:,} train / "
                  f"{self.splits['eval']['samples']:,} eval samples of {self.opts.seq_len} tokens; fill "
-                 f"{train['stats']['fill_rate']:.3f}, {len(self.kept):,} documents"
+                 f"{self._train_stats()['fill_rate']:.3f}, {len(self.kept):,} documents"
                  f"{self._instruction_said()}, "
                  f"{dedup['exact_duplicates'] + dedup['near_duplicates']:,} duplicates removed, "
                  f"{skipped_text(self.skipped)})")
@@ -271,6 +273,9 @@ class Assembly:
                          f"data, hashed then as plain text); rebuild the store to be sure")
             h, s = store.load_part_docs(self.root, part)
             hashes.append(h)
+            if s is None and self.opts.dedup == "minhash":
+                self.log(f"  dedup     {part['dir']} has no MinHash signatures (built with another --dedup): only "
+                         f"exact copies of its documents are removed")
             if s is not None:
                 signatures.append(s)
                 firsts = store.load_loss_from(self.root / part["dir"])
@@ -395,8 +400,12 @@ class Assembly:
                 found.append(at[(at > start) & (at < start + length)] - start)
         return breaks, strong
 
+    def _train_stats(self) -> dict:
+        """The train split's packing figures (those of no sample for an append of eval documents only)."""
+        return self.splits["train"]["stats"] or {"samples": 0, "fill_rate": 0.0, "split_fraction": 0.0}
+
     def _pack_record(self, groups_packed: int) -> dict:
-        train = self.splits["train"]["stats"]
+        train = self._train_stats()
         homogeneity = train.get("homogeneity")
         record = {"samples": train["samples"], "fill_rate": round(train["fill_rate"], 4),
                   "split_fraction": round(train["split_fraction"], 4),

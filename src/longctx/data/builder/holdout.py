@@ -74,11 +74,14 @@ class Items:
 
 
 def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengths: np.ndarray, piece_len: int,
-                eval_fraction: float, log, seq_len: int = 0) -> tuple[dict[str, Items], np.ndarray, dict]:
+                eval_fraction: float, log, seq_len: int = 0,
+                fallback: bool = True) -> tuple[dict[str, Items], np.ndarray, dict]:
     """Train and eval items, and per kept document where it went (IN_TRAIN, IN_EVAL or IN_BOTH:
     pieces in each). Items name a document by its index in `kept`. Pieces of `piece_len` (the holdout
     grid); when the hash holds out none, the lowest-hash one's sample-sized part (`seq_len`, 0 = the
-    grid): a few long documents do not lose a whole one to the eval split."""
+    grid): a few long documents do not lose a whole one to the eval split. Not with `fallback` False (an
+    append to a store that has an eval split: its documents stay where their names put them, so a revision of
+    a document the store trains on never becomes eval text)."""
     seq_len = seq_len or piece_len
     items = {"train": Items(), "eval": Items()}
     where = np.zeros(len(kept), dtype=np.int8)
@@ -104,7 +107,9 @@ def split_items(corpus: ScannedCorpus, kept: np.ndarray, names: list[str], lengt
                 items["eval" if h else "train"].extend(doc, start, size)
             where[doc] = IN_BOTH
     info = {"pieces": pieces_total}
-    if eval_fraction and not items["eval"].doc:
+    if eval_fraction and not items["eval"].doc and not fallback:
+        log("  eval split: none of the appended documents hashed into it; the store's earlier parts hold it.")
+    elif eval_fraction and not items["eval"].doc:
         if len(kept) < 2 and (not len(kept) or lengths[0] <= seq_len):
             log(f"  eval split: empty. --eval-fraction {eval_fraction} asks for held-out text, but the corpus is "
                 f"one piece of at most {seq_len} tokens after dedup, which training needs; add documents or pass "

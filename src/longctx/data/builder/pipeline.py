@@ -61,6 +61,11 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
             f"--max-docs or scan options; starting over")
         shutil.rmtree(work)
         plan = None
+    elif plan is None and (work / scan.SHARDS).exists():
+        # shards without the plan they were scanned under (a removal of the work directory cut short): of
+        # unknown inputs, never resumed (they would stand in for this build's first shards)
+        log(f"  {work} holds scanned shards without their plan; starting over")
+        shutil.rmtree(work / scan.SHARDS)
     build = {k: v for k, v in asdict(opts).items() if k not in ("out", "shown_as", "progress", "shard", "append")}
     plan = {"format": scan.FORMAT, "version": scan.VERSION, "digest": digest, "resume": resume,
             "options": asdict(sopts),
@@ -131,8 +136,9 @@ def _open_store(opts: BuildOptions, tok, merge: bool = False) -> tuple[Path, dic
             raise DataError(f"'{root}' already holds a data store; {how}.")
         old = store.read_manifest(root)
         check_parts(root, old)
+        # (eval_fraction: a document's revision, under its name, is held out as its first version was)
         for key, want in (("seq_len", opts.seq_len), ("strategy", opts.strategy),
-                          ("holdout_tokens", opts.holdout_len)):
+                          ("holdout_tokens", opts.holdout_len), ("eval_fraction", opts.eval_fraction)):
             had = old.get(key, old["seq_len"])  # (a store from before holdout_tokens: its seq_len)
             if had != want:
                 raise DataError(f"the store '{root}' was built with {key} {had}; an append must use the same (got "
@@ -224,8 +230,35 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         with phase("data build"):  # (the line above says of what)
             plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, work, (0, 1), log)
             manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
+        (work / scan.PLAN).unlink(missing_ok=True)  # first: a removal cut short leaves nothing a later build resumes
         shutil.rmtree(work, ignore_errors=True)
     return manifest
+
+
+def _scan_settings(build: dict) -> dict:
+    """A scan's build options less those each machine chooses for itself (its processes and memory), which
+    change no document: the merge runs with its own (--workers, --max-memory) or the first scan's."""
+    return {k: v for k, v in build.items() if k not in ("workers", "max_memory")}
+
+
+def _check_cover(plans: list[tuple[dict, Path]], n: int) -> None:
+    """The scans (sorted by machine) are those of `--shard 0/n` ... `--shard n-1/n`, once each, and their shard
+    ranges follow one another over all the input's shards: scans of `--shard 0/2` and `--shard 1/3` would
+    otherwise merge into a store that silently lacks part of the input."""
+    other = [f"'{d}' (--shard {p['machine'][0]}/{p['machine'][1]})" for p, d in plans if p["machine"][1] != n]
+    if other:
+        raise DataError(f"data merge needs the scans of one `--shard i/{n}` run, but {', '.join(other)} split the "
+                        f"input into another number of machines; scan it again with --shard i/{n}.")
+    got = [p["machine"][0] for p, _ in plans]
+    if got != list(range(n)):
+        missing = sorted(set(range(n)) - set(got))
+        raise DataError(f"data merge needs the scans of all {n} shards, once each; got shards {got}"
+                        + (f" (missing {missing})" if missing else "") + ".")
+    ends = [0] + [p["range"][1] for p, _ in plans]
+    if [p["range"][0] for p, _ in plans] != ends[:-1] or ends[-1] != plans[0][0]["shards"]:
+        ranges = ", ".join(f"{p['machine'][0]}/{n}: {p['range']}" for p, _ in plans)
+        raise DataError(f"the scans' shares of the input ({ranges}) do not cover its {plans[0][0]['shards']} "
+                        f"shards once each; scan them again with one longctx, each with its --shard i/{n}.")
 
 
 def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0, progress: bool = True,
@@ -244,20 +277,22 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
     first = plans[0][0]
     n = first["machine"][1]
     for p, d in plans:
-        if p["digest"] != first["digest"] or p["build"] != first["build"]:
+        if p["digest"] != first["digest"] or _scan_settings(p["build"]) != _scan_settings(first["build"]):
             raise DataError(f"'{d}' was scanned from other inputs or with other options than '{plans[0][1]}'; "
                             f"merge the scans of one `data build --shard i/n` run.")
-    got = [p["machine"][0] for p, _ in plans]
-    if got != list(range(n)):
-        missing = sorted(set(range(n)) - set(got))
-        raise DataError(f"data merge needs the scans of all {n} shards, once each; got shards {got}"
-                        + (f" (missing {missing})" if missing else "") + ".")
+    _check_cover(plans, n)
     shards = []
     for p, d in plans:
         have = scanned(d, p)
         if len(have) != p["range"][1] - p["range"][0]:
             raise DataError(f"the scan in '{d}' (shard {p['machine'][0]}/{n}) is unfinished: run its "
                             f"`longctx data build --shard {p['machine'][0]}/{n}` again to complete it.")
+        for shard in have:
+            hurt = shard.damage()
+            if hurt is not None:
+                raise DataError(f"the scan in '{d}' (shard {p['machine'][0]}/{n}) is damaged: {shard.path} says "
+                                f"{shard.n} documents, but {hurt} (a copy cut short?); copy it again, or run its "
+                                f"`longctx data build --shard {p['machine'][0]}/{n}` again.")
         shards.extend(have)
     built = first["build"]
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],

@@ -324,10 +324,33 @@ class ScannedShard:
         with open(self.path / "names.jsonl") as f:
             return [json.loads(line) for line in f]
 
+    def _dtypes(self) -> dict:
+        return {"text": np.uint8, "tokens": self.token_dtype, "breaks": np.int32, "strong": np.int32,
+                "feat_idx": np.uint16, "feat_val": np.float32, "gaps": np.int64, "chars": np.int64}
+
     def ragged(self, what: str) -> spill.RaggedReader:
-        dtype = {"text": np.uint8, "tokens": self.token_dtype, "breaks": np.int32, "strong": np.int32,
-                 "feat_idx": np.uint16, "feat_val": np.float32, "gaps": np.int64, "chars": np.int64}[what]
-        return spill.RaggedReader(self.path / what, dtype)
+        return spill.RaggedReader(self.path / what, self._dtypes()[what])
+
+    def damage(self) -> str | None:
+        """What of the shard's files does not hold its `documents` (a scan copied from another machine in
+        part, say), or None. A merge checks it: a cut text.bin would otherwise be read as shorter texts."""
+        try:
+            for what, dtype in self._dtypes().items():
+                offsets = np.load(self.path / f"{what}.offsets.npy", mmap_mode="r")
+                size = os.path.getsize(self.path / f"{what}.bin")
+                if len(offsets) != self.n + 1 or size != int(offsets[-1]) * np.dtype(dtype).itemsize:
+                    return f"{what}.bin and its offsets hold {len(offsets) - 1} documents in {size} bytes"
+            for name in ("hashes.npy", "loss_from.npy", *(("sigs.npy",) if self.minhash else ())):
+                rows = len(np.load(self.path / name, mmap_mode="r"))
+                if rows != self.n:
+                    return f"{name} holds {rows} documents"
+            names = (self.path / "names.jsonl").read_bytes()
+        except (OSError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        lines = names.count(b"\n")
+        if lines != self.n or (names and not names.endswith(b"\n")):
+            return f"names.jsonl holds {lines} lines"
+        return None
 
     def token_lengths(self) -> np.ndarray:
         return spill.ragged_lengths(self.path / "tokens")
