@@ -31,10 +31,11 @@ def _items() -> list[tuple[str, str]]:
             continue
         name, _, where = item.partition("@")
         rank, _, step = where.partition(":") if name == "hang" else ("", "", where)
-        if name not in KINDS or not step.isdigit() or (name == "hang" and not rank.isdigit()):
+        # (steps and saves count from 1: a fault @0 would be accepted and never fire)
+        if name not in KINDS or not step.isdigit() or not int(step) or (name == "hang" and not rank.isdigit()):
             raise ConfigError(f"{ENV}={os.environ[ENV]!r}: '{item}' is not a fault this version injects; write "
                               f"KIND@STEP with KIND one of nonfinite, spike, enospc (the save's number for enospc), "
-                              f"or hang@RANK:STEP (a testing aid; unset it to train).")
+                              f"or hang@RANK:STEP, STEP counted from 1 (a testing aid; unset it to train).")
         out.append((name, where))
     return out
 

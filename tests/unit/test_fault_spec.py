@@ -1,0 +1,21 @@
+"""LONGCTX_FAULT (faults.py) is read before a run: a spelling it cannot inject is refused, never a fault that
+silently does not fire (steps and saves count from 1, so `@0` would never happen)."""
+
+import pytest
+
+from longctx import faults
+from longctx.errors import ConfigError
+
+
+@pytest.mark.parametrize("spec", ["nonfinite@0", "enospc@0", "hang@1:0", "spike@x", "bogus@3", "hang@2"])
+def test_a_fault_that_cannot_fire_is_refused(monkeypatch, spec):
+    monkeypatch.setenv(faults.ENV, spec)
+    with pytest.raises(ConfigError, match="counted from 1"):
+        faults.planned("nonfinite")
+
+
+def test_faults_are_read_per_kind_and_rank(monkeypatch):
+    monkeypatch.setenv(faults.ENV, "nonfinite@5, spike@7,hang@1:3,enospc@2")
+    assert faults.planned("nonfinite") == {5} and faults.planned("spike") == {7}
+    assert faults.planned("hang", rank=1) == {3} and faults.planned("hang", rank=0) == set()
+    assert faults.planned("enospc") == {2}
