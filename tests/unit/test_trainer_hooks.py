@@ -209,3 +209,20 @@ def test_the_moe_hook_counts_each_steps_expert_placement():
     hook.model = SimpleNamespace(update_expert_bias=lambda c: None, modules=model.modules)
     hook.after_optimizer(1, torch.tensor(True))
     assert hook.log_fields(1, last=True)["expert_rank_load"] == pytest.approx(planned.predicted["max_over_mean_after"])
+
+
+def test_a_step_not_applied_leaves_the_placer_the_last_applied_steps_counts():
+    """FlexMoE's placer reads hook.router_counts at the next step: a skipped step's choices (a NaN forward's are
+    no routing) must not replace those of the last step whose update was applied."""
+    cfg = _cfg("--model.preset=debug-moe")
+    model = build_model(cfg.model)
+    (hook,) = moe_step_hooks(cfg, model, SimpleNamespace(dims=SimpleNamespace(expert=1)))
+    layers, experts = len(cfg.model.moe_layer_ids), cfg.model.moe_experts
+    hook.model = SimpleNamespace(update_expert_bias=lambda c: None, modules=model.modules)
+    good, bad = torch.full((layers, experts), 2.0), torch.zeros(layers, experts)
+    bad[:, 0] = 99.0
+    for counts, applied in ((good, True), (bad, False)):
+        hook._step = SimpleNamespace(counts=counts, stats=torch.zeros(5), layer_load=torch.ones(layers),
+                                     dropped=None)
+        hook.after_optimizer(1, torch.tensor(applied))
+    assert torch.equal(hook.router_counts, good)

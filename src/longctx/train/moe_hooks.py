@@ -73,7 +73,10 @@ class MoEStepHook(StepHook):
             return
         # once per optimizer step, from every micro-batch's choices
         self.model.update_expert_bias(s.counts * applied)
-        self.router_counts = s.counts
+        # (a step whose update was not applied, non-finite or a spike, leaves the placer the last applied one's
+        # choices: a NaN forward's are no routing; a where, not an if: no host sync)
+        last = self.router_counts
+        self.router_counts = s.counts if last is None else torch.where(applied, s.counts, last)
         self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None,
                           self._placement_shares(s.counts))
 
