@@ -3,8 +3,13 @@ the resume crashed with a raw JSONDecodeError in continue_run_files (the run cou
 was edited by hand), `longctx report` crashed the same way, and a record appended after a cut line joined it
 (a rollback record so lost: a resume replayed the skipped window)."""
 
+import errno
+
+import pytest
+
 from longctx.config import load_config
-from longctx.train.metrics import read_jsonl
+from longctx.errors import TrainingError
+from longctx.train.metrics import MetricsWriter, read_jsonl
 from longctx.train.report import write_plots
 from longctx.train.rollback import record_rollback, rollback_from
 from longctx.train.setup import continue_run_files
@@ -58,3 +63,18 @@ def test_a_rollback_recorded_after_a_cut_line_is_found(tmp_path):
     record_rollback(tmp_path, 9, 8, "nan", {"cursor": 9}, "def")
     assert rollback_from(tmp_path, 8, "def")["bad_step"] == 9
     assert len(read_jsonl(path)) == 1
+
+
+def test_a_metrics_line_on_a_full_disk_stops_the_run_saying_so(tmp_path):
+    class FullDisk:
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+    writer = MetricsWriter(tmp_path / "metrics.jsonl")
+    writer._file.close()
+    writer._file = FullDisk()
+    with pytest.raises(TrainingError, match="step 7 could not be written .*No space left.*--checkpoint.resume auto"):
+        writer.write({"step": 7, "loss": 1.0})

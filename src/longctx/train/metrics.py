@@ -18,6 +18,7 @@ import torch
 
 from .. import strict_json
 from ..costs.peaks import device_peak, raise_cpu_peak
+from ..errors import TrainingError
 from ..job.checks import hpz_group, node_size, zero_pp_names
 from ..job.devices import resolve_dtype
 from ..job.runtime import TRACKED_DIMS
@@ -60,8 +61,14 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(tensorboard_dir))
 
     def write(self, record: dict) -> None:
-        self._file.write(strict_json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(strict_json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as e:  # (a full disk, a lost mount: said as what it is, not a traceback)
+            raise TrainingError(f"the metrics line of step {record.get('step')} could not be written to {self.path} "
+                                f"({e.strerror or e}); the run stops. Free space there (or pass --metrics.file "
+                                f"elsewhere) and resume with --checkpoint.resume auto: a line cut short is moved "
+                                f"aside, and the steps after the last checkpoint train again.") from e
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
