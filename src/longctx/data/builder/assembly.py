@@ -36,6 +36,7 @@ from .conversations import LAST_ONLY
 from .cut_conversations import cut_hashes, cut_view, turn_cuts
 from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
+from .earlier_parts import stored_documents
 from .embed import embed
 from .holdout import IN_BOTH, IN_EVAL, IN_TRAIN, split_items
 from .manifest import store_manifest
@@ -147,7 +148,7 @@ class Assembly:
         than a sample is dropped first (cut across samples, its response would be trained without its
         prompt), so that it takes no copy of itself that fits with it."""
         too_long = self._pairs_too_long()
-        seen, seen_plain = self._seen_documents()
+        seen, seen_plain = stored_documents(self.root, self.old, self.opts.dedup, self.log)
         bar = progress_bar(self.documents_read, "dedup", "doc", self.opts.progress)
         keep = self._stage("dedup", self._dedup, seen, seen_plain, too_long, bar)
         if bar is not None:
@@ -258,31 +259,6 @@ class Assembly:
 
     # ------------------------------------------------------------------------------------------
     # dedup
-
-    def _seen_documents(self) -> tuple[tuple | None, np.ndarray | None]:
-        """((exact hashes, MinHash signatures or None), whether each signature's document is plain) of the
-        documents already in the store: its instruction data's signatures are of their answers alone."""
-        if self.old is None or self.opts.dedup == "none":
-            return None, None
-        hashes, signatures, plain = [], [], []
-        for part in self.old["parts"]:
-            if part.get("dedup_version", 1) != DEDUP_VERSION:
-                self.log(f"  dedup     {part['dir']} was hashed by an older longctx (dedup version "
-                         f"{part.get('dedup_version', 1)}, now {DEDUP_VERSION}): copies of its documents may not be "
-                         f"found (1: those that differ only in spacing or are short, CJK or Thai; 2: of instruction "
-                         f"data, hashed then as plain text); rebuild the store to be sure")
-            h, s = store.load_part_docs(self.root, part)
-            hashes.append(h)
-            if s is None and self.opts.dedup == "minhash":
-                self.log(f"  dedup     {part['dir']} has no MinHash signatures (built with another --dedup): only "
-                         f"exact copies of its documents are removed")
-            if s is not None:
-                signatures.append(s)
-                firsts = store.load_loss_from(self.root / part["dir"])
-                plain.append(np.ones(len(s), bool) if firsts is None else np.asarray(firsts) == 0)
-        minhash = self.opts.dedup == "minhash" and signatures
-        return ((np.concatenate(hashes), np.concatenate(signatures) if minhash else None),
-                np.concatenate(plain) if minhash else None)
 
     def _dedup(self, seen, seen_plain, too_long, bar) -> tuple[np.ndarray, dict]:
         """Keep mask over the corpus (only the first `documents_read` are read). Signatures are read
