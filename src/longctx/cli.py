@@ -60,7 +60,8 @@ def _cmd_train(args, overrides) -> int:
     refuse_ms_poe_in_training(cfg.model)  # (a position option of generate and eval only)
     launching = not launcher and not args.print_config
     if run.resumed is not None and not (launcher and (os.environ["RANK"] != "0" or launched_by_us())):
-        print(run.resumed.describe())  # once: by the launching process, or rank 0 under torchrun directly
+        # once: by the launching process, or rank 0 under torchrun directly (--print-config: stdout is the TOML)
+        print(run.resumed.describe(), file=sys.stderr if args.print_config else sys.stdout)
     if run.note and launching:
         print(f"longctx train: note: {run.note}", file=sys.stderr)
     if args.print_config:

@@ -1,7 +1,8 @@
 """Which layout a `longctx train` runs: the one rule, in one place (no torch).
 
 - A new run takes the degrees the config and command line give; where they give none (every one of
-  dp_replicate, dp_shard, head and ctx at its default), the launch's ranks run `default_layout`.
+  dp_replicate, dp_shard, head and ctx at its default, and none of them named by a flag: `--parallel.head 1
+  --parallel.ctx 1` on 4 ranks is data parallelism, as asked), the launch's ranks run `default_layout`.
 - A resume keeps the saved run's layout, on as many ranks as wrote the checkpoint, unless the
   command line names a layout degree or `--nproc`; then the layout is wholly the command line's
   (degrees mixed from two layouts would not multiply to the new world), completed by
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .load import read_raw
+from .load import parse_overrides, read_raw
 from .resume import LAYOUT_KEYS, Resumed, load_run_config
 from .rules import head_fits
 from .schema import Config, ParallelConfig
@@ -75,7 +76,7 @@ def resolve_layout(path: str | Path | None, overrides: Sequence[str], nproc: int
     else:
         nproc = nproc or (resumed and saved_world(cfg)) or layout_world(cfg) or default_nproc(cfg)
     overrides, note = list(overrides), None
-    if _unspelled(cfg):
+    if _unspelled(cfg) and not set(SPELLED) & set(parse_overrides(overrides).get("parallel", {})):
         layout = default_layout(nproc, cfg.model.heads, cfg.model.kv_heads)
         if layout != default_layout(nproc):
             note = (f"model.heads {cfg.model.heads} (kv {cfg.model.kv_heads}) do not split over a head degree of 2, "

@@ -71,7 +71,10 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     if not ok:
         raise ConfigError(f"{key} must be {_type_name(typ)}, got {value!r} ({type(value).__name__}).")
     if typ is float:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # (a TOML integer past a float's range: a raw traceback)
+            value = math.inf if value > 0 else -math.inf
         if not math.isfinite(value):  # (no knob means anything by nan or inf: a NaN lr trains nothing, silently)
             raise ConfigError(f"{key} must be a finite number, got {value!r}"
                               + (" (a number beyond a float's range reads as inf)." if math.isinf(value) else "."))
@@ -138,9 +141,17 @@ def _lookup(section: str, name: str) -> dataclasses.Field:
     if name not in fields:
         raise ConfigError(
             f"unknown config key '{section}.{name}'. Valid keys in [{section}]: {', '.join(fields)}."
-            + _suggest(name, fields)
+            + (_elsewhere(section, name) or _suggest(name, fields))
         )
     return fields[name]
+
+
+def _elsewhere(section: str, name: str) -> str:
+    """' Did you mean 'memory.recompute' (a key of [memory])?' for a key of other sections, '' for none: the
+    closest key of [section] was a wrong guess ('train.recompute' suggested 'compile', 'model.seq_len' the
+    model's max_seq_len)."""
+    others = [s for s, cls in SECTIONS.items() if s != section and name in fields_by_key(cls)]
+    return " Did you mean " + " or ".join(f"'{s}.{name}' (a key of [{s}])" for s in others) + "?" if others else ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,6 +377,9 @@ def _build_section(section: str, values: dict[str, Any], built: dict[str, Any]):
         values = _staged_train_values(values)
     if section == "data":
         tokenizer = _coerce("data.tokenizer", values.get("tokenizer", "auto"), fields["tokenizer"])
+        if not tokenizer.strip():  # ('' was the path '.': the working directory's tokenizer.json, if any)
+            raise ConfigError("data.tokenizer is empty; write auto (the model's own), byte, or the path of a "
+                              "tokenizer.json.")
         values["tokenizer"] = resolve_tokenizer(built["model"].init_from, tokenizer, values.get("path", ""))
     return cls(**{fields[name].name: _coerce(f"{section}.{name}", value, fields[name])
                   for name, value in values.items()})

@@ -102,6 +102,8 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     # config/load.py RENAMED_KEYS, read under their new names)
     saved = read_raw(run_dir / "config.toml", saved_run=True)
     base = _merge(saved, {})
+    # (asked of this resume alone: a saved true, from an earlier resume's flag, let every later one change anything)
+    base.get("checkpoint", {}).pop("allow_changes", None)
     if "preset" in given.get("model", {}) and "model" in base:  # (its full listing would keep the saved model)
         base["model"] = drop_restated_model_keys(base["model"], given["model"]["preset"])
     if given.get("train", {}).get("stages"):  # (the saved steps and seq_len are its old stages' sum and last length)
@@ -144,6 +146,14 @@ def _refuse_another_seed(diffs: list, cfg: Config, run_dir: Path) -> None:
                       f"--model.init_from {root}.")
 
 
+def _other_length(diffs: list, cfg: Config) -> list:
+    """train.seq_len changed in a run without train.stages (before or now): its data is the store of that length,
+    so the checkpoint's data position is a cursor into another store (data/loader.py refused it only after the
+    new length's store was built and the ranks had started). Stages read a store per stage and may change."""
+    staged = cfg.train.stages or any(d[:2] == ("train", "stages") for d in diffs)
+    return [] if staged else [d for d in diffs if d[:2] == ("train", "seq_len")]
+
+
 def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
     """Changes a resume makes only when asked: the model, the data, saving turned off."""
     if cfg.checkpoint.allow_changes:
@@ -151,7 +161,7 @@ def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
     kinds = {
         "the model": [d for d in diffs if d[0] == "model"],
         "the draft": [d for d in diffs if d[0] == "draft"],
-        "the data": [d for d in diffs if d[0] == "data" and d[1] not in DATA_NEUTRAL],
+        "the data": [d for d in diffs if d[0] == "data" and d[1] not in DATA_NEUTRAL] + _other_length(diffs, cfg),
         "saving (checkpoint.interval 0 and checkpoint.final false: nothing after this point would be saved)":
             [d for d in diffs if d[:2] in (("checkpoint", "interval"), ("checkpoint", "final"))
              and not (cfg.checkpoint.interval or cfg.checkpoint.final)],

@@ -299,7 +299,9 @@ def _data_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(f"data.max_docs must be >= 0, got {d.max_docs}.")
     if d.workers < 1:
         problems.append(f"data.workers must be >= 1, got {d.workers}.")
-    if d.path and d.corpus != "stdlib":
+    if not d.corpus.strip():  # ('' was the path '.': the working directory's files became the corpus)
+        problems.append("data.corpus is empty; write stdlib (the default) or a directory of text files.")
+    elif d.path and d.corpus != "stdlib":
         problems.append(f"data.path ({d.path}) and data.corpus ({d.corpus}) are both set; a store already holds its "
                         f"documents: set data.path to train from a store, or data.corpus to build one.")
 

@@ -123,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_request(args, overrides):
-    from ..config import load_config
+    from ..config import load_config, parse_overrides
     from ..costs.hardware import calibrate, load_hardware
     from .request import Request, parse_tokens
 
@@ -155,7 +155,7 @@ def build_request(args, overrides):
         hw = load_hardware(args.hardware or "h100", args.hw, world=world)
     _check_precision(base.train.dtype, hw)
     settings = run_settings(base)
-    _check_planned_keys(base, load_config(None, [model]))
+    _check_planned_keys(base, load_config(None, [model]), parse_overrides(overrides))
     chunks = _ints(args.loss_chunk, "--loss-chunk") if args.loss_chunk else (0, 4096)
     block_chunks = _ints(args.block_chunk, "--block-chunk")
     recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
@@ -257,15 +257,17 @@ PLANNED_KEYS = {
 }
 
 
-def _check_planned_keys(base, default) -> None:
+def _check_planned_keys(base, default, overrides: dict | None = None) -> None:
     """An override of a setting the plan chooses would be overwritten in the written config without a
     word (a `--train.data_parallel=co2` written as a sync plan, say): refused, with the plan's own flag.
-    `default`: the model's config without the overrides."""
+    `default`: the model's config without the overrides; `overrides`: the ones given ({section: {key: value}}),
+    refused at their default value too (`--memory.recompute none` was written as the plan's selective)."""
     from ..config import to_dict
 
     given, default = to_dict(base), to_dict(default)
-    changed = [key for key in PLANNED_KEYS
-               if given[key.split(".")[0]][key.split(".")[1]] != default[key.split(".")[0]][key.split(".")[1]]]
+    named = {f"{section}.{key}" for section, values in (overrides or {}).items() for key in values}
+    changed = [key for key in PLANNED_KEYS if key in named
+               or given[key.split(".")[0]][key.split(".")[1]] != default[key.split(".")[0]][key.split(".")[1]]]
     if changed:
         raise ConfigError("the plan chooses " + "; ".join(f"{k} (its flag: {PLANNED_KEYS[k]})" for k in changed)
                           + ": an override of it would be overwritten in the written config. Drop "

@@ -116,6 +116,7 @@ class Trainer:
         self.skipped_at: set[int] = set()  # their indices in this job's TrainResult.losses (left out of loss_mean)
         self.rollbacks = 0
         self.rollback_repeats: dict = {}  # the last rollbacks in a row to one checkpoint (rollback.check_repeats)
+        self.tokens_offset = 0  # positions trained before this run's stage plan counts (a resume's: step_state.py)
         self.optimizer = make_optimizer(self.model, cfg)
         self.hooks.hooks += host_update_hooks(self.optimizer)  # the host update's time (host_optimizer)
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
@@ -278,7 +279,8 @@ class Trainer:
         finite = [x for i, x in enumerate(interval, start) if math.isfinite(x) and i not in self.skipped_at]
         self.metrics.line(step, loss, grad_norm, lr, {  # (interval_steps: what loss_mean and router figures cover)
             **({"loss_mean": sum(finite) / len(finite)} if finite else {}), "interval_steps": len(interval),
-            "tokens": tokens_through(self.sampler.stages, step), "seq_len": self.sampler.stage.seq_len,
+            "tokens": self.tokens_offset + tokens_through(self.sampler.stages, step),
+            "seq_len": self.sampler.stage.seq_len,
             "elapsed_s": time.perf_counter() - loop.start,
             **({"skipped_steps": self.skipped_steps} if self.skipped_steps else {}),
             **({"rollbacks": self.rollbacks} if self.rollbacks else {}),

@@ -100,6 +100,8 @@ def check_options(opts: BuildOptions) -> None:
         problems.append(f"--eval-fraction must be in [0, 1), got {opts.eval_fraction}.")
     if opts.holdout_tokens < 0:
         problems.append(f"--holdout-tokens must be >= 0 (0 = --seq-len), got {opts.holdout_tokens}.")
+    if opts.seed < 0:  # (numpy's default_rng takes none: a traceback after the scan and dedup)
+        problems.append(f"--seed must be >= 0, got {opts.seed}.")
     if not 0 < opts.dedup_threshold <= 1:
         problems.append(f"--dedup-threshold must be in (0, 1], got {opts.dedup_threshold}.")
     if opts.max_docs < 0:
