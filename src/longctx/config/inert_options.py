@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from .presets import MODEL_PRESETS
-from .schema import Config, DraftConfig, ModelConfig, ParallelConfig, TrainConfig
+from .schema import Config, DraftConfig, MemoryConfig, ModelConfig, ParallelConfig, TrainConfig
 
 
 def inert_option_problems(cfg: Config) -> list[str]:
@@ -55,10 +55,40 @@ def inert_option_notes(cfg: Config) -> list[str]:
     if t.lr_schedule == "constant" and decay:
         notes.append(f"{_named('train', decay, 'is')} ignored: train.lr_schedule = constant holds train.lr after the "
                      f"warmup, with no decay; set --train.lr_schedule cosine, linear or 1-sqrt to decay")
+    notes += _unread_companions(cfg)
     block = _given(p, ParallelConfig, lambda key: key == "zero_pp_block")
     if block and not {"qwz", "qgz"} & _zero_pp(cfg):
         notes.append(f"{_named('parallel', block, 'is')} ignored: it sizes the int8 blocks of parallel.zero_pp's qwz "
                      f"and qgz, and neither is on (parallel.zero_pp = {p.zero_pp!r})")
+    return notes
+
+
+# RoPE scaling keys and the scalings that read them (models/llama.py): any other leaves them unread
+_SCALING_KEYS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
+                 "rope_original_max_len": ("llama3", "yarn"), "rope_beta_fast": ("yarn",), "rope_beta_slow": ("yarn",)}
+
+
+def _unread_companions(cfg: Config) -> list[str]:
+    """Keys that only tune another option, given while that option is off: train.spike_window without
+    train.spike_factor, memory.offload_skip_last without memory.offload_fraction, a RoPE scaling's own keys
+    under another scaling (a preset model's: one from model.init_from takes them from its weights' config).
+    Notes, not errors: a saved config.toml carries them when a resume turns the option off."""
+    t, mem, m = cfg.train, cfg.memory, cfg.model
+    notes = []
+    window = _given(t, TrainConfig, lambda key: key == "spike_window")
+    if window and not t.spike_factor:
+        notes.append(f"{_named('train', window, 'is')} ignored: it is the spike check's window, and "
+                     f"train.spike_factor is 0 (no spike check); set --train.spike_factor (e.g. 5) to check spikes")
+    skip = _given(mem, MemoryConfig, lambda key: key == "offload_skip_last")
+    if skip and not mem.offload_fraction:
+        notes.append(f"{_named('memory', skip, 'is')} ignored: it keeps blocks out of memory.offload_fraction's "
+                     f"offload, and memory.offload_fraction is 0 (nothing offloaded)")
+    scaling = _given(m, ModelConfig, lambda key: m.rope_scaling not in _SCALING_KEYS.get(key, (m.rope_scaling,)),
+                     MODEL_PRESETS.get(m.preset, {}))
+    if scaling and not m.init_from:
+        notes.append(f"{_named('model', scaling, 'is')} ignored: model.rope_scaling is {m.rope_scaling!r}, which "
+                     f"reads none of {'them' if len(scaling) > 1 else 'it'} (low/high_freq_factor: llama3; "
+                     f"beta_fast/slow: yarn; original_max_len: both)")
     return notes
 
 
