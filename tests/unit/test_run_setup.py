@@ -37,7 +37,7 @@ def test_the_cpu_peak_is_calibrated_once_per_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
     calls = []
 
-    def fake(size, seconds):
+    def fake(size, seconds, **_):
         calls.append(torch.get_num_threads())
         return 2e11
 
@@ -70,7 +70,7 @@ def test_an_older_cache_of_bare_numbers_still_reads(monkeypatch, tmp_path):
 def test_a_damaged_peak_cache_is_recalibrated(monkeypatch, tmp_path):
     monkeypatch.setenv("LONGCTX_CACHE", str(tmp_path))
     (tmp_path / peaks.CPU_PEAK_FILE).write_text("{not json")
-    monkeypatch.setattr(peaks, "measure_cpu_gemm_peak", lambda size, seconds: 1e11)
+    monkeypatch.setattr(peaks, "measure_cpu_gemm_peak", lambda size, seconds, **_: 1e11)
     assert peaks.machine_cpu_peak()[::2] == (1e11, True)
 
 
@@ -83,7 +83,7 @@ def test_a_peak_calibrated_while_busy_is_raised_by_what_a_run_achieves(monkeypat
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("LONGCTX_CACHE", str(cache))
-    monkeypatch.setattr(peaks, "measure_cpu_gemm_peak", lambda size, seconds: 1e6)  # 1 MFLOP/s: "busy"
+    monkeypatch.setattr(peaks, "measure_cpu_gemm_peak", lambda size, seconds, **_: 1e6)  # 1 MFLOP/s: "busy"
     peaks.machine_cpu_peak()
     monkeypatch.setenv("LONGCTX_CACHE", str(cache))
     cfg = load_config("configs/debug.toml", [f"--train.run_dir={tmp_path / 'run'}", "--train.steps=3",

@@ -396,7 +396,8 @@ class MetricsConfig:
     file: str = _opt("", "JSONL metrics file; '' = <run_dir>/metrics.jsonl")
     tensorboard: bool = _opt(False, "also write TensorBoard events to <run_dir>/tensorboard")
     plots: bool = _opt(True, "write PNG plots into the run directory at the end")
-    peak_tflops: float = _opt(0.0, "device peak for MFU in TFLOP/s; 0 = known GPU table or measured CPU GEMM")
+    peak_tflops: float = _opt(0.0, "one rank's peak for MFU in TFLOP/s (a GPU's; on CPU a rank's share of the "
+                                   "machine's); 0 = known GPU table or measured CPU GEMM")
     progress: bool = _opt(True, "show a progress bar")
 
 

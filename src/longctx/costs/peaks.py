@@ -1,7 +1,9 @@
 """The peak FLOP/s MFU divides by: the dense peak of known GPUs for the precision the run computes in
 (vendor data sheets: bf16 tensor cores; fp32 on the CUDA cores, or TF32 tensor cores where torch allows
-them), or on CPU this machine's fp32 GEMM peak with all its cores, calibrated once and cached (so MFU
-compares across runs), shared by the ranks on the machine. Hardware facts, next to the planner's specs.
+them), or on CPU this machine's GEMM peak in that precision (fp32, or bf16 for a train.dtype = bf16 run:
+AMX / AVX512-BF16 cores run bf16 GEMMs several times faster) with all its cores, calibrated once per
+precision and cached (so MFU compares across runs), shared by the ranks on the machine. Hardware facts,
+next to the planner's specs.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from ..cache_dir import cache_root
 
 # Dense (no sparsity) bf16 peaks in FLOP/s, from vendor data sheets, matched on the device name.
 GPU_PEAK_BF16 = {  # most specific names first
+    "H200 NVL": 835e12,  # (the PCIe card: "NVIDIA H200 NVL"; matched as an H200 SXM, its MFU read 16% low)
     "H200": 989e12,
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
     "H100": 989e12,
+    "H800 PCIe": 756e12,
     "H800": 989e12,
     "H20": 148e12,
     "A100": 312e12,
@@ -34,10 +38,12 @@ GPU_PEAK_BF16 = {  # most specific names first
 # matmuls reach while torch keeps TF32 off (its default). Dividing such a run by the bf16 peak read
 # its MFU 15x low (H100: 67 vs 989). A GPU missing here has no fp32 figure: set metrics.peak_tflops.
 GPU_PEAK_FP32 = {
+    "H200 NVL": 60e12,
     "H200": 67e12,
     "H100 PCIe": 51e12,
     "H100 NVL": 60e12,
     "H100": 67e12,
+    "H800 PCIe": 51e12,
     "H800": 67e12,
     "H20": 44e12,
     "A100": 19.5e12,
@@ -47,10 +53,10 @@ GPU_PEAK_FP32 = {
 }
 
 
-def measure_cpu_gemm_peak(size: int = 1024, seconds: float = 0.3) -> float:
-    """Best fp32 GEMM FLOP/s this process reaches with its current thread count."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
+def measure_cpu_gemm_peak(size: int = 1024, seconds: float = 0.3, dtype: torch.dtype = torch.float32) -> float:
+    """Best GEMM FLOP/s in `dtype` this process reaches with its current thread count."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)  # warm-up
     best = 0.0
     deadline = time.perf_counter() + seconds
@@ -82,8 +88,10 @@ def _cpu_name() -> str:
 CPU_PEAK_FILE = "cpu_peak.json"
 
 
-def machine_cpu_peak() -> tuple[float, Path, bool]:
-    """This machine's fp32 GEMM FLOP/s with all its usable cores: (FLOP/s, cache file, measured now).
+def machine_cpu_peak(dtype: torch.dtype = torch.float32) -> tuple[float, Path, bool]:
+    """This machine's GEMM FLOP/s in `dtype` (fp32 or bf16) with all its usable cores: (FLOP/s, cache
+    file, measured now). Each precision has its own entry: a bf16 run divided by the fp32 peak read
+    MFU 100% on an AMX machine, and raised the fp32 entry to its bf16 rate (later fp32 runs read low).
 
     Measured once (about 2 s, with every core, best of several GEMMs) and cached under a key of the
     CPU model, core count and torch version, with when it was measured, the threads and the load
@@ -91,14 +99,14 @@ def machine_cpu_peak() -> tuple[float, Path, bool]:
     figure varied 10x with whatever else ran (other ranks starting up included), and MFU could not be
     compared across runs. Delete the file to re-calibrate.
     """
-    path, key, cached = _cached_peaks()
+    path, key, cached = _cached_peaks(dtype)
     flops = _flops(cached.get(key))
     if flops:
         return flops, path, False
     threads = torch.get_num_threads()
     torch.set_num_threads(usable_cores())
     try:
-        peak = measure_cpu_gemm_peak(size=2048, seconds=2.0)
+        peak = measure_cpu_gemm_peak(size=2048, seconds=2.0, dtype=dtype)
     finally:
         torch.set_num_threads(threads)
     cached[key] = {"flops": peak, "how": "measured", "when": _now(), "threads": usable_cores(), "load": _load()}
@@ -123,10 +131,10 @@ def _load() -> float | None:
         return None
 
 
-def cpu_peak_source() -> str:
+def cpu_peak_source(dtype: torch.dtype = torch.float32) -> str:
     """Where this machine's cached CPU peak comes from: 'measured 2026-11-28 03:12 UTC with 2
     threads at load 0.3', 'raised to what a run reached on ...', or 'cached by an older longctx'."""
-    _, key, cached = _cached_peaks()
+    _, key, cached = _cached_peaks(dtype)
     entry = cached.get(key)
     if not isinstance(entry, dict):
         return "cached by an older longctx, when unknown"
@@ -136,14 +144,20 @@ def cpu_peak_source() -> str:
     return f"measured {entry.get('when', 'when unknown')} with {entry.get('threads', '?')} threads{load}"
 
 
-def _cached_peaks() -> tuple[Path, str, dict]:
-    """(the cache file, this machine's key in it, every machine's cached peak; {} if none or unreadable)."""
+def precision_name(dtype: torch.dtype) -> str:
+    return "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def _cached_peaks(dtype: torch.dtype = torch.float32) -> tuple[Path, str, dict]:
+    """(the cache file, this machine's key in it for `dtype`, every machine's cached peak; {} if none or
+    unreadable). fp32's key is the one older caches hold; bf16's ends in ' | bf16'."""
     path = cache_root() / CPU_PEAK_FILE
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         cached = {}
     key = f"{_cpu_name()} | {usable_cores()} cores | torch {torch.__version__.split('+')[0]}"
+    key += "" if precision_name(dtype) == "fp32" else " | bf16"
     return path, key, cached if isinstance(cached, dict) else {}
 
 
@@ -157,10 +171,11 @@ def _write_peaks(path: Path, peaks: dict) -> None:
         pass
 
 
-def raise_cpu_peak(flops: float) -> Path:
-    """A run did `flops` FLOP/s on this machine, more than the cached peak: that calibration ran
-    while the machine was busy. The cache keeps the higher figure, so MFU stays <= 1 from now on."""
-    path, key, cached = _cached_peaks()
+def raise_cpu_peak(flops: float, dtype: torch.dtype = torch.float32) -> Path:
+    """A run in `dtype` did `flops` FLOP/s on this machine, more than the cached peak of that precision:
+    that calibration ran while the machine was busy. The cache keeps the higher figure, so MFU stays <= 1
+    from now on (the other precision's entry is left as it is)."""
+    path, key, cached = _cached_peaks(dtype)
     if flops > _flops(cached.get(key)):
         cached[key] = {"flops": flops, "how": "raised", "when": _now()}
         _write_peaks(path, cached)
@@ -168,18 +183,19 @@ def raise_cpu_peak(flops: float) -> Path:
 
 
 def device_peak(device: torch.device, override_tflops: float = 0.0, local_ranks: int = 1,
-                dtype: torch.dtype = torch.bfloat16) -> tuple[float | None, str]:
+                dtype: torch.dtype | None = None) -> tuple[float | None, str]:
     """(peak FLOP/s of one rank or None, where the figure comes from). On a GPU the peak of `dtype`, the
-    precision the run computes in (train.dtype); on CPU the machine's peak, shared by the `local_ranks`
-    ranks that run on it."""
+    precision the run computes in (train.dtype; None: bf16); on CPU the machine's peak in that precision
+    (None: fp32), shared by the `local_ranks` ranks that run on it."""
     if override_tflops:
         return override_tflops * 1e12, "metrics.peak_tflops"
     if device.type == "cuda":
-        return _gpu_peak(torch.cuda.get_device_name(device), dtype)
-    peak, path, _ = machine_cpu_peak()
+        return _gpu_peak(torch.cuda.get_device_name(device), dtype or torch.bfloat16)
+    dtype = dtype or torch.float32
+    peak, path, _ = machine_cpu_peak(dtype)
     shared = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
-    return peak / local_ranks, (f"this machine's CPU fp32 GEMM peak {peak / 1e12:.3f} TFLOP/s{shared}, "
-                                f"{cpu_peak_source()} (cached in {path}; delete it to measure again)")
+    return peak / local_ranks, (f"this machine's CPU {precision_name(dtype)} GEMM peak {peak / 1e12:.3f} TFLOP/s"
+                                f"{shared}, {cpu_peak_source(dtype)} (cached in {path}; delete it to measure again)")
 
 
 def _gpu_peak(name: str, dtype: torch.dtype) -> tuple[float | None, str]:

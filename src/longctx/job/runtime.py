@@ -17,7 +17,10 @@ import torch.distributed as dist
 from . import comm
 from .dims import ParallelDims
 
-TRACKED_DIMS = ("dp_replicate", "dp_shard", "head", "ctx", "expert")  # "expert": MoE token all-to-all
+# "expert": MoE token all-to-all; under hierarchical dispatch (parallel.expert_ranks_per_node) its two levels,
+# across nodes and inside one (parallel/expert/hierarchy.py), which the line once left out (no expert bytes at all);
+# "router": a MoE model's router statistics summed over every rank (parallel/parallelize.py use_router_sum)
+TRACKED_DIMS = ("dp_replicate", "dp_shard", "head", "ctx", "expert", "expert_node", "expert_local", "router")
 
 
 @dataclass

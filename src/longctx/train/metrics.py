@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import strict_json
-from ..costs.peaks import device_peak, raise_cpu_peak
+from ..costs.peaks import device_peak, precision_name, raise_cpu_peak
 from ..errors import TrainingError
 from ..job.checks import hpz_group, node_size, zero_pp_names
 from ..job.devices import resolve_dtype
@@ -163,9 +163,9 @@ class MetricsLogger:
         # that ran beside other ranks' start-up would measure them, not the machine
         self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
         # (a GPU's peak is that of the precision the run computes in: train.dtype = fp32 is not bf16's)
+        self.dtype = resolve_dtype(cfg.train.dtype, device)  # (on CPU too: bf16 GEMMs have their own peak)
         self.peak, self.peak_source = rt.broadcast(
-            device_peak(device, cfg.metrics.peak_tflops, self.local_ranks, resolve_dtype(cfg.train.dtype, device))
-            if rt.is_main else None)
+            device_peak(device, cfg.metrics.peak_tflops, self.local_ranks, self.dtype) if rt.is_main else None)
         self.peak_calibrated = device.type == "cpu" and not cfg.metrics.peak_tflops
         total = sum(p.numel() for p in model.parameters())
         blocks = sum(p.numel() for p in model.layers.parameters())
@@ -173,9 +173,12 @@ class MetricsLogger:
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         zero_pp = ZeroPP(frozenset(zero_pp_names(cfg)), cfg.parallel.zero_pp_block, node_size(cfg, rt.dims) or 0,
                          hpz_group(cfg, rt.dims) or 0)  # (the bytes ZeRO++ really sends, not plain FSDP's)
+        target = getattr(model, "target", None)  # a draft run's frozen target (train/glide.py): FSDP2 on the same ranks
+        frozen = 0 if target is None else sum(p.numel() for p in target.parameters())
         self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
                                               cfg.memory.grad_sync, expert_params=experts,
-                                              replicas_sync=cfg.train.data_parallel == "sync", zero_pp=zero_pp)
+                                              replicas_sync=cfg.train.data_parallel == "sync", zero_pp=zero_pp,
+                                              frozen_params=frozen)
         self.flops_per_token = 0.0
         self.grad_timers = getattr(model, "grad_reduce_timers", [])  # parallel/fsdp/grad_buckets.py
         self.interval = self._new_interval()
@@ -273,8 +276,9 @@ class MetricsLogger:
         """More FLOP/s than the cached CPU peak (calibrated while the machine was busy): the peak
         becomes what this run achieved, here and in the cache, so MFU never reads above 100%."""
         self.say(f"metrics: this run reaches {per_rank * self.local_ranks / 1e12:.3f} TFLOP/s on this machine, above "
-                 f"its cached CPU peak of {self.peak * self.local_ranks / 1e12:.3f} (measured while it was busy); "
+                 f"its cached CPU peak of {self.peak * self.local_ranks / 1e12:.3f} ({precision_name(self.dtype)}, "
+                 f"measured while it was busy); "
                  f"the cached peak is raised to it")
         self.peak = per_rank
         if self.rt.is_main:
-            raise_cpu_peak(per_rank * self.local_ranks)
+            raise_cpu_peak(per_rank * self.local_ranks, self.dtype)

@@ -24,14 +24,14 @@ from ..config.checkpoint_paths import complete_checkpoints
 from ..config.data_mix import is_mix
 from ..config.hf import hf_dir
 from ..config.rules import parse_synthetic
-from ..costs.peaks import machine_cpu_peak
+from ..costs.peaks import machine_cpu_peak, precision_name
 from ..data.default_store import default_store
 from ..data.synthetic import check_room
 from ..data.tokenizer import load_tokenizer
 from ..durable import file_in_the_way
 from ..errors import ConfigError, DataError
 from ..job.checks import check_layout, ranks_per_node
-from ..job.devices import resolve_device
+from ..job.devices import resolve_device, resolve_dtype
 from ..models.hf import weight_files
 from .host_budget import check_host_memory
 from .setup import (
@@ -63,10 +63,11 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
         _check_data(stage_config(cfg, stage), log)
     if device_type == "cpu" and not cfg.metrics.peak_tflops:
-        peak, path, measured = machine_cpu_peak()
+        dtype = resolve_dtype(cfg.train.dtype, resolve_device(cfg.train.device))  # (the precision MFU divides by)
+        peak, path, measured = machine_cpu_peak(dtype)
         if measured:
-            log(f"metrics: calibrated this machine's CPU fp32 GEMM peak once: {peak / 1e12:.3f} TFLOP/s "
-                f"(cached in {path}; MFU divides by it)")
+            log(f"metrics: calibrated this machine's CPU {precision_name(dtype)} GEMM peak once: "
+                f"{peak / 1e12:.3f} TFLOP/s (cached in {path}; MFU divides by it)")
 
 
 def _device_type(cfg: Config) -> str:

@@ -66,9 +66,19 @@ def fsdp_bytes(params: int, shard: int, replicas: int, gather_bytes: int, root_p
     return gathers * grad_accum + reduces * (grad_accum if grad_sync == "micro_batch" else 1)
 
 
+def frozen_forward_bytes(params: int, shard: int, gather_bytes: int, grad_accum: int = 1,
+                         zero_pp: ZeroPP = ZeroPP()) -> float:
+    """FSDP2 traffic per rank and optimizer step of a frozen model sharded over the same `shard` ranks (a
+    draft's target, train/glide.py): every micro-batch all-gathers all of its parameters once, for a forward
+    under no_grad (resharded after it, the root too); no backward gather, no gradient to reduce."""
+    forward = zero_pp.int8(1) if "qwz" in zero_pp.parts else gather_bytes
+    return (shard - 1) / shard * params * forward * grad_accum
+
+
 def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int,
                         gather_bytes: int, grad_sync: str = "step", expert_params: int = 0,
-                        replicas_sync: bool = True, zero_pp: ZeroPP = ZeroPP()) -> dict[str, float]:
+                        replicas_sync: bool = True, zero_pp: ZeroPP = ZeroPP(),
+                        frozen_params: int = 0) -> dict[str, float]:
     """{"fsdp": bytes} one rank sends per optimizer step through FSDP2 ({} on one rank): `fsdp_bytes`
     over the shard group dp_shard x head x ctx and the dp_replicate replicas of `dims` (anything
     with those four degrees: parallel.dims.ParallelDims in the training loop's metrics line,
@@ -80,14 +90,16 @@ def fsdp_bytes_per_step(num_params: int, root_params: int, dims, grad_accum: int
     ranks, without replicas, each rank's expert group holding 1 / expert of them (parallel/expert/install.py).
     `replicas_sync=False` (train.data_parallel = co2): the replicas exchange nothing per step (each is
     its own FSDP group; CO2's outer all-reduce is counted where it runs, in job/comm.py). `zero_pp`:
-    parallel.zero_pp's parts, on the dense units' FSDP group (fsdp_bytes)."""
+    parallel.zero_pp's parts, on the dense units' FSDP group (fsdp_bytes). `frozen_params`: a frozen model
+    sharded beside them (a draft's target: frozen_forward_bytes), which a draft run's step gathers too."""
     shard, replicas = dims.dp_shard * dims.head * dims.ctx, dims.dp_replicate if replicas_sync else 1
     ep = getattr(dims, "expert", 1)
     if ep == 1 or not expert_params:
         if shard * replicas == 1:
             return {}
         return {"fsdp": fsdp_bytes(num_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync,
-                                   zero_pp)}
+                                   zero_pp) + frozen_forward_bytes(frozen_params, shard, gather_bytes, grad_accum,
+                                                                   zero_pp)}
     dense = fsdp_bytes(num_params - expert_params, shard, replicas, gather_bytes, root_params, grad_accum, grad_sync,
                        zero_pp)
     # the experts' units: qwz's int8 gathers too (parallel/fsdp/shard.py quantize_gathers), no hpz (they keep
