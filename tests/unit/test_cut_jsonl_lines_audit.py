@@ -73,6 +73,9 @@ def test_a_metrics_line_on_a_full_disk_stops_the_run_saying_so(tmp_path):
         def flush(self):
             pass
 
+        def close(self):
+            pass
+
     writer = MetricsWriter(tmp_path / "metrics.jsonl")
     writer._file.close()
     writer._file = FullDisk()

@@ -226,3 +226,20 @@ def test_a_step_not_applied_leaves_the_placer_the_last_applied_steps_counts():
                                      dropped=None)
         hook.after_optimizer(1, torch.tensor(applied))
     assert torch.equal(hook.router_counts, good)
+
+
+def test_counts_restored_on_another_device_than_the_steps_are_taken_over():
+    """load_state_dict puts a checkpoint's counts on the parameters' device: the host under memory.model_states =
+    host, while a step's counts and its applied flag are on the GPU; the first step after a resume or rollback
+    then failed in after_optimizer's torch.where (devices mixed). Here the step's are on the meta device."""
+    cfg = _cfg("--model.preset=debug-moe")
+    model = build_model(cfg.model)
+    (hook,) = moe_step_hooks(cfg, model, SimpleNamespace(dims=SimpleNamespace(expert=1)))
+    layers, experts = len(cfg.model.moe_layer_ids), cfg.model.moe_experts
+    hook.load_state_dict({"router_counts": [[1.0] * experts] * layers, "placer": None})  # (on the CPU)
+    hook.model = SimpleNamespace(update_expert_bias=lambda c: None, modules=model.modules)
+    counts = torch.empty(layers, experts, device="meta")
+    hook._step = SimpleNamespace(counts=counts, stats=torch.zeros(5, device="meta"),
+                                 layer_load=torch.ones(layers, device="meta"), dropped=None)
+    hook.after_optimizer(1, torch.zeros((), dtype=torch.bool, device="meta"))
+    assert hook.router_counts.device == counts.device and hook.router_counts.shape == (layers, experts)

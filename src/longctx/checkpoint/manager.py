@@ -151,10 +151,7 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         own_bytes = state_bytes(state)
-        try:
-            tmp = self._temporary_directory(step)
-        except OSError as e:  # (a full disk already at its directory: this save failed, said as any failed save is)
-            raise save_failed(self.root, step, own_bytes, e) from e
+        tmp = self._temporary_directory(step, own_bytes)
         # captured now (the generators move on with training), written with the rest off the loop
         trainer_state = {"step": step, "sampler": sampler_state, **{k: f() for k, f in self.extra_state.items()}}
         own_files = functools.partial(self._write_own_files, tmp, _rng_state(), json.dumps(trainer_state), self.saves,
@@ -189,13 +186,26 @@ class CheckpointManager:
         return {"trained_positions": self.trained_positions, "run_dir": self.run_dir,
                 "holdout_tokens": self.holdout_tokens, "text_prefix": self.text_prefix, "parent": self.parent}
 
-    def _temporary_directory(self, step: int) -> Path:
-        """A fresh hidden directory for this save, the same on every rank."""
+    def _temporary_directory(self, step: int, own_bytes: float) -> Path:
+        """A fresh hidden directory for this save, the same on every rank. A full disk already there fails the
+        save as any failed save does (save_failed), on every rank alike: a rank that went on alone into DCP's
+        collective writes would wait for the one that failed (which, under on_save_error = warn, trains on)."""
         name = f".tmp-{step_name(step)}-{uuid.uuid4().hex[:8]}" if self.rank == 0 else None
         if self.world > 1:
             name = comm.broadcast_object_in_group(name, self.group)
-        tmp = self.root / name
-        tmp.mkdir(parents=True, exist_ok=True)  # by every rank: each writes its RNG file there
+        tmp, error = self.root / name, None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)  # by every rank: each writes its RNG file there
+        except OSError as e:
+            error = e
+        failed, needed = float(error is not None), own_bytes
+        if self._mesh is not None:  # (one CPU all-reduce, as _finish's: did any rank fail, and the job's bytes)
+            flags = comm.all_reduce_in_group(torch.tensor([failed, needed], dtype=torch.float64), self.group)
+            failed, needed = float(flags[0]), float(flags[1])
+        if failed:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise save_failed(self.root, step, needed, error) from error
         return tmp
 
     def _write_own_files(self, tmp: Path, rng: dict, trainer_state: str, ordinal: int = 0,

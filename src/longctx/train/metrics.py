@@ -8,6 +8,7 @@ what happened: a step, an evaluation, a save.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -65,6 +66,8 @@ class MetricsWriter:
             self._file.write(strict_json.dumps(record) + "\n")
             self._file.flush()
         except OSError as e:  # (a full disk, a lost mount: said as what it is, not a traceback)
+            with contextlib.suppress(OSError):  # (closed now: its unwritten line would raise again at close(),
+                self._file.close()               # in the run's `finally`, over this error)
             raise TrainingError(f"the metrics line of step {record.get('step')} could not be written to {self.path} "
                                 f"({e.strerror or e}); the run stops. Free space there (or pass --metrics.file "
                                 f"elsewhere) and resume with --checkpoint.resume auto: a line cut short is moved "

@@ -74,9 +74,10 @@ class MoEStepHook(StepHook):
         # once per optimizer step, from every micro-batch's choices
         self.model.update_expert_bias(s.counts * applied)
         # (a step whose update was not applied, non-finite or a spike, leaves the placer the last applied one's
-        # choices: a NaN forward's are no routing; a where, not an if: no host sync)
+        # choices: a NaN forward's are no routing; a where, not an if: no host sync). Counts a checkpoint restored
+        # are on the parameters' device, the host under memory.model_states = host: moved to the step's once
         last = self.router_counts
-        self.router_counts = s.counts if last is None else torch.where(applied, s.counts, last)
+        self.router_counts = s.counts if last is None else torch.where(applied, s.counts, last.to(s.counts.device))
         self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None,
                           self._placement_shares(s.counts))
 

@@ -38,8 +38,9 @@ def record_rollback(root: Path, bad_step: int, checkpoint_step: int, reason: str
              **({"checkpoint": checksum} if checksum else {})}
     root.mkdir(parents=True, exist_ok=True)
     with open(root / RECORD, "a+b") as f:
-        f.seek(max(0, f.tell() - 1))
-        cut = f.tell() > 0 and f.read(1) != b"\n"  # a line a crash cut short: this one must not join it
+        size = f.tell()
+        f.seek(max(0, size - 1))
+        cut = size > 0 and f.read(1) != b"\n"  # a line a crash cut short (one byte, too): this one must not join it
         f.write((("\n" if cut else "") + json.dumps(entry) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
