@@ -266,7 +266,10 @@ def test_a_step_out_of_turn_drops_the_read_ahead_and_the_order_stays_exact():
     _steps(again, [1])
     again.next_batch()
     assert _steps(ahead, [2, 3]) == _steps(again, [2, 3])
-    assert _steps(_loader(True), [1, 2]) == reference[:2]
+    fresh = _loader(True)
+    assert _steps(fresh, [1, 2]) == reference[:2]
+    for loader in (ahead, fresh):
+        loader.close()
 
 
 def test_an_error_in_the_read_ahead_is_raised_in_the_loop_with_its_traceback():
@@ -279,13 +282,14 @@ def test_an_error_in_the_read_ahead_is_raised_in_the_loop_with_its_traceback():
         batch = samples.batch(indices)
         return batch, batch.valid_tokens
 
+    earlier = set(_read_threads())  # (an earlier test's loader left unclosed may still be reading, on a busy machine)
     loader = _loader(True, read_local=failing_read)
     loader.enter(1)
     loader.step_batches(1)
     with pytest.raises(ValueError, match="unreadable sample") as err:
         loader.step_batches(2)
     assert any(entry.name == "failing_read" for entry in err.traceback)
-    assert not _read_threads()
+    assert not set(_read_threads()) - earlier
 
 
 def test_a_synthetic_mixture_reaches_each_step_whole_with_its_answer_labels(tmp_path):
