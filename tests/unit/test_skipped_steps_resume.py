@@ -1,5 +1,5 @@
 """train.on_nonfinite = skip counts the steps whose update was not applied (`skipped_steps` in metrics.jsonl, the
-"skipped N non-finite" of the log line). The count is training state like the spike window: a resumed run's
+"skipped N (non-finite or spike)" of the log line). The count is training state like the spike window: a resumed run's
 metrics continue the run's file (continue_run_files), so its count goes on from the checkpoint's. It once
 started again at 0: a run that skipped step 3, crashed in step 5 and resumed from step 4 logged
 skipped_steps 1 for steps 3-4 and then nothing (0, left out) for steps 5-6, as if no step had been skipped."""

@@ -190,6 +190,9 @@ def main(args) -> int:
     timed = math.ceil(args.timed / args.co2_local_steps) * args.co2_local_steps  # whole co2 rounds
     needed = max(timed_steps(m, dict(timed=timed, local_steps=args.co2_local_steps,
                                      overlap_steps=args.co2_overlap_steps))[-1] + 1 for m in modes)
+    if args.plot and not args.steps:  # (the curves are of the --steps run: without one no PNG was written, unsaid)
+        raise ConfigError(f"--plot {args.plot} draws the loss curves of the --steps run; add --steps "
+                          f"{max(needed, 300)} (e.g.), or drop --plot.")
     if 0 < args.steps < needed:  # (fewer: the run would train `needed` steps and report their losses as N's)
         raise ConfigError(f"--steps {args.steps} is fewer than the warm-up, the {timed} timed "
                           f"steps and one more ({needed}); give --steps {needed} or more, or 0.")

@@ -100,7 +100,7 @@ def format_line(r: dict) -> str:
                                                      else "")
                      + (f" rank load {r['expert_rank_load']:.2f}" if "expert_rank_load" in r else ""))
     if r.get("skipped_steps"):
-        parts.append(f"skipped {r['skipped_steps']} non-finite")
+        parts.append(f"skipped {r['skipped_steps']} (non-finite or spike)")
     if r.get("comm_bytes_per_step"):
         parts.append("comm/step " + " ".join(f"{d} {v / 2**20:.1f}MiB" for d, v in r["comm_bytes_per_step"].items()))
     if "grad_reduce_exposed_s" in r:
