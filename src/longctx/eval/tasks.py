@@ -189,9 +189,10 @@ def ppl_sequences(source: TokenSource, length: int, samples: int) -> list[Sequen
             if len(out) == samples:
                 return out
     if not out:
+        split = "another split (--split train), " if "(eval split" in source.description else ""  # (a store's)
         raise DataError(f"ppl at {length} tokens needs a document of at least {length} tokens; the longest in "
-                        f"{source.description} has {longest}. Pass a longer text (--data FILE), another split "
-                        f"(--split train) or shorter --lengths.")
+                        f"{source.description} has {longest}. Pass a longer text (--data FILE), {split}or "
+                        f"shorter --lengths.")
     return out
 
 

@@ -297,9 +297,30 @@ def frozen_target(cfg: Config, device: torch.device, rt: Runtime, log=print) -> 
     path = load_weights(target, d.target, rt, log)
     target.requires_grad_(False)
     target.eval()
+    note = past_target_reach(cfg)
+    if note:
+        log(note)
     tied = target.output is None
     head = FrozenHead(_full(target.tok_embeddings.weight), None if tied else _full(target.output.weight))
     return target, head, path
+
+
+def past_target_reach(cfg: Config) -> str:
+    """A note when the draft trains on sequences longer than the frozen target reaches: the target's K/V
+    and distribution there are extrapolation, and generate refuses such prompts without
+    --allow-extrapolation; '' otherwise."""
+    from ..config.positions import model_reach
+    from ..config.rules import parse_stages
+
+    longest = max([cfg.train.seq_len, *(length for length, _, _ in parse_stages(cfg.train.stages))]
+                  if cfg.train.stages else [cfg.train.seq_len])
+    reach = model_reach(dataclasses.replace(cfg.model, init_from=cfg.draft.target)).positions  # (scalings too)
+    if longest <= reach:
+        return ""
+    return (f"note: the draft trains on {longest:,}-token sequences, past the {reach:,} positions its target "
+            f"{cfg.draft.target} reaches: the target's keys, values and distribution there are extrapolated "
+            f"(longctx generate refuses such prompts without --allow-extrapolation); --train.seq_len {reach} "
+            f"trains it where the target is trusted.")
 
 
 def set_draft_vocab(draft, cfg: Config, rt: Runtime, log=print) -> None:

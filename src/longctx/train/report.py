@@ -309,19 +309,21 @@ def _memory_options(mem) -> str:
             + (f" model_states={mem.model_states}" if mem.model_states != "device" else ""))
 
 
-def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None) -> str:
+def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None,
+              draft_target: str = "") -> str:
     """The run's closing line: the steps this job ran (`result`: trainer.py TrainResult) up to
     train.steps `steps`, their time and first and last loss, the last evaluation's, and where what the
-    run wrote is (`checkpoints`: the checkpoint directory, None when the run saves nothing)."""
+    run wrote is (`checkpoints`: the checkpoint directory, None when the run saves nothing; `draft_target`:
+    a draft run's draft.target, which generate reads the draft beside)."""
     # (no losses: a resume of a finished run under torchrun directly; `longctx train` says so before building)
     if not result.losses:
         return f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {steps}."
     last_eval = f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
     return (f"done: steps {result.first_step}-{steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
-            f"{result.losses[-1]:.4f}{last_eval}. {_where_it_is(steps, run_dir, plots, checkpoints)}")
+            f"{result.losses[-1]:.4f}{last_eval}. {_where_it_is(steps, run_dir, plots, checkpoints, draft_target)}")
 
 
-def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None) -> str:
+def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None, draft_target: str = "") -> str:
     """The done line's pointer to what the run wrote: its files, and the last step's checkpoint
     when one was saved (what `longctx generate --checkpoint` reads)."""
     files = "config, metrics and plots" if plots else "config and metrics"
@@ -331,4 +333,5 @@ def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None
     saved = checkpoints / step_name(step)
     if not saved.is_dir():  # (a failed save under checkpoint.on_save_error = warn)
         return f"{said}."
-    return f"{said}; the last step's weights in {saved}/ (`longctx generate --checkpoint {checkpoints}` reads them)."
+    how = f"--checkpoint {draft_target} --draft {checkpoints}" if draft_target else f"--checkpoint {checkpoints}"
+    return f"{said}; the last step's weights in {saved}/ (`longctx generate {how}` reads them)."

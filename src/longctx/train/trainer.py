@@ -428,7 +428,7 @@ class Trainer:
         if self.cfg.metrics.plots and self.rt.is_main:
             write_plots(self.run_dir, self.metrics.path, self.log)
         self.log(done_line(result, t.steps, total_s, self.run_dir, self.cfg.metrics.plots,
-                           None if self.ckpt is None else self.ckpt.root))
+                           None if self.ckpt is None else self.ckpt.root, self.cfg.draft.target))
         return result
 
 
