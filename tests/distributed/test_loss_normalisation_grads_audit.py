@@ -83,10 +83,19 @@ def _step(run_dir, corpus, extra, weighting):
     start = {n: _full(p.detach()).clone() for n, p in trainer.model.named_parameters()}
     trainer.sampler.eval_samples = samples
     eval_loss = trainer.evaluate()
+    grads, loss = _first_step_grads(trainer)
+    return start, grads, loss, eval_loss
+
+
+
+def _first_step_grads(trainer):
+    """Step 1's loss and its gradients as the optimizer receives them (before the update), full tensors."""
+    import longctx.train.trainer as trainer_module
+
     grads, step = {}, trainer_module.guarded_step
 
     def capture(optimizer, apply):
-        grads.update({n: _full(p.grad).clone() for n, p in trainer.model.named_parameters()})
+        grads.update({n: _full(p.grad).clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
         return step(optimizer, apply)
 
     trainer_module.guarded_step = capture
@@ -94,8 +103,7 @@ def _step(run_dir, corpus, extra, weighting):
         loss = float(trainer.step(1)[0])
     finally:
         trainer_module.guarded_step = step
-    return start, grads, loss, eval_loss
-
+    return grads, loss
 
 def _reference(start, corpus, tmp, weighting):
     """Autograd on one device over every row: the mean over all trained labels, or over the documents of
@@ -191,17 +199,7 @@ def _draft_step(run_dir, corpus, target, extra):
                              "--train.eval_batches=2", f"--train.run_dir={run_dir}", *extra])
     trainer = trainer_module.Trainer(cfg, log=lambda *a, **k: None, read_ahead=False)
     eval_loss = trainer.evaluate()
-    grads, step = {}, trainer_module.guarded_step
-
-    def capture(optimizer, apply):
-        grads.update({n: _full(p.grad).clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
-        return step(optimizer, apply)
-
-    trainer_module.guarded_step = capture
-    try:
-        loss = float(trainer.step(1)[0])
-    finally:
-        trainer_module.guarded_step = step
+    grads, loss = _first_step_grads(trainer)
     return grads, loss, eval_loss
 
 
