@@ -318,10 +318,13 @@ def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
     """(the checkpoint directory, its manifest's [model]) for init_from = a longctx checkpoint."""
     path, manifest = checkpoint_manifest(init_from)
     if isinstance(manifest, dict) and manifest.get("draft"):
+        target = manifest["draft"].get("target", {}).get("path")
+        # (named by the path alone: generate --checkpoint, eval and bench reach here too, not only model.init_from)
+        named = f"{init_from!r}" + (f" ({path})" if str(path) != init_from else "")
         raise HFFormatError(
-            f"model.init_from = {init_from!r}: {path} is a GliDe draft's checkpoint (trained against "
-            f"{manifest['draft'].get('target', {}).get('path')!r}), not a model to start from; a draft is used beside "
-            f"its target (longctx generate --draft), and draft.target names the target itself.")
+            f"{named} is a draft's checkpoint (trained against {target!r}), not a model to start "
+            f"from, evaluate or generate with: a draft is used beside its target (`longctx generate --checkpoint "
+            f"{target or 'TARGET'} --draft {init_from}`), and draft.target names the target itself.")
     try:
         return path, manifest["model"]
     except (KeyError, TypeError) as e:
