@@ -14,7 +14,7 @@ def test_a_drafts_checkpoint_is_refused_as_a_model_with_the_command_that_reads_i
     step.mkdir()
     (step / "manifest.json").write_text(json.dumps({"draft": {"target": {"path": "runs/a/checkpoints"}},
                                                     "model": {}}))
-    with pytest.raises(Exception, match=r"is a draft's checkpoint .*longctx generate --checkpoint "
+    with pytest.raises(Exception, match=r"is a GliDe draft's checkpoint .*longctx generate --checkpoint "
                                         r"runs/a/checkpoints --draft ") as err:
         load_config(None, [f"--model.init_from={step}"])
     assert not str(err.value).startswith("model.init_from")

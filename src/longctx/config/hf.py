@@ -321,8 +321,9 @@ def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
         target = manifest["draft"].get("target", {}).get("path")
         # (named by the path alone: generate --checkpoint, eval and bench reach here too, not only model.init_from)
         named = f"{init_from!r}" + (f" ({path})" if str(path) != init_from else "")
+        kind = "Clover" if manifest["draft"].get("kind") == "clover" else "GliDe"
         raise HFFormatError(
-            f"{named} is a draft's checkpoint (trained against {target!r}), not a model to start "
+            f"{named} is a {kind} draft's checkpoint (trained against {target!r}), not a model to start "
             f"from, evaluate or generate with: a draft is used beside its target (`longctx generate --checkpoint "
             f"{target or 'TARGET'} --draft {init_from}`), and draft.target names the target itself.")
     try:
