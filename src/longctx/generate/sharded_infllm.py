@@ -41,6 +41,7 @@ from ..models.context_memory import (
     grouped_attention,
     representatives,
     rotate,
+    top_units,
     unit_scores,
 )
 from ..models.kv_cache import CacheRows
@@ -186,7 +187,7 @@ class _Layer:
             scores[:, index] = unit_scores(q_far, c.reps[self.index][:, index])
         if c.c > 1:  # every unit's score on every rank: the same top-k everywhere
             scores = comm.all_reduce(scores, c.mesh, op=torch.distributed.ReduceOp.MAX, label="infllm_scores")
-        chosen = scores.topk(min(shape.topk, units), dim=-1).indices.sort(dim=-1).values  # [b, k]
+        chosen = top_units(scores, shape.topk)  # [b, k]
         # this rank's slots among the initial tokens and the chosen units (rows choose alike or not)
         slots = []
         for r in range(b):

@@ -184,8 +184,7 @@ class InfLLMMemory:
     def _select(self, index: int, q_far: torch.Tensor, units: int) -> torch.Tensor:
         """[b, k] the chosen units (ascending) of each row: the highest sum over heads of q . rep,
         averaged over the call's queries (q at distance `far`, as the units' keys will be seen)."""
-        scores = unit_scores(q_far, self.reps[index, :q_far.shape[0], :units])
-        return scores.topk(min(self.shape.topk, units), dim=-1).indices.sort(dim=-1).values
+        return top_units(unit_scores(q_far, self.reps[index, :q_far.shape[0], :units]), self.shape.topk)
 
     def _slots(self, chosen: torch.Tensor, b: int, init: int) -> torch.Tensor:
         """[b, init + k x block] the slots of the initial tokens and of the chosen units."""
@@ -252,6 +251,24 @@ def unit_scores(q_far: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
     kv = reps.shape[2]
     query = q_far.float().view(b, n, kv, h // kv, d).sum(3).mean(1)  # [b, kv, d]
     return torch.einsum("bkd,bukd->bu", query, reps)
+
+
+SCORE_GRID = 2.0 ** -12  # (x a row's largest |score|: ~1,000 x fp32 rounding; a tie straddles a step ~0.1% of times)
+
+
+def top_units(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """[b, k] the `topk` highest-scoring units of each row (ascending), scores [b, u] (-inf: not a candidate).
+    Scores within a rounding of each other are ties, and a tie goes to the earlier unit: a repeating text
+    gives units whose representatives are alike, so their scores tie in exact arithmetic and fp32 orders
+    them by noise, which differs with the batch's shape (a prompt's --num-samples rows) and over ctx ranks
+    (each scores its own units); a flipped choice changed the tokens. Snapped to a grid of SCORE_GRID x
+    the row's largest |score|, they order alike wherever they are computed."""
+    finite = scores.isfinite()
+    scale = scores.abs().where(finite, 0).amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    step = scale * SCORE_GRID
+    snapped = torch.where(finite, torch.round(scores / step) * step, scores)
+    order = torch.sort(snapped, dim=-1, descending=True, stable=True).indices
+    return order[:, :min(topk, scores.shape[-1])].sort(dim=-1).values
 
 
 def check_after_units(start: int, new: int, lo: int, shape: InfLLMShape) -> None:
