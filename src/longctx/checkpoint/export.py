@@ -31,8 +31,8 @@ import torch
 
 from ..config.checkpoint_paths import find_checkpoint
 from ..config.hf import hf_dir, initial_hf_config, model_config
-from ..config.hf_export import SPECIAL_TOKEN_KEYS, declared_special_ids, export_notes
-from ..config.hf_families import QWEN_FAMILIES, family_window
+from ..config.hf_export import SPECIAL_TOKEN_KEYS, check_exportable, declared_special_ids, export_notes
+from ..config.hf_families import MOE_DEFAULTS, QWEN_FAMILIES, family_window
 from ..config.hf_rope import config_reach
 from ..config.tokenizer import source_hf, tokenizer_file, tokenizer_identity
 from ..data.tokenizer import load_tokenizer
@@ -61,6 +61,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
                               f"form (it runs beside its target: longctx generate --draft). Export the target "
                               f"instead.")
     cfg = model_config(manifest["model"])  # (recorded by config key: "moe.experts")
+    check_exportable(cfg)  # (before the whole model is built and read: minutes and its size in memory)
     out = Path(os.path.abspath(Path(out).expanduser()))  # (a name to rename, also for OUT '.')
     check_output(out, cfg.init_from)
     model = build_model(cfg, device="cpu", seed=None)
@@ -74,7 +75,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
                                       manifest.get("tokenizer_identity"))
         ids, unknown = special_token_ids(manifest)
         config_file = work / "config.json"
-        config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg)}
+        config = {**json.loads(config_file.read_text()), **ids, **_source_window(cfg), **_source_router_coef(cfg)}
         config_file.write_text(json.dumps(config, indent=2) + "\n")
         tokenizer_note = _tokenizer_reach(work, config_reach(config))
         (work / EXPORT_MARK).write_text(json.dumps({"format": "longctx-hf-export/1", "checkpoint": str(path),
@@ -174,6 +175,18 @@ def _source_window(cfg) -> dict:
         return {"sliding_window": window}
     return {"use_sliding_window": True, "sliding_window": window,
             **{k: hf[k] for k in ("max_window_layers", "layer_types") if k in hf}}
+
+
+def _source_router_coef(cfg) -> dict:
+    """router_aux_loss_coef of the config.json the weights started from (its family's default where it has none)
+    when the run trained without a balancing loss: config.json then says output_router_logits=false, and the
+    0.0 hf_config_from_model writes would leave whoever turns it on for the export (a transformers fine-tune)
+    with no balancing loss, where the source model has its own coefficient."""
+    hf = initial_hf_config(cfg.init_from) if cfg.is_moe and not cfg.moe_aux_loss else None
+    if not hf or hf.get("model_type") != cfg.family:
+        return {}
+    coef = {**MOE_DEFAULTS.get(cfg.family, {}), **{k: v for k, v in hf.items() if v is not None}}
+    return {"router_aux_loss_coef": coef["router_aux_loss_coef"]} if "router_aux_loss_coef" in coef else {}
 
 
 def special_token_ids(manifest: dict) -> tuple[dict, str]:

@@ -38,7 +38,10 @@ def export_problems(m) -> list[str]:
         return [f"a Mixture-of-Experts model (model.moe.experts={m.moe_experts}) exports as one of "
                 f"{', '.join(MOE_FAMILIES)}, not model.family={f}."]
     problems = []
-    if m.moe_router != "softmax":
+    if m.moe_router == "switch" and f == "mixtral":
+        problems.append("mixtral renormalises its top-1 weight to 1; the switch router weighs the chosen expert by "
+                        "its probability (Qwen2-MoE, Qwen3-MoE and OLMoE export it, as norm_topk_prob false).")
+    elif m.moe_router not in ("softmax", "switch"):
         problems.append(f"{f} routes by the top-k of a softmax; model.moe.router={m.moe_router} has no "
                         f"transformers equivalent.")
     if m.moe_route_scale != 1.0:
@@ -63,6 +66,14 @@ def export_problems(m) -> list[str]:
         problems.append(f"{f} has one intermediate_size, the experts' width: set model.ffn_dim to "
                         f"model.moe.expert_dim ({m.resolved_expert_dim}).")
     return problems
+
+
+def check_exportable(m) -> None:
+    """Refuse the [model] `m` when its family's config.json cannot express it (export_problems): what
+    `longctx checkpoint export` checks before it reads a weight, and save_hf before it writes one."""
+    problems = export_problems(m)
+    if problems:
+        raise HFFormatError(f"this model cannot be written as a Hugging Face {m.family}: {' '.join(problems)}")
 
 
 def export_notes(m, trained: int = 0) -> list[str]:
@@ -92,6 +103,12 @@ def export_notes(m, trained: int = 0) -> list[str]:
                      f"which longctx reads back and transformers' {m.family} never reads: training the export with "
                      f"transformers adds no z-loss")
     return notes
+
+
+def _norm_topk(m) -> bool:
+    """config.json's norm_topk_prob: the switch router (top-1 of a softmax) weighs by the probability whatever
+    moe.norm_topk says, which is the softmax top-1 without renormalisation."""
+    return m.moe_norm_topk and m.moe_router != "switch"
 
 
 def _router_losses_on(m) -> bool:
@@ -133,9 +150,7 @@ def hf_config_from_model(m, dtype_name: str = "float32", trained: int = 0) -> di
         value = getattr(m, f"rope_{ours}")
         if value or ours not in _ZERO_IS_UNSET:
             rope[theirs] = value
-    problems = export_problems(m)
-    if problems:
-        raise HFFormatError(f"this model cannot be written as a Hugging Face {m.family}: {' '.join(problems)}")
+    check_exportable(m)
     out = {
         "architectures": [FAMILIES[m.family]], "model_type": m.family,
         "hidden_size": m.dim, "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
@@ -164,11 +179,11 @@ def hf_config_from_model(m, dtype_name: str = "float32", trained: int = 0) -> di
     if m.family == "mixtral":
         out.update(num_local_experts=m.moe_experts, intermediate_size=m.resolved_expert_dim, router_jitter_noise=0.0)
     elif m.family == "olmoe":
-        out.update(num_experts=m.moe_experts, intermediate_size=m.resolved_expert_dim, norm_topk_prob=m.moe_norm_topk,
+        out.update(num_experts=m.moe_experts, intermediate_size=m.resolved_expert_dim, norm_topk_prob=_norm_topk(m),
                    clip_qkv=None)
     elif m.family in ("qwen2_moe", "qwen3_moe"):
         out.update(num_experts=m.moe_experts, moe_intermediate_size=m.resolved_expert_dim,
-                   norm_topk_prob=m.moe_norm_topk, decoder_sparse_step=1,
+                   norm_topk_prob=_norm_topk(m), decoder_sparse_step=1,
                    mlp_only_layers=sorted(parse_layer_list(m.moe_dense_layers) & set(range(m.layers))))
         if m.family == "qwen2_moe":
             out["shared_expert_intermediate_size"] = m.resolved_shared_dim
