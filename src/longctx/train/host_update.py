@@ -14,7 +14,8 @@ from .hooks import StepHook
 class HostUpdateFields(StepHook):
     """`host_step_s`: seconds of the update step N's forward followed (AdamW on the host and the
     copies of the weights to the device); `host_exposed_s`: seconds that step N's forwards waited for
-    it. Neither on the line of a step no update came before (the first step, the first after a resume)."""
+    it. Neither on the line of a step no update came before (the first step, the first after a resume or a
+    rollback)."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
@@ -36,6 +37,9 @@ class HostUpdateFields(StepHook):
 
     def after_optimizer(self, step: int, applied) -> None:
         self.updated = True
+
+    def rolled_back(self) -> None:
+        self.updated = False  # the reload waited for the update in flight: none comes before the next forward
 
     def log_fields(self, step: int, last: bool) -> dict:
         return dict(self.fields)

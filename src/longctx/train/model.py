@@ -104,7 +104,9 @@ def auto_offload_fraction(cfg: Config, device: torch.device, rt: Runtime, log) -
     train.stages, each distinct stage shape is measured and decided, and the smallest fraction
     holds for the run: one stage may have more tokens per micro-batch (host memory) or a shorter
     block forward to hide the transfers behind (the link) than the last."""
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # the ranks sharing this machine's memory: the launcher's (torchrun sets LOCAL_WORLD_SIZE), else every rank,
+    # as the host preflight counts them (job/checks.py ranks_per_node; job/spawn.py starts all on one machine)
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world))
     # the slowest link and the least memory over all ranks decide
     link, host = (-v for v in rt.max([-auto.host_link_bandwidth(device),
                                       -auto.host_memory_available() / ranks_per_node]))

@@ -65,12 +65,16 @@ def rollback_from(root: Path, checkpoint_step: int, checksum: str | None = None)
     return found
 
 
-def skip_rolled_back_window(root: Path, start_step: int, sampler,
-                            checksum: str | None = None) -> tuple[int, str | None]:
+def skip_rolled_back_window(root: Path, start_step: int, sampler, checksum: str | None = None,
+                            saved_in: Path | None = None) -> tuple[int, str | None]:
     """A resume from a checkpoint the run once rolled back to (the one of manifest checksum `checksum`)
     continues after the bad step, with the data it had then, instead of replaying the skipped window:
-    (the step to start after, what to log); unchanged when the checkpoint was no rollback's."""
+    (the step to start after, what to log); unchanged when the checkpoint was no rollback's. `saved_in`:
+    the directory the checkpoint was loaded from, whose record is read too when it is not `root` (a resume
+    of another run directory's checkpoint; this run's own record, written since, first)."""
     skipped = rollback_from(root, start_step, checksum)
+    if skipped is None and saved_in is not None and saved_in.resolve() != root.resolve():
+        skipped = rollback_from(saved_in, start_step, checksum)
     if skipped is None:
         return start_step, None
     sampler.load_state_dict(skipped["data_position"])

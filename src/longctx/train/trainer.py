@@ -162,7 +162,9 @@ class Trainer:
         with the spike check's window the checkpoint's, as it was after the rollback."""
         if self.ckpt is not None and self.start_step:
             loaded = self.ckpt.resumed_from[1].get("checksum") if self.ckpt.resumed_from else None
-            self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler, loaded)
+            saved_in = self.ckpt.resumed_from[0].parent if self.ckpt.resumed_from else None  # (maybe another run's)
+            self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler, loaded,
+                                                            saved_in)
             if note:
                 self.log(note)
 
