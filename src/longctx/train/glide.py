@@ -310,10 +310,9 @@ def past_target_reach(cfg: Config) -> str:
     and distribution there are extrapolation, and generate refuses such prompts without
     --allow-extrapolation; '' otherwise."""
     from ..config.positions import model_reach
-    from ..config.rules import parse_stages
+    from .stages import stages_of
 
-    longest = max([cfg.train.seq_len, *(length for length, _, _ in parse_stages(cfg.train.stages))]
-                  if cfg.train.stages else [cfg.train.seq_len])
+    longest = max(s.seq_len for s in stages_of(cfg))  # (train.seq_len, or the longest stage's)
     reach = model_reach(dataclasses.replace(cfg.model, init_from=cfg.draft.target)).positions  # (scalings too)
     if longest <= reach:
         return ""

@@ -109,6 +109,15 @@ def format_line(r: dict) -> str:
     return " | ".join(parts)
 
 
+def json_record(line: str) -> dict | None:
+    """A JSONL line's record, or None for a line that is no JSON object (a write cut short)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def read_jsonl(path: Path, cut: list[int] | None = None) -> list[dict]:
     """The records of a JSONL file. A line that is no JSON object (a write cut short by a kill or a full disk)
     is left out; its line number goes to `cut`, when given, for the caller to say so."""
@@ -117,11 +126,8 @@ def read_jsonl(path: Path, cut: list[int] | None = None) -> list[dict]:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
+            record = json_record(line)
+            if record is not None:
                 records.append(record)
             elif cut is not None:
                 cut.append(number)

@@ -8,7 +8,6 @@ the loop so that the loop reads as the steps of training.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import time
@@ -29,6 +28,7 @@ from ..data.tokenizer import load_tokenizer
 from ..durable import write_text_durably
 from ..errors import ConfigError, DataError, UserError
 from ..job.runtime import Runtime
+from .metrics import json_record
 from .stages import holdout_grid
 
 
@@ -129,11 +129,8 @@ def continue_run_files(run_dir: Path, cfg: Config, start_step: int, log, metrics
 def _record_step(line: str) -> float:
     """The step of a metrics line; a line cut short by a kill or a full disk (no JSON object) is the earlier
     attempt's last, after every step (moved aside with the later records, not read as one)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        record = None
-    return record.get("step", 0) if isinstance(record, dict) else math.inf
+    record = json_record(line)
+    return math.inf if record is None else record.get("step", 0)
 
 
 def on_main(rt: Runtime | None, fn, what: str):
