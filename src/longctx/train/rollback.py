@@ -84,6 +84,19 @@ def skip_rolled_back_window(root: Path, start_step: int, sampler, checksum: str 
         f"steps {first}-{last} stays skipped, and training goes on at step {last + 1}")
 
 
+def resume_past_rollback(ckpt, start_step: int, sampler, log) -> int:
+    """The step a resume starts after: past the skipped window when the loaded checkpoint is one the run
+    rolled back to (skip_rolled_back_window; the spike check's window is the checkpoint's, as after the
+    rollback), else `start_step`."""
+    if ckpt is None or not start_step or not ckpt.resumed_from:
+        return start_step
+    path, manifest = ckpt.resumed_from  # (maybe another run directory's checkpoint: its record read too)
+    start_step, note = skip_rolled_back_window(ckpt.root, start_step, sampler, manifest.get("checksum"), path.parent)
+    if note:
+        log(note)
+    return start_step
+
+
 class BadStep(Exception):
     """A step whose update was not applied, read back under train.on_nonfinite = rollback."""
 

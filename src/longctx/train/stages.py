@@ -24,6 +24,7 @@ import threading
 from dataclasses import dataclass
 
 from ..config import Config
+from ..config.positions import run_start_positions
 from ..config.rules import parse_stages
 from ..data.loader import BatchLoader, cost_coefficients
 from ..models.moe_capacity import routes_across_tokens
@@ -62,6 +63,18 @@ def stage_config(cfg: Config, stage: Stage) -> Config:
 def tokens_through(stages: list[Stage], step: int) -> int:
     """Tokens trained in steps 1..step."""
     return sum(max(0, min(step, s.last_step) - s.first_step + 1) * s.seq_len * s.global_batch for s in stages)
+
+
+def start_positions(cfg: Config, ckpt) -> int:
+    """The positions the starting weights can be trusted with under this run's RoPE settings (config/positions.py;
+    a draft's: 0). A resume keeps what the loaded weights already trained on (its stages may have changed since:
+    the record was rebuilt from this run's stages alone, and fell); an older manifest without the record, not."""
+    if cfg.draft.target:
+        return 0
+    start = run_start_positions(cfg.model.init_from, cfg.model)
+    if ckpt is not None and ckpt.resumed_from and ckpt.resumed_from[1].get("trained_positions"):
+        start = max(start, run_start_positions(str(ckpt.resumed_from[0]), cfg.model))
+    return start
 
 
 class ReadAhead:

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..config.positions import run_start_positions
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..job import watchdog
 from ..job.devices import resolve_dtype, seed_everything, use_deterministic_algorithms
@@ -54,7 +53,7 @@ from .model import build_training_model, resolve_offload
 from .moe_hooks import MoEStepHook, moe_step_hooks
 from .preemption import StopOnSignal, command_age
 from .report import describe_run, done_line, write_plots
-from .rollback import BadStep, roll_back, skip_rolled_back_window
+from .rollback import BadStep, resume_past_rollback, roll_back
 from .saves import RunSaves
 from .setup import (
     build_data,
@@ -65,7 +64,7 @@ from .setup import (
     open_checkpointing,
     run_tokenizer,
 )
-from .stages import StagedLoader, tokens_through
+from .stages import StagedLoader, start_positions, tokens_through
 from .step_state import keep_step_state, restore_step_state
 from .watch import watched
 
@@ -134,15 +133,9 @@ class Trainer:
         # train.data_parallel = co2: CO2's rounds over the replicas (co2.py; None under sync)
         self.co2 = co2_rounds(cfg, self.model, self.optimizer, rt, self.ckpt, self.log)
         self.hooks.hooks += [self.co2] if self.co2 is not None else []
-        self._skip_rolled_back_window()
-        # the positions the starting weights can be trusted with under this run's RoPE settings
-        self.start_positions = 0 if cfg.draft.target else run_start_positions(cfg.model.init_from, cfg.model)
-        if self.ckpt is not None and self.ckpt.resumed_from and not cfg.draft.target \
-                and self.ckpt.resumed_from[1].get("trained_positions"):  # (an older manifest: its max_seq_len, no)
-            # a resume keeps what the loaded weights already trained on, under this run's RoPE settings (its
-            # stages may have changed since: the record was rebuilt from this run's stages alone, and fell)
-            self.start_positions = max(self.start_positions,
-                                       run_start_positions(str(self.ckpt.resumed_from[0]), cfg.model))
+        # a resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py)
+        self.start_step = resume_past_rollback(self.ckpt, self.start_step, self.sampler, self.log)
+        self.start_positions = start_positions(cfg, self.ckpt)  # (what checkpoints record as trained: stages.py)
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
         if rt.is_main:
@@ -156,17 +149,6 @@ class Trainer:
         else None: what tests of the expert placement read."""
         moe = self.hooks.find(MoEStepHook)
         return None if moe is None else moe.router_counts
-
-    def _skip_rolled_back_window(self) -> None:
-        """A resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py),
-        with the spike check's window the checkpoint's, as it was after the rollback."""
-        if self.ckpt is not None and self.start_step:
-            loaded = self.ckpt.resumed_from[1].get("checksum") if self.ckpt.resumed_from else None
-            saved_in = self.ckpt.resumed_from[0].parent if self.ckpt.resumed_from else None  # (maybe another run's)
-            self.start_step, note = skip_rolled_back_window(self.ckpt.root, self.start_step, self.sampler, loaded,
-                                                            saved_in)
-            if note:
-                self.log(note)
 
     @property
     def eval_samples(self):
