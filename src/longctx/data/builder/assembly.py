@@ -165,7 +165,8 @@ class Assembly:
         firsts = self.corpus.per_doc(lambda shard: shard.loss_from())
         too_long = (firsts > 0) & (lengths > self.opts.seq_len) & (np.arange(len(lengths)) < self.documents_read)
         if self.opts.long_conversations == "truncate" and too_long.any():
-            self.eos_at = turn_cuts(self.corpus, np.flatnonzero(too_long), self.opts.seq_len)
+            self.eos_at = turn_cuts(self.corpus, np.flatnonzero(too_long), self.opts.seq_len,
+                                     self.tokenizer.eos_id)
             if self.eos_at:
                 cut = np.array(list(self.eos_at.items()), dtype=np.int64)
                 self.log(f"  dedup     cut {len(cut):,} conversation(s) longer than a sample of {self.opts.seq_len:,} "

@@ -14,13 +14,17 @@ from .dedup import instruction_hash, instruction_parts, signature
 from .scan import ScannedCorpus
 
 
-def turn_cuts(corpus: ScannedCorpus, docs: np.ndarray, seq_len: int) -> dict[int, int]:
-    """{corpus document: where it is cut} for the conversations `docs` (sorted) that can be cut at a turn."""
+def turn_cuts(corpus: ScannedCorpus, docs: np.ndarray, seq_len: int, eos_id: int | None = None) -> dict[int, int]:
+    """{corpus document: where it is cut} for the conversations `docs` (sorted) that can be cut at a turn. An
+    answer that ends with the EOS already (a template that writes eos_token after each answer: Llama-2's,
+    Mistral's) is cut before it, so that the EOS written at the cut is that one, not a second (`eos_id`)."""
     cuts, order = {}, iter(docs.tolist())
     for shard, rows in corpus.kept_in_shards(docs):  # (shard by shard, in document order)
         offsets, values = shard.gaps(rows)
         for i, doc in zip(range(len(rows)), order):
             cut = turn_cut(values[offsets[i]:offsets[i + 1]], seq_len)
+            if cut and eos_id is not None and int(corpus.get("tokens", doc, cut - 1, cut)[0]) == eos_id:
+                cut -= 1
             if cut:
                 cuts[doc] = cut
     return cuts
@@ -30,7 +34,9 @@ def cut_view(corpus: ScannedCorpus, eos_at: dict[int, int], doc: int) -> tuple[s
     """(text, trained_chars) of corpus document `doc`, cut after an answer (`eos_at`), as stored: the shorter
     conversation it becomes."""
     text, chars, cut = corpus.text(doc), np.asarray(corpus.get("chars", doc), np.int64), eos_at[doc]
-    k = int(np.flatnonzero(np.asarray(corpus.get("gaps", doc)) == cut)[0]) + 1  # (gaps: the switches after the first)
+    # (gaps: the switches after the first; the answer's end is the cut, or one past it where the answer's own
+    # EOS is the one written at the cut: turn_cuts)
+    k = int(np.flatnonzero(np.asarray(corpus.get("gaps", doc)) >= cut)[0]) + 1
     return text[:int(chars[k])], chars[:k]
 
 

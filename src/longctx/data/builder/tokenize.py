@@ -73,7 +73,9 @@ def tokenize_answers(text: str, trained_chars, tok,
       before it, `_switch_at`: linear in the text, not in its switches times its length);
     - `switches`: the token offsets where training starts and stops; the first is where it starts
       (store.LOSS_FROM), the others the gaps (store.LOSS_GAPS); the last span runs on to the EOS. Each
-      switch is a break."""
+      switch is a break.
+    A text whose ids end with the EOS (a chat template that writes eos_token after the last answer) keeps that one
+    as the document's EOS: one EOS, as for any document."""
     bounds = [int(c) for c in trained_chars]
     p_ids, pb, ps = _piece(text[:bounds[0]], tok, after_text=False)
     own = np.asarray(tok.text_prefix() if prefix else [], dtype=np.int32)
@@ -96,6 +98,10 @@ def tokenize_answers(text: str, trained_chars, tok,
         ids = np.concatenate([piece[0] for piece in pieces])
         breaks = np.concatenate([piece[1] + at for piece, at in zip(pieces, starts)])
         strong = np.concatenate([piece[2] + at for piece, at in zip(pieces, starts)])
+    if len(ids) and int(ids[-1]) == tok.eos_id:
+        # the text ends with the EOS already (a template that closes each answer with eos_token: Llama-2's, Mistral's):
+        # that one is the document's EOS, not followed by another (the model would be trained on EOS after EOS)
+        ids, breaks, strong = ids[:-1], breaks[breaks < len(ids) - 1], strong[strong < len(ids) - 1]
     n = len(lead)
     switches = np.asarray(ats, dtype=np.int64) + n
     breaks = np.unique(np.concatenate([breaks + n, switches[switches > 0]])).astype(np.int64)
