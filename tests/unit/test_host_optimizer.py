@@ -192,3 +192,33 @@ def test_a_direct_hidden_states_or_logits_call_waits_for_the_roots_update():
         want = model.logits(model.hidden_states(tokens))
     assert not torch.equal(embedded, before)  # the call saw the updated embeddings
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+
+def _step(model, opt, seed):
+    _loss(model, seed).backward()
+    if isinstance(opt, HostOptimizer):
+        opt.clip_gradients(1e9)  # (the trainer's order: the host gradients' norm, then the step)
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_loaded_state_without_a_weight_drops_that_weights_state_as_torch_adamw_does():
+    """torch's load replaces the whole state: a weight the saved state lacks (one that had no gradient before
+    the save) starts afresh; the host tier kept its newer moments and step count (0.017 apart after a step)."""
+    ref, host = _model(), _model()
+    ref_opt, opt = torch.optim.AdamW(_groups(ref), **HYPER, foreach=True), _host(host)
+    saved = []
+    for model, o in ((ref, ref_opt), (host, opt)):
+        _step(model, o, 0)
+        state = o.state_dict()  # (without weight 0's state)
+        saved.append({"state": {k: v for k, v in state["state"].items() if k != 0},
+                      "param_groups": state["param_groups"]})
+        _step(model, o, 1)
+    ref_opt.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    _step(ref, ref_opt, 2)
+    _step(host, opt, 2)
+    opt.state_dict()  # (waits for the last update)
+    for a, b in zip(ref.parameters(), host.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -363,6 +363,9 @@ class HostOptimizer(torch.optim.AdamW):
         ids = {pid: p for sg, g in zip(saved_groups, self.param_groups) for pid, p in zip(sg["params"], g["params"])}
         index = {id(p): i for i, p in enumerate(self.params)}
         pin = self.device.type == "cuda"
+        for i, p in enumerate(self.params):  # (torch's load replaces the whole state: none kept of a weight it lacks)
+            self._inner_state(i).pop(self.masters[i], None)
+            self.state.pop(p, None)
         for pid, saved in state_dict["state"].items():
             p = ids[pid]
             i = index[id(p)]
