@@ -268,6 +268,10 @@ def _sampling(args):
         problems.append(f"--logprobs must be >= 0 (0: the chosen token's only), got {args.logprobs}")
     if any(s == "" for s in args.stop):
         problems.append("--stop needs a non-empty text")
+    from .prompts import not_text
+
+    problems += [f"--stop {s!r} {not_text(s)}, so no generated text could hold it; give it as UTF-8 text"
+                 for s in args.stop if not_text(s)]
     if problems:
         if taken:
             problems.append(f"(from generation_config.json: {args.generation_defaults}; a flag overrides each)")

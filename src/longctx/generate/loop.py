@@ -85,6 +85,11 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
     model calls run through this compiled static-shape step (models/static_decode.py) where the cache
     and model have one (one device, a dense model; else eagerly, as without it)."""
     n = len(prompts)
+    # (a list of another length was cut or ran out of rows silently; a negative limit sized the cache below
+    # the prompt, an error about max_len that named nothing the caller gave)
+    if len(limits) != n or any(int(limit) < 0 for limit in limits):
+        raise ValueError(f"max_new_tokens must be one int >= 0 for every prompt, or a list of one per prompt; got "
+                         f"{list(limits)} for {n} prompt{'s' * (n != 1)}")
     _check_window(model, prompts, limits, backend)
     device = device or model.tok_embeddings.weight.device
     # cache rows in order of length, so each length group is a contiguous range of rows

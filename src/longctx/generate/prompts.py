@@ -24,7 +24,10 @@ def read_prompts(args) -> list[dict]:
     if not path.is_file():
         raise ConfigError(f"--prompts {path}: no such file; pass a .jsonl file with one {{\"prompt\": ...}} per line.")
     prompts, lines = [], {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # JSON Lines are separated by "\n" only: str.splitlines() also splits at U+2028, U+2029, U+0085 and
+    # \x1c-\x1e, which JSON strings may hold unescaped (json.dumps(ensure_ascii=False) writes them so), and a
+    # valid line holding one was refused as "not JSON" (read_text's newline mode has turned \r\n into \n)
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -44,6 +47,9 @@ def read_prompts(args) -> list[dict]:
         prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
                         **({"messages": row["messages"]} if "messages" in row else {})})
         prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
+        bad = not_text(json.dumps(row["id"], ensure_ascii=False)) if "id" in row else None
+        if bad:  # (the output line that carries it could not be written, after the generation)
+            raise ConfigError(f"--prompts {path} line {n}: its \"id\" {bad}; give it as UTF-8 text.")
         if "id" in row:  # (by its JSON: 1 and "1" are two ids, as a reader of the output tells them apart)
             lines.setdefault(json.dumps(row["id"], sort_keys=True, ensure_ascii=False), []).append(n)
     if not prompts:
@@ -152,6 +158,9 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
         which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
         if not p["text"]:
             raise ConfigError(f"{which} is empty; give it some text to continue.")
+        bad = not_text(p["text"])
+        if bad:
+            raise ConfigError(f"{which} {bad}; give it as UTF-8 text.")
         # (a rendered chat holds its special tokens already: none added, as transformers tokenizes it)
         add = not p.get("chat")
         if add and hf:
@@ -179,6 +188,17 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
         notes.append(f"{', '.join(past)} run past the {reach.positions:,} positions the model reaches "
                      f"({reach.said()}), as --allow-extrapolation asks: expect degraded text there")
     return limits, notes
+
+
+def not_text(text: str) -> str | None:
+    """What makes `text` no text (None: it is): a lone surrogate (U+D800-U+DFFF), which no tokenizer reads (a
+    traceback from its encode) and no decoded text holds. It comes from bytes that are not UTF-8 on the command
+    line (Python keeps them as U+DC80-U+DCFF) or a JSON escape such as \\ud800 without its pair."""
+    for i, ch in enumerate(text):
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            return (f"holds U+{ord(ch):04X} at character {i}, a lone surrogate, not a character (bytes that are not "
+                    f"UTF-8 on the command line, or a JSON escape such as \\ud800 without its pair)")
+    return None
 
 
 def _past_reach(which: str, n: int, reach, new_tokens: int, init_from: str = "") -> str:

@@ -173,8 +173,11 @@ class Processors:
                 self.seen[r, torch.as_tensor(list(p), dtype=torch.long, device=device)] = True
         if sampling.presence_penalty or sampling.frequency_penalty:
             self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
-        self.eos = torch.as_tensor(sorted(set(int(e) for e in eos_ids)), dtype=torch.long, device=device) \
-            if sampling.min_new_tokens > 0 and eos_ids else None
+        # (an EOS id outside the vocabulary, which a config.json may name, is never generated: nothing to hold
+        # back, as transformers' MinNewTokensLengthLogitsProcessor ignores it; it indexed past the logits)
+        eos = sorted({int(e) for e in eos_ids if 0 <= int(e) < vocab})
+        self.eos = torch.as_tensor(eos, dtype=torch.long, device=device) if sampling.min_new_tokens > 0 and eos \
+            else None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Step 1 on fp32 logits [rows, vocab]."""
