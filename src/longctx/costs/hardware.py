@@ -75,6 +75,11 @@ class Hardware:
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
+    @property
+    def is_cpu(self) -> bool:
+        """A calibration of a CPU (cpu-measured, or a file based on it): its device memory is host memory."""
+        return self.name.lower().startswith("cpu")
+
     def replace(self, **changes) -> Hardware:
         return dataclasses.replace(self, **changes)
 
@@ -175,7 +180,9 @@ def apply_overrides(hw: Hardware, values: dict) -> Hardware:
         changes[key] = v
     if not changes:
         return hw
-    return hw.replace(**changes, source=hw.source + " + overrides")
+    # a file written by `longctx plan --calibrate-out` names its own source (was: two values for it, a TypeError)
+    source = changes.pop("source", None)
+    return hw.replace(**changes, source=hw.source + " + overrides" if source is None else source)
 
 
 def parse_kv(items: list[str] | None) -> dict:

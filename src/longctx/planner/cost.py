@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.host_bytes import device_bytes, exposed_host_state_seconds, predicted_host_bytes
+from ..costs.host_bytes import device_bytes, exposed_host_state_seconds, one_memory_bytes, predicted_host_bytes
 from ..costs.model_states import param_counts
 from ..costs.shape import MeshShape
 from ..costs.timing import (
@@ -161,17 +161,32 @@ def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_ac
 
 
 def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_node: int,
-                    hw: Hardware) -> list[str]:
-    """What does not fit: GPU memory, host memory per node (`host`: one rank's by part)."""
+                    hw: Hardware, one_memory: float = 0.0) -> list[str]:
+    """What does not fit: GPU memory, host memory per node (`host`: one rank's by part). one_memory: on a
+    CPU (hw.is_cpu), the peak of a run there (costs/host_bytes.py one_memory_bytes: the foreach AdamW's step,
+    and the host bytes in the same memory where the hardware has none of its own), the figure `longctx
+    train`'s preflight checks; it must fit the process's share too."""
     problems = []
     if memory["total"] > hw.usable_memory_bytes:
         problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per GPU, {hw.usable_memory_bytes / 2**30:.1f} "
                         f"usable of {hw.memory_gib:g}")
+    elif one_memory > hw.usable_memory_bytes:
+        problems.append(f"needs {one_memory / 2**30:.1f} GiB of this CPU's memory per process, "
+                        f"{hw.usable_memory_bytes / 2**30:.1f} usable of {hw.memory_gib:g}: a CPU run's foreach AdamW "
+                        f"step holds 20 bytes per parameter under memory.model_states = device, and without host "
+                        f"memory of its own its host bytes share that memory (costs/host_bytes.py "
+                        f"one_memory_bytes, what the preflight of `longctx train` checks)")
     per_node = host["total"] * ranks_per_node
     # hardware that names no host memory (0: a CPU calibration, test hardware) still refuses offload
     # and host-tier states, but not the data loader's batches every run holds
     checked = per_node if hw.host_memory_gib else (host["total"] - host.get("data_loader", 0.0)) * ranks_per_node
-    if checked > hw.usable_host_bytes:
+    if checked > hw.usable_host_bytes and not hw.host_memory_gib:  # (was "needs 0.0 GiB ... (), 0.0 usable of 0")
+        parts = ", ".join(f"{k.replace('_', ' ')} {v * ranks_per_node / 2**20:,.1f} MiB" for k, v in host.items()
+                          if k not in ("total", "data_loader") and v > 0)
+        problems.append(f"keeps {checked / 2**20:,.1f} MiB in host memory per node ({parts}), but hardware {hw.name} "
+                        f"has no host memory (host_memory_gib = 0): plan without host memory (--model-states device "
+                        f"--offload none), or give it (--hw host_memory_gib=GIB --hw usable_host_fraction=0.8)")
+    elif checked > hw.usable_host_bytes:
         parts = ", ".join(f"{k.replace('_', ' ')} {v * ranks_per_node / 2**30:.1f}"
                           for k, v in host.items() if k != "total" and v >= 2**30 / 10)
         problems.append(f"needs {per_node / 2**30:.1f} GiB of host memory per node ({parts}), "
@@ -360,7 +375,11 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
     host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask,
                                 async_checkpoint=settings.async_checkpoint, co2_momentum=settings.co2_outer_momentum)
-    problems += memory_problems(memory, host, ranks_per_node, hw)
+    # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host
+    # memory of its own (a calibration: one memory), the host bytes in the same memory as the device's
+    one_memory = one_memory_bytes(m, shape, model_states, memory, {"total": 0.0} if hw.host_memory_gib else host,
+                                  grad_accum) if hw.is_cpu else 0.0
+    problems += memory_problems(memory, host, ranks_per_node, hw, one_memory)
     return Footprint(shape, policy, micro_batch, grad_accum, tokens, work, acts, transient, flops, compute, co2_outer,
                      memory, host, host["total"] * ranks_per_node, attn_traffic, problems, model_states)
 
