@@ -298,13 +298,17 @@ class CheckpointManager:
         """Block until the save in flight (if any) is written, hashed and committed."""
         if self._finishing is None:
             return
-        finishing, self._finishing = self._finishing, None
+        finishing = self._finishing
         try:
             finishing.result()
-        except CheckpointError:
-            raise
-        except Exception as e:
+        except BaseException as e:
+            if not finishing.done():  # the wait itself interrupted (Ctrl-C): the save is still in flight, and is
+                raise  # waited for again on the way out (train/saves.py finish_in_flight), not forgotten
+            self._finishing = None
+            if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+                raise
             raise CheckpointError(f"the background checkpoint save failed: {e}") from e
+        self._finishing = None
 
     # ------------------------------------------------------------------ verifying
     def find_damage(self, path: Path) -> tuple[dict | None, dict[str, str]]:

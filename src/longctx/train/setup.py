@@ -29,7 +29,7 @@ from ..durable import write_text_durably
 from ..errors import ConfigError, DataError, UserError
 from ..job.runtime import Runtime
 from .metrics import json_record
-from .stages import holdout_grid
+from .stages import holdout_grid, stage_config
 
 
 def check_packages(cfg: Config) -> None:
@@ -164,7 +164,7 @@ def _same_error(cls: type[UserError], message: str) -> UserError:
         return error
 
 
-def store_path(cfg: Config, log, rt: Runtime | None) -> str:
+def store_path(cfg: Config, log, rt: Runtime | None, announce_cached: bool = True) -> str:
     """data.path, or the store built (once, then cached) from data.corpus. With several ranks,
     rank 0 builds and the others wait for it."""
     if cfg.data.path:
@@ -174,8 +174,21 @@ def store_path(cfg: Config, log, rt: Runtime | None) -> str:
     # every stage's store holds out the same text (default_store: one grid), or a later stage would
     # evaluate on text an earlier one trained on
     return str(on_main(rt, lambda: default_store(cfg.data, cfg.train.seq_len, cfg.metrics.progress, log,
-                                                 holdout_tokens=holdout_grid(cfg)),
+                                                 announce_cached=announce_cached, holdout_tokens=holdout_grid(cfg)),
                        "building the data store"))
+
+
+def build_later_stores(cfg: Config, stages, start_step: int, log, rt: Runtime | None) -> None:
+    """The default stores of the stages a run enters after the one it starts in (data.corpus at each stage's
+    length), built now, at set-up, as `longctx train --nproc`'s preflight builds them: built when its stage began,
+    rank 0's build ran under the hang watchdog while the other ranks waited for it in a broadcast, and one that
+    took longer than parallel.timeout_s ended the job as hung (exit 86), hours into training. Only built: each is
+    opened when its stage begins."""
+    if cfg.data.path:
+        return
+    for stage in stages:
+        if stage.first_step > start_step + 1:  # (the one the run starts in is built as it is entered)
+            store_path(stage_config(cfg, stage), log, rt, announce_cached=False)
 
 
 def run_tokenizer(cfg: Config) -> str:

@@ -57,6 +57,7 @@ from .rollback import BadStep, resume_past_rollback, roll_back
 from .saves import RunSaves
 from .setup import (
     build_data,
+    build_later_stores,
     check_packages,
     continue_run_files,
     make_run_dir,
@@ -138,6 +139,8 @@ class Trainer:
         self.start_positions = start_positions(cfg, self.ckpt)  # (what checkpoints record as trained: stages.py)
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
+        # (every later stage's store built now, before the hang watchdog runs: setup.build_later_stores)
+        build_later_stores(cfg, self.sampler.stages, self.start_step, self.log, rt)
         if rt.is_main:
             continue_run_files(self.run_dir, cfg, self.start_step, self.log, self.metrics.path)
         self.log(setup_peak_line(self.device, rt))
@@ -160,19 +163,23 @@ class Trainer:
 
     def _enter_stage(self, step: int, announce: bool = False) -> None:
         """Switch the data to `step`'s stage when it starts there (train.stages), and say so."""
-        if not (self.sampler.enter(step) or announce):
+        changed = self.sampler.enter(step)
+        if self.ckpt is not None:  # (every step: a rollback may have lowered it, within this stage: _roll_back)
+            self._record_trained(self.sampler.stage.index)
+        if not (changed or announce):
             return
         if self.sampler.position_note:
             self.log(f"data: {self.sampler.position_note}")
             self.sampler.position_note = None
         s = self.sampler.stage
         self.metrics.enter_stage(s.seq_len)
-        if self.ckpt is not None:  # what checkpoints from here on record as trained (config/positions.py)
-            trained = (t.seq_len for t in self.sampler.stages[:s.index + 1])
-            self.ckpt.trained_positions = max(self.start_positions, *trained)
         if len(self.sampler.stages) > 1:
             self.log(f"stage {s.index + 1}/{len(self.sampler.stages)}: steps {s.first_step}-{s.last_step} at "
                      f"{s.seq_len} tokens per sequence")
+
+    def _record_trained(self, stage: int) -> None:
+        """What checkpoints from here on record as trained (config/positions.py): stages 1..`stage`'s lengths."""
+        self.ckpt.trained_positions = max(self.start_positions, *(t.seq_len for t in self.sampler.stages[:stage + 1]))
 
     def _describe(self) -> None:
         for line in describe_run(self.cfg, self.rt.world, self.rt.dims, self.model, self.device, self.dtype,
@@ -198,12 +205,12 @@ class Trainer:
                           bar=progress) as loop.beat:
                 try:
                     step = self._run_steps(loop, stop)
+                    if self.ckpt is not None:
+                        watchdog.phase(step, "save")
+                        self.saves.wait()  # the last async save is complete and committed before the job ends
                 except BaseException:  # (a stop on a bad step, a full disk, Ctrl-C): the save in flight committed
                     self.saves.finish_in_flight()
                     raise
-                if self.ckpt is not None:
-                    watchdog.phase(step, "save")
-                    self.saves.wait()  # the last async save is complete and committed before the job ends
         finally:
             self.hooks.run_end()
             self.sampler.close()
@@ -375,6 +382,9 @@ class Trainer:
         self.saves.wait()
         note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main,
                          self.rollback_repeats)
+        # the reloaded weights' own trained positions, not the later stage's the run had reached (a stop on a signal
+        # saves them before the next step's stage is entered)
+        self._record_trained(self.sampler.stage_of(int(self.ckpt.resumed_from[1]["step"])).index)
         restore_step_state(self)  # the checkpoint's spike window (no blind steps) and placements
         self.hooks.rolled_back()
         del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
