@@ -157,12 +157,15 @@ def _read_prompts(args, tokenizer, spec) -> dict[int | str, list[list[int]]]:
     from ..data.default_store import default_store
     from ..errors import ConfigError, DataError
     from ..eval.tasks import load_source, parse_lengths
-    from ..generate.prompts import read_prompts
+    from ..generate.prompts import not_text, read_prompts
 
     if args.prompts:
         from ..config.tokenizer import model_text_prefix
 
         rows = read_prompts(SimpleNamespace(prompt=None, prompts=args.prompts))
+        for i, row in enumerate(rows):  # (generate's check: the byte tokenizer read it as '?', an HF one raised)
+            if bad := not_text(row["text"]):
+                raise ConfigError(f"--prompts {args.prompts}: prompt {i + 1} {bad}; give it as UTF-8 text.")
         prefix = model_text_prefix(args.target, tokenizer)  # (as `longctx generate` prompts it: its BOS, say)
         prompts = [prefix + list(map(int, tokenizer.encode(r["text"]))) for r in rows]
         if not all(prompts):  # (else the prefill's ValueError, after both models have loaded)

@@ -26,8 +26,8 @@ def read_prompts(args) -> list[dict]:
     prompts, lines = [], {}
     # JSON Lines are separated by "\n" only: str.splitlines() also splits at U+2028, U+2029, U+0085 and
     # \x1c-\x1e, which JSON strings may hold unescaped (json.dumps(ensure_ascii=False) writes them so), and a
-    # valid line holding one was refused as "not JSON" (read_text's newline mode has turned \r\n into \n)
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+    # valid line holding one was refused as "not JSON" (_utf8_text has turned \r\n into \n)
+    for n, line in enumerate(_utf8_text(path).split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -56,6 +56,19 @@ def read_prompts(args) -> list[dict]:
         raise ConfigError(f"--prompts {path} holds no prompt.")
     _check_unique_ids(path, lines)
     return prompts
+
+
+def _utf8_text(path: Path) -> str:
+    """The --prompts file's text, its line ends "\\n" (as read_text's newline mode makes them); bytes that are not
+    UTF-8 are one error naming their line (a UnicodeDecodeError traceback before)."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
+        raise ConfigError(f"--prompts {path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at byte "
+                          f"{e.start} of the file); save the file as UTF-8.") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _check_unique_ids(path: Path, lines: dict) -> None:

@@ -19,11 +19,20 @@ def turn_cuts(corpus: ScannedCorpus, docs: np.ndarray, seq_len: int, eos_id: int
     answer that ends with the EOS already (a template that writes eos_token after each answer: Llama-2's,
     Mistral's) is cut before it, so that the EOS written at the cut is that one, not a second (`eos_id`)."""
     cuts, order = {}, iter(docs.tolist())
+
+    def own_eos(doc: int, cut: int) -> bool:  # (the answer cut after ends with the EOS itself)
+        return cut > 0 and eos_id is not None and int(corpus.get("tokens", doc, cut - 1, cut)[0]) == eos_id
+
     for shard, rows in corpus.kept_in_shards(docs):  # (shard by shard, in document order)
         offsets, values = shard.gaps(rows)
         for i, doc in zip(range(len(rows)), order):
-            cut = turn_cut(values[offsets[i]:offsets[i + 1]], seq_len)
-            if cut and eos_id is not None and int(corpus.get("tokens", doc, cut - 1, cut)[0]) == eos_id:
+            gaps = values[offsets[i]:offsets[i + 1]]
+            # (an answer ending at seq_len fits where its own EOS is the one written at the cut: as long as the
+            # shorter conversation stored alone, which fits)
+            cut = turn_cut(gaps, seq_len + 1)
+            if cut == seq_len and not own_eos(doc, cut):
+                cut = turn_cut(gaps, seq_len)
+            if own_eos(doc, cut):
                 cut -= 1
             if cut:
                 cuts[doc] = cut
