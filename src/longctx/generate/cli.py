@@ -224,6 +224,10 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     else:  # (the decode loop's rule, said before any weight is read: --allow-extrapolation does not move a window)
         check_window(cfg.model, longest, "generate")
     notes += dropless_notes("model", cfg.model)
+    if args.stop:  # (a stop that could never match is refused here, not after the weights: output.py)
+        from .output import StopStrings
+
+        StopStrings(tokenizer, args.stop)
     eos = eos_ids(cfg.model.init_from, tokenizer)
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
     if args.draft:

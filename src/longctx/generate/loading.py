@@ -62,8 +62,9 @@ def eos_ids(init_from: str, tokenizer) -> list[int]:
             if not file.is_file():
                 continue
             value = json.loads(file.read_text()).get("eos_token_id")
-            if value is not None:
-                return [int(v) for v in (value if isinstance(value, list) else [value])]
+            ids = [int(v) for v in (value if isinstance(value, list) else [value]) if v is not None]  # (a [null])
+            if ids:
+                return ids
     eos = getattr(tokenizer, "eos_id", None)
     return [] if eos is None else [int(eos)]
 
