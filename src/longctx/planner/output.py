@@ -44,7 +44,7 @@ def plan_config(est: Estimate, req: Request, base: Config) -> Config:
     # A plan for GPUs leaves train.device / train.dtype as the base has them ("auto": cuda + bf16 where
     # there is a GPU, else cpu + fp32), so it also runs on a machine without the planned GPUs; a plan
     # for CPU processes (hardware "cpu...") trains on the CPU, which its predictions are for.
-    if req.hardware.name.startswith("cpu") and raw["train"]["device"] == "auto":
+    if req.hardware.is_cpu and raw["train"]["device"] == "auto":  # (the planner's own test, any case: cost.py)
         raw["train"].update(device="cpu", dtype="fp32" if raw["train"]["dtype"] == "auto" else raw["train"]["dtype"])
     raw["model"]["max_seq_len"] = max(raw["model"]["max_seq_len"], req.seq_len)
     return build_config(raw)

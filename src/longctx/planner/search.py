@@ -249,7 +249,10 @@ def _host_memory_suggestion(req: Request, res: PlanResult) -> list[str]:
     """When plans fit the GPU but not the host: the least host memory one of them needs, by part,
     against the hardware's, and the host memory per node that makes the request feasible."""
     hw = req.hardware
-    fit_gpu = [e for e in res.ranked if e.memory["total"] <= hw.usable_memory_bytes]
+    # (only plans the host memory rules out: one refused for another reason, e.g. a CPU run's one-memory peak
+    # (cost.memory_problems), was reported as needing host memory the hardware has)
+    fit_gpu = [e for e in res.ranked if e.memory["total"] <= hw.usable_memory_bytes and
+               e.host_per_node > hw.usable_host_bytes]
     if not fit_gpu or not hw.usable_host_fraction:
         return []
     e = min(fit_gpu, key=lambda e: e.host_per_node)
