@@ -34,8 +34,13 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None, say
 
     run_dir = Path(run_dir)
     # (a run given --metrics.file wrote there: its config.toml says where)
-    metrics_path = Path(metrics_path or _run_setting(run_dir, "metrics", "file") or run_dir / "metrics.jsonl")
+    named = None if metrics_path else _run_setting(run_dir, "metrics", "file")
+    metrics_path = Path(metrics_path or (_run_path(run_dir, named) if named else run_dir / "metrics.jsonl"))
     if not metrics_path.is_file():
+        if named and not Path(named).is_absolute():
+            raise UserError(f"{run_dir / 'config.toml'} names metrics.file {named!r}, a path relative to the directory "
+                            f"`longctx train` ran in, and there is no {metrics_path.resolve()}; run `longctx report` "
+                            f"from the directory the run was started in.")
         raise UserError(f"{metrics_path} does not exist; pass the run directory a `longctx train` run wrote.")
     cut: list[int] = []
     records = read_jsonl(metrics_path, cut)
@@ -255,9 +260,25 @@ def rolled_back_steps(run_dir: Path) -> list[tuple[int, int]]:
     from .rollback import RECORD
 
     named = _run_setting(run_dir, "checkpoint", "dir")
-    roots = [run_dir / "checkpoints", *([Path(named)] if named else [])]
-    records = next((read_jsonl(r / RECORD) for r in roots if (r / RECORD).is_file()), [])
+    roots = [run_dir / "checkpoints", *([_run_path(run_dir, named)] if named else [])]
+    # (both: a run resumed with another --checkpoint.dir recorded its earlier rollbacks in the first)
+    records = [r for root in roots if (root / RECORD).is_file() for r in read_jsonl(root / RECORD)]
     return sorted({(int(r["skipped_steps"][0]), int(r["skipped_steps"][1])) for r in records})
+
+
+def _run_path(run_dir: Path, named: str) -> Path:
+    """A path the run's config.toml names (metrics.file, checkpoint.dir). A relative one is relative to the
+    directory `longctx train` ran in, not necessarily this process's: where train.run_dir was relative too (or
+    not given: runs/<time>-<preset>), that directory is `run_dir` less its trailing parts (runs/x of /a/runs/x)."""
+    path = Path(named)
+    if path.is_absolute() or path.exists():
+        return path
+    here = run_dir.resolve().parts
+    stored = _run_setting(run_dir, "train", "run_dir") or str(Path("runs", here[-1]))
+    parts = () if Path(stored).is_absolute() else Path(stored).parts
+    if parts and ".." not in parts and len(here) > len(parts) and here[-len(parts):] == parts:
+        return Path(*here[:-len(parts)]) / path
+    return path
 
 
 def _run_setting(run_dir: Path, section: str, key: str):
