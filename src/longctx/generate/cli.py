@@ -274,8 +274,8 @@ def _sampling(args):
         problems.append("--stop needs a non-empty text")
     from .prompts import not_text
 
-    problems += [f"--stop {s!r} {not_text(s)}, so no generated text could hold it; give it as UTF-8 text"
-                 for s in args.stop if not_text(s)]
+    problems += [f"--stop {s!r} {bad}, so no generated text could hold it; give it as UTF-8 text"
+                 for s in args.stop if (bad := not_text(s))]
     if problems:
         if taken:
             problems.append(f"(from generation_config.json: {args.generation_defaults}; a flag overrides each)")

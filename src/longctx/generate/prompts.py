@@ -47,11 +47,11 @@ def read_prompts(args) -> list[dict]:
         prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
                         **({"messages": row["messages"]} if "messages" in row else {})})
         prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
-        bad = not_text(json.dumps(row["id"], ensure_ascii=False)) if "id" in row else None
-        if bad:  # (the output line that carries it could not be written, after the generation)
-            raise ConfigError(f"--prompts {path} line {n}: its \"id\" {bad}; give it as UTF-8 text.")
         if "id" in row:  # (by its JSON: 1 and "1" are two ids, as a reader of the output tells them apart)
-            lines.setdefault(json.dumps(row["id"], sort_keys=True, ensure_ascii=False), []).append(n)
+            key = json.dumps(row["id"], sort_keys=True, ensure_ascii=False)
+            if bad := not_text(key):  # (the output line that carries it could not be written, after the generation)
+                raise ConfigError(f"--prompts {path} line {n}: its \"id\" {bad}; give it as UTF-8 text.")
+            lines.setdefault(key, []).append(n)
     if not prompts:
         raise ConfigError(f"--prompts {path} holds no prompt.")
     _check_unique_ids(path, lines)
@@ -207,10 +207,11 @@ def not_text(text: str) -> str | None:
     """What makes `text` no text (None: it is): a lone surrogate (U+D800-U+DFFF), which no tokenizer reads (a
     traceback from its encode) and no decoded text holds. It comes from bytes that are not UTF-8 on the command
     line (Python keeps them as U+DC80-U+DCFF) or a JSON escape such as \\ud800 without its pair."""
-    for i, ch in enumerate(text):
-        if 0xD800 <= ord(ch) <= 0xDFFF:
-            return (f"holds U+{ord(ch):04X} at character {i}, a lone surrogate, not a character (bytes that are not "
-                    f"UTF-8 on the command line, or a JSON escape such as \\ud800 without its pair)")
+    try:
+        text.encode("utf-8")  # (in C: a prompt may be megabytes; strict UTF-8 refuses exactly the surrogates)
+    except UnicodeEncodeError as e:
+        return (f"holds U+{ord(text[e.start]):04X} at character {e.start}, a lone surrogate, not a character (bytes "
+                f"that are not UTF-8 on the command line, or a JSON escape such as \\ud800 without its pair)")
     return None
 
 
