@@ -34,3 +34,11 @@ def _forward_with_labels(model, batch, autocast_dtype, reduction: str) -> torch.
             extra["label_weights"] = batch.label_weights
         return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction=reduction,
                      **extra)
+
+
+def step_mean(total: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """A step's loss over the labels scored; with none, NaN (a mean over no token): the guard withholds the update
+    on the device as for a non-finite loss (AdamW would move the weights with no data); train.on_nonfinite decides."""
+    if isinstance(count, torch.Tensor):
+        return torch.where(count > 0, total / count.clamp(min=1), float("nan"))
+    return total / count if count else torch.full_like(total, float("nan"))

@@ -39,7 +39,7 @@ from ..parallel.context.shares import read_local_batch, to_device
 from ..parallel.fsdp.shard import grad_scale
 from ..progress import phase, progress_bar, said
 from ..step.gradients import clip_step_gradients, set_gradient_sync
-from ..step.loss import forward_loss_sum
+from ..step.loss import forward_loss_sum, step_mean
 from ..step.optimizer import guarded_step, make_optimizer
 from ..step.schedule import lr_at
 from .co2 import co2_rounds
@@ -295,7 +295,7 @@ class Trainer:
             valid = self._label_count(micro, valid)  # (a draft's reduced vocabulary scores fewer labels)
             local_loss = self._forward_backward(step, micro, valid)
             watchdog.phase(step, "optimizer")
-            loss = _step_mean(self.rt.sum_tensor(local_loss), valid)
+            loss = step_mean(self.rt.sum_tensor(local_loss), valid)
             if self.co2 is not None:  # train.co2_sync_steps: a synchronous step's gradients averaged first
                 self.co2.before_clip(step)
             grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip)
@@ -436,14 +436,6 @@ class _Loop:
     unread: list = field(default_factory=list)  # steps whose figures are still on the device
     beat: object = None  # the training phase (progress.phase): heartbeat lines count its steps
     mean_from: int = 0  # result.losses' index where the current log interval's losses begin
-
-
-def _step_mean(total: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
-    """A step's loss over the labels scored; with none, NaN (a mean over no token): the guard withholds the update
-    on the device as for a non-finite loss (AdamW would move the weights with no data); train.on_nonfinite decides."""
-    if isinstance(count, torch.Tensor):
-        return torch.where(count > 0, total / count.clamp(min=1), float("nan"))
-    return total / count if count else torch.full_like(total, float("nan"))
 
 
 def train(cfg: Config, log=print) -> TrainResult:
