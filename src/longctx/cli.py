@@ -36,7 +36,7 @@ def _config_help() -> str:
 def _cmd_train(args, overrides) -> int:
     from .config import to_toml
     from .config.layout import resolve_layout
-    from .job.launch import check_launcher_env, default_nproc, launched_by_us, under_launcher
+    from .job.launch import check_launcher_env, default_nproc, launched_by_us, refuse_scheduler_tasks, under_launcher
 
     if args.nproc is not None and args.nproc < 1:  # (0 read as "not given" ran the default 4 ranks)
         raise ConfigError(f"--nproc must be >= 1 (1 = this process), got {args.nproc}.")
@@ -47,6 +47,8 @@ def _cmd_train(args, overrides) -> int:
     launcher = under_launcher()
     if launcher:
         check_launcher_env()  # (a rank outside the world waited on the rendezvous until its timeout)
+    else:
+        refuse_scheduler_tasks()  # (`srun -n N longctx train`: N whole jobs in one run directory)
     if launcher and args.nproc:
         print(f"longctx train: note: --nproc {args.nproc} is ignored under torchrun, which started "
               f"{os.environ['WORLD_SIZE']} ranks", file=sys.stderr)

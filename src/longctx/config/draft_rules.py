@@ -1,10 +1,16 @@
 """[draft]'s rules (config/rules.py validate asks them): its numbers, what GliDe draft training (train/glide.py)
 supports, and what draft.kind = clover (models/clover.py, train/glide.py CloverTraining) allows: GliDe's options
 that a Clover draft has no use for, and the training it supports (one rank; its one Augmenting Block without a
-recompute policy or attention chunks)."""
+recompute policy or attention chunks); and check_draft_target: draft.target names weights a draft trains
+against (hf:DIR, or a complete longctx checkpoint of a model, not another draft's)."""
 
 from __future__ import annotations
 
+import json
+
+from ..errors import ConfigError
+from .checkpoint_paths import MANIFEST, find_checkpoint
+from .hf import hf_dir
 from .schema import Config
 
 
@@ -75,3 +81,28 @@ def draft_problems(cfg: Config) -> list[str]:
                         "memory.attention_chunk and memory.loss_chunk; drop memory.offload_fraction, "
                         "memory.block_chunk and memory.attention_offload.")
     return problems
+
+
+def check_draft_target(target: str) -> None:
+    """draft.target names weights a GliDe draft can be trained against: a local Hugging Face directory
+    with config.json (hf:DIR), or a complete longctx checkpoint of a model (not another draft's)."""
+    if target.startswith("hf:"):
+        path = hf_dir(target)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"draft.target = {target!r}: {path} is not a Hugging Face model directory (no "
+                                f"config.json); pass hf:DIR with config.json and safetensors weights, or DIR, a "
+                                f"longctx checkpoint.")
+        return
+    path = find_checkpoint(target)
+    if path is None:
+        raise ConfigError(f"draft.target = {target!r} holds no complete longctx checkpoint (a step-* directory with "
+                            f"{MANIFEST}, or a checkpoints directory holding them); train the target first (longctx "
+                            f"train with --checkpoint.interval N saves them), or hf:DIR for Hugging Face weights.")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"draft.target: {path / MANIFEST} cannot be read ({e}).") from None
+    if isinstance(manifest, dict) and manifest.get("draft"):
+        raise ConfigError(f"draft.target = {target!r}: {path} is itself a GliDe draft's checkpoint; name the model "
+                            f"it drafts for (its manifest's draft.target.path: "
+                            f"{manifest['draft'].get('target', {}).get('path')!r}).")

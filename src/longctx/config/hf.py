@@ -40,7 +40,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
 from .checkpoint_paths import MANIFEST, find_checkpoint
 from .hf_families import (
     FAMILIES,
@@ -369,31 +368,6 @@ def initial_hf_config(init_from: str, depth: int = 16) -> dict | None:
         return None
 
 
-def check_draft_target(target: str) -> None:
-    """draft.target names weights a GliDe draft can be trained against: a local Hugging Face directory
-    with config.json (hf:DIR), or a complete longctx checkpoint of a model (not another draft's)."""
-    if target.startswith("hf:"):
-        path = hf_dir(target)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"draft.target = {target!r}: {path} is not a Hugging Face model directory (no "
-                                f"config.json); pass hf:DIR with config.json and safetensors weights, or DIR, a "
-                                f"longctx checkpoint.")
-        return
-    path = find_checkpoint(target)
-    if path is None:
-        raise ConfigError(f"draft.target = {target!r} holds no complete longctx checkpoint (a step-* directory with "
-                            f"{MANIFEST}, or a checkpoints directory holding them); train the target first (longctx "
-                            f"train with --checkpoint.interval N saves them), or hf:DIR for Hugging Face weights.")
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"draft.target: {path / MANIFEST} cannot be read ({e}).") from None
-    if isinstance(manifest, dict) and manifest.get("draft"):
-        raise ConfigError(f"draft.target = {target!r}: {path} is itself a GliDe draft's checkpoint; name the model "
-                            f"it drafts for (its manifest's draft.target.path: "
-                            f"{manifest['draft'].get('target', {}).get('path')!r}).")
-
-
 def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """[model] values as the user gave them (init_from set) -> (the run's [model] values, what the
     user's extension keys changed). The weights' own description decides family, shapes and RoPE:
@@ -410,8 +384,11 @@ def resolve_init_from(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         preset = "hf"
 
         def stored(key):
-            name = _hf_key(key, hf.get("model_type"), hf)
-            said = f"config.json has {name}={hf.get(name)!r}"
+            family, name = hf.get("model_type"), _hf_key(key, hf.get("model_type"), hf)
+            # (a key the file leaves out is its family's default in transformers, not None: with_family_defaults)
+            config_class = FAMILIES[family].replace("ForCausalLM", "Config")
+            said = (f"config.json has {name}={hf[name]!r}" if name in hf else
+                    f"config.json has no {name} (transformers' {config_class} default applies)")
             if key == "moe.dense_layers" and "decoder_sparse_step" in hf:
                 said += f" and decoder_sparse_step={hf['decoder_sparse_step']!r}"
             return said

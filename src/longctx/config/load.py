@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .hf import check_draft_target, check_run_window, resolve_init_from
+from .draft_rules import check_draft_target
+from .hf import check_run_window, resolve_init_from
 from .presets import MODEL_PRESETS
 from .rules import parse_stages, validate
 from .schema import Config, DraftConfig, ModelConfig, TrainConfig

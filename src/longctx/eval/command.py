@@ -103,9 +103,11 @@ def _say_threads(cfg) -> None:
 
 
 def main(args, overrides) -> int:
-    from ..job.launch import argv_without_nproc, check_launcher_env, relaunch, under_launcher
+    from ..job.launch import argv_without_nproc, check_launcher_env, refuse_scheduler_tasks, relaunch, under_launcher
     from .request import prepare
 
+    if not under_launcher():
+        refuse_scheduler_tasks()  # (`srun -n N longctx eval`: N whole jobs)
     nproc = check_launcher_env()[1] if under_launcher() else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}.")

@@ -23,6 +23,21 @@ def _check_layout(cfg, lengths: list[int], mode: str, nproc: int) -> None:
     check_layout(cfg, nproc)
     if mode == "generate":
         _check_generation_layout(cfg, dims, nproc)
+    else:
+        _check_ms_poe_probe(cfg, nproc)
+
+
+def _check_ms_poe_probe(cfg, nproc: int) -> None:
+    """Ms-PoE's attention order ranks the heads on a probe through the whole weights (models/ms_poe.py), which
+    score mode's FSDP-sharded model (several processes, or memory.model_states = host: parallel/fsdp/shard.py
+    uses_fsdp) does not hold: refused here, before any rank starts and builds its model to refuse it."""
+    m = cfg.model
+    if m.rope_ms_poe and m.rope_ms_poe_order == "attention" and (nproc > 1 or cfg.memory.model_states == "host"):
+        where = f"--nproc {nproc}" if nproc > 1 else "--memory.model_states=host"
+        raise ConfigError(f"--model.rope_ms_poe_order=attention ranks each head on a probe with the whole weights, "
+                          f"but --mode score under {where} shards the model (FSDP). Set "
+                          f"--model.rope_ms_poe_order=index, or evaluate on one process (--nproc 1) with the "
+                          f"weights on the device, or use --mode generate, whose ranks each hold the weights.")
 
 
 def _check_generation_layout(cfg, dims, nproc: int) -> None:

@@ -63,8 +63,11 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     p = given.get("parallel", {})
     if nproc > 1 and not any(k in p for k in ("dp_replicate", "dp_shard", "head", "ctx")):
         infllm = getattr(args, "context_memory", "none") == "infllm"  # (its memory shards over ctx ranks only)
-        given.setdefault("parallel", {}).update({"ctx": nproc} if infllm else default_layout(nproc, *_heads(
-            args.checkpoint)))
+        layout = {"ctx": nproc} if infllm else default_layout(nproc, *_heads(args.checkpoint))
+        if not layout and getattr(args, "mode", "score") == "generate":
+            # (an odd --nproc: the default is data parallelism, which generation has not; the cache over ctx ranks)
+            layout = {"ctx": nproc}
+        given.setdefault("parallel", {}).update(layout)
     given.setdefault("model", {})["init_from"] = args.checkpoint
     train = given.setdefault("train", {})
     # the checkpoint's own model and the layout's data-parallel degree, before the lengths are set

@@ -296,10 +296,12 @@ def _cape_table(args, sampling):
 
 
 def main(args, overrides) -> int:
-    from ..job.launch import argv_without_nproc, check_launcher_env, relaunch, under_launcher
+    from ..job.launch import argv_without_nproc, check_launcher_env, refuse_scheduler_tasks, relaunch, under_launcher
 
     if under_launcher():  # a rank: the layout's size is the job's (its launcher's variables checked first)
         args.nproc = check_launcher_env()[1]
+    else:
+        refuse_scheduler_tasks()  # (`srun -n N longctx generate`: N whole jobs)
     request = prepare(args, overrides)  # every input error, before the weights are read (once, in the launcher)
     if args.nproc > 1 and not under_launcher():
         for note in request.notes:

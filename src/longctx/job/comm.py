@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import watchdog
+from .link_hook import link_hook, paced, set_link_hook  # noqa: F401 (comm's API: benchmarks and experts call them here)
 
 _BYTES: dict[tuple[str, str], int] = defaultdict(int)
 _GROUPS: dict[tuple[str, str], set[str]] = defaultdict(set)  # (dim, label) -> names of the groups it ran on
@@ -96,34 +97,9 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# A link hook: what a benchmark installs to make this module's collectives take the time a modelled
-# cluster's links would (bench/emulated_link.py's LinkEmulator; training never installs one). It
-# answers covers(dim), post(by_peer, now) / post_ring(ranks, bytes, now) -> completion time,
-# wait_until(done, started), and paced(run, x, flops) for the compute between collectives.
-_LINK_HOOK = None
-
-
-def set_link_hook(hook):
-    """Install `hook` (None: real links only) for this process's collectives; returns the previous one."""
-    global _LINK_HOOK
-    previous, _LINK_HOOK = _LINK_HOOK, hook
-    return previous
-
-
-def link_hook():
-    return _LINK_HOOK
-
-
-def paced(run, x, flops: float):
-    """run(x), a block of `flops` forward FLOPs between collectives, as the installed link hook paces
-    it (an emulated device's compute time); just run(x) without one."""
-    hook = _LINK_HOOK
-    return run(x) if hook is None else hook.paced(run, x, flops)
-
-
 def _emulator(mesh):
     """The link hook if one is installed and covers this mesh's dim."""
-    hook = _LINK_HOOK
+    hook = link_hook()
     return hook if hook is not None and mesh.size() > 1 and hook.covers(dim_name(mesh)) else None
 
 
@@ -343,7 +319,7 @@ def _count_group(group, label: str, sent: int, started: float) -> None:
     key = ("fsdp", label)
     _BYTES[key] += sent
     _GROUPS[key].add(group.group_name)
-    hook = _LINK_HOOK
+    hook = link_hook()
     if hook is not None and group.size() > 1 and hook.covers("fsdp"):
         hook.wait_until(hook.post_ring(dist.get_process_group_ranks(group), sent, started), started)
 

@@ -48,16 +48,47 @@ def check_launcher_env(rendezvous: bool = True) -> tuple[int, int]:
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={world}) (as torchrun sets them); check the "
                           f"variables your launcher sets.")
+    # the node's ranks (torchrun's LOCAL_WORLD_SIZE: host-memory sharing, hpz / qgz's node): checked here, where
+    # a non-number was int()'s traceback in the layout check and a LOCAL_RANK past it went unnoticed
+    node = integer("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else None
+    if node is not None and not 1 <= node <= world:
+        raise ConfigError(f"LOCAL_WORLD_SIZE={node} (the ranks on this node) must be in [1, WORLD_SIZE={world}]; "
+                          f"check the variables your launcher sets.")
     if "LOCAL_RANK" in os.environ:
-        integer("LOCAL_RANK")
+        local = integer("LOCAL_RANK")
+        if not 0 <= local < (node or world):
+            raise ConfigError(f"LOCAL_RANK={local} must be in [0, "
+                              + (f"LOCAL_WORLD_SIZE={node})" if node else f"WORLD_SIZE={world})")
+                              + " (as torchrun sets them); check the variables your launcher sets.")
     if world > 1 and rendezvous:  # (the command checks it: a test's mocked process group has none)
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
         if missing:
             raise ConfigError(f"WORLD_SIZE={world} ranks meet at MASTER_ADDR:MASTER_PORT, but {' and '.join(missing)} "
                               f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun, or "
                               f"`longctx train --nproc {world}`, or set them.")
-        integer("MASTER_PORT")
+        port = integer("MASTER_PORT")
+        if not 1 <= port <= 65535:  # (torch's ValueError traceback; 0: a port rank 0 picks, its peers never learn)
+            raise ConfigError(f"MASTER_PORT={port} is not a TCP port: it must be in [1, 65535], the same on every "
+                              f"rank; choose a free one (torchrun's default is 29500).")
     return rank, world
+
+
+def refuse_scheduler_tasks() -> None:
+    """A process that no torchrun started, in a Slurm job step of several tasks (`srun -n 8 longctx train`,
+    or `srun -N 2 longctx train --nproc 8`): every task would run a whole job of its own, N copies of one
+    run writing into the same run directory. longctx reads torchrun's variables, not Slurm's, so one
+    clear error instead, with the commands that work."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")  # (srun's: the batch script itself has no step tasks)
+    if not tasks.isdigit() or int(tasks) <= 1:
+        return
+    raise ConfigError(
+        f"this process is task {os.environ.get('SLURM_PROCID', '?')} of {tasks} that srun started "
+        f"(SLURM_STEP_NUM_TASKS={tasks}), but no launcher set RANK and WORLD_SIZE: each task would run a "
+        f"job of its own. Start one task per node running torchrun (`srun --ntasks-per-node 1 torchrun "
+        f"--nnodes $SLURM_NNODES --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:29400 -m longctx "
+        f"...`), or one task on one node (`srun -n 1 longctx ... --nproc G`), or export RANK, WORLD_SIZE, "
+        f"LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each task from Slurm's variables. (One "
+        f"shell of such a step, as `srun -n 2 --pty bash` opens, running one job: unset SLURM_STEP_NUM_TASKS.)")
 
 
 def launched_by_us() -> bool:
@@ -243,7 +274,7 @@ def _rank_errors(folder: Path) -> dict[str, tuple[list[int], int]]:
 
 
 class RankError(UserError):
-    """The errors ranks reported, each once; exits with the first one's code."""
+    """The errors ranks reported, each once; exits with the first one's code (or the signal's that stopped the job)."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
@@ -294,9 +325,11 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         # this launcher got the signal (torchrun's agent): it sent SIGTERM to the ranks and gave them
         # 30 s, in which ranks that save on a signal (checkpoint.on_signal) saved and said so
         _raise_preempted(_rank_errors(error_dir), nproc)
-        raise UserError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
+        # the shell's code of a process a signal ended (130 for Ctrl-C, 143 for SIGTERM), as one process exits:
+        # a script tells an interrupted run from a failed one (it exited 1, a failure's code)
+        raise RankError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
                         f"on checkpoint.on_signal when the run saves: checkpoint.interval > 0 or "
-                        f"checkpoint.final).") from None
+                        f"checkpoint.final).", 128 + int(e.sigval)) from None
     except ChildFailedError as e:
         hang = watchdog.hang_report(error_dir, nproc)
         if hang is not None:  # the ranks' watchdogs fired (parallel.timeout_s): say where each was, once

@@ -21,6 +21,7 @@ or asks data/default_store.py for the default store, which builds it here once o
     cluster.py      chunked spherical k-means, near clusters merged
     holdout.py      the eval split: documents or pieces (--holdout-tokens) held out by the hash of their name
     pack.py         packing algorithms: concat, bfd, datasculpt; packing figures
+    pack_search.py  datasculpt's searches (greedy, nearest group, gaps) without a pass over all candidates
     part_writer.py  a store part's files, written a group of samples at a time
     manifest.py     the store manifest: settings, parts, totals, packing figures
     spill.py        arrays written and read piece by piece (bounded memory)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import DataError
+from .pack_search import fast_ok, fill_gaps, greedy_many, group_clusters
 
 STRATEGIES = ("datasculpt", "bfd", "concat")
 
@@ -217,58 +218,37 @@ def pack_datasculpt(lengths: np.ndarray, seq_len: int, embeddings: np.ndarray, c
             else:
                 rest.setdefault(c, []).append((d, s, n))
     # round 1 packs each cluster; round 2 packs what the clusters left over in groups of related
-    # clusters (the near clusters merged until a group can fill `MIN_GROUP_SAMPLES` samples)
-    overflow, next_sample = _pack_groups(rest, segs, next_sample, seq_len, emb)
-    groups = _group_clusters(overflow, clusters, emb, seq_len)
-    overflow, next_sample = _pack_groups(groups, segs, next_sample, seq_len, emb)
-    return _finish(_merge(segs, overflow, seq_len, emb), seq_len)
+    # clusters (the near clusters merged until a group can fill pack_search.MIN_GROUP_SAMPLES samples);
+    # pack_search.py makes the same choices as a pass over all samples or groups, without one
+    fast = fast_ok(emb)
+    overflow, next_sample = _pack_groups(rest, segs, next_sample, seq_len, emb, fast)
+    groups = group_clusters(overflow, clusters, emb, seq_len, fast)
+    overflow, next_sample = _pack_groups(groups, segs, next_sample, seq_len, emb, fast)
+    return _finish(_merge(segs, overflow, seq_len, emb, fast), seq_len)
 
 
-def _pack_groups(groups, segs, next_sample: int, seq_len: int, emb) -> tuple[list, int]:
+def _pack_groups(groups, segs, next_sample: int, seq_len: int, emb, fast: bool) -> tuple[list, int]:
     """Each group (longest first) into as many samples as it fills completely (rounding up would
     leave most groups a partly filled sample), appended to `segs` from `next_sample` on. Returns
-    the pieces that did not fit, and the next free sample."""
+    the pieces that did not fit, and the next free sample. (The groups' greedies run side by side:
+    pack_search.greedy_many.)"""
+    todo = [(c, _longest_first(groups[c])) for c in sorted(groups)]
+    ks = [sum(p[2] for p in group) // seq_len for _, group in todo]
+    done = iter(greedy_many([(group, k) for (_, group), k in zip(todo, ks) if k], seq_len, emb, _greedy, fast))
     overflow = []
-    for c in sorted(groups):
-        group = _longest_first(groups[c])
-        k = sum(p[2] for p in group) // seq_len
+    for (_, group), k in zip(todo, ks):
         if k == 0:
             overflow.extend(group)
             continue
-        placed, spill = _greedy(group, k, seq_len, emb)
+        placed, spill = next(done)
         segs.extend((next_sample + w, d, s, n) for w, d, s, n in placed)
         next_sample += k
         overflow.extend(spill)
     return overflow, next_sample
 
 
-MIN_GROUP_SAMPLES = 4
-
-
-def _group_clusters(pieces, clusters: np.ndarray, emb: np.ndarray, seq_len: int) -> dict[int, list]:
-    """Pieces grouped by cluster, then the smallest group repeatedly merged into the group with the
-    most similar centroid, until every group holds MIN_GROUP_SAMPLES samples of tokens (or one is left)."""
-    groups: dict[int, list] = {}
-    for p in pieces:
-        groups.setdefault(int(clusters[p[0]]), []).append(p)
-    tokens = {c: sum(p[2] for p in g) for c, g in groups.items()}
-    sums = {c: emb[[p[0] for p in g]].sum(0) for c, g in groups.items()}
-    while len(groups) > 1:
-        small = min(groups, key=lambda c: (tokens[c], c))
-        if tokens[small] >= MIN_GROUP_SAMPLES * seq_len:
-            break
-        others = [c for c in groups if c != small]
-        cent = np.stack([sums[c] for c in others])
-        cent /= np.maximum(np.linalg.norm(cent, axis=1, keepdims=True), 1e-12)
-        target = others[int(np.argmax(cent @ sums[small]))]
-        groups[target].extend(groups.pop(small))
-        tokens[target] += tokens.pop(small)
-        sums[target] = sums[target] + sums.pop(small)
-    return groups
-
-
-def _merge(segs, overflow, seq_len: int, emb: np.ndarray, dissolve_below: float = 0.9, tight: float = 0.5,
-           related: float = 0.3):
+def _merge(segs, overflow, seq_len: int, emb: np.ndarray, fast: bool = True, dissolve_below: float = 0.9,
+           tight: float = 0.5, related: float = 0.3):
     """The merge step across clusters, for the pieces no cluster sample took (and those of samples
     less than `dissolve_below` full, which are dissolved):
 
@@ -289,27 +269,12 @@ def _merge(segs, overflow, seq_len: int, emb: np.ndarray, dissolve_below: float 
         return kept
     ids = [w for w in sorted(fill) if w not in weak]
     next_sample = max(fill) + 1 if fill else 0
-    rest = []
+    rest = pool
     if ids:
         remaining = np.array([seq_len - fill[w] for w in ids], dtype=np.int64)
         centroid = np.stack([emb[members[w]].sum(0) for w in ids]).astype(np.float32)
-        norm = np.linalg.norm(centroid, axis=1)
-        for d, s, n in pool:
-            ok = (remaining >= n) & (n >= tight * remaining)
-            if not ok.any():
-                rest.append((d, s, n))
-                continue
-            cos = np.where(ok, (centroid @ emb[d]) / np.maximum(norm, 1e-12), -2.0)
-            w = int(np.argmax(cos))
-            if cos[w] < related:
-                rest.append((d, s, n))
-                continue
-            remaining[w] -= n
-            centroid[w] += emb[d]
-            norm[w] = float(np.linalg.norm(centroid[w]))
-            kept.append((ids[w], d, s, n))
-    else:
-        rest = pool
+        placed, rest = fill_gaps(pool, remaining, centroid, emb, tight, related, fast)
+        kept.extend((ids[w], d, s, n) for w, d, s, n in placed)
     if rest:
         k = -(-sum(p[2] for p in rest) // seq_len)
         placed, spill = _greedy(rest, k, seq_len, emb)
