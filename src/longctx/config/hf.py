@@ -110,9 +110,14 @@ def read_hf_config(path: str | Path) -> dict:
         raise HFFormatError(f"{path} has no config.json; pass a Hugging Face model directory (config.json and "
                             f"*.safetensors), e.g. one written by save_pretrained().")
     try:
-        return json.loads(cfg_file.read_text())
+        hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise HFFormatError(f"{cfg_file} is not valid JSON: {e}.") from None
+    if not isinstance(hf, dict):  # (a list or a number: every reader's .get was an AttributeError traceback)
+        raise HFFormatError(f"{cfg_file} holds a JSON {type(hf).__name__}, not an object of the model's keys "
+                            f"(model_type, hidden_size, ...); pass a Hugging Face model directory whose config.json "
+                            f"save_pretrained() wrote.")
+    return hf
 
 
 def format_layer_list(layers) -> str:
