@@ -63,3 +63,18 @@ def test_ms_poe_runs_where_the_weights_are_whole(folder):
     generate = _prepare(folder, 4, "--task", "passkey", "--mode", "generate", "--lengths", "301", "--depths", "0.5",
                         *MS_POE)
     assert generate.cfg.parallel.head * generate.cfg.parallel.ctx == 4
+
+
+@pytest.mark.parametrize("nproc", [3, 5])
+def test_longctx_generate_under_an_odd_nproc_shards_the_cache_over_ctx_ranks(folder, tmp_path, nproc):
+    """`longctx generate --nproc 3` with no layout: its own default (data parallelism) was refused."""
+    from longctx.generate.cli import prepare as prepare_generate
+
+    hf, _ = folder
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n')
+    args, rest = build_parser("generate").parse_known_args(
+        ["generate", "--checkpoint", f"hf:{hf}", "--tokenizer", "byte", "--prompts", str(prompts),
+         "--max-new-tokens", "4", "--nproc", str(nproc)])
+    p = prepare_generate(args, rest).cfg.parallel
+    assert (p.head, p.ctx) == (1, nproc)

@@ -178,7 +178,8 @@ def _config(args, overrides: list[str]):
     elif nproc > 1 and not layout.keys() & {"head", "ctx"}:
         probe = load_config(None, {"model": {"init_from": args.checkpoint}, "train": {"seq_len": 2,
                                                                                    "eval_interval": 0}}).model
-        given["parallel"] = {**layout, **default_layout(nproc, probe.heads, probe.kv_heads)}
+        # (an odd --nproc: default_layout's data parallelism, which generation has not; the cache over ctx ranks)
+        given["parallel"] = {**layout, **(default_layout(nproc, probe.heads, probe.kv_heads) or {"ctx": nproc})}
     degrees = given.get("parallel", {})
     if int(degrees.get("head", 1)) * int(degrees.get("ctx", 1)) != nproc:
         raise ConfigError(f"--nproc {nproc} must equal --parallel.head x --parallel.ctx = "
