@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import DataError
-from .pack_search import fast_ok, fill_gaps, greedy_many, group_clusters
+from .pack_search import fast_ok, fill_gaps, full_scan, greedy_many, group_clusters
 
 STRATEGIES = ("datasculpt", "bfd", "concat")
 
@@ -174,14 +174,11 @@ def _greedy(pieces, k: int, seq_len: int, emb: np.ndarray):
     norm = np.linalg.norm(centroid, axis=1)
     placed, overflow = [], []
     for d, s, n in pieces:
-        fits = remaining >= n
-        if not fits.any():
+        e = emb[d]
+        w = full_scan(remaining, centroid, norm, e, n)  # (the same rule greedy_many falls back to)
+        if w < 0:
             overflow.append((d, s, n))
             continue
-        e = emb[d]
-        cos = np.where(norm > 0, (centroid @ e) / np.maximum(norm, 1e-12), 1.0)
-        score = np.where(fits, np.maximum(cos, 0.01) * remaining, -1.0)
-        w = int(np.argmax(score))
         remaining[w] -= n
         centroid[w] += e
         norm[w] = float(np.linalg.norm(centroid[w]))

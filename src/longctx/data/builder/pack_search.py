@@ -248,7 +248,7 @@ def greedy_many(jobs, seq_len: int, emb: np.ndarray, greedy, fast: bool = True) 
         chosen = _step(rem[:end], norm[:end], c64[:end], emb, e_norm, ds, ns, gid[:end], starts[:g_end])
         for g in np.flatnonzero(chosen == -2).tolist():  # undecided: the group's own full scan
             a, b = int(starts[g]), int(starts[g] + ks[g])
-            chosen[g] = _full_scan(rem[a:b], centroid[a:b], norm[a:b], emb[ds[g]], int(ns[g]))
+            chosen[g] = full_scan(rem[a:b], centroid[a:b], norm[a:b], emb[ds[g]], int(ns[g]))
             chosen[g] += a if chosen[g] >= 0 else 0
         placed = np.flatnonzero(chosen >= 0)
         ws = chosen[placed]
@@ -297,8 +297,10 @@ def _step(rem, norm, c64, emb, e_norm, ds, ns, gid, starts) -> np.ndarray:
     return np.where(~anyfit, -1, np.where(decided, first, -2))
 
 
-def _full_scan(remaining, centroid, norm, e, n: int) -> int:
-    """pack._greedy's choice for one piece over one group's samples (-1: fits nowhere)."""
+def full_scan(remaining, centroid, norm, e, n: int) -> int:
+    """The relevance x capacity choice of pack._greedy for one piece of length n over one group's samples
+    (-1: fits nowhere): the largest max(cosine, 0.01) x remaining among samples it fits in, an empty
+    sample's cosine 1."""
     fits = remaining >= n
     if not fits.any():
         return -1
