@@ -40,6 +40,13 @@ def default_layout(nproc: int, heads: int = 0, kv_heads: int = 0) -> dict[str, i
     return {}
 
 
+def cache_layout(nproc: int, heads: int = 0, kv_heads: int = 0) -> dict[str, int]:
+    """The layout generation shards its KV cache over when none is given (eval --mode generate,
+    longctx generate): default_layout, or ctx = nproc where that is data parallelism (an odd nproc),
+    which generation has not."""
+    return default_layout(nproc, heads, kv_heads) or {"ctx": nproc}
+
+
 def layout_world(cfg: Config) -> int | None:
     """The world a config's layout spells out in full (no degree -1, e.g. a written plan): the
     number of processes to start when --nproc is not given."""

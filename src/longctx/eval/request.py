@@ -44,7 +44,7 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     checkpoint's [model] (extension keys may be overridden) without a capacity (`dropless_note`), the layout
     and memory flags given, and the longest length."""
     from ..config import load_config, parse_overrides
-    from ..config.layout import default_layout
+    from ..config.layout import cache_layout, default_layout
 
     given = parse_overrides(overrides)
     allowed = {"model", "parallel", "memory", "train"}
@@ -63,10 +63,11 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     p = given.get("parallel", {})
     if nproc > 1 and not any(k in p for k in ("dp_replicate", "dp_shard", "head", "ctx")):
         infllm = getattr(args, "context_memory", "none") == "infllm"  # (its memory shards over ctx ranks only)
-        layout = {"ctx": nproc} if infllm else default_layout(nproc, *_heads(args.checkpoint))
-        if not layout and getattr(args, "mode", "score") == "generate":
-            # (an odd --nproc: the default is data parallelism, which generation has not; the cache over ctx ranks)
+        if infllm:
             layout = {"ctx": nproc}
+        else:  # (generation has no data parallelism: an odd --nproc shards the cache over ctx ranks)
+            pick = cache_layout if getattr(args, "mode", "score") == "generate" else default_layout
+            layout = pick(nproc, *_heads(args.checkpoint))
         given.setdefault("parallel", {}).update(layout)
     given.setdefault("model", {})["init_from"] = args.checkpoint
     train = given.setdefault("train", {})

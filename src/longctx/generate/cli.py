@@ -158,7 +158,7 @@ class GenerateRequest:
 
 def _config(args, overrides: list[str]):
     from ..config import load_config, parse_overrides
-    from ..config.layout import default_layout
+    from ..config.layout import cache_layout
 
     given = parse_overrides(overrides)
     allowed = {"model", "train", "parallel"}
@@ -178,8 +178,7 @@ def _config(args, overrides: list[str]):
     elif nproc > 1 and not layout.keys() & {"head", "ctx"}:
         probe = load_config(None, {"model": {"init_from": args.checkpoint}, "train": {"seq_len": 2,
                                                                                    "eval_interval": 0}}).model
-        # (an odd --nproc: default_layout's data parallelism, which generation has not; the cache over ctx ranks)
-        given["parallel"] = {**layout, **(default_layout(nproc, probe.heads, probe.kv_heads) or {"ctx": nproc})}
+        given["parallel"] = {**layout, **cache_layout(nproc, probe.heads, probe.kv_heads)}
     degrees = given.get("parallel", {})
     if int(degrees.get("head", 1)) * int(degrees.get("ctx", 1)) != nproc:
         raise ConfigError(f"--nproc {nproc} must equal --parallel.head x --parallel.ctx = "
