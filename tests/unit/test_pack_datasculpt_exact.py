@@ -231,21 +231,8 @@ def _merge(segs, overflow, seq_len: int, emb: np.ndarray, dissolve_below: float 
     if ids:
         remaining = np.array([seq_len - fill[w] for w in ids], dtype=np.int64)
         centroid = np.stack([emb[members[w]].sum(0) for w in ids]).astype(np.float32)
-        norm = np.linalg.norm(centroid, axis=1)
-        for d, s, n in pool:
-            ok = (remaining >= n) & (n >= tight * remaining)
-            if not ok.any():
-                rest.append((d, s, n))
-                continue
-            cos = np.where(ok, (centroid @ emb[d]) / np.maximum(norm, 1e-12), -2.0)
-            w = int(np.argmax(cos))
-            if cos[w] < related:
-                rest.append((d, s, n))
-                continue
-            remaining[w] -= n
-            centroid[w] += emb[d]
-            norm[w] = float(np.linalg.norm(centroid[w]))
-            kept.append((ids[w], d, s, n))
+        placed, rest = reference_fill_gaps(pool, remaining, centroid, emb, tight, related)
+        kept.extend((ids[w], d, s, n) for w, d, s, n in placed)
     else:
         rest = pool
     if rest:
@@ -406,7 +393,7 @@ def test_group_clusters_as_before_with_ties(kind):
 
 
 def reference_fill_gaps(pool, remaining, centroid, emb, tight=0.5, related=0.3):
-    """The gap-filling loop of the frozen _merge above, on its own."""
+    """The frozen _merge's gap-filling loop (it calls this), tested on its own too."""
     norm = np.linalg.norm(centroid, axis=1)
     placed, rest = [], []
     for d, s, n in pool:
