@@ -2,6 +2,8 @@
 - MASTER_PORT outside [1, 65535] ended in torch's ValueError traceback at the rendezvous;
 - LOCAL_WORLD_SIZE that is not a number ended in int()'s ValueError traceback from the layout check, and
   one outside [1, WORLD_SIZE] or a LOCAL_RANK at or past it was accepted silently;
+- a MASTER_ADDR that does not resolve (a mistyped host name) waited out the rendezvous's timeout and its
+  retries (about 2.4x parallel.timeout_s) before torch's error: now refused at once;
 - `srun -n N longctx train` (Slurm's variables, no RANK / WORLD_SIZE) ran N whole jobs, one per task, in
   the same run directory: now one error naming the commands that work.
 """
@@ -33,6 +35,7 @@ _LAUNCHED = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER
     ({"LOCAL_RANK": "-1"}, r"LOCAL_RANK=-1 must be in \[0, WORLD_SIZE=4\)"),
     ({"MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port: it must be in \[1, 65535\]"),
     ({"MASTER_PORT": "0"}, r"MASTER_PORT=0 is not a TCP port"),
+    ({"MASTER_ADDR": "no-such-node.invalid"}, r"MASTER_ADDR='no-such-node.invalid' does not resolve on this"),
 ])
 def test_a_launchers_bad_node_variables_are_one_clear_error(env, said, monkeypatch):
     _env(monkeypatch, **{**_LAUNCHED, **env})

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -70,7 +71,23 @@ def check_launcher_env(rendezvous: bool = True) -> tuple[int, int]:
         if not 1 <= port <= 65535:  # (torch's ValueError traceback; 0: a port rank 0 picks, its peers never learn)
             raise ConfigError(f"MASTER_PORT={port} is not a TCP port: it must be in [1, 65535], the same on every "
                               f"rank; choose a free one (torchrun's default is 29500).")
+        _check_master_resolves(os.environ["MASTER_ADDR"], port)
     return rank, world
+
+
+def _check_master_resolves(address: str, port: int) -> None:
+    """A MASTER_ADDR that no resolver knows (a mistyped host name) waited out the rendezvous's timeout and
+    its retries (about 2.4x parallel.timeout_s) before torch's error: refused at once. Only a name that does
+    not exist is refused; a resolver that is down for now (EAI_AGAIN) is left to the rendezvous's retries."""
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        if e.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return
+        raise ConfigError(f"MASTER_ADDR={address!r} does not resolve on this machine ({e.strerror}): the ranks "
+                          f"would wait out the rendezvous's timeout for a host that does not exist. Set it to "
+                          f"rank 0's host name or IP address, the same on every rank (`hostname -I` on that "
+                          f"node).") from None
 
 
 def refuse_scheduler_tasks() -> None:
