@@ -14,6 +14,7 @@ from torch import nn
 
 from ..config import Config, build_model_config
 from ..config.hf import init_from_notes
+from ..config.positions import model_reach
 from ..job.devices import resolve_dtype
 from ..job.runtime import Runtime
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
@@ -59,7 +60,7 @@ def build_llama_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     changed = init_from_changes(cfg)
     log(f"model: {cfg.model.family} weights from {path}" +
         (f"; changed for this run: {', '.join(changed)}" if changed else "") +
-        "".join(f"; {note}" for note in init_from_notes(source)))
+        "".join(f"; {note}" for note in idle_scaling_notes(cfg.model) + init_from_notes(source)))
     return model
 
 
@@ -81,7 +82,24 @@ def init_from_changes(cfg: Config) -> list[str]:
     """The [model] keys this run sets differently from what its init_from weights describe (their
     config.json or manifest, with defaults for what they leave out): only what really changed."""
     own = vars(build_model_config({"init_from": cfg.model.init_from}))
-    return [f"model.{k}: {own[k]!r} -> {v!r}" for k, v in vars(cfg.model).items() if own[k] != v]
+    changed = [f"model.{k}: {own[k]!r} -> {v!r}" for k, v in vars(cfg.model).items() if own[k] != v]
+    m = cfg.model
+    if m.rope_scaling in ("yarn", "llama3") and any(own[k] != getattr(m, k) for k in ("rope_scaling", "rope_factor")) \
+            and own["rope_original_max_len"] == m.rope_original_max_len:  # (the length it stretches, even a default)
+        changed.append(f"model.rope_original_max_len: {m.rope_original_max_len!r} (unchanged)")
+    return changed
+
+
+def idle_scaling_notes(m) -> list[str]:
+    """A yarn / llama3 scaling added at init_from whose original length lies past what the weights learned
+    unscaled stretches none of it (config/positions.py idle_original; generate refuses such a model's longer
+    prompts): said before training on it, with the flag that extends."""
+    reach = model_reach(m)
+    if not reach.idle_original:
+        return []
+    return [f"note: model.rope_original_max_len {reach.idle_original:,} is past the {reach.unscaled:,} positions the "
+            f"weights learned unscaled ({reach.source}), so the {m.rope_scaling} scaling stretches none of them; set "
+            f"--model.rope_original_max_len={reach.unscaled} to extend them"]
 
 
 def _timing_block(cfg: Config, device: torch.device, rt: Runtime) -> Block:

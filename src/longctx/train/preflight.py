@@ -23,6 +23,7 @@ from ..config import Config, to_dict
 from ..config.checkpoint_paths import complete_checkpoints
 from ..config.data_mix import is_mix
 from ..config.hf import hf_dir
+from ..config.hf_export import ROPE_SCALING_READS
 from ..config.rules import parse_synthetic
 from ..costs.peaks import machine_cpu_peak, precision_name
 from ..data.default_store import default_store
@@ -86,10 +87,31 @@ def _check_resume(cfg: Config) -> None:
     if target is not None:
         manifest = read_manifest(target)
         check_model_matches(manifest, to_dict(cfg)["model"], target)
+        if not cfg.checkpoint.allow_changes:
+            _check_rope_matches(manifest["model"], to_dict(cfg)["model"], target)
         check_draft_matches(manifest, cfg.draft.layers if cfg.draft.target else None, target, cfg.draft.kind,
                             cfg.draft.vocab, weights_identity(cfg.draft.target) if cfg.draft.target else None)
     check_run_dir(cfg, target)
     _check_checkpoint_dir(cfg, target, run_dir)
+
+
+def _check_rope_matches(saved: dict, given: dict, target: Path) -> None:
+    """The RoPE a checkpoint trained with is the run's: a resume whose run directory (config.toml, which
+    config/resume.py compares) is gone builds its config from the defaults and the command line, and the shape
+    check passes a yarn-extended checkpoint continued under plain RoPE without a word."""
+    kind = saved.get("rope_scaling")
+    keys = ["rope_theta", "rope_scaling"] + [f"rope_{k}" for k in ROPE_SCALING_READS.get(kind, {})]
+    diff = [(k, saved[k], given.get(k)) for k in keys if k in saved and saved[k] != given.get(k)]
+    if kind != given.get("rope_scaling"):  # (another scaling's own keys: only the scaling is said)
+        diff = [d for d in diff if d[0] in ("rope_theta", "rope_scaling")]
+    if diff:
+        said = ", ".join(f"model.{k} {a!r} in the checkpoint vs {b!r} configured" for k, a, b in diff)
+        flags = " ".join(f"--model.{k}={str(saved[k]).lower() if isinstance(saved[k], bool) else saved[k]}"
+                         for k in keys if k in saved and saved[k] != given.get(k))
+        raise ConfigError(f"checkpoint {target} trained with another RoPE ({said}); resuming would continue it "
+                          f"under the configured one (the command line over its run's config.toml, or over the "
+                          f"defaults where that is gone) without a word. Resume with the checkpoint's settings "
+                          f"({flags}), or add --checkpoint.allow_changes true to change them.")
 
 
 def _check_checkpoint_dir(cfg: Config, target: Path | None, run_dir: Path | None) -> None:
