@@ -57,7 +57,7 @@ fi
 echo "== 2. bench moe --device cuda --compile"
 if fits 120; then
   go python3 -m longctx bench moe --device cuda --compile --dim 2048 --experts 64 --top-k 8 --expert-dim 768 \
-    --seq-len 8192,32768 --repeats 5 > "$OUT/moe.json"; echo "rc $?"; save moe
+    --skew-share 0.125 --seq-len 8192,32768 --repeats 5 > "$OUT/moe.json"; echo "rc $?"; save moe
 fi
 echo "== 3. bench generate --compile both --device cuda (debug model, batch 1)"
 if fits 120; then

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -106,7 +107,11 @@ def main() -> None:
             row["speedup"] = a / b
         print(json.dumps(row), flush=True)
         rows.append(row)
-    text = json.dumps({"preset": args.preset, "device": args.device, "steps": args.steps, "rows": rows}, indent=1)
+    import torch
+
+    card = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    text = json.dumps({"preset": args.preset, "device": args.device, "card": card, "steps": args.steps, "rows": rows},
+                      indent=1)
     if args.out:
         Path(args.out).write_text(text)
 

@@ -21,7 +21,7 @@ MINIMUM = {
     # (at least 2 new tokens: the first comes from the prefill's logits, so 1 makes no decode step to time)
     "decode": {"max_new_tokens": 2},
     "attention": {"world": 1, "head": 1, "ctx": 1, "window": 0, "micro_batch": 1, "heads": 1, "kv_heads": 1,
-                  "head_dim": 1, "threads": 1},
+                  "head_dim": 1, "threads": 1, "first_sample": 0, "imbalance_samples": 0},
     "train": {"global_batch": 1},
     "memory": {"layers": 0, "micro_batch": 1, "skip_last": 0, "head": 1, "ctx": 1, "docs": 1, "loss_chunk": 0,
                "block_chunk": 0, "time_steps": 0, "attention_chunk": 0, "doc_len": 0},
@@ -66,27 +66,12 @@ def _structure(command: str, args) -> list[str]:
             out.append(f"--seq-len must be >= 2, got {args.seq_len}")
         if args.window > 0 and args.ctx >= 1 and args.ctx % args.window:
             out.append(f"--window {args.window} must be 0 (a plain ring) or divide --ctx {args.ctx}")
+        unread = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("first_sample", "imbalance_samples")
+                  if getattr(args, n) > 0]
+        if unread and not str(args.docs or "").startswith("store:"):  # (else ignored, the figures of sample 0)
+            out.append(f"{', '.join(unread)}: a store's samples, read only with --docs store:DIR")
     if command == "train":
-        from ..config.presets import MODEL_PRESETS
-        from .train import LAYOUTS
-
-        unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS]
-        if unknown:
-            out.append(f"--layouts {', '.join(unknown)}: choose among {', '.join(LAYOUTS)}")
-        for layout in (x for x in args.layouts.split(",") if x in LAYOUTS):  # (else every row an error, rc 0)
-            degree = {k.split("=")[0]: int(k.split("=")[1]) for k in LAYOUTS[layout][1]}
-            split = degree.get("--parallel.head", 1) * degree.get("--parallel.ctx", 1)
-            bad = [x for x in args.seq_len.split(",") if x.strip().isdigit() and int(x) % (2 * split)]
-            if bad:
-                out.append(f"--seq-len {', '.join(bad)}: layout {layout} needs a multiple of 2 x head x ctx = "
-                           f"{2 * split}")
-            dp = degree.get("--parallel.dp_shard", 1)
-            if args.global_batch >= 1 and args.global_batch % dp:
-                out.append(f"--global-batch {args.global_batch}: layout {layout} splits it over dp {dp}")
-        unknown = [x for x in args.presets.split(",") if x not in MODEL_PRESETS]
-        if unknown:  # (each run's `longctx train` refused it, written into the JSON as that row's error)
-            out.append(f"--presets {', '.join(unknown)}: choose among "
-                       f"{', '.join(MODEL_PRESETS)}")
+        out += _train_problems(args)
     if command == "memory":
         out += _policy_problems(args.policies)
         world = args.head * args.ctx
@@ -110,6 +95,43 @@ def _structure(command: str, args) -> list[str]:
         for name in ("intra_gbps", "inter_ratio", "middle_ratio"):
             if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
                 out.append(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+        from ..config.presets import MODEL_PRESETS
+
+        if args.model not in MODEL_PRESETS:  # (else every rank's config traceback, after the spawn)
+            out.append(f"--model {args.model}: choose among {', '.join(MODEL_PRESETS)}")
+    return out
+
+
+def _train_problems(args) -> list[str]:
+    """bench train's layouts, presets and the lengths each layout and preset takes."""
+    from ..config.presets import MODEL_PRESETS
+    from .train import LAYOUTS
+
+    out = []
+
+    unknown = [x for x in args.layouts.split(",") if x not in LAYOUTS]
+    if unknown:
+        out.append(f"--layouts {', '.join(unknown)}: choose among {', '.join(LAYOUTS)}")
+    for layout in (x for x in args.layouts.split(",") if x in LAYOUTS):  # (else every row an error, rc 0)
+        degree = {k.split("=")[0]: int(k.split("=")[1]) for k in LAYOUTS[layout][1]}
+        split = degree.get("--parallel.head", 1) * degree.get("--parallel.ctx", 1)
+        bad = [x for x in args.seq_len.split(",") if x.strip().isdigit() and int(x) % (2 * split)]
+        if bad:
+            out.append(f"--seq-len {', '.join(bad)}: layout {layout} needs a multiple of 2 x head x ctx = "
+                       f"{2 * split}")
+        dp = degree.get("--parallel.dp_shard", 1)
+        if args.global_batch >= 1 and args.global_batch % dp:
+            out.append(f"--global-batch {args.global_batch}: layout {layout} splits it over dp {dp}")
+    unknown = [x for x in args.presets.split(",") if x not in MODEL_PRESETS]
+    if unknown:  # (each run's `longctx train` refused it, written into the JSON as that row's error)
+        out.append(f"--presets {', '.join(unknown)}: choose among "
+                   f"{', '.join(MODEL_PRESETS)}")
+    for preset in (x for x in args.presets.split(",") if x in MODEL_PRESETS):  # (else that row's error, rc 0)
+        most = MODEL_PRESETS[preset].get("max_seq_len")
+        long = [x for x in args.seq_len.split(",") if most and x.strip().isdigit() and int(x) > most]
+        if long:
+            out.append(f"--seq-len {', '.join(long)}: preset {preset} holds at most {most:,} tokens "
+                       f"(its max_seq_len); give a shorter length or another preset")
     return out
 
 
@@ -128,6 +150,10 @@ def _moe_problems(args) -> list[str]:
     """bench moe's names and the --cluster flags its ranks would otherwise trip on."""
     out = [f"--routing {r}: one of uniform, skewed" for r in args.routing.split(",")
            if r and r not in ("uniform", "skewed")]
+    if not getattr(args, "cluster", "") and args.device == "cuda":  # (else torch's assertion from inside the run)
+        out += _device_problems(args.device)
+    if args.compile and (args.device != "cuda" or getattr(args, "cluster", "")):  # (the CPU runs ignored it)
+        out.append("--compile times the compiled layer on one GPU only: give it with --device cuda and no --cluster")
     if not getattr(args, "cluster", ""):
         return out
     chunks = [c.strip() for c in args.chunks.split(",") if c.strip()]

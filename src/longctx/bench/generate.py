@@ -194,8 +194,8 @@ def measure_compile(args) -> dict:
             ", ".join(f"{name} {v[-1]['decode_tokens_per_s']:.1f}" for name, v in runs.items()))
     result = {
         "benchmark": "generate", "compile": args.compile, "date": date.today().isoformat(),
-        "machine": platform.machine(), "device": args.device, "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
+        "machine": platform.machine(), "device": args.device, "card": card_name(args.device),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
         "model": {"preset": args.preset, "dim": cfg.dim, "layers": cfg.layers, "heads": cfg.heads,
                   "kv_heads": cfg.kv_heads, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "dtype": "float32"},
         "batch": 1, "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -211,6 +211,13 @@ def measure_compile(args) -> dict:
                                            / result["eager"]["decode_tokens_per_s_median"])
         result["identical"] = all(a["tokens"] == b["tokens"] for a, b in zip(runs["eager"], runs["compiled"]))
     return result
+
+
+def card_name(device: str) -> str:
+    """The card a --device cuda run decoded on (its JSON names it, as every GPU result does), else the CPU."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
 
 
 def _random_hf_model(args, directory: Path):
@@ -244,8 +251,10 @@ def _time_transformers(model, prompt: torch.Tensor, new_tokens: int) -> dict:
     stamps = Stamps()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=0, streamer=stamps)
+        # the mask given: without it transformers infers one that hides every prompt token equal to
+        # pad_token_id (0), so a prompt holding a 0 was decoded from another context (same_tokens false)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=stamps)
     t_end = time.perf_counter()
     first = stamps.times[1]
     tokens = out[0, prompt.shape[1]:].tolist()

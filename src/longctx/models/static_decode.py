@@ -160,6 +160,12 @@ class CompiledStep:
         return out
 
 
+def _renamed(code: types.CodeType, name: str) -> types.CodeType:
+    """`code` under another name (its qualified name too where the code object has one: Python 3.11+;
+    3.10, which the project supports, has no co_qualname and refused the keyword)."""
+    return code.replace(co_name=name, **({"co_qualname": name} if hasattr(code, "co_qualname") else {}))
+
+
 @functools.cache
 def _compiled(mode: str | None, backend, cpp_wrapper: bool, padded: int):
     """One torch.compile of the static forward per setting and bucket, shared by every CompiledStep
@@ -170,7 +176,7 @@ def _compiled(mode: str | None, backend, cpp_wrapper: bool, padded: int):
     too small to share among threads (`cpp.threads` 1; the GEMMs keep torch's threads)."""
     code = static_hidden_states.__code__
     name = f"{code.co_name}_{padded}"
-    fn = types.FunctionType(code.replace(co_name=name, co_qualname=name), static_hidden_states.__globals__, name)
+    fn = types.FunctionType(_renamed(code, name), static_hidden_states.__globals__, name)
     return torch.compile(fn, mode=mode, backend=backend, fullgraph=True,
                          options={"cpp_wrapper": True, "cpp.threads": 1} if cpp_wrapper else None)
 

@@ -283,7 +283,7 @@ def _run_path(run_dir: Path, named: str) -> Path:
 
 def _run_setting(run_dir: Path, section: str, key: str):
     """A setting of the run's config.toml (None where it has none, or the directory no readable config)."""
-    import tomllib
+    from ..config.load import tomllib  # (tomli before Python 3.11, which the project still supports)
 
     try:
         return tomllib.loads((run_dir / "config.toml").read_text()).get(section, {}).get(key) or None
