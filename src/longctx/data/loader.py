@@ -163,13 +163,17 @@ class PackedSamples(SampleSet):
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
         self.seq_len = int(self.manifest["seq_len"])
+        # every id a sample holds is below it (text, EOS and pad alike): train checks model.vocab_size against it
+        self.vocab_size = int(self.manifest["tokenizer"]["vocab_size"])
         self.doc_mask = doc_mask
         # spans: per part, which tokens of its documents are trained on (None: all) and each segment's document
-        self.parts, self.spans = [], []
+        self.split = split
+        self.parts, self.spans, self.part_dirs = [], [], []
         for part in self.manifest["parts"]:
             arrays = load_split(self.root, part, split, self.seq_len)
             if arrays is not None:
                 self.parts.append(arrays)
+                self.part_dirs.append(part["dir"])
                 spans = part_trained_spans(self.root, part)
                 self.spans.append(None if spans is None else
                                   (spans, arrays.segments[:, S_DOC].astype(np.int64) - int(part["first_doc"])))
@@ -282,9 +286,20 @@ class PackedSamples(SampleSet):
         slot = np.cumsum(want) - 1  # position -> its index in `need`
         values = np.asarray(part.tokens[j, need], dtype=np.int64)
         self.bytes_read += need.size * part.tokens.dtype.itemsize
+        if values.size and int(values.max()) >= self.vocab_size:
+            self._out_of_vocabulary(i, int(values.max()))
         labels = np.full(len(held), IGNORE, dtype=np.int64)
         labels[has_label] = values[slot[held[has_label] + 1]]
         return values[slot[held]], labels
+
+    def _out_of_vocabulary(self, i: int, found: int):
+        """A token id the store's tokenizer has not (a damaged or hand-edited store, one another tool wrote):
+        read into an embedding it would be an index error, on a GPU a device-side assert."""
+        p, j = self._where(i)
+        raise DataError(f"the store '{self.root}' is damaged: row {j:,} of {self.root / self.part_dirs[p]}/"
+                        f"{self.split}.tokens.npy holds token id {found:,}, but its tokenizer ({self.tokenizer_spec}) "
+                        f"has {self.vocab_size:,} ids (manifest.json tokenizer.vocab_size); rebuild the store with "
+                        f"`longctx data build`.")
 
     def read_at(self, indices, frames: Frames, held: np.ndarray | None) -> Batch:
         """Rows `indices` (with their `frames`) at the global positions `held` [rows, k] in that

@@ -79,6 +79,17 @@ def new_part_dir(root: Path, index: int) -> Path:
     return tmp
 
 
+def next_part_index(manifest: dict | None) -> int:
+    """The number of a new part: past every part the manifest lists. Their count was it until a manifest lost an
+    entry (a bad append dropped from it by hand: part-00000, part-00002), when an append took a listed part's name
+    and publish_part removed that part's files to write its own."""
+    listed = {p["dir"] for p in manifest["parts"]} if manifest else set()
+    index = len(listed)
+    while f"part-{index:05d}" in listed:
+        index += 1
+    return index
+
+
 def publish_part(tmp: Path, root: Path, index: int) -> str:
     name = f"part-{index:05d}"
     final = root / name
@@ -115,7 +126,35 @@ def read_manifest(root: str | Path) -> dict:
                         f"({', '.join(map(str, READABLE_VERSIONS[:-1]))} or {READABLE_VERSIONS[-1]}, "
                         f"found {manifest.get('format')!r} version {manifest.get('version')!r}); rebuild the store "
                         f"with this version's `longctx data build`.")
+    wrong = _malformed(manifest)
+    if wrong:
+        raise DataError(f"{path} is damaged: {wrong} (edited by hand, or written by another tool?); restore it, or "
+                        f"rebuild the store with `longctx data build`.")
     return manifest
+
+
+def _malformed(m: dict) -> str | None:
+    """What of a manifest's fields that a reader takes as given is missing or of the wrong kind (None: nothing),
+    where it would be a KeyError or TypeError traceback later, or a part read from outside the store."""
+    def count(d, path: str) -> str | None:
+        value = d.get(path.rsplit(".", 1)[-1]) if isinstance(d, dict) else None
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return None if ok else f"{path} is {value!r} where a count is expected"
+
+    tok, parts = m.get("tokenizer"), m.get("parts")
+    checks = [count(m, "seq_len"), count(tok, "tokenizer.vocab_size"),
+              None if isinstance(tok, dict) and isinstance(tok.get("spec"), str) else "tokenizer.spec is missing"]
+    if not isinstance(parts, list):
+        checks.append(f"parts is {type(parts).__name__}, not a list")
+    for i, part in enumerate(parts if isinstance(parts, list) else []):
+        name = part.get("dir") if isinstance(part, dict) else None
+        if not isinstance(name, str) or not name.startswith("part-") or "/" in name or "\\" in name:
+            checks.append(f"parts[{i}].dir is {name!r}, not a part directory's name (part-NNNNN)")
+            continue
+        splits = part.get("splits") if isinstance(part.get("splits"), dict) else {}
+        checks += [count(splits.get(split), f"parts[{i}].splits.{split}.{key}")
+                   for split in SPLITS for key in ("samples", "tokens")]
+    return next((c for c in checks if c), None)
 
 
 def text_prefix(manifest: dict) -> list[int]:
@@ -245,4 +284,12 @@ def load_part_docs(root: Path, part: dict) -> tuple[np.ndarray, np.ndarray | Non
     except (OSError, ValueError) as e:
         raise DataError(f"the store '{root}' is damaged: {d}/hashes.npy or minhash.npy cannot be read ({e}); "
                         f"rebuild it.") from None
+    # one row a document: rows missing or left from other documents would have an append keep copies of them
+    # (or drop documents for copies of what the store does not hold), without a word
+    want = part.get("documents")  # (a manifest another tool wrote may not count them)
+    for name, rows in (("hashes.npy", len(hashes)), ("minhash.npy", None if sigs is None else len(sigs))):
+        if want is not None and rows is not None and rows != want:
+            raise DataError(f"the store '{root}' is damaged: {d}/{name} holds {rows:,} documents' rows, its manifest "
+                            f"{want:,} documents, so an append cannot tell which documents it holds; rebuild the "
+                            f"store (all its inputs) into a new --out.")
     return hashes, sigs

@@ -224,7 +224,7 @@ class Assembly:
 
     def pack(self) -> None:
         """Both splits packed and written into a new part directory, with the per-document files."""
-        self.part_index = len(self.old["parts"]) if self.old else 0
+        self.part_index = store.next_part_index(self.old)
         self.doc_base = self.old["totals"]["documents"] if self.old else 0
         store.remove_stale(self.root, self.old)
         self.part_dir = store.new_part_dir(self.root, self.part_index)

@@ -18,6 +18,7 @@ packing-quality benchmark compare the streaming build with.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,12 +121,36 @@ def build_output(d: Path) -> str | None:
     return None
 
 
+def _walk(top: Path) -> list[Path]:
+    """Every file under `top`, through symlinked directories too (a corpus assembled from links, `books ->
+    /mnt/books`, was read without them, and without a word), each directory once by its real path (a link
+    back to an ancestor, a loop, adds nothing). A directory that cannot be listed is an error: its documents
+    would be missing from the store unsaid."""
+    def refuse(e: OSError):
+        raise DataError(f"the input directory '{e.filename}' cannot be listed ({e.strerror}): its documents would be "
+                        f"missing from the store; make it readable, or move it out of the input.")
+
+    root = os.path.realpath(top)
+    seen, files = {root}, []
+    for d, dirs, names in os.walk(top, onerror=refuse, followlinks=True):
+        keep = []
+        for name in sorted(dirs):
+            real = os.path.realpath(os.path.join(d, name))
+            # (a link to a directory above the input holds the input: a loop, and the rest of it is not the input)
+            if not name.startswith(".") and real not in seen and not root.startswith(real.rstrip(os.sep) + os.sep):
+                seen.add(real)
+                keep.append(name)
+        dirs[:] = keep
+        files += [Path(d) / name for name in names]
+    return files
+
+
 def _directory_units(p: Path) -> tuple[list[Path], int]:
     """(units of directory `p` in a deterministic order, files skipped): files sorted by path, a saved
     dataset's arrow files in its own order at the place the dataset directory sorts. A store or scan
     that a build wrote inside the directory (a store per sequence length beside the corpus) is not
     read: its manifest.json, plan.json and docs.jsonl are the build's records, not documents."""
-    files = sorted(f for f in p.rglob("*") if f.is_file() and not hidden(f.relative_to(p)))
+    files = sorted(f for f in _walk(p) if f.is_file() and not hidden(f.relative_to(p)))
     built = {f.parent for f in files if f.name in (STORE_MANIFEST, SCAN_PLAN) and build_output(f.parent)}
     if built:
         files = [f for f in files if not any(a in built for a in f.parents)]
@@ -194,6 +219,19 @@ def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], i
     return root, usable, skipped
 
 
+def read_once(files: list[Path], seen: set[str]) -> list[Path]:
+    """`files` less those already read by their real path (`seen`, updated): a file reached twice through
+    symlinks (a link beside its target, a linked directory that is also an --input) gives its documents once,
+    as a path given twice is refused (overlapping_inputs) rather than stored twice under --dedup none."""
+    out = []
+    for f in files:
+        real = os.path.realpath(f)
+        if real not in seen:
+            seen.add(real)
+            out.append(f)
+    return out
+
+
 def overlapping_inputs(inputs: list[str]) -> list[str]:
     """What is wrong with inputs that name the same files twice (the same path, however written, or one
     inside another, by their resolved paths; 'stdlib' is the standard library's directory): each file is
@@ -222,9 +260,10 @@ def read_inputs(inputs: list[str], text_field: str = "text", max_docs: int = 0) 
                         "dataset saved with save_to_disk, or 'stdlib'.")
     out = ReadResult(docs=[])
     listed = [input_files(spec) for spec in inputs]
+    seen: set[str] = set()
     for root, files, other in listed:
         out.skipped["other_suffix"] += other
-        for f in files:
+        for f in read_once(files, seen):
             out.files += 1
             start, damaged = len(out.docs), len(out.damaged)
             docs = iter_file(f, f.relative_to(root).as_posix(), text_field, out.skipped, out.damaged)

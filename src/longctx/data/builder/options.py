@@ -104,6 +104,10 @@ def check_options(opts: BuildOptions) -> None:
         problems.append(f"--seed must be >= 0, got {opts.seed}.")
     if not 0 < opts.dedup_threshold <= 1:
         problems.append(f"--dedup-threshold must be in (0, 1], got {opts.dedup_threshold}.")
+    elif opts.dedup != "minhash" and opts.dedup_threshold != BuildOptions.dedup_threshold:
+        problems.append(f"--dedup-threshold {opts.dedup_threshold} would be ignored: it is the near-duplicate "
+                        f"(MinHash) Jaccard threshold, and --dedup {opts.dedup} finds no near duplicates; pass "
+                        f"--dedup minhash to use it, or drop it.")
     if opts.max_docs < 0:
         problems.append(f"--max-docs must be >= 0 (0 = all), got {opts.max_docs}.")
     if opts.clusters < 0:
@@ -113,7 +117,7 @@ def check_options(opts: BuildOptions) -> None:
                         f"--max-memory {opts.memory / 2**20:.0f}MB ({opts.group_tokens:,}); raise --max-memory or "
                         f"lower --seq-len.")
     if opts.max_memory and opts.max_memory < MAIN_BYTES + WORKER_BYTES:
-        problems.append(f"--max-memory {opts.max_memory / 2**20:.0f}MB is below what a build needs at the least "
+        problems.append(f"--max-memory {_size(opts.max_memory)} is below what a build needs at the least "
                         f"(~{(MAIN_BYTES + WORKER_BYTES) / 2**20:.0f}MB: its imports and one scan worker).")
     if opts.shard is not None:
         i, n = opts.shard
@@ -166,6 +170,11 @@ def _instruction_problems(opts: BuildOptions) -> list[str]:
     return problems
 
 
+def _size(n: int) -> str:
+    """Bytes as the MB --max-memory is mostly given in, or as bytes where that would read 0MB ('--max-memory 10')."""
+    return f"{n / 2**20:.0f}MB" if abs(n) >= 2**19 else f"{n:,} bytes"
+
+
 def parse_memory(text: str) -> int:
     """'300MB', '2GB', '512MiB', '1e9' -> bytes."""
     t = text.strip().upper().replace("IB", "B")
@@ -177,5 +186,5 @@ def parse_memory(text: str) -> int:
         m = 1
     try:
         return int(float(t) * m)
-    except ValueError:
+    except (ValueError, OverflowError):  # (OverflowError: 'inf', '1e400GB')
         raise DataError(f"--max-memory {text!r} is not a size; write it like 300MB or 4GB.") from None

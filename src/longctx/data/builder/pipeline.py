@@ -76,6 +76,7 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
             "bytes": sum(u.size for s in shards[todo.start:todo.stop] for u in s)}
     scan.write_plan(work, plan)
     done = [i for i in todo if (scan.shard_dir(work, i) / "shard.json").is_file()]
+    done = _drop_damaged(work, done, plan, log)
     if done:
         log(f"  scan      resuming: {len(done)} of {len(todo)} shards already scanned in {work}")
     bar = progress_bar(plan["bytes"], "scan", "B", opts.progress)
@@ -100,6 +101,25 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
         bar.close()
     plan["complete"] = [c["index"] for c in counts]
     return plan
+
+
+def _drop_damaged(work: Path, done: list[int], plan: dict, log) -> list[int]:
+    """The shards of `done` whose files hold what their shard.json says; each other one (cut short or lost since
+    it was scanned: a disk full, a copy, a hand) is removed, said, and scanned again, where it was read as it
+    is (a traceback in the packing, or shorter texts) or failed on a missing file."""
+    whole = []
+    for i in done:
+        d = scan.shard_dir(work, i)
+        try:
+            hurt = ScannedShard(d, plan["token_dtype"], plan["options"]["dedup"] == "minhash").damage()
+        except (OSError, ValueError, KeyError) as e:  # (its shard.json itself)
+            hurt = f"shard.json: {type(e).__name__}: {e}"
+        if hurt is None:
+            whole.append(i)
+        else:
+            log(f"  scan      {d} is damaged ({hurt}): scanning it again")
+            shutil.rmtree(d)
+    return whole
 
 
 def _scan_stage(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -> tuple[tuple, dict]:

@@ -36,7 +36,7 @@ from ...errors import DataError
 from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import spill
 from .conversations import Conversations
-from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, unit_size
+from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, read_once, unit_size
 from .readers import iter_file
 from .shard_files import ShardFiles
 
@@ -80,11 +80,11 @@ def plan_units(inputs: list[str], out: str | Path | None = None) -> tuple[list[U
     if not inputs:
         raise DataError("no input given; pass --input with a directory, a .jsonl or .parquet file, or 'stdlib'.")
     own = Path(out).resolve() if out else None
-    units, other = [], 0
+    units, other, seen = [], 0, set()
     for spec in inputs:
         root, files, skipped = input_files(spec)
         other += skipped
-        units.extend(Unit(str(f), f.relative_to(root).as_posix(), unit_size(f)) for f in files
+        units.extend(Unit(str(f), f.relative_to(root).as_posix(), unit_size(f)) for f in read_once(files, seen)
                      if own is None or own not in f.resolve().parents)
     return units, other
 
