@@ -400,13 +400,14 @@ def test_a_glide_draft_of_a_same_shape_target_is_refused_by_identity(glide_dirs,
 @pytest.mark.slow
 def test_compile_gives_the_same_lines(hf_model, draft_dirs, tmp_path):
     """--compile (the compiled static-shape decode step): the same tokens as eager decoding, plain
-    (two prompts in one batch) and speculative with a 1-layer draft."""
+    (two prompts in one batch) and speculative with a 1-layer draft. The eager lines run in this process
+    (_run_here: a new interpreter buys nothing there); the compiled ones in a real subprocess."""
     d, _ = hf_model
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["import os\nimport sys\n", "class A:"]) + "\n")
     common = ["--checkpoint", f"hf:{d}", "--prompts", str(prompts), "--max-new-tokens", "16"]
     for extra in (["--batch", "2"], ["--draft", f"hf:{draft_dirs['small']}", "--speculate", "3"]):
-        _run(*common, *extra, "--output", str(tmp_path / "eager.jsonl"))
+        _run_here(*common, *extra, "--output", str(tmp_path / "eager.jsonl"))
         # (compiling took over 300 s of a loaded 2-core machine: a timeout, not a difference)
         r = _run(*common, *extra, "--compile", "--output", str(tmp_path / "compiled.jsonl"), timeout=900)
         assert "ran compiled in the warm-up" in r.stderr

@@ -243,6 +243,7 @@ def _bench(*argv):
     (("train", "--global-batch", "3", "--layouts", "dp2-ctx2"), "layout dp2-ctx2 splits it over dp 2"),
     (("memory", "--seq-len", "100", "--ctx", "4"), "a multiple of 2 x head x ctx = 8"),   # was a rank's traceback
     (("moe", "--routing", "skwed"), "--routing skwed: one of uniform, skewed"),  # GPU path ran it as uniform
+    (("moe", "--routing", ","), "--routing ',' names no routing"),  # was rc 0 with no timing row
     (("moe", "--cluster", "2x1", "--layers", "-1"), "--layers must be >= 0, got -1"),   # was a step of no layers
     (("moe", "--cluster", "2x1", "--tokens", "0"), "--tokens must be >= 1, got 0"),     # was ZeroDivisionError
     (("moe", "--cluster", "2x1", "--link-scale", "0"), "--link-scale must be > 0"),

@@ -36,6 +36,7 @@ _LAUNCHED = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER
     ({"MASTER_PORT": "70000"}, r"MASTER_PORT=70000 is not a TCP port: it must be in \[1, 65535\]"),
     ({"MASTER_PORT": "0"}, r"MASTER_PORT=0 is not a TCP port"),
     ({"MASTER_ADDR": "no-such-node.invalid"}, r"MASTER_ADDR='no-such-node.invalid' does not resolve on this"),
+    ({"MASTER_ADDR": "[::1]"}, r"MASTER_ADDR='\[::1\]' is an IPv6 address in brackets.*set MASTER_ADDR=::1\."),
 ])
 def test_a_launchers_bad_node_variables_are_one_clear_error(env, said, monkeypatch):
     _env(monkeypatch, **{**_LAUNCHED, **env})

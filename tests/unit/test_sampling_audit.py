@@ -125,10 +125,11 @@ def test_speculative_sampling_with_top_p_penalties_and_eos_keeps_the_targets_dis
     """The first three tokens of 1,000 seeded generations (K = 2, vocabulary 6, token 5 the EOS with
     min_new_tokens 2: a third token may be the EOS) against the target's exact processed distribution,
     enumerated by plain forwards (chi-square p > 0.01, no impossible sequence drawn); a rule that
-    resamples a rejection from p instead of the residual fails the same check (p < 1e-6)."""
+    resamples a rejection from p instead of the residual fails the same check (p < 1e-6 on 700 generations)."""
     import longctx.generate.speculative as sp
 
     vocab, eos, runs, prompt = 6, 5, 1000, [3, 1, 4]
+    wrong_runs = 700
     target, draft = _tiny(1, vocab), _tiny(7, vocab)
     s = Sampling(temperature=0.8, top_p=0.8, min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5,
                  frequency_penalty=0.2, min_new_tokens=2)
@@ -149,7 +150,7 @@ def test_speculative_sampling_with_top_p_penalties_and_eos_keeps_the_targets_dis
     assert exact[eos].sum() == exact[:, eos].sum() == 0 and 0 < exact[:, :, eos].sum() < 1  # min_new_tokens 2
     exact = exact.flatten()
 
-    def pvalue():
+    def pvalue(runs):
         counts = np.zeros(vocab ** 3)
         for seed in range(runs):
             r = speculative_generate(target, ModelDrafter(draft, 16), prompt, max_new_tokens=3, k=2, sampling=s,
@@ -166,7 +167,7 @@ def test_speculative_sampling_with_top_p_penalties_and_eos_keeps_the_targets_dis
             observed, expected = np.append(observed, counts[rare].sum()), np.append(expected, exact[rare].sum())
         return chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
 
-    p_exact = pvalue()
+    p_exact = pvalue(runs)
 
     def resample_from_p(proposals, q, p, sampling, generator):
         for i, d in enumerate(proposals):
@@ -175,7 +176,9 @@ def test_speculative_sampling_with_top_p_penalties_and_eos_keeps_the_targets_dis
         return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=generator))
 
     monkeypatch.setattr(sp, "accept", resample_from_p)
-    p_wrong = pvalue()
+    # 700 generations for the wrong rule (p 2e-35 at 1,000): a false pass (p >= 1e-6) has probability
+    # ~1e-5 (noncentral chi-square, lambda ~ 0.21 per generation on ~34 degrees of freedom)
+    p_wrong = pvalue(wrong_runs)
     print(f"chi-square p: the rule {p_exact:.3g}, resampling from p {p_wrong:.3g}")
     assert p_exact > 0.01 and p_wrong < 1e-6
 

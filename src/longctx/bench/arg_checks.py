@@ -150,6 +150,8 @@ def _moe_problems(args) -> list[str]:
     """bench moe's names and the --cluster flags its ranks would otherwise trip on."""
     out = [f"--routing {r}: one of uniform, skewed" for r in args.routing.split(",")
            if r and r not in ("uniform", "skewed")]
+    if not getattr(args, "cluster", "") and not any(r for r in args.routing.split(",")):  # (was rc 0, no rows)
+        out.append(f"--routing {args.routing!r} names no routing: give uniform, skewed or both (uniform,skewed)")
     if not getattr(args, "cluster", "") and args.device == "cuda":  # (else torch's assertion from inside the run)
         out += _device_problems(args.device)
     if args.compile and (args.device != "cuda" or getattr(args, "cluster", "")):  # (the CPU runs ignored it)

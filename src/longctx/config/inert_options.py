@@ -30,17 +30,17 @@ def inert_option_problems(cfg: Config) -> list[str]:
 
 # [data] keys that only configure the store built from data.corpus (data/default_store.py); a data.path store
 # was built by `longctx data build`, with its own (its manifest)
-_BUILD_KEYS = {"eval_fraction": "--eval-fraction", "max_docs": "--max-docs", "strategy": "--strategy",
-               "dedup": "--dedup", "workers": "--workers"}
+STORE_BUILD_KEYS = {"eval_fraction": "--eval-fraction", "max_docs": "--max-docs", "strategy": "--strategy",
+                    "dedup": "--dedup", "workers": "--workers"}
 
 
 def _build_options_with_store(cfg: Config) -> list[str]:
     """data.max_docs, data.eval_fraction, ... beside data.path: the run trained on the whole store, as it was
     built, and its config.toml named the option as if it applied (data.corpus beside data.path is rules.py's)."""
-    given = _given(cfg.data, DataConfig, lambda key: key in _BUILD_KEYS)
+    given = _given(cfg.data, DataConfig, lambda key: key in STORE_BUILD_KEYS)
     if not cfg.data.path or not given:
         return []
-    flags = " ".join(f"{_BUILD_KEYS[key]} {value}" for key, value in given)
+    flags = " ".join(f"{STORE_BUILD_KEYS[key]} {value}" for key, value in given)
     return [f"{_named('data', given)} would be ignored: {'they configure' if len(given) > 1 else 'it configures'} the "
             f"store built from data.corpus, and data.path ({cfg.data.path}) is a store already built, with its own "
             f"settings (its manifest.json); build one with them (`longctx data build ... {flags}`), or drop "

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from .checkpoint_paths import MANIFEST, latest_checkpoint
+from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
 from .schema import Config
 
@@ -76,6 +77,16 @@ def _manifest_run_dir(checkpoint: Path) -> Path | None:
     return Path(named) if named and (Path(named) / "config.toml").is_file() else None
 
 
+def _without_ignored_build_keys(saved: dict) -> dict:
+    """A saved config beside whose data.path a run written before they were refused (config/inert_options.py)
+    recorded data.max_docs, data.workers, ...: that run ignored them, so dropping them changes nothing it trained,
+    where they made the saved config.toml fail to load and the run impossible to resume (no flag drops a key)."""
+    data = saved.get("data", {})
+    if not data.get("path"):
+        return saved
+    return {**saved, "data": {k: v for k, v in data.items() if k not in STORE_BUILD_KEYS}}
+
+
 def _merge(base: dict, top: dict) -> dict:
     out = {section: dict(values) for section, values in base.items()}
     for section, values in top.items():
@@ -100,7 +111,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
         return build_config(given), None
     # (its sub-tables, such as [model.moe], flattened as given ones are; keys renamed since it was written,
     # config/load.py RENAMED_KEYS, read under their new names)
-    saved = read_raw(run_dir / "config.toml", saved_run=True)
+    saved = _without_ignored_build_keys(read_raw(run_dir / "config.toml", saved_run=True))
     base = _merge(saved, {})
     # (asked of this resume alone: a saved true, from an earlier resume's flag, let every later one change anything)
     base.get("checkpoint", {}).pop("allow_changes", None)

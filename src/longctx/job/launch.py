@@ -84,6 +84,10 @@ def _check_master_resolves(address: str, port: int) -> None:
     except socket.gaierror as e:
         if e.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             return
+        if address.startswith("[") and address.endswith("]"):  # (torch's TCPStore takes no brackets either)
+            raise ConfigError(f"MASTER_ADDR={address!r} is an IPv6 address in brackets, which a host variable takes "
+                              f"without (the brackets belong in a HOST:PORT endpoint): set MASTER_ADDR="
+                              f"{address[1:-1]}.") from None
         raise ConfigError(f"MASTER_ADDR={address!r} does not resolve on this machine ({e.strerror}): the ranks "
                           f"would wait out the rendezvous's timeout for a host that does not exist. Set it to "
                           f"rank 0's host name or IP address, the same on every rank (`hostname -I` on that "

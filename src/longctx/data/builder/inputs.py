@@ -125,7 +125,8 @@ def _walk(top: Path) -> list[Path]:
     """Every file under `top`, through symlinked directories too (a corpus assembled from links, `books ->
     /mnt/books`, was read without them, and without a word), each directory once by its real path (a link
     back to an ancestor, a loop, adds nothing). A directory that cannot be listed is an error: its documents
-    would be missing from the store unsaid."""
+    would be missing from the store unsaid. A filesystem's lost+found (fsck's, at its mount point: root's, and
+    unlistable by others) is no corpus, and not read."""
     def refuse(e: OSError):
         raise DataError(f"the input directory '{e.filename}' cannot be listed ({e.strerror}): its documents would be "
                         f"missing from the store; make it readable, or move it out of the input.")
@@ -135,6 +136,8 @@ def _walk(top: Path) -> list[Path]:
     for d, dirs, names in os.walk(top, onerror=refuse, followlinks=True):
         keep = []
         for name in sorted(dirs):
+            if name == "lost+found" and os.path.ismount(d):  # (an input on a volume of its own: `/mnt/corpus`)
+                continue
             real = os.path.realpath(os.path.join(d, name))
             # (a link to a directory above the input holds the input: a loop, and the rest of it is not the input)
             if not name.startswith(".") and real not in seen and not root.startswith(real.rstrip(os.sep) + os.sep):

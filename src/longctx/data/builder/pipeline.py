@@ -257,8 +257,10 @@ def build_store(opts: BuildOptions, log=print) -> dict:
 
 def _scan_settings(build: dict) -> dict:
     """A scan's build options less those each machine chooses for itself (its processes and memory), which
-    change no document: the merge runs with its own (--workers, --max-memory) or the first scan's."""
-    return {k: v for k, v in build.items() if k not in ("workers", "max_memory")}
+    change no document: the merge runs with its own (--workers, --max-memory) or the first scan's; and a
+    --dedup-threshold without minhash, which changes none either (scans before 3151722 took it)."""
+    mine = ("workers", "max_memory") + (("dedup_threshold",) if build.get("dedup") != "minhash" else ())
+    return {k: v for k, v in build.items() if k not in mine}
 
 
 def _check_cover(plans: list[tuple[dict, Path]], n: int) -> None:
@@ -315,6 +317,8 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
                                 f"`longctx data build --shard {p['machine'][0]}/{n}` again.")
         shards.extend(have)
     built = first["build"]
+    if built.get("dedup") != "minhash":  # (a threshold without minhash, which scans before 3151722 took and ignored)
+        built = {**built, "dedup_threshold": BuildOptions.dedup_threshold}
     opts = BuildOptions(**{**built, "out": out, "progress": progress, "workers": workers or built["workers"],
                            "max_memory": max_memory or built["max_memory"]})
     check_options(opts)  # (the scans' own were checked by their builds; --workers and --max-memory are new)
