@@ -317,7 +317,6 @@ def test_config_mapping_both_ways():
 def test_unsupported_features_are_refused():
     for case, bad, match in [
         ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0"),
-        ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise"),
         ("mixtral", dict(sliding_window=64), "sliding-window"),
         ("qwen2_moe-mlp_only", dict(use_sliding_window=True, sliding_window=64), "sliding-window"),
         ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0"),
@@ -440,3 +439,19 @@ def test_plan_resolves_a_moe_checkpoint(tmp_path):
     m = base.model
     assert (m.family, m.moe_experts, m.moe_layer_ids, m.resolved_shared_dim) == ("qwen2_moe", 6, (0, 2), 48)
     assert req.model == m
+
+
+def test_a_mixtral_with_router_jitter_reads_as_transformers_infers_and_training_says_it(tmp_path):
+    """router_jitter_noise > 0 (some fine-tunes' config.json): transformers multiplies the router's input by
+    noise in training only, so eval and generate must read the model (they were refused when the config was
+    read); its logits equal transformers' eval-mode ones, and a run training from it says the jitter is not
+    applied (as dropout is said)."""
+    from longctx.config.hf import init_from_notes
+
+    d, ref = random_hf_dir(tmp_path, hf_config("mixtral", router_jitter_noise=0.1))
+    ours = load_hf(d)
+    assert max_err(ours, ref.eval()) < 1e-4
+    notes = init_from_notes(f"hf:{d}")
+    assert any("router_jitter_noise=0.1: longctx's router trains without it" in n for n in notes), notes
+    plain, _ = random_hf_dir(tmp_path, hf_config("mixtral"), name="plain")
+    assert not any("jitter" in n for n in init_from_notes(f"hf:{plain}"))

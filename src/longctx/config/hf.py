@@ -150,10 +150,7 @@ def _experts_key(hf: dict, family: str) -> str:
 def _moe_fields(hf: dict, family: str, where: str) -> dict[str, Any]:
     """The [model.moe] keys of a Mixture-of-Experts config.json (config keys: "moe.experts", ...)."""
     d = {**MOE_DEFAULTS[family], **{k: v for k, v in hf.items() if v is not None}}
-    if family == "mixtral":
-        if d.get("router_jitter_noise"):
-            raise HFFormatError(f"{where}: router_jitter_noise={d['router_jitter_noise']}; longctx's router does "
-                                f"not scale its input by random noise in training. Set it to 0.0 to train without.")
+    if family == "mixtral":  # (router_jitter_noise, training's alone in transformers: init_from_notes)
         experts, expert_dim, norm_topk = d.get(_experts_key(hf, family), 8), hf["intermediate_size"], True
     else:
         experts, norm_topk = d.get(_experts_key(hf, family), d["num_experts"]), bool(d["norm_topk_prob"])
@@ -212,6 +209,11 @@ def init_from_notes(init_from: str) -> list[str]:
     if dropout:  # (transformers applies them in training; a fine-tune here would differ from one there)
         notes.append(f"config.json sets {', '.join(f'{k}={v}' for k, v in dropout.items())}: longctx trains "
                      f"without dropout (none of its layers applies one), as most long-context recipes do")
+    jitter = hf.get("router_jitter_noise") if hf.get("model_type") == "mixtral" else None
+    if isinstance(jitter, (int, float)) and jitter > 0:  # (as dropout: inference applies none, so eval and
+        # generate read the model as transformers does; a fine-tune here differs from one there in that alone)
+        notes.append(f"config.json sets router_jitter_noise={jitter}: longctx's router trains without it (no random "
+                     f"noise on the router's input), as transformers' own inference routes")
     return notes
 
 
