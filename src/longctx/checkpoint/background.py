@@ -53,3 +53,13 @@ class Worker:
                 done.set_result(fn(*args))
             except BaseException as e:  # handed to whoever waits for the job
                 done.set_exception(e)
+
+
+def silence_single_process_save() -> None:
+    """DCP's "assuming the intent is to save in a single process" UserWarning, which a single-process async save
+    (no_dist=True: that intent stated) raised from DCP's own executor thread after manager.py's silencing context
+    was left: ignored from then on, that message only (filterwarnings replaces an identical filter)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is .*assuming the intent is to save in a single "
+                            r"process", category=UserWarning)

@@ -10,9 +10,15 @@ import shutil
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils._pytree import tree_leaves
 
 from ..config.checkpoint_paths import CheckpointError, latest_checkpoint
+
+# what a failed write raises: DCP wraps its ranks' errors (a full disk: torch.save's "unexpected pos") in a
+# CheckpointException, a BaseException, which `except Exception` let through as a raw traceback that left the
+# partial save filling the disk
+SAVE_ERRORS = (Exception, CheckpointException)
 
 
 def state_bytes(state) -> float:
@@ -25,17 +31,32 @@ def state_bytes(state) -> float:
     return total
 
 
-def save_failed(root: Path, step: int, needed: float, error: Exception | None) -> CheckpointError:
+def save_failed(root: Path, step: int, needed: float, error: BaseException | None) -> CheckpointError:
     """The error every rank raises: the step, the cause (this rank's, or another's), the job's bytes
     against the free space, and what is kept."""
     try:
-        free = f"{shutil.disk_usage(root).free / 2**30:.2f} GiB free there"
+        free_bytes = shutil.disk_usage(root).free
+        free = f"{free_bytes / 2**30:.2f} GiB free there" + (", less than it needs: the disk is full"
+                                                             if free_bytes < needed else "")
     except OSError:
         free = "its free space unknown"
     # (the one `latest` names: the newest in the directory may be an abandoned attempt's, after an explicit resume)
     found = latest_checkpoint(root) if root.is_dir() else None
     kept = (f"the previous checkpoint, {found.name}, is intact and `latest` still points to it"
             if found is not None else "no earlier checkpoint exists")
-    what = f"{error}" if error is not None else "another rank's write failed"
+    what = _cause(error) if error is not None else "another rank's write failed"
+    # (how to get past it: said nothing, so a full disk stopped a long run with no way out named)
+    resume = f"; --checkpoint.resume auto then continues from {found.name}" if found is not None else ""
     return CheckpointError(f"the checkpoint of step {step} could not be written to {root} ({what}); it needs about "
-                           f"{needed / 2**30:.2f} GiB ({free}). The partial save was removed and {kept}.")
+                           f"{needed / 2**30:.2f} GiB ({free}). The partial save was removed and {kept}. To fix it: "
+                           f"free space there (a save needs room for one more checkpoint beside those "
+                           f"--checkpoint.keep keeps), fix the cause named above (e.g. a directory that is not "
+                           f"writable), or point --checkpoint.dir at a disk with room{resume}.")
+
+
+def _cause(error: BaseException) -> str:
+    """The error, said in one line: a DCP CheckpointException's str is every failed rank's whole traceback."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _trace) in
+                         sorted(error.failures.items())) or "DCP's write failed"
+    return f"{error}"

@@ -61,8 +61,8 @@ from ..durable import publish, write_text_durably
 from ..faults import planned
 from ..job import comm
 from ..job.launch import new_gloo_group
-from .background import Worker, host_copies, reusable_stager
-from .failures import save_failed, state_bytes
+from .background import Worker, host_copies, reusable_stager, silence_single_process_save
+from .failures import SAVE_ERRORS, save_failed, state_bytes
 from .manifest import (
     CHECKSUM_MISMATCH,
     MANIFEST,
@@ -87,6 +87,7 @@ from .rng_states import _load_rng, _rng_state, _set_rng_state, local_state_file,
 
 TRAINER_STATE = "trainer_state.json"
 _TRASH = ".tmp-old-"  # a step directory a re-save of its step moved aside (restored if the commit died)
+_PRUNED = ".tmp-pruned-"  # a step directory keep-last is deleting (swept with the other .tmp-* at the next start)
 
 
 class CheckpointManager:
@@ -169,8 +170,9 @@ class CheckpointManager:
                 kwargs["async_stager"] = self._stager
             else:  # (older torch stages host tensors by reference)
                 state = host_copies(state)
-            with _single_process(kwargs["no_dist"]):
-                future = dcp.async_save(state, **kwargs)
+            if kwargs["no_dist"]:  # (its write warns in DCP's thread, after any context around this call)
+                silence_single_process_save()
+            future = dcp.async_save(state, **kwargs)
             if hasattr(future, "upload_completion"):  # AsyncSaveResponse (newer torch)
                 future = future.upload_completion
             self._finishing = self._worker.submit(self._finish, step, tmp, own_files, own_bytes, future.result, record)
@@ -236,7 +238,7 @@ class CheckpointManager:
                              sync=True)
             if self.rank != 0:  # rank 0 keeps its own in memory
                 write_hashes_part(tmp, self.rank, own)
-        except Exception as e:  # agreed on below, so that no rank waits for this one forever
+        except SAVE_ERRORS as e:  # agreed on below, so that no rank waits for this one forever (DCP's own too)
             error = e
         failed, needed = float(error is not None), own_bytes
         if self._mesh is not None:  # one CPU all-reduce: did any rank fail, and the job's bytes
@@ -290,9 +292,15 @@ class CheckpointManager:
     def _prune(self, keep_also: Path) -> None:
         # the `keep` newest of this run's trajectory (the one just saved and those it descends from): another
         # attempt's, which an explicit resume of an older checkpoint left newer or interleaved, are neither counted
-        # nor deleted (counting them deleted this run's own history)
-        for old in trajectory(self.root, keep_also)[self.keep:] if self.keep else []:
-            shutil.rmtree(old, ignore_errors=True)
+        # nor deleted (counting them deleted this run's own history). Oldest first, each renamed away before rmtree:
+        # a kill inside rmtree left a damaged step-* that looked complete, or remains no prune ever removed
+        for old in reversed(trajectory(self.root, keep_also)[self.keep:] if self.keep else []):
+            doomed = self.root / f"{_PRUNED}{old.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.replace(old, doomed)
+            except OSError:  # (gone already, or not ours to move: left as it is)
+                continue
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written, hashed and committed."""
