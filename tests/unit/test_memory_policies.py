@@ -131,6 +131,7 @@ def test_auto_fraction_with_stages_is_the_smallest_over_their_shapes(monkeypatch
     fraction planned for the last stage alone would not fit during it."""
     from longctx.job.runtime import Runtime
     from longctx.memory import auto
+    from longctx.train.host_budget import host_bytes_besides_offload
     from longctx.train.model import auto_offload_fraction
 
     cfg = load_config(overrides=["--model.layers=5", "--train.stages=256:2:8,512:2:1", "--memory.offload_skip_last=1",
@@ -139,20 +140,25 @@ def test_auto_fraction_with_stages_is_the_smallest_over_their_shapes(monkeypatch
     def host(seq, batch, a):
         return estimate_activations(cfg.model, seq, batch, policy=MemoryPolicy("selective", a)).per_block_host
 
-    # host memory for 4 blocks x (fixed + 0.5 x other) of the last stage (512 tokens x 1), after the 0.8 margin
+    # host memory for 4 blocks x (fixed + 0.5 x other) of the last stage (512 tokens x 1) beside the rank's
+    # other host bytes (its data loader's), after the 0.8 margin
+    rt = Runtime.create(cfg, 0, 1, "cpu")
+    besides = {shape: host_bytes_besides_offload(cfg, rt.dims, "cpu", *shape) for shape in ((512, 1), (256, 8))}
     last_fixed, last_other = host(512, 1, 1e-9), host(512, 1, 1.0) - host(512, 1, 1e-9)
-    monkeypatch.setattr(auto, "host_memory_available", lambda: 4 * (last_fixed + 0.5 * last_other) / 0.8)
+    monkeypatch.setattr(auto, "host_memory_available",
+                        lambda: (4 * (last_fixed + 0.5 * last_other) + besides[512, 1]) / 0.8)
     monkeypatch.setattr(auto, "host_link_bandwidth", lambda device: 1e15)
     monkeypatch.setattr(auto, "measured_block_forward_seconds", lambda *a, **k: 1.0)
     lines = []
-    rt = Runtime.create(cfg, 0, 1, "cpu")
     fraction = auto_offload_fraction(cfg, torch.device("cpu"), rt, lines.append)
     alone, _ = auto.choose_offload_fraction(cfg.model, 512, 1, head=1, ctx=1, skip_last=1, dtype_bytes=4,
                                              block_seconds=1.0, link_bytes_per_s=1e15,
-                                             host_bytes_per_rank=auto.host_memory_available())
+                                             host_bytes_per_rank=auto.host_memory_available(),
+                                             host_bytes_taken=besides[512, 1])
     first, _ = auto.choose_offload_fraction(cfg.model, 256, 8, head=1, ctx=1, skip_last=1, dtype_bytes=4,
                                              block_seconds=1.0, link_bytes_per_s=1e15,
-                                             host_bytes_per_rank=auto.host_memory_available())
+                                             host_bytes_per_rank=auto.host_memory_available(),
+                                             host_bytes_taken=besides[256, 8])
     assert alone == pytest.approx(0.5) and first < alone  # the early stage is the tighter one
     assert fraction == first
     assert "smallest over train.stages' shapes: 256 tokens x 8" in lines[0] and "512 tokens x 1: 0.50" in lines[0]

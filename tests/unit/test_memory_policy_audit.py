@@ -89,6 +89,7 @@ def test_a_runs_auto_fraction_counts_its_attention_offload(monkeypatch):
     count without them allowed more)."""
     from longctx.job.runtime import Runtime
     from longctx.memory import auto
+    from longctx.train.host_budget import host_bytes_besides_offload
     from longctx.train.model import auto_offload_fraction
 
     cfg = load_config(overrides=["--model.layers=5", "--train.seq_len=4096", "--train.global_batch=1",
@@ -100,12 +101,14 @@ def test_a_runs_auto_fraction_counts_its_attention_offload(monkeypatch):
         pol = MemoryPolicy("selective", a, 1, attention_chunk=1024, attention_offload=True)
         return estimate_activations(cfg.model, 4096, 1, policy=pol).total_host
 
-    monkeypatch.setattr(auto, "host_memory_available", lambda: rank_host(0.5) / 0.8)
+    rt = Runtime.create(cfg, 0, 1, "cpu")
+    besides = host_bytes_besides_offload(cfg, rt.dims, "cpu", 4096, 1)  # (its data loader's, the chunks' dq)
+    monkeypatch.setattr(auto, "host_memory_available", lambda: (rank_host(0.5) + besides) / 0.8)
     monkeypatch.setattr(auto, "host_link_bandwidth", lambda device: 1e15)
     monkeypatch.setattr(auto, "measured_block_forward_seconds", lambda *a, **k: 1.0)
-    a = auto_offload_fraction(cfg, torch.device("cpu"), Runtime.create(cfg, 0, 1, "cpu"), lambda line: None)
+    a = auto_offload_fraction(cfg, torch.device("cpu"), rt, lambda line: None)
     assert a == pytest.approx(0.5)
-    assert rank_host(a) <= 0.8 * auto.host_memory_available() * (1 + 1e-12)
+    assert rank_host(a) + besides <= 0.8 * auto.host_memory_available() * (1 + 1e-12)
 
 
 def test_offloader_does_not_answer_for_a_span_changed_in_place():

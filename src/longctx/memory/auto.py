@@ -5,8 +5,9 @@ An offloaded block always sends its input and attention state (S_fixed) and the 
 other activations (A x S_other) to the host:
 
   A_link   = (t_block_forward x host_link_bandwidth - S_fixed) / S_other
-  A_memory = (0.8 x host_memory_per_rank - R_fixed) / R_other   (R: the rank's whole host tier, every
-             offloaded block's and what the run's other settings put there, attention_offload's)
+  A_memory = (0.8 x host_memory_per_rank - H - R_fixed) / R_other   (R: the rank's whole host tier, every
+             offloaded block's and what the run's other settings put there, attention_offload's; H: the
+             rest of the rank's host bytes, the model-state tier's states, checkpoint staging, the loader)
   A        = min(1, A_link, A_memory), rounded down to a multiple of 0.05 (at least 0.05 when host
              memory allows it; else A_memory rounded down to 0.001); 0 (no offload) when even
              S_fixed does not fit in host memory
@@ -45,16 +46,85 @@ def host_link_bandwidth(device: torch.device, nbytes: int = 64 * 2**20, repeats:
     return nbytes / best
 
 
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
 def host_memory_available() -> int:
-    """Bytes of memory the OS could give us now (MemAvailable), or total memory as a fallback."""
+    """Bytes of memory the OS could give us now (host_memory_free's figure)."""
+    return host_memory_free()[0]
+
+
+def host_memory_free() -> tuple[int, str]:
+    """(bytes of memory the OS could give us now, where the figure comes from): MemAvailable (total memory as
+    a fallback), or less where this process's memory cgroup (a container's or a batch job's limit) leaves
+    less. MemAvailable is the machine's: inside a container limited to 64 GiB on a 1 TB machine it says
+    ~1 TB, and a run sized by it is killed by the cgroup's OOM killer, what the host budget exists to prevent."""
+    free = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    source = "free (MemAvailable)"
+    if free is None:
+        free, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the machine's memory"
+    limited = cgroup_memory_available()
+    if limited is not None and limited < free:
+        return limited, "free under this process's memory cgroup limit (a container's or a job's memory.max)"
+    return free, source
+
+
+def cgroup_memory_available(root: str | None = None) -> int | None:
+    """Bytes this process's memory cgroup still allows (its limit less its usage, reclaimable page cache
+    counted as free), the tightest over the cgroup and its parents; None where no limit is set or none is
+    readable. cgroup v2 (memory.max, memory.current, memory.stat's inactive_file) and v1
+    (memory/memory.limit_in_bytes, memory.usage_in_bytes, memory.stat's total_inactive_file)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    fields = [line.split(":", 2) for line in lines if line.count(":") >= 2]
+    v2 = next((path for _, names, path in fields if not names), "/")
+    v1 = next((path for _, names, path in fields if "memory" in names.split(",")), "/")
+    best, root = None, root or CGROUP_ROOT
+    for base, path, files in ((root, v2, ("memory.max", "memory.current", "inactive_file")),
+                              (os.path.join(root, "memory"), v1, ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                                  "total_inactive_file"))):
+        parts = [p for p in path.split("/") if p and p != ".."]
+        # the cgroup's own directory and each parent up to the mount's root (a container sees its own as "/")
+        for depth in range(len(parts), -1, -1):
+            left = _cgroup_left(os.path.join(base, *parts[:depth]), *files)
+            if left is not None:
+                best = left if best is None else min(best, left)
+    return best
+
+
+def _cgroup_left(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    """limit - usage + reclaimable page cache of one cgroup directory (None: no limit there)."""
+    try:
+        with open(os.path.join(directory, limit_file)) as f:
+            text = f.read().strip()
+        if text == "max" or not text.isdigit() or int(text) >= 2**62:  # (v1's "no limit" is ~2**63)
+            return None
+        limit = int(text)
+        with open(os.path.join(directory, usage_file)) as f:
+            usage = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    inactive = 0
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == inactive_key:
+                    inactive = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, min(limit, limit - usage + inactive))
 
 
 @torch.no_grad()
@@ -75,11 +145,14 @@ def measured_block_forward_seconds(block, x, cos, sin, doc_ids, repeats: int = 2
 def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: int, ctx: int, skip_last: int,
                             dtype_bytes: int, block_seconds: float, link_bytes_per_s: float,
                             host_bytes_per_rank: float, policy: MemoryPolicy | None = None,
-                            expert: int = 1) -> tuple[float, str]:
+                            expert: int = 1, host_bytes_taken: float = 0.0) -> tuple[float, str]:
     """(fraction, the reason in one line) from measured times and bandwidths. `policy`: the run's other
     [memory] settings (attention_offload, expert_chunk, block_chunk...; its recompute and fraction are
     replaced): they change what the rank keeps on the host, so they must be counted; `expert`: the
-    expert-parallel degree (the rows a rank's experts save), as the host budget counts them."""
+    expert-parallel degree (the rows a rank's experts save), as the host budget counts them;
+    `host_bytes_taken`: the rank's host bytes besides the offloaded activations (the model-state tier's
+    states, checkpoint staging, the data loader: train/host_budget.py host_bytes_besides_offload), which
+    the 0.8 x host_bytes_per_rank must hold too."""
     base = policy if policy is not None else MemoryPolicy()
 
     def host(a):
@@ -96,11 +169,14 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     fixed, fixed_rank = whole - other, whole_rank - other_rank
     # host memory holds the rank's whole host tier: every offloaded block's, and what the kept blocks
     # put there too (memory.attention_offload's core state)
-    budget = 0.8 * host_bytes_per_rank
+    # and what the run's other parts keep there (memory.model_states host / host_optimizer: 16 B per parameter)
+    budget = 0.8 * host_bytes_per_rank - host_bytes_taken
+    taken = f" ({host_bytes_taken / 2**30:.2f} GiB of it taken by the model states and the rest)" \
+        if host_bytes_taken > 0 else ""
     if budget < fixed_rank:
         return 0.0, (f"offload_fraction auto -> 0 (offload off): {offloaded} blocks x {fixed / 2**20:.1f} MiB of block "
                      f"inputs and attention state would not fit in {host_bytes_per_rank / 2**30:.1f} GiB of host "
-                     f"memory per rank; raise memory.offload_skip_last or add host memory")
+                     f"memory per rank{taken}; raise memory.offload_skip_last or add host memory")
     a_link = (block_seconds * link_bytes_per_s - fixed) / other
     a_mem = (budget - fixed_rank) / other_rank
     fraction = math.floor(min(1.0, a_link, a_mem) * 20) / 20
@@ -114,7 +190,7 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
               f"{block_seconds * 1e3:.1f} ms and the host link moves {link_bytes_per_s / 1e9:.1f} GB/s; a block "
               f"always offloads {fixed / 2**20:.1f} MiB (input, attention state) plus A x {other / 2**20:.1f} MiB, "
               f"which hides behind its forward up to A = {max(a_link, 0.0):.2f}; {host_bytes_per_rank / 2**30:.1f} GiB "
-              f"of host memory per rank allows A = {min(a_mem, 1.0):.2f} over {offloaded} blocks")
+              f"of host memory per rank{taken} allows A = {min(a_mem, 1.0):.2f} over {offloaded} blocks")
     if a_link < 0.05:
         reason += " (transfers will not fully hide behind compute even at the smallest fraction)"
     return fraction, reason

@@ -8,10 +8,12 @@ too, so the rank's device bytes (states, FSDP's gathers, activations, transient)
 well, as one memory holds them (costs/host_bytes.py one_memory_bytes: under `host` the gradients and
 the saved activations never meet; the foreach AdamW's step under `device`). The largest stage of
 train.stages sets the figure. `memory.offload_fraction = auto` is decided inside the ranks
-(memory/auto.py), bounded by 0.8 x this rank's share of host memory: it is counted here at its
-largest, fraction 1.0, capped at that bound.
+(memory/auto.py), bounded by 0.8 x this rank's share of host memory less the rank's other host bytes
+(the model-state tier's states, staging, the loader): it is counted here at its largest, fraction 1.0,
+capped at that bound.
 
-The budget is MemAvailable (memory/auto.py `host_memory_available`), or LONGCTX_HOST_MEMORY_BYTES
+The budget is MemAvailable, or what this process's memory cgroup leaves where that is less (a container's
+limit: memory/auto.py `host_memory_free`), or LONGCTX_HOST_MEMORY_BYTES
 (bytes, a testing aid like LONGCTX_FAULT: docs/running.md).
 """
 
@@ -27,7 +29,7 @@ from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..job.checks import node_size, zero_pp_names
 from ..job.devices import computes_in_bf16
-from ..memory.auto import host_memory_available
+from ..memory.auto import host_memory_free
 from ..memory.policy import MemoryPolicy
 from .stages import stages_of
 
@@ -54,7 +56,8 @@ def host_budget() -> tuple[float, str]:
     """(bytes of host memory this node's ranks may use, where the figure comes from)."""
     text = os.environ.get(BUDGET_ENV, "").strip()
     if not text:
-        return float(host_memory_available()), "free (MemAvailable)"
+        free, source = host_memory_free()
+        return float(free), source
     try:
         value = float(text)
     except ValueError:
@@ -74,28 +77,50 @@ def run_shape(cfg: Config, dims) -> MeshShape:
                      quant_block=cfg.parallel.zero_pp_block)
 
 
-def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, budget: float) -> dict[str, float]:
-    """One rank's host bytes by part and their "total", for the stage that needs the most."""
+def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int, memory,
+                 offload_cap: float = math.inf) -> tuple[dict[str, float], dict[str, float]]:
+    """(device bytes, host bytes) of one rank in one stage shape, under the [memory] settings `memory`."""
     shape = run_shape(cfg, dims)
-    auto = cfg.memory.offload_fraction == "auto"
-    policy = MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory)
-    cap = AUTO_SHARE * budget / max(1, ranks_on_node) if auto else math.inf
     fp32 = not computes_in_bf16(cfg.train.dtype, device_type, start_cuda=False)  # (run by the launcher)
+    micro_batch = max(1, global_batch // cfg.train.grad_accum // shape.dp)
+    device, host = predicted_rank_bytes(
+        cfg.model, shape, MemoryPolicy.from_config(memory), cfg.memory.model_states, seq_len=seq_len,
+        micro_batch=micro_batch, grad_accum=cfg.train.grad_accum, dtype_bytes=4 if fp32 else 2,
+        doc_mask=cfg.data.doc_mask, async_checkpoint=cfg.checkpoint.async_save, offload_cap=offload_cap,
+        bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0,
+        device_type=device_type)
+    if not cfg.checkpoint.saves_or_resumes:  # (a run that can never save takes no copy: not even on a signal)
+        host = {**host, "co2_checkpoint": 0.0}
+        host["total"] = sum(v for k, v in host.items() if k != "total")
+    return device, host
+
+
+def host_bytes_besides_offload(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int) -> float:
+    """One rank's host bytes other than its offloaded activations (the model-state tier's states, the
+    attention core's per-chunk extras, checkpoint staging, the data loader) in one stage shape: what
+    memory.offload_fraction = auto's share of host memory must hold besides the activations it offloads."""
+    _, host = _stage_bytes(cfg, dims, device_type, seq_len, global_batch,
+                           dataclasses.replace(cfg.memory, offload_fraction=0.0))
+    return host["total"] - host["activations"]
+
+
+def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, budget: float) -> dict[str, float]:
+    """One rank's host bytes by part and their "total", for the stage that needs the most. Under
+    offload_fraction auto the activations are counted at fraction 1.0, capped at what auto may take: 0.8 x
+    this rank's share of the budget, less the rank's other host bytes (memory/auto.py)."""
+    auto = cfg.memory.offload_fraction == "auto"
+    memory = dataclasses.replace(cfg.memory, offload_fraction=1.0) if auto else cfg.memory
     worst: dict[str, float] = {"total": -1.0}
     for stage in stages_of(cfg):
-        micro_batch = max(1, stage.global_batch // cfg.train.grad_accum // shape.dp)
-        device, host = predicted_rank_bytes(
-            cfg.model, shape, policy, cfg.memory.model_states, seq_len=stage.seq_len, micro_batch=micro_batch,
-            grad_accum=cfg.train.grad_accum, dtype_bytes=4 if fp32 else 2, doc_mask=cfg.data.doc_mask,
-            async_checkpoint=cfg.checkpoint.async_save, offload_cap=cap,
-            bucket_blocks=max(1, cfg.parallel.grad_bucket_blocks), co2_momentum=cfg.train.co2_outer_momentum > 0,
-            device_type=device_type)
+        cap = math.inf
+        if auto:
+            besides = host_bytes_besides_offload(cfg, dims, device_type, stage.seq_len, stage.global_batch)
+            cap = max(0.0, AUTO_SHARE * budget / max(1, ranks_on_node) - besides)
+        device, host = _stage_bytes(cfg, dims, device_type, stage.seq_len, stage.global_batch, memory, cap)
         parts = {k: v for k, v in host.items() if k != "total"}
-        if not cfg.checkpoint.saves_or_resumes:
-            parts["co2_checkpoint"] = 0.0  # (a run that can never save takes no copy: not even on a signal)
         if device_type == "cpu":
-            parts[CPU_DEVICE] = one_memory_bytes(cfg.model, shape, cfg.memory.model_states, device, host,
-                                                 cfg.train.grad_accum) - host["total"]
+            parts[CPU_DEVICE] = one_memory_bytes(cfg.model, run_shape(cfg, dims), cfg.memory.model_states, device,
+                                                 host, cfg.train.grad_accum) - host["total"]
         parts["total"] = sum(parts.values())
         if parts["total"] > worst["total"]:
             worst = parts
@@ -114,7 +139,8 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str) -
     largest = max(parts, key=parts.get)
     ranks = f"{ranks_on_node} ranks x {_size(per_rank['total'])}" if ranks_on_node > 1 else "1 rank"
     fixes = [ADVICE[largest]] + (["fewer ranks on this node (--nproc)"] if ranks_on_node > 1 else [])
-    auto = (" (memory.offload_fraction auto counted at 1.0, capped at 0.8 x each rank's share of the budget)"
+    auto = (" (memory.offload_fraction auto counted at 1.0, capped at 0.8 x each rank's share of the budget less "
+            "its other host bytes)"
             if cfg.memory.offload_fraction == "auto" else "")
     raise ConfigError(
         f"this run needs {_size(need)} of host memory on this node ({ranks}; memory.model_states="

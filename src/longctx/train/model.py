@@ -23,6 +23,7 @@ from ..memory.policy import MemoryPolicy
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
 from ..parallel.parallelize import parallelize, sequence_parallel_core
 from .glide import build_glide_training
+from .host_budget import host_bytes_besides_offload
 from .stages import stages_of
 from .weights import load_weights
 
@@ -156,5 +157,7 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
         dtype_bytes=activation_dtype(bf16, rt.dims.world_size, cfg.memory.model_states, device.type)[0],
         block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
         host_bytes_per_rank=host_bytes_per_rank, expert=d.expert,
+        # (the model-state tier's states, staging and the loader share the rank's host memory with the offload)
+        host_bytes_taken=host_bytes_besides_offload(cfg, rt.dims, device.type, seq_len, global_batch),
         # (the run's other [memory] settings put bytes on the host too: attention_offload's core state)
         policy=MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=0.0)))

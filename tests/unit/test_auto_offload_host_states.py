@@ -1,0 +1,61 @@
+"""memory.offload_fraction = auto beside the host tiers' model states: auto gave the offloaded activations
+0.8 x a rank's share of host memory as if nothing else lived there, while memory.model_states host /
+host_optimizer keep 16 B per parameter in host memory too (and checkpoint staging, the data loader). The
+preflight then counted auto at that cap plus the states and refused runs that a smaller fraction fits, and
+under a launcher that runs no preflight (torchrun) the ranks chose a fraction that, with the states, passed
+the host's memory. Auto's share now holds the rank's other host bytes too, and the preflight counts it so."""
+
+import pytest
+import torch
+
+from longctx.config import load_config
+from longctx.job.checks import check_layout
+from longctx.job.runtime import Runtime
+from longctx.memory import auto
+from longctx.memory.accounting import estimate_activations
+from longctx.memory.policy import MemoryPolicy
+from longctx.train.host_budget import BUDGET_ENV, check_host_memory, host_bytes_besides_offload, rank_host_bytes
+from longctx.train.model import auto_offload_fraction
+
+GIB = 2**30
+
+
+def _cfg(*more):
+    return load_config(None, ["--model.preset=small-100m", "--train.seq_len=4096", "--train.device=cuda",
+                              "--memory.model_states=host", "--memory.recompute=selective",
+                              "--memory.offload_fraction=auto", *more])
+
+
+def test_preflight_counts_auto_within_what_the_states_leave(monkeypatch):
+    cfg = _cfg()
+    dims = check_layout(cfg, 1)
+    states = rank_host_bytes(cfg, dims, "cuda", 1, 1e15)["model_states"]
+    budget = 5 * states  # the states take a fifth and more of it (with the loader): auto's 0.8 left no room
+    besides = host_bytes_besides_offload(cfg, dims, "cuda", 4096, cfg.train.global_batch)
+    assert states <= besides < states * 1.05
+    need = rank_host_bytes(cfg, dims, "cuda", 1, budget)
+    assert need["activations"] == pytest.approx(0.8 * budget - besides)
+    assert need["total"] <= 0.8 * budget * (1 + 1e-12)
+    monkeypatch.setenv(BUDGET_ENV, str(budget))
+    check_host_memory(cfg, dims, 1, "cuda")  # fits: auto picks a fraction the states leave room for
+
+
+def test_auto_in_the_rank_leaves_room_for_the_states(monkeypatch):
+    cfg = load_config(overrides=["--model.layers=5", "--train.seq_len=4096", "--train.global_batch=1",
+                                 "--memory.recompute=selective", "--memory.offload_fraction=auto",
+                                 "--memory.offload_skip_last=1", "--train.dtype=fp32",
+                                 "--memory.model_states=host_optimizer"])
+    rt = Runtime.create(cfg, 0, 1, "cpu")
+    besides = host_bytes_besides_offload(cfg, rt.dims, "cpu", 4096, 1)
+    assert besides > 16 * sum(p.numel() for p in torch.nn.Linear(cfg.model.dim, cfg.model.dim).parameters())
+
+    def rank_host(a):
+        return estimate_activations(cfg.model, 4096, 1, policy=MemoryPolicy("selective", a, 1)).total_host
+
+    free = (rank_host(0.5) + besides) / 0.8  # room for half of the activations beside the states
+    monkeypatch.setattr(auto, "host_memory_available", lambda: free)
+    monkeypatch.setattr(auto, "host_link_bandwidth", lambda device: 1e15)
+    monkeypatch.setattr(auto, "measured_block_forward_seconds", lambda *a, **k: 1.0)
+    a = auto_offload_fraction(cfg, torch.device("cpu"), rt, lambda line: None)
+    assert a == pytest.approx(0.5)
+    assert rank_host(a) + besides <= 0.8 * free * (1 + 1e-12)
