@@ -31,9 +31,9 @@ def _signal_at(trainer, at: int, sig):
 def test_a_signal_saves_that_step_and_stops(sig, periodic, tmp_path):
     """Periodic saves or none (checkpoint.final, the default, makes any run one that saves)."""
     cfg = load_config(None, [*BASE, f"--checkpoint.interval={100 if periodic else 0}", f"--train.run_dir={tmp_path}"])
+    before = signal.getsignal(sig)  # (the run catches its signals from its set-up on: test_signal_during_set_up.py)
     trainer = Trainer(cfg, log=lambda *a, **k: None)
     _signal_at(trainer, 2, sig)
-    before = signal.getsignal(sig)
     with pytest.raises(Preempted, match=f"saved step 2 on {sig.name}") as e:
         trainer.run()
     assert e.value.exit_code == REQUEUE_EXIT_CODE == 75

@@ -18,14 +18,23 @@ from __future__ import annotations
 import dataclasses
 
 from .presets import MODEL_PRESETS
-from .schema import Config, DataConfig, DraftConfig, MemoryConfig, ModelConfig, ParallelConfig, TrainConfig
+from .schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DraftConfig,
+    MemoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 
 
 def inert_option_problems(cfg: Config) -> list[str]:
     """One sentence with its fix per option that would be ignored (empty when each applies)."""
     return (_expert_chunk_on_dense(cfg) + _offload_without_blocks(cfg) + _draft_without_target(cfg)
             + _zero_pp_unused(cfg) + _rope_factor_unscaled(cfg) + _unusable_expert_replicas(cfg)
-            + _time_limit_without_saves(cfg) + _build_options_with_store(cfg))
+            + _time_limit_without_saves(cfg) + _signals_without_saves(cfg) + _build_options_with_store(cfg))
 
 
 # [data] keys that only configure the store built from data.corpus (data/default_store.py); a data.path store
@@ -56,6 +65,19 @@ def _time_limit_without_saves(cfg: Config) -> list[str]:
     return [f"checkpoint.exit_after_minutes = {ck.exit_after_minutes:g} would stop the run with nothing saved: it "
             f"saves the step it stops at, and this run saves no checkpoint (checkpoint.interval 0, checkpoint.final "
             f"false); set --checkpoint.final true (or an interval), or drop the limit."]
+
+
+def _signals_without_saves(cfg: Config) -> list[str]:
+    """checkpoint.on_signal naming signals in a run without a checkpoint manager: the stop on a signal saves the step
+    it stops at, so such a run installs no handler (train/watch.py), and the signal it was given to catch ends it
+    with nothing saved, as if the option were not there (the default's signals, and '' or none, say nothing)."""
+    ck = cfg.checkpoint
+    names = [p.strip() for p in str(ck.on_signal).split(",") if p.strip() and p.strip().lower() != "none"]
+    if not names or ck.saves_or_resumes or not _given(ck, CheckpointConfig, lambda key: key == "on_signal"):
+        return []
+    return [f"checkpoint.on_signal = {ck.on_signal!r} would be ignored: a stop on a signal saves the step it stops "
+            f"at, and this run saves no checkpoint (checkpoint.interval 0, checkpoint.final false), so the signal "
+            f"would end it with nothing saved; set --checkpoint.final true (or an interval), or drop it."]
 
 
 def inert_option_notes(cfg: Config) -> list[str]:

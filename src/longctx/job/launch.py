@@ -350,7 +350,9 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         # a script tells an interrupted run from a failed one (it exited 1, a failure's code)
         raise RankError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
                         f"on checkpoint.on_signal when the run saves: checkpoint.interval > 0 or "
-                        f"checkpoint.final).", 128 + int(e.sigval)) from None
+                        f"checkpoint.final, from their set-up on; one that came while they started, before it, "
+                        f"stops them with nothing trained since the last checkpoint, which "
+                        f"`--checkpoint.resume auto` continues from).", 128 + int(e.sigval)) from None
     except ChildFailedError as e:
         hang = watchdog.hang_report(error_dir, nproc)
         if hang is not None:  # the ranks' watchdogs fired (parallel.timeout_s): say where each was, once

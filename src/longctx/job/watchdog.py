@@ -230,7 +230,8 @@ def hang_report(folder: Path, nproc: int) -> tuple[str, str] | None:
     summary = (head + " Where each rank was:\n" + "\n".join(lines)
                + "\nThe job was stopped; no rank is left running. Their Python stacks are printed above. "
                  "A rank stuck in I/O or a dead link hangs like this; raise parallel.timeout_s if a phase "
-                 "legitimately takes longer.")
+                 "legitimately takes longer. `--checkpoint.resume auto` continues the run from its last checkpoint "
+                 "(the steps after it train again).")
     return summary, "\n".join(stacks)
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config.rules import parse_signals
+from ..errors import REQUEUE_EXIT_CODE
 from ..job.launch import ERROR_DIR_ENV
 
 TIME_LIMIT = 1 << 10  # what a rank past the deadline sends (above every signal's number: it wins the MAX)
@@ -70,6 +71,37 @@ def command_age() -> float:
         return 0.0
 
 
+class EarlySignals:
+    """The signals of checkpoint.on_signal recorded from the start of a run's set-up (the Trainer's) until the loop's
+    StopOnSignal takes them over (`install(early)`), or `restore()` on a failed set-up. Set-up is minutes at scale
+    (the model, a checkpoint to load, the data): a signal there, before the loop caught any, killed the ranks with
+    128 + its number, so a batch script that requeues on REQUEUE_EXIT_CODE did not requeue the preempted run, and
+    the launcher said the run saved nothing on a signal. Recorded, it stops the run at the loop's first boundary."""
+
+    def __init__(self, names: str):
+        self.received = 0
+        self.previous: dict[signal.Signals, object] = {}
+        if threading.current_thread() is threading.main_thread():  # (where handlers can be installed)
+            for s in parse_signals(names):
+                self.previous[s] = signal.signal(s, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        if not self.received:
+            self.received = signum
+
+    def restore(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous.clear()
+
+
+def set_up_stop(step: int, name: str) -> str:
+    """What a run stopped before its first step says: nothing was trained since the checkpoint it resumed."""
+    return (f"{name} came during set-up, before step {step + 1}: nothing was trained since step {step}, whose "
+            f"checkpoint it resumed; `--checkpoint.resume auto` continues the run from there (exit code "
+            f"{REQUEUE_EXIT_CODE}: a batch script requeues on it, docs/checkpoints.md).")
+
+
 class StopOnSignal:
     """Records the configured signals between `install()` and `restore()` and answers, once per step,
     whether any rank has had one or passed `deadline` (a reading of `clock`; None: no limit), as
@@ -86,15 +118,24 @@ class StopOnSignal:
         self._received = 0  # the first signal's number, from the handler
         self._previous: dict[signal.Signals, object] = {}
 
-    def install(self) -> StopOnSignal:
+    def install(self, early: EarlySignals | None = None) -> StopOnSignal:
+        """Catch the signals (and take over `early`'s: a signal it recorded during set-up counts, and the
+        handlers restored at the end are the ones from before it)."""
         if threading.current_thread() is not threading.main_thread():
             self.signals = []  # (handlers can only be installed from the main thread: tests run there)
-        if not self.signals and self.deadline is None:
-            return self
-        if self.world > 1 and self._group_factory is not None:
-            self._group = self._group_factory()
-        for s in self.signals:
-            self._previous[s] = signal.signal(s, self._handle)
+        if self.signals or self.deadline is not None:
+            if self.world > 1 and self._group_factory is not None:
+                self._group = self._group_factory()
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        if early is not None:
+            self._received = self._received or early.received
+            for s, handler in early.previous.items():
+                if s in self._previous:
+                    self._previous[s] = handler
+                else:
+                    signal.signal(s, handler)
+            early.previous.clear()
         return self
 
     def restore(self) -> None:

@@ -51,50 +51,60 @@ def rollback_from(root: Path, checkpoint_step: int, checksum: str | None = None)
     record written before checksums were, by step alone; None when the run never rolled back to it): a
     resume from that checkpoint continues after its bad step instead. Another attempt's checkpoint of the
     same step, saved after an explicit resume of an older one, is not the one rolled back to."""
+    found = rollbacks_to(root, checkpoint_step, checksum)
+    return found[-1] if found else None
+
+
+def rollbacks_to(root: Path, checkpoint_step: int, checksum: str | None = None) -> list[dict]:
+    """Every rollback to that checkpoint (rollback_from), oldest first: all made after it was saved, in
+    the one trajectory that goes on from it (a resume from it skips to after the newest one's bad step)."""
     path = root / RECORD
     if not checkpoint_step or not path.is_file():
-        return None
-    found = None
+        return []
+    found = []
     for line in path.read_text().splitlines():
         try:
             entry = json.loads(line)
         except ValueError:  # a line cut by a crash while it was written: that rollback did not go on
             continue
         if entry.get("rolled_back_to") == checkpoint_step and entry.get("checkpoint", checksum) == checksum:
-            found = entry
+            found.append(entry)
     return found
 
 
 def skip_rolled_back_window(root: Path, start_step: int, sampler, checksum: str | None = None,
-                            saved_in: Path | None = None) -> tuple[int, str | None]:
+                            saved_in: Path | None = None) -> tuple[int, str | None, int]:
     """A resume from a checkpoint the run once rolled back to (the one of manifest checksum `checksum`)
     continues after the bad step, with the data it had then, instead of replaying the skipped window:
-    (the step to start after, what to log); unchanged when the checkpoint was no rollback's. `saved_in`:
-    the directory the checkpoint was loaded from, whose record is read too when it is not `root` (a resume
-    of another run directory's checkpoint; this run's own record, written since, first)."""
-    skipped = rollback_from(root, start_step, checksum)
-    if skipped is None and saved_in is not None and saved_in.resolve() != root.resolve():
-        skipped = rollback_from(saved_in, start_step, checksum)
-    if skipped is None:
-        return start_step, None
+    (the step to start after, what to log, how many rollbacks went to it: the run's count, which the
+    checkpoint saved before them, goes on past them); unchanged (and 0) when the checkpoint was no
+    rollback's. `saved_in`: the directory the checkpoint was loaded from, whose record is read too when it
+    is not `root` (a resume of another run directory's checkpoint; this run's own record, written since, first)."""
+    found = rollbacks_to(root, start_step, checksum)
+    if not found and saved_in is not None and saved_in.resolve() != root.resolve():
+        found = rollbacks_to(saved_in, start_step, checksum)
+    if not found:
+        return start_step, None, 0
+    skipped = found[-1]
     sampler.load_state_dict(skipped["data_position"])
     first, last = skipped["skipped_steps"]
     return int(skipped["bad_step"]), (
         f"checkpoint: this run rolled back to step {first - 1} at step {last} ({skipped['reason']}); the data of "
-        f"steps {first}-{last} stays skipped, and training goes on at step {last + 1}")
+        f"steps {first}-{last} stays skipped, and training goes on at step {last + 1}"), len(found)
 
 
-def resume_past_rollback(ckpt, start_step: int, sampler, log) -> int:
-    """The step a resume starts after: past the skipped window when the loaded checkpoint is one the run
-    rolled back to (skip_rolled_back_window; the spike check's window is the checkpoint's, as after the
-    rollback), else `start_step`."""
+def resume_past_rollback(ckpt, start_step: int, sampler, log) -> tuple[int, int]:
+    """(the step a resume starts after, the rollbacks to be counted beyond the checkpoint's own count): past the
+    skipped window when the loaded checkpoint is one the run rolled back to (skip_rolled_back_window; the spike
+    check's window is the checkpoint's, as after the rollback), else (`start_step`, 0)."""
     if ckpt is None or not start_step or not ckpt.resumed_from:
-        return start_step
+        return start_step, 0
     path, manifest = ckpt.resumed_from  # (maybe another run directory's checkpoint: its record read too)
-    start_step, note = skip_rolled_back_window(ckpt.root, start_step, sampler, manifest.get("checksum"), path.parent)
+    start_step, note, rollbacks = skip_rolled_back_window(ckpt.root, start_step, sampler, manifest.get("checksum"),
+                                                          path.parent)
     if note:
         log(note)
-    return start_step
+    return start_step, rollbacks
 
 
 class BadStep(Exception):
@@ -179,7 +189,15 @@ def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool, repe
     state = ckpt.load(path, model, optimizer, manifest)
     back_to = int(state["step"])
     if is_main:
-        record_rollback(ckpt.root, bad.step, back_to, bad.reason, bad.position, manifest.get("checksum"))
+        try:
+            record_rollback(ckpt.root, bad.step, back_to, bad.reason, bad.position, manifest.get("checksum"))
+        except OSError as e:  # (a full disk: said as what it is, not a traceback; the run must not go on unrecorded)
+            raise TrainingError(
+                f"{bad.reason} at step {bad.step}: the run rolled back to {path.name}, but could not record it in "
+                f"{ckpt.root / RECORD} ({e.strerror or e}); the run stops, since a resume from {path.name} without "
+                f"that record would train on the skipped window again. Free space there and resume with "
+                f"--checkpoint.resume auto: it continues from {path.name} and rolls back again at the bad step."
+            ) from e
     sampler.load_state_dict(bad.position)
     return (f"step {bad.step}: {bad.reason}: rolled back to the checkpoint of step {back_to} ({path.name}); "
             f"the data of steps {back_to + 1}-{bad.step} is skipped (recorded in {ckpt.root / RECORD}), "

@@ -16,7 +16,7 @@ import contextlib
 import time
 
 from ..config import Config
-from ..config.checkpoint_paths import CheckpointError
+from ..config.checkpoint_paths import CheckpointError, latest_checkpoint
 from ..job import watchdog
 
 
@@ -59,12 +59,15 @@ class RunSaves:
             self.ckpt.wait()
         except CheckpointError as e:
             if self.cfg.checkpoint.on_save_error == "stop":
-                raise
+                raise self.stopped(e) from e
             self.log(f"checkpoint: {e} Saving step {step} before the run stops (checkpoint.on_save_error = warn).")
             saved = False
         if not saved:
-            self.ckpt.save(step, model, optimizer, sampler.state_dict())
-            self.ckpt.wait()
+            try:
+                self.ckpt.save(step, model, optimizer, sampler.state_dict())
+                self.ckpt.wait()
+            except CheckpointError as e:  # (whatever the policy: the run never says it saved a step not on disk)
+                raise self.stopped(e, "the stop's own save failed") from e
 
     def wait(self) -> None:
         """Until the saves in flight are complete and committed (a failure handled as errors() says)."""
@@ -90,7 +93,18 @@ class RunSaves:
             yield
         except CheckpointError as e:
             if self.cfg.checkpoint.on_save_error == "stop":
-                raise
+                raise self.stopped(e) from e
             if step is not None:
                 self.failed.add(step)
             self.log(f"checkpoint: {e} Training goes on (checkpoint.on_save_error = warn).")
+
+    def stopped(self, error: CheckpointError, why: str = "checkpoint.on_save_error = stop") -> CheckpointError:
+        """A failed save's error as the run stops on it: that it stops, and why (the error itself says the way out,
+        checkpoint/failures.py save_failed: free space, another --checkpoint.dir, the checkpoint a resume goes on
+        from); a run with no checkpoint to resume from starts again."""
+        kept = latest_checkpoint(self.ckpt.root) if self.ckpt.root.is_dir() else None
+        then = "" if kept is not None else (" Start the run again once it is fixed: no checkpoint was saved to "
+                                            "resume from.")
+        warn = ("" if self.cfg.checkpoint.on_save_error == "warn" else
+                "; checkpoint.on_save_error = warn trains on past a failed save and tries again at the next")
+        return CheckpointError(f"{error} The run stops ({why}){warn}.{then}")

@@ -2,8 +2,8 @@
 trainer_state.json (checkpoint/manager.py `extra_state`, one JSON object per name) and restored on a
 resume and after a rollback, so the run goes on as the uninterrupted one would.
 
-- "guard": the spike check's window (guard.py) and the count of skipped steps (exact: a save reads
-  every step before it), so a resumed run checks its first steps and its metrics go on counting;
+- "guard": the spike check's window (guard.py), the count of skipped steps (exact: a save reads
+  every step before it) and of rollbacks, so a resumed run checks its first steps and its metrics go on counting;
 - "moe": the routers' last choices per expert and FlexMoE's placer (moe_hooks.py), so expert copies
   are placed where they would have been;
 - "schedule": the learning-rate schedule's settings (step/schedule.py schedule_state), so a resume that
@@ -27,13 +27,16 @@ def keep_step_state(trainer) -> None:
     ckpt = trainer.ckpt
     if ckpt is None:
         return
-    ckpt.extra_state["guard"] = lambda: {**trainer.guard.state_dict(), "skipped_steps": trainer.skipped_steps}
+    ckpt.extra_state["guard"] = lambda: {**trainer.guard.state_dict(), "skipped_steps": trainer.skipped_steps,
+                                         "rollbacks": trainer.rollbacks}
     if (moe := trainer.hooks.find(MoEStepHook)) is not None:
         ckpt.extra_state["moe"] = moe.state_dict
     ckpt.extra_state["schedule"] = lambda: schedule_state(trainer.cfg)
     ckpt.extra_state["tokens"] = lambda: _tokens_state(trainer)
     if ckpt.resumed_state is not None:
-        trainer.skipped_steps = int((ckpt.resumed_state.get("guard") or {}).get("skipped_steps", 0))
+        guard = ckpt.resumed_state.get("guard") or {}
+        trainer.skipped_steps = int(guard.get("skipped_steps", 0))
+        trainer.rollbacks = int(guard.get("rollbacks", 0))  # (a rollback keeps the run's own count: restore_step_state)
         trainer.tokens_offset = _resumed_tokens_offset(ckpt.resumed_state, trainer.sampler.stages)
         restore_step_state(trainer)
         # (a resume only: a rollback keeps the run's own settings)

@@ -51,7 +51,7 @@ from .host_update import host_update_hooks
 from .metrics import MetricsLogger, setup_peak_line
 from .model import build_training_model, resolve_offload
 from .moe_hooks import MoEStepHook, moe_step_hooks
-from .preemption import StopOnSignal, command_age
+from .preemption import EarlySignals, StopOnSignal, command_age, set_up_stop
 from .report import describe_run, done_line, write_plots
 from .rollback import BadStep, resume_past_rollback, roll_back
 from .saves import RunSaves
@@ -88,6 +88,16 @@ class Trainer:
     optimizer -> checkpoint (resumed or not) -> the data of the stage the run continues in."""
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
+        # checkpoint.on_signal is caught from here (a signal during set-up stops the run at the loop's first
+        # boundary, preemption.EarlySignals); let go again if the set-up fails
+        self.early_signals = EarlySignals(cfg.checkpoint.on_signal if cfg.checkpoint.saves_or_resumes else "")
+        try:
+            self._set_up(cfg, log, read_ahead)
+        except BaseException:
+            self.early_signals.restore()
+            raise
+
+    def _set_up(self, cfg: Config, log, read_ahead: bool) -> None:
         self.clock = time.monotonic  # what checkpoint.exit_after_minutes reads (a test installs its own)
         self.started = self.clock() - command_age()  # (the limit counts from the command's start: command_clock)
         if cfg.train.deterministic:
@@ -134,8 +144,10 @@ class Trainer:
         # train.data_parallel = co2: CO2's rounds over the replicas (co2.py; None under sync)
         self.co2 = co2_rounds(cfg, self.model, self.optimizer, rt, self.ckpt, self.log)
         self.hooks.hooks += [self.co2] if self.co2 is not None else []
-        # a resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py)
-        self.start_step = resume_past_rollback(self.ckpt, self.start_step, self.sampler, self.log)
+        # a resume from a checkpoint the run once rolled back to goes on after the bad step (rollback.py), and
+        # counts those rollbacks (made after it was saved: its own count is from before them)
+        self.start_step, rolled_back = resume_past_rollback(self.ckpt, self.start_step, self.sampler, self.log)
+        self.rollbacks += rolled_back
         self.start_positions = start_positions(cfg, self.ckpt)  # (what checkpoints record as trained: stages.py)
         self.metrics = MetricsLogger(cfg, rt, self.device, self.model, self.run_dir, self.log)
         self._enter_stage(self.start_step + 1, announce=True)  # the one stage the run starts in
@@ -200,7 +212,7 @@ class Trainer:
         try:
             # a line at least every progress.interval_s() in logs where no bar is drawn (a first step,
             # a slow interval, an evaluation are each minutes at long lengths on a CPU)
-            with watched(cfg, self.rt, self.ckpt is not None, self.started, self.clock) as stop, \
+            with watched(cfg, self.rt, self.ckpt is not None, self.started, self.clock, self.early_signals) as stop, \
                     phase("training", total=cfg.train.steps - self.start_step, unit="steps", done_line=False,
                           bar=progress) as loop.beat:
                 try:
@@ -223,6 +235,8 @@ class Trainer:
         """Steps start_step + 1 to train.steps (a rollback runs some again); returns the last one run."""
         t, progress = self.cfg.train, loop.progress
         step = self.start_step
+        if 0 < step < t.steps and (name := stop.agreed()):  # (during set-up: the resumed checkpoint is all the run has)
+            raise Preempted(set_up_stop(step, name))
         while step < t.steps:
             step += 1
             self._enter_stage(step)
