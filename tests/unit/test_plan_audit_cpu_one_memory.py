@@ -11,7 +11,7 @@ from longctx.costs.host_bytes import one_memory_bytes, predicted_rank_bytes
 from longctx.costs.model_states import param_counts
 from longctx.costs.shape import MeshShape
 from longctx.memory.policy import MemoryPolicy
-from longctx.planner.cost import footprint
+from longctx.planner.cost import footprint, gib_text
 from longctx.planner.request import Request
 from longctx.planner.search import plan
 
@@ -41,7 +41,7 @@ def test_cpu_footprint_counts_the_one_memory_peak():
     fp = footprint(m, _cpu(usable), MeshShape(), policy, seq_len=SEQ, global_batch=1, model_states="device")
     assert fp.memory["total"] < usable  # the GPU-style figure fits ...
     assert not fp.feasible  # ... but the run the preflight counts does not
-    assert f"needs {peak / 2**30:.1f} GiB of this CPU's memory per process" in fp.problems[0]
+    assert f"needs {gib_text(peak)} GiB of this CPU's memory per process" in fp.problems[0]
 
 
 def test_cpu_plan_never_writes_a_device_plan_the_preflight_refuses():

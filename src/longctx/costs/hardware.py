@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -133,6 +134,13 @@ def get_hardware(name: str, world: int = 4) -> Hardware:
             + " Describe other hardware with --hardware FILE.toml (a [hardware] table) or --hw KEY=VALUE."
         )
     return PRESETS[key]
+
+
+def calibrated_world(hw: Hardware) -> int | None:
+    """The processes a CPU calibration (calibrate(), kept by --calibrate-out) was measured for, from its
+    source ("measured: N processes x 1 thread ..."), or None for hardware that records none."""
+    match = re.match(r"measured: (\d+) processes", hw.source or "") if hw.is_cpu else None
+    return int(match.group(1)) if match else None
 
 
 def is_hardware_file(spec: str) -> bool:

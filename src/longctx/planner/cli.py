@@ -153,6 +153,7 @@ def build_request(args, overrides):
             hw = apply_overrides(hw, parse_kv(args.hw))
     else:
         hw = load_hardware(args.hardware or "h100", args.hw, world=world)
+        _check_calibration_world(hw, args, world)
     _check_precision(base.train.dtype, hw)
     settings = run_settings(base)
     _check_planned_keys(base, load_config(None, [model]), parse_overrides(overrides))
@@ -174,6 +175,24 @@ def build_request(args, overrides):
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
+
+
+def _check_calibration_world(hw, args, world: int) -> None:
+    """A CPU calibration read back from a file (--calibrate-out, then --hardware FILE) gives each process the
+    memory and FLOP/s of the number of processes it was measured for: reused for a plan of another number of
+    ranks on this machine, each rank would be planned with another share of it (a 1-process calibration
+    planned 2 ranks with all of the RAM each, a plan that train's preflight then refused). Refused unless
+    --hw memory_gib says what each rank has."""
+    from ..costs.hardware import calibrated_world, parse_kv
+
+    measured = calibrated_world(hw)
+    if measured is None or measured == world or "memory_gib" in parse_kv(args.hw):
+        return
+    raise ConfigError(
+        f"--hardware {args.hardware} is a calibration of this machine for {measured} process(es) (each with 1/"
+        f"{measured} of its memory, {hw.memory_gib:.4g} GiB, and of its cores), but this plan puts {world} ranks "
+        f"on it: calibrate for them (--calibrate --gpus {args.gpus} --calibrate-out FILE, or --hardware "
+        f"cpu-measured), or give each rank's memory with --hw memory_gib=GIB.")
 
 
 def _with_store(store: str | None, model: str, overrides, base):
@@ -335,7 +354,7 @@ def main(args, overrides) -> int:
     from ..costs.hardware import hardware_names
     from .link_report import report_text
     from .output import memory_legend, micro_batch_note, table, to_json
-    from .search import plan
+    from .search import plan, request_error
 
     req, base = build_request(args, overrides)
     if not args.hardware and not args.calibrate:
@@ -346,6 +365,9 @@ def main(args, overrides) -> int:
     if req.seq_len > base.model.max_seq_len and any(o.startswith("--model.max_seq_len") for o in overrides):
         raise ConfigError(f"--seq-len {req.seq_len} exceeds the --model.max_seq_len you gave "
                           f"({base.model.max_seq_len}).")
+    why = request_error(req)
+    if why:  # (not "fits": no candidate exists to fit)
+        raise ConfigError(f"nothing to plan for {req.model.label} at {req.seq_len:,} tokens on {req.gpus} GPUs: {why}.")
     res = plan(req)
     best = res.best
     written, note = _write_best(res, base, args) if best is not None else (None, "")

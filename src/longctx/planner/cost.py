@@ -160,6 +160,13 @@ def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_ac
                         transient, settings.grad_bucket_blocks, settings.co2_outer_momentum)
 
 
+def gib_text(nbytes: float) -> str:
+    """Bytes as GiB for a message: 0.1 GiB steps, and 3 significant digits below 1 GiB, where 0.1 steps made a
+    small device's reason read "needs 0.0 GiB per GPU, 0.0 usable of 0.01"."""
+    g = nbytes / 2**30
+    return f"{g:.1f}" if g >= 0.95 else f"{g:.3g}"
+
+
 def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_node: int,
                     hw: Hardware, one_memory: float = 0.0) -> list[str]:
     """What does not fit: GPU memory, host memory per node (`host`: one rank's by part). one_memory: on a
@@ -168,11 +175,11 @@ def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_
     train`'s preflight checks; it must fit the process's share too."""
     problems = []
     if memory["total"] > hw.usable_memory_bytes:
-        problems.append(f"needs {memory['total'] / 2**30:.1f} GiB per GPU, {hw.usable_memory_bytes / 2**30:.1f} "
+        problems.append(f"needs {gib_text(memory['total'])} GiB per GPU, {gib_text(hw.usable_memory_bytes)} "
                         f"usable of {hw.memory_gib:g}")
     elif one_memory > hw.usable_memory_bytes:
-        problems.append(f"needs {one_memory / 2**30:.1f} GiB of this CPU's memory per process, "
-                        f"{hw.usable_memory_bytes / 2**30:.1f} usable of {hw.memory_gib:g}: a CPU run's foreach AdamW "
+        problems.append(f"needs {gib_text(one_memory)} GiB of this CPU's memory per process, "
+                        f"{gib_text(hw.usable_memory_bytes)} usable of {hw.memory_gib:g}: a CPU run's foreach AdamW "
                         f"step holds 20 bytes per parameter under memory.model_states = device, and without host "
                         f"memory of its own its host bytes share that memory (costs/host_bytes.py "
                         f"one_memory_bytes, what the preflight of `longctx train` checks)")

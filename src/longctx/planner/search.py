@@ -28,7 +28,7 @@ from ..costs.shape import MeshShape
 from ..costs.timing import exposed_fsdp_seconds, predicted_block_forward_seconds
 from ..memory.accounting import activation_dtype
 from ..memory.policy import MemoryPolicy
-from .cost import Estimate, Footprint, footprint, memory_bytes, rank_activations, timed
+from .cost import Estimate, Footprint, footprint, gib_text, memory_bytes, rank_activations, timed
 from .ranking import Ranking
 from .request import (
     _POLICY_ORDER,
@@ -270,6 +270,16 @@ def _host_memory_suggestion(req: Request, res: PlanResult) -> list[str]:
     return [text]
 
 
+def request_error(req: Request) -> str:
+    """'' when the request spans candidates, else why it spans none (no layout divides the sequence and the
+    batch, or no micro-batch size splits a rank's share): a property of the request, told before any search
+    (`longctx plan` printed an empty table, or JSON without plans, and then said that no plan "fits")."""
+    shapes = candidate_shapes(req)
+    if any((req.global_batch // s.dp) % mb == 0 for s in shapes for mb in req.micro_batches):
+        return ""
+    return _why_no_candidate(req)
+
+
 def _why_no_candidate(req: Request) -> str:
     """No candidate at all: the layouts divide the sequence and the batch but no micro-batch size splits
     a rank's share, or no layout divides the sequence."""
@@ -279,11 +289,19 @@ def _why_no_candidate(req: Request) -> str:
         return (f"no micro-batch of {', '.join(map(str, req.micro_batches))} divides a data-parallel rank's share "
                 f"of the global batch {req.global_batch} (sequences per rank per step: one of {shares}); "
                 f"choose --micro-batch among the divisors of those, or a larger --global-batch")
+    # the layouts whose data-parallel degree divides the global batch: the sequence must divide over one of them
     units = sorted({2 * h * c for h in divisors(req.gpus) if head_degree_ok(req.model, h)
-                    for c in divisors(req.gpus // h)})
-    return (f"no layout of {req.gpus} GPUs divides the sequence: {req.seq_len} tokens must be divisible by "
+                    for c in divisors(req.gpus // h) if req.global_batch % (req.gpus // (h * c)) == 0})
+    if not units:
+        return (f"no layout of {req.gpus} GPUs has a data-parallel degree that divides the global batch "
+                f"{req.global_batch}; choose a --global-batch that is a multiple of the data-parallel degrees")
+    return (f"no layout of {req.gpus} GPUs divides the sequence"
+            + (f" with a data-parallel degree dividing the global batch {req.global_batch}" if
+               req.global_batch % req.gpus else "")
+            + f": {req.seq_len} tokens must be divisible by "
             f"2 x head x ctx (one of {units[:8]}); choose a sequence length that is a multiple of "
-            f"{units[-1]}, or a multiple of {units[0]} with fewer sequence-parallel ranks")
+            f"{units[-1]}" + (f", or a multiple of {units[0]} with fewer sequence-parallel ranks" if len(units) > 1
+                              else ""))
 
 
 def suggest(req: Request, res: PlanResult) -> list[str]:
@@ -292,9 +310,9 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
         return [_why_no_candidate(req)]
     out = []
     least = min(res.ranked, key=lambda e: e.memory["total"])
-    out.append(f"the least GPU memory any plan needs is {least.memory['total'] / 2**30:.1f} GiB per GPU "
+    out.append(f"the least GPU memory any plan needs is {gib_text(least.memory['total'])} GiB per GPU "
                f"({least.mesh_shape.describe()}, {least.policy.describe()}; "
-               f"{req.hardware.usable_memory_bytes / 2**30:.1f} GiB usable)"
+               f"{gib_text(req.hardware.usable_memory_bytes)} GiB usable)"
                + (f", and then: {'; '.join(least.problems)}" if least.problems else ""))
     if req.hardware.host_memory_gib and req.hardware.usable_host_fraction and not any(
             a > 0 for a in req.offload_fractions):
