@@ -55,7 +55,8 @@ def child(args) -> dict:
     preflight(cfg, 1, log=lambda *a: None)  # the data store built or found here, before the baseline
     device, host = predicted_rank_bytes(cfg.model, MeshShape(), MemoryPolicy.from_config(cfg.memory), args.child,
                                         seq_len=cfg.train.seq_len, micro_batch=cfg.train.global_batch,
-                                        grad_accum=cfg.train.grad_accum, dtype_bytes=4, doc_mask=cfg.data.doc_mask)
+                                        grad_accum=cfg.train.grad_accum, dtype_bytes=4, doc_mask=cfg.data.doc_mask,
+                                        device_type="cpu")  # (a CPU run: nothing pinned, exact bytes)
     seen = {}
     build = trainer.build_training_model
 

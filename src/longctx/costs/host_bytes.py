@@ -14,6 +14,12 @@ group's shard, the routed experts over every rank under expert parallelism):
   host link per micro-batch: weights up 4 for the forward and 4 again for the backward,
   gradients down 4.
 
+On CUDA the host tiers' fp32 weights and gradients are pinned, and torch's host allocator locks each
+pinned request rounded up to a power of two (ops/pinned.py): under host_optimizer they are carved out of
+power-of-two slabs (a few percent over), under host FSDP2 pins each shard by itself (host_state_bytes
+counts each rounded: llama3-8b 1.05x of 16, small-100m 1.15x); the moments are ordinary memory. Nothing
+is pinned on a CPU run: its figures are the exact bytes (what the RSS tests measure).
+
 The AdamW step of both host tiers runs on the host's cores (torch's fused CPU AdamW), which the
 node's ranks share: `Hardware.host_adam_gparams_per_s` is the node's rate. Clipping and the step
 guard need the whole backward first, so no step overlaps the backward. Under host_optimizer
@@ -33,7 +39,8 @@ per node) and the preflight (a run refused before work when its node's ranks wou
   (memory/accounting.py estimate_activations' total_host, memory/transients.py
   attention_offload_host_and_traffic), given by the caller;
 - checkpoint_staging: under checkpoint.async, DCP's stager keeps a host copy of what a save
-  writes (fp32 weights and both moments: 12 bytes per parameter of the rank's share) between saves;
+  writes (fp32 weights and both moments: 12 bytes per parameter of the rank's share) between saves
+  (on CUDA pinned tensor by tensor, each rounded up to a power of two);
 - co2_checkpoint: under train.data_parallel = co2, a save's host copy of the rank's own CO2 state
   (costs/model_states.py co2_checkpoint_bytes: 24 or 28 bytes per parameter it averages);
 - data_loader: the training loop holds this step's local batches while the read-ahead thread reads
@@ -50,6 +57,8 @@ from ..config import ModelConfig
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
+from ..models.llama import build_model
+from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
 from .hardware import Hardware
 from .model_states import (
     accumulated_grad_bytes,
@@ -91,9 +100,59 @@ def device_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, gather_bytes
     raise ValueError(f"unknown model-state tier {tier!r}; one of {', '.join(TIERS)}")
 
 
-def host_state_bytes(m: ModelConfig, shape: MeshShape, tier: str) -> float:
-    """The tier's model-state bytes in one rank's host memory (pinned on CUDA)."""
-    return HOST_STATE_BYTES[tier] * rank_params(m, shape)
+@per_model
+def _param_shapes(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
+    """(shape, is a routed expert's) of every parameter of the model, as models/ builds it (on meta)."""
+    return tuple((tuple(p.shape), ".experts." in name) for name, p in build_model(m, "meta").named_parameters())
+
+
+def rank_shard_numels(m: ModelConfig, shape: MeshShape) -> list[int]:
+    """Elements of each parameter's shard on one rank, as FSDP2 keeps it (the largest rank's: torch.chunk's
+    first chunk, which FSDP pads every rank's to): dim 0 over the FSDP group; under expert parallelism the
+    routed experts 1 / expert of dim 0, then dim 1 over the expert-data group (parallel/fsdp/shard.py).
+    One rank: the whole tensors."""
+    group = shape.fsdp if shape.world > 1 else 1
+    return list(_shard_numels(m, group, shape.expert, shape.expert_data))
+
+
+@per_model
+def _shard_numels(m: ModelConfig, group: int, expert: int, expert_data: int) -> tuple[int, ...]:
+    out = []
+    for dims, routed in _param_shapes(m):
+        dims, g, d = list(dims), group, 0
+        if routed and expert > 1:
+            dims[0], g, d = -(-dims[0] // expert), expert_data, 1
+        if dims:
+            dims[d] = -(-dims[d] // g)
+        out.append(math.prod(dims))
+    return tuple(out)
+
+
+@per_model
+def _pinned_fp32_shards(m: ModelConfig, carved: bool, group: int, expert: int, expert_data: int) -> int:
+    """Host bytes pinned for one fp32 tensor per parameter shard: each by itself, rounded up to a power of
+    two (torch's host allocator), or `carved` with a second such set out of power-of-two slabs (halved)."""
+    sizes = [4 * k for k in _shard_numels(m, group, expert, expert_data)]
+    if carved:
+        return planned_pinned_bytes(sizes * 2) // 2
+    return sum(pinned_bytes(s) for s in sizes)
+
+
+def pinned_fp32_shard_bytes(m: ModelConfig, shape: MeshShape, carved: bool = False) -> int:
+    """_pinned_fp32_shards for one rank of `shape`."""
+    return _pinned_fp32_shards(m, carved, shape.fsdp if shape.world > 1 else 1, shape.expert, shape.expert_data)
+
+
+def host_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, pinned: bool = False) -> float:
+    """The tier's model-state bytes in one rank's host memory. `pinned` (a CUDA run; nothing is pinned on a
+    CPU run): fp32 weights and gradients are pinned (AdamW's moments are not: the optimizer makes them
+    with zeros_like, unpinned), as torch's host allocator pins them (ops/pinned.py): under host_optimizer
+    carved out of power-of-two slabs (plan_slabs), under host each tensor's shard by itself, by FSDP2's
+    CPU offload, its size rounded up to a power of two (both the weight shard and the gradient's copy)."""
+    n = rank_params(m, shape)
+    if not pinned or tier == "device":
+        return HOST_STATE_BYTES[tier] * n
+    return 2 * pinned_fp32_shard_bytes(m, shape, carved=tier == "host_optimizer") + 8 * n
 
 
 def _grads_every_micro_batch(shape: MeshShape, grad_sync: str) -> bool:
@@ -159,21 +218,29 @@ def data_loader_bytes(seq_len: int, micro_batch: int, grad_accum: int, sequence_
     return float(held + reading)
 
 
-def checkpoint_staging_bytes(m: ModelConfig, shape: MeshShape, async_save: bool) -> float:
-    """DCP's reusable host staging under checkpoint.async: fp32 weights and both AdamW moments."""
-    return 12 * rank_params(m, shape) if async_save else 0.0
+def checkpoint_staging_bytes(m: ModelConfig, shape: MeshShape, async_save: bool, pinned: bool = False) -> float:
+    """DCP's reusable host staging under checkpoint.async: fp32 weights and both AdamW moments. `pinned` (a
+    CUDA run: checkpoint/background.py stages into pinned memory): DCP pins each staged tensor by itself
+    (torch.distributed._state_dict_utils `_create_cpu_state_dict`: `.pin_memory()`), its size rounded up
+    to a power of two by torch's host allocator (ops/pinned.py)."""
+    if not async_save:
+        return 0.0
+    if not pinned:
+        return 12 * rank_params(m, shape)
+    return 3 * pinned_fp32_shard_bytes(m, shape)
 
 
 def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len: int, micro_batch: int,
                          grad_accum: int, offloaded_activations: float = 0.0, attention_offload: float = 0.0,
                          doc_mask: bool = True, async_checkpoint: bool = False,
-                         co2_momentum: bool = False) -> dict[str, float]:
-    """One rank's host memory by part (the module's docstring) and their "total"."""
+                         co2_momentum: bool = False, pinned: bool = False) -> dict[str, float]:
+    """One rank's host memory by part (the module's docstring) and their "total". pinned: a CUDA run's
+    (host_state_bytes: the pinned model states as torch's host allocator locks them)."""
     parts = {
-        "model_states": host_state_bytes(m, shape, tier),
+        "model_states": host_state_bytes(m, shape, tier, pinned),
         "activations": float(offloaded_activations),
         "attention_offload": float(attention_offload),
-        "checkpoint_staging": checkpoint_staging_bytes(m, shape, async_checkpoint),
+        "checkpoint_staging": checkpoint_staging_bytes(m, shape, async_checkpoint, pinned),
         "co2_checkpoint": co2_checkpoint_bytes(m, shape, co2_momentum),
         "data_loader": data_loader_bytes(seq_len, micro_batch, grad_accum, shape.sequence_degree, doc_mask),
     }
@@ -259,7 +326,7 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     preflight checks against free host memory and benchmarks/host_bytes.py against RSS.
     offload_cap: the most offloaded activations may take (memory.offload_fraction auto's bound);
     bucket_blocks, co2_momentum: device_bytes'; device_type: where it runs (activation_dtype: bf16 on CPU is
-    autocast over fp32 weights at any world size)."""
+    autocast over fp32 weights at any world size; "cuda": the pinned host bytes as torch locks them)."""
     kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy, "dtype_bytes": dtype_bytes}
     # (one process off the host tier in bf16: autocast over fp32 weights, activations and the backward's
     # transient counted at 4 B, as the planner counts them: planner/cost.py rank_activations)
@@ -273,5 +340,6 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
                           bucket_blocks, co2_momentum)
     host = predicted_host_bytes(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=min(acts.total_host, offload_cap), attention_offload=attn_host,
-                                doc_mask=doc_mask, async_checkpoint=async_checkpoint, co2_momentum=co2_momentum)
+                                doc_mask=doc_mask, async_checkpoint=async_checkpoint, co2_momentum=co2_momentum,
+                                pinned=pins(device_type))
     return device, host

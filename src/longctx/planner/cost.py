@@ -381,7 +381,8 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
                                                                  work=work)
     host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask,
-                                async_checkpoint=settings.async_checkpoint, co2_momentum=settings.co2_outer_momentum)
+                                async_checkpoint=settings.async_checkpoint, co2_momentum=settings.co2_outer_momentum,
+                                pinned=not hw.is_cpu)
     # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host
     # memory of its own (a calibration: one memory), the host bytes in the same memory as the device's
     one_memory = one_memory_bytes(m, shape, model_states, memory, {"total": 0.0} if hw.host_memory_gib else host,

@@ -40,6 +40,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from ..ops import pinned
+
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -145,12 +147,15 @@ class HostOptimizer(torch.optim.AdamW):
         super().__init__(groups, **hyper, fused=True)
         self.params = [p for g in self.param_groups for p in g["params"]]
         self.device = self.params[0].device
-        pin = self.device.type == "cuda"
-        self.masters = [torch.empty(_local(p).shape, dtype=torch.float32, pin_memory=pin) for p in self.params]
-        self._grad_buffers = [torch.empty_like(m, pin_memory=pin) for m in self.masters]
+        cuda = self.device.type == "cuda"
+        # pinned on CUDA, carved out of power-of-two slabs (ops/pinned.py: torch's host allocator would lock
+        # each tensor's size rounded up to a power of two, 1.1x to 1.3x of these buffers)
+        shapes = [(_local(p).shape, torch.float32) for p in self.params]
+        host = pinned.carve(shapes * 2, pinned.pins(self.device))
+        self.masters, self._grad_buffers = host[:len(shapes)], host[len(shapes):]
         self._pending: list[torch.cuda.Event | None] = [None] * len(self.params)
-        self._copier = torch.cuda.Stream(self.device) if pin else None
-        self._uploader = torch.cuda.Stream(self.device) if pin else None
+        self._copier = torch.cuda.Stream(self.device) if cuda else None
+        self._uploader = torch.cuda.Stream(self.device) if cuda else None
         self._refresh = True  # masters are copied from the weights before the next step
         index = {id(p): i for i, p in enumerate(self.params)}
         self._units = [[index[id(p)] for p in params if id(p) in index] for _, params in units]
@@ -362,16 +367,15 @@ class HostOptimizer(torch.optim.AdamW):
             raise ValueError("the saved optimizer state has other parameter groups than this model's")
         ids = {pid: p for sg, g in zip(saved_groups, self.param_groups) for pid, p in zip(sg["params"], g["params"])}
         index = {id(p): i for i, p in enumerate(self.params)}
-        pin = self.device.type == "cuda"
         for i, p in enumerate(self.params):  # (torch's load replaces the whole state: none kept of a weight it lacks)
             self._inner_state(i).pop(self.masters[i], None)
             self.state.pop(p, None)
         for pid, saved in state_dict["state"].items():
             p = ids[pid]
             i = index[id(p)]
+            # in ordinary host memory, where a fresh run's fused AdamW makes its moments (zeros_like of the
+            # masters is not pinned): the host's CPU step reads them, the device never does
             host = {k: _local(v).detach().to("cpu", torch.float32, copy=True) for k, v in saved.items()}
-            if pin:
-                host = {k: v.pin_memory() for k, v in host.items()}
             self._inner_state(i)[self.masters[i]] = host
             self.state[p] = {"step": host["step"], **{k: _like(p, host[k]) for k in _MOMENTS}}
         self._refresh = True
