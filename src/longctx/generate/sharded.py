@@ -40,6 +40,8 @@ from ..parallel.context.attention import distributed_attention
 from ..parallel.context.sequence import shard_indices
 from ..parallel.context.ulysses import kv_replication
 
+READ_ROWS = 1024  # queries per masked_attention call of read_attention
+
 
 class ShardedKVCache(CacheRows, TreeCalls):
     """This rank's share of the KV cache of `batch` sequences of up to `max_len` tokens: its kv heads,
@@ -167,13 +169,19 @@ class ShardedKVCache(CacheRows, TreeCalls):
         over this cache's layer `layer`, query i of row r seeing the positions < limit[r, i] ([b, n]):
         the cache read by another model (a GliDe draft's cross-attention, models/glide.py). Each rank
         attends its heads over its slots, then the lse merge over ctx and a gather over heads, as in
-        decode. A query that sees no position gets 0."""
+        decode. A query that sees no position gets 0. Queries go READ_ROWS at a time (a GliDe draft's
+        prompt pass reads with every prompt position at once): a mask and fp32 scores of [READ_ROWS,
+        slots], never [n, slots], which grew with the square of the prompt."""
         hl, hr = self.heads_local, self.head_rank
         q = q[:, :, hr * hl:(hr + 1) * hl]
         held = int(self.local.max())
-        positions = torch.as_tensor(self.slot_positions[:, :held], device=q.device)
-        visible = (positions[:, None, :] >= 0) & (positions[:, None, :] < limit[:, :, None])
-        out, lse = masked_attention(q, self.k[layer][:, :, :held], self.v[layer][:, :, :held], visible)
+        positions = torch.as_tensor(self.slot_positions[:, :held], device=q.device)[:, None, :]
+        keys, values = self.k[layer][:, :, :held], self.v[layer][:, :, :held]
+        parts = [masked_attention(q[:, s:s + READ_ROWS], keys, values,
+                                  (positions >= 0) & (positions < limit[:, s:s + READ_ROWS, None]))
+                 for s in range(0, max(q.shape[1], 1), READ_ROWS)]
+        out, lse = parts[0] if len(parts) == 1 else (torch.cat([p[0] for p in parts], 1),
+                                                     torch.cat([p[1] for p in parts], 2))
         return _gather_heads(merge_over_ctx(out, lse, self.ctx_mesh) if self.c > 1 else out, self)
 
 
