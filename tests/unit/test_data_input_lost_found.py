@@ -52,3 +52,18 @@ def test_an_unlistable_directory_elsewhere_is_still_refused(volume, monkeypatch)
     _unlistable(monkeypatch, volume / "books" / "lost+found")
     with pytest.raises(DataError, match=r"books/lost\+found' cannot be listed"):
         _files(volume)
+
+
+def test_a_volume_reached_by_a_link_has_its_lost_and_found_passed_over(tmp_path, monkeypatch):
+    """`books -> /mnt/books` (a corpus assembled from links), its volume's lost+found unlistable: os.path.ismount
+    says False for a symlink's path (its own rule, kept by the fake below), so the walk asked it of the link."""
+    vol, corpus = tmp_path / "vol", tmp_path / "corpus"
+    (vol / "lost+found").mkdir(parents=True)
+    (vol / "a.txt").write_text("a document")
+    corpus.mkdir()
+    (corpus / "books").symlink_to(vol)
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount",
+                        lambda p: (not os.path.islink(p) and os.path.realpath(p) == str(vol.resolve())) or real(p))
+    _unlistable(monkeypatch, corpus / "books" / "lost+found")
+    assert [f.relative_to(corpus).as_posix() for f in inputs.input_files(str(corpus))[1]] == ["books/a.txt"]

@@ -51,3 +51,16 @@ def test_a_run_over_the_container_limit_is_refused_before_work(tmp_path, monkeyp
     assert host_budget()[0] == GIB - GIB // 4
     with pytest.raises(ConfigError, match=r"but free under this process's memory cgroup limit .* is 0\.75 GiB"):
         check_host_memory(cfg, check_layout(cfg, 1), 1, "cpu")
+
+
+@pytest.mark.parametrize("v1", [False, True])
+def test_active_page_cache_counts_as_free_as_in_memavailable(tmp_path, monkeypatch, v1):
+    """A container that read its corpus holds it as page cache, much of it on the active list: the kernel reclaims
+    it before the cgroup's OOM killer acts, and MemAvailable counts it free; counting only inactive_file refused
+    runs that fit (a 64 GiB job with 40 GiB of active cache was told it had 4 GiB)."""
+    _cgroup(tmp_path, limit=64 * GIB, usage=60 * GIB, inactive=0, v1=v1)
+    stat = tmp_path / "memory" / "memory.stat" if v1 else tmp_path / "memory.stat"
+    prefix = "total_" if v1 else ""
+    stat.write_text(f"anon {20 * GIB}\n{prefix}inactive_file {2 * GIB}\n{prefix}active_file {38 * GIB}\n")
+    monkeypatch.setattr(auto, "CGROUP_ROOT", str(tmp_path), raising=False)
+    assert auto.cgroup_memory_available() == 44 * GIB

@@ -18,8 +18,8 @@ BASE = ["--train.steps=6", "--train.seq_len=64", "--train.global_batch=2", "--da
 
 
 @pytest.mark.parametrize("fault, advice", [
-    ("enospc@2", r"checkpoint.on_save_error = warn trains on past a failed save and tries again at the next\.$"),
-    ("enospc@1", r".*tries again at the next\. Start the run again once it is fixed: no checkpoint was saved"),
+    ("enospc@2", r"checkpoint.on_save_error = warn trains on past a failed save and tries again at the next save\.$"),
+    ("enospc@1", r".*tries again at the next save\. Start the run again once it is fixed: no checkpoint was saved"),
 ])
 def test_a_failed_save_says_how_to_go_on(tmp_path, monkeypatch, fault, advice):
     monkeypatch.setenv("LONGCTX_FAULT", fault)
@@ -43,5 +43,25 @@ def test_a_stop_whose_own_save_fails_says_how_to_go_on(tmp_path, monkeypatch):
 
     trainer.step = signalled
     with pytest.raises(CheckpointError, match=r"step 4 could not be written .*--checkpoint.resume auto then continues "
-                                              r"from step-00000002\. The run stops \(the stop's own save failed\)\.$"):
+                                              r"from step-00000002 \(with another --checkpoint.dir, --checkpoint.resume"
+                                              r" \S+step-00000002\)\. The run stops \(the stop's own save failed\)\.$"):
+        trainer.run()
+
+
+def test_a_stop_whose_own_save_fails_under_stop_does_not_offer_warn(tmp_path, monkeypatch):
+    """Under stop (the default) the stop's own save (the 2nd: step 3, after step 2's) fails: warn would not have
+    trained on past it (a stop's own save raises whatever the policy), so the message does not offer warn."""
+    monkeypatch.setenv("LONGCTX_FAULT", "enospc@2")
+    cfg = load_config(None, [*BASE, f"--train.run_dir={tmp_path}"])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    step = trainer.step
+
+    def signalled(s):
+        if s == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(s)
+
+    trainer.step = signalled
+    with pytest.raises(CheckpointError, match=r"step 3 could not be written .*continues from step-00000002 \(.*\)\. "
+                                              r"The run stops \(the stop's own save failed\)\.$"):
         trainer.run()

@@ -46,7 +46,9 @@ def save_failed(root: Path, step: int, needed: float, error: BaseException | Non
             if found is not None else "no earlier checkpoint exists")
     what = _cause(error) if error is not None else "another rank's write failed"
     # (how to get past it: said nothing, so a full disk stopped a long run with no way out named)
-    resume = f"; --checkpoint.resume auto then continues from {found.name}" if found is not None else ""
+    # (auto looks in --checkpoint.dir: a new one holds no checkpoint, so that resume names the kept one's path)
+    resume = (f"; --checkpoint.resume auto then continues from {found.name} (with another --checkpoint.dir, "
+              f"--checkpoint.resume {found})") if found is not None else ""
     return CheckpointError(f"the checkpoint of step {step} could not be written to {root} ({what}); it needs about "
                            f"{needed / 2**30:.2f} GiB ({free}). The partial save was removed and {kept}. To fix it: "
                            f"free space there (a save needs room for one more checkpoint beside those "

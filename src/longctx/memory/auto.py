@@ -79,9 +79,10 @@ def host_memory_free() -> tuple[int, str]:
 
 def cgroup_memory_available(root: str | None = None) -> int | None:
     """Bytes this process's memory cgroup still allows (its limit less its usage, reclaimable page cache
-    counted as free), the tightest over the cgroup and its parents; None where no limit is set or none is
-    readable. cgroup v2 (memory.max, memory.current, memory.stat's inactive_file) and v1
-    (memory/memory.limit_in_bytes, memory.usage_in_bytes, memory.stat's total_inactive_file)."""
+    counted as free: the file pages, active and inactive, as MemAvailable counts them, the kernel reclaiming
+    either before the cgroup's OOM killer acts), the tightest over the cgroup and its parents; None where no
+    limit is set or none is readable. cgroup v2 (memory.max, memory.current, memory.stat's inactive_file and
+    active_file) and v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes, memory.stat's total_*_file)."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
@@ -91,9 +92,9 @@ def cgroup_memory_available(root: str | None = None) -> int | None:
     v2 = next((path for _, names, path in fields if not names), "/")
     v1 = next((path for _, names, path in fields if "memory" in names.split(",")), "/")
     best, root = None, root or CGROUP_ROOT
-    for base, path, files in ((root, v2, ("memory.max", "memory.current", "inactive_file")),
+    for base, path, files in ((root, v2, ("memory.max", "memory.current", ("inactive_file", "active_file"))),
                               (os.path.join(root, "memory"), v1, ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                                  "total_inactive_file"))):
+                                                                  ("total_inactive_file", "total_active_file")))):
         parts = [p for p in path.split("/") if p and p != ".."]
         # the cgroup's own directory and each parent up to the mount's root (a container sees its own as "/")
         for depth in range(len(parts), -1, -1):
@@ -103,8 +104,9 @@ def cgroup_memory_available(root: str | None = None) -> int | None:
     return best
 
 
-def _cgroup_left(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
-    """limit - usage + reclaimable page cache of one cgroup directory (None: no limit there)."""
+def _cgroup_left(directory: str, limit_file: str, usage_file: str, cache_keys: tuple[str, ...]) -> int | None:
+    """limit - usage + reclaimable page cache (memory.stat's `cache_keys`) of one cgroup directory (None: no
+    limit there)."""
     try:
         with open(os.path.join(directory, limit_file)) as f:
             text = f.read().strip()
@@ -115,16 +117,16 @@ def _cgroup_left(directory: str, limit_file: str, usage_file: str, inactive_key:
             usage = int(f.read().strip())
     except (OSError, ValueError):
         return None
-    inactive = 0
+    cache = 0
     try:
         with open(os.path.join(directory, "memory.stat")) as f:
             for line in f:
                 key, _, value = line.partition(" ")
-                if key == inactive_key:
-                    inactive = int(value)
+                if key in cache_keys:
+                    cache += int(value)
     except (OSError, ValueError):
         pass
-    return max(0, min(limit, limit - usage + inactive))
+    return max(0, min(limit, limit - usage + cache))
 
 
 @torch.no_grad()

@@ -72,18 +72,27 @@ def command_age() -> float:
 
 
 class EarlySignals:
-    """The signals of checkpoint.on_signal recorded from the start of a run's set-up (the Trainer's) until the loop's
-    StopOnSignal takes them over (`install(early)`), or `restore()` on a failed set-up. Set-up is minutes at scale
-    (the model, a checkpoint to load, the data): a signal there, before the loop caught any, killed the ranks with
-    128 + its number, so a batch script that requeues on REQUEUE_EXIT_CODE did not requeue the preempted run, and
-    the launcher said the run saved nothing on a signal. Recorded, it stops the run at the loop's first boundary."""
+    """The signals of checkpoint.on_signal recorded during a run's set-up (the Trainer's __init__, `catch()` to
+    `restore()`) and again from the start of `Trainer.run` until the loop's StopOnSignal takes them over
+    (`install(early)`). Set-up is minutes at scale (the model, a checkpoint to load, the data): a signal there,
+    before the loop caught any, killed the ranks with 128 + its number, so a batch script that requeues on
+    REQUEUE_EXIT_CODE did not requeue the preempted run, and the launcher said the run saved nothing on a signal.
+    Recorded, it stops the run at the loop's first boundary. The handlers are let go at the end of set-up (a
+    Trainer built and never run, or driven by `step()`, leaves no handler that swallows the process's SIGTERM)."""
 
     def __init__(self, names: str):
         self.received = 0
         self.previous: dict[signal.Signals, object] = {}
-        if threading.current_thread() is threading.main_thread():  # (where handlers can be installed)
-            for s in parse_signals(names):
+        self.signals = parse_signals(names)
+        self.catch()
+
+    def catch(self) -> EarlySignals:
+        if threading.current_thread() is not threading.main_thread():  # (where handlers can be installed)
+            return self
+        for s in self.signals:
+            if s not in self.previous:
                 self.previous[s] = signal.signal(s, self._handle)
+        return self
 
     def _handle(self, signum, _frame) -> None:
         if not self.received:
@@ -148,13 +157,15 @@ class StopOnSignal:
         if not self._received:
             self._received = signum
 
-    def agreed(self) -> str | None:
+    def agreed(self, deadline: bool = True) -> str | None:
         """The signal any rank has received so far (the highest number if several), or None: a
-        collective, called by every rank after every step."""
-        if not self.signals and self.deadline is None:
+        collective, called by every rank after every step. `deadline=False`: signals only (before any step: a
+        limit passed in set-up still trains a step and saves it, where stopping would requeue a job that never
+        trains)."""
+        if not self.signals and (self.deadline is None or not deadline):
             return None
         got = self._received
-        if self.deadline is not None and self.clock() >= self.deadline:
+        if deadline and self.deadline is not None and self.clock() >= self.deadline:
             got = TIME_LIMIT
         if self.world > 1:
             from ..job import comm  # collectives go through comm

@@ -98,13 +98,15 @@ class RunSaves:
                 self.failed.add(step)
             self.log(f"checkpoint: {e} Training goes on (checkpoint.on_save_error = warn).")
 
-    def stopped(self, error: CheckpointError, why: str = "checkpoint.on_save_error = stop") -> CheckpointError:
-        """A failed save's error as the run stops on it: that it stops, and why (the error itself says the way out,
-        checkpoint/failures.py save_failed: free space, another --checkpoint.dir, the checkpoint a resume goes on
-        from); a run with no checkpoint to resume from starts again."""
+    def stopped(self, error: CheckpointError, why: str = "") -> CheckpointError:
+        """A failed save's error as the run stops on it: that it stops, and why (`why`, or the policy: the error
+        itself says the way out, checkpoint/failures.py save_failed: free space, another --checkpoint.dir, the
+        checkpoint a resume goes on from); a run with no checkpoint to resume from starts again. `warn` is named
+        only where it would have trained on (a stop's own save fails whatever the policy)."""
         kept = latest_checkpoint(self.ckpt.root) if self.ckpt.root.is_dir() else None
         then = "" if kept is not None else (" Start the run again once it is fixed: no checkpoint was saved to "
                                             "resume from.")
-        warn = ("" if self.cfg.checkpoint.on_save_error == "warn" else
-                "; checkpoint.on_save_error = warn trains on past a failed save and tries again at the next")
+        warn = ("" if why or self.cfg.checkpoint.on_save_error == "warn" else
+                "; checkpoint.on_save_error = warn trains on past a failed save and tries again at the next save")
+        why = why or "checkpoint.on_save_error = stop"
         return CheckpointError(f"{error} The run stops ({why}){warn}.{then}")

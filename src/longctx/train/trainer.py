@@ -88,14 +88,13 @@ class Trainer:
     optimizer -> checkpoint (resumed or not) -> the data of the stage the run continues in."""
 
     def __init__(self, cfg: Config, log=print, read_ahead: bool = True):
-        # checkpoint.on_signal is caught from here (a signal during set-up stops the run at the loop's first
-        # boundary, preemption.EarlySignals); let go again if the set-up fails
+        # checkpoint.on_signal is caught during set-up (a signal there stops the run at the loop's first boundary,
+        # preemption.EarlySignals) and let go at its end, failed or not: run() catches them again
         self.early_signals = EarlySignals(cfg.checkpoint.on_signal if cfg.checkpoint.saves_or_resumes else "")
         try:
             self._set_up(cfg, log, read_ahead)
-        except BaseException:
+        finally:
             self.early_signals.restore()
-            raise
 
     def _set_up(self, cfg: Config, log, read_ahead: bool) -> None:
         self.clock = time.monotonic  # what checkpoint.exit_after_minutes reads (a test installs its own)
@@ -209,6 +208,7 @@ class Trainer:
         progress = progress_bar(cfg.train.steps, "train", "step", cfg.metrics.progress and self.rt.is_main)
         self.metrics.say = progress.write if progress is not None else self.log
         loop = _Loop(TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1), progress)
+        self.early_signals.catch()  # (until the loop's StopOnSignal takes them over: watched restores them)
         try:
             # a line at least every progress.interval_s() in logs where no bar is drawn (a first step,
             # a slow interval, an evaluation are each minutes at long lengths on a CPU)
@@ -224,6 +224,7 @@ class Trainer:
                     self.saves.finish_in_flight()
                     raise
         finally:
+            self.early_signals.restore()  # (a no-op once taken over)
             self.hooks.run_end()
             self.sampler.close()
             if progress is not None:
@@ -235,7 +236,7 @@ class Trainer:
         """Steps start_step + 1 to train.steps (a rollback runs some again); returns the last one run."""
         t, progress = self.cfg.train, loop.progress
         step = self.start_step
-        if 0 < step < t.steps and (name := stop.agreed()):  # (during set-up: the resumed checkpoint is all the run has)
+        if 0 < step < t.steps and (name := stop.agreed(deadline=False)):  # (a signal in set-up: the checkpoint is all)
             raise Preempted(set_up_stop(step, name))
         while step < t.steps:
             step += 1

@@ -136,7 +136,9 @@ def _walk(top: Path) -> list[Path]:
     for d, dirs, names in os.walk(top, onerror=refuse, followlinks=True):
         keep = []
         for name in sorted(dirs):
-            if name == "lost+found" and os.path.ismount(d):  # (an input on a volume of its own: `/mnt/corpus`)
+            # (an input on a volume of its own: `/mnt/corpus`, or one reached by a link, `books -> /mnt/books`,
+            # whose path ismount calls no mount point)
+            if name == "lost+found" and os.path.ismount(os.path.realpath(d)):
                 continue
             real = os.path.realpath(os.path.join(d, name))
             # (a link to a directory above the input holds the input: a loop, and the rest of it is not the input)
