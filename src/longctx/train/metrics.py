@@ -71,7 +71,9 @@ class MetricsWriter:
             raise TrainingError(f"the metrics line of step {record.get('step')} could not be written to {self.path} "
                                 f"({e.strerror or e}); the run stops. Free space there (or pass --metrics.file "
                                 f"elsewhere) and resume with --checkpoint.resume auto: a line cut short is moved "
-                                f"aside, and the steps after the last checkpoint train again.") from e
+                                f"aside, and the steps after the last checkpoint train again. The line not written "
+                                f"(a step saved before it is not trained again, so it is said here, not lost): "
+                                f"{strict_json.dumps(record)}") from e
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step":
