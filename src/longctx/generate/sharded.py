@@ -34,8 +34,9 @@ import torch.nn.functional as F
 
 from ..job import comm
 from ..job.checks import check_heads
-from ..models.cached_attention import CacheStep, cached_attention, masked_attention
+from ..models.cached_attention import CacheStep, cached_attention, full_attention, masked_attention
 from ..models.kv_cache import CacheRows, TreeCalls
+from ..ops.attention import merge_partials
 from ..parallel.context.attention import distributed_attention
 from ..parallel.context.sequence import shard_indices
 from ..parallel.context.ulysses import kv_replication
@@ -229,24 +230,61 @@ def _partial(q, keys, values, step: CacheStep, held: np.ndarray):
 
 
 def _partial_masked(q, keys, values, before: np.ndarray, mine: np.ndarray, held: np.ndarray, step: CacheStep):
-    """(out, lse) of n new queries against this rank's slots: the slots held before the call (all
-    earlier positions: every query sees them) and this call's slots kept here, each seen by the
-    queries at or after its position (a chain), or by the step's tree mask. fp32; n is small (a
-    verification's K + 1, or a tree's nodes). The mask is the same for every layer of the call:
-    built once, kept on the step."""
+    """(out [b, n, hl, d] fp32, lse [b, hl, n] fp32) of n new queries against this rank's slots: the slots
+    held before the call (all earlier positions: every query sees them) and this call's slots kept here,
+    each seen by the queries at or after its position (a chain), or by the step's tree mask.
+    Two parts merged by the log-sum-exp in fp32, as the one-process cache does (cached_attention._chunk):
+    the held slots in full, one kernel call per run of rows holding one count (GQA by grouped queries: no copy of the
+    keys per query head, no [heads, n, slots] fp32 scores); the call's own few slots (<= n) by a masked
+    fp32 softmax."""
     b, n, hl, _ = q.shape
-    length = int(held.max())
-    if length == 0:
-        return q.new_zeros(q.shape), torch.full((b, hl, n), -math.inf, device=q.device)
-    if "visible" not in step._masks:
+    if int(held.max()) == 0:
+        return q.new_zeros(q.shape, dtype=torch.float32), torch.full((b, hl, n), -math.inf, device=q.device)
+    out, lse = _new_slots(q, keys, values, before, mine, step)
+    if int(before.max()) == 0:
+        return out, lse
+    pre_out, pre_lse = _held_slots(q, keys, values, before)
+    return merge_partials(pre_out, pre_lse, out, lse)
+
+
+def _held_slots(q, keys, values, before: np.ndarray):
+    """(out, lse) of q over each row's slots [0, before[r]): every query sees all of them. Rows holding
+    the same count go in one kernel call over contiguous rows; a row holding none gives 0, lse -inf."""
+    b, n, hl, d = q.shape
+    if np.all(before == before[0]):
+        return full_attention(q, keys[:, :, :int(before[0])], values[:, :, :int(before[0])])
+    out = q.new_zeros(b, n, hl, d)
+    lse = torch.full((b, hl, n), -math.inf, device=q.device)
+    r = 0
+    while r < b:  # runs of consecutive rows of one count: views of the cache, never a copy of it
+        e, count = r + 1, int(before[r])
+        while e < b and before[e] == count:
+            e += 1
+        if count:
+            out[r:e], lse[r:e] = full_attention(q[r:e], keys[r:e, :, :count], values[r:e, :, :count])
+        r = e
+    return out, lse
+
+
+def _new_slots(q, keys, values, before: np.ndarray, mine: np.ndarray, step: CacheStep):
+    """(out fp32, lse) of q over the call's slots this rank keeps (slot before[r] + m holds call token
+    mine's m-th), seen causally or by the step's tree mask: gathered into [b, kv, M, d], M <= n. The
+    indices and the mask are the same for every layer of the call: built once, kept on the step."""
+    b, n, hl, d = q.shape
+    if "sharded_new" not in step._masks:
         among = np.tril(np.ones((n, n), dtype=bool)) if step.among is None else step.among.cpu().numpy()
-        visible = np.zeros((b, n, length), dtype=bool)
+        width = max(int(mine.sum(axis=1).max()), 1)
+        index = np.zeros((b, width), dtype=np.int64)
+        visible = np.zeros((b, n, width), dtype=bool)
         for r in range(b):
-            visible[r, :, :before[r]] = True
-            for m, j in enumerate(np.nonzero(mine[r])[0]):  # new slot before[r] + m holds call token j
-                visible[r, :, before[r] + m] = among[:, j]
-        step._masks["visible"] = torch.as_tensor(visible, device=q.device)
-    return masked_attention(q, keys[:, :, :length], values[:, :, :length], step._masks["visible"])
+            js = np.nonzero(mine[r])[0]
+            index[r, :len(js)] = before[r] + np.arange(len(js))
+            visible[r, :, :len(js)] = among[:, js]
+        step._masks["sharded_new"] = (torch.as_tensor(index, device=q.device),
+                                      torch.as_tensor(visible, device=q.device))
+    index, visible = step._masks["sharded_new"]
+    at = index[:, None, :, None].expand(b, keys.shape[1], index.shape[1], d)
+    return masked_attention(q, keys.gather(2, at), values.gather(2, at), visible)
 
 
 def _gather_heads(out: torch.Tensor, c: ShardedKVCache) -> torch.Tensor:

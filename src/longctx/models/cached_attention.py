@@ -120,6 +120,13 @@ def _full(q, k, v, scale):
     return _ungroup(out.transpose(1, 2), lse, n, heads)
 
 
+def full_attention(q, k, v, scale=None):
+    """(out [b, n, h, d] in q's dtype, lse [b, h, n] fp32) of q [b, n, h, d] over every key of k/v
+    [b, kv_heads, L, d] (views of a cache): one kernel call, queries grouped per kv head (no copy of
+    the keys per query head, no [h, n, L] fp32 scores outside the kernel)."""
+    return _full(q, k, v, scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+
+
 def _masked(q, k, v, mask, scale):
     """_full with an additive key mask [b, 1, 1, L] (rows of different lengths, one query each)."""
     heads, n, kv = q.shape[2], q.shape[1], k.shape[1]
