@@ -33,7 +33,7 @@ from ...progress import current, progress_bar
 from .. import store
 from .cluster import cluster
 from .conversations import LAST_ONLY
-from .cut_conversations import cut_hashes, cut_view, turn_cuts
+from .cut_conversations import cut_hashes, cut_view, eos_text, turn_cuts
 from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
 from .earlier_parts import stored_documents
@@ -267,7 +267,8 @@ class Assembly:
         memory map of every shard, whose touched pages would count as resident)."""
         corpus, read = self.corpus, self.documents_read
         # a conversation cut after an answer is compared as stored (cut_conversations.py), not whole
-        self.cut_hashes = cut = cut_hashes(corpus, self.eos_at, self.opts.dedup == "minhash")
+        closing = eos_text(self.tokenizer) if self.eos_at else ""
+        self.cut_hashes = cut = cut_hashes(corpus, self.eos_at, self.opts.dedup == "minhash", closing)
 
         def signature_of(doc: int) -> np.ndarray:
             if doc in cut:
@@ -276,10 +277,10 @@ class Assembly:
             return np.array(corpus.shards[shard].sigs()[row])
 
         def text_of(doc: int) -> str:
-            return cut_view(corpus, self.eos_at, doc)[0] if doc in cut else corpus.text(doc)
+            return cut_view(corpus, self.eos_at, doc, closing)[0] if doc in cut else corpus.text(doc)
 
         def switches_of(doc: int) -> np.ndarray:
-            return cut_view(corpus, self.eos_at, doc)[1] if doc in cut else corpus.get("chars", doc)
+            return cut_view(corpus, self.eos_at, doc, closing)[1] if doc in cut else corpus.get("chars", doc)
 
         instruction = self.opts.response_field or self.opts.messages_field  # (else no document has switches)
         deduper = Deduper(self.opts.dedup, self.opts.dedup_threshold, text_of=text_of, sig_of=signature_of,

@@ -11,7 +11,7 @@ the template's end of its turn, not the template's header of the turn. The rest 
 turns, the headers) is read, not trained on.
 
 `--answers all` (the default; what TRL's assistant-only loss and ArcticTraining's SFT train on) trains
-every answer that has a message before it and some text; `--answers last` only the last one, the
+every answer that has a message before it and some text or a tool call; `--answers last` only the last one, the
 earlier ones read as the prompt (LLaMA-Factory's mask_history). A template whose renderings of those
 prefixes are not prefixes of the whole conversation's (Qwen3's, which writes an empty thinking block
 in the last turn only, or one that drops earlier reasoning from the history) cannot be split at the
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ...errors import ConfigError
-from ..chat_template import MESSAGE_KEYS, load_chat_template
+from ..chat_template import load_chat_template
 
 FLAG = "--messages-field"
 
@@ -37,6 +37,9 @@ LONG_CONVERSATIONS = ("truncate", "drop")  # --long-conversations: one longer th
 # not a skip: a conversation kept, trained on its last answer only (its template renders earlier answers otherwise
 # in the history); taken out of the scan's skip counts by the build (assembly.py) and said on its own
 LAST_ONLY = "last_answer_only"
+# how a conversation is cut into its answers, in each scan's digest (scan.py plan_digest): 2, an answer that
+# calls a tool (tool_calls, content "" or None), and an eos_token that closes the conversation (Phi-3's)
+RULES = 2
 
 
 class Conversations:
@@ -53,13 +56,13 @@ class Conversations:
         if not _is_conversation(messages):
             skipped["bad_conversation"] += 1
             return None
-        if not messages[-1]["content"].strip():
-            skipped["empty"] += 1  # (nothing to train on but the template's end of turn)
-            return None
         last = len(messages) - 1
-        earlier = [i for i, m in enumerate(messages) if self.answers == "all" and 0 < i < last
-                   and m["role"] == "assistant" and m["content"].strip()]
         try:
+            if not self._answers(messages, last):
+                skipped["empty"] += 1  # (nothing to train on but the template's end of turn)
+                return None
+            earlier = [i for i, m in enumerate(messages) if self.answers == "all" and 0 < i < last
+                       and m["role"] == "assistant" and self._answers(messages, i)]
             whole = self.template.render(messages, add_generation_prompt=False)
             ends = self._ends(messages, [*earlier, last], whole)
             if ends is None and earlier:
@@ -83,10 +86,33 @@ class Conversations:
         bounds = []
         for i in trained:
             bounds.append(self.template.render(messages[:i], add_generation_prompt=True))
-            bounds.append(self.template.render(messages[:i + 1], add_generation_prompt=False)
-                          if i < len(messages) - 1 else whole)
+            bounds.append(self._history(messages[:i + 1], whole) if i < len(messages) - 1 else whole)
         ends = [len(b) for b in bounds]
         return ends if all(whole.startswith(b) for b in bounds) and ends == sorted(ends) else None
+
+    def _answers(self, messages: list[dict], i: int) -> bool:
+        """Whether the assistant's message i is an answer the model is trained to write: some text, or a call of a
+        tool (what a tool-use model must learn to write) that the template renders (one that leaves tool_calls out
+        would train the end of the turn alone)."""
+        m = messages[i]
+        if (m.get("content") or "").strip():
+            return True
+        if not _calls_tools(m):
+            return False
+        bare = {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": ""}
+        return (self.template.render([*messages[:i], bare], add_generation_prompt=False)
+                != self.template.render(messages[:i + 1], add_generation_prompt=False))
+
+    def _history(self, messages, whole: str) -> str:
+        """The rendering of `messages` (up to an earlier answer) as the whole conversation holds it: without the
+        eos_token a template writes after the last message when no answer is asked for (Phi-3's `{% else %}{{
+        eos_token }}`), which closes the whole conversation, not each answer."""
+        text = self.template.render(messages, add_generation_prompt=False)
+        eos = self.template.special_tokens.get("eos_token")
+        if (eos and text.endswith(eos) and not whole.startswith(text) and whole.endswith(eos)
+                and whole.startswith(text[:-len(eos)])):
+            return text[:-len(eos)]
+        return text
 
 
 # ShareGPT's speakers (`{"from": ..., "value": ...}` messages) as chat templates name them; others kept as given
@@ -125,7 +151,14 @@ def _merged(cuts: list[int]) -> list[int]:
 
 def _is_conversation(messages) -> bool:
     """A list of messages with role and content strings (other keys go to the template as they are, as
-    transformers passes them), the last the assistant's, after one at least (the prompt)."""
+    transformers passes them), the last the assistant's, after one at least (the prompt). An assistant's
+    message that calls tools (`tool_calls`, OpenAI's and transformers' form) may have no content (None)."""
     return (isinstance(messages, list) and len(messages) > 1
-            and all(isinstance(m, dict) and all(isinstance(m.get(k), str) for k in MESSAGE_KEYS) for m in messages)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and (isinstance(m.get("content"), str) or (m.get("content") is None and _calls_tools(m)))
+                    for m in messages)
             and messages[-1]["role"] == "assistant")
+
+
+def _calls_tools(message: dict) -> bool:
+    return isinstance(message.get("tool_calls"), list) and len(message["tool_calls"]) > 0

@@ -39,23 +39,33 @@ def turn_cuts(corpus: ScannedCorpus, docs: np.ndarray, seq_len: int, eos_id: int
     return cuts
 
 
-def cut_view(corpus: ScannedCorpus, eos_at: dict[int, int], doc: int) -> tuple[str, np.ndarray]:
+def cut_view(corpus: ScannedCorpus, eos_at: dict[int, int], doc: int, closing: str = "") -> tuple[str, np.ndarray]:
     """(text, trained_chars) of corpus document `doc`, cut after an answer (`eos_at`), as stored: the shorter
-    conversation it becomes."""
+    conversation it becomes. `closing`: the EOS's text, which a template that writes it after the last message
+    only (Phi-3's) ends the shorter conversation's rendering with, as it ends the whole one's."""
     text, chars, cut = corpus.text(doc), np.asarray(corpus.get("chars", doc), np.int64), eos_at[doc]
     # (gaps: the switches after the first; the answer's end is the cut, or one past it where the answer's own
     # EOS is the one written at the cut: turn_cuts)
     k = int(np.flatnonzero(np.asarray(corpus.get("gaps", doc)) >= cut)[0]) + 1
-    return text[:int(chars[k])], chars[:k]
+    short = text[:int(chars[k])]
+    if closing and text.endswith(closing) and not short.endswith(closing):
+        short += closing
+    return short, chars[:k]
 
 
-def cut_hashes(corpus: ScannedCorpus, eos_at: dict[int, int],
-               minhash: bool) -> dict[int, tuple[int, np.ndarray | None]]:
+def cut_hashes(corpus: ScannedCorpus, eos_at: dict[int, int], minhash: bool,
+               closing: str = "") -> dict[int, tuple[int, np.ndarray | None]]:
     """{corpus document: (exact hash, MinHash signature or None)} of the cut conversations, as a scan of the
     shorter conversation makes them (shard_files.py)."""
     out = {}
     for doc in eos_at:
-        text, chars = cut_view(corpus, eos_at, doc)
+        text, chars = cut_view(corpus, eos_at, doc, closing)
         sig = signature(instruction_parts(text, chars)[1]).astype(np.uint32) if minhash else None
         out[doc] = (instruction_hash(text, chars), sig)
     return out
+
+
+def eos_text(tokenizer) -> str:
+    """The EOS's text (its special token's string), or "" for a tokenizer that names none (the byte one)."""
+    specials = getattr(tokenizer, "special_tokens", lambda: {})()
+    return next((text for text, i in specials.items() if i == tokenizer.eos_id), "")

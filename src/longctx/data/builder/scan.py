@@ -35,7 +35,7 @@ from ...durable import fsync_path, publish
 from ...errors import DataError
 from ..tokenizer import load_tokenizer, tokenizer_digest
 from . import spill
-from .conversations import Conversations
+from .conversations import RULES, Conversations
 from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, read_once, unit_size
 from .readers import iter_file
 from .shard_files import ShardFiles
@@ -120,7 +120,8 @@ def plan_digest(units: list[Unit], opts: ScanOptions) -> str:
     tokenizer file's content (and its chat template's, for conversations) and this scan's version."""
     tok = tokenizer_digest(opts.tokenizer)
     if opts.messages_field:  # (a template revised beside an unchanged tokenizer.json renders other documents)
-        tok = [tok, Conversations(opts.tokenizer, opts.messages_field, opts.answers).template.digest()]
+        # (and how its answers are found: a scan of an earlier longctx holds other documents, conversations.RULES)
+        tok = [tok, Conversations(opts.tokenizer, opts.messages_field, opts.answers).template.digest(), RULES]
     h = hashlib.sha256(json.dumps([VERSION, asdict(opts), tok, [asdict(u) for u in units]]).encode())
     return h.hexdigest()[:16]
 
