@@ -69,3 +69,25 @@ def test_a_conversation_cut_after_an_earlier_answer_is_the_shorter_conversation_
                   dedup=dedup)
     assert len(store_documents(tmp_path / dedup / "store")) == 1
     assert both["parts"][0]["counts"]["exact_duplicates"] == 1
+
+
+def test_an_append_to_a_store_cut_by_older_answer_rules_says_its_copies_may_not_be_found(tmp_path, folder):
+    """A part built before the answer rules changed (conversations.RULES: Phi-3's earlier answers trained, tool
+    calls, cut conversations hashed as the shorter one) hashed its conversations otherwise: an append's exact
+    copies of them are not found. Said, as an older dedup version is (it was silent); a part of these rules is
+    recorded with them and says nothing."""
+    from longctx.data.builder.conversations import RULES
+
+    _build(tmp_path, folder, [{"messages": MESSAGES}], dedup="exact")
+    path = tmp_path / "store" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert manifest["parts"][0]["answer_rules"] == RULES
+    said = []
+    log = lambda *a, **k: said.append(" ".join(map(str, a)))  # noqa: E731
+    _build(tmp_path, folder, [{"messages": MESSAGES[:2] + MESSAGES[:2]}], dedup="exact", append=True, log=log)
+    assert not any("older rules" in s for s in said), said  # (a part of these rules)
+    manifest = json.loads(path.read_text())
+    del manifest["parts"][0]["answer_rules"]  # (as an older longctx wrote it)
+    path.write_text(json.dumps(manifest))
+    _build(tmp_path, folder, [{"messages": MESSAGES[2:] + MESSAGES[2:]}], dedup="exact", append=True, log=log)
+    assert any("older rules" in s and "rebuild the store" in s for s in said), said

@@ -83,3 +83,26 @@ def test_a_call_the_template_does_not_render_is_no_answer(tmp_path):
     said = Tokenizer.from_file(str(plain / "tokenizer.json")).decode([doc[j] for j in trained],
                                                                       skip_special_tokens=False)
     assert said == "Sunny.<|im_end|>\n<|endoftext|>"
+
+
+def test_a_call_with_content_none_is_not_trained_as_the_text_none(tmp_path):
+    """A template that leaves tool_calls out and prints the content as it is (Gemma's `content | trim`) renders
+    content None as "None": the call is no answer (skipped as empty), not the answer "None" trained on."""
+    from collections import Counter
+
+    from longctx.data.builder.conversations import Conversations
+
+    gemma = ("{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\n' + m['content'] | trim + "
+             "'<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>assistant\n' }}"
+             "{% endif %}")
+    _chat_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = gemma
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    conv, skipped = Conversations(str(tmp_path), "messages"), Counter()
+    call = {"role": "assistant", "content": None, "tool_calls": CALL}
+    assert conv.pieces([{"role": "user", "content": "Weather?"}, call], skipped) is None
+    assert skipped == {"empty": 1}
+    pieces = conv.pieces([{"role": "user", "content": "Weather?"}, call, {"role": "user", "content": "And?"},
+                          {"role": "assistant", "content": "Sunny."}], skipped)
+    assert "None" not in "".join(pieces) and pieces[-1] == "Sunny.<end_of_turn>\n"

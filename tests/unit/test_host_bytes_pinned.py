@@ -5,7 +5,7 @@ pinned request rounded up to a power of two: ops/pinned.py), computed here indep
   moments are ordinary memory (exact);
 - `host_optimizer`: the masters and gradient buffers HostOptimizer really allocates (a fake pinned
   allocator records them), the moments exact;
-- checkpoint.async: DCP's stager pins each staged tensor (weights and both moments) by itself;
+- checkpoint.async: DCP's DefaultStager page-locks the staged tensors in place, at their exact sizes;
 - a CPU run pins nothing: the exact 16 bytes per parameter, as before (the RSS tests hold it)."""
 
 import math
@@ -58,10 +58,19 @@ def test_host_optimizer_counts_what_it_really_pins(monkeypatch):
     assert sum(asked) < 1.1 * 8 * n  # carved: little waste (per tensor it would be the rounded figure)
 
 
-def test_async_checkpoint_staging_counts_each_staged_tensor_rounded_up():
-    numels = _numels()
-    assert checkpoint_staging_bytes(M, MeshShape(), True, pinned=True) == 3 * sum(_locked(4 * k) for k in numels)
-    assert checkpoint_staging_bytes(M, MeshShape(), True) == 12 * param_counts(M)["total"]
+def test_async_checkpoint_staging_is_page_locked_at_its_exact_size():
+    """checkpoint/background.py's DefaultStager (torch's StateDictStager) allocates ordinary storages and
+    page-locks them in place (cudaHostRegister): nothing goes through the rounding host allocator (it was
+    counted as each staged tensor rounded up to a power of two)."""
+    import inspect
+
+    from torch.distributed.checkpoint import _state_dict_stager, staging
+
+    assert "StateDictStager" in inspect.getsource(staging.DefaultStager.__init__)
+    assert "pin_memory_utils.pin_memory(" in inspect.getsource(_state_dict_stager.StateDictStager)
+    n = param_counts(M)["total"]
+    assert checkpoint_staging_bytes(M, MeshShape(), True, pinned=True) == 12 * n
+    assert checkpoint_staging_bytes(M, MeshShape(), True) == 12 * n
 
 
 def test_the_rank_figure_is_pinned_on_cuda_only():
@@ -71,4 +80,4 @@ def test_the_rank_figure_is_pinned_on_cuda_only():
     n = param_counts(M)["total"]
     assert cpu["model_states"] == 16 * n and cpu["checkpoint_staging"] == 12 * n
     assert gpu["model_states"] == host_state_bytes(M, MeshShape(), "host", pinned=True) > cpu["model_states"]
-    assert gpu["checkpoint_staging"] > cpu["checkpoint_staging"]
+    assert gpu["checkpoint_staging"] == cpu["checkpoint_staging"]  # (page-locked in place, exact)

@@ -40,7 +40,7 @@ per node) and the preflight (a run refused before work when its node's ranks wou
   attention_offload_host_and_traffic), given by the caller;
 - checkpoint_staging: under checkpoint.async, DCP's stager keeps a host copy of what a save
   writes (fp32 weights and both moments: 12 bytes per parameter of the rank's share) between saves
-  (on CUDA pinned tensor by tensor, each rounded up to a power of two);
+  (on CUDA page-locked at their exact sizes by DefaultStager: checkpoint_staging_bytes);
 - co2_checkpoint: under train.data_parallel = co2, a save's host copy of the rank's own CO2 state
   (costs/model_states.py co2_checkpoint_bytes: 24 or 28 bytes per parameter it averages);
 - data_loader: the training loop holds this step's local batches while the read-ahead thread reads
@@ -51,6 +51,7 @@ per node) and the preflight (a run refused before work when its node's ranks wou
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ..config import ModelConfig
@@ -220,14 +221,25 @@ def data_loader_bytes(seq_len: int, micro_batch: int, grad_accum: int, sequence_
 
 def checkpoint_staging_bytes(m: ModelConfig, shape: MeshShape, async_save: bool, pinned: bool = False) -> float:
     """DCP's reusable host staging under checkpoint.async: fp32 weights and both AdamW moments. `pinned` (a
-    CUDA run: checkpoint/background.py stages into pinned memory): DCP pins each staged tensor by itself
-    (torch.distributed._state_dict_utils `_create_cpu_state_dict`: `.pin_memory()`), its size rounded up
-    to a power of two by torch's host allocator (ops/pinned.py)."""
+    CUDA run: checkpoint/background.py stages into pinned memory): its DefaultStager (torch's StateDictStager)
+    allocates ordinary storages of the exact size and page-locks them in place (cudaHostRegister): nothing
+    rounded. Only a torch without DefaultStager (DCP's own staging, `.to("cpu")` per tensor) goes through
+    torch's host allocator, each tensor rounded up to a power of two (ops/pinned.py)."""
     if not async_save:
         return 0.0
-    if not pinned:
+    if not pinned or _stager_registers():
         return 12 * rank_params(m, shape)
     return 3 * pinned_fp32_shard_bytes(m, shape)
+
+
+@functools.cache
+def _stager_registers() -> bool:
+    """Whether checkpoint/background.py's reusable_stager is torch's DefaultStager (page-locks exact sizes)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len: int, micro_batch: int,

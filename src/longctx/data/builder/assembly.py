@@ -32,7 +32,7 @@ from ...errors import DataError
 from ...progress import current, progress_bar
 from .. import store
 from .cluster import cluster
-from .conversations import LAST_ONLY
+from .conversations import LAST_ONLY, RULES
 from .cut_conversations import cut_hashes, cut_view, eos_text, turn_cuts
 from .dedup import VERSION as DEDUP_VERSION
 from .dedup import Deduper
@@ -148,7 +148,8 @@ class Assembly:
         than a sample is dropped first (cut across samples, its response would be trained without its
         prompt), so that it takes no copy of itself that fits with it."""
         too_long = self._pairs_too_long()
-        seen, seen_plain = stored_documents(self.root, self.old, self.opts.dedup, self.log)
+        seen, seen_plain = stored_documents(self.root, self.old, self.opts.dedup, self.log,
+                                             bool(self.opts.messages_field))
         bar = progress_bar(self.documents_read, "dedup", "doc", self.opts.progress)
         keep = self._stage("dedup", self._dedup, seen, seen_plain, too_long, bar)
         if bar is not None:
@@ -403,6 +404,8 @@ class Assembly:
             "documents": len(self.kept),
             "first_doc": self.doc_base,
             "dedup_version": DEDUP_VERSION,  # how its hashes and signatures were made (dedup.py), for appends
+            # how its conversations were cut into answers (conversations.RULES): their hashes, for appends
+            **({"answer_rules": RULES} if self.opts.messages_field else {}),
             # its documents' contents, which a data position's store identity reads (data/loader.py)
             "documents_digest": store.documents_digest(self.root / name),
             "counts": {

@@ -56,6 +56,9 @@ class Conversations:
         if not _is_conversation(messages):
             skipped["bad_conversation"] += 1
             return None
+        # a call's missing content (None) rendered as no text: a template that leaves tool_calls out and prints
+        # the content as it is (Gemma's `content | trim`) would write "None" and train the model to say it
+        messages = [{**m, "content": ""} if m.get("content") is None else m for m in messages]
         last = len(messages) - 1
         try:
             if not self._answers(messages, last):

@@ -9,13 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from .. import store
+from .conversations import RULES
 from .dedup import VERSION as DEDUP_VERSION
 
 
-def stored_documents(root: Path, old: dict | None, dedup: str, log) -> tuple[tuple | None, np.ndarray | None]:
+def stored_documents(root: Path, old: dict | None, dedup: str, log,
+                     conversations: bool = False) -> tuple[tuple | None, np.ndarray | None]:
     """((exact hashes, MinHash signatures or None), whether each signature's document is plain) of the
     documents already in the store at `root` (manifest `old`; None: a new store), for a build deduplicating
-    by `dedup`: its instruction data's signatures are of their answers alone."""
+    by `dedup`: its instruction data's signatures are of their answers alone. `conversations`: this build
+    reads conversations (--messages-field), whose hashes follow the answer rules (conversations.RULES)."""
     if old is None or dedup == "none":
         return None, None
     hashes, signatures, plain = [], [], []
@@ -25,6 +28,11 @@ def stored_documents(root: Path, old: dict | None, dedup: str, log) -> tuple[tup
                 f"{part.get('dedup_version', 1)}, now {DEDUP_VERSION}): copies of its documents may not be "
                 f"found (1: those that differ only in spacing or are short, CJK or Thai; 2: of instruction "
                 f"data, hashed then as plain text); rebuild the store to be sure")
+        elif conversations and part.get("answer_rules", 1) != RULES and _has_instruction_data(root, part):
+            log(f"  dedup     {part['dir']} cut its conversations into answers by older rules (answer rules "
+                f"{part.get('answer_rules', 1)}, now {RULES}: an answer that only calls a tool, the answers "
+                f"before a template's closing EOS (Phi-3's), a conversation cut after an answer hashed as the "
+                f"shorter one): copies of its conversations may not be found; rebuild the store to be sure")
         h, s = store.load_part_docs(root, part)
         hashes.append(h)
         if s is None and dedup == "minhash":
@@ -37,3 +45,9 @@ def stored_documents(root: Path, old: dict | None, dedup: str, log) -> tuple[tup
     minhash = dedup == "minhash" and signatures
     return ((np.concatenate(hashes), np.concatenate(signatures) if minhash else None),
             np.concatenate(plain) if minhash else None)
+
+
+def _has_instruction_data(root: Path, part: dict) -> bool:
+    """Whether an earlier part holds documents trained from past their start (instruction data, conversations)."""
+    firsts = store.load_loss_from(root / part["dir"])
+    return firsts is not None and bool(np.any(np.asarray(firsts) != 0))
