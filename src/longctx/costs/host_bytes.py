@@ -18,7 +18,9 @@ On CUDA the host tiers' fp32 weights and gradients are pinned, and torch's host 
 pinned request rounded up to a power of two (ops/pinned.py): under host_optimizer they are carved out of
 power-of-two slabs (a few percent over), under host FSDP2 pins each shard by itself (host_state_bytes
 counts each rounded: llama3-8b 1.05x of 16, small-100m 1.15x); the moments are ordinary memory. Nothing
-is pinned on a CPU run: its figures are the exact bytes (what the RSS tests measure).
+is pinned on a CPU run: its figures are the exact bytes (what the RSS tests measure). The offloaded
+activations and the attention core's offloaded state are pinned part by part (offloaded_host_bytes:
+memory/host_parts.py lists the parts).
 
 The AdamW step of both host tiers runs on the host's cores (torch's fused CPU AdamW), which the
 node's ranks share: `Hardware.host_adam_gparams_per_s` is the node's rate. Clipping and the step
@@ -56,6 +58,7 @@ import math
 
 from ..config import ModelConfig
 from ..memory.accounting import activation_dtype, estimate_activations
+from ..memory.host_parts import pinned_activation_bytes, pinned_attention_offload_bytes
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
 from ..models.llama import build_model
@@ -242,6 +245,23 @@ def _stager_registers() -> bool:
     return True
 
 
+def offloaded_host_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int, micro_batch: int,
+                         act_bytes: int, dtype_bytes: int, activations: float, attention: float, docs: bool,
+                         pinned: bool, expert_skew: float = 1.0) -> tuple[float, float]:
+    """(offloaded activations, the attention core's offloaded state) in one rank's host memory, from their
+    exact bytes (`activations`: estimate_activations' total_host at `act_bytes` per element, `attention`:
+    attention_offload_host_and_traffic's at `dtype_bytes`). `pinned` (a CUDA run): each part the offloader or
+    the ChunkStore copies out is one pinned request, locked rounded up to a power of two (memory/host_parts.py;
+    a [74752, 4096] bf16 part of 612 MB locks 1 GiB), so the figures are those rounded sums."""
+    if not pinned:
+        return activations, attention
+    kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy}
+    acts = pinned_activation_bytes(m, seq_len, micro_batch, dtype_bytes=act_bytes, docs=docs, expert=shape.expert,
+                                   expert_skew=expert_skew, **kw) if activations else 0.0
+    attn = pinned_attention_offload_bytes(m, seq_len, micro_batch, dtype_bytes=dtype_bytes, **kw) if attention else 0.0
+    return acts, attn
+
+
 def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len: int, micro_batch: int,
                          grad_accum: int, offloaded_activations: float = 0.0, attention_offload: float = 0.0,
                          doc_mask: bool = True, async_checkpoint: bool = False,
@@ -348,10 +368,14 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
                                 **acts_kw)
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts, **acts_kw)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
+    acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
+                                                act_bytes=act_bytes, dtype_bytes=dtype_bytes,
+                                                activations=acts.total_host, attention=attn_host, docs=doc_mask,
+                                                pinned=pins(device_type))
     device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient,
                           bucket_blocks, co2_momentum)
     host = predicted_host_bytes(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                                offloaded_activations=min(acts.total_host, offload_cap), attention_offload=attn_host,
+                                offloaded_activations=min(acts_host, offload_cap), attention_offload=attn_host,
                                 doc_mask=doc_mask, async_checkpoint=async_checkpoint, co2_momentum=co2_momentum,
                                 pinned=pins(device_type))
     return device, host

@@ -27,6 +27,7 @@ import time
 import torch
 
 from .accounting import estimate_activations
+from .host_parts import pinned_activation_bytes
 from .policy import MemoryPolicy
 
 
@@ -147,14 +148,17 @@ def measured_block_forward_seconds(block, x, cos, sin, doc_ids, repeats: int = 2
 def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: int, ctx: int, skip_last: int,
                             dtype_bytes: int, block_seconds: float, link_bytes_per_s: float,
                             host_bytes_per_rank: float, policy: MemoryPolicy | None = None,
-                            expert: int = 1, host_bytes_taken: float = 0.0) -> tuple[float, str]:
+                            expert: int = 1, host_bytes_taken: float = 0.0,
+                            pinned: bool = False) -> tuple[float, str]:
     """(fraction, the reason in one line) from measured times and bandwidths. `policy`: the run's other
     [memory] settings (attention_offload, expert_chunk, block_chunk...; its recompute and fraction are
     replaced): they change what the rank keeps on the host, so they must be counted; `expert`: the
     expert-parallel degree (the rows a rank's experts save), as the host budget counts them;
     `host_bytes_taken`: the rank's host bytes besides the offloaded activations (the model-state tier's
     states, checkpoint staging, the data loader: train/host_budget.py host_bytes_besides_offload), which
-    the 0.8 x host_bytes_per_rank must hold too."""
+    the 0.8 x host_bytes_per_rank must hold too. `pinned` (a CUDA device): the offloaded parts are pinned,
+    each locked rounded up to a power of two (memory/host_parts.py), so the fraction is lowered until that
+    figure fits too (the byte count alone is linear in the fraction; the locked one is not)."""
     base = policy if policy is not None else MemoryPolicy()
 
     def host(a):
@@ -195,4 +199,24 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
               f"of host memory per rank{taken} allows A = {min(a_mem, 1.0):.2f} over {offloaded} blocks")
     if a_link < 0.05:
         reason += " (transfers will not fully hide behind compute even at the smallest fraction)"
+    if pinned:
+        def locked(a):
+            pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
+            return pinned_activation_bytes(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
+                                           dtype_bytes=dtype_bytes, expert=expert)
+        fraction, reason = _fit_pinned(fraction, reason, locked, budget)
     return fraction, reason
+
+
+def _fit_pinned(fraction: float, reason: str, locked, budget: float) -> tuple[float, str]:
+    """The largest fraction at most `fraction` (in steps of 0.05, then halving) whose pinned host bytes,
+    locked(fraction), fit `budget`; 0 (offload off) when none does."""
+    chosen = fraction
+    while chosen > 0 and locked(chosen) > budget:
+        step = math.floor(round(chosen * 20, 9) - 1) / 20 if chosen > 0.05 else chosen / 2
+        chosen = step if step >= 1e-6 else 0.0
+    if chosen == fraction:
+        return fraction, reason
+    return chosen, (f"{reason}; pinned, the offloaded parts lock {locked(fraction) / 2**30:.2f} GiB at "
+                    f"A = {fraction:.3g} (each rounded up to a power of two): A = {chosen:.3g} fits")
+

@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..ops.chunked import is_chunk_store_host, pinned_copy
+from ..ops.chunked import host_copy, is_chunk_store_host
 
 _VIEW_OR_CAST = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
                  "ToCopyBackward0", "AliasBackward0", "UnsafeViewBackward0",
@@ -141,10 +141,7 @@ class HostOffloader:
         return _View(region, 0, t.shape, t.stride())
 
     def _to_host(self, part: torch.Tensor) -> torch.Tensor:
-        if not self.cuda:
-            host = part.clone()  # the host tier on a CPU machine: a separate buffer
-        else:
-            host = pinned_copy(part, self.stream)
+        host = host_copy(part, self.stream)  # pinned on CUDA; on a CPU machine a separate buffer
         self.host_tensors.append(weakref.ref(host))
         return host
 

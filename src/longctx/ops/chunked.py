@@ -164,6 +164,13 @@ def pinned_copy(t: torch.Tensor, stream) -> torch.Tensor:
     return host
 
 
+def host_copy(t: torch.Tensor, stream) -> torch.Tensor:
+    """The host tier's copy of `t`: pinned, made on `stream` (pinned_copy) for a CUDA tensor; on a CPU
+    machine (stream None) a separate buffer. Every offloaded activation part and every ChunkStore chunk
+    is made here, one allocation each (costs/host_bytes.py counts them so: pinned ones rounded up)."""
+    return t.clone() if stream is None else pinned_copy(t, stream)
+
+
 class ChunkStore:
     """Tensors of one attention call kept in host memory for its backward, by key: pinned and
     copied on a side stream after the producing kernels on CUDA (a separate buffer on CPU, so the
@@ -180,7 +187,7 @@ class ChunkStore:
         self._ahead.pop(key, None)
         if self._kept.get(key) is t:  # updated in place (a CPU host chunk)
             return
-        self._kept[key] = pinned_copy(t, self.stream) if self.cuda else t.clone()
+        self._kept[key] = host_copy(t, self.stream)
         _register_host(self._kept[key])
 
     def prefetch(self, key) -> None:

@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.host_bytes import device_bytes, exposed_host_state_seconds, one_memory_bytes, predicted_host_bytes
+from ..costs.host_bytes import (
+    device_bytes,
+    exposed_host_state_seconds,
+    offloaded_host_bytes,
+    one_memory_bytes,
+    predicted_host_bytes,
+)
 from ..costs.model_states import param_counts
 from ..costs.shape import MeshShape
 from ..costs.timing import (
@@ -379,8 +385,13 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,
                                                                  ctx=shape.ctx, policy=policy, dtype_bytes=e,
                                                                  work=work)
+    act_e, _ = activation_dtype(e == 2, shape.world, model_states)
+    acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
+                                                act_bytes=act_e, dtype_bytes=e, activations=acts.total_host,
+                                                attention=attn_host, docs=doc_mask, pinned=not hw.is_cpu,
+                                                expert_skew=expert_skew)
     host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                                offloaded_activations=acts.total_host, attention_offload=attn_host, doc_mask=doc_mask,
+                                offloaded_activations=acts_host, attention_offload=attn_host, doc_mask=doc_mask,
                                 async_checkpoint=settings.async_checkpoint, co2_momentum=settings.co2_outer_momentum,
                                 pinned=not hw.is_cpu)
     # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host

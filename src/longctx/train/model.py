@@ -21,6 +21,7 @@ from ..memory import auto  # (module attributes, so tests can stand in for the m
 from ..memory.accounting import activation_dtype
 from ..memory.policy import MemoryPolicy
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
+from ..ops.pinned import pins
 from ..parallel.parallelize import parallelize, sequence_parallel_core
 from .glide import build_glide_training
 from .host_budget import host_bytes_besides_offload
@@ -160,4 +161,5 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
         # (the model-state tier's states, staging and the loader share the rank's host memory with the offload)
         host_bytes_taken=host_bytes_besides_offload(cfg, rt.dims, device.type, seq_len, global_batch),
         # (the run's other [memory] settings put bytes on the host too: attention_offload's core state)
-        policy=MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=0.0)))
+        policy=MemoryPolicy.from_config(dataclasses.replace(cfg.memory, offload_fraction=0.0)),
+        pinned=pins(device))
