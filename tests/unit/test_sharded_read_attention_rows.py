@@ -5,11 +5,11 @@ cross_attention goes 1,024 queries at a time). One rank (head 1 x ctx 1: no coll
 
 import numpy as np
 import torch
-from tests.probes import LargestOutput
 
 from longctx.generate import sharded
 from longctx.generate.sharded import ShardedKVCache
 from longctx.models.cached_attention import masked_attention
+from probes import LargestOutput
 
 HEADS, KV, D = 4, 2, 8
 
