@@ -33,12 +33,11 @@ import numpy as np
 import torch
 
 from ..job import comm
-from ..models.cached_attention import CacheStep, masked_attention
+from ..models.cached_attention import CacheStep, full_attention
 from ..models.context_memory import (
     GrowsOnly,
     InfLLMShape,
     check_after_units,
-    grouped_attention,
     representatives,
     rotate,
     top_units,
@@ -46,7 +45,7 @@ from ..models.context_memory import (
 )
 from ..models.kv_cache import CacheRows
 from ..ops.attention import merge_partials
-from .sharded import merge_over_ctx
+from .sharded import _held_slots, _new_slots, merge_over_ctx
 
 
 def owners(positions: np.ndarray, shape: InfLLMShape, ctx: int) -> np.ndarray:
@@ -140,7 +139,7 @@ class _Layer:
         query_pos = c.step.positions  # [b, n]
         lo = init + units * shape.block if units else 0  # the span attended at real distances: [lo, end)
         check_after_units(s, n, lo, shape)
-        out, lse = self._span(q, lo, end, query_pos)
+        out, lse = self._span(q, lo, end)
         if units:
             self._build(q, units)
             far_out, far_lse = self._far(q, query_pos, units, init)
@@ -149,17 +148,30 @@ class _Layer:
             out = merge_over_ctx(out, lse, c.mesh)
         return out.to(q.dtype)
 
-    def _span(self, q, lo: int, end: int, query_pos):
-        """(out, lse) over this rank's slots of positions [lo, end), each query seeing those at or before it."""
-        c = self.cache
-        held = c.slots(lo, end)
+    def _span(self, q, lo: int, end: int):
+        """(out, lse) over this rank's slots of positions [lo, end), each query seeing those at or before it.
+        The slots of positions before the call's start every query sees: one kernel call, queries grouped
+        per kv head (no copy of the keys per query head, no fp32 scores over them outside the kernel); a
+        decode token sees every slot, so that is all. Of a call of n > 1 tokens (a prefill chunk), its own
+        slots kept here (<= n) are seen causally by a masked softmax (sharded.py's _new_slots: indices and
+        mask built once per call, kept on the step), merged by the log-sum-exp in fp32."""
+        c, b, n = self.cache, q.shape[0], q.shape[1]
+        held, new = c.slots(lo, end), c.slots(end - n, end)
         keys, values = c.k[self.index][:, :, held], c.v[self.index][:, :, held]
         if keys.shape[2] == 0:
             return _empty(q)
-        key_pos = torch.as_tensor(c.positions[held], device=q.device)
-        visible = key_pos[None, None, :] <= query_pos[:, :, None]  # [b, n, L]
         c.keys_read = max(c.keys_read, keys.shape[2])
-        return masked_attention(q, keys, values, visible)
+        if n == 1:  # every held slot is at or before the one query
+            return full_attention(q, keys, values)
+        before = new.start - held.start  # slots of positions [lo, start): every query sees them
+        out = lse = None
+        if new.stop > new.start:
+            mine = np.broadcast_to(owners(np.arange(end - n, end), c.shape, c.c) == c.rank, (b, n))
+            out, lse = _new_slots(q, keys, values, np.full(b, before), mine, c.step)
+        if before == 0:
+            return out, lse
+        pre_out, pre_lse = full_attention(q, keys[:, :, :before], values[:, :, :before])
+        return (pre_out, pre_lse) if out is None else merge_partials(pre_out, pre_lse, out, lse)
 
     def _build(self, q, units: int) -> None:
         """Representatives of the units formed since the last call that this rank holds."""
@@ -197,12 +209,12 @@ class _Layer:
         count = max(len(x) for x in slots)
         if count == 0:
             return _empty(q)
-        # rows (a prompt's samples) may hold different numbers of their chosen slots here: padded with
-        # slot 0, masked out
-        valid = np.zeros((b, count), dtype=bool)
+        # rows (a prompt's samples) may hold different numbers of their chosen slots here: each row's first,
+        # padded with slot 0 after them; rows holding one count attend in one kernel call, unmasked
+        counts = np.array([len(x) for x in slots])
         padded = np.zeros((b, count), dtype=np.int64)
         for r, x in enumerate(slots):
-            valid[r, :len(x)], padded[r, :len(x)] = True, x
+            padded[r, :len(x)] = x
         index = torch.as_tensor(padded, device=q.device)  # [b, G]
         gather = index[:, None, :, None].expand(b, c.k.shape[2], count, c.k.shape[4])
         far_k = c.k[self.index].gather(2, gather)
@@ -210,10 +222,7 @@ class _Layer:
         positions = torch.as_tensor(c.positions[padded], device=q.device)  # [b, G]
         far_k = rotate(far_k.transpose(1, 2), -positions, c.inv_freq).transpose(1, 2)  # back to position 0
         c.keys_read = max(c.keys_read, count)
-        if valid.all():
-            return grouped_attention(q_far, far_k, far_v)
-        visible = torch.as_tensor(valid, device=q.device)[:, None, :].expand(b, q.shape[1], count)
-        return masked_attention(q_far, far_k, far_v, visible)
+        return _held_slots(q_far, far_k, far_v, counts)
 
 
 def _empty(q: torch.Tensor):
