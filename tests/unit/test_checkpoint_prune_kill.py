@@ -1,4 +1,4 @@
-"""A process killed while keep-last rotation deletes an old checkpoint (checkpoint/manager.py _prune):
+"""A process killed while keep-last rotation deletes an old checkpoint (checkpoint/retention.py prune):
 shutil.rmtree is not atomic, and a kill halfway through it left a step-* directory behind: with its
 manifest but not its shards (a damaged checkpoint that every reader took for a complete one), or without
 its manifest (remains no later start or prune removed). Each pruned checkpoint is renamed out of the

@@ -142,7 +142,7 @@ def test_reset_forgets_the_steps_a_rollback_discarded():
     interval = RouterInterval([1, 3], every=3)
     _add(interval, 1, COUNTS[0], aux=9.0)
     _add(interval, 2, COUNTS[1], aux=9.0)
-    interval.reset()  # (trainer._roll_back: those steps run again)
+    interval.reset()  # (read_back.py roll_back_trainer: those steps run again)
     _add(interval, 2, COUNTS[2], aux=1.0)
     _add(interval, 3, COUNTS[0], aux=2.0)
     r = interval.record(3)

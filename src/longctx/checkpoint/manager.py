@@ -55,7 +55,6 @@ from ..config.checkpoint_paths import (
     resolve_checkpoint,
     resume_candidates,
     step_name,
-    trajectory,
 )
 from ..durable import publish, write_text_durably
 from ..faults import planned
@@ -83,11 +82,10 @@ from .manifest import (
     write_hashes_part,
     write_manifest,
 )
-from .rng_states import _load_rng, _rng_state, _set_rng_state, local_state_file, rng_file
+from .retention import _TRASH, prune, sweep_leftovers
+from .rng_states import _rng_state, local_state_file, restore_rng, rng_file
 
 TRAINER_STATE = "trainer_state.json"
-_TRASH = ".tmp-old-"  # a step directory a re-save of its step moved aside (restored if the commit died)
-_PRUNED = ".tmp-pruned-"  # a step directory keep-last is deleting (swept with the other .tmp-* at the next start)
 
 
 class CheckpointManager:
@@ -130,15 +128,7 @@ class CheckpointManager:
         self._enospc = planned("enospc")
         if rank == 0 and create:  # (create=False: a reader of checkpoints that writes none)
             self.root.mkdir(parents=True, exist_ok=True)
-            for old in self.root.glob(f"{_TRASH}step-*"):  # a commit killed after moving a complete step aside
-                final = self.root / old.name[len(_TRASH):].rsplit("-", 1)[0]  # (and before publishing its new one)
-                if old.is_dir() and (old / MANIFEST).is_file() and not final.exists():
-                    os.replace(old, final)
-            for stale in self.root.glob(".tmp-*"):  # leftovers of saves that never completed
-                shutil.rmtree(stale, ignore_errors=True)
-            for stale in self.root.glob(".*.tmp-*"):  # a `latest` (durable.py) a killed process left
-                if stale.is_file():
-                    stale.unlink(missing_ok=True)
+            sweep_leftovers(self.root)  # (retention.py: what killed saves, commits and prunes left)
         if self._mesh is not None and create:  # every rank lists the checkpoints only after rank 0's restore
             comm.barrier(self._mesh)
 
@@ -286,21 +276,8 @@ class CheckpointManager:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         self.parent = {"name": final.name, "checksum": written["checksum"]}
-        self._prune(keep_also=final)
+        prune(self.root, self.keep, keep_also=final)  # (retention.py)
         self.log(f"checkpoint: saved step {step} to {final}")
-
-    def _prune(self, keep_also: Path) -> None:
-        # the `keep` newest of this run's trajectory (the one just saved and those it descends from): another
-        # attempt's, which an explicit resume of an older checkpoint left newer or interleaved, are neither counted
-        # nor deleted (counting them deleted this run's own history). Oldest first, each renamed away before rmtree:
-        # a kill inside rmtree left a damaged step-* that looked complete, or remains no prune ever removed
-        for old in reversed(trajectory(self.root, keep_also)[self.keep:] if self.keep else []):
-            doomed = self.root / f"{_PRUNED}{old.name}-{uuid.uuid4().hex[:8]}"
-            try:
-                os.replace(old, doomed)
-            except OSError:  # (gone already, or not ours to move: left as it is)
-                continue
-            shutil.rmtree(doomed, ignore_errors=True)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written, hashed and committed."""
@@ -407,7 +384,7 @@ class CheckpointManager:
             params = group["params"]
             group.clear()
             group.update(params=params, **own)
-        self._restore_rng(path, manifest)
+        restore_rng(path, manifest, self.rank, self.world)  # (rng_states.py)
         self.resumed_from = (path, manifest)
         here = path.resolve().parent == self.root.resolve()  # (one loaded from elsewhere starts a trajectory here)
         self.parent = {"name": path.name, "checksum": manifest.get("checksum")} if here else None
@@ -424,16 +401,6 @@ class CheckpointManager:
         if saved != {"expert": 1, **self.layout} or not own.is_file():
             return None
         return torch.load(own, weights_only=True)
-
-    def _restore_rng(self, path: Path, manifest: dict) -> None:
-        own = path / rng_file(self.rank)
-        if manifest["layout"].get("world") == self.world and own.is_file():
-            _set_rng_state(_load_rng(own), cuda=True)
-            return
-        # Another world size: the ranks have no one-to-one counterparts in the saved job, so every rank
-        # continues rank 0's CPU streams (what a single process would, and what all ranks did before
-        # RNG states were saved per rank). CUDA generators keep their seeded state: the devices differ.
-        _set_rng_state(_load_rng(path / rng_file(0)), cuda=False)
 
 
 @contextmanager

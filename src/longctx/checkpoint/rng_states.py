@@ -52,3 +52,15 @@ def _load_rng(path: Path) -> dict:
                               f"rank's RNG state was saved; resume from a checkpoint of this version (or start the "
                               f"weights over with --model.init_from {path.parent}).")
     return torch.load(path, weights_only=True)
+
+
+def restore_rng(path: Path, manifest: dict, rank: int, world: int) -> None:
+    """This rank's generators from the checkpoint at `path` (`manifest`: its manifest), on resume."""
+    own = path / rng_file(rank)
+    if manifest["layout"].get("world") == world and own.is_file():
+        _set_rng_state(_load_rng(own), cuda=True)
+        return
+    # Another world size: the ranks have no one-to-one counterparts in the saved job, so every rank
+    # continues rank 0's CPU streams (what a single process would, and what all ranks did before
+    # RNG states were saved per rank). CUDA generators keep their seeded state: the devices differ.
+    _set_rng_state(_load_rng(path / rng_file(0)), cuda=False)

@@ -10,8 +10,8 @@ compute time, exposed communication, step time, tokens/s and MFU.
   is compared with to the byte), plus `memory.transients.transient_bytes`, the working set of one
   block's backward and of the LM head on top of it; host memory per node for offloaded activations
   and attention state (`attention_offload_host_and_traffic`);
-- communication bytes (parallel/context/volumes.py, the closed forms comm.py's counters are tested to
-  equal): attention's `attention_bytes` times the layers, the micro-batches and, under full
+- communication bytes (planner/comm_bytes.py, from parallel/context/volumes.py, the closed forms comm.py's
+  counters are tested to equal): attention's `attention_bytes` times the layers, the micro-batches and, under full
   recomputation, the forward once more; document ids cost no bytes (the training loop plans each
   batch's sequence layout on the host from the ids every rank already has, parallel/context/shares.py local_batch,
   and the layout travels with the local ids to the attention core); FSDP's `fsdp_bytes_per_step`,
@@ -44,7 +44,6 @@ from ..costs.host_bytes import (
     one_memory_bytes,
     predicted_host_bytes,
 )
-from ..costs.model_states import param_counts
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
@@ -62,17 +61,11 @@ from ..costs.timing import (
     recompute_share,
 )
 from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
-from ..memory.moe_counts import max_expert_skew, moe_forward_runs
+from ..memory.moe_counts import max_expert_skew
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
-from ..parallel.context.volumes import ZeroPP, attention_bytes, expert_bytes, fsdp_bytes_per_step
-from .slow_links import (
-    CO2_LOCAL_STEPS,
-    co2_exposed_seconds,
-    co2_local_steps,
-    co2_outer_bytes,
-    co2_outer_seconds,
-)
+from .comm_bytes import attention_call_bytes, comm_bytes_per_step
+from .slow_links import CO2_LOCAL_STEPS, co2_exposed_seconds, co2_local_steps, co2_outer_seconds
 
 
 @dataclass
@@ -205,59 +198,6 @@ def memory_problems(memory: dict[str, float], host: dict[str, float], ranks_per_
         problems.append(f"needs {per_node / 2**30:.1f} GiB of host memory per node ({parts}), "
                         f"{hw.usable_host_bytes / 2**30:.1f} usable of {hw.host_memory_gib:g}")
     return problems
-
-
-# ----------------------------------------------------------------------------------------------
-# Communication bytes
-
-
-def attention_call_bytes(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape,
-                         dtype_bytes: int) -> tuple[dict, dict]:
-    """Bytes of one layer's distributed attention: (forward + backward, the forward alone, which
-    full recomputation runs again). No docs=: that would be document ids gathered without a sequence
-    layout; the training loop always plans one on the host (parallel/context/shares.py local_batch), so documents
-    cost no bytes."""
-    kw = {"seq": seq_len, "batch": micro_batch, "heads": m.heads, "kv_heads": m.kv_heads,
-          "head_dim": m.resolved_head_dim, "head": shape.head, "ctx": shape.ctx, "elem": dtype_bytes}
-    return attention_bytes(**kw), attention_bytes(**kw, backward=False)
-
-
-def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, per_call: dict, refwd: dict,
-                        grad_accum: int, gather_bytes: int, tokens: int = 0) -> dict[str, dict[str, float]]:
-    """{dim: {label: bytes}} one rank sends per optimizer step: every layer's attention in every
-    micro-batch (the forward again under full recomputation), FSDP's, and under expert parallelism
-    the MoE layers' all-to-alls of the rank's `tokens` per micro-batch (even routing)."""
-    comm: dict[str, dict[str, float]] = {}
-    for dim, labels in per_call.items():
-        for label, nbytes in labels.items():
-            total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
-            comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
-    pc = param_counts(m)
-    zero_pp = ZeroPP(frozenset(p for p in shape.zero_pp.split(",") if p), shape.quant_block, node=shape.node,
-                     hpz=shape.hpz_ranks)
-    fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync,
-                               expert_params=pc["experts"], replicas_sync=shape.data_parallel != "co2",
-                               zero_pp=zero_pp)  # what ZeRO++ sends (parallel.zero_pp_block), not plain FSDP's
-    if fsdp:  # {} on one rank
-        comm["fsdp"] = fsdp
-    if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
-        comm["co2"] = {"co2_outer": co2_outer_bytes(m, shape) / shape.local_steps}
-    expert = expert_layer_bytes(m, shape, policy, tokens, gather_bytes)
-    if expert:
-        comm["expert"] = {label: nbytes * grad_accum for label, nbytes in expert.items()}
-    return comm
-
-
-def expert_layer_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tokens: int,
-                       elem: int) -> dict[str, float]:
-    """The expert all-to-alls of every MoE layer in one micro-batch of `tokens` rank tokens, routing
-    even ({} without expert parallelism)."""
-    if shape.expert == 1 or not m.is_moe:
-        return {}
-    n = len(m.moe_layer_ids)
-    per_layer = expert_bytes(tokens=tokens, top_k=m.moe_top_k, experts=m.moe_experts, dim=m.dim,
-                             expert=shape.expert, elem=elem, forwards=moe_forward_runs(m, tokens, policy) / n)
-    return {label: nbytes * n for label, nbytes in per_layer.items()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ schedule, loss forward, clipping) in the step/ package; what a metrics line says
 (a mix's loss of each store among it) in evaluation.py. What a step
 does beside the loss is done by step hooks called at fixed points (hooks.py; the MoE routers'
 bookkeeping: moe_hooks.py), LONGCTX_FAULT's faults by a wrapper around the step
-(fault_injection.py); when to save in saves.py, what watches the loop in watch.py.
+(fault_injection.py); when to save in saves.py, what watches the loop in watch.py, the one read of the steps'
+figures and what a bad step or a stop leads to in read_back.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config
-from ..errors import REQUEUE_EXIT_CODE, Preempted
+from ..errors import Preempted
 from ..job import watchdog
 from ..job.devices import resolve_dtype, seed_everything, use_deterministic_algorithms
 from ..job.join import join_job
@@ -45,15 +46,16 @@ from ..step.schedule import lr_at
 from .co2 import co2_rounds
 from .evaluation import evaluate_eval_set
 from .fault_injection import with_step_faults
-from .guard import StepGuard, bad_step_reason, stopped_run_error
+from .guard import StepGuard
 from .hooks import StepHooks
 from .host_update import host_update_hooks
 from .metrics import MetricsLogger, setup_peak_line
 from .model import build_training_model, resolve_offload
 from .moe_hooks import MoEStepHook, moe_step_hooks
 from .preemption import EarlySignals, StopOnSignal, command_age, set_up_stop
+from .read_back import read_back, roll_back_trainer, stop_on_signal
 from .report import describe_run, done_line, write_plots
-from .rollback import BadStep, resume_past_rollback, roll_back
+from .rollback import BadStep, resume_past_rollback
 from .saves import RunSaves
 from .setup import (
     build_data,
@@ -66,7 +68,7 @@ from .setup import (
     run_tokenizer,
 )
 from .stages import StagedLoader, start_positions, tokens_through
-from .step_state import keep_step_state, restore_step_state
+from .step_state import keep_step_state
 from .watch import watched
 
 
@@ -175,7 +177,7 @@ class Trainer:
     def _enter_stage(self, step: int, announce: bool = False) -> None:
         """Switch the data to `step`'s stage when it starts there (train.stages), and say so."""
         changed = self.sampler.enter(step)
-        if self.ckpt is not None:  # (every step: a rollback may have lowered it, within this stage: _roll_back)
+        if self.ckpt is not None:  # (every step: a rollback may have lowered it, within this stage: roll_back_trainer)
             self._record_trained(self.sampler.stage.index)
         if not (changed or announce):
             return
@@ -247,10 +249,10 @@ class Trainer:
                 # the one host read of the step's figures, here and not every step: it waits for
                 # the device to finish; before a save, so no checkpoint holds a non-finite step
                 try:
-                    loss, grad_norm = self._read_back(loop.unread, loop.result)
+                    loss, grad_norm = read_back(self, loop.unread, loop.result)
                 except BadStep as bad:  # train.on_nonfinite = rollback
                     # a new interval, as the router figures' (hooks.rolled_back): no rolled-back loss in a mean
-                    step, loop.mean_from = self._roll_back(bad, loop.result), len(loop.result.losses)
+                    step, loop.mean_from = roll_back_trainer(self, bad, loop.result), len(loop.result.losses)
                     continue
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
@@ -262,7 +264,7 @@ class Trainer:
                 loop.eval_s += self._timed_evaluation(step, loop.result)
             signal_name = stop.agreed()  # every rank, every step: a CPU-side flag exchange
             if signal_name and step < t.steps:
-                self._stop_on_signal(step, signal_name, loop.unread, loop.result)
+                stop_on_signal(self, step, signal_name, loop.unread, loop.result)
         return step
 
     def _launch_step(self, step: int, unread: list) -> float:
@@ -350,63 +352,6 @@ class Trainer:
             total.backward()
             local_loss += loss_sum.detach()
         return local_loss
-
-    def _stop_on_signal(self, step: int, name: str, unread: list, result: TrainResult) -> None:
-        """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
-        saved = self.saves.saved(step)
-        if unread:
-            try:
-                self._read_back(unread, result)  # (no checkpoint holds a non-finite step)
-            except BadStep as bad:  # rolled back: the state to save is the one the run goes on from
-                step, saved = self._roll_back(bad, result), False
-        watchdog.phase(step, "save")
-        self.saves.save_for_stop(step, saved, self.model, self.optimizer, self.sampler)  # (committed when it returns)
-        self.log(f"saved step {step} on {name}")
-        raise Preempted(f"saved step {step} on {name}; `--checkpoint.resume auto` continues the run from there "
-                        f"(exit code {REQUEUE_EXIT_CODE}: a batch script requeues on it, docs/checkpoints.md).")
-
-    def _read_back(self, unread: list, result: TrainResult) -> tuple[float, float]:
-        """Read the losses, gradient norms and spike flags of the steps since the last read in one
-        transfer, record them, and act on a bad step (train.on_nonfinite): count it, stop, or raise
-        BadStep for a rollback; returns the newest (loss, grad norm)."""
-        entries = list(unread)
-        unread.clear()
-        values = torch.stack([torch.stack([lo.double(), g.double(), torch.zeros_like(lo, dtype=torch.float64)
-                                           if sp is None else sp.double()])
-                              for _, lo, g, sp, _ in entries]).tolist()
-        t = self.cfg.train
-        for (step, *_, position), (loss, grad_norm, spike) in zip(entries, values):
-            result.losses.append(loss)
-            what = bad_step_reason(loss, grad_norm, spike, t.spike_factor, t.spike_window)
-            if what is None:
-                continue
-            if t.on_nonfinite == "stop":
-                raise stopped_run_error(what, step, lr_at(step - 1, self.cfg))
-            if t.on_nonfinite == "rollback":
-                raise BadStep(step, what, position)  # the steps read after it are run again
-            self.skipped_steps += 1
-            self.skipped_at.add(len(result.losses) - 1)
-            self.log(f"step {step}: {what}: not applied (train.on_nonfinite = skip; {self.skipped_steps} skipped "
-                     f"so far)")
-        return values[-1][0], values[-1][1]
-
-    def _roll_back(self, bad: BadStep, result: TrainResult) -> int:
-        """Go back to the newest checkpoint before a bad step (rollback.py); returns the step the run
-        goes on after (the bad one)."""
-        watchdog.phase(bad.step, "load")
-        self.saves.wait()
-        note = roll_back(bad, self.ckpt, self.model, self.optimizer, self.sampler, self.rt.is_main,
-                         self.rollback_repeats)
-        # the reloaded weights' own trained positions, not the later stage's the run had reached (a stop on a signal
-        # saves them before the next step's stage is entered)
-        self._record_trained(self.sampler.stage_of(int(self.ckpt.resumed_from[1]["step"])).index)
-        restore_step_state(self)  # the checkpoint's spike window (no blind steps) and placements
-        self.hooks.rolled_back()
-        del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
-        self.skipped_at = {i for i in self.skipped_at if i < len(result.losses)}  # (indices of steps kept)
-        self.rollbacks += 1
-        self.log(note)
-        return bad.step
 
     def evaluate(self) -> float:
         """Mean loss over every valid label of the first train.eval_batches global batches of eval

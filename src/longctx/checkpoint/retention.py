@@ -1,0 +1,43 @@
+"""Which step directories a checkpoints directory keeps (checkpoint/manager.py calls both): keep-last pruning
+after each commit, along the run's own trajectory, and at a start the leftovers of saves, commits and prunes a
+kill interrupted (a complete step a re-save had moved aside put back; hidden temporaries removed)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+from ..config.checkpoint_paths import trajectory
+from .manifest import MANIFEST
+
+_TRASH = ".tmp-old-"  # a step directory a re-save of its step moved aside (restored if the commit died)
+_PRUNED = ".tmp-pruned-"  # a step directory keep-last is deleting (swept with the other .tmp-* at the next start)
+
+
+def sweep_leftovers(root: Path) -> None:
+    """At a start (rank 0): what a killed save, commit or prune left in `root`."""
+    for old in root.glob(f"{_TRASH}step-*"):  # a commit killed after moving a complete step aside
+        final = root / old.name[len(_TRASH):].rsplit("-", 1)[0]  # (and before publishing its new one)
+        if old.is_dir() and (old / MANIFEST).is_file() and not final.exists():
+            os.replace(old, final)
+    for stale in root.glob(".tmp-*"):  # leftovers of saves that never completed
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".*.tmp-*"):  # a `latest` (durable.py) a killed process left
+        if stale.is_file():
+            stale.unlink(missing_ok=True)
+
+
+def prune(root: Path, keep: int, keep_also: Path) -> None:
+    # the `keep` newest of this run's trajectory (the one just saved and those it descends from): another
+    # attempt's, which an explicit resume of an older checkpoint left newer or interleaved, are neither counted
+    # nor deleted (counting them deleted this run's own history). Oldest first, each renamed away before rmtree:
+    # a kill inside rmtree left a damaged step-* that looked complete, or remains no prune ever removed
+    for old in reversed(trajectory(root, keep_also)[keep:] if keep else []):
+        doomed = root / f"{_PRUNED}{old.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.replace(old, doomed)
+        except OSError:  # (gone already, or not ours to move: left as it is)
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)

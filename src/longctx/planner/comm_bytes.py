@@ -1,0 +1,64 @@
+"""Communication bytes of one candidate's optimizer step, per rank and mesh dim (planner/cost.py's `estimate` puts
+them together with the memory and the time): every layer's distributed attention in every micro-batch (the forward
+again under full recomputation: parallel/context/volumes.py, the closed forms comm.py's counters are tested to
+equal; documents cost no bytes), FSDP's (ZeRO++ as configured), CO2's outer all-reduce (its share per step) and, under
+expert parallelism, the MoE layers' all-to-alls (even routing)."""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..costs.model_states import param_counts
+from ..costs.shape import MeshShape
+from ..memory.moe_counts import moe_forward_runs
+from ..memory.policy import MemoryPolicy
+from ..parallel.context.volumes import ZeroPP, attention_bytes, expert_bytes, fsdp_bytes_per_step
+from .slow_links import co2_outer_bytes
+
+
+def attention_call_bytes(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape,
+                         dtype_bytes: int) -> tuple[dict, dict]:
+    """Bytes of one layer's distributed attention: (forward + backward, the forward alone, which
+    full recomputation runs again). No docs=: that would be document ids gathered without a sequence
+    layout; the training loop always plans one on the host (parallel/context/shares.py local_batch), so documents
+    cost no bytes."""
+    kw = {"seq": seq_len, "batch": micro_batch, "heads": m.heads, "kv_heads": m.kv_heads,
+          "head_dim": m.resolved_head_dim, "head": shape.head, "ctx": shape.ctx, "elem": dtype_bytes}
+    return attention_bytes(**kw), attention_bytes(**kw, backward=False)
+
+
+def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, per_call: dict, refwd: dict,
+                        grad_accum: int, gather_bytes: int, tokens: int = 0) -> dict[str, dict[str, float]]:
+    """{dim: {label: bytes}} one rank sends per optimizer step: every layer's attention in every
+    micro-batch (the forward again under full recomputation), FSDP's, and under expert parallelism
+    the MoE layers' all-to-alls of the rank's `tokens` per micro-batch (even routing)."""
+    comm: dict[str, dict[str, float]] = {}
+    for dim, labels in per_call.items():
+        for label, nbytes in labels.items():
+            total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
+            comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
+    pc = param_counts(m)
+    zero_pp = ZeroPP(frozenset(p for p in shape.zero_pp.split(",") if p), shape.quant_block, node=shape.node,
+                     hpz=shape.hpz_ranks)
+    fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync,
+                               expert_params=pc["experts"], replicas_sync=shape.data_parallel != "co2",
+                               zero_pp=zero_pp)  # what ZeRO++ sends (parallel.zero_pp_block), not plain FSDP's
+    if fsdp:  # {} on one rank
+        comm["fsdp"] = fsdp
+    if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
+        comm["co2"] = {"co2_outer": co2_outer_bytes(m, shape) / shape.local_steps}
+    expert = expert_layer_bytes(m, shape, policy, tokens, gather_bytes)
+    if expert:
+        comm["expert"] = {label: nbytes * grad_accum for label, nbytes in expert.items()}
+    return comm
+
+
+def expert_layer_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tokens: int,
+                       elem: int) -> dict[str, float]:
+    """The expert all-to-alls of every MoE layer in one micro-batch of `tokens` rank tokens, routing
+    even ({} without expert parallelism)."""
+    if shape.expert == 1 or not m.is_moe:
+        return {}
+    n = len(m.moe_layer_ids)
+    per_layer = expert_bytes(tokens=tokens, top_k=m.moe_top_k, experts=m.moe_experts, dim=m.dim,
+                             expert=shape.expert, elem=elem, forwards=moe_forward_runs(m, tokens, policy) / n)
+    return {label: nbytes * n for label, nbytes in per_layer.items()}

@@ -1,0 +1,77 @@
+"""What the training loop (trainer.py) does when it reads its steps' figures back to the host: the one read of the
+losses, gradient norms and spike flags of the steps since the last (once per log line or save: a step waits for
+nothing on the device), a bad step's handling (train.on_nonfinite: skipped and counted, the run stopped, or rolled
+back to the newest checkpoint: rollback.py), and the stop on a signal or the time limit, which reads back before
+it saves. Each takes the Trainer and the loop's TrainResult."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import REQUEUE_EXIT_CODE, Preempted
+from ..job import watchdog
+from ..step.schedule import lr_at
+from .guard import bad_step_reason, stopped_run_error
+from .rollback import BadStep, roll_back
+from .step_state import restore_step_state
+
+
+def read_back(trainer, unread: list, result) -> tuple[float, float]:
+    """Read the losses, gradient norms and spike flags of the steps since the last read in one
+    transfer, record them, and act on a bad step (train.on_nonfinite): count it, stop, or raise
+    BadStep for a rollback; returns the newest (loss, grad norm)."""
+    entries = list(unread)
+    unread.clear()
+    values = torch.stack([torch.stack([lo.double(), g.double(), torch.zeros_like(lo, dtype=torch.float64)
+                                       if sp is None else sp.double()])
+                          for _, lo, g, sp, _ in entries]).tolist()
+    t = trainer.cfg.train
+    for (step, *_, position), (loss, grad_norm, spike) in zip(entries, values):
+        result.losses.append(loss)
+        what = bad_step_reason(loss, grad_norm, spike, t.spike_factor, t.spike_window)
+        if what is None:
+            continue
+        if t.on_nonfinite == "stop":
+            raise stopped_run_error(what, step, lr_at(step - 1, trainer.cfg))
+        if t.on_nonfinite == "rollback":
+            raise BadStep(step, what, position)  # the steps read after it are run again
+        trainer.skipped_steps += 1
+        trainer.skipped_at.add(len(result.losses) - 1)
+        trainer.log(f"step {step}: {what}: not applied (train.on_nonfinite = skip; {trainer.skipped_steps} skipped "
+                    f"so far)")
+    return values[-1][0], values[-1][1]
+
+
+def roll_back_trainer(trainer, bad: BadStep, result) -> int:
+    """Go back to the newest checkpoint before a bad step (rollback.py); returns the step the run
+    goes on after (the bad one)."""
+    watchdog.phase(bad.step, "load")
+    trainer.saves.wait()
+    note = roll_back(bad, trainer.ckpt, trainer.model, trainer.optimizer, trainer.sampler, trainer.rt.is_main,
+                     trainer.rollback_repeats)
+    # the reloaded weights' own trained positions, not the later stage's the run had reached (a stop on a signal
+    # saves them before the next step's stage is entered)
+    trainer._record_trained(trainer.sampler.stage_of(int(trainer.ckpt.resumed_from[1]["step"])).index)
+    restore_step_state(trainer)  # the checkpoint's spike window (no blind steps) and placements
+    trainer.hooks.rolled_back()
+    del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
+    trainer.skipped_at = {i for i in trainer.skipped_at if i < len(result.losses)}  # (indices of steps kept)
+    trainer.rollbacks += 1
+    trainer.log(note)
+    return bad.step
+
+
+def stop_on_signal(trainer, step: int, name: str, unread: list, result) -> None:
+    """Save `step` (unless the interval just did), wait for every save in flight, and stop."""
+    saved = trainer.saves.saved(step)
+    if unread:
+        try:
+            read_back(trainer, unread, result)  # (no checkpoint holds a non-finite step)
+        except BadStep as bad:  # rolled back: the state to save is the one the run goes on from
+            step, saved = roll_back_trainer(trainer, bad, result), False
+    watchdog.phase(step, "save")
+    # (committed when it returns)
+    trainer.saves.save_for_stop(step, saved, trainer.model, trainer.optimizer, trainer.sampler)
+    trainer.log(f"saved step {step} on {name}")
+    raise Preempted(f"saved step {step} on {name}; `--checkpoint.resume auto` continues the run from there "
+                    f"(exit code {REQUEUE_EXIT_CODE}: a batch script requeues on it, docs/checkpoints.md).")
