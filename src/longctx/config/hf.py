@@ -43,9 +43,9 @@ from typing import Any
 from .checkpoint_paths import MANIFEST, find_checkpoint
 from .hf_families import (
     FAMILIES,
-    FAMILY_DEFAULTS,
     MOE_DEFAULTS,
     HFFormatError,
+    check_hf_values,
     check_sliding_window,
     check_unquantized,
     family_window,
@@ -117,6 +117,7 @@ def read_hf_config(path: str | Path) -> dict:
         raise HFFormatError(f"{cfg_file} holds a JSON {type(hf).__name__}, not an object of the model's keys "
                             f"(model_type, hidden_size, ...); pass a Hugging Face model directory whose config.json "
                             f"save_pretrained() wrote.")
+    check_hf_values(hf, str(cfg_file))  # (before any reader computes with them: default_max_seq_len is first)
     return hf
 
 
@@ -243,19 +244,7 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
     names them); `max_seq_len`: the run's (a sliding window must not bind within it; None: the weights' own
     max_position_embeddings must not pass it either)."""
     family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise HFFormatError(f"{where}: model_type '{family}' is not supported; longctx reads "
-                            f"{', '.join(FAMILIES)} (the Llama architecture, its close variants and their "
-                            f"Mixture-of-Experts versions).")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-        if key not in hf:
-            raise HFFormatError(f"{where}: the required key '{key}' is missing.")
-    for key in ("rms_norm_eps", "max_position_embeddings"):  # a number when present (rope_theta: hf_rope.py)
-        if key in hf and (isinstance(hf[key], bool) or not isinstance(hf[key], (int, float))):
-            default = FAMILY_DEFAULTS[family].get(key)
-            raise HFFormatError(f"{where}: {key} is {json.dumps(hf[key])}, not a number (transformers would build "
-                                f"a model that fails or computes with it); set it to the value the weights were "
-                                f"trained with, or remove the key for the {family} default ({default}).")
+    check_hf_values(hf, where)  # (the family, the shapes, every number a number; rope_theta: hf_rope.py)
     check_unquantized(hf, where)
     if hf.get("mlp_bias"):
         raise HFFormatError(f"{where}: mlp_bias=true; longctx's feed-forward has no biases.")
@@ -290,7 +279,7 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
         qk_norm=family in ("qwen3", "qwen3_moe", "olmoe"),
         qk_norm_span="all" if family == "olmoe" else "head",
         max_seq_len=int(hf["max_position_embeddings"]),
-        init_std=float(hf.get("initializer_range", 0.02)),
+        init_std=0.02 if hf.get("initializer_range") is None else float(hf["initializer_range"]),
     )
     fields.update(rope_fields(hf, where))
     if fields["rope_scaling"] == "linear":  # (a linear config.json gives the length before its factor: positions.py)

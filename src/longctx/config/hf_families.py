@@ -12,6 +12,8 @@ read as null (for num_key_value_heads and head_dim, transformers' "as many as th
 
 from __future__ import annotations
 
+import json
+
 from ..errors import UserError
 
 
@@ -132,8 +134,20 @@ def check_sliding_window(hf: dict, where: str, max_seq_len: int | None = None, k
         f"{where}: {key}={max_seq_len} passes the model's sliding-window attention ({said}). longctx has no "
         f"sliding-window attention: it attends to every earlier position, the same as the window up to {window} "
         f"positions and not beyond, so past them the model's outputs (and its training) would not be these "
-        f"weights'. {fix}; or set {'use_sliding_window false' if family in QWEN_FAMILIES else 'sliding_window null'} "
+        f"weights'. {fix}; or set {window_off_keys(hf)} "
         f"in config.json if the weights were trained without one.")
+
+
+def window_off_keys(hf: dict) -> str:
+    """The config.json change that gives the weights of `hf` full attention in every layer, as transformers reads it:
+    sliding_window null (Mistral, Mixtral), use_sliding_window false (Qwen), and, where an explicit layer_types
+    windows some layer (it wins over use_sliding_window: windowed_layers), its entries full_attention, without
+    which the first change alone left the window (and transformers' cache fails on a window of None)."""
+    if hf.get("model_type") not in QWEN_FAMILIES:
+        return "sliding_window null"
+    if hf.get("model_type") in _LAYER_TYPES_FAMILIES and "sliding_attention" in (hf.get("layer_types") or ()):
+        return "use_sliding_window false and every layer_types entry to \"full_attention\""
+    return "use_sliding_window false"
 
 
 def check_unquantized(hf: dict, where: str) -> None:
@@ -145,3 +159,67 @@ def check_unquantized(hf: dict, where: str) -> None:
                             f"(fp8 blocks with their scales, GPTQ, AWQ, ...), and longctx reads unquantized weights "
                             f"only (read as they are, they would compute another model). Use the model's bf16 "
                             f"release, or dequantize it once and save that copy.")
+
+
+# config.json's keys by the value each must hold (a key left out takes its family default; see check_hf_values)
+_SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_COUNT_KEYS = ("num_key_value_heads", "head_dim", "sliding_window", "max_window_layers")  # (null: derived / none)
+_NUMBER_KEYS = ("rms_norm_eps", "max_position_embeddings")  # (null: refused, as transformers cannot use it)
+_OPTIONAL_NUMBER_KEYS = ("original_max_position_embeddings", "partial_rotary_factor", "initializer_range")
+# switches read with bool(): "false" as text would read as true (transformers 5 refuses a non-bool)
+_SWITCH_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window",
+                "norm_topk_prob", "output_router_logits")
+_ROPE_NUMBER_KEYS = ("rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+                     "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                     "partial_rotary_factor")  # (attention_factor: hf_rope.py, where 0 is refused too)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_hf_values(hf: dict, where: str) -> None:
+    """A config.json of a family longctx reads whose values have the types the readers compute with: the
+    shapes positive integers, the counts integers or null, the numbers numbers, the RoPE settings an object.
+    Read otherwise, a malformed value stopped every command with a bare TypeError (a null
+    max_position_embeddings, a hidden_size as text), or was taken silently (a linear factor "2" multiplied
+    max_position_embeddings as text: a 256-digit max_seq_len)."""
+    family = hf.get("model_type")
+    if family not in FAMILIES:
+        raise HFFormatError(f"{where}: model_type '{family}' is not supported; longctx reads "
+                            f"{', '.join(FAMILIES)} (the Llama architecture, its close variants and their "
+                            f"Mixture-of-Experts versions).")
+
+    def bad(key, value, want):
+        return HFFormatError(f"{where}: {key} is {json.dumps(value)}, not {want}, so the model it describes cannot "
+                             f"be read; set it to the value the weights were trained with.")
+
+    for key in _SHAPE_KEYS:
+        if key not in hf:
+            raise HFFormatError(f"{where}: the required key '{key}' is missing.")
+        if not isinstance(hf[key], int) or isinstance(hf[key], bool) or hf[key] < 1:
+            raise bad(key, hf[key], "a positive integer")
+    for key in _COUNT_KEYS:
+        value = hf.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise bad(key, value, "an integer (or null)")
+    for key in _NUMBER_KEYS:
+        if key in hf and not _is_number(hf[key]):
+            raise HFFormatError(f"{where}: {key} is {json.dumps(hf[key])}, not a number (transformers would build "
+                                f"a model that fails or computes with it); set it to the value the weights were "
+                                f"trained with, or remove the key for the {family} default "
+                                f"({FAMILY_DEFAULTS[family].get(key)}).")
+    for key in _OPTIONAL_NUMBER_KEYS:
+        if hf.get(key) is not None and not _is_number(hf[key]):
+            raise bad(key, hf[key], "a number (or null)")
+    for key in _SWITCH_KEYS:
+        if hf.get(key) is not None and not isinstance(hf[key], (bool, int)):
+            raise bad(key, hf[key], "true or false")
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(name)
+        if rope is not None and not isinstance(rope, dict):
+            raise bad(name, rope, "an object of RoPE settings (or null)")
+        settings = [rope] if rope and not all(isinstance(v, dict) for v in rope.values()) else []
+        for key in (k for s in settings for k in _ROPE_NUMBER_KEYS if s.get(k) is not None):
+            if not _is_number(settings[0][key]):
+                raise bad(f"{name}.{key}", settings[0][key], "a number")

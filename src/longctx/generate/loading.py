@@ -125,10 +125,9 @@ def window_off(init_from: str) -> str:
     """How to run windowed weights (those of `init_from`) with full attention: the config.json key to change,
     said as the refusals of a length past the window end ("set sliding_window null in DIR/config.json")."""
     from ..config.hf import hf_dir, initial_hf, initial_hf_config
-    from ..config.hf_families import QWEN_FAMILIES
+    from ..config.hf_families import window_off_keys
 
-    off = ("use_sliding_window false" if (initial_hf_config(init_from) or {}).get("model_type") in QWEN_FAMILIES
-           else "sliding_window null")
+    off = window_off_keys(initial_hf_config(init_from) or {})
     source = initial_hf(init_from)
     return f"set {off} in {hf_dir(source) / 'config.json' if source else 'the config.json of the weights'}"
 

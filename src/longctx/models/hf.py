@@ -189,6 +189,29 @@ def _check_tied(embed, head, path: Path, rows: int = 4096) -> None:
                                 f"or remove lm_head.weight to tie them.")
 
 
+def _check_unused(model: Llama, files: dict[str, Path], sources: dict[str, _Source], tensor, path: Path) -> None:
+    """Refuse tensors the files hold that config.json gives no place (attention biases beside attention_bias
+    false, q/k norms under a model_type without them), as a tensor config.json implies and the files lack is
+    refused: left out, the model computes another function than the weights' (transformers loads it too, listing
+    them as weights not used). Not the model's computation: RoPE's inv_freq buffers, tensors that are empty or all
+    zeros (a zero bias adds nothing), and a Qwen2-MoE's shared expert of width 0 with its gate (which gates nothing)."""
+    used = {name for src in sources.values() for name in src.names} | {"lm_head.weight"}  # (tied: _check_tied)
+    no_shared = ".mlp.shared_expert" if model.cfg.family == "qwen2_moe" and not model.cfg.resolved_shared_dim else None
+    extra = []
+    for name in sorted(n for n in files if n not in used and not n.endswith(".rotary_emb.inv_freq")
+                       and not (no_shared and no_shared in n)):
+        stored = tensor(name)[0]
+        if 0 not in stored.get_shape() and stored[...].any():  # ([...]: a 0-dim tensor too)
+            extra.append(name)
+    if extra:
+        raise HFFormatError(f"{path} holds {len(extra)} tensors that config.json gives no place, e.g. "
+                            f"{', '.join(extra[:3])}: left out, the model would compute another function than the "
+                            f"weights' (transformers lists them as weights not used). The weights and config.json "
+                            f"disagree: set the key that reads them (attention_bias true for attention biases, the "
+                            f"weights' own model_type, e.g. qwen3 for q_norm / k_norm), or remove them from the files "
+                            f"if they are not the model's.")
+
+
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | Path) -> None:
     """Fill `model` (materialised, possibly FSDP-sharded) from the safetensors in `path`, each rank
@@ -219,6 +242,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
                 _check_dtype(stored.get_dtype(), name, file)
         if model.output is None and "lm_head.weight" in files:
             _check_tied(tensor("model.embed_tokens.weight")[0], tensor("lm_head.weight")[0], path)
+        _check_unused(model, files, sources, tensor, path)
         mb = {ours: local_part(params[ours]).nbytes / 1e6 for ours in sources}
         with phase(f"loading the weights of {path}", total=sum(mb.values()), unit="MB") as progress:
             for ours, src in sources.items():
