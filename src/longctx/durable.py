@@ -66,9 +66,28 @@ def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool =
         where = f"{blocked} is a file, not a directory" if blocked is not None else f"{out.parent} does not exist"
         raise ConfigError(f"{flag} {path} cannot be written: {where}. Create the directory first, or pass another "
                           f"path.")
+    # (a device, /dev/null, /dev/stdout: opened as it is, where it is, in a directory no file may be made in)
+    device = out.exists() and (not out.is_file() or str(out.absolute()).startswith(("/dev/", "/proc/")))
+    if out.parent.is_dir() and not device:
+        _check_writable(flag, path, out.parent)
     for name, given in inputs.items():
         same = given and (out.resolve() == Path(given).resolve() or
                           (out.exists() and Path(given).exists() and os.path.samefile(out, given)))
         if same:
             raise ConfigError(f"{flag} {path} is also {name} {given}: writing there would destroy that. Pass "
                               f"another path.")
+
+
+def _check_writable(flag: str, path: str, directory: Path) -> None:
+    """`directory` takes a new file (the output, or its temporary beside it): tried with a file created and
+    removed, as permissions, a read-only mount or a full quota are only known by trying (os.access
+    answers for none of them exactly); else the open failed after the command's work."""
+    import tempfile
+
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".longctx-probe-")
+    except OSError as e:
+        raise ConfigError(f"{flag} {path} cannot be written: no file can be created in {directory} "
+                          f"({e.strerror}). Pass a path in a directory you can write to.") from None
+    os.close(fd)
+    os.unlink(probe)

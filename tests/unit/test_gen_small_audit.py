@@ -28,8 +28,14 @@ from longctx.errors import ConfigError
 
 
 def _llama_dir(path, vocab=300):
-    """A Llama config.json alone (generate's and bench decode's checks read no weights)."""
+    """A Llama config.json and a stand-in safetensors file (generate's and bench decode's checks read no
+    weights; a --draft's files are checked whole and readable, by their headers: generate/loading.py
+    check_weight_files)."""
+    import torch
+    from safetensors.torch import save_file
+
     path.mkdir(parents=True, exist_ok=True)
+    save_file({"stand_in": torch.zeros(1)}, str(path / "model.safetensors"))
     config = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=160,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
                   rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False, hidden_act="silu",

@@ -2,7 +2,7 @@
 
     longctx generate --checkpoint hf:DIR --prompt "Once upon a time" --max-new-tokens 64
     longctx generate --checkpoint runs/X/checkpoints --prompts prompts.jsonl --output out.jsonl \\
-        --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n"
+        --temperature 0.8 --top-p 0.95 --seed 1 --stop $'\\n\\n'
     longctx generate --checkpoint hf:DIR --prompts long.jsonl --nproc 4 --parallel.head 2 --parallel.ctx 2
 
 With --nproc N the cache is sharded over head x ctx ranks as training shards the sequence
@@ -77,7 +77,7 @@ def add_parser(sub) -> None:
                         "position (0: the chosen token's only), under the distribution it was chosen from")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop a prompt's generation when its text contains TEXT (repeatable; the text is cut "
-                        "before it)")
+                        "before it; no escapes are read: a newline is bash's $'\\n', not \"\\n\")")
     p.add_argument("--allow-extrapolation", action="store_true",
                    help="run prompts (and continuations) past the positions the model was trained on (a warning, "
                         "not an error; raising --model.max_seq_len alone never makes a model read further)")
@@ -351,15 +351,15 @@ def _run(request: GenerateRequest, args) -> int:
                 f"not apply (transformers' generate would): the tokens may differ from the model's intended decoding")
     step = _warm_up(request, args, model, device, backend, main_rank)
     samples = args.num_samples
-    output = Output(request.tokenizer, args.stop, args.output, len(request.prompts) * samples,
-                    sum(request.limits) * samples, main_rank, args.echo)
     draft = _load_draft(request, args, model, device, dtype, main_rank)
     if memory is not None and main_rank:
         say(describe(memory, args.prefill_chunk))
     # speculation and InfLLM (rows of one length): one prompt at a time
     size = 1 if draft is not None or memory is not None else args.batch
     eos = [] if args.ignore_eos else request.eos_ids
-    try:
+    # (--output is FILE.partial until the last line is in: output.py)
+    with Output(request.tokenizer, args.stop, args.output, len(request.prompts) * samples,
+                sum(request.limits) * samples, main_rank, args.echo) as output:
         for start in range(0, len(request.prompts), size):
             batch = request.prompts[start:start + size]
             # each prompt's own seed, else one from the run's and its index in the file (generate/sampling.py)
@@ -379,8 +379,6 @@ def _run(request: GenerateRequest, args) -> int:
             del results
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    finally:
-        output.close()
     if args.output and main_rank:
         say(f"generate: wrote {args.output}")
     return 0

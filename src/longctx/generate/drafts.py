@@ -54,6 +54,9 @@ def draft_config(draft: str, checkpoint: str, speculate: int, cfg, spec: str, co
         theirs = model_tokenizer(found.model.init_from)
         recorded = recorded_identity(found.model.init_from) if theirs is not None else None
     _check_draft_tokenizer(draft, theirs, recorded, spec)
+    from .loading import check_weight_files  # (its files whole, before the target's weights are read)
+
+    check_weight_files(glide["checkpoint"] if glide is not None else found.model.init_from, "--draft")
     # (the draft keeps its own config: nothing in decoding reads its max_seq_len, and raising it to the
     # target's refused a windowed draft, whose max_seq_len may not pass its window, at any length;
     # draft_notes says where a generation runs past the draft's reach)

@@ -46,6 +46,26 @@ def load_model(cfg, device, dtype):
     return model.eval()
 
 
+def check_weight_files(init_from: str, flag: str) -> None:
+    """The weight files of `init_from` (hf:DIR, a longctx checkpoint) are all there, whole, and readable: hf:DIR's
+    safetensors listed and their headers read (models/hf.py weight_files), a checkpoint's files at the sizes
+    its manifest lists (checksums wait for the load). A draft's (`flag` --draft) is checked so before the
+    target's weights are read: its load comes after them, and a partial save or download was found only then."""
+    from ..checkpoint.manifest import verify
+    from ..config.checkpoint_paths import find_checkpoint
+
+    if init_from.startswith("hf:"):
+        from ..config.hf import hf_dir
+        from ..models.hf import weight_files
+
+        weight_files(hf_dir(init_from))
+        return
+    found = find_checkpoint(init_from)
+    if found is None:
+        raise ConfigError(f"{flag} {init_from} holds no complete checkpoint.")
+    verify(found, checksums=False)
+
+
 def eos_ids(init_from: str, tokenizer) -> list[int]:
     """The tokens that end a generation: the generation_config.json or config.json eos_token_id (an id or
     a list: an instruct model's end of turn among them) of the Hugging Face directory the weights started

@@ -2,15 +2,19 @@
 or a progress bar, and the stop strings that cut it.
 
 Every rank generates the same tokens; only rank 0 writes (the others write to os.devnull, so the
-loop is the same on every rank).
+loop is the same on every rank). An --output file is written as FILE.partial and renamed FILE once every
+line is in (durable.py publish): a run that stops early leaves FILE.partial with the lines it finished,
+never a FILE that reads as complete, and a FILE of an earlier run stays as it was.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from .. import strict_json
+from ..durable import publish
 from ..errors import ConfigError
 
 
@@ -184,10 +188,15 @@ class Output:
 
         self.tokenizer, self.echo = tokenizer, echo
         self.stops = StopStrings(tokenizer, stops) if stops else None
+        self.path, self.lines = path if main_rank else "", 0
+        self.partial = partial_path(self.path) if self.path else ""
+        if self.partial != self.path:  # (a link is followed, as open() does: the rename replaces its file, not it)
+            self.path = os.path.realpath(self.path)
+            self.partial = partial_path(self.path)
         if not main_rank:  # the same tokens on every rank: rank 0 speaks
             self.file = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
         else:
-            self.file = open(path, "w", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
+            self.file = open(self.partial, "w", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
         # one prompt on a terminal streams its text; several show a bar of new tokens
         text_stops = self.stops.stops if self.stops is not None else []  # (a special token's never shows)
         self.stream = Stream(tokenizer, text_stops) if main_rank and prompts == 1 and on_terminal() else None
@@ -228,9 +237,34 @@ class Output:
         if self.stream is None and self.bar is not None and speculative:  # (speculation calls no on_token)
             self.bar.update(len(result.tokens))
         self.file.write(strict_json.dumps(line, ensure_ascii=False) + "\n")
+        self.lines += 1
 
-    def close(self) -> None:
+    def close(self, complete: bool = True) -> None:
+        """Close the output; an --output file is published under its name only when `complete` (every line
+        written), else its lines so far stay in FILE.partial, said on stderr."""
         if self.bar is not None:
             self.bar.close()
         if self.file is not sys.stdout:
             self.file.close()
+        if self.partial == self.path:  # (stdout, another rank's, or a device such as /dev/null: written as it came)
+            return
+        if complete:
+            publish(Path(self.partial), Path(self.path))
+        else:
+            sys.stderr.write(f"generate: stopped before every prompt was done: {self.path} was not written; the "
+                             f"{self.lines} line(s) finished are in {self.partial}\n")
+
+    def __enter__(self) -> Output:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        self.close(complete=kind is None)
+
+
+def partial_path(path: str) -> str:
+    """Where the lines of an --output file are written until every one is in (then renamed `path`): `path`
+    itself when it is no regular file (/dev/null, /dev/stdout, a pipe) or one a process has open (/dev/stdout
+    redirected to a file, /proc/self/fd/N), which a rename would replace."""
+    if (os.path.exists(path) and not os.path.isfile(path)) or os.path.abspath(path).startswith(("/dev/", "/proc/")):
+        return path
+    return f"{path}.partial"

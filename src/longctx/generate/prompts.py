@@ -8,6 +8,7 @@ is read."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -21,8 +22,7 @@ def read_prompts(args) -> list[dict]:
     if args.prompt is not None:
         return [{"text": args.prompt}]
     path = Path(args.prompts)
-    if not path.is_file():
-        raise ConfigError(f"--prompts {path}: no such file; pass a .jsonl file with one {{\"prompt\": ...}} per line.")
+    _check_prompts_file(path, getattr(args, "nproc", 1))
     prompts, lines = [], {}
     # JSON Lines are separated by "\n" only: str.splitlines() also splits at U+2028, U+2029, U+0085 and
     # \x1c-\x1e, which JSON strings may hold unescaped (json.dumps(ensure_ascii=False) writes them so), and a
@@ -49,6 +49,10 @@ def read_prompts(args) -> list[dict]:
         prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
         if "id" in row:  # (by its JSON: 1 and "1" are two ids, as a reader of the output tells them apart)
             key = json.dumps(row["id"], sort_keys=True, ensure_ascii=False)
+            if _not_finite(row["id"]):  # (the output would write it as null: the id lost)
+                raise ConfigError(f"--prompts {path} line {n}: its \"id\" holds {key}, which is not JSON (NaN or "
+                                  f"an infinite number) and no output line could carry; give it as a string or a "
+                                  f"finite number.")
             if bad := not_text(key):  # (the output line that carries it could not be written, after the generation)
                 raise ConfigError(f"--prompts {path} line {n}: its \"id\" {bad}; give it as UTF-8 text.")
             lines.setdefault(key, []).append(n)
@@ -56,6 +60,32 @@ def read_prompts(args) -> list[dict]:
         raise ConfigError(f"--prompts {path} holds no prompt.")
     _check_unique_ids(path, lines)
     return prompts
+
+
+def _check_prompts_file(path: Path, nproc: int) -> None:
+    """--prompts names something to read: a file, or, on one process, a pipe (`--prompts /dev/stdin`, `<(...)`),
+    which is read once (ranks each read the file: a pipe would be empty for all but the first)."""
+    if path.is_file():
+        return
+    if not path.exists():
+        raise ConfigError(f"--prompts {path}: no such file; pass a .jsonl file with one {{\"prompt\": ...}} per line.")
+    if path.is_dir():
+        raise ConfigError(f"--prompts {path} is a directory; pass a .jsonl file with one {{\"prompt\": ...}} per line.")
+    if nproc > 1:
+        raise ConfigError(f"--prompts {path} is not a regular file (a pipe?): with --nproc {nproc} every rank reads "
+                          f"the prompts, and a pipe gives them once. Write them to a file and pass its path.")
+
+
+def _not_finite(value) -> bool:
+    """Whether a JSON value holds a NaN or infinite number at any depth (Python's json reads NaN, Infinity and
+    1e999 as floats; strict JSON has none and generate's output writes them as null)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_not_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_not_finite(v) for v in value)
+    return False
 
 
 def _utf8_text(path: Path) -> str:
@@ -68,7 +98,9 @@ def _utf8_text(path: Path) -> str:
         line = data[:e.start].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n").count("\n") + 1
         raise ConfigError(f"--prompts {path} line {line} is not UTF-8 text (byte 0x{data[e.start]:02x} at byte "
                           f"{e.start} of the file); save the file as UTF-8.") from None
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    # (a UTF-8 BOM, which Windows editors and PowerShell write, is no character of the first line: JSON's RFC
+    # 8259 lets a parser ignore it, and the data builder drops it too; json.loads refused the line)
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _check_unique_ids(path: Path, lines: dict) -> None:

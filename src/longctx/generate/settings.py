@@ -22,6 +22,7 @@ say otherwise.
 from __future__ import annotations
 
 import json
+import os
 
 from ..durable import check_output_path
 from ..errors import ConfigError
@@ -190,6 +191,11 @@ def check_run_flags(args) -> None:
         raise ConfigError(f"--min-new-tokens {args.min_new_tokens} holds back EOS, which --ignore-eos already never "
                           f"ends a row on: it does nothing; drop one of them.")
     check_output_path("--output", args.output, {"--prompts": args.prompts})
+    from .output import partial_path  # (the lines go there until the last is in)
+
+    if args.output and args.prompts and os.path.realpath(partial_path(args.output)) == os.path.realpath(args.prompts):
+        raise ConfigError(f"--output {args.output} is written as {partial_path(args.output)} until done, which is "
+                          f"--prompts {args.prompts}: that would destroy it. Pass another --output.")
 
 
 def check_logprobs(logprobs: int | None, vocab_size: int) -> None:

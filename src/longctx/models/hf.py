@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
@@ -95,7 +95,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def weight_files(path: Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file that holds it."""
+    """Map each tensor name to the safetensors file that holds it; every file there and readable (its
+    header read: a truncated file is refused here, before any weight is read)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -103,10 +104,13 @@ def weight_files(path: Path) -> dict[str, Path]:
         if missing:
             raise HFFormatError(f"{index} lists shards that are not in {path}: {', '.join(missing)}. Copy the "
                                 f"missing files (a partial download?) or re-save the model.")
+        for f in sorted(set(weight_map.values())):
+            with open_safetensors(path / f):
+                pass
         return {name: path / f for name, f in weight_map.items()}
     single = path / "model.safetensors"
     if single.is_file():
-        with safe_open(single, framework="pt") as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     found = sorted(p.name for p in path.iterdir())
     raise HFFormatError(
@@ -114,6 +118,16 @@ def weight_files(path: Path) -> dict[str, Path]:
         f"(found: {', '.join(found) or 'nothing'}). "
         f"Only safetensors checkpoints are read; convert .bin weights with save_pretrained(safe_serialization=True)."
     )
+
+
+def open_safetensors(file: Path):
+    """safe_open of one safetensors file (on the CPU); a file cut short or damaged (safetensors checks that its
+    header covers the file exactly) is one error naming it, not safetensors' traceback."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise HFFormatError(f"{file} is not a complete safetensors file ({e}): it was cut short or damaged (a "
+                            f"partial download?). Download it again, or re-save the model.") from None
 
 
 @dataclass
@@ -232,7 +246,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
         def tensor(name):
             file = files[name]
             if file not in opened:
-                opened[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+                opened[file] = stack.enter_context(open_safetensors(file))
             return opened[file].get_slice(name), file
 
         for ours, src in sources.items():  # every shape first: a mismatch is refused before anything is read
