@@ -29,8 +29,10 @@ which does not list the unfinished part (the next append removes it).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,16 +109,44 @@ def write_manifest(root: Path, manifest: dict) -> None:
     write_text_durably(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
 
 
+# what a build leaves in its --out before its manifest is written (builder/out_dir.py's list of a store's entries)
+_BUILD_ENTRY = re.compile(r"^(part-\d{5}|\.tmp-part-\d{5}-\d+|\.manifest\.json\.tmp-\d+|\.build)$")
+
+
+def _not_a_store_hint(root: Path) -> str:
+    """What to do about a path that is no store, said after "is not a longctx data store": finish an unfinished
+    build, name a store of a directory of stores (data.path naming their parent) or the directory of a store's
+    manifest file, or build one."""
+    build = f" Build one with `longctx data build --input PATH --seq-len N --out {root}`."
+    if root.name == MANIFEST and root.is_file():
+        return f" It is a store's manifest file: name its directory, {root.parent}."
+    try:  # (the first entries: a directory of a corpus' files given by mistake may hold millions)
+        entries = list(itertools.islice(root.iterdir(), 10_000)) if root.is_dir() else []
+        if any(_BUILD_ENTRY.match(p.name) for p in entries):
+            return (" It holds an unfinished build (no manifest.json is written until a build completes); "
+                    "run `longctx data build` again." + build)
+        if {"plan.json", "shards"} <= {p.name for p in entries}:  # (builder/scan.py's)
+            return (" It is a shard scan (`longctx data build --shard i/n`): merge the scans into a store with "
+                    "`longctx data merge SCAN... --out DIR`, and name that.")
+        stores = sorted(str(p) for p in entries if (p / MANIFEST).is_file())
+    except OSError:  # (a directory that cannot be listed: nothing more to say of it)
+        return build
+    if stores:
+        named = ", ".join(stores[:4]) + (f" and {len(stores) - 4} more" if len(stores) > 4 else "")
+        return (f" It is a directory of stores ({named}): name the store to read, or several comma-separated "
+                f"to mix them (e.g. {','.join(stores[:2])}).")
+    if entries:  # (a corpus given as the store: a build into it is refused, as it holds other files)
+        held = ", ".join(sorted(p.name for p in entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        return (f" It holds other files ({held}): to train on them, build a store from them with `longctx data build "
+                f"--input {root} --seq-len N --out DIR` and name DIR.")
+    return build
+
+
 def read_manifest(root: str | Path) -> dict:
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
-        hint = (" It holds an unfinished build (no manifest.json is written until a build completes); "
-                "run `longctx data build` again." if root.is_dir() and any(root.iterdir()) else "")
-        raise DataError(
-            f"'{root}' is not a longctx data store: {path} does not exist.{hint} Build one with "
-            f"`longctx data build --input PATH --seq-len N --out {root}`."
-        )
+        raise DataError(f"'{root}' is not a longctx data store: {path} does not exist.{_not_a_store_hint(root)}")
     try:
         manifest = json.loads(path.read_text())
     except ValueError as e:

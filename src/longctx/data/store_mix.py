@@ -76,6 +76,9 @@ class StoreMix(SampleSet):
         self.root = ",".join(self.paths)  # (what messages name as the data read)
         sizes = np.asarray([len(s) for s in stores], dtype=np.float64)
         raw = np.asarray(weights if weights else sizes, dtype=np.float64)
+        with np.errstate(over="ignore"):  # (finite weights whose sum overflows, 1e308,1e308: scaled down first)
+            overflows = not np.isfinite(raw.sum())
+        raw = raw / raw.max() if overflows else raw  # (any other weights as they always were, to the last bit)
         self.weights = raw / raw.sum()
         self.seq_len, self.doc_mask = stores[0].seq_len, stores[0].doc_mask
         self.num_samples = int(sizes.sum())

@@ -404,9 +404,9 @@ def build_mix(cfg: Config, log=print):
     t0 = time.perf_counter()
     manifests = check_mix(cfg)
     paths, weights = store_paths(cfg.data.path), parse_weights(cfg.data.weights) or None
-    split = lambda name: StoreMix([PackedSamples(p, name, cfg.data.doc_mask) for p in paths], paths,  # noqa: E731
-                                  weights, cfg.train.seed)
-    train = split("train")
+    split = lambda name, weights: StoreMix([PackedSamples(p, name, cfg.data.doc_mask) for p in paths],  # noqa: E731
+                                           paths, weights, cfg.train.seed)
+    train = split("train", weights)
     for path, manifest in zip(paths, manifests):
         note = _missing_prefix(manifest)
         if note:
@@ -414,7 +414,9 @@ def build_mix(cfg: Config, log=print):
     problem = mix_eval_problem(cfg, train, manifests)
     if problem:
         log(f"data: {problem}")
-    evals = split("eval") if cfg.train.eval_interval and not problem else None
+    # the training blend's weights, also where they are the stores' training samples (data.weights = ''): weighed
+    # by their eval splits' sizes instead, stores built with other eval fractions would blend otherwise
+    evals = split("eval", list(train.weights)) if cfg.train.eval_interval and not problem else None
     log(f"data: {len(paths)} stores ({', '.join(paths)}) -> {train.num_tokens:,} train tokens in {len(train):,} "
         f"samples of {cfg.train.seq_len}, {0 if evals is None else len(evals):,} eval samples"
         f"{'' if evals is not None else ' (not evaluated)'} ({time.perf_counter() - t0:.1f}s)")
