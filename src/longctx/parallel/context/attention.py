@@ -37,13 +37,19 @@ def check_inputs(q, k, v, doc_ids, head: int, ctx: int, window: int) -> None:
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k/v {tuple(k.shape)} must share batch, sequence and head_dim")
+    if not (q.shape[2] and k.shape[2]):
+        raise ValueError(f"distributed_attention needs at least one query head and one key/value head; got q "
+                         f"{tuple(q.shape)} and k/v {tuple(k.shape)} ([batch, local_seq, heads, head_dim]).")
     check_heads(q.shape[2], k.shape[2], head)
     local = q.shape[1]
     if local % 2:
-        seq = local * head * ctx
+        seq, unit = local * head * ctx, 2 * ctx * head
+        fits = " or ".join(str(n) for n in sorted({seq - seq % unit or unit, seq - seq % unit + unit}))
         raise ConfigError(
-            f"sequence length {seq} (local shard {local}) is not divisible by 2 x ctx x head = {2 * ctx * head}; "
-            f"the zigzag layout needs an even number of tokens per shard."
+            f"sequence length {seq} (a local shard of {local} tokens on each of head x ctx = {head} x {ctx} ranks) "
+            f"is not divisible by 2 x ctx x head = {unit}: the zigzag layout needs an even number of tokens per "
+            f"shard. Use {fits} tokens (pad explicitly and mask the padding out of the "
+            f"loss), sharded with shard_sequence or a plan_layout layout."
         )
     if window < 0 or (window and ctx % window):
         raise ConfigError(f"window {window} must be 0 (plain ring) or divide the context-parallel degree {ctx}.")
@@ -138,7 +144,9 @@ def _check_ids_follow(layout: SequenceLayout, doc_ids: torch.Tensor, ctx_rank: i
 def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:
     """Without a layout: gather the document ids once (one all-gather and one copy to the host per
     call) and plan on the zigzag layout they were sharded with; kept on doc_ids for the next layers."""
-    full = unshard_sequence(doc_ids.contiguous(), mesh)
+    # as int64, whatever integer type the ids have: the collectives take no int16 (gloo, NCCL), and the
+    # bytes are volumes.attention_bytes' (DOC_ID_BYTES)
+    full = unshard_sequence(doc_ids.to(torch.int64).contiguous(), mesh)
     layout = plan_layout(full.cpu(), mesh["ctx"].size(), mesh["head"].size(), balance="zigzag")
     attach_layout(doc_ids, layout, derived=True)  # planned from these ids: forgotten if they change
     return layout
