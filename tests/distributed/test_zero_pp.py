@@ -12,7 +12,9 @@ from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import train
 
-STEPS = 10
+# a wrong group, gather or rounding shows at step 1 (the forward) or 2 (the first update); 6 steps (were 10, in
+# each of the job's 13 training runs) leave 3 after each resume's step-3 checkpoint, all past the 2 warm-up steps
+STEPS = 6
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
         "--train.seq_len=256", "--train.warmup_steps=2", f"--train.steps={STEPS}", "--parallel.ranks_per_node=2",
         "--checkpoint.final=false"]  # (no test reads the last step's checkpoint: its save only costs time)
@@ -140,7 +142,7 @@ def test_qwz_gathers_every_shard_as_its_int8_blocks_and_sends_a_quarter_plus_sca
 @pytest.mark.parametrize("mode", ["qwz", "qgz"])
 def test_quantised_modes_train_close_to_plain_fsdp_but_not_equal(runs, layout, mode):
     """Quantised gathers (gradients) are off by at most half an int8 step per block: the losses stay
-    within 0.5% of plain FSDP's over 10 steps, and differ (the quantisation is on)."""
+    within 0.5% of plain FSDP's over STEPS (6) steps, and differ (the quantisation is on)."""
     for plain, quantised in zip(runs[f"{layout} "], runs[f"{layout} {mode}"]):
         assert len(quantised) == STEPS
         worst = max(abs(a - b) / a for a, b in zip(plain, quantised))
