@@ -54,17 +54,28 @@ GPU_PEAK_FP32 = {
 
 
 def measure_cpu_gemm_peak(size: int = 1024, seconds: float = 0.3, dtype: torch.dtype = torch.float32) -> float:
-    """Best GEMM FLOP/s in `dtype` this process reaches with its current thread count."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    torch.mm(a, b)  # warm-up
-    best = 0.0
+    """Best GEMM FLOP/s in `dtype` this process reaches with its current thread count, on square matrices
+    of at most `size`. The size grows from 256 by doubling while one product takes under an eighth of
+    `seconds`: a CPU without native bf16 multiplies 2048 x 2048 bf16 matrices in ~30 s, and a fixed size
+    made the "2 s" measurement take 4-5 minutes (a warm-up and a timed product at least) while the other
+    ranks waited on it; a fast unit reaches `size` in a few ms."""
+    n = min(256, size)
+    while True:
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        if n >= size or dt * 8 >= seconds:
+            break
+        n = min(2 * n, size)
+    best = 2 * n**3 / max(dt, 1e-9)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t0 = time.perf_counter()
         torch.mm(a, b)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * size**3 / dt)
+        best = max(best, 2 * n**3 / max(time.perf_counter() - t0, 1e-9))
     return best
 
 
@@ -93,11 +104,11 @@ def machine_cpu_peak(dtype: torch.dtype = torch.float32) -> tuple[float, Path, b
     file, measured now). Each precision has its own entry: a bf16 run divided by the fp32 peak read
     MFU 100% on an AMX machine, and raised the fp32 entry to its bf16 rate (later fp32 runs read low).
 
-    Measured once (about 2 s, with every core, best of several GEMMs) and cached under a key of the
-    CPU model, core count and torch version, with when it was measured, the threads and the load
-    average then (cpu_peak_source says them beside every MFU); measured at each start instead, the
-    figure varied 10x with whatever else ran (other ranks starting up included), and MFU could not be
-    compared across runs. Delete the file to re-calibrate.
+    Measured once (about 2-4 s, with every core, best of several GEMMs of a size one product takes
+    < 0.25 s at) and cached under a key of the CPU model, core count and torch version, with when it was
+    measured, the threads and the load average then (cpu_peak_source says them beside every MFU);
+    measured at each start instead, the figure varied 10x with whatever else ran (other ranks starting
+    up included), and MFU could not be compared across runs. Delete the file to re-calibrate.
     """
     path, key, cached = _cached_peaks(dtype)
     flops = _flops(cached.get(key))
