@@ -26,8 +26,8 @@ from datetime import datetime, timezone
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from largest_fp32 import LargestFp32
 from longctx.generate.context_memory import DEFAULTS
 from longctx.generate.sharded_infllm import ShardedInfLLMCache, _empty, _Layer
 from longctx.models.cached_attention import masked_attention
@@ -45,20 +45,6 @@ def _old_span(self, q, lo: int, end: int):
     visible = key_pos[None, None, :] <= c.step.positions[:, :, None]  # [b, n, L]
     c.keys_read = max(c.keys_read, keys.shape[2])
     return masked_attention(q, keys, values, visible)
-
-
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if "_scaled_dot_product" not in str(func) and not func.is_view:  # (a view makes no bytes)
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                    self.largest = max(self.largest, t.numel() * 4)
-        return out
 
 
 def _cache(shape: InfLLMShape, held: int, heads: int, kv: int, d: int, dtype) -> ShardedInfLLMCache:
@@ -115,7 +101,7 @@ def _row(shape: InfLLMShape, held: int, a, dtype) -> dict:
         for part in ("step", "span"):
             c.lengths[:] = held
             c.begin(1)
-            with _Largest() as probe:
+            with LargestFp32() as probe:
                 if part == "step":
                     outputs[name] = _Layer(c, 0).attend(q, k, v).float()
                 else:

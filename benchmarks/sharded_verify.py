@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from largest_fp32 import LargestFp32
 from longctx.generate.sharded import _partial_masked
 from longctx.models.cached_attention import CacheStep, masked_attention
 
@@ -36,20 +36,6 @@ def _old(q, keys, values, before, mine, held, step):
         for m, j in enumerate(np.nonzero(mine[r])[0]):
             visible[r, :, before[r] + m] = among[:, j]
     return masked_attention(q, keys[:, :, :length], values[:, :, :length], torch.as_tensor(visible))
-
-
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if "_scaled_dot_product" not in str(func) and not func.is_view:  # (a view makes no bytes)
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                    self.largest = max(self.largest, t.numel() * 4)
-        return out
 
 
 def _inputs(slots: int, heads: int, kv: int, d: int, n: int, dtype):
@@ -91,7 +77,7 @@ def main(argv=None) -> int:
             old_s, new_s = min(old_s, _time(_old, args, 1)), min(new_s, _time(_partial_masked, args, 1))
         probes = {}
         for name, fn in (("old", _old), ("new", _partial_masked)):
-            with _Largest() as probe:
+            with LargestFp32() as probe:
                 fn(*args, CacheStep(args[3].copy(), a.queries, None))
             probes[name] = probe.largest / 1e6
         rows.append({"slots": slots, "old_ms": old_s * 1e3, "new_ms": new_s * 1e3, "speedup": old_s / new_s,
