@@ -52,24 +52,34 @@ def file_in_the_way(directory: Path) -> Path | None:
     return nearest if nearest is not None and not nearest.is_dir() else None
 
 
-def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool = False) -> None:
+def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool = False,
+                      renames: bool = False) -> None:
     """An output file (`flag` `path`; '' = stdout) that can be written once the work is done: not a
     directory, in a directory that exists (or, `create_parents`, that can be made: no file on the way),
-    and none of the command's `inputs` ({flag: path}), which it would write over."""
+    and none of the command's `inputs` ({flag: path}), which it would write over. A symlink is written through
+    (open(), generate's FILE.partial beside its file), so its file's directory is checked; `renames`: the
+    writer renames a temporary over the path itself (write_text_durably): a link is replaced, so the link's own
+    directory is checked, and that directory must take a new file even where the path is a writable file."""
     if not path:
         return
     out = Path(path)
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; pass the path of a file to write, e.g. {out / 'out.json'}.")
+    said, real = path, Path(os.path.realpath(out))
+    special = any(str(p).startswith(("/dev/", "/proc/")) for p in (out.absolute(), real))
+    if out.is_symlink() and not renames and not special:
+        # open() writes the file the link names, and generate's FILE.partial goes beside that file: its directory
+        # is the one that must exist and take a file (a link into a missing directory failed after the work)
+        out, create_parents, said = real, False, f"{path} (a link to {real})"
     blocked = file_in_the_way(out.parent)
     if blocked is not None or (not create_parents and not out.parent.is_dir()):
         where = f"{blocked} is a file, not a directory" if blocked is not None else f"{out.parent} does not exist"
-        raise ConfigError(f"{flag} {path} cannot be written: {where}. Create the directory first, or pass another "
+        raise ConfigError(f"{flag} {said} cannot be written: {where}. Create the directory first, or pass another "
                           f"path.")
     # (a device, /dev/null, /dev/stdout: opened as it is, where it is, in a directory no file may be made in)
     device = out.exists() and (not out.is_file() or str(out.absolute()).startswith(("/dev/", "/proc/")))
     if out.parent.is_dir() and not device:
-        _check_writable(flag, path, out.parent)
+        _check_writable(flag, said, out, renames)
     for name, given in inputs.items():
         same = given and (out.resolve() == Path(given).resolve() or
                           (out.exists() and Path(given).exists() and os.path.samefile(out, given)))
@@ -78,16 +88,27 @@ def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool =
                               f"another path.")
 
 
-def _check_writable(flag: str, path: str, directory: Path) -> None:
-    """`directory` takes a new file (the output, or its temporary beside it): tried with a file created and
-    removed, as permissions, a read-only mount or a full quota are only known by trying (os.access
-    answers for none of them exactly); else the open failed after the command's work."""
+def new_file_error(directory: Path) -> OSError | None:
+    """Why `directory` takes no new file, or None when it does: tried with a file created and removed, as
+    permissions, a read-only mount or a full quota are only known by trying (os.access answers for none of them
+    exactly)."""
     import tempfile
 
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".longctx-probe-")
     except OSError as e:
-        raise ConfigError(f"{flag} {path} cannot be written: no file can be created in {directory} "
-                          f"({e.strerror}). Pass a path in a directory you can write to.") from None
+        return e
     os.close(fd)
     os.unlink(probe)
+    return None
+
+
+def _check_writable(flag: str, path: str, out: Path, renames: bool) -> None:
+    """`out`'s directory takes a new file (the output, or its temporary beside it), else the open failed after the
+    command's work. An existing file this process may write, in a directory that takes none, is written in place
+    (generate/output.py partial_path), as it was before outputs had temporaries: not by a rename over it."""
+    error = new_file_error(out.parent)
+    if error is None or (not renames and out.is_file() and os.access(out, os.W_OK)):
+        return
+    raise ConfigError(f"{flag} {path} cannot be written: no file can be created in {out.parent} "
+                      f"({error.strerror}). Pass a path in a directory you can write to.")

@@ -208,7 +208,8 @@ def _check_flags(args) -> None:
         raise ConfigError(f"--plot {plot}: the plot's format is its suffix, one of .{', .'.join(PLOT_FORMATS)}; "
                           f"pass e.g. --plot {Path(plot).with_suffix('.png')}.")
     data = args.data if args.data and Path(args.data).is_file() else ""
-    check_output_path("--output", args.output, {"--data": data}, create_parents=True)
+    check_output_path("--output", args.output, {"--data": data}, create_parents=True,
+                      renames=True)  # (command.py: write_text_durably, a rename over the path)
     check_output_path("--plot" if args.plot else "the plot (--output's name with .png)", plot,
                       {"--data": data, "--output": args.output}, create_parents=True)
 

@@ -208,14 +208,18 @@ def _check_unused(model: Llama, files: dict[str, Path], sources: dict[str, _Sour
     false, q/k norms under a model_type without them), as a tensor config.json implies and the files lack is
     refused: left out, the model computes another function than the weights' (transformers loads it too, listing
     them as weights not used). Not the model's computation: RoPE's inv_freq buffers, tensors that are empty or all
-    zeros (a zero bias adds nothing), and a Qwen2-MoE's shared expert of width 0 with its gate (which gates nothing)."""
+    zeros (a zero bias adds nothing), a Qwen2-MoE's shared expert of width 0 with its gate (which gates nothing),
+    and whole layers past config.json's num_hidden_layers (a model cut to its first layers, an MTP layer: the
+    model config.json describes is computed exactly, as transformers computes it; those are not read at all)."""
     used = {name for src in sources.values() for name in src.names} | {"lm_head.weight"}  # (tied: _check_tied)
-    no_shared = ".mlp.shared_expert" if model.cfg.family == "qwen2_moe" and not model.cfg.resolved_shared_dim else None
+    # (without a shared expert, its gate gates nothing; the expert's own tensors are checked like any other: 0 wide,
+    # they are empty, but a shared expert of real width beside such a config.json is the weights' and is refused)
+    no_shared = ".mlp.shared_expert_gate." if model.cfg.family == "qwen2_moe" and not model.cfg.resolved_shared_dim \
+        else None
     extra = []
     for name in sorted(n for n in files if n not in used and not n.endswith(".rotary_emb.inv_freq")
-                       and not (no_shared and no_shared in n)):
-        stored = tensor(name)[0]
-        if 0 not in stored.get_shape() and stored[...].any():  # ([...]: a 0-dim tensor too)
+                       and not (no_shared and no_shared in n) and not _past_last_layer(n, model.cfg.layers)):
+        if _nonzero(tensor(name)[0]):
             extra.append(name)
     if extra:
         raise HFFormatError(f"{path} holds {len(extra)} tensors that config.json gives no place, e.g. "
@@ -224,6 +228,23 @@ def _check_unused(model: Llama, files: dict[str, Path], sources: dict[str, _Sour
                             f"disagree: set the key that reads them (attention_bias true for attention biases, the "
                             f"weights' own model_type, e.g. qwen3 for q_norm / k_norm), or remove them from the files "
                             f"if they are not the model's.")
+
+
+def _past_last_layer(name: str, layers: int) -> bool:
+    """`name` is a tensor of model.layers.i with i past config.json's num_hidden_layers."""
+    parts = name.split(".", 3)
+    return len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= layers
+
+
+def _nonzero(stored, rows: int = 4096) -> bool:
+    """Whether a stored tensor (a safetensors slice) holds a non-zero value, read a block of rows at a time and
+    stopped at the first non-zero block: not the whole tensor at once on every rank."""
+    shape = stored.get_shape()
+    if 0 in shape:
+        return False
+    if not shape:  # (a 0-dim tensor)
+        return bool(stored[...].any())
+    return any(stored[lo:lo + rows].any() for lo in range(0, shape[0], rows))
 
 
 @torch.no_grad()
