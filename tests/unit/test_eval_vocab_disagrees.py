@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from longctx.cli import build_parser
 from longctx.config import load_config
-from longctx.errors import DataError
+from longctx.errors import ConfigError, DataError
 from longctx.eval.request import prepare
 from longctx.models.hf import save_hf
 from longctx.models.llama import build_model
@@ -51,3 +51,25 @@ def test_an_unchecked_tokenizer_past_the_vocabulary_is_told_to_pass_the_models(f
     own, bare, text = folder
     with pytest.raises(DataError, match=r"has 337 tokens but the model's vocabulary is 300; pass the tokenizer"):
         _prepare(bare, text, "--tokenizer", str(own / "tokenizer.json"))
+
+
+def _prepare_generate(checkpoint, *extra):
+    from longctx.generate.cli import prepare as prepare_generate
+
+    args, rest = build_parser("generate").parse_known_args(
+        ["generate", "--checkpoint", f"hf:{checkpoint}", "--prompt", "def f(x):", *extra])
+    return prepare_generate(args, rest)
+
+
+def test_generate_says_the_checkpoints_two_files_disagree_as_eval_does(folder):
+    """generate's refusal advised --tokenizer too, which was then refused as not the weights' own (the same loop);
+    it now says eval's words (config/tokenizer.py vocab_refusal, shared), naming the flag the user typed."""
+    own, bare, _ = folder
+    for extra in ([], ["--tokenizer", str(own / "tokenizer.json")]):
+        with pytest.raises(ConfigError, match=rf"--checkpoint hf:{own}: its own tokenizer .* has 337 tokens but its "
+                                              r"config.json's vocab_size .* is 300: the checkpoint's tokenizer and "
+                                              r"weights disagree") as e:
+            _prepare_generate(own, *extra)
+        assert "pass the tokenizer the model was trained with" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"has 337 tokens but the model's vocabulary is 300; pass the tokenizer"):
+        _prepare_generate(bare, "--tokenizer", str(own / "tokenizer.json"))  # (taken unchecked: may be another)

@@ -105,12 +105,14 @@ say = speaker("[bench decode] ")
 def _models(args):
     """The target's and the draft's configs (the draft checked against the target), the tokenizer."""
     from ..config import load_config
+    from ..config.checkpoint_paths import check_weights_flag
     from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer, unchecked_tokenizer
     from ..data.tokenizer import load_tokenizer
     from ..generate.drafts import draft_config
     from ..generate.prompts import check_tokenizer_vocab
     from ..generate.spec_length import check_adaptive_flags
 
+    check_weights_flag(args.target, "--target")  # (in the flag's words, not as model.init_from)
     cfg = load_config(None, {"model": {"init_from": args.target}, "train": {"seq_len": 2, "eval_interval": 0}})
     # --tokenizer, else the target's; refused when it is not the one the target's weights trained with (generate's)
     spec = checkpoint_tokenizer(cfg.model.init_from, args.tokenizer or None, model_tokenizer(cfg.model.init_from))
@@ -124,7 +126,8 @@ def _models(args):
     draft = draft_config(args.draft, args.target, args.speculate, cfg, spec, args.confidence_stop, args.draft_window,
                          args.compile == "true")
     tokenizer = load_tokenizer(spec)
-    check_tokenizer_vocab(tokenizer, spec, cfg.model)  # (generate's: its ids past the embedding are not the model's)
+    # (generate's: its ids past the embedding are not the model's)
+    check_tokenizer_vocab(tokenizer, spec, cfg.model, f"--target {args.target}")
     return cfg, draft, tokenizer, spec
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -106,3 +106,48 @@ def find_checkpoint(path) -> Path | None:
         return resolve_checkpoint(str(path), Path(path))
     except CheckpointError:
         return None
+
+
+def check_weights_flag(spec: str, flag: str = "--checkpoint") -> None:
+    """The weights a command's `flag` names (generate and eval's --checkpoint, bench decode's --target): hf:DIR a
+    directory, else a complete longctx checkpoint (a step-* directory, or a checkpoints directory for its latest)
+    whose manifest reads. Refused in the flag's words before the config reads them as model.init_from, whose own
+    errors named `model.init_from = ...`, a key the user of these commands never wrote."""
+    if spec.startswith("hf:"):
+        if not Path(spec.removeprefix("hf:")).is_dir():
+            raise ConfigError(f"{flag} {spec}: {spec.removeprefix('hf:')} is not a directory; pass hf:DIR, a local "
+                              f"Hugging Face model directory holding config.json and safetensors weights, or a "
+                              f"longctx checkpoint (without hf:).")
+        return
+    found = find_checkpoint(spec)
+    if found is None:
+        inside = Path(spec) / "checkpoints"  # (a run directory: its checkpoints are one level down)
+        hint = f" ({inside} holds some: pass {flag} {inside})" if find_checkpoint(inside) is not None else ""
+        raise ConfigError(f"{flag} {spec} holds no complete longctx checkpoint (a step-* directory with {MANIFEST}, "
+                          f"or a checkpoints directory holding them){hint}; for Hugging Face weights write hf:DIR.")
+    try:
+        manifest = json.loads((found / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{flag} {spec}: {found / MANIFEST} cannot be read ({e}).") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("model"), dict):
+        raise ConfigError(f"{flag} {spec}: {found / MANIFEST} records no [model] (it is no longctx checkpoint's "
+                          f"manifest, or it is damaged).")
+
+
+def step_read(spec: str) -> str:
+    """What a command that read the weights of `spec` (a longctx checkpoint) says of them: the step read, and
+    when `spec` is a checkpoints directory whose `latest` names a step that is missing or incomplete, that the
+    newest complete one was read instead. '' for hf:DIR or where there is none."""
+    found = None if spec.startswith("hf:") else find_checkpoint(spec)
+    if found is None:
+        return ""
+    step = found.name.removeprefix("step-").lstrip("0") or "0"
+    pointer = Path(spec) / LATEST
+    try:
+        named = pointer.read_text().strip() if found != Path(spec) and pointer.is_file() else found.name
+    except (OSError, UnicodeDecodeError):
+        named = "nothing readable"
+    if named == found.name:
+        return f" (step {step})"
+    return (f" (step {step}, the newest complete one: its `{LATEST}` names {named}, which is missing or "
+            f"incomplete)")

@@ -9,12 +9,24 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..errors import ConfigError
 from .schema import Config
 
 
 def store_paths(path: str) -> list[str]:
     """The stores data.path names, in order ('' -> none)."""
     return [p.strip() for p in path.split(",") if p.strip()]
+
+
+def normal_path(path: str) -> str:
+    """data.path as every reader takes it, normalised once where the config is built: its stores stripped and
+    joined by plain commas ("stores/a," and "stores/a " -> "stores/a"), as store_paths reads them (one store was
+    read raw elsewhere: "'stores/a,' is not a store"). A path of commas and spaces alone names no store."""
+    paths = store_paths(path)
+    if path and not paths:
+        raise ConfigError(f"data.path = {path!r} names no store (only commas and spaces); give the path of a store "
+                          f"(or several, comma-separated), or leave data.path unset to build one from data.corpus.")
+    return ",".join(paths)
 
 
 def first_store(path: str) -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from .data_mix import normal_path
 from .draft_rules import check_draft_target
 from .hf import check_run_window, resolve_init_from
 from .presets import MODEL_PRESETS
@@ -377,6 +378,8 @@ def _build_section(section: str, values: dict[str, Any], built: dict[str, Any]):
     if section == "train" and values.get("stages"):
         values = _staged_train_values(values)
     if section == "data":
+        if "path" in values:  # (normalised once: every reader of data.path sees the same stores)
+            values["path"] = normal_path(_coerce("data.path", values["path"], fields["path"]))
         tokenizer = _coerce("data.tokenizer", values.get("tokenizer", "auto"), fields["tokenizer"])
         if not tokenizer.strip():  # ('' was the path '.': the working directory's tokenizer.json, if any)
             raise ConfigError("data.tokenizer is empty; write auto (the model's own), byte, or the path of a "

@@ -28,8 +28,12 @@ from .schema import Config
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement", "expert")
 # where and how to resume are not settings of the run
 NOT_SETTINGS = {("checkpoint", "resume"), ("train", "run_dir"), ("checkpoint", "allow_changes")}
-# keys that do not change which data is read
-DATA_NEUTRAL = {"workers"}
+# keys that do not change which data is read: data.workers (the build's processes); data.dp_balance only permutes
+# each micro-batch's rows over the data-parallel ranks (data/balance.py balanced_order, applied to the indices the
+# sample order drew), and the loss, the MoE balancing statistics and the gradients are sums over the whole
+# micro-batch, so a step trains on the same samples with the same loss up to float summation order (routings that
+# read a micro-batch in token order take their rows unbalanced whatever it says: train/stages.py)
+DATA_NEUTRAL = {"workers", "dp_balance"}
 
 
 @dataclass

@@ -66,6 +66,23 @@ def model_tokenizer(init_from: str) -> str | None:
     return checkpoint_manifest(init_from)[1].get("tokenizer")
 
 
+def vocab_refusal(init_from: str, given_as: str, spec: str, tokens: int, vocab: int) -> str:
+    """Why the tokenizer `spec`, of `tokens` ids, cannot read text for the weights of `init_from` (given on the
+    command line as `given_as`, e.g. "--checkpoint DIR"), whose embedding has `vocab` rows (generate, eval and
+    bench decode say the same). When it is the weights' own (checkpoint_tokenizer took no other), the checkpoint's
+    two files disagree and no --tokenizer helps: advising one looped, as every other was refused as not the
+    weights' own. When the weights name none (a --tokenizer taken unchecked), it may be another one."""
+    if model_tokenizer(init_from) is None:
+        return (f"the tokenizer {spec} has {tokens} tokens but the model's vocabulary is {vocab}; pass the tokenizer "
+                f"the model was trained with (--tokenizer).")
+    said = ("its config.json's vocab_size (the rows of its embedding)" if init_from.startswith("hf:") else
+            "its manifest's model.vocab_size")
+    return (f"{given_as}: its own tokenizer {spec} has {tokens} tokens but {said} is {vocab}: the checkpoint's "
+            f"tokenizer and weights disagree (ids {vocab} and up have no embedding row), and no other --tokenizer is "
+            f"the weights' own. Use the tokenizer published with these weights, or weights whose embedding has a row "
+            f"for every token (transformers' resize_token_embeddings({tokens}), saved once).")
+
+
 def recorded_identity(init_from: str) -> str | None:
     """The identity (tokenizer_identity) of the tokenizer the manifest of the longctx checkpoint `init_from`
     records beside its path; None for hf:DIR and for checkpoints written before longctx recorded one."""

@@ -91,6 +91,12 @@ class StoreMix(SampleSet):
     def __len__(self) -> int:
         return self.num_samples
 
+    @property
+    def weighed_samples(self) -> int:
+        """The samples of the stores the blend draws from (weight > 0): what an evaluation of the blend can read
+        without repeating one (`len` counts every store's, what a resume compares)."""
+        return int(sum(len(s) for s, w in zip(self.stores, self.weights) if w > 0))
+
     def sample_order(self, seed: int) -> BlendOrder:
         return BlendOrder(self.num_samples, seed)
 

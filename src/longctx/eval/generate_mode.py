@@ -26,6 +26,7 @@ import re
 import time
 from typing import TYPE_CHECKING
 
+from ..config.checkpoint_paths import step_read
 from ..config.tokenizer import model_text_prefix
 from ..progress import say
 from .defaults import EXTRA_NEW_TOKENS
@@ -131,7 +132,7 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
         backend, device, main_rank = _eval_backend(request, _backend)
         log = say if main_rank else (lambda *_: None)
         dtype = resolve_dtype(cfg.train.dtype, device)
-        with phase(f"eval: loading the model from {args.checkpoint}"):
+        with phase(f"eval: loading the model from {args.checkpoint}{step_read(args.checkpoint)}"):
             model = load_model(cfg, device, dtype)
         eos = eos_ids(cfg.model.init_from, tokenizer)
         p = cfg.parallel

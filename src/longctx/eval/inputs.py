@@ -8,7 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config.tokenizer import checkpoint_tokenizer, model_tokenizer, stored_identity, tokenizer_identity
+from ..config.tokenizer import (
+    checkpoint_tokenizer,
+    model_tokenizer,
+    stored_identity,
+    tokenizer_identity,
+    vocab_refusal,
+)
 from ..errors import ConfigError, DataError
 from ..progress import say
 
@@ -34,25 +40,9 @@ def _load_tokenizer(args, cfg):
                           f"the one the model was trained with.")
     tokenizer = load_tokenizer(spec) if spec else None
     if tokenizer is not None and tokenizer.vocab_size > cfg.model.vocab_size:
-        _refuse_vocab(args, cfg, spec, tokenizer.vocab_size)
+        raise DataError(vocab_refusal(cfg.model.init_from, f"--checkpoint {args.checkpoint}", spec,
+                                      tokenizer.vocab_size, cfg.model.vocab_size))
     return spec, tokenizer
-
-
-def _refuse_vocab(args, cfg, spec: str, tokens: int) -> None:
-    """A tokenizer with ids past the model's vocabulary. When it is the weights' own (checkpoint_tokenizer took
-    no other), the checkpoint's two files disagree and no --tokenizer helps: the message said to pass one, which
-    was then refused as not the weights' own."""
-    n = cfg.model.vocab_size
-    if model_tokenizer(cfg.model.init_from) is None:  # (--tokenizer taken unchecked: it may be another one)
-        raise DataError(f"the tokenizer {spec} has {tokens} tokens but the model's vocabulary is {n}; pass the "
-                        f"tokenizer the model was trained with (--tokenizer).")
-    hf = cfg.model.init_from.startswith("hf:")
-    said = "its config.json's vocab_size (the rows of its embedding)" if hf else "its manifest's model.vocab_size"
-    raise DataError(f"--checkpoint {args.checkpoint}: its own tokenizer {spec} has {tokens} tokens but {said} is "
-                    f"{n}: the checkpoint's tokenizer and weights disagree (ids {n} and up have no embedding row), "
-                    f"and no other --tokenizer is the weights' own. Use the tokenizer published with these weights, "
-                    f"or weights whose embedding has a row for every token (transformers' resize_token_embeddings"
-                    f"({tokens}), saved once).")
 
 
 def _load_source(args, cfg, spec: str | None, tokenizer):

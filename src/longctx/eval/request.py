@@ -44,8 +44,10 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     checkpoint's [model] (extension keys may be overridden) without a capacity (`dropless_note`), the layout
     and memory flags given, and the longest length."""
     from ..config import load_config, parse_overrides
+    from ..config.checkpoint_paths import check_weights_flag
     from ..config.layout import cache_layout, default_layout
 
+    check_weights_flag(args.checkpoint)  # (in the flag's words, before the config reads it as model.init_from)
     given = parse_overrides(overrides)
     allowed = {"model", "parallel", "memory", "train"}
     other = sorted(set(given) - allowed)

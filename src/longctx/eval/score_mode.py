@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..config.checkpoint_paths import step_read
 from ..progress import say
 from .results import _headline, _length_phase, _note_routing, _result_head
 
@@ -35,7 +36,7 @@ def evaluate_score(request: EvalRequest, args) -> dict | None:
     world = rt.world
     log = say if rt.is_main else (lambda *_: None)
     dtype = resolve_dtype(cfg.train.dtype, device)
-    with phase(f"eval: building the model from {args.checkpoint}"):
+    with phase(f"eval: building the model from {args.checkpoint}{step_read(args.checkpoint)}"):
         cfg = resolve_offload(cfg, device, rt, log)
         model = build_training_model(cfg, device, rt, log)
     model.eval()

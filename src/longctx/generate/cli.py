@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import threads
+from ..config.checkpoint_paths import check_weights_flag, step_read
 from ..errors import ConfigError
 from ..progress import say
 from .context_memory import add_flags as add_context_memory_flags
@@ -160,6 +161,7 @@ def _config(args, overrides: list[str]):
     from ..config import load_config, parse_overrides
     from ..config.layout import cache_layout
 
+    check_weights_flag(args.checkpoint)  # (in the flag's words, before the config reads it as model.init_from)
     given = parse_overrides(overrides)
     allowed = {"model", "train", "parallel"}
     other = sorted(set(given) - allowed)
@@ -401,12 +403,13 @@ def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: 
 
 
 def _describe(request: GenerateRequest, args, device, dtype) -> str:
-    """The line rank 0 says before generating: model, checkpoint, where, dtype, prompts, tokenizer."""
+    """The line rank 0 says before generating: model, checkpoint (the step read), where, dtype, prompts, tokenizer."""
     m, p = request.cfg.model, request.cfg.parallel
     where = f"{p.head * p.ctx} ranks (head {p.head} x ctx {p.ctx}, the cache sharded)" if p.head * p.ctx > 1 else \
         device.type
     cpu = f", {threads.describe()}" if device.type == "cpu" else ""
-    return (f"generate: {m.label} from {args.checkpoint} on {where} ({str(dtype).removeprefix('torch.')}{cpu}), "
+    return (f"generate: {m.label} from {args.checkpoint}{step_read(args.checkpoint)} on {where} "
+            f"({str(dtype).removeprefix('torch.')}{cpu}), "
             f"{len(request.prompts)} prompt{'s' * (len(request.prompts) > 1)}, tokenizer {request.tokenizer_spec}")
 
 

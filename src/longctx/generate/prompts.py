@@ -151,7 +151,7 @@ def tokenize_prompts(args, prompts: list[dict], spec: str, m, reach=None):
     from ..data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(spec)
-    check_tokenizer_vocab(tokenizer, spec, m)
+    check_tokenizer_vocab(tokenizer, spec, m, f"--checkpoint {args.checkpoint}")
     if args.chat:
         apply_chat(prompts, spec)
     limits, notes = encode_prompts(args, prompts, tokenizer, spec, m, reach or model_reach(m))
@@ -159,13 +159,16 @@ def tokenize_prompts(args, prompts: list[dict], spec: str, m, reach=None):
     return tokenizer, limits, [note, *notes] if note else notes
 
 
-def check_tokenizer_vocab(tokenizer, spec: str, m) -> None:
-    """The tokenizer (`spec`) of prompts to the model `m` (its ModelConfig) writes no id past its
-    vocabulary: its ids past the embedding are not the model's, whatever the prompt (generate and bench
-    decode)."""
+def check_tokenizer_vocab(tokenizer, spec: str, m, given_as: str = "") -> None:
+    """The tokenizer (`spec`) of prompts to the model `m` (its ModelConfig, whose weights are m.init_from, given on
+    the command line as `given_as`: default "--checkpoint INIT_FROM") writes no id past its vocabulary: its ids past
+    the embedding are not the model's, whatever the prompt (generate and bench decode). The words are eval's
+    (config/tokenizer.py vocab_refusal): the weights' own tokenizer past their vocabulary is no --tokenizer to pass."""
+    from ..config.tokenizer import vocab_refusal
+
     if tokenizer.vocab_size > m.vocab_size:
-        raise ConfigError(f"the tokenizer {spec} has {tokenizer.vocab_size} tokens but the model's vocabulary is "
-                          f"{m.vocab_size}: it is not the model's; pass the one it was trained with (--tokenizer).")
+        raise ConfigError(vocab_refusal(m.init_from, given_as or f"--checkpoint {m.init_from}", spec,
+                                        tokenizer.vocab_size, m.vocab_size))
 
 
 def check_prompt_ids(which: str, ids: list[int], spec: str, m) -> None:

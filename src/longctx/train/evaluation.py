@@ -71,7 +71,9 @@ def evaluate_eval_set(trainer, label_count) -> Evaluation:
     in a micro-batch (Trainer._label_count: a draft's may be fewer than the store's count `valid`)."""
     model, samples, micro, rt = trainer.model, trainer.eval_samples, trainer.micro_step_sequences, trainer.rt
     global_batch = trainer.sampler.stage.global_batch
-    n = min(len(samples), trainer.cfg.train.eval_batches * global_batch) // global_batch * global_batch
+    # (a mix's stores of weight 0 are never drawn: their samples would only make the blend's repeat)
+    size = samples.weighed_samples if isinstance(samples, StoreMix) else len(samples)
+    n = min(size, trainer.cfg.train.eval_batches * global_batch) // global_batch * global_batch
     by_store = store_sums(trainer)
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64, device=trainer.device), 0

@@ -378,8 +378,10 @@ def check_mix(cfg: Config) -> list[dict]:
     weights = parse_weights(cfg.data.weights) or [1.0] * len(paths)
     for path, manifest, weight in zip(paths, manifests, weights):
         if weight > 0 and not manifest["totals"].get("train_samples", 0):
-            raise DataError(f"the data store {path} of the mix has no training samples, so its weight in "
-                            f"data.weights cannot be drawn; build it from more documents, or drop it from data.path.")
+            why = ("its weight in data.weights cannot be drawn" if cfg.data.weights.strip() else
+                   "it would never be read (data.weights is '': each store is weighed by its training samples)")
+            raise DataError(f"the data store {path} of the mix has no training samples, so {why}; build it from more "
+                            f"documents, or drop it from data.path.")
     return manifests
 
 
@@ -394,8 +396,10 @@ def mix_eval_problem(cfg: Config, mix: StoreMix, manifests: list[dict]) -> str |
         return (f"evaluation is off: the eval split of {', '.join(empty)} is empty, and the eval blend has the "
                 f"weights of the training one; build those stores with --eval-fraction > 0, or set "
                 f"train.eval_interval=0 to not be told.")
-    total = {"eval_samples": sum(m["totals"]["eval_samples"] for m in manifests)}
-    return eval_split_problem(cfg, mix.root, {"totals": total})
+    # (a store of weight 0 is never drawn: its eval samples would only make the weighed stores' repeat)
+    weighed = [(path, m) for path, w, m in zip(mix.paths, mix.weights, manifests) if w > 0]
+    total = {"eval_samples": sum(m["totals"]["eval_samples"] for _, m in weighed)}
+    return eval_split_problem(cfg, ",".join(path for path, _ in weighed), {"totals": total})
 
 
 def build_mix(cfg: Config, log=print):
@@ -418,7 +422,7 @@ def build_mix(cfg: Config, log=print):
     # by their eval splits' sizes instead, stores built with other eval fractions would blend otherwise
     evals = split("eval", list(train.weights)) if cfg.train.eval_interval and not problem else None
     log(f"data: {len(paths)} stores ({', '.join(paths)}) -> {train.num_tokens:,} train tokens in {len(train):,} "
-        f"samples of {cfg.train.seq_len}, {0 if evals is None else len(evals):,} eval samples"
+        f"samples of {cfg.train.seq_len}, {0 if evals is None else evals.weighed_samples:,} eval samples"
         f"{'' if evals is not None else ' (not evaluated)'} ({time.perf_counter() - t0:.1f}s)")
     log(f"data: {mix_line(train, cfg.train.steps * cfg.train.global_batch)}")
     return train, evals
