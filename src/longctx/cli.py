@@ -249,7 +249,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     from .eval.command import add_parser as add_eval_parser
 
     add_eval_parser(sub)
-    from .generate.cli import add_parser as add_generate_parser
+    from .generate.flags import add_parser as add_generate_parser
 
     add_generate_parser(sub)
     if command not in (None, "bench") and not command.startswith("-"):
