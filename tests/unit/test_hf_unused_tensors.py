@@ -100,3 +100,15 @@ def test_a_shared_expert_of_real_width_beside_no_shared_expert_is_refused(tmp_pa
     (d / "config.json").write_text(json.dumps({**config, "shared_expert_intermediate_size": 0}))
     with pytest.raises(HFFormatError, match=r"holds 6 tensors .* model.layers.0.mlp.shared_expert.down_proj.weight"):
         load_hf(d)
+
+
+def test_layers_past_num_hidden_layers_are_said(tmp_path, capsys):
+    """A config.json that is wrong (every layer the files hold is the model's) loaded a shorter model without a word
+    once layers past num_hidden_layers were skipped: a note names them and the key that would read them."""
+    config = hf_config("llama", num_hidden_layers=4)
+    d, _ = random_hf_dir(tmp_path, config)
+    (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
+    assert len(load_hf(d).layers) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "holds layers 2-3 past config.json's num_hidden_layers = 2, not loaded" in said, said
+    assert "set num_hidden_layers to 4 in config.json" in said

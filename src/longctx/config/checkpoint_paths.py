@@ -113,11 +113,15 @@ def check_weights_flag(spec: str, flag: str = "--checkpoint") -> None:
     directory, else a complete longctx checkpoint (a step-* directory, or a checkpoints directory for its latest)
     whose manifest reads. Refused in the flag's words before the config reads them as model.init_from, whose own
     errors named `model.init_from = ...`, a key the user of these commands never wrote."""
+    target = Path(spec.removeprefix("hf:"))
+    if target.is_file() and target.suffix == ".gguf":  # (config/hf.py read_hf_config's advice, said before it)
+        raise ConfigError(f"{flag} {spec}: {target} is a GGUF file; longctx reads Hugging Face directories. Convert "
+                          f"it once with `longctx checkpoint import {target} --out DIR`, then pass {flag} hf:DIR.")
     if spec.startswith("hf:"):
-        if not Path(spec.removeprefix("hf:")).is_dir():
-            raise ConfigError(f"{flag} {spec}: {spec.removeprefix('hf:')} is not a directory; pass hf:DIR, a local "
-                              f"Hugging Face model directory holding config.json and safetensors weights, or a "
-                              f"longctx checkpoint (without hf:).")
+        if not target.is_dir():
+            raise ConfigError(f"{flag} {spec}: {target} is not a directory; pass hf:DIR, a local Hugging Face model "
+                              f"directory holding config.json and safetensors weights, or a longctx checkpoint "
+                              f"(without hf:).")
         return
     found = find_checkpoint(spec)
     if found is None:
@@ -141,13 +145,17 @@ def step_read(spec: str) -> str:
     found = None if spec.startswith("hf:") else find_checkpoint(spec)
     if found is None:
         return ""
-    step = found.name.removeprefix("step-").lstrip("0") or "0"
+    # (the step its manifest records: a checkpoint directory of another name, best/ or a copy, is read as well)
+    manifest = _manifest(found)
+    recorded = manifest.get("step") if isinstance(manifest, dict) else None
+    step = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else \
+        found.name.removeprefix("step-").lstrip("0") or "0"
     pointer = Path(spec) / LATEST
     try:
         named = pointer.read_text().strip() if found != Path(spec) and pointer.is_file() else found.name
     except (OSError, UnicodeDecodeError):
         named = "nothing readable"
-    if named == found.name:
+    if named == found.name or (named and Path(spec) / named == found):  # (a `latest` of its path too)
         return f" (step {step})"
     return (f" (step {step}, the newest complete one: its `{LATEST}` names {named}, which is missing or "
             f"incomplete)")

@@ -21,6 +21,7 @@ the published checkpoints, and what save_pretrained writes by default), or trans
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from safetensors.torch import save_file
 from ..config import ModelConfig
 from ..config.hf import HFFormatError, model_config, model_fields_from_hf, read_hf_config
 from ..config.hf_export import hf_config_from_model
-from ..progress import phase
+from ..progress import phase, say
 from .llama import Llama, build_model
 from .moe import moe_layers
 from .shards import local_part, local_slices
@@ -216,6 +217,7 @@ def _check_unused(model: Llama, files: dict[str, Path], sources: dict[str, _Sour
     # they are empty, but a shared expert of real width beside such a config.json is the weights' and is refused)
     no_shared = ".mlp.shared_expert_gate." if model.cfg.family == "qwen2_moe" and not model.cfg.resolved_shared_dim \
         else None
+    _note_past_layers(files, model.cfg.layers, path)
     extra = []
     for name in sorted(n for n in files if n not in used and not n.endswith(".rotary_emb.inv_freq")
                        and not (no_shared and no_shared in n) and not _past_last_layer(n, model.cfg.layers)):
@@ -234,6 +236,21 @@ def _past_last_layer(name: str, layers: int) -> bool:
     """`name` is a tensor of model.layers.i with i past config.json's num_hidden_layers."""
     parts = name.split(".", 3)
     return len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= layers
+
+
+def _note_past_layers(files: dict[str, Path], layers: int, path: Path) -> None:
+    """Say (rank 0) which layers past num_hidden_layers the files hold, left unread: a config.json that is wrong
+    (the files' layers are all the model's) otherwise loaded a shorter model without a word, where transformers
+    lists them as weights not used."""
+    past = sorted({int(n.split(".", 3)[2]) for n in files if _past_last_layer(n, layers)})
+    if past and os.environ.get("RANK", "0") in ("", "0"):
+        run = past == list(range(past[0], past[-1] + 1))
+        held = f"layer {past[0]}" if len(past) == 1 else \
+            f"layers {past[0]}-{past[-1]}" if run else f"layers {', '.join(map(str, past))}"
+        say(f"note: {path} holds {held} past config.json's num_hidden_layers = {layers}, not loaded: the model "
+            f"computed is config.json's {layers} layers, as transformers computes it (right for a model cut to its "
+            f"first layers or an MTP layer). If the files' layers are all the model's, set num_hidden_layers to "
+            f"{past[-1] + 1} in config.json.")
 
 
 def _nonzero(stored, rows: int = 4096) -> bool:
