@@ -13,7 +13,7 @@ from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
 from longctx.train.trainer import train
 
-STEPS = 10
+STEPS = 6  # warm-up 2: the resumes (from step STEPS / 2 = 3) start past it, with 3 AdamW steps to compare
 TIERS = ("device", "host_optimizer", "host")
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
         "--train.seq_len=256", "--train.warmup_steps=2", f"--train.steps={STEPS}"]

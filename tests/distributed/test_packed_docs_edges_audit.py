@@ -3,8 +3,9 @@ reference that runs each document on its own, unpacked (gloo ranks, tiny model).
 
 The reference shares no code with longctx's attention, sharding or data path: a float64 copy of the model
 whose attention core is textbook causal softmax over ONE document (no document ids, positions 0..L-1), run
-document by document; a document's last token predicts nothing (the next document's first token is no label,
-data/samples.py), padding predicts nothing, and the loss is the mean over every labelled token of the step.
+document by document (those of one length as the rows of one batch); a document's last token predicts nothing
+(the next document's first token is no label, data/samples.py), padding predicts nothing, and the loss is the
+mean over every labelled token of the step.
 
 The store is written here by hand (segment lengths chosen, random tokens), so the rows hold the edges:
 single-token documents, runs of 1-3 token documents, documents that end exactly at a zigzag chunk, a rank's
@@ -125,22 +126,29 @@ def reference(tokens: np.ndarray, rows, doc_mask: bool = True) -> dict:
     n, seq = tokens.shape
     out = {"positions": np.zeros((n, seq), np.int64), "labels": np.full((n, seq), -100, np.int64),
            "logits": np.full((n, seq, VOCAB), np.nan), "nll": np.full((n, seq), np.nan)}
-    losses = []
+    # documents of one length run together, one per batch row (the core and the model treat rows apart): the
+    # same per-document forward as one at a time, without a forward call per tiny document
+    where_of = {}  # length -> [(sample, offset)]
     for r in range(n):
         offset = 0
         for length in (rows[r] if doc_mask else [sum(rows[r])]):
-            doc = torch.from_numpy(tokens[r, offset:offset + length].astype(np.int64))
-            logits = model(doc[None])[0]
-            span = slice(offset, offset + length - 1)  # every token but the document's last has a label
-            loss = F.cross_entropy(logits[:-1], doc[1:], reduction="none")
-            losses.append(loss)
-            out["positions"][r, offset:offset + length] = np.arange(length)
-            out["labels"][r, span] = doc[1:].numpy()
-            out["logits"][r, offset:offset + length] = logits.detach().numpy()
-            out["nll"][r, span] = loss.detach().numpy()
+            where_of.setdefault(length, []).append((r, offset))
             offset += length
         # the padding: a document of its own with document masks, else the sequence goes on
         out["positions"][r, offset:] = np.arange(seq - offset) + (0 if doc_mask else offset)
+    losses = []
+    for length, where in where_of.items():
+        docs = torch.from_numpy(np.stack([tokens[r, o:o + length] for r, o in where]).astype(np.int64))
+        logits = model(docs)
+        # every token but the document's last has a label
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), docs[:, 1:].reshape(-1), reduction="none")
+        losses.append(loss)
+        loss = loss.detach().view(len(where), length - 1).numpy()
+        for i, (r, o) in enumerate(where):
+            out["positions"][r, o:o + length] = np.arange(length)
+            out["labels"][r, o:o + length - 1] = docs[i, 1:].numpy()
+            out["logits"][r, o:o + length] = logits[i].detach().numpy()
+            out["nll"][r, o:o + length - 1] = loss[i]
     every = torch.cat(losses)
     mean = every.sum() / every.numel()
     mean.backward()
