@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from ..config.checkpoint_paths import find_checkpoint
 from ..config.hf import hf_dir, initial_hf_config, model_config
@@ -81,10 +82,23 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
         (work / EXPORT_MARK).write_text(json.dumps({"format": "longctx-hf-export/1", "checkpoint": str(path),
                                                     "step": manifest.get("step")}, indent=2) + "\n")
         _publish(work, out)
+    except (OSError, SafetensorError) as e:  # (a full disk, a quota: safetensors raises its own error, no OSError)
+        raise _write_error(e, model, work, out, dtype) from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
     notes = (unknown, tokenizer_note, _capacity_note(cfg))
     return out, copied, why, export_notes(cfg, trained) + [n for n in notes if n]
+
+
+def _write_error(e: Exception, model, work: Path, out: Path, dtype: torch.dtype) -> CheckpointError:
+    """A write into the temporary directory that failed, said as what it is (with the space the weights need and
+    what is free there), not a traceback; OUT is as it was."""
+    need = sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
+    free = shutil.disk_usage(work).free
+    return CheckpointError(f"export: writing {out} failed ({e}); the weights need about {need / 2**20:,.1f} MiB "
+                           f"in {str(dtype).removeprefix('torch.')} and {free / 2**20:,.1f} MiB is free in "
+                           f"{out.parent}. Nothing was written to {out} (it is as it was). Free space there, or "
+                           f"export into a directory on another disk.")
 
 
 def _capacity_note(cfg) -> str | None:
@@ -148,10 +162,11 @@ def check_output(out: Path, init_from: str) -> None:
 
 def _publish(work: Path, out: Path) -> None:
     """Sync the finished `work` and rename it to `out`; a previous export in `out` is replaced whole."""
-    for file in work.iterdir():
-        fsync_path(file)
     mask = os.umask(0)
     os.umask(mask)
+    for file in work.iterdir():  # (safetensors writes its files 0600: the weights, unlike config.json, were
+        os.chmod(file, 0o666 & ~mask)  # unreadable to any other user, a serving account or a colleague)
+        fsync_path(file)
     os.chmod(work, 0o777 & ~mask)  # (mkdtemp's 0700 -> the usual permissions)
     if not out.exists():
         publish(work, out)

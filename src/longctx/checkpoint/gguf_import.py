@@ -230,7 +230,18 @@ def load_model(path: Path, reader, arch: str):
     if unread:
         raise GGUFImportError(f"{path.name} holds {len(unread)} tensor(s) that transformers' GGUF reader drops "
                               f"(e.g. {', '.join(unread[:4])}); the imported model would not be the file's.")
+    check_finite(model, path)
     return model.eval()
+
+
+def check_finite(model, path: Path) -> None:
+    """Refuse weights that hold NaN or inf (a damaged download, a bad conversion): the logits check then failed
+    comparing NaN with NaN and blamed longctx's reading ("Please report it") for the file's own values."""
+    bad = [name for name, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise GGUFImportError(f"{path.name} holds weights that are not finite numbers (NaN or inf) once dequantized, "
+                              f"in {len(bad)} tensor(s): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; a "
+                              f"damaged file or a bad conversion. Download or convert the model again.")
 
 
 def choose_dtype(model, dtype: str) -> tuple[str, str]:

@@ -77,6 +77,7 @@ from .manifest import (
     hash_files,
     owner_rank,
     read_manifest,
+    unlisted_problems,
     verification_shares,
     verify,
     write_hashes_part,
@@ -318,6 +319,7 @@ class CheckpointManager:
                 problems[entries[i]["path"]] = mine.get(i) or (
                     CHECKSUM_MISMATCH if code == 2 else
                     file_problem(path, entries[i], checksums=False) or "is missing or has another size on another rank")
+        problems.update(unlisted_problems(path, manifest))  # (every rank lists the same directory)
         return manifest, problems
 
     def verified_manifest(self, path: Path, spec: str | None = None) -> dict:

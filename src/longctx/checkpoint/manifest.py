@@ -182,6 +182,20 @@ def file_problem(directory: Path, entry: dict, checksums: bool = True) -> str | 
     return None
 
 
+# the files a load reads (DCP's metadata and shards, each rank's RNG state, the trainer state): one on disk that
+# the manifest does not list is read unchecked (a manifest edited by hand, or one written before manifests had a
+# checksum of their own, with an entry removed: verify said "all files intact" and the export wrote its weights)
+_LOADED_FILE = re.compile(r"^(\.metadata|.*\.distcp|(?:rng|local)-rank\d+\.pt|trainer_state\.json)$")
+UNLISTED = f"is not listed in {MANIFEST}, so nothing checks it, and loading reads it (a manifest edited by hand?)"
+
+
+def unlisted_problems(directory: Path, manifest: dict) -> dict[str, str]:
+    """{path: UNLISTED} for each file a load reads that lies in `directory` and the manifest does not list."""
+    listed = {e["path"] for e in manifest["files"]}
+    return {name: UNLISTED for name in checkpoint_files(directory)
+            if name not in listed and _LOADED_FILE.match(Path(name).name)}
+
+
 def verification_shares(entries: list[dict], world: int) -> list[int]:
     """The rank that checks each manifest entry: largest files first, each to the rank with the fewest
     bytes so far (ties: the lowest rank), so the ranks hash about equal amounts whatever world size
@@ -203,6 +217,7 @@ def verify(directory: Path, checksums: bool = True) -> dict:
     directory = Path(directory)
     manifest = read_manifest(directory)
     problems = {e["path"]: p for e in manifest["files"] if (p := file_problem(directory, e, checksums))}
+    problems.update(unlisted_problems(directory, manifest))
     if problems:
         raise CheckpointError(f"checkpoint {directory} is damaged: {damage_report(problems)}. "
                               f"Nothing was loaded.")

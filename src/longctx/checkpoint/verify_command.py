@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config.checkpoint_paths import CheckpointError, find_checkpoint
 from ..config.tokenizer import tokenizer_file, tokenizer_identity
-from .manifest import MANIFEST, DamagedManifest, file_problem, read_manifest
+from .manifest import MANIFEST, DamagedManifest, file_problem, read_manifest, unlisted_problems
 
 # the layout's degrees in the order the training line says them (train/report.py describe_run)
 _DEGREES = ("dp_replicate", "dp_shard", "head", "ctx")
@@ -118,8 +118,12 @@ def verify_lines(spec: str | Path) -> tuple[list[str], dict[str, str]]:
             problems[entry["path"]] = problem
         lines.append(f"  {'DAMAGED' if problem else 'ok':<7}  {entry['path']:<{width}}  "
                      f"{size_text(entry['bytes']):>10}" + (f"  {problem}" if problem else ""))
+    unlisted = unlisted_problems(path, manifest)
+    for name, problem in unlisted.items():
+        problems[name] = problem
+        lines.append(f"  {'DAMAGED':<7}  {name:<{width}}  {size_text((path / name).stat().st_size):>10}  {problem}")
     total = sum(e["bytes"] for e in manifest["files"])
-    n = len(manifest["files"])
+    n = len(manifest["files"]) + len(unlisted)
     if problems:
         lines.append(f"DAMAGED: {len(problems)} of {n} files of step {manifest['step']} fail the check; this "
                      f"checkpoint cannot be loaded.")
