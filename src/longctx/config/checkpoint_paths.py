@@ -85,7 +85,7 @@ def _manifest(path: Path) -> dict:
 
 def resolve_checkpoint(spec: str, root: Path) -> Path | None:
     """'auto' -> latest complete checkpoint under root (None if there is none); a path -> that checkpoint
-    (a checkpoints directory means its latest)."""
+    (a checkpoints directory, or its `latest` pointer file, means its latest)."""
     if spec == "none":
         return None
     if spec == "auto":
@@ -93,6 +93,8 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
     path = Path(spec)
     if (path / MANIFEST).is_file():
         return path
+    if path.name == LATEST and path.is_file():  # (the pointer itself, e.g. tab-completed: the step it names)
+        path = path.parent
     if path.is_dir() and latest_checkpoint(path) is not None:
         return latest_checkpoint(path)
     raise CheckpointError(f"--checkpoint.resume {spec}: no complete checkpoint there (a step-* directory with "
