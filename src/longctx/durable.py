@@ -66,8 +66,7 @@ def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool =
     if out.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; pass the path of a file to write, e.g. {out / 'out.json'}.")
     said, real = path, Path(os.path.realpath(out))
-    special = any(str(p).startswith(("/dev/", "/proc/")) for p in (out.absolute(), real))
-    if out.is_symlink() and not renames and not special:
+    if out.is_symlink() and not renames and not written_in_place(out):
         # open() writes the file the link names, and generate's FILE.partial goes beside that file: its directory
         # is the one that must exist and take a file (a link into a missing directory failed after the work)
         out, create_parents, said = real, False, f"{path} (a link to {real})"
@@ -77,8 +76,7 @@ def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool =
         raise ConfigError(f"{flag} {said} cannot be written: {where}. Create the directory first, or pass another "
                           f"path.")
     # (a device, /dev/null, /dev/stdout: opened as it is, where it is, in a directory no file may be made in)
-    device = out.exists() and (not out.is_file() or str(out.absolute()).startswith(("/dev/", "/proc/")))
-    if out.parent.is_dir() and not device:
+    if out.parent.is_dir() and not (out.exists() and written_in_place(out)):
         _check_writable(flag, said, out, renames)
     for name, given in inputs.items():
         same = given and (out.resolve() == Path(given).resolve() or
@@ -86,6 +84,16 @@ def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool =
         if same:
             raise ConfigError(f"{flag} {path} is also {name} {given}: writing there would destroy that. Pass "
                               f"another path.")
+
+
+def written_in_place(path) -> bool:
+    """Whether an output path is opened and written where it is, never through a temporary renamed over it: no
+    regular file (a device, a pipe), or one under /dev or /proc, itself or where its link points (/dev/null,
+    /dev/stdout redirected to a file, /proc/self/fd/N), which a rename would replace."""
+    out = Path(path)
+    if out.exists() and not out.is_file():
+        return True
+    return any(str(p).startswith(("/dev/", "/proc/")) for p in (out.absolute(), Path(os.path.realpath(out))))
 
 
 def new_file_error(directory: Path) -> OSError | None:

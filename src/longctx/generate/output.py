@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from .. import strict_json
-from ..durable import new_file_error, publish
+from ..durable import new_file_error, publish, written_in_place
 from ..errors import ConfigError
 
 
@@ -266,7 +266,7 @@ def partial_path(path: str) -> str:
     itself when it is no regular file (/dev/null, /dev/stdout, a pipe) or one a process has open (/dev/stdout
     redirected to a file, /proc/self/fd/N), which a rename would replace; or an existing file in a directory that
     takes no new one (durable.py check_output_path accepts it when it may be written)."""
-    if (os.path.exists(path) and not os.path.isfile(path)) or os.path.abspath(path).startswith(("/dev/", "/proc/")):
+    if written_in_place(path):
         return path
     if os.path.isfile(path) and new_file_error(Path(os.path.realpath(path)).parent) is not None:
         return path
