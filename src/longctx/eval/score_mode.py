@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 
 def evaluate_score(request: EvalRequest, args) -> dict | None:
     """Score every length's sequences on this rank's part of the layout; the result on rank 0."""
+    from ..job.launch import end_one_rank_group
+
+    try:
+        return _evaluate_score(request, args)
+    except BaseException:
+        end_one_rank_group()  # (memory.model_states = host at world 1 made it)
+        raise
+
+
+def _evaluate_score(request: EvalRequest, args) -> dict | None:
     import torch
 
     from ..job.devices import resolve_dtype

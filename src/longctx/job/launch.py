@@ -228,6 +228,19 @@ def finish_distributed() -> None:
     _CREATED = False
 
 
+def end_one_rank_group() -> None:
+    """After a job that failed: end the one-rank group init_one_rank_group made, so that a program
+    which catches the error (an embedding program, a test) can start the next job in this process;
+    left, it made that job's own group fail with "trying to initialize the default process group
+    twice". It has no peer to wait for; a launched job's groups are left to its exit instead, since a
+    barrier there could wait for the rank that failed."""
+    global _CREATED
+    if _CREATED and dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()
+        release_groups()
+        _CREATED = False
+
+
 def release_groups() -> None:
     """Free the process groups' C++ objects while the interpreter is whole. A destroyed gloo group
     still referenced from a cache or a reference cycle (a model's meshes) is otherwise freed by the

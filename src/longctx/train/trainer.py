@@ -36,6 +36,7 @@ from ..errors import Preempted
 from ..job import watchdog
 from ..job.devices import resolve_dtype, seed_everything, use_deterministic_algorithms
 from ..job.join import join_job
+from ..job.launch import end_one_rank_group
 from ..parallel.context.shares import read_local_batch, to_device
 from ..parallel.fsdp.shard import grad_scale
 from ..progress import phase, progress_bar, said
@@ -400,7 +401,11 @@ class _Loop:
 
 def train(cfg: Config, log=print) -> TrainResult:
     """Run one training job (this rank's part of it) and return its losses."""
-    return Trainer(cfg, log).run()
+    try:
+        return Trainer(cfg, log).run()
+    except BaseException:
+        end_one_rank_group()  # (memory.model_states = host at world 1 made it)
+        raise
 
 
 def _silent(*_args, **_kwargs) -> None:
