@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from longctx.errors import ConfigError
 from longctx.job import comm
@@ -36,6 +37,10 @@ def errors(world):
         "window": (q, kv, None, 3),
         "kv": (torch.randn(1, 8, 6, 8), torch.randn(1, 8, 3, 8), None, 0),
         "docs_reappear": (q, kv, torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2]]), 0),
+        # the fault in rank 3's shard alone (document 5 resumes after 6 there; the others' ids are
+        # fine alone): every rank must fail,
+        # not rank 3 alone while the others wait for it in the ids' gather
+        "docs_one_rank": (q, kv, torch.tensor([[5, 6, 6, 5, 7, 7, 7, 7] if dist.get_rank() == 3 else [4] * 8]), 0),
         "layout_length": (q, kv, "layout", 0),
     }
     msgs = {}
@@ -50,7 +55,9 @@ def errors(world):
             distributed_attention(qq, kk, kk, mesh, doc_ids=doc, window=window, layout=layout)
             msgs[name] = "no error"
         except (ConfigError, ValueError) as e:
-            msgs[name] = str(e) if not comm.counters() else f"communicated before failing: {e}"
+            # (document ids are checked once gathered, alike on every rank: one gather of the ids)
+            gathered_ids = name.startswith("docs_") and all(set(d) == {"unshard"} for d in comm.counters().values())
+            msgs[name] = str(e) if not comm.counters() or gathered_ids else f"communicated before failing: {e}"
     with pytest.raises(ConfigError):
         shard_sequence(torch.zeros(1, 12), mesh)
     return msgs
@@ -76,6 +83,8 @@ def test_bad_inputs_fail_before_any_communication(spawned):
     assert "window 3 must be 0 (plain ring) or divide" in msgs["window"]
     assert "3 key/value heads cannot be split over head-parallel degree 2" in msgs["kv"]
     assert "document id 0 reappears after another document" in msgs["docs_reappear"]
+    for rank_msgs in spawned["errors"]:  # said by every rank, not by the one whose shard shows it
+        assert "reappears after another document" in rank_msgs["docs_one_rank"], rank_msgs
     assert "layout was built for 1 x 64 tokens over ctx 2 x head 2, but it is used for 1 x 32" in msgs["layout_length"]
 
 

@@ -24,7 +24,6 @@ from ...job import comm
 from ...job.checks import check_heads
 from ...ops.chunked import ChunkGrid, chunked_attention
 from ...ops.segments import host_ids
-from .layouts import check_doc_ids
 from .ring import ring_attention
 from .sequence import SequenceLayout, attach_layout, layout_of, plan_layout, shard_indices, unshard_sequence
 from .ulysses import head_to_seq, kv_replication, seq_to_head
@@ -81,10 +80,9 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     check_inputs(q, k, v, doc_ids, h, c, window)
     plans = None
     attached = None if doc_ids is None else layout_of(doc_ids)
-    if doc_ids is not None and layout is None and attached is None:
-        # zigzag shards of contiguous documents have unique runs in local order: check that here,
-        # before the ids are gathered
-        check_doc_ids(doc_ids)
+    # (ids without a layout are checked once gathered, in plan_layout, alike on every rank: a check of
+    # this rank's shard alone failed on the one rank whose shard showed the fault, while the others
+    # waited in the gather for it)
     if doc_ids is not None or layout is not None:
         given = layout is not None and layout is not attached
         layout = layout or attached or _zigzag_layout_of(doc_ids, mesh)
