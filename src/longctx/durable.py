@@ -9,7 +9,11 @@ publish this way. Before any work, commands check that their outputs can be writ
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
+import socket
+import tempfile
 from pathlib import Path
 
 from .errors import ConfigError
@@ -22,6 +26,30 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def scratch_dir(out: Path, verb: str) -> Path:
+    """A new hidden directory beside `out` (`.OUT.VERB-HOST-PID-xxxx`) for work renamed onto it when
+    done, after removing those that runs on this host whose process is gone left: an export or import
+    killed outright (SIGKILL, the OOM killer) otherwise left its partial copy, up to the model's size,
+    hidden beside OUT for good. A live process's (another export into the same place) and another
+    host's (a shared file system) are kept."""
+    prefix = f".{out.name}.{verb}-{socket.gethostname()}-"
+    for old in out.parent.glob(glob.escape(prefix) + "*"):
+        pid = old.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=out.parent))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process)
+        return True
+    return True
 
 
 def publish(tmp: Path, final: Path) -> None:

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from ..config.hf_families import MOE_DEFAULTS, QWEN_FAMILIES, family_window
 from ..config.hf_rope import config_reach
 from ..config.tokenizer import source_hf, tokenizer_file, tokenizer_identity
 from ..data.tokenizer import load_tokenizer
-from ..durable import fsync_path, publish
+from ..durable import fsync_path, publish, scratch_dir
 from ..models.hf import TOKENIZER_FILES, copy_tokenizer_files, save_hf
 from ..models.llama import build_model
 from ..models.moe import dropless_note
@@ -68,7 +67,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     model = build_model(cfg, device="cpu", seed=None)
     load_model_weights(path, model)
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.exporting-", dir=out.parent))
+    work = scratch_dir(out, "exporting")
     trained = int(manifest.get("trained_positions") or 0)  # (0: a checkpoint older than the record)
     try:
         save_hf(model, work, max_shard_bytes=max_shard_bytes, dtype=dtype, trained_positions=trained)
@@ -171,8 +170,8 @@ def _publish(work: Path, out: Path) -> None:
     if not out.exists():
         publish(work, out)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
-    out.rename(old)  # (onto the empty directory mkdtemp made: no name a crashed export left can collide)
+    old = scratch_dir(out, "replaced")
+    out.rename(old)  # (onto the empty directory made for it: no name a crashed export left can collide)
     publish(work, out)
     shutil.rmtree(old, ignore_errors=True)
 

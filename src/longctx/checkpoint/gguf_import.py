@@ -23,7 +23,6 @@ import gc
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..config.hf import HFFormatError
-from ..durable import file_in_the_way
+from ..durable import file_in_the_way, scratch_dir
 from ..errors import UserError
 from ..models.hf import config_from_hf, load_hf
 from ..progress import phase, say
@@ -297,7 +296,7 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
     for t in reader.tensors:
         stored[t.tensor_type.name] = stored.get(t.tensor_type.name, 0) + 1
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    work = scratch_dir(out, "importing")
     try:
         with phase(f"importing {path.name}"):
             model = load_model(path, reader, arch)
@@ -334,8 +333,8 @@ def _publish(work: Path, out: Path) -> None:
     if not out.exists():
         work.rename(out)
         return
-    old = out.with_name(f".{out.name}.replaced-{os.getpid()}")
-    out.rename(old)
+    old = scratch_dir(out, "replaced")
+    out.rename(old)  # (onto the empty directory made for it)
     work.rename(out)
     shutil.rmtree(old, ignore_errors=True)
 
