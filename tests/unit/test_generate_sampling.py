@@ -341,6 +341,13 @@ def test_bad_settings_are_one_clear_error_before_work(weightless_hf, argv, messa
     assert message in str(e.value)
 
 
+def test_a_max_new_tokens_below_one_is_said_once(weightless_hf):
+    """Not also as "--min-new-tokens 0 is more than --max-new-tokens -3": one fault, one line."""
+    with pytest.raises(ConfigError) as e:
+        _prepare(weightless_hf, "--prompt", "x", "--max-new-tokens", "-3")
+    assert "--max-new-tokens must be >= 1, got -3" in str(e.value) and "is more than" not in str(e.value)
+
+
 def test_a_prompt_seed_must_be_an_integer(weightless_hf, tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "a", "seed": 5}\n{"prompt": "b"}\n')

@@ -173,7 +173,7 @@ def _sampling(args):
     if args.num_samples > 1 and sampling.greedy:
         problems.append(f"--num-samples {args.num_samples} with greedy decoding would write {args.num_samples} copies "
                         f"of one continuation (as transformers, which refuses it); sample with --temperature > 0")
-    if args.min_new_tokens > args.max_new_tokens:
+    if args.min_new_tokens > args.max_new_tokens >= 1:  # (a --max-new-tokens below 1 is said above)
         problems.append(f"--min-new-tokens {args.min_new_tokens} is more than --max-new-tokens {args.max_new_tokens}")
     if args.logprobs is not None and args.logprobs < 0:
         problems.append(f"--logprobs must be >= 0 (0: the chosen token's only), got {args.logprobs}")
