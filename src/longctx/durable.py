@@ -117,11 +117,13 @@ def check_output_path(flag: str, path: str, inputs: dict, create_parents: bool =
 def written_in_place(path) -> bool:
     """Whether an output path is opened and written where it is, never through a temporary renamed over it: no
     regular file (a device, a pipe), or one under /dev or /proc, itself or where its link points (/dev/null,
-    /dev/stdout redirected to a file, /proc/self/fd/N), which a rename would replace."""
+    /dev/stdout redirected to a file, /proc/self/fd/N), which a rename would replace. /dev/shm is a file system
+    of regular files like any other: its outputs are published by rename too."""
     out = Path(path)
     if out.exists() and not out.is_file():
         return True
-    return any(str(p).startswith(("/dev/", "/proc/")) for p in (out.absolute(), Path(os.path.realpath(out))))
+    return any(str(p).startswith(("/dev/", "/proc/")) and not str(p).startswith("/dev/shm/")
+               for p in (out.absolute(), Path(os.path.realpath(out))))
 
 
 def new_file_error(directory: Path) -> OSError | None:
