@@ -247,3 +247,9 @@ def test_init_from_makes_the_checkpoint_config_the_run_model(tmp_path):
 
     with pytest.raises(ConfigError, match="preset=hf"):
         load_config(overrides=["--model.preset=hf"])
+
+
+def test_swish_is_silu(tmp_path):
+    """transformers' hidden_act "swish" is torch's SiLU, as "silu" is: such a model was refused as unsupported."""
+    d, ref = random_hf_dir(tmp_path, hf_config("llama", hidden_act="swish"))
+    assert max_err(load_hf(d), ref) <= TOL

@@ -247,10 +247,12 @@ def model_fields_from_hf(hf: dict, where: str = "config.json", max_seq_len: int 
     check_hf_values(hf, where)  # (the family, the shapes, every number a number; rope_theta: hf_rope.py)
     check_unquantized(hf, where)
     if hf.get("mlp_bias"):
-        raise HFFormatError(f"{where}: mlp_bias=true; longctx's feed-forward has no biases.")
+        raise HFFormatError(f"{where}: mlp_bias=true; longctx's feed-forward has no biases, and the model cannot "
+                            f"be read without dropping them (its outputs would change): it is not supported.")
     act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise HFFormatError(f"{where}: hidden_act '{act}'; only 'silu' (SwiGLU) is supported.")
+    if act not in ("silu", "swish"):  # (transformers' "swish" is the same function: torch's SiLU)
+        raise HFFormatError(f"{where}: hidden_act '{act}'; only 'silu' / 'swish' (SwiGLU's gate) is supported: "
+                            f"a model with another activation cannot be read as it computes.")
     check_sliding_window(hf, where, max_seq_len)
     if family == "mistral" and hf.get("attention_bias"):
         raise HFFormatError(f"{where}: attention_bias=true, but transformers' Mistral has no attention biases (it "
