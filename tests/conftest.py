@@ -45,11 +45,16 @@ def _no_process_group_from_another_module(request):
 
     import torch.distributed as dist
 
+    from longctx.job import launch
+
     global _LAST_MODULE
     if dist.is_available() and dist.is_initialized():
         warnings.warn(f"a default process group was left by {_LAST_MODULE}; ended before {request.module.__name__}",
                       stacklevel=1)
-        dist.destroy_process_group()
+        launch._destroy_process_group()  # (and comm's caches of its groups, as a job's own end does)
+    # what launch records of a group it created goes with it: left set, the next in-process command's
+    # finish_distributed ended a group this module's own fixture made ("theirs to end") under the fixture
+    launch._CREATED = False
     _LAST_MODULE = request.module.__name__
     yield
 

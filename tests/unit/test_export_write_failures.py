@@ -39,3 +39,46 @@ def test_the_exported_files_are_readable_as_the_umask_allows(tmp_path):
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert any(name.endswith(".safetensors") for name in modes) and "model.safetensors.index.json" in modes
     assert modes == dict.fromkeys(modes, 0o644), modes
+
+
+def test_an_error_other_than_space_is_not_said_as_a_full_disk(tmp_path, monkeypatch):
+    """A tokenizer file the export cannot read (another user's 0600 file) was said as a full disk: "the weights
+    need about 1.1 MiB ... 75,802 MiB is free ... Free space there, or export into a directory on another disk"."""
+    from test_tokenizer_follows_model import bpe_tokenizer
+
+    tokenizer = tmp_path / "tok" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    bpe_tokenizer(tokenizer)
+    step = checkpoint(tmp_path, str(tokenizer))
+
+    def denied(source, _dest):
+        raise PermissionError(13, "Permission denied", str(source))
+
+    monkeypatch.setattr(hf.shutil, "copyfile", denied)
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="Permission denied.*tokenizer.json.*Nothing was written") as e:
+        export_hf(step, out)
+    assert "Free space" not in str(e.value) and "need about" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "tok"]  # neither OUT nor a temporary
+
+
+def test_a_failed_rename_over_a_previous_export_puts_it_back(tmp_path, monkeypatch):
+    """The previous export is moved aside before the new one is renamed into OUT: when that rename failed, OUT
+    was gone and the previous export lay in a hidden .out.replaced-* folder, while the error said "Nothing was
+    written to OUT (it is as it was)"."""
+    import errno
+
+    from longctx.checkpoint import export
+
+    step = checkpoint(tmp_path, "byte")
+    out, *_ = export_hf(step, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def failing(_work, _final):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(export, "publish", failing)
+    with pytest.raises(CheckpointError, match="it is as it was"):
+        export_hf(step, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "out"]  # (no hidden folder left)

@@ -210,3 +210,55 @@ def test_output_to_a_device_or_through_a_link_is_written_where_it_points(tmp_pat
     assert not list(tmp_path.glob("*.partial"))
     if Path("/dev/null").exists():
         assert stat.S_ISCHR(os.stat("/dev/null").st_mode) and not Path("/dev/null.partial").exists()
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o444])
+def test_an_existing_output_keeps_its_permissions(tmp_path, mode):
+    """FILE.partial renamed over an existing FILE: the file published had the new file's permissions (0666 &
+    ~umask), where the write in place before kept FILE's: a private 0600 output became world-readable 0644."""
+    import stat
+
+    from longctx.data.tokenizer import load_tokenizer
+    from longctx.generate.output import Output
+
+    result = SimpleNamespace(tokens=[104, 105], prompt_tokens=1, finish_reason="length", prefill_tokens_per_s=1.0,
+                             decode_tokens_per_s=1.0)
+    out = tmp_path / "out.jsonl"
+    out.write_text("earlier\n")
+    out.chmod(mode)
+    umask = os.umask(0o022)
+    try:
+        for _ in range(2):  # (a read-only FILE: its FILE.partial stays writable to the next run's open)
+            with pytest.raises(RuntimeError), Output(load_tokenizer("byte"), [], str(out), 1, 2, True) as o:
+                raise RuntimeError("stopped")
+            assert o.partial.endswith(".partial") and os.stat(o.partial).st_mode & stat.S_IWUSR
+        with Output(load_tokenizer("byte"), [], str(out), 1, 2, True) as o:
+            o.write({"text": "x"}, result, speculative=False)
+    finally:
+        os.umask(umask)
+    assert json.loads(out.read_text())["text"] == "hi" and stat.S_IMODE(out.stat().st_mode) == mode
+
+
+@pytest.mark.skipif(not (Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK)), reason="needs /dev/shm")
+def test_an_output_on_dev_shm_is_written_as_a_partial_file(tmp_path):
+    """/dev/shm holds files (tmpfs), not devices: an --output there was written in place like /dev/null, so a run
+    that stopped early had truncated the earlier output and left a half one that read as complete."""
+    import uuid
+
+    from longctx.data.tokenizer import load_tokenizer
+    from longctx.durable import check_output_path, written_in_place
+    from longctx.generate.output import Output
+
+    out = Path(f"/dev/shm/longctx-genin-{uuid.uuid4().hex[:8]}.jsonl")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    try:
+        out.write_text('{"earlier": "run"}\n')
+        assert not written_in_place(out) and not written_in_place(link) and written_in_place("/dev/null")
+        check_output_path("--output", str(out), {})
+        with pytest.raises(RuntimeError), Output(load_tokenizer("byte"), [], str(link), 2, 2, True):
+            raise RuntimeError("device lost")
+        assert out.read_text() == '{"earlier": "run"}\n' and Path(f"{out}.partial").is_file() and link.is_symlink()
+    finally:
+        out.unlink(missing_ok=True)
+        Path(f"{out}.partial").unlink(missing_ok=True)

@@ -59,3 +59,14 @@ def test_a_directory_of_text_is_told_to_be_built_into_a_store_not_finished(tmp_p
     (tmp_path / "corpus" / "a.txt").write_text("some text")
     with pytest.raises(DataError, match=f"holds other files \\(a.txt\\).*--input {tmp_path / 'corpus'} .*--out DIR"):
         PackedSamples(tmp_path / "corpus")
+
+
+def test_a_corpus_file_given_as_the_store_is_told_to_be_built_as_input(tmp_path):
+    """data.path naming a .jsonl corpus: the advice was `longctx data build --input PATH --out <the file>`,
+    which data build refuses (--out exists and is not a directory)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    with pytest.raises(DataError) as e:
+        PackedSamples(corpus)
+    said = " ".join(str(e.value).split())
+    assert f"--input {corpus} --seq-len N --out DIR" in said and f"--out {corpus}" not in said

@@ -40,3 +40,18 @@ def test_a_shard_the_manifest_does_not_list_is_damage_naming_it(tmp_path):
     with pytest.raises(CheckpointError, match=f"{shard} is not listed"):
         export_hf(step, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra", [".___0_0.distcp", "__0_0 copy.distcp", "backup/rng-rank0.pt",
+                                   "backup/__0_0.distcp", "hf/trainer_state.json"])
+def test_a_file_no_load_reads_is_no_damage(tmp_path, extra):
+    """macOS's '._' attribute copy of a shard (a copy onto exFAT or SMB), a Finder duplicate, a sub-folder's files
+    (an old step or a Hugging Face training output kept inside): DCP opens only the top-level shards .metadata
+    names, the manager only its own names there, so none of them is read; they were damage, the checkpoint
+    refused by verify, export and generate, and skipped by resume auto."""
+    step = checkpoint(tmp_path, "byte")
+    (step / extra).parent.mkdir(parents=True, exist_ok=True)
+    (step / extra).write_bytes(b"\0" * 4096)
+    assert verify(step)["step"] == 1
+    lines, problems = verify_lines(step)
+    assert problems == {} and not any("DAMAGED" in line for line in lines)

@@ -20,6 +20,7 @@ file names, and replacing it would delete a model the user may not have elsewher
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -89,9 +90,17 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
     return out, copied, why, export_notes(cfg, trained) + [n for n in notes if n]
 
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def _write_error(e: Exception, model, work: Path, out: Path, dtype: torch.dtype) -> CheckpointError:
     """A write into the temporary directory that failed, said as what it is (with the space the weights need and
-    what is free there), not a traceback; OUT is as it was."""
+    what is free there, where space ran out), not a traceback; OUT is as it was. Another error (a tokenizer file
+    the export cannot read, a directory it may not rename) is said as itself: the space advice misled there."""
+    if isinstance(e, OSError) and e.errno not in _NO_SPACE:
+        return CheckpointError(f"export: {out} could not be written ({e}). Nothing was written to {out} (it is as it "
+                               f"was). Fix what the error names (a file's permissions, a read-only directory), or "
+                               f"export into another directory.")
     need = sum(t.numel() for t in model.state_dict().values()) * dtype.itemsize
     free = shutil.disk_usage(work).free
     return CheckpointError(f"export: writing {out} failed ({e}); the weights need about {need / 2**20:,.1f} MiB "
@@ -172,7 +181,12 @@ def _publish(work: Path, out: Path) -> None:
         return
     old = scratch_dir(out, "replaced")
     out.rename(old)  # (onto the empty directory made for it: no name a crashed export left can collide)
-    publish(work, out)
+    try:
+        publish(work, out)
+    except BaseException:  # (the previous export back under OUT, as the error says: not left in a hidden folder)
+        if not out.exists():
+            old.rename(out)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

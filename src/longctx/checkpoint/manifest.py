@@ -184,8 +184,11 @@ def file_problem(directory: Path, entry: dict, checksums: bool = True) -> str | 
 
 # the files a load reads (DCP's metadata and shards, each rank's RNG state, the trainer state): one on disk that
 # the manifest does not list is read unchecked (a manifest edited by hand, or one written before manifests had a
-# checksum of their own, with an entry removed: verify said "all files intact" and the export wrote its weights)
-_LOADED_FILE = re.compile(r"^(\.metadata|.*\.distcp|(?:rng|local)-rank\d+\.pt|trainer_state\.json)$")
+# checksum of their own, with an entry removed: verify said "all files intact" and the export wrote its weights).
+# Only the names those are written under, at the top of the directory (all a load opens there): a sub-folder's
+# files, macOS's '._' copies of extended attributes ('.___0_0.distcp' on exFAT or SMB) or a Finder duplicate
+# ('__0_0 copy.distcp') are read by nothing, and a checkpoint holding one was refused as damaged.
+_LOADED_FILE = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|(?:rng|local)-rank\d+\.pt|trainer_state\.json)$")
 UNLISTED = f"is not listed in {MANIFEST}, so nothing checks it, and loading reads it (a manifest edited by hand?)"
 
 
@@ -193,7 +196,7 @@ def unlisted_problems(directory: Path, manifest: dict) -> dict[str, str]:
     """{path: UNLISTED} for each file a load reads that lies in `directory` and the manifest does not list."""
     listed = {e["path"] for e in manifest["files"]}
     return {name: UNLISTED for name in checkpoint_files(directory)
-            if name not in listed and _LOADED_FILE.match(Path(name).name)}
+            if name not in listed and len(Path(name).parts) == 1 and _LOADED_FILE.match(name)}
 
 
 def verification_shares(entries: list[dict], world: int) -> list[int]:

@@ -152,12 +152,13 @@ def step_read(spec: str) -> str:
     recorded = manifest.get("step") if isinstance(manifest, dict) else None
     step = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else \
         found.name.removeprefix("step-").lstrip("0") or "0"
-    pointer = Path(spec) / LATEST
+    given = Path(spec)  # (a checkpoints directory, or its `latest` pointer given itself: the same note)
+    pointer = given if given.name == LATEST and given.is_file() else given / LATEST
     try:
         named = pointer.read_text().strip() if found != Path(spec) and pointer.is_file() else found.name
     except (OSError, UnicodeDecodeError):
         named = "nothing readable"
-    if named == found.name or (named and Path(spec) / named == found):  # (a `latest` of its path too)
+    if named == found.name or (named and pointer.parent / named == found):  # (a `latest` of its path too)
         return f" (step {step})"
     return (f" (step {step}, the newest complete one: its `{LATEST}` names {named}, which is missing or "
             f"incomplete)")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .checkpoint_paths import MANIFEST, latest_checkpoint
+from .checkpoint_paths import MANIFEST, find_checkpoint, latest_checkpoint
 from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
 from .schema import Config
@@ -62,8 +62,8 @@ def saved_run_dir(raw: dict) -> Path | None:
         target = latest_checkpoint(Path(root)) if root else None
         if target is None:
             return None
-    else:
-        target = Path(resume)
+    else:  # (a checkpoints directory, or its `latest` pointer: the step it names, whose manifest names the run)
+        target = find_checkpoint(resume) or Path(resume)
     path = target.resolve()
     for parent in [path, *path.parents][:4]:
         if (parent / "config.toml").is_file():

@@ -120,6 +120,9 @@ def _not_a_store_hint(root: Path) -> str:
     build = f" Build one with `longctx data build --input PATH --seq-len N --out {root}`."
     if root.name == MANIFEST and root.is_file():
         return f" It is a store's manifest file: name its directory, {root.parent}."
+    if root.is_file():  # (a corpus file given as the store: the build advice named it as --out, where none goes)
+        return (f" It is a file: to train on its text, build a store from it with `longctx data build --input "
+                f"{root} --seq-len N --out DIR` and name DIR.")
     try:  # (the first entries: a directory of a corpus' files given by mistake may hold millions)
         entries = list(itertools.islice(root.iterdir(), 10_000)) if root.is_dir() else []
         if any(_BUILD_ENTRY.match(p.name) for p in entries):

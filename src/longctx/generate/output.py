@@ -10,6 +10,7 @@ never a FILE that reads as complete, and a FILE of an earlier run stays as it wa
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -188,7 +189,7 @@ class Output:
 
         self.tokenizer, self.echo = tokenizer, echo
         self.stops = StopStrings(tokenizer, stops) if stops else None
-        self.path, self.lines = path if main_rank else "", 0
+        self.path, self.lines, self.mode = path if main_rank else "", 0, None  # (mode: _keep_mode)
         self.partial = partial_path(self.path) if self.path else ""
         if self.partial != self.path:  # (a link is followed, as open() does: the rename replaces its file, not it)
             self.path = os.path.realpath(self.path)
@@ -197,10 +198,19 @@ class Output:
             self.file = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
         else:
             self.file = open(self.partial, "w", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
+            self._keep_mode()
         # one prompt on a terminal streams its text; several show a bar of new tokens
         text_stops = self.stops.stops if self.stops is not None else []  # (a special token's never shows)
         self.stream = Stream(tokenizer, text_stops) if main_rank and prompts == 1 and on_terminal() else None
         self.bar = None if self.stream else progress_bar(new_tokens, "generate", "tok", main_rank)
+
+    def _keep_mode(self) -> None:
+        """The file FILE.partial replaces keeps its permissions, as a write in place kept them (a private 0600
+        output was published 0644 by the rename): FILE.partial has them while written (writable by its owner, so
+        a read-only FILE's leaves no FILE.partial the next run cannot open), FILE exactly them (close)."""
+        if self.partial != self.path and os.path.isfile(self.path):
+            self.mode = stat.S_IMODE(os.stat(self.path).st_mode)
+            os.fchmod(self.file.fileno(), self.mode | stat.S_IWUSR)
 
     def on_token(self, row: int, token: int) -> None:
         if self.stream is not None:
@@ -249,6 +259,8 @@ class Output:
         if self.partial == self.path:  # (stdout, another rank's, or a device such as /dev/null: written as it came)
             return
         if complete:
+            if self.mode is not None:
+                os.chmod(self.partial, self.mode)
             publish(Path(self.partial), Path(self.path))
         else:
             sys.stderr.write(f"generate: stopped before every prompt was done: {self.path} was not written; the "
