@@ -95,10 +95,27 @@ def _structure(command: str, args) -> list[str]:
         for name in ("intra_gbps", "inter_ratio", "middle_ratio"):
             if not (getattr(args, name) > 0 and math.isfinite(getattr(args, name))):
                 out.append(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+        out += _link_order_problems(args)
         from ..config.presets import MODEL_PRESETS
 
         if args.model not in MODEL_PRESETS:  # (else every rank's config traceback, after the spawn)
             out.append(f"--model {args.model}: choose among {', '.join(MODEL_PRESETS)}")
+    return out
+
+
+def _link_order_problems(args) -> list[str]:
+    """bench comm's links slow down outwards (emulated_link.LinkProfile.slowest times a ring by the link of
+    the widest level it spans): a ratio above 1, or nodes linked faster than a node's groups, timed a ring
+    that crosses the slower inner links at the faster outer one's speed, and reported the figures unsaid."""
+    ratios = [args.inter_ratio, args.middle_ratio] if args.group_ranks else [args.inter_ratio]
+    if not all(r > 0 and math.isfinite(r) for r in ratios):
+        return []  # (said above)
+    out = [f"--{name}-ratio {r:g} is above 1: the link it names would be faster than the one inside it (a ring "
+           f"across both is timed at the outer link's speed); give a ratio in (0, 1]"
+           for name, r in zip(("inter", "middle"), ratios) if r > 1]
+    if args.group_ranks and args.inter_ratio > args.middle_ratio:
+        out.append(f"--inter-ratio {args.inter_ratio:g} is above --middle-ratio {args.middle_ratio:g}: nodes would "
+                   f"be linked faster than a node's groups; give --inter-ratio <= --middle-ratio")
     return out
 
 

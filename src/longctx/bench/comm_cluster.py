@@ -50,7 +50,8 @@ say = speaker("[bench comm --cluster] ")
 
 def add_arguments(p) -> None:
     p.add_argument("--cluster", required=True, help="NODESxRANKS, e.g. 2x4: ranks placed RANKS to a node")
-    p.add_argument("--inter-ratio", type=float, default=0.125, help="inter-node / intra-node bandwidth (default 1/8)")
+    p.add_argument("--inter-ratio", type=float, default=0.125,
+                   help="inter-node / intra-node bandwidth, in (0, 1] (default 1/8)")
     p.add_argument("--intra-gbps", type=float, default=1.0,
                    help="emulated link inside a node, GB/s per rank and direction (default 1: slow enough that "
                         "this CPU's compute does not hide every transfer; the ratios are what carry over)")
@@ -58,7 +59,8 @@ def add_arguments(p) -> None:
                    help="a third link level: groups of this many ranks inside a node, linked at --intra-gbps "
                         "(0 = two levels); adds the three_level mode")
     p.add_argument("--middle-ratio", type=float, default=0.25,
-                   help="with --group-ranks: the link between a node's groups / the link inside a group")
+                   help="with --group-ranks: the link between a node's groups / the link inside a group, in "
+                        "[--inter-ratio, 1] (default 1/4)")
     p.add_argument("--modes", default="", help=f"comma-separated, of {', '.join(MODES)} (default: all; "
                                                f"three_level only with --group-ranks)")
     p.add_argument("--model", default="debug", help="model preset (default debug; small-100m for the issue's run)")
@@ -106,17 +108,27 @@ def timed_steps(mode: str, spec: dict) -> range:
 
 def units_of(model, group: int, node: int, hpz: int = 0) -> list[Unit]:
     """The FSDP units' shards per rank, from the parameters' shapes and FSDP2's padding of dim 0 to a
-    multiple of the group (independent of what the links counted)."""
+    multiple of the group (independent of what the links counted). A smaller partition's (a node's: hpZ's
+    backward gather) is its share of that padded tensor, as FSDP2 cuts its post-forward copy from the
+    gathered one: ceil(dim0 / group) x group / size rows, not ceil(dim0 / size) (they differ where the
+    group does not divide dim 0: on 3 x 2 ranks hpz's count was 147,840 bytes a step short)."""
     def shard(params, size):
-        return sum(math.ceil(p.shape[0] / size) * (p.numel() // max(p.shape[0], 1)) for p in params)
+        return sum(math.ceil(p.shape[0] / group) * (group // size) * (p.numel() // max(p.shape[0], 1))
+                   for p in params)
+
+    def local(params):  # each rank's unpadded elements (co2's outer all-reduce: one replica of `group` ranks)
+        rows = [(p.shape[0], math.ceil(p.shape[0] / group), p.numel() // max(p.shape[0], 1)) for p in params]
+        return tuple(sum(max(0, min(chunk, dim0 - r * chunk)) * rest for dim0, chunk, rest in rows)
+                     for r in range(group))
 
     units, in_blocks = [], set()
     for members in model.grad_bucket_plan.groups():
         params = [p for i in members for p in model.layers[i].parameters()]
         in_blocks.update(id(p) for p in params)
-        units.append(Unit(shard(params, group), shard(params, node), hpz_elements=shard(params, hpz) if hpz else 0))
+        units.append(Unit(shard(params, group), shard(params, node), hpz_elements=shard(params, hpz) if hpz else 0,
+                          local_elements=local(params)))
     root = [p for p in model.parameters() if id(p) not in in_blocks]
-    return [*units, Unit(shard(root, group), shard(root, node), root=True)]
+    return [*units, Unit(shard(root, group), shard(root, node), root=True, local_elements=local(root))]
 
 
 def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:
@@ -176,6 +188,9 @@ def main(args) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ConfigError(f"unknown --modes {unknown}; choose from {', '.join(MODES)}.")
+    twice = sorted({m for m in modes if modes.count(m) > 1})  # (the second run found the first's run directory)
+    if twice:
+        raise ConfigError(f"--modes names {', '.join(twice)} more than once; give each mode once.")
     if args.group_ranks and (args.group_ranks < 2 or ranks % args.group_ranks):
         raise ConfigError(f"--group-ranks {args.group_ranks} must split a node of {ranks} ranks "
                           f"into groups of 2 or more.")
@@ -198,13 +213,13 @@ def main(args) -> int:
                           f"steps and one more ({needed}); give --steps {needed} or more, or 0.")
     import tempfile
 
+    spec = dict(nodes=nodes, ranks=ranks, modes=modes, model=args.model, seq_len=args.seq_len, timed=timed,
+                steps=args.steps, local_steps=args.co2_local_steps, overlap_steps=args.co2_overlap_steps,
+                intra_gbps=args.intra_gbps, inter_ratio=args.inter_ratio, group_ranks=args.group_ranks,
+                middle_ratio=args.middle_ratio, kernels=args.zero_pp_kernels)
+    check_modes(spec)
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as work:
-        spec = dict(nodes=nodes, ranks=ranks, modes=modes, model=args.model, seq_len=args.seq_len, timed=timed,
-                    steps=args.steps, local_steps=args.co2_local_steps, overlap_steps=args.co2_overlap_steps,
-                    intra_gbps=args.intra_gbps,
-                    inter_ratio=args.inter_ratio, work=work, group_ranks=args.group_ranks,
-                    middle_ratio=args.middle_ratio, kernels=args.zero_pp_kernels)
-        result = run_spawned(nodes * ranks, _rank, spec, timeout=4 * 3600)[0]
+        result = run_spawned(nodes * ranks, _rank, {**spec, "work": work}, timeout=4 * 3600)[0]
     out = {"cluster": f"{nodes}x{ranks}", "model": args.model, "seq_len": args.seq_len, "timed_steps": timed,
            "co2_local_steps": args.co2_local_steps, "co2_overlap_steps": args.co2_overlap_steps or args.co2_local_steps,
            "zero_pp_kernels": args.zero_pp_kernels,
@@ -213,6 +228,19 @@ def main(args) -> int:
         _plot(result["modes"], args.plot)
     print(strict_json.dumps(out, indent=1))
     return 0
+
+
+def check_modes(spec: dict) -> None:
+    """Each mode's config on the cluster, checked as its ranks would (config rules, layout) before any rank
+    starts: a --seq-len the balanced layout cannot cut was every rank's traceback after the spawn."""
+    from ..job.checks import check_layout
+
+    for mode in spec["modes"]:
+        try:
+            check_layout(load_config(None, mode_overrides(mode, spec["nodes"], spec["ranks"], spec)),
+                         spec["nodes"] * spec["ranks"])
+        except ConfigError as e:
+            raise ConfigError(f"mode {mode} on --cluster {spec['nodes']}x{spec['ranks']}: {e}") from None
 
 
 def _ratios(modes: dict) -> dict:

@@ -29,6 +29,10 @@ class Unit:
     node_elements: int  # ... of a group of one node's ranks (hpz's backward gather; co2's replica)
     root: bool = False  # the root module: gathered once per step
     hpz_elements: int = 0  # ... of hpz's secondary partition when it is smaller than a node (0: a node's)
+    # co2: the elements each rank of a replica (a node's group) holds, unpadded, in rank order: what its share of
+    # the outer all-reduce sends (FSDP2's local shards; the last ranks' are short where the group does not divide
+    # a parameter's dim 0). (): node_elements on every rank
+    local_elements: tuple[int, ...] = ()
 
 
 def _ring(ranks: int, nodes: int, sent: int, group: int = 0) -> tuple[int, int, int]:
@@ -85,8 +89,10 @@ def step_bytes(mode: str, units: list[Unit], nodes: int, ranks: int, block: int 
     _add(total, _ring(world, nodes, 2 * 8 * (world - 1) // world, group))  # the loss, summed over every rank
     if mode == "co2":
         _add(total, _ring(nodes, nodes, 2 * 4 * (nodes - 1) // nodes), ranks)  # the replicas' largest grad norm
-        shard = 4 * sum(u.node_elements for u in units)  # each rank's share of its replica's weights
-        _add(total, _ring(nodes, nodes, 2 * shard * (nodes - 1) // nodes), ranks / local_steps)  # outer all-reduce
+        # each rank's share of its replica's weights, the outer all-reduce's (over the N replicas), H-th per step
+        shards = [4 * sum(u.local_elements[r] if u.local_elements else u.node_elements for u in units)
+                  for r in range(ranks)]
+        _add(total, _ring(nodes, nodes, sum(2 * shard * (nodes - 1) // nodes for shard in shards)), 1 / local_steps)
     return {"inter_node_bytes": total[0], "intra_node_bytes": total[1] + total[2], "intra_group_bytes": total[2]}
 
 

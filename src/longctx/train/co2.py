@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.rng_states import local_state_file
 from ..job import comm
 from ..step.co2 import OuterSync, reclip_synchronous, replicated_params, synchronous_params
 from .hooks import StepHook
@@ -66,6 +67,7 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
     from when that was written by a co2 run of the same layout; else its rounds start from the weights."""
     t = cfg.train
     if t.data_parallel != "co2":
+        _note_dropped_state(ckpt, log)
         return None
     outer = OuterSync(replicated_params(model), model.co2_replicas, local_steps=t.co2_local_steps, lr=t.co2_outer_lr,
                       momentum=t.co2_outer_momentum, clip=t.co2_momentum_clip, penalty=t.co2_staleness_penalty,
@@ -90,3 +92,16 @@ def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log) -> No
             f"replicas start their rounds from its weights")
         return
     outer.load_state_dict(state[STATE_KEY], optimizer)
+
+
+def _note_dropped_state(ckpt, log) -> None:
+    """A sync run resumed from a co2 run's checkpoint (its ranks' own CO2 state beside it) says what it leaves
+    behind: it went on from replica 0's weights and AdamW moments, the outer momentum and the other
+    replicas' progress dropped without a word (docs/parallelism.md says it; the run did not)."""
+    resumed = getattr(ckpt, "resumed_from", None) if ckpt is not None else None
+    if resumed is None or not (resumed[0] / local_state_file(getattr(ckpt, "rank", 0))).is_file():
+        return
+    log(f"co2: {resumed[0].name} was written by a train.data_parallel = co2 run; under sync this run goes on from "
+        f"its replica 0's weights and AdamW moments: the other replicas' progress since their last merge (none "
+        f"after a co2 run's last step, which averages them) and CO2's outer state (its momentum, a change in "
+        f"flight) are not carried over. Resume with --train.data_parallel co2 (the same layout) to keep them.")
