@@ -52,6 +52,11 @@ def _type_name(t: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
 
 
+def _or_words(f: dataclasses.Field) -> str:
+    """" or 'auto'" for a number field that also takes words (the message once said only "a number")."""
+    return "".join(f" or '{w}'" for w in f.metadata.get("words", ()))
+
+
 def _base_type(f: dataclasses.Field) -> str:
     """The field's type name: 'int', 'float', 'bool' or 'str'. A field typed `float | str` is a number
     that also takes the words in its metadata (e.g. "auto"); its base type is the number."""
@@ -71,7 +76,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
         or (typ is str and isinstance(value, str))
     )
     if not ok:
-        raise ConfigError(f"{key} must be {_type_name(typ)}, got {value!r} ({type(value).__name__}).")
+        raise ConfigError(f"{key} must be {_type_name(typ)}{_or_words(f)}, got {value!r} ({type(value).__name__})."
+                          + (_suggest(value, f.metadata.get("words", ())) if isinstance(value, str) else ""))
     if typ is float:
         try:
             value = float(value)
@@ -104,12 +110,14 @@ def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
         try:
             return int(text)
         except ValueError:
-            raise ConfigError(f"{key} must be an integer, got '{text}'.") from None
+            raise ConfigError(f"{key} must be an integer{_or_words(f)}, got '{text}'."
+                              + _suggest(text, f.metadata.get("words", ()))) from None
     if typ == "float":
         try:
             return float(text)
         except ValueError:
-            raise ConfigError(f"{key} must be a number, got '{text}'.") from None
+            raise ConfigError(f"{key} must be a number{_or_words(f)}, got '{text}'."
+                              + _suggest(text, f.metadata.get("words", ()))) from None
     return text
 
 
@@ -198,11 +206,17 @@ def read_toml(path: str | Path, what: str, hint: str) -> dict:
     """A TOML file's contents, or a ConfigError naming `what` and how to fix it."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"{what} '{path}' does not exist. {hint}")
-    try:
-        return tomllib.loads(p.read_text())
+        raise ConfigError(f"{what} '{path}' " + ("is a directory, not a file" if p.is_dir() else "does not exist")
+                          + f". {hint}")
+    try:  # (TOML is UTF-8: a file in another encoding, UTF-16 say, or unreadable was a raw traceback)
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what} '{path}' is not valid TOML: {e}.") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} '{path}' is not valid TOML: TOML files are UTF-8 text, and byte {e.start} is "
+                          f"not (another encoding, such as UTF-16, or not a text file). Save it as UTF-8.") from None
+    except OSError as e:
+        raise ConfigError(f"{what} '{path}' cannot be read: {e.strerror or e}.") from None
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] | dict | None = None) -> Config:

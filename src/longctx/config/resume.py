@@ -127,14 +127,16 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     if layout_given:
         for key in LAYOUT_KEYS:
             base.get("parallel", {}).pop(key, None)
-    merged = _merge(base, given)
-    merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run_dir)
-    cfg = build_config(merged)
-    try:
+    try:  # (first: a key it holds that this version lacks was said as if the command line had given it)
         before = to_dict(build_config(saved))
     except ConfigError as e:
         raise ConfigError(f"the saved config of the run to resume, {run_dir / 'config.toml'}, no longer loads: "
-                          f"{e}") from None
+                          f"{e} Edit that file to what this version accepts (`longctx train --print-config` lists "
+                          f"every key), or start a new run from its weights with --model.init_from "
+                          f"{run_dir / 'checkpoints'}.") from None
+    merged = _merge(base, given)
+    merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run_dir)
+    cfg = build_config(merged)
     diffs = _differences(before, to_dict(cfg))
     _refuse_another_seed(diffs, cfg, run_dir)
     _refuse_unasked(diffs, cfg, run_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..config.inert_options import inert_layout_problems
-from ..config.rules import global_batch_used, parse_stages
+from ..config.rules import global_batch_used, head_fits, parse_stages
 from ..errors import ConfigError
 from .dims import ParallelDims
 
@@ -20,8 +20,12 @@ def check_layout(cfg, world: int) -> ParallelDims:
     """The validated degrees of `cfg` on `world` ranks, or a ConfigError naming what does not fit."""
     dims = ParallelDims.from_config(cfg, world_size=world)
     check_heads(cfg.model.heads, cfg.model.kv_heads, dims.head)
-    check_divisible(cfg.train.seq_len, dims.ctx, dims.head)
-    if cfg.train.stages:
+    if not cfg.train.stages:  # (with stages train.seq_len is the last one's: checked below under their name)
+        try:
+            check_divisible(cfg.train.seq_len, dims.ctx, dims.head)
+        except ConfigError as e:  # (the key: the same rule guards eval's and generate's lengths, which say theirs)
+            raise ConfigError(f"train.seq_len with parallel.ctx {dims.ctx} x parallel.head {dims.head}: {e}") from None
+    else:
         for seq_len, _, batch in parse_stages(cfg.train.stages):
             try:
                 check_divisible(seq_len, dims.ctx, dims.head)
@@ -56,9 +60,11 @@ def check_heads(heads: int, kv_heads: int, head: int) -> None:
     if heads % kv_heads:
         raise ConfigError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads.")
     if kv_heads % head and head % kv_heads:
+        fits = [d for d in range(1, heads + 1) if head_fits(heads, kv_heads, d)]
         raise ConfigError(
             f"{kv_heads} key/value heads cannot be split over head-parallel degree {head}: one must divide "
-            f"the other (kv heads are replicated when the degree is a multiple of them)."
+            f"the other (kv heads are replicated when the degree is a multiple of them); choose parallel.head among "
+            f"{fits}, or a model.kv_heads that divides or is a multiple of {head}."
         )
 
 

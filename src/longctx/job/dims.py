@@ -63,7 +63,9 @@ class ParallelDims:
                 raise ConfigError(
                     f"the world size {self.world_size} is not divisible by the product of the given degrees "
                     f"({' x '.join(f'{n}={d}' for n, d in degrees.items() if d != -1)} = {known}), so "
-                    f"parallel.{inferred[0]} cannot be inferred."
+                    f"parallel.{inferred[0]} cannot be inferred: run on a multiple of {known} ranks (with `longctx "
+                    f"train`, --nproc {known}; a resume otherwise keeps its checkpoint's ranks), or choose degrees "
+                    f"whose product divides {self.world_size}."
                 )
             setattr(self, inferred[0], self.world_size // known)
         elif known != self.world_size:

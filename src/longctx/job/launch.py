@@ -98,7 +98,8 @@ def refuse_scheduler_tasks() -> None:
     """A process that no torchrun started, in a Slurm job step of several tasks (`srun -n 8 longctx train`,
     or `srun -N 2 longctx train --nproc 8`): every task would run a whole job of its own, N copies of one
     run writing into the same run directory. longctx reads torchrun's variables, not Slurm's, so one
-    clear error instead, with the commands that work."""
+    clear error instead, with the commands that work. So is half of torchrun's pair (_refuse_half_a_launch)."""
+    _refuse_half_a_launch()
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")  # (srun's: the batch script itself has no step tasks)
     if not tasks.isdigit() or int(tasks) <= 1:
         return
@@ -110,6 +111,23 @@ def refuse_scheduler_tasks() -> None:
         f"...`), or one task on one node (`srun -n 1 longctx ... --nproc G`), or export RANK, WORLD_SIZE, "
         f"LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in each task from Slurm's variables. (One "
         f"shell of such a step, as `srun -n 2 --pty bash` opens, running one job: unset SLURM_STEP_NUM_TASKS.)")
+
+
+def _refuse_half_a_launch() -> None:
+    """WORLD_SIZE without RANK, or RANK without WORLD_SIZE (a launcher script that exports one of the pair): this
+    process is not a rank (under_launcher), so it ran a whole job of its own, as did each of its peers, all into
+    the same run directory, without a word. WORLD_SIZE=1 or RANK=0 alone means one job: that still runs."""
+    given = {name: os.environ[name] for name in ("WORLD_SIZE", "RANK") if name in os.environ}
+    if len(given) != 1 or given in ({"WORLD_SIZE": "1"}, {"RANK": "0"}):
+        return
+    (name, value), = given.items()
+    missing = "RANK" if name == "WORLD_SIZE" else "WORLD_SIZE"
+    raise ConfigError(
+        f"{name}={value} is set but {missing} is not: a launcher's ranks have both (torchrun sets RANK, WORLD_SIZE, "
+        f"LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT), and without {missing} this process would run "
+        f"a whole job of its own, as would each of its peers. Set {missing} in each process (with MASTER_ADDR and "
+        f"MASTER_PORT), start the ranks with torchrun, or unset {name} to run one job here (`--nproc N` starts N "
+        f"local ranks).")
 
 
 def launched_by_us() -> bool:
