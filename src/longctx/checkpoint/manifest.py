@@ -24,17 +24,13 @@ from ..config.checkpoint_paths import (  # (re-exported: the checkpoint package'
     MANIFEST,
     CheckpointError,
 )
-from ..config.layer_lists import parse_layer_list
+from ..config.weight_shapes import shape_differences
 from ..durable import fsync_path, write_text_durably
 
 FORMAT = "longctx-checkpoint/1"
 
 HASHES_PREFIX = "hashes-rank"  # per-rank checksum parts, merged into the manifest and then removed
 CHECKSUM_MISMATCH = "does not match its sha256 checksum"
-# model fields that decide tensor shapes: a checkpoint only loads into a model that agrees on them
-SHAPE_FIELDS = ("dim", "layers", "heads", "kv_heads", "ffn_dim", "vocab_size", "tie_embeddings")
-# parameters that exist only in some families; manifests older than them had none
-OPTIONAL_PARAM_FIELDS = ("qkv_bias", "out_bias", "qk_norm")
 # files one rank writes: DCP's shards `__{rank}_{n}.distcp` (and its rank-local `__{rank}.metadata`
 # when it saves without coordination), the manager's `rng-rank{rank}.pt`
 _RANK_FILE = re.compile(r"^(?:__|rng-rank|local-rank)(\d+)[_.]")
@@ -229,21 +225,7 @@ def verify(directory: Path, checksums: bool = True) -> dict:
 
 def check_model_matches(manifest: dict, model_cfg: dict, where: Path) -> None:
     saved = manifest["model"]
-    diff = {k: (saved.get(k), model_cfg.get(k)) for k in SHAPE_FIELDS if saved.get(k) != model_cfg.get(k)}
-    diff.update({k: (saved.get(k, False), model_cfg.get(k, False)) for k in OPTIONAL_PARAM_FIELDS
-                 if saved.get(k, False) != model_cfg.get(k, False)})
-    diff.update(_moe_structure_differences(saved, model_cfg))
-    # the q/k norms' weights are one head wide (span head) or the whole projection (all): else a size-mismatch
-    # trace from inside DCP, or (one head of each) weights of the other meaning loaded at the same width
-    span = tuple(c.get("qk_norm_span", "head") for c in (saved, model_cfg))
-    if saved.get("qk_norm", False) and model_cfg.get("qk_norm", False) and span[0] != span[1]:
-        diff["qk_norm_span"] = span
-    if saved.get("head_dim", 0) or model_cfg.get("head_dim", 0):
-        def hd(c):
-            return c.get("head_dim") or c["dim"] // c["heads"]
-
-        if hd(saved) != hd(model_cfg):
-            diff["head_dim"] = (hd(saved), hd(model_cfg))
+    diff = shape_differences(saved, model_cfg)
     if diff:
         details = ", ".join(f"{k} {a} in the checkpoint vs {b} configured" for k, (a, b) in diff.items())
         same = (f"--model.init_from {saved['init_from']}" if saved.get("init_from")
@@ -270,26 +252,6 @@ def check_weights_fit(directory: Path, model_keys, fix: str = "start without --c
             f"checkpoint {directory} holds model tensors that the configured model lacks ({shown}): it was written "
             f"for another model. Configure the model it was saved with, or {fix}. "
             f"Nothing was loaded.")
-
-
-def _moe_structure(c: dict) -> dict:
-    """What decides which MoE parameters a model has and their shapes (a dense model: experts 0 only):
-    a checkpoint of another structure failed inside DCP with a size or missing-key trace."""
-    experts = c.get("moe.experts", 0)
-    if not experts:
-        return {"moe.experts": 0}
-    expert_dim = c.get("moe.expert_dim", 0) or c.get("ffn_dim")
-    shared = c.get("moe.shared_experts", 0)
-    return {"moe.experts": experts, "moe.expert_dim": expert_dim, "moe.shared_experts": shared,
-            "moe.shared_dim": (c.get("moe.shared_dim", 0) or shared * expert_dim) if shared else 0,
-            "moe.shared_gate": bool(c.get("moe.shared_gate", False)) and bool(shared),
-            "moe layers": [i for i in range(c.get("layers", 0))
-                           if i not in parse_layer_list(str(c.get("moe.dense_layers", "")))]}
-
-
-def _moe_structure_differences(saved: dict, configured: dict) -> dict:
-    a, b = _moe_structure(saved), _moe_structure(configured)
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 def check_draft_matches(manifest: dict, draft_layers: int | None, where: Path, kind: str = "glide",

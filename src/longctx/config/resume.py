@@ -24,6 +24,7 @@ from .checkpoint_paths import MANIFEST, find_checkpoint, latest_checkpoint
 from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
 from .schema import Config
+from .weight_shapes import shape_differences
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "head", "ctx", "window", "placement", "expert")
 # where and how to resume are not settings of the run
@@ -139,6 +140,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     cfg = build_config(merged)
     diffs = _differences(before, to_dict(cfg))
     _refuse_another_seed(diffs, cfg, run_dir)
+    _refuse_other_weights(before["model"], to_dict(cfg)["model"], cfg, run_dir)
     _refuse_unasked(diffs, cfg, run_dir)
     return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])
 
@@ -169,6 +171,18 @@ def _other_length(diffs: list, cfg: Config) -> list:
     new length's store was built and the ranks had started). Stages read a store per stage and may change."""
     staged = cfg.train.stages or any(d[:2] == ("train", "stages") for d in diffs)
     return [] if staged else [d for d in diffs if d[:2] == ("train", "seq_len")]
+
+
+def _refuse_other_weights(saved: dict, configured: dict, cfg: Config, run_dir: Path) -> None:
+    """A model of other weight shapes, which no flag makes the run's checkpoints load into: said at once (the
+    advice for other model changes, allow_changes or init_from, was refused in turn by the load)."""
+    diff = {} if cfg.draft.target else shape_differences(saved, configured)  # (a draft's: its own [draft])
+    if diff:
+        said = ", ".join(f"model.{k} {_show(a)} -> {_show(b)}" for k, (a, b) in diff.items())
+        raise ConfigError(
+            f"this resume of {run_dir} would change the shapes of the model's weights ({said}): its checkpoints "
+            f"cannot load into that model, whatever the flags. Resume with the run's own model (drop those "
+            f"overrides), or train that model as a new run in another --train.run_dir (without init_from).")
 
 
 def _refuse_unasked(diffs: list, cfg: Config, run_dir: Path) -> None:
