@@ -102,7 +102,16 @@ def ranks_per_node(cfg, world: int) -> int:
         raise ConfigError(f"parallel.ranks_per_node = {given} must divide the {world} ranks of the job (each node "
                           f"runs as many): choose among {[d for d in range(1, world + 1) if world % d == 0]}, or 0 "
                           f"for the launcher's (LOCAL_WORLD_SIZE, else every rank on this machine).")
-    return given or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return given or launcher_node_ranks(world)
+
+
+def launcher_node_ranks(world: int) -> int:
+    """The ranks of this node as a launcher says them (LOCAL_WORLD_SIZE, which check_launcher_env checks), read
+    in a launched rank only: in the shell that launches (`--nproc N`: every rank on this machine) one left
+    from elsewhere was taken for this job's, and a non-number was int()'s traceback."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    text = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(text) if launched and text.isdigit() else world
 
 
 def zero_pp_names(cfg) -> list[str]:
@@ -122,7 +131,7 @@ def node_size(cfg, dims: ParallelDims) -> int | None:
     if not {"hpz", "qgz"} & set(zero_pp_names(cfg)):
         return None
     group = dims.world_size // dims.dp_replicate
-    node = cfg.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
+    node = cfg.parallel.ranks_per_node or launcher_node_ranks(dims.world_size)
     if node < 1 or group % node:
         raise ConfigError(
             f"parallel.zero_pp={cfg.parallel.zero_pp} works with nodes of {node} ranks, which must split the "

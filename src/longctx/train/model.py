@@ -7,7 +7,6 @@ own shards from the seed or the starting weights (weights.py).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from torch import nn
 from ..config import Config, build_model_config
 from ..config.hf import init_from_notes
 from ..config.positions import model_reach
+from ..job.checks import launcher_node_ranks
 from ..job.devices import resolve_dtype
 from ..job.runtime import Runtime
 from ..memory import auto  # (module attributes, so tests can stand in for the machine's measurements)
@@ -126,7 +126,7 @@ def auto_offload_fraction(cfg: Config, device: torch.device, rt: Runtime, log) -
     block forward to hide the transfers behind (the link) than the last."""
     # the ranks sharing this machine's memory: the launcher's (torchrun sets LOCAL_WORLD_SIZE), else every rank,
     # as the host preflight counts them (job/checks.py ranks_per_node; job/spawn.py starts all on one machine)
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", rt.world))
+    ranks_per_node = launcher_node_ranks(rt.world)
     # the slowest link and the least memory over all ranks decide
     link, host = (-v for v in rt.max([-auto.host_link_bandwidth(device),
                                       -auto.host_memory_available() / ranks_per_node]))
