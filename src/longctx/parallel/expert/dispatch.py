@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ...job import comm
 from ...models.moe import TokenDispatcher, swiglu_experts
+from ...ops.eager import eager_under_compile
 from .pipeline import PipelinedExperts, chunk_plan, tuning_step
 from .placement import with_copies
 
@@ -99,9 +100,16 @@ class ExpertParallelDispatcher(TokenDispatcher):
     def _route(self) -> str:
         return "flat all-to-all"
 
+    @eager_under_compile
     def run_experts(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [n, dim] sorted by expert, counts [experts of the mesh's ranks]: each row through its
-        expert on the rank that holds it (by (rank, slot) under a FlexMoE placement), back in x's order."""
+        expert on the rank that holds it (by (rank, slot) under a FlexMoE placement), back in x's order.
+
+        Eager under train.compile (a compiled block `post` reaches it): the exchange is driven by the host
+        (the counts read as split sizes, FlexMoE's slot order planned in Python, the all-to-alls), so a
+        trace would only break at every host read and guard on the counts; Dynamo traced it before
+        2026-12-03 and, with a capacity and FlexMoE copies, failed inside its own guards ("Guard failed on
+        the same frame it was created") or sent splits that did not sum to the rows."""
         ep = self.mesh.size()
         placement, order = getattr(experts, "placement", None), None
         if placement is not None and not placement.copies:
