@@ -42,6 +42,15 @@ def clover_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def clover_ranks_problem(cfg: Config, world: int) -> str:
+    """'' unless a Clover draft would train on more than one rank (data ranks included, which the config
+    alone does not show: the launcher's --nproc does): preflight asks it before launch and the data."""
+    if cfg.draft.kind != "clover" or not cfg.draft.target or world <= 1:
+        return ""
+    return (f"Clover draft training runs on one rank (the chained steps read the whole sequence's states; "
+            f"data-parallel draft training is not built for it), got {world} ranks: run with --nproc 1.")
+
+
 def draft_problems(cfg: Config) -> list[str]:
     """One sentence with its fix per problem of [draft]: its numbers, what GliDe draft training (train/glide.py)
     supports, and draft.kind = clover's own (clover_problems)."""

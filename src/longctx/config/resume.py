@@ -125,6 +125,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     if given.get("train", {}).get("stages"):  # (the saved steps and seq_len are its old stages' sum and last length)
         for key in ("steps", "seq_len"):
             base.get("train", {}).pop(key, None)
+    _follow_another_target(base, given)
     if layout_given:
         for key in LAYOUT_KEYS:
             base.get("parallel", {}).pop(key, None)
@@ -143,6 +144,17 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     _refuse_other_weights(before["model"], to_dict(cfg)["model"], cfg, run_dir)
     _refuse_unasked(diffs, cfg, run_dir)
     return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])
+
+
+def _follow_another_target(base: dict, given: dict) -> None:
+    """A draft run resumed with another draft.target: the saved model.init_from is the old target's, which
+    config/load.py set from draft.target, not a setting of the user's. Dropped, so that the new target sets it
+    and the change is said as the draft's and the model's (refused unless asked), where it was refused as a
+    model.init_from given beside draft.target ("drop model.init_from", a key the user never gave)."""
+    target, saved = given.get("draft", {}).get("target"), base.get("draft", {}).get("target")
+    model = base.get("model", {})
+    if target and saved and target != saved and model.get("init_from") == saved:
+        model.pop("init_from")
 
 
 def _show(value: Any) -> str:

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint.identity import weights_identity
 from ..config import Config, to_dict
+from ..config.draft_rules import clover_ranks_problem
 from ..config.hf import hf_dir
 from ..errors import ConfigError
 from ..job.runtime import Runtime
@@ -396,10 +397,8 @@ class CloverTraining(GlideTraining):
 def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> CloverTraining:
     """The frozen target (train/glide.py frozen_target), a Clover draft initialised from train.seed
     (draft.vocab's ids from the data), on one rank."""
-    if rt.world > 1:  # (config/draft_rules.py refused head x ctx layouts; data ranks are refused here)
-        raise ConfigError(f"Clover draft training runs on one rank (the chained steps read the whole sequence's "
-                          f"states; data-parallel draft training is not built for it), got {rt.world} ranks: run "
-                          f"with --nproc 1.")
+    if clover_ranks_problem(cfg, rt.world):  # (preflight refused it before launch; a job torchrun started: here)
+        raise ConfigError(clover_ranks_problem(cfg, rt.world))
     d = cfg.draft
     target, head, path = frozen_target(cfg, device, rt, log)
     draft = CloverDraft(cfg.model, d.vocab).to(device)

@@ -22,6 +22,7 @@ from ..checkpoint.manifest import check_draft_matches, check_model_matches, read
 from ..config import Config, to_dict
 from ..config.checkpoint_paths import complete_checkpoints
 from ..config.data_mix import is_mix
+from ..config.draft_rules import clover_ranks_problem
 from ..config.hf import hf_dir
 from ..config.hf_export import ROPE_SCALING_READS
 from ..config.rules import parse_synthetic
@@ -51,6 +52,9 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     """Raise the first UserError a run of `cfg` on `nproc` ranks would meet at start-up."""
     device_type = _device_type(cfg)  # first: train.device=cuda on a machine without one fails before any data work
     dims = check_layout(cfg, nproc)
+    clover = clover_ranks_problem(cfg, dims.world_size)  # (data ranks: refused here, before the data store)
+    if clover:
+        raise ConfigError(clover)
     check_packages(cfg)
     if cfg.model.init_from.startswith("hf:"):  # missing or partial shards (a checkpoint is checked at load)
         weight_files(hf_dir(cfg.model.init_from))

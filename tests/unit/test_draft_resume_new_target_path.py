@@ -1,0 +1,53 @@
+"""A draft run resumed with another --draft.target (the step-N directory the draft trained against, as
+checkpoint/manifest.py's refusal of a moved-on target advises, with --checkpoint.allow_changes true): the
+saved config.toml's model.init_from, which config/load.py derived from the old draft.target, was kept and
+the resume refused as "model.init_from is given too; drop model.init_from", a key the user never gave,
+with or without allow_changes: no command line resumed the draft. Now the change is said as the draft's
+(refused unless asked) and, asked, the new target is the model."""
+
+import random
+
+import pytest
+
+from longctx.config import load_config
+from longctx.config.resume import load_run_config
+from longctx.errors import ConfigError
+from longctx.train.trainer import Trainer
+
+QUIET = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--train.seq_len=64",
+         "--train.global_batch=2", "--metrics.log_interval=1", "--train.warmup_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def draft_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("draft-new-target")
+    (base / "docs").mkdir()
+    rng = random.Random(0)
+    for i in range(40):
+        (base / "docs" / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(["def", "return", "self"])
+                                                                for _ in range(rng.randint(3, 30))) + "\n")
+    corpus = [f"--data.corpus={base / 'docs'}", "--data.tokenizer=byte"]
+
+    def run(*args):
+        Trainer(load_config(None, [*QUIET, *corpus, *args]), log=lambda *a, **k: None).run()
+
+    run("--model.layers=2", "--model.dim=64", "--model.ffn_dim=128", "--train.steps=1", f"--train.run_dir={base / 't'}")
+    run(f"--draft.target={base / 't' / 'checkpoints'}", "--train.steps=1", f"--train.run_dir={base / 'd'}")
+    return base
+
+
+def test_another_target_path_is_said_as_the_drafts_change(draft_run):
+    step = draft_run / "t" / "checkpoints" / "step-00000001"
+    resume = [f"--train.run_dir={draft_run / 'd'}", "--checkpoint.resume=auto", f"--draft.target={step}"]
+    with pytest.raises(ConfigError, match=r"would change .*draft\.target .*--checkpoint\.allow_changes true") as e:
+        load_run_config(None, resume, False)
+    assert "drop model.init_from" not in str(e.value)
+    cfg, resumed = load_run_config(None, [*resume, "--checkpoint.allow_changes=true"], False)
+    assert cfg.draft.target == str(step) and cfg.model.init_from == str(step)
+    assert any(change.startswith("draft.target") for change in resumed.changes)
+
+
+def test_the_same_target_resumes_unchanged(draft_run):
+    cfg, resumed = load_run_config(None, [f"--train.run_dir={draft_run / 'd'}", "--checkpoint.resume=auto"], False)
+    assert cfg.model.init_from == cfg.draft.target == str(draft_run / "t" / "checkpoints")
+    assert not resumed.changes
