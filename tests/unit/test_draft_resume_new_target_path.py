@@ -51,3 +51,22 @@ def test_the_same_target_resumes_unchanged(draft_run):
     cfg, resumed = load_run_config(None, [f"--train.run_dir={draft_run / 'd'}", "--checkpoint.resume=auto"], False)
     assert cfg.model.init_from == cfg.draft.target == str(draft_run / "t" / "checkpoints")
     assert not resumed.changes
+
+
+def test_a_damaged_target_is_named_as_the_draft_target(draft_run, tmp_path):
+    """It was said as "model.init_from: checkpoint ... is damaged", a key the user never gave."""
+    import shutil
+
+    from longctx.checkpoint.manifest import CheckpointError
+
+    copy = tmp_path / "checkpoints" / "step-00000001"
+    shutil.copytree(draft_run / "t" / "checkpoints" / "step-00000001", copy)
+    shard = next(copy.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    corpus = [f"--data.corpus={draft_run / 'docs'}", "--data.tokenizer=byte"]
+    cfg = load_config(None, [*QUIET, *corpus, f"--draft.target={copy}", "--train.steps=1",
+                             f"--train.run_dir={tmp_path / 'd'}"])
+    with pytest.raises(CheckpointError, match=r"^draft\.target: checkpoint .* is damaged.*an earlier step of"):
+        Trainer(cfg, log=lambda *a, **k: None).run()

@@ -13,17 +13,19 @@ from .manager import CheckpointManager, _single_process
 from .manifest import check_weights_fit, damage_report, verify
 
 
-def load_weights_into(path: Path, model, rt, log=print) -> dict:
+def load_weights_into(path: Path, model, rt, log=print, flag: str = "model.init_from") -> dict:
     """Only the model weights of a checkpoint, verified first (the ranks split the checksums), into
     a model of any layout (each rank reads its shards): what `model.init_from = DIR` and
     `longctx eval` start from. RoPE frequencies are set from the model's own config afterwards, so
-    an extension (rope_theta, rope_scaling) applies to the loaded weights."""
+    an extension (rope_theta, rope_scaling) applies to the loaded weights. `flag`: the setting that named the
+    checkpoint, for the errors (draft.target for a draft's target)."""
     manager = CheckpointManager(path.parent, keep=0, async_save=False, rank=rt.rank, world=rt.world, layout={},
                                 model_cfg={}, log=log, create=False)
     manifest, problems = manager.find_damage(path)
     if problems:
-        raise CheckpointError(f"model.init_from: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
-                              f"loaded. Start from an intact checkpoint (`longctx checkpoint verify PATH` checks one).")
+        raise CheckpointError(f"{flag}: checkpoint {path} is damaged: {damage_report(problems)}. Nothing was "
+                              f"loaded. Name an intact checkpoint, e.g. an earlier step of {path.parent} "
+                              f"(`longctx checkpoint verify PATH` checks one).")
     state = {"model": get_model_state_dict(model)}
     check_weights_fit(path, state["model"], "start from a checkpoint of the configured model")
     with _single_process(rt.world == 1):

@@ -295,7 +295,7 @@ def frozen_target(cfg: Config, device: torch.device, rt: Runtime, log=print) -> 
     target.requires_grad_(False)
     target = parallelize(target, rt.dims, frozen, rt.mesh, device.type)
     target.to_empty(device=device)
-    path = load_weights(target, d.target, rt, log)
+    path = load_weights(target, d.target, rt, log, "draft.target")
     target.requires_grad_(False)
     target.eval()
     note = past_target_reach(cfg)

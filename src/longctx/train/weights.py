@@ -15,16 +15,16 @@ from ..job.runtime import Runtime
 from ..models.hf import load_hf_weights
 
 
-def load_weights(model: nn.Module, source: str, rt: Runtime, log=print) -> Path:
+def load_weights(model: nn.Module, source: str, rt: Runtime, log=print, flag: str = "model.init_from") -> Path:
     """Fill a materialised (possibly sharded) model from `source`: hf:DIR's safetensors or a longctx
     checkpoint (DIR, or a checkpoints directory for its latest), each rank reading its own shards;
-    returns the directory read."""
+    returns the directory read. `flag`: the setting that named it (errors say it)."""
     if source.startswith("hf:"):
         path = hf_dir(source)
         load_hf_weights(model, path)
     else:
         path = resolve_checkpoint(source, Path(source))
-        load_weights_into(path, model, rt, log)
+        load_weights_into(path, model, rt, log, flag)
         # routers whose routing follows the step (DTS-Gate) route as the weights were trained: a run that
         # trains from here sets its own step before each forward
         model.set_router_step(int(read_manifest(path)["step"]) - 1)
