@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -29,17 +30,30 @@ def fsync_path(path: Path) -> None:
 
 
 def scratch_dir(out: Path, verb: str) -> Path:
-    """A new hidden directory beside `out` (`.OUT.VERB-HOST-PID-xxxx`) for work renamed onto it when
+    """A new hidden directory beside `out` (`.OUT.VERB-HOST@NS-PID-xxxx`) for work renamed onto it when
     done, after removing those that runs on this host whose process is gone left: an export or import
     killed outright (SIGKILL, the OOM killer) otherwise left its partial copy, up to the model's size,
     hidden beside OUT for good. A live process's (another export into the same place) and another
-    host's (a shared file system) are kept."""
-    prefix = f".{out.name}.{verb}-{socket.gethostname()}-"
+    host's (a shared file system) are kept, and so are another PID namespace's (containers that share
+    the host's name and the output volume: their PIDs mean nothing here). A PID reused since is taken
+    for the run's: its directory is kept, never a live one removed."""
+    prefix = f".{out.name}.{verb}-{_host_tag()}-"
     for old in out.parent.glob(glob.escape(prefix) + "*"):
-        pid = old.name[len(prefix):].split("-", 1)[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        # exactly PID-xxxx after the prefix: "node-2"'s `.OUT.VERB-node-2-PID-xxxx` also starts with node's
+        pid = re.fullmatch(r"(\d+)-[^-]+", old.name[len(prefix):])
+        if pid and not _process_alive(int(pid[1])):
             shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=out.parent))
+
+
+def _host_tag() -> str:
+    """This host's name and, where Linux says it, its PID namespace (`HOST@NS`): the scope in which the
+    PIDs of scratch_dir's names are this process's to check."""
+    host = socket.gethostname()
+    try:
+        return f"{host}@{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:  # (no /proc: macOS)
+        return host
 
 
 def _process_alive(pid: int) -> bool:

@@ -31,3 +31,26 @@ def test_a_host_tier_run_that_fails_after_joining_leaves_no_group(tmp_path):
     from longctx.job.launch import finish_distributed
     finish_distributed()
     assert not dist.is_initialized()
+
+
+def test_a_group_the_program_made_after_ending_a_runs_own_is_left_to_it(tmp_path):
+    """launch recorded "the group is ours" as a flag that outlived the group: a program that ended a run's group
+    itself (dist.destroy_process_group) and made its own had that one ended under it by the next failed run."""
+    quiet = lambda *a, **k: None  # noqa: E731
+    train(load_config("configs/debug.toml", [*TINY, f"--train.run_dir={tmp_path / 'a'}"]), log=quiet)
+    dist.destroy_process_group()  # the program's own clean-up of the run's group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # and its own group
+    mine = dist.group.WORLD
+    try:
+        blocked = tmp_path / "not_a_dir"
+        blocked.write_text("a file where the run directory goes")
+        with pytest.raises(FileExistsError):
+            train(load_config("configs/debug.toml", [*TINY, f"--train.run_dir={blocked}"]), log=quiet)
+        assert dist.is_initialized() and dist.group.WORLD is mine, "a failed run ended the program's own group"
+        from longctx.job.launch import finish_distributed
+
+        finish_distributed()  # (theirs to end: no barrier, no destruction)
+        assert dist.is_initialized() and dist.group.WORLD is mine
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

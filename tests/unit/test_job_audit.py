@@ -94,8 +94,10 @@ def test_ranks_per_node_must_divide_the_world(given, monkeypatch):
 def test_ranks_per_node_given_or_the_launchers(given, env, expected, monkeypatch):
     if env is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    else:
+    else:  # (a launched rank's: the launching shell's own is not this job's, test_stray_local_world_size.py)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", env)
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = load_config("configs/debug.toml", [f"--parallel.ranks_per_node={given}"])
     assert ranks_per_node(cfg, 8) == expected
 

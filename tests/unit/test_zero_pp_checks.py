@@ -23,7 +23,8 @@ def test_hpz_group(args, world, group):
 
 
 def test_hpz_node_size_from_the_launcher(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for name, value in {"LOCAL_WORLD_SIZE": "4", "RANK": "0", "WORLD_SIZE": "8"}.items():  # (a launched rank)
+        monkeypatch.setenv(name, value)
     cfg = _cfg("--parallel.zero_pp=hpz")
     assert hpz_group(cfg, check_layout(cfg, 8)) == 4
 

@@ -208,8 +208,9 @@ def read_toml(path: str | Path, what: str, hint: str) -> dict:
     if not p.is_file():
         raise ConfigError(f"{what} '{path}' " + ("is a directory, not a file" if p.is_dir() else "does not exist")
                           + f". {hint}")
-    try:  # (TOML is UTF-8: a file in another encoding, UTF-16 say, or unreadable was a raw traceback)
-        return tomllib.loads(p.read_text(encoding="utf-8"))
+    try:  # (TOML is UTF-8: a file in another encoding, UTF-16 say, or unreadable was a raw traceback; a UTF-8
+        # byte-order mark, as Windows editors write it, was "Invalid statement (at line 1, column 1)": skipped)
+        return tomllib.loads(p.read_text(encoding="utf-8-sig"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{what} '{path}' is not valid TOML: {e}.") from None
     except UnicodeDecodeError as e:

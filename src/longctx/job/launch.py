@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -192,7 +193,7 @@ def init_distributed(device_type: str, timeout_s: float, host_states: bool = Fal
                         f"the same WORLD_SIZE, MASTER_ADDR and MASTER_PORT, and check that this machine reaches "
                         f"the master. ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     global _CREATED
-    _CREATED = True
+    _CREATED = _recorded()
     # a job that ends in an error leaves by exit: NCCL's communicators are released there
     if "nccl" in backend:
         atexit.register(_destroy_process_group)
@@ -215,7 +216,15 @@ def local_cuda_device() -> int:
     return index
 
 
-_CREATED = False  # whether init_distributed created the default group (then finish_distributed ends it)
+_CREATED = False  # the default group init_distributed made, weakly (then finish_distributed ends it), or False
+
+
+def _recorded():  # (weakly: a stale record is no group's; the default one is never None once made)
+    return False if dist.group.WORLD is None else weakref.ref(dist.group.WORLD)
+
+
+def _ours() -> bool:  # (the group now is that one, not one a program made after ending ours itself)
+    return bool(_CREATED) and dist.is_initialized() and _CREATED() is dist.group.WORLD
 
 
 def init_one_rank_group(device_type: str, host_states: bool = True) -> None:
@@ -226,7 +235,7 @@ def init_one_rank_group(device_type: str, host_states: bool = True) -> None:
     if dist.is_initialized():
         return
     dist.init_process_group(backend_for(device_type, host_states), store=dist.HashStore(), rank=0, world_size=1)
-    _CREATED = True
+    _CREATED = _recorded()
 
 
 def finish_distributed() -> None:
@@ -237,7 +246,7 @@ def finish_distributed() -> None:
     about 1 run in 10 at 4 ranks). A group someone else created (tests, an embedding program) is
     theirs to end."""
     global _CREATED
-    if _CREATED and dist.is_initialized():
+    if _ours():
         from . import comm  # collectives go through comm (tests/unit/test_boundaries.py)
 
         comm.barrier()
@@ -253,7 +262,7 @@ def end_one_rank_group() -> None:
     twice". It has no peer to wait for; a launched job's groups are left to its exit instead, since a
     barrier there could wait for the rank that failed."""
     global _CREATED
-    if _CREATED and dist.is_initialized() and dist.get_world_size() == 1:
+    if _ours() and dist.get_world_size() == 1:
         dist.destroy_process_group()
         release_groups()
         _CREATED = False

@@ -67,8 +67,10 @@ def _restore_caller_state(env, longctx_file, stdout, stderr):
 
 
 def _entry(caller_problem, rank, world, port, fn, args, results, threads):
+    # every rank on this machine, as torchrun says them: a LOCAL_WORLD_SIZE left in the caller's shell was this
+    # job's ranks per node to the ranks (launched: job/checks.py launcher_node_ranks), not to the caller's preflight
     os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
     # a fresh process's random seeds (forked ranks would all share the server's)
     torch.default_generator.seed()
