@@ -62,3 +62,27 @@ def metrics_losses(run_dir: Path) -> dict[int, float]:
     """A run's training loss of each logged step, from its metrics.jsonl."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows if r.get("kind", "train") == "train"}
+
+
+# a draft run's quiet short settings, and a corpus of word salad beside a tiny target run trained on it
+DRAFT_QUIET = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--train.seq_len=64",
+               "--train.global_batch=2", "--metrics.log_interval=1", "--train.warmup_steps=1"]
+
+
+def tiny_target_run(base: Path) -> tuple[list[str], Path]:
+    """(the corpus flags, the checkpoints directory) of a 2-layer target trained 1 step on 40 random documents."""
+    import random
+
+    from longctx.config import load_config
+    from longctx.train.trainer import Trainer
+
+    (base / "docs").mkdir()
+    rng = random.Random(0)
+    for i in range(40):
+        (base / "docs" / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(["def", "return", "self"])
+                                                                for _ in range(rng.randint(3, 30))) + "\n")
+    corpus = [f"--data.corpus={base / 'docs'}", "--data.tokenizer=byte"]
+    cfg = load_config(None, [*DRAFT_QUIET, *corpus, "--model.layers=2", "--model.dim=64", "--model.ffn_dim=128",
+                             "--train.steps=1", f"--train.run_dir={base / 't'}"])
+    Trainer(cfg, log=lambda *a, **k: None).run()
+    return corpus, base / "t" / "checkpoints"

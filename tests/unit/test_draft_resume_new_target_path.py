@@ -5,34 +5,23 @@ the resume refused as "model.init_from is given too; drop model.init_from", a ke
 with or without allow_changes: no command line resumed the draft. Now the change is said as the draft's
 (refused unless asked) and, asked, the new target is the model."""
 
-import random
-
 import pytest
 
 from longctx.config import load_config
 from longctx.config.resume import load_run_config
 from longctx.errors import ConfigError
 from longctx.train.trainer import Trainer
+from probes import DRAFT_QUIET, tiny_target_run
 
-QUIET = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--train.seq_len=64",
-         "--train.global_batch=2", "--metrics.log_interval=1", "--train.warmup_steps=1"]
+QUIET = DRAFT_QUIET
 
 
 @pytest.fixture(scope="module")
 def draft_run(tmp_path_factory):
     base = tmp_path_factory.mktemp("draft-new-target")
-    (base / "docs").mkdir()
-    rng = random.Random(0)
-    for i in range(40):
-        (base / "docs" / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(["def", "return", "self"])
-                                                                for _ in range(rng.randint(3, 30))) + "\n")
-    corpus = [f"--data.corpus={base / 'docs'}", "--data.tokenizer=byte"]
-
-    def run(*args):
-        Trainer(load_config(None, [*QUIET, *corpus, *args]), log=lambda *a, **k: None).run()
-
-    run("--model.layers=2", "--model.dim=64", "--model.ffn_dim=128", "--train.steps=1", f"--train.run_dir={base / 't'}")
-    run(f"--draft.target={base / 't' / 'checkpoints'}", "--train.steps=1", f"--train.run_dir={base / 'd'}")
+    corpus, checkpoints = tiny_target_run(base)
+    Trainer(load_config(None, [*QUIET, *corpus, f"--draft.target={checkpoints}", "--train.steps=1",
+                               f"--train.run_dir={base / 'd'}"]), log=lambda *a, **k: None).run()
     return base
 
 

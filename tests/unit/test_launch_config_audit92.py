@@ -17,6 +17,7 @@
 """
 
 import pytest
+from test_launch_env_audit import _env as _only
 
 from longctx.config import Config, to_toml
 from longctx.config.resume import load_run_config
@@ -86,15 +87,6 @@ def test_a_length_the_layout_cannot_cut_names_its_key(given, key):
     assert str(e.value).startswith(f"{key}: ")
 
 
-_LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
-
-
-def _only(monkeypatch, **env):
-    for name in _LAUNCH_NAMES:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("env, missing", [({"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29512"},
