@@ -11,7 +11,7 @@ import pytest
 
 from longctx.config.load import load_config, to_dict, to_toml
 from longctx.config.resume import load_run_config
-from longctx.errors import DataError
+from longctx.errors import ConfigError, DataError
 
 
 class _OsWithAHolder:
@@ -87,10 +87,18 @@ def test_a_resume_naming_another_preset_builds_that_preset_when_changes_are_allo
     run.mkdir()
     (run / "config.toml").write_text(to_toml(load_config(None, ["--model.preset=debug", "--model.layers=2",
                                                                 f"--train.run_dir={run}"])))
+    # debug -> debug-moe changes the weights (experts), which no flag makes the checkpoint load into
+    # (config/weight_shapes.py): refused at once, naming that alone, the saved run's own 2 layers kept
+    with pytest.raises(ConfigError, match=r"shapes of the model's weights \(model\.moe\.experts 0 -> 8\)"):
+        load_run_config(None, [f"--train.run_dir={run}", "--checkpoint.resume=auto", "--model.preset=debug-moe",
+                               "--checkpoint.allow_changes=true"], False)
+    # a preset of the same weights (debug's own shapes given through debug-moe's preset, dense): built as asked
+    same = ["--model.moe.experts=0", f"--model.ffn_dim={load_config(None, ['--model.preset=debug']).model.ffn_dim}",
+            "--model.layers=2"]
     cfg, resumed = load_run_config(None, [f"--train.run_dir={run}", "--checkpoint.resume=auto",
-                                          "--model.preset=debug-moe", "--checkpoint.allow_changes=true"], False)
+                                          "--model.preset=debug-moe", *same, "--checkpoint.allow_changes=true"], False)
     # the reference: debug-moe with the saved run's own change (2 layers) on top
-    expected = to_dict(load_config(None, ["--model.preset=debug-moe", "--model.layers=2"]))["model"]
+    expected = to_dict(load_config(None, ["--model.preset=debug-moe", *same]))["model"]
     got = to_dict(cfg)["model"]
     assert {k: (got[k], v) for k, v in expected.items() if got[k] != v} == {}
     assert "model.preset 'debug' -> 'debug-moe'" in resumed.describe()

@@ -53,4 +53,6 @@ def _moe_structure(c: dict) -> dict:
 
 def _moe_structure_differences(saved: dict, configured: dict) -> dict:
     a, b = _moe_structure(saved), _moe_structure(configured)
+    if not (a["moe.experts"] and b["moe.experts"]):  # (dense on one side: that is the difference, not its keys')
+        return {} if a == b else {"moe.experts": (a["moe.experts"], b["moe.experts"])}
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
