@@ -188,6 +188,9 @@ def _probe(args, run_dir, steps=1, poison=None):
     for key in ("raw", "applied", "after"):
         out[key] = [{n: g.numpy() for n, g in d.items()} for d in out[key]]
     out["before"] = {n: g.numpy() for n, g in out["before"].items()}
+    from longctx.job.launch import finish_distributed
+
+    finish_distributed()  # (the one-rank group a world-1 host run made, as `longctx train` ends it; spawn's: not ours)
     return out
 
 
