@@ -106,15 +106,3 @@ def test_half_of_a_launchers_pair_is_refused_before_any_work(env, missing, comma
     given = next(k for k in ("WORLD_SIZE", "RANK") if k in env)
     assert f"{given}={env[given]} is set but {missing} is not" in err and f"unset {given}" in err
     assert started == [] and not any(tmp_path.iterdir())
-
-
-@pytest.mark.parametrize("env", [{}, {"WORLD_SIZE": "1"}, {"RANK": "0"}])
-def test_no_launcher_or_a_one_process_remnant_still_launches(env, monkeypatch, tmp_path):
-    from longctx import cli
-
-    _only(monkeypatch, **env)
-    started = []
-    monkeypatch.setattr(cli, "_train", lambda args, overrides, cfg, nproc, *a: started.append(nproc) or 0)
-    monkeypatch.chdir(tmp_path)
-    assert cli.main(["train", "--nproc", "2"]) == 0
-    assert started == [2]

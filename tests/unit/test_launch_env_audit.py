@@ -68,9 +68,12 @@ def test_srun_tasks_without_a_launcher_are_refused_before_any_work(command, monk
 
 
 @pytest.mark.parametrize("env", [{"SLURM_NTASKS": "8", "SLURM_PROCID": "0"},
-                                 {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}])
+                                 {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"},
+                                 {}, {"WORLD_SIZE": "1"}, {"RANK": "0"}])
 def test_a_batch_script_alone_or_one_srun_task_still_launches(env, monkeypatch, tmp_path):
-    """The batch script (SLURM_NTASKS of the allocation, no step) and `srun -n 1` run the job as usual."""
+    """The batch script (SLURM_NTASKS of the allocation, no step) and `srun -n 1` run the job as usual; so does no
+    launcher at all, and the one-process remnant of torchrun's pair (WORLD_SIZE=1 or RANK=0 alone: one job, not
+    half a launch, tests/unit/test_launch_config_audit92.py)."""
     from longctx import cli
 
     _env(monkeypatch, **env)

@@ -139,9 +139,10 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     merged = _merge(base, given)
     merged.setdefault("train", {})["run_dir"] = given.get("train", {}).get("run_dir") or str(run_dir)
     cfg = build_config(merged)
-    diffs = _differences(before, to_dict(cfg))
+    after = to_dict(cfg)
+    diffs = _differences(before, after)
     _refuse_another_seed(diffs, cfg, run_dir)
-    _refuse_other_weights(before["model"], to_dict(cfg)["model"], cfg, run_dir)
+    _refuse_other_weights(before["model"], after["model"], cfg, run_dir)
     _refuse_unasked(diffs, cfg, run_dir)
     return cfg, Resumed(run_dir, [f"{s}.{k} {_show(a)} -> {_show(b)}" for s, k, a, b in diffs])
 

@@ -109,7 +109,7 @@ def launcher_node_ranks(world: int) -> int:
     """The ranks of this node as a launcher says them (LOCAL_WORLD_SIZE, which check_launcher_env checks), read
     in a launched rank only: in the shell that launches (`--nproc N`: every rank on this machine) one left
     from elsewhere was taken for this job's, and a non-number was int()'s traceback."""
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # (launch.under_launcher, not imported for it)
     text = os.environ.get("LOCAL_WORLD_SIZE", "")
     return int(text) if launched and text.isdigit() else world
 

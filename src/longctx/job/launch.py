@@ -250,8 +250,7 @@ def finish_distributed() -> None:
         from . import comm  # collectives go through comm (tests/unit/test_boundaries.py)
 
         comm.barrier()
-        dist.destroy_process_group()
-        release_groups()
+        _destroy_process_group()
     _CREATED = False
 
 
@@ -263,8 +262,7 @@ def end_one_rank_group() -> None:
     barrier there could wait for the rank that failed."""
     global _CREATED
     if _ours() and dist.get_world_size() == 1:
-        dist.destroy_process_group()
-        release_groups()
+        _destroy_process_group()
         _CREATED = False
 
 

@@ -98,8 +98,8 @@ def _note_dropped_state(ckpt, log) -> None:
     """A sync run resumed from a co2 run's checkpoint (its ranks' own CO2 state beside it) says what it leaves
     behind: it went on from replica 0's weights and AdamW moments, the outer momentum and the other
     replicas' progress dropped without a word (docs/parallelism.md says it; the run did not)."""
-    resumed = getattr(ckpt, "resumed_from", None) if ckpt is not None else None
-    if resumed is None or not (resumed[0] / local_state_file(getattr(ckpt, "rank", 0))).is_file():
+    resumed = ckpt.resumed_from if ckpt is not None else None
+    if resumed is None or not (resumed[0] / local_state_file(ckpt.rank)).is_file():
         return
     log(f"co2: {resumed[0].name} was written by a train.data_parallel = co2 run; under sync this run goes on from "
         f"its replica 0's weights and AdamW moments: the other replicas' progress since their last merge (none "

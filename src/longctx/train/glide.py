@@ -397,8 +397,9 @@ class CloverTraining(GlideTraining):
 def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> CloverTraining:
     """The frozen target (train/glide.py frozen_target), a Clover draft initialised from train.seed
     (draft.vocab's ids from the data), on one rank."""
-    if clover_ranks_problem(cfg, rt.world):  # (preflight refused it before launch; a job torchrun started: here)
-        raise ConfigError(clover_ranks_problem(cfg, rt.world))
+    problem = clover_ranks_problem(cfg, rt.world)  # (preflight refused it before launch; a torchrun job: here)
+    if problem:
+        raise ConfigError(problem)
     d = cfg.draft
     target, head, path = frozen_target(cfg, device, rt, log)
     draft = CloverDraft(cfg.model, d.vocab).to(device)
