@@ -77,7 +77,7 @@ def _cmd_train(args, overrides) -> int:
 
 def _train(args, overrides, cfg, nproc: int, launching: bool, resumed: bool) -> int:
     """`longctx train` once its config is known: the preflight and a relaunch on `nproc` ranks, or this rank's run."""
-    from .job.launch import relaunch
+    from .job.relaunch import relaunch
     from .train.trainer import train
 
     if launching and resumed:
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     try:
         return args.func(args, rest)
     except UserError as e:
-        from .job.launch import hand_error_to_launcher
+        from .job.relaunch import hand_error_to_launcher
 
         if hand_error_to_launcher(str(e), e.exit_code):
             return e.exit_code  # `longctx train --nproc N` prints it, once for all the ranks that hit it
@@ -346,7 +346,7 @@ def main(argv=None) -> int:
         print("\n".join(textwrap.fill(line, width=100) for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
     except Exception:
-        from .job.launch import another_rank_reported
+        from .job.relaunch import another_rank_reported
 
         if another_rank_reported():  # the launcher prints the error that stopped the job; this is its echo
             sys.stdout.flush()

@@ -8,7 +8,7 @@ threads take the cores the working thread needs, and a debug-moe run on a loaded
 from 7,238 tokens/s to 420 (17x; 29x in the report that found it). With PASSIVE the same run kept
 its speed (docs/benchmarks.md). A process therefore waits passively unless the environment says
 otherwise. The count: `--threads N` (or OMP_NUM_THREADS) where given; each of N local ranks its
-share of the cores (job/launch.py); one process alone as many threads as cores sat idle in the
+share of the cores (job/relaunch.py); one process alone as many threads as cores sat idle in the
 0.3 s before it started (fit_to_idle_cores), so that a thread team does not wait at every parallel
 region for a member the scheduler put aside. `describe` says which, on the run's setup line.
 """

@@ -178,7 +178,7 @@ def test_an_error_on_one_rank_is_printed_once_by_that_rank(tmp_path):
 
 
 def test_errors_of_some_ranks_are_grouped_by_message(tmp_path):
-    from longctx.job.launch import _rank_errors, _ranks_label
+    from longctx.job.relaunch import _rank_errors, _ranks_label
 
     for rank, msg in ((2, "disk full"), (0, "bad"), (3, "disk full")):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps({"message": msg, "exit_code": 1}))

@@ -105,13 +105,13 @@ def test_a_launcher_stopped_by_a_signal_exits_with_the_signals_code(sig, code, m
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     from longctx.errors import UserError
-    from longctx.job import launch
+    from longctx.job import relaunch
 
     def stopped(args):
         raise SignalException(f"Process got signal: {sig}", sigval=getattr(signal, sig))
 
-    monkeypatch.setattr(launch, "run", stopped)
+    monkeypatch.setattr(relaunch, "run", stopped)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # (share_cores leaves a given count alone)
     with pytest.raises(UserError, match=f"stopped by {sig} before the ranks saved") as e:
-        launch.relaunch(2, ["train"])
+        relaunch.relaunch(2, ["train"])
     assert e.value.exit_code == code

@@ -103,7 +103,8 @@ def _say_threads(cfg) -> None:
 
 
 def main(args, overrides) -> int:
-    from ..job.launch import argv_without_nproc, check_launcher_env, refuse_scheduler_tasks, relaunch, under_launcher
+    from ..job.launch import check_launcher_env, refuse_scheduler_tasks, under_launcher
+    from ..job.relaunch import argv_without_nproc, relaunch
     from .request import prepare
 
     if not under_launcher():

@@ -203,7 +203,8 @@ def _cape_table(args, sampling):
 
 
 def main(args, overrides) -> int:
-    from ..job.launch import argv_without_nproc, check_launcher_env, refuse_scheduler_tasks, relaunch, under_launcher
+    from ..job.launch import check_launcher_env, refuse_scheduler_tasks, under_launcher
+    from ..job.relaunch import argv_without_nproc, relaunch
 
     if under_launcher():  # a rank: the layout's size is the job's (its launcher's variables checked first)
         args.nproc = check_launcher_env()[1]

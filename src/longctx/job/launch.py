@@ -9,24 +9,16 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import json
-import logging
 import os
 import signal
 import socket
 import sys
-import tempfile
 import weakref
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
 
-from .. import threads
-from ..errors import REQUEUE_EXIT_CODE, ConfigError, Preempted, UserError
+from ..errors import ConfigError, UserError
 from . import watchdog
 
 
@@ -129,6 +121,9 @@ def _refuse_half_a_launch() -> None:
         f"a whole job of its own, as would each of its peers. Set {missing} in each process (with MASTER_ADDR and "
         f"MASTER_PORT), start the ranks with torchrun, or unset {name} to run one job here (`--nproc N` starts N "
         f"local ranks).")
+
+
+ERROR_DIR_ENV = "LONGCTX_ERROR_DIR"  # (set by job/relaunch.py in the ranks it starts: their errors go there)
 
 
 def launched_by_us() -> bool:
@@ -290,165 +285,3 @@ def new_gloo_group():
     """A gloo process group over every rank, apart from the default one: for background work (async
     checkpoint writes) whose collectives must never interleave with the training loop's."""
     return dist.new_group(backend="gloo", timeout=watchdog.group_timeout())
-
-
-ERROR_DIR_ENV = "LONGCTX_ERROR_DIR"
-
-
-def hand_error_to_launcher(message: str, exit_code: int) -> bool:
-    """Under `longctx train --nproc N`, a rank's error goes to the launcher, which prints each distinct
-    message once, naming the ranks that hit it, instead of N copies glued into each other's lines.
-    Returns False (print it yourself) when not started that way."""
-    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    if not folder or rank is None:
-        return False
-    try:
-        (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"message": message, "exit_code": exit_code}))
-    except OSError:
-        return False
-    return True
-
-
-def another_rank_reported() -> bool:
-    """Whether, under `longctx train --nproc N`, a rank other than this one has handed over an error:
-    a failure here is then its consequence (a peer gone mid-collective), not news. The failing rank
-    writes its report before it exits, so before its peers can see the connection close."""
-    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    if not folder or rank is None:
-        return False
-    return any(f.name != f"rank{rank}.json" for f in Path(folder).glob("rank*.json"))
-
-
-def _rank_errors(folder: Path) -> dict[str, tuple[list[int], int]]:
-    """{message: (ranks, exit code)} of the errors the ranks handed over."""
-    found: dict[str, tuple[list[int], int]] = {}
-    for f in sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
-        try:
-            e = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        ranks, _ = found.setdefault(e["message"], ([], int(e["exit_code"])))
-        ranks.append(int(f.stem[4:]))
-    return found
-
-
-class RankError(UserError):
-    """The errors ranks reported, each once; exits with the first one's code (or the signal's that stopped the job)."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def argv_without_nproc(argv: list[str]) -> list[str]:
-    """The command line each rank runs: the same, less --nproc (the launcher's own option)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            out.append(a)
-    return out
-
-
-def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None:
-    """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure."""
-    with tempfile.TemporaryDirectory(prefix="longctx-errors-") as folder:
-        old = os.environ.get(ERROR_DIR_ENV)
-        os.environ[ERROR_DIR_ENV] = folder
-        try:
-            _relaunch(nproc, argv, monitor_interval, Path(folder))
-        finally:
-            if old is None:
-                os.environ.pop(ERROR_DIR_ENV, None)
-            else:
-                os.environ[ERROR_DIR_ENV] = old
-
-
-def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: Path) -> None:
-    args = get_args_parser().parse_args([
-        "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-        f"--monitor-interval={monitor_interval}", "-m", "longctx", *argv,
-    ])
-    threads.share_cores(nproc)
-    # the launcher's own lines ("Sending process ... closing signal SIGTERM") say nothing the
-    # summary below does not; its errors still show
-    elastic = logging.getLogger("torch.distributed.elastic")
-    level = elastic.level
-    elastic.setLevel(logging.ERROR)
-    try:
-        run(args)
-    except SignalException as e:
-        # this launcher got the signal (torchrun's agent): it sent SIGTERM to the ranks and gave them
-        # 30 s, in which ranks that save on a signal (checkpoint.on_signal) saved and said so
-        _raise_preempted(_rank_errors(error_dir), nproc)
-        # the shell's code of a process a signal ended (130 for Ctrl-C, 143 for SIGTERM), as one process exits:
-        # a script tells an interrupted run from a failed one (it exited 1, a failure's code)
-        raise RankError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
-                        f"on checkpoint.on_signal when the run saves: checkpoint.interval > 0 or "
-                        f"checkpoint.final, from their set-up on; one that came while they started, before it, "
-                        f"stops them with nothing trained since the last checkpoint, which "
-                        f"`--checkpoint.resume auto` continues from).", 128 + int(e.sigval)) from None
-    except ChildFailedError as e:
-        hang = watchdog.hang_report(error_dir, nproc)
-        if hang is not None:  # the ranks' watchdogs fired (parallel.timeout_s): say where each was, once
-            summary, stacks = hang
-            print(f"longctx: Python stacks of the ranks when the watchdog fired:\n{stacks}", file=sys.stderr)
-            raise RankError(summary, watchdog.HANG_EXIT_CODE) from None
-        errors = _rank_errors(error_dir)
-        _raise_preempted(errors, nproc)
-        if errors:
-            lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
-            raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
-        raise _first_failure(e.failures, nproc) from None
-    finally:
-        elastic.setLevel(level)
-
-
-def _first_failure(failures: dict, nproc: int) -> UserError:
-    """The error to raise when no rank reported one of its own: which rank failed first and how, from
-    `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure})."""
-    # The root cause: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before
-    # a rank that exited with an error, before a rank the launcher itself stopped with SIGTERM.
-    def cause(r):
-        code = failures[r].exitcode or 0
-        kind = 0 if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT) else (1 if code > 0 else 2)
-        return kind, failures[r].timestamp, r
-
-    first_rank = min(failures, key=cause)
-    failure = failures[first_rank]
-    what = f"exit code {failure.exitcode}"
-    if failure.exitcode is not None and failure.exitcode < 0:
-        try:
-            what = f"killed by {signal.Signals(-failure.exitcode).name}"
-        except ValueError:
-            pass
-    others = sorted(set(failures) - {first_rank})
-    if failure.exitcode == -signal.SIGKILL:
-        hint = (" Nothing else stops a process without a word: most often it is the out-of-memory killer "
-                "(see `dmesg`); the rank needed more memory than the machine had. Lower train.seq_len, "
-                "use more ranks, or a memory policy (longctx plan picks one).")
-    else:
-        hint = " See that rank's output above for its error."
-    return UserError(
-        f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
-        + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "")
-        + "." + hint
-    )
-
-
-def _raise_preempted(errors: dict[str, tuple[list[int], int]], nproc: int) -> None:
-    """When every rank that reported stopped on a signal after saving (the same step on all), say so
-    once and exit with the requeue code."""
-    if errors and all(code == REQUEUE_EXIT_CODE for _, code in errors.values()):
-        lines = [f"{_ranks_label(ranks, nproc)}: {message}" if len(errors) > 1 else message
-                 for message, (ranks, _) in errors.items()]
-        raise Preempted("\n".join(lines))
-
-
-def _ranks_label(ranks: list[int], nproc: int) -> str:
-    if len(ranks) == nproc and nproc > 1:
-        return f"all {nproc} ranks"
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {nproc}"
