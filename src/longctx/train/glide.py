@@ -323,9 +323,12 @@ def past_target_reach(cfg: Config) -> str:
             f"trains it where the target is trusted.")
 
 
-def set_draft_vocab(draft, cfg: Config, rt: Runtime, log=print) -> None:
-    """draft.vocab > 0: the draft's vocabulary from its training data's counts (models/draft_vocab.py)."""
-    if cfg.draft.vocab:
+def choose_draft_vocab(model, cfg: Config, rt: Runtime, log=print) -> None:
+    """draft.vocab > 0: the draft's vocabulary from its training data's counts (models/draft_vocab.py), in
+    a draft run that starts at step 1. The Trainer asks once it knows: a resumed draft's vocabulary is its
+    checkpoint's (the ids are a saved buffer), and counting was a pass over the whole store on every start."""
+    if cfg.draft.target and cfg.draft.vocab:
+        draft = model.draft
         covered = draft.vocab.set_from_counts(token_counts(cfg, rt, log).to(draft.vocab.ids.device))
         log(f"draft: its vocabulary is the {cfg.draft.vocab:,} tokens of {cfg.model.vocab_size:,} its training data "
             f"uses most, {covered:.1%} of the tokens it trains on (draft.vocab)")
@@ -363,7 +366,6 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     draft.init_weights(cfg.train.seed)
     if d.init == "target":
         init_from_target(draft, target)
-    set_draft_vocab(draft, cfg, rt, log)
     log(f"draft: a {d.layers}-layer GliDe draft (reading target layers {draft.target_layers}, block {d.block}, "
         f"loss {d.loss}) against the frozen target {path}")
     return model
@@ -396,7 +398,7 @@ class CloverTraining(GlideTraining):
 
 def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> CloverTraining:
     """The frozen target (train/glide.py frozen_target), a Clover draft initialised from train.seed
-    (draft.vocab's ids from the data), on one rank."""
+    (draft.vocab's ids from the data once the run knows it starts: choose_draft_vocab), on one rank."""
     problem = clover_ranks_problem(cfg, rt.world)  # (preflight refused it before launch; a torchrun job: here)
     if problem:
         raise ConfigError(problem)
@@ -404,7 +406,6 @@ def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=pr
     target, head, path = frozen_target(cfg, device, rt, log)
     draft = CloverDraft(cfg.model, d.vocab).to(device)
     draft.init_weights(cfg.train.seed)
-    set_draft_vocab(draft, cfg, rt, log)
     model = CloverTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
                            record=draft_record(cfg, "clover"))
     model.loss_chunk = cfg.memory.loss_chunk

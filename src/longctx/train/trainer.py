@@ -47,6 +47,7 @@ from ..step.schedule import lr_at
 from .co2 import co2_rounds
 from .evaluation import evaluate_eval_set
 from .fault_injection import with_step_faults
+from .glide import choose_draft_vocab
 from .guard import StepGuard
 from .hooks import StepHooks
 from .host_update import host_update_hooks
@@ -141,6 +142,8 @@ class Trainer:
                                     read_local=read_local, read_ahead=read_ahead, log=self.log)
         self.ckpt, self.start_step = open_checkpointing(cfg, self.run_dir, rt, self.model, self.optimizer,
                                                         self.sampler, self.log, run_tokenizer(cfg))
+        if self.start_step == 0:  # (a draft run's reduced vocabulary: counted when it starts, a resume's is saved)
+            choose_draft_vocab(self.model, cfg, rt, self.log)
         keep_step_state(self)  # the spike check's window, the routers' placements: saved, restored
         self.saves = RunSaves(self.ckpt, cfg, self.log)  # checkpoint.interval / final / on_save_error
         # train.data_parallel = co2: CO2's rounds over the replicas (co2.py; None under sync)
