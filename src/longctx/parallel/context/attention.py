@@ -89,7 +89,7 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
         layout.check(q.shape[1] * h * c, c, h, q.shape[0])
         me = comm.local_rank(ctx_mesh)
         if given and doc_ids is not None:  # the ring follows the layout's documents: they must be these
-            _check_ids_follow(layout, doc_ids, me, comm.local_rank(head_mesh))
+            _check_ids_follow(layout, doc_ids, ctx_mesh, head_mesh)
         plans = lambda src: _block_plan(layout, me, causal, attention_chunk, src)  # noqa: E731
     elif attention_chunk:
         batch, seq, me = q.shape[0], q.shape[1] * h * c, comm.local_rank(ctx_mesh)
@@ -123,19 +123,37 @@ def _zigzag_grid(batch: int, seq: int, ctx: int, me: int, causal: bool, chunk: i
     return ChunkGrid(qp, kp, None, None, chunk, causal)
 
 
-def _check_ids_follow(layout: SequenceLayout, doc_ids: torch.Tensor, ctx_rank: int, head_rank: int) -> None:
+def _check_ids_follow(layout: SequenceLayout, doc_ids: torch.Tensor, ctx_mesh, head_mesh) -> None:
     """A layout given beside doc_ids is what the ring attends by: refuse ids that are not its own at this
-    rank's positions (other documents, or ids sharded another way), before any communication. Once
-    checked, the ids carry the layout, so the model's other layers do not check again."""
+    rank's positions (other documents, or ids sharded another way), before the attention communicates.
+    Every rank of the head x ctx group learns where the first fault is (one small control all-reduce,
+    not byte-counted) and raises the same error: a fault in one rank's ids alone used to stop that rank
+    while the others waited for it in the all-to-all or the ring. Once checked, the ids carry the
+    layout, so the model's other layers do not check again."""
+    ctx_rank, head_rank = comm.local_rank(ctx_mesh), comm.local_rank(head_mesh)
     expected = layout.doc_ids[np.arange(layout.batch)[:, None], layout.positions[:, ctx_rank, head_rank]]
     got = host_ids(doc_ids)
-    if not np.array_equal(got, expected):
-        rows, cols = np.nonzero(got != expected)
+    faults = torch.zeros(ctx_mesh.size() * head_mesh.size(), 5, dtype=torch.int64)
+    rows, cols = np.nonzero(got != expected)
+    if len(rows):  # (this rank's row of the table: 1, batch row, local token, the ids' document, the layout's)
+        r, c = int(rows[0]), int(cols[0])
+        faults[ctx_rank * head_mesh.size() + head_rank] = torch.tensor([1, r, c, int(got[r, c]), int(expected[r, c])])
+    faults = faults.to(doc_ids.device)
+    for mesh in (head_mesh, ctx_mesh):
+        if mesh.size() > 1:
+            comm.all_reduce_in_group(faults, comm.group_of(mesh))
+    faults = faults.cpu()
+    bad = torch.nonzero(faults[:, 0]).flatten()
+    if len(bad):
+        i = int(bad[0])
+        at_ctx, at_head = divmod(i, head_mesh.size())
+        _, r, c, said, wanted = (int(x) for x in faults[i])
         raise ValueError(
-            f"doc_ids do not match the sequence layout given with them: at batch row {rows[0]}, local token "
-            f"{cols[0]} (global position {layout.positions[rows[0], ctx_rank, head_rank, cols[0]]}) the ids say "
-            f"document {got[rows[0], cols[0]]}, the layout {expected[rows[0], cols[0]]}. Shard the ids with "
-            f"layout.shard like the tokens, and plan the layout from the same batch's ids.")
+            f"doc_ids do not match the sequence layout given with them: on context rank {at_ctx}, head rank "
+            f"{at_head} ({len(bad)} of the {len(faults)} ranks' ids differ), at batch row {r}, local token {c} "
+            f"(global position {layout.positions[r, at_ctx, at_head, c]}) the ids say document {said}, the layout "
+            f"{wanted}. Shard the ids with layout.shard like the tokens, and plan the layout from the same batch's "
+            f"ids.")
     attach_layout(doc_ids, layout, derived=True)
 
 
