@@ -94,7 +94,7 @@ def test_output_whose_partial_is_the_prompts_file_is_refused(hf, tmp_path):
 
 
 def test_a_truncated_safetensors_file_is_one_error_naming_it(hf, tmp_path):
-    from longctx.models.hf import weight_files
+    from longctx.models.hf_files import weight_files
 
     cut = tmp_path / "cut"
     cut.mkdir()

@@ -56,7 +56,7 @@ def check_weight_files(init_from: str, flag: str) -> None:
 
     if init_from.startswith("hf:"):
         from ..config.hf import hf_dir
-        from ..models.hf import weight_files
+        from ..models.hf_files import weight_files
 
         weight_files(hf_dir(init_from))
         return

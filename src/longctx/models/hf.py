@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..config.hf import HFFormatError, model_config, model_fields_from_hf, read_hf_config
 from ..config.hf_export import hf_config_from_model
 from ..progress import phase, say
+from .hf_files import open_safetensors, weight_files
 from .llama import Llama, build_model
 from .moe import moe_layers
 from .shards import local_part, local_slices
@@ -93,42 +93,6 @@ def hf_name(ours: str) -> str:
 def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
     """A parsed Hugging Face config.json -> our ModelConfig."""
     return model_config({**model_fields_from_hf(hf, where), "preset": "hf"})
-
-
-def weight_files(path: Path) -> dict[str, Path]:
-    """Map each tensor name to the safetensors file that holds it; every file there and readable (its
-    header read: a truncated file is refused here, before any weight is read)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-        if missing:
-            raise HFFormatError(f"{index} lists shards that are not in {path}: {', '.join(missing)}. Copy the "
-                                f"missing files (a partial download?) or re-save the model.")
-        for f in sorted(set(weight_map.values())):
-            with open_safetensors(path / f):
-                pass
-        return {name: path / f for name, f in weight_map.items()}
-    single = path / "model.safetensors"
-    if single.is_file():
-        with open_safetensors(single) as f:
-            return {name: single for name in f.keys()}
-    found = sorted(p.name for p in path.iterdir())
-    raise HFFormatError(
-        f"{path} has neither model.safetensors nor model.safetensors.index.json "
-        f"(found: {', '.join(found) or 'nothing'}). "
-        f"Only safetensors checkpoints are read; convert .bin weights with save_pretrained(safe_serialization=True)."
-    )
-
-
-def open_safetensors(file: Path):
-    """safe_open of one safetensors file (on the CPU); a file cut short or damaged (safetensors checks that its
-    header covers the file exactly) is one error naming it, not safetensors' traceback."""
-    try:
-        return safe_open(file, framework="pt", device="cpu")
-    except SafetensorError as e:
-        raise HFFormatError(f"{file} is not a complete safetensors file ({e}): it was cut short or damaged (a "
-                            f"partial download?). Download it again, or re-save the model.") from None
 
 
 @dataclass
@@ -264,6 +228,42 @@ def _nonzero(stored, rows: int = 4096) -> bool:
     return any(stored[lo:lo + rows].any() for lo in range(0, shape[0], rows))
 
 
+_EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _missing_error(model: Llama, files: dict[str, Path], missing: list[str], path: Path) -> HFFormatError:
+    """The tensors config.json implies that the files lack, said as what it is when the files are a Mixture of
+    Experts read as a dense family (model_type qwen2 for a Qwen2-MoE, llama or mistral for a Mixtral): then the
+    config.json key that counts the experts (which the dense family ignores, as transformers' class does) and the
+    MoE families, not only the dense MLP tensors the files lack."""
+    said = f"{path} lacks {len(missing)} tensors that config.json implies, e.g. {', '.join(missing[:3])}"
+    experts = next((n for n in sorted(files) if ".experts." in n), None)
+    if model.cfg.is_moe or experts is None:
+        return HFFormatError(f"{said}; the weights and config.json disagree.")
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        hf = {}
+    count = next((f"{k}={hf[k]}" for k in _EXPERT_COUNT_KEYS if isinstance(hf, dict) and hf.get(k)), None)
+    keys = f" and config.json says {count}" if count else ""
+    return HFFormatError(
+        f"{said}: the files hold a Mixture of Experts (e.g. {experts}){keys}, but config.json's model_type "
+        f"'{model.cfg.family}' is a dense family, which has no experts (transformers' {model.cfg.family} class "
+        f"ignores the expert keys too). Set model_type to the weights' Mixture-of-Experts family (mixtral, "
+        f"qwen2_moe, qwen3_moe or olmoe, the ones longctx reads), with its expert keys.")
+
+
+def _with_model_prefix(files: dict[str, Path]) -> tuple[dict[str, Path], dict[str, str]]:
+    """(files by the causal LM's names, {that name: the name stored} where they differ). A base model's checkpoint
+    (saved from AutoModel, as embedding models ship: `embed_tokens.weight`, `layers.0. ...`, no `model.` prefix)
+    is read as transformers' AutoModelForCausalLM reads it, with the prefix added (its head: the tied embedding;
+    an untied one is missing and refused, where transformers would draw it at random)."""
+    if "model.embed_tokens.weight" in files or "embed_tokens.weight" not in files:
+        return files, {}
+    renamed = {name if name.startswith(("model.", "lm_head.")) else f"model.{name}": name for name in files}
+    return {new: files[old] for new, old in renamed.items()}, {new: old for new, old in renamed.items() if new != old}
+
+
 @torch.no_grad()
 def load_hf_weights(model: Llama, path: str | Path) -> None:
     """Fill `model` (materialised, possibly FSDP-sharded) from the safetensors in `path`, each rank
@@ -271,13 +271,12 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
     either expert layout). Reading a large model takes minutes: it runs as a progress phase that
     counts the MB this rank has filled."""
     path = Path(path)
-    files = weight_files(path)
+    files, stored_as = _with_model_prefix(weight_files(path))
     params = dict(model.named_parameters())
     sources = _sources(model, files)
     missing = [name for src in sources.values() for name in src.names if name not in files]
     if missing:
-        raise HFFormatError(f"{path} lacks {len(missing)} tensors that config.json implies, e.g. "
-                            f"{', '.join(missing[:3])}; the weights and config.json disagree.")
+        raise _missing_error(model, files, missing, path)
     with ExitStack() as stack:
         opened: dict[Path, object] = {}
 
@@ -285,7 +284,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
             file = files[name]
             if file not in opened:
                 opened[file] = stack.enter_context(open_safetensors(file))
-            return opened[file].get_slice(name), file
+            return opened[file].get_slice(stored_as.get(name, name)), file
 
         for ours, src in sources.items():  # every shape first: a mismatch is refused before anything is read
             for name in src.names:

@@ -34,7 +34,7 @@ from ..durable import file_in_the_way
 from ..errors import ConfigError, DataError
 from ..job.checks import check_layout, ranks_per_node
 from ..job.devices import resolve_device, resolve_dtype
-from ..models.hf import weight_files
+from ..models.hf_files import weight_files
 from .host_budget import check_host_memory
 from .setup import (
     check_mix,
