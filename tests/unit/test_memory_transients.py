@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from live_storage import LiveStorages
 from longctx.config import load_config
-from longctx.memory.accounting import block_part_bytes, estimate_activations
+from longctx.memory.accounting import block_part_bytes, estimate_activations, loss_saved_bytes
 from longctx.memory.moe_counts import moe_call_bytes, moe_ffn_bytes
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.transients import (
@@ -207,16 +207,19 @@ def test_transient_takes_the_larger_of_a_moe_models_blocks():
     """A MoE model's transient is its widest block's. bf16, 64 tokens, per token: the dense model's
     peak is the core's backward (residual gradient 16, attention output gradient 16, fp32 dq and
     dk/dv accumulators 64, k and v repeated to both query heads with gradients 64: 160 B); with the
-    MoE block, `pre` (dy and dx 32, dq, dk, dv 32) plus the MoE feed-forward's gradients (120) is
-    wider: 184 B; wider experts widen it by their gradients."""
+    MoE block, `post` (dy and dx 32, the attention output's gradient 16) plus the MoE feed-forward's
+    gradients (120) is wider: 168 B; wider experts widen it by their gradients. (Not `pre`: the
+    feed-forward's gradients are gone by then.) Each less the 76 B the loss's backward freed before
+    (the final norm's 68 in bf16, the log-softmax's 4 x vocab 2: loss_saved_bytes)."""
     pol = MemoryPolicy("none")
     args = dict(head=1, ctx=1, policy=pol, dtype_bytes=2, docs=False)
     narrow_vocab = dataclasses.replace(TINY_MOE, vocab_size=2)
     dense_only = dataclasses.replace(narrow_vocab, moe_dense_layers="0-1")
-    assert transient_bytes(dense_only, 64, 1, **args) == 64 * 160
-    assert transient_bytes(narrow_vocab, 64, 1, **args) == 64 * (32 + 32 + 120) == 64 * 184
+    assert loss_saved_bytes(narrow_vocab, 64, 1, policy=pol, dtype_bytes=2) == 64 * 76
+    assert transient_bytes(dense_only, 64, 1, **args) == 64 * (160 - 76)
+    assert transient_bytes(narrow_vocab, 64, 1, **args) == 64 * (32 + 16 + 120 - 76)
     wide_experts = dataclasses.replace(narrow_vocab, moe_expert_dim=200)
-    assert transient_bytes(wide_experts, 64, 1, **args) == 64 * (64 + 2 * 2 * 3 * 200 + 8 + 16)
+    assert transient_bytes(wide_experts, 64, 1, **args) == 64 * (48 + 2 * 2 * 3 * 200 + 8 + 16 - 76)
 
 
 @pytest.mark.parametrize("over", [{}, {"moe.expert_dim": 64}, {"moe.expert_dim": 256, "moe.top_k": 3},

@@ -163,6 +163,22 @@ def _outside_blocks(model: ModelConfig, part: dict[str, float], p: int, offloade
     )
 
 
+def loss_saved_bytes(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
+                     policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4) -> float:
+    """Device bytes of the saved activations that the loss's backward frees before any block's backward
+    runs: the final norm's and the loss's own (what `_outside_blocks` counts beyond the RoPE tables and the
+    embeddings output) and the last block's output when the final norm or the chunked loss is what holds it
+    (`_output_held`). A block's backward peak (memory/transients.py) sits on the saved total less these."""
+    p, L = dtype_bytes, model.layers
+    tokens = micro_batch * seq_len // (head * ctx)
+    loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
+    part = block_part_bytes(model, head, p)
+    per_token = (0 if loss_chunked else part["norm"]) + (4 if loss_chunked else 4 * model.vocab_size)
+    if _output_held(p, policy.recompute, L - 1, L, loss_chunked):
+        per_token += part["block_out"]
+    return tokens * per_token
+
+
 @dataclass
 class LayerActivations:
     """One block's share of `estimate_activations`, in bytes per rank and micro-batch."""

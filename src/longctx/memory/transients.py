@@ -11,8 +11,10 @@ Double-Ring inner ring, 0 = plain ring); all bytes are per rank and micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..config import ModelConfig
-from .accounting import ActivationEstimate, block_part_bytes, estimate_activations
+from .accounting import ActivationEstimate, block_part_bytes, estimate_activations, loss_saved_bytes
 from .moe_counts import expert_rows
 from .policy import MemoryPolicy
 
@@ -186,18 +188,21 @@ def ffn_backward_bytes(m: ModelConfig, tokens: int, e: int, moe: bool = False, e
 
 def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, part: dict[str, float],
                            e: int, moe: bool = False) -> float:
-    """Bytes of the piece of the token-wise parts that backward holds at once: under `none` the
-    MLP's two widest gradients over all tokens; recomputed, the piece's saved tensors (block_chunk
-    tokens, or all of them: under selective + offload the larger of the stored and the recomputed
-    shares) with those gradients. `moe`: a MoE layer's block (`part` is then its parts, and the
-    gradients are its feed-forward's, ffn_backward_bytes)."""
+    """Bytes of the piece of post (the token-wise parts after the attention core) that backward holds
+    at once: under `none` the MLP's two widest gradients over all tokens; recomputed, the piece's saved
+    tensors (block_chunk tokens, or all of them: under selective + offload the larger of the stored and
+    the recomputed shares) with those gradients. Post's recomputation saves the MLP norm's tensors, its
+    input h (`residual`, in fp32) and the MLP's intermediates; not the block input (the checkpoint's own
+    input, already saved: `norm_input` is pre's) nor the block output (non-reentrant checkpointing stops
+    the recomputation once the saved tensors are back). `moe`: a MoE layer's block (`part` is then its
+    parts, and the gradients are its feed-forward's, ffn_backward_bytes)."""
     A = policy.offload_fraction
     ec = policy.expert_chunk
     if policy.recompute == "none":
         return ffn_backward_bytes(m, tokens, e, moe, ec)
     whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
     piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
-    post = part["norm"] + part["norm_input"] + part["residual"] + part["mlp"] + part["block_out"]
+    post = part["norm"] + part["residual"] + part["mlp"]
     if moe and m.is_moe and ec and piece_tokens * m.moe_top_k > ec:
         post -= 4 * e * m.moe_top_k * m.resolved_expert_dim  # the experts' intermediates: one piece's (above)
     return piece_tokens * post + ffn_backward_bytes(m, int(piece_tokens), e, moe, ec)
@@ -229,16 +234,20 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     state_post = (e * q_dim if host_chunks else part["core"] + seq_out) if full else 0.0
     state_core = (0.0 if host_chunks else part["core"]) if full else 0.0
     piece = recomputed_piece_bytes(m, t, policy, part, e, moe)
-    # model.qk_norm: the q/k norms' saved tensors, recomputed, live until the q/k/v projections' backward:
-    # under `full` without block chunks from the block's recompute on (post, core and pre), otherwise
-    # for the piece `pre`'s backward recomputes (none: saved activations, counted by memory.accounting)
-    qk_pre = qk_block = 0.0
+    # pre's recomputed saved tensors (the attention norm's; with model.qk_norm the q/k norms' too) live
+    # until the q/k/v projections' backward: under `full` without block chunks from the block's recompute
+    # on (post, core and pre), otherwise for the piece `pre`'s backward recomputes (none: saved
+    # activations, counted by memory.accounting). While a piece's pre is recomputed, also its
+    # projections' outputs and RoPE's temporaries of q (rotate_half's copy, the products with cos and
+    # sin, their sum: 4 of q). Not post's piece: the MLP's tensors and gradients are gone by then.
+    pre_piece = pre_block = 0.0
     if policy.recompute != "none":
-        qk_pre = qk_norm_piece_tokens(t, policy) * part["qk_norm"]
-        qk_block = t * part["qk_norm"] if full and not policy.block_chunk else 0.0
-    return {"post": t * (2 * X + e * q_dim + state_post) + piece + qk_block,
-            "core": t * (X + e * q_dim + state_core + core_work) + pair + qk_block,
-            "pre": t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + piece + qk_pre}
+        pre_tokens = qk_norm_piece_tokens(t, policy)
+        pre_piece = pre_tokens * (part["norm"] + part["qk_norm"] + e * (5 * q_dim + 2 * kv_dim))
+        pre_block = t * (part["norm"] + part["qk_norm"]) if full and not policy.block_chunk else 0.0
+    return {"post": t * (2 * X + e * q_dim + state_post) + piece + pre_block,
+            "core": t * (X + e * q_dim + state_core + core_work) + pair + pre_block,
+            "pre": t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + pre_piece}
 
 
 def qk_norm_piece_tokens(tokens: int, policy: MemoryPolicy) -> float:
@@ -260,8 +269,11 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
                     policy: MemoryPolicy, dtype_bytes: int, docs: bool,
                     acts: ActivationEstimate | None = None) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
-    backward and one block's backward. A block's backward runs in phases, and what is alive in each
-    follows the implementation (autograd frees a gradient once its consumer has run):
+    backward and one block's backward, the latter less what the loss's backward freed before it
+    (`loss_saved_bytes`: the final norm's and the loss's saved tensors, the last block's output they
+    held; with an unchunked loss over a large vocabulary 4 x vocab bytes per token, once counted twice
+    at the block's peak). A block's backward runs in phases, and what is alive in each follows the
+    implementation (autograd frees a gradient once its consumer has run):
 
     - throughout: what comes back from the host under offload: the block's host tier and the next
       block's (prefetched one block ahead);
@@ -282,7 +294,9 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
       the state comes back one chunk at a time and dq accumulates on the host, so only the
       returned dq, dk, dv span all tokens;
     - `pre` backward: the residual gradient, the input gradient being built, dq, dk, dv in the
-      sequence layout (and, under the all-to-all, its head-layout copy), one piece.
+      sequence layout (and, under the all-to-all, its head-layout copy), one piece of pre recomputed:
+      its norms' saved tensors, its projections' outputs and RoPE's temporaries (not post's piece: the
+      MLP's intermediates and gradients are gone by then).
 
     Not modelled: the attention kernel's own workspace. On CPU, glibc keeps freed heap memory
     mapped (its mmap threshold grows with the largest freed block), so a process's RSS can exceed
@@ -292,19 +306,37 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     estimates of the allocator's behaviour; the saved activations are the exact part."""
     e = dtype_bytes
     t = micro_batch * seq_len // (head * ctx)
-    # a MoE model's MoE and dense blocks differ: the larger of the two
+    block = _block_backward_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
+                                  e=e, docs=docs, acts=acts)
+    # a block's backward runs after the loss's: what the final norm and the loss saved is freed by then
+    freed = loss_saved_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e)
+    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e))
+
+
+def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
+                          policy: MemoryPolicy, e: int, docs: bool, acts: ActivationEstimate | None) -> float:
+    """The largest block backward's bytes beyond the saved activations (transient_bytes). Under offload
+    the blocks differ: an offloaded block's backward holds its host tier brought back and the next
+    one's (prefetched), and recomputes max(A, 1 - A) of its tokens' post under selective; a kept block
+    (the last offload_skip_last) recomputes all its tokens, with the offloaded block before it
+    prefetched. A MoE model's MoE and dense blocks differ too: the largest of them."""
     sparse = set(m.moe_layer_ids)
     kinds = {i in sparse for i in range(m.layers)} or {False}
-    block_phases = max((backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window,
-                                             policy=policy, dtype_bytes=e, docs=docs, moe=moe) for moe in kinds),
-                       key=lambda ph: max(ph.values()))
-    back = 0.0
-    if policy.offload_fraction:
-        acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
-                                            dtype_bytes=e, docs=docs)
-        back = 2 * acts.per_block_host
-    block = back + max(block_phases.values())
-    return max(block, lm_head_bytes(m, t, policy.loss_chunk, e))
+
+    def phases(pol: MemoryPolicy) -> float:
+        return max(max(backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=pol,
+                                            dtype_bytes=e, docs=docs, moe=moe).values()) for moe in kinds)
+
+    offloaded = max(0, m.layers - policy.offload_skip_last) if policy.offload_fraction else 0
+    if not offloaded:
+        return phases(policy)
+    acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
+                                        dtype_bytes=e, docs=docs)
+    off = 2 * acts.per_block_host + phases(policy)
+    if offloaded == m.layers:
+        return off
+    kept = acts.per_block_host + phases(dataclasses.replace(policy, offload_fraction=0.0))
+    return max(off, kept)
 
 
 def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: float, policy: MemoryPolicy,
