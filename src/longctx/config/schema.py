@@ -238,7 +238,8 @@ class TrainConfig:
                             "constant = train.lr after the warmup", choices=("cosine", "linear", "1-sqrt", "constant"))
     lr_decay_fraction: float = _opt(1.0, "the share of train.steps the decay takes, at the run's end; below 1 the "
                                          "lr holds at train.lr until then (warmup-stable-decay, WSD)")
-    weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norms)")
+    weight_decay: float = _opt(0.1, "AdamW weight decay, on matrices only (embeddings, projections, routers, experts): "
+                                      "not on norms or biases (every 1-D parameter)")
     beta1: float = _opt(0.9, "AdamW beta1")
     beta2: float = _opt(0.95, "AdamW beta2")
     eps: float = _opt(1e-8, "AdamW epsilon")
