@@ -45,3 +45,34 @@ def test_a_fault_in_one_ranks_ids_is_the_same_error_on_every_rank():
     assert message.startswith("doc_ids do not match the sequence layout given with them: on context rank 1, "
                               "head rank 1 (1 of the 4 ranks' ids differ), at batch row 1, local token 2"), message
     assert all(not sent for _, sent in results), results  # refused before the attention's traffic
+
+
+def _layouts_differ():
+    """ctx 2: rank 1 plans its layout from other documents (its own ids its own layout's, so the ids check
+    alone passes): under rank 0's layout every document stays on its rank (the ring is skipped), under
+    rank 1's one straddles (the ring runs): without the check rank 0 returned while rank 1 waited in the ring."""
+    mesh = ParallelDims(dp_shard=1, ctx=2, world_size=2).build_mesh("cpu")
+    rank = comm.local_rank(comm.sub_mesh(mesh, "ctx"))
+    doc = torch.zeros(1, S, dtype=torch.long)
+    doc[0, S // 2:] = 1
+    if rank == 1:
+        doc[0, 4:] = 1  # another batch's documents
+    layout = plan_layout(doc, 2, 1, balance="docs")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (layout.shard(torch.randn(1, S, H, D, generator=g), mesh) for _ in range(3))
+    comm.reset_counters()
+    try:
+        distributed_attention(q, k, v, mesh, doc_ids=layout.shard(doc, mesh), layout=layout)
+    except ValueError as e:
+        return str(e), layout.documents_stay_on_their_rank, comm.counters()
+    return "no error", layout.documents_stay_on_their_rank, comm.counters()
+
+
+def test_layouts_that_differ_between_ranks_are_the_same_error_on_every_rank():
+    results = run_spawned(2, _layouts_differ, timeout=120)
+    assert [stay for _, stay, _ in results] == [True, False]  # (the case this test is for: the ring decided apart)
+    messages = {message for message, _, _ in results}
+    assert len(messages) == 1, messages
+    assert messages.pop().startswith("the sequence layouts given with doc_ids differ between the ranks of the head "
+                                     "x ctx group (the layouts of group ranks [1] are not rank 0's)")
+    assert all(not sent for _, _, sent in results), results

@@ -47,8 +47,11 @@ def test_bench_attention_docs_reports_documents_memory_imbalance_and_bytes():
         assert sum(imb[balance]["rank_work"]) == doc["documents"]["visible_pairs"]
     assert [r["visible_pairs"] for r in doc["per_rank"]] == imb["docs"]["rank_work"]
 
-    # with a layout, documents cost no bytes: the closed form without documents, to the byte
-    expected = attention_bytes(seq=512, batch=1, heads=8, kv_heads=8, head_dim=64, head=1, ctx=2, elem=4, docs=False)
+    # with a layout, documents cost no bytes, and these 64-token documents each stay on one context rank: the
+    # ring is skipped, nothing is sent (the closed form says so, to the byte)
+    expected = attention_bytes(seq=512, batch=1, heads=8, kv_heads=8, head_dim=64, head=1, ctx=2, elem=4, docs=False,
+                               docs_stay=True)
+    assert expected == {}
     assert doc["bytes_closed_form"] == expected and doc["bytes_match_closed_form"]
     assert all(r["bytes"] == expected for r in doc["per_rank"])
     assert {"loadavg_1m_start", "pytest_processes_start"} <= set(doc["machine"])

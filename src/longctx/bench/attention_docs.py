@@ -9,7 +9,8 @@ first samples. It measures:
   inputs are built, the peak reset first; and peak live tensor-storage bytes);
 - the distributed run with the document ids and the sequence layout (--seq-balance docs|zigzag): CPU
   seconds summed over ranks against the per-document sum (alone and at the ranks' load), bytes
-  against the closed form without documents (with a layout documents cost no bytes);
+  against the closed form without documents (with a layout documents cost no bytes; documents that each
+  stay on one context rank skip the ring: no ring bytes);
 - the work imbalance (max / mean visible query-key pairs over context ranks) of both layouts.
 """
 
@@ -307,7 +308,9 @@ def run_docs(args) -> dict:
         loaded = run_spawned(args.world, _one_process, args, ids, "per_document", threads=args.threads)
     expected = attention_bytes(seq=args.seq_len, batch=args.micro_batch, heads=args.heads, kv_heads=args.kv_heads,
                                head_dim=args.head_dim, head=args.head, ctx=args.ctx,
-                               elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size(), docs=False)
+                               elem=torch.empty(0, dtype=DTYPES[args.dtype]).element_size(), docs=False,
+                               docs_stay=plan_layout(ids, args.ctx, args.head,
+                                                     balance=args.seq_balance).documents_stay_on_their_rank)
     work = _work(ids, args)
     rank_cpu = [r["fwd_cpu_s"] + r["bwd_cpu_s"] for r in ranks]
     sum_cpu = sum(rank_cpu)

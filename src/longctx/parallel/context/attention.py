@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +79,7 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
     head_mesh, ctx_mesh = comm.sub_mesh(mesh, "head"), comm.sub_mesh(mesh, "ctx")
     h, c = head_mesh.size(), ctx_mesh.size()
     check_inputs(q, k, v, doc_ids, h, c, window)
-    plans = None
+    plans, local = None, False
     attached = None if doc_ids is None else layout_of(doc_ids)
     # (ids without a layout are checked once gathered, in plan_layout, alike on every rank: a check of
     # this rank's shard alone failed on the one rank whose shard showed the fault, while the others
@@ -91,6 +92,9 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
         if given and doc_ids is not None:  # the ring follows the layout's documents: they must be these
             _check_ids_follow(layout, doc_ids, ctx_mesh, head_mesh)
         plans = lambda src: _block_plan(layout, me, causal, attention_chunk, src)  # noqa: E731
+        # every document on one context rank: no ring transfer at all (decided alike on every rank:
+        # the layout is the whole group's)
+        local = c > 1 and layout.documents_stay_on_their_rank
     elif attention_chunk:
         batch, seq, me = q.shape[0], q.shape[1] * h * c, comm.local_rank(ctx_mesh)
         plans = lambda src: _zigzag_grid(batch, seq, c, me, causal, attention_chunk, src)  # noqa: E731
@@ -107,7 +111,7 @@ def distributed_attention(q, k, v, mesh, *, causal=True, doc_ids=None, scale=Non
         out = chunked_attention(q, k, v, plans(0), offload=attention_offload, scale=scale, backend=backend)
     else:
         out = ring_attention(q, k, v, ctx_mesh, window=window, causal=causal, scale=scale, backend=backend,
-                             plans=plans, offload=attention_offload)
+                             plans=plans, offload=attention_offload, local=local)
     return head_to_seq(out, head_mesh)
 
 
@@ -128,26 +132,37 @@ def _check_ids_follow(layout: SequenceLayout, doc_ids: torch.Tensor, ctx_mesh, h
     rank's positions (other documents, or ids sharded another way), before the attention communicates.
     Every rank of the head x ctx group learns where the first fault is (one small control all-reduce,
     not byte-counted) and raises the same error: a fault in one rank's ids alone used to stop that rank
-    while the others waited for it in the all-to-all or the ring. Once checked, the ids carry the
-    layout, so the model's other layers do not check again."""
+    while the others waited for it in the all-to-all or the ring. The same table carries a fingerprint of
+    each rank's layout: layouts that differ between ranks (each rank's ids their own layout's) attended
+    by different masks, and now could decide differently whether the ring runs at all
+    (documents_stay_on_their_rank) and hang. Once checked, the ids carry the layout, so the model's other
+    layers do not check again."""
     ctx_rank, head_rank = comm.local_rank(ctx_mesh), comm.local_rank(head_mesh)
     expected = layout.doc_ids[np.arange(layout.batch)[:, None], layout.positions[:, ctx_rank, head_rank]]
     got = host_ids(doc_ids)
-    faults = torch.zeros(ctx_mesh.size() * head_mesh.size(), 5, dtype=torch.int64)
+    faults = torch.zeros(ctx_mesh.size() * head_mesh.size(), 6, dtype=torch.int64)
+    mine = ctx_rank * head_mesh.size() + head_rank
+    faults[mine, 5] = _layout_fingerprint(layout)
     rows, cols = np.nonzero(got != expected)
     if len(rows):  # (this rank's row of the table: 1, batch row, local token, the ids' document, the layout's)
         r, c = int(rows[0]), int(cols[0])
-        faults[ctx_rank * head_mesh.size() + head_rank] = torch.tensor([1, r, c, int(got[r, c]), int(expected[r, c])])
+        faults[mine, :5] = torch.tensor([1, r, c, int(got[r, c]), int(expected[r, c])])
     faults = faults.to(doc_ids.device)
     for mesh in (head_mesh, ctx_mesh):
         if mesh.size() > 1:
             comm.all_reduce_in_group(faults, comm.group_of(mesh))
     faults = faults.cpu()
+    if not bool((faults[:, 5] == faults[0, 5]).all()):
+        differ = torch.nonzero(faults[:, 5] != faults[0, 5]).flatten().tolist()
+        raise ValueError(
+            f"the sequence layouts given with doc_ids differ between the ranks of the head x ctx group (the layouts "
+            f"of group ranks {differ} are not rank 0's): every rank must pass the one layout planned from the whole "
+            f"batch's ids (plan_layout on the same ids everywhere), which the ring attends by.")
     bad = torch.nonzero(faults[:, 0]).flatten()
     if len(bad):
         i = int(bad[0])
         at_ctx, at_head = divmod(i, head_mesh.size())
-        _, r, c, said, wanted = (int(x) for x in faults[i])
+        _, r, c, said, wanted = (int(x) for x in faults[i, :5])
         raise ValueError(
             f"doc_ids do not match the sequence layout given with them: on context rank {at_ctx}, head rank "
             f"{at_head} ({len(bad)} of the {len(faults)} ranks' ids differ), at batch row {r}, local token {c} "
@@ -155,6 +170,14 @@ def _check_ids_follow(layout: SequenceLayout, doc_ids: torch.Tensor, ctx_mesh, h
             f"{wanted}. Shard the ids with layout.shard like the tokens, and plan the layout from the same batch's "
             f"ids.")
     attach_layout(doc_ids, layout, derived=True)
+
+
+def _layout_fingerprint(layout: SequenceLayout) -> int:
+    """A checksum of what the ring attends by (positions, documents, the degrees), equal on ranks that hold the
+    same layout (a non-negative int64)."""
+    ids = b"" if layout.doc_ids is None else np.ascontiguousarray(layout.doc_ids, dtype=np.int64).tobytes()
+    shape = np.array([layout.batch, layout.ctx, layout.head], dtype=np.int64).tobytes()
+    return zlib.crc32(np.ascontiguousarray(layout.positions, dtype=np.int64).tobytes() + ids + shape)
 
 
 def _zigzag_layout_of(doc_ids: torch.Tensor, mesh) -> SequenceLayout:

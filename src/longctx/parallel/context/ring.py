@@ -21,7 +21,9 @@ Causal work with the zigzag layout, for query rank i and a block from rank j:
 With packed documents the work follows the documents instead: a host-side SegmentPlan per block
 (parallel/context/sequence.py SequenceLayout.block_plan, built once per step from the batch's document
 ids and the layout's positions) lists the (query segment, key segment) pairs the block needs; a
-block with none is skipped, and no document ids travel around the ring.
+block with none is skipped, and no document ids travel around the ring. When every document stays
+on one context rank (SequenceLayout.documents_stay_on_their_rank, the same on every rank) no block but
+the own one has any pair: the ring is not run at all (local=True), nothing is sent forward or backward.
 
 Backward. dq accumulates locally; the gradient of a block accumulates (in fp32) along the same
 path the block took and reaches its owner after c - 1 hops: blocks move c - 1 times, and so do
@@ -138,13 +140,26 @@ def _blocks(mesh, sched: Schedule, k, v, label):
             outer_kv = next_outer
 
 
-def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
+def _ring_of(mesh, window, plans, local):
+    """(schedule, this context rank, plans) of one call. local: every document stays on its context rank
+    (SequenceLayout.documents_stay_on_their_rank, alike on every rank), so only the rank's own block is
+    attended: a ring of one, with no transfer in forward or backward."""
+    rank = comm.local_rank(mesh)
+    if not local:
+        return Schedule(mesh.size(), window or mesh.size(), rank), rank, plans
+    if plans is None:
+        raise ValueError("ring attention with local=True needs the documents' block plans (plans=): without "
+                         "documents every query sees other ranks' keys")
+    return Schedule(1, 1, 0), rank, lambda _src: plans(rank)
+
+
+def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None, local=False):
     """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s]).
 
     plans: None (no documents: zigzag block rows) or a function source rank -> SegmentPlan, or ->
-    ChunkGrid when the attention core runs in chunks (memory.attention_chunk, ops/chunked.py)."""
-    c, rank = mesh.size(), comm.local_rank(mesh)
-    sched = Schedule(c, window or c, rank)
+    ChunkGrid when the attention core runs in chunks (memory.attention_chunk, ops/chunked.py).
+    local: the documents stay on their ranks: the own block only, nothing sent (_ring_of)."""
+    sched, rank, plans = _ring_of(mesh, window, plans, local)
     s = q.shape[1]
     acc = None  # (out fp32, lse fp32), started by the first block, which always covers every query row
     if plans is not None:  # with documents no block need cover every row: start from nothing
@@ -167,10 +182,10 @@ def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None):
     return acc[0].to(q.dtype), acc[1]
 
 
-def ring_backward(dout, q, k, v, out, lse, mesh, window, causal, scale, backend, plans=None):
-    """Gradients (dq, dk, dv) of ring_forward; dk/dv arrive back at their owner in fp32, then cast."""
-    c, rank = mesh.size(), comm.local_rank(mesh)
-    sched = Schedule(c, window or c, rank)
+def ring_backward(dout, q, k, v, out, lse, mesh, window, causal, scale, backend, plans=None, local=False):
+    """Gradients (dq, dk, dv) of ring_forward; dk/dv arrive back at their owner in fp32, then cast.
+    local: as ring_forward's, the own block's gradients only, nothing sent."""
+    sched, rank, plans = _ring_of(mesh, window, plans, local)
     # fp32; without documents the first block (which covers every query row) starts it
     dq = None if plans is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     in_flight: list[comm.Pending] = []  # sends we must see complete before returning
@@ -254,8 +269,8 @@ def _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mesh, window, causal, scale, backend, plans, offload):
-        out, lse = ring_forward(q, k, v, mesh, window, causal, scale, backend, plans)
+    def forward(ctx, q, k, v, mesh, window, causal, scale, backend, plans, offload, local):
+        out, lse = ring_forward(q, k, v, mesh, window, causal, scale, backend, plans, local)
         if offload:  # memory.attention_offload: the kept state waits in host memory for backward
             store = ChunkStore(q.device)
             for name, t in zip(_KEPT, (q, k, v, out, lse)):
@@ -265,7 +280,7 @@ class RingAttention(torch.autograd.Function):
         else:
             ctx.save_for_backward(q, k, v, out, lse)
         ctx.offload = offload
-        ctx.args = (mesh, window, causal, scale, backend, plans)
+        ctx.args = (mesh, window, causal, scale, backend, plans, local)
         return out
 
     @staticmethod
@@ -277,18 +292,20 @@ class RingAttention(torch.autograd.Function):
         else:
             q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _KEPT = ("q", "k", "v", "out", "lse")
 
 
 def ring_attention(q, k, v, mesh, *, window=0, causal=True, scale=None, backend="flash", plans=None,
-                   offload=False):
+                   offload=False, local=False):
     """Differentiable ring attention over the 1-D context mesh; q/k/v are this rank's shards (zigzag,
     or the layout `plans` was built for: a function source context rank -> SegmentPlan or ChunkGrid).
-    offload: keep q, k, v, out and lse in host memory between forward and backward."""
-    return RingAttention.apply(q, k, v, mesh, window, causal, scale, backend, plans, offload)
+    offload: keep q, k, v, out and lse in host memory between forward and backward. local: every
+    document stays on its context rank (SequenceLayout.documents_stay_on_their_rank; it must be the same
+    on every rank of the ring): only the own block is attended, and nothing travels."""
+    return RingAttention.apply(q, k, v, mesh, window, causal, scale, backend, plans, offload, local)
 
 
 def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale=None, backend="flash",

@@ -7,6 +7,8 @@ stay attached to their tokens under any layout.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -155,6 +157,23 @@ class SequenceLayout:
             rows = np.arange(self.batch)[:, None]
             self._plans[key] = ChunkGrid(qp, kp, self.doc_ids[rows, qp], self.doc_ids[rows, kp], chunk, causal)
         return self._plans[key]
+
+    @functools.cached_property
+    def documents_stay_on_their_rank(self) -> bool:
+        """Whether every document of every batch row lies on one context rank's positions (its head ranks'
+        pieces together: the rank's tokens after the all-to-all). Then no query needs another rank's keys,
+        causal or not, and the ring moves nothing (ring.py: local=True). A pure function of the layout,
+        which every rank of the head x ctx group holds whole: every rank decides alike, so none waits on a
+        block another skipped. False without documents (one document spans every rank)."""
+        if self.doc_ids is None:
+            return self.ctx == 1
+        owner = np.empty((self.batch, self.seq_len), dtype=np.int64)  # the context rank of every position
+        rows = np.arange(self.batch)[:, None]
+        for r in range(self.ctx):
+            owner[rows, self.ctx_positions(r)] = r
+        # documents are contiguous runs (layouts.check_doc_ids): one stays unless a step inside it changes rank
+        inside = self.doc_ids[:, 1:] == self.doc_ids[:, :-1]
+        return not (inside & (owner[:, 1:] != owner[:, :-1])).any()
 
     def rank_work(self, causal: bool = True) -> np.ndarray:
         """Visible query-key pairs per context rank (the attention work it does over the whole ring)."""

@@ -134,12 +134,15 @@ def expert_bytes(*, tokens: float, top_k: int, experts: int, dim: int, expert: i
 
 
 def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim: int, head: int, ctx: int,
-                    elem: int, docs: bool = False, backward: bool = True) -> dict[str, dict[str, int]]:
+                    elem: int, docs: bool = False, backward: bool = True,
+                    docs_stay: bool = False) -> dict[str, dict[str, int]]:
     """{dim: {label: bytes this rank sends}} for one distributed_attention call (forward [+ backward]).
 
     docs: document ids given WITHOUT a sequence layout, so the call gathers them once (head, then ctx)
     to plan its blocks. With a layout (the training loop's case) documents cost no bytes at all: the
-    layout already knows every rank's ids."""
+    layout already knows every rank's ids. docs_stay: every document lies on one context rank (the
+    batch's SequenceLayout.documents_stay_on_their_rank): the ring is skipped, no ring_kv, ring_kv_bwd
+    or ring_dkv bytes (the Ulysses all-to-alls are unchanged)."""
     s_loc = seq // (head * ctx)
     kv_rep = kv_heads * kv_replication(kv_heads, head)
     q_bytes = batch * s_loc * heads * head_dim * elem
@@ -154,12 +157,12 @@ def attention_bytes(*, seq: int, batch: int, heads: int, kv_heads: int, head_dim
             out["head"]["all_to_all_bwd"] = a2a
         if docs:
             out["head"]["unshard"] = batch * s_loc * DOC_ID_BYTES * (head - 1)
-    if ctx > 1:
+    if ctx > 1 and not docs_stay:
         # c-1 K/V blocks forward; backward again c-1 K/V blocks plus c-1 dK/dV blocks in fp32
         out["ctx"] = {"ring_kv": (ctx - 1) * block * elem}
         if backward:
             out["ctx"]["ring_kv_bwd"] = (ctx - 1) * block * elem
             out["ctx"]["ring_dkv"] = (ctx - 1) * block * 4
-        if docs:
-            out["ctx"]["unshard"] = (ctx - 1) * batch * (seq // ctx) * DOC_ID_BYTES
+    if ctx > 1 and docs:
+        out.setdefault("ctx", {})["unshard"] = (ctx - 1) * batch * (seq // ctx) * DOC_ID_BYTES
     return out
