@@ -119,7 +119,8 @@ def load_source(data: str, split: str, tokenizer, default_store, prefix=()) -> T
     if path.is_dir():
         if not (path / MANIFEST).is_file():
             raise DataError(f"--data {data}: a directory must be a store built by `longctx data build` (it has no "
-                            f"{MANIFEST}); pass a store, a text file, or nothing for the default corpus.")
+                            f"{MANIFEST}); pass a store, a text file, a quoted glob of its text files, each one "
+                            f"document (--data '{path / '**' / '*.txt'}'), or nothing for the default corpus.")
         manifest = read_manifest(path)
         documents = sum(int(p["splits"][split].get("documents", p["splits"][split]["samples"]))
                         for p in manifest["parts"])
