@@ -29,7 +29,11 @@ def _result_head(request: EvalRequest, args, cfg, layout: dict, dtype) -> dict:
     rope = rope_record(cfg.model)
     out = {"task": request.task, "mode": request.mode, "checkpoint": args.checkpoint, "model": cfg.model.label,
            "layout": layout, "data": request.source, "tokenizer": request.tokenizer,
-           "dtype": str(dtype).removeprefix("torch."), "rope": rope, "results": []}
+           "dtype": str(dtype).removeprefix("torch."), "rope": rope, "seed": args.seed, "results": []}
+    if request.task != "ppl":  # (what a retrieval result is reproduced from: the depths asked, with seed and lengths)
+        out["depths"] = list(request.depths)
+    if request.notes:  # (said before work on stdout; kept with the figures: a length past the model's reach)
+        out["notes"] = list(request.notes)
     if request.routing:  # (a capacity scored dropless: eval/request.py dropless)
         out["routing"] = request.routing
     return out
