@@ -316,10 +316,11 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
 def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
                           policy: MemoryPolicy, e: int, docs: bool, acts: ActivationEstimate | None) -> float:
     """The largest block backward's bytes beyond the saved activations (transient_bytes). Under offload
-    the blocks differ: an offloaded block's backward holds its host tier brought back and the next
-    one's (prefetched), and recomputes max(A, 1 - A) of its tokens' post under selective; a kept block
-    (the last offload_skip_last) recomputes all its tokens, with the offloaded block before it
-    prefetched. A MoE model's MoE and dense blocks differ too: the largest of them."""
+    the blocks differ: an offloaded block's backward holds its host tier brought back (under full: its
+    input made whole again instead) and the next one's (prefetched), and recomputes max(A, 1 - A) of its
+    tokens' post under selective; a kept block (the last offload_skip_last) recomputes all its tokens,
+    with the offloaded block before it prefetched. A MoE model's MoE and dense blocks differ too: the
+    largest of them."""
     sparse = set(m.moe_layer_ids)
     kinds = {i in sparse for i in range(m.layers)} or {False}
 
@@ -333,6 +334,11 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
     acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                         dtype_bytes=e, docs=docs)
     off = 2 * acts.per_block_host + phases(policy)
+    if policy.recompute == "full":
+        # the block input's host part comes back and is joined with its device rest into a whole new
+        # tensor (memory/offload.py _unpack: torch.cat), the recompute's input for the block's whole
+        # backward; the part brought back is freed once joined: the whole input and the next block's part
+        off = acts.per_block_host + micro_batch * seq_len // (head * ctx) * e * m.dim + phases(policy)
     if offloaded == m.layers:
         return off
     kept = acts.per_block_host + phases(dataclasses.replace(policy, offload_fraction=0.0))
