@@ -57,3 +57,14 @@ def test_estimated_activation_peak_is_the_measured_one(seq, policy):
     measured, estimated = measured_and_estimated(seq, policy)
     # within 15%, and rather high than low (a few % low: the allocator-free count misses small temporaries)
     assert 0.97 * measured <= estimated <= 1.15 * measured, (estimated / measured, measured)
+
+
+@pytest.mark.parametrize("block_chunk", [512, 0])
+def test_full_offload_counts_the_whole_input_made_again(block_chunk):
+    """Under recompute = full with offload, an offloaded block's backward joins its input's host part with its
+    device rest into one whole tensor (memory/offload.py _unpack: torch.cat), which the recompute holds for the
+    block's whole backward. The estimate counted only the host part brought back: with block_chunk it read 0.92
+    of the measured peak (the planner would pass a plan that does not fit), 0.99 with the whole input counted."""
+    measured, estimated = measured_and_estimated(2048, MemoryPolicy("full", 0.5, 0, loss_chunk=1024,
+                                                                    block_chunk=block_chunk))
+    assert 0.97 * measured <= estimated <= 1.15 * measured, (estimated / measured, measured)
