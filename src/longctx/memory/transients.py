@@ -333,12 +333,14 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         return phases(policy)
     acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                         dtype_bytes=e, docs=docs)
-    off = 2 * acts.per_block_host + phases(policy)
     if policy.recompute == "full":
         # the block input's host part comes back and is joined with its device rest into a whole new
         # tensor (memory/offload.py _unpack: torch.cat), the recompute's input for the block's whole
         # backward; the part brought back is freed once joined: the whole input and the next block's part
-        off = acts.per_block_host + micro_batch * seq_len // (head * ctx) * e * m.dim + phases(policy)
+        back = acts.per_block_host + micro_batch * seq_len // (head * ctx) * e * m.dim
+    else:  # its own host part brought back and the next block's
+        back = 2 * acts.per_block_host
+    off = back + phases(policy)
     if offloaded == m.layers:
         return off
     kept = acts.per_block_host + phases(dataclasses.replace(policy, offload_fraction=0.0))

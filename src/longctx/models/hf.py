@@ -240,11 +240,8 @@ def _missing_error(model: Llama, files: dict[str, Path], missing: list[str], pat
     experts = next((n for n in sorted(files) if ".experts." in n), None)
     if model.cfg.is_moe or experts is None:
         return HFFormatError(f"{said}; the weights and config.json disagree.")
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        hf = {}
-    count = next((f"{k}={hf[k]}" for k in _EXPERT_COUNT_KEYS if isinstance(hf, dict) and hf.get(k)), None)
+    hf = read_hf_config(path)  # (read already to build the model: valid here)
+    count = next((f"{k}={hf[k]}" for k in _EXPERT_COUNT_KEYS if hf.get(k)), None)
     keys = f" and config.json says {count}" if count else ""
     return HFFormatError(
         f"{said}: the files hold a Mixture of Experts (e.g. {experts}){keys}, but config.json's model_type "

@@ -25,10 +25,13 @@ def weight_files(path: Path) -> dict[str, Path]:
         if missing:
             raise HFFormatError(f"{index} lists shards that are not in {path}: {', '.join(missing)}. Copy the "
                                 f"missing files (a partial download?) or re-save the model.")
-        for f in sorted(set(weight_map.values())):
+        listed: dict[str, list[str]] = {}  # shard file -> the tensors the index places in it
+        for name, f in weight_map.items():
+            listed.setdefault(f, []).append(name)
+        for f, names in sorted(listed.items()):
             with open_safetensors(path / f) as opened:
                 held = set(opened.keys())
-            absent = sorted(name for name, g in weight_map.items() if g == f and name not in held)
+            absent = sorted(name for name in names if name not in held)
             if absent:  # (files of two revisions mixed: a bare SafetensorError at the first read, else)
                 raise HFFormatError(f"{index} places {len(absent)} tensors in {f}, which does not hold them, e.g. "
                                     f"{', '.join(absent[:3])}: the index and the shards are of different versions "
@@ -51,15 +54,16 @@ def _read_weight_map(index: Path) -> dict[str, str]:
     """An index's weight_map (tensor name -> shard file name), or one error naming the index: one cut short,
     or without a weight_map object, stopped every command with a bare JSONDecodeError / KeyError."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (ValueError, AttributeError) as e:  # (AttributeError: a JSON list or number, not an object)
-        weight_map = e
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        why = f"is not valid JSON ({weight_map})" if isinstance(weight_map, ValueError) else \
-            "has no weight_map object (tensor name -> shard file)"
-        raise HFFormatError(f"{index} {why}: it was cut short or damaged (a partial download?). Download it again "
-                            f"with the shards, or re-save the model.")
-    return weight_map
+        text = json.loads(index.read_text())
+    except ValueError as e:
+        why = f"is not valid JSON ({e})"
+    else:
+        weight_map = text.get("weight_map") if isinstance(text, dict) else None
+        if isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values()):
+            return weight_map
+        why = "has no weight_map object (tensor name -> shard file)"
+    raise HFFormatError(f"{index} {why}: it was cut short or damaged (a partial download?). Download it again "
+                        f"with the shards, or re-save the model.")
 
 
 def open_safetensors(file: Path):
