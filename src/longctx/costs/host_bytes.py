@@ -269,14 +269,30 @@ def predicted_host_bytes(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len
                          co2_momentum: bool = False, pinned: bool = False) -> dict[str, float]:
     """One rank's host memory by part (the module's docstring) and their "total". pinned: a CUDA run's
     (host_state_bytes: the pinned model states as torch's host allocator locks them)."""
-    parts = {
-        "model_states": host_state_bytes(m, shape, tier, pinned),
-        "activations": float(offloaded_activations),
-        "attention_offload": float(attention_offload),
-        "checkpoint_staging": checkpoint_staging_bytes(m, shape, async_checkpoint, pinned),
-        "co2_checkpoint": co2_checkpoint_bytes(m, shape, co2_momentum),
-        "data_loader": data_loader_bytes(seq_len, micro_batch, grad_accum, shape.sequence_degree, doc_mask),
-    }
+    fixed = host_parts_but_offloaded(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
+                                     doc_mask=doc_mask, async_checkpoint=async_checkpoint, co2_momentum=co2_momentum,
+                                     pinned=pinned)
+    return host_bytes_with(fixed, offloaded_activations, attention_offload)
+
+
+def host_parts_but_offloaded(m: ModelConfig, shape: MeshShape, tier: str, *, seq_len: int, micro_batch: int,
+                             grad_accum: int, doc_mask: bool = True, async_checkpoint: bool = False,
+                             co2_momentum: bool = False, pinned: bool = False) -> tuple[float, float, float, float]:
+    """predicted_host_bytes' parts that no memory policy changes (model_states, checkpoint_staging,
+    co2_checkpoint, data_loader): the planner keeps them per layout, tier and micro-batch."""
+    return (host_state_bytes(m, shape, tier, pinned), checkpoint_staging_bytes(m, shape, async_checkpoint, pinned),
+            co2_checkpoint_bytes(m, shape, co2_momentum),
+            data_loader_bytes(seq_len, micro_batch, grad_accum, shape.sequence_degree, doc_mask))
+
+
+def host_bytes_with(fixed: tuple[float, float, float, float], offloaded_activations: float,
+                    attention_offload: float) -> dict[str, float]:
+    """predicted_host_bytes from host_parts_but_offloaded and the offloaded bytes: the parts in their order, summed
+    in it."""
+    states, staging, co2, loader = fixed
+    parts = {"model_states": states, "activations": float(offloaded_activations),
+             "attention_offload": float(attention_offload), "checkpoint_staging": staging, "co2_checkpoint": co2,
+             "data_loader": loader}
     parts["total"] = sum(parts.values())
     return parts
 
@@ -340,13 +356,30 @@ def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, gr
     outer model, the change in flight, and the outer momentum with `co2_momentum`), the saved activations
     and the backward's transient on top of them (with memory.block_chunk where gradients are kept across
     micro-batches, the chunks' gradient buffers: chunk_grad_buffer_bytes)."""
-    memory = dict(_state_parts(m, shape, tier, grad_sync, grad_accum, gather_bytes, bucket_blocks))
+    before = device_parts_before_activations(m, shape, tier, grad_sync, grad_accum, gather_bytes, bucket_blocks,
+                                             co2_momentum)
+    buffers = chunk_grad_buffer_bytes(m, shape, tier, grad_sync, grad_accum, block_chunk)
+    return device_bytes_with(before, activations, transient, buffers)
+
+
+def device_parts_before_activations(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int,
+                                    gather_bytes: int, bucket_blocks: int = 1,
+                                    co2_momentum: bool = False) -> tuple[tuple[str, float], ...]:
+    """device_bytes' parts that no memory policy but its grad_sync changes, in its order: the model states,
+    FSDP's gathers, the accumulated gradients, co2's state. The planner keeps them per layout, tier, gradient
+    sync and micro-batch."""
+    parts = _state_parts(m, shape, tier, grad_sync, grad_accum, gather_bytes, bucket_blocks)
     co2 = co2_state_bytes(m, shape, co2_momentum)
-    if co2:
-        memory["co2_state"] = co2
+    return parts + ((("co2_state", co2),) if co2 else ())
+
+
+def device_bytes_with(before: tuple[tuple[str, float], ...], activations: float, transient: float,
+                      buffers: float) -> dict[str, float]:
+    """device_bytes from device_parts_before_activations, the activations, the transient and the chunks'
+    gradient buffers (chunk_grad_buffer_bytes; counted where not 0): the parts in their order, summed in it."""
+    memory = dict(before)
     memory["activations"] = activations
     memory["transient"] = transient
-    buffers = chunk_grad_buffer_bytes(m, shape, tier, grad_sync, grad_accum, block_chunk)
     if buffers:
         memory["chunk_grad_buffers"] = buffers
     memory["total"] = sum(memory.values())

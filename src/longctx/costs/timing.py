@@ -232,26 +232,37 @@ def exposed_fsdp_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     backward only (gradient sync is off for the others) unless grad_sync is per micro_batch."""
     if shape.world == 1:
         return 0.0
-    x = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node)
+    x, units = _fsdp_units(m, shape, gather_bytes, hw, gpus_per_node)
     block_bwd = 2 * block_fwd_s + (recompute_flops / max(m.layers, 1)) / _rates(hw)[0]
     last = others = 0.0
-    sparse, routed = set(m.moe_layer_ids), routed_expert_params(m)
-    # a MoE model's blocks differ (dense layers, MoE layers); under expert parallelism a MoE layer's routed
-    # experts are units of their own over the expert-data group (parallel/fsdp/shard.py), a rank gathering
-    # its expert group's share: timed apart (expert_unit_seconds). Blocks of one size cost the same: count them.
-    apart = shape.expert > 1
-    sizes = Counter((n - (routed if apart and i in sparse else 0), routed // shape.expert if apart and i in sparse
-                     else 0) for i, n in enumerate(block_params(m)))
-    for (params, experts), count in sizes.items():
-        b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params)
-        x_gather, x_again, x_reduce = expert_unit_seconds(shape, experts, gather_bytes, hw, gpus_per_node)
-        gather, again, reduce = b["block_gather"] + x_gather, b["block_gather_bwd"] + x_again, \
-            b["block_reduce"] + x_reduce
+    for count, gather, again, reduce in units:
         last += count * (exposed(gather, block_fwd_s, hw) + exposed(again + reduce, block_bwd, hw))
         others += count * (exposed(gather, block_fwd_s, hw) + exposed(again, block_bwd, hw))
     last_micro = last + x["root_gather"] + x["root_reduce"]
     other_micro = last_micro if policy.grad_sync == "micro_batch" else others + x["root_gather"]
     return last_micro + (grad_accum - 1) * other_micro
+
+
+@per_model
+def _fsdp_units(m: ModelConfig, shape: MeshShape, gather_bytes: int, hw: Hardware,
+                gpus_per_node: int) -> tuple[dict[str, float], tuple[tuple[int, float, float, float], ...]]:
+    """exposed_fsdp_seconds' transfers, a function of its arguments alone (remembered: the planner times
+    thousands of candidates of one layout): the root's and the largest block's (fsdp_transfer_seconds), and
+    (count, forward gather, backward gather, reduce) seconds of each size of block. A MoE model's blocks differ
+    (dense layers, MoE layers); under expert parallelism a MoE layer's routed experts are units of their own over
+    the expert-data group (parallel/fsdp/shard.py), a rank gathering its expert group's share: timed apart
+    (expert_unit_seconds). Blocks of one size cost the same: counted."""
+    sparse, routed = set(m.moe_layer_ids), routed_expert_params(m)
+    apart = shape.expert > 1
+    sizes = Counter((n - (routed if apart and i in sparse else 0), routed // shape.expert if apart and i in sparse
+                     else 0) for i, n in enumerate(block_params(m)))
+    units = []
+    for (params, experts), count in sizes.items():
+        b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params)
+        x_gather, x_again, x_reduce = expert_unit_seconds(shape, experts, gather_bytes, hw, gpus_per_node)
+        units.append((count, b["block_gather"] + x_gather, b["block_gather_bwd"] + x_again,
+                      b["block_reduce"] + x_reduce))
+    return fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node), tuple(units)
 
 
 def exposed_offload_seconds(m: ModelConfig, policy: MemoryPolicy, acts: ActivationEstimate, block_fwd_s: float,

@@ -245,10 +245,19 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"])
         by_kind[moe] = (part, kept, recompute, host, off_device, core_host, offloaded_recompute)
     out, moe_terms = [], {}
+    # a block's figures depend on its index only through these (whether it is a MoE block, offloaded, the last
+    # offloaded, the last: _output_held reads i only as i == L - 1): each kind is computed once, by the same
+    # operations in the same order for every block of it
+    alike: dict[tuple, LayerActivations] = {}
     for i in range(L):
         moe = i in sparse
-        part, kept, recompute, host, off_device, core_host, offloaded_recompute = by_kind[moe]
         off = i < offloaded
+        kind = (moe, off, i == offloaded - 1, i == L - 1)
+        same = alike.get(kind)
+        if same is not None:  # (a block of its own: the caller may change it)
+            out.append(LayerActivations(same.device, same.host, same.recompute_flops, same.moe, same.offloaded))
+            continue
+        part, kept, recompute, host, off_device, core_host, offloaded_recompute = by_kind[moe]
         if off:
             device, host_bytes, flops = tokens * off_device, tokens * host, tokens * offloaded_recompute
             if i == offloaded - 1 and _output_held(p, rc, i, L, loss_chunked):
@@ -265,7 +274,8 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
                                                  off, expert, expert_skew)
             d_moe, h_moe, f_moe = moe_terms[off]
             device, host_bytes, flops = device + d_moe, host_bytes + h_moe, flops + f_moe
-        out.append(LayerActivations(device, host_bytes, flops, moe and model.is_moe, off))
+        alike[kind] = LayerActivations(device, host_bytes, flops, moe and model.is_moe, off)
+        out.append(alike[kind])
     return out
 
 

@@ -39,11 +39,15 @@ from ..config import ModelConfig
 from ..costs.hardware import Hardware
 from ..costs.host_bytes import (
     device_bytes,
+    device_bytes_with,
+    device_parts_before_activations,
     exposed_host_state_seconds,
+    host_bytes_with,
+    host_parts_but_offloaded,
     offloaded_host_bytes,
     one_memory_bytes,
-    predicted_host_bytes,
 )
+from ..costs.model_states import chunk_grad_buffer_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
@@ -142,10 +146,16 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
                                 dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
                                 weight_copies=weight_copies)
+    return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew)
+
+
+def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
+                   dtype_bytes: int, docs: bool, acts: ActivationEstimate, expert_skew: float = 1.0) -> float:
+    """rank_activations' transient bytes, given its activations: of the shape only head, ctx, the Double-Ring
+    window and the expert degree are read (the activations themselves do not depend on the window)."""
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
                                 policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts)
-    return acts, transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy,
-                                                         dtype_bytes)
+    return transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
 
 
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
@@ -303,44 +313,112 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
               transient: float | None = None, expert_skew: float = 1.0, model_states: str = "device",
               co2_steps: tuple[int, ...] = CO2_LOCAL_STEPS, settings: RunSettings = RunSettings()) -> Footprint:
     """`estimate`'s first half: memory, host memory, compute, and what does not fit (its arguments)."""
+    costs = activation_costs(m, hw, shape, policy, seq_len=seq_len, micro_batch=micro_batch, doc_mask=doc_mask,
+                             doc_work=doc_work, acts=acts, transient=transient, expert_skew=expert_skew,
+                             model_states=model_states)
+    return footprint_of(m, hw, shape, policy, costs, seq_len=seq_len, global_batch=global_batch,
+                        micro_batch=micro_batch, gpus_per_node=gpus_per_node, doc_mask=doc_mask,
+                        model_states=model_states, co2_steps=co2_steps, settings=settings)
+
+
+@dataclass(frozen=True)
+class ActivationCosts:
+    """footprint's figures that follow from the activations alone. `activation_costs` reads of the shape only
+    head, ctx, window, expert and (for the activation dtype, activation_dtype) the world size, of the policy
+    every field but grad_sync (no activation, FLOP or offloaded byte depends on it), of the tier only the
+    activation dtype: the planner makes one per those and shares it between dp splits, placements, ZeRO++ and
+    co2 variants, tiers and gradient syncs."""
+    acts: ActivationEstimate
+    transient: float
+    tokens: int                        # per rank per micro-batch
+    work: float                        # doc_work as applied
+    flops: Flops
+    compute: float                     # seconds per micro-batch
+    attn_traffic: float
+    acts_host: float                   # offloaded activations in one rank's host memory (pinned: as locked)
+    attn_host: float                   # the attention core's offloaded state in one rank's host memory
+
+
+def activation_costs(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
+                     micro_batch: int, doc_mask: bool, doc_work: float, acts: ActivationEstimate | None,
+                     transient: float | None, expert_skew: float, model_states: str) -> ActivationCosts:
+    """ActivationCosts of a candidate (footprint's arguments)."""
     if not 0 < doc_work <= 1:
         raise ValueError(f"doc_work must be in (0, 1], got {doc_work}")
     work = doc_work if doc_mask else 1.0
     e = hw.dtype_bytes  # activations, and parameters gathered in the compute dtype (bf16 on GPU, fp32 on CPU)
-    problems: list[str] = []
-    if global_batch % (shape.dp * micro_batch):
-        problems.append(f"global batch {global_batch} is not divisible by dp {shape.dp} x micro-batch {micro_batch}")
-    grad_accum = max(1, global_batch // (shape.dp * micro_batch))
-    tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
-    ranks_per_node = min(gpus_per_node, shape.world)
-    if acts is None or transient is None:  # (one process off the host tier: bf16 autocast over fp32 weights)
-        act_e, copies = activation_dtype(e == 2, shape.world, model_states)
+    # (one process off the host tier: bf16 autocast over fp32 weights)
+    act_e, copies = activation_dtype(e == 2, shape.world, model_states)
+    if acts is None or transient is None:
         acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, act_e, doc_mask, expert_skew,
                                            weight_copies=copies)
+    tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
     flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
-    compute = compute_seconds(flops, hw)
-    shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * compute, co2_steps,
-                                    settings.co2_overlap_steps)
-    memory = memory_bytes(m, shape, policy, grad_accum, e, acts, transient, model_states, settings)
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,
                                                                  ctx=shape.ctx, policy=policy, dtype_bytes=e,
                                                                  work=work)
-    act_e, _ = activation_dtype(e == 2, shape.world, model_states)
     acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
                                                 act_bytes=act_e, dtype_bytes=e, activations=acts.total_host,
                                                 attention=attn_host, docs=doc_mask, pinned=not hw.is_cpu,
                                                 expert_skew=expert_skew)
-    host = predicted_host_bytes(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
-                                offloaded_activations=acts_host, attention_offload=attn_host, doc_mask=doc_mask,
-                                async_checkpoint=settings.async_checkpoint, co2_momentum=settings.co2_outer_momentum,
-                                pinned=not hw.is_cpu)
+    return ActivationCosts(acts, transient, tokens, work, flops, compute_seconds(flops, hw), attn_traffic, acts_host,
+                           attn_host)
+
+
+def state_parts(m: ModelConfig, hw: Hardware, shape: MeshShape, model_states: str, grad_sync: str, grad_accum: int, *,
+                seq_len: int, micro_batch: int, doc_mask: bool, settings: RunSettings) -> tuple[tuple, tuple]:
+    """(device_parts_before_activations, host_parts_but_offloaded) of a candidate: what it holds that its
+    activations do not change (a function of these arguments alone)."""
+    device = device_parts_before_activations(m, shape, model_states, grad_sync, grad_accum, hw.dtype_bytes,
+                                             settings.grad_bucket_blocks, settings.co2_outer_momentum)
+    host = host_parts_but_offloaded(m, shape, model_states, seq_len=seq_len, micro_batch=micro_batch,
+                                    grad_accum=grad_accum, doc_mask=doc_mask, pinned=not hw.is_cpu,
+                                    async_checkpoint=settings.async_checkpoint,
+                                    co2_momentum=settings.co2_outer_momentum)
+    return device, host
+
+
+def _kept(cache: dict | None, key: tuple, make):
+    """cache[key], made by make() the first time (no cache: make())."""
+    if cache is None:
+        return make()
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
+def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, costs: ActivationCosts, *,
+                 seq_len: int, global_batch: int, micro_batch: int, gpus_per_node: int, doc_mask: bool,
+                 model_states: str, co2_steps: tuple[int, ...], settings: RunSettings,
+                 states: dict | None = None) -> Footprint:
+    """footprint from the candidate's ActivationCosts. states: a dict the caller keeps for one layout (before co2
+    settles its local steps) and micro-batch, where state_parts are kept by (local steps, tier, grad_sync) and
+    chunk_grad_buffer_bytes by (local steps, tier, grad_sync, block_chunk): with the layout and the micro-batch
+    those fix every argument of both."""
+    problems: list[str] = []
+    if global_batch % (shape.dp * micro_batch):
+        problems.append(f"global batch {global_batch} is not divisible by dp {shape.dp} x micro-batch {micro_batch}")
+    grad_accum = max(1, global_batch // (shape.dp * micro_batch))
+    ranks_per_node = min(gpus_per_node, shape.world)
+    shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * costs.compute, co2_steps,
+                                    settings.co2_overlap_steps)
+    key = (shape.local_steps, model_states, policy.grad_sync)
+    parts = _kept(states, key, lambda: state_parts(m, hw, shape, model_states, policy.grad_sync, grad_accum,
+                                                   seq_len=seq_len, micro_batch=micro_batch, doc_mask=doc_mask,
+                                                   settings=settings))
+    buffers = _kept(states, (*key, policy.block_chunk), lambda: chunk_grad_buffer_bytes(
+        m, shape, model_states, policy.grad_sync, grad_accum, policy.block_chunk))
+    memory = device_bytes_with(parts[0], costs.acts.total_device, costs.transient, buffers)
+    host = host_bytes_with(parts[1], costs.acts_host, costs.attn_host)
     # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host
     # memory of its own (a calibration: one memory), the host bytes in the same memory as the device's
     one_memory = one_memory_bytes(m, shape, model_states, memory, {"total": 0.0} if hw.host_memory_gib else host,
                                   grad_accum) if hw.is_cpu else 0.0
     problems += memory_problems(memory, host, ranks_per_node, hw, one_memory)
-    return Footprint(shape, policy, micro_batch, grad_accum, tokens, work, acts, transient, flops, compute, co2_outer,
-                     memory, host, host["total"] * ranks_per_node, attn_traffic, problems, model_states)
+    return Footprint(shape, policy, micro_batch, grad_accum, costs.tokens, costs.work, costs.acts, costs.transient,
+                     costs.flops, costs.compute, co2_outer, memory, host, host["total"] * ranks_per_node,
+                     costs.attn_traffic, problems, model_states)
 
 
 def estimate(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,

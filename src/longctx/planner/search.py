@@ -17,7 +17,6 @@ offload, a shorter sequence.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,9 +25,16 @@ from dataclasses import dataclass, field
 from ..costs.host_bytes import TIERS, device_state_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import exposed_fsdp_seconds, predicted_block_forward_seconds
-from ..memory.accounting import activation_dtype
 from ..memory.policy import MemoryPolicy
-from .cost import Estimate, Footprint, footprint, gib_text, memory_bytes, rank_activations, timed
+from .candidate_cache import Caches, Layout, Shared, device_total, may_fit, policy_indices, tier_costs
+from .cost import (
+    Estimate,
+    Footprint,
+    activation_costs,
+    footprint_of,
+    gib_text,
+    timed,
+)
 from .ranking import Ranking
 from .request import (
     _POLICY_ORDER,
@@ -127,8 +133,8 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
     timed here). keep_infeasible: when nothing fits, every candidate ranked by memory (all timed), for
     the table and the suggestions."""
     t0 = time.perf_counter()
-    acts_cache: dict = {}
-    found, evaluated = _evaluate(req, False, acts_cache)
+    caches = Caches()
+    found, evaluated = _evaluate(req, False, caches)
 
     def complete(fp: Footprint) -> Estimate:
         return timed(req.model, req.hardware, fp, seq_len=req.seq_len, global_batch=req.global_batch,
@@ -140,29 +146,31 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
                                     bound) for hold in (False, True))
         ranked[:1]  # the best, within the search's seconds
     else:
-        found, more = _evaluate(req, True, acts_cache)
+        found, more = _evaluate(req, True, caches)
         evaluated += more
         every = sorted(map(complete, found), key=_sort_key)
         ranked, held_out = [e for e in every if not held(req, e.mesh_shape)], []
     res = PlanResult(req, ranked, evaluated, time.perf_counter() - t0, co2_plans=held_out)
     if explain and not res.feasible:
-        res.suggestions = suggest(req, res)
+        res.suggestions = suggest(req, res, caches.shared)
     return res
 
 
-def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict,
+def _evaluate(req: Request, keep_infeasible: bool, caches: Caches | dict,
               first_only: bool = False) -> tuple[list[Footprint], int]:
     """Every candidate's footprint in its first tier that fits (keep_infeasible: every tier's, when none
-    does); first_only: stop at the first that fits (whether any does)."""
+    does); first_only: stop at the first that fits (whether any does). caches: the request's Caches (a dict,
+    as callers passed before Caches: a fresh one)."""
+    if not isinstance(caches, Caches):
+        caches = Caches()
     hw, m = req.hardware, req.model
     pols = policies(req)
-    # every policy in both gradient-sync variants, in policy order, and what the checks below compare
-    # each with, made once (not per shape and micro-batch: tens of thousands of dataclass copies)
+    # every policy in both gradient-sync variants, in policy order, made once (not per shape and micro-batch:
+    # tens of thousands of dataclass copies), each with its index (of its grad_sync step variant) and grad_sync
     by_sync = {g: [dataclasses.replace(p, grad_sync=g) for p in pols] for g in ("step", "micro_batch")}
-    in_order = {syncs: [by_sync[g][i] for i in range(len(pols)) for g in syncs]
+    index, twin = policy_indices(by_sync["step"])
+    in_order = {syncs: [(i, g, by_sync[g][i]) for i in range(len(pols)) for g in syncs]
                 for syncs in (("step",), ("step", "micro_batch"))}
-    as_step = {v: s for g in by_sync for v, s in zip(by_sync[g], by_sync["step"])}
-    unchunked = {v: dataclasses.replace(v, expert_chunk=0) for g in by_sync for v in by_sync[g] if v.expert_chunk}
     results: list[Footprint] = []
     evaluated = 0
     for shape in candidate_shapes(req):
@@ -177,60 +185,52 @@ def _evaluate(req: Request, keep_infeasible: bool, acts_cache: dict,
             tokens = mb * req.seq_len // shape.sequence_degree
             # with accumulation, reducing per micro-batch trades traffic for the unsharded gradients
             syncs = ("step", "micro_batch") if dp_share // mb > 1 and shape.world > 1 else ("step",)
-            fit_whole = set()  # policies that fit with the experts' rows whole (expert_chunk 0)
-            for pol in in_order[syncs]:
+            layout = Layout(req, shape, mb, static)
+            order = (in_order[syncs] if keep_infeasible else
+                     [(i, g, by_sync[g][i]) for i in may_fit(req, layout, index, by_sync["step"], caches)
+                      for g in syncs])
+            fit_whole = set()  # (policy, grad_sync) that fit with the experts' rows whole (expert_chunk 0)
+            for i, g, pol in order:
                 if pol.block_chunk and pol.block_chunk >= tokens:
                     continue  # one chunk: the same as whole blocks
-                if pol.expert_chunk and unchunked[pol] in fit_whole:
+                if pol.expert_chunk and (twin[i], g) in fit_whole:
                     continue  # expert pieces only add recomputation where whole rows fit
                 if pol.attention_chunk and pol.attention_chunk >= tokens * shape.head:
                     continue  # the core's tokens (after the head all-to-all) fit one chunk
-                # activations and the backward transient (which the Double-Ring window changes): the same
-                key = (shape.head, shape.ctx, shape.window, shape.expert, mb, as_step[pol])
-                acts_for = functools.partial(_tier_activations, acts_cache, key, req, shape, mb, pol)
-                kept, n = _tiers(req, shape, mb, pol, acts_for, static, keep_infeasible)
+                kept, n = _tiers(req, layout, pol, index[i], by_sync["step"][i], caches, keep_infeasible)
                 evaluated += n
                 if kept and kept[-1].feasible and not pol.expert_chunk:
-                    fit_whole.add(pol)
+                    fit_whole.add((index[i], g))
                 results += kept
                 if first_only and any(not held(req, fp.mesh_shape) for fp in kept):
                     return results, evaluated
     return results, evaluated
 
 
-def _tier_activations(cache: dict, key: tuple, req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy,
-                      tier: str) -> tuple:
-    """(activations, transient bytes) of a candidate under `tier`, computed once per `key` and activation
-    dtype: one process off the host tier computes in autocast over fp32 weights (activation_dtype)."""
-    e, copies = activation_dtype(req.hardware.dtype_bytes == 2, shape.world, tier)
-    if (key, e, copies) not in cache:
-        cache[key, e, copies] = rank_activations(req.model, req.seq_len, mb, shape, pol, e, req.doc_mask,
-                                                 req.expert_skew, weight_copies=copies)
-    return cache[key, e, copies]
-
-
-def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts_for, static: dict[str, float],
+def _tiers(req: Request, layout: Layout, pol: MemoryPolicy, policy: int, step_pol: MemoryPolicy, caches: Caches,
            keep_infeasible: bool) -> tuple[list[Footprint], int]:
     """One candidate in the first model-state tier that fits, tried in req.model_states' order
     (device, host_optimizer, host): for the same layout, policy and micro-batch a host tier adds
     host-link and host AdamW time to the same compute, so it is never faster than a tier before it
     that fits, and holds no less in host memory. Returns (the footprints kept, the number made):
-    with keep_infeasible every tier tried when none fits, else only a feasible one. `acts_for(tier)`: the
-    (activations, transient bytes) of this candidate under that tier."""
-    hw, made = req.hardware, []
+    with keep_infeasible every tier tried when none fits, else only a feasible one. policy: pol's index,
+    step_pol: pol under grad_sync step (tier_costs)."""
+    hw, m, shape, made = req.hardware, req.model, layout.shape, []
     usable = hw.usable_memory_bytes
-    grad_accum = max(1, req.global_batch // (shape.dp * mb))
-    # co2 keeps its outer state beside the weights on the device (config/data_parallel.py)
-    for tier in req.model_states if shape.data_parallel != "co2" else ("device",)[:"device" in req.model_states]:
-        acts, transient = acts_for(tier)
-        if not keep_infeasible and (static[tier] + acts.total_device + transient > usable or
-                                    memory_bytes(req.model, shape, pol, grad_accum, hw.dtype_bytes, acts, transient,
-                                                 tier, req.settings)["total"] > usable):
+    for tier in layout.tiers:
+        entry = tier_costs(req, layout, policy, step_pol, caches, tier)
+        acts, transient = entry[0], entry[1]
+        if not keep_infeasible and (layout.static[tier] + acts.total_device + transient > usable or
+                                    device_total(req, layout, pol, tier, acts, transient) > usable):
             continue  # the GPU's memory alone rules it out (estimate's own sum, before its time)
-        fp = footprint(req.model, hw, shape, pol, seq_len=req.seq_len, global_batch=req.global_batch,
-                       micro_batch=mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
-                       doc_work=req.doc_work, acts=acts, transient=transient, expert_skew=req.expert_skew,
-                       model_states=tier, co2_steps=req.co2_local_steps, settings=req.settings)
+        if entry[2] is None:
+            entry[2] = activation_costs(m, hw, shape, step_pol, seq_len=req.seq_len, micro_batch=layout.mb,
+                                        doc_mask=req.doc_mask, doc_work=req.doc_work, acts=acts, transient=transient,
+                                        expert_skew=req.expert_skew, model_states=tier)
+        fp = footprint_of(m, hw, shape, pol, entry[2], seq_len=req.seq_len, global_batch=req.global_batch,
+                          micro_batch=layout.mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
+                          model_states=tier, co2_steps=req.co2_local_steps, settings=req.settings,
+                          states=layout.states)
         made.append(fp)
         if fp.feasible:
             return [fp], len(made)
@@ -239,13 +239,13 @@ def _tiers(req: Request, shape: MeshShape, mb: int, pol: MemoryPolicy, acts_for,
     return (made if keep_infeasible else []), len(made)
 
 
-def _fits(req: Request, **changes) -> bool:
+def _fits(req: Request, shared: Shared, **changes) -> bool:
     """Whether any candidate of the changed request fits (the search stops at the first)."""
-    found, _ = _evaluate(dataclasses.replace(req, **changes), False, {}, first_only=True)
+    found, _ = _evaluate(dataclasses.replace(req, **changes), False, Caches(shared), first_only=True)
     return bool(found)
 
 
-def _host_memory_suggestion(req: Request, res: PlanResult) -> list[str]:
+def _host_memory_suggestion(req: Request, res: PlanResult, shared: Shared) -> list[str]:
     """When plans fit the GPU but not the host: the least host memory one of them needs, by part,
     against the hardware's, and the host memory per node that makes the request feasible."""
     hw = req.hardware
@@ -265,7 +265,7 @@ def _host_memory_suggestion(req: Request, res: PlanResult) -> list[str]:
             f"model states {e.model_states}: {parts}) against {hw.usable_host_bytes / 2**30:.1f} GiB usable of "
             f"{hw.host_memory_gib:g}")
     for gib in sorted({math.ceil(need / 16) * 16, math.ceil(need / 64) * 64, 2 ** math.ceil(math.log2(need))}):
-        if _fits(req, hardware=hw.replace(host_memory_gib=gib)):
+        if _fits(req, shared, hardware=hw.replace(host_memory_gib=gib)):
             return [f"{text}; nodes with {gib:,} GiB of host memory (--hw host_memory_gib={gib}) make it feasible"]
     return [text]
 
@@ -304,8 +304,9 @@ def _why_no_candidate(req: Request) -> str:
                               else ""))
 
 
-def suggest(req: Request, res: PlanResult) -> list[str]:
-    """What would make an infeasible request feasible."""
+def suggest(req: Request, res: PlanResult, shared: Shared | None = None) -> list[str]:
+    """What would make an infeasible request feasible. shared: the activations plan() computed (Shared)."""
+    shared = shared or Shared()
     if not res.ranked:
         return [_why_no_candidate(req)]
     out = []
@@ -318,30 +319,30 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
             a > 0 for a in req.offload_fractions):
         with_offload = {"offload_fractions": OFFLOAD_FRACTIONS,
                         "recomputes": tuple(sorted(set(req.recomputes) | {"selective"}))}
-        if _fits(req, **with_offload):
+        if _fits(req, shared, **with_offload):
             out.append("activation offload (memory.offload_fraction with full or selective recomputation) makes "
                        "it feasible")
         else:
             for factor in (2, 4, 8):
                 host = req.hardware.host_memory_gib * factor
-                if _fits(req, hardware=req.hardware.replace(host_memory_gib=host), **with_offload):
+                if _fits(req, shared, hardware=req.hardware.replace(host_memory_gib=host), **with_offload):
                     out.append(f"activation offload makes it feasible with {host:,.0f} GiB of host memory per node "
                                f"(--hw host_memory_gib={host:.0f})")
                     break
-    host_text = _host_memory_suggestion(req, res)
+    host_text = _host_memory_suggestion(req, res, shared)
     out += host_text
     if not host_text and least.host_per_node > req.hardware.usable_host_bytes and req.hardware.host_memory_gib:
         need = least.host_per_node / req.hardware.usable_host_fraction / 2**30
         out.append(f"nodes with >= {need:,.0f} GiB of host memory (--hw host_memory_gib=...) would hold the "
                    f"offloaded activations")
-    if (0 not in req.loss_chunks or len(req.loss_chunks) == 1) and _fits(req, loss_chunks=(0, 4096)):
+    if (0 not in req.loss_chunks or len(req.loss_chunks) == 1) and _fits(req, shared, loss_chunks=(0, 4096)):
         out.append("a chunked LM head + loss (memory.loss_chunk) makes it feasible")
     g = req.gpus
     for _ in range(6):
         g *= 2
         if g > req.gpus_per_node and g % req.gpus_per_node:
             continue  # not whole nodes: Request would refuse it
-        if _fits(req, gpus=g, global_batch=req.global_batch * g // req.gpus):
+        if _fits(req, shared, gpus=g, global_batch=req.global_batch * g // req.gpus):
             out.append(f"{g} GPUs make it feasible")
             break
     seq = req.seq_len
@@ -349,7 +350,7 @@ def suggest(req: Request, res: PlanResult) -> list[str]:
         seq //= 2
         if seq < 2 * req.gpus and seq < 1024:
             break
-        if _fits(req, seq_len=seq):
+        if _fits(req, shared, seq_len=seq):
             out.append(f"a sequence of {seq:,} tokens fits on {req.gpus} GPUs")
             break
     return out

@@ -1,0 +1,163 @@
+"""What the planner's search computes once and reuses across its candidates (planner/search.py): a candidate's
+activations and backward transient per activation group, policy and dtype; a layout's model-state parts; the
+sums that let a search skip policies that fit no tier. Every cache says what its value depends on, which is
+why it may be reused: the results are those of computing each candidate from scratch
+(tests/unit/test_planner_search_caches.py)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from typing import TYPE_CHECKING
+
+from ..costs.host_bytes import device_bytes_with
+from ..costs.model_states import chunk_grad_buffer_bytes
+from ..costs.shape import MeshShape
+from ..memory.accounting import activation_dtype, estimate_activations
+from ..memory.policy import MemoryPolicy
+from .cost import rank_transient, state_parts
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+class Shared:
+    """Activations and transient bytes shared by the requests one plan() searches (the request, and suggest's
+    changed ones: more host memory, offload, loss chunks, GPUs, shorter sequences), keyed by every argument
+    they read: the model (by identity: one object in all of them), the sequence, document masks, the expert
+    skew, the policy (under grad_sync step: no activation depends on it), the activation dtype and weight copies;
+    of the layout, for estimate_activations, head, expert and the rank's tokens (micro-batch x sequence / (head x
+    ctx): it reads the micro-batch and ctx only through them, tests/unit/test_planner_search_caches.py), for
+    rank_transient head, ctx, window, expert and the micro-batch."""
+
+    def __init__(self):
+        self.acts: dict[tuple, object] = {}
+        self.transients: dict[tuple, float] = {}
+
+
+class Caches:
+    """What one request's search computes once and reuses (valid for that request only: its keys are indices
+    into the request's policy list). costs: by (head, ctx, window, expert, micro-batch, policy, activation dtype,
+    weight copies), the entry [activations, transient bytes (from `shared`), cost.ActivationCosts or None until a
+    candidate needs it]: nothing else of a candidate changes them (not the dp split, the placement, ZeRO++, co2,
+    the tier but through its dtype, nor grad_sync). sums: _sorted_sums."""
+
+    def __init__(self, shared: Shared | None = None):
+        self.shared = shared or Shared()
+        self.costs: dict[tuple, list] = {}
+        self.sums: dict[tuple, tuple[list[float], list[int]]] = {}
+
+
+def policy_indices(pols: list[MemoryPolicy]) -> tuple[list[int], list[int | None]]:
+    """(each policy's index, its unchunked twin's (expert_chunk 0; None where the request has none)), an index
+    being that of the first equal policy: equal policies share one, so sets and keys of indices behave as those
+    of the (slower to hash) policies did."""
+    first: dict[MemoryPolicy, int] = {}
+    for i, p in enumerate(pols):
+        first.setdefault(p, i)
+    index = [first[p] for p in pols]
+    twin = [first.get(dataclasses.replace(p, expert_chunk=0)) if p.expert_chunk else None for p in pols]
+    return index, twin
+
+
+def may_fit(req: Request, layout: Layout, index: list[int], step_pols: list[MemoryPolicy],
+             caches: Caches) -> list[int]:
+    """The positions in the policy list, ascending, of the policies that may fit the layout in some tier: the
+    others fail _tiers' first check (model states + activations + transient > usable) in every tier, so _tiers
+    would make nothing of them (no footprint, nothing counted, nothing for fit_whole): skipping them changes
+    nothing. A policy is skipped only when its activations + transient exceed a tier's room by a margin far
+    above any rounding of the two sums (1e-6 of the bytes compared, where rounding is ~1e-16 of them)."""
+    usable = req.hardware.usable_memory_bytes
+    # (expert-chunked policies are all kept: most are skipped where their unchunked twin fits, before their
+    # activations are ever computed, which sorting them would compute)
+    out = {i for i, pol in enumerate(step_pols) if pol.expert_chunk}
+    for tier in layout.tiers:
+        sums, positions = _sorted_sums(req, layout, index, step_pols, caches, layout.dtypes[tier])
+        room = usable - layout.static[tier]
+        out.update(positions[:bisect.bisect_right(sums, room + 1e-6 * (abs(usable) + abs(layout.static[tier])))])
+    return sorted(out)
+
+
+def _sorted_sums(req: Request, layout: Layout, index: list[int], step_pols: list[MemoryPolicy], caches: Caches,
+                 dtype: tuple[int, bool]) -> tuple[list[float], list[int]]:
+    """(activations + transient bytes ascending, the policy positions they belong to) of every policy of the
+    layout's activation group (head, ctx, window, expert, micro-batch) under an activation dtype, but those
+    _evaluate skips for the group's tokens before any tier (one block or attention chunk) and the
+    expert-chunked ones (may_fit keeps them all); a NaN sum as
+    -inf (never skipped: NaN fails no comparison). Kept in caches.sums: a function of the group and dtype alone."""
+    s, mb = layout.shape, layout.mb
+    key = (s.head, s.ctx, s.window, s.expert, mb, dtype)
+    if key not in caches.sums:
+        tokens = mb * req.seq_len // s.sequence_degree
+        tier = next(t for t in layout.tiers if layout.dtypes[t] == dtype)
+        pairs = []
+        for i, pol in enumerate(step_pols):
+            if pol.expert_chunk or (pol.block_chunk and pol.block_chunk >= tokens) or (
+                    pol.attention_chunk and pol.attention_chunk >= tokens * s.head):
+                continue
+            acts, transient, _ = tier_costs(req, layout, index[i], pol, caches, tier)
+            total = acts.total_device + transient
+            pairs.append((total if total == total else -math.inf, i))  # (NaN: never skipped)
+        pairs.sort()
+        caches.sums[key] = ([t for t, _ in pairs], [i for _, i in pairs])
+    return caches.sums[key]
+
+
+class Layout:
+    """One layout and micro-batch of a request, and what every policy of it shares: the tiers tried, each
+    tier's activation dtype (activation_dtype: the hardware's dtype, the world size and the tier), its model
+    states alone (`static`), and `states` (cost.footprint_of's cache of what the tier holds before the
+    activations and of the chunks' gradient buffers)."""
+
+    def __init__(self, req: Request, shape: MeshShape, mb: int, static: dict[str, float]):
+        self.shape, self.mb, self.static = shape, mb, static
+        self.grad_accum = max(1, req.global_batch // (shape.dp * mb))
+        # co2 keeps its outer state beside the weights on the device (config/data_parallel.py)
+        self.tiers = (req.model_states if shape.data_parallel != "co2" else
+                      ("device",)[:"device" in req.model_states])
+        self.dtypes = {t: activation_dtype(req.hardware.dtype_bytes == 2, shape.world, t) for t in self.tiers}
+        self.states: dict[tuple, object] = {}
+
+
+def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy, caches: Caches,
+                tier: str) -> list:
+    """[activations, transient bytes, ActivationCosts or None] of a candidate under `tier` (policy: its index,
+    step_pol: the policy under grad_sync step), from `caches` (Caches: what each entry depends on)."""
+    s, (e, copies) = layout.shape, layout.dtypes[tier]
+    key = (s.head, s.ctx, s.window, s.expert, layout.mb, policy, e, copies)
+    entry = caches.costs.get(key)
+    if entry is None:
+        m, seq, shared = req.model, req.seq_len, caches.shared
+        request_key = (id(m), seq, req.doc_mask, req.expert_skew, step_pol, e, copies)
+        acts_key = (*request_key, s.head, layout.mb * seq // s.sequence_degree, s.expert)
+        acts = shared.acts.get(acts_key)
+        if acts is None:
+            acts = shared.acts[acts_key] = estimate_activations(
+                m, seq, layout.mb, head=s.head, ctx=s.ctx, policy=step_pol, dtype_bytes=e, docs=req.doc_mask,
+                expert=s.expert, expert_skew=req.expert_skew, weight_copies=copies)
+        transient_key = (*request_key, s.head, s.ctx, s.window, s.expert, layout.mb)
+        transient = shared.transients.get(transient_key)
+        if transient is None:
+            transient = shared.transients[transient_key] = rank_transient(m, seq, layout.mb, s, step_pol, e,
+                                                                          req.doc_mask, acts, req.expert_skew)
+        entry = caches.costs[key] = [acts, transient, None]
+    return entry
+
+
+def device_total(req: Request, layout: Layout, pol: MemoryPolicy, tier: str, acts, transient: float) -> float:
+    """cost.memory_bytes(...)["total"] of a candidate (its shape before co2 settles its local steps), from the
+    layout's kept state parts and chunk gradient buffers (cost.footprint_of's `states`, the same keys)."""
+    shape = layout.shape
+    key = (shape.local_steps, tier, pol.grad_sync)
+    parts = layout.states.get(key)
+    if parts is None:
+        parts = layout.states[key] = state_parts(req.model, req.hardware, shape, tier, pol.grad_sync,
+                                                 layout.grad_accum, seq_len=req.seq_len, micro_batch=layout.mb,
+                                                 doc_mask=req.doc_mask, settings=req.settings)
+    buffers_key = (*key, pol.block_chunk)
+    buffers = layout.states.get(buffers_key)
+    if buffers is None:
+        buffers = layout.states[buffers_key] = chunk_grad_buffer_bytes(req.model, shape, tier, pol.grad_sync,
+                                                                       layout.grad_accum, pol.block_chunk)
+    return device_bytes_with(parts[0], acts.total_device, transient, buffers)["total"]
