@@ -13,6 +13,9 @@ from longctx.bench import comm_cluster
 from longctx.bench.comm_bytes import Unit, step_bytes
 from longctx.errors import ConfigError
 
+# 5 steps (were 6): the fewest the bench takes (co2's warm-up of one round, 2 timed steps and one more)
+STEPS = 5
+
 
 @pytest.fixture(scope="module")
 def report():
@@ -21,7 +24,7 @@ def report():
 
     p = argparse.ArgumentParser()
     comm_cluster.add_arguments(p)
-    args = p.parse_args(["--cluster", "2x2", "--timed", "2", "--co2-local-steps", "2", "--steps", "6"])
+    args = p.parse_args(["--cluster", "2x2", "--timed", "2", "--co2-local-steps", "2", "--steps", str(STEPS)])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert comm_cluster.main(args) == 0
@@ -48,7 +51,7 @@ def test_every_mode_trains_from_the_same_start(report):
     assert first["hpz"] == pytest.approx(first["fsdp"], abs=1e-6)  # exact modes agree on the same data
     assert first["co2"] == pytest.approx(first["fsdp"], abs=1e-5)  # (no round has ended at step 1)
     for r in report["modes"].values():
-        assert len(r["losses"]) == 6 and r["final_loss"] < r["losses"][0]
+        assert len(r["losses"]) == STEPS and r["final_loss"] < r["losses"][0]
 
 
 def test_the_closed_form_counts_what_each_mode_moves():

@@ -103,8 +103,11 @@ SOONER = dict(FULL, overlap=1)  # merged one step after each round end
 SAME = dict(PLAIN, same_data=True)
 SAME_SOONER = dict(SAME, overlap=1)
 
+# the Trainer's runs: 8 steps (were 10) still hold every step the tests compare: the mid-round checkpoint at 5 and
+# 3 resumed steps after it, sooner's merge at 6 (h4's at 8), and co2_sync_steps 6 then one round (steps 7-8)
+RUN_STEPS = 8
 BASE = ["--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=300",
-        "--train.seq_len=128", "--train.warmup_steps=2", "--train.steps=10", "--parallel.dp_replicate=2",
+        "--train.seq_len=128", "--train.warmup_steps=2", f"--train.steps={RUN_STEPS}", "--parallel.dp_replicate=2",
         "--checkpoint.final=false"]  # (the runs that a test reads the checkpoints of save at an interval)
 CO2 = ["--train.data_parallel=co2", "--train.co2_local_steps=2"]
 # rounds of 4 merged 2 steps after their end: the checkpoint at step 5 falls between a round end and its merge
@@ -129,13 +132,14 @@ def _logged_rounds(run_dir):
     return [(x["step"], x.get("co2_rounds")) for x in lines if "loss" in x]
 
 
-# the uninterrupted runs that a resume starts from save (async) at steps 5 and 10: their step-5 checkpoint is
-# the first half of each resumed run (one run of 10 steps, not a second one that saves)
+# the uninterrupted runs that a resume starts from save (async) at steps 5 and RUN_STEPS (a run's last step is
+# saved under an interval): their step-5 checkpoint is the first half of each resumed run (one run of RUN_STEPS
+# steps, not a second one that saves)
 SAVE = ["--checkpoint.interval=5", "--checkpoint.async=true"]
 
 
 def _resumed(then, saved_dir, run_dir):
-    """Steps 6-10 under `then`, resumed in `run_dir` from the step-5 checkpoint of the run in `saved_dir`."""
+    """Steps 6-RUN_STEPS under `then`, resumed in `run_dir` from the step-5 checkpoint of the run in `saved_dir`."""
     return _losses([*SAVE, *then, f"--checkpoint.resume={saved_dir}/checkpoints/step-00000005"], run_dir)
 
 
@@ -200,13 +204,13 @@ def test_co2_trains_close_to_sync_and_logs_its_rounds(runs):
     assert co2[0] == pytest.approx(sync[0], abs=1e-6)  # the first step is before any round
     assert co2 != sync
     assert co2[-1] < co2[0] - 0.5 and abs(co2[-1] - sync[-1]) / sync[-1] < 0.1
-    assert dict(runs["co2 rounds"][0])[10] == 5
+    assert dict(runs["co2 rounds"][0])[RUN_STEPS] == RUN_STEPS // 2
 
 
 def test_a_mid_round_checkpoint_resumes_exactly(runs):
     uninterrupted = runs["co2"][0]
     resumed = runs["resumed"][0]
-    assert len(resumed) == 5
+    assert len(resumed) == RUN_STEPS - 5
     assert max(abs(a - b) for a, b in zip(resumed, uninterrupted[5:])) < 1e-5
 
 
@@ -222,12 +226,12 @@ def test_a_run_ends_on_one_averaged_model(runs):
     # the resumed run's step 5 (the uninterrupted co2 run's checkpoint) and its own last step
     for a, b in ((0, 2), (1, 3)):  # the same shard in replicas 0 and 1
         assert not torch.equal(weights("co2", 5, a), weights("co2", 5, b))
-        assert torch.allclose(weights("resumed", 10, a), weights("resumed", 10, b), rtol=0, atol=1e-7)
+        assert torch.allclose(weights("resumed", RUN_STEPS, a), weights("resumed", RUN_STEPS, b), rtol=0, atol=1e-7)
 
 
 def test_a_checkpoint_between_a_round_end_and_its_merge_resumes_exactly(runs):
     uninterrupted, resumed = runs["co2 sooner"][0], runs["sooner resumed"][0]
-    assert len(resumed) == 5 and max(abs(a - b) for a, b in zip(resumed, uninterrupted[5:])) < 1e-5
+    assert len(resumed) == RUN_STEPS - 5 and max(abs(a - b) for a, b in zip(resumed, uninterrupted[5:])) < 1e-5
     # the Trainer passes the setting on: merged at step 6, not 8 as with the round's default
     h4 = runs["co2 h4"][0]
     assert max(abs(a - b) for a, b in zip(uninterrupted[:6], h4[:6])) < 1e-6
@@ -236,13 +240,14 @@ def test_a_checkpoint_between_a_round_end_and_its_merge_resumes_exactly(runs):
 
 def test_a_co2_checkpoint_resumes_under_sync(runs):
     resumed = runs["co2 to sync"][0]
-    assert len(resumed) == 5 and all(x == x for x in resumed)
+    assert len(resumed) == RUN_STEPS - 5 and all(x == x for x in resumed)
     assert resumed != runs["co2"][0][5:]  # it went on synchronously
 
 
 def test_a_sync_checkpoint_resumes_under_co2(runs):
     resumed, sync = runs["sync to co2"][0], runs["sync"][0]
-    assert len(resumed) == 5 and resumed[0] == pytest.approx(sync[5], abs=1e-6)  # the same weights at step 6
+    assert len(resumed) == RUN_STEPS - 5
+    assert resumed[0] == pytest.approx(sync[5], abs=1e-6)  # the same weights at step 6
     assert resumed != sync[5:]  # then local rounds
 
 
@@ -253,7 +258,7 @@ def test_synchronous_steps_first_then_local_rounds(runs):
     assert max(abs(a - b) for a, b in zip(warm[:7], sync[:7])) < 1e-5
     assert max(abs(a - b) for a, b in zip(co2[:7], sync[:7])) > 1e-4  # (without them, co2 leaves sync earlier)
     assert max(abs(a - b) for a, b in zip(warm[7:], sync[7:])) > 1e-4
-    assert dict(runs["co2 warm rounds"][0])[10] == 2  # (10 - 6) / H
+    assert dict(runs["co2 warm rounds"][0])[RUN_STEPS] == (RUN_STEPS - 6) // 2  # (RUN_STEPS - 6) / H
     # a checkpoint taken during the synchronous steps resumes to the uninterrupted run
     assert max(abs(a - b) for a, b in zip(runs["warm resumed"][0], warm[5:])) < 1e-5
 
@@ -261,14 +266,14 @@ def test_synchronous_steps_first_then_local_rounds(runs):
 @pytest.mark.parametrize("run", ["co2 head2", "co2 moe", "co2 accum2"])
 def test_co2_composes_with_sequence_and_expert_layouts_and_accumulation(runs, run):
     losses = runs[run][0]
-    assert len(losses) == 10 and losses[-1] < losses[0] - 0.5
+    assert len(losses) == RUN_STEPS and losses[-1] < losses[0] - 0.5
 
 
 def test_qgz_reduces_inside_each_replica(runs):
     """zero_pp's qgz under co2 reduce-scatters a replica's gradients over its own FSDP group, as FSDP does (it was
     refused as spanning the replicas): with exact one-element blocks, co2 + qgz is co2, replicas apart."""
     co2, qgz = runs["co2"][0], runs["co2 qgz"][0]
-    assert len(qgz) == len(co2) == 10
+    assert len(qgz) == len(co2) == RUN_STEPS
     assert max(abs(a - b) for a, b in zip(co2, qgz)) < 1e-5, (co2, qgz)
     # (and it runs: with blocks of 512 the int8 rounding moves the losses, a little)
     lossy = runs["co2 qgz int8"][0]

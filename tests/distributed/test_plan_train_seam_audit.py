@@ -33,17 +33,26 @@ comm_overlap = 0.0
 dtype_bytes = 4
 """
 SEQ, BATCH, STEPS = 2048, 8, 2
+# the plans that are trained (the `trained` fixture) are made for sequences of TRAIN_SEQ: half of SEQ halves the
+# 4-rank job's and the single process's work (was 2048; each of ctx 2's ranks still holds 512 tokens of every
+# sequence, as 2 balanced chunks); the tests that only plan, or preflight plans, keep SEQ
+TRAIN_SEQ = 1024
 RUN = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
        "--metrics.log_interval=1", "--checkpoint.final=false"]
-# GPU memory per request -> the best plan (2026-12-01): three layouts, micro-batch sizes (dp x 1 = 4, 2, 1
-# sequences), grad_accum 2 / 4 / 8, gradient sync per step / per micro-batch, device and host model states
+# the trained plans' and the single process's data: the stdlib's first 300 documents (the plan's own data.corpus),
+# not the whole library, whose store the run would build first (2 steps read 16 of its samples)
+DATA = ["--data.max_docs=300"]
+# GPU memory per request -> the best plan at TRAIN_SEQ (2026-12-03; at 2048 the same plans took 0.2, 0.03 and
+# 0.05 GiB): three layouts, micro-batch sizes (dp x 1 = 4, 2, 1 sequences), grad_accum 2 / 4 / 8, gradient sync
+# per step / per micro-batch, device and host model states. (At 1024: 0.1-0.2 give rep4; 0.014-0.016
+# rep2xctx2-host; 0.025-0.03 head2xctx2.)
 PLANS = {
     "rep4": ("0.2", dict(parallel=(4, 1, 1, 1), grad_accum=2, recompute="none", model_states="device",
                          grad_sync="step")),
-    "rep2xctx2-host": ("0.03", dict(parallel=(2, 1, 1, 2), grad_accum=4, recompute="selective",
-                                    model_states="host", grad_sync="micro_batch")),
-    "head2xctx2": ("0.05", dict(parallel=(1, 1, 2, 2), grad_accum=8, recompute="none", model_states="device",
-                                grad_sync="step")),
+    "rep2xctx2-host": ("0.015", dict(parallel=(2, 1, 1, 2), grad_accum=4, recompute="selective",
+                                     model_states="host", grad_sync="micro_batch")),
+    "head2xctx2": ("0.027", dict(parallel=(1, 1, 2, 2), grad_accum=8, recompute="none", model_states="device",
+                                 grad_sync="step")),
 }
 
 
@@ -54,16 +63,17 @@ def hardware(tmp_path_factory):
     return str(path)
 
 
-def _plan(hardware, out, *args, model="debug", gpus=4, json_out=False):
-    argv = ["plan", "--model", model, "--gpus", str(gpus), "--seq-len", str(SEQ), "--global-batch", str(BATCH),
+def _plan(hardware, out, *args, model="debug", gpus=4, json_out=False, seq=SEQ):
+    argv = ["plan", "--model", model, "--gpus", str(gpus), "--seq-len", str(seq), "--global-batch", str(BATCH),
             "--hardware", hardware, *args]
     argv += ["--json", "--no-write"] if json_out else ["--out", str(out)]
     assert longctx_main(argv) == 0
 
 
 def _train(plan_path, run_dir):
-    """Train the written plan as written (only the steps, evaluation, logging and where to write changed)."""
-    result = train(load_config(plan_path, [*RUN, f"--train.run_dir={run_dir}"]), log=lambda *a, **k: None)
+    """Train the written plan as written (only the steps, evaluation, logging, where to write and how many
+    of the corpus's documents changed)."""
+    result = train(load_config(plan_path, [*RUN, *DATA, f"--train.run_dir={run_dir}"]), log=lambda *a, **k: None)
     return result.losses
 
 
@@ -173,8 +183,10 @@ def test_every_listed_plan_passes_the_launch_checks(hardware, model, gpus_per_no
     from longctx.planner.search import plan
     from longctx.train.preflight import preflight
 
+    # (DATA: the store preflight builds is of the stdlib's first 300 documents, not of the whole library: the same
+    # checks of it against each plan's run, without the 20-50 s build that was most of this test)
     req, base = _build(["--model", model, "--gpus", "4", "--gpus-per-node", str(gpus_per_node), "--seq-len",
-                        str(SEQ), "--global-batch", str(BATCH), "--hardware", hardware, *args], [])
+                        str(SEQ), "--global-batch", str(BATCH), "--hardware", hardware, *args], DATA)
     listed = list(plan(req).feasible[:8])
     assert listed
     seen = set()
@@ -198,11 +210,11 @@ def trained(hardware, tmp_path_factory):
     paths = {}
     for key, (memory, _) in PLANS.items():
         paths[key] = str(base / f"{key}.toml")
-        _plan(hardware, paths[key], "--hw", f"memory_gib={memory}", "--top=1")
+        _plan(hardware, paths[key], "--hw", f"memory_gib={memory}", "--top=1", seq=TRAIN_SEQ)
     jobs = [(key, _train, (paths[key], str(base / f"run-{key}"))) for key in PLANS]
     losses = run_spawned_many(4, jobs)
     single = train(load_config("configs/debug.toml", [
-        *RUN, f"--train.seq_len={SEQ}", f"--train.global_batch={BATCH}", "--train.warmup_steps=20",
+        *RUN, *DATA, f"--train.seq_len={TRAIN_SEQ}", f"--train.global_batch={BATCH}", "--train.warmup_steps=20",
         "--train.device=cpu", "--train.dtype=fp32", f"--train.run_dir={base / 'single'}"]),
         log=lambda *a, **k: None).losses
     return {key: (paths[key], base / f"run-{key}", losses[key]) for key in PLANS}, single
@@ -230,8 +242,8 @@ def test_a_written_plan_trains_what_it_says(trained, key):
     # blocks and the root, per micro-batch under grad_sync micro_batch; none with one rank per FSDP group)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("kind") == "train"]
-    assert [r["tokens"] for r in rows] == [BATCH * SEQ * (i + 1) for i in range(STEPS)]
-    assert {r["seq_len"] for r in rows} == {SEQ} and {r["world"] for r in rows} == {4}
+    assert [r["tokens"] for r in rows] == [BATCH * TRAIN_SEQ * (i + 1) for i in range(STEPS)]
+    assert {r["seq_len"] for r in rows} == {TRAIN_SEQ} and {r["world"] for r in rows} == {4}
     units = planned.model.layers + 1
     fsdp_ranks = p.dp_shard * p.head * p.ctx
     calls = 0 if fsdp_ranks == 1 and m.model_states == "device" else (
