@@ -7,6 +7,7 @@ import pytest
 
 from longctx.config import load_config
 from longctx.costs.hardware import PRESETS
+from longctx.planner.candidate_cache import Caches
 from longctx.planner.cost import estimate
 from longctx.planner.link_report import why
 from longctx.planner.ranking import Ranking
@@ -43,7 +44,7 @@ def _complete(req):
 
 def _reference(req):
     """Every candidate that fits, timed and sorted (the search before rankings were read lazily)."""
-    found, _ = _evaluate(req, False, {})
+    found, _ = _evaluate(req, False, Caches())
     every = sorted(map(_complete(req), found), key=_sort_key)
     held = "co2" not in req.allow
     return ([e for e in every if not (held and e.mesh_shape.data_parallel == "co2")],

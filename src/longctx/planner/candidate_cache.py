@@ -12,11 +12,11 @@ import math
 from typing import TYPE_CHECKING
 
 from ..costs.host_bytes import device_bytes_with
-from ..costs.model_states import chunk_grad_buffer_bytes
 from ..costs.shape import MeshShape
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.policy import MemoryPolicy
-from .cost import rank_transient, state_parts
+from .activation_costs import rank_transient
+from .cost import kept_state_parts
 
 if TYPE_CHECKING:
     from .request import Request
@@ -39,7 +39,7 @@ class Shared:
 class Caches:
     """What one request's search computes once and reuses (valid for that request only: its keys are indices
     into the request's policy list). costs: by (head, ctx, window, expert, micro-batch, policy, activation dtype,
-    weight copies), the entry [activations, transient bytes (from `shared`), cost.ActivationCosts or None until a
+    weight copies), the entry [activations, transient bytes (from `shared`), ActivationCosts or None until a
     candidate needs it]: nothing else of a candidate changes them (not the dp split, the placement, ZeRO++, co2,
     the tier but through its dtype, nor grad_sync). sums: _sorted_sums."""
 
@@ -62,7 +62,7 @@ def policy_indices(pols: list[MemoryPolicy]) -> tuple[list[int], list[int | None
 
 
 def may_fit(req: Request, layout: Layout, index: list[int], step_pols: list[MemoryPolicy],
-             caches: Caches) -> list[int]:
+            caches: Caches) -> list[int]:
     """The positions in the policy list, ascending, of the policies that may fit the layout in some tier: the
     others fail _tiers' first check (model states + activations + transient > usable) in every tier, so _tiers
     would make nothing of them (no footprint, nothing counted, nothing for fit_whole): skipping them changes
@@ -108,7 +108,7 @@ class Layout:
     """One layout and micro-batch of a request, and what every policy of it shares: the tiers tried, each
     tier's activation dtype (activation_dtype: the hardware's dtype, the world size and the tier), its model
     states alone (`static`), and `states` (cost.footprint_of's cache of what the tier holds before the
-    activations and of the chunks' gradient buffers)."""
+    activations and of the chunks' gradient buffers: cost.kept_state_parts)."""
 
     def __init__(self, req: Request, shape: MeshShape, mb: int, static: dict[str, float]):
         self.shape, self.mb, self.static = shape, mb, static
@@ -121,7 +121,7 @@ class Layout:
 
 
 def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy, caches: Caches,
-                tier: str) -> list:
+               tier: str) -> list:
     """[activations, transient bytes, ActivationCosts or None] of a candidate under `tier` (policy: its index,
     step_pol: the policy under grad_sync step), from `caches` (Caches: what each entry depends on)."""
     s, (e, copies) = layout.shape, layout.dtypes[tier]
@@ -147,17 +147,8 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
 
 def device_total(req: Request, layout: Layout, pol: MemoryPolicy, tier: str, acts, transient: float) -> float:
     """cost.memory_bytes(...)["total"] of a candidate (its shape before co2 settles its local steps), from the
-    layout's kept state parts and chunk gradient buffers (cost.footprint_of's `states`, the same keys)."""
-    shape = layout.shape
-    key = (shape.local_steps, tier, pol.grad_sync)
-    parts = layout.states.get(key)
-    if parts is None:
-        parts = layout.states[key] = state_parts(req.model, req.hardware, shape, tier, pol.grad_sync,
-                                                 layout.grad_accum, seq_len=req.seq_len, micro_batch=layout.mb,
-                                                 doc_mask=req.doc_mask, settings=req.settings)
-    buffers_key = (*key, pol.block_chunk)
-    buffers = layout.states.get(buffers_key)
-    if buffers is None:
-        buffers = layout.states[buffers_key] = chunk_grad_buffer_bytes(req.model, shape, tier, pol.grad_sync,
-                                                                       layout.grad_accum, pol.block_chunk)
+    layout's kept state parts and chunk gradient buffers (cost.kept_state_parts, as footprint_of keeps them)."""
+    parts, buffers = kept_state_parts(layout.states, req.model, req.hardware, layout.shape, tier, pol,
+                                      layout.grad_accum, seq_len=req.seq_len, micro_batch=layout.mb,
+                                      doc_mask=req.doc_mask, settings=req.settings)
     return device_bytes_with(parts[0], acts.total_device, transient, buffers)["total"]

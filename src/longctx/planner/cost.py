@@ -44,14 +44,12 @@ from ..costs.host_bytes import (
     exposed_host_state_seconds,
     host_bytes_with,
     host_parts_but_offloaded,
-    offloaded_host_bytes,
     one_memory_bytes,
 )
 from ..costs.model_states import chunk_grad_buffer_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
-    compute_seconds,
     exposed_attention_offload_seconds,
     exposed_expert_seconds,
     exposed_fsdp_seconds,
@@ -59,15 +57,14 @@ from ..costs.timing import (
     exposed_offload_seconds,
     exposed_ring_seconds,
     layer_attention_seconds,
-    micro_batch_flops,
     model_flops_per_token,
     predicted_block_forward_seconds,
     recompute_share,
 )
-from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
+from ..memory.accounting import ActivationEstimate
 from ..memory.moe_counts import max_expert_skew
 from ..memory.policy import MemoryPolicy
-from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
+from .activation_costs import ActivationCosts, activation_costs
 from .comm_bytes import attention_call_bytes, comm_bytes_per_step
 from .slow_links import CO2_LOCAL_STEPS, co2_exposed_seconds, co2_local_steps, co2_outer_seconds
 
@@ -135,27 +132,6 @@ class RunSettings:
 
 # ----------------------------------------------------------------------------------------------
 # Memory
-
-
-def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
-                     dtype_bytes: int, docs: bool, expert_skew: float = 1.0,
-                     weight_copies: bool = False) -> tuple[ActivationEstimate, float]:
-    """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
-    under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
-    the routed rows (memory.moe_counts.expert_rows). dtype_bytes, weight_copies: activation_dtype's."""
-    acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
-                                dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
-                                weight_copies=weight_copies)
-    return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew)
-
-
-def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
-                   dtype_bytes: int, docs: bool, acts: ActivationEstimate, expert_skew: float = 1.0) -> float:
-    """rank_activations' transient bytes, given its activations: of the shape only head, ctx, the Double-Ring
-    window and the expert degree are read (the activations themselves do not depend on the window)."""
-    transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
-                                policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts)
-    return transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
 
 
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
@@ -321,50 +297,6 @@ def footprint(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPoli
                         model_states=model_states, co2_steps=co2_steps, settings=settings)
 
 
-@dataclass(frozen=True)
-class ActivationCosts:
-    """footprint's figures that follow from the activations alone. `activation_costs` reads of the shape only
-    head, ctx, window, expert and (for the activation dtype, activation_dtype) the world size, of the policy
-    every field but grad_sync (no activation, FLOP or offloaded byte depends on it), of the tier only the
-    activation dtype: the planner makes one per those and shares it between dp splits, placements, ZeRO++ and
-    co2 variants, tiers and gradient syncs."""
-    acts: ActivationEstimate
-    transient: float
-    tokens: int                        # per rank per micro-batch
-    work: float                        # doc_work as applied
-    flops: Flops
-    compute: float                     # seconds per micro-batch
-    attn_traffic: float
-    acts_host: float                   # offloaded activations in one rank's host memory (pinned: as locked)
-    attn_host: float                   # the attention core's offloaded state in one rank's host memory
-
-
-def activation_costs(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int,
-                     micro_batch: int, doc_mask: bool, doc_work: float, acts: ActivationEstimate | None,
-                     transient: float | None, expert_skew: float, model_states: str) -> ActivationCosts:
-    """ActivationCosts of a candidate (footprint's arguments)."""
-    if not 0 < doc_work <= 1:
-        raise ValueError(f"doc_work must be in (0, 1], got {doc_work}")
-    work = doc_work if doc_mask else 1.0
-    e = hw.dtype_bytes  # activations, and parameters gathered in the compute dtype (bf16 on GPU, fp32 on CPU)
-    # (one process off the host tier: bf16 autocast over fp32 weights)
-    act_e, copies = activation_dtype(e == 2, shape.world, model_states)
-    if acts is None or transient is None:
-        acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, act_e, doc_mask, expert_skew,
-                                           weight_copies=copies)
-    tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
-    flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
-    attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,
-                                                                 ctx=shape.ctx, policy=policy, dtype_bytes=e,
-                                                                 work=work)
-    acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
-                                                act_bytes=act_e, dtype_bytes=e, activations=acts.total_host,
-                                                attention=attn_host, docs=doc_mask, pinned=not hw.is_cpu,
-                                                expert_skew=expert_skew)
-    return ActivationCosts(acts, transient, tokens, work, flops, compute_seconds(flops, hw), attn_traffic, acts_host,
-                           attn_host)
-
-
 def state_parts(m: ModelConfig, hw: Hardware, shape: MeshShape, model_states: str, grad_sync: str, grad_accum: int, *,
                 seq_len: int, micro_batch: int, doc_mask: bool, settings: RunSettings) -> tuple[tuple, tuple]:
     """(device_parts_before_activations, host_parts_but_offloaded) of a candidate: what it holds that its
@@ -378,24 +310,35 @@ def state_parts(m: ModelConfig, hw: Hardware, shape: MeshShape, model_states: st
     return device, host
 
 
-def _kept(cache: dict | None, key: tuple, make):
-    """cache[key], made by make() the first time (no cache: make())."""
-    if cache is None:
-        return make()
-    value = cache.get(key)
-    if value is None:
-        value = cache[key] = make()
-    return value
+def kept_state_parts(states: dict | None, m: ModelConfig, hw: Hardware, shape: MeshShape, model_states: str,
+                     policy: MemoryPolicy, grad_accum: int, *, seq_len: int, micro_batch: int, doc_mask: bool,
+                     settings: RunSettings) -> tuple[tuple[tuple, tuple], float]:
+    """(state_parts, chunk_grad_buffer_bytes) of a candidate, kept in `states` (a dict the caller keeps for one
+    layout, before co2 settles its local steps, and micro-batch; None: computed) by (local steps, tier, grad_sync)
+    and (local steps, tier, grad_sync, block_chunk): with the layout and the micro-batch those fix every argument
+    of both."""
+    key = (shape.local_steps, model_states, policy.grad_sync)
+    parts = None if states is None else states.get(key)
+    if parts is None:
+        parts = state_parts(m, hw, shape, model_states, policy.grad_sync, grad_accum, seq_len=seq_len,
+                            micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
+        if states is not None:
+            states[key] = parts
+    buffers_key = (*key, policy.block_chunk)
+    buffers = None if states is None else states.get(buffers_key)
+    if buffers is None:
+        buffers = chunk_grad_buffer_bytes(m, shape, model_states, policy.grad_sync, grad_accum, policy.block_chunk)
+        if states is not None:
+            states[buffers_key] = buffers
+    return parts, buffers
 
 
 def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, costs: ActivationCosts, *,
                  seq_len: int, global_batch: int, micro_batch: int, gpus_per_node: int, doc_mask: bool,
                  model_states: str, co2_steps: tuple[int, ...], settings: RunSettings,
                  states: dict | None = None) -> Footprint:
-    """footprint from the candidate's ActivationCosts. states: a dict the caller keeps for one layout (before co2
-    settles its local steps) and micro-batch, where state_parts are kept by (local steps, tier, grad_sync) and
-    chunk_grad_buffer_bytes by (local steps, tier, grad_sync, block_chunk): with the layout and the micro-batch
-    those fix every argument of both."""
+    """footprint from the candidate's ActivationCosts. states: kept_state_parts' dict for the candidate's layout
+    and micro-batch (None: computed)."""
     problems: list[str] = []
     if global_batch % (shape.dp * micro_batch):
         problems.append(f"global batch {global_batch} is not divisible by dp {shape.dp} x micro-batch {micro_batch}")
@@ -403,12 +346,8 @@ def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryP
     ranks_per_node = min(gpus_per_node, shape.world)
     shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * costs.compute, co2_steps,
                                     settings.co2_overlap_steps)
-    key = (shape.local_steps, model_states, policy.grad_sync)
-    parts = _kept(states, key, lambda: state_parts(m, hw, shape, model_states, policy.grad_sync, grad_accum,
-                                                   seq_len=seq_len, micro_batch=micro_batch, doc_mask=doc_mask,
-                                                   settings=settings))
-    buffers = _kept(states, (*key, policy.block_chunk), lambda: chunk_grad_buffer_bytes(
-        m, shape, model_states, policy.grad_sync, grad_accum, policy.block_chunk))
+    parts, buffers = kept_state_parts(states, m, hw, shape, model_states, policy, grad_accum, seq_len=seq_len,
+                                      micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
     memory = device_bytes_with(parts[0], costs.acts.total_device, costs.transient, buffers)
     host = host_bytes_with(parts[1], costs.acts_host, costs.attn_host)
     # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host

@@ -3,7 +3,7 @@
 Branches are cut as early as their cause is known:
 
 - a (head, ctx, dp_replicate) whose model states alone exceed GPU memory skips every policy;
-- activation and transient estimates (cost.rank_activations) are computed once per (head, ctx,
+- activation and transient estimates (activation_costs.rank_activations) are computed once per (head, ctx,
   micro-batch, policy) and reused for every dp split, window and placement;
 - a candidate takes the first model-state tier that fits, and its memory (cost.footprint) decides
   whether it fits before anything about its time is computed.
@@ -26,15 +26,9 @@ from ..costs.host_bytes import TIERS, device_state_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import exposed_fsdp_seconds, predicted_block_forward_seconds
 from ..memory.policy import MemoryPolicy
+from .activation_costs import activation_costs
 from .candidate_cache import Caches, Layout, Shared, device_total, may_fit, policy_indices, tier_costs
-from .cost import (
-    Estimate,
-    Footprint,
-    activation_costs,
-    footprint_of,
-    gib_text,
-    timed,
-)
+from .cost import Estimate, Footprint, footprint_of, gib_text, timed
 from .ranking import Ranking
 from .request import (
     _POLICY_ORDER,
@@ -156,13 +150,10 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
     return res
 
 
-def _evaluate(req: Request, keep_infeasible: bool, caches: Caches | dict,
+def _evaluate(req: Request, keep_infeasible: bool, caches: Caches,
               first_only: bool = False) -> tuple[list[Footprint], int]:
     """Every candidate's footprint in its first tier that fits (keep_infeasible: every tier's, when none
-    does); first_only: stop at the first that fits (whether any does). caches: the request's Caches (a dict,
-    as callers passed before Caches: a fresh one)."""
-    if not isinstance(caches, Caches):
-        caches = Caches()
+    does); first_only: stop at the first that fits (whether any does). caches: the request's Caches."""
     hw, m = req.hardware, req.model
     pols = policies(req)
     # every policy in both gradient-sync variants, in policy order, made once (not per shape and micro-batch:
