@@ -146,9 +146,12 @@ def _check_passkey(out: dict, seqs, reference, length: int = 1024) -> None:
             needle = f" The pass key is {q.answer}. Remember it. {q.answer} is the pass key. "
             answer = f" {q.answer}"
             assert text.endswith("\nWhat is the pass key? The pass key is" + answer) and len(q.tokens) == length
-            # the needle where the depth says, in tokens of the real prompt: depth x the filler's length
+            # the needle where the depth says, in tokens of the real prompt: depth x the filler's length, moved
+            # back to the start of its line or word (at most 1/32 of the filler: data/synthetic.py _boundary)
             filler = length - len(needle) - len("\nWhat is the pass key? The pass key is") - len(answer)
-            assert text.find(needle) == round(depth * filler)
+            at = text.find(needle)
+            assert 0 <= round(depth * filler) - at <= filler // 32, (depth, at)
+            assert at == 0 or text[at - 1].isspace() or text[at + len(needle)].isspace(), (depth, at)
             # the answer's tokens: the last len(answer) of the sequence, each the label of the position before it
             lp = reference(q.tokens)
             positions = range(length - len(answer) - 1, length - 1)

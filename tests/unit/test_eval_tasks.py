@@ -67,6 +67,36 @@ def test_needle_hides_several_keys_and_asks_for_one():
     assert f"magic number for {asked} is: {p.answer}." in text
 
 
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+@pytest.mark.parametrize("filler,boundary", [
+    ("def f(x):\n    return x + 1\n", "\n"),             # code: a needle starts a line
+    ("lorem ipsum dolor sit amet consectetur ", None),  # prose without newlines: a word
+])
+def test_needles_go_in_between_lines_or_words_never_inside_one(task, filler, boundary):
+    """Spliced at the token its depth names, a needle cut a word of the filler in two ('retu The pass key
+    ... rn x'): each needle now starts just after a newline (else a space) within 1/32 of the filler."""
+    stream = np.frombuffer((filler * 400).encode(), dtype=np.uint8).astype(np.int64)
+    for depth in (0.13, 0.31, 0.5, 0.77, 1.0):
+        p = retrieval_prompt(task, stream, 3000, depth, np.random.default_rng(5), TOK)
+        assert len(p.tokens) == 3000
+        text = TOK.decode(p.tokens)
+        text = text[:text.rindex("\nWhat is")]
+        needle = "The pass key is" if task == "passkey" else "The special magic number for"
+        starts = [i - 1 for i in range(len(text)) if text.startswith(" " + needle, i - 1)]
+        assert len(starts) == (1 if task == "passkey" else 4)
+        for at in starts:
+            end = text.index("pass key. " if task == "passkey" else ". ", at + 20) + (10 if task == "passkey" else 2)
+            # between two words: whitespace before the needle or after it (a line's start where the filler has lines)
+            assert text[at - 1].isspace() or text[end:end + 1].isspace(), (depth, repr(text[at - 20:end + 5]))
+        assert boundary is None or text[starts[0] - 1] == boundary, (depth, repr(text[starts[0] - 20:starts[0] + 20]))
+        assert abs(starts[0] / len(text) - depth) < 0.1 or task == "needle"
+    # a filler without a line or a word to break at keeps the depth's own token
+    solid = np.full(4000, ord("x"), dtype=np.int64)
+    p = retrieval_prompt("passkey", solid, 3000, 0.5, np.random.default_rng(5), TOK)
+    n = 3000 - (len(p.tokens) - int((p.tokens == ord("x")).sum()))
+    assert TOK.decode(p.tokens).index(" The pass key") == int(round(0.5 * n))
+
+
 def test_prompt_without_room_is_refused():
     with pytest.raises(DataError, match="no room for filler"):
         retrieval_prompt("passkey", FILLER, 50, 0.5, np.random.default_rng(0), TOK)

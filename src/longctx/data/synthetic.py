@@ -12,7 +12,8 @@ same question, in the same words and token layout, that `longctx eval` scores:
   "What is the special magic number for <word>? The special magic number for <word> is:".
 
 Depth is where the (asked) needle starts, as a fraction of the filler: 0 = first thing, 1 = just
-before the question. The filler is any token stream (the corpus, in practice), so the needle is
+before the question; a needle goes in at the start of the line (else the word) that holds its depth,
+never inside a word (`_boundary`). The filler is any token stream (the corpus, in practice), so the needle is
 the only natural-language sentence in Python code and nothing but retrieval answers the question.
 
 `SyntheticMixture` replaces a seeded fraction of a store's training samples by passkey (or
@@ -86,6 +87,33 @@ def _encode(tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer.encode_batch([text])[0], dtype=np.int64)
 
 
+@functools.lru_cache(maxsize=4096)
+def _token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _boundary(filler: np.ndarray, lo: int, cut: int, window: int, tokenizer) -> int:
+    """Where a needle meant for filler position `cut` goes: the start of the line that holds `cut` (just
+    after the last newline within `window` tokens before it), else the start of the word (a token
+    after whitespace or beginning with it), else `cut` itself; never before `lo` (the previous
+    needle's place). As RULER and needle-in-a-haystack put needles between sentences: spliced
+    mid-word ('de The pass key is ... f f(x):'), a needle breaks a token of the filler in two and
+    the model reads a word it never saw. The move is at most `window` tokens (1/32 of the filler, at
+    most 512), so the depth stays within 3% of the one asked."""
+    if cut <= lo:
+        return cut
+    start = max(lo, cut - window)
+    texts = [_token_text(tokenizer, int(t)) for t in filler[start:cut + 1]]  # texts[i]: filler[start + i]
+    texts += [""] * (cut + 1 - start - len(texts))  # (at the filler's end the question follows: its own line)
+    for i in range(cut - start, 0, -1):
+        if texts[i - 1].endswith("\n"):
+            return start + i
+    for i in range(cut - start, 0, -1):
+        if texts[i - 1][-1:].isspace() or texts[i][:1].isspace():
+            return start + i
+    return cut
+
+
 ANSWER_STOP = "."  # what ends a training sequence's answer (the needle sentence's own full stop)
 
 
@@ -119,7 +147,7 @@ def retrieval_prompt(task: str, filler: np.ndarray, length: int, depth: float, r
     pieces, last = [], 0
     # the needles go in by depth order; ties keep the asked needle first
     for d, t in sorted(inserts, key=lambda dt: dt[0]):
-        cut = int(round(d * n))
+        cut = _boundary(filler[:n], last, int(round(d * n)), max(1, min(n // 32, 512)), tokenizer)
         pieces += [filler[last:cut], t]
         last = cut
     pieces += [filler[last:n], q, a]
