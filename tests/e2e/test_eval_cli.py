@@ -91,15 +91,17 @@ def test_bad_input_is_explained_before_work(checkpoint, args, needle):
     assert needle in flat(r.stderr) and "Traceback" not in r.stderr
 
 
-def test_a_model_without_tokenizer_cannot_read_text(checkpoint, tmp_path):
+def test_a_model_without_tokenizer_cannot_read_text(checkpoint, text_file, tmp_path):
     out = tmp_path / "hf"
     r = longctx("checkpoint", "export", str(checkpoint), str(out))
     assert r.returncode == 0, r.stderr
     r = longctx_here("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256")
     assert r.returncode == 2
     assert "has no tokenizer.json" in flat(r.stderr) and "--tokenizer byte" in flat(r.stderr)
+    # (the filler from a text file: the default corpus is test_needle_and_default_corpus's, and building the
+    # whole standard library's store at 256 tokens for one prompt took 15 of this test's 27 s)
     ok = longctx("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256", "--samples", "1",
-                 "--depths", "0", "--tokenizer", "byte")
+                 "--depths", "0", "--tokenizer", "byte", "--data", str(text_file))
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["results"][0]["samples"] == 1
 
