@@ -224,7 +224,7 @@ class Output:
         "seed" is the seed its draws came from (generate/sampling.py); with --logprobs, "logprobs" (each
         new token's) and, for N > 0, "top_logprobs" (per new token, [[id, logprob], ...] most likely
         first)."""
-        text = self.tokenizer.decode(result.tokens)
+        whole = text = self.tokenizer.decode(result.tokens)
         cut = self.stops is not None and result.finish_reason == "stop"
         if cut:
             text = self.stops.cut(text)
@@ -232,7 +232,10 @@ class Output:
             self.stream.finish(text)
         if self.echo:  # (the continuation as it reads after the prompt: its first space kept)
             after = continuation_text(self.tokenizer, prompt.get("ids", []), result.tokens)
-            echoed = prompt["text"] + (self.stops.cut(after) if cut else after)
+            if cut:  # where the text is cut (a stop string starting with the first space, which the text and
+                # the check lack, is not one here: the row ran past it, and the echo cut there lost the text)
+                after = after[:len(after) - len(whole) + len(text)] if after.endswith(whole) else self.stops.cut(after)
+            echoed = prompt["text"] + after
         line = {**({"id": prompt["id"]} if "id" in prompt else {}), "prompt_tokens": result.prompt_tokens,
                 "tokens": result.tokens, "text": echoed if self.echo else text,
                 "finish_reason": result.finish_reason,
