@@ -187,6 +187,56 @@ def test_a_rollback_after_resuming_an_older_checkpoint_never_goes_to_the_abandon
     assert _same(rec.start(6), rec.start(5)) and _same(rec.start(10), rec.start(7))
 
 
+def test_a_failed_save_does_not_send_a_rollback_to_the_abandoned_attempts_latest(tmp_path, monkeypatch):
+    extra = ["--train.steps=12", "--metrics.log_interval=1"]
+    root = _abandoned_attempt(tmp_path, monkeypatch, extra)
+    # again from step 4 at another lr: its save at step 6 fails (warn: it trains on), so `latest` still names the
+    # abandoned step 8, before the bad step 9 but another attempt's weights: the rollback goes to this run's step 4
+    monkeypatch.setenv("LONGCTX_FAULT", "enospc@1,nonfinite@9")
+    logs = []
+    resumed = _resume(tmp_path, [*extra, "--checkpoint.interval=3", "--checkpoint.on_save_error=warn",
+                                 "--train.lr=1e-3", "--checkpoint.allow_changes=true"], root / "step-00000004", logs)
+    rec = Recorder(resumed)
+    resumed.run()
+    records = [json.loads(x) for x in (root / "rollbacks.jsonl").read_text().splitlines()]
+    assert [(r["bad_step"], r["rolled_back_to"]) for r in records] == [(9, 4)]
+    assert _same(rec.start(10), rec.start(5))  # (the weights this run resumed, not the abandoned step 8's)
+
+
+def test_a_fresh_run_never_rolls_back_to_another_runs_checkpoint_in_a_shared_dir(tmp_path, monkeypatch):
+    from longctx.errors import TrainingError
+
+    shared = tmp_path / "shared"
+    _trainer(tmp_path, "a", ["--train.steps=4", "--checkpoint.interval=2", f"--checkpoint.dir={shared}"],
+             monkeypatch).run()
+    # another run started afresh on the same checkpoint.dir (another lr): its bad step 6 precedes its first save,
+    # and run a's step 4 is before it, but another run's weights
+    fresh = _trainer(tmp_path, "c", ["--train.steps=8", "--checkpoint.interval=10", "--metrics.log_interval=1",
+                                     "--train.lr=1e-3", f"--checkpoint.dir={shared}"], monkeypatch, "nonfinite@6")
+    with pytest.raises(TrainingError, match="at step 6, and train.on_nonfinite = rollback, but no checkpoint"):
+        fresh.run()
+    assert not (shared / "rollbacks.jsonl").exists()  # (a resume of run a's step 4 would skip steps 5-6)
+
+
+def test_a_rollback_past_a_damaged_checkpoint_from_elsewhere_stays_on_its_trajectory(tmp_path, monkeypatch):
+    from longctx.checkpoint.manifest import read_manifest
+
+    _trainer(tmp_path, "x", ["--train.steps=4", "--checkpoint.interval=2"], monkeypatch).run()
+    theirs, shared = tmp_path / "x" / "checkpoints", tmp_path / "shared"
+    _trainer(tmp_path, "u", ["--train.steps=2", "--checkpoint.interval=2", "--train.lr=1e-3",
+                             f"--checkpoint.dir={shared}"], monkeypatch).run()  # another run's step 2 there
+    monkeypatch.setenv("LONGCTX_FAULT", "nonfinite@6")
+    args = ["--train.steps=8", "--checkpoint.interval=10", "--metrics.log_interval=1", f"--checkpoint.dir={shared}",
+            f"--train.run_dir={tmp_path / 'b'}", f"--checkpoint.resume={theirs / 'step-00000004'}"]
+    resumed = Trainer(load_config(None, [*BASE, *args]), log=_quiet)
+    (theirs / "step-00000004" / "trainer_state.json").write_text("{}")  # damaged after the resume loaded it
+    resumed.run()
+    records = [json.loads(x) for x in (shared / "rollbacks.jsonl").read_text().splitlines()]
+    # back to the step 2 the resumed step 4 descends from, not to the other run's step 2 in checkpoint.dir
+    assert [(r["bad_step"], r["rolled_back_to"]) for r in records] == [(6, 2)]
+    assert records[0]["checkpoint"] == read_manifest(theirs / "step-00000002")["checksum"]
+
+
 def test_a_rollback_with_only_a_damaged_checkpoint_before_the_bad_step_stops(tmp_path, monkeypatch):
     from longctx.errors import TrainingError
 

@@ -31,9 +31,16 @@ def state_bytes(state) -> float:
     return total
 
 
-def save_failed(root: Path, step: int, needed: float, error: BaseException | None) -> CheckpointError:
+LATEST = object()  # save_failed's `own` when the caller does not know its run's: the one `latest` names
+
+
+def save_failed(root: Path, step: int, needed: float, error: BaseException | None,
+                own: Path | None | object = LATEST) -> CheckpointError:
     """The error every rank raises: the step, the cause (this rank's, or another's), the job's bytes
-    against the free space, and what is kept."""
+    against the free space, and what is kept. `own`: the checkpoint the run committed or loaded last (None: it
+    has none), which a run that resumed an older one (or one elsewhere) and committed none since does not find
+    in `latest`: that names another attempt's (or run's), which the message called the previous checkpoint and
+    sent resume auto to, continuing that attempt's weights."""
     try:
         free_bytes = shutil.disk_usage(root).free
         free = f"{free_bytes / 2**30:.2f} GiB free there" + (", less than it needs: the disk is full"
@@ -41,14 +48,22 @@ def save_failed(root: Path, step: int, needed: float, error: BaseException | Non
     except OSError:
         free = "its free space unknown"
     # (the one `latest` names: the newest in the directory may be an abandoned attempt's, after an explicit resume)
-    found = latest_checkpoint(root) if root.is_dir() else None
-    kept = (f"the previous checkpoint, {found.name}, is intact and `latest` still points to it"
-            if found is not None else "no earlier checkpoint exists")
-    what = _cause(error) if error is not None else "another rank's write failed"
+    latest = latest_checkpoint(root) if root.is_dir() else None
+    found = latest if own is LATEST else own
     # (how to get past it: said nothing, so a full disk stopped a long run with no way out named)
     # (auto looks in --checkpoint.dir: a new one holds no checkpoint, so that resume names the kept one's path)
-    resume = (f"; --checkpoint.resume auto then continues from {found.name} (with another --checkpoint.dir, "
-              f"--checkpoint.resume {found})") if found is not None else ""
+    if found is None:
+        kept, resume = ("no earlier checkpoint exists" if latest is None else
+                        f"this run has saved no checkpoint yet (`latest` names {latest.name}, not this run's)"), ""
+    elif latest is not None and found.resolve() == latest.resolve():
+        kept = f"the previous checkpoint, {found.name}, is intact and `latest` still points to it"
+        resume = (f"; --checkpoint.resume auto then continues from {found.name} (with another --checkpoint.dir, "
+                  f"--checkpoint.resume {found})")
+    else:
+        other = f" (`latest` names {latest.name}, another attempt's: resume auto would continue that one)"
+        kept = f"this run's previous checkpoint, {found}, is intact" + (other if latest is not None else "")
+        resume = f"; --checkpoint.resume {found} then continues this run"
+    what = _cause(error) if error is not None else "another rank's write failed"
     return CheckpointError(f"the checkpoint of step {step} could not be written to {root} ({what}); it needs about "
                            f"{needed / 2**30:.2f} GiB ({free}). The partial save was removed and {kept}. To fix it: "
                            f"free space there (a save needs room for one more checkpoint beside those "

@@ -198,7 +198,7 @@ class CheckpointManager:
         if failed:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise save_failed(self.root, step, needed, error) from error
+            raise save_failed(self.root, step, needed, error, self.own_newest()) from error
         return tmp
 
     def _write_own_files(self, tmp: Path, rng: dict, trainer_state: str, ordinal: int = 0,
@@ -238,7 +238,7 @@ class CheckpointManager:
         if failed:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise save_failed(self.root, step, needed, error)
+            raise save_failed(self.root, step, needed, error, self.own_newest())
         commit_error = None
         if self.rank == 0:
             try:
@@ -252,7 +252,7 @@ class CheckpointManager:
             if float(flags[0]) and commit_error is None:
                 commit_error = OSError("rank 0 could not commit it")
         if commit_error is not None:
-            raise save_failed(self.root, step, needed, commit_error)
+            raise save_failed(self.root, step, needed, commit_error, self.own_newest())
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
         record = record or self._manifest_record()
@@ -279,6 +279,13 @@ class CheckpointManager:
         self.parent = {"name": final.name, "checksum": written["checksum"]}
         prune(self.root, self.keep, keep_also=final)  # (retention.py)
         self.log(f"checkpoint: saved step {step} to {final}")
+
+    def own_newest(self) -> Path | None:
+        """The checkpoint this run committed or loaded last (None: it has none yet): what it continues from, which
+        `latest` does not name after a resume of an older checkpoint (or one elsewhere) until the run commits."""
+        if self.parent is not None:
+            return self.root / self.parent["name"]
+        return None if self.resumed_from is None else self.resumed_from[0]
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written, hashed and committed."""

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from ..checkpoint.manifest import damage_report
-from ..config.checkpoint_paths import MANIFEST, complete_checkpoints, latest_checkpoint, trajectory
+from ..config.checkpoint_paths import MANIFEST, trajectory
 from ..errors import TrainingError
 
 RECORD = "rollbacks.jsonl"
@@ -127,18 +127,25 @@ def rollback_candidates(ckpt, bad_step: int) -> list[Path]:
 
     Only checkpoints before the bad step: one at or after it is another trajectory's (an explicit
     resume of an older checkpoint leaves the newer ones, and `latest`, to the attempt it abandoned).
-    First this run's own newest: the one it loaded last (its resume, or its last rollback) or, once it
-    has saved, the one `latest` names (each save it commits points `latest` there). Then the ones that one
-    descends from (its trajectory: another attempt's, newer or interleaved, is not this run's), newest
-    first, for when this run's own is damaged. A run with neither takes the newest before the bad step."""
+    First this run's own newest: the one it loaded last (its resume, or its last rollback) or the one it
+    committed last (`ckpt.parent`; not the one `latest` names: a save that failed under on_save_error = warn
+    leaves it at another attempt's or another run's). Then the ones that one descends from, in its own
+    directory (its trajectory: another attempt's, newer or interleaved, and another run's in a checkpoint.dir
+    it shares are not this run's), newest first, for when this run's own is damaged. A run with neither has
+    none (a fresh run took the newest in its directory: another run's weights, and a rollback record that a
+    resume of that run then obeyed)."""
     own = [] if ckpt.resumed_from is None else [(int(ckpt.resumed_from[1]["step"]), ckpt.resumed_from[0])]
-    if ckpt.saves and (latest := latest_checkpoint(ckpt.root)) is not None:
-        own.append((_named_step(latest), latest))
+    if ckpt.parent is not None:  # (the checkpoint it committed or loaded last in its own directory)
+        committed = ckpt.root / ckpt.parent["name"]
+        own.append((_named_step(committed), committed))
     own = [(step, path) for step, path in own if step is not None and step < bad_step]
-    limit = 1 + max(step for step, _ in own) if own else bad_step
-    newest = max(own, key=lambda c: c[0])[1] if own else None
-    mine = newest is not None and newest.resolve().parent == ckpt.root.resolve()
-    others = [(step, p) for p in (trajectory(ckpt.root, newest) if mine else complete_checkpoints(ckpt.root))
+    if not own:
+        return []
+    limit = 1 + max(step for step, _ in own)
+    newest = max(own, key=lambda c: c[0])[1]
+    # (in its own directory: one loaded from elsewhere descends from that directory's, not from checkpoint.dir's,
+    # which may hold another run's)
+    others = [(step, p) for p in trajectory(newest.parent, newest)
               if (step := _named_step(p)) is not None and step < limit]
     ordered = []
     for _, path in sorted([*own, *others], key=lambda c: -c[0]):  # (stable: this run's own first on a tie)

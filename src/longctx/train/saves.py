@@ -16,7 +16,7 @@ import contextlib
 import time
 
 from ..config import Config
-from ..config.checkpoint_paths import CheckpointError, latest_checkpoint
+from ..config.checkpoint_paths import CheckpointError
 from ..job import watchdog
 
 
@@ -103,7 +103,7 @@ class RunSaves:
         itself says the way out, checkpoint/failures.py save_failed: free space, another --checkpoint.dir, the
         checkpoint a resume goes on from); a run with no checkpoint to resume from starts again. `warn` is named
         only where it would have trained on (a stop's own save fails whatever the policy)."""
-        kept = latest_checkpoint(self.ckpt.root) if self.ckpt.root.is_dir() else None
+        kept = self.ckpt.own_newest()  # (not `latest`: another attempt's, or run's, until this run commits one)
         then = "" if kept is not None else (" Start the run again once it is fixed: no checkpoint was saved to "
                                             "resume from.")
         warn = ("" if why or self.cfg.checkpoint.on_save_error == "warn" else
