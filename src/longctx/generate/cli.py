@@ -272,6 +272,7 @@ def _run(request: GenerateRequest, args) -> int:
             batch = request.prompts[start:start + size]
             # each prompt's own seed, else one from the run's and its index in the file (generate/sampling.py)
             seeds = [p.get("seed", derive_seed(args.seed, start + i)) for i, p in enumerate(batch)]
+            output.rows([p["ids"] for p in batch], 1 if draft is not None else samples)
             if draft is not None:
                 results = [_speculate(request, args, model, draft, start, output.stops, backend,
                                       sample_seed(seeds[0], s), eos, s, step) for s in range(samples)]

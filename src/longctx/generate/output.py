@@ -46,20 +46,28 @@ class StopStrings:
                                   f"never shows (special tokens decode to nothing), so it could never match; give "
                                   f"--stop {inside[0]!r} on its own (a row then ends when that token is generated).")
         self.window = 4 * max((len(s) for s in self.stops), default=0) + 4
+        self.contexts: list = []  # each row's prompt ids (`rows`): its text is read after them
+
+    def rows(self, prompts: list, samples: int = 1) -> None:
+        """The prompts (their ids) of the rows checked next, prompt-major with `samples` rows each, as the decode
+        loop numbers its rows; a speculative prompt is row 0."""
+        self.contexts = [ids for ids in prompts for _ in range(samples)]
 
     def __call__(self, row: int, tokens: list[int]) -> bool:
         if tokens and tokens[-1] in self.stop_ids:
             return True
-        return bool(self.stops) and any(s in self.tail(tokens) for s in self.stops)
+        context = self.contexts[row] if row < len(self.contexts) else None
+        return bool(self.stops) and any(s in self.tail(tokens, context) for s in self.stops)
 
-    def tail(self, tokens: list[int]) -> str:
-        """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends."""
+    def tail(self, tokens: list[int], context=None) -> str:
+        """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends;
+        where that is the whole row, as it reads after its prompt's ids `context` (continuation_text)."""
         n, last = self.window, None
         while True:
             # (begun on a character, not inside one: see from_character)
             _, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens))
             if n >= len(tokens):
-                return text
+                return continuation_text(self.tokenizer, context, tokens) if context else text
             if last is None:  # (the last token's own text: the characters before it are what counts)
                 last = len(self.tokenizer.decode(tokens[-1:]))
             if len(text) - last >= self.window:
@@ -85,11 +93,18 @@ class Stream:
     context's text is not a prefix of the longer decoding (a character across the boundary), the
     whole is decoded instead, as before."""
 
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], prompt_ids=()):
         self.tokenizer, self.tokens, self.shown = tokenizer, [], 0
         self.stops = [s for s in stops if s]
         self.settled = 0  # tokens whose text is final: it is self.unshown's prefix, or shown already
         self.base, self.unshown = 0, ""  # the settled text from character `base` on (base <= shown)
+        self.origin = 0  # where the continuation's text begins: after the prompt's last ids, not shown
+        if prompt_ids:  # (the text as it reads after the prompt, continuation_text's: its first space kept)
+            n = len(prompt_ids)
+            start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n)
+            self.tokens = [int(t) for t in prompt_ids[start:]]
+            self.settled, self.shown = len(self.tokens), len(head)
+            self.base = self.origin = len(head)
 
     def __call__(self, row: int, token: int) -> None:
         self.tokens.append(token)
@@ -119,7 +134,7 @@ class Stream:
         return self.tokenizer.decode(self.tokens)[self.base:]
 
     def finish(self, text: str) -> None:
-        sys.stderr.write(text[self.shown:] + "\n")
+        sys.stderr.write(text[self.shown - self.origin:] + "\n")
         sys.stderr.flush()
 
 
@@ -200,9 +215,17 @@ class Output:
             self.file = open(self.partial, "w", encoding="utf-8") if path else sys.stdout  # noqa: SIM115
             self._keep_mode()
         # one prompt on a terminal streams its text; several show a bar of new tokens
-        text_stops = self.stops.stops if self.stops is not None else []  # (a special token's never shows)
-        self.stream = Stream(tokenizer, text_stops) if main_rank and prompts == 1 and on_terminal() else None
+        self.text_stops = self.stops.stops if self.stops is not None else []  # (a special token's never shows)
+        self.stream = Stream(tokenizer, self.text_stops) if main_rank and prompts == 1 and on_terminal() else None
         self.bar = None if self.stream else progress_bar(new_tokens, "generate", "tok", main_rank)
+
+    def rows(self, prompts: list, samples: int = 1) -> None:
+        """The prompts (their ids) generated next, `samples` rows each: each row's text is read after its
+        prompt's last ids, by the stop strings and the stream alike (StopStrings.rows)."""
+        if self.stops is not None:
+            self.stops.rows(prompts, samples)
+        if self.stream is not None and prompts:
+            self.stream = Stream(self.tokenizer, self.text_stops, prompts[0])
 
     def _keep_mode(self) -> None:
         """The file FILE.partial replaces keeps its permissions, as a write in place kept them (a private 0600
@@ -224,20 +247,15 @@ class Output:
         "seed" is the seed its draws came from (generate/sampling.py); with --logprobs, "logprobs" (each
         new token's) and, for N > 0, "top_logprobs" (per new token, [[id, logprob], ...] most likely
         first)."""
-        whole = text = self.tokenizer.decode(result.tokens)
-        cut = self.stops is not None and result.finish_reason == "stop"
-        if cut:
+        # the text as it reads after the prompt (decoded after its last ids: a SentencePiece decoder's first space
+        # kept, as transformers' pipeline and vLLM give it), the one the stop strings were checked on
+        text = continuation_text(self.tokenizer, prompt.get("ids", []), result.tokens)
+        if self.stops is not None and result.finish_reason == "stop":
             text = self.stops.cut(text)
         if self.stream is not None:
             self.stream.finish(text)
-        if self.echo:  # (the continuation as it reads after the prompt: its first space kept)
-            after = continuation_text(self.tokenizer, prompt.get("ids", []), result.tokens)
-            if cut:  # where the text is cut (a stop string starting with the first space, which the text and
-                # the check lack, is not one here: the row ran past it, and the echo cut there lost the text)
-                after = after[:len(after) - len(whole) + len(text)] if after.endswith(whole) else self.stops.cut(after)
-            echoed = prompt["text"] + after
         line = {**({"id": prompt["id"]} if "id" in prompt else {}), "prompt_tokens": result.prompt_tokens,
-                "tokens": result.tokens, "text": echoed if self.echo else text,
+                "tokens": result.tokens, "text": prompt["text"] + text if self.echo else text,
                 "finish_reason": result.finish_reason,
                 "prefill_tokens_per_s": round(result.prefill_tokens_per_s, 2),
                 "decode_tokens_per_s": round(result.decode_tokens_per_s, 2),
