@@ -150,12 +150,29 @@ def _walk(top: Path) -> list[Path]:
     return files
 
 
+def _refuse_dangling(paths: list[Path]) -> None:
+    """Refuse links among `paths` whose target is missing (`books -> /mnt/books`, the volume not mounted): passed
+    over, their documents were missing from the store unsaid, as an unlistable directory's would be (_walk)."""
+    dangling = [f for f in paths if f.is_symlink() and not f.exists()]
+    if dangling:
+        named = "; ".join(f"'{f}' is a link to '{os.readlink(f)}', which does not exist or cannot be reached"
+                          for f in dangling[:3])
+        more = f" (and {len(dangling) - 3} more such links)" if len(dangling) > 3 else ""
+        raise DataError(f"{named}{more}: its documents would be missing from the store; restore the target (mount "
+                        f"its volume), or remove the link from the input.")
+
+
 def _directory_units(p: Path) -> tuple[list[Path], int]:
     """(units of directory `p` in a deterministic order, files skipped): files sorted by path, a saved
     dataset's arrow files in its own order at the place the dataset directory sorts. A store or scan
     that a build wrote inside the directory (a store per sequence length beside the corpus) is not
     read: its manifest.json, plan.json and docs.jsonl are the build's records, not documents."""
-    files = sorted(f for f in _walk(p) if f.is_file() and not hidden(f.relative_to(p)))
+    files, others = [], []  # (others: links to nothing, fifos, sockets, directories named like files)
+    for f in _walk(p):
+        if not hidden(f.relative_to(p)):
+            (files if f.is_file() else others).append(f)
+    _refuse_dangling(others)
+    files.sort()
     built = {f.parent for f in files if f.name in (STORE_MANIFEST, SCAN_PLAN) and build_output(f.parent)}
     if built:
         files = [f for f in files if not any(a in built for a in f.parents)]

@@ -334,14 +334,28 @@ def _iter_bytes_file(path: Path, name: str, fmt: str, compression: str | None, f
         yield Document(name, text)
 
 
-def _missing_column(kind: str, path: Path, fields: list[tuple], columns: list[str]) -> DataError | None:
+def _column_problem(kind: str, path: Path, fields: list[tuple], schema) -> DataError | None:
     """The error for a parquet / arrow file without one of the record's columns `fields` ((name, the
-    option naming it, what it holds) each)."""
+    option naming it, what it holds) each), or whose text column holds no strings (bytes, numbers: every row
+    would be skipped as having no text, the column right there)."""
+    columns = schema.names
     for field, flag, holds in fields:
         if field not in columns:
             return DataError(f"{kind} file '{path}' has no column '{field}' (columns: {', '.join(columns)}); "
                              f"pass {flag} with the column that holds the {holds}.")
+        if len(schema.get_all_field_indices(field)) > 1:  # (which one is the text: not ours to guess)
+            return DataError(f"{kind} file '{path}' has {len(schema.get_all_field_indices(field))} columns named "
+                             f"'{field}'; rename all but the one that holds the {holds}.")
+        kind_of = schema.field(field).type
+        # (a dictionary-encoded column: its values' type; a list column has a value_type too, and is no text)
+        value_type = kind_of.value_type if hasattr(kind_of, "index_type") else kind_of
+        if holds != "conversation" and not (str(value_type) in _STRING_TYPES or str(kind_of) == "null"):
+            return DataError(f"{kind} file '{path}' column '{field}' holds {kind_of} values, not text (string); "
+                             f"pass {flag} with the column that holds the {holds} as strings, or convert it.")
     return None
+
+
+_STRING_TYPES = ("string", "large_string", "string_view")
 
 
 def _iter_values(batches: Iterator, columns: list, accept, name: str, skipped: Counter,
@@ -373,9 +387,9 @@ def _iter_parquet(path: Path, name: str, fields: list[tuple], accept, skipped: C
     except Exception:  # pyarrow raises several types for a corrupt file
         skipped["bad_parquet_file"] += 1
         return
-    missing = _missing_column("parquet", path, fields, pf.schema_arrow.names)
-    if missing is not None:
-        raise missing
+    problem = _column_problem("parquet", path, fields, pf.schema_arrow)
+    if problem is not None:
+        raise problem
     yield from _iter_values(pf.iter_batches(columns=[f for f, _, _ in fields], batch_size=ROWS),
                             list(range(len(fields))), accept, name, skipped, "bad_parquet_file")
 
@@ -400,9 +414,9 @@ def _iter_arrow(path: Path, name: str, fields: list[tuple], accept, skipped: Cou
             except Exception:
                 skipped["bad_arrow_file"] += 1
                 return
-        missing = _missing_column("arrow", path, fields, schema.names)
-        if missing is not None:
-            raise missing
+        problem = _column_problem("arrow", path, fields, schema)
+        if problem is not None:
+            raise problem
         yield from _iter_values(batches, [schema.get_field_index(f) for f, _, _ in fields], accept, name, skipped,
                                 "bad_arrow_file")
 
