@@ -132,6 +132,8 @@ def test_moe_blocks_keep_what_the_analytic_count_says(policy, fraction, chunk, s
     {"moe.router": "switch", "moe.top_k": 1},
     {"moe.router": "sigmoid", "moe.groups": 2, "moe.topk_groups": 1, "moe.route_scale": 2.5},
     {"moe.top_k": 3, "moe.expert_dim": 64},
+    {"moe.z_loss": 0.0},  # no z-loss: the router logits are not kept
+    {"moe.z_loss": 0.0, "moe.router": "sigmoid"},
 ])
 @pytest.mark.parametrize("policy", [MemoryPolicy("none"), MemoryPolicy("selective", 0.5, 1, loss_chunk=64)])
 def test_moe_variants_keep_what_the_analytic_count_says(over, policy):

@@ -166,7 +166,8 @@ TINY_MOE = model("debug", dim=8, layers=2, heads=2, kv_heads=1, head_dim=4, ffn_
 
 
 def test_moe_ffn_bytes_by_hand():
-    """fp32, per token: router logits and probabilities 4 x 4 B each + the log-sum-exp 4 B = 36; the
+    """fp32, per token: router probabilities 4 x 4 B = 16 (with a z-loss its logits 4 x 4 B and log-sum-exp 4 B
+    too: 36; without one the z figure is recorded without a gradient); the
     chosen experts 2 x 8 B, the weights 2 x 4 B and, renormalised, the gathered probabilities 2 x 4
     B and their sum 4 B = 36; permute (TokenRows): the inverse permutation 2 x 8 B + tokens 2 x 8 x 4 B
     = 80; experts: 2 slots x 4 x 6 x 4 B = 192; un-permute: a gather by that same inverse permutation
@@ -174,13 +175,14 @@ def test_moe_ffn_bytes_by_hand():
     output 8 x 4 B = 36. In bf16 the router's input copy adds 4 x 8 B and the SwiGLUs' tensors halve.
     A capacity adds the kept flags (2 x 1 B) and its index_copy's own index (2 x 8 B) and source, the
     experts' output (2 x 8 x 4 B)."""
-    assert moe_ffn_bytes(TINY_MOE, 4) == 36 + 36 + 80 + 192 + 64 + 160 + 36 == 604
-    bf16 = (36 + 32) + (16 + 4 + 12) + (16 + 32) + 96 + 32 + 80 + 18
+    assert moe_ffn_bytes(TINY_MOE, 4) == 16 + 36 + 80 + 192 + 64 + 160 + 36 == 584
+    assert moe_ffn_bytes(dataclasses.replace(TINY_MOE, moe_z_loss=1e-3), 4) == 584 + 16 + 4
+    bf16 = (16 + 32) + (16 + 4 + 12) + (16 + 32) + 96 + 32 + 80 + 18
     assert moe_ffn_bytes(TINY_MOE, 2) == bf16
     capacity = dataclasses.replace(TINY_MOE, moe_capacity_factor=1.25)
-    assert moe_ffn_bytes(capacity, 4) == 604 + 2 + 16 + 64
+    assert moe_ffn_bytes(capacity, 4) == 584 + 2 + 16 + 64
     parts = block_part_bytes(TINY_MOE, 1, 4, moe=True)
-    assert parts["mlp"] == 604 and block_part_bytes(TINY_MOE, 1, 4)["mlp"] == 4 * 4 * 16
+    assert parts["mlp"] == 584 and block_part_bytes(TINY_MOE, 1, 4)["mlp"] == 4 * 4 * 16
     # each call's router records: counts and probability sums [4] fp32, two scalars; in bf16 a
     # stored call also keeps the gate's fp32 weight copy [4, 8]; the grouped GEMM kernel's int32
     # offsets (3 x [4]) only where it runs: rows of whole 16 bytes (expert_dim 6 is not, 8 is)

@@ -205,7 +205,8 @@ def test_the_moe_hook_counts_each_steps_expert_placement():
     planned = plan_placement(counts[0].tolist(), 2, 1)
     for layer in moe_layers(model):
         layer.experts.placement = planned
-    hook._step = SimpleNamespace(counts=counts, stats=torch.zeros(5), layer_load=torch.ones(layers), dropped=None)
+    hook._step = SimpleNamespace(counts=counts, rows=counts, stats=torch.zeros(5), layer_load=torch.ones(layers),
+                                 dropped=None)
     hook.model = SimpleNamespace(update_expert_bias=lambda c: None, modules=model.modules)
     hook.after_optimizer(1, torch.tensor(True))
     assert hook.log_fields(1, last=True)["expert_rank_load"] == pytest.approx(planned.predicted["max_over_mean_after"])
@@ -222,7 +223,7 @@ def test_a_step_not_applied_leaves_the_placer_the_last_applied_steps_counts():
     good, bad = torch.full((layers, experts), 2.0), torch.zeros(layers, experts)
     bad[:, 0] = 99.0
     for counts, applied in ((good, True), (bad, False)):
-        hook._step = SimpleNamespace(counts=counts, stats=torch.zeros(5), layer_load=torch.ones(layers),
+        hook._step = SimpleNamespace(counts=counts, rows=counts, stats=torch.zeros(5), layer_load=torch.ones(layers),
                                      dropped=None)
         hook.after_optimizer(1, torch.tensor(applied))
     assert torch.equal(hook.router_counts, good)
@@ -239,7 +240,7 @@ def test_counts_restored_on_another_device_than_the_steps_are_taken_over():
     hook.load_state_dict({"router_counts": [[1.0] * experts] * layers, "placer": None})  # (on the CPU)
     hook.model = SimpleNamespace(update_expert_bias=lambda c: None, modules=model.modules)
     counts = torch.empty(layers, experts, device="meta")
-    hook._step = SimpleNamespace(counts=counts, stats=torch.zeros(5, device="meta"),
+    hook._step = SimpleNamespace(counts=counts, rows=counts, stats=torch.zeros(5, device="meta"),
                                  layer_load=torch.ones(layers, device="meta"), dropped=None)
     hook.after_optimizer(1, torch.zeros((), dtype=torch.bool, device="meta"))
     assert hook.router_counts.device == counts.device and hook.router_counts.shape == (layers, experts)

@@ -18,9 +18,9 @@ def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
     in a training forward, dropless, in this implementation's graph (its input, the norm's output,
     is the block's: counted in `norm`):
 
-    - router (fp32, autocast off): the logits [E] (kept by the z-loss's log-sum-exp, which the
-      routers compute in every training forward) and the softmax probabilities [E] (the sigmoid
-      router: its scores [E] and their per-token sum), the log-sum-exp (4); in bf16 the fp32 copy
+    - router (fp32, autocast off): the softmax probabilities [E] (the sigmoid router: its scores [E]
+      and their per-token sum); with a z-loss (moe.z_loss > 0) the logits [E] and the log-sum-exp (4)
+      its backward reads (without one it is recorded without a gradient); in bf16 the fp32 copy
       of the input the gate multiplies (4 d), and the bf16 norm output is then kept only by the
       shared experts;
     - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (p each,
@@ -41,7 +41,7 @@ def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
     (bool [k]) are added and the T k slots are an upper bound of the rows the experts see."""
     d, k, E = m.dim, m.moe_top_k, m.moe_experts
     H, S = m.resolved_expert_dim, m.resolved_shared_dim
-    router = 8 * E + 4 + (4 if m.moe_router == "sigmoid" else 0)
+    router = 4 * E + (4 * E + 4 if m.moe_z_loss > 0 else 0) + (4 if m.moe_router == "sigmoid" else 0)
     if p != 4:
         router += 4 * d - (0 if S else p * d)
     choice = 8 * k + p * k + (4 * k + 4 if m.moe_norm_topk and m.moe_router != "switch" else 0)

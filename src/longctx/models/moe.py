@@ -301,6 +301,8 @@ class MoEFeedForward(nn.Module):
         self.num_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_loss_scope = cfg.moe_aux_loss_scope  # how router_terms combines the layers' balancing losses
+        # the z figure keeps its gradient (and the router logits [T, E] for backward) only when weighted
+        self.z_grad = cfg.moe_z_loss > 0
         self.router = ROUTERS[cfg.moe_router](cfg)
         self.experts = Experts(cfg.moe_experts, cfg.dim, cfg.resolved_expert_dim)
         shared = cfg.resolved_shared_dim
@@ -330,7 +332,8 @@ class MoEFeedForward(nn.Module):
         if routing is None:
             return torch.zeros_like(x)
         if self.recording:
-            self.records.append(record(routing, flat.shape[0], self.num_experts, self.real_of(flat.shape[0], True)))
+            self.records.append(record(routing, flat.shape[0], self.num_experts, self.real_of(flat.shape[0], True),
+                                       self.z_grad))
         y = self._routed(flat, routing)
         if self.shared is not None:
             s = self.shared(flat)

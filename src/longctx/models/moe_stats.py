@@ -21,28 +21,44 @@ class RouterRecord:
     """What one call of a layer contributes to the balancing losses and the load metrics."""
     counts: torch.Tensor      # [E] choices per expert (before any drop), no gradient
     prob_sum: torch.Tensor    # [E] sum over the call's tokens of the router probabilities (with gradient)
-    lse_sq_sum: torch.Tensor  # sum over the tokens of logsumexp(logits)^2 (with gradient)
+    lse_sq_sum: torch.Tensor  # sum over the tokens of logsumexp(logits)^2 (with gradient when moe.z_loss > 0)
     tokens: int | torch.Tensor  # the call's (real) tokens: an int, a 0-d tensor with a padding mask (no host read)
     dropped: torch.Tensor     # real tokens' choices dropped for capacity (no gradient)
+    rows: torch.Tensor        # [E] choices each expert runs: kept by the capacity (= counts without one), no gradient
 
 
-def record(routing: Routing, tokens: int, num_experts: int, real: torch.Tensor | None = None) -> RouterRecord:
+def record(routing: Routing, tokens: int, num_experts: int, real: torch.Tensor | None = None,
+           z_grad: bool = True) -> RouterRecord:
     """What a call of T = `tokens` tokens with `routing` adds to the statistics; `real` [T] bool (None: all):
     padding adds nothing (its choices, probabilities, z-loss term and count are left out; its choices,
-    never kept under a capacity, are no drops). Without padding the same bits as without a mask."""
+    never kept under a capacity, are no drops). Without padding the same bits as without a mask.
+
+    `z_grad` False (moe.z_loss = 0): the z figure is recorded without a gradient, the same value: with one, its
+    log-sum-exp kept the logits [T, E] fp32 for a backward through a term weighted 0 (router_terms refuses a
+    z weight over such records)."""
+    logits = routing.logits if z_grad else routing.logits.detach()
     if real is None:
         counts = expert_counts(routing.experts.flatten(), num_experts).float()
         dropped = (torch.zeros((), device=counts.device) if routing.kept is None
                    else (~routing.kept).sum().float())
-        return RouterRecord(counts, routing.probs.sum(0), routing.logits.logsumexp(-1).square().sum(), tokens,
-                            dropped)
+        return RouterRecord(counts, routing.probs.sum(0), logits.logsumexp(-1).square().sum(), tokens, dropped,
+                            _rows(routing, counts, num_experts))
     choice = torch.where(real[:, None], routing.experts, num_experts).flatten()  # padding: a bucket past E
     counts = expert_counts(choice, num_experts + 1)[:num_experts].float()
     dropped = (torch.zeros((), device=counts.device) if routing.kept is None
                else (~routing.kept & real[:, None]).sum().float())
     weight = real.to(routing.probs.dtype)
     return RouterRecord(counts, (routing.probs * weight[:, None]).sum(0),
-                        (routing.logits.logsumexp(-1).square() * weight).sum(), real.sum().float(), dropped)
+                        (logits.logsumexp(-1).square() * weight).sum(), real.sum().float(), dropped,
+                        _rows(routing, counts, num_experts))
+
+
+def _rows(routing: Routing, counts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] the choices each expert runs: `counts` without a capacity, else its kept choices (padding's never are)."""
+    if routing.kept is None:
+        return counts
+    kept = torch.where(routing.kept, routing.experts, num_experts).flatten()
+    return expert_counts(kept, num_experts + 1)[:num_experts].float()
 
 
 
@@ -55,12 +71,14 @@ class RouterTerms:
     max/mean tokens per expert, the worst layer's, and the fraction of choices dropped.
     `counts` [layers, E] are the micro-batch's choices per expert over every rank, `dropped` [layers]
     its choices dropped for capacity per layer over every rank, `layer_load` [layers] each layer's
-    max/mean choices per expert (layer_loads)."""
+    max/mean choices per expert (layer_loads), `rows` [layers, E] the choices each expert ran over every rank
+    (kept by the capacity; the counts without one): what FlexMoE's placement plans from (train/moe_hooks.py)."""
     loss: torch.Tensor
     stats: torch.Tensor
     counts: torch.Tensor
     dropped: torch.Tensor
     layer_load: torch.Tensor
+    rows: torch.Tensor
 
 
 def router_terms(layers: list, aux_weight: float, z_weight: float, sum_over_ranks=None,
@@ -80,20 +98,26 @@ def router_terms(layers: list, aux_weight: float, z_weight: float, sum_over_rank
     probabilities and the global counts) is exact however the tokens are split. z = mean over tokens
     of logsumexp(logits)^2, averaged over the layers, a rank's share its sum / T. `stats` keep the
     per-layer mean of aux whatever the scope (1 = even), so runs under any scope log comparable loads."""
+    if z_weight and any(r.prob_sum.requires_grad and not r.lse_sq_sum.requires_grad
+                        for layer in layers for r in layer.records):
+        raise ValueError(f"a z-loss weight of {z_weight} over MoE layers built with moe.z_loss = 0, whose records "
+                         "keep no z-loss gradient (models/moe_stats.py record): build the model with its moe.z_loss")
     counts = torch.stack([sum(r.counts for r in layer.records) for layer in layers])
     prob_sum = torch.stack([sum(r.prob_sum for r in layer.records) for layer in layers])
     lse_sq = torch.stack([sum(r.lse_sq_sum for r in layer.records) for layer in layers])
     tokens = sum(r.tokens for r in layers[0].records)
     dropped = torch.stack([sum(r.dropped for r in layer.records) for layer in layers])
+    rows = torch.stack([sum(r.rows for r in layer.records) for layer in layers])
     e, n_layers = counts.shape[1], len(layers)
     packed = torch.cat([counts.flatten(), prob_sum.detach().flatten(), lse_sq.detach(), dropped,
-                        torch.as_tensor(tokens, dtype=counts.dtype, device=counts.device).reshape(1)])
+                        torch.as_tensor(tokens, dtype=counts.dtype, device=counts.device).reshape(1), rows.flatten()])
     if sum_over_ranks is not None:
         packed = sum_over_ranks(packed)
     g_counts = packed[: n_layers * e].view(n_layers, e)
     g_prob = packed[n_layers * e: 2 * n_layers * e].view(n_layers, e)
     g_lse = packed[2 * n_layers * e: 2 * n_layers * e + n_layers]
-    g_dropped, g_tokens = packed[2 * n_layers * e + n_layers: -1], packed[-1]
+    g_dropped = packed[2 * n_layers * e + n_layers: 2 * n_layers * e + 2 * n_layers]
+    g_tokens, g_rows = packed[2 * n_layers * e + 2 * n_layers], packed[-n_layers * e:].view(n_layers, e)
     # a micro-batch entirely of padding has no token and no choice: its terms are 0, not 0/0 (a NaN loss made
     # the guard skip the whole step); the counts are whole numbers, so clamping at 1 changes nothing else
     g_tokens = g_tokens.clamp_min(1)
@@ -107,7 +131,7 @@ def router_terms(layers: list, aux_weight: float, z_weight: float, sum_over_rank
     stats = torch.stack([aux, z, load.mean(), load.max(), g_dropped.sum() / g_counts.sum().clamp_min(1)])
     for layer in layers:
         layer.records.clear()
-    return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach(), load.detach())
+    return RouterTerms(loss, stats.detach(), g_counts.detach(), g_dropped.detach(), load.detach(), g_rows.detach())
 
 
 def layer_loads(counts: torch.Tensor) -> torch.Tensor:

@@ -38,8 +38,9 @@ def moe_step_hooks(cfg: Config, model: torch.nn.Module, rt: Runtime, log=print) 
 
 
 class MoEStepHook(StepHook):
-    """The routers' part of each step. `router_counts`: the last step's choices per expert [layers, E]
-    over every rank (None before the first step): what FlexMoE's placement reads."""
+    """The routers' part of each step. `router_counts`: the last step's rows per expert [layers, E] over every
+    rank, the choices each expert ran (kept by a capacity; None before the first step): what FlexMoE's placement
+    reads, as its copies take a share of the rows an expert runs (dropped choices never travel)."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, expert: int, log=print):
         m = cfg.model
@@ -77,7 +78,7 @@ class MoEStepHook(StepHook):
         # choices: a NaN forward's are no routing; a where, not an if: no host sync). Counts a checkpoint restored
         # are on the parameters' device, the host under memory.model_states = host: moved to the step's once
         last = self.router_counts
-        self.router_counts = s.counts if last is None else torch.where(applied, s.counts, last.to(s.counts.device))
+        self.router_counts = s.rows if last is None else torch.where(applied, s.rows, last.to(s.rows.device))
         self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None,
                           self._placement_shares(s.counts))
 
@@ -126,10 +127,10 @@ class MoEStepHook(StepHook):
 class _StepSums:
     """One optimizer step's router figures over its micro-batches, on the device: stats and per-layer
     max/mean loads as means over the micro-batches holding a real token (one entirely of padding has no
-    load to average), choices per expert and dropped choices as sums."""
+    load to average), choices per expert, rows per expert (the choices kept) and dropped choices as sums."""
 
     def __init__(self):
-        self.counts = self.dropped = self._stats = self._layer_load = self._routed = None
+        self.counts = self.rows = self.dropped = self._stats = self._layer_load = self._routed = None
 
     def add(self, terms) -> None:
         routed = (terms.counts.sum() > 0).to(terms.stats.dtype)  # (counts are over every rank: all agree)
@@ -137,6 +138,7 @@ class _StepSums:
         self._layer_load = terms.layer_load * routed + (0 if self._layer_load is None else self._layer_load)
         self._routed = routed + (0 if self._routed is None else self._routed)
         self.counts = terms.counts + (0 if self.counts is None else self.counts)
+        self.rows = terms.rows + (0 if self.rows is None else self.rows)
         self.dropped = terms.dropped + (0 if self.dropped is None else self.dropped)
 
     @property

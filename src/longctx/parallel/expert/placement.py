@@ -25,8 +25,8 @@ memory policy runs the block in (memory.block_chunk's chunks, offload_fraction's
 bound below.
 
 The policy (`plan_placement`) is a greedy water-filling over the loads seen over a window of steps
-(the router's choices per expert, summed over every rank, the same on all ranks, so every rank
-derives the same placement with no exchange):
+(the rows each expert ran: the router's choices less a capacity's drops, summed over every rank, the same on
+all ranks, so every rank derives the same placement with no exchange):
   repeat: take the most loaded rank h and the least loaded rank c that can still take a copy (a
   free slot, or already holding the expert); move the largest of h's experts' rows that c can
   take, min(h's rows of it, h - mean, mean - c), from h to c; until max / mean <= 1 + tolerance,
@@ -243,7 +243,7 @@ class ExpertPlacer:
             self._place(state["load"])
 
     def observe(self, counts: torch.Tensor) -> str | None:
-        """counts [layers, E]: one step's choices per expert over every rank (the same on all ranks).
+        """counts [layers, E]: one step's rows per expert over every rank (its kept choices; the same on all ranks).
         Returns the log line on the steps that re-place."""
         counts = counts.detach()
         self.seen = counts if self.seen is None else self.seen + counts
