@@ -64,8 +64,9 @@ def _trained(s: dict, run_dir: str) -> dict:
     return {"losses": losses, "batches": seen, "weights": weights}
 
 
-def _local_step(model, optimizer, cfg, step: int, shares, replicas: int) -> float:
-    """One AdamW step of a replica on its shares; returns its summed loss."""
+def _local_step(model, optimizer, cfg, step: int, shares, replicas: int, valid: int) -> float:
+    """One AdamW step of a replica on its shares (its micro-batches); `valid`: the step's labels over the whole
+    job (every micro-batch's global batch); returns its summed loss."""
     from longctx.data.samples import Batch
     from longctx.step.gradients import clip_gradients
     from longctx.step.loss import forward_loss_sum
@@ -74,7 +75,7 @@ def _local_step(model, optimizer, cfg, step: int, shares, replicas: int) -> floa
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step - 1, cfg)
     total = 0.0
-    for *arrays, valid in shares:
+    for *arrays, _ in shares:
         loss_sum = forward_loss_sum(model, Batch(*(None if a is None else torch.from_numpy(a) for a in arrays)), None)
         (loss_sum * replicas / valid).backward()
         total += float(loss_sum.detach())
@@ -113,8 +114,10 @@ def _replay(s: dict, cfg, batches: list) -> tuple[list[float], torch.Tensor]:
         sent = None
 
     for step in range(1, STEPS + 1):
-        valid = batches[0][step - 1][0][4]  # (the global batch's labels: every share holds the same count)
-        losses.append(sum(_local_step(m, o, cfg, step, b[step - 1], R)
+        # the step's labels: each micro-batch's global count (a replica's shares are its ranks' micro-batches in
+        # rank order, each rank's carrying the same counts), summed over the train.grad_accum micro-batches
+        valid = sum(share[4] for share in batches[0][step - 1][:cfg.train.grad_accum])
+        losses.append(sum(_local_step(m, o, cfg, step, b[step - 1], R, valid)
                           for m, o, b in zip(models, optimizers, batches)) / valid)
         if sent is not None and step == sent_at + d:
             merge(1.0 / (1.0 + s["penalty"]))
@@ -129,10 +132,15 @@ def _replay(s: dict, cfg, batches: list) -> tuple[list[float], torch.Tensor]:
     return losses, sum(_flat(m) for m in models) / R
 
 
-@pytest.mark.parametrize("name,settings,world", [("plain", PLAIN, 2), ("full", FULL, 4)])
+# accum: 2 micro-batches a step, each replica's gradient summed over them and normalised by the step's labels (both
+# micro-batches' global batches), FSDP's gradients reduced after each micro-batch (memory.grad_sync)
+ACCUM = dict(FULL, extra=["--train.grad_accum=2", "--train.global_batch=8", "--memory.grad_sync=micro_batch"])
+
+
+@pytest.mark.parametrize("name,settings,world", [("plain", PLAIN, 2), ("full", FULL, 4), ("accum", ACCUM, 4)])
 def test_trainer_co2_matches_a_replay_of_the_algorithm(tmp_path, name, settings, world):
     if world == 4:  # (2 replicas of 2 FSDP ranks)
-        settings = dict(settings, extra=["--parallel.dp_shard=2"])
+        settings = dict(settings, extra=[*settings.get("extra", []), "--parallel.dp_shard=2"])
     ranks = run_spawned_many(world, [(name, _trained, (settings, str(tmp_path / name)))])[name]
     per = world // 2
     # each replica's step: its ranks' shares together
@@ -190,3 +198,28 @@ def _saved_state_is_the_costed_host_copy(path: str, run_dir: str) -> None:
     shape = MeshShape(dp_replicate=2, data_parallel="co2", local_steps=FULL["H"])
     costed = co2_checkpoint_bytes(_config(FULL, run_dir).model, shape, outer_momentum=True)
     assert sum(t.numel() * t.element_size() for t in tensors) == costed
+
+
+def _said_on_resume(s: dict, run_dir: str, extra: list[str]) -> list[str]:
+    from longctx.train.trainer import train
+
+    lines: list[str] = []
+    train(_config(dict(s, extra=extra), run_dir), log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    return [x for x in lines if x.startswith("co2: ")]
+
+
+def test_a_lengthened_run_resumed_from_its_last_step_says_it_goes_on_from_the_average(tmp_path):
+    # the last step's checkpoint holds the replicas' average with the outer momentum reset (final_average): a run
+    # lengthened from it trains another trajectory than the uninterrupted longer run (docs/parallelism.md), said
+    # once; from a checkpoint before the last step (the interval's) it goes on exactly and says nothing
+    short = str(tmp_path / "short")
+    runs = [("short", _said_on_resume, (FULL, short, ["--train.steps=4", "--checkpoint.interval=3",
+                                                      "--checkpoint.final=true"]))]
+    for name, step in (("from last", 4), ("from interval", 3)):
+        runs.append((name, _said_on_resume, (FULL, str(tmp_path / name), [
+            "--train.steps=5", f"--checkpoint.resume={short}/checkpoints/step-{step:08d}"])))
+    out = run_spawned_many(2, runs)
+    assert out["short"][0] == [] and out["from interval"][0] == []
+    (note,) = out["from last"][0]
+    assert "step-00000004 is its run's last step (4)" in note and "averaged" in note and "momentum" in note
+    assert "checkpoint.interval" in note

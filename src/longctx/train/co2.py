@@ -76,7 +76,7 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
         ckpt.rank_state = lambda: {STATE_KEY: outer.state_dict(optimizer)}
         resumed = getattr(ckpt, "resumed_from", None)
         if resumed is not None:
-            _restore(outer, optimizer, ckpt, *resumed, log)
+            _restore(outer, optimizer, ckpt, *resumed, log, t.steps)
     warm = f", after {t.co2_sync_steps} synchronous steps" if t.co2_sync_steps else ""
     log(f"data parallel: co2 over {rt.dims.dp_replicate} replicas, a round every {t.co2_local_steps} steps{warm}, "
         f"its average merged {outer.overlap} steps later (outer lr {t.co2_outer_lr}, momentum "
@@ -85,13 +85,32 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
                      synchronous_params(model), t.grad_clip)
 
 
-def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log) -> None:
+def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log, steps: int) -> None:
     state = ckpt.load_rank_state(path, manifest)
     if state is None or STATE_KEY not in state:
         log(f"co2: {path.name} holds no CO2 state for this layout (written under sync or another layout): the "
             f"replicas start their rounds from its weights")
         return
     outer.load_state_dict(state[STATE_KEY], optimizer)
+    note = lengthened_note(getattr(ckpt, "resumed_state", None), path.name, steps)
+    if note:
+        log(note)
+
+
+def lengthened_note(saved: dict | None, name: str, steps_now: int) -> str | None:
+    """What a co2 run resumed from its last step's checkpoint to train more steps (steps_now: train.steps)
+    should hear (saved: the checkpoint's trainer state, its step and its run's schedule settings). That
+    checkpoint holds the replicas' average made after the last step (final_average: the change in flight
+    merged with the progress since kept whole, the outer momentum zeroed), not the replicas the uninterrupted
+    longer run would go on with: the lengthened run trains another trajectory, silently until 2026-12-03
+    (debug model, 2 replicas, H 2, outer momentum 0.5, constant lr: step 6's loss 4.86 against 4.32)."""
+    step, steps = (saved or {}).get("step"), ((saved or {}).get("schedule") or {}).get("steps")
+    if step is None or step != steps or steps_now <= step:
+        return None
+    return (f"co2: {name} is its run's last step ({step}), where the replicas' weights were averaged and the outer "
+            f"momentum reset: the rounds go on from that one model, which is not how an uninterrupted run of this "
+            f"length would go on. To lengthen a co2 run as if it had not stopped, resume from a checkpoint before "
+            f"its last step (checkpoint.interval).")
 
 
 def _note_dropped_state(ckpt, log) -> None:
