@@ -15,9 +15,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_sampling_audit import _tiny
 from test_speculative import WRONG_RUNS, _model, _prompt, pooled_chisquare
 
-from longctx.config import load_config
 from longctx.generate.acceptance import choose, sampling_probs
 from longctx.generate.cape import CapeTable
 from longctx.generate.drafters import CloverDrafter, GlideDrafter, ModelDrafter
@@ -27,7 +27,6 @@ from longctx.generate.spec_length import AdaptiveLength
 from longctx.generate.speculative import speculative_generate
 from longctx.models.clover import CloverDraft
 from longctx.models.glide import GlideDraft
-from longctx.models.llama import build_model
 
 VOCAB = 64
 
@@ -69,15 +68,6 @@ def test_every_drafter_and_setting_is_plain_greedy_with_ends_inside_rounds():
         ends.add(spec.finish_reason if not spec.unused else "inside a round")
     assert kinds == {"model", "glide", "glide-window", "clover"} and ends == {"eos", "stop", "length",
                                                                                "inside a round"}, ends
-
-
-def _tiny(seed, vocab):
-    overrides = ["--model.layers=1", f"--model.vocab_size={vocab}", "--model.dim=32", "--model.heads=2",
-                 "--model.kv_heads=1", "--model.ffn_dim=64"]
-    model = build_model(load_config(overrides=overrides).model, seed=seed).eval()
-    with torch.no_grad():  # distributions of some conviction (a random model's are flat)
-        model.lm_head_weight.mul_(6.0)
-    return model
 
 
 @pytest.mark.slow
