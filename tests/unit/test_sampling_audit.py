@@ -111,6 +111,15 @@ def test_processed_distribution_is_transformers_in_its_order():
     assert swapped_top_p_min_p > 0 and swapped_temperature > 0
 
 
+def processed_probs(target, s, prompt, vocab, eos, generated):
+    """The target's exact next-token distribution after `generated`, processed as sampling `s` processes it."""
+    state = Processors(s, [prompt], vocab, [eos], "cpu")
+    for t in generated:
+        state.chosen(torch.tensor([t]))
+    with torch.inference_mode():
+        return sampling_probs(target(torch.tensor([prompt + generated]))[:, -1], s, state)[0].double().numpy()
+
+
 def _tiny(seed, vocab):
     overrides = ["--model.layers=1", f"--model.vocab_size={vocab}", "--model.dim=32", "--model.heads=2",
                  "--model.kv_heads=1", "--model.ffn_dim=64"]
@@ -135,11 +144,7 @@ def test_speculative_sampling_with_top_p_penalties_and_eos_keeps_the_targets_dis
                  frequency_penalty=0.2, min_new_tokens=2)
 
     def probs(generated):
-        state = Processors(s, [prompt], vocab, [eos], "cpu")
-        for t in generated:
-            state.chosen(torch.tensor([t]))
-        with torch.inference_mode():
-            return sampling_probs(target(torch.tensor([prompt + generated]))[:, -1], s, state)[0].double().numpy()
+        return processed_probs(target, s, prompt, vocab, eos, generated)
 
     exact = np.zeros((vocab,) * 3)
     first = probs([])

@@ -14,15 +14,14 @@ import random
 
 import numpy as np
 import pytest
-import torch
-from test_sampling_audit import _tiny
+from test_sampling_audit import _tiny, processed_probs
 from test_speculative import WRONG_RUNS, _model, _prompt, pooled_chisquare
 
-from longctx.generate.acceptance import choose, sampling_probs
+from longctx.generate.acceptance import choose
 from longctx.generate.cape import CapeTable
 from longctx.generate.drafters import CloverDrafter, GlideDrafter, ModelDrafter
 from longctx.generate.engine import generate
-from longctx.generate.sampling import Processors, Sampling
+from longctx.generate.sampling import Sampling
 from longctx.generate.spec_length import AdaptiveLength
 from longctx.generate.speculative import speculative_generate
 from longctx.models.clover import CloverDraft
@@ -82,11 +81,7 @@ def test_sampling_with_a_glide_or_clover_draft_keeps_the_targets_distribution(ki
     s = Sampling(temperature=0.9, top_p=0.9, repetition_penalty=1.2, min_new_tokens=1)
 
     def probs(generated):
-        state = Processors(s, [prompt], vocab, [eos], "cpu")
-        for t in generated:
-            state.chosen(torch.tensor([t]))
-        with torch.inference_mode():
-            return sampling_probs(target(torch.tensor([prompt + generated]))[:, -1], s, state)[0].double().numpy()
+        return processed_probs(target, s, prompt, vocab, eos, generated)
 
     exact = np.zeros((vocab,) * 3)  # (a sequence that ends at an EOS is padded with EOS)
     first = probs([])
