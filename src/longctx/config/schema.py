@@ -285,8 +285,9 @@ class TrainConfig:
     co2_outer_lr: float = _opt(1.0, "train.data_parallel = co2: outer learning rate on the averaged round change "
                                     "(1 with no momentum = plain parameter averaging, one round late)")
     co2_outer_momentum: float = _opt(0.0, "train.data_parallel = co2: outer momentum on the averaged round change")
-    co2_momentum_clip: float = _opt(0.0, "train.data_parallel = co2: the outer momentum's norm (over the whole "
-                                         "model) is clipped to this; 0 = no clipping")
+    co2_momentum_clip: float = _opt(0.0, "train.data_parallel = co2: the outer momentum's norm (over the weights "
+                                         "CO2 averages: the whole model, less the experts' under expert "
+                                         "parallelism, which stay synchronous) is clipped to this; 0 = no clipping")
     co2_staleness_penalty: float = _opt(0.0, "train.data_parallel = co2: the staleness gap penalty lambda: a "
                                              "replica restarts each round from the outer model plus its own "
                                              "not-yet-averaged change scaled by 1 / (1 + lambda); 0 = no penalty")
