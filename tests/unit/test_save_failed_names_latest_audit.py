@@ -10,12 +10,13 @@ def test_the_message_names_the_checkpoint_latest_points_to(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "manifest.json").write_text("{}")
     (tmp_path / "latest").write_text("step-00000002\n")
-    message = str(save_failed(tmp_path, 4, 2**30, OSError(28, "No space left on device")))
+    # (the run's own checkpoint is the one `latest` names)
+    message = str(save_failed(tmp_path, 4, 2**30, OSError(28, "No space left on device"), tmp_path / "step-00000002"))
     assert "the previous checkpoint, step-00000002, is intact and `latest` still points to it" in message
 
 
 def test_no_checkpoint_at_all_is_said(tmp_path):
-    assert "no earlier checkpoint exists" in str(save_failed(tmp_path / "none", 4, 0, None))
+    assert "no earlier checkpoint exists" in str(save_failed(tmp_path / "none", 4, 0, None, None))
 
 
 def test_after_resuming_an_older_checkpoint_the_message_names_it_not_the_abandoned_latest(tmp_path, monkeypatch):

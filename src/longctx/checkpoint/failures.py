@@ -31,11 +31,8 @@ def state_bytes(state) -> float:
     return total
 
 
-LATEST = object()  # save_failed's `own` when the caller does not know its run's: the one `latest` names
-
-
 def save_failed(root: Path, step: int, needed: float, error: BaseException | None,
-                own: Path | None | object = LATEST) -> CheckpointError:
+                own: Path | None) -> CheckpointError:
     """The error every rank raises: the step, the cause (this rank's, or another's), the job's bytes
     against the free space, and what is kept. `own`: the checkpoint the run committed or loaded last (None: it
     has none), which a run that resumed an older one (or one elsewhere) and committed none since does not find
@@ -49,20 +46,19 @@ def save_failed(root: Path, step: int, needed: float, error: BaseException | Non
         free = "its free space unknown"
     # (the one `latest` names: the newest in the directory may be an abandoned attempt's, after an explicit resume)
     latest = latest_checkpoint(root) if root.is_dir() else None
-    found = latest if own is LATEST else own
     # (how to get past it: said nothing, so a full disk stopped a long run with no way out named)
     # (auto looks in --checkpoint.dir: a new one holds no checkpoint, so that resume names the kept one's path)
-    if found is None:
+    if own is None:
         kept, resume = ("no earlier checkpoint exists" if latest is None else
                         f"this run has saved no checkpoint yet (`latest` names {latest.name}, not this run's)"), ""
-    elif latest is not None and found.resolve() == latest.resolve():
-        kept = f"the previous checkpoint, {found.name}, is intact and `latest` still points to it"
-        resume = (f"; --checkpoint.resume auto then continues from {found.name} (with another --checkpoint.dir, "
-                  f"--checkpoint.resume {found})")
+    elif latest is not None and own.resolve() == latest.resolve():
+        kept = f"the previous checkpoint, {own.name}, is intact and `latest` still points to it"
+        resume = (f"; --checkpoint.resume auto then continues from {own.name} (with another --checkpoint.dir, "
+                  f"--checkpoint.resume {own})")
     else:
         other = f" (`latest` names {latest.name}, another attempt's: resume auto would continue that one)"
-        kept = f"this run's previous checkpoint, {found}, is intact" + (other if latest is not None else "")
-        resume = f"; --checkpoint.resume {found} then continues this run"
+        kept = f"this run's previous checkpoint, {own}, is intact" + (other if latest is not None else "")
+        resume = f"; --checkpoint.resume {own} then continues this run"
     what = _cause(error) if error is not None else "another rank's write failed"
     return CheckpointError(f"the checkpoint of step {step} could not be written to {root} ({what}); it needs about "
                            f"{needed / 2**30:.2f} GiB ({free}). The partial save was removed and {kept}. To fix it: "

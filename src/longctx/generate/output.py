@@ -64,10 +64,12 @@ class StopStrings:
         where that is the whole row, as it reads after its prompt's ids `context` (continuation_text)."""
         n, last = self.window, None
         while True:
+            if n >= len(tokens) and context:
+                return continuation_text(self.tokenizer, context, tokens)
             # (begun on a character, not inside one: see from_character)
             _, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens))
             if n >= len(tokens):
-                return continuation_text(self.tokenizer, context, tokens) if context else text
+                return text
             if last is None:  # (the last token's own text: the characters before it are what counts)
                 last = len(self.tokenizer.decode(tokens[-1:]))
             if len(text) - last >= self.window:
@@ -100,9 +102,7 @@ class Stream:
         self.base, self.unshown = 0, ""  # the settled text from character `base` on (base <= shown)
         self.origin = 0  # where the continuation's text begins: after the prompt's last ids, not shown
         if prompt_ids:  # (the text as it reads after the prompt, continuation_text's: its first space kept)
-            n = len(prompt_ids)
-            start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n)
-            self.tokens = [int(t) for t in prompt_ids[start:]]
+            self.tokens, head = prompt_context(tokenizer, prompt_ids)
             self.settled, self.shown = len(self.tokens), len(head)
             self.base = self.origin = len(head)
 
@@ -182,15 +182,21 @@ def from_character(tokenizer, ids, start: int, end: int) -> tuple[int, str]:
     return start, first
 
 
+def prompt_context(tokenizer, prompt_ids) -> tuple[list[int], str]:
+    """(the prompt's last ids a continuation is decoded after, their text): up to CONTEXT_TOKENS, begun on a
+    character (from_character)."""
+    n = len(prompt_ids)
+    start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n)
+    return [int(t) for t in prompt_ids[start:]], head
+
+
 def continuation_text(tokenizer, prompt_ids, tokens) -> str:
     """The text `tokens` add after a prompt ending in `prompt_ids`, as transformers' text-generation
     pipeline gives it (the whole decoded, less the prompt's decoding). Decoded alone, a SentencePiece
     decoder (Llama-2, Mistral: its Strip) drops the first space: '▁time' is 'time', and prompt +
     that reads 'Once upon atime'. Plain decoding when the prompt's text is not a prefix of the whole
     (a character split across the boundary)."""
-    n = len(prompt_ids)
-    start, head = from_character(tokenizer, prompt_ids, max(0, n - CONTEXT_TOKENS), n)
-    context = [int(t) for t in prompt_ids[start:]]
+    context, head = prompt_context(tokenizer, prompt_ids)
     whole = tokenizer.decode([*context, *tokens])
     return whole[len(head):] if context and whole.startswith(head) else tokenizer.decode(tokens)
 
