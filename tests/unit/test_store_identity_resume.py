@@ -268,3 +268,72 @@ def test_a_manifest_with_only_the_required_keys_has_an_identity():
 
     a, b = store_identity(manifest(4)), store_identity(manifest(5))
     assert a["identity"] != b["identity"] and a["inputs"] == [] and a["train_samples"] == 0
+
+
+LENGTHS = [25, 41, 30, 37, 20, 41, 25, 30, 37, 20, 30, 41, 20, 25, 37, 30, 41, 25, 20, 37, 30, 25, 41, 20]
+
+
+def packed_in_groups(src, out, group_tokens, monkeypatch):
+    """`src` built with packing groups of `group_tokens` tokens (what --max-memory sets: its floor, 1M tokens,
+    is more than a test corpus holds, so the property is replaced for the build). With LENGTHS, groups of 192
+    and 256 tokens both make 16 samples of 795 tokens, other documents in them."""
+    from longctx.data.builder.options import BuildOptions
+
+    if not src.is_dir():
+        src.mkdir()
+        for i, n in enumerate(LENGTHS):
+            (src / f"d{i:02d}.txt").write_text(chr(ord("a") + i) * n)
+    with monkeypatch.context() as m:
+        m.setattr(BuildOptions, "group_tokens", property(lambda self: group_tokens))
+        return PackedSamples(build(src, out))
+
+
+def test_the_same_documents_packed_in_other_groups_are_told_apart(tmp_path, monkeypatch):
+    """Every count agrees (the premise, checked), the samples differ: the identity, which a store built before
+    layouts were recorded keeps, is the same; the layout (store.py layout_digest) is not, and a rebuild in the
+    same groups gives the same one."""
+    import numpy as np
+
+    a = packed_in_groups(tmp_path / "in", tmp_path / "a", 192, monkeypatch)
+    b = packed_in_groups(tmp_path / "in", tmp_path / "b", 256, monkeypatch)
+    seg_a, seg_b = (np.load(s.root / "part-00000" / "train.segments.npy") for s in (a, b))
+    assert (len(a), a.num_tokens) == (len(b), b.num_tokens) and seg_a.shape == seg_b.shape
+    assert (seg_a != seg_b).any()
+    assert a.identity["identity"] == b.identity["identity"] and a.identity["layout"] != b.identity["layout"]
+    assert packed_in_groups(tmp_path / "in", tmp_path / "a2", 192, monkeypatch).identity == a.identity
+
+
+def test_a_resume_on_the_same_documents_packed_otherwise_is_refused(tmp_path, monkeypatch):
+    """A run trained on a store packed in groups of 192 tokens; the store rebuilt in place in groups of 256 (another
+    --max-memory): before, the resume read other samples at its cursor without a word. Refused now, naming
+    --max-memory; allow_changes continues from the same cursor and says so; a position saved before layouts were
+    recorded (none in it) resumes unchecked, as before."""
+    packed_in_groups(tmp_path / "in", tmp_path / "s", 192, monkeypatch)
+    Trainer(load_config(None, [*BASE, f"--data.path={tmp_path / 's'}", f"--train.run_dir={tmp_path / 'run'}",
+                               "--train.steps=2"]), log=quiet).run()
+    packed_in_groups(tmp_path / "in", tmp_path / "s", 256, monkeypatch)
+    with pytest.raises(DataError, match="packed into other samples") as e:
+        resume(tmp_path)
+    assert "--max-memory" in str(e.value) and "--checkpoint.allow_changes true" in str(e.value)
+    said = []
+    trainer = resume(tmp_path, "--checkpoint.allow_changes=true", log=lambda *a, **_: said.append(str(a)))
+    assert trainer.sampler.loader.order.cursor == 4
+    assert any("packed into other samples" in s and "same cursor" in s for s in said)
+    loader = trainer.sampler.loader
+    position = saved_position(tmp_path, 2)
+    assert position["store"]["layout"] != loader.store["layout"]
+    with pytest.raises(DataError, match="packed into other samples"):
+        loader.load_state_dict(position)
+    del position["store"]["layout"]
+    assert loader.load_state_dict(position) is None and loader.order.cursor == 4
+
+
+def test_a_store_built_before_layouts_were_recorded_keeps_its_identity():
+    """A manifest without the splits' layouts (every store built before) has the identity it had then: the
+    value below is what the previous release computed for it (9eb79eb), so its checkpoints still resume."""
+    from longctx.data.loader import store_identity
+
+    manifest = {"format": "longctx-store", "version": 2, "seq_len": 64, "tokenizer": {"spec": "byte"},
+                "parts": [{"dir": "part-00000", "splits": {"train": {"samples": 4, "tokens": 256}}}]}
+    assert store_identity(manifest) == {"identity": "80ad62ff4191d767", "inputs": [], "documents": 0, "tokens": 0,
+                                        "train_samples": 0}

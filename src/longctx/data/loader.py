@@ -72,7 +72,9 @@ class Frames:
 # times or the stages' timings, so a store moved, or rebuilt from the same inputs with the same settings, keeps
 # its identity; not float statistics (fill rate, homogeneity), which an identical rebuild on other hardware may
 # round differently; and only named count keys, so a builder that records a new count does not change the
-# identity of the same content.
+# identity of the same content. Beside it, apart so that a store built before keeps the identity its checkpoints
+# hold, `layout`: how the samples are packed, where the builder recorded it (store.py layout_digest: the same
+# documents packed in other groups, as another --max-memory packs them, are other samples at the same cursor).
 PART_COUNTS = ("files", "documents_read", "raw_bytes", "exact_duplicates", "near_duplicates", "documents_kept",
                "tokens")
 SPLIT_COUNTS = ("samples", "tokens", "documents")
@@ -96,8 +98,21 @@ def store_identity(manifest: dict, root: Path | None = None) -> dict:
                   for p in manifest.get("parts", [])],
     }
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+    layouts = [c.get("layout") for p in manifest.get("parts", []) for _, c in sorted(p.get("splits", {}).items())]
     return {"identity": digest, "inputs": list(manifest.get("inputs", [])), "documents": t.get("documents", 0),
-            "tokens": t.get("tokens", 0), "train_samples": t.get("train_samples", 0)}
+            "tokens": t.get("tokens", 0), "train_samples": t.get("train_samples", 0),
+            **({"layout": layout_of(layouts)} if layouts and all(layouts) else {})}
+
+
+def layout_of(digests: list[str]) -> str:
+    """One digest of several packing layouts (a store's splits; a mix's stores)."""
+    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]
+
+
+def _repacked(saved: dict, now: dict) -> bool:
+    """Both records say how their store was packed (a position saved, or a store built, before layouts were
+    recorded says nothing: not checked), and they differ."""
+    return bool(saved.get("layout") and now.get("layout")) and saved["layout"] != now["layout"]
 
 
 def store_of(samples) -> PackedSamples | None:
@@ -385,6 +400,18 @@ class BatchLoader:
         """The sample order's cursor, and the identity of the store it is a cursor into (`store`)."""
         return {**self.order.state_dict(), **({"store": self.store} if self.store is not None else {})}
 
+    def _repacked_note(self, saved: dict, now: dict, allow_changes: bool) -> str:
+        """The same documents, packed into other samples (both layouts recorded and different): refused, or
+        continued on with a note under `allow_changes`."""
+        what = (f"the store {_data_read(self.samples).root} holds the documents the checkpoint's data position was "
+                f"saved on ({_describe_store(now)}) but packed into other samples (layout {saved['layout']} then, "
+                f"{now['layout']} now: built again with another --max-memory, or by another longctx version)")
+        if not allow_changes:
+            raise DataError(f"{what}, so the saved cursor would point at other samples. Resume with the store the run "
+                            f"trained on (rebuild it with the --max-memory it was built with), or add "
+                            f"--checkpoint.allow_changes true to continue on the new packing from the same cursor.")
+        return f"{what}; continuing from the same cursor (--checkpoint.allow_changes)."
+
     def load_state_dict(self, state: dict, allow_changes: bool = False) -> str | None:
         """Continue from a saved position; refused when it is for other data. A store of other content (its
         identity; a position saved before identities were recorded has none, and is not checked) is refused
@@ -402,6 +429,8 @@ class BatchLoader:
                     f"Resume with the store the run trained on, or add --checkpoint.allow_changes true to continue "
                     f"on the new data from the same cursor.")
             note = f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
+        elif saved is not None and now is not None and _repacked(saved, now):
+            note = self._repacked_note(saved, now, allow_changes)
         saved_n = state.get("num_samples")
         if saved_n is not None and int(saved_n) != len(self.samples):
             counts = (f"the checkpoint's data position is for {saved_n} training samples but the data has "

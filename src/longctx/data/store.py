@@ -244,6 +244,20 @@ def part_documents_digest(root: Path, part: dict) -> str | None:
     return part.get("documents_digest") or documents_digest(root / part["dir"])
 
 
+def layout_digest(part_dir: Path, split: str) -> str:
+    """A digest of how a split's samples are packed: its segment index ({split}.segments.npy: each segment's
+    sample, offset, length, document and start), read in slices. The same documents packed otherwise (another
+    --max-memory, so other packing groups; another builder version) have other samples at the same indices,
+    which a data position's cursor would read without a word (data/loader.py store_identity)."""
+    digest = hashlib.blake2b(digest_size=16)
+    path = part_dir / f"{split}.segments.npy"
+    if path.is_file():
+        segments = np.load(path, mmap_mode="r")
+        for start in range(0, len(segments), 1 << 18):
+            digest.update(np.ascontiguousarray(segments[start:start + (1 << 18)]).astype("<i8").tobytes())
+    return digest.hexdigest()
+
+
 def documents_digest(part_dir: Path) -> str | None:
     """A digest of the exact-duplicate hash of each document a part keeps (hashes.npy, 8 bytes a document,
     read in slices), in order, and of where each one's training starts where that is not its first token

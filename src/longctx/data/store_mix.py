@@ -33,7 +33,7 @@ import torch
 
 from ..config.tokenizer import stored_identity
 from ..errors import ConfigError
-from .loader import Frames, PackedSamples, SampleSet
+from .loader import Frames, PackedSamples, SampleSet, layout_of
 from .samples import Batch, SampleOrder
 from .store import text_prefix
 
@@ -239,7 +239,8 @@ def mix_identity(stores: list[PackedSamples], names: list[str], weights: np.ndar
     total = lambda key: sum(int(r.get(key, 0)) for r in records)  # noqa: E731
     return {"identity": digest, "inputs": [i for r in records for i in r["inputs"]], "documents": total("documents"),
             "tokens": total("tokens"), "train_samples": total("train_samples"),
-            "mix": [f"{name} {w:.0%} ({r['identity']})" for name, w, r in zip(names, weights, records)]}
+            "mix": [f"{name} {w:.0%} ({r['identity']})" for name, w, r in zip(names, weights, records)],
+            **({"layout": layout_of([r["layout"] for r in records])} if all(r.get("layout") for r in records) else {})}
 
 
 def mix_line(mix: StoreMix, drawn: int) -> str:

@@ -331,6 +331,7 @@ class Assembly:
             stats = writer.close()
             documents = int(np.isin(self.where, (SPLIT_FLAG[split], IN_BOTH)).sum())
             self.splits[split] = {"samples": stats["samples"], "tokens": stats["tokens"], "documents": documents,
+                                  "layout": store.layout_digest(self.part_dir, split),
                                   "stats": stats if stats["samples"] else None}
         if bar is not None:
             bar.close()
