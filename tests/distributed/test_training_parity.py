@@ -123,9 +123,9 @@ def test_packed_documents_train_identically(layout, balance, short_docs, packed_
     losses, seconds = spawned(world)[f"{layout} packed {balance}"]
     print(f"{layout} packed {balance}: {seconds:.1f}s in a {world}-rank job")
     # the samples really are packed with many documents
-    from longctx.data.builder.corpus import read_documents
+    from longctx.data.builder.inputs import read_inputs
 
-    assert len(read_documents(short_docs)) == 400
+    assert len(read_inputs([str(short_docs)]).docs) == 400
     assert len(losses[0]) == len(single) == PACKED_STEPS
     diffs = [abs(a - b) for a, b in zip(losses[0], single)]
     # A wrong mask or split shows in the forward and the first update (steps 1-2), where the layouts

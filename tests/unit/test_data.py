@@ -1,19 +1,20 @@
 import pytest
 
-from longctx.data.builder.corpus import corpus_files, read_documents, stdlib_root
+from longctx.data.builder.corpus import stdlib_files, stdlib_root
 from longctx.data.builder.holdout import is_eval_doc
+from longctx.data.builder.inputs import input_files, read_inputs
 from longctx.data.samples import SampleOrder
 from longctx.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from longctx.errors import DataError
 
 
 def test_stdlib_corpus_is_found_without_site_packages():
-    root, files = corpus_files("stdlib")
+    root, files = stdlib_files()
     assert root == stdlib_root()
     assert len(files) > 500
     assert not any("site-packages" in f.parts for f in files)
     assert any(f.name == "os.py" for f in files)
-    docs = read_documents("stdlib", max_docs=50)
+    docs = read_inputs(["stdlib"], max_docs=50).docs
     assert len(docs) == 50 and all(d.text for d in docs)
 
 
@@ -22,9 +23,9 @@ def test_directory_corpus_and_errors(tmp_path):
     (tmp_path / "b.bin").write_bytes(b"\x00\x01")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.md").write_text("world")
-    assert [d.name for d in read_documents(str(tmp_path))] == ["a.txt", "sub/c.md"]
+    assert [d.name for d in read_inputs([str(tmp_path)]).docs] == ["a.txt", "sub/c.md"]
     with pytest.raises(DataError, match="neither 'stdlib' nor an existing directory"):
-        read_documents(str(tmp_path / "nope"))
+        input_files(str(tmp_path / "nope"), "data.corpus")
 
 
 def test_byte_tokenizer_round_trip():

@@ -16,7 +16,6 @@ import zstandard
 
 from longctx.cli import main as longctx_main
 from longctx.data.builder import readers
-from longctx.data.builder.corpus import read_documents
 from longctx.data.builder.inputs import input_files, read_inputs, unit_size
 from longctx.data.builder.readers import iter_file
 from longctx.errors import DataError
@@ -106,7 +105,6 @@ def test_dot_directories_are_not_read(tmp_path):
     root, units, skipped = input_files(str(d))
     assert [u.relative_to(root).as_posix() for u in units] == ["docs/b.md", "src/a.py"] and skipped == 0
     assert [x.name for x in read_inputs([str(d)]).docs] == ["docs/b.md", "src/a.py"]
-    assert sorted(x.name for x in read_documents(str(d))) == ["docs/b.md", "src/a.py"]
     only = tmp_path / "only"
     (only / ".git").mkdir(parents=True)
     (only / ".git" / "x.txt").write_text("x\n")

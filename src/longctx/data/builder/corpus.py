@@ -2,7 +2,7 @@
 
 The embedded default corpus is the Python standard library's own `.py` files, found at run time
 with `sysconfig` (site-packages excluded): real text, varied, with documents from a few bytes to
-several hundred kilobytes. A directory of text files works the same way.
+several hundred kilobytes.
 """
 
 from __future__ import annotations
@@ -55,35 +55,12 @@ def _stdlib_sources(root: Path) -> list[Path]:
     return out
 
 
-def corpus_files(corpus: str) -> tuple[Path, list[Path]]:
-    """(root, sorted files) for 'stdlib' or a directory."""
-    if corpus == "stdlib":
-        root = stdlib_root()
-        files = _stdlib_sources(root)
-    else:
-        root = Path(corpus)
-        if not root.is_dir():
-            raise DataError(
-                f"data.corpus '{corpus}' is neither 'stdlib' nor an existing directory of text files."
-            )
-        files = [p for p in root.rglob("*")
-                 if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES and not hidden(p.relative_to(root))]
-    files.sort()
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """(root, sorted .py files) of the default corpus, 'stdlib' (a directory input is listed by
+    inputs.py input_files, as every other input)."""
+    root = stdlib_root()
+    files = sorted(_stdlib_sources(root))
     if not files:
-        raise DataError(f"data.corpus '{corpus}' holds no text files ({', '.join(sorted(TEXT_SUFFIXES))}).")
+        raise DataError(f"the default corpus 'stdlib' holds no .py files under {root} (a Python installed without "
+                        f"its standard library's sources); pass a directory of text files as data.corpus instead.")
     return root, files
-
-
-def read_documents(corpus: str, max_docs: int = 0) -> list[Document]:
-    root, files = corpus_files(corpus)
-    docs = []
-    for p in files:
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue  # binary or unreadable: not a text document
-        if text.strip():
-            docs.append(Document(str(p.relative_to(root)), text))
-        if max_docs and len(docs) >= max_docs:
-            break
-    return docs

@@ -26,7 +26,7 @@ from pathlib import Path
 from ...errors import DataError
 from ..store import FORMAT as STORE_FORMAT
 from ..store import MANIFEST as STORE_MANIFEST
-from .corpus import TEXT_SUFFIXES, Document, corpus_files, hidden, stdlib_root
+from .corpus import TEXT_SUFFIXES, Document, hidden, stdlib_files, stdlib_root
 from .readers import check_libraries, iter_file, unit_format
 
 # the json files a saved dataset holds beside its arrow files: metadata, never documents
@@ -209,7 +209,7 @@ def input_files(spec: str, option: str = "--input") -> tuple[Path, list[Path], i
     name is its path relative to root. `option` names the setting `spec` came from in errors
     (--input, data.corpus). Checks now that pyarrow / zstandard are installed where units need them."""
     if spec == "stdlib":
-        return (*corpus_files("stdlib"), 0)
+        return (*stdlib_files(), 0)
     p = Path(spec)
     if not p.exists():
         raise DataError(f"{option} '{spec}' does not exist: it is neither 'stdlib' nor an existing directory or "
