@@ -194,6 +194,22 @@ def check_filled(reader, config, arch: str, path: Path) -> None:
                               f"use its Hugging Face release (hf:DIR).")
 
 
+def check_head_dim(reader, config, arch: str, path: Path) -> None:
+    """Refuse a file whose head size (attention.key_length) is not the one transformers reads: its qwen3 reader
+    ignores the key and takes Qwen3Config's default (128), so any other size was refused as metadata that "does
+    not describe its tensors", with advice (convert again) that no conversion follows."""
+    key = f"{arch}.attention.key_length"
+    if key not in reader.fields:
+        return
+    stated = int(reader.fields[key].contents())
+    read = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if stated != read:
+        raise GGUFImportError(f"{path.name} sets {key} = {stated}, but transformers' GGUF reader takes head_dim "
+                              f"{read} for {arch} (it does not read that key), so it cannot read the file's "
+                              f"attention weights. Use the model's Hugging Face release instead (pass hf:DIR to "
+                              f"longctx).")
+
+
 def unread_tensors(model, reader, arch: str) -> list[str]:
     """GGUF tensors that transformers' reader has no parameter for (it skips them silently): a bias
     the config does not declare, say. Empty when this transformers has no such mapping to ask."""
@@ -291,6 +307,7 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
     check_rope(reader, arch, path)
     check_disk(reader, out, dtype)
     config = read_config(path)
+    check_head_dim(reader, config, arch, path)
     check_filled(reader, config, arch, path)
     stored: dict[str, int] = {}
     for t in reader.tensors:

@@ -131,7 +131,11 @@ def _sources(model: Llama, files: dict[str, Path]) -> dict[str, _Source]:
                 raise HFFormatError(f"{files[extra].parent} holds {extra}: more experts than config.json's "
                                     f"{p.shape[0]}; the weights and config.json disagree.")
         else:
-            out[ours] = _Source("whole", [hf_name(ours)])
+            # (a tied model whose shared tensor is stored under lm_head.weight alone, as safetensors' save_model
+            # keeps it: transformers ties symmetrically when it loads, so that head is the embedding)
+            head_only = ours == "tok_embeddings.weight" and model.output is None and hf_name(ours) not in files
+            out[ours] = _Source("whole", ["lm_head.weight" if head_only and "lm_head.weight" in files
+                                          else hf_name(ours)])
     return out
 
 
@@ -288,7 +292,7 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
                 stored, file = tensor(name)
                 _check_shape(src, tuple(stored.get_shape()), params[ours], name, file)
                 _check_dtype(stored.get_dtype(), name, file)
-        if model.output is None and "lm_head.weight" in files:
+        if model.output is None and "lm_head.weight" in files and "model.embed_tokens.weight" in files:
             _check_tied(tensor("model.embed_tokens.weight")[0], tensor("lm_head.weight")[0], path)
         _check_unused(model, files, sources, tensor, path)
         mb = {ours: local_part(params[ours]).nbytes / 1e6 for ours in sources}

@@ -1,7 +1,8 @@
 """The safetensors files of a Hugging Face directory (models/hf.py reads them): which file holds each tensor
 (model.safetensors, or the shards model.safetensors.index.json lists), each file opened and its header read
-before any weight is, so a partial download, a damaged index or files of two revisions mixed are one
-HFFormatError naming the file and the fix, said by train's preflight and generate before any rank reads."""
+before any weight is, so a partial download, a damaged index, files of two revisions mixed or a single file
+beside an index (two models) are one HFFormatError naming the file and the fix, said by train's preflight and
+generate before any rank reads."""
 
 from __future__ import annotations
 
@@ -18,7 +19,14 @@ __all__ = ["open_safetensors", "weight_files"]
 def weight_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file that holds it; every file there and readable (its
     header read: a truncated file is refused here, before any weight is read)."""
-    index = path / "model.safetensors.index.json"
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    if index.is_file() and single.is_file():
+        # (transformers reads the single file and ignores the index; a sharded save_pretrained over a single-file
+        # save leaves both, and so does a single-file save over a sharded one: one of them is another model)
+        raise HFFormatError(f"{path} holds both model.safetensors and model.safetensors.index.json, two sets of "
+                            f"weights (a save into a directory that held another save leaves the old file or index "
+                            f"behind); transformers reads model.safetensors and ignores the index. Remove the one "
+                            f"that is not this model: model.safetensors, or the index with the shards it lists.")
     if index.is_file():
         weight_map = _read_weight_map(index)
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
@@ -38,7 +46,6 @@ def weight_files(path: Path) -> dict[str, Path]:
                                     f"of the model (a partial re-download?). Download the index and every shard "
                                     f"again from one revision, or re-save the model.")
         return {name: path / f for name, f in weight_map.items()}
-    single = path / "model.safetensors"
     if single.is_file():
         with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
