@@ -222,7 +222,8 @@ def special_token_ids(manifest: dict) -> tuple[dict, str]:
     to config.json), and a note when the checkpoint records nothing they could be taken from."""
     hf = initial_hf_config(manifest["model"].get("init_from", ""))
     if hf is not None and any(k in hf for k in SPECIAL_TOKEN_KEYS):
-        return {k: hf.get(k) for k in SPECIAL_TOKEN_KEYS}, ""
+        # (only the ones it names: one it leaves out, transformers' class default, is what the source read as)
+        return {k: hf[k] for k in SPECIAL_TOKEN_KEYS if k in hf}, ""
     recorded, identity = manifest.get("tokenizer"), manifest.get("tokenizer_identity")
     path = tokenizer_file(recorded) if recorded else None
     why = ("the checkpoint records no tokenizer" if not recorded else "" if recorded == "byte" else

@@ -191,7 +191,8 @@ def hf_config_from_model(m, dtype_name: str = "float32", trained: int = 0) -> di
 
 
 # config.json's special token ids: transformers' classes default the missing ones (LlamaConfig: BOS 1,
-# EOS 2), so an export always writes all three, null where the tokenizer has none
+# EOS 2), so an export of a run from scratch writes all three, null where the tokenizer has none; one that
+# started from a Hugging Face model writes those its config.json names (the others read as they read there)
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
