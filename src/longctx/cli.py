@@ -90,7 +90,10 @@ def _train(args, overrides, cfg, nproc: int, launching: bool, resumed: bool) -> 
 
         preflight(cfg, nproc)  # every error that can be found before a rank starts, found once, here
         if nproc > 1:
-            relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides])
+            from .config.rules import parse_signals
+
+            relaunch(nproc, ["train", *(["--config", args.config] if args.config else []), *overrides],
+                     forward=parse_signals(cfg.checkpoint.on_signal))  # (the launcher passes them on to the ranks)
             return 0
     from .job.launch import finish_distributed
 

@@ -56,10 +56,20 @@ def configure(argv: Sequence[str]) -> None:
 
 
 def share_cores(nproc: int) -> None:
-    """A launch of `nproc` local ranks: each gets its share of the cores unless a count was given."""
+    """A launch of `nproc` local ranks: each gets its share of the cores unless a count was given. The cores this
+    process may run on (its affinity: a Slurm cpuset, taskset, a container's --cpuset-cpus), as fit_to_idle_cores
+    counts them, not the machine's: 4 ranks on 8 of a node's 128 cores ran 32 threads each on 2."""
     if THREADS_ENV not in os.environ:
-        os.environ[THREADS_ENV] = str(max(1, (os.cpu_count() or 1) // nproc))
+        os.environ[THREADS_ENV] = str(max(1, usable_cores() // nproc))
         os.environ[_FROM] = "share"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (os.cpu_count() where the system has no affinity call)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _cpu_times(cpus: set[int]) -> tuple[float, float]:

@@ -6,12 +6,14 @@ or, when no rank reported, the rank that failed first and how.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -82,13 +84,14 @@ def argv_without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None:
-    """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure."""
-    with tempfile.TemporaryDirectory(prefix="longctx-errors-") as folder:
+def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5, forward=()) -> None:
+    """Run `python -m longctx <argv>` on `nproc` local processes through torchrun; raise on failure.
+    `forward`: signals the ranks act on (checkpoint.on_signal), which the launcher passes on to them (_forwarding)."""
+    with tempfile.TemporaryDirectory(prefix="longctx-errors-") as folder, _forwarding(forward, folder) as forwarded:
         old = os.environ.get(ERROR_DIR_ENV)
         os.environ[ERROR_DIR_ENV] = folder
         try:
-            _relaunch(nproc, argv, monitor_interval, Path(folder))
+            _relaunch(nproc, argv, monitor_interval, Path(folder), forwarded)
         finally:
             if old is None:
                 os.environ.pop(ERROR_DIR_ENV, None)
@@ -96,7 +99,73 @@ def relaunch(nproc: int, argv: list[str], monitor_interval: float = 0.5) -> None
                 os.environ[ERROR_DIR_ENV] = old
 
 
-def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: Path) -> None:
+_TORCHRUN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}  # (torchrun's agent's own)
+# never caught in the launcher, whatever checkpoint.on_signal names: the launcher's own children ending, a terminal's
+# resize or job control, and the faults of its own code (a handler there would forward them, or stop the job)
+_KEPT = {getattr(signal, n) for n in ("SIGCHLD", "SIGCONT", "SIGURG", "SIGWINCH", "SIGTSTP", "SIGTTIN", "SIGTTOU",
+                                      "SIGPIPE", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP")
+         if hasattr(signal, n)}
+
+
+class _Forwarded:
+    """What _forwarding shares with the launch: the signals passed on, and whether torchrun's run is under way."""
+
+    def __init__(self):
+        self.passed: list[int] = []
+        self.running = False
+
+
+@contextlib.contextmanager
+def _forwarding(forward, error_dir: str):
+    """The launcher passes SIGUSR1, SIGUSR2 (a scheduler's warnings: Slurm's `--signal=USR1@T`) and the other
+    signals of `forward` on to its ranks and goes on waiting for them: they save and exit 75 (or, not acting on
+    it, end by it), with no 30 s limit (torchrun's agent stops its ranks that long after its own signals,
+    SIGTERM's). torchrun catches only those four: any other signal's default action ended the launcher at once,
+    and its ranks with it (SIGKILL on their parent's death) before they could save, even when Slurm signalled
+    the ranks too: exit -10, not a word, the steps since the last checkpoint lost. Yields a _Forwarded."""
+    wanted = sorted({signal.SIGUSR1, signal.SIGUSR2, *map(signal.Signals, forward)} - _TORCHRUN_SIGNALS - _KEPT)
+    state = _Forwarded()
+
+    def pass_on(signum, _frame):
+        ranks = _ranks_of(error_dir)
+        if not ranks:  # (none started yet, or no /proc to find them: torchrun's way, it stops them)
+            if state.running:  # (outside torchrun's run: no job yet, or one that is over, whose end it would spoil)
+                raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+            return
+        state.passed.append(signum)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # (where handlers can be installed)
+        previous = {s: signal.signal(s, pass_on) for s in wanted}
+    try:
+        yield state
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _ranks_of(error_dir: str) -> list[int]:
+    """The PIDs of the ranks this launcher started: its child processes (Linux's /proc) whose environment has
+    its error folder (not another child of the process, such as a multiprocessing helper)."""
+    mark = f"{ERROR_DIR_ENV}={error_dir}".encode()
+    pids = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        with contextlib.suppress(OSError):
+            pids += [int(pid) for pid in children.read_text().split()]
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                out.append(pid)
+    return out
+
+
+def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: Path,
+              forwarded: _Forwarded | None = None) -> None:
+    forwarded = forwarded or _Forwarded()
     args = get_args_parser().parse_args([
         "--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
         f"--monitor-interval={monitor_interval}", "-m", "longctx", *argv,
@@ -108,7 +177,11 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
     level = elastic.level
     elastic.setLevel(logging.ERROR)
     try:
-        run(args)
+        forwarded.running = True
+        try:
+            run(args)
+        finally:
+            forwarded.running = False
     except SignalException as e:
         # this launcher got the signal (torchrun's agent): it sent SIGTERM to the ranks and gave them
         # 30 s, in which ranks that save on a signal (checkpoint.on_signal) saved and said so
@@ -131,14 +204,15 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         if errors:
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
-        raise _first_failure(e.failures, nproc) from None
+        raise _first_failure(e.failures, nproc, forwarded.passed) from None
     finally:
         elastic.setLevel(level)
 
 
-def _first_failure(failures: dict, nproc: int) -> UserError:
+def _first_failure(failures: dict, nproc: int, passed=()) -> UserError:
     """The error to raise when no rank reported one of its own: which rank failed first and how, from
-    `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure})."""
+    `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure}); `passed`: the signals the
+    launcher passed on to the ranks (_forwarding)."""
     # The root cause: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before
     # a rank that exited with an error, before a rank the launcher itself stopped with SIGTERM.
     def cause(r):
@@ -155,17 +229,20 @@ def _first_failure(failures: dict, nproc: int) -> UserError:
         except ValueError:
             pass
     others = sorted(set(failures) - {first_rank})
-    if failure.exitcode == -signal.SIGKILL:
+    signalled = failure.exitcode is not None and -failure.exitcode in passed  # (the launcher's signal, not a crash)
+    if signalled:
+        hint = (f" The launcher got {what[len('killed by '):]} and passed it on to the ranks, which do not stop on "
+                f"it: a training run that saves checkpoints saves and stops on checkpoint.on_signal's signals.")
+    elif failure.exitcode == -signal.SIGKILL:
         hint = (" Nothing else stops a process without a word: most often it is the out-of-memory killer "
                 "(see `dmesg`); the rank needed more memory than the machine had. Lower train.seq_len, "
                 "use more ranks, or a memory policy (longctx plan picks one).")
     else:
         hint = " See that rank's output above for its error."
-    return UserError(
-        f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
-        + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "")
-        + "." + hint
-    )
+    message = (f"rank {first_rank} of {nproc} failed first ({what}); the job was stopped"
+               + (f" (ranks {', '.join(map(str, others))} failed after it)" if others else "") + "." + hint)
+    # (stopped by a signal: the shell's code of a process it ended, 128 + its number, as a signal torchrun catches)
+    return RankError(message, 128 - failure.exitcode) if signalled else UserError(message)
 
 
 def _raise_preempted(errors: dict[str, tuple[list[int], int]], nproc: int) -> None:

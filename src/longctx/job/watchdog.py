@@ -26,6 +26,7 @@ the watchdog, which can say where everyone was, speaks first.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -132,17 +133,26 @@ class Watchdog:
                         {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
                          "idle_s": round(idle, 1), "time": time.time()})
 
+    def _record(self, record: dict) -> bool:
+        """The stacks and the record in the launcher's folder; False when it takes no file (a full or
+        read-only /tmp, an inode quota, the folder gone): an OSError here ended the watchdog's thread
+        before the process, and the hang went on to the process groups' backstop, unexplained."""
+        try:
+            with open(self.folder / f"stack{self.rank}.txt", "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            return _write_json(self.folder / f"hang{self.rank}.json", record)
+        except OSError:
+            return False
+
     def _fire(self, idle: float, place: dict) -> None:
         record = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": self.phase,
                   "idle_s": round(idle, 1), "time": time.time(), **place}
-        if self.folder is not None:
-            with open(self.folder / f"stack{self.rank}.txt", "w") as f:
-                faulthandler.dump_traceback(file=f, all_threads=True)
-            _write_json(self.folder / f"hang{self.rank}.json", record)
-        else:
+        if self.folder is None or not self._record(record):  # (no launcher's folder, or one that takes no file)
             print(f"[rank {self.rank}] longctx: waited {idle:.0f} s without progress (parallel.timeout_s = "
                   f"{self.timeout_s:g}): {describe(record)}. Python stacks:", file=sys.stderr, flush=True)
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            # (a stderr with no file descriptor, as a program that replaced sys.stderr has: no stacks; the rank ends)
+            with contextlib.suppress(OSError, ValueError):
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         self.fired.set()
         if self.exit_process:
             time.sleep(grace_s(self.timeout_s))  # the peers record where they were too
@@ -252,10 +262,12 @@ def _without_watchdog(dump: str) -> str:
     return "\n\n".join(b for b in blocks if not b.startswith("Current thread")).rstrip()
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict) -> bool:
+    """Whether `path` now holds `data` (written whole, then renamed: a reader never sees half of it)."""
     tmp = path.with_suffix(".tmp")
     try:
         tmp.write_text(json.dumps(data))
         os.replace(tmp, path)
     except OSError:
-        pass
+        return False
+    return True

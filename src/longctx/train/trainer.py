@@ -383,9 +383,16 @@ class Trainer:
         trained = (tokens_through(self.sampler.stages, t.steps)
                    - tokens_through(self.sampler.stages, result.first_step - 1))
         result.tokens_per_s = trained / (total_s - eval_s) if result.losses else 0.0
-        if self.cfg.metrics.plots and self.rt.is_main:
-            write_plots(self.run_dir, self.metrics.path, self.log)
-        self.log(done_line(result, t.steps, total_s, self.run_dir, self.cfg.metrics.plots,
+        plots = self.cfg.metrics.plots
+        if plots and self.rt.is_main:
+            try:
+                write_plots(self.run_dir, self.metrics.path, self.log)
+            except OSError as e:  # (a full disk: the run finished and saved; failing it now sent a requeue again)
+                plots = False
+                self.log(f"note: the plots could not be written to {self.run_dir} ({e.strerror or e}); the run "
+                         f"finished, and its checkpoints and metrics are kept: `longctx report {self.run_dir}` writes "
+                         f"them once there is room.")
+        self.log(done_line(result, t.steps, total_s, self.run_dir, plots,
                            None if self.ckpt is None else self.ckpt.root, self.cfg.draft.target))
         return result
 
