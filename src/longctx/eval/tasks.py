@@ -134,8 +134,7 @@ def load_source(data: str, split: str, tokenizer, default_store, prefix=()) -> T
                                                            "tokenizer": manifest["tokenizer"]},
                            (lambda: store_documents(path, split, trained=True)) if answers else None)
     if path.is_file():
-        text = path.read_text(encoding="utf-8", errors="replace")
-        tokens = _encoded(tokenizer, text, prefix)
+        tokens = _encoded(tokenizer, read_text(path, data), prefix)
         return TokenSource(lambda: iter([tokens]), f"{path} (text file)")
     raise ConfigError(f"--data {data} is neither a store directory nor a text file; pass a store built by "
                       f"`longctx data build`, a text file, or nothing for the default corpus.")
@@ -144,6 +143,26 @@ def load_source(data: str, split: str, tokenizer, default_store, prefix=()) -> T
 def is_glob(data: str) -> bool:
     """Whether `--data` is a glob of text files (a path that exists is itself, whatever its characters)."""
     return any(c in data for c in "*?[") and not Path(data).exists()
+
+
+def read_text(path: Path, data: str) -> str:
+    """A text --data file's text, read as `longctx data build` reads a text document (UTF-8, CRLF as LF: its
+    readers.py decode). A file that is not text is refused: the builder's records and compressed files (.jsonl,
+    .parquet, .arrow, .gz, .zst), binary or not UTF-8; read as text with undecodable bytes replaced, each was
+    a document of replacement characters or JSON syntax that ppl and passkey's filler measured silently."""
+    from ..data.builder.readers import decode, unit_format
+
+    fmt, compression = unit_format(path)
+    why = f"a {compression or '.' + str(fmt)} file" if fmt != "text" or compression else None
+    text = None
+    if why is None:
+        text, skip = decode(path.read_bytes())
+        why = {"binary": "binary (a NUL byte in its first 8 KiB)", "invalid_utf8": "not UTF-8 text"}.get(skip)
+    if why is not None:
+        raise DataError(f"--data {data}: {path} is {why}, and eval reads a text file as one document. Build a store "
+                        f"from it (longctx data build --input {path} --out STORE; it reads .jsonl, .parquet, .arrow "
+                        f"and .gz / .zst files) and pass --data STORE, or pass a text file.")
+    return text or ""  # (an empty or whitespace-only file: no document long enough, said by the task)
 
 
 def _encoded(tokenizer, text: str, prefix) -> np.ndarray:
@@ -165,8 +184,7 @@ def _glob_source(pattern: str, tokenizer, prefix=()) -> TokenSource:
 
     def documents():
         for p in paths:
-            text = Path(p).read_text(encoding="utf-8", errors="replace")
-            yield _encoded(tokenizer, text, prefix)
+            yield _encoded(tokenizer, read_text(Path(p), pattern), prefix)
     return TokenSource(documents, f"{pattern} ({len(paths)} files)")
 
 
