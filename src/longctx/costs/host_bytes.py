@@ -231,13 +231,13 @@ def checkpoint_staging_bytes(m: ModelConfig, shape: MeshShape, async_save: bool,
     torch's host allocator, each tensor rounded up to a power of two (ops/pinned.py)."""
     if not async_save:
         return 0.0
-    if not pinned or _stager_registers():
+    if not pinned or stager_registers():
         return 12 * rank_params(m, shape)
     return 3 * pinned_fp32_shard_bytes(m, shape)
 
 
 @functools.cache
-def _stager_registers() -> bool:
+def stager_registers() -> bool:
     """Whether checkpoint/background.py's reusable_stager is torch's DefaultStager (page-locks exact sizes)."""
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401

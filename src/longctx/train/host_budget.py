@@ -23,14 +23,26 @@ import dataclasses
 import math
 import os
 
+import torch
+from torch import nn
+
 from ..config import Config
-from ..costs.host_bytes import one_memory_bytes, predicted_rank_bytes
+from ..costs.host_bytes import (
+    one_memory_bytes,
+    pinned_fp32_shard_bytes,
+    predicted_rank_bytes,
+    rank_params,
+    stager_registers,
+)
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
 from ..job.checks import node_size, zero_pp_names
 from ..job.devices import computes_in_bf16
 from ..memory.auto import host_memory_free
 from ..memory.policy import MemoryPolicy
+from ..models.clover import CloverDraft
+from ..models.glide import GlideDraft
+from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
 from .stages import stages_of
 
 BUDGET_ENV = "LONGCTX_HOST_MEMORY_BYTES"
@@ -91,8 +103,49 @@ def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch
         device_type=device_type)
     if not cfg.checkpoint.saves_or_resumes:  # (a run that can never save takes no copy: not even on a signal)
         host = {**host, "co2_checkpoint": 0.0}
-        host["total"] = sum(v for k, v in host.items() if k != "total")
+    if cfg.draft.target:
+        states, host_parts = draft_states(cfg, shape, pins(device_type))
+        device = {**device, "model_states": states}
+        device["total"] = sum(v for k, v in device.items() if k != "total")
+        host = {**host, **host_parts}
+    host["total"] = sum(v for k, v in host.items() if k != "total")
     return device, host
+
+
+def draft_states(cfg: Config, shape: MeshShape, pinned: bool) -> tuple[float, dict[str, float]]:
+    """Under draft training (draft.target) one rank's (device model states, {"model_states", "checkpoint_staging"}
+    in host memory). The run's model config is the frozen target's, but the optimizer and a save hold the
+    draft's parameters alone (train/glide.py): the tier's states are the draft's (16 bytes per parameter of
+    its shard, pinned as costs/host_bytes.py pins the model's; 12 staged), beside the target's fp32 weights,
+    frozen: on the device, or under memory.model_states = host in host memory (frozen_target parallelises
+    it under the run's tier: FSDP2's CPU offload, no gradients or moments)."""
+    d, tier = cfg.draft, cfg.memory.model_states
+    with torch.device("meta"):
+        draft = CloverDraft(cfg.model, d.vocab) if d.kind == "clover" else GlideDraft(cfg.model, d.layers, d.vocab)
+    group = shape.fsdp if shape.world > 1 else 1  # (FSDP shards dim 0 of each draft layer and of its root)
+    numels = [math.prod([-(-p.shape[0] // group), *p.shape[1:]]) if p.dim() else 1 for p in draft.parameters()]
+    n, sizes = sum(numels), [4 * k for k in numels]
+    target = pinned_fp32_shard_bytes(cfg.model, shape) if pinned else 4.0 * rank_params(cfg.model, shape)
+    if tier == "device":
+        return 16.0 * n + 4.0 * rank_params(cfg.model, shape), {"model_states": 0.0, "checkpoint_staging": 0.0}
+    if not pinned:
+        states = 16.0 * n
+    elif tier == "host_optimizer":  # masters and gradient buffers carved out of slabs (ops/pinned.py)
+        states = planned_pinned_bytes(sizes * 2) + 8.0 * n
+    else:  # weight shards and gradient copies pinned one by one by FSDP2
+        states = 2 * sum(pinned_bytes(s) for s in sizes) + 8.0 * n
+    staging = 0.0
+    if cfg.checkpoint.async_save:
+        staging = 12.0 * n if not pinned or stager_registers() else 3.0 * sum(pinned_bytes(s) for s in sizes)
+    if tier == "host":
+        return 0.0, {"model_states": states + target, "checkpoint_staging": staging}
+    # host_optimizer: the draft's weights, and its gradients until the host takes them (at world 1 a layer's
+    # as its backward ends, as costs/host_bytes.py device_state_bytes counts the model's; under FSDP the shards')
+    layer = max(sum(p.numel() for p in m.parameters()) for m in draft.modules()
+                if m is not draft and not isinstance(m, nn.ModuleList))
+    grads = 4.0 * (layer if shape.world == 1 else n)
+    return 4.0 * n + grads + 4.0 * rank_params(cfg.model, shape), {"model_states": states,
+                                                                    "checkpoint_staging": staging}
 
 
 def host_bytes_besides_offload(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int) -> float:
