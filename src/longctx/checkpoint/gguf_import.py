@@ -11,9 +11,11 @@ Everything that can be refused is refused before the weights are read: a missing
 missing packages, an output that exists, too little disk, an architecture longctx does not read
 (its config goes through config/hf.py like any config.json), and RoPE scaling that transformers'
 reader would drop without a word (a `rope_freqs` tensor: Llama 3.1-style factors; `rope.scaling.*`
-keys), and metadata that does not describe the file's tensors (transformers would fill what it lacks
-with its defaults). After writing, longctx loads the directory and its logits are compared with
-transformers' on the same weights, so an import that longctx would read differently is never renamed into place.
+keys), metadata that does not describe the file's tensors (transformers would fill what it lacks
+with its defaults), sizes its reader takes from its config classes instead of the file (a qwen3 head
+size, qwen2_moe and qwen3_moe expert sizes) and a shared-expert gate shape it would misread. After
+writing, longctx loads the directory and its logits are compared with transformers' on the same
+weights, so an import that longctx would read differently is never renamed into place.
 The directory is written under a temporary name beside DIR and renamed when complete.
 """
 
@@ -194,20 +196,63 @@ def check_filled(reader, config, arch: str, path: Path) -> None:
                               f"use its Hugging Face release (hf:DIR).")
 
 
-def check_head_dim(reader, config, arch: str, path: Path) -> None:
-    """Refuse a file whose head size (attention.key_length) is not the one transformers reads: its qwen3 reader
-    ignores the key and takes Qwen3Config's default (128), so any other size was refused as metadata that "does
-    not describe its tensors", with advice (convert again) that no conversion follows."""
-    key = f"{arch}.attention.key_length"
-    if key not in reader.fields:
-        return
-    stated = int(reader.fields[key].contents())
-    read = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if stated != read:
-        raise GGUFImportError(f"{path.name} sets {key} = {stated}, but transformers' GGUF reader takes head_dim "
-                              f"{read} for {arch} (it does not read that key), so it cannot read the file's "
-                              f"attention weights. Use the model's Hugging Face release instead (pass hf:DIR to "
-                              f"longctx).")
+# sizes that transformers' GGUF reader takes from its config class for some families whatever the file says:
+# metadata key (after "ARCH.") -> (the config attribute it sets instead, the weights that depend on it)
+SIZE_KEYS = {"attention.key_length": ("head_dim", "attention"),
+             "expert_feed_forward_length": ("moe_intermediate_size", "expert"),
+             "expert_shared_feed_forward_length": ("shared_expert_intermediate_size", "shared-expert")}
+
+
+def check_sizes_read(reader, config, arch: str, path: Path) -> None:
+    """Refuse a file whose sizes are not the ones transformers reads: its qwen3 reader ignores attention.key_length
+    (Qwen3Config's head_dim 128), its qwen2moe / qwen3moe readers the expert sizes (Qwen2MoeConfig's 1408 and 5632,
+    Qwen3MoeConfig's 768). Such a file was refused as metadata that "does not describe its tensors" with advice
+    (convert again) that no conversion follows, or, of larger sizes, failed inside transformers (a size mismatch)."""
+    for suffix, (attr, part) in SIZE_KEYS.items():
+        key = f"{arch}.{suffix}"
+        read = getattr(config, attr, None)
+        if attr == "head_dim" and not read:
+            read = config.hidden_size // config.num_attention_heads
+        if key not in reader.fields or read is None:
+            continue
+        stated = int(reader.fields[key].contents())
+        if stated != read:
+            raise GGUFImportError(f"{path.name} sets {key} = {stated}, but transformers' GGUF reader takes {attr} "
+                                  f"{read} for {arch} (it does not read that key), so it cannot read the file's "
+                                  f"{part} weights. Use the model's Hugging Face release instead (pass hf:DIR to "
+                                  f"longctx).")
+
+
+def check_shared_gate(reader, config, arch: str, path: Path) -> None:
+    """Refuse a shared-expert gate that transformers' reader would shape wrongly: its qwen2moe reader adds a leading
+    dimension to the gate, which older llama.cpp conversions wrote 1-D (hidden,); current ones write it as
+    transformers' own (1, hidden), which then fails inside transformers (a size mismatch) after the model is built.
+    The reader is asked what it makes of the stored shape, so a transformers that takes both forms passes."""
+    want = (1, config.hidden_size)  # Qwen2MoeSparseMoeBlock.shared_expert_gate: Linear(hidden, 1)
+    for t in reader.tensors:
+        if not t.name.endswith(".ffn_gate_inp_shexp.weight"):
+            continue
+        stored = tuple(int(n) for n in reversed(t.shape))  # (the reader hands tensors over in numpy order)
+        read = processed_shape(config, arch, t.name, stored)
+        if read is not None and read != want:
+            raise GGUFImportError(f"{path.name} stores {t.name} as {stored} (as current llama.cpp conversions write "
+                                  f"the shared-expert gate), and transformers' GGUF reader makes it {read} where "
+                                  f"the model's is {want}: it reads only the 1-D form ({config.hidden_size},) of "
+                                  f"older conversions. Use the model's Hugging Face release instead (pass hf:DIR "
+                                  f"to longctx).")
+
+
+def processed_shape(config, arch: str, name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape transformers' GGUF tensor processor for `arch` turns a `shape` tensor named `name` into (a zero
+    array of it, nothing read from the file); None when this transformers has no such processor to ask."""
+    import numpy as np
+
+    try:
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    except ImportError:
+        return None
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    return tuple(processor.process(weights=np.zeros(shape, np.float32), name=name).weights.shape)
 
 
 def unread_tensors(model, reader, arch: str) -> list[str]:
@@ -223,7 +268,15 @@ def unread_tensors(model, reader, arch: str) -> list[str]:
         return []
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
     mapped = get_gguf_hf_weights_map(model, processor)
-    return [t.name for t in reader.tensors if t.name not in mapped]
+    # experts stacked in one tensor (blk.N.ffn_gate_exps.weight) are mapped without ".weight": the MoE processor
+    # looks them up by that stem and fills the fused parameter itself (all of them read as dropped before)
+    stacked = getattr(processor, "GGUF_MOE_WEIGHTS_PATTERN", None)
+
+    def read(name: str) -> bool:
+        found = stacked.fullmatch(name) if stacked is not None else None
+        return name in mapped or (found is not None and found.groupdict().get("name") in mapped)
+
+    return [t.name for t in reader.tensors if not read(t.name)]
 
 
 def load_model(path: Path, reader, arch: str):
@@ -307,7 +360,8 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
     check_rope(reader, arch, path)
     check_disk(reader, out, dtype)
     config = read_config(path)
-    check_head_dim(reader, config, arch, path)
+    check_sizes_read(reader, config, arch, path)
+    check_shared_gate(reader, config, arch, path)
     check_filled(reader, config, arch, path)
     stored: dict[str, int] = {}
     for t in reader.tensors:
