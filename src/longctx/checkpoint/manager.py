@@ -58,7 +58,7 @@ from ..config.checkpoint_paths import (
 )
 from ..durable import publish, write_text_durably
 from ..faults import planned
-from ..job import comm
+from ..job import comm, watchdog
 from ..job.launch import new_gloo_group
 from .background import Worker, host_copies, reusable_stager, silence_single_process_save
 from .failures import SAVE_ERRORS, save_failed, state_bytes
@@ -76,6 +76,7 @@ from .manifest import (
     file_problem,
     hash_files,
     owner_rank,
+    rank_bytes,
     read_manifest,
     unlisted_problems,
     verification_shares,
@@ -144,6 +145,7 @@ class CheckpointManager:
         state = {"model": model_sd, "optim": optim_sd}
         own_bytes = state_bytes(state)
         tmp = self._temporary_directory(step, own_bytes)
+        watchdog.watch_writes(functools.partial(rank_bytes, tmp, self.rank))  # (a slow disk is not a hang)
         # captured now (the generators move on with training), written with the rest off the loop
         trainer_state = {"step": step, "sampler": sampler_state, **{k: f() for k, f in self.extra_state.items()}}
         own_files = functools.partial(self._write_own_files, tmp, _rng_state(), json.dumps(trainer_state), self.saves,

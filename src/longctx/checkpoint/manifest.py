@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,6 +27,7 @@ from ..config.checkpoint_paths import (  # (re-exported: the checkpoint package'
 )
 from ..config.weight_shapes import shape_differences
 from ..durable import fsync_path, write_text_durably
+from ..job import watchdog
 
 FORMAT = "longctx-checkpoint/1"
 
@@ -49,6 +51,7 @@ def sha256(path: Path, chunk: int = 1 << 22) -> str:
     with path.open("rb") as f:
         while block := f.read(chunk):
             h.update(block)  # hashlib releases the GIL on blocks this large: other threads keep running
+            watchdog.tick()  # (reading a save back to hash it is progress: a rank waiting on it is not hung)
     return h.hexdigest()
 
 
@@ -57,6 +60,13 @@ def owner_rank(name: str) -> int:
     (.metadata, trainer_state.json) are rank 0's."""
     m = _RANK_FILE.match(name)
     return int(m.group(1)) if m else 0
+
+
+def rank_bytes(directory: Path, rank: int) -> int:
+    """The bytes of the checkpoint files `rank` has written into `directory` so far (the watchdog's measure of a
+    save's progress: job/watchdog.py watch_writes); a directory gone (published or removed) raises OSError."""
+    with os.scandir(directory) as entries:
+        return sum(e.stat().st_size for e in entries if e.is_file() and owner_rank(e.name) == rank)
 
 
 def checkpoint_files(directory: Path) -> list[str]:

@@ -5,7 +5,8 @@ included; or the wait of a transfer comm.py started, as the ring's) or in a chec
 parallel.timeout_s without progress is waiting for a peer that is hung. A rank that merely computes
 for long (a first torch.compile, a long forward) waits for nobody, and nothing fires. Progress is a
 new phase of the training loop (`phase(step, name)`: data, forward, backward, optimizer, save,
-load, eval) or a collective issued through comm.py (`tick()`: one attribute write, no I/O). A
+load, eval), a collective issued through comm.py (`tick()`: one attribute write, no I/O; a save's
+hashing ticks too) or, in a save, its own files growing (`watch_writes`). A
 daemon thread per rank looks once a second at where the main thread is. When it fires it:
 - dumps every thread's Python stack (faulthandler: it reads frames without running them);
 - records where the rank was: step, phase, and what the main thread waits in (or that it waits in
@@ -70,6 +71,18 @@ def tick() -> None:
         _ACTIVE.last = time.monotonic()
 
 
+_WRITTEN = None  # () -> int: this rank's bytes of the checkpoint being written (watch_writes), or None
+
+
+def watch_writes(written) -> None:
+    """A save's progress while it writes (`written()`: this rank's bytes of it so far; None when no save is in
+    flight): in the save phase a rank that waits for its own writes is not hung while they grow. A save of a
+    large model to a slow disk (the last step's, waited for at the end of the run) took longer than
+    parallel.timeout_s and the watchdog ended the rank, the checkpoint lost."""
+    global _WRITTEN
+    _WRITTEN = written
+
+
 def phase(step: int, name: str) -> None:
     """The rank enters `name` of `step` (0 before the first step)."""
     w = _ACTIVE
@@ -87,6 +100,7 @@ class Watchdog:
         self.folder = Path(folder) if folder else None
         self.exit_process = exit_process  # (False in tests of the record itself)
         self.step, self.phase, self.last = 0, "setup", time.monotonic()
+        self._written, self._written_next = 0, 0.0  # (the save's bytes at the last look, and when to look again)
         self.fired = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="longctx-watchdog", daemon=True)
@@ -116,6 +130,8 @@ class Watchdog:
             if place["collective"] or self.phase == "save":
                 if waiting_since is None or self.last != seen:  # (a wait began at most one look ago)
                     waiting_since = max(self.last, now - every)
+                elif self.phase == "save" and self._written_more(now):
+                    waiting_since = now  # (its own writes grew: a slow disk, not a hung peer)
             else:
                 waiting_since = None
             seen = self.last
@@ -126,6 +142,19 @@ class Watchdog:
             if self.folder is not None and any(f.stem != f"hang{self.rank}" for f in self.folder.glob("hang*.json")):
                 self._fire(now - self.last, place)  # a peer gave up waiting: say where this rank is
                 return
+
+    def _written_more(self, now: float) -> bool:
+        """Whether the save's bytes (watch_writes) changed since the last look, looked at every tenth of the timeout
+        at most (a stat of this rank's files: cheap, but on a shared file system not once a second per rank)."""
+        if _WRITTEN is None or now < self._written_next:
+            return False
+        self._written_next = now + self.timeout_s / 10
+        try:
+            written = _WRITTEN()
+        except OSError:  # (the directory renamed into place or removed between two looks)
+            return False
+        grew, self._written = written != self._written, written
+        return grew
 
     def _beat(self, idle: float) -> None:
         if self.folder is not None:
