@@ -165,9 +165,10 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     routing = dropless_note(capacity, "the model is evaluated",
                             "a sequence's score depend on what it is batched with and on the layout")
     _check_layout(cfg, lengths, mode, nproc)
+    # (before the text: the default corpus's first build, or a --data file's tokenization, is work)
+    memory = _memory(args, cfg, mode, lengths, batch, nproc)
     spec, tokenizer = _load_tokenizer(args, cfg)
     source = _load_source(args, cfg, spec, tokenizer)
-    memory = _memory(args, cfg, mode, lengths, batch, nproc)
     sequences = _sequences(args, source, tokenizer, lengths, depths)
     # (under the memory no length is past the reach: every distance a query sees stays within it)
     unchecked = unchecked_tokenizer(cfg.model.init_from, args.tokenizer)  # (a --tokenizer nothing could check)

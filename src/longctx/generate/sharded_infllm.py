@@ -38,6 +38,7 @@ from ..models.context_memory import (
     GrowsOnly,
     InfLLMShape,
     check_after_units,
+    refuse_ms_poe,
     representatives,
     rotate,
     top_units,
@@ -60,6 +61,7 @@ class ShardedInfLLMCache(GrowsOnly, CacheRows):
     speculation: truncate, among and keep refuse)."""
 
     def __init__(self, shape: InfLLMShape, model, ctx_mesh, batch: int, max_len: int):
+        refuse_ms_poe(model)
         cfg, w = model.cfg, model.tok_embeddings.weight
         self.shape, self.inv_freq, self.mesh = shape, model.inv_freq, ctx_mesh
         self.c, self.rank = ctx_mesh.size(), comm.local_rank(ctx_mesh)

@@ -97,6 +97,16 @@ class InfLLMShape:
         return self
 
 
+def refuse_ms_poe(model) -> None:
+    """A ValueError for a model with Ms-PoE (models/ms_poe.py): its kv heads' keys are cached at p / r, and
+    turning them back (and the queries on to `far`) with the one plain table left a far key of distance D at
+    far - D (1 - 1 / r), keys thousands of positions in the query's future, silently (the memory of one
+    process and the sharded one call this; the command refuses the pair before loading, memory_shape)."""
+    if getattr(model, "ms_poe_ratios", None) is not None:
+        raise ValueError("InfLLM context memory re-rotates keys with one RoPE table, not Ms-PoE's per-head ones: "
+                         "build the model without model.rope_ms_poe to use the memory")
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x [b, s, heads, d] turned by RoPE's angle at `positions` [b or 1, s] (negative: turned back),
     unscaled (YaRN's factor is already in the cached keys and the queries)."""
@@ -125,6 +135,7 @@ class InfLLMMemory:
     first's units."""
 
     def __init__(self, shape: InfLLMShape, model, batch: int, max_len: int):
+        refuse_ms_poe(model)
         cfg, w = model.cfg, model.tok_embeddings.weight
         self.shape, self.inv_freq = shape, model.inv_freq
         units = max_len // shape.block + 1
