@@ -306,3 +306,21 @@ def test_eval_asks_for_a_tokenizer_when_its_data_is_a_glob_of_text(tmp_path, mon
                 inputs._load_tokenizer(args, cfg)
         else:
             assert inputs._load_tokenizer(args, cfg) == (None, None)
+
+
+@pytest.mark.parametrize("chunk", [0, 64])
+def test_token_scores_put_only_the_scored_rows_through_the_head(chunk):
+    """A retrieval prompt of 1,024 tokens scoring 6 answer tokens: the head's matmul covers those 6 rows (it covered
+    all 1,024), with the same scores as the head over every row."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    h, w = torch.randn(1024, 16), torch.randn(300, 16)
+    labels = torch.full((1024,), IGNORE)
+    labels[-6:] = torch.randint(0, 300, (6,))
+    with FlopCounterMode(display=False) as flops:
+        out = lm_head_token_scores(h, w, labels, chunk=chunk)
+    assert flops.get_total_flops() == 2 * 6 * 16 * 300
+    every = F.cross_entropy(h @ w.t(), labels.clamp(min=0), reduction="none")
+    torch.testing.assert_close(out[-6:, 0], every[-6:], rtol=1e-5, atol=1e-5)
+    assert (out[:-6] == 0).all()
