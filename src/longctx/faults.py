@@ -40,15 +40,20 @@ def _items() -> list[tuple[str, str]]:
     return out
 
 
-def planned(kind: str, rank: int = 0) -> set[int]:
+def planned(kind: str, rank: int = 0, world: int | None = None) -> set[int]:
     """The steps (for enospc: the saves, counted from 1) at which `kind` is injected (on this rank,
-    for hang): empty unless LONGCTX_FAULT names it."""
+    for hang): empty unless LONGCTX_FAULT names it. Given the job's `world`, a hang of a rank it does
+    not have is refused (it would never fire, and the test that planted it would pass for nothing)."""
     steps = set()
     for name, where in _items():
         if name != kind:
             continue
         if kind == "hang":
             hung_rank, _, where = where.partition(":")
+            if world is not None and int(hung_rank) >= world:
+                raise ConfigError(f"{ENV}={os.environ[ENV]!r}: hang@{hung_rank}:{where} names rank {hung_rank}, but "
+                                  f"the job has ranks 0-{world - 1}; name one of them (a testing aid; unset it to "
+                                  f"train).")
             if int(hung_rank) != rank:
                 continue
         steps.add(int(where))

@@ -22,10 +22,10 @@ from ..faults import SPIKE_MULTIPLIER, hang_forever, planned
 STEP_FAULTS = ("nonfinite", "spike", "hang")
 
 
-def with_step_faults(step: Callable, model: torch.nn.Module, rank: int) -> Callable:
+def with_step_faults(step: Callable, model: torch.nn.Module, rank: int, world: int | None = None) -> Callable:
     """`step` (a function of the 1-based step number) itself when LONGCTX_FAULT plans no step fault
     on this rank, else `step` wrapped to inject them (FaultyStep)."""
-    plans = {kind: planned(kind, rank) for kind in STEP_FAULTS}
+    plans = {kind: planned(kind, rank, world) for kind in STEP_FAULTS}
     return FaultyStep(step, model, plans) if any(plans.values()) else step
 
 

@@ -121,7 +121,7 @@ class Trainer:
         # wraps each step's forward and backward: tests put a host-sync detector here (tests/host_sync.py)
         self.device_section = contextlib.nullcontext
         # LONGCTX_FAULT (a testing aid): the step wrapped to inject the faults planned on this rank
-        self.step = with_step_faults(self.step, self.model, rt.rank)
+        self.step = with_step_faults(self.step, self.model, rt.rank, rt.world)
         # train.on_nonfinite / train.spike_factor: whether a step's update is applied, on the device
         self.guard = StepGuard(cfg.train.spike_factor, cfg.train.spike_window, self.device)
         self.last_spike: torch.Tensor | None = None  # the last step's spike flag (on the device)
