@@ -128,6 +128,7 @@ def build_request(args, overrides):
     from .request import Request, parse_tokens
 
     model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
+    _check_uncosted_expert_settings(parse_overrides(overrides))
     named = [o for o in overrides if o.split("=")[0] in ("--model.preset", "--model.init_from")]
     if named:  # (the later one won: `--model llama3-8b --model.preset=debug` planned the debug model)
         raise ConfigError(f"longctx plan takes the model from --model ({args.model}); drop {named[0].split('=')[0]} "
@@ -162,7 +163,7 @@ def build_request(args, overrides):
     recomputes = tuple(x.strip() for x in args.recompute.split(",") if x.strip())
     store = getattr(args, "store", None)  # (else the store the plan will train, when --data.path names one)
     doc_work, doc_work_source = _doc_work(store or base.data.path or None, seq_len, base.data.doc_mask,
-                                          "--store" if store else "data.path")
+                                          "--store" if store else "data.path", base.model.vocab_size)
     req = Request(base.model, hw, args.gpus, seq_len, gpus_per_node=args.gpus_per_node,
                   global_batch=args.global_batch, micro_batches=_ints(args.micro_batch, "--micro-batch", 1),
                   recomputes=recomputes,
@@ -175,6 +176,23 @@ def build_request(args, overrides):
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=_ints(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
+
+
+# expert-parallel settings the cost model does not price -> what they add to a run
+UNCOSTED_EXPERT_KEYS = {"expert_replicas": "the hot experts' copies, their weights and gradients over the links",
+                        "expert_ranks_per_node": "the hierarchical dispatch's two-level all-to-all"}
+
+
+def _check_uncosted_expert_settings(overrides: dict) -> None:
+    """parallel.expert_replicas / expert_ranks_per_node act only under expert parallelism, whose degree the plan
+    chooses: given here, the base config (expert 1) refused them with "set parallel.expert > 1", an override the
+    plan refuses in turn, and the plan prices neither. Refused first, with the way that works."""
+    given = {k: v for k, v in overrides.get("parallel", {}).items() if k in UNCOSTED_EXPERT_KEYS and v}
+    if given:
+        key, value = next(iter(given.items()))
+        raise ConfigError(f"parallel.{key} = {value} is not costed by the plan ({UNCOSTED_EXPERT_KEYS[key]}) and acts "
+                          f"only under expert parallelism, whose degree the plan chooses (--expert): plan without it, "
+                          f"then add it to the written config if its parallel.expert is > 1.")
 
 
 def _check_calibration_world(hw, args, world: int) -> None:
@@ -307,9 +325,15 @@ def _check_precision(dtype: str, hw) -> None:
                           f"or leave train.dtype auto.")
 
 
-def _doc_work(store: str | None, seq_len: int, doc_mask: bool, flag: str = "--store") -> tuple[float, str]:
+def _doc_work(store: str | None, seq_len: int, doc_mask: bool, flag: str = "--store",
+              vocab_size: int | None = None) -> tuple[float, str]:
     """(doc_work, where it comes from) for the request: measured on the samples of the store `flag` names
-    (--store, or the data.path the plan trains), else 1.0."""
+    (--store, or the data.path the plan trains), else 1.0. The store is checked to fit the run the plan
+    writes (its length and the model's vocabulary) with or without document masks."""
+    if store:
+        from .documents import store_manifest
+
+        store_manifest(store, seq_len, vocab_size, flag)
     if not doc_mask:
         return 1.0, "data.doc_mask = false: plain causal attention" + (f", {flag} not used" if store else "")
     if not store:
@@ -342,7 +366,30 @@ def _write_best(res, base, args) -> tuple[str | None, str]:
     return None, note
 
 
+def _check_fixed_cases(args, overrides) -> None:
+    """--validate and --anchors run their own fixed cases (planner/validate.py, planner/anchors.py) and read
+    no request: a --model / --gpus / --seq-len (or a config override) beside them was ignored without a word,
+    and their figures read as if they were of that request. Refused, naming what would be ignored."""
+    modes = [flag for flag, on in (("--validate", args.validate), ("--anchors", args.anchors)) if on]
+    if not modes:
+        return
+    if len(modes) > 1:
+        raise ConfigError("--validate and --anchors are two separate runs of fixed cases: give one of them.")
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = [f"--{key.replace('_', '-')}" for key, value in defaults.items()
+             if key not in ("validate", "anchors") and getattr(args, key, value) != value]
+    cases = ("planner/validate.py: small models on CPU processes" if args.validate else
+             "planner/anchors.py: published requests")
+    if given or overrides:
+        raise ConfigError(f"{modes[0]} runs its own fixed cases ({cases}) and would ignore "
+                          f"{', '.join([*given, *overrides])}: run `longctx plan {modes[0]}` alone, or plan the "
+                          f"request without {modes[0]}.")
+
+
 def main(args, overrides) -> int:
+    _check_fixed_cases(args, overrides)
     if args.validate:
         from .validate import main as validate_main
 

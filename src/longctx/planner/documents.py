@@ -52,11 +52,11 @@ def sample_indices(n: int, limit: int = MAX_SAMPLES) -> np.ndarray:
     return np.arange(limit, dtype=np.int64) * n // limit
 
 
-def store_doc_work(root: str | Path, seq_len: int, limit: int = MAX_SAMPLES,
-                   flag: str = "--store") -> tuple[float, int, int]:
-    """(doc_work, samples read, train samples in the store) of the store at `root`, whose samples
-    must be `seq_len` tokens (the plan's sequence length). Reads the document ids the training
-    loop sees (`PackedSamples(root, "train", True).batch([i]).doc_ids`) of at most `limit` samples."""
+def store_manifest(root: str | Path, seq_len: int, vocab_size: int | None = None, flag: str = "--store") -> dict:
+    """The manifest of the store a plan costs and writes as data.path, once it fits the plan as `longctx
+    train` checks it (train/setup.py `_check_store`): samples of `seq_len` tokens and, with `vocab_size` (the
+    model's), a tokenizer whose ids are all below it. Checked whether or not the documents are costed
+    (data.doc_mask = false costs none): a plan written for a store its run then refuses is no plan."""
     root = Path(root)
     try:
         manifest = read_manifest(root)
@@ -68,11 +68,29 @@ def store_doc_work(root: str | Path, seq_len: int, limit: int = MAX_SAMPLES,
             f"{flag} {root} holds samples of {store_seq:,} tokens (its manifest's seq_len), but --seq-len is "
             f"{seq_len:,}: the documents' share of the attention work depends on the sequence length. Plan with "
             f"--seq-len {store_seq}, or build a store at {seq_len} tokens (longctx data build --seq-len {seq_len}).")
+    tok = manifest["tokenizer"]
+    if vocab_size is not None and int(tok["vocab_size"]) > vocab_size:
+        raise ConfigError(
+            f"{flag} {root} was tokenized with {tok['spec']}, of {int(tok['vocab_size']):,} tokens, but the model "
+            f"has {vocab_size:,} (model.vocab_size): the written plan's run would refuse the store. Plan with "
+            f"--model.vocab_size={int(tok['vocab_size'])} (or more), or a store built with the model's tokenizer.")
+    return manifest
+
+
+def store_doc_work(root: str | Path, seq_len: int, limit: int = MAX_SAMPLES,
+                   flag: str = "--store") -> tuple[float, int, int]:
+    """(doc_work, samples read, train samples in the store) of the store at `root`, whose samples
+    must be `seq_len` tokens (the plan's sequence length). Reads the document ids the training
+    loop sees (`PackedSamples(root, "train", True).frames([i]).doc_ids`, from the segment index) of at most
+    `limit` samples, never their tokens: a batch() read each sample's every token (2,000 x seq_len of them,
+    4 GB at 1M tokens) for ids that do not depend on them."""
+    root = Path(root)
+    store_manifest(root, seq_len, flag=flag)
     samples = PackedSamples(root, "train", True)
     n = len(samples)
     if n == 0:
         raise ConfigError(f"{flag} {root} has no training samples to measure the documents of.")
     idx = sample_indices(n, limit)
     causal = seq_len * (seq_len + 1) // 2
-    work = [visible_pairs(samples.batch([int(i)]).doc_ids[0].numpy()) / causal for i in idx]
+    work = [visible_pairs(samples.frames([int(i)]).doc_ids[0]) / causal for i in idx]
     return float(np.mean(work)), len(idx), n

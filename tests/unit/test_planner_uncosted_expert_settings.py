@@ -1,0 +1,34 @@
+"""parallel.expert_replicas (FlexMoE's copies of hot experts) and parallel.expert_ranks_per_node (hierarchical
+dispatch) act only under expert parallelism, whose degree the plan chooses (--expert): given to `longctx plan`
+they were refused by the base config (expert 1) with "set parallel.expert > 1", which the plan then refused
+too ("the plan chooses parallel.expert"): no way through, and neither is costed by the plan (the copies'
+weights and transfers, the two-level all-to-all). Refused up front, saying to add them to the written config."""
+
+import argparse
+
+import pytest
+
+from longctx.errors import ConfigError
+from longctx.planner.cli import add_arguments, build_request
+
+
+def _args(argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+ARGS = ["--model", "debug-moe", "--gpus", "4", "--seq-len", "4K", "--hardware", "h100"]
+
+
+@pytest.mark.parametrize("key", ["expert_replicas", "expert_ranks_per_node"])
+def test_an_expert_setting_the_plan_does_not_cost_is_refused_clearly(key):
+    with pytest.raises(ConfigError, match=f"parallel.{key} = 2 .*not costed.*--expert.*written config") as e:
+        build_request(_args(ARGS), [f"--parallel.{key}=2"])
+    assert "set parallel.expert > 1" not in str(e.value)  # (the advice the plan itself refuses)
+
+
+@pytest.mark.parametrize("key", ["expert_replicas", "expert_ranks_per_node"])
+def test_the_default_value_still_plans(key):
+    req, base = build_request(_args(ARGS), [f"--parallel.{key}=0"])
+    assert getattr(base.parallel, key) == 0
