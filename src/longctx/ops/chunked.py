@@ -21,7 +21,10 @@ the price is O(u^2) chunk moves for u chunks (a key chunk meets every later quer
 
 Which pairs attend is a pure function of the tokens' global positions and document ids, so the
 same code serves one device (positions 0..S-1) and every ring block (the layout's positions of
-both ranks, parallel/context/ring.py). Chunking changes no result beyond the order of fp32 additions.
+both ranks, parallel/context/ring.py). Chunking changes no result beyond the order of fp32 additions
+for fp32 inputs; with bf16 inputs each chunk's key/value gradient is rounded to bf16 before the fp32 sum
+(as each ring block's is): about 2-2.5x one unchunked bf16 pass's error (tests/distributed/
+test_ring_edge_shapes_audit.py bounds it).
 """
 
 from __future__ import annotations
