@@ -7,7 +7,8 @@ setting that makes it apply or the advice to drop it. [model.moe] keys on a dens
 (dense_moe_notes), since a saved MoE config.toml under a dense preset legitimately carries them; so are
 train.co2_* under sync and parallel.zero_pp_block without qwz / qgz (inert_option_notes), which
 `longctx plan` takes in its (sync, unquantized) base config to cost its co2 and quantized plans, and the
-decay's keys under train.lr_schedule constant, which a resume that switches to it carries. What
+decay's keys under train.lr_schedule constant, which a resume that switches to it carries, and one mode's
+keys under another (_unread_sub_options: a router's under another router, Ms-PoE's without it, ...). What
 needs the world size (parallel.zero_pp on one process) is job/checks.py check_layout's: inert_layout_problems.
 A key counts as given when it differs from its default (and from its preset's value): every saved
 config.toml lists every key, at its default when the run did not set it.
@@ -106,7 +107,9 @@ def inert_option_notes(cfg: Config) -> list[str]:
 
 # RoPE scaling keys and the scalings that read them (models/llama.py): any other leaves them unread
 _SCALING_KEYS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": ("llama3",),
-                 "rope_original_max_len": ("llama3", "yarn"), "rope_beta_fast": ("yarn",), "rope_beta_slow": ("yarn",)}
+                 "rope_original_max_len": ("llama3", "yarn"), "rope_beta_fast": ("yarn",), "rope_beta_slow": ("yarn",),
+                 "rope_mscale": ("yarn",), "rope_mscale_all_dim": ("yarn",), "rope_attention_factor": ("yarn",),
+                 "rope_truncate": ("yarn",)}
 
 
 def _unread_companions(cfg: Config) -> list[str]:
@@ -129,7 +132,44 @@ def _unread_companions(cfg: Config) -> list[str]:
     if scaling and not m.init_from:
         notes.append(f"{_named('model', scaling, 'is')} ignored: model.rope_scaling is {m.rope_scaling!r}, which "
                      f"reads none of {'them' if len(scaling) > 1 else 'it'} (low/high_freq_factor: llama3; "
-                     f"beta_fast/slow: yarn; original_max_len: both)")
+                     f"beta_fast/slow, mscale, mscale_all_dim, attention_factor, truncate: yarn; original_max_len: "
+                     f"both)")
+    return notes + _unread_sub_options(cfg)
+
+
+def _unread_sub_options(cfg: Config) -> list[str]:
+    """Keys of one mode of a feature given while another mode (or none) is on: each was accepted, read by
+    nothing (models/ms_poe.py, models/moe.py's routers, parallel/expert/, train/trainer.py's evaluation), and
+    named in the config.toml as if it applied. Notes, as _unread_companions': a resume that switches the mode
+    off carries them in its saved config."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    preset = MODEL_PRESETS.get(m.preset, {})
+    # (section, its config, its class, the keys, whether nothing reads them, why)
+    unread = [
+        ("model", m, ModelConfig, ("rope_ms_poe_min", "rope_ms_poe_max", "rope_ms_poe_order",
+                                   "rope_ms_poe_skip_layers"),
+         not m.rope_ms_poe, "model.rope_ms_poe is false (plain RoPE positions); Ms-PoE is set at generate or eval"),
+        ("model", m, ModelConfig, ("qk_norm_span",), not m.qk_norm,
+         f"model.qk_norm is false (model.family {m.family}: no q/k norm to span)"),
+        ("model", m, ModelConfig, ("moe.dts_steps", "moe.dts_temperature", "moe.dts_eval"),
+         m.is_moe and m.moe_router != "dts", f"model.moe.router is {m.moe_router!r}, not dts"),
+        ("model", m, ModelConfig, ("moe.sinkhorn_iters",),
+         m.is_moe and m.moe_router != "sinkhorn", f"model.moe.router is {m.moe_router!r}, not sinkhorn"),
+        ("parallel", p, ParallelConfig, ("expert_pipeline_chunks",), p.expert == 1,
+         "parallel.expert is 1 (no expert all-to-all to pipeline)"),
+        ("parallel", p, ParallelConfig, ("expert_placement_window",), p.expert == 1 or not p.expert_replicas,
+         "parallel.expert_replicas is 0 (no hot-expert copies to place)" if p.expert > 1 else
+         "parallel.expert is 1 (no expert parallelism)"),
+        ("train", t, TrainConfig, ("eval_batches",), not t.eval_interval, "train.eval_interval is 0 (no evaluation)"),
+        ("checkpoint", cfg.checkpoint, CheckpointConfig, ("dir", "keep", "async", "on_save_error"),
+         not cfg.checkpoint.saves_or_resumes, "this run saves no checkpoint (checkpoint.interval 0, checkpoint.final "
+         "false) and resumes none: it has no checkpoint manager (train/setup.py open_checkpointing)"),
+    ]
+    notes = []
+    for section, obj, cls, keys, off, why in unread:
+        given = _given(obj, cls, keys.__contains__, preset if section == "model" else None) if off else []
+        if given:
+            notes.append(f"{_named(section, given, 'is')} ignored: {why}")
     return notes
 
 

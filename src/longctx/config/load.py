@@ -77,7 +77,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     )
     if not ok:
         raise ConfigError(f"{key} must be {_type_name(typ)}{_or_words(f)}, got {value!r} ({type(value).__name__})."
-                          + (_suggest(value, f.metadata.get("words", ())) if isinstance(value, str) else ""))
+                          + (_suggest(value, f.metadata.get("words", ())) if isinstance(value, str) else "")
+                          + _unquoted(key, value, f))
     if typ is float:
         try:
             value = float(value)
@@ -93,6 +94,21 @@ def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
             + _suggest(str(value), map(str, choices))
         )
     return value
+
+
+def _unquoted(key: str, value: Any, f: dataclasses.Field) -> str:
+    """' In TOML a quoted value is a string: write it without the quotes, compile = true.' for a TOML string
+    that reads as the field's number or boolean ('must be true or false, got 'true'' gave no fix), else ''."""
+    if not isinstance(value, str) or _base_type(f) == "str":
+        return ""
+    try:
+        typed = _parse_cli_value(key, value.strip(), f)
+    except ConfigError:
+        return ""
+    if isinstance(typed, float) and not math.isfinite(typed):  # ("nan" unquoted is refused in turn)
+        return ""
+    name = key.split(".", 1)[1]  # (as written under its [section]; a sub-table's key keeps its dot: moe.experts)
+    return f" In TOML a quoted value is a string: write it without the quotes, {name} = {_toml_value(typed)}."
 
 
 def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
