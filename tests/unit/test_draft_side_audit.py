@@ -110,3 +110,12 @@ def test_a_reduced_vocabulary_is_counted_over_a_data_mix(corpus, target, tmp_pat
             c += torch.bincount(torch.as_tensor(tokens[:real]).long(), minlength=c.numel()).double()
         alone.append(c / len(samples))  # (a weight is a share of the samples: a store's tokens per sample)
     assert torch.allclose(counts.double(), 0.25 * alone[0] + 0.75 * alone[1], rtol=1e-9, atol=1e-12)
+
+
+def test_a_stage_no_longer_than_the_block_is_refused_as_a_short_sequence_is(target):  # noqa: F811
+    """train.stages: a stage of draft.block tokens or fewer trains its steps with every position in the first
+    block, reading no target key, as train.seq_len = block would (refused); the stages were not looked at."""
+    draft = [f"--draft.target={target}", "--draft.block=4"]
+    with pytest.raises(ConfigError, match="not below the shortest stage's 4 tokens"):
+        load_config(None, [*draft, "--train.stages=4:2,64:2"])
+    assert load_config(None, [*draft, "--train.stages=5:2,64:2"]).train.stages == "5:2,64:2"

@@ -67,3 +67,30 @@ def test_a_reduced_draft_scores_the_targets_rows_and_decodes_losslessly():
     spec = speculative_generate(target, GlideDrafter(reduced, target, 12 + 30 + 6, block=4), prompt,
                                 max_new_tokens=30, k=4)
     assert spec.tokens == plain
+
+
+def test_a_reduced_drafts_cape_tree_holds_only_its_vocabulary():
+    """CaPE's alternatives are the draft's next most likely tokens: of a 2-token vocabulary, the one
+    beside the chain's, never ids the draft gives probability 0 (before: topk filled a table of 3
+    alternatives with ids 0 and 1, outside the vocabulary, verified for nothing)."""
+    from longctx.generate.cape import CapeTable, propose_tree
+    from longctx.generate.local import prefill
+    from longctx.models.kv_cache import KVCache
+
+    target = build_model(load_config(overrides=["--model.layers=2"]).model, seed=1).eval()
+    draft = GlideDraft(target.cfg, layers=1, vocab=2).init_weights(seed=4, std=0.05)
+    draft.vocab.ids.copy_(torch.tensor([3, 9]))
+    tokens = torch.randint(0, target.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    prompt, table = tokens[0].tolist(), CapeTable.parse("1:3")
+    with torch.inference_mode():
+        cache = KVCache.for_model(target, 1, 64)
+        prefill(target, cache, tokens[:, :-1], 64)
+        drafter = GlideDrafter(draft, target, 64, block=4)
+        drafter.start(prompt, cache)
+        tree = propose_tree(drafter, prompt[-1], 3, table)
+    assert set(tree.tokens[1:]) <= {3, 9}, tree.tokens
+    assert [tree.depths.count(depth) for depth in (1, 2, 3)] == [2, 2, 2]  # the chain's token and the other id
+    plain = generate(target, [prompt], max_new_tokens=20)[0].tokens
+    spec = speculative_generate(target, GlideDrafter(draft, target, 12 + 20 + 16, block=4), prompt,
+                                max_new_tokens=20, k=3, cape=table)
+    assert spec.tokens == plain

@@ -82,6 +82,10 @@ def _structure(command: str, args) -> list[str]:
                            f"multiple of 2 x head x ctx = {2 * world} (the balanced layout's pieces)")
         if args.device == "cuda":  # (auto: whichever there is)
             out += _device_problems(args.device)
+        if args.max_seq and (world > 1 or args.no_backward):  # (the probes: one process, a whole step)
+            unread = [f"--head {args.head} x --ctx {args.ctx}"] * (world > 1) + ["--no-backward"] * args.no_backward
+            out.append(f"{' and '.join(unread)}: --max-seq probes a whole training step in one process and reads "
+                       f"neither; run the per-length tables with them in a command of their own")
     if command == "moe":
         out += _moe_problems(args)
     if command == "moe" and min(args.top_k, args.experts) >= 1:

@@ -61,6 +61,7 @@ def check_search(args, on_gpu: bool, lo: int = 4096) -> None:
 def _probe_command(args, name: str, seq: int, device: str) -> list[str]:
     return [sys.executable, "-m", "longctx", "bench", "memory", "--probe", f"{name}:{seq}", "--device", device,
             "--preset", args.preset, "--layers", str(args.layers if device == "cpu" else 0),
+            "--micro-batch", str(args.micro_batch),
             "--skip-last", str(args.skip_last), "--docs", str(args.docs), "--doc-len", str(args.doc_len),
             "--loss-chunk", str(args.loss_chunk), "--block-chunk", str(args.block_chunk),
             "--attention-chunk", str(args.attention_chunk),

@@ -257,8 +257,8 @@ def _add_step_times(out: dict, models: dict, inputs, steps: int, device) -> None
 
 
 def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
-    """One training step of the --layers model at `seq` tokens in this process: peak RSS (whole
-    process) and time; on CUDA (bf16 weights, autocast) also the allocator's peak, and an
+    """One training step of the --layers model at `seq` tokens (--micro-batch sequences of them) in this
+    process: peak RSS (whole process) and time; on CUDA (bf16 weights, autocast) also the allocator's peak, and an
     out-of-memory error is an answer ("fits": false), not a failure. Run in a fresh process per
     probe (`--probe`), so that neither the GPU's nor the host's memory carries over, and a probe the
     host kills (pinned memory of an offload policy) costs the probe, not the search."""
@@ -270,7 +270,7 @@ def _probe_step(args, policy: str, fraction: float, seq: int) -> dict:
         if cuda:  # (the cast rounds the RoPE frequencies too: back to fp32, as generation's cast does)
             model = model.to(torch.bfloat16)
             model.init_rope()
-        inputs = _batch(model_cfg.vocab_size, seq, 1, args.docs, device, args.doc_len)
+        inputs = _batch(model_cfg.vocab_size, seq, args.micro_batch, args.docs, device, args.doc_len)
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             model(*inputs[:3], labels=inputs[3]).backward()

@@ -151,7 +151,7 @@ def _time(stack, x, grad, spec, profile, mesh) -> list[dict]:
             exposed, inter = emu.exposed_s, emu.sent["inter"]
         else:
             _step(stack, x, grad)
-            exposed, inter = float("nan"), 0
+            exposed, inter = float("nan"), None  # (only the emulated links count: not measured, not 0)
         runs.append({"step_s": time.monotonic() - t0, "exposed_s": exposed, "cross_node_bytes": inter})
     return runs
 
@@ -245,10 +245,11 @@ def main(args) -> int:
 def _slowest(runs: list[dict]) -> dict:
     """One repeat over the ranks: the slowest rank's step time and the exposed time of THAT rank (not
     the largest over the ranks: a rank that waits longest on the links is rarely the slowest one), and
-    every rank's cross-node bytes summed."""
+    every rank's cross-node bytes summed (None where they were not counted: --no-emulation)."""
     slow = max(runs, key=lambda r: r["step_s"])
+    counted = [r["cross_node_bytes"] for r in runs]
     return {"step_s": slow["step_s"], "exposed_s": slow["exposed_s"],
-            "cross_node_bytes": sum(r["cross_node_bytes"] for r in runs)}
+            "cross_node_bytes": None if None in counted else sum(counted)}
 
 
 def summarize(per_rank: list[dict], spec: dict) -> dict:

@@ -1,8 +1,9 @@
 """`longctx bench train`: training throughput and MFU of layouts, as one same-run comparison.
 
 Each (model, sequence length, layout) runs `longctx train --nproc N` for a few steps in a fresh
-job; the first step (warm-up) is dropped and tokens/s, MFU and bytes per step are averaged over
-the rest. Output: one JSON document.
+job, each process on its share of the cores (`threads_per_rank`; the single process all of them);
+the first step (warm-up) is dropped and tokens/s, MFU and bytes per step are averaged over the rest.
+Output: one JSON document.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .. import strict_json
+from .. import strict_json, threads
 from ..errors import ConfigError
 from ..progress import phase, say
 
@@ -31,10 +32,20 @@ LAYOUTS = {
 }
 
 
+def threads_per_rank(nproc: int) -> int:
+    """Each run's CPU threads per process: the user's OMP_NUM_THREADS, else its share of the cores (the
+    single process all of them). Not left to the run: one process alone takes the cores idle as it starts
+    (threads.fit_to_idle_cores), so beside another load its rate, and every ratio to it, moved unsaid."""
+    given = os.environ.get(threads.THREADS_ENV, "")
+    return int(given) if given.isdigit() and int(given) > 0 else max(1, threads.usable_cores() // nproc)
+
+
 def run_one(preset: str, seq: int, layout: str, steps: int, global_batch: int) -> dict:
     nproc, args = LAYOUTS[layout]
+    per_rank = threads_per_rank(nproc)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "longctx", "train", f"--nproc={nproc}", f"--model.preset={preset}",
+        cmd = [sys.executable, "-m", "longctx", "train", f"--nproc={nproc}", f"--threads={per_rank}",
+               f"--model.preset={preset}",
                f"--train.seq_len={seq}", f"--train.global_batch={global_batch}", f"--train.steps={steps}",
                "--train.eval_interval=0", "--train.warmup_steps=1", "--metrics.log_interval=1",
                "--metrics.plots=false", "--metrics.progress=false", "--data.max_docs=400", f"--train.run_dir={tmp}",
@@ -53,7 +64,8 @@ def run_one(preset: str, seq: int, layout: str, steps: int, global_batch: int) -
     # mean of the per-step rates (total tokens / total seconds), not their arithmetic mean, which a
     # slow step pulls up instead of down
     mean = lambda k: len(timed) / sum(1 / x[k] for x in timed)  # noqa: E731
-    return {"preset": preset, "seq_len": seq, "layout": layout, "world": nproc, "steps_timed": len(timed),
+    return {"preset": preset, "seq_len": seq, "layout": layout, "world": nproc, "threads_per_rank": per_rank,
+            "steps_timed": len(timed),
             "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu") if timed[0].get("mfu") else None,
             "memory_gib_max": max(x["memory_gib"] for x in timed), "loss_last": timed[-1]["loss"],
             "comm_bytes_per_step": timed[-1].get("comm_bytes_per_step", {})}

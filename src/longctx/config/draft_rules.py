@@ -51,9 +51,10 @@ def clover_ranks_problem(cfg: Config, world: int) -> str:
             f"data-parallel draft training is not built for it), got {world} ranks: run with --nproc 1.")
 
 
-def draft_problems(cfg: Config) -> list[str]:
+def draft_problems(cfg: Config, shortest: int | None = None) -> list[str]:
     """One sentence with its fix per problem of [draft]: its numbers, what GliDe draft training (train/glide.py)
-    supports, and draft.kind = clover's own (clover_problems)."""
+    supports, and draft.kind = clover's own (clover_problems). `shortest`: the shortest sequence the run trains
+    on (rules.py shortest_length: its stages' shortest; default train.seq_len)."""
     problems: list[str] = []
     d, m, mem = cfg.draft, cfg.model, cfg.memory
     if d.layers < 1:
@@ -64,10 +65,13 @@ def draft_problems(cfg: Config) -> list[str]:
     if d.block < 1:
         problems.append(f"draft.block (the speculation length the block-stale mask trains for) must be at least 1, "
                         f"got {d.block}.")
-    elif d.target and d.block >= cfg.train.seq_len:  # (every position in the first block: no target key read)
-        problems.append(f"draft.block = {d.block} is not below train.seq_len = {cfg.train.seq_len}: each position "
-                        f"reads the target's keys of the blocks before its own, and there would be none; use the "
-                        f"speculation length you decode with (e.g. 4).")
+    elif d.target and d.block >= (shortest := shortest or cfg.train.seq_len):  # (every position in the first
+        # block: no target key read; a stage's steps train the draft as much as any other's)
+        where = (f"train.seq_len = {cfg.train.seq_len}" if not cfg.train.stages else
+                 f"the shortest stage's {shortest} tokens (train.stages = {cfg.train.stages!r})")
+        problems.append(f"draft.block = {d.block} is not below {where}: each position reads the target's keys of the "
+                        f"blocks before its own, and there would be none; use the speculation length you decode with "
+                        f"(e.g. 4).")
     if not d.kd_temperature > 0:
         problems.append(f"draft.kd_temperature must be positive, got {d.kd_temperature}.")
     elif d.loss == "ce" and d.kd_temperature != 1.0:

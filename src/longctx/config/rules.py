@@ -53,8 +53,8 @@ def validate(cfg: Config) -> None:
     problems: list[str] = []
     for section_rules in (_model_rules, _train_rules, _data_rules, _parallel_rules, _memory_and_other_rules):
         section_rules(cfg, problems)
-    problems += (draft_problems(cfg) + data_parallel_problems(cfg) + range_problems(cfg) + inert_option_problems(cfg)
-                 + mix_problems(cfg))
+    problems += (draft_problems(cfg, shortest_length(cfg)) + data_parallel_problems(cfg) + range_problems(cfg)
+                 + inert_option_problems(cfg) + mix_problems(cfg))
     if problems:
         raise ConfigError(" ".join(problems))
 
@@ -259,6 +259,17 @@ def parse_stages(spec: str) -> list[tuple[int, int, int]]:
                               f"of 1024 tokens, then 100 of 4 of 4096; without the batch, train.global_batch).")
         stages.append(stage)
     return stages
+
+
+def shortest_length(cfg: Config) -> int:
+    """The shortest sequence a run trains on: train.seq_len, or its stages' shortest (a spec the stages'
+    own rule refuses: train.seq_len)."""
+    if not cfg.train.stages:
+        return cfg.train.seq_len
+    try:
+        return min(length for length, _, _ in parse_stages(cfg.train.stages))
+    except ConfigError:
+        return cfg.train.seq_len
 
 
 def global_batch_used(stages: str) -> bool:

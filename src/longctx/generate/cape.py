@@ -74,10 +74,12 @@ class Tree:
         return seen
 
 
-def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0) -> Tree:
+def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: float = 0.0, state=None) -> Tree:
     """The draft's greedy chain of up to k tokens (stop_below: as ModelDrafter.propose), with each
-    step's alternatives by the table."""
-    chain, q = drafter.propose(pending, k, SOFTMAX_PROBS, None, stop_below)
+    step's alternatives by the table. `state`: the penalties' state after pending (tree_round's), applied
+    to the draft's q as the target's logits get it: a chain of the unpenalised argmax was what the target
+    then replaced (a self-draft kept 24 of 36 proposals under repetition_penalty 1.8, its chain all)."""
+    chain, q = drafter.propose(pending, k, SOFTMAX_PROBS, None, stop_below, state)
     tree = Tree([pending], [-1], [0], [])
     parent = 0
     for i, d in enumerate(chain):
@@ -89,8 +91,11 @@ def propose_tree(drafter, pending: int, k: int, table: CapeTable, stop_below: fl
         extra = table.alternatives(float(q[i].max()))
         if extra:
             # the next most likely tokens but d, `extra` at most: where q ties at its top, topk may leave d out,
-            # and all its extra + 1 would make a tree larger than the table (and the cache's room) allows
-            alternatives = [a for a in torch.topk(q[i], min(extra + 1, q.shape[-1])).indices.tolist() if a != d]
+            # and all its extra + 1 would make a tree larger than the table (and the cache's room) allows. Only
+            # tokens the draft gives a probability: past a reduced vocabulary's few (draft.vocab) or where its
+            # softmax underflows, topk fills up with ids the draft never proposes, nodes verified for nothing
+            top = torch.topk(q[i], min(extra + 1, q.shape[-1]))
+            alternatives = [a for a, w in zip(top.indices.tolist(), top.values.tolist()) if a != d and w > 0]
             for alt in alternatives[:extra]:
                 tree.tokens.append(int(alt))
                 tree.parents.append(parent)
@@ -112,7 +117,7 @@ def tree_round(target, cache, drafter, pending: int, k: int, table: CapeTable, s
     (generate/sampling.py Processors, one row): each node's logits are penalised with its ancestors
     (Processors.paths), so the target's choice after each node is plain greedy decoding's with them.
     `rows`, when given, receives the processed logits of the root and of each kept node (logprobs)."""
-    tree = propose_tree(drafter, pending, k, table, stop_below)
+    tree = propose_tree(drafter, pending, k, table, stop_below, state)
     start = int(cache.lengths[0])
     device = cache.k.device
     tokens = torch.tensor([tree.tokens], device=device)
