@@ -42,12 +42,14 @@ def on_terminal() -> bool:
         return False
 
 
-def progress_bar(total: int, desc: str, unit: str, enabled: bool = True):
-    """A tqdm bar on stderr, or None when it is not wanted or stderr is not a terminal."""
+def progress_bar(total: int, desc: str, unit: str, enabled: bool = True, initial: int = 0):
+    """A tqdm bar on stderr, or None when it is not wanted or stderr is not a terminal. `initial`: the count
+    already done (a resumed run's steps), which tqdm leaves out of the rate and so of the time left."""
     if not (enabled and on_terminal()):
         return None
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False,
+                initial=initial)
 
 
 # ----------------------------------------------------------------------------------------------

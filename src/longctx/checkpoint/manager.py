@@ -255,6 +255,8 @@ class CheckpointManager:
                 commit_error = OSError("rank 0 could not commit it")
         if commit_error is not None:
             raise save_failed(self.root, step, needed, commit_error, self.own_newest())
+        if self.rank != 0:  # committed: every rank's own newest (a rollback's candidate: rollback.py), not rank 0's
+            self.parent = {"name": step_name(step), "checksum": None}  # (only rank 0's manifests name a parent)
 
     def _commit(self, step: int, tmp: Path, hashes: dict[str, dict], record: dict | None = None) -> None:
         record = record or self._manifest_record()

@@ -47,8 +47,9 @@ def roll_back_trainer(trainer, bad: BadStep, result) -> int:
     goes on after (the bad one)."""
     watchdog.phase(bad.step, "load")
     trainer.saves.wait()
+    last = trainer.cfg.train.steps
     note = roll_back(bad, trainer.ckpt, trainer.model, trainer.optimizer, trainer.sampler, trainer.rt.is_main,
-                     trainer.rollback_repeats)
+                     trainer.rollback_repeats, last)
     # the reloaded weights' own trained positions, not the later stage's the run had reached (a stop on a signal
     # saves them before the next step's stage is entered)
     trainer._record_trained(trainer.sampler.stage_of(int(trainer.ckpt.resumed_from[1]["step"])).index)
@@ -57,6 +58,8 @@ def roll_back_trainer(trainer, bad: BadStep, result) -> int:
     del result.losses[bad.step - result.first_step + 1:]  # the steps after it run again
     trainer.skipped_at = {i for i in trainer.skipped_at if i < len(result.losses)}  # (indices of steps kept)
     trainer.rollbacks += 1
+    # a bad last step: nothing trains after it, the run ends with the checkpoint's weights (the done line says so)
+    result.ended_at = int(trainer.ckpt.resumed_from[1]["step"]) if bad.step >= last else None
     trainer.log(note)
     return bad.step
 

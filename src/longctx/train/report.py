@@ -339,12 +339,25 @@ def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, ch
     # (no losses: a resume of a finished run under torchrun directly; `longctx train` says so before building)
     if not result.losses:
         return f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {steps}."
-    last_eval = f", eval loss {list(result.eval_losses.values())[-1]:.4f}" if result.eval_losses else ""
+    # a rollback of the last step (read_back.py): the run ends with checkpoint step `kept`'s weights, so the
+    # losses and evaluations after it are of discarded updates
+    kept = getattr(result, "ended_at", None)
+    evals = [loss for s, loss in result.eval_losses.items() if kept is None or s <= kept]
+    last_eval = f", eval loss {evals[-1]:.4f}" if evals else ""
+    if kept is None:
+        last = f"{result.losses[-1]:.4f}"
+    elif kept >= result.first_step:
+        last = f"{result.losses[kept - result.first_step]:.4f} (step {kept}'s: steps {kept + 1}-{steps} rolled back)"
+    else:
+        last = f"- (steps {kept + 1}-{steps} rolled back)"
+    where = (_where_it_is(steps, run_dir, plots, checkpoints, draft_target) if kept is None else
+             _where_it_is(kept, run_dir, plots, checkpoints, draft_target, f"the weights it ends with (step {kept}'s)"))
     return (f"done: steps {result.first_step}-{steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
-            f"{result.losses[-1]:.4f}{last_eval}. {_where_it_is(steps, run_dir, plots, checkpoints, draft_target)}")
+            f"{last}{last_eval}. {where}")
 
 
-def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None, draft_target: str = "") -> str:
+def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None, draft_target: str = "",
+                 what: str = "the last step's weights") -> str:
     """The done line's pointer to what the run wrote: its files, and the last step's checkpoint
     when one was saved (what `longctx generate --checkpoint` reads)."""
     files = "config, metrics and plots" if plots else "config and metrics"
@@ -355,4 +368,4 @@ def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None
     if not saved.is_dir():  # (a failed save under checkpoint.on_save_error = warn)
         return f"{said}."
     how = f"--checkpoint {draft_target} --draft {checkpoints}" if draft_target else f"--checkpoint {checkpoints}"
-    return f"{said}; the last step's weights in {saved}/ (`longctx generate {how}` reads them)."
+    return f"{said}; {what} in {saved}/ (`longctx generate {how}` reads them)."

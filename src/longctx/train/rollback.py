@@ -171,10 +171,12 @@ def check_repeats(bad: BadStep, path: Path, manifest: dict, repeats: dict) -> No
     steps.append(bad.step)
 
 
-def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool, repeats: dict | None = None) -> str:
+def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool, repeats: dict | None = None,
+              last_step: int | None = None) -> str:
     """Reload this run's newest intact checkpoint before the bad step (rollback_candidates), take the
     data position after the bad step and record the skipped window; returns what to log. `repeats`: the
-    run's count of rollbacks in a row to one checkpoint (check_repeats)."""
+    run's count of rollbacks in a row to one checkpoint (check_repeats); `last_step`: train.steps (a bad
+    last step leaves no step to go on at: the run ends with the checkpoint's weights)."""
     found, damaged = None, {}
     for path in rollback_candidates(ckpt, bad.step):
         manifest, problems = ckpt.find_damage(path)  # collective: every rank checks the same paths in order
@@ -208,4 +210,6 @@ def roll_back(bad: BadStep, ckpt, model, optimizer, sampler, is_main: bool, repe
     sampler.load_state_dict(bad.position)
     return (f"step {bad.step}: {bad.reason}: rolled back to the checkpoint of step {back_to} ({path.name}); "
             f"the data of steps {back_to + 1}-{bad.step} is skipped (recorded in {ckpt.root / RECORD}), "
-            f"and training goes on at step {bad.step + 1}")
+            + (f"and training goes on at step {bad.step + 1}" if last_step is None or bad.step < last_step else
+               f"and step {bad.step} was the run's last (train.steps): the run ends with the weights of step "
+               f"{back_to} ({path}), with no metrics line, evaluation or save of step {bad.step}"))

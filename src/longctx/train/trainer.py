@@ -82,6 +82,8 @@ class TrainResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     eval_by_store: dict[int, dict[str, float]] = field(default_factory=dict)  # a mix's: each store's eval loss
     tokens_per_s: float = 0.0
+    # a rollback of the run's last step: the checkpoint step whose weights the run ends with (read_back.py)
+    ended_at: int | None = None
 
 
 class Trainer:
@@ -211,7 +213,8 @@ class Trainer:
         """Train from the step after start_step to train.steps; returns this job's losses and throughput."""
         cfg = self.cfg
         self.metrics.open()
-        progress = progress_bar(cfg.train.steps, "train", "step", cfg.metrics.progress and self.rt.is_main)
+        progress = progress_bar(cfg.train.steps, "train", "step", cfg.metrics.progress and self.rt.is_main,
+                                initial=self.start_step)  # (a resume's steps are done: not in the rate or time left)
         self.metrics.say = progress.write if progress is not None else self.log
         loop = _Loop(TrainResult(run_dir=self.run_dir, first_step=self.start_step + 1), progress)
         self.early_signals.catch()  # (until the loop's StopOnSignal takes them over: watched restores them)
@@ -256,7 +259,9 @@ class Trainer:
                     loss, grad_norm = read_back(self, loop.unread, loop.result)
                 except BadStep as bad:  # train.on_nonfinite = rollback
                     # a new interval, as the router figures' (hooks.rolled_back): no rolled-back loss in a mean
-                    step, loop.mean_from = roll_back_trainer(self, bad, loop.result), len(loop.result.losses)
+                    read_at, step = step, roll_back_trainer(self, bad, loop.result)
+                    loop.mean_from = len(loop.result.losses)
+                    loop.beat.update(step - (read_at - 1))  # (the steps after the bad one run again: counted once)
                     continue
                 if progress is not None:
                     progress.set_postfix(loss=f"{loss:.3f}", refresh=False)
