@@ -2,7 +2,9 @@
 
 Layout: q [batch, seq_q, heads, head_dim], k/v [batch, seq_k, kv_heads, head_dim] (grouped-query
 attention when kv_heads < heads). Returns out [batch, seq_q, heads, head_dim] and lse
-[batch, heads, seq_q] in fp32, the natural log of each query row's softmax denominator.
+[batch, heads, seq_q] in fp32, the natural log of each query row's softmax denominator. fp32 is the
+floor of every statistic here (lse, merges, gradient accumulators, the math backend): fp64 inputs keep
+fp64 (`stat_dtype`), as the norm and the loss do, so an fp64 run is a true fp64 reference.
 
 Why the lse: ring attention splits one attention into blocks over key/value shards and merges the
 partial outputs with their lse, and its backward recomputes each block's softmax from the global
@@ -36,6 +38,11 @@ from . import varlen
 from .segments import SegmentPlan, cached_plan, whole_rows_plan
 
 NEG_INF = float("-inf")
+
+
+def stat_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of x's attention statistics: fp32 for bf16 / fp16 / fp32, fp64 for fp64."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _to_bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +94,8 @@ def _check(q, k, v, q_doc, k_doc):
 
 
 def _math_forward(q, k, v, mask, scale):
-    h = q.shape[2]
-    qf, kf, vf = (_to_bhsd(t).float() for t in (q, _expand_kv(k, h), _expand_kv(v, h)))
+    h, acc = q.shape[2], stat_dtype(q)
+    qf, kf, vf = (_to_bhsd(t).to(acc) for t in (q, _expand_kv(k, h), _expand_kv(v, h)))
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     if mask is not None:
         s = s.masked_fill(~mask, NEG_INF)
@@ -101,9 +108,9 @@ def _math_forward(q, k, v, mask, scale):
 
 def _math_backward(dout, q, k, v, out, lse, mask, scale, dlse=None):
     """Flash-style backward from the saved (global) lse: P = exp(S - lse), dS = P * (dP - D + dlse)."""
-    h, kvh = q.shape[2], k.shape[2]
-    qf, kf, vf = (_to_bhsd(t).float() for t in (q, _expand_kv(k, h), _expand_kv(v, h)))
-    do, of = _to_bhsd(dout).float(), _to_bhsd(out).float()
+    h, kvh, acc = q.shape[2], k.shape[2], stat_dtype(q)
+    qf, kf, vf = (_to_bhsd(t).to(acc) for t in (q, _expand_kv(k, h), _expand_kv(v, h)))
+    do, of = _to_bhsd(dout).to(acc), _to_bhsd(out).to(acc)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(s - safe[..., None])
@@ -113,7 +120,7 @@ def _math_backward(dout, q, k, v, out, lse, mask, scale, dlse=None):
     dp = torch.matmul(do, vf.transpose(-1, -2))
     delta = (do * of).sum(-1, keepdim=True)
     if dlse is not None:
-        delta = delta - dlse.float()[..., None]
+        delta = delta - dlse.to(acc)[..., None]
     ds = p * (dp - delta)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale
@@ -135,7 +142,7 @@ def _flash_forward(q, k, v, causal, scale):
         lse = lse[..., :sq]  # the kernel pads lse rows to a multiple of 32
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kt, vt, 0.0, causal, scale=scale)
-    return _to_bhsd(out), lse.float()
+    return _to_bhsd(out), lse.to(stat_dtype(q))
 
 
 def _flash_backward(dout, q, k, v, out, lse, causal, scale):
@@ -146,8 +153,7 @@ def _flash_backward(dout, q, k, v, out, lse, causal, scale):
     else:
         # Rows that see no key have lse = -inf; the kernel wants a finite value there (their grads are 0), in
         # fp32, or fp64 for fp64 inputs (it refused a float64 model's backward: "expected Double")
-        lse_dtype = torch.promote_types(q.dtype, torch.float32)
-        lse_k = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(lse_dtype)
+        lse_k = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(stat_dtype(q))
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dot, qt, kt, vt, ot, lse_k, 0.0, causal, scale=scale)
     dq, dk, dv = (_to_bhsd(t) for t in (dq, dk, dv))
@@ -194,10 +200,10 @@ def _math_backward_rows(dout, q, k, v, out, lse, causal, scale, dlse):
     """_math_backward by blocks of query rows. The flash kernels take no lse gradient, so this backward
     runs on any backend, and in one piece it held [b, h, S_q, S_k] fp32 scores, probabilities and their
     gradients plus an S x S mask (2 GiB each at 16K tokens and 2 heads); a block holds [b, h, rows, S_k]
-    and, causal, only the keys up to its last query. Accumulated in fp32."""
+    and, causal, only the keys up to its last query. Accumulated in fp32 (fp64 for fp64 inputs)."""
     if causal:
         _check_square(q.shape[1], k.shape[1])
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf, kf, vf = (t.to(stat_dtype(q)) for t in (q, k, v))
     dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
     for s in range(0, q.shape[1], _LSE_GRAD_ROWS):
         e = min(s + _LSE_GRAD_ROWS, q.shape[1])
@@ -276,8 +282,9 @@ def _sparse_forward(q, k, v, plan: SegmentPlan, scale, backend):
         qr, kr, g = whole
         o, l_ = _dense_forward(qr.gather(qf), kr.gather(kf), kr.gather(vf), g.causal, scale, backend)
         return o.reshape(q.shape), l_.transpose(1, 2).reshape(b, sq, h).transpose(1, 2).contiguous()
-    out = torch.zeros((b * sq, h, d), dtype=torch.float32 if plan.multi else q.dtype, device=q.device)
-    lse = torch.full((b * sq, h), NEG_INF, dtype=torch.float32, device=q.device)  # token-major while filling
+    acc = stat_dtype(q)
+    out = torch.zeros((b * sq, h, d), dtype=acc if plan.multi else q.dtype, device=q.device)
+    lse = torch.full((b * sq, h), NEG_INF, dtype=acc, device=q.device)  # token-major while filling
     for g in plan.groups:
         qr, kr = _Rows(g.q_start, g.q_len, q.device), _Rows(g.k_start, g.k_len, q.device)
         o, l_ = _dense_forward(qr.gather(qf), kr.gather(kf), kr.gather(vf), g.causal, scale, backend)
@@ -289,7 +296,7 @@ def _sparse_forward(q, k, v, plan: SegmentPlan, scale, backend):
         old = qr.gather(lse)
         new = torch.logaddexp(old, l_)
         safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-        merged = qr.gather(out) * torch.exp(old - safe)[..., None] + o.float() * torch.exp(l_ - safe)[..., None]
+        merged = qr.gather(out) * torch.exp(old - safe)[..., None] + o.to(acc) * torch.exp(l_ - safe)[..., None]
         qr.put(out, merged)
         qr.put(lse, new)
     return out.to(q.dtype).view(b, sq, h, d), lse.view(b, sq, h).transpose(1, 2).contiguous()
@@ -307,29 +314,31 @@ def _sparse_backward(dout, q, k, v, out, lse, plan: SegmentPlan, scale, backend,
         gq, gk, gv = _dense_backward(qr.gather(dof), qr.gather(qf), kr.gather(kf), kr.gather(vf), qr.gather(of),
                                      qr.gather(lse_t).transpose(1, 2), g.causal, scale, backend, gl)
         return gq.reshape(q.shape), gk.reshape(k.shape), gv.reshape(v.shape)
-    dq = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(kf.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(vf.shape, dtype=torch.float32, device=q.device)
+    acc = stat_dtype(q)
+    dq = torch.zeros(qf.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(kf.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(vf.shape, dtype=acc, device=q.device)
     for g in plan.groups:
         qr, kr = _Rows(g.q_start, g.q_len, q.device), _Rows(g.k_start, g.k_len, q.device)
         gl = None if dlse_t is None else qr.gather(dlse_t).transpose(1, 2)
         gq, gk, gv = _dense_backward(qr.gather(dof), qr.gather(qf), kr.gather(kf), kr.gather(vf), qr.gather(of),
                                      qr.gather(lse_t).transpose(1, 2), g.causal, scale, backend, gl)
-        qr.add(dq, gq.float())
-        kr.add(dk, gk.float())
-        kr.add(dv, gv.float())
+        qr.add(dq, gq.to(acc))
+        kr.add(dk, gk.to(acc))
+        kr.add(dv, gv.to(acc))
     return dq.to(q.dtype).view(q.shape), dk.to(k.dtype).view(k.shape), dv.to(v.dtype).view(v.shape)
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
     """Two partial attentions over disjoint keys of the same queries, merged by their log-sum-exp:
-    out [b, s, h, d] (any dtype), lse [b, h, s] fp32 -> (out fp32, lse). Each weight is
+    out [b, s, h, d] (any dtype), lse [b, h, s] fp32 -> (out fp32, lse); fp64 stays fp64. Each weight is
     exp(lse_part - lse_total) <= 1 (no overflow); rows that saw no key (lse -inf) stay 0 without NaNs."""
     new = torch.logaddexp(lse_a, lse_b)
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
     w_a = torch.exp(lse_a - safe).transpose(1, 2)[..., None]  # [b, s, h, 1]
     w_b = torch.exp(lse_b - safe).transpose(1, 2)[..., None]
-    return out_a.float() * w_a + out_b.float() * w_b, new
+    acc = torch.promote_types(torch.promote_types(out_a.dtype, out_b.dtype), new.dtype)
+    return out_a.to(acc) * w_a + out_b.to(acc) * w_b, new
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import NEG_INF, attention_backward, attention_forward, merge_partials
+from .attention import NEG_INF, attention_backward, attention_forward, merge_partials, stat_dtype
 from .segments import SegmentPlan, _check_contiguous, host_ids, plan_pairs, segments, tensor_version
 
 
@@ -251,7 +251,7 @@ def chunked_forward(q, k, v, grid: ChunkGrid, *, scale=None, backend="flash", em
     b, sq, h, d = q.shape
     if emit is None:
         out = torch.empty_like(q)
-        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, h, sq), dtype=stat_dtype(q), device=q.device)
     for i, qs in enumerate(grid.q_slices):
         qi, acc = q[:, qs], None
         for j in grid.keys_of(i):
@@ -280,7 +280,7 @@ def chunked_backward(dout, q, k, v, out, lse, grid: ChunkGrid, *, scale=None, ba
              "k": lambda j: k[:, grid.k_slices[j]], "v": lambda j: v[:, grid.k_slices[j]]}
     given = dq is not None
     if not given:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=stat_dtype(q), device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _backward_loop(grid, lambda name, i: fetch[name](i), lambda i, g: dq[:, grid.q_slices[i]].add_(g),
                    dk, dv, scale, backend)
@@ -300,8 +300,8 @@ def _backward_loop(grid: ChunkGrid, get, add_dq, dk, dv, scale, backend, prefetc
         gq, gk, gv = attention_backward(get("dout", i), get("q", i), kj, vj, get("out", i), get("lse", i),
                                         causal=grid.causal, scale=scale, backend=backend, plan=grid.plan(i, j))
         add_dq(i, gq)
-        gk_acc = gk.float() if gk_acc is None else gk_acc.add_(gk)
-        gv_acc = gv.float() if gv_acc is None else gv_acc.add_(gv)
+        gk_acc = gk.to(stat_dtype(gk)) if gk_acc is None else gk_acc.add_(gk)
+        gv_acc = gv.to(stat_dtype(gv)) if gv_acc is None else gv_acc.add_(gv)
         if n + 1 == len(pairs) or pairs[n + 1][1] != j:  # the key chunk is finished
             ks = grid.k_slices[j]
             dk[:, ks] = gk_acc
@@ -341,7 +341,8 @@ class _ChunkedAttention(torch.autograd.Function):
             qs = grid.q_slices[i]
             if o is None:  # no query of this chunk sees a key
                 o = torch.zeros_like(out[:, qs])
-                l_ = torch.full((q.shape[0], q.shape[2], qs.stop - qs.start), NEG_INF, device=q.device)
+                l_ = torch.full((q.shape[0], q.shape[2], qs.stop - qs.start), NEG_INF, dtype=stat_dtype(q),
+                                device=q.device)
             out[:, qs] = o
             store.put(("out", i), out[:, qs])
             store.put(("lse", i), l_)
@@ -375,7 +376,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
         def add_dq(i, g):  # dq accumulates in fp32 in its host-resident chunk
             key = ("dq", i)
-            acc = store.get(key).add_(g) if store.has(key) else g.float()
+            acc = store.get(key).add_(g) if store.has(key) else g.to(stat_dtype(g))
             store.put(key, acc)
 
         def prefetch(i, j):
