@@ -317,7 +317,14 @@ def load_hf_weights(model: Llama, path: str | Path) -> None:
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Llama:
     """Read a local Hugging Face directory into a new single-process model."""
     path = Path(path)
-    cfg = config_from_hf(read_hf_config(path), str(path / "config.json"))
+    hf = read_hf_config(path)
+    cfg = config_from_hf(hf, str(path / "config.json"))
+    if cfg.heads % cfg.kv_heads:  # (a run's config rules refuse it; transformers builds it and fails in its forward)
+        kv_said = "" if "num_key_value_heads" in hf else f" (config.json has none: transformers' {cfg.family} default)"
+        raise HFFormatError(f"{path / 'config.json'}: num_attention_heads={cfg.heads} is not a multiple of "
+                            f"num_key_value_heads={cfg.kv_heads}{kv_said}: grouped-query attention shares each "
+                            f"key/value head among a whole number of query heads, so no model computes it. Set "
+                            f"num_key_value_heads to the weights' (their k_proj rows / head_dim).")
     model = build_model(cfg, device="meta")
     model.to_empty(device=device)
     load_hf_weights(model, path)

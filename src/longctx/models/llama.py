@@ -108,6 +108,17 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float =
     return emb.cos() * scale, emb.sin() * scale
 
 
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions [batch, seq] that restart at 0 at every change of document id along a row (data/loader.py's
+    rule), for a forward given doc_ids without positions: what each document's own forward would use. RoPE sees
+    only differences, but fp32 angles lose precision with their size, so 0..seq-1 over a long packed row scored
+    its later documents off their own forwards (3e-4 at offset 8,000)."""
+    index = torch.arange(doc_ids.shape[-1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=-1).values
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
@@ -282,7 +293,8 @@ class Llama(nn.Module):
         self.init_rope()
 
     def hidden_states(self, tokens, positions=None, doc_ids=None, final_norm: bool = True, cache=None, real=None):
-        """The last block's output, through the final norm unless final_norm=False. With `cache` (a
+        """The last block's output, through the final norm unless final_norm=False. Positions not given: 0..seq-1,
+        restarting at each document of `doc_ids` (document_positions). With `cache` (a
         models/kv_cache.py KVCache) the tokens continue each row of the cache: their positions follow
         what the row holds (unless given), and their keys and values are appended to it. `real` [batch, seq]
         bool (the loader's Batch.real; None: every token): False at padding, which MoE layers leave out of
@@ -298,7 +310,8 @@ class Llama(nn.Module):
                 raise ValueError("this model's rows are split over sequence-parallel ranks (each holds a zigzag or "
                                  "document share of a row): pass each token's positions (the loader's Batch."
                                  "positions); 0..n-1 over a share would rotate its tokens by the wrong angles")
-            positions = torch.arange(s, device=tokens.device).expand(b, s)
+            positions = torch.arange(s, device=tokens.device).expand(b, s) if doc_ids is None \
+                else document_positions(doc_ids)
         if self.ms_poe_ratios is not None and self.training and torch.is_grad_enabled():
             refuse_ms_poe_in_training(self.cfg)  # (a library caller's training forward; longctx train refuses earlier)
         rope = rope_cos_sin(positions, self.inv_freq, self.rope_scale)
