@@ -305,15 +305,13 @@ def _run_lengths(args, target, draft, prompts: dict, sampling, modes: list) -> t
 
 def _compiled_step(args, target, draft, table):
     """--compile: one CompiledStep with every bucket a verification (chain or CaPE tree) and the plain
-    draft's steps use compiled before any timing (a GliDe draft decodes eagerly)."""
-    from ..models.glide import GlideDraft
+    draft's steps use compiled before any timing (a GliDe draft decodes eagerly; generate/speculative.py
+    warm_up, as `longctx generate --compile --draft` does)."""
+    from ..generate.speculative import warm_up
     from ..models.static_decode import CompiledStep
 
     step = CompiledStep()
-    room = 1 + args.speculate * (1 + max(n for _, n in table.bins)) if table is not None else args.speculate + 1
-    step.warm_up(target, range(1, room + 1))  # every verification's bucket
-    if not isinstance(draft, GlideDraft):
-        step.warm_up(draft, (1, 2))
+    warm_up(step, target, draft, args.speculate, table, adaptive=args.speculate_adaptive != "false")
     return step
 
 

@@ -257,9 +257,15 @@ def _run(request: GenerateRequest, args) -> int:
         if getattr(args, "generation_unapplied", ""):
             say(f"generate: note: generation_config.json also sets {args.generation_unapplied}, which longctx does "
                 f"not apply (transformers' generate would): the tokens may differ from the model's intended decoding")
-    step = _warm_up(request, args, model, device, backend, main_rank)
+    step = _warm_up(request, args, model, device, backend, main_rank, memory is not None)
     samples = args.num_samples
     draft = _load_draft(request, args, model, device, dtype, main_rank)
+    if step and draft is not None:  # (the verifications' buckets and the draft's steps, before the first timing)
+        from .local import LocalGeneration
+        from .speculative import warm_up
+
+        warm_up(step, model, draft, args.speculate, request.cape, isinstance(backend, LocalGeneration),
+                args.speculate_adaptive)
     if memory is not None and main_rank:
         say(describe(memory, args.prefill_chunk))
     # speculation and InfLLM (rows of one length): one prompt at a time
@@ -293,16 +299,22 @@ def _run(request: GenerateRequest, args) -> int:
     return 0
 
 
-def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: bool):
+def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: bool, one_row: bool = False):
     """One tiny generation first, so the first prompt's rates do not include the kernels' first-call
     setup; returns --compile's step (one for the run: its graphs shared by every prompt and the draft),
-    else False."""
+    else False. Compiled, a graph is made per batch size: one tiny generation per row count a batch of the
+    run has (`one_row`: the run decodes one prompt at a time), else the first batch's timing held one."""
     from ..models.static_decode import CompiledStep
     from .engine import generate
+    from .local import LocalGeneration
 
     step = CompiledStep() if args.compile else False
-    generate(model, [request.prompts[0]["ids"][:8]], max_new_tokens=2, device=device, backend=backend,
-             compile=step)
+    ids, n = request.prompts[0]["ids"][:8], len(request.prompts)
+    size = 1 if one_row or args.draft else args.batch
+    rows = {min(size, n - start) * (1 if args.draft else args.num_samples) for start in range(0, n, size)}
+    # (a cache sharded over ranks decodes eagerly: nothing to compile per row count)
+    for count in sorted({1} | rows) if step and isinstance(backend, LocalGeneration) else (1,):
+        generate(model, [ids] * count, max_new_tokens=2, device=device, backend=backend, compile=step)
     if step and main_rank:
         say(f"generate: --compile: {step.calls} decode step(s) ran compiled in the warm-up" if step.calls else
             "generate: --compile: this model decodes eagerly (MoE, or a cache sharded over ranks)")

@@ -276,6 +276,17 @@ class CloverDrafter(ModelDrafter):
         self.base += len(rows)
 
 
+def check_draft_vocab(target, drafter) -> None:
+    """A plain draft model's vocabulary is the target's (the command checks its --draft: drafts.py): else its
+    proposals index the target's logits out of range, or its q and the target's p differ in size, errors from
+    inside a round that name neither model (a smaller one decoded greedily, silently)."""
+    if isinstance(drafter, ModelDrafter):
+        own, theirs = getattr(getattr(drafter.model, "cfg", None), "vocab_size", None), target.cfg.vocab_size
+        if own is not None and own != theirs:
+            raise ValueError(f"the draft has a vocabulary of {own} tokens but the target has {theirs}: a draft "
+                             f"must share the target's tokenizer")
+
+
 def drafter_for(target, draft, max_len: int, prefill_chunk: int = 4096, window: int | None = None,
                 compile: bool | CompiledStep = False) -> ModelDrafter:
     """The drafter of `draft`: a GliDe draft (models/glide.py, its `block` set by its checkpoint) reads

@@ -90,6 +90,7 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
     if len(limits) != n or any(int(limit) < 0 for limit in limits):
         raise ValueError(f"max_new_tokens must be one int >= 0 for every prompt, or a list of one per prompt; got "
                          f"{list(limits)} for {n} prompt{'s' * (n != 1)}")
+    _check_ids(prompts, model.cfg.vocab_size)
     _check_window(model, prompts, limits, backend)
     device = device or model.tok_embeddings.weight.device
     # cache rows in order of length, so each length group is a contiguous range of rows
@@ -110,6 +111,23 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
                 for s in range(num_samples) for j in range(n)]
         book = _Book(rows, [prompts[r.prompt] for r in rows], {int(e) for e in eos_ids}, stop, on_token, logprobs)
         return _run(rounds, cache, logits, book, sampling)
+
+
+def _check_ids(prompts: Sequence[Sequence[int]], vocab: int) -> None:
+    """Every prompt id within the model's vocabulary, before any work: else the embedding's lookup fails inside
+    the prefill (a CPU's "index out of range in self", naming no prompt; a GPU's device-side assert, after
+    which the process's CUDA context is unusable). The command checks its prompts earlier (prompts.py)."""
+    for i, prompt in enumerate(prompts):
+        if not len(prompt):  # (the entry points refuse an empty prompt by name)
+            continue
+        if isinstance(prompt, torch.Tensor):  # (min() over a tensor would step through 0-d tensors)
+            low, high = int(prompt.min()), int(prompt.max())
+        else:
+            low, high = int(min(prompt)), int(max(prompt))  # (C loops: a 128K-token prompt in milliseconds)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"prompt {i} has token id {bad}, outside the model's vocabulary of {vocab} ids "
+                             f"(0..{vocab - 1})")
 
 
 def _check_window(model, prompts: Sequence[Sequence[int]], limits: Sequence[int], backend: Backend) -> None:

@@ -27,7 +27,7 @@ from ..models.static_decode import CompiledStep, compiled_step
 from .acceptance import accept, choose, token_probs
 from .cape import tree_round
 from .contracts import Backend, Cache, Drafter, Round
-from .drafters import drafter_for
+from .drafters import check_draft_vocab, drafter_for
 from .local import LOCAL
 from .loop import decode, generating
 from .results import Result
@@ -72,8 +72,7 @@ class SpeculativeRounds:
         self.target, self.drafter, self.k, self.sampling, self.generator = target, drafter, k, sampling, generator
         self.stop_below, self.cape, self.logprobs = stop_below, cape, logprobs
         self.length = length  # None: k every round; else each round's k (<= k) from the rounds before
-        # room for one round's call past the tokens kept: K + 1 nodes, or CaPE's tree
-        self.room = k + 1 if cape is None else 1 + k * (1 + max(n for _, n in cape.bins))
+        self.room = verify_room(k, cape)
         self.pending = 0
 
     def first(self, cache: Cache, logits: torch.Tensor, prompts, seeds, processors: Processors | None) -> Round:
@@ -142,6 +141,7 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
         raise ValueError("the prompt needs at least one token")
     if cape is not None and not sampling.greedy:
         raise ValueError("CaPE's tree is verified greedily (temperature 0)")
+    check_draft_vocab(target, drafter)
     device = target.tok_embeddings.weight.device
     seed = sampling.seed if seed is None else seed
     generator = generator if generator is not None else sampling.generator(device, seed)
@@ -152,6 +152,29 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
         return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
                       backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device,
                       logprobs=logprobs, compiled=compiled_step(compile), stop=stop)[0]
+
+
+def verify_room(k: int, cape=None) -> int:
+    """The new tokens of one round's target call at up to `k` proposals: K + 1 nodes, or CaPE's tree (the
+    room the target's cache keeps past the tokens kept)."""
+    return k + 1 if cape is None else 1 + k * (1 + max(n for _, n in cape.bins))
+
+
+def warm_up(step: CompiledStep, target, draft, k: int, cape=None, target_too: bool = True,
+            adaptive: bool = False) -> None:
+    """Compile now, on scratch caches, what speculation at up to `k` proposals runs through `step`: every
+    verification's bucket (`target_too`: a target on one device; a sharded cache decodes eagerly) and a plain
+    draft's steps (drafter_for: a GliDe or Clover draft decodes eagerly), so that none compiles inside a
+    prompt's timing (speculate_one counts its draft's set-up as decoding). A draft step feeds one or two
+    tokens; `adaptive`, any number (ModelDrafter.skipped: each plain step's token waits for the next round)."""
+    from ..models.clover import CloverDraft
+    from ..models.glide import GlideDraft
+    from ..models.static_decode import BUCKETS
+
+    if target_too:
+        step.warm_up(target, range(1, verify_room(k, cape) + 1))
+    if not isinstance(draft, (GlideDraft, CloverDraft)):
+        step.warm_up(draft, BUCKETS if adaptive else (1, 2))
 
 
 def speculate_one(target, draft, ids: list[int], limit: int, *, k: int, sampling: Sampling, eos_ids,
