@@ -1,6 +1,6 @@
 """Run every command of the README as written, and time each: the README's promises, checked.
 
-The commands are read from the README and its topic pages under docs/ (their ```bash blocks, then
+The commands are read from the README and the topic pages of PAGES (their ```bash blocks, then
 the README's ```python blocks, each run as a script), so a command added there is run here. Each
 runs in a scratch working directory (runs/, stores/, out/ land there) in which:
   - placeholders name real things made for the tour: /path/to/Qwen3-0.6B a small random Qwen3 saved
@@ -8,11 +8,13 @@ runs in a scratch working directory (runs/, stores/, out/ land there) in which:
     /path/to/Qwen3-8B a config.json of Qwen3-8B's shapes, /my/texts and data.jsonl
     part of the Python standard library's sources, /my/tokenizer.json a 1,000-token tokenizer;
     runs/20261122-173051-debug the tour's first run;
-  - training commands get `--train.steps N` appended (a later key wins) to keep the tour short, except
+  - training commands get `--train.steps N` appended (a later key wins; a config of train.stages gets its
+    stages at N / stages steps each instead) to keep the tour short, except
     the two whose timings the README quotes (`longctx train` and `longctx train --nproc 1`), which
     run as they are; the checkpoint pair gets enough steps to save and then resume;
   - the `pip install ... &&` prefixes are dropped (the tour runs in the installed environment) and
-    `pytest` runs only with --with-tests; torchrun across nodes (a rendezvous HOST) is skipped.
+    `pytest` runs only with --with-tests; torchrun across nodes (a rendezvous HOST) is skipped, and so are
+    comment lines, a batch script's lines (srun, scontrol) and commands on the reader's own data (NOT_MADE).
 Prints one JSON document (each command, its exit code and seconds, with the conditions they hold
 under: the machine, and per command the load average before it and the CPU seconds it used, so a
 time measured beside other work reads as such); exits non-zero if any failed.
@@ -52,6 +54,8 @@ def readme_commands(readme: Path) -> list[str]:
         if not block:
             continue
         line = pending + line.strip()
+        if line.startswith("#"):  # a comment line (or a batch script's #SBATCH directive): no command
+            continue
         if line.endswith("\\"):
             pending = line[:-1] + " "
             continue
@@ -116,11 +120,23 @@ def prepare(work: Path) -> dict[str, str]:
             "/my/texts": str(texts), "/my/tokenizer.json": str(work / "tokenizer.json")}
 
 
+# what the topic pages' commands name that stands for the reader's own data, which the tour does not make
+NOT_MADE = {r"(?<![\w/])/corpus\b": "your corpus", r"\bscans/[1-9]": "the other machines' scans",
+            r"\bqa\.jsonl\b": "your instruction data", r"\bchats\.jsonl\b": "your conversations",
+            r"(?<![\w/])/models/": "a local Hugging Face model", r"\bstores/books\b": "your stores"}
+PROGRAMS = ("longctx", "torchrun", "pytest")  # what the tour starts (pip lines are dropped or skipped)
+
+
 def adapt(cmd: str, subs: dict[str, str], first_run: str | None, with_tests: bool) -> tuple[list[str] | None, str]:
     """(argv to run, or None to skip; why)."""
     cmd = re.sub(r"^pip install [^&]*&&\s*", "", cmd)
     if cmd.startswith("pip "):
         return None, "install step (the tour runs in the installed environment)"
+    if (program := cmd.split(" ", 1)[0]) not in PROGRAMS:
+        return None, f"`{program}`: a batch script's line (Slurm), not a command the tour runs"
+    for pattern, what in NOT_MADE.items():
+        if re.search(pattern, cmd):
+            return None, f"names {what}, which the tour does not make"
     if cmd == "pytest":
         return ([sys.executable, "-m", "pytest", "-q", str(ROOT / "tests")], "") if with_tests else \
             (None, "the test suite (run with --with-tests)")
@@ -144,8 +160,24 @@ def adapt(cmd: str, subs: dict[str, str], first_run: str | None, with_tests: boo
             steps = 10**6  # filled in below: past the saved step
         if "32768" in argv:
             steps = 3
-        argv += ["--train.steps", str(steps)]
+        stages = _config_stages(argv)
+        if stages:  # train.steps is the stages' sum, so a config of stages is shortened stage by stage
+            cut = max(1, steps // len(stages))
+            argv += ["--train.stages", ",".join(":".join([length, str(cut), *rest]) for length, _, *rest in stages)]
+        else:
+            argv += ["--train.steps", str(steps)]
     return argv, ""
+
+
+def _config_stages(argv: list[str]) -> list[list[str]]:
+    """The train.stages of the command's --config (SEQ_LEN:STEPS[:GLOBAL_BATCH] each), or [] when it has none."""
+    from longctx.config.load import tomllib  # (tomli before Python 3.11, which the project still supports)
+
+    if "--config" not in argv or not (ROOT / argv[argv.index("--config") + 1]).is_file():
+        return []
+    with (ROOT / argv[argv.index("--config") + 1]).open("rb") as f:
+        stages = tomllib.load(f).get("train", {}).get("stages", "")
+    return [stage.strip().split(":") for stage in stages.split(",") if stage.strip()]
 
 
 def _machine() -> dict:
@@ -199,7 +231,10 @@ def main() -> int:
         if "--train.steps" in argv and argv[argv.index("--train.steps") + 1] == str(10**6):
             argv[argv.index("--train.steps") + 1] = str(saved_steps + TOUR_STEPS)
         t0, before = time.perf_counter(), _conditions()
-        r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+        try:
+            r = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True)
+        except OSError as e:  # a program that cannot start is this command's failure, not the tour's end
+            r = subprocess.CompletedProcess(argv, 127, "", str(e))
         seconds = time.perf_counter() - t0
         found = re.search(r"run directory: (\S+)", r.stdout)
         if found and first_run is None:
