@@ -236,7 +236,7 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         log(f"data build: {', '.join(opts.inputs)} shard {i}/{n} -> {out} {_describe(opts, tok)}")
         records: dict = {}
         with _exclusive(out, scan_dir=True), phase(f"data build of shard {i}/{n}", done_line=False):
-            plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, out, opts.shard, log)
+            plan, shards = timed(records, "scan", None, log, _scan_stage, opts, out, opts.shard, log)
         docs = sum(s.n for s in shards)
         log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
             f"`longctx data merge`")
@@ -248,7 +248,7 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         work = root / WORK
         records: dict = {}
         with phase("data build"):  # (the line above says of what)
-            plan, shards = timed(records, "scan", 0, log, _scan_stage, opts, work, (0, 1), log)
+            plan, shards = timed(records, "scan", None, log, _scan_stage, opts, work, (0, 1), log)
             manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
         (work / scan.PLAN).unlink(missing_ok=True)  # first: a removal cut short leaves nothing a later build resumes
         shutil.rmtree(work, ignore_errors=True)

@@ -17,9 +17,10 @@ from ...progress import phase
 MISSING = "_missing"  # a stage record's key for why some of its figures are None (see timed)
 
 
-def timed(records: dict, name: str, raw_bytes: int, log, fn, *args, **kwargs):
+def timed(records: dict, name: str, raw_bytes: int | None, log, fn, *args, **kwargs):
     """`fn(*args, **kwargs)` returns (result, record): the record, timed, goes to `records[name]`
-    and the log; the result is returned."""
+    and the log; the result is returned. `raw_bytes` None: the stage's own count of them (its record's `mb`;
+    the scan's, which knows the input's bytes only once it has read them)."""
     t0 = time.perf_counter()
     with phase(name, done_line=False):  # (its time is said below)
         result, rec = fn(*args, **kwargs)
@@ -28,6 +29,8 @@ def timed(records: dict, name: str, raw_bytes: int, log, fn, *args, **kwargs):
     # why a figure is missing ({key: words}): for the log line only; the record keeps the null
     missing = rec.pop(MISSING, {})
     rec["seconds"] = round(dt, 3)
+    if raw_bytes is None:
+        raw_bytes = round((rec.get("mb") or 0) * 1e6)
     rec["mb_per_s"] = round(raw_bytes / 1e6 / dt, 2) if dt > 0 and raw_bytes else None
     records[name] = rec
     # a figure that does not exist (None) is said in words, or left out: never printed as "None"
