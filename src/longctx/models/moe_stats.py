@@ -68,7 +68,7 @@ class RouterTerms:
     `loss` is THIS rank's share (with gradient): summed over the ranks it is the loss of the whole
     micro-batch, as one device holding every token would compute it. `stats` [5] (no gradient, the
     same on every rank): aux loss, z-loss (unweighted, mean over MoE layers), mean over layers of
-    max/mean tokens per expert, the worst layer's, and the fraction of choices dropped.
+    max/mean choices per expert (before drops), the worst layer's, and the fraction of choices dropped.
     `counts` [layers, E] are the micro-batch's choices per expert over every rank, `dropped` [layers]
     its choices dropped for capacity per layer over every rank, `layer_load` [layers] each layer's
     max/mean choices per expert (layer_loads), `rows` [layers, E] the choices each expert ran over every rank

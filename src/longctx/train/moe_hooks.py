@@ -80,7 +80,7 @@ class MoEStepHook(StepHook):
         last = self.router_counts
         self.router_counts = s.rows if last is None else torch.where(applied, s.rows, last.to(s.rows.device))
         self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None,
-                          self._placement_shares(s.counts))
+                          self._placement_shares(s.counts), rows=s.rows)
 
     def _placement_shares(self, counts: torch.Tensor) -> torch.Tensor | None:
         """[layers, E, expert]: this step's share of each expert's rows on each expert rank, under FlexMoE's

@@ -132,15 +132,18 @@ def _log_every(steps: list[int]) -> int:
 
 
 def _expert_load_plot(run_dir: Path, records: list[dict], plt) -> Path:
-    """MoE runs: max/mean tokens per expert (mean over MoE layers and the worst layer; 1 = even),
-    the busiest expert-parallel rank's load, and the balancing losses."""
+    """MoE runs: max/mean of the router's choices per expert (before a capacity's drops; mean over MoE layers
+    and the worst layer; 1 = even), the rows the busiest expert-parallel rank ran over the mean, and the
+    balancing losses."""
     fig, (load_ax, loss_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = [r["step"] for r in records]
-    load_ax.plot(steps, [r["moe_load_mean"] for r in records], marker=".", label="max/mean per expert (mean layer)")
-    load_ax.plot(steps, [r["moe_load_worst"] for r in records], marker=".", label="max/mean per expert (worst layer)")
+    load_ax.plot(steps, [r["moe_load_mean"] for r in records], marker=".",
+                 label="max/mean choices per expert (mean layer)")
+    load_ax.plot(steps, [r["moe_load_worst"] for r in records], marker=".",
+                 label="max/mean choices per expert (worst layer)")
     if any("expert_rank_load" in r for r in records):
         load_ax.plot(steps, [r.get("expert_rank_load", float("nan")) for r in records], marker=".",
-                     label="busiest expert-parallel rank / mean")
+                     label="rows the busiest expert-parallel rank ran / mean")
     load_ax.axhline(1.0, color="grey", lw=0.8, ls=":")
     load_ax.set_ylabel("expert load")
     load_ax.set_title(f"expert load - {run_dir.name}")

@@ -8,8 +8,9 @@ the sums are read in one transfer when the metrics line is written (`RouterInter
 
 What a record holds (docs/moe.md, Metrics):
 - `moe_aux_loss`, `moe_z_loss`, `moe_load_mean`, `moe_load_worst`, `moe_drop_rate` (and under
-  expert parallelism `expert_rank_load`): the mean over the interval's steps of each step's figure;
-- `moe_layer_load` [layers]: per MoE layer, the interval's mean max/mean tokens per expert (its mean
+  expert parallelism `expert_rank_load`, from the rows the experts ran: a capacity's drops never reach
+  a rank): the mean over the interval's steps of each step's figure;
+- `moe_layer_load` [layers]: per MoE layer, the interval's mean max/mean choices per expert (its mean
   over layers is `moe_load_mean`), and `moe_blocks`: the block each MoE layer is;
 - `moe_layer_drop` [layers], with a capacity (moe.capacity_factor > 0): per MoE layer, the fraction
   of the interval's choices dropped (its dropped choices over all its choices);
@@ -39,10 +40,11 @@ EXPERT_LOAD_COLUMNS = 100  # per-expert loads recorded at most this many times i
 
 def rank_load(counts: torch.Tensor, expert: int, shares: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens the busiest rank of an expert group runs over the mean, worst MoE layer (0-d),
-    from choices per expert [layers, E]: experts placed in contiguous blocks of E / expert, or with
+    from the rows each expert runs [layers, E] (under a capacity its kept choices, not the router's:
+    a dropped choice never reaches a rank): experts placed in contiguous blocks of E / expert, or with
     `shares` [layers, E, expert] (FlexMoE's copies: parallel/expert/placement.py rank_shares) each
-    expert's choices split over the ranks that run it. The counts are every rank's choices pooled,
-    as the placement policy reads them: with several expert groups, their mean rank load."""
+    expert's rows split over the ranks that run it. The rows are every rank's pooled, as the placement
+    policy reads them: with several expert groups, their mean rank load."""
     if shares is None:
         per_rank = counts.view(counts.shape[0], expert, -1).sum(-1)
     else:
@@ -83,17 +85,20 @@ class RouterInterval:
         self._column_from: int | None = None      # the first step in _counts
 
     def add(self, step: int, stats: torch.Tensor, layer_load: torch.Tensor, counts: torch.Tensor,
-            applied: torch.Tensor, dropped: torch.Tensor | None = None, shares: torch.Tensor | None = None) -> None:
+            applied: torch.Tensor, dropped: torch.Tensor | None = None, shares: torch.Tensor | None = None,
+            rows: torch.Tensor | None = None) -> None:
         """One optimizer step (1-based): its stats [5] and per-layer max/mean [layers] (each the mean
         over its micro-batches), its choices per expert [layers, E] and choices dropped per layer
         [layers] (summed over them; None: no capacity, nothing dropped) and whether its update was
-        applied (0-d bool): device tensors, left there. `shares`: the step's expert placement (rank_load)."""
+        applied (0-d bool): device tensors, left there. `shares`: the step's expert placement (rank_load).
+        `rows` [layers, E]: the choices each expert ran (kept by a capacity; None: the choices), what
+        expert_rank_load reads: a dropped choice never reaches a rank, so it is no load of one."""
         if counts.shape[0] != len(self.blocks):  # (shapes are host metadata: no device read)
             raise ValueError(f"router counts for {counts.shape[0]} MoE layers, but the model config names "
                              f"{len(self.blocks)} (blocks {self.blocks})")
         parts = [stats.double(), layer_load.double()]
         if self.expert > 1:
-            parts.append(rank_load(counts, self.expert, shares).double().reshape(1))
+            parts.append(rank_load(counts if rows is None else rows, self.expert, shares).double().reshape(1))
         if dropped is not None:  # (per layer: dropped choices, then all choices; their ratio is the rate)
             parts += [dropped.double(), counts.double().sum(1)]
         row = torch.where(applied, torch.cat(parts), 0.0)  # (0 x NaN would be NaN)
