@@ -28,7 +28,7 @@ from longctx.data.builder.options import BuildOptions  # noqa: E402
 from longctx.data.builder.pipeline import build_store  # noqa: E402
 from longctx.data.tokenizer import load_tokenizer  # noqa: E402
 from longctx.eval.request import prepare  # noqa: E402
-from longctx.eval.score_mode import _prefixed, evaluate_score  # noqa: E402
+from longctx.eval.score_mode import _prefix, _prefixed, evaluate_score  # noqa: E402
 from longctx.models.llama import build_model  # noqa: E402
 from longctx.models.moe import moe_layers  # noqa: E402
 
@@ -89,7 +89,7 @@ def _run(folder, task: str, *extra, nproc: int = 1, capacity: float = 0.0):
 
 def _on_ranks(folder, task: str, extra: list[str]):
     request, out = _run(folder, task, *extra, nproc=2)
-    return (_prefixed(request)[0][LENGTH], out) if out is not None else None
+    return (_prefixed(request, LENGTH, _prefix(request)), out) if out is not None else None
 
 
 @torch.no_grad()
@@ -121,7 +121,7 @@ def test_a_capacity_model_scores_each_sequence_alone_at_any_batch_and_layout(fol
 
     hf = folder[3]
     runs = {b: _run(folder, task, "--batch", str(b)) for b in (1, 3)}
-    seqs = _prefixed(runs[1][0])[0][LENGTH]
+    seqs = _prefixed(runs[1][0], LENGTH, _prefix(runs[1][0]))
     for request, out in runs.values():
         assert request.cfg.model.moe_capacity_factor == 0.0 and "dropless" in out["routing"]
         _check(out, seqs, hf, task)

@@ -198,7 +198,8 @@ LAYOUTS = {"dp_shard": ["--parallel.dp_shard=2"], "ctx": ["--parallel.ctx=2"], "
 def _on_ranks(folder, task: str, extra: list[str]):
     """One `longctx eval` on this spawned rank: (its sequences, the result) on rank 0, None elsewhere."""
     request, out = _run(folder, task, *extra, nproc=2)
-    return (request.sequences, out) if out is not None else None
+    # (each length's sequences built here: request.sequences builds them when asked, and is not picklable)
+    return ({n: request.sequences[n] for n in request.sequences}, out) if out is not None else None
 
 
 # (3 layouts x 2 tasks in one spawned job of 2 ranks: ~10 s on 2 idle cores, so not marked slow)

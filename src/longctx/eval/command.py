@@ -14,7 +14,8 @@ weights), so its layout has no data parallelism.
 
 Everything that can be wrong with the input (task, lengths the layout cannot split, depths, a
 missing tokenizer, a too-short text) is found before any rank starts: the launching process
-prepares the sequences once, and every rank prepares the same ones again (cheap, deterministic).
+prepares the sequences once, and every rank prepares the same ones again (cheap, deterministic); each
+length's are kept only while that length is evaluated (eval/inputs.py LengthSequences).
 The JSON result goes to stdout or --output; plots next to --output (or to --plot).
 
 The work is in eval/request.py (the flags checked and the sequences built: EvalRequest), eval/inputs.py,

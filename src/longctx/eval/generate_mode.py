@@ -145,13 +145,13 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
             out["context_memory"] = {"method": "infllm", **vars(request.memory)}
         if request.sampling is not None:
             out["sampling"] = {k: v for k, v in vars(request.sampling).items() if k not in ("seed", "min_new_tokens")}
-        total = sum(len(s) for s in request.sequences.values())
+        total = sum(request.sequences.counts.values())
         bar = progress_bar(total, f"eval {request.task} (generate)", "seq", main_rank)
         start_all = time.perf_counter()
         try:
             with phase(f"eval {request.task} (generate)", done_line=False):
                 for which, length in enumerate(request.lengths):
-                    seqs = request.sequences[length]
+                    seqs = request.sequences[length]  # (built now, dropped below: one length's held at a time)
                     t0 = time.perf_counter()
                     texts = []
                     what = _length_phase(request, which)
@@ -162,6 +162,7 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
                                                        prefix, eos_ids=eos, device=device, backend=backend)
                             progress.update(len(group))
                     out["results"].extend(_summarise_generated(request, length, seqs, texts, time.perf_counter() - t0))
+                    del seqs
                     if bar is None:
                         log(f"eval: {request.task} (generate) at {length} tokens: {_headline(out['results'], length)}")
                         said()

@@ -5,6 +5,7 @@ windows for ppl, keys hidden at each depth for passkey/needle; eval/tasks.py bui
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -91,18 +92,51 @@ def check_store_tokenizer(data: str, source, spec: str) -> None:
                         f"(longctx data build --tokenizer {spec}), or a text file.")
 
 
-def _sequences(args, source, tokenizer, lengths: list[int], depths: list[float]) -> dict[int, list[Sequence]]:
-    """Each length's sequences: text windows (ppl), or keys hidden at each depth (passkey/needle)."""
+class LengthSequences(MutableMapping):
+    """Each length's sequences, built when that length is asked for and not kept: a run holds one length's
+    at a time (a caller drops them before asking for the next), not every length's (at 1M tokens the default
+    25 passkey prompts' tokens and labels are 400 MiB). Building is deterministic and a sequence's draws come
+    from (seed, length, sample) alone (tasks.py), so a length built again, in any order, is the same.
+    `counts`: each length's number of sequences, found when prepare checked it. A length assigned (a test's
+    own sequences) is kept."""
+
+    def __init__(self, build: Callable[[int], list[Sequence]], lengths: list[int]):
+        self._build, self._given = build, {}
+        self.counts = {}
+        for length in lengths:  # (each built once here so bad input stops the command now; then dropped)
+            self.counts[length] = len(build(length))
+
+    def __getitem__(self, length: int) -> list[Sequence]:
+        if length in self._given:
+            return self._given[length]
+        if length not in self.counts:
+            raise KeyError(length)
+        return self._build(length)
+
+    def __setitem__(self, length: int, seqs: list[Sequence]) -> None:
+        self._given[length] = seqs
+        self.counts[length] = len(seqs)
+
+    def __delitem__(self, length: int) -> None:
+        self._given.pop(length, None)
+        del self.counts[length]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.counts)
+
+    def __len__(self) -> int:
+        return len(self.counts)
+
+
+def _sequences(args, source, tokenizer, lengths: list[int], depths: list[float]) -> LengthSequences:
+    """Each length's sequences, built on demand: text windows (ppl), or keys hidden at each depth (passkey/needle)."""
     from .tasks import ppl_sequences, retrieval_sequences
 
-    sequences = {}
-    for length in lengths:
+    def build(length: int) -> list[Sequence]:
         if args.task == "ppl":
-            sequences[length] = ppl_sequences(source, length, args.samples or 8)
-            continue
+            return ppl_sequences(source, length, args.samples or 8)
         try:
-            sequences[length] = retrieval_sequences(args.task, source, tokenizer, length, depths, args.samples or 5,
-                                                    args.seed)
+            return retrieval_sequences(args.task, source, tokenizer, length, depths, args.samples or 5, args.seed)
         except DataError as e:
             raise ConfigError(f"--lengths {length}: {e}") from None
-    return sequences
+    return LengthSequences(build, lengths)

@@ -18,6 +18,8 @@ from .inputs import _load_source, _load_tokenizer, _sequences
 from .layout_checks import _check_layout
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from .tasks import Sequence
 
 
@@ -28,7 +30,7 @@ class EvalRequest:
     task: str
     lengths: list[int]
     depths: list[float]
-    sequences: dict[int, list[Sequence]]
+    sequences: Mapping[int, list[Sequence]]  # built per length when asked for (inputs.py LengthSequences)
     source: str
     tokenizer: str
     batch: int
@@ -246,13 +248,13 @@ def _memory(args, cfg, mode: str, lengths: list[int], batch: int, nproc: int):
     return shape
 
 
-def short_ppl_notes(args, sequences: dict) -> tuple[str, ...]:
+def short_ppl_notes(args, sequences) -> tuple[str, ...]:
     """ppl at a length the data holds fewer spans of than --samples asks for (the result's `sequences`
-    counts them; its loss is over those alone)."""
+    counts them; its loss is over those alone). `sequences`: LengthSequences (its counts, nothing built)."""
     asked = args.samples or 8
-    return tuple(f"ppl at {length} tokens: {len(spans)} span{'s' * (len(spans) != 1)} of the {asked} asked for "
+    return tuple(f"ppl at {length} tokens: {n} span{'s' * (n != 1)} of the {asked} asked for "
                  f"(the data holds no more that long; pass a longer text with --data for more)"
-                 for length, spans in sequences.items() if args.task == "ppl" and len(spans) < asked)
+                 for length, n in sequences.counts.items() if args.task == "ppl" and n < asked)
 
 
 def _check_window_lengths(args, lengths: list[int], mode: str) -> None:

@@ -41,7 +41,7 @@ def _evaluate_score(request: EvalRequest, args) -> dict | None:
     from .runner import score
 
     cfg = request.cfg
-    sequences, prefix = _prefixed(request)
+    prefix = _prefix(request)
     rt, device = join_job(cfg)
     world = rt.world
     log = say if rt.is_main else (lambda *_: None)
@@ -57,13 +57,13 @@ def _evaluate_score(request: EvalRequest, args) -> dict | None:
     _note_routing(out, model, rt.is_main)
     if prefix:
         out["special_prefix"] = prefix
-    total = sum(len(s) for s in sequences.values())
+    total = sum(request.sequences.counts.values())
     bar = progress_bar(total, f"eval {request.task}", "seq", rt.is_main)
     start_all = time.perf_counter()
     try:
         with phase(f"eval {request.task}", done_line=False):
             for which, length in enumerate(request.lengths):
-                seqs = sequences[length]
+                seqs = _prefixed(request, length, prefix)  # (built now, dropped below)
                 buckets = min(args.buckets, length)  # (a bucket holds one position at least)
                 t0 = time.perf_counter()
                 # (each length's own line follows it: no closing line from the phase)
@@ -71,6 +71,7 @@ def _evaluate_score(request: EvalRequest, args) -> dict | None:
                     scores = score(model, rt, seqs, request.batch, buckets, device,
                                    dtype if dtype != torch.float32 else None, progress)
                 out["results"].extend(_summarise(request, length, seqs, scores, buckets, time.perf_counter() - t0))
+                del seqs  # (before the next length's are built: one length's held at a time)
                 if rt.is_main and bar is None:
                     say(f"eval: {request.task} at {length} tokens: {_headline(out['results'], length)}")
                     said()
@@ -85,18 +86,23 @@ def _evaluate_score(request: EvalRequest, args) -> dict | None:
     return out if rt.is_main else None
 
 
-def _prefixed(request: EvalRequest) -> tuple[dict[int, list[Sequence]], list[int]]:
-    """(each length's sequences as the model reads them, the special-token prefix): passkey/needle ones
-    after the prefix `longctx generate` gives a text (generate_mode.py); ppl's spans of documents as
-    they are (a span starts mid-document, where no BOS stands)."""
-    if request.task == "ppl":
-        return request.sequences, []
-    from ..config.tokenizer import model_text_prefix
-    from ..data.tokenizer import load_tokenizer
+def _prefixed(request: EvalRequest, length: int, prefix: list[int]) -> list[Sequence]:
+    """`length`'s sequences as the model reads them (built now: request.sequences builds a length when asked)."""
     from .generate_mode import with_prefix
 
-    prefix = model_text_prefix(request.cfg.model.init_from, load_tokenizer(request.tokenizer))
-    return {n: [with_prefix(q, prefix) for q in seqs] for n, seqs in request.sequences.items()}, prefix
+    return [with_prefix(q, prefix) for q in request.sequences[length]]
+
+
+def _prefix(request: EvalRequest) -> list[int]:
+    """The special-token prefix each sequence is read after (`with_prefix`): passkey/needle ones after the
+    prefix `longctx generate` gives a text (generate_mode.py); ppl's spans of documents as they are (a span
+    starts mid-document, where no BOS stands): none."""
+    if request.task == "ppl":
+        return []
+    from ..config.tokenizer import model_text_prefix
+    from ..data.tokenizer import load_tokenizer
+
+    return model_text_prefix(request.cfg.model.init_from, load_tokenizer(request.tokenizer))
 
 
 def _summarise(request: EvalRequest, length: int, seqs: list[Sequence], s: dict, buckets: int,
