@@ -51,3 +51,34 @@ def test_per_expert_loads_give_a_heatmap(tmp_path, layers, experts):
     written = {p.name for p in write_plots(run)}
     assert {"expert_load.png", "expert_heatmap.png"} <= written
     assert (run / "expert_heatmap.png").stat().st_size > 5000
+
+
+def _plotted_labels(tmp_path, monkeypatch, records) -> list[str]:
+    """The labels of every line expert_load.png draws (the figure read as it is closed)."""
+    import matplotlib.pyplot as plt
+
+    seen: list[str] = []
+    close = plt.close
+
+    def read_then_close(fig=None):
+        if fig is not None and hasattr(fig, "axes"):
+            seen.extend(line.get_label() for ax in fig.axes for line in ax.get_lines())
+        close(fig)
+
+    monkeypatch.setattr(plt, "close", read_then_close)
+    run = tmp_path / "run"
+    _write(run, records)
+    write_plots(run)
+    return seen
+
+
+def test_a_capacity_run_plots_its_drop_rate(tmp_path, monkeypatch):
+    """moe_drop_rate was in metrics.jsonl and the console line only: the plot beside the load (choices before
+    drops) did not say how many of them never ran."""
+    records = [{**_record(s, True), "moe_drop_rate": 0.1 * s, "moe_layer_drop": [0.1 * s]} for s in (1, 2, 3)]
+    assert any("dropped" in label for label in _plotted_labels(tmp_path, monkeypatch, records))
+
+
+def test_a_dropless_run_plots_no_drop_rate(tmp_path, monkeypatch):
+    labels = _plotted_labels(tmp_path, monkeypatch, [_record(s, True) for s in (1, 2, 3)])
+    assert labels and not any("dropped" in label for label in labels)

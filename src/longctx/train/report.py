@@ -133,8 +133,8 @@ def _log_every(steps: list[int]) -> int:
 
 def _expert_load_plot(run_dir: Path, records: list[dict], plt) -> Path:
     """MoE runs: max/mean of the router's choices per expert (before a capacity's drops; mean over MoE layers
-    and the worst layer; 1 = even), the rows the busiest expert-parallel rank ran over the mean, and the
-    balancing losses."""
+    and the worst layer; 1 = even), the rows the busiest expert-parallel rank ran over the mean, under a
+    capacity the share of choices dropped (right axis), and the balancing losses."""
     fig, (load_ax, loss_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = [r["step"] for r in records]
     load_ax.plot(steps, [r["moe_load_mean"] for r in records], marker=".",
@@ -148,7 +148,14 @@ def _expert_load_plot(run_dir: Path, records: list[dict], plt) -> Path:
     load_ax.set_ylabel("expert load")
     load_ax.set_title(f"expert load - {run_dir.name}")
     load_ax.grid(alpha=0.3)
-    load_ax.legend(fontsize=8)
+    load_ax.legend(fontsize=8, loc="upper left")
+    if any("moe_layer_drop" in r for r in records):  # (a capacity: the choices above it never ran)
+        drop_ax = load_ax.twinx()
+        drop_ax.plot(steps, [100 * r.get("moe_drop_rate", float("nan")) for r in records], color="tab:red",
+                     ls="--", marker=".", label="choices dropped (%, right)")
+        drop_ax.set_ylabel("choices dropped (%)", fontsize=8)
+        drop_ax.set_ylim(bottom=0)
+        drop_ax.legend(fontsize=8, loc="upper right")
     loss_ax.plot(steps, [r["moe_aux_loss"] for r in records], marker=".", label="aux (1 = balanced)")
     loss_ax.plot(steps, [r["moe_z_loss"] for r in records], marker=".", label="z")
     loss_ax.set_ylabel("router losses (unweighted)", fontsize=8)
