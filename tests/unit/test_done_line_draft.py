@@ -9,7 +9,7 @@ from longctx.train.report import done_line
 def _line(tmp_path, draft_target=""):
     ckpts = tmp_path / "checkpoints"
     (ckpts / "step-00000003").mkdir(parents=True)
-    result = SimpleNamespace(losses=[5.7, 5.6], first_step=1, eval_losses={})
+    result = SimpleNamespace(losses=[5.7, 5.6], first_step=1, eval_losses={}, ended_at=None)  # (TrainResult's fields)
     return done_line(result, 3, 1.0, tmp_path, True, ckpts, draft_target)
 
 

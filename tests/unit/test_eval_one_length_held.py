@@ -1,5 +1,5 @@
 """`longctx eval` holds one length's sequences at a time (eval/inputs.py LengthSequences), not every length's:
-built when that length is evaluated and dropped before the next (at 1M tokens 25 passkey prompts are 800 MB, on
+built when that length is evaluated and dropped before the next (at 1M tokens 25 passkey prompts are 400 MiB, on
 every rank and in the launcher). Counted here as the bytes of the Sequence objects alive, found by the garbage
 collector, when a length is scored or generated: exactly the bytes of the sequences being evaluated. And the
 figures do not depend on it: a two-length run's results equal each length run alone, in either order."""

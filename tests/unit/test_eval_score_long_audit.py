@@ -20,6 +20,7 @@ import torch
 from longctx.cli import build_parser
 from longctx.config import load_config
 from longctx.data.samples import IGNORE
+from longctx.eval.inputs import LengthSequences
 from longctx.eval.request import prepare
 from longctx.eval.score_mode import evaluate_score
 from longctx.models.hf import save_hf
@@ -187,7 +188,7 @@ def test_a_right_answer_is_a_hit_and_one_wrong_token_a_miss(folder, reference, b
         labels = np.full(length, IGNORE, dtype=np.int64)
         labels[length - n - 1:length - 1] = tokens[length - n:]
         made.append(dataclasses.replace(q, tokens=tokens, labels=labels))
-    request.sequences[length] = made
+    request.sequences = LengthSequences(lambda _: made, [length])  # (these, in place of the built ones)
     (r,) = evaluate_score(request, args)["results"]
     assert r["per_sample"] == [True, False, True, False] and r["correct"] == 2 and r["accuracy"] == 0.5
 

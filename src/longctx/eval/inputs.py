@@ -5,7 +5,7 @@ windows for ppl, keys hidden at each depth for passkey/needle; eval/tasks.py bui
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,34 +92,22 @@ def check_store_tokenizer(data: str, source, spec: str) -> None:
                         f"(longctx data build --tokenizer {spec}), or a text file.")
 
 
-class LengthSequences(MutableMapping):
+class LengthSequences(Mapping):
     """Each length's sequences, built when that length is asked for and not kept: a run holds one length's
     at a time (a caller drops them before asking for the next), not every length's (at 1M tokens the default
     25 passkey prompts' tokens and labels are 400 MiB). Building is deterministic and a sequence's draws come
     from (seed, length, sample) alone (tasks.py), so a length built again, in any order, is the same.
-    `counts`: each length's number of sequences, found when prepare checked it. A length assigned (a test's
-    own sequences) is kept."""
+    `counts`: each length's number of sequences, found when prepare checked it."""
 
     def __init__(self, build: Callable[[int], list[Sequence]], lengths: list[int]):
-        self._build, self._given = build, {}
-        self.counts = {}
-        for length in lengths:  # (each built once here so bad input stops the command now; then dropped)
-            self.counts[length] = len(build(length))
+        self._build = build
+        # (each built once here so bad input stops the command now; then dropped)
+        self.counts = {length: len(build(length)) for length in lengths}
 
     def __getitem__(self, length: int) -> list[Sequence]:
-        if length in self._given:
-            return self._given[length]
         if length not in self.counts:
             raise KeyError(length)
         return self._build(length)
-
-    def __setitem__(self, length: int, seqs: list[Sequence]) -> None:
-        self._given[length] = seqs
-        self.counts[length] = len(seqs)
-
-    def __delitem__(self, length: int) -> None:
-        self._given.pop(length, None)
-        del self.counts[length]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.counts)

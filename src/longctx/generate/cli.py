@@ -313,7 +313,8 @@ def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: 
     size = 1 if one_row or args.draft else args.batch
     rows = {min(size, n - start) * (1 if args.draft else args.num_samples) for start in range(0, n, size)}
     # (a cache sharded over ranks decodes eagerly: nothing to compile per row count)
-    for count in sorted({1} | rows) if step and isinstance(backend, LocalGeneration) else (1,):
+    counts = sorted({1} | rows) if step and isinstance(backend, LocalGeneration) else [1]
+    for count in counts:
         generate(model, [ids] * count, max_new_tokens=2, device=device, backend=backend, compile=step)
     if step and main_rank:
         say(f"generate: --compile: {step.calls} decode step(s) ran compiled in the warm-up" if step.calls else

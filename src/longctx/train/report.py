@@ -351,7 +351,7 @@ def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, ch
         return f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {steps}."
     # a rollback of the last step (read_back.py): the run ends with checkpoint step `kept`'s weights, so the
     # losses and evaluations after it are of discarded updates
-    kept = getattr(result, "ended_at", None)
+    kept = result.ended_at
     evals = [loss for s, loss in result.eval_losses.items() if kept is None or s <= kept]
     last_eval = f", eval loss {evals[-1]:.4f}" if evals else ""
     if kept is None:
