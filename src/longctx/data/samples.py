@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..ops.loss import scored_rows
+
 IGNORE = -100
 
 
@@ -35,11 +37,15 @@ class Batch:
     # [batch, seq] float32: each label's weight in the loss's sum (train.loss_weighting = sequence: 1 / the labels
     # of its sequence, data/sequence_weights.py); None: every label weighs 1
     label_weights: torch.Tensor | None = None
+    # int64 [scored]: the flat index of the labels scored, made on the host by `to` (ops/loss.py scored_rows), so
+    # the LM head runs over those rows only; None: over every row (most rows are scored)
+    scored: torch.Tensor | None = None
 
     def to(self, device) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        scored = scored_rows(self.labels) if self.scored is None and self.labels.device.type == "cpu" else self.scored
         return Batch(move(self.tokens), move(self.labels), move(self.positions), move(self.doc_ids), move(self.real),
-                     move(self.label_weights))
+                     move(self.label_weights), move(scored))
 
     @property
     def valid_tokens(self) -> int:

@@ -3,7 +3,8 @@ recomputation adds), read by the training metrics (MFU) and the planner alike.
 
 Per layer and token, forward: 2 x (matmul parameters the token goes through) + 4 x seq x d_attn,
 the attention score term halved under a causal mask (counted so also with document masks, which
-skip more: MFU is then an upper bound, as in most reports); the LM head adds 2 x dim x vocab;
+skip more: MFU is then an upper bound, as in most reports); the LM head adds 2 x dim x vocab (counted
+for every token, also where a step runs it over the scored rows only: ops/loss.py scored_rows);
 training is 3x forward.
 
 Mixture of Experts (models/moe.py): a MoE layer's feed-forward holds every expert (`moe_ffn_params`

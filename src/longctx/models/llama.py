@@ -383,7 +383,7 @@ class Llama(nn.Module):
             update_expert_bias(moe_layers(self), counts, self.cfg.moe_bias_update_rate)
 
     def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", cache=None,
-                hidden: bool = False, real=None, label_weights=None):
+                hidden: bool = False, real=None, label_weights=None, scored=None):
         """Logits [batch, seq, vocab] without labels (with `hidden=True` the final-normed hidden states
         [batch, seq, dim] instead, for a caller that applies the LM head itself, in chunks: GliDe's
         distillation, train/glide.py); with labels (-100 = ignore) the cross-entropy,
@@ -392,7 +392,9 @@ class Llama(nn.Module):
         the label's negative log-likelihood and whether it is the greedy choice (ops/loss.py).
         With `cache` (models/kv_cache.py) the tokens continue the cached rows (see hidden_states); `real`:
         which tokens are not padding (see hidden_states); `label_weights` [batch, seq]: each label's weight in
-        the sum or mean (train.loss_weighting = sequence; ignored by "tokens")."""
+        the sum or mean (train.loss_weighting = sequence; ignored by "tokens"); `scored`: the flat index of the
+        labels scored (ops/loss.py scored_rows, made on the host), so the LM head runs over those rows only
+        (ignored by "tokens", which finds its own)."""
         if labels is None:
             h = self.hidden_states(tokens, positions, doc_ids, cache=cache, real=real)
             return h if hidden else F.linear(h, self.lm_head_weight)
@@ -405,7 +407,7 @@ class Llama(nn.Module):
                                           chunk=self.loss_chunk, norm=norm)
             return scores.view(*labels.shape, 2)
         return lm_head_loss(x.flatten(0, 1), self.lm_head_weight, labels.flatten(), chunk=self.loss_chunk,
-                            reduction=loss_reduction, norm=norm,
+                            reduction=loss_reduction, norm=norm, rows=scored,
                             label_weights=None if label_weights is None else label_weights.flatten())
 
 

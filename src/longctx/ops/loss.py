@@ -13,6 +13,11 @@ norm's fp32 statistics (8 x dim bytes per token) never exist for all tokens at o
 
 Numerics match `F.cross_entropy(F.linear(norm(h), w).float(), labels)`: logits in the compute
 dtype (autocast's when active), softmax statistics in fp32, labels == -100 ignored.
+
+With `rows` (the index of the rows whose label is scored, `scored_rows`, made on the host before the
+batch's copy to the device) the head runs over those rows only: an SFT sample whose prompt is masked,
+an answer-only synthetic sample or a padded one pays the head, its matmul with the whole vocabulary,
+for the labels it scores, not for every position. Same loss and gradients (the other rows' are zero).
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ IGNORE = -100
 
 def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk: int = 0,
                  reduction: str = "mean", norm: tuple[torch.Tensor, float] | None = None,
-                 label_weights: torch.Tensor | None = None) -> torch.Tensor:
+                 label_weights: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of `labels` [n] under logits norm(h) [n, dim] @ weight [vocab, dim]^T.
 
     chunk = 0, or n <= chunk: the plain path (one logits tensor). Otherwise chunked as above.
     reduction: "sum" or "mean" (over labels != -100). norm: (RMSNorm weight, eps), or None for none.
     label_weights: [n] float, each label's weight in the sum (train.loss_weighting = sequence: 1 / its sequence's
-    labels, data/sequence_weights.py); "mean" then divides by the weights' sum over valid labels."""
+    labels, data/sequence_weights.py); "mean" then divides by the weights' sum over valid labels.
+    rows: int64 [m], the rows to score (`scored_rows`: every row whose label is not ignored, ascending); the
+    head then runs over those m rows only."""
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if h.dim() != 2 or labels.shape != h.shape[:1] or weight.dim() != 2 or weight.shape[1] != h.shape[1]:
@@ -43,6 +50,8 @@ def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
     if label_weights is not None and label_weights.shape != labels.shape:
         raise ValueError(f"lm_head_loss's label_weights must be one per label, {tuple(labels.shape)}; got "
                          f"{tuple(label_weights.shape)}")
+    if rows is not None:
+        h, labels, label_weights = _take_rows(rows, h, labels, label_weights)
     if chunk <= 0 or h.shape[0] <= chunk:
         if norm is not None:
             h = rms_norm(h, *norm)
@@ -63,6 +72,35 @@ def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
     if label_weights is None:
         return total / (labels != IGNORE).sum().clamp(min=1)
     return total / _valid_weights(labels, label_weights, total.dtype).sum().clamp(min=torch.finfo(total.dtype).tiny)
+
+
+# The head runs over the scored rows only when at most this share of the rows is scored: above it the rows'
+# copy (and its backward's scatter) costs about what it saves. Measured on CPU (docs/benchmarks.md, "The LM
+# head over the scored rows only"): a step at 0.5 scored takes 0.68x the time, at 0.9 0.91-1.02x, at 0.97 1.05x.
+SCORED_SHARE_MAX = 0.8
+
+
+def scored_rows(labels: torch.Tensor) -> torch.Tensor | None:
+    """The flat index (int64, ascending) of `labels`' rows that are scored, for lm_head_loss's `rows`; None when
+    more than SCORED_SHARE_MAX of them are (the plain path is then as fast). `labels` must be on the host: the
+    index is made there, before the batch's copy to the device, so no step waits for the device to count."""
+    if labels.device.type != "cpu":
+        raise ValueError(f"scored_rows reads labels on the host (a device tensor would make the step wait for it); "
+                         f"got labels on {labels.device}")
+    flat = labels.reshape(-1)
+    keep = (flat != IGNORE).nonzero().squeeze(1)
+    return keep if keep.numel() <= SCORED_SHARE_MAX * flat.numel() else None
+
+
+def _take_rows(rows, h, labels, label_weights):
+    """The scored rows of h, labels and label weights. A row left out whose label is scored would drop that
+    label from the loss without a word: checked on the device (no host read)."""
+    taken = labels.index_select(0, rows)
+    torch._assert_async((taken != IGNORE).sum() == (labels != IGNORE).sum(),
+                        "lm_head_loss's rows leave out a scored label (rows must hold every row whose label is not "
+                        f"{IGNORE}: scored_rows)")
+    weights = None if label_weights is None else label_weights.index_select(0, rows)
+    return h.index_select(0, rows), taken, weights
 
 
 def _valid_weights(labels: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

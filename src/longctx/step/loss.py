@@ -32,6 +32,8 @@ def _forward_with_labels(model, batch, autocast_dtype, reduction: str) -> torch.
         # (train.loss_weighting = sequence)
         if reduction == "sum" and getattr(batch, "label_weights", None) is not None:
             extra["label_weights"] = batch.label_weights
+        if reduction == "sum" and getattr(batch, "scored", None) is not None:  # (the head over these rows only)
+            extra["scored"] = batch.scored
         return model(batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels, loss_reduction=reduction,
                      **extra)
 

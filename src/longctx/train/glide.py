@@ -123,9 +123,11 @@ class GlideTraining(nn.Module):
         """The draft's layers (what metrics count as blocks)."""
         return self.draft.layers
 
-    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", real=None):
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", real=None,
+                scored=None):
         """The draft's logits [b, n, vocab] without labels; with labels its loss (draft.loss), summed
-        over the valid labels (`"sum"`) or averaged (`"mean"`)."""
+        over the valid labels (`"sum"`) or averaged (`"mean"`); `scored` as the target's forward takes it
+        (models/llama.py): the head over the labelled rows only."""
         b, n = tokens.shape
         if positions is None:
             positions = torch.arange(n, device=tokens.device).expand(b, n)
@@ -134,12 +136,16 @@ class GlideTraining(nn.Module):
                                      doc_ids=doc_ids, key_positions=key_pos, key_doc_ids=key_doc)
         if labels is None:
             return self.draft.logits(self.head, x)
-        return self.draft_loss(x, teacher, labels, loss_reduction)
+        return self.draft_loss(x, teacher, labels, loss_reduction, scored)
 
-    def draft_loss(self, x, teacher, labels, loss_reduction):
+    def draft_loss(self, x, teacher, labels, loss_reduction, scored=None):
         """draft.loss on the draft's last states x [b, n, dim] (before its final norm), against the
-        target's final-normed states `teacher` (kd) or the labels (ce), chunked (memory.loss_chunk)."""
+        target's final-normed states `teacher` (kd) or the labels (ce), chunked (memory.loss_chunk); with
+        `scored` (ops/loss.py scored_rows) over those rows only, every other row's label being ignored."""
         weight = self.draft.head_weight(self.head)  # (a reduced vocabulary's rows: models/draft_vocab.py)
+        x, teacher, labels = x.flatten(0, 1)[None], teacher.flatten(0, 1)[None], labels.flatten()[None]
+        if scored is not None:
+            x, teacher, labels = x[:, scored], teacher[:, scored], labels[:, scored]
         labels = self._scored(labels)
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"a GliDe draft's loss_reduction is sum or mean, got {loss_reduction!r}")
@@ -384,7 +390,8 @@ class CloverTraining(GlideTraining):
         """The draft's block (what metrics count as blocks): its Augmenting Block."""
         return nn.ModuleList([self.draft.aug])
 
-    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", real=None):
+    def forward(self, tokens, positions=None, doc_ids=None, labels=None, loss_reduction="mean", real=None,
+                scored=None):
         """The draft's logits [b, n, vocab] without labels; with labels its loss (draft.loss)."""
         b, n = tokens.shape
         if positions is None:
@@ -393,7 +400,7 @@ class CloverTraining(GlideTraining):
         x = self.draft.chain_states(self.head, tokens, positions, teacher, self.block, doc_ids)
         if labels is None:
             return self.draft.logits(self.head, x)
-        return self.draft_loss(x, teacher, labels, loss_reduction)
+        return self.draft_loss(x, teacher, labels, loss_reduction, scored)
 
 
 def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=print) -> CloverTraining:
