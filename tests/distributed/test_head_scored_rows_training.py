@@ -3,33 +3,15 @@ on a store of instruction pairs (only the responses' labels scored), the per-ste
 equal the run whose head sees every row, in one process and under head 2 x ctx 2 (4 gloo ranks), and the head
 of a step really ran over fewer rows."""
 
-import json
-
-import pytest
 import torch
+from test_instruction_pairs_ranks import SEQ, store  # noqa: F401 (the store of instruction pairs, a fixture)
 
 from longctx.config import load_config
-from longctx.data.builder.options import BuildOptions
-from longctx.data.builder.pipeline import build_store
 from longctx.job.spawn import run_spawned_many
 
-SEQ = 256
 ARGS = [f"--train.seq_len={SEQ}", "--train.global_batch=4", "--train.steps=3", "--train.warmup_steps=1",
         "--metrics.plots=false", "--metrics.progress=false", "--train.device=cpu", "--model.layers=2",
         "--train.eval_interval=0", "--checkpoint.final=false", "--memory.loss_chunk=64"]
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("scored_rows")
-    with open(tmp / "pairs.jsonl", "w") as f:
-        for i in range(60):
-            f.write(json.dumps({"prompt": f"Note {i}: the value is {i * 7 % 100}.\n" * (1 + i % 4) + "Value?",
-                                "response": f" {i * 7 % 100}."}) + "\n")
-    build_store(BuildOptions([str(tmp / "pairs.jsonl")], str(tmp / "store"), SEQ, strategy="bfd", dedup="none",
-                             workers=1, eval_fraction=0.0, progress=False, stats=False, text_field="prompt",
-                             response_field="response"), log=lambda *a: None)
-    return str(tmp / "store")
 
 
 def _train(args, run_dir, skip: bool):
@@ -37,7 +19,8 @@ def _train(args, run_dir, skip: bool):
     import longctx.ops.loss as loss_mod
     from longctx.train.trainer import Trainer
 
-    loss_mod.SCORED_SHARE_MAX = 0.9 if skip else -1.0  # (-1: no batch gets an index: every row, as before)
+    default = loss_mod.SCORED_SHARE_MAX
+    loss_mod.SCORED_SHARE_MAX = default if skip else -1.0  # (-1: no batch gets an index: every row, as before)
     seen, plain = [], loss_mod.lm_head_loss
 
     def counting(h, *a, rows=None, **k):
@@ -50,7 +33,7 @@ def _train(args, run_dir, skip: bool):
         trainer = Trainer(load_config(None, [*ARGS, *args, f"--train.run_dir={run_dir}"]), log=lambda *a, **k: None)
         losses = trainer.run().losses
     finally:
-        llama.lm_head_loss, loss_mod.SCORED_SHARE_MAX = plain, 0.9
+        llama.lm_head_loss, loss_mod.SCORED_SHARE_MAX = plain, default
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     return losses, {k: local(v).detach().clone() for k, v in trainer.model.state_dict().items()}, sum(seen)
 
@@ -66,12 +49,12 @@ def _equal(skip, full, name):
         torch.testing.assert_close(w1[k], w0[k], rtol=0, atol=2e-5, msg=f"{name}: {k}")
 
 
-def test_scored_rows_train_as_every_row_in_one_process(store, tmp_path):
+def test_scored_rows_train_as_every_row_in_one_process(store, tmp_path):  # noqa: F811
     args = [f"--data.path={store}"]
     _equal(_train(args, str(tmp_path / "skip"), True), _train(args, str(tmp_path / "full"), False), "one process")
 
 
-def test_scored_rows_train_as_every_row_under_head_and_ctx(store, tmp_path):
+def test_scored_rows_train_as_every_row_under_head_and_ctx(store, tmp_path):  # noqa: F811
     args = [f"--data.path={store}", "--parallel.head=2", "--parallel.ctx=2"]
     ranks = run_spawned_many(4, [("skip", _train, (args, str(tmp_path / "skip"), True)),
                                  ("full", _train, (args, str(tmp_path / "full"), False))])
