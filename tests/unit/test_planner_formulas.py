@@ -43,9 +43,10 @@ def test_parameter_counts():
 
 
 def test_model_states_are_16_bytes_per_parameter_over_the_fsdp_group():
-    # fp32 parameter, gradient, exp_avg, exp_avg_sq over dp_shard 2 x ctx 2 = 4 ranks
-    assert predicted_model_state_bytes(TINY, DP2_CTX2) == 1352 * 16 / 4 == 5408
-    assert predicted_model_state_bytes(TINY, REP2_DP2_CTX2) == 5408  # replicas hold the same shard
+    # fp32 parameter, gradient, exp_avg, exp_avg_sq over dp_shard 2 x ctx 2 = 4 ranks; FSDP2 pads the
+    # embeddings' and LM head's 10 rows to 12 (3 a rank): 2 rows x dim 8 x 2 tensors more than 1352
+    assert predicted_model_state_bytes(TINY, DP2_CTX2) == (1352 + 2 * 8 * 2) * 16 / 4 == 5536
+    assert predicted_model_state_bytes(TINY, REP2_DP2_CTX2) == 5536  # replicas hold the same shard
     assert predicted_model_state_bytes(TINY, MeshShape()) == 1352 * 16
 
 

@@ -61,10 +61,10 @@ from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.host_parts import pinned_activation_bytes, pinned_attention_offload_bytes
 from ..memory.policy import MemoryPolicy
 from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
-from ..models.llama import build_model
 from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
 from .hardware import Hardware
 from .model_states import (
+    _shard_numels,
     accumulated_grad_bytes,
     chunk_grad_buffer_bytes,
     co2_checkpoint_bytes,
@@ -103,34 +103,6 @@ def device_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, gather_bytes
         return {"model_states": 0.0,
                 "gathered_params": gathered_param_bytes(m, shape, gather_bytes, True, bucket_blocks)}
     raise ValueError(f"unknown model-state tier {tier!r}; one of {', '.join(TIERS)}")
-
-
-@per_model
-def _param_shapes(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
-    """(shape, is a routed expert's) of every parameter of the model, as models/ builds it (on meta)."""
-    return tuple((tuple(p.shape), ".experts." in name) for name, p in build_model(m, "meta").named_parameters())
-
-
-def rank_shard_numels(m: ModelConfig, shape: MeshShape) -> list[int]:
-    """Elements of each parameter's shard on one rank, as FSDP2 keeps it (the largest rank's: torch.chunk's
-    first chunk, which FSDP pads every rank's to): dim 0 over the FSDP group; under expert parallelism the
-    routed experts 1 / expert of dim 0, then dim 1 over the expert-data group (parallel/fsdp/shard.py).
-    One rank: the whole tensors."""
-    group = shape.fsdp if shape.world > 1 else 1
-    return list(_shard_numels(m, group, shape.expert, shape.expert_data))
-
-
-@per_model
-def _shard_numels(m: ModelConfig, group: int, expert: int, expert_data: int) -> tuple[int, ...]:
-    out = []
-    for dims, routed in _param_shapes(m):
-        dims, g, d = list(dims), group, 0
-        if routed and expert > 1:
-            dims[0], g, d = -(-dims[0] // expert), expert_data, 1
-        if dims:
-            dims[d] = -(-dims[d] // g)
-        out.append(math.prod(dims))
-    return tuple(out)
 
 
 @per_model

@@ -24,10 +24,12 @@ traffic, not the states at rest (which are already 1 / world under FSDP over eve
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 
 from ..config import ModelConfig
 from ..models.flops import layer_matmul_params, moe_ffn_params
+from ..models.llama import build_model
 from .shape import MeshShape
 
 
@@ -113,12 +115,39 @@ def params_text(m: ModelConfig) -> str:
 
 def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
     """Bytes of model states per rank: fp32 parameters, gradients and AdamW's exp_avg and exp_avg_sq
-    (16 per parameter), sharded over the FSDP group and replicated over dp_replicate; under expert
-    parallelism the routed experts sharded over every rank (1 / expert each, FSDP over world / expert)."""
-    pc = param_counts(m)
-    if shape.expert == 1:
-        return 16 * pc["total"] / shape.fsdp
-    return 16 * (pc["total"] - pc["experts"]) / shape.fsdp + 16 * pc["experts"] / shape.world
+    (16 per parameter) of the rank's shards (rank_shard_numels: FSDP2's padded shards, the largest rank's),
+    sharded over the FSDP group and replicated over dp_replicate; under expert parallelism the routed
+    experts sharded over every rank (1 / expert each, FSDP over world / expert). Not total / group: a MoE
+    layer's [experts, ...] tensors over more ranks than experts keep a whole (padded) expert on each."""
+    return 16.0 * sum(rank_shard_numels(m, shape))
+
+
+@per_model
+def _param_shapes(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
+    """(shape, is a routed expert's) of every parameter of the model, as models/ builds it (on meta)."""
+    return tuple((tuple(p.shape), ".experts." in name) for name, p in build_model(m, "meta").named_parameters())
+
+
+def rank_shard_numels(m: ModelConfig, shape: MeshShape) -> list[int]:
+    """Elements of each parameter's shard on one rank, as FSDP2 keeps it (the largest rank's: torch.chunk's
+    first chunk, which FSDP pads every rank's to): dim 0 over the FSDP group; under expert parallelism the
+    routed experts 1 / expert of dim 0, then dim 1 over the expert-data group (parallel/fsdp/shard.py).
+    One rank: the whole tensors."""
+    group = shape.fsdp if shape.world > 1 else 1
+    return list(_shard_numels(m, group, shape.expert, shape.expert_data))
+
+
+@per_model
+def _shard_numels(m: ModelConfig, group: int, expert: int, expert_data: int) -> tuple[int, ...]:
+    out = []
+    for dims, routed in _param_shapes(m):
+        dims, g, d = list(dims), group, 0
+        if routed and expert > 1:
+            dims[0], g, d = -(-dims[0] // expert), expert_data, 1
+        if dims:
+            dims[d] = -(-dims[d] // g)
+        out.append(math.prod(dims))
+    return tuple(out)
 
 
 def gathered_param_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int, sharded: bool | None = None,
