@@ -111,3 +111,13 @@ def test_a_drafts_loss_over_the_scored_rows_is_the_same(kind, loss, vocab):
     assert len(out["full"][1]) > 0
     for a, b in zip(out["skip"][1], out["full"][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_drafts_rows_leaving_out_a_scored_label_are_refused():
+    from test_draft_training_audit import _packed, _target, _training
+
+    tokens, positions, doc, labels = _packed()
+    model = _training("glide", _target(), 0, "kd")
+    rows = (labels.flatten() != IGNORE).nonzero().squeeze(1)
+    with pytest.raises(RuntimeError, match="leave out a scored label"):
+        model(tokens, positions, doc, labels=labels, loss_reduction="sum", scored=rows[1:])

@@ -51,7 +51,7 @@ def lm_head_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
         raise ValueError(f"lm_head_loss's label_weights must be one per label, {tuple(labels.shape)}; got "
                          f"{tuple(label_weights.shape)}")
     if rows is not None:
-        h, labels, label_weights = _take_rows(rows, h, labels, label_weights)
+        h, labels, label_weights = take_rows(rows, h, labels, label_weights)
     if chunk <= 0 or h.shape[0] <= chunk:
         if norm is not None:
             h = rms_norm(h, *norm)
@@ -92,9 +92,9 @@ def scored_rows(labels: torch.Tensor) -> torch.Tensor | None:
     return keep if keep.numel() <= SCORED_SHARE_MAX * flat.numel() else None
 
 
-def _take_rows(rows, h, labels, label_weights):
-    """The scored rows of h, labels and label weights. A row left out whose label is scored would drop that
-    label from the loss without a word: checked on the device (no host read)."""
+def take_rows(rows, h, labels, label_weights):
+    """The scored rows of h [n, dim], labels [n] and label weights [n] (or None). A row left out whose label is
+    scored would drop that label from the loss without a word: checked on the device (no host read)."""
     taken = labels.index_select(0, rows)
     torch._assert_async((taken != IGNORE).sum() == (labels != IGNORE).sum(),
                         "lm_head_loss's rows leave out a scored label (rows must hold every row whose label is not "

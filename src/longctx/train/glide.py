@@ -61,7 +61,7 @@ from ..models.clover import CloverDraft
 from ..models.glide import GlideDraft, block_stale_limit, sequence_codes
 from ..models.llama import Llama, build_model
 from ..models.shards import write_full
-from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss
+from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss, take_rows
 from ..parallel.parallelize import parallelize, parallelize_draft
 from .weights import load_weights
 
@@ -143,19 +143,19 @@ class GlideTraining(nn.Module):
         target's final-normed states `teacher` (kd) or the labels (ce), chunked (memory.loss_chunk); with
         `scored` (ops/loss.py scored_rows) over those rows only, every other row's label being ignored."""
         weight = self.draft.head_weight(self.head)  # (a reduced vocabulary's rows: models/draft_vocab.py)
-        x, teacher, labels = x.flatten(0, 1)[None], teacher.flatten(0, 1)[None], labels.flatten()[None]
-        if scored is not None:
-            x, teacher, labels = x[:, scored], teacher[:, scored], labels[:, scored]
+        x, teacher, labels = x.flatten(0, 1), teacher.flatten(0, 1), labels.flatten()
+        if scored is not None:  # (checked as the target's loss checks them: no scored label left out)
+            x, labels, _ = take_rows(scored, x, labels, None)
+            teacher = teacher.index_select(0, scored)
         labels = self._scored(labels)
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"a GliDe draft's loss_reduction is sum or mean, got {loss_reduction!r}")
         norm = (self.draft.norm.weight, self.draft.norm.eps)
         if self.loss == "kd":
-            total = lm_head_distill_loss(x.flatten(0, 1), weight, teacher.flatten(0, 1), labels.flatten(),
-                                         temperature=self.kd_temperature, chunk=self.loss_chunk, norm=norm)
+            total = lm_head_distill_loss(x, weight, teacher, labels, temperature=self.kd_temperature,
+                                         chunk=self.loss_chunk, norm=norm)
         else:
-            total = lm_head_loss(x.flatten(0, 1), weight, labels.flatten(), chunk=self.loss_chunk, reduction="sum",
-                                 norm=norm)
+            total = lm_head_loss(x, weight, labels, chunk=self.loss_chunk, reduction="sum", norm=norm)
         if loss_reduction == "sum":
             return total
         return total / (labels != IGNORE).sum().clamp(min=1)
