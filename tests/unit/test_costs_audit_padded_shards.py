@@ -42,3 +42,15 @@ def test_model_state_bytes_unchanged_where_the_group_divides():
     for group in (1, 2, 4, 8):
         assert predicted_model_state_bytes(m, MeshShape(dp_shard=group)) == \
             16 * fsdp2_largest_shard_elements(model, group)
+
+
+@pytest.mark.parametrize("group", [3, 24])
+def test_co2_averages_the_fullest_ranks_padded_shards(group):
+    """CO2's fp32 buffers (step/co2.py OuterSync) are the shape of the rank's local shards: the fullest rank's
+    are FSDP2's padded chunks, as its model states are."""
+    from longctx.costs.model_states import co2_params
+
+    m = load_config(None, {"model": {"preset": "debug-moe"}}).model
+    shape = MeshShape(dp_replicate=2, dp_shard=group, data_parallel="co2", local_steps=2)
+    assert shape.fsdp == group
+    assert co2_params(m, shape) == fsdp2_largest_shard_elements(build_model(m, "meta"), group)

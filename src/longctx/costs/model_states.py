@@ -203,10 +203,13 @@ CO2_COPIES = 3
 
 
 def co2_params(m: ModelConfig, shape: MeshShape) -> float:
-    """Parameters of one rank's shard that CO2 averages: all but the routed experts under expert
-    parallelism (sharded over an expert-data group spanning the replicas, they stay synchronous)."""
-    pc = param_counts(m)
-    return (pc["total"] - (pc["experts"] if shape.expert > 1 else 0)) / shape.fsdp
+    """Parameters of one rank's shard that CO2 averages (the fullest rank's FSDP2 shards: rank_shard_numels):
+    all but the routed experts under expert parallelism (sharded over an expert-data group spanning the
+    replicas, they stay synchronous)."""
+    shards = rank_shard_numels(m, shape)
+    if shape.expert == 1:
+        return float(sum(shards))
+    return float(sum(n for n, (_, routed) in zip(shards, _param_shapes(m), strict=True) if not routed))
 
 
 def co2_state_bytes(m: ModelConfig, shape: MeshShape, outer_momentum: bool = False) -> float:
