@@ -18,25 +18,26 @@ import time
 
 import torch
 
-import longctx.ops.loss as loss_mod
 from longctx.config import load_config
 from longctx.data.samples import Batch
 from longctx.models.llama import build_model
+from longctx.ops.loss import IGNORE
 from longctx.step.loss import forward_loss_sum
 
 
 def _batch(n: int, vocab: int, share: float) -> Batch:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (1, n), generator=g)
-    labels = torch.full((1, n), loss_mod.IGNORE)
+    labels = torch.full((1, n), IGNORE)
     scored = max(1, round(share * n))
     labels[0, n - scored:] = torch.randint(0, vocab, (scored,), generator=g)
     return Batch(tokens, labels, torch.arange(n)[None], None)
 
 
 def _step_s(model, batch: Batch, skip: bool, repeat: int) -> float:
-    loss_mod.SCORED_SHARE_MAX = 1.0 if skip else -1.0  # (1.0: an index whatever the share; -1: none)
     moved = batch.to("cpu")
+    # the batch's own index, whatever the share (as Batch.to sets it at 80% scored and below), or none
+    moved.scored = (moved.labels.reshape(-1) != IGNORE).nonzero().squeeze(1) if skip else None
     best = float("inf")
     for _ in range(repeat):
         model.zero_grad(set_to_none=True)

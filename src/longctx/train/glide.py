@@ -146,7 +146,7 @@ class GlideTraining(nn.Module):
         x, teacher, labels = x.flatten(0, 1), teacher.flatten(0, 1), labels.flatten()
         if scored is not None:  # (checked as the target's loss checks them: no scored label left out)
             x, labels, _ = take_rows(scored, x, labels, None)
-            teacher = teacher.index_select(0, scored)
+            teacher = teacher.index_select(0, scored) if self.loss == "kd" else teacher  # (ce reads no teacher)
         labels = self._scored(labels)
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"a GliDe draft's loss_reduction is sum or mean, got {loss_reduction!r}")
