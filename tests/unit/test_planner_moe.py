@@ -67,8 +67,9 @@ def test_model_states_count_every_expert():
     holds the largest block (the MoE one, all experts) gathered twice (this one and the prefetched
     next) in the gather dtype and once as an fp32 gradient, and the root."""
     shape = MeshShape(1, 2, 1, 1)
-    # FSDP2 pads each tensor's dim 0 to the group: the shared experts' [1, 8] gate keeps a row on each rank (+4)
-    assert predicted_model_state_bytes(TINY_MOE, shape) == 16 * (1824 / 2 + 4)
+    # the shared experts' [1, 8] gate: one row over 2 ranks would keep a padded row on each (2x its even share),
+    # so FSDP shards its dim 1 (costs/model_states.py shard_dim): every tensor splits evenly
+    assert predicted_model_state_bytes(TINY_MOE, shape) == 16 * 1824 / 2
     assert gathered_param_bytes(TINY_MOE, shape, 2) == 2 * 1064 * 2 + 1064 * 4 + 168 * (2 + 4)
 
 
@@ -138,12 +139,13 @@ def test_expert_parallel_model_states_shard_the_routed_experts_over_every_rank()
     pc = param_counts(TINY_MOE)
     dense, experts = pc["total"] - pc["experts"], pc["experts"]
     # FSDP2's padded shards over 4 ranks: vocabulary 10 -> 3 rows of 8 in the embeddings and the head (+2 x 4),
-    # the shared gate's [1, 8] a row each (+6), the shared experts' [10, 8] w1 and w3 3 rows each (+2 x 4)
+    # the shared experts' [10, 8] w1 and w3 3 rows each (+2 x 4): 12 / 10 rows is within shard_dim's 1.25x, so
+    # dim 0 stays; the shared gate's [1, 8] (4x) is sharded on dim 1, evenly
     assert predicted_model_state_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4)) == predicted_model_state_bytes(
-        TINY_MOE, MeshShape(dp_shard=4)) == 16 * (pc["total"] / 4 + 22)
+        TINY_MOE, MeshShape(dp_shard=4)) == 16 * (pc["total"] / 4 + 16)
     assert predicted_model_state_bytes(TINY_MOE, MeshShape(dp_replicate=4, expert=4)) == 16 * dense + 16 * experts / 4
     hsdp = MeshShape(dp_replicate=2, dp_shard=2, expert=2)
-    assert predicted_model_state_bytes(TINY_MOE, hsdp) == 16 * (dense / 2 + 4) + 16 * experts / 4  # (+4: the gate)
+    assert predicted_model_state_bytes(TINY_MOE, hsdp) == 16 * dense / 2 + 16 * experts / 4
     # the working set: a MoE block gathered with its group's experts only; the unsharded gradients too
     assert gathered_param_bytes(TINY_MOE, MeshShape(dp_shard=4, expert=4), 2) == (
         2 * (1064 - 432) * 2 + (1064 - 432) * 4 + 168 * 6)

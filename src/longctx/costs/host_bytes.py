@@ -69,6 +69,7 @@ from .model_states import (
     chunk_grad_buffer_bytes,
     co2_checkpoint_bytes,
     co2_state_bytes,
+    even_shards,
     gathered_param_bytes,
     param_counts,
     per_model,
@@ -106,10 +107,10 @@ def device_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, gather_bytes
 
 
 @per_model
-def _pinned_fp32_shards(m: ModelConfig, carved: bool, group: int, expert: int, expert_data: int) -> int:
+def _pinned_fp32_shards(m: ModelConfig, carved: bool, group: int, expert: int, expert_data: int, even: bool) -> int:
     """Host bytes pinned for one fp32 tensor per parameter shard: each by itself, rounded up to a power of
     two (torch's host allocator), or `carved` with a second such set out of power-of-two slabs (halved)."""
-    sizes = [4 * k for k in _shard_numels(m, group, expert, expert_data)]
+    sizes = [4 * k for k in _shard_numels(m, group, expert, expert_data, even)]
     if carved:
         return planned_pinned_bytes(sizes * 2) // 2
     return sum(pinned_bytes(s) for s in sizes)
@@ -117,7 +118,8 @@ def _pinned_fp32_shards(m: ModelConfig, carved: bool, group: int, expert: int, e
 
 def pinned_fp32_shard_bytes(m: ModelConfig, shape: MeshShape, carved: bool = False) -> int:
     """_pinned_fp32_shards for one rank of `shape`."""
-    return _pinned_fp32_shards(m, carved, shape.fsdp if shape.world > 1 else 1, shape.expert, shape.expert_data)
+    return _pinned_fp32_shards(m, carved, shape.fsdp if shape.world > 1 else 1, shape.expert, shape.expert_data,
+                               even_shards(shape))
 
 
 def host_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, pinned: bool = False) -> float:

@@ -128,20 +128,48 @@ def _param_shapes(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
     return tuple((tuple(p.shape), ".experts." in name) for name, p in build_model(m, "meta").named_parameters())
 
 
+# FSDP2 pads every rank's shard to torch.chunk's first (ceil(n / group) rows of dim 0), so a tensor with
+# fewer rows than ranks (128 experts' [experts, hidden, dim] weights over 512 ranks) keeps a whole row on
+# 128 ranks and nothing but padding on the other 384: 4x the even share per rank, for every MoE layer.
+# Sharding another dim that the group divides evenly gives each rank exactly 1 / group. FSDP2 shards a dim
+# other than 0 only where the group divides it, and it then interleaves chunks on every gather and
+# reduce-scatter (one more copy of the unit), so dim 0 stays unless its fullest shard is over 1.25x the even one.
+# Under hpz dim 0 stays everywhere: FSDP2's reshard to the node after forward cuts the gathered flat buffer as
+# dim 0's layout (parallel/fsdp/shard.py).
+UNEVEN_SHARE_MAX = 1.25
+
+
+def shard_dim(dims: tuple[int, ...] | list[int], group: int) -> int:
+    """The dim FSDP2 shards a tensor of shape `dims` on over `group` ranks (parallel/fsdp/shard.py's
+    placement): 0, or the first other dim `group` divides where dim 0's padded shard holds over
+    UNEVEN_SHARE_MAX x the even share (numel / group)."""
+    if len(dims) < 2 or group <= 1 or dims[0] % group == 0:
+        return 0
+    fullest = -(-dims[0] // group) * group  # rows of dim 0 a rank pads to, x group, against dims[0]
+    if fullest <= UNEVEN_SHARE_MAX * dims[0]:
+        return 0
+    return next((d for d in range(1, len(dims)) if dims[d] % group == 0), 0)
+
+
 def rank_shard_numels(m: ModelConfig, shape: MeshShape) -> list[int]:
     """Elements of each parameter's shard on one rank, as FSDP2 keeps it (the largest rank's: torch.chunk's
-    first chunk, which FSDP pads every rank's to): dim 0 over the FSDP group; under expert parallelism the
-    routed experts 1 / expert of dim 0, then dim 1 over the expert-data group (parallel/fsdp/shard.py).
-    One rank: the whole tensors."""
+    first chunk, which FSDP pads every rank's to): shard_dim's dim (mostly 0) over the FSDP group; under
+    expert parallelism the routed experts 1 / expert of dim 0, then dim 1 over the expert-data group
+    (parallel/fsdp/shard.py). One rank: the whole tensors."""
     group = shape.fsdp if shape.world > 1 else 1
-    return list(_shard_numels(m, group, shape.expert, shape.expert_data))
+    return list(_shard_numels(m, group, shape.expert, shape.expert_data, even_shards(shape)))
+
+
+def even_shards(shape: MeshShape) -> bool:
+    """Whether FSDP picks shard_dim's dim for each parameter (False under hpz: dim 0 everywhere)."""
+    return "hpz" not in shape.zero_pp.split(",")
 
 
 @per_model
-def _shard_numels(m: ModelConfig, group: int, expert: int, expert_data: int) -> tuple[int, ...]:
+def _shard_numels(m: ModelConfig, group: int, expert: int, expert_data: int, even: bool) -> tuple[int, ...]:
     out = []
     for dims, routed in _param_shapes(m):
-        dims, g, d = list(dims), group, 0
+        dims, g, d = list(dims), group, shard_dim(dims, group) if even else 0
         if routed and expert > 1:
             dims[0], g, d = -(-dims[0] // expert), expert_data, 1
         if dims:

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
+from ...costs.model_states import shard_dim
 from ...errors import ConfigError
 from ...job.checks import hpz_group, node_size, zero_pp_names
 from ...job.comm import link_hook, mesh_with_backstop, sub_mesh
@@ -49,6 +50,13 @@ def fsdp_mesh(dims, device_type: str):
     return mesh_with_backstop(DeviceMesh(device_type, grid[0], mesh_dim_names=("fsdp",)))
 
 
+def even_placement(group: int):
+    """FSDP2's shard_placement_fn over `group` ranks: each parameter on costs' shard_dim (dim 0, or another
+    dim the group divides where dim 0 leaves ranks mostly padding: a MoE layer's experts over more ranks
+    than experts), so the states per rank the cost model predicts are the ones FSDP keeps."""
+    return lambda p: Shard(shard_dim(tuple(p.shape), group))
+
+
 # A router's own unit, its gate gathered in fp32 where the blocks gather bf16: the router selects in fp32
 # (models/moe.py Router.logits) from the fp32 weights one device routes with; a bf16-rounded gate picked
 # another expert set for 0.2-1.4% of tokens (top-2 of 8 to top-8 of 128), so routing depended on the layout.
@@ -78,6 +86,8 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     # over the ranks of a node, so its backward all-gather never leaves the node. (The experts' units
     # keep plain resharding: their expert-data group is not node-local in general.)
     reshard = hpz_group(cfg, dims) or True
+    # (not under hpz: FSDP2 reshards to the node after forward by cutting the gathered flat buffer, dim 0's layout)
+    even = even_placement(shard_mesh.shape[-1]) if reshard is True else None
     units, expert_units = [], []
     for group in plan.groups():
         blocks = [model.layers[i] for i in group]
@@ -89,13 +99,14 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         if mp.param_dtype is not None:  # routers gather fp32 (below), whatever the blocks gather in
             for router in [b.feed_forward.router for b in blocks if isinstance(b.feed_forward, MoEFeedForward)]:
                 fully_shard(router, mesh=shard_mesh, mp_policy=FP32, offload_policy=offload,
-                            reshard_after_forward=reshard)
+                            reshard_after_forward=reshard, shard_placement_fn=even)
                 # the MoE layer also calls router.logits directly (the sinkhorn assignment, a padding mask,
                 # block chunks' first pass): FSDP gathers the gate for that call as for forward
                 register_fsdp_forward_method(router, "logits")
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
-                                 reshard_after_forward=reshard))
-    fully_shard(model, mesh=shard_mesh, mp_policy=root_precision(mp), offload_policy=offload)
+                                 reshard_after_forward=reshard, shard_placement_fn=even))
+    fully_shard(model, mesh=shard_mesh, mp_policy=root_precision(mp), offload_policy=offload,
+                shard_placement_fn=even)
     compiled = use_compiled(cfg.parallel.zero_pp_kernels, device_type)
     model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled, expert_units)
     model.grad_bucket_plan = plan
