@@ -41,7 +41,21 @@ def test_hpz_post_forward_copy_is_a_share_of_the_padded_tensor():
 def test_co2_local_shards_are_torch_chunks_unpadded():
     units = units_of(_model(), group=3, node=3)
     assert list(units[0].local_elements) == [sum(torch.zeros(s).chunk(3)[r].numel() for s in SHAPES) for r in range(3)]
-    assert units[1].local_elements == tuple(torch.zeros(7, 3).chunk(3)[r].numel() for r in range(3))
+    # the root's [7, 3]: dim 0 over 3 would pad 7 rows to 9 (1.29x), so FSDP shards its dim 1, one column a rank
+    assert units[1].local_elements == (7, 7, 7)
+    assert units_of(_model(), group=3, node=3, even=False)[1].local_elements == tuple(
+        torch.zeros(7, 3).chunk(3)[r].numel() for r in range(3))  # (under hpz: dim 0, the last rank short)
+
+
+def test_a_tensor_fsdp_shards_on_dim_1_counts_its_even_share():
+    """FSDP2 cuts shard_dim's dim (parallel/fsdp/shard.py even_placement): a [3, 8] tensor over 2 ranks on
+    dim 1 (dim 0 would pad 3 rows to 4), 12 elements a rank, no padding; under hpz dim 0, 2 rows of 8."""
+    model = _model()
+    model.layers[0].p0.data = torch.zeros(3, 8)
+    even, hpz = units_of(model, group=2, node=2)[0], units_of(model, group=2, node=2, even=False)[0]
+    others = sum(math.ceil(s[0] / 2) * _rest(s) for s in SHAPES[1:])
+    assert even.elements == 12 + others
+    assert hpz.elements == 16 + others
 
 
 def test_co2_outer_all_reduce_counts_each_ranks_own_shard():

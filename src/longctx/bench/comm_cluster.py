@@ -37,11 +37,12 @@ import torch.distributed as dist
 
 from .. import strict_json
 from ..config import load_config
+from ..costs.model_states import shard_dim
 from ..errors import ConfigError
 from ..job import comm
 from ..job.spawn import run_spawned
 from ..progress import speaker
-from .comm_bytes import Unit, step_bytes
+from .comm_bytes import PARTS, Unit, step_bytes
 from .emulated_link import LinkProfile, emulate, parse_cluster
 
 MODES = ("fsdp", "hpz", "qwz", "qgz", "zeropp", "co2", "three_level")
@@ -106,19 +107,24 @@ def timed_steps(mode: str, spec: dict) -> range:
     return range(first, first + spec["timed"])
 
 
-def units_of(model, group: int, node: int, hpz: int = 0) -> list[Unit]:
-    """The FSDP units' shards per rank, from the parameters' shapes and FSDP2's padding of dim 0 to a
-    multiple of the group (independent of what the links counted). A smaller partition's (a node's: hpZ's
-    backward gather) is its share of that padded tensor, as FSDP2 cuts its post-forward copy from the
-    gathered one: ceil(dim0 / group) x group / size rows, not ceil(dim0 / size) (they differ where the
-    group does not divide dim 0: on 3 x 2 ranks hpz's count was 147,840 bytes a step short)."""
+def units_of(model, group: int, node: int, hpz: int = 0, even: bool = True) -> list[Unit]:
+    """The FSDP units' shards per rank, from the parameters' shapes and FSDP2's padding of the dim it shards
+    (costs/model_states.py shard_dim where `even`, i.e. without hpz; dim 0 otherwise) to a multiple of the group
+    (independent of what the links counted). A smaller partition's (a node's: hpZ's backward gather) is its
+    share of that padded tensor, as FSDP2 cuts its post-forward copy from the gathered one: ceil(dim0 / group)
+    x group / size rows, not ceil(dim0 / size) (they differ where the group does not divide dim 0: on 3 x 2
+    ranks hpz's count was 147,840 bytes a step short)."""
+    def cut(p):  # (the sharded dim's size, its rows a rank pads to, elements per row)
+        d = shard_dim(tuple(p.shape), group) if even and p.dim() else 0
+        n = p.shape[d] if p.dim() else 1
+        return n, math.ceil(n / group), p.numel() // max(n, 1)
+
     def shard(params, size):
-        return sum(math.ceil(p.shape[0] / group) * (group // size) * (p.numel() // max(p.shape[0], 1))
-                   for p in params)
+        return sum(chunk * (group // size) * rest for _, chunk, rest in map(cut, params))
 
     def local(params):  # each rank's unpadded elements (co2's outer all-reduce: one replica of `group` ranks)
-        rows = [(p.shape[0], math.ceil(p.shape[0] / group), p.numel() // max(p.shape[0], 1)) for p in params]
-        return tuple(sum(max(0, min(chunk, dim0 - r * chunk)) * rest for dim0, chunk, rest in rows)
+        rows = [cut(p) for p in params]
+        return tuple(sum(max(0, min(chunk, n - r * chunk)) * rest for n, chunk, rest in rows)
                      for r in range(group))
 
     units, in_blocks = [], set()
@@ -159,7 +165,7 @@ def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:
            "inter_node_bytes": per_step[0], "intra_node_bytes": per_step[1] + per_step[2],
            "intra_group_bytes": per_step[2]}
     hpz = spec["group_ranks"] if mode == "three_level" else 0
-    units = units_of(trainer.model, group, ranks, hpz)
+    units = units_of(trainer.model, group, ranks, hpz, even="hpz" not in PARTS[mode])
     out["closed_form"] = step_bytes(mode, units, nodes, ranks, cfg.parallel.zero_pp_block, spec["local_steps"],
                                     spec["group_ranks"], hpz)
     if spec["steps"]:
