@@ -151,11 +151,18 @@ def shard_dim(dims: tuple[int, ...] | list[int], group: int) -> int:
     return next((d for d in range(1, len(dims)) if dims[d] % group == 0), 0)
 
 
+def expert_shard_dim(dims: tuple[int, ...] | list[int], group: int) -> int:
+    """The dim FSDP2 shards a routed expert tensor on over the expert-data group under expert parallelism (dim 0
+    is the expert group's): 1, or 2 where the group divides only that one (job/checks.py refuses a layout where
+    it divides neither)."""
+    return 2 if group > 1 and dims[1] % group and not dims[2] % group else 1
+
+
 def rank_shard_numels(m: ModelConfig, shape: MeshShape) -> list[int]:
     """Elements of each parameter's shard on one rank, as FSDP2 keeps it (the largest rank's: torch.chunk's
     first chunk, which FSDP pads every rank's to): shard_dim's dim (mostly 0) over the FSDP group; under
-    expert parallelism the routed experts 1 / expert of dim 0, then dim 1 over the expert-data group
-    (parallel/fsdp/shard.py). One rank: the whole tensors."""
+    expert parallelism the routed experts 1 / expert of dim 0, then expert_shard_dim's over the expert-data
+    group (parallel/fsdp/shard.py). One rank: the whole tensors."""
     group = shape.fsdp if shape.world > 1 else 1
     return list(_shard_numels(m, group, shape.expert, shape.expert_data, even_shards(shape)))
 
@@ -171,7 +178,7 @@ def _shard_numels(m: ModelConfig, group: int, expert: int, expert_data: int, eve
     for dims, routed in _param_shapes(m):
         dims, g, d = list(dims), group, shard_dim(dims, group) if even else 0
         if routed and expert > 1:
-            dims[0], g, d = -(-dims[0] // expert), expert_data, 1
+            dims[0], g, d = -(-dims[0] // expert), expert_data, expert_shard_dim(dims, expert_data)
         if dims:
             dims[d] = -(-dims[d] // g)
         out.append(math.prod(dims))

@@ -42,6 +42,7 @@ def check_layout(cfg, world: int) -> ParallelDims:
                           f"so its experts must be spread over the replica's {replica} ranks, and parallel.expert = "
                           f"{dims.expert} does not divide them: choose parallel.expert among "
                           f"{[d for d in range(1, replica + 1) if replica % d == 0]}, or fewer replicas.")
+    _check_expert_shards(cfg.model, dims)
     if cfg.parallel.zero_pp_kernels not in ZERO_PP_KERNELS:
         raise ConfigError(f"parallel.zero_pp_kernels must be one of {', '.join(ZERO_PP_KERNELS)}, got "
                           f"{cfg.parallel.zero_pp_kernels!r}.")
@@ -49,6 +50,30 @@ def check_layout(cfg, world: int) -> ParallelDims:
     if inert:
         raise ConfigError(" ".join(inert))
     return dims
+
+
+def expert_shards_split(m, world: int, expert: int) -> bool:
+    """Whether FSDP can shard a rank's experts over the expert-data group (world / expert ranks) under expert
+    parallelism `expert`: the group divides model.dim or model.moe.expert_dim (or there is no group to split)."""
+    g = world // expert
+    return expert < 2 or g < 2 or m.dim % g == 0 or m.resolved_expert_dim % g == 0
+
+
+def _check_expert_shards(m, dims: ParallelDims) -> None:
+    """Under expert parallelism each rank's experts ([experts / expert, expert_dim, dim] and [.., dim, expert_dim])
+    are FSDP-sharded over the expert-data group (world / expert ranks) on an inner dim, which FSDP2 splits only
+    evenly (parallel/fsdp/shard.py, costs/model_states.py expert_shard_dim): the group must divide model.dim or
+    model.moe.expert_dim, or FSDP fails inside set-up on every rank."""
+    g, world = dims.expert_data, dims.world_size
+    if not m.is_moe or expert_shards_split(m, world, dims.expert):
+        return
+    valid = [e for e in range(2, world + 1) if world % e == 0 and m.moe_experts % e == 0
+             and expert_shards_split(m, world, e)]
+    raise ConfigError(f"parallel.expert = {dims.expert} on {world} ranks leaves {g} ranks holding the same experts, "
+                      f"and FSDP shards each expert's weights over them on model.dim ({m.dim}) or "
+                      f"model.moe.expert_dim ({m.resolved_expert_dim}), which must split evenly: {g} divides "
+                      f"neither. Choose parallel.expert among {valid or 'none on this world size'}, or a number of "
+                      f"ranks whose ratio to parallel.expert divides one of them.")
 
 
 def check_heads(heads: int, kv_heads: int, head: int) -> None:

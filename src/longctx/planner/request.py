@@ -21,6 +21,7 @@ from ..costs.hardware import Hardware
 from ..costs.host_bytes import TIERS
 from ..costs.shape import MeshShape
 from ..errors import ConfigError
+from ..job.checks import expert_shards_split
 from ..memory.policy import MemoryPolicy
 from .cost import RunSettings
 from .slow_links import CO2_LOCAL_STEPS, check_levels, slow_link_variants
@@ -144,6 +145,13 @@ class Request:
         if bad:
             raise ConfigError(f"expert-parallel degree(s) {bad} must divide both the GPUs ({self.gpus}) and the "
                               f"experts ({self.model.moe_experts}).")
+        m = self.model
+        unsplit = [x for x in (self.expert_degrees or ()) if not expert_shards_split(m, self.gpus, x)]
+        if unsplit:
+            raise ConfigError(f"expert-parallel degree(s) {unsplit} on {self.gpus} GPUs leave expert-data groups "
+                              f"({', '.join(str(self.gpus // x) for x in unsplit)} GPUs) that divide neither "
+                              f"model.dim ({m.dim}) nor model.moe.expert_dim ({m.resolved_expert_dim}), one of which "
+                              f"FSDP shards each expert's weights on (job/checks.py); choose others.")
 
 
 # hardware fields the cost model divides by (> 0), and fractions of a peak or a capacity (<= 1; a percentage
@@ -262,5 +270,6 @@ def expert_degrees(req: Request) -> tuple[int, ...]:
         return (1,)
     if req.expert_degrees:
         return tuple(req.expert_degrees)
-    fit = [x for x in divisors(req.gpus) if m.moe_experts % x == 0 and x <= req.gpus_per_node]
+    fit = [x for x in divisors(req.gpus) if m.moe_experts % x == 0 and x <= req.gpus_per_node
+           and expert_shards_split(m, req.gpus, x)]  # (else FSDP cannot shard the experts: job/checks.py)
     return tuple(sorted({1, max(fit)}))

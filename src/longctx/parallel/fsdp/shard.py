@@ -18,7 +18,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
-from ...costs.model_states import shard_dim
+from ...costs.model_states import expert_shard_dim, shard_dim
 from ...errors import ConfigError
 from ...job.checks import hpz_group, node_size, zero_pp_names
 from ...job.comm import link_hook, mesh_with_backstop, sub_mesh
@@ -57,6 +57,12 @@ def even_placement(group: int):
     return lambda p: Shard(shard_dim(tuple(p.shape), group))
 
 
+def expert_placement(group: int):
+    """FSDP2's shard_placement_fn for the routed experts under expert parallelism: dim 0 is the expert group's,
+    FSDP takes an inner dim the expert-data group of `group` ranks splits evenly (costs' expert_shard_dim)."""
+    return lambda p: Shard(expert_shard_dim(tuple(p.shape), group))
+
+
 # A router's own unit, its gate gathered in fp32 where the blocks gather bf16: the router selects in fp32
 # (models/moe.py Router.logits) from the fp32 weights one device routes with; a bf16-rounded gate picked
 # another expert set for 0.2-1.4% of tokens (top-2 of 8 to top-8 of 128), so routing depended on the layout.
@@ -67,7 +73,7 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     """FSDP2 over the blocks, grouped into units by the gradient-bucket plan (parallel/fsdp/grad_buckets.py,
     kept as `model.grad_bucket_plan`), then the root; every unit's reduce-scatter timed
     (`model.grad_reduce_timers`). Under expert parallelism a bucket's expert weights form a unit of
-    their own over the expert-data group, sharded on their second dim (the first is the expert group's).
+    their own over the expert-data group, sharded on an inner dim (the first is the expert group's).
     Where the blocks gather bf16 (GPU), each MoE layer's router is a unit of its own gathered in fp32."""
     shard_mesh, mp, t = fsdp_mesh(dims, device_type), mixed_precision(device_type, cfg.train.dtype), cfg.train
     if t.data_parallel == "co2":  # each replica an FSDP group of its own: no gradient leaves it (step/co2.py)
@@ -95,7 +101,8 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
                    if expert_mesh is not None and isinstance(b.feed_forward, MoEFeedForward)]
         if experts:
             expert_units.append(fully_shard(_one_or_list(experts), mesh=expert_mesh, mp_policy=mp,
-                                            offload_policy=offload, shard_placement_fn=lambda p: Shard(1)))
+                                            offload_policy=offload,
+                                            shard_placement_fn=expert_placement(expert_mesh.size())))
         if mp.param_dtype is not None:  # routers gather fp32 (below), whatever the blocks gather in
             for router in [b.feed_forward.router for b in blocks if isinstance(b.feed_forward, MoEFeedForward)]:
                 fully_shard(router, mesh=shard_mesh, mp_policy=FP32, offload_policy=offload,
