@@ -88,13 +88,33 @@ def co2_rounds(cfg, model, optimizer, rt, ckpt, log) -> CO2Rounds | None:
 def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log, steps: int) -> None:
     state = ckpt.load_rank_state(path, manifest)
     if state is None or STATE_KEY not in state:
-        log(f"co2: {path.name} holds no CO2 state for this layout (written under sync or another layout): the "
-            f"replicas start their rounds from its weights")
+        log(_not_restored_note(path, manifest, ckpt.layout))
         return
     outer.load_state_dict(state[STATE_KEY], optimizer)
     note = lengthened_note(getattr(ckpt, "resumed_state", None), path.name, steps)
     if note:
         log(note)
+
+
+def _not_restored_note(path, manifest: dict, layout: dict) -> str:
+    """What a co2 run resumed from a checkpoint that holds no CO2 state for its layout goes on from. A co2 run's
+    checkpoint under another layout (its ranks' own files are there, for other ranks) leaves behind what only those
+    files held, as a resume under sync does (_note_dropped_state); until 2026-12-04 it said only "holds no CO2 state
+    for this layout (written under sync or another layout)", neither which nor what was dropped."""
+    if not (path / local_state_file(0)).is_file():  # (every rank of a co2 run writes its own: rank 0's is there)
+        return (f"co2: {path.name} holds no CO2 state (written under train.data_parallel = sync): the replicas start "
+                f"their rounds from its weights")
+    return (f"co2: {path.name} was written by a co2 run under another layout ({_layout(manifest['layout'])}; now "
+            f"{_layout(layout)}): every replica goes on from its replica 0's weights and AdamW moments; the other "
+            f"replicas' progress since their last merge (none after a co2 run's last step, which averages them) and "
+            f"CO2's outer state (its momentum, a change in flight) are not carried over. Resume under the layout it "
+            f"was written with to keep them.")
+
+
+def _layout(x: dict) -> str:
+    expert = f" x expert {x['expert']}" if x.get("expert", 1) > 1 else ""
+    return (f"{x['world']} ranks: head {x['head']} x ctx {x['ctx']} x dp {x['dp_replicate']}x{x['dp_shard']}"
+            f"{expert}")
 
 
 def lengthened_note(saved: dict | None, name: str, steps_now: int) -> str | None:
