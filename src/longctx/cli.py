@@ -99,7 +99,7 @@ def _train(args, overrides, cfg, nproc: int, launching: bool, resumed: bool) -> 
 
     threads.fit_to_idle_cores()  # one process alone (ranks have their share): as many threads as cores are idle
     try:
-        train(cfg)
+        train(cfg, preflighted=launching)  # (a rank of a relaunch, launching False, is under the launcher)
     except Preempted:
         finish_distributed()  # every rank stopped at the same step, after the same save
         raise

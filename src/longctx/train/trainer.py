@@ -34,9 +34,10 @@ import torch
 from ..config import Config
 from ..errors import Preempted
 from ..job import watchdog
-from ..job.devices import resolve_dtype, seed_everything, use_deterministic_algorithms
+from ..job.checks import check_layout
+from ..job.devices import resolve_device, resolve_dtype, seed_everything, use_deterministic_algorithms
 from ..job.join import join_job
-from ..job.launch import end_one_rank_group
+from ..job.launch import end_one_rank_group, under_launcher
 from ..parallel.context.shares import read_local_batch, to_device
 from ..parallel.fsdp.shard import grad_scale
 from ..progress import phase, progress_bar, said
@@ -50,6 +51,7 @@ from .fault_injection import with_step_faults
 from .glide import choose_draft_vocab
 from .guard import StepGuard
 from .hooks import StepHooks
+from .host_budget import check_host_memory
 from .host_update import host_update_hooks
 from .metrics import MetricsLogger, setup_peak_line
 from .model import build_training_model, resolve_offload
@@ -414,8 +416,13 @@ class _Loop:
     mean_from: int = 0  # result.losses' index where the current log interval's losses begin
 
 
-def train(cfg: Config, log=print) -> TrainResult:
-    """Run one training job (this rank's part of it) and return its losses."""
+def train(cfg: Config, log=print, *, preflighted: bool = False) -> TrainResult:
+    """Run one training job (this rank's part of it) and return its losses. Called from a plain Python process (no
+    launcher's env:// variables; `longctx train` passes `preflighted`, its preflight having checked), it first refuses
+    a run that would not fit in this machine's free host memory, with the figures, as `longctx train` does before
+    any work (train/host_budget.py), rather than leave it to the OOM killer in the first step."""
+    if not preflighted and not under_launcher():
+        check_host_memory(cfg, check_layout(cfg, 1), 1, resolve_device(cfg.train.device).type)
     try:
         return Trainer(cfg, log).run()
     except BaseException:
