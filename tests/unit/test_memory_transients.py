@@ -51,10 +51,12 @@ def test_sparse_backward_bytes_by_hand():
 
 
 def test_lm_head_bytes():
-    # bf16 logits [tokens, 10] and their fp32 gradient: 60 B per token, for one chunk when chunked
-    assert lm_head_bytes(TINY, 100, 0, 2) == 6000
-    assert lm_head_bytes(TINY, 100, 32, 2) == 1920
-    assert lm_head_bytes(TINY, 20, 32, 2) == 1200  # fewer tokens than a chunk
+    # unchunked: cross_entropy's two fp32 [tokens, 10] gradients, 80 B per token whatever the dtype
+    assert lm_head_bytes(TINY, 100, 0, 2) == 8000
+    # chunked, per chunk token: bf16 logits and their fp32 copy (60 B), the recomputed final norm (8 x 8 + 4),
+    # labels, scale and one-hot values (16); and the bf16 hidden-state gradient of all 100 tokens (16 B each)
+    assert lm_head_bytes(TINY, 100, 32, 2) == 32 * (60 + 68 + 16) + 100 * 16
+    assert lm_head_bytes(TINY, 20, 32, 2) == 1600  # fewer tokens than a chunk: unchunked
 
 
 def test_attention_chunks():
@@ -65,10 +67,10 @@ def test_attention_chunks():
 
 
 def test_transient_is_the_lm_head_when_its_logits_are_widest():
-    """A vocabulary far wider than the block: the LM head's backward (logits and their fp32
-    gradient) is the peak: 64 tokens x 1000 x (2 + 4) B."""
+    """A vocabulary far wider than the block: the LM head's backward (unchunked: two fp32 gradients of the
+    logits) is the peak: 64 tokens x 1000 x (4 + 4) B."""
     wide = dataclasses.replace(TINY, vocab_size=1000)
-    assert transient_bytes(wide, 64, 1, head=1, ctx=1, policy=MemoryPolicy(), dtype_bytes=2, docs=False) == 384000
+    assert transient_bytes(wide, 64, 1, head=1, ctx=1, policy=MemoryPolicy(), dtype_bytes=2, docs=False) == 512000
 
 
 def test_selective_keeps_the_attention_core_and_the_block_output():

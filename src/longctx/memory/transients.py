@@ -61,11 +61,14 @@ def sparse_attention_backward_bytes(m: ModelConfig, head: int, e: int) -> float:
 
 
 def attention_chunks(seq_len: int, micro_batch: int, ctx: int, policy: MemoryPolicy) -> int:
-    """How many chunks the attention core's sequence (a context rank's tokens after the head
-    all-to-all) is cut into under memory.attention_chunk; 1 = not chunked."""
-    core_tokens = micro_batch * seq_len // ctx
+    """How many chunks each row of the attention core's sequence (a context rank's tokens after the head
+    all-to-all) is cut into under memory.attention_chunk; 1 = not chunked. ops/chunked.py cuts every row
+    alike (`chunk_slices` of the row's seq / ctx tokens), so a chunk pair holds micro_batch x chunk tokens
+    and the micro-batch changes the chunks' size, not their number (counted end to end, the chunks were
+    micro_batch times too many and each too small: tests/unit/test_peaks_audit_micro_batch.py)."""
+    row_tokens = seq_len // ctx
     c = policy.attention_chunk
-    return -(-core_tokens // c) if c and core_tokens > c else 1
+    return -(-row_tokens // c) if c and row_tokens > c else 1
 
 
 def per_chunk_store(ctx: int, policy: MemoryPolicy) -> bool:
@@ -226,7 +229,9 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
                                        host_chunks=host_chunks)
     pair = 0.0
     if chunked:
-        pair = min(policy.attention_chunk / head, t) * chunk_pair_bytes(m, head, e, docs, policy.attention_offload)
+        # a chunk pair holds a chunk of every row of the micro-batch (attention_chunks)
+        pair = min(micro_batch * policy.attention_chunk / head, t) * chunk_pair_bytes(m, head, e, docs,
+                                                                                   policy.attention_offload)
     full = policy.recompute == "full"
     # the recomputed attention state under full: in post's backward (core state + the output in
     # sequence layout) and in the core's backward (core state); with the per-chunk host store only
@@ -260,9 +265,19 @@ def qk_norm_piece_tokens(tokens: int, policy: MemoryPolicy) -> float:
 
 
 def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int) -> float:
-    """The LM head's backward: one chunk of logits and their fp32 gradient (all tokens unchunked)."""
-    lm_tokens = loss_chunk if loss_chunk and tokens > loss_chunk else tokens
-    return lm_tokens * m.vocab_size * (e + 4)
+    """The LM head's backward (ops/loss.py). Chunked: one chunk's logits made in the compute dtype and
+    their fp32 copy, which becomes their gradient in place, then its copy in the compute dtype (e + 4 B
+    per element: fp32 makes them in place, 4, but bf16 autocast over fp32 weights is counted at e = 4 and
+    holds 2 + 4), the chunk's recomputed final norm and its per-row scalars (labels clamped to int64, the
+    fp32 scale and one-hot values: 16 B), and the hidden-state gradient the backward fills for
+    all `tokens` (e x dim, alive from its start). Unchunked: cross_entropy's backward holds two fp32
+    [tokens, vocab] gradients at once (nll's and log-softmax's), 8 B per element whatever the dtype.
+    (Measured: tests/unit/test_peaks_audit_lm_head.py; the head's fp32 weight gradient is the model
+    states'.)"""
+    if loss_chunk and tokens > loss_chunk:
+        norm = block_part_bytes(m, 1, e)["norm"]
+        return loss_chunk * (m.vocab_size * (e + 4) + norm + 16) + tokens * e * m.dim
+    return tokens * m.vocab_size * 8
 
 
 def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int = 0,
@@ -302,7 +317,8 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     mapped (its mmap threshold grows with the largest freed block), so a process's RSS can exceed
     the live bytes by ~2x; benchmarks compare with MALLOC_MMAP_THRESHOLD_ fixed (docs/benchmarks.md).
 
-    The LM head holds one chunk of logits and their gradient (all tokens unchunked). Model-wise
+    The LM head holds one chunk of logits in the compute dtype and in fp32 and the hidden-state gradient
+    (unchunked: two fp32 gradients of all the logits; `lm_head_bytes`). Model-wise
     estimates of the allocator's behaviour; the saved activations are the exact part."""
     e = dtype_bytes
     t = micro_batch * seq_len // (head * ctx)

@@ -226,6 +226,10 @@ class _ChunkedLoss(torch.autograd.Function):
                     dx, dwn = torch.autograd.grad(xn, (x, w_n), dxn)
                     dh[s:e] = dx
                     dnorm += dwn
+                # this chunk's logits gradient goes now: kept until `g` is rebound, it lived beside the next
+                # chunk's logits (in bf16 three chunk x vocab tensors at once, where memory/transients.py
+                # lm_head_bytes counts one in the compute dtype and one in fp32)
+                del g, dxn
         return (dh, None if dw is None else dw.to(weight.dtype), None, None, None,
                 None if dnorm is None else dnorm.to(norm_weight.dtype), None, None)
 
