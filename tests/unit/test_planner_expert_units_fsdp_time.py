@@ -6,13 +6,14 @@ gather inside the node under hpz, reduced by qgz's int8 all-to-alls and all-redu
 
 Checked against the bytes: on links of one bandwidth with no compute to hide behind, a step's exposed
 FSDP seconds times that bandwidth are the rank's FSDP bytes, parallel/context/volumes.py
-fsdp_bytes_per_step (the closed forms the metrics line and bench comm use)."""
+fsdp_bytes_per_step (the closed forms the metrics line and bench comm use), of the tensors FSDP2's collectives
+carry (costs/model_states.py fsdp_carried_params: padded to its groups)."""
 
 import pytest
 
 from longctx.config import load_config
 from longctx.costs.hardware import get_hardware
-from longctx.costs.model_states import param_counts
+from longctx.costs.model_states import fsdp_carried_params
 from longctx.costs.shape import MeshShape
 from longctx.costs.timing import exposed_fsdp_seconds
 from longctx.memory.policy import MemoryPolicy
@@ -30,7 +31,7 @@ FLAT = get_hardware("h100").replace(intra_gbps=GBPS, inter_gbps=GBPS)  # every l
 ], ids=lambda s: s.describe())
 def test_fsdp_seconds_are_the_bytes_over_the_link_under_expert_parallelism(shape):
     m = load_config(None, ["--model.preset=debug-moe"]).model
-    pc = param_counts(m)
+    pc = fsdp_carried_params(m, shape)  # the tensors as FSDP2 pads them (the router's 8 rows over 16 ranks: 16)
     seconds = exposed_fsdp_seconds(m, shape, MemoryPolicy(), 1, 2, 0.0, 0.0, FLAT, 8)
     zero_pp = ZeroPP(frozenset(p for p in shape.zero_pp.split(",") if p), node=shape.node)
     nbytes = fsdp_bytes_per_step(pc["total"], pc["root"], shape, 1, 2, expert_params=pc["experts"],
@@ -40,8 +41,8 @@ def test_fsdp_seconds_are_the_bytes_over_the_link_under_expert_parallelism(shape
 
 def test_without_expert_parallelism_the_experts_stay_in_their_block():
     m = load_config(None, ["--model.preset=debug-moe"]).model
-    pc = param_counts(m)
     shape = MeshShape(dp_shard=16, zero_pp="hpz,qwz,qgz", node=8)
+    pc = fsdp_carried_params(m, shape)  # (the experts' and the router's 8 rows over 16 ranks: 16)
     seconds = exposed_fsdp_seconds(m, shape, MemoryPolicy(), 1, 2, 0.0, 0.0, FLAT, 8)
     nbytes = fsdp_bytes_per_step(pc["total"], pc["root"], shape, 1, 2, expert_params=pc["experts"],
                                  zero_pp=ZeroPP(frozenset({"hpz", "qwz", "qgz"}), node=8))["fsdp"]

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .. import strict_json
 from ..config import load_config
-from ..costs.model_states import shard_dim
+from ..costs.link_bytes import fsdp_unit
 from ..errors import ConfigError
 from ..job import comm
 from ..job.spawn import run_spawned
@@ -108,33 +108,15 @@ def timed_steps(mode: str, spec: dict) -> range:
 
 
 def units_of(model, group: int, node: int, hpz: int = 0, even: bool = True) -> list[Unit]:
-    """The FSDP units' shards per rank, from the parameters' shapes and FSDP2's padding of the dim it shards
-    (costs/model_states.py shard_dim where `even`, i.e. without hpz; dim 0 otherwise) to a multiple of the group
-    (independent of what the links counted). A smaller partition's (a node's: hpZ's backward gather) is its
-    share of that padded tensor, as FSDP2 cuts its post-forward copy from the gathered one: ceil(dim0 / group)
-    x group / size rows, not ceil(dim0 / size) (they differ where the group does not divide dim 0: on 3 x 2
-    ranks hpz's count was 147,840 bytes a step short)."""
-    def cut(p):  # (the sharded dim's size, its rows a rank pads to, elements per row)
-        d = shard_dim(tuple(p.shape), group) if even and p.dim() else 0
-        n = p.shape[d] if p.dim() else 1
-        return n, math.ceil(n / group), p.numel() // max(n, 1)
-
-    def shard(params, size):
-        return sum(chunk * (group // size) * rest for _, chunk, rest in map(cut, params))
-
-    def local(params):  # each rank's unpadded elements (co2's outer all-reduce: one replica of `group` ranks)
-        rows = [cut(p) for p in params]
-        return tuple(sum(max(0, min(chunk, n - r * chunk)) * rest for n, chunk, rest in rows)
-                     for r in range(group))
-
+    """The FSDP units' shards per rank, from the parameters' shapes as FSDP2 cuts and pads them (costs/link_bytes.py
+    fsdp_unit; `even` False under hpz: dim 0), independent of what the links counted."""
     units, in_blocks = [], set()
     for members in model.grad_bucket_plan.groups():
         params = [p for i in members for p in model.layers[i].parameters()]
         in_blocks.update(id(p) for p in params)
-        units.append(Unit(shard(params, group), shard(params, node), hpz_elements=shard(params, hpz) if hpz else 0,
-                          local_elements=local(params)))
-    root = [p for p in model.parameters() if id(p) not in in_blocks]
-    return [*units, Unit(shard(root, group), shard(root, node), root=True, local_elements=local(root))]
+        units.append(fsdp_unit([p.shape for p in params], group, node, hpz, even))
+    root = [p.shape for p in model.parameters() if id(p) not in in_blocks]
+    return [*units, fsdp_unit(root, group, node, even=even, root=True)]
 
 
 def _time_mode(mode: str, spec: dict, profile: LinkProfile) -> dict:

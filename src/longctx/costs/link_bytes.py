@@ -20,7 +20,10 @@ multiple of the group size, fp32 on CPU (`Unit.elements` per rank).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .model_states import shard_dim
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,27 @@ class Unit:
     # the outer all-reduce sends (FSDP2's local shards; the last ranks' are short where the group does not divide
     # a parameter's dim 0). (): node_elements on every rank
     local_elements: tuple[int, ...] = ()
+
+
+def fsdp_unit(shapes, group: int, node: int, hpz: int = 0, even: bool = True, root: bool = False) -> Unit:
+    """The Unit of one FSDP unit whose parameters have `shapes`, cut as FSDP2 cuts them over `group` ranks
+    (costs/model_states.py shard_dim's dim; dim 0 where not `even`, i.e. under hpz) and padded to a multiple of the
+    group. A smaller partition's (a node's, hpz's) is its share of that padded tensor, as FSDP2 cuts its
+    post-forward copy from the gathered one: ceil(d / group) x group / size rows, not ceil(d / size) (they differ
+    where the group does not divide the dim: 147,840 bytes a step on 3 x 2 ranks). local_elements: each rank's
+    unpadded part (co2's outer all-reduce sends those). bench comm (bench/comm_cluster.py units_of) and the
+    planner (planner/slow_links.py planner_units) both count with it."""
+    rows = []  # (the cut dim's size, the rows a rank pads to, elements per row)
+    for dims in shapes:
+        dims = tuple(dims) or (1,)
+        n = dims[shard_dim(dims, group) if even else 0]
+        rows.append((n, -(-n // group), math.prod(dims) // n if n else 0))
+
+    def shard(size: int) -> int:
+        return sum(chunk * (group // size) * rest for _, chunk, rest in rows)
+
+    local = tuple(sum(max(0, min(chunk, n - r * chunk)) * rest for n, chunk, rest in rows) for r in range(group))
+    return Unit(shard(group), shard(node), root=root, hpz_elements=shard(hpz) if hpz else 0, local_elements=local)
 
 
 def _ring(ranks: int, nodes: int, sent: int, group: int = 0) -> tuple[int, int, int]:
@@ -146,8 +170,9 @@ def layout_bytes(mode: str, units: list[Unit], nodes: int, ranks: int, replicas:
 
         if mode == "co2":
             _add(total, ring(2 * 4 * (replicas - 1) // replicas), n)  # the replicas' largest grad norm
-            shard = 4 * sum(u.elements for u in units)
-            _add(total, ring(2 * shard * (replicas - 1) // replicas), n / local_steps)  # the outer all-reduce
+            # the outer all-reduce of each rank's unpadded shard (local_elements; as step_bytes)
+            shards = [4 * sum(u.local_elements[r] if u.local_elements else u.elements for u in units) for r in range(n)]
+            _add(total, ring(sum(2 * shard * (replicas - 1) // replicas for shard in shards)), 1 / local_steps)
         else:
             for u in units:  # HSDP: each unit's reduce-scattered gradient shard all-reduced over the replicas
                 _add(total, ring(2 * 4 * u.elements * (replicas - 1) // replicas), n)

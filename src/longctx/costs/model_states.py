@@ -123,9 +123,15 @@ def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
 
 
 @per_model
+def _param_table(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every parameter of the model, as models/ builds it (on meta; once per model)."""
+    return tuple((name, tuple(p.shape)) for name, p in build_model(m, "meta").named_parameters())
+
+
+@per_model
 def _param_shapes(m: ModelConfig) -> tuple[tuple[tuple[int, ...], bool], ...]:
-    """(shape, is a routed expert's) of every parameter of the model, as models/ builds it (on meta)."""
-    return tuple((tuple(p.shape), ".experts." in name) for name, p in build_model(m, "meta").named_parameters())
+    """(shape, is a routed expert's) of every parameter of the model."""
+    return tuple((shape, ".experts." in name) for name, shape in _param_table(m))
 
 
 # FSDP2 pads every rank's shard to torch.chunk's first (ceil(n / group) rows of dim 0), so a tensor with
@@ -172,17 +178,92 @@ def even_shards(shape: MeshShape) -> bool:
     return "hpz" not in shape.zero_pp.split(",")
 
 
+def param_shard(dims, routed: bool, group: int, expert: int = 1, expert_data: int = 1,
+                even: bool = True) -> tuple[int, int]:
+    """(elements of the fullest rank's shard, the ranks the tensor is cut over) of one parameter of shape `dims`
+    as FSDP2 shards it (parallel/fsdp/shard.py): shard_dim's dim (dim 0 where not `even`, i.e. under hpz) over
+    the FSDP `group`; a routed expert's under expert parallelism 1 / `expert` of dim 0, then expert_shard_dim's
+    over the `expert_data` group. Its collectives carry elements x ranks (the padding included)."""
+    dims, g, d = list(dims), group, shard_dim(dims, group) if even else 0
+    if routed and expert > 1:
+        dims[0], g, d = -(-dims[0] // expert), expert_data, expert_shard_dim(dims, expert_data)
+    if dims:
+        dims[d] = -(-dims[d] // g)
+    return math.prod(dims), g
+
+
 @per_model
 def _shard_numels(m: ModelConfig, group: int, expert: int, expert_data: int, even: bool) -> tuple[int, ...]:
-    out = []
-    for dims, routed in _param_shapes(m):
-        dims, g, d = list(dims), group, shard_dim(dims, group) if even else 0
-        if routed and expert > 1:
-            dims[0], g, d = -(-dims[0] // expert), expert_data, expert_shard_dim(dims, expert_data)
-        if dims:
-            dims[d] = -(-dims[d] // g)
-        out.append(math.prod(dims))
-    return tuple(out)
+    return tuple(param_shard(dims, routed, group, expert, expert_data, even)[0] for dims, routed in _param_shapes(m))
+
+
+def fsdp_carried(params, group: int, expert: int = 1, expert_data: int = 1, even: bool = True) -> dict[str, int]:
+    """The parameters FSDP2's collectives carry, as fsdp_bytes_per_step (parallel/context/volumes.py) takes them:
+    {"total", "root", "experts"} of `params`, (shape, is a routed expert's, is the root module's) each, every
+    tensor padded as FSDP2 shards it (param_shard: its all-gathers and reduce-scatters move the ranks x the
+    padded shard; "experts": the routed experts under expert parallelism, `expert` x one group's, as the
+    function divides it). Unpadded counts read low wherever a group does not divide the dim FSDP cuts: 9% on
+    debug-moe over 3 ranks; under hpz (`even` False: dim 0) a [experts, ...] tensor over more ranks than experts
+    moves group / experts times its size."""
+    total = root = experts = 0
+    for dims, routed, is_root in params:
+        shard, ranks = param_shard(dims, routed, group, expert, expert_data, even)
+        carried = shard * ranks
+        ep = routed and expert > 1
+        experts += expert * carried if ep else 0
+        root += carried if is_root else 0
+        total += carried * (expert if ep else 1)
+    return {"total": total, "root": root, "experts": experts}
+
+
+@per_model
+def _param_blocks(m: ModelConfig) -> tuple[int, ...]:
+    """The block of each parameter (in _param_shapes' order); -1: the root module's."""
+    return tuple(int(name.split(".")[1]) if name.startswith("layers.") else -1 for name, _ in _param_table(m))
+
+
+def unit_param_shapes(m: ModelConfig) -> list[list[tuple[int, ...]]]:
+    """The shapes of each block's parameters, in block order, then the root module's (FSDP's units)."""
+    units: list[list[tuple[int, ...]]] = [[] for _ in range(m.layers + 1)]
+    for (dims, _), block in zip(_param_shapes(m), _param_blocks(m), strict=True):
+        units[block].append(dims)
+    return units
+
+
+def fsdp_carried_params(m: ModelConfig, shape: MeshShape) -> dict[str, int]:
+    """fsdp_carried of `m`'s parameters over `shape`'s FSDP group (dp_shard x head x ctx) and expert groups."""
+    return dict(_carried_params(m, shape.fsdp, shape.expert, shape.expert_data, even_shards(shape)))
+
+
+@per_model
+def _carried_params(m: ModelConfig, group: int, expert: int, expert_data: int,
+                    even: bool) -> tuple[tuple[str, int], ...]:
+    params = [(dims, routed, block < 0) for (dims, routed), block in zip(_param_shapes(m), _param_blocks(m),
+                                                                          strict=True)]
+    return tuple(fsdp_carried(params, group, expert, expert_data, even).items())
+
+
+def fsdp_carried_blocks(m: ModelConfig, shape: MeshShape) -> tuple[tuple[tuple[int, int], ...], int]:
+    """((dense, experts) per block, root): the elements FSDP2's collectives carry for each unit, padded as
+    fsdp_carried pads them: a block's parameters but its routed experts under expert parallelism (over the FSDP
+    group), those experts' share its expert group gathers (over the expert-data group; 0 without expert
+    parallelism, where they are the block's), and the root module's."""
+    return _carried_blocks(m, shape.fsdp, shape.expert, shape.expert_data, even_shards(shape))
+
+
+@per_model
+def _carried_blocks(m: ModelConfig, group: int, expert: int, expert_data: int, even: bool):
+    dense, experts, root = [0] * m.layers, [0] * m.layers, 0
+    for (dims, routed), block in zip(_param_shapes(m), _param_blocks(m), strict=True):
+        apart = routed and expert > 1
+        carried = fsdp_carried([(dims, routed, block < 0)], group, expert, expert_data, even)
+        if block < 0:
+            root += carried["root"]
+        elif apart:
+            experts[block] += carried["experts"] // expert  # (the expert group's share)
+        else:
+            dense[block] += carried["total"]
+    return tuple(zip(dense, experts)), root
 
 
 def gathered_param_bytes(m: ModelConfig, shape: MeshShape, gather_bytes: int, sharded: bool | None = None,

@@ -23,7 +23,7 @@ from ..memory.accounting import ActivationEstimate
 from ..memory.policy import MemoryPolicy
 from ..models.flops import forward_matmul_flops_per_token, train_flops_per_token
 from .hardware import Hardware
-from .model_states import block_params, param_counts, per_model, routed_expert_params
+from .model_states import fsdp_carried_blocks, param_counts, per_model
 from .shape import MeshShape, group_is_intra_node
 
 
@@ -168,13 +168,15 @@ def exposed_ring_seconds(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
 
 
 def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, hw: Hardware,
-                          gpus_per_node: int, block: int | None = None) -> dict[str, float]:
+                          gpus_per_node: int, block: int | None = None, root: int | None = None) -> dict[str, float]:
     """Seconds of one block's and of the root's FSDP transfers: the parameter all-gather ((n-1)/n of
     the gathered tensor over the shard group of n) and the gradient reduction (fp32: (n-1)/n
     reduce-scattered, and under HSDP 2 (r-1)/r of the shard all-reduced over the r replicas).
-    block: that block's parameters (default: the largest block, param_counts' "block")."""
+    block, root: the elements their collectives carry (default: the largest block's and the root's
+    parameters, param_counts')."""
     pc = param_counts(m)
     b = pc["block"] if block is None else block
+    root = pc["root"] if root is None else root
     n, r = shape.fsdp, shape.dp_replicate
     in_node = group_is_intra_node(shape, "fsdp", gpus_per_node)
     bw_f = level_bandwidth(hw, n) if in_node else link_bandwidth(hw, False)
@@ -201,9 +203,9 @@ def fsdp_transfer_seconds(m: ModelConfig, shape: MeshShape, gather_bytes: int, h
         return (n - 1) / n * p * 4 / bw_f + replicas
 
     block_fwd, block_bwd = gather(b)
-    root_fwd, _ = gather(pc["root"])
+    root_fwd, _ = gather(root)
     return {"block_gather": block_fwd, "block_gather_bwd": block_bwd, "block_reduce": reduce(b),
-            "root_gather": root_fwd, "root_reduce": reduce(pc["root"])}
+            "root_gather": root_fwd, "root_reduce": reduce(root)}
 
 
 def expert_unit_seconds(shape: MeshShape, params: int, gather_bytes: int, hw: Hardware,
@@ -251,18 +253,18 @@ def _fsdp_units(m: ModelConfig, shape: MeshShape, gather_bytes: int, hw: Hardwar
     (count, forward gather, backward gather, reduce) seconds of each size of block. A MoE model's blocks differ
     (dense layers, MoE layers); under expert parallelism a MoE layer's routed experts are units of their own over
     the expert-data group (parallel/fsdp/shard.py), a rank gathering its expert group's share: timed apart
-    (expert_unit_seconds). Blocks of one size cost the same: counted."""
-    sparse, routed = set(m.moe_layer_ids), routed_expert_params(m)
-    apart = shape.expert > 1
-    sizes = Counter((n - (routed if apart and i in sparse else 0), routed // shape.expert if apart and i in sparse
-                     else 0) for i, n in enumerate(block_params(m)))
+    (expert_unit_seconds). Blocks of one size cost the same: counted. Sizes are what the collectives carry,
+    the tensors padded as FSDP2 pads them (costs/model_states.py fsdp_carried_blocks: a MoE layer's [experts,
+    ...] tensors over more ranks than experts move group / experts times their size)."""
+    blocks, root = fsdp_carried_blocks(m, shape)
     units = []
-    for (params, experts), count in sizes.items():
-        b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params)
+    for (params, experts), count in Counter(blocks).items():
+        b = fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=params, root=root)
         x_gather, x_again, x_reduce = expert_unit_seconds(shape, experts, gather_bytes, hw, gpus_per_node)
         units.append((count, b["block_gather"] + x_gather, b["block_gather_bwd"] + x_again,
                       b["block_reduce"] + x_reduce))
-    return fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node), tuple(units)
+    largest = max(params + experts * shape.expert for params, experts in blocks)  # (as param_counts' "block")
+    return fsdp_transfer_seconds(m, shape, gather_bytes, hw, gpus_per_node, block=largest, root=root), tuple(units)
 
 
 def exposed_offload_seconds(m: ModelConfig, policy: MemoryPolicy, acts: ActivationEstimate, block_fwd_s: float,

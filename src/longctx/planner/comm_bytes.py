@@ -7,7 +7,7 @@ expert parallelism, the MoE layers' all-to-alls (even routing)."""
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..costs.model_states import param_counts
+from ..costs.model_states import fsdp_carried_params
 from ..costs.shape import MeshShape
 from ..memory.moe_counts import moe_forward_runs
 from ..memory.policy import MemoryPolicy
@@ -36,7 +36,7 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
         for label, nbytes in labels.items():
             total = nbytes + (refwd[dim].get(label, 0) if policy.recompute == "full" else 0)
             comm.setdefault(dim, {})[label] = total * m.layers * grad_accum
-    pc = param_counts(m)
+    pc = fsdp_carried_params(m, shape)  # FSDP2's padded tensors: what its collectives carry
     zero_pp = ZeroPP(frozenset(p for p in shape.zero_pp.split(",") if p), shape.quant_block, node=shape.node,
                      hpz=shape.hpz_ranks)
     fsdp = fsdp_bytes_per_step(pc["total"], pc["root"], shape, grad_accum, gather_bytes, policy.grad_sync,

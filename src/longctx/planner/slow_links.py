@@ -22,12 +22,11 @@ layouts, what they cost, and the bytes a plan puts on each link level.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.link_bytes import Unit, layout_bytes
-from ..costs.model_states import block_params, co2_params, param_counts
+from ..costs.link_bytes import Unit, fsdp_unit, layout_bytes
+from ..costs.model_states import co2_params, even_shards, unit_param_shapes
 from ..costs.shape import MeshShape, group_is_intra_node
 from ..costs.timing import exposed, link_bandwidth
 from ..errors import ConfigError
@@ -106,15 +105,12 @@ def slow_link_variants(shape: MeshShape, hw: Hardware, gpus_per_node: int, co2: 
 # Bytes per link level
 
 
-def planner_units(m: ModelConfig, group: int, node: int, hpz: int = 0) -> list[Unit]:
-    """One FSDP unit per block and the root, their shards per rank from the parameter counts (each
-    unit padded to a multiple of its group; FSDP2 pads each parameter's dim 0, a few elements more)."""
-    def shard(p: int, size: int) -> int:
-        return math.ceil(p / size)
-
-    units = [Unit(shard(p, group), shard(p, node), hpz_elements=shard(p, hpz) if hpz else 0) for p in block_params(m)]
-    root = param_counts(m)["root"]
-    return [*units, Unit(shard(root, group), shard(root, node), root=True)]
+def planner_units(m: ModelConfig, group: int, node: int, hpz: int = 0, even: bool = True) -> list[Unit]:
+    """One FSDP unit per block and the root, their shards per rank as FSDP2 cuts them (costs/link_bytes.py
+    fsdp_unit, from the parameters' shapes, as bench comm counts them; `even` False under hpz: dim 0). Not
+    ceil(params / group): where the group does not divide a dim 0 that read 1.5% low on 2 x 3 ranks."""
+    *blocks, root = unit_param_shapes(m)
+    return [*(fsdp_unit(b, group, node, hpz, even) for b in blocks), fsdp_unit(root, group, node, even=even, root=True)]
 
 
 def bench_mode(shape: MeshShape) -> str | None:
@@ -133,7 +129,7 @@ def link_level_bytes(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_no
     if mode is None or shape.expert > 1 or world == 1:
         return None
     nodes, ranks = max(1, world // gpus_per_node), min(world, gpus_per_node)
-    units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks)
+    units = planner_units(m, shape.fsdp, min(shape.fsdp, ranks), shape.hpz_ranks, even_shards(shape))
     return layout_bytes(mode, units, nodes, ranks, shape.dp_replicate, block=shape.quant_block,
                         local_steps=shape.local_steps or
                         max(CO2_LOCAL_STEPS), group=three_level(hw, gpus_per_node), hpz_ranks=shape.hpz_ranks,

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import strict_json
+from ..costs.model_states import fsdp_carried
 from ..costs.peaks import device_peak, precision_name, raise_cpu_peak
 from ..errors import TrainingError
 from ..job.checks import hpz_group, node_size, zero_pp_names
@@ -178,16 +179,20 @@ class MetricsLogger:
         self.peak, self.peak_source = rt.broadcast(
             device_peak(device, cfg.metrics.peak_tflops, self.local_ranks, self.dtype) if rt.is_main else None)
         self.peak_calibrated = device.type == "cpu" and not cfg.metrics.peak_tflops
-        total = sum(p.numel() for p in model.parameters())
-        blocks = sum(p.numel() for p in model.layers.parameters())
         gather = 2 if gathers_in_bf16(device.type, cfg.train.dtype) else 4
-        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        # the tensors as FSDP2 pads them (the dim it cuts to a multiple of its group): what its collectives carry
+        d, in_blocks = rt.dims, {id(p) for p in model.layers.parameters()}
+        groups = (1,) if d is None else (d.dp_shard * d.head * d.ctx, d.expert, d.expert_data)  # (None: no mesh)
+        even = d is None or hpz_group(cfg, d) is None  # (hpz: dim 0 everywhere, parallel/fsdp/shard.py)
+        params = [(p.shape, ".experts." in n, id(p) not in in_blocks) for n, p in model.named_parameters()]
+        carried = fsdp_carried(params, *groups, even=even)
         zero_pp = ZeroPP(frozenset(zero_pp_names(cfg)), cfg.parallel.zero_pp_block, node_size(cfg, rt.dims) or 0,
                          hpz_group(cfg, rt.dims) or 0)  # (the bytes ZeRO++ really sends, not plain FSDP's)
         target = getattr(model, "target", None)  # a draft run's frozen target (train/glide.py): FSDP2 on the same ranks
-        frozen = 0 if target is None else sum(p.numel() for p in target.parameters())
-        self.fsdp_bytes = fsdp_bytes_per_step(total, total - blocks, rt.dims, cfg.train.grad_accum, gather,
-                                              cfg.memory.grad_sync, expert_params=experts,
+        frozen = 0 if target is None else fsdp_carried([(p.shape, False, False) for p in target.parameters()],
+                                                       groups[0], even=even)["total"]
+        self.fsdp_bytes = fsdp_bytes_per_step(carried["total"], carried["root"], rt.dims, cfg.train.grad_accum, gather,
+                                              cfg.memory.grad_sync, expert_params=carried["experts"],
                                               replicas_sync=cfg.train.data_parallel == "sync", zero_pp=zero_pp,
                                               frozen_params=frozen)
         self.flops_per_token = 0.0
