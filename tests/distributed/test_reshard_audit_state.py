@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned
 from longctx.train.trainer import train
+from resume_pp_audit import flat  # (a state dict's leaves by dotted key)
 
 BASE = ["--train.steps=6", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=200", "--train.seq_len=128", "--checkpoint.interval=3", "--checkpoint.keep=2"]
@@ -53,17 +54,6 @@ def full_state(ckpt: Path, tmp: Path) -> dict:
     out = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
     dcp_to_torch_save(str(ckpt), str(out))
     return torch.load(out, weights_only=False)
-
-
-def flat(d, prefix=""):
-    if isinstance(d, dict):
-        for k, v in d.items():
-            yield from flat(v, f"{prefix}{k}.")
-    elif isinstance(d, (list, tuple)):
-        for i, v in enumerate(d):
-            yield from flat(v, f"{prefix}{i}.")
-    else:
-        yield prefix[:-1], d
 
 
 def compare(x: dict, y: dict) -> tuple[list, float]:
