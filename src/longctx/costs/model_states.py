@@ -119,7 +119,8 @@ def predicted_model_state_bytes(m: ModelConfig, shape: MeshShape) -> float:
     sharded over the FSDP group and replicated over dp_replicate; under expert parallelism the routed
     experts sharded over every rank (1 / expert each, FSDP over world / expert). Not total / group: a MoE
     layer's [experts, ...] tensors over more ranks than experts keep a whole (padded) expert on each."""
-    return 16.0 * sum(rank_shard_numels(m, shape))
+    return 16.0 * _shard_total(m, shape.fsdp if shape.world > 1 else 1, shape.expert, shape.expert_data,
+                               even_shards(shape))
 
 
 @per_model
@@ -190,6 +191,13 @@ def param_shard(dims, routed: bool, group: int, expert: int = 1, expert_data: in
     if dims:
         dims[d] = -(-dims[d] // g)
     return math.prod(dims), g
+
+
+@per_model
+def _shard_total(m: ModelConfig, group: int, expert: int, expert_data: int, even: bool) -> int:
+    """sum(rank_shard_numels) of a rank (its arguments: rank_shard_numels'), remembered: every candidate of a
+    plan asks it several times (an int sum, so the same value as summing the list each time)."""
+    return sum(_shard_numels(m, group, expert, expert_data, even))
 
 
 @per_model

@@ -15,7 +15,7 @@ from ..costs.host_bytes import device_bytes_with
 from ..costs.shape import MeshShape
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.policy import MemoryPolicy
-from .activation_costs import rank_transient
+from .activation_costs import ActivationCosts, activation_costs, rank_transient
 from .cost import kept_state_parts
 
 if TYPE_CHECKING:
@@ -38,15 +38,19 @@ class Shared:
 
 class Caches:
     """What one request's search computes once and reuses (valid for that request only: its keys are indices
-    into the request's policy list). costs: by (head, ctx, window, expert, micro-batch, policy, activation dtype,
-    weight copies), the entry [activations, transient bytes (from `shared`), ActivationCosts or None until a
-    candidate needs it]: nothing else of a candidate changes them (not the dp split, the placement, ZeRO++, co2,
-    the tier but through its dtype, nor grad_sync). sums: _sorted_sums."""
+    into the request's policy list). costs: by (head, ctx, window, expert, micro-batch, activation dtype, weight
+    copies), a row {policy index: the entry [activations, transient bytes (from `shared`), ActivationCosts or None
+    until a candidate needs it]}: nothing else of a candidate changes them (not the dp split, the placement,
+    ZeRO++, co2, the tier but through its dtype, nor grad_sync); a Layout holds its tiers' rows, so a candidate's
+    entry is one lookup by its policy. sums: _sorted_sums. chunked: may_fit's expert-chunked positions of the
+    policy list it was made for (that list, the set)."""
 
     def __init__(self, shared: Shared | None = None):
         self.shared = shared or Shared()
-        self.costs: dict[tuple, list] = {}
+        self.costs: dict[tuple, dict[int, list]] = {}
         self.sums: dict[tuple, tuple[list[float], list[int]]] = {}
+        self.chunked: tuple[list[MemoryPolicy] | None, set[int]] = (None, set())
+        self.window_free: dict[tuple, ActivationCosts] = {}
 
 
 def policy_indices(pols: list[MemoryPolicy]) -> tuple[list[int], list[int | None]]:
@@ -70,8 +74,10 @@ def may_fit(req: Request, layout: Layout, index: list[int], step_pols: list[Memo
     above any rounding of the two sums (1e-6 of the bytes compared, where rounding is ~1e-16 of them)."""
     usable = req.hardware.usable_memory_bytes
     # (expert-chunked policies are all kept: most are skipped where their unchunked twin fits, before their
-    # activations are ever computed, which sorting them would compute)
-    out = {i for i, pol in enumerate(step_pols) if pol.expert_chunk}
+    # activations are ever computed, which sorting them would compute; the set is the policy list's, made once)
+    if caches.chunked[0] is not step_pols:
+        caches.chunked = (step_pols, {i for i, pol in enumerate(step_pols) if pol.expert_chunk})
+    out = set(caches.chunked[1])
     for tier in layout.tiers:
         sums, positions = _sorted_sums(req, layout, index, step_pols, caches, layout.dtypes[tier])
         room = usable - layout.static[tier]
@@ -107,10 +113,13 @@ def _sorted_sums(req: Request, layout: Layout, index: list[int], step_pols: list
 class Layout:
     """One layout and micro-batch of a request, and what every policy of it shares: the tiers tried, each
     tier's activation dtype (activation_dtype: the hardware's dtype, the world size and the tier), its model
-    states alone (`static`), and `states` (cost.footprint_of's cache of what the tier holds before the
-    activations and of the chunks' gradient buffers: cost.kept_state_parts)."""
+    states alone (`static`), `states` (cost.footprint_of's cache of what the tier holds before the
+    activations and of the chunks' gradient buffers: cost.kept_state_parts), `rows` (each tier's row of
+    caches.costs, its activation group's and dtype's), `totals` (device_total's cache) and the GPU's usable
+    bytes."""
 
-    def __init__(self, req: Request, shape: MeshShape, mb: int, static: dict[str, float]):
+    def __init__(self, req: Request, shape: MeshShape, mb: int, static: dict[str, float],
+                 caches: Caches | None = None):
         self.shape, self.mb, self.static = shape, mb, static
         self.grad_accum = max(1, req.global_batch // (shape.dp * mb))
         # co2 keeps its outer state beside the weights on the device (config/data_parallel.py)
@@ -118,16 +127,22 @@ class Layout:
                       ("device",)[:"device" in req.model_states])
         self.dtypes = {t: activation_dtype(req.hardware.dtype_bytes == 2, shape.world, t) for t in self.tiers}
         self.states: dict[tuple, object] = {}
+        self.usable = req.hardware.usable_memory_bytes
+        costs = {} if caches is None else caches.costs
+        group = (shape.head, shape.ctx, shape.window, shape.expert, mb)
+        self.rows = {t: costs.setdefault((*group, *self.dtypes[t]), {}) for t in self.tiers}
+        self.totals: dict[tuple, tuple] = {}
 
 
 def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy, caches: Caches,
                tier: str) -> list:
     """[activations, transient bytes, ActivationCosts or None] of a candidate under `tier` (policy: its index,
-    step_pol: the policy under grad_sync step), from `caches` (Caches: what each entry depends on)."""
-    s, (e, copies) = layout.shape, layout.dtypes[tier]
-    key = (s.head, s.ctx, s.window, s.expert, layout.mb, policy, e, copies)
-    entry = caches.costs.get(key)
+    step_pol: the policy under grad_sync step), from `caches` (Caches: what each entry depends on), through the
+    layout's row of it."""
+    row = layout.rows[tier]
+    entry = row.get(policy)
     if entry is None:
+        s, (e, copies) = layout.shape, layout.dtypes[tier]
         m, seq, shared = req.model, req.seq_len, caches.shared
         request_key = (id(m), seq, req.doc_mask, req.expert_skew, step_pol, e, copies)
         acts_key = (*request_key, s.head, layout.mb * seq // s.sequence_degree, s.expert)
@@ -141,14 +156,50 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
         if transient is None:
             transient = shared.transients[transient_key] = rank_transient(m, seq, layout.mb, s, step_pol, e,
                                                                           req.doc_mask, acts, req.expert_skew)
-        entry = caches.costs[key] = [acts, transient, None]
+        entry = row[policy] = [acts, transient, None]
     return entry
 
 
 def device_total(req: Request, layout: Layout, pol: MemoryPolicy, tier: str, acts, transient: float) -> float:
     """cost.memory_bytes(...)["total"] of a candidate (its shape before co2 settles its local steps), from the
-    layout's kept state parts and chunk gradient buffers (cost.kept_state_parts, as footprint_of keeps them)."""
-    parts, buffers = kept_state_parts(layout.states, req.model, req.hardware, layout.shape, tier, pol,
-                                      layout.grad_accum, seq_len=req.seq_len, micro_batch=layout.mb,
-                                      doc_mask=req.doc_mask, settings=req.settings)
-    return device_bytes_with(parts[0], acts.total_device, transient, buffers)["total"]
+    layout's kept state parts and chunk gradient buffers (cost.kept_state_parts, as footprint_of keeps them).
+
+    Kept in layout.totals by (tier, grad_sync, block_chunk), which fix both: the values device_bytes_with's dict
+    holds before the activations, in its order, so the total is sum() of the very sequence its dict sums
+    (parts, activations, transient, buffers where not 0), bit for bit, without the dict. (None where a part
+    were named like one of the three it adds, which the dict would overwrite: then the dict itself.)"""
+    key = (tier, pol.grad_sync, pol.block_chunk)
+    kept = layout.totals.get(key)
+    if kept is None:
+        parts, buffers = kept_state_parts(layout.states, req.model, req.hardware, layout.shape, tier, pol,
+                                          layout.grad_accum, seq_len=req.seq_len, micro_batch=layout.mb,
+                                          doc_mask=req.doc_mask, settings=req.settings)
+        before = dict(parts[0])
+        plain = not {"activations", "transient", "chunk_grad_buffers"} & before.keys()
+        kept = layout.totals[key] = (tuple(before.values()) if plain else None, buffers, parts[0])
+    values, buffers, before = kept
+    if values is None:
+        return device_bytes_with(before, acts.total_device, transient, buffers)["total"]
+    if buffers:
+        return sum((*values, acts.total_device, transient, buffers))
+    return sum((*values, acts.total_device, transient))
+
+
+def candidate_costs(req: Request, layout: Layout, step_pol: MemoryPolicy, policy: int, tier: str, entry: list,
+                    caches: Caches) -> ActivationCosts:
+    """A candidate's ActivationCosts (activation_costs of its entry's activations and transient), kept in the
+    entry. Of the shape activation_costs reads, given both, head, ctx and expert (and the world size only
+    through the activation dtype): every window of an activation group shares one, but for its transient
+    (caches.window_free by head, ctx, expert, micro-batch, policy and dtype)."""
+    s = layout.shape
+    key = (s.head, s.ctx, s.expert, layout.mb, policy, *layout.dtypes[tier])
+    acts, transient = entry[0], entry[1]
+    base = caches.window_free.get(key)
+    if base is not None and base.acts is acts:
+        costs = dataclasses.replace(base, transient=transient) if base.transient != transient else base
+    else:
+        costs = caches.window_free[key] = activation_costs(
+            req.model, req.hardware, s, step_pol, seq_len=req.seq_len, micro_batch=layout.mb, doc_mask=req.doc_mask,
+            doc_work=req.doc_work, acts=acts, transient=transient, expert_skew=req.expert_skew, model_states=tier)
+    entry[2] = costs
+    return costs

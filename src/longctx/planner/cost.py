@@ -234,13 +234,18 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
 
 
 def _co2_settled(m: ModelConfig, shape: MeshShape, hw: Hardware, gpus_per_node: int, step_compute: float,
-                 tried: tuple[int, ...], overlap: int = 0) -> tuple[MeshShape, float]:
+                 tried: tuple[int, ...], overlap: int = 0, states: dict | None = None) -> tuple[MeshShape, float]:
     """(shape, seconds per step of CO2's outer all-reduce the local steps do not hide: those before its
     merge, `overlap` = train.co2_overlap_steps, 0 = all H); a co2 shape without local_steps gets the
-    smallest of `tried` that hides it. (shape, 0.0) under sync."""
+    smallest of `tried` that hides it. (shape, 0.0) under sync. states: footprint_of's dict of the layout
+    (`shape`'s, with `gpus_per_node`), where the all-reduce's seconds, a function of those alone, are kept."""
     if shape.data_parallel != "co2":
         return shape, 0.0
-    allreduce = co2_outer_seconds(m, shape, hw, gpus_per_node)
+    allreduce = None if states is None else states.get("co2_allreduce")
+    if allreduce is None:
+        allreduce = co2_outer_seconds(m, shape, hw, gpus_per_node)
+        if states is not None:
+            states["co2_allreduce"] = allreduce
     if not shape.local_steps:
         shape = dataclasses.replace(shape, local_steps=co2_local_steps(allreduce, step_compute, hw, tried, overlap))
     return shape, co2_exposed_seconds(allreduce, step_compute, shape.local_steps, hw, overlap)
@@ -345,7 +350,7 @@ def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryP
     grad_accum = max(1, global_batch // (shape.dp * micro_batch))
     ranks_per_node = min(gpus_per_node, shape.world)
     shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * costs.compute, co2_steps,
-                                    settings.co2_overlap_steps)
+                                    settings.co2_overlap_steps, states)
     parts, buffers = kept_state_parts(states, m, hw, shape, model_states, policy, grad_accum, seq_len=seq_len,
                                       micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
     memory = device_bytes_with(parts[0], costs.acts.total_device, costs.transient, buffers)

@@ -26,8 +26,16 @@ from ..costs.host_bytes import TIERS, device_state_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import exposed_fsdp_seconds, predicted_block_forward_seconds
 from ..memory.policy import MemoryPolicy
-from .activation_costs import activation_costs
-from .candidate_cache import Caches, Layout, Shared, device_total, may_fit, policy_indices, tier_costs
+from .candidate_cache import (
+    Caches,
+    Layout,
+    Shared,
+    candidate_costs,
+    device_total,
+    may_fit,
+    policy_indices,
+    tier_costs,
+)
 from .cost import Estimate, Footprint, footprint_of, gib_text, timed
 from .ranking import Ranking
 from .request import (
@@ -104,9 +112,20 @@ def bound_keys(req: Request, found: list[Footprint]) -> Callable[[Footprint], tu
     once per step, the most recomputation any of their candidates runs behind it: exposure only falls
     with more compute to hide behind) and co2's exposed outer all-reduce; the shown (rounded) time is
     monotone in the time."""
+    # a layout by the number of its class of equal shapes: the candidates of one layout share its MeshShape object,
+    # so an object is hashed once, not once per candidate (seen keeps each object, so its id stays its own)
+    seen: dict[int, tuple[MeshShape, int]] = {}
+    classes: dict[MeshShape, int] = {}
+
+    def layout(shape: MeshShape) -> int:
+        hit = seen.get(id(shape))
+        if hit is None or hit[0] is not shape:
+            hit = seen[id(shape)] = (shape, classes.setdefault(shape, len(classes)))
+        return hit[1]
+
     most: dict[tuple, Footprint] = {}  # (layout, micro-batch) -> its candidate with the most recomputation
     for fp in found:
-        key = (fp.mesh_shape, fp.micro_batch)
+        key = (layout(fp.mesh_shape), fp.micro_batch)
         if key not in most or fp.acts.recompute_flops > most[key].acts.recompute_flops:
             most[key] = fp
     hw = req.hardware
@@ -114,7 +133,8 @@ def bound_keys(req: Request, found: list[Footprint]) -> Callable[[Footprint], tu
                                       fp.grad_accum, hw.dtype_bytes,
                                       predicted_block_forward_seconds(fp.flops, req.model, hw),
                                       fp.acts.recompute_flops, hw, req.gpus_per_node) for key, fp in most.items()}
-    return lambda fp: (0, float(step_text(fp.lower_bound_s + fsdp[fp.mesh_shape, fp.micro_batch] + fp.co2_outer)))
+    return lambda fp: (0, float(step_text(fp.lower_bound_s + fsdp[layout(fp.mesh_shape), fp.micro_batch] +
+                                          fp.co2_outer)))
 
 
 def held(req: Request, shape: MeshShape) -> bool:
@@ -136,8 +156,13 @@ def plan(req: Request, keep_infeasible: bool = True, explain: bool = True) -> Pl
 
     if found or not keep_infeasible:
         bound = bound_keys(req, found)
-        ranked, held_out = (Ranking([fp for fp in found if held(req, fp.mesh_shape) == hold], complete, _sort_key,
-                                    bound) for hold in (False, True))
+        split: tuple[list[Footprint], list[Footprint]] = ([], [])  # (ranked, held out), each in found's order
+        if "co2" in req.allow:  # (held() of every candidate is False)
+            split[0].extend(found)
+        else:
+            for fp in found:
+                split[fp.mesh_shape.data_parallel == "co2"].append(fp)
+        ranked, held_out = (Ranking(part, complete, _sort_key, bound) for part in split)
         ranked[:1]  # the best, within the search's seconds
     else:
         found, more = _evaluate(req, True, caches)
@@ -176,7 +201,7 @@ def _evaluate(req: Request, keep_infeasible: bool, caches: Caches,
             tokens = mb * req.seq_len // shape.sequence_degree
             # with accumulation, reducing per micro-batch trades traffic for the unsharded gradients
             syncs = ("step", "micro_batch") if dp_share // mb > 1 and shape.world > 1 else ("step",)
-            layout = Layout(req, shape, mb, static)
+            layout = Layout(req, shape, mb, static, caches)
             order = (in_order[syncs] if keep_infeasible else
                      [(i, g, by_sync[g][i]) for i in may_fit(req, layout, index, by_sync["step"], caches)
                       for g in syncs])
@@ -207,18 +232,15 @@ def _tiers(req: Request, layout: Layout, pol: MemoryPolicy, policy: int, step_po
     with keep_infeasible every tier tried when none fits, else only a feasible one. policy: pol's index,
     step_pol: pol under grad_sync step (tier_costs)."""
     hw, m, shape, made = req.hardware, req.model, layout.shape, []
-    usable = hw.usable_memory_bytes
+    usable = layout.usable
     for tier in layout.tiers:
-        entry = tier_costs(req, layout, policy, step_pol, caches, tier)
+        entry = layout.rows[tier].get(policy) or tier_costs(req, layout, policy, step_pol, caches, tier)
         acts, transient = entry[0], entry[1]
         if not keep_infeasible and (layout.static[tier] + acts.total_device + transient > usable or
                                     device_total(req, layout, pol, tier, acts, transient) > usable):
             continue  # the GPU's memory alone rules it out (estimate's own sum, before its time)
-        if entry[2] is None:
-            entry[2] = activation_costs(m, hw, shape, step_pol, seq_len=req.seq_len, micro_batch=layout.mb,
-                                        doc_mask=req.doc_mask, doc_work=req.doc_work, acts=acts, transient=transient,
-                                        expert_skew=req.expert_skew, model_states=tier)
-        fp = footprint_of(m, hw, shape, pol, entry[2], seq_len=req.seq_len, global_batch=req.global_batch,
+        costs = entry[2] or candidate_costs(req, layout, step_pol, policy, tier, entry, caches)
+        fp = footprint_of(m, hw, shape, pol, costs, seq_len=req.seq_len, global_batch=req.global_batch,
                           micro_batch=layout.mb, gpus_per_node=req.gpus_per_node, doc_mask=req.doc_mask,
                           model_states=tier, co2_steps=req.co2_local_steps, settings=req.settings,
                           states=layout.states)
