@@ -384,8 +384,11 @@ def _parallel_rules(cfg: Config, problems: list[str]) -> None:
                         f"(model.moe.experts = 0); use a MoE model (e.g. --model.preset debug-moe) or "
                         f"parallel.expert 1.")
     elif p.expert > 1 and m.moe_experts % p.expert:
-        problems.append(f"parallel.expert ({p.expert}) must divide model.moe.experts ({m.moe_experts}); valid "
-                        f"degrees: {[d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]}.")
+        # (the world size is not known here: job/dims.py checks that the degree divides it too)
+        problems.append(f"parallel.expert ({p.expert}) must divide model.moe.experts ({m.moe_experts}) and the number "
+                        f"of ranks: choose among the divisors of {m.moe_experts}, "
+                        f"{[d for d in range(1, m.moe_experts + 1) if m.moe_experts % d == 0]}, one that also "
+                        f"divides the ranks.")
     if p.timeout_s <= 0:
         problems.append(f"parallel.timeout_s must be positive, got {p.timeout_s}.")
 

@@ -42,7 +42,8 @@ def check_layout(cfg, world: int) -> ParallelDims:
                           f"so its experts must be spread over the replica's {replica} ranks, and parallel.expert = "
                           f"{dims.expert} does not divide them: choose parallel.expert among "
                           f"{[d for d in range(1, replica + 1) if replica % d == 0]}, or fewer replicas.")
-    _check_expert_shards(cfg.model, dims)
+    _check_co2_hpz(cfg, dims, replica)
+    _check_expert_shards(cfg.model, dims, replica if cfg.train.data_parallel == "co2" else dims.world_size)
     if cfg.parallel.zero_pp_kernels not in ZERO_PP_KERNELS:
         raise ConfigError(f"parallel.zero_pp_kernels must be one of {', '.join(ZERO_PP_KERNELS)}, got "
                           f"{cfg.parallel.zero_pp_kernels!r}.")
@@ -52,6 +53,24 @@ def check_layout(cfg, world: int) -> ParallelDims:
     return dims
 
 
+def _check_co2_hpz(cfg, dims: ParallelDims, replica: int) -> None:
+    """Under co2 each replica is an FSDP group of its own (a mesh of its `replica` ranks only), and hpz's
+    post-forward mesh over part of it is a DeviceMesh FSDP2 builds inside fully_shard from that replica's ranks:
+    each replica makes other groups, no two agree on a new_group, and every rank hangs in set-up (seen: 8 ranks,
+    2 replicas of 4, nodes of 2). A secondary partition of 1 rank (no resharding) or of the whole replica (plain
+    resharding) builds no mesh."""
+    hpz = hpz_group(cfg, dims) if cfg.train.data_parallel == "co2" else None
+    if hpz is None or hpz in (1, replica):
+        return
+    raise ConfigError(f"train.data_parallel = co2 with parallel.zero_pp = hpz over {hpz} ranks: under co2 each of "
+                      f"the {dims.dp_replicate} replicas is an FSDP group of its own {replica} ranks, and FSDP2 "
+                      f"builds hpz's secondary partition of part of a replica as a process group every rank must "
+                      f"join, which the other replicas' ranks never do (every rank hangs in set-up). Set "
+                      f"parallel.ranks_per_node {replica} with parallel.hpz_ranks 0 (the whole replica: plain "
+                      f"resharding) or 1 (no resharding after forward), drop hpz from parallel.zero_pp (qwz and qgz "
+                      f"work under co2), or use train.data_parallel = sync.")
+
+
 def expert_shards_split(m, world: int, expert: int) -> bool:
     """Whether FSDP can shard a rank's experts over the expert-data group (world / expert ranks) under expert
     parallelism `expert`: the group divides model.dim or model.moe.expert_dim (or there is no group to split)."""
@@ -59,20 +78,22 @@ def expert_shards_split(m, world: int, expert: int) -> bool:
     return expert < 2 or g < 2 or m.dim % g == 0 or m.resolved_expert_dim % g == 0
 
 
-def _check_expert_shards(m, dims: ParallelDims) -> None:
+def _check_expert_shards(m, dims: ParallelDims, spread: int) -> None:
     """Under expert parallelism each rank's experts ([experts / expert, expert_dim, dim] and [.., dim, expert_dim])
     are FSDP-sharded over the expert-data group (world / expert ranks) on an inner dim, which FSDP2 splits only
     evenly (parallel/fsdp/shard.py, costs/model_states.py expert_shard_dim): the group must divide model.dim or
-    model.moe.expert_dim, or FSDP fails inside set-up on every rank."""
+    model.moe.expert_dim, or FSDP fails inside set-up on every rank. `spread`: the ranks an expert group must fit in
+    (a co2 replica's; else the world), so the degrees named are ones the co2 rule above accepts too."""
     g, world = dims.expert_data, dims.world_size
     if not m.is_moe or expert_shards_split(m, world, dims.expert):
         return
-    valid = [e for e in range(2, world + 1) if world % e == 0 and m.moe_experts % e == 0
+    # (1, no expert parallelism, always works: FSDP shards the whole [experts, ...] tensors over every rank)
+    valid = [e for e in range(1, world + 1) if spread % e == 0 and m.moe_experts % e == 0
              and expert_shards_split(m, world, e)]
     raise ConfigError(f"parallel.expert = {dims.expert} on {world} ranks leaves {g} ranks holding the same experts, "
                       f"and FSDP shards each expert's weights over them on model.dim ({m.dim}) or "
                       f"model.moe.expert_dim ({m.resolved_expert_dim}), which must split evenly: {g} divides "
-                      f"neither. Choose parallel.expert among {valid or 'none on this world size'}, or a number of "
+                      f"neither. Choose parallel.expert among {valid} (1: no expert parallelism), or a number of "
                       f"ranks whose ratio to parallel.expert divides one of them.")
 
 
