@@ -227,6 +227,16 @@ class OuterSync:
                 "anchor": _host_copy(self.anchor), "momentum": _host_copy(self.momentum),
                 "arrived": _host_copy(self.arrived), "optimizer": moments, "rounds": self.rounds}
 
+    def cut_like(self, state: dict) -> bool:
+        """Whether `state` (state_dict's, this rank's) holds its local tensors as FSDP cuts them now: the same
+        layout can cut them otherwise (parallel/fsdp/shard.py: dim 0 under hpz, else costs/model_states.py
+        shard_dim's, which differ for a MoE layer's [experts, ...] tensors over more ranks than experts), and
+        such a state's flat weights are another slicing of the model, of another length on most ranks."""
+        if state["weights"].numel() != self.start.numel() or len(state["optimizer"]) != len(self.params):
+            return False
+        return all(v.shape == local.shape for local, saved in zip(self._locals(), state["optimizer"], strict=True)
+                   for v in saved.values() if v is not None and v.dim())
+
     @torch.no_grad()
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
         if state["weights"].numel() != self.start.numel() or len(state["optimizer"]) != len(self.params):

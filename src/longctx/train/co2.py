@@ -90,6 +90,9 @@ def _restore(outer: OuterSync, optimizer, ckpt, path, manifest: dict, log, steps
     if state is None or STATE_KEY not in state:
         log(_not_restored_note(path, manifest, ckpt.layout))
         return
+    if not outer.cut_like(state[STATE_KEY]):  # (every rank alike: a changed cut changes every rank's shapes)
+        log(_recut_note(path))
+        return
     outer.load_state_dict(state[STATE_KEY], optimizer)
     note = lengthened_note(getattr(ckpt, "resumed_state", None), path.name, steps)
     if note:
@@ -109,6 +112,18 @@ def _not_restored_note(path, manifest: dict, layout: dict) -> str:
             f"replicas' progress since their last merge (none after a co2 run's last step, which averages them) and "
             f"CO2's outer state (its momentum, a change in flight) are not carried over. Resume under the layout it "
             f"was written with to keep them.")
+
+
+def _recut_note(path) -> str:
+    """What a co2 run resumed under its checkpoint's layout goes on from when FSDP now cuts the weights otherwise
+    (parallel.zero_pp's hpz added or dropped: parallel/fsdp/shard.py). Until 2026-12-04 every rank raised "the CO2
+    state holds N local elements", or, where the lengths agreed, would have read another slicing as its own."""
+    return (f"co2: {path.name} was written by a co2 run whose FSDP cut its tensors otherwise (parallel.zero_pp's hpz "
+            f"cuts every tensor on dim 0, without it a MoE layer's [experts, ...] tensors over more ranks than "
+            f"experts are cut on another dim): every replica goes on from its replica 0's weights and AdamW "
+            f"moments; the other replicas' progress since their last merge and CO2's outer state (its momentum, a "
+            f"change in flight) are not carried over. Resume with hpz in parallel.zero_pp or not, as it was written, "
+            f"to keep them.")
 
 
 def _layout(x: dict) -> str:

@@ -420,8 +420,10 @@ def train(cfg: Config, log=print, *, preflighted: bool = False) -> TrainResult:
     """Run one training job (this rank's part of it) and return its losses. Called from a plain Python process (no
     launcher's env:// variables; `longctx train` passes `preflighted`, its preflight having checked), it first refuses
     a run that would not fit in this machine's free host memory, with the figures, as `longctx train` does before
-    any work (train/host_budget.py), rather than leave it to the OOM killer in the first step."""
-    if not preflighted and not under_launcher():
+    any work (train/host_budget.py), rather than leave it to the OOM killer in the first step. Not on a rank of a
+    process group the caller made (job/launch.py init_distributed reuses it): one job's ranks, as under a launcher."""
+    own_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not preflighted and not under_launcher() and not own_group:
         check_host_memory(cfg, check_layout(cfg, 1), 1, resolve_device(cfg.train.device).type)
     try:
         return Trainer(cfg, log).run()

@@ -1,0 +1,53 @@
+"""The library's train(cfg) on a rank of a process group its caller made itself (init_process_group with a store,
+no launcher's RANK / WORLD_SIZE), which job/launch.py init_distributed reuses (review, 2026-12-04). train()'s
+host-memory check for plain processes (issue 49 item 3) took such a rank for a one-process run: it checked the
+layout on 1 rank and refused every multi-rank layout ("... but the world size is 1"), and would have counted the
+whole model's states against each rank's free memory. Such ranks are a job's, as under a launcher: no check."""
+
+import multiprocessing as mp
+import os
+
+import torch.distributed as dist
+
+from longctx.config import load_config
+
+
+class _Reached(Exception):  # the Trainer was reached: train() refused nothing
+    pass
+
+
+def _rank(rank: int, store_path: str, run_dir: str, out) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    from longctx.train import trainer
+
+    def fake(*a, **k):
+        raise _Reached
+
+    trainer.Trainer = fake
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        cfg = load_config("configs/debug.toml", ["--parallel.dp_shard=2", "--parallel.head=1", "--parallel.ctx=1",
+                                                  "--train.steps=1", "--train.eval_interval=0", "--train.device=cpu",
+                                                  "--metrics.plots=false", "--metrics.progress=false",
+                                                  f"--train.run_dir={run_dir}"])
+        trainer.train(cfg)
+        out.put((rank, "returned"))
+    except _Reached:
+        out.put((rank, "reached"))
+    except Exception as e:  # (what the test reports)
+        out.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_of_a_callers_own_process_group_are_not_checked_as_one_process(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(tmp_path / "run"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: "reached", 1: "reached"}, got
