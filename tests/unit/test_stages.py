@@ -55,7 +55,7 @@ def test_stage_lengths_must_fit_the_layout():
     with pytest.raises(ConfigError, match="train.stages: sequence length 100 is not divisible"):
         check_layout(cfg, 4)
     cfg = load_config(None, ["--train.stages=128:2:3,128:2", "--parallel.ctx=2", "--parallel.dp_shard=2"])
-    with pytest.raises(ConfigError, match="train.stages: train.global_batch .3 sequences"):
+    with pytest.raises(ConfigError, match="train.stages: stage 1's batch .128:2:3. .3 sequences"):
         check_layout(cfg, 4)
 
 

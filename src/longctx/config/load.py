@@ -322,10 +322,14 @@ def _staged_train_values(values: dict[str, Any]) -> dict[str, Any]:
     stages = parse_stages(_coerce("train.stages", values["stages"], fields_by_key(TrainConfig)["stages"]))
     derived = {"steps": sum(s for _, s, _ in stages), "seq_len": stages[-1][0]}
     why = {"steps": "the sum of the stages' steps", "seq_len": "the last stage's length"}
-    for key, value in derived.items():
-        if key in values and values[key] != value:
-            raise ConfigError(f"train.{key} = {values[key]} contradicts train.stages = {values['stages']!r}, which "
-                              f"makes it {value} ({why[key]}); drop train.{key}.")
+    wrong = [key for key, value in derived.items() if key in values and values[key] != value]
+    if wrong:
+        # every contradiction at once, and the overrides that agree: a --config file (configs/debug.toml) sets
+        # both, so "drop train.steps" alone named a key the command line did not hold and hid the next refusal
+        said = "; ".join(f"train.{k} = {values[k]} contradicts train.stages = {values['stages']!r}, which makes it "
+                         f"{derived[k]} ({why[k]})" for k in wrong)
+        raise ConfigError(f"{said}. Drop {' and '.join(f'train.{k}' for k in wrong)} where set (a --config file or "
+                          f"the command line), or give {' '.join(f'--train.{k}={derived[k]}' for k in wrong)}.")
     return {**values, **derived}
 
 

@@ -26,10 +26,12 @@ def check_layout(cfg, world: int) -> ParallelDims:
         except ConfigError as e:  # (the key: the same rule guards eval's and generate's lengths, which say theirs)
             raise ConfigError(f"train.seq_len with parallel.ctx {dims.ctx} x parallel.head {dims.head}: {e}") from None
     else:
-        for seq_len, _, batch in parse_stages(cfg.train.stages):
+        for i, (seq_len, steps, batch) in enumerate(parse_stages(cfg.train.stages), 1):
             try:
                 check_divisible(seq_len, dims.ctx, dims.head)
-                _check_batch(batch or cfg.train.global_batch, cfg.train.grad_accum, dims)
+                # a stage's own batch is named as the stage's: train.global_batch may be another number
+                _check_batch(batch or cfg.train.global_batch, cfg.train.grad_accum, dims,
+                             f"stage {i}'s batch ({seq_len}:{steps}:{batch})" if batch else "train.global_batch")
             except ConfigError as e:
                 raise ConfigError(f"train.stages: {e}") from None
     if global_batch_used(cfg.train.stages):  # (unused when every stage names its batch)
@@ -125,11 +127,11 @@ def check_divisible(seq_len: int, ctx: int, head: int) -> None:
         )
 
 
-def _check_batch(global_batch: int, grad_accum: int, dims: ParallelDims) -> None:
+def _check_batch(global_batch: int, grad_accum: int, dims: ParallelDims, what: str = "train.global_batch") -> None:
     dp = dims.dp_replicate * dims.dp_shard
     if global_batch % (dp * grad_accum):
         raise ConfigError(
-            f"train.global_batch ({global_batch} sequences per optimizer step) must split evenly into "
+            f"{what} ({global_batch} sequences per optimizer step) must split evenly into "
             f"train.grad_accum ({grad_accum}) micro-batches over the data-parallel degree dp_replicate x "
             f"dp_shard = {dims.dp_replicate} x {dims.dp_shard} = {dp}; use a multiple of {dp * grad_accum}."
         )

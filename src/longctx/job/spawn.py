@@ -155,6 +155,11 @@ def run_spawned(world: int, fn, *args, threads: int = 1, timeout: float = 900.0)
             p.join(timeout=5 if len(out) == world else 0)
             if p.is_alive():
                 p.terminate()
+        for p in procs:  # a rank in the trainer only notes SIGTERM (train/preemption.py), and one waiting on a
+            p.join(timeout=5)  # dead peer never reaches the step boundary that acts on it: it outlived terminate()
+            if p.is_alive():  # and the caller hung at exit joining it
+                p.kill()
+                p.join(timeout=5)
     return [out[r] for r in range(world)]
 
 

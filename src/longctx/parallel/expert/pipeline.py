@@ -107,10 +107,11 @@ class PipelinedExperts(torch.autograd.Function):
             combines.append(_issue(out.detach(), plan, c, back=True))
             graphs.append((got, out))
             pending = following
-        y = x.new_empty(x.shape[0], w2.shape[1])
+        # the experts' dtype, as the unchunked layer's combine returns it (bf16 under autocast, x fp32)
+        y = x.new_empty(x.shape[0], w2.shape[1], dtype=graphs[0][1].dtype)
         for idx, done in zip(plan.send_index, combines):
             y.index_copy_(0, idx, done.wait())
-        ctx.plan, ctx.graphs, ctx.weights = plan, graphs, weights
+        ctx.plan, ctx.graphs, ctx.weights, ctx.x_dtype = plan, graphs, weights, x.dtype
         return y
 
     @staticmethod
@@ -136,7 +137,7 @@ class PipelinedExperts(torch.autograd.Function):
         ctx.graphs = None
         grad_x = None
         if want_x:
-            grad_x = grad.new_zeros(grad.shape[0], grad.shape[1])
+            grad_x = grad.new_zeros(grad.shape[0], grad.shape[1], dtype=ctx.x_dtype)  # (the rows' gradients: x's)
             for idx, done in zip(plan.send_index, returns):
                 grad_x.index_copy_(0, idx, done.wait())
         return grad_x, *grad_w, None, None
