@@ -214,11 +214,15 @@ def main(argv=None) -> None:
         if err:
             print(err, file=sys.stderr, flush=True)
             crashes.append({"world": world, "command": line, "error": err})
-    out = {"checked": len(cases), "accepted": len(accepted), "ran": ran, "crashed": len(crashes),
-           "refusals": refusals.most_common(30), "crashes": crashes}
+    report({"checked": len(cases), "accepted": len(accepted), "ran": ran, "crashed": len(crashes),
+            "refusals": refusals.most_common(30), "crashes": crashes}, a.out)
+
+
+def report(out: dict, path: str | None) -> None:
+    """The counts as JSON on stdout, and in `path` when given."""
     text = json.dumps(out, indent=1)
-    if a.out:
-        with open(a.out, "w") as fh:
+    if path:
+        with open(path, "w") as fh:
             fh.write(text)
     print(text)
 

@@ -16,7 +16,6 @@ run before launch: exit 2 is a refusal). A finding is an accepted case that cras
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import subprocess
@@ -24,7 +23,7 @@ import sys
 import tempfile
 from collections import Counter
 
-from layout_matrix import BASE, MODELS, check, pick_runs, run_case, sample_case
+from layout_matrix import BASE, MODELS, check, pick_runs, report, run_case, sample_case
 
 TRAIN_EXTRAS = ("stages", "eval", "bf16", "resume")
 CLI_EXTRAS = ("eval_cli", "generate_cli")
@@ -218,13 +217,8 @@ def main(argv=None) -> None:
     if set(extras) & set(CLI_EXTRAS):
         cli_extras(rng, a, extras, tmp, tally)
     counts = {k: tally.counts[k] for k in ("checked", "accepted", "ran")}
-    out = {**counts, "crashed": len(tally.crashes), "refusals": tally.refusals.most_common(30),
-           "crashes": tally.crashes}
-    text = json.dumps(out, indent=1)
-    if a.out:
-        with open(a.out, "w") as fh:
-            fh.write(text)
-    print(text)
+    report({**counts, "crashed": len(tally.crashes), "refusals": tally.refusals.most_common(30),
+            "crashes": tally.crashes}, a.out)
 
 
 if __name__ == "__main__":
