@@ -50,6 +50,27 @@ def test_a_block_longer_than_the_smallest_shard_is_refused():
     assert quantize_gathers(units, load_config("configs/debug.toml", []), dims) is None  # qwz off
 
 
+def test_an_expert_units_shard_is_its_global_size_over_every_rank():
+    """Under expert parallelism an experts unit's parameters are DTensors of the global [experts, ...] shape, split
+    over the expert group (dim 0) and FSDP-sharded over the expert-data group: a rank holds 1 / world of them, not
+    1 / (world / expert), which let a block up to `expert` times longer than its real shard through."""
+    from types import SimpleNamespace
+
+    from longctx.config import load_config
+    from longctx.errors import ConfigError
+    from longctx.parallel.fsdp.shard import quantize_gathers
+
+    cfg = load_config("configs/debug.toml", ["--parallel.zero_pp=qwz", "--parallel.zero_pp_block=600"])
+    units = [torch.nn.Linear(80, 80), torch.nn.Linear(4, 4)]  # a block (6,480 elements: 1,620 a rank) and the root
+    experts = torch.nn.Module()
+    experts.w = torch.nn.Parameter(torch.zeros(4, 40, 40))  # 6,400 elements over 4 ranks: 1,600 a rank, not 3,200
+    experts_small = torch.nn.Module()
+    experts_small.w = torch.nn.Parameter(torch.zeros(4, 20, 20))  # 1,600 over 4: 400 a rank, under the block
+    dims = SimpleNamespace(world_size=4, dp_replicate=1, expert=2)
+    with pytest.raises(ConfigError, match=r"smallest FSDP unit's shard \(400 elements per rank\)"):
+        quantize_gathers(units, cfg, dims, expert_units=[experts, experts_small])
+
+
 def _has_compiler() -> bool:
     import shutil
 

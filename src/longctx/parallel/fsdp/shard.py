@@ -142,8 +142,8 @@ def quantize_gathers(units: list, cfg, dims, compiled: bool = False, expert_unit
         return None
     block = cfg.parallel.zero_pp_block
     shards = _shards(units[:-1], dims.world_size // dims.dp_replicate)  # (the root, last, holds more)
-    if expert_units:  # (their expert-data group)
-        shards += _shards(expert_units, dims.world_size // dims.expert)
+    if expert_units:  # (global [experts, ...] DTensors, split over the expert group and then the expert-data group:
+        shards += _shards(expert_units, dims.world_size)  # 1 / world of them a rank)
     check_block(block, shards)
     # hpz's backward gathers (within its secondary partition) stay exact. A partition as large as the FSDP
     # group is no partition (FSDP2 reshards such a unit fully, so its backward gathers from the shards
