@@ -61,9 +61,9 @@ def test_lm_head_bytes():
 
 def test_attention_chunks():
     # ctx 2: the core sees 500 of 1000 tokens, in chunks of 128
-    assert attention_chunks(1000, 1, 2, MemoryPolicy(attention_chunk=128)) == 4
-    assert attention_chunks(1000, 1, 2, MemoryPolicy(attention_chunk=512)) == 1
-    assert attention_chunks(1000, 1, 2, MemoryPolicy()) == 1
+    assert attention_chunks(1000, 2, MemoryPolicy(attention_chunk=128)) == 4
+    assert attention_chunks(1000, 2, MemoryPolicy(attention_chunk=512)) == 1
+    assert attention_chunks(1000, 2, MemoryPolicy()) == 1
 
 
 def test_transient_is_the_lm_head_when_its_logits_are_widest():

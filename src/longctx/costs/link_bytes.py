@@ -1,8 +1,8 @@
 """Closed forms of the bytes per optimizer step that cross node boundaries, and that stay inside
 nodes, for each mode of `longctx bench comm --cluster` (docs/parallelism.md states them; tests/
 distributed/test_bench_comm.py checks the emulated cluster's count against them, exactly; the planner
-reports a plan's bytes per link level from them, planner/slow_links.py). Pure Python: bench/comm_bytes.py
-names them for the benchmark.
+reports a plan's bytes per link level from them, planner/slow_links.py). Arithmetic only (a unit's shards
+come from costs/model_states.py param_cut, FSDP2's cut): bench/comm_bytes.py names them for the benchmark.
 
 A job of `nodes` x `ranks` ranks, ranks placed node by node. Bytes are job totals: the sum over
 ranks of what each puts on a hop. A ring collective (all-gather, reduce-scatter, all-reduce) over a
@@ -20,10 +20,9 @@ multiple of the group size, fp32 on CPU (`Unit.elements` per rank).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from .model_states import shard_dim
+from .model_states import param_cut
 
 
 @dataclass(frozen=True)
@@ -46,11 +45,7 @@ def fsdp_unit(shapes, group: int, node: int, hpz: int = 0, even: bool = True, ro
     where the group does not divide the dim: 147,840 bytes a step on 3 x 2 ranks). local_elements: each rank's
     unpadded part (co2's outer all-reduce sends those). bench comm (bench/comm_cluster.py units_of) and the
     planner (planner/slow_links.py planner_units) both count with it."""
-    rows = []  # (the cut dim's size, the rows a rank pads to, elements per row)
-    for dims in shapes:
-        dims = tuple(dims) or (1,)
-        n = dims[shard_dim(dims, group) if even else 0]
-        rows.append((n, -(-n // group), math.prod(dims) // n if n else 0))
+    rows = [param_cut(dims, group, even) for dims in shapes]  # (the cut dim's size, a rank's rows, per row)
 
     def shard(size: int) -> int:
         return sum(chunk * (group // size) * rest for _, chunk, rest in rows)

@@ -179,18 +179,28 @@ def even_shards(shape: MeshShape) -> bool:
     return "hpz" not in shape.zero_pp.split(",")
 
 
+def param_cut(dims, group: int, even: bool = True) -> tuple[int, int, int]:
+    """(the size of the dim FSDP2 cuts a tensor of shape `dims` on over `group` ranks: shard_dim's, dim 0 where
+    not `even`; the rows of it a rank pads to, torch.chunk's first chunk; the elements per row). A scalar is one
+    row of one element."""
+    dims = tuple(dims) or (1,)
+    n = dims[shard_dim(dims, group) if even else 0]
+    return n, -(-n // group), math.prod(dims) // n if n else 0
+
+
 def param_shard(dims, routed: bool, group: int, expert: int = 1, expert_data: int = 1,
                 even: bool = True) -> tuple[int, int]:
     """(elements of the fullest rank's shard, the ranks the tensor is cut over) of one parameter of shape `dims`
     as FSDP2 shards it (parallel/fsdp/shard.py): shard_dim's dim (dim 0 where not `even`, i.e. under hpz) over
     the FSDP `group`; a routed expert's under expert parallelism 1 / `expert` of dim 0, then expert_shard_dim's
     over the `expert_data` group. Its collectives carry elements x ranks (the padding included)."""
-    dims, g, d = list(dims), group, shard_dim(dims, group) if even else 0
-    if routed and expert > 1:
-        dims[0], g, d = -(-dims[0] // expert), expert_data, expert_shard_dim(dims, expert_data)
-    if dims:
-        dims[d] = -(-dims[d] // g)
-    return math.prod(dims), g
+    if not (routed and expert > 1):
+        _, chunk, rest = param_cut(dims, group, even)
+        return chunk * rest, group
+    dims = [-(-dims[0] // expert), *dims[1:]]  # (the expert group's share of the experts)
+    d = expert_shard_dim(dims, expert_data)
+    dims[d] = -(-dims[d] // expert_data)
+    return math.prod(dims), expert_data
 
 
 @per_model

@@ -60,7 +60,7 @@ def sparse_attention_backward_bytes(m: ModelConfig, head: int, e: int) -> float:
     return accumulators + kernel_grads + max(kernel_args, fp32_copy)
 
 
-def attention_chunks(seq_len: int, micro_batch: int, ctx: int, policy: MemoryPolicy) -> int:
+def attention_chunks(seq_len: int, ctx: int, policy: MemoryPolicy) -> int:
     """How many chunks each row of the attention core's sequence (a context rank's tokens after the head
     all-to-all) is cut into under memory.attention_chunk; 1 = not chunked. ops/chunked.py cuts every row
     alike (`chunk_slices` of the row's seq / ctx tokens), so a chunk pair holds micro_batch x chunk tokens
@@ -116,7 +116,7 @@ def attention_offload_host_and_traffic(m: ModelConfig, seq_len: int, micro_batch
     host = t * ((core if full else 0.0) + ((4 + e) * q_dim if per_chunk else 0.0))
     out = t * core * (2 if full else 1)
     if per_chunk:
-        u = attention_chunks(seq_len, micro_batch, ctx, policy)
+        u = attention_chunks(seq_len, ctx, policy)
         visits = max(1.0, (u + 1) / 2 * work)
         back = t * (visits * (3 * e * q_dim + 4 * m.heads + 8 * q_dim) + 2 * e * kv_dim + e * q_dim)
     else:
@@ -222,7 +222,7 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     q_dim, kv_dim = attention_widths(m, head)
     seq_out = part["attn_out"] if head > 1 else 0.0
     both_layouts = 2 if head > 1 else 1
-    chunked = attention_chunks(seq_len, micro_batch, ctx, policy) > 1
+    chunked = attention_chunks(seq_len, ctx, policy) > 1
     host_chunks = chunked and per_chunk_store(ctx, policy)
     X = e * m.dim
     core_work = core_working_set_bytes(m, head=head, ctx=ctx, window=window, e=e, docs=docs, chunked=chunked,

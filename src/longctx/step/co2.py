@@ -239,7 +239,7 @@ class OuterSync:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, optimizer: torch.optim.Optimizer) -> None:
-        if state["weights"].numel() != self.start.numel() or len(state["optimizer"]) != len(self.params):
+        if not self.cut_like(state):
             raise ValueError(f"the CO2 state holds {state['weights'].numel()} local elements in "
                              f"{len(state['optimizer'])} tensors; this rank has {self.start.numel()} in "
                              f"{len(self.params)}")

@@ -183,13 +183,14 @@ class MetricsLogger:
         # the tensors as FSDP2 pads them (the dim it cuts to a multiple of its group): what its collectives carry
         d, in_blocks = rt.dims, {id(p) for p in model.layers.parameters()}
         groups = (1,) if d is None else (d.dp_shard * d.head * d.ctx, d.expert, d.expert_data)  # (None: no mesh)
-        even = d is None or hpz_group(cfg, d) is None  # (hpz: dim 0 everywhere, parallel/fsdp/shard.py)
+        hpz = None if d is None else hpz_group(cfg, d)
+        even = hpz is None  # (hpz: dim 0 everywhere, parallel/fsdp/shard.py)
         params = [(p.shape, ".experts." in n, id(p) not in in_blocks) for n, p in model.named_parameters()]
         target = getattr(model, "target", None)  # a draft run's frozen target (train/glide.py): FSDP2 on the same ranks
         # (a draft is sharded with FSDP2's default, dim 0 everywhere: parallel/parallelize.py parallelize_draft)
         carried = fsdp_carried(params, *groups, even=even and target is None)
         zero_pp = ZeroPP(frozenset(zero_pp_names(cfg)), cfg.parallel.zero_pp_block, node_size(cfg, rt.dims) or 0,
-                         hpz_group(cfg, rt.dims) or 0)  # (the bytes ZeRO++ really sends, not plain FSDP's)
+                         hpz or 0)  # (the bytes ZeRO++ really sends, not plain FSDP's)
         frozen = 0 if target is None else fsdp_carried([(p.shape, False, False) for p in target.parameters()],
                                                        groups[0], even=even)["total"]
         self.fsdp_bytes = fsdp_bytes_per_step(carried["total"], carried["root"], rt.dims, cfg.train.grad_accum, gather,

@@ -93,7 +93,7 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
     # keep plain resharding: their expert-data group is not node-local in general.)
     reshard = hpz_group(cfg, dims) or True
     # (not under hpz: FSDP2 reshards to the node after forward by cutting the gathered flat buffer, dim 0's layout)
-    even = even_placement(shard_mesh.shape[-1]) if reshard is True else None
+    placement = even_placement(shard_mesh.shape[-1]) if reshard is True else None
     units, expert_units = [], []
     for group in plan.groups():
         blocks = [model.layers[i] for i in group]
@@ -106,14 +106,14 @@ def shard_model(model, dims, cfg, device_type: str) -> None:
         if mp.param_dtype is not None:  # routers gather fp32 (below), whatever the blocks gather in
             for router in [b.feed_forward.router for b in blocks if isinstance(b.feed_forward, MoEFeedForward)]:
                 fully_shard(router, mesh=shard_mesh, mp_policy=FP32, offload_policy=offload,
-                            reshard_after_forward=reshard, shard_placement_fn=even)
+                            reshard_after_forward=reshard, shard_placement_fn=placement)
                 # the MoE layer also calls router.logits directly (the sinkhorn assignment, a padding mask,
                 # block chunks' first pass): FSDP gathers the gate for that call as for forward
                 register_fsdp_forward_method(router, "logits")
         units.append(fully_shard(_one_or_list(blocks), mesh=shard_mesh, mp_policy=mp, offload_policy=offload,
-                                 reshard_after_forward=reshard, shard_placement_fn=even))
+                                 reshard_after_forward=reshard, shard_placement_fn=placement))
     fully_shard(model, mesh=shard_mesh, mp_policy=root_precision(mp), offload_policy=offload,
-                shard_placement_fn=even)
+                shard_placement_fn=placement)
     compiled = use_compiled(cfg.parallel.zero_pp_kernels, device_type)
     model.weight_gather = quantize_gathers([*units, model], cfg, dims, compiled, expert_units)
     model.grad_bucket_plan = plan
