@@ -86,10 +86,11 @@ def train(name: str, args: list[str], limit: float) -> dict:
 
 
 def smoke(steps: str) -> dict:
+    tiers = ENV.get("SMOKE_TIERS", "device,host_optimizer,host").split(",")  # (device: the reference)
     runs = {tier: train(f"smoke_{tier}", ["--train.steps", steps, "--memory.model_states", tier], 90)
-            for tier in ("device", "host_optimizer", "host")}
-    ref = runs["device"].get("losses", [])  # (a run skipped for want of budget has none)
-    for tier in ("host_optimizer", "host"):
+            for tier in tiers}
+    ref = runs.get("device", {}).get("losses", [])  # (a run skipped for want of budget, or not asked, has none)
+    for tier in [t for t in tiers if t != "device"]:
         got = runs[tier].get("losses", [])
         # over the steps both ran; a tier that stopped early (its rc) has no diff for the rest, said apart
         runs[tier]["max_abs_loss_diff"] = max((abs(a - b) for a, b in zip(ref, got)), default=None)
@@ -97,9 +98,16 @@ def smoke(steps: str) -> dict:
     return runs
 
 
+def length(seq: str) -> list[str]:
+    """train.seq_len, and model.max_seq_len raised to it: the presets' 131,072 is shorter than the frontier's
+    lengths, and the length guard refuses a sequence past the model's (the llama3 RoPE scaling reads
+    model.rope_original_max_len, not max_seq_len, so raising it changes no position's rotation)."""
+    return ["--train.seq_len", seq, "--model.max_seq_len", seq]
+
+
 def blocks(preset: str, seq: str, tier: str) -> dict:
     runs = {layers: train(f"blocks{layers}_{tier}", ["--model.preset", preset, "--model.layers", layers,
-                                                     "--train.seq_len", seq, "--train.steps", "1",
+                                                     *length(seq), "--train.steps", "1",
                                                      "--memory.model_states", tier, *FRONTIER], 240)
             for layers in ("2", "4")}
     peaks = [runs[n].get("memory_gib") for n in ("2", "4")]
@@ -112,7 +120,7 @@ def blocks(preset: str, seq: str, tier: str) -> dict:
 def longest(preset: str, lengths: list[str]) -> dict:
     tried = []
     for seq in lengths:  # longest first: the first that trains is the answer
-        run = train(f"longest_{seq}", ["--model.preset", preset, "--train.seq_len", seq, "--train.steps", "1",
+        run = train(f"longest_{seq}", ["--model.preset", preset, *length(seq), "--train.steps", "1",
                                        "--memory.model_states", "host_optimizer", *FRONTIER], 300)
         tried.append(run)
         if run.get("rc") == 0:
@@ -146,7 +154,7 @@ def save(out: dict) -> str:
     Path(ENV.get("OUT", "/tmp/gpu_out"), "gpu_frontier.json").write_text(text)
     if DEVICE == "cuda":
         slug = out["card"]["name"].lower().replace(" ", "-")
-        Path("docs/results", f"gpu_frontier_{slug}_{out['date']}.json").write_text(text)
+        Path("docs/results", f"gpu_frontier_{slug}_{out['date']}{ENV.get('TAG', '')}.json").write_text(text)
     return text
 
 
@@ -167,13 +175,20 @@ def probe(out: dict, key: str, fn, *args, append: bool = False) -> None:
 def main() -> None:
     out = {"card": card(), "date": datetime.date.today().isoformat(), "budget_s": BUDGET_S}
     print(json.dumps(out), flush=True)
-    probe(out, "smoke", smoke, ENV.get("SMOKE_STEPS", "30"))
+    # PROBES: which to run (a rerun of some within a device's last minutes), in this order
+    wanted = ENV.get("PROBES", "smoke,blocks,overlap,longest,blocks_host").split(",")
     seq_8b, preset_8b = ENV.get("SEQ_8B", "524288"), ENV.get("PRESET_8B", "llama3-8b")
-    probe(out, "blocks", blocks, preset_8b, seq_8b, "host_optimizer", append=True)
     preset_1b = ENV.get("PRESET_1B", "llama3-1b")
-    probe(out, "overlap", overlap, preset_1b, ENV.get("SEQ_OVERLAP", "32768"))
-    probe(out, "longest", longest, preset_1b, ENV.get("LONGEST", "524288 262144 131072").split())
-    probe(out, "blocks", blocks, preset_8b, seq_8b, "host", append=True)
+    if "smoke" in wanted:
+        probe(out, "smoke", smoke, ENV.get("SMOKE_STEPS", "30"))
+    if "blocks" in wanted:
+        probe(out, "blocks", blocks, preset_8b, seq_8b, "host_optimizer", append=True)
+    if "overlap" in wanted:
+        probe(out, "overlap", overlap, preset_1b, ENV.get("SEQ_OVERLAP", "32768"))
+    if "longest" in wanted:
+        probe(out, "longest", longest, preset_1b, ENV.get("LONGEST", "524288 262144 131072").split())
+    if "blocks_host" in wanted:
+        probe(out, "blocks", blocks, preset_8b, seq_8b, "host", append=True)
     print(save(out)[:3000])
 
 

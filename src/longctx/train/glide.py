@@ -62,6 +62,7 @@ from ..models.glide import GlideDraft, block_stale_limit, sequence_codes
 from ..models.llama import Llama, build_model
 from ..models.shards import write_full
 from ..ops.loss import IGNORE, lm_head_distill_loss, lm_head_loss, take_rows
+from ..parallel.fsdp.shard import materialize
 from ..parallel.parallelize import parallelize, parallelize_draft
 from .weights import load_weights
 
@@ -300,7 +301,7 @@ def frozen_target(cfg: Config, device: torch.device, rt: Runtime, log=print) -> 
     target = build_model(cfg.model, device="meta")
     target.requires_grad_(False)
     target = parallelize(target, rt.dims, frozen, rt.mesh, device.type)
-    target.to_empty(device=device)
+    materialize(target, frozen, device)
     path = load_weights(target, d.target, rt, log, "draft.target")
     target.requires_grad_(False)
     target.eval()
@@ -368,7 +369,7 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     model = GlideTraining(draft, target, head, loss=d.loss, block=d.block, kd_temperature=d.kd_temperature,
                           record=record)
     parallelize_draft(model, rt.dims, cfg, rt.mesh, device.type)
-    draft.to_empty(device=device)
+    materialize(draft, cfg, device)
     draft.init_weights(cfg.train.seed)
     if d.init == "target":
         init_from_target(draft, target)

@@ -22,6 +22,7 @@ from ..memory.accounting import activation_dtype
 from ..memory.policy import MemoryPolicy
 from ..models.llama import Block, Llama, build_model, rope_cos_sin, rope_inv_freq
 from ..ops.pinned import pins
+from ..parallel.fsdp.shard import materialize
 from ..parallel.parallelize import parallelize, sequence_parallel_core
 from .glide import build_glide_training
 from .host_budget import host_bytes_besides_offload
@@ -53,7 +54,7 @@ def build_llama_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     starts identical) or from the starting weights (each rank reading only its rows)."""
     model = build_model(cfg.model, device="meta")
     model = parallelize(model, rt.dims, cfg, rt.mesh, device.type)
-    model.to_empty(device=device)
+    materialize(model, cfg, device)
     source = cfg.model.init_from
     if not source:
         model.init_weights(cfg.train.seed)

@@ -241,6 +241,22 @@ def states_offload(cfg, device_type: str) -> OffloadPolicy:
     return OffloadPolicy()
 
 
+def materialize(model: torch.nn.Module, cfg, device: torch.device) -> None:
+    """model.to_empty after parallelize. Under memory.model_states = host on an accelerator, FSDP2's CPU
+    offload keeps each unit's shards in host memory and its lazy init refuses a parameter materialised on
+    the device ("should be materialized on CPU"), so the parameters are materialised in host memory and
+    only the buffers (RoPE frequencies, Ms-PoE ratios, routers' expert bias), which forward reads where
+    it computes, on the device. Elsewhere everything on `device`."""
+    if cfg.memory.model_states != "host" or device.type == "cpu":
+        model.to_empty(device=device)
+        return
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
+
+
 def mixed_precision(device_type: str, dtype: str) -> MixedPrecisionPolicy:
     """FSDP2's policy: parameters gathered in bf16 and gradients reduced in fp32 where gathers_in_bf16
     (accumulated in fp32 across micro-batches without sync too: FSDP2 keeps them in reduce_dtype). Its
