@@ -326,7 +326,9 @@ class Trainer:
             loss = step_mean(self.rt.sum_tensor(local_loss), valid)
             if self.co2 is not None:  # train.co2_sync_steps: a synchronous step's gradients averaged first
                 self.co2.before_clip(step)
-            grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip)
+            # (with the gradients: in host memory under memory.model_states = host; the step's figures travel
+            # together, on the device, to the guard and to read_back's one stack)
+            grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip).to(loss.device)
             if self.co2 is not None:  # each replica clipped its own: the guard reads the largest
                 grad_norm = self.co2.agreed_norm(grad_norm)
             # global figures, so the same decision on every rank
