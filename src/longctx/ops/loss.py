@@ -219,7 +219,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 del probs
                 dxn = (g @ weight.to(mm)).to(h.dtype)
                 if dw is not None:
-                    dw.addmm_(g.t().to(dw.dtype), xn.detach().to(dw.dtype))
+                    _add_weight_grad(dw, g, xn.detach().to(mm), chunk)
                 if norm_weight is None:
                     dh[s:e] = dxn
                 else:
@@ -232,6 +232,22 @@ class _ChunkedLoss(torch.autograd.Function):
                 del g, dxn
         return (dh, None if dw is None else dw.to(weight.dtype), None, None, None,
                 None if dnorm is None else dnorm.to(norm_weight.dtype), None, None)
+
+
+def _add_weight_grad(dw: torch.Tensor, g: torch.Tensor, xn: torch.Tensor, chunk: int) -> None:
+    """dw (fp32) += g^T xn, one chunk's LM-head weight gradient. In fp32 (no autocast) in place. Under
+    autocast the product is the compute dtype's matmul, as autograd's weight gradient of an autocast linear
+    is, then added to dw in fp32: an fp32 matmul was ~10x the bf16 one's time on a GPU (an H200's CUDA
+    cores, TF32 off), 9 us of llama3-1b's ~46 us a token (docs/benchmarks.md, peer). The product's
+    [vocab, dim] is taken in row pieces no larger than the chunk's fp32 logits gradient just freed
+    (chunk x vocab x 4 B, memory/transients.py lm_head_bytes), one piece where dim x 2 <= 4 x chunk."""
+    if g.dtype == dw.dtype:
+        dw.addmm_(g.t(), xn)
+        return
+    vocab, dim = dw.shape
+    rows = max(1, min(vocab, vocab * 4 * chunk // (dim * g.element_size())))
+    for r in range(0, vocab, rows):
+        dw[r:r + rows].add_(g[:, r:r + rows].t() @ xn)
 
 
 def _label_scale(lab: torch.Tensor, weights: torch.Tensor | None, s: int, e: int, dtype) -> torch.Tensor:
