@@ -51,12 +51,12 @@ echo "budget ${BUDGET_S} s, device ${DEVICE}"
 [ "$DEVICE" = cpu ] || nvidia-smi -L
 echo "== 1. longctx train vs transformers, llama3-1b, 8K and 32K"
 if fits 200; then
-  go python3 benchmarks/peer_train.py --preset llama3-1b --seq-len 8192,32768 --steps 6 \
+  go python3 benchmarks/peer_train.py --preset llama3-1b --seq-len 8192,32768 --steps 6 --profile \
     --out "$OUT/peer.json" 2>&1 | grep -v Warning | tail -4; echo "rc ${PIPESTATUS[0]}"; save peer
 fi
 echo "== 2. bench moe --device cuda --compile"
 if fits 120; then
-  go python3 -m longctx bench moe --device cuda --compile --dim 2048 --experts 64 --top-k 8 --expert-dim 768 \
+  go python3 -m longctx bench moe --device cuda --compile --profile --dim 2048 --experts 64 --top-k 8 --expert-dim 768 \
     --skew-share 0.125 --seq-len 8192,32768 --repeats 5 > "$OUT/moe.json"; echo "rc $?"; save moe
 fi
 echo "== 3. bench generate --compile both --device cuda (debug model, batch 1)"

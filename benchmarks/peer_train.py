@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 
-def ours(preset: str, seq: int, steps: int, device: str) -> dict:
+def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False) -> dict:
     run = tempfile.mkdtemp(prefix="peer_ours_")
     cmd = [sys.executable, "-m", "longctx", "train", "--nproc", "1", "--model.preset", preset,
            "--train.seq_len", str(seq), "--train.global_batch", "1", "--train.steps", str(steps),
@@ -32,18 +32,31 @@ def ours(preset: str, seq: int, steps: int, device: str) -> dict:
            "--checkpoint.final", "false", "--metrics.plots", "false", "--metrics.progress", "false",
            "--metrics.log_interval", "1", "--memory.recompute", "full", "--data.max_docs", "3000",
            "--train.run_dir", run]
+    if profile:  # one more step, profiled, left out of the figures (its profiler's overhead)
+        cmd[cmd.index("--train.steps") + 1] = str(steps + 1)
+        cmd += ["--metrics.profile_step", str(steps + 1)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     lines = [json.loads(x) for x in Path(run, "metrics.jsonl").read_text().splitlines()] \
         if Path(run, "metrics.jsonl").exists() else []
-    steps_seen = [x for x in lines if x.get("kind") == "train"][2:]
+    steps_seen = [x for x in lines if x.get("kind") == "train"][2:steps]
     if done.returncode or not steps_seen:
         return {"rc": done.returncode, "tail": (done.stdout + done.stderr)[-1500:]}
-    return {"rc": 0, "tokens_per_s": statistics.median(x["tokens_per_s"] for x in steps_seen),
-            "mfu": statistics.median(x["mfu"] for x in steps_seen),
-            "memory_gib": max(x["memory_gib"] for x in steps_seen)}
+    out = {"rc": 0, "tokens_per_s": statistics.median(x["tokens_per_s"] for x in steps_seen),
+           "mfu": statistics.median(x["mfu"] for x in steps_seen),
+           "memory_gib": max(x["memory_gib"] for x in steps_seen)}
+    table = Path(run, "profile", f"step{steps + 1}_top.json")  # (--profile: the extra step's kernels, by kind)
+    if table.exists():
+        out["profile"] = short_profile(json.loads(table.read_text()))
+    return out
 
 
-def peer(preset: str, seq: int, steps: int, device: str) -> dict:
+def short_profile(table: dict) -> dict:
+    """A profile table (train/profile_step.py top_table) cut to what a lent device's JSON should carry."""
+    return {"time": table["time"], "total_self_s": table["total_self_s"], "by_kind": table["by_kind"],
+            "top": table["top"][:15]}
+
+
+def peer(preset: str, seq: int, steps: int, device: str, profile: bool = False) -> dict:
     import torch
     import transformers
 
@@ -66,8 +79,7 @@ def peer(preset: str, seq: int, steps: int, device: str) -> dict:
     times = []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    for _ in range(steps):
-        t0 = time.perf_counter()
+    def one_step():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
@@ -75,6 +87,10 @@ def peer(preset: str, seq: int, steps: int, device: str) -> dict:
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        one_step()
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[2:] or times)
     peak, _ = device_peak(dev)
@@ -83,7 +99,11 @@ def peer(preset: str, seq: int, steps: int, device: str) -> dict:
            "transformers": transformers.__version__}
     if dev.type == "cuda":
         out["memory_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
-    del model, opt
+    if profile:  # one more step, profiled as ours is (train/profile_step.py's table)
+        from longctx.train.profile_step import profile_call
+
+        out["profile"] = short_profile(profile_call(one_step, dev.type == "cuda"))
+    # (model and opt are freed on return: one_step, which holds them, goes with it)
     return out
 
 
@@ -94,12 +114,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more step of each, under torch.profiler: its kernels by kind, and the top 15 (not timed)")
     args = ap.parse_args()
     rows = []
     for seq in (int(s) for s in args.seq_len.split(",")):
-        row = {"seq_len": seq, "longctx": ours(args.preset, seq, args.steps, args.device)}
+        row = {"seq_len": seq, "longctx": ours(args.preset, seq, args.steps, args.device, args.profile)}
         try:
-            row["transformers"] = peer(args.preset, seq, args.steps, args.device)
+            row["transformers"] = peer(args.preset, seq, args.steps, args.device, args.profile)
         except Exception as e:  # an out-of-memory peer is a result, not a crash
             row["transformers"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         a, b = row["longctx"].get("tokens_per_s"), row["transformers"].get("tokens_per_s")

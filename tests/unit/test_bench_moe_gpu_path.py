@@ -12,11 +12,11 @@ from longctx.bench import moe as bench
 from longctx.bench import moe_gpu
 
 
-def _run(capsys, dim, expert_dim):
+def _run(capsys, dim, expert_dim, *extra):
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     args = p.parse_args(["--dim", str(dim), "--experts", "4", "--expert-dim", str(expert_dim), "--seq-len", "32",
-                         "--routing", "uniform", "--repeats", "1"])
+                         "--routing", "uniform", "--repeats", "1", *extra])
     assert moe_gpu.main(args, device=torch.device("cpu")) == 0
     return json.loads(capsys.readouterr().out)
 
@@ -34,3 +34,15 @@ def test_the_kernel_path_is_named_where_it_runs(capsys):
     if cpu_kernel_available():
         assert doc["config"]["grouped"] == "torch._grouped_mm"
         assert doc["timing"][0]["kernel_over_loop"] > 0
+
+
+def test_profile_gives_each_layers_ops_by_kind(capsys):
+    """--profile (for the next lent GPU: where the MoE layer's time goes beside the dense one's): on the CPU the
+    aten ops' CPU time, the dense layer's matmuls among them; the timed figures are not the profiled run's."""
+    row = _run(capsys, 32, 16, "--profile")["timing"][0]
+    assert set(row["profile"]) == {"moe", "dense"}
+    for table in row["profile"].values():
+        assert table["time"] == "CPU (aten ops)" and 0 < len(table["top"]) <= 15
+        assert sum(k["share"] for k in table["by_kind"].values()) > 0.999
+    assert row["profile"]["dense"]["by_kind"]["matmul"]["self_s"] > 0
+    assert "profile" not in _run(capsys, 32, 16)["timing"][0]

@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: wall time of the layer on one GPU in bf16, grouped kernel vs loop vs dense "
                         "(bench/moe_gpu.py)")
+    p.add_argument("--profile", action="store_true",
+                   help="on a GPU, one more forward+backward of the MoE layer and of the dense one at each length "
+                        "under torch.profiler: their kernels by kind and the 15 slowest in the JSON (not timed)")
     p.add_argument("--compile", action="store_true",
                    help="cuda: also time the torch.compile'd MoE layer (bf16: one graph, the permutation and the "
                         "weighted combine fused; `moe_compiled_s`)")

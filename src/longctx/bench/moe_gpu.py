@@ -18,6 +18,7 @@ the MoE step. Several experts per rank and one GPU: this is the layer, not exper
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import time
@@ -28,6 +29,7 @@ import torch
 from .. import strict_json
 from ..ops.grouped import grouped_path, use_loop
 from ..progress import phase
+from ..train.profile_step import profile_call
 from . import moe_common as common
 
 
@@ -93,6 +95,9 @@ def main(args, device: torch.device | None = None) -> int:
             if fused is not None:
                 row.update(moe_compiled_s=fused["min"], compiled_over_dense=common.ratio(fused["min"], dense_t["min"]))
                 row["medians"]["compiled"] = fused["median"]
+            if getattr(args, "profile", False):  # where the MoE layer's time goes, beside the dense one's
+                row["profile"] = {name: profile_call(functools.partial(common.fwd_bwd, m, x, grad), cuda)
+                                  for name, m in (("moe", moe), ("dense", dense))}
             common.say(f"{routing}, {seq:,} tokens: kernel {kernel['min'] * 1e3:.2f} ms, loop "
                       f"{loop['min'] * 1e3:.2f} ms, dense {dense_t['min'] * 1e3:.2f} ms")
             rows.append(row)

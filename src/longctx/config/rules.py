@@ -427,6 +427,9 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(str(e))
 
     _positive(problems, "metrics.log_interval", mt.log_interval)
+    if mt.profile_step < 0 or mt.profile_step > t.steps:
+        problems.append(f"metrics.profile_step must be 0 (no profile) or a step of the run (1..train.steps = "
+                        f"{t.steps}), got {mt.profile_step}.")
     if mt.peak_tflops < 0:
         problems.append(f"metrics.peak_tflops must be >= 0 (0 = automatic), got {mt.peak_tflops}.")
 

@@ -401,6 +401,9 @@ class MetricsConfig:
     peak_tflops: float = _opt(0.0, "one rank's peak for MFU in TFLOP/s (a GPU's; on CPU a rank's share of the "
                                    "machine's); 0 = known GPU table or measured CPU GEMM")
     progress: bool = _opt(True, "show a progress bar")
+    profile_step: int = _opt(0, "profile this step (1-based) with torch.profiler: <run_dir>/profile/ gets each rank's "
+                                "Chrome trace and rank 0's table of the ops and kernels that took the most device time "
+                                "(CPU time on CPU), by kind (matmul, attention, copy, communication, other); 0 = none")
 
 
 DRAFT_LOSSES = ("ce", "kd")  # draft.loss

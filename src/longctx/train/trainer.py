@@ -57,6 +57,7 @@ from .metrics import MetricsLogger, setup_peak_line
 from .model import build_training_model, resolve_offload
 from .moe_hooks import MoEStepHook, moe_step_hooks
 from .preemption import EarlySignals, StopOnSignal, command_age, set_up_stop
+from .profile_step import profile_hooks
 from .read_back import read_back, roll_back_trainer, stop_on_signal
 from .report import describe_run, done_line, write_plots
 from .rollback import BadStep, resume_past_rollback
@@ -136,6 +137,7 @@ class Trainer:
         self.tokens_offset = 0  # positions trained before this run's stage plan counts (a resume's: step_state.py)
         self.optimizer = make_optimizer(self.model, cfg)
         self.hooks.hooks += host_update_hooks(self.optimizer)  # the host update's time (host_optimizer)
+        self.hooks.hooks += profile_hooks(cfg, self.run_dir, rt.rank, self.device, self.log)  # metrics.profile_step
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
