@@ -63,8 +63,13 @@ def _kernel(name: str, compiled: bool):
     bounded handful per process). The compiled one fuses the passes the eager ops make over the data
     (maximum, division, rounding, clamp and cast: one read, one write; dequantisation into FSDP's
     buffer or summed over the node's rows without an fp32 copy of each): about 5x the eager rate on
-    one CPU core, the same values bit for bit on CPU (tests/unit/test_zero_pp_quant.py; a card's are
-    compared by benchmarks/zero_pp_kernels.py)."""
+    one CPU core, the same values bit for bit on CPU (tests/unit/test_zero_pp_quant.py). Not on a card
+    (benchmarks/zero_pp_kernels.py on an H200, 2026-12-04: 516 / 467 GB/s, not bit-identical to eager):
+    the generated kernel's fp32 division need not round as eager's does, so a value at a rounding boundary
+    may land one int8 level apart (still within half a step of the scale, plus an ulp). Every rank runs
+    the same kernels, so the ranks still agree; dividing by multiplying with an eager reciprocal would
+    restore the identity at the cost of a second read of the data (left: a one-level difference at a
+    boundary is within qwZ's own rounding)."""
     eager = _KERNELS[name]
     if not compiled:
         return eager
