@@ -244,3 +244,20 @@ def test_counts_restored_on_another_device_than_the_steps_are_taken_over():
                                  layer_load=torch.ones(layers, device="meta"), dropped=None)
     hook.after_optimizer(1, torch.zeros((), dtype=torch.bool, device="meta"))
     assert hook.router_counts.device == counts.device and hook.router_counts.shape == (layers, experts)
+
+
+def test_counts_are_restored_where_the_steps_are_made_not_with_the_parameters():
+    """Under memory.model_states = host on a GPU the parameters are in host memory and the buffers on the device
+    (parallel/fsdp/shard.py materialize), where a step's counts are made: restored with the parameters, the first
+    step after a resume or rollback copied them to the device in after_optimizer, a copy that waits for the GPU
+    (tests/distributed/test_host_tier_origins.py). "meta" stands in for the device, as in
+    test_host_states_materialize.py."""
+    from longctx.parallel.fsdp.shard import materialize
+
+    cfg = _cfg("--model.preset=debug-moe", "--memory.model_states=host")
+    model = build_model(cfg.model, device="meta")
+    materialize(model, cfg, torch.device("meta"))  # parameters on the CPU, buffers on "meta"
+    (hook,) = moe_step_hooks(cfg, model, SimpleNamespace(dims=SimpleNamespace(expert=1)))
+    layers, experts = len(cfg.model.moe_layer_ids), cfg.model.moe_experts
+    hook.load_state_dict({"router_counts": [[1.0] * experts] * layers, "placer": None})
+    assert hook.router_counts.device.type == "meta"

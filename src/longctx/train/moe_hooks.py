@@ -76,7 +76,7 @@ class MoEStepHook(StepHook):
         self.model.update_expert_bias(s.counts * applied)
         # (a step whose update was not applied, non-finite or a spike, leaves the placer the last applied one's
         # choices: a NaN forward's are no routing; a where, not an if: no host sync). Counts a checkpoint restored
-        # are on the parameters' device, the host under memory.model_states = host: moved to the step's once
+        # are where the step's are (load_state_dict): the .to is none, kept for counts restored elsewhere
         last = self.router_counts
         self.router_counts = s.rows if last is None else torch.where(applied, s.rows, last.to(s.rows.device))
         self.interval.add(step, s.stats, s.layer_load, s.counts, applied, s.dropped if self.capacity else None,
@@ -120,7 +120,10 @@ class MoEStepHook(StepHook):
         placer, counts = expert_placer(self.model), state.get("router_counts")
         if placer is not None:
             placer.load_state_dict(state.get("placer"))
-        device = next(self.model.parameters()).device
+        # where the step's counts are made: the buffers' device (RoPE's, the routers' bias), the accelerator's
+        # also under memory.model_states = host, whose parameters are in host memory; restored there, a step's
+        # torch.where met them there and copied them over, waiting for the device (a plain host-to-device copy)
+        device = next(self.model.buffers()).device
         self.router_counts = None if counts is None else torch.tensor(counts, dtype=torch.float32, device=device)
 
 

@@ -329,8 +329,11 @@ class Trainer:
             if self.co2 is not None:  # train.co2_sync_steps: a synchronous step's gradients averaged first
                 self.co2.before_clip(step)
             # (with the gradients: in host memory under memory.model_states = host; the step's figures travel
-            # together, on the device, to the guard and to read_back's one stack)
-            grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip).to(loss.device)
+            # together, on the device, to the guard and to read_back's one stack). Not blocking: a plain copy of
+            # a host tensor to a GPU waits for the device's queue to drain (torch's memcpy_and_sync), a second
+            # wait in the step besides the optimizer's flag (guarded_step); the norm is done (host code)
+            grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip).to(
+                loss.device, non_blocking=True)
             if self.co2 is not None:  # each replica clipped its own: the guard reads the largest
                 grad_norm = self.co2.agreed_norm(grad_norm)
             # global figures, so the same decision on every rank

@@ -250,6 +250,13 @@ def materialize(model: torch.nn.Module, cfg, device: torch.device) -> None:
     if cfg.memory.model_states != "host" or device.type == "cpu":
         model.to_empty(device=device)
         return
+    materialize_apart(model, device)
+
+
+def materialize_apart(model: torch.nn.Module, device: torch.device) -> None:
+    """The parameters materialised in host memory, the buffers on `device` (memory.model_states = host on an
+    accelerator: materialize). Apart so that a CPU test can run it with a stand-in accelerator
+    (tests/host_origin.py), `materialize` taking a CPU device for one memory."""
     model.to_empty(device="cpu")
     for module in model.modules():
         for name, buf in module._buffers.items():
