@@ -19,7 +19,10 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
   recomputation.
 - `full` + `offload_fraction` A > 0 (FPDT's choice): the one thing a block keeps, its input, goes
   to the host for the first A of its tokens. Host memory is then d elements per token and block,
-  the least of any policy; the price is full recomputation.
+  the least of any policy; the price is full recomputation. The input comes back while the next
+  block's q/k/v projections run backward (after its attention core's backward: memory/offload.py
+  prefetch_mark), so no block's backward peak holds two block inputs, and depth leaves the device
+  peak as it is.
 - `block_chunk` C > 0 (with full or selective): the token-wise parts run C tokens at a time and
   are checkpointed per chunk, so a block's MLP intermediates exist for C tokens, not for all of a
   rank's tokens (at 512K tokens per rank an 8B block's MLP alone is ~55 GiB in bf16).
@@ -174,14 +177,14 @@ def _call_routing(block, xs, out, pieces) -> list[_PieceRouting]:
     return routings
 
 
-def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0):
+def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0, mark=None):
     """The block as pre -> attention core -> post, the token-wise parts run `chunk` tokens at a
     time (FPDT's sequence chunks; the batch counts as one row of b x s tokens): pre's and post's
     intermediates (above all the MLP's 4 x ffn_dim per token) then exist for one chunk at a time,
     in forward and, recomputed, in backward. The first `stored` tokens keep their intermediates
     (autograd saves them; under the offloader they go to the host); the others are checkpointed
     per chunk when `recompute`. A MoE layer whose routing looks across tokens routes the pieces as
-    one call (`_call_routing`)."""
+    one call (`_call_routing`). `mark`: applied to (q, k, v) before the core (HostOffloader.prefetch_mark)."""
     b, tokens = x.shape[:2]
     n = b * tokens
     cut = min(stored, n)
@@ -189,28 +192,47 @@ def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, store
               + [(slice(cut + sl.start, cut + sl.stop), recompute) for sl in _slices(n - cut, chunk)])
     pieces = [(sl, ckpt) for sl, ckpt in pieces if sl.stop > sl.start]
     x1, cos1, sin1 = _one_row(x), _one_row(cos), _one_row(sin)
-    # one x slice object per piece, passed to pre and to post: the offloader copies it once
-    xs = [x1[:, sl] for sl, _ in pieces]
+    # one x slice object per piece, passed to pre and to post: the offloader copies it once. Views made by
+    # one split (the pieces cover the tokens in order): their backward is one concatenation of the pieces'
+    # gradients, where a slice each made its gradient full size (zeros elsewhere) and added it to the sum so
+    # far: per piece two full-size [tokens, dim] tensors written and one read (at 512K tokens and 64 pieces
+    # ~4 TiB of memory traffic per 8B block), and three full-size gradients alive at once
+    sizes = [sl.stop - sl.start for sl, _ in pieces]
+    xs = list(x1.split(sizes, dim=1))
     run = lambda fn, ckpt, *args: _checkpointed(fn, *args, block=block) if ckpt else fn(*args)
     qkv = [run(block.pre, ckpt, xi, cos1[:, sl], sin1[:, sl]) for xi, (sl, ckpt) in zip(xs, pieces)]
     batched = lambda t: t if b == 1 else t.view(b, tokens, *t.shape[2:])
     q, k, v = (batched(_cat(parts)) for parts in zip(*qkv))
+    if mark is not None:
+        q, k, v = mark(q, k, v)
     out = _one_row(block.attention.core(q, k, v, doc_ids))
     routings = _call_routing(block, xs, out, pieces)
     posts = [_routed_post(block, routings, sl) for sl, _ in pieces]
-    y = batched(_cat([run(post, ckpt, xi, out[:, sl]) for post, xi, (sl, ckpt) in zip(posts, xs, pieces)]))
+    outs = out.split(sizes, dim=1)  # (as xs)
+    y = batched(_cat([run(post, ckpt, xi, oi) for post, xi, oi, (_, ckpt) in zip(posts, xs, outs, pieces)]))
     # a block must not return a view: FSDP2 hooks its output, and an in-place op on a view would
     # bypass that hook (FSDP warns); one copy of the block output is cheap next to the MLP
     return y.clone() if y._is_view() else y
 
 
+def _marked_forward(block, mark, x, cos, sin, doc_ids):
+    """Block.forward (without a cache), with `mark` applied to q, k, v before the attention core."""
+    return block.post(x, block.attention.core(*mark(*block.pre(x, cos, sin)), doc_ids))
+
+
 def _full_forward(x, cos, sin, doc_ids, *, block, chunk: int, offloader: HostOffloader | None = None,
-                  index: int = 0, fraction: float = 0.0):
+                  index: int = 0, fraction: float = 0.0, mark=None):
     """Checkpoint the whole block; with chunk > 0 its recompute runs the token-wise parts in
     checkpointed chunks too. With the offloader, the only thing kept, the block input, goes to the
-    host: its first `fraction` of tokens (the rest stays on the device)."""
-    fn = functools.partial(_in_parts, block, chunk=chunk, recompute=True) if chunk else \
-        functools.partial(type(block).forward, block)
+    host: its first `fraction` of tokens (the rest stays on the device). `mark` (the offloader's
+    prefetch_mark of the block before, when that one is offloaded): applied to q, k, v, it brings the
+    block before back once this block's attention core has run backward."""
+    if chunk:
+        fn = functools.partial(_in_parts, block, chunk=chunk, recompute=True, mark=mark)
+    elif mark is not None:
+        fn = functools.partial(_marked_forward, block, mark)
+    else:
+        fn = functools.partial(type(block).forward, block)
     if offloader is None:
         return _checkpointed(fn, x, cos, sin, doc_ids, block=block)
     # the offloader splits a saved tensor by storage elements: for [b, s, dim] the first tokens
@@ -249,12 +271,17 @@ def apply_memory_policy(layers: nn.ModuleList, recompute: str, offload_fraction:
     check_policy(recompute, offload_fraction, block_chunk)
     if recompute == "none":
         return None
-    offloader = HostOffloader(torch.device(device)) if offload_fraction > 0 else None
+    # full recomputation brings an offloaded block back from the next block's q/k/v backward on (its
+    # prefetch_mark), not from that block's first unpack (memory/offload.py: what the device peak holds)
+    offloader = HostOffloader(torch.device(device), prefetch_on_unpack=recompute != "full") \
+        if offload_fraction > 0 else None
     offloaded = len(layers) - offload_skip_last
     for i, block in enumerate(layers):
         off = dict(offloader=offloader, index=i, fraction=offload_fraction) if offloader and i < offloaded else {}
         if recompute == "full":
-            forward = functools.partial(_full_forward, block=block, chunk=block_chunk, **off)
+            # (the first kept block too: the offloaded one before it comes back in its backward)
+            mark = offloader.prefetch_mark(i - 1) if offloader and 0 < i <= offloaded else None
+            forward = functools.partial(_full_forward, block=block, chunk=block_chunk, mark=mark, **off)
         elif off:
             forward = functools.partial(_offload_forward, block=block, chunk=block_chunk, **off)
         else:

@@ -6,10 +6,19 @@ the first tokens) is copied to the host tier and the rest is kept on the device;
 of the original is then free to go. In backward the parts are joined again.
 
 - On CUDA the host tier is pinned memory; device-to-host copies run on a side stream after the
-  producing kernels, and when backward reaches block i, block i-1's host parts are already being
-  copied back on that stream (prefetch one block ahead), so the transfers overlap compute.
-- On CPU the same mechanism runs with a separate host buffer per saved tensor (a copy), so the
-  policy, its accounting and its gradients are tested on any machine.
+  producing kernels, and block i-1's host parts are copied back on that stream while block i's
+  backward still runs (prefetch one block ahead), so the transfers overlap compute.
+- When the prefetch starts decides the device peak. Started as backward reaches block i (its first
+  unpack: `prefetch_on_unpack`, what selective + offload uses), block i-1's parts sit on the device
+  through all of block i's backward, its peak included: with full recomputation that is a second
+  block input, one more than the last (kept) block's backward holds, so a model with two offloaded
+  blocks or more peaked one block input (8 GiB for llama3-8b at 512K tokens) above one with a single
+  one. Full recomputation therefore starts it later: `prefetch_mark(i - 1)` in block i's forward
+  marks q, k and v, and their backward (after block i's attention core, before its q/k/v projections:
+  the smallest phase of the block's backward) brings block i-1 back (memory/apply_policy.py).
+- On CPU the same mechanism runs with a separate host buffer per saved tensor (a copy), used where
+  it is when it comes back (`_fetch`: no second copy on a machine with one memory), so the policy,
+  its schedule, its accounting and its gradients are tested on any machine.
 
 Never offloaded: parameters, their autocast copies (a cast of a parameter; weights are not
 activations) and the tensors the caller declares `shared` (RoPE tables and document ids that all
@@ -19,6 +28,7 @@ blocks read). A span of storage saved several times in one block (as different v
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -75,9 +85,26 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
 
 
+class _PrefetchAfter(torch.autograd.Function):
+    """Identity on (q, k, v) whose backward, once their gradients are all in (the attention core's
+    backward is done), starts `prefetch()`."""
+
+    @staticmethod
+    def forward(ctx, prefetch, q, k, v):
+        ctx.prefetch = prefetch
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        ctx.prefetch()
+        return None, dq, dk, dv
+
+
 class HostOffloader:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, prefetch_on_unpack: bool = True):
         self.device = torch.device(device)
+        # True: block i-1 comes back as backward reaches block i; False: when a prefetch_mark fires
+        self.prefetch_on_unpack = prefetch_on_unpack
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._blocks: dict[int, weakref.WeakSet] = {}  # block -> its saved parts (alive until backward)
@@ -152,43 +179,62 @@ class HostOffloader:
         region = saved.region
         full = region._full() if region._full is not None else None
         if full is None:
-            self._prefetch_before(region.block)
+            if self.prefetch_on_unpack:
+                self._prefetch_before(region.block)
             part = self._host_part_on_device(region)
             full = part if region.rest is None else torch.cat([part, region.rest])
             region._full = weakref.ref(full)  # the other views of this span reuse it while it lives
         return full.as_strided(saved.shape, saved.stride, saved.offset)
 
+    def _fetch(self, host: torch.Tensor) -> torch.Tensor:
+        """A host part on the device: a copy on the current stream (CUDA; non-blocking from pinned
+        memory), the host buffer itself on a CPU machine (one memory: a copy would only add a second)."""
+        return host.to(self.device, non_blocking=True) if self.cuda else host
+
     def _host_part_on_device(self, saved: _Region) -> torch.Tensor:
-        if not self.cuda:
-            return saved.host
-        current = torch.cuda.current_stream(self.device)
         if saved.prefetched is not None:
-            current.wait_event(saved.event)
             part, saved.prefetched = saved.prefetched, None
-            part.record_stream(current)
+            if self.cuda:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(saved.event)
+                part.record_stream(current)
             return part
-        current.wait_stream(self.stream)  # the device-to-host copy must have landed
-        return saved.host.to(self.device, non_blocking=True)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)  # the device-to-host copy must have landed
+        return self._fetch(saved.host)
 
     def _prefetch_before(self, block: int) -> None:
-        """Backward reached `block`: start bringing back the block that comes after it (i - 1)."""
-        if not self.cuda:
-            return
+        """Backward reached `block`: start bringing back the block that comes before it in forward order."""
         pos = self._order.index(block) if block in self._order else -1
         if pos <= 0:
             return
         nxt = self._order[pos - 1]
-        parts = self._blocks.get(nxt)
-        if parts is None:
-            return
         self._order = self._order[:pos]  # nothing to prefetch twice
+        self.prefetch(nxt)
+
+    def prefetch(self, block: int) -> None:
+        """Start bringing block `block`'s host parts back (on CUDA on the side stream, after the work
+        queued so far); its unpack then takes them instead of copying. Nothing if it has none left."""
+        parts = [saved for saved in self._blocks.get(block, ()) if saved.prefetched is None]
+        if not parts:
+            return
+        if not self.cuda:
+            for saved in parts:
+                saved.prefetched = self._fetch(saved.host)
+            return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            for saved in list(parts):
-                if saved.prefetched is None:
-                    saved.prefetched = saved.host.to(self.device, non_blocking=True)
-                    saved.event = torch.cuda.Event()
-                    saved.event.record(self.stream)
+            for saved in parts:
+                saved.prefetched = self._fetch(saved.host)
+                saved.event = torch.cuda.Event()
+                saved.event.record(self.stream)
+
+    def prefetch_mark(self, block: int):
+        """mark(q, k, v) -> (q, k, v): the identity, whose backward (after the attention core's, in the
+        block that applies it) starts `prefetch(block)`. Applied in the block after `block`, so `block`'s
+        input comes back while that block's q/k/v projections run backward, not through its whole
+        backward (see the module's docstring)."""
+        return lambda q, k, v: _PrefetchAfter.apply(functools.partial(self.prefetch, block), q, k, v)
 
     # ------------------------------------------------------------------ accounting
     def host_storage_ptrs(self) -> set[int]:

@@ -290,8 +290,9 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     at the block's peak). A block's backward runs in phases, and what is alive in each follows the
     implementation (autograd frees a gradient once its consumer has run):
 
-    - throughout: what comes back from the host under offload: the block's host tier and the next
-      block's (prefetched one block ahead);
+    - throughout: what comes back from the host under offload: the block's host tier, and under
+      selective the next block's (prefetched one block ahead; under full it comes back in the `pre`
+      phase only);
     - `post` backward (output projection, residual, MLP, in pieces of `block_chunk` tokens, or all
       tokens): the incoming gradient dy and the residual gradient being built (two of d), the
       attention output's gradient (sequence layout), one piece recomputed with the gradients of its
@@ -333,16 +334,19 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
                           policy: MemoryPolicy, e: int, docs: bool, acts: ActivationEstimate | None) -> float:
     """The largest block backward's bytes beyond the saved activations (transient_bytes). Under offload
     the blocks differ: an offloaded block's backward holds its host tier brought back (under full: its
-    input made whole again instead) and the next one's (prefetched), and recomputes max(A, 1 - A) of its
-    tokens' post under selective; a kept block (the last offload_skip_last) recomputes all its tokens,
-    with the offloaded block before it prefetched. A MoE model's MoE and dense blocks differ too: the
-    largest of them."""
+    input made whole again instead) and the next one's (prefetched: under full in its pre phase only,
+    memory/offload.py prefetch_mark), and recomputes max(A, 1 - A) of its tokens' post under selective; a
+    kept block (the last offload_skip_last) recomputes all its tokens, with the offloaded block before it
+    prefetched (under full, in its pre phase). A MoE model's MoE and dense blocks differ too: the largest
+    of them."""
     sparse = set(m.moe_layer_ids)
     kinds = {i in sparse for i in range(m.layers)} or {False}
 
-    def phases(pol: MemoryPolicy) -> float:
-        return max(max(backward_phase_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=pol,
-                                            dtype_bytes=e, docs=docs, moe=moe).values()) for moe in kinds)
+    def phases(pol: MemoryPolicy, pre_extra: float = 0.0) -> float:
+        """The largest phase of a block's backward, `pre_extra` more bytes held in its pre phase."""
+        return max(max(v + (pre_extra if k == "pre" else 0.0) for k, v in backward_phase_bytes(
+            m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=pol, dtype_bytes=e, docs=docs,
+            moe=moe).items()) for moe in kinds)
 
     offloaded = max(0, m.layers - policy.offload_skip_last) if policy.offload_fraction else 0
     if not offloaded:
@@ -352,15 +356,16 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
     if policy.recompute == "full":
         # the block input's host part comes back and is joined with its device rest into a whole new
         # tensor (memory/offload.py _unpack: torch.cat), the recompute's input for the block's whole
-        # backward; the part brought back is freed once joined: the whole input and the next block's part
-        back = acts.per_block_host + micro_batch * seq_len // (head * ctx) * e * m.dim
-    else:  # its own host part brought back and the next block's
-        back = 2 * acts.per_block_host
-    off = back + phases(policy)
-    if offloaded == m.layers:
-        return off
-    kept = acts.per_block_host + phases(dataclasses.replace(policy, offload_fraction=0.0))
-    return max(off, kept)
+        # backward; the part brought back is freed once joined. The block before's part comes back in
+        # the pre phase only (prefetch_mark: after the attention core's backward), in the offloaded
+        # blocks' and the first kept one's backward alike
+        own = micro_batch * seq_len // (head * ctx) * e * m.dim
+        off = own + phases(policy, pre_extra=acts.per_block_host)
+        kept = phases(dataclasses.replace(policy, offload_fraction=0.0), pre_extra=acts.per_block_host)
+    else:  # its own host part brought back and the next block's, from its first unpack on
+        off = 2 * acts.per_block_host + phases(policy)
+        kept = acts.per_block_host + phases(dataclasses.replace(policy, offload_fraction=0.0))
+    return off if offloaded == m.layers else max(off, kept)
 
 
 def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: float, policy: MemoryPolicy,
