@@ -23,3 +23,5 @@ def test_bench_generate_compile_both_prints_both_rates_and_identical_tokens():
     assert out["decode_speedup"] == pytest.approx(out["compiled"]["decode_tokens_per_s"]
                                                   / out["eager"]["decode_tokens_per_s"])
     assert out["compiled_calls"] == 3 * 11  # the warm-up run and two timed ones, 11 steps after the prefill's token
+    # nothing compiled after the warm-up run, no graph break (a CPU has no CUDA graphs to skip)
+    assert out["graphs_compiled_in_timed_runs"] == 0 and out["graph_breaks"] == 0 and out["cudagraph_skips"] == 0

@@ -67,13 +67,18 @@ def _counted(monkeypatch, timed_entry):
     return counter, at_start
 
 
-def test_several_prompts_per_batch_compile_nothing_after_the_warm_up(dirs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["--temperature", "0.8", "--top-k", "20"], ["--logprobs", "2"]],
+                         ids=["greedy", "sampled", "logprobs"])
+def test_several_prompts_per_batch_compile_nothing_after_the_warm_up(dirs, tmp_path, monkeypatch, extra):
+    """Plain decoding's compiled step chooses the token in its graph (generate/blocks.py): a graph per
+    choice (greedy, sampling's settings) and per logprobs kept, all compiled by the warm-up."""
     target, _ = dirs
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def f(x):", "class A:", "import os")))
     counter, at_start = _counted(monkeypatch, (engine, "generate"))
     r = longctx_here("generate", "--checkpoint", f"hf:{target}", "--prompts", str(prompts), "--batch", "2",
-                     "--max-new-tokens", "6", "--ignore-eos", "--compile", "--output", str(tmp_path / "o.jsonl"))
+                     "--max-new-tokens", "6", "--ignore-eos", "--compile", *extra,
+                     "--output", str(tmp_path / "o.jsonl"))
     assert r.returncode == 0, r.stderr
     assert at_start and counter.frame_count >= 1
     assert counter.frame_count == at_start[0], (at_start, counter.frame_count)  # none inside a timed generation

@@ -250,6 +250,8 @@ def main(args) -> int:
     tables = [cape for cape, _ in modes if cape is not None]
     args.compiled = _compiled_step(args, target, draft, tables[0] if tables else None) \
         if args.compile == "true" else None
+    if args.compiled is not None:  # the plain runs' step, its choice in the graph (generate/blocks.py), untimed
+        generate(target, [first[:8]], max_new_tokens=2, sampling=sampling, compile=args.compiled)
     groups, everything = _run_lengths(args, target, draft, prompts, sampling, modes)
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "device": _device_name(device),

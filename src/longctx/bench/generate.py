@@ -173,6 +173,8 @@ def measure_compile(args) -> dict:
     greedily, eagerly and through the compiled step (one CompiledStep, compiled by an untimed first
     run; eager decoding has an untimed first run too), in turn --repeats times; the best rate of each
     counts (median beside it)."""
+    from torch._dynamo.utils import counters
+
     from ..config import load_config
     from ..models.llama import build_model
     from ..models.static_decode import CompiledStep
@@ -185,6 +187,7 @@ def measure_compile(args) -> dict:
     t0 = time.perf_counter()
     _time_decode(model, prompt, args.new_tokens, args.prefill_chunk, step)  # compiles (or loads) the graph
     compile_s = time.perf_counter() - t0
+    graphs_compiled = counters["stats"]["unique_graphs"]
     say(f"{args.preset} model, {args.prompt_len}-token prompt: compiled in {compile_s:.1f} s")
     modes = {"eager": False, "compiled": step} if args.compile == "both" else {"compiled": step}
     if "eager" in modes:  # its own untimed first run, as the compiled step had (else its first-call costs,
@@ -203,6 +206,11 @@ def measure_compile(args) -> dict:
                   "kv_heads": cfg.kv_heads, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "dtype": "float32"},
         "batch": 1, "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "compile_seconds": compile_s, "compiled_calls": step.calls,
+        # what would put per-token work back outside the graph: a compilation inside the timed runs, a graph
+        # break, a graph inductor ran without CUDA graphs (`cudagraph_skips`; TORCH_LOGS=perf_hints says why)
+        "graphs_compiled_in_timed_runs": counters["stats"]["unique_graphs"] - graphs_compiled,
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
     }
     for name, v in runs.items():
         rates = [r["decode_tokens_per_s"] for r in v]

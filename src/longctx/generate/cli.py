@@ -314,8 +314,9 @@ def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: 
     rows = {min(size, n - start) * (1 if args.draft else args.num_samples) for start in range(0, n, size)}
     # (a cache sharded over ranks decodes eagerly: nothing to compile per row count)
     counts = sorted({1} | rows) if step and isinstance(backend, LocalGeneration) else [1]
-    for count in counts:
-        generate(model, [ids] * count, max_new_tokens=2, device=device, backend=backend, compile=step)
+    for count in counts:  # (the run's sampling and logprobs: plain decoding's compiled step chooses the token too)
+        generate(model, [ids] * count, max_new_tokens=2, device=device, backend=backend, compile=step,
+                 sampling=request.sampling, logprobs=args.logprobs)
     if step and main_rank:
         say(f"generate: --compile: {step.calls} decode step(s) ran compiled in the warm-up" if step.calls else
             "generate: --compile: this model decodes eagerly (MoE, or a cache sharded over ranks)")

@@ -165,6 +165,7 @@ class Round:
     processed: torch.Tensor | None        # [rows, m, vocab] fp32; None when no logprobs were asked for
     kept: list[int] | None = None         # per row, proposals kept this round (speculation; None: plain)
     proposed: list[int] | None = None     # per row, proposals made this round
+    followed: bool = False                # the processors' state already follows every token (a block's steps)
 
 
 @runtime_checkable

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..models.static_decode import CompiledStep, compiled_step
+from .blocks import block_size, decode_block
 from .contracts import Backend, Cache, Round
 from .local import LOCAL
 from .loop import decode
@@ -27,12 +28,16 @@ from .sampling import GREEDY, Processors, Sampling, derive_seed, draw, greedy_ch
 
 class PlainRounds:
     """Plain decoding's rounds (contracts.Rounds): each row's next token from its last logits, the
-    prefill's first, then one cached model call on the chosen tokens per round."""
+    prefill's first, then one cached model call on the chosen tokens per round; through a compiled step
+    (cache.fast), a block of up to generate/blocks.py's BLOCK steps per round, read by the host once.
+    `steps`: the decode steps a generation takes at most (the longest limit but the prefill's token), so
+    a block never runs past it. `keep`: the rounds give the processed logits (logprobs)."""
 
-    room = 0  # a round appends one token per row
+    room = 0  # a round appends one token per row per step
 
-    def __init__(self, model, sampling: Sampling):
-        self.model, self.sampling = model, sampling
+    def __init__(self, model, sampling: Sampling, steps: int | None = None, keep: bool = True):
+        self.model, self.sampling, self.keep = model, sampling, keep
+        self.steps_left = steps if steps is not None else 0  # (None: no blocks, one step per round)
         self.generators = None
         self.chosen: torch.Tensor | None = None  # [rows] the last round's tokens, fed by the next
 
@@ -42,6 +47,13 @@ class PlainRounds:
         return self._choose(logits, processors)
 
     def next(self, cache: Cache, processors: Processors | None) -> Round:
+        steps = block_size(cache, self.steps_left)
+        self.steps_left -= max(steps, 1)
+        if steps:
+            taken = decode_block(self.model, cache, self.chosen, steps, self.sampling, self.generators, processors,
+                                 self.keep)
+            self.chosen = taken.tokens[:, -1]
+            return taken
         return self._choose(self.model(self.chosen[:, None], cache=cache)[:, -1].float(), processors)
 
     def _choose(self, logits: torch.Tensor, processors: Processors | None) -> Round:
@@ -87,7 +99,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | S
     seeds = [derive_seed(sampling.seed, i) for i in range(n)] if seeds is None else [int(x) for x in seeds]
     if len(seeds) != n:
         raise ValueError(f"{len(seeds)} seeds for {n} prompts")
-    return decode(model, prompts, PlainRounds(model, sampling), limits=limits, seeds=seeds, sampling=sampling,
+    rounds = PlainRounds(model, sampling, steps=max(limits, default=1) - 1, keep=logprobs is not None)
+    return decode(model, prompts, rounds, limits=limits, seeds=seeds, sampling=sampling,
                   backend=backend, num_samples=num_samples, eos_ids=eos_ids, prefill_chunk=prefill_chunk, stop=stop,
                   on_token=on_token, cache_core=cache_core, device=device, logprobs=logprobs,
                   compiled=compiled_step(compile))

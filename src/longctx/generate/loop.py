@@ -109,7 +109,8 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
         rows = [Row(order[j] * num_samples + s, order[j], s, limits[order[j]], prefill_s[j],
                     None if sampling.greedy else sample_seed(seeds[order[j]], s))
                 for s in range(num_samples) for j in range(n)]
-        book = _Book(rows, [prompts[r.prompt] for r in rows], {int(e) for e in eos_ids}, stop, on_token, logprobs)
+        book = _Book(rows, [prompts[r.prompt] for r in rows], {int(e) for e in eos_ids}, stop, on_token, logprobs,
+                     "the greedy choice's" if sampling.greedy else "the sampled distribution's")
         return _run(rounds, cache, logits, book, sampling)
 
 
@@ -183,7 +184,7 @@ def _run(rounds: Rounds, cache: Cache, logits: torch.Tensor, book: _Book, sampli
     t0 = time.perf_counter()
     taken = rounds.first(cache, logits, book.prompts, [r.seed for r in book.rows], processors)
     while not book.take(taken, t0):
-        if processors is not None:
+        if processors is not None and not taken.followed:
             for j in range(taken.tokens.shape[1]):
                 processors.chosen(taken.tokens[:, j])
         taken = rounds.next(cache, processors)
@@ -193,9 +194,11 @@ def _run(rounds: Rounds, cache: Cache, logits: torch.Tensor, book: _Book, sampli
 class _Book:
     """What each row has got so far: tokens, logprobs, finish reason, decode time, proposals."""
 
-    def __init__(self, rows: list[Row], prompts, eos: set[int], stop, on_token, logprobs: int | None):
+    def __init__(self, rows: list[Row], prompts, eos: set[int], stop, on_token, logprobs: int | None,
+                 choice: str = "the greedy choice's"):
         n = len(rows)
         self.rows, self.prompts, self.eos, self.stop, self.on_token = rows, prompts, eos, stop, on_token
+        self.choice = choice  # what chose the tokens: an UNCHOSEN token's error names it
         self.logprobs = logprobs
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.lps: list[list[float]] = [[] for _ in range(n)]
@@ -230,7 +233,7 @@ class _Book:
 
     def _token(self, r: int, token: int, logprob: float | None, top) -> bool:
         """Row r takes `token`; whether the row has ended."""
-        check_chosen(token)
+        check_chosen(token, self.choice)
         if token in self.eos:
             self.reason[r] = "eos"
             return True

@@ -286,12 +286,7 @@ def draw(processed: torch.Tensor, generators: Sequence[torch.Generator]) -> torc
     Host syncs on a GPU: one, the check, once all of the draw's work is queued, so the decode loop's
     host read of the tokens right after it has nothing left to wait for; the uniforms go up without
     one (pinned, non-blocking). (Before the check, their blocking copy was this sync.)"""
-    u = _uniforms(generators, processed.device)
-    cdf = processed.softmax(dim=-1).double().cumsum(dim=-1)
-    total = cdf[:, -1]
-    x = (u * total).unsqueeze(-1)  # < the row's total for u < 1, so the index is < vocab when total is finite
-    tokens = torch.searchsorted(cdf, x, right=True).squeeze(-1)
-    finite = torch.isfinite(total)
+    tokens, finite = _through_cdf(processed, _uniforms(generators, processed.device))
     if not bool(finite.all()):
         rows = (~finite).nonzero().flatten().tolist()
         raise NonFiniteLogits(
@@ -301,6 +296,24 @@ def draw(processed: torch.Tensor, generators: Sequence[torch.Generator]) -> torc
             f"temperature overflows fp32. Use a larger --temperature, or --temperature 0 for greedy decoding; "
             f"if the model's logits are not finite, check the checkpoint and its dtype.")
     return tokens
+
+
+def inverse_cdf(processed: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`draw`'s tokens [rows] for the rows' uniforms [rows] float64, without its check: UNCHOSEN where a
+    row's distribution is not finite, found by the decode loop's host read (check_chosen), so a compiled
+    decode step (generate/blocks.py) has no host sync."""
+    tokens, finite = _through_cdf(processed, uniforms)
+    return tokens.masked_fill(~finite, UNCHOSEN)
+
+
+def _through_cdf(processed: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token at its uniform `u` through the CDF of processed logits [rows, vocab] (float64
+    sums), and whether the row's total is finite."""
+    cdf = processed.softmax(dim=-1).double().cumsum(dim=-1)
+    total = cdf[:, -1]
+    x = (u * total).unsqueeze(-1)  # < the row's total for u < 1, so the index is < vocab when total is finite
+    tokens = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    return tokens, torch.isfinite(total)
 
 
 def _uniforms(generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:

@@ -33,6 +33,16 @@ import torch
 from ..ops.attention import attention_forward, merge_partials
 
 
+def to_device(array: np.ndarray, device) -> torch.Tensor:
+    """A host array on `device` without a host sync: on a GPU through pinned memory, non-blocking (a
+    blocking copy waits for every kernel queued before it; from pageable memory a non-blocking one may
+    too). The caching host allocator keeps the pinned block until the copy is done."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class CacheStep:
     """One call of the model on a cache: every row appends `new` tokens after the `start` it held."""

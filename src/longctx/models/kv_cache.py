@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 # (group_queries and ungroup_heads: the query grouping models/glide.py reads from here too)
-from .cached_attention import CacheStep, cached_attention, group_queries, tree_attention, ungroup_heads
+from .cached_attention import CacheStep, cached_attention, group_queries, to_device, tree_attention, ungroup_heads
 
 __all__ = ["CacheStep", "KVCache", "LayerCache", "TreeCalls", "attend", "group_queries", "ungroup_heads"]
 
@@ -125,8 +125,8 @@ class CacheRows:
     def _step_positions(self, new: int, device) -> tuple[np.ndarray, torch.Tensor]:
         """Each row's first new slot (a copy of `lengths`) and the new tokens' positions [batch, new]."""
         start = self.lengths.copy()
-        device = device or self.k.device
-        return start, torch.as_tensor(start, device=device)[:, None] + torch.arange(new, device=device)
+        # made on the host, one copy without a host sync (a decode step's only host-to-device input)
+        return start, to_device(start[:, None] + np.arange(new), device or self.k.device)
 
 
 class KVCache(CacheRows, TreeCalls):

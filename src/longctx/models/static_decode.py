@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .cached_attention import CacheStep, group_queries, ungroup_heads
+from .cached_attention import CacheStep, group_queries, to_device, ungroup_heads
 from .llama import Llama, rope_cos_sin
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # new tokens per compiled call, padded up to the next
@@ -132,20 +132,26 @@ class CompiledStep:
         slots[:, :n] = step.start[:, None] + np.arange(n)
         if padded > n:
             tokens, positions = F.pad(tokens, (0, padded - n)), F.pad(positions, (0, padded - n))
-        fn = self._function(device, padded)
-        if device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-        self.calls += 1
-        hidden = fn(model, tokens, positions, _tensor(slots, device), _tensor(step.start, device),
-                    self._visibility(step.among, n, padded, device), cache.k, cache.v, final_norm)
+        hidden = self.launch(static_hidden_states, device, padded, model, tokens, positions,
+                             to_device(slots, device), to_device(step.start, device),
+                             self._visibility(step.among, n, padded, device), cache.k, cache.v, final_norm)
         # a CUDA graph's output is overwritten by its next replay: the caller keeps a copy
         return hidden[:, :n].clone() if device.type == "cuda" else hidden[:, :n]
 
-    def _function(self, device: torch.device, padded: int):
+    def launch(self, fn, device: torch.device, padded: int, *args):
+        """One call of the step: `fn` (static shapes, `padded` new tokens) compiled with this step's
+        settings, run on `args`. Its outputs on a GPU live until the next call (a CUDA graph's replay)."""
+        compiled = _compiled(fn, *self._settings(device), padded)
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+        self.calls += 1
+        return compiled(*args)
+
+    def _settings(self, device: torch.device) -> tuple:
         mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
         # on a CPU the C++ wrapper calls the kernels without Python between them (~1.3x the step)
         cpp = mode is None and device.type == "cpu" and self.backend == "inductor"
-        return _compiled(mode, self.backend, cpp, padded)
+        return mode, self.backend, cpp
 
     def _visibility(self, among: torch.Tensor | None, n: int, padded: int, device) -> torch.Tensor:
         """[padded, padded] bool: the call's `among` (a tree's) or causal, the padded tokens' rows False."""
@@ -167,16 +173,17 @@ def _renamed(code: types.CodeType, name: str) -> types.CodeType:
 
 
 @functools.cache
-def _compiled(mode: str | None, backend, cpp_wrapper: bool, padded: int):
-    """One torch.compile of the static forward per setting and bucket, shared by every CompiledStep
-    (its graphs then serve every generation of the process). Dynamo keeps graphs, and counts
-    recompilations against its limit, per code object: a copy of the function's code per bucket keeps
-    each bucket's token count static (a change of it would otherwise make it a dynamic dimension) and
-    the models and batch sizes of one bucket within the limit. On a CPU, kernels of one decode step are
-    too small to share among threads (`cpp.threads` 1; the GEMMs keep torch's threads)."""
-    code = static_hidden_states.__code__
+def _compiled(function, mode: str | None, backend, cpp_wrapper: bool, padded: int):
+    """One torch.compile of a static function (the static forward; generate/blocks.py's decode step with
+    its choice) per setting and bucket, shared by every CompiledStep (its graphs then serve every
+    generation of the process). Dynamo keeps graphs, and counts recompilations against its limit, per
+    code object: a copy of the function's code per bucket keeps each bucket's token count static (a
+    change of it would otherwise make it a dynamic dimension) and the models and batch sizes of one
+    bucket within the limit. On a CPU, kernels of one decode step are too small to share among threads
+    (`cpp.threads` 1; the GEMMs keep torch's threads)."""
+    code = function.__code__
     name = f"{code.co_name}_{padded}"
-    fn = types.FunctionType(_renamed(code, name), static_hidden_states.__globals__, name)
+    fn = types.FunctionType(_renamed(code, name), function.__globals__, name)
     return torch.compile(fn, mode=mode, backend=backend, fullgraph=True,
                          options={"cpp_wrapper": True, "cpp.threads": 1} if cpp_wrapper else None)
 
@@ -204,11 +211,6 @@ def install(cache, model, step: CompiledStep) -> bool:
             torch._dynamo.mark_static_address(t)
     cache.fast = step
     return True
-
-
-def _tensor(array: np.ndarray, device) -> torch.Tensor:
-    t = torch.from_numpy(array)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
 
 def supports(model) -> bool:
