@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# THE one command a session that is lent a GPU runs, in one device call (run from the repository root):
-#   run(command="bash benchmarks/gpu_lent.sh", timeout_s=590)
-# It runs benchmarks/gpu_frontier.sh (issue 49) with BUDGET_S=${FRONTIER_S:-330}, then
-# benchmarks/gpu_speed.sh (issue 52) with BUDGET_S = what is left of ${TOTAL_S:-560} s counted from
-# this script's start, so a slow frontier eats the speed steps' time instead of overrunning the call
-# (each script skips what no longer fits and still prints its summary). The JSON is written to
+# What a session that is lent a GPU runs, in two device calls (run from the repository root):
+#   run(command="bash benchmarks/gpu_lent.sh", timeout_s=590)                       # part 1, ~560 s
+#   run(command="PART=2 TOTAL_S=<budget_left_s - 60> bash benchmarks/gpu_lent.sh", timeout_s=<that + 20>)
+# Part 1 runs benchmarks/gpu_frontier.sh (issue 49) with the probes that matter most (PROBES, default
+# smoke,blocks: the `host` tier's first whole steps on a card and the 8B blocks' depth check) and
+# BUDGET_S=${FRONTIER_S:-240}, then benchmarks/gpu_speed.sh (issue 52) with BUDGET_S = what is left of
+# ${TOTAL_S:-560} s counted from this script's start, so a slow frontier eats the speed steps' time
+# instead of overrunning the call (each script skips what no longer fits and still prints its summary).
+# Part 2 (PART=2) gives all of TOTAL_S to the frontier's other probes (PROBES default longest,blocks_host,
+# overlap; LONGEST default 524288, the length the issue asks of llama3-1b: 256K trained on an H200 on
+# 2026-12-04) and runs no speed step; its frontier JSON is tagged _part2. The JSON is written to
 # docs/results/ on the device machine, but only $OUT comes back from it, and at most 8 files of it: the
 # new docs/results files are copied to $OUT/results/, and then all of $OUT (the scripts' logs and JSON,
 # a dozen files and more) is packed into the one file $OUT/gpu_lent.tgz; unpack it here and copy its
@@ -12,15 +17,24 @@
 # Glue check on CPU (the frontier's own glue check; gpu_speed.sh with DEVICE=cpu only prints its steps):
 #   DEVICE=cpu SMOKE_STEPS=3 SEQ_8B=2048 SEQ_OVERLAP=1024 LONGEST="2048 1024" PRESET_8B=debug \
 #     PRESET_1B=debug FRONTIER_S=200 TOTAL_S=230 DRY_STEP_S=40 bash benchmarks/gpu_lent.sh
+#   (and the same with PART=2)
 set -u
 export OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT" docs/results
-FRONTIER_S=${FRONTIER_S:-330}; TOTAL_S=${TOTAL_S:-560}
+PART=${PART:-1}; TOTAL_S=${TOTAL_S:-560}
 MARK=$(mktemp); trap 'rm -f "$MARK"' EXIT  # docs/results files newer than this are this call's
-echo "=== gpu_lent: gpu_frontier.sh with ${FRONTIER_S} s, then gpu_speed.sh with the rest of ${TOTAL_S} s"
-BUDGET_S=$FRONTIER_S bash benchmarks/gpu_frontier.sh
-LEFT=$((TOTAL_S - SECONDS)); [ "$LEFT" -lt 0 ] && LEFT=0
-echo "=== gpu_lent: gpu_frontier.sh took ${SECONDS} s; gpu_speed.sh gets ${LEFT} s"
-BUDGET_S=$LEFT bash benchmarks/gpu_speed.sh
+if [ "$PART" = 2 ]; then
+  export PROBES=${PROBES:-longest,blocks_host,overlap} LONGEST=${LONGEST:-524288} TAG=${TAG:-_part2}
+  echo "=== gpu_lent part 2: gpu_frontier.sh ($PROBES) with ${TOTAL_S} s"
+  BUDGET_S=$TOTAL_S bash benchmarks/gpu_frontier.sh
+else
+  FRONTIER_S=${FRONTIER_S:-240}
+  export PROBES=${PROBES:-smoke,blocks}
+  echo "=== gpu_lent part 1: gpu_frontier.sh ($PROBES) with ${FRONTIER_S} s, then gpu_speed.sh with the rest of ${TOTAL_S} s"
+  BUDGET_S=$FRONTIER_S bash benchmarks/gpu_frontier.sh
+  LEFT=$((TOTAL_S - SECONDS)); [ "$LEFT" -lt 0 ] && LEFT=0
+  echo "=== gpu_lent: gpu_frontier.sh took ${SECONDS} s; gpu_speed.sh gets ${LEFT} s"
+  BUDGET_S=$LEFT bash benchmarks/gpu_speed.sh
+fi
 mkdir -p "$OUT/results"
 echo "=== gpu_lent: done in ${SECONDS} s of ${TOTAL_S}; for the commit, copied to \$OUT/results/:"
 find docs/results -maxdepth 1 -name '*.json' -newer "$MARK" -print -exec cp {} "$OUT/results/" \;
