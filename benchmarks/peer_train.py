@@ -83,6 +83,7 @@ def peer(preset: str, seq: int, steps: int, device: str, profile: bool = False) 
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # (as ours: train.grad_clip 1.0, HF Trainer's too)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":
