@@ -44,6 +44,7 @@ ATTENTION_FORWARD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot
                      "_scaled_dot_product_cudnn_attention"}
 ATTENTION_BACKWARD = {name + "_backward" for name in ATTENTION_FORWARD}
 ROW_READS = {"embedding", "index_select", "gather"}  # read the rows they return, not their whole input
+ROW_WRITES = {"index_copy_"}  # write the rows they are given in place, without reading the destination
 # ops that wait for the device on a GPU (the host reads a value): counted, not timed
 HOST_READS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive", "unique_dim"}
 FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
@@ -56,7 +57,10 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """The bytes a kernel reads or writes of `t`: an expanded view (stride 0, the gradient of a sum or a
+    broadcast) holds its values once, and a GPU kernel reads them once from memory, the repeats from cache."""
+    held = math.prod(n for n, stride in zip(t.shape, t.stride()) if stride != 0) if t.numel() else 0
+    return held * t.element_size()
 
 
 def _is_view(func) -> bool:
@@ -114,6 +118,10 @@ def classify(func, args, kwargs, out, params: set[int]) -> Op | None:
         moved = 2 * sum(map(_nbytes, outs)) + sum(_nbytes(t) for t in ins if not t.is_floating_point())
     elif name == "copy_":
         moved = _nbytes(args[0]) + _nbytes(args[1])
+    elif name in ROW_WRITES:
+        # writes the source's rows into the destination and never reads the destination (its other rows stay)
+        index, source = args[2], args[3]  # (self, dim, index, source)
+        moved = 2 * _nbytes(source) + _nbytes(index)
     elif name in ("zeros", "zero_", "fill_", "full", "ones", "zeros_like", "full_like", "ones_like", "new_zeros",
                   "new_full", "new_ones"):
         moved = sum(map(_nbytes, written or outs))

@@ -11,8 +11,8 @@ so two runs give the same bits on CPU and on CUDA. The dispatch copies each toke
 slots (`TokenRows`), whose backward gathers the k gradient rows back into slot order by the
 inverse permutation and sums them in slot order (index_select's own backward, index_add_, uses
 atomics on CUDA, in no fixed order when k >= 3); the combine gathers each token's k results back
-by the inverse permutation and sums them in slot order (its backward adds one row into each zero
-row, exact in any order). Not so under expert parallelism with parallel.expert_ranks_per_node
+by the inverse permutation and sums them in slot order (its backward copies each gradient row back to
+its expert-sorted place: a permutation). Not so under expert parallelism with parallel.expert_ranks_per_node
 (parallel/expert/hierarchy.py adds rows with index_add: repeated indices, atomics on CUDA) or
 parallel.expert_replicas (parallel/expert/placement.py: a copied expert's weights gathered by
 index_select, whose backward adds the copies' gradients with index_add_); the flat exchange
@@ -67,6 +67,36 @@ class TokenRows(torch.autograd.Function):
         return slots.view(-1, ctx.k, grad.shape[1]).sum(1), None, None, None
 
 
+class SlotRows(torch.autograd.Function):
+    """out[inverse]: the expert-sorted result rows back in slot order (token x k + j), `inverse` a permutation.
+    Its backward is the inverse permutation of the gradient rows, one write of each row: index_select's own
+    backward would zero-fill a [T k, dim] gradient and index_add_ the rows into it (a fill, a read of the
+    zeros and atomics on CUDA, for the same values)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)  # (TokenRows keeps the same tensor: no more bytes for backward)
+        return out.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        # every row of the empty tensor is written once (inverse is a permutation): no fill, no add
+        return grad.new_empty(grad.shape).index_copy_(0, inverse, grad), None
+
+
+def sort_keys(choice: torch.Tensor, experts: int) -> torch.Tensor:
+    """The expert ids `choice` (0..experts) in the narrowest integer type that holds them, to sort by: a GPU's
+    radix sort makes a pass per 8 bits of the key type whatever the values (8 for int64, 2 for int16); the
+    stable order of equal values is the same in any type."""
+    return choice.to(torch.int16 if experts < 2**15 else torch.int32)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """inverse[order[i]] = i: one scatter of the positions, where a second argsort would sort again."""
+    return torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 @dataclass
 class SlotOrder:
     """What the one-device dispatch hands its combine: the T x k slots (token x k + j) sorted by
@@ -98,8 +128,8 @@ class TokenDispatcher:
         choice = routing.experts.flatten()
         if routing.kept is not None:  # dropped choices go to no expert (sorted last, then cut)
             choice = torch.where(routing.kept.flatten(), choice, experts)
-        order = torch.argsort(choice, stable=True)  # expert-sorted row -> its slot (token x k + j)
-        inverse = torch.argsort(order)  # slot -> its expert-sorted row
+        order = torch.argsort(sort_keys(choice, experts), stable=True)  # expert-sorted row -> its slot (token x k + j)
+        inverse = inverse_permutation(order)  # slot -> its expert-sorted row
         counts = expert_counts(choice, experts + 1)[:experts]
         n = order.numel() if routing.kept is None else int(counts.sum())  # host read only with a capacity
         order = order[:n]
@@ -113,11 +143,11 @@ class TokenDispatcher:
     def combine(self, out: torch.Tensor, state: SlotOrder) -> torch.Tensor:
         t, k = state.weights.shape
         # back to [T, k] slots (no scatter-add), weighted, summed: without drops by the inverse permutation,
-        # a gather (index_copy would keep `out`, k x dim values per token, for its backward); the gather's
-        # backward adds each gradient row to a distinct zero row, exact in any order
+        # a gather (index_copy would keep `out`, k x dim values per token, for its backward), whose backward
+        # puts each gradient row back in expert order (SlotRows: a copy, no zero fill and no add)
         if state.rows < t * k:
             slots = out.new_zeros(t * k, out.shape[-1]).index_copy(0, state.order, out)
         else:
-            slots = out.index_select(0, state.inverse)
+            slots = SlotRows.apply(out, state.inverse)
         w = state.weights.flatten()
         return (slots.view(t, k, out.shape[-1]) * w.view(t, k, 1).to(slots.dtype)).sum(1)  # (t may be 0)
