@@ -16,7 +16,8 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
   MLP), the first A of the tokens store theirs on the host and the remaining tokens are recomputed
   in backward from the block input and attention output (brought back from the host). An
   offloaded block leaves nothing on the device; A trades host memory and transfer volume against
-  recomputation.
+  recomputation. Its host parts come back while the next block's q/k/v projections run backward
+  (memory/offload.py prefetch_mark, as under `full`), so no block's backward peak holds two blocks'.
 - `full` + `offload_fraction` A > 0 (FPDT's choice): the one thing a block keeps, its input, goes
   to the host for the first A of its tokens. Host memory is then d elements per token and block,
   the least of any policy; the price is full recomputation. The input comes back while the next
@@ -240,22 +241,26 @@ def _full_forward(x, cos, sin, doc_ids, *, block, chunk: int, offloader: HostOff
         return _checkpointed(fn, x, cos, sin, doc_ids, block=block)
 
 
-def _selective_forward(x, cos, sin, doc_ids, *, block, chunk: int):
+def _selective_forward(x, cos, sin, doc_ids, *, block, chunk: int, mark=None):
+    """`mark` (the offloader's prefetch_mark of the block before, when that one is offloaded): as in
+    _full_forward, applied to q, k, v before the attention core."""
     if not chunk:
         q, k, v = _checkpointed(block.pre, x, cos, sin)
+        if mark is not None:
+            q, k, v = mark(q, k, v)
         return _checkpointed(block.post, x, block.attention.core(q, k, v, doc_ids), block=block)
-    return _in_parts(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True)
+    return _in_parts(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True, mark=mark)
 
 
 def _offload_forward(x, cos, sin, doc_ids, *, block, offloader: HostOffloader, index: int, fraction: float,
-                     chunk: int):
+                     chunk: int, mark=None):
     # Everything saved in here goes to the host, including what the checkpoints of the recomputed
     # tokens keep (their inputs: the block input and the attention output), so the block leaves
     # nothing on the device; `fraction` only decides which tokens' other activations are stored
-    # (host) rather than recomputed.
+    # (host) rather than recomputed. `mark`: as in _selective_forward.
     with offloader.block(index, shared=(cos, sin, doc_ids)), offloader.offload(1.0):
         return _in_parts(block, x, cos, sin, doc_ids, chunk=chunk, recompute=True,
-                       stored=round(fraction * x.shape[0] * x.shape[1]))
+                         stored=round(fraction * x.shape[0] * x.shape[1]), mark=mark)
 
 
 def check_policy(recompute: str, offload_fraction: float, block_chunk: int = 0) -> None:
@@ -271,21 +276,21 @@ def apply_memory_policy(layers: nn.ModuleList, recompute: str, offload_fraction:
     check_policy(recompute, offload_fraction, block_chunk)
     if recompute == "none":
         return None
-    # full recomputation brings an offloaded block back from the next block's q/k/v backward on (its
-    # prefetch_mark), not from that block's first unpack (memory/offload.py: what the device peak holds)
-    offloader = HostOffloader(torch.device(device), prefetch_on_unpack=recompute != "full") \
-        if offload_fraction > 0 else None
+    # an offloaded block comes back from the next block's q/k/v backward on (its prefetch_mark), not
+    # from that block's first unpack (memory/offload.py: what the device peak holds), under full and
+    # selective recomputation alike
+    offloader = HostOffloader(torch.device(device), prefetch_on_unpack=False) if offload_fraction > 0 else None
     offloaded = len(layers) - offload_skip_last
     for i, block in enumerate(layers):
         off = dict(offloader=offloader, index=i, fraction=offload_fraction) if offloader and i < offloaded else {}
+        # (the first kept block too: the offloaded one before it comes back in its backward)
+        mark = offloader.prefetch_mark(i - 1) if offloader and 0 < i <= offloaded else None
         if recompute == "full":
-            # (the first kept block too: the offloaded one before it comes back in its backward)
-            mark = offloader.prefetch_mark(i - 1) if offloader and 0 < i <= offloaded else None
             forward = functools.partial(_full_forward, block=block, chunk=block_chunk, mark=mark, **off)
         elif off:
-            forward = functools.partial(_offload_forward, block=block, chunk=block_chunk, **off)
+            forward = functools.partial(_offload_forward, block=block, chunk=block_chunk, mark=mark, **off)
         else:
-            forward = functools.partial(_selective_forward, block=block, chunk=block_chunk)
+            forward = functools.partial(_selective_forward, block=block, chunk=block_chunk, mark=mark)
         block.forward = forward
     return offloader
 

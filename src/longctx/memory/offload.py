@@ -9,13 +9,13 @@ of the original is then free to go. In backward the parts are joined again.
   producing kernels, and block i-1's host parts are copied back on that stream while block i's
   backward still runs (prefetch one block ahead), so the transfers overlap compute.
 - When the prefetch starts decides the device peak. Started as backward reaches block i (its first
-  unpack: `prefetch_on_unpack`, what selective + offload uses), block i-1's parts sit on the device
-  through all of block i's backward, its peak included: with full recomputation that is a second
-  block input, one more than the last (kept) block's backward holds, so a model with two offloaded
-  blocks or more peaked one block input (8 GiB for llama3-8b at 512K tokens) above one with a single
-  one. Full recomputation therefore starts it later: `prefetch_mark(i - 1)` in block i's forward
+  unpack: `prefetch_on_unpack`, the default of a bare offloader), block i-1's parts sit on the device
+  through all of block i's backward, its peak included: with full recomputation a second block
+  input, under selective a second block's whole host tier (its stored activations too), so a model
+  with two offloaded blocks or more peaked that much above one with a single one. The policies
+  (memory/apply_policy.py) therefore start it later: `prefetch_mark(i - 1)` in block i's forward
   marks q, k and v, and their backward (after block i's attention core, before its q/k/v projections:
-  the smallest phase of the block's backward) brings block i-1 back (memory/apply_policy.py).
+  the smallest phase of the block's backward) brings block i-1 back, under full and selective alike.
 - On CPU the same mechanism runs with a separate host buffer per saved tensor (a copy), used where
   it is when it comes back (`_fetch`: no second copy on a machine with one memory), so the policy,
   its schedule, its accounting and its gradients are tested on any machine.

@@ -290,9 +290,9 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     at the block's peak). A block's backward runs in phases, and what is alive in each follows the
     implementation (autograd frees a gradient once its consumer has run):
 
-    - throughout: what comes back from the host under offload: the block's host tier, and under
-      selective the next block's (prefetched one block ahead; under full it comes back in the `pre`
-      phase only);
+    - throughout: what comes back from the host under offload: the block's host tier; the next
+      block's (prefetched one block ahead) comes back in the `pre` phase only, under full and selective
+      alike (memory/offload.py prefetch_mark);
     - `post` backward (output projection, residual, MLP, in pieces of `block_chunk` tokens, or all
       tokens): the incoming gradient dy and the residual gradient being built (two of d), the
       attention output's gradient (sequence layout), one piece recomputed with the gradients of its
@@ -334,11 +334,10 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
                           policy: MemoryPolicy, e: int, docs: bool, acts: ActivationEstimate | None) -> float:
     """The largest block backward's bytes beyond the saved activations (transient_bytes). Under offload
     the blocks differ: an offloaded block's backward holds its host tier brought back (under full: its
-    input made whole again instead) and the next one's (prefetched: under full in its pre phase only,
+    input made whole again instead) and, in its pre phase only, the next one's (prefetched:
     memory/offload.py prefetch_mark), and recomputes max(A, 1 - A) of its tokens' post under selective; a
     kept block (the last offload_skip_last) recomputes all its tokens, with the offloaded block before it
-    prefetched (under full, in its pre phase). A MoE model's MoE and dense blocks differ too: the largest
-    of them."""
+    prefetched in its pre phase. A MoE model's MoE and dense blocks differ too: the largest of them."""
     sparse = set(m.moe_layer_ids)
     kinds = {i in sparse for i in range(m.layers)} or {False}
 
@@ -362,9 +361,10 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         own = micro_batch * seq_len // (head * ctx) * e * m.dim
         off = own + phases(policy, pre_extra=acts.per_block_host)
         kept = phases(dataclasses.replace(policy, offload_fraction=0.0), pre_extra=acts.per_block_host)
-    else:  # its own host part brought back and the next block's, from its first unpack on
-        off = 2 * acts.per_block_host + phases(policy)
-        kept = acts.per_block_host + phases(dataclasses.replace(policy, offload_fraction=0.0))
+    else:  # its own host tier brought back (prefetched whole, in the pre phase of the block after it), and
+        # the block before's in the pre phase (prefetch_mark: after the attention core's backward)
+        off = acts.per_block_host + phases(policy, pre_extra=acts.per_block_host)
+        kept = phases(dataclasses.replace(policy, offload_fraction=0.0), pre_extra=acts.per_block_host)
     return off if offloaded == m.layers else max(off, kept)
 
 
