@@ -36,6 +36,11 @@ def _fresh_dynamo():
 
 
 def _model(seed, preset="debug", **over):
+    """The debug model with 2 layers, not its 4 (as test_static_decode_audit.py's): every layer is the same
+    code (its cache read and write; the second one's input the first one's output), and the time to trace
+    and compile a step grows with the layers (the inductor test: ~100 s with 4 of a loaded 2-core CPU)."""
+    if preset == "debug":
+        over = {"layers": 2, **over}
     overrides = [f"--model.preset={preset}"] + [f"--model.{k}={v}" for k, v in over.items()]
     return build_model(load_config(overrides=overrides).model, seed=seed).eval()
 

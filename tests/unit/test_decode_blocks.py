@@ -38,6 +38,9 @@ def _fresh_dynamo():
 
 
 def _model(seed=1, **over):
+    """The debug model with 2 layers, not its 4: what is checked is outside the layers or the same in each
+    (a block traces 16 steps of every layer: dynamo's time grows with them)."""
+    over = {"layers": 2, **over}
     overrides = ["--model.preset=debug"] + [f"--model.{k}={v}" for k, v in over.items()]
     return build_model(load_config(overrides=overrides).model, seed=seed).eval()
 
