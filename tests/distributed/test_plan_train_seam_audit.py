@@ -49,9 +49,9 @@ DATA = ["--data.max_docs=300"]
 PLANS = {
     "rep4": ("0.2", dict(parallel=(4, 1, 1, 1), grad_accum=2, recompute="none", model_states="device",
                          grad_sync="step")),
-    "rep2xctx2-host": ("0.015", dict(parallel=(2, 1, 1, 2), grad_accum=4, recompute="selective",
+    "rep2xctx2-host": ("0.013", dict(parallel=(2, 1, 1, 2), grad_accum=4, recompute="selective",
                                      model_states="host", grad_sync="micro_batch")),
-    "head2xctx2": ("0.027", dict(parallel=(1, 1, 2, 2), grad_accum=8, recompute="none", model_states="device",
+    "head2xctx2": ("0.026", dict(parallel=(1, 1, 2, 2), grad_accum=8, recompute="none", model_states="device",
                                  grad_sync="step")),
 }
 
