@@ -3,8 +3,8 @@
 # Run first whenever a device is lent, from the repository root; $OUT collects the logs and JSON,
 # and docs/results/gpu_frontier_<card>_<date>.json is written for the commit. Sized for BUDGET_S
 # (450 s by default) of probes plus start-up; what each probe measures: benchmarks/gpu_frontier.py.
-# benchmarks/gpu_lent.sh, the one device call of a lent session, runs it with 330 s, then gpu_speed.sh.
-# On an H200 add SEQ_8B=1048576 once the 512K figures are in (a 1M step of 4 blocks takes minutes).
+# benchmarks/gpu_lent.sh's first device call runs it with 340 s, then gpu_speed.sh. The 8B blocks run at the
+# issue's length for the card (512K on an H100, 1M on an H200: 512K measured there on 2026-12-04); SEQ_8B overrides.
 # Glue check on CPU:
 #   DEVICE=cpu SMOKE_STEPS=3 SEQ_8B=2048 SEQ_OVERLAP=1024 LONGEST="2048 1024" PRESET_8B=debug \
 #     PRESET_1B=debug bash benchmarks/gpu_frontier.sh

@@ -27,8 +27,11 @@ if [ "$PART" = 2 ]; then
   echo "=== gpu_lent part 2: gpu_frontier.sh ($PROBES) with ${TOTAL_S} s"
   BUDGET_S=$TOTAL_S bash benchmarks/gpu_frontier.sh
 else
-  FRONTIER_S=${FRONTIER_S:-240}
-  export PROBES=${PROBES:-smoke,blocks}
+  # (340 s: the 8B blocks at 1M on an H200 take ~2 x their 512K time, 154 s on 2026-12-04; what the
+  # frontier leaves unused goes to the speed steps; the smoke runs `device`, the reference, and `host`, the tier
+  # not yet through a step on a card: host_optimizer's losses followed device's there on 2026-12-04)
+  FRONTIER_S=${FRONTIER_S:-340}
+  export PROBES=${PROBES:-smoke,blocks} SMOKE_TIERS=${SMOKE_TIERS:-device,host}
   echo "=== gpu_lent part 1: gpu_frontier.sh ($PROBES) with ${FRONTIER_S} s, then gpu_speed.sh with the rest of ${TOTAL_S} s"
   BUDGET_S=$FRONTIER_S bash benchmarks/gpu_frontier.sh
   LEFT=$((TOTAL_S - SECONDS)); [ "$LEFT" -lt 0 ] && LEFT=0

@@ -2,13 +2,13 @@
 # Issue 52 on the GPU we are lent (after benchmarks/gpu_frontier.sh; run from the repository root;
 # benchmarks/gpu_lent.sh runs both in one device call). One budget for the whole script: BUDGET_S
 # (240 s by default) from its start; each step's limit is min(its cap, seconds left), and a step with
-# under 20 s left is skipped ("skipped: out of budget"); the caps add up to ~1,040 s, so the steps run
+# under 20 s left is skipped ("skipped: out of budget"); the caps add up to ~1,120 s, so the steps run
 # in order of value and the last are the first skipped. $OUT collects the logs; the JSON of each step goes
 # also to docs/results/gpu_speed_<step>_<card>_<date>.json for the commit. The summary always prints.
 # DEVICE=cpu is a glue check of the budget: nothing runs, each step prints its limit and command:
 #   DEVICE=cpu BUDGET_S=100 DRY_STEP_S=30 bash benchmarks/gpu_speed.sh
-#   1. training speed against a peer: llama3-1b at 8K and 32K, longctx train vs transformers (SDPA,
-#      gradient checkpointing) on the same card (benchmarks/peer_train.py; transformers must be
+#   1. training speed against a peer: llama3-1b at 8K and 32K, longctx train (and at 8K with train.compile)
+#      vs transformers (SDPA, gradient checkpointing) on the same card (benchmarks/peer_train.py; transformers must be
 #      importable: carry its wheel in the working tree if the machine lacks it);
 #   2. the MoE layer vs the dense one of equal active parameters, eager and torch.compile'd
 #      (`bench moe --device cuda --compile`, a Qwen3-30B-A3B-like layer, 8K and 32K tokens);
@@ -50,8 +50,8 @@ rm -f "$OUT/peer.json" "$OUT/moe.json" "$OUT/decode.json" "$OUT/zero_pp_kernels.
 echo "budget ${BUDGET_S} s, device ${DEVICE}"
 [ "$DEVICE" = cpu ] || nvidia-smi -L
 echo "== 1. longctx train vs transformers, llama3-1b, 8K and 32K"
-if fits 200; then
-  go python3 benchmarks/peer_train.py --preset llama3-1b --seq-len 8192,32768 --steps 6 --profile \
+if fits 280; then  # (and ours compiled at 8K, --train.compile true: what fusing the elementwise ops gives)
+  go python3 benchmarks/peer_train.py --preset llama3-1b --seq-len 8192,32768 --steps 6 --profile --compiled 8192 \
     --out "$OUT/peer.json" 2>&1 | grep -v Warning | tail -4; echo "rc ${PIPESTATUS[0]}"; save peer
 fi
 echo "== 2. bench moe --device cuda --compile"
@@ -109,7 +109,9 @@ for name in ("peer", "moe", "decode", "zero_pp_kernels"):
         print(name, "no result:", e); continue
     if name == "peer":
         for r in d["rows"]:
-            print("peer", r["seq_len"], {k: r[k].get("tokens_per_s") for k in ("longctx", "transformers")}, r.get("speedup"))
+            print("peer", r["seq_len"], {k: r[k].get("tokens_per_s") for k in ("longctx", "longctx_compiled",
+                                                                          "transformers") if k in r},
+                  r.get("speedup"), r.get("speedup_compiled"))
     elif name == "zero_pp_kernels":
         print("zero_pp kernels GB/s", {k: (round(r["quantize_gbps"], 1), round(r["dequantize_gbps"], 1),
                                            r["identical_to_eager"]) for k, r in d["kernels"].items()})

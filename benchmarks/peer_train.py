@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 
-def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False) -> dict:
+def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False, compiled: bool = False) -> dict:
     run = tempfile.mkdtemp(prefix="peer_ours_")
     cmd = [sys.executable, "-m", "longctx", "train", "--nproc", "1", "--model.preset", preset,
            "--train.seq_len", str(seq), "--train.global_batch", "1", "--train.steps", str(steps),
@@ -32,6 +32,8 @@ def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False) 
            "--checkpoint.final", "false", "--metrics.plots", "false", "--metrics.progress", "false",
            "--metrics.log_interval", "1", "--memory.recompute", "full", "--data.max_docs", "3000",
            "--train.run_dir", run]
+    if compiled:  # (each block's token-wise parts compiled: the first step compiles, left out of the figures)
+        cmd += ["--train.compile", "true"]
     if profile:  # one more step, profiled, left out of the figures (its profiler's overhead)
         cmd[cmd.index("--train.steps") + 1] = str(steps + 1)
         cmd += ["--metrics.profile_step", str(steps + 1)]
@@ -115,12 +117,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="")
+    ap.add_argument("--compiled", default="",
+                    help="lengths (comma-separated) at which longctx also runs with --train.compile true, in the same "
+                         "row (longctx_compiled, speedup_compiled); '' = none")
     ap.add_argument("--profile", action="store_true",
                     help="one more step of each, under torch.profiler: its kernels by kind, and the top 15 (not timed)")
     args = ap.parse_args()
     rows = []
+    compiled = {int(s) for s in args.compiled.split(",") if s}
     for seq in (int(s) for s in args.seq_len.split(",")):
         row = {"seq_len": seq, "longctx": ours(args.preset, seq, args.steps, args.device, args.profile)}
+        if seq in compiled:  # (not profiled: the eager run's profile says where the time goes)
+            row["longctx_compiled"] = ours(args.preset, seq, args.steps, args.device, compiled=True)
         try:
             row["transformers"] = peer(args.preset, seq, args.steps, args.device, args.profile)
         except Exception as e:  # an out-of-memory peer is a result, not a crash
@@ -128,6 +136,9 @@ def main() -> None:
         a, b = row["longctx"].get("tokens_per_s"), row["transformers"].get("tokens_per_s")
         if a and b:
             row["speedup"] = a / b
+        c = row.get("longctx_compiled", {}).get("tokens_per_s")
+        if c and b:
+            row["speedup_compiled"] = c / b
         print(json.dumps(row), flush=True)
         rows.append(row)
     import torch
