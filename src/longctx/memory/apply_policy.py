@@ -26,7 +26,9 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
   peak as it is.
 - `block_chunk` C > 0 (with full or selective): the token-wise parts run C tokens at a time and
   are checkpointed per chunk, so a block's MLP intermediates exist for C tokens, not for all of a
-  rank's tokens (at 512K tokens per rank an 8B block's MLP alone is ~55 GiB in bf16).
+  rank's tokens (at 512K tokens per rank an 8B block's MLP alone is ~55 GiB in bf16). Pieces that
+  are stored (selective + offload) under autocast over fp32 weights share one cast of each weight
+  (memory/weight_casts.py), where each kept its own.
 
 Token-splitting is exact because `pre` and `post` treat every token independently, with one
 exception: MoE routing that looks across a call's tokens (a capacity, moe.capacity_factor > 0, drops
@@ -54,6 +56,7 @@ from ..errors import ConfigError
 from ..models.moe import moe_layers
 from ..ops.eager import eager_under_compile
 from .offload import HostOffloader
+from .weight_casts import SharedCasts
 
 
 def _checkpointed(fn, *args, block=None):
@@ -178,6 +181,22 @@ def _call_routing(block, xs, out, pieces) -> list[_PieceRouting]:
     return routings
 
 
+def _stored_pieces_casts(block, pieces, device_type: str):
+    """Where a block call stores more than one piece (selective + offload_fraction with block_chunk)
+    under autocast, the context its stored pieces run in so that they keep one copy of each weight's
+    cast between them, not one each (memory/weight_casts.py). Recomputed pieces save no cast (their
+    checkpoint recasts, one piece at a time). Weights already in autocast's dtype (FSDP's bf16 gathers)
+    are not cast: nothing to share. Compiled parts are left alone: under a dispatch mode their compiled
+    code would not run, and the compiled graph decides what it saves."""
+    stored = sum(not ckpt for _, ckpt in pieces)
+    if stored < 2 or not torch.is_autocast_enabled(device_type) or hasattr(block.post, "_torchdynamo_orig_callable"):
+        return contextlib.nullcontext()
+    dtype = torch.get_autocast_dtype(device_type)
+    if all(p.dtype == dtype for p in block.parameters() if p.dim() >= 2):
+        return contextlib.nullcontext()
+    return SharedCasts(block.parameters())
+
+
 def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0, mark=None):
     """The block as pre -> attention core -> post, the token-wise parts run `chunk` tokens at a
     time (FPDT's sequence chunks; the batch counts as one row of b x s tokens): pre's and post's
@@ -200,7 +219,14 @@ def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, store
     # ~4 TiB of memory traffic per 8B block), and three full-size gradients alive at once
     sizes = [sl.stop - sl.start for sl, _ in pieces]
     xs = list(x1.split(sizes, dim=1))
-    run = lambda fn, ckpt, *args: _checkpointed(fn, *args, block=block) if ckpt else fn(*args)
+    casts = _stored_pieces_casts(block, pieces, x.device.type)
+
+    def run(fn, ckpt, *args):
+        if ckpt:
+            return _checkpointed(fn, *args, block=block)
+        with casts:
+            return fn(*args)
+
     qkv = [run(block.pre, ckpt, xi, cos1[:, sl], sin1[:, sl]) for xi, (sl, ckpt) in zip(xs, pieces)]
     batched = lambda t: t if b == 1 else t.view(b, tokens, *t.shape[2:])
     q, k, v = (batched(_cat(parts)) for parts in zip(*qkv))
