@@ -2,8 +2,14 @@
 holds beyond what its forward saved (tests of memory/transients.py)."""
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def _stored(t) -> bool:
+    """A tensor with a storage of its own: not a DTensor (a wrapper whose local shard the mode sees too)."""
+    return isinstance(t, torch.Tensor) and not isinstance(t, DTensor)
 
 
 class LiveStorages(TorchDispatchMode):
@@ -24,9 +30,9 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if _stored(t)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if _stored(t):
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in self.held and ptr not in inputs:
                     self._serials += 1

@@ -60,7 +60,7 @@ from ..config import ModelConfig
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.host_parts import pinned_activation_bytes, pinned_attention_offload_bytes
 from ..memory.policy import MemoryPolicy
-from ..memory.transients import attention_offload_host_and_traffic, transient_bytes
+from ..memory.transients import attention_offload_host_and_traffic, shared_overlap_transient_bytes, transient_bytes
 from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
 from .hardware import Hardware
 from .model_states import (
@@ -379,6 +379,7 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, weight_copies=copies,
                                 **acts_kw)
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts, **acts_kw)
+    transient += shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, act_bytes)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
     acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
                                                 act_bytes=act_bytes, dtype_bytes=dtype_bytes,

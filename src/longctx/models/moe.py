@@ -253,12 +253,16 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.chunk = 0  # memory.expert_chunk: rows run (and recomputed) at a time; 0 = all at once
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, dispatcher: TokenDispatcher | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, dispatcher: TokenDispatcher | None = None,
+                beside=None):
         """x [n, dim]: rows grouped by expert, counts[e] of them for expert e, in expert order. The
         layer passes its dispatcher, which runs them (`run_experts`: all here on one device, each on
         its owner under expert parallelism); inside this module's call, so that its hooks (FSDP's
-        gather of these weights) see every run."""
+        gather of these weights) see every run. `beside` (the layer's shared experts, a callable): run by
+        the dispatcher too, where it overlaps the rows' transfer (`run_experts_beside`); then this returns
+        (the rows' results, beside's)."""
+        if beside is not None:
+            return dispatcher.run_experts_beside(self, x, counts, beside)
         return self.run_here(x, counts) if dispatcher is None else dispatcher.run_experts(self, x, counts)
 
     def run_here(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -334,18 +338,26 @@ class MoEFeedForward(nn.Module):
         if self.recording:
             self.records.append(record(routing, flat.shape[0], self.num_experts, self.real_of(flat.shape[0], True),
                                        self.z_grad))
-        y = self._routed(flat, routing)
-        if self.shared is not None:
-            s = self.shared(flat)
-            if self.shared_gate is not None:
-                s = torch.sigmoid(self.shared_gate(flat)) * s
-            y = y + s
-        return y.view(shape)
+        shared = None if self.shared is None else (lambda: self._shared(flat))
+        y, s = self._routed(flat, routing, shared)
+        return (y if s is None else y + s).view(shape)
 
-    def _routed(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The routed experts' weighted sum for every token of `flat` [T, dim], through the dispatcher."""
+    def _shared(self, flat: torch.Tensor) -> torch.Tensor:
+        s = self.shared(flat)
+        return s if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * s
+
+    def _routed(self, flat: torch.Tensor, routing: Routing, shared=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed experts' weighted sum for every token of `flat` [T, dim], through the dispatcher, and
+        `shared()` (the shared experts: None without them), which the dispatcher runs where it overlaps the
+        routed rows' way back (under expert parallelism, its all-to-all; eager, not under torch.compile,
+        whose graph the shared experts stay in)."""
         rows, counts, state = self.dispatcher.dispatch(flat, routing)
-        return self.dispatcher.combine(self.experts(rows, counts, self.dispatcher), state)
+        if shared is None or not self.dispatcher.overlaps_beside() or torch.compiler.is_compiling():
+            # (after the combine: their backward then runs first, before the routed rows' gradients exist)
+            out = self.experts(rows, counts, self.dispatcher)
+            return self.dispatcher.combine(out, state), None if shared is None else shared()
+        out, s = self.experts(rows, counts, self.dispatcher, beside=shared)
+        return self.dispatcher.combine(out, state), s
 
     def route(self, flat: torch.Tensor, chosen=None, kept=None) -> Routing:
         """The routing of the tokens `flat` [T, dim]: the router's, within the capacity; `chosen` and

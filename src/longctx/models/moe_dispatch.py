@@ -140,6 +140,18 @@ class TokenDispatcher:
         # (experts: models/moe.py's Experts, which imports this module: typed by what it is here)
         return experts.run_here(rows, counts)
 
+    def overlaps_beside(self) -> bool:
+        """Whether run_experts_beside overlaps a layer's shared experts with the rows' transfer (the
+        expert-parallel dispatcher's, parallel/expert/dispatch.py); here nothing travels, and the layer runs
+        them after the combine."""
+        return False
+
+    def run_experts_beside(self, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, beside
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """run_experts, and `beside()` (a layer's shared experts, which read no routed row): (the rows'
+        results, beside's), one after the other."""
+        return self.run_experts(experts, rows, counts), beside()
+
     def combine(self, out: torch.Tensor, state: SlotOrder) -> torch.Tensor:
         t, k = state.weights.shape
         # back to [T, k] slots (no scatter-add), weighted, summed: without drops by the inverse permutation,

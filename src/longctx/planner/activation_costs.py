@@ -14,7 +14,12 @@ from ..costs.shape import MeshShape
 from ..costs.timing import Flops, compute_seconds, micro_batch_flops
 from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
 from ..memory.policy import MemoryPolicy
-from ..memory.transients import attention_offload_host_and_traffic, expert_skew_transient_bytes, transient_bytes
+from ..memory.transients import (
+    attention_offload_host_and_traffic,
+    expert_skew_transient_bytes,
+    shared_overlap_transient_bytes,
+    transient_bytes,
+)
 
 
 def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
@@ -35,7 +40,8 @@ def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshSh
     window and the expert degree are read (the activations themselves do not depend on the window)."""
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
                                 policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts)
-    return transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
+    return (transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
+            + shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, dtype_bytes))
 
 
 @dataclass(frozen=True)

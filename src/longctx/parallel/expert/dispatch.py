@@ -100,8 +100,19 @@ class ExpertParallelDispatcher(TokenDispatcher):
     def _route(self) -> str:
         return "flat all-to-all"
 
+    def overlaps_beside(self) -> bool:
+        """One chunk: a layer's shared experts run while its rows travel back (run_experts_beside); with
+        pipelined chunks the next chunk keeps the links busy already, and the layer runs them after."""
+        return self.tuner is None and self.chunks <= 1
+
+    def run_experts_beside(self, experts, x: torch.Tensor, counts: torch.Tensor, beside
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """run_experts, with `beside()` (the layer's shared experts) computed while the rows' results travel
+        back, and its backward while their gradients travel out (comm.SplitTransfer)."""
+        return self.run_experts(experts, x, counts, beside)
+
     @eager_under_compile
-    def run_experts(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def run_experts(self, experts, x: torch.Tensor, counts: torch.Tensor, beside=None):
         """x [n, dim] sorted by expert, counts [experts of the mesh's ranks]: each row through its
         expert on the rank that holds it (by (rank, slot) under a FlexMoE placement), back in x's order.
 
@@ -109,7 +120,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
         (the counts read as split sizes, FlexMoE's slot order planned in Python, the all-to-alls), so a
         trace would only break at every host read and guard on the counts; Dynamo traced it before
         2026-12-03 and, with a capacity and FlexMoE copies, failed inside its own guards ("Guard failed on
-        the same frame it was created") or sent splits that did not sum to the rows."""
+        the same frame it was created") or sent splits that did not sum to the rows. With `beside` (one
+        chunk, run_experts_beside): (the rows' results, beside's)."""
         ep = self.mesh.size()
         placement, order = getattr(experts, "placement", None), None
         if placement is not None and not placement.copies:
@@ -122,20 +134,25 @@ class ExpertParallelDispatcher(TokenDispatcher):
         per_owner = counts.view(ep, -1)  # [owner, its local experts (slots)]
         received = comm.all_to_all(per_owner.contiguous(), self.mesh, label="expert_counts")  # [source, local expert]
 
+        if beside is not None:
+            y, s = self._exchange(x, counts, per_owner, received, experts, 1, placement, beside)
+            return (y if order is None else y.index_select(0, torch.argsort(order))), s
+
         def exchange(chunks: int) -> torch.Tensor:
             return self._exchange(x, counts, per_owner, received, experts, chunks, placement)
         # parallel.expert_pipeline_chunks = 0: the count chosen by an online profile
         y = self.tuner.timed(exchange) if self.tuner is not None else exchange(self.chunks)
         return y if order is None else y.index_select(0, torch.argsort(order))
 
-    def _exchange(self, x, counts, per_owner, received, experts, chunks: int, placement=None) -> torch.Tensor:
+    def _exchange(self, x, counts, per_owner, received, experts, chunks: int, placement=None, beside=None):
         """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1; with a
         placement, over its slots (the local experts, then the copies fetched from their owners).
 
         FSDP averages the expert weights' gradients over the expert-data group (world / expert
         ranks), while the loop scales every loss by the world size (parallel/fsdp/shard.py grad_scale) and an
         expert's rows already carry the gradient of every token of its expert group: the local
-        weights pass through a gradient scale of 1 / group so that the average is the exact sum."""
+        weights pass through a gradient scale of 1 / group so that the average is the exact sum.
+        `beside` (one chunk): computed while the results travel back; then (the results, beside's)."""
         mesh = self.mesh
         w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / self.group_size) for w in (experts.w1, experts.w3, experts.w2))
         if placement is not None:
@@ -150,7 +167,12 @@ class ExpertParallelDispatcher(TokenDispatcher):
         recv_rows = [sum(r) for r in recv]
         got = comm.AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
         back = _run_local_experts(got, recv, experts, w1, w3, w2)
-        return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
+        if beside is None:
+            return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
+        transfer = comm.SplitTransfer(mesh, recv_rows, send_rows, "expert")
+        token = comm.StartAllToAllV.apply(back, transfer)
+        s = beside()  # (and, in backward, its gradient while the results' gradients travel out)
+        return comm.WaitAllToAllV.apply(token, transfer), s
 
     def step_notes(self, step: int, last_counts) -> list[str]:
         """Before optimizer step `step` (1-based): the schedule's decisions that take effect at this
