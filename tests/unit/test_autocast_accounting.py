@@ -3,8 +3,11 @@ weights (memory/accounting.py activation_dtype): its residual stream (every bloc
 fp32 and its saved matmuls keep autocast's bf16 copy of their weight. The count once took such a run for
 bf16 activations (dtype_bytes 2): measured here it kept 2.0x the predicted host bytes under full + offload
 (the block inputs, fp32) and 13.4x the device bytes under selective + offload (the weight copies), so the
-planner's one-GPU plan and the host preflight under-counted them. Now counted at 4 B with the weight
-copies: exact under full, never below what is measured, and at most 1.6x over (bf16 matmul outputs)."""
+planner's one-GPU plan and the host preflight under-counted them. Then counted at 4 B with the weight
+copies: exact under full, never below what is measured, and up to 1.5x over (bf16 matmul outputs: selective
+1.49 device and 1.50 host, none 1.38). Now each tensor at its dtype (block_part_bytes `autocast`: the matmul and
+attention outputs bf16, a norm's bf16 casts for each matmul it feeds): selective 1.00 device and 1.04 host,
+none 1.03, full still exact (2026-12-04)."""
 
 import weakref
 
@@ -54,7 +57,7 @@ def test_autocast_over_fp32_weights_keeps_no_more_than_counted(recompute, fracti
         assert got["device"] <= la.device and got["host"] <= la.host, (got, la)
     # (the loss's few scalars aside)
     assert measured["total_device"] <= est.total_device + 64 and measured["total_host"] <= est.total_host
-    assert est.total_device <= 1.6 * measured["total_device"] and est.total_host <= 1.6 * measured["total_host"]
+    assert est.total_device <= 1.1 * measured["total_device"] and est.total_host <= 1.1 * measured["total_host"]
     if recompute == "full":  # the one tensor a block keeps, its fp32 input: exact
         assert est.total_device <= measured["total_device"] + 64 and est.total_host == measured["total_host"]
 

@@ -55,9 +55,14 @@ class ActivationEstimate:
         return asdict(self)
 
 
-def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe: bool = False) -> dict[str, float]:
+def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe: bool = False,
+                     autocast: bool = False) -> dict[str, float]:
     """Bytes per local token of the tensors a block can leave behind, by name; `moe`: a MoE layer's
-    block, whose feed-forward keeps `moe_ffn_bytes` (under "mlp") instead of the SwiGLU's.
+    block, whose feed-forward keeps `moe_ffn_bytes` (under "mlp") instead of the SwiGLU's. `autocast`
+    (bf16 autocast over fp32 weights, p = 4: activation_dtype): what the matmuls and the attention kernel
+    make is bf16, the core's q, k, v, out (its log-sum-exp fp32), the attention output and a dense MLP's
+    intermediates at 2 B; a norm keeps its fp32 normed values and statistics and the bf16 cast of its output
+    that each matmul it feeds makes; the rest as at 4 B (the fp32 residual stream; a MoE feed-forward).
 
     `docs` changes nothing: with packed documents the attention core saves the same q, k, v, out and
     lse. The document ids are an input shared by every block (the batch's), and the segment plans
@@ -72,22 +77,27 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
     # input, saved too, IS the block input or the residual h); in bf16 an fp32 copy of the input,
     # the bf16 normed x and the output
     norm = 8 * d + 4
-    core = p * (2 * H + 2 * k_eff) * hd + 4 * H
     # model.qk_norm (Qwen3, OLMoE): the q and k norms (ops/norm.py rms_norm, in the sequence layout
     # before the all-to-all: every head) keep their input's fp32 copy (the input itself in fp32), the
     # normed values in the compute dtype, and an fp32 rsqrt per row (a head's vector, or the whole
     # projection under qk_norm_span "all"); RoPE after them keeps nothing of its input
     qk_rows = (2 if getattr(m, "qk_norm_span", "head") == "all" else H + K) if m.qk_norm else 0
     qk_norm = (4 + p) * (H + K) * hd + 4 * qk_rows if m.qk_norm else 0
+    c = 2 if autocast and p == 4 else p  # the matmuls' and the attention kernel's outputs
+    core = c * (2 * H + 2 * k_eff) * hd + 4 * H
+    if c < p:
+        # autocast: the norm's fp32 output is not kept, but each matmul it feeds casts it to bf16 and keeps
+        # that cast (the attention norm's three, wq, wk and wv: 6d; the MLP norm's two, counted alike)
+        norm = 4 * d + 4 + 3 * c * d
     return {
         "norm": norm,
         "qk_norm": qk_norm,
         "norm_input": p * d if p == 4 else 0,          # fp32: the norm saves its input itself
         "core": core,                                  # q, k, v, out, lse
-        "attn_out": p * H * hd,                        # the attention output in sequence layout
+        "attn_out": c * H * hd,                        # the attention output in sequence layout
         "residual": p * d if p == 4 else 0,            # h = x + attention, kept as the MLP norm's input
         # w1 out, silu out, w3 out, product; a MoE feed-forward's router, permutation and experts
-        "mlp": moe_ffn_bytes(m, p) if moe and m.is_moe else 4 * p * F,
+        "mlp": moe_ffn_bytes(m, p) if moe and m.is_moe else 4 * c * F,
         "block_out": p * d,
     }
 
@@ -196,10 +206,12 @@ def activation_dtype(bf16: bool, world: int, model_states: str, device_type: str
     mixed_precision): activations are bf16. One GPU process of the `device` or `host_optimizer` tier is not
     wrapped in FSDP, and on CPU FSDP keeps fp32: bf16 autocast over fp32 weights (docs/memory.md), whose
     residual stream (every block's input and output, the embeddings' output) stays fp32 and whose matmuls
-    keep autocast's bf16 copy of their weight for backward. That is counted at 4 B per element (exact for
-    the bytes full recomputation keeps, with and without offload; over by 1.4x under none and 1.5x for
-    selective's host bytes, whose matmul outputs are bf16: tests/unit/test_autocast_accounting.py) with the
-    weight copies."""
+    keep autocast's bf16 copy of their weight for backward. That is counted as e = 4 with the weight copies,
+    and the second value (`autocast`) has each tensor counted at its own dtype: the residual stream and the
+    norms' statistics at 4 B, the matmuls' and the attention kernel's outputs at 2 B (block_part_bytes; the
+    backward's transient: memory/transients.py transient_bytes). Exact for what full recomputation keeps,
+    with and without offload; at most 1.04x over under selective and none
+    (tests/unit/test_autocast_accounting.py, test_autocast_transients.py)."""
     if not bf16:
         return 4, False
     if device_type != "cuda" or (world == 1 and model_states != "host"):
@@ -234,7 +246,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
     sparse = set(model.moe_layer_ids)
     by_kind = {}
     for moe in {i in sparse for i in range(L)}:
-        part = block_part_bytes(model, head, p, docs, moe=moe)
+        part = block_part_bytes(model, head, p, docs, moe=moe, autocast=weight_copies)
         fl = _flops_per_token(model, seq_len, moe=moe)
         seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
         core_device = 0.0 if attention_offload else part["core"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import ModelConfig
+from ..models.flops import matmul_params_per_layer
 from .accounting import ActivationEstimate, block_part_bytes, estimate_activations, loss_saved_bytes
 from .moe_counts import expert_rows
 from .policy import MemoryPolicy
@@ -211,34 +212,58 @@ def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, pa
     return piece_tokens * post + ffn_backward_bytes(m, int(piece_tokens), e, moe, ec)
 
 
+def compute_bytes(e: int, autocast: bool) -> int:
+    """Bytes per element of what the matmuls and the attention kernel make (their outputs, the gradients of
+    those outputs, the kernel's tensors): under bf16 autocast over fp32 weights (memory/accounting.py
+    activation_dtype: counted at e = 4) bf16, 2; otherwise the activation dtype e itself."""
+    return 2 if autocast else e
+
+
+def autocast_weight_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = False) -> float:
+    """What autocast over fp32 weights adds to a block's backward on the device: the bf16 copies of the block's
+    matmul weights that its recomputation casts afresh and saves until each matmul's backward (uncached
+    autocast, step/loss.py; under `none` they are saved activations, accounting.py weight_copies), and the
+    bf16 gradient of the largest weight before it is added to the fp32 one (2 B per element each)."""
+    d = m.dim
+    largest = max(m.ffn_dim, m.heads * m.resolved_head_dim) * d
+    if moe and m.is_moe:
+        largest = max(largest, m.moe_experts * m.resolved_expert_dim * d)
+    copies = matmul_params_per_layer(m, moe) if policy.recompute != "none" else 0
+    return 2.0 * (copies + largest)
+
+
 def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
-                         policy: MemoryPolicy, dtype_bytes: int, docs: bool, moe: bool = False) -> dict[str, float]:
+                         policy: MemoryPolicy, dtype_bytes: int, docs: bool, moe: bool = False,
+                         autocast: bool = False) -> dict[str, float]:
     """{"post", "core", "pre"}: bytes alive on the device in each phase of one block's backward,
     beyond the saved activations and the host tier brought back (see transient_bytes); `moe`: a
-    MoE layer's block."""
+    MoE layer's block. `autocast` (bf16 autocast over fp32 weights, dtype_bytes 4): the residual stream's
+    gradients (dy, the residual and input gradients being built) and the fp32 accumulators at 4 B, what the
+    matmuls and the attention kernel make and their gradients at 2 B (compute_bytes, block_part_bytes' `autocast`)."""
     e = dtype_bytes
+    c = compute_bytes(e, autocast)
     t = micro_batch * seq_len // (head * ctx)
-    part = block_part_bytes(m, head, e, docs, moe=moe)
+    part = block_part_bytes(m, head, e, docs, moe=moe, autocast=autocast)
     q_dim, kv_dim = attention_widths(m, head)
     seq_out = part["attn_out"] if head > 1 else 0.0
     both_layouts = 2 if head > 1 else 1
     chunked = attention_chunks(seq_len, ctx, policy) > 1
     host_chunks = chunked and per_chunk_store(ctx, policy)
     X = e * m.dim
-    core_work = core_working_set_bytes(m, head=head, ctx=ctx, window=window, e=e, docs=docs, chunked=chunked,
+    core_work = core_working_set_bytes(m, head=head, ctx=ctx, window=window, e=c, docs=docs, chunked=chunked,
                                        host_chunks=host_chunks)
     pair = 0.0
     if chunked:
         # a chunk pair holds a chunk of every row of the micro-batch (attention_chunks)
-        pair = min(micro_batch * policy.attention_chunk / head, t) * chunk_pair_bytes(m, head, e, docs,
+        pair = min(micro_batch * policy.attention_chunk / head, t) * chunk_pair_bytes(m, head, c, docs,
                                                                                    policy.attention_offload)
     full = policy.recompute == "full"
     # the recomputed attention state under full: in post's backward (core state + the output in
     # sequence layout) and in the core's backward (core state); with the per-chunk host store only
     # the output stays on the device
-    state_post = (e * q_dim if host_chunks else part["core"] + seq_out) if full else 0.0
+    state_post = (c * q_dim if host_chunks else part["core"] + seq_out) if full else 0.0
     state_core = (0.0 if host_chunks else part["core"]) if full else 0.0
-    piece = recomputed_piece_bytes(m, t, policy, part, e, moe)
+    piece = recomputed_piece_bytes(m, t, policy, part, c, moe)
     # pre's recomputed saved tensors (the attention norm's; with model.qk_norm the q/k norms' too) live
     # until the q/k/v projections' backward: under `full` without block chunks from the block's recompute
     # on (post, core and pre), otherwise for the piece `pre`'s backward recomputes (none: saved
@@ -248,11 +273,12 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     pre_piece = pre_block = 0.0
     if policy.recompute != "none":
         pre_tokens = qk_norm_piece_tokens(t, policy)
-        pre_piece = pre_tokens * (part["norm"] + part["qk_norm"] + e * (5 * q_dim + 2 * kv_dim))
+        pre_piece = pre_tokens * (part["norm"] + part["qk_norm"] + c * (5 * q_dim + 2 * kv_dim))
         pre_block = t * (part["norm"] + part["qk_norm"]) if full and not policy.block_chunk else 0.0
-    return {"post": t * (2 * X + e * q_dim + state_post) + piece + pre_block,
-            "core": t * (X + e * q_dim + state_core + core_work) + pair + pre_block,
-            "pre": t * (2 * X + both_layouts * e * (q_dim + 2 * kv_dim)) + pre_piece}
+    weights = autocast_weight_bytes(m, policy, moe) if autocast else 0.0
+    return {"post": t * (2 * X + c * q_dim + state_post) + piece + pre_block + weights,
+            "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights,
+            "pre": t * (2 * X + both_layouts * c * (q_dim + 2 * kv_dim)) + pre_piece + weights}
 
 
 def qk_norm_piece_tokens(tokens: int, policy: MemoryPolicy) -> float:
@@ -264,25 +290,29 @@ def qk_norm_piece_tokens(tokens: int, policy: MemoryPolicy) -> float:
     return min(policy.block_chunk, whole) if policy.block_chunk else whole
 
 
-def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int) -> float:
+def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast: bool = False) -> float:
     """The LM head's backward (ops/loss.py). Chunked: one chunk's logits made in the compute dtype and
     their fp32 copy, which becomes their gradient in place, then its copy in the compute dtype (e + 4 B
-    per element: fp32 makes them in place, 4, but bf16 autocast over fp32 weights is counted at e = 4 and
-    holds 2 + 4), the chunk's recomputed final norm and its per-row scalars (labels clamped to int64, the
-    fp32 scale and one-hot values: 16 B), and the hidden-state gradient the backward fills for
-    all `tokens` (e x dim, alive from its start). Unchunked: cross_entropy's backward holds two fp32
-    [tokens, vocab] gradients at once (nll's and log-softmax's), 8 B per element whatever the dtype.
-    (Measured: tests/unit/test_peaks_audit_lm_head.py; the head's fp32 weight gradient is the model
-    states'.)"""
+    per element: fp32 makes them in place, 4; `autocast`, bf16 autocast over fp32 weights counted at e = 4,
+    makes bf16 logits: 2 + 4), the chunk's recomputed final norm and its per-row scalars (labels clamped to
+    int64, the fp32 scale and one-hot values: 16 B), and the hidden-state gradient the backward fills for
+    all `tokens` (e x dim, alive from its start: fp32 under autocast, the residual stream's). Unchunked:
+    cross_entropy's backward holds two fp32 [tokens, vocab] gradients at once (nll's and log-softmax's), 8 B
+    per element whatever the dtype. Under autocast also the head weight's bf16 copy (2 B per element).
+    (Measured: tests/unit/test_peaks_audit_lm_head.py, test_autocast_transients.py; the head's fp32 weight
+    gradient is the model states'.)"""
+    # autocast: the head weight's bf16 copy for the chunks' matmuls (2 B per element)
+    weight = 2 * m.vocab_size * m.dim if autocast else 0
     if loss_chunk and tokens > loss_chunk:
         norm = block_part_bytes(m, 1, e)["norm"]
-        return loss_chunk * (m.vocab_size * (e + 4) + norm + 16) + tokens * e * m.dim
-    return tokens * m.vocab_size * 8
+        return (loss_chunk * (m.vocab_size * (compute_bytes(e, autocast) + 4) + norm + 16) + tokens * e * m.dim
+                + weight)
+    return tokens * m.vocab_size * 8 + weight
 
 
 def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int = 0,
                     policy: MemoryPolicy, dtype_bytes: int, docs: bool,
-                    acts: ActivationEstimate | None = None) -> float:
+                    acts: ActivationEstimate | None = None, autocast: bool = False) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
     backward and one block's backward, the latter less what the loss's backward freed before it
     (`loss_saved_bytes`: the final norm's and the loss's saved tensors, the last block's output they
@@ -320,18 +350,28 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
 
     The LM head holds one chunk of logits in the compute dtype and in fp32 and the hidden-state gradient
     (unchunked: two fp32 gradients of all the logits; `lm_head_bytes`). Model-wise
-    estimates of the allocator's behaviour; the saved activations are the exact part."""
+    estimates of the allocator's behaviour; the saved activations are the exact part.
+
+    `autocast`: one process in bf16 autocast over fp32 weights (memory/accounting.py activation_dtype: (4,
+    True), dtype_bytes 4). Each tensor is then counted at the dtype it has: the residual stream (block
+    inputs and outputs, dy and the residual / input gradients being built), the norms' statistics and
+    outputs, the fp32 dq / dk / dv accumulators, the log-sum-exp and the logits' fp32 copy at 4 B; the
+    matmuls' and the attention kernel's outputs (q, k, v, the attention output, the MLP's intermediates, a
+    chunk of logits), their gradients and the kernel's gradients and GQA repeats at 2 B (compute_bytes).
+    Without it, fp32 (4) and FSDP's bf16 (2) runs count every tensor at dtype_bytes as before.
+    (tests/unit/test_autocast_transients.py measures the step's peak on CPU.)"""
     e = dtype_bytes
     t = micro_batch * seq_len // (head * ctx)
     block = _block_backward_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=policy,
-                                  e=e, docs=docs, acts=acts)
+                                  e=e, docs=docs, acts=acts, autocast=autocast)
     # a block's backward runs after the loss's: what the final norm and the loss saved is freed by then
     freed = loss_saved_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e)
-    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e))
+    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e, autocast))
 
 
 def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
-                          policy: MemoryPolicy, e: int, docs: bool, acts: ActivationEstimate | None) -> float:
+                          policy: MemoryPolicy, e: int, docs: bool, acts: ActivationEstimate | None,
+                          autocast: bool = False) -> float:
     """The largest block backward's bytes beyond the saved activations (transient_bytes). Under offload
     the blocks differ: an offloaded block's backward holds its host tier brought back (under full: its
     input made whole again instead) and, in its pre phase only, the next one's (prefetched:
@@ -345,13 +385,13 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         """The largest phase of a block's backward, `pre_extra` more bytes held in its pre phase."""
         return max(max(v + (pre_extra if k == "pre" else 0.0) for k, v in backward_phase_bytes(
             m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=pol, dtype_bytes=e, docs=docs,
-            moe=moe).items()) for moe in kinds)
+            moe=moe, autocast=autocast).items()) for moe in kinds)
 
     offloaded = max(0, m.layers - policy.offload_skip_last) if policy.offload_fraction else 0
     if not offloaded:
         return phases(policy)
     acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
-                                        dtype_bytes=e, docs=docs)
+                                        dtype_bytes=e, docs=docs, weight_copies=autocast)
     if policy.recompute == "full":
         # the block input's host part comes back and is joined with its device rest into a whole new
         # tensor (memory/offload.py _unpack: torch.cat), the recompute's input for the block's whole

@@ -31,15 +31,18 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
                                 dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
                                 weight_copies=weight_copies)
-    return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew)
+    return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew,
+                                autocast=weight_copies)
 
 
 def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
-                   dtype_bytes: int, docs: bool, acts: ActivationEstimate, expert_skew: float = 1.0) -> float:
+                   dtype_bytes: int, docs: bool, acts: ActivationEstimate, expert_skew: float = 1.0,
+                   autocast: bool = False) -> float:
     """rank_activations' transient bytes, given its activations: of the shape only head, ctx, the Double-Ring
-    window and the expert degree are read (the activations themselves do not depend on the window)."""
+    window and the expert degree are read (the activations themselves do not depend on the window).
+    `autocast`: bf16 autocast over fp32 weights (activation_dtype's weight copies; transient_bytes)."""
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
-                                policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts)
+                                policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts, autocast=autocast)
     return (transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
             + shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, dtype_bytes))
 

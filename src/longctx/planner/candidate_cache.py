@@ -155,7 +155,8 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
         transient = shared.transients.get(transient_key)
         if transient is None:
             transient = shared.transients[transient_key] = rank_transient(m, seq, layout.mb, s, step_pol, e,
-                                                                          req.doc_mask, acts, req.expert_skew)
+                                                                          req.doc_mask, acts, req.expert_skew,
+                                                                          autocast=copies)
         entry = row[policy] = [acts, transient, None]
     return entry
 
