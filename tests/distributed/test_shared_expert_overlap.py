@@ -2,7 +2,8 @@
 expert is overlapped with dispatch where the schedule allows"), on 4 gloo ranks, expert parallel over all 4:
 
 - the layer with a gated shared expert gives the one-device layer's outputs and gradients (its input, router,
-  shared expert and gate, 1e-6 in fp32), with the flat exchange (overlapped) and with pipelined chunks (not);
+  shared expert and gate, 1e-6 in fp32), with the flat exchange (overlapped), pipelined chunks (not), and the
+  hierarchical dispatch over nodes of 2 ranks (overlapped inside the node) and of 1 (nothing to overlap);
 - the order is the overlap: the shared expert's forward runs after the results' transfer back is issued and
   before it is waited for (comm.StartAllToAllV / WaitAllToAllV), and its backward between the gradients'
   transfer out being issued and waited for; with pipelined chunks the shared expert runs after them;
@@ -71,7 +72,9 @@ def _parity():
     x = torch.randn(30 + 5 * rank, 32, generator=torch.Generator().manual_seed(100 + rank))
     y1, gx1, gw1 = _grads(copy.deepcopy(base), x)
     out = {}
-    for name, options in {"flat": {}, "chunks3": {"pipeline_chunks": 3}}.items():
+    options_of = {"flat": {}, "chunks3": {"pipeline_chunks": 3}, "nodes2": {"ranks_per_node": 2},
+                  "nodes1": {"ranks_per_node": 1}}
+    for name, options in options_of.items():
         layer = copy.deepcopy(base)
         use_expert_parallel(nn.Sequential(layer), mesh, **options)
         events, saved = _events(layer)
@@ -124,7 +127,7 @@ def _peaks():
 def test_shared_experts_overlap_the_return_transfer_exactly():
     got = run_spawned_many(4, [("parity", _parity, ())])["parity"]
     for rank in got:
-        for name in ("flat", "chunks3"):
+        for name in ("flat", "chunks3", "nodes2", "nodes1"):
             assert rank[name]["worst"] < 1e-6, (name, rank[name]["worst"])
             assert {"shared.w1.weight", "shared_gate.weight"} <= set(rank[name]["compared"]), rank[name]["compared"]
         events = rank["flat"]["events"]
@@ -134,6 +137,9 @@ def test_shared_experts_overlap_the_return_transfer_exactly():
         assert bwd == ["wait backward", "shared backward", "start backward"], events
         assert [e for e in rank["chunks3"]["events"] if "start" in e or "wait" in e] == []  # (AllToAllV's path)
         assert rank["chunks3"]["events"] == ["shared forward", "shared backward"]
+        # hierarchical: overlapped with the exchange inside a node of 2; a node of 1 rank exchanges nothing there
+        assert rank["nodes2"]["events"] == events, rank["nodes2"]["events"]
+        assert rank["nodes1"]["events"] == ["shared forward", "shared backward"], rank["nodes1"]["events"]
 
 
 def test_the_overlap_backward_peak_is_counted():

@@ -305,7 +305,8 @@ class StartAllToAllV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, t: SplitTransfer):
         ctx.t = t
-        t.forward = all_to_all_v_async(x, t.mesh, t.send_rows, t.recv_rows, label=t.label)
+        # (detached: over one rank the "received" rows are x itself, which WaitAllToAllV returns as its own output)
+        t.forward = all_to_all_v_async(x.detach(), t.mesh, t.send_rows, t.recv_rows, label=t.label)
         return x.new_empty(0)
 
     @staticmethod

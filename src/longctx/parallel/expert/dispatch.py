@@ -103,7 +103,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
     def overlaps_beside(self) -> bool:
         """One chunk: a layer's shared experts run while its rows travel back (run_experts_beside); with
         pipelined chunks the next chunk keeps the links busy already, and the layer runs them after."""
-        return self.tuner is None and self.chunks <= 1
+        return self.tuner is None and self.chunks <= 1 and self.mesh.size() > 1  # (one rank: nothing travels)
 
     def run_experts_beside(self, experts, x: torch.Tensor, counts: torch.Tensor, beside
                            ) -> tuple[torch.Tensor, torch.Tensor]:
