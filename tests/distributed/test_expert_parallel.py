@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_training_parity import BASE
+from test_training_parity import BASE, NO_SAVE
 
 from longctx.config import load_config
 from longctx.errors import ConfigError
@@ -30,6 +30,7 @@ from longctx.train.trainer import Trainer, train
 # 10-step figures: LONGCTX_MOE_PARITY_STEPS=10 pytest ...
 STEPS = int(os.environ.get("LONGCTX_MOE_PARITY_STEPS", "4"))
 MOE = [*BASE, "--model.preset=debug-moe", "--metrics.log_interval=1"]
+RUN = [*MOE, *NO_SAVE, f"--train.steps={STEPS}"]  # the parity runs (no test reads their checkpoints)
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst")
 TOL = 1e-4
 
@@ -79,7 +80,7 @@ def _stats(run_dir, steps):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
-    losses = _train([*MOE, f"--train.steps={STEPS}"], run_dir)
+    losses = _train(RUN, run_dir)
     return losses, _stats(run_dir, range(1, STEPS + 1))
 
 
@@ -324,7 +325,7 @@ def _skewed(args, run_dir):
 
     from longctx.models.moe import moe_layers
 
-    cfg = load_config("configs/debug.toml", [*MOE, "--train.steps=3", "--model.moe.dense_layers=", *args,
+    cfg = load_config("configs/debug.toml", [*MOE, *NO_SAVE, "--train.steps=3", "--model.moe.dense_layers=", *args,
                                              f"--train.run_dir={run_dir}"])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
     for layer in moe_layers(trainer.model):
@@ -366,10 +367,10 @@ def test_skewed_routing_under_expert_parallelism_is_exact_and_bounded(router, sp
 def _jobs(world):
     """(key, function, args without the run directory) of every configuration run on `world` ranks,
     in the order the tests above come."""
-    jobs = [(f"layout {name}", _train, [*MOE, f"--train.steps={STEPS}", *args]) for name, (w, args) in LAYOUTS.items()
+    jobs = [(f"layout {name}", _train, [*RUN, *args]) for name, (w, args) in LAYOUTS.items()
             if w == world]
     if world == 2:
-        jobs += [(f"policy {name}", _train, [*MOE, f"--train.steps={STEPS}", "--parallel.expert=2", "--parallel.ctx=2",
+        jobs += [(f"policy {name}", _train, [*RUN, "--parallel.expert=2", "--parallel.ctx=2",
                                              *args]) for name, args in POLICIES.items()]
     if world == 4:
         jobs += [(f"bytes {name}", _bytes_of_one_step, args) for name, args in BYTES.items()]

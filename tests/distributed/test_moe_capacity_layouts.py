@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_training_parity import BASE
+from test_training_parity import BASE, NO_SAVE
 
 from longctx.config import load_config
 from longctx.job.dims import ParallelDims
@@ -158,7 +158,7 @@ def test_one_step_drops_and_gradients_match_one_process(model_runs, layout, rout
 # ---- training: losses and router statistics per step against one process
 
 STEPS = 3
-MOE = [*BASE, "--model.preset=debug-moe", "--metrics.log_interval=1", f"--train.steps={STEPS}"]
+MOE = [*BASE, *NO_SAVE, "--model.preset=debug-moe", "--metrics.log_interval=1", f"--train.steps={STEPS}"]
 TRAIN_ROUTINGS = {"capacity": ["--model.moe.capacity_factor=1.0"], "sinkhorn": ["--model.moe.router=sinkhorn"]}
 TRAIN_LAYOUTS = {  # name: (world, args)
     "ctx2-zigzag": (2, ["--parallel.ctx=2", "--parallel.seq_balance=zigzag"]),

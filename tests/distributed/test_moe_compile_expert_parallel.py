@@ -6,7 +6,7 @@ that did not sum to its rows. The dispatcher's exchange now runs eagerly under c
 (parallel/expert/dispatch.py run_experts), and the compiled run trains as the eager one."""
 
 import pytest
-from test_training_parity import BASE
+from test_training_parity import BASE, NO_SAVE
 
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
@@ -14,7 +14,7 @@ from longctx.models.moe import moe_layers
 from longctx.train.trainer import Trainer
 
 STEPS = 3
-ARGS = [*BASE, "--model.preset=debug-moe", f"--train.steps={STEPS}", "--parallel.expert=2",
+ARGS = [*BASE, *NO_SAVE, "--model.preset=debug-moe", f"--train.steps={STEPS}", "--parallel.expert=2",
         "--model.moe.capacity_factor=1.0", "--parallel.expert_replicas=1", "--parallel.expert_placement_window=1"]
 
 

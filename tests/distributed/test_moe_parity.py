@@ -13,17 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
-from test_training_parity import BASE, LAYOUTS
+from test_training_parity import BASE, LAYOUTS, NO_SAVE
 
 from longctx.config import load_config
-from longctx.job.spawn import run_spawned, run_spawned_many
+from longctx.job.spawn import run_spawned_many
 from longctx.train.metrics import read_jsonl
 from longctx.train.trainer import train
 
 # steps per run: 4 in the suite (a wrong split shows at step 1, a wrong gradient at step 2, the bias
 # and the optimizer's moments at steps 2-4); the issue's 10-step figures: LONGCTX_MOE_PARITY_STEPS=10
 STEPS = int(os.environ.get("LONGCTX_MOE_PARITY_STEPS", "4"))
-MOE = [*BASE, "--model.preset=debug-moe", "--metrics.log_interval=1", f"--train.steps={STEPS}"]
+MOE = [*BASE, *NO_SAVE, "--model.preset=debug-moe", "--metrics.log_interval=1", f"--train.steps={STEPS}"]
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst", "moe_drop_rate")
 TOL = 1e-4
 
@@ -133,24 +133,37 @@ def test_memory_policies_match_single_process(policy, reference, spawned):
     check(f"head2-ctx2 {policy}", run(f"head2-ctx2 {policy}", spawned), reference)
 
 
-def test_pooled_aux_loss_matches_single_process(tmp_path):
-    """moe.aux_loss_scope = pooled (transformers' balancing loss: the layers pooled before the product)
-    under head 2 x ctx 2: each rank's share is still exact (a job of its own, so that -k pooled is cheap).
-    A weight of 0.5, not debug-moe's 0.01: a wrong share moves the step-2 loss well past the tolerance."""
-    pooled = [*MOE, "--model.moe.aux_loss_scope=pooled", "--model.moe.aux_loss=0.5"]
-    reference = _single(pooled, tmp_path / "single")
-    world, args = LAYOUTS["head2-ctx2"]
-    losses = run_spawned(world, _train_losses, [*pooled, *args], str(tmp_path / "parallel"))
-    check("head2-ctx2 pooled", (losses, _router_stats(tmp_path / "parallel")), reference)
+POOLED = [*MOE, "--model.moe.aux_loss_scope=pooled", "--model.moe.aux_loss=0.5"]
 
 
-def test_two_runs_give_the_same_bits(spawned, tmp_path):
-    """head2-ctx2 of the 4-rank job (the first there: a fresh process) against another job of its own."""
-    first = run("head2-ctx2", spawned)
-    world, args = LAYOUTS["head2-ctx2"]
+@pytest.fixture(scope="module")
+def second_job(tmp_path_factory):
+    """{key: (losses of every rank, run directory)} of the 4-rank job after the layouts' one: head2-ctx2 again
+    (first, in a fresh process, as test_two_runs_give_the_same_bits needs), then the pooled run (one job
+    start fewer than a job each)."""
+    base = tmp_path_factory.mktemp("moe-second")
+    args = LAYOUTS["head2-ctx2"][1]
+    runs = {"second": [*MOE, *args], "pooled": [*POOLED, *args]}
     start = time.perf_counter()
-    losses = run_spawned(world, _train_losses, [*MOE, *args], str(tmp_path / "second"))
-    print(f"head2-ctx2 again: {time.perf_counter() - start:.1f}s")
-    second = (losses, _router_stats(tmp_path / "second"))
+    results = run_spawned_many(LAYOUTS["head2-ctx2"][0], [(key, _train_losses, (a, str(base / key)))
+                                                           for key, a in runs.items()])
+    print(f"head2-ctx2 again and pooled: {time.perf_counter() - start:.1f}s")
+    return {key: (losses, base / key) for key, losses in results.items()}
+
+
+def test_pooled_aux_loss_matches_single_process(tmp_path, second_job):
+    """moe.aux_loss_scope = pooled (transformers' balancing loss: the layers pooled before the product)
+    under head 2 x ctx 2: each rank's share is still exact.
+    A weight of 0.5, not debug-moe's 0.01: a wrong share moves the step-2 loss well past the tolerance."""
+    reference = _single(POOLED, tmp_path / "single")
+    losses, run_dir = second_job["pooled"]
+    check("head2-ctx2 pooled", (losses, _router_stats(run_dir)), reference)
+
+
+def test_two_runs_give_the_same_bits(spawned, second_job):
+    """head2-ctx2 of the 4-rank job (the first there: a fresh process) against another job's (its first too)."""
+    first = run("head2-ctx2", spawned)
+    losses, run_dir = second_job["second"]
+    second = (losses, _router_stats(run_dir))
     assert first[0] == second[0]  # every rank's losses, exactly
     assert first[1] == second[1]  # and the router statistics

@@ -14,7 +14,7 @@ with one process."""
 from pathlib import Path
 
 import pytest
-from test_training_parity import BASE
+from test_training_parity import BASE, NO_SAVE
 
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
@@ -23,7 +23,7 @@ from longctx.train.trainer import train
 
 STEPS = 3
 LAYOUT = ["--parallel.expert=2", "--parallel.ctx=2", "--memory.recompute=selective"]
-MOE = [*BASE, "--model.preset=debug-moe", "--metrics.log_interval=1", f"--train.steps={STEPS}", *LAYOUT]
+MOE = [*BASE, *NO_SAVE, "--model.preset=debug-moe", "--metrics.log_interval=1", f"--train.steps={STEPS}", *LAYOUT]
 ROUTERS = {
     "capacity": ["--model.moe.capacity_factor=1.0"],
     "sinkhorn": ["--model.moe.router=sinkhorn"],

@@ -80,14 +80,8 @@ def load_glide_draft(path, target_model, device=None) -> GlideDraft | CloverDraf
     verify(found, checksums=True)
     weight = target_model.lm_head_weight
     device = weight.device if device is None else torch.device(device)
-    vocab = int(record.get("vocab", 0))
-    draft = (CloverDraft(target_model.cfg, vocab) if record["kind"] == "clover" else
-             GlideDraft(target_model.cfg, int(record["layers"]), vocab)).to(device=device)
-    own = draft.state_dict()
-    state = {"model": {_PREFIX + k: v for k, v in own.items()}}
-    with _single_process(True):
-        dcp.load(state, checkpoint_id=str(found), no_dist=True)
-    draft.load_state_dict({k.removeprefix(_PREFIX): v for k, v in state["model"].items()})
+    draft = build_draft(record, target_model.cfg).to(device=device)
+    read_draft_weights(found, draft)
     for p in draft.parameters():  # (not the buffers: the RoPE frequencies stay fp32)
         p.data = p.data.to(weight.dtype)
     draft.block = int(record["block"])
@@ -97,3 +91,21 @@ def load_glide_draft(path, target_model, device=None) -> GlideDraft | CloverDraf
     draft.trained_seq_len = min(trained, record["trained_positions"]) if record["trained_positions"] and trained \
         else trained
     return draft.eval()
+
+
+def build_draft(record: dict, target_cfg) -> GlideDraft | CloverDraft:
+    """The draft module a `draft` record describes (its kind, layers, vocabulary) for a target of model config
+    `target_cfg`, its weights not yet read (read_draft_weights)."""
+    vocab = int(record.get("vocab", 0))
+    if record["kind"] == "clover":
+        return CloverDraft(target_cfg, vocab)
+    return GlideDraft(target_cfg, int(record["layers"]), vocab)
+
+
+def read_draft_weights(found: Path, draft: GlideDraft | CloverDraft) -> None:
+    """The draft's own tensors (state-dict keys `draft.*`: its parameters and its vocabulary's ids) from the
+    checkpoint directory `found` (a step-* directory, verified by the caller) into `draft`."""
+    state = {"model": {_PREFIX + k: v for k, v in draft.state_dict().items()}}
+    with _single_process(True):
+        dcp.load(state, checkpoint_id=str(found), no_dist=True)
+    draft.load_state_dict({k.removeprefix(_PREFIX): v for k, v in state["model"].items()})
