@@ -373,7 +373,8 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     autocast over fp32 weights at any world size; "cuda": the pinned host bytes as torch locks them)."""
     kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy, "dtype_bytes": dtype_bytes}
     # (one process off the host tier in bf16: autocast over fp32 weights, activations and the backward's
-    # transient counted at 4 B, as the planner counts them: planner/activation_costs.py rank_activations)
+    # transient counted by each tensor's dtype, the residual stream at 4 B and the matmuls' outputs at 2 B
+    # (`copies`: autocast), as the planner counts them: planner/activation_costs.py rank_activations)
     act_bytes, copies = activation_dtype(dtype_bytes == 2, shape.world, tier, device_type)
     acts_kw = {**kw, "dtype_bytes": act_bytes}
     acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, weight_copies=copies,
