@@ -30,6 +30,8 @@ class CarryError(Exception):
 
 
 def file_sha256(path: Path) -> str:
+    # (not checkpoint/manifest.py's sha256: this script is the standard library only, so it runs with any
+    # python3, before anything is installed; importing longctx would import torch)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(CHUNK):

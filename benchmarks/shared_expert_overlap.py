@@ -7,7 +7,7 @@ One MoE layer with a shared expert (Qwen2-MoE's shape, scaled: dim 512, 16 exper
 expert of 4 x 352 with its sigmoid gate), expert parallel over all ranks (one node: bench/emulated_link.py's
 intra-node link at --gbps per rank), --tokens per rank. Forward + backward, --repeats times, with the shared
 experts run while the routed results travel back (and their backward while the gradients travel out:
-comm.SplitTransfer) and with them run after the combine (the one-device order, and the layer's under
+job/split_transfer.py) and with them run after the combine (the one-device order, and the layer's under
 pipelined chunks), alternating; seconds per pass (the median over ranks of each rank's least) and the seconds
 blocked on the emulated links (`exposed_s`). The two orders compute the same values (tests/distributed/
 test_shared_expert_overlap.py). On a CPU the ranks share the cores, so only the link time can hide; on GPUs the

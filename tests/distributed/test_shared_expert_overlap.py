@@ -5,8 +5,8 @@ expert is overlapped with dispatch where the schedule allows"), on 4 gloo ranks,
   shared expert and gate, 1e-6 in fp32), with the flat exchange (overlapped), pipelined chunks (not), and the
   hierarchical dispatch over nodes of 2 ranks (overlapped inside the node) and of 1 (nothing to overlap);
 - the order is the overlap: the shared expert's forward runs after the results' transfer back is issued and
-  before it is waited for (comm.StartAllToAllV / WaitAllToAllV), and its backward between the gradients'
-  transfer out being issued and waited for; with pipelined chunks the shared expert runs after them;
+  before it is waited for (job/split_transfer.py: StartAllToAllV / WaitAllToAllV), and its backward between
+  the gradients' transfer out being issued and waited for; with pipelined chunks the shared expert runs after them;
 - what the overlap adds to the backward's peak (the routed gradients in flight beside the shared expert's) is
   what memory/transients.py counts for it (shared_overlap_transient_bytes), within 10% (routing moves rows).
 What the overlap saves on an emulated link: benchmarks/shared_expert_overlap.py (docs/benchmarks.md)."""
@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from longctx.config import ModelConfig
-from longctx.job import comm
 from longctx.job.spawn import run_spawned_many
+from longctx.job.split_transfer import StartAllToAllV, WaitAllToAllV
 from longctx.models.moe import MoEFeedForward
 
 
@@ -46,7 +46,7 @@ def _grads(layer, x):
 def _events(layer):
     """Record, in order: the transfers' halves (forward and backward) and the shared expert's forward and backward."""
     events, saved = [], {}
-    for cls, name in ((comm.StartAllToAllV, "start"), (comm.WaitAllToAllV, "wait")):
+    for cls, name in ((StartAllToAllV, "start"), (WaitAllToAllV, "wait")):
         fwd, bwd = cls.forward, cls.backward
         saved[cls] = (fwd, bwd)
 

@@ -16,16 +16,13 @@ from longctx.checkpoint.glide import load_glide_draft
 from longctx.checkpoint.identity import weights_identity
 from longctx.config import load_config
 from longctx.generate.drafters import drafter_for
-from longctx.generate.loading import load_model
-from longctx.generate.local import prefill
 from longctx.generate.speculative import speculative_generate
-from longctx.models.glide import GlideDraft, block_stale_visible
-from longctx.models.kv_cache import KVCache
 from longctx.train.trainer import Trainer
 from probes import DRAFT_QUIET, tiny_target_run
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from draft_agreement import target_model, teacher_forced_logits  # noqa: E402
 from draft_weights import DraftWeightsError, export_weights, import_weights, main  # noqa: E402
 
 QUIET = lambda *a, **k: None  # noqa: E731
@@ -51,24 +48,6 @@ def runs(tmp_path_factory):
     return base
 
 
-def _target(source: str):
-    cfg = load_config(None, {"model": {"init_from": source}, "train": {"seq_len": 2, "eval_interval": 0}})
-    return load_model(cfg, torch.device("cpu"), torch.float32).eval()
-
-
-def _teacher_forced_logits(target, draft, ids: torch.Tensor) -> torch.Tensor:
-    """The draft's logits at every position of `ids`, reading the target as decoding does (draft_agreement.py)."""
-    n = ids.shape[1]
-    pos = torch.arange(n)[None]
-    with torch.inference_mode():
-        if isinstance(draft, GlideDraft):
-            cache = KVCache.for_model(target, 1, n)
-            prefill(target, cache, ids, 4096)
-            kv = [(cache.k[i], cache.v[i]) for i in draft.target_layers]
-            return draft(target, ids, pos, kv, block_stale_visible(n, draft.block)[None])[0]
-        return draft(target, ids, pos, target(ids, pos, None, hidden=True), draft.block)[0]
-
-
 def _speculate(target, draft, prompt: list[int]):
     with torch.inference_mode():
         return speculative_generate(target, drafter_for(target, draft, 128), prompt, max_new_tokens=24, k=3)
@@ -81,13 +60,13 @@ def test_the_imported_draft_proposes_what_the_trained_one_did(runs, kind, tmp_pa
     assert files and all(f.stat().st_size < 16 << 20 for f in files)
     step = import_weights(kind, tmp_path / "out", f"hf:{runs / 'here'}", tmp_path / kind / "checkpoints")
     assert step.name == "step-00000002"
-    there, here = _target(f"hf:{runs / 'there'}"), _target(f"hf:{runs / 'here'}")
+    there, here = target_model(f"hf:{runs / 'there'}"), target_model(f"hf:{runs / 'here'}")
     trained = load_glide_draft(runs / kind / "checkpoints", there)
     imported = load_glide_draft(tmp_path / kind / "checkpoints", here)
     for (name, a), b in zip(trained.state_dict().items(), imported.state_dict().values()):
         assert torch.equal(a, b), name
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(_teacher_forced_logits(there, trained, ids), _teacher_forced_logits(here, imported, ids))
+    assert torch.equal(teacher_forced_logits(there, trained, ids), teacher_forced_logits(here, imported, ids))
     prompt = ids[0, :20].tolist()
     a, b = _speculate(there, trained, prompt), _speculate(here, imported, prompt)
     assert (a.tokens, a.accepted, a.proposed) == (b.tokens, b.accepted, b.proposed)
@@ -131,7 +110,7 @@ def test_bf16_in_several_files_is_close_and_a_missing_file_is_named(runs, tmp_pa
                            max_bytes=40_000)
     assert len(files) > 2
     import_weights("glide", tmp_path / "out", f"hf:{runs / 'here'}", tmp_path / "glide")
-    here = _target(f"hf:{runs / 'here'}")
+    here = target_model(f"hf:{runs / 'here'}")
     trained = load_glide_draft(runs / "glide" / "checkpoints", here).state_dict()
     imported = load_glide_draft(tmp_path / "glide", here).state_dict()
     for k, v in trained.items():

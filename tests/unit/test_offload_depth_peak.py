@@ -127,9 +127,9 @@ class _CoreDone(torch.autograd.Function):
         return None, None, dq, dk, dv
 
 
-def test_the_block_before_comes_back_after_the_core_backward_and_before_its_recompute():
-    layers = 4
-    model, offloader = _model(layers)
+def schedule_log(model, offloader) -> list:
+    """One forward + backward of `model` with its host parts made device copies, and the order of what happened:
+    ("unpack", block), ("prefetch", block) and ("core done", block) (its attention core's backward finished)."""
     log = []
     _device_copies(offloader, log)
     prefetch = offloader.prefetch
@@ -138,6 +138,12 @@ def test_the_block_before_comes_back_after_the_core_backward_and_before_its_reco
         core = block.attention.core
         block.attention.core = lambda q, k, v, doc_ids, i=i, core=core: core(*_CoreDone.apply(log, i, q, k, v), doc_ids)
     forward_loss_sum(model, _Batch(128), torch.bfloat16).backward()
+    return log
+
+
+def test_the_block_before_comes_back_after_the_core_backward_and_before_its_recompute():
+    layers = 4
+    log = schedule_log(*_model(layers))
     for i in range(1, layers):  # block i brings back block i - 1 (the first kept block, 3, too)
         done, fetched, used = log.index(("core done", i)), log.index(("prefetch", i - 1)), log.index(("unpack", i - 1))
         assert done < fetched < used, log

@@ -17,7 +17,7 @@ import functools
 
 import pytest
 import torch
-from test_offload_depth_peak import CHUNK, DIM, DeviceLive, _Batch, _CoreDone, _device_copies
+from test_offload_depth_peak import CHUNK, DIM, DeviceLive, _Batch, _device_copies, schedule_log
 
 from longctx.config import load_config
 from longctx.memory.accounting import estimate_activations
@@ -72,15 +72,7 @@ def test_depth_adds_to_the_backward_peak_only_what_the_forward_keeps(fraction, c
 
 def test_the_block_before_comes_back_after_the_core_backward_and_before_its_use():
     layers = 4
-    model, offloader = _model(layers, 0.5, 0)
-    log = []
-    _device_copies(offloader, log)
-    prefetch = offloader.prefetch
-    offloader.prefetch = lambda block: (log.append(("prefetch", block)), prefetch(block))[1]
-    for i, block in enumerate(model.layers):
-        core = block.attention.core
-        block.attention.core = lambda q, k, v, doc_ids, i=i, core=core: core(*_CoreDone.apply(log, i, q, k, v), doc_ids)
-    forward_loss_sum(model, _Batch(128), torch.bfloat16).backward()
+    log = schedule_log(*_model(layers, 0.5, 0))
     for i in range(1, layers):  # block i brings back block i - 1 (the kept block, 3, too)
         done, fetched = log.index(("core done", i)), log.index(("prefetch", i - 1))
         used = log.index(("unpack", i - 1))

@@ -381,7 +381,7 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
                                 **acts_kw)
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts,
                                 autocast=copies, **acts_kw)
-    transient += shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, act_bytes)
+    transient += shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, act_bytes, copies)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
     acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
                                                 act_bytes=act_bytes, dtype_bytes=dtype_bytes,

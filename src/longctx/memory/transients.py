@@ -423,17 +423,20 @@ def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: 
     return max(extra, 0.0) * per_row
 
 
-def shared_overlap_transient_bytes(m: ModelConfig, tokens: int, expert: int, policy: MemoryPolicy, e: int) -> float:
+def shared_overlap_transient_bytes(m: ModelConfig, tokens: int, expert: int, policy: MemoryPolicy, e: int,
+                                   autocast: bool = False) -> float:
     """What overlapping a MoE layer's shared experts with the expert-parallel return transfer adds to its
     backward's peak (parallel/expert/dispatch.py run_experts_beside): their backward runs while the routed
     results' gradients travel out, so the gradient rows sent and the buffer they arrive in (two of dim per
     row, top_k rows per token) are alive beside the shared experts' own gradients. Beyond the feed-forward's
     count (ffn_backward_bytes: the larger of the routed and the shared phases), for the tokens one backward
     of the feed-forward runs on (a block chunk's, or all of them); counted whatever the pipelined chunks
-    (with them the layer does not overlap: an upper bound). Measured on 4 gloo ranks: +0.53 MB for 512 tokens
-    of k 2, dim 64 in fp32, this count 0.52 MB (docs/moe.md)."""
+    (with them the layer does not overlap: an upper bound); under `autocast` these are the matmuls' bf16
+    outputs and gradients (compute_bytes). Measured on 4 gloo ranks: +0.53 MB for 512 tokens of k 2, dim 64
+    in fp32, this count 0.52 MB (docs/benchmarks.md)."""
     if expert == 1 or not m.is_moe or not m.resolved_shared_dim:
         return 0.0
+    e = compute_bytes(e, autocast)
     piece = min(policy.block_chunk, tokens) if policy.block_chunk and policy.recompute != "none" else tokens
     counted = ffn_backward_bytes(m, piece, e, True, policy.expert_chunk)
     gate = e * m.dim if m.moe_shared_gate else 0

@@ -258,9 +258,7 @@ class Experts(nn.Module):
         """x [n, dim]: rows grouped by expert, counts[e] of them for expert e, in expert order. The
         layer passes its dispatcher, which runs them (`run_experts`: all here on one device, each on
         its owner under expert parallelism); inside this module's call, so that its hooks (FSDP's
-        gather of these weights) see every run. `beside` (the layer's shared experts, a callable): run by
-        the dispatcher too, where it overlaps the rows' transfer (`run_experts_beside`); then this returns
-        (the rows' results, beside's)."""
+        gather of these weights) see every run. `beside`: see the dispatcher's run_experts_beside."""
         if beside is not None:
             return dispatcher.run_experts_beside(self, x, counts, beside)
         return self.run_here(x, counts) if dispatcher is None else dispatcher.run_experts(self, x, counts)
@@ -347,10 +345,8 @@ class MoEFeedForward(nn.Module):
         return s if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * s
 
     def _routed(self, flat: torch.Tensor, routing: Routing, shared=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The routed experts' weighted sum for every token of `flat` [T, dim], through the dispatcher, and
-        `shared()` (the shared experts: None without them), which the dispatcher runs where it overlaps the
-        routed rows' way back (under expert parallelism, its all-to-all; eager, not under torch.compile,
-        whose graph the shared experts stay in)."""
+        """The routed experts' weighted sum for every token of `flat` [T, dim], and `shared()` (None without
+        shared experts), which an expert-parallel dispatcher overlaps with the rows' way back (not in a graph)."""
         rows, counts, state = self.dispatcher.dispatch(flat, routing)
         if shared is None or not self.dispatcher.overlaps_beside() or torch.compiler.is_compiling():
             # (after the combine: their backward then runs first, before the routed rows' gradients exist)

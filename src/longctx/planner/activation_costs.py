@@ -44,7 +44,7 @@ def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshSh
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
                                 policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts, autocast=autocast)
     return (transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
-            + shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, dtype_bytes))
+            + shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, dtype_bytes, autocast))
 
 
 @dataclass(frozen=True)

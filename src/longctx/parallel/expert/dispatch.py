@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ...job import comm
+from ...job.split_transfer import SplitTransfer, StartAllToAllV, WaitAllToAllV
 from ...models.moe import TokenDispatcher, swiglu_experts
 from ...ops.eager import eager_under_compile
 from .pipeline import PipelinedExperts, chunk_plan, tuning_step
@@ -108,11 +109,11 @@ class ExpertParallelDispatcher(TokenDispatcher):
     def run_experts_beside(self, experts, x: torch.Tensor, counts: torch.Tensor, beside
                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """run_experts, with `beside()` (the layer's shared experts) computed while the rows' results travel
-        back, and its backward while their gradients travel out (comm.SplitTransfer)."""
-        return self.run_experts(experts, x, counts, beside)
+        back, and its backward while their gradients travel out (job/split_transfer.py)."""
+        return self._run(experts, x, counts, beside)
 
     @eager_under_compile
-    def run_experts(self, experts, x: torch.Tensor, counts: torch.Tensor, beside=None):
+    def run_experts(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [n, dim] sorted by expert, counts [experts of the mesh's ranks]: each row through its
         expert on the rank that holds it (by (rank, slot) under a FlexMoE placement), back in x's order.
 
@@ -120,8 +121,11 @@ class ExpertParallelDispatcher(TokenDispatcher):
         (the counts read as split sizes, FlexMoE's slot order planned in Python, the all-to-alls), so a
         trace would only break at every host read and guard on the counts; Dynamo traced it before
         2026-12-03 and, with a capacity and FlexMoE copies, failed inside its own guards ("Guard failed on
-        the same frame it was created") or sent splits that did not sum to the rows. With `beside` (one
-        chunk, run_experts_beside): (the rows' results, beside's)."""
+        the same frame it was created") or sent splits that did not sum to the rows."""
+        return self._run(experts, x, counts, None)[0]
+
+    def _run(self, experts, x: torch.Tensor, counts: torch.Tensor, beside) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """run_experts' exchange: (the rows' results in x's order, beside's result or None); `beside` one chunk."""
         ep = self.mesh.size()
         placement, order = getattr(experts, "placement", None), None
         if placement is not None and not placement.copies:
@@ -134,15 +138,14 @@ class ExpertParallelDispatcher(TokenDispatcher):
         per_owner = counts.view(ep, -1)  # [owner, its local experts (slots)]
         received = comm.all_to_all(per_owner.contiguous(), self.mesh, label="expert_counts")  # [source, local expert]
 
+        def exchange(chunks: int):
+            return self._exchange(x, counts, per_owner, received, experts, chunks, placement, beside)
         if beside is not None:
-            y, s = self._exchange(x, counts, per_owner, received, experts, 1, placement, beside)
-            return (y if order is None else y.index_select(0, torch.argsort(order))), s
-
-        def exchange(chunks: int) -> torch.Tensor:
-            return self._exchange(x, counts, per_owner, received, experts, chunks, placement)
-        # parallel.expert_pipeline_chunks = 0: the count chosen by an online profile
-        y = self.tuner.timed(exchange) if self.tuner is not None else exchange(self.chunks)
-        return y if order is None else y.index_select(0, torch.argsort(order))
+            y, s = exchange(1)
+        else:  # parallel.expert_pipeline_chunks = 0: the count chosen by an online profile
+            y, s = (self.tuner.timed(lambda c: exchange(c)[0]) if self.tuner is not None
+                    else exchange(self.chunks)[0]), None
+        return (y if order is None else y.index_select(0, torch.argsort(order))), s
 
     def _exchange(self, x, counts, per_owner, received, experts, chunks: int, placement=None, beside=None):
         """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1; with a
@@ -152,7 +155,8 @@ class ExpertParallelDispatcher(TokenDispatcher):
         ranks), while the loop scales every loss by the world size (parallel/fsdp/shard.py grad_scale) and an
         expert's rows already carry the gradient of every token of its expert group: the local
         weights pass through a gradient scale of 1 / group so that the average is the exact sum.
-        `beside` (one chunk): computed while the results travel back; then (the results, beside's)."""
+        Returns (the results, beside's: None without it); `beside` (one chunk) is computed while the results
+        travel back."""
         mesh = self.mesh
         w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / self.group_size) for w in (experts.w1, experts.w3, experts.w2))
         if placement is not None:
@@ -162,17 +166,17 @@ class ExpertParallelDispatcher(TokenDispatcher):
 
             def run(got, c, *w):
                 return _run_local_experts(got, plan.recv[c], experts, *w)
-            return PipelinedExperts.apply(x, w1, w3, w2, plan, run)
+            return PipelinedExperts.apply(x, w1, w3, w2, plan, run), None
         send_rows, recv = per_owner.sum(1).tolist(), received.tolist()  # the host read EP needs (split sizes)
         recv_rows = [sum(r) for r in recv]
         got = comm.AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
         back = _run_local_experts(got, recv, experts, w1, w3, w2)
         if beside is None:
-            return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert")
-        transfer = comm.SplitTransfer(mesh, recv_rows, send_rows, "expert")
-        token = comm.StartAllToAllV.apply(back, transfer)
+            return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert"), None
+        transfer = SplitTransfer(mesh, recv_rows, send_rows, "expert")
+        token = StartAllToAllV.apply(back, transfer)
         s = beside()  # (and, in backward, its gradient while the results' gradients travel out)
-        return comm.WaitAllToAllV.apply(token, transfer), s
+        return WaitAllToAllV.apply(token, transfer), s
 
     def step_notes(self, step: int, last_counts) -> list[str]:
         """Before optimizer step `step` (1-based): the schedule's decisions that take effect at this
