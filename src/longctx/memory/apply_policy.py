@@ -28,7 +28,8 @@ tokens meet and, sequence-parallel, the only place ranks communicate. The polici
   are checkpointed per chunk, so a block's MLP intermediates exist for C tokens, not for all of a
   rank's tokens (at 512K tokens per rank an 8B block's MLP alone is ~55 GiB in bf16). Pieces that
   are stored (selective + offload) under autocast over fp32 weights share one cast of each weight
-  (memory/weight_casts.py), where each kept its own.
+  (memory/weight_casts.py), where each kept its own, and the recomputed pieces of the call reuse it in
+  backward while the stored ones keep it, where each cast a second copy.
 
 Token-splitting is exact because `pre` and `post` treat every token independently, with one
 exception: MoE routing that looks across a call's tokens (a capacity, moe.capacity_factor > 0, drops
@@ -181,20 +182,31 @@ def _call_routing(block, xs, out, pieces) -> list[_PieceRouting]:
     return routings
 
 
-def _stored_pieces_casts(block, pieces, device_type: str):
-    """Where a block call stores more than one piece (selective + offload_fraction with block_chunk)
-    under autocast, the context its stored pieces run in so that they keep one copy of each weight's
-    cast between them, not one each (memory/weight_casts.py). Recomputed pieces save no cast (their
-    checkpoint recasts, one piece at a time). Weights already in autocast's dtype (FSDP's bf16 gathers)
-    are not cast: nothing to share. Compiled parts are left alone: under a dispatch mode their compiled
-    code would not run, and the compiled graph decides what it saves."""
+def _stored_pieces_casts(block, pieces, device_type: str) -> SharedCasts | None:
+    """Where a block call stores a piece and runs another (selective + offload_fraction, with block_chunk or
+    a fraction below 1) under autocast, the mode its pieces run in so that they keep one copy of each weight's
+    cast between them, not one each (memory/weight_casts.py): the stored pieces share one, and a recomputed
+    piece's checkpoint recasts inside it in backward, before the stored pieces' backward (they hold the
+    earlier tokens), so it aliases that copy instead of making a second. Recomputed pieces alone keep no
+    cast: each recasts in its own backward, one at a time. Weights already in autocast's dtype (FSDP's bf16
+    gathers) are not cast: nothing to share. Compiled parts are left alone: under a dispatch mode their
+    compiled code would not run, and the compiled graph decides what it saves."""
     stored = sum(not ckpt for _, ckpt in pieces)
-    if stored < 2 or not torch.is_autocast_enabled(device_type) or hasattr(block.post, "_torchdynamo_orig_callable"):
-        return contextlib.nullcontext()
+    if (not stored or len(pieces) < 2 or not torch.is_autocast_enabled(device_type)
+            or hasattr(block.post, "_torchdynamo_orig_callable")):
+        return None
     dtype = torch.get_autocast_dtype(device_type)
     if all(p.dtype == dtype for p in block.parameters() if p.dim() >= 2):
-        return contextlib.nullcontext()
+        return None
     return SharedCasts(block.parameters())
+
+
+def _inside(mode, fn):
+    """fn run inside `mode` (a checkpointed piece: its forward, and its recomputation in backward)."""
+    def run(*args):
+        with mode:
+            return fn(*args)
+    return run
 
 
 def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, stored: int = 0, mark=None):
@@ -222,10 +234,9 @@ def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, store
     casts = _stored_pieces_casts(block, pieces, x.device.type)
 
     def run(fn, ckpt, *args):
-        if ckpt:
-            return _checkpointed(fn, *args, block=block)
-        with casts:
-            return fn(*args)
+        if casts is not None:
+            fn = _inside(casts, fn)
+        return _checkpointed(fn, *args, block=block) if ckpt else fn(*args)
 
     qkv = [run(block.pre, ckpt, xi, cos1[:, sl], sin1[:, sl]) for xi, (sl, ckpt) in zip(xs, pieces)]
     batched = lambda t: t if b == 1 else t.view(b, tokens, *t.shape[2:])
@@ -237,6 +248,8 @@ def _in_parts(block, x, cos, sin, doc_ids, *, chunk: int, recompute: bool, store
     posts = [_routed_post(block, routings, sl) for sl, _ in pieces]
     outs = out.split(sizes, dim=1)  # (as xs)
     y = batched(_cat([run(post, ckpt, xi, oi) for post, xi, oi, (_, ckpt) in zip(posts, xs, outs, pieces)]))
+    if casts is not None:  # (from here on the stored pieces' saved casts alone keep the shared copies)
+        casts.release()
     # a block must not return a view: FSDP2 hooks its output, and an in-place op on a view would
     # bypass that hook (FSDP warns); one copy of the block output is cheap next to the MLP
     return y.clone() if y._is_view() else y

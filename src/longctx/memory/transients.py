@@ -222,13 +222,17 @@ def compute_bytes(e: int, autocast: bool) -> int:
 def autocast_weight_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = False) -> float:
     """What autocast over fp32 weights adds to a block's backward on the device: the bf16 copies of the block's
     matmul weights that its recomputation casts afresh and saves until each matmul's backward (uncached
-    autocast, step/loss.py; under `none` they are saved activations, accounting.py weight_copies), and the
-    bf16 gradient of the largest weight before it is added to the fp32 one (2 B per element each)."""
+    autocast, step/loss.py), and the bf16 gradient of the largest weight before it is added to the fp32 one
+    (2 B per element each). No copies under `none` (saved activations: accounting.py weight_copies), nor in an
+    offloaded block under selective (`policy` with an offload_fraction: _block_backward_bytes passes a kept
+    block's without it): its recomputed pieces alias the copy its stored tokens keep (memory/weight_casts.py),
+    a saved activation too."""
     d = m.dim
     largest = max(m.ffn_dim, m.heads * m.resolved_head_dim) * d
     if moe and m.is_moe:
         largest = max(largest, m.moe_experts * m.resolved_expert_dim * d)
-    copies = matmul_params_per_layer(m, moe) if policy.recompute != "none" else 0
+    recasts = policy.recompute == "full" or (policy.recompute == "selective" and not policy.offload_fraction)
+    copies = matmul_params_per_layer(m, moe) if recasts else 0
     return 2.0 * (copies + largest)
 
 
@@ -388,8 +392,8 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
             moe=moe, autocast=autocast).items()) for moe in kinds)
 
     offloaded = max(0, m.layers - policy.offload_skip_last) if policy.offload_fraction else 0
-    if not offloaded:
-        return phases(policy)
+    if not offloaded:  # (every block kept: offload_skip_last >= layers leaves an offload_fraction nothing to do)
+        return phases(dataclasses.replace(policy, offload_fraction=0.0))
     acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                         dtype_bytes=e, docs=docs, weight_copies=autocast)
     if policy.recompute == "full":
