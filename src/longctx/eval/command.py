@@ -3,6 +3,11 @@
     longctx eval --checkpoint runs/X/checkpoints --task passkey --lengths 1K,4K --depths 0,0.5,1
     longctx eval --checkpoint hf:DIR --task ppl --lengths 16K,32K --nproc 4 --parallel.ctx 4
     longctx eval --checkpoint runs/X/checkpoints --task passkey --lengths 4K --mode generate --nproc 4
+    longctx eval --checkpoint runs/X/checkpoints --task ppl,passkey,needle --lengths 4K,16K --depths 0,0.5,1
+
+Several tasks (comma-separated) run in one launch, in the order given, on weights read once (eval/task_list.py:
+each task reads its own flags; the JSON is {"tasks": {TASK: that task's own result}} with what they share at its
+top; one task's JSON is its result alone, as it always was).
 
 --mode score (the default) scores the answer in one teacher-forced forward pass (right when every
 answer token is the argmax); --mode generate (passkey/needle) lets the model answer: free greedy
@@ -30,20 +35,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import strict_json, threads
-from ..config.rules import SYNTHETIC_TASKS
 from ..errors import ConfigError
 from ..generate.context_memory import add_flags as add_context_memory_flags
 from ..generate.settings import add_sampling_flags
 from ..progress import say
 from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
+from .task_list import TASKS, combined_result, parse_tasks, task_args
 
 if TYPE_CHECKING:
     from .request import EvalRequest
 
-# eval/tasks.py is imported only when a command runs: building the CLI's parser must not import
-# it (and torch with it), or every `longctx` command, `data build` included, pays ~220 MB for it
-TASKS = ("ppl", *SYNTHETIC_TASKS)
-
+# (eval/tasks.py is imported only when a command runs: building the CLI's parser must not import it, and
+# torch with it, or every `longctx` command, `data build` included, pays ~220 MB for it; TASKS is task_list's)
 MODES = ("score", "generate")
 
 
@@ -53,9 +56,13 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint", required=True, metavar="DIR|hf:DIR",
                    help="a longctx checkpoint (a step-* directory, or a checkpoints directory for its latest) or "
                         "hf:DIR, a Hugging Face model directory")
-    p.add_argument("--task", required=True, choices=TASKS,
-                   help="ppl: loss per position bucket; passkey: a 5-digit key hidden at each depth; needle: "
-                        "several keyed 7-digit numbers hidden, one asked for")
+    p.add_argument("--task", required=True, metavar="TASK[,TASK...]",
+                   help=f"one of {', '.join(TASKS)}, or several comma-separated (e.g. ppl,passkey,needle: one "
+                        "launch, the weights read once, the tasks run in that order, those of one --mode together, "
+                        "the JSON {\"tasks\": {TASK: that task's own result}} in that order with what they share at "
+                        "its top; a flag reaches the tasks that "
+                        "read it). ppl: loss per position bucket; passkey: a 5-digit key hidden at each depth; "
+                        "needle: several keyed 7-digit numbers hidden, one asked for")
     p.add_argument("--lengths", required=True, help="sequence lengths in tokens, e.g. 1K,4K,16K (K = 1024)")
     p.add_argument("--depths", default=DEFAULT_DEPTHS,
                    help=f"passkey/needle: where the needle sits, fractions of the filler (default {DEFAULT_DEPTHS})")
@@ -104,27 +111,49 @@ def _say_threads(cfg) -> None:
 
 
 def main(args, overrides) -> int:
+    import dataclasses
+    import time
+
     from ..job.launch import check_launcher_env, refuse_scheduler_tasks, under_launcher
     from ..job.relaunch import argv_without_nproc, relaunch
     from .request import prepare
 
+    tasks = parse_tasks(args.task)  # (first: an unknown or repeated task before anything is read)
     if not under_launcher():
         refuse_scheduler_tasks()  # (`srun -n N longctx eval`: N whole jobs)
     nproc = check_launcher_env()[1] if under_launcher() else args.nproc
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}.")
-    request = prepare(args, overrides, nproc)
-    if not under_launcher():  # (once: in the launcher, or the one process)
-        for note in request.notes:
+    args_list = task_args(args, tasks)
+    # (every task's input checked, and its sequences built once, before any rank starts)
+    requests = [prepare(own, overrides, nproc) for own in args_list]
+    if len(requests) > 1:  # (progress lines name the task running, counted in the order they run)
+        ran = {i: n for n, i in enumerate(i for run in _mode_runs(requests) for i in run)}
+        requests = [dataclasses.replace(r, place=f"task {ran[i] + 1} of {len(requests)}")
+                    for i, r in enumerate(requests)]
+    if not under_launcher():  # (once: in the launcher, or the one process; a note several tasks share, once)
+        for note in dict.fromkeys(note for request in requests for note in request.notes):
             say(f"eval: note: {note}")
+        if len(_mode_runs(requests)) > 1:
+            say("eval: note: ppl is scored (--mode score) and --mode generate answers passkey/needle on another "
+                "model: the weights are read twice, once for each mode's tasks")
     if nproc > 1 and not under_launcher():
         relaunch(nproc, argv_without_nproc(args.argv))
         return 0
     if not under_launcher():
-        _say_threads(request.cfg)
-    result = evaluate(request, args)
-    if result is None:  # not rank 0
+        _say_threads(requests[0].cfg)
+    start = time.perf_counter()
+    parts = evaluate_tasks(requests, args_list)
+    if parts is None:  # not rank 0
         return 0
+    _write(combined_result(parts, requests[0].lengths, time.perf_counter() - start), args)
+    for part, own in zip(parts, args_list):
+        _write_plot(part, own)
+    return 0
+
+
+def _write(result: dict, args) -> None:
+    """The JSON result to --output (or stdout)."""
     text = strict_json.dumps(result, indent=1)
     if args.output:
         from ..durable import write_text_durably
@@ -134,21 +163,60 @@ def main(args, overrides) -> int:
         say(f"eval: wrote {args.output}")
     else:
         print(text)
+
+
+def _write_plot(result: dict, args) -> None:
+    """A task's plot: --plot, or --output's name with .png (several tasks: each its own, task_list.task_plot)."""
     plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
     if plot:
         from .plots import write_plot
 
         write_plot(result, plot)
         say(f"eval: wrote {plot}")
-    return 0
 
 
-def evaluate(request: EvalRequest, args) -> dict | None:
-    """Score (--mode score) or generate (--mode generate) every length's sequences; the result on rank 0."""
-    if request.mode == "generate":
-        from .generate_mode import evaluate_generate
+def evaluate_tasks(requests: list[EvalRequest], args_list: list) -> list[dict] | None:
+    """Each task's result (rank 0; None on the others), in the order given. The tasks of one mode share one
+    model: --mode score's built in the training layout (score_mode.py), --mode generate's loaded whole on
+    each rank (generate_mode.py); ppl is always scored, so ppl beside passkey/needle under --mode generate
+    builds the other kind after the first mode's tasks (the weights read twice: said before work). The process
+    groups are ended once, after the last task."""
+    import gc
 
-        return evaluate_generate(request, args)
-    from .score_mode import evaluate_score
+    from ..job.launch import finish_distributed
 
-    return evaluate_score(request, args)
+    parts: dict[int, dict] | None = {}
+    for which, group in enumerate(_mode_runs(requests)):
+        if which:  # (the previous mode's model, FSDP's reference cycles and all, freed before the next is built)
+            gc.collect()
+        mode = requests[group[0]].mode
+        run = _run_mode(mode)
+        try:
+            got = run([requests[i] for i in group], [args_list[i] for i in group])
+        except BaseException:
+            if mode == "generate":  # (as a generate run always did; a score run ends its one-rank group itself)
+                finish_distributed()
+            raise
+        parts = None if got is None or parts is None else {**parts, **dict(zip(group, got))}
+    finish_distributed()
+    return None if parts is None else [parts[i] for i in range(len(requests))]
+
+
+def _mode_runs(requests: list[EvalRequest]) -> list[list[int]]:
+    """The requests' indices grouped by mode, each group in the order given, the groups in the order of their
+    first task (`passkey,ppl,needle --mode generate`: passkey and needle on one model, then ppl)."""
+    runs: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):
+        runs.setdefault(request.mode, []).append(i)
+    return list(runs.values())
+
+
+def _run_mode(mode: str):
+    """The function that evaluates a run of tasks in `mode` on one model."""
+    if mode == "generate":
+        from .generate_mode import generate_tasks
+
+        return generate_tasks
+    from .score_mode import score_tasks
+
+    return score_tasks

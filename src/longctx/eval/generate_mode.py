@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..config.checkpoint_paths import step_read
 from ..config.tokenizer import model_text_prefix
 from ..progress import say
 from .defaults import EXTRA_NEW_TOKENS
-from .results import _headline, _length_phase, _note_routing, _result_head
+from .results import _headline, _length_phase, _note_routing, _result_head, announce_task
 
 if TYPE_CHECKING:
     from .request import EvalRequest
@@ -117,64 +118,99 @@ def evaluate_generate(request: EvalRequest, args) -> dict | None:
     """--mode generate: each prompt (the sequence up to its answer) continued greedily by the answer's
     length + EXTRA_NEW_TOKENS tokens, on one device or sharded over head x ctx (every rank the same
     tokens); right when the first run of digits generated is the answer. The result on rank 0."""
-    from ..data.tokenizer import load_tokenizer
-    from ..generate.loading import backend_for as _backend
-    from ..generate.loading import eos_ids, load_model
-    from ..job.devices import resolve_dtype
     from ..job.launch import finish_distributed
-    from ..progress import phase, progress_bar, said
 
-    cfg = request.cfg
     try:
-        tokenizer = load_tokenizer(request.tokenizer)
-        prefix = model_text_prefix(cfg.model.init_from, tokenizer)
-        _check_window(request, len(prefix))
-        backend, device, main_rank = _eval_backend(request, _backend)
-        log = say if main_rank else (lambda *_: None)
-        dtype = resolve_dtype(cfg.train.dtype, device)
-        with phase(f"eval: loading the model from {args.checkpoint}{step_read(args.checkpoint)}"):
-            model = load_model(cfg, device, dtype)
-        eos = eos_ids(cfg.model.init_from, tokenizer)
-        p = cfg.parallel
-        layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
-        out = _result_head(request, args, cfg, layout, dtype)
-        _note_routing(out, model, main_rank)
-        if prefix:
-            out["special_prefix"] = prefix
-        if request.memory is not None:
-            out["context_memory"] = {"method": "infllm", **vars(request.memory)}
-        if request.sampling is not None:
-            out["sampling"] = {k: v for k, v in vars(request.sampling).items() if k not in ("seed", "min_new_tokens")}
-        total = sum(request.sequences.counts.values())
-        bar = progress_bar(total, f"eval {request.task} (generate)", "seq", main_rank)
-        start_all = time.perf_counter()
-        try:
-            with phase(f"eval {request.task} (generate)", done_line=False):
-                for which, length in enumerate(request.lengths):
-                    seqs = request.sequences[length]  # (built now, dropped below: one length's held at a time)
-                    t0 = time.perf_counter()
-                    texts = []
-                    what = _length_phase(request, which)
-                    with phase(what, len(seqs), "sequences", done_line=False, bar=bar) as progress:
-                        for start in range(0, len(seqs), request.batch):
-                            group = seqs[start:start + request.batch]
-                            texts += _generate_answers(model, tokenizer, group, request.sampling, args.seed,
-                                                       prefix, eos_ids=eos, device=device, backend=backend)
-                            progress.update(len(group))
-                    out["results"].extend(_summarise_generated(request, length, seqs, texts, time.perf_counter() - t0))
-                    del seqs
-                    if bar is None:
-                        log(f"eval: {request.task} (generate) at {length} tokens: {_headline(out['results'], length)}")
-                        said()
-        finally:
-            if bar is not None:
-                bar.close()
-        out["seconds"] = round(time.perf_counter() - start_all, 2)
-        done = out["results"]
-        out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
+        results = generate_tasks([request], [args])
     finally:
         finish_distributed()
-    return out if main_rank else None
+    return results[0] if results is not None else None
+
+
+def generate_tasks(requests: list[EvalRequest], args_list: list) -> list[dict] | None:
+    """evaluate_generate for each request (one per task, eval/task_list.py; the same model config) on one
+    model loaded once; each task's result, on rank 0, as that task alone gives it. The process groups
+    are left joined (the caller ends them)."""
+    from ..data.tokenizer import load_tokenizer
+    from ..generate.loading import backend_for as _backend
+    from ..generate.loading import load_model
+    from ..job.devices import resolve_dtype
+    from ..progress import phase
+
+    cfg, checkpoint = requests[0].cfg, args_list[0].checkpoint
+    for request in requests:  # (every task's window checked before the weights are read)
+        _check_window(request, len(model_text_prefix(cfg.model.init_from, load_tokenizer(request.tokenizer))))
+    backend, device, main_rank = _eval_backend(requests[0], _backend)
+    dtype = resolve_dtype(cfg.train.dtype, device)
+    with phase(f"eval: loading the model from {checkpoint}{step_read(checkpoint)}"):
+        model = load_model(cfg, device, dtype)
+    loaded = GeneratingModel(model, backend, device, dtype, main_rank)
+    # (the routing note said with the first task only: the same model's)
+    outs = [_generate_task(request, args, loaded, say_routing=i == 0)
+            for i, (request, args) in enumerate(zip(requests, args_list))]
+    return outs if main_rank else None
+
+
+@dataclass
+class GeneratingModel:
+    """What every task of a run generates with: the model loaded once and this rank's backend."""
+    model: object
+    backend: object
+    device: object
+    dtype: object
+    main_rank: bool
+
+
+def _generate_task(request: EvalRequest, args, loaded: GeneratingModel, say_routing: bool = True) -> dict:
+    """One task's result (on every rank; kept by rank 0) from the model `loaded` holds."""
+    from ..data.tokenizer import load_tokenizer
+    from ..generate.loading import eos_ids
+    from ..progress import phase, progress_bar, said
+
+    cfg, main_rank = request.cfg, loaded.main_rank
+    log = say if main_rank else (lambda *_: None)
+    announce_task(request, log)
+    tokenizer = load_tokenizer(request.tokenizer)
+    prefix = model_text_prefix(cfg.model.init_from, tokenizer)
+    eos = eos_ids(cfg.model.init_from, tokenizer)
+    p = cfg.parallel
+    layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
+    out = _result_head(request, args, cfg, layout, loaded.dtype)
+    _note_routing(out, loaded.model, main_rank and say_routing)
+    if prefix:
+        out["special_prefix"] = prefix
+    if request.memory is not None:
+        out["context_memory"] = {"method": "infllm", **vars(request.memory)}
+    if request.sampling is not None:
+        out["sampling"] = {k: v for k, v in vars(request.sampling).items() if k not in ("seed", "min_new_tokens")}
+    total = sum(request.sequences.counts.values())
+    bar = progress_bar(total, f"eval {request.task} (generate)", "seq", main_rank)
+    start_all = time.perf_counter()
+    try:
+        with phase(f"eval {request.task} (generate)", done_line=False):
+            for which, length in enumerate(request.lengths):
+                seqs = request.sequences[length]  # (built now, dropped below: one length's held at a time)
+                t0 = time.perf_counter()
+                texts = []
+                what = _length_phase(request, which)
+                with phase(what, len(seqs), "sequences", done_line=False, bar=bar) as progress:
+                    for start in range(0, len(seqs), request.batch):
+                        group = seqs[start:start + request.batch]
+                        texts += _generate_answers(loaded.model, tokenizer, group, request.sampling, args.seed,
+                                                   prefix, eos_ids=eos, device=loaded.device, backend=loaded.backend)
+                        progress.update(len(group))
+                out["results"].extend(_summarise_generated(request, length, seqs, texts, time.perf_counter() - t0))
+                del seqs
+                if bar is None:
+                    log(f"eval: {request.task} (generate) at {length} tokens: {_headline(out['results'], length)}")
+                    said()
+    finally:
+        if bar is not None:
+            bar.close()
+    out["seconds"] = round(time.perf_counter() - start_all, 2)
+    done = out["results"]
+    out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
+    return out
 
 
 def _check_window(request: EvalRequest, prefix: int) -> None:

@@ -39,6 +39,7 @@ class EvalRequest:
     notes: tuple = ()        # said once before work (lengths past the model's reach, a capacity left out)
     memory: object = None    # --context-memory infllm: models/context_memory.py's InfLLMShape (None: plain)
     routing: str | None = None  # how the model routes, when eval changes it (a MoE capacity scored dropless)
+    place: str = ""  # in a run of several tasks, which this is ("task 2 of 3"), said as it starts; "" alone
 
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):

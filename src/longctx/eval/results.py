@@ -51,6 +51,13 @@ def _note_routing(out: dict, model, main_rank: bool) -> None:
             say(f"eval: {note}")
 
 
+def announce_task(request: EvalRequest, log) -> None:
+    """In a run of several tasks, the line that says which one starts (mode and lengths: what it will do)."""
+    if request.place:
+        log(f"eval: {request.place}: {request.task} (--mode {request.mode}) at "
+            f"{', '.join(f'{n:,}' for n in request.lengths)} tokens")
+
+
 def _length_phase(request: EvalRequest, i: int) -> str:
     """'4,096 tokens (length 1 of 2)': what a heartbeat line says of the length being evaluated."""
     n = len(request.lengths)

@@ -8,11 +8,12 @@ generate mode's prompts are, each still `length` tokens (generate_mode.py, model
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..config.checkpoint_paths import step_read
-from ..progress import say
-from .results import _headline, _length_phase, _note_routing, _result_head
+from ..progress import phase, say
+from .results import _headline, _length_phase, _note_routing, _result_head, announce_task
 
 if TYPE_CHECKING:
     from .request import EvalRequest
@@ -21,40 +22,72 @@ if TYPE_CHECKING:
 
 def evaluate_score(request: EvalRequest, args) -> dict | None:
     """Score every length's sequences on this rank's part of the layout; the result on rank 0."""
+    from ..job.launch import finish_distributed
+
+    results = score_tasks([request], [args])
+    finish_distributed()
+    return results[0] if results is not None else None
+
+
+def score_tasks(requests: list[EvalRequest], args_list: list) -> list[dict] | None:
+    """Each request (one per task, eval/task_list.py; the same model config) scored on one model built
+    once; each task's result, on rank 0, as that task alone gives it. The process groups are left joined
+    (the caller ends them: a run of several tasks may go on to generate on the same ones)."""
     from ..job.launch import end_one_rank_group
 
     try:
-        return _evaluate_score(request, args)
+        return _score_tasks(requests, args_list)
     except BaseException:
         end_one_rank_group()  # (memory.model_states = host at world 1 made it)
         raise
 
 
-def _evaluate_score(request: EvalRequest, args) -> dict | None:
-    import torch
-
+def _score_tasks(requests: list[EvalRequest], args_list: list) -> list[dict] | None:
     from ..job.devices import resolve_dtype
     from ..job.join import join_job
-    from ..job.launch import finish_distributed
-    from ..progress import phase, progress_bar, said
     from ..train.model import build_training_model, resolve_offload
-    from .runner import score
 
-    cfg = request.cfg
-    prefix = _prefix(request)
+    cfg, checkpoint = requests[0].cfg, args_list[0].checkpoint
     rt, device = join_job(cfg)
-    world = rt.world
     log = say if rt.is_main else (lambda *_: None)
     dtype = resolve_dtype(cfg.train.dtype, device)
-    with phase(f"eval: building the model from {args.checkpoint}{step_read(args.checkpoint)}"):
+    with phase(f"eval: building the model from {checkpoint}{step_read(checkpoint)}"):
         cfg = resolve_offload(cfg, device, rt, log)
         model = build_training_model(cfg, device, rt, log)
     model.eval()
-    layout = {"world": world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
+    layout = {"world": rt.world, **{k: getattr(rt.dims, k) for k in ("dp_replicate", "dp_shard", "head", "ctx")}}
     if rt.dims.expert > 1:  # (folded over the same ranks: the degrees above do not show it)
         layout["expert"] = rt.dims.expert
-    out = _result_head(request, args, cfg, layout, dtype)
-    _note_routing(out, model, rt.is_main)
+    scored = ScoringModel(model, rt, device, dtype, cfg, layout)
+    # (the routing note said with the first task only: the same model's)
+    outs = [_score_task(request, args, scored, say_routing=i == 0)
+            for i, (request, args) in enumerate(zip(requests, args_list))]
+    return outs if rt.is_main else None
+
+
+@dataclass
+class ScoringModel:
+    """What every task of a run scores with: the model built once, this rank's place and its layout."""
+    model: object
+    rt: object
+    device: object
+    dtype: object
+    cfg: object  # (offload resolved: what the result's head records)
+    layout: dict
+
+
+def _score_task(request: EvalRequest, args, scored: ScoringModel, say_routing: bool = True) -> dict:
+    """One task's result (on every rank; kept by rank 0) from the model `scored` holds."""
+    import torch
+
+    from ..progress import progress_bar, said
+    from .runner import score
+
+    rt, dtype = scored.rt, scored.dtype
+    announce_task(request, say if rt.is_main else (lambda *_: None))
+    prefix = _prefix(request)
+    out = _result_head(request, args, scored.cfg, dict(scored.layout), dtype)
+    _note_routing(out, scored.model, rt.is_main and say_routing)
     if prefix:
         out["special_prefix"] = prefix
     total = sum(request.sequences.counts.values())
@@ -68,7 +101,7 @@ def _evaluate_score(request: EvalRequest, args) -> dict | None:
                 t0 = time.perf_counter()
                 # (each length's own line follows it: no closing line from the phase)
                 with phase(_length_phase(request, which), len(seqs), "sequences", done_line=False, bar=bar) as progress:
-                    scores = score(model, rt, seqs, request.batch, buckets, device,
+                    scores = score(scored.model, rt, seqs, request.batch, buckets, scored.device,
                                    dtype if dtype != torch.float32 else None, progress)
                 out["results"].extend(_summarise(request, length, seqs, scores, buckets, time.perf_counter() - t0))
                 del seqs  # (before the next length's are built: one length's held at a time)
@@ -82,8 +115,7 @@ def _evaluate_score(request: EvalRequest, args) -> dict | None:
     if request.task != "ppl":
         done = out["results"]
         out["accuracy"] = sum(r["correct"] for r in done) / max(1, sum(r["samples"] for r in done))
-    finish_distributed()
-    return out if rt.is_main else None
+    return out
 
 
 def _prefixed(request: EvalRequest, length: int, prefix: list[int]) -> list[Sequence]:
