@@ -5,6 +5,8 @@ preflight then counted auto at that cap plus the states and refused runs that a 
 under a launcher that runs no preflight (torchrun) the ranks chose a fraction that, with the states, passed
 the host's memory. Auto's share now holds the rank's other host bytes too, and the preflight counts it so."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -59,3 +61,43 @@ def test_auto_in_the_rank_leaves_room_for_the_states(monkeypatch):
     a = auto_offload_fraction(cfg, torch.device("cpu"), rt, lambda line: None)
     assert a == pytest.approx(0.5)
     assert rank_host(a) + besides <= 0.8 * free * (1 + 1e-12)
+
+
+def _offloaded_bytes(cfg, fraction: float) -> int:
+    """The host bytes the offloader keeps after one real forward of `cfg`'s model at `fraction`, in bf16
+    autocast over fp32 weights as step/loss.py runs one process in bf16."""
+    from longctx.data.samples import Batch
+    from longctx.models.llama import build_model
+    from longctx.parallel.parallelize import apply_memory
+    from longctx.step.loss import forward_loss_sum
+
+    model = build_model(cfg.model, seed=0)
+    memory = dataclasses.replace(cfg.memory, offload_fraction=fraction)
+    apply_memory(model, memory, "cpu")
+    seq = cfg.train.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    loss = forward_loss_sum(model, Batch(tokens, tokens.clone(), torch.arange(seq)[None], None), torch.bfloat16)
+    held = sum(t.untyped_storage().nbytes() for r in model.memory_offloader.host_tensors if (t := r()) is not None)
+    del loss
+    return held
+
+
+def test_auto_counts_an_autocast_run_at_each_tensors_dtype(monkeypatch):
+    """One process in bf16 (here on CPU; on one GPU off the host tier alike) is autocast over fp32 weights:
+    its offloaded matmul and attention outputs are bf16. Auto counted them at 4 B, 1.5x what the offloader
+    keeps, so with host memory for half of the activations it chose 0.25 (half the offload it could do).
+    Now the fraction whose measured host bytes fill the share is chosen, and they fit."""
+    cfg = load_config(overrides=["--model.layers=3", "--train.seq_len=1024", "--train.global_batch=1",
+                                 "--memory.recompute=selective", "--memory.offload_fraction=auto",
+                                 "--memory.offload_skip_last=1", "--train.dtype=bf16",
+                                 "--memory.model_states=host_optimizer"])
+    rt = Runtime.create(cfg, 0, 1, "cpu")
+    besides = host_bytes_besides_offload(cfg, rt.dims, "cpu", 1024, 1)
+    half = _offloaded_bytes(cfg, 0.5)
+    free = (half + besides) / 0.8  # room for the offloaded half beside the states
+    monkeypatch.setattr(auto, "host_memory_available", lambda: free)
+    monkeypatch.setattr(auto, "host_link_bandwidth", lambda device: 1e15)
+    monkeypatch.setattr(auto, "measured_block_forward_seconds", lambda *a, **k: 1.0)
+    a = auto_offload_fraction(cfg, torch.device("cpu"), rt, lambda line: None)
+    assert a == pytest.approx(0.5)
+    assert _offloaded_bytes(cfg, a) + besides <= 0.8 * free * (1 + 1e-12)

@@ -17,7 +17,7 @@ from longctx.config import MemoryConfig, load_config
 from longctx.costs.host_bytes import predicted_rank_bytes
 from longctx.costs.shape import MeshShape
 from longctx.memory import offload
-from longctx.memory.accounting import estimate_activations
+from longctx.memory.accounting import activation_dtype, compute_bytes, estimate_activations
 from longctx.memory.host_parts import core_parts, offloaded_block_parts, pinned_activation_bytes
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
@@ -32,8 +32,9 @@ def _locked(n):  # torch's caching host allocator: each pinned request rounded u
     return 0 if n == 0 else 2 ** math.ceil(math.log2(n))
 
 
-def _logged_forward(monkeypatch, memory: MemoryConfig, *, batch=1, bf16=False, overrides=()):
-    """(model config, {block: [nbytes of each host allocation its forward made]}) of one real forward."""
+def _logged_forward(monkeypatch, memory: MemoryConfig, *, batch=1, bf16=False, overrides=(), autocast=False):
+    """(model config, {block: [nbytes of each host allocation its forward made]}) of one real forward;
+    `autocast`: fp32 weights, the forward under bf16 autocast as step/loss.py runs it."""
     cfg = load_config(overrides=[f"--model.layers={LAYERS}", *overrides]).model
     model = build_model(cfg, seed=0)
     if bf16:
@@ -53,7 +54,8 @@ def _logged_forward(monkeypatch, memory: MemoryConfig, *, batch=1, bf16=False, o
     monkeypatch.setattr(offload, "host_copy", logged)
     monkeypatch.setattr(chunked, "host_copy", logged)
     tokens = torch.randint(0, cfg.vocab_size, (batch, SEQ), generator=torch.Generator().manual_seed(0))
-    loss = model(tokens, labels=tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
+        loss = model(tokens, labels=tokens)
     logged_forward = {k: list(v) for k, v in log.items()}
     loss.backward()
     return cfg, logged_forward
@@ -94,6 +96,48 @@ def test_listed_parts_are_the_allocations_the_offloader_makes(monkeypatch, recom
         assert sum(map(sum, kept.values())) == pytest.approx(est.total_host, abs=p * cfg.dim * LAYERS)
     pinned = pinned_activation_bytes(cfg, SEQ, batch, policy=policy, dtype_bytes=p)
     assert pinned == sum(_locked(n) for v in kept.values() for n in v)
+
+
+def _kept_host_parts(logged: dict, recompute: str, offloaded_blocks: int) -> list[int]:
+    """The logged host allocations that stay until backward: every block's (the kept last one's too: its
+    attention core's chunks under attention_offload); under full only each offloaded block's input part."""
+    if recompute == "full":
+        return [n for i in range(offloaded_blocks) for n in logged[i][:1]]
+    return [n for i in range(LAYERS) for n in logged.get(i, [])]
+
+
+@pytest.mark.parametrize("overrides", [(), ("--model.family=qwen3", "--model.qk_norm=true")])
+@pytest.mark.parametrize("recompute,fraction,block_chunk,attention_chunk,attention_offload", CASES)
+def test_autocast_parts_are_the_allocations_at_their_dtypes(monkeypatch, recompute, fraction, block_chunk,
+                                                            attention_chunk, attention_offload, overrides):
+    """One process in bf16 autocast over fp32 weights (activation_dtype (4, True): one GPU off the host tier,
+    bf16 on CPU): the offloader's host parts are the fp32 residual stream (block inputs, h, the norms' fp32
+    tensors) and the bf16 outputs of the matmuls and the attention kernel. The host figures the preflight, the
+    planner and memory.offload_fraction auto read counted every part at 4 B: 1.5x the bytes offloaded here
+    (CPU) and up to 2x as pinned (CUDA). Now the listed parts are the allocations, the CPU figure their bytes
+    (to one fp32 token row per block: estimate_activations counts A x tokens stored where the offloader stores
+    round(A x tokens)) and the CUDA figure their locked sizes."""
+    memory = MemoryConfig(recompute=recompute, offload_fraction=fraction, block_chunk=block_chunk, loss_chunk=64,
+                          attention_chunk=attention_chunk, attention_offload=attention_offload)
+    cfg, logged = _logged_forward(monkeypatch, memory, overrides=overrides, autocast=True)
+    policy = MemoryPolicy.from_config(memory)
+    e, copies = activation_dtype(True, 1, "device")
+    offloaded_blocks = LAYERS - policy.offload_skip_last if fraction > 0 else 0
+    for i in range(LAYERS):
+        if i < offloaded_blocks:
+            expected = offloaded_block_parts(cfg, SEQ, 1, head=1, ctx=1, policy=policy, p=e, autocast=copies)
+        elif policy.attention_offloaded and recompute != "full":
+            expected = core_parts(cfg, SEQ, 1, head=1, ctx=1, policy=policy, p=compute_bytes(e, copies))
+        else:
+            expected = []
+        got = logged.get(i, [])[:1] if recompute == "full" else logged.get(i, [])
+        assert sorted(got) == sorted(expected), f"block {i}"
+    offloaded = _kept_host_parts(logged, recompute, offloaded_blocks)
+    kw = {"seq_len": SEQ, "micro_batch": 1, "grad_accum": 1, "dtype_bytes": 2}  # (bf16 on one process: autocast)
+    _, cpu = predicted_rank_bytes(cfg, MeshShape(), policy, "device", device_type="cpu", **kw)
+    _, gpu = predicted_rank_bytes(cfg, MeshShape(), policy, "device", device_type="cuda", **kw)
+    assert cpu["activations"] == pytest.approx(sum(offloaded), abs=e * cfg.dim * LAYERS)
+    assert gpu["activations"] == sum(_locked(n) for n in offloaded)
 
 
 @pytest.mark.parametrize("fraction,block_chunk", [(0.3, 0), (0.7, 64)])

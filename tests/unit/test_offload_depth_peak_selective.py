@@ -20,7 +20,12 @@ import torch
 from test_offload_depth_peak import CHUNK, DIM, DeviceLive, _Batch, _device_copies, schedule_log
 
 from longctx.config import load_config
-from longctx.memory.accounting import estimate_activations
+from longctx.memory.accounting import (
+    block_part_bytes,
+    estimate_activations,
+    loss_saved_bytes,
+    offloaded_tier_after_post,
+)
 from longctx.memory.apply_policy import apply_memory_policy
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.transients import backward_phase_bytes, transient_bytes
@@ -102,18 +107,25 @@ def test_the_schedule_changes_no_value(fraction, chunk):
 
 
 def test_the_accounting_counts_the_block_before_in_the_pre_phase_only():
-    """memory/transients.py: an offloaded block's backward holds its own host tier throughout and the block
-    before's (prefetched) in its pre phase only; before, both throughout (2 x the host tier on top of the
-    largest phase: 144.13 GiB for llama3-8b at 512K tokens, selective, offload 0.5, block_chunk 8K; now
-    122.72)."""
+    """memory/transients.py: an offloaded block's backward holds its own host tier whole in its post phase, then
+    only what its core's and pre's backward still read (memory/accounting.py offloaded_tier_after_post), and
+    the block before's (prefetched) in its pre phase only; before, both whole throughout (2 x the host tier on
+    top of the largest phase: 144.13 GiB for llama3-8b at 512K tokens, selective, offload 0.5, block_chunk 8K),
+    then its own whole throughout (122.72, the tier counted twice in the pre phase); now 76.66
+    (test_selective_offload_peak.py measures the peak)."""
     cfg = load_config(None, {"model": {"preset": "llama3-8b"}}).model
     seq, policy = 512 * 1024, MemoryPolicy("selective", 0.5, 1, loss_chunk=8192, block_chunk=8192)
     acts = estimate_activations(cfg, seq, 1, policy=policy, dtype_bytes=2)
-    transient = lambda a: transient_bytes(cfg, seq, 1, head=1, ctx=1, policy=policy, dtype_bytes=2, docs=False,
-                                          acts=a)
-    phases = backward_phase_bytes(cfg, seq, 1, head=1, ctx=1, window=0, policy=policy, dtype_bytes=2, docs=False,
-                                  moe=False)
-    host = acts.per_block_host
-    assert phases["pre"] < max(phases.values())  # (the case where the schedule matters)
-    grown = transient(acts) - transient(dataclasses.replace(acts, per_block_host=0.0))
-    assert grown == pytest.approx(host + max(0.0, phases["pre"] + host - max(phases.values())))
+    transient = transient_bytes(cfg, seq, 1, head=1, ctx=1, policy=policy, dtype_bytes=2, docs=False, acts=acts)
+    phases = {kept: backward_phase_bytes(cfg, seq, 1, head=1, ctx=1, window=0, docs=False, dtype_bytes=2,
+                                         policy=dataclasses.replace(policy, offload_fraction=0.0) if kept else policy)
+              for kept in (False, True)}
+    host, t = acts.per_block_host, acts.tokens
+    pre, core = offloaded_tier_after_post(block_part_bytes(cfg, 1, 2), 2, cfg.dim, 0.5)
+    own = {"post": host, "core": t * (pre + core), "pre": t * pre + host}  # (pre: the block before's too)
+    assert t * (pre + core) < host / 2  # (the case where the phases matter)
+    offloaded = max(v + own[k] for k, v in phases[False].items())
+    kept = max(v + (host if k == "pre" else 0.0) for k, v in phases[True].items())
+    freed = loss_saved_bytes(cfg, seq, 1, policy=policy, dtype_bytes=2)
+    assert transient == pytest.approx(max(offloaded, kept) - freed)
+    assert transient / 2**30 == pytest.approx(76.66, abs=0.01)

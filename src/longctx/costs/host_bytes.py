@@ -222,17 +222,18 @@ def stager_registers() -> bool:
 
 def offloaded_host_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, *, seq_len: int, micro_batch: int,
                          act_bytes: int, dtype_bytes: int, activations: float, attention: float, docs: bool,
-                         pinned: bool, expert_skew: float = 1.0) -> tuple[float, float]:
+                         pinned: bool, expert_skew: float = 1.0, autocast: bool = False) -> tuple[float, float]:
     """(offloaded activations, the attention core's offloaded state) in one rank's host memory, from their
     exact bytes (`activations`: estimate_activations' total_host at `act_bytes` per element, `attention`:
     attention_offload_host_and_traffic's at `dtype_bytes`). `pinned` (a CUDA run): each part the offloader or
     the ChunkStore copies out is one pinned request, locked rounded up to a power of two (memory/host_parts.py;
-    a [74752, 4096] bf16 part of 612 MB locks 1 GiB), so the figures are those rounded sums."""
+    a [74752, 4096] bf16 part of 612 MB locks 1 GiB), so the figures are those rounded sums. `autocast`
+    (activation_dtype's second value): each part at its own dtype, as `activations` counts them."""
     if not pinned:
         return activations, attention
     kw = {"head": shape.head, "ctx": shape.ctx, "policy": policy}
     acts = pinned_activation_bytes(m, seq_len, micro_batch, dtype_bytes=act_bytes, docs=docs, expert=shape.expert,
-                                   expert_skew=expert_skew, **kw) if activations else 0.0
+                                   expert_skew=expert_skew, autocast=autocast, **kw) if activations else 0.0
     attn = pinned_attention_offload_bytes(m, seq_len, micro_batch, dtype_bytes=dtype_bytes, **kw) if attention else 0.0
     return acts, attn
 
@@ -386,7 +387,7 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
                                                 act_bytes=act_bytes, dtype_bytes=dtype_bytes,
                                                 activations=acts.total_host, attention=attn_host, docs=doc_mask,
-                                                pinned=pins(device_type))
+                                                pinned=pins(device_type), autocast=copies)
     device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient,
                           bucket_blocks, co2_momentum, policy.block_chunk)
     host = predicted_host_bytes(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,

@@ -55,6 +55,25 @@ class ActivationEstimate:
         return asdict(self)
 
 
+def compute_bytes(e: int, autocast: bool) -> int:
+    """Bytes per element of what the matmuls and the attention kernel make (their outputs, the gradients of
+    those outputs, the kernel's tensors): under bf16 autocast over fp32 weights (activation_dtype: counted at
+    e = 4) bf16, 2; otherwise the activation dtype e itself."""
+    return 2 if autocast else e
+
+
+# the matmuls each block norm's output feeds: under autocast each casts that fp32 output to bf16 for itself and
+# saves its cast (uncached autocast, step/loss.py), so a norm keeps one cast per matmul it feeds
+ATTENTION_NORM_FEEDS = 3  # wq, wk, wv
+MLP_NORM_FEEDS = 2        # w1, w3
+
+
+def autocast_norm_bytes(d: int, c: int, feeds: int) -> int:
+    """Bytes per token a block norm keeps under autocast (its input fp32, the residual stream): the fp32 rsqrt,
+    the fp32 normed values, and the `c`-byte cast each of the `feeds` matmuls it feeds makes of its output."""
+    return 4 * d + 4 + feeds * c * d
+
+
 def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe: bool = False,
                      autocast: bool = False) -> dict[str, float]:
     """Bytes per local token of the tensors a block can leave behind, by name; `moe`: a MoE layer's
@@ -62,7 +81,9 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
     (bf16 autocast over fp32 weights, p = 4: activation_dtype): what the matmuls and the attention kernel
     make is bf16, the core's q, k, v, out (its log-sum-exp fp32), the attention output and a dense MLP's
     intermediates at 2 B; a norm keeps its fp32 normed values and statistics and the bf16 cast of its output
-    that each matmul it feeds makes; the rest as at 4 B (the fp32 residual stream; a MoE feed-forward).
+    that each matmul it feeds makes (the attention norm three, "norm"; the MLP norm two, "mlp_norm"); a q/k
+    norm its input's fp32 copy and its bf16 normed values; the rest as at 4 B (the fp32 residual stream; a
+    MoE feed-forward). Without autocast "mlp_norm" is "norm".
 
     `docs` changes nothing: with packed documents the attention core saves the same q, k, v, out and
     lse. The document ids are an input shared by every block (the batch's), and the segment plans
@@ -73,24 +94,25 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
     training loop always plans a layout on the host and gathers nothing.)"""
     d, hd, H, K, F = m.dim, m.resolved_head_dim, m.heads, m.kv_heads, m.ffn_dim
     k_eff = max(K, head)  # kv heads after replication for the head-parallel all-to-all
+    c = compute_bytes(p, autocast and p == 4)  # the matmuls' and the attention kernel's outputs
     # RMSNorm keeps fp32 rsqrt (4 B) and 8d more bytes: in fp32 the normed x and the output (its
     # input, saved too, IS the block input or the residual h); in bf16 an fp32 copy of the input,
     # the bf16 normed x and the output
-    norm = 8 * d + 4
-    # model.qk_norm (Qwen3, OLMoE): the q and k norms (ops/norm.py rms_norm, in the sequence layout
-    # before the all-to-all: every head) keep their input's fp32 copy (the input itself in fp32), the
-    # normed values in the compute dtype, and an fp32 rsqrt per row (a head's vector, or the whole
-    # projection under qk_norm_span "all"); RoPE after them keeps nothing of its input
-    qk_rows = (2 if getattr(m, "qk_norm_span", "head") == "all" else H + K) if m.qk_norm else 0
-    qk_norm = (4 + p) * (H + K) * hd + 4 * qk_rows if m.qk_norm else 0
-    c = 2 if autocast and p == 4 else p  # the matmuls' and the attention kernel's outputs
-    core = c * (2 * H + 2 * k_eff) * hd + 4 * H
+    norm = mlp_norm = 8 * d + 4
     if c < p:
         # autocast: the norm's fp32 output is not kept, but each matmul it feeds casts it to bf16 and keeps
-        # that cast (the attention norm's three, wq, wk and wv: 6d; the MLP norm's two, counted alike)
-        norm = 4 * d + 4 + 3 * c * d
+        # that cast
+        norm, mlp_norm = autocast_norm_bytes(d, c, ATTENTION_NORM_FEEDS), autocast_norm_bytes(d, c, MLP_NORM_FEEDS)
+    # model.qk_norm (Qwen3, OLMoE): the q and k norms (ops/norm.py rms_norm, in the sequence layout
+    # before the all-to-all: every head) keep their input's fp32 copy (the input itself in fp32), the
+    # normed values in the input's dtype (the projection's: c), and an fp32 rsqrt per row (a head's vector,
+    # or the whole projection under qk_norm_span "all"); RoPE after them keeps nothing of its input
+    qk_rows = (2 if getattr(m, "qk_norm_span", "head") == "all" else H + K) if m.qk_norm else 0
+    qk_norm = (4 + c) * (H + K) * hd + 4 * qk_rows if m.qk_norm else 0
+    core = c * (2 * H + 2 * k_eff) * hd + 4 * H
     return {
-        "norm": norm,
+        "norm": norm,                                  # the attention norm
+        "mlp_norm": mlp_norm,
         "qk_norm": qk_norm,
         "norm_input": p * d if p == 4 else 0,          # fp32: the norm saves its input itself
         "core": core,                                  # q, k, v, out, lse
@@ -116,8 +138,8 @@ def _kept_block(recompute: str, part: dict[str, float], fl: dict[str, float], se
                 block_chunked: bool) -> tuple[float, float]:
     """(bytes, recomputed FLOPs) per token of a block that stays on the device under `recompute`."""
     if recompute == "none":
-        kept = (part["norm"] * 2 + part["qk_norm"] + core_device + seq_out + part["residual"] + part["mlp"]
-                + part["block_out"])
+        kept = (part["norm"] + part["mlp_norm"] + part["qk_norm"] + core_device + seq_out + part["residual"]
+                + part["mlp"] + part["block_out"])
         return kept, 0.0
     if recompute == "full":
         # the block keeps its input (the previous block's output); with chunks nested in the block's
@@ -140,12 +162,27 @@ def _offloaded_block(recompute: str, part: dict[str, float], p: int, dim: int, A
     # tokens' saved tensors go to the host and the other tokens are recomputed. The block input on
     # the host: the recomputed tokens' checkpoint keeps it; the stored tokens' norm keeps it too in
     # fp32 (in bf16 that norm keeps its own fp32 copy, in `norm`).
-    block_input = (1 - A) * p * dim + A * part["norm_input"]
+    block_input = _offloaded_block_input(part, p, dim, A)
     # the attention output in sequence layout: the core's own output when head = 1 (already
     # counted), else a tensor of its own, kept whole (stored tokens by post, the rest by its checkpoint)
     host = (part["core"] + block_input + seq_out
-            + A * (2 * part["norm"] + part["qk_norm"] + part["residual"] + part["mlp"]))
+            + A * (part["norm"] + part["mlp_norm"] + part["qk_norm"] + part["residual"] + part["mlp"]))
     return host, 0.0
+
+
+def _offloaded_block_input(part: dict[str, float], p: int, dim: int, A: float) -> float:
+    """Bytes per token of a selective + offload block's input on the host: the recomputed tokens' checkpoint
+    keeps it; the stored tokens' norm keeps it too in fp32 (in bf16 that norm keeps its own fp32 copy)."""
+    return (1 - A) * p * dim + A * part["norm_input"]
+
+
+def offloaded_tier_after_post(part: dict[str, float], p: int, dim: int, A: float) -> tuple[float, float]:
+    """(pre, core): bytes per token of a selective + offload block's host tier that its backward still holds
+    once its post phase (output projection, MLP) has run, brought back and freed with the phase that reads
+    them: pre's (the block input, the stored tokens' attention and q/k norms' tensors) and the attention
+    core's saved state. The rest of the tier (`_offloaded_block`: the MLP norm's, h, the MLP's, the attention
+    output in sequence layout) is post's and gone before the core's backward (memory/transients.py)."""
+    return _offloaded_block_input(part, p, dim, A) + A * (part["norm"] + part["qk_norm"]), part["core"]
 
 
 def _output_held(p: int, recompute: str, i: int, layers: int, loss_chunked: bool) -> bool:
@@ -210,8 +247,9 @@ def activation_dtype(bf16: bool, world: int, model_states: str, device_type: str
     and the second value (`autocast`) has each tensor counted at its own dtype: the residual stream and the
     norms' statistics at 4 B, the matmuls' and the attention kernel's outputs at 2 B (block_part_bytes; the
     backward's transient: memory/transients.py transient_bytes). Exact for what full recomputation keeps,
-    with and without offload; at most 1.04x over under selective and none
-    (tests/unit/test_autocast_accounting.py, test_autocast_transients.py)."""
+    with and without offload; within 0.1% under selective (host tier included) and none, where the MLP norm's
+    two casts were counted as the attention norm's three, 1.03-1.04x (tests/unit/test_autocast_accounting.py,
+    test_autocast_transients.py, test_host_parts.py)."""
     if not bf16:
         return 4, False
     if device_type != "cuda" or (world == 1 and model_states != "host"):

@@ -149,7 +149,7 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
                             dtype_bytes: int, block_seconds: float, link_bytes_per_s: float,
                             host_bytes_per_rank: float, policy: MemoryPolicy | None = None,
                             expert: int = 1, host_bytes_taken: float = 0.0,
-                            pinned: bool = False) -> tuple[float, str]:
+                            pinned: bool = False, autocast: bool = False) -> tuple[float, str]:
     """(fraction, the reason in one line) from measured times and bandwidths. `policy`: the run's other
     [memory] settings (attention_offload, expert_chunk, block_chunk...; its recompute and fraction are
     replaced): they change what the rank keeps on the host, so they must be counted; `expert`: the
@@ -158,13 +158,16 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     states, checkpoint staging, the data loader: train/host_budget.py host_bytes_besides_offload), which
     the 0.8 x host_bytes_per_rank must hold too. `pinned` (a CUDA device): the offloaded parts are pinned,
     each locked rounded up to a power of two (memory/host_parts.py), so the fraction is lowered until that
-    figure fits too (the byte count alone is linear in the fraction; the locked one is not)."""
+    figure fits too (the byte count alone is linear in the fraction; the locked one is not). `autocast`: one
+    process in bf16 autocast over fp32 weights (dtype_bytes 4: memory/accounting.py activation_dtype), whose
+    offloaded activations are counted at each tensor's dtype, as the host budget counts them (at 4 B each,
+    1.5x what is offloaded, auto chose a smaller fraction than host memory allows)."""
     base = policy if policy is not None else MemoryPolicy()
 
     def host(a):
         pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
         est = estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
-                                   dtype_bytes=dtype_bytes, expert=expert)
+                                   dtype_bytes=dtype_bytes, expert=expert, weight_copies=autocast)
         return est.per_block_host, est.total_host
 
     offloaded = max(0, model_cfg.layers - skip_last)
@@ -203,7 +206,7 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
         def locked(a):
             pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
             return pinned_activation_bytes(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
-                                           dtype_bytes=dtype_bytes, expert=expert)
+                                           dtype_bytes=dtype_bytes, expert=expert, autocast=autocast)
         fraction, reason = _fit_pinned(fraction, reason, locked, budget)
     return fraction, reason
 

@@ -11,9 +11,13 @@ parts themselves, listed here from the same graph (every size in bytes, per rank
   to the host whole): the block runs in pieces (the first round(A x tokens) tokens stored, the rest
   recomputed, each cut by block_chunk); a stored piece of t tokens keeps its norms' tensors (fp32: the
   input, the normed x, the output and the rsqrt per token; bf16: the input's fp32 copy instead of the
-  input), the q/k norms', the residual h (fp32), the four SwiGLU tensors; a recomputed piece its input
-  slice (its checkpoint's); each piece its slice of the attention output in sequence layout when that is a
-  tensor of its own (head > 1, or the core's state offloaded); the core its q, k, v, out, lse whole.
+  input; bf16 autocast over fp32 weights: the fp32 input, normed x and rsqrt, and instead of the output the
+  bf16 cast each matmul it feeds makes, three for the attention norm and two for the MLP norm), the q/k
+  norms', the residual h (fp32), the four SwiGLU tensors; a recomputed piece its input slice (its
+  checkpoint's); each piece its slice of the attention output in sequence layout when that is a tensor of
+  its own (head > 1, or the core's state offloaded); the core its q, k, v, out, lse whole. Under autocast
+  what the matmuls and the attention kernel make (q, k, v, out, the attention output, the SwiGLU tensors)
+  is bf16 and the residual stream fp32 (memory/accounting.py block_part_bytes' `autocast`, compute_bytes).
 - memory.attention_offload: the core's state by chunk (ChunkStore: k, v per key chunk, q, out, lse per
   query chunk over the core's sequence, batch included; a ring's five tensors whole); under `full` the
   recomputed block's, with dout and the fp32 dq per chunk (memory/transients.py).
@@ -31,7 +35,7 @@ from collections import Counter
 from ..config import ModelConfig
 from ..ops.chunked import chunk_slices
 from ..ops.pinned import pinned_bytes
-from .accounting import layer_activations
+from .accounting import ATTENTION_NORM_FEEDS, MLP_NORM_FEEDS, compute_bytes, layer_activations
 from .policy import MemoryPolicy
 
 
@@ -42,28 +46,36 @@ def _pieces(tokens: int, stored: int, chunk: int) -> tuple[list[int], list[int]]
     return cuts(cut), cuts(tokens - cut)
 
 
-def _norm_parts(width: int, rows: int, t: int, p: int, output: bool) -> list[int]:
-    """ops/norm.py rms_norm over t tokens of `width` elements (`rows` statistics each): the rsqrt per row,
-    the normed values in the compute dtype, its fp32 copy of a bf16 input (an fp32 input is saved as
-    itself: the caller counts it), and with `output` its output (a block norm's: the next linear's input)."""
-    return [4 * rows * t, p * width * t] + ([4 * width * t] if p != 4 else []) + ([p * width * t] if output else [])
+def _norm_parts(width: int, rows: int, t: int, p: int) -> list[int]:
+    """ops/norm.py rms_norm over t tokens of `width` elements in `p`-byte values (`rows` statistics each): the
+    rsqrt per row, the normed values in the input's dtype, its fp32 copy of a bf16 input (an fp32 input is
+    saved as itself: the caller counts it)."""
+    return [4 * rows * t, p * width * t] + ([4 * width * t] if p != 4 else [])
 
 
-def _stored_piece_parts(m: ModelConfig, t: int, p: int) -> list[int]:
+def _norm_output_parts(d: int, t: int, p: int, c: int, feeds: int) -> list[int]:
+    """What a block norm's output leaves saved, the next linears' input: the output itself, or under autocast
+    (c < p) the bf16 cast that each of the `feeds` matmuls it feeds makes of it."""
+    return [c * d * t] * feeds if c < p else [p * d * t]
+
+
+def _stored_piece_parts(m: ModelConfig, t: int, p: int, c: int) -> list[int]:
     """A stored piece's token-wise tensors but the SwiGLU's: its input (fp32: the norm's), both block norms,
-    the q/k norms (their fp32 inputs: the projections themselves in fp32), the residual h (fp32)."""
+    the q/k norms (of the projections, in the matmuls' dtype c; in fp32 the projections themselves are their
+    inputs), the residual h (fp32)."""
     d, hd, H, K = m.dim, m.resolved_head_dim, m.heads, m.kv_heads
     own = [p * d * t, p * d * t] if p == 4 else []                  # the piece's input, h (the norms' inputs)
-    parts = own + _norm_parts(d, 1, t, p, True) + _norm_parts(d, 1, t, p, True)
+    parts = own + [x for feeds in (ATTENTION_NORM_FEEDS, MLP_NORM_FEEDS)
+                   for x in _norm_parts(d, 1, t, p) + _norm_output_parts(d, t, p, c, feeds)]
     if m.qk_norm:
         every = getattr(m, "qk_norm_span", "head") == "all"
         for width, rows in ((H * hd, 1 if every else H), (K * hd, 1 if every else K)):
-            parts += _norm_parts(width, rows, t, p, False) + ([4 * width * t] if p == 4 else [])
+            parts += _norm_parts(width, rows, t, c) + ([4 * width * t] if c == 4 else [])
     return parts
 
 
-def _mlp_parts(m: ModelConfig, t: int, p: int) -> list[int]:
-    return [p * m.ffn_dim * t] * 4                                 # w1 out, silu out, w3 out, product
+def _mlp_parts(m: ModelConfig, t: int, c: int) -> list[int]:
+    return [c * m.ffn_dim * t] * 4                                 # w1 out, silu out, w3 out, product
 
 
 def _chunk_lens(seq_len: int, ctx: int, policy: MemoryPolicy) -> list[int]:
@@ -96,10 +108,12 @@ def _gradient_chunk_parts(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
 
 
 def offloaded_block_parts(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int,
-                          policy: MemoryPolicy, p: int, mlp: bool = True) -> list[int]:
-    """Each host allocation of one offloaded block (the module's docstring); `mlp`: with the dense SwiGLU's."""
+                          policy: MemoryPolicy, p: int, mlp: bool = True, autocast: bool = False) -> list[int]:
+    """Each host allocation of one offloaded block (the module's docstring); `mlp`: with the dense SwiGLU's;
+    `autocast`: bf16 autocast over fp32 weights (p = 4: memory/accounting.py activation_dtype)."""
     n = micro_batch * seq_len // (head * ctx)
     A = float(policy.offload_fraction)
+    c = compute_bytes(p, autocast)
     if policy.recompute == "full":
         cut = round(A * n * m.dim)
         return [p * cut] if cut else []
@@ -107,11 +121,11 @@ def offloaded_block_parts(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
     seq_out = head > 1 or policy.attention_offloaded
     parts: list[int] = []
     for t in stored:
-        parts += _stored_piece_parts(m, t, p) + (_mlp_parts(m, t, p) if mlp else [])
+        parts += _stored_piece_parts(m, t, p, c) + (_mlp_parts(m, t, c) if mlp else [])
     parts += [p * m.dim * t for t in recomputed]                   # the checkpoints' inputs
     if seq_out:
-        parts += [p * m.heads * m.resolved_head_dim * t for t in stored + recomputed]
-    return parts + core_parts(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, p=p)
+        parts += [c * m.heads * m.resolved_head_dim * t for t in stored + recomputed]
+    return parts + core_parts(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, p=c)
 
 
 # (a block's parts, locked and exact bytes) by everything they depend on: the planner asks for the same ones
@@ -121,20 +135,22 @@ _KINDS: dict[tuple, tuple[int, int]] = {}
 
 def pinned_activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                             policy: MemoryPolicy, dtype_bytes: int, docs: bool = False, expert: int = 1,
-                            expert_skew: float = 1.0) -> float:
+                            expert_skew: float = 1.0, autocast: bool = False) -> float:
     """estimate_activations' total_host as torch's host allocator pins it on CUDA: each part rounded up to
-    a power of two. A MoE block's feed-forward (not listed) at twice its bytes: the bound of the rounding."""
+    a power of two. A MoE block's feed-forward (not listed) at twice its bytes: the bound of the rounding.
+    `autocast`: bf16 autocast over fp32 weights (dtype_bytes 4), each part at its own dtype (estimate_activations'
+    weight_copies)."""
     p, rc = dtype_bytes, policy.recompute
-    kw = {"head": head, "ctx": ctx, "policy": policy, "p": p}
+    kw = {"head": head, "ctx": ctx, "policy": policy}
     model = repr(m)  # (every field: whatever the parts read of it)
 
     def kind(offloaded: bool, moe: bool) -> tuple[int, int]:
-        key = (model, seq_len, micro_batch, head, ctx, policy, p, offloaded, moe)
+        key = (model, seq_len, micro_batch, head, ctx, policy, p, autocast, offloaded, moe)
         if key not in _KINDS:
             if offloaded:
-                parts = offloaded_block_parts(m, seq_len, micro_batch, mlp=not moe, **kw)
+                parts = offloaded_block_parts(m, seq_len, micro_batch, mlp=not moe, p=p, autocast=autocast, **kw)
             elif policy.attention_offloaded and rc in ("selective", "none"):
-                parts = core_parts(m, seq_len, micro_batch, **kw)
+                parts = core_parts(m, seq_len, micro_batch, p=compute_bytes(p, autocast), **kw)
             else:
                 parts = []
             if len(_KINDS) >= 65536:
@@ -147,7 +163,7 @@ def pinned_activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int = 1, 
         return float(off * kind(True, False)[0] + (m.layers - off) * kind(False, False)[0])
     total = 0.0
     for la in layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=p,
-                                docs=docs, expert=expert, expert_skew=expert_skew):
+                                docs=docs, expert=expert, expert_skew=expert_skew, weight_copies=autocast):
         locked, exact = kind(la.offloaded, la.moe)
         total += locked
         if la.moe:  # the feed-forward's parts, unlisted: at most twice their bytes once rounded

@@ -15,7 +15,14 @@ import dataclasses
 
 from ..config import ModelConfig
 from ..models.flops import matmul_params_per_layer
-from .accounting import ActivationEstimate, block_part_bytes, estimate_activations, loss_saved_bytes
+from .accounting import (
+    ActivationEstimate,
+    block_part_bytes,
+    compute_bytes,
+    estimate_activations,
+    loss_saved_bytes,
+    offloaded_tier_after_post,
+)
 from .moe_counts import expert_rows
 from .policy import MemoryPolicy
 
@@ -190,33 +197,40 @@ def ffn_backward_bytes(m: ModelConfig, tokens: int, e: int, moe: bool = False, e
     return max(routed, shared)
 
 
+def piece_tokens(tokens: int, policy: MemoryPolicy) -> tuple[float, float]:
+    """(tokens of the largest stored piece, of the largest recomputed piece) of a block's token-wise parts in
+    backward (memory/apply_policy.py _in_parts): under selective + offload (an offloaded block) the first A of
+    the tokens are stored, their saved tensors in the block's host tier (brought back whole, counted there:
+    _block_backward_bytes), and the others recomputed; otherwise every token is recomputed. Each cut by
+    block_chunk."""
+    stored = tokens * policy.offload_fraction if policy.recompute == "selective" else 0.0
+    cut = lambda n: min(policy.block_chunk, n) if policy.block_chunk else n
+    return cut(stored), cut(tokens - stored)
+
+
 def recomputed_piece_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, part: dict[str, float],
                            e: int, moe: bool = False) -> float:
     """Bytes of the piece of post (the token-wise parts after the attention core) that backward holds
     at once: under `none` the MLP's two widest gradients over all tokens; recomputed, the piece's saved
-    tensors (block_chunk tokens, or all of them: under selective + offload the larger of the stored and
-    the recomputed shares) with those gradients. Post's recomputation saves the MLP norm's tensors, its
-    input h (`residual`, in fp32) and the MLP's intermediates; not the block input (the checkpoint's own
-    input, already saved: `norm_input` is pre's) nor the block output (non-reentrant checkpointing stops
-    the recomputation once the saved tensors are back). `moe`: a MoE layer's block (`part` is then its
-    parts, and the gradients are its feed-forward's, ffn_backward_bytes)."""
-    A = policy.offload_fraction
+    tensors (block_chunk tokens, or all of them) with those gradients; under selective + offload the larger
+    of a recomputed piece's and a stored piece's gradients alone (its saved tensors are the block's host tier,
+    brought back: counting them here too counted that tier twice, 1.3x to 1.9x the measured peak). Post's
+    recomputation saves the MLP norm's tensors, its input h (`residual`, in fp32) and the MLP's intermediates;
+    not the block input (the checkpoint's own input, already saved: `norm_input` is pre's) nor the block output
+    (non-reentrant checkpointing stops the recomputation once the saved tensors are back). `moe`: a MoE
+    layer's block (`part` is then its parts, and the gradients are its feed-forward's, ffn_backward_bytes)."""
     ec = policy.expert_chunk
     if policy.recompute == "none":
         return ffn_backward_bytes(m, tokens, e, moe, ec)
-    whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
-    piece_tokens = min(policy.block_chunk, whole) if policy.block_chunk else whole
-    post = part["norm"] + part["residual"] + part["mlp"]
-    if moe and m.is_moe and ec and piece_tokens * m.moe_top_k > ec:
-        post -= 4 * e * m.moe_top_k * m.resolved_expert_dim  # the experts' intermediates: one piece's (above)
-    return piece_tokens * post + ffn_backward_bytes(m, int(piece_tokens), e, moe, ec)
 
+    def piece(n: float, recomputed: bool) -> float:
+        post = part["mlp_norm"] + part["residual"] + part["mlp"] if recomputed else 0.0
+        if recomputed and moe and m.is_moe and ec and n * m.moe_top_k > ec:
+            post -= 4 * e * m.moe_top_k * m.resolved_expert_dim  # the experts' intermediates: one piece's (above)
+        return n * post + ffn_backward_bytes(m, int(n), e, moe, ec)
 
-def compute_bytes(e: int, autocast: bool) -> int:
-    """Bytes per element of what the matmuls and the attention kernel make (their outputs, the gradients of
-    those outputs, the kernel's tensors): under bf16 autocast over fp32 weights (memory/accounting.py
-    activation_dtype: counted at e = 4) bf16, 2; otherwise the activation dtype e itself."""
-    return 2 if autocast else e
+    stored, recomputed = piece_tokens(tokens, policy)
+    return max(piece(stored, False) if stored else 0.0, piece(recomputed, True) if recomputed else 0.0)
 
 
 def autocast_weight_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = False) -> float:
@@ -274,24 +288,17 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     # activations, counted by memory.accounting). While a piece's pre is recomputed, also its
     # projections' outputs and RoPE's temporaries of q (rotate_half's copy, the products with cos and
     # sin, their sum: 4 of q). Not post's piece: the MLP's tensors and gradients are gone by then.
+    # (A stored piece's norm tensors are the block's host tier, brought back: its RoPE's temporaries only.)
     pre_piece = pre_block = 0.0
     if policy.recompute != "none":
-        pre_tokens = qk_norm_piece_tokens(t, policy)
-        pre_piece = pre_tokens * (part["norm"] + part["qk_norm"] + c * (5 * q_dim + 2 * kv_dim))
+        stored, recomputed = piece_tokens(t, policy)
+        rope = c * (5 * q_dim + 2 * kv_dim)
+        pre_piece = max(stored * rope, recomputed * (part["norm"] + part["qk_norm"] + rope))
         pre_block = t * (part["norm"] + part["qk_norm"]) if full and not policy.block_chunk else 0.0
     weights = autocast_weight_bytes(m, policy, moe) if autocast else 0.0
     return {"post": t * (2 * X + c * q_dim + state_post) + piece + pre_block + weights,
             "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights,
             "pre": t * (2 * X + both_layouts * c * (q_dim + 2 * kv_dim)) + pre_piece + weights}
-
-
-def qk_norm_piece_tokens(tokens: int, policy: MemoryPolicy) -> float:
-    """Tokens whose recomputed q/k-norm tensors `pre`'s backward holds at once: a block chunk, or the
-    recomputed tokens (under selective + offload the larger of the stored and recomputed shares, as
-    `recomputed_piece_bytes`)."""
-    A = policy.offload_fraction
-    whole = tokens * (max(A, 1 - A) if policy.recompute == "selective" and A else 1)
-    return min(policy.block_chunk, whole) if policy.block_chunk else whole
 
 
 def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast: bool = False) -> float:
@@ -324,9 +331,10 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     at the block's peak). A block's backward runs in phases, and what is alive in each follows the
     implementation (autograd frees a gradient once its consumer has run):
 
-    - throughout: what comes back from the host under offload: the block's host tier; the next
-      block's (prefetched one block ahead) comes back in the `pre` phase only, under full and selective
-      alike (memory/offload.py prefetch_mark);
+    - what comes back from the host under offload: the block's host tier (under selective whole in
+      `post`, then what the core's and pre's backward still read: accounting.offloaded_tier_after_post);
+      the next block's (prefetched one block ahead) comes back in the `pre` phase only, under full and
+      selective alike (memory/offload.py prefetch_mark);
     - `post` backward (output projection, residual, MLP, in pieces of `block_chunk` tokens, or all
       tokens): the incoming gradient dy and the residual gradient being built (two of d), the
       attention output's gradient (sequence layout), one piece recomputed with the gradients of its
@@ -379,23 +387,26 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
     """The largest block backward's bytes beyond the saved activations (transient_bytes). Under offload
     the blocks differ: an offloaded block's backward holds its host tier brought back (under full: its
     input made whole again instead) and, in its pre phase only, the next one's (prefetched:
-    memory/offload.py prefetch_mark), and recomputes max(A, 1 - A) of its tokens' post under selective; a
+    memory/offload.py prefetch_mark), and under selective recomputes 1 - A of its tokens (piece_tokens); a
     kept block (the last offload_skip_last) recomputes all its tokens, with the offloaded block before it
     prefetched in its pre phase. A MoE model's MoE and dense blocks differ too: the largest of them."""
     sparse = set(m.moe_layer_ids)
     kinds = {i in sparse for i in range(m.layers)} or {False}
 
-    def phases(pol: MemoryPolicy, pre_extra: float = 0.0) -> float:
-        """The largest phase of a block's backward, `pre_extra` more bytes held in its pre phase."""
-        return max(max(v + (pre_extra if k == "pre" else 0.0) for k, v in backward_phase_bytes(
+    def phases(pol: MemoryPolicy, extra: dict[str, float] | None = None) -> float:
+        """The largest phase of a block's backward, `extra[phase]` more bytes held in that phase."""
+        extra = extra or {}
+        return max(max(v + extra.get(k, 0.0) for k, v in backward_phase_bytes(
             m, seq_len, micro_batch, head=head, ctx=ctx, window=window, policy=pol, dtype_bytes=e, docs=docs,
             moe=moe, autocast=autocast).items()) for moe in kinds)
 
     offloaded = max(0, m.layers - policy.offload_skip_last) if policy.offload_fraction else 0
-    if not offloaded:  # (every block kept: offload_skip_last >= layers leaves an offload_fraction nothing to do)
+    if not offloaded:  # (every block kept, offload_skip_last >= layers: each recomputes all its tokens)
         return phases(dataclasses.replace(policy, offload_fraction=0.0))
     acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                         dtype_bytes=e, docs=docs, weight_copies=autocast)
+    before = {"pre": acts.per_block_host}
+    kept = phases(dataclasses.replace(policy, offload_fraction=0.0), before)
     if policy.recompute == "full":
         # the block input's host part comes back and is joined with its device rest into a whole new
         # tensor (memory/offload.py _unpack: torch.cat), the recompute's input for the block's whole
@@ -403,12 +414,17 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         # the pre phase only (prefetch_mark: after the attention core's backward), in the offloaded
         # blocks' and the first kept one's backward alike
         own = micro_batch * seq_len // (head * ctx) * e * m.dim
-        off = own + phases(policy, pre_extra=acts.per_block_host)
-        kept = phases(dataclasses.replace(policy, offload_fraction=0.0), pre_extra=acts.per_block_host)
-    else:  # its own host tier brought back (prefetched whole, in the pre phase of the block after it), and
-        # the block before's in the pre phase (prefetch_mark: after the attention core's backward)
-        off = acts.per_block_host + phases(policy, pre_extra=acts.per_block_host)
-        kept = phases(dataclasses.replace(policy, offload_fraction=0.0), pre_extra=acts.per_block_host)
+        off = own + phases(policy, before)
+    else:  # its own host tier brought back (prefetched whole, in the pre phase of the block after it): whole
+        # in its post phase, then only what the core's and pre's backward still read (each part is freed with
+        # the backward that reads it); the block before's whole in the pre phase (prefetch_mark: after the
+        # attention core's backward). Counted whole in every phase, it was counted twice in pre (1.3x to 1.9x
+        # the measured peak: tests/unit/test_selective_offload_peak.py)
+        t = micro_batch * seq_len // (head * ctx)
+        pre, core = offloaded_tier_after_post(block_part_bytes(m, head, e, docs, autocast=autocast), e, m.dim,
+                                              float(policy.offload_fraction))
+        off = phases(policy, {"post": acts.per_block_host, "core": t * (pre + core),
+                              "pre": t * pre + acts.per_block_host})
     return off if offloaded == m.layers else max(off, kept)
 
 

@@ -86,6 +86,6 @@ def activation_costs(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: Mem
     acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,
                                                 act_bytes=act_e, dtype_bytes=e, activations=acts.total_host,
                                                 attention=attn_host, docs=doc_mask, pinned=not hw.is_cpu,
-                                                expert_skew=expert_skew)
+                                                expert_skew=expert_skew, autocast=copies)
     return ActivationCosts(acts, transient, tokens, work, flops, compute_seconds(flops, hw), attn_traffic, acts_host,
                            attn_host)

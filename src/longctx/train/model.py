@@ -150,13 +150,15 @@ def _offload_for_shape(cfg: Config, device: torch.device, rt: Runtime, seq_len: 
     positions = torch.arange(local_seq, device=device).expand(local_batch, local_seq)
     cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.model, device=device))
     bf16 = resolve_dtype(t.dtype, device) == torch.bfloat16
+    # (one process off the host tier in bf16: autocast over fp32 weights, its block inputs fp32, the matmuls'
+    # outputs bf16: each offloaded tensor counted at its dtype)
+    act_bytes, autocast = activation_dtype(bf16, rt.dims.world_size, cfg.memory.model_states, device.type)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         block_s = auto.measured_block_forward_seconds(_timing_block(cfg, device, rt), x, cos, sin, None)
     block_s = rt.max([block_s])[0]  # the slowest block decides
     return auto.choose_offload_fraction(
         cfg.model, seq_len, local_batch, head=d.head, ctx=d.ctx, skip_last=cfg.memory.offload_skip_last,
-        # (one process off the host tier in bf16: autocast over fp32 weights, its block inputs fp32)
-        dtype_bytes=activation_dtype(bf16, rt.dims.world_size, cfg.memory.model_states, device.type)[0],
+        dtype_bytes=act_bytes, autocast=autocast,
         block_seconds=block_s, link_bytes_per_s=link_bytes_per_s,
         host_bytes_per_rank=host_bytes_per_rank, expert=d.expert,
         # (the model-state tier's states, staging and the loader share the rank's host memory with the offload)
