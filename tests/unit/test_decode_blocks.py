@@ -83,9 +83,9 @@ def _host_reads_and_ops(monkeypatch, model, prompt, new, sampling, step):
         monkeypatch.setattr(torch.Tensor, name, counting(name))
     real_launch = CompiledStep.launch
 
-    def launch(self, *args):  # the compiled step's own work is not counted
+    def launch(self, *args, **kwargs):  # the compiled step's own work is not counted
         with _disable_current_modes():
-            return real_launch(self, *args)
+            return real_launch(self, *args, **kwargs)
 
     monkeypatch.setattr(CompiledStep, "launch", launch)
     ops = Ops()

@@ -18,9 +18,22 @@ The tokens are those of one step per round: a row takes its block's tokens in or
 ended (EOS, a stop, its limit); the tokens after that were computed and are ignored, as a finished row's
 are in any round. A block never runs past the longest limit, so the cache's room is as before. What
 changes: streaming (`on_token`) sees a block's tokens together, and a row that ends inside a block has
-the block's time in its decode time. The eager path decodes one token per round (the reference)."""
+the block's time in its decode time. The eager path decodes one token per round (the reference).
+
+A block without processors or logprobs runs as a `BlockGraph`: its steps on static buffers (the rows'
+last tokens, their positions at the block's start, the uniforms, the tokens), each step's positions
+made on the device from the start (start + j), so nothing of a step comes from the host. On a GPU the
+block's steps are then captured as ONE CUDA graph (the second time a block of that size runs on that
+cache; the first runs them as they are, compiling and warming up) and every later block is one replay:
+the host's Python per step (dynamo's guards, torch.compile's CUDA graph tree's bookkeeping, the glue around
+the call; the debug model's step is a few hundred microseconds of that for far less device work) is paid
+at the capture, not per token. On a CPU the steps simply run, the same code. `LONGCTX_DECODE_GRAPHS=0`
+keeps a GPU to the steps without the block's graph (a fallback, should a capture fail on some setup)."""
 
 from __future__ import annotations
+
+import os
+import weakref
 
 import torch
 
@@ -74,9 +87,11 @@ def decode_block(model, cache: Cache, chosen: torch.Tensor, steps: int, sampling
     Round of their tokens [rows, steps] (and processed logits [rows, steps, vocab] when `keep`), the
     processors' state following every token (`followed`)."""
     rows, device = chosen.shape[0], chosen.device
+    uniforms = None if sampling.greedy else block_uniforms(generators, steps, device)
+    if processors is None and not keep:
+        return _static_block(model, cache, chosen, steps, sampling, uniforms)
     tokens = torch.empty(steps, rows, dtype=torch.long, device=device)  # step-major: step j's row contiguous
     kept = torch.empty(steps, rows, model.cfg.vocab_size, device=device) if keep else None
-    uniforms = None if sampling.greedy else block_uniforms(generators, steps, device)
     for j in range(steps):
         u = None if uniforms is None else uniforms[j]
         if processors is None:
@@ -107,3 +122,87 @@ def _fused_step(model, cache: Cache, chosen: torch.Tensor, u, sampling: Sampling
         cache.end(ok)
     return out
 
+
+
+def _static_block(model, cache: Cache, chosen: torch.Tensor, steps: int, sampling: Sampling, uniforms) -> Round:
+    """A block of `steps` plain steps through its BlockGraph (one per cache, rows, size and sampling); the
+    cache's bookkeeping once for the block (begin: the room and each row's start; end: the rows hold them)."""
+    graphs = _GRAPHS.setdefault(cache, {})
+    key = (id(cache.fast), chosen.shape[0], steps, sampling)
+    block = graphs.get(key)
+    if block is None:
+        block = graphs[key] = BlockGraph(model, cache, chosen.shape[0], steps, sampling)
+    step = cache.begin(steps, chosen.device)
+    ok = False
+    try:
+        tokens = block.run(chosen, step.positions[:, 0], uniforms)
+        ok = True
+    finally:
+        cache.end(ok)
+    return Round(tokens.T, None, followed=False)
+
+
+# each cache's block graphs (they hold the addresses of its keys and values): gone with the cache
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class BlockGraph:
+    """`steps` plain decode steps of `rows` rows on `cache` (`next_token`, through the cache's compiled step)
+    on static buffers: `run` copies a block's inputs in, runs the steps (on a GPU from the second run one
+    CUDA graph's replay, `capture_for`), and returns the tokens [steps, rows] (a copy)."""
+
+    def __init__(self, model, cache: Cache, rows: int, steps: int, sampling: Sampling):
+        device = cache.k.device
+        self.model, self.cache, self.steps, self.sampling = model, weakref.proxy(cache), steps, sampling
+        self.chosen = torch.zeros(rows, dtype=torch.long, device=device)  # the rows' last tokens
+        self.start = torch.zeros(rows, dtype=torch.long, device=device)   # their positions at the block's start
+        self.uniforms = None if sampling.greedy else torch.zeros(steps, rows, dtype=torch.float64, device=device)
+        self.tokens = torch.empty(steps, rows, dtype=torch.long, device=device)  # step-major
+        self.capture = capture_for(device)
+        self.graph = None
+        self.runs = 0
+
+    def run(self, chosen: torch.Tensor, start: torch.Tensor, uniforms: torch.Tensor | None) -> torch.Tensor:
+        self.chosen.copy_(chosen)
+        self.start.copy_(start)
+        if uniforms is not None:
+            self.uniforms.copy_(uniforms)
+        if self.graph is None and self.capture is not None and self.runs:  # (compiled and warm: the first ran)
+            calls = self.cache.fast.calls
+            self.graph = self.capture(self.steps_)
+            self.cache.fast.calls = calls  # (a capture records the steps; the replay below runs them)
+        if self.graph is not None:
+            self.graph.replay()
+            self.cache.fast.calls += self.steps
+        else:
+            self.steps_()
+        self.runs += 1
+        return self.tokens.clone()  # (the buffer is the next run's)
+
+    def steps_(self) -> None:
+        """The block's steps on the buffers: step j's positions are the start + j, its token the next's input."""
+        cache, chosen = self.cache, self.chosen
+        for j in range(self.steps):
+            positions = (self.start + j)[:, None]
+            u = None if self.uniforms is None else self.uniforms[j]
+            token, _ = cache.fast.launch(next_token, chosen.device, 1, self.model, chosen, positions, cache.k,
+                                         cache.v, u, self.sampling, False, graphed_by_caller=self.capture is not None)
+            self.tokens[j] = token
+            chosen = self.tokens[j]
+
+
+def capture_for(device: torch.device):
+    """How a BlockGraph on `device` captures its steps: on a GPU as a CUDA graph (`_cuda_graph`; unless
+    LONGCTX_DECODE_GRAPHS=0), elsewhere not at all (None: the steps run each time)."""
+    if torch.device(device).type != "cuda" or os.environ.get("LONGCTX_DECODE_GRAPHS", "1") == "0":
+        return None
+    return _cuda_graph
+
+
+def _cuda_graph(steps):
+    """`steps()` captured as one CUDA graph (recorded, not run: the caller replays it). Its kernels were
+    compiled and run once before, outside any capture (torch.cuda.graph's warm-up rule)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        steps()
+    return graph

@@ -138,16 +138,21 @@ class CompiledStep:
         # a CUDA graph's output is overwritten by its next replay: the caller keeps a copy
         return hidden[:, :n].clone() if device.type == "cuda" else hidden[:, :n]
 
-    def launch(self, fn, device: torch.device, padded: int, *args):
+    def launch(self, fn, device: torch.device, padded: int, *args, graphed_by_caller: bool = False):
         """One call of the step: `fn` (static shapes, `padded` new tokens) compiled with this step's
-        settings, run on `args`. Its outputs on a GPU live until the next call (a CUDA graph's replay)."""
-        compiled = _compiled(fn, *self._settings(device), padded)
-        if device.type == "cuda":
+        settings, run on `args`. Its outputs on a GPU live until the next call (a CUDA graph's replay).
+        `graphed_by_caller`: the caller captures the calls in a CUDA graph of its own (generate/blocks.py
+        BlockGraph: a block of steps, one replay), so on a GPU `fn` is compiled without torch.compile's
+        CUDA graphs (a graph cannot be captured inside another's capture)."""
+        compiled = _compiled(fn, *self._settings(device, graphed_by_caller), padded)
+        if device.type == "cuda" and not graphed_by_caller:
             torch.compiler.cudagraph_mark_step_begin()
         self.calls += 1
         return compiled(*args)
 
-    def _settings(self, device: torch.device) -> tuple:
+    def _settings(self, device: torch.device, graphed_by_caller: bool = False) -> tuple:
+        if graphed_by_caller and device.type == "cuda" and self.mode in (None, "reduce-overhead"):
+            return None, self.backend, False  # (inductor's kernels; the caller's graph replays them)
         mode = self.mode if self.mode is not None else ("reduce-overhead" if device.type == "cuda" else None)
         # on a CPU the C++ wrapper calls the kernels without Python between them (~1.3x the step)
         cpp = mode is None and device.type == "cpu" and self.backend == "inductor"
