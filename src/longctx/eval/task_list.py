@@ -81,7 +81,7 @@ def task_plot(args, task: str) -> str:
 
 def combined_result(parts: list[dict], lengths: list[int], seconds: float) -> dict:
     """Several tasks' results as one object: the SHARED_KEYS every part agrees on, the lengths, the run's
-    seconds (model loads included), then "tasks": each task's result as it alone writes it, in run order.
+    seconds (model loads included), then "tasks": each task's result as it alone writes it, in the order given.
     One task: its result, unchanged (the single-task JSON users' scripts read)."""
     if len(parts) == 1:
         return parts[0]
