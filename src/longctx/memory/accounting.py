@@ -28,9 +28,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..config import ModelConfig
-from ..models.flops import dense_ffn_params, matmul_params_per_layer, moe_ffn_params
+from ..models.flops import attention_matmul_params, dense_ffn_params, matmul_params_per_layer, moe_ffn_params
 from ..ops.chunked import chunk_store_host_ptrs
-from .moe_counts import moe_call_terms, moe_calls, moe_ffn_bytes
+from .moe_counts import (
+    experts_copied,
+    moe_call_terms,
+    moe_calls,
+    moe_ffn_bytes,
+    moe_norm_feeds,
+    moe_weight_copy_params,
+)
 from .policy import MemoryPolicy
 
 NO_POLICY = MemoryPolicy()  # nothing recomputed, offloaded or chunked
@@ -77,7 +84,8 @@ def autocast_norm_bytes(d: int, c: int, feeds: int) -> int:
 def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe: bool = False,
                      autocast: bool = False) -> dict[str, float]:
     """Bytes per local token of the tensors a block can leave behind, by name; `moe`: a MoE layer's
-    block, whose feed-forward keeps `moe_ffn_bytes` (under "mlp") instead of the SwiGLU's. `autocast`
+    block, whose feed-forward keeps `moe_ffn_bytes` (under "mlp", by dtype under autocast too: its `c`) instead of
+    the SwiGLU's. `autocast`
     (bf16 autocast over fp32 weights, p = 4: activation_dtype): what the matmuls and the attention kernel
     make is bf16, the core's q, k, v, out (its log-sum-exp fp32), the attention output and a dense MLP's
     intermediates at 2 B; a norm keeps its fp32 normed values and statistics and the bf16 cast of its output
@@ -102,7 +110,9 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
     if c < p:
         # autocast: the norm's fp32 output is not kept, but each matmul it feeds casts it to bf16 and keeps
         # that cast
-        norm, mlp_norm = autocast_norm_bytes(d, c, ATTENTION_NORM_FEEDS), autocast_norm_bytes(d, c, MLP_NORM_FEEDS)
+        # (a MoE feed-forward's router reads it in fp32, its experts their permuted rows: moe_norm_feeds)
+        mlp_feeds = moe_norm_feeds(m) if moe and m.is_moe else MLP_NORM_FEEDS
+        norm, mlp_norm = autocast_norm_bytes(d, c, ATTENTION_NORM_FEEDS), autocast_norm_bytes(d, c, mlp_feeds)
     # model.qk_norm (Qwen3, OLMoE): the q and k norms (ops/norm.py rms_norm, in the sequence layout
     # before the all-to-all: every head) keep their input's fp32 copy (the input itself in fp32), the
     # normed values in the input's dtype (the projection's: c), and an fp32 rsqrt per row (a head's vector,
@@ -119,7 +129,7 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
         "attn_out": c * H * hd,                        # the attention output in sequence layout
         "residual": p * d if p == 4 else 0,            # h = x + attention, kept as the MLP norm's input
         # w1 out, silu out, w3 out, product; a MoE feed-forward's router, permutation and experts
-        "mlp": moe_ffn_bytes(m, p) if moe and m.is_moe else 4 * c * F,
+        "mlp": moe_ffn_bytes(m, p, c) if moe and m.is_moe else 4 * c * F,
         "block_out": p * d,
     }
 
@@ -316,12 +326,17 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
             device, host_bytes, flops = tokens * kept, tokens * core_host, tokens * recompute
             if not _output_held(p, rc, i, L, loss_chunked):  # (kept counts the block output)
                 device -= tokens * part["block_out"]
+        calls = moe_calls(rc, off, tokens, policy) if moe and model.is_moe else []
         if weight_copies and (rc == "none" or (rc == "selective" and off)):
-            device += 2 * matmul_params_per_layer(model, moe)
+            if moe and model.is_moe:  # (no copy of the router's fp32 gate, nor of experts run in pieces)
+                copied = experts_copied(model, calls, policy.expert_chunk, expert, expert_skew)
+                device += 2 * (attention_matmul_params(model) + moe_weight_copy_params(model, copied))
+            else:
+                device += 2 * matmul_params_per_layer(model, moe)
         if moe and model.is_moe:
             if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
-                moe_terms[off] = moe_call_terms(model, p, moe_calls(rc, off, tokens, policy), policy.expert_chunk,
-                                                 off, expert, expert_skew)
+                moe_terms[off] = moe_call_terms(model, p, calls, policy.expert_chunk, off, expert, expert_skew,
+                                                 c=compute_bytes(p, weight_copies and p == 4))
             d_moe, h_moe, f_moe = moe_terms[off]
             device, host_bytes, flops = device + d_moe, host_bytes + h_moe, flops + f_moe
         alike[kind] = LayerActivations(device, host_bytes, flops, moe and model.is_moe, off)

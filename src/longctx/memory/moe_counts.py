@@ -13,47 +13,80 @@ from ..ops.grouped import cpu_kernel_available
 from .policy import MemoryPolicy
 
 
-def moe_ffn_bytes(m: ModelConfig, p: int) -> float:
+def moe_ffn_bytes(m: ModelConfig, p: int, c: int | None = None) -> float:
     """Bytes per local token a Mixture-of-Experts feed-forward (models/moe.py) leaves for backward
     in a training forward, dropless, in this implementation's graph (its input, the norm's output,
-    is the block's: counted in `norm`):
+    is the block's: counted in `norm`). `c`: bytes per element of what the matmuls make
+    (accounting.compute_bytes; None: p): under bf16 autocast over fp32 weights (p 4, c 2) the
+    router stays fp32 (autocast off) and the expert path is bf16:
 
     - router (fp32, autocast off): the softmax probabilities [E] (the sigmoid router: its scores [E]
       and their per-token sum); with a z-loss (moe.z_loss > 0) the logits [E] and the log-sum-exp (4)
       its backward reads (without one it is recorded without a gradient); in bf16 the fp32 copy
       of the input the gate multiplies (4 d), and the bf16 norm output is then kept only by the
-      shared experts;
-    - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (p each,
-      as the combine multiplies them), and with renormalised top-k (moe.norm_topk, at any k; not the
-      switch router, whose weight is its probability) the gathered probabilities [k] and their sum, fp32;
+      shared experts; under autocast the gate keeps the norm's fp32 output itself (4 d), which the
+      autocast count of the norm leaves out (accounting.autocast_norm_bytes);
+    - the chosen experts [k] (int64, the weights' gather index); the routing weights [k] (c each,
+      as the combine multiplies them: under autocast their bf16 cast), and with renormalised top-k
+      (moe.norm_topk, at any k; not the switch router, whose weight is its probability) the gathered
+      probabilities [k] and their sum, fp32;
     - permute (TokenRows): the inverse permutation of the T k slots (int64), which its backward
-      gathers by, and the permuted tokens [k, d];
+      gathers by, and the permuted tokens [k, d] (`routed_row_bytes`);
     - the routed experts: SwiGLU intermediates of expert_dim for each of the k slots (w1 out, silu
-      out, w3 out, product: 4 x expert_dim, as the dense MLP's 4 x ffn_dim);
-    - un-permute, a gather by the same inverse permutation (kept once) and the slots [k, d]; with a
-      capacity an index_copy instead, which keeps its own index (int64 [k]) and its source, the
-      experts' output [k, d];
-    - shared experts: a SwiGLU of shared_dim (4 x shared_dim); with their sigmoid gate, the gate
-      (1) and the shared output [d].
+      out, w3 out, product: 4 x expert_dim, as the dense MLP's 4 x ffn_dim), c each;
+    - un-permute, a gather by the same inverse permutation (kept once) and the slots [k, d] (the
+      experts' output, c); with a capacity an index_copy instead, which keeps its own index (int64
+      [k]) and its source, the experts' output [k, d];
+    - shared experts: a SwiGLU of shared_dim (4 x shared_dim, c); with their sigmoid gate, the gate
+      (1) and the shared output [d] (c).
 
     With the top-k choice every token fills exactly k slots, so this is exact (routing only decides
     which expert a slot's rows go to). With a capacity (moe.capacity_factor > 0) the kept choices
     (bool [k]) are added and the T k slots are an upper bound of the rows the experts see."""
+    c = p if c is None else c
     d, k, E = m.dim, m.moe_top_k, m.moe_experts
     H, S = m.resolved_expert_dim, m.resolved_shared_dim
     router = 4 * E + (4 * E + 4 if m.moe_z_loss > 0 else 0) + (4 if m.moe_router == "sigmoid" else 0)
     if p != 4:
         router += 4 * d - (0 if S else p * d)
-    choice = 8 * k + p * k + (4 * k + 4 if m.moe_norm_topk and m.moe_router != "switch" else 0)
+    elif c < p:
+        router += 4 * d
+    choice = 8 * k + c * k + (4 * k + 4 if m.moe_norm_topk and m.moe_router != "switch" else 0)
     choice += k if m.moe_capacity_factor > 0 else 0
-    permute = 8 * k + p * k * d
-    experts = 4 * p * k * H
-    unpermute = p * k * d + (8 * k + p * k * d if m.moe_capacity_factor > 0 else 0)
-    shared = 4 * p * S + ((p + p * d) if m.moe_shared_gate and S else 0)
+    permute = 8 * k + k * routed_row_bytes(m, p, c)
+    experts = 4 * c * k * H
+    unpermute = c * k * d + (8 * k + c * k * d if m.moe_capacity_factor > 0 else 0)
+    shared = 4 * c * S + ((c + c * d) if m.moe_shared_gate and S else 0)
     return router + choice + permute + experts + unpermute + shared
 
 
-def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool = False) -> float:
+def routed_row_bytes(m: ModelConfig, p: int, c: int) -> int:
+    """Bytes a permuted row keeps for the experts' backward: the row itself (p d), or under autocast (c < p)
+    the bf16 cast of it that each of the two grouped GEMMs reading it (w1, w3: ops/grouped.py casts its
+    operands) makes and saves. (Experts in checkpointed pieces keep the row itself instead, the piece's
+    input: moe_call_terms.)"""
+    return 2 * c * m.dim if c < p else p * m.dim
+
+
+def moe_norm_feeds(m: ModelConfig) -> int:
+    """The matmuls under autocast that cast a MoE block's MLP norm output to bf16 and keep the cast (as
+    accounting.autocast_norm_bytes counts them): the shared experts' w1 and w3, and their sigmoid gate. The
+    router's gate reads it in fp32 (moe_ffn_bytes) and the routed experts its permuted rows."""
+    S = m.resolved_shared_dim
+    return (2 if S else 0) + (1 if S and m.moe_shared_gate else 0)
+
+
+def moe_weight_copy_params(m: ModelConfig, experts_copied: bool) -> int:
+    """Parameters of a MoE feed-forward whose bf16 copy autocast keeps for backward when the call's saved
+    tensors are kept (accounting.layer_activations `weight_copies`): the shared experts' and their gate's,
+    and the routed experts' when they run whole (`experts_copied`; in checkpointed pieces, memory.expert_chunk,
+    each piece's copy is made again in backward). The router's gate runs in fp32: none."""
+    d, S = m.dim, m.resolved_shared_dim
+    shared = 3 * d * S + (d if S and m.moe_shared_gate else 0)
+    return shared + (m.moe_experts * 3 * d * m.resolved_expert_dim if experts_copied else 0)
+
+
+def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool = False, c: int | None = None) -> float:
     """Bytes one call of a MoE feed-forward keeps whatever its tokens: what its router records for
     the balancing losses (expert counts and probability sums, fp32 [E] each, the squared log-sum-exp
     sum and the dropped count: 8 E + 8, on the device, also under a checkpoint); and when the call's
@@ -61,12 +94,14 @@ def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool =
     linear saves (4 E d), and wherever the grouped GEMM kernel runs its int32 group offsets (3 x 4 E):
     ops/grouped.py runs it for rows of whole 16 bytes (dim and expert_dim), in bf16, and in fp32 on a
     CPU whose torch has the kernel (elsewhere its loop saves no offsets), unless the experts run in
-    checkpointed pieces (memory.expert_chunk: `experts_chunked`), which keep none of theirs."""
+    checkpointed pieces (memory.expert_chunk: `experts_chunked`), which keep none of theirs. `c`: the experts'
+    operand bytes (moe_ffn_bytes; under autocast bf16, what decides the kernel's alignment)."""
     E = m.moe_experts
     if not stored:
         return 8 * E + 8
-    aligned = m.dim % (16 // p) == 0 and m.resolved_expert_dim % (16 // p) == 0
-    kernel = aligned and (p != 4 or cpu_kernel_available()) and not experts_chunked
+    c = p if c is None else c
+    aligned = m.dim % (16 // c) == 0 and m.resolved_expert_dim % (16 // c) == 0
+    kernel = aligned and (c != 4 or cpu_kernel_available()) and not experts_chunked
     return 8 * E + 8 + (4 * E * m.dim if p != 4 else 0) + (12 * E if kernel else 0)
 
 
@@ -119,6 +154,30 @@ def expert_parallel_row_bytes(m: ModelConfig, p: int, chunked: bool) -> float:
     return p * m.dim + (0 if chunked else 4 * p * m.resolved_expert_dim) + 16
 
 
+def experts_copied(m: ModelConfig, calls: list[tuple[int, bool]], expert_chunk: int, expert: int = 1,
+                   skew: float = 1.0) -> bool:
+    """Whether autocast's bf16 copy of the routed experts' weights outlives the forward (moe_weight_copy_params):
+    some stored call runs its experts whole (its rows, or under expert parallelism the rows the rank receives,
+    no more than memory.expert_chunk)."""
+    def rows(n: int) -> float:
+        return expert_rows(n, m, expert, skew) if expert > 1 else n * m.moe_top_k
+    return any(stored and not (expert_chunk and rows(n) > expert_chunk) for n, stored in calls)
+
+
+def expert_grad_sum_bytes(m: ModelConfig, policy: MemoryPolicy) -> float:
+    """Under autocast over fp32 weights, the fp32 running sums of the routed experts' three weight gradients
+    ([E, hidden, dim] each, 4 B) that a MoE block's backward holds while a later piece of its feed-forward runs,
+    when it runs in more than one (block_chunk, or selective + offload's stored and recomputed tokens): each
+    piece's gradient is added to the sum of the pieces before. Without the tokens, any policy that may cut
+    the call counts them (an upper bound). Measured (tests/unit/test_autocast_moe_accounting.py): uncounted,
+    the transient under block_chunk was 0.84-0.88x the measured one once the experts' saved tensors were
+    counted at their dtype."""
+    split = policy.recompute == "selective" and 0 < policy.offload_fraction < 1
+    if not (policy.block_chunk or split) or policy.recompute == "none":
+        return 0.0
+    return 3 * 4.0 * m.moe_experts * m.resolved_expert_dim * m.dim
+
+
 def moe_forward_runs(model: ModelConfig, tokens: int, policy: MemoryPolicy) -> float:
     """Forward runs of the MoE feed-forwards in one micro-batch, summed over the MoE layers: 1 each,
     plus the share of its tokens whose call is recomputed in backward (moe_calls: not stored; under
@@ -135,7 +194,8 @@ def moe_forward_runs(model: ModelConfig, tokens: int, policy: MemoryPolicy) -> f
 
 
 def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert_chunk: int,
-                    offloaded: bool, expert: int = 1, skew: float = 1.0) -> tuple[float, float, float]:
+                    offloaded: bool, expert: int = 1, skew: float = 1.0,
+                    c: int | None = None) -> tuple[float, float, float]:
     """(device bytes, host bytes, recomputed FLOPs) a MoE block's feed-forward calls add to its
     per-token count (which holds every stored token's experts' intermediates, `moe_ffn_bytes`):
     each call's `moe_call_bytes` (in an offloaded block its saved tensors' share on the host, the
@@ -147,8 +207,12 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
     Under expert parallelism (`expert` > 1) the experts run on the rows the rank receives: on the most
     loaded rank `expert_rows` of them (`skew` x its share); a stored call keeps
     `expert_parallel_row_bytes` for each in place of its own k rows' (on the device: the received
-    rows are not the blocks' offloaded tensors)."""
+    rows are not the blocks' offloaded tensors).
+
+    `c` (moe_ffn_bytes; under autocast 2): the bytes of the experts' intermediates and permuted rows counted
+    there; experts in checkpointed pieces keep each piece's input, the permuted rows in their own dtype (p)."""
     k, E = m.moe_top_k, m.moe_experts
+    c = p if c is None else c
     device = host = flops = 0.0
     for n, stored in calls:
         rows = received = n * k
@@ -156,19 +220,23 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
             received = expert_rows(n, m, expert, skew)
         chunked = bool(expert_chunk) and received > expert_chunk
         records = moe_call_bytes(m, p, stored=False)  # the router's records stay on the device
-        saved = moe_call_bytes(m, p, stored, chunked) - records  # saved tensors: the offloader takes them
+        saved = moe_call_bytes(m, p, stored, chunked, c) - records  # saved tensors: the offloader takes them
         device += records + (0.0 if offloaded else saved)
         host += saved if offloaded else 0.0
         if chunked:
             flops += received * 6 * m.dim * m.resolved_expert_dim
         if chunked and stored:
-            kept = -(-int(received) // expert_chunk) * 8 * E - rows * 4 * p * m.resolved_expert_dim
+            # each piece's counts; no intermediates; the rows as the pieces' input, not as the GEMMs' casts
+            kept = (-(-int(received) // expert_chunk) * 8 * E - rows * 4 * c * m.resolved_expert_dim
+                    + rows * (p * m.dim - routed_row_bytes(m, p, c)))
             if offloaded:
                 host += kept
             else:
                 device += kept
         if expert > 1 and stored:
-            own = rows * (p * m.dim + (0 if chunked else 4 * p * m.resolved_expert_dim))
+            # (what this call's own k rows are counted at above: the pieces' input rows, or the GEMMs' casts and
+            # the intermediates)
+            own = rows * (p * m.dim if chunked else routed_row_bytes(m, p, c) + 4 * c * m.resolved_expert_dim)
             more = received * expert_parallel_row_bytes(m, p, chunked) - own
             if offloaded:  # (the offloader takes the block's saved tensors, the received rows' too)
                 host += more

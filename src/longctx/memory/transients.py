@@ -23,7 +23,7 @@ from .accounting import (
     loss_saved_bytes,
     offloaded_tier_after_post,
 )
-from .moe_counts import expert_rows
+from .moe_counts import expert_grad_sum_bytes, expert_rows
 from .policy import MemoryPolicy
 
 
@@ -243,11 +243,13 @@ def autocast_weight_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = Fals
     a saved activation too."""
     d = m.dim
     largest = max(m.ffn_dim, m.heads * m.resolved_head_dim) * d
+    sums = 0.0
     if moe and m.is_moe:
         largest = max(largest, m.moe_experts * m.resolved_expert_dim * d)
+        sums = expert_grad_sum_bytes(m, policy)  # (the experts' gradients summed over the call's pieces)
     recasts = policy.recompute == "full" or (policy.recompute == "selective" and not policy.offload_fraction)
     copies = matmul_params_per_layer(m, moe) if recasts else 0
-    return 2.0 * (copies + largest)
+    return 2.0 * (copies + largest) + sums
 
 
 def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
