@@ -42,17 +42,19 @@ RUN = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=fal
 # the trained plans' and the single process's data: the stdlib's first 300 documents (the plan's own data.corpus),
 # not the whole library, whose store the run would build first (2 steps read 16 of its samples)
 DATA = ["--data.max_docs=300"]
-# GPU memory per request -> the best plan at TRAIN_SEQ (2026-12-03; at 2048 the same plans took 0.2, 0.03 and
-# 0.05 GiB): three layouts, micro-batch sizes (dp x 1 = 4, 2, 1 sequences), grad_accum 2 / 4 / 8, gradient sync
-# per step / per micro-batch, device and host model states. (At 1024: 0.1-0.2 give rep4; 0.014-0.016
-# rep2xctx2-host; 0.025-0.03 head2xctx2.)
+# plan options per request -> the best plan at TRAIN_SEQ: three layouts, micro-batch sizes (dp x 1 = 4, 2, 1
+# sequences), grad_accum 2 / 4 / 8, gradient sync per step / per micro-batch, device and host model states. GPU
+# memory alone chose them until 2026-12-05 (at 1024: 0.1-0.2 rep4; 0.014-0.016 rep2xctx2-host; 0.025-0.03
+# head2xctx2); with the activations counted tighter since (an offloaded block's host tier once, by dtype), the host
+# tiers fit where head2xctx2 did, so that plan is asked for as recompute none on the device (0.026-0.032 GiB give it).
 PLANS = {
-    "rep4": ("0.2", dict(parallel=(4, 1, 1, 1), grad_accum=2, recompute="none", model_states="device",
-                         grad_sync="step")),
-    "rep2xctx2-host": ("0.013", dict(parallel=(2, 1, 1, 2), grad_accum=4, recompute="selective",
-                                     model_states="host", grad_sync="micro_batch")),
-    "head2xctx2": ("0.026", dict(parallel=(1, 1, 2, 2), grad_accum=8, recompute="none", model_states="device",
-                                 grad_sync="step")),
+    "rep4": (["--hw", "memory_gib=0.2"], dict(parallel=(4, 1, 1, 1), grad_accum=2, recompute="none",
+                                              model_states="device", grad_sync="step")),
+    "rep2xctx2-host": (["--hw", "memory_gib=0.013"], dict(parallel=(2, 1, 1, 2), grad_accum=4, recompute="selective",
+                                                          model_states="host", grad_sync="micro_batch")),
+    "head2xctx2": (["--hw", "memory_gib=0.028", "--recompute", "none", "--model-states", "device"],
+                   dict(parallel=(1, 1, 2, 2), grad_accum=8, recompute="none", model_states="device",
+                        grad_sync="step")),
 }
 
 
@@ -208,9 +210,9 @@ def trained(hardware, tmp_path_factory):
     single process's losses on the same global batch (no plan: the debug model's config by hand)."""
     base = tmp_path_factory.mktemp("plans")
     paths = {}
-    for key, (memory, _) in PLANS.items():
+    for key, (options, _) in PLANS.items():
         paths[key] = str(base / f"{key}.toml")
-        _plan(hardware, paths[key], "--hw", f"memory_gib={memory}", "--top=1", seq=TRAIN_SEQ)
+        _plan(hardware, paths[key], *options, "--top=1", seq=TRAIN_SEQ)
     jobs = [(key, _train, (paths[key], str(base / f"run-{key}"))) for key in PLANS]
     losses = run_spawned_many(4, jobs)
     single = train(load_config("configs/debug.toml", [

@@ -312,23 +312,15 @@ def accumulated_grad_bytes(m: ModelConfig, shape: MeshShape, grad_accum: int, gr
 def chunk_grad_buffer_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int,
                             block_chunk: int) -> float:
     """memory.block_chunk: a block's weights are used once per chunk, and autograd sums each weight's gradient
-    over the chunks in a buffer of its own before it reaches .grad. Where that gradient is fresh (FSDP's
-    unsharded gradient after every micro-batch's reduce-scatter, or a first micro-batch) the buffer becomes it,
-    counted with the model states; where the gradient is kept across micro-batches (grad_accum > 1 on a rank that
-    reduces alone, without FSDP, on the device tier; or FSDP under grad_sync "step") the buffer is on top of it
-    during the block's backward: one largest block's gradients in fp32 (of routed experts, the expert group's
-    share), and the sum of its largest weight as the next chunk's gradient is added (out of place, before the
-    old buffer is freed). Measured: a llama3-1b-shaped block at 2K-4K tokens peaked 1.6-2.3x the activation
-    estimate without it (tests/unit/test_chunk_grad_buffer.py)."""
-    if not block_chunk or grad_accum <= 1:
-        return 0.0
-    kept = tier == "device" if shape.reduces_alone else grad_sync == "step"
-    if not kept:
-        return 0.0
-    largest = m.dim * max(m.ffn_dim, m.heads * m.resolved_head_dim)
-    if m.is_moe:  # (a MoE layer's routed experts are one tensor per projection: the group's share of them)
-        largest = max(largest, -(-m.moe_experts // shape.expert) * m.dim * m.resolved_expert_dim)
-    return 4.0 * (param_counts(m, shape.expert)["block"] + largest)
+    over the chunks in a buffer of its own before it reaches .grad. That sum is now the transient's
+    (memory/transients.py weight_grad_sum_bytes: a running sum of each weight of the phase and the largest's two
+    extra copies), counted for every micro-batch: the running sums are tensors of their own whether .grad is
+    fresh or kept (measured on CPU: a later micro-batch's peak, .grad kept, is 1.02x the first's,
+    tests/unit/test_grad_sum_transients.py), so nothing is left to count here. This term counted one block's
+    gradients and its largest weight where gradients are kept, and nothing where they are fresh, where the
+    transient was then under the measured peak (0.33-0.64x in a weight-heavy shape). 0 for every regime; kept
+    as the planner's part (chunk.grads, shown where not 0) until the plumbing is removed."""
+    return 0.0
 
 
 # CO2's OuterSync (step/co2.py): fp32 buffers per parameter of a rank's shard: the round's start, the outer

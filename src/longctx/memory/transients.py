@@ -146,6 +146,10 @@ def core_working_set_bytes(m: ModelConfig, *, head: int, ctx: int, window: int, 
         work = e * (q_dim + 2 * kv_dim)  # the returned dq, dk, dv; fp32 dq waits on the host
     elif chunked and ctx == 1:
         work = 4 * q_dim + 2 * e * kv_dim  # fp32 dq accumulator, dk, dv filled key chunk by key chunk
+    elif docs and ctx == 1:
+        # one document-sparse backward over the rank's tokens: its fp32 dq, dk, dv accumulators are these
+        # (ops/attention.py _sparse_backward), counted with its temporaries below, not twice
+        work = 0.0
     else:
         work = 4 * q_dim + 8 * kv_dim  # fp32 dq and dk/dv accumulators
     if ctx > 1:
@@ -252,6 +256,41 @@ def autocast_weight_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = Fals
     return 2.0 * (copies + largest) + sums
 
 
+def block_pieces(tokens: int, policy: MemoryPolicy) -> int:
+    """How many pieces a block's token-wise parts (pre and post) run in (memory/apply_policy.py _in_parts):
+    under selective + offload the stored tokens and the recomputed ones, each cut by block_chunk; otherwise
+    block_chunk's pieces of all tokens (`none` and unchunked blocks: one call)."""
+    if policy.recompute == "none":
+        return 1
+    count = lambda n: -(-n // policy.block_chunk) if policy.block_chunk and n > policy.block_chunk else int(n > 0)
+    stored = round(tokens * policy.offload_fraction) if policy.recompute == "selective" else 0
+    return max(1, count(stored) + count(tokens - stored))
+
+
+def weight_grad_sum_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, weight_bytes: int,
+                          moe: bool = False) -> dict[str, float]:
+    """{"post", "pre"}: the weight gradients a block's backward sums across its pieces (block_pieces > 1).
+    Every piece uses each weight of its part, so autograd adds the pieces' gradients of a weight in its
+    AccumulateGrad node's input buffer, adding the sum to .grad only once the last piece's has come: through
+    post's backward a running sum of each of its weights (the output projection, the feed-forward's and the MLP
+    norm's) is alive, and while one is added to, the piece's gradient and the new sum beside the old one (seen
+    at the measured peak: aten.add making a new sum). At the weights' own dtype (`weight_bytes`: fp32 under
+    autocast, where the cast's backward returns an fp32 gradient per piece). The running sums are storages of
+    their own, not the .grad they end in, so the count holds whether .grad is fresh or kept from an earlier
+    micro-batch (measured: that one's transient is 1.02x the first's). Measured on CPU, these made
+    the peak of a weight-heavy shape (dim 256, ffn 1024, 256 tokens in pieces of 64) 1.4-3x the count without
+    them (tests/unit/test_grad_sum_transients.py). A MoE layer's expert weights are not counted here (its
+    feed-forward's own count: ffn_backward_bytes)."""
+    if block_pieces(tokens, policy) <= 1:
+        return {"post": 0.0, "pre": 0.0}
+    d, hd = m.dim, m.resolved_head_dim
+    wo = m.heads * hd * d
+    post = [wo] + ([] if moe and m.is_moe else [m.ffn_dim * d] * 3)
+    pre = [m.heads * hd * d, m.kv_heads * hd * d, m.kv_heads * hd * d]
+    norms = {"post": d, "pre": d + ((m.heads + m.kv_heads) * hd if m.qk_norm else 0)}  # (q/k norms: at most)
+    return {k: weight_bytes * (sum(w) + 2 * max(w) + norms[k]) for k, w in (("post", post), ("pre", pre))}
+
+
 def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
                          policy: MemoryPolicy, dtype_bytes: int, docs: bool, moe: bool = False,
                          autocast: bool = False) -> dict[str, float]:
@@ -298,9 +337,10 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
         pre_piece = max(stored * rope, recomputed * (part["norm"] + part["qk_norm"] + rope))
         pre_block = t * (part["norm"] + part["qk_norm"]) if full and not policy.block_chunk else 0.0
     weights = autocast_weight_bytes(m, policy, moe) if autocast else 0.0
-    return {"post": t * (2 * X + c * q_dim + state_post) + piece + pre_block + weights,
+    sums = weight_grad_sum_bytes(m, t, policy, 4 if autocast else e, moe)
+    return {"post": t * (2 * X + c * q_dim + state_post) + piece + pre_block + weights + sums["post"],
             "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights,
-            "pre": t * (2 * X + both_layouts * c * (q_dim + 2 * kv_dim)) + pre_piece + weights}
+            "pre": t * (2 * X + both_layouts * c * (q_dim + 2 * kv_dim)) + pre_piece + weights + sums["pre"]}
 
 
 def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast: bool = False) -> float:
