@@ -33,6 +33,17 @@ def test_which_runs_compute_over_fp32_weights():
     assert activation_dtype(True, 8, "device", "cpu") == (4, True)  # (FSDP keeps fp32 on CPU)
 
 
+def under_autocast(model) -> None:
+    """The model's forward under CPU bf16 autocast, as step/loss.py runs it (backward outside)."""
+    forward = model.forward
+
+    def autocast_forward(*a, **k):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return forward(*a, **k)
+
+    model.forward = autocast_forward
+
+
 @pytest.mark.parametrize("recompute,fraction,skip_last", [("full", 1.0, 0), ("full", 0.0, 1), ("selective", 1.0, 0),
                                                           ("selective", 0.0, 1), ("none", 0.0, 1)])
 def test_autocast_over_fp32_weights_keeps_no_more_than_counted(recompute, fraction, skip_last):
@@ -40,13 +51,7 @@ def test_autocast_over_fp32_weights_keeps_no_more_than_counted(recompute, fracti
     model = build_model(cfg, seed=0)  # fp32 weights, as one GPU process of the device tier keeps them
     model.memory_offloader = apply_memory_policy(model.layers, recompute, fraction, offload_skip_last=skip_last)
     model.loss_chunk = 64
-    forward = model.forward
-
-    def autocast_forward(*a, **k):  # (the forward under autocast, as step/loss.py runs it; backward outside)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return forward(*a, **k)
-
-    model.forward = autocast_forward
+    under_autocast(model)
     tokens, positions, doc, labels = packed_batch(cfg, seq=SEQ, batch=BATCH)
     measured = measure_activations(model, tokens, positions, doc, labels=labels)
     e, copies = activation_dtype(True, 1, "device")

@@ -9,7 +9,7 @@ backward's transient over it 1.02-1.29x (1.40-1.43 selective + offload + block_c
 under (2026-12-05)."""
 
 import pytest
-import torch
+from test_autocast_accounting import under_autocast
 
 from longctx.config import load_config
 from longctx.memory.accounting import activation_dtype, layer_activations, measure_activations
@@ -37,13 +37,7 @@ def measured_and_counted(overrides, recompute, fraction, skip_last, block_chunk,
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
         experts.chunk = expert_chunk
     model.loss_chunk = 64
-    forward = model.forward
-
-    def autocast_forward(*a, **k):  # (the forward under autocast, as step/loss.py runs it; backward outside)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return forward(*a, **k)
-
-    model.forward = autocast_forward
+    under_autocast(model)
     tokens, positions, doc, labels = packed_batch(cfg, seq=SEQ, batch=BATCH)
     measured = measure_activations(model, tokens, positions, doc, labels=labels)
     e, copies = activation_dtype(True, 1, "device")
