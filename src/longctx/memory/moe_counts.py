@@ -164,20 +164,6 @@ def experts_copied(m: ModelConfig, calls: list[tuple[int, bool]], expert_chunk: 
     return any(stored and not (expert_chunk and rows(n) > expert_chunk) for n, stored in calls)
 
 
-def expert_grad_sum_bytes(m: ModelConfig, policy: MemoryPolicy) -> float:
-    """Under autocast over fp32 weights, the fp32 running sums of the routed experts' three weight gradients
-    ([E, hidden, dim] each, 4 B) that a MoE block's backward holds while a later piece of its feed-forward runs,
-    when it runs in more than one (block_chunk, or selective + offload's stored and recomputed tokens): each
-    piece's gradient is added to the sum of the pieces before. Without the tokens, any policy that may cut
-    the call counts them (an upper bound). Measured (tests/unit/test_autocast_moe_accounting.py): uncounted,
-    the transient under block_chunk was 0.84-0.88x the measured one once the experts' saved tensors were
-    counted at their dtype."""
-    split = policy.recompute == "selective" and 0 < policy.offload_fraction < 1
-    if not (policy.block_chunk or split) or policy.recompute == "none":
-        return 0.0
-    return 3 * 4.0 * m.moe_experts * m.resolved_expert_dim * m.dim
-
-
 def moe_forward_runs(model: ModelConfig, tokens: int, policy: MemoryPolicy) -> float:
     """Forward runs of the MoE feed-forwards in one micro-batch, summed over the MoE layers: 1 each,
     plus the share of its tokens whose call is recomputed in backward (moe_calls: not stored; under

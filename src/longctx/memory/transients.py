@@ -23,7 +23,7 @@ from .accounting import (
     loss_saved_bytes,
     offloaded_tier_after_post,
 )
-from .moe_counts import expert_grad_sum_bytes, expert_rows
+from .moe_counts import expert_rows
 from .policy import MemoryPolicy
 
 
@@ -247,13 +247,11 @@ def autocast_weight_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = Fals
     a saved activation too."""
     d = m.dim
     largest = max(m.ffn_dim, m.heads * m.resolved_head_dim) * d
-    sums = 0.0
     if moe and m.is_moe:
         largest = max(largest, m.moe_experts * m.resolved_expert_dim * d)
-        sums = expert_grad_sum_bytes(m, policy)  # (the experts' gradients summed over the call's pieces)
     recasts = policy.recompute == "full" or (policy.recompute == "selective" and not policy.offload_fraction)
     copies = matmul_params_per_layer(m, moe) if recasts else 0
-    return 2.0 * (copies + largest) + sums
+    return 2.0 * (copies + largest)
 
 
 def block_pieces(tokens: int, policy: MemoryPolicy) -> int:
@@ -279,13 +277,21 @@ def weight_grad_sum_bytes(m: ModelConfig, tokens: int, policy: MemoryPolicy, wei
     their own, not the .grad they end in, so the count holds whether .grad is fresh or kept from an earlier
     micro-batch (measured: that one's transient is 1.02x the first's). Measured on CPU, these made
     the peak of a weight-heavy shape (dim 256, ffn 1024, 256 tokens in pieces of 64) 1.4-3x the count without
-    them (tests/unit/test_grad_sum_transients.py). A MoE layer's expert weights are not counted here (its
-    feed-forward's own count: ffn_backward_bytes)."""
+    them (tests/unit/test_grad_sum_transients.py). A MoE layer's feed-forward: its routed experts' three
+    [experts, hidden, dim] weights (all of them: an upper bound under expert parallelism, whose ranks hold
+    their share), the router's gate and the shared experts' (measured, a MoE block at 256 tokens in pieces of
+    64: 0.61-0.65x the peak in fp32, 0.98x under autocast, without them)."""
     if block_pieces(tokens, policy) <= 1:
         return {"post": 0.0, "pre": 0.0}
     d, hd = m.dim, m.resolved_head_dim
     wo = m.heads * hd * d
-    post = [wo] + ([] if moe and m.is_moe else [m.ffn_dim * d] * 3)
+    if moe and m.is_moe:
+        S = m.resolved_shared_dim
+        ffn = [m.moe_experts * m.resolved_expert_dim * d] * 3 + [m.moe_experts * d]
+        ffn += [S * d] * 3 + ([d] if m.moe_shared_gate else []) if S else []
+    else:
+        ffn = [m.ffn_dim * d] * 3
+    post = [wo] + ffn
     pre = [m.heads * hd * d, m.kv_heads * hd * d, m.kv_heads * hd * d]
     norms = {"post": d, "pre": d + ((m.heads + m.kv_heads) * hd if m.qk_norm else 0)}  # (q/k norms: at most)
     return {k: weight_bytes * (sum(w) + 2 * max(w) + norms[k]) for k, w in (("post", post), ("pre", pre))}
