@@ -85,13 +85,12 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
                      autocast: bool = False) -> dict[str, float]:
     """Bytes per local token of the tensors a block can leave behind, by name; `moe`: a MoE layer's
     block, whose feed-forward keeps `moe_ffn_bytes` (under "mlp", by dtype under autocast too: its `c`) instead of
-    the SwiGLU's. `autocast`
-    (bf16 autocast over fp32 weights, p = 4: activation_dtype): what the matmuls and the attention kernel
-    make is bf16, the core's q, k, v, out (its log-sum-exp fp32), the attention output and a dense MLP's
-    intermediates at 2 B; a norm keeps its fp32 normed values and statistics and the bf16 cast of its output
-    that each matmul it feeds makes (the attention norm three, "norm"; the MLP norm two, "mlp_norm"); a q/k
-    norm its input's fp32 copy and its bf16 normed values; the rest as at 4 B (the fp32 residual stream; a
-    MoE feed-forward). Without autocast "mlp_norm" is "norm".
+    the SwiGLU's. `autocast` (bf16 autocast over fp32 weights, p = 4: activation_dtype): what the matmuls and the
+    attention kernel make is bf16, the core's q, k, v, out (its log-sum-exp fp32), the attention output and a
+    dense MLP's intermediates at 2 B; a norm keeps its fp32 normed values and statistics and the bf16 cast of
+    its output that each matmul it feeds makes (the attention norm three, "norm"; the MLP norm two, "mlp_norm");
+    a q/k norm its input's fp32 copy and its bf16 normed values; the rest as at 4 B (the fp32 residual stream).
+    Without autocast "mlp_norm" is "norm".
 
     `docs` changes nothing: with packed documents the attention core saves the same q, k, v, out and
     lse. The document ids are an input shared by every block (the batch's), and the segment plans
