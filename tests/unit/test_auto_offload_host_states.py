@@ -42,11 +42,16 @@ def test_preflight_counts_auto_within_what_the_states_leave(monkeypatch):
     check_host_memory(cfg, dims, 1, "cuda")  # fits: auto picks a fraction the states leave room for
 
 
+def _auto_config(layers: int, seq_len: int, dtype: str):
+    """One process of the host_optimizer tier, selective recompute, offload_fraction auto (the last block kept)."""
+    return load_config(overrides=[f"--model.layers={layers}", f"--train.seq_len={seq_len}", "--train.global_batch=1",
+                                  "--memory.recompute=selective", "--memory.offload_fraction=auto",
+                                  "--memory.offload_skip_last=1", f"--train.dtype={dtype}",
+                                  "--memory.model_states=host_optimizer"])
+
+
 def test_auto_in_the_rank_leaves_room_for_the_states(monkeypatch):
-    cfg = load_config(overrides=["--model.layers=5", "--train.seq_len=4096", "--train.global_batch=1",
-                                 "--memory.recompute=selective", "--memory.offload_fraction=auto",
-                                 "--memory.offload_skip_last=1", "--train.dtype=fp32",
-                                 "--memory.model_states=host_optimizer"])
+    cfg = _auto_config(5, 4096, "fp32")
     rt = Runtime.create(cfg, 0, 1, "cpu")
     besides = host_bytes_besides_offload(cfg, rt.dims, "cpu", 4096, 1)
     assert besides > 16 * sum(p.numel() for p in torch.nn.Linear(cfg.model.dim, cfg.model.dim).parameters())
@@ -87,10 +92,7 @@ def test_auto_counts_an_autocast_run_at_each_tensors_dtype(monkeypatch):
     its offloaded matmul and attention outputs are bf16. Auto counted them at 4 B, 1.5x what the offloader
     keeps, so with host memory for half of the activations it chose 0.25 (half the offload it could do).
     Now the fraction whose measured host bytes fill the share is chosen, and they fit."""
-    cfg = load_config(overrides=["--model.layers=3", "--train.seq_len=1024", "--train.global_batch=1",
-                                 "--memory.recompute=selective", "--memory.offload_fraction=auto",
-                                 "--memory.offload_skip_last=1", "--train.dtype=bf16",
-                                 "--memory.model_states=host_optimizer"])
+    cfg = _auto_config(3, 1024, "bf16")
     rt = Runtime.create(cfg, 0, 1, "cpu")
     besides = host_bytes_besides_offload(cfg, rt.dims, "cpu", 1024, 1)
     half = _offloaded_bytes(cfg, 0.5)

@@ -109,7 +109,7 @@ TRANSIENT_CASES = {
 def test_moe_transient_under_autocast_is_an_upper_bound(name, shared):
     """With the experts' saved tensors at their dtype the post piece's count fell below the measured peak under
     block_chunk (0.84-0.88x): the fp32 running sums of the experts' weight gradients over the pieces were
-    uncounted (transients.weight_grad_sum_bytes)."""
+    uncounted (weight_grads.weight_grad_sum_bytes)."""
     from test_autocast_transients import measure
 
     policy, over = TRANSIENT_CASES[name]
@@ -146,7 +146,7 @@ WEIGHT_HEAVY_CASES = {
 def test_moe_transient_counts_the_experts_gradient_sums_in_any_dtype(name, bf16):
     """Measured 2026-12-05: with the experts' running gradient sums counted under autocast only, fp32 runs were
     0.61-0.65x the peak (autocast 0.98x: the sums' share beside the bf16 copies); counted at the weights'
-    dtype for both (transients.weight_grad_sum_bytes) 1.11-1.65x."""
+    dtype for both (weight_grads.weight_grad_sum_bytes) 1.11-1.65x."""
     from test_autocast_transients import measure
 
     saved, peak, _, transient = measure(WEIGHT_HEAVY_CASES[name], {**MOE_SHAPE, "moe.shared_experts": 1}, 256,

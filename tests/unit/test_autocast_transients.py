@@ -12,7 +12,7 @@ step/loss.py runs it, and the peak of live storages is compared with the planner
 Measured 2026-12-04 (predicted transient / measured transient beyond the saved activations at the forward's
 end), before the count by dtype: 1.49-1.80 (full, with and without offload and chunks), 1.46 (selective +
 chunks), 2.62 (none + attention chunks); after: 1.01-1.23, 1.02, 1.47. With the weight gradients summed over
-the pieces of a chunked block counted (2026-12-05, transients.py weight_grad_sum_bytes): 1.09-1.33, 1.17, 1.47
+the pieces of a chunked block counted (2026-12-05, weight_grads.py weight_grad_sum_bytes): 1.09-1.33, 1.17, 1.47
 (the chunked cases had been 1.001-1.002, and at 2,048 tokens in pieces of 256 0.92-0.97: under). The saved
 activations are exact here under full and selective, 1.03x over under none (the MLP norm counted with the
 attention norm's three casts)."""
@@ -44,7 +44,7 @@ CASES = {
     "full-offload-chunks": (MemoryPolicy("full", 1.0, 0, loss_chunk=CHUNK, block_chunk=CHUNK,
                                          attention_chunk=CHUNK), 1.3),
     # the last block kept: the offloaded block before it comes back in its pre phase, counted in every block's.
-    # 1.21 -> 1.33 with the weight gradients summed over the block's pieces (transients.py weight_grad_sum_bytes:
+    # 1.21 -> 1.33 with the weight gradients summed over the block's pieces (weight_grads.py weight_grad_sum_bytes:
     # the largest weight's two extra fp32 copies of the add are counted beside post's whole piece, and here the
     # peak is at the down projection's matmul, before that add)
     "full-offload-skip1-chunks": (MemoryPolicy("full", 1.0, 1, loss_chunk=CHUNK, block_chunk=CHUNK,
@@ -57,7 +57,7 @@ CASES = {
     "selective-block-chunks": (MemoryPolicy("selective", loss_chunk=CHUNK, block_chunk=CHUNK), 1.75),
     "full-block-chunks": (MemoryPolicy("full", loss_chunk=CHUNK, block_chunk=CHUNK), 1.6),
     # half the tokens stored, half recomputed in pieces that reuse the stored copy of each weight (not counted
-    # again: transients.py autocast_weight_bytes), the last block kept (recasting its weights). Measured 1.46:
+    # again: weight_grads.py autocast_weight_bytes), the last block kept (recasting its weights). Measured 1.46:
     # 2.24 while the recomputed pieces cast their own copy and the phases counted a block's host tier whole beside
     # the block before's (2.22 with the copy gone, 1.46 with each phase counting only the tier it still reads)
     "selective-offload-chunks": (MemoryPolicy("selective", 0.5, 1, loss_chunk=CHUNK, block_chunk=CHUNK,

@@ -10,6 +10,8 @@ against what a CUDA graph's capture requires of it:
 On CPU a capture does not exist (capture_for is None: the steps run each time); here a stand-in records the
 steps under the checks above, and its replay runs them again."""
 
+from unittest import mock
+
 import pytest
 import torch
 from test_decode_blocks import Counted
@@ -56,12 +58,8 @@ class StandIn:
             with _disable_current_modes():
                 return real(step, *args, **kwargs)
 
-        CompiledStep.launch = launch
-        try:
-            with no_host_sync(), NoHostData():
-                steps()
-        finally:
-            CompiledStep.launch = real
+        with mock.patch.object(CompiledStep, "launch", launch), no_host_sync(), NoHostData():
+            steps()
         self.steps, self.replays = steps, 0
 
     def replay(self):

@@ -4,7 +4,7 @@ activations during the block's backward. The estimate had no such term (a llama3
 tokens peaked 1.6-2.3x the activation estimate). It was then counted as a part of device_bytes
 ("chunk_grad_buffers", costs/model_states.py chunk_grad_buffer_bytes) where the gradients are kept; the sums are
 tensors of their own in a first micro-batch too (tests/unit/test_grad_sum_transients.py), so they are now the
-transient's (memory/transients.py weight_grad_sum_bytes) in every regime and that part is 0."""
+transient's (memory/weight_grads.py weight_grad_sum_bytes) in every regime and that part is 0."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The weight gradients a block's backward sums across its pieces (memory/transients.py weight_grad_sum_bytes),
+"""The weight gradients a block's backward sums across its pieces (memory/weight_grads.py weight_grad_sum_bytes),
 measured on CPU in a weight-heavy shape: dim 256, ffn 1024, 256 tokens, so a block's weights (0.85M elements
 after the attention core) outweigh its activations. Each piece of a block run in pieces (block_chunk, or the
 stored and recomputed tokens of selective + offload) uses every weight, and autograd sums the pieces' gradients

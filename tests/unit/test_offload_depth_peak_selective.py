@@ -112,7 +112,7 @@ def test_the_accounting_counts_the_block_before_in_the_pre_phase_only():
     the block before's (prefetched) in its pre phase only; before, both whole throughout (2 x the host tier on
     top of the largest phase: 144.13 GiB for llama3-8b at 512K tokens, selective, offload 0.5, block_chunk 8K),
     then its own whole throughout (122.72, the tier counted twice in the pre phase); then 76.66, now 76.77 with
-    the weight gradients summed over the block's pieces (transients.py weight_grad_sum_bytes)
+    the weight gradients summed over the block's pieces (weight_grads.py weight_grad_sum_bytes)
     (test_selective_offload_peak.py measures the peak)."""
     cfg = load_config(None, {"model": {"preset": "llama3-8b"}}).model
     seq, policy = 512 * 1024, MemoryPolicy("selective", 0.5, 1, loss_chunk=8192, block_chunk=8192)

@@ -19,8 +19,8 @@ from longctx.data.samples import Batch
 from longctx.memory.accounting import activation_dtype, layer_activations, measure_activations
 from longctx.memory.apply_policy import apply_memory_policy
 from longctx.memory.policy import MemoryPolicy
-from longctx.memory.transients import autocast_weight_bytes
 from longctx.memory.weight_casts import SharedCasts
+from longctx.memory.weight_grads import autocast_weight_bytes
 from longctx.models.flops import matmul_params_per_layer
 from longctx.models.llama import build_model
 from longctx.parallel.parallelize import use_attention_chunks
@@ -116,7 +116,7 @@ def test_other_policies_keep_what_they_kept(recompute, fraction, chunk, after_fo
 @pytest.mark.parametrize("skip_last", [0, 1])
 def test_the_weight_copies_counted_are_those_kept(skip_last):
     """The copies the accounting counts, measured: one saved per offloaded block (accounting.py weight_copies),
-    none recast in an offloaded block's backward, one in a kept block's (transients.py autocast_weight_bytes).
+    none recast in an offloaded block's backward, one in a kept block's (weight_grads.py autocast_weight_bytes).
     Before the recomputed pieces reused the stored copy, an offloaded block's backward held two."""
     model, cfg, batch = _model("debug", "selective", 0.5, CHUNK, skip_last=skip_last)
     _, mode = _copies_in_backward(model, batch)

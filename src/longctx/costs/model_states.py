@@ -313,7 +313,7 @@ def chunk_grad_buffer_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sy
                             block_chunk: int) -> float:
     """memory.block_chunk: a block's weights are used once per chunk, and autograd sums each weight's gradient
     over the chunks in a buffer of its own before it reaches .grad. That sum is now the transient's
-    (memory/transients.py weight_grad_sum_bytes: a running sum of each weight of the phase and the largest's two
+    (memory/weight_grads.py weight_grad_sum_bytes: a running sum of each weight of the phase and the largest's two
     extra copies), counted for every micro-batch: the running sums are tensors of their own whether .grad is
     fresh or kept (measured on CPU: a later micro-batch's peak, .grad kept, is 1.02x the first's,
     tests/unit/test_grad_sum_transients.py), so nothing is left to count here. This term counted one block's
