@@ -121,3 +121,23 @@ def test_a_flag_no_listed_task_reads_is_refused_as_for_one_task(folder, args, ne
     r = longctx_here("eval", *flags, "--lengths", "384", *args)
     assert r.returncode == 2, r.stderr
     assert needle in flat(r.stderr) and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("given", [[], ["--plot", "fig.svg"]])
+def test_an_unwritable_task_plot_is_named_as_the_user_gave_it(folder, given):
+    """Several tasks, each its own plot beside --output (or --plot): one that cannot be written is refused before
+    the weights are read, named as what the user passed, never as a --plot they did not pass."""
+    flags, tmp = folder
+    plot = tmp / ("fig.ppl.svg" if given else "unwritable.ppl.png")
+    plot.mkdir()
+    given = [given[0], str(tmp / given[1])] if given else []
+    r = longctx_here("eval", *flags, "--lengths", "384", "--task", "ppl,passkey", "--output",
+                     str(tmp / "unwritable.json"), *given)
+    assert r.returncode == 2, r.stderr
+    said, bare = flat(r.stderr), "".join(r.stderr.split())  # (bare: the message's wrapping may split the path)
+    if given:
+        assert "".join(f"the ppl plot (--plot's name with .ppl) {plot} is a directory".split()) in bare, said
+    else:
+        assert "".join(f"the ppl plot (--output's name with .ppl.png) {plot} is a directory".split()) in bare, said
+        assert "--plot" not in said.replace("--plot's", ""), said
+    assert "Traceback" not in r.stderr and not (tmp / "unwritable.json").exists()

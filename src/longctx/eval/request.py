@@ -216,7 +216,8 @@ def _check_flags(args) -> None:
     data = args.data if args.data and Path(args.data).is_file() else ""
     check_output_path("--output", args.output, {"--data": data}, create_parents=True,
                       renames=True)  # (command.py: write_text_durably, a rename over the path)
-    check_output_path("--plot" if args.plot else "the plot (--output's name with .png)", plot,
+    label = getattr(args, "plot_label", None) or ("--plot" if args.plot else "the plot (--output's name with .png)")
+    check_output_path(label, plot,
                       {"--data": data, "--output": args.output}, create_parents=True)
 
 

@@ -65,6 +65,9 @@ def task_args(args, tasks: list[str]) -> list[argparse.Namespace]:
         own.update({name: default for name, default in others.items() if hasattr(args, name)})
         if len(tasks) > 1:
             own["plot"] = task_plot(args, task)
+            # (named in an error as what the user gave, not as a --plot they did not pass)
+            own["plot_label"] = (f"the {task} plot (--plot's name with .{task})" if args.plot else
+                                 f"the {task} plot (--output's name with .{task}.png)")
         out.append(argparse.Namespace(**own))
     return out
 
