@@ -12,9 +12,10 @@ from test_eval_prompt_prefix import _bos_tokenizer
 from tokenizers import Tokenizer
 
 from longctx.data.builder.pipeline import build_store
-from longctx.data.loader import PackedSamples, store_identity
+from longctx.data.loader import PackedSamples
 from longctx.data.samples import IGNORE
 from longctx.data.store import LOSS_FROM, read_manifest
+from longctx.data.store_identity import store_identity
 from longctx.data.tokenizer import load_tokenizer
 from longctx.errors import DataError
 

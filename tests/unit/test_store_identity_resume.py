@@ -260,7 +260,7 @@ def test_each_stage_position_carries_its_stage_store_and_a_rebuilt_one_is_refuse
 def test_a_manifest_with_only_the_required_keys_has_an_identity():
     """A store written by another tool than the builder (tests/distributed/test_packed_docs_edges_audit.py writes
     one) may lack inputs, counts and totals: it still has an identity, which its splits' counts change."""
-    from longctx.data.loader import store_identity
+    from longctx.data.store_identity import store_identity
 
     def manifest(samples):
         return {"format": "longctx-store", "version": 2, "seq_len": 64, "tokenizer": {"spec": "byte"},
@@ -331,7 +331,7 @@ def test_a_resume_on_the_same_documents_packed_otherwise_is_refused(tmp_path, mo
 def test_a_store_built_before_layouts_were_recorded_keeps_its_identity():
     """A manifest without the splits' layouts (every store built before) has the identity it had then: the
     value below is what the previous release computed for it (9eb79eb), so its checkpoints still resume."""
-    from longctx.data.loader import store_identity
+    from longctx.data.store_identity import store_identity
 
     manifest = {"format": "longctx-store", "version": 2, "seq_len": 64, "tokenizer": {"spec": "byte"},
                 "parts": [{"dir": "part-00000", "splits": {"train": {"samples": 4, "tokens": 256}}}]}

@@ -23,7 +23,7 @@ share and no more. `label_count` gives a global batch's valid labels from the in
 
 `BatchLoader` draws global batches: a seeded shuffle of the samples whose whole state is one
 global cursor (`SampleOrder`), so a resumed job continues with exactly the samples not yet seen
-under any data-parallel degree (the position also records its store's identity, `store_identity`: a
+under any data-parallel degree (the position also records its store's identity, data/store_identity.py: a
 resume refuses a store rebuilt with other content, whatever its sample count); with `dp > 1` each
 batch is permuted so that the dp blocks
 `local_batch` (parallel/context/shares.py) hands out have balanced estimated cost (data/balance.py). What a training
@@ -33,8 +33,6 @@ rank reads of each step, and the background read of the next step, live in stage
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +48,10 @@ from .store import (
     S_LENGTH,
     S_START,
     load_split,
-    part_documents_digest,
     read_manifest,
     text_prefix,
 )
+from .store_identity import describe_store, repacked, store_identity
 from .trained_spans import TrainedSpans, part_trained_spans
 
 
@@ -64,55 +62,6 @@ class Frames:
     doc_ids: np.ndarray | None  # int64; None without document masks
     labelled: np.ndarray        # bool: token t has a label (token t + 1 of the same segment)
     real: np.ndarray | None = None  # bool: token t is a document's, not padding (None: every token)
-
-
-# What says "the same content" of a store (store_identity): its build settings, each part's counts (from the
-# manifest) and a digest of its documents' contents (store.py part_documents_digest, from the per-document hashes
-# the builder keeps for dedup: 8 bytes a document, never the token arrays). Not its path, the parts' creation
-# times or the stages' timings, so a store moved, or rebuilt from the same inputs with the same settings, keeps
-# its identity; not float statistics (fill rate, homogeneity), which an identical rebuild on other hardware may
-# round differently; and only named count keys, so a builder that records a new count does not change the
-# identity of the same content. Beside it, apart so that a store built before keeps the identity its checkpoints
-# hold, `layout`: how the samples are packed, where the builder recorded it (store.py layout_digest: the same
-# documents packed in other groups, as another --max-memory packs them, are other samples at the same cursor).
-PART_COUNTS = ("files", "documents_read", "raw_bytes", "exact_duplicates", "near_duplicates", "documents_kept",
-               "tokens")
-SPLIT_COUNTS = ("samples", "tokens", "documents")
-
-
-def store_identity(manifest: dict, root: Path | None = None) -> dict:
-    """The store's identity as a data position records it: `identity` (a digest of its settings and each
-    part's inputs, counts and, given the store's `root`, documents' contents) and, to say what differs, its
-    inputs, documents, tokens and train samples."""
-    # (every key read with .get: a store written by other tools than the builder may lack the optional ones)
-    tok, t = manifest.get("tokenizer", {}), manifest.get("totals", {})
-    content = {
-        **{k: manifest.get(k) for k in ("seq_len", "strategy", "dedup", "seed", "eval_fraction", "holdout_tokens")},
-        # the tokenizer's recorded content hash (its spec where a store predates it: never the file read now)
-        "tokenizer": [tok.get("identity") or tok.get("spec"), tok.get("vocab_size"), tok.get("text_prefix", [])],
-        "inputs": manifest.get("inputs", []),
-        "parts": [{"inputs": p.get("inputs"), "first_doc": p.get("first_doc"),
-                   "counts": {k: p.get("counts", {}).get(k) for k in PART_COUNTS},
-                   "splits": {s: {k: c.get(k) for k in SPLIT_COUNTS} for s, c in sorted(p.get("splits", {}).items())},
-                   "documents": None if root is None else part_documents_digest(root, p)}
-                  for p in manifest.get("parts", [])],
-    }
-    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
-    layouts = [c.get("layout") for p in manifest.get("parts", []) for _, c in sorted(p.get("splits", {}).items())]
-    return {"identity": digest, "inputs": list(manifest.get("inputs", [])), "documents": t.get("documents", 0),
-            "tokens": t.get("tokens", 0), "train_samples": t.get("train_samples", 0),
-            **({"layout": layout_of(layouts)} if layouts and all(layouts) else {})}
-
-
-def layout_of(digests: list[str]) -> str:
-    """One digest of several packing layouts (a store's splits; a mix's stores)."""
-    return hashlib.sha256(json.dumps(digests).encode()).hexdigest()[:16]
-
-
-def _repacked(saved: dict, now: dict) -> bool:
-    """Both records say how their store was packed (a position saved, or a store built, before layouts were
-    recorded says nothing: not checked), and they differ."""
-    return bool(saved.get("layout") and now.get("layout")) and saved["layout"] != now["layout"]
 
 
 def store_of(samples) -> PackedSamples | None:
@@ -134,14 +83,6 @@ def _data_read(samples):
 def identity_of(samples) -> dict | None:
     data = _data_read(samples)
     return None if data is None else data.identity
-
-
-def _describe_store(record: dict) -> str:
-    inputs = ", ".join(record["inputs"]) or "inputs it does not name"
-    if record.get("mix"):  # (a mix of stores: data/store_mix.py mix_identity)
-        inputs = f"a mix of {', '.join(record['mix'])}"
-    return (f"built from {inputs} ({record['documents']:,} documents, {record['tokens']:,} tokens, "
-            f"{record['train_samples']:,} train samples; identity {record['identity']})")
 
 
 class SampleSet:
@@ -404,7 +345,7 @@ class BatchLoader:
         """The same documents, packed into other samples (both layouts recorded and different): refused, or
         continued on with a note under `allow_changes`."""
         what = (f"the store {_data_read(self.samples).root} holds the documents the checkpoint's data position was "
-                f"saved on ({_describe_store(now)}) but packed into other samples (layout {saved['layout']} then, "
+                f"saved on ({describe_store(now)}) but packed into other samples (layout {saved['layout']} then, "
                 f"{now['layout']} now: built again with another --max-memory, or by another longctx version)")
         if not allow_changes:
             raise DataError(f"{what}, so the saved cursor would point at other samples. Resume with the store the run "
@@ -420,8 +361,8 @@ class BatchLoader:
         note = None
         saved, now = state.get("store"), self.store
         if saved is not None and now is not None and saved.get("identity") != now["identity"]:
-            what = (f"the checkpoint's data position was saved on a store {_describe_store(saved)}, but the store "
-                    f"{_data_read(self.samples).root} is one {_describe_store(now)}")
+            what = (f"the checkpoint's data position was saved on a store {describe_store(saved)}, but the store "
+                    f"{_data_read(self.samples).root} is one {describe_store(now)}")
             if not allow_changes:
                 raise DataError(
                     f"{what}: it was rebuilt with other content (or is another store, or mix), so the saved cursor "
@@ -429,7 +370,7 @@ class BatchLoader:
                     f"Resume with the store the run trained on, or add --checkpoint.allow_changes true to continue "
                     f"on the new data from the same cursor.")
             note = f"{what}; continuing on the new data from the same cursor (--checkpoint.allow_changes)."
-        elif saved is not None and now is not None and _repacked(saved, now):
+        elif saved is not None and now is not None and repacked(saved, now):
             note = self._repacked_note(saved, now, allow_changes)
         saved_n = state.get("num_samples")
         if saved_n is not None and int(saved_n) != len(self.samples):

@@ -248,7 +248,7 @@ def layout_digest(part_dir: Path, split: str) -> str:
     """A digest of how a split's samples are packed: its segment index ({split}.segments.npy: each segment's
     sample, offset, length, document and start), read in slices. The same documents packed otherwise (another
     --max-memory, so other packing groups; another builder version) have other samples at the same indices,
-    which a data position's cursor would read without a word (data/loader.py store_identity)."""
+    which a data position's cursor would read without a word (data/store_identity.py store_identity)."""
     digest = hashlib.blake2b(digest_size=16)
     path = part_dir / f"{split}.segments.npy"
     if path.is_file():

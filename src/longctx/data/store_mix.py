@@ -33,9 +33,10 @@ import torch
 
 from ..config.tokenizer import stored_identity
 from ..errors import ConfigError
-from .loader import Frames, PackedSamples, SampleSet, layout_of
+from .loader import Frames, PackedSamples, SampleSet
 from .samples import Batch, SampleOrder
 from .store import text_prefix
+from .store_identity import layout_of
 
 
 class BlendOrder(SampleOrder):
@@ -231,7 +232,7 @@ def _rows_in_order(n: int, parts: list[tuple[np.ndarray, object]]):
 
 
 def mix_identity(stores: list[PackedSamples], names: list[str], weights: np.ndarray) -> dict:
-    """What a data position records of a mix (as data/loader.py store_identity of one store): a digest of
+    """What a data position records of a mix (as data/store_identity.py store_identity of one store): a digest of
     every store's identity and the weights, so a resume on another mix is refused like another store."""
     records = [s.identity for s in stores]
     content = [[r["identity"] for r in records], [round(float(w), 12) for w in weights]]
