@@ -3,11 +3,10 @@ of impossible values (rules), Hugging Face config.json mapping (hf), which token
 (tokenizer) and what a resume continues (resume). Pure Python: no torch.
 """
 
+from .fields import SECTIONS, fields_by_key
 from .load import (
-    SECTIONS,
     build_config,
     build_model_config,
-    fields_by_key,
     load_config,
     parse_overrides,
     read_raw,

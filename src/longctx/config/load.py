@@ -8,9 +8,6 @@ key and says what was expected, before any work starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +16,7 @@ from typing import Any
 from ..errors import ConfigError
 from .data_mix import normal_path
 from .draft_rules import check_draft_target
+from .fields import SECTIONS, coerce, fields_by_key, lookup, parse_cli_value, renamed, toml_value
 from .hf import check_run_window, resolve_init_from
 from .presets import MODEL_PRESETS
 from .rules import parse_stages, validate
@@ -29,155 +27,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-# ----------------------------------------------------------------------------------------------
-# Field access by config name
-
-
-def fields_by_key(section_cls) -> dict[str, dataclasses.Field]:
-    return {f.metadata.get("key", f.name): f for f in dataclasses.fields(section_cls)}
-
-
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
-
-
-def _suggest(word: str, options) -> str:
-    options = list(options)  # (the same word in other capitals first: difflib finds no 'bf16' for 'BF16')
-    close = [o for o in options if o.lower() == word.lower()] or difflib.get_close_matches(word, options, n=1)
-    return f" Did you mean '{close[0]}'?" if close else ""
-
-
-def _type_name(t: type) -> str:
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[t]
-
-
-def _or_words(f: dataclasses.Field) -> str:
-    """" or 'auto'" for a number field that also takes words (the message once said only "a number")."""
-    return "".join(f" or '{w}'" for w in f.metadata.get("words", ()))
-
-
-def _base_type(f: dataclasses.Field) -> str:
-    """The field's type name: 'int', 'float', 'bool' or 'str'. A field typed `float | str` is a number
-    that also takes the words in its metadata (e.g. "auto"); its base type is the number."""
-    name = f.type if isinstance(f.type, str) else f.type.__name__
-    return name.split("|")[0].strip()
-
-
-def _coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
-    """Check a TOML value (or a CLI string, already parsed) against the field's type and choices."""
-    if isinstance(value, str) and value in f.metadata.get("words", ()):
-        return value
-    typ = {"int": int, "float": float, "bool": bool, "str": str}[_base_type(f)]
-    ok = (
-        (typ is bool and isinstance(value, bool))
-        or (typ is int and isinstance(value, int) and not isinstance(value, bool))
-        or (typ is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-        or (typ is str and isinstance(value, str))
-    )
-    if not ok:
-        raise ConfigError(f"{key} must be {_type_name(typ)}{_or_words(f)}, got {value!r} ({type(value).__name__})."
-                          + (_suggest(value, f.metadata.get("words", ())) if isinstance(value, str) else "")
-                          + _unquoted(key, value, f))
-    if typ is float:
-        try:
-            value = float(value)
-        except OverflowError:  # (a TOML integer past a float's range: a raw traceback)
-            value = math.inf if value > 0 else -math.inf
-        if not math.isfinite(value):  # (no knob means anything by nan or inf: a NaN lr trains nothing, silently)
-            raise ConfigError(f"{key} must be a finite number, got {value!r}"
-                              + (" (a number beyond a float's range reads as inf)." if math.isinf(value) else "."))
-    choices = f.metadata.get("choices")
-    if choices is not None and value not in choices:
-        raise ConfigError(
-            f"{key} = {value!r} is not one of the valid choices: {', '.join(map(str, choices))}."
-            + _suggest(str(value), map(str, choices))
-        )
-    return value
-
-
-def _unquoted(key: str, value: Any, f: dataclasses.Field) -> str:
-    """' In TOML a quoted value is a string: write it without the quotes, compile = true.' for a TOML string
-    that reads as the field's number or boolean ('must be true or false, got 'true'' gave no fix), else ''."""
-    if not isinstance(value, str) or _base_type(f) == "str":
-        return ""
-    try:
-        typed = _parse_cli_value(key, value.strip(), f)
-    except ConfigError:
-        return ""
-    if isinstance(typed, float) and not math.isfinite(typed):  # ("nan" unquoted is refused in turn)
-        return ""
-    name = key.split(".", 1)[1]  # (as written under its [section]; a sub-table's key keeps its dot: moe.experts)
-    return f" In TOML a quoted value is a string: write it without the quotes, {name} = {_toml_value(typed)}."
-
-
-def _parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
-    typ = _base_type(f)
-    if text in f.metadata.get("words", ()):
-        return text
-    if typ == "bool":
-        low = text.lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{key} must be true or false, got '{text}'.")
-    if typ == "int":
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{key} must be an integer{_or_words(f)}, got '{text}'."
-                              + _suggest(text, f.metadata.get("words", ()))) from None
-    if typ == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{key} must be a number{_or_words(f)}, got '{text}'."
-                              + _suggest(text, f.metadata.get("words", ()))) from None
-    return text
-
-
-# keys that were renamed: {(section, old name): new name}. An old name a user gives, as a flag or in
-# a config file, is an error that names the new one, before any work; only a run's own saved
-# config.toml, written before the rename, is read as if it used the new name, so that a resume goes on.
-RENAMED_KEYS = {("parallel", "split"): "seq_balance"}  # 'split' means the data store's train/eval split
-
-
-def _renamed(section: str, values: dict[str, Any], path, saved_run: bool) -> dict[str, Any]:
-    """`values` of [section] in the file `path` with renamed keys under their new names (saved_run), or
-    a ConfigError naming the first old key and its new name."""
-    for k in values:
-        if (section, k) in RENAMED_KEYS and not saved_run:
-            new = RENAMED_KEYS[section, k]
-            raise ConfigError(f"{section}.{k} in '{path}' is now called {section}.{new} (the same values); "
-                              f"write {new} = ... in its [{section}] table instead.")
-    return {RENAMED_KEYS.get((section, k), k): v for k, v in values.items()}
-
-
-def _lookup(section: str, name: str) -> dataclasses.Field:
-    if (section, name) in RENAMED_KEYS:
-        new = RENAMED_KEYS[section, name]
-        raise ConfigError(f"{section}.{name} is now called {section}.{new} (the same values); "
-                          f"use --{section}.{new}=... instead.")
-    if section not in SECTIONS:
-        raise ConfigError(
-            f"unknown config section '{section}'. Valid sections: {', '.join(SECTIONS)}." + _suggest(section, SECTIONS)
-        )
-    fields = fields_by_key(SECTIONS[section])
-    if name not in fields:
-        raise ConfigError(
-            f"unknown config key '{section}.{name}'. Valid keys in [{section}]: {', '.join(fields)}."
-            + (_elsewhere(section, name) or _suggest(name, fields))
-        )
-    return fields[name]
-
-
-def _elsewhere(section: str, name: str) -> str:
-    """' Did you mean 'memory.recompute' (a key of [memory])?' for a key of other sections, '' for none: the
-    closest key of [section] was a wrong guess ('train.recompute' suggested 'compile', 'model.seq_len' the
-    model's max_seq_len)."""
-    others = [s for s, cls in SECTIONS.items() if s != section and name in fields_by_key(cls)]
-    return " Did you mean " + " or ".join(f"'{s}.{name}' (a key of [{s}])" for s in others) + "?" if others else ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,7 +52,7 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
         else:
             dotted = body
             nxt = args[i + 1] if i + 1 < len(args) else None
-            f_probe = _lookup(*dotted.split(".", 1)) if "." in dotted else None
+            f_probe = lookup(*dotted.split(".", 1)) if "." in dotted else None
             is_bool = f_probe is not None and (f_probe.type in ("bool", bool))
             if nxt is None or nxt.startswith("--"):  # (a value missing before the next option: not that option)
                 if not is_bool:
@@ -213,8 +62,8 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
             else:
                 text, i = nxt, i + 2
         section, name = dotted.split(".", 1)  # a sub-table's key keeps its dot: model + moe.experts
-        f = _lookup(section, name)
-        out.setdefault(section, {})[name] = _parse_cli_value(dotted, text, f)
+        f = lookup(section, name)
+        out.setdefault(section, {})[name] = parse_cli_value(dotted, text, f)
     return out
 
 
@@ -254,7 +103,7 @@ def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | N
                     f"top-level key '{section}' in '{path}' must be a [section] table; "
                     f"valid sections: {', '.join(SECTIONS)}."
                 )
-            raw.setdefault(section, {}).update(_renamed(section, _flatten_tables(values), path, saved_run))
+            raw.setdefault(section, {}).update(renamed(section, _flatten_tables(values), path, saved_run))
     if overrides:
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         if "model" in raw and "preset" in parsed.get("model", {}):
@@ -281,7 +130,7 @@ def drop_restated_model_keys(file_model: dict[str, Any], preset: Any) -> dict[st
     for key, value in file_model.items():
         if key != "preset" and key in restated:  # (every field's key: its default, or the preset's value)
             try:
-                if _coerce(f"model.{key}", value, fields[key]) == restated[key]:
+                if coerce(f"model.{key}", value, fields[key]) == restated[key]:
                     continue
             except ConfigError:
                 pass  # (a bad value is kept, to be refused with the rest)
@@ -305,10 +154,10 @@ def _model_values(values: dict[str, Any], fields: dict[str, dataclasses.Field]) 
     """[model] as given -> every field the run uses: from the preset, or from the Hugging Face
     config.json of model.init_from (hf.py), with the user's values on top."""
     if values.get("init_from"):
-        typed = {k: _coerce(f"model.{k}", v, fields[k]) for k, v in values.items()}
+        typed = {k: coerce(f"model.{k}", v, fields[k]) for k, v in values.items()}
         resolved, _ = resolve_init_from(typed)
         return resolved
-    preset = _coerce("model.preset", values.get("preset", "debug"), fields["preset"])
+    preset = coerce("model.preset", values.get("preset", "debug"), fields["preset"])
     if preset == "hf":
         raise ConfigError("model.preset=hf means 'the shapes of model.init_from'; set model.init_from=hf:DIR "
                           "(a local Hugging Face model directory) or pick a named preset.")
@@ -319,7 +168,7 @@ def _staged_train_values(values: dict[str, Any]) -> dict[str, Any]:
     """train.stages decides train.steps (their sum) and train.seq_len (the last stage's length); the
     same values given explicitly are fine (a written config.toml has them), other ones are refused."""
 
-    stages = parse_stages(_coerce("train.stages", values["stages"], fields_by_key(TrainConfig)["stages"]))
+    stages = parse_stages(coerce("train.stages", values["stages"], fields_by_key(TrainConfig)["stages"]))
     derived = {"steps": sum(s for _, s, _ in stages), "seq_len": stages[-1][0]}
     why = {"steps": "the sum of the stages' steps", "seq_len": "the last stage's length"}
     wrong = [key for key, value in derived.items() if key in values and values[key] != value]
@@ -339,7 +188,7 @@ def _draft_target(raw: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     target = raw.get("draft", {}).get("target", "")
     if not target:
         return raw
-    target = _coerce("draft.target", target, fields_by_key(DraftConfig)["target"])
+    target = coerce("draft.target", target, fields_by_key(DraftConfig)["target"])
     check_draft_target(target)
     model = dict(raw.get("model", {}))
     given = model.get("init_from")
@@ -354,7 +203,7 @@ def build_config(raw: dict[str, dict[str, Any]]) -> Config:
     """A validated Config from {section: {key: value}} (unset keys take their defaults)."""
     for section in raw:
         if section not in SECTIONS:
-            _lookup(section, "")
+            lookup(section, "")
     raw = _finetune_lr(_draft_target(raw))
     sections: dict[str, Any] = {}
     for section in SECTIONS:  # model first: data.tokenizer follows the model's weights
@@ -406,7 +255,7 @@ def build_model_config(values: dict[str, Any]) -> ModelConfig:
 def _build_section(section: str, values: dict[str, Any], built: dict[str, Any]):
     cls = SECTIONS[section]
     for name in values:
-        _lookup(section, name)
+        lookup(section, name)
     fields = fields_by_key(cls)
     if section == "model":
         values = _model_values(values, fields)
@@ -414,33 +263,18 @@ def _build_section(section: str, values: dict[str, Any], built: dict[str, Any]):
         values = _staged_train_values(values)
     if section == "data":
         if "path" in values:  # (normalised once: every reader of data.path sees the same stores)
-            values["path"] = normal_path(_coerce("data.path", values["path"], fields["path"]))
-        tokenizer = _coerce("data.tokenizer", values.get("tokenizer", "auto"), fields["tokenizer"])
+            values["path"] = normal_path(coerce("data.path", values["path"], fields["path"]))
+        tokenizer = coerce("data.tokenizer", values.get("tokenizer", "auto"), fields["tokenizer"])
         if not tokenizer.strip():  # ('' was the path '.': the working directory's tokenizer.json, if any)
             raise ConfigError("data.tokenizer is empty; write auto (the model's own), byte, or the path of a "
                               "tokenizer.json.")
         values["tokenizer"] = resolve_tokenizer(built["model"].init_from, tokenizer, values.get("path", ""))
-    return cls(**{fields[name].name: _coerce(f"{section}.{name}", value, fields[name])
+    return cls(**{fields[name].name: coerce(f"{section}.{name}", value, fields[name])
                   for name, value in values.items()})
 
 
 # ----------------------------------------------------------------------------------------------
 # Writing
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, float):
-        if math.isinf(v) or math.isnan(v):
-            return {math.inf: "inf", -math.inf: "-inf"}.get(v, "nan")
-        return repr(v)
-    if isinstance(v, int):
-        return str(v)
-    # a JSON string is a TOML basic string but for JSON's surrogate pairs (a path with an emoji wrote a config.toml
-    # no resume could read): every character past ASCII as TOML's own \uXXXX or \UXXXXXXXX, so the file stays ASCII
-    return "".join(c if ord(c) < 0x7F else f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
-                   for c in json.dumps(v, ensure_ascii=False))
 
 
 def to_toml(cfg: Config) -> str:
@@ -449,7 +283,7 @@ def to_toml(cfg: Config) -> str:
         lines.append(f"[{section}]")
         obj = getattr(cfg, section)
         for key, f in fields_by_key(cls).items():
-            lines.append(f"{key} = {_toml_value(getattr(obj, f.name))}")
+            lines.append(f"{key} = {toml_value(getattr(obj, f.name))}")
         lines.append("")
     return "\n".join(lines)
 

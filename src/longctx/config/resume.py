@@ -115,7 +115,7 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str], layout_gi
     if run_dir is None:
         return build_config(given), None
     # (its sub-tables, such as [model.moe], flattened as given ones are; keys renamed since it was written,
-    # config/load.py RENAMED_KEYS, read under their new names)
+    # config/fields.py RENAMED_KEYS, read under their new names)
     saved = _without_ignored_build_keys(read_raw(run_dir / "config.toml", saved_run=True))
     base = _merge(saved, {})
     # (asked of this resume alone: a saved true, from an earlier resume's flag, let every later one change anything)
