@@ -106,6 +106,13 @@ class Trainer:
             self.early_signals.restore()
 
     def _set_up(self, cfg: Config, log, read_ahead: bool) -> None:
+        """The run, in the order its parts need each other: the job and its run directory, then the model and
+        what wraps its step, then the data, checkpoints and resume, and the first stage."""
+        self._build(self._join(cfg, log))
+        self._open_run(self.cfg, read_ahead)
+
+    def _join(self, cfg: Config, log) -> Config:
+        """The job (ranks, device, seed, dtype) and the run directory; the config with its offload resolved."""
         self.clock = time.monotonic  # what checkpoint.exit_after_minutes reads (a test installs its own)
         self.started = self.clock() - command_age()  # (the limit counts from the command's start: command_clock)
         if cfg.train.deterministic:
@@ -118,7 +125,12 @@ class Trainer:
         seed_everything(cfg.train.seed)
         check_packages(cfg)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
-        self.cfg = cfg = resolve_offload(cfg, self.device, rt, self.log)
+        self.cfg = resolve_offload(cfg, self.device, rt, self.log)
+        return self.cfg
+
+    def _build(self, cfg: Config) -> None:
+        """The model, what a step does beside the loss (hooks, fault injection, the guard) and the optimizer."""
+        rt = self.rt
         self.model = build_training_model(cfg, self.device, rt, self.log)
         # what a step does beside the loss, at fixed points (hooks.py): MoE router bookkeeping, in a run
         # that trains routers; none in a dense run
@@ -138,6 +150,10 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, cfg)
         self.hooks.hooks += host_update_hooks(self.optimizer)  # the host update's time (host_optimizer)
         self.hooks.hooks += profile_hooks(cfg, self.run_dir, rt.rank, self.device, self.log)  # metrics.profile_step
+
+    def _open_run(self, cfg: Config, read_ahead: bool) -> None:
+        """The data, the checkpoints and what a resume restores, the metrics, and the stage the run starts in."""
+        rt = self.rt
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
