@@ -7,14 +7,17 @@ FLOP count (models/flops.py train_flops_per_token) over the card's bf16 dense pe
     python benchmarks/peer_train.py --preset llama3-1b --seq-len 8192,32768 --steps 6 --out X.json
 
 longctx runs as a user runs it (`python -m longctx train`, recompute full and a chunked loss: what
-holds 32K on one card), in a fresh process per length; transformers in this process. Glue check on
-CPU: --preset debug --seq-len 512 --steps 4 --device cpu.
+holds 32K on one card), in a fresh process per length; transformers in this process. `--planned`: a row
+more with the memory settings `longctx plan` picks for the card (on an H200 no recompute at 8K and 32K:
+the activations fit, and recompute full re-runs every block's forward). Glue check on CPU:
+--preset debug --seq-len 512 --steps 4 --device cpu --planned 512 (planned for an h100).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -23,15 +26,46 @@ import tempfile
 import time
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # (Python 3.10)
+    import tomli as tomllib
 
-def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False, compiled: bool = False) -> dict:
+
+FULL = ["--memory.recompute", "full"]  # what holds 32K on an H100 beside its states, as the peer's checkpointing
+
+
+def planned_memory(preset: str, seq: int, device: str) -> list[str]:
+    """The [memory] settings `longctx plan` picks for this card at `seq` tokens (one GPU, this host's memory),
+    as overrides: what a user who plans runs, e.g. no recompute where the activations fit (the peer's gradient
+    checkpointing re-runs every forward). [] where the card has no hardware preset (a CPU's glue check plans
+    for an h100)."""
+    import torch
+
+    name = torch.cuda.get_device_name().lower() if device == "cuda" else "h100"
+    hardware = next((h for h in ("h200", "h100", "a100") if h in name), None)
+    if hardware is None:
+        return []
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    out = Path(tempfile.mkdtemp(prefix="peer_plan_"), "plan.toml")
+    done = subprocess.run([sys.executable, "-m", "longctx", "plan", "--model", preset, "--gpus", "1", "--seq-len",
+                           str(seq), "--hardware", hardware, "--hw", f"host_memory_gib={int(host_gib)}",
+                           "--out", str(out)], capture_output=True, text=True)
+    if done.returncode or not out.exists():
+        return []
+    memory = tomllib.loads(out.read_text()).get("memory", {})
+    return [x for key, value in memory.items()
+            for x in (f"--memory.{key}", str(value).lower() if isinstance(value, bool) else str(value))]
+
+
+def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False, compiled: bool = False,
+         memory: list[str] = FULL) -> dict:
     run = tempfile.mkdtemp(prefix="peer_ours_")
     cmd = [sys.executable, "-m", "longctx", "train", "--nproc", "1", "--model.preset", preset,
            "--train.seq_len", str(seq), "--train.global_batch", "1", "--train.steps", str(steps),
            "--train.warmup_steps", "1", "--train.device", device, "--train.eval_interval", "0",
            "--checkpoint.final", "false", "--metrics.plots", "false", "--metrics.progress", "false",
-           "--metrics.log_interval", "1", "--memory.recompute", "full", "--data.max_docs", "3000",
-           "--train.run_dir", run]
+           "--metrics.log_interval", "1", *memory, "--data.max_docs", "3000", "--train.run_dir", run]
     if compiled:  # (each block's token-wise parts compiled: the first step compiles, left out of the figures)
         cmd += ["--train.compile", "true"]
     if profile:  # one more step, profiled, left out of the figures (its profiler's overhead)
@@ -49,6 +83,8 @@ def ours(preset: str, seq: int, steps: int, device: str, profile: bool = False, 
     table = Path(run, "profile", f"step{steps + 1}_top.json")  # (--profile: the extra step's kernels, by kind)
     if table.exists():
         out["profile"] = short_profile(json.loads(table.read_text()))
+    if memory is not FULL:
+        out["memory_settings"] = " ".join(memory)
     return out
 
 
@@ -120,15 +156,23 @@ def main() -> None:
     ap.add_argument("--compiled", default="",
                     help="lengths (comma-separated) at which longctx also runs with --train.compile true, in the same "
                          "row (longctx_compiled, speedup_compiled); '' = none")
+    ap.add_argument("--planned", default="",
+                    help="lengths (comma-separated) at which longctx also runs with the memory settings `longctx plan` "
+                         "picks for this card (longctx_planned, speedup_planned); '' = none")
     ap.add_argument("--profile", action="store_true",
                     help="one more step of each, under torch.profiler: its kernels by kind, and the top 15 (not timed)")
     args = ap.parse_args()
     rows = []
     compiled = {int(s) for s in args.compiled.split(",") if s}
+    planned = {int(s) for s in args.planned.split(",") if s}
     for seq in (int(s) for s in args.seq_len.split(",")):
         row = {"seq_len": seq, "longctx": ours(args.preset, seq, args.steps, args.device, args.profile)}
         if seq in compiled:  # (not profiled: the eager run's profile says where the time goes)
             row["longctx_compiled"] = ours(args.preset, seq, args.steps, args.device, compiled=True)
+        if seq in planned:  # (recompute full is the peer's policy; a plan may need none of it on this card)
+            memory = planned_memory(args.preset, seq, args.device)
+            row["longctx_planned"] = (ours(args.preset, seq, args.steps, args.device, memory=memory) if memory else
+                                      {"error": "no plan: the card has no hardware preset, or the planner failed"})
         try:
             row["transformers"] = peer(args.preset, seq, args.steps, args.device, args.profile)
         except Exception as e:  # an out-of-memory peer is a result, not a crash
@@ -139,15 +183,21 @@ def main() -> None:
         c = row.get("longctx_compiled", {}).get("tokens_per_s")
         if c and b:
             row["speedup_compiled"] = c / b
+        d = row.get("longctx_planned", {}).get("tokens_per_s")
+        if d and b:
+            row["speedup_planned"] = d / b
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if args.out:  # after each length: a device call's time limit that ends the script keeps the rows done
+            write(args, rows)
+
+
+def write(args, rows: list[dict]) -> None:
     import torch
 
     card = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
-    text = json.dumps({"preset": args.preset, "device": args.device, "card": card, "steps": args.steps, "rows": rows},
-                      indent=1)
-    if args.out:
-        Path(args.out).write_text(text)
+    Path(args.out).write_text(json.dumps({"preset": args.preset, "device": args.device, "card": card,
+                                          "steps": args.steps, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
