@@ -6,7 +6,8 @@ against what a CUDA graph's capture requires of it:
 - the first block of a size on a cache runs its steps as they are (compiling, warming up), the second is
   captured and replayed, every later one replayed only: one capture per cache, size and sampling;
 - replayed blocks give the eager path's tokens, greedy and seeded sampling alike, over several blocks and
-  generations (a new cache captures anew: a graph holds its cache's addresses).
+  generations (a graph holds its cache's addresses: a later generation replays it on the cache kept for its
+  shape, generate/cache_pool.py; test_decode_cache_reuse.py holds that).
 On CPU a capture does not exist (capture_for is None: the steps run each time); here a stand-in records the
 steps under the checks above, and its replay runs them again."""
 
@@ -96,7 +97,8 @@ def test_replayed_blocks_are_the_eager_tokens_and_capture_once_per_cache(stand_i
     assert got == eager and len(got) == new
     assert stand_in.captures == 1  # (the full blocks' size; the partial block ran once, uncaptured)
     assert step.calls == new - 1  # every decode step counted, replayed ones too
-    # another generation: a new cache, so a new capture (a graph holds its cache's addresses), same tokens
+    # another generation, on the kept cache: its full blocks replayed, its partial block's size (a second run
+    # on the cache) captured; the same tokens
     again = generate(model, [_prompt(37)], max_new_tokens=new, sampling=sampling, compile=step)[0].tokens
     assert again == eager and stand_in.captures == 2
 

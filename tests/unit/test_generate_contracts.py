@@ -34,6 +34,7 @@ IMPLEMENTATIONS = {
     contracts.CacheLayer: [LayerCache, _ShardedLayer],
     contracts.Backend: [LocalGeneration, ShardedGeneration],
     contracts.FlatPrefill: [LocalGeneration],
+    contracts.LeasedCaches: [LocalGeneration],
     contracts.Drafter: [ModelDrafter, GlideDrafter],
     contracts.Rounds: [PlainRounds, SpeculativeRounds],
 }

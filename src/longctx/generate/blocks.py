@@ -27,11 +27,14 @@ block's steps are then captured as ONE CUDA graph (the second time a block of th
 cache; the first runs them as they are, compiling and warming up) and every later block is one replay:
 the host's Python per step (dynamo's guards, torch.compile's CUDA graph tree's bookkeeping, the glue around
 the call; the debug model's step is a few hundred microseconds of that for far less device work) is paid
-at the capture, not per token. On a CPU the steps simply run, the same code. `LONGCTX_DECODE_GRAPHS=0`
-keeps a GPU to the steps without the block's graph (a fallback, should a capture fail on some setup)."""
+at the capture, not per token. A cache and its graphs are kept for the next generation of its shape
+(generate/cache_pool.py), which then replays from its first block. On a CPU the steps simply run, the same
+code. `LONGCTX_DECODE_GRAPHS=0` keeps a GPU to the steps without the block's graph (a fallback, should a
+capture fail on some setup)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 
@@ -125,13 +128,17 @@ def _fused_step(model, cache: Cache, chosen: torch.Tensor, u, sampling: Sampling
 
 
 def _static_block(model, cache: Cache, chosen: torch.Tensor, steps: int, sampling: Sampling, uniforms) -> Round:
-    """A block of `steps` plain steps through its BlockGraph (one per cache, rows, size and sampling); the
-    cache's bookkeeping once for the block (begin: the room and each row's start; end: the rows hold them)."""
+    """A block of `steps` plain steps through its BlockGraph (one per cache, compile settings, rows, size and
+    sampling); the cache's bookkeeping once for the block (begin: the room and each row's start; end: the rows
+    hold them). Keyed by the step's settings, not the step: a cache kept across generations
+    (generate/cache_pool.py) replays its graphs for a later generation's own CompiledStep of those settings."""
     graphs = _GRAPHS.setdefault(cache, {})
-    key = (id(cache.fast), chosen.shape[0], steps, sampling)
+    # (the run's seed only seeds the host's generators, whose uniforms the block takes as input: not in the graph)
+    settings = dataclasses.replace(sampling, seed=0)
+    key = (cache.fast.mode, cache.fast.backend, chosen.shape[0], steps, settings)
     block = graphs.get(key)
     if block is None:
-        block = graphs[key] = BlockGraph(model, cache, chosen.shape[0], steps, sampling)
+        block = graphs[key] = BlockGraph(model, cache, chosen.shape[0], steps, settings)
     step = cache.begin(steps, chosen.device)
     ok = False
     try:
@@ -153,7 +160,9 @@ class BlockGraph:
 
     def __init__(self, model, cache: Cache, rows: int, steps: int, sampling: Sampling):
         device = cache.k.device
-        self.model, self.cache, self.steps, self.sampling = model, weakref.proxy(cache), steps, sampling
+        # (both weakly: a cache kept across generations holds its graphs, and generate/cache_pool.py's pool keeps
+        # it only while the model lives: a strong reference here would keep the model, and so the pool entry, alive)
+        self.model, self.cache, self.steps, self.sampling = weakref.ref(model), weakref.proxy(cache), steps, sampling
         self.chosen = torch.zeros(rows, dtype=torch.long, device=device)  # the rows' last tokens
         self.start = torch.zeros(rows, dtype=torch.long, device=device)   # their positions at the block's start
         self.uniforms = None if sampling.greedy else torch.zeros(steps, rows, dtype=torch.float64, device=device)
@@ -181,11 +190,11 @@ class BlockGraph:
 
     def steps_(self) -> None:
         """The block's steps on the buffers: step j's positions are the start + j, its token the next's input."""
-        cache, chosen = self.cache, self.chosen
+        cache, chosen, model = self.cache, self.chosen, self.model()
         for j in range(self.steps):
             positions = (self.start + j)[:, None]
             u = None if self.uniforms is None else self.uniforms[j]
-            token, _ = cache.fast.launch(next_token, chosen.device, 1, self.model, chosen, positions, cache.k,
+            token, _ = cache.fast.launch(next_token, chosen.device, 1, model, chosen, positions, cache.k,
                                          cache.v, u, self.sampling, False, graphed_by_caller=self.capture is not None)
             self.tokens[j] = token
             chosen = self.tokens[j]

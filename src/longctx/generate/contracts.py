@@ -8,6 +8,7 @@ tests/unit/test_generate_contracts.py also holds each implementation's signature
 | `Cache`, `CacheLayer` | models/kv_cache.py KVCache (one device), generate/sharded.py ShardedKVCache (a rank's share) |
 | `Backend` | generate/local.py LocalGeneration, generate/sharded.py ShardedGeneration |
 | `FlatPrefill` | LocalGeneration (prompts of different lengths in one prefill call) |
+| `LeasedCaches` | LocalGeneration (caches kept across generations: generate/cache_pool.py) |
 | `Drafter` | generate/drafters.py ModelDrafter, GlideDrafter, CloverDrafter |
 | `Rounds` | generate/engine.py PlainRounds, generate/speculative.py SpeculativeRounds (chain or CaPE tree) |
 
@@ -18,6 +19,7 @@ backend or decoding it runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -125,6 +127,16 @@ class FlatPrefill(Backend, Protocol):
     def prefill_flat(self, model, cache: Cache, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Prompts (token ids, any lengths) into empty cache rows, one each in order -> the logits
         [rows, vocab] fp32 of each prompt's last token."""
+
+
+@runtime_checkable
+class LeasedCaches(Backend, Protocol):
+    """A backend that keeps caches across generations (what was built on one, its compiled step's graphs,
+    then serves the next): a generation leases one for its duration instead of making one."""
+
+    def lease(self, model, batch: int, max_len: int, core=None) -> AbstractContextManager[Cache]:
+        """A context giving an empty cache for `model` of `batch` rows of at least `max_len` tokens, no other
+        lease's while it lasts. `core`: another attention core (such a cache is the caller's alone)."""
 
 
 @runtime_checkable

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
 from ..models.kv_cache import KVCache
+from .cache_pool import POOL
 
 
 def prefill(model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -63,10 +65,18 @@ class LocalGeneration:
     """The backend on one device (contracts.Backend and FlatPrefill): a KVCache; short prompts
     prefilled flat, long ones in chunks. Under a head x ctx layout, generate/sharded.py's
     ShardedGeneration takes its place (a sharded cache, and a prefill through training's 2D
-    attention)."""
+    attention). A generation leases its cache (`lease`) from generate/cache_pool.py's pool, so that the
+    compiled step's graphs built on it serve the next generation of its shape."""
 
     def cache(self, model, batch: int, max_len: int, core=None) -> KVCache:
         return KVCache.for_model(model, batch, max_len, core=core)
+
+    def lease(self, model, batch: int, max_len: int, core=None):
+        """A kept cache of at least `max_len` tokens (contracts.LeasedCaches); one with its own `core` (InfLLM's
+        memory, a caller's) is new and not kept: its core may hold state of its generation."""
+        if core is not None:
+            return nullcontext(self.cache(model, batch, max_len, core=core))
+        return POOL.lease(model, batch, max_len)
 
     def prefill(self, model, cache: KVCache, tokens: torch.Tensor, chunk: int) -> torch.Tensor:
         return prefill(model, cache, tokens, chunk)

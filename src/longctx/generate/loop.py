@@ -31,7 +31,7 @@ import torch
 
 from ..models.moe import dropless
 from ..models.static_decode import CompiledStep, install
-from .contracts import Backend, Cache, FlatPrefill, Round, Rounds
+from .contracts import Backend, Cache, FlatPrefill, LeasedCaches, Round, Rounds
 from .loading import check_window
 from .results import Result
 from .sampling import Processors, Sampling, check_chosen, sample_seed
@@ -98,8 +98,8 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
     # a finished row is fed until every row is done, so each row may take the largest limit of steps
     # (+ 1: the compiled step's spare slot, where the padding of a bucket writes)
     max_len = max(len(p) for p in prompts) + max(limits) + rounds.room + (compiled is not None)
-    with generating(model), torch.inference_mode():
-        cache = backend.cache(model, n * num_samples, max_len, core=cache_core)
+    batch = n * num_samples
+    with generating(model), torch.inference_mode(), _cache(backend, model, batch, max_len, cache_core) as cache:
         logits, prefill_s = _prefill(model, backend, cache, [prompts[i] for i in order], prefill_chunk, device)
         if num_samples > 1:  # row s * n + j: sample s of the j-th shortest prompt
             backend.repeat_rows(cache, n, num_samples)
@@ -112,6 +112,18 @@ def decode(model, prompts: Sequence[Sequence[int]], rounds: Rounds, *, limits: S
         book = _Book(rows, [prompts[r.prompt] for r in rows], {int(e) for e in eos_ids}, stop, on_token, logprobs,
                      "the greedy choice's" if sampling.greedy else "the sampled distribution's")
         return _run(rounds, cache, logits, book, sampling)
+
+
+@contextmanager
+def _cache(backend: Backend, model, batch: int, max_len: int, core):
+    """The generation's cache, made on entering (under inference mode): leased where the backend keeps caches
+    across generations (the compiled step's graphs on it then serve the next one: generate/cache_pool.py),
+    else made for it."""
+    if isinstance(backend, LeasedCaches):
+        with backend.lease(model, batch, max_len, core=core) as cache:
+            yield cache
+    else:
+        yield backend.cache(model, batch, max_len, core=core)
 
 
 def _check_ids(prompts: Sequence[Sequence[int]], vocab: int) -> None:
