@@ -6,6 +6,8 @@ whole model's states against each rank's free memory. Such ranks are a job's, as
 
 import multiprocessing as mp
 import os
+import queue
+import time
 
 import torch.distributed as dist
 
@@ -25,8 +27,8 @@ def _rank(rank: int, store_path: str, run_dir: str, out) -> None:
         raise _Reached
 
     trainer.Trainer = fake
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    try:
+    try:  # (the group's set-up inside: a rank that fails to join says why at once, not after the test's wait)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
         cfg = load_config("configs/debug.toml", ["--parallel.dp_shard=2", "--parallel.head=1", "--parallel.ctx=1",
                                                   "--train.steps=1", "--train.eval_interval=0", "--train.device=cpu",
                                                   "--metrics.plots=false", "--metrics.progress=false",
@@ -38,7 +40,8 @@ def _rank(rank: int, store_path: str, run_dir: str, out) -> None:
     except Exception as e:  # (what the test reports)
         out.put((rank, f"{type(e).__name__}: {e}"))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_ranks_of_a_callers_own_process_group_are_not_checked_as_one_process(tmp_path):
@@ -47,7 +50,15 @@ def test_ranks_of_a_callers_own_process_group_are_not_checked_as_one_process(tmp
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), str(tmp_path / "run"), out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    got, deadline = {}, time.monotonic() + 120
+    while len(got) < len(procs):  # each rank's answer; a rank that died without one fails the test at once
+        assert time.monotonic() < deadline, f"no answer from rank(s) {sorted({0, 1} - got.keys())} in 120 s"
+        try:
+            rank, what = out.get(timeout=5)
+            got[rank] = what
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+            assert not dead, f"rank(s) {dead} exited (codes {[procs[r].exitcode for r in dead]}) without an answer"
     for p in procs:
         p.join(timeout=60)
     assert got == {0: "reached", 1: "reached"}, got
