@@ -29,6 +29,7 @@ def _rank(rank: int, store_path: str, run_dir: str, out) -> None:
     trainer.Trainer = fake
     try:  # (the group's set-up inside: a rank that fails to join says why at once, not after the test's wait)
         dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+        dist.barrier()  # (both joined: a rank leaving at once closed its side while the other still connected)
         cfg = load_config("configs/debug.toml", ["--parallel.dp_shard=2", "--parallel.head=1", "--parallel.ctx=1",
                                                   "--train.steps=1", "--train.eval_interval=0", "--train.device=cpu",
                                                   "--metrics.plots=false", "--metrics.progress=false",
@@ -41,6 +42,7 @@ def _rank(rank: int, store_path: str, run_dir: str, out) -> None:
         out.put((rank, f"{type(e).__name__}: {e}"))
     finally:
         if dist.is_initialized():
+            dist.barrier()  # (neither rank closes the group while the other may still use it)
             dist.destroy_process_group()
 
 
