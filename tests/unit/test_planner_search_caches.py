@@ -72,8 +72,7 @@ def _fresh_total(req, layout, pol, tier, acts, transient):
 
     s = req.settings
     return device_bytes(req.model, layout.shape, tier, pol.grad_sync, layout.grad_accum, req.hardware.dtype_bytes,
-                        acts.total_device, transient, s.grad_bucket_blocks, s.co2_outer_momentum,
-                        pol.block_chunk)["total"]
+                        acts.total_device, transient, s.grad_bucket_blocks, s.co2_outer_momentum)["total"]
 
 
 def _fresh_costs(req, layout, step_pol, policy, tier, entry, caches):

@@ -66,7 +66,6 @@ from .hardware import Hardware
 from .model_states import (
     _shard_numels,
     accumulated_grad_bytes,
-    chunk_grad_buffer_bytes,
     co2_checkpoint_bytes,
     co2_state_bytes,
     even_shards,
@@ -324,17 +323,16 @@ def _state_parts(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, gr
 
 def device_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int, gather_bytes: int,
                  activations: float, transient: float, bucket_blocks: int = 1,
-                 co2_momentum: bool = False, block_chunk: int = 0) -> dict[str, float]:
+                 co2_momentum: bool = False) -> dict[str, float]:
     """One rank's device bytes by part and their "total": the tier's model states and FSDP's gathers
     (units of `bucket_blocks` blocks: parallel.grad_bucket_blocks), the unsharded gradients accumulated
     under grad_sync "step" (only where there are any), under co2 its outer state (the round's start, the
     outer model, the change in flight, and the outer momentum with `co2_momentum`), the saved activations
-    and the backward's transient on top of them (with memory.block_chunk where gradients are kept across
-    micro-batches, the chunks' gradient buffers: chunk_grad_buffer_bytes)."""
+    and the backward's transient on top of them (with the weights' gradients summed over a block's pieces,
+    memory.block_chunk's among them: memory/weight_grads.py weight_grad_sum_bytes)."""
     before = device_parts_before_activations(m, shape, tier, grad_sync, grad_accum, gather_bytes, bucket_blocks,
                                              co2_momentum)
-    buffers = chunk_grad_buffer_bytes(m, shape, tier, grad_sync, grad_accum, block_chunk)
-    return device_bytes_with(before, activations, transient, buffers)
+    return device_bytes_with(before, activations, transient)
 
 
 def device_parts_before_activations(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int,
@@ -348,15 +346,12 @@ def device_parts_before_activations(m: ModelConfig, shape: MeshShape, tier: str,
     return parts + ((("co2_state", co2),) if co2 else ())
 
 
-def device_bytes_with(before: tuple[tuple[str, float], ...], activations: float, transient: float,
-                      buffers: float) -> dict[str, float]:
-    """device_bytes from device_parts_before_activations, the activations, the transient and the chunks'
-    gradient buffers (chunk_grad_buffer_bytes; counted where not 0): the parts in their order, summed in it."""
+def device_bytes_with(before: tuple[tuple[str, float], ...], activations: float, transient: float) -> dict[str, float]:
+    """device_bytes from device_parts_before_activations, the activations and the transient: the parts in their
+    order, summed in it."""
     memory = dict(before)
     memory["activations"] = activations
     memory["transient"] = transient
-    if buffers:
-        memory["chunk_grad_buffers"] = buffers
     memory["total"] = sum(memory.values())
     return memory
 
@@ -389,7 +384,7 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
                                                 activations=acts.total_host, attention=attn_host, docs=doc_mask,
                                                 pinned=pins(device_type), autocast=copies)
     device = device_bytes(m, shape, tier, policy.grad_sync, grad_accum, dtype_bytes, acts.total_device, transient,
-                          bucket_blocks, co2_momentum, policy.block_chunk)
+                          bucket_blocks, co2_momentum)
     host = predicted_host_bytes(m, shape, tier, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum,
                                 offloaded_activations=min(acts_host, offload_cap), attention_offload=attn_host,
                                 doc_mask=doc_mask, async_checkpoint=async_checkpoint, co2_momentum=co2_momentum,

@@ -309,20 +309,6 @@ def accumulated_grad_bytes(m: ModelConfig, shape: MeshShape, grad_accum: int, gr
     return 0.0
 
 
-def chunk_grad_buffer_bytes(m: ModelConfig, shape: MeshShape, tier: str, grad_sync: str, grad_accum: int,
-                            block_chunk: int) -> float:
-    """memory.block_chunk: a block's weights are used once per chunk, and autograd sums each weight's gradient
-    over the chunks in a buffer of its own before it reaches .grad. That sum is now the transient's
-    (memory/weight_grads.py weight_grad_sum_bytes: a running sum of each weight of the phase and the largest's two
-    extra copies), counted for every micro-batch: the running sums are tensors of their own whether .grad is
-    fresh or kept (measured on CPU: a later micro-batch's peak, .grad kept, is 1.02x the first's,
-    tests/unit/test_grad_sum_transients.py), so nothing is left to count here. This term counted one block's
-    gradients and its largest weight where gradients are kept, and nothing where they are fresh, where the
-    transient was then under the measured peak (0.33-0.64x in a weight-heavy shape). 0 for every regime; kept
-    as the planner's part (chunk.grads, shown where not 0) until the plumbing is removed."""
-    return 0.0
-
-
 # CO2's OuterSync (step/co2.py): fp32 buffers per parameter of a rank's shard: the round's start, the outer
 # model (anchor) and the change in flight (+ the outer momentum when train.co2_outer_momentum > 0)
 CO2_COPIES = 3

@@ -114,9 +114,8 @@ class Layout:
     """One layout and micro-batch of a request, and what every policy of it shares: the tiers tried, each
     tier's activation dtype (activation_dtype: the hardware's dtype, the world size and the tier), its model
     states alone (`static`), `states` (cost.footprint_of's cache of what the tier holds before the
-    activations and of the chunks' gradient buffers: cost.kept_state_parts), `rows` (each tier's row of
-    caches.costs, its activation group's and dtype's), `totals` (device_total's cache) and the GPU's usable
-    bytes."""
+    activations: cost.kept_state_parts), `rows` (each tier's row of caches.costs, its activation group's and
+    dtype's), `totals` (device_total's cache) and the GPU's usable bytes."""
 
     def __init__(self, req: Request, shape: MeshShape, mb: int, static: dict[str, float],
                  caches: Caches | None = None):
@@ -163,26 +162,24 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
 
 def device_total(req: Request, layout: Layout, pol: MemoryPolicy, tier: str, acts, transient: float) -> float:
     """cost.memory_bytes(...)["total"] of a candidate (its shape before co2 settles its local steps), from the
-    layout's kept state parts and chunk gradient buffers (cost.kept_state_parts, as footprint_of keeps them).
+    layout's kept state parts (cost.kept_state_parts, as footprint_of keeps them).
 
-    Kept in layout.totals by (tier, grad_sync, block_chunk), which fix both: the values device_bytes_with's dict
-    holds before the activations, in its order, so the total is sum() of the very sequence its dict sums
-    (parts, activations, transient, buffers where not 0), bit for bit, without the dict. (None where a part
-    were named like one of the three it adds, which the dict would overwrite: then the dict itself.)"""
-    key = (tier, pol.grad_sync, pol.block_chunk)
+    Kept in layout.totals by (tier, grad_sync), which fix them: the values device_bytes_with's dict holds before
+    the activations, in its order, so the total is sum() of the very sequence its dict sums (parts, activations,
+    transient), bit for bit, without the dict. (None where a part were named like one of the two it adds, which
+    the dict would overwrite: then the dict itself.)"""
+    key = (tier, pol.grad_sync)
     kept = layout.totals.get(key)
     if kept is None:
-        parts, buffers = kept_state_parts(layout.states, req.model, req.hardware, layout.shape, tier, pol,
-                                          layout.grad_accum, seq_len=req.seq_len, micro_batch=layout.mb,
-                                          doc_mask=req.doc_mask, settings=req.settings)
+        parts = kept_state_parts(layout.states, req.model, req.hardware, layout.shape, tier, pol.grad_sync,
+                                 layout.grad_accum, seq_len=req.seq_len, micro_batch=layout.mb,
+                                 doc_mask=req.doc_mask, settings=req.settings)
         before = dict(parts[0])
-        plain = not {"activations", "transient", "chunk_grad_buffers"} & before.keys()
-        kept = layout.totals[key] = (tuple(before.values()) if plain else None, buffers, parts[0])
-    values, buffers, before = kept
+        plain = not {"activations", "transient"} & before.keys()
+        kept = layout.totals[key] = (tuple(before.values()) if plain else None, parts[0])
+    values, before = kept
     if values is None:
-        return device_bytes_with(before, acts.total_device, transient, buffers)["total"]
-    if buffers:
-        return sum((*values, acts.total_device, transient, buffers))
+        return device_bytes_with(before, acts.total_device, transient)["total"]
     return sum((*values, acts.total_device, transient))
 
 

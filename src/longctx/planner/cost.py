@@ -46,7 +46,6 @@ from ..costs.host_bytes import (
     host_parts_but_offloaded,
     one_memory_bytes,
 )
-from ..costs.model_states import chunk_grad_buffer_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import (
     Flops,
@@ -137,12 +136,12 @@ class RunSettings:
 def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
                  acts: ActivationEstimate, transient: float, model_states: str = "device",
                  settings: RunSettings = RunSettings()) -> dict[str, float]:
-    """Bytes per GPU by part and their "total"; "accumulated_grads" and "chunk_grad_buffers" only where there
-    are any. The model states as their tier leaves them on the device (costs/host_bytes.py device_bytes; FSDP
-    units of settings.grad_bucket_blocks blocks), and under co2 its outer state (the round's start, the outer
-    model, the change in flight, and the outer momentum when there is one)."""
+    """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any. The model states
+    as their tier leaves them on the device (costs/host_bytes.py device_bytes; FSDP units of
+    settings.grad_bucket_blocks blocks), and under co2 its outer state (the round's start, the outer model, the
+    change in flight, and the outer momentum when there is one)."""
     return device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
-                        transient, settings.grad_bucket_blocks, settings.co2_outer_momentum, policy.block_chunk)
+                        transient, settings.grad_bucket_blocks, settings.co2_outer_momentum)
 
 
 def gib_text(nbytes: float) -> str:
@@ -316,26 +315,19 @@ def state_parts(m: ModelConfig, hw: Hardware, shape: MeshShape, model_states: st
 
 
 def kept_state_parts(states: dict | None, m: ModelConfig, hw: Hardware, shape: MeshShape, model_states: str,
-                     policy: MemoryPolicy, grad_accum: int, *, seq_len: int, micro_batch: int, doc_mask: bool,
-                     settings: RunSettings) -> tuple[tuple[tuple, tuple], float]:
-    """(state_parts, chunk_grad_buffer_bytes) of a candidate, kept in `states` (a dict the caller keeps for one
-    layout, before co2 settles its local steps, and micro-batch; None: computed) by (local steps, tier, grad_sync)
-    and (local steps, tier, grad_sync, block_chunk): with the layout and the micro-batch those fix every argument
-    of both."""
-    key = (shape.local_steps, model_states, policy.grad_sync)
+                     grad_sync: str, grad_accum: int, *, seq_len: int, micro_batch: int, doc_mask: bool,
+                     settings: RunSettings) -> tuple[tuple, tuple]:
+    """state_parts of a candidate, kept in `states` (a dict the caller keeps for one layout, before co2 settles
+    its local steps, and micro-batch; None: computed) by (local steps, tier, grad_sync): with the layout and the
+    micro-batch those fix every argument of state_parts."""
+    key = (shape.local_steps, model_states, grad_sync)
     parts = None if states is None else states.get(key)
     if parts is None:
-        parts = state_parts(m, hw, shape, model_states, policy.grad_sync, grad_accum, seq_len=seq_len,
+        parts = state_parts(m, hw, shape, model_states, grad_sync, grad_accum, seq_len=seq_len,
                             micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
         if states is not None:
             states[key] = parts
-    buffers_key = (*key, policy.block_chunk)
-    buffers = None if states is None else states.get(buffers_key)
-    if buffers is None:
-        buffers = chunk_grad_buffer_bytes(m, shape, model_states, policy.grad_sync, grad_accum, policy.block_chunk)
-        if states is not None:
-            states[buffers_key] = buffers
-    return parts, buffers
+    return parts
 
 
 def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryPolicy, costs: ActivationCosts, *,
@@ -351,9 +343,9 @@ def footprint_of(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: MemoryP
     ranks_per_node = min(gpus_per_node, shape.world)
     shape, co2_outer = _co2_settled(m, shape, hw, gpus_per_node, grad_accum * costs.compute, co2_steps,
                                     settings.co2_overlap_steps, states)
-    parts, buffers = kept_state_parts(states, m, hw, shape, model_states, policy, grad_accum, seq_len=seq_len,
-                                      micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
-    memory = device_bytes_with(parts[0], costs.acts.total_device, costs.transient, buffers)
+    parts = kept_state_parts(states, m, hw, shape, model_states, policy.grad_sync, grad_accum, seq_len=seq_len,
+                             micro_batch=micro_batch, doc_mask=doc_mask, settings=settings)
+    memory = device_bytes_with(parts[0], costs.acts.total_device, costs.transient)
     host = host_bytes_with(parts[1], costs.acts_host, costs.attn_host)
     # a CPU run's peak as the preflight counts it: its foreach AdamW's step, and where the hardware has no host
     # memory of its own (a calibration: one memory), the host bytes in the same memory as the device's

@@ -144,8 +144,6 @@ MEMORY_TERMS = {
                                        "micro-batches (grad_sync step; gs-micro reduces each and has none)"),
     "activations": ("activ.", "saved activations on the GPU (those offloaded are in host/node, GiB per node)"),
     "transient": ("transient", "the working set of one block's backward and of the LM head on top of them"),
-    "chunk_grad_buffers": ("chunk.grads", "memory.block_chunk with gradients kept across micro-batches: one block's "
-                                          "fp32 gradients summed over its chunks before they reach the kept ones"),
     "co2_state": ("co2", "train.data_parallel = co2's fp32 copies of the rank's shard: the round's start, the outer "
                          "model, the change in flight"),
 }
