@@ -44,18 +44,22 @@ def test_attention_widths():
 
 
 def test_sparse_backward_bytes_by_hand():
-    """bf16, head 1, per token: fp32 accumulators dq (8), dk, dv (4 each) = 64 B; the kernel's
-    gradients gq, gk, gv in bf16 = 32 B; the larger of the kernel call's arguments (rows of dout, q,
-    out: 48 B; of k, v: 16 B; the fp32 lse of 2 heads: 8 B) = 72 B and the fp32 copy of gq (32 B)."""
-    assert sparse_attention_backward_bytes(TINY, 1, 2) == 64 + 32 + 72 == 168
+    """bf16, head 1, per token: fp32 accumulators dq (8), dk, dv (4 each) = 64 B and the token-major fp32 lse of
+    2 heads (8 B); the kernel's gradients gq, gk, gv in bf16 = 32 B; the larger of the kernel call's arguments
+    (rows of dout, q, out: 48 B; of k, v: 16 B; the fp32 lse rows and their finite copy: 16 B) = 80 B and the
+    fp32 copy of gq (32 B)."""
+    assert sparse_attention_backward_bytes(TINY, 1, 2) == 72 + 32 + 80 == 184
 
 
 def test_lm_head_bytes():
     # unchunked: cross_entropy's two fp32 [tokens, 10] gradients, 80 B per token whatever the dtype
     assert lm_head_bytes(TINY, 100, 0, 2) == 8000
-    # chunked, per chunk token: bf16 logits and their fp32 copy (60 B), the recomputed final norm (8 x 8 + 4),
+    # chunked, per chunk token: the larger of bf16 logits with their fp32 copy (60 B) and, in the final norm's
+    # backward, the bf16 logits with six fp32 rows of the norm (20 + 192 B); the recomputed final norm (8 x 8 + 4),
     # labels, scale and one-hot values (16); and the bf16 hidden-state gradient of all 100 tokens (16 B each)
-    assert lm_head_bytes(TINY, 100, 32, 2) == 32 * (60 + 68 + 16) + 100 * 16
+    assert lm_head_bytes(TINY, 100, 32, 2) == 32 * (212 + 68 + 16) + 100 * 16
+    wide = dataclasses.replace(TINY, vocab_size=1000)  # the logits' stage the larger
+    assert lm_head_bytes(wide, 100, 32, 2) == 32 * (6000 + 68 + 16) + 100 * 16
     assert lm_head_bytes(TINY, 20, 32, 2) == 1600  # fewer tokens than a chunk: unchunked
 
 
@@ -68,9 +72,9 @@ def test_attention_chunks():
 
 def test_transient_is_the_lm_head_when_its_logits_are_widest():
     """A vocabulary far wider than the block: the LM head's backward (unchunked: two fp32 gradients of the
-    logits) is the peak: 64 tokens x 1000 x (4 + 4) B."""
+    logits) is the peak: 64 tokens x 1000 x (4 + 4) B, and the backward's seed (one fp32 scalar)."""
     wide = dataclasses.replace(TINY, vocab_size=1000)
-    assert transient_bytes(wide, 64, 1, head=1, ctx=1, policy=MemoryPolicy(), dtype_bytes=2, docs=False) == 512000
+    assert transient_bytes(wide, 64, 1, head=1, ctx=1, policy=MemoryPolicy(), dtype_bytes=2, docs=False) == 512004
 
 
 def test_selective_keeps_the_attention_core_and_the_block_output():
@@ -209,21 +213,24 @@ def test_moe_ffn_grad_bytes_by_hand():
 
 def test_transient_takes_the_larger_of_a_moe_models_blocks():
     """A MoE model's transient is its widest block's. bf16, 64 tokens, per token: the dense model's
-    peak is the core's backward (residual gradient 16, attention output gradient 16, fp32 dq and
-    dk/dv accumulators 64, k and v repeated to both query heads with gradients 64: 160 B); with the
-    MoE block, `post` (dy and dx 32, the attention output's gradient 16) plus the MoE feed-forward's
-    gradients (120) is wider: 168 B; wider experts widen it by their gradients. (Not `pre`: the
-    feed-forward's gradients are gone by then.) Each less the 76 B the loss's backward freed before
-    (the final norm's 68 in bf16, the log-softmax's 4 x vocab 2: loss_saved_bytes)."""
+    core backward (residual gradient 16, attention output gradient 16, fp32 dq and dk/dv accumulators 64,
+    k and v repeated to both query heads with gradients 64: 160 B) no longer holds the 196 B its post saved
+    (the MLP norm's 68, the MLP's 128: post_saved_bytes), and its post's backward over all tokens is the MLP's
+    stage (dy 16, the MLP's gradients 64: 80 B), less the 76 B the loss's backward freed before (the final
+    norm's 68 in bf16, the log-softmax's 4 x vocab 2: loss_saved_bytes): the LM head's 16 B (two fp32
+    gradients of 2 logits) is the peak. With the MoE block, `post` (dy and dx 32, the attention output's
+    gradient 16) plus the MoE feed-forward's gradients (120, counted whole: whole_post_piece) is wider: 168 B;
+    wider experts widen it by their gradients. (Not `pre`: the feed-forward's gradients are gone by then.) Each
+    with the backward's seed, one fp32 scalar."""
     pol = MemoryPolicy("none")
     args = dict(head=1, ctx=1, policy=pol, dtype_bytes=2, docs=False)
     narrow_vocab = dataclasses.replace(TINY_MOE, vocab_size=2)
     dense_only = dataclasses.replace(narrow_vocab, moe_dense_layers="0-1")
     assert loss_saved_bytes(narrow_vocab, 64, 1, policy=pol, dtype_bytes=2) == 64 * 76
-    assert transient_bytes(dense_only, 64, 1, **args) == 64 * (160 - 76)
-    assert transient_bytes(narrow_vocab, 64, 1, **args) == 64 * (32 + 16 + 120 - 76)
+    assert transient_bytes(dense_only, 64, 1, **args) == 64 * 16 + 4
+    assert transient_bytes(narrow_vocab, 64, 1, **args) == 64 * (32 + 16 + 120 - 76) + 4
     wide_experts = dataclasses.replace(narrow_vocab, moe_expert_dim=200)
-    assert transient_bytes(wide_experts, 64, 1, **args) == 64 * (48 + 2 * 2 * 3 * 200 + 8 + 16 - 76)
+    assert transient_bytes(wide_experts, 64, 1, **args) == 64 * (48 + 2 * 2 * 3 * 200 + 8 + 16 - 76) + 4
 
 
 @pytest.mark.parametrize("over", [{}, {"moe.expert_dim": 64}, {"moe.expert_dim": 256, "moe.top_k": 3},

@@ -128,5 +128,5 @@ def test_the_accounting_counts_the_block_before_in_the_pre_phase_only():
     offloaded = max(v + own[k] for k, v in phases[False].items())
     kept = max(v + (host if k == "pre" else 0.0) for k, v in phases[True].items())
     freed = loss_saved_bytes(cfg, seq, 1, policy=policy, dtype_bytes=2)
-    assert transient == pytest.approx(max(offloaded, kept) - freed)
+    assert transient == pytest.approx(max(offloaded, kept) - freed + 4)  # (+ the backward's seed, a scalar)
     assert transient / 2**30 == pytest.approx(76.77, abs=0.01)

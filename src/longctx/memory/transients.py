@@ -44,27 +44,35 @@ def sparse_attention_backward_bytes(m: ModelConfig, head: int, e: int) -> float:
 
     - the accumulators `dq`, `dk`, `dv` = torch.zeros(..., float32) shaped like the flat q [tokens,
       heads, d] and k, v [tokens, kv heads, d] (kv heads after the all-to-all's replication), alive
-      for the whole call: 4 (q_dim + 2 kv_dim) per token. (Not allocated when the pairs tile the
+      for the whole call: 4 (q_dim + 2 kv_dim) per token; and the log-sum-exp made token-major (the
+      per-group path's `lse_t`, a reshape of its transpose: a copy) or fp32 [heads, tokens] (varlen's
+      `lse_t`), 4 per head, alive for the whole call too. (Not allocated when the pairs tile the
       tensors exactly, `_whole_tiling` / one identity round, e.g. one document per sequence or a
       ring's diagonal block: counted anyway, the planner does not know the documents per rank.)
     - the largest group's (round's) temporaries. The kernel's gradients gq, gk, gv (e (q_dim +
       2 kv_dim)) live until the next group; during the kernel call, its arguments: the rows
       `index_select`ed from dout, q, out (3 e q_dim) and k, v (2 e kv_dim) and the lse rows (fp32, 4
-      per head), freed when it returns; after it, the fp32 copies for index_add_ (`gq.float()`,
-      then gk's, then gv's: one at a time, at most 4 q_dim), so the larger of the two phases. A
+      per head) with their finite copy for the kernel (`torch.where(isinf(lse), 0, lse)`, 4 per head;
+      with it and `lse_t` uncounted, one group of 2,040 of 2,048 tokens in gathered rows peaked 1.0004x
+      over the count in fp32: tests/unit/test_transient_tightening.py), freed when it returns; after
+      it, the fp32 copies for index_add_ (`gq.float()`, then gk's, then gv's: one at a time, at most
+      4 q_dim), so the larger of the two phases. A
       group holds each query row at most once (ops/segments.py `_group`, varlen `_build_rounds`),
       so its rows are bounded by the rank's tokens (a key segment serving several query segments
       of one group is gathered once per pair: a document in several pieces on one rank, rare; not
       counted). On some paths some of these are views (strided segments, identity rounds, fp32
-      inputs): an upper bound (tests/unit/test_memory_transients.py measures the CPU path under it).
+      inputs): an upper bound (tests/unit/test_memory_transients.py measures the CPU path under it),
+      which the data's layout decides, not the length: an unchunked core's backward with two
+      documents (one segment per group, views) measured 1.50-1.72x under this count at 2,048 and
+      4,096 tokens, one group of equal documents at uneven offsets (rows gathered) 1.01-1.08x.
 
     The final `.to(dtype)` copies of dq, dk, dv come after the group temporaries are gone and are
     smaller. Nothing here depends on the sequence length beyond the rank's tokens: no [S_q, S_k]
     tensor exists on any path."""
     q_dim, kv_dim = attention_widths(m, head)
-    accumulators = 4 * (q_dim + 2 * kv_dim)
+    accumulators = 4 * (q_dim + 2 * kv_dim) + 4 * m.heads
     kernel_grads = e * (q_dim + 2 * kv_dim)
-    kernel_args = 3 * e * q_dim + 2 * e * kv_dim + 4 * m.heads
+    kernel_args = 3 * e * q_dim + 2 * e * kv_dim + 8 * m.heads
     fp32_copy = 4 * max(q_dim, kv_dim)
     return accumulators + kernel_grads + max(kernel_args, fp32_copy)
 
@@ -285,9 +293,45 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
         pre_block = t * (part["norm"] + part["qk_norm"]) if full and not policy.block_chunk else 0.0
     weights = autocast_weight_bytes(m, policy, moe) if autocast else 0.0
     sums = weight_grad_sum_bytes(m, t, policy, 4 if autocast else e, moe)
-    return {"post": t * (2 * X + c * q_dim + state_post) + piece + pre_block + weights + sums["post"],
-            "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights,
+    freed = t * post_saved_bytes(m, policy, part, seq_out, moe)
+    # post's backward over all tokens at once: its MLP's gradients are alive beside dy only (the attention
+    # output's gradient and the residual gradient being built come after the MLP's backward, which frees its
+    # piece); in pieces, the earlier pieces' attention output and residual gradients are alive beside the next's
+    post_work = (max(X + piece / t, 2 * X + c * q_dim) if whole_post_piece(m, t, policy, moe)
+                 else 2 * X + c * q_dim + piece / t)
+    return {"post": t * (post_work + state_post) + pre_block + weights + sums["post"],
+            "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights - freed,
             "pre": t * (2 * X + both_layouts * c * (q_dim + 2 * kv_dim)) + pre_piece + weights + sums["pre"]}
+
+
+def whole_post_piece(m: ModelConfig, tokens: int, policy: MemoryPolicy, moe: bool = False) -> bool:
+    """Whether a dense block's post (output projection, residual, MLP) runs its backward over all `tokens` as one
+    piece (nothing recomputed, or one piece of piece_tokens spanning them). Then the MLP's backward, which holds
+    its widest gradients (and, recomputed, the piece's saved tensors), runs before the output projection's: by
+    the data dependency (the projection's output gradient is the MLP input's, summed with dy), not autograd's
+    order, so only the incoming gradient dy is alive beside them. A MoE feed-forward's phases are counted as a
+    bound (ffn_grad_bytes): kept whole."""
+    if moe and m.is_moe:
+        return False
+    return policy.recompute == "none" or max(piece_tokens(tokens, policy)) >= tokens
+
+
+def post_saved_bytes(m: ModelConfig, policy: MemoryPolicy, part: dict[str, float], seq_out: float,
+                     moe: bool = False) -> float:
+    """Bytes per token of a block's own saved activations that its core phase no longer holds: under `none`
+    what post's nodes alone saved, the MLP norm's tensors, its input h, the MLP's intermediates (memory.accounting
+    _kept_block) and, with the all-to-all, the attention output in sequence layout (the output projection's
+    input). A node's saved tensors are freed when it has run, and the core's backward runs only once every node
+    reading its output has (post's): by the data dependency, not autograd's order. Counted on top of all the
+    saved activations, `none` was 1.65x to 1.97x the measured transient (tests/unit/test_transient_tightening.py).
+    Other policies save none of post's tensors on the device (recomputed, or the host tier's, freed by phase
+    apart: offloaded_tier_after_post). A MoE block's feed-forward count (moe_ffn_bytes) is an upper bound: not
+    credited. Not credited in the pre phase either, though the core's saved state is gone by then too: the pre
+    phase's count of RoPE's backward (`rope`, at the compute dtype) is short of its fp32 products
+    (models/llama.py apply_rope promotes), which that state's bytes cover."""
+    if policy.recompute != "none" or (moe and m.is_moe):
+        return 0.0
+    return part["mlp_norm"] + part["residual"] + part["mlp"] + seq_out
 
 
 def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast: bool = False) -> float:
@@ -305,8 +349,17 @@ def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast
     weight = 2 * m.vocab_size * m.dim if autocast else 0
     if loss_chunk and tokens > loss_chunk:
         norm = block_part_bytes(m, 1, e)["norm"]
-        return (loss_chunk * (m.vocab_size * (compute_bytes(e, autocast) + 4) + norm + 16) + tokens * e * m.dim
-                + weight)
+        # the final norm's backward over the chunk (ops/norm.py rms_norm, statistics in fp32): the output
+        # gradient's fp32 copy, its products with the rsqrt and with the fp32 input, the mean's expanded
+        # gradient, pow's input and its two products: six fp32 [chunk, dim] at once, measured in a bf16 model
+        # (vocabulary 320: uncounted, the transient was 0.67x the measured one, the LM head's backward its peak;
+        # tests/unit/test_activation_peak_estimate.py). It needs the hidden-state gradient, which the head's
+        # matmul backward makes from the logits' gradient (a data dependency): by then only the logits' copy in
+        # the compute dtype is alive, their fp32 gradient freed (measured). The larger of the two stages
+        c = compute_bytes(e, autocast)
+        logits = m.vocab_size * (c + 4)
+        norm_backward = m.vocab_size * c + 6 * 4 * m.dim
+        return loss_chunk * (max(logits, norm_backward) + norm + 16) + tokens * e * m.dim + weight
     return tokens * m.vocab_size * 8 + weight
 
 
@@ -329,7 +382,10 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
       attention output's gradient (sequence layout), one piece recomputed with the gradients of its
       widest intermediates (the MLP's, or a MoE feed-forward's: `ffn_backward_bytes`), and under `full`
       the recomputed attention state (q, k, v, output, log-sum-exp in the core's layout, and the
-      output in sequence layout); of a MoE model, the larger of its MoE and its dense blocks;
+      output in sequence layout); of a MoE model, the larger of its MoE and its dense blocks. Over all
+      tokens in one piece (whole_post_piece), the MLP's backward (dy beside it) and the output
+      projection's (the two of d and the attention output's gradient) are the larger of two stages;
+    - under `none`, the core's phase without what post's nodes saved (post_saved_bytes);
     - the core's backward: the residual gradient, the attention output's gradient (core layout),
       under `full` the recomputed state, and the core's working set: fp32 dq and dk/dv
       accumulators over all tokens (a ring adds the dk/dv block in flight and the K/V block
@@ -367,7 +423,9 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
                                   e=e, docs=docs, acts=acts, autocast=autocast)
     # a block's backward runs after the loss's: what the final norm and the loss saved is freed by then
     freed = loss_saved_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e)
-    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e, autocast))
+    # + the backward's seed, ones_like(loss): one fp32 scalar, alive throughout (the post phase over all tokens
+    # is counted to the byte: without it, 4 B under the measured peak in fp32)
+    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e, autocast)) + 4
 
 
 def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,
@@ -396,6 +454,9 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
                                         dtype_bytes=e, docs=docs, weight_copies=autocast)
     before = {"pre": acts.per_block_host}
     kept = phases(dataclasses.replace(policy, offload_fraction=0.0), before)
+    # the first block has no block before it to prefetch: with one offloaded block (the first) its pre phase
+    # brings nothing back (a kept block's count, `kept`, holds the one prefetch of the last offloaded block)
+    prefetched = acts.per_block_host if offloaded > 1 else 0.0
     if policy.recompute == "full":
         # the block input's host part comes back and is joined with its device rest into a whole new
         # tensor (memory/offload.py _unpack: torch.cat), the recompute's input for the block's whole
@@ -403,7 +464,7 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         # the pre phase only (prefetch_mark: after the attention core's backward), in the offloaded
         # blocks' and the first kept one's backward alike
         own = micro_batch * seq_len // (head * ctx) * e * m.dim
-        off = own + phases(policy, before)
+        off = own + phases(policy, {"pre": prefetched})
     else:  # its own host tier brought back (prefetched whole, in the pre phase of the block after it): whole
         # in its post phase, then only what the core's and pre's backward still read (each part is freed with
         # the backward that reads it); the block before's whole in the pre phase (prefetch_mark: after the
@@ -413,7 +474,7 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
         pre, core = offloaded_tier_after_post(block_part_bytes(m, head, e, docs, autocast=autocast), e, m.dim,
                                               float(policy.offload_fraction))
         off = phases(policy, {"post": acts.per_block_host, "core": t * (pre + core),
-                              "pre": t * pre + acts.per_block_host})
+                              "pre": t * pre + prefetched})
     return off if offloaded == m.layers else max(off, kept)
 
 
