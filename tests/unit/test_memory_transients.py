@@ -16,17 +16,10 @@ from torch.utils._pytree import tree_leaves
 from live_storage import LiveStorages
 from longctx.config import load_config
 from longctx.memory.accounting import block_part_bytes, estimate_activations, loss_saved_bytes
+from longctx.memory.core_transients import attention_chunks, attention_widths, sparse_attention_backward_bytes
 from longctx.memory.moe_counts import moe_call_bytes, moe_ffn_bytes
 from longctx.memory.policy import MemoryPolicy
-from longctx.memory.transients import (
-    attention_chunks,
-    attention_widths,
-    ffn_backward_bytes,
-    ffn_grad_bytes,
-    lm_head_bytes,
-    sparse_attention_backward_bytes,
-    transient_bytes,
-)
+from longctx.memory.transients import ffn_backward_bytes, ffn_grad_bytes, lm_head_bytes, transient_bytes
 from longctx.ops.attention import attention_backward, attention_forward
 
 

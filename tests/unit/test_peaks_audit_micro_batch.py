@@ -11,8 +11,9 @@ import torch
 from live_storage import LiveStorages
 from longctx.config import load_config
 from longctx.memory.accounting import estimate_activations
+from longctx.memory.core_transients import attention_chunks
 from longctx.memory.policy import MemoryPolicy
-from longctx.memory.transients import attention_chunks, transient_bytes
+from longctx.memory.transients import transient_bytes
 from longctx.models.llama import build_model
 from longctx.ops.chunked import chunk_slices
 from longctx.parallel.parallelize import apply_memory

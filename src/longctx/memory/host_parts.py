@@ -178,7 +178,7 @@ def locked_bytes(parts: list[int]) -> int:
 
 def pinned_attention_offload_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int,
                                    policy: MemoryPolicy, dtype_bytes: int) -> float:
-    """memory/transients.py attention_offload_host_and_traffic's host bytes as pinned on CUDA, each part
+    """memory/core_transients.py attention_offload_host_and_traffic's host bytes as pinned on CUDA, each part
     rounded up: the backward's dout and fp32 dq per chunk of a chunked store, and under `full` the
     recomputed block's core state."""
     if not policy.attention_offloaded:

@@ -13,13 +13,9 @@ from ..costs.host_bytes import offloaded_host_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import Flops, compute_seconds, micro_batch_flops
 from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
+from ..memory.core_transients import attention_offload_host_and_traffic
 from ..memory.policy import MemoryPolicy
-from ..memory.transients import (
-    attention_offload_host_and_traffic,
-    expert_skew_transient_bytes,
-    shared_overlap_transient_bytes,
-    transient_bytes,
-)
+from ..memory.transients import expert_skew_transient_bytes, shared_overlap_transient_bytes, transient_bytes
 
 
 def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
