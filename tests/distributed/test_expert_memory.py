@@ -19,7 +19,8 @@ from test_training_parity import BASE
 
 from longctx.config import load_config
 from longctx.job.spawn import run_spawned_many
-from longctx.memory.accounting import layer_activations, measure_activations
+from longctx.memory.accounting import layer_activations
+from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.parallel.context.shares import to_device
 from longctx.train.trainer import Trainer

@@ -18,7 +18,8 @@ from longctx.config import load_config
 from longctx.job import comm
 from longctx.job.dims import ParallelDims
 from longctx.job.spawn import run_spawned_many
-from longctx.memory.accounting import estimate_activations, measure_activations
+from longctx.memory.accounting import estimate_activations
+from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
 from longctx.parallel.context.sequence import attach_layout, plan_layout, shard_sequence

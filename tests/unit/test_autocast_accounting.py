@@ -16,8 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from longctx.config import load_config
-from longctx.memory.accounting import activation_dtype, estimate_activations, layer_activations, measure_activations
+from longctx.memory.accounting import activation_dtype, estimate_activations, layer_activations
 from longctx.memory.apply_policy import apply_memory_policy
+from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
 from probes import packed_batch

@@ -12,8 +12,9 @@ import pytest
 from test_autocast_accounting import under_autocast
 
 from longctx.config import load_config
-from longctx.memory.accounting import activation_dtype, layer_activations, measure_activations
+from longctx.memory.accounting import activation_dtype, layer_activations
 from longctx.memory.apply_policy import apply_memory_policy
+from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
 from longctx.models.moe import Experts

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from longctx.config import load_config
-from longctx.memory.accounting import estimate_activations, layer_activations, measure_activations
+from longctx.memory.accounting import estimate_activations, layer_activations
 from longctx.memory.apply_policy import apply_memory_policy
+from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.models.llama import build_model
 

@@ -140,7 +140,8 @@ def test_bf16_blocks_keep_what_the_analytic_count_says(recompute, fraction, skip
     block's, or the chunked loss's). The count charged every block's output (and the embeddings
     output) under none, and the last block's output without a chunked loss: 2 x dim bytes per token
     each, measured as not held."""
-    from longctx.memory.accounting import layer_activations, measure_activations
+    from longctx.memory.accounting import layer_activations
+    from longctx.memory.measured import measure_activations
 
     cfg = load_config(overrides=["--model.layers=3"]).model
     model = build_model(cfg, seed=0).to(torch.bfloat16)

@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import longctx.memory.apply_policy as apply_policy
 from longctx.config import load_config
 from longctx.data.samples import Batch
-from longctx.memory.accounting import activation_dtype, layer_activations, measure_activations
+from longctx.memory.accounting import activation_dtype, layer_activations
 from longctx.memory.apply_policy import apply_memory_policy
+from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.memory.weight_casts import SharedCasts
 from longctx.memory.weight_grads import autocast_weight_bytes

@@ -25,7 +25,8 @@ from ..config import MemoryConfig, build_model_config, load_config
 from ..errors import ConfigError
 from ..job.dims import ParallelDims
 from ..job.spawn import run_spawned
-from ..memory.accounting import estimate_activations, layer_activations, measure_activations, published_formulas
+from ..memory.accounting import estimate_activations, layer_activations, published_formulas
+from ..memory.measured import measure_activations
 from ..memory.policy import MemoryPolicy
 from ..memory.rss import peak_rss_bytes
 from ..models.llama import build_model

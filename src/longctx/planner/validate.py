@@ -42,7 +42,7 @@ from ..job import comm
 from ..job.runtime import Runtime
 from ..job.spawn import run_spawned
 from ..job.traffic import library_traffic
-from ..memory.accounting import measure_activations
+from ..memory.measured import measure_activations
 from ..memory.policy import MemoryPolicy
 from ..models.llama import build_model
 from ..parallel.context.shares import local_batch
