@@ -86,42 +86,7 @@ def _deterministic():
 SLOW_DIRS = ("distributed", "e2e")
 
 
-# unit/ files that take the longest, 10-115 s alone (-n 0 on the shared 2-core machine, 2026-12-05; test_planner
-# the most), where most unit files take 1-5 s: under pytest-xdist they are handed out with the tier that starts
-# processes, not among the last files
-LONG_UNIT_FILES = ("test_peer_decode_glue.py", "test_bench_generate_compile.py", "test_planner.py",
-                   "test_conftest_group_guard.py", "test_bench_moe_cluster_real_links.py", "test_eval_batches.py",
-                   "test_compiled_decode.py", "test_decode_blocks.py", "test_library_train_own_group.py")
-
-
-def pytest_configure(config):
-    """Under `--dist loadfile` the workers take the files in the order collection gives them (_dispatch_order)
-    instead of xdist's default, by number of tests (--loadscope-reorder): that handed out the one-test files
-    last, among them 30-50 s end-to-end runs (test_preemption_cli, test_hang_cli) and a 20-40 s unit file
-    (test_peer_decode_glue), which one worker ran while the other had nothing left to take."""
-    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
-        config.option.loadscopereorder = False
-
-
-def _dispatch_order(items, rootpath):
-    """`items` regrouped by file, each file's tests together and in their order (its module-scoped fixtures set
-    up once), the files in the order the xdist workers should take them: first the tier that starts processes
-    (distributed/, e2e/) and LONG_UNIT_FILES, then the rest of unit/, each by number of tests as xdist would
-    order them. The last files handed out are then short ones, and the two workers finish together."""
-    by_file: dict = {}
-    for item in items:
-        by_file.setdefault(item.path, []).append(item)
-
-    def key(path):
-        slow = any(part in SLOW_DIRS for part in path.relative_to(rootpath).parts[:-1])
-        return (0 if slow or path.name in LONG_UNIT_FILES else 1, -len(by_file[path]))
-
-    return [item for path in sorted(by_file, key=key) for item in by_file[path]]  # (sorted is stable)
-
-
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # (a run in one process keeps the collection's order)
-        items[:] = _dispatch_order(items, config.rootpath)
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if any(part in SLOW_DIRS for part in item.path.relative_to(config.rootpath).parts[:-1]):
