@@ -161,8 +161,9 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
 
 
 def device_total(req: Request, layout: Layout, pol: MemoryPolicy, tier: str, acts, transient: float) -> float:
-    """cost.memory_bytes(...)["total"] of a candidate (its shape before co2 settles its local steps), from the
-    layout's kept state parts (cost.kept_state_parts, as footprint_of keeps them).
+    """The device bytes' "total" of a candidate (costs/host_bytes.py device_bytes_with, as cost.footprint_of sums
+    them; its shape before co2 settles its local steps), from the layout's kept state parts (cost.kept_state_parts,
+    as footprint_of keeps them).
 
     Kept in layout.totals by (tier, grad_sync), which fix them: the values device_bytes_with's dict holds before
     the activations, in its order, so the total is sum() of the very sequence its dict sums (parts, activations,

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
 from ..costs.host_bytes import (
-    device_bytes,
     device_bytes_with,
     device_parts_before_activations,
     exposed_host_state_seconds,
@@ -131,17 +130,6 @@ class RunSettings:
 
 # ----------------------------------------------------------------------------------------------
 # Memory
-
-
-def memory_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, grad_accum: int, gather_bytes: int,
-                 acts: ActivationEstimate, transient: float, model_states: str = "device",
-                 settings: RunSettings = RunSettings()) -> dict[str, float]:
-    """Bytes per GPU by part and their "total"; "accumulated_grads" only where there are any. The model states
-    as their tier leaves them on the device (costs/host_bytes.py device_bytes; FSDP units of
-    settings.grad_bucket_blocks blocks), and under co2 its outer state (the round's start, the outer model, the
-    change in flight, and the outer momentum when there is one)."""
-    return device_bytes(m, shape, model_states, policy.grad_sync, grad_accum, gather_bytes, acts.total_device,
-                        transient, settings.grad_bucket_blocks, settings.co2_outer_momentum)
 
 
 def gib_text(nbytes: float) -> str:

@@ -133,8 +133,8 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
-# The table's memory columns: the terms of Estimate.memory (cost.memory_bytes; its "total" is their sum)
-# in the order they are summed, each with its heading and what it holds (the legend under the table).
+# The table's memory columns: the terms of Estimate.memory (costs/host_bytes.py device_bytes_with; its "total" is
+# their sum) in the order they are summed, each with its heading and what it holds (the legend under the table).
 MEMORY_TERMS = {
     "model_states": ("states", "fp32 parameters, gradients and Adam moments, sharded over the FSDP group, as far as "
                                "their tier (states in) keeps them on the GPU"),
@@ -151,7 +151,7 @@ MEMORY_TERMS = {
 
 def memory_terms(rows: list[Estimate]) -> list[str]:
     """The memory terms any of `rows` has, in summing order; a term MEMORY_TERMS does not know yet
-    (one cost.memory_bytes adds) comes last, under its own name, so the columns still add up."""
+    (one device_bytes_with adds) comes last, under its own name, so the columns still add up."""
     present = dict.fromkeys(k for e in rows for k in e.memory if k != "total")
     return [k for k in MEMORY_TERMS if k in present] + [k for k in present if k not in MEMORY_TERMS]
 
