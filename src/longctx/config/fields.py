@@ -102,17 +102,12 @@ def parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
         if low in ("false", "0", "no", "off"):
             return False
         raise ConfigError(f"{key} must be true or false, got '{text}'.")
-    if typ == "int":
+    if typ in ("int", "float"):
+        number = int if typ == "int" else float
         try:
-            return int(text)
+            return number(text)
         except ValueError:
-            raise ConfigError(f"{key} must be an integer{_or_words(f)}, got '{text}'."
-                              + suggest(text, f.metadata.get("words", ()))) from None
-    if typ == "float":
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{key} must be a number{_or_words(f)}, got '{text}'."
+            raise ConfigError(f"{key} must be {_type_name(number)}{_or_words(f)}, got '{text}'."
                               + suggest(text, f.metadata.get("words", ()))) from None
     return text
 

@@ -100,18 +100,14 @@ class Trainer:
         # checkpoint.on_signal is caught during set-up (a signal there stops the run at the loop's first boundary,
         # preemption.EarlySignals) and let go at its end, failed or not: run() catches them again
         self.early_signals = EarlySignals(cfg.checkpoint.on_signal if cfg.checkpoint.saves_or_resumes else "")
-        try:
-            self._set_up(cfg, log, read_ahead)
+        try:  # (in the order the parts need each other: the job, the model and its step, the data and checkpoints)
+            self._join(cfg, log)
+            self._build()
+            self._open_run(read_ahead)
         finally:
             self.early_signals.restore()
 
-    def _set_up(self, cfg: Config, log, read_ahead: bool) -> None:
-        """The run, in the order its parts need each other: the job and its run directory, then the model and
-        what wraps its step, then the data, checkpoints and resume, and the first stage."""
-        self._build(self._join(cfg, log))
-        self._open_run(self.cfg, read_ahead)
-
-    def _join(self, cfg: Config, log) -> Config:
+    def _join(self, cfg: Config, log) -> None:
         """The job (ranks, device, seed, dtype) and the run directory; the config with its offload resolved."""
         self.clock = time.monotonic  # what checkpoint.exit_after_minutes reads (a test installs its own)
         self.started = self.clock() - command_age()  # (the limit counts from the command's start: command_clock)
@@ -126,11 +122,10 @@ class Trainer:
         check_packages(cfg)
         self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
         self.cfg = resolve_offload(cfg, self.device, rt, self.log)
-        return self.cfg
 
-    def _build(self, cfg: Config) -> None:
+    def _build(self) -> None:
         """The model, what a step does beside the loss (hooks, fault injection, the guard) and the optimizer."""
-        rt = self.rt
+        cfg, rt = self.cfg, self.rt
         self.model = build_training_model(cfg, self.device, rt, self.log)
         # what a step does beside the loss, at fixed points (hooks.py): MoE router bookkeeping, in a run
         # that trains routers; none in a dense run
@@ -151,9 +146,9 @@ class Trainer:
         self.hooks.hooks += host_update_hooks(self.optimizer)  # the host update's time (host_optimizer)
         self.hooks.hooks += profile_hooks(cfg, self.run_dir, rt.rank, self.device, self.log)  # metrics.profile_step
 
-    def _open_run(self, cfg: Config, read_ahead: bool) -> None:
+    def _open_run(self, read_ahead: bool) -> None:
         """The data, the checkpoints and what a resume restores, the metrics, and the stage the run starts in."""
-        rt = self.rt
+        cfg, rt = self.cfg, self.rt
         # global batches in seeded order (one global cursor: resumable under any layout), each permuted
         # so that the data-parallel ranks get samples of balanced estimated cost; by stage (stages.py).
         # Each rank reads only its share of them, the next step's on a background thread
