@@ -24,8 +24,8 @@ SEQ, BATCH = 96, 2
 SHAPES = {"debug-moe": [], "shared": ["--model.moe.shared_experts=1"],
           "shared gate": ["--model.moe.shared_experts=1", "--model.moe.shared_gate=true"],
           "sigmoid": ["--model.moe.router=sigmoid"]}
-# (a capacity, moe.capacity_factor, is left out: its count is an upper bound of the rows the experts see, and its
-# decision's few tensors kept across pieces, ~1.2 KB a block, are not counted, in fp32 as under autocast)
+# (a capacity, moe.capacity_factor, is left out: its count is an upper bound of the rows the experts see; what its
+# decision keeps across a call's pieces: test_moe_piece_routing_accounting.py)
 POLICIES = [("none", 0.0, 1, 0, 0), ("none", 0.0, 1, 0, 64), ("selective", 0.5, 0, 0, 0), ("selective", 0.5, 0, 64, 0),
             ("selective", 1.0, 0, 0, 64), ("selective", 0.0, 1, 64, 0), ("full", 1.0, 0, 64, 64)]
 

@@ -89,7 +89,8 @@ def moe_weight_copy_params(m: ModelConfig, experts_copied: bool) -> int:
 def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool = False, c: int | None = None) -> float:
     """Bytes one call of a MoE feed-forward keeps whatever its tokens: what its router records for
     the balancing losses (expert counts and probability sums, fp32 [E] each, the squared log-sum-exp
-    sum and the dropped count: 8 E + 8, on the device, also under a checkpoint); and when the call's
+    sum and the dropped count: 8 E + 8, and where choices can be dropped the rows each expert runs, 4 E;
+    on the device, also under a checkpoint); and when the call's
     saved tensors are kept (`stored`: not recomputed), in bf16 the gate's fp32 weight copy its
     linear saves (4 E d), and wherever the grouped GEMM kernel runs its int32 group offsets (3 x 4 E):
     ops/grouped.py runs it for rows of whole 16 bytes (dim and expert_dim), in bf16, and in fp32 on a
@@ -97,12 +98,15 @@ def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool =
     checkpointed pieces (memory.expert_chunk: `experts_chunked`), which keep none of theirs. `c`: the experts'
     operand bytes (moe_ffn_bytes; under autocast bf16, what decides the kernel's alignment)."""
     E = m.moe_experts
+    # where routing can drop choices (a capacity; the Sinkhorn router's padding, counted as a bound) the
+    # records' rows each expert runs are a tensor of their own [E] (models/moe_stats.py _rows)
+    records = 8 * E + 8 + (4 * E if m.moe_capacity_factor > 0 or m.moe_router == "sinkhorn" else 0)
     if not stored:
-        return 8 * E + 8
+        return records
     c = p if c is None else c
     aligned = m.dim % (16 // c) == 0 and m.resolved_expert_dim % (16 // c) == 0
     kernel = aligned and (c != 4 or cpu_kernel_available()) and not experts_chunked
-    return 8 * E + 8 + (4 * E * m.dim if p != 4 else 0) + (12 * E if kernel else 0)
+    return records + (4 * E * m.dim if p != 4 else 0) + (12 * E if kernel else 0)
 
 
 def _piece_sizes(tokens: int, chunk: int) -> list[int]:
@@ -228,4 +232,18 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
                 host += more
             else:
                 device += more
-    return device, host, flops
+    return device + piece_routing_bytes(m, calls), host, flops
+
+
+def piece_routing_bytes(m: ModelConfig, calls: list[tuple[int, bool]]) -> float:
+    """Device bytes a MoE block keeps from forward to its backward for routing a call run in pieces
+    (memory/apply_policy.py _PieceRouting): where the routing looks across tokens (a capacity, the Sinkhorn
+    router's assignment in training: MoEFeedForward.across_tokens) the pieces route with their slice of one
+    decision over the whole call, held by the pieces' recomputation: the chosen experts, [T, k] int16 (int32
+    past 32,767 experts), and the kept flags, [T, k] bool (with a capacity; the Sinkhorn router's, padding
+    masked, counted as a bound). Not a saved tensor, so never offloaded. None for a call of one piece."""
+    if len(calls) < 2 or not (m.moe_capacity_factor > 0 or m.moe_router == "sinkhorn"):
+        return 0.0
+    k = m.moe_top_k
+    chosen = 2 if m.moe_experts <= 32767 else 4
+    return float(sum(n for n, _ in calls) * k * (chosen + 1))
