@@ -319,7 +319,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         if weight_copies and (rc == "none" or (rc == "selective" and off)):
             if moe and model.is_moe:  # (no copy of the router's fp32 gate, nor of experts run in pieces)
                 copied = experts_copied(model, calls, policy.expert_chunk, expert, expert_skew)
-                device += 2 * (attention_matmul_params(model) + moe_weight_copy_params(model, copied))
+                device += 2 * (attention_matmul_params(model) + moe_weight_copy_params(model, copied, expert))
             else:
                 device += 2 * matmul_params_per_layer(model, moe)
         if moe and model.is_moe:

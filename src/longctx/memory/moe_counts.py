@@ -76,14 +76,15 @@ def moe_norm_feeds(m: ModelConfig) -> int:
     return (2 if S else 0) + (1 if S and m.moe_shared_gate else 0)
 
 
-def moe_weight_copy_params(m: ModelConfig, experts_copied: bool) -> int:
+def moe_weight_copy_params(m: ModelConfig, experts_copied: bool, expert: int = 1) -> int:
     """Parameters of a MoE feed-forward whose bf16 copy autocast keeps for backward when the call's saved
     tensors are kept (accounting.layer_activations `weight_copies`): the shared experts' and their gate's,
     and the routed experts' when they run whole (`experts_copied`; in checkpointed pieces, memory.expert_chunk,
-    each piece's copy is made again in backward). The router's gate runs in fp32: none."""
+    each piece's copy is made again in backward): under expert parallelism (`expert` > 1) the rank's
+    experts / expert of them. The router's gate runs in fp32: none."""
     d, S = m.dim, m.resolved_shared_dim
     shared = 3 * d * S + (d if S and m.moe_shared_gate else 0)
-    return shared + (m.moe_experts * 3 * d * m.resolved_expert_dim if experts_copied else 0)
+    return shared + (m.moe_experts // expert * 3 * d * m.resolved_expert_dim if experts_copied else 0)
 
 
 def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool = False, c: int | None = None) -> float:
@@ -148,14 +149,17 @@ def max_expert_skew(m: ModelConfig, expert: int) -> float:
     return expert * min(m.moe_top_k, m.moe_experts // expert) / m.moe_top_k
 
 
-def expert_parallel_row_bytes(m: ModelConfig, p: int, chunked: bool) -> float:
+def expert_parallel_row_bytes(m: ModelConfig, p: int, chunked: bool, c: int | None = None) -> float:
     """Bytes a rank keeps for backward per routed row it receives under expert parallelism
-    (parallel/expert/install.py): the received row, the grouped GEMM's input (d); the experts' SwiGLU
-    intermediates (4 x expert_dim; none when memory.expert_chunk recomputes them piece by piece);
-    and the two int64 indices that regroup the rows expert-major and back (16). Without expert
-    parallelism a rank's own rows keep the first two (moe_ffn_bytes' permute and experts), so with
-    even routing expert parallelism adds the indices alone."""
-    return p * m.dim + (0 if chunked else 4 * p * m.resolved_expert_dim) + 16
+    (parallel/expert/install.py): the received row as the grouped GEMM's input keeps it (`routed_row_bytes`:
+    under autocast, c < p, the bf16 casts of w1 and w3) and the experts' SwiGLU intermediates (4 x
+    expert_dim, c each), or with memory.expert_chunk, which recomputes them piece by piece, the row itself
+    (p d) as the pieces' input; and the two int64 indices that regroup the rows expert-major and back (16).
+    Without expert parallelism a rank's own rows keep the first two (moe_ffn_bytes' permute and experts,
+    moe_call_terms), so with even routing expert parallelism adds the indices alone."""
+    c = p if c is None else c
+    rows = p * m.dim if chunked else routed_row_bytes(m, p, c) + 4 * c * m.resolved_expert_dim
+    return rows + 16
 
 
 def experts_copied(m: ModelConfig, calls: list[tuple[int, bool]], expert_chunk: int, expert: int = 1,
@@ -227,7 +231,7 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
             # (what this call's own k rows are counted at above: the pieces' input rows, or the GEMMs' casts and
             # the intermediates)
             own = rows * (p * m.dim if chunked else routed_row_bytes(m, p, c) + 4 * c * m.resolved_expert_dim)
-            more = received * expert_parallel_row_bytes(m, p, chunked) - own
+            more = received * expert_parallel_row_bytes(m, p, chunked, c) - own
             if offloaded:  # (the offloader takes the block's saved tensors, the received rows' too)
                 host += more
             else:
