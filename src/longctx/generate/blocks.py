@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import weakref
+from collections import OrderedDict
 
 import torch
 
@@ -132,13 +133,10 @@ def _static_block(model, cache: Cache, chosen: torch.Tensor, steps: int, samplin
     sampling); the cache's bookkeeping once for the block (begin: the room and each row's start; end: the rows
     hold them). Keyed by the step's settings, not the step: a cache kept across generations
     (generate/cache_pool.py) replays its graphs for a later generation's own CompiledStep of those settings."""
-    graphs = _GRAPHS.setdefault(cache, {})
     # (the run's seed only seeds the host's generators, whose uniforms the block takes as input: not in the graph)
     settings = dataclasses.replace(sampling, seed=0)
     key = (cache.fast.mode, cache.fast.backend, chosen.shape[0], steps, settings)
-    block = graphs.get(key)
-    if block is None:
-        block = graphs[key] = BlockGraph(model, cache, chosen.shape[0], steps, settings)
+    block = _graph_for(cache, key, lambda: BlockGraph(model, cache, chosen.shape[0], steps, settings))
     step = cache.begin(steps, chosen.device)
     ok = False
     try:
@@ -149,8 +147,28 @@ def _static_block(model, cache: Cache, chosen: torch.Tensor, steps: int, samplin
     return Round(tokens.T, None, followed=False)
 
 
-# each cache's block graphs (they hold the addresses of its keys and values): gone with the cache
+# each cache's block graphs (they hold the addresses of its keys and values), least recently run first: gone with
+# the cache
 _GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# block graphs kept per cache, the least recently run dropped first. Each captured one holds a private pool of
+# device memory (its steps' intermediates: a few [rows, vocab] fp32 logits), and a cache is kept across
+# generations (generate/cache_pool.py: up to 4 per model), so without a bound every sampling setting and every
+# last partial block size a process ever ran would stay. A generation runs at most two sizes (BLOCK, then its
+# last partial block), so 4 keeps the full and partial blocks of two settings in turn (greedy and a sampled one;
+# or one setting's BLOCK and its last three partial sizes); past that a dropped key costs one uncaptured run
+# and a capture again, the cost of a new cache, never a wrong token.
+GRAPHS_PER_CACHE = 4
+
+
+def _graph_for(cache: Cache, key: tuple, make) -> BlockGraph:
+    """The cache's BlockGraph of `key` (made by `make()` when it has none), now its most recently run; the
+    least recently run dropped past GRAPHS_PER_CACHE."""
+    graphs = _GRAPHS.setdefault(cache, OrderedDict())
+    block = graphs.pop(key, None)
+    graphs[key] = block = block if block is not None else make()
+    while len(graphs) > GRAPHS_PER_CACHE:
+        graphs.popitem(last=False)
+    return block
 
 
 class BlockGraph:

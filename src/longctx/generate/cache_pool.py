@@ -19,10 +19,13 @@ per-step cost). transformers' static cache and vLLM keep theirs across requests;
 - the capacity is rounded up (`capacity`) so that prompts of nearby lengths share a cache; it depends on the
   request alone, so a generation's tokens never depend on what ran before it in the process. A cache the pool
   would not keep (over POOL_BYTES: a long context's) is made at the length asked, as before.
-- a cache is kept only for the same model with the same weight tensors: a captured graph reads the weights at
-  the addresses it was captured with, so a model whose parameters were replaced (a reload, `.to()`, a new
-  rope table) gets a new cache. At most MOST caches per model and POOL_BYTES of them are kept, the least
-  recently used dropped first; the pool holds its models weakly (a model's caches go with it).
+- a cache is kept only for the same model with the same weight tensors (`weights_key`): a captured graph reads
+  the weights at the addresses it was captured with, so a model whose parameters were replaced (a reload,
+  `.to()`, a new rope table) gets a new cache; weights changed in place (an optimizer's step between two
+  generations) stay where they were, and a graph reads them at each replay: the new values. At most MOST
+  caches per model and POOL_BYTES of them are kept, the least recently used dropped first; the pool holds its
+  models weakly (a model's caches go with it).
+- speculative decoding's plain draft model leases its cache here too (generate/drafters.py ModelDrafter).
 - LONGCTX_REUSE_CACHES=0: no pool (a new cache each lease, of the same rounded capacity: the same tokens).
 """
 
@@ -59,9 +62,13 @@ def reuse_enabled() -> bool:
 
 
 def weights_key(model) -> tuple:
-    """What a graph captured on `model` read: each parameter's and buffer's address, dtype and shape."""
-    return tuple((t.data_ptr(), t.dtype, tuple(t.shape))
-                 for t in itertools.chain(model.parameters(), model.buffers()) if t is not None)
+    """What a graph captured on `model` read: each parameter's and buffer's device, address, dtype and shape
+    (an address alone is one device's: the same number on another is other memory), and the model's RoPE
+    attention scale, a number the graph holds as a constant (the rest of what it computes with is the config
+    the model was built with; rope tables and Ms-PoE ratios are buffers, replaced by init_rope)."""
+    tensors = tuple((t.device, t.data_ptr(), t.dtype, tuple(t.shape))
+                    for t in itertools.chain(model.parameters(), model.buffers()) if t is not None)
+    return getattr(model, "rope_scale", None), tensors
 
 
 class CachePool:

@@ -142,7 +142,9 @@ class LeasedCaches(Backend, Protocol):
 @runtime_checkable
 class Drafter(Protocol):
     """What proposes the tokens a target verifies (speculative decoding, one sequence). Between
-    rounds the target's cache holds the prompt and every emitted token but the last (`pending`)."""
+    rounds the target's cache holds the prompt and every emitted token but the last (`pending`).
+    Optionally `generation()`, a context around one generation (generate/drafters.py's: the draft's cache
+    leased from generate/cache_pool.py for it, and no pooled cache held after it)."""
 
     def start(self, prompt: Sequence[int], target_cache: Cache | None = None) -> None:
         """After the target's prefill of `prompt` into `target_cache`: ready to propose after it (the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Sequence
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -24,6 +25,7 @@ from ..errors import ConfigError
 from ..models.kv_cache import KVCache
 from ..models.static_decode import CompiledStep, compiled_step, install
 from .acceptance import sampling_probs
+from .cache_pool import POOL
 from .local import prefill
 from .sampling import UNCHOSEN, Processors, Sampling, check_chosen
 
@@ -51,16 +53,40 @@ class ModelDrafter:
         self.cache: KVCache | None = None
         self._unfed: list[int] = []  # kept tokens the draft has not been fed yet (a last proposal kept)
         self._base = 0  # the cache's length with the pending token fed, in the current round
+        self._leases: ExitStack | None = None  # inside `generation`: where `start` leases the draft's cache
+        self._leased = False  # whether `cache` is leased (let go of when the generation ends)
+
+    @contextmanager
+    def generation(self):
+        """The span of one generation (speculative_generate's decode): the draft's cache that `start` makes is
+        leased from generate/cache_pool.py's pool for it, as the target's is (what its compiled step built on
+        it then serves the next generation), and the drafter lets go of it after: back in the pool, another
+        generation may lease it, and a propose or rewind after would write into that one's rows."""
+        with ExitStack() as leases:
+            self._leases = leases
+            try:
+                yield
+            finally:
+                self._leases = None
+                if self._leased:
+                    self.cache, self._leased = None, False
 
     def start(self, prompt: Sequence[int], target_cache=None) -> None:
         """The prompt but its last token (which the first `propose` feeds as the pending one).
         `target_cache`: the target's cache (a plain draft does not read it)."""
-        self.cache = KVCache.for_model(self.model, 1, self.max_len + (self.compiled is not None))
+        self.cache = self._own_cache(self.max_len + (self.compiled is not None))
         if len(prompt) > 1:
             prefill(self.model, self.cache, torch.tensor([list(prompt[:-1])], device=self.cache.k.device), self.chunk)
         if self.compiled is not None:
             install(self.cache, self.model, self.compiled)
         self._unfed = [int(prompt[-1])]
+
+    def _own_cache(self, max_len: int) -> KVCache:
+        """The draft's cache: leased for the generation (`generation`), else new (a drafter used on its own)."""
+        if self._leases is None:
+            return KVCache.for_model(self.model, 1, max_len)
+        self._leased = True
+        return self._leases.enter_context(POOL.lease(self.model, 1, max_len))
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The draft's logits [vocab] after feeding `tokens` [1, n] to its cache."""
@@ -155,6 +181,16 @@ class GlideDrafter(ModelDrafter):
                                      torch.arange(self.offset, n, device=w.device)[None], self._target_kv(),
                                      visible, cache=self.cache, fill_only=True)
         self._unfed = [int(prompt[-1])]
+
+    @contextmanager
+    def generation(self):
+        """One generation (ModelDrafter's; a GliDe draft's own cache, eager and of the draft's few layers, is
+        made at `start`): the target's cache let go of after it, back in the pool (generate/cache_pool.py), so
+        that a later propose reads no other generation's rows."""
+        try:
+            yield
+        finally:
+            self.target_cache = None
 
     def rewind(self, prompt: Sequence[int]) -> None:
         self.cache.truncate(len(prompt) - 1 - self.offset)

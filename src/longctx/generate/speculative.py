@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -148,7 +149,8 @@ def speculative_generate(target, drafter: Drafter, prompt: Sequence[int], *, max
     length = length_policy(adaptive, k, target, getattr(drafter, "model", None), draft_cost, verify_cost)
     rounds = SpeculativeRounds(target, drafter, k, sampling, generator, stop_below, cape, logprobs is not None,
                                length)
-    with generating(getattr(drafter, "model", None)):  # (the draft as decode runs the target)
+    # (the draft as decode runs the target; a drafter's cache leased for the generation where it has a `generation`)
+    with generating(getattr(drafter, "model", None)), getattr(drafter, "generation", nullcontext)():
         return decode(target, [prompt], rounds, limits=[max_new_tokens], seeds=[seed], sampling=sampling,
                       backend=backend, eos_ids=eos_ids, prefill_chunk=prefill_chunk, device=device,
                       logprobs=logprobs, compiled=compiled_step(compile), stop=stop)[0]
