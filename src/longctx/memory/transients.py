@@ -20,6 +20,7 @@ from .accounting import (
     block_part_bytes,
     compute_bytes,
     estimate_activations,
+    layer_activations,
     loss_saved_bytes,
     offloaded_tier_after_post,
 )
@@ -32,6 +33,7 @@ from .core_transients import (
 )
 from .moe_counts import expert_rows
 from .policy import MemoryPolicy
+from .pre_transients import pre_phase_bytes
 from .weight_grads import autocast_weight_bytes, weight_grad_sum_bytes
 
 
@@ -144,16 +146,11 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
     # pre's recomputed saved tensors (the attention norm's; with model.qk_norm the q/k norms' too) live
     # until the q/k/v projections' backward: under `full` without block chunks from the block's recompute
     # on (post, core and pre), otherwise for the piece `pre`'s backward recomputes (none: saved
-    # activations, counted by memory.accounting). While a piece's pre is recomputed, also its
-    # projections' outputs and RoPE's temporaries of q (rotate_half's copy, the products with cos and
-    # sin, their sum: 4 of q). Not post's piece: the MLP's tensors and gradients are gone by then.
-    # (A stored piece's norm tensors are the block's host tier, brought back: its RoPE's temporaries only.)
-    pre_piece = pre_block = 0.0
-    if policy.recompute != "none":
-        stored, recomputed = piece_tokens(t, policy)
-        rope = c * (5 * q_dim + 2 * kv_dim)
-        pre_piece = max(stored * rope, recomputed * (part["norm"] + part["qk_norm"] + rope))
-        pre_block = t * (part["norm"] + part["qk_norm"]) if full and not policy.block_chunk else 0.0
+    # activations, counted by memory.accounting). (A stored piece's norm tensors are the block's host tier,
+    # brought back.) The pre phase's stages: memory/pre_transients.py
+    pre_block = t * (part["norm"] + part["qk_norm"]) if full and not policy.block_chunk else 0.0
+    pre = pre_phase_bytes(m, t, pre_pieces(t, policy), part, e=e, c=c, q_dim=q_dim, kv_dim=kv_dim,
+                          layouts=both_layouts, autocast=autocast)
     weights = autocast_weight_bytes(m, policy, moe) if autocast else 0.0
     sums = weight_grad_sum_bytes(m, t, policy, 4 if autocast else e, moe)
     freed = t * post_saved_bytes(m, policy, part, seq_out, moe)
@@ -164,7 +161,21 @@ def backward_phase_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head
                  else 2 * X + c * q_dim + piece / t)
     return {"post": t * (post_work + state_post) + pre_block + weights + sums["post"],
             "core": t * (X + c * q_dim + state_core + core_work) + pair + pre_block + weights - freed,
-            "pre": t * (2 * X + both_layouts * c * (q_dim + 2 * kv_dim)) + pre_piece + weights + sums["pre"]}
+            "pre": pre + weights + sums["pre"] - t * pre_saved_bytes(m, policy, part, seq_out, moe)}
+
+
+def pre_pieces(tokens: int, policy: MemoryPolicy) -> list[tuple[float, bool, bool]]:
+    """The pieces pre's backward runs in (pre_transients.pre_phase_bytes): (tokens, recomputed in the pre phase,
+    its norms' saved tensors on the device then). Under `none` all tokens, nothing recomputed (the norms' tensors
+    are saved activations); under `full` without block chunks all tokens, recomputed with the whole block in the
+    post phase; otherwise piece_tokens' largest stored piece (its norms' tensors: the host tier) and recomputed
+    one."""
+    if policy.recompute == "none":
+        return [(float(tokens), False, False)]
+    if policy.recompute == "full" and not policy.block_chunk:
+        return [(float(tokens), False, True)]
+    stored, recomputed = piece_tokens(tokens, policy)
+    return [piece for piece in ((stored, False, False), (recomputed, True, True)) if piece[0]]
 
 
 def whole_post_piece(m: ModelConfig, tokens: int, policy: MemoryPolicy, moe: bool = False) -> bool:
@@ -189,12 +200,25 @@ def post_saved_bytes(m: ModelConfig, policy: MemoryPolicy, part: dict[str, float
     saved activations, `none` was 1.65x to 1.97x the measured transient (tests/unit/test_transient_tightening.py).
     Other policies save none of post's tensors on the device (recomputed, or the host tier's, freed by phase
     apart: offloaded_tier_after_post). A MoE block's feed-forward count (moe_ffn_bytes) is an upper bound: not
-    credited. Not credited in the pre phase either, though the core's saved state is gone by then too: the pre
-    phase's count of RoPE's backward (`rope`, at the compute dtype) is short of its fp32 products
-    (models/llama.py apply_rope promotes), which that state's bytes cover."""
+    credited. The pre phase credits these and the core's saved state (pre_saved_bytes)."""
     if policy.recompute != "none" or (moe and m.is_moe):
         return 0.0
     return part["mlp_norm"] + part["residual"] + part["mlp"] + seq_out
+
+
+def pre_saved_bytes(m: ModelConfig, policy: MemoryPolicy, part: dict[str, float], seq_out: float,
+                    moe: bool = False) -> float:
+    """Bytes per token of a block's own saved activations that its pre phase no longer holds: post's
+    (post_saved_bytes) and, on the device under `none` and selective (not an offloaded block: its state is the host
+    tier, freed by phase apart in _block_backward_bytes; nor with memory.attention_offload: the host's), the
+    attention core's saved state (q, k, v, out, lse) with, under selective and the all-to-all, the attention output
+    in sequence layout (post's checkpoint input). The core's backward node frees them once it has run, and pre's
+    backward needs the gradients it makes: by the data dependency, not autograd's order."""
+    freed = post_saved_bytes(m, policy, part, seq_out, moe)
+    offloaded = policy.recompute == "selective" and policy.offload_fraction
+    if policy.recompute == "full" or offloaded or policy.attention_offloaded:
+        return freed
+    return freed + part["core"] + (seq_out if policy.recompute == "selective" else 0.0)
 
 
 def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast: bool = False) -> float:
@@ -259,10 +283,13 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
       pair's (`chunk_pair_bytes` for chunk / head rank tokens); with attention_offload and no ring
       the state comes back one chunk at a time and dq accumulates on the host, so only the
       returned dq, dk, dv span all tokens;
-    - `pre` backward: the residual gradient, the input gradient being built, dq, dk, dv in the
-      sequence layout (and, under the all-to-all, its head-layout copy), one piece of pre recomputed:
-      its norms' saved tensors, its projections' outputs and RoPE's temporaries (not post's piece: the
-      MLP's intermediates and gradients are gone by then).
+    - `pre` backward, by stages (memory/pre_transients.py pre_phase_bytes): the residual gradient, dq, dk, dv
+      in the sequence layout (and, under the all-to-all, its head-layout copy), beside the recomputation of a
+      piece of pre (its norms' saved tensors, its projections' outputs, RoPE's forward in fp32), RoPE's
+      backward (in fp32), the projections' input gradients summed, or the attention norm's fp32 backward (not
+      post's piece: the MLP's intermediates and gradients are gone by then); less what the block saved that
+      the phases before it freed (pre_saved_bytes: the core's state, post's tensors). An offloaded block's
+      phases hold none of the kept blocks' saved activations (kept_blocks_freed_bytes).
 
     Not modelled: the attention kernel's own workspace. On CPU, glibc keeps freed heap memory
     mapped (its mmap threshold grows with the largest freed block), so a process's RSS can exceed
@@ -338,7 +365,28 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
                                               float(policy.offload_fraction))
         off = phases(policy, {"post": acts.per_block_host, "core": t * (pre + core),
                               "pre": t * pre + prefetched})
+    if offloaded < m.layers:
+        off -= kept_blocks_freed_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, e=e, docs=docs,
+                                       autocast=autocast)
     return off if offloaded == m.layers else max(off, kept)
+
+
+def kept_blocks_freed_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int,
+                            policy: MemoryPolicy, e: int, docs: bool, autocast: bool = False) -> float:
+    """Device bytes of the kept blocks' (the last offload_skip_last) saved activations, all freed before any
+    offloaded block's backward starts: a kept block's saved tensors are read by nodes on the path to its input's
+    gradient (its core, its norms', its matmuls'), which the blocks before it need first (a data dependency, not
+    autograd's order), and each node frees what it saved once it has run. Less each kept block's output (the
+    next block's input, or the one the loss's backward freed: loss_saved_bytes credits that one) and never below
+    0: under `full` a kept block keeps its input alone, credited nothing. Under selective the kept blocks' core
+    state (and the attention output in sequence layout): without this, the offloaded blocks' count held them
+    beside the host tier brought back (measured: tests/unit/test_transient_tightening.py skip-1 cases)."""
+    t = micro_batch * seq_len // (head * ctx)
+    layers = layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e,
+                               docs=docs, weight_copies=autocast)
+    out = lambda la: t * block_part_bytes(m, head, e, docs, moe=la.moe, autocast=autocast)["block_out"]
+    # (a MoE block's saved count depends on the expert layout and routing, counted here without them: not credited)
+    return sum(max(la.device - out(la), 0.0) for la in layers if not la.offloaded and not la.moe)
 
 
 def expert_skew_transient_bytes(m: ModelConfig, tokens: int, expert: int, skew: float, policy: MemoryPolicy,
