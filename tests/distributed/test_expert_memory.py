@@ -97,7 +97,7 @@ def test_the_most_loaded_expert_rank_holds_what_the_count_says(expert_chunk, bf1
     assert share >= 0.45  # top-2: every token's first of its 2 choices is expert 0 (half of all choices)
     seq, tokens = local_len * 4, rows_per_rank * local_len
     policy = MemoryPolicy(expert_chunk=expert_chunk)
-    kw = dict(ctx=4, policy=policy, dtype_bytes=4, expert=4, weight_copies=bf16)
+    kw = dict(ctx=4, policy=policy, dtype_bytes=4, expert=4, autocast=bf16)
     even = layer_activations(m, seq, rows_per_rank, **kw)
     for i, (got, rows) in enumerate(zip(blocks, received)):
         skew = rows / (tokens * k)

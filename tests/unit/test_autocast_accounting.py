@@ -57,8 +57,8 @@ def test_autocast_over_fp32_weights_keeps_no_more_than_counted(recompute, fracti
     measured = measure_activations(model, tokens, positions, doc, labels=labels)
     e, copies = activation_dtype(True, 1, "device")
     policy = MemoryPolicy(recompute, fraction, skip_last, loss_chunk=64)
-    est = estimate_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, weight_copies=copies)
-    layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, weight_copies=copies)
+    est = estimate_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, autocast=copies)
+    layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, autocast=copies)
     for got, la in zip(measured["blocks"], layers):  # every block, either tier: never more than counted
         assert got["device"] <= la.device and got["host"] <= la.host, (got, la)
     # (the loss's few scalars aside)

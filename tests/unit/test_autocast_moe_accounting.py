@@ -44,7 +44,7 @@ def measured_and_counted(overrides, recompute, fraction, skip_last, block_chunk,
     e, copies = activation_dtype(True, 1, "device")
     policy = MemoryPolicy(recompute, fraction, skip_last, loss_chunk=64, block_chunk=block_chunk,
                           expert_chunk=expert_chunk)
-    layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, weight_copies=copies)
+    layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, autocast=copies)
     return cfg, measured["blocks"], layers
 
 

@@ -128,7 +128,7 @@ def measure(policy: MemoryPolicy, shape: dict = SHAPE, seq: int = SEQ, *, layers
     saved = sum(n for s, n in mode.steps[forward_end - 1].items() if s in saved_serials and s not in skip)
     peak = max(sum(n for s, n in live.items() if s not in skip) for live in mode.steps[forward_end:])
     e, copies = activation_dtype(bf16, 1, "host_optimizer")
-    acts, transient = rank_activations(cfg.model, seq, 1, MeshShape(), policy, e, True, weight_copies=copies)
+    acts, transient = rank_activations(cfg.model, seq, 1, MeshShape(), policy, e, True, autocast=copies)
     return saved, peak, acts.total_device, transient
 
 

@@ -73,7 +73,7 @@ def _second_micro_batch(policy: MemoryPolicy, bf16: bool) -> tuple[int, float]:
     saved = sum(n for s, n in mode.steps[forward_end - 1].items() if s not in skip)
     peak = max(sum(n for s, n in live.items() if s not in skip) for live in mode.steps[forward_end:])
     e, copies = activation_dtype(bf16, 1, "host_optimizer")
-    _, transient = rank_activations(cfg.model, SEQ, 1, MeshShape(), policy, e, True, weight_copies=copies)
+    _, transient = rank_activations(cfg.model, SEQ, 1, MeshShape(), policy, e, True, autocast=copies)
     return peak - saved, transient
 
 

@@ -1,5 +1,5 @@
 """One process in bf16 off the `host` tier is autocast over fp32 weights: each matmul autograd saves keeps a bf16
-cast of its weight (memory/accounting.py weight_copies: one per matmul parameter of a stored block). Under
+cast of its weight (memory/accounting.py layer_activations: one per matmul parameter of a stored block). Under
 selective + offload_fraction with memory.block_chunk, the stored pieces of a block each cast every weight and
 each kept its own copy: 6 copies of every weight here (a MoE layer's experts too), 64 x 0.44 GB = 28 GB per
 llama3-8b block at 512K tokens in pieces of 8192 with fraction 1, where one copy was counted. They now share one
@@ -116,7 +116,7 @@ def test_other_policies_keep_what_they_kept(recompute, fraction, chunk, after_fo
 
 @pytest.mark.parametrize("skip_last", [0, 1])
 def test_the_weight_copies_counted_are_those_kept(skip_last):
-    """The copies the accounting counts, measured: one saved per offloaded block (accounting.py weight_copies),
+    """The copies the accounting counts, measured: one saved per offloaded block (accounting.py layer_activations),
     none recast in an offloaded block's backward, one in a kept block's (weight_grads.py autocast_weight_bytes).
     Before the recomputed pieces reused the stored copy, an offloaded block's backward held two."""
     model, cfg, batch = _model("debug", "selective", 0.5, CHUNK, skip_last=skip_last)
@@ -173,7 +173,7 @@ def test_the_accounting_holds_with_stored_pieces(preset, fraction):
     measured = measure_activations(model, batch.tokens, batch.positions, batch.doc_ids, labels=batch.labels)
     e, copies = activation_dtype(True, 1, "device")
     policy = MemoryPolicy("selective", fraction, 0, loss_chunk=64, block_chunk=CHUNK)
-    layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, weight_copies=copies)
+    layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, autocast=copies)
     assert len(measured["blocks"]) == len(layers) == 2
     for got, counted in zip(measured["blocks"], layers):
         assert got["device"] <= counted.device and got["host"] <= counted.host, (got, counted)

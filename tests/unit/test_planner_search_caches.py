@@ -28,7 +28,7 @@ def test_activations_read_micro_batch_and_ctx_only_through_tokens(preset):
         for head in (1, 2):
             for e, copies in ((2, False), (4, True)):
                 kw = dict(head=head, policy=pol, dtype_bytes=e, docs=True, expert=2 if m.is_moe else 1,
-                          expert_skew=2.0, weight_copies=copies)
+                          expert_skew=2.0, autocast=copies)
                 one = estimate_activations(m, 2**14, 1, ctx=1, **kw)
                 assert estimate_activations(m, 2**14, 2, ctx=2, **kw) == one
                 assert estimate_activations(m, 2**14, 4, ctx=4, **kw) == one

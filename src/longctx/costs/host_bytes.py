@@ -374,7 +374,7 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     # (`copies`: autocast), as the planner counts them: planner/activation_costs.py rank_activations)
     act_bytes, copies = activation_dtype(dtype_bytes == 2, shape.world, tier, device_type)
     acts_kw = {**kw, "dtype_bytes": act_bytes}
-    acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, weight_copies=copies,
+    acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, autocast=copies,
                                 **acts_kw)
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts,
                                 autocast=copies, **acts_kw)

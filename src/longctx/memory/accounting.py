@@ -236,7 +236,8 @@ class LayerActivations:
 
 
 def activation_dtype(bf16: bool, world: int, model_states: str, device_type: str = "cuda") -> tuple[int, bool]:
-    """(bytes an activation is counted at, whether matmuls keep bf16 weight copies: `weight_copies`) of a run
+    """(bytes an activation is counted at, `autocast`: whether it runs under bf16 autocast over fp32 weights, whose
+    matmuls keep bf16 weight copies) of a run
     computing in bf16 or not. Under FSDP on a GPU (world > 1, or the `host` tier's one-rank FSDP) the blocks
     run on bf16 weights gathered from fp32 shards and their inputs are cast to bf16 (parallel/fsdp/shard.py
     mixed_precision): activations are bf16. One GPU process of the `device` or `host_optimizer` tier is not
@@ -259,12 +260,12 @@ def activation_dtype(bf16: bool, world: int, model_states: str, device_type: str
 def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                       policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
                       docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
-                      weight_copies: bool = False) -> list[LayerActivations]:
+                      autocast: bool = False) -> list[LayerActivations]:
     """What each block leaves for backward under `policy` (see estimate_activations), block by
     block: a MoE model's dense and MoE layers differ; `expert`, `expert_skew`: the expert-parallel
     degree and the receive skew of the rank counted (moe_counts.moe_call_terms). The last offloaded block's device bytes
     include its output, which stays on the device as the input of the kept block after it.
-    `weight_copies` (bf16 autocast over fp32 weights: activation_dtype): each matmul autograd saves keeps a
+    `autocast` (bf16 autocast over fp32 weights: activation_dtype): each matmul autograd saves keeps a
     bf16 copy of its weight on the device (the offloader leaves weights where they are), 2 B per matmul
     parameter of a block whose token-wise forward is not recomputed: every block under recompute none, the
     offloaded blocks under selective (their stored tokens' matmuls); none under full."""
@@ -283,7 +284,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
     sparse = set(model.moe_layer_ids)
     by_kind = {}
     for moe in {i in sparse for i in range(L)}:
-        part = block_part_bytes(model, head, p, docs, moe=moe, autocast=weight_copies)
+        part = block_part_bytes(model, head, p, docs, moe=moe, autocast=autocast)
         fl = _flops_per_token(model, seq_len, moe=moe)
         seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
         core_device = 0.0 if attention_offload else part["core"]
@@ -316,7 +317,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
             if not _output_held(p, rc, i, L, loss_chunked):  # (kept counts the block output)
                 device -= tokens * part["block_out"]
         calls = moe_calls(rc, off, tokens, policy) if moe and model.is_moe else []
-        if weight_copies and (rc == "none" or (rc == "selective" and off)):
+        if autocast and (rc == "none" or (rc == "selective" and off)):
             if moe and model.is_moe:  # (no copy of the router's fp32 gate, nor of experts run in pieces)
                 copied = experts_copied(model, calls, policy.expert_chunk, expert, expert_skew)
                 device += 2 * (attention_matmul_params(model) + moe_weight_copy_params(model, copied, expert))
@@ -325,7 +326,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
         if moe and model.is_moe:
             if off not in moe_terms:  # the same for every MoE layer offloaded (or not)
                 moe_terms[off] = moe_call_terms(model, p, calls, policy.expert_chunk, off, expert, expert_skew,
-                                                 c=compute_bytes(p, weight_copies and p == 4))
+                                                 c=compute_bytes(p, autocast and p == 4))
             d_moe, h_moe, f_moe = moe_terms[off]
             device, host_bytes, flops = device + d_moe, host_bytes + h_moe, flops + f_moe
         alike[kind] = LayerActivations(device, host_bytes, flops, moe and model.is_moe, off)
@@ -336,7 +337,7 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
 def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *, head: int = 1, ctx: int = 1,
                          policy: MemoryPolicy = NO_POLICY, dtype_bytes: int = 4,
                          docs: bool = False, expert: int = 1, expert_skew: float = 1.0,
-                         weight_copies: bool = False) -> ActivationEstimate:
+                         autocast: bool = False) -> ActivationEstimate:
     """Per-rank activation bytes under `policy` for micro_batch sequences of seq_len tokens sharded
     over head x ctx ranks. dtype_bytes: 4 (fp32) or 2 (bf16 parameters and activations).
     policy.block_chunk changes no saved bytes, only recomputation: under `full` the chunks are
@@ -347,11 +348,11 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     (ops/chunked.py ChunkStore). grad_sync changes no activation.
 
     A MoE model's layers differ (layer_activations); the per-block figures are then its largest
-    block's (a MoE one, unless dense layers keep more), the totals sum every block. weight_copies: see
+    block's (a MoE one, unless dense layers keep more), the totals sum every block. autocast: see
     layer_activations (one process in bf16 autocast over fp32 weights: activation_dtype)."""
     layers = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
                                dtype_bytes=dtype_bytes, docs=docs, expert=expert, expert_skew=expert_skew,
-                               weight_copies=weight_copies)
+                               autocast=autocast)
     p = dtype_bytes
     tokens = micro_batch * seq_len // (head * ctx)
     L = model.layers
@@ -364,7 +365,7 @@ def estimate_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1,
     all_kept = layer_activations(model, seq_len, micro_batch, head=head, ctx=ctx,
                                  policy=dataclasses.replace(policy, offload_fraction=0.0),
                                  dtype_bytes=dtype_bytes, docs=docs, expert=expert,
-                                 expert_skew=expert_skew, weight_copies=weight_copies) if offloaded == L else layers
+                                 expert_skew=expert_skew, autocast=autocast) if offloaded == L else layers
     kept = [la for la in all_kept if not la.offloaded]
     if offloaded:
         last = offloaded - 1

@@ -167,7 +167,7 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     def host(a):
         pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
         est = estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
-                                   dtype_bytes=dtype_bytes, expert=expert, weight_copies=autocast)
+                                   dtype_bytes=dtype_bytes, expert=expert, autocast=autocast)
         return est.per_block_host, est.total_host
 
     offloaded = max(0, model_cfg.layers - skip_last)

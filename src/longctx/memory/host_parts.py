@@ -138,8 +138,8 @@ def pinned_activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int = 1, 
                             expert_skew: float = 1.0, autocast: bool = False) -> float:
     """estimate_activations' total_host as torch's host allocator pins it on CUDA: each part rounded up to
     a power of two. A MoE block's feed-forward (not listed) at twice its bytes: the bound of the rounding.
-    `autocast`: bf16 autocast over fp32 weights (dtype_bytes 4), each part at its own dtype (estimate_activations'
-    weight_copies)."""
+    `autocast`: bf16 autocast over fp32 weights (dtype_bytes 4), each part at its own dtype (as estimate_activations
+    counts them)."""
     p, rc = dtype_bytes, policy.recompute
     kw = {"head": head, "ctx": ctx, "policy": policy}
     model = repr(m)  # (every field: whatever the parts read of it)
@@ -163,7 +163,7 @@ def pinned_activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int = 1, 
         return float(off * kind(True, False)[0] + (m.layers - off) * kind(False, False)[0])
     total = 0.0
     for la in layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=p,
-                                docs=docs, expert=expert, expert_skew=expert_skew, weight_copies=autocast):
+                                docs=docs, expert=expert, expert_skew=expert_skew, autocast=autocast):
         locked, exact = kind(la.offloaded, la.moe)
         total += locked
         if la.moe:  # the feed-forward's parts, unlisted: at most twice their bytes once rounded

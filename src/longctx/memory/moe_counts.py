@@ -78,7 +78,7 @@ def moe_norm_feeds(m: ModelConfig) -> int:
 
 def moe_weight_copy_params(m: ModelConfig, experts_copied: bool, expert: int = 1) -> int:
     """Parameters of a MoE feed-forward whose bf16 copy autocast keeps for backward when the call's saved
-    tensors are kept (accounting.layer_activations `weight_copies`): the shared experts' and their gate's,
+    tensors are kept (accounting.layer_activations `autocast`): the shared experts' and their gate's,
     and the routed experts' when they run whole (`experts_copied`; in checkpointed pieces, memory.expert_chunk,
     each piece's copy is made again in backward): under expert parallelism (`expert` > 1) the rank's
     experts / expert of them. The router's gate runs in fp32: none."""

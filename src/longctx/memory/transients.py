@@ -341,7 +341,7 @@ def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, hea
     if not offloaded:  # (every block kept, offload_skip_last >= layers: each recomputes all its tokens)
         return phases(dataclasses.replace(policy, offload_fraction=0.0))
     acts = acts or estimate_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy,
-                                        dtype_bytes=e, docs=docs, weight_copies=autocast)
+                                        dtype_bytes=e, docs=docs, autocast=autocast)
     before = {"pre": acts.per_block_host}
     kept = phases(dataclasses.replace(policy, offload_fraction=0.0), before)
     # the first block has no block before it to prefetch: with one offloaded block (the first) its pre phase
@@ -383,7 +383,7 @@ def kept_blocks_freed_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, h
     beside the host tier brought back (measured: tests/unit/test_transient_tightening.py skip-1 cases)."""
     t = micro_batch * seq_len // (head * ctx)
     layers = layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e,
-                               docs=docs, weight_copies=autocast)
+                               docs=docs, autocast=autocast)
     out = lambda la: t * block_part_bytes(m, head, e, docs, moe=la.moe, autocast=autocast)["block_out"]
     # (a MoE block's saved count depends on the expert layout and routing, counted here without them: not credited)
     return sum(max(la.device - out(la), 0.0) for la in layers if not la.offloaded and not la.moe)

@@ -13,7 +13,7 @@ def autocast_weight_bytes(m: ModelConfig, policy: MemoryPolicy, moe: bool = Fals
     """What autocast over fp32 weights adds to a block's backward on the device: the bf16 copies of the block's
     matmul weights that its recomputation casts afresh and saves until each matmul's backward (uncached
     autocast, step/loss.py), and the bf16 gradient of the largest weight before it is added to the fp32 one
-    (2 B per element each). No copies under `none` (saved activations: accounting.py weight_copies), nor in an
+    (2 B per element each). No copies under `none` (saved activations: accounting.py layer_activations), nor in an
     offloaded block under selective (`policy` with an offload_fraction: _block_backward_bytes passes a kept
     block's without it): its recomputed pieces alias the copy its stored tokens keep (memory/weight_casts.py),
     a saved activation too."""

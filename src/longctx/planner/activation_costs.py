@@ -20,15 +20,15 @@ from ..memory.transients import expert_skew_transient_bytes, shared_overlap_tran
 
 def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
                      dtype_bytes: int, docs: bool, expert_skew: float = 1.0,
-                     weight_copies: bool = False) -> tuple[ActivationEstimate, float]:
+                     autocast: bool = False) -> tuple[ActivationEstimate, float]:
     """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
     under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
-    the routed rows (memory.moe_counts.expert_rows). dtype_bytes, weight_copies: activation_dtype's."""
+    the routed rows (memory.moe_counts.expert_rows). dtype_bytes, autocast: activation_dtype's."""
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
                                 dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
-                                weight_copies=weight_copies)
+                                autocast=autocast)
     return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew,
-                                autocast=weight_copies)
+                                autocast=autocast)
 
 
 def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
@@ -73,7 +73,7 @@ def activation_costs(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: Mem
     act_e, copies = activation_dtype(e == 2, shape.world, model_states)
     if acts is None or transient is None:
         acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, act_e, doc_mask, expert_skew,
-                                           weight_copies=copies)
+                                           autocast=copies)
     tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
     flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,

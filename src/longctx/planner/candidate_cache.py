@@ -149,7 +149,7 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
         if acts is None:
             acts = shared.acts[acts_key] = estimate_activations(
                 m, seq, layout.mb, head=s.head, ctx=s.ctx, policy=step_pol, dtype_bytes=e, docs=req.doc_mask,
-                expert=s.expert, expert_skew=req.expert_skew, weight_copies=copies)
+                expert=s.expert, expert_skew=req.expert_skew, autocast=copies)
         transient_key = (*request_key, s.head, s.ctx, s.window, s.expert, layout.mb)
         transient = shared.transients.get(transient_key)
         if transient is None:

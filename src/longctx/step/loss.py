@@ -24,7 +24,7 @@ def _forward_with_labels(model, batch, autocast_dtype, reduction: str) -> torch.
     # its bf16 copy of every weight the forward casts until this region ends, after the loss: 2 B per block
     # parameter on the device at the forward's end (13 GiB for an 8B), under every recompute policy. Uncached,
     # a copy lives as long as its matmul needs it (autograd saves it where the block is not recomputed:
-    # memory/accounting.py weight_copies); a weight is cast at each use (once per forward; once per chunk under
+    # memory/accounting.py layer_activations); a weight is cast at each use (once per forward; once per chunk under
     # memory.block_chunk: milliseconds of an 8B's step at 512K)
     with torch.autocast(device_type=batch.tokens.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None,
                         cache_enabled=False):
