@@ -26,6 +26,11 @@ from longctx.config import load_config
 from longctx.job.spawn import run_spawned, run_spawned_many
 from longctx.train.trainer import train
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+# (a command whose test reads what it writes and says, not how its process ends, runs in this process: a new
+# interpreter's imports cost seconds)
+from test_newcomer import longctx_here  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--train.steps=6", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=300", "--train.seq_len=256"]
@@ -192,9 +197,9 @@ def test_the_last_step_is_saved_even_off_the_interval(tmp_path):
 def test_export_to_hf_round_trip(tmp_path):
     transformers = pytest.importorskip("transformers")
     _, losses = _train(["--checkpoint.interval=4", "--train.steps=4"], tmp_path)
-    r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(tmp_path / "checkpoints"),
-                        str(tmp_path / "hf"), "--to", "hf"], capture_output=True, text=True, cwd=ROOT)
+    r = longctx_here("checkpoint", "export", str(tmp_path / "checkpoints"), str(tmp_path / "hf"), "--to", "hf")
     assert r.returncode == 0, r.stderr
+    # (the one run of `checkpoint verify` as its own process)
     r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "verify", str(tmp_path / "checkpoints")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "checksums match" in r.stdout, r.stderr

@@ -4,7 +4,6 @@ checkpoint exports to what transformers reproduces. The 4-rank loads and the 4-r
 share one spawned job (run_spawned_many)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,11 @@ from longctx.config import load_config  # noqa: E402
 from longctx.job.spawn import run_spawned_many  # noqa: E402
 from longctx.train.trainer import train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+# (`longctx checkpoint export` in this process: the test reads the files it writes, and a new interpreter's
+# imports cost seconds)
+from test_newcomer import longctx_here  # noqa: E402
+
 STEPS = 6
 BASE = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=300", "--train.seq_len=256", "--train.lr=1e-3",
@@ -121,8 +124,7 @@ def test_qwen2_moe_head2_ctx2_matches_one_process_then_exports(moe_dirs, spawned
     assert (recorded.family, recorded.moe_experts, recorded.moe_layer_ids) == ("qwen2_moe", 8, (1, 2))
 
     out = tmp_path / "export"
-    r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(parallel_dir / "checkpoints"),
-                        str(out), "--to", "hf"], capture_output=True, text=True, cwd=ROOT)
+    r = longctx_here("checkpoint", "export", str(parallel_dir / "checkpoints"), str(out), "--to", "hf")
     assert r.returncode == 0, r.stderr
     from longctx.checkpoint.weights_only import load_model_weights
     from longctx.models.hf import load_hf

@@ -3,7 +3,6 @@ shards, training matches one process step by step, and the export is what transf
 The 4-rank training run and the 4-rank load share one spawned job (run_spawned_many)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +15,11 @@ from longctx.config import load_config  # noqa: E402
 from longctx.job.spawn import run_spawned_many  # noqa: E402
 from longctx.train.trainer import train  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+# (`longctx checkpoint export` in this process: the test reads the files it writes, and a new interpreter's
+# imports cost seconds)
+from test_newcomer import longctx_here  # noqa: E402
+
 STEPS = 10
 BASE = [f"--train.steps={STEPS}", "--train.eval_interval=0", "--metrics.plots=false", "--metrics.progress=false",
         "--data.max_docs=300", "--train.seq_len=256", "--train.lr=1e-3",
@@ -80,8 +83,7 @@ def test_qwen3_head2_ctx2_matches_one_process_then_exports(qwen3_dir, spawned, t
 
     out = tmp_path / "export"
     checkpoints = parallel_dir / "checkpoints"
-    r = subprocess.run([sys.executable, "-m", "longctx", "checkpoint", "export", str(checkpoints), str(out),
-                        "--to", "hf", "--max-shard-gb", "0.0001"], capture_output=True, text=True, cwd=ROOT)
+    r = longctx_here("checkpoint", "export", str(checkpoints), str(out), "--to", "hf", "--max-shard-gb", "0.0001")
     assert r.returncode == 0, r.stderr
     assert (out / "tokenizer_config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     from longctx.checkpoint.weights_only import load_model_weights

@@ -238,12 +238,21 @@ def _one_step(args, run_dir):
     return train(cfg, log=lambda *a, **k: None).losses
 
 
+@pytest.fixture(scope="module")
+def one_steps(tmp_path_factory):
+    """{routing: (one process's loss, [each of 2 data-parallel ranks' losses])} of _one_step: every routing's
+    2-rank step in one spawned job (starting ranks costs seconds a job)."""
+    base = tmp_path_factory.mktemp("dp2-one-step")
+    ranks = run_spawned_many(2, [(routing, _one_step, (extra, str(base / f"dp2-{routing}")))
+                                 for routing, extra in TRAIN_ROUTINGS.items()])
+    return {routing: (_one_step(extra, str(base / f"one-{routing}"))[0], ranks[routing])
+            for routing, extra in TRAIN_ROUTINGS.items()}
+
+
 @pytest.mark.parametrize("routing", list(TRAIN_ROUTINGS))
-def test_data_parallel_rows_come_in_one_device_order(tmp_path, routing):
+def test_data_parallel_rows_come_in_one_device_order(one_steps, routing):
     """data.dp_balance (on by default) gives the ranks rows in another order than one device reads them; a
     routing that reads the micro-batch in token order takes them unbalanced (train/stages.py). Balanced,
     the capacity's first step was 6e-5 off one process's."""
-    extra = TRAIN_ROUTINGS[routing]
-    ref = _one_step(extra, str(tmp_path / "one"))[0]
-    losses = run_spawned_many(2, [("dp2", _one_step, (extra, str(tmp_path / "dp2")))])["dp2"]
+    ref, losses = one_steps[routing]
     assert all(abs(r[0] - ref) <= 1e-5 for r in losses), (routing, ref, losses)

@@ -10,7 +10,7 @@ on every rank, for the corners the layout makes:
 import pytest
 import torch
 
-from longctx.job.spawn import run_spawned
+from longctx.job.spawn import run_spawned_many
 
 LENGTHS = [1, 6, 5]  # ragged; none a multiple of 2 x head x ctx = 8; 1 < the ranks
 STEPS = 4
@@ -107,11 +107,20 @@ def _tree(backend, model) -> float:
     return max(worst, _worst(model, cache, [seq + [5, 7, 1]], [[1]]))
 
 
+LAYOUTS = {"head2xctx2": (2, 2), "ctx4": (1, 4)}  # (head, ctx): 4 ranks each
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    """{layout's name: each rank's _rank}: both layouts in one spawned job of 4 ranks (starting ranks costs
+    seconds a job; _rank builds its own mesh, model and cache)."""
+    return run_spawned_many(4, [(name, _rank, layout) for name, layout in LAYOUTS.items()])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(2, 2), (1, 4)], ids=["head2xctx2", "ctx4"])
-def test_sharded_decode_matches_the_full_forward(layout):
-    head, ctx = layout
-    for found in run_spawned(head * ctx, _rank, head, ctx):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_decode_matches_the_full_forward(layout, decoded):
+    for found in decoded[layout]:
         refusals = found.pop("refusals")
         assert all(v < 1e-4 for v in found.values()), found  # (a NaN fails too)
         assert "a prompt of 10 tokens does not fit a cache of at most 8" in refusals[0], refusals

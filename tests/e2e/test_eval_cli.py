@@ -1,5 +1,7 @@
 """`longctx eval` as a user runs it: on a checkpoint of a tiny run, one process and head 2 x ctx 2 alike,
-and its bad input explained before any rank starts (--mode generate: tests/e2e/test_eval_generate.py)."""
+and its bad input explained before any rank starts (--mode generate: tests/e2e/test_eval_generate.py).
+The one-process commands run in this process (longctx_here: a new interpreter's imports cost seconds each and
+these tests read what the command writes, not how its process ends); `--nproc 4` keeps the real launch."""
 
 import json
 import sysconfig
@@ -16,7 +18,7 @@ RUN = ["--train.seq_len=128", "--data.max_docs=100", "--train.eval_interval=0", 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
-    r = longctx("train", "--nproc", "1", *RUN, f"--train.run_dir={run}")
+    r = longctx_here("train", "--nproc", "1", *RUN, f"--train.run_dir={run}")
     assert r.returncode == 0, r.stderr
     assert "training samples are passkey sequences" in r.stdout
     return run / "checkpoints"
@@ -33,7 +35,9 @@ def text_file(tmp_path_factory):
 
 
 def _eval(checkpoint, out, *args, nproc=1):
-    r = longctx("eval", "--checkpoint", str(checkpoint), "--output", str(out), "--nproc", str(nproc), *args)
+    """The JSON of `longctx eval`: one process in this one, more through the launcher (a subprocess)."""
+    run = longctx_here if nproc == 1 else longctx
+    r = run("eval", "--checkpoint", str(checkpoint), "--output", str(out), "--nproc", str(nproc), *args)
     assert r.returncode == 0, r.stderr
     return json.loads(Path(out).read_text())
 
@@ -94,23 +98,24 @@ def test_bad_input_is_explained_before_work(checkpoint, args, needle):
 
 def test_a_model_without_tokenizer_cannot_read_text(checkpoint, text_file, tmp_path):
     out = tmp_path / "hf"
-    r = longctx("checkpoint", "export", str(checkpoint), str(out))
+    r = longctx_here("checkpoint", "export", str(checkpoint), str(out))
     assert r.returncode == 0, r.stderr
     r = longctx_here("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256")
     assert r.returncode == 2
     assert "has no tokenizer.json" in flat(r.stderr) and "--tokenizer byte" in flat(r.stderr)
     # (the filler from a text file: the default corpus is test_needle_and_default_corpus's, and building the
     # whole standard library's store at 256 tokens for one prompt took 15 of this test's 27 s)
-    ok = longctx("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256", "--samples", "1",
-                 "--depths", "0", "--tokenizer", "byte", "--data", str(text_file))
+    ok = longctx_here("eval", "--checkpoint", f"hf:{out}", "--task", "passkey", "--lengths", "256", "--samples", "1",
+                      "--depths", "0", "--tokenizer", "byte", "--data", str(text_file))
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["results"][0]["samples"] == 1
 
 
 def test_training_starts_from_a_longctx_checkpoint_with_a_new_rope_base(checkpoint, tmp_path):
     """model.init_from = a checkpoint directory: its [model], its weights, the extension on top."""
-    r = longctx("train", "--nproc", "1", *RUN, f"--train.run_dir={tmp_path / 'ext'}", f"--model.init_from={checkpoint}",
-                "--model.rope_theta=40000", "--train.steps=2", "--data.synthetic=")
+    r = longctx_here("train", "--nproc", "1", *RUN, f"--train.run_dir={tmp_path / 'ext'}",
+                     f"--model.init_from={checkpoint}", "--model.rope_theta=40000", "--train.steps=2",
+                     "--data.synthetic=")
     assert r.returncode == 0, r.stderr
     assert "model.rope_theta: 10000.0 -> 40000.0" in r.stdout
     bad = longctx_here("train", "--nproc", "1", *RUN, f"--model.init_from={checkpoint}", "--model.dim=256")

@@ -5,6 +5,10 @@ takes minutes (docs/benchmarks.md, "Context extension recipe"). So the model her
 prompts it is then asked: trained on the eval's own sequences (same text file, seed, length and
 depths), it gets some keys right and some wrong (4 of 6 when written), and each verdict of
 generate mode must be the one score mode gives: a greedy answer is its argmax tokens, one at a time.
+The one-process commands run in this process (test_newcomer.longctx_here: a new interpreter's imports cost
+seconds each, and these tests read the JSON, not how the process ends); head 2 x ctx 2 is one real launch
+for both lengths the tests compare (each length's sequences and answers are its own whatever else the run
+evaluates: generate_mode.sequence_seed, one length at a time).
 """
 
 import json
@@ -12,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import test_eval_cli
-from test_newcomer import longctx
+from test_newcomer import longctx, longctx_here
 
 from longctx.data.tokenizer import load_tokenizer
 from longctx.eval.generate_mode import EXTRA_NEW_TOKENS, answer_start, parse_answer
@@ -34,19 +38,37 @@ def memorised(tmp_path_factory, text_file):
     for i, q in enumerate(seqs):
         (corpus / f"s{i}.txt").write_text(tok.decode(q.tokens.tolist()))
     run = tmp_path_factory.mktemp("memorised")
-    r = longctx("train", "--nproc", "1", "--train.seq_len=512", f"--data.corpus={corpus}", "--data.dedup=none",
-                "--data.eval_fraction=0", "--data.tokenizer=byte", "--train.eval_interval=0", "--model.layers=2",
-                "--train.steps=150", "--train.global_batch=2", "--checkpoint.interval=150",
-                "--metrics.log_interval=50", "--metrics.plots=false", "--metrics.progress=false",
-                f"--train.run_dir={run}", timeout=1800)  # (~1-2 min alone on 2 cores; far more beside other jobs)
+    r = longctx_here("train", "--nproc", "1", "--train.seq_len=512", f"--data.corpus={corpus}", "--data.dedup=none",
+                     "--data.eval_fraction=0", "--data.tokenizer=byte", "--train.eval_interval=0", "--model.layers=2",
+                     "--train.steps=150", "--train.global_batch=2", "--checkpoint.interval=150",
+                     "--metrics.log_interval=50", "--metrics.plots=false", "--metrics.progress=false",
+                     f"--train.run_dir={run}")  # (~1-2 min alone on 2 cores; far more beside other jobs)
     assert r.returncode == 0, r.stderr
     return run / "checkpoints"
 
 
 def _eval(checkpoint, out, *args, nproc=1):
-    r = longctx("eval", "--checkpoint", str(checkpoint), "--output", str(out), "--nproc", str(nproc), *args)
+    """The JSON of `longctx eval`: one process in this one, more through the launcher (a subprocess)."""
+    run = longctx_here if nproc == 1 else longctx
+    r = run("eval", "--checkpoint", str(checkpoint), "--output", str(out), "--nproc", str(nproc), *args)
     assert r.returncode == 0, r.stderr
     return json.loads(Path(out).read_text())
+
+
+ODD = 250  # a length that training's zigzag split over head 2 x ctx 2 refuses (not a multiple of 8)
+
+
+@pytest.fixture(scope="module")
+def four_generate(memorised, text_file, tmp_path_factory):
+    """`--mode generate --nproc 4` (head 2 x ctx 2) at the odd length and EVAL's 256, one launch: the JSON
+    the two head 2 x ctx 2 tests below each read their length's rows from."""
+    out = tmp_path_factory.mktemp("four-generate") / "g4.json"
+    args = ["--task", "passkey", "--lengths", f"{ODD},256", *EVAL[EVAL.index("--depths"):]]
+    return _eval(memorised, out, *args, "--data", str(text_file), "--mode", "generate", nproc=4)
+
+
+def _rows(result, length):
+    return [r for r in result["results"] if r["length"] == length]
 
 
 @pytest.fixture(scope="module")
@@ -94,29 +116,30 @@ def test_generate_gives_score_modes_verdicts(memorised, text_file, plain_generat
 
 
 @pytest.mark.slow
-def test_generate_is_the_same_under_head_2_x_ctx_2(memorised, text_file, plain_generate, tmp_path):
+def test_generate_is_the_same_under_head_2_x_ctx_2(plain_generate, four_generate):
     """The cache sharded over head 2 x ctx 2 (every rank the full weights): the same texts and verdicts."""
     one, _ = plain_generate
-    four = _eval(memorised, tmp_path / "g4.json", *EVAL, "--data", str(text_file), "--mode", "generate",
-                 nproc=4)
+    four = four_generate
     assert four["layout"] == {"world": 4, "dp_replicate": 1, "dp_shard": 1, "head": 2, "ctx": 2}
-    assert [r["generated"] for r in one["results"]] == [r["generated"] for r in four["results"]]
-    assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in four["results"]]
+    assert [r["length"] for r in one["results"]] == [256] * 3
+    assert [r["generated"] for r in one["results"]] == [r["generated"] for r in _rows(four, 256)]
+    assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in _rows(four, 256)]
     assert any(v for r in one["results"] for v in r["per_sample"])
 
 
 @pytest.mark.slow
-def test_generate_under_head_2_x_ctx_2_takes_any_length(memorised, text_file, tmp_path):
+def test_generate_under_head_2_x_ctx_2_takes_any_length(memorised, text_file, four_generate, tmp_path):
     """A length that training's zigzag split over head 2 x ctx 2 refuses (250 is not a multiple of 8) runs
     in generate mode, which pads its prompts itself, and answers as one process does (score mode still
     refuses it: tests/e2e/test_eval_cli.py)."""
-    odd = ["--lengths", "250", *EVAL[EVAL.index("--depths"):]]
+    odd = ["--lengths", str(ODD), *EVAL[EVAL.index("--depths"):]]
     args = ["--task", "passkey", *odd, "--data", str(text_file), "--mode", "generate"]
     one = _eval(memorised, tmp_path / "g1.json", *args)
-    four = _eval(memorised, tmp_path / "g4.json", *args, nproc=4)
-    assert [r["length"] for r in four["results"]] == [250] * 3  # (one row a depth)
-    assert [r["generated"] for r in one["results"]] == [r["generated"] for r in four["results"]]
-    assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in four["results"]]
+    # (one row a depth, each length's as asked: 250 not rounded up to the split's multiple)
+    assert [r["length"] for r in four_generate["results"]] == [ODD] * 3 + [256] * 3
+    four = _rows(four_generate, ODD)
+    assert [r["generated"] for r in one["results"]] == [r["generated"] for r in four]
+    assert [r["per_sample"] for r in one["results"]] == [r["per_sample"] for r in four]
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """`longctx eval --mode generate` with longctx generate's sampling flags: each sequence draws from its
 own seed (--seed and its length, depth and sample), so the answers are the same at --batch 1 and 4; the
-settings are in the JSON; the flags are refused under --mode score and out of range, before work."""
+settings are in the JSON; the flags are refused under --mode score and out of range, before work. The two
+sampled runs are in this process (test_newcomer.longctx_here: they are compared by their JSON, and a new
+interpreter's imports cost seconds a run); the refusals are real subprocesses."""
 
 import json
 import sys
@@ -8,7 +10,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from test_newcomer import longctx
+from test_newcomer import longctx, longctx_here
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -39,9 +41,9 @@ def test_sampled_answers_do_not_depend_on_the_batch(hf_dir, filler, tmp_path):
     runs = {}
     for batch in (1, 4):
         out = tmp_path / f"{batch}.json"
-        r = longctx("eval", "--checkpoint", f"hf:{hf_dir}", *EVAL, "--data", str(filler),
-                    "--temperature", "1.0", "--min-p", "0.01",
-                    "--repetition-penalty", "1.1", "--batch", str(batch), "--output", str(out))
+        r = longctx_here("eval", "--checkpoint", f"hf:{hf_dir}", *EVAL, "--data", str(filler),
+                         "--temperature", "1.0", "--min-p", "0.01",
+                         "--repetition-penalty", "1.1", "--batch", str(batch), "--output", str(out))
         assert r.returncode == 0, r.stderr
         runs[batch] = json.loads(out.read_text())
     assert runs[1]["sampling"]["temperature"] == 1.0 and runs[1]["sampling"]["min_p"] == 0.01

@@ -139,9 +139,9 @@ def test_generation_config_seeds_samples_and_logprobs(hf_model, tmp_path):
 
 def test_checkpoint_of_a_longctx_run(tmp_path):
     run = tmp_path / "run"
-    r = longctx("train", "--nproc", "1", "--train.seq_len=64", "--data.max_docs=30", "--train.eval_interval=0",
-                "--model.layers=1", "--train.steps=2", "--train.global_batch=1", "--checkpoint.interval=2",
-                "--metrics.plots=false", "--metrics.progress=false", f"--train.run_dir={run}")
+    r = longctx_here("train", "--nproc", "1", "--train.seq_len=64", "--data.max_docs=30", "--train.eval_interval=0",
+                     "--model.layers=1", "--train.steps=2", "--train.global_batch=1", "--checkpoint.interval=2",
+                     "--metrics.plots=false", "--metrics.progress=false", f"--train.run_dir={run}")
     assert r.returncode == 0, r.stderr
     out = tmp_path / "out.jsonl"
     _run("--checkpoint", str(run / "checkpoints"), "--prompt", "def main():", "--max-new-tokens", "12",
@@ -339,16 +339,16 @@ def test_bench_decode_prints_its_figures(hf_model, draft_dirs, tmp_path):
 @pytest.fixture(scope="module")
 def glide_dirs(tmp_path_factory):
     """A tiny longctx target (2 layers) and a GliDe draft trained against it on our stack, both by
-    `longctx train` as a user runs them."""
+    `longctx train` (in this process: the tests read the checkpoints, not how the runs' processes end)."""
     tmp = tmp_path_factory.mktemp("glide")
     common = ["--nproc", "1", "--train.seq_len=128", "--data.max_docs=30", "--train.eval_interval=0",
               "--train.global_batch=2", "--metrics.plots=false", "--metrics.progress=false"]
-    r = longctx("train", *common, "--model.layers=2", "--train.steps=6", "--checkpoint.interval=6",
-                f"--train.run_dir={tmp / 'target'}")
+    r = longctx_here("train", *common, "--model.layers=2", "--train.steps=6", "--checkpoint.interval=6",
+                     f"--train.run_dir={tmp / 'target'}")
     assert r.returncode == 0, r.stderr
-    r = longctx("train", "--config", "configs/glide.toml", *common, "--train.steps=6", "--checkpoint.interval=6",
-                f"--draft.target={tmp / 'target' / 'checkpoints'}", "--draft.block=3",
-                f"--train.run_dir={tmp / 'glide'}")
+    r = longctx_here("train", "--config", "configs/glide.toml", *common, "--train.steps=6", "--checkpoint.interval=6",
+                     f"--draft.target={tmp / 'target' / 'checkpoints'}", "--draft.block=3",
+                     f"--train.run_dir={tmp / 'glide'}")
     assert r.returncode == 0, r.stderr
     return tmp / "target" / "checkpoints", tmp / "glide" / "checkpoints"
 
@@ -385,9 +385,9 @@ def test_a_glide_draft_of_a_same_shape_target_is_refused_by_identity(glide_dirs,
     naming both; the draft's own target, reached through its step directory, is accepted."""
     target, glide = glide_dirs
     other = tmp_path / "other"
-    r = longctx("train", "--nproc", "1", "--train.seq_len=128", "--data.max_docs=30", "--train.eval_interval=0",
-                "--train.global_batch=2", "--metrics.plots=false", "--metrics.progress=false", "--model.layers=2",
-                "--train.steps=2", "--checkpoint.interval=2", "--train.seed=7", f"--train.run_dir={other}")
+    r = longctx_here("train", "--nproc", "1", "--train.seq_len=128", "--data.max_docs=30", "--train.eval_interval=0",
+                     "--train.global_batch=2", "--metrics.plots=false", "--metrics.progress=false", "--model.layers=2",
+                     "--train.steps=2", "--checkpoint.interval=2", "--train.seed=7", f"--train.run_dir={other}")
     assert r.returncode == 0, r.stderr
     r = longctx_here("generate", "--checkpoint", str(other / "checkpoints"), "--prompt", "x", "--draft", str(glide))
     said = flat(r.stderr)

@@ -3,17 +3,17 @@ means of the router figures, per-layer loads, bias norms and per-expert loads, a
 include the expert heatmap.
 
 The same run logged every step and every 3 steps trains the same bits (metrics never change the
-training), so each 3-step record must equal the mean of the 3 per-step records it covers."""
+training), so each 3-step record must equal the mean of the 3 per-step records it covers. The runs are in
+this process (test_newcomer.longctx_here: the tests read what a run writes and says, not how its process
+ends, and a new interpreter's imports cost seconds a run)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_newcomer import longctx_here
 
 ROOT = Path(__file__).resolve().parents[2]
 RATE = 0.01
@@ -25,9 +25,8 @@ FIELDS = ("moe_aux_loss", "moe_z_loss", "moe_load_mean", "moe_load_worst", "moe_
 
 
 def _train(run_dir: Path, log_interval: int) -> tuple[str, dict[int, dict]]:
-    r = subprocess.run([sys.executable, "-m", "longctx", "train", *RUN, f"--metrics.log_interval={log_interval}",
-                        f"--train.run_dir={run_dir}"], capture_output=True, text=True, cwd=run_dir.parent,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
+    r = longctx_here("train", *RUN, f"--metrics.log_interval={log_interval}", f"--train.run_dir={run_dir}",
+                     cwd=run_dir.parent)
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return r.stdout, {rec["step"]: rec for rec in records if rec.get("kind") == "train"}
@@ -82,9 +81,7 @@ def test_records_have_sane_per_layer_figures_and_the_heatmap_is_written(runs):
 def _records(tmp_path, name, *extra):
     run_dir = tmp_path / name
     args = [a for a in RUN if not a.startswith(("--model.moe.", "--train.eval_interval"))]
-    r = subprocess.run([sys.executable, "-m", "longctx", "train", *args, *extra, "--metrics.log_interval=3",
-                        f"--train.run_dir={run_dir}"], capture_output=True, text=True, cwd=tmp_path,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
+    r = longctx_here("train", *args, *extra, "--metrics.log_interval=3", f"--train.run_dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     return r.stdout, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

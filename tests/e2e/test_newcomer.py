@@ -194,9 +194,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 def test_a_used_run_directory_is_never_overwritten(tmp_path):
     run = tmp_path / "run"
-    # (no checkpoint: a resume of it has nothing to continue from)
-    first = longctx("train", "--nproc", "1", *TINY, "--train.steps", "3", "--train.run_dir", str(run),
-                    "--checkpoint.final", "false")
+    # (no checkpoint: a resume of it has nothing to continue from; the run to protect, made in this process)
+    first = longctx_here("train", "--nproc", "1", *TINY, "--train.steps", "3", "--train.run_dir", str(run),
+                         "--checkpoint.final", "false")
     assert first.returncode == 0, first.stderr
     before = _snapshot(run)
     assert {"config.toml", "metrics.jsonl", "loss.png", "throughput.png"} <= set(before)
@@ -212,12 +212,14 @@ def test_a_used_run_directory_is_never_overwritten(tmp_path):
 def test_resuming_continues_the_run_and_keeps_what_it_replaces(tmp_path):
     run = tmp_path / "run"
     common = ["--nproc", "1", *TINY, "--train.run_dir", str(run), "--checkpoint.interval", "2"]
-    first = longctx("train", *common, "--train.steps", "5")
+    # (in this process: the test reads the files and what the runs say, not how their processes end)
+    first = longctx_here("train", *common, "--train.steps", "5")
     assert first.returncode == 0, first.stderr
     assert "checkpoint: saved step 4" in first.stdout and "checkpoint: saved step 5" in first.stdout  # the last
     old = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     # back to step 4 (as after a crash between two saves): step 5's record is replaced
-    r = longctx("train", *common, "--train.steps", "6", "--checkpoint.resume", str(run / "checkpoints/step-00000004"))
+    r = longctx_here("train", *common, "--train.steps", "6", "--checkpoint.resume",
+                     str(run / "checkpoints/step-00000004"))
     assert r.returncode == 0, r.stderr
     assert "resumed step 4" in r.stdout
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]

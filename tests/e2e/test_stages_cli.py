@@ -1,11 +1,13 @@
 """train.stages end to end: the length (and batch) switch at the boundary, and a resume from before, at
-or after it continues exactly, under another layout too."""
+or after it continues exactly, under another layout too. One-process runs are in this process
+(test_newcomer.longctx_here: the tests read the runs' metrics and what they say, and a new interpreter's
+imports cost seconds a run); the refusal and the 2-rank resumes are real subprocesses."""
 
 import json
 import shutil
 
 import pytest
-from test_newcomer import longctx
+from test_newcomer import longctx, longctx_here
 
 STAGED = ["--train.stages=128:3:4,256:3:2", "--data.max_docs=100", "--train.eval_interval=0",
           "--metrics.log_interval=1", "--model.layers=1", "--checkpoint.interval=1", "--checkpoint.keep=10",
@@ -20,7 +22,7 @@ def _losses(run_dir):
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("staged")
-    r = longctx("train", "--nproc", "1", *STAGED, f"--train.run_dir={run}")
+    r = longctx_here("train", "--nproc", "1", *STAGED, f"--train.run_dir={run}")
     assert r.returncode == 0, r.stderr
     assert "stage 1/2: steps 1-3 at 128 tokens" in r.stdout and "stage 2/2: steps 4-6 at 256 tokens" in r.stdout
     return run
@@ -47,7 +49,8 @@ def test_resume_across_the_boundary_continues_exactly(full_run, tmp_path, resume
     for later in range(resume_at + 1, 7):
         shutil.rmtree(ckpts / f"step-{later:08d}")
     (ckpts / "latest").write_text(f"step-{resume_at:08d}\n")
-    r = longctx("train", "--nproc", str(nproc), *STAGED, f"--train.run_dir={run}", "--checkpoint.resume=auto")
+    r = (longctx_here if nproc == 1 else longctx)("train", "--nproc", str(nproc), *STAGED, f"--train.run_dir={run}",
+                                                  "--checkpoint.resume=auto")
     assert r.returncode == 0, r.stderr
     assert f"resumed step {resume_at}" in r.stdout
     want, got = _losses(full_run), _losses(run)

@@ -1,6 +1,7 @@
 """The README's commands as a user runs them, where they once went silently wrong: a Hugging Face
 model trains on its own tokenizer, a resume continues the run it resumes, and the messages say only
-what is true."""
+what is true. Runs whose test reads only what they write and say are in this process (longctx_here); the
+rest, and every run whose stderr is read, are real subprocesses."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_newcomer import longctx_here as _in_this_process
 
 from longctx.config import load_config
 
@@ -24,6 +26,13 @@ def longctx(*args, cwd=None, timeout=600):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "longctx", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd or ROOT, env=env, timeout=timeout)
+
+
+def longctx_here(*args, cwd=None):
+    """longctx(ARGS) in this process (test_newcomer.longctx_here), for runs whose test reads what they write
+    and say, not how their process ends or what it warns (a warning here goes to pytest, not to stderr):
+    a new interpreter's imports cost seconds a run."""
+    return _in_this_process(*map(str, args), cwd=cwd)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -62,11 +71,11 @@ def test_an_hf_model_trains_on_its_own_tokenizer_and_exports_it(tmp_path):
 
 def test_a_byte_run_exports_saying_why_there_are_no_tokenizer_files(tmp_path):
     run = tmp_path / "run"
-    r = longctx("train", "--nproc", 1, "--train.steps=1", "--train.seq_len=64", "--data.max_docs=40",
-                "--model.layers=1", "--train.eval_interval=0", "--checkpoint.interval=1", f"--train.run_dir={run}",
-                *QUIET)
+    r = longctx_here("train", "--nproc", 1, "--train.steps=1", "--train.seq_len=64", "--data.max_docs=40",
+                     "--model.layers=1", "--train.eval_interval=0", "--checkpoint.interval=1",
+                     f"--train.run_dir={run}", *QUIET)
     assert r.returncode == 0, r.stderr
-    r = longctx("checkpoint", "export", run / "checkpoints", tmp_path / "out")
+    r = longctx_here("checkpoint", "export", run / "checkpoints", tmp_path / "out")
     assert r.returncode == 0, r.stderr
     assert "next to model.init_from" not in r.stdout and "byte tokenizer" in r.stdout
 
@@ -79,14 +88,15 @@ def test_resume_continues_the_run_with_its_saved_settings(tmp_path):
     base = ["--train.seq_len=64", "--data.max_docs=60", "--model.layers=2", "--train.eval_interval=0",
             "--train.min_lr_ratio=1.0", "--train.warmup_steps=5", *QUIET]
     a, b = tmp_path / "a", tmp_path / "b"
-    r = longctx("train", "--nproc", 1, *base, "--train.steps=20", "--checkpoint.interval=10", f"--train.run_dir={a}")
+    r = longctx_here("train", "--nproc", 1, *base, "--train.steps=20", "--checkpoint.interval=10",
+                     f"--train.run_dir={a}")
     assert r.returncode == 0, r.stderr
-    r = longctx("train", f"--train.run_dir={a}", "--checkpoint.resume=auto", "--train.steps=30")
+    r = longctx_here("train", f"--train.run_dir={a}", "--checkpoint.resume=auto", "--train.steps=30")
     assert r.returncode == 0, r.stderr
     said = [line for line in r.stdout.splitlines() if line.startswith("resume:")]
     assert len(said) == 1 and said[0].endswith("train.steps 20 -> 30"), said
     assert (a / "checkpoints" / "step-00000030" / "manifest.json").is_file()
-    r = longctx("train", "--nproc", 1, *base, "--train.steps=30", f"--train.run_dir={b}")
+    r = longctx_here("train", "--nproc", 1, *base, "--train.steps=30", f"--train.run_dir={b}")
     assert r.returncode == 0, r.stderr
     resumed, straight = _losses(a), _losses(b)
     assert sorted(resumed) == list(range(1, 31))
