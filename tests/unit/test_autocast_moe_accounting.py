@@ -30,7 +30,8 @@ POLICIES = [("none", 0.0, 1, 0, 0), ("none", 0.0, 1, 0, 64), ("selective", 0.5, 
             ("selective", 1.0, 0, 0, 64), ("selective", 0.0, 1, 64, 0), ("full", 1.0, 0, 64, 64)]
 
 
-def measured_and_counted(overrides, recompute, fraction, skip_last, block_chunk, expert_chunk):
+def measured_and_counted(overrides, recompute, fraction, skip_last, block_chunk, expert_chunk, bf16=True):
+    """(config, measured blocks, counted blocks) of debug-moe with `overrides`, under bf16 autocast (or fp32)."""
     cfg = load_config(overrides=["--model.preset=debug-moe", *overrides]).model
     model = build_model(cfg, seed=0)  # fp32 weights, as one GPU process of the device tier keeps them
     model.memory_offloader = apply_memory_policy(model.layers, recompute, fraction, offload_skip_last=skip_last,
@@ -38,10 +39,11 @@ def measured_and_counted(overrides, recompute, fraction, skip_last, block_chunk,
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
         experts.chunk = expert_chunk
     model.loss_chunk = 64
-    under_autocast(model)
+    if bf16:
+        under_autocast(model)
     tokens, positions, doc, labels = packed_batch(cfg, seq=SEQ, batch=BATCH)
     measured = measure_activations(model, tokens, positions, doc, labels=labels)
-    e, copies = activation_dtype(True, 1, "device")
+    e, copies = activation_dtype(bf16, 1, "device")
     policy = MemoryPolicy(recompute, fraction, skip_last, loss_chunk=64, block_chunk=block_chunk,
                           expert_chunk=expert_chunk)
     layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, autocast=copies)

@@ -7,18 +7,8 @@ under (the device count below the measured bytes) at 192 tokens, growing with th
 hundred bytes over with Sinkhorn (its kept flags counted as a bound), in fp32 and under bf16 autocast."""
 
 import pytest
-from test_autocast_accounting import under_autocast
+from test_autocast_moe_accounting import BATCH, SEQ, measured_and_counted
 
-from longctx.config import load_config
-from longctx.memory.accounting import activation_dtype, layer_activations
-from longctx.memory.apply_policy import apply_memory_policy
-from longctx.memory.measured import measure_activations
-from longctx.memory.policy import MemoryPolicy
-from longctx.models.llama import build_model
-from longctx.models.moe import Experts
-from probes import packed_batch
-
-SEQ, BATCH = 96, 2
 ROUTINGS = {"capacity": ["--model.moe.capacity_factor=1.25"],
             "capacity shared": ["--model.moe.capacity_factor=1.25", "--model.moe.shared_experts=1"],
             "sinkhorn": ["--model.moe.router=sinkhorn"]}
@@ -28,32 +18,13 @@ POLICIES = [("selective", 0.5, 0, 0, 0), ("selective", 0.5, 0, 64, 0), ("selecti
             ("full", 1.0, 0, 64, 64), ("selective", 1.0, 0, 0, 64)]
 
 
-def measured_and_counted(overrides, bf16, recompute, fraction, skip_last, block_chunk, expert_chunk):
-    cfg = load_config(overrides=["--model.preset=debug-moe", *overrides]).model
-    model = build_model(cfg, seed=0)
-    model.memory_offloader = apply_memory_policy(model.layers, recompute, fraction, offload_skip_last=skip_last,
-                                                 block_chunk=block_chunk)
-    for experts in (m for m in model.modules() if isinstance(m, Experts)):
-        experts.chunk = expert_chunk
-    model.loss_chunk = 64
-    if bf16:
-        under_autocast(model)
-    tokens, positions, doc, labels = packed_batch(cfg, seq=SEQ, batch=BATCH)
-    measured = measure_activations(model, tokens, positions, doc, labels=labels)
-    e, copies = activation_dtype(bf16, 1, "device")
-    policy = MemoryPolicy(recompute, fraction, skip_last, loss_chunk=64, block_chunk=block_chunk,
-                          expert_chunk=expert_chunk)
-    layers = layer_activations(cfg, SEQ, BATCH, policy=policy, dtype_bytes=e, docs=True, autocast=copies)
-    return cfg, measured["blocks"], layers
-
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "autocast"])
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("recompute,fraction,skip_last,block_chunk,expert_chunk", POLICIES)
 def test_routing_held_across_pieces_is_counted(routing, bf16, recompute, fraction, skip_last, block_chunk,
                                                expert_chunk):
-    cfg, measured, layers = measured_and_counted(ROUTINGS[routing], bf16, recompute, fraction, skip_last,
-                                                 block_chunk, expert_chunk)
+    cfg, measured, layers = measured_and_counted(ROUTINGS[routing], recompute, fraction, skip_last, block_chunk,
+                                                 expert_chunk, bf16=bf16)
     tokens, k = SEQ * BATCH, cfg.moe_top_k
     for i in cfg.moe_layer_ids:
         got, la = measured[i]["device"], layers[i].device
