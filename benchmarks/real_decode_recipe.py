@@ -18,7 +18,9 @@ Phases (each skipped when its result is already in --work: a rerun goes on where
    Python sources (the drafts learned the standard library's);
 4. passkey (`--depths 0,0.25,0.5,0.75,1`, --passkey-samples per depth): plain at 4K, InfLLM at 4K and
    32K, Ms-PoE at 4K, and plain at 32K (past SmolLM2's 8K window: extrapolation, one sample per depth
-   unless --plain-long-samples).
+   unless --plain-long-samples). The filler: the eval's default corpus (Python sources), or with
+   `--passkey-filler classic` the repeated sentences of the passkey task as Landmark Attention and InfLLM
+   ran it ("The grass is green. The sky is blue. ..."), written into WORK.
 
 Writes real_decode_<date>.json: figures[DRAFT][MODE][LENGTH] = {tau, speedup, identical, ...} (DRAFT
 glide | clover; MODE chain | cape | adaptive | cape_adaptive | kK for each fixed K), passkey[METHOD][LENGTH]
@@ -68,8 +70,24 @@ def bench_draft(work: RecipeWork, name: str, model: str, common: list[str], fixe
     return {mode: table(b) for mode, b in modes.items()}, outs
 
 
-def passkey(work: RecipeWork, model: str, samples: int, long_samples: int, skip: set[str]) -> tuple[dict, dict]:
-    """passkey[METHOD][LENGTH] = accuracy, and each eval's per-depth results."""
+# the passkey task's filler as Landmark Attention (Mohtashami & Jaggi 2023) and InfLLM evaluate it: one paragraph
+# repeated, so that the key is the only thing in the prompt to remember
+CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+
+
+def filler_args(work: RecipeWork, filler: str) -> list[str]:
+    """eval's --data for the passkey filler: none (the default corpus) or the classic paragraph's file."""
+    if filler == "corpus":
+        return []
+    path = work.dir / "passkey_classic_filler.txt"
+    if not path.is_file():
+        path.write_text(CLASSIC_FILLER * 6000)  # (~600K tokens: any length up to 512K draws from it)
+    return ["--data", str(path)]
+
+
+def passkey(work: RecipeWork, model: str, samples: int, long_samples: int, skip: set[str],
+            filler: list[str] = ()) -> tuple[dict, dict]:
+    """passkey[METHOD][LENGTH] = accuracy, and each eval's per-depth results. `filler`: eval's --data."""
     runs = [("plain", "4096", samples, []), ("infllm", "4096", samples, ["--context-memory", "infllm"]),
             ("infllm", "32768", samples, ["--context-memory", "infllm"]),
             ("ms_poe", "4096", samples, ["--model.rope_ms_poe", "true"]),
@@ -78,9 +96,10 @@ def passkey(work: RecipeWork, model: str, samples: int, long_samples: int, skip:
     for method, length, n, extra in runs:
         if method in skip or f"{method}@{length}" in skip or n < 1:
             continue
-        out = work.json_phase(f"passkey {method} {length}", "eval", "--checkpoint", f"hf:{model}", "--task",
+        tag = " classic" if filler else ""  # (its own result in WORK: a rerun with the other filler runs again)
+        out = work.json_phase(f"passkey {method} {length}{tag}", "eval", "--checkpoint", f"hf:{model}", "--task",
                               "passkey", "--mode", "generate", "--lengths", length, "--depths", DEPTHS, "--samples",
-                              str(n), *extra)
+                              str(n), *extra, *filler)
         acc.setdefault(method, {})[length] = out["accuracy"]
         detail.setdefault(method, {})[length] = [{k: r[k] for k in ("depth", "samples", "correct", "accuracy")}
                                                  for r in out["results"]]
@@ -103,6 +122,9 @@ def main() -> None:
                          "5-token verification costs 1.68 steps on our 2-core CPU; 0 on a GPU)")
     ap.add_argument("--passkey-samples", type=int, default=4, help="per length and depth (5 depths)")
     ap.add_argument("--plain-long-samples", type=int, default=1, help="plain decoding at 32K: per depth")
+    ap.add_argument("--passkey-filler", choices=("corpus", "classic"), default="corpus",
+                    help="the passkey prompts' filler: the default corpus (Python sources) or the classic repeated "
+                         "paragraph (Landmark Attention's, InfLLM's)")
     ap.add_argument("--imported-drafts", action="store_true",
                     help="do not train the drafts: they are in WORK/runs/{glide,clover}/checkpoints already, e.g. "
                          "trained on a GPU and imported (benchmarks/draft_weights.py import)")
@@ -129,12 +151,14 @@ def main() -> None:
             work.train(name, config, "--draft.target", f"hf:{model}", "--threads", str(os.cpu_count() or 1))
         figures[name], raw[name] = bench_draft(work, name, model, common, fixed_k, args.verify_cost)
     accuracy, depths = ({}, {}) if "passkey" in skip else passkey(work, model, args.passkey_samples,
-                                                                    args.plain_long_samples, skip)
+                                                                    args.plain_long_samples, skip,
+                                                                    filler_args(work, args.passkey_filler))
     stamp = date.today().isoformat()
     result = {"command": "python benchmarks/real_decode_recipe.py " + " ".join(sys.argv[1:]), "date": stamp,
               "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}", "model": model,
               "prompts": data, "speculate": args.speculate, "max_new_tokens": args.max_new_tokens,
               "samples": args.samples, "passkey_depths": DEPTHS, "passkey_samples_per_depth": args.passkey_samples,
+              "passkey_filler": args.passkey_filler,
               "seconds": {k: round(v, 1) for k, v in work.seconds.items()},
               "total_seconds": round(sum(work.seconds.values()), 1),
               "figures": figures, "passkey": accuracy, "passkey_by_depth": depths, "bench": raw}
