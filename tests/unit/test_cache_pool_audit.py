@@ -22,6 +22,7 @@ import pytest
 import torch
 from test_block_graph import StandIn
 from test_decode_blocks import Counted
+from test_decode_cache_reuse import _fresh  # noqa: F401  (autouse: a cleared pool and dynamo around each test)
 
 import longctx.generate.blocks as blocks
 from longctx.config import load_config
@@ -38,15 +39,6 @@ from longctx.generate.sharded_infllm import ShardedInfLLMGeneration
 from longctx.generate.speculative import speculative_generate
 from longctx.models.glide import GlideDraft
 from longctx.models.llama import build_model
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    POOL.clear()
-    yield
-    POOL.clear()
-    torch._dynamo.reset()
 
 
 @pytest.fixture

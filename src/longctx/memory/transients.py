@@ -381,11 +381,16 @@ def kept_blocks_freed_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, h
     0: under `full` a kept block keeps its input alone, credited nothing. Under selective the kept blocks' core
     state (and the attention output in sequence layout): without this, the offloaded blocks' count held them
     beside the host tier brought back (measured: tests/unit/test_transient_tightening.py skip-1 cases)."""
+    # (a MoE block's saved count depends on the expert layout and routing, counted here without them: not credited;
+    # where every kept block is a MoE one, as in most MoE models, nothing is, and the layers need no count: the
+    # planner asks this for every offloading candidate)
+    kept = range(max(0, m.layers - policy.offload_skip_last) if policy.offload_fraction else 0, m.layers)
+    if set(kept) <= set(m.moe_layer_ids):
+        return 0.0
     t = micro_batch * seq_len // (head * ctx)
     layers = layer_activations(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e,
                                docs=docs, autocast=autocast)
     out = lambda la: t * block_part_bytes(m, head, e, docs, moe=la.moe, autocast=autocast)["block_out"]
-    # (a MoE block's saved count depends on the expert layout and routing, counted here without them: not credited)
     return sum(max(la.device - out(la), 0.0) for la in layers if not la.offloaded and not la.moe)
 
 
