@@ -7,7 +7,8 @@ form from a 760-token prompt):
 - each memory unit is built only on the rank that holds its tokens (its representatives are zero on
   every other rank), each rank holds about 1 / ctx of the slots, and no call reads more keys on a rank
   than one process reads in all;
-- a prompt's samples (rows copied after the prefill) decode as one process's."""
+- a prompt's samples (rows copied after the prefill) decode as one process's;
+- under both placements of the retrieved units (--infllm-positions shared and ordered)."""
 
 import functools
 
@@ -22,10 +23,10 @@ pytestmark = pytest.mark.slow  # two spawned jobs (2 and 4 ranks), about a minut
 NEW, LENGTH = 24, 760
 
 
-def _shape():
+def _shape(positions="shared"):
     from longctx.models.context_memory import InfLLMShape
 
-    return InfLLMShape(block=16, repr=2, topk=3, window=64, init=8)
+    return InfLLMShape(block=16, repr=2, topk=3, window=64, init=8, positions=positions)
 
 
 def _model():
@@ -39,7 +40,7 @@ def _prompt(seed=1):
     return torch.randint(0, 320, (LENGTH,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _run(ctx: int):
+def _run(ctx: int, positions: str = "shared"):
     """(greedy tokens, the prefill's last logits, keys read per call at most, slots held, units built here,
     units each rank owns, sampled tokens of two samples at T = 1)."""
     from longctx.generate.engine import generate
@@ -49,14 +50,14 @@ def _run(ctx: int):
     if ctx == 1:
         from longctx.generate.context_memory import InfLLMGeneration
 
-        backend = InfLLMGeneration(_shape())
+        backend = InfLLMGeneration(_shape(positions))
     else:
         from longctx.config import load_config
         from longctx.generate.sharded_infllm import ShardedInfLLMGeneration
         from longctx.job.runtime import Runtime
 
         rt = Runtime.create(load_config(overrides=[f"--parallel.ctx={ctx}"]), torch.distributed.get_rank(), ctx, "cpu")
-        backend = ShardedInfLLMGeneration(_shape(), rt.mesh)
+        backend = ShardedInfLLMGeneration(_shape(positions), rt.mesh)
     with torch.inference_mode():
         cache = backend.cache(model, 1, LENGTH + NEW)
         logits = backend.prefill(model, cache, torch.tensor([_prompt()]), 4096)[0]
@@ -75,24 +76,27 @@ def _run(ctx: int):
 
 
 @functools.cache
-def _reference():
-    return _run(1)
+def _reference(positions: str):
+    return _run(1, positions)
+
+
+POSITIONS = ("shared", "ordered")  # (--infllm-positions: the placement of the chosen units differs per rank's share)
 
 
 @pytest.fixture(scope="module")
 def sharded():
-    jobs = {ctx: run_spawned_many(ctx, [("run", _run, (ctx,))], timeout=900)["run"] for ctx in (2, 4)}
-    return jobs
+    return {ctx: run_spawned_many(ctx, [(p, _run, (ctx, p)) for p in POSITIONS], timeout=900) for ctx in (2, 4)}
 
 
+@pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("ctx", [2, 4])
-def test_sharded_memory_answers_as_one_process(ctx, sharded):
+def test_sharded_memory_answers_as_one_process(ctx, positions, sharded):
     from longctx.generate.sharded_infllm import owners
 
-    tokens, logits, read, _, _, _, sampled = _reference()
-    shape = _shape()
+    tokens, logits, read, _, _, _, sampled = _reference(positions)
+    shape = _shape(positions)
     units = (LENGTH + NEW - shape.window - shape.init) // shape.block
-    for rank, (got, got_logits, got_read, held, built, owner, got_sampled) in enumerate(sharded[ctx]):
+    for rank, (got, got_logits, got_read, held, built, owner, got_sampled) in enumerate(sharded[ctx][positions]):
         assert got == tokens, rank
         torch.testing.assert_close(got_logits, logits, atol=1e-4, rtol=1e-4)
         assert got_sampled == sampled, rank

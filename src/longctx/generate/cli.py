@@ -122,7 +122,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
 
         check_heads(cfg.model.heads, cfg.model.kv_heads, cfg.parallel.head)
     memory = memory_shape(args, cfg)
-    # InfLLM keeps every distance below init + window + block: that sum, not the prompt, meets the reach
+    # InfLLM keeps every distance below its shape's reach: that sum, not the prompt, meets the model's
     reach = memory_reach(memory, cfg.model) if memory is not None else None
     tokenizer, limits, notes = tokenize_prompts(args, prompts, spec, cfg.model, reach)
     longest = max(len(p["ids"]) + n for p, n in zip(prompts, limits))  # (positions a prompt and its new tokens take)

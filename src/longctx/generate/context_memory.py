@@ -5,10 +5,11 @@ The attention is models/context_memory.py's (InfLLMMemory.core on the KVCache); 
 flags, their checks (every one before any weight is read) and the backend that uses it.
 
 Why InfLLM prompts pass the length guard (config/positions.py's reach, which refuses prompts past the
-trained positions unless --allow-extrapolation): with the memory every distance a query sees is at most
-init + window + block - 1 (the local span keeps real distances below window + block, the initial
-tokens and retrieved units sit at that one distance), whatever the prompt's length. So the check is
-moved from the prompt to the memory's shape: init + window + block must be within the reach, and the
+trained positions unless --allow-extrapolation): with the memory every distance a query sees is below the
+shape's `reach`, whatever the prompt's length: init + window + block under --infllm-positions shared (the
+local span keeps real distances below window + block, the initial tokens and retrieved units sit at one
+distance), init + topk x block + window + block under ordered (all of them laid end to end). So the check
+is moved from the prompt to the memory's shape: that sum must be within the model's reach, and the
 prompts and their continuations may then be as long as the cache fits.
 
 Prefill runs in chunks of at most window / 2 tokens (--prefill-chunk if smaller): each chunk's units are
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
     from ..models.kv_cache import KVCache
 
 # (imported by generate/cli.py for its flags: torch and the models load only when a memory is made)
-# the defaults, for a model trained on 8K positions: 128 + 2048 + 128 of them at most, 3,327 keys per query
-DEFAULTS = {"block": 128, "repr": 4, "topk": 8, "window": 2048, "init": 128}
+# the defaults, for a model trained on 8K positions: 128 + 8 x 128 + 2048 + 128 = 3,328 of them at most,
+# 3,327 keys per query
+DEFAULTS = {"block": 128, "repr": 4, "topk": 8, "window": 2048, "init": 128, "positions": "shared"}
 
 
 def add_flags(p) -> None:
@@ -51,6 +53,11 @@ def add_flags(p) -> None:
                        ("init", "initial tokens always attended (attention sinks)")):
         p.add_argument(f"--infllm-{name}", type=int, default=DEFAULTS[name],
                        help=f"{text} (default {DEFAULTS[name]})")
+    p.add_argument("--infllm-positions", choices=("shared", "ordered"), default=DEFAULTS["positions"],
+                   help="where the initial tokens and retrieved units are seen: shared, all at one distance past "
+                        "the window (the paper's); ordered, laid end to end in their order right before the "
+                        "window, each token at its own distance (needs init + topk x block + window + block "
+                        f"trained positions; default {DEFAULTS['positions']})")
 
 
 def memory_shape(args, cfg) -> InfLLMShape | None:
@@ -59,7 +66,8 @@ def memory_shape(args, cfg) -> InfLLMShape | None:
         return None
     from ..models.context_memory import InfLLMShape
 
-    shape = InfLLMShape(args.infllm_block, args.infllm_repr, args.infllm_topk, args.infllm_window, args.infllm_init)
+    shape = InfLLMShape(args.infllm_block, args.infllm_repr, args.infllm_topk, args.infllm_window, args.infllm_init,
+                        getattr(args, "infllm_positions", DEFAULTS["positions"]))
     problems = shape.problems()
     if cfg.parallel.head > 1:
         problems.append(f"--context-memory infllm shards its memory over ctx ranks only (got --parallel.head "
@@ -78,17 +86,24 @@ def memory_shape(args, cfg) -> InfLLMShape | None:
 
 
 def check_reach(shape: InfLLMShape, reach) -> None:
-    """The farthest distance the memory shows (init + window + block - 1) within the trained positions."""
-    need = shape.init + shape.window + shape.block
-    if need > reach.positions:
-        raise ConfigError(f"--infllm-init + --infllm-window + --infllm-block = {need:,} positions, past the "
-                          f"{reach.positions:,} the model reaches ({reach.said()}): InfLLM keeps every distance "
-                          f"below that sum. Use a smaller --infllm-window (a multiple of --infllm-block).")
+    """The farthest distance the memory shows (shape.reach - 1) within the trained positions."""
+    need = shape.reach
+    if need <= reach.positions:
+        return
+    if shape.positions == "ordered":
+        what, fix = ("--infllm-init + --infllm-topk x --infllm-block + --infllm-window + --infllm-block",
+                     "a smaller --infllm-topk or --infllm-window (a multiple of --infllm-block), or "
+                     "--infllm-positions shared")
+    else:
+        what, fix = ("--infllm-init + --infllm-window + --infllm-block",
+                     "a smaller --infllm-window (a multiple of --infllm-block)")
+    raise ConfigError(f"{what} = {need:,} positions, past the {reach.positions:,} the model reaches "
+                      f"({reach.said()}): InfLLM keeps every distance below that sum. Use {fix}.")
 
 
 def memory_reach(shape: InfLLMShape, m):
     """The reach prompts are checked against under the memory: the model's (config/positions.py) must
-    cover init + window + block; then no prompt length is past it (the memory never shows a larger
+    cover the shape's reach (check_reach); then no prompt length is past it (the memory never shows a larger
     distance), so it is unbounded."""
     import dataclasses
 
@@ -108,9 +123,9 @@ def describe(backend, prefill_chunk: int) -> str:
     mesh = getattr(backend, "mesh", None)  # (the sharded backend's layout)
     where = f", its units over {mesh['ctx'].size()} ctx ranks" if mesh is not None else ""
     return (f"generate: InfLLM context memory: {s.init} initial tokens, a {s.window}-token window, the top "
-            f"{s.topk} of units of {s.block} tokens ({s.repr} representative keys each); at most {s.max_keys:,} "
-            f"keys per query, every distance < {s.far + 1:,}; prefill chunks of {backend.chunk(prefill_chunk):,} "
-            f"tokens, one prompt at a time{where}")
+            f"{s.topk} of units of {s.block} tokens ({s.repr} representative keys each, seen {s.positions}); at "
+            f"most {s.max_keys:,} keys per query, every distance < {s.reach:,}; prefill chunks of "
+            f"{backend.chunk(prefill_chunk):,} tokens, one prompt at a time{where}")
 
 
 def check_prompts(shape: InfLLMShape, prompts: list[dict]) -> None:

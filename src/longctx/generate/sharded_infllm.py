@@ -12,7 +12,8 @@ in its own cache, and per call and layer:
    representatives: they read only the unit's keys and the call's queries, which every rank has);
 3. scores its own units; one all-reduce (max) of [batch, units] scores gives every rank every score,
    so every rank takes the same top-k (the one-process choice: the same formula, per unit);
-4. attends its share of the initial tokens and of the chosen units (at the one distance `far`) and of
+4. attends its share of the initial tokens and of the chosen units (where --infllm-positions puts them:
+   every rank knows the whole chosen list, so a unit's place is the same on every rank) and of
    the local span (real positions, causal by position): a partial (out, lse);
 5. the ctx group merges the partials by their log-sum-exp in fp32 (generate/sharded.py's merge).
 
@@ -38,6 +39,7 @@ from ..models.context_memory import (
     GrowsOnly,
     InfLLMShape,
     check_after_units,
+    place_far,
     refuse_ms_poe,
     representatives,
     rotate,
@@ -190,7 +192,8 @@ class _Layer:
         c.built[self.index] = units
 
     def _far(self, q, query_pos, units: int, init: int):
-        """(out, lse) over this rank's initial tokens and chosen units, every key at distance `far`."""
+        """(out, lse) over this rank's initial tokens and chosen units, seen where the placement puts them
+        (shape.positions: at the one distance `far`, or laid end to end in order: place_far)."""
         c, shape = self.cache, self.cache.shape
         b = q.shape[0]
         q_far = rotate(q, shape.far - query_pos, c.inv_freq)
@@ -222,7 +225,8 @@ class _Layer:
         far_k = c.k[self.index].gather(2, gather)
         far_v = c.v[self.index].gather(2, gather)
         positions = torch.as_tensor(c.positions[padded], device=q.device)  # [b, G]
-        far_k = rotate(far_k.transpose(1, 2), -positions, c.inv_freq).transpose(1, 2)  # back to position 0
+        lo = init + units * shape.block
+        q_far, far_k = place_far(q, q_far, far_k, positions, chosen, query_pos, lo, shape, c.inv_freq)
         c.keys_read = max(c.keys_read, count)
         return _held_slots(q_far, far_k, far_v, counts)
 

@@ -18,11 +18,18 @@ and a passkey at 8K tokens of SmolLM2-135M was not retrieved; with this rule it 
 
 Positions. The cache holds keys rotated (RoPE) at their real slot; the local span keeps those real
 relative distances (< window + block). Once any unit exists, the initial tokens and the retrieved
-units are all seen at the ONE distance `far` = init + window + block - 1: their keys are rotated back
-to position 0 (the inverse rotation of their slot) and the queries rotated on to position `far`, so
-q . k sees exactly the distance `far` (RoPE depends on the difference only). Every distance any
-query sees is therefore <= far < init + window + block: within the trained window whatever the
-prompt's length (generate/context_memory.py checks init + window + block against the model's reach).
+units are seen where `shape.positions` puts them (place_far):
+- shared (the paper's): all at the ONE distance `far` = init + window + block - 1: their keys are
+  rotated back to position 0 (the inverse rotation of their slot) and the queries rotated on to
+  position `far`, so q . k sees exactly the distance `far` (RoPE depends on the difference only);
+- ordered: laid end to end in slot order right before the local span: the initial tokens at their
+  slots, the j-th chosen unit's tokens at init + j x block + their offset in it, and a query at slot p
+  of the local span [lo, ...) at init + k x block + p - lo. Order and spacing inside the retrieved text
+  are kept, the gaps between its pieces closed. (SmolLM2-135M: one shared distance loses the pass key even
+  with every unit retrieved, docs/benchmarks.md.) With every unit retrieved it is plain attention.
+Every distance a query sees is below shape.reach (shared: init + window + block; ordered: init + topk x
+block + window + block): within the trained window whatever the prompt's length
+(generate/context_memory.py checks it against the model's reach).
 Before any unit exists (e < init + window + block) the call is the plain cached attention, the same
 kernels and numbers as without the memory. The two parts (local, and init + units) are merged by
 their log-sum-exp in fp32.
@@ -50,6 +57,11 @@ from .cached_attention import CacheStep, cached_attention, group_queries, ungrou
 from .kv_cache import KVCache
 from .llama import apply_rope, rope_cos_sin
 
+# where a call sees the initial tokens and its retrieved units (the local span is always at real distances):
+# shared: all at the one distance `far` (the paper's); ordered: laid end to end in slot order right before
+# the local span, each unit's tokens at their own spacing (the module docstring's "Positions")
+POSITIONS = ("shared", "ordered")
+
 
 @dataclass(frozen=True)
 class InfLLMShape:
@@ -61,11 +73,21 @@ class InfLLMShape:
     topk: int
     window: int
     init: int
+    positions: str = "shared"  # where the initial tokens and retrieved units are seen: POSITIONS
 
     @property
     def far(self) -> int:
-        """The distance of the initial tokens and retrieved units once memory exists (the largest seen)."""
+        """The one distance at which `shared` shows the initial tokens and retrieved units once memory exists
+        (the queries are also turned on to it to score the units, under either placement)."""
         return self.init + self.window + self.block - 1
+
+    @property
+    def reach(self) -> int:
+        """Every distance a query sees is below this: the positions the model must have been trained on.
+        shared: far + 1; ordered: the initial tokens, topk units and the local span laid end to end."""
+        if self.positions == "ordered":
+            return self.init + self.topk * self.block + self.window + self.block
+        return self.far + 1
 
     @property
     def max_keys(self) -> int:
@@ -81,6 +103,8 @@ class InfLLMShape:
             out.append(f"--infllm-init must be >= 0, got {self.init}")
         if self.block >= 1 and self.repr > self.block:
             out.append(f"--infllm-repr {self.repr} is more than the {self.block} tokens of a unit (--infllm-block)")
+        if self.positions not in POSITIONS:
+            out.append(f"--infllm-positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
         if self.block >= 1 and self.window >= 1 and self.window % self.block:
             out.append(f"--infllm-block {self.block} does not divide --infllm-window {self.window}: the window "
                        f"moves into memory one whole unit at a time (e.g. --infllm-window "
@@ -169,11 +193,12 @@ class InfLLMMemory:
         b = q.shape[0]
         self._build(layer.index, layer.k, q, units)
         q_far = rotate(q, shape.far - step.positions, self.inv_freq)  # each query turned on to distance `far`
-        slots = self._slots(self._select(layer.index, q_far, units), b, init)  # [b, G]
-        far_k, far_v = _gather(layer.k, slots), _gather(layer.v, slots)
-        far_k = rotate(far_k.transpose(1, 2), -slots, self.inv_freq).transpose(1, 2)  # back to position 0
-        far_out, far_lse = grouped_attention(q_far, far_k, far_v)
+        chosen = self._select(layer.index, q_far, units)
+        slots = self._slots(chosen, b, init)  # [b, G]
         lo = init + units * shape.block  # the local span: [lo, end), real positions
+        far_k, far_v = _gather(layer.k, slots), _gather(layer.v, slots)
+        q_far, far_k = place_far(q, q_far, far_k, slots, chosen, step.positions, lo, shape, self.inv_freq)
+        far_out, far_lse = grouped_attention(q_far, far_k, far_v)
         local = CacheStep(step.start - lo, n, step.positions - lo)
         out, lse = cached_attention(q, layer.k[:, :, lo:], layer.v[:, :, lo:], local)
         self.keys_read = max(self.keys_read, slots.shape[1] + end - lo)
@@ -253,6 +278,27 @@ def representatives(keys: torch.Tensor, positions: torch.Tensor, q: torch.Tensor
     per_unit = raw.view(b, m, shape.block, kv, d)
     top = received.view(b, m, shape.block, kv).topk(shape.repr, dim=2).indices  # [b, m, repr, kv]
     return per_unit.gather(2, top[..., None].expand(-1, -1, -1, -1, d)).sum(2)
+
+
+def place_far(q: torch.Tensor, q_far: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, chosen: torch.Tensor,
+              query_positions: torch.Tensor, lo: int, shape: InfLLMShape,
+              inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(queries, keys) of the far part, turned so that q . k sees the placement's distance. keys [b, kv, G, d]
+    cached at their real `slots` [b, G] (initial tokens' and retrieved units', all or one rank's share);
+    `chosen` [b, k]: the call's units, ascending (every rank's); q at its real `query_positions` [b, n], q_far
+    the same queries turned on to `far`; `lo`: the local span's first slot (memory exists: init is whole).
+    shared: keys back to position 0, queries at `far`. ordered: the initial tokens keep their slots, the
+    j-th chosen unit's tokens sit at init + j x block + their offset in the unit, and the local span goes
+    on from there: a query at slot p sits at init + k x block + p - lo."""
+    if shape.positions == "shared":
+        return q_far, rotate(keys.transpose(1, 2), -slots, inv_freq).transpose(1, 2)
+    init, block = shape.init, shape.block
+    unit = torch.div(slots - init, block, rounding_mode="floor")
+    place = torch.searchsorted(chosen.contiguous(), unit.contiguous())  # the unit's index among the chosen
+    ordered = torch.where(slots < init, slots, init + place * block + (slots - init) % block)
+    keys = rotate(keys.transpose(1, 2), ordered - slots, inv_freq).transpose(1, 2)
+    seen = init + chosen.shape[1] * block
+    return rotate(q, torch.full_like(query_positions, seen - lo), inv_freq), keys
 
 
 def unit_scores(q_far: torch.Tensor, reps: torch.Tensor) -> torch.Tensor:
