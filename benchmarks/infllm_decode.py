@@ -4,7 +4,8 @@ and values (a decode step's cost does not depend on what they hold; the prefill 
 skipped: on a 2-core CPU it is minutes per 8K tokens). The first steps (which build every unit's
 representatives) are excluded. Prints JSON.
 
-    python benchmarks/infllm_decode.py --checkpoint /tmp/smollm2_hf --lengths 8192,32768 --steps 16
+    python benchmarks/infllm_decode.py --checkpoint /tmp/smollm2_hf --lengths 8192,32768 --steps 16 \
+        [--infllm-window 4096 --infllm-topk 4 --infllm-positions ordered ...]   (generate's --infllm-* flags)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from longctx.generate.context_memory import DEFAULTS
+from longctx.generate.context_memory import add_flags
 from longctx.models.context_memory import InfLLMMemory, InfLLMShape
 from longctx.models.hf import load_hf
 from longctx.models.kv_cache import KVCache
@@ -51,17 +52,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plain", action="store_true", help="also plain cached attention at each length")
+    add_flags(p)  # the memory's shape: generate's --infllm-* flags and defaults (--context-memory is ignored)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = load_hf(args.checkpoint).eval()
-    shape = InfLLMShape(**DEFAULTS)
+    sizes = {name: getattr(args, f"infllm_{name}") for name in ("block", "repr", "topk", "window", "init",
+                                                                 "positions")}
+    shape = InfLLMShape(**sizes).checked()
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         for s in ((shape, None) if args.plain else (shape,)):
             rows.append(per_token(model, length, args.steps, s))
             print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"date": datetime.now(timezone.utc).isoformat(timespec="minutes"), "machine": platform.node(),
-                      "threads": args.threads, "shape": DEFAULTS, "rows": rows}))
+                      "threads": args.threads, "shape": sizes, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -156,5 +156,5 @@ def test_generate_through_infllm_memory(memorised, text_file, plain_generate, tm
                   "--context-memory", "infllm", "--infllm-window", "64", "--infllm-block", "16", "--infllm-init", "16",
                   "--infllm-topk", "2")
     assert small["context_memory"] == {"method": "infllm", "block": 16, "repr": 4, "topk": 2, "window": 64,
-                                       "init": 16}
+                                       "init": 16, "positions": "shared"}
     assert sum(r["samples"] for r in small["results"]) == 6

@@ -8,7 +8,7 @@ Why InfLLM prompts pass the length guard (config/positions.py's reach, which ref
 trained positions unless --allow-extrapolation): with the memory every distance a query sees is below the
 shape's `reach`, whatever the prompt's length: init + window + block under --infllm-positions shared (the
 local span keeps real distances below window + block, the initial tokens and retrieved units sit at one
-distance), init + topk x block + window + block under ordered (all of them laid end to end). So the check
+distance), init + topk x block + window + block - 1 under ordered (all of them laid end to end). So the check
 is moved from the prompt to the memory's shape: that sum must be within the model's reach, and the
 prompts and their continuations may then be as long as the cache fits.
 
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from ..models.kv_cache import KVCache
 
 # (imported by generate/cli.py for its flags: torch and the models load only when a memory is made)
-# the defaults, for a model trained on 8K positions: 128 + 8 x 128 + 2048 + 128 = 3,328 of them at most,
-# 3,327 keys per query
+# the defaults, for a model trained on 8K positions: 128 + 8 x 128 + 2048 + 128 - 1 = 3,327 of them at most
+# (ordered; shared 2,304), 3,327 keys per query
 DEFAULTS = {"block": 128, "repr": 4, "topk": 8, "window": 2048, "init": 128, "positions": "shared"}
 
 
@@ -56,7 +56,7 @@ def add_flags(p) -> None:
     p.add_argument("--infllm-positions", choices=("shared", "ordered"), default=DEFAULTS["positions"],
                    help="where the initial tokens and retrieved units are seen: shared, all at one distance past "
                         "the window (the paper's); ordered, laid end to end in their order right before the "
-                        "window, each token at its own distance (needs init + topk x block + window + block "
+                        "window, each token at its own distance (needs init + topk x block + window + block - 1 "
                         f"trained positions; default {DEFAULTS['positions']})")
 
 
@@ -91,7 +91,7 @@ def check_reach(shape: InfLLMShape, reach) -> None:
     if need <= reach.positions:
         return
     if shape.positions == "ordered":
-        what, fix = ("--infllm-init + --infllm-topk x --infllm-block + --infllm-window + --infllm-block",
+        what, fix = ("--infllm-init + --infllm-topk x --infllm-block + --infllm-window + --infllm-block - 1",
                      "a smaller --infllm-topk or --infllm-window (a multiple of --infllm-block), or "
                      "--infllm-positions shared")
     else:

@@ -28,7 +28,7 @@ units are seen where `shape.positions` puts them (place_far):
   are kept, the gaps between its pieces closed. (SmolLM2-135M: one shared distance loses the pass key even
   with every unit retrieved, docs/benchmarks.md.) With every unit retrieved it is plain attention.
 Every distance a query sees is below shape.reach (shared: init + window + block; ordered: init + topk x
-block + window + block): within the trained window whatever the prompt's length
+block + window + block - 1): within the trained window whatever the prompt's length
 (generate/context_memory.py checks it against the model's reach).
 Before any unit exists (e < init + window + block) the call is the plain cached attention, the same
 kernels and numbers as without the memory. The two parts (local, and init + units) are merged by
@@ -83,10 +83,11 @@ class InfLLMShape:
 
     @property
     def reach(self) -> int:
-        """Every distance a query sees is below this: the positions the model must have been trained on.
-        shared: far + 1; ordered: the initial tokens, topk units and the local span laid end to end."""
+        """The largest distance a query sees + 1: the positions the model must have been trained on.
+        shared: far + 1; ordered: the initial tokens, topk units and the local span (at most window + block - 1
+        tokens, the query last) laid end to end, every key one query reads (max_keys) at its own position."""
         if self.positions == "ordered":
-            return self.init + self.topk * self.block + self.window + self.block
+            return self.max_keys
         return self.far + 1
 
     @property
