@@ -9,8 +9,9 @@ expanded per query head in fp32 (kept here as `_old_span`).
 The rank holds `held` tokens of one row (ctx 1: every slot; on ctx c a rank holds 1 / c of them and does
 1 / c of this work), random keys and values; each timed step is the same token (the lengths reset), after a
 first untimed step that builds every unit's representatives. Two memory shapes per length: the flags'
-defaults (window 2048, block 128, 128 initial tokens, top-8 units: a span of 2,048..2,175 slots whatever
-`held`), and a window of held / 2 (a span of about half the tokens). Old and new interleaved in one run,
+defaults (generate/context_memory.py DEFAULTS; on 2026-12-03 window 2048, block 128, 128 initial tokens, top-8
+units: a span of 2,048..2,175 slots whatever `held`; since 2026-12-05 window 4096, top 4),
+and a window of held / 2 (a span of about half the tokens). Old and new interleaved in one run,
 least of --repeat. Also the largest fp32 tensor any op but a view or the attention kernel makes (a
 dispatch-mode probe), in MB, over the whole step and over the span alone.
 """

@@ -105,7 +105,7 @@ def test_two_ctx_ranks_answer_as_one_process_at_the_seams():
 # ------------------------------------------------------------------------------------------------
 # eval --mode generate through the memory
 
-SHAPE = {"block": 16, "repr": 3, "topk": 2, "window": 32, "init": 4}
+SHAPE = {"block": 16, "repr": 3, "topk": 2, "window": 32, "init": 4, "positions": "ordered"}
 EVAL = ["--task", "passkey", "--lengths", "160,232", "--depths", "0,0.5", "--samples", "1", "--mode", "generate"]
 
 

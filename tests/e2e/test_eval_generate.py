@@ -149,12 +149,13 @@ def test_generate_through_infllm_memory(memorised, text_file, plain_generate, tm
     the memory (initial tokens, window, retrieved units) and records its shape."""
     plain, _ = plain_generate
     whole = _eval(memorised, tmp_path / "w.json", *EVAL, "--data", str(text_file), "--mode", "generate",
-                  "--context-memory", "infllm", "--infllm-window", "256", "--infllm-block", "64", "--infllm-init", "0")
+                  "--context-memory", "infllm", "--infllm-window", "256", "--infllm-block", "64", "--infllm-init", "0",
+                  "--infllm-topk", "2")  # (ordered's reach 0 + 2 x 64 + 256 + 64 - 1 within the 512 trained)
     assert whole["context_memory"]["window"] == 256
     assert [r["generated"] for r in whole["results"]] == [r["generated"] for r in plain["results"]]
     small = _eval(memorised, tmp_path / "s.json", *EVAL, "--data", str(text_file), "--mode", "generate",
                   "--context-memory", "infllm", "--infllm-window", "64", "--infllm-block", "16", "--infllm-init", "16",
                   "--infllm-topk", "2")
     assert small["context_memory"] == {"method": "infllm", "block": 16, "repr": 4, "topk": 2, "window": 64,
-                                       "init": 16, "positions": "shared"}
+                                       "init": 16, "positions": "ordered"}
     assert sum(r["samples"] for r in small["results"]) == 6

@@ -11,7 +11,7 @@ import pytest
 from longctx.errors import ConfigError
 
 INFLLM = ("--mode", "generate", "--context-memory", "infllm", "--infllm-window", "64", "--infllm-block", "16",
-          "--infllm-init", "4")
+          "--infllm-init", "4", "--infllm-positions", "shared")
 
 
 @pytest.fixture

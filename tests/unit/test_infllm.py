@@ -178,7 +178,10 @@ def _prepare(d, *argv):
 
 
 PROMPT = "x " * 100  # 101 tokens: past the 64 positions
-SMALL = ("--context-memory", "infllm", "--infllm-window", "16", "--infllm-block", "8", "--infllm-init", "8")
+# (shared: the paper's placement, whose reach init + window + block these checks are written in; ordered's:
+# tests/unit/test_infllm_ordered_positions.py)
+SMALL = ("--context-memory", "infllm", "--infllm-window", "16", "--infllm-block", "8", "--infllm-init", "8",
+         "--infllm-positions", "shared")
 
 
 def test_infllm_prompts_pass_the_length_guard(hf64):
@@ -253,8 +256,10 @@ def test_eval_takes_the_memory_in_generate_mode(hf64, tmp_path):
     with pytest.raises(ConfigError, match="--infllm-window 32 is larger than the 24-token sequences.*Use "
                                           "--infllm-window 24,"):
         _prepare_eval(hf64, tmp_path, "--lengths", "24,96", "--mode", "generate", "--context-memory", "infllm",
-                      "--infllm-window", "32", "--infllm-block", "8", "--infllm-init", "8")
+                      "--infllm-window", "32", "--infllm-block", "8", "--infllm-init", "8",
+                      "--infllm-positions", "shared")
     with pytest.raises(ConfigError, match="than the 6-token sequences.*an --infllm-block and --infllm-window of at "
                                           "most 6"):  # (no whole unit of 8 fits: a window of 8 would not either)
         _prepare_eval(hf64, tmp_path, "--lengths", "6,96", "--mode", "generate", "--context-memory", "infllm",
-                      "--infllm-window", "32", "--infllm-block", "8", "--infllm-init", "8")
+                      "--infllm-window", "32", "--infllm-block", "8", "--infllm-init", "8",
+                      "--infllm-positions", "shared")

@@ -92,8 +92,8 @@ def test_eval_generate_under_infllm_runs_past_the_window(windowed):
     window for it; eval raised model.max_seq_len to 160 itself and the window's rule refused that."""
     _, request = _eval(windowed, "--lengths", "128,160", "--mode", "generate", "--context-memory", "infllm",
                        "--infllm-block", "4", "--infllm-repr", "2", "--infllm-topk", "2", "--infllm-window", "8",
-                       "--infllm-init", "2", "--samples", "1", task="passkey")
-    assert request.cfg.model.max_seq_len == W and request.memory.far + 1 <= W
+                       "--infllm-init", "2", "--infllm-positions", "shared", "--samples", "1", task="passkey")
+    assert request.cfg.model.max_seq_len == W and request.memory.reach <= W
     assert sorted(request.sequences) == [128, 160]
 
 
