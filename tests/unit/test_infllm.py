@@ -86,15 +86,23 @@ def test_everything_retrieved_equals_reference(model):
     backend = InfLLMGeneration(shape)
     ours = generate(model, [prompt], max_new_tokens=new, prefill_chunk=8, logprobs=0, backend=backend)[0]
     assert backend.memory.built.max() > 0  # units formed (and all were retrieved: topk >= units)
-    chunk = backend.chunk(8)
+    check_against_reference(model, prompt, ours, backend.chunk(8),
+                            lambda index, ends, inv_freq: _reference_core(shape, ends, inv_freq))
+
+
+def check_against_reference(model, prompt, ours, chunk: int, core_of_layer) -> None:
+    """`ours` (a generation of `prompt` prefilled in chunks of `chunk`) equals the model run teacher-forced on
+    prompt + its tokens with each layer's attention core replaced by core_of_layer(layer index, ends,
+    inv_freq): greedy tokens, log-probabilities within 1e-4. ends[i]: the end of the call query i belonged
+    to; the model's RoPE is off meanwhile (the reference turns q and k itself by inv_freq)."""
     seq = prompt + ours.tokens[:-1]
     ends = [min(len(prompt), (i // chunk + 1) * chunk) if i < len(prompt) else i + 1 for i in range(len(seq))]
     inv_freq = model.inv_freq.clone()
     cores = [b.attention.core for b in model.layers]
     try:
-        model.inv_freq.zero_()  # the model's RoPE off: the reference core turns q and k itself
-        for b in model.layers:
-            b.attention.core = _reference_core(shape, ends, inv_freq)
+        model.inv_freq.zero_()
+        for index, b in enumerate(model.layers):
+            b.attention.core = core_of_layer(index, ends, inv_freq)
         with torch.no_grad():
             logits = model(torch.tensor([seq]))[0, len(prompt) - 1:].float()
     finally:
@@ -103,7 +111,7 @@ def test_everything_retrieved_equals_reference(model):
             b.attention.core = c
     assert logits.argmax(-1).tolist() == ours.tokens
     ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ours.tokens)[:, None])[:, 0]
-    assert torch.allclose(torch.tensor(ours.logprobs), ref_lp, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(ours.logprobs), ref_lp, atol=1e-4, rtol=0)
 
 
 def test_topk_picks_the_unit_that_matches_the_query(model):

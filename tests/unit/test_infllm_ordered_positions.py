@@ -12,7 +12,7 @@ import math
 import pytest
 import test_infllm
 import torch
-from test_infllm import PROMPT, SMALL, _prepare, _prompt, _turn
+from test_infllm import PROMPT, SMALL, _prepare, _prompt, _turn, check_against_reference
 
 from longctx.generate.context_memory import InfLLMGeneration
 from longctx.generate.engine import generate
@@ -90,24 +90,8 @@ def test_some_units_retrieved_equal_a_hand_laid_reference(model, monkeypatch):
     ours = generate(model, [prompt], max_new_tokens=new, prefill_chunk=8, logprobs=0, backend=backend)[0]
     units = (len(prompt) + new - 1 - shape.window - shape.init) // shape.block
     assert units > shape.topk and any(len(c) == shape.topk and c != list(range(shape.topk)) for c in chosen.values())
-    chunk = backend.chunk(8)
-    seq = prompt + ours.tokens[:-1]
-    ends = [min(len(prompt), (i // chunk + 1) * chunk) if i < len(prompt) else i + 1 for i in range(len(seq))]
-    inv_freq = model.inv_freq.clone()
-    cores = [b.attention.core for b in model.layers]
-    try:
-        model.inv_freq.zero_()  # the model's RoPE off: the reference turns q and k itself
-        for index, b in enumerate(model.layers):
-            b.attention.core = _ordered_reference(shape, ends, chosen, index, inv_freq)
-        with torch.no_grad():
-            logits = model(torch.tensor([seq]))[0, len(prompt) - 1:].float()
-    finally:
-        model.inv_freq.copy_(inv_freq)
-        for b, c in zip(model.layers, cores):
-            b.attention.core = c
-    assert logits.argmax(-1).tolist() == ours.tokens
-    ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ours.tokens)[:, None])[:, 0]
-    torch.testing.assert_close(torch.tensor(ours.logprobs), ref_lp, atol=1e-4, rtol=0)
+    check_against_reference(model, prompt, ours, backend.chunk(8),
+                            lambda index, ends, inv_freq: _ordered_reference(shape, ends, chosen, index, inv_freq))
 
 
 def test_the_reach_counts_the_retrieved_units(hf64):
