@@ -73,7 +73,9 @@ class InfLLMShape:
     topk: int
     window: int
     init: int
-    positions: str = "shared"  # where the initial tokens and retrieved units are seen: POSITIONS
+    # where the initial tokens and retrieved units are seen (POSITIONS): a library shape left unsaid keeps the
+    # paper's; the command's default is ordered (generate/context_memory.py DEFAULTS, chosen by measurement)
+    positions: str = "shared"
 
     @property
     def far(self) -> int:
