@@ -100,11 +100,12 @@ def test_the_reach_counts_the_retrieved_units(hf64):
     # SMALL: init 8, window 16, block 8; topk 4: 8 + 4 x 8 + 16 + 8 - 1 = 63 positions, within the model's 64
     request = _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, "--infllm-topk", "4",
                        "--infllm-positions", "ordered")
-    assert request.memory.positions == "ordered" and request.memory.reach == 63
+    assert request.memory.positions == "ordered" and request.memory.positions_needed == 63
     with pytest.raises(ConfigError, match=r"--infllm-init \+ --infllm-topk x --infllm-block \+ --infllm-window \+ "
                                           r"--infllm-block - 1 = 71 positions, past the 64.*--infllm-positions "
                                           r"shared"):
         _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, "--infllm-topk", "5",
                  "--infllm-positions", "ordered")
     # shared shows every retrieved unit at one distance: the same topk is within reach
-    assert _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, "--infllm-topk", "5").memory.reach == 32
+    shared = _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, "--infllm-topk", "5").memory
+    assert shared.positions_needed == 32

@@ -1,7 +1,8 @@
-"""The reach of InfLLM's placements (models/context_memory.py InfLLMShape.reach): every distance a query sees
-is below it, and the largest one shown is reach - 1, under `shared` and `ordered` alike, so that the checks
-against a model's trained positions (generate/context_memory.py check_reach) and against windowed weights
-(generate/loop.py and eval's _check_window) refuse exactly the shapes that would show a distance past them.
+"""The positions InfLLM's placements need (models/context_memory.py InfLLMShape.positions_needed): every
+distance a query sees is below it, and the largest one shown is that - 1, under `shared` and `ordered` alike,
+so that the checks against a model's trained positions (generate/context_memory.py check_reach) and against
+windowed weights (generate/loop.py and eval's _check_window) refuse exactly the shapes that would show a distance
+past them.
 - the largest distance is measured, not computed: a one-frequency RoPE head whose angle grows slowly with the
   distance, turned by place_far, read back as an angle;
 - `ordered` lays init + k x block keys and a local span of at most window + block - 1 tokens end to end: its
@@ -51,15 +52,16 @@ def _largest_distance(shape: InfLLMShape) -> int:
 @pytest.mark.parametrize("positions", ["shared", "ordered"])
 def test_the_largest_distance_shown_is_the_reach_minus_one(positions, init):
     shape = InfLLMShape(block=4, repr=2, topk=3, window=8, init=init, positions=positions)
-    assert _largest_distance(shape) == shape.reach - 1
-    assert shape.window + shape.block - 2 < shape.reach - 1  # (the local span's own, at real distances, is less)
+    assert _largest_distance(shape) == shape.positions_needed - 1
+    # (the local span's own largest distance, at real distances, is less)
+    assert shape.window + shape.block - 2 < shape.positions_needed - 1
 
 
 def test_an_ordered_memory_that_just_fits_is_accepted(hf64):
     # SMALL (init 8, window 16, block 8) with topk 4 and init 9: 9 + 4 x 8 + 16 + 8 - 1 = 64 positions, the model's
     request = _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, "--infllm-topk", "4",
                        "--infllm-init", "9", "--infllm-positions", "ordered")
-    assert request.memory.reach == 64
+    assert request.memory.positions_needed == 64
     with pytest.raises(ConfigError, match=r"= 65 positions, past the 64 the model reaches"):
         _prepare(hf64, "--prompt", PROMPT, "--max-new-tokens", "4", *SMALL, "--infllm-topk", "4",
                  "--infllm-init", "10", "--infllm-positions", "ordered")

@@ -93,7 +93,7 @@ def test_eval_generate_under_infllm_runs_past_the_window(windowed):
     _, request = _eval(windowed, "--lengths", "128,160", "--mode", "generate", "--context-memory", "infllm",
                        "--infllm-block", "4", "--infllm-repr", "2", "--infllm-topk", "2", "--infllm-window", "8",
                        "--infllm-init", "2", "--infllm-positions", "shared", "--samples", "1", task="passkey")
-    assert request.cfg.model.max_seq_len == W and request.memory.reach <= W
+    assert request.cfg.model.max_seq_len == W and request.memory.positions_needed <= W
     assert sorted(request.sequences) == [128, 160]
 
 

@@ -222,7 +222,7 @@ def _check_window(request: EvalRequest, prefix: int) -> None:
     longest = max(request.lengths)
     need = prefix + longest + EXTRA_NEW_TOKENS
     if request.memory is not None:
-        need = min(need, request.memory.reach)
+        need = min(need, request.memory.positions_needed)
     fit = init_window(request.cfg.model.init_from) - EXTRA_NEW_TOKENS - prefix
     check_window(request.cfg.model, need, f"eval --mode generate at length {longest:,} ({prefix} special tokens "
                                           f"before it, {EXTRA_NEW_TOKENS} new tokens past its answer; --lengths up "

@@ -6,7 +6,7 @@ flags, their checks (every one before any weight is read) and the backend that u
 
 Why InfLLM prompts pass the length guard (config/positions.py's reach, which refuses prompts past the
 trained positions unless --allow-extrapolation): with the memory every distance a query sees is below the
-shape's `reach`, whatever the prompt's length: init + window + block under --infllm-positions shared (the
+shape's `positions_needed`, whatever the prompt's length: init + window + block under --infllm-positions shared (the
 local span keeps real distances below window + block, the initial tokens and retrieved units sit at one
 distance), init + topk x block + window + block - 1 under ordered (all of them laid end to end). So the check
 is moved from the prompt to the memory's shape: that sum must be within the model's reach, and the
@@ -88,8 +88,8 @@ def memory_shape(args, cfg) -> InfLLMShape | None:
 
 
 def check_reach(shape: InfLLMShape, reach) -> None:
-    """The farthest distance the memory shows (shape.reach - 1) within the trained positions."""
-    need = shape.reach
+    """The farthest distance the memory shows (shape.positions_needed - 1) within the model's reach."""
+    need = shape.positions_needed
     if need <= reach.positions:
         return
     if shape.positions == "ordered":
@@ -126,7 +126,7 @@ def describe(backend, prefill_chunk: int) -> str:
     where = f", its units over {mesh['ctx'].size()} ctx ranks" if mesh is not None else ""
     return (f"generate: InfLLM context memory: {s.init} initial tokens, a {s.window}-token window, the top "
             f"{s.topk} of units of {s.block} tokens ({s.repr} representative keys each, seen {s.positions}); at "
-            f"most {s.max_keys:,} keys per query, every distance < {s.reach:,}; prefill chunks of "
+            f"most {s.max_keys:,} keys per query, every distance < {s.positions_needed:,}; prefill chunks of "
             f"{backend.chunk(prefill_chunk):,} tokens, one prompt at a time{where}")
 
 

@@ -146,12 +146,12 @@ def _check_ids(prompts: Sequence[Sequence[int]], vocab: int) -> None:
 def _check_window(model, prompts: Sequence[Sequence[int]], limits: Sequence[int], backend: Backend) -> None:
     """Every entry point's sliding-window rule (generate/loading.py check_window), before any work: the longest
     prompt + limit within the window of the model's weights, else an error. Under InfLLM's context memory (a
-    backend with a `shape`, models/context_memory.py InfLLMShape) no query sees a distance past its `reach` - 1,
-    whatever the length: that span is what meets the window (its placement's: `ordered` lays the retrieved units
-    out before the window, past `shared`'s one distance `far`)."""
+    backend with a `shape`, models/context_memory.py InfLLMShape) no query sees a distance past its
+    `positions_needed` - 1, whatever the length: that span is what meets the window (its placement's:
+    `ordered` lays the retrieved units out before the window, past `shared`'s one distance `far`)."""
     longest = max(len(p) + int(limit) for p, limit in zip(prompts, limits))
-    reach = getattr(getattr(backend, "shape", None), "reach", None)
-    check_window(model.cfg, longest if reach is None else min(longest, reach), "generate")
+    needed = getattr(getattr(backend, "shape", None), "positions_needed", None)
+    check_window(model.cfg, longest if needed is None else min(longest, needed), "generate")
 
 
 @contextmanager

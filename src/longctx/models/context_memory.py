@@ -27,7 +27,7 @@ units are seen where `shape.positions` puts them (place_far):
   of the local span [lo, ...) at init + k x block + p - lo. Order and spacing inside the retrieved text
   are kept, the gaps between its pieces closed. (SmolLM2-135M: one shared distance loses the pass key even
   with every unit retrieved, docs/benchmarks.md.) With every unit retrieved it is plain attention.
-Every distance a query sees is below shape.reach (shared: init + window + block; ordered: init + topk x
+Every distance a query sees is below shape.positions_needed (shared: init + window + block; ordered: init + topk x
 block + window + block - 1): within the trained window whatever the prompt's length
 (generate/context_memory.py checks it against the model's reach).
 Before any unit exists (e < init + window + block) the call is the plain cached attention, the same
@@ -84,7 +84,7 @@ class InfLLMShape:
         return self.init + self.window + self.block - 1
 
     @property
-    def reach(self) -> int:
+    def positions_needed(self) -> int:
         """The largest distance a query sees + 1: the positions the model must have been trained on.
         shared: far + 1; ordered: the initial tokens, topk units and the local span (at most window + block - 1
         tokens, the query last) laid end to end, every key one query reads (max_keys) at its own position."""
