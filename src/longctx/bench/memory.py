@@ -1,5 +1,5 @@
 """`longctx bench memory`: activation bytes per block and per token for each memory policy,
-measured (memory/accounting.py's storage tracker) against the analytic count, with recomputed
+measured (memory/measured.py's storage tracker) against the analytic count, with recomputed
 FLOPs, same-run step-time ratios to `none`, and on a GPU the allocator's peak and (--max-seq) the
 longest sequence that trains.
 
