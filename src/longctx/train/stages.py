@@ -2,12 +2,13 @@
 
 A stage is a sequence length and a number of steps. Each stage reads its own store (the default
 store of data.corpus at that length, built once and cached) and has its own sample order, whose
-state is one cursor like any run's. The loader switches at the first step of a stage; what is
-saved in a checkpoint is the stage, its cursor and the identity of its store (data/loader.py
-store_identity: a resume into that stage refuses a store rebuilt with other content), so a resume
-lands in the right stage at the right sample, whether the checkpoint is before, at or after a
-boundary. A run without stages is one stage of train.steps at train.seq_len, with exactly the
-loader it always had.
+state is one cursor like any run's; stages of one length share their store, and a later one's order
+goes on where the earlier ones left it (drawn_before), rather than training on their samples again.
+The loader switches at the first step of a stage; what is saved in a checkpoint is the stage, its
+cursor and the identity of its store (data/loader.py store_identity: a resume into that stage
+refuses a store rebuilt with other content), so a resume lands in the right stage at the right
+sample, whether the checkpoint is before, at or after a boundary. A run without stages is one stage
+of train.steps at train.seq_len, with exactly the loader it always had.
 
 `step_batches(step)` hands the training loop a step's micro-batches as this rank's shares, already
 read (parallel/context/shares.py read_local_batch: only the tokens the rank holds), and starts reading the next step's
@@ -46,6 +47,13 @@ def stages_of(cfg: Config) -> list[Stage]:
         out.append(Stage(i, seq_len, first, first + steps - 1, batch or cfg.train.global_batch))
         first += steps
     return out
+
+
+def drawn_before(stages: list[Stage], stage: Stage) -> int:
+    """Samples the stages before `stage` drew from its store: those of its length read the same store (a batch
+    ramp-up, "1024:200:16,1024:100:32", or a return to a length), so `stage` starts its order after them."""
+    return sum((s.last_step - s.first_step + 1) * s.global_batch for s in stages[:stage.index]
+               if s.seq_len == stage.seq_len)
 
 
 def holdout_grid(cfg: Config) -> int:
@@ -142,7 +150,7 @@ class StagedLoader:
                 self.position_note = (
                     f"the checkpoint's data position is in stage {self._resumed_stage + 1}, but step {step} is "
                     f"in stage {stage.index + 1} of train.stages now (steps {stage.first_step}-{stage.last_step}), "
-                    f"so that stage's data starts at its first sample, not where the saved run was. Resume "
+                    f"so that stage's data starts at its own start, not where the saved run was. Resume "
                     f"with the saved run's train.stages to continue its data order exactly.")
         self._resumed_stage = None
         if stage == self.stage:
@@ -160,20 +168,25 @@ class StagedLoader:
             # (the position records its own stage's store, checked against the store this stage reads now)
             changed = self.loader.load_state_dict(self._saved, allow_changes=cfg.checkpoint.allow_changes)
             self.position_note = " ".join(n for n in (self.position_note, changed) if n) or None
+        elif drawn := drawn_before(self.stages, stage):
+            # the store of an earlier stage of this length: its order goes on past what they trained on (from its
+            # first sample, this stage trained on their samples again, in the same order)
+            self.loader.order.load_state_dict({"cursor": drawn})
         self._saved = None
         return True
 
     def _say_epochs(self, stage: Stage) -> None:
         """A stage that draws more samples than its store holds repeats them (one seeded shuffle per epoch,
-        from the stage's first sample): said, so that a run over a small store is not taken for one pass."""
-        drawn = (stage.last_step - stage.first_step + 1) * stage.global_batch
-        epochs = drawn / max(1, len(self.train_samples))
+        from the stage's start: drawn_before): said, so that a run over a small store is not taken for one pass."""
+        drawn, before = (stage.last_step - stage.first_step + 1) * stage.global_batch, drawn_before(self.stages, stage)
+        epochs = (before + drawn) / max(1, len(self.train_samples))
         # (a mix of stores says each store's epochs itself: data/store_mix.py mix_line)
         if self.log is not None and epochs > 1 and not hasattr(self.train_samples, "stores"):
             where = f"stage {stage.index + 1}'s" if len(self.stages) > 1 else "the run's"
-            self.log(f"data: {where} {drawn:,} samples are {epochs:.2f} epochs of the store's "
-                     f"{len(self.train_samples):,} (each epoch reshuffled; a batch across an epoch's end may hold a "
-                     f"sample twice)")
+            after = f" (after the {before:,} of the stages before it of this length)" if before else ""
+            self.log(f"data: {where} {drawn:,} samples{after} {'reach' if before else 'are'} {epochs:.2f} epochs of "
+                     f"the store's {len(self.train_samples):,} (each epoch reshuffled; a batch across an epoch's end "
+                     f"may hold a sample twice)")
 
     @property
     def micro_step_sequences(self) -> int:
@@ -232,7 +245,7 @@ class StagedLoader:
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's (or a rollback's) data position: it continues its stage's order when that
         stage is entered; a position at a stage's last step leaves the next stage to start at its
-        first sample."""
+        start (its first sample, or after the stages before it of its length: drawn_before)."""
         self._drop_ahead()
         self._saved = dict(state)
         self._resumed_stage = int(state.get("stage", 0))
@@ -245,6 +258,6 @@ class StagedLoader:
         else:
             # Another stage's position, e.g. a rollback read in stage k+1 to a bad step of stage k: the
             # current stage's loader has moved past the steps that now run again, so it is forgotten,
-            # and the next enter() builds the step's stage afresh (from its first sample, or from this
+            # and the next enter() builds the step's stage afresh (from its start, drawn_before, or from this
             # position when it is that stage's).
             self.stage = self.loader = None
