@@ -15,6 +15,7 @@ transformers does.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,7 @@ class HFTokenizer:
         self.bos_id = None
         self._prefix: list[int] | None = None
         self._added: frozenset[int] | None = None
+        self._fallback: dict[int, int] | None = None
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Documents' ids, their special-token strings read as text."""
@@ -120,6 +122,19 @@ class HFTokenizer:
             self._added = frozenset(int(i) for i, t in self._tok.get_added_tokens_decoder().items() if not t.normalized)
         return self._added
 
+    def fallback_bytes(self) -> dict[int, int]:
+        """{id: byte} of the tokens its decoder reads as bytes and joins into runs: a ByteFallback decoder's
+        (Llama-2's, Mistral's tokenizer.json) pieces <0x00>..<0xFF>; {} for any other decoder. Such a run that is
+        not valid UTF-8 decodes as one U+FFFD per byte, its valid characters too, so a run's text depends on all
+        of its tokens (generate/output.py from_character)."""
+        if self._fallback is None:
+            self._fallback = {}
+            if _has_type(json.loads(self._tok.to_str()).get("decoder"), "ByteFallback"):
+                pieces = {f"<0x{b:02X}>": b for b in range(256)}
+                self._fallback = {int(i): pieces[t] for t, i in self._tok.get_vocab(with_added_tokens=False).items()
+                                  if t in pieces}
+        return self._fallback
+
     def text_prefix(self) -> list[int]:
         """The ids the tokenizer's post-processing puts before a text (e.g. Llama's BOS), as transformers'
         tokenizer(text) gives them: what a document starts with in a store (builder/tokenize.py) and a
@@ -135,6 +150,15 @@ class HFTokenizer:
                                 f"apart; pass another tokenizer.")
             self._prefix = found
         return list(self._prefix)
+
+
+def _has_type(node, kind: str) -> bool:
+    """Whether a tokenizer.json component (`node`: its JSON, a Sequence's parts nested) is or holds a `kind`."""
+    if isinstance(node, dict):
+        return node.get("type") == kind or any(_has_type(v, kind) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_type(v, kind) for v in node)
+    return False
 
 
 def tokenizer_digest(spec: str) -> str | None:

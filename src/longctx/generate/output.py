@@ -57,17 +57,24 @@ class StopStrings:
         if tokens and tokens[-1] in self.stop_ids:
             return True
         context = self.contexts[row] if row < len(self.contexts) else None
-        return bool(self.stops) and any(s in self.tail(tokens, context) for s in self.stops)
+        # a match is read again with the byte runs a stray byte poisons as the row reads them (`exact`: a walk
+        # over the run, paid only here, not every token of a long run of byte tokens)
+        return bool(self.stops) and any(s in self.tail(tokens, context) for s in self.stops) and \
+            any(s in self.tail(tokens, context, exact=True) for s in self.stops)
 
-    def tail(self, tokens: list[int], context=None) -> str:
+    def tail(self, tokens: list[int], context=None, exact: bool = False) -> str:
         """The text of the last tokens of `tokens`, enough of them to hold any stop string the last one ends;
-        where that is the whole row, as it reads after its prompt's ids `context` (continuation_text)."""
+        where that is the whole row, as it reads after its prompt's ids `context` (continuation_text).
+        `exact`: begun where the row's decoding reads a character from, in a run of byte tokens too
+        (from_character)."""
         n, last = self.window, None
         while True:
             if n >= len(tokens) and context:
                 return continuation_text(self.tokenizer, context, tokens)
             # (begun on a character, not inside one: see from_character)
-            _, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens))
+            start, text = from_character(self.tokenizer, tokens, max(0, len(tokens) - n), len(tokens), exact)
+            if start == 0 and context:  # (a run of byte tokens back to the row's start: as the line reads it)
+                return continuation_text(self.tokenizer, context, tokens)
             if n >= len(tokens):
                 return text
             if last is None:  # (the last token's own text: the characters before it are what counts)
@@ -163,23 +170,63 @@ def safe_end(text: str, stops: list[str], start: int = 0, end: int | None = None
 CONTEXT_TOKENS = 8  # the prompt's last ids that --echo decodes a continuation after
 
 
-def from_character(tokenizer, ids, start: int, end: int) -> tuple[int, str]:
-    """(s, the text of ids[s:end]) for the first s of start..start + 3 whose text does not begin with
-    U+FFFD (inside a character), else (start, its text); start 0 is the row's own beginning, kept.
+def from_character(tokenizer, ids, start: int, end: int, exact: bool = False) -> tuple[int, str]:
+    """(s, the text of ids[s:end]) begun on a character as the row's own decoding reads it: the first s of
+    start..start + 3 whose text does not begin with U+FFFD (inside a character), else (start, its text); start 0
+    is the row's own beginning, kept; and, `exact`, a start in a run of byte tokens that a stray byte poisons
+    moves back to the run's first token (_poisoned_run: a walk over the run, so the stop check asks it only to
+    confirm a match).
 
     Why: a byte-fallback decoder (tokenizer.json's ByteFallback: Llama's, Mistral's) decodes a run of
     byte tokens that is not valid UTF-8 as one U+FFFD per byte, so a decoding begun inside a character
     turns the whole run into U+FFFD, the complete characters after it too: text the row's decoding does
     not hold (a stop string in the run went unseen; the stream showed U+FFFD for the characters). A
-    character is at most 4 bytes, so one of the next 3 starts is a character's first byte."""
+    character is at most 4 bytes, so one of the next 3 starts is a character's first byte. Where the row's
+    decoding has the run as U+FFFD itself (a stray byte in it), skipping showed the run's later characters,
+    text the row never holds: a stop string matched there ended a row whose line lacks it."""
+    poisoned = _poisoned_run(tokenizer, ids, start, end) if exact else None
+    if poisoned is not None:  # (its U+FFFD are the row's own: nothing to skip)
+        return poisoned, tokenizer.decode(ids[poisoned:end])
     first = tokenizer.decode(ids[start:end])
     if start == 0 or not first.startswith("\ufffd"):
         return start, first
     for s in range(start + 1, min(start + 4, end)):
+        if exact and _poisoned_run(tokenizer, ids, s, end) is not None:
+            break  # (the U+FFFD are a poisoned run's, begun after `start`: the row's own)
         text = tokenizer.decode(ids[s:end])
         if not text.startswith("\ufffd"):
             return s, text
     return start, first
+
+
+def _poisoned_run(tokenizer, ids, start: int, end: int) -> int | None:
+    """Where ids[start] lies in a run of a ByteFallback decoder's byte tokens (up to `end`) that a byte before
+    its last character makes invalid UTF-8 (a stray byte), the run's first token: the row's decoding has the
+    whole run as U+FFFD, so no start inside it, on a character or not, reads it as the row does. None
+    otherwise, and for a run invalid only for a character its last bytes have not finished: that one decodes
+    as U+FFFD from any start (a long run of byte tokens, a script the vocabulary lacks, is then not decoded
+    whole each step)."""
+    table = getattr(tokenizer, "fallback_bytes", dict)()  # {id: byte}; {} for other decoders
+    if not table or not 0 <= start < end:
+        return None
+    # (special tokens, which decode leaves out before the decoder runs, join the byte tokens around them in a run)
+    silent = set(getattr(tokenizer, "special_tokens", dict)().values())
+
+    def in_run(i: int) -> bool:
+        return int(ids[i]) in table or int(ids[i]) in silent
+
+    if not in_run(start):
+        return None
+    first, last = start, start
+    while first > 0 and in_run(first - 1):
+        first -= 1
+    while last < end and in_run(last):
+        last += 1
+    try:
+        bytes(table[int(i)] for i in ids[first:last] if int(i) in table).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None if e.reason == "unexpected end of data" else first
+    return None
 
 
 def prompt_context(tokenizer, prompt_ids) -> tuple[list[int], str]:
