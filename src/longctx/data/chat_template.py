@@ -27,6 +27,12 @@ from pathlib import Path
 from ..errors import ConfigError
 
 MESSAGE_KEYS = ("role", "content")  # what a message holds (generate's prompts file: all it may hold)
+# the day a data build renders its conversations on, where a template writes the date (Llama 3.2's system header:
+# "Today Date: {{ strftime_now('%d %b %Y') }}"): one fixed day, so that a conversation is the same document in every
+# build, append, resumed or shard scan (each rendered on its own day, an append on another day found none of the
+# conversations already stored, their exact hashes differing by the date, and stored them again). Llama 3.1's
+# templates' own default date. `longctx generate --chat` renders today's, as transformers does at inference.
+BUILD_DAY = datetime(2024, 7, 26)
 
 
 @dataclass(frozen=True)
@@ -35,12 +41,14 @@ class ChatTemplate:
     template: str
     special_tokens: dict   # bos_token, eos_token, ...: variables the template may read
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, day: datetime | None = None) -> str:
+        """The rendering of `messages`; `day`: the date strftime_now gives (None: today's)."""
         import jinja2
 
+        dated = {} if day is None else {"strftime_now": lambda fmt: day.strftime(fmt)}  # (over the global)
         try:  # (tools and documents are None, as transformers passes them without tools or documents)
             return _compile(self.template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                  tools=None, documents=None, **self.special_tokens)
+                                                  tools=None, documents=None, **self.special_tokens, **dated)
         except (jinja2.TemplateError, ArithmeticError, LookupError, RecursionError, TypeError, ValueError) as e:
             # (a template is code from a model hub: its own raise_exception, or any error of its expressions)
             raise ConfigError(f"the chat template of {self.source} could not render the messages: {e}") from None

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 
 from ...errors import ConfigError
-from ..chat_template import load_chat_template
+from ..chat_template import BUILD_DAY, load_chat_template
 
 FLAG = "--messages-field"
 
@@ -38,8 +38,9 @@ LONG_CONVERSATIONS = ("truncate", "drop")  # --long-conversations: one longer th
 # in the history); taken out of the scan's skip counts by the build (assembly.py) and said on its own
 LAST_ONLY = "last_answer_only"
 # how a conversation is cut into its answers, in each scan's digest (scan.py plan_digest): 2, an answer that
-# calls a tool (tool_calls, content "" or None), and an eos_token that closes the conversation (Phi-3's)
-RULES = 2
+# calls a tool (tool_calls, content "" or None), and an eos_token that closes the conversation (Phi-3's); 3, rendered
+# on chat_template.BUILD_DAY (a template that writes the date wrote the build's own day)
+RULES = 3
 
 
 class Conversations:
@@ -48,6 +49,10 @@ class Conversations:
     def __init__(self, tokenizer_spec: str, field: str, answers: str = "all"):
         self.field, self.answers = field, answers
         self.template = load_chat_template(tokenizer_spec, FLAG)
+
+    def _render(self, messages, add_generation_prompt: bool) -> str:
+        """The template's rendering on the build's fixed day (chat_template.BUILD_DAY)."""
+        return self.template.render(messages, add_generation_prompt, day=BUILD_DAY)
 
     def pieces(self, messages, skipped: Counter) -> list[str] | None:
         """The conversation's rendering cut into prompt, answer, turns between, answer, ..., last answer
@@ -66,7 +71,7 @@ class Conversations:
                 return None
             earlier = [i for i, m in enumerate(messages) if self.answers == "all" and 0 < i < last
                        and m["role"] == "assistant" and self._answers(messages, i)]
-            whole = self.template.render(messages, add_generation_prompt=False)
+            whole = self._render(messages, add_generation_prompt=False)
             ends = self._ends(messages, [*earlier, last], whole)
             if ends is None and earlier:
                 # a template that renders an answer otherwise once it is history (Qwen3's empty thinking block,
@@ -88,7 +93,7 @@ class Conversations:
         with the generation prompt, and of itself), or None where one of those is not a prefix of it."""
         bounds = []
         for i in trained:
-            bounds.append(self.template.render(messages[:i], add_generation_prompt=True))
+            bounds.append(self._render(messages[:i], add_generation_prompt=True))
             bounds.append(self._history(messages[:i + 1], whole) if i < len(messages) - 1 else whole)
         ends = [len(b) for b in bounds]
         return ends if all(whole.startswith(b) for b in bounds) and ends == sorted(ends) else None
@@ -103,14 +108,14 @@ class Conversations:
         if not _calls_tools(m):
             return False
         bare = {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": ""}
-        return (self.template.render([*messages[:i], bare], add_generation_prompt=False)
-                != self.template.render(messages[:i + 1], add_generation_prompt=False))
+        return (self._render([*messages[:i], bare], add_generation_prompt=False)
+                != self._render(messages[:i + 1], add_generation_prompt=False))
 
     def _history(self, messages, whole: str) -> str:
         """The rendering of `messages` (up to an earlier answer) as the whole conversation holds it: without the
         eos_token a template writes after the last message when no answer is asked for (Phi-3's `{% else %}{{
         eos_token }}`), which closes the whole conversation, not each answer."""
-        text = self.template.render(messages, add_generation_prompt=False)
+        text = self._render(messages, add_generation_prompt=False)
         eos = self.template.special_tokens.get("eos_token")
         if (eos and text.endswith(eos) and not whole.startswith(text) and whole.endswith(eos)
                 and whole.startswith(text[:-len(eos)])):
