@@ -190,12 +190,15 @@ def _cmd_checkpoint(args, overrides) -> int:
     import torch
 
     from .checkpoint.export import export_hf
+    from .config.checkpoint_paths import step_read
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or "fp32"]
     out, copied, why, notes = export_hf(args.path, out, dtype=dtype,
                                         max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"wrote {out} ({args.dtype or 'fp32'}; " + (f"tokenizer files: {', '.join(copied)})" if copied else
-                                            f"no tokenizer files: {why})"))
+    # (the step exported, as generate and eval say it: a checkpoints directory whose `latest` names a step that is
+    # missing or incomplete exports the newest complete one, an older step than asked, which was said nowhere)
+    print(f"wrote {out} from {args.path}{step_read(args.path)} ({args.dtype or 'fp32'}; "
+          + (f"tokenizer files: {', '.join(copied)})" if copied else f"no tokenizer files: {why})"))
     for note in notes:
         print(f"note: {note}")
     return 0

@@ -353,7 +353,8 @@ def import_gguf(source: str | Path, out: str | Path, dtype: str = "auto", force:
     started = time.perf_counter()
     if dtype not in (*DTYPES, "auto"):
         raise GGUFImportError(f"--dtype {dtype}: expected fp32, bf16 or auto.")
-    path, out = gguf_source(source), Path(out).expanduser()
+    # (absolute: --out . names the directory to rename, not '.', which no rename moves: the import failed at its end)
+    path, out = gguf_source(source), Path(os.path.abspath(Path(out).expanduser()))
     check_output(out, path, force)
     require_packages()
     reader, arch = read_header(path)

@@ -149,6 +149,12 @@ def write_manifest(directory: Path, *, step: int, layout: dict, model: dict,
     return manifest
 
 
+# every top-level key write_manifest writes: a manifest without its checksum holding another key is damaged
+MANIFEST_KEYS = frozenset({"format", "step", "layout", "model", "tokenizer", "tokenizer_identity", "trained_positions",
+                           "draft", "run_dir", "holdout_tokens", "text_prefix", "parent", "files", "created",
+                           "longctx", "torch", "checksum"})
+
+
 def _manifest_checksum(manifest: dict) -> str:
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -172,6 +178,11 @@ def read_manifest(directory: Path) -> dict:
     # manifests written before the manifest had a checksum of its own are read as they are
     if "checksum" in manifest and manifest["checksum"] != _manifest_checksum(manifest):
         raise DamagedManifest(directory, CHECKSUM_MISMATCH)
+    if "checksum" not in manifest:  # (one flipped bit in the key's name read as "written before checksums")
+        unknown = sorted(k for k in manifest if k not in MANIFEST_KEYS)
+        if unknown:
+            raise DamagedManifest(directory, f"has no checksum of its own and holds {', '.join(map(repr, unknown))}, "
+                                             f"which longctx never writes (a damaged 'checksum' key?)")
     return manifest
 
 

@@ -165,11 +165,12 @@ def source_hf(init_from: str, tokenizer: str | None = None, depth: int = 16, ide
     is DIR's tokenizer.json; compared by `identity`, the content a manifest records for it, when there is
     one, so a moved or edited file says nothing either way): its generation_config.json, chat files and
     special ids then still hold. '' when there is none (from scratch, another tokenizer, a directory gone)."""
-    if init_from.startswith("hf:"):
+    if init_from.startswith("hf:") and not (tokenizer or identity):  # (the weights' own: DIR's, as it is now)
         return init_from if hf_dir(init_from).is_dir() else ""
     own = tokenizer or (model_tokenizer(init_from) if init_from else None)
-    identity = identity or (recorded_identity(init_from) if own and not tokenizer else None)
-    init_from = initial_hf(init_from, depth)
+    if not init_from.startswith("hf:"):  # (a run from hf:DIR is compared too: DIR's tokenizer.json edited since)
+        identity = identity or (recorded_identity(init_from) if own and not tokenizer else None)
+        init_from = initial_hf(init_from, depth)
     if not init_from or not hf_dir(init_from).is_dir():
         return ""
     theirs = hf_dir(init_from) / "tokenizer.json"

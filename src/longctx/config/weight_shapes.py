@@ -44,9 +44,10 @@ def _moe_structure(c: dict) -> dict:
         return {"moe.experts": 0}
     expert_dim = c.get("moe.expert_dim", 0) or c.get("ffn_dim")
     shared = c.get("moe.shared_experts", 0)
+    # (ModelConfig.resolved_shared_dim: moe.shared_dim alone, with moe.shared_experts 0, builds a shared expert)
+    shared_dim = c.get("moe.shared_dim", 0) or shared * expert_dim
     return {"moe.experts": experts, "moe.expert_dim": expert_dim, "moe.shared_experts": shared,
-            "moe.shared_dim": (c.get("moe.shared_dim", 0) or shared * expert_dim) if shared else 0,
-            "moe.shared_gate": bool(c.get("moe.shared_gate", False)) and bool(shared),
+            "moe.shared_dim": shared_dim, "moe.shared_gate": bool(c.get("moe.shared_gate", False)) and bool(shared_dim),
             "moe layers": [i for i in range(c.get("layers", 0))
                            if i not in parse_layer_list(str(c.get("moe.dense_layers", "")))]}
 
