@@ -169,6 +169,7 @@ def _cmd_bench(args, overrides) -> int:
 def _cmd_checkpoint(args, overrides) -> int:
     if overrides:
         raise UserError(f"unexpected arguments for longctx checkpoint: {' '.join(overrides)}.")
+    _refuse_unread_checkpoint_flags(args)
     if args.action == "verify":
         from .checkpoint.verify_command import run as verify_checkpoint
 
@@ -178,9 +179,9 @@ def _cmd_checkpoint(args, overrides) -> int:
         from .checkpoint.gguf_import import run as import_gguf
 
         return import_gguf(args.path, out, args.dtype, args.force)
-    if args.dtype == "auto" or args.force:
-        raise UserError(f"{'--dtype auto' if args.dtype == 'auto' else '--force'} is for longctx checkpoint "
-                        f"import; export takes --dtype fp32 or bf16 and writes into OUT.")
+    if args.dtype == "auto":
+        raise UserError("--dtype auto is for longctx checkpoint import; export takes --dtype fp32 or bf16 and writes "
+                        "into OUT.")
     if args.to != "hf":
         raise UserError(f"--to {args.to}: only 'hf' export is available.")
     if not out:
@@ -202,6 +203,29 @@ def _cmd_checkpoint(args, overrides) -> int:
     for note in notes:
         print(f"note: {note}")
     return 0
+
+
+# the flags of `longctx checkpoint` that only some actions read: (attribute, default, the actions that read it); a
+# flag at its default is no mistake (--dtype auto, which export does not take, is _cmd_checkpoint's to refuse)
+EXPORT_FORMAT, MAX_SHARD_GB = "hf", 5.0
+_ACTION_FLAGS = {"OUT": ("out", None, ("export", "import")), "--out": ("out_option", None, ("export", "import")),
+                 "--dtype": ("dtype", None, ("export", "import")), "--force": ("force", False, ("import",)),
+                 "--to": ("to", EXPORT_FORMAT, ("export",)),
+                 "--max-shard-gb": ("max_shard_gb", MAX_SHARD_GB, ("export",))}
+
+
+def _refuse_unread_checkpoint_flags(args) -> None:
+    """A flag the action does not read, refused: `verify runs/a runs/b` verified a alone and printed OK (b was
+    taken for OUT), and verify or import ran past --to, --max-shard-gb, ... without a word."""
+    unread = [(flag, getattr(args, name), actions) for flag, (name, default, actions) in _ACTION_FLAGS.items()
+              if args.action not in actions and getattr(args, name) != default]
+    if not unread:
+        return
+    said = "; ".join((f"{value} (OUT, the output directory)" if flag == "OUT" else
+                      flag if value is True else f"{flag} {value}") + f" is for {' and '.join(actions)}"
+                     for flag, value, actions in unread)
+    one = " (verify checks one checkpoint: verify each in a command of its own)" if args.action == "verify" else ""
+    raise UserError(f"{said}, not {args.action}{one}: drop {'it' if len(unread) == 1 else 'them'}.")
 
 
 def _check_export_args(out: str, max_shard_gb: float) -> None:
@@ -291,12 +315,12 @@ def _add_checkpoint(sub) -> None:
                                 "latest); import: a .gguf file (or hf:FILE.gguf, or a directory holding one)")
     p.add_argument("out", nargs="?", help="export / import: the output directory (or --out)")
     p.add_argument("--out", dest="out_option", metavar="DIR", help="export / import: the output directory")
-    p.add_argument("--to", default="hf", help="export format (hf)")
+    p.add_argument("--to", default=EXPORT_FORMAT, help="export format (hf)")
     p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "auto"),
                    help="weight precision; export: fp32 (default) or bf16; import: auto (default: bf16 when every "
                         "weight is exactly a bf16 value, else fp32), fp32 or bf16")
     p.add_argument("--force", action="store_true", help="import: replace a non-empty output directory")
-    p.add_argument("--max-shard-gb", type=float, default=5.0,
+    p.add_argument("--max-shard-gb", type=float, default=MAX_SHARD_GB,
                    help="export: largest safetensors file in GiB; above it, shards with an index")
     p.set_defaults(func=_cmd_checkpoint)
 

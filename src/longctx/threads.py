@@ -28,7 +28,9 @@ _IDLE = "LONGCTX_THREADS_IDLE"  # the idle cores fit_to_idle_cores saw
 
 def threads_given(argv: Sequence[str]) -> int | None:
     """`--threads N` or `--threads=N` anywhere in argv (each command that runs models declares it for
-    its help; this reads it before the parser, which may import torch)."""
+    its help; this reads it before the parser, which may import torch). Given twice, the last one, as
+    argparse reads it (the first ran the process beside an args.threads of the last: bench moe's torch)."""
+    found = None
     for i, arg in enumerate(argv):
         value = None
         if arg == "--threads" and i + 1 < len(argv):
@@ -40,8 +42,8 @@ def threads_given(argv: Sequence[str]) -> int | None:
                 from .errors import ConfigError
 
                 raise ConfigError(f"--threads takes a positive number of CPU threads per process, got {value!r}.")
-            return int(value)
-    return None
+            found = int(value)
+    return found
 
 
 def configure(argv: Sequence[str]) -> None:

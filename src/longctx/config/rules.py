@@ -93,6 +93,10 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
     if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
         problems.append(f"yarn rope scaling needs 0 < model.rope_beta_slow ({m.rope_beta_slow}) < "
                         f"model.rope_beta_fast ({m.rope_beta_fast}).")
+    if m.rope_scaling == "yarn" and m.rope_attention_factor < 0:  # (on cos and sin: its sign cancels in q.k)
+        problems.append(f"model.rope_attention_factor = {m.rope_attention_factor} would scale q.k as "
+                        f"{-m.rope_attention_factor} does (it multiplies cos and sin), and config.json refuses it: "
+                        f"give a positive factor, or 0 to derive it from model.rope_factor and the mscales.")
     if m.qk_norm != (m.family in QK_NORM_SPAN):
         problems.append(f"model.qk_norm={m.qk_norm} does not fit model.family={m.family}: q/k norms are what "
                         f"{', '.join(QK_NORM_SPAN)} have and the other families lack; set both or neither.")

@@ -155,10 +155,14 @@ def _field_types() -> dict[str, type]:
 
 def _field_value(key: str, typ: type, value):
     """`value` as the field's type. An integer field (dtype_bytes, group_ranks) takes whole numbers
-    only: 2.5 would otherwise be planned as 2, silently."""
+    only: 2.5 would otherwise be planned as 2, silently. A file's true / false, or a number for a name, is
+    refused as well (float(True) planned `host_memory_gib = true` as 1 GiB)."""
+    if isinstance(value, bool) or (typ is str and not isinstance(value, str)):
+        raise ConfigError(f"hardware field '{key}' must be {'a string' if typ is str else 'a number'}, got "
+                          f"{value!r} ({type(value).__name__}).")
     try:
         if typ is str:
-            return str(value)
+            return value
         number = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"hardware field '{key}' must be {typ.__name__}, got {value!r}.") from None

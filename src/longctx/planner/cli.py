@@ -62,6 +62,9 @@ def _skew(text: str) -> float:
                           f"even share) or max; got '{text}'.") from None
 
 
+DEFAULT_OUT = "plan.toml"  # --out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..costs.hardware import hardware_names
 
@@ -116,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train.co2_local_steps values to try for co2 plans: the smallest that hides the outer "
                         "all-reduce is taken")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
-    p.add_argument("--out", default="plan.toml", help="where the best plan's config is written")
+    p.add_argument("--out", default=DEFAULT_OUT, help="where the best plan's config is written")
     p.add_argument("--no-write", action="store_true", help="do not write the config")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--validate", action="store_true",
@@ -249,6 +252,9 @@ def _check_outputs(args) -> None:
     if getattr(args, "calibrate_out", None) and not args.calibrate:
         raise ConfigError(f"--calibrate-out {args.calibrate_out} writes what --calibrate measures; add --calibrate, "
                           f"or drop it.")
+    if getattr(args, "no_write", False) and getattr(args, "out", DEFAULT_OUT) != DEFAULT_OUT:  # (else dropped)
+        raise ConfigError(f"--out {args.out} names where the plan is written, and --no-write writes none; drop one "
+                          f"of them.")
     from ..costs.hardware import is_hardware_file
     from ..durable import check_output_path
 

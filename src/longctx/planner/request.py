@@ -14,6 +14,7 @@ planner/slow_links.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -50,6 +51,8 @@ def parse_tokens(text: str | int) -> int:
             raise ConfigError(f"'{text}' is not a token count; write e.g. 4096, 128K or 1M "
                               f"(K = 1024, M = 1048576).") from None
         value = num * mult
+        if not math.isfinite(value):  # (inf, nan, 1e400: int() of it was an OverflowError / ValueError traceback)
+            raise ConfigError(f"'{text}' is not a token count; write e.g. 4096, 128K or 1M (K = 1024, M = 1048576).")
         if value != int(value):
             raise ConfigError(f"'{text}' is not a whole number of tokens.")
         value = int(value)
