@@ -142,7 +142,7 @@ def test_a_capacity_model_scores_each_sequence_alone_at_any_batch_and_layout(fol
 def test_packed_store_spans_stay_inside_one_document(folder):
     """Each ppl span is a run of one source document (its byte ids, EOS last): no span reads across a boundary of
     the packed samples' documents (64 tokens each: every span was cut over several of them and reassembled)."""
-    request, _ = _run(folder, "ppl", "--samples", "0")
+    request, _ = _run(folder, "ppl", "--samples", "8")
     spans = request.sequences[LENGTH]
     docs = folder[2]
     for s in spans:

@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lengths", required=True, help="sequence lengths in tokens, e.g. 1K,4K,16K (K = 1024)")
     p.add_argument("--depths", default=DEFAULT_DEPTHS,
                    help=f"passkey/needle: where the needle sits, fractions of the filler (default {DEFAULT_DEPTHS})")
-    p.add_argument("--samples", type=int, default=0,
+    # (None, not 0, when left out: an explicit --samples 0 is refused, not read as the task's default)
+    p.add_argument("--samples", type=int, default=None,
                    help="sequences per length (ppl, default 8) or per length and depth (passkey/needle, default 5)")
     p.add_argument("--data", default="",
                    help="text to evaluate on (ppl) and take filler from (passkey/needle): a store directory, a "

@@ -152,7 +152,8 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     lengths = parse_lengths(args.lengths)
     depths = parse_depths(args.depths) if args.task != "ppl" else []
     for flag, value in (("--samples", args.samples), ("--buckets", args.buckets), ("--batch", args.batch)):
-        if value < 0 or (flag == "--buckets" and value == 0):
+        # (--samples 0 asks for no sequences: refused, not the task's default, which the flag left out gives)
+        if value is not None and (value < 0 or (flag != "--batch" and value == 0)):
             raise ConfigError(f"{flag} must be positive, got {value}.")
     if args.seed < 0:  # (numpy's seed words are non-negative: a negative one would stop the run with its ValueError)
         raise ConfigError(f"--seed must be a non-negative integer, got {args.seed}; pass e.g. --seed {-args.seed}.")
