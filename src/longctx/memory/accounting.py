@@ -45,7 +45,7 @@ class ActivationEstimate:
     model_device: float        # outside the blocks: embeddings output, RoPE tables, final norm, loss
     total_device: float
     total_host: float
-    recompute_flops: float     # forward FLOPs re-run in backward, per micro-batch
+    recompute_flops: float     # forward FLOPs re-run in backward, per micro-batch (as eager checkpointing runs them)
     tokens: int                # tokens on the rank (micro_batch x seq / (head x ctx))
 
     def to_dict(self) -> dict:
@@ -123,29 +123,52 @@ def block_part_bytes(m: ModelConfig, head: int, p: int, docs: bool = False, moe:
     }
 
 
-def _flops_per_token(m: ModelConfig, seq_len: int, moe: bool = False) -> dict[str, float]:
+def _flops_per_token(m: ModelConfig, seq_len: int, moe: bool = False, expert: int = 1) -> dict[str, float]:
     d, hd, H, K = m.dim, m.resolved_head_dim, m.heads, m.kv_heads
     ffn = moe_ffn_params(m, active=True) if moe and m.is_moe else dense_ffn_params(m)
     return {
         "pre": 2 * d * (H + 2 * K) * hd,
         "post": 2 * H * hd * d + 2 * ffn,
         "attention": 2 * seq_len * H * hd,  # 4 s H hd, halved by the causal mask
+        "unsaved_tail": _unsaved_tail_flops(m, moe, expert),
     }
 
 
+def _unsaved_tail_flops(m: ModelConfig, moe: bool, expert: int) -> float:
+    """FLOPs per token of `post`'s last matmul, whose output no later op saves. Autograd saves a matmul's
+    inputs before it runs, and torch's non-reentrant checkpoint stops a recomputation at the last save its
+    backward needs (its early stop): that matmul never runs again (FlopCounterMode on real backwards:
+    tests/unit/test_flops_audit2_recompute.py). A dense SwiGLU's down projection w2; in a MoE layer the
+    ungated shared experts' (run after the combine; a gate's product saves their output). Under expert
+    parallelism they run beside the rows' way back, before the combine, whose weighting saves the routed
+    experts' outputs: none (a pipelined dispatch runs them after: re-run less than counted)."""
+    if not (moe and m.is_moe):
+        return 2 * m.dim * m.ffn_dim
+    if m.resolved_shared_dim and not m.moe_shared_gate and expert == 1:
+        return 2 * m.dim * m.resolved_shared_dim
+    return 0.0
+
+
 def _kept_block(recompute: str, part: dict[str, float], fl: dict[str, float], seq_out: float, core_device: float,
-                block_chunked: bool) -> tuple[float, float]:
-    """(bytes, recomputed FLOPs) per token of a block that stays on the device under `recompute`."""
+                chunks: int) -> tuple[float, float]:
+    """(bytes, recomputed FLOPs) per token of a block that stays on the device under `recompute`, its token-wise
+    parts in `chunks` pieces (memory.block_chunk; 1: none). Recomputed: what eager checkpointing re-runs,
+    `pre` and `post` but the unsaved tail (_unsaved_tail_flops)."""
     if recompute == "none":
         kept = (part["norm"] + part["mlp_norm"] + part["qk_norm"] + core_device + seq_out + part["residual"]
                 + part["mlp"] + part["block_out"])
         return kept, 0.0
+    token_wise = fl["pre"] + fl["post"] - fl["unsaved_tail"]
     if recompute == "full":
         # the block keeps its input (the previous block's output); with chunks nested in the block's
-        # checkpoint the token-wise parts run once more
-        return part["block_out"], (2 if block_chunked else 1) * (fl["pre"] + fl["post"]) + fl["attention"]
+        # checkpoint the token-wise parts run once more: the chunks' checkpoints re-run them (less the
+        # tail), and the block's own recomputation all of them but the last chunk's `post`, which it
+        # stops before (its output saves nothing the block's backward needs: the chunk saved its input)
+        if chunks > 1:
+            token_wise += fl["pre"] + fl["post"] * (chunks - 1) / chunks
+        return part["block_out"], token_wise + fl["attention"]
     if recompute == "selective":
-        return core_device + seq_out + part["block_out"], fl["pre"] + fl["post"]
+        return core_device + seq_out + part["block_out"], token_wise
     raise ValueError(f"unknown policy {recompute!r}")
 
 
@@ -280,19 +303,20 @@ def layer_activations(model: ModelConfig, seq_len: int, micro_batch: int = 1, *,
     # when the core's state (its output included) is in host memory (attention_offload)
     attention_offload = policy.attention_offloaded
     block_chunked = bool(policy.block_chunk) and tokens > policy.block_chunk
+    chunks = -(-tokens // policy.block_chunk) if block_chunked else 1
     loss_chunked = bool(policy.loss_chunk) and tokens > policy.loss_chunk
     sparse = set(model.moe_layer_ids)
     by_kind = {}
     for moe in {i in sparse for i in range(L)}:
         part = block_part_bytes(model, head, p, docs, moe=moe, autocast=autocast)
-        fl = _flops_per_token(model, seq_len, moe=moe)
+        fl = _flops_per_token(model, seq_len, moe=moe, expert=expert)
         seq_out = part["attn_out"] if head > 1 or attention_offload else 0.0
         core_device = 0.0 if attention_offload else part["core"]
-        kept, recompute = _kept_block(rc, part, fl, seq_out, core_device, block_chunked)
+        kept, recompute = _kept_block(rc, part, fl, seq_out, core_device, chunks)
         host, off_device = _offloaded_block(rc, part, p, model.dim, A, seq_out)
         # the chunked core's host-resident state, in the blocks the block offloader does not cover
         core_host = part["core"] if attention_offload and rc in ("selective", "none") else 0.0
-        offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"])
+        offloaded_recompute = recompute if rc == "full" else (1 - A) * (fl["pre"] + fl["post"] - fl["unsaved_tail"])
         by_kind[moe] = (part, kept, recompute, host, off_device, core_host, offloaded_recompute)
     out, moe_terms = [], {}
     # a block's figures depend on its index only through these (whether it is a MoE block, offloaded, the last

@@ -196,7 +196,7 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
     router's records on the device); and with memory.expert_chunk, a call of more routed rows (tokens x
     top_k) than that runs its experts in checkpointed pieces: a stored call keeps no intermediates
     (4 x expert_dim per row less) but each piece's int64 group counts [E] (on the host in an
-    offloaded block), and every such call runs its experts' forward once more in backward.
+    offloaded block), and every such call runs its experts' w1 and w3 once more in backward.
 
     Under expert parallelism (`expert` > 1) the experts run on the rows the rank receives: on the most
     loaded rank `expert_rows` of them (`skew` x its share); a stored call keeps
@@ -217,8 +217,9 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
         saved = moe_call_bytes(m, p, stored, chunked, c) - records  # saved tensors: the offloader takes them
         device += records + (0.0 if offloaded else saved)
         host += saved if offloaded else 0.0
-        if chunked:
-            flops += received * 6 * m.dim * m.resolved_expert_dim
+        if chunked:  # each piece's w1 and w3 again: torch._grouped_mm saves w2's inputs before it runs, where
+            # the piece's recomputation stops (checkpoint's early stop; ops/grouped.py's loop saves after: w2 too)
+            flops += received * 4 * m.dim * m.resolved_expert_dim
         if chunked and stored:
             # each piece's counts; no intermediates; the rows as the pieces' input, not as the GEMMs' casts
             kept = (-(-int(received) // expert_chunk) * 8 * E - rows * 4 * c * m.resolved_expert_dim
