@@ -23,6 +23,7 @@ inside the window, so it moves no reach; its rules (and its refusal in training)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -190,6 +191,27 @@ def ms_poe_problems(m: ModelConfig) -> list[str]:
         problems.append(f"model.rope_ms_poe_skip_layers must be in [0, model.layers = {m.layers}) so that Ms-PoE "
                         f"applies to some layer, got {m.rope_ms_poe_skip_layers}; the paper keeps 2.")
     return problems
+
+
+MS_POE_SETTINGS = ("rope_ms_poe_min", "rope_ms_poe_max", "rope_ms_poe_order", "rope_ms_poe_skip_layers")
+
+
+def unread_ms_poe_settings(m: ModelConfig, given: dict) -> str | None:
+    """The refusal of Ms-PoE settings given on the command line (`given`: its --model.* keys, parse_overrides'
+    "model") while model.rope_ms_poe is off, where nothing reads them: the run would decode with plain RoPE, not
+    the positions asked for (a key at its default changes nothing and is no mistake). None when each applies.
+    Asked of the command line's keys, not of the config: a checkpoint's saved config may carry them unread."""
+    if m.rope_ms_poe:
+        return None
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    unread = [f"--model.{key}={given[key]}" for key in MS_POE_SETTINGS
+              if key in given and getattr(m, key) != defaults[key]]
+    if not unread:
+        return None
+    one = len(unread) == 1
+    return (f"{', '.join(unread)} {'sets' if one else 'set'} Ms-PoE, which is off (model.rope_ms_poe is false), so "
+            f"{'it does' if one else 'they do'} nothing and the run would read plain RoPE positions: add "
+            f"--model.rope_ms_poe=true, or drop {'it' if one else 'them'}.")
 
 
 def refuse_ms_poe_in_training(m: ModelConfig) -> None:

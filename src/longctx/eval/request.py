@@ -49,6 +49,7 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
     from ..config import load_config, parse_overrides
     from ..config.checkpoint_paths import check_weights_flag
     from ..config.layout import cache_layout, default_layout
+    from ..config.positions import unread_ms_poe_settings
 
     check_weights_flag(args.checkpoint)  # (in the flag's words, before the config reads it as model.init_from)
     given = parse_overrides(overrides)
@@ -90,7 +91,11 @@ def _config(args, overrides: list[str], lengths: list[int], nproc: int):
         given["model"]["moe.capacity_factor"] = 0.0
     train.update(seq_len=_layout_length(args, probe, seq_len, nproc), global_batch=batch, grad_accum=1,
                  eval_interval=0)
-    return load_config(None, given), batch, capacity
+    cfg = load_config(None, given)
+    unread = unread_ms_poe_settings(cfg.model, given["model"])
+    if unread:  # (the scores would be plain RoPE's, not those of the positions asked for: as generate refuses it)
+        raise ConfigError(unread)
+    return cfg, batch, capacity
 
 
 def _layout_length(args, probe, longest: int, nproc: int) -> int:

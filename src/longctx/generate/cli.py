@@ -65,6 +65,7 @@ class GenerateRequest:
 def _config(args, overrides: list[str]):
     from ..config import load_config, parse_overrides
     from ..config.layout import cache_layout
+    from ..config.positions import unread_ms_poe_settings
 
     check_weights_flag(args.checkpoint)  # (in the flag's words, before the config reads it as model.init_from)
     given = parse_overrides(overrides)
@@ -101,7 +102,11 @@ def _config(args, overrides: list[str]):
     # (training's length rule, which the job's layout check asks; prompts are padded to it inside)
     unit = 2 * int(degrees.get("head", 1)) * int(degrees.get("ctx", 1))
     given.setdefault("train", {}).update(seq_len=unit, eval_interval=0)
-    return load_config(None, given)
+    cfg = load_config(None, given)
+    unread = unread_ms_poe_settings(cfg.model, given["model"])
+    if unread:  # (the tokens would be plain RoPE's, not those of the positions asked for)
+        raise ConfigError(unread)
+    return cfg
 
 
 def prepare(args, overrides: list[str]) -> GenerateRequest:

@@ -47,12 +47,14 @@ def read_prompts(args) -> list[dict]:
         prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
                         **({"messages": row["messages"]} if "messages" in row else {})})
         prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
-        if "id" in row:  # (by its JSON: 1 and "1" are two ids, as a reader of the output tells them apart)
-            key = json.dumps(row["id"], sort_keys=True, ensure_ascii=False)
+        # (an id by its JSON: 1 and "1" are two ids, as a reader of the output tells them apart; 1 and 1.0 one)
+        if "id" in row:
             if _not_finite(row["id"]):  # (the output would write it as null: the id lost)
+                key = json.dumps(row["id"], sort_keys=True, ensure_ascii=False)
                 raise ConfigError(f"--prompts {path} line {n}: its \"id\" holds {key}, which is not JSON (NaN or "
                                   f"an infinite number) and no output line could carry; give it as a string or a "
                                   f"finite number.")
+            key = json.dumps(_one_number_type(row["id"]), sort_keys=True, ensure_ascii=False)
             if bad := not_text(key):  # (the output line that carries it could not be written, after the generation)
                 raise ConfigError(f"--prompts {path} line {n}: its \"id\" {bad}; give it as UTF-8 text.")
             lines.setdefault(key, []).append(n)
@@ -86,6 +88,19 @@ def _not_finite(value) -> bool:
     if isinstance(value, list):
         return any(_not_finite(v) for v in value)
     return False
+
+
+def _one_number_type(value):
+    """An id's JSON value with each integral float as its int (1.0, 1e2, -0.0 -> 1, 100, 0), at any depth: JSON
+    has one number type, and a reader of the output (Python's dict, JavaScript) takes 1 and 1.0 as one id, so
+    they are one id to the repeat check too (strings and booleans are left as they are)."""
+    if isinstance(value, float) and value.is_integer():  # (finite: _not_finite refused the others first)
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _one_number_type(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_one_number_type(v) for v in value]
+    return value
 
 
 def _utf8_text(path: Path) -> str:

@@ -224,15 +224,18 @@ def unused_memory_flags(args) -> list[str]:
     return given_flags(args, {f"infllm_{name}": value for name, value in DEFAULTS.items()})
 
 
-# what a --prompts line may hold that names a run's setting (vLLM's and OpenAI's per-request names too):
-# longctx reads "prompt", "messages", "id" and "seed" only, so a line's own limit or temperature would be
-# silently decoded with the flags' instead. Other keys (a line's metadata) are left alone.
+# what a --prompts line may hold that names a run's setting (transformers', vLLM's and OpenAI's per-request names
+# too: OpenAI's max_completion_tokens, top_logprobs and echo, vLLM's min_tokens and ignore_eos, transformers'
+# num_return_sequences): longctx reads "prompt", "messages", "id" and "seed" only, so a line's own limit or
+# temperature would be silently decoded with the flags' instead. Other keys (a line's metadata) are left alone.
 PER_RUN_KEYS = {"max_new_tokens": "--max-new-tokens", "max_tokens": "--max-new-tokens",
-                "min_new_tokens": "--min-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+                "max_completion_tokens": "--max-new-tokens", "min_new_tokens": "--min-new-tokens",
+                "min_tokens": "--min-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
                 "top_p": "--top-p", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty",
                 "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-                "stop": "--stop", "n": "--num-samples", "num_samples": "--num-samples", "logprobs": "--logprobs",
-                "do_sample": "--temperature"}
+                "stop": "--stop", "n": "--num-samples", "num_samples": "--num-samples",
+                "num_return_sequences": "--num-samples", "logprobs": "--logprobs", "top_logprobs": "--logprobs",
+                "do_sample": "--temperature", "ignore_eos": "--ignore-eos", "echo": "--echo"}
 
 
 def check_prompt_keys(row: dict, where: str) -> None:
