@@ -7,7 +7,8 @@ alike) stops the run (`stop`), or is said and training goes on (`warn`). An asyn
 surfaces only when the next save waits for it; that wait is handled on its own, so under `warn` the
 next save is still made (handled inside it, the failure of step N's save cancelled step N+interval's
 too, the run's last included, with no word about it), and a stop on a signal saves its step again when
-the failed save was that step's.
+the failed save was that step's. The run's last save has no later one: its failure stops the run under `warn`
+too (a non-zero exit, and the checkpoint a resume goes on from), as a stop's own save does.
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ class RunSaves:
             except CheckpointError as e:  # (whatever the policy: the run never says it saved a step not on disk)
                 raise self.stopped(e, "the stop's own save failed") from e
 
-    def wait(self) -> None:
-        """Until the saves in flight are complete and committed (a failure handled as errors() says)."""
+    def wait(self, last: bool = False) -> None:
+        """Until the saves in flight are complete and committed (a failure handled as errors() says; `last`: the
+        wait at the run's end, whose save in flight is the run's last, which no later save retries)."""
         if self.ckpt is not None:
-            with self.errors():
+            with self.errors(self.cfg.train.steps if last else None):
                 self.ckpt.wait()
 
     def finish_in_flight(self) -> None:
@@ -94,6 +96,9 @@ class RunSaves:
         except CheckpointError as e:
             if self.cfg.checkpoint.on_save_error == "stop":
                 raise self.stopped(e) from e
+            if step == self.cfg.train.steps:  # (under warn too: no save after it tries again, and a run that ended
+                # with exit 0 and its last steps' weights nowhere on disk was taken for a finished one, never resumed)
+                raise self.stopped(e, f"step {step} is its last: no later save tries again") from e
             if step is not None:
                 self.failed.add(step)
             self.log(f"checkpoint: {e} Training goes on (checkpoint.on_save_error = warn).")

@@ -7,6 +7,7 @@ the loop so that the loop reads as the steps of training.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -29,6 +30,7 @@ from ..durable import write_text_durably
 from ..errors import ConfigError, DataError, UserError
 from ..job.runtime import Runtime
 from .metrics import json_record
+from .run_lock import RunLock
 from .stages import holdout_grid, stage_config
 
 
@@ -79,7 +81,10 @@ def check_run_dir(cfg: Config, target: Path | None = None) -> None:
         f"this one, --checkpoint.resume auto needs a checkpoint in {root}; to start over in it, delete it first.")
 
 
-def make_run_dir(cfg: Config) -> Path:
+def make_run_dir(cfg: Config, lock: RunLock | None = None) -> Path:
+    """The run directory, made; `lock`: held by this run from here on, with the checkpoint directory of a run that
+    saves or resumes, made now too (run_lock.py: before a start sweeps leftovers or moves metrics, another live
+    run's refused; its checkpoint manager would make it anyway)."""
     if cfg.train.run_dir:
         check_run_dir(cfg)
         path = Path(cfg.train.run_dir)
@@ -91,6 +96,14 @@ def make_run_dir(cfg: Config) -> Path:
             path = path.with_name(f"{path.name}-{n}")
             n += 1
     path.mkdir(parents=True, exist_ok=True)
+    if lock is not None:
+        lock.take(path, "train.run_dir")
+        root = checkpoint_root(cfg, path)
+        with contextlib.suppress(OSError):  # (one that cannot be made: the checkpoint manager says why, as before)
+            if cfg.checkpoint.saves_or_resumes:
+                root.mkdir(parents=True, exist_ok=True)
+        if root.is_dir():
+            lock.take(root, "checkpoint.dir")
     return path
 
 

@@ -61,6 +61,7 @@ from .profile_step import profile_hooks
 from .read_back import read_back, roll_back_trainer, stop_on_signal
 from .report import describe_run, done_line, write_plots
 from .rollback import BadStep, resume_past_rollback
+from .run_lock import RunLock
 from .saves import RunSaves
 from .setup import (
     build_data,
@@ -100,10 +101,14 @@ class Trainer:
         # checkpoint.on_signal is caught during set-up (a signal there stops the run at the loop's first boundary,
         # preemption.EarlySignals) and let go at its end, failed or not: run() catches them again
         self.early_signals = EarlySignals(cfg.checkpoint.on_signal if cfg.checkpoint.saves_or_resumes else "")
+        self.run_lock = RunLock()  # the run directory held by this run until it ends (run_lock.py; rank 0's)
         try:  # (in the order the parts need each other: the job, the model and its step, the data and checkpoints)
             self._join(cfg, log)
             self._build()
             self._open_run(read_ahead)
+        except BaseException:
+            self.run_lock.release()
+            raise
         finally:
             self.early_signals.restore()
 
@@ -120,7 +125,7 @@ class Trainer:
         self.autocast_dtype = self.dtype if self.dtype != torch.float32 else None
         seed_everything(cfg.train.seed)
         check_packages(cfg)
-        self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg)), "making the run directory"))
+        self.run_dir = Path(on_main(rt, lambda: str(make_run_dir(cfg, self.run_lock)), "making the run directory"))
         self.cfg = resolve_offload(cfg, self.device, rt, self.log)
 
     def _build(self) -> None:
@@ -225,7 +230,14 @@ class Trainer:
     # the loop
 
     def run(self) -> TrainResult:
-        """Train from the step after start_step to train.steps; returns this job's losses and throughput."""
+        """Train from the step after start_step to train.steps; returns this job's losses and throughput. The run
+        directory is let go once the run has ended, plots and all, or failed (run_lock.py)."""
+        try:
+            return self._train()
+        finally:
+            self.run_lock.release()
+
+    def _train(self) -> TrainResult:
         cfg = self.cfg
         self.metrics.open()
         progress = progress_bar(cfg.train.steps, "train", "step", cfg.metrics.progress and self.rt.is_main,
@@ -243,7 +255,7 @@ class Trainer:
                     step = self._run_steps(loop, stop)
                     if self.ckpt is not None:
                         watchdog.phase(step, "save")
-                        self.saves.wait()  # the last async save is complete and committed before the job ends
+                        self.saves.wait(last=True)  # the last async save is complete and committed before the job ends
                 except BaseException:  # (a stop on a bad step, a full disk, Ctrl-C): the save in flight committed
                     self.saves.finish_in_flight()
                     raise
