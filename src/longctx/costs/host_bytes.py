@@ -5,10 +5,10 @@ group's shard, the routed experts over every rank under expert parallelism):
 
 - device: device 16 (fp32 weights, gradients, exp_avg, exp_avg_sq) + what FSDP gathers (world > 1);
   host 0; host link 0.
-- host_optimizer: device 4 (fp32 weights) + the largest block's fp32 gradient on its way to the
-  host (world 1, no FSDP), or 4 + 4 (the shards' gradients, taken at the step) + FSDP's gathers
-  (world > 1); host 16 (masters, gradients, two moments); host link per step: gradients down 4
-  per micro-batch, updated weights up 4.
+- host_optimizer: device 4 (fp32 weights) + the fp32 gradients on their way to the host (world 1, no
+  FSDP: the largest block's, and the [vocab, dim] table's when tied: gradients_on_device), or
+  4 + 4 (the shards' gradients, taken at the step) + FSDP's gathers (world > 1); host 16 (masters,
+  gradients, two moments); host link per step: gradients down 4 per micro-batch, updated weights up 4.
 - host: device only what FSDP gathers (two blocks, the root, one block's fp32 gradient), at world 1
   too (a one-rank FSDP group); host 16 (FSDP2's CPU offload: sharded weights, gradients, moments);
   host link per micro-batch: weights up 4 for the forward and 4 again for the backward,
@@ -97,13 +97,36 @@ def device_state_bytes(m: ModelConfig, shape: MeshShape, tier: str, gather_bytes
     if tier == "device":
         return {"model_states": 16 * n, "gathered_params": gathered}
     if tier == "host_optimizer":
-        if shape.world == 1:  # no FSDP: the weights, and a block's gradients on their way to the host
-            return {"model_states": 4 * n + 4 * param_counts(m)["block"], "gathered_params": 0.0}
+        if shape.world == 1:  # no FSDP: the weights, and the gradients on their way to the host
+            return {"model_states": 4 * n + 4 * gradients_on_device(m), "gathered_params": 0.0}
         return {"model_states": 8 * n, "gathered_params": gathered}
     if tier == "host":
         return {"model_states": 0.0,
                 "gathered_params": gathered_param_bytes(m, shape, gather_bytes, True, bucket_blocks)}
     raise ValueError(f"unknown model-state tier {tier!r}; one of {', '.join(TIERS)}")
+
+
+def gradients_on_device(m: ModelConfig) -> int:
+    """Gradient elements a one-rank host_optimizer run holds on its device beside a block's backward.
+    step/host_optimizer.py takes each weight's gradient to the host as autograd accumulates it: the
+    largest block's at most, and with tied embeddings the [vocab, dim] table's share from the LM head,
+    which waits in autograd for the embedding's share (one leaf, accumulated once) from the head's
+    backward to the end: beside every block's. (Counting the block's alone read llama3-1b 1.0 GiB under:
+    tests/unit/test_planner_audit2_host_optimizer_root_grad.py.) An untied head's gradient is on the
+    device only in the LM head's own backward, whose transient (memory/transients.py) does not count it.
+    """
+    block = param_counts(m)["block"]
+    return block + m.vocab_size * m.dim if m.tie_embeddings else block
+
+
+def head_grad_bytes(m: ModelConfig, shape: MeshShape, tier: str) -> float:
+    """What a one-rank host_optimizer run holds in the LM head's backward beyond the model states'
+    gradients (gradients_on_device): an untied head's fp32 [vocab, dim] gradient, on the device until its
+    hook takes it, where it is larger than the block's counted there (memory/transients.py adds it to
+    the LM head's phase only). 0 elsewhere: the device tier counts every gradient, FSDP takes the shards'."""
+    if tier != "host_optimizer" or shape.world > 1 or m.tie_embeddings:
+        return 0.0
+    return 4.0 * max(0, m.vocab_size * m.dim - gradients_on_device(m))
 
 
 @per_model
@@ -377,7 +400,7 @@ def predicted_rank_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy,
     acts = estimate_activations(m, seq_len, micro_batch, docs=doc_mask, expert=shape.expert, autocast=copies,
                                 **acts_kw)
     transient = transient_bytes(m, seq_len, micro_batch, window=shape.window, docs=doc_mask, acts=acts,
-                                autocast=copies, **acts_kw)
+                                autocast=copies, head_grad=head_grad_bytes(m, shape, tier), **acts_kw)
     transient += shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, act_bytes, copies)
     attn_host, _ = attention_offload_host_and_traffic(m, seq_len, micro_batch, **kw)
     acts_host, attn_host = offloaded_host_bytes(m, shape, policy, seq_len=seq_len, micro_batch=micro_batch,

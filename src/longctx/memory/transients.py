@@ -252,9 +252,10 @@ def lm_head_bytes(m: ModelConfig, tokens: int, loss_chunk: int, e: int, autocast
 
 def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int = 0,
                     policy: MemoryPolicy, dtype_bytes: int, docs: bool,
-                    acts: ActivationEstimate | None = None, autocast: bool = False) -> float:
+                    acts: ActivationEstimate | None = None, autocast: bool = False, head_grad: float = 0.0) -> float:
     """Peak bytes on top of the saved activations (memory.accounting): the larger of the LM head's
-    backward and one block's backward, the latter less what the loss's backward freed before it
+    backward (and `head_grad`, bytes held in that phase alone: costs/host_bytes.py head_grad_bytes) and one
+    block's backward, the latter less what the loss's backward freed before it
     (`loss_saved_bytes`: the final norm's and the loss's saved tensors, the last block's output they
     held; with an unchunked loss over a large vocabulary 4 x vocab bytes per token, once counted twice
     at the block's peak). A block's backward runs in phases, and what is alive in each follows the
@@ -315,7 +316,7 @@ def transient_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int
     freed = loss_saved_bytes(m, seq_len, micro_batch, head=head, ctx=ctx, policy=policy, dtype_bytes=e)
     # + the backward's seed, ones_like(loss): one fp32 scalar, alive throughout (the post phase over all tokens
     # is counted to the byte: without it, 4 B under the measured peak in fp32)
-    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e, autocast)) + 4
+    return max(block - freed, lm_head_bytes(m, t, policy.loss_chunk, e, autocast) + head_grad) + 4
 
 
 def _block_backward_bytes(m: ModelConfig, seq_len: int, micro_batch: int, *, head: int, ctx: int, window: int,

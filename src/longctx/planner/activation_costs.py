@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..costs.hardware import Hardware
-from ..costs.host_bytes import offloaded_host_bytes
+from ..costs.host_bytes import head_grad_bytes, offloaded_host_bytes
 from ..costs.shape import MeshShape
 from ..costs.timing import Flops, compute_seconds, micro_batch_flops
 from ..memory.accounting import ActivationEstimate, activation_dtype, estimate_activations
@@ -20,7 +20,7 @@ from ..memory.transients import expert_skew_transient_bytes, shared_overlap_tran
 
 def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
                      dtype_bytes: int, docs: bool, expert_skew: float = 1.0,
-                     autocast: bool = False) -> tuple[ActivationEstimate, float]:
+                     autocast: bool = False, head_grad: float = 0.0) -> tuple[ActivationEstimate, float]:
     """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
     under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
     the routed rows (memory.moe_counts.expert_rows). dtype_bytes, autocast: activation_dtype's."""
@@ -28,17 +28,19 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
                                 dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
                                 autocast=autocast)
     return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew,
-                                autocast=autocast)
+                                autocast=autocast, head_grad=head_grad)
 
 
 def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshShape, policy: MemoryPolicy,
                    dtype_bytes: int, docs: bool, acts: ActivationEstimate, expert_skew: float = 1.0,
-                   autocast: bool = False) -> float:
+                   autocast: bool = False, head_grad: float = 0.0) -> float:
     """rank_activations' transient bytes, given its activations: of the shape only head, ctx, the Double-Ring
     window and the expert degree are read (the activations themselves do not depend on the window).
-    `autocast`: bf16 autocast over fp32 weights (activation_dtype's weight copies; transient_bytes)."""
+    `autocast`: bf16 autocast over fp32 weights (activation_dtype's weight copies; transient_bytes); `head_grad`:
+    the tier's bytes in the LM head's backward alone (costs/host_bytes.py head_grad_bytes)."""
     transient = transient_bytes(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, window=shape.window,
-                                policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts, autocast=autocast)
+                                policy=policy, dtype_bytes=dtype_bytes, docs=docs, acts=acts, autocast=autocast,
+                                head_grad=head_grad)
     return (transient + expert_skew_transient_bytes(m, acts.tokens, shape.expert, expert_skew, policy, dtype_bytes)
             + shared_overlap_transient_bytes(m, acts.tokens, shape.expert, policy, dtype_bytes, autocast))
 
@@ -73,7 +75,7 @@ def activation_costs(m: ModelConfig, hw: Hardware, shape: MeshShape, policy: Mem
     act_e, copies = activation_dtype(e == 2, shape.world, model_states)
     if acts is None or transient is None:
         acts, transient = rank_activations(m, seq_len, micro_batch, shape, policy, act_e, doc_mask, expert_skew,
-                                           autocast=copies)
+                                           autocast=copies, head_grad=head_grad_bytes(m, shape, model_states))
     tokens = micro_batch * seq_len // shape.sequence_degree  # per rank per micro-batch
     flops = micro_batch_flops(m, tokens, seq_len, policy, acts, work)
     attn_host, attn_traffic = attention_offload_host_and_traffic(m, seq_len, micro_batch, head=shape.head,

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING
 
-from ..costs.host_bytes import device_bytes_with
+from ..costs.host_bytes import device_bytes_with, head_grad_bytes
 from ..costs.shape import MeshShape
 from ..memory.accounting import activation_dtype, estimate_activations
 from ..memory.policy import MemoryPolicy
@@ -29,7 +29,7 @@ class Shared:
     skew, the policy (under grad_sync step: no activation depends on it), the activation dtype and weight copies;
     of the layout, for estimate_activations, head, expert and the rank's tokens (micro-batch x sequence / (head x
     ctx): it reads the micro-batch and ctx only through them, tests/unit/test_planner_search_caches.py), for
-    rank_transient head, ctx, window, expert and the micro-batch."""
+    rank_transient head, ctx, window, expert, the micro-batch and the tier's head_grad_bytes."""
 
     def __init__(self):
         self.acts: dict[tuple, object] = {}
@@ -39,9 +39,10 @@ class Shared:
 class Caches:
     """What one request's search computes once and reuses (valid for that request only: its keys are indices
     into the request's policy list). costs: by (head, ctx, window, expert, micro-batch, activation dtype, weight
-    copies), a row {policy index: the entry [activations, transient bytes (from `shared`), ActivationCosts or None
-    until a candidate needs it]}: nothing else of a candidate changes them (not the dp split, the placement,
-    ZeRO++, co2, the tier but through its dtype, nor grad_sync); a Layout holds its tiers' rows, so a candidate's
+    copies, the tier's head_grad_bytes), a row {policy index: the entry [activations, transient bytes (from
+    `shared`), ActivationCosts or None until a candidate needs it]}: nothing else of a candidate changes them
+    (not the dp split, the placement, ZeRO++, co2, the tier but through its dtype and head_grad_bytes, nor
+    grad_sync); a Layout holds its tiers' rows, so a candidate's
     entry is one lookup by its policy. sums: _sorted_sums. chunked: may_fit's expert-chunked positions of the
     policy list it was made for (that list, the set)."""
 
@@ -79,24 +80,23 @@ def may_fit(req: Request, layout: Layout, index: list[int], step_pols: list[Memo
         caches.chunked = (step_pols, {i for i, pol in enumerate(step_pols) if pol.expert_chunk})
     out = set(caches.chunked[1])
     for tier in layout.tiers:
-        sums, positions = _sorted_sums(req, layout, index, step_pols, caches, layout.dtypes[tier])
+        sums, positions = _sorted_sums(req, layout, index, step_pols, caches, tier)
         room = usable - layout.static[tier]
         out.update(positions[:bisect.bisect_right(sums, room + 1e-6 * (abs(usable) + abs(layout.static[tier])))])
     return sorted(out)
 
 
 def _sorted_sums(req: Request, layout: Layout, index: list[int], step_pols: list[MemoryPolicy], caches: Caches,
-                 dtype: tuple[int, bool]) -> tuple[list[float], list[int]]:
+                 tier: str) -> tuple[list[float], list[int]]:
     """(activations + transient bytes ascending, the policy positions they belong to) of every policy of the
-    layout's activation group (head, ctx, window, expert, micro-batch) under an activation dtype, but those
-    _evaluate skips for the group's tokens before any tier (one block or attention chunk) and the
-    expert-chunked ones (may_fit keeps them all); a NaN sum as
-    -inf (never skipped: NaN fails no comparison). Kept in caches.sums: a function of the group and dtype alone."""
+    layout's activation group (head, ctx, window, expert, micro-batch) under `tier` (its activation dtype and
+    head_grad_bytes), but those _evaluate skips for the group's tokens before any tier (one block or attention
+    chunk) and the expert-chunked ones (may_fit keeps them all); a NaN sum as -inf (never skipped: NaN fails no
+    comparison). Kept in caches.sums: a function of the group, the dtype and head_grad_bytes alone."""
     s, mb = layout.shape, layout.mb
-    key = (s.head, s.ctx, s.window, s.expert, mb, dtype)
+    key = (s.head, s.ctx, s.window, s.expert, mb, layout.dtypes[tier], layout.head_grads[tier])
     if key not in caches.sums:
         tokens = mb * req.seq_len // s.sequence_degree
-        tier = next(t for t in layout.tiers if layout.dtypes[t] == dtype)
         pairs = []
         for i, pol in enumerate(step_pols):
             if pol.expert_chunk or (pol.block_chunk and pol.block_chunk >= tokens) or (
@@ -129,7 +129,9 @@ class Layout:
         self.usable = req.hardware.usable_memory_bytes
         costs = {} if caches is None else caches.costs
         group = (shape.head, shape.ctx, shape.window, shape.expert, mb)
-        self.rows = {t: costs.setdefault((*group, *self.dtypes[t]), {}) for t in self.tiers}
+        # (and by what the tier holds in the LM head's backward alone: its transient's)
+        self.head_grads = {t: head_grad_bytes(req.model, shape, t) for t in self.tiers}
+        self.rows = {t: costs.setdefault((*group, *self.dtypes[t], self.head_grads[t]), {}) for t in self.tiers}
         self.totals: dict[tuple, tuple] = {}
 
 
@@ -150,12 +152,13 @@ def tier_costs(req: Request, layout: Layout, policy: int, step_pol: MemoryPolicy
             acts = shared.acts[acts_key] = estimate_activations(
                 m, seq, layout.mb, head=s.head, ctx=s.ctx, policy=step_pol, dtype_bytes=e, docs=req.doc_mask,
                 expert=s.expert, expert_skew=req.expert_skew, autocast=copies)
-        transient_key = (*request_key, s.head, s.ctx, s.window, s.expert, layout.mb)
+        head_grad = layout.head_grads[tier]
+        transient_key = (*request_key, s.head, s.ctx, s.window, s.expert, layout.mb, head_grad)
         transient = shared.transients.get(transient_key)
         if transient is None:
             transient = shared.transients[transient_key] = rank_transient(m, seq, layout.mb, s, step_pol, e,
                                                                           req.doc_mask, acts, req.expert_skew,
-                                                                          autocast=copies)
+                                                                          autocast=copies, head_grad=head_grad)
         entry = row[policy] = [acts, transient, None]
     return entry
 
