@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .positions import MS_POE_SETTINGS
 from .presets import MODEL_PRESETS
 from .schema import (
     CheckpointConfig,
@@ -146,9 +147,8 @@ def _unread_sub_options(cfg: Config) -> list[str]:
     preset = MODEL_PRESETS.get(m.preset, {})
     # (section, its config, its class, the keys, whether nothing reads them, why)
     unread = [
-        ("model", m, ModelConfig, ("rope_ms_poe_min", "rope_ms_poe_max", "rope_ms_poe_order",
-                                   "rope_ms_poe_skip_layers"),
-         not m.rope_ms_poe, "model.rope_ms_poe is false (plain RoPE positions); Ms-PoE is set at generate or eval"),
+        ("model", m, ModelConfig, MS_POE_SETTINGS, not m.rope_ms_poe,
+         "model.rope_ms_poe is false (plain RoPE positions); Ms-PoE is set at generate or eval"),
         ("model", m, ModelConfig, ("qk_norm_span",), not m.qk_norm,
          f"model.qk_norm is false (model.family {m.family}: no q/k norm to span)"),
         ("model", m, ModelConfig, ("moe.dts_steps", "moe.dts_temperature", "moe.dts_eval"),
