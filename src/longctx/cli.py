@@ -373,7 +373,10 @@ def main(argv=None) -> int:
         kind = "stopped" if isinstance(e, Preempted) else "error"  # a preemption is no failure
         command = f"{args.command} {args.bench}" if getattr(args, "bench", None) else args.command  # (bench X)
         text = f"{prefix}longctx {command}: {kind}: {e}"
-        print("\n".join(textwrap.fill(line, width=100) for line in text.splitlines()), file=sys.stderr)
+        # (lines wrapped at spaces only: a path or flag in the message stays whole, to copy; broken at its hyphens,
+        # a run directory such as runs/20261205-141302-debug read 'runs/20261205- 141302-debug')
+        print("\n".join(textwrap.fill(line, width=100, break_on_hyphens=False, break_long_words=False)
+                        for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
     except Exception:
         from .job.relaunch import another_rank_reported
