@@ -15,8 +15,8 @@ from longctx.errors import ConfigError, DataError
 
 
 class _OsWithAHolder:
-    """`os` for pipeline.py, but another build takes the lock of the directory the first time this one opens it:
-    both found --out missing, so both count it as created by them."""
+    """`os` for durable.py (pipeline.py's lock: lock_directory), but another build takes the lock of the directory
+    the first time this one opens it: both found --out missing, so both count it as created by them."""
 
     def __init__(self):
         self.held: list[int] = []
@@ -33,11 +33,12 @@ class _OsWithAHolder:
 
 
 def test_a_build_refused_by_the_lock_leaves_the_holders_new_out(tmp_path, monkeypatch):
+    from longctx import durable
     from longctx.data.builder import pipeline
 
     out = tmp_path / "new" / "store"
     holder = _OsWithAHolder()
-    monkeypatch.setattr(pipeline, "os", holder)
+    monkeypatch.setattr(durable, "os", holder)
     try:
         with pytest.raises(DataError, match="another `longctx data build`"):
             with pipeline._exclusive(out):

@@ -13,10 +13,10 @@ caller's Trainers one after the other, which never run at once).
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 
+from ..durable import DirectoryInUse, lock_directory
 from ..errors import ConfigError
 
 _held: dict[str, list[int]] = {}  # directory (real path) -> [fd, holders in this process]
@@ -35,18 +35,15 @@ class RunLock:
         if key in self.paths:
             return
         if key not in _held:
-            fd = os.open(key, os.O_RDONLY)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+                fd = lock_directory(key)
+            except DirectoryInUse:
                 raise ConfigError(
                     f"{what} {directory} is in use by another `longctx train` that is still running (it holds the "
                     f"directory's lock); nothing was changed. Wait for it to end (a preempted run saves and exits), "
                     f"or stop it first; two runs in one directory would delete each other's saves in flight and "
                     f"write their checkpoints and metrics over each other's.") from None
-            except OSError:
-                os.close(fd)
+            if fd is None:  # (a file system without locks: unguarded, as before)
                 return
             _held[key] = [fd, 0]
         _held[key][1] += 1

@@ -23,7 +23,6 @@ last, so a failed or interrupted build never leaves a store that looks complete.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 from contextlib import contextmanager, suppress
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ...config.tokenizer import tokenizer_identity
+from ...durable import DirectoryInUse, lock_directory
 from ...errors import DataError
 from ...progress import current, phase, progress_bar
 from .. import store
@@ -196,25 +196,22 @@ def _exclusive(out: Path, scan_dir: bool = False):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"--out '{out}' cannot be created ({e.strerror}); choose a directory you can write.") from None
-    fd = os.open(out, os.O_RDONLY)
+    try:  # (None: a file system without locks, some network mounts: build as before, unguarded)
+        fd = lock_directory(out)
+    except DirectoryInUse:
+        # (refused, it removes nothing: the build holding it may have found it missing too, and not written yet)
+        raise DataError(f"another `longctx data build` or `data merge` is writing to '{out}' now; wait for it to "
+                        f"end, or choose another --out.") from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            # (refused, it removes nothing: the build holding it may have found it missing too, and not written yet)
-            raise DataError(f"another `longctx data build` or `data merge` is writing to '{out}' now; wait for it to "
-                            f"end, or choose another --out.") from None
-        except OSError:
-            pass  # a file system without locks (some network mounts): build as before, unguarded
-        try:
-            yield
-        except BaseException:
-            with suppress(OSError):
-                for d in created:
-                    d.rmdir()  # only while empty: a started scan stays, to be resumed
-            raise
+        yield
+    except BaseException:
+        with suppress(OSError):
+            for d in created:
+                d.rmdir()  # only while empty: a started scan stays, to be resumed
+        raise
     finally:
-        os.close(fd)  # (releases the lock)
+        if fd is not None:
+            os.close(fd)  # (releases the lock)
 
 
 def _describe(opts: BuildOptions, tok) -> str:
