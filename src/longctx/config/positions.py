@@ -177,6 +177,23 @@ def model_reach(m: ModelConfig) -> Reach:
                  idle_original(m, weights.own, weights.positions))
 
 
+def rope_scaling_problems(m: ModelConfig) -> list[str]:
+    """model.rope_scaling's settings that cannot hold (config/rules.py asks them with the model's other rules)."""
+    problems = []
+    if m.rope_scaling != "none" and m.rope_factor <= 0:
+        problems.append(f"model.rope_factor must be positive, got {m.rope_factor}.")
+    if m.rope_scaling in ("llama3", "yarn") and m.rope_original_max_len <= 0:
+        problems.append(f"model.rope_original_max_len must be positive, got {m.rope_original_max_len}.")
+    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+        problems.append(f"yarn rope scaling needs 0 < model.rope_beta_slow ({m.rope_beta_slow}) < "
+                        f"model.rope_beta_fast ({m.rope_beta_fast}).")
+    if m.rope_scaling == "yarn" and m.rope_attention_factor < 0:  # (on cos and sin: its sign cancels in q.k)
+        problems.append(f"model.rope_attention_factor = {m.rope_attention_factor} would scale q.k as "
+                        f"{-m.rope_attention_factor} does (it multiplies cos and sin), and config.json refuses it: "
+                        f"give a positive factor, or 0 to derive it from model.rope_factor and the mscales.")
+    return problems
+
+
 def ms_poe_problems(m: ModelConfig) -> list[str]:
     """What is wrong with model.rope_ms_poe's settings (models/ms_poe.py), one sentence with its fix
     each; nothing when Ms-PoE is off."""

@@ -14,7 +14,7 @@ from .data_parallel import data_parallel_problems
 from .draft_rules import draft_problems
 from .inert_options import dense_moe_notes, inert_option_problems
 from .layer_lists import parse_layer_list
-from .positions import ms_poe_problems
+from .positions import ms_poe_problems, rope_scaling_problems
 from .rules_ranges import range_problems
 from .schema import MOE_FAMILIES, RECOMPUTE_POLICIES, Config
 
@@ -86,17 +86,7 @@ def _model_rules(cfg: Config, problems: list[str]) -> None:
     if m.heads > 0 and m.dim > 0 and m.resolved_head_dim % 2:
         problems.append(f"the head size ({m.resolved_head_dim}) must be even for rotary embeddings.")
     _moe_rules(m, problems)
-    if m.rope_scaling != "none":
-        positive("model.rope_factor", m.rope_factor)
-    if m.rope_scaling in ("llama3", "yarn"):
-        positive("model.rope_original_max_len", m.rope_original_max_len)
-    if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
-        problems.append(f"yarn rope scaling needs 0 < model.rope_beta_slow ({m.rope_beta_slow}) < "
-                        f"model.rope_beta_fast ({m.rope_beta_fast}).")
-    if m.rope_scaling == "yarn" and m.rope_attention_factor < 0:  # (on cos and sin: its sign cancels in q.k)
-        problems.append(f"model.rope_attention_factor = {m.rope_attention_factor} would scale q.k as "
-                        f"{-m.rope_attention_factor} does (it multiplies cos and sin), and config.json refuses it: "
-                        f"give a positive factor, or 0 to derive it from model.rope_factor and the mscales.")
+    problems += rope_scaling_problems(m)
     if m.qk_norm != (m.family in QK_NORM_SPAN):
         problems.append(f"model.qk_norm={m.qk_norm} does not fit model.family={m.family}: q/k norms are what "
                         f"{', '.join(QK_NORM_SPAN)} have and the other families lack; set both or neither.")
