@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 
 from ..config.checkpoint_paths import find_checkpoint
-from ..config.hf import hf_dir, initial_hf_config, model_config
+from ..config.hf import hf_dir, initial_hf_config, manifest_model, model_config
 from ..config.hf_export import SPECIAL_TOKEN_KEYS, check_exportable, declared_special_ids, export_notes
 from ..config.hf_families import MOE_DEFAULTS, QWEN_FAMILIES, family_window
 from ..config.hf_rope import config_reach
@@ -61,7 +61,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: torch.dtype = torc
                               f"{draft.get('target', {}).get('path')!r}, not a model: a draft has no Hugging Face "
                               f"form (it runs beside its target: longctx generate --draft). Export the target "
                               f"instead.")
-    cfg = model_config(manifest["model"])  # (recorded by config key: "moe.experts")
+    cfg = model_config(manifest_model(manifest, path))  # (recorded by config key: "moe.experts")
     check_exportable(cfg)  # (before the whole model is built and read: minutes and its size in memory)
     out = Path(os.path.abspath(Path(out).expanduser()))  # (a name to rename, also for OUT '.')
     check_output(out, cfg.init_from)

@@ -40,7 +40,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_paths import MANIFEST, find_checkpoint
+from .checkpoint_paths import MANIFEST, CheckpointError, find_checkpoint
 from .hf_families import (
     FAMILIES,
     MOE_DEFAULTS,
@@ -324,9 +324,24 @@ def _checkpoint_model(init_from: str) -> tuple[Path, dict]:
             f"from, evaluate or generate with: a draft is used beside its target (`longctx generate --checkpoint "
             f"{target or 'TARGET'} --draft {init_from}`), and draft.target names the target itself.")
     try:
-        return path, manifest["model"]
+        return path, manifest_model(manifest, path)
     except (KeyError, TypeError) as e:
         raise HFFormatError(f"model.init_from: {path / 'manifest.json'} cannot be read ({e}).") from None
+
+
+def manifest_model(manifest: dict, where: Path) -> dict:
+    """A checkpoint manifest's [model], refused where it records a key this longctx does not know. No key has
+    left ModelConfig, so such a key was written by a newer longctx, whose model computes with it: built
+    without it (model_config leaves unknown keys out) the weights would load into another function, and an
+    export, generate or fine-tune would go on without a word."""
+    model = manifest["model"]
+    unknown = sorted(set(model) - set(model_defaults()))
+    if unknown:
+        raise CheckpointError(
+            f"checkpoint {where} records model settings this longctx does not know ({', '.join(unknown)}): it was "
+            f"written by a newer longctx, and its model computes with them. Read it with that version or a newer "
+            f"one. Nothing was loaded.")
+    return model
 
 
 def checkpoint_manifest(init_from: str) -> tuple[Path, dict]:
