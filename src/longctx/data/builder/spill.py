@@ -4,7 +4,7 @@
   last (its space is reserved up front), so the file is an ordinary array for `np.load`.
 - `RaggedWriter` / `RaggedReader`: one variable-length 1-D array per item (a document's text
   bytes, tokens, line breaks, ...): the values concatenated in `NAME.bin`, item i's bounds at
-  `offsets[i]:offsets[i + 1]` in `NAME.offsets.npy`. Reads use `os.pread`, not a memory map: the
+  `offsets[i]:offsets[i + 1]` in `NAME.offsets.npy`. Reads use `os.pread` (read_at), not a memory map: the
   pages of a memory map count towards the reader's resident memory until the kernel drops them,
   and a build reads its whole corpus back.
 """
@@ -106,6 +106,19 @@ def ragged_rows(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> tu
     return out, values[at]
 
 
+def read_at(fd: int, count: int, offset: int) -> bytes:
+    """`count` bytes of `fd` from `offset`: one os.pread returns at most 0x7ffff000 bytes on Linux (a
+    document's text over 2 GiB came back short, without an error), so it reads until all are in."""
+    parts, done = [], 0
+    while done < count:
+        part = os.pread(fd, count - done, offset + done)
+        if not part:
+            raise OSError(f"read {done} of {count} bytes at offset {offset}: the spill file ends early")
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
+
+
 class RaggedReader:
     def __init__(self, prefix: str | Path, dtype):
         self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
@@ -119,7 +132,7 @@ class RaggedReader:
         a = lo + start
         b = hi if stop is None else min(hi, lo + stop)
         size = self.dtype.itemsize
-        return os.pread(self.fd, (b - a) * size, a * size) if b > a else b""
+        return read_at(self.fd, (b - a) * size, a * size) if b > a else b""
 
     def get(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
         return np.frombuffer(self.raw(i, start, stop), dtype=self.dtype)
