@@ -73,10 +73,12 @@ def _structure(command: str, args) -> list[str]:
     if command == "train":
         out += _train_problems(args)
     if command == "memory":
+        from .memory import seq_lengths
+
         out += _policy_problems(args.policies)
         world = args.head * args.ctx
-        if args.head >= 1 and args.ctx >= 1 and world > 1:
-            bad = [x for x in str(args.seq_len).split(",") if x.strip().isdigit() and int(x) % (2 * world)]
+        if args.head >= 1 and args.ctx >= 1 and world > 1:  # (the default's length too: seq_lengths)
+            bad = [x for x in seq_lengths(args).split(",") if x.strip().isdigit() and int(x) % (2 * world)]
             if bad:
                 out.append(f"--seq-len {', '.join(bad)}: under head {args.head} x ctx {args.ctx} a length is a "
                            f"multiple of 2 x head x ctx = {2 * world} (the balanced layout's pieces)")

@@ -42,13 +42,16 @@ POLICIES = {
     "offload0.5": ("selective", 0.5),
     "offload1.0": ("selective", 1.0),
 }
+DEFAULT_SEQ_LEN = "8192"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="debug", help="model shape (config.py presets)")
     p.add_argument("--layers", type=int, default=3, help="blocks to build (0 = the preset's); per-block bytes "
                                                           "do not depend on it")
-    p.add_argument("--seq-len", default="8192", help="comma-separated sequence lengths (tokens)")
+    # (None when left out: --max-seq then measures no per-length table, and one given is measured whatever it is)
+    p.add_argument("--seq-len", default=None, help=f"comma-separated sequence lengths (tokens; default "
+                                                   f"{DEFAULT_SEQ_LEN}, none with --max-seq)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, from {list(POLICIES)}, "
                                                                    f"offloadA (selective) or fulloffloadA (full) "
@@ -85,6 +88,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 say = speaker("bench memory ", clock=True)  # (the seconds since the command started)
+
+
+def seq_lengths(args) -> str:
+    """--seq-len as given, else its default: 8192, or none under --max-seq (the per-length tables are not what
+    the search asks for). A length given is measured, the default's value too: told apart by its value, an
+    explicit --seq-len 8192 beside --max-seq was dropped from the JSON unsaid."""
+    if args.seq_len is not None:
+        return args.seq_len
+    return "" if args.max_seq else DEFAULT_SEQ_LEN
 
 
 def _policy(name: str) -> tuple[str, float]:
@@ -331,10 +343,8 @@ def _measure_all(args) -> dict:
                 _policy(name)
         except ValueError as err:
             raise ConfigError(f"{str(err).rstrip('.')}.") from None
-        if args.seq_len == "8192":
-            args.seq_len = ""  # the per-length tables are not what --max-seq asks for
     results = []
-    for seq in (int(s) for s in args.seq_len.split(",") if s):
+    for seq in (int(s) for s in seq_lengths(args).split(",") if s):
         world = args.head * args.ctx
         if world > 1:
             say(f"seq_len {seq:,}: starting {world} gloo ranks (head {args.head} x ctx {args.ctx})")
