@@ -181,7 +181,11 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     sequences = _sequences(args, source, tokenizer, lengths, depths)
     # (under the memory no length is past the reach: every distance a query sees stays within it)
     unchecked = unchecked_tokenizer(cfg.model.init_from, args.tokenizer)  # (a --tokenizer nothing could check)
-    notes = ((unchecked,) if unchecked else ()) + (() if memory is not None else reach_notes(cfg.model, lengths)) + \
+    # (generate mode reads a prompt after the special-token prefix, so its answer ends that many positions later;
+    # score mode keeps a sequence `length` tokens: generate_mode.with_prefix)
+    prefix = _prompt_prefix(cfg, spec or source.tokenizer_spec) if mode == "generate" else 0
+    notes = ((unchecked,) if unchecked else ()) + \
+        (() if memory is not None else reach_notes(cfg.model, lengths, prefix=prefix)) + \
         ((routing,) if routing else ()) + short_ppl_notes(args, sequences)
     return EvalRequest(cfg, args.task, lengths, depths, sequences, source.description,
                        spec or source.tokenizer_spec, batch, mode, sampling, notes, memory, routing)
@@ -309,24 +313,37 @@ def _check_generate_window(args, past: list[int], window: int) -> None:
                       f"{window_ways_out(window, args.checkpoint)}.")
 
 
+def _prompt_prefix(cfg, tokenizer_spec) -> int:
+    """The special tokens generate mode puts before a prompt (config/tokenizer.py model_text_prefix)."""
+    from ..config.tokenizer import model_text_prefix
+    from ..data.tokenizer import load_tokenizer
+
+    return len(model_text_prefix(cfg.model.init_from, load_tokenizer(tokenizer_spec)))
+
+
 def reach_notes(m, lengths: list[int], new_tokens: int = 0, figure: str = "score",
-                extend: bool = True) -> tuple[str, ...]:
+                extend: bool = True, prefix: int = 0) -> tuple[str, ...]:
     """Lengths past the positions the model reaches (config/positions.py): evaluating there is what an
     extension study does, so it runs, but it is said once, with the scaling that would cover them (`extend`:
     a command that takes --model.* flags). `new_tokens`: decoded past each length (bench decode's note), the
-    positions counted with them; `figure`: what each length measures."""
+    positions counted with them; `prefix`: special tokens read before each length (eval generate mode's
+    prompts), counted too; `figure`: what each length measures."""
     from ..config.positions import model_reach
 
     reach = model_reach(m)
-    past = [n for n in lengths if n + new_tokens > reach.positions]
+    extra = prefix + new_tokens
+    past = [n for n in lengths if n + extra > reach.positions]
     if not past:
         return ()
-    many, decoded = len(past) > 1, f" (+ {new_tokens:,} new tokens)" if new_tokens else ""
+    many = len(past) > 1
+    decoded = (f" (after {prefix} special token{'s' * (prefix > 1)})" if prefix else "") + \
+        (f" (+ {new_tokens:,} new tokens)" if new_tokens else "")
     measure = f"their {figure}s measure" if many else f"its {figure} measures"
-    return (f"length{'s' * many} {', '.join(f'{n:,}' for n in past)}{decoded} run past the {reach.positions:,} "
-            f"positions the model reaches ({reach.said()}): {measure} extrapolation, not what the model learned" +
+    return (f"length{'s' * many} {', '.join(f'{n:,}' for n in past)}{decoded} run{'' if many else 's'} past the "
+            f"{reach.positions:,} positions the model reaches ({reach.said()}): {measure} extrapolation, not what the "
+            f"model learned" +
             ("" if reach.window or not extend else  # (no scaling moves a window)
-             f"; {reach.extension_flags(max(past) + new_tokens)} would cover {'them' if many else 'it'}"),)
+             f"; {reach.extension_flags(max(past) + extra)} would cover {'them' if many else 'it'}"),)
 
 
 def _sampling(args, mode: str):
