@@ -11,9 +11,10 @@ Everything that can be refused is refused before the weights are read: a missing
 missing packages, an output that exists, too little disk, an architecture longctx does not read
 (its config goes through config/hf.py like any config.json), and RoPE scaling that transformers'
 reader would drop without a word (a `rope_freqs` tensor: Llama 3.1-style factors; `rope.scaling.*`
-keys), metadata that does not describe the file's tensors (transformers would fill what it lacks
-with its defaults), sizes its reader takes from its config classes instead of the file (a qwen3 head
-size, qwen2_moe and qwen3_moe expert sizes) and a shared-expert gate shape it would misread. After
+keys and the older `rope.scale_linear`, which llama.cpp applies with no type key too), metadata that
+does not describe the file's tensors (transformers would fill what it lacks with its defaults), sizes
+its reader takes from its config classes instead of the file (a qwen3 head size, qwen2_moe and qwen3_moe
+expert sizes) and a shared-expert gate shape it would misread. After
 writing, longctx loads the directory and its logits are compared with transformers' on the same
 weights, so an import that longctx would read differently is never renamed into place.
 The directory is written under a temporary name beside DIR and renamed when complete.
@@ -137,11 +138,25 @@ def check_rope(reader, arch: str, path: Path) -> None:
                               f"other RoPE frequencies than the one that was trained. Use the model's Hugging Face "
                               f"release (config.json + safetensors) instead: pass hf:DIR to longctx.")
     key = f"{arch}.rope.scaling.type"
-    kind = reader.fields[key].contents() if key in reader.fields else "none"
-    if kind not in ("none", ""):
+    kind = reader.fields[key].contents() if key in reader.fields else None
+    if kind not in (None, "none", ""):
         raise GGUFImportError(f"{path.name} sets {key} = {kind!r}, which transformers' GGUF reader leaves out of "
                               f"config.json; the imported model would compute without that RoPE scaling. Use the "
                               f"model's Hugging Face release instead (pass hf:DIR to longctx).")
+    # llama.cpp scales without a type key too: it takes the type as linear and the factor from rope.scaling.factor
+    # or the older rope.scale_linear (0: not set), and multiplies cos and sin by rope.scaling.attn_factor (with
+    # type none it never scales); transformers' reader maps none of these keys
+    for suffix, identity in (("rope.scaling.factor", (0.0, 1.0)), ("rope.scale_linear", (0.0, 1.0)),
+                             ("rope.scaling.attn_factor", (1.0,))):
+        name = f"{arch}.{suffix}"
+        if name not in reader.fields or (kind == "none" and suffix != "rope.scaling.attn_factor"):
+            continue
+        value = float(reader.fields[name].contents())
+        if value not in identity:
+            raise GGUFImportError(f"{path.name} sets {name} = {value:g}, which llama.cpp applies to RoPE (a factor "
+                                  f"with no {key} scales linearly) and transformers' GGUF reader leaves out of "
+                                  f"config.json; the imported model would compute without that RoPE scaling. Use "
+                                  f"the model's Hugging Face release instead (pass hf:DIR to longctx).")
 
 
 def check_disk(reader, out: Path, dtype: str) -> None:
