@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..ops.eager import eager_under_compile
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
 from .moe_capacity import CallTokens, capacity_kept, decide, padded_choices
@@ -334,11 +335,17 @@ class MoEFeedForward(nn.Module):
         if routing is None:
             return torch.zeros_like(x)
         if self.recording:
-            self.records.append(record(routing, flat.shape[0], self.num_experts, self.real_of(flat.shape[0], True),
-                                       self.z_grad))
+            self._record(routing, flat.shape[0])
         shared = None if self.shared is None else (lambda: self._shared(flat))
         y, s = self._routed(flat, routing, shared)
         return (y if s is None else y + s).view(shape)
+
+    # (eager under a compiled `post`: traced, it guarded on len(self.records) and the piece's bounds, so each piece
+    # of a memory policy's call (memory.block_chunk) compiled again until the recompile limit ran some pieces
+    # eagerly, and a checkpointed piece's forward and its recomputation saved different tensors: CheckpointError)
+    @eager_under_compile
+    def _record(self, routing: Routing, tokens: int) -> None:
+        self.records.append(record(routing, tokens, self.num_experts, self.real_of(tokens, True), self.z_grad))
 
     def _shared(self, flat: torch.Tensor) -> torch.Tensor:
         s = self.shared(flat)
