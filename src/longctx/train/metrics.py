@@ -50,9 +50,13 @@ def setup_peak_line(device: torch.device, rt) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to a JSONL file; optionally mirrors to TensorBoard."""
+    """Appends one JSON object per record to a JSONL file; optionally mirrors to TensorBoard.
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None):
+    `first_step`: the first step this writer logs. Past 1 (a resume), TensorBoard hides the events an earlier
+    attempt wrote at that step or later (SummaryWriter's purge_step), as continue_run_files moves their records
+    out of the JSONL file: both read as one run, each step once."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, first_step: int = 1):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
@@ -60,7 +64,7 @@ class MetricsWriter:
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
 
-            self._tb = SummaryWriter(str(tensorboard_dir))
+            self._tb = SummaryWriter(str(tensorboard_dir), purge_step=first_step if first_step > 1 else None)
 
     def write(self, record: dict) -> None:
         try:
@@ -204,12 +208,13 @@ class MetricsLogger:
     def describe_peak(self) -> str:
         return f"MFU against {self.peak_source}" + (f" ({self.peak / 1e12:.3f} TFLOP/s per rank)" if self.peak else "")
 
-    def open(self) -> None:
-        """The loop starts: the first line's interval starts here, not when the logger was made (what the
-        Trainer set up after that, its data among it, is not the first step's time or bytes)."""
+    def open(self, first_step: int = 1) -> None:
+        """The loop starts at `first_step` (past 1 after a resume): the first line's interval starts here, not
+        when the logger was made (what the Trainer set up after that, its data among it, is not the first
+        step's time or bytes)."""
         self.interval = self._new_interval()
         if self.rt.is_main:
-            self.writer = MetricsWriter(self.path, self.tensorboard_dir)
+            self.writer = MetricsWriter(self.path, self.tensorboard_dir, first_step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -28,7 +28,15 @@ KINDS = (("communication", ("nccl", "gloo", "all_gather", "reduce_scatter", "all
 
 def kind_of(name: str) -> str:
     low = name.lower()
-    return next((kind for kind, marks in KINDS if any(m in low for m in marks)), "other")
+    return next((kind for kind, marks in KINDS if any(_marks(m, low) for m in marks)), "other")
+
+
+def _marks(mark: str, low: str) -> bool:
+    """A kernel mark anywhere in the name; an aten op's the op itself or a variant of it (aten::addmm_,
+    aten::to_dense), not an op that only starts with its letters (aten::topk is no aten::to)."""
+    if mark.startswith("aten::"):
+        return low == mark or low.startswith(mark + "_")
+    return mark in low
 
 
 def top_table(events, on_device: bool) -> dict:

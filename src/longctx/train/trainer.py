@@ -239,7 +239,7 @@ class Trainer:
 
     def _train(self) -> TrainResult:
         cfg = self.cfg
-        self.metrics.open()
+        self.metrics.open(self.start_step + 1)  # (a resume's TensorBoard hides the abandoned attempt's later steps)
         progress = progress_bar(cfg.train.steps, "train", "step", cfg.metrics.progress and self.rt.is_main,
                                 initial=self.start_step)  # (a resume's steps are done: not in the rate or time left)
         self.metrics.say = progress.write if progress is not None else self.log
