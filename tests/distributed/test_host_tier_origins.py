@@ -77,8 +77,8 @@ def test_no_operation_mixes_host_and_device_tensors(runs, key):
 
 # what may wait for the device inside a step (the innermost longctx frame of the copy): the optimizer's skip flag
 # (step/optimizer.py guarded_step: the host's AdamW reads it), and FSDP's gradient copies to host memory, issued in
-# the backward (trainer's backward call; on CUDA non_blocking into pinned memory, but on the host's CPU here)
-STEP_WAITS = ("step/optimizer.py", "train/trainer.py _forward_backward")
+# the backward (step_run.py's backward call; on CUDA non_blocking into pinned memory, but on the host's CPU here)
+STEP_WAITS = ("step/optimizer.py", "train/step_run.py forward_backward")
 
 
 def _innermost(where: str) -> str:

@@ -8,7 +8,7 @@ score: its loss is NaN (a mean over no token), its update is not applied, and th
 import pytest
 import torch
 
-import longctx.train.trainer as trainer_module
+import longctx.train.step_run as step_run
 from longctx.config import load_config
 from longctx.data.samples import IGNORE
 from longctx.parallel.context.shares import read_local_batch, to_device
@@ -49,7 +49,7 @@ def _scored(trainer, labels) -> int:
 def _recording(monkeypatch):
     """Record each micro-batch the trainer's step runs, and the gradients it hands the optimizer."""
     seen = {"batches": [], "grads": None}
-    forward = trainer_module.forward_loss_sum
+    forward = step_run.forward_loss_sum
 
     def recorded(model, batch, autocast_dtype):
         seen["batches"].append(batch)
@@ -60,9 +60,9 @@ def _recording(monkeypatch):
         seen["apply"] = bool(apply)
         return guarded(optimizer, apply)
 
-    guarded = trainer_module.guarded_step
-    monkeypatch.setattr(trainer_module, "forward_loss_sum", recorded)
-    monkeypatch.setattr(trainer_module, "guarded_step", step)
+    guarded = step_run.guarded_step
+    monkeypatch.setattr(step_run, "forward_loss_sum", recorded)
+    monkeypatch.setattr(step_run, "guarded_step", step)
     return seen
 
 

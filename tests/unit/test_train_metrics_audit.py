@@ -32,6 +32,7 @@ from longctx.models.flops import forward_matmul_flops_per_token, train_flops_per
 from longctx.models.llama import build_model
 from longctx.ops.grouped import use_loop
 from longctx.train import metrics as metrics_mod
+from longctx.train import step_run
 from longctx.train import trainer as trainer_mod
 from longctx.train.metrics import MetricsLogger, read_jsonl
 
@@ -119,7 +120,7 @@ def run(tmp_path_factory):
         "--train.eval_batches=2", "--metrics.log_interval=1", "--metrics.progress=false", "--metrics.plots=false",
         f"--metrics.peak_tflops={PEAK_TF}", "--model.layers=1", "--train.device=cpu", "--checkpoint.final=false"])
     batches, lrs = [], []
-    real_loss_sum, real_step = trainer_mod.forward_loss_sum, trainer_mod.guarded_step
+    real_loss_sum, real_step = step_run.forward_loss_sum, step_run.guarded_step
 
     def loss_sum(model, batch, dtype):
         if model.training:
@@ -131,8 +132,8 @@ def run(tmp_path_factory):
         return real_step(optimizer, apply)
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(trainer_mod, "forward_loss_sum", loss_sum)
-    mp.setattr(trainer_mod, "guarded_step", step)
+    mp.setattr(step_run, "forward_loss_sum", loss_sum)
+    mp.setattr(step_run, "guarded_step", step)
     try:
         trainer = trainer_mod.Trainer(cfg, log=lambda *a, **k: None)
         initial = copy.deepcopy(trainer.model.state_dict())

@@ -101,9 +101,11 @@ def test_glide_does_not_import_the_model_builders():
 
 
 def test_the_trainer_holds_no_moe_or_fault_code():
-    """No name of the routers' bookkeeping or of fault injection in trainer.py's code (its docstrings aside)."""
+    """No name of the routers' bookkeeping or of fault injection in trainer.py's code or its step's (step_run.py;
+    docstrings aside)."""
     names = set()
-    for node in ast.walk(ast.parse((TRAIN / "trainer.py").read_text())):
+    code = [ast.parse((TRAIN / f).read_text()) for f in ("trainer.py", "step_run.py")]
+    for node in (n for tree in code for n in ast.walk(tree)):
         if isinstance(node, ast.Name):
             names.add(node.id)
         elif isinstance(node, ast.Attribute):

@@ -2,11 +2,12 @@
 
 One optimizer step = `train.grad_accum` micro-batches; `train.global_batch` counts the sequences of
 a whole step over every data-parallel rank, so a config means the same training under any layout.
-The loss of a step is the mean over every valid (non-ignored) label token of the global step: every rank
-divides its summed local loss by that count (known to all ranks, since all of them draw the same global batch
-and count its labels from the store's segment index, without reading its tokens; a draft whose vocabulary
-scores fewer labels counts those on the device: _label_count) and FSDP sums the gradients, so micro-batches and
-ranks with different numbers of valid tokens are weighted exactly as one large batch on one device would be.
+The loss of a step (step_run.py) is the mean over every valid (non-ignored) label token of the global step:
+every rank divides its summed local loss by that count (known to all ranks, since all of them draw the same
+global batch and count its labels from the store's segment index, without reading its tokens; a draft whose
+vocabulary scores fewer labels counts those on the device: label_count) and FSDP sums the gradients, so
+micro-batches and ranks with different numbers of valid tokens are weighted exactly as one large batch on one
+device would be.
 With train.loss_weighting = sequence the same holds of the step's trained sequences, each label weighted by
 1 / its sequence's labels (data/sequence_weights.py; LongAlign's loss weighting).
 
@@ -38,13 +39,9 @@ from ..job.checks import check_layout
 from ..job.devices import resolve_device, resolve_dtype, seed_everything, use_deterministic_algorithms
 from ..job.join import join_job
 from ..job.launch import end_one_rank_group, under_launcher
-from ..parallel.context.shares import read_local_batch, to_device
-from ..parallel.fsdp.shard import grad_scale
+from ..parallel.context.shares import read_local_batch
 from ..progress import phase, progress_bar, said
-from ..step.gradients import clip_step_gradients, set_gradient_sync
-from ..step.loss import forward_loss_sum, step_mean
-from ..step.optimizer import guarded_step, make_optimizer
-from ..step.schedule import lr_at
+from ..step.optimizer import make_optimizer
 from .co2 import co2_rounds
 from .evaluation import evaluate_eval_set
 from .fault_injection import with_step_faults
@@ -74,6 +71,7 @@ from .setup import (
     run_tokenizer,
 )
 from .stages import StagedLoader, start_positions, tokens_through
+from .step_run import label_count, run_step
 from .step_state import keep_step_state
 from .watch import watched
 
@@ -333,73 +331,15 @@ class Trainer:
 
     def step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step (1-based): its loss over the global batch and the gradient norm, both
-        left on the device (nothing in a step waits for the device), and the lr."""
-        lr = lr_at(step - 1, self.cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        watchdog.phase(step, "data")
-        shares = self.sampler.step_batches(step)  # this rank's, read on the host (read ahead, mostly)
-        valid = sum(v for _, v in shares)  # of the global step: the same on every rank
-        if not valid:  # (a draft's count of the labels it scores is on the device, not read: _label_count)
-            self.log(f"step {step}: every label of its global batch is ignored: no loss (NaN), update not applied")
-        micro = [to_device(b, self.device) for b, _ in shares]
-        self.hooks.step_start(step)
-        with self.device_section():
-            valid = self._label_count(micro, valid)  # (a draft's reduced vocabulary scores fewer labels)
-            local_loss = self._forward_backward(step, micro, valid)
-            watchdog.phase(step, "optimizer")
-            loss = step_mean(self.rt.sum_tensor(local_loss), valid)
-            if self.co2 is not None:  # train.co2_sync_steps: a synchronous step's gradients averaged first
-                self.co2.before_clip(step)
-            # (with the gradients: in host memory under memory.model_states = host; the step's figures travel
-            # together, on the device, to the guard and to read_back's one stack). Not blocking: a plain copy of
-            # a host tensor to a GPU waits for the device's queue to drain (torch's memcpy_and_sync), a second
-            # wait in the step besides the optimizer's flag (guarded_step); the norm is done (host code)
-            grad_norm = clip_step_gradients(self.model, self.optimizer, self.cfg.train.grad_clip).to(
-                loss.device, non_blocking=True)
-            if self.co2 is not None:  # each replica clipped its own: the guard reads the largest
-                grad_norm = self.co2.agreed_norm(grad_norm)
-            # global figures, so the same decision on every rank
-            apply, self.last_spike = self.guard.check(loss, grad_norm)
-        # train.on_nonfinite: the update is applied only if the step's loss and gradient norm are
-        # finite (and its loss no spike), decided on the device by the fused AdamW (guarded_step)
-        guarded_step(self.optimizer, apply)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.hooks.after_optimizer(step, apply)
-        return loss, grad_norm, lr
-
-    def _label_count(self, micro: list, valid: int) -> int | torch.Tensor:
-        """The labels the loss scores in `micro`'s global batches: `valid` (the store index's count), or where the model
-        scores fewer (draft.vocab, loss ce: glide.py scored_label_count) its count over the ranks, on the device."""
-        count = getattr(self.model, "scored_label_count", None)
-        mine = [] if count is None else [count(b.labels) for b in micro]
-        return valid if not mine or mine[0] is None else self.rt.sum_tensor(torch.stack(mine).sum().double())
-
-    def _forward_backward(self, step: int, micro: list, valid: int | torch.Tensor) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches (gradients summed); returns this rank's summed
-        loss (float64, on the device), each micro-batch's normalised by the labels scored in the whole step
-        (_label_count; none: by 1, its sum being 0); the hooks' terms (MoE balancing losses) join its backward."""
-        scale = grad_scale(self.rt.dims)
-        weight = scale / (valid.clamp(min=1) if isinstance(valid, torch.Tensor) else max(valid, 1))
-        local_loss = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, batch in enumerate(micro):
-            set_gradient_sync(self.model, i == len(micro) - 1 or self.cfg.memory.grad_sync == "micro_batch")
-            watchdog.phase(step, "forward")
-            loss_sum = forward_loss_sum(self.model, batch, self.autocast_dtype)
-            total = loss_sum * weight
-            for term in self.hooks.after_forward(len(micro), scale):
-                total = total + term
-            watchdog.phase(step, "backward")
-            total.backward()
-            local_loss += loss_sum.detach()
-        return local_loss
+        left on the device, and the lr (step_run.py; a method, so fault injection can wrap it)."""
+        return run_step(self, step)
 
     def evaluate(self) -> float:
         """Mean loss over every valid label of the first train.eval_batches global batches of eval
         samples: a fixed set of sequences (so evals compare), the same under any layout and any
         grad_accum (the micro-batch only decides how many are in flight at once). Over a mix of stores
         self.last_eval.by_store holds each store's too (evaluation.py)."""
-        self.last_eval = evaluate_eval_set(self, self._label_count)
+        self.last_eval = evaluate_eval_set(self, functools.partial(label_count, self))
         return self.last_eval.loss
 
     def _timed_evaluation(self, step: int, result: TrainResult) -> float:
