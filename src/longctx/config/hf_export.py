@@ -9,6 +9,7 @@ from typing import Any
 
 from .hf import FAMILIES, HFFormatError
 from .layer_lists import parse_layer_list
+from .positions import scaled_reach
 from .schema import MOE_FAMILIES
 
 # the model.rope_* settings each model.rope_scaling reads (beside theta; models/llama.py), each with the name
@@ -86,7 +87,16 @@ def export_notes(m, trained: int = 0) -> list[str]:
                      f"({m.rope_original_max_len} x {m.rope_factor:g}): transformers before 4.56 derive yarn's factor "
                      f"from their ratio and would rotate positions otherwise; read the export with 4.56 or later")
     linear = m.rope_scaling == "linear"
-    if trained and written * (m.rope_factor if linear else 1) < m.max_seq_len:
+    reach = scaled_reach(m)
+    if trained and reach > trained:
+        # (no config.json key can say less: vLLM and longctx's hf: reader count a yarn model's reach as original x
+        # factor whatever max_position_embeddings says, and writing the record there broke transformers < 4.56)
+        notes.append(f"readers of a yarn config.json (vLLM, longctx's hf: reader) trust the export with original x "
+                     f"factor = {reach} positions ({m.rope_original_max_len} x {m.rope_factor:g}; "
+                     f"max_position_embeddings is {written}), past the {trained} the weights trained on (the "
+                     f"checkpoint's trained_positions, all longctx trusts the checkpoint with): keep prompts within "
+                     f"{trained}, or train on longer sequences before exporting")
+    elif trained and written * (m.rope_factor if linear else 1) < m.max_seq_len:
         times = f" (x the linear factor {m.rope_factor:g})" if linear else ""
         notes.append(f"max_position_embeddings is {written}{times}: the {trained} positions the weights trained "
                      f"on (the checkpoint's trained_positions), not model.max_seq_len {m.max_seq_len}, which no "

@@ -76,13 +76,15 @@ def tokens_through(stages: list[Stage], step: int) -> int:
 def start_positions(cfg: Config, ckpt) -> int:
     """The positions the starting weights can be trusted with under this run's RoPE settings (config/positions.py;
     a draft's: 0). A resume keeps what the loaded weights already trained on (its stages may have changed since:
-    the record was rebuilt from this run's stages alone, and fell); an older manifest without the record, not."""
+    the record was rebuilt from this run's stages alone, and fell); an older manifest without the record, not.
+    That record holds its run's start already (the trainer records max(start, stages)), so init_from is not read
+    again: a checkpoints directory names its latest checkpoint, which may be a later one now (the run it belongs
+    to went on), trained on positions these weights never saw."""
     if cfg.draft.target:
         return 0
-    start = run_start_positions(cfg.model.init_from, cfg.model)
     if ckpt is not None and ckpt.resumed_from and ckpt.resumed_from[1].get("trained_positions"):
-        start = max(start, run_start_positions(str(ckpt.resumed_from[0]), cfg.model))
-    return start
+        return run_start_positions(str(ckpt.resumed_from[0]), cfg.model)
+    return run_start_positions(cfg.model.init_from, cfg.model)
 
 
 class ReadAhead:
