@@ -28,6 +28,7 @@ from ..config.checkpoint_paths import (  # (re-exported: the checkpoint package'
 from ..config.weight_shapes import shape_differences
 from ..durable import fsync_path, write_text_durably
 from ..job import watchdog
+from .identity import same_weights
 
 FORMAT = "longctx-checkpoint/1"
 
@@ -297,7 +298,8 @@ def check_draft_matches(manifest: dict, draft_layers: int | None, where: Path, k
     if not saved:
         return
     theirs_target = saved.get("target") or {}
-    if target_identity and theirs_target.get("identity") and theirs_target["identity"] != target_identity:
+    recorded = theirs_target.get("identity")
+    if target_identity and recorded and not same_weights(recorded, target_identity):
         raise CheckpointError(
             f"checkpoint {where} holds a draft trained against the target weights {theirs_target['identity']} "
             f"({theirs_target.get('path')!r}), but this run's draft.target holds other weights ({target_identity}): "

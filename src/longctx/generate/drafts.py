@@ -125,13 +125,13 @@ def _check_target_identity(glide: dict, draft: str, checkpoint: str) -> None:
     """A GliDe draft is used beside the very weights it was trained against (checkpoint/identity.py):
     a target of the same shape, a later step of its run or a fine-tune of it, is another target. A
     draft trained before the identity was recorded is checked by its target's config alone."""
-    from ..checkpoint.identity import weights_identity
+    from ..checkpoint.identity import same_weights, weights_identity
 
     recorded = glide["target"].get("identity")
     if not recorded:
         return
     given = weights_identity(checkpoint)
-    if given != recorded:
+    if not same_weights(recorded, given):
         raise ConfigError(f"--draft {draft} is a GliDe draft trained against {glide['target']['path']} (weights "
                           f"{recorded}), but --checkpoint {checkpoint} holds other weights ({given}), although of the "
                           f"same shape it may be: a draft predicts the target it learned from. Use it with its own "

@@ -219,6 +219,21 @@ def target_path(source: str) -> Path:
     return resolve_checkpoint(source, Path(source)).resolve()
 
 
+def pin_target(cfg: Config, rt: Runtime) -> Config:
+    """cfg with draft.target as the one checkpoint it names now, resolved on rank 0 for every rank (hf:DIR as
+    given). A `<run>/checkpoints` target names its latest step, which moves on while that run saves: resolved
+    by each rank as it loads and again for the draft's record, a save landing meanwhile made the record name a
+    step the draft never read (generate then refused the draft beside the target it learned from and took it
+    beside the newer one), and ranks could load shards of two steps into one target."""
+    from .setup import on_main
+
+    d = cfg.draft
+    if d.target.startswith("hf:"):
+        return cfg
+    step = on_main(rt, lambda: str(target_path(d.target)), "resolving draft.target")
+    return dataclasses.replace(cfg, draft=dataclasses.replace(d, target=step))
+
+
 @torch.no_grad()
 def init_from_target(draft: GlideDraft, target: Llama) -> None:
     """draft.init = target: each draft layer a copy of the target layer it reads (its attention norm, attention
@@ -357,9 +372,10 @@ def build_glide_training(cfg: Config, device: torch.device, rt: Runtime, log=pri
     (parallel/parallelize.py parallelize_draft), then materialised: each rank fills its own shards of the
     values one process draws from train.seed (or copies from the target with draft.init = target).
     draft.kind = clover: build_clover_training's instead."""
-    d = cfg.draft
-    if d.kind == "clover":
+    if cfg.draft.kind == "clover":
         return build_clover_training(cfg, device, rt, log)
+    cfg = pin_target(cfg, rt)  # (loaded and recorded: the same step)
+    d = cfg.draft
     target, head, path = frozen_target(cfg, device, rt, log)
     # built on the meta device and sharded first, then each rank fills only its shards (as the target): a
     # whole draft on every rank was a transient the size of the model this run trains
@@ -410,6 +426,7 @@ def build_clover_training(cfg: Config, device: torch.device, rt: Runtime, log=pr
     problem = clover_ranks_problem(cfg, rt.world)  # (preflight refused it before launch; a torchrun job: here)
     if problem:
         raise ConfigError(problem)
+    cfg = pin_target(cfg, rt)  # (loaded and recorded: the same step)
     d = cfg.draft
     target, head, path = frozen_target(cfg, device, rt, log)
     draft = CloverDraft(cfg.model, d.vocab).to(device)
