@@ -31,7 +31,7 @@ def load_model(cfg, device, dtype):
     if source.startswith("hf:"):
         load_hf_weights(model, hf_dir(source))
     else:
-        path = resolve_checkpoint(source, Path(source))
+        path = _resolved_on_rank_0(lambda: resolve_checkpoint(source, Path(source)))
         if path is None:
             raise ConfigError(f"--checkpoint {source} holds no complete checkpoint.")
         manifest = load_model_weights(path, model)
@@ -44,6 +44,19 @@ def load_model(cfg, device, dtype):
         model.to(dtype)
     model.init_rope(ratios)  # (fp32, from the config: an extension applies to the loaded weights)
     return model.eval()
+
+
+def _resolved_on_rank_0(resolve):
+    """resolve() on rank 0, its result on every rank of a sharded job: a checkpoints directory names its latest
+    step, which moves on while its run saves (generate or eval of a run in progress), and ranks resolving it
+    apart would each hold another step's weights, their cache shards then mixing two models."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return resolve()
+    box = [resolve() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def check_weight_files(init_from: str, flag: str) -> None:

@@ -13,6 +13,7 @@ from ..checkpoint.weights_only import load_weights_into
 from ..config.hf import hf_dir
 from ..job.runtime import Runtime
 from ..models.hf import load_hf_weights
+from .setup import on_main
 
 
 def load_weights(model: nn.Module, source: str, rt: Runtime, log=print, flag: str = "model.init_from") -> Path:
@@ -23,7 +24,9 @@ def load_weights(model: nn.Module, source: str, rt: Runtime, log=print, flag: st
         path = hf_dir(source)
         load_hf_weights(model, path)
     else:
-        path = resolve_checkpoint(source, Path(source))
+        # (resolved once, on rank 0: a checkpoints directory names its latest step, which moves on while its run
+        # saves, and ranks resolving it apart could fill one model with shards of two steps)
+        path = Path(on_main(rt, lambda: str(resolve_checkpoint(source, Path(source))), f"resolving {flag}"))
         load_weights_into(path, model, rt, log, flag)
         # routers whose routing follows the step (DTS-Gate) route as the weights were trained: a run that
         # trains from here sets its own step before each forward
