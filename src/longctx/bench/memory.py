@@ -315,6 +315,9 @@ def main(args) -> int:
         name, seq = args.probe.rsplit(":", 1)
         print(strict_json.dumps(_probe_step(args, *_policy(name), int(seq))))
         return 0
+    from ..durable import check_output_path
+
+    check_output_path("--out", args.out, {})  # (before the measurement: it is written once that has run)
     # the names as arg_checks read them ("none, full": spaces around the commas)
     args.policies = ",".join(x.strip() for x in args.policies.split(",") if x.strip())
     # each case a progress phase: one that takes long is said while it runs
