@@ -2,7 +2,9 @@
 
 Each context rank holds its queries and one key/value block (the zigzag chunks i and 2c-1-i of
 the sequence, see sequence.py). Blocks travel around the ring; every rank attends its queries to
-every block and merges the partial results with their log-sum-exp in fp32.
+every block and merges the partial results with their log-sum-exp in fp32 (fp64 inputs: in fp64,
+as the single-device kernels keep them, ops/attention.py stat_dtype; an fp64 run is then a true fp64
+reference, not one rounded to fp32 at every merge).
 
 Schedule. The c context ranks form c/w windows of w consecutive ranks (w = `window`, or c for a
 plain ring). Outer step o: each rank holds the block of the rank at the same position o windows
@@ -38,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from ...job import comm
-from ...ops.attention import attention_backward, attention_forward, merge_partials
+from ...ops.attention import attention_backward, attention_forward, merge_partials, stat_dtype
 from ...ops.chunked import ChunkGrid, ChunkStore, chunked_backward, chunked_forward
 from .sequence import shard_indices
 
@@ -94,7 +96,7 @@ def _accumulate(acc, rows, out, lse):
     """Fold one block's (out, lse) into the fp32 accumulators; the first block (which always covers
     every query row) starts them, so no zero-filled merge is ever computed."""
     if acc is None:
-        return out.float(), lse
+        return out.to(stat_dtype(out)), lse
     _merge(acc[0], acc[1], rows, out, lse)
     return acc
 
@@ -154,17 +156,17 @@ def _ring_of(mesh, window, plans, local):
 
 
 def ring_forward(q, k, v, mesh, window, causal, scale, backend, plans=None, local=False):
-    """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s]).
+    """Forward over the context group: returns (out in q's dtype, lse fp32 [b, h, s]; fp64 for fp64 q).
 
     plans: None (no documents: zigzag block rows) or a function source rank -> SegmentPlan, or ->
     ChunkGrid when the attention core runs in chunks (memory.attention_chunk, ops/chunked.py).
     local: the documents stay on their ranks: the own block only, nothing sent (_ring_of)."""
     sched, rank, plans = _ring_of(mesh, window, plans, local)
     s = q.shape[1]
-    acc = None  # (out fp32, lse fp32), started by the first block, which always covers every query row
+    acc = None  # (out, lse) in fp32 (fp64 for fp64 q), started by the first block, which always covers every query row
     if plans is not None:  # with documents no block need cover every row: start from nothing
-        acc = (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
-               torch.full((q.shape[0], q.shape[2], s), NEG_INF, dtype=torch.float32, device=q.device))
+        acc = (torch.zeros(q.shape, dtype=stat_dtype(q), device=q.device),
+               torch.full((q.shape[0], q.shape[2], s), NEG_INF, dtype=stat_dtype(q), device=q.device))
     for _, _, src, kv in _blocks(mesh, sched, k, v, "ring_kv"):
         if plans is None:
             qr, kr, blk_causal = block_rows(src, rank, s, causal)
@@ -187,7 +189,7 @@ def ring_backward(dout, q, k, v, out, lse, mesh, window, causal, scale, backend,
     local: as ring_forward's, the own block's gradients only, nothing sent."""
     sched, rank, plans = _ring_of(mesh, window, plans, local)
     # fp32; without documents the first block (which covers every query row) starts it
-    dq = None if plans is None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = None if plans is None else torch.zeros(q.shape, dtype=stat_dtype(q), device=q.device)
     in_flight: list[comm.Pending] = []  # sends we must see complete before returning
     inner_mesh, outer_mesh = _lanes(mesh)
     own_total = None
@@ -240,28 +242,30 @@ def _block_backward(dout, q, kv, out, lse, src, rank, causal, scale, backend, dq
     """One block's gradients: returns (dq with this block's share added, the block's [dk, dv] in fp32).
 
     Without a plan, `dq` may be None before the first block, which covers every query row and so
-    starts it. With a plan (documents), only its segment pairs are computed; an empty plan costs nothing."""
+    starts it. With a plan (documents), only its segment pairs are computed; an empty plan costs nothing.
+    Accumulators are fp32 (fp64 for fp64 inputs: stat_dtype)."""
+    stat = stat_dtype(q)
     if isinstance(plan, ChunkGrid):
         dq, gk, gv = chunked_backward(dout, q, kv[0], kv[1], out, lse, plan, scale=scale, backend=backend, dq=dq)
-        return dq, torch.stack([gk, gv]).float()
+        return dq, torch.stack([gk, gv]).to(stat)
     if plan is not None:
         if plan.empty:
-            return dq, torch.zeros((2, *kv[0].shape), dtype=torch.float32, device=kv[0].device)
+            return dq, torch.zeros((2, *kv[0].shape), dtype=stat, device=kv[0].device)
         gq, gk, gv = attention_backward(dout, q, kv[0], kv[1], out, lse, causal=causal, scale=scale,
                                         backend=backend, plan=plan)
-        dq += gq.float()
-        return dq, torch.stack([gk, gv]).float()
+        dq += gq.to(stat)
+        return dq, torch.stack([gk, gv]).to(stat)
     s = q.shape[1]
     qr, kr, blk_causal = block_rows(src, rank, s, causal)
     gq, gk, gv = attention_backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr],
                                     lse[:, :, qr], causal=blk_causal, scale=scale, backend=backend)
     if dq is None:
-        dq = gq.float()
+        dq = gq.to(stat)
     else:
-        dq[:, qr] += gq.float()
+        dq[:, qr] += gq.to(stat)
     if kr == slice(0, s):
-        return dq, torch.stack([gk, gv]).float()
-    dkv = torch.zeros((2, *kv[0].shape), dtype=torch.float32, device=kv[0].device)
+        return dq, torch.stack([gk, gv]).to(stat)
+    dkv = torch.zeros((2, *kv[0].shape), dtype=stat, device=kv[0].device)
     dkv[0][:, kr] = gk
     dkv[1][:, kr] = gv
     return dq, dkv
@@ -336,7 +340,7 @@ def simulate_ring(q, k, v, ctx: int, window: int = 0, causal: bool = True, scale
         results.append((acc[0].to(q.dtype), acc[1]))
     if douts is None:
         return [r[0] for r in results], [r[1] for r in results]
-    dqs, dks = [], [torch.zeros((2, *ks[i].shape), dtype=torch.float32, device=q.device) for i in range(ctx)]
+    dqs, dks = [], [torch.zeros((2, *ks[i].shape), dtype=stat_dtype(q), device=q.device) for i in range(ctx)]
     for rank in range(ctx):
         sched = Schedule(ctx, window or ctx, rank)
         dq = None
