@@ -77,7 +77,7 @@ def _cmd_train(args, overrides) -> int:
 
 def _train(args, overrides, cfg, nproc: int, launching: bool, resumed: bool) -> int:
     """`longctx train` once its config is known: the preflight and a relaunch on `nproc` ranks, or this rank's run."""
-    from .job.relaunch import relaunch
+    from .job.relaunch import note_finished, relaunch
     from .train.trainer import train
 
     if launching and resumed:
@@ -103,6 +103,7 @@ def _train(args, overrides, cfg, nproc: int, launching: bool, resumed: bool) -> 
     except Preempted:
         finish_distributed()  # every rank stopped at the same step, after the same save
         raise
+    note_finished()  # (a rank of `--nproc N`: its run is whole; a signal to the launcher from here on stops nothing)
     finish_distributed()
     return 0
 
@@ -379,14 +380,18 @@ def main(argv=None) -> int:
                         for line in text.splitlines()), file=sys.stderr)
         return e.exit_code
     except Exception:
-        from .job.relaunch import another_rank_reported
+        from .job.relaunch import another_rank_reported, note_crash
 
         if another_rank_reported():  # the launcher prints the error that stopped the job; this is its echo
             sys.stdout.flush()
             os._exit(1)  # at once: an interpreter teardown beside half-closed process groups can abort loudly
+        note_crash()  # (the launcher names the rank whose error came first: its traceback, printed next)
         raise
     except KeyboardInterrupt:
-        print(f"longctx {args.command}: interrupted", file=sys.stderr)
+        from .job.launch import launched_by_us
+
+        if not launched_by_us():  # (a rank of `--nproc N`: its launcher says it once, for every rank)
+            print(f"longctx {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -41,13 +43,48 @@ def hand_error_to_launcher(message: str, exit_code: int) -> bool:
 
 
 def another_rank_reported() -> bool:
-    """Whether, under `longctx train --nproc N`, a rank other than this one has handed over an error:
-    a failure here is then its consequence (a peer gone mid-collective), not news. The failing rank
-    writes its report before it exits, so before its peers can see the connection close."""
+    """Whether, under `longctx train --nproc N`, a rank other than this one has handed over an error (or noted
+    its crash, note_crash): a failure here is then its consequence (a peer gone mid-collective), not news. The
+    failing rank writes its report before it exits, so before its peers can see the connection close."""
     folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
     if not folder or rank is None:
         return False
-    return any(f.name != f"rank{rank}.json" for f in Path(folder).glob("rank*.json"))
+    mine = {f"rank{rank}.json", f"crash{rank}.json"}
+    return any(f.name not in mine for pattern in ("rank*.json", "crash*.json") for f in Path(folder).glob(pattern))
+
+
+def note_crash() -> None:
+    """Under `longctx train --nproc N`, when this rank fails with an error of its own that is no UserError (a
+    traceback, which it prints itself): the moment, for the launcher to name the rank that failed first. torchrun
+    times its ranks' exits to the second, in one pass, so a peer whose collective lost this rank, failing a few
+    milliseconds after it, was as early, and the lower rank was named (_first_failure)."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if folder and rank is not None:
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"crash{rank}.json").write_text(json.dumps({"time": time.time()}))
+
+
+def note_finished() -> None:
+    """Under `longctx train --nproc N`, once this rank's run has ended well (its steps trained, its saves committed):
+    a signal that reaches the launcher after every rank did is no stop (_relaunch), though torchrun's agent raises
+    on it whatever its ranks then do."""
+    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
+    if folder and rank is not None:
+        with contextlib.suppress(OSError):
+            (Path(folder) / f"finished{rank}").touch()
+
+
+def _all_finished(folder: Path, nproc: int) -> bool:
+    return all((folder / f"finished{rank}").exists() for rank in range(nproc))
+
+
+def _crash_times(folder: Path) -> dict[int, float]:
+    """{rank: when it noted its crash} (note_crash)."""
+    found = {}
+    for f in folder.glob("crash*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found[int(f.stem[5:])] = float(json.loads(f.read_text())["time"])
+    return found
 
 
 def _rank_errors(folder: Path) -> dict[str, tuple[list[int], int]]:
@@ -186,6 +223,10 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         # this launcher got the signal (torchrun's agent): it sent SIGTERM to the ranks and gave them
         # 30 s, in which ranks that save on a signal (checkpoint.on_signal) saved and said so
         _raise_preempted(_rank_errors(error_dir), nproc)
+        if _all_finished(error_dir, nproc):  # (the run was whole: a 143 sent a finished run to be resumed)
+            print(f"longctx: note: {signal.Signals(e.sigval).name} came after every rank had finished the run; "
+                  f"nothing was stopped.", file=sys.stderr)
+            return
         # the shell's code of a process a signal ended (130 for Ctrl-C, 143 for SIGTERM), as one process exits:
         # a script tells an interrupted run from a failed one (it exited 1, a failure's code)
         raise RankError(f"stopped by {signal.Signals(e.sigval).name} before the ranks saved a checkpoint (they save "
@@ -204,21 +245,27 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
         if errors:
             lines = [f"{_ranks_label(ranks, nproc)}: {message}" for message, (ranks, _) in errors.items()]
             raise RankError("\n".join(lines), next(iter(errors.values()))[1]) from None
-        raise _first_failure(e.failures, nproc, forwarded.passed) from None
+        raise _first_failure(e.failures, nproc, forwarded.passed, _crash_times(error_dir)) from None
     finally:
         elastic.setLevel(level)
 
 
-def _first_failure(failures: dict, nproc: int, passed=()) -> UserError:
+def _first_failure(failures: dict, nproc: int, passed=(), crashed: dict[int, float] | None = None) -> UserError:
     """The error to raise when no rank reported one of its own: which rank failed first and how, from
     `failures` (torchrun's ChildFailedError.failures, {rank: ProcessFailure}); `passed`: the signals the
-    launcher passed on to the ranks (_forwarding)."""
-    # The root cause: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before
-    # a rank that exited with an error, before a rank the launcher itself stopped with SIGTERM.
+    launcher passed on to the ranks (_forwarding); `crashed`: when ranks noted their own errors (note_crash)."""
+    # The root cause: the rank torchrun saw end first. Its timestamps are whole seconds of one pass over the
+    # ranks, and a rank it saw later ended later: one that outlived torchrun's SIGTERM (a rank records the signal
+    # and goes on to its step boundary) is SIGKILLed by torchrun 30 s on, which is no out-of-memory killer's.
+    # Within a second: a rank killed by a signal from outside (SIGKILL, OOM killer, segfault) before a rank
+    # that exited with an error (the one that noted its error first, before one that did not), before a rank
+    # the launcher itself stopped with SIGTERM.
+    crashed = crashed or {}
+
     def cause(r):
         code = failures[r].exitcode or 0
         kind = 0 if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT) else (1 if code > 0 else 2)
-        return kind, failures[r].timestamp, r
+        return failures[r].timestamp, kind, crashed.get(r, math.inf), r
 
     first_rank = min(failures, key=cause)
     failure = failures[first_rank]

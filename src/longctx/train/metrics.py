@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from .. import strict_json
 from ..costs.model_states import fsdp_carried
 from ..costs.peaks import device_peak, precision_name, raise_cpu_peak
 from ..errors import TrainingError
-from ..job.checks import hpz_group, node_size, zero_pp_names
+from ..job.checks import hpz_group, launcher_node_ranks, node_size, zero_pp_names
 from ..job.devices import resolve_dtype
 from ..job.runtime import TRACKED_DIMS
 from ..memory.rss import peak_rss_bytes
@@ -177,7 +176,9 @@ class MetricsLogger:
         self.writer: MetricsWriter | None = None
         # rank 0 reads (or, once per machine, calibrates) the peak while the others wait: a calibration
         # that ran beside other ranks' start-up would measure them, not the machine
-        self.local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if rt.world > 1 else 1
+        # (the ranks on this machine as the host budget counts them: a launcher without LOCAL_WORLD_SIZE ran every
+        # rank here, not one, and the whole machine's peak per rank read MFU world x low)
+        self.local_ranks = launcher_node_ranks(rt.world) if rt.world > 1 else 1
         # (a GPU's peak is that of the precision the run computes in: train.dtype = fp32 is not bf16's)
         self.dtype = resolve_dtype(cfg.train.dtype, device)  # (on CPU too: bf16 GEMMs have their own peak)
         self.peak, self.peak_source = rt.broadcast(
