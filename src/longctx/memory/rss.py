@@ -24,6 +24,11 @@ def proc_status_kib() -> dict[str, int]:
     return out
 
 
+def current_rss_bytes() -> int:
+    """The resident memory this process holds now, in bytes (0 where /proc is absent)."""
+    return proc_status_kib().get("VmRSS", 0) * 1024
+
+
 def peak_rss_bytes() -> int:
     """The most resident memory this process has held, in bytes."""
     hwm = proc_status_kib().get("VmHWM")

@@ -40,6 +40,7 @@ from ..job.checks import node_size, zero_pp_names
 from ..job.devices import computes_in_bf16
 from ..memory.auto import host_memory_free
 from ..memory.policy import MemoryPolicy
+from ..memory.rss import current_rss_bytes
 from ..models.clover import CloverDraft
 from ..models.glide import GlideDraft
 from ..ops.pinned import pinned_bytes, pins, planned_pinned_bytes
@@ -61,6 +62,7 @@ ADVICE = {
                       "CO2 state to host memory)",
     "data_loader": "a shorter train.seq_len or a smaller train.global_batch",
     CPU_DEVICE: "a smaller model, a shorter train.seq_len, or memory.recompute=full with memory.block_chunk",
+    "process": "fewer ranks (--nproc): each is an interpreter with torch before any of the run's bytes",
 }
 
 
@@ -180,10 +182,17 @@ def rank_host_bytes(cfg: Config, dims, device_type: str, ranks_on_node: int, bud
     return worst
 
 
-def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str) -> None:
-    """Raise a ConfigError when this node's ranks would need more host memory than the budget."""
+def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, new_processes: bool = False) -> None:
+    """Raise a ConfigError when this node's ranks would need more host memory than the budget. `new_processes`: the
+    ranks are processes yet to start (`longctx train --nproc N`'s launcher), each of which takes an interpreter with
+    torch and longctx imported before any of the run's bytes (~0.3 GiB; this launcher's own size stands for it),
+    which the free memory does not yet hold; a rank that runs already (a torchrun rank, one in-process run) holds
+    its own. (CUDA's host memory, its context and libraries, is not counted.)"""
     budget, source = host_budget()
     per_rank = rank_host_bytes(cfg, dims, device_type, ranks_on_node, budget)
+    if new_processes:
+        per_rank = {**per_rank, "process": current_rss_bytes()}
+        per_rank["total"] = sum(v for k, v in per_rank.items() if k != "total")
     need = per_rank["total"] * ranks_on_node
     if need <= budget:
         return
@@ -191,7 +200,8 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str) -
     listed = ", ".join(f"{k.replace('_', ' ')} {_size(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
     largest = max(parts, key=parts.get)
     ranks = f"{ranks_on_node} ranks x {_size(per_rank['total'])}" if ranks_on_node > 1 else "1 rank"
-    fixes = [ADVICE[largest]] + (["fewer ranks on this node (--nproc)"] if ranks_on_node > 1 else [])
+    fixes = [ADVICE[largest]] + (["fewer ranks on this node (--nproc)"] if ranks_on_node > 1 and
+                                 largest != "process" else [])
     auto = (" (memory.offload_fraction auto counted at 1.0, capped at 0.8 x each rank's share of the budget less "
             "its other host bytes)"
             if cfg.memory.offload_fraction == "auto" else "")

@@ -63,7 +63,7 @@ def preflight(cfg: Config, nproc: int, log=print) -> None:
     # the launcher starts every one of the nproc ranks on this machine (torchrun --standalone), whatever
     # parallel.ranks_per_node says the job's nodes are (hpz / qgz emulate nodes on one machine with it)
     ranks_per_node(cfg, nproc)  # (checked: it must divide the job)
-    check_host_memory(cfg, dims, nproc, device_type)
+    check_host_memory(cfg, dims, nproc, device_type, new_processes=nproc > 1)  # (ranks to start: relaunch)
 
     for stage in stages_of(cfg):  # every stage's store (built here once, cached) fits the run
         _check_data(stage_config(cfg, stage), log)
