@@ -145,13 +145,14 @@ def _probe(args, run_dir, steps=1, poison=None):
     """On each rank: per step the gradients before clipping, the norm returned, the gradients applied, and the
     weights after the step; the metrics file's grad_norm; and this rank's losses."""
     from longctx.config import load_config
+    from longctx.train import step_run
     from longctx.train import trainer as trainer_mod
 
     cfg = load_config("configs/debug.toml", [*BASE, *args, f"--train.steps={steps}", f"--train.run_dir={run_dir}"])
     trainer = trainer_mod.Trainer(cfg, log=lambda *a, **k: None)
     out = {"raw": [], "applied": [], "norm": [], "own_norm": [], "applied_flag": [], "after": []}
     state = _poison_hook(trainer, *poison) if poison else None
-    clip, guarded, step_fn = trainer_mod.clip_step_gradients, trainer_mod.guarded_step, trainer.step
+    clip, guarded, step_fn = step_run.clip_step_gradients, step_run.guarded_step, trainer.step
 
     def clip_recorded(model, optimizer, max_norm):
         out["raw"].append(_grads(trainer))
@@ -176,12 +177,12 @@ def _probe(args, run_dir, steps=1, poison=None):
         out["after"].append(_weights(trainer.model))
         return loss, norm, lr
 
-    trainer_mod.clip_step_gradients, trainer_mod.guarded_step, trainer.step = clip_recorded, guarded_recorded, \
+    step_run.clip_step_gradients, step_run.guarded_step, trainer.step = clip_recorded, guarded_recorded, \
         step_recorded
     try:
         out["losses"] = trainer.run().losses
     finally:
-        trainer_mod.clip_step_gradients, trainer_mod.guarded_step = clip, guarded
+        step_run.clip_step_gradients, step_run.guarded_step = clip, guarded
     metrics = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")] if _is_main() else []
     out["logged"] = [r["grad_norm"] for r in metrics if r.get("kind") == "train"]
     # (numpy arrays: by value; job/spawn.py now pickles a rank's tensors by value too)

@@ -90,19 +90,19 @@ def _step(run_dir, corpus, extra, weighting):
 
 def _first_step_grads(trainer):
     """Step 1's loss and its gradients as the optimizer receives them (before the update), full tensors."""
-    import longctx.train.trainer as trainer_module
+    import longctx.train.step_run as step_run  # (the step's update: train/step_run.py)
 
-    grads, step = {}, trainer_module.guarded_step
+    grads, step = {}, step_run.guarded_step
 
     def capture(optimizer, apply):
         grads.update({n: _full(p.grad).clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
         return step(optimizer, apply)
 
-    trainer_module.guarded_step = capture
+    step_run.guarded_step = capture
     try:
         loss = float(trainer.step(1)[0])
     finally:
-        trainer_module.guarded_step = step
+        step_run.guarded_step = step
     return grads, loss
 
 def _reference(start, corpus, tmp, weighting):

@@ -154,19 +154,20 @@ def cfg_for(tmp_path, *extra):
 
 
 def test_training_from_a_store_uses_document_masks(tmp_path, monkeypatch):
+    import longctx.train.step_run as step_run  # (the step's forward: train/step_run.py)
     import longctx.train.trainer as t
 
     src = corpus(tmp_path / "in", [random.Random(i).randint(10, 200) for i in range(80)])
     build_store(BuildOptions([str(src)], str(tmp_path / "s"), 64, strategy="bfd", dedup="minhash", workers=1,
                              eval_fraction=0.2, progress=False), log=quiet)
     seen = []
-    real = t.forward_loss_sum
+    real = step_run.forward_loss_sum
 
     def spy(model, batch, autocast_dtype):
         seen.append(batch)
         return real(model, batch, autocast_dtype)
 
-    monkeypatch.setattr(t, "forward_loss_sum", spy)
+    monkeypatch.setattr(step_run, "forward_loss_sum", spy)
     res = t.train(cfg_for(tmp_path, f"--data.path={tmp_path / 's'}"), log=quiet)
     assert len(res.losses) == 6 and all(np.isfinite(res.losses)) and set(res.eval_losses) == {3, 6}
     assert all(b.doc_ids is not None for b in seen)

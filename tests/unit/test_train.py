@@ -63,7 +63,7 @@ def test_full_recompute_trains_identically(tmp_path):
 
 
 def test_non_finite_loss_stops_naming_the_step(tmp_path, monkeypatch):
-    import longctx.train.trainer as t
+    import longctx.train.step_run as t  # (the step's forward: train/step_run.py)
 
     real = t.forward_loss_sum
     calls = {"n": 0}

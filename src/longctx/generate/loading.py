@@ -49,14 +49,27 @@ def load_model(cfg, device, dtype):
 def _resolved_on_rank_0(resolve):
     """resolve() on rank 0, its result on every rank of a sharded job: a checkpoints directory names its latest
     step, which moves on while its run saves (generate or eval of a run in progress), and ranks resolving it
-    apart would each hold another step's weights, their cache shards then mixing two models."""
+    apart would each hold another step's weights, their cache shards then mixing two models. Rank 0's failure
+    is every rank's (train/setup.py on_main): the others had waited on a broadcast its rank never joined."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return resolve()
-    box = [resolve() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    from ..job.runtime import on_main
+
+    return on_main(_DefaultGroup(dist), resolve, "resolving --checkpoint")
+
+
+class _DefaultGroup:
+    """What on_main reads of a Runtime, for the default process group (load_model is given no Runtime)."""
+
+    def __init__(self, dist):
+        self.is_main, self._dist = dist.get_rank() == 0, dist
+
+    def broadcast(self, obj):
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
 
 
 def check_weight_files(init_from: str, flag: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..errors import DataError, UserError
 from . import comm
 from .dims import ParallelDims
 
@@ -89,3 +90,34 @@ class Runtime:
         """Bytes sent by this rank so far over each tracked mesh dim (from comm's counters)."""
         c = comm.counters()
         return [float(sum(c.get(d, {}).values())) for d in TRACKED_DIMS]
+
+
+def on_main(rt: Runtime | None, fn, what: str):
+    """fn() on rank 0 while the other ranks wait; its result, or its failure, on every rank (a failure
+    on rank 0 alone would leave the others waiting in a collective until the timeout)."""
+    failure = outcome = None
+    if rt is None or rt.is_main:
+        try:
+            outcome = ("ok", fn())
+        except Exception as e:  # every failure reaches the waiting ranks, not only a UserError
+            failure = e
+            outcome = (("error", type(e), str(e)) if isinstance(e, UserError) else
+                       ("error", DataError, f"{what} failed on rank 0: {type(e).__name__}: {e}"))
+    if rt is not None:
+        outcome = rt.broadcast(outcome if rt.is_main else None)
+    if failure is not None:
+        raise failure
+    if outcome[0] == "error":
+        raise _same_error(*outcome[1:])
+    return outcome[1]
+
+
+def _same_error(cls: type[UserError], message: str) -> UserError:
+    """Rank 0's error as raised on another rank: the same class (and so exit code) where it is built
+    from its message alone, else a UserError with that exit code."""
+    try:
+        return cls(message)
+    except TypeError:
+        error = UserError(message)
+        error.exit_code = cls.exit_code
+        return error

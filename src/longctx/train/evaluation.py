@@ -68,7 +68,7 @@ def store_sums(trainer) -> StoreSums | None:
 @torch.no_grad()
 def evaluate_eval_set(trainer, label_count) -> Evaluation:
     """Trainer.evaluate's figures (see its docstring). `label_count(micro, valid)`: the labels the model scores
-    in a micro-batch (Trainer._label_count: a draft's may be fewer than the store's count `valid`)."""
+    in a micro-batch (step_run.py label_count: a draft's may be fewer than the store's count `valid`)."""
     model, samples, micro, rt = trainer.model, trainer.eval_samples, trainer.micro_step_sequences, trainer.rt
     global_batch = trainer.sampler.stage.global_batch
     # (a mix's stores of weight 0 are never drawn: their samples would only make the blend's repeat)

@@ -225,7 +225,7 @@ def pin_target(cfg: Config, rt: Runtime) -> Config:
     by each rank as it loads and again for the draft's record, a save landing meanwhile made the record name a
     step the draft never read (generate then refused the draft beside the target it learned from and took it
     beside the newer one), and ranks could load shards of two steps into one target."""
-    from .setup import on_main
+    from ..job.runtime import on_main
 
     d = cfg.draft
     if d.target.startswith("hf:"):

@@ -27,8 +27,8 @@ from ..data.store_mix import StoreMix, check_same_kind, mix_line
 from ..data.synthetic import SyntheticMixture
 from ..data.tokenizer import load_tokenizer
 from ..durable import write_text_durably
-from ..errors import ConfigError, DataError, UserError
-from ..job.runtime import Runtime
+from ..errors import ConfigError, DataError
+from ..job.runtime import Runtime, on_main
 from .metrics import json_record
 from .run_lock import RunLock
 from .stages import holdout_grid, stage_config
@@ -144,37 +144,6 @@ def _record_step(line: str) -> float:
     attempt's last, after every step (moved aside with the later records, not read as one)."""
     record = json_record(line)
     return math.inf if record is None else record.get("step", 0)
-
-
-def on_main(rt: Runtime | None, fn, what: str):
-    """fn() on rank 0 while the other ranks wait; its result, or its failure, on every rank (a failure
-    on rank 0 alone would leave the others waiting in a collective until the timeout)."""
-    failure = outcome = None
-    if rt is None or rt.is_main:
-        try:
-            outcome = ("ok", fn())
-        except Exception as e:  # every failure reaches the waiting ranks, not only a UserError
-            failure = e
-            outcome = (("error", type(e), str(e)) if isinstance(e, UserError) else
-                       ("error", DataError, f"{what} failed on rank 0: {type(e).__name__}: {e}"))
-    if rt is not None:
-        outcome = rt.broadcast(outcome if rt.is_main else None)
-    if failure is not None:
-        raise failure
-    if outcome[0] == "error":
-        raise _same_error(*outcome[1:])
-    return outcome[1]
-
-
-def _same_error(cls: type[UserError], message: str) -> UserError:
-    """Rank 0's error as raised on another rank: the same class (and so exit code) where it is built
-    from its message alone, else a UserError with that exit code."""
-    try:
-        return cls(message)
-    except TypeError:
-        error = UserError(message)
-        error.exit_code = cls.exit_code
-        return error
 
 
 def store_path(cfg: Config, log, rt: Runtime | None, announce_cached: bool = True) -> str:

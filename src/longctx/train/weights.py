@@ -11,9 +11,8 @@ from torch import nn
 from ..checkpoint.manager import read_manifest, resolve_checkpoint
 from ..checkpoint.weights_only import load_weights_into
 from ..config.hf import hf_dir
-from ..job.runtime import Runtime
+from ..job.runtime import Runtime, on_main
 from ..models.hf import load_hf_weights
-from .setup import on_main
 
 
 def load_weights(model: nn.Module, source: str, rt: Runtime, log=print, flag: str = "model.init_from") -> Path:
