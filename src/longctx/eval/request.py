@@ -183,7 +183,7 @@ def prepare(args, overrides: list[str], nproc: int) -> EvalRequest:
     unchecked = unchecked_tokenizer(cfg.model.init_from, args.tokenizer)  # (a --tokenizer nothing could check)
     # (generate mode reads a prompt after the special-token prefix, so its answer ends that many positions later;
     # score mode keeps a sequence `length` tokens: generate_mode.with_prefix)
-    prefix = _prompt_prefix(cfg, spec or source.tokenizer_spec) if mode == "generate" else 0
+    prefix = _prompt_prefix(cfg, tokenizer, spec or source.tokenizer_spec) if mode == "generate" else 0
     notes = ((unchecked,) if unchecked else ()) + \
         (() if memory is not None else reach_notes(cfg.model, lengths, prefix=prefix)) + \
         ((routing,) if routing else ()) + short_ppl_notes(args, sequences)
@@ -313,12 +313,13 @@ def _check_generate_window(args, past: list[int], window: int) -> None:
                       f"{window_ways_out(window, args.checkpoint)}.")
 
 
-def _prompt_prefix(cfg, tokenizer_spec) -> int:
-    """The special tokens generate mode puts before a prompt (config/tokenizer.py model_text_prefix)."""
+def _prompt_prefix(cfg, tokenizer, tokenizer_spec) -> int:
+    """The special tokens generate mode puts before a prompt (config/tokenizer.py model_text_prefix), by the
+    tokenizer loaded for the text (None: the store's, `tokenizer_spec`, loaded here)."""
     from ..config.tokenizer import model_text_prefix
     from ..data.tokenizer import load_tokenizer
 
-    return len(model_text_prefix(cfg.model.init_from, load_tokenizer(tokenizer_spec)))
+    return len(model_text_prefix(cfg.model.init_from, tokenizer or load_tokenizer(tokenizer_spec)))
 
 
 def reach_notes(m, lengths: list[int], new_tokens: int = 0, figure: str = "score",
