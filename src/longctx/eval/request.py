@@ -319,7 +319,8 @@ def _prompt_prefix(cfg, tokenizer, tokenizer_spec) -> int:
     from ..config.tokenizer import model_text_prefix
     from ..data.tokenizer import load_tokenizer
 
-    return len(model_text_prefix(cfg.model.init_from, tokenizer or load_tokenizer(tokenizer_spec)))
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(tokenizer_spec)
+    return len(model_text_prefix(cfg.model.init_from, tokenizer))
 
 
 def reach_notes(m, lengths: list[int], new_tokens: int = 0, figure: str = "score",
