@@ -41,6 +41,7 @@ from . import scan
 from .assembly import Assembly
 from .options import BuildOptions, check_options
 from .out_dir import WORK, check_out, check_parts
+from .readers import json_read_as_text
 from .scan import ScannedShard
 from .timing import timed
 
@@ -50,6 +51,8 @@ def scan_inputs(opts: BuildOptions, work: Path, machine: tuple[int, int], log) -
     tok = load_tokenizer(opts.tokenizer)
     sopts = opts.scan_options()
     units, other = scan.plan_units(opts.inputs, opts.out)
+    if opts.response_field or opts.messages_field:
+        _refuse_json_text(units, "--messages-field" if opts.messages_field else "--response-field")
     shards = scan.plan_shards(units)
     digest = scan.plan_digest(units, sopts)
     todo = scan.machine_range(shards, *machine)
@@ -218,6 +221,20 @@ def _describe(opts: BuildOptions, tok) -> str:
     workers = opts.scan_workers
     return (f"(seq_len {opts.seq_len}, {opts.strategy}, dedup {opts.dedup}, {tok.name} tokenizer, {workers} "
             f"worker{'s' if workers != 1 else ''}, max memory {opts.memory / 2**20:.0f}MB)")
+
+
+def _refuse_json_text(units: list, flag: str) -> None:
+    """A DataError for .json files among a build of records' inputs: each would be one plain text document, trained
+    on whole (a JSON array of conversations or pairs: its prompts, role names and JSON syntax), where the user meant
+    its records (readers.py json_read_as_text)."""
+    found = json_read_as_text([Path(u.path) for u in units])
+    if found:
+        more = f" (and {len(found) - 1} more .json file{'s' if len(found) > 2 else ''})" if len(found) > 1 else ""
+        stem = found[0].name[:found[0].name.lower().rindex(".json")]
+        raise DataError(f"{flag} reads its records from .jsonl, .parquet and .arrow files, but '{found[0]}'{more} is "
+                        f"a .json file, which longctx reads as one plain text document, trained on whole (its "
+                        f"prompts and JSON syntax too). Convert it to JSON Lines, one record a line (for a JSON "
+                        f"array: jq -c '.[]' {found[0].name} > {stem}.jsonl), or move it out of the input.")
 
 
 def build_store(opts: BuildOptions, log=print) -> dict:
