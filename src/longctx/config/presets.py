@@ -1,6 +1,8 @@
 """The model presets: `model.preset` fills every model field the user did not set explicitly, so
-`--model.preset llama3-8b --model.layers 2` is the 8B shape with two layers. `debug` is the default;
-the others are the published Llama 3.x and MoE shapes, as their config.json gives them."""
+`--model.preset llama3-8b --model.layers 2` is the 8B shape with two layers. `debug` (the default),
+`small-100m`, `debug-moe` and `small-moe` are longctx's own shapes (the byte tokenizer's 320-token
+vocabulary); each one named after a model is its published shape, as its config.json gives it
+(tests/unit/test_presets_audit_published_configs.py)."""
 
 from __future__ import annotations
 

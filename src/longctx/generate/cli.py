@@ -29,7 +29,8 @@ The model is the checkpoint's own [model] (extension keys may be overridden: --m
 --model.rope_factor, --model.max_seq_len ...), built on one device (--train.device / --train.dtype);
 weights from hf:DIR's safetensors or a longctx checkpoint (checksums verified); EOS: hf:DIR's
 generation_config.json or config.json eos_token_id, else the tokenizer's end-of-document token (both
-generate/loading.py, which eval and bench decode load through too). The prompt is tokenized as the
+generate/loading.py, which eval and bench decode load through too); with --chat the tokenizer's eos_token
+(its end of turn) too (generate/prompts.py with_turn_end). The prompt is tokenized as the
 model saw text (generate/prompts.py): with a Hugging Face tokenizer's special tokens (e.g. BOS) for
 hf:DIR, as transformers does by default; without them for a longctx checkpoint (training data
 carries none). This module is the command alone: its request and the run; its flags are generate/flags.py.
@@ -113,7 +114,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
     from .context_memory import check_prompts, memory_reach, memory_shape
     from .loading import check_window, dropless_notes, eos_ids
-    from .prompts import read_prompts, tokenize_prompts, tokenizer_spec
+    from .prompts import read_prompts, tokenize_prompts, tokenizer_spec, with_turn_end
     from .settings import check_logprobs, check_run_flags
 
     sampling = _sampling(args)
@@ -141,6 +142,9 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
 
         StopStrings(tokenizer, args.stop)
     eos = eos_ids(cfg.model.init_from, tokenizer)
+    if args.chat and not args.ignore_eos:  # (an instruct model's end of turn ends the answer: prompts.py with_turn_end)
+        eos, note = with_turn_end(eos, spec, tokenizer)
+        notes += [note] if note else []
     request = GenerateRequest(cfg, tokenizer, spec, prompts, limits, eos, sampling, notes, memory=memory)
     if args.draft:
         from .drafts import draft_config, draft_notes

@@ -39,6 +39,7 @@ def read_prompts(args) -> list[dict]:
             raise ConfigError(f"--prompts {path} line {n} has no \"prompt\" string; each line must be an object "
                               f"like {{\"prompt\": \"...\"}} (or, with --chat, {{\"messages\": [...]}}).")
         check_prompt_keys(row, f"--prompts {path} line {n}")
+        _check_template_keys(row, f"--prompts {path} line {n}")
         if "messages" in row:
             _check_chat_row(row, args, f"--prompts {path} line {n}")
         if "seed" in row and (type(row["seed"]) is not int or not 0 <= row["seed"] < 2**63):
@@ -130,6 +131,30 @@ def _check_unique_ids(path: Path, lines: dict) -> None:
                           f"the id to say which prompt each continues; give each line its own \"id\" (or none).")
 
 
+# what another API feeds a chat template beside the messages (a top-level system prompt: Alpaca-style and ShareGPT
+# files; tools: OpenAI's API and transformers' apply_chat_template; documents: transformers'; vLLM's per-request
+# template arguments): longctx renders "messages" alone, so such a line was answered without its system prompt or
+# its tools, without a word. A line's other keys (its metadata) are left alone.
+SYSTEM_KEYS = ("system", "system_prompt")
+TEMPLATE_KEYS = ("tools", "documents", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+
+
+def _check_template_keys(row: dict, where: str) -> None:
+    """A --prompts line (`row`, at `where`) holding a chat template's input beside its messages (SYSTEM_KEYS,
+    TEMPLATE_KEYS), which nothing would read."""
+    system = [k for k in SYSTEM_KEYS if k in row]
+    if system:
+        raise ConfigError(f"{where} has {system[0]!r}, which longctx does not read: a system prompt is a message. "
+                          f"Give the line as {{\"messages\": [{{\"role\": \"system\", \"content\": ...}}, "
+                          f"{{\"role\": \"user\", \"content\": ...}}]}}, the system prompt as the first of "
+                          f"\"messages\", rendered by the tokenizer's chat template (--chat).")
+    other = [k for k in TEMPLATE_KEYS if k in row]
+    if other:
+        raise ConfigError(f"{where} has {other[0]!r}, which longctx does not read: it renders the chat template from "
+                          f"the messages alone (tools and documents none, the generation prompt added), so the "
+                          f"line would be answered without it. Drop it, or write what it says into the messages.")
+
+
 def _check_chat_row(row: dict, args, where: str) -> None:
     from ..data.chat_template import check_messages
 
@@ -199,10 +224,32 @@ def apply_chat(prompts: list[dict], spec: str) -> str:
     from ..data.chat_template import load_chat_template
 
     template = load_chat_template(spec)
-    for p in prompts:
-        p["text"] = template.render(p.get("messages") or [{"role": "user", "content": p["text"]}])
+    for i, p in enumerate(prompts):
+        try:
+            p["text"] = template.render(p.get("messages") or [{"role": "user", "content": p["text"]}])
+        except ConfigError as e:  # (which of a file's conversations: the template's words alone named none)
+            if len(prompts) == 1:
+                raise
+            raise ConfigError(f"prompt {i + 1} of --prompts (in file order, blank lines not counted): {e}") from None
         p["chat"] = True
     return template.source
+
+
+def with_turn_end(eos: list[int], spec: str, tokenizer) -> tuple[list[int], str]:
+    """--chat's stop ids: the model's EOS ids `eos` and the tokenizer's eos_token (tokenizer_config.json's, the
+    `eos_token` its chat template reads: transformers' tokenizer.eos_token), with the note saying it was added ('':
+    it was among them). An instruct tokenizer's eos_token is the token that ends an assistant's turn (<|im_end|>,
+    <|eot_id|>), which the model's generation_config.json or config.json may leave out (none there, or a base
+    model's end of text only): the row then ran past the answer into a next turn the model made up. vLLM stops
+    at the tokenizer's eos_token too."""
+    from ..data.chat_template import load_chat_template
+
+    text = load_chat_template(spec).special_tokens.get("eos_token")
+    ids = [int(t) for t in tokenizer.encode(text)] if text else []
+    if len(ids) != 1 or ids[0] in eos:  # (a text of several tokens is no token to stop at)
+        return eos, ""
+    return [*eos, ids[0]], (f"--chat: the tokenizer's eos_token {text} (id {ids[0]}), which ends the chat "
+                            f"template's turns, also ends a generation (the model's EOS ids {eos} leave it out)")
 
 
 def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) -> tuple[list[int], list[str]]:
