@@ -50,6 +50,7 @@ BUDGET_ENV = "LONGCTX_HOST_MEMORY_BYTES"
 AUTO_SHARE = 0.8  # memory/auto.py: offload_fraction auto keeps within 0.8 x host memory per rank
 CPU_DEVICE = "device (CPU: host memory)"
 GIB = 2**30
+PROCESS_CAP = 2**30  # check_host_memory: the most a rank yet to start is counted before its run's bytes
 
 # what to change when a part is the largest
 ADVICE = {
@@ -191,7 +192,9 @@ def check_host_memory(cfg: Config, dims, ranks_on_node: int, device_type: str, n
     budget, source = host_budget()
     per_rank = rank_host_bytes(cfg, dims, device_type, ranks_on_node, budget)
     if new_processes:
-        per_rank = {**per_rank, "process": current_rss_bytes()}
+        # (at most PROCESS_CAP: a launcher holding more than its imports, a notebook's or a test worker's, is no
+        # rank's start)
+        per_rank = {**per_rank, "process": float(min(current_rss_bytes(), PROCESS_CAP))}
         per_rank["total"] = sum(v for k, v in per_rank.items() if k != "total")
     need = per_rank["total"] * ranks_on_node
     if need <= budget:
