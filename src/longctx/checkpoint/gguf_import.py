@@ -35,20 +35,20 @@ import torch
 
 from ..config.hf import HFFormatError
 from ..durable import file_in_the_way, scratch_dir
-from ..errors import UserError
 from ..models.hf import config_from_hf, load_hf
 from ..progress import phase, say
+from .gguf_checks import (  # noqa: F401  (GGUFImportError: imported from here too)
+    GGUFImportError,
+    check_filled,
+    check_rope,
+    check_shared_gate,
+    check_sizes_read,
+)
 
 # what transformers needs to read a GGUF: the file format (gguf) and its loading hooks (accelerate)
 REQUIRED_PACKAGES = ("transformers", "gguf", "accelerate")
 CHECK_TOKENS = 16  # tokens of the logits check after writing
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class GGUFImportError(UserError, ValueError):
-    """A GGUF file, an output directory or a setup that the import refuses; the message says the fix."""
-
-    exit_code = 2
 
 
 @dataclass
@@ -129,36 +129,6 @@ def read_header(path: Path):
     return reader, arch
 
 
-def check_rope(reader, arch: str, path: Path) -> None:
-    """Refuse RoPE scaling that transformers' GGUF reader does not carry into config.json: the model
-    would load, with other frequencies than it was trained with."""
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise GGUFImportError(f"{path.name} holds rope_freqs.weight: per-frequency RoPE factors (Llama 3.1-style "
-                              f"scaling) that transformers' GGUF reader ignores, so the imported model would use "
-                              f"other RoPE frequencies than the one that was trained. Use the model's Hugging Face "
-                              f"release (config.json + safetensors) instead: pass hf:DIR to longctx.")
-    key = f"{arch}.rope.scaling.type"
-    kind = reader.fields[key].contents() if key in reader.fields else None
-    if kind not in (None, "none", ""):
-        raise GGUFImportError(f"{path.name} sets {key} = {kind!r}, which transformers' GGUF reader leaves out of "
-                              f"config.json; the imported model would compute without that RoPE scaling. Use the "
-                              f"model's Hugging Face release instead (pass hf:DIR to longctx).")
-    # llama.cpp scales without a type key too: it takes the type as linear and the factor from rope.scaling.factor
-    # or the older rope.scale_linear (0: not set), and multiplies cos and sin by rope.scaling.attn_factor (with
-    # type none it never scales); transformers' reader maps none of these keys
-    for suffix, identity in (("rope.scaling.factor", (0.0, 1.0)), ("rope.scale_linear", (0.0, 1.0)),
-                             ("rope.scaling.attn_factor", (1.0,))):
-        name = f"{arch}.{suffix}"
-        if name not in reader.fields or (kind == "none" and suffix != "rope.scaling.attn_factor"):
-            continue
-        value = float(reader.fields[name].contents())
-        if value not in identity:
-            raise GGUFImportError(f"{path.name} sets {name} = {value:g}, which llama.cpp applies to RoPE (a factor "
-                                  f"with no {key} scales linearly) and transformers' GGUF reader leaves out of "
-                                  f"config.json; the imported model would compute without that RoPE scaling. Use "
-                                  f"the model's Hugging Face release instead (pass hf:DIR to longctx).")
-
-
 def check_disk(reader, out: Path, dtype: str) -> None:
     """Refuse before reading the weights when DIR's filesystem cannot hold them dequantized."""
     elements = sum(int(t.n_elements) for t in reader.tensors)
@@ -184,90 +154,6 @@ def read_config(path: Path):
     except HFFormatError as e:
         raise GGUFImportError(f"{path.name} is a model longctx does not read: {e}") from None
     return config
-
-
-def check_filled(reader, config, arch: str, path: Path) -> None:
-    """transformers fills what a file's metadata lacks with its config class's defaults (a llama file
-    without hyperparameters reads as a 32-layer Llama of 6.6B parameters) and finds the weights missing
-    only after building that model in fp32 (26 GB, minutes). Refuse a file whose tensors hold fewer values
-    than the model its metadata describes has parameters, counted on the meta device (no memory)."""
-    import transformers
-
-    try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, TypeError, RuntimeError, NotImplementedError):  # (load_model's own check follows)
-        return
-    need = sum(p.numel() for p in model.parameters())
-    have = sum(int(t.n_elements) for t in reader.tensors)
-    if need > have:
-        keys = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length")
-        lacks = [f"{arch}.{k}" for k in keys if f"{arch}.{k}" not in reader.fields]
-        lacking = f"; it lacks {', '.join(lacks)}, which transformers fills with its defaults" if lacks else ""
-        raise GGUFImportError(f"{path.name}'s metadata does not describe its tensors: as transformers reads it, it is "
-                              f"a model of {need:,} parameters ({config.num_hidden_layers} layers, hidden size "
-                              f"{config.hidden_size}, vocabulary {config.vocab_size:,}), and the file holds {have:,} "
-                              f"values{lacking}. Convert the model again with llama.cpp's convert_hf_to_gguf.py, or "
-                              f"use its Hugging Face release (hf:DIR).")
-
-
-# sizes that transformers' GGUF reader takes from its config class for some families whatever the file says:
-# metadata key (after "ARCH.") -> (the config attribute it sets instead, the weights that depend on it)
-SIZE_KEYS = {"attention.key_length": ("head_dim", "attention"),
-             "expert_feed_forward_length": ("moe_intermediate_size", "expert"),
-             "expert_shared_feed_forward_length": ("shared_expert_intermediate_size", "shared-expert")}
-
-
-def check_sizes_read(reader, config, arch: str, path: Path) -> None:
-    """Refuse a file whose sizes are not the ones transformers reads: its qwen3 reader ignores attention.key_length
-    (Qwen3Config's head_dim 128), its qwen2moe / qwen3moe readers the expert sizes (Qwen2MoeConfig's 1408 and 5632,
-    Qwen3MoeConfig's 768). Such a file was refused as metadata that "does not describe its tensors" with advice
-    (convert again) that no conversion follows, or, of larger sizes, failed inside transformers (a size mismatch)."""
-    for suffix, (attr, part) in SIZE_KEYS.items():
-        key = f"{arch}.{suffix}"
-        read = getattr(config, attr, None)
-        if attr == "head_dim" and not read:
-            read = config.hidden_size // config.num_attention_heads
-        if key not in reader.fields or read is None:
-            continue
-        stated = int(reader.fields[key].contents())
-        if stated != read:
-            raise GGUFImportError(f"{path.name} sets {key} = {stated}, but transformers' GGUF reader takes {attr} "
-                                  f"{read} for {arch} (it does not read that key), so it cannot read the file's "
-                                  f"{part} weights. Use the model's Hugging Face release instead (pass hf:DIR to "
-                                  f"longctx).")
-
-
-def check_shared_gate(reader, config, arch: str, path: Path) -> None:
-    """Refuse a shared-expert gate that transformers' reader would shape wrongly: its qwen2moe reader adds a leading
-    dimension to the gate, which older llama.cpp conversions wrote 1-D (hidden,); current ones write it as
-    transformers' own (1, hidden), which then fails inside transformers (a size mismatch) after the model is built.
-    The reader is asked what it makes of the stored shape, so a transformers that takes both forms passes."""
-    want = (1, config.hidden_size)  # Qwen2MoeSparseMoeBlock.shared_expert_gate: Linear(hidden, 1)
-    for t in reader.tensors:
-        if not t.name.endswith(".ffn_gate_inp_shexp.weight"):
-            continue
-        stored = tuple(int(n) for n in reversed(t.shape))  # (the reader hands tensors over in numpy order)
-        read = processed_shape(config, arch, t.name, stored)
-        if read is not None and read != want:
-            raise GGUFImportError(f"{path.name} stores {t.name} as {stored} (as current llama.cpp conversions write "
-                                  f"the shared-expert gate), and transformers' GGUF reader makes it {read} where "
-                                  f"the model's is {want}: it reads only the 1-D form ({config.hidden_size},) of "
-                                  f"older conversions. Use the model's Hugging Face release instead (pass hf:DIR "
-                                  f"to longctx).")
-
-
-def processed_shape(config, arch: str, name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The shape transformers' GGUF tensor processor for `arch` turns a `shape` tensor named `name` into (a zero
-    array of it, nothing read from the file); None when this transformers has no such processor to ask."""
-    import numpy as np
-
-    try:
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-    except ImportError:
-        return None
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    return tuple(processor.process(weights=np.zeros(shape, np.float32), name=name).weights.shape)
 
 
 def unread_tensors(model, reader, arch: str) -> list[str]:

@@ -42,7 +42,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from ..ops.eager import eager_under_compile
 from ..ops.grouped import grouped_mm
 from .balanced_assignment import balanced_assignment, sinkhorn
 from .moe_capacity import CallTokens, capacity_kept, decide, padded_choices
@@ -52,7 +51,7 @@ from .moe_dispatch import (  # noqa: F401  (Routing, TokenRows: imported from he
     TokenRows,
     expert_counts,
 )
-from .moe_stats import RouterRecord, RouterTerms, record, router_terms, update_expert_bias  # noqa: F401
+from .moe_stats import RouterRecord, RouterTerms, record_call, router_terms, update_expert_bias  # noqa: F401
 from .swiglu import FeedForward
 
 
@@ -335,17 +334,10 @@ class MoEFeedForward(nn.Module):
         if routing is None:
             return torch.zeros_like(x)
         if self.recording:
-            self._record(routing, flat.shape[0])
+            record_call(self, routing, flat.shape[0])
         shared = None if self.shared is None else (lambda: self._shared(flat))
         y, s = self._routed(flat, routing, shared)
         return (y if s is None else y + s).view(shape)
-
-    # (eager under a compiled `post`: traced, it guarded on len(self.records) and the piece's bounds, so each piece
-    # of a memory policy's call (memory.block_chunk) compiled again until the recompile limit ran some pieces
-    # eagerly, and a checkpointed piece's forward and its recomputation saved different tensors: CheckpointError)
-    @eager_under_compile
-    def _record(self, routing: Routing, tokens: int) -> None:
-        self.records.append(record(routing, tokens, self.num_experts, self.real_of(tokens, True), self.z_grad))
 
     def _shared(self, flat: torch.Tensor) -> torch.Tensor:
         s = self.shared(flat)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.eager import eager_under_compile
 from .moe_dispatch import Routing, expert_counts
 
 
@@ -25,6 +26,15 @@ class RouterRecord:
     tokens: int | torch.Tensor  # the call's (real) tokens: an int, a 0-d tensor with a padding mask (no host read)
     dropped: torch.Tensor     # real tokens' choices dropped for capacity (no gradient)
     rows: torch.Tensor        # [E] choices each expert runs: kept by the capacity (= counts without one), no gradient
+
+
+# (eager under a compiled `post`: traced, it guarded on len(layer.records) and the piece's bounds, so each piece
+# of a memory policy's call (memory.block_chunk) compiled again until the recompile limit ran some pieces
+# eagerly, and a checkpointed piece's forward and its recomputation saved different tensors: CheckpointError)
+@eager_under_compile
+def record_call(layer, routing: Routing, tokens: int) -> None:
+    """A MoE layer's (models/moe.py MoEFeedForward) record of one call of `tokens` tokens, appended to its records."""
+    layer.records.append(record(routing, tokens, layer.num_experts, layer.real_of(tokens, True), layer.z_grad))
 
 
 def record(routing: Routing, tokens: int, num_experts: int, real: torch.Tensor | None = None,

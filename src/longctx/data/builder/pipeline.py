@@ -41,7 +41,7 @@ from . import scan
 from .assembly import Assembly
 from .options import BuildOptions, check_options
 from .out_dir import WORK, check_out, check_parts
-from .readers import json_read_as_text
+from .readers import unit_format
 from .scan import ScannedShard
 from .timing import timed
 
@@ -223,10 +223,23 @@ def _describe(opts: BuildOptions, tok) -> str:
             f"worker{'s' if workers != 1 else ''}, max memory {opts.memory / 2**20:.0f}MB)")
 
 
+def json_read_as_text(paths: list[Path]) -> list[Path]:
+    """The .json files (also .json.gz / .json.zst) among `paths`: each read as one plain text document (a code
+    corpus' package.json), which a build of records (--response-field, --messages-field) would train on whole,
+    a JSON array of conversations or pairs with its prompts and its JSON syntax. Records are read from JSON Lines."""
+    found = []
+    for path in paths:
+        fmt, compression = unit_format(path)
+        name = path.name.lower()
+        if fmt == "text" and Path(name[: -len(compression)] if compression else name).suffix == ".json":
+            found.append(path)
+    return found
+
+
 def _refuse_json_text(units: list, flag: str) -> None:
     """A DataError for .json files among a build of records' inputs: each would be one plain text document, trained
     on whole (a JSON array of conversations or pairs: its prompts, role names and JSON syntax), where the user meant
-    its records (readers.py json_read_as_text)."""
+    its records (json_read_as_text)."""
     found = json_read_as_text([Path(u.path) for u in units])
     if found:
         more = f" (and {len(found) - 1} more .json file{'s' if len(found) > 2 else ''})" if len(found) > 1 else ""

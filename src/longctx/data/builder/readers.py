@@ -122,19 +122,6 @@ def unit_format(path: Path) -> tuple[str | None, str | None]:
     return ("jsonl" if inner == ".jsonl" else "text"), compression
 
 
-def json_read_as_text(paths: list[Path]) -> list[Path]:
-    """The .json files (also .json.gz / .json.zst) among `paths`: each read as one plain text document (a code
-    corpus' package.json), which a build of records (--response-field, --messages-field) would train on whole,
-    a JSON array of conversations or pairs with its prompts and its JSON syntax. Records are read from JSON Lines."""
-    found = []
-    for path in paths:
-        fmt, compression = unit_format(path)
-        name = path.name.lower()
-        if fmt == "text" and Path(name[: -len(compression)] if compression else name).suffix == ".json":
-            found.append(path)
-    return found
-
-
 # -- the optional libraries, imported when a unit needs them -------------------------------------
 
 def _pyarrow(path: Path):
