@@ -28,18 +28,24 @@ from . import watchdog
 from .launch import ERROR_DIR_ENV
 
 
-def hand_error_to_launcher(message: str, exit_code: int) -> bool:
-    """Under `longctx train --nproc N`, a rank's error goes to the launcher, which prints each distinct
-    message once, naming the ranks that hit it, instead of N copies glued into each other's lines.
-    Returns False (print it yourself) when not started that way."""
+def _write_for_launcher(name: str, text: str) -> bool:
+    """This rank's file `name` (its rank in the {}) written with `text` in the folder `longctx train --nproc N`'s
+    launcher reads; False where this process was not started that way, or the write failed."""
     folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
     if not folder or rank is None:
         return False
     try:
-        (Path(folder) / f"rank{rank}.json").write_text(json.dumps({"message": message, "exit_code": exit_code}))
+        (Path(folder) / name.format(rank)).write_text(text)
     except OSError:
         return False
     return True
+
+
+def hand_error_to_launcher(message: str, exit_code: int) -> bool:
+    """Under `longctx train --nproc N`, a rank's error goes to the launcher, which prints each distinct
+    message once, naming the ranks that hit it, instead of N copies glued into each other's lines.
+    Returns False (print it yourself) when not started that way."""
+    return _write_for_launcher("rank{}.json", json.dumps({"message": message, "exit_code": exit_code}))
 
 
 def another_rank_reported() -> bool:
@@ -58,20 +64,14 @@ def note_crash() -> None:
     traceback, which it prints itself): the moment, for the launcher to name the rank that failed first. torchrun
     times its ranks' exits to the second, in one pass, so a peer whose collective lost this rank, failing a few
     milliseconds after it, was as early, and the lower rank was named (_first_failure)."""
-    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    if folder and rank is not None:
-        with contextlib.suppress(OSError):
-            (Path(folder) / f"crash{rank}.json").write_text(json.dumps({"time": time.time()}))
+    _write_for_launcher("crash{}.json", json.dumps({"time": time.time()}))
 
 
 def note_finished() -> None:
     """Under `longctx train --nproc N`, once this rank's run has ended well (its steps trained, its saves committed):
     a signal that reaches the launcher after every rank did is no stop (_relaunch), though torchrun's agent raises
     on it whatever its ranks then do."""
-    folder, rank = os.environ.get(ERROR_DIR_ENV), os.environ.get("RANK")
-    if folder and rank is not None:
-        with contextlib.suppress(OSError):
-            (Path(folder) / f"finished{rank}").touch()
+    _write_for_launcher("finished{}", "")
 
 
 def _all_finished(folder: Path, nproc: int) -> bool:
