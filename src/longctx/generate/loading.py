@@ -22,6 +22,7 @@ def load_model(cfg, device, dtype):
     from ..checkpoint.manager import resolve_checkpoint
     from ..checkpoint.weights_only import load_model_weights
     from ..config.hf import hf_dir
+    from ..job.runtime import on_rank_0
     from ..models.hf import load_hf_weights
     from ..models.llama import build_model
 
@@ -31,7 +32,9 @@ def load_model(cfg, device, dtype):
     if source.startswith("hf:"):
         load_hf_weights(model, hf_dir(source))
     else:
-        path = _resolved_on_rank_0(lambda: resolve_checkpoint(source, Path(source)))
+        # (resolved once, on rank 0: a checkpoints directory names its latest step, which moves on while its run
+        # saves, and ranks resolving it apart would each hold another step's weights, their cache shards two models)
+        path = on_rank_0(lambda: resolve_checkpoint(source, Path(source)), "resolving --checkpoint")
         if path is None:
             raise ConfigError(f"--checkpoint {source} holds no complete checkpoint.")
         manifest = load_model_weights(path, model)
@@ -44,32 +47,6 @@ def load_model(cfg, device, dtype):
         model.to(dtype)
     model.init_rope(ratios)  # (fp32, from the config: an extension applies to the loaded weights)
     return model.eval()
-
-
-def _resolved_on_rank_0(resolve):
-    """resolve() on rank 0, its result on every rank of a sharded job: a checkpoints directory names its latest
-    step, which moves on while its run saves (generate or eval of a run in progress), and ranks resolving it
-    apart would each hold another step's weights, their cache shards then mixing two models. Rank 0's failure
-    is every rank's (train/setup.py on_main): the others had waited on a broadcast its rank never joined."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return resolve()
-    from ..job.runtime import on_main
-
-    return on_main(_DefaultGroup(dist), resolve, "resolving --checkpoint")
-
-
-class _DefaultGroup:
-    """What on_main reads of a Runtime, for the default process group (load_model is given no Runtime)."""
-
-    def __init__(self, dist):
-        self.is_main, self._dist = dist.get_rank() == 0, dist
-
-    def broadcast(self, obj):
-        box = [obj]
-        self._dist.broadcast_object_list(box, src=0)
-        return box[0]
 
 
 def check_weight_files(init_from: str, flag: str) -> None:

@@ -121,3 +121,21 @@ def _same_error(cls: type[UserError], message: str) -> UserError:
         error = UserError(message)
         error.exit_code = cls.exit_code
         return error
+
+
+def on_rank_0(fn, what: str):
+    """on_main over the default process group, for a caller given no Runtime (generate's load_model, under head
+    x ctx ranks); fn() alone where there is no group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return fn()
+    return on_main(_DefaultGroup(), fn, what)
+
+
+class _DefaultGroup:
+    """What on_main reads of a Runtime, for the default process group."""
+
+    def __init__(self):
+        self.is_main = dist.get_rank() == 0
+
+    def broadcast(self, obj):
+        return comm.broadcast_object_in_group(obj, None)  # (group None: the default one)
