@@ -68,24 +68,23 @@ def test_a_fine_tune_that_keeps_the_files_ends_is_another_target(targets):
 
 
 def test_a_draft_of_the_target_is_refused_beside_its_fine_tune(targets):
-    record = _record(weights_identity(targets["a"]))
-    _check_target_identity(record, "draft", targets["copy"])  # its own weights, copied: accepted
-    with pytest.raises(ConfigError, match="other weights"):
-        _check_target_identity(record, "draft", targets["tuned"])
-    manifest = {"draft": {"kind": "glide", "layers": 1, "vocab": 0, **record}}
-    check_draft_matches(manifest, 1, "ckpt", target_identity=weights_identity(targets["copy"]))
-    with pytest.raises(CheckpointError, match="other weights"):
-        check_draft_matches(manifest, 1, "ckpt", target_identity=weights_identity(targets["tuned"]))
+    _accepted_beside_one_refused_beside_other(weights_identity(targets["a"]), targets["copy"], targets["tuned"])
 
 
 def test_a_draft_recorded_before_the_tensor_samples_is_compared_by_the_files_ends(targets):
     old = weights_identity(targets["a"]).split(".")[0]  # (what a draft recorded before: ENDS, 16 hex digits)
     assert len(old) == 16
-    record = _record(old)
-    _check_target_identity(record, "draft", targets["a"])  # its own target still accepted
+    _accepted_beside_one_refused_beside_other(old, targets["a"], targets["other"])  # (its own target still accepted)
+
+
+def _accepted_beside_one_refused_beside_other(recorded: str, same: str, other: str) -> None:
+    """A draft whose record holds the target identity `recorded`: generate (_check_target_identity) and a resume
+    (check_draft_matches) take it beside the weights `same` and refuse it beside `other`."""
+    record = _record(recorded)
+    _check_target_identity(record, "draft", same)
     with pytest.raises(ConfigError, match="other weights"):
-        _check_target_identity(record, "draft", targets["other"])
+        _check_target_identity(record, "draft", other)
     manifest = {"draft": {"kind": "glide", "layers": 1, "vocab": 0, **record}}
-    check_draft_matches(manifest, 1, "ckpt", target_identity=weights_identity(targets["a"]))
+    check_draft_matches(manifest, 1, "ckpt", target_identity=weights_identity(same))
     with pytest.raises(CheckpointError, match="other weights"):
-        check_draft_matches(manifest, 1, "ckpt", target_identity=weights_identity(targets["other"]))
+        check_draft_matches(manifest, 1, "ckpt", target_identity=weights_identity(other))
