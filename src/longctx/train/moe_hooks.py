@@ -118,12 +118,13 @@ class MoEStepHook(StepHook):
         """A checkpoint's state_dict (None: one written before it was saved; the placer starts static)."""
         state = state or {}
         placer, counts = expert_placer(self.model), state.get("router_counts")
-        if placer is not None:
-            placer.load_state_dict(state.get("placer"))
         # where the step's counts are made: the buffers' device (RoPE's, the routers' bias), the accelerator's
         # also under memory.model_states = host, whose parameters are in host memory; restored there, a step's
-        # torch.where met them there and copied them over, waiting for the device (a plain host-to-device copy)
+        # torch.where met them there and copied them over, waiting for the device (a plain host-to-device copy),
+        # and the placer's window (restored beside w1) met the next step's counts: a GPU refused the add
         device = next(self.model.buffers()).device
+        if placer is not None:
+            placer.load_state_dict(state.get("placer"), device)
         self.router_counts = None if counts is None else torch.tensor(counts, dtype=torch.float32, device=device)
 
 

@@ -22,7 +22,10 @@ optimizer steps. The price is the copied experts' weights over the expert group'
 layer call (forward fetch, backward gradient; a call recomputed in backward fetches them once more),
 and the layer is called for every micro-batch of a step (train.grad_accum), and for every piece of one a
 memory policy runs the block in (memory.block_chunk's chunks, offload_fraction's two parts): the cost
-bound below.
+bound below. In memory, a layer call whose saved tensors are kept holds, until its backward, the rank's
+experts and copy slots concatenated (`with_copies`: (E / expert + replicas) x 3 x dim x expert_dim values,
+what the grouped GEMMs save, where without copies they save the parameters themselves) and the copies it
+received: memory/accounting.py does not count them (the planner refuses parallel.expert_replicas as uncosted).
 
 The policy (`plan_placement`) is a greedy water-filling over the loads seen over a window of steps
 (the rows each expert ran: the router's choices less a capacity's drops, summed over every rank, the same on
@@ -226,19 +229,21 @@ class ExpertPlacer:
         in use came from; a resume plans them again for its own expert degree and copy slots."""
         return {"steps": self.steps, "seen": None if self.seen is None else self.seen.tolist(), "load": self.load}
 
-    def load_state_dict(self, state: dict | None) -> None:
+    def load_state_dict(self, state: dict | None, device=None) -> None:
         """A checkpoint's state_dict (None: one written before placements were saved, the static start).
         Everything is replaced, placements included: a rollback restores a placer that may have re-placed
-        since that checkpoint was saved."""
+        since that checkpoint was saved. `device`: where the router counts `observe` adds are made (None: the
+        first layer's w1's, which under memory.model_states = host is host memory: the window's counts there
+        met the device's counts at the next step, which a GPU refuses)."""
         self.steps, self.seen, self.load = 0, None, None
         for layer in self.layers:
             layer.experts.placement = None
         if not state:
             return
         self.steps = int(state["steps"])
-        w = self.layers[0].experts.w1
+        device = self.layers[0].experts.w1.device if device is None else device
         self.seen = None if state["seen"] is None else torch.tensor(state["seen"], dtype=torch.float32,
-                                                                   device=w.device)
+                                                                   device=device)
         if state["load"] is not None:
             self._place(state["load"])
 
