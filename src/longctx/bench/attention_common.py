@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import time
+from datetime import date
 
 import torch
 
@@ -51,8 +52,10 @@ def machine_load() -> dict:
 
 
 def machine_summary(load_start: dict) -> dict:
+    """Where and when the figures were measured (the date too: a JSON compared with another names its day)."""
     end = machine_load()
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+    return {"date": date.today().isoformat(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "torch": torch.__version__,
             "loadavg_1m_start": load_start["loadavg_1m"], "loadavg_1m_end": end["loadavg_1m"],
             "pytest_processes_start": load_start["pytest_processes"], "pytest_processes_end": end["pytest_processes"]}
 

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import platform
 import time
+from datetime import date
 
 import torch
 import torch.distributed as dist
@@ -208,10 +211,12 @@ def main(args) -> int:
     check_modes(spec)
     with tempfile.TemporaryDirectory(prefix="bench-comm-") as work:
         result = run_spawned(nodes * ranks, _rank, {**spec, "work": work}, timeout=4 * 3600)[0]
-    out = {"cluster": f"{nodes}x{ranks}", "model": args.model, "seq_len": args.seq_len, "timed_steps": timed,
+    out = {"bench": "comm", "date": date.today().isoformat(), "cluster": f"{nodes}x{ranks}", "model": args.model,
+           "seq_len": args.seq_len, "timed_steps": timed,
            "co2_local_steps": args.co2_local_steps, "co2_overlap_steps": args.co2_overlap_steps or args.co2_local_steps,
            "zero_pp_kernels": args.zero_pp_kernels,
-           **result, "ratios": _ratios(result["modes"])}
+           **result, "ratios": _ratios(result["modes"]),
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
     if args.plot and args.steps:
         _plot(result["modes"], args.plot)
     print(strict_json.dumps(out, indent=1))

@@ -10,6 +10,7 @@ JSON says so), or its death by SIGKILL, which is what the kernel's out-of-memory
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,9 +28,12 @@ def parse_bytes(text: str) -> int:
     t = text.strip().lower()
     num = t.rstrip("kmgtib")
     try:
-        return int(float(num) * units[t[len(num):]])
+        value = float(num) * units[t[len(num):]]
     except (ValueError, KeyError):
-        raise ValueError(f"cannot read '{text}' as a size; write e.g. 6GiB, 512MiB or 2GB") from None
+        value = math.nan
+    if not math.isfinite(value):  # (inf: no step exceeds it, and int() raised an OverflowError traceback)
+        raise ValueError(f"cannot read '{text}' as a size; write e.g. 6GiB, 512MiB or 2GB")
+    return int(value)
 
 
 HOST_OOM = "does not fit (host memory)"

@@ -15,6 +15,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from datetime import date
 from pathlib import Path
 
 import torch
@@ -67,7 +68,8 @@ def run_one(preset: str, seq: int, layout: str, steps: int, global_batch: int) -
     return {"preset": preset, "seq_len": seq, "layout": layout, "world": nproc, "threads_per_rank": per_rank,
             "steps_timed": len(timed),
             "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu") if timed[0].get("mfu") else None,
-            "memory_gib_max": max(x["memory_gib"] for x in timed), "loss_last": timed[-1]["loss"],
+            "memory_gib_max": max(x["memory_gib"] for x in timed), "memory_kind": timed[-1].get("memory_kind"),
+            "loss_last": timed[-1]["loss"],
             "comm_bytes_per_step": timed[-1].get("comm_bytes_per_step", {})}
 
 
@@ -92,6 +94,10 @@ def main(args) -> int:
                         row = run_one(preset, seq, layout, args.steps, args.global_batch)
                     say(strict_json.dumps(row))  # progress
                     rows.append(row)
-    print(strict_json.dumps({"bench": "train", "rows": rows, "machine": {
-        "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}, indent=2))
+    # the settings every row ran (the rates are of --global-batch sequences per step): two files compare
+    config = {"presets": args.presets, "seq_len": args.seq_len, "layouts": args.layouts, "steps": args.steps,
+              "global_batch": args.global_batch}
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
+    print(strict_json.dumps({"bench": "train", "date": date.today().isoformat(), "config": config, "rows": rows,
+                             "machine": machine}, indent=2))
     return 0

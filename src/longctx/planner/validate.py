@@ -11,25 +11,30 @@ step/optimizer.py make_optimizer's AdamW) on a random global batch with document
   by `job/traffic.py library_traffic()` from the c10d operators), on every rank, vs the planner's
   `fsdp_bytes_per_step` (must be equal);
 - the model-state bytes each rank holds after the optimizer step (its shards of the fp32
-  parameters, gradients and AdamW's two moments), vs the planner's model-state figure (equal on
-  average over the ranks; FSDP2 pads uneven shards, so single ranks may differ by a few rows);
+  parameters, gradients and AdamW's two moments), vs the planner's model-state figure (the largest
+  rank's equal to it: the planner counts the shard FSDP2 pads every rank's to, so a rank of an uneven
+  split holds a few rows less);
 - activation bytes per rank as `longctx.bench.memory` measures them, vs the planner's activation
-  estimate (within 5%);
+  estimate (within 5%), and the host bytes of offloaded activations likewise;
 - the median step time, vs the planner's predicted step time for this machine (calibrated with
   `hardware.calibrate`), compared as rankings and ratios between mesh shapes.
 
 `longctx plan --validate` runs the default cases and prints JSON; benchmarks/planner_validate.py
-runs it with options and writes the docs table.
+runs it with options and writes the docs table. The exit status is 1 when a case fails any of the
+byte checks above (each case's row says which: comm_equal_all_ranks, fsdp_equal_all_ranks,
+model_states_equal, activations_within_5pct, host_within_5pct).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import date
 
 import torch
 
@@ -263,6 +268,12 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
     row["host_measured"] = [r["activations"]["host"] for r in per_rank]
     row["activations_max_rel_error"] = max(abs(a - est.memory["activations"]) / est.memory["activations"]
                                            for a in row["activations_measured"])
+    # the verdicts the exit status reads (it read the bytes only: activations 20% off exited 0)
+    row["model_states_equal"] = math.isclose(max(row["model_states_measured"]), row["model_states_predicted"],
+                                             rel_tol=1e-9)
+    row["activations_within_5pct"] = row["activations_max_rel_error"] <= 0.05
+    row["host_within_5pct"] = all(abs(h - row["host_predicted"]) <= max(0.05 * row["host_predicted"], 1)
+                                  for h in row["host_measured"])
     return row
 
 
@@ -335,8 +346,9 @@ def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_ca
     hw = calibrate(world=world_for_calibration)
     print(strict_json.dumps({"calibrated": hw.source, "peak_tflops": hw.peak_tflops,
                       "attention_efficiency": hw.attention_efficiency}), file=sys.stderr, flush=True)
-    out = {"bench": "planner_validate", "hardware": hw.__dict__, "bytes": [], "ranking": [],
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    out = {"bench": "planner_validate", "date": date.today().isoformat(), "hardware": hw.__dict__, "bytes": [],
+           "ranking": [], "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                      "torch": torch.__version__}}
     for case in (BYTES_CASES if cases is None else cases):
         row = run_case(case, hw, steps=1, warmup=1)  # step times of these cases are not compared
         print(strict_json.dumps(row), file=sys.stderr, flush=True)
@@ -348,6 +360,7 @@ def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_ca
     if out["ranking"]:
         out["ranking_agreement"] = ranking_agreement(out["ranking"])
     print(strict_json.dumps(out, indent=2))
+    checks = ("fsdp_equal_all_ranks", "model_states_equal", "activations_within_5pct", "host_within_5pct")
     ok = all(r["comm_equal_all_ranks"] for r in out["bytes"] + out["ranking"]) and \
-        all(r["fsdp_equal_all_ranks"] for r in out["bytes"])
+        all(r[check] for r in out["bytes"] for check in checks)
     return 0 if ok else 1

@@ -1,0 +1,59 @@
+"""What a benchmark's JSON says about its own run, for a reader comparing two of them: bench attention, train
+and comm and `plan --validate` wrote no date (bench moe, memory, decode and generate do; docs/benchmarks.md:
+every figure names the machine and the date), bench comm no machine, and bench train neither the --steps
+nor the --global-batch its rates are of (two files of other batches read as one setting at two speeds),
+nor which memory its memory_gib_max is (peak RSS on a CPU, the allocator's peak on a GPU)."""
+
+import argparse
+import json
+from datetime import date
+from pathlib import Path
+from types import SimpleNamespace
+
+from longctx.bench import attention_common, comm_cluster
+from longctx.bench import train as bench_train
+
+TODAY = date.today().isoformat()
+
+
+def test_bench_attention_says_the_date_beside_the_machine():
+    machine = attention_common.machine_summary({"loadavg_1m": 0.0, "pytest_processes": 0})
+    assert machine["date"] == TODAY and machine["torch"]
+
+
+def test_bench_train_says_the_date_the_steps_and_the_batch_its_rates_are_of(monkeypatch, capsys):
+    def run(cmd, **_kw):  # the `longctx train` subprocess: three steps of metrics
+        run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--train.run_dir="))
+        (Path(run_dir) / "metrics.jsonl").write_text("".join(
+            json.dumps({"kind": "train", "step": s, "loss": 1.0, "tokens_per_s": 100.0, "mfu": 0.1,
+                        "memory_gib": 0.5, "memory_kind": "peak RSS"}) + "\n" for s in (1, 2, 3)))
+        return SimpleNamespace(returncode=0, stderr="")
+
+    monkeypatch.setattr(bench_train.subprocess, "run", run)
+    args = SimpleNamespace(presets="debug", seq_len="64", layouts="single", steps=3, global_batch=4)
+    assert bench_train.main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["date"] == TODAY
+    assert doc["config"] == {"presets": "debug", "seq_len": "64", "layouts": "single", "steps": 3,
+                             "global_batch": 4}
+    assert doc["rows"][0]["memory_kind"] == "peak RSS"
+
+
+def test_bench_comm_says_the_date_and_the_machine(monkeypatch, capsys):
+    p = argparse.ArgumentParser()
+    comm_cluster.add_arguments(p)
+    args = p.parse_args(["--cluster", "2x2", "--modes", "fsdp", "--timed", "1"])
+    monkeypatch.setattr(comm_cluster, "run_spawned", lambda *_a, **_k: [{"profile": {}, "modes": {}}])
+    assert comm_cluster.main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["date"] == TODAY and doc["machine"]["cpus"] and doc["machine"]["torch"]
+
+
+def test_plan_validate_says_the_date(monkeypatch, capsys):
+    from longctx.costs.hardware import PRESETS
+    from longctx.planner import validate
+
+    monkeypatch.setattr(validate, "calibrate", lambda world: PRESETS["h100"])
+    assert validate.main(cases=[], ranking_cases=[]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["date"] == TODAY and doc["machine"]["torch"]
