@@ -104,6 +104,7 @@ def on_main(rt: Runtime | None, fn, what: str):
             outcome = (("error", type(e), str(e)) if isinstance(e, UserError) else
                        ("error", DataError, f"{what} failed on rank 0: {type(e).__name__}: {e}"))
     if rt is not None:
+        comm.wait_for_rank_0(rt.is_main)  # (fn may take longer than a collective waits: a data build)
         outcome = rt.broadcast(outcome if rt.is_main else None)
     if failure is not None:
         raise failure

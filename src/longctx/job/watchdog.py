@@ -65,6 +65,11 @@ def grace_s(timeout_s: float) -> float:
     return min(10.0, max(2.0, timeout_s / 6))
 
 
+def running() -> bool:
+    """Whether a watchdog watches this rank now (the training loop's; none in set-up)."""
+    return _ACTIVE is not None
+
+
 def tick() -> None:
     """Progress (a collective issued or finished); free when no watchdog runs."""
     if _ACTIVE is not None:
@@ -88,6 +93,21 @@ def phase(step: int, name: str) -> None:
     w = _ACTIVE
     if w is not None:
         w.step, w.phase, w.last = step, name, time.monotonic()
+
+
+@contextlib.contextmanager
+def in_phase(step: int, name: str):
+    """`name` of `step` for the block, then the phase it began in again. A save's phase counts as waiting (a save
+    stuck in I/O waits in no collective); left on after the save returned, it counted the rest of the step and the
+    next one's stage entry, the rank computing, as a save that made no progress: exit 86 after a committed save."""
+    w = _ACTIVE
+    before = None if w is None else (w.step, w.phase)
+    phase(step, name)
+    try:
+        yield
+    finally:
+        if before is not None and _ACTIVE is w:
+            phase(*before)
 
 
 class Watchdog:

@@ -45,8 +45,9 @@ def read_back(trainer, unread: list, result) -> tuple[float, float]:
 def roll_back_trainer(trainer, bad: BadStep, result) -> int:
     """Go back to the newest checkpoint before a bad step (rollback.py); returns the step the run
     goes on after (the bad one)."""
-    watchdog.phase(bad.step, "load")
+    watchdog.phase(bad.step, "save")  # the save in flight first, timed as a save (stuck in I/O: a hang; "load" is not)
     trainer.saves.wait()
+    watchdog.phase(bad.step, "load")
     last = trainer.cfg.train.steps
     note = roll_back(bad, trainer.ckpt, trainer.model, trainer.optimizer, trainer.sampler, trainer.rt.is_main,
                      trainer.rollback_repeats, last)

@@ -44,11 +44,11 @@ class RunSaves:
         """Save `step` when it is due; returns the seconds the loop was blocked by it."""
         if not self.due(step):
             return 0.0
-        watchdog.phase(step, "save")
         start = time.perf_counter()
-        self.wait()  # the save in flight first, apart: its failure is its own, not this step's (module docstring)
-        with self.errors(step):
-            self.ckpt.save(step, model, optimizer, sampler.state_dict())
+        with watchdog.in_phase(step, "save"):  # (the step's own phase again once it returns: the rank saves no more)
+            self.wait()  # the save in flight first, apart: its failure is its own, not this step's (module docstring)
+            with self.errors(step):
+                self.ckpt.save(step, model, optimizer, sampler.state_dict())
         return time.perf_counter() - start
 
     def save_for_stop(self, step: int, saved: bool, model, optimizer, sampler) -> None:
