@@ -17,12 +17,13 @@ never inside a word (`_boundary`). The filler is any token stream (the corpus, i
 the only natural-language sentence in Python code and nothing but retrieval answers the question.
 
 `SyntheticMixture` replaces a seeded fraction of a store's training samples by passkey (or
-needle) sequences built from the sample's own tokens, scored on the answer and the full stop that
-ends it (as the needle's own sentence does): `data.synthetic = "passkey:0.2"`. The stop is what
-teaches a model where the answer ends: trained on the digits alone it never sees a label past the
-last digit, and free generation (`eval --mode generate`) runs on with more digits after a right
-answer. Eval prompts end at the answer (no stop): scoring is on the answer's tokens only, so a model
-that ends its answers otherwise (a newline, EOS) is not marked down.
+needle) sequences built from the sample's own text (repeated where its padding would follow), scored
+on the answer and the full stop that ends it (as the needle's own sentence does):
+`data.synthetic = "passkey:0.2"`. The stop is what teaches a model where the answer ends: trained on
+the digits alone it never sees a label past the last digit, and free generation (`eval --mode
+generate`) runs on with more digits after a right answer. Eval prompts end at the answer (no stop):
+scoring is on the answer's tokens only, so a model that ends its answers otherwise (a newline, EOS)
+is not marked down.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def check_room(task: str, seq_len: int, tokenizer, where: str = "train.seq_len")
 class SyntheticMixture(SampleSet):
     """A store split (PackedSamples) with a seeded fraction of its samples turned into retrieval
     sequences: sample i is synthetic for every epoch and every layout alike (its own seeded draw),
-    built from its own tokens as filler, one document with positions 0..L-1, labelled on the answer
+    built from its own text as filler, one document with positions 0..L-1, labelled on the answer
     and its stop only, and beginning with the special tokens the store's documents begin with (its
     text_prefix, e.g. BOS), as the model is prompted in `longctx eval` and `longctx generate`.
     (Labelled on every token, the answer is 6 of the sample's L labels and its signal drowns
@@ -205,7 +206,10 @@ class SyntheticMixture(SampleSet):
         rng = np.random.default_rng([self.seed, int(i)])
         prefix = np.asarray(self.text_prefix, dtype=np.int64)
         L, k = self.seq_len, len(prefix)
-        prompt = retrieval_prompt(self.task, tokens, L - k, float(rng.random()), rng, self.tokenizer, stop=ANSWER_STOP)
+        # the filler is the sample's text, repeated where it is shorter than the sequence: its padding (pad
+        # tokens to seq_len) is no text, and a run of it before the question is what no eval prompt holds
+        filler = np.resize(tokens[:int(self.samples.real_tokens[i])], L)
+        prompt = retrieval_prompt(self.task, filler, L - k, float(rng.random()), rng, self.tokenizer, stop=ANSWER_STOP)
         tokens = np.concatenate([prefix, prompt.tokens])
         labels = np.concatenate([np.full(k, IGNORE, dtype=np.int64), prompt.labels])
         return tokens, labels, np.arange(L), (np.zeros(L, dtype=np.int64) if self.doc_mask else None)

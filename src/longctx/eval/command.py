@@ -31,6 +31,7 @@ loads torch, which `longctx data build` must not.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -169,6 +170,11 @@ def _write(result: dict, args) -> None:
 def _write_plot(result: dict, args) -> None:
     """A task's plot: --plot, or --output's name with .png (several tasks: each its own, task_list.task_plot)."""
     plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
+    # (drawn after the whole evaluation and its JSON: without matplotlib, a note, not a traceback and exit 1)
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        say(f"eval: note: no plot written to {plot}: it needs the matplotlib package (pip install matplotlib); "
+            f"the result is kept{f' in {args.output}' if args.output else ''}.")
+        return
     if plot:
         from .plots import write_plot
 

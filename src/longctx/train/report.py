@@ -6,9 +6,10 @@ describe_run and done_line: what a run says when it starts and when it ends."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from ..config.checkpoint_paths import step_name
+from ..config.checkpoint_paths import MANIFEST, step_name
 from ..config.inert_options import inert_option_notes
 from ..config.rules import moe_notes
 from ..errors import UserError
@@ -272,8 +273,24 @@ def rolled_back_steps(run_dir: Path) -> list[tuple[int, int]]:
     named = _run_setting(run_dir, "checkpoint", "dir")
     roots = [run_dir / "checkpoints", *([_run_path(run_dir, named)] if named else [])]
     # (both: a run resumed with another --checkpoint.dir recorded its earlier rollbacks in the first)
-    records = [r for root in roots if (root / RECORD).is_file() for r in read_jsonl(root / RECORD)]
+    records = [r for root in roots if (root / RECORD).is_file() for r in read_jsonl(root / RECORD)
+               if not _abandoned(root, r)]
     return sorted({(int(r["skipped_steps"][0]), int(r["skipped_steps"][1])) for r in records})
+
+
+def _abandoned(root: Path, rollback: dict) -> bool:
+    """A rollback of an attempt that a resume of an older checkpoint abandoned: the checkpoint it went back to
+    was saved again since, by the attempt that trained its skipped steps anew (another manifest checksum at that
+    step), so those steps' records are that attempt's. (A record without a checksum, or a checkpoint since
+    pruned, is kept: nothing says otherwise.)"""
+    checksum = rollback.get("checkpoint")
+    if not checksum or "rolled_back_to" not in rollback:
+        return False
+    try:
+        saved = json.loads((root / step_name(int(rollback["rolled_back_to"])) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and saved.get("checksum") not in (None, checksum)
 
 
 def _run_path(run_dir: Path, named: str) -> Path:

@@ -39,6 +39,10 @@ def check_packages(cfg: Config) -> None:
 
     if cfg.metrics.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("metrics.tensorboard=true needs the tensorboard package: pip install tensorboard.")
+    # (the plots are drawn at the run's end: without matplotlib a finished run stopped there on a traceback)
+    if cfg.metrics.plots and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("metrics.plots=true needs the matplotlib package: pip install matplotlib, or pass "
+                          "--metrics.plots false (`longctx report RUN_DIR` draws them later).")
 
 RUN_FILES = ("config.toml", "metrics.jsonl")  # what makes a directory hold a run
 
