@@ -149,11 +149,13 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
                             dtype_bytes: int, block_seconds: float, link_bytes_per_s: float,
                             host_bytes_per_rank: float, policy: MemoryPolicy | None = None,
                             expert: int = 1, host_bytes_taken: float = 0.0,
-                            pinned: bool = False, autocast: bool = False) -> tuple[float, str]:
+                            pinned: bool = False, autocast: bool = False,
+                            expert_replicas: int = 0) -> tuple[float, str]:
     """(fraction, the reason in one line) from measured times and bandwidths. `policy`: the run's other
     [memory] settings (attention_offload, expert_chunk, block_chunk...; its recompute and fraction are
     replaced): they change what the rank keeps on the host, so they must be counted; `expert`: the
-    expert-parallel degree (the rows a rank's experts save), as the host budget counts them;
+    expert-parallel degree (the rows a rank's experts save) and `expert_replicas` its FlexMoE copy slots (their
+    joined weights, saved per stored call), as the host budget counts them;
     `host_bytes_taken`: the rank's host bytes besides the offloaded activations (the model-state tier's
     states, checkpoint staging, the data loader: train/host_budget.py host_bytes_besides_offload), which
     the 0.8 x host_bytes_per_rank must hold too. `pinned` (a CUDA device): the offloaded parts are pinned,
@@ -167,7 +169,8 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     def host(a):
         pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
         est = estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
-                                   dtype_bytes=dtype_bytes, expert=expert, autocast=autocast)
+                                   dtype_bytes=dtype_bytes, expert=expert, autocast=autocast,
+                                   expert_replicas=expert_replicas)
         return est.per_block_host, est.total_host
 
     offloaded = max(0, model_cfg.layers - skip_last)
@@ -206,7 +209,8 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
         def locked(a):
             pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
             return pinned_activation_bytes(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
-                                           dtype_bytes=dtype_bytes, expert=expert, autocast=autocast)
+                                           dtype_bytes=dtype_bytes, expert=expert, autocast=autocast,
+                                           expert_replicas=expert_replicas)
         fraction, reason = _fit_pinned(fraction, reason, locked, budget)
     return fraction, reason
 

@@ -87,7 +87,8 @@ def moe_weight_copy_params(m: ModelConfig, experts_copied: bool, expert: int = 1
     return shared + (m.moe_experts // expert * 3 * d * m.resolved_expert_dim if experts_copied else 0)
 
 
-def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool = False, c: int | None = None) -> float:
+def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool = False, c: int | None = None,
+                   groups: int | None = None) -> float:
     """Bytes one call of a MoE feed-forward keeps whatever its tokens: what its router records for
     the balancing losses (expert counts and probability sums, fp32 [E] each, the squared log-sum-exp
     sum and the dropped count: 8 E + 8, and where choices can be dropped the rows each expert runs, 4 E;
@@ -97,7 +98,8 @@ def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool =
     ops/grouped.py runs it for rows of whole 16 bytes (dim and expert_dim), in bf16, and in fp32 on a
     CPU whose torch has the kernel (elsewhere its loop saves no offsets), unless the experts run in
     checkpointed pieces (memory.expert_chunk: `experts_chunked`), which keep none of theirs. `c`: the experts'
-    operand bytes (moe_ffn_bytes; under autocast bf16, what decides the kernel's alignment)."""
+    operand bytes (moe_ffn_bytes; under autocast bf16, what decides the kernel's alignment). `groups`: the grouped
+    GEMMs' groups (None: every expert; under expert parallelism the rank's experts and copy slots, `gemm_groups`)."""
     E = m.moe_experts
     # where routing can drop choices (a capacity; the Sinkhorn router's padding, counted as a bound) the
     # records' rows each expert runs are a tensor of their own [E] (models/moe_stats.py _rows)
@@ -107,7 +109,42 @@ def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool =
     c = p if c is None else c
     aligned = m.dim % (16 // c) == 0 and m.resolved_expert_dim % (16 // c) == 0
     kernel = aligned and (c != 4 or cpu_kernel_available()) and not experts_chunked
-    return records + (4 * E * m.dim if p != 4 else 0) + (12 * E if kernel else 0)
+    return records + (4 * E * m.dim if p != 4 else 0) + (12 * (E if groups is None else groups) if kernel else 0)
+
+
+def gemm_groups(m: ModelConfig, expert: int, replicas: int) -> int:
+    """The groups of a call's grouped GEMMs on a rank: every expert; under expert parallelism the rank's own
+    experts and its FlexMoE copy slots (parallel/expert/placement.py `with_copies`, `replicas` of them)."""
+    return m.moe_experts if expert <= 1 else m.moe_experts // expert + replicas
+
+
+def copy_slot_bytes(m: ModelConfig, p: int, expert: int, replicas: int, rows: float, chunked: bool,
+                    c: int | None = None) -> float:
+    """Bytes a call whose saved tensors are kept holds for FlexMoE's copy slots (parallel.expert_replicas > 0 under
+    expert parallelism), beyond the static placement's count, on a rank whose `replicas` slots are all filled (the
+    bound: an empty slot is a zero expert in the joined weights and fetches nothing). `rows`: the call's own routed
+    rows (tokens x top_k). parallel/expert/placement.py `with_copies` joins the rank's experts and its copy slots
+    into new tensors, which the grouped GEMMs save where they would save the parameters (no bytes):
+    - the joined w1, w3, w2: (E / expert + replicas) x 3 x dim x expert_dim values at p; under autocast (c < p) their
+      bf16 cast instead, of which the rank's own experts' share is moe_weight_copy_params' already; with
+      memory.expert_chunk the pieces' checkpoints hold the joined weights themselves, p;
+    - the fetched copies once more, replicas x 3 x dim x expert_dim at p: the index_copy that puts them in their
+      slots keeps its source;
+    - the rows' slot order and its inverse, int64 per row (the dispatcher's two index_selects, dispatch.py `_run`);
+    - the fetch's int64 indices (`_fetch_copies`): of the copies it receives (`replicas`) and of those it sends, at
+      most min(replicas, E / expert) to each other rank of the group (exact where they all copy that many).
+    The grouped GEMMs' int32 offsets over the slots are moe_call_bytes' (`gemm_groups`)."""
+    if expert <= 1 or replicas <= 0:
+        return 0.0
+    c = p if c is None else c
+    one = 3 * m.dim * m.resolved_expert_dim  # an expert's weights, values
+    local = m.moe_experts // expert
+    if chunked or c == p:
+        joined = (local + replicas) * one * p
+    else:
+        joined = replicas * one * c
+    indices = 8 * (replicas + (expert - 1) * min(replicas, local))
+    return joined + replicas * one * p + 16 * rows + indices
 
 
 def _piece_sizes(tokens: int, chunk: int) -> list[int]:
@@ -189,14 +226,15 @@ def moe_forward_runs(model: ModelConfig, tokens: int, policy: MemoryPolicy) -> f
 
 def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert_chunk: int,
                     offloaded: bool, expert: int = 1, skew: float = 1.0,
-                    c: int | None = None) -> tuple[float, float, float]:
+                    c: int | None = None, replicas: int = 0) -> tuple[float, float, float]:
     """(device bytes, host bytes, recomputed FLOPs) a MoE block's feed-forward calls add to its
     per-token count (which holds every stored token's experts' intermediates, `moe_ffn_bytes`):
     each call's `moe_call_bytes` (in an offloaded block its saved tensors' share on the host, the
     router's records on the device); and with memory.expert_chunk, a call of more routed rows (tokens x
     top_k) than that runs its experts in checkpointed pieces: a stored call keeps no intermediates
-    (4 x expert_dim per row less) but each piece's int64 group counts [E] (on the host in an
-    offloaded block), and every such call runs its experts' w1 and w3 once more in backward.
+    (4 x expert_dim per row less) but each piece's int64 group counts [E] (under expert parallelism one per
+    `gemm_groups`; on the host in an offloaded block), and every such call runs its experts' w1 and w3 once
+    more in backward.
 
     Under expert parallelism (`expert` > 1) the experts run on the rows the rank receives: on the most
     loaded rank `expert_rows` of them (`skew` x its share); a stored call keeps
@@ -204,8 +242,10 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
     rows are not the blocks' offloaded tensors).
 
     `c` (moe_ffn_bytes; under autocast 2): the bytes of the experts' intermediates and permuted rows counted
-    there; experts in checkpointed pieces keep each piece's input, the permuted rows in their own dtype (p)."""
-    k, E = m.moe_top_k, m.moe_experts
+    there; experts in checkpointed pieces keep each piece's input, the permuted rows in their own dtype (p).
+    `replicas` (parallel.expert_replicas, under expert parallelism): each stored call's `copy_slot_bytes` too, and
+    its grouped GEMMs' offsets and pieces' counts over the rank's slots (`gemm_groups`)."""
+    k, groups = m.moe_top_k, gemm_groups(m, expert, replicas)
     c = p if c is None else c
     device = host = flops = 0.0
     for n, stored in calls:
@@ -214,7 +254,9 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
             received = expert_rows(n, m, expert, skew)
         chunked = bool(expert_chunk) and received > expert_chunk
         records = moe_call_bytes(m, p, stored=False)  # the router's records stay on the device
-        saved = moe_call_bytes(m, p, stored, chunked, c) - records  # saved tensors: the offloader takes them
+        saved = moe_call_bytes(m, p, stored, chunked, c, groups) - records
+        if stored:  # (saved tensors, the offloader takes them; the copy slots' too)
+            saved += copy_slot_bytes(m, p, expert, replicas, rows, chunked, c)
         device += records + (0.0 if offloaded else saved)
         host += saved if offloaded else 0.0
         if chunked:  # each piece's w1 and w3 again: torch._grouped_mm saves w2's inputs before it runs, where
@@ -222,7 +264,7 @@ def moe_call_terms(m: ModelConfig, p: int, calls: list[tuple[int, bool]], expert
             flops += received * 4 * m.dim * m.resolved_expert_dim
         if chunked and stored:
             # each piece's counts; no intermediates; the rows as the pieces' input, not as the GEMMs' casts
-            kept = (-(-int(received) // expert_chunk) * 8 * E - rows * 4 * c * m.resolved_expert_dim
+            kept = (-(-int(received) // expert_chunk) * 8 * groups - rows * 4 * c * m.resolved_expert_dim
                     + rows * (p * m.dim - routed_row_bytes(m, p, c)))
             if offloaded:
                 host += kept

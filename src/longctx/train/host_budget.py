@@ -89,7 +89,8 @@ def run_shape(cfg: Config, dims) -> MeshShape:
     return MeshShape(dims.dp_replicate, dims.dp_shard, dims.head, dims.ctx, dims.window, dims.placement, dims.expert,
                      zero_pp=",".join(names), node=node_size(cfg, dims) or 0, hpz_ranks=cfg.parallel.hpz_ranks,
                      data_parallel=cfg.train.data_parallel, local_steps=cfg.train.co2_local_steps,
-                     quant_block=cfg.parallel.zero_pp_block)
+                     quant_block=cfg.parallel.zero_pp_block,
+                     expert_replicas=cfg.parallel.expert_replicas if dims.expert > 1 else 0)
 
 
 def _stage_bytes(cfg: Config, dims, device_type: str, seq_len: int, global_batch: int, memory,

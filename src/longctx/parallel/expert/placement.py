@@ -25,7 +25,8 @@ memory policy runs the block in (memory.block_chunk's chunks, offload_fraction's
 bound below. In memory, a layer call whose saved tensors are kept holds, until its backward, the rank's
 experts and copy slots concatenated (`with_copies`: (E / expert + replicas) x 3 x dim x expert_dim values,
 what the grouped GEMMs save, where without copies they save the parameters themselves) and the copies it
-received: memory/accounting.py does not count them (the planner refuses parallel.expert_replicas as uncosted).
+received: memory/moe_counts.py copy_slot_bytes counts them for the training-time prediction (the planner still
+refuses parallel.expert_replicas as uncosted).
 
 The policy (`plan_placement`) is a greedy water-filling over the loads seen over a window of steps
 (the rows each expert ran: the router's choices less a capacity's drops, summed over every rank, the same on
