@@ -18,7 +18,9 @@ Decode (`ShardedKVCache`, the model's `cache=` seam, models/kv_cache.py): every 
 token's non-attention parts itself (one token: cheap, and no communication); per layer it takes
 its heads' query, the owner of the new token's slot appends its key and value (the ctx rank
 holding the fewest of the row's slots: every rank knows every share, since the prompt's follow from
-the layout, so they agree without a word, and the shares stay within one slot of each other), each rank
+the layout, so they agree without a word; the shares stay within one slot of each other, but for a
+speculative tree's `keep`, which leaves them apart by up to its path's length until the next calls even
+them out), each rank
 attends to its own slots (a partial attention with its log-sum-exp), the ctx group merges the
 partials in fp32 (the ring's merge), and the head group gathers the heads. Two small all-gathers
 per layer, of one token's activations; nothing of the cache moves.
