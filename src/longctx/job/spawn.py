@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import comm
+
 HOST = "127.0.0.1"
 
 
@@ -82,6 +84,10 @@ def _entry(caller_problem, rank, world, port, fn, args, results, threads):
         timeout = timedelta(seconds=300)
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)  # the caller's (see _job_store)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+        # every rank's mesh made before any rank goes on: gloo's init returns on a rank once its own pairs are
+        # up, so a quick fn (dist.get_rank) let it exit while a peer still shook hands with it, and the peer's
+        # init failed ('Connection closed by peer'; seen on a loaded 2-core machine, 3 ranks)
+        comm.barrier()
         # pickled here, with plain pickle: the queue's pickler hands a tensor over as a shared-memory file
         # descriptor that the caller fetches from this process when it reads the result, which fails
         # (ConnectionResetError, FileNotFoundError) once the rank has exited; an unpicklable result is an
