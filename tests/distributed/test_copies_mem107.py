@@ -1,11 +1,14 @@
 """FlexMoE's copy slots (parallel.expert_replicas, parallel/expert/placement.py) against the memory count (gloo, 2
 ranks, debug-moe at expert 2: 4 experts a rank, one 196,608 B in fp32): every MoE block of a rank whose copy slots
 are all filled keeps, for backward, exactly what `layer_activations(..., expert_replicas=R)` counts, at 0, 1 and 2
-slots, under recompute none (the call's saved tensors kept: the joined weights, the fetched copies, the slot order),
+slots, under recompute none (the call's saved tensors kept: the copy slots' weights, the slot order),
 selective (the feed-forward recomputed: nothing more), selective with offload (the stored calls' on the host), bf16
 autocast and memory.expert_chunk. Before 2026-12-05 the count knew nothing of the slots: 1,195,996 B a block short at
 1 slot and 1,589,224 B at 2 under recompute none (rank 0, block 0), and it counted the grouped GEMMs' offsets over
-every expert, not the rank's (48 B a block over at 0 slots).
+every expert, not the rank's (48 B a block over at 0 slots). Until 2026-12-05 the own experts and the copies ran
+as one grouped GEMM over weights joined into new tensors, which it saved, and the fetched copies were kept once
+more: 7,211,188 / 7,480,768 B at 1 / 2 slots (rank 0, block 0, recompute none), 6,228,148 / 6,301,120 B since
+they run apart (parallel/expert/placement.py own_and_copy_experts), against 5,664,808 B without copies.
 """
 
 import pytest
@@ -95,9 +98,9 @@ CASES = {"none": (["--memory.recompute=none"], False, MemoryPolicy("none")),
          # the first 3 of 4 blocks offloaded, half their tokens' calls stored: the copy slots' bytes on the host
          "selective-offload": (["--memory.recompute=selective", "--memory.offload_fraction=0.5"], False,
                                MemoryPolicy("selective", 0.5)),
-         # the joined weights' bf16 casts saved (the own experts' share counted as autocast's weight copies)
+         # the copy slots' bf16 casts saved (the own experts' casts are autocast's weight copies, as without copies)
          "none-autocast": (["--memory.recompute=none"], True, MemoryPolicy("none")),
-         # the experts in checkpointed pieces: the pieces hold the joined fp32 weights as their input
+         # the experts in checkpointed pieces: the pieces hold the copy slots' fp32 weights as their input
          "none-expert-chunk": (["--memory.recompute=none", "--memory.expert_chunk=256"], False,
                                MemoryPolicy("none", expert_chunk=256))}
 

@@ -29,7 +29,7 @@ class MeshShape:
     data_parallel: str = "sync"  # train.data_parallel: sync | co2 (each replica its own FSDP group)
     local_steps: int = 0  # train.co2_local_steps under co2 (H: local steps per round)
     quant_block: int = 512  # parallel.zero_pp_block: elements per int8 block (one fp32 scale) under qwz / qgz
-    # parallel.expert_replicas under expert > 1: FlexMoE's copy slots per rank, whose joined weights a MoE call keeps
+    # parallel.expert_replicas under expert > 1: FlexMoE's copy slots per rank, whose weights a MoE call keeps
     # for backward (memory/moe_counts.py copy_slot_bytes); the planner refuses them (planner/cli.py): 0 there
     expert_replicas: int = 0
 

@@ -155,7 +155,7 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     [memory] settings (attention_offload, expert_chunk, block_chunk...; its recompute and fraction are
     replaced): they change what the rank keeps on the host, so they must be counted; `expert`: the
     expert-parallel degree (the rows a rank's experts save) and `expert_replicas` its FlexMoE copy slots (their
-    joined weights, saved per stored call), as the host budget counts them;
+    weights, saved per stored call), as the host budget counts them;
     `host_bytes_taken`: the rank's host bytes besides the offloaded activations (the model-state tier's
     states, checkpoint staging, the data loader: train/host_budget.py host_bytes_besides_offload), which
     the 0.8 x host_bytes_per_rank must hold too. `pinned` (a CUDA device): the offloaded parts are pinned,

@@ -114,7 +114,7 @@ def moe_call_bytes(m: ModelConfig, p: int, stored: bool, experts_chunked: bool =
 
 def gemm_groups(m: ModelConfig, expert: int, replicas: int) -> int:
     """The groups of a call's grouped GEMMs on a rank: every expert; under expert parallelism the rank's own
-    experts and its FlexMoE copy slots (parallel/expert/placement.py `with_copies`, `replicas` of them)."""
+    experts and its FlexMoE copy slots (parallel/expert/placement.py `copy_slot_weights`, `replicas` of them)."""
     return m.moe_experts if expert <= 1 else m.moe_experts // expert + replicas
 
 
@@ -122,29 +122,29 @@ def copy_slot_bytes(m: ModelConfig, p: int, expert: int, replicas: int, rows: fl
                     c: int | None = None) -> float:
     """Bytes a call whose saved tensors are kept holds for FlexMoE's copy slots (parallel.expert_replicas > 0 under
     expert parallelism), beyond the static placement's count, on a rank whose `replicas` slots are all filled (the
-    bound: an empty slot is a zero expert in the joined weights and fetches nothing). `rows`: the call's own routed
-    rows (tokens x top_k). parallel/expert/placement.py `with_copies` joins the rank's experts and its copy slots
-    into new tensors, which the grouped GEMMs save where they would save the parameters (no bytes):
-    - the joined w1, w3, w2: (E / expert + replicas) x 3 x dim x expert_dim values at p; under autocast (c < p) their
-      bf16 cast instead, of which the rank's own experts' share is moe_weight_copy_params' already; with
-      memory.expert_chunk the pieces' checkpoints hold the joined weights themselves, p;
-    - the fetched copies once more, replicas x 3 x dim x expert_dim at p: the index_copy that puts them in their
-      slots keeps its source;
+    bound: an empty slot is a zero expert and fetches nothing). `rows`: the call's own routed rows (tokens x top_k).
+    The rank's own experts run on the parameters, which their grouped GEMMs save at no cost, and its copy slots as
+    GEMMs of their own (parallel/expert/placement.py `own_and_copy_experts`) on the fetched copies:
+    - the copy slots' w1, w3, w2 (`copy_slot_weights`), replicas x 3 x dim x expert_dim values at p, as their GEMMs
+      save them; under autocast (c < p) their bf16 casts instead; with memory.expert_chunk the pieces' checkpoints
+      hold them as their input, p (the fetched weights they are selected from are not kept: index_select keeps
+      its index only);
     - the rows' slot order and its inverse, int64 per row (the dispatcher's two index_selects, dispatch.py `_run`);
-    - the fetch's int64 indices (`_fetch_copies`): of the copies it receives (`replicas`) and of those it sends, at
-      most min(replicas, E / expert) to each other rank of the group (exact where they all copy that many).
-    The grouped GEMMs' int32 offsets over the slots are moe_call_bytes' (`gemm_groups`)."""
+    - the fetch's int64 indices (`_fetch_copies`): each copy slot's row of the copies it receives (`replicas`) and
+      of those it sends, at most min(replicas, E / expert) to each other rank of the group (exact where they all
+      copy that many).
+    The grouped GEMMs' int32 offsets over the slots are moe_call_bytes' (`gemm_groups`: the own experts' GEMMs and
+    the copies' hold as many as one GEMM over the slots). (Before 2026-12-05 one GEMM over the own experts and the
+    copies joined into new tensors saved those, (E / expert + replicas) x 3 x dim x expert_dim values, and the
+    fetched copies were kept once more: E / expert + replicas experts more in fp32.)"""
     if expert <= 1 or replicas <= 0:
         return 0.0
     c = p if c is None else c
     one = 3 * m.dim * m.resolved_expert_dim  # an expert's weights, values
     local = m.moe_experts // expert
-    if chunked or c == p:
-        joined = (local + replicas) * one * p
-    else:
-        joined = replicas * one * c
+    copies = replicas * one * (p if chunked else c)
     indices = 8 * (replicas + (expert - 1) * min(replicas, local))
-    return joined + replicas * one * p + 16 * rows + indices
+    return copies + 16 * rows + indices
 
 
 def _piece_sizes(tokens: int, chunk: int) -> list[int]:

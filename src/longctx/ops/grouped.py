@@ -120,7 +120,10 @@ def use_loop():
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    if not _FORCE_LOOP and _kernel_fits(x, w):
+    # no rows runs the loop (no products; zero gradients of w): the kernel's weight-gradient form with a zero
+    # contraction length is refused on CUDA where inductor emits it (pytorch#192497), and a rank's FlexMoE copy
+    # slots run on no rows whenever its slots are empty or take none (parallel/expert/placement.py)
+    if not _FORCE_LOOP and x.shape[0] and _kernel_fits(x, w):
         if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
             return _eager_kernel_grouped_mm(x, w, counts)
         return kernel_grouped_mm(x, w, counts)

@@ -35,7 +35,7 @@ from ...job.split_transfer import SplitTransfer, StartAllToAllV, WaitAllToAllV
 from ...models.moe import TokenDispatcher, swiglu_experts
 from ...ops.eager import eager_under_compile
 from .pipeline import PipelinedExperts, chunk_plan, tuning_step
-from .placement import with_copies
+from .placement import copy_slot_weights, own_and_copy_experts
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -69,14 +69,19 @@ def _expert_major(recv: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return order, r.sum(0)
 
 
-def _run_local_experts(got, recv: list[list[int]], experts, w1, w3, w2) -> torch.Tensor:
-    """The local experts on rows received source-major (recv[s][e] rows of local expert e from
-    source s), answered in the same order."""
+def _run_local_experts(got, recv: list[list[int]], experts, weights: tuple, copies: tuple = ()) -> torch.Tensor:
+    """The local experts (`weights`: w1, w3, w2) on rows received source-major (recv[s][e] rows of local expert,
+    or slot, e from source s), answered in the same order. `copies`: a FlexMoE placement's copy slots' weights
+    (placement.py copy_slot_weights), which slots past the local experts run on (own_and_copy_experts)."""
     order, per_expert = _expert_major(recv)
     order, per_expert = order.to(got.device), per_expert.to(got.device)
+    w1 = weights[0]
+    own_rows = sum(sum(r[:w1.shape[0]]) for r in recv)  # (slot-major: the own experts' rows come first)
 
     def run(rows):
-        out = swiglu_experts(rows[order], per_expert, w1, w3, w2, experts.chunk)
+        rows = rows[order]
+        out = (own_and_copy_experts(rows, per_expert, weights, copies, own_rows, experts.chunk) if copies
+               else swiglu_experts(rows, per_expert, *weights, experts.chunk))
         return out[torch.argsort(order)] if order.numel() else out
     # (a benchmark's emulated devices: at least the time their GEMMs would take; otherwise just run)
     return comm.paced(run, got, 6.0 * got.shape[0] * w1.shape[1] * w1.shape[2])
@@ -149,7 +154,7 @@ class ExpertParallelDispatcher(TokenDispatcher):
 
     def _exchange(self, x, counts, per_owner, received, experts, chunks: int, placement=None, beside=None):
         """dispatch -> local experts -> combine, in `chunks` pipelined chunks when more than 1; with a
-        placement, over its slots (the local experts, then the copies fetched from their owners).
+        placement, over its slots (the local experts, then the copies fetched from their owners: two grouped GEMMs).
 
         FSDP averages the expert weights' gradients over the expert-data group (world / expert
         ranks), while the loop scales every loss by the world size (parallel/fsdp/shard.py grad_scale) and an
@@ -158,19 +163,19 @@ class ExpertParallelDispatcher(TokenDispatcher):
         Returns (the results, beside's: None without it); `beside` (one chunk) is computed while the results
         travel back."""
         mesh = self.mesh
-        w1, w3, w2 = (_ScaleGrad.apply(_local(w), 1.0 / self.group_size) for w in (experts.w1, experts.w3, experts.w2))
-        if placement is not None:
-            w1, w3, w2 = with_copies((w1, w3, w2), placement, mesh)
+        scale = 1.0 / self.group_size
+        weights = tuple(_ScaleGrad.apply(_local(w), scale) for w in (experts.w1, experts.w3, experts.w2))
+        copies = copy_slot_weights(weights, placement, mesh) if placement is not None else ()
         if chunks > 1:  # FSMoE's schedule: the transfers of one chunk under the experts of another
             plan = chunk_plan(mesh, counts.tolist(), received.tolist(), chunks, x.device)
 
             def run(got, c, *w):
-                return _run_local_experts(got, plan.recv[c], experts, *w)
-            return PipelinedExperts.apply(x, w1, w3, w2, plan, run), None
+                return _run_local_experts(got, plan.recv[c], experts, w[:3], w[3:])
+            return PipelinedExperts.apply(x, plan, run, *weights, *copies), None
         send_rows, recv = per_owner.sum(1).tolist(), received.tolist()  # the host read EP needs (split sizes)
         recv_rows = [sum(r) for r in recv]
         got = comm.AllToAllV.apply(x, mesh, send_rows, recv_rows, "expert")
-        back = _run_local_experts(got, recv, experts, w1, w3, w2)
+        back = _run_local_experts(got, recv, experts, weights, copies)
         if beside is None:
             return comm.AllToAllV.apply(back, mesh, recv_rows, send_rows, "expert"), None
         transfer = SplitTransfer(mesh, recv_rows, send_rows, "expert")

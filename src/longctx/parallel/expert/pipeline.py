@@ -93,8 +93,9 @@ class PipelinedExperts(torch.autograd.Function):
     """dispatch -> experts -> combine in `plan.chunks` overlapped pieces (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w3, w2, plan, run_experts):
-        weights = [w.detach().requires_grad_() for w in (w1, w3, w2)]
+    def forward(ctx, x, plan, run_experts, *weights):
+        """weights: w1, w3, w2 (and a FlexMoE placement's copy slots' w1, w3, w2): run_experts(got, c, *weights)."""
+        weights = [w.detach().requires_grad_() for w in weights]
         # each chunk's rows are gathered when its transfer is issued: two chunks' copies at most
         pending = _issue(x.index_select(0, plan.send_index[0]), plan, 0)
         graphs, combines = [], []
@@ -108,7 +109,7 @@ class PipelinedExperts(torch.autograd.Function):
             graphs.append((got, out))
             pending = following
         # the experts' dtype, as the unchunked layer's combine returns it (bf16 under autocast, x fp32)
-        y = x.new_empty(x.shape[0], w2.shape[1], dtype=graphs[0][1].dtype)
+        y = x.new_empty(x.shape[0], weights[2].shape[1], dtype=graphs[0][1].dtype)
         for idx, done in zip(plan.send_index, combines):
             y.index_copy_(0, idx, done.wait())
         ctx.plan, ctx.graphs, ctx.weights, ctx.x_dtype = plan, graphs, weights, x.dtype
@@ -140,7 +141,7 @@ class PipelinedExperts(torch.autograd.Function):
             grad_x = grad.new_zeros(grad.shape[0], grad.shape[1], dtype=ctx.x_dtype)  # (the rows' gradients: x's)
             for idx, done in zip(plan.send_index, returns):
                 grad_x.index_copy_(0, idx, done.wait())
-        return grad_x, *grad_w, None, None
+        return grad_x, None, None, *grad_w
 
 
 class ChunkTuner:

@@ -22,11 +22,15 @@ optimizer steps. The price is the copied experts' weights over the expert group'
 layer call (forward fetch, backward gradient; a call recomputed in backward fetches them once more),
 and the layer is called for every micro-batch of a step (train.grad_accum), and for every piece of one a
 memory policy runs the block in (memory.block_chunk's chunks, offload_fraction's two parts): the cost
-bound below. In memory, a layer call whose saved tensors are kept holds, until its backward, the rank's
-experts and copy slots concatenated (`with_copies`: (E / expert + replicas) x 3 x dim x expert_dim values,
-what the grouped GEMMs save, where without copies they save the parameters themselves) and the copies it
-received: memory/moe_counts.py copy_slot_bytes counts them for the training-time prediction (the planner still
-refuses parallel.expert_replicas as uncosted).
+bound below. The rank's rows arrive grouped by slot, its own experts' first, so they run as two grouped GEMMs
+(`own_and_copy_experts`): the own experts on the parameters themselves, which the GEMMs save for backward at no
+cost (as without copies), and the copy slots on the fetched weights (`copy_slot_weights`). In memory, a layer
+call whose saved tensors are kept holds, until its backward, those copy slots (replicas x 3 x dim x expert_dim
+values, what their GEMMs save, bf16 under autocast): memory/moe_counts.py copy_slot_bytes counts them for the
+training-time prediction (the planner still refuses parallel.expert_replicas as uncosted). (Before 2026-12-05 one
+GEMM ran the own experts and the copies joined into new tensors, which it saved, and the copies were put in their
+slots by an index_copy, which kept the fetched weights too: (E / expert + replicas) x 3 x dim x expert_dim values
+more per kept call in fp32.)
 
 The policy (`plan_placement`) is a greedy water-filling over the loads seen over a window of steps
 (the rows each expert ran: the router's choices less a capacity's drops, summed over every rank, the same on
@@ -45,8 +49,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ...job import comm
+from ...models.moe import swiglu_experts
 
 
 @dataclass(frozen=True)
@@ -180,10 +186,11 @@ def plan_placement(load, ep: int, replicas: int, tolerance: float = 0.05, min_sh
                      {"max_over_mean_before": before, "max_over_mean_after": max(rank_load) / mean if mean else 1.0})
 
 
-def _fetch_copies(packed: torch.Tensor, placement: Placement, mesh) -> torch.Tensor:
-    """The copy slots' weights [replicas, values] from their owners (w1, w3, w2 of an expert
-    flattened side by side in `packed`'s rows). Autograd ops only: the backward of the all-to-all
-    returns each copy's gradient to its owner, where index_select's backward adds it to the owner's."""
+def _fetch_copies(packed: torch.Tensor, placement: Placement, mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights of the copies this rank receives [copies received, values] (w1, w3, w2 of an expert flattened
+    side by side in `packed`'s rows), and for each of its copy slots the row of them it takes (int64 [replicas]; an
+    empty slot: the row past them). Autograd ops only: the backward of the all-to-all returns each copy's gradient
+    to its owner, where index_select's backward adds it to the owner's."""
     rank, local, ep = comm.local_rank(mesh), placement.local, placement.ep
     fetches = placement.fetches()
     # what this rank sends: to each rank in order, its own experts that rank copies (slot order)
@@ -193,24 +200,58 @@ def _fetch_copies(packed: torch.Tensor, placement: Placement, mesh) -> torch.Ten
     got = comm.AllToAllV.apply(packed.index_select(0, index), mesh,
                                [sum(1 for q, _ in send if q == dest) for dest in range(ep)],
                                [sum(1 for o, _ in mine if o == src) for src in range(ep)], "expert_copies")
-    slots = torch.tensor([s for _, s in mine], dtype=torch.long, device=packed.device)
-    return packed.new_zeros(placement.replicas, packed.shape[1]).index_copy(0, slots, got)
+    row = {s: i for i, (_, s) in enumerate(mine)}
+    slots = [row.get(s, len(mine)) for s in range(placement.replicas)]
+    return got, torch.tensor(slots, dtype=torch.long, device=packed.device)
 
 
-def with_copies(weights: tuple, placement: Placement, mesh) -> tuple:
-    """The local expert weights (w1, w3, w2; [local, ...] each) extended by the placement's copy
-    slots: [local + replicas, ...] each, in slot order (empty slots zero)."""
-    if not placement.replicas:
-        return weights
+def copy_slot_weights(weights: tuple, placement: Placement, mesh) -> tuple:
+    """The placement's copy slots of this rank, for the local expert weights (w1, w3, w2; [local, ...] each):
+    [replicas, ...] each, in slot order (an empty slot zero), each its own contiguous tensor, as the grouped
+    GEMM kernel wants its weights (ops/grouped.py)."""
     shapes = [w.shape[1:] for w in weights]
     packed = torch.cat([w.reshape(w.shape[0], -1) for w in weights], dim=1)
-    copies = _fetch_copies(packed, placement, mesh)
+    got, slots = _fetch_copies(packed, placement, mesh)
     out, start = [], 0
-    for w, shape in zip(weights, shapes):
+    for shape in shapes:
         n = shape.numel()
-        out.append(torch.cat([w, copies[:, start:start + n].view(-1, *shape)]))
+        # a zero row for the empty slots, then each slot's row: index_select keeps only its index for backward
+        # (index_copy into zeros would keep its source, the fetched weights, until backward)
+        received = torch.cat([got[:, start:start + n], got.new_zeros(1, n)])
+        out.append(received.index_select(0, slots).view(-1, *shape))
         start += n
     return tuple(out)
+
+
+def own_and_copy_experts(rows: torch.Tensor, counts: torch.Tensor, weights: tuple, copies: tuple, own_rows: int,
+                         chunk: int = 0) -> torch.Tensor:
+    """The experts' SwiGLU on a rank's rows grouped by slot (counts[s] rows for slot s, in slot order: its own
+    experts' rows first, `own_rows` of them, then its copy slots'): the own experts on `weights` (w1, w3, w2 as
+    given: the parameters, which their grouped GEMMs save at no cost) and the copy slots on `copies`
+    (copy_slot_weights), as two grouped GEMMs per projection. Both run even on zero rows: backward must reach the
+    copies' fetch, an all-to-all every rank of the group joins. The same products as one GEMM over the slots.
+
+    chunk > 0 (memory.expert_chunk): checkpointed pieces of at most `chunk` rows, cut over all the rows as
+    models/moe.py swiglu_experts cuts them (the same pieces and piece counts as one GEMM's), each split at the own
+    rows it holds (known on the host)."""
+    n = rows.shape[0]
+    if not chunk or n <= chunk:
+        return _own_then_copies(rows, counts, own_rows, *weights, *copies)
+    ends = counts.cumsum(0)
+    pieces = []
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        piece_counts = (ends.clamp(start, stop) - (ends - counts).clamp(start, stop))
+        own = min(max(own_rows - start, 0), stop - start)
+        pieces.append(checkpoint(_own_then_copies, rows[start:stop], piece_counts, own, *weights, *copies,
+                                 use_reentrant=False))
+    return torch.cat(pieces)
+
+
+def _own_then_copies(rows, counts, own_rows: int, w1, w3, w2, c1, c3, c2) -> torch.Tensor:
+    local = w1.shape[0]
+    return torch.cat([swiglu_experts(rows[:own_rows], counts[:local], w1, w3, w2),
+                      swiglu_experts(rows[own_rows:], counts[local:], c1, c3, c2)])
 
 
 class ExpertPlacer:
