@@ -419,8 +419,9 @@ def wait_for_rank_0(done: bool) -> None:
     directly: hours for a large corpus). Waited for in a collective, the others gave up at the process groups'
     backstop (watchdog.group_timeout: 340 s by default) with gloo's 'Timed out waiting 340000ms for recv operation'.
     They wait on the job's store instead, for the key rank 0 sets (a rank 0 that dies: its launcher stops them, as
-    on any rank's failure). Under the hang watchdog (the training loop, where a stage's store, built at set-up, is
-    only opened) the wait stays the collective, which the watchdog sees and times."""
+    on any rank's failure; one whose work raised a KeyboardInterrupt or SystemExit sets it too, runtime.on_main).
+    Under the hang watchdog (the training loop, where a stage's store, built at set-up, is only opened) the wait
+    stays the collective, which the watchdog sees and times."""
     if watchdog.running() or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     key = f"longctx/rank_0_done/{next(_RANK_0_WAITS)}"

@@ -103,6 +103,13 @@ def on_main(rt: Runtime | None, fn, what: str):
             failure = e
             outcome = (("error", type(e), str(e)) if isinstance(e, UserError) else
                        ("error", DataError, f"{what} failed on rank 0: {type(e).__name__}: {e}"))
+        except BaseException:
+            # (KeyboardInterrupt, SystemExit: rank 0's alone) the others go on to the broadcast, which fails as rank 0
+            # leaves: the store's wait has no time limit, and a rank 0 that caught it and lived on (or exited 0) left
+            # them waiting there forever
+            if rt is not None:
+                comm.wait_for_rank_0(True)
+            raise
     if rt is not None:
         comm.wait_for_rank_0(rt.is_main)  # (fn may take longer than a collective waits: a data build)
         outcome = rt.broadcast(outcome if rt.is_main else None)
