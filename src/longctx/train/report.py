@@ -358,11 +358,12 @@ def _memory_options(mem) -> str:
 
 
 def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None,
-              draft_target: str = "") -> str:
+              draft_target: str = "", skipped: int = 0, rollbacks: int = 0) -> str:
     """The run's closing line: the steps this job ran (`result`: trainer.py TrainResult) up to
-    train.steps `steps`, their time and first and last loss, the last evaluation's, and where what the
-    run wrote is (`checkpoints`: the checkpoint directory, None when the run saves nothing; `draft_target`:
-    a draft run's draft.target, which generate reads the draft beside)."""
+    train.steps `steps`, their time and first and last loss, the last evaluation's, the run's skipped steps and
+    rollbacks (train.on_nonfinite, as the metrics count them), and where what the run wrote is (`checkpoints`:
+    the checkpoint directory, None when the run saves nothing; `draft_target`: a draft run's draft.target, which
+    generate reads the draft beside)."""
     # (no losses: a resume of a finished run under torchrun directly; `longctx train` says so before building)
     if not result.losses:
         return f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {steps}."
@@ -380,7 +381,19 @@ def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, ch
     where = (_where_it_is(steps, run_dir, plots, checkpoints, draft_target) if kept is None else
              _where_it_is(kept, run_dir, plots, checkpoints, draft_target, f"the weights it ends with (step {kept}'s)"))
     return (f"done: steps {result.first_step}-{steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
-            f"{last}{last_eval}. {where}")
+            f"{last}{last_eval}{_bad_steps(skipped, rollbacks)}. {where}")
+
+
+def _bad_steps(skipped: int, rollbacks: int) -> str:
+    """The done line's count of the run's bad steps: without it, a run whose every step was non-finite ended
+    "done" with its untrained weights as "the last step's", the per-step lines long scrolled away."""
+    said = ""
+    if skipped:
+        said += (f"; skipped {skipped} step{'s' if skipped != 1 else ''} (not applied: non-finite or a loss spike, "
+                 f"train.on_nonfinite = skip)")
+    if rollbacks:
+        said += f"; rolled back {rollbacks} time{'s' if rollbacks != 1 else ''} (train.on_nonfinite = rollback)"
+    return said
 
 
 def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None, draft_target: str = "",

@@ -370,7 +370,8 @@ class Trainer:
                          f"finished, and its checkpoints and metrics are kept: `longctx report {self.run_dir}` writes "
                          f"them once there is room.")
         self.log(done_line(result, t.steps, total_s, self.run_dir, plots,
-                           None if self.ckpt is None else self.ckpt.root, self.cfg.draft.target))
+                           None if self.ckpt is None else self.ckpt.root, self.cfg.draft.target, self.skipped_steps,
+                           self.rollbacks))
         return result
 
 
