@@ -115,8 +115,9 @@ _SCALING_KEYS = {"rope_low_freq_factor": ("llama3",), "rope_high_freq_factor": (
 
 def _unread_companions(cfg: Config) -> list[str]:
     """Keys that only tune another option, given while that option is off: train.spike_window without
-    train.spike_factor, memory.offload_skip_last without memory.offload_fraction, a RoPE scaling's own keys
-    under another scaling (a preset model's: one from model.init_from takes them from its weights' config).
+    train.spike_factor, train.skip_limit under another train.on_nonfinite than skip, memory.offload_skip_last
+    without memory.offload_fraction, a RoPE scaling's own keys under another scaling (a preset model's: one
+    from model.init_from takes them from its weights' config).
     Notes, not errors: a saved config.toml carries them when a resume turns the option off."""
     t, mem, m = cfg.train, cfg.memory, cfg.model
     notes = []
@@ -124,6 +125,11 @@ def _unread_companions(cfg: Config) -> list[str]:
     if window and not t.spike_factor:
         notes.append(f"{_named('train', window, 'is')} ignored: it is the spike check's window, and "
                      f"train.spike_factor is 0 (no spike check); set --train.spike_factor (e.g. 5) to check spikes")
+    limit = _given(t, TrainConfig, lambda key: key == "skip_limit")
+    if limit and t.on_nonfinite != "skip":
+        notes.append(f"{_named('train', limit, 'is')} ignored: it bounds the bad steps skipped in a row, and "
+                     f"train.on_nonfinite = {t.on_nonfinite!r} skips none (stop ends the run at the first, rollback "
+                     f"goes back to the last checkpoint); set --train.on_nonfinite skip to use it")
     skip = _given(mem, MemoryConfig, lambda key: key == "offload_skip_last")
     if skip and not mem.offload_fraction:
         notes.append(f"{_named('memory', skip, 'is')} ignored: it keeps blocks out of memory.offload_fraction's "

@@ -415,6 +415,9 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
                         f"running median is a spike), got {t.spike_factor}.")
     if t.spike_window < 1:
         problems.append(f"train.spike_window must be at least 1 step, got {t.spike_window}.")
+    if t.skip_limit < 0:
+        problems.append(f"train.skip_limit must be >= 0 (the skipped steps in a row that stop the run; 0 = no "
+                        f"limit), got {t.skip_limit}.")
     try:
         parse_signals(ck.on_signal)
     except ConfigError as e:

@@ -256,6 +256,9 @@ class TrainConfig:
                                      "read naming the step) or 'rollback' (not applied; the run reloads the last "
                                      "checkpoint and skips the data from it to the bad step, recorded beside "
                                      "the checkpoints: no resume replays it)", choices=("skip", "stop", "rollback"))
+    skip_limit: int = _opt(10, "train.on_nonfinite = skip: when this many steps in a row were not applied, the "
+                               "run stops with an error instead of going on untrained (it saves nothing more; the "
+                               "last checkpoint stays what a resume reads); 0 = no limit")
     spike_factor: float = _opt(0.0, "a step whose loss exceeds this many times the median of the last "
                                     "train.spike_window steps' losses is a spike, handled as train.on_nonfinite says "
                                     "(e.g. 3 with rollback); 0 = no spike check")

@@ -84,3 +84,17 @@ def stopped_run_error(what: str, step: int, lr: float) -> TrainingError:
         f"metrics.log_interval steps and before every checkpoint, so no checkpoint holds this step). "
         f"Lower train.lr, raise train.warmup_steps or set train.grad_clip; train.on_nonfinite = skip "
         f"goes on without it, rollback goes back to the last checkpoint and skips the data since.")
+
+
+def skip_limit_error(in_a_row: int, limit: int, step: int, loss: float, grad_norm: float) -> TrainingError:
+    """The error that ends a run under train.on_nonfinite = skip once train.skip_limit steps in a row were skipped:
+    a run that no longer trains (a learning rate that diverged, broken data) would otherwise go on to train.steps
+    and save its untrained weights as if it had trained (DeepSpeed's loss scaler and Megatron's NaN check raise too)."""
+    steps = f"step {step} was" if in_a_row == 1 else f"steps {step - in_a_row + 1}-{step} ({in_a_row} in a row) were"
+    return TrainingError(
+        f"{steps} bad and not applied (the last, step {step}: loss {loss:.4g}, gradient norm {grad_norm:.4g}), and "
+        f"train.skip_limit is {limit}: the run stops (train.on_nonfinite = skip). Losses are read every "
+        f"metrics.log_interval steps and before every checkpoint, so no checkpoint of step {step} or later was "
+        f"saved: the last one saved stays what `--checkpoint.resume auto` reads. Lower train.lr (or raise "
+        f"train.warmup_steps, set train.grad_clip), check the data of these steps, raise train.skip_limit (0 = no "
+        f"limit), or use train.on_nonfinite = rollback to go back to the last checkpoint and skip the data since.")

@@ -11,15 +11,15 @@ import torch
 from ..errors import REQUEUE_EXIT_CODE, Preempted
 from ..job import watchdog
 from ..step.schedule import lr_at
-from .guard import bad_step_reason, stopped_run_error
+from .guard import bad_step_reason, skip_limit_error, stopped_run_error
 from .rollback import BadStep, roll_back
 from .step_state import restore_step_state
 
 
 def read_back(trainer, unread: list, result) -> tuple[float, float]:
     """Read the losses, gradient norms and spike flags of the steps since the last read in one
-    transfer, record them, and act on a bad step (train.on_nonfinite): count it, stop, or raise
-    BadStep for a rollback; returns the newest (loss, grad norm)."""
+    transfer, record them, and act on a bad step (train.on_nonfinite): count it (and stop once train.skip_limit
+    were skipped in a row), stop, or raise BadStep for a rollback; returns the newest (loss, grad norm)."""
     entries = list(unread)
     unread.clear()
     values = torch.stack([torch.stack([lo.double(), g.double(), torch.zeros_like(lo, dtype=torch.float64)
@@ -30,15 +30,21 @@ def read_back(trainer, unread: list, result) -> tuple[float, float]:
         result.losses.append(loss)
         what = bad_step_reason(loss, grad_norm, spike, t.spike_factor, t.spike_window)
         if what is None:
+            trainer.skipped_in_a_row = 0
             continue
         if t.on_nonfinite == "stop":
             raise stopped_run_error(what, step, lr_at(step - 1, trainer.cfg))
         if t.on_nonfinite == "rollback":
             raise BadStep(step, what, position)  # the steps read after it are run again
         trainer.skipped_steps += 1
+        trainer.skipped_in_a_row += 1
         trainer.skipped_at.add(len(result.losses) - 1)
         trainer.log(f"step {step}: {what}: not applied (train.on_nonfinite = skip; {trainer.skipped_steps} skipped "
                     f"so far)")
+        # train.skip_limit: a read precedes every save, so the run stops before any checkpoint holds this step;
+        # the steps after it in this read are neither recorded nor saved (every rank reads the same figures)
+        if t.skip_limit and trainer.skipped_in_a_row >= t.skip_limit:
+            raise skip_limit_error(trainer.skipped_in_a_row, t.skip_limit, step, loss, grad_norm)
     return values[-1][0], values[-1][1]
 
 

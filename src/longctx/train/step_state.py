@@ -3,7 +3,9 @@ trainer_state.json (checkpoint/manager.py `extra_state`, one JSON object per nam
 resume and after a rollback, so the run goes on as the uninterrupted one would.
 
 - "guard": the spike check's window (guard.py), the count of skipped steps (exact: a save reads
-  every step before it) and of rollbacks, so a resumed run checks its first steps and its metrics go on counting;
+  every step before it), of those skipped in a row up to the saved step (train.skip_limit) and of rollbacks, so a
+  resumed run checks its first steps, its metrics go on counting and a streak of skips stops it where the
+  uninterrupted run would have stopped;
 - "moe": the routers' last choices per expert and FlexMoE's placer (moe_hooks.py), so expert copies
   are placed where they would have been;
 - "schedule": the learning-rate schedule's settings (step/schedule.py schedule_state), so a resume that
@@ -28,7 +30,7 @@ def keep_step_state(trainer) -> None:
     if ckpt is None:
         return
     ckpt.extra_state["guard"] = lambda: {**trainer.guard.state_dict(), "skipped_steps": trainer.skipped_steps,
-                                         "rollbacks": trainer.rollbacks}
+                                         "skipped_in_a_row": trainer.skipped_in_a_row, "rollbacks": trainer.rollbacks}
     if (moe := trainer.hooks.find(MoEStepHook)) is not None:
         ckpt.extra_state["moe"] = moe.state_dict
     ckpt.extra_state["schedule"] = lambda: schedule_state(trainer.cfg)
@@ -36,6 +38,7 @@ def keep_step_state(trainer) -> None:
     if ckpt.resumed_state is not None:
         guard = ckpt.resumed_state.get("guard") or {}
         trainer.skipped_steps = int(guard.get("skipped_steps", 0))
+        trainer.skipped_in_a_row = int(guard.get("skipped_in_a_row", 0))  # (a resume mid-run goes on counting it)
         trainer.rollbacks = int(guard.get("rollbacks", 0))  # (a rollback keeps the run's own count: restore_step_state)
         trainer.tokens_offset = _resumed_tokens_offset(ckpt.resumed_state, trainer.sampler.stages)
         restore_step_state(trainer)

@@ -141,6 +141,7 @@ class Trainer:
         self.guard = StepGuard(cfg.train.spike_factor, cfg.train.spike_window, self.device)
         self.last_spike: torch.Tensor | None = None  # the last step's spike flag (on the device)
         self.skipped_steps = 0  # steps whose update the guard did not apply (as read so far)
+        self.skipped_in_a_row = 0  # of them, the latest run of steps with none applied between (train.skip_limit)
         self.skipped_at: set[int] = set()  # their indices in this job's TrainResult.losses (left out of loss_mean)
         self.rollbacks = 0
         self.rollback_repeats: dict = {}  # the last rollbacks in a row to one checkpoint (rollback.check_repeats)
