@@ -1,4 +1,4 @@
-"""on_main's wait for rank 0 (comm.wait_for_rank_0, on the job's store, with no time limit) when rank 0's work ends
+"""on_main's wait for rank 0 (runtime._wait_for_rank_0, on the job's store, with no time limit) when rank 0's work ends
 in a BaseException (KeyboardInterrupt, SystemExit), which on_main does not turn into an outcome: rank 0 raised it
 without setting the store's key, so a rank 0 that caught it and lived on (an embedding program, a notebook), or
 exited 0, left the other ranks polling the store forever (before the store's wait they failed in the broadcast as

@@ -252,13 +252,11 @@ class TrainConfig:
                                choices=("token", "sequence"))
     on_nonfinite: str = _opt("skip", "a step whose loss or gradient norm is not finite, or whose loss spikes "
                                      "(train.spike_factor): 'skip' (its update is not applied, decided on the device; "
-                                     "counted in the metrics), 'stop' (not applied, and the run stops at the next "
-                                     "read naming the step) or 'rollback' (not applied; the run reloads the last "
-                                     "checkpoint and skips the data from it to the bad step, recorded beside "
-                                     "the checkpoints: no resume replays it)", choices=("skip", "stop", "rollback"))
-    skip_limit: int = _opt(10, "train.on_nonfinite = skip: when this many steps in a row were not applied, the "
-                               "run stops with an error instead of going on untrained (it saves nothing more; the "
-                               "last checkpoint stays what a resume reads); 0 = no limit")
+                                     "counted in the metrics), 'stop' (not applied, and the run stops at the next read "
+                                     "naming the step) or 'rollback' (not applied; the run reloads the last checkpoint "
+                                     "and skips the data from it to the bad step, recorded beside the checkpoints: no "
+                                     "resume replays it)", choices=("skip", "stop", "rollback"))
+    skip_limit: int = _opt(10, "with skip: this many bad steps in a row stop the run, saving nothing; 0 = no limit")
     spike_factor: float = _opt(0.0, "a step whose loss exceeds this many times the median of the last "
                                     "train.spike_window steps' losses is a spike, handled as train.on_nonfinite says "
                                     "(e.g. 3 with rollback); 0 = no spike check")

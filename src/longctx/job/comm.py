@@ -25,7 +25,6 @@ hold up every inner hop behind the slow inter-node transfer.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections import defaultdict
@@ -408,31 +407,6 @@ def broadcast_object_in_group(obj, group, src: int = 0):
     with _own():
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
-
-
-_RANK_0_WAITS = itertools.count()  # (every rank counts its waits alike: they are collective, as on_main's calls)
-
-
-def wait_for_rank_0(done: bool) -> None:
-    """Every rank until rank 0 (`done` True there) has ended a piece of work of its own (runtime.on_main), without a
-    time limit: rank 0 works for as long as its work takes (a first build of the data store, under torchrun started
-    directly: hours for a large corpus). Waited for in a collective, the others gave up at the process groups'
-    backstop (watchdog.group_timeout: 340 s by default) with gloo's 'Timed out waiting 340000ms for recv operation'.
-    They wait on the job's store instead, for the key rank 0 sets (a rank 0 that dies: its launcher stops them, as
-    on any rank's failure; one whose work raised a KeyboardInterrupt or SystemExit sets it too, runtime.on_main).
-    Under the hang watchdog (the training loop, where a stage's store, built at set-up, is only opened) the wait
-    stays the collective, which the watchdog sees and times."""
-    if watchdog.running() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    key = f"longctx/rank_0_done/{next(_RANK_0_WAITS)}"
-    store = dist.distributed_c10d._get_default_store()
-    if done:
-        store.set(key, "1")
-        return
-    pause = 0.01
-    while not store.check([key]):  # (a look at the store: from 10 ms on a quick fn to once a second on a build)
-        time.sleep(pause)
-        pause = min(1.0, 2 * pause)
 
 
 def all_reduce_in_group(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -9,13 +9,15 @@ business (parallel/context/shares.py), which reads the mesh and `seq_balance` fr
 
 from __future__ import annotations
 
+import itertools
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DataError, UserError
-from . import comm
+from . import comm, watchdog
 from .dims import ParallelDims
 
 # "expert": MoE token all-to-all; under hierarchical dispatch (parallel.expert_ranks_per_node) its two levels,
@@ -92,6 +94,31 @@ class Runtime:
         return [float(sum(c.get(d, {}).values())) for d in TRACKED_DIMS]
 
 
+_RANK_0_WAITS = itertools.count()  # (every rank counts its waits alike: they are collective, as on_main's calls)
+
+
+def _wait_for_rank_0(done: bool) -> None:
+    """Every rank until rank 0 (`done` True there) has ended a piece of work of its own (on_main), without a
+    time limit: rank 0 works for as long as its work takes (a first build of the data store, under torchrun started
+    directly: hours for a large corpus). Waited for in a collective, the others gave up at the process groups'
+    backstop (watchdog.group_timeout: 340 s by default) with gloo's 'Timed out waiting 340000ms for recv operation'.
+    They wait on the job's store instead, for the key rank 0 sets (a rank 0 that dies: its launcher stops them, as
+    on any rank's failure; one whose work raised a KeyboardInterrupt or SystemExit sets it too, on_main).
+    Under the hang watchdog (the training loop, where a stage's store, built at set-up, is only opened) the wait
+    stays the collective, which the watchdog sees and times."""
+    if watchdog.running() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    key = f"longctx/rank_0_done/{next(_RANK_0_WAITS)}"
+    store = dist.distributed_c10d._get_default_store()
+    if done:
+        store.set(key, "1")
+        return
+    pause = 0.01
+    while not store.check([key]):  # (a look at the store: from 10 ms on a quick fn to once a second on a build)
+        time.sleep(pause)
+        pause = min(1.0, 2 * pause)
+
+
 def on_main(rt: Runtime | None, fn, what: str):
     """fn() on rank 0 while the other ranks wait; its result, or its failure, on every rank (a failure
     on rank 0 alone would leave the others waiting in a collective until the timeout)."""
@@ -108,10 +135,10 @@ def on_main(rt: Runtime | None, fn, what: str):
             # leaves: the store's wait has no time limit, and a rank 0 that caught it and lived on (or exited 0) left
             # them waiting there forever
             if rt is not None:
-                comm.wait_for_rank_0(True)
+                _wait_for_rank_0(True)
             raise
     if rt is not None:
-        comm.wait_for_rank_0(rt.is_main)  # (fn may take longer than a collective waits: a data build)
+        _wait_for_rank_0(rt.is_main)  # (fn may take longer than a collective waits: a data build)
         outcome = rt.broadcast(outcome if rt.is_main else None)
     if failure is not None:
         raise failure
