@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import time
 from datetime import date
@@ -11,6 +10,7 @@ from datetime import date
 import torch
 
 from ..job import comm
+from ..job.devices import machine_record
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_SEQ_LEN = 8192
@@ -54,8 +54,7 @@ def machine_load() -> dict:
 def machine_summary(load_start: dict) -> dict:
     """Where and when the figures were measured (the date too: a JSON compared with another names its day)."""
     end = machine_load()
-    return {"date": date.today().isoformat(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "torch": torch.__version__,
+    return {"date": date.today().isoformat(), **machine_record(),
             "loadavg_1m_start": load_start["loadavg_1m"], "loadavg_1m_end": end["loadavg_1m"],
             "pytest_processes_start": load_start["pytest_processes"], "pytest_processes_end": end["pytest_processes"]}
 

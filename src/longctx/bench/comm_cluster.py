@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import platform
 import time
 from datetime import date
 
@@ -43,6 +41,7 @@ from ..config import load_config
 from ..costs.link_bytes import fsdp_unit
 from ..errors import ConfigError
 from ..job import comm
+from ..job.devices import machine_record
 from ..job.spawn import run_spawned
 from ..progress import speaker
 from .comm_bytes import PARTS, Unit, step_bytes
@@ -216,7 +215,7 @@ def main(args) -> int:
            "co2_local_steps": args.co2_local_steps, "co2_overlap_steps": args.co2_overlap_steps or args.co2_local_steps,
            "zero_pp_kernels": args.zero_pp_kernels,
            **result, "ratios": _ratios(result["modes"]),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}}
+           "machine": machine_record()}
     if args.plot and args.steps:
         _plot(result["modes"], args.plot)
     print(strict_json.dumps(out, indent=1))

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import resource
 import statistics
 from datetime import date
@@ -40,6 +39,7 @@ from torch import nn
 
 from .. import strict_json
 from ..errors import ConfigError
+from ..job.devices import machine_record
 from ..job.host_malloc import keep_freed_blocks
 from ..ops.grouped import grouped_path, use_loop
 from ..progress import phase
@@ -202,5 +202,5 @@ def _measure_cpu(args) -> dict:
                    "malloc": malloc,
                    "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "glibc default")},
         "active_params": params, "timing": timing, "memory": memory,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": machine_record(),
     }

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import platform
 import time
 from datetime import date
 
@@ -44,6 +42,7 @@ from ..config import load_config
 from ..costs.hardware import get_hardware
 from ..errors import ConfigError
 from ..job import comm
+from ..job.devices import machine_record
 from ..job.host_malloc import keep_freed_blocks
 from ..job.spawn import run_spawned
 from ..models.moe import MoEFeedForward
@@ -237,7 +236,7 @@ def main(args) -> int:
         per_rank = run_spawned(world, _rank, spec)
     doc = summarize(per_rank, spec)
     doc.update({"bench": "moe_cluster", "date": date.today().isoformat(), "cluster": f"{nodes}x{per_node}",
-                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}})
+                "machine": machine_record()})
     print(strict_json.dumps(doc, indent=2))
     return 0
 

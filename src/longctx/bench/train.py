@@ -11,17 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from datetime import date
 from pathlib import Path
 
-import torch
-
 from .. import strict_json, threads
 from ..errors import ConfigError
+from ..job.devices import machine_record
 from ..progress import phase, say
 
 LAYOUTS = {
@@ -97,7 +95,6 @@ def main(args) -> int:
     # the settings every row ran (the rates are of --global-batch sequences per step): two files compare
     config = {"presets": args.presets, "seq_len": args.seq_len, "layouts": args.layouts, "steps": args.steps,
               "global_batch": args.global_batch}
-    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
     print(strict_json.dumps({"bench": "train", "date": date.today().isoformat(), "config": config, "rows": rows,
-                             "machine": machine}, indent=2))
+                             "machine": machine_record()}, indent=2))
     return 0

@@ -5,12 +5,18 @@ random generator seeded alike, and `train.deterministic`'s kernels."""
 from __future__ import annotations
 
 import os
+import platform
 import random
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
+
+
+def machine_record() -> dict:
+    """The machine figures were measured on, as benchmarks' JSON records it."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
 
 
 def seed_everything(seed: int) -> None:

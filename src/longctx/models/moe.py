@@ -282,17 +282,19 @@ def swiglu_experts(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, chunk: int
     more rows than that, however many rows arrive: under skewed routing a rank may receive every
     token of its expert group. The pieces are cut by row position (the row count is a shape), each
     piece's counts clipped from the cumulative counts on the device: no host read."""
-    n = x.shape[0]
-    if not chunk or n <= chunk:
+    if not chunk or x.shape[0] <= chunk:
         return _swiglu_grouped(x, counts, w1, w3, w2)
+    return torch.cat([checkpoint(_swiglu_grouped, x[start:stop], piece_counts, w1, w3, w2, use_reentrant=False)
+                      for start, stop, piece_counts in row_pieces(x.shape[0], counts, chunk)])
+
+
+def row_pieces(n: int, counts: torch.Tensor, chunk: int):
+    """memory.expert_chunk's pieces of `n` rows grouped by `counts`: (start, stop, the rows of each group inside
+    [start, stop)) for every `chunk` rows, each group's [end - count, end) clipped on the device (no host read)."""
     ends = counts.cumsum(0)
-    pieces = []
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
-        # rows of each expert inside [start, stop): clip every expert's [end - count, end) to it
-        piece_counts = (ends.clamp(start, stop) - (ends - counts).clamp(start, stop))
-        pieces.append(checkpoint(_swiglu_grouped, x[start:stop], piece_counts, w1, w3, w2, use_reentrant=False))
-    return torch.cat(pieces)
+        yield start, stop, ends.clamp(start, stop) - (ends - counts).clamp(start, stop)
 
 
 class MoEFeedForward(nn.Module):

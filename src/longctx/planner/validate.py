@@ -28,8 +28,6 @@ model_states_equal, activations_within_5pct, host_within_5pct).
 from __future__ import annotations
 
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -44,6 +42,7 @@ from ..costs.hardware import calibrate
 from ..costs.shape import MeshShape
 from ..data.samples import Batch
 from ..job import comm
+from ..job.devices import machine_record
 from ..job.runtime import Runtime
 from ..job.spawn import run_spawned
 from ..job.traffic import library_traffic
@@ -347,8 +346,7 @@ def main(args=None, cases=None, ranking_cases=None, steps: int = 3, world_for_ca
     print(strict_json.dumps({"calibrated": hw.source, "peak_tflops": hw.peak_tflops,
                       "attention_efficiency": hw.attention_efficiency}), file=sys.stderr, flush=True)
     out = {"bench": "planner_validate", "date": date.today().isoformat(), "hardware": hw.__dict__, "bytes": [],
-           "ranking": [], "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                      "torch": torch.__version__}}
+           "ranking": [], "machine": machine_record()}
     for case in (BYTES_CASES if cases is None else cases):
         row = run_case(case, hw, steps=1, warmup=1)  # step times of these cases are not compared
         print(strict_json.dumps(row), file=sys.stderr, flush=True)

@@ -76,12 +76,14 @@ def _run_local_experts(got, recv: list[list[int]], experts, weights: tuple, copi
     order, per_expert = _expert_major(recv)
     order, per_expert = order.to(got.device), per_expert.to(got.device)
     w1 = weights[0]
-    own_rows = sum(sum(r[:w1.shape[0]]) for r in recv)  # (slot-major: the own experts' rows come first)
 
     def run(rows):
         rows = rows[order]
-        out = (own_and_copy_experts(rows, per_expert, weights, copies, own_rows, experts.chunk) if copies
-               else swiglu_experts(rows, per_expert, *weights, experts.chunk))
+        if copies:  # (slot-major: the own experts' rows come first)
+            own_rows = sum(sum(r[:w1.shape[0]]) for r in recv)
+            out = own_and_copy_experts(rows, per_expert, weights, copies, own_rows, experts.chunk)
+        else:
+            out = swiglu_experts(rows, per_expert, *weights, experts.chunk)
         return out[torch.argsort(order)] if order.numel() else out
     # (a benchmark's emulated devices: at least the time their GEMMs would take; otherwise just run)
     return comm.paced(run, got, 6.0 * got.shape[0] * w1.shape[1] * w1.shape[2])

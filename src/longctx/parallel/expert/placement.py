@@ -52,7 +52,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...job import comm
-from ...models.moe import swiglu_experts
+from ...models.moe import row_pieces, swiglu_experts
 
 
 @dataclass(frozen=True)
@@ -232,20 +232,13 @@ def own_and_copy_experts(rows: torch.Tensor, counts: torch.Tensor, weights: tupl
     copies' fetch, an all-to-all every rank of the group joins. The same products as one GEMM over the slots.
 
     chunk > 0 (memory.expert_chunk): checkpointed pieces of at most `chunk` rows, cut over all the rows as
-    models/moe.py swiglu_experts cuts them (the same pieces and piece counts as one GEMM's), each split at the own
-    rows it holds (known on the host)."""
-    n = rows.shape[0]
-    if not chunk or n <= chunk:
+    swiglu_experts cuts them (models/moe.py row_pieces: the same pieces and piece counts as one GEMM's), each split
+    at the own rows it holds (known on the host)."""
+    if not chunk or rows.shape[0] <= chunk:
         return _own_then_copies(rows, counts, own_rows, *weights, *copies)
-    ends = counts.cumsum(0)
-    pieces = []
-    for start in range(0, n, chunk):
-        stop = min(start + chunk, n)
-        piece_counts = (ends.clamp(start, stop) - (ends - counts).clamp(start, stop))
-        own = min(max(own_rows - start, 0), stop - start)
-        pieces.append(checkpoint(_own_then_copies, rows[start:stop], piece_counts, own, *weights, *copies,
-                                 use_reentrant=False))
-    return torch.cat(pieces)
+    return torch.cat([checkpoint(_own_then_copies, rows[start:stop], piece_counts,
+                                 min(max(own_rows - start, 0), stop - start), *weights, *copies, use_reentrant=False)
+                      for start, stop, piece_counts in row_pieces(rows.shape[0], counts, chunk)])
 
 
 def _own_then_copies(rows, counts, own_rows: int, w1, w3, w2, c1, c3, c2) -> torch.Tensor:
