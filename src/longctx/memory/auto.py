@@ -165,12 +165,14 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     offloaded activations are counted at each tensor's dtype, as the host budget counts them (at 4 B each,
     1.5x what is offloaded, auto chose a smaller fraction than host memory allows)."""
     base = policy if policy is not None else MemoryPolicy()
+    shape = dict(head=head, ctx=ctx, dtype_bytes=dtype_bytes, expert=expert, autocast=autocast,
+                 expert_replicas=expert_replicas)
+
+    def at(a):  # the run's policy, offloading fraction a of the blocks' activations
+        return dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
 
     def host(a):
-        pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
-        est = estimate_activations(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
-                                   dtype_bytes=dtype_bytes, expert=expert, autocast=autocast,
-                                   expert_replicas=expert_replicas)
+        est = estimate_activations(model_cfg, seq_len, micro_batch, policy=at(a), **shape)
         return est.per_block_host, est.total_host
 
     offloaded = max(0, model_cfg.layers - skip_last)
@@ -206,12 +208,9 @@ def choose_offload_fraction(model_cfg, seq_len: int, micro_batch: int, *, head: 
     if a_link < 0.05:
         reason += " (transfers will not fully hide behind compute even at the smallest fraction)"
     if pinned:
-        def locked(a):
-            pol = dataclasses.replace(base, recompute="selective", offload_fraction=a, offload_skip_last=skip_last)
-            return pinned_activation_bytes(model_cfg, seq_len, micro_batch, head=head, ctx=ctx, policy=pol,
-                                           dtype_bytes=dtype_bytes, expert=expert, autocast=autocast,
-                                           expert_replicas=expert_replicas)
-        fraction, reason = _fit_pinned(fraction, reason, locked, budget)
+        fraction, reason = _fit_pinned(
+            fraction, reason, lambda a: pinned_activation_bytes(model_cfg, seq_len, micro_batch, policy=at(a), **shape),
+            budget)
     return fraction, reason
 
 
