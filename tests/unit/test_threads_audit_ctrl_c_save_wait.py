@@ -43,6 +43,16 @@ def _ctrl_c_while_waiting_for(monkeypatch, interrupted_step: int) -> None:
 
 @pytest.mark.parametrize("steps, interrupted", [(6, 2), (4, 4)])  # the next save's wait; the end's
 def test_ctrl_c_in_the_wait_for_a_save_commits_it(steps, interrupted, tmp_path, monkeypatch):
+    # Ctrl-C as a shell's `longctx train` gets it: Python's own SIGINT handler, whatever an earlier test in this
+    # worker left installed (torchrun's agent installs its own for good: CI saw its SignalException here)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _run_interrupted(steps, interrupted, tmp_path, monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_interrupted(steps, interrupted, tmp_path, monkeypatch):
     _ctrl_c_while_waiting_for(monkeypatch, interrupted)
     trainer = Trainer(load_config(None, [*BASE, f"--train.steps={steps}", f"--train.run_dir={tmp_path}"]),
                       log=lambda *a, **k: None)
