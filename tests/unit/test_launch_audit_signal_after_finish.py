@@ -56,3 +56,23 @@ def test_a_rank_not_launched_by_longctx_notes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli._train(SimpleNamespace(), [], load_config(), 1, launching=False, resumed=False) == 0
     assert not list(tmp_path.iterdir())
+
+
+def test_the_launchers_signal_handlers_are_put_back_after_the_job(tmp_path, monkeypatch):
+    """torchrun's agent installs its SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers for good: after a job launched from
+    Python, a Ctrl-C raised its SignalException instead of KeyboardInterrupt (CI saw it in a later test)."""
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    def run(_args):  # (what torchrun's PContext.start does in the main thread)
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(s, _terminate_process_handler)
+
+    monkeypatch.setattr(relaunch, "run", run)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        relaunch._relaunch(2, ["train"], 0.5, tmp_path)
+        assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

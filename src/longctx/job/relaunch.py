@@ -184,6 +184,22 @@ def _forwarding(forward, error_dir: str):
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def _torchruns_handlers_let_go():
+    """torchrun's agent installs its handlers of _TORCHRUN_SIGNALS for good (they raise its SignalException):
+    after the job, a Ctrl-C in this process (a notebook or a script that launched the job) raised torchrun's
+    exception instead of KeyboardInterrupt. The handlers before the job are put back when it ends."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.getsignal(s) for s in _TORCHRUN_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            if handler is not None:  # (None: a handler not installed from Python, which cannot be put back)
+                signal.signal(s, handler)
+
+
 def _ranks_of(error_dir: str) -> list[int]:
     """The PIDs of the ranks this launcher started: its child processes (Linux's /proc) whose environment has
     its error folder (not another child of the process, such as a multiprocessing helper)."""
@@ -216,7 +232,8 @@ def _relaunch(nproc: int, argv: list[str], monitor_interval: float, error_dir: P
     try:
         forwarded.running = True
         try:
-            run(args)
+            with _torchruns_handlers_let_go():
+                run(args)
         finally:
             forwarded.running = False
     except SignalException as e:
