@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What a session that is lent a GPU runs, in two device calls (run from the repository root):
 #   run(command="bash benchmarks/gpu_lent.sh", timeout_s=590)                       # part 1, ~560 s
+# (prefix LONGCTX_COMMIT=<this checkout's `git rev-parse HEAD`>: the device's copy has no .git, and the JSON
+# records the commit that measured it from there)
 #   run(command="PART=2 TOTAL_S=<budget_left_s - 60> bash benchmarks/gpu_lent.sh", timeout_s=<that + 20>)
 # Part 1 runs benchmarks/gpu_frontier.sh (issue 49) with the probes that matter most (PROBES, default
 # smoke,blocks: the `host` tier's first whole steps on a card and the 8B blocks' depth check) and

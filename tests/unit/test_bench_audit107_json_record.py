@@ -22,7 +22,11 @@ def test_bench_attention_says_the_date_beside_the_machine():
 
 
 def test_bench_train_says_the_date_the_steps_and_the_batch_its_rates_are_of(monkeypatch, capsys):
-    def run(cmd, **_kw):  # the `longctx train` subprocess: three steps of metrics
+    real_run = bench_train.subprocess.run
+
+    def run(cmd, **kw):  # the `longctx train` subprocess: three steps of metrics (others, uname and git, run)
+        if not any(str(a).startswith("--train.run_dir=") for a in cmd):
+            return real_run(cmd, **kw)
         run_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--train.run_dir="))
         (Path(run_dir) / "metrics.jsonl").write_text("".join(
             json.dumps({"kind": "train", "step": s, "loss": 1.0, "tokens_per_s": 100.0, "mfu": 0.1,
@@ -57,3 +61,24 @@ def test_plan_validate_says_the_date(monkeypatch, capsys):
     assert validate.main(cases=[], ranking_cases=[]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["date"] == TODAY and doc["machine"]["torch"]
+
+
+def test_a_benchmarks_record_names_the_commit_that_measured_it(tmp_path, monkeypatch):
+    """docs/benchmarks.md's figures name a machine and a date but not the code: two JSONs of different commits
+    could not be told apart. From a git checkout the record has the commit and whether the package differed from it;
+    an installed copy (no git) says None, not a guess."""
+    import subprocess
+
+    from longctx.job import devices
+
+    record = devices.machine_record()["code"]
+    head = subprocess.run(["git", "-C", str(devices.Path(devices.__file__).parent), "rev-parse", "HEAD"],
+                          capture_output=True, text=True)
+    if head.returncode == 0:
+        assert record["commit"] == head.stdout.strip() and isinstance(record["dirty"], bool)
+
+    def no_git(*_a, **_k):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(devices.subprocess, "run", no_git)
+    assert devices.code_record() == {"version": record["version"], "commit": None, "dirty": None}

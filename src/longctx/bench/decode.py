@@ -50,6 +50,7 @@ import torch
 
 from .. import strict_json
 from ..errors import ConfigError
+from ..job.devices import code_record
 from ..progress import speaker
 
 
@@ -254,7 +255,8 @@ def main(args) -> int:
         generate(target, [first[:8]], max_new_tokens=2, sampling=sampling, compile=args.compiled)
     groups, everything = _run_lengths(args, target, draft, prompts, sampling, modes)
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "device": _device_name(device),
+              "torch": torch.__version__,
+              "code": code_record(), "threads": torch.get_num_threads(), "device": _device_name(device),
               "dtype": args.dtype, "target": args.target,
               "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[0][0] else None,
               "speculate_adaptive": modes[0][1], "draft_cost": args.cost if modes[0][1] else None,

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import strict_json
 from ..errors import ConfigError, UserError
+from ..job.devices import code_record
 from ..progress import phase, speaker
 
 
@@ -201,7 +202,7 @@ def measure_compile(args) -> dict:
     result = {
         "benchmark": "generate", "compile": args.compile, "date": date.today().isoformat(),
         "machine": platform.machine(), "device": args.device, "card": card_name(args.device),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "code": code_record(), "threads": torch.get_num_threads(),
         "model": {"preset": args.preset, "dim": cfg.dim, "layers": cfg.layers, "heads": cfg.heads,
                   "kv_heads": cfg.kv_heads, "ffn_dim": cfg.ffn_dim, "vocab": cfg.vocab_size, "dtype": "float32"},
         "batch": 1, "prompt_tokens": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -336,7 +337,7 @@ def _measure(args, transformers) -> dict:
     median = {k: statistics.median(r["decode_tokens_per_s"] for r in v) for k, v in runs.items()}
     result = {
         "benchmark": "generate", "date": date.today().isoformat(), "machine": platform.machine(),
-        "torch": torch.__version__, "transformers_version": transformers.__version__,
+        "torch": torch.__version__, "transformers_version": transformers.__version__, "code": code_record(),
         "threads": torch.get_num_threads(),
         "model": {"dim": args.dim, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads,
                   "ffn_dim": args.ffn_dim, "vocab": args.vocab, "dtype": "float32"},

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .. import strict_json
 from ..config import MemoryConfig, build_model_config, load_config
 from ..errors import ConfigError
+from ..job.devices import code_record
 from ..job.dims import ParallelDims
 from ..job.spawn import run_spawned
 from ..memory.accounting import estimate_activations, layer_activations, published_formulas
@@ -365,7 +366,8 @@ def _measure_all(args) -> dict:
         results.append(result)
     doc = {
         "bench": "memory", "date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__, "device": "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu",
+        "torch": torch.__version__, "code": code_record(),
+        "device": "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu",
         "preset": args.preset, "micro_batch": args.micro_batch, "layout": {"head": args.head, "ctx": args.ctx},
         "skip_last": args.skip_last, "docs": args.docs, "results": results,
     }

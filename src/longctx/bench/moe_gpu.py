@@ -27,6 +27,7 @@ from datetime import date
 import torch
 
 from .. import strict_json
+from ..job.devices import code_record
 from ..ops.grouped import grouped_path, use_loop
 from ..progress import phase
 from ..train.profile_step import profile_call
@@ -110,6 +111,7 @@ def main(args, device: torch.device | None = None) -> int:
                    if "torch._grouped_mm" not in path else "kernel for some GEMMs, loop for the others",
                    "timing": "least wall time of a synchronised forward+backward over the repeats"},
         "active_params": common.measured_active_params(moe, dense, args.top_k), "timing": rows,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "code": code_record()},
     }, indent=2))
     return 0

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import platform
 import random
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,8 +17,29 @@ from ..errors import ConfigError
 
 
 def machine_record() -> dict:
-    """The machine figures were measured on, as benchmarks' JSON records it."""
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__}
+    """The machine figures were measured on, as benchmarks' JSON records it, with the code that measured them."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+            "code": code_record()}
+
+
+def code_record() -> dict:
+    """The longctx that measured a figure: its version, and where it runs from a git checkout, the commit and
+    whether the package's files differ from it (a figure from uncommitted code says so). Without git (an installed
+    copy, or the lent GPU machine's copy of the working tree, which has no .git): $LONGCTX_COMMIT, else None."""
+    from .. import __version__
+
+    package = Path(__file__).resolve().parents[1]
+    record = {"version": __version__, "commit": None, "dirty": None}
+    try:
+        def git(*args):
+            return subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+
+        record["commit"] = git("rev-parse", "HEAD")
+        record["dirty"] = bool(git("status", "--porcelain", "--", "."))
+    except (OSError, subprocess.SubprocessError):  # (a copy without .git, the lent GPU's: the caller may say it)
+        record["commit"] = os.environ.get("LONGCTX_COMMIT") or None
+    return record
 
 
 def seed_everything(seed: int) -> None:
