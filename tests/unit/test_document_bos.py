@@ -98,6 +98,19 @@ def test_the_synthetic_mixture_begins_each_sequence_with_the_prefix(tokenizers, 
         assert answer.strip().rstrip(".").isdigit() and answer.endswith("."), answer
 
 
+def test_a_retrieval_sequence_begins_with_one_bos_not_two(tokenizers, tmp_path):
+    """The mixture puts the store's BOS first, as eval prompts begin; its filler, the sample's text, began with
+    the sample's first document's BOS too: a synthetic sample of a store packed whole read BOS BOS."""
+    bos_file, bos, _, inputs = tokenizers
+    _build(inputs, tmp_path / "s", bos_file, 256)  # (bfd: every sample starts with a document, its BOS)
+    samples = PackedSamples(tmp_path / "s", "train")
+    assert all(int(samples.sample(i)[0][0]) == bos for i in range(len(samples)))
+    mixture = SyntheticMixture(samples, "passkey", 1.0, 7, HFTokenizer(bos_file))
+    for i in range(len(samples)):
+        tokens = mixture.sample(i)[0]
+        assert tokens[0] == bos and tokens[1] != bos, (i, tokens[:4])
+
+
 def test_a_run_records_it_and_generate_and_eval_prompt_its_checkpoint_with_it(tokenizers, tmp_path):
     bos_file, bos, _, inputs = tokenizers
     model = build_model(load_config(overrides=["--model.layers=1", "--model.vocab_size=320"]).model, seed=1)

@@ -208,7 +208,10 @@ class SyntheticMixture(SampleSet):
         L, k = self.seq_len, len(prefix)
         # the filler is the sample's text, repeated where it is shorter than the sequence: its padding (pad
         # tokens to seq_len) is no text, and a run of it before the question is what no eval prompt holds
-        filler = np.resize(tokens[:int(self.samples.real_tokens[i])], L)
+        text = tokens[:int(self.samples.real_tokens[i])]
+        if k and len(text) > k and np.array_equal(text[:k], prefix):  # (its first document's BOS: the prefix's)
+            text = text[k:]
+        filler = np.resize(text, L)
         prompt = retrieval_prompt(self.task, filler, L - k, float(rng.random()), rng, self.tokenizer, stop=ANSWER_STOP)
         tokens = np.concatenate([prefix, prompt.tokens])
         labels = np.concatenate([np.full(k, IGNORE, dtype=np.int64), prompt.labels])
