@@ -12,6 +12,14 @@ import math
 from typing import Any
 
 from ..errors import ConfigError
+from .override_hints import (
+    bracket_problem,
+    list_hint,
+    no_number_hint,
+    no_value_problem,
+    quoted_problem,
+    whole_number_hint,
+)
 from .schema import Config
 
 
@@ -58,7 +66,12 @@ def coerce(key: str, value: Any, f: dataclasses.Field) -> Any:
     if not ok:
         raise ConfigError(f"{key} must be {_type_name(typ)}{_or_words(f)}, got {value!r} ({type(value).__name__})."
                           + (suggest(value, f.metadata.get("words", ())) if isinstance(value, str) else "")
-                          + _unquoted(key, value, f))
+                          + _unquoted(key, value, f) + list_hint(key, value)
+                          + (whole_number_hint(key, value, cli=False) if typ is int and isinstance(value, float)
+                             else ""))
+    problem = (no_value_problem(key, value, f) or bracket_problem(key, value)) if typ is str else None
+    if problem:
+        raise ConfigError(problem)
     if typ is float:
         try:
             value = float(value)
@@ -95,20 +108,25 @@ def parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:
     typ = _base_type(f)
     if text in f.metadata.get("words", ()):
         return text
+    quoted = quoted_problem(key, text)
+    if quoted:
+        raise ConfigError(quoted)
+    hint = no_number_hint(key, text, toml_value(f.default), typ == "float")  # (what '', None or 1,5 meant)
     if typ == "bool":
         low = text.lower()
         if low in ("true", "1", "yes", "on"):
             return True
         if low in ("false", "0", "no", "off"):
             return False
-        raise ConfigError(f"{key} must be true or false, got '{text}'.")
+        raise ConfigError(f"{key} must be true or false (or 1/0, yes/no, on/off), got '{text}'.{hint}")
     if typ in ("int", "float"):
         number = int if typ == "int" else float
         try:
             return number(text)
         except ValueError:
             raise ConfigError(f"{key} must be {_type_name(number)}{_or_words(f)}, got '{text}'."
-                              + suggest(text, f.metadata.get("words", ()))) from None
+                              + suggest(text, f.metadata.get("words", ())) + hint
+                              + (whole_number_hint(key, text, cli=True) if number is int else "")) from None
     return text
 
 
@@ -142,9 +160,26 @@ def lookup(section: str, name: str) -> dataclasses.Field:
     if name not in fields:
         raise ConfigError(
             f"unknown config key '{section}.{name}'. Valid keys in [{section}]: {', '.join(fields)}."
-            + (_elsewhere(section, name) or suggest(name, fields))
+            + (_sub_table(section, name, fields) or _elsewhere(section, name) or suggest(name, fields))
         )
     return fields[name]
+
+
+def _sub_table(section: str, name: str, fields) -> str:
+    """The hint for a key that names a sub-table or goes through one: `--model.moe=8` (model.moe is the keys
+    moe.experts, moe.top_k, ...) and `[train.extra]` or `[model.mo]` in a file (no such sub-table); '' otherwise."""
+    inside = [k for k in fields if k.startswith(name + ".")]
+    if inside:
+        return (f" {section}.{name} is a sub-table of keys ({', '.join(inside[:4])}, ...): give one of them, e.g. "
+                f"--{section}.{inside[0]}=VALUE, or [{section}.{name}] {inside[0].split('.', 1)[1]} = VALUE in TOML.")
+    if "." not in name:
+        return ""
+    head, tail = name.split(".", 1)
+    tables = sorted({k.split(".", 1)[0] for k in fields if "." in k})
+    if head in tables:
+        return ""  # (a sub-table that is there: its key is misspelled, which suggest() says)
+    said = f" [{section}] has no sub-table '{head}'" + (f" (its sub-tables: {', '.join(tables)})." if tables else ".")
+    return said + (suggest(head, tables) or (f" Did you mean '{section}.{tail}'?" if tail in fields else ""))
 
 
 def _elsewhere(section: str, name: str) -> str:

@@ -18,6 +18,7 @@ from .data_mix import normal_path
 from .draft_rules import check_draft_target
 from .fields import SECTIONS, coerce, fields_by_key, lookup, parse_cli_value, renamed, toml_value
 from .hf import check_run_window, resolve_init_from
+from .override_hints import flag_hint
 from .presets import MODEL_PRESETS
 from .rules import parse_stages, validate
 from .schema import Config, DraftConfig, ModelConfig, TrainConfig
@@ -43,7 +44,7 @@ def parse_overrides(args: Sequence[str]) -> dict[str, dict[str, Any]]:
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise ConfigError(
                 f"unexpected argument '{arg}'. Config overrides look like --section.key=value "
-                f"(sections: {', '.join(SECTIONS)})."
+                f"(sections: {', '.join(SECTIONS)})." + flag_hint(arg, SECTIONS, fields_by_key)
             )
         body = arg[2:]
         if "=" in body:
@@ -103,7 +104,9 @@ def read_raw(path: str | Path | None = None, overrides: Sequence[str] | dict | N
                     f"top-level key '{section}' in '{path}' must be a [section] table; "
                     f"valid sections: {', '.join(SECTIONS)}."
                 )
-            raw.setdefault(section, {}).update(renamed(section, _flatten_tables(values), path, saved_run))
+            keys = set(fields_by_key(SECTIONS[section])) if section in SECTIONS else set()
+            flat = _flatten_tables(values, keys, section, path)
+            raw.setdefault(section, {}).update(renamed(section, flat, path, saved_run))
     if overrides:
         parsed = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         if "model" in raw and "preset" in parsed.get("model", {}):
@@ -138,15 +141,24 @@ def drop_restated_model_keys(file_model: dict[str, Any], preset: Any) -> dict[st
     return kept
 
 
-def _flatten_tables(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten_tables(values: dict[str, Any], keys: set[str], section: str, path, prefix: str = "") -> dict[str, Any]:
     """A section's keys with its sub-tables flattened: [model.moe] experts = 8 -> "moe.experts": 8
-    (how a key of a sub-table is named in code and on the command line too)."""
+    (how a key of a sub-table is named in code and on the command line too). A table given for one of
+    the section's `keys` stays a value, for its type to be refused (`steps = {a = 1}` was "unknown key
+    train.steps.a"); a key written twice, quoted ("moe.experts" = 4) and as a sub-table's, is refused
+    (the later one won, unsaid)."""
     out: dict[str, Any] = {}
     for key, value in values.items():
-        if isinstance(value, dict):
-            out.update(_flatten_tables(value, f"{prefix}{key}."))
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in keys:
+            flat = _flatten_tables(value, keys, section, path, f"{name}.")
         else:
-            out[f"{prefix}{key}"] = value
+            flat = {name: value}
+        twice = sorted(set(flat) & set(out))
+        if twice:
+            raise ConfigError(f"{section}.{twice[0]} is set twice in '{path}': as \"{twice[0]}\" and in a [{section}."
+                              f"{twice[0].rsplit('.', 1)[0]}] table, which name the same key; keep one.")
+        out.update(flat)
     return out
 
 

@@ -424,7 +424,7 @@ def _memory_and_other_rules(cfg: Config, problems: list[str]) -> None:
         problems.append(str(e))
 
     _positive(problems, "metrics.log_interval", mt.log_interval)
-    if mt.profile_step < 0 or mt.profile_step > t.steps:
+    if mt.profile_step < 0 or mt.profile_step > max(t.steps, 0):  # (0, no profile, is no fault of a bad steps)
         problems.append(f"metrics.profile_step must be 0 (no profile) or a step of the run (1..train.steps = "
                         f"{t.steps}), got {mt.profile_step}.")
     if mt.peak_tflops < 0:
