@@ -151,7 +151,13 @@ def _cmd_report(args, overrides) -> int:
         raise UserError(f"longctx report takes only a run directory; unexpected arguments: {' '.join(overrides)}.")
     from .train.report import write_plots
 
-    for path in write_plots(args.run_dir):
+    try:
+        written = write_plots(args.run_dir)
+    except OSError as e:  # (a run directory this user may read but not write: another's, or a read-only copy)
+        raise UserError(f"{e.filename or args.run_dir}: {e.strerror or e}. `longctx report` reads the run's metrics "
+                        f"and writes its plots into the run directory; copy the run somewhere writable and report "
+                        f"that copy.") from e
+    for path in written:
         print(f"wrote {path}")
     return 0
 

@@ -3,7 +3,7 @@
 
 from types import SimpleNamespace
 
-from longctx.train.report import done_line
+from longctx.train.run_lines import done_line
 
 
 def _line(tmp_path, draft_target=""):

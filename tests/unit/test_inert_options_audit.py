@@ -73,7 +73,7 @@ def test_expert_replicas_past_what_a_rank_can_hold_are_refused():
 
 
 def _setup_lines(cfg):
-    from longctx.train.report import describe_run
+    from longctx.train.run_lines import describe_run
 
     dims = types.SimpleNamespace(expert=1)
     return describe_run(cfg, 1, dims, torch.nn.Linear(2, 2), torch.device("cpu"), torch.float32, "peak")

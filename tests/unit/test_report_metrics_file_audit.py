@@ -22,4 +22,4 @@ def test_report_finds_the_metrics_file_the_run_was_given(tmp_path, capsys):
 def test_report_of_a_directory_without_a_run_is_a_clear_error(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nothing")]) != 0
     err = " ".join(capsys.readouterr().err.split())  # (wrapped at 100 columns: where depends on the tmp path)
-    assert "metrics.jsonl does not exist" in err, err
+    assert f"there is no directory {tmp_path / 'nothing'}" in err, err  # (the directory named, not a file in it)

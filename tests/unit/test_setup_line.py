@@ -9,7 +9,7 @@ import torch
 from longctx.config import fields_by_key, load_config
 from longctx.config.hf import FAMILIES
 from longctx.config.schema import ModelConfig
-from longctx.train.report import describe_run
+from longctx.train.run_lines import describe_run
 
 
 def _line(overrides, world=2, expert=1):

@@ -1,8 +1,8 @@
 """PNG plots of a run from its metrics JSONL: loss (train and eval), throughput (tokens/s with its
 MFU scale) over memory, and for MoE models the expert load and router losses (expert_load.png) and
 each expert's share of its layer's choices over the steps (expert_heatmap.png). token_log_axis: a
-log-scaled token axis labelled at a few powers of 2 (1K, 64K, 1M), for plots over positions.
-describe_run and done_line: what a run says when it starts and when it ends."""
+log-scaled token axis labelled at a few powers of 2 (1K, 64K, 1M), for plots over positions. What a run says
+when it starts and ends: run_lines.py."""
 
 from __future__ import annotations
 
@@ -10,11 +10,7 @@ import json
 from pathlib import Path
 
 from ..config.checkpoint_paths import MANIFEST, step_name
-from ..config.inert_options import inert_option_notes
-from ..config.rules import moe_notes
 from ..errors import UserError
-from ..models.llama import count_params
-from ..step.schedule import schedule_note, schedule_words
 from ..strict_json import number
 from .metrics import read_jsonl
 
@@ -28,36 +24,101 @@ def _plot_store_evals(ax, evals: list[dict]) -> None:
 
 
 def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None, say=print) -> list[Path]:
+    """The run's plots, written into `run_dir` (loss, throughput, and a MoE model's expert load): their paths.
+    `metrics_path`: the file the run logged to (the trainer's; by default the one run_dir's config.toml names)."""
     import matplotlib  # (lazy: ~100 MB and a second to load, only when plots are written)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    # (a run given --metrics.file wrote there: its config.toml says where)
-    named = None if metrics_path else _run_setting(run_dir, "metrics", "file")
-    metrics_path = Path(metrics_path or (_run_path(run_dir, named) if named else run_dir / "metrics.jsonl"))
-    if not metrics_path.is_file():
-        if named and not Path(named).is_absolute():
-            raise UserError(f"{run_dir / 'config.toml'} names metrics.file {named!r}, a path relative to the directory "
-                            f"`longctx train` ran in, and there is no {metrics_path.resolve()}; run `longctx report` "
-                            f"from the directory the run was started in.")
-        raise UserError(f"{metrics_path} does not exist; pass the run directory a `longctx train` run wrote.")
+    train, evals = _run_records(run_dir, metrics_path, say)
+    written = [_loss_plot(run_dir, train, evals, plt), _throughput_plot(run_dir, train, plt)]
+    moe = [r for r in train if "moe_load_mean" in r]
+    if moe:
+        written.append(_expert_load_plot(run_dir, moe, plt))
+    columns = [r for r in train if "moe_expert_load" in r]
+    if columns:
+        written.append(_expert_heatmap(run_dir, columns, plt))
+    return written
+
+
+def _run_records(run_dir: Path, metrics_path: str | Path | None, say) -> tuple[list[dict], list[dict]]:
+    """The run's training and eval records, each step once, in step order (a UserError where there are none)."""
+    metrics_path = _metrics_file(run_dir, metrics_path)
     cut: list[int] = []
     records = read_jsonl(metrics_path, cut)
     if cut:  # (a run killed, or out of disk, while it wrote a line)
         say(f"note: {metrics_path}: line{'s' * (len(cut) > 1)} {', '.join(map(str, cut))} "
             f"{'are' if len(cut) > 1 else 'is'} no JSON record (a write cut short); left out of the plots")
-    # the newest record of each step (a run resumed by an older longctx repeated steps)
+    records = _continued(records, metrics_path, say)
+    # (each step once, in step order: a resumed attempt's evaluations may come before its first training record)
     train = _last_per_step(r for r in records if r.get("kind", "train") == "train")
     evals = _last_per_step(r for r in records if r.get("kind") == "eval")
     if not train:
-        raise UserError(f"{metrics_path} holds no training records to plot.")
+        raise UserError(f"{metrics_path} holds no training records to plot: `longctx train` writes one at step 1 and "
+                        f"every metrics.log_interval steps after it, so a run stopped before its first step wrote "
+                        f"none.")
+    return train, evals
 
+
+def _metrics_file(run_dir: Path, given: str | Path | None) -> Path:
+    """The run's metrics file: `given`, the metrics.file its config.toml names, or <run_dir>/metrics.jsonl; a
+    UserError that says why where there is none."""
+    # (a run given --metrics.file wrote there: its config.toml says where)
+    named = None if given else _run_setting(run_dir, "metrics", "file")
+    path = Path(given or (_run_path(run_dir, named) if named else run_dir / "metrics.jsonl"))
+    if path.is_file():
+        return path
+    if run_dir.is_file():  # (the metrics file itself, say)
+        raise UserError(f"{run_dir} is a file; pass the run directory (the one holding it, {run_dir.parent}?).")
+    if not run_dir.is_dir():
+        raise UserError(f"there is no directory {run_dir}; pass the directory a `longctx train` run wrote (its "
+                        f"train.run_dir, or the runs/<time>-<preset>/ it made).")
+    if named and not Path(named).is_absolute():
+        raise UserError(f"{run_dir / 'config.toml'} names metrics.file {named!r}, a path relative to the directory "
+                        f"`longctx train` ran in, and there is no {path.resolve()}; run `longctx report` "
+                        f"from the directory the run was started in.")
+    runs = sorted({str(p.parent) for name in ("config.toml", "metrics.jsonl") for p in run_dir.glob(f"*/{name}")})
+    if runs and not (run_dir / "config.toml").exists():  # (the directory above the runs: runs/)
+        raise UserError(f"{run_dir} is no run directory but holds {len(runs)}: "
+                        f"{', '.join(runs[:RUNS_NAMED])}{', ...' if len(runs) > RUNS_NAMED else ''}; pass one of them.")
+    if named:  # (moved or deleted since: the run directory is right)
+        raise UserError(f"{path} does not exist: it is the metrics.file {run_dir / 'config.toml'} names, which "
+                        f"`longctx report` reads; put the file back there (moved or deleted since the run?).")
+    raise UserError(f"{path} does not exist; pass the run directory a `longctx train` run wrote (a run writes its "
+                    f"metrics from its first step on).")
+
+
+RUNS_NAMED = 5  # run directories an error names at most
+
+
+def _continued(records: list[dict], path: Path, say) -> list[dict]:
+    """The records of the run as the file's last attempt continued it: a training step at or before one already
+    logged starts again (a second run given the same metrics.file, or a resume by a longctx that left the
+    abandoned attempt's records in place; today's moves them aside), and replaces every record from that step on,
+    so the plots show one run, not the newest record of each step from two."""
+    kept, last, restarts = [], 0, []
+    for r in records:
+        if r.get("kind", "train") == "train":
+            if r["step"] <= last:
+                restarts.append(f"at step {r['step']} after step {last}")
+                kept = [k for k in kept if k["step"] < r["step"]]
+            last = r["step"]
+        kept.append(r)
+    if restarts:
+        say(f"note: {path}: its training records start again {', '.join(restarts)} (a second run given the same "
+            f"metrics.file, or a resume by an older longctx): the plots show the records written last from there on")
+    return kept
+
+
+def _loss_plot(run_dir: Path, train: list[dict], evals: list[dict], plt) -> Path:
+    """loss.png: the training loss (rolled-back windows shaded, skipped steps marked), the evaluations'."""
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, (first, last) in enumerate(rolled_back_steps(run_dir)):  # (their records are the abandoned attempt's)
         ax.axvspan(first - 0.5, last + 0.5, color="0.88", label=None if i else "rolled back (updates discarded)")
     _plot_train_loss(ax, train)
+    _mark_skipped(ax, train)
     if evals:
         ax.plot([r["step"] for r in evals], [number(r["loss"]) for r in evals],
                 label="eval (the mean over its labelled tokens)", marker="o", color="tab:orange")
@@ -68,10 +129,14 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None, say
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    loss_png = run_dir / "loss.png"
-    fig.savefig(loss_png, dpi=100)
+    path = run_dir / "loss.png"
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+    return path
 
+
+def _throughput_plot(run_dir: Path, train: list[dict], plt) -> Path:
+    """throughput.png: tokens/s (with its MFU scale) over the memory the steps used."""
     fig, (ax, mem_ax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     steps = [r["step"] for r in train]
     ax.plot(steps, [r["tokens_per_s"] for r in train], color="tab:blue", marker=".")
@@ -89,17 +154,10 @@ def write_plots(run_dir: str | Path, metrics_path: str | Path | None = None, say
     mem_ax.set_xlabel("step")
     mem_ax.grid(alpha=0.3)
     fig.tight_layout()
-    tput_png = run_dir / "throughput.png"
-    fig.savefig(tput_png, dpi=100)
+    path = run_dir / "throughput.png"
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    written = [loss_png, tput_png]
-    moe = [r for r in train if "moe_load_mean" in r]
-    if moe:
-        written.append(_expert_load_plot(run_dir, moe, plt))
-    columns = [r for r in train if "moe_expert_load" in r]
-    if columns:
-        written.append(_expert_heatmap(run_dir, columns, plt))
-    return written
+    return path
 
 
 SMOOTHING_POINTS = 5  # logged steps in the moving mean drawn over single-step losses
@@ -109,10 +167,11 @@ def _plot_train_loss(ax, train: list[dict]) -> None:
     """The training loss as the records hold it. A record's `loss` is the loss of its one logged
     step (one global batch), not a mean over the steps since the previous record: drawn as such, with
     a moving mean over SMOOTHING_POINTS logged steps (a mean of samples, said so). Records that
-    carry `loss_mean` (the mean over all steps of their log interval) draw that mean instead."""
+    carry `loss_mean` (the mean over all steps of their log interval) draw that mean instead, with a gap at
+    a record without it: an interval whose every step was skipped (_mark_skipped marks it)."""
     steps = [r["step"] for r in train]
-    if all("loss_mean" in r for r in train):
-        ax.plot(steps, [number(r["loss_mean"]) for r in train], marker=".", color="tab:blue",
+    if any("loss_mean" in r for r in train):
+        ax.plot(steps, [number(r.get("loss_mean")) for r in train], marker=".", color="tab:blue",
                 label="train (mean over each log interval)")
         return
     losses = [number(r["loss"]) for r in train]  # (null: a non-finite loss)
@@ -124,6 +183,22 @@ def _plot_train_loss(ax, train: list[dict]) -> None:
         mean = [sum(losses[i:i + n]) / n for i in range(len(losses) - n + 1)]
         ax.plot(steps[half:half + len(mean)], mean, color="tab:blue", lw=1.8,
                 label=f"train (moving mean of {n} logged steps, centred)")
+
+
+def _mark_skipped(ax, train: list[dict]) -> None:
+    """An x on the step axis at each record whose interval holds steps not applied (train.on_nonfinite = skip:
+    non-finite, or a loss spike; a record's `skipped_steps` counts the run's so far), their number in the legend:
+    a gap in the curve alone does not say why, and a skipped spike's finite loss leaves none."""
+    marks, before, total = [], 0, 0
+    for r in train:
+        now = int(r.get("skipped_steps") or 0)
+        if now > before:
+            marks.append(r["step"])
+            total += now - before
+        before = now
+    if marks:
+        ax.plot(marks, [0.03] * len(marks), "x", color="tab:red", transform=ax.get_xaxis_transform(),
+                label=f"skipped: {total} step{'s' * (total != 1)} not applied (x: in the log interval ending there)")
 
 
 def _log_every(steps: list[int]) -> int:
@@ -270,27 +345,52 @@ def rolled_back_steps(run_dir: Path) -> list[tuple[int, int]]:
     steps stay in metrics.jsonl, but the updates they logged were undone and their data is never trained."""
     from .rollback import RECORD
 
-    named = _run_setting(run_dir, "checkpoint", "dir")
-    roots = [run_dir / "checkpoints", *([_run_path(run_dir, named)] if named else [])]
-    # (both: a run resumed with another --checkpoint.dir recorded its earlier rollbacks in the first)
-    records = [r for root in roots if (root / RECORD).is_file() for r in read_jsonl(root / RECORD)
-               if not _abandoned(root, r)]
-    return sorted({(int(r["skipped_steps"][0]), int(r["skipped_steps"][1])) for r in records})
+    roots = _checkpoint_roots(run_dir)
+    # (every attempt's: a run resumed with another --checkpoint.dir recorded its earlier rollbacks in the first)
+    records = [(root, r) for root in roots if (root / RECORD).is_file() for r in read_jsonl(root / RECORD)]
+    return sorted({(int(r["skipped_steps"][0]), int(r["skipped_steps"][1])) for root, r in records
+                   if not _abandoned(run_dir, root, roots[0], r)})
 
 
-def _abandoned(root: Path, rollback: dict) -> bool:
+def _checkpoint_roots(run_dir: Path) -> list[Path]:
+    """The checkpoint directories of the run's attempts, the last attempt's first: the checkpoint.dir its
+    config.toml names (else <run>/checkpoints), then <run>/checkpoints and the checkpoint.dir of each earlier
+    attempt's config, kept as config.before-stepN.toml where a resume changed a setting (checkpoint.dir too)."""
+    earlier = sorted(p.name for p in run_dir.glob("config.before-step*.toml"))
+    named = [_run_setting(run_dir, "checkpoint", "dir", config) for config in ["config.toml", *earlier]]
+    roots = [_run_path(run_dir, named[0]) if named[0] else run_dir / "checkpoints", run_dir / "checkpoints",
+             *(_run_path(run_dir, n) for n in named[1:] if n)]
+    unique: dict[Path, Path] = {}
+    for root in roots:  # (each once, where it first comes)
+        unique.setdefault(root.resolve(), root)
+    return list(unique.values())
+
+
+def _abandoned(run_dir: Path, root: Path, latest: Path, rollback: dict) -> bool:
     """A rollback of an attempt that a resume of an older checkpoint abandoned: the checkpoint it went back to
     was saved again since, by the attempt that trained its skipped steps anew (another manifest checksum at that
-    step), so those steps' records are that attempt's. (A record without a checksum, or a checkpoint since
+    step), so those steps' records are that attempt's. Saved again in the rollback's own checkpoint directory
+    `root`, or by this run in the last attempt's, `latest` (a resume into another --checkpoint.dir; there, a
+    checkpoint another run saved is not this run's). (A record without a checksum, or a checkpoint since
     pruned, is kept: nothing says otherwise.)"""
     checksum = rollback.get("checkpoint")
     if not checksum or "rolled_back_to" not in rollback:
         return False
+    name = step_name(int(rollback["rolled_back_to"]))
+    if _manifest(root / name).get("checksum") not in (None, checksum):
+        return True
+    saved = _manifest(latest / name) if latest.resolve() != root.resolve() else {}
+    by = saved.get("run_dir")
+    return saved.get("checksum") not in (None, checksum) and bool(by) and Path(by).resolve() == run_dir.resolve()
+
+
+def _manifest(checkpoint: Path) -> dict:
+    """A checkpoint's manifest, {} where there is none readable."""
     try:
-        saved = json.loads((root / step_name(int(rollback["rolled_back_to"])) / MANIFEST).read_text())
+        saved = json.loads((checkpoint / MANIFEST).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and saved.get("checksum") not in (None, checksum)
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def _run_path(run_dir: Path, named: str) -> Path:
@@ -308,104 +408,16 @@ def _run_path(run_dir: Path, named: str) -> Path:
     return path
 
 
-def _run_setting(run_dir: Path, section: str, key: str):
-    """A setting of the run's config.toml (None where it has none, or the directory no readable config)."""
+def _run_setting(run_dir: Path, section: str, key: str, config: str = "config.toml"):
+    """A setting of the run's config.toml, or of another `config` in the run directory (None where it has
+    none, or the directory no readable config)."""
     from ..config.load import tomllib  # (tomli before Python 3.11, which the project still supports)
 
     try:
-        return tomllib.loads((run_dir / "config.toml").read_text()).get(section, {}).get(key) or None
+        return tomllib.loads((run_dir / config).read_text()).get(section, {}).get(key) or None
     except (OSError, ValueError):
         return None
 
 
 def _last_per_step(records) -> list[dict]:
     return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
-
-
-def describe_run(cfg, world: int, dims, model, device, dtype, peak: str) -> list[str]:
-    """The run's opening line: the model, its precision and memory policy, the layout."""
-    from .. import threads
-    from ..config.load import lr_note
-
-    mem = cfg.memory
-    expert = f" (expert {dims.expert} folded over them)" if getattr(dims, "expert", 1) > 1 else ""
-    layout = (f"{world} ranks: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x head {dims.head} x ctx "
-              f"{dims.ctx}" + (f" (window {dims.window})" if dims.window else "") + f", {dims.placement}{expert}"
-              if world > 1 else "1 process")
-    cpu = f", {threads.describe()}" if device.type == "cpu" else ""
-    return [f"model: {cfg.model.label}, {count_params(model) / 1e6:.2f}M parameters, "
-            f"{device.type} {str(dtype).removeprefix('torch.')}{cpu}, memory: recompute={mem.recompute}"
-            + (f" offload={mem.offload_fraction} skip_last={mem.offload_skip_last}" if mem.offload_fraction else "")
-            + _memory_options(mem) + f", loss_chunk={mem.loss_chunk}, {layout}"
-            + (", compiled (train.compile: each block's token-wise parts)" if cfg.train.compile else "")
-            + (", deterministic kernels (train.deterministic)" if cfg.train.deterministic else "")
-            + (", loss per sequence (train.loss_weighting: each trained sequence's mean, averaged)"
-               if cfg.train.loss_weighting == "sequence" else "")
-            + f"; {lr_note(cfg)}" + (f", {words}" if (words := schedule_words(cfg)) else "") + f"; {peak}"] + (
-        [model.grad_bucket_plan.describe()] if hasattr(model, "grad_bucket_plan") else []) + [
-        f"note: {note}" for note in (moe_notes(cfg.model) if not cfg.draft.target else []) + [schedule_note(cfg)]
-        + inert_option_notes(cfg) if note]
-
-
-def _memory_options(mem) -> str:
-    """The memory settings a run departs from the default in, beyond recompute and offload (a plan's choices,
-    planner/output.py, read back in the setup line): chunks, the attention offload, grad_sync, model_states."""
-    chunks = "".join(f" {k}={getattr(mem, k)}" for k in ("block_chunk", "attention_chunk", "expert_chunk")
-                     if getattr(mem, k))
-    return (chunks + (" attention_offload=true" if mem.attention_offload else "")
-            + (f" grad_sync={mem.grad_sync}" if mem.grad_sync != "step" else "")
-            + (f" model_states={mem.model_states}" if mem.model_states != "device" else ""))
-
-
-def done_line(result, steps: int, total_s: float, run_dir: Path, plots: bool, checkpoints: Path | None,
-              draft_target: str = "", skipped: int = 0, rollbacks: int = 0) -> str:
-    """The run's closing line: the steps this job ran (`result`: trainer.py TrainResult) up to
-    train.steps `steps`, their time and first and last loss, the last evaluation's, the run's skipped steps and
-    rollbacks (train.on_nonfinite, as the metrics count them), and where what the run wrote is (`checkpoints`:
-    the checkpoint directory, None when the run saves nothing; `draft_target`: a draft run's draft.target, which
-    generate reads the draft beside)."""
-    # (no losses: a resume of a finished run under torchrun directly; `longctx train` says so before building)
-    if not result.losses:
-        return f"done: nothing to train: the run is at step {result.first_step - 1} of train.steps {steps}."
-    # a rollback of the last step (read_back.py): the run ends with checkpoint step `kept`'s weights, so the
-    # losses and evaluations after it are of discarded updates
-    kept = result.ended_at
-    evals = [loss for s, loss in result.eval_losses.items() if kept is None or s <= kept]
-    last_eval = f", eval loss {evals[-1]:.4f}" if evals else ""
-    if kept is None:
-        last = f"{result.losses[-1]:.4f}"
-    elif kept >= result.first_step:
-        last = f"{result.losses[kept - result.first_step]:.4f} (step {kept}'s: steps {kept + 1}-{steps} rolled back)"
-    else:
-        last = f"- (steps {kept + 1}-{steps} rolled back)"
-    where = (_where_it_is(steps, run_dir, plots, checkpoints, draft_target) if kept is None else
-             _where_it_is(kept, run_dir, plots, checkpoints, draft_target, f"the weights it ends with (step {kept}'s)"))
-    return (f"done: steps {result.first_step}-{steps} in {total_s:.1f}s, loss {result.losses[0]:.4f} -> "
-            f"{last}{last_eval}{_bad_steps(skipped, rollbacks)}. {where}")
-
-
-def _bad_steps(skipped: int, rollbacks: int) -> str:
-    """The done line's count of the run's bad steps: without it, a run whose every step was non-finite ended
-    "done" with its untrained weights as "the last step's", the per-step lines long scrolled away."""
-    said = ""
-    if skipped:
-        said += (f"; skipped {skipped} step{'s' if skipped != 1 else ''} (not applied: non-finite or a loss spike, "
-                 f"train.on_nonfinite = skip)")
-    if rollbacks:
-        said += f"; rolled back {rollbacks} time{'s' if rollbacks != 1 else ''} (train.on_nonfinite = rollback)"
-    return said
-
-
-def _where_it_is(step: int, run_dir: Path, plots: bool, checkpoints: Path | None, draft_target: str = "",
-                 what: str = "the last step's weights") -> str:
-    """The done line's pointer to what the run wrote: its files, and the last step's checkpoint
-    when one was saved (what `longctx generate --checkpoint` reads)."""
-    files = "config, metrics and plots" if plots else "config and metrics"
-    said = f"Its {files} are in {run_dir}/"
-    if checkpoints is None:
-        return f"{said} (nothing saved: checkpoint.interval 0 and checkpoint.final false)."
-    saved = checkpoints / step_name(step)
-    if not saved.is_dir():  # (a failed save under checkpoint.on_save_error = warn)
-        return f"{said}."
-    how = f"--checkpoint {draft_target} --draft {checkpoints}" if draft_target else f"--checkpoint {checkpoints}"
-    return f"{said}; {what} in {saved}/ (`longctx generate {how}` reads them)."

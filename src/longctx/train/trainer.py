@@ -56,8 +56,9 @@ from .moe_hooks import MoEStepHook, moe_step_hooks
 from .preemption import EarlySignals, StopOnSignal, command_age, set_up_stop
 from .profile_step import profile_hooks
 from .read_back import read_back, roll_back_trainer, stop_on_signal
-from .report import describe_run, done_line, write_plots
+from .report import write_plots
 from .rollback import BadStep, resume_past_rollback
+from .run_lines import describe_run, done_line
 from .run_lock import RunLock
 from .saves import RunSaves
 from .setup import (
@@ -372,7 +373,7 @@ class Trainer:
                          f"them once there is room.")
         self.log(done_line(result, t.steps, total_s, self.run_dir, plots,
                            None if self.ckpt is None else self.ckpt.root, self.cfg.draft.target, self.skipped_steps,
-                           self.rollbacks))
+                           self.rollbacks, self.metrics.path))
         return result
 
 
