@@ -45,4 +45,4 @@ def test_a_system_message_and_metadata_still_read(tmp_path):
     path = tmp_path / "p.jsonl"
     messages = [{"role": "system", "content": "Be brief."}, *MESSAGES]
     path.write_text(json.dumps({"messages": messages, "id": 1, "source": "x"}) + "\n")
-    assert _read(path) == [{"text": "", "id": 1, "messages": messages}]
+    assert _read(path) == [{"text": "", "line": 1, "id": 1, "messages": messages}]

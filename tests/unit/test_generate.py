@@ -271,7 +271,7 @@ def test_bad_prompts_file(weightless_hf, tmp_path):
     with pytest.raises(ConfigError, match='line 3 has no "prompt" string'):
         _prepare("--checkpoint", f"hf:{weightless_hf}", "--prompts", str(f))
     f.write_text('{"prompt": "a"}\n{"prompt": ""}\n')
-    with pytest.raises(ConfigError, match="prompt 2 is empty"):
+    with pytest.raises(ConfigError, match=r"prompt 2 \(--prompts line 2\) is empty"):
         _prepare("--checkpoint", f"hf:{weightless_hf}", "--prompts", str(f))
 
 

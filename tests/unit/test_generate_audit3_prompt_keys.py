@@ -35,4 +35,4 @@ def test_a_line_setting_a_run_setting_under_another_apis_name_is_refused(tmp_pat
 def test_a_lines_metadata_stays_free(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a", "id": 1, "seed": 2, "source": "x", "tokens_expected": 16}) + "\n")
-    assert _read(path) == [{"text": "a", "id": 1, "seed": 2}]
+    assert _read(path) == [{"text": "a", "line": 1, "id": 1, "seed": 2}]  # ("line": where it is, for errors)

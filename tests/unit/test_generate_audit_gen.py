@@ -102,7 +102,7 @@ def _prepare(d, *argv):
 def test_a_lone_surrogate_in_a_prompt_or_a_stop_is_one_error_before_work(hf_dir, tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "fine"}\n{"prompt": "abc\\ud800def"}\n', encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"prompt 2 holds U\+D800 at character 3, a lone surrogate"):
+    with pytest.raises(ConfigError, match=r"prompt 2 \(--prompts line 2\) holds U\+D800 at character 3, a lone"):
         _prepare(hf_dir, "--prompts", str(path))
     with pytest.raises(ConfigError, match=r"the prompt holds U\+DCFF"):  # (argv's byte 0xff, not UTF-8)
         _prepare(hf_dir, "--prompt", "caf\udcff")

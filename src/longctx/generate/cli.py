@@ -9,7 +9,7 @@ With --nproc N the cache is sharded over head x ctx ranks as training shards the
 (generate/sharded.py): each rank holds the full weights and 1/(head x ctx) of the cache, and
 the ranks return the same tokens as one process; rank 0 writes them.
 
-Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line; an "id"
+Input: `--prompt TEXT` or `--prompts FILE.jsonl` (one `{"prompt": ...}` object per line, blank lines skipped; an "id"
 field is copied to the output, a "seed" seeds that prompt's draws; with --chat a line may hold
 `{"messages": [...]}` instead, rendered by the tokenizer's chat template: data/chat_template.py).
 Decoding settings: flags over hf:DIR's generation_config.json over longctx's defaults
@@ -114,12 +114,14 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
     """Check every input and tokenize the prompts, before any weight is read."""
     from .context_memory import check_prompts, memory_reach, memory_shape
     from .loading import check_window, dropless_notes, eos_ids
+    from .output import replacing_note
     from .prompts import read_prompts, tokenize_prompts, tokenizer_spec, with_turn_end
     from .settings import check_logprobs, check_run_flags
 
     sampling = _sampling(args)
     check_run_flags(args)  # (speculation's, a flag this run would ignore, --output)
     prompts = read_prompts(args)
+    replacing = replacing_note(args.output)  # (said with the notes: before the weights, a Ctrl-C keeps the file)
     cfg = _config(args, overrides)
     check_logprobs(args.logprobs, cfg.model.vocab_size)
     spec = tokenizer_spec(args, cfg)
@@ -136,7 +138,7 @@ def prepare(args, overrides: list[str]) -> GenerateRequest:
         check_prompts(memory, prompts)
     else:  # (the decode loop's rule, said before any weight is read: --allow-extrapolation does not move a window)
         check_window(cfg.model, longest, "generate")
-    notes += dropless_notes("model", cfg.model)
+    notes += dropless_notes("model", cfg.model) + ([replacing] if replacing else [])
     if args.stop:  # (a stop that could never match is refused here, not after the weights: output.py)
         from .output import StopStrings
 
@@ -260,12 +262,7 @@ def _run(request: GenerateRequest, args) -> int:
     dtype = resolve_dtype(request.cfg.train.dtype, device)
     model = load_model(request.cfg, device, dtype)
     if main_rank:
-        say(_describe(request, args, device, dtype))
-        if getattr(args, "generation_defaults", ""):
-            say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
-        if getattr(args, "generation_unapplied", ""):
-            say(f"generate: note: generation_config.json also sets {args.generation_unapplied}, which longctx does "
-                f"not apply (transformers' generate would): the tokens may differ from the model's intended decoding")
+        _say_run(request, args, device, dtype)
     step = _warm_up(request, args, model, device, backend, main_rank, memory is not None)
     samples = args.num_samples
     draft = _load_draft(request, args, model, device, dtype, main_rank)
@@ -299,7 +296,7 @@ def _run(request: GenerateRequest, args) -> int:
                                    seeds=seeds, num_samples=samples, logprobs=args.logprobs, compile=step)
             for i, r in enumerate(results):  # (prompt-major: a prompt's samples together)
                 output.write(batch[i // samples], r, speculative=draft is not None, samples=samples)
-            output.file.flush()
+            output.flush()
             del results
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -330,6 +327,17 @@ def _warm_up(request: GenerateRequest, args, model, device, backend, main_rank: 
         say(f"generate: --compile: {step.calls} decode step(s) ran compiled in the warm-up" if step.calls else
             "generate: --compile: this model decodes eagerly (MoE, or a cache sharded over ranks)")
     return step
+
+
+def _say_run(request: GenerateRequest, args, device, dtype) -> None:
+    """What rank 0 says before generating: the run (_describe), and the decoding settings generation_config.json
+    gave or that longctx does not apply."""
+    say(_describe(request, args, device, dtype))
+    if getattr(args, "generation_defaults", ""):
+        say(f"generate: defaults from generation_config.json: {args.generation_defaults} (a flag overrides each)")
+    if getattr(args, "generation_unapplied", ""):
+        say(f"generate: note: generation_config.json also sets {args.generation_unapplied}, which longctx does "
+            f"not apply (transformers' generate would): the tokens may differ from the model's intended decoding")
 
 
 def _describe(request: GenerateRequest, args, device, dtype) -> str:

@@ -135,7 +135,8 @@ def check_prompts(shape: InfLLMShape, prompts: list[dict]) -> None:
     short = [(i, len(p["ids"])) for i, p in enumerate(prompts) if len(p["ids"]) < shape.window]
     if short:
         i, n = min(short, key=lambda x: x[1])  # (the shortest: a window that fits it fits every prompt)
-        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        line = prompts[i].get("line")  # (as prompts.py prompt_name says it, which would import this module back)
+        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}" + (f" (--prompts line {line})" if line else "")
         fit = n // shape.block * shape.block  # (a window of whole units; none fits a prompt shorter than a unit)
         fix = f"--infllm-window {fit}" if fit else f"an --infllm-block and --infllm-window of at most {n:,}"
         raise ConfigError(f"--infllm-window {shape.window} is larger than {which} ({n:,} tokens"

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
                    help="a longctx checkpoint (a step-* directory, or a checkpoints directory for its latest) or "
                         "hf:DIR, a Hugging Face model directory")
     p.add_argument("--prompt", default=None, help="one prompt (text)")
-    p.add_argument("--prompts", default=None, metavar="FILE.jsonl", help='prompts, one {"prompt": ...} per line')
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='prompts, one {"prompt": ...} per line (blank lines skipped)')
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="new tokens per prompt at most (default: hf:DIR's generation_config.json, else 256)")
     add_sampling_flags(p)  # (unset flags take hf:DIR's generation_config.json values: generate/settings.py)
@@ -36,7 +37,8 @@ def add_parser(sub) -> None:
                         "(default 1)")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each new token's log-probability, and the N most likely (id, log-probability) per "
-                        "position (0: the chosen token's only), under the distribution it was chosen from")
+                        "position (0: the chosen token's only), under the distribution it was chosen from; one "
+                        "per entry of \"tokens\" (a stop string's tokens included, its text cut)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop a prompt's generation when its text contains TEXT (repeatable; the text is cut "
                         "before it; no escapes are read: a newline is bash's $'\\n', not \"\\n\")")
@@ -47,7 +49,9 @@ def add_parser(sub) -> None:
                    help="render each prompt with the tokenizer's chat template, as transformers' "
                         "apply_chat_template(add_generation_prompt=True) does: a --prompts line's \"messages\" "
                         "([{\"role\": ..., \"content\": ...}]), or the prompt as one user message")
-    p.add_argument("--output", default="", help="write the JSON lines here instead of stdout")
+    p.add_argument("--output", default="",
+                   help="write the JSON lines here instead of stdout: to FILE.partial, renamed FILE once every line "
+                        "is in (an existing FILE is replaced then, said in a note at the start)")
     p.add_argument("--echo", action="store_true",
                    help="each line's text starts with its prompt's (e.g. a draft's training text: the target's "
                         "own continuations, usable as data.corpus)")

@@ -16,7 +16,13 @@ from pathlib import Path
 
 from .. import strict_json
 from ..durable import new_file_error, publish, written_in_place
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
+
+
+class ReaderGone(UserError):
+    """stdout's reader closed it (`longctx generate ... | head -n 3`): the run stops, no one being left to read."""
+
+    exit_code = 141  # (128 + SIGPIPE: what the shell reports for a writer a closed pipe ends, `yes | head`)
 
 
 class StopStrings:
@@ -320,8 +326,27 @@ class Output:
                 line[key] = getattr(result, key)
         if self.stream is None and self.bar is not None and speculative:  # (speculation calls no on_token)
             self.bar.update(len(result.tokens))
-        self.file.write(strict_json.dumps(line, ensure_ascii=False) + "\n")
+        self._to_file(_one_line(strict_json.dumps(line, ensure_ascii=False)) + "\n")
         self.lines += 1
+
+    def flush(self) -> None:
+        """The lines so far out of the buffer (each batch's, so a run stopped later keeps them)."""
+        self._to_file("", flush=True)
+
+    def _to_file(self, text: str, flush: bool = False) -> None:
+        """`text` written (and flushed); a reader that closed stdout (a pipe to `head`) is ReaderGone, one line on
+        stderr, where it was a BrokenPipeError traceback (and the prompts after it generated for no one)."""
+        try:
+            self.file.write(text)
+            if flush:
+                self.file.flush()
+        except BrokenPipeError:
+            if self.file is not sys.stdout:
+                raise
+            # (stdout's buffered lines would raise again when the interpreter flushes it at exit)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise ReaderGone(f"stdout was closed by its reader (a pipe to `head`, say) with {self.lines} line(s) "
+                             f"written: generation stopped. Pass --output FILE to keep every line.") from None
 
     def close(self, complete: bool = True) -> None:
         """Close the output; an --output file is published under its name only when `complete` (every line
@@ -345,6 +370,31 @@ class Output:
 
     def __exit__(self, kind, error, trace) -> None:
         self.close(complete=kind is None)
+
+
+# characters JSON leaves raw in a string that Python's str.splitlines() (and editors) take for line ends: a line whose
+# text held one read as two halves, neither of them JSON, to `f.read().splitlines()`. Escaped, the line reads the same.
+_LINE_ENDS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def _one_line(dumped: str) -> str:
+    """A JSON line (json.dumps' output, whose structure is ASCII) with _LINE_ENDS escaped inside its strings."""
+    for raw, escaped in _LINE_ENDS.items():
+        if raw in dumped:
+            dumped = dumped.replace(raw, escaped)
+    return dumped
+
+
+def replacing_note(path: str) -> str:
+    """The note that --output `path` holds a file already, which this run replaces ('' when none, or not a regular
+    file: /dev/null), said before the weights are read: a demanding user's earlier results are never replaced
+    without a word, and a Ctrl-C then still keeps them."""
+    if not path or not os.path.isfile(path) or written_in_place(path):
+        return ""
+    if partial_path(path) == path:  # (its directory takes no new file: written over as the lines come)
+        return f"--output {path} exists: it is written over in place, from the first line on"
+    return (f"--output {path} exists: it is replaced once every line is in (until then it stays as it was, the "
+            f"lines going to {partial_path(path)})")
 
 
 def partial_path(path: str) -> str:

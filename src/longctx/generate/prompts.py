@@ -31,7 +31,11 @@ def read_prompts(args) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_one_value_per_key)
+        except _RepeatedKey as e:
+            raise ConfigError(f"--prompts {path} line {n} gives the key {e} twice in one object; a JSON reader keeps "
+                              f"one of the two (the last) without a word, so the line may not say what was meant. "
+                              f"Give each key once.") from None
         except ValueError as e:
             raise ConfigError(f"--prompts {path} line {n} is not JSON ({e}); each line must be an object "
                               f"like {{\"prompt\": \"...\"}}.") from None
@@ -45,7 +49,8 @@ def read_prompts(args) -> list[dict]:
         if "seed" in row and (type(row["seed"]) is not int or not 0 <= row["seed"] < 2**63):
             raise ConfigError(f"--prompts {path} line {n}: \"seed\" must be an integer in [0, 2^63), got "
                               f"{row['seed']!r}.")
-        prompts.append({"text": row.get("prompt", ""), **({"id": row["id"]} if "id" in row else {}),
+        # ("line": where the prompt is, for the errors said of it after the file is read: prompt_name)
+        prompts.append({"text": row.get("prompt", ""), "line": n, **({"id": row["id"]} if "id" in row else {}),
                         **({"messages": row["messages"]} if "messages" in row else {})})
         prompts[-1].update({"seed": row["seed"]} if "seed" in row else {})
         # (an id by its JSON: 1 and "1" are two ids, as a reader of the output tells them apart; 1 and 1.0 one)
@@ -63,6 +68,31 @@ def read_prompts(args) -> list[dict]:
         raise ConfigError(f"--prompts {path} holds no prompt.")
     _check_unique_ids(path, lines)
     return prompts
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object of a --prompts line gives one key twice (its repr, the message)."""
+
+
+def _one_value_per_key(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: the object, refusing a key given twice ({"prompt": "a", "prompt": "b"}, which
+    json.loads reads as its last value, the other prompt dropped silently), at any depth of the line."""
+    row = {}
+    for key, value in pairs:
+        if key in row:
+            raise _RepeatedKey(json.dumps(key, ensure_ascii=False))
+        row[key] = value
+    return row
+
+
+def prompt_name(prompts: list[dict], i: int) -> str:
+    """How errors and notes name prompt `i` of `prompts`: "the prompt" when it is the only one, else its number
+    and, read from a --prompts file, its line there (blank lines are skipped, so the two may differ: the number
+    alone sent a reader to the wrong line)."""
+    if len(prompts) == 1:
+        return "the prompt"
+    line = prompts[i].get("line")
+    return f"prompt {i + 1}" + (f" (--prompts line {line})" if line is not None else "")
 
 
 def _check_prompts_file(path: Path, nproc: int) -> None:
@@ -230,7 +260,7 @@ def apply_chat(prompts: list[dict], spec: str) -> str:
         except ConfigError as e:  # (which of a file's conversations: the template's words alone named none)
             if len(prompts) == 1:
                 raise
-            raise ConfigError(f"prompt {i + 1} of --prompts (in file order, blank lines not counted): {e}") from None
+            raise ConfigError(f"{prompt_name(prompts, i)}: {e}") from None
         p["chat"] = True
     return template.source
 
@@ -265,7 +295,7 @@ def encode_prompts(args, prompts: list[dict], tokenizer, spec: str, m, reach) ->
     prefix = [] if hf else model_text_prefix(args.checkpoint, tokenizer)
     limits, notes, past = [], [], []
     for i, p in enumerate(prompts):
-        which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
+        which = prompt_name(prompts, i)
         if not p["text"]:
             raise ConfigError(f"{which} is empty; give it some text to continue.")
         bad = not_text(p["text"])
