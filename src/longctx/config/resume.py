@@ -69,10 +69,10 @@ def saved_run_dir(raw: dict) -> Path | None:
     for parent in [path, *path.parents][:4]:
         if (parent / "config.toml").is_file():
             return parent
-    return _manifest_run_dir(path)
+    return manifest_run_dir(path)
 
 
-def _manifest_run_dir(checkpoint: Path) -> Path | None:
+def manifest_run_dir(checkpoint: Path) -> Path | None:
     """The run directory a checkpoint's manifest names, if it still holds a config.toml (an unreadable
     manifest: None here; verification refuses the checkpoint with its reasons later)."""
     try:

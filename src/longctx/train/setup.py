@@ -18,6 +18,7 @@ from pathlib import Path
 from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
 from ..config import Config, to_dict, to_toml
 from ..config.data_mix import first_store, is_mix, parse_weights, store_paths
+from ..config.resume import manifest_run_dir
 from ..config.rules import parse_synthetic
 from ..config.tokenizer import stored_identity, tokenizer_identity, unknown_tokenizer
 from ..data.default_store import default_store
@@ -73,6 +74,8 @@ def check_run_dir(cfg: Config, target: Path | None = None) -> None:
     target = target or resume_target(cfg, run_dir)
     if target is not None and ({root.resolve(), run_dir.resolve()} & set(target.resolve().parents)):
         return  # a checkpoint of this run: its checkpoint directory, or inside the run directory
+    if target is not None and (named := manifest_run_dir(target)) and named.resolve() == run_dir.resolve():
+        return  # this run's, saved in an earlier --checkpoint.dir (moved to another disk when one filled)
     if cfg.checkpoint.resume == "none":
         why = "and this job does not resume it (--checkpoint.resume none)"
     elif target is None:
