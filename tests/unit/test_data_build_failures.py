@@ -365,10 +365,10 @@ def test_a_full_disk_at_any_point_of_a_build_leaves_no_store_and_a_rerun_complet
     budgets = sorted({int(total * f) for f in (0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.97)} | {total - 200, total - 50})
     for i, budget in enumerate(budgets):
         out = tmp_path / f"s{i}"
-        with monkeypatch.context() as mp, pytest.raises(OSError, match="No space") as e:  # budget {budget}
+        with monkeypatch.context() as mp, pytest.raises(DataError, match="is full.*No space") as e:  # budget {budget}
             FullDisk(mp, out, budget)
             build_store(opts([tmp_path / "in"], out, eval_fraction=0.3), log=quiet)
-        assert e.value.errno == errno.ENOSPC
+        assert e.value.__cause__.errno == errno.ENOSPC
         not_a_store(out)
         assert not list(out.glob(f".{store.MANIFEST}.tmp-*"))
         build_store(opts([tmp_path / "in"], out, eval_fraction=0.3), log=quiet)  # the disk was freed
@@ -388,8 +388,8 @@ def test_a_full_disk_during_an_append_leaves_the_store_as_it_was(tmp_path, monke
     for i, budget in enumerate((0, total // 3, total // 2, total - 300, total - 50)):
         root = tmp_path / f"s{i}"
         shutil.copytree(tmp_path / "s", root)  # (each from the start: a rerun resumes the scan, writing less)
-        with monkeypatch.context() as mp, pytest.raises(OSError, match="No space"):  # budget {budget}
-            FullDisk(mp, root, budget)
+        with monkeypatch.context() as mp, pytest.raises(DataError, match="is full.*the store is as it was"):
+            FullDisk(mp, root, budget)  # budget {budget}
             build_store(opts([tmp_path / "b"], root, append=True), log=quiet)
         assert read_manifest(root) == m0 and all_samples(root) == samples and stored(root) == by_hand(base)
         build_store(opts([tmp_path / "b"], root, append=True), log=quiet)

@@ -236,6 +236,33 @@ def _check_split(root: Path, d: Path, split: str, record: dict, a: SplitArrays) 
     if found != (samples, samples, tokens) or (len(a.pointer) and a.pointer[-1] != len(a.segments)):
         raise DataError(f"the store '{root}' is damaged: {d}/{split}.* hold {found[0]} samples ({found[1]} in the "
                         f"index) of {found[2]} tokens, its manifest {samples} samples of {tokens} tokens; rebuild it.")
+    wrong = _index_problem(a)
+    # (the digest the build recorded of the segment index: a document id or start changed in it passes the
+    # checks above, and would train other documents' spans and masks; the tokens have no such digest)
+    if not wrong and record.get("layout") and segments_digest(a.segments) != record["layout"]:
+        wrong = "its digest is not the layout its manifest records"
+    if wrong:
+        raise DataError(f"the store '{root}' is damaged: the index of {d}/{split}.* ({split}.{POINTER}.npy, "
+                        f"{split}.segments.npy) was changed since the build: {wrong}; rebuild it.")
+
+
+def _index_problem(a: SplitArrays) -> str | None:
+    """What of a split's index is not as a build writes it (None: nothing): each sample's segments in order in the
+    pointer, each segment inside its sample. Counts alone pass a bit changed in either file, which read as a
+    traceback (a pointer that goes back: "repeats may not contain negative values") or as other tokens."""
+    steps = np.diff(a.pointer)
+    if len(a.pointer) and a.pointer[0] != 0 or (steps < 0).any():
+        return "the sample index is not in order"
+    if not len(a.segments):
+        return None
+    seq_len = a.tokens.shape[1]
+    seg = a.segments
+    if not np.array_equal(seg[:, S_SAMPLE], np.repeat(np.arange(len(steps)), steps)):
+        return "a segment names another sample than the index does"
+    if (seg[:, S_LENGTH] <= 0).any() or (seg[:, S_OFFSET] < 0).any() or (seg[:, S_START] < 0).any() \
+            or (seg[:, S_OFFSET] + seg[:, S_LENGTH] > seq_len).any():
+        return f"a segment lies outside its sample of {seq_len} tokens"
+    return None
 
 
 def part_documents_digest(root: Path, part: dict) -> str | None:
@@ -249,12 +276,16 @@ def layout_digest(part_dir: Path, split: str) -> str:
     sample, offset, length, document and start), read in slices. The same documents packed otherwise (another
     --max-memory, so other packing groups; another builder version) have other samples at the same indices,
     which a data position's cursor would read without a word (data/store_identity.py store_identity)."""
-    digest = hashlib.blake2b(digest_size=16)
     path = part_dir / f"{split}.segments.npy"
-    if path.is_file():
-        segments = np.load(path, mmap_mode="r")
-        for start in range(0, len(segments), 1 << 18):
-            digest.update(np.ascontiguousarray(segments[start:start + (1 << 18)]).astype("<i8").tobytes())
+    return segments_digest(np.load(path, mmap_mode="r") if path.is_file() else np.zeros((0, 5), np.int64))
+
+
+def segments_digest(segments: np.ndarray) -> str:
+    """layout_digest of a split's segment index in memory (or memory-mapped)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for start in range(0, len(segments), 1 << 18):
+        # (no copy where they are little-endian int64 already, as a build writes them: read per open of a store)
+        digest.update(memoryview(np.ascontiguousarray(segments[start:start + (1 << 18)], dtype="<i8")).cast("B"))
     return digest.hexdigest()
 
 

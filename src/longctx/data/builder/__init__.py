@@ -7,6 +7,8 @@ or asks data/default_store.py for the default store, which builds it here once o
     options.py      BuildOptions, their checks, the memory bound -> scan workers and group sizes
     out_dir.py      what an existing --out may hold (a build removes what it finds under its own names)
     scan.py         inputs -> shards, scanned in worker processes into a work directory; ScannedCorpus
+    scan_pool.py    the scan's worker processes: any failure, a worker killed outright too, stops them all
+    disk_full.py    a full disk said with the directory, its free space and the space the build needs
     shard_files.py  a shard's files, written a document at a time
     inputs.py       the units (files) of an input, in order; read_inputs (all documents in memory)
     readers.py      one unit's documents, streamed: text, jsonl, parquet, arrow, .gz / .zst

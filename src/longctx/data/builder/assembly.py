@@ -117,8 +117,8 @@ class Assembly:
     def _say_damaged(self) -> None:
         if self.damaged:  # by name, so they can be repaired: a count alone does not say which
             more = f" and {len(self.damaged) - 10:,} more" if len(self.damaged) > 10 else ""
-            self.log(f"  scan      skipped {len(self.damaged):,} corrupt input file(s) (none of their documents "
-                     f"kept): {', '.join(self.damaged[:10])}{more} (all in the manifest: damaged_files)")
+            self.log(f"  scan      skipped {len(self.damaged):,} corrupt or unreadable input file(s) (none of their "
+                     f"documents kept): {', '.join(self.damaged[:10])}{more} (all in the manifest: damaged_files)")
 
     def count_inputs(self) -> None:
         """What the scan read (up to --max-docs), into the scan stage's record."""

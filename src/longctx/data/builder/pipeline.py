@@ -37,7 +37,7 @@ from ...errors import DataError
 from ...progress import current, phase, progress_bar
 from .. import store
 from ..tokenizer import load_tokenizer, tokenizer_digest
-from . import scan
+from . import disk_full, scan
 from .assembly import Assembly
 from .options import BuildOptions, check_options
 from .out_dir import WORK, check_out, check_parts
@@ -217,6 +217,27 @@ def _exclusive(out: Path, scan_dir: bool = False):
             os.close(fd)  # (releases the lock)
 
 
+@contextmanager
+def _said_if_disk_full(out: Path, scan_dirs: list[Path], append: bool, scans_in_out: bool = True):
+    """A full disk (or quota) inside: a DataError naming `out`, its free space and the space the build needs
+    there (disk_full.py), from the scans in `scan_dirs` (a build's work directory, or a merge's scans)."""
+    try:
+        yield
+    except OSError as e:
+        if not disk_full.is_disk_full(e):
+            raise
+        need = None
+        with suppress(OSError, ValueError, KeyError, TypeError, DataError):  # (an estimate: never the error itself)
+            plans = [scan.read_plan(d) for d in scan_dirs]
+            if all(plans):
+                need = disk_full.space_needed([s for d in scan_dirs for s in disk_full.shard_dirs(d)],
+                                              sum(p["range"][1] - p["range"][0] for p in plans),
+                                              sum(map(disk_full.input_bytes, plans)),
+                                              disk_full.token_itemsize(plans[0]), disk_full.per_document(plans[0]),
+                                              scans_in_out)
+        raise disk_full.disk_full_error(e, out, need, append) from e
+
+
 def _describe(opts: BuildOptions, tok) -> str:
     workers = opts.scan_workers
     return (f"(seq_len {opts.seq_len}, {opts.strategy}, dedup {opts.dedup}, {tok.name} tokenizer, {workers} "
@@ -262,7 +283,8 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         i, n = opts.shard
         log(f"data build: {', '.join(opts.inputs)} shard {i}/{n} -> {out} {_describe(opts, tok)}")
         records: dict = {}
-        with _exclusive(out, scan_dir=True), phase(f"data build of shard {i}/{n}", done_line=False):
+        with _exclusive(out, scan_dir=True), _said_if_disk_full(out, [out], False), \
+                phase(f"data build of shard {i}/{n}", done_line=False):
             plan, shards = timed(records, "scan", None, log, _scan_stage, opts, out, opts.shard, log)
         docs = sum(s.n for s in shards)
         log(f"data build: scanned shard {i}/{n} into {out} ({docs:,} documents); combine all {n} with "
@@ -274,7 +296,7 @@ def build_store(opts: BuildOptions, log=print) -> dict:
         log(f"data build: {', '.join(opts.inputs)} -> {shown} {_describe(opts, tok)}")
         work = root / WORK
         records: dict = {}
-        with phase("data build"):  # (the line above says of what)
+        with _said_if_disk_full(root, [work], opts.append), phase("data build"):  # (the line above says of what)
             plan, shards = timed(records, "scan", None, log, _scan_stage, opts, work, (0, 1), log)
             manifest = Assembly(opts, root, old, tok, shards, plan.get("other_suffix", 0), work, records, log).run()
         (work / scan.PLAN).unlink(missing_ok=True)  # first: a removal cut short leaves nothing a later build resumes
@@ -358,7 +380,7 @@ def merge_scans(dirs: list[str], out: str, workers: int = 0, max_memory: int = 0
         root, old = _open_store(opts, tok, merge=True)
         log(f"data merge: {len(dirs)} scans -> {root} {_describe(opts, tok)}")
         records = {"scan": {"shards": len(shards), "machines": n}}
-        with phase("data merge"):
+        with _said_if_disk_full(root, [Path(d) for d in dirs], False, scans_in_out=False), phase("data merge"):
             manifest = Assembly(opts, root, old, tok, shards, first.get("other_suffix", 0), root / WORK, records,
                                 log).run()
         shutil.rmtree(root / WORK, ignore_errors=True)  # (its embeddings; the scans stay where they are)

@@ -21,15 +21,15 @@ as an Arrow IPC stream (what `datasets` writes) or an Arrow IPC file.
 
 Bad input never stops a build half-way: an empty or whitespace-only document, a binary file (a NUL
 byte in its first 8 KiB), invalid UTF-8, an unparsable JSON line, a record without the text field,
-a corrupt parquet or arrow file, or a corrupt compressed file (bad gzip / zstd data, a truncated
-stream, an empty file) is skipped and counted under its reason, and its name is recorded (`damaged`).
+a corrupt parquet or arrow file, a corrupt compressed file (bad gzip / zstd data, a truncated
+stream, an empty file) or one that cannot be opened or read (permissions, an I/O error part-way) is
+skipped and counted under its reason, and its name is recorded (`damaged`).
 A file found damaged part-way has already yielded the documents before the damage (a stream cannot
 take them back), but they are not to be trusted: gzip and zstd find damage only at the end of a
 block or frame (its checksum), after the text before it came out wrong. So the readers' callers
-(`read_inputs`, the scan) drop every document of a file named in `damaged`: a damaged file gives
-no document. What cannot be read at all
-(a missing path, an input directory with no usable file, a saved dataset missing a data file it
-lists, a parquet or arrow file without the text column, pyarrow or zstandard missing) is a
+(`read_inputs`, the scan) drop every document of a file named in `damaged`: a damaged file gives no document.
+What cannot be read at all (a missing path, an input directory with no usable file, a saved dataset missing a
+data file it lists, a parquet or arrow file without the text column, pyarrow or zstandard missing) is a
 `DataError`: before any output is written, except the missing column, which shows when the unit is
 first read.
 """
@@ -72,8 +72,9 @@ SKIP_REASONS = {
     "bad_parquet_file": "corrupt parquet",
     "bad_arrow_file": "corrupt arrow",
 }
-# the reasons that say an input file is damaged (messages and the manifest name such files)
-DAMAGE_REASONS = ("bad_compressed_file", "bad_parquet_file", "bad_arrow_file")
+# the reasons that say an input file is damaged (named in messages and the manifest, none of its documents kept);
+# "unreadable" too: an I/O error part-way left it read in part, and a count alone did not name it
+DAMAGE_REASONS = ("bad_compressed_file", "bad_parquet_file", "bad_arrow_file", "unreadable")
 
 
 def skipped_text(skipped: dict) -> str:

@@ -15,17 +15,18 @@ n machines scan a corpus too big for one, and `longctx data merge` finishes the 
 their scan directories, exactly as one machine would have from its own.
 
 Workers are started with `spawn`: they import only this module's dependencies (numpy, zlib, the
-tokenizer), ~35 MB each, whatever the parent has loaded.
+tokenizer), ~35 MB each, whatever the parent has loaded. A worker that fails or dies (the
+out-of-memory killer) stops them all, said once, with the files it read (scan_pool.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 from collections import Counter, OrderedDict
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from . import spill
 from .conversations import RULES, Conversations
 from .inputs import SCAN_FORMAT, SCAN_PLAN, input_files, read_once, unit_size
 from .readers import iter_file
+from .scan_pool import scan_in_workers
 from .shard_files import ShardFiles
 
 SHARD_BYTES = 16 << 20
@@ -47,8 +49,8 @@ FORMAT = SCAN_FORMAT
 # document (readers.py: also none of the lines before the damage), its name recorded; 6: each document's
 # first token trained on (loss_from.npy: instruction pairs, --response-field); 7: its gaps in training (gaps.bin:
 # a conversation's turns between its answers); 8: where its characters switch (chars.bin), instruction data hashed
-# by its pieces and signed by its answers (dedup.py)
-VERSION = 8
+# by its pieces and signed by its answers (dedup.py); 9: a file unreadable part-way yields no document, named
+VERSION = 9
 PLAN = SCAN_PLAN
 SHARDS = "shards"
 OPEN_READERS = 64  # ScannedCorpus keeps at most this many shard files open
@@ -279,16 +281,13 @@ def run_scans(work: Path, shards: list[list[Unit]], todo: range, opts: ScanOptio
             if max_docs and done_docs >= max_docs:
                 break
     else:
-        with mp.get_context("spawn").Pool(workers) as pool:
-            if max_docs:  # in order, a round of `workers` shards at a time, until enough documents
-                for a in range(0, len(jobs), workers):
-                    for c in pool.map(_scan_star, jobs[a:a + workers]):
-                        finished(c)
-                    if done_docs >= max_docs:
-                        break
-            else:
-                for c in pool.imap_unordered(_scan_star, jobs):
-                    finished(c)
+        # (with max_docs: in order, a round of `workers` shards at a time, until enough documents)
+        with closing(scan_in_workers(_scan_star, jobs, workers, lambda job: [u.path for u in job[2]],
+                                     rounds=bool(max_docs))) as results_in_turn:
+            for k, c in enumerate(results_in_turn, start=1):
+                finished(c)
+                if max_docs and k % workers == 0 and done_docs >= max_docs:
+                    break
     return [results[i] for i in sorted(results)]
 
 
