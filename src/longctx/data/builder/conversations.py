@@ -11,9 +11,11 @@ the template's end of its turn, not the template's header of the turn. The rest 
 turns, the headers) is read, not trained on.
 
 `--answers all` (the default; what TRL's assistant-only loss and ArcticTraining's SFT train on) trains
-every answer that has a message before it and some text or a tool call; `--answers last` only the last one, the
-earlier ones read as the prompt (LLaMA-Factory's mask_history). A template whose renderings of those
-prefixes are not prefixes of the whole conversation's (Qwen3's, which writes an empty thinking block
+every answer that has a message before it and some text or a tool call, except one of OpenAI's fine-tuning
+`"weight": 0` (read as history; the turns after the last answer trained on are dropped, as nothing learns from
+them; weight other than 0 or 1, or on another role's message: `bad_conversation`); `--answers last` only the
+last one trained on, the earlier ones read as the prompt (LLaMA-Factory's mask_history). A template whose
+renderings of those prefixes are not prefixes of the whole conversation's (Qwen3's, which writes an empty thinking block
 in the last turn only, or one that drops earlier reasoning from the history) cannot be split at the
 earlier answers: such a conversation is trained on its last answer only, and counted
 (`last_answer_only`, not a skip); where even the last answer's prefix is none, it is skipped and
@@ -39,8 +41,9 @@ LONG_CONVERSATIONS = ("truncate", "drop")  # --long-conversations: one longer th
 LAST_ONLY = "last_answer_only"
 # how a conversation is cut into its answers, in each scan's digest (scan.py plan_digest): 2, an answer that
 # calls a tool (tool_calls, content "" or None), and an eos_token that closes the conversation (Phi-3's); 3, rendered
-# on chat_template.BUILD_DAY (a template that writes the date wrote the build's own day)
-RULES = 3
+# on chat_template.BUILD_DAY (a template that writes the date wrote the build's own day); 4, OpenAI's per-message
+# weight (an answer of weight 0 read, not trained: it was trained; turns after the last trained answer dropped)
+RULES = 4
 
 
 class Conversations:
@@ -64,13 +67,19 @@ class Conversations:
         # a call's missing content (None) rendered as no text: a template that leaves tool_calls out and prints
         # the content as it is (Gemma's `content | trim`) would write "None" and train the model to say it
         messages = [{**m, "content": ""} if m.get("content") is None else m for m in messages]
+        weighted = [i for i, m in enumerate(messages) if i and m["role"] == "assistant" and m.get("weight", 1)]
+        if not weighted:  # (every answer weight 0: nothing to train on)
+            skipped["empty"] += 1
+            return None
+        # the turns after the last answer trained on are dropped: read after every trained token, they change
+        # nothing the model learns, and kept they would have to be a trained last answer (the cut below)
+        messages = messages[:weighted[-1] + 1]
         last = len(messages) - 1
         try:
             if not self._answers(messages, last):
                 skipped["empty"] += 1  # (nothing to train on but the template's end of turn)
                 return None
-            earlier = [i for i, m in enumerate(messages) if self.answers == "all" and 0 < i < last
-                       and m["role"] == "assistant" and self._answers(messages, i)]
+            earlier = [i for i in weighted[:-1] if self.answers == "all" and self._answers(messages, i)]
             whole = self._render(messages, add_generation_prompt=False)
             ends = self._ends(messages, [*earlier, last], whole)
             if ends is None and earlier:
@@ -160,12 +169,20 @@ def _merged(cuts: list[int]) -> list[int]:
 def _is_conversation(messages) -> bool:
     """A list of messages with role and content strings (other keys go to the template as they are, as
     transformers passes them), the last the assistant's, after one at least (the prompt). An assistant's
-    message that calls tools (`tool_calls`, OpenAI's and transformers' form) may have no content (None)."""
+    message that calls tools (`tool_calls`, OpenAI's and transformers' form) may have no content (None), and
+    may have OpenAI's fine-tuning `weight`, 0 (read, not trained) or 1; no other message has one."""
     return (isinstance(messages, list) and len(messages) > 1
             and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                     and (isinstance(m.get("content"), str) or (m.get("content") is None and _calls_tools(m)))
-                    for m in messages)
+                    and _weight_ok(m) for m in messages)
             and messages[-1]["role"] == "assistant")
+
+
+def _weight_ok(message: dict) -> bool:
+    if "weight" not in message:
+        return True
+    w = message["weight"]
+    return message["role"] == "assistant" and not isinstance(w, bool) and isinstance(w, (int, float)) and w in (0, 1)
 
 
 def _calls_tools(message: dict) -> bool:
