@@ -51,6 +51,18 @@ PROBE = "1"  # any text: what a tokenizer puts before it is its special-token pr
 _EOS_CANDIDATES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "[SEP]")
 
 
+def _configured_eos(path: Path) -> str | None:
+    """The eos_token that the tokenizer_config.json beside a tokenizer.json names (a string, or transformers'
+    {"content": ...} form); None where there is none or it cannot be read."""
+    try:
+        token = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
 class HFTokenizer:
     """A local Hugging Face `tokenizer.json`, read with the `tokenizers` library."""
 
@@ -75,10 +87,13 @@ class HFTokenizer:
         # table needs, largest id + 1, not the count of tokens (a store's token dtype follows it: store.py)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
+        if eos is None:  # (DeepSeek's <｜end▁of▁sentence｜>, ...: the model's own, where its config names it)
+            eos = vocab.get(_configured_eos(path))
         if eos is None:
             raise DataError(
-                f"tokenizer '{path}' has none of the end-of-document tokens {', '.join(_EOS_CANDIDATES)}; "
-                f"longctx needs one to separate documents."
+                f"tokenizer '{path}' has none of the end-of-document tokens {', '.join(_EOS_CANDIDATES)}, and no "
+                f"tokenizer_config.json beside it names an eos_token of its vocabulary; longctx needs one to "
+                f"separate documents."
             )
         self.eos_id = eos
         self.bos_id = None
