@@ -1,8 +1,8 @@
-"""parallel.expert_replicas (FlexMoE's copies of hot experts) and parallel.expert_ranks_per_node (hierarchical
-dispatch) act only under expert parallelism, whose degree the plan chooses (--expert): given to `longctx plan`
-they were refused by the base config (expert 1) with "set parallel.expert > 1", which the plan then refused
-too ("the plan chooses parallel.expert"): no way through, and neither is costed by the plan (the copies'
-weights and transfers, the two-level all-to-all). Refused up front, saying to add them to the written config."""
+"""parallel.expert_ranks_per_node (hierarchical dispatch), like parallel.expert_replicas (FlexMoE's copies of hot
+experts) until the plan costed them (planner/expert_copies.py), acts only under expert parallelism, whose degree
+the plan chooses (--expert): given to `longctx plan` it was refused by the base config (expert 1) with "set
+parallel.expert > 1", which the plan then refused too ("the plan chooses parallel.expert"): no way through, and the
+plan does not cost it (the two-level all-to-all). Refused up front, saying to add it to the written config."""
 
 import argparse
 
@@ -21,7 +21,8 @@ def _args(argv):
 ARGS = ["--model", "debug-moe", "--gpus", "4", "--seq-len", "4K", "--hardware", "h100"]
 
 
-@pytest.mark.parametrize("key", ["expert_replicas", "expert_ranks_per_node"])
+# (parallel.expert_replicas is costed since session 108: tests/unit/test_planrep108.py)
+@pytest.mark.parametrize("key", ["expert_ranks_per_node"])
 def test_an_expert_setting_the_plan_does_not_cost_is_refused_clearly(key):
     with pytest.raises(ConfigError, match=f"parallel.{key} = 2 .*not costed.*--expert.*written config") as e:
         build_request(_args(ARGS), [f"--parallel.{key}=2"])

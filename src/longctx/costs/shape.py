@@ -30,7 +30,8 @@ class MeshShape:
     local_steps: int = 0  # train.co2_local_steps under co2 (H: local steps per round)
     quant_block: int = 512  # parallel.zero_pp_block: elements per int8 block (one fp32 scale) under qwz / qgz
     # parallel.expert_replicas under expert > 1: FlexMoE's copy slots per rank, whose weights a MoE call keeps
-    # for backward (memory/moe_counts.py copy_slot_bytes); the planner refuses them (planner/cli.py): 0 there
+    # for backward (memory/moe_counts.py copy_slot_bytes); the planner tries them under --expert-replicas and times
+    # them in planner/expert_copies.py
     expert_replicas: int = 0
 
     @property
@@ -76,7 +77,7 @@ class MeshShape:
         if self.head > 1 and self.ctx > 1:
             text += " " + ("hf" if self.placement == "head-first" else "cf")
         if self.expert > 1:
-            text += f" ep{self.expert}"
+            text += f" ep{self.expert}" + (f" copies{self.expert_replicas}" if self.expert_replicas else "")
         if self.zero_pp:
             text += " " + self.zero_pp.replace(",", "+") + (f"/g{self.hpz_ranks}" if self.hpz_ranks else "")
         if self.data_parallel == "co2":

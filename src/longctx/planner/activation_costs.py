@@ -23,10 +23,11 @@ def rank_activations(m: ModelConfig, seq_len: int, micro_batch: int, shape: Mesh
                      autocast: bool = False, head_grad: float = 0.0) -> tuple[ActivationEstimate, float]:
     """(saved activations, transient bytes on top of them) of one rank under `shape` and `policy`;
     under expert parallelism, of the most loaded rank when it receives `expert_skew` x its share of
-    the routed rows (memory.moe_counts.expert_rows). dtype_bytes, autocast: activation_dtype's."""
+    the routed rows (memory.moe_counts.expert_rows), with its FlexMoE copy slots (shape.expert_replicas, all
+    filled: memory.moe_counts.copy_slot_bytes). dtype_bytes, autocast: activation_dtype's."""
     acts = estimate_activations(m, seq_len, micro_batch, head=shape.head, ctx=shape.ctx, policy=policy,
                                 dtype_bytes=dtype_bytes, docs=docs, expert=shape.expert, expert_skew=expert_skew,
-                                autocast=autocast)
+                                autocast=autocast, expert_replicas=shape.expert_replicas)
     return acts, rank_transient(m, seq_len, micro_batch, shape, policy, dtype_bytes, docs, acts, expert_skew,
                                 autocast=autocast, head_grad=head_grad)
 
@@ -48,8 +49,8 @@ def rank_transient(m: ModelConfig, seq_len: int, micro_batch: int, shape: MeshSh
 @dataclass(frozen=True)
 class ActivationCosts:
     """footprint's figures that follow from the activations alone. `activation_costs` reads of the shape only
-    head, ctx, window, expert and (for the activation dtype, activation_dtype) the world size, of the policy
-    every field but grad_sync (no activation, FLOP or offloaded byte depends on it), of the tier only the
+    head, ctx, window, expert, expert_replicas and (for the activation dtype, activation_dtype) the world size,
+    of the policy every field but grad_sync (no activation, FLOP or offloaded byte depends on it), of the tier only the
     activation dtype: the planner makes one per those and shares it between dp splits, placements, ZeRO++ and
     co2 variants, tiers and gradient syncs."""
     acts: ActivationEstimate

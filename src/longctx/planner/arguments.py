@@ -51,6 +51,23 @@ def expert_skew(text: str) -> float:
                           f"even share) or max; got '{text}'.") from None
 
 
+def take_override(overrides: list[str], dotted: str) -> tuple[list[str], str | None]:
+    """(the overrides without `--dotted=VALUE` / `--dotted VALUE`, its last VALUE or None): a config key the plan
+    chooses from its own flag, given as an override (the last one wins, as config overrides do)."""
+    rest, value, i = [], None, 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if arg.split("=", 1)[0] == f"--{dotted}":
+            if "=" in arg:
+                value, i = arg.split("=", 1)[1], i + 1
+            else:
+                value, i = (overrides[i + 1] if i + 1 < len(overrides) else ""), i + 2
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, value
+
+
 DEFAULT_OUT = "plan.toml"  # --out
 
 
@@ -87,14 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-chunk", default=None, help="LM-head/loss chunk sizes to try (0 = full logits)")
     p.add_argument("--block-chunk", default="0,16K",
                    help="token chunk sizes of the blocks' token-wise parts to try with full/selective (0 = whole)")
-    p.add_argument("--expert", default=None, metavar="DEGREES",
-                   help="MoE models: expert-parallel degrees to try, each dividing the experts and the GPUs "
-                        "(default: 1 and the largest such degree whose expert group stays in one node)")
-    p.add_argument("--expert-skew", default="2", metavar="X|max",
-                   help="MoE models under expert parallelism: the most loaded rank's routed rows over an even "
-                        "share that memory and time are planned for (default 2; max: the most routing allows)")
-    p.add_argument("--expert-chunk", default="0,16K",
-                   help="MoE models: memory.expert_chunk values to try (rows the experts run at a time)")
+    _add_expert_arguments(p)
     p.add_argument("--store", default=None, metavar="DIR",
                    help="a data store (longctx data build) at --seq-len: the attention work is taken from its "
                         "documents (doc_work: visible same-document pairs over plain causal ones, from at most "
@@ -114,3 +124,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true",
                    help="run the CPU validation (predicted vs measured bytes, activations, step-time ranking)")
     p.add_argument("--anchors", action="store_true", help="check the published feasibility anchors")
+
+
+def _add_expert_arguments(p: argparse.ArgumentParser) -> None:
+    """The MoE flags: expert-parallel degrees, the planned skew, expert chunks, FlexMoE copy slots."""
+    p.add_argument("--expert", default=None, metavar="DEGREES",
+                   help="MoE models: expert-parallel degrees to try, each dividing the experts and the GPUs "
+                        "(default: 1 and the largest such degree whose expert group stays in one node)")
+    p.add_argument("--expert-skew", default="2", metavar="X|max",
+                   help="MoE models under expert parallelism: the most loaded rank's routed rows over an even "
+                        "share that memory and time are planned for (default 2; max: the most routing allows)")
+    p.add_argument("--expert-chunk", default="0,16K",
+                   help="MoE models: memory.expert_chunk values to try (rows the experts run at a time)")
+    p.add_argument("--expert-replicas", default="0", metavar="SLOTS",
+                   help="MoE models under expert parallelism: FlexMoE copy slots per rank to try "
+                        "(parallel.expert_replicas; e.g. 0,1,2): their memory, their weights over the links and the "
+                        "load they take off the most loaded rank under --expert-skew (default 0: no copies)")

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ConfigError
-from .arguments import DEFAULT_OUT, add_arguments, expert_skew, int_list, offload_fractions
+from .arguments import DEFAULT_OUT, add_arguments, expert_skew, int_list, offload_fractions, take_override
 
 
 def build_request(args, overrides):
@@ -29,6 +29,7 @@ def build_request(args, overrides):
     from .request import Request, parse_tokens
 
     model = f"--model.init_from={args.model}" if args.model.startswith("hf:") else f"--model.preset={args.model}"
+    overrides, replicas = _expert_replicas(args, overrides)
     _check_uncosted_expert_settings(parse_overrides(overrides))
     named = [o for o in overrides if o.split("=")[0] in ("--model.preset", "--model.init_from")]
     if named:  # (the later one won: `--model llama3-8b --model.preset=debug` planned the debug model)
@@ -74,21 +75,36 @@ def build_request(args, overrides):
                   doc_work=doc_work, doc_work_source=doc_work_source,
                   expert_degrees=int_list(args.expert, "--expert", 1) if args.expert else None,
                   expert_skew=expert_skew(args.expert_skew),
-                  expert_chunks=int_list(args.expert_chunk, "--expert-chunk"),
+                  expert_chunks=int_list(args.expert_chunk, "--expert-chunk"), expert_replicas=replicas,
                   allow=tuple(x.strip() for x in args.allow.split(",") if x.strip()),
                   co2_local_steps=int_list(args.co2_local_steps, "--co2-local-steps", 1), settings=settings)
     return req, base
 
 
+def _expert_replicas(args, overrides: list[str]) -> tuple[list[str], tuple[int, ...]]:
+    """(the overrides but parallel.expert_replicas, the copy slots to try): --expert-replicas, or the override
+    itself, which fixes them (costed: planner/expert_copies.py). It is taken out of the base config, which has
+    expert 1 and refused it ("set parallel.expert > 1"); the written plan carries the chosen value."""
+    from ..config import parse_overrides
+
+    rest, text = take_override(list(overrides), "parallel.expert_replicas")
+    if text is None:
+        return rest, int_list(getattr(args, "expert_replicas", "0"), "--expert-replicas")
+    if getattr(args, "expert_replicas", "0") != "0":
+        raise ConfigError(f"--parallel.expert_replicas={text} fixes the copy slots and --expert-replicas "
+                          f"{args.expert_replicas} tries some: give one of them.")
+    return rest, (parse_overrides([f"--parallel.expert_replicas={text}"])["parallel"]["expert_replicas"],)
+
+
 # expert-parallel settings the cost model does not price -> what they add to a run
-UNCOSTED_EXPERT_KEYS = {"expert_replicas": "the hot experts' copies, their weights and gradients over the links",
-                        "expert_ranks_per_node": "the hierarchical dispatch's two-level all-to-all"}
+UNCOSTED_EXPERT_KEYS = {"expert_ranks_per_node": "the hierarchical dispatch's two-level all-to-all"}
 
 
 def _check_uncosted_expert_settings(overrides: dict) -> None:
-    """parallel.expert_replicas / expert_ranks_per_node act only under expert parallelism, whose degree the plan
-    chooses: given here, the base config (expert 1) refused them with "set parallel.expert > 1", an override the
-    plan refuses in turn, and the plan prices neither. Refused first, with the way that works."""
+    """parallel.expert_ranks_per_node acts only under expert parallelism, whose degree the plan chooses: given
+    here, the base config (expert 1) refused it with "set parallel.expert > 1", an override the plan refuses in
+    turn, and the plan does not price it. Refused first, with the way that works. (parallel.expert_replicas is
+    costed: _expert_replicas.)"""
     given = {k: v for k, v in overrides.get("parallel", {}).items() if k in UNCOSTED_EXPERT_KEYS and v}
     if given:
         key, value = next(iter(given.items()))

@@ -12,6 +12,7 @@ from ..costs.shape import MeshShape
 from ..memory.moe_counts import moe_forward_runs
 from ..memory.policy import MemoryPolicy
 from ..parallel.context.volumes import ZeroPP, attention_bytes, expert_bytes, fsdp_bytes_per_step
+from .expert_copies import copy_bytes, copy_relief
 from .slow_links import co2_outer_bytes
 
 
@@ -27,10 +28,12 @@ def attention_call_bytes(m: ModelConfig, seq_len: int, micro_batch: int, shape: 
 
 
 def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, per_call: dict, refwd: dict,
-                        grad_accum: int, gather_bytes: int, tokens: int = 0) -> dict[str, dict[str, float]]:
+                        grad_accum: int, gather_bytes: int, tokens: int = 0,
+                        expert_skew: float = 1.0) -> dict[str, dict[str, float]]:
     """{dim: {label: bytes}} one rank sends per optimizer step: every layer's attention in every
     micro-batch (the forward again under full recomputation), FSDP's, and under expert parallelism
-    the MoE layers' all-to-alls of the rank's `tokens` per micro-batch (even routing)."""
+    the MoE layers' all-to-alls of the rank's `tokens` per micro-batch (even routing); with FlexMoE's copies
+    (shape.expert_replicas) what the hot rank moves for them at `expert_skew` (planner/expert_copies.py)."""
     comm: dict[str, dict[str, float]] = {}
     for dim, labels in per_call.items():
         for label, nbytes in labels.items():
@@ -47,6 +50,8 @@ def comm_bytes_per_step(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, 
     if shape.data_parallel == "co2":  # a round's outer all-reduce, its share per step
         comm["co2"] = {"co2_outer": co2_outer_bytes(m, shape) / shape.local_steps}
     expert = expert_layer_bytes(m, shape, policy, tokens, gather_bytes)
+    if expert and shape.expert_replicas:
+        expert.update(copy_layer_bytes(m, shape, policy, tokens, expert_skew, gather_bytes, expert["expert_counts"]))
     if expert:
         comm["expert"] = {label: nbytes * grad_accum for label, nbytes in expert.items()}
     return comm
@@ -69,3 +74,15 @@ def _forward_runs(m: ModelConfig, tokens: int, policy: MemoryPolicy) -> float:
     """moe_forward_runs, remembered: a function of its arguments alone, which the timed candidates of a search
     repeat (a loop over every MoE layer each time)."""
     return moe_forward_runs(m, tokens, policy)
+
+
+def copy_layer_bytes(m: ModelConfig, shape: MeshShape, policy: MemoryPolicy, tokens: int, skew: float, elem: int,
+                     counts: float) -> dict[str, float]:
+    """FlexMoE's copies in one micro-batch: "expert_copies", their weights and gradients over the hot rank's links
+    (expert_copies.copy_bytes), and "expert_counts" (`counts`: expert_layer_bytes') per slot once a placement has
+    copies: each rank's E / expert experts and its `replicas` slots (dispatch.py's counts by (rank, slot))."""
+    if not copy_relief(m.moe_experts, shape.expert, shape.expert_replicas, skew).copies:
+        return {}
+    local = m.moe_experts // shape.expert
+    return {"expert_counts": counts * (local + shape.expert_replicas) / local,
+            "expert_copies": copy_bytes(m, shape, policy, tokens, skew, elem)}

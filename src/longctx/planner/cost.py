@@ -64,6 +64,7 @@ from ..memory.moe_counts import max_expert_skew
 from ..memory.policy import MemoryPolicy
 from .activation_costs import ActivationCosts, activation_costs
 from .comm_bytes import attention_call_bytes, comm_bytes_per_step
+from .expert_copies import copy_relief, copy_seconds
 from .slow_links import CO2_LOCAL_STEPS, co2_exposed_seconds, co2_local_steps, co2_outer_seconds
 
 
@@ -102,6 +103,7 @@ class Estimate:
         return {
             "layout": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
                        "ctx": shape.ctx, "window": shape.window, "placement": shape.placement, "expert": shape.expert,
+                       "expert_replicas": shape.expert_replicas,
                        "zero_pp": shape.zero_pp, "hpz_ranks": shape.hpz_ranks,
                        "data_parallel": shape.data_parallel, "co2_local_steps": shape.local_steps},
             "policy": {**policy.to_config(), "model_states": self.model_states},
@@ -208,7 +210,7 @@ def bottleneck(compute: float, exposed: dict[str, float], fsdp_step: float, grad
     per_step = per_step or {}
     parts = {"compute": grad_accum * compute, "head all-to-all": exposed["head"] * grad_accum,
              "ring (ctx)": exposed["ctx"] * grad_accum, "fsdp": fsdp_step,
-             "expert all-to-all": exposed["expert"] * grad_accum,
+             "expert all-to-all": (exposed["expert"] + exposed.get("expert_copies", 0.0)) * grad_accum,
              "offload copies": (exposed["offload"] + exposed["attention_offload"]) * grad_accum,
              "host link (states)": per_step.get("host_link", 0.0), "host AdamW": per_step.get("host_adam", 0.0),
              "co2 outer all-reduce": per_step.get("co2_outer", 0.0)}
@@ -372,11 +374,16 @@ def timed(m: ModelConfig, hw: Hardware, fp: Footprint, *, seq_len: int, global_b
     e, tokens, micro_batch, compute = hw.dtype_bytes, fp.tokens, fp.micro_batch, fp.compute
     ranks_per_node = min(gpus_per_node, shape.world)
     calls = attention_call_bytes(m, seq_len, micro_batch, shape, e)
-    comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e, tokens)
-    exposed = exposed_per_micro_batch(m, shape, policy, calls, flops, acts, fp.attn_traffic, hw, gpus_per_node)
     skew = min(expert_skew, max_expert_skew(m, shape.expert)) if shape.expert > 1 else 1.0
-    exposed["expert"] = exposed_expert_seconds(m, shape, comm.get("expert", {}), grad_accum, tokens, skew, hw,
-                                               gpus_per_node)
+    comm = comm_bytes_per_step(m, shape, policy, *calls, grad_accum, e, tokens, skew)
+    exposed = exposed_per_micro_batch(m, shape, policy, calls, flops, acts, fp.attn_traffic, hw, gpus_per_node)
+    rows = comm.get("expert", {})
+    if shape.expert_replicas:  # FlexMoE's copies: the rank timed at the skew they leave, their fetches apart
+        copies = rows.get("expert_copies", 0.0)
+        rows = {k: v for k, v in rows.items() if k != "expert_copies"}
+        exposed["expert_copies"] = copy_seconds(copies / grad_accum, shape, hw, gpus_per_node)
+        skew = copy_relief(m.moe_experts, shape.expert, shape.expert_replicas, skew).skew
+    exposed["expert"] = exposed_expert_seconds(m, shape, rows, grad_accum, tokens, skew, hw, gpus_per_node)
     block_fwd = predicted_block_forward_seconds(flops, m, hw)
     fsdp_step = exposed_fsdp_seconds(m, shape, policy, grad_accum, e, block_fwd, acts.recompute_flops, hw,
                                      gpus_per_node)

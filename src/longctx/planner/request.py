@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..job.checks import expert_shards_split
 from ..memory.policy import MemoryPolicy
 from .cost import RunSettings
+from .expert_copies import check_expert_replicas, replica_counts
 from .slow_links import CO2_LOCAL_STEPS, check_levels, slow_link_variants
 
 OFFLOAD_FRACTIONS = (0.125, 0.25, 0.5, 0.75, 1.0)
@@ -94,6 +95,9 @@ class Request:
     expert_degrees: tuple[int, ...] | None = None
     expert_skew: float = 2.0
     expert_chunks: tuple[int, ...] = (0, 16384)
+    # parallel.expert_replicas (FlexMoE's copy slots per rank) to try where expert > 1 (planner/expert_copies.py);
+    # (0,): none, as before they were costed
+    expert_replicas: tuple[int, ...] = (0,)
     # memory.model_states tiers to try, in the order tried: a candidate takes the first that fits
     model_states: tuple[str, ...] = TIERS
     # lossy choices the user allows the plan to make ("co2": CO2's local rounds change convergence; without
@@ -148,6 +152,7 @@ class Request:
         if bad:
             raise ConfigError(f"expert-parallel degree(s) {bad} must divide both the GPUs ({self.gpus}) and the "
                               f"experts ({self.model.moe_experts}).")
+        check_expert_replicas(self.model, self.expert_replicas, expert_degrees(self))
         m = self.model
         unsplit = [x for x in (self.expert_degrees or ()) if not expert_shards_split(m, self.gpus, x)]
         if unsplit:
@@ -240,9 +245,10 @@ def candidate_shapes(req: Request) -> list[MeshShape]:
                 for placement in placements:
                     for w in windows:
                         for x in degrees:
-                            for s in with_zero_pp(MeshShape(r, dp // r, h, c, w, placement, x), G,
-                                                  req.settings.zero_pp_block):
-                                out += [s, *slow_link_variants(s, req.hardware, G, co2=True)]
+                            for copies in replica_counts(req, x):
+                                base = MeshShape(r, dp // r, h, c, w, placement, x, expert_replicas=copies)
+                                for s in with_zero_pp(base, G, req.settings.zero_pp_block):
+                                    out += [s, *slow_link_variants(s, req.hardware, G, co2=True)]
     return out
 
 

@@ -15,7 +15,9 @@ step/optimizer.py make_optimizer's AdamW) on a random global batch with document
   rank's equal to it: the planner counts the shard FSDP2 pads every rank's to, so a rank of an uneven
   split holds a few rows less);
 - activation bytes per rank as `longctx.bench.memory` measures them, vs the planner's activation
-  estimate (within 5%), and the host bytes of offloaded activations likewise;
+  estimate (within 5%), and the host bytes of offloaded activations likewise; under expert parallelism
+  (FlexMoE's copy slots filled) those of the rank that received the most rows, against the estimate at the skew
+  it measured (planner/validate_experts.py), the plan's at its --expert-skew reported beside;
 - the median step time, vs the planner's predicted step time for this machine (calibrated with
   `hardware.calibrate`), compared as rankings and ratios between mesh shapes.
 
@@ -57,8 +59,10 @@ from ..step.loss import forward_loss_sum
 from ..step.optimizer import make_optimizer
 from .cost import estimate
 from .documents import doc_work_of_ids
+from .validate_experts import install_expert_parallel, received_skews
 
 SEED = 0
+COUNTED = ("head", "ctx", "dp_shard", "dp_replicate")  # the comm counters' dims compared
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class Case:
     layers: int = 0  # 0 = the preset's
     docs: bool = True  # document masks (packed documents)
     grad_accum: int = 1  # micro-batches per optimizer step
+    # under expert parallelism (mesh_shape.expert > 1): the plan's --expert-skew, whose prediction is reported
+    # beside the one at the skew the run measured (planner/validate_experts.py)
+    expert_skew: float = 1.0
 
     def __post_init__(self):
         if not self.global_batch:
@@ -120,6 +127,9 @@ BYTES_CASES = [
     Case("100m head2xctx2", "small-100m", 1024, _mesh(head=2, ctx=2)),
     Case("100m ctx4 selective", "small-100m", 1024, _mesh(ctx=4), MemoryPolicy("selective")),
     Case("100m head4 full", "small-100m", 1024, _mesh(head=4), MemoryPolicy("full")),
+    # a plan with FlexMoE copies (planned at skew 2; compared at the skew its hottest rank measured)
+    Case("debug-moe ctx2 ep2 copies1", "debug-moe", 1024, _mesh(ctx=2, expert=2, expert_replicas=1),
+         MemoryPolicy("none"), expert_skew=2.0),
 ]
 
 
@@ -129,7 +139,8 @@ def case_config(case: Case):
         "model": {"preset": case.preset, **({"layers": case.layers} if case.layers else {})},
         "parallel": {"dp_replicate": shape.dp_replicate, "dp_shard": shape.dp_shard, "head": shape.head,
                      "ctx": shape.ctx, "window": shape.window if shape.window and shape.window < shape.ctx else 0,
-                     "placement": shape.placement},
+                     "placement": shape.placement, "expert": shape.expert,
+                     "expert_replicas": shape.expert_replicas},
         "memory": case.policy.to_config(),
         "train": {"seq_len": case.seq_len, "global_batch": case.global_batch, "grad_accum": case.grad_accum,
                   "device": "cpu", "dtype": "fp32", "seed": SEED, "eval_interval": 0},
@@ -226,17 +237,19 @@ def _worker(raw_cfg: dict, steps: int, warmup: int):
         train_step(cfg, rt, model, opt, batch, scale, zero_grad=False)
     states = measured_model_state_bytes(model, opt)
     opt.zero_grad(set_to_none=True)
-    counters = {d: v for d, v in counters.items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
+    counters = {d: v for d, v in counters.items() if d in COUNTED}
     out = {"rank": rt.rank, "times": times, "counters": counters, "fsdp": dict(fsdp), "model_states": states}
     del model, opt
     # activation bytes this rank holds after the forward, measured as `longctx bench memory` does,
     # on a model without FSDP (the accounting counts activations, not gathered parameters)
     bare = build_model(cfg.model, device="cpu", seed=SEED)
     use_sequence_parallel_attention(bare, rt.dims, rt.mesh)
+    counts = install_expert_parallel(bare, cfg, rt)  # (at expert 1: nothing)
     apply_memory(bare, cfg.memory, "cpu")
     local = micro_batches(cfg, rt, batch)[0]
     got = measure_activations(bare, local.tokens, local.positions, local.doc_ids, labels=local.labels)
     out["activations"] = {"device": got["total_device"], "host": got["total_host"]}
+    out["expert_counts"] = counts
     return out
 
 
@@ -244,6 +257,9 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
     cfg = case_config(case)
     per_rank = run_spawned(case.world, _worker, to_dict(cfg), steps, warmup, threads=1)
     est, predicted = _predict(case, hw, cfg)
+    expert_rows = _expert_rows(case, cfg, per_rank, hw)
+    if expert_rows:  # the most loaded rank against the prediction at its measured skew
+        est = expert_rows.pop("estimate")
     measured = per_rank[0]["counters"]
     all_equal = all(r["counters"] == predicted for r in per_rank)
     fsdp_predicted = est.comm_bytes.get("fsdp", {}).get("fsdp", 0.0)
@@ -264,6 +280,9 @@ def run_case(case: Case, hw, steps: int = 3, warmup: int = 1) -> dict:
         "host_predicted": est.host["activations"] + est.host["attention_offload"],
     }
     row["activations_measured"] = [r["activations"]["device"] for r in per_rank]
+    if expert_rows:  # (every rank's kept beside the one compared)
+        row.update(expert_rows, activations_measured_all_ranks=row["activations_measured"])
+        row["activations_measured"] = [row["activations_measured"][expert_rows["expert_hottest_rank"]]]
     row["host_measured"] = [r["activations"]["host"] for r in per_rank]
     row["activations_max_rel_error"] = max(abs(a - est.memory["activations"]) / est.memory["activations"]
                                            for a in row["activations_measured"])
@@ -291,18 +310,34 @@ def _ranking_worker(raws: list[dict], rounds: int):
             comm.barrier()
             if r:
                 times[i].append(time.perf_counter() - t0)
-            counters[i] = {d: v for d, v in comm.counters().items() if d in ("head", "ctx", "dp_shard", "dp_replicate")}
+            counters[i] = {d: v for d, v in comm.counters().items() if d in COUNTED}
     return {"times": times, "counters": counters}
 
 
-def _predict(case: Case, hw, cfg):
+def _predict(case: Case, hw, cfg, expert_skew: float | None = None):
     batch = random_batch(cfg)  # the batch the ranks train on: its documents' share of causal attention
     work = doc_work_of_ids(batch.doc_ids) if batch.doc_ids is not None else 1.0
     est = estimate(cfg.model, hw, case.mesh_shape, case.policy, seq_len=case.seq_len, global_batch=case.global_batch,
                    micro_batch=case.micro_batch, gpus_per_node=case.world, doc_mask=cfg.data.doc_mask,
-                   doc_work=work)
-    predicted = {d: {k: int(v) for k, v in labels.items()} for d, labels in est.comm_bytes.items() if d != "fsdp"}
+                   doc_work=work, expert_skew=case.expert_skew if expert_skew is None else expert_skew)
+    # (the dims the workers count: an expert all-to-all's bytes follow the run's routing, not the even closed form)
+    predicted = {d: {k: int(v) for k, v in labels.items()} for d, labels in est.comm_bytes.items() if d in COUNTED}
     return est, predicted
+
+
+def _expert_rows(case: Case, cfg, per_rank: list[dict], hw) -> dict:
+    """Under expert parallelism: the rank of the first expert group that received the most rows, the skews
+    measured, and the estimate at that rank's skew (with the plan's at case.expert_skew); {} at expert 1."""
+    shape = case.mesh_shape
+    if shape.expert <= 1:
+        return {}
+    skews = received_skews([r["expert_counts"] for r in per_rank[:shape.expert]], cfg.model.moe_experts,
+                           shape.expert, shape.expert_replicas)
+    hottest = max(range(len(skews)), key=skews.__getitem__)
+    planned, _ = _predict(case, hw, cfg)
+    return {"expert_skew_measured": skews, "expert_hottest_rank": hottest, "expert_skew_planned": case.expert_skew,
+            "activations_predicted_at_planned_skew": planned.memory["activations"],
+            "estimate": _predict(case, hw, cfg, expert_skew=max(skews))[0]}
 
 
 def run_ranking(cases: list[Case], hw, rounds: int = 5) -> list[dict]:
