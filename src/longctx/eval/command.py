@@ -32,16 +32,16 @@ loads torch, which `longctx data build` must not.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import strict_json, threads
-from ..errors import ConfigError
+from ..errors import ConfigError, DataError
 from ..generate.context_memory import add_flags as add_context_memory_flags
 from ..generate.settings import add_sampling_flags
 from ..progress import say
 from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
-from .task_list import TASKS, combined_result, parse_tasks, task_args
+from .stopped import drop_stale_incomplete, keep_stopped, replacing_note, write_output
+from .task_list import TASKS, combined_result, default_plot, parse_tasks, task_args
 
 if TYPE_CHECKING:
     from .request import EvalRequest
@@ -134,7 +134,9 @@ def main(args, overrides) -> int:
         requests = [dataclasses.replace(r, place=f"task {ran[i] + 1} of {len(requests)}")
                     for i, r in enumerate(requests)]
     if not under_launcher():  # (once: in the launcher, or the one process; a note several tasks share, once)
-        for note in dict.fromkeys(note for request in requests for note in request.notes):
+        replacing = replacing_note(args.output)  # (before work: a Ctrl-C then still keeps the file)
+        notes = [note for request in requests for note in request.notes] + ([replacing] if replacing else [])
+        for note in dict.fromkeys(notes):
             say(f"eval: note: {note}")
         if len(_mode_runs(requests)) > 1:
             say("eval: note: ppl is scored (--mode score) and --mode generate answers passkey/needle on another "
@@ -145,7 +147,11 @@ def main(args, overrides) -> int:
     if not under_launcher():
         _say_threads(requests[0].cfg)
     start = time.perf_counter()
-    parts = evaluate_tasks(requests, args_list)
+    try:
+        parts = evaluate_tasks(requests, args_list)
+    except BaseException as e:  # (the lengths finished are kept, or it is said that none was: eval/stopped.py)
+        keep_stopped(requests, args, e, time.perf_counter() - start)
+        raise
     if parts is None:  # not rank 0
         return 0
     _write(combined_result(parts, requests[0].lengths, time.perf_counter() - start), args)
@@ -158,18 +164,22 @@ def _write(result: dict, args) -> None:
     """The JSON result to --output (or stdout)."""
     text = strict_json.dumps(result, indent=1)
     if args.output:
-        from ..durable import write_text_durably
-
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        write_text_durably(Path(args.output), text + "\n")  # (a failed write leaves the previous file whole)
+        try:
+            write_output(args.output, text + "\n")  # (a failed write leaves the previous file whole)
+        except OSError as e:  # (a full disk after the whole evaluation: the figures printed, not lost with it)
+            print(text)
+            raise DataError(f"--output {args.output} could not be written ({e}); the result is printed on stdout "
+                            f"instead (above). Save it from there; free space or pass another --output next "
+                            f"time.") from None
         say(f"eval: wrote {args.output}")
+        drop_stale_incomplete(args.output)
     else:
         print(text)
 
 
 def _write_plot(result: dict, args) -> None:
     """A task's plot: --plot, or --output's name with .png (several tasks: each its own, task_list.task_plot)."""
-    plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
+    plot = default_plot(args)
     # (drawn after the whole evaluation and its JSON: without matplotlib, a note, not a traceback and exit 1)
     if plot and importlib.util.find_spec("matplotlib") is None:
         say(f"eval: note: no plot written to {plot}: it needs the matplotlib package (pip install matplotlib); "

@@ -177,6 +177,8 @@ def _generate_task(request: EvalRequest, args, loaded: GeneratingModel, say_rout
     layout = {"world": p.head * p.ctx, "dp_replicate": 1, "dp_shard": 1, "head": p.head, "ctx": p.ctx}
     out = _result_head(request, args, cfg, layout, loaded.dtype)
     _note_routing(out, loaded.model, main_rank and say_routing)
+    if main_rank:  # (what a run stopped part-way keeps: eval/stopped.py)
+        request.result = out
     if prefix:
         out["special_prefix"] = prefix
     if request.memory is not None:

@@ -38,8 +38,9 @@ def write_plot(result: dict, path: str | Path) -> Path:
     else:
         lengths = sorted({r["length"] for r in result["results"]})
         depths = sorted({r["depth"] for r in result["results"]})
-        acc = {(r["length"], r["depth"]): r["accuracy"] for r in result["results"]}
-        grid = [[acc.get((length, d), float("nan")) for length in lengths] for d in depths]
+        # (a cell not run, or a null accuracy a JSON read back holds, is NaN: drawn blank, labelled '-', never 0%)
+        acc = {(r["length"], r["depth"]): _number(r["accuracy"]) for r in result["results"]}
+        grid = [[acc.get((length, d), math.nan) for length in lengths] for d in depths]
         fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.5 * len(depths) + 2))
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
@@ -48,7 +49,7 @@ def write_plot(result: dict, path: str | Path) -> Path:
         ax.set_ylabel("depth")
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
-                ax.text(j, i, f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+                ax.text(j, i, cell_label(v), ha="center", va="center", fontsize=8)
         fig.colorbar(im, ax=ax, label="exact-match accuracy")
         title += f" - {100 * result['accuracy']:.0f}% overall"
     ax.set_title(title, fontsize=9)
@@ -56,3 +57,13 @@ def write_plot(result: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def cell_label(accuracy: float) -> str:
+    """A heatmap cell's text: its accuracy in percent, '-' where it has none (a cell not run: not 'nan')."""
+    return f"{100 * accuracy:.0f}" if math.isfinite(accuracy) else "-"
+
+
+def _number(value) -> float:
+    """An accuracy as a float (None, as a JSON's null, is NaN)."""
+    return math.nan if value is None else float(value)

@@ -16,6 +16,7 @@ from ..generate.settings import SAMPLING_FLAGS
 from .defaults import DEFAULT_BUCKETS, EXTRA_NEW_TOKENS
 from .inputs import _load_source, _load_tokenizer, _sequences
 from .layout_checks import _check_layout
+from .task_list import default_plot
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -40,6 +41,9 @@ class EvalRequest:
     memory: object = None    # --context-memory infllm: models/context_memory.py's InfLLMShape (None: plain)
     routing: str | None = None  # how the model routes, when eval changes it (a MoE capacity scored dropless)
     place: str = ""  # in a run of several tasks, which this is ("task 2 of 3"), said as it starts; "" alone
+    # rank 0's result while it is built (score_mode / generate_mode): a run stopped part-way keeps its finished
+    # lengths from it (eval/stopped.py); None on the other ranks and before the task starts
+    result: dict | None = None
 
 
 def _config(args, overrides: list[str], lengths: list[int], nproc: int):
@@ -219,7 +223,7 @@ def _check_flags(args) -> None:
     if args.split != "eval" and args.data and not Path(args.data).is_dir():  # (a store's split; text has none)
         raise ConfigError(f"--split {args.split} picks a store's split, but --data {args.data} is text, read whole; "
                           f"drop --split, or pass a store built by `longctx data build`.")
-    plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
+    plot = default_plot(args)
     if plot and Path(plot).suffix[1:].lower() not in PLOT_FORMATS:
         raise ConfigError(f"--plot {plot}: the plot's format is its suffix, one of .{', .'.join(PLOT_FORMATS)}; "
                           f"pass e.g. --plot {Path(plot).with_suffix('.png')}.")

@@ -88,6 +88,8 @@ def _score_task(request: EvalRequest, args, scored: ScoringModel, say_routing: b
     prefix = _prefix(request)
     out = _result_head(request, args, scored.cfg, dict(scored.layout), dtype)
     _note_routing(out, scored.model, rt.is_main and say_routing)
+    if rt.is_main:  # (what a run stopped part-way keeps: eval/stopped.py)
+        request.result = out
     if prefix:
         out["special_prefix"] = prefix
     total = sum(request.sequences.counts.values())

@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from ..config.rules import SYNTHETIC_TASKS
+from ..durable import written_in_place
 from ..errors import ConfigError
 from ..generate.context_memory import DEFAULTS as MEMORY_DEFAULTS
 from ..generate.settings import SAMPLING_FLAGS
@@ -72,10 +73,20 @@ def task_args(args, tasks: list[str]) -> list[argparse.Namespace]:
     return out
 
 
+def default_plot(args) -> str:
+    """The plot a run writes: --plot, else --output's name with .png ('' for none: no --output, or an --output
+    that is a stream, /dev/stdout or a pipe, beside which a PNG would land in /dev or the pipe's directory)."""
+    if args.plot:
+        return args.plot
+    if not args.output or written_in_place(args.output):
+        return ""
+    return str(Path(args.output).with_suffix(".png"))
+
+
 def task_plot(args, task: str) -> str:
     """A task's plot in a run of several: the plot the run would write, named for the task
     (out.json -> out.ppl.png, --plot fig.svg -> fig.ppl.svg); '' when none is written."""
-    plot = args.plot or (str(Path(args.output).with_suffix(".png")) if args.output else "")
+    plot = default_plot(args)
     if not plot:
         return ""
     path = Path(plot)
@@ -88,6 +99,12 @@ def combined_result(parts: list[dict], lengths: list[int], seconds: float) -> di
     One task: its result, unchanged (the single-task JSON users' scripts read)."""
     if len(parts) == 1:
         return parts[0]
+    return combine(parts, lengths, seconds)
+
+
+def combine(parts: list[dict], lengths: list[int], seconds: float) -> dict:
+    """The object of several tasks (combined_result), for any number of parts: a run of several tasks stopped
+    part-way keeps this shape even when one task finished a length (eval/stopped.py)."""
     out = {key: parts[0][key] for key in SHARED_KEYS
            if all(key in part and part[key] == parts[0][key] for part in parts)}
     out.update(lengths=list(lengths), seconds=round(seconds, 2), tasks={part["task"]: part for part in parts})
