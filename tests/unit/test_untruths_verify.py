@@ -60,4 +60,4 @@ def test_no_checkpoint_is_said_in_verify_words(tmp_path):
 def test_layout_text():
     assert layout_text({"world": 1}) == "1 process"
     assert layout_text({**LAYOUT, "window": 2, "expert": 2}) == (
-        "4 ranks: dp_replicate 1 x dp_shard 1 x head 2 x ctx 2 x expert 2 (window 2), head-first")
+        "4 ranks: dp_replicate 1 x dp_shard 1 x head 2 x ctx 2 (window 2), head-first (expert 2 folded over them)")

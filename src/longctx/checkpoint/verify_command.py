@@ -26,19 +26,24 @@ def size_text(n: int) -> str:
 
 
 def layout_text(layout: dict) -> str:
-    """A manifest's layout as the training line says it: '4 ranks: dp_replicate 1 x dp_shard 1 x head 2
-    x ctx 2, head-first' (degrees it does not know are added the same way)."""
+    """A manifest's layout as the training line says it (train/run_lines.py describe_run): '4 ranks: dp_replicate
+    1 x dp_shard 1 x head 2 x ctx 2, head-first (expert 2 folded over them)'. The expert degree is folded over the
+    same ranks, not one more factor of them: 'x expert 2' made 2 ranks read as 4. Degrees it does not know are
+    added as factors."""
     if not layout:
         return "an unrecorded layout"
     world = layout.get("world", 1)
     if world == 1:
         return "1 process"
     degrees = [k for k in _DEGREES if k in layout] + sorted(
-        k for k, v in layout.items() if k not in (*_DEGREES, "world", "window", "placement") and isinstance(v, int))
+        k for k, v in layout.items()
+        if k not in (*_DEGREES, "world", "window", "placement", "expert") and isinstance(v, int))
     text = f"{world} ranks: " + " x ".join(f"{k} {layout[k]}" for k in degrees)
     if layout.get("window"):
         text += f" (window {layout['window']})"
-    return text + (f", {layout['placement']}" if layout.get("placement") else "")
+    text += f", {layout['placement']}" if layout.get("placement") else ""
+    expert = layout.get("expert", 1)
+    return text + (f" (expert {expert} folded over them)" if isinstance(expert, int) and expert > 1 else "")
 
 
 def model_text(manifest: dict) -> str:
@@ -139,6 +144,7 @@ def run(spec: str | Path, say=print) -> int:
     for line in lines:
         say(line)
     if problems:
-        raise CheckpointError(f"checkpoint {spec} is damaged ({len(problems)} files; listed above). Nothing in it "
+        files = f"{len(problems)} file{'s' if len(problems) != 1 else ''}"
+        raise CheckpointError(f"checkpoint {spec} is damaged ({files}; listed above). Nothing in it "
                               f"can be trusted: resume from another step-* directory.")
     return 0

@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 
 from ..checkpoint.manager import CheckpointManager, resolve_checkpoint
+from ..checkpoint.verify_command import layout_text
 from ..config import Config, to_dict, to_toml
 from ..config.data_mix import first_store, is_mix, parse_weights, store_paths
 from ..config.resume import manifest_run_dir
@@ -346,11 +347,9 @@ def open_checkpointing(cfg: Config, run_dir: Path, rt: Runtime, model, optimizer
     path, manifest = found
     state = manager.load(path, model, optimizer, manifest)
     sampler.load_state_dict(state["sampler"])
-    saved = state["manifest"]["layout"]
-    ranks = lambda n: f"{n} rank{'s' if n != 1 else ''}"  # noqa: E731
-    log(f"checkpoint: resumed step {state['step']} from {path} (written by {ranks(saved['world'])}: "
-        f"head {saved['head']} x ctx {saved['ctx']} x dp {saved['dp_replicate']}x{saved['dp_shard']}; "
-        f"now {ranks(rt.world)})")
+    # (both layouts whole, the expert degree too: a resume under another one reshards the experts)
+    log(f"checkpoint: resumed step {state['step']} from {path} (written by {layout_text(state['manifest']['layout'])}; "
+        f"now {layout_text(layout)})")
     if state["step"] >= cfg.train.steps:
         log(f"checkpoint: step {state['step']} is already >= train.steps={cfg.train.steps}; nothing to train")
     return manager, int(state["step"])
