@@ -37,7 +37,8 @@ def check_layout(cfg, world: int) -> ParallelDims:
     if global_batch_used(cfg.train.stages):  # (unused when every stage names its batch)
         _check_batch(cfg.train.global_batch, cfg.train.grad_accum, dims)
     hpz_group(cfg, dims)  # (and node_size, zero_pp_names: all checked before launch)
-    ranks_per_node(cfg, dims.world_size)  # (after: under hpz / qgz, node_size says what the node must split)
+    node = ranks_per_node(cfg, dims.world_size)  # (after: under hpz / qgz, node_size says what the node must split)
+    _check_expert_nodes(cfg.parallel, dims, node)
     replica = dims.world_size // dims.dp_replicate
     if cfg.train.data_parallel == "co2" and dims.expert > 1 and replica % dims.expert:
         raise ConfigError(f"train.data_parallel = co2 keeps each of the {dims.dp_replicate} replicas' weights its own, "
@@ -71,6 +72,26 @@ def _check_co2_hpz(cfg, dims: ParallelDims, replica: int) -> None:
                       f"parallel.ranks_per_node {replica} with parallel.hpz_ranks 0 (the whole replica: plain "
                       f"resharding) or 1 (no resharding after forward), drop hpz from parallel.zero_pp (qwz and qgz "
                       f"work under co2), or use train.data_parallel = sync.")
+
+
+def _check_expert_nodes(p, dims: ParallelDims, node: int) -> None:
+    """parallel.expert_ranks_per_node against the job's nodes (parallel.ranks_per_node, else the launcher's
+    LOCAL_WORLD_SIZE; every rank on one machine). Hierarchical dispatch (parallel/expert/hierarchy.py) takes
+    every `per_node` consecutive ranks of an expert group for one node: its exchange inside them was meant for
+    the fast link, its exchange between them is the one it keeps small. A `per_node` that does not divide the
+    machine's ranks puts some of those groups across two machines: the results stay right, but the inside
+    exchange crosses the slow link and the saving the option is for is gone without a word. (Its divisor of
+    parallel.expert is config/rules.py's.)"""
+    per_node = p.expert_ranks_per_node
+    if dims.expert < 2 or per_node <= 0 or dims.expert % per_node or node % per_node == 0:
+        return
+    # (on one machine node is the world, which per_node divides: only a given node size gets here)
+    source = f"parallel.ranks_per_node = {node}" if p.ranks_per_node else f"the launcher's LOCAL_WORLD_SIZE={node}"
+    fits = [d for d in range(1, min(node, dims.expert) + 1) if node % d == 0 and dims.expert % d == 0]
+    raise ConfigError(f"parallel.expert_ranks_per_node = {per_node} takes every {per_node} ranks of an expert group "
+                      f"for one node, but the job's nodes hold {node} ranks ({source}): some of those groups would "
+                      f"span two nodes and the exchange meant to stay inside one would cross the slow link. Choose "
+                      f"among {fits} (divisors of both), or 0 for the flat all-to-all.")
 
 
 def expert_shards_split(m, world: int, expert: int) -> bool:
