@@ -283,3 +283,20 @@ def test_hierarchical_dispatch_keeps_what_its_closed_form_says(bias):
         print(f"T {t}, sent {sent}, pairs {pairs}: flat {flat} B, hierarchical {hier} B, "
               f"difference {hier - flat} B, closed form {want} B")
         assert hier - flat == want
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["--parallel.expert=2", "--parallel.expert_ranks_per_node=2"], "parallel.expert = 2 ranks fit one node of 2"),
+    (["--parallel.expert_ranks_per_node=1"], "parallel.expert is 1"),
+])
+def test_a_node_size_that_changes_nothing_is_said_to_be_ignored(overrides, said):
+    """expert_ranks_per_node with no expert parallelism, or nodes holding the whole expert group, ran the flat
+    exchange with no word, the config naming hierarchical dispatch as if it applied."""
+    from longctx.config import load_config
+    from longctx.config.inert_options import inert_option_notes
+
+    notes = inert_option_notes(load_config(None, ["--model.preset=debug-moe", *overrides]))
+    assert any("parallel.expert_ranks_per_node" in n and said in n for n in notes), notes
+    assert not [n for n in inert_option_notes(load_config(None, [
+        "--model.preset=debug-moe", "--parallel.expert=4", "--parallel.expert_ranks_per_node=2"]))
+        if "expert_ranks_per_node" in n]

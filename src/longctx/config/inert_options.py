@@ -166,6 +166,9 @@ def _unread_sub_options(cfg: Config) -> list[str]:
         ("parallel", p, ParallelConfig, ("expert_placement_window",), p.expert == 1 or not p.expert_replicas,
          "parallel.expert_replicas is 0 (no hot-expert copies to place)" if p.expert > 1 else
          "parallel.expert is 1 (no expert parallelism)"),
+        ("parallel", p, ParallelConfig, ("expert_ranks_per_node",), p.expert in (1, p.expert_ranks_per_node),
+         "parallel.expert is 1 (no expert parallelism)" if p.expert == 1 else f"parallel.expert = {p.expert} ranks "
+         f"fit one node of {p.expert_ranks_per_node}: the flat all-to-all runs (parallel/expert/install.py)"),
         ("train", t, TrainConfig, ("eval_batches",), not t.eval_interval, "train.eval_interval is 0 (no evaluation)"),
         ("checkpoint", cfg.checkpoint, CheckpointConfig, ("dir", "keep", "async", "on_save_error"),
          not cfg.checkpoint.saves_or_resumes, "this run saves no checkpoint (checkpoint.interval 0, checkpoint.final "
