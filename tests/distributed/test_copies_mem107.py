@@ -23,25 +23,11 @@ from longctx.memory.measured import measure_activations
 from longctx.memory.policy import MemoryPolicy
 from longctx.parallel.context.shares import to_device
 from longctx.parallel.expert.placement import Placement
+from longctx.planner.validate_experts import every_slot_filled
 from longctx.train.trainer import Trainer
 
 MOE = [*BASE, "--model.preset=debug-moe", "--train.steps=1", "--model.moe.dense_layers=", "--parallel.expert=2",
        "--parallel.ctx=2"]
-
-
-def _every_slot_filled(experts: int, ep: int, replicas: int) -> Placement:
-    """Each rank's copy slots hold the first `replicas` experts of the next rank, half of their rows each: every
-    slot filled, so every rank holds (and receives) as many copies as it has slots, the count's case."""
-    local = experts // ep
-    slots, holders = [], [[] for _ in range(experts)]
-    for q in range(ep):
-        owner = (q + 1) % ep
-        copied = [owner * local + j for j in range(replicas)]
-        slots.append(tuple(range(q * local, (q + 1) * local)) + tuple(copied))
-        for j, e in enumerate(copied):
-            holders[e].append((q, local + j, 0.5))
-    full = tuple(((e // local, e % local, 0.5 if holders[e] else 1.0), *holders[e]) for e in range(experts))
-    return Placement(ep, local, replicas, tuple(slots), full)
 
 
 def _blocks(args, run_dir, replicas, bf16=False):
@@ -64,7 +50,7 @@ def _blocks(args, run_dir, replicas, bf16=False):
         forward = model.forward
         model.forward = lambda *a, **k: _autocast_call(forward, *a, **k)
     ep, E = cfg.parallel.expert, cfg.model.moe_experts
-    placement = _every_slot_filled(E, ep, replicas) if replicas else Placement.static(E, ep)
+    placement = every_slot_filled(E, ep, replicas) if replicas else Placement.static(E, ep)
     first = {}  # block -> its first call's rows per expert (the stored one where a policy splits the block's calls)
 
     def seen(i):
