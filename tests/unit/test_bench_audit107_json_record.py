@@ -82,3 +82,27 @@ def test_a_benchmarks_record_names_the_commit_that_measured_it(tmp_path, monkeyp
 
     monkeypatch.setattr(devices.subprocess, "run", no_git)
     assert devices.code_record() == {"version": record["version"], "commit": None, "dirty": None}
+
+
+def test_an_installed_copy_inside_another_repository_records_no_commit_of_it(tmp_path, monkeypatch):
+    """A longctx installed into a venv that lies in the user's own repository (ignored there): `git rev-parse HEAD`
+    from the package answers that repository's commit, which is not the code that measured the figure."""
+    import subprocess
+
+    from longctx.job import devices
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text(".venv/\n")
+    git("add", ".gitignore")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "theirs")
+    package = tmp_path / ".venv" / "site-packages" / "longctx"
+    (package / "job").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    monkeypatch.setattr(devices, "__file__", str(package / "job" / "devices.py"))
+    monkeypatch.delenv("LONGCTX_COMMIT", raising=False)
+    assert devices.code_record()["commit"] is None
+    monkeypatch.setenv("LONGCTX_COMMIT", "abc123")
+    assert devices.code_record()["commit"] == "abc123"

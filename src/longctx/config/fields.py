@@ -18,6 +18,7 @@ from .override_hints import (
     no_number_hint,
     no_value_problem,
     quoted_problem,
+    toml_line,
     whole_number_hint,
 )
 from .schema import Config
@@ -100,8 +101,7 @@ def _unquoted(key: str, value: Any, f: dataclasses.Field) -> str:
         return ""
     if isinstance(typed, float) and not math.isfinite(typed):  # ("nan" unquoted is refused in turn)
         return ""
-    name = key.split(".", 1)[1]  # (as written under its [section]; a sub-table's key keeps its dot: moe.experts)
-    return f" In TOML a quoted value is a string: write it without the quotes, {name} = {toml_value(typed)}."
+    return f" In TOML a quoted value is a string: write it without the quotes, {toml_line(key, toml_value(typed))}."
 
 
 def parse_cli_value(key: str, text: str, f: dataclasses.Field) -> Any:

@@ -13,6 +13,18 @@ COMMA_LIST_KEYS = frozenset({"model.moe.dense_layers", "parallel.zero_pp", "trai
                              "data.weights", "checkpoint.on_signal"})
 # words other languages and formats write for "no value"; the config has none: a string key unset is ''
 NO_VALUE_WORDS = ("none", "null", "nil", "~")
+EMPTY = '""'  # a TOML empty string
+
+
+def toml_line(key: str, value: str) -> str:
+    """How `key` = `value` is written in a config file: `steps = 5` under [train]; a sub-table's key both ways,
+    `moe.experts = 8` under [model] or `experts = 8` in a [model.moe] table (the way docs/moe.md writes it, where
+    `moe.experts = 8` would name model.moe.moe.experts)."""
+    section, name = key.split(".", 1)
+    if "." not in name:
+        return f"{name} = {value}"
+    table, last = name.rsplit(".", 1)
+    return f"{name} = {value} under [{section}] (or {last} = {value} in a [{section}.{table}] table)"
 
 
 def flag_hint(arg: str, sections: dict[str, type], fields_by_key) -> str:
@@ -50,8 +62,7 @@ def whole_number_hint(key: str, value: Any, cli: bool) -> str:
         return ""
     if not number.is_integer():
         return f" ({value} has a fraction: give a whole number.)"
-    name = key.split(".", 1)[1]  # (as written under its [section]: a sub-table's key keeps its dot)
-    write = f"--{key}={int(number)}" if cli else f"{name} = {int(number)}"
+    write = f"--{key}={int(number)}" if cli else toml_line(key, str(int(number)))
     return f" {value} is {int(number)}: write {write}."
 
 
@@ -74,10 +85,9 @@ def list_hint(key: str, value: Any) -> str:
     holds a comma-separated list; '' otherwise."""
     if key not in COMMA_LIST_KEYS or not isinstance(value, list):
         return ""
-    name = key.split(".", 1)[1]
     if not value:
-        return f' No items are written "": {name} = "".'
-    return f' Write the items in one string, comma-separated: {name} = "{",".join(str(v) for v in value)}".'
+        return f' No items are written "": {toml_line(key, EMPTY)}.'
+    return f' Write the items in one string, comma-separated: {toml_line(key, _quoted(",".join(map(str, value))))}.'
 
 
 def no_value_problem(key: str, value: Any, f: dataclasses.Field) -> str | None:
@@ -87,7 +97,7 @@ def no_value_problem(key: str, value: Any, f: dataclasses.Field) -> str | None:
     if not isinstance(value, str) or value.strip().lower() not in NO_VALUE_WORDS or f.default != "":
         return None
     return (f"{key} = {value!r}: the config has no None or null; {key} unset is '' (its default): leave it out, "
-            f"or give --{key}= (empty), or {key.split('.', 1)[1]} = \"\" in TOML. (A path named {value}: write "
+            f"or give --{key}= (empty), or in TOML {toml_line(key, EMPTY)}. (A path named {value}: write "
             f"./{value}.)")
 
 
@@ -98,8 +108,8 @@ def bracket_problem(key: str, value: Any) -> str | None:
     text = value.strip()
     if not (text.startswith("[") and text.endswith("]")):
         return None
-    return (f"{key} = {value!r}: write the items comma-separated, without brackets: --{key}={text[1:-1].strip()} "
-            f"(in TOML, {key.split('.', 1)[1]} = \"{text[1:-1].strip()}\").")
+    return (f"{key} = {value!r}: write the items comma-separated, without brackets: --{key}={text[1:-1].strip()}; "
+            f"in TOML, {toml_line(key, _quoted(text[1:-1].strip()))}.")
 
 
 def quoted_problem(key: str, text: str) -> str | None:
@@ -110,3 +120,7 @@ def quoted_problem(key: str, text: str) -> str | None:
         return None
     return (f"--{key}={text}: the value is wrapped in quotes, which reached longctx as part of it (a script or "
             f"launcher that quoted it twice); pass it without them: --{key}={text[1:-1]}.")
+
+
+def _quoted(text: str) -> str:
+    return f'"{text}"'

@@ -9,6 +9,7 @@ never a FILE that reads as complete, and a FILE of an earlier run stays as it wa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import sys
@@ -341,11 +342,17 @@ class Output:
             if flush:
                 self.file.flush()
         except BrokenPipeError:
-            if self.file is not sys.stdout:
+            if self.file is sys.stdout:
+                # (stdout's buffered lines would raise again when the interpreter flushes it at exit)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            elif self.partial == self.path:  # (--output /dev/stdout or a named pipe, written where it is)
+                with contextlib.suppress(OSError):  # (its buffered lines raise again as it closes: closed still)
+                    self.file.close()
+                self.file = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (close() closes it)
+            else:
                 raise
-            # (stdout's buffered lines would raise again when the interpreter flushes it at exit)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise ReaderGone(f"stdout was closed by its reader (a pipe to `head`, say) with {self.lines} line(s) "
+            said = "stdout" if self.file is sys.stdout or not self.path else f"--output {self.path}"
+            raise ReaderGone(f"{said} was closed by its reader (a pipe to `head`, say) with {self.lines} line(s) "
                              f"written: generation stopped. Pass --output FILE to keep every line.") from None
 
     def close(self, complete: bool = True) -> None:

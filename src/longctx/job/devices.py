@@ -35,6 +35,10 @@ def code_record() -> dict:
             return subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True,
                                   timeout=10, check=True).stdout.strip()
 
+        # (the package's files tracked there: an installed copy in a venv inside another repository, ignored by it,
+        # would otherwise record that repository's commit, clean)
+        if not git("ls-files", "--", "__init__.py"):
+            raise subprocess.SubprocessError("the package is not tracked by the repository around it")
         record["commit"] = git("rev-parse", "HEAD")
         record["dirty"] = bool(git("status", "--porcelain", "--", "."))
     except (OSError, subprocess.SubprocessError):  # (a copy without .git, the lent GPU's: the caller may say it)
