@@ -23,6 +23,7 @@ from longctx.checkpoint.manager import CheckpointManager, latest_checkpoint, ver
 from longctx.checkpoint.manifest import CheckpointError, hash_files, owner_rank, verify, write_manifest
 from longctx.checkpoint.rng_states import _load_rng
 from longctx.config import load_config
+from longctx.durable import DirectoryInUse, lock_directory
 from longctx.job.spawn import run_spawned, run_spawned_many
 from longctx.train.trainer import train
 
@@ -223,6 +224,24 @@ def test_export_to_hf_round_trip(tmp_path):
     assert from_hf[0] < from_scratch[0] - 0.5  # it really starts from the trained weights
 
 
+def _lock_let_go(run_dir: Path, timeout_s: float = 30.0) -> None:
+    """Wait until no process holds the run directory's lock: the launcher's wait returns before its ranks, which
+    die of their parent's death (not of the group's SIGKILL), are gone; CI saw the resume refused: "train.run_dir
+    ... is in use by another `longctx train`"."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            fd = lock_directory(run_dir)
+        except DirectoryInUse:
+            if time.time() > deadline:
+                raise AssertionError(f"the killed run's ranks held {run_dir}'s lock {timeout_s:g} s on") from None
+            time.sleep(0.05)
+            continue
+        if fd is not None:
+            os.close(fd)
+        return
+
+
 def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, uninterrupted):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "longctx", "train", "--config", "configs/debug.toml", "--nproc", "2",
@@ -240,6 +259,7 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, uninterru
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        _lock_let_go(run_dir)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
