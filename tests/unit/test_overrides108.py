@@ -156,3 +156,13 @@ def test_precedence_preset_then_file_then_flags(tmp_path):
     assert (cfg.model.dim, cfg.model.layers, cfg.train.steps) == (768, 3, 9)
     cfg = load_config(p, ["--model.preset=llama3-1b"])  # (a hand-written file keeps its keys over any preset)
     assert (cfg.model.dim, cfg.model.layers) == (2048, 2)
+
+
+@pytest.mark.parametrize("given, meant", [("None", "none"), ("null", "none"), ("Auto", "auto")])
+def test_a_resume_word_in_another_spelling_is_pointed_to(given, meant, tmp_path, monkeypatch):
+    """--checkpoint.resume=None read as a path that is not there: the refusal named no fix."""
+    from longctx.config.checkpoint_paths import CheckpointError, resolve_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=f"Did you mean --checkpoint.resume {meant} "):
+        resolve_checkpoint(given, tmp_path / "checkpoints")

@@ -97,8 +97,11 @@ def resolve_checkpoint(spec: str, root: Path) -> Path | None:
         path = path.parent
     if path.is_dir() and latest_checkpoint(path) is not None:
         return latest_checkpoint(path)
+    # (None, Auto, null: a word in another spelling, read as a path that is not there)
+    word = {"auto": "auto", "none": "none", "null": "none"}.get(spec.strip().lower())
+    hint = f" Did you mean --checkpoint.resume {word} (lowercase)?" if word and not path.exists() else ""
     raise CheckpointError(f"--checkpoint.resume {spec}: no complete checkpoint there (a step-* directory with "
-                          f"manifest.json, or a directory holding them).")
+                          f"manifest.json, or a directory holding them).{hint}")
 
 
 def find_checkpoint(path) -> Path | None:
