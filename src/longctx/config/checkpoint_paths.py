@@ -61,7 +61,7 @@ def trajectory(root: Path, newest: Path) -> list[Path]:
     while that directory still holds that very checkpoint (a later attempt may have saved its own of the same
     step). A manifest written before parents were recorded (no `parent` key) is followed by every older
     complete checkpoint, as then; a null parent (a run started afresh) or one gone ends the list."""
-    out, at, manifest = [], newest, _manifest(newest)
+    out, at, manifest = [], newest, manifest_or_empty(newest)
     while True:
         out.append(at)
         if "parent" not in manifest:  # (older checkpoints: every complete one before it, newest first)
@@ -70,17 +70,18 @@ def trajectory(root: Path, newest: Path) -> list[Path]:
         if not parent or parent.get("name", "") >= at.name:
             return out
         at = root / parent["name"]
-        manifest = _manifest(at)
+        manifest = manifest_or_empty(at)
         if manifest.get("checksum") != parent.get("checksum"):
             return out
 
 
-def _manifest(path: Path) -> dict:
-    """A checkpoint's manifest, {} where it cannot be read."""
+def manifest_or_empty(path: Path) -> dict:
+    """A checkpoint's manifest, {} where it cannot be read (none, not JSON, not an object)."""
     try:
-        return json.loads((path / MANIFEST).read_text())
+        saved = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 def resolve_checkpoint(spec: str, root: Path) -> Path | None:
@@ -151,7 +152,7 @@ def step_read(spec: str) -> str:
     if found is None:
         return ""
     # (the step its manifest records: a checkpoint directory of another name, best/ or a copy, is read as well)
-    manifest = _manifest(found)
+    manifest = manifest_or_empty(found)
     recorded = manifest.get("step") if isinstance(manifest, dict) else None
     step = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else \
         found.name.removeprefix("step-").lstrip("0") or "0"

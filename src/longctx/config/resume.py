@@ -13,14 +13,13 @@ given.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .checkpoint_paths import MANIFEST, find_checkpoint, latest_checkpoint
+from .checkpoint_paths import find_checkpoint, latest_checkpoint, manifest_or_empty
 from .inert_options import STORE_BUILD_KEYS
 from .load import build_config, drop_restated_model_keys, read_raw, to_dict
 from .schema import Config
@@ -75,10 +74,7 @@ def saved_run_dir(raw: dict) -> Path | None:
 def manifest_run_dir(checkpoint: Path) -> Path | None:
     """The run directory a checkpoint's manifest names, if it still holds a config.toml (an unreadable
     manifest: None here; verification refuses the checkpoint with its reasons later)."""
-    try:
-        named = json.loads((checkpoint / MANIFEST).read_text()).get("run_dir")
-    except (OSError, ValueError, AttributeError):
-        return None
+    named = manifest_or_empty(checkpoint).get("run_dir")
     return Path(named) if named and (Path(named) / "config.toml").is_file() else None
 
 

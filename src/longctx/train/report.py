@@ -6,10 +6,9 @@ when it starts and ends: run_lines.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from ..config.checkpoint_paths import MANIFEST, step_name
+from ..config.checkpoint_paths import manifest_or_empty, step_name
 from ..errors import UserError
 from ..strict_json import number
 from .metrics import read_jsonl
@@ -389,20 +388,11 @@ def _abandoned(run_dir: Path, root: Path, latest: Path, rollback: dict) -> bool:
     if not checksum or "rolled_back_to" not in rollback:
         return False
     name = step_name(int(rollback["rolled_back_to"]))
-    if _manifest(root / name).get("checksum") not in (None, checksum):
+    if manifest_or_empty(root / name).get("checksum") not in (None, checksum):
         return True
-    saved = _manifest(latest / name) if latest.resolve() != root.resolve() else {}
+    saved = manifest_or_empty(latest / name) if latest.resolve() != root.resolve() else {}
     by = saved.get("run_dir")
     return saved.get("checksum") not in (None, checksum) and bool(by) and Path(by).resolve() == run_dir.resolve()
-
-
-def _manifest(checkpoint: Path) -> dict:
-    """A checkpoint's manifest, {} where there is none readable."""
-    try:
-        saved = json.loads((checkpoint / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return {}
-    return saved if isinstance(saved, dict) else {}
 
 
 def _run_path(run_dir: Path, named: str) -> Path:
