@@ -103,7 +103,7 @@ def load_chat_template(tokenizer_spec: str, flag: str = "--chat") -> ChatTemplat
 
 def _special_tokens(declared: dict) -> dict[str, str]:
     """The `*_token` entries of a tokenizer_config.json or special_tokens_map.json, as their text."""
-    return {k: _token_text(v) for k, v in declared.items() if k.endswith("_token") and _token_text(v) is not None}
+    return {k: token_text(v) for k, v in declared.items() if k.endswith("_token") and token_text(v) is not None}
 
 
 def check_messages(messages, where: str) -> list[dict]:
@@ -145,7 +145,7 @@ def _named_default(template, where: Path, flag: str) -> str | None:
     raise ConfigError(f"{flag}: {where}'s chat_template is neither a string nor a list of named templates.")
 
 
-def _token_text(value) -> str | None:
+def token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken's {"content": ...}."""
     if isinstance(value, str):
         return value

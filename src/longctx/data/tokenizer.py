@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..errors import DataError
+from .chat_template import token_text
 
 
 class ByteTokenizer:
@@ -55,12 +56,9 @@ def _configured_eos(path: Path) -> str | None:
     """The eos_token that the tokenizer_config.json beside a tokenizer.json names (a string, or transformers'
     {"content": ...} form); None where there is none or it cannot be read."""
     try:
-        token = json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token")
+        return token_text(json.loads((path.parent / "tokenizer_config.json").read_text()).get("eos_token"))
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(token, dict):
-        token = token.get("content")
-    return token if isinstance(token, str) else None
 
 
 class HFTokenizer:
