@@ -24,8 +24,11 @@ TINY = ["--model.preset=debug", "--model.layers=1", "--model.dim=32", "--model.h
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """(an hf:DIR of a random one-layer dim-32 model, ~60 KB of text)."""
-    tmp = tmp_path_factory.mktemp("held")
+    return tiny_model_and_text(tmp_path_factory.mktemp("held"))
+
+
+def tiny_model_and_text(tmp):
+    """(an hf:DIR of a random one-layer dim-32 model, ~60 KB of text), written in `tmp`."""
     hf = save_hf(build_model(load_config(overrides=TINY).model, seed=3), tmp / "hf")
     root = Path(sysconfig.get_paths()["stdlib"])
     text = tmp / "long.py"

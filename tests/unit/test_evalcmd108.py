@@ -8,30 +8,17 @@ a later finished run removes the stale .incomplete file. And a heatmap cell with
 """
 
 import json
-import sysconfig
-from pathlib import Path
 
 import pytest
+from test_eval_one_length_held import tiny_model_and_text
 
 from longctx import cli
-from longctx.config import load_config
 from longctx.eval import runner
-from longctx.models.hf import save_hf
-from longctx.models.llama import build_model
-
-TINY = ["--model.preset=debug", "--model.layers=1", "--model.dim=32", "--model.heads=4", "--model.kv_heads=2",
-        "--model.ffn_dim=64"]
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """(an hf:DIR of a random one-layer dim-32 model, ~60 KB of text)."""
-    tmp = tmp_path_factory.mktemp("stopped")
-    hf = save_hf(build_model(load_config(overrides=TINY).model, seed=3), tmp / "hf")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    text = tmp / "long.py"
-    text.write_text("".join((root / name).read_text() for name in ("textwrap.py", "shlex.py", "fnmatch.py")))
-    return hf, text
+    return tiny_model_and_text(tmp_path_factory.mktemp("stopped"))
 
 
 def _eval(folder, task: str, *extra):
