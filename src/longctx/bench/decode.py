@@ -255,10 +255,9 @@ def main(args) -> int:
         generate(target, [first[:8]], max_new_tokens=2, sampling=sampling, compile=args.compiled)
     groups, everything = _run_lengths(args, target, draft, prompts, sampling, modes)
     result = {"benchmark": "decode", "date": date.today().isoformat(), "machine": platform.machine(),
-              "torch": torch.__version__,
-              "code": code_record(), "threads": torch.get_num_threads(), "device": _device_name(device),
-              "dtype": args.dtype, "target": args.target,
-              "draft": args.draft, "speculate": args.speculate, "cape": args.cape_table if modes[0][0] else None,
+              "torch": torch.__version__, "code": code_record(), "threads": torch.get_num_threads(),
+              "device": _device_name(device), "dtype": args.dtype, "target": args.target, "draft": args.draft,
+              "speculate": args.speculate, "cape": args.cape_table if modes[0][0] else None,
               "speculate_adaptive": modes[0][1], "draft_cost": args.cost if modes[0][1] else None,
               "verify_cost": (args.verify_cost or 0.0) if modes[0][1] else None,
               "confidence_stop": args.confidence_stop,

@@ -49,12 +49,7 @@ def add_parser(sub) -> None:
                    help="render each prompt with the tokenizer's chat template, as transformers' "
                         "apply_chat_template(add_generation_prompt=True) does: a --prompts line's \"messages\" "
                         "([{\"role\": ..., \"content\": ...}]), or the prompt as one user message")
-    p.add_argument("--output", default="",
-                   help="write the JSON lines here instead of stdout: to FILE.partial, renamed FILE once every line "
-                        "is in (an existing FILE is replaced then, said in a note at the start)")
-    p.add_argument("--echo", action="store_true",
-                   help="each line's text starts with its prompt's (e.g. a draft's training text: the target's "
-                        "own continuations, usable as data.corpus)")
+    _add_output_flags(p)
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens per prefill call (memory grows with it, never with the prompt squared)")
     p.add_argument("--batch", type=int, default=DEFAULT_BATCH,
@@ -69,6 +64,16 @@ def add_parser(sub) -> None:
     _add_draft_flags(p)
     add_context_memory_flags(p)  # --context-memory infllm, --infllm-* (generate/context_memory.py)
     p.set_defaults(func=main)
+
+
+def _add_output_flags(p) -> None:
+    """Where the JSON lines go and what their text holds."""
+    p.add_argument("--output", default="",
+                   help="write the JSON lines here instead of stdout: to FILE.partial, renamed FILE once every line "
+                        "is in (an existing FILE is replaced then, said in a note at the start)")
+    p.add_argument("--echo", action="store_true",
+                   help="each line's text starts with its prompt's (e.g. a draft's training text: the target's "
+                        "own continuations, usable as data.corpus)")
 
 
 def _add_draft_flags(p) -> None:
