@@ -127,13 +127,12 @@ def test_an_output_that_fails_at_the_end_prints_the_result(tmp_path, monkeypatch
     import argparse
     import errno
 
-    from longctx import durable
     from longctx.errors import DataError
-    from longctx.eval import command
+    from longctx.eval import command, stopped
 
     def full(path, text):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(durable, "write_text_durably", full)
+    monkeypatch.setattr(stopped, "write_text_durably", full)
     result = {"task": "ppl", "results": [{"length": 256, "loss": 5.5}]}
     with pytest.raises(DataError, match="No space left on device.*printed on stdout"):
         command._write(result, argparse.Namespace(output=str(tmp_path / "out.json")))

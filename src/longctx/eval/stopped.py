@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import strict_json
-from ..durable import written_in_place
+from ..durable import write_text_durably, written_in_place
 from ..progress import say
 from .task_list import combine
 
@@ -114,8 +114,6 @@ def write_output(path: str, text: str) -> None:
     leaves the previous file whole), a stream (/dev/stdout, a pipe: durable.py written_in_place) written where it
     is, as check_output_path accepted it; a rename would put a regular file in its place (as root, over
     /dev/stdout itself) and the reader would get nothing."""
-    from ..durable import write_text_durably
-
     if written_in_place(path):
         with open(path, "w") as f:
             f.write(text)

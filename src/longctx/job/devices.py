@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import __version__
 from ..errors import ConfigError
 
 
@@ -26,8 +27,6 @@ def code_record() -> dict:
     """The longctx that measured a figure: its version, and where it runs from a git checkout, the commit and
     whether the package's files differ from it (a figure from uncommitted code says so). Without git (an installed
     copy, or the lent GPU machine's copy of the working tree, which has no .git): $LONGCTX_COMMIT, else None."""
-    from .. import __version__
-
     package = Path(__file__).resolve().parents[1]
     record = {"version": __version__, "commit": None, "dirty": None}
     try:
