@@ -61,6 +61,14 @@ def _configured_eos(path: Path) -> str | None:
         return None
 
 
+def _eos_from_config(path: Path, vocab: dict[str, int]) -> str | None:
+    """The configured eos_token where the tokenizer takes its end-of-document token from there: none of the usual
+    strings is in its vocabulary (else that one is used, whatever the config says)."""
+    if any(t in vocab for t in _EOS_CANDIDATES):
+        return None
+    return _configured_eos(path)
+
+
 class HFTokenizer:
     """A local Hugging Face `tokenizer.json`, read with the `tokenizers` library."""
 
@@ -86,7 +94,7 @@ class HFTokenizer:
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
         if eos is None:  # (DeepSeek's <｜end▁of▁sentence｜>, ...: the model's own, where its config names it)
-            eos = vocab.get(_configured_eos(path))
+            eos = vocab.get(_eos_from_config(path, vocab))
         if eos is None:
             raise DataError(
                 f"tokenizer '{path}' has none of the end-of-document tokens {', '.join(_EOS_CANDIDATES)}, and no "
@@ -176,15 +184,25 @@ def _has_type(node, kind: str) -> bool:
 
 def tokenizer_digest(spec: str) -> str | None:
     """sha256 of a tokenizer spec's tokenizer.json (None for `byte` or a missing file): what a cached or
-    half-built store was tokenized with, beyond its path."""
+    half-built store was tokenized with, beyond its path. Where the end-of-document token comes from the
+    tokenizer_config.json beside it, that token too: an edit of its eos_token separates documents with another
+    id, under an unchanged tokenizer.json."""
     if spec == "byte":
         return None
     path = Path(spec)
     path = path / "tokenizer.json" if path.is_dir() else path
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = hashlib.sha256(path.read_bytes())
     except OSError:
         return None
+    if _configured_eos(path) is not None:  # (only then is the vocabulary worth reading)
+        try:
+            eos = _eos_from_config(path, Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True))
+        except Exception:  # (unreadable: HFTokenizer says why, where the store is built)
+            eos = None
+        if eos is not None:
+            digest.update(b"\0eos_token of tokenizer_config.json\0" + eos.encode())
+    return digest.hexdigest()
 
 
 def load_tokenizer(spec: str):
