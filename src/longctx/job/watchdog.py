@@ -1,7 +1,8 @@
 """The hang watchdog: parallel.timeout_s enforced on every rank, and where each rank was when it fired.
 
 A rank whose main thread has waited inside torch.distributed (a collective, any group, FSDP's
-included; or the wait of a transfer comm.py started, as the ring's) or in a checkpoint save for
+included; or the wait of a transfer comm.py started, as the ring's: not its own work there, as
+a checkpoint's reads or DTensor's local dispatch, _LOCAL_WORK) or in a checkpoint save for
 parallel.timeout_s without progress is waiting for a peer that is hung. A rank that merely computes
 for long (a first torch.compile, a long forward) waits for nobody, and nothing fires. Progress is a
 new phase of the training loop (`phase(step, name)`: data, forward, backward, optimizer, save,
@@ -209,18 +210,32 @@ class Watchdog:
             os._exit(HANG_EXIT_CODE)
 
 
+# Modules of torch.distributed whose work is this rank's own, not a wait for a peer: a checkpoint's storage
+# reads and writes and its local planning and staging, DTensor's dispatch and sharding propagation of a local op
+# (an optimizer step over sharded parameters). Where the innermost torch.distributed frame is one of these, the rank
+# computes or does I/O (a slow disk reading a large checkpoint back is not a hung peer); a wait in a collective has a
+# communication module innermost (distributed_c10d, functional collectives, FSDP's collectives).
+_LOCAL_WORK = ("checkpoint/filesystem.py", "checkpoint/_fsspec_filesystem.py", "checkpoint/hf_storage.py",
+               "checkpoint/staging.py", "checkpoint/_state_dict_stager.py", "checkpoint/default_planner.py",
+               "checkpoint/planner_helpers.py", "checkpoint/_dedup_save_plans.py", "checkpoint/_traverse.py",
+               "tensor/_dispatch.py", "tensor/_sharding_prop.py", "tensor/_op_schema.py", "tensor/_ops/")
+
+
 def main_thread_place(main_ident: int | None) -> dict:
     """Whether the main thread waits inside torch.distributed (and in what), and its innermost frame
     of our code (longctx's, or the program's: not a library's or Python's)."""
     frame = sys._current_frames().get(main_ident)
     collective = where = None
+    decided = False  # (by the innermost torch.distributed frame: the ones around it called it)
     while frame is not None:
         path = frame.f_code.co_filename.replace(os.sep, "/")
         # comm.py's handles of transfers in flight (the ring's Pending, PendingTransfer) wait in the
         # C++ Work.wait(), which has no Python frame of torch.distributed: their `wait` is the wait
-        if collective is None and ("/torch/distributed/" in path or (
+        if not decided and ("/torch/distributed/" in path or (
                 path.endswith("/longctx/job/comm.py") and frame.f_code.co_name == "wait")):
-            collective = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
+            decided = True
+            if not path.split("/torch/distributed/", 1)[-1].startswith(_LOCAL_WORK):
+                collective = f"{frame.f_code.co_name} ({path.rsplit('/', 1)[-1]})"
         if where is None and ("/longctx/" in path or not ("-packages/" in path or "/lib/python" in path
                                                           or "/torch/" in path or path.startswith("<"))):
             short = path.split("/longctx/", 1)[1] if "/longctx/" in path else path.rsplit("/", 1)[-1]
