@@ -40,7 +40,7 @@ from ..generate.context_memory import add_flags as add_context_memory_flags
 from ..generate.settings import add_sampling_flags
 from ..progress import say
 from .defaults import DEFAULT_BUCKETS, DEFAULT_DEPTHS
-from .stopped import drop_stale_incomplete, keep_stopped, replacing_note, write_output
+from .stopped import drop_stale_incomplete, keep_stopped, replacing_note, terminated_raises, write_output
 from .task_list import TASKS, combined_result, default_plot, parse_tasks, task_args
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ def main(args, overrides) -> int:
         _say_threads(requests[0].cfg)
     start = time.perf_counter()
     try:
-        parts = evaluate_tasks(requests, args_list)
+        with terminated_raises():  # (a SIGTERM keeps the finished lengths too, as an error or Ctrl-C does)
+            parts = evaluate_tasks(requests, args_list)
     except BaseException as e:  # (the lengths finished are kept, or it is said that none was: eval/stopped.py)
         keep_stopped(requests, args, e, time.perf_counter() - start)
         raise

@@ -1,5 +1,5 @@
 """What `longctx eval` keeps when a run stops part-way (an error at one length, out of memory at the longest,
-Ctrl-C): the lengths each task finished, marked `"incomplete"` (what stopped it, the lengths done and those not
+Ctrl-C, SIGTERM): the lengths each task finished, marked `"incomplete"` (what stopped it, the lengths done and those not
 run), written to --output's name with .incomplete (out.json -> out.incomplete.json), or to stdout without
 --output. --output itself is written only by a finished run, so an earlier result there stays whole and is
 never mixed with this run's figures; a finished run removes the .incomplete file an earlier stopped run left
@@ -9,8 +9,11 @@ says so. Only rank 0 holds results (EvalRequest.result), so only it writes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,10 +46,40 @@ def replacing_note(output: str) -> str:
             f"it as it is and keeps its finished lengths in {incomplete_path(output)})")
 
 
+class Terminated(SystemExit):
+    """SIGTERM during the evaluation (a scheduler's time limit, torchrun stopping the ranks after one failed): an
+    exception, so that the lengths finished are kept as on Ctrl-C; the process then exits 143, as the signal's
+    default action would have ended it."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def terminated_raises():
+    """SIGTERM raises Terminated in the main thread while the block runs (where the signal's action is the
+    default one: a program embedding eval keeps its own handler)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def stop_reason(error: BaseException) -> str:
     """What stopped the run, in a line."""
     if isinstance(error, KeyboardInterrupt):
         return "interrupted (Ctrl-C)"
+    if isinstance(error, Terminated):
+        return "terminated (SIGTERM)"
     text = f"{type(error).__name__}: {error}".strip()
     return text if len(text) <= REASON_CHARS else text[:REASON_CHARS - 3] + "..."
 
@@ -89,7 +122,7 @@ def keep_stopped(requests: list[EvalRequest], args, error: BaseException, second
     result = stopped_result(requests, error, seconds)
     left = f"; --output {args.output} was not written" if args.output else ""
     if result is None:
-        if any(r.result is not None for r in requests) or isinstance(error, KeyboardInterrupt):
+        if any(r.result is not None for r in requests) or isinstance(error, (KeyboardInterrupt, Terminated)):
             say(f"eval: stopped ({stop_reason(error)}) before any length was done: no result kept{left}.")
         return
     text = strict_json.dumps(result, indent=1)
